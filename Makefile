@@ -1,0 +1,26 @@
+# Every target that needs Python depends on .venv, so a fresh clone needs only `make demo` or `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+
+.PHONY: setup test protos lint
+
+setup: $(VENV)/.installed
+
+# torch goes in first and pinned: any other torch request makes pip fetch a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --progress-bar off torch==$(TORCH_VERSION)
+	$(PY) -m pip install --progress-bar off -e '.[dev]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+protos: setup
+	$(PY) -m common.pb.generate
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

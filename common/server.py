@@ -1,0 +1,148 @@
+"""One grpc.aio server bootstrap for both services.
+
+Every server gets the same things: explicit message-size limits (the same number the client
+uses), keepalive settings that tolerate long silent streams, `grpc.health.v1` that reports
+NOT_SERVING until the service says it is ready, server reflection (grpcurl works), the error
+interceptor, and a graceful stop: health goes NOT_SERVING, new RPCs are refused, and in-flight
+ones get `grace_s` to finish before they are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from common.status import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Transport settings shared by both services; built once from each service's config."""
+
+    host: str = "127.0.0.1"  # listen address; "0.0.0.0" in containers.
+    port: int = 0  # 0 = pick a free port (tests); the bound port is on RunningServer.port.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # send and receive cap, in bytes.
+    grace_s: float = 10.0  # in-flight RPCs get this long to finish on shutdown.
+    max_concurrent_rpcs: int | None = None  # grpc answers RESOURCE_EXHAUSTED beyond it.
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = field(default_factory=tuple)  # e.g. tracing.
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options for clients of our services: same size cap as the server, keepalive it permits."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def _server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Streams of a slow generation can be silent for a while: allow client pings every 10 s.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+@dataclass(frozen=True)
+class Service:
+    """A servicer to mount: its full proto name and the generated `add_*_to_server` function."""
+
+    name: str  # e.g. "tandem.v1.Decoder"
+    servicer: object
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+
+
+class RunningServer:
+    """A started server. Health starts NOT_SERVING for every mounted service."""
+
+    def __init__(self, server: grpc.aio.Server, health: HealthServicer, port: int, names: list[str]):
+        self.server = server
+        self.health = health
+        self.port = port
+        self.service_names = names
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Health NOT_SERVING, refuse new RPCs, give in-flight ones `grace_s`, then cancel them."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def start_server(options: ServerOptions, services: Sequence[Service]) -> RunningServer:
+    server = grpc.aio.server(
+        interceptors=[*options.interceptors, ErrorInterceptor()],
+        options=_server_options(options.max_message_bytes),
+        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+    )
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = [s.name for s in services]
+    for service in services:
+        service.add_to_server(service.servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"could not bind {options.host}:{options.port}")
+    running = RunningServer(server, health, port, names)
+    for name in ["", *names]:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("listening on %s:%d (%s)", options.host, port, ", ".join(names) or "health only")
+    return running
+
+
+def install_signal_handlers(on_signal: Callable[[signal.Signals], None]) -> None:
+    """Route SIGTERM and SIGINT to `on_signal` on the running loop (graceful stop, not a traceback)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def serve_until_signal(running: RunningServer, grace_s: float) -> None:
+    """Block until SIGTERM/SIGINT, then stop gracefully. Returns when the server has stopped."""
+    stop_requested = asyncio.Event()
+
+    def request_stop(sig: signal.Signals) -> None:
+        log.info("received %s: draining for up to %.1f s", sig.name, grace_s)
+        stop_requested.set()
+
+    install_signal_handlers(request_stop)
+    await stop_requested.wait()
+    await running.stop(grace_s)

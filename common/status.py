@@ -1,0 +1,124 @@
+"""Domain errors -> gRPC statuses with google.rpc details, and the one interceptor that does it.
+
+Servicers raise `common.errors` types (or let them propagate from the engine); the interceptor
+turns each into its status code with a `BadRequest` field violation or a `RetryInfo`, so clients
+in any language can read the field and the limit from the standard details. Anything else is a
+bug: logged with its traceback and reported as INTERNAL without leaking internals.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from common import errors
+
+log = logging.getLogger(__name__)
+
+_CODES: list[tuple[type[errors.TandemError], int]] = [
+    (errors.InvalidArgument, code_pb2.INVALID_ARGUMENT),
+    (errors.FailedPrecondition, code_pb2.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, code_pb2.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, code_pb2.UNAVAILABLE),
+    (errors.DeadlineExceeded, code_pb2.DEADLINE_EXCEEDED),
+    (errors.NotFound, code_pb2.NOT_FOUND),
+]
+
+
+def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
+    code = next((c for cls, c in _CODES if isinstance(error, cls)), code_pb2.INTERNAL)
+    status = status_pb2.Status(code=code, message=error.message)
+    detail = any_pb2.Any()
+    if isinstance(error, errors.InvalidArgument | errors.FailedPrecondition):
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=error.field, description=error.description
+        )
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+        status.details.append(detail)
+    elif isinstance(error, errors.ResourceExhausted):
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(error.retry_after_s * 1e9))
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        status.details.append(detail)
+    return status
+
+
+async def abort(context: grpc.aio.ServicerContext, error: errors.TandemError) -> None:
+    """End the RPC with the error's status (raises grpc's AbortError, as context.abort does)."""
+    status = rpc_status.to_status(to_status_proto(error))
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+async def abort_internal(context: grpc.aio.ServicerContext, method: str) -> None:
+    log.exception("unhandled error in %s", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort() raises AbortError (a BaseException subclass in some versions): re-raise it.
+    return isinstance(exc, grpc.aio.AbortError)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps TandemError to its status and any other exception to INTERNAL, for every method."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except errors.TandemError as error:
+            await abort(context, error)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            await abort_internal(context, method)
+
+    return wrapped
+
+
+def _wrap_stream(
+    behavior: Callable[..., AsyncIterator[Any]], method: str
+) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except errors.TandemError as error:
+            await abort(context, error)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            await abort_internal(context, method)
+
+    return wrapped

@@ -1,0 +1,142 @@
+"""The shared server bootstrap: health, reflection, the error interceptor and graceful stop."""
+
+import asyncio
+
+import grpc
+import pytest
+from google.rpc import code_pb2, error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from common import errors
+from common.server import RunningServer, ServerOptions, Service, channel_options, start_server
+
+MAX_BYTES = 1024 * 1024
+
+
+def _identity(x: bytes) -> bytes:
+    return x
+
+
+class Faulty:
+    """A raw-bytes service whose methods fail the ways real servicers can."""
+
+    async def BadInput(self, request: bytes, context) -> bytes:
+        raise errors.InvalidArgument("prompt[0].text", "must not be empty")
+
+    async def Bug(self, request: bytes, context) -> bytes:
+        raise RuntimeError("secret internal detail")
+
+    async def Stream(self, request: bytes, context):
+        yield b"first"
+        raise errors.ResourceExhausted("queue full", retry_after_s=1.0)
+
+    async def Slow(self, request: bytes, context):
+        for _ in range(10):
+            await asyncio.sleep(0.05)
+            yield b"tick"
+
+
+def _add_faulty(servicer: Faulty, server: grpc.aio.Server) -> None:
+    unary = {"BadInput": servicer.BadInput, "Bug": servicer.Bug}
+    stream = {"Stream": servicer.Stream, "Slow": servicer.Slow}
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(fn, _identity, _identity) for name, fn in unary.items()
+    } | {name: grpc.unary_stream_rpc_method_handler(fn, _identity, _identity) for name, fn in stream.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Faulty", handlers),))
+
+
+@pytest.fixture
+async def running():
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_BYTES),
+        [Service("test.Faulty", Faulty(), _add_faulty)],
+    )
+    yield server
+    await server.stop(0)
+
+
+def _channel(server: RunningServer) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(server.address, options=channel_options(MAX_BYTES))
+
+
+async def test_health_is_not_serving_until_the_service_says_ready(running: RunningServer) -> None:
+    async with _channel(running) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ["", "test.Faulty"]:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await running.set_serving()
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="test.Faulty"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await health.Check(health_pb2.HealthCheckRequest(service="no.Such"), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_reflection_lists_the_services(running: RunningServer) -> None:
+    async with _channel(running) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        call = stub.ServerReflectionInfo(iter([request]), timeout=5)
+        names = [s.name async for reply in call for s in reply.list_services_response.service]
+    assert {"test.Faulty", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(names)
+
+
+async def test_domain_error_becomes_status_with_field_violation(running: RunningServer) -> None:
+    async with _channel(running) as channel:
+        call = channel.unary_unary("/test.Faulty/BadInput")(b"", timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        status = await rpc_status.aio.from_call(call)
+    bad_request = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad_request)
+    assert bad_request.field_violations[0].field == "prompt[0].text"
+
+
+async def test_unexpected_exception_is_internal_without_leaking_details(running: RunningServer) -> None:
+    async with _channel(running) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary("/test.Faulty/Bug")(b"", timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in caught.value.details()
+
+
+async def test_error_mid_stream_ends_the_stream_with_its_status(running: RunningServer) -> None:
+    async with _channel(running) as channel:
+        call = channel.unary_stream("/test.Faulty/Stream")(b"", timeout=5)
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for message in call:
+                received.append(message)
+        assert received == [b"first"]
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status = await rpc_status.aio.from_call(call)
+    assert status.code == code_pb2.RESOURCE_EXHAUSTED
+
+
+async def test_oversized_message_is_refused_with_resource_exhausted(running: RunningServer) -> None:
+    options = channel_options(4 * MAX_BYTES)
+    async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary("/test.Faulty/BadInput")(b"x" * (2 * MAX_BYTES), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_graceful_stop_finishes_in_flight_streams_and_refuses_new_ones(running: RunningServer) -> None:
+    await running.set_serving()
+    async with _channel(running) as channel:
+        call = channel.unary_stream("/test.Faulty/Slow")(b"", timeout=10)
+        assert await call.read() == b"tick"
+        stopping = asyncio.create_task(running.stop(grace_s=5.0))
+        rest = []
+        while (message := await call.read()) is not grpc.aio.EOF:
+            rest.append(message)
+        assert len(rest) == 9
+        assert await call.code() == grpc.StatusCode.OK
+        await stopping
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary("/test.Faulty/BadInput")(b"", timeout=2)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

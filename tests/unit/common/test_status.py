@@ -1,0 +1,32 @@
+"""Domain errors become gRPC statuses with standard google.rpc details."""
+
+from google.rpc import code_pb2, error_details_pb2
+
+from common import errors
+from common.status import to_status_proto
+
+
+def test_invalid_argument_carries_a_field_violation() -> None:
+    status = to_status_proto(
+        errors.InvalidArgument("prompt[2].embeddings.shape", "last dimension must be 64")
+    )
+    assert status.code == code_pb2.INVALID_ARGUMENT
+    bad_request = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad_request)
+    assert bad_request.field_violations[0].field == "prompt[2].embeddings.shape"
+    assert bad_request.field_violations[0].description == "last dimension must be 64"
+
+
+def test_resource_exhausted_carries_retry_info() -> None:
+    status = to_status_proto(errors.ResourceExhausted("queue full", retry_after_s=2.5))
+    assert status.code == code_pb2.RESOURCE_EXHAUSTED
+    retry = error_details_pb2.RetryInfo()
+    assert status.details[0].Unpack(retry)
+    assert retry.retry_delay.ToNanoseconds() == 2_500_000_000
+
+
+def test_each_domain_error_has_its_code() -> None:
+    assert to_status_proto(errors.Unavailable("draining")).code == code_pb2.UNAVAILABLE
+    assert to_status_proto(errors.DeadlineExceeded("late")).code == code_pb2.DEADLINE_EXCEEDED
+    assert to_status_proto(errors.NotFound("model x")).code == code_pb2.NOT_FOUND
+    assert to_status_proto(errors.FailedPrecondition("f", "off")).code == code_pb2.FAILED_PRECONDITION

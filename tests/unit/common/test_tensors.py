@@ -1,0 +1,146 @@
+"""The tensor codec: round trips are exact and every malformed message names its field."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import tensors
+from common.errors import InvalidArgument
+from common.pb.tandem.v1 import tensor_pb2
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    original = torch.randn(5, 7).to(dtype)
+    decoded = tensors.decode(tensors.encode(original), rank=2, last_dim=7)
+    assert decoded.dtype == dtype
+    assert torch.equal(decoded.view(torch.uint8), original.view(torch.uint8))
+
+
+def test_bfloat16_round_trip_preserves_every_bit_pattern() -> None:
+    every_pattern = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    decoded = tensors.decode(tensors.encode(every_pattern.reshape(256, 256)))
+    assert torch.equal(decoded.view(torch.int16).reshape(-1), every_pattern.view(torch.int16))
+
+
+def test_wire_format_is_little_endian_c_contiguous() -> None:
+    message = tensors.encode(torch.tensor([[1.0, 2.0], [3.0, 4.0]]).t())  # a non-contiguous view
+    assert list(message.shape) == [2, 2]
+    assert np.frombuffer(message.data, dtype="<f4").tolist() == [1.0, 3.0, 2.0, 4.0]
+
+
+def test_decode_is_zero_copy() -> None:
+    message = tensors.encode(torch.ones(4, 8))
+    decoded = tensors.decode(message)
+    assert decoded.untyped_storage().nbytes() == len(message.data)
+    assert decoded.untyped_storage().data_ptr() == decoded.data_ptr()
+
+
+def test_encode_accepts_numpy_and_casts() -> None:
+    message = tensors.encode(np.arange(6, dtype=np.float64).reshape(2, 3), dtype=torch.float32)
+    assert message.dtype == tensor_pb2.DATA_TYPE_FLOAT32
+    assert tensors.decode(message).tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def _message(dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=(2, 4), data: bytes | None = None):
+    if data is None:
+        data = bytes(4 * math.prod(shape))
+    return tensor_pb2.Tensor(dtype=dtype, shape=list(shape), data=data)
+
+
+def _error(message, **kwargs) -> InvalidArgument:
+    with pytest.raises(InvalidArgument) as caught:
+        tensors.decode(message, "prompt[1].embeddings", **kwargs)
+    return caught.value
+
+
+def test_unknown_dtype_names_the_dtype_field() -> None:
+    assert _error(_message(dtype=99)).field == "prompt[1].embeddings.dtype"
+    assert _error(_message(dtype=tensor_pb2.DATA_TYPE_UNSPECIFIED)).field == "prompt[1].embeddings.dtype"
+
+
+def test_int32_is_refused_where_floats_are_expected() -> None:
+    assert "DATA_TYPE_INT32" in _error(_message(dtype=tensor_pb2.DATA_TYPE_INT32)).description
+
+
+def test_wrong_rank_names_the_shape_field() -> None:
+    error = _error(_message(shape=(8,)), rank=2)
+    assert error.field == "prompt[1].embeddings.shape"
+    assert "rank 2" in error.description
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (2, -1), ()])
+def test_zero_negative_or_missing_dimensions_are_refused(shape) -> None:
+    assert _error(_message(shape=shape, data=b"")).field == "prompt[1].embeddings.shape"
+
+
+def test_hidden_size_mismatch_states_the_expected_size() -> None:
+    error = _error(_message(shape=(2, 4)), last_dim=8)
+    assert error.field == "prompt[1].embeddings.shape"
+    assert "must be 8" in error.description
+
+
+def test_byte_length_mismatch_names_the_data_field() -> None:
+    error = _error(_message(shape=(2, 4), data=bytes(31)))
+    assert error.field == "prompt[1].embeddings.data"
+    assert "32 bytes" in error.description
+
+
+def test_huge_declared_shape_is_refused_before_allocating() -> None:
+    # 2**62 elements would be exabytes: refusing it must not try to allocate anything.
+    limits = tensors.TensorLimits(max_elements=1 << 20)
+    error = _error(_message(shape=(2**31, 2**31), data=b"\0" * 8), limits=limits)
+    assert error.field == "prompt[1].embeddings.shape"
+    assert "limit" in error.description
+
+
+def test_huge_shape_under_the_cap_but_short_data_is_a_length_error() -> None:
+    error = _error(_message(shape=(1024, 1024), data=b"\0" * 8))
+    assert error.field == "prompt[1].embeddings.data"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_are_refused_when_asked(bad: float) -> None:
+    values = torch.zeros(3, 4)
+    values[2, 1] = bad
+    message = tensors.encode(values)
+    assert tensors.decode(message).shape == (3, 4)  # not checked unless asked
+    error = _error(message, check_finite=True)
+    assert error.field == "prompt[1].embeddings.data"
+    assert "[2, 1]" in error.description
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_tensors_round_trip(dtype: torch.dtype, shape: list[int], seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    original = (torch.randn(shape, generator=generator) * 100).to(dtype)
+    decoded = tensors.decode(tensors.encode(original))
+    assert torch.equal(decoded.view(torch.uint8), original.view(torch.uint8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    dtype=st.integers(-5, 10),
+    shape=st.lists(st.integers(-(2**40), 2**40), max_size=5),
+    data=st.binary(max_size=256),
+)
+def test_random_garbage_either_decodes_consistently_or_raises_invalid_argument(dtype, shape, data) -> None:
+    message = tensor_pb2.Tensor(dtype=dtype, shape=shape, data=data)
+    try:
+        decoded = tensors.decode(message, "x", check_finite=True)
+    except InvalidArgument as error:
+        assert error.field.startswith("x.")
+        return
+    assert list(decoded.shape) == shape
+    assert decoded.numel() * decoded.element_size() == len(data)
