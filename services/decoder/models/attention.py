@@ -1,0 +1,127 @@
+"""Paged attention over a block KV cache, and the per-step metadata that drives it.
+
+NOTE: the invariant. Each step's keys and values are written into the cache first (through
+`slot_mapping`), then every query attends to its own sequence's cache only: the query at packed
+offset j of a sequence with `query_len` new tokens and `seq_len` total sits at position
+`seq_len - query_len + j` and sees the keys at positions up to and including its own. The cache is
+the single source of keys, so chunked prefill and decode are the same computation.
+
+Block 0 of the pool is the engine's scratch "null block": padding tokens write there and padded
+block-table entries point there, so keys are masked by `seq_lens`, never by trusting the table.
+
+Two paths: a decode-only step (one query per sequence) runs as one batched GQA matmul with an fp32
+softmax (bf16 SDPA on CPU is several times slower for single queries); a step with any prefill
+loops over its sequences with fp32 SDPA and a causal mask offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each sequence's tokens sit in the packed batch and in the paged KV cache, for one step."""
+
+    query_lens: list[int]  # host: tokens scheduled this step per sequence (packed in this order)
+    seq_lens: list[int]  # host: context length per sequence after this step (cached + scheduled)
+    cu_query_lens: torch.Tensor  # int32 [num_seqs + 1] offsets of each sequence in the packed batch
+    seq_lens_t: torch.Tensor  # int32 [num_seqs] same as seq_lens, on the device
+    slot_mapping: torch.Tensor  # int64 [num_tokens] KV slot (block_id * block_size + offset) per new token
+    # int32 [num_seqs, max_blocks_per_seq] block ids of each sequence, padded with 0. Its width sets the
+    # span a decode step gathers and masks, so keep it to what the batch's longest sequence needs.
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor  # int64 [num_logits] packed positions whose logits are returned
+    is_decode_only: bool = field(init=False)  # derived: every sequence has exactly one query this step
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_decode_only", all(n == 1 for n in self.query_lens))
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores this step's keys and values at their slots.
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; k, v: [num_tokens, num_kv_heads,
+    head_dim]; slot_mapping: int64 [num_tokens].
+    """
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, num_kv_heads, head_dim]
+    slots[0].index_copy_(0, slot_mapping, k)
+    slots[1].index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attends each query to its sequence's cached context (this step's k/v already written).
+
+    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads * head_dim] in q's dtype. Tokens
+    past sum(query_lens) are static-shape padding; their rows are zero.
+    """
+    num_tokens = q.shape[0]
+    if attn.is_decode_only:
+        out = _decode_attention(q[: len(attn.query_lens)], kv_cache, attn, scale)
+    else:
+        out = _prefill_attention(q, kv_cache, attn, scale)
+    if out.shape[0] < num_tokens:
+        out = torch.cat((out, out.new_zeros(num_tokens - out.shape[0], out.shape[1])))
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    # q: [num_seqs, num_heads, head_dim], one query per sequence.
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    # Gathering through a head-major view lands the context as [kv_heads, seqs, ctx_len, head_dim]:
+    # the matmuls below then read it in place, where a [seqs, ctx_len, kv_heads, ...] gather would need
+    # a second, transposing copy (2x slower in all at batch 32).
+    by_head = kv_cache.permute(0, 3, 1, 2, 4)  # [2, num_kv_heads, num_blocks, block_size, head_dim]
+    context = by_head.index_select(2, attn.block_tables.flatten())  # [2, kv, seqs * max_blocks, bs, hd]
+    context = context.view(2, num_kv_heads, num_seqs, -1, head_dim)  # [2, kv, num_seqs, ctx_len, hd]
+    # GQA without repeating keys: the query heads sharing a KV head are the rows of one matmul.
+    q = q.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [kv, num_seqs, group, hd]
+    scores = torch.matmul(q, context[0].transpose(-1, -2)).float() * scale  # [kv, num_seqs, group, ctx_len]
+    ctx_len = scores.shape[-1]
+    is_past_end = torch.arange(ctx_len, device=q.device)[None, :] >= attn.seq_lens_t[:, None]  # [seqs, ctx]
+    scores = scores.masked_fill(is_past_end[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(context.dtype)  # [kv, num_seqs, group, ctx_len]
+    out = torch.matmul(probs, context[1])  # [kv, num_seqs, group, head_dim]
+    return out.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    # q: [num_tokens, num_heads, head_dim]; the loop bounds and slices come from the host lists.
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    outs = []
+    start = 0
+    for i, (query_len, seq_len) in enumerate(zip(attn.query_lens, attn.seq_lens, strict=True)):
+        num_blocks = -(-seq_len // block_size)
+        context = kv_cache.index_select(1, attn.block_tables[i, :num_blocks])  # [2, num_blocks, bs, kv, hd]
+        context = context.view(2, -1, num_kv_heads, head_dim)[:, :seq_len]  # [2, seq_len, kv, hd]
+        # 4-D inputs: with 3-D ones CPU SDPA falls back to its 3x slower math kernel.
+        q_i = q[None, start : start + query_len].transpose(1, 2).float()  # [1, num_heads, query_len, hd]
+        k_i = context[None, 0].transpose(1, 2).float()  # [1, num_kv_heads, seq_len, head_dim]
+        v_i = context[None, 1].transpose(1, 2).float()  # [1, num_kv_heads, seq_len, head_dim]
+        # Query j sits at position seq_len - query_len + j and sees keys up to that position. Without a
+        # cached prefix that is plain causal attention, whose kernel skips the masked half.
+        is_visible = None
+        if query_len < seq_len:
+            is_visible = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(
+                seq_len - query_len
+            )  # [query_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q_i, k_i, v_i, attn_mask=is_visible, is_causal=is_visible is None, scale=scale, enable_gqa=True
+        )  # [1, num_heads, query_len, head_dim]
+        outs.append(o[0].transpose(0, 1).reshape(query_len, num_heads * head_dim))
+        start += query_len
+    return torch.cat(outs).to(q.dtype)  # [sum(query_lens), num_heads * head_dim]

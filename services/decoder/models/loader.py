@@ -1,0 +1,145 @@
+"""Loads a Hugging Face checkpoint directory into a decoder model and its tokenizer.
+
+The model is built on the meta device, so no memory is allocated until each weight is read from
+safetensors (memory-mapped), checked against the shape the model expects, cast, moved to the device
+and assigned in place of the meta tensor: every weight exists once, in its final dtype. Pickle-based
+files (`*.bin`, `torch.load`) are never read.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from services.decoder.models.config import ModelConfig
+from services.decoder.models.registry import MODEL_CLASSES
+from services.decoder.models.transformer import DecoderModel
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint directory that cannot be served; the message names the file or weight at fault."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: DecoderModel  # eval mode, no grad, on the requested device and dtype
+    tokenizer: Tokenizer
+    config: ModelConfig  # config.eos_token_ids are the generation EOS ids
+
+
+def load_model(
+    model_dir: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Reads config, generation config, tokenizer and weights from a checkpoint directory.
+
+    `dtype` is one of DTYPES; weights are cast to it whatever the file stores. Raises ModelLoadError.
+    """
+    model_dir = Path(model_dir)
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    hf_config = _read_json(model_dir / "config.json")
+    generation_path = model_dir / "generation_config.json"
+    generation_config = _read_json(generation_path) if generation_path.is_file() else None
+
+    architectures = hf_config.get("architectures") or []
+    architecture = architectures[0] if architectures else None
+    if architecture not in MODEL_CLASSES:
+        raise ModelLoadError(
+            f"config.json: architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(sorted(MODEL_CLASSES))})"
+        )
+    try:
+        config = ModelConfig.from_hf(hf_config, generation_config, DTYPES[dtype])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
+
+    tokenizer = _read_tokenizer(model_dir)  # before the weights: a mismatch fails fast
+    if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer.json has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more than the "
+            f"model's vocab_size {config.vocab_size}"
+        )
+
+    with torch.device("meta"):
+        model = MODEL_CLASSES[architecture](config)
+    model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
+    model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
+    model.eval().requires_grad_(False)
+
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"{path.name} not found in {path.parent}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path.name} is not valid JSON: {e}") from e
+
+
+def _read_tokenizer(model_dir: Path) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"tokenizer.json not found in {model_dir}")
+    return Tokenizer.from_file(str(path))
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        raise ModelLoadError(f"model.safetensors (or model.safetensors.index.json) not found in {model_dir}")
+    for path in files:
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{path.name}, listed in model.safetensors.index.json, not found in {model_dir}"
+            )
+    return files
+
+
+def _read_weights(
+    model: DecoderModel, model_dir: Path, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every parameter of `model`, read from the checkpoint, shape-checked, fused, cast and moved."""
+    state: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        handles = [
+            stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for path in _weight_files(model_dir)
+        ]
+        file_of = {key: handle for handle in handles for key in handle.keys()}
+        for name, param in model.named_parameters():
+            parts = []
+            for hf_name, rows in model.checkpoint_parts(name):
+                if hf_name not in file_of:
+                    raise ModelLoadError(f"weight {hf_name} not found in the checkpoint in {model_dir}")
+                tensor = file_of[hf_name].get_tensor(hf_name)
+                expected = (rows, *param.shape[1:])
+                if tuple(tensor.shape) != expected:
+                    raise ModelLoadError(
+                        f"weight {hf_name} has shape {list(tensor.shape)}, expected {list(expected)}"
+                    )
+                parts.append(tensor)
+            fused = parts[0] if len(parts) == 1 else torch.cat(parts)
+            state[name] = fused.to(device=device, dtype=dtype)
+    return state

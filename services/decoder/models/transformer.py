@@ -1,0 +1,150 @@
+"""The decoder stack shared by Qwen3 and Llama; each family's file states only what differs.
+
+Parameter names follow the Hugging Face checkpoints (minus the leading "model."), except that
+q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj`: one GEMM each instead of three and
+two. `checkpoint_parts` tells the loader which checkpoint tensors make up each parameter.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.decoder.models.attention import AttentionMetadata, paged_attention, write_kv_cache
+from services.decoder.models.config import ModelConfig
+from services.decoder.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rotary,
+    merge_prompt_embeds,
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, use_qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        # Qwen3 normalises each query and key head before RoPE; Llama does not.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        write_kv_cache(kv_cache, k, v, attn.slot_mapping)
+        return self.o_proj(paged_attention(q, kv_cache, attn, self.scale))  # [num_tokens, hidden_size]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, use_qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, use_qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))  # [num_tokens, hidden_size]
+
+
+class DecoderModel(nn.Module):
+    """Token embedding on the device, prompt-embeds merge, decoder layers, LM head at chosen rows."""
+
+    use_qk_norm: ClassVar[bool] = False  # per-head RMSNorm on queries and keys before RoPE
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.use_qk_norm) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # Tied checkpoints carry no lm_head.weight; the head then reads embed_tokens.weight.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] any float dtype
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+    ) -> torch.Tensor:
+        """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices."""
+        h = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        h = merge_prompt_embeds(h, inputs_embeds, is_token_ids)
+        cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, attn, kv_cache)
+        # The norm is per row, so only the rows whose logits are wanted go through it and the head.
+        h = self.norm(h.index_select(0, attn.logits_indices))  # [num_logits, hidden_size]
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, head).float()  # [num_logits, vocab_size]
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).
+
+        Zeroed, not empty: masked slots still enter the probs @ values product, and 0 * NaN is NaN.
+        """
+        c = self.config
+        shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        device = self.embed_tokens.weight.device
+        return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
+
+    def checkpoint_parts(self, name: str) -> list[tuple[str, int]]:
+        """The checkpoint tensors that make up parameter `name`, with the rows (dim 0) each supplies.
+
+        Fused parameters concatenate their parts along dim 0 in the order listed.
+        """
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        fused = {
+            "qkv_proj": (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
+            "gate_up_proj": (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
+        }
+        hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+        module_path, _, leaf = hf_name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module not in fused:
+            return [(hf_name, self.get_parameter(name).shape[0])]
+        return [(f"{parent}.{part}.{leaf}", rows) for part, rows in fused[module]]

@@ -1,0 +1,108 @@
+"""Paged attention against dense causal attention over each sequence's full keys and values.
+
+The cache starts full of large garbage, so any read of the null block, of a padded block-table entry
+or of a slot past a sequence's end would show in the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decoder.models.attention import AttentionMetadata, paged_attention, write_kv_cache
+
+from .helpers import PagedAllocator
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 8, 4
+SCALE = HEAD_DIM**-0.5
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [query_len, heads, hd] for the last query_len positions of k, v: [seq_len, kv_heads, hd]."""
+    query_len, seq_len = q.shape[0], k.shape[0]
+    group = NUM_HEADS // NUM_KV_HEADS
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [seq_len, heads, hd]
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * SCALE
+    is_future = torch.ones(query_len, seq_len, dtype=torch.bool).triu(seq_len - query_len + 1)
+    probs = scores.masked_fill(is_future, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.double()).reshape(query_len, -1).float()
+
+
+def run_steps(
+    steps: list[list[tuple[str, int]]], dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Writes random k/v for each step's chunks (key, new tokens) and attends; returns the last step's
+    output and the per-sequence dense reference for its queries."""
+    torch.manual_seed(0)
+    allocator = PagedAllocator(num_blocks=64, block_size=BLOCK_SIZE)
+    kv_cache = torch.full((2, 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), 1e4, dtype=dtype)
+    keys: dict[str, torch.Tensor] = {}
+    values: dict[str, torch.Tensor] = {}
+    for chunks in steps:
+        attn = allocator.metadata(chunks)
+        num_tokens = sum(n for _, n in chunks)
+        q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, dtype=dtype)
+        k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+        v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+        write_kv_cache(kv_cache, k, v, attn.slot_mapping)
+        out = paged_attention(q, kv_cache, attn, SCALE)
+        refs, start = [], 0
+        for key, n in chunks:
+            keys[key] = torch.cat((keys.get(key, k[:0]), k[start : start + n]))
+            values[key] = torch.cat((values.get(key, v[:0]), v[start : start + n]))
+            refs.append(dense_attention(q[start : start + n].float(), keys[key].float(), values[key].float()))
+            start += n
+    return out, torch.cat(refs), attn
+
+
+def test_prefill_of_several_sequences_matches_dense_causal_attention() -> None:
+    out, ref, attn = run_steps([[("a", 5), ("b", 9), ("c", 1)]])
+    assert not attn.is_decode_only
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_chunk_attends_to_the_cached_prefix() -> None:
+    out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 3), ("b", 7)]])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_step_with_decode_and_prefill_sequences() -> None:
+    out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 1), ("b", 5), ("c", 2)]])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_batch_matches_dense_attention_with_ragged_lengths_and_padded_tables() -> None:
+    steps = [[("a", 1), ("b", 10), ("c", 4)], [("a", 1), ("b", 1), ("c", 1)], [("a", 1), ("b", 1), ("c", 1)]]
+    out, ref, attn = run_steps(steps)
+    assert attn.is_decode_only and attn.block_tables[0, 1:].eq(0).all()  # "a" is padded with the null block
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_in_half_precision_stays_close_to_the_fp32_reference(dtype: torch.dtype) -> None:
+    out, ref, _ = run_steps([[("a", 7), ("b", 2)], [("a", 1), ("b", 1)]], dtype=dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_tokens_past_the_scheduled_ones_are_padding_with_zero_output() -> None:
+    allocator = PagedAllocator(num_blocks=8, block_size=BLOCK_SIZE)
+    kv_cache = torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    for chunks in ([("a", 3)], [("a", 1)]):
+        attn = allocator.metadata(chunks)
+        num_real = sum(n for _, n in chunks)
+        k = torch.randn(num_real + 2, NUM_KV_HEADS, HEAD_DIM)
+        # The two padding tokens write to the null block (slots 0 and 1).
+        slots = torch.cat((attn.slot_mapping, torch.tensor([0, 1])))
+        write_kv_cache(kv_cache, k, k, slots)
+        out = paged_attention(torch.randn(num_real + 2, NUM_HEADS, HEAD_DIM), kv_cache, attn, SCALE)
+        assert out.shape == (num_real + 2, NUM_HEADS * HEAD_DIM)
+        assert out[num_real:].eq(0).all() and out[:num_real].ne(0).any()
+
+
+def test_write_kv_cache_puts_keys_and_values_at_their_slots() -> None:
+    kv_cache = torch.zeros(2, 4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k, v = torch.randn(2, NUM_KV_HEADS, HEAD_DIM), torch.randn(2, NUM_KV_HEADS, HEAD_DIM)
+    write_kv_cache(kv_cache, k, v, torch.tensor([2 * BLOCK_SIZE + 1, 3 * BLOCK_SIZE]))
+    assert torch.equal(kv_cache[0, 2, 1], k[0]) and torch.equal(kv_cache[1, 3, 0], v[1])
+    assert kv_cache.count_nonzero() == 2 * 2 * NUM_KV_HEADS * HEAD_DIM
