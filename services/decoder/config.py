@@ -1,0 +1,66 @@
+"""The decoder's configuration: one frozen object, validated when built, passed down.
+
+Built once in `__main__` (from flags, or `TANDEM_*` environment variables for flags not given)
+or directly by tests and the offline API. Values derived from the loaded model, such as the
+number of KV blocks that fit in `kv_cache_bytes`, are computed by the engine and never written
+back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.server import ServerOptions
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; no transport settings."""
+
+    model_dir: Path  # a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    dtype: str = "bfloat16"  # compute and KV-cache dtype, one of DTYPES.
+    device: str = "cpu"  # torch device of the model and the KV cache.
+    max_num_seqs: int = 64  # most requests in one step's batch.
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
+    max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
+    max_queue: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED).
+    block_size: int = 16  # positions per KV block.
+    kv_cache_bytes: int = 512 * 1024 * 1024  # KV pool size; the block count is derived from it.
+    num_kv_blocks: int | None = None  # exact block count instead of kv_cache_bytes (tests).
+    enable_prefix_caching: bool = True  # reuse full KV blocks of identical prompt prefixes.
+    enable_prompt_embeds: bool = True  # accept embedding segments; off -> FAILED_PRECONDITION.
+    static_shapes: bool = False  # pad batches to buckets so every step has a known input signature.
+    token_buckets: tuple[int, ...] = ()  # static mode: padded token counts; () = powers of two.
+    seq_buckets: tuple[int, ...] = ()  # static mode: padded sequence counts; () = powers of two.
+    compile: bool = False  # static mode: torch.compile(dynamic=False) each bucket; recompiles fail.
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default.
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "block_size", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        if self.compile and not self.static_shapes:
+            raise ValueError("compile requires static_shapes (each bucket compiles once)")
+        for name in ("token_buckets", "seq_buckets"):
+            buckets = getattr(self, name)
+            if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
+                raise ValueError(f"{name} must be strictly increasing positive sizes, got {buckets}")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The decoder service: its engine plus how it is served."""
+
+    engine: EngineConfig
+    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=50052))
+    model_name: str = ""  # name reported by GetModelInfo and in traces; "" = model directory name.
+    world_size: int = 1  # ranks the model runs on.

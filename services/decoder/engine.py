@@ -1,0 +1,294 @@
+"""The engine: a model, its KV pool and scheduler, stepped on a thread of its own.
+
+Fronts: `generate()` for in-process use (a blocking iterator of events) and `stream()` for the
+asyncio servicer (an async iterator; cancelling it aborts the request). Events cross from the
+engine thread to the event loop with `call_soon_threadsafe`, one call per event, so the loop never
+waits on a lock held across a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.decoder.config import EngineConfig
+from services.decoder.core import EngineCore, Sink
+from services.decoder.kv_cache import BlockManager
+from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.outputs import Event, Failed, Finished, OutputOptions, OutputState
+from services.decoder.params import SamplingParams, StoppingParams
+from services.decoder.request import EmbeddingSegment, Request, TokenSegment
+from services.decoder.runner import ModelRunner, StaticShapes, power_of_two_buckets
+from services.decoder.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    text: str  # tokenized on arrival, without special tokens
+
+
+@dataclass(frozen=True)
+class EmbeddingPrompt:
+    rows: torch.Tensor  # [n, hidden_size], any float dtype; cast to the model dtype when scheduled
+
+
+PromptPart = list[int] | TextPrompt | EmbeddingPrompt  # a list of ints is token IDs
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """One generation as the engine takes it (the servicer converts protos into this)."""
+
+    prompt: Sequence[PromptPart]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
+    output: OutputOptions = field(default_factory=OutputOptions)
+    request_id: str = ""  # "" = assigned
+    deadline: float | None = None  # time.monotonic() by which the first step must have started
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded or load_model(config.model_dir, config.dtype, config.device)
+        model_config = self.loaded.config
+        self.model_config = model_config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.num_blocks = config.num_kv_blocks or self._blocks_for_bytes(config.kv_cache_bytes)
+        block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                max_waiting=config.max_queue,
+            ),
+            block_manager,
+        )
+        runner = ModelRunner(self.loaded.model, self.num_blocks, config.block_size, self._static_shapes())
+        self.core = EngineCore(scheduler, runner, model_config.vocab_size)
+        self._wakeup = threading.Condition()
+        self._running = False
+        self._error: Exception | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self.config.static_shapes:
+            self.warmup()
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests still open end with UNAVAILABLE."""
+        with self._wakeup:
+            self._running = False
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self.core.fail_all(Unavailable("the decoder is shutting down"))
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._running and self._error is None
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def submit(self, spec: GenerateSpec, sink: Sink) -> str:
+        """Validate and admit; events go to `sink` on the engine thread. Returns the request id."""
+        if self._error is not None or not self._running:
+            raise Unavailable("the decoder engine is not running")
+        request = self.make_request(spec)
+        output = OutputState(
+            request.request_id,
+            request.prompt_token_ids,
+            spec.stopping,
+            spec.output,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.max_model_len,
+            request.arrival_time,
+        )
+        self.core.add(request, output, sink, spec.deadline)
+        with self._wakeup:
+            self._wakeup.notify()
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        with self._wakeup:
+            self._wakeup.notify()
+
+    def generate(self, spec: GenerateSpec) -> Iterator[Event]:
+        """In-process API: yields Accepted, Delta*, then Finished or Failed."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        request_id = self.submit(spec, events.put)
+        finished = False
+        try:
+            while True:
+                event = events.get()
+                yield event
+                if isinstance(event, Finished | Failed):
+                    finished = True
+                    return
+        finally:
+            # Only an unfinished request is aborted: its id may be reused as soon as it finished.
+            if not finished:
+                self.abort(request_id)
+
+    async def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
+        """asyncio front: the same events; leaving early (cancel, error) aborts the request."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        request_id = self.submit(spec, sink)
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, Finished | Failed):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def make_request(self, spec: GenerateSpec) -> Request:
+        """Flatten the prompt into positions; raises InvalidArgument naming the bad segment."""
+        if not spec.prompt:
+            raise InvalidArgument("prompt", "must have at least one segment")
+        vocab = self.model_config.vocab_size
+        hidden = self.model_config.hidden_size
+        spec.sampling.validate(vocab)
+        spec.stopping.validate(vocab)
+        segments: list[TokenSegment | EmbeddingSegment] = []
+        for i, part in enumerate(spec.prompt):
+            if isinstance(part, TextPrompt):
+                if not part.text:
+                    raise InvalidArgument(f"prompt[{i}].text", "must not be empty")
+                segments.append(TokenSegment(self.tokenizer.encode(part.text, add_special_tokens=False).ids))
+            elif isinstance(part, EmbeddingPrompt):
+                if not self.config.enable_prompt_embeds:
+                    raise FailedPrecondition(
+                        f"prompt[{i}].embeddings", "prompt embeddings are disabled on this server"
+                    )
+                rows = part.rows
+                if rows.dim() != 2 or rows.shape[1] != hidden or rows.shape[0] < 1:
+                    raise InvalidArgument(
+                        f"prompt[{i}].embeddings.shape",
+                        f"expected [n >= 1, {hidden}], got {list(rows.shape)}",
+                    )
+                # Cast once here: the digest then keys what the model will actually see.
+                rows = rows.to(self.model_config.dtype)
+                segments.append(EmbeddingSegment(rows, rows.shape[0], _row_digests(rows)))
+            else:
+                if not part:
+                    raise InvalidArgument(f"prompt[{i}].token_ids.ids", "must not be empty")
+                for j, token_id in enumerate(part):
+                    if not 0 <= token_id < vocab:
+                        raise InvalidArgument(
+                            f"prompt[{i}].token_ids.ids[{j}]", f"token id {token_id} outside [0, {vocab})"
+                        )
+                segments.append(TokenSegment(list(part)))
+        request_id = spec.request_id or f"req-{next(self._ids)}"
+        return Request.from_segments(request_id, segments, spec.sampling, spec.stopping, time.monotonic())
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wakeup:
+                while self._running and not self.core.has_work():
+                    self._wakeup.wait()
+                if not self._running:
+                    return
+            try:
+                self.core.step()
+            except Exception as exc:  # a fault in the model or the engine: fail loudly, never hang
+                log.exception("engine step failed; failing every open request")
+                self._error = exc
+                self._running = False
+                self.core.fail_all(Unavailable(f"the decoder engine failed: {type(exc).__name__}"))
+                return
+
+    def warmup(self) -> None:
+        """Static mode: run every (tokens, seqs) bucket once with dummy inputs so no shape is new later."""
+        runner = self.core.runner
+        assert runner.static is not None
+        for num_seqs in runner.static.seq_buckets:
+            for num_tokens in runner.static.token_buckets:
+                if num_tokens < num_seqs:
+                    continue
+                runner.warmup(num_tokens, num_seqs)
+
+    def _static_shapes(self) -> StaticShapes | None:
+        config = self.config
+        if not config.static_shapes:
+            return None
+        # One spare sequence bucket: padding tokens need a padding sequence to live in, and each
+        # padding sequence holds at least one token on top of the real ones.
+        seq_buckets = config.seq_buckets or power_of_two_buckets(config.max_num_seqs + 1)
+        token_buckets = config.token_buckets or power_of_two_buckets(
+            config.max_num_batched_tokens + seq_buckets[-1]
+        )
+        if token_buckets[-1] < config.max_num_batched_tokens + seq_buckets[-1]:
+            raise ValueError(
+                "the largest token bucket must hold max_num_batched_tokens plus the largest seq bucket"
+            )
+        return StaticShapes(
+            token_buckets=token_buckets,
+            seq_buckets=seq_buckets,
+            block_table_width=-(-self.max_model_len // config.block_size),
+        )
+
+    def _blocks_for_bytes(self, kv_cache_bytes: int) -> int:
+        c = self.model_config
+        per_block = 2 * c.num_layers * self.config.block_size * c.num_kv_heads * c.head_dim * c.dtype.itemsize
+        return max(2, kv_cache_bytes // per_block + 1)  # + the reserved null block
+
+
+def _row_digests(rows: torch.Tensor) -> list[bytes]:
+    """One digest per embedding row, of its exact bytes, for prefix caching."""
+    raw = rows.detach().to("cpu").contiguous()
+    raw = raw.view(torch.int16) if raw.dtype.itemsize == 2 else raw
+    data = raw.numpy()
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in data]
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default model lives when no --model is given."""
+    return Path.home() / ".cache" / "tandem" / "models" / "tandem-tiny"

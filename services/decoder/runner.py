@@ -1,0 +1,278 @@
+"""StepPlan -> ForwardBatch tensors -> model -> logits of the positions that sample.
+
+NOTE: the activation check. `inputs_embeds` and `is_token_ids` are built only when a scheduled
+position still comes from an embedding row: token-only steps (every decode step, most prefills)
+carry int32 IDs and nothing else, and the model embeds them on its device. Embedding rows stay in
+their request until the step that schedules them, then are copied once into the batch buffer.
+
+Static-shape mode pads the token count and the sequence count to buckets and always passes both
+`inputs_embeds` (zeros) and `is_token_ids` (all True where not an embedding), so every step has
+one of a known set of input signatures; warmup runs each once and `signatures` records them.
+Padding tokens write their KV into the reserved null block 0 and attend to it alone.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+from services.decoder.kv_cache import NULL_BLOCK_ID
+from services.decoder.models.attention import AttentionMetadata
+from services.decoder.models.transformer import DecoderModel
+from services.decoder.scheduler import StepPlan
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One forward pass's inputs, packed along the token dimension."""
+
+    input_ids: torch.Tensor  # int32 [num_tokens]; 0 at embedding and padding positions
+    positions: torch.Tensor  # int64 [num_tokens]
+    is_token_ids: torch.Tensor | None  # bool [num_tokens]; None on token-only dynamic steps
+    inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]; None on token-only dynamic steps
+    attn: AttentionMetadata
+    num_logits: int  # leading rows of the returned logits that belong to real sequences
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a compiled or traced graph depends on: padded sizes and the attention path."""
+
+    num_tokens: int
+    num_seqs: int
+    block_table_width: int
+    is_decode_only: bool
+
+
+def power_of_two_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first power of two >= limit (so sequence buckets are token buckets)."""
+    buckets = [1]
+    while buckets[-1] < limit:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+def _bucket(buckets: tuple[int, ...], n: int) -> int:
+    index = bisect_left(buckets, n)
+    if index == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[index]
+
+
+@dataclass(frozen=True)
+class StaticShapes:
+    """Buckets for static-shape mode; every padded size is one of these."""
+
+    token_buckets: tuple[int, ...]  # padded num_tokens
+    seq_buckets: tuple[int, ...]  # padded num_seqs
+    block_table_width: int  # fixed: blocks of the longest allowed sequence
+
+
+class ModelRunner:
+    """Owns the model and its KV cache; turns plans into logits."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        num_blocks: int,
+        block_size: int,
+        static: StaticShapes | None = None,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.static = static
+        self.device = model.embed_tokens.weight.device
+        self.hidden_size = model.config.hidden_size
+        self.dtype = model.config.dtype
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        self.signatures: set[Signature] = set()  # distinct input signatures seen so far
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Logits float32 [num_sampling_seqs, vocab] for the plan's requests with needs_logits, in order."""
+        batch = self.prepare(plan)
+        logits = self.forward(batch)
+        return logits[: batch.num_logits]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        attn = batch.attn
+        self.signatures.add(
+            Signature(
+                num_tokens=batch.input_ids.shape[0],
+                num_seqs=len(attn.query_lens),
+                block_table_width=attn.block_tables.shape[1],
+                is_decode_only=attn.is_decode_only,
+            )
+        )
+        return self.model(
+            batch.input_ids, batch.positions, attn, self.kv_caches, batch.inputs_embeds, batch.is_token_ids
+        )
+
+    def prepare(self, plan: StepPlan) -> ForwardBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        is_token: list[bool] = []
+        embed_pieces: list[tuple[int, torch.Tensor]] = []  # (batch offset, rows [n, hidden])
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[tuple[int, ...]] = []
+        logits_rows: list[int] = []  # packed index of each sampling sequence's last position
+        for item in plan.scheduled:
+            req, start, end = item.request, item.start, item.end
+            offset = len(input_ids)
+            num_prompt = req.num_prompt_tokens
+            if start >= num_prompt:  # decode (or recompute of outputs): all token positions
+                input_ids.extend(req.output_token_ids[start - num_prompt : end - num_prompt])
+                is_token.extend([True] * (end - start))
+            else:
+                prompt_end = min(end, num_prompt)
+                input_ids.extend(req.prompt_token_ids[start:prompt_end])
+                is_token.extend(req.is_token_ids[start:prompt_end])
+                input_ids.extend(req.output_token_ids[: max(0, end - num_prompt)])
+                is_token.extend([True] * max(0, end - num_prompt))
+                for span in req.embedding_spans:
+                    lo, hi = max(span.start, start), min(span.end, prompt_end)
+                    if lo < hi:
+                        rows = span.rows[lo - span.start : hi - span.start]  # [hi - lo, hidden]
+                        embed_pieces.append((offset + lo - start, rows))
+            positions.extend(range(start, end))
+            block_ids = item.block_ids
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            tables.append(block_ids)
+            if item.needs_logits:
+                logits_rows.append(len(input_ids) - 1)
+        num_logits = len(logits_rows)
+        if self.static is not None:
+            return self._pad_static(
+                input_ids, positions, slots, is_token, embed_pieces, query_lens, seq_lens, tables, logits_rows
+            )
+        width = max(len(t) for t in tables)
+        return ForwardBatch(
+            input_ids=self._tensor(input_ids, torch.int32),
+            positions=self._tensor(positions, torch.int64),
+            is_token_ids=self._tensor(is_token, torch.bool) if embed_pieces else None,
+            inputs_embeds=self._embeds(len(input_ids), embed_pieces) if embed_pieces else None,
+            attn=self._metadata(query_lens, seq_lens, slots, tables, width, logits_rows),
+            num_logits=num_logits,
+        )
+
+    def _pad_static(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        is_token: list[bool],
+        embed_pieces: list[tuple[int, torch.Tensor]],
+        query_lens: list[int],
+        seq_lens: list[int],
+        tables: list[tuple[int, ...]],
+        logits_rows: list[int],
+    ) -> ForwardBatch:
+        assert self.static is not None
+        num_logits = len(logits_rows)
+        num_real_seqs, num_real_tokens = len(query_lens), len(input_ids)
+        num_seqs, num_tokens = self._padded_sizes(num_real_seqs, num_real_tokens)
+        pad_seqs = num_seqs - num_real_seqs
+        # Each padding sequence holds one query; the last one also absorbs the remaining padding
+        # tokens, so a batch is decode-only exactly when num_tokens == num_seqs.
+        pad_query_lens = [1] * pad_seqs
+        if pad_seqs:
+            pad_query_lens[-1] += num_tokens - num_real_tokens - pad_seqs
+        for n in pad_query_lens:
+            logits_rows.append(len(input_ids) + n - 1)
+            input_ids.extend([0] * n)
+            positions.extend(range(n))
+            # A padding sequence writes and reads only the null block, however long it is.
+            slots.extend(p % self.block_size for p in range(n))
+            is_token.extend([True] * n)
+            query_lens.append(n)
+            seq_lens.append(n)
+            tables.append((NULL_BLOCK_ID,))
+        # The logits count is part of the signature: always num_seqs rows, sampling rows first.
+        logits_rows += [logits_rows[-1]] * (num_seqs - len(logits_rows))
+        return ForwardBatch(
+            input_ids=self._tensor(input_ids, torch.int32),
+            positions=self._tensor(positions, torch.int64),
+            is_token_ids=self._tensor(is_token, torch.bool),
+            inputs_embeds=self._embeds(num_tokens, embed_pieces),
+            attn=self._metadata(
+                query_lens, seq_lens, slots, tables, self.static.block_table_width, logits_rows[:num_seqs]
+            ),
+            num_logits=num_logits,
+        )
+
+    def _padded_sizes(self, num_real_seqs: int, num_real_tokens: int) -> tuple[int, int]:
+        """Bucketed (num_seqs, num_tokens); tokens padded only where a padding sequence can hold them."""
+        assert self.static is not None
+        num_seqs = _bucket(self.static.seq_buckets, num_real_seqs)
+        num_tokens = _bucket(self.static.token_buckets, num_real_tokens + num_seqs - num_real_seqs)
+        if num_tokens > num_real_tokens and num_seqs == num_real_seqs:
+            num_seqs = _bucket(self.static.seq_buckets, num_real_seqs + 1)
+            num_tokens = _bucket(self.static.token_buckets, num_real_tokens + num_seqs - num_real_seqs)
+        return num_seqs, num_tokens
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int, num_seqs: int) -> None:
+        """Run one all-padding batch of exactly these bucket sizes (writes only the null block)."""
+        assert self.static is not None
+        pad_query_lens = [1] * num_seqs
+        pad_query_lens[-1] += num_tokens - num_seqs
+        input_ids: list[int] = []
+        logits_rows: list[int] = []
+        for n in pad_query_lens:
+            input_ids.extend([0] * n)
+            logits_rows.append(len(input_ids) - 1)
+        batch = ForwardBatch(
+            input_ids=self._tensor(input_ids, torch.int32),
+            positions=self._tensor([p for n in pad_query_lens for p in range(n)], torch.int64),
+            is_token_ids=self._tensor([True] * num_tokens, torch.bool),
+            inputs_embeds=self._embeds(num_tokens, []),
+            attn=self._metadata(
+                pad_query_lens,
+                list(pad_query_lens),
+                [p % self.block_size for n in pad_query_lens for p in range(n)],
+                [(NULL_BLOCK_ID,)] * num_seqs,
+                self.static.block_table_width,
+                logits_rows,
+            ),
+            num_logits=0,
+        )
+        self.forward(batch)
+
+    def _metadata(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        slots: list[int],
+        tables: list[tuple[int, ...]],
+        width: int,
+        logits_rows: list[int],
+    ) -> AttentionMetadata:
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        padded = [list(t[:width]) + [NULL_BLOCK_ID] * (width - len(t)) for t in tables]
+        return AttentionMetadata(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            cu_query_lens=self._tensor(cu, torch.int32),
+            seq_lens_t=self._tensor(seq_lens, torch.int32),
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(padded, torch.int32),
+            logits_indices=self._tensor(logits_rows, torch.int64),
+        )
+
+    def _embeds(self, num_tokens: int, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        embeds = torch.zeros(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        for offset, rows in pieces:
+            embeds[offset : offset + rows.shape[0]] = rows  # casts to the model dtype
+        return embeds
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

@@ -1,0 +1,19 @@
+"""A tiny default-model checkpoint, written once per session, for engine-level tests."""
+
+from pathlib import Path
+
+import pytest
+
+from services.decoder.models.default_model import make_model
+from services.decoder.models.loader import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny"), shape="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32(tiny_model_dir: Path) -> LoadedModel:
+    # float32 so "the same tokens alone and batched" is not at the mercy of bf16 rounding ties.
+    return load_model(tiny_model_dir, dtype="float32")
