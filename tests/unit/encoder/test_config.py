@@ -1,0 +1,93 @@
+"""EncoderConfig validation and how flags and TANDEM_ENCODER_* variables become one."""
+
+from pathlib import Path
+
+import pytest
+
+from services.encoder.__main__ import build_parser, config_from_args
+from services.encoder.config import EncoderConfig
+from services.encoder.embedder import Pooling
+
+MODEL = Path("/models/tiny")
+
+
+def _config(argv: list[str], environ: dict[str, str] | None = None) -> EncoderConfig:
+    return config_from_args(build_parser().parse_args(argv), environ or {})
+
+
+def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
+    config = EncoderConfig(model_dir=MODEL)
+    assert (config.embedder, config.dtype, config.pooling) == ("lookup", "bfloat16", Pooling.NONE)
+    assert config.server.port == 50051
+    assert config.served_model_name == "tiny"
+    assert EncoderConfig(model_dir=MODEL, model_name="qwen").served_model_name == "qwen"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"embedder": "clip"}, "embedder must be one of"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"pooling": "max"}, "pooling must be one of"),
+        ({"max_input_tokens": 0}, "max_input_tokens must be >= 1"),
+        ({"embedder": "soft-prompt"}, "embedder 'soft-prompt' requires adapter_dir"),
+        ({"embedder": "projector", "projector_path": Path("p")}, "requires encoder_model_dir"),
+        ({"embedder": "projector", "encoder_model_dir": Path("e")}, "requires projector_path"),
+        ({"adapter_dir": Path("a")}, "adapter_dir is only used by embedder 'soft-prompt', not 'lookup'"),
+        ({"embedder": "soft-prompt", "adapter_dir": Path("a"), "projector_path": Path("p")}, "only used"),
+    ],
+)
+def test_invalid_configs_are_refused_when_built(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EncoderConfig(model_dir=MODEL, **kwargs)
+
+
+def test_flags_build_the_config() -> None:
+    argv = [
+        "--model", "/m", "--embedder", "projector", "--encoder-model", "/e", "--projector", "/p.safetensors",
+        "--pooling", "mean", "--dtype", "float32", "--max-input-tokens", "256", "--model-name", "m1",
+        "--host", "0.0.0.0", "--port", "6000", "--max-message-bytes", "2048", "--grace-s", "0.5",
+    ]  # fmt: skip
+    config = _config(argv)
+    assert config.model_dir == Path("/m") and config.model_name == "m1"
+    assert config.encoder_model_dir == Path("/e") and config.projector_path == Path("/p.safetensors")
+    assert (config.embedder, config.pooling, config.dtype, config.max_input_tokens) == (
+        "projector",
+        Pooling.MEAN,
+        "float32",
+        256,
+    )
+    server = config.server
+    assert (server.host, server.port, server.max_message_bytes) == ("0.0.0.0", 6000, 2048)
+    assert server.grace_s == 0.5
+
+
+def test_environment_fills_flags_not_given_and_flags_win() -> None:
+    environ = {
+        "TANDEM_ENCODER_MODEL": "/env-model",
+        "TANDEM_ENCODER_EMBEDDER": "soft-prompt",
+        "TANDEM_ENCODER_ADAPTER": "/adapter",
+        "TANDEM_ENCODER_PORT": "7000",
+        "TANDEM_ENCODER_MAX_INPUT_TOKENS": "99",
+    }
+    config = _config(["--port", "7001"], environ)
+    assert config.model_dir == Path("/env-model") and config.adapter_dir == Path("/adapter")
+    assert (config.embedder, config.max_input_tokens, config.server.port) == ("soft-prompt", 99, 7001)
+
+
+def test_model_is_required() -> None:
+    with pytest.raises(ValueError, match="--model DIR is required"):
+        _config([])
+
+
+def test_bad_environment_values_name_the_variable() -> None:
+    with pytest.raises(ValueError, match="TANDEM_ENCODER_PORT='http'"):
+        _config(["--model", "/m"], {"TANDEM_ENCODER_PORT": "http"})
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        _config(["--model", "/m"], {"TANDEM_ENCODER_DTYPE": "fp8"})
+
+
+def test_bad_flags_exit_with_usage() -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--embedder", "clip"])
+    assert exited.value.code == 2

@@ -1,0 +1,98 @@
+"""The servicer's validation and delegation, called directly (no transport; errors raise)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import tensors
+from common.errors import InvalidArgument, Unavailable
+from common.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from common.server import ServerOptions
+from services.encoder.__main__ import main
+from services.encoder.config import EncoderConfig
+from services.encoder.embedder import EmbedderInfo, Pooling
+from services.encoder.loader import load_embedder
+from services.encoder.lookup import LookupEmbedder
+from services.encoder.servicer import EncoderServicer
+from tests.unit.encoder.helpers import write_prompt_adapter
+
+
+def _servicer(config: EncoderConfig) -> EncoderServicer:
+    servicer = EncoderServicer(config)
+    servicer.attach(load_embedder(config))
+    return servicer
+
+
+async def test_rpcs_are_unavailable_until_an_embedder_is_attached(tiny_model: Path) -> None:
+    servicer = EncoderServicer(EncoderConfig(model_dir=tiny_model))
+    with pytest.raises(Unavailable):
+        await servicer.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), None)
+    servicer.close()
+
+
+async def test_soft_prompt_rows_precede_the_text_and_only_text_ids_are_listed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    prompt = write_prompt_adapter(tmp_path / "adapter", num_virtual_tokens=4, token_dim=64)
+    config = EncoderConfig(model_dir=tiny_model, embedder="soft-prompt", adapter_dir=tmp_path / "adapter")
+    servicer = _servicer(config)
+    try:
+        info = await servicer.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), None)
+        assert (info.embedder, info.num_virtual_tokens) == ("soft-prompt", 4)
+        request = encoder_pb2.EmbedRequest(text="hello", output_dtype=tensor_pb2.DATA_TYPE_FLOAT32)
+        reply = await servicer.Embed(request, None)
+        rows = tensors.decode(reply.embeddings)  # [4 + num_tokens, 64]
+        assert rows.shape[0] == 4 + len(reply.token_ids.ids) == 4 + reply.usage.input_tokens
+        assert torch.equal(rows[:4], prompt.to(torch.bfloat16).float())
+    finally:
+        servicer.close()
+
+
+async def test_configured_pooling_applies_when_the_request_leaves_it_unspecified(tiny_model: Path) -> None:
+    servicer = _servicer(EncoderConfig(model_dir=tiny_model, pooling=Pooling.MEAN))
+    try:
+        pooled = await servicer.Embed(encoder_pb2.EmbedRequest(text="a b c d"), None)
+        assert list(pooled.embeddings.shape) == [1, 64]
+        request = encoder_pb2.EmbedRequest(text="a b c d", pooling=encoder_pb2.POOLING_NONE)
+        per_token = await servicer.Embed(request, None)
+        assert per_token.embeddings.shape[0] == len(per_token.token_ids.ids) > 1
+    finally:
+        servicer.close()
+
+
+async def test_response_over_the_message_limit_is_refused_before_embedding(tiny_model: Path) -> None:
+    # 64 float32 columns = 256 bytes a row: 40 rows and their IDs overflow an 8 KiB message.
+    config = EncoderConfig(model_dir=tiny_model, server=ServerOptions(max_message_bytes=8192))
+    servicer = _servicer(config)
+    try:
+        request = encoder_pb2.EmbedRequest(
+            token_ids=tensor_pb2.TokenIds(ids=[1] * 40), output_dtype=tensor_pb2.DATA_TYPE_FLOAT32
+        )
+        with pytest.raises(InvalidArgument, match="over max_message_bytes 8192") as caught:
+            await servicer.Embed(request, None)
+        assert caught.value.field == "token_ids"
+    finally:
+        servicer.close()
+
+
+async def test_max_input_tokens_is_capped_by_the_embedder(tiny_model: Path) -> None:
+    class ShortLookup(LookupEmbedder):
+        """Reads at most 512 positions, like a BERT encoder."""
+
+        @property
+        def info(self) -> EmbedderInfo:
+            return replace(super().info, max_positions=512)
+
+    servicer = EncoderServicer(EncoderConfig(model_dir=tiny_model, max_input_tokens=1000))
+    servicer.attach(ShortLookup.load(tiny_model, torch.bfloat16))
+    try:
+        info = await servicer.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), None)
+        assert info.max_input_tokens == 512
+    finally:
+        servicer.close()
+
+
+def test_main_exits_1_when_the_model_cannot_be_loaded(tmp_path: Path) -> None:
+    assert main(["--model", str(tmp_path / "missing"), "--port", "0"]) == 1
