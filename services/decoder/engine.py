@@ -9,6 +9,7 @@ waits on a lock held across a forward pass.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -58,6 +59,7 @@ class GenerateSpec:
     output: OutputOptions = field(default_factory=OutputOptions)
     request_id: str = ""  # "" = assigned
     deadline: float | None = None  # time.monotonic() by which the first step must have started
+    cap_max_new_tokens: bool = False  # max_new_tokens was a default: shrink it to fit the context
 
 
 class Engine:
@@ -131,7 +133,7 @@ class Engine:
         output = OutputState(
             request.request_id,
             request.prompt_token_ids,
-            spec.stopping,
+            request.stopping,
             spec.output,
             self.tokenizer,
             self.eos_token_ids,
@@ -223,8 +225,28 @@ class Engine:
                             f"prompt[{i}].token_ids.ids[{j}]", f"token id {token_id} outside [0, {vocab})"
                         )
                 segments.append(TokenSegment(list(part)))
+        num_positions = sum(len(s.ids) if isinstance(s, TokenSegment) else s.num_rows for s in segments)
+        if num_positions >= self.max_model_len:
+            raise InvalidArgument(
+                "prompt",
+                f"{num_positions} positions leave no room to generate within "
+                f"max_model_len {self.max_model_len}",
+            )
+        stopping = spec.stopping
+        if spec.cap_max_new_tokens and num_positions + stopping.max_new_tokens > self.max_model_len:
+            stopping = dataclasses.replace(
+                stopping,
+                max_new_tokens=self.max_model_len - num_positions,
+                min_new_tokens=min(stopping.min_new_tokens, self.max_model_len - num_positions),
+            )
+        elif num_positions + stopping.max_new_tokens > self.max_model_len:
+            raise InvalidArgument(
+                "stopping.max_new_tokens",
+                f"prompt ({num_positions}) + max_new_tokens ({stopping.max_new_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}",
+            )
         request_id = spec.request_id or f"req-{next(self._ids)}"
-        return Request.from_segments(request_id, segments, spec.sampling, spec.stopping, time.monotonic())
+        return Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
 
     # -- the loop --------------------------------------------------------------------------------
 

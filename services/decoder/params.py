@@ -69,8 +69,9 @@ class SamplingParams:
                 )
             _check_range(f"{prefix}.logit_bias[{token_id}]", bias, -100.0, 100.0)
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            # The wire puts top_logprobs with the output options, so the error names it there.
             raise ParamError(
-                f"{prefix}.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                "output.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
             )
 
 
@@ -95,13 +96,15 @@ class StoppingParams:
             )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ParamError(
-                f"{prefix}.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+                f"{prefix}.stop_sequences", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
             )
         for i, s in enumerate(self.stop):
             if not s:
-                raise ParamError(f"{prefix}.stop[{i}]", "must not be empty")
+                raise ParamError(f"{prefix}.stop_sequences[{i}]", "must not be empty")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ParamError(f"{prefix}.stop[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters")
+                raise ParamError(
+                    f"{prefix}.stop_sequences[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters"
+                )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ParamError(f"{prefix}.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         for i, t in enumerate(self.stop_token_ids):

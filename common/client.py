@@ -1,0 +1,139 @@
+"""Async clients for both services (used by the CLI, the tests and the benchmarks).
+
+Thin wrappers over the generated stubs that set the message-size limit and keepalive the servers
+expect, and build requests from plain Python values. Errors surface as `grpc.aio.AioRpcError`;
+`grpc_status.rpc_status.aio.from_call` reads their google.rpc details.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc, tensor_pb2
+from common.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+Segment = str | Sequence[int] | tensor_pb2.Tensor  # text, token IDs, or packed embeddings
+
+
+def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]:
+    segments = []
+    for part in parts:
+        if isinstance(part, str):
+            segments.append(decoder_pb2.PromptSegment(text=part))
+        elif isinstance(part, tensor_pb2.Tensor):
+            segments.append(decoder_pb2.PromptSegment(embeddings=part))
+        else:
+            segments.append(decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=list(part))))
+    return segments
+
+
+class _Client:
+    def __init__(self, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def health(self, service: str = "", timeout: float = 5.0) -> int:
+        """The server's health status for `service` ("" = the whole server)."""
+        reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return reply.status
+
+    async def wait_serving(self, timeout: float = 120.0) -> None:
+        """Block until health says SERVING (the model is loaded and warmed up)."""
+        stream = self._health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        async for reply in stream:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                stream.cancel()
+                return
+        raise TimeoutError("the server never became SERVING")
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class DecoderClient(_Client):
+    def __init__(self, address: str = "127.0.0.1:50052", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        super().__init__(address, max_message_bytes)
+        self.stub = decoder_pb2_grpc.DecoderStub(self.channel)
+
+    def generate(
+        self,
+        prompt: Sequence[Segment] | decoder_pb2.GenerateRequest,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,
+        **stopping_and_output: object,
+    ) -> grpc.aio.UnaryStreamCall:
+        """Start a Generate stream; iterate the returned call for GenerateResponse events."""
+        if isinstance(prompt, decoder_pb2.GenerateRequest):
+            request = prompt
+        else:
+            request = decoder_pb2.GenerateRequest(prompt=prompt_segments(prompt))
+            if max_new_tokens is not None:
+                request.stopping.max_new_tokens = max_new_tokens
+            if temperature is not None:
+                request.sampling.temperature = temperature
+            if seed is not None:
+                request.sampling.seed = seed
+            for key, value in stopping_and_output.items():
+                target = (
+                    request.stopping if key in request.stopping.DESCRIPTOR.fields_by_name else request.output
+                )
+                field = getattr(target, key)
+                if hasattr(field, "extend"):
+                    field.extend(value)  # type: ignore[arg-type]
+                else:
+                    setattr(target, key, value)
+        return self.stub.Generate(request, timeout=timeout)
+
+    async def generate_text(
+        self, prompt: Sequence[Segment], **kwargs: object
+    ) -> tuple[str, decoder_pb2.Finished]:
+        """Convenience: the whole text and the Finished event."""
+        text, finished = [], None
+        async for response in self.generate(prompt, **kwargs):  # type: ignore[arg-type]
+            if response.HasField("delta"):
+                text.append(response.delta.text)
+            elif response.HasField("finished"):
+                finished = response.finished
+        assert finished is not None
+        return "".join(text), finished
+
+    async def tokenize(self, texts: Sequence[str], timeout: float = 10.0) -> list[list[int]]:
+        reply = await self.stub.Tokenize(
+            decoder_pb2.DecoderTokenizeRequest(texts=list(texts)), timeout=timeout
+        )
+        return [list(t.ids) for t in reply.tokens]
+
+    async def model_info(self, timeout: float = 10.0) -> decoder_pb2.DecoderGetModelInfoResponse:
+        return await self.stub.GetModelInfo(decoder_pb2.DecoderGetModelInfoRequest(), timeout=timeout)
+
+
+class EncoderClient(_Client):
+    def __init__(self, address: str = "127.0.0.1:50051", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        super().__init__(address, max_message_bytes)
+        self.stub = encoder_pb2_grpc.EncoderStub(self.channel)
+
+    async def embed(
+        self,
+        text: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        output_dtype: int = tensor_pb2.DATA_TYPE_UNSPECIFIED,
+        timeout: float = 30.0,
+    ) -> encoder_pb2.EmbedResponse:
+        request = encoder_pb2.EmbedRequest(output_dtype=output_dtype)
+        if text is not None:
+            request.text = text
+        if token_ids is not None:
+            request.token_ids.ids.extend(token_ids)
+        return await self.stub.Embed(request, timeout=timeout)

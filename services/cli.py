@@ -1,0 +1,95 @@
+"""`tandem`: one command for the services and their tools.
+
+tandem serve decoder [flags]     the decoder (see --help for its flags)
+tandem serve encoder [flags]     the encoder
+tandem make-model DIR            write the tiny default checkpoint (or --shape bench-small)
+tandem generate --prompt TEXT    stream a generation from a running decoder to the terminal
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+
+from google.protobuf import json_format
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"] and len(argv) >= 2:
+        if argv[1] == "decoder":
+            from services.decoder.__main__ import main as decoder_main
+
+            return decoder_main(argv[2:])
+        if argv[1] == "encoder":
+            from services.encoder.__main__ import main as encoder_main
+
+            return encoder_main(argv[2:])
+    parser = argparse.ArgumentParser(
+        prog="tandem", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run a service: tandem serve decoder|encoder [flags]")
+    serve.add_argument("service", choices=["decoder", "encoder"])
+    make = commands.add_parser("make-model", help="write a tiny Hugging Face checkpoint")
+    make.add_argument("dir")
+    make.add_argument("--shape", default="tiny", choices=["tiny", "bench-small"])
+    make.add_argument("--seed", type=int, default=0)
+    gen = commands.add_parser("generate", help="stream a generation from a running decoder")
+    gen.add_argument("--address", default="127.0.0.1:50052")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--json", action="store_true", help="print each raw event as JSON")
+    args = parser.parse_args(argv)
+    if args.command == "make-model":
+        from services.decoder.models.default_model import make_model
+
+        print(make_model(args.dir, shape=args.shape, seed=args.seed))
+        return 0
+    if args.command == "generate":
+        return asyncio.run(_generate(args))
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from common.client import DecoderClient
+    from common.pb.tandem.v1 import decoder_pb2
+
+    request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text=args.prompt)])
+    request.stopping.max_new_tokens = args.max_tokens
+    request.stopping.stop_sequences.extend(args.stop)
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            setattr(request.sampling, name, getattr(args, name))
+    async with DecoderClient(args.address) as client:
+        try:
+            async for response in client.generate(request):
+                if args.json:
+                    print(json.dumps(json_format.MessageToDict(response)), flush=True)
+                elif response.HasField("delta"):
+                    print(response.delta.text, end="", flush=True)
+                elif response.HasField("finished"):
+                    f = response.finished
+                    reason = decoder_pb2.FinishReason.Name(f.reason)
+                    print(
+                        f"\n[{reason}; {f.usage.output_tokens} tokens; ttft {f.time_to_first_token_s:.3f}s]"
+                    )
+        except grpc.aio.AioRpcError as error:
+            print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""`tandem serve decoder` / `python -m services.decoder`: load the model, serve until SIGTERM.
+
+Every flag can also come from a `TANDEM_<FLAG>` environment variable (e.g. TANDEM_MAX_NUM_SEQS);
+a flag on the command line wins. The environment is read here, at start, never at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from common.pb.tandem.v1 import decoder_pb2_grpc
+from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, start_server
+from services.decoder.config import DTYPES, DecoderConfig, EngineConfig
+from services.decoder.engine import Engine, default_model_dir
+from services.decoder.servicer import DecoderServicer
+
+log = logging.getLogger("tandem.decoder")
+
+
+def _flag_bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem serve decoder", description="Serve tandem.v1.Decoder over gRPC.")
+    p.add_argument(
+        "--model", type=Path, help="Hugging Face model directory (default: the embedded tiny model)"
+    )
+    p.add_argument("--model-name", default="", help="name reported to clients (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-bytes", type=int, default=512 * 1024 * 1024, help="KV pool size in bytes")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides bytes)")
+    p.add_argument("--enable-prefix-caching", type=_flag_bool, default=True)
+    p.add_argument("--enable-prompt-embeds", type=_flag_bool, default=True)
+    p.add_argument("--static-shapes", type=_flag_bool, default=False)
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--grace-s", type=float, default=10.0, help="drain time for in-flight streams on SIGTERM")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    return p
+
+
+def _with_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        env_name = "TANDEM_" + action.dest.upper()
+        if env_name in environ:
+            raw = environ[env_name]
+            action.default = action.type(raw) if action.type else raw
+
+
+def config_from_args(argv: Sequence[str] | None, environ: dict[str, str] | None = None) -> DecoderConfig:
+    parser = build_parser()
+    _with_env_defaults(parser, dict(os.environ if environ is None else environ))
+    args = parser.parse_args(argv)
+    model_dir = args.model or default_model_dir()
+    engine = EngineConfig(
+        model_dir=model_dir,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prompt_embeds=args.enable_prompt_embeds,
+        static_shapes=args.static_shapes,
+        num_threads=args.num_threads,
+    )
+    server = ServerOptions(
+        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, grace_s=args.grace_s
+    )
+    return DecoderConfig(engine=engine, server=server, model_name=args.model_name or Path(model_dir).name)
+
+
+def ensure_default_model(model_dir: Path) -> None:
+    """Create the embedded default model on first use, so `--model` is optional."""
+    if model_dir == default_model_dir() and not (model_dir / "config.json").exists():
+        from services.decoder.models.default_model import make_model
+
+        log.info("creating the embedded default model in %s", model_dir)
+        make_model(model_dir)
+
+
+async def serve(config: DecoderConfig, ready: asyncio.Event | None = None) -> None:
+    servicer = DecoderServicer(config.model_name, config.server.max_message_bytes, config.world_size)
+    running = await start_server(
+        config.server,
+        [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("loading %s (health NOT_SERVING until ready)", config.engine.model_dir)
+    engine = await asyncio.to_thread(_load_engine, config.engine)
+    servicer.engine = engine
+    await running.set_serving()
+    log.info("serving %s on port %d", config.model_name, running.port)
+    if ready is not None:
+        ready.set()
+    watchdog = asyncio.create_task(_watch_engine(engine, running))
+    await stop.wait()
+    log.info("draining for up to %.1f s", config.server.grace_s)
+    watchdog.cancel()
+    await running.stop(config.server.grace_s)
+    engine.shutdown()
+    log.info("stopped")
+
+
+def _load_engine(config: EngineConfig) -> Engine:
+    ensure_default_model(Path(config.model_dir))
+    return Engine(config).start()
+
+
+async def _watch_engine(engine: Engine, running) -> None:
+    """An engine fault fails its open streams at once; this also takes the server out of rotation."""
+    while engine.is_healthy:
+        await asyncio.sleep(0.5)
+    log.error("engine failed: health NOT_SERVING")
+    await running.set_serving(False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
+    try:
+        config = config_from_args(argv)
+    except ValueError as exc:
+        print(f"tandem serve decoder: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

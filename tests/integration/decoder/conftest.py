@@ -1,0 +1,63 @@
+"""A real decoder server on a free loopback port, in this process, on the tiny default model."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from common.client import DecoderClient
+from common.pb.tandem.v1 import decoder_pb2_grpc
+from common.server import RunningServer, ServerOptions, Service, start_server
+from services.decoder.config import EngineConfig
+from services.decoder.engine import Engine
+from services.decoder.models.default_model import make_model
+from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.servicer import DecoderServicer
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("decoder-tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(tiny_model_dir, dtype="float32")
+
+
+@dataclass
+class Served:
+    server: RunningServer
+    engine: Engine
+    client: DecoderClient
+
+
+async def serve(model_dir: Path, loaded: LoadedModel, **engine_overrides) -> Served:
+    settings = dict(model_dir=model_dir, dtype="float32", num_kv_blocks=1024, block_size=4, max_num_seqs=64)
+    settings.update(engine_overrides)
+    engine = Engine(EngineConfig(**settings), loaded).start()
+    servicer = DecoderServicer(model_dir.name, MAX_MESSAGE_BYTES, engine=engine)
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+        [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
+    )
+    await server.set_serving()
+    return Served(server, engine, DecoderClient(server.address, MAX_MESSAGE_BYTES))
+
+
+async def shutdown(served: Served) -> None:
+    await served.client.close()
+    await served.server.stop(0)
+    served.engine.shutdown()
+
+
+@pytest.fixture
+async def decoder(tiny_model_dir: Path, tiny_loaded: LoadedModel) -> AsyncIterator[Served]:
+    served = await serve(tiny_model_dir, tiny_loaded)
+    yield served
+    await shutdown(served)

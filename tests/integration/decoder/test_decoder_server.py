@@ -1,0 +1,237 @@
+"""tandem.v1.Decoder over real gRPC: streams, validation, cancellation, limits, health."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from common import tensors
+from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from services.decoder.engine import GenerateSpec, TextPrompt
+from services.decoder.outputs import Delta
+from services.decoder.params import SamplingParams, StoppingParams
+
+from .conftest import Served, serve, shutdown
+
+
+async def _collect(call) -> list[decoder_pb2.GenerateResponse]:
+    """The rest of a stream (read() style, so it may follow earlier read() calls)."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+def _tokens(responses) -> list[int]:
+    return [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
+
+
+async def test_streamed_generation_equals_the_in_process_engine(decoder: Served) -> None:
+    responses = await _collect(
+        decoder.client.generate(["Once upon a time"], max_new_tokens=12, temperature=0.0)
+    )
+    assert responses[0].HasField("accepted")
+    assert responses[-1].HasField("finished")
+    assert all(r.HasField("delta") for r in responses[1:-1])
+    spec = GenerateSpec(
+        [TextPrompt("Once upon a time")], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=12)
+    )
+    expected = [t for e in decoder.engine.generate(spec) if isinstance(e, Delta) for t in e.token_ids]
+    assert _tokens(responses) == expected
+    finished = responses[-1].finished
+    assert finished.usage.output_tokens == len(expected)
+    assert finished.usage.input_tokens == responses[0].accepted.prompt_tokens
+    assert finished.total_time_s >= finished.time_to_first_token_s > 0
+
+
+async def test_64_concurrent_streams_finish_with_their_token_counts(decoder: Served) -> None:
+    hidden = decoder.engine.model_config.hidden_size
+
+    async def one(i: int):
+        prompt: list = [[10 + i, 11, 12]]
+        if i % 3 == 1:
+            prompt.append(tensors.encode(torch.randn(2, hidden), dtype=torch.bfloat16))
+        if i % 3 == 2:
+            prompt.append("the sea")
+        return await _collect(
+            decoder.client.generate(
+                prompt,
+                max_new_tokens=4 + i % 7,
+                temperature=0.0 if i % 2 else 0.8,
+                seed=i,
+                ignore_eos=True,
+                timeout=120,
+            )
+        )
+
+    results = await asyncio.gather(*(one(i) for i in range(64)))
+    for i, responses in enumerate(results):
+        assert len(_tokens(responses)) == 4 + i % 7
+        assert responses[-1].finished.reason == decoder_pb2.FINISH_REASON_LENGTH
+
+
+def _embeddings(shape, dtype=tensor_pb2.DATA_TYPE_FLOAT32, data=None) -> decoder_pb2.PromptSegment:
+    n = 1
+    for d in shape:
+        n *= d
+    return decoder_pb2.PromptSegment(
+        embeddings=tensor_pb2.Tensor(dtype=dtype, shape=shape, data=bytes(4 * n) if data is None else data)
+    )
+
+
+def _bad_requests(hidden: int, vocab: int, max_len: int) -> list[tuple[str, decoder_pb2.GenerateRequest]]:
+    def req(*segments, **fields) -> decoder_pb2.GenerateRequest:
+        r = decoder_pb2.GenerateRequest(prompt=list(segments) or [decoder_pb2.PromptSegment(text="hi")])
+        for path, value in fields.items():
+            message, name = path.split("__")
+            setattr(getattr(r, message), name, value)
+        return r
+
+    nan = tensors.encode(torch.full((1, hidden), float("nan"))).data
+    return [
+        ("prompt", decoder_pb2.GenerateRequest()),
+        ("prompt[0].embeddings.shape", req(_embeddings([2, hidden + 1]))),
+        ("prompt[0].embeddings.shape", req(_embeddings([2, 1, hidden]))),
+        ("prompt[0].embeddings.dtype", req(_embeddings([1, hidden], dtype=77))),
+        ("prompt[0].embeddings.data", req(_embeddings([2, hidden], data=b"\0" * 12))),
+        ("prompt[0].embeddings.data", req(_embeddings([1, hidden], data=nan))),
+        (
+            "prompt[1].token_ids.ids[1]",
+            req(
+                decoder_pb2.PromptSegment(text="a"),
+                decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=[1, vocab])),
+            ),
+        ),
+        ("prompt[0].text", req(decoder_pb2.PromptSegment(text=""))),
+        ("prompt", req(decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=[1] * max_len)))),
+        ("stopping.max_new_tokens", req(stopping__max_new_tokens=max_len)),
+        ("sampling.temperature", req(sampling__temperature=-1.0)),
+        ("sampling.top_p", req(sampling__top_p=1.5)),
+        ("sampling.min_p", req(sampling__min_p=2.0)),
+        ("output.top_logprobs", req(output__top_logprobs=99)),
+        ("stopping.stop_sequences", req_with_stops(17)),
+    ]
+
+
+def req_with_stops(n: int) -> decoder_pb2.GenerateRequest:
+    r = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text="hi")])
+    r.stopping.stop_sequences.extend(f"s{i}" for i in range(n))
+    return r
+
+
+async def test_each_bad_request_is_invalid_argument_naming_its_field(decoder: Served) -> None:
+    c = decoder.engine.model_config
+    for field, request in _bad_requests(c.hidden_size, c.vocab_size, decoder.engine.max_model_len):
+        call = decoder.client.generate(request, timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _collect(call)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, caught.value.details())
+        status = await rpc_status.aio.from_call(call)
+        violation = error_details_pb2.BadRequest()
+        assert status.details[0].Unpack(violation)
+        assert violation.field_violations[0].field == field
+    # ... and the server still serves.
+    assert (
+        len(_tokens(await _collect(decoder.client.generate([[5, 6]], max_new_tokens=3, ignore_eos=True))))
+        == 3
+    )
+
+
+async def test_embeddings_are_refused_when_disabled(tiny_model_dir, tiny_loaded) -> None:
+    served = await serve(tiny_model_dir, tiny_loaded, enable_prompt_embeds=False)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _collect(
+                served.client.generate([tensors.encode(torch.zeros(1, tiny_loaded.config.hidden_size))])
+            )
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        await shutdown(served)
+
+
+async def test_cancel_mid_stream_returns_every_kv_block(decoder: Served) -> None:
+    blocks = decoder.engine.core.block_manager
+    initial = blocks.num_free_blocks
+    call = decoder.client.generate([[1, 2, 3]], max_new_tokens=500, ignore_eos=True)
+    assert (await call.read()).HasField("accepted")
+    assert (await call.read()).HasField("delta")
+    assert blocks.num_free_blocks < initial
+    call.cancel()
+    for _ in range(100):
+        if blocks.num_free_blocks == initial and decoder.engine.core.num_live() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert blocks.num_free_blocks == initial
+    assert decoder.engine.core.num_live() == 0
+
+
+async def test_queue_full_is_resource_exhausted_with_retry_info(tiny_model_dir, tiny_loaded) -> None:
+    served = await serve(tiny_model_dir, tiny_loaded, max_num_seqs=1, max_queue=1)
+    try:
+        running = served.client.generate([[1, 2]], max_new_tokens=400, ignore_eos=True)
+        await running.read()
+        waiting = served.client.generate([[3, 4]], max_new_tokens=2)
+        await waiting.read()  # accepted: it waits in the queue
+        refused = served.client.generate([[5, 6]], max_new_tokens=2)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _collect(refused)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status = await rpc_status.aio.from_call(refused)
+        retry = error_details_pb2.RetryInfo()
+        assert status.details[0].Unpack(retry)
+        running.cancel()
+        assert _tokens(await _collect(waiting))
+    finally:
+        await shutdown(served)
+
+
+async def test_deadline_passing_in_the_queue_ends_before_prefill(tiny_model_dir, tiny_loaded) -> None:
+    served = await serve(tiny_model_dir, tiny_loaded, max_num_seqs=1)
+    try:
+        running = served.client.generate([[1, 2]], max_new_tokens=400, ignore_eos=True)
+        await running.read()
+        late = served.client.generate([[3, 4]], max_new_tokens=2, timeout=0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _collect(late)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        running.cancel()
+        for _ in range(100):
+            if served.engine.core.num_live() == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert served.engine.core.num_live() == 0
+    finally:
+        await shutdown(served)
+
+
+async def test_tokenize_and_model_info(decoder: Served) -> None:
+    assert await decoder.client.tokenize(["hello world"]) == [
+        decoder.engine.tokenizer.encode("hello world", add_special_tokens=False).ids
+    ]
+    info = await decoder.client.model_info()
+    c = decoder.engine.model_config
+    assert (info.hidden_size, info.vocab_size, info.architecture) == (
+        c.hidden_size,
+        c.vocab_size,
+        "Qwen3ForCausalLM",
+    )
+    assert info.accepts_prompt_embeds
+    assert list(info.eos_token_ids) == list(c.eos_token_ids)
+    assert info.dtype == tensor_pb2.DATA_TYPE_FLOAT32
+
+
+async def test_health_and_reflection(decoder: Served) -> None:
+    assert await decoder.client.health("tandem.v1.Decoder") == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(decoder.client.channel)
+    call = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
+    names = {s.name async for reply in call for s in reply.list_services_response.service}
+    assert {"tandem.v1.Decoder", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
