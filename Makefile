@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test protos lint
+.PHONY: setup test protos lint demo
 
 setup: $(VENV)/.installed
 
@@ -14,6 +14,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --progress-bar off torch==$(TORCH_VERSION)
 	$(PY) -m pip install --progress-bar off -e '.[dev]'
 	touch $@
+
+# Both services on the embedded default model (created on first use), one streamed generation.
+demo: setup
+	$(PY) -m services.demo
 
 test: setup
 	$(PY) -m pytest -q

@@ -48,7 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--json", action="store_true", help="print each raw event as JSON")
+    commands.add_parser("demo", help="start both services, stream one generation, stop them")
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from services.demo import main as demo_main
+
+        return demo_main()
     if args.command == "make-model":
         from services.decoder.models.default_model import make_model
 
