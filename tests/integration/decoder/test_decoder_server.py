@@ -235,3 +235,32 @@ async def test_health_and_reflection(decoder: Served) -> None:
     )
     names = {s.name async for reply in call for s in reply.list_services_response.service}
     assert {"tandem.v1.Decoder", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+async def test_an_engine_fault_ends_open_streams_with_unavailable_and_never_hangs(
+    tiny_model_dir, tiny_loaded
+) -> None:
+    served = await serve(tiny_model_dir, tiny_loaded)
+    try:
+        execute = served.engine.core.runner.execute
+        calls = 0
+
+        def failing(plan):
+            nonlocal calls
+            calls += 1
+            if calls > 3:
+                raise RuntimeError("simulated device fault")
+            return execute(plan)
+
+        served.engine.core.runner.execute = failing
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _collect(
+                served.client.generate([[1, 2, 3]], max_new_tokens=50, ignore_eos=True, timeout=30)
+            )
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not served.engine.is_healthy
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _collect(served.client.generate([[1, 2, 3]], max_new_tokens=5, timeout=30))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await shutdown(served)
