@@ -28,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from services.encoder.__main__ import main as encoder_main
 
             return encoder_main(argv[2:])
+    if argv[:1] == ["up"]:
+        from services.up import main as up_main
+
+        return up_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -49,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--json", action="store_true", help="print each raw event as JSON")
     commands.add_parser("demo", help="start both services, stream one generation, stop them")
+    commands.add_parser("up", help="run both services in the foreground: tandem up --help")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from services.demo import main as demo_main
