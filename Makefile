@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test protos lint demo
+.PHONY: setup test protos lint demo bench
 
 setup: $(VENV)/.installed
 
@@ -28,3 +28,6 @@ protos: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(PY) bench/decode_throughput.py
