@@ -35,7 +35,6 @@ class EngineConfig:
     static_shapes: bool = False  # pad batches to buckets so every step has a known input signature.
     token_buckets: tuple[int, ...] = ()  # static mode: padded token counts; () = powers of two.
     seq_buckets: tuple[int, ...] = ()  # static mode: padded sequence counts; () = powers of two.
-    compile: bool = False  # static mode: torch.compile(dynamic=False) each bucket; recompiles fail.
     num_threads: int | None = None  # torch intra-op threads; None = torch's default.
 
     def __post_init__(self) -> None:
@@ -48,8 +47,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
-        if self.compile and not self.static_shapes:
-            raise ValueError("compile requires static_shapes (each bucket compiles once)")
         for name in ("token_buckets", "seq_buckets"):
             buckets = getattr(self, name)
             if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
