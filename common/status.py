@@ -66,8 +66,41 @@ def _is_abort(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AbortError)
 
 
+class _Malformed:
+    """What a request that failed to parse becomes, so the behaviour can answer INVALID_ARGUMENT.
+
+    Left to grpc, a message that does not parse (random bytes, invalid UTF-8 in a string field)
+    ends as INTERNAL, which would blame the server for the client's bytes.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as error:
+            return _Malformed(error)
+
+    return parse
+
+
+async def _reject_malformed(request: Any, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(request, _Malformed):
+        await abort(
+            context,
+            errors.InvalidArgument("request", f"not a valid request message for {method}: {request.error}"),
+        )
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps TandemError to its status and any other exception to INTERNAL, for every method."""
+    """Maps TandemError to its status and any other exception to INTERNAL, for every method;
+    a request that does not parse is INVALID_ARGUMENT."""
 
     async def intercept_service(
         self,
@@ -81,13 +114,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -95,6 +128,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _reject_malformed(request, context, method)
         try:
             return await behavior(request, context)
         except errors.TandemError as error:
@@ -111,6 +145,7 @@ def _wrap_stream(
     behavior: Callable[..., AsyncIterator[Any]], method: str
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _reject_malformed(request, context, method)
         try:
             async for response in behavior(request, context):
                 yield response

@@ -140,3 +140,12 @@ async def test_graceful_stop_finishes_in_flight_streams_and_refuses_new_ones(run
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await channel.unary_unary("/test.Faulty/BadInput")(b"", timeout=2)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_bytes_that_do_not_parse_are_invalid_argument_not_internal(running: RunningServer) -> None:
+    async with _channel(running) as channel:
+        # Field 1 (service, a string) holding invalid UTF-8: the protobuf parser refuses it.
+        garbage = b"\x0a\x02\xff\xfe"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary("/grpc.health.v1.Health/Check")(garbage, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
