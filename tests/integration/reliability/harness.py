@@ -1,0 +1,126 @@
+"""Both services in a background event loop, for tests that drive them with blocking clients.
+
+Hypothesis and plain loops are simplest with the synchronous grpc API; the servers still run on
+grpc.aio in their own thread, exactly as in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from common.pb.tandem.v1 import decoder_pb2_grpc, encoder_pb2_grpc
+from common.server import RunningServer, ServerOptions, Service, channel_options, start_server
+from services.decoder.config import EngineConfig
+from services.decoder.engine import Engine
+from services.decoder.models.loader import LoadedModel
+from services.decoder.servicer import DecoderServicer
+from services.encoder.config import EncoderConfig
+from services.encoder.lookup import LookupEmbedder
+from services.encoder.servicer import EncoderServicer
+
+MAX_MESSAGE_BYTES = 1024 * 1024
+MAX_MODEL_LEN = 256
+ENCODER_MAX_INPUT_TOKENS = 64
+
+
+@dataclass
+class Limits:
+    max_num_seqs: int = 16
+    max_queue: int = 64
+    num_kv_blocks: int = 512
+
+
+class Services:
+    """Decoder and encoder on free loopback ports; `decoder`/`encoder` are blocking stubs."""
+
+    def __init__(self, model_dir: Path, loaded: LoadedModel, limits: Limits | None = None) -> None:
+        limits = limits or Limits()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-servers", daemon=True)
+        self._thread.start()
+        self.engine = Engine(
+            EngineConfig(
+                model_dir=model_dir,
+                dtype="float32",
+                block_size=4,
+                max_model_len=MAX_MODEL_LEN,
+                max_num_seqs=limits.max_num_seqs,
+                max_queue=limits.max_queue,
+                num_kv_blocks=limits.num_kv_blocks,
+            ),
+            loaded,
+        ).start()
+        self.encoder_config = EncoderConfig(
+            model_dir=model_dir,
+            dtype="float32",
+            max_input_tokens=ENCODER_MAX_INPUT_TOKENS,
+            server=ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+        )
+        self.encoder_servicer = EncoderServicer(self.encoder_config)
+        self.encoder_servicer.attach(LookupEmbedder.load(model_dir, torch.float32))
+        self.decoder_server: RunningServer = self.run(self._start_decoder(model_dir))
+        self.encoder_server: RunningServer = self.run(self._start_encoder())
+        self.decoder_channel = grpc.insecure_channel(
+            self.decoder_server.address, options=channel_options(MAX_MESSAGE_BYTES)
+        )
+        self.encoder_channel = grpc.insecure_channel(
+            self.encoder_server.address, options=channel_options(MAX_MESSAGE_BYTES)
+        )
+        self.decoder = decoder_pb2_grpc.DecoderStub(self.decoder_channel)
+        self.encoder = encoder_pb2_grpc.EncoderStub(self.encoder_channel)
+
+    def run(self, coroutine: Any) -> Any:
+        future: Future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        return future.result(timeout=60)
+
+    async def _start_decoder(self, model_dir: Path) -> RunningServer:
+        servicer = DecoderServicer(model_dir.name, MAX_MESSAGE_BYTES, engine=self.engine)
+        server = await start_server(
+            ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+            [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
+        )
+        await server.set_serving()
+        return server
+
+    async def _start_encoder(self) -> RunningServer:
+        server = await start_server(
+            self.encoder_config.server,
+            [
+                Service(
+                    "tandem.v1.Encoder", self.encoder_servicer, encoder_pb2_grpc.add_EncoderServicer_to_server
+                )
+            ],
+        )
+        await server.set_serving()
+        return server
+
+    def idle(self, timeout: float = 10.0) -> bool:
+        """True once the engine holds no request and every KV block is free again."""
+        import time
+
+        blocks = self.engine.core.block_manager
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.engine.core.num_live() == 0 and blocks.num_free_blocks == blocks.num_total_blocks:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        self.decoder_channel.close()
+        self.encoder_channel.close()
+        self.run(self.decoder_server.stop(0))
+        self.run(self.encoder_server.stop(0))
+        self.engine.shutdown()
+        self.encoder_servicer.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
