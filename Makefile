@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test protos lint demo bench
+.PHONY: setup test protos lint demo bench soak
 
 setup: $(VENV)/.installed
 
@@ -31,3 +31,7 @@ lint: setup
 
 bench: setup
 	$(PY) bench/decode_throughput.py
+
+# The reliability suites, longer: more fuzz examples and more concurrent streams than `make test`.
+soak: setup
+	TANDEM_FUZZ_EXAMPLES=20000 TANDEM_LOAD_STREAMS=1000 $(PY) -m pytest -q tests/integration/reliability

@@ -16,7 +16,7 @@ from common.pb.tandem.v1 import decoder_pb2
 
 from .harness import Limits, Services
 
-NUM_STREAMS = 200
+NUM_STREAMS = int(os.environ.get("TANDEM_LOAD_STREAMS", "200"))  # `make soak` raises it
 LIMITS = Limits(max_num_seqs=16, max_queue=64, num_kv_blocks=512)
 
 
