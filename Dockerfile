@@ -1,0 +1,44 @@
+# One image for both services. `docker compose up` runs it twice, as `tandem serve encoder ...` and
+# `tandem serve decoder ...` (the argv `tandem up` gives its children: services/up.py
+# `serve_command`); `docker run -p 50051:50051 -p 50052:50052 IMAGE` runs both with `tandem up`.
+FROM python:3.11-slim
+
+ARG TORCH_VERSION=2.13.0
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch first, CPU-only and pinned (the Makefile's TORCH_VERSION): the project's `torch` requirement
+# is then already met, so pip never pulls a multi-GB CUDA build.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protos ./protos
+COPY common ./common
+COPY services ./services
+# Editable, as in development: the default model's tokenizer corpus
+# (services/decoder/models/corpus.txt) is read from the source tree.
+RUN pip install -e .
+
+# The embedded default model, written at build time. Compose mounts a volume at /models, which
+# Docker fills from this directory on first use; TANDEM_COMPOSE_MODEL picks another model in it.
+RUN tandem make-model /models/tandem-tiny \
+    && useradd --create-home --uid 10001 tandem \
+    && chown -R tandem:tandem /models
+USER tandem
+
+EXPOSE 50051 50052
+# Healthy when every port in TANDEM_HEALTH_PORTS answers grpc.health.v1 with SERVING
+# (compose narrows it to the one service a container runs).
+ENV TANDEM_HEALTH_PORTS="50051 50052"
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD python -c "import os, sys, grpc; \
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse; \
+from grpc_health.v1.health_pb2_grpc import HealthStub; \
+ports = os.environ['TANDEM_HEALTH_PORTS'].split(); \
+check = lambda p: HealthStub(grpc.insecure_channel(f'127.0.0.1:{p}')).Check(HealthCheckRequest(), timeout=3); \
+sys.exit(any(check(p).status != HealthCheckResponse.SERVING for p in ports))"
+
+CMD ["tandem", "up", "--host", "0.0.0.0", "--model", "/models/tandem-tiny"]

@@ -1,0 +1,93 @@
+#!/usr/bin/env node
+// Streams one generation from a tandem decoder and prints the text as it arrives, then one JSON line:
+//   {"finish_reason": "FINISH_REASON_LENGTH", "output_tokens": 16, "streamed_tokens": 16, ...}
+// On an error status it prints {"error": {"code": "INVALID_ARGUMENT", "details": "..."}} to stderr
+// and exits 1.
+//
+//   node generate.js ADDRESS PROMPT MAX_TOKENS [--embedding-rows N --hidden H] [--ignore-eos]
+//                    [--temperature T] [--seed S]
+//
+// --embedding-rows N --hidden H puts an embedding segment of N x H float32 zeros first in the
+// prompt (H must be the model's hidden size; GetModelInfo reports it). An empty PROMPT sends no
+// text segment.
+"use strict";
+
+const { decoderClient, zeroEmbeddings, grpc } = require("./decoder");
+
+function parseArgs(argv) {
+  const positional = [];
+  const options = { embeddingRows: 0, hidden: 0, ignoreEos: false, temperature: null, seed: null };
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i];
+    const value = () => {
+      if (i + 1 >= argv.length) throw new Error(`${arg} needs a value`);
+      return Number(argv[++i]);
+    };
+    if (arg === "--embedding-rows") options.embeddingRows = value();
+    else if (arg === "--hidden") options.hidden = value();
+    else if (arg === "--temperature") options.temperature = value();
+    else if (arg === "--seed") options.seed = value();
+    else if (arg === "--ignore-eos") options.ignoreEos = true;
+    else positional.push(arg);
+  }
+  if (positional.length !== 3) {
+    throw new Error("usage: node generate.js ADDRESS PROMPT MAX_TOKENS [--embedding-rows N --hidden H] ...");
+  }
+  const [address, prompt, maxTokens] = positional;
+  return { address, prompt, maxTokens: Number(maxTokens), ...options };
+}
+
+function buildRequest(args) {
+  const prompt = [];
+  if (args.embeddingRows > 0) prompt.push(zeroEmbeddings(args.embeddingRows, args.hidden));
+  if (args.prompt) prompt.push({ text: args.prompt });
+  const sampling = {};
+  if (args.temperature !== null) sampling.temperature = args.temperature;
+  if (args.seed !== null) sampling.seed = args.seed;
+  return {
+    prompt,
+    sampling,
+    stopping: { max_new_tokens: args.maxTokens, ignore_eos: args.ignoreEos },
+  };
+}
+
+function main() {
+  let args;
+  try {
+    args = parseArgs(process.argv.slice(2));
+  } catch (error) {
+    console.error(error.message);
+    process.exit(2);
+  }
+  const client = decoderClient(args.address);
+  const summary = { prompt_tokens: null, streamed_tokens: 0 };
+  let failed = false;
+  const call = client.Generate(buildRequest(args), { deadline: Date.now() + 120_000 });
+  call.on("data", (response) => {
+    if (response.event === "accepted") {
+      summary.prompt_tokens = response.accepted.prompt_tokens;
+    } else if (response.event === "delta") {
+      summary.streamed_tokens += response.delta.token_ids.length;
+      process.stdout.write(response.delta.text);
+    } else if (response.event === "finished") {
+      const finished = response.finished;
+      summary.finish_reason = finished.reason;
+      summary.output_tokens = finished.usage.output_tokens;
+      summary.time_to_first_token_s = finished.time_to_first_token_s;
+    }
+  });
+  call.on("error", (error) => {
+    failed = true;
+    const code = grpc.status[error.code] ?? String(error.code);
+    console.error(JSON.stringify({ error: { code, details: error.details } }));
+    client.close();
+    process.exitCode = 1;
+  });
+  call.on("end", () => {
+    if (failed) return; // grpc-js ends the stream after an error too
+    process.stdout.write("\n" + JSON.stringify(summary) + "\n");
+    client.close();
+  });
+}
+
+main();

@@ -1,0 +1,147 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine.
+
+The compose file goes through a real compose parser (`docker-compose config`, Debian's package,
+which `.ci/run` installs when it can); the Dockerfile gets cheap textual checks. The HEALTHCHECK
+command itself runs against live services in test_up.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.up import UpConfig, serve_command
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+DOCKERFILE = REPO_ROOT / "Dockerfile"
+IMAGE_MODEL_DIR = "/models/tandem-tiny"
+PORTS = {"encoder": 50051, "decoder": 50052}
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, with line continuations joined and comments dropped."""
+    lines = [line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", "", "\n".join(lines))
+    return [
+        (parts[0].upper(), parts[1] if len(parts) > 1 else "")
+        for parts in (line.strip().split(None, 1) for line in joined.splitlines() if line.strip())
+    ]
+
+
+def dockerfile_healthcheck_command() -> str:
+    """The shell command of the Dockerfile's HEALTHCHECK (after its options and `CMD`)."""
+    [arguments] = [args for name, args in dockerfile_instructions() if name == "HEALTHCHECK"]
+    return arguments.split(" CMD ", 1)[1].strip()
+
+
+@functools.cache
+def compose_config(**environ: str) -> dict:
+    """The compose file as `docker-compose config` resolves it under exactly `environ` (+ PATH)."""
+    if shutil.which("docker-compose") is None:
+        pytest.skip(
+            "docker-compose is not installed (`.ci/run` installs Debian's package when run as root "
+            "with apt available; or `apt-get install docker-compose`)"
+        )
+    result = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE_FILE), "config"],
+        env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **environ},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def _up_config(model_dir: str) -> UpConfig:
+    return UpConfig(
+        model_dir=Path(model_dir),
+        host="0.0.0.0",
+        encoder_port=PORTS["encoder"],
+        decoder_port=PORTS["decoder"],
+        dtype=None,
+        world_size=None,
+        grace_s=30.0,
+    )
+
+
+def test_compose_services_run_the_argv_tandem_up_runs() -> None:
+    services = compose_config()["services"]
+    for name in ("encoder", "decoder"):
+        assert services[name]["command"] == ["tandem", *serve_command(name, _up_config(IMAGE_MODEL_DIR))]
+
+
+def test_compose_model_and_its_volume_are_overridable_by_environment() -> None:
+    services = compose_config(TANDEM_COMPOSE_MODEL="/models/my-qwen3", TANDEM_COMPOSE_MODELS="/srv/models")[
+        "services"
+    ]
+    for name in ("encoder", "decoder"):
+        assert services[name]["command"] == ["tandem", *serve_command(name, _up_config("/models/my-qwen3"))]
+        assert services[name]["volumes"] == ["/srv/models:/models:rw"]
+
+
+def test_compose_decoder_waits_for_a_healthy_encoder_and_both_share_the_models_volume() -> None:
+    config = compose_config()
+    services = config["services"]
+    assert services["decoder"]["depends_on"]["encoder"] == {"condition": "service_healthy"}
+    assert "models" in config["volumes"]
+    for name, port in PORTS.items():
+        assert services[name]["volumes"] == ["models:/models:rw"]
+        assert {"published": port, "target": port} in services[name]["ports"]
+        # The image's HEALTHCHECK probes these ports; each container runs one service.
+        assert services[name]["environment"]["TANDEM_HEALTH_PORTS"] == str(port)
+        assert services[name]["build"]["context"] == str(REPO_ROOT)
+
+
+def test_compose_sends_traces_of_both_services_to_jaeger() -> None:
+    services = compose_config()["services"]
+    jaeger = services["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/all-in-one:")
+    assert {"published": 16686, "target": 16686} in jaeger["ports"]  # the UI
+    assert {"published": 4317, "target": 4317} in jaeger["ports"]  # OTLP gRPC in
+    names = set()
+    for name in ("encoder", "decoder"):
+        environment = services[name]["environment"]
+        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
+        assert "jaeger" in services[name]["depends_on"]
+        names.add(environment["OTEL_SERVICE_NAME"])
+    assert names == {"tandem-encoder", "tandem-decoder"}
+
+
+def test_dockerfile_installs_cpu_torch_pinned_like_the_makefile() -> None:
+    instructions = dockerfile_instructions()
+    assert instructions[0] == ("FROM", "python:3.11-slim")
+    makefile_torch = re.search(r"^TORCH_VERSION := (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M)
+    assert makefile_torch is not None
+    assert ("ARG", f"TORCH_VERSION={makefile_torch.group(1)}") in instructions
+    runs = [args for name, args in instructions if name == "RUN"]
+    torch_install = next(run for run in runs if "torch==" in run)
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_install
+    # torch comes before the project, so the project's `torch` requirement is already met.
+    assert runs.index(torch_install) < next(i for i, run in enumerate(runs) if "pip install -e ." in run)
+
+
+def test_dockerfile_runs_as_a_non_root_user_with_the_default_model_baked_in() -> None:
+    instructions = dockerfile_instructions()
+    users = [args for name, args in instructions if name == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    assert any(f"tandem make-model {IMAGE_MODEL_DIR}" in args for name, args in instructions if name == "RUN")
+    [cmd] = [args for name, args in instructions if name == "CMD"]
+    assert yaml.safe_load(cmd) == ["tandem", "up", "--host", "0.0.0.0", "--model", IMAGE_MODEL_DIR]
+
+
+def test_dockerfile_healthcheck_probes_grpc_health() -> None:
+    command = dockerfile_healthcheck_command()
+    assert command.startswith("python -c ")
+    assert "grpc_health.v1" in command and "TANDEM_HEALTH_PORTS" in command
+    assert ("ENV", 'TANDEM_HEALTH_PORTS="50051 50052"') in dockerfile_instructions()

@@ -1,0 +1,165 @@
+"""`tandem up` as a process: both services come up, SIGTERM stops both, a dead service stops the other."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.decoder.models.default_model import make_model
+from services.up import UpConfig, serve_command
+from tests.integration.test_compose import dockerfile_healthcheck_command
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 60.0
+GRACE_S = 20.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+UP = [sys.executable, "-m", "services.cli", "up", "--dtype", "float32", "--grace-s", str(GRACE_S)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("up-model"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_up(args: list[str], log: Path, home: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, "HOME": str(home)} if home is not None else None
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [*UP, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env=env,
+        )
+
+
+def _health(port: int) -> int | None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        try:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+        except grpc.RpcError:
+            return None
+
+
+def _wait_serving(up: subprocess.Popen, ports: list[int], log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not all(_health(port) == SERVING for port in ports):
+        assert up.poll() is None, f"tandem up exited with {up.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"not SERVING within {STARTUP_TIMEOUT_S} s:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def _children(pid: int) -> dict[str, int]:
+    """Service name -> pid of `pid`'s child processes, from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"serve" in cmdline:
+            found[cmdline[cmdline.index(b"serve") + 1].decode()] = int(entry.name)
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _run_image_healthcheck(ports: list[int]) -> int:
+    """The Dockerfile's HEALTHCHECK command, run as Docker runs it (`sh -c`), against `ports`."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
+        "TANDEM_HEALTH_PORTS": " ".join(map(str, ports)),
+    }
+    command = ["sh", "-c", dockerfile_healthcheck_command()]
+    return subprocess.run(command, env=env, capture_output=True, timeout=30).returncode
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_serve_command_passes_dtype_to_both_and_world_size_to_the_decoder_only() -> None:
+    config = UpConfig(Path("/m"), "0.0.0.0", 1, 2, dtype="float32", world_size=2, grace_s=1.0)
+    assert serve_command("encoder", config) == [
+        "serve", "encoder", "--model", "/m", "--host", "0.0.0.0", "--port", "1", "--dtype", "float32",
+    ]  # fmt: skip
+    assert serve_command("decoder", config)[-4:] == ["--dtype", "float32", "--world-size", "2"]
+
+
+def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_path: Path) -> None:
+    encoder_port, decoder_port = _free_port(), _free_port()
+    log = tmp_path / "up.log"
+    # A fresh HOME: `up` writes the embedded default model there first.
+    up = _start_up(
+        ["--encoder-port", str(encoder_port), "--decoder-port", str(decoder_port)], log, home=tmp_path
+    )
+    try:
+        _wait_serving(up, [encoder_port, decoder_port], log)
+        assert (tmp_path / ".cache" / "tandem" / "models" / "tandem-tiny" / "config.json").exists()
+        children = _children(up.pid)
+        assert set(children) == {"encoder", "decoder"}
+        assert _run_image_healthcheck([encoder_port, decoder_port]) == 0
+
+        started = time.monotonic()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=GRACE_S + 5) == 0, log.read_text()
+        assert time.monotonic() - started < GRACE_S
+        assert not any(_is_running(pid) for pid in children.values())
+        assert _health(encoder_port) is None and _health(decoder_port) is None
+        assert _run_image_healthcheck([encoder_port, decoder_port]) == 1
+    finally:
+        _stop(up)
+    output = log.read_text()
+    assert "[encoder] " in output and "[decoder] " in output  # the services' own log lines, prefixed
+    assert "[up] the encoder stopped (exit 0)" in output and "[up] the decoder stopped (exit 0)" in output
+
+
+def test_up_exits_nonzero_and_stops_the_encoder_when_the_decoder_dies(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    encoder_port, decoder_port = _free_port(), _free_port()
+    log = tmp_path / "up.log"
+    up = _start_up(
+        ["--model", str(model_dir), "--encoder-port", str(encoder_port), "--decoder-port", str(decoder_port)],
+        log,
+    )
+    try:
+        _wait_serving(up, [encoder_port, decoder_port], log)
+        children = _children(up.pid)
+        os.kill(children["decoder"], signal.SIGKILL)
+        assert up.wait(timeout=GRACE_S + 5) != 0
+        assert not _is_running(children["encoder"])
+        assert _health(encoder_port) is None
+    finally:
+        _stop(up)
+    output = log.read_text()
+    assert "the decoder exited on its own" in output
+    assert "[up] the encoder stopped (exit 0)" in output
