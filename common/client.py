@@ -3,15 +3,24 @@
 Thin wrappers over the generated stubs that set the message-size limit and keepalive the servers
 expect, and build requests from plain Python values. Errors surface as `grpc.aio.AioRpcError`;
 `grpc_status.rpc_status.aio.from_call` reads their google.rpc details.
+
+Given a `Telemetry` with tracing on, the channel gets the OpenTelemetry client interceptors: each
+call gets a client span and carries W3C trace context, so the servers' spans join the caller's trace.
+With metrics on, Generate and Embed record `gen_ai.client.operation.duration`, and Embed and
+`generate_text` `gen_ai.client.token.usage` (a raw Generate stream's usage is in its Finished event,
+which only its reader sees). Without telemetry the channel and the calls are plain gRPC.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import telemetry as otel
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from common.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
@@ -30,10 +39,51 @@ def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]
     return segments
 
 
+def _attributes(operation: str, model: str) -> dict[str, str]:
+    attributes = {otel.GEN_AI_OPERATION_NAME: operation, otel.GEN_AI_PROVIDER_NAME: otel.PROVIDER}
+    if model:
+        attributes[otel.GEN_AI_REQUEST_MODEL] = model
+    return attributes
+
+
+def _time_call(call: grpc.aio.Call, metrics: otel.ClientMetrics, attributes: dict[str, str]) -> None:
+    """Record the call's duration when it ends, by a done callback: the stream stays the plain call,
+    so nothing is added per message."""
+    start = time.monotonic()
+    loop = asyncio.get_running_loop()
+
+    def done(finished: grpc.aio.Call) -> None:
+        duration_s = time.monotonic() - start
+
+        async def record() -> None:
+            code = await finished.code()
+            ok = code == grpc.StatusCode.OK
+            metrics.record(attributes if ok else {**attributes, otel.ERROR_TYPE: code.name}, duration_s)
+
+        _pending.add(task := loop.create_task(record()))
+        task.add_done_callback(_pending.discard)
+
+    call.add_done_callback(done)
+
+
+_pending: set[asyncio.Task] = set()  # recording tasks, held until done so they are not collected
+
+
 class _Client:
-    def __init__(self, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    def __init__(
+        self,
+        address: str,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        telemetry: otel.Telemetry | None = None,
+    ) -> None:
+        interceptors = telemetry.client_interceptors() if telemetry is not None else []
+        self.channel = grpc.aio.insecure_channel(
+            address, options=channel_options(max_message_bytes), interceptors=interceptors or None
+        )
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._metrics = (
+            otel.ClientMetrics(telemetry.meter) if telemetry is not None and telemetry.is_metrics else None
+        )
 
     async def health(self, service: str = "", timeout: float = 5.0) -> int:
         """The server's health status for `service` ("" = the whole server)."""
@@ -60,8 +110,13 @@ class _Client:
 
 
 class DecoderClient(_Client):
-    def __init__(self, address: str = "127.0.0.1:50052", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        super().__init__(address, max_message_bytes)
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50052",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        telemetry: otel.Telemetry | None = None,
+    ):
+        super().__init__(address, max_message_bytes, telemetry)
         self.stub = decoder_pb2_grpc.DecoderStub(self.channel)
 
     def generate(
@@ -94,12 +149,15 @@ class DecoderClient(_Client):
                     field.extend(value)  # type: ignore[arg-type]
                 else:
                     setattr(target, key, value)
-        return self.stub.Generate(request, timeout=timeout)
+        call = self.stub.Generate(request, timeout=timeout)
+        if self._metrics is not None:
+            _time_call(call, self._metrics, _attributes(otel.OPERATION_TEXT_COMPLETION, request.model))
+        return call
 
     async def generate_text(
         self, prompt: Sequence[Segment], **kwargs: object
     ) -> tuple[str, decoder_pb2.Finished]:
-        """Convenience: the whole text and the Finished event."""
+        """Convenience: the whole text and the Finished event (whose usage goes to the client metrics)."""
         text, finished = [], None
         async for response in self.generate(prompt, **kwargs):  # type: ignore[arg-type]
             if response.HasField("delta"):
@@ -107,6 +165,12 @@ class DecoderClient(_Client):
             elif response.HasField("finished"):
                 finished = response.finished
         assert finished is not None
+        if self._metrics is not None:
+            self._metrics.record_usage(
+                _attributes(otel.OPERATION_TEXT_COMPLETION, ""),
+                finished.usage.input_tokens,
+                finished.usage.output_tokens,
+            )
         return "".join(text), finished
 
     async def tokenize(self, texts: Sequence[str], timeout: float = 10.0) -> list[list[int]]:
@@ -120,8 +184,13 @@ class DecoderClient(_Client):
 
 
 class EncoderClient(_Client):
-    def __init__(self, address: str = "127.0.0.1:50051", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        super().__init__(address, max_message_bytes)
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        telemetry: otel.Telemetry | None = None,
+    ):
+        super().__init__(address, max_message_bytes, telemetry)
         self.stub = encoder_pb2_grpc.EncoderStub(self.channel)
 
     async def embed(
@@ -136,4 +205,17 @@ class EncoderClient(_Client):
             request.text = text
         if token_ids is not None:
             request.token_ids.ids.extend(token_ids)
-        return await self.stub.Embed(request, timeout=timeout)
+        if self._metrics is None:
+            return await self.stub.Embed(request, timeout=timeout)
+        attributes = _attributes(otel.OPERATION_EMBEDDINGS, "")
+        start = time.monotonic()
+        try:
+            response = await self.stub.Embed(request, timeout=timeout)
+        except (grpc.RpcError, asyncio.CancelledError) as exc:
+            self._metrics.record(
+                {**attributes, otel.ERROR_TYPE: otel.error_type(exc)}, time.monotonic() - start
+            )
+            raise
+        self._metrics.record(attributes, time.monotonic() - start)
+        self._metrics.record_usage(attributes, response.usage.input_tokens, None)
+        return response

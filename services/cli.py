@@ -13,8 +13,12 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from google.protobuf import json_format
+
+if TYPE_CHECKING:
+    from common.telemetry import Telemetry
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,6 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--json", action="store_true", help="print each raw event as JSON")
+    gen.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace the call and print its trace id (hex) to stderr; spans are exported only where "
+        "OTEL_* configures an exporter (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
     commands.add_parser("demo", help="start both services, stream one generation, stop them")
     commands.add_parser("up", help="run both services in the foreground: tandem up --help")
     args = parser.parse_args(argv)
@@ -71,6 +81,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
+    import os
+
+    from opentelemetry import trace
+
+    from common.telemetry import setup_telemetry
+
+    # Client spans and metrics go wherever OTEL_* says; --trace also makes a trace id when it says nothing.
+    telemetry = setup_telemetry("tandem-cli", os.environ, always_trace=args.trace)
+    try:
+        with telemetry.tracer.start_as_current_span("tandem generate", kind=trace.SpanKind.CLIENT) as span:
+            if args.trace:
+                trace_id = trace.format_trace_id(span.get_span_context().trace_id)
+                print(f"trace id: {trace_id}", file=sys.stderr, flush=True)
+            return await _stream_generation(args, telemetry)
+    finally:
+        telemetry.shutdown()
+
+
+async def _stream_generation(args: argparse.Namespace, telemetry: Telemetry) -> int:
     import grpc
 
     from common.client import DecoderClient
@@ -82,7 +111,7 @@ async def _generate(args: argparse.Namespace) -> int:
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             setattr(request.sampling, name, getattr(args, name))
-    async with DecoderClient(args.address) as client:
+    async with DecoderClient(args.address, telemetry=telemetry) as client:
         try:
             async for response in client.generate(request):
                 if args.json:

@@ -101,6 +101,8 @@ class EngineCore:
         for tracked in expired:
             request_id = tracked.request.request_id
             tracked.sink(Failed(request_id, DeadlineExceeded(f"request {request_id} expired while queued")))
+        for request_id in plan.preempted_ids:
+            self._live[request_id].output.record("preempted", time.monotonic())
         if plan.is_empty:
             return
         self.num_preemptions += len(plan.preempted_ids)
@@ -110,6 +112,10 @@ class EngineCore:
             if tracked.output.first_scheduled_time is None:
                 tracked.output.first_scheduled_time = now
                 tracked.output.num_cached_tokens = item.request.num_cached_tokens
+            if item.is_prefill:  # the request's timeline, for tracing; decode steps record nothing
+                tracked.output.record(
+                    "prefill_chunk", now, {"positions.start": item.start, "positions.end": item.end}
+                )
         logits = self.runner.execute(plan)  # [num_sampling, vocab]
         sampling = [self._live[item.request_id] for item in plan.scheduled if item.needs_logits]
         sampled = self._sample(logits, sampling) if sampling else None

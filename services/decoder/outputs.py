@@ -5,13 +5,19 @@ Events, in order: one `Accepted`, zero or more `Delta`, then exactly one `Finish
 `min_new_tokens`, stop strings through the detokenizer, max tokens, the context limit), text, and
 coalescing to at most one `Delta` per `stream_interval` steps, because every message costs the
 gRPC layer tens of microseconds of CPU.
+
+It also keeps the request's timeline (queued, each prefill chunk, first token, preemptions,
+finished) as plain (name, monotonic time, attributes) records that `Finished` carries out. The engine
+thread only appends to a list; turning the timeline into trace span events is the servicer's job, once,
+when the request ends, so telemetry never runs on the engine thread.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import tokenizers
 
@@ -27,6 +33,15 @@ class FinishReason(enum.Enum):
     STOP_TOKEN = "stop_token"  # a stop_token_ids entry was produced
     CONTEXT_LIMIT = "context_limit"  # the sequence filled max_model_len
     ABORTED = "aborted"  # the server gave up on it (shutdown past its grace period)
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    """One moment in a request's life, recorded on the engine thread."""
+
+    name: str  # "queued", "prefill_chunk", "first_token", "preempted" or "finished"
+    time: float  # time.monotonic()
+    attributes: Mapping[str, int | str] = field(default_factory=dict)  # e.g. a prefill chunk's range
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,7 @@ class Finished:
     time_to_first_token_s: float
     total_time_s: float
     queue_time_s: float
+    timeline: tuple[TimelineEvent, ...] = ()  # in time order, ending with "finished"
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,8 @@ class OutputState:
         self.first_token_time: float | None = None
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        # Appended to by the engine thread only; handed out (copied) with Finished.
+        self.timeline: list[TimelineEvent] = [TimelineEvent("queued", arrival_time)]
         self._stop_token_ids = frozenset(stopping.stop_token_ids)
         self._eos_token_ids = frozenset() if stopping.ignore_eos else eos_token_ids
         needs_text = options.include_text or bool(stopping.stop)
@@ -121,6 +139,10 @@ class OutputState:
         self._pending_top: list[TopLogprobs] = []
         self._steps_since_emit = 0
 
+    def record(self, name: str, now: float, attributes: Mapping[str, int | str] | None = None) -> None:
+        """Add a moment to the timeline (engine thread; costs one list append)."""
+        self.timeline.append(TimelineEvent(name, now, attributes or {}))
+
     def banned_token_ids(self) -> list[int]:
         """EOS and stop tokens are masked at sampling until min_new_tokens were generated."""
         if self.num_output_tokens >= self.stopping.min_new_tokens:
@@ -133,6 +155,7 @@ class OutputState:
         """Account one sampled token; returns the events it releases (possibly none)."""
         if self.first_token_time is None:
             self.first_token_time = now
+            self.record("first_token", now)
         self.num_output_tokens += 1
         self._pending_ids.append(token_id)
         if logprob is not None:
@@ -174,6 +197,7 @@ class OutputState:
         if self._pending_ids or any(self._pending_text):
             events.append(self._take_delta())
         first_token = self.first_token_time if self.first_token_time is not None else now
+        self.record("finished", now, {"finish_reason": reason.value})
         scheduled = self.first_scheduled_time if self.first_scheduled_time is not None else now
         events.append(
             Finished(
@@ -187,6 +211,7 @@ class OutputState:
                 time_to_first_token_s=first_token - self.arrival_time,
                 total_time_s=now - self.arrival_time,
                 queue_time_s=scheduled - self.arrival_time,
+                timeline=tuple(self.timeline),
             )
         )
         return events

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from typing import Any
 
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from common.server import ServerOptions, Service, install_signal_handlers, start_server
+from common.telemetry import setup_telemetry
 from services.encoder.config import DEFAULT_PORT, DTYPES, EMBEDDERS, EncoderConfig
 from services.encoder.embedder import EmbedderLoadError, Pooling
 from services.encoder.loader import load_embedder
@@ -105,9 +107,12 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
 
 async def serve(config: EncoderConfig) -> None:
     """Listen, load the embedder off the loop, serve until a signal, then drain and stop."""
-    servicer = EncoderServicer(config)
+    telemetry = setup_telemetry("tandem-encoder", os.environ)  # OTEL_*; off when nothing is configured
+    servicer = EncoderServicer(config, telemetry=telemetry)
+    interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
     running = await start_server(
-        config.server, [Service(SERVICE_NAME, servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)]
+        dataclasses.replace(config.server, interceptors=interceptors),
+        [Service(SERVICE_NAME, servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
     )
     stop_requested = asyncio.Event()
 
@@ -133,6 +138,7 @@ async def serve(config: EncoderConfig) -> None:
         stopping.cancel()
         await running.stop(config.server.grace_s)
         servicer.close()
+        telemetry.shutdown()  # flushes spans and metrics still buffered
 
 
 def main(argv: Sequence[str] | None = None) -> int:

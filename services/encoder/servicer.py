@@ -3,6 +3,9 @@
 Embedding and tokenization run on one worker thread, off the event loop, so health checks and
 reflection answer while a long input is being embedded; one thread because torch already uses
 every core for a single call, and embedders are not thread-safe.
+
+With telemetry on, each Embed gets an `embeddings {model}` span (a child of the gRPC server span)
+and a request-duration point.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TypeVar
 import grpc
 import torch
 
+from common import telemetry as otel
 from common import tensors
 from common.errors import InvalidArgument, NotFound, Unavailable
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
@@ -35,11 +39,14 @@ _POOLINGS = {encoder_pb2.POOLING_NONE: Pooling.NONE, encoder_pb2.POOLING_MEAN: P
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     """Answers UNAVAILABLE until `attach` hands it the loaded embedder."""
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, telemetry: otel.Telemetry | None = None) -> None:
         self.config = config
         self._embedder: Embedder | None = None
         self._max_input_tokens = config.max_input_tokens  # min(config, embedder limit) once attached
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
+        # None when telemetry is off: Embed then records nothing at all.
+        self._telemetry = telemetry if telemetry is not None and telemetry.is_enabled else None
+        self._metrics = otel.ServerMetrics(telemetry.meter) if self._telemetry is not None else None
 
     def attach(self, embedder: Embedder) -> None:
         self._embedder = embedder
@@ -52,6 +59,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     async def Embed(
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EmbedResponse:
+        if self._telemetry is None or self._metrics is None:
+            return await self._embed(request)
+        op = otel.ServerOperation(
+            self._telemetry, self._metrics, otel.OPERATION_EMBEDDINGS, self.config.served_model_name
+        )
+        try:
+            response = await self._embed(request)
+            op.set(
+                {
+                    otel.GEN_AI_RESPONSE_ID: response.request_id,
+                    otel.GEN_AI_USAGE_INPUT_TOKENS: response.usage.input_tokens,
+                    otel.GEN_AI_EMBEDDINGS_DIMENSION_COUNT: response.embeddings.shape[-1],
+                }
+            )
+            return response
+        except BaseException as exc:
+            op.fail(exc)
+            raise
+        finally:
+            op.end()
+
+    async def _embed(self, request: encoder_pb2.EmbedRequest) -> encoder_pb2.EmbedResponse:
         embedder = self._require_embedder()
         info = embedder.info
         self._check_model(request.model)

@@ -1,0 +1,360 @@
+"""Tracing and metrics end to end: a client, an encoder and a decoder, in process on loopback, each
+with its own providers over in-memory exporters, as three processes would have."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from common import telemetry as otel
+from common.client import DecoderClient, EncoderClient, prompt_segments
+from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2_grpc
+from common.server import RunningServer, ServerOptions, Service, start_server
+from services.decoder.config import EngineConfig
+from services.decoder.engine import Engine
+from services.decoder.models.default_model import make_model
+from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.servicer import DecoderServicer
+from services.encoder.config import EncoderConfig
+from services.encoder.lookup import LookupEmbedder
+from services.encoder.servicer import EncoderServicer
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MODEL = "tiny"
+TEXT_COMPLETION = f"text_completion {MODEL}"
+EMBEDDINGS = f"embeddings {MODEL}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tracing-tiny"))
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path) -> LoadedModel:
+    return load_model(model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def lookup(model_dir: Path) -> LookupEmbedder:
+    return LookupEmbedder.load(model_dir, torch.float32)
+
+
+@dataclass
+class Stack:
+    client_telemetry: otel.Telemetry
+    engine: Engine
+    encoder: EncoderClient
+    decoder: DecoderClient
+    servers: list[RunningServer]
+    encoder_servicer: EncoderServicer
+
+
+async def start_stack(
+    model_dir: Path, loaded: LoadedModel, lookup: LookupEmbedder, make: Callable[[str], otel.Telemetry]
+) -> Stack:
+    client_t, encoder_t, decoder_t = make("test-client"), make("tandem-encoder"), make("tandem-decoder")
+    # A 4-token step budget: prompts are prefilled in several chunks, each one a span event.
+    engine = Engine(
+        EngineConfig(
+            model_dir=model_dir, dtype="float32", num_kv_blocks=1100, block_size=4, max_num_batched_tokens=4
+        ),
+        loaded,
+    ).start()
+    decoder_server = await start_server(
+        ServerOptions(
+            port=0, max_message_bytes=MAX_MESSAGE_BYTES, interceptors=decoder_t.server_interceptors()
+        ),
+        [
+            Service(
+                "tandem.v1.Decoder",
+                DecoderServicer(MODEL, MAX_MESSAGE_BYTES, engine=engine, telemetry=decoder_t),
+                decoder_pb2_grpc.add_DecoderServicer_to_server,
+            )
+        ],
+    )
+    encoder_config = EncoderConfig(
+        model_dir=model_dir,
+        model_name=MODEL,
+        dtype="float32",
+        server=ServerOptions(
+            port=0, max_message_bytes=MAX_MESSAGE_BYTES, interceptors=encoder_t.server_interceptors()
+        ),
+    )
+    encoder_servicer = EncoderServicer(encoder_config, telemetry=encoder_t)
+    encoder_servicer.attach(lookup)
+    encoder_server = await start_server(
+        encoder_config.server,
+        [Service("tandem.v1.Encoder", encoder_servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
+    )
+    for server in (decoder_server, encoder_server):
+        await server.set_serving()
+    return Stack(
+        client_telemetry=client_t,
+        engine=engine,
+        encoder=EncoderClient(encoder_server.address, MAX_MESSAGE_BYTES, telemetry=client_t),
+        decoder=DecoderClient(decoder_server.address, MAX_MESSAGE_BYTES, telemetry=client_t),
+        servers=[decoder_server, encoder_server],
+        encoder_servicer=encoder_servicer,
+    )
+
+
+async def stop_stack(stack: Stack) -> None:
+    await stack.encoder.close()
+    await stack.decoder.close()
+    for server in stack.servers:
+        await server.stop(0)
+    stack.engine.shutdown()
+    stack.encoder_servicer.close()
+
+
+@dataclass
+class Traced:
+    stack: Stack
+    spans: InMemorySpanExporter  # every process's spans
+    client_metrics: InMemoryMetricReader
+    decoder_metrics: InMemoryMetricReader
+
+
+@pytest.fixture
+async def traced(model_dir: Path, loaded: LoadedModel, lookup: LookupEmbedder) -> AsyncIterator[Traced]:
+    exporter = InMemorySpanExporter()
+    readers: dict[str, InMemoryMetricReader] = {}
+
+    def make(service: str) -> otel.Telemetry:
+        readers[service] = InMemoryMetricReader()
+        return otel.build_telemetry(service, [SimpleSpanProcessor(exporter)], [readers[service]])
+
+    stack = await start_stack(model_dir, loaded, lookup, make)
+    yield Traced(stack, exporter, readers["test-client"], readers["tandem-decoder"])
+    await stop_stack(stack)
+
+
+async def wait_for(condition: Callable[[], object], timeout_s: float = 5.0) -> None:
+    """Server spans end just after the client sees the status: poll rather than race them."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def named(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return [s for s in spans.get_finished_spans() if s.name == name]
+
+
+def points(reader: InMemoryMetricReader, name: str) -> list:
+    data = reader.get_metrics_data()
+    found = []
+    for resource_metrics in data.resource_metrics if data else []:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == name:
+                    found.extend(metric.data.data_points)
+    return found
+
+
+def generate_request(prompt: list, max_new_tokens: int, **sampling: float) -> decoder_pb2.GenerateRequest:
+    request = decoder_pb2.GenerateRequest(prompt=prompt_segments(prompt))
+    request.stopping.max_new_tokens = max_new_tokens
+    request.stopping.ignore_eos = True
+    for name, value in sampling.items():
+        setattr(request.sampling, name, value)
+    return request
+
+
+async def test_one_generation_is_one_trace_across_client_encoder_and_decoder(traced: Traced) -> None:
+    stack = traced.stack
+    (text_ids,) = await stack.decoder.tokenize(["the end"])
+    request = generate_request([], 5, temperature=0.7, top_p=0.9, top_k=20, seed=3)
+    with stack.client_telemetry.tracer.start_as_current_span("pipeline") as root:
+        embedded = await stack.encoder.embed(text="hello world")
+        num_rows = embedded.embeddings.shape[0]
+        request.prompt.extend(prompt_segments([[1, 2, 3], embedded.embeddings, "the end"]))
+        responses = [r async for r in stack.decoder.generate(request)]
+    await stack.decoder.health()  # health checks are never traced
+    await wait_for(
+        lambda: named(traced.spans, TEXT_COMPLETION) and len(traced.spans.get_finished_spans()) >= 8
+    )
+
+    spans = traced.spans.get_finished_spans()
+    assert {s.context.trace_id for s in spans if s.name != "/tandem.v1.Decoder/Tokenize"} == {
+        root.get_span_context().trace_id
+    }
+    assert not [s for s in spans if "Health" in s.name]
+    by_id = {s.context.span_id: s for s in spans}
+
+    def parent(span: ReadableSpan) -> ReadableSpan:
+        assert span.parent is not None
+        return by_id[span.parent.span_id]
+
+    (completion,) = named(traced.spans, TEXT_COMPLETION)
+    (embedding,) = named(traced.spans, EMBEDDINGS)
+    decoder_server = parent(completion)
+    assert (decoder_server.name, decoder_server.kind) == ("/tandem.v1.Decoder/Generate", SpanKind.SERVER)
+    assert decoder_server.resource.attributes["service.name"] == "tandem-decoder"
+    generate_client = parent(decoder_server)
+    assert generate_client.kind is SpanKind.CLIENT and parent(generate_client).name == "pipeline"
+    encoder_server = parent(embedding)
+    assert (encoder_server.name, encoder_server.kind) == ("/tandem.v1.Encoder/Embed", SpanKind.SERVER)
+    assert encoder_server.resource.attributes["service.name"] == "tandem-encoder"
+    assert parent(parent(encoder_server)).name == "pipeline"
+
+    accepted = responses[0].accepted
+    finished = responses[-1].finished
+    num_positions = 3 + num_rows + len(text_ids)
+    assert accepted.prompt_tokens == finished.usage.input_tokens == num_positions
+    a = completion.attributes
+    assert a[otel.GEN_AI_OPERATION_NAME] == "text_completion" and a[otel.GEN_AI_PROVIDER_NAME] == "tandem"
+    assert a[otel.GEN_AI_REQUEST_MODEL] == MODEL
+    assert a[otel.GEN_AI_REQUEST_MAX_TOKENS] == 5
+    assert a[otel.GEN_AI_REQUEST_TEMPERATURE] == pytest.approx(0.7)
+    assert a[otel.GEN_AI_REQUEST_TOP_P] == pytest.approx(0.9)
+    assert (a[otel.GEN_AI_REQUEST_TOP_K], a[otel.GEN_AI_REQUEST_SEED]) == (20, 3)
+    assert a[otel.GEN_AI_RESPONSE_ID] == responses[0].request_id
+    assert tuple(a[otel.GEN_AI_RESPONSE_FINISH_REASONS]) == ("length",)
+    assert (a[otel.GEN_AI_USAGE_INPUT_TOKENS], a[otel.GEN_AI_USAGE_OUTPUT_TOKENS]) == (num_positions, 5)
+    assert a[otel.TANDEM_PROMPT_EMBEDDING_POSITIONS] == num_rows
+    assert a[otel.TANDEM_USAGE_CACHED_TOKENS] == finished.usage.cached_input_tokens
+    assert a[otel.TANDEM_WORLD_SIZE] == 1
+    assert otel.ERROR_TYPE not in a and completion.status.status_code is not StatusCode.ERROR
+
+    # Engine work as events, none per decoded token; prefill chunks tile the uncached prompt in order.
+    names = [e.name for e in completion.events]
+    assert names[0] == "queued" and names[-2:] == ["first_token", "finished"]
+    chunks = [e for e in completion.events if e.name == "prefill_chunk"]
+    assert names == ["queued"] + ["prefill_chunk"] * len(chunks) + ["first_token", "finished"]
+    assert len(chunks) == -(-(num_positions - finished.usage.cached_input_tokens) // 4)
+    ranges = [(e.attributes["tandem.positions.start"], e.attributes["tandem.positions.end"]) for e in chunks]
+    assert ranges[0][0] == finished.usage.cached_input_tokens and ranges[-1][1] == num_positions
+    assert all(prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:], strict=False))
+    times = [e.timestamp for e in completion.events]
+    assert times == sorted(times)
+    assert completion.start_time - 5_000_000 <= times[0] and times[-1] <= completion.end_time + 5_000_000
+
+    e = embedding.attributes
+    assert e[otel.GEN_AI_OPERATION_NAME] == "embeddings" and e[otel.GEN_AI_REQUEST_MODEL] == MODEL
+    assert e[otel.GEN_AI_EMBEDDINGS_DIMENSION_COUNT] == 64
+    assert e[otel.GEN_AI_USAGE_INPUT_TOKENS] == len(embedded.token_ids.ids) == num_rows
+    assert e[otel.GEN_AI_RESPONSE_ID] == embedded.request_id
+
+
+@pytest.mark.parametrize("how", ["call.cancel", "task.cancel"])
+async def test_cancelling_a_traced_stream_aborts_the_request(traced: Traced, how: str) -> None:
+    stack = traced.stack
+    call = stack.decoder.generate(generate_request([[1, 2, 3]], 4000, temperature=0.0))
+    first_delta = asyncio.Event()
+
+    async def consume() -> None:
+        async for response in call:
+            if response.HasField("delta"):
+                first_delta.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first_delta.wait(), 10)
+    assert stack.engine.core.num_live() == 1
+    if how == "call.cancel":
+        call.cancel()
+    else:
+        task.cancel()
+    with pytest.raises((asyncio.CancelledError, grpc.aio.AioRpcError)):
+        await task
+    await wait_for(lambda: stack.engine.core.num_live() == 0 and named(traced.spans, TEXT_COMPLETION))
+    (completion,) = named(traced.spans, TEXT_COMPLETION)
+    assert completion.attributes[otel.ERROR_TYPE] == "CANCELLED"
+    assert completion.status.status_code is StatusCode.ERROR
+    assert otel.GEN_AI_USAGE_OUTPUT_TOKENS not in completion.attributes
+    assert stack.engine.core.block_manager.num_free_blocks == stack.engine.core.block_manager.num_total_blocks
+
+
+async def test_metrics_record_ttft_and_token_counts(traced: Traced) -> None:
+    stack = traced.stack
+    prompt = [[5, 6, 7, 8, 9]]
+    text, finished = await stack.decoder.generate_text(prompt, max_new_tokens=4, ignore_eos=True)
+    await wait_for(lambda: points(traced.decoder_metrics, otel.GEN_AI_SERVER_REQUEST_DURATION))
+
+    m = traced.decoder_metrics
+    (ttft,) = points(m, otel.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN)
+    assert ttft.count == 1 and ttft.sum == pytest.approx(finished.time_to_first_token_s)
+    (tpot,) = points(m, otel.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN)
+    expected_tpot = (finished.total_time_s - finished.time_to_first_token_s) / 3
+    assert tpot.count == 1 and tpot.sum == pytest.approx(expected_tpot)
+    (duration,) = points(m, otel.GEN_AI_SERVER_REQUEST_DURATION)
+    assert duration.count == 1 and duration.sum >= finished.total_time_s
+    assert dict(duration.attributes) == {
+        otel.GEN_AI_OPERATION_NAME: "text_completion",
+        otel.GEN_AI_PROVIDER_NAME: "tandem",
+        otel.GEN_AI_REQUEST_MODEL: MODEL,
+    }
+    tokens = {p.attributes[otel.TANDEM_TOKEN_KIND]: p.value for p in points(m, otel.TANDEM_SERVER_TOKENS)}
+    assert tokens == {"prompt_token": 5, "output": 4}
+    requests = {
+        p.attributes[otel.TANDEM_REQUEST_STATE]: p.value for p in points(m, otel.TANDEM_ENGINE_REQUESTS)
+    }
+    assert requests == {"running": 0, "waiting": 0}
+    blocks = {
+        p.attributes[otel.TANDEM_KV_BLOCK_STATE]: p.value for p in points(m, otel.TANDEM_ENGINE_KV_BLOCKS)
+    }
+    assert sum(blocks.values()) == stack.engine.core.block_manager.num_total_blocks
+    (queried,) = points(m, otel.TANDEM_ENGINE_PREFIX_CACHE_QUERY_TOKENS)
+    assert queried.value == stack.engine.core.block_manager.num_prefix_queries_tokens
+
+    usage = {
+        p.attributes[otel.GEN_AI_TOKEN_TYPE]: (p.count, p.sum)
+        for p in points(traced.client_metrics, otel.GEN_AI_CLIENT_TOKEN_USAGE)
+    }
+    assert usage == {"input": (1, 5), "output": (1, 4)}
+    # The client's duration is recorded by the call's done callback, just after the stream ends.
+    await wait_for(lambda: points(traced.client_metrics, otel.GEN_AI_CLIENT_OPERATION_DURATION))
+    (client_duration,) = points(traced.client_metrics, otel.GEN_AI_CLIENT_OPERATION_DURATION)
+    assert client_duration.count == 1 and client_duration.sum >= finished.total_time_s
+
+
+async def test_rejected_request_is_counted_and_traced_with_its_error_type(traced: Traced) -> None:
+    stack = traced.stack
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stack.decoder.generate_text([[10**6]], max_new_tokens=2)
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    await wait_for(lambda: named(traced.spans, TEXT_COMPLETION))
+    (completion,) = named(traced.spans, TEXT_COMPLETION)
+    assert completion.attributes[otel.ERROR_TYPE] == "INVALID_ARGUMENT"
+    (rejected,) = points(traced.decoder_metrics, otel.TANDEM_SERVER_REJECTED)
+    assert rejected.value == 1 and rejected.attributes[otel.ERROR_TYPE] == "INVALID_ARGUMENT"
+    await wait_for(lambda: points(traced.client_metrics, otel.GEN_AI_CLIENT_OPERATION_DURATION))
+    (client_duration,) = points(traced.client_metrics, otel.GEN_AI_CLIENT_OPERATION_DURATION)
+    assert client_duration.attributes[otel.ERROR_TYPE] == "INVALID_ARGUMENT"
+
+
+async def test_telemetry_off_installs_nothing_and_records_no_spans(
+    model_dir: Path, loaded: LoadedModel, lookup: LookupEmbedder
+) -> None:
+    # A provider of the test's own, to catch any span the services or the client would make.
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    off = otel.setup_telemetry("tandem-decoder", {})
+    assert not off.is_enabled and off.server_interceptors() == [] and off.client_interceptors() == []
+
+    stack = await start_stack(model_dir, loaded, lookup, lambda service: off)
+    try:
+        with provider.get_tracer("test").start_as_current_span("root"):
+            embedded = await stack.encoder.embed(text="hello")
+            text, finished = await stack.decoder.generate_text(
+                [[1, 2], embedded.embeddings], max_new_tokens=3, ignore_eos=True
+            )
+        assert finished.usage.output_tokens == 3
+    finally:
+        await stop_stack(stack)
+    assert [s.name for s in exporter.get_finished_spans()] == ["root"]
