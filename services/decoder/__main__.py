@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -17,9 +18,12 @@ from pathlib import Path
 
 from common.pb.tandem.v1 import decoder_pb2_grpc
 from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, start_server
+from common.telemetry import setup_telemetry
 from services.decoder.config import DTYPES, DecoderConfig, EngineConfig
 from services.decoder.engine import Engine, default_model_dir
+from services.decoder.parallel import RankInfo, init_parallel
 from services.decoder.servicer import DecoderServicer
+from services.decoder.worker import join_local_ranks, rank_config, rank_info, run_worker, spawn_local_ranks
 
 log = logging.getLogger("tandem.decoder")
 
@@ -54,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time for in-flight streams on SIGTERM")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="ranks to shard the model over (spawned here unless torchrun)",
+    )
+    p.add_argument(
+        "--collective-timeout-s", type=float, default=60.0, help="several ranks: collective timeout"
+    )
     return p
 
 
@@ -90,7 +103,13 @@ def config_from_args(argv: Sequence[str] | None, environ: dict[str, str] | None 
     server = ServerOptions(
         host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, grace_s=args.grace_s
     )
-    return DecoderConfig(engine=engine, server=server, model_name=args.model_name or Path(model_dir).name)
+    return DecoderConfig(
+        engine=engine,
+        server=server,
+        model_name=args.model_name or Path(model_dir).name,
+        world_size=args.world_size,
+        collective_timeout_s=args.collective_timeout_s,
+    )
 
 
 def ensure_default_model(model_dir: Path) -> None:
@@ -102,10 +121,17 @@ def ensure_default_model(model_dir: Path) -> None:
         make_model(model_dir)
 
 
-async def serve(config: DecoderConfig, ready: asyncio.Event | None = None) -> None:
-    servicer = DecoderServicer(config.model_name, config.server.max_message_bytes, config.world_size)
+async def serve(
+    config: DecoderConfig, ready: asyncio.Event | None = None, rank: RankInfo | None = None
+) -> bool:
+    """Serves until SIGTERM; with `rank` (several ranks) also until the group fails. False on failure."""
+    telemetry = setup_telemetry("tandem-decoder", os.environ)  # OTEL_*; off when nothing is configured
+    servicer = DecoderServicer(
+        config.model_name, config.server.max_message_bytes, config.world_size, telemetry=telemetry
+    )
+    interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
     running = await start_server(
-        config.server,
+        dataclasses.replace(config.server, interceptors=interceptors),
         [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
     )
     stop = asyncio.Event()
@@ -113,43 +139,60 @@ async def serve(config: DecoderConfig, ready: asyncio.Event | None = None) -> No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("loading %s (health NOT_SERVING until ready)", config.engine.model_dir)
-    engine = await asyncio.to_thread(_load_engine, config.engine)
+    engine = await asyncio.to_thread(_load_engine, config, rank)
     servicer.engine = engine
     await running.set_serving()
     log.info("serving %s on port %d", config.model_name, running.port)
     if ready is not None:
         ready.set()
-    watchdog = asyncio.create_task(_watch_engine(engine, running))
+    # A failed group cannot recover: rank 0 then stops too, so the whole group exits non-zero.
+    watchdog = asyncio.create_task(_watch_engine(engine, running, stop if rank is not None else None))
     await stop.wait()
+    healthy = engine.is_healthy
     log.info("draining for up to %.1f s", config.server.grace_s)
     watchdog.cancel()
     await running.stop(config.server.grace_s)
     engine.shutdown()
+    telemetry.shutdown()  # flushes spans and metrics still buffered
     log.info("stopped")
+    return healthy
 
 
-def _load_engine(config: EngineConfig) -> Engine:
-    ensure_default_model(Path(config.model_dir))
-    return Engine(config).start()
+def _load_engine(config: DecoderConfig, rank: RankInfo | None) -> Engine:
+    ensure_default_model(Path(config.engine.model_dir))
+    tp = None if rank is None else init_parallel(rank, config.engine.device, config.collective_timeout_s)
+    return Engine(config.engine, tp=tp).start()
 
 
-async def _watch_engine(engine: Engine, running) -> None:
+async def _watch_engine(engine: Engine, running, stop: asyncio.Event | None = None) -> None:
     """An engine fault fails its open streams at once; this also takes the server out of rotation."""
     while engine.is_healthy:
         await asyncio.sleep(0.5)
     log.error("engine failed: health NOT_SERVING")
     await running.set_serving(False)
+    if stop is not None:
+        stop.set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
     try:
         config = config_from_args(argv)
+        rank = rank_info(config, os.environ)  # None: one rank, no process group
     except ValueError as exc:
         print(f"tandem serve decoder: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
-    return 0
+    if rank is None:
+        asyncio.run(serve(config))
+        return 0
+    config = rank_config(config, rank)
+    if rank.rank != 0:
+        return run_worker(rank, config)
+    ensure_default_model(Path(config.engine.model_dir))  # before the other ranks look for it
+    workers = [] if rank.is_torchrun else spawn_local_ranks(config, rank)
+    healthy = asyncio.run(serve(config, rank=rank))
+    healthy = join_local_ranks(workers, config.collective_timeout_s) and healthy
+    return 0 if healthy else 1
 
 
 if __name__ == "__main__":

@@ -61,3 +61,10 @@ class DecoderConfig:
     server: ServerOptions = field(default_factory=lambda: ServerOptions(port=50052))
     model_name: str = ""  # name reported by GetModelInfo and in traces; "" = model directory name.
     world_size: int = 1  # ranks the model runs on.
+    collective_timeout_s: float = 60.0  # several ranks: a collective or step broadcast waiting longer fails.
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")

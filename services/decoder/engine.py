@@ -26,12 +26,16 @@ from common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.decoder.config import EngineConfig
 from services.decoder.core import EngineCore, Sink
 from services.decoder.kv_cache import BlockManager
+from services.decoder.models.config import ModelConfig
 from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.models.tensor_parallel import world_size_of
 from services.decoder.outputs import Event, Failed, Finished, OutputOptions, OutputState
+from services.decoder.parallel import ParallelContext
 from services.decoder.params import SamplingParams, StoppingParams
 from services.decoder.request import EmbeddingSegment, Request, TokenSegment
 from services.decoder.runner import ModelRunner, StaticShapes, power_of_two_buckets
 from services.decoder.scheduler import Scheduler, SchedulerConfig
+from services.decoder.step_broadcast import StepSender
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +67,15 @@ class GenerateSpec:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    """With `tp` (several ranks) this is rank 0: it feeds every step to the others' worker loops."""
+
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, tp: ParallelContext | None = None
+    ) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.loaded = loaded or load_model(config.model_dir, config.dtype, config.device)
+        self.loaded = loaded or load_model(config.model_dir, config.dtype, config.device, tp)
         model_config = self.loaded.config
         self.model_config = model_config
         self.tokenizer = self.loaded.tokenizer
@@ -75,7 +83,7 @@ class Engine:
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
-        self.num_blocks = config.num_kv_blocks or self._blocks_for_bytes(config.kv_cache_bytes)
+        self.num_blocks = num_kv_blocks(config, model_config, world_size_of(tp))
         block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(
             SchedulerConfig(
@@ -86,7 +94,12 @@ class Engine:
             ),
             block_manager,
         )
-        runner = ModelRunner(self.loaded.model, self.num_blocks, config.block_size, self._static_shapes())
+        sink = None if tp is None else StepSender(tp.control)
+        runner = ModelRunner(
+            self.loaded.model, self.num_blocks, config.block_size, self._static_shapes(), sink
+        )
+        # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
+        self._keepalive_s = None if tp is None else tp.timeout_s / 4
         self.core = EngineCore(scheduler, runner, model_config.vocab_size)
         self._wakeup = threading.Condition()
         self._running = False
@@ -112,6 +125,11 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
+        if self.core.runner.sink is not None and self._error is None:
+            try:
+                self.core.runner.sink.stop()  # the other ranks' worker loops end
+            except Exception:  # a rank already gone: it has nothing left to stop
+                log.exception("could not tell the other ranks to stop")
 
     @property
     def is_healthy(self) -> bool:
@@ -252,14 +270,18 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        sink = self.core.runner.sink
         while True:
             with self._wakeup:
-                while self._running and not self.core.has_work():
-                    self._wakeup.wait()
+                if self._running and not self.core.has_work():
+                    self._wakeup.wait(self._keepalive_s)
                 if not self._running:
                     return
             try:
-                self.core.step()
+                if self.core.has_work():
+                    self.core.step()
+                elif sink is not None:
+                    sink.keepalive()
             except Exception as exc:  # a fault in the model or the engine: fail loudly, never hang
                 log.exception("engine step failed; failing every open request")
                 self._error = exc
@@ -297,10 +319,18 @@ class Engine:
             block_table_width=-(-self.max_model_len // config.block_size),
         )
 
-    def _blocks_for_bytes(self, kv_cache_bytes: int) -> int:
-        c = self.model_config
-        per_block = 2 * c.num_layers * self.config.block_size * c.num_kv_heads * c.head_dim * c.dtype.itemsize
-        return max(2, kv_cache_bytes // per_block + 1)  # + the reserved null block
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: int) -> int:
+    """KV blocks in the pool: config.num_kv_blocks, or as many as fit in kv_cache_bytes on each rank.
+
+    Every rank computes the same count (each holds num_kv_heads / world_size heads of every block).
+    """
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    c = model_config
+    num_kv_heads = c.num_kv_heads // world_size
+    per_block = 2 * c.num_layers * config.block_size * num_kv_heads * c.head_dim * c.dtype.itemsize
+    return max(2, config.kv_cache_bytes // per_block + 1)  # + the reserved null block
 
 
 def _row_digests(rows: torch.Tensor) -> list[bytes]:

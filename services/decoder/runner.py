@@ -9,17 +9,24 @@ Static-shape mode pads the token count and the sequence count to buckets and alw
 `inputs_embeds` (zeros) and `is_token_ids` (all True where not an embedding), so every step has
 one of a known set of input signatures; warmup runs each once and `signatures` records them.
 Padding tokens write their KV into the reserved null block 0 and attend to it alone.
+
+With several ranks, a step with any prefill runs sequence-parallel: its token count is padded to a
+multiple of the world size with tokens past every sequence (they write the null block and their
+attention rows are zeros), and rank 0 sends each batch to the other ranks before running it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from services.decoder.kv_cache import NULL_BLOCK_ID
 from services.decoder.models.attention import AttentionMetadata
+from services.decoder.models.tensor_parallel import world_size_of
 from services.decoder.models.transformer import DecoderModel
 from services.decoder.scheduler import StepPlan
 
@@ -70,8 +77,41 @@ class StaticShapes:
     block_table_width: int  # fixed: blocks of the longest allowed sequence
 
 
+class StepSink(Protocol):
+    """Where rank 0 sends each batch before running it (the other ranks run the same one)."""
+
+    def send(self, batch: ForwardBatch) -> None: ...
+
+    def keepalive(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def pad_for_sequence_parallel(batch: ForwardBatch, world_size: int) -> ForwardBatch:
+    """Pads a step with any prefill to a multiple of `world_size` tokens; decode-only steps as they are.
+
+    Padding tokens sit past every sequence: token 0 at position 0, KV slot 0 (the null block).
+    """
+    num_tokens = batch.input_ids.shape[0]
+    num_pad = -num_tokens % world_size
+    if batch.attn.is_decode_only or num_pad == 0:
+        return batch
+
+    def pad(x: torch.Tensor, value: float | bool) -> torch.Tensor:  # [num_tokens, ...] -> [+ num_pad, ...]
+        return torch.cat((x, x.new_full((num_pad, *x.shape[1:]), value)))
+
+    return dataclasses.replace(
+        batch,
+        input_ids=pad(batch.input_ids, 0),
+        positions=pad(batch.positions, 0),
+        is_token_ids=None if batch.is_token_ids is None else pad(batch.is_token_ids, True),
+        inputs_embeds=None if batch.inputs_embeds is None else pad(batch.inputs_embeds, 0),
+        attn=dataclasses.replace(batch.attn, slot_mapping=pad(batch.attn.slot_mapping, NULL_BLOCK_ID)),
+    )
+
+
 class ModelRunner:
-    """Owns the model and its KV cache; turns plans into logits."""
+    """Owns the model and its KV cache (this rank's shard of both); turns plans into logits."""
 
     def __init__(
         self,
@@ -79,10 +119,13 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         static: StaticShapes | None = None,
+        sink: StepSink | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.static = static
+        self.sink = sink  # rank 0 of several: the other ranks' feed; None otherwise
+        self.world_size = world_size_of(model.tp)
         self.device = model.embed_tokens.weight.device
         self.hidden_size = model.config.hidden_size
         self.dtype = model.config.dtype
@@ -106,6 +149,8 @@ class ModelRunner:
                 is_decode_only=attn.is_decode_only,
             )
         )
+        if self.sink is not None:
+            self.sink.send(batch)
         return self.model(
             batch.input_ids, batch.positions, attn, self.kv_caches, batch.inputs_embeds, batch.is_token_ids
         )
@@ -149,11 +194,12 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
         num_logits = len(logits_rows)
         if self.static is not None:
-            return self._pad_static(
+            batch = self._pad_static(
                 input_ids, positions, slots, is_token, embed_pieces, query_lens, seq_lens, tables, logits_rows
             )
+            return batch if self.world_size == 1 else pad_for_sequence_parallel(batch, self.world_size)
         width = max(len(t) for t in tables)
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=self._tensor(input_ids, torch.int32),
             positions=self._tensor(positions, torch.int64),
             is_token_ids=self._tensor(is_token, torch.bool) if embed_pieces else None,
@@ -161,6 +207,7 @@ class ModelRunner:
             attn=self._metadata(query_lens, seq_lens, slots, tables, width, logits_rows),
             num_logits=num_logits,
         )
+        return batch if self.world_size == 1 else pad_for_sequence_parallel(batch, self.world_size)
 
     def _pad_static(
         self,
@@ -243,7 +290,7 @@ class ModelRunner:
             ),
             num_logits=0,
         )
-        self.forward(batch)
+        self.forward(pad_for_sequence_parallel(batch, self.world_size))
 
     def _metadata(
         self,

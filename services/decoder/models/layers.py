@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.decoder.models.config import Llama3RopeScaling
+from services.decoder.models.tensor_parallel import gather_sequence, row_parallel, world_size_of
+from services.decoder.parallel import ParallelContext
 
 
 class RMSNorm(nn.Module):
@@ -75,16 +77,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
-        super().__init__()
-        # gate_proj and up_proj as one GEMM; the loader concatenates the checkpoint's two matrices.
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+    """gate/up column-parallel, down row-parallel: each rank holds intermediate_size / world_size."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden_size]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [num_tokens, intermediate_size]
-        return self.down_proj(F.silu(gate) * up)
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp: ParallelContext | None = None
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        local_size = intermediate_size // world_size_of(tp)
+        # gate_proj and up_proj as one GEMM; the loader concatenates the checkpoint's two matrices.
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * local_size, bias=bias)
+        self.down_proj = nn.Linear(local_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, sp: bool = False) -> torch.Tensor:
+        # x: [num_tokens, hidden_size], or this rank's [local_len, hidden_size] slice under SP
+        x = gather_sequence(x, self.tp, sp)  # [num_tokens, hidden_size]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [num_tokens, local_size]
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp, sp)
 
 
 def merge_prompt_embeds(

@@ -3,7 +3,8 @@
 The model is built on the meta device, so no memory is allocated until each weight is read from
 safetensors (memory-mapped), checked against the shape the model expects, cast, moved to the device
 and assigned in place of the meta tensor: every weight exists once, in its final dtype. Pickle-based
-files (`*.bin`, `torch.load`) are never read.
+files (`*.bin`, `torch.load`) are never read. With a ParallelContext each rank reads only its shard of
+each tensor (safetensors `get_slice`), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from tokenizers import Tokenizer
 
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.registry import MODEL_CLASSES
+from services.decoder.models.tensor_parallel import CheckpointPart, check_shardable
 from services.decoder.models.transformer import DecoderModel
+from services.decoder.parallel import ParallelContext
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -41,11 +44,15 @@ class LoadedModel:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: str = "bfloat16",
+    device: str | torch.device = "cpu",
+    tp: ParallelContext | None = None,
 ) -> LoadedModel:
     """Reads config, generation config, tokenizer and weights from a checkpoint directory.
 
-    `dtype` is one of DTYPES; weights are cast to it whatever the file stores. Raises ModelLoadError.
+    `dtype` is one of DTYPES; weights are cast to it whatever the file stores. With `tp`, the model is
+    this rank's shard. Raises ModelLoadError.
     """
     model_dir = Path(model_dir)
     if dtype not in DTYPES:
@@ -75,8 +82,13 @@ def load_model(
             f"model's vocab_size {config.vocab_size}"
         )
 
+    if tp is not None:
+        try:
+            check_shardable(config, tp.world_size)
+        except ValueError as e:
+            raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
     with torch.device("meta"):
-        model = MODEL_CLASSES[architecture](config)
+        model = MODEL_CLASSES[architecture](config, tp)
     model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
     model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
     model.eval().requires_grad_(False)
@@ -128,18 +140,30 @@ def _read_weights(
             for path in _weight_files(model_dir)
         ]
         file_of = {key: handle for handle in handles for key in handle.keys()}
-        for name, param in model.named_parameters():
+        for name, _ in model.named_parameters():
             parts = []
-            for hf_name, rows in model.checkpoint_parts(name):
-                if hf_name not in file_of:
-                    raise ModelLoadError(f"weight {hf_name} not found in the checkpoint in {model_dir}")
-                tensor = file_of[hf_name].get_tensor(hf_name)
-                expected = (rows, *param.shape[1:])
-                if tuple(tensor.shape) != expected:
-                    raise ModelLoadError(
-                        f"weight {hf_name} has shape {list(tensor.shape)}, expected {list(expected)}"
-                    )
-                parts.append(tensor)
+            for part in model.checkpoint_parts(name):
+                if part.name not in file_of:
+                    raise ModelLoadError(f"weight {part.name} not found in the checkpoint in {model_dir}")
+                parts.append(_read_part(file_of[part.name], part, model))
             fused = parts[0] if len(parts) == 1 else torch.cat(parts)
             state[name] = fused.to(device=device, dtype=dtype)
     return state
+
+
+def _read_part(handle: Any, part: CheckpointPart, model: DecoderModel) -> torch.Tensor:
+    """The checkpoint tensor, shape-checked, or only this rank's slice of it along part.shard_dim."""
+    tp = model.tp
+    if tp is None or part.shard_dim is None:
+        tensor = handle.get_tensor(part.name)
+        shape = tuple(tensor.shape)
+    else:
+        lazy = handle.get_slice(part.name)  # memory-mapped: nothing is read until indexed
+        shape = tuple(lazy.get_shape())
+    if shape != part.shape:
+        raise ModelLoadError(f"weight {part.name} has shape {list(shape)}, expected {list(part.shape)}")
+    if tp is None or part.shard_dim is None:
+        return tensor
+    size = shape[part.shard_dim] // tp.world_size
+    window = (slice(None),) * part.shard_dim + (slice(tp.rank * size, (tp.rank + 1) * size),)
+    return lazy[window]

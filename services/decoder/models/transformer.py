@@ -2,7 +2,9 @@
 
 Parameter names follow the Hugging Face checkpoints (minus the leading "model."), except that
 q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj`: one GEMM each instead of three and
-two. `checkpoint_parts` tells the loader which checkpoint tensors make up each parameter.
+two. `checkpoint_parts` tells the loader which checkpoint tensors (and which shard of each) make up
+each parameter. With a ParallelContext the model holds this rank's shard only; where the collectives
+go is described in `tensor_parallel.py`. Without one (a single rank) the forward is the plain model.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.decoder.models.attention import AttentionMetadata, paged_attention, write_kv_cache
@@ -22,16 +23,31 @@ from services.decoder.models.layers import (
     apply_rotary,
     merge_prompt_embeds,
 )
+from services.decoder.models.tensor_parallel import (
+    CheckpointPart,
+    VocabParallelEmbedding,
+    checkpoint_parts,
+    gather_sequence,
+    local_rows,
+    row_parallel,
+    rows_for_logits,
+    vocab_parallel_logits,
+    world_size_of,
+)
+from services.decoder.parallel import ParallelContext
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, use_qk_norm: bool) -> None:
+    """QKV column-parallel (this rank's query and KV heads), o_proj row-parallel."""
+
+    def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelContext | None) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = config.num_heads // world_size_of(tp)  # on this rank
+        self.num_kv_heads = config.num_kv_heads // world_size_of(tp)  # on this rank
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
@@ -42,12 +58,14 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden_size]
+        x: torch.Tensor,  # [num_tokens, hidden_size], or this rank's [local_len, hidden_size] under SP
         cos: torch.Tensor,  # [num_tokens, 1, head_dim]
         sin: torch.Tensor,  # [num_tokens, 1, head_dim]
         attn: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (this rank's heads)
+        sp: bool = False,  # sequence parallel: x is a slice, and so is the output
     ) -> torch.Tensor:
+        x = gather_sequence(x, self.tp, sp)  # [num_tokens, hidden_size]
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
@@ -59,27 +77,30 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        return self.o_proj(paged_attention(q, kv_cache, attn, self.scale))  # [num_tokens, hidden_size]
+        out = paged_attention(q, kv_cache, attn, self.scale)  # [num_tokens, num_heads * head_dim]
+        return row_parallel(self.o_proj, out, self.tp, sp)  # [num_tokens or local_len, hidden_size]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, use_qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelContext | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, use_qk_norm)
+        self.self_attn = Attention(config, use_qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
 
     def forward(
         self,
-        h: torch.Tensor,  # [num_tokens, hidden_size]
+        h: torch.Tensor,  # [num_tokens, hidden_size], or this rank's [local_len, hidden_size] under SP
         cos: torch.Tensor,  # [num_tokens, 1, head_dim]
         sin: torch.Tensor,  # [num_tokens, 1, head_dim]
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        sp: bool = False,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))  # [num_tokens, hidden_size]
+        # Norms and residual adds run on whatever rows this rank holds: its slice under SP.
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache, sp)
+        return h + self.mlp(self.post_attention_layernorm(h), sp)  # same rows as h
 
 
 class DecoderModel(nn.Module):
@@ -87,18 +108,21 @@ class DecoderModel(nn.Module):
 
     use_qk_norm: ClassVar[bool] = False  # per-head RMSNorm on queries and keys before RoPE
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.use_qk_norm) for _ in range(config.num_layers))
+        self.tp = tp  # None: one rank, the whole model here
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.use_qk_norm, tp) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         # Tied checkpoints carry no lm_head.weight; the head then reads embed_tokens.weight.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, config.vocab_size // world_size_of(tp), bias=False)
         )
 
     def forward(
@@ -110,41 +134,44 @@ class DecoderModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] any float dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
     ) -> torch.Tensor:
-        """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices."""
-        h = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        h = merge_prompt_embeds(h, inputs_embeds, is_token_ids)
+        """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices.
+
+        With several ranks every rank returns the same logits. A step with any prefill runs
+        sequence-parallel and needs its token count padded to a multiple of the world size.
+        """
+        tp = self.tp
+        sp = tp is not None and not attn.is_decode_only
+        if sp and input_ids.shape[0] % tp.world_size:
+            raise ValueError(
+                f"a sequence-parallel step needs num_tokens ({input_ids.shape[0]}) padded to a multiple "
+                f"of the world size ({tp.world_size})"
+            )
+        h = self.embed_tokens(input_ids, sp)  # [num_tokens, hidden_size], or [local_len, ...] under SP
+        # Every rank cuts the same window out of the per-position inputs, then merges on its slice.
+        h = merge_prompt_embeds(h, local_rows(inputs_embeds, tp, sp), local_rows(is_token_ids, tp, sp))
         cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, attn, kv_cache)
+            h = layer(h, cos, sin, attn, kv_cache, sp)
         # The norm is per row, so only the rows whose logits are wanted go through it and the head.
-        h = self.norm(h.index_select(0, attn.logits_indices))  # [num_logits, hidden_size]
+        h = self.norm(rows_for_logits(h, attn.logits_indices, tp, sp))  # [num_logits, hidden_size]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()  # [num_logits, vocab_size]
+        return vocab_parallel_logits(h, head, tp)  # [num_logits, vocab_size]
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).
 
-        Zeroed, not empty: masked slots still enter the probs @ values product, and 0 * NaN is NaN.
+        num_kv_heads is this rank's share. Zeroed, not empty: masked slots still enter the
+        probs @ values product, and 0 * NaN is NaN.
         """
         c = self.config
-        shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)
         device = self.embed_tokens.weight.device
         return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
 
-    def checkpoint_parts(self, name: str) -> list[tuple[str, int]]:
-        """The checkpoint tensors that make up parameter `name`, with the rows (dim 0) each supplies.
+    def checkpoint_parts(self, name: str) -> list[CheckpointPart]:
+        """The checkpoint tensors that make up parameter `name` on this rank, and the shard of each.
 
         Fused parameters concatenate their parts along dim 0 in the order listed.
         """
-        c = self.config
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        fused = {
-            "qkv_proj": (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
-            "gate_up_proj": (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
-        }
-        hf_name = name if name.startswith("lm_head.") else f"model.{name}"
-        module_path, _, leaf = hf_name.rpartition(".")
-        parent, _, module = module_path.rpartition(".")
-        if module not in fused:
-            return [(hf_name, self.get_parameter(name).shape[0])]
-        return [(f"{parent}.{part}.{leaf}", rows) for part, rows in fused[module]]
+        local_shape = tuple(self.get_parameter(name).shape)
+        return checkpoint_parts(self.config, name, local_shape, world_size_of(self.tp))

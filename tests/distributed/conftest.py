@@ -1,0 +1,30 @@
+"""Checkpoints shared by the distributed tests: the embedded tiny model and a transformers-saved one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.decoder.models.default_model import make_model, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3, 4 query / 2 KV heads, tied head, no biases."""
+    return make_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """transformers-saved variants (see tests/unit/decoder/models/conftest.py): llama2-bias has biases
+    on every projection and an untied head; llama3 has a single KV head."""
+    # The unit tests' builder (the same checkpoints in both suites); imported here: it loads transformers.
+    from tests.unit.decoder.models.conftest import _build_checkpoint
+
+    tokenizer_file = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    train_tokenizer().save(str(tokenizer_file))
+    return {
+        name: _build_checkpoint(name, tmp_path_factory.mktemp(name), tokenizer_file).path
+        for name in ("llama2-bias", "llama3")
+    }

@@ -1,0 +1,175 @@
+"""What each rank runs in the distributed tests, and the same thing on one rank for the reference.
+
+Kept apart from the test modules so spawned ranks import only this (no pytest, no transformers).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from services.decoder.config import EngineConfig
+from services.decoder.engine import EmbeddingPrompt, Engine, GenerateSpec, TextPrompt
+from services.decoder.models.loader import load_model
+from services.decoder.models.transformer import DecoderModel
+from services.decoder.outputs import Delta, Failed, Finished, OutputOptions
+from services.decoder.parallel import ParallelContext
+from services.decoder.params import SamplingParams, StoppingParams
+from services.decoder.runner import ForwardBatch, ModelRunner, pad_for_sequence_parallel
+from services.decoder.worker import run_steps
+from tests.unit.decoder.models.helpers import PagedAllocator
+
+Chunk = tuple[str, list[int], torch.Tensor | None]  # sequence key, token ids, rows [n, hidden] or None
+
+
+def _script(hidden_size: int) -> list[list[Chunk]]:
+    """Prefill steps: token, embedding-only and mixed prompts packed together (19 tokens: odd), then
+    a chunked prefill sharing steps with the others' decodes. Decode steps are appended by the runner.
+    """
+    gen = torch.Generator().manual_seed(7)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, 1000, (n,), generator=gen).tolist()
+
+    def rows(n: int) -> torch.Tensor:
+        return torch.randn(n, hidden_size, generator=gen) * 0.5
+
+    mixed = rows(4)
+    long = ids(12)
+    return [
+        [("tok", ids(7), None), ("mix", [0] * 4 + ids(3), mixed), ("emb", [0] * 5, rows(5))],
+        [("long", long[:5], None)],
+        [("long", long[5:], None)],
+    ]
+
+
+def _batch(alloc: PagedAllocator, chunks: list[tuple[str, list[int], torch.Tensor | None]], hidden: int):
+    starts = [alloc.seq_lens.get(key, 0) for key, _, _ in chunks]
+    attn = alloc.metadata([(key, len(ids)) for key, ids, _ in chunks])
+    input_ids = [t for _, ids, _ in chunks for t in ids]
+    positions = [p for s, (_, ids, _) in zip(starts, chunks, strict=True) for p in range(s, s + len(ids))]
+    inputs_embeds = is_token_ids = None
+    if any(rows is not None for _, _, rows in chunks):
+        inputs_embeds = torch.zeros(len(input_ids), hidden)
+        is_token_ids = torch.ones(len(input_ids), dtype=torch.bool)
+        offset = 0
+        for _, ids, rows in chunks:
+            if rows is not None:
+                inputs_embeds[offset : offset + rows.shape[0]] = rows
+                is_token_ids[offset : offset + rows.shape[0]] = False
+            offset += len(ids)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int32),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        is_token_ids=is_token_ids,
+        inputs_embeds=inputs_embeds,
+        attn=attn,
+        num_logits=len(chunks),
+    )
+
+
+def scripted_logits(model: DecoderModel, world_size: int, num_decode_steps: int = 3) -> list[torch.Tensor]:
+    """Logits of every step of the script, then of greedy decode steps for every sequence."""
+    hidden = model.config.hidden_size
+    runner = ModelRunner(model, num_blocks=128, block_size=4)
+    alloc = PagedAllocator(num_blocks=128, block_size=4)
+    outputs: list[torch.Tensor] = []
+    last: dict[str, int] = {}
+    with torch.inference_mode():
+        for step, prefill in enumerate(_script(hidden)):
+            # From the second step on, the finished prompts decode in the same step (mixed batches).
+            chunks = [(key, [token], None) for key, token in last.items()] if step else []
+            chunks += prefill
+            batch = pad_for_sequence_parallel(_batch(alloc, chunks, hidden), world_size)
+            logits = runner.forward(batch)
+            outputs.append(logits)
+            for (key, _, _), row in zip(chunks, logits, strict=True):
+                if key != "long" or step == 2:
+                    last[key] = int(row.argmax())
+        for _ in range(num_decode_steps):
+            chunks = [(key, [token], None) for key, token in last.items()]
+            logits = runner.forward(_batch(alloc, chunks, hidden))
+            outputs.append(logits)
+            last = {key: int(row.argmax()) for (key, _, _), row in zip(chunks, logits, strict=True)}
+    return outputs
+
+
+def rank_scripted_logits(tp: ParallelContext, model_dir: Path) -> list[torch.Tensor]:
+    model = load_model(model_dir, dtype="float32", tp=tp).model
+    return scripted_logits(model, tp.world_size)
+
+
+def rank_load_error(tp: ParallelContext, model_dir: Path) -> str:
+    try:
+        load_model(model_dir, dtype="float32", tp=tp)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def engine_config(model_dir: Path) -> EngineConfig:
+    # A 16-token budget chunks the longer prompts and mixes prefill chunks with decodes.
+    return EngineConfig(
+        model_dir=model_dir, dtype="float32", num_kv_blocks=256, block_size=4, max_num_batched_tokens=16
+    )
+
+
+def engine_specs(hidden_size: int) -> list[GenerateSpec]:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [
+        [torch.randint(3, 1000, (9,), generator=gen).tolist()],
+        [EmbeddingPrompt(torch.randn(6, hidden_size, generator=gen))],
+        [[5, 6], EmbeddingPrompt(torch.randn(3, hidden_size, generator=gen)), TextPrompt("The river runs")],
+        [torch.randint(3, 1000, (23,), generator=gen).tolist()],
+    ]
+    return [
+        GenerateSpec(
+            prompt=prompt,
+            sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+            stopping=StoppingParams(max_new_tokens=6, ignore_eos=True),
+            output=OutputOptions(include_text=False),
+        )
+        for prompt in prompts
+    ]
+
+
+def engine_outputs(engine: Engine) -> list[tuple[list[int], list[float], list[list[float]]]]:
+    """Each spec's tokens, their logprobs and top-5 logprobs, all requests in flight together."""
+    specs = engine_specs(engine.model_config.hidden_size)
+    events: list[list] = [[] for _ in specs]
+    done = threading.Semaphore(0)
+    for i, spec in enumerate(specs):
+
+        def sink(event, i=i) -> None:
+            events[i].append(event)
+            if isinstance(event, Finished | Failed):
+                done.release()
+
+        engine.submit(spec, sink)
+    for _ in specs:
+        assert done.acquire(timeout=60)
+    results = []
+    for evs in events:
+        deltas = [e for e in evs if isinstance(e, Delta)]
+        results.append(
+            (
+                [t for d in deltas for t in d.token_ids],
+                [lp for d in deltas for lp in d.logprobs],
+                [list(top.logprobs) for d in deltas for top in d.top_logprobs],
+            )
+        )
+    return results
+
+
+def rank_engine_outputs(tp: ParallelContext, model_dir: Path):
+    config = engine_config(model_dir)
+    if tp.rank != 0:
+        run_steps(tp, config)
+        return None
+    engine = Engine(config, tp=tp).start()
+    try:
+        return engine_outputs(engine)
+    finally:
+        engine.shutdown()

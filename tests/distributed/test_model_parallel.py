@@ -1,0 +1,51 @@
+"""Two gloo ranks against one: the same logits (1e-5 relative) and greedy tokens, step for step.
+
+The script covers token, embedding-only and mixed prompts packed in one prefill of an odd length,
+a chunked prefill sharing steps with decodes, and decode-only steps (see scenarios.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.decoder.engine import Engine
+from services.decoder.models.loader import load_model
+
+from . import scenarios
+from .harness import run_ranks
+
+
+def _assert_same_logits(tp_logits: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
+    assert len(tp_logits) == len(reference)
+    for step, (got, want) in enumerate(zip(tp_logits, reference, strict=True)):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=f"step {step}")
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"greedy tokens differ at step {step}"
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "llama2-bias"])
+def test_two_ranks_match_one_rank_logits_for_every_step(
+    checkpoint: str, tiny_model_dir: Path, hf_checkpoint_dirs: dict[str, Path]
+) -> None:
+    model_dir = tiny_model_dir if checkpoint == "tiny" else hf_checkpoint_dirs[checkpoint]
+    reference = scenarios.scripted_logits(load_model(model_dir, dtype="float32").model, world_size=1)
+    per_rank = run_ranks(scenarios.rank_scripted_logits, 2, model_dir)
+    for logits in per_rank:  # every rank ends with the full logits
+        _assert_same_logits(logits, reference)
+
+
+def test_two_rank_engine_generates_what_the_one_rank_engine_does(tiny_model_dir: Path) -> None:
+    engine = Engine(scenarios.engine_config(tiny_model_dir)).start()
+    try:
+        reference = scenarios.engine_outputs(engine)
+    finally:
+        engine.shutdown()
+    rank0, rank1 = run_ranks(scenarios.rank_engine_outputs, 2, tiny_model_dir)
+    assert rank1 is None  # the worker ran until rank 0's STOP
+    for (tokens, logprobs, top), (ref_tokens, ref_logprobs, ref_top) in zip(rank0, reference, strict=True):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(top), torch.tensor(ref_top), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,94 @@
+"""Sequence-parallel slicing on its own (no processes): each rank's window of the per-position inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.decoder.kv_cache import NULL_BLOCK_ID
+from services.decoder.models.layers import merge_prompt_embeds
+from services.decoder.models.loader import ModelLoadError, load_model
+from services.decoder.models.tensor_parallel import local_rows, sequence_window
+from services.decoder.runner import ForwardBatch, pad_for_sequence_parallel
+from tests.unit.decoder.models.helpers import PagedAllocator
+
+
+@dataclass(frozen=True)
+class FakeRank:
+    """The two attributes the slicing reads; no process group behind it."""
+
+    rank: int
+    world_size: int
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rank_windows_are_the_global_inputs_cut_at_rank_times_local_len(world_size: int) -> None:
+    num_tokens = 12
+    gen = torch.Generator().manual_seed(0)
+    inputs_embeds = torch.randn(num_tokens, 8, generator=gen)  # [num_tokens, hidden]
+    is_token_ids = torch.rand(num_tokens, generator=gen) > 0.5  # [num_tokens]
+    local_len = num_tokens // world_size
+    for rank in range(world_size):
+        tp = FakeRank(rank, world_size)
+        window = slice(rank * local_len, (rank + 1) * local_len)
+        assert sequence_window(num_tokens, rank, world_size) == window
+        assert torch.equal(local_rows(inputs_embeds, tp, sp=True), inputs_embeds[window])
+        assert torch.equal(local_rows(is_token_ids, tp, sp=True), is_token_ids[window])
+        assert local_rows(inputs_embeds, tp, sp=False) is inputs_embeds  # decode: no slicing
+
+
+def test_merging_each_window_then_concatenating_equals_the_global_merge() -> None:
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(10, 8, generator=gen)
+    inputs_embeds = torch.randn(10, 8, generator=gen)
+    is_token_ids = torch.tensor([True, False] * 5)
+    windows = []
+    for rank in range(2):
+        tp = FakeRank(rank, 2)
+        h_local = h[sequence_window(10, rank, 2)]
+        embeds_local, is_token_local = local_rows(inputs_embeds, tp, True), local_rows(is_token_ids, tp, True)
+        windows.append(merge_prompt_embeds(h_local, embeds_local, is_token_local))
+    assert torch.equal(torch.cat(windows), merge_prompt_embeds(h, inputs_embeds, is_token_ids))
+
+
+def _batch(query_lens: list[int], with_embeds: bool) -> ForwardBatch:
+    alloc = PagedAllocator(num_blocks=32, block_size=4)
+    attn = alloc.metadata([(i, n) for i, n in enumerate(query_lens)])
+    num_tokens = sum(query_lens)
+    return ForwardBatch(
+        input_ids=torch.arange(1, num_tokens + 1, dtype=torch.int32),
+        positions=torch.arange(num_tokens),
+        is_token_ids=torch.zeros(num_tokens, dtype=torch.bool) if with_embeds else None,
+        inputs_embeds=torch.ones(num_tokens, 8) if with_embeds else None,
+        attn=attn,
+        num_logits=len(query_lens),
+    )
+
+
+def test_prefill_is_padded_to_a_multiple_of_the_world_size_with_null_block_tokens() -> None:
+    batch = _batch([3, 4], with_embeds=True)  # 7 tokens
+    padded = pad_for_sequence_parallel(batch, 4)
+    assert padded.input_ids.shape[0] == 8
+    assert padded.input_ids[7] == 0 and padded.positions[7] == 0
+    assert padded.attn.slot_mapping[7] == NULL_BLOCK_ID * 4  # the reserved null block
+    assert padded.is_token_ids is not None and bool(padded.is_token_ids[7])
+    assert padded.inputs_embeds is not None and padded.inputs_embeds[7].abs().sum() == 0
+    # The sequences and the rows that sample are the unpadded batch's.
+    assert padded.attn.query_lens == [3, 4]
+    assert torch.equal(padded.attn.logits_indices, batch.attn.logits_indices)
+    assert torch.equal(padded.input_ids[:7], batch.input_ids)
+
+
+def test_decode_only_and_already_divisible_steps_are_not_padded() -> None:
+    decode = _batch([1, 1, 1], with_embeds=False)
+    assert pad_for_sequence_parallel(decode, 2) is decode
+    even = _batch([3, 3], with_embeds=False)
+    assert pad_for_sequence_parallel(even, 2) is even
+
+
+def test_kv_heads_that_do_not_divide_over_the_ranks_fail_clearly(hf_checkpoint_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ModelLoadError, match=r"num_kv_heads \(1\) must be divisible by the world size \(2\)"):
+        load_model(hf_checkpoint_dirs["llama3"], dtype="float32", tp=FakeRank(0, 2))  # type: ignore[arg-type]
