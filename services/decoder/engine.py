@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.decoder.config import EngineConfig
 from services.decoder.core import EngineCore, Sink
 from services.decoder.kv_cache import BlockManager
+from services.decoder.mailbox import LoopMailbox
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.loader import LoadedModel, load_model
 from services.decoder.models.tensor_parallel import world_size_of
@@ -106,6 +108,10 @@ class Engine:
         self._error: Exception | None = None
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._mailboxes_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -187,11 +193,11 @@ class Engine:
 
     async def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
         """asyncio front: the same events; leaving early (cancel, error) aborts the request."""
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox(asyncio.get_running_loop())
         events: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            mailbox.post(events, event)
 
         request_id = self.submit(spec, sink)
         finished = False
@@ -205,6 +211,14 @@ class Engine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+        """One mailbox per event loop, shared by all of that loop's streams."""
+        with self._mailboxes_lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
+            return mailbox
 
     def make_request(self, spec: GenerateSpec) -> Request:
         """Flatten the prompt into positions; raises InvalidArgument naming the bad segment."""
