@@ -56,18 +56,24 @@ def write_kv_cache(
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> torch.Tensor:
     """Attends each query to its sequence's cached context (this step's k/v already written).
 
-    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads * head_dim] in q's dtype. Tokens
-    past sum(query_lens) are static-shape padding; their rows are zero.
+    q: [num_tokens, num_heads, head_dim]; k, v: this step's [num_tokens, num_kv_heads, head_dim], the
+    same values just written to the cache. Returns [num_tokens, num_heads * head_dim] in q's dtype.
+    Tokens past sum(query_lens) are static-shape padding; their rows are zero.
     """
     num_tokens = q.shape[0]
     if attn.is_decode_only:
         out = _decode_attention(q[: len(attn.query_lens)], kv_cache, attn, scale)
     else:
-        out = _prefill_attention(q, kv_cache, attn, scale)
+        out = _prefill_attention(q, kv_cache, attn, scale, k, v)
     if out.shape[0] < num_tokens:
         out = torch.cat((out, out.new_zeros(num_tokens - out.shape[0], out.shape[1])))
     return out
@@ -97,31 +103,59 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; the loop bounds and slices come from the host lists.
+    # A sequence with no cached prefix (query_len == seq_len) attends to this step's own keys, so
+    # nothing is read back from the cache, and a run of such sequences of one length is one batched
+    # call: a prefill of many equal prompts costs one SDPA per layer, not one per sequence.
     num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     outs = []
     start = 0
-    for i, (query_len, seq_len) in enumerate(zip(attn.query_lens, attn.seq_lens, strict=True)):
-        num_blocks = -(-seq_len // block_size)
-        context = kv_cache.index_select(1, attn.block_tables[i, :num_blocks])  # [2, num_blocks, bs, kv, hd]
-        context = context.view(2, -1, num_kv_heads, head_dim)[:, :seq_len]  # [2, seq_len, kv, hd]
-        # 4-D inputs: with 3-D ones CPU SDPA falls back to its 3x slower math kernel.
-        q_i = q[None, start : start + query_len].transpose(1, 2).float()  # [1, num_heads, query_len, hd]
-        k_i = context[None, 0].transpose(1, 2).float()  # [1, num_kv_heads, seq_len, head_dim]
-        v_i = context[None, 1].transpose(1, 2).float()  # [1, num_kv_heads, seq_len, head_dim]
-        # Query j sits at position seq_len - query_len + j and sees keys up to that position. Without a
-        # cached prefix that is plain causal attention, whose kernel skips the masked half.
-        is_visible = None
-        if query_len < seq_len:
-            is_visible = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(
-                seq_len - query_len
-            )  # [query_len, seq_len]
-        o = F.scaled_dot_product_attention(
-            q_i, k_i, v_i, attn_mask=is_visible, is_causal=is_visible is None, scale=scale, enable_gqa=True
-        )  # [1, num_heads, query_len, head_dim]
-        outs.append(o[0].transpose(0, 1).reshape(query_len, num_heads * head_dim))
-        start += query_len
+    i = 0
+    query_lens, seq_lens = attn.query_lens, attn.seq_lens
+    while i < len(query_lens):
+        query_len, seq_len = query_lens[i], seq_lens[i]
+        if query_len == seq_len:
+            run = 1
+            while i + run < len(query_lens) and query_lens[i + run] == seq_lens[i + run] == query_len:
+                run += 1
+            end = start + run * query_len
+            q_run = q[start:end].view(run, query_len, num_heads, head_dim).transpose(1, 2).float()
+            k_run = k[start:end].view(run, query_len, -1, head_dim).transpose(1, 2).float()
+            v_run = v[start:end].view(run, query_len, -1, head_dim).transpose(1, 2).float()
+            o = F.scaled_dot_product_attention(
+                q_run, k_run, v_run, is_causal=True, scale=scale, enable_gqa=True
+            )
+            outs.append(o.transpose(1, 2).reshape(run * query_len, num_heads * head_dim))
+        else:
+            run, end = 1, start + query_len
+            outs.append(_attend_with_cached_prefix(q[start:end], kv_cache, attn, i, scale))
+        start = end
+        i += run
     return torch.cat(outs).to(q.dtype)  # [sum(query_lens), num_heads * head_dim]
+
+
+def _attend_with_cached_prefix(
+    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, i: int, scale: float
+) -> torch.Tensor:
+    """Sequence i's queries [query_len, num_heads, head_dim] against its whole context in the cache."""
+    query_len, seq_len = attn.query_lens[i], attn.seq_lens[i]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_blocks = -(-seq_len // block_size)
+    context = kv_cache.index_select(1, attn.block_tables[i, :num_blocks])  # [2, num_blocks, bs, kv, hd]
+    context = context.view(2, -1, num_kv_heads, head_dim)[:, :seq_len]  # [2, seq_len, kv, hd]
+    # 4-D inputs: with 3-D ones CPU SDPA falls back to its 3x slower math kernel.
+    q_i = q[None].transpose(1, 2).float()  # [1, num_heads, query_len, head_dim]
+    k_i = context[None, 0].transpose(1, 2).float()  # [1, num_kv_heads, seq_len, head_dim]
+    v_i = context[None, 1].transpose(1, 2).float()  # [1, num_kv_heads, seq_len, head_dim]
+    # Query j sits at position seq_len - query_len + j and sees keys up to that position.
+    is_visible = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - query_len)
+    o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=is_visible, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(query_len, num_heads * head_dim)  # [query_len, heads * hd]

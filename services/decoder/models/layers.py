@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.decoder.models.config import Llama3RopeScaling
+from services.decoder.models.linear import Linear
 from services.decoder.models.tensor_parallel import gather_sequence, row_parallel, world_size_of
 from services.decoder.parallel import ParallelContext
 
@@ -86,8 +87,8 @@ class SwiGLU(nn.Module):
         self.tp = tp
         local_size = intermediate_size // world_size_of(tp)
         # gate_proj and up_proj as one GEMM; the loader concatenates the checkpoint's two matrices.
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * local_size, bias=bias)
-        self.down_proj = nn.Linear(local_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * local_size, bias=bias)
+        self.down_proj = Linear(local_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, sp: bool = False) -> torch.Tensor:
         # x: [num_tokens, hidden_size], or this rank's [local_len, hidden_size] slice under SP

@@ -92,6 +92,7 @@ def load_model(
     model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
     model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
     model.eval().requires_grad_(False)
+    model.prepack()  # weights are final and placed: pack them for oneDNN where that applies
 
     return LoadedModel(model=model, tokenizer=tokenizer, config=config)
 

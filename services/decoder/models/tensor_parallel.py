@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.decoder.models.config import ModelConfig
+from services.decoder.models.linear import Linear, linear
 from services.decoder.parallel import ParallelContext
 
 
@@ -53,11 +54,21 @@ def sequence_window(num_tokens: int, rank: int, world_size: int) -> slice:
     return slice(rank * local_len, (rank + 1) * local_len)
 
 
+def window_rows(x: torch.Tensor, rank: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s sequence window of x: [num_tokens, ...] -> [num_tokens / world_size, ...].
+
+    The rank is a 0-dim tensor, not a Python int, so one traced graph serves every rank (SPMD, as
+    on Neuron) instead of baking one rank's offset in as a constant.
+    """
+    local_len = x.shape[0] // world_size
+    return x.index_select(0, rank * local_len + torch.arange(local_len, device=x.device))
+
+
 def local_rows(x: torch.Tensor | None, tp: ParallelContext | None, sp: bool) -> torch.Tensor | None:
     """This rank's sequence window of a per-position tensor (`inputs_embeds`, `is_token_ids`)."""
     if x is None or tp is None or not sp:
         return x
-    return x[sequence_window(x.shape[0], tp.rank, tp.world_size)]
+    return window_rows(x, tp.rank_tensor, tp.world_size)
 
 
 def gather_sequence(x: torch.Tensor, tp: ParallelContext | None, sp: bool) -> torch.Tensor:
@@ -65,17 +76,17 @@ def gather_sequence(x: torch.Tensor, tp: ParallelContext | None, sp: bool) -> to
     return tp.all_gather_seq(x) if tp is not None and sp else x
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: ParallelContext | None, sp: bool) -> torch.Tensor:
+def row_parallel(projection: Linear, x: torch.Tensor, tp: ParallelContext | None, sp: bool) -> torch.Tensor:
     """A row-parallel projection, summed over ranks: to sequence slices under SP, replicated otherwise.
 
     x: [num_tokens, in_features / world_size] -> [local_len or num_tokens, out_features]. The bias is
     added once, after the sum.
     """
     if tp is None:
-        return linear(x)
-    partial = F.linear(x, linear.weight)  # [num_tokens, out_features], this rank's share of the sum
+        return projection(x)
+    partial = projection(x, with_bias=False)  # [num_tokens, out_features], this rank's share of the sum
     out = tp.reduce_scatter_seq(partial) if sp else tp.all_reduce(partial)
-    return out if linear.bias is None else out + linear.bias
+    return out if projection.bias is None else out + projection.bias
 
 
 def rows_for_logits(
@@ -89,15 +100,17 @@ def rows_for_logits(
     if tp is None or not sp:
         return h.index_select(0, indices)
     local_len = h.shape[0]
-    local = indices - tp.rank * local_len  # [num_logits]
+    local = indices - tp.rank_tensor * local_len  # [num_logits]; a rank tensor, as in window_rows
     is_mine = (local >= 0) & (local < local_len)
     rows = h.index_select(0, local.clamp(0, local_len - 1)).masked_fill(~is_mine[:, None], 0)
     return tp.all_reduce(rows)
 
 
-def vocab_parallel_logits(h: torch.Tensor, head: torch.Tensor, tp: ParallelContext | None) -> torch.Tensor:
+def vocab_parallel_logits(
+    h: torch.Tensor, head: torch.Tensor, tp: ParallelContext | None, packed_head: torch.Tensor | None = None
+) -> torch.Tensor:
     """h: [num_logits, hidden], head: [vocab / world_size, hidden] -> float32 [num_logits, vocab]."""
-    logits = F.linear(h, head)  # [num_logits, vocab / world_size]
+    logits = linear(h, head, packed_weight=packed_head)  # [num_logits, vocab / world_size]
     if tp is not None:
         logits = tp.all_gather_last(logits)
     return logits.float()

@@ -23,6 +23,7 @@ from services.decoder.models.layers import (
     apply_rotary,
     merge_prompt_embeds,
 )
+from services.decoder.models.linear import Linear, can_prepack, pack_weight
 from services.decoder.models.tensor_parallel import (
     CheckpointPart,
     VocabParallelEmbedding,
@@ -50,8 +51,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         bias = config.attention_bias
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
         # Qwen3 normalises each query and key head before RoPE; Llama does not.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
@@ -77,7 +78,7 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        out = paged_attention(q, kv_cache, attn, self.scale)  # [num_tokens, num_heads * head_dim]
+        out = paged_attention(q, kv_cache, attn, self.scale, k, v)  # [num_tokens, num_heads * head_dim]
         return row_parallel(self.o_proj, out, self.tp, sp)  # [num_tokens or local_len, hidden_size]
 
 
@@ -122,8 +123,9 @@ class DecoderModel(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size // world_size_of(tp), bias=False)
+            else Linear(config.hidden_size, config.vocab_size // world_size_of(tp), bias=False)
         )
+        self.packed_head: torch.Tensor | None = None  # set by prepack(): the head in oneDNN's layout
 
     def forward(
         self,
@@ -155,7 +157,18 @@ class DecoderModel(nn.Module):
         # The norm is per row, so only the rows whose logits are wanted go through it and the head.
         h = self.norm(rows_for_logits(h, attn.logits_indices, tp, sp))  # [num_logits, hidden_size]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_parallel_logits(h, head, tp)  # [num_logits, vocab_size]
+        return vocab_parallel_logits(h, head, self.tp, self.packed_head)  # [num_logits, vocab_size]
+
+    def prepack(self) -> None:
+        """Pack every projection and the LM head for oneDNN (bf16 on CPU; a no-op elsewhere).
+
+        Call once the weights are final and on their device: the packed copies are derived.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = pack_weight(head) if can_prepack(head) else None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).

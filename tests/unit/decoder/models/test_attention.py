@@ -45,7 +45,7 @@ def run_steps(
         k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        out = paged_attention(q, kv_cache, attn, SCALE)
+        out = paged_attention(q, kv_cache, attn, SCALE, k, v)
         refs, start = [], 0
         for key, n in chunks:
             keys[key] = torch.cat((keys.get(key, k[:0]), k[start : start + n]))
@@ -58,6 +58,12 @@ def run_steps(
 def test_prefill_of_several_sequences_matches_dense_causal_attention() -> None:
     out, ref, attn = run_steps([[("a", 5), ("b", 9), ("c", 1)]])
     assert not attn.is_decode_only
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_run_of_equal_length_fresh_prompts_matches_dense_attention() -> None:
+    # Batched as one call: no cached prefix, one length; "d" breaks the run, "e" and "f" start another.
+    out, ref, _ = run_steps([[("a", 6), ("b", 6), ("c", 6), ("d", 3), ("e", 6), ("f", 6)]])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -95,7 +101,8 @@ def test_tokens_past_the_scheduled_ones_are_padding_with_zero_output() -> None:
         # The two padding tokens write to the null block (slots 0 and 1).
         slots = torch.cat((attn.slot_mapping, torch.tensor([0, 1])))
         write_kv_cache(kv_cache, k, k, slots)
-        out = paged_attention(torch.randn(num_real + 2, NUM_HEADS, HEAD_DIM), kv_cache, attn, SCALE)
+        q = torch.randn(num_real + 2, NUM_HEADS, HEAD_DIM)
+        out = paged_attention(q, kv_cache, attn, SCALE, k, k)
         assert out.shape == (num_real + 2, NUM_HEADS * HEAD_DIM)
         assert out[num_real:].eq(0).all() and out[:num_real].ne(0).any()
 
