@@ -176,7 +176,8 @@ async def test_queue_full_is_resource_exhausted_with_retry_info(tiny_model_dir, 
     served = await serve(tiny_model_dir, tiny_loaded, max_num_seqs=1, max_queue=1)
     try:
         running = served.client.generate([[1, 2]], max_new_tokens=400, ignore_eos=True)
-        await running.read()
+        await running.read()  # accepted
+        assert (await running.read()).HasField("delta")  # running now: the queue is empty again
         waiting = served.client.generate([[3, 4]], max_new_tokens=2)
         await waiting.read()  # accepted: it waits in the queue
         refused = served.client.generate([[5, 6]], max_new_tokens=2)
