@@ -31,14 +31,20 @@ USER tandem
 
 EXPOSE 50051 50052
 # Healthy when every port in TANDEM_HEALTH_PORTS answers grpc.health.v1 with SERVING
-# (compose narrows it to the one service a container runs).
+# (compose narrows it to the one service a container runs). Health needs no bearer token; with TLS,
+# TANDEM_HEALTH_TLS_CA names the CA to trust (the certificate must name localhost), and with mutual
+# TLS TANDEM_HEALTH_TLS_CERT / TANDEM_HEALTH_TLS_KEY a client certificate.
 ENV TANDEM_HEALTH_PORTS="50051 50052"
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD python -c "import os, sys, grpc; \
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse; \
 from grpc_health.v1.health_pb2_grpc import HealthStub; \
 ports = os.environ['TANDEM_HEALTH_PORTS'].split(); \
-check = lambda p: HealthStub(grpc.insecure_channel(f'127.0.0.1:{p}')).Check(HealthCheckRequest(), timeout=3); \
+pem = lambda k: open(os.environ[k], 'rb').read() if os.environ.get(k) else None; \
+tls = pem('TANDEM_HEALTH_TLS_CA') and grpc.ssl_channel_credentials(pem('TANDEM_HEALTH_TLS_CA'), pem('TANDEM_HEALTH_TLS_KEY'), pem('TANDEM_HEALTH_TLS_CERT')); \
+name = [('grpc.ssl_target_name_override', 'localhost')]; \
+channel = lambda p: grpc.secure_channel(f'127.0.0.1:{p}', tls, options=name) if tls else grpc.insecure_channel(f'127.0.0.1:{p}'); \
+check = lambda p: HealthStub(channel(p)).Check(HealthCheckRequest(), timeout=3); \
 sys.exit(any(check(p).status != HealthCheckResponse.SERVING for p in ports))"
 
 CMD ["tandem", "up", "--host", "0.0.0.0", "--model", "/models/tandem-tiny"]

@@ -4,7 +4,10 @@ Every server gets the same things: explicit message-size limits (the same number
 uses), keepalive settings that tolerate long silent streams, `grpc.health.v1` that reports
 NOT_SERVING until the service says it is ready, server reflection (grpcurl works), the error
 interceptor, and a graceful stop: health goes NOT_SERVING, new RPCs are refused, and in-flight
-ones get `grace_s` to finish before they are cancelled.
+ones get `grace_s` to finish before they are cancelled (their callers see UNAVAILABLE).
+
+Optionally TLS (a server certificate; with a client CA, mutual TLS that refuses callers without a
+certificate it signed) and bearer tokens (`common.auth`: every service but health needs one).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,11 +25,48 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from common.auth import AuthInterceptor
 from common.status import ErrorInterceptor
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """PEM files of a TLS server; read when the server starts, so rotated files need a restart."""
+
+    cert_file: Path  # the server's certificate chain, leaf first.
+    key_file: Path  # its private key (unencrypted PEM).
+    client_ca_file: Path | None = None  # set: mutual TLS, clients need a certificate this CA signed.
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TLS {name} {path} is not a readable file")
+
+    @classmethod
+    def from_paths(
+        cls, cert: Path | None, key: Path | None, client_ca: Path | None = None
+    ) -> TlsOptions | None:
+        """From the `--tls-*` flags: None when none is given; a certificate needs its key."""
+        if cert is None and key is None:
+            if client_ca is not None:
+                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS first)")
+            return None
+        if cert is None or key is None:
+            raise ValueError("--tls-cert and --tls-key go together")
+        return cls(Path(cert), Path(key), None if client_ca is None else Path(client_ca))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        root = Path(self.client_ca_file).read_bytes() if self.client_ca_file is not None else None
+        return grpc.ssl_server_credentials(
+            [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())],
+            root_certificates=root,
+            require_client_auth=root is not None,
+        )
 
 
 @dataclass(frozen=True)
@@ -38,6 +79,8 @@ class ServerOptions:
     grace_s: float = 10.0  # in-flight RPCs get this long to finish on shutdown.
     max_concurrent_rpcs: int | None = None  # grpc answers RESOURCE_EXHAUSTED beyond it.
     interceptors: Sequence[grpc.aio.ServerInterceptor] = field(default_factory=tuple)  # e.g. tracing.
+    tls: TlsOptions | None = None  # None: plaintext.
+    auth_tokens: frozenset[str] = field(default=frozenset(), repr=False)  # accepted; empty: no auth.
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -104,8 +147,10 @@ class RunningServer:
 
 
 async def start_server(options: ServerOptions, services: Sequence[Service]) -> RunningServer:
+    # Authentication comes first: a denied call reaches neither tracing nor the servicer.
+    auth = [AuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
     server = grpc.aio.server(
-        interceptors=[*options.interceptors, ErrorInterceptor()],
+        interceptors=[*auth, *options.interceptors, ErrorInterceptor()],
         options=_server_options(options.max_message_bytes),
         maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )
@@ -117,15 +162,34 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.host}:{options.port}"
+    if options.tls is not None:
+        port = server.add_secure_port(address, options.tls.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {options.host}:{options.port}")
     running = RunningServer(server, health, port, names)
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("listening on %s:%d (%s)", options.host, port, ", ".join(names) or "health only")
+    log.info(
+        "listening on %s:%d (%s; %s, %s)",
+        options.host,
+        port,
+        ", ".join(names) or "health only",
+        _describe_tls(options.tls),
+        "bearer tokens required" if options.auth_tokens else "no authentication",
+    )
+    if options.auth_tokens and options.tls is None and options.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("bearer tokens without TLS travel in the clear: use --tls-cert/--tls-key off loopback")
     return running
+
+
+def _describe_tls(tls: TlsOptions | None) -> str:
+    if tls is None:
+        return "plaintext"
+    return "mutual TLS" if tls.client_ca_file is not None else "TLS"
 
 
 def install_signal_handlers(on_signal: Callable[[signal.Signals], None]) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from google.protobuf import json_format
@@ -56,6 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--json", action="store_true", help="print each raw event as JSON")
+    gen.add_argument("--tls", action="store_true", help="use TLS (implied by --tls-ca/--tls-cert)")
+    gen.add_argument("--tls-ca", type=Path, help="PEM CA to trust for the server (default: system roots)")
+    gen.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM)")
+    gen.add_argument("--tls-key", type=Path, help="mutual TLS: client private key (PEM)")
+    gen.add_argument(
+        "--auth-token-file", type=Path, help="file holding the bearer token to send (its first one)"
+    )
     gen.add_argument(
         "--trace",
         action="store_true",
@@ -102,7 +110,7 @@ async def _generate(args: argparse.Namespace) -> int:
 async def _stream_generation(args: argparse.Namespace, telemetry: Telemetry) -> int:
     import grpc
 
-    from common.client import DecoderClient
+    from common.client import ChannelSecurity, DecoderClient
     from common.pb.tandem.v1 import decoder_pb2
 
     request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text=args.prompt)])
@@ -111,7 +119,14 @@ async def _stream_generation(args: argparse.Namespace, telemetry: Telemetry) -> 
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             setattr(request.sampling, name, getattr(args, name))
-    async with DecoderClient(args.address, telemetry=telemetry) as client:
+    try:
+        security = ChannelSecurity.from_files(
+            args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file, is_tls=args.tls
+        )
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    async with DecoderClient(args.address, telemetry=telemetry, security=security) as client:
         try:
             async for response in client.generate(request):
                 if args.json:

@@ -36,6 +36,10 @@ class UpConfig:
     dtype: str | None  # passed to both; None leaves each service its own default
     world_size: int | None  # decoder ranks; None leaves the decoder its default
     grace_s: float  # how long the services get to stop after SIGTERM before they are killed
+    tls_cert: Path | None = None  # both services: TLS server certificate (PEM); None = plaintext
+    tls_key: Path | None = None  # both services: its private key
+    tls_client_ca: Path | None = None  # both services: mutual TLS, the CA client certificates need
+    auth_token_file: Path | None = None  # both services: accepted bearer tokens, one per line
 
 
 def serve_command(service: str, config: UpConfig) -> list[str]:
@@ -46,6 +50,14 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
         argv += ["--dtype", config.dtype]
     if service == "decoder" and config.world_size is not None:
         argv += ["--world-size", str(config.world_size)]
+    for flag, path in (
+        ("--tls-cert", config.tls_cert),
+        ("--tls-key", config.tls_key),
+        ("--tls-client-ca", config.tls_client_ca),
+        ("--auth-token-file", config.auth_token_file),
+    ):
+        if path is not None:
+            argv += [flag, str(path)]
     return argv
 
 
@@ -74,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds the services get to stop after SIGTERM before they are killed (default 30)",
     )
+    p.add_argument("--tls-cert", type=Path, metavar="FILE", help="both services: TLS certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, metavar="FILE", help="both services: TLS private key (PEM)")
+    p.add_argument(
+        "--tls-client-ca", type=Path, metavar="FILE", help="both services: mutual TLS, the client CA (PEM)"
+    )
+    p.add_argument(
+        "--auth-token-file", type=Path, metavar="FILE", help="both services: accepted bearer tokens"
+    )
     return p
 
 
@@ -87,6 +107,10 @@ def config_from_args(argv: Sequence[str]) -> UpConfig:
         dtype=args.dtype,
         world_size=args.world_size,
         grace_s=args.grace_s,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        auth_token_file=args.auth_token_file,
     )
 
 

@@ -16,9 +16,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.auth import load_tokens
 from common.pb.tandem.v1 import decoder_pb2_grpc
-from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, start_server
+from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, TlsOptions, start_server
 from common.telemetry import setup_telemetry
+from services.decoder.backend import BackendUnavailable, check_available, resolve
 from services.decoder.config import DTYPES, DecoderConfig, EngineConfig
 from services.decoder.engine import Engine, default_model_dir
 from services.decoder.parallel import RankInfo, init_parallel
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default="", help="name reported to clients (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: the device's (bfloat16)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -54,7 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides bytes)")
     p.add_argument("--enable-prefix-caching", type=_flag_bool, default=True)
     p.add_argument("--enable-prompt-embeds", type=_flag_bool, default=True)
-    p.add_argument("--static-shapes", type=_flag_bool, default=False)
+    p.add_argument(
+        "--static-shapes", type=_flag_bool, default=None, help="default: true on neuron, else false"
+    )
+    p.add_argument(
+        "--compile",
+        type=_flag_bool,
+        default=None,
+        help="static shapes: compile each decode bucket at warmup (default: true on neuron, else false)",
+    )
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time for in-flight streams on SIGTERM")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
@@ -66,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--collective-timeout-s", type=float, default=60.0, help="several ranks: collective timeout"
+    )
+    p.add_argument("--tls-cert", type=Path, default=None, help="TLS: server certificate chain (PEM)")
+    p.add_argument("--tls-key", type=Path, default=None, help="TLS: server private key (PEM)")
+    p.add_argument(
+        "--tls-client-ca", type=Path, default=None, help="mutual TLS: CA that must sign client certificates"
+    )
+    p.add_argument(
+        "--auth-token-file",
+        type=Path,
+        default=None,
+        help="accepted bearer tokens, one per line; every call but health then needs one",
     )
     return p
 
@@ -85,9 +107,11 @@ def config_from_args(argv: Sequence[str] | None, environ: dict[str, str] | None 
     _with_env_defaults(parser, dict(os.environ if environ is None else environ))
     args = parser.parse_args(argv)
     model_dir = args.model or default_model_dir()
+    backend = resolve(args.device)  # ValueError on an unknown device; imports no SDK
     engine = EngineConfig(
         model_dir=model_dir,
-        dtype=args.dtype,
+        dtype=args.dtype or backend.default_dtype,
+        device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -97,11 +121,17 @@ def config_from_args(argv: Sequence[str] | None, environ: dict[str, str] | None 
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_prompt_embeds=args.enable_prompt_embeds,
-        static_shapes=args.static_shapes,
+        static_shapes=backend.requires_static_shapes if args.static_shapes is None else args.static_shapes,
+        compile=backend.requires_static_shapes if args.compile is None else args.compile,
         num_threads=args.num_threads,
     )
     server = ServerOptions(
-        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, grace_s=args.grace_s
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_bytes,
+        grace_s=args.grace_s,
+        tls=TlsOptions.from_paths(args.tls_cert, args.tls_key, args.tls_client_ca),
+        auth_tokens=load_tokens(args.auth_token_file) if args.auth_token_file is not None else frozenset(),
     )
     return DecoderConfig(
         engine=engine,
@@ -178,8 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
     try:
         config = config_from_args(argv)
+        check_available(
+            config.engine.device
+        )  # e.g. --device neuron without torch-neuronx: say what to install
         rank = rank_info(config, os.environ)  # None: one rank, no process group
-    except ValueError as exc:
+    except (ValueError, BackendUnavailable) as exc:
         print(f"tandem serve decoder: {exc}", file=sys.stderr)
         return 2
     if rank is None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.server import ServerOptions
+from services.decoder import backend as backends
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -22,7 +23,7 @@ class EngineConfig:
 
     model_dir: Path  # a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     dtype: str = "bfloat16"  # compute and KV-cache dtype, one of DTYPES.
-    device: str = "cpu"  # torch device of the model and the KV cache.
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (see backend.py); checked, not imported.
     max_num_seqs: int = 64  # most requests in one step's batch.
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
     max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
@@ -35,11 +36,20 @@ class EngineConfig:
     static_shapes: bool = False  # pad batches to buckets so every step has a known input signature.
     token_buckets: tuple[int, ...] = ()  # static mode: padded token counts; () = powers of two.
     seq_buckets: tuple[int, ...] = ()  # static mode: padded sequence counts; () = powers of two.
+    compile: bool = False  # static mode: decode buckets run as graphs compiled at warmup (Neuron: traced).
     num_threads: int | None = None  # torch intra-op threads; None = torch's default.
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        backend = backends.resolve(self.device)
+        if backend.requires_static_shapes and not (self.static_shapes and self.compile):
+            raise ValueError(
+                f"device {backend.name} runs static shapes only: it needs static_shapes and compile "
+                "(--static-shapes true --compile true)"
+            )
+        if self.compile and not self.static_shapes:
+            raise ValueError("compile needs static_shapes (--static-shapes true): one graph per bucket")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "block_size", "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -68,3 +78,11 @@ class DecoderConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.world_size > 1:
+            backend = backends.resolve(self.engine.device)
+            if backend.collective_backend is None:
+                raise ValueError(
+                    f"device {backend.name} runs on one rank only (world_size 1), got {self.world_size}"
+                )
+            if self.engine.compile:
+                raise ValueError(f"compile runs on one rank only (world_size 1), got {self.world_size}")

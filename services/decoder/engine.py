@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.decoder import backend as backends
 from services.decoder.config import EngineConfig
 from services.decoder.core import EngineCore, Sink
 from services.decoder.kv_cache import BlockManager
@@ -72,12 +73,19 @@ class Engine:
     """With `tp` (several ranks) this is rank 0: it feeds every step to the others' worker loops."""
 
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel | None = None, tp: ParallelContext | None = None
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        tp: ParallelContext | None = None,
+        backend: backends.Backend | None = None,  # None: config.device's; tests may swap the compiler
     ) -> None:
         self.config = config
+        backend = backend or backends.check_available(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.loaded = loaded or load_model(config.model_dir, config.dtype, config.device, tp)
+        device = backends.torch_device(config.device)
+        # Compiled models stay unpacked: Inductor folds and packs weights itself.
+        self.loaded = loaded or load_model(config.model_dir, config.dtype, device, tp, prepack=not config.compile)
         model_config = self.loaded.config
         self.model_config = model_config
         self.tokenizer = self.loaded.tokenizer
@@ -98,7 +106,12 @@ class Engine:
         )
         sink = None if tp is None else StepSender(tp.control)
         runner = ModelRunner(
-            self.loaded.model, self.num_blocks, config.block_size, self._static_shapes(), sink
+            self.loaded.model,
+            self.num_blocks,
+            config.block_size,
+            self._static_shapes(),
+            sink,
+            compile_with=backend if config.compile else None,
         )
         # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
         self._keepalive_s = None if tp is None else tp.timeout_s / 4
@@ -312,6 +325,14 @@ class Engine:
                 if num_tokens < num_seqs:
                     continue
                 runner.warmup(num_tokens, num_seqs)
+        runner.seal()
+        if runner.compiler is not None:
+            log.info(
+                "compiled %d decode buckets (%d graphs) in %.1f s",
+                len(runner.compiled_steps),
+                runner.compiler.num_graphs,
+                runner.compiler.compile_s,
+            )
 
     def _static_shapes(self) -> StaticShapes | None:
         config = self.config

@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from services.decoder import backend as backends
+
 # Recent torch names the tensor-in/tensor-out collectives *_single (2.13 warns on *_tensor); older
 # releases have only *_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -87,6 +89,9 @@ class ParallelContext:
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        # The rank as a 0-dim tensor: sequence windows computed from it are the same graph on every
+        # rank (a traced SPMD program cannot take the Python int); 0-dim, so it mixes with any device.
+        self.rank_tensor = torch.tensor(rank, dtype=torch.int64)
         self.group = group  # data plane; None = the default group
         self.control = control  # rank 0's step broadcasts
         self.timeout_s = timeout_s  # any collective waiting longer than this raises
@@ -117,16 +122,17 @@ class ParallelContext:
 def init_parallel(info: RankInfo, device: str, timeout_s: float) -> ParallelContext:
     """Joins the group (blocks until every rank has), returns this rank's context.
 
-    `device` picks the data-plane backend: NCCL for CUDA, gloo otherwise.
+    `device` picks the data-plane backend (`backend.py`: NCCL for CUDA, gloo on CPU).
     """
     if info.world_size < 2:
         raise ValueError("init_parallel is for world_size >= 2; one rank needs no process group")
     timeout = timedelta(seconds=timeout_s)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(torch.device(device))
+    backend = backends.resolve(device)
+    if backend.collective_backend is None:
+        raise ValueError(f"device {backend.name} runs on one rank only")
+    backends.bind_rank_device(device)
     dist.init_process_group(
-        backend,
+        backend.collective_backend,
         init_method=info.init_method,
         rank=info.rank,
         world_size=info.world_size,

@@ -10,6 +10,12 @@ Static-shape mode pads the token count and the sequence count to buckets and alw
 one of a known set of input signatures; warmup runs each once and `signatures` records them.
 Padding tokens write their KV into the reserved null block 0 and attend to it alone.
 
+Compiled static-shape mode (`compile_with` a backend) runs every decode-only bucket (num_tokens ==
+num_seqs) as a graph compiled at warmup, one per bucket (`backend.bucket_compiler`); steps with
+any prefill stay eager, because prefill attention loops over the host-side `query_lens` and
+`seq_lens`, whose values a graph would have to specialise on. After `seal()` a decode signature
+that warmup did not compile raises `RecompileError` rather than compiling in the middle of serving.
+
 With several ranks, a step with any prefill runs sequence-parallel: its token count is padded to a
 multiple of the world size with tokens past every sequence (they write the null block and their
 attention rows are zeros), and rank 0 sends each batch to the other ranks before running it.
@@ -24,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from services.decoder.backend import Backend, RecompileError, StepFn, bucket_compiler
 from services.decoder.kv_cache import NULL_BLOCK_ID
 from services.decoder.models.attention import AttentionMetadata
 from services.decoder.models.tensor_parallel import world_size_of
@@ -120,6 +127,7 @@ class ModelRunner:
         block_size: int,
         static: StaticShapes | None = None,
         sink: StepSink | None = None,
+        compile_with: Backend | None = None,  # static mode: compile each decode bucket; None = eager
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -131,6 +139,12 @@ class ModelRunner:
         self.dtype = model.config.dtype
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.signatures: set[Signature] = set()  # distinct input signatures seen so far
+        self.compiler = None
+        if compile_with is not None:
+            if static is None:
+                raise ValueError("compiled decode buckets need static shapes")
+            self.compiler = bucket_compiler(compile_with, model, self.kv_caches, len(static.seq_buckets))
+        self.compiled_steps: dict[Signature, StepFn] = {}  # decode buckets compiled so far
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -141,19 +155,34 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         attn = batch.attn
-        self.signatures.add(
-            Signature(
-                num_tokens=batch.input_ids.shape[0],
-                num_seqs=len(attn.query_lens),
-                block_table_width=attn.block_tables.shape[1],
-                is_decode_only=attn.is_decode_only,
-            )
+        signature = Signature(
+            num_tokens=batch.input_ids.shape[0],
+            num_seqs=len(attn.query_lens),
+            block_table_width=attn.block_tables.shape[1],
+            is_decode_only=attn.is_decode_only,
         )
+        self.signatures.add(signature)
         if self.sink is not None:
             self.sink.send(batch)
-        return self.model(
+        step = self._step_for(signature)
+        return step(
             batch.input_ids, batch.positions, attn, self.kv_caches, batch.inputs_embeds, batch.is_token_ids
         )
+
+    def seal(self) -> None:
+        """Warmup is over: from now on a decode bucket that would compile raises RecompileError."""
+        if self.compiler is not None:
+            self.compiler.seal()
+
+    def _step_for(self, signature: Signature) -> StepFn:
+        if self.compiler is None or not signature.is_decode_only:
+            return self.model
+        step = self.compiled_steps.get(signature)
+        if step is None:
+            if self.compiler.is_sealed:
+                raise RecompileError(f"decode bucket {signature} was not compiled at warmup")
+            step = self.compiled_steps[signature] = self.compiler.bucket()
+        return step
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         bs = self.block_size

@@ -19,8 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.auth import load_tokens
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
-from common.server import ServerOptions, Service, install_signal_handlers, start_server
+from common.server import ServerOptions, Service, TlsOptions, install_signal_handlers, start_server
 from common.telemetry import setup_telemetry
 from services.encoder.config import DEFAULT_PORT, DTYPES, EMBEDDERS, EncoderConfig
 from services.encoder.embedder import EmbedderLoadError, Pooling
@@ -46,7 +47,12 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "port": int,
     "max_message_bytes": int,
     "grace_s": float,
+    "tls_cert": Path,
+    "tls_key": Path,
+    "tls_client_ca": Path,
+    "auth_token_file": Path,
 }
+_SECURITY = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")  # become ServerOptions fields
 
 
 def env_var(dest: str) -> str:
@@ -78,6 +84,10 @@ def build_parser(prog: str = "python -m services.encoder") -> argparse.ArgumentP
     add("--port", f"listen port (default {DEFAULT_PORT}; 0 = any free port)")
     add("--max-message-bytes", "largest gRPC message sent or received", metavar="N")
     add("--grace-s", "seconds in-flight RPCs get to finish on shutdown", metavar="S")
+    add("--tls-cert", "TLS: server certificate chain (PEM)", metavar="FILE")
+    add("--tls-key", "TLS: server private key (PEM)", metavar="FILE")
+    add("--tls-client-ca", "mutual TLS: CA that must sign client certificates", metavar="FILE")
+    add("--auth-token-file", "accepted bearer tokens, one per line (health stays open)", metavar="FILE")
     return parser
 
 
@@ -98,6 +108,12 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
     if "model" not in values:
         raise ValueError(f"--model DIR is required (or set {env_var('model')})")
     server = {k: values[k] for k in ("host", "port", "max_message_bytes", "grace_s") if k in values}
+    security = {k: values.pop(k, None) for k in _SECURITY}
+    server["tls"] = TlsOptions.from_paths(
+        security["tls_cert"], security["tls_key"], security["tls_client_ca"]
+    )
+    if security["auth_token_file"] is not None:
+        server["auth_tokens"] = load_tokens(security["auth_token_file"])
     renamed = {"adapter": "adapter_dir", "encoder_model": "encoder_model_dir", "projector": "projector_path"}
     fields = {renamed.get(k, k): v for k, v in values.items() if k not in server}
     return EncoderConfig(

@@ -18,10 +18,14 @@ from tests.unit.decoder.models.helpers import PagedAllocator
 
 @dataclass(frozen=True)
 class FakeRank:
-    """The two attributes the slicing reads; no process group behind it."""
+    """What the slicing reads (the rank, also as a tensor); no process group behind it."""
 
     rank: int
     world_size: int
+
+    @property
+    def rank_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.rank)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -68,6 +68,17 @@ SHAPES: dict[str, ModelShape] = {
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
+    # Qwen3-0.6B's shape with random weights, for device benchmarks (about 1.2 GB in bf16).
+    "qwen3-0.6b": ModelShape(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+    ),
 }
 
 

@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from common.pb.tandem.v1 import decoder_pb2_grpc, encoder_pb2_grpc
-from common.server import RunningServer, ServerOptions, Service, channel_options, start_server
+from common.server import RunningServer, ServerOptions, Service, TlsOptions, channel_options, start_server
 from services.decoder.config import EngineConfig
 from services.decoder.engine import Engine
 from services.decoder.models.loader import LoadedModel
@@ -39,10 +39,21 @@ class Limits:
 
 
 class Services:
-    """Decoder and encoder on free loopback ports; `decoder`/`encoder` are blocking stubs."""
+    """Decoder and encoder on free loopback ports; `decoder`/`encoder` are blocking stubs (plaintext,
+    so with `tls` set tests open their own channels)."""
 
-    def __init__(self, model_dir: Path, loaded: LoadedModel, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        loaded: LoadedModel,
+        limits: Limits | None = None,
+        tls: TlsOptions | None = None,
+        auth_tokens: frozenset[str] = frozenset(),
+    ) -> None:
         limits = limits or Limits()
+        self.server_options = ServerOptions(
+            host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES, tls=tls, auth_tokens=auth_tokens
+        )
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-servers", daemon=True)
         self._thread.start()
@@ -62,7 +73,7 @@ class Services:
             model_dir=model_dir,
             dtype="float32",
             max_input_tokens=ENCODER_MAX_INPUT_TOKENS,
-            server=ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+            server=self.server_options,
         )
         self.encoder_servicer = EncoderServicer(self.encoder_config)
         self.encoder_servicer.attach(LookupEmbedder.load(model_dir, torch.float32))
@@ -84,7 +95,7 @@ class Services:
     async def _start_decoder(self, model_dir: Path) -> RunningServer:
         servicer = DecoderServicer(model_dir.name, MAX_MESSAGE_BYTES, engine=self.engine)
         server = await start_server(
-            ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+            self.server_options,
             [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
         )
         await server.set_serving()

@@ -1,0 +1,455 @@
+"""TLS, mutual TLS and bearer tokens on both services, against live servers on loopback.
+
+Certificates come from the `openssl` CLI: a throwaway CA, a server certificate for 127.0.0.1 and
+localhost, a client certificate the CA signed, and a server and a client certificate signed by a
+second CA that nobody trusts. Servers run in this process (`Services`), except for the test of the
+flags and environment variables, which starts both services as processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from common.auth import load_tokens
+from common.client import ChannelSecurity, DecoderClient, EncoderClient
+from common.pb.tandem.v1 import decoder_pb2, encoder_pb2
+from common.server import ServerOptions, TlsOptions
+from services import cli
+from services.decoder.__main__ import config_from_args as decoder_config
+from services.decoder.models.default_model import make_model
+from services.decoder.models.loader import LoadedModel, load_model
+from services.encoder.__main__ import build_parser as encoder_parser
+from services.encoder.__main__ import config_from_args as encoder_config
+from services.up import UpConfig, serve_command
+from tests.integration.reliability.harness import Services
+from tests.integration.test_compose import dockerfile_healthcheck_command
+
+OPENSSL = shutil.which("openssl")
+pytestmark = pytest.mark.skipif(OPENSSL is None, reason="the openssl CLI makes the test certificates")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "tandem-test-token-7f3a9c0e51d2"
+ROTATED_TOKEN = "tandem-test-token-older-one-b2e4"  # a second accepted token, as during a rotation
+SERVING = health_pb2.HealthCheckResponse.SERVING
+STARTUP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Pki:
+    """PEM files of the test CA, a server and a client it signed, and a rogue CA's pair."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    rogue_ca: Path
+    rogue_server_cert: Path
+    rogue_server_key: Path
+    rogue_client_cert: Path
+    rogue_client_key: Path
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run([OPENSSL, *args], check=True, capture_output=True, timeout=30)
+
+
+def _make_ca(directory: Path, name: str) -> tuple[Path, Path]:
+    cert, key = directory / f"{name}.pem", directory / f"{name}-key.pem"
+    _openssl(
+        *("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"),
+        *("-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}"),
+    )
+    return cert, key
+
+
+def _make_leaf(directory: Path, name: str, ca: tuple[Path, Path], extensions: str) -> tuple[Path, Path]:
+    cert, key, csr = (directory / f"{name}{suffix}" for suffix in (".pem", "-key.pem", ".csr"))
+    ext = directory / f"{name}.ext"
+    ext.write_text(f"basicConstraints=CA:FALSE\n{extensions}\n")
+    _openssl(
+        *("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"),
+        *("-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}"),
+    )
+    _openssl(
+        *("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-set_serial", "2"),
+        *("-out", str(cert), "-days", "2", "-extfile", str(ext)),
+    )
+    return cert, key
+
+
+def make_pki(directory: Path) -> Pki:
+    server_ext = "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"
+    client_ext = "extendedKeyUsage=clientAuth"
+    ca, rogue_ca = _make_ca(directory, "ca"), _make_ca(directory, "rogue-ca")
+    server, client = (
+        _make_leaf(directory, "server", ca, server_ext),
+        _make_leaf(directory, "client", ca, client_ext),
+    )
+    rogue_server = _make_leaf(directory, "rogue-server", rogue_ca, server_ext)
+    rogue_client = _make_leaf(directory, "rogue-client", rogue_ca, client_ext)
+    return Pki(ca[0], *server, *client, rogue_ca[0], *rogue_server, *rogue_client)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokens") / "tokens.txt"
+    path.write_text(f"# accepted bearer tokens\n{TOKEN}\n\n{ROTATED_TOKEN}\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("security-tiny"))
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path) -> LoadedModel:
+    return load_model(model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tls_services(model_dir: Path, loaded: LoadedModel, pki: Pki, token_file: Path):
+    running = Services(
+        model_dir,
+        loaded,
+        tls=TlsOptions(pki.server_cert, pki.server_key),
+        auth_tokens=load_tokens(token_file),
+    )
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def mtls_services(model_dir: Path, loaded: LoadedModel, pki: Pki, token_file: Path):
+    tls = TlsOptions(pki.server_cert, pki.server_key, client_ca_file=pki.ca)
+    running = Services(model_dir, loaded, tls=tls, auth_tokens=load_tokens(token_file))
+    yield running
+    running.close()
+
+
+def _security(pki: Pki, token: str | None = TOKEN, client: str | None = None) -> ChannelSecurity:
+    """Trusting the test CA; `client` "trusted" or "rogue" adds that client certificate."""
+    files = {
+        "trusted": (pki.client_cert, pki.client_key),
+        "rogue": (pki.rogue_client_cert, pki.rogue_client_key),
+    }
+    cert, key = files[client] if client is not None else (None, None)
+    return ChannelSecurity(
+        root_certificates=pki.ca.read_bytes(),
+        certificate_chain=cert.read_bytes() if cert else None,
+        private_key=key.read_bytes() if key else None,
+        token=token,
+    )
+
+
+async def _status(call: Callable[[], Awaitable[object]]) -> grpc.StatusCode:
+    try:
+        await call()
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+async def _generate(client: DecoderClient) -> None:
+    text, finished = await client.generate_text(["hello there"], max_new_tokens=4, timeout=30)
+    assert finished.usage.output_tokens == 4
+
+
+async def _statuses(services: Services, security: ChannelSecurity) -> dict[str, grpc.StatusCode]:
+    """The status of one call of every kind (unary and streaming) on both services."""
+    async with (
+        DecoderClient(services.decoder_server.address, security=security) as decoder,
+        EncoderClient(services.encoder_server.address, security=security) as encoder,
+    ):
+        return {
+            "Decoder.Generate": await _status(lambda: _generate(decoder)),
+            "Decoder.Tokenize": await _status(lambda: decoder.tokenize(["hi"])),
+            "Decoder.GetModelInfo": await _status(lambda: decoder.model_info()),
+            "Encoder.Embed": await _status(lambda: encoder.embed(text="hi")),
+            "Encoder.GetModelInfo": await _status(
+                lambda: encoder.stub.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), timeout=10)
+            ),
+        }
+
+
+def _all(code: grpc.StatusCode) -> dict[str, grpc.StatusCode]:
+    names = (
+        "Decoder.Generate",
+        "Decoder.Tokenize",
+        "Decoder.GetModelInfo",
+        "Encoder.Embed",
+        "Encoder.GetModelInfo",
+    )
+    return dict.fromkeys(names, code)
+
+
+def test_tls_with_an_accepted_token_serves_every_method_of_both_services(
+    tls_services: Services, pki: Pki
+) -> None:
+    assert asyncio.run(_statuses(tls_services, _security(pki))) == _all(grpc.StatusCode.OK)
+    # Every token in the file is accepted, so a token can be rotated without downtime.
+    assert asyncio.run(_statuses(tls_services, _security(pki, ROTATED_TOKEN))) == _all(grpc.StatusCode.OK)
+
+
+def test_no_token_is_unauthenticated_and_a_wrong_token_permission_denied(
+    tls_services: Services, pki: Pki
+) -> None:
+    assert asyncio.run(_statuses(tls_services, _security(pki, token=None))) == _all(
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    wrong = TOKEN[:-1] + "x"  # all but the last character right
+    assert asyncio.run(_statuses(tls_services, _security(pki, token=wrong))) == _all(
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    assert tls_services.idle()  # denied Generate calls never reached the engine
+
+
+def test_an_authorization_header_that_is_not_a_bearer_token_is_unauthenticated(
+    tls_services: Services, pki: Pki
+) -> None:
+    async def call(value: str) -> grpc.StatusCode:
+        async with DecoderClient(
+            tls_services.decoder_server.address, security=_security(pki, None)
+        ) as client:
+            request = decoder_pb2.DecoderGetModelInfoRequest()
+            metadata = (("authorization", value),)
+            return await _status(lambda: client.stub.GetModelInfo(request, metadata=metadata, timeout=10))
+
+    assert asyncio.run(call(f"Basic {TOKEN}")) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(call("Bearer ")) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(call(f"bearer {TOKEN}")) == grpc.StatusCode.OK  # the scheme is case-insensitive
+
+
+def test_health_stays_open_without_a_token_for_probes(tls_services: Services, pki: Pki) -> None:
+    async def check() -> None:
+        servers = {
+            "tandem.v1.Decoder": tls_services.decoder_server,
+            "tandem.v1.Encoder": tls_services.encoder_server,
+        }
+        for service, server in servers.items():
+            async with DecoderClient(server.address, security=_security(pki, token=None)) as client:
+                assert await client.health() == SERVING
+                assert await client.health(service) == SERVING
+                await client.wait_serving(timeout=10)  # Watch, a streaming call, is open too
+
+    asyncio.run(check())
+
+
+def test_server_reflection_needs_a_token(tls_services: Services, pki: Pki) -> None:
+    async def list_services(token: str | None) -> grpc.StatusCode | list[str]:
+        async with DecoderClient(
+            tls_services.decoder_server.address, security=_security(pki, token)
+        ) as client:
+            stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+            call = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
+            try:
+                async for reply in call:
+                    return [s.name for s in reply.list_services_response.service]
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+            return []
+
+    assert asyncio.run(list_services(None)) == grpc.StatusCode.UNAUTHENTICATED
+    assert "tandem.v1.Decoder" in asyncio.run(list_services(TOKEN))
+
+
+async def _handshake_statuses(services: Services, security: ChannelSecurity) -> dict[str, grpc.StatusCode]:
+    """Generate (never retried) and Embed (retried, so about 1.5 s when the handshake keeps failing)."""
+    async with (
+        DecoderClient(services.decoder_server.address, security=security) as decoder,
+        EncoderClient(services.encoder_server.address, security=security) as encoder,
+    ):
+        return {
+            "Decoder.Generate": await _status(lambda: _generate(decoder)),
+            "Encoder.Embed": await _status(lambda: encoder.embed(text="hi")),
+        }
+
+
+def test_plaintext_and_untrusted_certificates_are_refused(tls_services: Services, pki: Pki) -> None:
+    unavailable = {
+        "Decoder.Generate": grpc.StatusCode.UNAVAILABLE,
+        "Encoder.Embed": grpc.StatusCode.UNAVAILABLE,
+    }
+    plaintext = ChannelSecurity(token=TOKEN)
+    assert asyncio.run(_handshake_statuses(tls_services, plaintext)) == unavailable
+    distrusting = ChannelSecurity(root_certificates=pki.rogue_ca.read_bytes(), token=TOKEN)
+    assert asyncio.run(_handshake_statuses(tls_services, distrusting)) == unavailable  # an unknown CA
+    self_signed = ChannelSecurity(root_certificates=pki.rogue_server_cert.read_bytes(), token=TOKEN)
+    assert asyncio.run(_handshake_statuses(tls_services, self_signed)) == unavailable
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate_the_ca_signed(
+    mtls_services: Services, pki: Pki
+) -> None:
+    unavailable = {
+        "Decoder.Generate": grpc.StatusCode.UNAVAILABLE,
+        "Encoder.Embed": grpc.StatusCode.UNAVAILABLE,
+    }
+    no_certificate = _security(pki)
+    assert asyncio.run(_handshake_statuses(mtls_services, no_certificate)) == unavailable
+    untrusted_certificate = _security(pki, client="rogue")
+    assert asyncio.run(_handshake_statuses(mtls_services, untrusted_certificate)) == unavailable
+    assert asyncio.run(_statuses(mtls_services, _security(pki, client="trusted"))) == _all(grpc.StatusCode.OK)
+    # The certificate and the token are separate checks: a trusted certificate still needs a token.
+    no_token = _security(pki, token=None, client="trusted")
+    assert asyncio.run(_statuses(mtls_services, no_token)) == _all(grpc.StatusCode.UNAUTHENTICATED)
+    assert mtls_services.idle()
+
+
+def test_cli_generate_reaches_a_tls_server_with_its_tls_and_token_flags(
+    tls_services: Services, pki: Pki, token_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "generate",
+        "--address",
+        tls_services.decoder_server.address,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "3",
+    ]
+    assert cli.main([*argv, "--tls-ca", str(pki.ca), "--auth-token-file", str(token_file)]) == 0
+    assert "3 tokens" in capsys.readouterr().out
+    assert cli.main([*argv, "--tls-ca", str(pki.ca)]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_security_settings_are_validated_and_tokens_never_printed(
+    pki: Pki, token_file: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
+        decoder_config(["--tls-cert", str(pki.server_cert)], environ={})
+    with pytest.raises(ValueError, match="--tls-client-ca needs"):
+        encoder_config(
+            encoder_parser().parse_args(["--model", "m", "--tls-client-ca", str(pki.ca)]), environ={}
+        )
+    with pytest.raises(ValueError, match="not a readable file"):
+        decoder_config(
+            ["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(pki.server_key)], environ={}
+        )
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# no tokens yet\n\n")
+    with pytest.raises(ValueError, match="holds no token"):
+        decoder_config(["--auth-token-file", str(empty)], environ={})
+    options = ServerOptions(auth_tokens=load_tokens(token_file))
+    assert TOKEN not in repr(options) and TOKEN not in repr(_security(pki))
+    # `tandem up` hands the same files to both services.
+    up = UpConfig(
+        Path("m"), "127.0.0.1", 1, 2, None, None, 1.0, tls_cert=pki.server_cert, auth_token_file=token_file
+    )
+    for service in ("encoder", "decoder"):
+        argv = serve_command(service, up)
+        assert argv[argv.index("--tls-cert") + 1] == str(pki.server_cert)
+        assert argv[argv.index("--auth-token-file") + 1] == str(token_file)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_both_services_take_tls_and_tokens_from_flags_and_environment(
+    model_dir: Path, pki: Pki, token_file: Path
+) -> None:
+    """The encoder configured by TANDEM_ENCODER_* variables, the decoder by TANDEM_* and flags."""
+    ports = {"encoder": _free_port(), "decoder": _free_port()}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    encoder_env = {
+        **base,
+        "TANDEM_ENCODER_TLS_CERT": str(pki.server_cert),
+        "TANDEM_ENCODER_TLS_KEY": str(pki.server_key),
+        "TANDEM_ENCODER_AUTH_TOKEN_FILE": str(token_file),
+    }
+    decoder_env = {**base, "TANDEM_TLS_CERT": str(pki.server_cert), "TANDEM_TLS_KEY": str(pki.server_key)}
+    common = ["--model", str(model_dir), "--dtype", "float32", "--grace-s", "1"]
+    processes = {
+        "encoder": subprocess.Popen(
+            [sys.executable, "-m", "services.encoder", *common, "--port", str(ports["encoder"])],
+            cwd=REPO_ROOT,
+            env=encoder_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+        "decoder": subprocess.Popen(
+            [sys.executable, "-m", "services.decoder", *common, "--port", str(ports["decoder"])]
+            + ["--num-threads", "1", "--num-kv-blocks", "64", "--auth-token-file", str(token_file)],
+            cwd=REPO_ROOT,
+            env=decoder_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+    }
+
+    async def check() -> None:
+        for name, port in ports.items():
+            address = f"127.0.0.1:{port}"
+            async with DecoderClient(address, security=_security(pki, token=None)) as open_client:
+                deadline = time.monotonic() + STARTUP_TIMEOUT_S
+                while await _status(lambda: open_client.health(timeout=1)) != grpc.StatusCode.OK or (
+                    await open_client.health(timeout=1) != SERVING
+                ):
+                    assert processes[name].poll() is None, (
+                        f"the {name} exited with {processes[name].returncode}"
+                    )
+                    assert time.monotonic() < deadline, f"the {name} never became SERVING"
+                    await asyncio.sleep(0.2)
+            client_type = DecoderClient if name == "decoder" else EncoderClient
+            async with client_type(address, security=_security(pki, token=None)) as anonymous:
+                async with client_type(address, security=_security(pki)) as authorized:
+                    if isinstance(anonymous, DecoderClient):
+                        assert await _status(anonymous.model_info) == grpc.StatusCode.UNAUTHENTICATED
+                        assert (await authorized.model_info()).hidden_size == 64
+                    else:
+                        assert (
+                            await _status(lambda: anonymous.embed(text="hi"))
+                            == grpc.StatusCode.UNAUTHENTICATED
+                        )
+                        assert (await authorized.embed(text="hi")).usage.input_tokens >= 1
+
+    try:
+        asyncio.run(check())
+        # The image's HEALTHCHECK speaks TLS when told which CA to trust.
+        healthcheck = subprocess.run(
+            ["sh", "-c", dockerfile_healthcheck_command()],
+            env={
+                **base,
+                "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
+                "TANDEM_HEALTH_PORTS": " ".join(map(str, ports.values())),
+                "TANDEM_HEALTH_TLS_CA": str(pki.ca),
+            },
+            capture_output=True,
+            timeout=30,
+        )
+        assert healthcheck.returncode == 0, healthcheck.stderr.decode(errors="replace")
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=30) for p in processes.values()] == [0, 0]
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
