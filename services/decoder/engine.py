@@ -85,7 +85,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         device = backends.torch_device(config.device)
         # Compiled models stay unpacked: Inductor folds and packs weights itself.
-        self.loaded = loaded or load_model(config.model_dir, config.dtype, device, tp, prepack=not config.compile)
+        prepack = not config.compile
+        self.loaded = loaded or load_model(config.model_dir, config.dtype, device, tp, prepack=prepack)
         model_config = self.loaded.config
         self.model_config = model_config
         self.tokenizer = self.loaded.tokenizer
