@@ -6,13 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.decoder.models.default_model import make_model, train_tokenizer
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3, 4 query / 2 KV heads, tied head, no biases."""
-    return make_model(tmp_path_factory.mktemp("tiny"))
+from services.decoder.models.default_model import train_tokenizer
 
 
 @pytest.fixture(scope="session")

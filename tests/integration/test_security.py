@@ -31,8 +31,7 @@ from common.pb.tandem.v1 import decoder_pb2, encoder_pb2
 from common.server import ServerOptions, TlsOptions
 from services import cli
 from services.decoder.__main__ import config_from_args as decoder_config
-from services.decoder.models.default_model import make_model
-from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.models.loader import LoadedModel
 from services.encoder.__main__ import build_parser as encoder_parser
 from services.encoder.__main__ import config_from_args as encoder_config
 from services.up import UpConfig, serve_command
@@ -119,13 +118,13 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("security-tiny"))
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
-def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, dtype="float32")
+def loaded(tiny_fp32: LoadedModel) -> LoadedModel:
+    return tiny_fp32
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,7 @@ from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2_grpc
 from common.server import RunningServer, ServerOptions, Service, start_server
 from services.decoder.config import EngineConfig
 from services.decoder.engine import Engine
-from services.decoder.models.default_model import make_model
-from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.models.loader import LoadedModel
 from services.decoder.servicer import DecoderServicer
 from services.encoder.config import EncoderConfig
 from services.encoder.lookup import LookupEmbedder
@@ -38,13 +37,13 @@ EMBEDDINGS = f"embeddings {MODEL}"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("tracing-tiny"))
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
-def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, dtype="float32")
+def loaded(tiny_fp32: LoadedModel) -> LoadedModel:
+    return tiny_fp32
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,10 @@ from common.pb.tandem.v1 import decoder_pb2_grpc
 from common.server import RunningServer, ServerOptions, Service, start_server
 from services.decoder.config import EngineConfig
 from services.decoder.engine import Engine
-from services.decoder.models.default_model import make_model
-from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.models.loader import LoadedModel
 from services.decoder.servicer import DecoderServicer
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("decoder-tiny"))
-
-
-@pytest.fixture(scope="session")
-def tiny_loaded(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(tiny_model_dir, dtype="float32")
 
 
 @dataclass
@@ -57,7 +46,7 @@ async def shutdown(served: Served) -> None:
 
 
 @pytest.fixture
-async def decoder(tiny_model_dir: Path, tiny_loaded: LoadedModel) -> AsyncIterator[Served]:
-    served = await serve(tiny_model_dir, tiny_loaded)
+async def decoder(tiny_model_dir: Path, tiny_fp32: LoadedModel) -> AsyncIterator[Served]:
+    served = await serve(tiny_model_dir, tiny_fp32)
     yield served
     await shutdown(served)

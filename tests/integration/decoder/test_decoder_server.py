@@ -144,12 +144,12 @@ async def test_each_bad_request_is_invalid_argument_naming_its_field(decoder: Se
     )
 
 
-async def test_embeddings_are_refused_when_disabled(tiny_model_dir, tiny_loaded) -> None:
-    served = await serve(tiny_model_dir, tiny_loaded, enable_prompt_embeds=False)
+async def test_embeddings_are_refused_when_disabled(tiny_model_dir, tiny_fp32) -> None:
+    served = await serve(tiny_model_dir, tiny_fp32, enable_prompt_embeds=False)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await _collect(
-                served.client.generate([tensors.encode(torch.zeros(1, tiny_loaded.config.hidden_size))])
+                served.client.generate([tensors.encode(torch.zeros(1, tiny_fp32.config.hidden_size))])
             )
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
@@ -172,8 +172,8 @@ async def test_cancel_mid_stream_returns_every_kv_block(decoder: Served) -> None
     assert decoder.engine.core.num_live() == 0
 
 
-async def test_queue_full_is_resource_exhausted_with_retry_info(tiny_model_dir, tiny_loaded) -> None:
-    served = await serve(tiny_model_dir, tiny_loaded, max_num_seqs=1, max_queue=1)
+async def test_queue_full_is_resource_exhausted_with_retry_info(tiny_model_dir, tiny_fp32) -> None:
+    served = await serve(tiny_model_dir, tiny_fp32, max_num_seqs=1, max_queue=1)
     try:
         running = served.client.generate([[1, 2]], max_new_tokens=400, ignore_eos=True)
         await running.read()  # accepted
@@ -193,8 +193,8 @@ async def test_queue_full_is_resource_exhausted_with_retry_info(tiny_model_dir, 
         await shutdown(served)
 
 
-async def test_deadline_passing_in_the_queue_ends_before_prefill(tiny_model_dir, tiny_loaded) -> None:
-    served = await serve(tiny_model_dir, tiny_loaded, max_num_seqs=1)
+async def test_deadline_passing_in_the_queue_ends_before_prefill(tiny_model_dir, tiny_fp32) -> None:
+    served = await serve(tiny_model_dir, tiny_fp32, max_num_seqs=1)
     try:
         running = served.client.generate([[1, 2]], max_new_tokens=400, ignore_eos=True)
         await running.read()
@@ -239,9 +239,9 @@ async def test_health_and_reflection(decoder: Served) -> None:
 
 
 async def test_an_engine_fault_ends_open_streams_with_unavailable_and_never_hangs(
-    tiny_model_dir, tiny_loaded
+    tiny_model_dir, tiny_fp32
 ) -> None:
-    served = await serve(tiny_model_dir, tiny_loaded)
+    served = await serve(tiny_model_dir, tiny_fp32)
     try:
         execute = served.engine.core.runner.execute
         calls = 0

@@ -10,7 +10,6 @@ import torch
 
 from common.pb.tandem.v1 import encoder_pb2_grpc
 from common.server import RunningServer, ServerOptions, Service, channel_options, start_server
-from services.decoder.models.default_model import make_model
 from services.encoder.__main__ import SERVICE_NAME
 from services.encoder.config import EncoderConfig
 from services.encoder.lookup import LookupEmbedder
@@ -22,8 +21,8 @@ MODEL_NAME = "tiny-qwen3"
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("tiny-model"))
+def tiny_model(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")

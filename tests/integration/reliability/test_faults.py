@@ -232,12 +232,12 @@ async def _encoder_kill_and_restart(
 
 
 def test_killing_the_encoder_mid_load_spares_the_decoder_and_a_restart_serves_again(
-    services: Services, reliability_model_dir: Path, tmp_path: Path
+    services: Services, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     log = tmp_path / "encoder.log"
     processes: list[subprocess.Popen] = []
     try:
-        outcomes = asyncio.run(_encoder_kill_and_restart(services, reliability_model_dir, log, processes))
+        outcomes = asyncio.run(_encoder_kill_and_restart(services, tiny_model_dir, log, processes))
     except BaseException:
         print(log.read_text() if log.exists() else "no encoder log")
         raise
@@ -289,13 +289,13 @@ async def _sigterm_under_load(process: subprocess.Popen, address: str) -> tuple[
 
 
 def test_sigterm_to_the_decoder_under_load_ends_every_stream_finished_or_unavailable(
-    reliability_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     port = _free_port()
     log = tmp_path / "decoder.log"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.decoder", "--model", str(reliability_model_dir)]
+            [sys.executable, "-m", "services.decoder", "--model", str(tiny_model_dir)]
             + ["--port", str(port), "--dtype", "float32", "--num-threads", "1", "--block-size", "16"]
             + ["--grace-s", str(DECODER_GRACE_S), "--max-num-seqs", "32"],
             cwd=REPO_ROOT,

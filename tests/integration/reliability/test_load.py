@@ -21,8 +21,8 @@ LIMITS = Limits(max_num_seqs=16, max_queue=64, num_kv_blocks=512)
 
 
 @pytest.fixture(scope="module")
-def services(reliability_model_dir, reliability_loaded):
-    running = Services(reliability_model_dir, reliability_loaded, LIMITS)
+def services(tiny_model_dir, tiny_fp32):
+    running = Services(tiny_model_dir, tiny_fp32, LIMITS)
     yield running
     running.close()
 

@@ -1,4 +1,9 @@
-"""A tiny default-model checkpoint, written once per session, for engine-level tests."""
+"""Fixtures every suite shares: the embedded tiny checkpoint, written once per test session.
+
+Tests that change a checkpoint make their own copy; these are read-only.
+"""
+
+from __future__ import annotations
 
 from pathlib import Path
 
@@ -10,6 +15,7 @@ from services.decoder.models.loader import LoadedModel, load_model
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3, hidden 64, 4 query / 2 KV heads, tied head, a real byte-level BPE tokenizer."""
     return make_model(tmp_path_factory.mktemp("tiny"), shape="tiny", seed=0)
 
 
