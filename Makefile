@@ -29,8 +29,9 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Every workload and peer in one run; JSON and PNG land in bench/results/ (bench/README.md).
 bench: setup
-	$(PY) bench/decode_throughput.py
+	$(PY) bench/harness.py
 
 # The reliability suites, longer: more fuzz examples and more concurrent streams than `make test`.
 soak: setup

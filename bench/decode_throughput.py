@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.decoder.config import EngineConfig  # noqa: E402
-from services.decoder.engine import Engine, GenerateSpec  # noqa: E402
+from services.decoder.engine import EmbeddingPrompt, Engine, GenerateSpec  # noqa: E402
 from services.decoder.models.default_model import make_model  # noqa: E402
 from services.decoder.models.loader import load_model  # noqa: E402
 from services.decoder.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
@@ -114,7 +115,10 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int)
 # -- Tandem ---------------------------------------------------------------------------------------
 
 
-def build_engine(model_dir: Path, args: argparse.Namespace, max_requests: int) -> Engine:
+def build_engine(
+    model_dir: Path, args: argparse.Namespace, max_requests: int, enable_prefix_caching: bool = False
+) -> Engine:
+    """A started engine with KV blocks for `max_requests` of `args.prompt_len + args.new_tokens`."""
     blocks_per_request = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
     config = EngineConfig(
         model_dir=model_dir,
@@ -123,7 +127,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace, max_requests: int) -
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_requests),
         block_size=BLOCK_SIZE,
         num_kv_blocks=max_requests * blocks_per_request + 1 + 8,  # + the reserved null block + slack
-        enable_prefix_caching=False,
+        enable_prefix_caching=enable_prefix_caching,
         num_threads=args.threads,
         max_queue=max(1024, max_requests),
     )
@@ -132,8 +136,9 @@ def build_engine(model_dir: Path, args: argparse.Namespace, max_requests: int) -
 
 
 def run_tandem(
-    engine: Engine, prompts: list[list[int]], new_tokens: int
+    engine: Engine, prompts: Sequence[list[int] | EmbeddingPrompt], new_tokens: int
 ) -> tuple[RunResult, list[list[int]]]:
+    """Submit one request per prompt (token IDs or embedding rows) back to back; wait for them all."""
     n = len(prompts)
     tokens: list[list[int]] = [[] for _ in prompts]
     finished: list[Finished | None] = [None] * n

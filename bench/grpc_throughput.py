@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_throughput import BLOCK_SIZE, build_engine, ensure_model, make_prompts, run_tandem  # noqa: E402
 
-from common.client import DecoderClient  # noqa: E402
+from common.client import DecoderClient, EncoderClient  # noqa: E402
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2  # noqa: E402
 
 
@@ -105,18 +105,21 @@ async def run_grpc(
     )
 
 
-async def wait_serving(address: str, process: subprocess.Popen) -> None:
-    async with DecoderClient(address) as client:
+async def wait_serving(
+    address: str, process: subprocess.Popen, client_type: type[DecoderClient | EncoderClient] = DecoderClient
+) -> None:
+    """Poll the health service until the server in `process` reports SERVING."""
+    async with client_type(address) as client:
         for _ in range(600):
             if process.poll() is not None:
-                raise SystemExit(f"the decoder exited with {process.returncode}")
+                raise SystemExit(f"the server exited with {process.returncode}")
             try:
                 if await client.health(timeout=1) == 1:
                     return
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(0.2)
-    raise SystemExit("the decoder never became SERVING")
+    raise SystemExit("the server never became SERVING")
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ tandem serve decoder [flags]     the decoder (see --help for its flags)
 tandem serve encoder [flags]     the encoder
 tandem make-model DIR            write the tiny default checkpoint (or --shape bench-small)
 tandem generate --prompt TEXT    stream a generation from a running decoder to the terminal
+tandem bench [flags]             run bench/harness.py (a source checkout): every workload and peer
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.up import main as up_main
 
         return up_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -72,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands.add_parser("demo", help="start both services, stream one generation, stop them")
     commands.add_parser("up", help="run both services in the foreground: tandem up --help")
+    commands.add_parser("bench", help="run the benchmark harness: tandem bench --help")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from services.demo import main as demo_main
@@ -86,6 +90,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_generate(args))
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _bench(args: list[str]) -> int:
+    """Replace this process with bench/harness.py of the source checkout, given the same arguments."""
+    import os
+
+    harness = Path(__file__).resolve().parents[1] / "bench" / "harness.py"
+    if not harness.is_file():
+        print(f"error: {harness} not found; tandem bench runs from a source checkout", file=sys.stderr)
+        return 2
+    os.execv(sys.executable, [sys.executable, str(harness), *args])
+    return 0  # not reached: execv does not return
 
 
 async def _generate(args: argparse.Namespace) -> int:

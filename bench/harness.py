@@ -1,0 +1,365 @@
+"""Tandem's benchmark harness (`make bench`, `tandem bench`): every workload and peer in one run.
+
+It starts what it measures (in-process engines, a decoder and an encoder server as subprocesses,
+vLLM in its own venv), runs the workloads on the bench-small checkpoint (bf16), and writes
+`bench-<date>.json` and `bench-<date>.png` under `--out`. Workloads:
+
+1. decode throughput at N = 1/8/32 concurrent requests (128 random prompt tokens, 64 greedy tokens,
+   EOS ignored): Tandem in-process, Tandem over gRPC, transformers `generate`, vLLM CPU;
+2. the same with each prompt given as its 128 rows of the checkpoint's `embed_tokens` table
+   (Tandem `EmbeddingPrompt`, transformers `inputs_embeds`, vLLM `EmbedsPrompt`);
+3. time to first token for one prompt of 128..4095 tokens (max_new_tokens 1): Tandem, transformers;
+4. prefix cache: TTFT of a fresh 1024-token prompt (miss) and of the same prompt again (hit);
+5. embedding transport: `common.tensors` encode/decode of [n, 512] bf16, and the encoder's Embed RPC
+   over loopback gRPC, in MB/s (`transport.py`);
+6. the machine's floors, sampled between the workloads of the same run: memory read bandwidth and
+   bf16 1024^3 matmul rate, turned into tokens/s and prefill bounds for bench-small (`floors.py`).
+
+Noise: the VM is shared, so in-process engines are warmed up and interleaved (the order rotates per
+repeat) and medians are kept; vLLM runs in a subprocess between them; the load average is recorded
+at the start and the end. tokens/s = N x new tokens / wall time, prefill included.
+
+Run: `make bench`, `.venv/bin/python bench/harness.py --quick` (smoke), `--skip-vllm`,
+`--skip-transformers`, `--repeats N`, `--out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_throughput import (  # noqa: E402
+    build_engine,
+    ensure_model,
+    load_transformers,
+    make_prompts,
+    run_tandem,
+    run_transformers,
+)
+from floors import Floors, ModelCost, measure_floors  # noqa: E402
+from grpc_throughput import run_grpc, start_server, wait_serving  # noqa: E402
+from report import print_report, write_plot  # noqa: E402
+from transport import transport_workload  # noqa: E402
+
+from services.decoder.engine import EmbeddingPrompt, Engine  # noqa: E402
+from services.encoder.lookup import read_embedding_table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / "bench" / "peers" / ".venv-vllm" / "bin" / "python"
+VLLM_SCRIPT = REPO / "bench" / "peers" / "vllm_offline.py"
+VLLM_MISSING = "skipped: run bench/peers/vllm_cpu.sh"
+PROMPT_LEN = 128
+NEW_TOKENS = 64
+PREFIX_LEN = 1024
+TTFT_LENS = (128, 512, 1024, 2048, 4095)  # 4095: bench-small's 4096 positions hold the prompt + 1 token
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke test: N 1,8, one repeat, short prompts")
+    p.add_argument("--skip-vllm", action="store_true", help="do not run the vLLM CPU peer")
+    p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers peer")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per point, median kept (default 3)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="where JSON and PNG go")
+    p.add_argument("--model-dir", type=Path, default=None, help="checkpoint (default bench-small)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    args.sizes = [1, 8] if args.quick else [1, 8, 32]
+    args.ttft_lens = TTFT_LENS[:2] if args.quick else TTFT_LENS
+    return args
+
+
+def workload_args(threads: int, prompt_len: int, new_tokens: int) -> argparse.Namespace:
+    """The settings decode_throughput.build_engine and grpc_throughput take from their CLIs."""
+    return argparse.Namespace(
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        threads=threads,
+        max_num_batched_tokens=4096,
+        stream_interval=1,
+    )
+
+
+# -- workloads 1 and 2: decode throughput ------------------------------------------------------------
+
+
+def run_transformers_embeds(model, embeds: torch.Tensor, new_tokens: int) -> float:
+    """Wall seconds of one `generate` on `embeds` [N, prompt_len, hidden_size]."""
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(
+            inputs_embeds=embeds,
+            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+        wall = time.perf_counter() - start
+    if out.shape[-1] != new_tokens:  # with inputs_embeds only, generate returns just the new tokens
+        raise RuntimeError(f"transformers generated shape {tuple(out.shape)}, expected [N, {new_tokens}]")
+    return wall
+
+
+def decode_workload(
+    engine: Engine,
+    hf_model,
+    address: str | None,
+    table: torch.Tensor | None,
+    args: argparse.Namespace,
+) -> dict[str, dict[int, list[float]]]:
+    """tokens/s runs per engine and N. With `table`, prompts are embedding rows ("-embeds" engines)."""
+    vocab = engine.model_config.vocab_size
+    suffix = "-embeds" if table is not None else ""
+    engines = ["tandem", "transformers"] if hf_model is not None else ["tandem"]
+    if address is not None:
+        engines.insert(1, "tandem-grpc")
+
+    def run(name: str, ids: list[list[int]], new_tokens: int) -> float:
+        if name == "tandem":
+            prompts = ids if table is None else [EmbeddingPrompt(table[torch.tensor(p)]) for p in ids]
+            result, _ = run_tandem(engine, prompts, new_tokens)
+            return result.tokens / result.wall_s
+        if name == "tandem-grpc":
+            wall, tokens, _ = asyncio.run(run_grpc(address, ids, workload_args(args.threads, 0, new_tokens)))
+            return tokens / wall
+        if table is None:
+            result, _ = run_transformers(hf_model, ids, new_tokens)
+            return result.tokens / result.wall_s
+        return len(ids) * new_tokens / run_transformers_embeds(hf_model, table[torch.tensor(ids)], new_tokens)
+
+    for n in args.sizes:  # warm-up: first-use allocations, oneDNN primitive caches
+        for name in engines:
+            run(name, make_prompts(n, PROMPT_LEN, vocab, seed=10_000 + n), 8)
+    runs: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for repeat in range(args.repeats):
+        order = engines[repeat % len(engines) :] + engines[: repeat % len(engines)]
+        for n in args.sizes:
+            ids = make_prompts(n, PROMPT_LEN, vocab, seed=repeat)
+            for name in order:
+                rate = run(name, ids, NEW_TOKENS)
+                runs[name + suffix][n].append(rate)
+                print(
+                    f"  decode{suffix} repeat {repeat + 1} N={n:<3} {name:<13} {rate:8.1f} tok/s", flush=True
+                )
+    return {name: dict(by_n) for name, by_n in runs.items()}
+
+
+def run_vllm(
+    args: argparse.Namespace, model_dir: Path, prompt_embeds: bool
+) -> tuple[dict[int, dict] | str, str | None]:
+    """(vLLM's median tokens/s per N as {N: {"median": tok/s}}, or why it was skipped; its version)."""
+    if args.skip_vllm:
+        return "skipped: --skip-vllm", None
+    if not VLLM_PYTHON.exists():
+        return VLLM_MISSING, None
+    argv = [
+        str(VLLM_PYTHON), str(VLLM_SCRIPT), "--model-dir", str(model_dir),
+        "--sizes", ",".join(map(str, args.sizes)), "--repeats", str(args.repeats),
+        "--prompt-len", str(PROMPT_LEN), "--new-tokens", str(NEW_TOKENS),
+        *(["--prompt-embeds"] if prompt_embeds else []),
+    ]  # fmt: skip
+    print(f"  vLLM{' (prompt embeds)' if prompt_embeds else ''}: starting its own process ...", flush=True)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return "skipped: vLLM did not finish within 900 s", None
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"version"')]
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"skipped: vLLM exited with {done.returncode}: {last[:200]}", None
+    result = json.loads(lines[-1])
+    rates = {
+        int(n): {
+            "median": row["tokens_per_s"],
+            "runs": [round(r, 4) for r in row.get("runs_tokens_per_s", [])],
+        }
+        for n, row in result["sizes"].items()
+    }
+    for n, rate in rates.items():
+        print(f"  vLLM{'-embeds' if prompt_embeds else ''} N={n:<3} {rate['median']:8.1f} tok/s", flush=True)
+    return rates, result["version"]
+
+
+# -- workloads 3 and 4: time to first token ----------------------------------------------------------
+
+
+def ttft_workload(engine: Engine, hf_model, args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:
+    """TTFT seconds per engine and prompt length: one fresh prompt, max_new_tokens 1."""
+    vocab = engine.model_config.vocab_size
+    runs: dict[str, dict[int, list[float]]] = {"tandem": defaultdict(list)}
+    if hf_model is not None:
+        runs["transformers"] = defaultdict(list)
+    for repeat in range(-1, args.repeats):  # repeat -1 warms up every length
+        for length in args.ttft_lens:
+            prompt = make_prompts(1, length, vocab, seed=20_000 + 100 * repeat + length)
+            order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]
+            for name in order:
+                if name == "tandem":
+                    ttft = run_tandem(engine, prompt, 1)[0].ttft_median_s
+                else:
+                    ttft = run_transformers(hf_model, prompt, 1)[0].ttft_median_s
+                if repeat >= 0:
+                    runs[name][length].append(ttft)
+                    print(f"  TTFT repeat {repeat + 1} len={length:<5} {name:<13} {1e3 * ttft:8.1f} ms")
+    return {name: dict(by_len) for name, by_len in runs.items()}
+
+
+def prefix_workload(engine: Engine, args: argparse.Namespace) -> dict[str, list[float]]:
+    """TTFT seconds of a fresh PREFIX_LEN prompt (miss) and of the same prompt again (hit)."""
+    vocab = engine.model_config.vocab_size
+    runs: dict[str, list[float]] = {"miss": [], "hit": []}
+    for repeat in range(-1, args.repeats):
+        prompt = make_prompts(1, PREFIX_LEN, vocab, seed=30_000 + repeat)
+        miss = run_tandem(engine, prompt, 1)[0].ttft_median_s
+        hit = run_tandem(engine, prompt, 1)[0].ttft_median_s
+        if repeat >= 0:
+            runs["miss"].append(miss)
+            runs["hit"].append(hit)
+            print(f"  prefix cache repeat {repeat + 1}: miss {1e3 * miss:7.1f} ms, hit {1e3 * hit:7.1f} ms")
+    return runs
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line
+        ]
+        cpu = names[0] if names else cpu
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def summarize(runs: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, dict]]:
+    return {
+        name: {k: {"median": statistics.median(v), "runs": [round(x, 4) for x in v]} for k, v in by_k.items()}
+        for name, by_k in runs.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    started = datetime.datetime.now()
+    load_start = os.getloadavg()
+    model_dir = ensure_model(args.model_dir)
+    info = machine_info() | {"loadavg_start": load_start}
+    print(f"{info}; model {model_dir}", flush=True)
+
+    decode_engine = build_engine(
+        model_dir, workload_args(args.threads, PROMPT_LEN, NEW_TOKENS), max(args.sizes)
+    )
+    ttft_engine = build_engine(
+        model_dir,
+        workload_args(args.threads, max(*args.ttft_lens, PREFIX_LEN), 1),
+        1,
+        enable_prefix_caching=True,
+    )
+    shape = decode_engine.model_config
+    cost = ModelCost(
+        params=sum(p.numel() for p in decode_engine.loaded.model.parameters()),
+        lm_head_params=shape.vocab_size * shape.hidden_size,
+        attention_width=shape.num_heads * shape.head_dim,
+        num_layers=shape.num_layers,
+    )
+    hf_model = None if args.skip_transformers else load_transformers(model_dir)
+    table = read_embedding_table(model_dir).to(torch.bfloat16)  # [vocab, hidden], the decoder's rows
+    server, address = start_server(
+        model_dir, workload_args(args.threads, PROMPT_LEN, NEW_TOKENS), max(args.sizes)
+    )
+    floor_samples: list[Floors] = []
+    try:
+        asyncio.run(wait_serving(address, server))
+        floor_samples.append(measure_floors())
+        print("decode throughput, token prompts ...", flush=True)
+        decode = decode_workload(decode_engine, hf_model, address, None, args)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    floor_samples.append(measure_floors())
+    vllm: dict[str, dict | str] = {}
+    vllm["vllm"], vllm_version = run_vllm(args, model_dir, prompt_embeds=False)
+    print("decode throughput, embedding prompts ...", flush=True)
+    decode |= decode_workload(decode_engine, hf_model, None, table, args)
+    floor_samples.append(measure_floors())
+    vllm["vllm-embeds"], embeds_version = run_vllm(args, model_dir, prompt_embeds=True)
+    decode_engine.shutdown()
+    print("time to first token ...", flush=True)
+    ttft = ttft_workload(ttft_engine, hf_model, args)
+    print("prefix cache ...", flush=True)
+    prefix = prefix_workload(ttft_engine, args)
+    ttft_engine.shutdown()
+    floor_samples.append(measure_floors())
+    print("embedding transport ...", flush=True)
+    transport = transport_workload(model_dir, shape.hidden_size, shape.vocab_size, args.repeats)
+    floor_samples.append(measure_floors())
+
+    info |= {
+        "loadavg_end": os.getloadavg(),
+        "vllm": vllm_version or embeds_version,
+        "wall_s": (datetime.datetime.now() - started).total_seconds(),
+    }
+    payload = {
+        "date": started.isoformat(timespec="seconds"),
+        "machine": info,
+        "settings": {
+            "model": str(model_dir),
+            "cost": asdict(cost),
+            "dtype": "bfloat16",
+            "threads": args.threads,
+            "sizes": args.sizes,
+            "prompt_len": PROMPT_LEN,
+            "new_tokens": NEW_TOKENS,
+            "ttft_lens": list(args.ttft_lens),
+            "prefix_len": PREFIX_LEN,
+            "repeats": args.repeats,
+            "quick": args.quick,
+        },
+        "floors": [f.as_dict() for f in floor_samples],
+        "decode_tok_s": summarize(decode) | vllm,
+        "ttft_s": summarize(ttft),
+        "prefix_cache_ttft_s": {k: {"median": statistics.median(v), "runs": v} for k, v in prefix.items()},
+        "transport": transport,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench-{started:%Y-%m-%d}" + ("-quick" if args.quick else "")
+    payload["summary"] = print_report(payload)
+    json_path = args.out / f"{stem}.json"
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_plot(payload, args.out / f"{stem}.png")
+    print(f"wrote {json_path} and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
