@@ -264,7 +264,8 @@ def test_random_allocate_and_free_keep_block_accounting(
             if admit(manager, request):
                 live[index] = request
         elif kind == "grow" and request is not None:
-            request.num_computed_tokens = request.num_tokens
+            # Only positions that have slots can have been computed (a failed grow left one without).
+            request.num_computed_tokens = min(request.num_tokens, len(request.block_ids) * block_size)
             manager.cache_full_blocks(request)
             request.output_token_ids.append(choice)
             free_before, table_before = manager.num_free_blocks, list(request.block_ids)
