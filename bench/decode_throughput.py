@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.decoder.config import EngineConfig  # noqa: E402
 from services.decoder.engine import EmbeddingPrompt, Engine, GenerateSpec  # noqa: E402
 from services.decoder.models.default_model import make_model  # noqa: E402
-from services.decoder.models.loader import load_model  # noqa: E402
 from services.decoder.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from services.decoder.params import SamplingParams, StoppingParams  # noqa: E402
 
@@ -131,8 +130,8 @@ def build_engine(
         num_threads=args.threads,
         max_queue=max(1024, max_requests),
     )
-    loaded = load_model(model_dir, "bfloat16", "cpu")
-    return Engine(config, loaded).start()
+    # The engine loads the model on its own thread: torch work on a second thread would slow its steps.
+    return Engine(config).start()
 
 
 def run_tandem(

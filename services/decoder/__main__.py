@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from common.auth import load_tokens
 from common.pb.tandem.v1 import decoder_pb2_grpc
 from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, TlsOptions, start_server
@@ -170,6 +172,9 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     log.info("loading %s (health NOT_SERVING until ready)", config.engine.model_dir)
     engine = await asyncio.to_thread(_load_engine, config, rank)
+    # This thread only converts requests (small tensor ops): one intra-op thread, so it never holds
+    # an OpenMP team that would slow the engine thread's steps.
+    torch.set_num_threads(1)
     servicer.engine = engine
     await running.set_serving()
     log.info("serving %s on port %d", config.model_name, running.port)
