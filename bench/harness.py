@@ -34,7 +34,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -44,21 +43,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_throughput import (  # noqa: E402
-    build_engine,
-    ensure_model,
-    load_transformers,
-    make_prompts,
-    run_tandem,
-    run_transformers,
-)
+from decode_throughput import ensure_model, make_prompts  # noqa: E402
 from floors import Floors, ModelCost, measure_floors  # noqa: E402
 from grpc_throughput import run_grpc, start_server, wait_serving  # noqa: E402
 from report import print_report, write_plot  # noqa: E402
+from subjects import Remote, TandemSubject, TransformersSubject  # noqa: E402
 from transport import transport_workload  # noqa: E402
-
-from services.decoder.engine import EmbeddingPrompt, Engine  # noqa: E402
-from services.encoder.lookup import read_embedding_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / "bench" / "peers" / ".venv-vllm" / "bin" / "python"
@@ -101,50 +91,27 @@ def workload_args(threads: int, prompt_len: int, new_tokens: int) -> argparse.Na
 # -- workloads 1 and 2: decode throughput ------------------------------------------------------------
 
 
-def run_transformers_embeds(model, embeds: torch.Tensor, new_tokens: int) -> float:
-    """Wall seconds of one `generate` on `embeds` [N, prompt_len, hidden_size]."""
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = model.generate(
-            inputs_embeds=embeds,
-            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=0,
-        )
-        wall = time.perf_counter() - start
-    if out.shape[-1] != new_tokens:  # with inputs_embeds only, generate returns just the new tokens
-        raise RuntimeError(f"transformers generated shape {tuple(out.shape)}, expected [N, {new_tokens}]")
-    return wall
-
-
 def decode_workload(
-    engine: Engine,
-    hf_model,
+    tandem: Remote,
+    hf: Remote | None,
     address: str | None,
-    table: torch.Tensor | None,
+    embeds: bool,
+    vocab: int,
     args: argparse.Namespace,
 ) -> dict[str, dict[int, list[float]]]:
-    """tokens/s runs per engine and N. With `table`, prompts are embedding rows ("-embeds" engines)."""
-    vocab = engine.model_config.vocab_size
-    suffix = "-embeds" if table is not None else ""
-    engines = ["tandem", "transformers"] if hf_model is not None else ["tandem"]
+    """tokens/s runs per engine and N. With `embeds`, prompts are embedding rows ("-embeds" engines)."""
+    suffix = "-embeds" if embeds else ""
+    subjects: dict[str, Remote] = {"tandem": tandem} | ({"transformers": hf} if hf is not None else {})
+    engines = list(subjects)
     if address is not None:
         engines.insert(1, "tandem-grpc")
 
     def run(name: str, ids: list[list[int]], new_tokens: int) -> float:
-        if name == "tandem":
-            prompts = ids if table is None else [EmbeddingPrompt(table[torch.tensor(p)]) for p in ids]
-            result, _ = run_tandem(engine, prompts, new_tokens)
-            return result.tokens / result.wall_s
         if name == "tandem-grpc":
             wall, tokens, _ = asyncio.run(run_grpc(address, ids, workload_args(args.threads, 0, new_tokens)))
             return tokens / wall
-        if table is None:
-            result, _ = run_transformers(hf_model, ids, new_tokens)
-            return result.tokens / result.wall_s
-        return len(ids) * new_tokens / run_transformers_embeds(hf_model, table[torch.tensor(ids)], new_tokens)
+        tokens, wall, _ = subjects[name].call("run", ids, new_tokens, embeds)
+        return tokens / wall
 
     for n in args.sizes:  # warm-up: first-use allocations, oneDNN primitive caches
         for name in engines:
@@ -202,35 +169,31 @@ def run_vllm(
 # -- workloads 3 and 4: time to first token ----------------------------------------------------------
 
 
-def ttft_workload(engine: Engine, hf_model, args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:
+def ttft_workload(
+    tandem: Remote, hf: Remote | None, vocab: int, args: argparse.Namespace
+) -> dict[str, dict[int, list[float]]]:
     """TTFT seconds per engine and prompt length: one fresh prompt, max_new_tokens 1."""
-    vocab = engine.model_config.vocab_size
-    runs: dict[str, dict[int, list[float]]] = {"tandem": defaultdict(list)}
-    if hf_model is not None:
-        runs["transformers"] = defaultdict(list)
+    subjects: dict[str, Remote] = {"tandem": tandem} | ({"transformers": hf} if hf is not None else {})
+    runs: dict[str, dict[int, list[float]]] = {name: defaultdict(list) for name in subjects}
     for repeat in range(-1, args.repeats):  # repeat -1 warms up every length
         for length in args.ttft_lens:
             prompt = make_prompts(1, length, vocab, seed=20_000 + 100 * repeat + length)
             order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]
             for name in order:
-                if name == "tandem":
-                    ttft = run_tandem(engine, prompt, 1)[0].ttft_median_s
-                else:
-                    ttft = run_transformers(hf_model, prompt, 1)[0].ttft_median_s
+                ttft = subjects[name].call("run", prompt, 1, False)[2]
                 if repeat >= 0:
                     runs[name][length].append(ttft)
                     print(f"  TTFT repeat {repeat + 1} len={length:<5} {name:<13} {1e3 * ttft:8.1f} ms")
     return {name: dict(by_len) for name, by_len in runs.items()}
 
 
-def prefix_workload(engine: Engine, args: argparse.Namespace) -> dict[str, list[float]]:
+def prefix_workload(tandem: Remote, vocab: int, args: argparse.Namespace) -> dict[str, list[float]]:
     """TTFT seconds of a fresh PREFIX_LEN prompt (miss) and of the same prompt again (hit)."""
-    vocab = engine.model_config.vocab_size
     runs: dict[str, list[float]] = {"miss": [], "hit": []}
     for repeat in range(-1, args.repeats):
         prompt = make_prompts(1, PREFIX_LEN, vocab, seed=30_000 + repeat)
-        miss = run_tandem(engine, prompt, 1)[0].ttft_median_s
-        hit = run_tandem(engine, prompt, 1)[0].ttft_median_s
+        miss = tandem.call("run", prompt, 1, False)[2]
+        hit = tandem.call("run", prompt, 1, False)[2]
         if repeat >= 0:
             runs["miss"].append(miss)
             runs["hit"].append(hit)
@@ -277,24 +240,18 @@ def main(argv: list[str] | None = None) -> None:
     info = machine_info() | {"loadavg_start": load_start}
     print(f"{info}; model {model_dir}", flush=True)
 
-    decode_engine = build_engine(
-        model_dir, workload_args(args.threads, PROMPT_LEN, NEW_TOKENS), max(args.sizes)
+    decode_engine = Remote(
+        TandemSubject, model_dir, workload_args(args.threads, PROMPT_LEN, NEW_TOKENS), max(args.sizes), False
     )
-    ttft_engine = build_engine(
-        model_dir,
-        workload_args(args.threads, max(*args.ttft_lens, PREFIX_LEN), 1),
-        1,
-        enable_prefix_caching=True,
-    )
-    shape = decode_engine.model_config
+    shape = decode_engine.call("info")
+    vocab = shape["vocab_size"]
     cost = ModelCost(
-        params=sum(p.numel() for p in decode_engine.loaded.model.parameters()),
-        lm_head_params=shape.vocab_size * shape.hidden_size,
-        attention_width=shape.num_heads * shape.head_dim,
-        num_layers=shape.num_layers,
+        params=shape["params"],
+        lm_head_params=shape["vocab_size"] * shape["hidden_size"],
+        attention_width=shape["num_heads"] * shape["head_dim"],
+        num_layers=shape["num_layers"],
     )
-    hf_model = None if args.skip_transformers else load_transformers(model_dir)
-    table = read_embedding_table(model_dir).to(torch.bfloat16)  # [vocab, hidden], the decoder's rows
+    hf = None if args.skip_transformers else Remote(TransformersSubject, model_dir, args.threads)
     server, address = start_server(
         model_dir, workload_args(args.threads, PROMPT_LEN, NEW_TOKENS), max(args.sizes)
     )
@@ -303,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(wait_serving(address, server))
         floor_samples.append(measure_floors())
         print("decode throughput, token prompts ...", flush=True)
-        decode = decode_workload(decode_engine, hf_model, address, None, args)
+        decode = decode_workload(decode_engine, hf, address, False, vocab, args)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -311,18 +268,27 @@ def main(argv: list[str] | None = None) -> None:
     vllm: dict[str, dict | str] = {}
     vllm["vllm"], vllm_version = run_vllm(args, model_dir, prompt_embeds=False)
     print("decode throughput, embedding prompts ...", flush=True)
-    decode |= decode_workload(decode_engine, hf_model, None, table, args)
+    decode |= decode_workload(decode_engine, hf, None, True, vocab, args)
     floor_samples.append(measure_floors())
     vllm["vllm-embeds"], embeds_version = run_vllm(args, model_dir, prompt_embeds=True)
-    decode_engine.shutdown()
+    decode_engine.close()
+    ttft_engine = Remote(
+        TandemSubject,
+        model_dir,
+        workload_args(args.threads, max(*args.ttft_lens, PREFIX_LEN), 1),
+        1,
+        True,
+    )
     print("time to first token ...", flush=True)
-    ttft = ttft_workload(ttft_engine, hf_model, args)
+    ttft = ttft_workload(ttft_engine, hf, vocab, args)
     print("prefix cache ...", flush=True)
-    prefix = prefix_workload(ttft_engine, args)
-    ttft_engine.shutdown()
+    prefix = prefix_workload(ttft_engine, vocab, args)
+    ttft_engine.close()
+    if hf is not None:
+        hf.close()
     floor_samples.append(measure_floors())
     print("embedding transport ...", flush=True)
-    transport = transport_workload(model_dir, shape.hidden_size, shape.vocab_size, args.repeats)
+    transport = transport_workload(model_dir, shape["hidden_size"], vocab, args.repeats)
     floor_samples.append(measure_floors())
 
     info |= {
