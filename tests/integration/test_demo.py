@@ -30,4 +30,5 @@ def test_demo_creates_the_default_model_streams_a_generation_and_stops_both_serv
     assert re.search(
         r"\[demo\] finished: FINISH_REASON_(LENGTH|EOS), \d+ prompt positions, [1-9]\d* tokens", out
     )
+    assert re.search(r"\[demo\] trace id [0-9a-f]{32}", out), out
     assert "[demo] decoder stopped (exit 0)" in out and "[demo] encoder stopped (exit 0)" in out
