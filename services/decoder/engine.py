@@ -93,6 +93,7 @@ class Engine:
             initializer=_init_engine_thread,
             initargs=(num_threads,),
         )
+        self._loop_done: concurrent.futures.Future[None] | None = None  # set by start()
         device = backends.torch_device(config.device)
         # Compiled models stay unpacked: Inductor folds and packs weights itself.
         prepack = not config.compile
@@ -137,7 +138,6 @@ class Engine:
         self._wakeup = threading.Condition()
         self._running = False
         self._error: Exception | None = None
-        self._loop_done: concurrent.futures.Future[None] | None = None
         self._ids = itertools.count()
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
             weakref.WeakKeyDictionary()
@@ -154,6 +154,9 @@ class Engine:
         return self
 
     def _on_engine_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn` on the engine thread and wait for it: set-up only, before the loop takes the thread."""
+        if self._loop_done is not None:
+            raise RuntimeError("the engine loop owns the engine thread; set-up calls must come before start()")
         return self._executor.submit(fn, *args).result()
 
     def shutdown(self) -> None:
