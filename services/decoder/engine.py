@@ -156,7 +156,7 @@ class Engine:
     def _on_engine_thread(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn` on the engine thread and wait for it: set-up only, before the loop takes the thread."""
         if self._loop_done is not None:
-            raise RuntimeError("the engine loop owns the engine thread; set-up calls must come before start()")
+            raise RuntimeError("the engine loop owns the engine thread: set-up calls come before start()")
         return self._executor.submit(fn, *args).result()
 
     def shutdown(self) -> None:
