@@ -58,6 +58,7 @@ class Backend:
     requires_static_shapes: bool  # True: every step must be padded to a warmed-up bucket
     uses_cuda_graphs: bool  # compiled buckets replay into reused output buffers (callers get a copy)
     install_hint: str  # what to install when `check_available` fails
+    prepacks_weights: bool = False  # pack bf16 linear weights for oneDNN once at load (eager CPU)
     compiler: str = "inductor"  # torch.compile backend; tests swap in "aot_eager" (same graphs, no codegen)
 
 
@@ -71,6 +72,7 @@ BACKENDS: dict[str, Backend] = {
         requires_static_shapes=False,
         uses_cuda_graphs=False,
         install_hint="",
+        prepacks_weights=True,
     ),
     "cuda": Backend(
         name="cuda",

@@ -95,15 +95,17 @@ class Engine:
         )
         self._loop_done: concurrent.futures.Future[None] | None = None  # set by start()
         device = backends.torch_device(config.device)
-        # Compiled models stay unpacked: Inductor folds and packs weights itself.
-        prepack = not config.compile
         try:
             self.loaded = loaded or self._on_engine_thread(
-                load_model, config.model_dir, config.dtype, device, tp, prepack
+                load_model, config.model_dir, config.dtype, device, tp
             )
         except BaseException:
             self._executor.shutdown()
             raise
+        # Only a model this engine loaded is packed (a caller's model stays as given). Compiled
+        # models stay unpacked: Inductor folds and packs weights itself.
+        if loaded is None and backend.prepacks_weights and not config.compile:
+            self._on_engine_thread(self.loaded.model.prepack)
         model_config = self.loaded.config
         self.model_config = model_config
         self.tokenizer = self.loaded.tokenizer

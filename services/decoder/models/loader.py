@@ -48,13 +48,11 @@ def load_model(
     dtype: str = "bfloat16",
     device: str | torch.device = "cpu",
     tp: ParallelContext | None = None,
-    prepack: bool = True,
 ) -> LoadedModel:
     """Reads config, generation config, tokenizer and weights from a checkpoint directory.
 
     `dtype` is one of DTYPES; weights are cast to it whatever the file stores. With `tp`, the model is
-    this rank's shard. `prepack` packs bf16 CPU weights for oneDNN; a model that torch.compile will
-    compile is loaded unpacked (Inductor packs its own constants, and cannot trace packed inputs).
+    this rank's shard. Weights come back unpacked; the engine packs them where its backend says to.
     Raises ModelLoadError.
     """
     model_dir = Path(model_dir)
@@ -95,8 +93,6 @@ def load_model(
     model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
     model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
     model.eval().requires_grad_(False)
-    if prepack:
-        model.prepack()  # weights are final and placed: pack them for oneDNN where that applies
 
     return LoadedModel(model=model, tokenizer=tokenizer, config=config)
 

@@ -158,3 +158,22 @@ def test_neuron_buckets_trace_once_each_at_warmup_and_give_the_cpu_tokens(
         assert traced == [(1,), (2,), (4,)]  # one graph per decode bucket, all at warmup
         assert tokens(engine) == expected
         assert len(traced) == 3
+
+
+def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_model_dir) -> None:
+    from services.decoder.config import EngineConfig
+    from services.decoder.engine import Engine
+    from services.decoder.models.loader import load_model
+
+    config = EngineConfig(model_dir=tiny_model_dir, dtype="bfloat16", num_kv_blocks=16)
+    engine = Engine(config)
+    try:
+        assert engine.loaded.model.packed_head is not None
+    finally:
+        engine.shutdown()
+    given = load_model(tiny_model_dir, dtype="bfloat16")
+    engine = Engine(config, given)
+    try:
+        assert given.model.packed_head is None
+    finally:
+        engine.shutdown()
