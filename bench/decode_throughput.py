@@ -204,7 +204,7 @@ def load_transformers(model_dir: Path):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    model.eval()
+    model.train(False)
     return model
 
 

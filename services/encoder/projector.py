@@ -76,7 +76,7 @@ def load_projector(path: Path) -> nn.Module:
                 nn.Linear(in_features, out_features), nn.GELU(), nn.Linear(out_features, out_features)
             )
     projector.load_state_dict(state, assign=True)
-    return projector.eval().requires_grad_(False)
+    return projector.train(False).requires_grad_(False)  # inference mode
 
 
 def write_random_projector(
@@ -148,7 +148,7 @@ class ProjectorEmbedder:
             encoder = AutoModel.from_pretrained(str(encoder_model_dir), local_files_only=True)
         except (OSError, ValueError) as e:
             raise EmbedderLoadError(f"cannot load the encoder model in {encoder_model_dir}: {e}") from e
-        encoder = encoder.to(dtype).eval().requires_grad_(False)
+        encoder = encoder.to(dtype).train(False).requires_grad_(False)
         projector = load_projector(projector_path).to(dtype)
         linears = _linears(projector)
         if linears[0].in_features != encoder.config.hidden_size:

@@ -1,13 +1,19 @@
-"""Network input is never unpickled or torch.load-ed: the serving code does not even import them."""
+"""Network input is never unpickled, torch.load-ed or evaluated: the serving code has no such calls.
+
+`eval(` is refused everywhere, torch's Module.eval() included (the code says `.train(False)`), so the
+scan needs no exceptions a real `eval(` could hide behind.
+"""
 
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FORBIDDEN = re.compile(r"\b(import pickle|from pickle|cPickle|dill|torch\.load\(|marshal\.loads|shelve)\b")
+FORBIDDEN = re.compile(
+    r"\b(import pickle|from pickle|cPickle|dill|torch\.load\(|marshal\.loads|shelve)\b|\b(eval|exec)\("
+)
 
 
-def test_serving_code_has_no_pickle_or_torch_load() -> None:
+def test_serving_code_has_no_pickle_torch_load_or_eval() -> None:
     offenders = []
     for package in ("common", "services"):
         for path in (ROOT / package).rglob("*.py"):
@@ -20,3 +26,7 @@ def test_serving_code_has_no_pickle_or_torch_load() -> None:
 def test_the_scan_would_catch_one() -> None:
     assert FORBIDDEN.search("state = torch.load(buffer)")
     assert FORBIDDEN.search("import pickle")
+    assert FORBIDDEN.search("value = eval(text)")
+    assert FORBIDDEN.search("model.eval()")
+    assert FORBIDDEN.search("exec(code)")
+    assert not FORBIDDEN.search("model.train(False)")

@@ -92,7 +92,7 @@ def load_model(
         model = MODEL_CLASSES[architecture](config, tp)
     model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
     model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
-    model.eval().requires_grad_(False)
+    model.train(False).requires_grad_(False)  # inference mode
 
     return LoadedModel(model=model, tokenizer=tokenizer, config=config)
 
