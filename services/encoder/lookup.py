@@ -8,7 +8,6 @@ tensor, found through the shard index when there is one), never the layers.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from common import checkpoint
 from services.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -31,12 +31,7 @@ class ModelShape:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise EmbedderLoadError(f"{path.name} not found in {path.parent}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise EmbedderLoadError(f"{path} is not valid JSON: {e}") from e
+    return checkpoint.read_json(path, EmbedderLoadError)
 
 
 def read_model_shape(model_dir: Path) -> ModelShape:

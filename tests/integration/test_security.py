@@ -118,20 +118,10 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Path) -> Path:
-    return tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_fp32: LoadedModel) -> LoadedModel:
-    return tiny_fp32
-
-
-@pytest.fixture(scope="module")
-def tls_services(model_dir: Path, loaded: LoadedModel, pki: Pki, token_file: Path):
+def tls_services(tiny_model_dir: Path, tiny_fp32: LoadedModel, pki: Pki, token_file: Path):
     running = Services(
-        model_dir,
-        loaded,
+        tiny_model_dir,
+        tiny_fp32,
         tls=TlsOptions(pki.server_cert, pki.server_key),
         auth_tokens=load_tokens(token_file),
     )
@@ -140,9 +130,9 @@ def tls_services(model_dir: Path, loaded: LoadedModel, pki: Pki, token_file: Pat
 
 
 @pytest.fixture(scope="module")
-def mtls_services(model_dir: Path, loaded: LoadedModel, pki: Pki, token_file: Path):
+def mtls_services(tiny_model_dir: Path, tiny_fp32: LoadedModel, pki: Pki, token_file: Path):
     tls = TlsOptions(pki.server_cert, pki.server_key, client_ca_file=pki.ca)
-    running = Services(model_dir, loaded, tls=tls, auth_tokens=load_tokens(token_file))
+    running = Services(tiny_model_dir, tiny_fp32, tls=tls, auth_tokens=load_tokens(token_file))
     yield running
     running.close()
 
@@ -372,7 +362,7 @@ def _free_port() -> int:
 
 
 def test_both_services_take_tls_and_tokens_from_flags_and_environment(
-    model_dir: Path, pki: Pki, token_file: Path
+    tiny_model_dir: Path, pki: Pki, token_file: Path
 ) -> None:
     """The encoder configured by TANDEM_ENCODER_* variables, the decoder by TANDEM_* and flags."""
     ports = {"encoder": _free_port(), "decoder": _free_port()}
@@ -384,7 +374,7 @@ def test_both_services_take_tls_and_tokens_from_flags_and_environment(
         "TANDEM_ENCODER_AUTH_TOKEN_FILE": str(token_file),
     }
     decoder_env = {**base, "TANDEM_TLS_CERT": str(pki.server_cert), "TANDEM_TLS_KEY": str(pki.server_key)}
-    common = ["--model", str(model_dir), "--dtype", "float32", "--grace-s", "1"]
+    common = ["--model", str(tiny_model_dir), "--dtype", "float32", "--grace-s", "1"]
     processes = {
         "encoder": subprocess.Popen(
             [sys.executable, "-m", "services.encoder", *common, "--port", str(ports["encoder"])],

@@ -37,18 +37,8 @@ EMBEDDINGS = f"embeddings {MODEL}"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Path) -> Path:
-    return tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_fp32: LoadedModel) -> LoadedModel:
-    return tiny_fp32
-
-
-@pytest.fixture(scope="module")
-def lookup(model_dir: Path) -> LookupEmbedder:
-    return LookupEmbedder.load(model_dir, torch.float32)
+def lookup(tiny_model_dir: Path) -> LookupEmbedder:
+    return LookupEmbedder.load(tiny_model_dir, torch.float32)
 
 
 @dataclass
@@ -128,7 +118,9 @@ class Traced:
 
 
 @pytest.fixture
-async def traced(model_dir: Path, loaded: LoadedModel, lookup: LookupEmbedder) -> AsyncIterator[Traced]:
+async def traced(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, lookup: LookupEmbedder
+) -> AsyncIterator[Traced]:
     exporter = InMemorySpanExporter()
     readers: dict[str, InMemoryMetricReader] = {}
 
@@ -136,7 +128,7 @@ async def traced(model_dir: Path, loaded: LoadedModel, lookup: LookupEmbedder) -
         readers[service] = InMemoryMetricReader()
         return otel.build_telemetry(service, [SimpleSpanProcessor(exporter)], [readers[service]])
 
-    stack = await start_stack(model_dir, loaded, lookup, make)
+    stack = await start_stack(tiny_model_dir, tiny_fp32, lookup, make)
     yield Traced(stack, exporter, readers["test-client"], readers["tandem-decoder"])
     await stop_stack(stack)
 
@@ -337,7 +329,7 @@ async def test_rejected_request_is_counted_and_traced_with_its_error_type(traced
 
 
 async def test_telemetry_off_installs_nothing_and_records_no_spans(
-    model_dir: Path, loaded: LoadedModel, lookup: LookupEmbedder
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, lookup: LookupEmbedder
 ) -> None:
     # A provider of the test's own, to catch any span the services or the client would make.
     exporter = InMemorySpanExporter()
@@ -346,7 +338,7 @@ async def test_telemetry_off_installs_nothing_and_records_no_spans(
     off = otel.setup_telemetry("tandem-decoder", {})
     assert not off.is_enabled and off.server_interceptors() == [] and off.client_interceptors() == []
 
-    stack = await start_stack(model_dir, loaded, lookup, lambda service: off)
+    stack = await start_stack(tiny_model_dir, tiny_fp32, lookup, lambda service: off)
     try:
         with provider.get_tracer("test").start_as_current_span("root"):
             embedded = await stack.encoder.embed(text="hello")

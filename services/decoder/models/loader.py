@@ -9,7 +9,6 @@ each tensor (safetensors `get_slice`), so no rank ever holds the whole model.
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from common.checkpoint import read_json
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.registry import MODEL_CLASSES
 from services.decoder.models.tensor_parallel import CheckpointPart, check_shardable
@@ -98,12 +98,7 @@ def load_model(
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ModelLoadError(f"{path.name} not found in {path.parent}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path.name} is not valid JSON: {e}") from e
+    return read_json(path, ModelLoadError)
 
 
 def _read_tokenizer(model_dir: Path) -> Tokenizer:
