@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
-import hashlib
 import itertools
 import logging
 import queue
 import threading
-import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from common.errors import Unavailable
 from services.decoder import backend as backends
 from services.decoder.config import EngineConfig
 from services.decoder.core import EngineCore, Sink
@@ -34,41 +30,15 @@ from services.decoder.mailbox import LoopMailbox
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.loader import LoadedModel, load_model
 from services.decoder.models.tensor_parallel import world_size_of
-from services.decoder.outputs import Event, Failed, Finished, OutputOptions, OutputState
+from services.decoder.outputs import Event, Failed, Finished, OutputState
 from services.decoder.parallel import ParallelContext
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.request import EmbeddingSegment, Request, TokenSegment
+from services.decoder.prompt import GenerateSpec, build_request
+from services.decoder.request import Request
 from services.decoder.runner import ModelRunner, StaticShapes, power_of_two_buckets
 from services.decoder.scheduler import Scheduler, SchedulerConfig
 from services.decoder.step_broadcast import StepSender
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TextPrompt:
-    text: str  # tokenized on arrival, without special tokens
-
-
-@dataclass(frozen=True)
-class EmbeddingPrompt:
-    rows: torch.Tensor  # [n, hidden_size], any float dtype; cast to the model dtype when scheduled
-
-
-PromptPart = list[int] | TextPrompt | EmbeddingPrompt  # a list of ints is token IDs
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    """One generation as the engine takes it (the servicer converts protos into this)."""
-
-    prompt: Sequence[PromptPart]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stopping: StoppingParams = field(default_factory=StoppingParams)
-    output: OutputOptions = field(default_factory=OutputOptions)
-    request_id: str = ""  # "" = assigned
-    deadline: float | None = None  # time.monotonic() by which the first step must have started
-    cap_max_new_tokens: bool = False  # max_new_tokens was a default: shrink it to fit the context
 
 
 class Engine:
@@ -260,64 +230,15 @@ class Engine:
             return mailbox
 
     def make_request(self, spec: GenerateSpec) -> Request:
-        """Flatten the prompt into positions; raises InvalidArgument naming the bad segment."""
-        if not spec.prompt:
-            raise InvalidArgument("prompt", "must have at least one segment")
-        vocab = self.model_config.vocab_size
-        hidden = self.model_config.hidden_size
-        spec.sampling.validate(vocab)
-        spec.stopping.validate(vocab)
-        segments: list[TokenSegment | EmbeddingSegment] = []
-        for i, part in enumerate(spec.prompt):
-            if isinstance(part, TextPrompt):
-                if not part.text:
-                    raise InvalidArgument(f"prompt[{i}].text", "must not be empty")
-                segments.append(TokenSegment(self.tokenizer.encode(part.text, add_special_tokens=False).ids))
-            elif isinstance(part, EmbeddingPrompt):
-                if not self.config.enable_prompt_embeds:
-                    raise FailedPrecondition(
-                        f"prompt[{i}].embeddings", "prompt embeddings are disabled on this server"
-                    )
-                rows = part.rows
-                if rows.dim() != 2 or rows.shape[1] != hidden or rows.shape[0] < 1:
-                    raise InvalidArgument(
-                        f"prompt[{i}].embeddings.shape",
-                        f"expected [n >= 1, {hidden}], got {list(rows.shape)}",
-                    )
-                # Cast once here: the digest then keys what the model will actually see.
-                rows = rows.to(self.model_config.dtype)
-                segments.append(EmbeddingSegment(rows, rows.shape[0], _row_digests(rows)))
-            else:
-                if not part:
-                    raise InvalidArgument(f"prompt[{i}].token_ids.ids", "must not be empty")
-                for j, token_id in enumerate(part):
-                    if not 0 <= token_id < vocab:
-                        raise InvalidArgument(
-                            f"prompt[{i}].token_ids.ids[{j}]", f"token id {token_id} outside [0, {vocab})"
-                        )
-                segments.append(TokenSegment(list(part)))
-        num_positions = sum(len(s.ids) if isinstance(s, TokenSegment) else s.num_rows for s in segments)
-        if num_positions >= self.max_model_len:
-            raise InvalidArgument(
-                "prompt",
-                f"{num_positions} positions leave no room to generate within "
-                f"max_model_len {self.max_model_len}",
-            )
-        stopping = spec.stopping
-        if spec.cap_max_new_tokens and num_positions + stopping.max_new_tokens > self.max_model_len:
-            stopping = dataclasses.replace(
-                stopping,
-                max_new_tokens=self.max_model_len - num_positions,
-                min_new_tokens=min(stopping.min_new_tokens, self.max_model_len - num_positions),
-            )
-        elif num_positions + stopping.max_new_tokens > self.max_model_len:
-            raise InvalidArgument(
-                "stopping.max_new_tokens",
-                f"prompt ({num_positions}) + max_new_tokens ({stopping.max_new_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}",
-            )
-        request_id = spec.request_id or f"req-{next(self._ids)}"
-        return Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
+        """Flatten and validate a spec against this engine's model; raises InvalidArgument."""
+        return build_request(
+            spec,
+            spec.request_id or f"req-{next(self._ids)}",
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            self.config.enable_prompt_embeds,
+        )
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -400,14 +321,6 @@ def _init_engine_thread(num_threads: int) -> None:
     # The intra-op thread count is per thread: set it where the work runs.
     torch.set_num_threads(num_threads)
     torch.set_grad_enabled(False)
-
-
-def _row_digests(rows: torch.Tensor) -> list[bytes]:
-    """One digest per embedding row, of its exact bytes, for prefix caching."""
-    raw = rows.detach().to("cpu").contiguous()
-    raw = raw.view(torch.int16) if raw.dtype.itemsize == 2 else raw
-    data = raw.numpy()
-    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in data]
 
 
 def default_model_dir() -> Path:

@@ -20,11 +20,12 @@ from services.decoder import backend as backends
 from services.decoder.__main__ import config_from_args, main
 from services.decoder.backend import BACKENDS, BackendUnavailable, NeuronTracedBuckets
 from services.decoder.config import DecoderConfig, EngineConfig
-from services.decoder.engine import Engine, GenerateSpec
+from services.decoder.engine import Engine
 from services.decoder.models.loader import LoadedModel
 from services.decoder.models.tensor_parallel import window_rows
 from services.decoder.outputs import Delta
 from services.decoder.params import SamplingParams, StoppingParams
+from services.decoder.prompt import GenerateSpec
 
 HAS_NEURON_SDK = importlib.util.find_spec("torch_neuronx") is not None
 

@@ -17,10 +17,11 @@ import torch
 
 from services.decoder.backend import BACKENDS, Backend, RecompileError
 from services.decoder.config import EngineConfig
-from services.decoder.engine import EmbeddingPrompt, Engine, GenerateSpec
+from services.decoder.engine import Engine
 from services.decoder.models.loader import LoadedModel
 from services.decoder.outputs import Delta, Event, Failed, Finished
 from services.decoder.params import SamplingParams, StoppingParams
+from services.decoder.prompt import EmbeddingPrompt, GenerateSpec
 
 AOT_EAGER: Backend = dataclasses.replace(BACKENDS["cpu"], compiler="aot_eager")
 STATIC = dict(

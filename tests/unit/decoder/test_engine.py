@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from services.decoder.config import EngineConfig
-from services.decoder.engine import EmbeddingPrompt, Engine, GenerateSpec, TextPrompt
+from services.decoder.engine import Engine
 from services.decoder.models.loader import LoadedModel
 from services.decoder.outputs import Accepted, Delta, Event, Failed, Finished, FinishReason, OutputOptions
 from services.decoder.params import SamplingParams, StoppingParams
+from services.decoder.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 
 
 def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:
