@@ -13,6 +13,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # is then already met, so pip never pulls a multi-GB CUDA build.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 
+# A C compiler for the decoder's CPU kernels (services/decoder/models/native_kernels.c, built at start).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos ./protos

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=int, default=512 * 1024 * 1024, help="KV pool size in bytes")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides bytes)")
     p.add_argument("--enable-prefix-caching", type=_flag_bool, default=True)
+    p.add_argument("--native-kernels", type=_flag_bool, default=True)
     p.add_argument("--enable-prompt-embeds", type=_flag_bool, default=True)
     p.add_argument(
         "--static-shapes", type=_flag_bool, default=None, help="default: true on neuron, else false"
@@ -122,6 +123,7 @@ def config_from_args(argv: Sequence[str] | None, environ: dict[str, str] | None 
         kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        native_kernels=args.native_kernels,
         enable_prompt_embeds=args.enable_prompt_embeds,
         static_shapes=backend.requires_static_shapes if args.static_shapes is None else args.static_shapes,
         compile=backend.requires_static_shapes if args.compile is None else args.compile,

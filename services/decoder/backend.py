@@ -59,6 +59,7 @@ class Backend:
     uses_cuda_graphs: bool  # compiled buckets replay into reused output buffers (callers get a copy)
     install_hint: str  # what to install when `check_available` fails
     prepacks_weights: bool = False  # pack bf16 linear weights for oneDNN once at load (eager CPU)
+    native_kernels: bool = False  # decode attention through models/native_kernels.c (eager CPU)
     compiler: str = "inductor"  # torch.compile backend; tests swap in "aot_eager" (same graphs, no codegen)
 
 
@@ -73,6 +74,7 @@ BACKENDS: dict[str, Backend] = {
         uses_cuda_graphs=False,
         install_hint="",
         prepacks_weights=True,
+        native_kernels=True,
     ),
     "cuda": Backend(
         name="cuda",

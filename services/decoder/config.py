@@ -37,6 +37,9 @@ class EngineConfig:
     token_buckets: tuple[int, ...] = ()  # static mode: padded token counts; () = powers of two.
     seq_buckets: tuple[int, ...] = ()  # static mode: padded sequence counts; () = powers of two.
     compile: bool = False  # static mode: decode buckets run as graphs compiled at warmup (Neuron: traced).
+    # CPU, eager: norms, RoPE + KV write and decode attention through models/native_kernels.c, built
+    # at start with the machine's C compiler; without one the engine logs it and keeps torch ops.
+    native_kernels: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default.
 
     def __post_init__(self) -> None:

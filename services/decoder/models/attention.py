@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from services.decoder.models.native import NativeKernels
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -62,16 +64,22 @@ def paged_attention(
     scale: float,
     k: torch.Tensor,
     v: torch.Tensor,
+    native: NativeKernels | None = None,
 ) -> torch.Tensor:
     """Attends each query to its sequence's cached context (this step's k/v already written).
 
     q: [num_tokens, num_heads, head_dim]; k, v: this step's [num_tokens, num_kv_heads, head_dim], the
     same values just written to the cache. Returns [num_tokens, num_heads * head_dim] in q's dtype.
-    Tokens past sum(query_lens) are static-shape padding; their rows are zero.
+    Tokens past sum(query_lens) are static-shape padding; their rows are zero. With `native`, a
+    decode-only step reads the paged cache in place (native_kernels.c) instead of gathering it.
     """
     num_tokens = q.shape[0]
     if attn.is_decode_only:
-        out = _decode_attention(q[: len(attn.query_lens)], kv_cache, attn, scale)
+        q_seqs = q[: len(attn.query_lens)]
+        if native is not None and native.supports_decode(q_seqs, kv_cache):
+            out = native.decode_attention(q_seqs, kv_cache, attn.block_tables, attn.seq_lens_t, scale)
+        else:
+            out = _decode_attention(q_seqs, kv_cache, attn, scale)
     else:
         out = _prefill_attention(q, kv_cache, attn, scale, k, v)
     if out.shape[0] < num_tokens:

@@ -24,6 +24,7 @@ from services.decoder.models.layers import (
     merge_prompt_embeds,
 )
 from services.decoder.models.linear import Linear, can_prepack, pack_weight
+from services.decoder.models.native import NativeKernels
 from services.decoder.models.tensor_parallel import (
     CheckpointPart,
     VocabParallelEmbedding,
@@ -56,6 +57,8 @@ class Attention(nn.Module):
         # Qwen3 normalises each query and key head before RoPE; Llama does not.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
+        self.q_norm_eps = config.rms_norm_eps
+        self.native: NativeKernels | None = None  # set by DecoderModel.use_native_kernels
 
     def forward(
         self,
@@ -68,18 +71,40 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         x = gather_sequence(x, self.tp, sp)  # [num_tokens, hidden_size]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        out = paged_attention(q, kv_cache, attn, self.scale, k, v)  # [num_tokens, num_heads * head_dim]
+        if self.native is not None and self.native.supports(qkv, cos, sin, kv_cache):
+            # Norms, RoPE and the cache write in one pass; decode steps read keys from the cache only.
+            q, k = self.native.qkv_rope_cache(
+                qkv,
+                cos,
+                sin,
+                _weight(self.q_norm),
+                _weight(self.k_norm),
+                self.q_norm_eps,
+                kv_cache,
+                attn.slot_mapping,
+                self.num_heads,
+                want_keys=not attn.is_decode_only,
+            )
+        else:
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            write_kv_cache(kv_cache, k, v, attn.slot_mapping)
+        out = paged_attention(
+            q, kv_cache, attn, self.scale, k, v, self.native
+        )  # [num_tokens, num_heads * head_dim]
         return row_parallel(self.o_proj, out, self.tp, sp)  # [num_tokens or local_len, hidden_size]
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 class DecoderLayer(nn.Module):
@@ -169,6 +194,16 @@ class DecoderModel(nn.Module):
                 module.prepack()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_head = pack_weight(head) if can_prepack(head) else None
+
+    def use_native_kernels(self, kernels: NativeKernels | None) -> None:
+        """Norms, RoPE, the KV-cache write and decode attention through models/native_kernels.c.
+
+        None goes back to torch ops. Each kernel rounds where the torch path does; results differ
+        only by the order of fp32 sums (and attention no longer rounds between its two matmuls).
+        """
+        for module in self.modules():
+            if isinstance(module, (Attention, RMSNorm)):
+                module.native = kernels
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).

@@ -178,3 +178,27 @@ def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_m
         assert given.model.packed_head is None
     finally:
         engine.shutdown()
+
+
+def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tiny_model_dir) -> None:
+    from services.decoder.config import EngineConfig
+    from services.decoder.engine import Engine
+    from services.decoder.outputs import Delta
+    from services.decoder.params import SamplingParams, StoppingParams
+    from services.decoder.prompt import GenerateSpec
+
+    spec = GenerateSpec(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=6, ignore_eos=True)
+    )
+    outputs = {}
+    for use_kernels in (True, False):
+        config = EngineConfig(
+            model_dir=tiny_model_dir, dtype="float32", num_kv_blocks=16, native_kernels=use_kernels
+        )
+        with Engine(config) as engine:
+            attention = engine.loaded.model.layers[0].self_attn
+            assert (attention.native is not None) is use_kernels
+            events = list(engine.generate(spec))
+            outputs[use_kernels] = [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+    assert len(outputs[True]) == 6
+    assert outputs[True] == outputs[False]  # fp32: the same greedy tokens either way

@@ -1,7 +1,8 @@
 """Paged attention against dense causal attention over each sequence's full keys and values.
 
 The cache starts full of large garbage, so any read of the null block, of a padded block-table entry
-or of a slot past a sequence's end would show in the output.
+or of a slot past a sequence's end would show in the output. Decode steps run twice: through torch ops
+and through the C kernel (models/native_kernels.c), against the same reference.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.decoder.models import native
 from services.decoder.models.attention import AttentionMetadata, paged_attention, write_kv_cache
 
 from .helpers import PagedAllocator
@@ -28,8 +30,19 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.einsum("hqk,khd->qhd", probs, v.double()).reshape(query_len, -1).float()
 
 
+@pytest.fixture(params=["torch", "native"])
+def kernels(request: pytest.FixtureRequest) -> native.NativeKernels | None:
+    if request.param == "torch":
+        return None
+    loaded = native.load()
+    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
+    return loaded
+
+
 def run_steps(
-    steps: list[list[tuple[str, int]]], dtype: torch.dtype = torch.float32
+    steps: list[list[tuple[str, int]]],
+    dtype: torch.dtype = torch.float32,
+    kernels: native.NativeKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Writes random k/v for each step's chunks (key, new tokens) and attends; returns the last step's
     output and the per-sequence dense reference for its queries."""
@@ -45,7 +58,7 @@ def run_steps(
         k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        out = paged_attention(q, kv_cache, attn, SCALE, k, v)
+        out = paged_attention(q, kv_cache, attn, SCALE, k, v, kernels)
         refs, start = [], 0
         for key, n in chunks:
             keys[key] = torch.cat((keys.get(key, k[:0]), k[start : start + n]))
@@ -77,16 +90,23 @@ def test_mixed_step_with_decode_and_prefill_sequences() -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_batch_matches_dense_attention_with_ragged_lengths_and_padded_tables() -> None:
+def test_decode_batch_matches_dense_attention_with_ragged_lengths_and_padded_tables(kernels) -> None:
     steps = [[("a", 1), ("b", 10), ("c", 4)], [("a", 1), ("b", 1), ("c", 1)], [("a", 1), ("b", 1), ("c", 1)]]
-    out, ref, attn = run_steps(steps)
+    out, ref, attn = run_steps(steps, kernels=kernels)
     assert attn.is_decode_only and attn.block_tables[0, 1:].eq(0).all()  # "a" is padded with the null block
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_long_decode_context_spanning_many_blocks_matches_dense_attention(kernels) -> None:
+    # 61 cached positions over 16 blocks: the online softmax rescales as each block raises the maximum.
+    out, ref, _ = run_steps([[("a", 60), ("b", 5)], [("a", 1), ("b", 1)]], kernels=kernels)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_in_half_precision_stays_close_to_the_fp32_reference(dtype: torch.dtype) -> None:
-    out, ref, _ = run_steps([[("a", 7), ("b", 2)], [("a", 1), ("b", 1)]], dtype=dtype)
+def test_decode_in_half_precision_stays_close_to_the_fp32_reference(dtype: torch.dtype, kernels) -> None:
+    # float16 has no C kernel: the native run shows it falls back to torch ops.
+    out, ref, _ = run_steps([[("a", 7), ("b", 2)], [("a", 1), ("b", 1)]], dtype=dtype, kernels=kernels)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 

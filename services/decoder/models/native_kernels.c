@@ -1,0 +1,365 @@
+/* CPU kernels the decode step calls through ctypes (services/decoder/models/native.py builds and loads this).
+ *
+ * Why C: a decode step's attention in torch is a gather of every sequence's KV blocks into a
+ * contiguous copy, two small batched matmuls, a mask and a softmax, per layer: at batch 32 on
+ * bench-small the gather alone is ~4 ms of a ~20 ms step, because it writes the whole context once
+ * more before reading it again. Here each (sequence, KV head) reads its keys and values straight
+ * from the paged cache, once, with an online softmax, so the context is read and never copied.
+ *
+ * Threads: `#pragma omp` here binds to the libgomp torch already loaded (same soname), so this runs
+ * on the calling thread's OpenMP team, the one torch's own ops use; never a second team.
+ *
+ * Numerics: dot products, softmax and the weighted sum of values all in fp32 (the torch path rounds
+ * scores and probabilities to the model dtype between its matmuls), one rounding at the output.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+
+/* Limits of the on-stack scratch; native.py checks them before calling. */
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+#define MAX_BLOCK_SIZE 64
+#define MAX_ROW 16384 /* longest row an RMSNorm takes (hidden size) */
+/* Below this many elements an elementwise kernel stays on the calling thread: waking the team costs more. */
+#define PARALLEL_MIN_ELEMENTS 16384
+
+static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion does; NaN stays a quiet NaN. */
+static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) for x <= 0 (softmax arguments): 2^k * p(r) with |r| <= ln2/2 and a degree-6 polynomial,
+ * about 1 ulp. Written out so that the compiler vectorises it; libm's expf is one call per score. */
+static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float k = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Rows [n, head_dim] of one KV head inside a paged block -> contiguous fp32 [n, head_dim]. */
+static inline __attribute__((always_inline)) void load_rows(float *restrict dst, const char *restrict src,
+                                                            int64_t n, int64_t head_dim, int64_t row_stride,
+                                                            int dtype) {
+    for (int64_t t = 0; t < n; t++) {
+        float *restrict d = dst + t * head_dim;
+        if (dtype == DTYPE_BFLOAT16) {
+            const uint16_t *restrict s = (const uint16_t *)src + t * row_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; i++) d[i] = bf16_to_f32(s[i]);
+        } else {
+            const float *restrict s = (const float *)src + t * row_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; i++) d[i] = s[i];
+        }
+    }
+}
+
+/* One sequence's query heads that share KV head `kv_head`, against its first `seq_len` cached positions.
+ * q: [group, head_dim] fp32, already scaled; out: [group, head_dim] fp32. Always inlined into
+ * attend_one's cases, so common head sizes get loops of known length (kept in vector registers). */
+static inline __attribute__((always_inline)) void attend(
+    float *restrict out, const float *restrict q, const char *restrict kv_cache,
+    const int32_t *restrict block_table, int64_t seq_len, int64_t kv_head, int64_t group, int64_t num_blocks,
+    int64_t block_size, int64_t num_kv_heads, const int64_t head_dim, int dtype) {
+    const int64_t elem = dtype == DTYPE_BFLOAT16 ? 2 : 4;
+    const int64_t row_stride = num_kv_heads * head_dim;           /* elements between positions */
+    const int64_t block_elems = block_size * row_stride;          /* elements per block per K or V */
+    const int64_t values_offset = num_blocks * block_elems;       /* V follows all of K */
+    float rows[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
+    float scores[MAX_GROUP][MAX_BLOCK_SIZE];
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        running_max[g] = -INFINITY;
+        running_sum[g] = 0.0f;
+        for (int64_t i = 0; i < head_dim; i++) out[g * head_dim + i] = 0.0f;
+    }
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        const int64_t block = block_table[start / block_size];
+        const char *keys = kv_cache + (block * block_elems + kv_head * head_dim) * elem;
+        load_rows(rows, keys, n, head_dim, row_stride, dtype);
+        for (int64_t g = 0; g < group; g++) {
+            const float *restrict qg = q + g * head_dim;
+            float block_max = -INFINITY;
+            for (int64_t t = 0; t < n; t++) {
+                const float *restrict k = rows + t * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < head_dim; i++) dot += qg[i] * k[i];
+                scores[g][t] = dot;
+                block_max = dot > block_max ? dot : block_max;
+            }
+            /* Online softmax: rescale what was accumulated when the maximum grows. */
+            const float new_max = block_max > running_max[g] ? block_max : running_max[g];
+            const float correction = running_max[g] == -INFINITY ? 0.0f : exp_nonpositive(running_max[g] - new_max);
+            running_max[g] = new_max;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                scores[g][t] = exp_nonpositive(scores[g][t] - new_max);
+                sum += scores[g][t];
+            }
+            running_sum[g] = running_sum[g] * correction + sum;
+            float *restrict o = out + g * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; i++) o[i] *= correction;
+        }
+        const char *values = kv_cache + (values_offset + block * block_elems + kv_head * head_dim) * elem;
+        load_rows(rows, values, n, head_dim, row_stride, dtype);
+        for (int64_t g = 0; g < group; g++) {
+            float acc[MAX_HEAD_DIM];
+            float *restrict o = out + g * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) acc[i] = o[i];
+            for (int64_t t = 0; t < n; t++) {
+                const float p = scores[g][t];
+                const float *restrict v = rows + t * head_dim;
+#pragma omp simd
+                for (int64_t i = 0; i < head_dim; i++) acc[i] += p * v[i];
+            }
+            for (int64_t i = 0; i < head_dim; i++) o[i] = acc[i];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
+        float *restrict o = out + g * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; i++) o[i] *= inv;
+    }
+}
+
+static void attend_one(float *out, const float *q, const char *kv_cache, const int32_t *block_table,
+                       int64_t seq_len, int64_t kv_head, int64_t group, int64_t num_blocks, int64_t block_size,
+                       int64_t num_kv_heads, int64_t head_dim, int dtype) {
+#define ATTEND(HEAD_DIM, DTYPE)                                                                               \
+    attend(out, q, kv_cache, block_table, seq_len, kv_head, group, num_blocks, block_size, num_kv_heads,     \
+           HEAD_DIM, DTYPE)
+    if (dtype == DTYPE_BFLOAT16 && head_dim == 64) ATTEND(64, DTYPE_BFLOAT16);
+    else if (dtype == DTYPE_BFLOAT16 && head_dim == 128) ATTEND(128, DTYPE_BFLOAT16);
+    else ATTEND(head_dim, dtype);
+#undef ATTEND
+}
+
+/* Decode attention over a paged KV cache: one query per sequence.
+ *
+ * q:            [num_seqs, num_heads, head_dim] (query head h uses KV head h / (num_heads / num_kv_heads))
+ * kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_dim], 0 = keys, 1 = values
+ * block_tables: int32 [num_seqs, max_blocks]
+ * seq_lens:     int32 [num_seqs], context length of each sequence including this step's token
+ * out:          [num_seqs, num_heads * head_dim], same dtype as q and the cache
+ * All contiguous. Returns 0, or -1 when a length or block id is out of range (nothing is written then).
+ */
+int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *block_tables,
+                            const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                            int64_t max_blocks, float scale, int dtype) {
+    const int64_t group = num_heads / num_kv_heads;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK_SIZE ||
+        group * num_kv_heads != num_heads || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16))
+        return -1;
+    /* The tables come from the engine's block manager, but a wrong id here would read outside the
+     * cache: check every entry that will be used before any thread starts. */
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t len = seq_lens[s];
+        if (len < 0 || len > max_blocks * block_size) return -1;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++) {
+            const int32_t id = block_tables[s * max_blocks + b];
+            if (id < 0 || id >= num_blocks) return -1;
+        }
+    }
+    const char *cache = (const char *)kv_cache;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+        const int64_t s = item / num_kv_heads, kv_head = item % num_kv_heads;
+        float q_scaled[MAX_GROUP * MAX_HEAD_DIM], result[MAX_GROUP * MAX_HEAD_DIM];
+        const int64_t first = (s * num_heads + kv_head * group) * head_dim; /* first element of the group */
+        const int64_t count = group * head_dim;
+        if (dtype == DTYPE_BFLOAT16) {
+            const uint16_t *src = (const uint16_t *)q + first;
+            for (int64_t i = 0; i < count; i++) q_scaled[i] = bf16_to_f32(src[i]) * scale;
+        } else {
+            const float *src = (const float *)q + first;
+            for (int64_t i = 0; i < count; i++) q_scaled[i] = src[i] * scale;
+        }
+        attend_one(result, q_scaled, cache, block_tables + s * max_blocks, seq_lens[s], kv_head, group,
+                   num_blocks, block_size, num_kv_heads, head_dim, dtype);
+        if (dtype == DTYPE_BFLOAT16) {
+            uint16_t *dst = (uint16_t *)out + first;
+            for (int64_t i = 0; i < count; i++) dst[i] = f32_to_bf16(result[i]);
+        } else {
+            memcpy((float *)out + first, result, (size_t)count * sizeof(float));
+        }
+    }
+    return 0;
+}
+
+/* -- Elementwise kernels of the decoder layer ---------------------------------------------------------
+ * Each replaces a chain of small torch ops (about nine for an RMSNorm) whose fixed cost dominates at
+ * decode batch sizes. They round to the model dtype wherever the torch path does, in the same order,
+ * so results equal the torch path's except where a fp32 sum is added up in another order.
+ */
+
+/* Rounds a fp32 value to the model dtype and back (identity for fp32). */
+static inline __attribute__((always_inline)) float round_to(float x, int dtype) {
+    return dtype == DTYPE_BFLOAT16 ? bf16_to_f32(f32_to_bf16(x)) : x;
+}
+
+static inline __attribute__((always_inline)) float load_at(const void *base, int64_t i, int dtype) {
+    return dtype == DTYPE_BFLOAT16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void store_at(void *base, int64_t i, float x, int dtype) {
+    if (dtype == DTYPE_BFLOAT16) ((uint16_t *)base)[i] = f32_to_bf16(x);
+    else ((float *)base)[i] = x;
+}
+
+/* The Hugging Face RMSNorm on one row of src (from element src_at): fp32 statistics, x * rsqrt(mean(x^2)
+ * + eps) rounded to the dtype, then times the weight, rounded again. Writes fp32 values already rounded. */
+static inline __attribute__((always_inline)) void rms_norm_row(float *result, const void *src, int64_t src_at, const void *weight, int64_t size,
+                                float eps, int dtype) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < size; i++) result[i] = load_at(src, src_at + i, dtype);
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < size; i++) squares += result[i] * result[i];
+    const float inv_rms = 1.0f / sqrtf(squares / (float)size + eps);
+    for (int64_t i = 0; i < size; i++)
+        result[i] = round_to(load_at(weight, i, dtype) * round_to(result[i] * inv_rms, dtype), dtype);
+}
+
+/* RMSNorm of x [rows, size] into out [rows, size], weight [size]; all contiguous, one dtype. */
+static inline __attribute__((always_inline)) void rms_norm_to(void *out, int64_t r, const void *x,
+                                                              const void *weight, int64_t size, float eps,
+                                                              const int dtype) {
+    float row[MAX_ROW];
+    rms_norm_row(row, x, r * size, weight, size, eps, dtype);
+#pragma omp simd
+    for (int64_t i = 0; i < size; i++) store_at(out, r * size + i, row[i], dtype);
+}
+
+int tandem_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t size, float eps,
+                    int dtype) {
+    if (size > MAX_ROW || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16)) return -1;
+#pragma omp parallel for schedule(static) if (rows * size >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype == DTYPE_BFLOAT16) rms_norm_to(out, r, x, weight, size, eps, DTYPE_BFLOAT16);
+        else rms_norm_to(out, r, x, weight, size, eps, DTYPE_FLOAT32);
+    }
+    return 0;
+}
+
+/* x * cos + rotate_half(x) * sin for one head, each product and the sum rounded as in torch. */
+static inline __attribute__((always_inline)) void rotate_head(float *head, const void *cos, const void *sin, int64_t at, int64_t head_dim,
+                               int dtype) {
+    const int64_t half = head_dim / 2;
+    float rotated[MAX_HEAD_DIM];
+    for (int64_t i = 0; i < half; i++) {
+        rotated[i] = -head[half + i];
+        rotated[half + i] = head[i];
+    }
+    for (int64_t i = 0; i < head_dim; i++) {
+        const float a = round_to(head[i] * load_at(cos, at + i, dtype), dtype);
+        const float b = round_to(rotated[i] * load_at(sin, at + i, dtype), dtype);
+        head[i] = round_to(a + b, dtype);
+    }
+}
+
+/* One query or key head from qkv (from element `at`): RMSNorm when `norm` is not NULL, then RoPE. */
+static inline __attribute__((always_inline)) void norm_rope_head(float *head, const void *qkv, int64_t at,
+                                                                 const void *norm, const void *cos, const void *sin,
+                                                                 int64_t angle_at, int64_t head_dim, float eps,
+                                                                 const int dtype) {
+    if (norm != NULL) {
+        rms_norm_row(head, qkv, at, norm, head_dim, eps, dtype);
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; i++) head[i] = load_at(qkv, at + i, dtype);
+    }
+    rotate_head(head, cos, sin, angle_at, head_dim, dtype);
+}
+
+/* After the QKV projection: per-head RMSNorm of queries and keys (Qwen3; skipped when the weights
+ * are NULL), RoPE on both, keys and values written to their KV-cache slots, queries (and, when
+ * k_out is not NULL, keys) returned.
+ *
+ * qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]; cos, sin: [num_tokens, head_dim];
+ * q_norm, k_norm: [head_dim] or NULL; kv_cache: [2, num_slots, num_kv_heads, head_dim];
+ * slots: int64 [num_tokens]; q_out: [num_tokens, num_heads, head_dim]; k_out: [num_tokens,
+ * num_kv_heads, head_dim] or NULL. Returns -1 (having written nothing) when a slot is out of range.
+ */
+static inline __attribute__((always_inline)) void qkv_rope_cache_token(
+    int64_t t, const void *qkv, const void *cos, const void *sin, const void *q_norm, const void *k_norm,
+    const int64_t *slots, void *kv_cache, void *q_out, void *k_out, int64_t num_heads, int64_t num_kv_heads,
+    const int64_t head_dim, int64_t num_slots, float eps, const int dtype) {
+    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+    const int64_t kv_width = num_kv_heads * head_dim;
+    char *values = (char *)kv_cache + num_slots * kv_width * (dtype == DTYPE_BFLOAT16 ? 2 : 4);
+    const int64_t slot = slots[t];
+    float head[MAX_HEAD_DIM];
+    for (int64_t h = 0; h < num_heads; h++) {
+        norm_rope_head(head, qkv, t * width + h * head_dim, q_norm, cos, sin, t * head_dim, head_dim, eps, dtype);
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; i++) store_at(q_out, (t * num_heads + h) * head_dim + i, head[i], dtype);
+    }
+    for (int64_t k = 0; k < num_kv_heads; k++) {
+        norm_rope_head(head, qkv, t * width + (num_heads + k) * head_dim, k_norm, cos, sin, t * head_dim,
+                       head_dim, eps, dtype);
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; i++) store_at(kv_cache, slot * kv_width + k * head_dim + i, head[i], dtype);
+        if (k_out != NULL) {
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; i++) store_at(k_out, (t * num_kv_heads + k) * head_dim + i, head[i], dtype);
+        }
+    }
+    for (int64_t k = 0; k < num_kv_heads; k++) {
+        const int64_t from = t * width + (num_heads + num_kv_heads + k) * head_dim;
+        for (int64_t i = 0; i < head_dim; i++)
+            store_at(values, slot * kv_width + k * head_dim + i, load_at(qkv, from + i, dtype), dtype);
+    }
+}
+
+int tandem_qkv_rope_cache(const void *qkv, const void *cos, const void *sin, const void *q_norm,
+                          const void *k_norm, const int64_t *slots, void *kv_cache, void *q_out, void *k_out,
+                          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t num_slots, float eps, int dtype) {
+    if (head_dim > MAX_HEAD_DIM || head_dim % 2) return -1;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    if (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16) return -1;
+    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+#define TOKEN(HEAD_DIM, DTYPE)                                                                                \
+    qkv_rope_cache_token(t, qkv, cos, sin, q_norm, k_norm, slots, kv_cache, q_out, k_out, num_heads,         \
+                         num_kv_heads, HEAD_DIM, num_slots, eps, DTYPE)
+#pragma omp parallel for schedule(static) if (num_tokens * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (dtype == DTYPE_BFLOAT16 && head_dim == 64) TOKEN(64, DTYPE_BFLOAT16);
+        else if (dtype == DTYPE_BFLOAT16 && head_dim == 128) TOKEN(128, DTYPE_BFLOAT16);
+        else if (dtype == DTYPE_BFLOAT16) TOKEN(head_dim, DTYPE_BFLOAT16);
+        else TOKEN(head_dim, DTYPE_FLOAT32);
+    }
+#undef TOKEN
+    return 0;
+}

@@ -1,0 +1,182 @@
+"""The C kernels (models/native_kernels.c) against the torch ops they replace, and how they are built.
+
+Each kernel rounds where the torch path rounds, so in bf16 the norms and RoPE give the torch path's
+bits except where an fp32 sum of squares, added up in another order, rounds the other way (one bf16
+step, on rare elements); decode attention is checked against a dense reference in test_attention.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.decoder.models import native
+from services.decoder.models.attention import write_kv_cache
+from services.decoder.models.layers import RMSNorm, apply_rotary
+from services.decoder.models.loader import load_model
+
+from .conftest import Checkpoint
+from .helpers import PagedRun, greedy, hf_greedy
+
+PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native.NativeKernels:
+    loaded = native.load()
+    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
+    return loaded
+
+
+def assert_same_up_to_summation_order(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: equal within 1e-5. bf16: under 1% of elements differ, each by at most one bf16 step."""
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+        return
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    differs = actual != expected
+    assert differs.float().mean() < 0.01
+    one_step = expected[differs].float().abs() * 2**-7  # bf16 keeps 8 significant bits
+    assert ((actual[differs].float() - expected[differs].float()).abs() <= one_step + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 512 elements runs on several threads
+def test_rms_norm_equals_the_torch_module(kernels, dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(512, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(512).to(dtype)
+    x = (torch.randn(rows, 512) * 3).to(dtype)
+    expected = norm(x)
+    norm.native = kernels
+    actual = norm(x)
+    assert_same_up_to_summation_order(actual, expected)
+
+
+def _torch_qkv_rope_cache(qkv, cos, sin, q_norm, k_norm, kv_cache, slots, num_heads, num_kv_heads, head_dim):
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(-1, num_heads, head_dim)
+    k = k.reshape(-1, num_kv_heads, head_dim)
+    v = v.reshape(-1, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    write_kv_cache(kv_cache, k, v, slots)
+    return q, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 32])  # 64 has its own compiled case, 32 the generic loop
+@pytest.mark.parametrize("with_norms", [True, False])  # Qwen3, Llama
+def test_qkv_rope_cache_equals_norms_rotary_and_the_cache_write(
+    kernels, dtype: torch.dtype, head_dim: int, with_norms: bool
+) -> None:
+    torch.manual_seed(0)
+    num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 9, 8, 2, 4, 6
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    angles = torch.rand(num_tokens, 1, head_dim) * 50
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    norms = None
+    if with_norms:
+        norms = (RMSNorm(head_dim, 1e-6).to(dtype), RMSNorm(head_dim, 1e-6).to(dtype))
+        for n in norms:
+            n.weight.data = torch.randn(head_dim).to(dtype)
+    slots = torch.tensor([5, 6, 7, 8, 9, 12, 13, 2, 23])
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    expected_cache, actual_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    q_ref, k_ref = _torch_qkv_rope_cache(
+        qkv, cos, sin, *(norms or (None, None)), expected_cache, slots, num_heads, num_kv_heads, head_dim
+    )
+    q, k = kernels.qkv_rope_cache(
+        qkv,
+        cos,
+        sin,
+        *(None, None) if norms is None else (norms[0].weight, norms[1].weight),
+        1e-6,
+        actual_cache,
+        slots,
+        num_heads,
+        want_keys=True,
+    )
+    assert k is not None
+    for got, want in ((q, q_ref), (k, k_ref), (actual_cache, expected_cache)):
+        assert_same_up_to_summation_order(got, want)
+    _, no_keys = kernels.qkv_rope_cache(
+        qkv, cos, sin, None, None, 1e-6, actual_cache, slots, num_heads, want_keys=False
+    )
+    assert no_keys is None
+
+
+def test_kernels_refuse_slots_and_block_ids_outside_the_cache_and_write_nothing(kernels) -> None:
+    cache = torch.zeros(2, 4, 4, 1, 64)
+    qkv = torch.randn(2, 3 * 64)
+    cos, sin = torch.ones(2, 1, 64), torch.zeros(2, 1, 64)
+    with pytest.raises(ValueError, match="KV slot is outside the cache"):
+        kernels.qkv_rope_cache(qkv, cos, sin, None, None, 1e-6, cache, torch.tensor([3, 16]), 1, True)
+    assert cache.count_nonzero() == 0
+    q = torch.randn(2, 1, 64)
+    with pytest.raises(ValueError, match="block id is outside the KV cache"):
+        tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)  # block 4 of a 4-block pool
+        kernels.decode_attention(q, cache, tables, torch.tensor([5, 5], dtype=torch.int32), 0.125)
+    with pytest.raises(ValueError, match="sequence length"):
+        tables = torch.tensor([[1, 2], [3, 1]], dtype=torch.int32)
+        kernels.decode_attention(q, cache, tables, torch.tensor([5, 9], dtype=torch.int32), 0.125)
+
+
+def test_a_model_on_the_kernels_gives_the_torch_path_logits_and_transformers_greedy_tokens(
+    kernels, checkpoint: Checkpoint
+) -> None:
+    model = load_model(checkpoint.path, dtype="float32").model
+    run = PagedRun(model)
+    expected = [run.step([("s", PROMPT)]), run.step([("s", [42])]), run.step([("s", [7])])]
+    model.use_native_kernels(kernels)
+    run = PagedRun(model)
+    actual = [run.step([("s", PROMPT)]), run.step([("s", [42])]), run.step([("s", [7])])]
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert greedy(model, PROMPT, 24) == hf_greedy(checkpoint.hf_model, PROMPT, 24)
+
+
+def test_bfloat16_decode_on_the_kernels_stays_close_to_the_torch_path(
+    kernels, checkpoint: Checkpoint
+) -> None:
+    model = load_model(checkpoint.path, dtype="bfloat16").model
+    runs = {}
+    for name in ("torch", "native"):
+        model.use_native_kernels(kernels if name == "native" else None)
+        run = PagedRun(model)
+        runs[name] = [run.step([("s", PROMPT)])] + [run.step([("s", [t])]) for t in (42, 7, 99)]
+    for got, want in zip(runs["native"], runs["torch"], strict=True):
+        # Attention's fp32 softmax (the torch path rounds probabilities to bf16): a few bf16 ulps.
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_the_library_is_built_once_per_source_and_reused(tmp_path: Path) -> None:
+    first = native.build(tmp_path)
+    built_at = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == built_at
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no scratch left behind
+
+
+def test_without_a_compiler_loading_says_so_and_the_model_keeps_torch_ops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native.COMPILER_ENV, "no-such-cc")
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C compiler 'no-such-cc' on PATH"):
+        native.build()
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+    finally:
+        native.load.cache_clear()
+
+
+def test_a_broken_build_reports_the_compiler_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("int tandem_decode_attention( {\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match="building broken.c failed"):
+        native.build(tmp_path / "cache")
