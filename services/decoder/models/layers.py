@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., size]. The mean of squares is taken in fp32: in bf16 it loses most of its bits.
-        if self.native is not None and self.native.supports(x, self.weight):
+        if self.native is not None and self.native.supports_norm(x, self.weight):
             return self.native.rms_norm(x, self.weight, self.eps)  # the same numerics in one pass
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -64,12 +64,24 @@ class NativeKernels:
         )
 
     @staticmethod
-    def supports(*tensors: torch.Tensor) -> bool:
-        """Whether the elementwise kernels take these tensors: CPU, one supported dtype, contiguous."""
+    def _same_cpu_dtype(*tensors: torch.Tensor) -> bool:
         dtype = tensors[0].dtype
         return dtype in DTYPE_CODES and all(
             t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors
         )
+
+    @classmethod
+    def supports_norm(cls, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether rms_norm takes these (else the caller keeps its torch path)."""
+        return x.shape[-1] <= MAX_ROW and cls._same_cpu_dtype(x, weight)
+
+    @classmethod
+    def supports_qkv(
+        cls, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor
+    ) -> bool:
+        """Whether qkv_rope_cache takes these (else the caller keeps its torch path)."""
+        head_dim = kv_cache.shape[-1]
+        return head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0 and cls._same_cpu_dtype(qkv, cos, sin, kv_cache)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [..., size] -> RMSNorm(x) * weight, same shape; numerics of layers.RMSNorm."""

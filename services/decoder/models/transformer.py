@@ -74,7 +74,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.native is not None and self.native.supports(qkv, cos, sin, kv_cache):
+        if self.native is not None and self.native.supports_qkv(qkv, cos, sin, kv_cache):
             # Norms, RoPE and the cache write in one pass; decode steps read keys from the cache only.
             q, k = self.native.qkv_rope_cache(
                 qkv,

@@ -180,3 +180,15 @@ def test_a_broken_build_reports_the_compiler_output(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(native, "SOURCE", broken)
     with pytest.raises(RuntimeError, match="building broken.c failed"):
         native.build(tmp_path / "cache")
+
+
+def test_shapes_past_the_kernels_limits_stay_on_torch_ops(kernels) -> None:
+    wide = RMSNorm(native.MAX_ROW + 2, 1e-6)
+    x = torch.randn(2, native.MAX_ROW + 2)
+    expected = wide(x)
+    wide.native = kernels
+    assert torch.equal(wide(x), expected)
+    big_heads = torch.zeros(2, 2, 4, 1, 2 * native.MAX_HEAD_DIM)
+    qkv = torch.zeros(1, 3 * 2 * native.MAX_HEAD_DIM)
+    assert not kernels.supports_qkv(qkv, qkv[:, :1], qkv[:, :1], big_heads)
+    assert not kernels.supports_decode(torch.zeros(1, 1, 2 * native.MAX_HEAD_DIM), big_heads)
