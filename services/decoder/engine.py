@@ -31,7 +31,7 @@ from services.decoder.models import native
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.loader import LoadedModel, load_model
 from services.decoder.models.tensor_parallel import world_size_of
-from services.decoder.outputs import Event, Failed, Finished, OutputState
+from services.decoder.outputs import Delta, Event, Failed, Finished, OutputState
 from services.decoder.parallel import ParallelContext
 from services.decoder.prompt import GenerateSpec, build_request
 from services.decoder.request import Request
@@ -204,7 +204,12 @@ class Engine:
                 self.abort(request_id)
 
     async def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
-        """asyncio front: the same events; leaving early (cancel, error) aborts the request."""
+        """asyncio front: the same events; leaving early (cancel, error) aborts the request.
+
+        A consumer that falls behind gets the deltas that piled up as one (vLLM's output collector
+        does the same): every message costs the server CPU the model needs, so a slow stream sends
+        fewer, fuller messages instead of a growing backlog.
+        """
         mailbox = self._mailbox(asyncio.get_running_loop())
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -213,9 +218,19 @@ class Engine:
 
         request_id = self.submit(spec, sink)
         finished = False
+        held: Event | None = None  # taken from the queue while merging, not yet yielded
         try:
             while True:
-                event = await events.get()
+                if held is not None:
+                    event, held = held, None
+                else:
+                    event = await events.get()
+                while isinstance(event, Delta) and not events.empty():
+                    later = events.get_nowait()
+                    if not isinstance(later, Delta):
+                        held = later
+                        break
+                    event = event.followed_by(later)
                 yield event
                 if isinstance(event, Finished | Failed):
                     finished = True

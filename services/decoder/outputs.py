@@ -64,6 +64,16 @@ class Delta:
     logprobs: tuple[float, ...]  # one per token when asked for, else ()
     top_logprobs: tuple[TopLogprobs, ...]  # one per token when asked for, else ()
 
+    def followed_by(self, later: Delta) -> Delta:
+        """This delta and the next one of the same request, as one."""
+        return Delta(
+            self.request_id,
+            self.token_ids + later.token_ids,
+            self.text + later.text,
+            self.logprobs + later.logprobs,
+            self.top_logprobs + later.top_logprobs,
+        )
+
 
 @dataclass(frozen=True)
 class Finished:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -263,6 +264,34 @@ def test_stream_interval_coalesces_deltas(tiny_model_dir, tiny_fp32) -> None:
     with _engine(tiny_model_dir, tiny_fp32) as engine:
         deltas = [e for e in _alone(engine, spec) if isinstance(e, Delta)]
     assert [len(d.token_ids) for d in deltas] == [4, 4, 2]
+
+
+def test_an_async_reader_that_falls_behind_gets_the_piled_up_deltas_as_one(tiny_model_dir, tiny_fp32) -> None:
+    spec = GenerateSpec(
+        [[3, 4, 5]],
+        SamplingParams(temperature=0.0, logprobs=True),
+        StoppingParams(max_new_tokens=12, ignore_eos=True),
+    )
+
+    async def read(pause_after_accepted: float) -> list[Event]:
+        events = []
+        async for event in engine.stream(spec):
+            events.append(event)
+            if isinstance(event, Accepted):
+                await asyncio.sleep(pause_after_accepted)  # the engine runs on while nobody reads
+        return events
+
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        expected = _alone(engine, spec)
+        lagging = asyncio.run(read(pause_after_accepted=1.0))
+    deltas = [e for e in lagging if isinstance(e, Delta)]
+    assert len(deltas) < 12  # merged: one message carries several steps' tokens
+    assert isinstance(lagging[0], Accepted) and isinstance(lagging[-1], Finished)
+    assert [t for d in deltas for t in d.token_ids] == _tokens(expected)
+    assert [lp for d in deltas for lp in d.logprobs] == [
+        lp for e in expected if isinstance(e, Delta) for lp in e.logprobs
+    ]
+    assert "".join(d.text for d in deltas) == "".join(e.text for e in expected if isinstance(e, Delta))
 
 
 def test_min_new_tokens_suppresses_eos(tiny_model_dir, tiny_fp32) -> None:

@@ -286,6 +286,7 @@ class OutputOptions(_message.Message):
     stream_interval: _builtins.int
     """Coalesce deltas: at most one `delta` message per this many engine steps (1 step = 1 token).
     0 or 1 = a message every step. Larger values cut per-message overhead at high concurrency.
+    A stream whose reader falls behind also gets the tokens that piled up in one message.
     """
     def __init__(
         self,
