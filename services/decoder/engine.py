@@ -27,7 +27,6 @@ from services.decoder.config import EngineConfig
 from services.decoder.core import EngineCore, Sink
 from services.decoder.kv_cache import BlockManager
 from services.decoder.mailbox import LoopMailbox
-from services.decoder.models import native
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.loader import LoadedModel, load_model
 from services.decoder.models.tensor_parallel import world_size_of
@@ -73,12 +72,10 @@ class Engine:
         except BaseException:
             self._executor.shutdown()
             raise
-        # Only a model this engine loaded is packed (a caller's model stays as given). Compiled
-        # models stay unpacked: Inductor folds and packs weights itself.
-        if loaded is None and backend.prepacks_weights and not config.compile:
-            self._on_engine_thread(self.loaded.model.prepack)
-        if loaded is None and backend.native_kernels and config.native_kernels and not config.compile:
-            self.loaded.model.use_native_kernels(native.load())
+        if loaded is None:  # a caller's model stays as given
+            self._on_engine_thread(
+                backends.prepare_model, self.loaded.model, backend, config.compile, config.native_kernels
+            )
         model_config = self.loaded.config
         self.model_config = model_config
         self.tokenizer = self.loaded.tokenizer

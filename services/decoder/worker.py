@@ -21,6 +21,7 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
+from services.decoder import backend as backends
 from services.decoder.config import DecoderConfig, EngineConfig
 from services.decoder.engine import num_kv_blocks
 from services.decoder.models.loader import load_model
@@ -112,6 +113,8 @@ def run_worker(info: RankInfo, config: DecoderConfig) -> int:
 def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
     """Loads this rank's shard and runs every batch rank 0 sends until STOP; raises on a failure."""
     loaded = load_model(config.model_dir, config.dtype, config.device, tp)
+    backend = backends.resolve(config.device)
+    backends.prepare_model(loaded.model, backend, config.compile, config.native_kernels)
     model_config = loaded.config
     runner = ModelRunner(loaded.model, num_kv_blocks(config, model_config, tp.world_size), config.block_size)
     log.info("rank %d of %d ready", tp.rank, tp.world_size)

@@ -202,3 +202,20 @@ def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tin
             outputs[use_kernels] = [t for e in events if isinstance(e, Delta) for t in e.token_ids]
     assert len(outputs[True]) == 6
     assert outputs[True] == outputs[False]  # fp32: the same greedy tokens either way
+
+
+@pytest.mark.parametrize(
+    ("compile", "native_kernels", "packed", "on_kernels"),
+    [(False, True, True, True), (False, False, True, False), (True, True, False, False)],
+)
+def test_prepare_model_packs_and_attaches_kernels_for_eager_cpu_only(
+    tiny_model_dir, compile: bool, native_kernels: bool, packed: bool, on_kernels: bool
+) -> None:
+    # What rank 0's engine and every other rank's worker do to the model they load.
+    from services.decoder.models.loader import load_model
+
+    model = load_model(tiny_model_dir, dtype="bfloat16").model
+    backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
+    assert (model.packed_head is not None) is packed
+    assert (model.layers[0].self_attn.native is not None) is on_kernels
+    assert (model.norm.native is not None) is on_kernels
