@@ -146,20 +146,17 @@ class NativeKernels:
         _check(status, "qkv_rope_cache: a KV slot is outside the cache")
         return q, k
 
-    @staticmethod
-    def supports_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    @classmethod
+    def supports_decode(cls, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether decode_attention takes these tensors (else the caller keeps its torch path)."""
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_heads = q.shape[1]
         return (
-            q.device.type == "cpu"
-            and kv_cache.device.type == "cpu"
-            and q.dtype == kv_cache.dtype
-            and q.dtype in DTYPE_CODES
-            and kv_cache.is_contiguous()
-            and head_dim <= MAX_HEAD_DIM
+            head_dim <= MAX_HEAD_DIM
             and block_size <= MAX_BLOCK_SIZE
-            and q.shape[1] % num_kv_heads == 0
-            and q.shape[1] // num_kv_heads <= MAX_GROUP
+            and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP
+            and cls._same_cpu_dtype(q, kv_cache)
         )
 
     def decode_attention(

@@ -57,7 +57,7 @@ class Attention(nn.Module):
         # Qwen3 normalises each query and key head before RoPE; Llama does not.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
-        self.q_norm_eps = config.rms_norm_eps
+        self.norm_eps = config.rms_norm_eps  # of q_norm and k_norm, for the fused kernel
         self.native: NativeKernels | None = None  # set by DecoderModel.use_native_kernels
 
     def forward(
@@ -82,7 +82,7 @@ class Attention(nn.Module):
                 sin,
                 _weight(self.q_norm),
                 _weight(self.k_norm),
-                self.q_norm_eps,
+                self.norm_eps,
                 kv_cache,
                 attn.slot_mapping,
                 self.num_heads,
