@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import safe_open
 
 
 class Pooling(enum.StrEnum):
@@ -24,6 +26,19 @@ class Pooling(enum.StrEnum):
 
 class EmbedderLoadError(ValueError):
     """A model, adapter or projector that cannot be served; the message names the file at fault."""
+
+
+def read_tensor(path: Path, key: str) -> torch.Tensor:
+    """Tensor `key` alone from the safetensors file at `path` (nothing else is read).
+
+    Raises EmbedderLoadError naming the file when it is missing or lacks the key.
+    """
+    if not path.is_file():
+        raise EmbedderLoadError(f"{path.name} (holding {key}) not found in {path.parent}")
+    with safe_open(path, framework="pt", device="cpu") as weights:
+        if key not in weights.keys():
+            raise EmbedderLoadError(f"{key} not found in {path} (keys: {sorted(weights.keys())})")
+        return weights.get_tensor(key)
 
 
 @dataclass(frozen=True)

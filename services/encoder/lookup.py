@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from common import checkpoint
-from services.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool
+from services.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, read_tensor
 
 EMBED_KEY = "model.embed_tokens.weight"
 
@@ -58,12 +57,7 @@ def read_embedding_table(model_dir: Path) -> torch.Tensor:
         path = model_dir / shard
     else:
         path = model_dir / "model.safetensors"
-    if not path.is_file():
-        raise EmbedderLoadError(f"{path.name} (holding {EMBED_KEY}) not found in {model_dir}")
-    with safe_open(path, framework="pt", device="cpu") as weights:
-        if EMBED_KEY not in weights.keys():
-            raise EmbedderLoadError(f"{EMBED_KEY} not found in {path}")
-        return weights.get_tensor(EMBED_KEY)  # [vocab_size, hidden_size]
+    return read_tensor(path, EMBED_KEY)  # [vocab_size, hidden_size]
 
 
 def read_tokenizer(model_dir: Path) -> Tokenizer:

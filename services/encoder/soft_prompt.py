@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from services.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool
+from services.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, read_tensor
 from services.encoder.lookup import LookupEmbedder, read_json
 
 PROMPT_KEY = "prompt_embeddings"
@@ -39,13 +38,7 @@ def read_prompt(adapter_dir: Path, hidden_size: int) -> torch.Tensor:
             f"adapter_config.json: token_dim {token_dim} does not match the model's hidden_size "
             f"{hidden_size}; the adapter was trained for a different model"
         )
-    path = adapter_dir / "adapter_model.safetensors"
-    if not path.is_file():
-        raise EmbedderLoadError(f"adapter_model.safetensors not found in {adapter_dir}")
-    with safe_open(path, framework="pt", device="cpu") as weights:
-        if PROMPT_KEY not in weights.keys():
-            raise EmbedderLoadError(f"{PROMPT_KEY} not found in {path} (keys: {sorted(weights.keys())})")
-        prompt = weights.get_tensor(PROMPT_KEY)
+    prompt = read_tensor(adapter_dir / "adapter_model.safetensors", PROMPT_KEY)
     if tuple(prompt.shape) != (num_virtual_tokens, token_dim):
         raise EmbedderLoadError(
             f"{PROMPT_KEY} has shape {list(prompt.shape)}, expected "

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from services.decoder.models.attention import AttentionMetadata
 from services.decoder.models.loader import load_model
-from services.encoder import lookup
+from services.encoder import embedder
 from services.encoder.embedder import EmbedderLoadError, Pooling
 from services.encoder.lookup import EMBED_KEY, LookupEmbedder
 
@@ -75,7 +75,7 @@ def test_a_sharded_checkpoint_needs_only_the_shard_with_the_table(tiny_model: Pa
 
 def test_reads_no_tensor_but_embed_tokens(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     read: list[str] = []
-    real_safe_open = lookup.safe_open
+    real_safe_open = embedder.safe_open  # the one reader every embedder goes through
 
     class RecordingHandle:
         def __init__(self, *args, **kwargs) -> None:
@@ -95,7 +95,7 @@ def test_reads_no_tensor_but_embed_tokens(tiny_model: Path, monkeypatch: pytest.
             read.append(key)
             return self.inner.get_tensor(key)
 
-    monkeypatch.setattr(lookup, "safe_open", RecordingHandle)
+    monkeypatch.setattr(embedder, "safe_open", RecordingHandle)
     LookupEmbedder.load(tiny_model, torch.bfloat16)
     assert read == [EMBED_KEY]
 

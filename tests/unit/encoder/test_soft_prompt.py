@@ -61,5 +61,7 @@ def test_missing_adapter_files_are_named(tiny_model: Path, tmp_path: Path) -> No
         SoftPromptEmbedder.load(tiny_model, adapter, torch.float32)
     write_prompt_adapter(adapter, num_virtual_tokens=3, token_dim=HIDDEN_SIZE)
     (adapter / "adapter_model.safetensors").unlink()
-    with pytest.raises(EmbedderLoadError, match="adapter_model.safetensors not found"):
+    with pytest.raises(
+        EmbedderLoadError, match=r"adapter_model.safetensors \(holding prompt_embeddings\) not found in "
+    ):
         SoftPromptEmbedder.load(tiny_model, adapter, torch.float32)
