@@ -274,5 +274,5 @@ def load() -> NativeKernels | None:
         path = build()
         return NativeKernels(ctypes.CDLL(str(path)), path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("native CPU kernels unavailable, decode attention stays on torch ops: %s", error)
+        log.warning("native CPU kernels unavailable, the model stays on torch ops: %s", error)
         return None

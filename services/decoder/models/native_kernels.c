@@ -1,4 +1,5 @@
-/* CPU kernels the decode step calls through ctypes (services/decoder/models/native.py builds and loads this).
+/* CPU kernels the model calls through ctypes (services/decoder/models/native.py builds and loads this):
+ * decode attention here, and RMSNorm and the q/k norm + RoPE + KV write further down.
  *
  * Why C: a decode step's attention in torch is a gather of every sequence's KV blocks into a
  * contiguous copy, two small batched matmuls, a mask and a softmax, per layer: at batch 32 on
