@@ -14,8 +14,16 @@ from torch import nn
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
+    """bf16 on a CPU whose oneDNN has a bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT).
+
+    On an AVX2-only CPU the reorder raises; F.linear then stays the only path.
+    """
     is_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-    return is_cpu_bf16 and torch.backends.mkldnn.is_available()
+    return is_cpu_bf16 and torch.backends.mkldnn.is_available() and _has_onednn_bf16()
+
+
+def _has_onednn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

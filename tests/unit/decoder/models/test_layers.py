@@ -76,6 +76,9 @@ def test_rotary_angles_depend_on_each_token_position_only() -> None:
     assert torch.equal(packed_cos[3:], alone_cos) and torch.equal(packed_sin[3:], alone_sin)
 
 
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU's oneDNN has no bf16 path (AVX2 only)"
+)
 def test_prepacked_linear_gives_bit_identical_bf16_results() -> None:
     torch.manual_seed(0)
     layer = Linear(96, 160, bias=True).to(torch.bfloat16)
@@ -85,6 +88,13 @@ def test_prepacked_linear_gives_bit_identical_bf16_results() -> None:
     assert layer.packed_weight is not None
     assert torch.equal(layer(x), with_bias)
     assert torch.equal(layer(x, with_bias=False), without_bias)
+
+
+def test_prepack_is_skipped_where_onednn_has_no_bf16_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("services.decoder.models.linear._has_onednn_bf16", lambda: False)
+    layer = Linear(8, 4).to(torch.bfloat16)
+    layer.prepack()
+    assert layer.packed_weight is None
 
 
 def test_prepack_leaves_float32_on_the_plain_path() -> None:
