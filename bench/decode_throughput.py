@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.decoder.config import EngineConfig  # noqa: E402
 from services.decoder.engine import Engine  # noqa: E402
-from services.decoder.models.default_model import make_model  # noqa: E402
+from services.decoder.models.random_model import make_model  # noqa: E402
 from services.decoder.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from services.decoder.params import SamplingParams, StoppingParams  # noqa: E402
 from services.decoder.prompt import EmbeddingPrompt, GenerateSpec  # noqa: E402

@@ -43,8 +43,8 @@ from common.pb.tandem.v1 import decoder_pb2_grpc  # noqa: E402
 from common.server import RunningServer, ServerOptions, Service, start_server  # noqa: E402
 from services.decoder.config import EngineConfig  # noqa: E402
 from services.decoder.engine import Engine  # noqa: E402
-from services.decoder.models.default_model import make_model  # noqa: E402
 from services.decoder.models.loader import load_model  # noqa: E402
+from services.decoder.models.random_model import make_model  # noqa: E402
 from services.decoder.servicer import DecoderServicer  # noqa: E402
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -107,12 +107,12 @@ async def run(client: DecoderClient, prompts: list[list[int]], new_tokens: int) 
 
 async def main(args: argparse.Namespace) -> None:
     model_dir = make_model(Path(tempfile.mkdtemp(prefix="tandem-bench-")), shape=args.shape)
-    loaded = load_model(model_dir, "float32" if args.shape == "tiny" else "bfloat16", "cpu")
+    loaded = load_model(model_dir, "float32" if args.shape == "tiny-random" else "bfloat16", "cpu")
     blocks_per_stream = -(-(args.prompt_len + args.new_tokens) // 16)
     engine = Engine(
         EngineConfig(
             model_dir=model_dir,
-            dtype="float32" if args.shape == "tiny" else "bfloat16",
+            dtype="float32" if args.shape == "tiny-random" else "bfloat16",
             max_num_seqs=args.streams,
             block_size=16,
             num_kv_blocks=args.streams * blocks_per_stream + 8,
@@ -175,7 +175,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shape", default="tiny", choices=["tiny", "bench-small"])
+    parser.add_argument("--shape", default="tiny-random", choices=["tiny-random", "bench-small"])
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)

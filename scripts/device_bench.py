@@ -26,7 +26,7 @@ from bench.decode_throughput import make_prompts, run_tandem  # noqa: E402
 from services.decoder.backend import check_available  # noqa: E402
 from services.decoder.config import EngineConfig  # noqa: E402
 from services.decoder.engine import Engine  # noqa: E402
-from services.decoder.models.default_model import make_model  # noqa: E402
+from services.decoder.models.random_model import make_model  # noqa: E402
 from services.decoder.outputs import Delta, OutputOptions  # noqa: E402
 from services.decoder.params import SamplingParams, StoppingParams  # noqa: E402
 from services.decoder.prompt import GenerateSpec  # noqa: E402

@@ -2,7 +2,8 @@
 
 tandem serve decoder [flags]     the decoder (see --help for its flags)
 tandem serve encoder [flags]     the encoder
-tandem make-model DIR            write the tiny default checkpoint (or --shape bench-small)
+tandem import-gguf FILE DIR      convert a GGUF file (Llama, Qwen3) into a checkpoint directory
+tandem make-model DIR            write a random-weight checkpoint (tests, benchmark shapes)
 tandem generate --prompt TEXT    stream a generation from a running decoder to the terminal
 tandem bench [flags]             run bench/harness.py (a source checkout): every workload and peer
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from google.protobuf import json_format
+
+from common.gguf_import import DTYPE_NAMES, ImportProgress
 
 if TYPE_CHECKING:
     from common.telemetry import Telemetry
@@ -46,10 +49,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run a service: tandem serve decoder|encoder [flags]")
     serve.add_argument("service", choices=["decoder", "encoder"])
-    make = commands.add_parser("make-model", help="write a tiny Hugging Face checkpoint")
+    make = commands.add_parser(
+        "make-model", help="write a random-weight checkpoint (for tests and benchmark shapes; noise out)"
+    )
     make.add_argument("dir")
-    make.add_argument("--shape", default="tiny", choices=["tiny", "bench-small"])
+    make.add_argument(
+        "--shape", default="tiny-random", help="tiny-random (default), bench-small or qwen3-0.6b"
+    )
     make.add_argument("--seed", type=int, default=0)
+    imp = commands.add_parser("import-gguf", help="convert a GGUF file into a checkpoint directory")
+    imp.add_argument("file", type=Path, help="the .gguf file (Llama or Qwen3, any type gguf dequantizes)")
+    imp.add_argument("dir", type=Path, help="the checkpoint directory to write")
+    imp.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES, help="weights (default bfloat16)")
     gen = commands.add_parser("generate", help="stream a generation from a running decoder")
     gen.add_argument("--address", default="127.0.0.1:50052")
     gen.add_argument("--prompt", required=True)
@@ -82,14 +93,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main()
     if args.command == "make-model":
-        from services.decoder.models.default_model import make_model
+        from services.decoder.models.random_model import make_model
 
-        print(make_model(args.dir, shape=args.shape, seed=args.seed))
+        try:
+            print(make_model(args.dir, shape=args.shape, seed=args.seed))
+        except ValueError as error:  # an unknown shape, named with the known ones
+            parser.error(str(error))
         return 0
+    if args.command == "import-gguf":
+        return _import_gguf(args)
     if args.command == "generate":
         return asyncio.run(_generate(args))
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from common.gguf_import import GGUFImportError, import_gguf
+
+    def progress(p: ImportProgress) -> None:
+        print(f"\rimporting {args.file.name}: {p.num_done}/{p.num_tensors} tensors", end="", file=sys.stderr)
+
+    try:
+        import_gguf(args.file, args.dir, args.dtype, on_progress=progress)
+    except GGUFImportError as error:
+        print(f"\ntandem import-gguf: {error}", file=sys.stderr)  # after the progress line
+        return 2
+    print(file=sys.stderr)
+    print(args.dir)
+    return 0
 
 
 def _bench(args: list[str]) -> int:

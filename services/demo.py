@@ -1,17 +1,20 @@
-"""`make demo` / `tandem demo`: both services on loopback, one streamed generation, clean stop.
+"""`make demo` / `tandem demo`: both services on the default model, a real question, clean stop.
 
-The prompt mixes text tokens with embeddings the encoder produced, which is the product in one
-picture: the decoder cannot tell the embedded words from the tokenized ones.
+The question goes through the model's chat template twice: once all text, once with the question
+itself supplied as embeddings from the encoder. Both stream the same answer, which is the product in
+one picture: the decoder cannot tell the embedded words from the tokenized ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,9 +22,9 @@ import grpc
 from opentelemetry import trace
 
 from common.client import DecoderClient, EncoderClient
+from common.model_cache import resolve_model
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from common.telemetry import Telemetry, setup_telemetry
-from services.decoder.engine import default_model_dir
 
 
 def _free_port() -> int:
@@ -31,15 +34,28 @@ def _free_port() -> int:
 
 
 def _start(name: str, args: list[str]) -> subprocess.Popen:
+    """The service as a child; its log goes to a file whose tail is shown if it fails to start."""
     print(f"[demo] starting the {name}: {' '.join(args)}", flush=True)
-    return subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], stderr=subprocess.DEVNULL)
+    log_file = tempfile.NamedTemporaryFile(prefix=f"tandem-demo-{name}-", suffix=".log", delete=False)
+    process = subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], stderr=log_file)
+    process.log_path = Path(log_file.name)  # type: ignore[attr-defined]
+    log_file.close()
+    return process
+
+
+def _log_tail(process: subprocess.Popen, num_lines: int = 15) -> str:
+    lines = process.log_path.read_text(errors="replace").splitlines()  # type: ignore[attr-defined]
+    return "\n".join(f"    {line}" for line in lines[-num_lines:])
 
 
 async def _wait_serving(client: EncoderClient | DecoderClient, name: str, process: subprocess.Popen) -> None:
     started = time.monotonic()
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"the {name} exited with code {process.returncode} while starting")
+            raise RuntimeError(
+                f"the {name} exited with code {process.returncode} while starting; its last lines:\n"
+                + _log_tail(process)
+            )
         try:
             if await client.health(timeout=1) == 1:  # SERVING
                 print(f"[demo] {name} SERVING after {time.monotonic() - started:.1f} s", flush=True)
@@ -54,15 +70,15 @@ async def _wait_serving(client: EncoderClient | DecoderClient, name: str, proces
 async def _run(model_dir: Path) -> None:
     encoder_port, decoder_port = _free_port(), _free_port()
     common = ["--model", str(model_dir), "--host", "127.0.0.1"]
-    encoder = _start("encoder", [*common, "--port", str(encoder_port), "--dtype", "float32"])
-    decoder = _start("decoder", [*common, "--port", str(decoder_port), "--dtype", "float32"])
+    encoder = _start("encoder", [*common, "--port", str(encoder_port)])
+    decoder = _start("decoder", [*common, "--port", str(decoder_port)])
     # A trace id even when no OTEL_* is set (nothing is exported then); with an OTLP endpoint set for
     # the demo and both services, the Embed and the Generate below land in this one trace.
     telemetry = setup_telemetry("tandem-demo", os.environ, always_trace=True)
     try:
         with telemetry.tracer.start_as_current_span("tandem demo", kind=trace.SpanKind.CLIENT) as span:
             addresses = (f"127.0.0.1:{encoder_port}", f"127.0.0.1:{decoder_port}")
-            await _embed_and_generate(*addresses, encoder, decoder, telemetry)
+            await _embed_and_generate(*addresses, encoder, decoder, telemetry, _chat_template(model_dir))
         print(f"[demo] trace id {trace.format_trace_id(span.get_span_context().trace_id)}", flush=True)
     finally:
         telemetry.shutdown()
@@ -72,6 +88,10 @@ async def _run(model_dir: Path) -> None:
         for name, process in (("decoder", decoder), ("encoder", encoder)):
             code = process.wait(timeout=60)
             print(f"[demo] {name} stopped (exit {code})", flush=True)
+            process.log_path.unlink(missing_ok=True)  # type: ignore[attr-defined]
+
+
+QUESTION = "What is the capital of France?"
 
 
 async def _embed_and_generate(
@@ -80,6 +100,7 @@ async def _embed_and_generate(
     encoder: subprocess.Popen,
     decoder: subprocess.Popen,
     telemetry: Telemetry,
+    chat_template: str,
 ) -> None:
     async with (
         EncoderClient(encoder_address, telemetry=telemetry) as enc,
@@ -87,51 +108,78 @@ async def _embed_and_generate(
     ):
         await _wait_serving(enc, "encoder", encoder)
         await _wait_serving(dec, "decoder", decoder)
-        embedded = await enc.embed(text=" the quiet harbour", output_dtype=tensor_pb2.DATA_TYPE_FLOAT32)
+        # The model's own chat template, rendered here until chat requests land in the API.
+        before, after = render_chat(chat_template, QUESTION).split(QUESTION)
+        print(f"[demo] user: {QUESTION}", flush=True)
+        as_text = [decoder_pb2.PromptSegment(text=before + QUESTION + after)]
+        answer = await _stream(dec, "the whole prompt as text", as_text)
+        embedded = await enc.embed(text=QUESTION)
         print(
-            f"[demo] encoder: {len(embedded.token_ids.ids)} tokens -> embeddings "
+            f"[demo] encoder: the question, {len(embedded.token_ids.ids)} tokens -> embeddings "
             f"{list(embedded.embeddings.shape)} {tensor_pb2.DataType.Name(embedded.embeddings.dtype)}",
             flush=True,
         )
-        request = decoder_pb2.GenerateRequest(
-            prompt=[
-                decoder_pb2.PromptSegment(text="Once upon a time, in"),
-                decoder_pb2.PromptSegment(embeddings=embedded.embeddings),
-                decoder_pb2.PromptSegment(text=","),
-            ]
-        )
-        request.stopping.max_new_tokens = 48
-        request.sampling.temperature = 0.7
-        request.sampling.seed = 7
-        print("[demo] prompt: text + encoder embeddings + text; streaming:\n", flush=True)
-        started = time.monotonic()
-        finished = None
-        async for response in dec.generate(request, timeout=120):
-            if response.HasField("delta"):
-                print(response.delta.text, end="", flush=True)
-            elif response.HasField("finished"):
-                finished = response.finished
-        elapsed = time.monotonic() - started
-        assert finished is not None
-        reason = decoder_pb2.FinishReason.Name(finished.reason)
-        print(
-            f"\n\n[demo] finished: {reason}, {finished.usage.input_tokens} prompt positions, "
-            f"{finished.usage.output_tokens} tokens"
-        )
-        print(
-            f"[demo] time to first token {finished.time_to_first_token_s * 1000:.1f} ms, "
-            f"{finished.usage.output_tokens / elapsed:.1f} tokens/s"
-        )
+        mixed = [
+            decoder_pb2.PromptSegment(text=before),
+            decoder_pb2.PromptSegment(embeddings=embedded.embeddings),
+            decoder_pb2.PromptSegment(text=after),
+        ]
+        answer_mixed = await _stream(dec, "the question as the encoder's embeddings", mixed)
+        same = "the same text" if answer == answer_mixed else "DIFFERENT text"
+        print(f"[demo] both prompts gave {same}", flush=True)
+
+
+async def _stream(dec: DecoderClient, title: str, prompt: list[decoder_pb2.PromptSegment]) -> str:
+    """Streams one greedy answer to stdout and returns its text."""
+    request = decoder_pb2.GenerateRequest(prompt=prompt)
+    request.sampling.temperature = 0.0  # greedy: the two prompts must give comparable answers
+    request.stopping.max_new_tokens = 48
+    print(f"[demo] {title}; streaming:\n", flush=True)
+    started = time.monotonic()
+    finished, text = None, []
+    async for response in dec.generate(request, timeout=120):
+        if response.HasField("delta"):
+            text.append(response.delta.text)
+            print(response.delta.text, end="", flush=True)
+        elif response.HasField("finished"):
+            finished = response.finished
+    elapsed = time.monotonic() - started
+    assert finished is not None
+    reason = decoder_pb2.FinishReason.Name(finished.reason)
+    print(
+        f"\n\n[demo] finished: {reason}, {finished.usage.input_tokens} prompt positions, "
+        f"{finished.usage.output_tokens} tokens, time to first token "
+        f"{finished.time_to_first_token_s * 1000:.1f} ms, "
+        f"{finished.usage.output_tokens / elapsed:.1f} tokens/s",
+        flush=True,
+    )
+    return "".join(text)
+
+
+def render_chat(template: str, question: str) -> str:
+    """One user turn through the checkpoint's chat template, in Jinja2's sandbox."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    messages = [{"role": "user", "content": question}]
+    return environment.from_string(template).render(messages=messages, add_generation_prompt=True)
+
+
+def _chat_template(model_dir: Path) -> str:
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text()
+    return json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
 
 
 def main() -> int:
-    model_dir = default_model_dir()
-    if not (model_dir / "config.json").exists():
-        from services.decoder.models.default_model import make_model
-
-        print(f"[demo] creating the embedded default model in {model_dir}", flush=True)
-        make_model(model_dir)
-    asyncio.run(_run(model_dir))
+    # Imported once here (on first use), so the two services never race to convert the same file.
+    model_dir = resolve_model(None, "bfloat16", say=lambda line: print(f"[demo] {line}", flush=True))
+    try:
+        asyncio.run(_run(model_dir))
+    except (RuntimeError, TimeoutError) as error:
+        print(f"[demo] {error}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

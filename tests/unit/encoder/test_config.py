@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from common.model_cache import default_model_file
 from services.encoder.__main__ import build_parser, config_from_args
 from services.encoder.config import EncoderConfig
 from services.encoder.embedder import Pooling
@@ -75,9 +76,10 @@ def test_environment_fills_flags_not_given_and_flags_win() -> None:
     assert (config.embedder, config.max_input_tokens, config.server.port) == ("soft-prompt", 99, 7001)
 
 
-def test_model_is_required() -> None:
-    with pytest.raises(ValueError, match="--model DIR is required"):
-        _config([])
+def test_without_a_model_the_encoder_serves_the_decoders_default_model() -> None:
+    config = _config([])
+    assert config.model_dir == default_model_file()
+    assert config.served_model_name == "SmolLM2-135M-Instruct"
 
 
 def test_bad_environment_values_name_the_variable() -> None:

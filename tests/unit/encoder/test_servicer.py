@@ -94,5 +94,15 @@ async def test_max_input_tokens_is_capped_by_the_embedder(tiny_model: Path) -> N
         servicer.close()
 
 
+def test_main_exits_2_with_one_line_when_the_model_does_not_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--model", str(tmp_path / "missing"), "--port", "0"]) == 2
+    assert (
+        capsys.readouterr().err == f"tandem serve encoder: model {tmp_path / 'missing'} does not exist "
+        "(a checkpoint directory or a .gguf file)\n"
+    )
+
+
 def test_main_exits_1_when_the_model_cannot_be_loaded(tmp_path: Path) -> None:
-    assert main(["--model", str(tmp_path / "missing"), "--port", "0"]) == 1
+    assert main(["--model", str(tmp_path), "--port", "0"]) == 1  # a directory without a checkpoint

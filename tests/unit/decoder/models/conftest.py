@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from services.decoder.models.default_model import train_tokenizer
 from services.decoder.models.loader import load_model
+from services.decoder.models.random_model import train_tokenizer
 
 from .helpers import save_hf_checkpoint
 

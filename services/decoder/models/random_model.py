@@ -1,9 +1,14 @@
-"""The embedded default model: a small random Qwen3 checkpoint in Hugging Face format, made on demand.
+"""Random-weight Qwen3 checkpoints in Hugging Face format, for fast tests and benchmark shapes.
 
-Tandem ships no weights. `make_model` writes a complete checkpoint directory (config, generation
-config, safetensors weights, and a byte-level BPE tokenizer trained on `corpus.txt`) that our loader,
-transformers' `AutoModelForCausalLM` and `AutoTokenizer` all load. The output is a function of
-(shape, seed) alone: two calls write identical bytes.
+These are not the default model (that is SmolLM2-135M-Instruct, see common/model_cache.py): their
+output is noise by construction. `make_model` writes a complete checkpoint directory (config,
+generation config, safetensors weights, and a byte-level BPE tokenizer trained on `corpus.txt`) that
+our loader, transformers' `AutoModelForCausalLM` and `AutoTokenizer` all load. The output is a function
+of (shape, seed) alone: two calls write identical bytes.
+
+Shapes whose vocabulary is larger than the trained tokenizer (bench-small: 32,000 rows against about
+1,000 learned tokens) get the rest as reserved tokens `<|reserved_N|>`, as Llama 3 and Qwen reserve
+theirs, so every ID the model can sample decodes to visible text instead of nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from common.gguf_import import make_world_readable
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 EOS_TOKEN = "<|endoftext|>"
@@ -46,8 +53,8 @@ class ModelShape:
 
 
 SHAPES: dict[str, ModelShape] = {
-    # The default served model: small enough to load and run in tests in milliseconds.
-    "tiny": ModelShape(
+    # Small enough to load and run in tests in milliseconds.
+    "tiny-random": ModelShape(
         hidden_size=64,
         intermediate_size=192,
         num_layers=4,
@@ -97,7 +104,7 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def make_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
+def make_model(out_dir: str | Path, shape: str = "tiny-random", seed: int = 0) -> Path:
     """Writes the checkpoint into `out_dir` (created if needed) and returns its path."""
     if shape not in SHAPES:
         raise ValueError(f"shape {shape!r} is not one of {', '.join(SHAPES)}")
@@ -108,6 +115,8 @@ def make_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
     tokenizer = train_tokenizer()
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     vocab_size = model_shape.vocab_size or -(-num_tokens // 64) * 64
+    if vocab_size > num_tokens:
+        tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - num_tokens)])
     eos_token_id = tokenizer.token_to_id(EOS_TOKEN)
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
@@ -126,6 +135,7 @@ def make_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
         },
     )
     save_file(_random_weights(model_shape, vocab_size, seed), out_dir / "model.safetensors", {"format": "pt"})
+    make_world_readable(out_dir)  # mountable into containers that run as another uid
     return out_dir
 
 

@@ -1,4 +1,4 @@
-"""The embedded default model: a Hugging Face checkpoint that transformers and our loader both load."""
+"""Random-weight checkpoints: Hugging Face directories that transformers and our loader both load."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.decoder.models.default_model import EOS_TOKEN, SPECIAL_TOKENS, make_model, train_tokenizer
 from services.decoder.models.loader import load_model
+from services.decoder.models.random_model import EOS_TOKEN, SPECIAL_TOKENS, make_model, train_tokenizer
 
 from .helpers import PagedRun, greedy
 
@@ -88,7 +88,7 @@ def test_bench_small_has_the_benchmark_shape(tmp_path: Path) -> None:
 
 
 def test_unknown_shape_is_rejected_with_the_known_ones(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="tiny, bench-small"):
+    with pytest.raises(ValueError, match="tiny-random, bench-small"):
         make_model(tmp_path, shape="huge")
 
 

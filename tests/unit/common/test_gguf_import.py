@@ -1,0 +1,210 @@
+"""GGUF import: small files written here (Llama and Qwen3, each quantization type we can write), checked
+against the original weights and against transformers' own GGUF reader; bad files get one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from common.gguf_import import import_gguf
+from services.decoder.models.loader import load_model
+from tests.unit.common.gguf_files import write_gguf
+from tests.unit.decoder.models.helpers import greedy
+
+Q = gguf.GGMLQuantizationType
+REPO_ROOT = Path(__file__).resolve().parents[3]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# Every type the gguf package can both write (quantize) and read; the K- and IQ-quants it only reads go
+# through the same gguf.quants.dequantize call.
+WRITABLE_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+
+
+def _small(arch: str, vocab_size: int) -> torch.nn.Module:
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        # transformers' GGUF reader leaves Qwen3's head_dim at its default, 128 (as in the real models)
+        head_dim=16 if arch == "llama" else 128,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=arch == "qwen3",
+    )
+    torch.manual_seed(0)
+    model = (
+        LlamaForCausalLM(LlamaConfig(**common))
+        if arch == "llama"
+        else Qwen3ForCausalLM(Qwen3Config(**common))
+    )
+    with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.15)
+    return model.train(False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def source(request: pytest.FixtureRequest, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory):
+    """(HF model, its GGUF file in F32, the imported checkpoint directory)."""
+    model = _small(request.param, tokenizer.get_vocab_size())
+    tmp = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    path = write_gguf(tmp / "model.gguf", model, tokenizer, chat_template=TEMPLATE)
+    return model, path, import_gguf(path, tmp / "imported", dtype="float32")
+
+
+def test_imported_weights_equal_the_originals_with_the_llama_qk_permutation_undone(source) -> None:
+    model, _, out = source
+    weights = load_file(out / "model.safetensors")
+    expected = {
+        k: v
+        for k, v in model.state_dict().items()
+        if not (k == "lm_head.weight" and "lm_head.weight" not in weights)
+    }
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_imported_checkpoint_generates_what_the_original_model_generates(source) -> None:
+    model, _, out = source
+    loaded = load_model(out, dtype="float32")
+    prompt = [5, 17, 300, 42, 9, 128]
+    reference = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
+    assert greedy(loaded.model, prompt, 12) == reference[0, len(prompt) :].tolist()
+
+
+def test_config_tokenizer_and_template_files_describe_the_model(source, tokenizer: Tokenizer) -> None:
+    model, _, out = source
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [type(model).__name__]
+    assert config["num_key_value_heads"] == 2 and config["head_dim"] == model.config.head_dim
+    assert config["tie_word_embeddings"] == model.config.tie_word_embeddings
+    imported = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in ["Once upon a time, 123 cats", "  two  spaces\n\nand lines", "<|im_start|>user\nhi"]:
+        assert imported.encode(text).ids == tokenizer.encode(text).ids, text
+        assert imported.decode(imported.encode(text).ids, skip_special_tokens=False) == text
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == TEMPLATE == (out / "chat_template.jinja").read_text()
+    assert tokenizer_config["eos_token"] == "<|endoftext|>"
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [eos]
+
+
+def test_checkpoint_files_are_readable_by_other_users(source) -> None:
+    _, _, out = source
+    assert out.stat().st_mode & 0o777 == 0o755
+    for path in out.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o644, path.name
+
+
+@pytest.mark.parametrize("qtype", WRITABLE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_each_quantization_type_matches_transformers_reading_the_same_file(
+    arch: str, qtype: Q, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    path = write_gguf(tmp_path / "m.gguf", _small(arch, tokenizer.get_vocab_size()), tokenizer, qtype)
+    ours = load_model(import_gguf(path, tmp_path / "out", dtype="float32"), dtype="float32")
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32)
+    state = theirs.state_dict()
+    for name, tensor in load_file(tmp_path / "out" / "model.safetensors").items():
+        torch.testing.assert_close(tensor, state[name], atol=0, rtol=0, msg=name)
+    prompt = [3, 44, 210, 7]
+    reference = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    assert greedy(ours.model, prompt, 8) == reference[0, len(prompt) :].tolist()
+
+
+def test_bfloat16_is_the_default_dtype_of_the_written_weights(source, tmp_path: Path) -> None:
+    _, path, _ = source
+    weights = load_file(import_gguf(path, tmp_path / "bf16") / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "import-gguf", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    # Progress overwrites one line with carriage returns (read back here as lines); then the error.
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("importing")]
+    assert len(lines) == 1 and lines[0].startswith("tandem import-gguf: "), result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_cli_imports_a_file_and_prints_the_directory(source, tmp_path: Path) -> None:
+    _, path, _ = source
+    result = _cli(str(path), str(tmp_path / "out"), "--dtype", "float16")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "out")
+    assert "tensors" in result.stderr  # the progress line
+    assert load_file(tmp_path / "out" / "model.safetensors")["model.norm.weight"].dtype == torch.float16
+
+
+def test_wrong_magic_is_one_line_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    _assert_one_line_error(_cli(str(tmp_path / "x.gguf"), str(tmp_path / "out")), "not a GGUF file", "magic")
+
+
+def test_truncated_file_is_one_line_exit_2(source, tmp_path: Path) -> None:
+    _, path, _ = source
+    data = path.read_bytes()
+    for cut in (len(data) - 1000, 200):  # inside the tensor data, then inside the header
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        _assert_one_line_error(_cli(str(tmp_path / "cut.gguf"), str(tmp_path / "out")), "truncated")
+
+
+def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    _assert_one_line_error(
+        _cli(str(tmp_path / "falcon.gguf"), str(tmp_path / "out")), "'falcon'", "llama", "qwen3"
+    )
+
+
+def test_a_type_gguf_cannot_dequantize_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    model = _small("qwen3", tokenizer.get_vocab_size())
+    q8_1 = np.zeros(2 * 40, dtype=np.uint8)  # two Q8_1 blocks: the 64 values of the final norm
+    path = write_gguf(
+        tmp_path / "m.gguf", model, tokenizer, raw_tensors={"output_norm.weight": (q8_1, Q.Q8_1)}
+    )
+    _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), "output_norm.weight", "Q8_1")
+
+
+def test_an_unsupported_tokenizer_kind_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "m.gguf", _small("qwen3", tokenizer.get_vocab_size()), tokenizer, pre="mystery"
+    )
+    _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), "tokenizer.ggml.pre", "'mystery'")
