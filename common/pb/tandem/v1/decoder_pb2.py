@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from common.pb.tandem.v1 import tensor_pb2 as tandem_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/decoder.proto\x12\ttandem.v1\x1a\x16tandem/v1/tensor.proto\"}\n\rPromptSegment\x12(\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\nembeddings\x18\x02 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x42\t\n\x07segment\"\xc2\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xbe\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_sequences\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x1e\n\x16include_stop_in_output\x18\x06 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"c\n\rOutputOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\x12\x11\n\tomit_text\x18\x03 \x01(\x08\x12\x17\n\x0fstream_interval\x18\x04 \x01(\r\"\xe4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x06prompt\x18\x03 \x03(\x0b\x32\x18.tandem.v1.PromptSegment\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StoppingCriteria\x12(\n\x06output\x18\x06 \x01(\x0b\x32\x18.tandem.v1.OutputOptions\">\n\x0ePromptAccepted\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"m\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"\xe1\x01\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_sequence\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x06 \x01(\x01\x12\x14\n\x0cqueue_time_s\x18\x07 \x01(\x01\x42\x0e\n\x0cmatched_stop\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PromptAcceptedH\x00\x12&\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x12\'\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.tandem.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"C\n\x16\x44\x65\x63oderTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\">\n\x17\x44\x65\x63oderTokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.tandem.v1.TokenIds\"\x1c\n\x1a\x44\x65\x63oderGetModelInfoRequest\"\xad\x02\n\x1b\x44\x65\x63oderGetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pts_prompt_embeds\x18\x08 \x01(\x08\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0b \x01(\r*\xd9\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x12\x1f\n\x1b\x46INISH_REASON_CONTEXT_LIMIT\x10\x05\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x06\x32\x82\x02\n\x07\x44\x65\x63oder\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12Q\n\x08Tokenize\x12!.tandem.v1.DecoderTokenizeRequest\x1a\".tandem.v1.DecoderTokenizeResponse\x12]\n\x0cGetModelInfo\x12%.tandem.v1.DecoderGetModelInfoRequest\x1a&.tandem.v1.DecoderGetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/decoder.proto\x12\ttandem.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16tandem/v1/tensor.proto\"}\n\rPromptSegment\x12(\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\nembeddings\x18\x02 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x42\t\n\x07segment\"|\n\x0f\x43hatContentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\nembeddings\x18\x03 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x42\x06\n\x04part\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1a.tandem.v1.ChatContentPart\"\xd4\x01\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x30\n\x0ftemplate_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_promptB\x10\n\x0e_chat_template\"\xc2\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xbe\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_sequences\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x1e\n\x16include_stop_in_output\x18\x06 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"c\n\rOutputOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\x12\x11\n\tomit_text\x18\x03 \x01(\x08\x12\x17\n\x0fstream_interval\x18\x04 \x01(\r\"\x9d\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x06prompt\x18\x03 \x03(\x0b\x32\x18.tandem.v1.PromptSegment\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StoppingCriteria\x12(\n\x06output\x18\x06 \x01(\x0b\x32\x18.tandem.v1.OutputOptions\x12#\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x15.tandem.v1.ChatPrompt\x12\x12\n\nplain_text\x18\x08 \x01(\x08\">\n\x0ePromptAccepted\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"m\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"\xe1\x01\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_sequence\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x06 \x01(\x01\x12\x14\n\x0cqueue_time_s\x18\x07 \x01(\x01\x42\x0e\n\x0cmatched_stop\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PromptAcceptedH\x00\x12&\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x12\'\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.tandem.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"C\n\x16\x44\x65\x63oderTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\">\n\x17\x44\x65\x63oderTokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.tandem.v1.TokenIds\"\x1c\n\x1a\x44\x65\x63oderGetModelInfoRequest\"\xc8\x02\n\x1b\x44\x65\x63oderGetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pts_prompt_embeds\x18\x08 \x01(\x08\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0b \x01(\r\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08*\xd9\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x12\x1f\n\x1b\x46INISH_REASON_CONTEXT_LIMIT\x10\x05\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x06\x32\x82\x02\n\x07\x44\x65\x63oder\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12Q\n\x08Tokenize\x12!.tandem.v1.DecoderTokenizeRequest\x1a\".tandem.v1.DecoderTokenizeResponse\x12]\n\x0cGetModelInfo\x12%.tandem.v1.DecoderGetModelInfoRequest\x1a&.tandem.v1.DecoderGetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,38 +35,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2268
-  _globals['_FINISHREASON']._serialized_end=2485
-  _globals['_PROMPTSEGMENT']._serialized_start=62
-  _globals['_PROMPTSEGMENT']._serialized_end=187
-  _globals['_SAMPLINGPARAMS']._serialized_start=190
-  _globals['_SAMPLINGPARAMS']._serialized_end=640
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=471
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=519
-  _globals['_STOPPINGCRITERIA']._serialized_start=643
-  _globals['_STOPPINGCRITERIA']._serialized_end=833
-  _globals['_OUTPUTOPTIONS']._serialized_start=835
-  _globals['_OUTPUTOPTIONS']._serialized_end=934
-  _globals['_GENERATEREQUEST']._serialized_start=937
-  _globals['_GENERATEREQUEST']._serialized_end=1165
-  _globals['_PROMPTACCEPTED']._serialized_start=1167
-  _globals['_PROMPTACCEPTED']._serialized_end=1229
-  _globals['_TOPLOGPROBS']._serialized_start=1231
-  _globals['_TOPLOGPROBS']._serialized_end=1281
-  _globals['_TOKENDELTA']._serialized_start=1283
-  _globals['_TOKENDELTA']._serialized_end=1392
-  _globals['_FINISHED']._serialized_start=1395
-  _globals['_FINISHED']._serialized_end=1620
-  _globals['_GENERATERESPONSE']._serialized_start=1623
-  _globals['_GENERATERESPONSE']._serialized_end=1798
-  _globals['_DECODERTOKENIZEREQUEST']._serialized_start=1800
-  _globals['_DECODERTOKENIZEREQUEST']._serialized_end=1867
-  _globals['_DECODERTOKENIZERESPONSE']._serialized_start=1869
-  _globals['_DECODERTOKENIZERESPONSE']._serialized_end=1931
-  _globals['_DECODERGETMODELINFOREQUEST']._serialized_start=1933
-  _globals['_DECODERGETMODELINFOREQUEST']._serialized_end=1961
-  _globals['_DECODERGETMODELINFORESPONSE']._serialized_start=1964
-  _globals['_DECODERGETMODELINFORESPONSE']._serialized_end=2265
-  _globals['_DECODER']._serialized_start=2488
-  _globals['_DECODER']._serialized_end=2746
+  _globals['_FINISHREASON']._serialized_start=2797
+  _globals['_FINISHREASON']._serialized_end=3014
+  _globals['_PROMPTSEGMENT']._serialized_start=92
+  _globals['_PROMPTSEGMENT']._serialized_end=217
+  _globals['_CHATCONTENTPART']._serialized_start=219
+  _globals['_CHATCONTENTPART']._serialized_end=343
+  _globals['_CHATMESSAGE']._serialized_start=345
+  _globals['_CHATMESSAGE']._serialized_end=417
+  _globals['_CHATPROMPT']._serialized_start=420
+  _globals['_CHATPROMPT']._serialized_end=632
+  _globals['_SAMPLINGPARAMS']._serialized_start=635
+  _globals['_SAMPLINGPARAMS']._serialized_end=1085
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=916
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=964
+  _globals['_STOPPINGCRITERIA']._serialized_start=1088
+  _globals['_STOPPINGCRITERIA']._serialized_end=1278
+  _globals['_OUTPUTOPTIONS']._serialized_start=1280
+  _globals['_OUTPUTOPTIONS']._serialized_end=1379
+  _globals['_GENERATEREQUEST']._serialized_start=1382
+  _globals['_GENERATEREQUEST']._serialized_end=1667
+  _globals['_PROMPTACCEPTED']._serialized_start=1669
+  _globals['_PROMPTACCEPTED']._serialized_end=1731
+  _globals['_TOPLOGPROBS']._serialized_start=1733
+  _globals['_TOPLOGPROBS']._serialized_end=1783
+  _globals['_TOKENDELTA']._serialized_start=1785
+  _globals['_TOKENDELTA']._serialized_end=1894
+  _globals['_FINISHED']._serialized_start=1897
+  _globals['_FINISHED']._serialized_end=2122
+  _globals['_GENERATERESPONSE']._serialized_start=2125
+  _globals['_GENERATERESPONSE']._serialized_end=2300
+  _globals['_DECODERTOKENIZEREQUEST']._serialized_start=2302
+  _globals['_DECODERTOKENIZEREQUEST']._serialized_end=2369
+  _globals['_DECODERTOKENIZERESPONSE']._serialized_start=2371
+  _globals['_DECODERTOKENIZERESPONSE']._serialized_end=2433
+  _globals['_DECODERGETMODELINFOREQUEST']._serialized_start=2435
+  _globals['_DECODERGETMODELINFOREQUEST']._serialized_end=2463
+  _globals['_DECODERGETMODELINFORESPONSE']._serialized_start=2466
+  _globals['_DECODERGETMODELINFORESPONSE']._serialized_end=2794
+  _globals['_DECODER']._serialized_start=3017
+  _globals['_DECODER']._serialized_end=3275
 # @@protoc_insertion_point(module_scope)

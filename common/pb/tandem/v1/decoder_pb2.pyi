@@ -6,6 +6,7 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from common.pb.tandem.v1 import tensor_pb2 as _tensor_pb2
@@ -70,7 +71,10 @@ class PromptSegment(_message.Message):
     EMBEDDINGS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """UTF-8 text, tokenized by the server without special tokens. Must not be empty."""
+    """UTF-8 text, tokenized by the server without adding BOS/EOS. Special-token literals in it (such
+    as "<|im_start|>") become control tokens unless GenerateRequest.plain_text is set. Must not be
+    empty.
+    """
     @_builtins.property
     def token_ids(self) -> _tensor_pb2.TokenIds:
         """Token IDs, each < vocab_size. Must not be empty."""
@@ -97,6 +101,119 @@ class PromptSegment(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_segment) -> _WhichOneofReturnType_segment | None: ...
 
 Global___PromptSegment: _TypeAlias = PromptSegment  # noqa: Y015
+
+@_typing.final
+class ChatContentPart(_message.Message):
+    """One part of a chat message's content. Exactly one must be set; none may be empty."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """UTF-8 text. Always tokenized as plain text: a special-token literal in it stays text, so caller
+    text cannot forge a turn.
+    """
+    @_builtins.property
+    def token_ids(self) -> _tensor_pb2.TokenIds:
+        """Token IDs, each < vocab_size, spliced in as they are."""
+
+    @_builtins.property
+    def embeddings(self) -> _tensor_pb2.Tensor:
+        """Embedding rows, [n, hidden_size], as in PromptSegment.embeddings (for example the encoder's
+        output), spliced in as n positions.
+        """
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: _tensor_pb2.TokenIds | None = ...,
+        embeddings: _tensor_pb2.Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "token_ids", "embeddings"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ChatContentPart: _TypeAlias = ChatContentPart  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a conversation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user", "assistant" or "tool"."""
+    @_builtins.property
+    def content(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatContentPart]:
+        """The message's content, at least one part, concatenated in order."""
+
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _abc.Iterable[Global___ChatContentPart] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ChatPrompt(_message.Message):
+    """A conversation rendered with the model's chat template (GetModelInfo.has_chat_template)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    add_generation_prompt: _builtins.bool
+    """End with the opening of the assistant's turn, so the model answers. Default true."""
+    chat_template: _builtins.str
+    """A Jinja2 template to use instead of the model's. Default: the model's."""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """The conversation, at least one message."""
+
+    @_builtins.property
+    def template_kwargs(self) -> _struct_pb2.Struct:
+        """Extra variables for the template, e.g. {"enable_thinking": false} for Qwen3. Default none."""
+
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        add_generation_prompt: _builtins.bool | None = ...,
+        chat_template: _builtins.str | None = ...,
+        template_kwargs: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_chat_template", b"_chat_template", "add_generation_prompt", b"add_generation_prompt", "chat_template", b"chat_template", "template_kwargs", b"template_kwargs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_chat_template", b"_chat_template", "add_generation_prompt", b"add_generation_prompt", "chat_template", b"chat_template", "messages", b"messages", "template_kwargs", b"template_kwargs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
+    _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
+    _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
+    _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_generation_prompt) -> _WhichOneofReturnType__add_generation_prompt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__chat_template) -> _WhichOneofReturnType__chat_template | None: ...
+
+Global___ChatPrompt: _TypeAlias = ChatPrompt  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
@@ -316,16 +433,24 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOPPING_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
+    CHAT_FIELD_NUMBER: _builtins.int
+    PLAIN_TEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen ID echoed in every response and in traces; the server assigns one when empty.
     At most 128 bytes.
     """
     model: _builtins.str
     """Model name to check against the loaded one; empty = the loaded model."""
+    plain_text: _builtins.bool
+    """Tokenize `prompt` text segments as plain text: special-token literals stay text. Default false,
+    as in vLLM's and TGI's completion APIs: a caller that sends raw segments writes the template's
+    control tokens itself. Set it when the text comes from someone else; `chat` content is always
+    plain.
+    """
     @_builtins.property
     def prompt(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptSegment]:
         """The prompt, at least one segment and at least one position; its total number of positions plus
-        max_new_tokens must fit max_context_tokens.
+        max_new_tokens must fit max_context_tokens. Exactly one of `prompt` and `chat` is set.
         """
 
     @_builtins.property
@@ -340,6 +465,12 @@ class GenerateRequest(_message.Message):
     def output(self) -> Global___OutputOptions:
         """Output options; unset = defaults."""
 
+    @_builtins.property
+    def chat(self) -> Global___ChatPrompt:
+        """A conversation instead of `prompt`, rendered with the model's chat template. The template's
+        end-of-turn token (e.g. "<|im_end|>") then also ends generation and is left out of the text.
+        """
+
     def __init__(
         self,
         *,
@@ -349,10 +480,12 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         stopping: Global___StoppingCriteria | None = ...,
         output: Global___OutputOptions | None = ...,
+        chat: Global___ChatPrompt | None = ...,
+        plain_text: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "output", b"output", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "model", b"model", "output", b"output", "plain_text", b"plain_text", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -636,6 +769,7 @@ class DecoderGetModelInfoResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name (the checkpoint directory's name)."""
     architecture: _builtins.str
@@ -656,6 +790,8 @@ class DecoderGetModelInfoResponse(_message.Message):
     """Ranks the model runs on."""
     max_queued_requests: _builtins.int
     """Requests that may wait in the queue before RESOURCE_EXHAUSTED."""
+    has_chat_template: _builtins.bool
+    """Whether the model has a chat template, so `chat` requests are accepted."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token IDs that end generation unless ignore_eos is set."""
@@ -674,10 +810,11 @@ class DecoderGetModelInfoResponse(_message.Message):
         max_message_bytes: _builtins.int = ...,
         world_size: _builtins.int = ...,
         max_queued_requests: _builtins.int = ...,
+        has_chat_template: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_prompt_embeds", b"accepts_prompt_embeds", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "hidden_size", b"hidden_size", "max_context_tokens", b"max_context_tokens", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_prompt_embeds", b"accepts_prompt_embeds", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "max_context_tokens", b"max_context_tokens", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
