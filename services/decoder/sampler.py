@@ -7,6 +7,17 @@ truncation never removes it, so they skip the rest. Logprobs are "processed" (vL
 log_softmax of the logits after penalties, bias, mask and temperature (1 for greedy rows), before
 min-p/top-k/top-p truncation, so every top-n entry is finite unless the mask forbade it.
 
+NOTE: tiny values. Every value inside the documented ranges gives finite logprobs; the two that
+divide the logits are bounded away from 0, where logits / value overflows to inf and softmax then
+makes NaN (the token became 0, every logprob NaN):
+- a temperature below MIN_SAMPLING_TEMPERATURE (1e-5) is greedy, exactly like 0: the argmax, with
+  logprobs at temperature 1. The limit of a shrinking temperature is the argmax anyway; 1e-5 already
+  scales a logit gap of 1 to 1e5, which leaves the runner-up a probability of 0 in float32.
+- a repetition penalty below MIN_REPETITION_PENALTY (1e-5) acts as 1e-5: seen tokens with a positive
+  logit still outrank every unseen one, as the tiny value asked for, by a finite margin.
+With both floors a logit can grow by a factor of at most 1e10, so it stays finite in float32 for
+any logit a model produces (below 1e28 in magnitude).
+
 Sampling is an exponential race: argmax(probs / q) with q ~ Exponential(1) i.i.d. over the vocabulary
 picks token i with probability probs[i]. A seeded row draws its q from its own generator, over the
 full vocabulary, once per step, so its tokens depend only on its logits and its generator: not on its
@@ -20,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decoder.params import SamplingParams
+from services.decoder.params import MIN_REPETITION_PENALTY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -43,13 +54,14 @@ class SamplingBatch:
     """
 
     vocab_size: int
-    temperature: torch.Tensor  # [batch] float32; greedy rows hold 1.0 so dividing is a no-op
+    temperature: torch.Tensor  # [batch] float32 >= MIN_SAMPLING_TEMPERATURE; greedy rows hold 1.0
     is_greedy: torch.Tensor  # [batch] bool
     is_all_greedy: bool  # no row samples: argmax only
     top_k: torch.Tensor | None  # [batch] int64 in [1, vocab_size]; disabled rows hold vocab_size
     top_p: torch.Tensor | None  # [batch] float32; disabled rows hold 1.0
     min_p: torch.Tensor | None  # [batch] float32; disabled rows hold 0.0
-    repetition_penalty: torch.Tensor | None  # [batch] float32; None together with the two below
+    # [batch] float32, at least MIN_REPETITION_PENALTY; None together with the two below
+    repetition_penalty: torch.Tensor | None
     presence_penalty: torch.Tensor | None  # [batch] float32
     frequency_penalty: torch.Tensor | None  # [batch] float32
     is_prompt_token: torch.Tensor | None  # [batch, vocab_size] bool; set with the penalties
@@ -93,7 +105,9 @@ class SamplingBatch:
             else None,
             top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in sampling) else None,
             min_p=column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in sampling) else None,
-            repetition_penalty=column([p.repetition_penalty for p in params]) if has_penalties else None,
+            repetition_penalty=column([max(p.repetition_penalty, MIN_REPETITION_PENALTY) for p in params])
+            if has_penalties
+            else None,
             presence_penalty=column([p.presence_penalty for p in params]) if has_penalties else None,
             frequency_penalty=column([p.frequency_penalty for p in params]) if has_penalties else None,
             is_prompt_token=count_tokens(prompt_token_ids, vocab_size, device) > 0 if has_penalties else None,
