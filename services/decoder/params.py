@@ -34,7 +34,8 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, (0, 1]; 1 disables.
     top_k: int = 0  # keep the k most likely tokens; 0 disables.
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob, [0, 1]; 0 disables.
-    # CTRL-style over prompt and output tokens, (0, 10]; 1 disables. Below 1e-5 it acts as 1e-5.
+    # CTRL-style over the prompt's token IDs (not its embedding positions) and the output tokens,
+    # (0, 10]; 1 disables. Below 1e-5 it acts as 1e-5.
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # subtracted once per distinct output token, [-2, 2].
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output, [-2, 2].

@@ -64,7 +64,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None
     presence_penalty: torch.Tensor | None  # [batch] float32
     frequency_penalty: torch.Tensor | None  # [batch] float32
-    is_prompt_token: torch.Tensor | None  # [batch, vocab_size] bool; set with the penalties
+    is_prompt_token: torch.Tensor | None  # [batch, vocab_size] bool, token positions only; with penalties
     logit_bias_index: torch.Tensor | None  # [num_biases] int64, flat index row * vocab_size + token
     logit_bias_value: torch.Tensor | None  # [num_biases] float32
     generators: tuple[torch.Generator | None, ...]  # [batch]; a seeded row's own generator
@@ -82,11 +82,14 @@ class SamplingBatch:
         params: Sequence[SamplingParams],  # [batch]
         generators: Sequence[torch.Generator | None],  # [batch]; on `device`, None = unseeded
         prompt_token_ids: Sequence[Sequence[int]],  # [batch][prompt_len], for the repetition penalty
+        # [batch][prompt_len] True = a token ID. Embedding positions hold a placeholder ID (0), never
+        # a prompt token: the repetition penalty reads the token positions only.
+        is_token_ids: Sequence[Sequence[bool]],
         vocab_size: int,
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
-        if not len(params) == len(generators) == len(prompt_token_ids):
-            raise ValueError("params, generators and prompt_token_ids need one entry per row")
+        if not len(params) == len(generators) == len(prompt_token_ids) == len(is_token_ids):
+            raise ValueError("params, generators, prompt_token_ids and is_token_ids need one entry per row")
         sampling = [p for p in params if not p.is_greedy]
 
         def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -95,6 +98,10 @@ class SamplingBatch:
         has_penalties = any(p.has_penalties for p in params)
         bias_index = [row * vocab_size + t for row, p in enumerate(params) for t in p.logit_bias]
         bias_value = [b for p in params for b in p.logit_bias.values()]
+        is_prompt_token = None
+        if has_penalties:
+            tokens = prompt_tokens(prompt_token_ids, is_token_ids)
+            is_prompt_token = count_tokens(tokens, vocab_size, device) > 0  # [batch, vocab_size]
         return cls(
             vocab_size=vocab_size,
             temperature=column([p.temperature if not p.is_greedy else 1.0 for p in params]),
@@ -110,7 +117,7 @@ class SamplingBatch:
             else None,
             presence_penalty=column([p.presence_penalty for p in params]) if has_penalties else None,
             frequency_penalty=column([p.frequency_penalty for p in params]) if has_penalties else None,
-            is_prompt_token=count_tokens(prompt_token_ids, vocab_size, device) > 0 if has_penalties else None,
+            is_prompt_token=is_prompt_token,
             logit_bias_index=column(bias_index, torch.int64) if bias_index else None,
             logit_bias_value=column(bias_value) if bias_index else None,
             generators=tuple(generators),
@@ -118,6 +125,18 @@ class SamplingBatch:
             num_top_logprobs=max((p.top_logprobs for p in params), default=0),
             has_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
         )
+
+
+def prompt_tokens(
+    prompt_token_ids: Sequence[Sequence[int]], is_token_ids: Sequence[Sequence[bool]]
+) -> list[list[int]]:
+    """Each row's prompt token IDs, without the placeholders at embedding positions. [batch][*]."""
+    rows = []
+    for ids, is_token in zip(prompt_token_ids, is_token_ids, strict=True):
+        if len(ids) != len(is_token):
+            raise ValueError(f"is_token_ids has {len(is_token)} entries for a prompt of {len(ids)}")
+        rows.append([t for t, keep in zip(ids, is_token, strict=True) if keep])
+    return rows
 
 
 def count_tokens(

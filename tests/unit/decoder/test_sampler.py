@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.decoder.params import MIN_REPETITION_PENALTY, MIN_SAMPLING_TEMPERATURE, SamplingParams
+from services.decoder.request import EmbeddingSegment, Request, TokenSegment
 from services.decoder.sampler import (
     Sampler,
     SamplerOutput,
@@ -29,10 +30,12 @@ def make_batch(
     prompts: list[list[int]] | None = None,
     vocab_size: int = VOCAB,
 ) -> SamplingBatch:
+    prompts = prompts or [[] for _ in params]
     return SamplingBatch.build(
         params,
         generators or [None] * len(params),
-        prompts or [[] for _ in params],
+        prompts,
+        [[True] * len(p) for p in prompts],
         vocab_size,
     )
 
@@ -304,3 +307,24 @@ def test_every_value_inside_the_documented_ranges_gives_a_token_and_finite_logpr
     out = sample_with_logprobs(logits, params, prompts, outputs)
     assert ((out.token_ids >= 0) & (out.token_ids < VOCAB)).all()
     assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.top_logprobs).all()
+
+
+def test_embedding_positions_are_not_prompt_tokens_for_the_repetition_penalty() -> None:
+    # Embedding positions carry the placeholder ID 0; here token 0 is the argmax and never a prompt token.
+    request = Request.from_segments(
+        "r", [EmbeddingSegment(rows=None, num_rows=2, digests=[b"a", b"b"]), TokenSegment([1, 5])]
+    )
+    assert request.prompt_token_ids == [0, 0, 1, 5]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    batch = SamplingBatch.build(params, [None], [request.prompt_token_ids], [request.is_token_ids], 6)
+    assert batch.is_prompt_token[0].tolist() == [False, True, False, False, False, True]
+    logits = torch.tensor([[2.0, 3.0, 1.5, 0.0, 0.0, 0.0]])  # token 1, the prompt token, is penalised to 1.5
+    assert Sampler()(logits, batch, [[]]).token_ids.tolist() == [0]
+
+
+def test_is_token_ids_must_cover_every_prompt_position() -> None:
+    params = [SamplingParams(repetition_penalty=2.0)]
+    with pytest.raises(ValueError, match="is_token_ids has 1 entries for a prompt of 2"):
+        SamplingBatch.build(params, [None], [[1, 5]], [[True]], VOCAB)
+    with pytest.raises(ValueError, match="one entry per row"):
+        SamplingBatch.build(params, [None], [[1, 5]], [], VOCAB)

@@ -148,8 +148,8 @@ class SamplingParams(_message.Message):
     Default 0 (off).
     """
     repetition_penalty: _builtins.float
-    """CTRL repetition penalty over prompt and generated tokens, in (0, 10]; 1 = off; a value below
-    1e-5 acts as 1e-5. Default 1.0.
+    """CTRL repetition penalty over the prompt's token IDs (embedding positions never count) and the
+    generated tokens, in (0, 10]; 1 = off; a value below 1e-5 acts as 1e-5. Default 1.0.
     """
     presence_penalty: _builtins.float
     """Subtracted from the logit of every token already generated, in [-2, 2]. Default 0."""
