@@ -3,7 +3,8 @@
 Why not a torch C++ extension: compiling against torch's headers takes about a minute on two cores;
 this file is plain C that compiles in about a second, once per machine, into a cache keyed by the
 source, the compiler and the CPU. Tensors are passed as data pointers, after the wrapper has checked
-their dtype, shape and contiguity: the C side trusts those and checks the block tables itself.
+their device, dtype, shape and contiguity (ValueError naming the argument otherwise): the C side
+cannot see a buffer's size, so it trusts those, and checks the slots, block ids and lengths itself.
 
 `load()` returns None (and says why in the log) when there is no compiler or the build fails; the
 model then keeps its torch path. Both paths are tested against the same dense reference.
@@ -14,11 +15,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -48,7 +51,13 @@ MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK_SIZE, MAX_ROW = 256, 16, 64, 16384  # the C s
 
 
 class NativeKernels:
-    """The loaded library, with one typed wrapper per kernel."""
+    """The loaded library, with one typed wrapper per kernel.
+
+    The C side reads and writes through raw pointers and can check only the indices it is given (slots,
+    block ids, lengths): every wrapper checks each tensor's device, dtype, shape and contiguity before
+    the call, and raises ValueError naming the argument. `supports_*` answer a different question:
+    whether well-formed inputs fit the kernel at all (else the caller keeps its torch path).
+    """
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -83,9 +92,19 @@ class NativeKernels:
         head_dim = kv_cache.shape[-1]
         return head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0 and cls._same_cpu_dtype(qkv, cos, sin, kv_cache)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [..., size]
+        weight: torch.Tensor,  # [size]
+        eps: float,
+    ) -> torch.Tensor:
         """x: [..., size] -> RMSNorm(x) * weight, same shape; numerics of layers.RMSNorm."""
+        _check_tensor("x", x, DTYPE_CODES)
+        if x.dim() == 0 or not 1 <= x.shape[-1] <= MAX_ROW:
+            raise ValueError(f"x must be [..., size] with size in [1, {MAX_ROW}], got {_shape(x)}")
         size = x.shape[-1]
+        _check_tensor("weight", weight, x.dtype, (size,), against="x")
+        _check_finite("eps", eps, low=0.0)
         out = torch.empty_like(x)
         status = self._rms_norm(
             x.data_ptr(),
@@ -102,8 +121,8 @@ class NativeKernels:
     def qkv_rope_cache(
         self,
         qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim] or [num_tokens, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim] or [num_tokens, head_dim]
         q_norm: torch.Tensor | None,  # [head_dim] (Qwen3) or None
         k_norm: torch.Tensor | None,  # [head_dim] (Qwen3) or None
         eps: float,
@@ -117,12 +136,23 @@ class NativeKernels:
         Returns q [num_tokens, num_heads, head_dim] and, with want_keys, k [num_tokens, num_kv_heads,
         head_dim]; the values are written to the cache only (the caller's view of qkv has them).
         """
+        _check_kv_cache(kv_cache)
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"kv_cache head_dim must be even and at most {MAX_HEAD_DIM}, got {head_dim}")
+        _check_count("num_heads", num_heads, low=1)
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        _check_tensor("qkv", qkv, kv_cache.dtype, (None, width), against="num_heads and kv_cache")
         num_tokens = qkv.shape[0]
-        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
-            got = f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-            raise ValueError(f"slot_mapping must be int64 [{num_tokens}], got {got}")
-        slot_mapping = slot_mapping.contiguous()
+        for name, angles in (("cos", cos), ("sin", sin)):
+            is_3d = isinstance(angles, torch.Tensor) and angles.dim() == 3
+            rows = (num_tokens, 1, head_dim) if is_3d else (num_tokens, head_dim)
+            _check_tensor(name, angles, kv_cache.dtype, rows, against="qkv and kv_cache")
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if norm is not None:
+                _check_tensor(name, norm, kv_cache.dtype, (head_dim,), against="kv_cache")
+        _check_finite("eps", eps, low=0.0)
+        slot_mapping = _index_tensor("slot_mapping", slot_mapping, torch.int64, (num_tokens,), "qkv")
         q = qkv.new_empty(num_tokens, num_heads, head_dim)
         k = qkv.new_empty(num_tokens, num_kv_heads, head_dim) if want_keys else None
         status = self._qkv_rope_cache(
@@ -143,7 +173,7 @@ class NativeKernels:
             eps,
             DTYPE_CODES[qkv.dtype],
         )
-        _check(status, "qkv_rope_cache: a KV slot is outside the cache")
+        _check(status, "slot_mapping: a KV slot is outside kv_cache")
         return q, k
 
     @classmethod
@@ -167,18 +197,24 @@ class NativeKernels:
         seq_lens: torch.Tensor,  # int32 [num_seqs]
         scale: float,
     ) -> torch.Tensor:  # [num_seqs, num_heads * head_dim] in q's dtype
+        _check_kv_cache(kv_cache)
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        num_seqs, num_heads, _ = q.shape
-        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-            raise TypeError("block_tables and seq_lens must be int32")
-        if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        if head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK_SIZE:
             raise ValueError(
-                f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
-                f"must have num_seqs ({num_seqs}) rows"
+                f"kv_cache head_dim ({head_dim}) and block_size ({block_size}) must be at most "
+                f"{MAX_HEAD_DIM} and {MAX_BLOCK_SIZE}"
             )
+        _check_tensor("q", q, kv_cache.dtype, (None, None, head_dim), contiguous=False, against="kv_cache")
+        num_seqs, num_heads, _ = q.shape
+        if num_heads == 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+            raise ValueError(
+                f"q must have a multiple of kv_cache's num_kv_heads ({num_kv_heads}) heads, at most "
+                f"{MAX_GROUP} per KV head, got {num_heads}"
+            )
+        block_tables = _index_tensor("block_tables", block_tables, torch.int32, (num_seqs, None), "q")
+        seq_lens = _index_tensor("seq_lens", seq_lens, torch.int32, (num_seqs,), "q")
+        _check_finite("scale", scale)
         q = q.contiguous()
-        block_tables = block_tables.contiguous()
-        seq_lens = seq_lens.contiguous()
         out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype)
         status = self._decode_attention(
             q.data_ptr(),
@@ -196,8 +232,68 @@ class NativeKernels:
             scale,
             DTYPE_CODES[q.dtype],
         )
-        _check(status, "decode_attention: a sequence length or block id is outside the KV cache")
+        _check(status, "a sequence length (seq_lens) or block id (block_tables) is outside kv_cache")
         return out
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"[{', '.join(str(n) for n in t.shape)}]"
+
+
+def _check_tensor(
+    name: str,
+    t: object,
+    dtype: torch.dtype | Mapping[torch.dtype, int],
+    shape: tuple[int | None, ...] | None = None,  # None entries take any size
+    contiguous: bool = True,
+    against: str = "",  # the arguments the dtype and shape come from, named in the error too
+) -> None:
+    """Raises ValueError naming `name` unless `t` is a plain CPU tensor the kernel can read in place."""
+    matching = f" to match {against}" if against else ""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_neg():
+        raise ValueError(f"{name} must be a plain strided CPU tensor, got {t.layout} on {t.device}")
+    if isinstance(dtype, torch.dtype) and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}{matching}, got {t.dtype}")
+    if not isinstance(dtype, torch.dtype) and t.dtype not in dtype:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, dtype))}, got {t.dtype}")
+    if shape is not None and (
+        t.dim() != len(shape)
+        or any(want is not None and got != want for got, want in zip(t.shape, shape, strict=True))
+    ):
+        wanted = ", ".join("*" if n is None else str(n) for n in shape)
+        raise ValueError(f"{name} must have shape [{wanted}]{matching}, got {_shape(t)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_kv_cache(kv_cache: torch.Tensor) -> None:
+    _check_tensor("kv_cache", kv_cache, DTYPE_CODES, (2, None, None, None, None))
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if min(block_size, num_kv_heads, head_dim) < 1:
+        raise ValueError(
+            f"kv_cache must have block_size, num_kv_heads and head_dim >= 1, got {_shape(kv_cache)}"
+        )
+
+
+def _index_tensor(
+    name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int | None, ...], against: str
+) -> torch.Tensor:
+    """A contiguous copy when needed (index tensors are small); the C side range-checks the values."""
+    _check_tensor(name, t, dtype, shape, contiguous=False, against=against)
+    return t.contiguous()
+
+
+def _check_count(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_finite(name: str, value: object, low: float | None = None) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or (low is not None and value < low):
+        bound = f" >= {low}" if low is not None else ""
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
 
 
 def _bind(fn: Any, argtypes: list[Any]) -> Any:
