@@ -6,22 +6,26 @@ source, the compiler and the CPU. Tensors are passed as data pointers, after the
 their device, dtype, shape and contiguity (ValueError naming the argument otherwise): the C side
 cannot see a buffer's size, so it trusts those, and checks the slots, block ids and lengths itself.
 
-`load()` returns None (and says why in the log) when there is no compiler or the build fails; the
-model then keeps its torch path. Both paths are tested against the same dense reference.
+`load()` returns None (and says why in the log) when there is no compiler, the build fails or the
+cache directory is not private to this user; the model then keeps its torch path. Both paths are
+tested against the same dense reference. How the cache is trusted: the NOTE above `build`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import math
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -327,48 +331,172 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.stdout else ""
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compiles the kernels (or finds them built) and returns the library's path.
+# NOTE: the cache holds code this process runs (loading a library runs its constructors). A library is
+# loaded only from a directory that belongs to this user and that no one else can write (created
+# 0700), only when the file is ours, not writable by group or others, and hashes to the sha256 written
+# beside it when it was built; and it is loaded through the descriptor that was hashed, so it cannot be
+# swapped in between. Anything else at its name (planted, corrupt, half written) is rebuilt over.
+# Builders hold an flock on the directory, so ranks that start together compile once.
 
-    Raises RuntimeError with the compiler's output when there is no compiler or the build fails.
+
+class UntrustedCacheError(RuntimeError):
+    """The kernel cache directory, or a file in it, may hold code this user did not build."""
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compiles the kernels unless a verified build is cached; returns the library's path.
+
+    Raises RuntimeError when there is no compiler, the build fails or the cache is not private.
     """
-    compiler = os.environ.get(COMPILER_ENV) or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set {COMPILER_ENV} to choose one)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                source,
-                " ".join(CFLAGS).encode(),
-                _compiler_version(compiler).encode(),
-                _cpu_identity().encode(),
-            ]
-        )
-    ).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"tandem_kernels-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place: concurrent builders never see half a file.
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run(
-            [compiler, *CFLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=300
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr.strip()}")
-        os.replace(built, target)
-    return target
+    path, fd = _build(directory or cache_dir())
+    os.close(fd)
+    return path
+
+
+def load_from(directory: Path) -> NativeKernels:
+    """The kernels from `directory`, built there first when no verified build is cached."""
+    path, fd = _build(directory)
+    # Loaded through the hashed descriptor, which stays open: glibc knows a loaded library by its
+    # name, and a reused descriptor number would name another library.
+    name = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
+    try:
+        return NativeKernels(ctypes.CDLL(name), path)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @cache
 def load() -> NativeKernels | None:
     """The kernels for this machine, built on first use; None (logged) when they cannot be built."""
     try:
-        path = build()
-        return NativeKernels(ctypes.CDLL(str(path)), path)
+        return load_from(cache_dir())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("native CPU kernels unavailable, the model stays on torch ops: %s", error)
         return None
+
+
+def _build(directory: Path) -> tuple[Path, int]:
+    """The library's path and a read-only descriptor of it, verified; builds it when needed."""
+    compiler = os.environ.get(COMPILER_ENV) or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set {COMPILER_ENV} to choose one)")
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                SOURCE.read_bytes(),
+                " ".join(CFLAGS).encode(),
+                _compiler_version(compiler).encode(),
+                _cpu_identity().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    _make_private_directory(directory)
+    target = directory / f"tandem_kernels-{key}.so"
+    try:
+        return target, _open_verified(target)
+    except FileNotFoundError:
+        pass
+    except UntrustedCacheError as error:
+        log.warning("rebuilding the native kernels: %s", error)
+    with _build_lock(directory):
+        try:
+            return target, _open_verified(target)  # another process built it while this one waited
+        except (FileNotFoundError, UntrustedCacheError):
+            _compile(compiler, target)
+    return target, _open_verified(target)
+
+
+def _make_private_directory(directory: Path) -> None:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    _check_private(os.stat(directory), directory, stat.S_ISDIR, "directory")
+
+
+def _check_private(status: os.stat_result, path: Path, is_kind: Callable[[int], bool], kind: str) -> None:
+    """Raises UntrustedCacheError unless `path` is a `kind` of this user that no one else can write."""
+    if not is_kind(status.st_mode):
+        raise UntrustedCacheError(f"{path} is not a {kind}")
+    if status.st_uid != os.geteuid():
+        raise UntrustedCacheError(f"{path} belongs to uid {status.st_uid}, not to this user ({os.geteuid()})")
+    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        mode = stat.S_IMODE(status.st_mode)
+        raise UntrustedCacheError(f"{path} is writable by group or others (mode {mode:04o})")
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _read_private(path: Path) -> tuple[int, bytes]:
+    """An open descriptor of a private regular file and its bytes.
+
+    FileNotFoundError when there is none; UntrustedCacheError for anything else (a symlink included).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise UntrustedCacheError(f"{path}: {error}") from error
+    try:
+        _check_private(os.fstat(fd), path, stat.S_ISREG, "regular file")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return fd, b"".join(chunks)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_verified(library: Path) -> int:
+    """A descriptor of `library` whose bytes match its recorded sha256.
+
+    FileNotFoundError when it is not built; UntrustedCacheError when it or its digest is not ours, is
+    writable by others, is missing or does not match (a planted, corrupt or half-written file).
+    """
+    fd, content = _read_private(library)  # FileNotFoundError passes: nothing is built there yet
+    try:
+        digest_fd, recorded = _read_private(_digest_path(library))
+        os.close(digest_fd)
+        if hashlib.sha256(content).hexdigest() != recorded.decode(errors="replace").strip():
+            raise UntrustedCacheError(f"{library} does not match the sha256 recorded when it was built")
+        return fd
+    except BaseException as error:
+        os.close(fd)
+        if isinstance(error, OSError):
+            raise UntrustedCacheError(f"{library}'s recorded sha256: {error}") from error
+        raise
+
+
+@contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _compile(compiler: str, target: Path) -> None:
+    # Built and hashed in a private scratch directory beside the target, then renamed into place: no
+    # one sees half a file. The digest goes first: a reader that sees it beside the file it replaces
+    # finds a mismatch and waits for the lock, and one that sees it alone finds nothing built yet.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [compiler, *CFLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr.strip()}")
+        built.chmod(0o700)  # whatever the umask: group-writable files are refused
+        digest = _digest_path(built)
+        digest.write_text(hashlib.sha256(built.read_bytes()).hexdigest() + "\n")
+        digest.chmod(0o600)
+        os.replace(digest, _digest_path(target))
+        os.replace(built, target)
