@@ -144,6 +144,7 @@ class EngineCore:
                 [t.request.sampling for t in rows],
                 [t.generator for t in rows],
                 [t.request.prompt_token_ids for t in rows],
+                [t.request.is_token_ids for t in rows],
                 self.vocab_size,
                 self.runner.device,
             )

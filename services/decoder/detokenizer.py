@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import tokenizers
 
 # Prompt tokens decoded before the first output token, so a sentencepiece tokenizer sees the context
-# that decides whether the first output token's "▁" becomes a space.
+# that decides whether the first output token's "▁" becomes a space. Only the token IDs after the
+# prompt's last embedding position qualify: an embedding position holds a placeholder ID, and text
+# before an embedding does not touch the output.
 NUM_PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -44,6 +46,18 @@ def find_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
     return None if best is None else (best[0] + best[1], best[2])
 
 
+def prompt_context(prompt_token_ids: Sequence[int], is_token_ids: Sequence[bool]) -> list[int]:
+    """The prompt's trailing token IDs (at most NUM_PROMPT_CONTEXT_TOKENS) after its last embedding."""
+    if len(is_token_ids) != len(prompt_token_ids):
+        raise ValueError(
+            f"is_token_ids has {len(is_token_ids)} entries for a prompt of {len(prompt_token_ids)}"
+        )
+    start = len(prompt_token_ids)
+    while start > 0 and len(prompt_token_ids) - start < NUM_PROMPT_CONTEXT_TOKENS and is_token_ids[start - 1]:
+        start -= 1
+    return list(prompt_token_ids[start:])
+
+
 def num_held_chars(text: str, stop: Sequence[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of some stop string."""
     held = 0
@@ -61,7 +75,8 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer: tokenizers.Tokenizer,
-        prompt_token_ids: Sequence[int] | None,  # context only; prompt text is never emitted
+        prompt_token_ids: Sequence[int] | None,  # [prompt_len] context only; prompt text is never emitted
+        is_token_ids: Sequence[bool] | None,  # [prompt_len] True = a token ID, False = an embedding row
         stop: Sequence[str],
         include_stop: bool,
         skip_special_tokens: bool = True,
@@ -70,8 +85,9 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_token_ids or ())  # prompt context followed by every output id
-        self.prefix_offset = max(len(self.token_ids) - NUM_PROMPT_CONTEXT_TOKENS, 0)
+        # The prompt context followed by every output id.
+        self.token_ids = prompt_context(prompt_token_ids or (), is_token_ids or ())
+        self.prefix_offset = 0
         self.read_offset = len(self.token_ids)  # ids before it have been turned into text
         self.held_text = ""  # decoded text not emitted yet: it may start a stop string
         self.is_finished = False

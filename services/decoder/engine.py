@@ -165,6 +165,7 @@ class Engine:
         output = OutputState(
             request.request_id,
             request.prompt_token_ids,
+            request.is_token_ids,
             request.stopping,
             spec.output,
             self.tokenizer,

@@ -114,6 +114,7 @@ class OutputState:
         self,
         request_id: str,
         prompt_token_ids: list[int],
+        is_token_ids: list[bool],  # [num_prompt_tokens] False at embedding positions
         stopping: StoppingParams,
         options: OutputOptions,
         tokenizer: tokenizers.Tokenizer,
@@ -138,7 +139,7 @@ class OutputState:
         needs_text = options.include_text or bool(stopping.stop)
         self._detokenizer = (
             IncrementalDetokenizer(
-                tokenizer, prompt_token_ids, stopping.stop, stopping.include_stop_in_output
+                tokenizer, prompt_token_ids, is_token_ids, stopping.stop, stopping.include_stop_in_output
             )
             if needs_text
             else None

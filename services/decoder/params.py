@@ -17,6 +17,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
+# Tiny values inside the documented ranges, and what they mean (the sampler's docstring says why):
+MIN_SAMPLING_TEMPERATURE = 1e-5  # a temperature below it is greedy, like 0
+MIN_REPETITION_PENALTY = 1e-5  # a repetition penalty below it acts as this value
 
 
 class ParamError(InvalidArgument):
@@ -27,11 +30,13 @@ class ParamError(InvalidArgument):
 class SamplingParams:
     """How one request picks its next token. Defaults are the identity (plain softmax sampling)."""
 
-    temperature: float = 1.0  # 0 means greedy; otherwise logits are divided by it. Range [0, 100].
+    temperature: float = 1.0  # below 1e-5 (0 included) greedy; else logits / temperature. [0, 100].
     top_p: float = 1.0  # nucleus mass kept, (0, 1]; 1 disables.
     top_k: int = 0  # keep the k most likely tokens; 0 disables.
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob, [0, 1]; 0 disables.
-    repetition_penalty: float = 1.0  # CTRL-style, over prompt and output tokens, (0, 10]; 1 disables.
+    # CTRL-style over the prompt's token IDs (not its embedding positions) and the output tokens,
+    # (0, 10]; 1 disables. Below 1e-5 it acts as 1e-5.
+    repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # subtracted once per distinct output token, [-2, 2].
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output, [-2, 2].
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit, [-100, 100].
@@ -41,7 +46,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -7,6 +7,17 @@ truncation never removes it, so they skip the rest. Logprobs are "processed" (vL
 log_softmax of the logits after penalties, bias, mask and temperature (1 for greedy rows), before
 min-p/top-k/top-p truncation, so every top-n entry is finite unless the mask forbade it.
 
+NOTE: tiny values. Every value inside the documented ranges gives finite logprobs; the two that
+divide the logits are bounded away from 0, where logits / value overflows to inf and softmax then
+makes NaN (the token became 0, every logprob NaN):
+- a temperature below MIN_SAMPLING_TEMPERATURE (1e-5) is greedy, exactly like 0: the argmax, with
+  logprobs at temperature 1. The limit of a shrinking temperature is the argmax anyway; 1e-5 already
+  scales a logit gap of 1 to 1e5, which leaves the runner-up a probability of 0 in float32.
+- a repetition penalty below MIN_REPETITION_PENALTY (1e-5) acts as 1e-5: seen tokens with a positive
+  logit still outrank every unseen one, as the tiny value asked for, by a finite margin.
+With both floors a logit can grow by a factor of at most 1e10, so it stays finite in float32 for
+any logit a model produces (below 1e28 in magnitude).
+
 Sampling is an exponential race: argmax(probs / q) with q ~ Exponential(1) i.i.d. over the vocabulary
 picks token i with probability probs[i]. A seeded row draws its q from its own generator, over the
 full vocabulary, once per step, so its tokens depend only on its logits and its generator: not on its
@@ -20,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decoder.params import SamplingParams
+from services.decoder.params import MIN_REPETITION_PENALTY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -43,16 +54,17 @@ class SamplingBatch:
     """
 
     vocab_size: int
-    temperature: torch.Tensor  # [batch] float32; greedy rows hold 1.0 so dividing is a no-op
+    temperature: torch.Tensor  # [batch] float32 >= MIN_SAMPLING_TEMPERATURE; greedy rows hold 1.0
     is_greedy: torch.Tensor  # [batch] bool
     is_all_greedy: bool  # no row samples: argmax only
     top_k: torch.Tensor | None  # [batch] int64 in [1, vocab_size]; disabled rows hold vocab_size
     top_p: torch.Tensor | None  # [batch] float32; disabled rows hold 1.0
     min_p: torch.Tensor | None  # [batch] float32; disabled rows hold 0.0
-    repetition_penalty: torch.Tensor | None  # [batch] float32; None together with the two below
+    # [batch] float32, at least MIN_REPETITION_PENALTY; None together with the two below
+    repetition_penalty: torch.Tensor | None
     presence_penalty: torch.Tensor | None  # [batch] float32
     frequency_penalty: torch.Tensor | None  # [batch] float32
-    is_prompt_token: torch.Tensor | None  # [batch, vocab_size] bool; set with the penalties
+    is_prompt_token: torch.Tensor | None  # [batch, vocab_size] bool, token positions only; with penalties
     logit_bias_index: torch.Tensor | None  # [num_biases] int64, flat index row * vocab_size + token
     logit_bias_value: torch.Tensor | None  # [num_biases] float32
     generators: tuple[torch.Generator | None, ...]  # [batch]; a seeded row's own generator
@@ -70,11 +82,14 @@ class SamplingBatch:
         params: Sequence[SamplingParams],  # [batch]
         generators: Sequence[torch.Generator | None],  # [batch]; on `device`, None = unseeded
         prompt_token_ids: Sequence[Sequence[int]],  # [batch][prompt_len], for the repetition penalty
+        # [batch][prompt_len] True = a token ID. Embedding positions hold a placeholder ID (0), never
+        # a prompt token: the repetition penalty reads the token positions only.
+        is_token_ids: Sequence[Sequence[bool]],
         vocab_size: int,
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
-        if not len(params) == len(generators) == len(prompt_token_ids):
-            raise ValueError("params, generators and prompt_token_ids need one entry per row")
+        if not len(params) == len(generators) == len(prompt_token_ids) == len(is_token_ids):
+            raise ValueError("params, generators, prompt_token_ids and is_token_ids need one entry per row")
         sampling = [p for p in params if not p.is_greedy]
 
         def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -83,6 +98,10 @@ class SamplingBatch:
         has_penalties = any(p.has_penalties for p in params)
         bias_index = [row * vocab_size + t for row, p in enumerate(params) for t in p.logit_bias]
         bias_value = [b for p in params for b in p.logit_bias.values()]
+        is_prompt_token = None
+        if has_penalties:
+            tokens = prompt_tokens(prompt_token_ids, is_token_ids)
+            is_prompt_token = count_tokens(tokens, vocab_size, device) > 0  # [batch, vocab_size]
         return cls(
             vocab_size=vocab_size,
             temperature=column([p.temperature if not p.is_greedy else 1.0 for p in params]),
@@ -93,10 +112,12 @@ class SamplingBatch:
             else None,
             top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in sampling) else None,
             min_p=column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in sampling) else None,
-            repetition_penalty=column([p.repetition_penalty for p in params]) if has_penalties else None,
+            repetition_penalty=column([max(p.repetition_penalty, MIN_REPETITION_PENALTY) for p in params])
+            if has_penalties
+            else None,
             presence_penalty=column([p.presence_penalty for p in params]) if has_penalties else None,
             frequency_penalty=column([p.frequency_penalty for p in params]) if has_penalties else None,
-            is_prompt_token=count_tokens(prompt_token_ids, vocab_size, device) > 0 if has_penalties else None,
+            is_prompt_token=is_prompt_token,
             logit_bias_index=column(bias_index, torch.int64) if bias_index else None,
             logit_bias_value=column(bias_value) if bias_index else None,
             generators=tuple(generators),
@@ -104,6 +125,18 @@ class SamplingBatch:
             num_top_logprobs=max((p.top_logprobs for p in params), default=0),
             has_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
         )
+
+
+def prompt_tokens(
+    prompt_token_ids: Sequence[Sequence[int]], is_token_ids: Sequence[Sequence[bool]]
+) -> list[list[int]]:
+    """Each row's prompt token IDs, without the placeholders at embedding positions. [batch][*]."""
+    rows = []
+    for ids, is_token in zip(prompt_token_ids, is_token_ids, strict=True):
+        if len(ids) != len(is_token):
+            raise ValueError(f"is_token_ids has {len(is_token)} entries for a prompt of {len(ids)}")
+        rows.append([t for t, keep in zip(ids, is_token, strict=True) if keep])
+    return rows
 
 
 def count_tokens(

@@ -9,6 +9,12 @@ the single source of keys, so chunked prefill and decode are the same computatio
 Block 0 of the pool is the engine's scratch "null block": padding tokens write there and padded
 block-table entries point there, so keys are masked by `seq_lens`, never by trusting the table.
 
+NOTE: stale slots. A slot past a sequence's end holds whatever its last owner or a padding token
+wrote, NaN and inf included (a request whose values overflow the model dtype leaves them behind).
+No path lets such a slot reach the output: the decode path selects it out of the scores and the
+values (a zero probability is not enough, 0 * NaN is NaN), the prefill path slices the context to
+`seq_len` before attending, and the C kernel reads positions below `seq_len` only.
+
 Two paths: a decode-only step (one query per sequence) runs as one batched GQA matmul with an fp32
 softmax (bf16 SDPA on CPU is several times slower for single queries); a step with any prefill
 loops over its sequences with fp32 SDPA and a causal mask offset by the cached prefix.
@@ -106,7 +112,10 @@ def _decode_attention(
     is_past_end = torch.arange(ctx_len, device=q.device)[None, :] >= attn.seq_lens_t[:, None]  # [seqs, ctx]
     scores = scores.masked_fill(is_past_end[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(context.dtype)  # [kv, num_seqs, group, ctx_len]
-    out = torch.matmul(probs, context[1])  # [kv, num_seqs, group, head_dim]
+    # `context` is this step's own gathered copy, so the stale values are zeroed in place (a select,
+    # never a product with the mask): one pass over the values instead of a second copy.
+    values = context[1].masked_fill_(is_past_end[None, :, :, None], 0)  # [kv, num_seqs, ctx_len, hd]
+    out = torch.matmul(probs, values)  # [kv, num_seqs, group, head_dim]
     return out.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
 
 
@@ -158,6 +167,7 @@ def _attend_with_cached_prefix(
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_blocks = -(-seq_len // block_size)
     context = kv_cache.index_select(1, attn.block_tables[i, :num_blocks])  # [2, num_blocks, bs, kv, hd]
+    # Cut to seq_len before attending: the slots after it are stale (see the NOTE at the top).
     context = context.view(2, -1, num_kv_heads, head_dim)[:, :seq_len]  # [2, seq_len, kv, hd]
     # 4-D inputs: with 3-D ones CPU SDPA falls back to its 3x slower math kernel.
     q_i = q[None].transpose(1, 2).float()  # [1, num_heads, query_len, head_dim]

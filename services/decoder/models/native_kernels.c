@@ -19,7 +19,11 @@
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
-/* Limits of the on-stack scratch; native.py checks them before calling. */
+/* Limits of the on-stack scratch; native.py checks them before calling.
+ *
+ * What each kernel checks itself: its scalar arguments (counts, sizes, the limits below) and every
+ * index it follows (KV slots, block ids, sequence lengths). What it cannot check is how long a buffer
+ * is: native.py's wrappers check every tensor's device, dtype, shape and contiguity before the call. */
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK_SIZE 64
@@ -178,6 +182,9 @@ int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *
                             const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                             int64_t max_blocks, float scale, int dtype) {
+    if (num_seqs < 0 || num_kv_heads < 1 || num_heads < num_kv_heads || head_dim < 1 || block_size < 1 ||
+        num_blocks < 0 || max_blocks < 0)
+        return -1;
     const int64_t group = num_heads / num_kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK_SIZE ||
         group * num_kv_heads != num_heads || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16))
@@ -263,7 +270,7 @@ static inline __attribute__((always_inline)) void rms_norm_to(void *out, int64_t
 
 int tandem_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t size, float eps,
                     int dtype) {
-    if (size > MAX_ROW || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16)) return -1;
+    if (rows < 0 || size < 1 || size > MAX_ROW || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16)) return -1;
 #pragma omp parallel for schedule(static) if (rows * size >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         if (dtype == DTYPE_BFLOAT16) rms_norm_to(out, r, x, weight, size, eps, DTYPE_BFLOAT16);
@@ -346,7 +353,9 @@ int tandem_qkv_rope_cache(const void *qkv, const void *cos, const void *sin, con
                           const void *k_norm, const int64_t *slots, void *kv_cache, void *q_out, void *k_out,
                           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t num_slots, float eps, int dtype) {
-    if (head_dim > MAX_HEAD_DIM || head_dim % 2) return -1;
+    if (num_tokens < 0 || num_heads < 0 || num_kv_heads < 0 || head_dim < 2 || head_dim > MAX_HEAD_DIM ||
+        head_dim % 2 || num_slots < 0)
+        return -1;
     for (int64_t t = 0; t < num_tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     if (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16) return -1;

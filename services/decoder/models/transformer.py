@@ -208,8 +208,8 @@ class DecoderModel(nn.Module):
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).
 
-        num_kv_heads is this rank's share. Zeroed, not empty: masked slots still enter the
-        probs @ values product, and 0 * NaN is NaN.
+        num_kv_heads is this rank's share. Zeroed, not empty, though attention never reads a slot
+        past a sequence's end (models/attention.py): no NaN bit patterns in a fresh pool.
         """
         c = self.config
         shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)

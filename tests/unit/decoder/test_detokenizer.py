@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from services.decoder.detokenizer import IncrementalDetokenizer, find_stop, num_held_chars
+from services.decoder.detokenizer import (
+    NUM_PROMPT_CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+    find_stop,
+    num_held_chars,
+    prompt_context,
+)
 
 CORPUS = ["héllo wörld 你好 🙂", "hello world, hello again", "the quick brown fox says 你好"] * 20
 EOS = "<|eos|>"
@@ -57,9 +63,12 @@ def stream(
     include_stop: bool = False,
     chunk_size: int = 1,
     prompt_token_ids: list[int] | None = None,
+    is_token_ids: list[bool] | None = None,  # all True when not given
 ) -> tuple[list[str], str | None]:
     """Feed ids `chunk_size` at a time, then flush unless a stop matched: (emitted chunks, matched stop)."""
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, include_stop)
+    if prompt_token_ids is not None and is_token_ids is None:
+        is_token_ids = [True] * len(prompt_token_ids)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, is_token_ids, stop, include_stop)
     chunks = []
     for i in range(0, len(token_ids), chunk_size):
         step = detokenizer.add(token_ids[i : i + chunk_size])
@@ -107,17 +116,50 @@ def test_prompt_gives_context_but_is_not_emitted() -> None:
     assert "".join(chunks) == " again"
 
 
+def test_prompt_context_is_the_token_ids_after_the_last_embedding_position() -> None:
+    # Embedding positions carry the placeholder ID 0.
+    assert prompt_context([7, 8, 0, 0, 9, 10], [True, True, False, False, True, True]) == [9, 10]
+    assert prompt_context([7, 8, 0], [True, True, False]) == []
+    assert prompt_context([0, 0], [False, False]) == []
+    assert prompt_context(list(range(1, 9)), [True] * 8) == list(range(9 - NUM_PROMPT_CONTEXT_TOKENS, 9))
+    with pytest.raises(ValueError, match="is_token_ids has 2 entries for a prompt of 3"):
+        prompt_context([1, 2, 3], [True, True])
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_prompt_ending_in_embeddings_gives_the_output_no_context(name: str) -> None:
+    # Had the placeholder ID 0 been decoded as context (byte fallback's "<unk>"), sentencepiece would
+    # keep the first output token's leading space: " hello world" instead of the plain decode.
+    tokenizer = TOKENIZERS[name]
+    output = tokenizer.encode("hello world").ids
+    prompt = tokenizer.encode("abc").ids
+    chunks, _ = stream(
+        tokenizer, output, prompt_token_ids=prompt + [0, 0], is_token_ids=[True] * len(prompt) + [False] * 2
+    )
+    assert "".join(chunks) == tokenizer.decode(output)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_the_tokens_after_the_last_embedding_are_the_whole_context(name: str) -> None:
+    tokenizer = TOKENIZERS[name]
+    output, after = tokenizer.encode("hello world").ids, tokenizer.encode("ab").ids
+    mixed = [0] + after  # an embedding row, then tokens
+    chunks, _ = stream(tokenizer, output, prompt_token_ids=mixed, is_token_ids=[False] + [True] * len(after))
+    expected, _ = stream(tokenizer, output, prompt_token_ids=after)
+    assert "".join(chunks) == "".join(expected)
+
+
 def test_special_tokens_are_skipped_by_default() -> None:
     eos = BYTE_LEVEL.token_to_id(EOS)
     chunks, _ = stream(BYTE_LEVEL, ids_of("hi") + [eos])
     assert "".join(chunks) == "hi"
-    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, (), False, skip_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, None, (), False, skip_special_tokens=False)
     assert detokenizer.add(ids_of("hi") + [eos]).new_text == "hi" + EOS
 
 
 def test_stop_string_spanning_two_tokens_truncates_the_text() -> None:
     token_ids = ids_of("say ab", "cd tail")
-    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, ("bc",), include_stop=False)
+    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, None, ("bc",), include_stop=False)
     step = detokenizer.add(token_ids)
     assert (step.new_text, step.matched_stop) == ("say a", "bc")
     assert step.num_tokens == len(ids_of("say ab")) + 1  # the ids after the one completing "bc" are dropped
@@ -131,14 +173,14 @@ def test_include_stop_keeps_the_matched_stop_string() -> None:
 
 
 def test_held_back_prefix_of_a_stop_is_released_by_flush() -> None:
-    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, ("abc",), include_stop=False)
+    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, None, ("abc",), include_stop=False)
     assert detokenizer.add(ids_of("say ", "ab")).new_text == "say "
     step = detokenizer.flush()
     assert (step.new_text, step.matched_stop) == ("ab", None)
 
 
 def test_text_that_starts_a_stop_then_diverges_is_emitted() -> None:
-    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, ("abc",), include_stop=False)
+    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, None, ("abc",), include_stop=False)
     assert detokenizer.add(ids_of("ab")).new_text == ""
     step = detokenizer.add(ids_of("x"))
     assert (step.new_text, step.matched_stop) == ("abx", None)

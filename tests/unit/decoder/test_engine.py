@@ -344,3 +344,25 @@ def _recording(forward, seen: list[bool]):
         return forward(batch)
 
     return wrapped
+
+
+def test_embedding_positions_are_not_prompt_tokens_for_the_repetition_penalty(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    # Embedding positions carry the placeholder ID 0, and the bias makes token 0 the pick: had the
+    # penalty counted it as a prompt token, its logit, and with it every logprob, would move.
+    rows = torch.randn(5, tiny_fp32.config.hidden_size, generator=torch.Generator().manual_seed(5))
+
+    def first_step(repetition_penalty: float) -> Delta:
+        sampling = SamplingParams(
+            temperature=0.0, repetition_penalty=repetition_penalty, logit_bias={0: 30.0}, top_logprobs=5
+        )
+        spec = GenerateSpec(
+            [EmbeddingPrompt(rows)], sampling, StoppingParams(max_new_tokens=1, ignore_eos=True)
+        )
+        with _engine(tiny_model_dir, tiny_fp32) as engine:
+            return next(e for e in _alone(engine, spec) if isinstance(e, Delta))
+
+    penalised, plain = first_step(2.0), first_step(1.0)
+    assert penalised.token_ids == plain.token_ids == (0,)
+    assert penalised.top_logprobs == plain.top_logprobs

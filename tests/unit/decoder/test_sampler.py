@@ -6,10 +6,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from services.decoder.params import SamplingParams
+from services.decoder.params import MIN_REPETITION_PENALTY, MIN_SAMPLING_TEMPERATURE, SamplingParams
+from services.decoder.request import EmbeddingSegment, Request, TokenSegment
 from services.decoder.sampler import (
     Sampler,
+    SamplerOutput,
     SamplingBatch,
     apply_min_p,
     apply_penalties_,
@@ -26,10 +30,12 @@ def make_batch(
     prompts: list[list[int]] | None = None,
     vocab_size: int = VOCAB,
 ) -> SamplingBatch:
+    prompts = prompts or [[] for _ in params]
     return SamplingBatch.build(
         params,
         generators or [None] * len(params),
-        prompts or [[] for _ in params],
+        prompts,
+        [[True] * len(p) for p in prompts],
         vocab_size,
     )
 
@@ -213,3 +219,112 @@ def test_top_logprobs_are_the_n_largest_sorted_descending(temperature: float) ->
 def test_all_greedy_batch_without_logprobs_returns_no_logprobs() -> None:
     out = Sampler()(torch.randn(2, VOCAB), make_batch([SamplingParams(temperature=0.0)] * 2), [[], []])
     assert out.logprobs is None and out.top_token_ids is None and out.top_logprobs is None
+
+
+# The smallest positive values a caller can send: float32 on the wire, float64 in process.
+FLOAT32_MIN_POSITIVE = float(torch.tensor(0.0).nextafter(torch.tensor(1.0)))  # 1.4e-45, subnormal
+FLOAT64_MIN_POSITIVE = math.ulp(0.0)  # 5e-324
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+) -> SamplerOutput:
+    batch = make_batch(params, prompts=prompts, vocab_size=logits.shape[-1])
+    return Sampler(torch.Generator().manual_seed(0))(logits, batch, outputs or [[] for _ in params])
+
+
+@pytest.mark.parametrize("temperature", [1e-45, FLOAT32_MIN_POSITIVE, FLOAT64_MIN_POSITIVE, 1e-38, 9.9e-6])
+def test_a_temperature_below_the_floor_is_greedy_with_finite_logprobs(temperature: float) -> None:
+    logits = torch.randn(4, VOCAB) * 5
+    tiny = sample_with_logprobs(logits, [SamplingParams(temperature=temperature, top_logprobs=5)] * 4)
+    greedy = sample_with_logprobs(logits, [SamplingParams(temperature=0.0, top_logprobs=5)] * 4)
+    assert torch.equal(tiny.token_ids, logits.argmax(-1))
+    assert torch.isfinite(tiny.logprobs).all() and torch.isfinite(tiny.top_logprobs).all()
+    torch.testing.assert_close(tiny.logprobs, greedy.logprobs)
+    torch.testing.assert_close(tiny.top_logprobs, greedy.top_logprobs)
+
+
+def test_the_temperature_floor_itself_samples_with_finite_logprobs() -> None:
+    logits = distinct_logits(8)
+    params = [SamplingParams(temperature=MIN_SAMPLING_TEMPERATURE, top_logprobs=5)] * 8
+    out = sample_with_logprobs(logits, params)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert torch.isfinite(out.top_logprobs).all()
+    torch.testing.assert_close(out.logprobs, torch.zeros(8))  # a gap of 1 is 1e5 at this temperature
+
+
+@pytest.mark.parametrize("penalty", [1e-45, FLOAT32_MIN_POSITIVE, FLOAT64_MIN_POSITIVE, 1e-38])
+@pytest.mark.parametrize("temperature", [0.0, MIN_SAMPLING_TEMPERATURE, 1.0])
+def test_a_repetition_penalty_below_the_floor_acts_as_the_floor(penalty: float, temperature: float) -> None:
+    logits = torch.randn(4, VOCAB) * 5
+    logits[:, 3] = 0.5  # the one seen token with a positive logit: the tiny penalty makes it win
+    logits[:, [9, 11]] = -1.0
+    prompts, outputs = [[3, 9]] * 4, [[9, 11, 9]] * 4
+
+    def params(p: float) -> list[SamplingParams]:
+        return [SamplingParams(temperature=temperature, repetition_penalty=p, top_logprobs=5)] * 4
+
+    tiny = sample_with_logprobs(logits, params(penalty), prompts, outputs)
+    floor = sample_with_logprobs(logits, params(MIN_REPETITION_PENALTY), prompts, outputs)
+    assert tiny.token_ids.eq(3).all()
+    assert torch.isfinite(tiny.logprobs).all() and torch.isfinite(tiny.top_logprobs).all()
+    torch.testing.assert_close(tiny.logprobs, floor.logprobs)
+    torch.testing.assert_close(tiny.top_logprobs, floor.top_logprobs)
+
+
+def edge_floats(low: float, high: float, *inside: float) -> st.SearchStrategy[float]:
+    """Floats in [low, high], with the bounds and the given values (tiny ones, mostly) drawn often."""
+    return st.one_of(st.sampled_from([low, high, *inside]), st.floats(low, high, allow_subnormal=True))
+
+
+TINY = (1e-45, FLOAT32_MIN_POSITIVE, FLOAT64_MIN_POSITIVE, MIN_SAMPLING_TEMPERATURE)
+VALID_PARAMS = st.builds(
+    SamplingParams,
+    temperature=edge_floats(0.0, 100.0, *TINY),
+    top_p=edge_floats(FLOAT64_MIN_POSITIVE, 1.0, *TINY[:3]),
+    top_k=st.integers(0, VOCAB + 1),
+    min_p=edge_floats(0.0, 1.0, *TINY),
+    repetition_penalty=edge_floats(FLOAT64_MIN_POSITIVE, 10.0, *TINY, 1.0),
+    presence_penalty=edge_floats(-2.0, 2.0, *TINY, 0.0),
+    frequency_penalty=edge_floats(-2.0, 2.0, *TINY, 0.0),
+    logit_bias=st.dictionaries(st.integers(0, VOCAB - 1), edge_floats(-100.0, 100.0, *TINY), max_size=4),
+    top_logprobs=st.just(5),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(params=st.lists(VALID_PARAMS, min_size=1, max_size=3), logit_scale=edge_floats(0.0, 30.0, 1.0))
+def test_every_value_inside_the_documented_ranges_gives_a_token_and_finite_logprobs(
+    params: list[SamplingParams], logit_scale: float
+) -> None:
+    for p in params:
+        p.validate(VOCAB)
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(0)) * logit_scale
+    prompts, outputs = [[3, 9, 9]] * len(params), [[9, 11, 4, 11]] * len(params)
+    out = sample_with_logprobs(logits, params, prompts, outputs)
+    assert ((out.token_ids >= 0) & (out.token_ids < VOCAB)).all()
+    assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.top_logprobs).all()
+
+
+def test_embedding_positions_are_not_prompt_tokens_for_the_repetition_penalty() -> None:
+    # Embedding positions carry the placeholder ID 0; here token 0 is the argmax and never a prompt token.
+    request = Request.from_segments(
+        "r", [EmbeddingSegment(rows=None, num_rows=2, digests=[b"a", b"b"]), TokenSegment([1, 5])]
+    )
+    assert request.prompt_token_ids == [0, 0, 1, 5]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    batch = SamplingBatch.build(params, [None], [request.prompt_token_ids], [request.is_token_ids], 6)
+    assert batch.is_prompt_token[0].tolist() == [False, True, False, False, False, True]
+    logits = torch.tensor([[2.0, 3.0, 1.5, 0.0, 0.0, 0.0]])  # token 1, the prompt token, is penalised to 1.5
+    assert Sampler()(logits, batch, [[]]).token_ids.tolist() == [0]
+
+
+def test_is_token_ids_must_cover_every_prompt_position() -> None:
+    params = [SamplingParams(repetition_penalty=2.0)]
+    with pytest.raises(ValueError, match="is_token_ids has 1 entries for a prompt of 2"):
+        SamplingBatch.build(params, [None], [[1, 5]], [[True]], VOCAB)
+    with pytest.raises(ValueError, match="one entry per row"):
+        SamplingBatch.build(params, [None], [[1, 5]], [], VOCAB)

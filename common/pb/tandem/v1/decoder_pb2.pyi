@@ -251,7 +251,9 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """Softmax temperature in [0, 100]; 0 = greedy (argmax). Default 1.0."""
+    """Softmax temperature in [0, 100]; 0, and any value below 1e-5, = greedy (argmax, logprobs at
+    temperature 1). Default 1.0.
+    """
     top_p: _builtins.float
     """Nucleus sampling: keep the smallest set of tokens with probability mass >= top_p, in (0, 1].
     Default 1.0 (off).
@@ -263,7 +265,9 @@ class SamplingParams(_message.Message):
     Default 0 (off).
     """
     repetition_penalty: _builtins.float
-    """CTRL repetition penalty over prompt and generated tokens, in (0, 10]; 1 = off. Default 1.0."""
+    """CTRL repetition penalty over the prompt's token IDs (embedding positions never count) and the
+    generated tokens, in (0, 10]; 1 = off; a value below 1e-5 acts as 1e-5. Default 1.0.
+    """
     presence_penalty: _builtins.float
     """Subtracted from the logit of every token already generated, in [-2, 2]. Default 0."""
     frequency_penalty: _builtins.float

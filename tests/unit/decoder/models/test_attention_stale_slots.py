@@ -1,0 +1,123 @@
+"""No attention path reads a KV slot that its sequence does not own.
+
+A request whose values overflow the model dtype leaves NaN or inf keys and values in its blocks, and
+they stay there once the blocks are freed; padding tokens write to the null block. So each test fills
+the whole cache (every block, the null block included) with NaN or inf before a sequence writes its
+own keys and values, and asks for bit-for-bit the output of the same steps over a zeroed cache, on
+every path: torch decode, torch prefill over a cached prefix, the C kernel, and the torch fallback
+for shapes past the kernel's limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from services.decoder.models import native
+from services.decoder.models.attention import paged_attention, write_kv_cache
+from services.decoder.models.loader import load_model
+
+from .conftest import Checkpoint
+from .helpers import PagedAllocator, PagedRun
+
+POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+
+# Shapes the C kernel takes, and shapes past each of its limits (the step then runs torch ops).
+SHAPES = {
+    "fp32": Shape(4, 2, 8, 4, torch.float32),
+    "bf16": Shape(4, 2, 64, 4, torch.bfloat16),
+    "fp16": Shape(4, 2, 8, 4, torch.float16),  # no C kernel for float16
+    "block-past-limit": Shape(4, 2, 8, 2 * native.MAX_BLOCK_SIZE, torch.float32),
+    "head-dim-past-limit": Shape(2, 1, 2 * native.MAX_HEAD_DIM, 4, torch.bfloat16),
+    "group-past-limit": Shape(2 * native.MAX_GROUP, 1, 8, 4, torch.float32),
+}
+
+# Fresh prompts, then chunks over a cached prefix (a prefill that reads the cache), then decodes
+# with ragged lengths, so block tables are padded with the null block and last blocks are partial.
+STEPS = [
+    [("a", 6), ("b", 3), ("c", 1)],
+    [("a", 3), ("b", 7)],
+    [("a", 1), ("b", 1), ("c", 1)],
+    [("a", 1), ("b", 1), ("c", 1)],
+]
+
+
+@pytest.fixture(params=["torch", "native"])
+def kernels(request: pytest.FixtureRequest) -> native.NativeKernels | None:
+    if request.param == "torch":
+        return None
+    loaded = native.load()
+    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
+    return loaded
+
+
+def attend_steps(
+    shape: Shape, fill: float, kernels: native.NativeKernels | None, num_blocks: int = 16
+) -> list[torch.Tensor]:
+    """Each step's attention output, over a cache that starts with every element equal to `fill`."""
+    torch.manual_seed(0)
+    allocator = PagedAllocator(num_blocks=num_blocks, block_size=shape.block_size)
+    kv_cache = torch.full(
+        (2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim), fill, dtype=shape.dtype
+    )
+    outs = []
+    for chunks in STEPS:
+        attn = allocator.metadata(chunks)
+        num_tokens = sum(n for _, n in chunks)
+        q = torch.randn(num_tokens, shape.num_heads, shape.head_dim).to(shape.dtype)
+        k = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim).to(shape.dtype)
+        v = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim).to(shape.dtype)
+        write_kv_cache(kv_cache, k, v, attn.slot_mapping)
+        outs.append(paged_attention(q, kv_cache, attn, shape.head_dim**-0.5, k, v, kernels))
+    return outs
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_a_cache_full_of_nan_or_inf_gives_the_clean_cache_output_on_every_path(
+    kernels: native.NativeKernels | None, shape_name: str, poison: str
+) -> None:
+    shape = SHAPES[shape_name]
+    clean = attend_steps(shape, 0.0, kernels)
+    poisoned = attend_steps(shape, POISONS[poison], kernels)
+    for step, (got, want) in enumerate(zip(poisoned, clean, strict=True)):
+        assert torch.isfinite(got).all(), f"step {step}: stale slots reached the output"
+        assert torch.equal(got, want), f"step {step}"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "use_kernels"),
+    [("float16", False), ("bfloat16", False), ("bfloat16", True), ("float32", True)],
+)
+def test_a_request_after_one_that_left_nan_in_the_cache_gets_the_clean_cache_logits(
+    checkpoints: dict[str, Checkpoint], dtype: str, use_kernels: bool
+) -> None:
+    # The reported failure: every KV slot NaN (as a freed block of an overflowing request leaves it),
+    # then an unrelated greedy request: its tokens must not become 0 with NaN logprobs.
+    model = load_model(checkpoints["qwen3"].path, dtype=dtype).model
+    model.use_native_kernels(native.load() if use_kernels else None)
+    prompt = [17, 402, 33, 981, 5, 250, 250, 731, 64]
+    runs = {}
+    for name, fill in (("clean", 0.0), ("poisoned", float("nan"))):
+        run = PagedRun(model, num_blocks=32)
+        for cache in run.kv_caches:
+            cache.fill_(fill)
+        # A prompt in two chunks (the second attends to a cached prefix), then three decode steps.
+        logits = [run.step([("s", prompt[:5])]), run.step([("s", prompt[5:])])]
+        logits += [run.step([("s", [t])]) for t in (42, 7, 99)]
+        runs[name] = logits
+    for got, want in zip(runs["poisoned"], runs["clean"], strict=True):
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, want)
