@@ -27,6 +27,9 @@ from services.decoder.outputs import Delta
 from services.decoder.params import SamplingParams, StoppingParams
 from services.decoder.prompt import GenerateSpec
 
+# bf16 prepacking needs oneDNN's bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT); without it, none.
+ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
 HAS_NEURON_SDK = importlib.util.find_spec("torch_neuronx") is not None
 
 
@@ -169,7 +172,7 @@ def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_m
     config = EngineConfig(model_dir=tiny_model_dir, dtype="bfloat16", num_kv_blocks=16)
     engine = Engine(config)
     try:
-        assert engine.loaded.model.packed_head is not None
+        assert (engine.loaded.model.packed_head is not None) is ONEDNN_BF16
     finally:
         engine.shutdown()
     given = load_model(tiny_model_dir, dtype="bfloat16")
@@ -216,6 +219,6 @@ def test_prepare_model_packs_and_attaches_kernels_for_eager_cpu_only(
 
     model = load_model(tiny_model_dir, dtype="bfloat16").model
     backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
-    assert (model.packed_head is not None) is packed
+    assert (model.packed_head is not None) is (packed and ONEDNN_BF16)
     assert (model.layers[0].self_attn.native is not None) is on_kernels
     assert (model.norm.native is not None) is on_kernels
