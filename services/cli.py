@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"] and len(argv) >= 2:
         if argv[1] == "decoder":
-            from services.decoder.__main__ import main as decoder_main
+            from services.decoder.api.main import main as decoder_main
 
             return decoder_main(argv[2:])
         if argv[1] == "encoder":

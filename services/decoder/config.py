@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.server import ServerOptions
-from services.decoder import backend as backends
+from services.decoder.backends import backend as backends
 
 DTYPES = ("float32", "bfloat16", "float16")
 

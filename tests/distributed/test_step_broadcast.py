@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.decoder.runner import ForwardBatch
-from services.decoder.step_broadcast import StepSender, receive_step
+from services.decoder.distributed.step_broadcast import StepSender, receive_step
+from services.decoder.engine.runner import ForwardBatch
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 

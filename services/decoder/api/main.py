@@ -22,12 +22,18 @@ from common.auth import load_tokens
 from common.pb.tandem.v1 import decoder_pb2_grpc
 from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, TlsOptions, start_server
 from common.telemetry import setup_telemetry
-from services.decoder.backend import BackendUnavailable, check_available, resolve
+from services.decoder.api.servicer import DecoderServicer
+from services.decoder.backends.backend import BackendUnavailable, check_available, resolve
 from services.decoder.config import DTYPES, DecoderConfig, EngineConfig
-from services.decoder.engine import Engine, default_model_dir
-from services.decoder.parallel import RankInfo, init_parallel
-from services.decoder.servicer import DecoderServicer
-from services.decoder.worker import join_local_ranks, rank_config, rank_info, run_worker, spawn_local_ranks
+from services.decoder.distributed.parallel import RankInfo, init_parallel
+from services.decoder.distributed.worker import (
+    join_local_ranks,
+    rank_config,
+    rank_info,
+    run_worker,
+    spawn_local_ranks,
+)
+from services.decoder.engine.engine import Engine, default_model_dir
 
 log = logging.getLogger("tandem.decoder")
 

@@ -14,9 +14,9 @@ import torch
 from common import tensors
 from common.errors import FailedPrecondition, InvalidArgument
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from services.decoder.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.prompt import EmbeddingPrompt, GenerateSpec, PromptPart, TextPrompt
+from services.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, PromptPart, TextPrompt
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_TOKENIZE_TEXTS = 64

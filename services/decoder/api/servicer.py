@@ -14,10 +14,10 @@ from common import telemetry as otel
 from common import tensors
 from common.errors import InvalidArgument, NotFound, Unavailable
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
-from services.decoder import protocol
-from services.decoder.engine import Engine
-from services.decoder.outputs import Accepted, Delta, Event, Failed, Finished
-from services.decoder.prompt import EmbeddingPrompt, GenerateSpec
+from services.decoder.api import protocol
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServicer):

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.decoder import backend as backends
+from services.decoder.backends import backend as backends
 
 # Recent torch names the tensor-in/tensor-out collectives *_single (2.13 warns on *_tensor); older
 # releases have only *_tensor.

@@ -16,9 +16,9 @@ import enum
 
 import torch
 
+from services.decoder.distributed.parallel import ControlGroup
+from services.decoder.engine.runner import ForwardBatch
 from services.decoder.models.attention import AttentionMetadata
-from services.decoder.parallel import ControlGroup
-from services.decoder.runner import ForwardBatch
 
 
 class Kind(enum.IntEnum):

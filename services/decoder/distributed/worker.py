@@ -21,13 +21,19 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
-from services.decoder import backend as backends
+from services.decoder.backends import backend as backends
 from services.decoder.config import DecoderConfig, EngineConfig
-from services.decoder.engine import num_kv_blocks
+from services.decoder.distributed.parallel import (
+    ParallelContext,
+    RankInfo,
+    destroy_parallel,
+    free_port,
+    init_parallel,
+)
+from services.decoder.distributed.step_broadcast import receive_step
+from services.decoder.engine.engine import num_kv_blocks
+from services.decoder.engine.runner import ModelRunner
 from services.decoder.models.loader import load_model
-from services.decoder.parallel import ParallelContext, RankInfo, destroy_parallel, free_port, init_parallel
-from services.decoder.runner import ModelRunner
-from services.decoder.step_broadcast import receive_step
 
 log = logging.getLogger("tandem.decoder")
 

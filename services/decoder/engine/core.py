@@ -17,12 +17,20 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import DeadlineExceeded, TandemError
-from services.decoder.kv_cache import BlockManager
-from services.decoder.outputs import Accepted, Event, Failed, Finished, FinishReason, OutputState, TopLogprobs
-from services.decoder.request import Request, RequestStatus
-from services.decoder.runner import ModelRunner
-from services.decoder.sampler import Sampler, SamplerOutput, SamplingBatch
-from services.decoder.scheduler import Scheduler
+from services.decoder.engine.kv_cache import BlockManager
+from services.decoder.engine.outputs import (
+    Accepted,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    OutputState,
+    TopLogprobs,
+)
+from services.decoder.engine.request import Request, RequestStatus
+from services.decoder.engine.runner import ModelRunner
+from services.decoder.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from services.decoder.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -22,21 +22,21 @@ from typing import TypeVar
 import torch
 
 from common.errors import Unavailable
-from services.decoder import backend as backends
+from services.decoder.backends import backend as backends
 from services.decoder.config import EngineConfig
-from services.decoder.core import EngineCore, Sink
-from services.decoder.kv_cache import BlockManager
-from services.decoder.mailbox import LoopMailbox
+from services.decoder.distributed.parallel import ParallelContext
+from services.decoder.distributed.step_broadcast import StepSender
+from services.decoder.engine.core import EngineCore, Sink
+from services.decoder.engine.kv_cache import BlockManager
+from services.decoder.engine.mailbox import LoopMailbox
+from services.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputState
+from services.decoder.engine.prompt import GenerateSpec, build_request
+from services.decoder.engine.request import Request
+from services.decoder.engine.runner import ModelRunner, StaticShapes, power_of_two_buckets
+from services.decoder.engine.scheduler import Scheduler, SchedulerConfig
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.loader import LoadedModel, load_model
 from services.decoder.models.tensor_parallel import world_size_of
-from services.decoder.outputs import Delta, Event, Failed, Finished, OutputState
-from services.decoder.parallel import ParallelContext
-from services.decoder.prompt import GenerateSpec, build_request
-from services.decoder.request import Request
-from services.decoder.runner import ModelRunner, StaticShapes, power_of_two_buckets
-from services.decoder.scheduler import Scheduler, SchedulerConfig
-from services.decoder.step_broadcast import StepSender
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.decoder.request import Request
+from services.decoder.engine.request import Request
 
 NULL_BLOCK_ID = 0  # the scratch block padding writes to; never allocated
 

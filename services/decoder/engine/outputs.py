@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import tokenizers
 
 from common.errors import TandemError
-from services.decoder.detokenizer import IncrementalDetokenizer
-from services.decoder.params import StoppingParams
+from services.decoder.engine.detokenizer import IncrementalDetokenizer
+from services.decoder.engine.params import StoppingParams
 
 
 class FinishReason(enum.Enum):

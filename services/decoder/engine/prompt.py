@@ -17,10 +17,10 @@ import tokenizers
 import torch
 
 from common.errors import FailedPrecondition, InvalidArgument
+from services.decoder.engine.outputs import OutputOptions
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.request import EmbeddingSegment, Request, TokenSegment
 from services.decoder.models.config import ModelConfig
-from services.decoder.outputs import OutputOptions
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.request import EmbeddingSegment, Request, TokenSegment
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.errors import InvalidArgument
-from services.decoder.params import SamplingParams, StoppingParams
+from services.decoder.engine.params import SamplingParams, StoppingParams
 
 
 class InvalidPromptError(InvalidArgument, ValueError):

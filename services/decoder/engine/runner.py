@@ -30,12 +30,12 @@ from typing import Protocol
 
 import torch
 
-from services.decoder.backend import Backend, RecompileError, StepFn, bucket_compiler
-from services.decoder.kv_cache import NULL_BLOCK_ID
+from services.decoder.backends.backend import Backend, RecompileError, StepFn, bucket_compiler
+from services.decoder.engine.kv_cache import NULL_BLOCK_ID
+from services.decoder.engine.scheduler import StepPlan
 from services.decoder.models.attention import AttentionMetadata
 from services.decoder.models.tensor_parallel import world_size_of
 from services.decoder.models.transformer import DecoderModel
-from services.decoder.scheduler import StepPlan
 
 
 @dataclass(frozen=True)

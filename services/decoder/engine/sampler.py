@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decoder.params import SamplingParams
+from services.decoder.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)

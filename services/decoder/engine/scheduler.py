@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from common.errors import InvalidArgument, ResourceExhausted
-from services.decoder.kv_cache import BlockManager
-from services.decoder.request import Request, RequestStatus
+from services.decoder.engine.kv_cache import BlockManager
+from services.decoder.engine.request import Request, RequestStatus
 
 
 class QueueFullError(ResourceExhausted):

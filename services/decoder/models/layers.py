@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.decoder.distributed.parallel import ParallelContext
 from services.decoder.models.config import Llama3RopeScaling
 from services.decoder.models.linear import Linear
 from services.decoder.models.native import NativeKernels
 from services.decoder.models.tensor_parallel import gather_sequence, row_parallel, world_size_of
-from services.decoder.parallel import ParallelContext
 
 
 class RMSNorm(nn.Module):

@@ -19,11 +19,11 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from common.checkpoint import read_json
+from services.decoder.distributed.parallel import ParallelContext
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.registry import MODEL_CLASSES
 from services.decoder.models.tensor_parallel import CheckpointPart, check_shardable
 from services.decoder.models.transformer import DecoderModel
-from services.decoder.parallel import ParallelContext
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

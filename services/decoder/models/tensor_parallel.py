@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.decoder.distributed.parallel import ParallelContext
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.linear import Linear, linear
-from services.decoder.parallel import ParallelContext
 
 
 @dataclass(frozen=True)

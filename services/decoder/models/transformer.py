@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from services.decoder.distributed.parallel import ParallelContext
 from services.decoder.models.attention import AttentionMetadata, paged_attention, write_kv_cache
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.layers import (
@@ -36,7 +37,6 @@ from services.decoder.models.tensor_parallel import (
     vocab_parallel_logits,
     world_size_of,
 )
-from services.decoder.parallel import ParallelContext
 
 
 class Attention(nn.Module):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
-from services.decoder.params import StoppingParams
-from services.decoder.request import EmbeddingSegment, Request, RequestStatus, Segment, TokenSegment
-from services.decoder.scheduler import Scheduler, StepPlan
+from services.decoder.engine.params import StoppingParams
+from services.decoder.engine.request import EmbeddingSegment, Request, RequestStatus, Segment, TokenSegment
+from services.decoder.engine.scheduler import Scheduler, StepPlan
 
 VOCAB_SIZE = 50
 

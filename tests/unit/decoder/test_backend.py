@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder import backend as backends
-from services.decoder.__main__ import config_from_args, main
-from services.decoder.backend import BACKENDS, BackendUnavailable, NeuronTracedBuckets
+from services.decoder.api.main import config_from_args, main
+from services.decoder.backends import backend as backends
+from services.decoder.backends.backend import BACKENDS, BackendUnavailable, NeuronTracedBuckets
 from services.decoder.config import DecoderConfig, EngineConfig
-from services.decoder.engine import Engine
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Delta
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import GenerateSpec
 from services.decoder.models.loader import LoadedModel
 from services.decoder.models.tensor_parallel import window_rows
-from services.decoder.outputs import Delta
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.prompt import GenerateSpec
 
 HAS_NEURON_SDK = importlib.util.find_spec("torch_neuronx") is not None
 
@@ -163,7 +163,7 @@ def test_neuron_buckets_trace_once_each_at_warmup_and_give_the_cpu_tokens(
 
 def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_model_dir) -> None:
     from services.decoder.config import EngineConfig
-    from services.decoder.engine import Engine
+    from services.decoder.engine.engine import Engine
     from services.decoder.models.loader import load_model
 
     config = EngineConfig(model_dir=tiny_model_dir, dtype="bfloat16", num_kv_blocks=16)
@@ -182,10 +182,10 @@ def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_m
 
 def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tiny_model_dir) -> None:
     from services.decoder.config import EngineConfig
-    from services.decoder.engine import Engine
-    from services.decoder.outputs import Delta
-    from services.decoder.params import SamplingParams, StoppingParams
-    from services.decoder.prompt import GenerateSpec
+    from services.decoder.engine.engine import Engine
+    from services.decoder.engine.outputs import Delta
+    from services.decoder.engine.params import SamplingParams, StoppingParams
+    from services.decoder.engine.prompt import GenerateSpec
 
     spec = GenerateSpec(
         [[5, 6, 7, 8]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=6, ignore_eos=True)

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.backend import BACKENDS, Backend, RecompileError
+from services.decoder.backends.backend import BACKENDS, Backend, RecompileError
 from services.decoder.config import EngineConfig
-from services.decoder.engine import Engine
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Delta, Event, Failed, Finished
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 from services.decoder.models.loader import LoadedModel
-from services.decoder.outputs import Delta, Event, Failed, Finished
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.prompt import EmbeddingPrompt, GenerateSpec
 
 AOT_EAGER: Backend = dataclasses.replace(BACKENDS["cpu"], compiler="aot_eager")
 STATIC = dict(

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from services.decoder.detokenizer import IncrementalDetokenizer, find_stop, num_held_chars
+from services.decoder.engine.detokenizer import IncrementalDetokenizer, find_stop, num_held_chars
 
 CORPUS = ["héllo wörld 你好 🙂", "hello world, hello again", "the quick brown fox says 你好"] * 20
 EOS = "<|eos|>"

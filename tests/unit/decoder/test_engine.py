@@ -11,11 +11,19 @@ import pytest
 import torch
 
 from services.decoder.config import EngineConfig
-from services.decoder.engine import Engine
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import (
+    Accepted,
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    OutputOptions,
+)
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 from services.decoder.models.loader import LoadedModel
-from services.decoder.outputs import Accepted, Delta, Event, Failed, Finished, FinishReason, OutputOptions
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 
 
 def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:

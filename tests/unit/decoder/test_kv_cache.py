@@ -7,8 +7,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.decoder.kv_cache import BlockManager, hash_block
-from services.decoder.request import Request, TokenSegment
+from services.decoder.engine.kv_cache import BlockManager, hash_block
+from services.decoder.engine.request import Request, TokenSegment
 from tests.unit.decoder.scheduling_helpers import embedding, make_request
 
 BLOCK_SIZE = 4

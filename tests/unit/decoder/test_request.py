@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.errors import InvalidArgument
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.request import (
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.request import (
     EmbeddingSegment,
     EmbeddingSpan,
     InvalidPromptError,

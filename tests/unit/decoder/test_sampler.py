@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from services.decoder.params import SamplingParams
-from services.decoder.sampler import (
+from services.decoder.engine.params import SamplingParams
+from services.decoder.engine.sampler import (
     Sampler,
     SamplingBatch,
     apply_min_p,

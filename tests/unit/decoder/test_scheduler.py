@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidArgument
-from services.decoder.kv_cache import BlockManager
-from services.decoder.request import RequestStatus, TokenSegment
-from services.decoder.scheduler import (
+from services.decoder.engine.kv_cache import BlockManager
+from services.decoder.engine.request import RequestStatus, TokenSegment
+from services.decoder.engine.scheduler import (
     QueueFullError,
     RequestTooLongError,
     Scheduler,
