@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from services.decoder.engine.kv_cache import BlockManager, hash_block
 from services.decoder.engine.request import Request, TokenSegment
-from tests.unit.decoder.scheduling_helpers import embedding, make_request
+from tests.unit.decoder.engine.scheduling_helpers import embedding, make_request
 
 BLOCK_SIZE = 4
 

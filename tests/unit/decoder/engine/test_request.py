@@ -14,7 +14,7 @@ from services.decoder.engine.request import (
     RequestStatus,
     TokenSegment,
 )
-from tests.unit.decoder.scheduling_helpers import digest, embedding
+from tests.unit.decoder.engine.scheduling_helpers import digest, embedding
 
 
 def test_segments_flatten_to_positions_with_token_mask_spans_and_digests() -> None:

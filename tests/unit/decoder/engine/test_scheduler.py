@@ -19,7 +19,7 @@ from services.decoder.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from tests.unit.decoder.scheduling_helpers import (
+from tests.unit.decoder.engine.scheduling_helpers import (
     FakeRunner,
     check_invariants,
     embedding,
