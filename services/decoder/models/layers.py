@@ -12,11 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.decoder.distributed.parallel import ParallelContext
 from services.decoder.models.config import Llama3RopeScaling
 from services.decoder.models.linear import Linear
 from services.decoder.models.native import NativeKernels
-from services.decoder.models.tensor_parallel import gather_sequence, row_parallel, world_size_of
+from services.decoder.models.tensor_parallel import (
+    ParallelGroup,
+    gather_sequence,
+    row_parallel,
+    world_size_of,
+)
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +89,7 @@ class SwiGLU(nn.Module):
     """gate/up column-parallel, down row-parallel: each rank holds intermediate_size / world_size."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, tp: ParallelContext | None = None
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp: ParallelGroup | None = None
     ) -> None:
         super().__init__()
         self.tp = tp
