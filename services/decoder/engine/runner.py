@@ -11,7 +11,7 @@ one of a known set of input signatures; warmup runs each once and `signatures` r
 Padding tokens write their KV into the reserved null block 0 and attend to it alone.
 
 Compiled static-shape mode (`compile_with` a backend) runs every decode-only bucket (num_tokens ==
-num_seqs) as a graph compiled at warmup, one per bucket (`backend.bucket_compiler`); steps with
+num_seqs) as a graph compiled at warmup, one per bucket (`backends/buckets.py`); steps with
 any prefill stay eager, because prefill attention loops over the host-side `query_lens` and
 `seq_lens`, whose values a graph would have to specialise on. After `seal()` a decode signature
 that warmup did not compile raises `RecompileError` rather than compiling in the middle of serving.
@@ -30,7 +30,8 @@ from typing import Protocol
 
 import torch
 
-from services.decoder.backends.backend import Backend, RecompileError, StepFn, bucket_compiler
+from services.decoder.backends.backend import Backend, RecompileError, StepFn
+from services.decoder.backends.buckets import bucket_compiler
 from services.decoder.engine.kv_cache import NULL_BLOCK_ID
 from services.decoder.engine.scheduler import StepPlan
 from services.decoder.models.attention import AttentionMetadata

@@ -18,7 +18,8 @@ import torch
 
 from services.decoder.api.main import config_from_args, main
 from services.decoder.backends import backend as backends
-from services.decoder.backends.backend import BACKENDS, BackendUnavailable, NeuronTracedBuckets
+from services.decoder.backends.backend import BACKENDS, BackendUnavailable
+from services.decoder.backends.neuron import NeuronTracedBuckets
 from services.decoder.config import DecoderConfig, EngineConfig
 from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import Delta
