@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from services.decoder.distributed.step_broadcast import StepSender, receive_step
-from services.decoder.engine.runner import ForwardBatch
+from services.decoder.engine.batch import ForwardBatch
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 

@@ -17,7 +17,7 @@ import enum
 import torch
 
 from services.decoder.distributed.parallel import ControlGroup
-from services.decoder.engine.runner import ForwardBatch
+from services.decoder.engine.batch import ForwardBatch
 from services.decoder.models.attention import AttentionMetadata
 
 

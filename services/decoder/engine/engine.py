@@ -32,8 +32,9 @@ from services.decoder.engine.mailbox import LoopMailbox
 from services.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputState
 from services.decoder.engine.prompt import GenerateSpec, build_request
 from services.decoder.engine.request import Request
-from services.decoder.engine.runner import ModelRunner, StaticShapes, power_of_two_buckets
+from services.decoder.engine.runner import ModelRunner
 from services.decoder.engine.scheduler import Scheduler, SchedulerConfig
+from services.decoder.engine.static_shapes import StaticShapes, power_of_two_buckets
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.loader import LoadedModel, load_model
 from services.decoder.models.tensor_parallel import world_size_of
