@@ -21,7 +21,7 @@ from opentelemetry import trace
 from common.client import DecoderClient, EncoderClient
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from common.telemetry import Telemetry, setup_telemetry
-from services.decoder.engine.engine import default_model_dir
+from services.decoder.models.default_model import default_model_dir
 
 
 def _free_port() -> int:

@@ -116,7 +116,7 @@ def config_from_args(argv: Sequence[str]) -> UpConfig:
 
 def _default_model() -> Path:
     """The embedded default model, written on first use (the encoder needs it on disk too)."""
-    from services.decoder.engine.engine import default_model_dir
+    from services.decoder.models.default_model import default_model_dir
 
     model_dir = default_model_dir()
     if not (model_dir / "config.json").exists():

@@ -33,7 +33,8 @@ from services.decoder.distributed.worker import (
     run_worker,
     spawn_local_ranks,
 )
-from services.decoder.engine.engine import Engine, default_model_dir
+from services.decoder.engine.engine import Engine
+from services.decoder.models.default_model import default_model_dir
 
 log = logging.getLogger("tandem.decoder")
 

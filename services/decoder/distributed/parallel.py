@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from services.decoder.backends import backend as backends
+from services.decoder.distributed.step_broadcast import StepSender
 
 # Recent torch names the tensor-in/tensor-out collectives *_single (2.13 warns on *_tensor); older
 # releases have only *_tensor.
@@ -95,6 +96,10 @@ class ParallelContext:
         self.group = group  # data plane; None = the default group
         self.control = control  # rank 0's step broadcasts
         self.timeout_s = timeout_s  # any collective waiting longer than this raises
+
+    def step_sender(self) -> StepSender:
+        """Rank 0's feed of every step to the other ranks' worker loops, on the control group."""
+        return StepSender(self.control)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place. x: any shape, the same on every rank."""

@@ -13,12 +13,19 @@ longer than the group timeout unless rank 0 is gone; STOP ends the worker loop.
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 import torch
 
-from services.decoder.distributed.parallel import ControlGroup
 from services.decoder.engine.batch import ForwardBatch
 from services.decoder.models.attention import AttentionMetadata
+
+
+class ControlChannel(Protocol):
+    """The control group's one operation; `parallel.ControlGroup` is the real one, tests replay a list."""
+
+    # Rank 0 sends `x`; the others receive into it (same shape and dtype) and get it back.
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Kind(enum.IntEnum):
@@ -35,7 +42,7 @@ HEADER_LEN = 8
 class StepSender:
     """Rank 0's side. Called from the engine thread only, in step order."""
 
-    def __init__(self, control: ControlGroup) -> None:
+    def __init__(self, control: ControlChannel) -> None:
         self.control = control
 
     def send(self, batch: ForwardBatch) -> None:
@@ -87,7 +94,7 @@ class StepSender:
 
 
 def receive_step(
-    control: ControlGroup, hidden_size: int, dtype: torch.dtype, device: torch.device
+    control: ControlChannel, hidden_size: int, dtype: torch.dtype, device: torch.device
 ) -> ForwardBatch | None:
     """A worker's side: the next step's batch, or None when rank 0 says STOP (keepalives skipped)."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int32)

@@ -31,8 +31,8 @@ from services.decoder.distributed.parallel import (
     init_parallel,
 )
 from services.decoder.distributed.step_broadcast import receive_step
-from services.decoder.engine.engine import num_kv_blocks
 from services.decoder.engine.runner import ModelRunner
+from services.decoder.engine.sizing import num_kv_blocks
 from services.decoder.models.loader import load_model
 
 log = logging.getLogger("tandem.decoder")

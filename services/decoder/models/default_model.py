@@ -196,3 +196,8 @@ def _random_weights(shape: ModelShape, vocab_size: int, seed: int) -> dict[str, 
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default model lives when no --model is given."""
+    return Path.home() / ".cache" / "tandem" / "models" / "tandem-tiny"
