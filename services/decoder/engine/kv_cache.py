@@ -103,11 +103,6 @@ class BlockManager:
         return self.num_total_blocks - len(self._free)
 
     @property
-    def num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache, held or evictable."""
-        return len(self._hash_to_block)
-
-    @property
     def usage(self) -> float:
         """Fraction of usable blocks held by requests, in [0, 1]."""
         return self.num_used_blocks / self.num_total_blocks
@@ -195,16 +190,6 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         request.block_ids.clear()
         self._num_registered.pop(request.request_id, None)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (e.g. after new weights). Refused (False) while any is held,
-        since a held block's hash may be what a running request is about to share."""
-        if self.num_used_blocks:
-            return False
-        for block in self._blocks:
-            block.hash = None
-        self._hash_to_block.clear()
-        return True
 
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -170,18 +170,5 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """[num_tokens] a new list; 0 at embedding positions."""
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def has_embeddings(self) -> bool:
-        return bool(self.embedding_spans)
-
-    @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished

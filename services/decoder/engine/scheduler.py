@@ -35,21 +35,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step, prefill and decode together
     max_model_len: int = 4096  # prompt + max_new_tokens of any one request
     max_waiting: int = 256  # waiting-queue bound; add_request raises QueueFullError beyond it
-    enable_chunked_prefill: bool = True  # a prompt may be split across steps
-    long_prefill_token_threshold: int = 0  # cap on one request's tokens per step; 0 disables
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be >= 0 (0 disables)")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            # Unchunked, a request is admitted whole: a longer one would wait forever.
-            raise ValueError(
-                f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
-            )
 
 
 @dataclass(frozen=True)
@@ -170,11 +160,6 @@ class Scheduler:
             request = self.waiting[0]
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget)
-            if (
-                num_cached_tokens + num_new_tokens < request.num_tokens
-                and not self.config.enable_chunked_prefill
-            ):
-                break
             if not self.block_manager.allocate_slots(request, num_new_tokens, computed_block_ids):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -234,11 +219,7 @@ class Scheduler:
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
-        threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < num_new_tokens:
-            num_new_tokens = threshold
-        return min(num_new_tokens, budget)
+        return min(request.num_tokens - num_computed_tokens, budget)
 
     def _preempt(self, request: Request) -> None:
         # Recompute, not swap: the outputs stay, and on resume prompt + outputs are prefilled

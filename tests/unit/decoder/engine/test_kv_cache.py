@@ -71,7 +71,7 @@ def test_failed_allocation_changes_nothing() -> None:
     assert admit(manager, holder)
     compute_all(manager, holder)
     manager.free(holder)  # its two full blocks stay cached (evictable)
-    free_before, cached_before = manager.num_free_blocks, manager.num_cached_blocks
+    free_before, cached_before = manager.num_free_blocks, first_block_ids(manager, list(range(8)))
 
     request = make_request("big", list(range(8)) + [9] * 8)  # hits 2 blocks, needs 2 more: only 1 left
     block_ids, num_cached = manager.get_computed_blocks(request)
@@ -79,7 +79,7 @@ def test_failed_allocation_changes_nothing() -> None:
     assert not manager.allocate_slots(request, request.num_tokens - num_cached, block_ids)
 
     assert request.block_ids == []
-    assert (manager.num_free_blocks, manager.num_cached_blocks) == (free_before, cached_before)
+    assert (manager.num_free_blocks, first_block_ids(manager, list(range(8)))) == (free_before, cached_before)
     assert all(manager.ref_count(b) == 0 for b in block_ids)
 
 
@@ -161,7 +161,7 @@ def test_freed_blocks_stay_cached_and_a_hit_revives_them() -> None:
     compute_all(manager, first)
     manager.free(first)
     assert manager.num_free_blocks == 9  # evictable blocks count as free
-    assert manager.num_cached_blocks == 2
+    assert len(first_block_ids(manager, list(range(8)))) == 2
 
     again = make_request("again", list(range(8)) + [99])
     assert admit(manager, again)
@@ -215,7 +215,7 @@ def test_duplicate_content_is_cached_once_and_the_copy_is_recycled_first() -> No
         assert admit(manager, request)
     for request in (a, b):
         compute_all(manager, request)
-    assert manager.num_cached_blocks == 1
+    assert first_block_ids(manager, list(range(4))) == a.block_ids[:1]  # b's copy is not registered
     manager.free(b)
     assert manager.allocate_slots(make_request("c", [1]), 1)
     assert first_block_ids(manager, list(range(4))) == a.block_ids[:1]
@@ -227,19 +227,6 @@ def test_disabled_prefix_caching_never_hits() -> None:
     assert admit(manager, first)
     compute_all(manager, first)
     assert manager.get_computed_blocks(make_request("again", list(range(9)))) == ([], 0)
-    assert manager.num_cached_blocks == 0
-
-
-def test_reset_prefix_cache_forgets_blocks_only_when_none_is_held() -> None:
-    manager = BlockManager(num_blocks=10, block_size=BLOCK_SIZE)
-    first = make_request("first", list(range(8)))
-    assert admit(manager, first)
-    compute_all(manager, first)
-    assert not manager.reset_prefix_cache()
-    manager.free(first)
-    assert manager.reset_prefix_cache()
-    assert manager.num_cached_blocks == 0
-    assert first_block_ids(manager, list(range(8))) == []
 
 
 # Operations for the random test: (kind, request index, token choice).

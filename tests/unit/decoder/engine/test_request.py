@@ -26,12 +26,11 @@ def test_segments_flatten_to_positions_with_token_mask_spans_and_digests() -> No
     assert request.is_token_ids == [True, True, False, False, True]
     assert request.embedding_spans == [EmbeddingSpan(start=2, end=4, rows=rows)]
     assert request.embedding_digests == {2: digest("a"), 3: digest("b")}
-    assert request.has_embeddings
 
 
 def test_token_only_prompt_has_no_embeddings() -> None:
     request = Request.from_segments("r", [TokenSegment([1, 2, 3])])
-    assert not request.has_embeddings
+    assert request.embedding_spans == []
     assert request.embedding_digests == {}
 
 
@@ -74,22 +73,13 @@ def test_direct_construction_checks_mask_length_and_digests() -> None:
         Request("r", prompt_token_ids=[0], is_token_ids=[False])
 
 
-def test_outputs_extend_num_tokens_and_all_token_ids() -> None:
+def test_outputs_extend_num_tokens() -> None:
     request = Request.from_segments("r", [TokenSegment([5, 6, 7])])
     request.output_token_ids += [1, 2]
 
     assert request.num_prompt_tokens == 3
     assert request.num_output_tokens == 2
     assert request.num_tokens == 5
-    assert request.all_token_ids == [5, 6, 7, 1, 2]
-
-
-def test_prefill_is_done_once_every_prompt_position_is_computed() -> None:
-    request = Request.from_segments("r", [TokenSegment([1, 2, 3])])
-    request.num_computed_tokens = 2
-    assert not request.is_prefill_done
-    request.num_computed_tokens = 3
-    assert request.is_prefill_done
 
 
 def test_new_request_is_waiting_with_no_blocks() -> None:

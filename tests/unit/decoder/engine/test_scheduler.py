@@ -125,29 +125,6 @@ def test_running_request_keeps_decoding_while_a_long_prompt_is_chunked() -> None
     assert scheduler.get_request("chat").output_token_ids == reference_outputs("chat", 1 + len(plans))
 
 
-def test_long_prefill_threshold_lets_two_prompts_share_a_step() -> None:
-    scheduler, _ = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16)
-    scheduler.add_request(make_request("a", list(range(40))))
-    scheduler.add_request(make_request("b", list(range(40))))
-    assert [item.num_new_tokens for item in scheduler.schedule().scheduled] == [16, 16]
-
-
-def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_in_whole() -> None:
-    scheduler, runner = make_scheduler(
-        num_blocks=200, max_num_batched_tokens=256, max_model_len=256, enable_chunked_prefill=False
-    )
-    scheduler.add_request(make_request("a", list(range(200)), max_new_tokens=2))
-    scheduler.add_request(make_request("b", list(range(100, 200)), max_new_tokens=2))
-    plan = run_step(scheduler, runner)
-    assert ids(plan) == ["a"]
-    assert [item.num_new_tokens for item in run_step(scheduler, runner).scheduled] == [1, 100]
-
-
-def test_chunked_prefill_off_needs_a_budget_of_max_model_len() -> None:
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, enable_chunked_prefill=False)
-
-
 def test_max_num_seqs_caps_the_running_set() -> None:
     scheduler, runner = make_scheduler(max_num_seqs=2)
     for name in "abc":
@@ -344,8 +321,6 @@ def test_embedding_prompts_share_batches_and_cache_with_token_prompts() -> None:
     num_blocks=st.integers(3, 40),
     budget=st.integers(4, 48),
     max_num_seqs=st.integers(1, 6),
-    chunked=st.booleans(),
-    threshold=st.sampled_from([0, 3]),
     prefix_caching=st.booleans(),
 )
 def test_random_workloads_keep_invariants_and_every_request_finishes(
@@ -354,22 +329,17 @@ def test_random_workloads_keep_invariants_and_every_request_finishes(
     num_blocks: int,
     budget: int,
     max_num_seqs: int,
-    chunked: bool,
-    threshold: int,
     prefix_caching: bool,
 ) -> None:
     rng = random.Random(seed)
-    max_model_len = 48 if chunked else budget
     scheduler, runner = make_scheduler(
         num_blocks,
         block_size,
         prefix_caching,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
-        max_model_len=max_model_len,
+        max_model_len=48,
         max_waiting=8,
-        enable_chunked_prefill=chunked,
-        long_prefill_token_threshold=threshold,
     )
     accepted, aborted = [], set()
     num_to_add = rng.randint(1, 16)
