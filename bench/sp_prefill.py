@@ -72,7 +72,6 @@ def prefill_batch(num_tokens: int, vocab_size: int) -> ForwardBatch:
     attn = AttentionMetadata(
         query_lens=[num_tokens],
         seq_lens=[num_tokens],
-        cu_query_lens=torch.tensor([0, num_tokens], dtype=torch.int32),
         seq_lens_t=torch.tensor([num_tokens], dtype=torch.int32),
         slot_mapping=torch.arange(BLOCK_SIZE, BLOCK_SIZE + num_tokens, dtype=torch.int64),
         block_tables=torch.arange(1, num_blocks + 1, dtype=torch.int32)[None, :],

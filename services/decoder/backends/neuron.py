@@ -48,7 +48,6 @@ class NeuronTracedBuckets:
         tensors = (
             input_ids,
             positions,
-            attn.cu_query_lens,
             attn.seq_lens_t,
             attn.slot_mapping,
             attn.block_tables,
@@ -63,11 +62,10 @@ class NeuronTracedBuckets:
                 raise RecompileError(f"decode bucket {key} was not traced at warmup")
             model = self.model
 
-            def step(ids, pos, cu, lens, slots, tables, rows, embeds, is_token, *caches):
+            def step(ids, pos, lens, slots, tables, rows, embeds, is_token, *caches):
                 meta = AttentionMetadata(
                     query_lens=[1] * num_seqs,
                     seq_lens=[1] * num_seqs,  # placeholders: decode attention reads seq_lens_t
-                    cu_query_lens=cu,
                     seq_lens_t=lens,
                     slot_mapping=slots,
                     block_tables=tables,

@@ -120,12 +120,9 @@ def receive_step(
             rows = control.broadcast(torch.empty(num_embeds, hidden_size, dtype=dtype))  # [E, hidden]
             inputs_embeds[offsets.long()] = rows
             is_token_ids[offsets.long()] = False
-    cu_query_lens = torch.zeros(s + 1, dtype=torch.int32)  # [S + 1]
-    cu_query_lens[1:] = query_lens.cumsum(0)
     attn = AttentionMetadata(
         query_lens=query_lens.tolist(),
         seq_lens=seq_lens.tolist(),
-        cu_query_lens=cu_query_lens.to(device),
         seq_lens_t=seq_lens.to(device),
         slot_mapping=slots.to(device, torch.int64),
         block_tables=tables.view(s, width).to(device),

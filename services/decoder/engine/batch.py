@@ -103,14 +103,10 @@ class BatchTensors:
         )
 
     def metadata(self, host: HostBatch, width: int) -> AttentionMetadata:
-        cu = [0]
-        for n in host.query_lens:
-            cu.append(cu[-1] + n)
         padded = [list(t[:width]) + [NULL_BLOCK_ID] * (width - len(t)) for t in host.block_tables]
         return AttentionMetadata(
             query_lens=host.query_lens,
             seq_lens=host.seq_lens,
-            cu_query_lens=self.tensor(cu, torch.int32),
             seq_lens_t=self.tensor(host.seq_lens, torch.int32),
             slot_mapping=self.tensor(host.slots, torch.int64),
             block_tables=self.tensor(padded, torch.int32),

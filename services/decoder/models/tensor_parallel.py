@@ -71,12 +71,6 @@ def world_size_of(tp: ParallelGroup | None) -> int:
     return 1 if tp is None else tp.world_size
 
 
-def sequence_window(num_tokens: int, rank: int, world_size: int) -> slice:
-    """Rank `rank`'s rows of a step's `num_tokens` packed positions under sequence parallelism."""
-    local_len = num_tokens // world_size
-    return slice(rank * local_len, (rank + 1) * local_len)
-
-
 def window_rows(x: torch.Tensor, rank: torch.Tensor, world_size: int) -> torch.Tensor:
     """Rank `rank`'s sequence window of x: [num_tokens, ...] -> [num_tokens / world_size, ...].
 

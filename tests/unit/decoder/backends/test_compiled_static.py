@@ -130,7 +130,6 @@ def _decode_metadata(runner, num_seqs: int):
     return AttentionMetadata(
         query_lens=[1] * num_seqs,
         seq_lens=[1] * num_seqs,
-        cu_query_lens=torch.arange(num_seqs + 1, dtype=torch.int32),
         seq_lens_t=torch.ones(num_seqs, dtype=torch.int32),
         slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),
         block_tables=torch.zeros(num_seqs, width, dtype=torch.int32),
