@@ -1,8 +1,9 @@
-"""tandem.v1 decoder messages <-> engine types (TGI's from_pb / to_pb), validation included.
+"""tandem.v1 decoder messages <-> engine types (TGI's from_pb / to_pb): conversion and nothing else.
 
-Every malformed field raises InvalidArgument naming it the way the proto does, e.g.
-`prompt[2].embeddings.shape`; value ranges are checked by the params' own `validate`, lengths
-and vocabulary by the engine, so the in-process API rejects exactly what the wire rejects.
+Every request rule is checked once, by the engine's request building (`engine/prompt.py`), so the
+in-process API rejects exactly what the wire rejects. What fails here is only what cannot be
+converted: a segment with nothing set, or an embedding tensor whose bytes do not match its dtype and
+shape (`common/tensors.py`). Errors name the field the way the proto does, e.g. `prompt[2].embeddings`.
 """
 
 from __future__ import annotations
@@ -12,14 +13,11 @@ import time
 import torch
 
 from common import tensors
-from common.errors import FailedPrecondition, InvalidArgument
+from common.errors import InvalidArgument
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from services.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
 from services.decoder.engine.params import SamplingParams, StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, PromptPart, TextPrompt
-
-MAX_REQUEST_ID_BYTES = 128
-MAX_TOKENIZE_TEXTS = 64
 
 _REASONS = {
     FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
@@ -32,42 +30,12 @@ _REASONS = {
 
 
 def spec_from_pb(
-    request: decoder_pb2.GenerateRequest,
-    hidden_size: int,
-    accepts_embeds: bool,
-    limits: tensors.TensorLimits,
-    time_remaining_s: float | None,
+    request: decoder_pb2.GenerateRequest, limits: tensors.TensorLimits, time_remaining_s: float | None
 ) -> GenerateSpec:
-    if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
-        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes")
-    if not request.prompt:
-        raise InvalidArgument("prompt", "must have at least one segment")
-    prompt: list[PromptPart] = []
-    for i, segment in enumerate(request.prompt):
-        kind = segment.WhichOneof("segment")
-        if kind == "token_ids":
-            prompt.append(list(segment.token_ids.ids))
-        elif kind == "text":
-            prompt.append(TextPrompt(segment.text))
-        elif kind == "embeddings":
-            if not accepts_embeds:
-                raise FailedPrecondition(
-                    f"prompt[{i}].embeddings", "prompt embeddings are disabled on this server"
-                )
-            rows = tensors.decode(
-                segment.embeddings,
-                f"prompt[{i}].embeddings",
-                rank=2,
-                last_dim=hidden_size,
-                check_finite=True,
-                limits=limits,
-            )
-            prompt.append(EmbeddingPrompt(rows))
-        else:
-            raise InvalidArgument(f"prompt[{i}]", "set one of token_ids, embeddings or text")
+    """The request as the engine takes it. Fails only where a field cannot be converted at all."""
     stopping, cap = _stopping_from_pb(request.stopping)
     return GenerateSpec(
-        prompt=prompt,
+        prompt=[_part_from_pb(segment, f"prompt[{i}]", limits) for i, segment in enumerate(request.prompt)],
         sampling=_sampling_from_pb(request.sampling, request.output),
         stopping=stopping,
         output=OutputOptions(
@@ -77,6 +45,18 @@ def spec_from_pb(
         deadline=None if time_remaining_s is None else time.monotonic() + time_remaining_s,
         cap_max_new_tokens=cap,
     )
+
+
+def _part_from_pb(segment: decoder_pb2.PromptSegment, field: str, limits: tensors.TensorLimits) -> PromptPart:
+    kind = segment.WhichOneof("segment")
+    if kind == "token_ids":
+        return list(segment.token_ids.ids)
+    if kind == "text":
+        return TextPrompt(segment.text)
+    if kind == "embeddings":
+        # Wire checks only (dtype, sizes against the byte count and `limits`); zero-copy.
+        return EmbeddingPrompt(tensors.decode(segment.embeddings, f"{field}.embeddings", limits=limits))
+    raise InvalidArgument(field, "set one of token_ids, embeddings or text")
 
 
 def _sampling_from_pb(s: decoder_pb2.SamplingParams, out: decoder_pb2.OutputOptions) -> SamplingParams:

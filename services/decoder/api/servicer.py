@@ -19,6 +19,8 @@ from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 
+MAX_TOKENIZE_TEXTS = 64
+
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
     def __init__(
@@ -62,13 +64,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         try:
             engine = self._engine()
             self._check_model(request.model)
-            spec = protocol.spec_from_pb(
-                request,
-                engine.model_config.hidden_size,
-                engine.config.enable_prompt_embeds,
-                self.tensor_limits,
-                context.time_remaining(),
-            )
+            spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
             num_embedding_positions = _num_embedding_positions(spec)
             if op is not None:
                 op.set(_request_attributes(spec, num_embedding_positions, self.world_size))
@@ -124,8 +120,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         self, request: decoder_pb2.DecoderTokenizeRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.DecoderTokenizeResponse:
         engine = self._engine()
-        if len(request.texts) > protocol.MAX_TOKENIZE_TEXTS:
-            raise InvalidArgument("texts", f"at most {protocol.MAX_TOKENIZE_TEXTS} texts per call")
+        if len(request.texts) > MAX_TOKENIZE_TEXTS:
+            raise InvalidArgument("texts", f"at most {MAX_TOKENIZE_TEXTS} texts per call")
         encodings = engine.tokenizer.encode_batch(
             list(request.texts), add_special_tokens=request.add_special_tokens
         )

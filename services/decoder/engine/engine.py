@@ -84,7 +84,6 @@ class Engine:
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
                 max_waiting=config.max_queue,
             ),
             block_manager,

@@ -1,8 +1,9 @@
-"""A generation as the engine takes it, and its prompt flattened into a Request.
+"""A generation as the engine takes it, and its prompt validated and flattened into a Request.
 
-The servicer converts protos into a GenerateSpec; `build_request` validates it against the model
-(vocabulary, hidden size, context) with errors that name the request field, tokenizes text, casts
-embedding rows to the model dtype and digests them for prefix caching.
+The servicer converts protos into a GenerateSpec (conversion only); `build_request` checks every
+request rule against the model, once, with errors that name the request field, tokenizes text, casts
+embedding rows to the model dtype and digests them for prefix caching. The gRPC and the in-process
+fronts therefore reject exactly the same requests.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import tokenizers
 import torch
 
+from common import tensors
 from common.errors import FailedPrecondition, InvalidArgument
 from services.decoder.engine.outputs import OutputOptions
 from services.decoder.engine.params import SamplingParams, StoppingParams
@@ -30,10 +32,12 @@ class TextPrompt:
 
 @dataclass(frozen=True)
 class EmbeddingPrompt:
-    rows: torch.Tensor  # [n, hidden_size], any float dtype; cast to the model dtype when scheduled
+    rows: torch.Tensor  # [n, hidden_size], any float dtype; build_request casts it to the model dtype
 
 
 PromptPart = list[int] | TextPrompt | EmbeddingPrompt  # a list of ints is token IDs
+
+MAX_REQUEST_ID_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -57,43 +61,69 @@ def build_request(
     max_model_len: int,
     enable_prompt_embeds: bool,
 ) -> Request:
-    """Flatten the prompt into positions; raises InvalidArgument naming the bad segment."""
-    if not spec.prompt:
-        raise InvalidArgument("prompt", "must have at least one segment")
+    """Validate the spec against the model and flatten its prompt into positions.
+
+    NOTE: every request rule is checked here, once, cheapest first: the request id and the sampling
+    and stopping values; each segment's emptiness, whether embeddings are accepted, and their shape;
+    then what reads every position (token ids against the vocabulary, tokenizing text) and the
+    context length; only then the embedding values (finite), cast to the model dtype (the one cast)
+    and digested for prefix caching. An empty prompt is Request's own rule. Errors name the request
+    field: InvalidArgument, or FailedPrecondition when embeddings are off.
+    """
+    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes")
     vocab = model_config.vocab_size
-    hidden = model_config.hidden_size
     spec.sampling.validate(vocab)
     spec.stopping.validate(vocab)
-    segments: list[TokenSegment | EmbeddingSegment] = []
     for i, part in enumerate(spec.prompt):
-        if isinstance(part, TextPrompt):
-            if not part.text:
-                raise InvalidArgument(f"prompt[{i}].text", "must not be empty")
-            segments.append(TokenSegment(tokenizer.encode(part.text, add_special_tokens=False).ids))
-        elif isinstance(part, EmbeddingPrompt):
-            if not enable_prompt_embeds:
-                raise FailedPrecondition(
-                    f"prompt[{i}].embeddings", "prompt embeddings are disabled on this server"
-                )
-            rows = part.rows
-            if rows.dim() != 2 or rows.shape[1] != hidden or rows.shape[0] < 1:
-                raise InvalidArgument(
-                    f"prompt[{i}].embeddings.shape",
-                    f"expected [n >= 1, {hidden}], got {list(rows.shape)}",
-                )
-            # Cast once here: the digest then keys what the model will actually see.
-            rows = rows.to(model_config.dtype)
-            segments.append(EmbeddingSegment(rows, rows.shape[0], _row_digests(rows)))
-        else:
-            if not part:
-                raise InvalidArgument(f"prompt[{i}].token_ids.ids", "must not be empty")
-            for j, token_id in enumerate(part):
-                if not 0 <= token_id < vocab:
-                    raise InvalidArgument(
-                        f"prompt[{i}].token_ids.ids[{j}]", f"token id {token_id} outside [0, {vocab})"
-                    )
-            segments.append(TokenSegment(list(part)))
-    num_positions = sum(len(s.ids) if isinstance(s, TokenSegment) else s.num_rows for s in segments)
+        _check_segment(i, part, model_config.hidden_size, enable_prompt_embeds)
+    positions = [_positions(i, part, tokenizer, vocab) for i, part in enumerate(spec.prompt)]
+    num_positions = sum(len(p) if isinstance(p, list) else p.shape[0] for p in positions)
+    stopping = _fit_context(spec, num_positions, max_model_len)
+    segments = [
+        TokenSegment(p) if isinstance(p, list) else _embedding_segment(i, p, model_config.dtype)
+        for i, p in enumerate(positions)
+    ]
+    return Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
+
+
+def _check_segment(i: int, part: PromptPart, hidden_size: int, enable_prompt_embeds: bool) -> None:
+    """The rules of one segment that cost nothing per position."""
+    if isinstance(part, TextPrompt):
+        if not part.text:
+            raise InvalidArgument(f"prompt[{i}].text", "must not be empty")
+    elif isinstance(part, EmbeddingPrompt):
+        if not enable_prompt_embeds:
+            raise FailedPrecondition(
+                f"prompt[{i}].embeddings", "prompt embeddings are disabled on this server"
+            )
+        rows = part.rows
+        if rows.dim() != 2 or rows.shape[1] != hidden_size or rows.shape[0] < 1:
+            raise InvalidArgument(
+                f"prompt[{i}].embeddings.shape", f"expected [n >= 1, {hidden_size}], got {list(rows.shape)}"
+            )
+    elif not part:
+        raise InvalidArgument(f"prompt[{i}].token_ids.ids", "must not be empty")
+
+
+def _positions(
+    i: int, part: PromptPart, tokenizer: tokenizers.Tokenizer, vocab_size: int
+) -> list[int] | torch.Tensor:
+    """A segment's token ids (text tokenized, ids checked against the vocabulary), or its rows as given."""
+    if isinstance(part, TextPrompt):
+        return tokenizer.encode(part.text, add_special_tokens=False).ids
+    if isinstance(part, EmbeddingPrompt):
+        return part.rows
+    for j, token_id in enumerate(part):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgument(
+                f"prompt[{i}].token_ids.ids[{j}]", f"token id {token_id} outside [0, {vocab_size})"
+            )
+    return list(part)
+
+
+def _fit_context(spec: GenerateSpec, num_positions: int, max_model_len: int) -> StoppingParams:
+    """The stopping params, max_new_tokens shrunk to the context when it was a default; else checked."""
     if num_positions >= max_model_len:
         raise InvalidArgument(
             "prompt",
@@ -101,18 +131,25 @@ def build_request(
         )
     stopping = spec.stopping
     if spec.cap_max_new_tokens and num_positions + stopping.max_new_tokens > max_model_len:
-        stopping = dataclasses.replace(
+        return dataclasses.replace(
             stopping,
             max_new_tokens=max_model_len - num_positions,
             min_new_tokens=min(stopping.min_new_tokens, max_model_len - num_positions),
         )
-    elif num_positions + stopping.max_new_tokens > max_model_len:
+    if num_positions + stopping.max_new_tokens > max_model_len:
         raise InvalidArgument(
             "stopping.max_new_tokens",
             f"prompt ({num_positions}) + max_new_tokens ({stopping.max_new_tokens}) exceeds "
             f"max_model_len {max_model_len}",
         )
-    return Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
+    return stopping
+
+
+def _embedding_segment(i: int, rows: torch.Tensor, dtype: torch.dtype) -> EmbeddingSegment:
+    tensors.require_finite(rows, f"prompt[{i}].embeddings")
+    # The one cast to the model dtype, before the digest: it then keys what the model will see.
+    rows = rows.to(dtype)
+    return EmbeddingSegment(rows, rows.shape[0], _row_digests(rows))
 
 
 def _row_digests(rows: torch.Tensor) -> list[bytes]:

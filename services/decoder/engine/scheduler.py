@@ -33,11 +33,10 @@ class RequestTooLongError(InvalidArgument, ValueError):
 class SchedulerConfig:
     max_num_seqs: int = 64  # requests in one step (running set size)
     max_num_batched_tokens: int = 2048  # token budget of one step, prefill and decode together
-    max_model_len: int = 4096  # prompt + max_new_tokens of any one request
     max_waiting: int = 256  # waiting-queue bound; add_request raises QueueFullError beyond it
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -100,18 +99,16 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (FCFS). Raises RequestTooLongError if it could never run here, and
-        QueueFullError when the waiting queue is at max_waiting."""
+        """Queue a request (FCFS). Raises RequestTooLongError if it could never fit in the KV pool, and
+        QueueFullError when the waiting queue is at max_waiting. Request building has checked it
+        against the model's context already (`prompt.build_request`)."""
         if request.request_id in self._requests:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in use")
         num_tokens = request.num_prompt_tokens + request.stopping.max_new_tokens
         # The last sampled token is never fed back, so its KV is never written.
         num_blocks = self.block_manager.num_blocks_for_tokens(num_tokens - 1)
-        max_model_len, num_total_blocks = self.config.max_model_len, self.block_manager.num_total_blocks
+        num_total_blocks = self.block_manager.num_total_blocks
         # Blame the prompt only when it is too long on its own; otherwise max_new_tokens asks too much.
-        if num_tokens > max_model_len:
-            field = "prompt" if request.num_prompt_tokens >= max_model_len else "stopping.max_new_tokens"
-            raise RequestTooLongError(field, "max_model_len", max_model_len, num_tokens)
         if num_blocks > num_total_blocks:
             too_long = self.block_manager.num_blocks_for_tokens(request.num_prompt_tokens) > num_total_blocks
             field = "prompt" if too_long else "stopping.max_new_tokens"

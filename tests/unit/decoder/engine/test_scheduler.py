@@ -36,7 +36,7 @@ def make_scheduler(
     prefix_caching: bool = True,
     **config: int | bool,
 ) -> tuple[Scheduler, FakeRunner]:
-    defaults: dict[str, int | bool] = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    defaults: dict[str, int | bool] = dict(max_num_seqs=8, max_num_batched_tokens=64)
     scheduler = Scheduler(
         SchedulerConfig(**(defaults | config)),  # type: ignore[arg-type]
         BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
@@ -90,9 +90,7 @@ def test_step_never_exceeds_token_budget() -> None:
 
 
 def test_long_prompt_is_chunked_to_the_budget() -> None:
-    scheduler, runner = make_scheduler(
-        num_blocks=400, block_size=16, max_num_batched_tokens=256, max_model_len=4096
-    )
+    scheduler, runner = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=256)
     scheduler.add_request(make_request("long", [i % 50 for i in range(3000)], max_new_tokens=2))
 
     plans = [run_step(scheduler, runner) for _ in range(math.ceil(3000 / 256))]
@@ -104,9 +102,7 @@ def test_long_prompt_is_chunked_to_the_budget() -> None:
 
 
 def test_running_request_keeps_decoding_while_a_long_prompt_is_chunked() -> None:
-    scheduler, runner = make_scheduler(
-        num_blocks=400, block_size=16, max_num_batched_tokens=256, max_model_len=4096
-    )
+    scheduler, runner = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=256)
     scheduler.add_request(make_request("chat", [1, 2, 3], max_new_tokens=40))
     run_step(scheduler, runner)  # chat's prefill
     scheduler.add_request(make_request("long", [i % 50 for i in range(3000)], max_new_tokens=2))
@@ -143,18 +139,6 @@ def test_add_request_raises_queue_full_at_max_waiting() -> None:
         scheduler.add_request(make_request("c", [1]))
     scheduler.schedule()  # a and b start running: the queue has room again
     scheduler.add_request(make_request("c", [1]))
-
-
-def test_request_over_max_model_len_is_rejected_naming_the_limit() -> None:
-    scheduler, _ = make_scheduler(max_model_len=16)
-    with pytest.raises(RequestTooLongError, match="max_model_len") as info:
-        scheduler.add_request(make_request("a", list(range(10)), max_new_tokens=7))
-    assert (info.value.limit_name, info.value.limit, info.value.value) == ("max_model_len", 16, 17)
-    assert info.value.field == "stopping.max_new_tokens"  # the prompt alone would fit
-    with pytest.raises(RequestTooLongError) as info:
-        scheduler.add_request(make_request("b", list(range(16)), max_new_tokens=1))
-    assert info.value.field == "prompt"
-    assert not scheduler.has_unfinished
 
 
 def test_request_needing_more_blocks_than_the_cache_is_rejected() -> None:
@@ -338,7 +322,6 @@ def test_random_workloads_keep_invariants_and_every_request_finishes(
         prefix_caching,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
-        max_model_len=48,
         max_waiting=8,
     )
     accepted, aborted = [], set()
