@@ -116,7 +116,7 @@ class BatchTensors:
     def embeds(self, num_tokens: int, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         embeds = torch.zeros(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         for offset, rows in pieces:
-            embeds[offset : offset + rows.shape[0]] = rows  # casts to the model dtype
+            embeds[offset : offset + rows.shape[0]] = rows  # a copy: build_request cast the rows already
         return embeds
 
     def tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:

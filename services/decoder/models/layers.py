@@ -110,10 +110,11 @@ def merge_prompt_embeds(
 ) -> torch.Tensor:
     """Replaces the rows of `h` whose position carries an embedding instead of a token ID.
 
-    h: [num_tokens, hidden_size] token embeddings; inputs_embeds: [num_tokens, hidden_size] in any
-    float dtype; is_token_ids: bool [num_tokens], True keeps the row of `h`. With all-True flags the
-    result is `h` bit for bit, so static-shape warmup with dummy inputs matches the token path.
+    h: [num_tokens, hidden_size] token embeddings; inputs_embeds: [num_tokens, hidden_size] in h's
+    dtype (request building casts embedding rows to the model dtype, once); is_token_ids: bool
+    [num_tokens], True keeps the row of `h`. With all-True flags the result is `h` bit for bit, so
+    static-shape warmup with dummy inputs matches the token path.
     """
     if inputs_embeds is None or is_token_ids is None:
         return h
-    return torch.where(is_token_ids[:, None], h, inputs_embeds.to(h.dtype))
+    return torch.where(is_token_ids[:, None], h, inputs_embeds)

@@ -158,7 +158,7 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,  # int32 or int64 [num_tokens]
         attn: AttentionMetadata,
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] any float dtype
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
     ) -> torch.Tensor:
         """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices.
