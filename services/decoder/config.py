@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.dtypes import DTYPES
 from common.server import ServerOptions
 from services.decoder.backends import backend as backends
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         backend = backends.resolve(self.device)
         if backend.requires_static_shapes and not (self.static_shapes and self.compile):
             raise ValueError(

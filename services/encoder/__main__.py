@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from common.auth import load_tokens
+from common.dtypes import DTYPES
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from common.server import ServerOptions, Service, TlsOptions, install_signal_handlers, start_server
 from common.telemetry import setup_telemetry
-from services.encoder.config import DEFAULT_PORT, DTYPES, EMBEDDERS, EncoderConfig
+from services.encoder.config import DEFAULT_PORT, EMBEDDERS, EncoderConfig
 from services.encoder.embedder import EmbedderLoadError, Pooling
 from services.encoder.loader import load_embedder
 from services.encoder.servicer import EncoderServicer

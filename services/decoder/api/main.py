@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from common.auth import load_tokens
+from common.dtypes import DTYPES
 from common.pb.tandem.v1 import decoder_pb2_grpc
 from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, TlsOptions, start_server
 from common.telemetry import setup_telemetry
 from services.decoder.api.servicer import DecoderServicer
 from services.decoder.backends.backend import BackendUnavailable, check_available, resolve
-from services.decoder.config import DTYPES, DecoderConfig, EngineConfig
+from services.decoder.config import DecoderConfig, EngineConfig
 from services.decoder.distributed.parallel import RankInfo, init_parallel
 from services.decoder.distributed.worker import (
     join_local_ranks,
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: the device's (bfloat16)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: the device's (bfloat16)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -19,16 +19,11 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from common.checkpoint import read_json
+from common.dtypes import DTYPES
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.registry import MODEL_CLASSES
 from services.decoder.models.tensor_parallel import CheckpointPart, ParallelGroup, check_shardable
 from services.decoder.models.transformer import DecoderModel
-
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 
 
 class ModelLoadError(ValueError):
