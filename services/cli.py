@@ -40,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return up_main(argv[1:])
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    from common.flags import add_client_security_flags
+
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -60,13 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--json", action="store_true", help="print each raw event as JSON")
-    gen.add_argument("--tls", action="store_true", help="use TLS (implied by --tls-ca/--tls-cert)")
-    gen.add_argument("--tls-ca", type=Path, help="PEM CA to trust for the server (default: system roots)")
-    gen.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM)")
-    gen.add_argument("--tls-key", type=Path, help="mutual TLS: client private key (PEM)")
-    gen.add_argument(
-        "--auth-token-file", type=Path, help="file holding the bearer token to send (its first one)"
-    )
+    add_client_security_flags(gen)
     gen.add_argument(
         "--trace",
         action="store_true",
@@ -126,7 +122,8 @@ async def _generate(args: argparse.Namespace) -> int:
 async def _stream_generation(args: argparse.Namespace, telemetry: Telemetry) -> int:
     import grpc
 
-    from common.client import ChannelSecurity, DecoderClient
+    from common.client import DecoderClient
+    from common.flags import client_security
     from common.pb.tandem.v1 import decoder_pb2
 
     request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text=args.prompt)])
@@ -136,9 +133,7 @@ async def _stream_generation(args: argparse.Namespace, telemetry: Telemetry) -> 
         if getattr(args, name) is not None:
             setattr(request.sampling, name, getattr(args, name))
     try:
-        security = ChannelSecurity.from_files(
-            args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file, is_tls=args.tls
-        )
+        security = client_security(args)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

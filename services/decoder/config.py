@@ -15,6 +15,8 @@ from common.dtypes import DTYPES
 from common.server import ServerOptions
 from services.decoder.backends import backend as backends
 
+DEFAULT_PORT = 50052
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -70,7 +72,7 @@ class DecoderConfig:
     """The decoder service: its engine plus how it is served."""
 
     engine: EngineConfig
-    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=50052))
+    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
     model_name: str = ""  # name reported by GetModelInfo and in traces; "" = model directory name.
     world_size: int = 1  # ranks the model runs on.
     collective_timeout_s: float = 60.0  # several ranks: a collective or step broadcast waiting longer fails.

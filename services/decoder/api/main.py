@@ -1,31 +1,31 @@
 """`tandem serve decoder` / `python -m services.decoder`: load the model, serve until SIGTERM.
 
 Every flag can also come from a `TANDEM_<FLAG>` environment variable (e.g. TANDEM_MAX_NUM_SEQS);
-a flag on the command line wins. The environment is read here, at start, never at import time.
+a flag on the command line wins (`common/flags.py`, shared with the encoder). The environment is read
+here, at start, never at import time.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from common.auth import load_tokens
 from common.dtypes import DTYPES
+from common.flags import ServiceArgumentParser, flag_bool, server_security
 from common.pb.tandem.v1 import decoder_pb2_grpc
-from common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, Service, TlsOptions, start_server
+from common.server import ServerOptions, Service, start_server
 from common.telemetry import setup_telemetry
 from services.decoder.api.servicer import DecoderServicer
 from services.decoder.backends.backend import BackendUnavailable, check_available, resolve
-from services.decoder.config import DecoderConfig, EngineConfig
+from services.decoder.config import DEFAULT_PORT, DecoderConfig, EngineConfig
 from services.decoder.distributed.parallel import RankInfo, init_parallel
 from services.decoder.distributed.worker import (
     join_local_ranks,
@@ -40,117 +40,79 @@ from services.decoder.models.default_model import default_model_dir
 log = logging.getLogger("tandem.decoder")
 
 
-def _flag_bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
+ENV_PREFIX = "TANDEM_"
+# Flag dests that are EngineConfig fields under the same name, and ServerOptions fields.
+_ENGINE_FLAGS = (
+    "dtype",
+    "device",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "max_queue",
+    "block_size",
+    "kv_cache_bytes",
+    "num_kv_blocks",
+    "enable_prefix_caching",
+    "native_kernels",
+    "enable_prompt_embeds",
+    "static_shapes",
+    "compile",
+    "num_threads",
+)
+_SERVER_FLAGS = ("host", "port", "max_message_bytes", "grace_s")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem serve decoder", description="Serve tandem.v1.Decoder over gRPC.")
-    p.add_argument(
-        "--model", type=Path, help="Hugging Face model directory (default: the embedded tiny model)"
-    )
-    p.add_argument("--model-name", default="", help="name reported to clients (default: the directory name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50052)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: the device's (bfloat16)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-queue", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-bytes", type=int, default=512 * 1024 * 1024, help="KV pool size in bytes")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides bytes)")
-    p.add_argument("--enable-prefix-caching", type=_flag_bool, default=True)
-    p.add_argument("--native-kernels", type=_flag_bool, default=True)
-    p.add_argument("--enable-prompt-embeds", type=_flag_bool, default=True)
-    p.add_argument(
-        "--static-shapes", type=_flag_bool, default=None, help="default: true on neuron, else false"
-    )
-    p.add_argument(
+def build_parser() -> ServiceArgumentParser:
+    """Every flag defaults to None: what is given neither here nor in TANDEM_* takes the config's default."""
+    p = ServiceArgumentParser(ENV_PREFIX, prog="tandem serve decoder", description="Serve tandem.v1.Decoder.")
+    p.add_flag("--model", "Hugging Face model directory (default: the embedded tiny model)", Path)
+    p.add_flag("--model-name", "name reported to clients (default: the directory name)")
+    p.add_flag("--host", "listen address")
+    p.add_flag("--port", "listen port", int)
+    p.add_flag("--device", "cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)")
+    p.add_flag("--dtype", "default: the device's (bfloat16)", choices=list(DTYPES))
+    p.add_flag("--max-num-seqs", "most requests in one step", int)
+    p.add_flag("--max-num-batched-tokens", "token budget of one step", int)
+    p.add_flag("--max-model-len", "context cap (default: the checkpoint's)", int)
+    p.add_flag("--max-queue", "waiting requests beyond this are refused", int)
+    p.add_flag("--block-size", "positions per KV block", int)
+    p.add_flag("--kv-cache-bytes", "KV pool size in bytes", int)
+    p.add_flag("--num-kv-blocks", "exact KV block count (overrides bytes)", int)
+    p.add_flag("--enable-prefix-caching", "reuse KV blocks of identical prompt prefixes", flag_bool)
+    p.add_flag("--native-kernels", "CPU: the C kernels for norms, RoPE and decode attention", flag_bool)
+    p.add_flag("--enable-prompt-embeds", "accept embedding segments", flag_bool)
+    p.add_flag("--static-shapes", "default: true on neuron, else false", flag_bool)
+    p.add_flag(
         "--compile",
-        type=_flag_bool,
-        default=None,
-        help="static shapes: compile each decode bucket at warmup (default: true on neuron, else false)",
+        "static shapes: compile each decode bucket at warmup (default: true on neuron, else false)",
+        flag_bool,
     )
-    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    p.add_argument("--grace-s", type=float, default=10.0, help="drain time for in-flight streams on SIGTERM")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=1,
-        help="ranks to shard the model over (spawned here unless torchrun)",
-    )
-    p.add_argument(
-        "--collective-timeout-s", type=float, default=60.0, help="several ranks: collective timeout"
-    )
-    p.add_argument("--tls-cert", type=Path, default=None, help="TLS: server certificate chain (PEM)")
-    p.add_argument("--tls-key", type=Path, default=None, help="TLS: server private key (PEM)")
-    p.add_argument(
-        "--tls-client-ca", type=Path, default=None, help="mutual TLS: CA that must sign client certificates"
-    )
-    p.add_argument(
-        "--auth-token-file",
-        type=Path,
-        default=None,
-        help="accepted bearer tokens, one per line; every call but health then needs one",
-    )
+    p.add_flag("--max-message-bytes", "largest gRPC message sent or received", int)
+    p.add_flag("--grace-s", "drain time for in-flight streams on SIGTERM", float)
+    p.add_flag("--num-threads", "torch intra-op threads", int)
+    p.add_flag("--world-size", "ranks to shard the model over (spawned here unless torchrun)", int)
+    p.add_flag("--collective-timeout-s", "several ranks: collective timeout", float)
+    p.add_server_security_flags()
     return p
 
 
-def _with_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        env_name = "TANDEM_" + action.dest.upper()
-        if env_name in environ:
-            raw = environ[env_name]
-            action.default = action.type(raw) if action.type else raw
-
-
-def config_from_args(argv: Sequence[str] | None, environ: dict[str, str] | None = None) -> DecoderConfig:
+def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str] | None = None) -> DecoderConfig:
+    """Flags first, then TANDEM_* variables, then the configs' defaults. Raises ValueError."""
     parser = build_parser()
-    _with_env_defaults(parser, dict(os.environ if environ is None else environ))
-    args = parser.parse_args(argv)
-    model_dir = args.model or default_model_dir()
-    backend = resolve(args.device)  # ValueError on an unknown device; imports no SDK
-    engine = EngineConfig(
-        model_dir=model_dir,
-        dtype=args.dtype or backend.default_dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        max_queue=args.max_queue,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        native_kernels=args.native_kernels,
-        enable_prompt_embeds=args.enable_prompt_embeds,
-        static_shapes=backend.requires_static_shapes if args.static_shapes is None else args.static_shapes,
-        compile=backend.requires_static_shapes if args.compile is None else args.compile,
-        num_threads=args.num_threads,
-    )
-    server = ServerOptions(
-        host=args.host,
-        port=args.port,
-        max_message_bytes=args.max_message_bytes,
-        grace_s=args.grace_s,
-        tls=TlsOptions.from_paths(args.tls_cert, args.tls_key, args.tls_client_ca),
-        auth_tokens=load_tokens(args.auth_token_file) if args.auth_token_file is not None else frozenset(),
-    )
+    values = parser.values(parser.parse_args(argv), os.environ if environ is None else environ)
+    model_dir = values.get("model") or default_model_dir()
+    backend = resolve(values.get("device", "cpu"))  # ValueError on an unknown device; imports no SDK
+    engine = {k: values[k] for k in _ENGINE_FLAGS if k in values}
+    engine.setdefault("dtype", backend.default_dtype)
+    engine.setdefault("static_shapes", backend.requires_static_shapes)
+    engine.setdefault("compile", backend.requires_static_shapes)
+    server = {"port": DEFAULT_PORT, **{k: values[k] for k in _SERVER_FLAGS if k in values}}
+    decoder = {k: values[k] for k in ("world_size", "collective_timeout_s") if k in values}
     return DecoderConfig(
-        engine=engine,
-        server=server,
-        model_name=args.model_name or Path(model_dir).name,
-        world_size=args.world_size,
-        collective_timeout_s=args.collective_timeout_s,
+        engine=EngineConfig(model_dir=model_dir, **engine),
+        server=ServerOptions(**server, **server_security(values)),
+        model_name=values.get("model_name") or Path(model_dir).name,
+        **decoder,
     )
 
 
