@@ -26,11 +26,10 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from common.auth import AuthInterceptor
+from common.channel import DEFAULT_MAX_MESSAGE_BYTES
 from common.status import ErrorInterceptor
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
 
 
 @dataclass(frozen=True)
@@ -80,18 +79,6 @@ class ServerOptions:
     interceptors: Sequence[grpc.aio.ServerInterceptor] = field(default_factory=tuple)  # e.g. tracing.
     tls: TlsOptions | None = None  # None: plaintext.
     auth_tokens: frozenset[str] = field(default=frozenset(), repr=False)  # accepted; empty: no auth.
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options for clients of our services: same size cap as the server, keepalive it permits."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
 
 
 def _server_options(max_message_bytes: int) -> list[tuple[str, Any]]:

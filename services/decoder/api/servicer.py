@@ -15,6 +15,7 @@ from common import tensors
 from common.errors import InvalidArgument, NotFound, Unavailable
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from services.decoder.api import protocol
+from services.decoder.api.engine_metrics import observe_engine
 from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
@@ -41,7 +42,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         self._telemetry = telemetry if telemetry is not None and telemetry.is_enabled else None
         self._metrics = otel.ServerMetrics(telemetry.meter) if self._telemetry is not None else None
         if self._telemetry is not None:
-            otel.observe_engine(self._telemetry.meter, lambda: self.engine)
+            observe_engine(self._telemetry.meter, lambda: self.engine)
 
     def _engine(self) -> Engine:
         if self.engine is None or not self.engine.is_healthy:
