@@ -40,6 +40,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return up_main(argv[1:])
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from services.demo import main as demo_main
+
+        return demo_main()
+    if args.command == "make-model":
+        from services.decoder.models.default_model import make_model
+
+        print(make_model(args.dir, shape=args.shape, seed=args.seed))
+        return 0
+    if args.command == "generate":
+        return asyncio.run(_generate(args))
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The commands that are not dispatched whole to another module (`serve`, `up`, `bench` are)."""
     from common.flags import add_client_security_flags
 
     parser = argparse.ArgumentParser(
@@ -72,20 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("demo", help="start both services, stream one generation, stop them")
     commands.add_parser("up", help="run both services in the foreground: tandem up --help")
     commands.add_parser("bench", help="run the benchmark harness: tandem bench --help")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from services.demo import main as demo_main
-
-        return demo_main()
-    if args.command == "make-model":
-        from services.decoder.models.default_model import make_model
-
-        print(make_model(args.dir, shape=args.shape, seed=args.seed))
-        return 0
-    if args.command == "generate":
-        return asyncio.run(_generate(args))
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return parser
 
 
 def _bench(args: list[str]) -> int:

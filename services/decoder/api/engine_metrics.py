@@ -1,9 +1,12 @@
-"""The decoder engine's gauges and counters, read from its scheduler and KV block manager at collection."""
+"""The decoder engine's gauges and counters, read from its scheduler and KV block manager at collection.
+
+The reads are of ints and container lengths, atomic under the GIL, so the engine lock is not taken:
+a reading may be a step old. While the engine loads there is nothing to read, and nothing is reported.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from opentelemetry import metrics
 
@@ -15,15 +18,19 @@ from common.semconv import (
     TANDEM_KV_BLOCK_STATE,
     TANDEM_REQUEST_STATE,
 )
+from services.decoder.engine.engine import Engine
+
+Readings = Iterable[metrics.Observation]
 
 
-def observe_engine(meter: metrics.Meter, engine: Callable[[], Any]) -> None:
-    """Observable instruments over a decoder engine's scheduler and KV block manager, read at collection
-    time. `engine()` returns the engine or None while it loads. The reads are of ints and container
-    lengths, atomic under the GIL, so the engine lock is not taken: a reading may be a step old."""
+class EngineReadings:
+    """One callback per instrument over `engine()`, which is the engine or None while it loads."""
 
-    def requests(_: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        current = engine()
+    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+        self.engine = engine
+
+    def requests(self, _: metrics.CallbackOptions) -> Readings:
+        current = self.engine()
         if current is None:
             return []
         scheduler = current.core.scheduler
@@ -32,8 +39,8 @@ def observe_engine(meter: metrics.Meter, engine: Callable[[], Any]) -> None:
             metrics.Observation(scheduler.num_waiting, {TANDEM_REQUEST_STATE: "waiting"}),
         ]
 
-    def blocks(_: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        current = engine()
+    def blocks(self, _: metrics.CallbackOptions) -> Readings:
+        current = self.engine()
         if current is None:
             return []
         manager = current.core.block_manager
@@ -43,32 +50,47 @@ def observe_engine(meter: metrics.Meter, engine: Callable[[], Any]) -> None:
             metrics.Observation(free, {TANDEM_KV_BLOCK_STATE: "free"}),
         ]
 
-    def prefix_counter(attribute: str) -> Callable[[metrics.CallbackOptions], Iterable[metrics.Observation]]:
-        def callback(_: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-            current = engine()
-            return (
-                []
-                if current is None
-                else [metrics.Observation(getattr(current.core.block_manager, attribute))]
-            )
+    def prefix_query_tokens(self, _: metrics.CallbackOptions) -> Readings:
+        current = self.engine()
+        return (
+            []
+            if current is None
+            else [metrics.Observation(current.core.block_manager.num_prefix_queries_tokens)]
+        )
 
-        return callback
+    def prefix_hit_tokens(self, _: metrics.CallbackOptions) -> Readings:
+        current = self.engine()
+        return (
+            []
+            if current is None
+            else [metrics.Observation(current.core.block_manager.num_prefix_hits_tokens)]
+        )
 
+
+def observe_engine(meter: metrics.Meter, engine: Callable[[], Engine | None]) -> None:
+    """Observable instruments over a decoder engine, read at collection time."""
+    readings = EngineReadings(engine)
     meter.create_observable_gauge(
-        TANDEM_ENGINE_REQUESTS, [requests], unit="{request}", description="Requests running and waiting"
+        TANDEM_ENGINE_REQUESTS,
+        [readings.requests],
+        unit="{request}",
+        description="Requests running and waiting",
     )
     meter.create_observable_gauge(
-        TANDEM_ENGINE_KV_BLOCKS, [blocks], unit="{block}", description="KV cache blocks used and free"
+        TANDEM_ENGINE_KV_BLOCKS,
+        [readings.blocks],
+        unit="{block}",
+        description="KV cache blocks used and free",
     )
     meter.create_observable_counter(
         TANDEM_ENGINE_PREFIX_CACHE_QUERY_TOKENS,
-        [prefix_counter("num_prefix_queries_tokens")],
+        [readings.prefix_query_tokens],
         unit="{token}",
         description="Prompt positions looked up in the prefix cache at admission",
     )
     meter.create_observable_counter(
         TANDEM_ENGINE_PREFIX_CACHE_HIT_TOKENS,
-        [prefix_counter("num_prefix_hits_tokens")],
+        [readings.prefix_hit_tokens],
         unit="{token}",
         description="Prompt positions served from the prefix cache",
     )

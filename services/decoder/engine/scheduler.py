@@ -128,10 +128,21 @@ class Scheduler:
         # prefills. When a running request cannot get blocks, the lowest-priority (latest-arrived)
         # running request is preempted and recomputed later; waiting requests are admitted only into
         # free blocks and never cause a preemption.
-        budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        # Admitting right after a preemption would only hand the freed blocks to a newcomer.
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return StepPlan(
+            scheduled=tuple(scheduled),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=tuple(preempted),
+            num_free_blocks_after=self.block_manager.num_free_blocks,
+        )
 
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+        """Advance the running requests in order, preempting from the back for blocks; the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -151,9 +162,11 @@ class Scheduler:
                 scheduled.append(self._scheduled(request, num_new_tokens))
                 budget -= num_new_tokens
                 i += 1
+        return budget
 
-        # Admitting right after a preemption would only hand the freed blocks to a newcomer.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit waiting requests in FCFS order into free blocks (cached prefix first); the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget)
@@ -167,13 +180,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new_tokens))
             budget -= num_new_tokens
-
-        return StepPlan(
-            scheduled=tuple(scheduled),
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            preempted_ids=tuple(preempted),
-            num_free_blocks_after=self.block_manager.num_free_blocks,
-        )
+        return budget
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> None:
         """Record that `plan` ran: advance each request and append its sampled token, if any.
