@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from common.dtypes import DTYPES
 from common.flags import ServiceArgumentParser, flag_bool, server_security
 from common.pb.tandem.v1 import decoder_pb2_grpc
-from common.server import ServerOptions, Service, start_server
+from common.server import ServerOptions, Service, install_signal_handlers, start_server
 from common.telemetry import setup_telemetry
 from services.decoder.api.servicer import DecoderServicer
 from services.decoder.backends.backend import BackendUnavailable, check_available, resolve
@@ -139,9 +138,7 @@ async def serve(
         [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
     )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    install_signal_handlers(lambda _: stop.set())
     log.info("loading %s (health NOT_SERVING until ready)", config.engine.model_dir)
     engine = await asyncio.to_thread(_load_engine, config, rank)
     # This thread only converts requests (small tensor ops): one intra-op thread, so it never holds
