@@ -127,7 +127,7 @@ class ParallelContext:
 def init_parallel(info: RankInfo, device: str, timeout_s: float) -> ParallelContext:
     """Joins the group (blocks until every rank has), returns this rank's context.
 
-    `device` picks the data-plane backend (`backend.py`: NCCL for CUDA, gloo on CPU).
+    `device` picks the data-plane backend (`backends/backend.py`: NCCL for CUDA, gloo on CPU).
     """
     if info.world_size < 2:
         raise ValueError("init_parallel is for world_size >= 2; one rank needs no process group")

@@ -3,7 +3,7 @@
 NOTE: the step is the unit of consistency. Everything that changes scheduling state (new requests,
 aborts, deadline expiry, finishes) happens between steps on the engine thread, under `lock`, so an
 abort frees its KV blocks at the next step boundary and a request's events always come out in order.
-`EngineCore` knows nothing about threads or asyncio: `engine.py` drives it.
+`EngineCore` knows nothing about threads or asyncio: `loop.py` steps it, `engine.py` feeds it.
 """
 
 from __future__ import annotations
