@@ -24,7 +24,7 @@ class EngineConfig:
 
     model_dir: Path  # a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     dtype: str = "bfloat16"  # compute and KV-cache dtype, one of DTYPES.
-    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (see backends/backend.py); checked, not imported.
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (backends/backend.py); checked, not imported.
     max_num_seqs: int = 64  # most requests in one step's batch.
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
     max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
