@@ -24,11 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from services.decoder.distributed.parallel import ParallelContext, RankInfo, free_port, init_parallel  # noqa: E402
+from services.decoder.engine.batch import ForwardBatch  # noqa: E402
+from services.decoder.engine.runner import ModelRunner  # noqa: E402
 from services.decoder.models.attention import AttentionMetadata  # noqa: E402
 from services.decoder.models.loader import load_model  # noqa: E402
 from services.decoder.models.random_model import make_model  # noqa: E402
-from services.decoder.parallel import ParallelContext, RankInfo, free_port, init_parallel  # noqa: E402
-from services.decoder.runner import ForwardBatch, ModelRunner  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -71,7 +72,6 @@ def prefill_batch(num_tokens: int, vocab_size: int) -> ForwardBatch:
     attn = AttentionMetadata(
         query_lens=[num_tokens],
         seq_lens=[num_tokens],
-        cu_query_lens=torch.tensor([0, num_tokens], dtype=torch.int32),
         seq_lens_t=torch.tensor([num_tokens], dtype=torch.int32),
         slot_mapping=torch.arange(BLOCK_SIZE, BLOCK_SIZE + num_tokens, dtype=torch.int64),
         block_tables=torch.arange(1, num_blocks + 1, dtype=torch.int32)[None, :],

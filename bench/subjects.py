@@ -88,7 +88,7 @@ class TandemSubject:
         """(generated tokens, wall seconds, median TTFT seconds)."""
         from decode_throughput import run_tandem
 
-        from services.decoder.prompt import EmbeddingPrompt
+        from services.decoder.engine.prompt import EmbeddingPrompt
 
         if embeds:
             table = self._table()

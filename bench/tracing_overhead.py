@@ -41,11 +41,11 @@ from common import telemetry as otel  # noqa: E402
 from common.client import DecoderClient  # noqa: E402
 from common.pb.tandem.v1 import decoder_pb2_grpc  # noqa: E402
 from common.server import RunningServer, ServerOptions, Service, start_server  # noqa: E402
+from services.decoder.api.servicer import DecoderServicer  # noqa: E402
 from services.decoder.config import EngineConfig  # noqa: E402
-from services.decoder.engine import Engine  # noqa: E402
+from services.decoder.engine.engine import Engine  # noqa: E402
 from services.decoder.models.loader import load_model  # noqa: E402
 from services.decoder.models.random_model import make_model  # noqa: E402
-from services.decoder.servicer import DecoderServicer  # noqa: E402
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 

@@ -26,11 +26,10 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from common.auth import AuthInterceptor
+from common.channel import DEFAULT_MAX_MESSAGE_BYTES
 from common.status import ErrorInterceptor
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
 
 
 @dataclass(frozen=True)
@@ -77,22 +76,9 @@ class ServerOptions:
     port: int = 0  # 0 = pick a free port (tests); the bound port is on RunningServer.port.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # send and receive cap, in bytes.
     grace_s: float = 10.0  # in-flight RPCs get this long to finish on shutdown.
-    max_concurrent_rpcs: int | None = None  # grpc answers RESOURCE_EXHAUSTED beyond it.
     interceptors: Sequence[grpc.aio.ServerInterceptor] = field(default_factory=tuple)  # e.g. tracing.
     tls: TlsOptions | None = None  # None: plaintext.
     auth_tokens: frozenset[str] = field(default=frozenset(), repr=False)  # accepted; empty: no auth.
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options for clients of our services: same size cap as the server, keepalive it permits."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
 
 
 def _server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -123,7 +109,6 @@ class RunningServer:
         self.health = health
         self.port = port
         self.service_names = names
-        self._stopped = asyncio.Event()
 
     @property
     def address(self) -> str:
@@ -140,10 +125,6 @@ class RunningServer:
         """Health NOT_SERVING, refuse new RPCs, give in-flight ones `grace_s`, then cancel them."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
 
 async def start_server(options: ServerOptions, services: Sequence[Service]) -> RunningServer:
@@ -152,7 +133,6 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
     server = grpc.aio.server(
         interceptors=[*auth, *options.interceptors, ErrorInterceptor()],
         options=_server_options(options.max_message_bytes),
-        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -197,16 +177,3 @@ def install_signal_handlers(on_signal: Callable[[signal.Signals], None]) -> None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-
-
-async def serve_until_signal(running: RunningServer, grace_s: float) -> None:
-    """Block until SIGTERM/SIGINT, then stop gracefully. Returns when the server has stopped."""
-    stop_requested = asyncio.Event()
-
-    def request_stop(sig: signal.Signals) -> None:
-        log.info("received %s: draining for up to %.1f s", sig.name, grace_s)
-        stop_requested.set()
-
-    install_signal_handlers(request_stop)
-    await stop_requested.wait()
-    await running.stop(grace_s)

@@ -8,6 +8,7 @@ bug: logged with its traceback and reported as INTERNAL without leaking internal
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,6 +49,18 @@ def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
         detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
         status.details.append(detail)
     return status
+
+
+def error_type(exc: BaseException) -> str:
+    """`error.type`: the gRPC status name a client sees (`INVALID_ARGUMENT`, `CANCELLED`, ...), or the
+    exception's class name for bugs (which the client sees as INTERNAL)."""
+    if isinstance(exc, errors.TandemError):
+        return code_pb2.Code.Name(to_status_proto(exc).code)
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "CANCELLED"
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code().name
+    return type(exc).__qualname__
 
 
 async def abort(context: grpc.aio.ServicerContext, error: errors.TandemError) -> None:

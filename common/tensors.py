@@ -110,13 +110,20 @@ def decode(
     if not _LITTLE_ENDIAN:
         flat = _byteswapped(flat)
     tensor = flat.view(shape)
-    if check_finite and torch_dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
-        first = int((~torch.isfinite(flat)).nonzero()[0, 0])
-        index = [int(i) for i in np.unravel_index(first, shape)]
-        raise InvalidArgument(
-            f"{field}.data", f"contains NaN or Inf (first at index {index}); values must be finite"
-        )
+    if check_finite:
+        require_finite(tensor, field)
     return tensor
+
+
+def require_finite(tensor: torch.Tensor, field: str) -> None:
+    """Raises InvalidArgument naming `field`.data and the first NaN or Inf; integer tensors pass."""
+    if not tensor.dtype.is_floating_point or bool(torch.isfinite(tensor).all()):
+        return
+    first = int((~torch.isfinite(tensor.reshape(-1))).nonzero()[0, 0])
+    index = [int(i) for i in np.unravel_index(first, tuple(tensor.shape))]
+    raise InvalidArgument(
+        f"{field}.data", f"contains NaN or Inf (first at index {index}); values must be finite"
+    )
 
 
 def encode(tensor: torch.Tensor | np.ndarray, dtype: torch.dtype | None = None) -> tensor_pb2.Tensor:

@@ -23,13 +23,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_throughput import make_prompts, run_tandem  # noqa: E402
-from services.decoder.backend import check_available  # noqa: E402
+from services.decoder.backends.backend import check_available  # noqa: E402
 from services.decoder.config import EngineConfig  # noqa: E402
-from services.decoder.engine import Engine  # noqa: E402
+from services.decoder.engine.engine import Engine  # noqa: E402
+from services.decoder.engine.outputs import Delta, OutputOptions  # noqa: E402
+from services.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
+from services.decoder.engine.prompt import GenerateSpec  # noqa: E402
 from services.decoder.models.random_model import make_model  # noqa: E402
-from services.decoder.outputs import Delta, OutputOptions  # noqa: E402
-from services.decoder.params import SamplingParams, StoppingParams  # noqa: E402
-from services.decoder.prompt import GenerateSpec  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "tandem" / "models"
 # Static mode: decode buckets at the benchmarked batch sizes, one spare for prefill padding sequences.

@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"] and len(argv) >= 2:
         if argv[1] == "decoder":
-            from services.decoder.__main__ import main as decoder_main
+            from services.decoder.api.main import main as decoder_main
 
             return decoder_main(argv[2:])
         if argv[1] == "encoder":
@@ -43,6 +43,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return up_main(argv[1:])
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from services.demo import main as demo_main
+
+        return demo_main()
+    if args.command == "make-model":
+        from services.decoder.models.random_model import make_model
+
+        try:
+            print(make_model(args.dir, shape=args.shape, seed=args.seed))
+        except ValueError as error:  # an unknown shape, named with the known ones
+            parser.error(str(error))
+        return 0
+    if args.command == "import-gguf":
+        return _import_gguf(args)
+    if args.command == "generate":
+        return asyncio.run(_generate(args))
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The commands that are not dispatched whole to another module (`serve`, `up`, `bench` are)."""
+    from common.flags import add_client_security_flags
+
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -71,13 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--json", action="store_true", help="print each raw event as JSON")
-    gen.add_argument("--tls", action="store_true", help="use TLS (implied by --tls-ca/--tls-cert)")
-    gen.add_argument("--tls-ca", type=Path, help="PEM CA to trust for the server (default: system roots)")
-    gen.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM)")
-    gen.add_argument("--tls-key", type=Path, help="mutual TLS: client private key (PEM)")
-    gen.add_argument(
-        "--auth-token-file", type=Path, help="file holding the bearer token to send (its first one)"
-    )
+    add_client_security_flags(gen)
     gen.add_argument(
         "--trace",
         action="store_true",
@@ -87,25 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("demo", help="start both services, stream one generation, stop them")
     commands.add_parser("up", help="run both services in the foreground: tandem up --help")
     commands.add_parser("bench", help="run the benchmark harness: tandem bench --help")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from services.demo import main as demo_main
-
-        return demo_main()
-    if args.command == "make-model":
-        from services.decoder.models.random_model import make_model
-
-        try:
-            print(make_model(args.dir, shape=args.shape, seed=args.seed))
-        except ValueError as error:  # an unknown shape, named with the known ones
-            parser.error(str(error))
-        return 0
-    if args.command == "import-gguf":
-        return _import_gguf(args)
-    if args.command == "generate":
-        return asyncio.run(_generate(args))
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return parser
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
@@ -158,7 +160,8 @@ async def _generate(args: argparse.Namespace) -> int:
 async def _stream_generation(args: argparse.Namespace, telemetry: Telemetry) -> int:
     import grpc
 
-    from common.client import ChannelSecurity, DecoderClient
+    from common.client import DecoderClient
+    from common.flags import client_security
     from common.pb.tandem.v1 import decoder_pb2
 
     request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text=args.prompt)])
@@ -168,9 +171,7 @@ async def _stream_generation(args: argparse.Namespace, telemetry: Telemetry) -> 
         if getattr(args, name) is not None:
             setattr(request.sampling, name, getattr(args, name))
     try:
-        security = ChannelSecurity.from_files(
-            args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file, is_tls=args.tls
-        )
+        security = client_security(args)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from common.flags import SERVER_SECURITY
+
 SERVICES = ("encoder", "decoder")
 
 
@@ -53,14 +55,10 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
         argv += ["--dtype", config.dtype]
     if service == "decoder" and config.world_size is not None:
         argv += ["--world-size", str(config.world_size)]
-    for flag, path in (
-        ("--tls-cert", config.tls_cert),
-        ("--tls-key", config.tls_key),
-        ("--tls-client-ca", config.tls_client_ca),
-        ("--auth-token-file", config.auth_token_file),
-    ):
+    for spec in SERVER_SECURITY:
+        path = getattr(config, spec.dest)
         if path is not None:
-            argv += [flag, str(path)]
+            argv += [spec.flag, str(path)]
     return argv
 
 
@@ -90,14 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds the services get to stop after SIGTERM before they are killed (default 30)",
     )
-    p.add_argument("--tls-cert", type=Path, metavar="FILE", help="both services: TLS certificate (PEM)")
-    p.add_argument("--tls-key", type=Path, metavar="FILE", help="both services: TLS private key (PEM)")
-    p.add_argument(
-        "--tls-client-ca", type=Path, metavar="FILE", help="both services: mutual TLS, the client CA (PEM)"
-    )
-    p.add_argument(
-        "--auth-token-file", type=Path, metavar="FILE", help="both services: accepted bearer tokens"
-    )
+    for spec in SERVER_SECURITY:
+        p.add_argument(spec.flag, type=Path, metavar="FILE", help=f"both services: {spec.help}")
     return p
 
 
@@ -111,10 +103,7 @@ def config_from_args(argv: Sequence[str]) -> UpConfig:
         dtype=args.dtype,
         world_size=args.world_size,
         grace_s=args.grace_s,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        auth_token_file=args.auth_token_file,
+        **{spec.dest: getattr(args, spec.dest) for spec in SERVER_SECURITY},
     )
 
 

@@ -7,7 +7,7 @@ const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
 const PROTOS_ROOT = path.resolve(__dirname, "..", "..", "protos");
-// Must match the servers' --max-message-bytes (common/server.py DEFAULT_MAX_MESSAGE_BYTES).
+// Must match the servers' --max-message-bytes (common/channel.py DEFAULT_MAX_MESSAGE_BYTES).
 const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 
 const definition = protoLoader.loadSync("tandem/v1/decoder.proto", {

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.dtypes import DTYPES
 from common.server import ServerOptions
-from services.decoder import backend as backends
+from services.decoder.backends import backend as backends
 
-DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_PORT = 50052
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class EngineConfig:
 
     model_dir: Path  # a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     dtype: str = "bfloat16"  # compute and KV-cache dtype, one of DTYPES.
-    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (see backend.py); checked, not imported.
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (backends/backend.py); checked, not imported.
     max_num_seqs: int = 64  # most requests in one step's batch.
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
     max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
@@ -44,7 +45,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         backend = backends.resolve(self.device)
         if backend.requires_static_shapes and not (self.static_shapes and self.compile):
             raise ValueError(
@@ -71,7 +72,7 @@ class DecoderConfig:
     """The decoder service: its engine plus how it is served."""
 
     engine: EngineConfig
-    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=50052))
+    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
     model_name: str = ""  # name reported by GetModelInfo and in traces; "" = model directory name.
     world_size: int = 1  # ranks the model runs on.
     collective_timeout_s: float = 60.0  # several ranks: a collective or step broadcast waiting longer fails.

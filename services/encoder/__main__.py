@@ -1,10 +1,10 @@
 """`python -m services.encoder`: serve one embedder over gRPC until SIGTERM or SIGINT.
 
 Every flag can also come from a `TANDEM_ENCODER_<FLAG>` environment variable (e.g. `--max-input-tokens`
-from TANDEM_ENCODER_MAX_INPUT_TOKENS), read in `main` when the flag is not given, never at import
-time. The server listens first, with health NOT_SERVING, and turns SERVING once the embedder has
-loaded, so orchestrators can tell "starting" from "dead". Exit codes: 0 after a signal, 1 when the
-embedder cannot be loaded or the port bound, 2 for bad flags.
+from TANDEM_ENCODER_MAX_INPUT_TOKENS), read in `main` when the flag is not given (`common/flags.py`,
+shared with the decoder), never at import time. The server listens first, with health NOT_SERVING,
+and turns SERVING once the embedder has loaded, so orchestrators can tell "starting" from "dead".
+Exit codes: 0 after a signal, 1 when the embedder cannot be loaded or the port bound, 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from common.auth import load_tokens
+from common.dtypes import DTYPES
+from common.flags import SERVER_SECURITY, ServiceArgumentParser, server_security
 from common.model_cache import default_model_file, model_display_name, resolve_model
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
-from common.server import ServerOptions, Service, TlsOptions, install_signal_handlers, start_server
+from common.server import ServerOptions, Service, install_signal_handlers, start_server
 from common.telemetry import setup_telemetry
-from services.encoder.config import DEFAULT_PORT, DTYPES, EMBEDDERS, EncoderConfig
+from services.encoder.config import DEFAULT_PORT, EMBEDDERS, EncoderConfig
 from services.encoder.embedder import EmbedderLoadError, Pooling
 from services.encoder.loader import load_embedder
 from services.encoder.servicer import EncoderServicer
@@ -34,98 +34,64 @@ log = logging.getLogger("services.encoder")
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "tandem.v1.Encoder"
 ENV_PREFIX = "TANDEM_ENCODER_"
-# Flag dest -> how its string value (flag or environment variable) is parsed.
-_TYPES: dict[str, Callable[[str], Any]] = {
-    "model": Path,
-    "embedder": str,
-    "adapter": Path,
-    "encoder_model": Path,
-    "projector": Path,
-    "pooling": Pooling,
-    "dtype": str,
-    "max_input_tokens": int,
-    "model_name": str,
-    "host": str,
-    "port": int,
-    "max_message_bytes": int,
-    "grace_s": float,
-    "tls_cert": Path,
-    "tls_key": Path,
-    "tls_client_ca": Path,
-    "auth_token_file": Path,
+_SERVER_FLAGS = ("host", "port", "max_message_bytes", "grace_s")  # become ServerOptions fields
+# Flag dest -> EncoderConfig field, where they differ.
+_RENAMED = {
+    "model": "model_dir",
+    "adapter": "adapter_dir",
+    "encoder_model": "encoder_model_dir",
+    "projector": "projector_path",
 }
-_SECURITY = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")  # become ServerOptions fields
 
 
-def env_var(dest: str) -> str:
-    return ENV_PREFIX + dest.upper()
-
-
-def build_parser(prog: str = "python -m services.encoder") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m services.encoder") -> ServiceArgumentParser:
     """Every flag defaults to None so that `config_from_args` can tell "not given" apart."""
-    parser = argparse.ArgumentParser(
+    parser = ServiceArgumentParser(
+        ENV_PREFIX,
         prog=prog,
         description="Serve tandem.v1.Encoder: text or token IDs -> embeddings in a decoder's hidden space.",
-        epilog=f"Each flag may instead be set by {ENV_PREFIX}<FLAG>, e.g. {env_var('max_input_tokens')}.",
     )
-
-    def add(flag: str, description: str, **kwargs: Any) -> None:
-        dest = flag.removeprefix("--").replace("-", "_")
-        parser.add_argument(flag, type=_TYPES[dest], help=f"{description} [{env_var(dest)}]", **kwargs)
-
+    add = parser.add_flag
     add(
         "--model",
         "decoder checkpoint directory or .gguf file (default: the decoder's default, SmolLM2-135M-Instruct)",
+        Path,
         metavar="PATH",
     )
     add("--embedder", "embedder kind (default lookup)", choices=EMBEDDERS)
-    add("--adapter", "soft-prompt: PEFT prompt-tuning adapter directory", metavar="DIR")
-    add("--encoder-model", "projector: Hugging Face encoder model directory", metavar="DIR")
-    add("--projector", "projector: safetensors projector weights", metavar="FILE")
-    add("--pooling", "pooling when a request leaves it unspecified (default none)", choices=list(Pooling))
+    add("--adapter", "soft-prompt: PEFT prompt-tuning adapter directory", Path, metavar="DIR")
+    add("--encoder-model", "projector: Hugging Face encoder model directory", Path, metavar="DIR")
+    add("--projector", "projector: safetensors projector weights", Path, metavar="FILE")
+    add(
+        "--pooling",
+        "pooling when a request leaves it unspecified (default none)",
+        Pooling,
+        choices=list(Pooling),
+    )
     add("--dtype", "native dtype of the embeddings (default bfloat16)", choices=list(DTYPES))
-    add("--max-input-tokens", "most positions per Embed call (default 8192)", metavar="N")
-    add("--model-name", "name reported and checked (default: the model directory's name)")
+    add("--max-input-tokens", "most positions per Embed call (default 8192)", int, metavar="N")
+    add("--model-name", "name reported and checked (default: the model directory's or file's name)")
     add("--host", "listen address (default 127.0.0.1; 0.0.0.0 in containers)")
-    add("--port", f"listen port (default {DEFAULT_PORT}; 0 = any free port)")
-    add("--max-message-bytes", "largest gRPC message sent or received", metavar="N")
-    add("--grace-s", "seconds in-flight RPCs get to finish on shutdown", metavar="S")
-    add("--tls-cert", "TLS: server certificate chain (PEM)", metavar="FILE")
-    add("--tls-key", "TLS: server private key (PEM)", metavar="FILE")
-    add("--tls-client-ca", "mutual TLS: CA that must sign client certificates", metavar="FILE")
-    add("--auth-token-file", "accepted bearer tokens, one per line (health stays open)", metavar="FILE")
+    add("--port", f"listen port (default {DEFAULT_PORT}; 0 = any free port)", int)
+    add("--max-message-bytes", "largest gRPC message sent or received", int, metavar="N")
+    add("--grace-s", "seconds in-flight RPCs get to finish on shutdown", float, metavar="S")
+    parser.add_server_security_flags()
     return parser
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> EncoderConfig:
     """Flags first, then TANDEM_ENCODER_* variables, then the config's defaults. Raises ValueError."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for dest, parse in _TYPES.items():
-        value = getattr(args, dest, None)
-        raw = environ.get(env_var(dest))
-        if value is None and raw:
-            try:
-                value = parse(raw)
-            except ValueError as e:
-                raise ValueError(f"{env_var(dest)}={raw!r}: {e}") from None
-        if value is not None:
-            values[dest] = value
+    parser = build_parser()
+    values = parser.values(args, os.environ if environ is None else environ)
     if "model" not in values:
         values["model"] = default_model_file()  # the decoder's default: same table and tokenizer
     values.setdefault("model_name", model_display_name(values["model"]))
-    server = {k: values[k] for k in ("host", "port", "max_message_bytes", "grace_s") if k in values}
-    security = {k: values.pop(k, None) for k in _SECURITY}
-    server["tls"] = TlsOptions.from_paths(
-        security["tls_cert"], security["tls_key"], security["tls_client_ca"]
-    )
-    if security["auth_token_file"] is not None:
-        server["auth_tokens"] = load_tokens(security["auth_token_file"])
-    renamed = {"adapter": "adapter_dir", "encoder_model": "encoder_model_dir", "projector": "projector_path"}
-    fields = {renamed.get(k, k): v for k, v in values.items() if k not in server}
-    return EncoderConfig(
-        model_dir=fields.pop("model"), server=ServerOptions(**{"port": DEFAULT_PORT, **server}), **fields
-    )
+    server = {"port": DEFAULT_PORT, **{k: values.pop(k) for k in _SERVER_FLAGS if k in values}}
+    server.update(server_security(values))
+    for spec in SERVER_SECURITY:
+        values.pop(spec.dest, None)
+    fields = {_RENAMED.get(k, k): v for k, v in values.items()}
+    return EncoderConfig(server=ServerOptions(**server), **fields)
 
 
 async def serve(config: EncoderConfig) -> None:

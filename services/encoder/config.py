@@ -12,15 +12,11 @@ from pathlib import Path
 
 import torch
 
+from common.dtypes import DTYPES
 from common.server import ServerOptions
 from services.encoder.embedder import Pooling
 
 EMBEDDERS = ("lookup", "soft-prompt", "projector")
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 DEFAULT_PORT = 50051
 
 

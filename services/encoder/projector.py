@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from services.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool
@@ -29,7 +28,6 @@ from services.encoder.lookup import read_model_shape
 LLAVA_PREFIX = "model.mm_projector."
 LINEAR_KEYS = frozenset({"weight", "bias"})
 MLP_KEYS = frozenset({"0.weight", "0.bias", "2.weight", "2.bias"})
-LAYOUTS = ("linear", "mlp")
 
 
 def load_projector(path: Path) -> nn.Module:
@@ -77,36 +75,6 @@ def load_projector(path: Path) -> nn.Module:
             )
     projector.load_state_dict(state, assign=True)
     return projector.train(False).requires_grad_(False)  # inference mode
-
-
-def write_random_projector(
-    path: Path, in_features: int, out_features: int, layout: str = "mlp", seed: int = 0, prefix: str = ""
-) -> Path:
-    """Writes a RANDOMLY INITIALISED projector: its output is meaningless. For tests and demos only.
-
-    `layout` is "linear" or "mlp"; `prefix` (e.g. LLAVA_PREFIX) is prepended to every key.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    generator = torch.Generator().manual_seed(seed)
-
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * std
-
-    if layout == "linear":
-        state = {
-            "weight": normal(out_features, in_features, std=in_features**-0.5),
-            "bias": normal(out_features, std=0.02),
-        }
-    else:
-        state = {
-            "0.weight": normal(out_features, in_features, std=in_features**-0.5),
-            "0.bias": normal(out_features, std=0.02),
-            "2.weight": normal(out_features, out_features, std=out_features**-0.5),
-            "2.bias": normal(out_features, std=0.02),
-        }
-    save_file({prefix + key: value for key, value in state.items()}, str(path), {"format": "pt"})
-    return path
 
 
 def _linears(projector: nn.Module) -> list[nn.Linear]:

@@ -11,15 +11,17 @@ from pathlib import Path
 import torch
 
 from services.decoder.config import EngineConfig
-from services.decoder.engine import Engine
+from services.decoder.distributed.parallel import ParallelContext
+from services.decoder.distributed.worker import run_steps
+from services.decoder.engine.batch import ForwardBatch
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Delta, Failed, Finished, OutputOptions
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
+from services.decoder.engine.runner import ModelRunner
+from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
 from services.decoder.models.loader import load_model
 from services.decoder.models.transformer import DecoderModel
-from services.decoder.outputs import Delta, Failed, Finished, OutputOptions
-from services.decoder.parallel import ParallelContext
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
-from services.decoder.runner import ForwardBatch, ModelRunner, pad_for_sequence_parallel
-from services.decoder.worker import run_steps
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 Chunk = tuple[str, list[int], torch.Tensor | None]  # sequence key, token ids, rows [n, hidden] or None

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2
 
 from common import tensors
 from common.client import DecoderClient
-from services.decoder.parallel import free_port
+from services.decoder.distributed.parallel import free_port
 
 
 class DecoderProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.engine import Engine
+from services.decoder.engine.engine import Engine
 from services.decoder.models.loader import load_model
 
 from . import scenarios

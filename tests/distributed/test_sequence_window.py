@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.kv_cache import NULL_BLOCK_ID
+from services.decoder.engine.batch import ForwardBatch
+from services.decoder.engine.kv_cache import NULL_BLOCK_ID
+from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
 from services.decoder.models.layers import merge_prompt_embeds
 from services.decoder.models.loader import ModelLoadError, load_model
-from services.decoder.models.tensor_parallel import local_rows, sequence_window
-from services.decoder.runner import ForwardBatch, pad_for_sequence_parallel
+from services.decoder.models.tensor_parallel import local_rows
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 
@@ -38,7 +39,6 @@ def test_rank_windows_are_the_global_inputs_cut_at_rank_times_local_len(world_si
     for rank in range(world_size):
         tp = FakeRank(rank, world_size)
         window = slice(rank * local_len, (rank + 1) * local_len)
-        assert sequence_window(num_tokens, rank, world_size) == window
         assert torch.equal(local_rows(inputs_embeds, tp, sp=True), inputs_embeds[window])
         assert torch.equal(local_rows(is_token_ids, tp, sp=True), is_token_ids[window])
         assert local_rows(inputs_embeds, tp, sp=False) is inputs_embeds  # decode: no slicing
@@ -52,7 +52,7 @@ def test_merging_each_window_then_concatenating_equals_the_global_merge() -> Non
     windows = []
     for rank in range(2):
         tp = FakeRank(rank, 2)
-        h_local = h[sequence_window(10, rank, 2)]
+        h_local = h[rank * 5 : (rank + 1) * 5]
         embeds_local, is_token_local = local_rows(inputs_embeds, tp, True), local_rows(is_token_ids, tp, True)
         windows.append(merge_prompt_embeds(h_local, embeds_local, is_token_local))
     assert torch.equal(torch.cat(windows), merge_prompt_embeds(h, inputs_embeds, is_token_ids))

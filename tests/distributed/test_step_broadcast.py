@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.decoder.runner import ForwardBatch
-from services.decoder.step_broadcast import StepSender, receive_step
+from services.decoder.distributed.step_broadcast import StepSender, receive_step
+from services.decoder.engine.batch import ForwardBatch
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 
@@ -52,7 +52,7 @@ def _assert_same(got: ForwardBatch, want: ForwardBatch) -> None:
         assert (a is None) == (b is None), name
         if b is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), name
-    for name in ("cu_query_lens", "seq_lens_t", "slot_mapping", "block_tables", "logits_indices"):
+    for name in ("seq_lens_t", "slot_mapping", "block_tables", "logits_indices"):
         a, b = getattr(got.attn, name), getattr(want.attn, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert got.attn.query_lens == want.attn.query_lens and got.attn.seq_lens == want.attn.seq_lens

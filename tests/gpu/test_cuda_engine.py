@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.decoder.config import EngineConfig
-from services.decoder.engine import Engine
-from services.decoder.outputs import Delta
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.prompt import EmbeddingPrompt, GenerateSpec
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Delta
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 
 pytestmark = pytest.mark.gpu
 

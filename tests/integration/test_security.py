@@ -30,7 +30,7 @@ from common.client import ChannelSecurity, DecoderClient, EncoderClient
 from common.pb.tandem.v1 import decoder_pb2, encoder_pb2
 from common.server import ServerOptions, TlsOptions
 from services import cli
-from services.decoder.__main__ import config_from_args as decoder_config
+from services.decoder.api.main import config_from_args as decoder_config
 from services.decoder.models.loader import LoadedModel
 from services.encoder.__main__ import build_parser as encoder_parser
 from services.encoder.__main__ import config_from_args as encoder_config

@@ -22,10 +22,10 @@ from common import telemetry as otel
 from common.client import DecoderClient, EncoderClient, prompt_segments
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2_grpc
 from common.server import RunningServer, ServerOptions, Service, start_server
+from services.decoder.api.servicer import DecoderServicer
 from services.decoder.config import EngineConfig
-from services.decoder.engine import Engine
+from services.decoder.engine.engine import Engine
 from services.decoder.models.loader import LoadedModel
-from services.decoder.servicer import DecoderServicer
 from services.encoder.config import EncoderConfig
 from services.encoder.lookup import LookupEmbedder
 from services.encoder.servicer import EncoderServicer

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from services.decoder.__main__ import build_parser as decoder_parser
+from services.decoder.api.main import build_parser as decoder_parser
 from services.encoder.__main__ import build_parser as encoder_parser
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()

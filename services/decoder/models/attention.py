@@ -36,7 +36,6 @@ class AttentionMetadata:
 
     query_lens: list[int]  # host: tokens scheduled this step per sequence (packed in this order)
     seq_lens: list[int]  # host: context length per sequence after this step (cached + scheduled)
-    cu_query_lens: torch.Tensor  # int32 [num_seqs + 1] offsets of each sequence in the packed batch
     seq_lens_t: torch.Tensor  # int32 [num_seqs] same as seq_lens, on the device
     slot_mapping: torch.Tensor  # int64 [num_tokens] KV slot (block_id * block_size + offset) per new token
     # int32 [num_seqs, max_blocks_per_seq] block ids of each sequence, padded with 0. Its width sets the

@@ -42,7 +42,6 @@ class ModelConfig:
     tie_word_embeddings: bool  # the LM head reuses embed_tokens.weight
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]  # generation EOS ids (generation_config.json, else config.json)
-    bos_token_id: int | None
     dtype: torch.dtype  # weights, activations and KV cache
     attention_bias: bool = False  # biases on the q/k/v/o projections
     mlp_bias: bool = False  # biases on the gate/up/down projections
@@ -102,7 +101,6 @@ class ModelConfig:
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             max_position_embeddings=_require(hf_config, "max_position_embeddings"),
             eos_token_ids=_as_ids(eos),
-            bos_token_id=(generation_config or {}).get("bos_token_id", hf_config.get("bos_token_id")),
             dtype=dtype,
             attention_bias=bool(hf_config.get("attention_bias", False)),
             mlp_bias=bool(hf_config.get("mlp_bias", False)),

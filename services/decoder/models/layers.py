@@ -15,8 +15,12 @@ from torch import nn
 from services.decoder.models.config import Llama3RopeScaling
 from services.decoder.models.linear import Linear
 from services.decoder.models.native import NativeKernels
-from services.decoder.models.tensor_parallel import gather_sequence, row_parallel, world_size_of
-from services.decoder.parallel import ParallelContext
+from services.decoder.models.tensor_parallel import (
+    ParallelGroup,
+    gather_sequence,
+    row_parallel,
+    world_size_of,
+)
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +89,7 @@ class SwiGLU(nn.Module):
     """gate/up column-parallel, down row-parallel: each rank holds intermediate_size / world_size."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, tp: ParallelContext | None = None
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp: ParallelGroup | None = None
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -106,10 +110,11 @@ def merge_prompt_embeds(
 ) -> torch.Tensor:
     """Replaces the rows of `h` whose position carries an embedding instead of a token ID.
 
-    h: [num_tokens, hidden_size] token embeddings; inputs_embeds: [num_tokens, hidden_size] in any
-    float dtype; is_token_ids: bool [num_tokens], True keeps the row of `h`. With all-True flags the
-    result is `h` bit for bit, so static-shape warmup with dummy inputs matches the token path.
+    h: [num_tokens, hidden_size] token embeddings; inputs_embeds: [num_tokens, hidden_size] in h's
+    dtype (request building casts embedding rows to the model dtype, once); is_token_ids: bool
+    [num_tokens], True keeps the row of `h`. With all-True flags the result is `h` bit for bit, so
+    static-shape warmup with dummy inputs matches the token path.
     """
     if inputs_embeds is None or is_token_ids is None:
         return h
-    return torch.where(is_token_ids[:, None], h, inputs_embeds.to(h.dtype))
+    return torch.where(is_token_ids[:, None], h, inputs_embeds)

@@ -3,7 +3,7 @@
 The model is built on the meta device, so no memory is allocated until each weight is read from
 safetensors (memory-mapped), checked against the shape the model expects, cast, moved to the device
 and assigned in place of the meta tensor: every weight exists once, in its final dtype. Pickle-based
-files (`*.bin`, `torch.load`) are never read. With a ParallelContext each rank reads only its shard of
+files (`*.bin`, `torch.load`) are never read. With a ParallelGroup each rank reads only its shard of
 each tensor (safetensors `get_slice`), so no rank ever holds the whole model.
 """
 
@@ -19,17 +19,11 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from common.checkpoint import read_json
+from common.dtypes import DTYPES
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.registry import MODEL_CLASSES
-from services.decoder.models.tensor_parallel import CheckpointPart, check_shardable
+from services.decoder.models.tensor_parallel import CheckpointPart, ParallelGroup, check_shardable
 from services.decoder.models.transformer import DecoderModel
-from services.decoder.parallel import ParallelContext
-
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 
 
 class ModelLoadError(ValueError):
@@ -47,7 +41,7 @@ def load_model(
     model_dir: str | Path,
     dtype: str = "bfloat16",
     device: str | torch.device = "cpu",
-    tp: ParallelContext | None = None,
+    tp: ParallelGroup | None = None,
 ) -> LoadedModel:
     """Reads config, generation config, tokenizer and weights from a checkpoint directory.
 

@@ -64,7 +64,7 @@ SHAPES: dict[str, ModelShape] = {
         vocab_size=None,
         max_position_embeddings=4096,
     ),
-    # The shape of shared/notes/cpu-decode-performance.md, for benchmarks.
+    # A small model of realistic proportions (Qwen3-like, 41.6M parameters), for benchmarks.
     "bench-small": ModelShape(
         hidden_size=512,
         intermediate_size=1536,

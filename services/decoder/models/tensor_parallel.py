@@ -15,6 +15,7 @@ Every helper is the identity (or the plain layer) when `tp` is None, so one rank
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,29 @@ from torch import nn
 
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.linear import Linear, linear
-from services.decoder.parallel import ParallelContext
+
+
+class ParallelGroup(Protocol):
+    """What the layers need of their rank's group; the decoder passes `distributed.parallel.ParallelContext`.
+
+    Declared here, not imported, so that models/ depends on nothing else in the decoder.
+    """
+
+    rank: int  # this rank, 0-based
+    world_size: int  # ranks the model is sharded over
+    rank_tensor: torch.Tensor  # the rank as a 0-dim int64 tensor, so one traced graph serves every rank
+
+    # Sum over ranks, in place.
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    # [local_len, ...] -> [local_len * world_size, ...], rank order along dim 0.
+    def all_gather_seq(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    # [num_tokens, ...] partial sums -> this rank's window [num_tokens / world_size, ...] of the sum.
+    def reduce_scatter_seq(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    # [..., n] -> [..., n * world_size], rank order along the last dim.
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -44,14 +67,8 @@ def check_shardable(config: ModelConfig, world_size: int) -> None:
             )
 
 
-def world_size_of(tp: ParallelContext | None) -> int:
+def world_size_of(tp: ParallelGroup | None) -> int:
     return 1 if tp is None else tp.world_size
-
-
-def sequence_window(num_tokens: int, rank: int, world_size: int) -> slice:
-    """Rank `rank`'s rows of a step's `num_tokens` packed positions under sequence parallelism."""
-    local_len = num_tokens // world_size
-    return slice(rank * local_len, (rank + 1) * local_len)
 
 
 def window_rows(x: torch.Tensor, rank: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -64,19 +81,19 @@ def window_rows(x: torch.Tensor, rank: torch.Tensor, world_size: int) -> torch.T
     return x.index_select(0, rank * local_len + torch.arange(local_len, device=x.device))
 
 
-def local_rows(x: torch.Tensor | None, tp: ParallelContext | None, sp: bool) -> torch.Tensor | None:
+def local_rows(x: torch.Tensor | None, tp: ParallelGroup | None, sp: bool) -> torch.Tensor | None:
     """This rank's sequence window of a per-position tensor (`inputs_embeds`, `is_token_ids`)."""
     if x is None or tp is None or not sp:
         return x
     return window_rows(x, tp.rank_tensor, tp.world_size)
 
 
-def gather_sequence(x: torch.Tensor, tp: ParallelContext | None, sp: bool) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, tp: ParallelGroup | None, sp: bool) -> torch.Tensor:
     """Input of a column-parallel block: [local_len, hidden] -> [num_tokens, hidden] under SP."""
     return tp.all_gather_seq(x) if tp is not None and sp else x
 
 
-def row_parallel(projection: Linear, x: torch.Tensor, tp: ParallelContext | None, sp: bool) -> torch.Tensor:
+def row_parallel(projection: Linear, x: torch.Tensor, tp: ParallelGroup | None, sp: bool) -> torch.Tensor:
     """A row-parallel projection, summed over ranks: to sequence slices under SP, replicated otherwise.
 
     x: [num_tokens, in_features / world_size] -> [local_len or num_tokens, out_features]. The bias is
@@ -90,7 +107,7 @@ def row_parallel(projection: Linear, x: torch.Tensor, tp: ParallelContext | None
 
 
 def rows_for_logits(
-    h: torch.Tensor, indices: torch.Tensor, tp: ParallelContext | None, sp: bool
+    h: torch.Tensor, indices: torch.Tensor, tp: ParallelGroup | None, sp: bool
 ) -> torch.Tensor:
     """The rows whose logits are wanted. h: [local_len or num_tokens, hidden] -> [num_logits, hidden].
 
@@ -107,7 +124,7 @@ def rows_for_logits(
 
 
 def vocab_parallel_logits(
-    h: torch.Tensor, head: torch.Tensor, tp: ParallelContext | None, packed_head: torch.Tensor | None = None
+    h: torch.Tensor, head: torch.Tensor, tp: ParallelGroup | None, packed_head: torch.Tensor | None = None
 ) -> torch.Tensor:
     """h: [num_logits, hidden], head: [vocab / world_size, hidden] -> float32 [num_logits, vocab]."""
     logits = linear(h, head, packed_weight=packed_head)  # [num_logits, vocab / world_size]
@@ -119,7 +136,7 @@ def vocab_parallel_logits(
 class VocabParallelEmbedding(nn.Embedding):
     """The token embedding with this rank's rows of the vocabulary: [vocab / world_size, hidden]."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelContext | None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelGroup | None) -> None:
         num_local = vocab_size // world_size_of(tp)
         super().__init__(num_local, hidden_size)
         self.tp = tp

@@ -3,7 +3,7 @@
 Parameter names follow the Hugging Face checkpoints (minus the leading "model."), except that
 q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj`: one GEMM each instead of three and
 two. `checkpoint_parts` tells the loader which checkpoint tensors (and which shard of each) make up
-each parameter. With a ParallelContext the model holds this rank's shard only; where the collectives
+each parameter. With a ParallelGroup the model holds this rank's shard only; where the collectives
 go is described in `tensor_parallel.py`. Without one (a single rank) the forward is the plain model.
 """
 
@@ -27,6 +27,7 @@ from services.decoder.models.linear import Linear, can_prepack, pack_weight
 from services.decoder.models.native import NativeKernels
 from services.decoder.models.tensor_parallel import (
     CheckpointPart,
+    ParallelGroup,
     VocabParallelEmbedding,
     checkpoint_parts,
     gather_sequence,
@@ -36,13 +37,12 @@ from services.decoder.models.tensor_parallel import (
     vocab_parallel_logits,
     world_size_of,
 )
-from services.decoder.parallel import ParallelContext
 
 
 class Attention(nn.Module):
     """QKV column-parallel (this rank's query and KV heads), o_proj row-parallel."""
 
-    def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelContext | None) -> None:
+    def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelGroup | None) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads = config.num_heads // world_size_of(tp)  # on this rank
@@ -108,7 +108,7 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelContext | None) -> None:
+    def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, use_qk_norm, tp)
@@ -134,7 +134,7 @@ class DecoderModel(nn.Module):
 
     use_qk_norm: ClassVar[bool] = False  # per-head RMSNorm on queries and keys before RoPE
 
-    def __init__(self, config: ModelConfig, tp: ParallelContext | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp  # None: one rank, the whole model here
@@ -158,7 +158,7 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,  # int32 or int64 [num_tokens]
         attn: AttentionMetadata,
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] any float dtype
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
     ) -> torch.Tensor:
         """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices.

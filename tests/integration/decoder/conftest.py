@@ -11,10 +11,10 @@ import pytest
 from common.client import DecoderClient
 from common.pb.tandem.v1 import decoder_pb2_grpc
 from common.server import RunningServer, ServerOptions, Service, start_server
+from services.decoder.api.servicer import DecoderServicer
 from services.decoder.config import EngineConfig
-from services.decoder.engine import Engine
+from services.decoder.engine.engine import Engine
 from services.decoder.models.loader import LoadedModel
-from services.decoder.servicer import DecoderServicer
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 

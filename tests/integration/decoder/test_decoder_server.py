@@ -14,9 +14,9 @@ from grpc_status import rpc_status
 
 from common import tensors
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from services.decoder.outputs import Delta
-from services.decoder.params import SamplingParams, StoppingParams
-from services.decoder.prompt import GenerateSpec, TextPrompt
+from services.decoder.engine.outputs import Delta
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import GenerateSpec, TextPrompt
 
 from .conftest import Served, serve, shutdown
 

@@ -8,8 +8,9 @@ import grpc
 import pytest
 import torch
 
+from common.channel import channel_options
 from common.pb.tandem.v1 import encoder_pb2_grpc
-from common.server import RunningServer, ServerOptions, Service, channel_options, start_server
+from common.server import RunningServer, ServerOptions, Service, start_server
 from services.encoder.__main__ import SERVICE_NAME
 from services.encoder.config import EncoderConfig
 from services.encoder.lookup import LookupEmbedder

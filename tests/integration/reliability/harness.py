@@ -16,12 +16,13 @@ from typing import Any
 import grpc
 import torch
 
+from common.channel import channel_options
 from common.pb.tandem.v1 import decoder_pb2_grpc, encoder_pb2_grpc
-from common.server import RunningServer, ServerOptions, Service, TlsOptions, channel_options, start_server
+from common.server import RunningServer, ServerOptions, Service, TlsOptions, start_server
+from services.decoder.api.servicer import DecoderServicer
 from services.decoder.config import EngineConfig
-from services.decoder.engine import Engine
+from services.decoder.engine.engine import Engine
 from services.decoder.models.loader import LoadedModel
-from services.decoder.servicer import DecoderServicer
 from services.encoder.config import EncoderConfig
 from services.encoder.lookup import LookupEmbedder
 from services.encoder.servicer import EncoderServicer

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2
 from common.client import DecoderClient, EncoderClient
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from common.server import RunningServer, ServerOptions, Service, start_server
-from services.decoder.servicer import DecoderServicer
+from services.decoder.api.servicer import DecoderServicer
 
 from .harness import MAX_MESSAGE_BYTES, Services
 

@@ -10,7 +10,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from common import errors
-from common.server import RunningServer, ServerOptions, Service, channel_options, start_server
+from common.channel import channel_options
+from common.server import RunningServer, ServerOptions, Service, start_server
 
 MAX_BYTES = 1024 * 1024
 

@@ -127,7 +127,6 @@ def test_rows_sent_as_embeddings_reproduce_the_token_path(tiny_model: Path) -> N
         attn = AttentionMetadata(
             query_lens=[num_tokens],
             seq_lens=[num_tokens],
-            cu_query_lens=torch.tensor([0, num_tokens], dtype=torch.int32),
             seq_lens_t=torch.tensor([num_tokens], dtype=torch.int32),
             slot_mapping=torch.arange(num_tokens) + block_size,
             block_tables=torch.tensor([[1]], dtype=torch.int32),

@@ -8,12 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from services.encoder.embedder import EmbedderLoadError, Pooling
-from services.encoder.projector import (
-    LLAVA_PREFIX,
-    ProjectorEmbedder,
-    load_projector,
-    write_random_projector,
-)
+from services.encoder.projector import LLAVA_PREFIX, ProjectorEmbedder, load_projector
+from tests.unit.encoder.helpers import write_random_projector
 
 DECODER_HIDDEN = 64  # the tiny checkpoint's hidden size
 MINILM_HIDDEN = 384

@@ -52,16 +52,15 @@ class PagedAllocator:
             block_lists.append(blocks)
         width = max(len(b) for b in block_lists)
         block_tables = torch.tensor([b + [0] * (width - len(b)) for b in block_lists], dtype=torch.int32)
-        cu_query_lens = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        last_rows = torch.tensor(query_lens).cumsum(0) - 1  # packed index of each sequence's last token
         num_tokens = sum(query_lens)
         return AttentionMetadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
-            cu_query_lens=cu_query_lens,
             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_tables=block_tables,
-            logits_indices=torch.arange(num_tokens) if all_logits else cu_query_lens[1:].long() - 1,
+            logits_indices=torch.arange(num_tokens) if all_logits else last_rows,
         )
 
 

@@ -18,19 +18,19 @@ def test_merge_prompt_embeds_returns_h_itself_when_there_are_no_embeddings() -> 
     assert merge_prompt_embeds(h, None, torch.ones(3, dtype=torch.bool)) is h
 
 
-def test_merge_prompt_embeds_takes_embedding_rows_cast_to_the_model_dtype() -> None:
+def test_merge_prompt_embeds_takes_the_embedding_rows_where_flags_are_false() -> None:
     h = torch.randn(4, 8).bfloat16()
-    embeds = torch.randn(4, 8)  # float32 into a bf16 stream
+    embeds = torch.randn(4, 8).bfloat16()  # already in the model dtype, as the runner sends them
     is_token_ids = torch.tensor([True, False, False, True])
     merged = merge_prompt_embeds(h, embeds, is_token_ids)
     assert merged.dtype == torch.bfloat16
     assert torch.equal(merged[[0, 3]], h[[0, 3]])
-    assert torch.equal(merged[[1, 2]], embeds[[1, 2]].bfloat16())
+    assert torch.equal(merged[[1, 2]], embeds[[1, 2]])
 
 
 def test_merge_prompt_embeds_with_dummy_inputs_is_bitwise_the_token_path() -> None:
     h = torch.randn(5, 8).bfloat16()
-    merged = merge_prompt_embeds(h, torch.zeros(5, 8), torch.ones(5, dtype=torch.bool))
+    merged = merge_prompt_embeds(h, torch.zeros(5, 8, dtype=torch.bfloat16), torch.ones(5, dtype=torch.bool))
     assert torch.equal(merged, h)
 
 

@@ -40,20 +40,11 @@ def test_different_embeddings_change_the_logits_from_their_position_on(qwen3_fp3
     assert (mixed[3:] - tokens[3:]).abs().amax(-1).gt(1e-3).all()
 
 
-def test_float32_embeddings_into_a_bfloat16_model_are_cast(checkpoints: dict[str, Checkpoint]) -> None:
-    model = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
-    embeds = model.embed_tokens(torch.tensor(EMBEDDED))
-    as_bf16 = mixed_prompt_logits(model, embeds)
-    as_fp32 = mixed_prompt_logits(model, embeds.float())
-    assert torch.equal(as_fp32, as_bf16)
-    assert torch.equal(as_fp32, token_logits(model))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dummy_inputs_give_exactly_the_token_path(checkpoints: dict[str, Checkpoint], dtype: str) -> None:
     model = load_model(checkpoints["qwen3"].path, dtype=dtype).model
     run_dummy, run_plain = PagedRun(model), PagedRun(model)
-    zeros = torch.zeros(len(PROMPT), model.config.hidden_size)
+    zeros = torch.zeros(len(PROMPT), model.config.hidden_size, dtype=model.config.dtype)
     all_true = torch.ones(len(PROMPT), dtype=torch.bool)
     dummy = run_dummy.step([("s", PROMPT)], True, zeros, all_true)
     plain = run_plain.step([("s", PROMPT)], all_logits=True)

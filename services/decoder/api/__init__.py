@@ -1,0 +1,1 @@
+"""The gRPC edge: entry point and flags, the thin servicer, proto <-> engine conversion."""

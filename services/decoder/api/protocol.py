@@ -1,0 +1,135 @@
+"""tandem.v1 decoder messages <-> engine types (TGI's from_pb / to_pb): conversion and nothing else.
+
+Every request rule is checked once, by the engine's request building (`engine/prompt.py`), so the
+in-process API rejects exactly what the wire rejects. What fails here is only what cannot be
+converted: a segment with nothing set, or an embedding tensor whose bytes do not match its dtype and
+shape (`common/tensors.py`). Errors name the field the way the proto does, e.g. `prompt[2].embeddings`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common import tensors
+from common.errors import InvalidArgument
+from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from services.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, PromptPart, TextPrompt
+
+_REASONS = {
+    FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: decoder_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP_SEQUENCE: decoder_pb2.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.STOP_TOKEN: decoder_pb2.FINISH_REASON_STOP_TOKEN,
+    FinishReason.CONTEXT_LIMIT: decoder_pb2.FINISH_REASON_CONTEXT_LIMIT,
+    FinishReason.ABORTED: decoder_pb2.FINISH_REASON_ABORTED,
+}
+
+
+def spec_from_pb(
+    request: decoder_pb2.GenerateRequest, limits: tensors.TensorLimits, time_remaining_s: float | None
+) -> GenerateSpec:
+    """The request as the engine takes it. Fails only where a field cannot be converted at all."""
+    stopping, cap = _stopping_from_pb(request.stopping)
+    return GenerateSpec(
+        prompt=[_part_from_pb(segment, f"prompt[{i}]", limits) for i, segment in enumerate(request.prompt)],
+        sampling=_sampling_from_pb(request.sampling, request.output),
+        stopping=stopping,
+        output=OutputOptions(
+            include_text=not request.output.omit_text, stream_interval=max(1, request.output.stream_interval)
+        ),
+        request_id=request.request_id,
+        deadline=None if time_remaining_s is None else time.monotonic() + time_remaining_s,
+        cap_max_new_tokens=cap,
+    )
+
+
+def _part_from_pb(segment: decoder_pb2.PromptSegment, field: str, limits: tensors.TensorLimits) -> PromptPart:
+    kind = segment.WhichOneof("segment")
+    if kind == "token_ids":
+        return list(segment.token_ids.ids)
+    if kind == "text":
+        return TextPrompt(segment.text)
+    if kind == "embeddings":
+        # Wire checks only (dtype, sizes against the byte count and `limits`); zero-copy.
+        return EmbeddingPrompt(tensors.decode(segment.embeddings, f"{field}.embeddings", limits=limits))
+    raise InvalidArgument(field, "set one of token_ids, embeddings or text")
+
+
+def _sampling_from_pb(s: decoder_pb2.SamplingParams, out: decoder_pb2.OutputOptions) -> SamplingParams:
+    default = SamplingParams()
+    return SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else default.temperature,
+        top_p=s.top_p if s.HasField("top_p") else default.top_p,
+        top_k=s.top_k if s.HasField("top_k") else default.top_k,
+        min_p=s.min_p if s.HasField("min_p") else default.min_p,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        logit_bias=dict(s.logit_bias),
+        seed=s.seed if s.HasField("seed") else None,
+        logprobs=out.logprobs,
+        top_logprobs=out.top_logprobs,
+    )
+
+
+def _stopping_from_pb(s: decoder_pb2.StoppingCriteria) -> tuple[StoppingParams, bool]:
+    """The params, and whether max_new_tokens was left to the default (then capped to the context)."""
+    explicit = s.HasField("max_new_tokens")
+    return (
+        StoppingParams(
+            max_new_tokens=s.max_new_tokens if explicit else StoppingParams().max_new_tokens,
+            min_new_tokens=s.min_new_tokens,
+            stop=tuple(s.stop_sequences),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            include_stop_in_output=s.include_stop_in_output,
+        ),
+        not explicit,
+    )
+
+
+def event_to_pb(event: Event) -> decoder_pb2.GenerateResponse:
+    if isinstance(event, Delta):
+        return decoder_pb2.GenerateResponse(
+            request_id=event.request_id,
+            delta=decoder_pb2.TokenDelta(
+                token_ids=event.token_ids,
+                text=event.text,
+                logprobs=event.logprobs,
+                top_logprobs=[
+                    decoder_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+                    for t in event.top_logprobs
+                ],
+            ),
+        )
+    if isinstance(event, Accepted):
+        return decoder_pb2.GenerateResponse(
+            request_id=event.request_id,
+            accepted=decoder_pb2.PromptAccepted(prompt_tokens=event.prompt_tokens),
+        )
+    if isinstance(event, Finished):
+        finished = decoder_pb2.Finished(
+            reason=_REASONS[event.reason],
+            usage=tensor_pb2.Usage(
+                input_tokens=event.prompt_tokens,
+                output_tokens=event.output_tokens,
+                cached_input_tokens=event.cached_tokens,
+            ),
+            time_to_first_token_s=event.time_to_first_token_s,
+            total_time_s=event.total_time_s,
+            queue_time_s=event.queue_time_s,
+        )
+        if event.stop_sequence is not None:
+            finished.stop_sequence = event.stop_sequence
+        if event.stop_token_id is not None:
+            finished.stop_token_id = event.stop_token_id
+        return decoder_pb2.GenerateResponse(request_id=event.request_id, finished=finished)
+    raise TypeError(f"no wire form for {type(event).__name__}")
+
+
+def dtype_to_pb(dtype: torch.dtype) -> int:
+    return tensors.to_wire_dtype(dtype)

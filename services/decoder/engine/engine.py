@@ -1,0 +1,204 @@
+"""The engine: a model, its KV pool and scheduler, stepped on a thread of its own (`loop.py`).
+
+Fronts: `generate()` for in-process use (a blocking iterator of events) and `stream()` for the
+asyncio servicer (an async iterator, `streaming.py`; cancelling it aborts the request). Sizes derived
+from the config and the model (context, KV blocks, buckets) are computed in `sizing.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+from collections.abc import AsyncIterator, Iterator
+from typing import Protocol
+
+import torch
+
+from common.errors import Unavailable
+from services.decoder.backends import backend as backends
+from services.decoder.config import EngineConfig
+from services.decoder.engine import sizing
+from services.decoder.engine.core import EngineCore, Sink
+from services.decoder.engine.kv_cache import BlockManager
+from services.decoder.engine.loop import EngineThread
+from services.decoder.engine.outputs import Event, Failed, Finished, OutputState
+from services.decoder.engine.prompt import GenerateSpec, build_request
+from services.decoder.engine.request import Request
+from services.decoder.engine.runner import ModelRunner, StepSink
+from services.decoder.engine.scheduler import Scheduler, SchedulerConfig
+from services.decoder.engine.streaming import Mailboxes, stream_events
+from services.decoder.models.loader import LoadedModel, load_model
+from services.decoder.models.tensor_parallel import ParallelGroup, world_size_of
+
+log = logging.getLogger(__name__)
+
+
+class RankGroup(ParallelGroup, Protocol):
+    """Rank 0's view of its group of ranks; the decoder passes `distributed.parallel.ParallelContext`."""
+
+    timeout_s: float  # a collective waiting longer fails, so idle rank 0 sends keepalives well within it
+
+    def step_sender(self) -> StepSink: ...  # feeds every step to the other ranks' worker loops
+
+
+class Engine:
+    """With `tp` (several ranks) this is rank 0: it feeds every step to the others' worker loops."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        tp: RankGroup | None = None,
+        backend: backends.Backend | None = None,  # None: config.device's; tests may swap the compiler
+    ) -> None:
+        self.config = config
+        backend = backend or backends.check_available(config.device)
+        self._thread = EngineThread(config.num_threads or torch.get_num_threads())
+        try:
+            self.loaded = loaded or self._thread.run(
+                load_model, config.model_dir, config.dtype, backends.torch_device(config.device), tp
+            )
+        except BaseException:
+            self._thread.stop()
+            raise
+        if loaded is None:  # a caller's model stays as given
+            self._thread.run(
+                backends.prepare_model, self.loaded.model, backend, config.compile, config.native_kernels
+            )
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = sizing.max_model_len(config, self.model_config)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
+        self.core = self._build_core(tp, backend)
+        # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
+        self._keepalive_s = None if tp is None else tp.timeout_s / 4
+        self._ids = itertools.count()
+        self._mailboxes = Mailboxes()
+
+    def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
+        config = self.config
+        block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_waiting=config.max_queue,
+            ),
+            block_manager,
+        )
+        runner = self._thread.run(
+            ModelRunner,
+            self.loaded.model,
+            self.num_blocks,
+            config.block_size,
+            sizing.static_shapes(config, self.max_model_len),
+            None if tp is None else tp.step_sender(),
+            backend if config.compile else None,
+        )
+        return EngineCore(scheduler, runner, self.model_config.vocab_size)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self.config.static_shapes:
+            self._thread.run(self.warmup)
+        self._thread.start(self.core, self._keepalive_s)
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests still open end with UNAVAILABLE."""
+        self._thread.stop()
+        self.core.fail_all(Unavailable("the decoder is shutting down"))
+        if self.core.runner.sink is not None and self._thread.error is None:
+            try:
+                self.core.runner.sink.stop()  # the other ranks' worker loops end
+            except Exception:  # a rank already gone: it has nothing left to stop
+                log.exception("could not tell the other ranks to stop")
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_healthy
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def warmup(self) -> None:
+        """Static mode: run every (tokens, seqs) bucket once with dummy inputs so no shape is new later."""
+        runner = self.core.runner
+        assert runner.static is not None
+        for num_seqs in runner.static.seq_buckets:
+            for num_tokens in runner.static.token_buckets:
+                if num_tokens < num_seqs:
+                    continue
+                runner.warmup(num_tokens, num_seqs)
+        runner.seal()
+        if runner.compiler is not None:
+            log.info(
+                "compiled %d decode buckets (%d graphs) in %.1f s",
+                len(runner.compiled_steps),
+                runner.compiler.num_graphs,
+                runner.compiler.compile_s,
+            )
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def submit(self, spec: GenerateSpec, sink: Sink) -> str:
+        """Validate and admit; events go to `sink` on the engine thread. Returns the request id."""
+        if not self._thread.is_healthy:
+            raise Unavailable("the decoder engine is not running")
+        request = self.make_request(spec)
+        output = OutputState(
+            request.request_id,
+            request.prompt_token_ids,
+            request.is_token_ids,
+            request.stopping,
+            spec.output,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.max_model_len,
+            request.arrival_time,
+        )
+        self.core.add(request, output, sink, spec.deadline)
+        self._thread.wake()
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        self._thread.wake()
+
+    def make_request(self, spec: GenerateSpec) -> Request:
+        """Flatten and validate a spec against this engine's model; raises InvalidArgument."""
+        return build_request(
+            spec,
+            spec.request_id or f"req-{next(self._ids)}",
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            self.config.enable_prompt_embeds,
+        )
+
+    def generate(self, spec: GenerateSpec) -> Iterator[Event]:
+        """In-process API: yields Accepted, Delta*, then Finished or Failed."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        request_id = self.submit(spec, events.put)
+        finished = False
+        try:
+            while True:
+                event = events.get()
+                yield event
+                if isinstance(event, Finished | Failed):
+                    finished = True
+                    return
+        finally:
+            # Only an unfinished request is aborted: its id may be reused as soon as it finished.
+            if not finished:
+                self.abort(request_id)
+
+    def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
+        """asyncio front: the same events; leaving early (cancel, error) aborts the request."""
+        return stream_events(self._mailboxes, lambda sink: self.submit(spec, sink), self.abort)

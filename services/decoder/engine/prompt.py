@@ -1,0 +1,160 @@
+"""A generation as the engine takes it, and its prompt validated and flattened into a Request.
+
+The servicer converts protos into a GenerateSpec (conversion only); `build_request` checks every
+request rule against the model, once, with errors that name the request field, tokenizes text, casts
+embedding rows to the model dtype and digests them for prefix caching. The gRPC and the in-process
+fronts therefore reject exactly the same requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import tokenizers
+import torch
+
+from common import tensors
+from common.errors import FailedPrecondition, InvalidArgument
+from services.decoder.engine.outputs import OutputOptions
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.request import EmbeddingSegment, Request, TokenSegment
+from services.decoder.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    text: str  # tokenized on arrival, without special tokens
+
+
+@dataclass(frozen=True)
+class EmbeddingPrompt:
+    rows: torch.Tensor  # [n, hidden_size], any float dtype; build_request casts it to the model dtype
+
+
+PromptPart = list[int] | TextPrompt | EmbeddingPrompt  # a list of ints is token IDs
+
+MAX_REQUEST_ID_BYTES = 128
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """One generation as the engine takes it (the servicer converts protos into this)."""
+
+    prompt: Sequence[PromptPart]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
+    output: OutputOptions = field(default_factory=OutputOptions)
+    request_id: str = ""  # "" = assigned
+    deadline: float | None = None  # time.monotonic() by which the first step must have started
+    cap_max_new_tokens: bool = False  # max_new_tokens was a default: shrink it to fit the context
+
+
+def build_request(
+    spec: GenerateSpec,
+    request_id: str,
+    tokenizer: tokenizers.Tokenizer,
+    model_config: ModelConfig,
+    max_model_len: int,
+    enable_prompt_embeds: bool,
+) -> Request:
+    """Validate the spec against the model and flatten its prompt into positions.
+
+    NOTE: every request rule is checked here, once, cheapest first: the request id and the sampling
+    and stopping values; each segment's emptiness, whether embeddings are accepted, and their shape;
+    then what reads every position (token ids against the vocabulary, tokenizing text) and the
+    context length; only then the embedding values (finite), cast to the model dtype (the one cast)
+    and digested for prefix caching. An empty prompt is Request's own rule. Errors name the request
+    field: InvalidArgument, or FailedPrecondition when embeddings are off.
+    """
+    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes")
+    vocab = model_config.vocab_size
+    spec.sampling.validate(vocab)
+    spec.stopping.validate(vocab)
+    for i, part in enumerate(spec.prompt):
+        _check_segment(i, part, model_config.hidden_size, enable_prompt_embeds)
+    positions = [_positions(i, part, tokenizer, vocab) for i, part in enumerate(spec.prompt)]
+    num_positions = sum(len(p) if isinstance(p, list) else p.shape[0] for p in positions)
+    stopping = _fit_context(spec, num_positions, max_model_len)
+    segments = [
+        TokenSegment(p) if isinstance(p, list) else _embedding_segment(i, p, model_config.dtype)
+        for i, p in enumerate(positions)
+    ]
+    return Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
+
+
+def _check_segment(i: int, part: PromptPart, hidden_size: int, enable_prompt_embeds: bool) -> None:
+    """The rules of one segment that cost nothing per position."""
+    if isinstance(part, TextPrompt):
+        if not part.text:
+            raise InvalidArgument(f"prompt[{i}].text", "must not be empty")
+    elif isinstance(part, EmbeddingPrompt):
+        if not enable_prompt_embeds:
+            raise FailedPrecondition(
+                f"prompt[{i}].embeddings", "prompt embeddings are disabled on this server"
+            )
+        rows = part.rows
+        if rows.dim() != 2 or rows.shape[1] != hidden_size or rows.shape[0] < 1:
+            raise InvalidArgument(
+                f"prompt[{i}].embeddings.shape", f"expected [n >= 1, {hidden_size}], got {list(rows.shape)}"
+            )
+    elif not part:
+        raise InvalidArgument(f"prompt[{i}].token_ids.ids", "must not be empty")
+
+
+def _positions(
+    i: int, part: PromptPart, tokenizer: tokenizers.Tokenizer, vocab_size: int
+) -> list[int] | torch.Tensor:
+    """A segment's token ids (text tokenized, ids checked against the vocabulary), or its rows as given."""
+    if isinstance(part, TextPrompt):
+        return tokenizer.encode(part.text, add_special_tokens=False).ids
+    if isinstance(part, EmbeddingPrompt):
+        return part.rows
+    for j, token_id in enumerate(part):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgument(
+                f"prompt[{i}].token_ids.ids[{j}]", f"token id {token_id} outside [0, {vocab_size})"
+            )
+    return list(part)
+
+
+def _fit_context(spec: GenerateSpec, num_positions: int, max_model_len: int) -> StoppingParams:
+    """The stopping params, max_new_tokens shrunk to the context when it was a default; else checked."""
+    if num_positions >= max_model_len:
+        raise InvalidArgument(
+            "prompt",
+            f"{num_positions} positions leave no room to generate within max_model_len {max_model_len}",
+        )
+    stopping = spec.stopping
+    if spec.cap_max_new_tokens and num_positions + stopping.max_new_tokens > max_model_len:
+        return dataclasses.replace(
+            stopping,
+            max_new_tokens=max_model_len - num_positions,
+            min_new_tokens=min(stopping.min_new_tokens, max_model_len - num_positions),
+        )
+    if num_positions + stopping.max_new_tokens > max_model_len:
+        raise InvalidArgument(
+            "stopping.max_new_tokens",
+            f"prompt ({num_positions}) + max_new_tokens ({stopping.max_new_tokens}) exceeds "
+            f"max_model_len {max_model_len}",
+        )
+    return stopping
+
+
+def _embedding_segment(i: int, rows: torch.Tensor, dtype: torch.dtype) -> EmbeddingSegment:
+    tensors.require_finite(rows, f"prompt[{i}].embeddings")
+    # The one cast to the model dtype, before the digest: it then keys what the model will see.
+    rows = rows.to(dtype)
+    return EmbeddingSegment(rows, rows.shape[0], _row_digests(rows))
+
+
+def _row_digests(rows: torch.Tensor) -> list[bytes]:
+    """One digest per embedding row, of its exact bytes, for prefix caching."""
+    raw = rows.detach().to("cpu").contiguous()
+    raw = raw.view(torch.int16) if raw.dtype.itemsize == 2 else raw
+    data = raw.numpy()
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in data]

@@ -1,0 +1,134 @@
+"""StepPlan -> ForwardBatch tensors -> model -> logits of the positions that sample.
+
+Preparing a batch is three steps, one file each: packing the plan (`batch.py`, the dynamic shape),
+padding to buckets in static-shape mode (`static_shapes.py`), padding for sequence parallelism with
+several ranks (`sequence_parallel.py`). The runner owns the model and this rank's KV cache, picks
+the step function, and with several ranks sends each batch to the others before running it.
+
+Compiled static-shape mode (`compile_with` a backend) runs every decode-only bucket (num_tokens ==
+num_seqs) as a graph compiled at warmup, one per bucket (`backends/buckets.py`); steps with
+any prefill stay eager, because prefill attention loops over the host-side `query_lens` and
+`seq_lens`, whose values a graph would have to specialise on. After `seal()` a decode signature
+that warmup did not compile raises `RecompileError` rather than compiling in the middle of serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.decoder.backends.backend import Backend, RecompileError, StepFn
+from services.decoder.backends.buckets import bucket_compiler
+from services.decoder.engine.batch import BatchTensors, ForwardBatch, pack
+from services.decoder.engine.scheduler import StepPlan
+from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
+from services.decoder.engine.static_shapes import StaticShapes, pad_to_buckets, padding_batch
+from services.decoder.models.tensor_parallel import world_size_of
+from services.decoder.models.transformer import DecoderModel
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a compiled or traced graph depends on: padded sizes and the attention path."""
+
+    num_tokens: int
+    num_seqs: int
+    block_table_width: int
+    is_decode_only: bool
+
+
+class StepSink(Protocol):
+    """Where rank 0 sends each batch before running it (the other ranks run the same one)."""
+
+    def send(self, batch: ForwardBatch) -> None: ...
+
+    def keepalive(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class ModelRunner:
+    """Owns the model and its KV cache (this rank's shard of both); turns plans into logits."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        num_blocks: int,
+        block_size: int,
+        static: StaticShapes | None = None,
+        sink: StepSink | None = None,
+        compile_with: Backend | None = None,  # static mode: compile each decode bucket; None = eager
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.static = static
+        self.sink = sink  # rank 0 of several: the other ranks' feed; None otherwise
+        self.world_size = world_size_of(model.tp)
+        self.device = model.embed_tokens.weight.device
+        self.tensors = BatchTensors(self.device, model.config.hidden_size, model.config.dtype)
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        self.signatures: set[Signature] = set()  # distinct input signatures seen so far
+        self.compiler = None
+        if compile_with is not None:
+            if static is None:
+                raise ValueError("compiled decode buckets need static shapes")
+            self.compiler = bucket_compiler(compile_with, model, self.kv_caches, len(static.seq_buckets))
+        self.compiled_steps: dict[Signature, StepFn] = {}  # decode buckets compiled so far
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Logits float32 [num_sampling_seqs, vocab] for the plan's requests with needs_logits, in order."""
+        batch = self.prepare(plan)
+        logits = self.forward(batch)
+        return logits[: batch.num_logits]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        attn = batch.attn
+        signature = Signature(
+            num_tokens=batch.input_ids.shape[0],
+            num_seqs=len(attn.query_lens),
+            block_table_width=attn.block_tables.shape[1],
+            is_decode_only=attn.is_decode_only,
+        )
+        self.signatures.add(signature)
+        if self.sink is not None:
+            self.sink.send(batch)
+        step = self._step_for(signature)
+        return step(
+            batch.input_ids, batch.positions, attn, self.kv_caches, batch.inputs_embeds, batch.is_token_ids
+        )
+
+    def seal(self) -> None:
+        """Warmup is over: from now on a decode bucket that would compile raises RecompileError."""
+        if self.compiler is not None:
+            self.compiler.seal()
+
+    def _step_for(self, signature: Signature) -> StepFn:
+        if self.compiler is None or not signature.is_decode_only:
+            return self.model
+        step = self.compiled_steps.get(signature)
+        if step is None:
+            if self.compiler.is_sealed:
+                raise RecompileError(f"decode bucket {signature} was not compiled at warmup")
+            step = self.compiled_steps[signature] = self.compiler.bucket()
+        return step
+
+    def prepare(self, plan: StepPlan) -> ForwardBatch:
+        host = pack(plan, self.block_size)
+        if self.static is None:
+            width = max(len(t) for t in host.block_tables)
+            batch = self.tensors.batch(host, width, has_embeds=bool(host.embed_pieces))
+        else:
+            pad_to_buckets(host, self.static, self.block_size)
+            batch = self.tensors.batch(host, self.static.block_table_width, has_embeds=True)
+        return batch if self.world_size == 1 else pad_for_sequence_parallel(batch, self.world_size)
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int, num_seqs: int) -> None:
+        """Run one all-padding batch of exactly these bucket sizes (writes only the null block)."""
+        assert self.static is not None
+        host = padding_batch(num_tokens, num_seqs, self.block_size)
+        batch = self.tensors.batch(host, self.static.block_table_width, has_embeds=True)
+        self.forward(pad_for_sequence_parallel(batch, self.world_size))

@@ -1,0 +1,72 @@
+"""The asyncio front: one request's events as an async iterator, fed through its event loop's mailbox.
+
+Events cross from the engine thread to the event loop through a `LoopMailbox` (at most one loop
+wakeup per burst), so the loop never waits on a lock held across a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable
+
+from services.decoder.engine.core import Sink
+from services.decoder.engine.mailbox import LoopMailbox
+from services.decoder.engine.outputs import Delta, Event, Failed, Finished
+
+
+class Mailboxes:
+    """One mailbox per event loop, shared by all of that loop's streams."""
+
+    def __init__(self) -> None:
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def of(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+        with self._lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
+            return mailbox
+
+
+async def stream_events(
+    mailboxes: Mailboxes, submit: Callable[[Sink], str], abort: Callable[[str], None]
+) -> AsyncIterator[Event]:
+    """Submits through `submit` (which returns the request id) and yields the request's events.
+
+    Leaving early (cancel, error) aborts the request. A consumer that falls behind gets the deltas
+    that piled up as one (vLLM's output collector does the same): every message costs the server CPU
+    the model needs, so a slow stream sends fewer, fuller messages instead of a growing backlog.
+    """
+    mailbox = mailboxes.of(asyncio.get_running_loop())
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(event: Event) -> None:
+        mailbox.post(events, event)
+
+    request_id = submit(sink)
+    finished = False
+    held: Event | None = None  # taken from the queue while merging, not yet yielded
+    try:
+        while True:
+            if held is not None:
+                event, held = held, None
+            else:
+                event = await events.get()
+            while isinstance(event, Delta) and not events.empty():
+                later = events.get_nowait()
+                if not isinstance(later, Delta):
+                    held = later
+                    break
+                event = event.followed_by(later)
+            yield event
+            if isinstance(event, Finished | Failed):
+                finished = True
+                return
+    finally:
+        if not finished:
+            abort(request_id)

@@ -1,0 +1,225 @@
+"""The backend switch: what each --device means, how a missing SDK or GPU fails, rank-free slicing.
+
+CUDA and Neuron never run here (no GPU, no Neuron SDK); these tests pin what can be checked on CPU:
+the table, the start-up errors, the config rules, the Neuron bucket wrapper driven by a stand-in
+`torch_neuronx` whose trace is the identity, and sequence windows that one traced graph serves for
+every rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.decoder.api.main import config_from_args, main
+from services.decoder.backends import backend as backends
+from services.decoder.backends.backend import BACKENDS, BackendUnavailable
+from services.decoder.backends.neuron import NeuronTracedBuckets
+from services.decoder.config import DecoderConfig, EngineConfig
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Delta
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import GenerateSpec
+from services.decoder.models.loader import LoadedModel
+from services.decoder.models.tensor_parallel import window_rows
+
+# bf16 prepacking needs oneDNN's bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT); without it, none.
+ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+HAS_NEURON_SDK = importlib.util.find_spec("torch_neuronx") is not None
+
+
+def test_each_backend_states_its_placement_dtype_collectives_and_compiler() -> None:
+    cpu, cuda, neuron = BACKENDS["cpu"], BACKENDS["cuda"], BACKENDS["neuron"]
+    assert (cpu.collective_backend, cuda.collective_backend, neuron.collective_backend) == (
+        "gloo",
+        "nccl",
+        None,
+    )
+    assert {b.default_dtype for b in BACKENDS.values()} == {"bfloat16"}
+    assert cuda.uses_cuda_graphs and cuda.compile_mode == "reduce-overhead"
+    assert neuron.requires_static_shapes and neuron.compile_mode is None  # traced per bucket instead
+    assert not cpu.requires_static_shapes and not cuda.requires_static_shapes
+
+
+@pytest.mark.parametrize(
+    ("device", "name"), [("cpu", "cpu"), ("cuda", "cuda"), ("cuda:3", "cuda"), ("neuron", "neuron")]
+)
+def test_device_values_resolve_without_importing_any_sdk(device: str, name: str) -> None:
+    assert backends.resolve(device).name == name
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cpu:1", "neuron:0", ""])
+def test_unknown_devices_are_refused_naming_the_choices(device: str) -> None:
+    with pytest.raises(ValueError, match=r"device must be one of cpu, cuda, neuron"):
+        backends.resolve(device)
+
+
+def test_neuron_weights_stay_on_the_host_for_tracing_and_cuda_keeps_its_index() -> None:
+    assert backends.torch_device("neuron") == torch.device("cpu")
+    assert backends.torch_device("cuda:1") == torch.device("cuda:1")
+    assert backends.torch_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(HAS_NEURON_SDK, reason="torch_neuronx is installed here")
+def test_neuron_without_the_sdk_fails_at_start_saying_what_to_install(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(BackendUnavailable, match=r"install the AWS Neuron SDK \(torch-neuronx\)"):
+        backends.check_available("neuron")
+    assert main(["--device", "neuron", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "torch-neuronx" in err and "pip.repos.neuron.amazonaws.com" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")
+def test_cuda_without_a_gpu_fails_at_start_saying_what_to_install(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(BackendUnavailable, match="sees no CUDA device"):
+        backends.check_available("cuda")
+    assert main(["--device", "cuda", "--port", "0"]) == 2
+    assert "install a CUDA build of torch" in capsys.readouterr().err
+
+
+def test_device_flag_and_variable_pick_the_backend_defaults() -> None:
+    neuron = config_from_args(["--device", "neuron"], environ={})
+    assert (neuron.engine.device, neuron.engine.dtype) == ("neuron", "bfloat16")
+    assert neuron.engine.static_shapes and neuron.engine.compile  # Neuron: static and traced by default
+    cpu = config_from_args(
+        [], environ={"TANDEM_DEVICE": "cpu", "TANDEM_COMPILE": "true", "TANDEM_STATIC_SHAPES": "1"}
+    )
+    assert cpu.engine.compile and cpu.engine.static_shapes and cpu.engine.dtype == "bfloat16"
+    assert not config_from_args([], environ={}).engine.compile
+
+
+def test_config_refuses_combinations_a_backend_cannot_run(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="device neuron runs static shapes only"):
+        EngineConfig(model_dir=tmp_path, device="neuron")
+    with pytest.raises(ValueError, match="compile needs static_shapes"):
+        EngineConfig(model_dir=tmp_path, compile=True)
+    neuron = EngineConfig(model_dir=tmp_path, device="neuron", static_shapes=True, compile=True)
+    with pytest.raises(ValueError, match="device neuron runs on one rank only"):
+        DecoderConfig(engine=neuron, world_size=2)
+    compiled = EngineConfig(model_dir=tmp_path, static_shapes=True, compile=True)
+    with pytest.raises(ValueError, match="compile runs on one rank only"):
+        DecoderConfig(engine=compiled, world_size=2)
+
+
+def test_one_traced_window_graph_serves_every_rank() -> None:
+    class Window(torch.nn.Module):
+        def forward(self, x: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+            return window_rows(x, rank, 4)
+
+    x = torch.arange(24.0).view(12, 2)  # [num_tokens, hidden]
+    graph = torch.export.export(Window(), (x, torch.tensor(0))).module()  # traced once, at rank 0
+    for rank in range(4):
+        assert torch.equal(graph(x, torch.tensor(rank)), x[rank * 3 : (rank + 1) * 3])
+
+
+def _fake_neuronx(traced: list[tuple[int, ...]]) -> types.ModuleType:
+    """A stand-in torch_neuronx whose trace records the example shapes and returns the function."""
+    module = types.ModuleType("torch_neuronx")
+
+    def trace(fn, example_inputs):
+        traced.append(tuple(example_inputs[0].shape))
+        return fn
+
+    module.trace = trace  # type: ignore[attr-defined]
+    return module
+
+
+def test_neuron_buckets_trace_once_each_at_warmup_and_give_the_cpu_tokens(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traced: list[tuple[int, ...]] = []
+    monkeypatch.setitem(sys.modules, "torch_neuronx", _fake_neuronx(traced))
+    settings = dict(
+        model_dir=tiny_model_dir,
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=4,
+        max_num_seqs=3,
+        max_num_batched_tokens=32,
+        seq_buckets=(1, 2, 4),
+        max_model_len=64,
+    )
+    spec = GenerateSpec(
+        [[11, 12, 13, 14, 15]],
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_new_tokens=8, ignore_eos=True),
+    )
+
+    def tokens(engine: Engine) -> list[int]:
+        return [t for e in engine.generate(spec) if isinstance(e, Delta) for t in e.token_ids]
+
+    with Engine(EngineConfig(**settings), tiny_fp32) as engine:
+        expected = tokens(engine)
+    neuron = EngineConfig(**settings, device="neuron", static_shapes=True, compile=True)
+    with Engine(neuron, tiny_fp32) as engine:
+        compiler = engine.core.runner.compiler
+        assert isinstance(compiler, NeuronTracedBuckets)
+        assert traced == [(1,), (2,), (4,)]  # one graph per decode bucket, all at warmup
+        assert tokens(engine) == expected
+        assert len(traced) == 3
+
+
+def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_model_dir) -> None:
+    from services.decoder.config import EngineConfig
+    from services.decoder.engine.engine import Engine
+    from services.decoder.models.loader import load_model
+
+    config = EngineConfig(model_dir=tiny_model_dir, dtype="bfloat16", num_kv_blocks=16)
+    engine = Engine(config)
+    try:
+        assert (engine.loaded.model.packed_head is not None) is ONEDNN_BF16
+    finally:
+        engine.shutdown()
+    given = load_model(tiny_model_dir, dtype="bfloat16")
+    engine = Engine(config, given)
+    try:
+        assert given.model.packed_head is None
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tiny_model_dir) -> None:
+    from services.decoder.config import EngineConfig
+    from services.decoder.engine.engine import Engine
+    from services.decoder.engine.outputs import Delta
+    from services.decoder.engine.params import SamplingParams, StoppingParams
+    from services.decoder.engine.prompt import GenerateSpec
+
+    spec = GenerateSpec(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=6, ignore_eos=True)
+    )
+    outputs = {}
+    for use_kernels in (True, False):
+        config = EngineConfig(
+            model_dir=tiny_model_dir, dtype="float32", num_kv_blocks=16, native_kernels=use_kernels
+        )
+        with Engine(config) as engine:
+            attention = engine.loaded.model.layers[0].self_attn
+            assert (attention.native is not None) is use_kernels
+            events = list(engine.generate(spec))
+            outputs[use_kernels] = [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+    assert len(outputs[True]) == 6
+    assert outputs[True] == outputs[False]  # fp32: the same greedy tokens either way
+
+
+@pytest.mark.parametrize(
+    ("compile", "native_kernels", "packed", "on_kernels"),
+    [(False, True, True, True), (False, False, True, False), (True, True, False, False)],
+)
+def test_prepare_model_packs_and_attaches_kernels_for_eager_cpu_only(
+    tiny_model_dir, compile: bool, native_kernels: bool, packed: bool, on_kernels: bool
+) -> None:
+    # What rank 0's engine and every other rank's worker do to the model they load.
+    from services.decoder.models.loader import load_model
+
+    model = load_model(tiny_model_dir, dtype="bfloat16").model
+    backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
+    assert (model.packed_head is not None) is (packed and ONEDNN_BF16)
+    assert (model.layers[0].self_attn.native is not None) is on_kernels
+    assert (model.norm.native is not None) is on_kernels

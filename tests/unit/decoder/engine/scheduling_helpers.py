@@ -1,0 +1,140 @@
+"""Small builders and a fake runner for the request / KV cache / scheduler tests (no model).
+
+`FakeRunner` stands in for the model: it writes each scheduled position's key into a dict keyed by
+KV slot (block_id * block_size + offset), as the real paged cache would, then reads back every
+position the step attends to and checks it is that request's own content. A wrong block table, a
+prefix-cache hit on the wrong block, or a write into a shared block therefore fails loudly. The
+sampled token depends only on (request id, number of outputs so far), so a request's outputs have
+one right answer whatever the batching, chunking or preemption; `reference_outputs` gives it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+from services.decoder.engine.params import StoppingParams
+from services.decoder.engine.request import EmbeddingSegment, Request, RequestStatus, Segment, TokenSegment
+from services.decoder.engine.scheduler import Scheduler, StepPlan
+
+VOCAB_SIZE = 50
+
+
+def digest(label: str) -> bytes:
+    return hashlib.blake2b(label.encode(), digest_size=16).digest()
+
+
+def embedding(labels: list[str]) -> EmbeddingSegment:
+    """An embedding segment whose row i is identified by labels[i] (rows stay a stand-in object)."""
+    return EmbeddingSegment(rows=object(), num_rows=len(labels), digests=[digest(x) for x in labels])
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int] | list[Segment],
+    max_new_tokens: int = 4,
+    arrival_time: float | None = None,
+) -> Request:
+    """A request from token ids, or from a list of segments."""
+    segments: list[Segment] = (
+        [TokenSegment(prompt)] if all(isinstance(x, int) for x in prompt) else prompt  # type: ignore[list-item]
+    )
+    return Request.from_segments(
+        request_id,
+        segments,
+        stopping=StoppingParams(max_new_tokens=max_new_tokens),
+        arrival_time=arrival_time,
+    )
+
+
+def fake_token(request_id: str, index: int) -> int:
+    return hashlib.blake2b(f"{request_id}/{index}".encode(), digest_size=4).digest()[0] % VOCAB_SIZE
+
+
+def reference_outputs(request_id: str, num_tokens: int) -> list[int]:
+    return [fake_token(request_id, i) for i in range(num_tokens)]
+
+
+def expected_key(request: Request, position: int) -> object:
+    if position >= request.num_prompt_tokens:
+        return ("t", request.output_token_ids[position - request.num_prompt_tokens])
+    if request.is_token_ids[position]:
+        return ("t", request.prompt_token_ids[position])
+    return ("e", request.embedding_digests[position])
+
+
+class FakeRunner:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.block_manager.block_size
+        self.kv: dict[int, object] = {}  # slot -> what was written there
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        sampled: dict[str, int] = {}
+        block_manager = self.scheduler.block_manager
+        for item in plan.scheduled:
+            request = item.request
+            assert 0 not in item.block_ids, "the null block must never be in a block table"
+            for position in range(item.start, item.end):
+                block_id = item.block_ids[position // self.block_size]
+                assert block_manager.ref_count(block_id) == 1, f"write into shared block {block_id}"
+                self.kv[self._slot(item.block_ids, position)] = expected_key(request, position)
+            for position in range(item.end):  # attention reads the whole prefix
+                got = self.kv.get(self._slot(item.block_ids, position))
+                assert got == expected_key(request, position), (item.request_id, position, got)
+            if item.needs_logits:
+                sampled[item.request_id] = fake_token(item.request_id, request.num_output_tokens)
+        return sampled
+
+    def _slot(self, block_ids: tuple[int, ...], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def check_invariants(scheduler: Scheduler, plan: StepPlan) -> None:
+    """What must hold after every schedule(), whatever the workload."""
+    config = scheduler.config
+    block_manager = scheduler.block_manager
+    ids = [item.request_id for item in plan.scheduled]
+    assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+    assert len(ids) <= config.max_num_seqs
+    assert plan.num_batched_tokens == sum(item.num_new_tokens for item in plan.scheduled)
+    assert plan.num_batched_tokens <= config.max_num_batched_tokens
+    assert all(item.num_new_tokens >= 1 for item in plan.scheduled)
+    assert all(item.end <= item.request.num_tokens for item in plan.scheduled)
+    assert plan.num_free_blocks_after == block_manager.num_free_blocks
+    assert all(not request.block_ids for request in scheduler.waiting)
+    assert all(request.status is RequestStatus.RUNNING for request in scheduler.running)
+    for item in plan.scheduled:
+        capacity = len(item.request.block_ids) * block_manager.block_size
+        assert capacity >= item.end, "blocks must cover every position the step writes"
+
+    holders: Counter[int] = Counter(b for request in scheduler.running for b in request.block_ids)
+    assert 0 not in holders
+    for block_id in range(1, block_manager.num_total_blocks + 1):
+        assert block_manager.ref_count(block_id) == holders[block_id] >= 0
+    assert block_manager.num_free_blocks + len(holders) == block_manager.num_total_blocks
+    for request in scheduler.running:
+        num_full_computed = request.num_computed_tokens // block_manager.block_size
+        for index, block_id in enumerate(request.block_ids):
+            if holders[block_id] > 1:  # shared only through the prefix cache: full, computed, read-only
+                assert index < num_full_computed, (request.request_id, index, block_id)
+
+
+def run_step(scheduler: Scheduler, runner: FakeRunner) -> StepPlan:
+    """One engine step: schedule, check, run, update, then stop requests at max_new_tokens."""
+    plan = scheduler.schedule()
+    check_invariants(scheduler, plan)
+    scheduler.update(plan, runner.execute(plan))
+    for item in plan.scheduled:
+        request = item.request
+        if item.needs_logits and request.num_output_tokens >= request.stopping.max_new_tokens:
+            scheduler.finish(item.request_id, RequestStatus.FINISHED_LENGTH)
+    return plan
+
+
+def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000) -> list[StepPlan]:
+    plans = []
+    while scheduler.has_unfinished:
+        assert len(plans) < max_steps, "requests did not finish: the scheduler is stuck"
+        plans.append(run_step(scheduler, runner))
+    return plans

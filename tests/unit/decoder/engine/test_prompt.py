@@ -1,0 +1,63 @@
+"""Request building: every rule once, cheapest first, the same for the gRPC and in-process fronts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.errors import FailedPrecondition, InvalidArgument
+from services.decoder.engine.params import StoppingParams
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt, build_request
+from services.decoder.engine.request import Request
+from services.decoder.models.loader import LoadedModel
+
+
+def _build(loaded: LoadedModel, spec: GenerateSpec, max_model_len: int = 16, embeds: bool = True) -> Request:
+    return build_request(spec, "r", loaded.tokenizer, loaded.config, max_model_len, embeds)
+
+
+def _field(loaded: LoadedModel, spec: GenerateSpec, **kwargs) -> str:
+    with pytest.raises(InvalidArgument) as info:
+        _build(loaded, spec, **kwargs)
+    return info.value.field
+
+
+def test_a_request_over_max_model_len_names_what_asks_too_much(tiny_fp32: LoadedModel) -> None:
+    fits_alone = GenerateSpec([list(range(10))], stopping=StoppingParams(max_new_tokens=7))
+    assert _field(tiny_fp32, fits_alone) == "stopping.max_new_tokens"
+    assert (
+        _field(tiny_fp32, GenerateSpec([list(range(16))], stopping=StoppingParams(max_new_tokens=1)))
+        == "prompt"
+    )
+    assert _build(tiny_fp32, GenerateSpec([list(range(10))], stopping=StoppingParams(max_new_tokens=6)))
+
+
+def test_a_default_max_new_tokens_shrinks_to_the_context(tiny_fp32: LoadedModel) -> None:
+    spec = GenerateSpec([list(range(10))], cap_max_new_tokens=True)
+    assert _build(tiny_fp32, spec).stopping.max_new_tokens == 6
+
+
+def test_embeddings_are_cast_to_the_model_dtype_once_and_must_be_finite(tiny_fp32: LoadedModel) -> None:
+    hidden = tiny_fp32.config.hidden_size
+    rows = EmbeddingPrompt(torch.ones(2, hidden, dtype=torch.bfloat16))
+    request = _build(tiny_fp32, GenerateSpec([rows], cap_max_new_tokens=True))
+    assert request.embedding_spans[0].rows.dtype == tiny_fp32.config.dtype
+    nan = torch.full((1, hidden), float("nan"))
+    assert _field(tiny_fp32, GenerateSpec([EmbeddingPrompt(nan)], cap_max_new_tokens=True)) == (
+        "prompt[0].embeddings.data"
+    )
+
+
+def test_cheap_rules_are_checked_before_any_position_is_read(tiny_fp32: LoadedModel) -> None:
+    hidden = tiny_fp32.config.hidden_size
+    nan = EmbeddingPrompt(torch.full((3, hidden), float("nan")))
+    assert _field(tiny_fp32, GenerateSpec([nan, TextPrompt("")])) == "prompt[1].text"
+    assert _field(tiny_fp32, GenerateSpec([[10**9], EmbeddingPrompt(torch.ones(1, 3))])) == (
+        "prompt[1].embeddings.shape"
+    )
+    with pytest.raises(FailedPrecondition):
+        _build(tiny_fp32, GenerateSpec([[10**9], nan]), embeds=False)
+
+
+def test_an_empty_prompt_is_refused_naming_the_prompt(tiny_fp32: LoadedModel) -> None:
+    assert _field(tiny_fp32, GenerateSpec([], cap_max_new_tokens=True)) == "prompt"

@@ -1,0 +1,368 @@
+"""Scheduler: one rule (advance num_computed_tokens toward num_tokens within a token budget) and
+what follows from it: FCFS admission, chunked prefill, mixed prefill + decode steps, preemption."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.errors import InvalidArgument
+from services.decoder.engine.kv_cache import BlockManager
+from services.decoder.engine.request import RequestStatus, TokenSegment
+from services.decoder.engine.scheduler import (
+    QueueFullError,
+    RequestTooLongError,
+    Scheduler,
+    SchedulerConfig,
+)
+from tests.unit.decoder.engine.scheduling_helpers import (
+    FakeRunner,
+    check_invariants,
+    embedding,
+    make_request,
+    reference_outputs,
+    run_step,
+    run_until_done,
+)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    prefix_caching: bool = True,
+    **config: int | bool,
+) -> tuple[Scheduler, FakeRunner]:
+    defaults: dict[str, int | bool] = dict(max_num_seqs=8, max_num_batched_tokens=64)
+    scheduler = Scheduler(
+        SchedulerConfig(**(defaults | config)),  # type: ignore[arg-type]
+        BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
+    )
+    return scheduler, FakeRunner(scheduler)
+
+
+def ids(plan) -> list[str]:
+    return [item.request_id for item in plan.scheduled]
+
+
+def test_requests_are_admitted_in_arrival_order() -> None:
+    scheduler, _ = make_scheduler()
+    for name in "cab":
+        scheduler.add_request(make_request(name, [1, 2, 3]))
+    assert ids(scheduler.schedule()) == ["c", "a", "b"]
+
+
+def test_first_step_prefills_the_prompt_and_samples_once() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], max_new_tokens=3))
+
+    plan = run_step(scheduler, runner)
+    (item,) = plan.scheduled
+    assert (item.start, item.num_new_tokens, item.is_prefill, item.needs_logits) == (0, 5, True, True)
+
+    plan = run_step(scheduler, runner)
+    (item,) = plan.scheduled
+    assert (item.start, item.num_new_tokens, item.is_prefill, item.needs_logits) == (5, 1, False, True)
+    assert scheduler.get_request("a").output_token_ids == reference_outputs("a", 2)
+
+
+def test_head_of_queue_is_not_overtaken_when_blocks_run_out() -> None:
+    scheduler, _ = make_scheduler(num_blocks=5, block_size=4)  # 4 usable blocks
+    scheduler.add_request(make_request("a", list(range(12)), max_new_tokens=1))  # 3 blocks
+    scheduler.add_request(make_request("b", list(range(50, 58)), max_new_tokens=1))  # 2 blocks
+    scheduler.add_request(make_request("c", [7], max_new_tokens=1))  # would fit, but comes after b
+
+    assert ids(scheduler.schedule()) == ["a"]
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+
+
+def test_step_never_exceeds_token_budget() -> None:
+    scheduler, runner = make_scheduler(max_num_batched_tokens=10)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", list(range(i * 10, i * 10 + 7)), max_new_tokens=5))
+    plans = run_until_done(scheduler, runner)
+    assert all(plan.num_batched_tokens <= 10 for plan in plans)
+    assert plans[0].num_batched_tokens == 10  # r0 whole, then 3 tokens of r1's prompt
+    assert [item.num_new_tokens for item in plans[0].scheduled] == [7, 3]
+
+
+def test_long_prompt_is_chunked_to_the_budget() -> None:
+    scheduler, runner = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=256)
+    scheduler.add_request(make_request("long", [i % 50 for i in range(3000)], max_new_tokens=2))
+
+    plans = [run_step(scheduler, runner) for _ in range(math.ceil(3000 / 256))]
+
+    assert [p.num_batched_tokens for p in plans] == [256] * 11 + [3000 - 11 * 256]
+    assert [p.scheduled[0].needs_logits for p in plans] == [False] * 11 + [True]
+    assert all(p.scheduled[0].is_prefill for p in plans)
+    assert scheduler.get_request("long").num_output_tokens == 1
+
+
+def test_running_request_keeps_decoding_while_a_long_prompt_is_chunked() -> None:
+    scheduler, runner = make_scheduler(num_blocks=400, block_size=16, max_num_batched_tokens=256)
+    scheduler.add_request(make_request("chat", [1, 2, 3], max_new_tokens=40))
+    run_step(scheduler, runner)  # chat's prefill
+    scheduler.add_request(make_request("long", [i % 50 for i in range(3000)], max_new_tokens=2))
+
+    plans = []
+    while scheduler.get_request("long").num_output_tokens == 0:
+        plans.append(run_step(scheduler, runner))
+
+    assert len(plans) == math.ceil(3000 / 256)
+    for plan in plans:  # every step is mixed: one decode token first, then a prefill chunk
+        decode, prefill = plan.scheduled
+        assert (decode.request_id, decode.num_new_tokens, decode.is_prefill) == ("chat", 1, False)
+        assert decode.needs_logits
+        assert (prefill.request_id, prefill.is_prefill) == ("long", True)
+    assert sum(plan.scheduled[1].num_new_tokens for plan in plans) == 3000
+    assert scheduler.get_request("chat").output_token_ids == reference_outputs("chat", 1 + len(plans))
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add_request(make_request(name, [1, 2], max_new_tokens=3))
+    plans = run_until_done(scheduler, runner)
+    assert all(len(plan.scheduled) <= 2 for plan in plans)
+    assert ids(plans[0]) == ["a", "b"]
+    assert "c" in ids(plans[3])  # admitted the step after a and b finished
+
+
+def test_add_request_raises_queue_full_at_max_waiting() -> None:
+    scheduler, _ = make_scheduler(max_waiting=2)
+    scheduler.add_request(make_request("a", [1]))
+    scheduler.add_request(make_request("b", [1]))
+    with pytest.raises(QueueFullError):
+        scheduler.add_request(make_request("c", [1]))
+    scheduler.schedule()  # a and b start running: the queue has room again
+    scheduler.add_request(make_request("c", [1]))
+
+
+def test_request_needing_more_blocks_than_the_cache_is_rejected() -> None:
+    scheduler, _ = make_scheduler(num_blocks=4, block_size=4)  # 3 usable blocks: 12 positions
+    with pytest.raises(RequestTooLongError, match="KV blocks") as info:
+        scheduler.add_request(make_request("a", list(range(10)), max_new_tokens=4))
+    assert (info.value.field, info.value.limit, info.value.value) == ("stopping.max_new_tokens", 3, 4)
+    scheduler.add_request(make_request("b", list(range(10)), max_new_tokens=3))  # 12 positions of KV
+
+
+def test_duplicate_request_id_is_rejected() -> None:
+    scheduler, _ = make_scheduler()
+    scheduler.add_request(make_request("a", [1]))
+    with pytest.raises(InvalidArgument) as info:
+        scheduler.add_request(make_request("a", [2]))
+    assert info.value.field == "request_id"
+
+
+def test_prefix_cache_hit_on_admission_skips_the_cached_tokens() -> None:
+    scheduler, runner = make_scheduler(block_size=4)
+    scheduler.add_request(make_request("first", list(range(10)), max_new_tokens=1))
+    run_until_done(scheduler, runner)
+    scheduler.add_request(make_request("second", list(range(10)) + [7, 7], max_new_tokens=1))
+
+    (item,) = scheduler.schedule().scheduled
+    request = scheduler.get_request("second")
+    assert request.num_cached_tokens == 8
+    assert (item.start, item.num_new_tokens) == (8, 4)
+
+
+def test_lowest_priority_request_is_preempted_and_resumes_with_its_outputs() -> None:
+    # 6 usable blocks of 4; each request needs 2 blocks for its prompt and 4 by its end.
+    scheduler, runner = make_scheduler(num_blocks=7, block_size=4, prefix_caching=False)
+    scheduler.add_request(make_request("a", list(range(8)), max_new_tokens=8, arrival_time=1.0))
+    scheduler.add_request(make_request("b", list(range(20, 28)), max_new_tokens=8, arrival_time=2.0))
+
+    plans = []
+    while not any(plan.preempted_ids for plan in plans):
+        plans.append(run_step(scheduler, runner))
+    b = scheduler.get_request("b")
+    assert plans[-1].preempted_ids == ("b",)
+    assert ids(plans[-1]) == ["a"]
+    assert b.status is RequestStatus.PREEMPTED
+    assert (b.num_computed_tokens, b.block_ids, b.num_preemptions) == (0, [], 1)
+    assert list(scheduler.waiting) == [b]
+    num_outputs_before = b.num_output_tokens
+    assert num_outputs_before > 0
+
+    resumed = None
+    while scheduler.has_unfinished:
+        plan = run_step(scheduler, runner)
+        resumed = resumed or next((item for item in plan.scheduled if item.request_id == "b"), None)
+    # On resume, prompt and outputs are recomputed as one prefill, then decoding continues.
+    assert (resumed.start, resumed.num_new_tokens) == (0, 8 + num_outputs_before)
+    assert resumed.needs_logits
+    assert b.output_token_ids == reference_outputs("b", 8)
+    assert scheduler.block_manager.num_free_blocks == 6
+
+
+def test_preemption_takes_the_latest_arrival_not_the_next_in_line() -> None:
+    scheduler, runner = make_scheduler(num_blocks=4, block_size=4, prefix_caching=False)  # 3 blocks
+    scheduler.add_request(make_request("a", [1, 2, 3, 4], max_new_tokens=3, arrival_time=1.0))
+    scheduler.add_request(make_request("b", [5, 6], max_new_tokens=3, arrival_time=2.0))
+    scheduler.add_request(make_request("c", [7, 8], max_new_tokens=3, arrival_time=3.0))
+    run_step(scheduler, runner)  # one block each; a's next token needs a second block
+
+    plan = run_step(scheduler, runner)
+    assert plan.preempted_ids == ("c",)
+    assert ids(plan) == ["a", "b"]
+    run_until_done(scheduler, runner)
+    assert scheduler.block_manager.num_free_blocks == 3
+
+
+def test_failing_request_preempts_itself_when_it_is_the_lowest_priority() -> None:
+    scheduler, runner = make_scheduler(num_blocks=5, block_size=4, prefix_caching=False)  # 4 blocks
+    scheduler.add_request(make_request("a", list(range(6)), max_new_tokens=2, arrival_time=1.0))
+    scheduler.add_request(make_request("b", list(range(10, 18)), max_new_tokens=4, arrival_time=2.0))
+    run_step(scheduler, runner)  # both prefilled: all 4 blocks held
+    assert scheduler.block_manager.num_free_blocks == 0
+
+    plan = run_step(scheduler, runner)  # a fits in its block; b needs a third block
+    assert plan.preempted_ids == ("b",)
+    assert ids(plan) == ["a"]
+    run_until_done(scheduler, runner)
+    assert scheduler.block_manager.num_free_blocks == 4
+
+
+def test_no_new_request_is_admitted_in_a_step_that_preempted() -> None:
+    scheduler, runner = make_scheduler(num_blocks=5, block_size=4, prefix_caching=False)
+    scheduler.add_request(make_request("a", list(range(6)), max_new_tokens=2, arrival_time=1.0))
+    scheduler.add_request(make_request("b", list(range(10, 18)), max_new_tokens=4, arrival_time=2.0))
+    run_step(scheduler, runner)
+    scheduler.add_request(make_request("c", [1], max_new_tokens=1, arrival_time=3.0))
+    plan = run_step(scheduler, runner)
+    assert plan.preempted_ids == ("b",)
+    assert "c" not in ids(plan)
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+
+
+@pytest.mark.parametrize("when", ["waiting", "running"])
+def test_abort_frees_blocks_and_is_idempotent(when: str) -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("first", list(range(9)), max_new_tokens=5))
+    scheduler.add_request(make_request("second", list(range(9)), max_new_tokens=5))
+    run_step(scheduler, runner)
+    victim = "second" if when == "waiting" else "first"
+    request = scheduler.get_request(victim)
+
+    assert scheduler.abort(victim)
+    assert not scheduler.abort(victim)
+    assert not scheduler.abort("never-seen")
+    assert request.status is RequestStatus.FINISHED_ABORTED
+    assert request.block_ids == []
+    assert scheduler.get_request(victim) is None
+    assert (scheduler.num_running, scheduler.num_waiting) == (1, 0) if when == "waiting" else (0, 1)
+    run_until_done(scheduler, runner)
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
+
+
+def test_abort_between_schedule_and_update_is_skipped_by_update() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(make_request("a", [1, 2, 3]))
+    plan = scheduler.schedule()
+    sampled = runner.execute(plan)
+    scheduler.abort("a")
+    scheduler.update(plan, sampled)
+    assert plan.scheduled[0].request.output_token_ids == []
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
+
+
+def test_finish_requires_a_finished_status() -> None:
+    scheduler, _ = make_scheduler()
+    scheduler.add_request(make_request("a", [1]))
+    with pytest.raises(ValueError, match="FINISHED"):
+        scheduler.finish("a", RequestStatus.RUNNING)
+
+
+def test_free_block_count_returns_to_initial_after_every_request_finishes() -> None:
+    scheduler, runner = make_scheduler(num_blocks=12, block_size=4)
+    initial = scheduler.block_manager.num_free_blocks
+    for i in range(6):
+        scheduler.add_request(make_request(f"r{i}", list(range(i, i + 9)), max_new_tokens=6))
+    run_until_done(scheduler, runner)
+    assert scheduler.block_manager.num_free_blocks == initial
+    assert (scheduler.num_running, scheduler.num_waiting, scheduler.has_unfinished) == (0, 0, False)
+
+
+def test_embedding_prompts_share_batches_and_cache_with_token_prompts() -> None:
+    scheduler, runner = make_scheduler(block_size=4)
+    rows = ["u", "v", "w", "x", "y"]
+    scheduler.add_request(make_request("e1", [embedding(rows), TokenSegment([1, 2, 3, 4])]))
+    scheduler.add_request(make_request("t", [1, 2, 3, 4, 5]))
+    run_until_done(scheduler, runner)
+    scheduler.add_request(make_request("e2", [embedding(rows), TokenSegment([1, 2, 3, 4])]))
+    run_until_done(scheduler, runner)
+    assert scheduler.block_manager.num_prefix_hits_tokens == 8  # e2 reuses e1's two full blocks
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    block_size=st.integers(1, 8),
+    num_blocks=st.integers(3, 40),
+    budget=st.integers(4, 48),
+    max_num_seqs=st.integers(1, 6),
+    prefix_caching=st.booleans(),
+)
+def test_random_workloads_keep_invariants_and_every_request_finishes(
+    seed: int,
+    block_size: int,
+    num_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    prefix_caching: bool,
+) -> None:
+    rng = random.Random(seed)
+    scheduler, runner = make_scheduler(
+        num_blocks,
+        block_size,
+        prefix_caching,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_waiting=8,
+    )
+    accepted, aborted = [], set()
+    num_to_add = rng.randint(1, 16)
+    step = 0
+    while num_to_add or scheduler.has_unfinished:
+        if num_to_add and rng.random() < 0.5:
+            num_to_add -= 1
+            accepted.extend(_add_random_request(scheduler, rng, f"r{num_to_add}", float(step)))
+        if scheduler.has_unfinished and rng.random() < 0.05:
+            victim = rng.choice([r.request_id for r in accepted if not r.is_finished])
+            assert scheduler.abort(victim)
+            aborted.add(victim)
+        run_step(scheduler, runner)
+        step += 1
+        assert step < 5000, "the scheduler stopped making progress"
+
+    for request in accepted:
+        assert request.is_finished
+        if request.request_id not in aborted:
+            assert request.status is RequestStatus.FINISHED_LENGTH
+            assert request.output_token_ids == reference_outputs(
+                request.request_id, request.stopping.max_new_tokens
+            )
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
+
+
+def _add_random_request(scheduler: Scheduler, rng: random.Random, request_id: str, arrival: float) -> list:
+    # Few distinct prefixes and embedding rows, so the prefix cache is hit and shared.
+    segments = [TokenSegment([rng.choice([1, 2])] * rng.randint(0, 12))]
+    if rng.random() < 0.3:
+        segments.append(embedding([rng.choice("ab") for _ in range(rng.randint(1, 6))]))
+    segments.append(TokenSegment([rng.randint(0, 9) for _ in range(rng.randint(1, 4))]))
+    request = make_request(request_id, segments, max_new_tokens=rng.randint(1, 10), arrival_time=arrival)
+    try:
+        scheduler.add_request(request)
+    except (QueueFullError, RequestTooLongError):
+        return []
+    return [request]
+
+
+def test_check_invariants_holds_on_an_idle_scheduler() -> None:
+    scheduler, _ = make_scheduler()
+    check_invariants(scheduler, scheduler.schedule())

@@ -1,0 +1,152 @@
+"""The import structure the layout promises, read from the source: every import counts, lazy or not."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DECODER = "services.decoder"
+# Each decoder package imports only the ones after it (and common/); models/ is the leaf.
+DECODER_LAYERS = ("api", "distributed", "engine", "config", "backends", "models")
+PURE_PYTHON = ("engine.params", "engine.request", "engine.scheduler", "engine.kv_cache")
+
+
+@cache
+def modules() -> dict[str, Path]:
+    found = {}
+    for root in ("common", "services"):
+        for path in (REPO_ROOT / root).rglob("*.py"):
+            parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """Every module `module` imports, by full dotted name, wherever the import statement sits."""
+    names = set()
+    for node in ast.walk(ast.parse(modules()[module].read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if full in modules() else node.module)
+    return frozenset(names)
+
+
+def project_imports(module: str) -> set[str]:
+    """The project modules `module` imports (a package's own __init__ imports aside)."""
+    found = set()
+    for name in imports(module):
+        while name and name not in modules():
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            found.add(name)
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = {m: project_imports(m) for m in modules()}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target) :] + [target]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def _layer(module: str) -> str | None:
+    if not module.startswith(DECODER + "."):
+        return None
+    return module.removeprefix(DECODER + ".").split(".")[0]
+
+
+def test_decoder_packages_import_only_the_layers_below_them() -> None:
+    upward = []
+    for module in modules():
+        layer = _layer(module)
+        if layer not in DECODER_LAYERS:
+            continue
+        for target in project_imports(module):
+            target_layer = _layer(target)
+            if target_layer in DECODER_LAYERS and DECODER_LAYERS.index(target_layer) < DECODER_LAYERS.index(
+                layer
+            ):
+                upward.append(f"{module} -> {target}")
+            if target.startswith("services.") and target_layer is None:
+                upward.append(f"{module} -> {target}")  # the decoder never imports the encoder or the CLI
+    assert not upward
+
+
+def test_models_is_a_leaf_that_imports_only_itself_and_common() -> None:
+    outside = [
+        f"{module} -> {target}"
+        for module in modules()
+        if module.startswith(f"{DECODER}.models")
+        for target in project_imports(module)
+        if not target.startswith((f"{DECODER}.models", "common"))
+    ]
+    assert not outside
+
+
+def test_scheduling_modules_are_pure_python() -> None:
+    for name in PURE_PYTHON:
+        heavy = [n for n in imports(f"{DECODER}.{name}") if n.split(".")[0] in ("torch", "grpc", "numpy")]
+        assert not heavy, f"{name} imports {heavy}"
+
+
+def test_only_the_parallel_module_calls_torch_distributed() -> None:
+    users = sorted(m for m in modules() if any(n.startswith("torch.distributed") for n in imports(m)))
+    assert users == [f"{DECODER}.distributed.parallel"]
+
+
+def test_the_client_imports_neither_torch_nor_opentelemetry_when_loaded() -> None:
+    seen, pending = set(), ["common.client"]
+    while pending:
+        module = pending.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        tree = ast.parse(modules()[module].read_text())
+        top_level = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        for node in top_level:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            assert not any(n.split(".")[0] in ("torch", "numpy", "opentelemetry") for n in names), module
+        pending.extend(t for t in project_imports(module) if t in _top_level_targets(tree))
+    assert "common.telemetry" not in seen
+
+
+def _top_level_targets(tree: ast.Module) -> set[str]:
+    targets = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            targets.add(node.module)
+            targets.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+    return targets
+
+
+def test_every_decoder_package_says_what_it_owns_and_the_top_level_is_packages() -> None:
+    root = REPO_ROOT / "services" / "decoder"
+    for package in sorted(p for p in root.iterdir() if (p / "__init__.py").is_file()):
+        docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+        assert docstring and "\n" not in docstring.strip(), f"{package.name}/__init__.py: one-line docstring"
+    files = sorted(p.name for p in root.glob("*.py"))
+    assert files == ["__init__.py", "__main__.py", "config.py"]
