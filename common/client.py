@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # OpenTelemetry is optional: a caller that passes telemetry h
     from common.telemetry import ClientMetrics, Telemetry
 
 Segment = str | Sequence[int] | tensor_pb2.Tensor  # text, token IDs, or packed embeddings
+ChatTurn = Mapping[str, str | Sequence[Segment]]  # {"role": "user", "content": "..." or [parts]}
 
 
 def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]:
@@ -44,6 +45,55 @@ def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]
         else:
             segments.append(decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=list(part))))
     return segments
+
+
+def chat_prompt(
+    messages: Sequence[ChatTurn],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, object] | None = None,
+) -> decoder_pb2.ChatPrompt:
+    """The ChatPrompt message for `messages` ({"role": ..., "content": str or a list of parts})."""
+    prompt = decoder_pb2.ChatPrompt(add_generation_prompt=add_generation_prompt)
+    for message in messages:
+        content = message["content"]
+        parts = [content] if isinstance(content, str) else list(content)  # type: ignore[arg-type]
+        turn = prompt.messages.add(role=str(message["role"]))
+        for part in parts:
+            if isinstance(part, str):
+                turn.content.add(text=part)
+            elif isinstance(part, tensor_pb2.Tensor):
+                turn.content.add(embeddings=part)
+            else:
+                turn.content.add(token_ids=tensor_pb2.TokenIds(ids=list(part)))
+    if chat_template is not None:
+        prompt.chat_template = chat_template
+    if template_kwargs:
+        prompt.template_kwargs.update(template_kwargs)
+    return prompt
+
+
+def _set_options(
+    request: decoder_pb2.GenerateRequest,
+    max_new_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+    stopping_and_output: dict[str, object],
+) -> None:
+    """Keyword arguments onto the request: the named ones, then stopping or output fields by name."""
+    if max_new_tokens is not None:
+        request.stopping.max_new_tokens = max_new_tokens
+    if temperature is not None:
+        request.sampling.temperature = temperature
+    if seed is not None:
+        request.sampling.seed = seed
+    for key, value in stopping_and_output.items():
+        target = request.stopping if key in request.stopping.DESCRIPTOR.fields_by_name else request.output
+        field = getattr(target, key)
+        if hasattr(field, "extend"):
+            field.extend(value)  # type: ignore[arg-type]
+        else:
+            setattr(target, key, value)
 
 
 def _attributes(operation: str, model: str) -> dict[str, str]:
@@ -143,32 +193,51 @@ class DecoderClient(_Client):
             request = prompt
         else:
             request = decoder_pb2.GenerateRequest(prompt=prompt_segments(prompt))
-            if max_new_tokens is not None:
-                request.stopping.max_new_tokens = max_new_tokens
-            if temperature is not None:
-                request.sampling.temperature = temperature
-            if seed is not None:
-                request.sampling.seed = seed
-            for key, value in stopping_and_output.items():
-                target = (
-                    request.stopping if key in request.stopping.DESCRIPTOR.fields_by_name else request.output
-                )
-                field = getattr(target, key)
-                if hasattr(field, "extend"):
-                    field.extend(value)  # type: ignore[arg-type]
-                else:
-                    setattr(target, key, value)
+            _set_options(request, max_new_tokens, temperature, seed, stopping_and_output)
         call = self.stub.Generate(request, timeout=timeout)
         if self._metrics is not None:
             _time_call(call, self._metrics, _attributes(semconv.OPERATION_TEXT_COMPLETION, request.model))
         return call
 
+    def chat(
+        self,
+        messages: Sequence[ChatTurn],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, object] | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,
+        **stopping_and_output: object,
+    ) -> grpc.aio.UnaryStreamCall:
+        """Start a chat stream: `messages` rendered with the model's chat template on the server.
+
+        Each message is {"role": ..., "content": ...}; content is a string or a list of parts, each a
+        string (text), a Tensor (embeddings, e.g. the encoder's output) or a list of token IDs.
+        """
+        request = decoder_pb2.GenerateRequest(
+            chat=chat_prompt(messages, add_generation_prompt, chat_template, template_kwargs)
+        )
+        _set_options(request, max_new_tokens, temperature, seed, stopping_and_output)
+        return self.generate(request, timeout=timeout)
+
     async def generate_text(
-        self, prompt: Sequence[Segment], **kwargs: object
+        self, prompt: Sequence[Segment] | decoder_pb2.GenerateRequest, **kwargs: object
     ) -> tuple[str, decoder_pb2.Finished]:
         """Convenience: the whole text and the Finished event (whose usage goes to the client metrics)."""
+        return await self._collect(self.generate(prompt, **kwargs))  # type: ignore[arg-type]
+
+    async def chat_text(
+        self, messages: Sequence[ChatTurn], **kwargs: object
+    ) -> tuple[str, decoder_pb2.Finished]:
+        """Convenience: the whole reply and the Finished event, as generate_text."""
+        return await self._collect(self.chat(messages, **kwargs))  # type: ignore[arg-type]
+
+    async def _collect(self, call: grpc.aio.UnaryStreamCall) -> tuple[str, decoder_pb2.Finished]:
         text, finished = [], None
-        async for response in self.generate(prompt, **kwargs):  # type: ignore[arg-type]
+        async for response in call:
             if response.HasField("delta"):
                 text.append(response.delta.text)
             elif response.HasField("finished"):

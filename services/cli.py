@@ -4,7 +4,8 @@ tandem serve decoder [flags]     the decoder (see --help for its flags)
 tandem serve encoder [flags]     the encoder
 tandem import-gguf FILE DIR      convert a GGUF file (Llama, Qwen3) into a checkpoint directory
 tandem make-model DIR            write a random-weight checkpoint (tests, benchmark shapes)
-tandem generate --prompt TEXT    stream a generation from a running decoder to the terminal
+tandem generate --prompt TEXT    stream a generation from a running decoder
+tandem chat                      chat with a running decoder through the model's chat template to the terminal
 tandem bench [flags]             run bench/harness.py (a source checkout): every workload and peer
 """
 
@@ -61,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _import_gguf(args)
     if args.command == "generate":
         return asyncio.run(_generate(args))
+    if args.command == "chat":
+        from services.chat_cli import run_chat
+
+        return asyncio.run(run_chat(args, sys.stdin, sys.stdout))
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -104,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="trace the call and print its trace id (hex) to stderr; spans are exported only where "
         "OTEL_* configures an exporter (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)",
     )
+    chat = commands.add_parser(
+        "chat",
+        help="chat with a running decoder: one user turn per line, /reset starts over",
+        description="Multi-turn chat through the model's chat template, each reply streamed. On a "
+        "terminal it prompts for each turn; from a pipe or file it reads one user turn per line.",
+    )
+    chat.add_argument(
+        "--address", default="127.0.0.1:50052", help="decoder address (default 127.0.0.1:50052)"
+    )
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
+    chat.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--seed", type=int, default=None, help="sampling seed")
+    add_client_security_flags(chat)
     commands.add_parser("demo", help="start both services, stream one generation, stop them")
     commands.add_parser("up", help="run both services in the foreground: tandem up --help")
     commands.add_parser("bench", help="run the benchmark harness: tandem bench --help")

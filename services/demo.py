@@ -1,14 +1,14 @@
 """`make demo` / `tandem demo`: both services on the default model, a real question, clean stop.
 
-The question goes through the model's chat template twice: once all text, once with the question
-itself supplied as embeddings from the encoder. Both stream the same answer, which is the product in
-one picture: the decoder cannot tell the embedded words from the tokenized ones.
+The question is asked as a chat turn twice: once as text, once with the turn's content being the
+encoder's embeddings of the same words. The server renders both with the model's chat template and
+both stream the same answer, which is the product in one picture: the decoder cannot tell the
+embedded words from the tokenized ones.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -78,7 +78,7 @@ async def _run(model_dir: Path) -> None:
     try:
         with telemetry.tracer.start_as_current_span("tandem demo", kind=trace.SpanKind.CLIENT) as span:
             addresses = (f"127.0.0.1:{encoder_port}", f"127.0.0.1:{decoder_port}")
-            await _embed_and_generate(*addresses, encoder, decoder, telemetry, _chat_template(model_dir))
+            await _embed_and_generate(*addresses, encoder, decoder, telemetry)
         print(f"[demo] trace id {trace.format_trace_id(span.get_span_context().trace_id)}", flush=True)
     finally:
         telemetry.shutdown()
@@ -100,7 +100,6 @@ async def _embed_and_generate(
     encoder: subprocess.Popen,
     decoder: subprocess.Popen,
     telemetry: Telemetry,
-    chat_template: str,
 ) -> None:
     async with (
         EncoderClient(encoder_address, telemetry=telemetry) as enc,
@@ -108,36 +107,29 @@ async def _embed_and_generate(
     ):
         await _wait_serving(enc, "encoder", encoder)
         await _wait_serving(dec, "decoder", decoder)
-        # The model's own chat template, rendered here until chat requests land in the API.
-        before, after = render_chat(chat_template, QUESTION).split(QUESTION)
         print(f"[demo] user: {QUESTION}", flush=True)
-        as_text = [decoder_pb2.PromptSegment(text=before + QUESTION + after)]
-        answer = await _stream(dec, "the whole prompt as text", as_text)
+        answer = await _stream(dec, "a chat turn as text", [QUESTION])
         embedded = await enc.embed(text=QUESTION)
         print(
             f"[demo] encoder: the question, {len(embedded.token_ids.ids)} tokens -> embeddings "
             f"{list(embedded.embeddings.shape)} {tensor_pb2.DataType.Name(embedded.embeddings.dtype)}",
             flush=True,
         )
-        mixed = [
-            decoder_pb2.PromptSegment(text=before),
-            decoder_pb2.PromptSegment(embeddings=embedded.embeddings),
-            decoder_pb2.PromptSegment(text=after),
-        ]
-        answer_mixed = await _stream(dec, "the question as the encoder's embeddings", mixed)
+        answer_mixed = await _stream(
+            dec, "the same turn, its content the encoder's embeddings", [embedded.embeddings]
+        )
         same = "the same text" if answer == answer_mixed else "DIFFERENT text"
         print(f"[demo] both prompts gave {same}", flush=True)
 
 
-async def _stream(dec: DecoderClient, title: str, prompt: list[decoder_pb2.PromptSegment]) -> str:
-    """Streams one greedy answer to stdout and returns its text."""
-    request = decoder_pb2.GenerateRequest(prompt=prompt)
-    request.sampling.temperature = 0.0  # greedy: the two prompts must give comparable answers
-    request.stopping.max_new_tokens = 48
+async def _stream(dec: DecoderClient, title: str, content: list[str | tensor_pb2.Tensor]) -> str:
+    """Streams one greedy chat reply to stdout (the server applies the model's template); returns it."""
     print(f"[demo] {title}; streaming:\n", flush=True)
     started = time.monotonic()
     finished, text = None, []
-    async for response in dec.generate(request, timeout=120):
+    # Greedy: the two turns must give comparable answers.
+    call = dec.chat([{"role": "user", "content": content}], temperature=0.0, max_new_tokens=48, timeout=120)
+    async for response in call:
         if response.HasField("delta"):
             text.append(response.delta.text)
             print(response.delta.text, end="", flush=True)
@@ -154,22 +146,6 @@ async def _stream(dec: DecoderClient, title: str, prompt: list[decoder_pb2.Promp
         flush=True,
     )
     return "".join(text)
-
-
-def render_chat(template: str, question: str) -> str:
-    """One user turn through the checkpoint's chat template, in Jinja2's sandbox."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    messages = [{"role": "user", "content": question}]
-    return environment.from_string(template).render(messages=messages, add_generation_prompt=True)
-
-
-def _chat_template(model_dir: Path) -> str:
-    path = model_dir / "chat_template.jinja"
-    if path.is_file():
-        return path.read_text()
-    return json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
 
 
 def main() -> int:

@@ -38,4 +38,27 @@ function zeroEmbeddings(rows, hidden) {
   };
 }
 
-module.exports = { decoderClient, zeroEmbeddings, grpc, MAX_MESSAGE_BYTES };
+// A Generate request carrying a conversation, rendered with the model's chat template on the server.
+// `messages` is [{role, content}], content a string or a list of parts: a string (text), an array of
+// token IDs, or {embeddings: {dtype, shape, data}} (for example an encoder's output).
+function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, temperature = null } = {}) {
+  const part = (p) => {
+    if (typeof p === "string") return { text: p };
+    if (Array.isArray(p)) return { token_ids: { ids: p } };
+    return p; // already {embeddings: ...} or {text: ...}
+  };
+  const request = {
+    chat: {
+      messages: messages.map((m) => ({
+        role: m.role,
+        content: (typeof m.content === "string" ? [m.content] : m.content).map(part),
+      })),
+      add_generation_prompt: addGenerationPrompt,
+    },
+    stopping: { max_new_tokens: maxTokens },
+  };
+  if (temperature !== null) request.sampling = { temperature };
+  return request;
+}
+
+module.exports = { decoderClient, zeroEmbeddings, chatRequest, grpc, MAX_MESSAGE_BYTES };

@@ -134,3 +134,24 @@ def test_mis_shaped_embedding_is_invalid_argument_naming_the_field(
     assert error["code"] == "INVALID_ARGUMENT"
     assert "prompt[0].embeddings.shape" in error["details"]
     assert result.stdout == ""
+
+
+def test_node_chat_streams_a_reply_through_the_models_template(
+    node_client: Path, decoder: LiveDecoder
+) -> None:
+    chat = node_client.with_name("chat.js")
+    result = _run_node(
+        chat, decoder.address, "Once upon a time", "--system", "Be brief.", "--max-tokens", "8"
+    )
+    assert result.returncode == 0, result.stderr
+    text, summary = _text_and_summary(result.stdout)
+    request = decoder_pb2.GenerateRequest(stopping=decoder_pb2.StoppingCriteria(max_new_tokens=8))
+    request.sampling.temperature = 0
+    for role, content in (("system", "Be brief."), ("user", "Once upon a time")):
+        request.chat.messages.add(role=role).content.add(text=content)
+    expected = "".join(
+        r.delta.text for r in decoder.stub.Generate(request, timeout=60) if r.HasField("delta")
+    )
+    assert text == expected
+    assert summary["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS")
+    assert summary["output_tokens"] >= 1

@@ -11,10 +11,19 @@ from __future__ import annotations
 import time
 
 import torch
+from google.protobuf import json_format
 
 from common import tensors
 from common.errors import InvalidArgument
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from services.decoder.engine.chat import (
+    ChatMessage,
+    ChatRequest,
+    ContentPart,
+    EmbeddingsPart,
+    TextPart,
+    TokenIdsPart,
+)
 from services.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
 from services.decoder.engine.params import SamplingParams, StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, PromptPart, TextPrompt
@@ -34,8 +43,9 @@ def spec_from_pb(
 ) -> GenerateSpec:
     """The request as the engine takes it. Fails only where a field cannot be converted at all."""
     stopping, cap = _stopping_from_pb(request.stopping)
+    plain = request.plain_text
     return GenerateSpec(
-        prompt=[_part_from_pb(segment, f"prompt[{i}]", limits) for i, segment in enumerate(request.prompt)],
+        prompt=[_part_from_pb(s, f"prompt[{i}]", limits, plain) for i, s in enumerate(request.prompt)],
         sampling=_sampling_from_pb(request.sampling, request.output),
         stopping=stopping,
         output=OutputOptions(
@@ -44,19 +54,54 @@ def spec_from_pb(
         request_id=request.request_id,
         deadline=None if time_remaining_s is None else time.monotonic() + time_remaining_s,
         cap_max_new_tokens=cap,
+        chat=_chat_from_pb(request.chat, limits) if request.HasField("chat") else None,
     )
 
 
-def _part_from_pb(segment: decoder_pb2.PromptSegment, field: str, limits: tensors.TensorLimits) -> PromptPart:
+def _part_from_pb(
+    segment: decoder_pb2.PromptSegment, field: str, limits: tensors.TensorLimits, plain_text: bool
+) -> PromptPart:
     kind = segment.WhichOneof("segment")
     if kind == "token_ids":
         return list(segment.token_ids.ids)
     if kind == "text":
-        return TextPrompt(segment.text)
+        return TextPrompt(segment.text, is_plain=plain_text)
     if kind == "embeddings":
         # Wire checks only (dtype, sizes against the byte count and `limits`); zero-copy.
         return EmbeddingPrompt(tensors.decode(segment.embeddings, f"{field}.embeddings", limits=limits))
     raise InvalidArgument(field, "set one of token_ids, embeddings or text")
+
+
+def _chat_from_pb(chat: decoder_pb2.ChatPrompt, limits: tensors.TensorLimits) -> ChatRequest:
+    messages = [
+        ChatMessage(
+            message.role,
+            [
+                _chat_part_from_pb(part, f"chat.messages[{i}].content[{j}]", limits)
+                for j, part in enumerate(message.content)
+            ],
+        )
+        for i, message in enumerate(chat.messages)
+    ]
+    return ChatRequest(
+        messages=messages,
+        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        template=chat.chat_template if chat.HasField("chat_template") else None,
+        template_kwargs=json_format.MessageToDict(chat.template_kwargs),
+    )
+
+
+def _chat_part_from_pb(
+    part: decoder_pb2.ChatContentPart, field: str, limits: tensors.TensorLimits
+) -> ContentPart:
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return TextPart(part.text)
+    if kind == "token_ids":
+        return TokenIdsPart(list(part.token_ids.ids))
+    if kind == "embeddings":
+        return EmbeddingsPart(tensors.decode(part.embeddings, f"{field}.embeddings", limits=limits))
+    raise InvalidArgument(field, "set one of text, token_ids or embeddings")
 
 
 def _sampling_from_pb(s: decoder_pb2.SamplingParams, out: decoder_pb2.OutputOptions) -> SamplingParams:

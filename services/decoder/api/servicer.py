@@ -16,6 +16,7 @@ from common.errors import InvalidArgument, NotFound, Unavailable
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from services.decoder.api import protocol
 from services.decoder.api.engine_metrics import observe_engine
+from services.decoder.engine.chat import EmbeddingsPart
 from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
@@ -145,11 +146,13 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             max_message_bytes=self.max_message_bytes,
             world_size=self.world_size,
             max_queued_requests=engine.config.max_queue,
+            has_chat_template=engine.chat_template.source is not None,
         )
 
 
 def _num_embedding_positions(spec: GenerateSpec) -> int:
-    return sum(part.rows.shape[0] for part in spec.prompt if isinstance(part, EmbeddingPrompt))
+    parts = [*spec.prompt, *(p for m in spec.chat.messages for p in m.content)] if spec.chat else spec.prompt
+    return sum(part.rows.shape[0] for part in parts if isinstance(part, EmbeddingPrompt | EmbeddingsPart))
 
 
 def _request_attributes(

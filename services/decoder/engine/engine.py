@@ -11,6 +11,7 @@ import itertools
 import logging
 import queue
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -19,6 +20,7 @@ from common.errors import Unavailable
 from services.decoder.backends import backend as backends
 from services.decoder.config import EngineConfig
 from services.decoder.engine import sizing
+from services.decoder.engine.chat import ChatTemplate
 from services.decoder.engine.core import EngineCore, Sink
 from services.decoder.engine.kv_cache import BlockManager
 from services.decoder.engine.loop import EngineThread
@@ -68,6 +70,8 @@ class Engine:
             )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        # The chat template (if any) and the tokenizer's plain-text twin, built once.
+        self.chat_template = ChatTemplate.load(Path(config.model_dir), self.tokenizer)
         self.max_model_len = sizing.max_model_len(config, self.model_config)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
@@ -159,7 +163,7 @@ class Engine:
             request.stopping,
             spec.output,
             self.tokenizer,
-            self.eos_token_ids,
+            self._eos_token_ids(spec),
             self.max_model_len,
             request.arrival_time,
         )
@@ -171,6 +175,12 @@ class Engine:
         self.core.abort(request_id)
         self._thread.wake()
 
+    def _eos_token_ids(self, spec: GenerateSpec) -> frozenset[int]:
+        """A chat reply also ends at the template's end-of-turn token (left out of the text like EOS)."""
+        if spec.chat is None:
+            return self.eos_token_ids
+        return self.eos_token_ids | frozenset(self.chat_template.end_of_turn_ids)
+
     def make_request(self, spec: GenerateSpec) -> Request:
         """Flatten and validate a spec against this engine's model; raises InvalidArgument."""
         return build_request(
@@ -180,6 +190,7 @@ class Engine:
             self.model_config,
             self.max_model_len,
             self.config.enable_prompt_embeds,
+            self.chat_template,
         )
 
     def generate(self, spec: GenerateSpec) -> Iterator[Event]:

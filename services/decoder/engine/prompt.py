@@ -19,6 +19,15 @@ import torch
 
 from common import tensors
 from common.errors import FailedPrecondition, InvalidArgument
+from services.decoder.engine.chat import ROLES as CHAT_ROLES
+from services.decoder.engine.chat import (
+    ChatRequest,
+    ChatTemplate,
+    EmbeddingsPart,
+    TextPart,
+    TokenIdsPart,
+    plain_tokenizer,
+)
 from services.decoder.engine.outputs import OutputOptions
 from services.decoder.engine.params import SamplingParams, StoppingParams
 from services.decoder.engine.request import EmbeddingSegment, Request, TokenSegment
@@ -27,7 +36,9 @@ from services.decoder.models.config import ModelConfig
 
 @dataclass(frozen=True)
 class TextPrompt:
-    text: str  # tokenized on arrival, without special tokens
+    text: str  # tokenized on arrival, without adding BOS/EOS
+    # True: special-token literals ("<|im_start|>") stay plain text; False: they are control tokens.
+    is_plain: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,13 +55,14 @@ MAX_REQUEST_ID_BYTES = 128
 class GenerateSpec:
     """One generation as the engine takes it (the servicer converts protos into this)."""
 
-    prompt: Sequence[PromptPart]
+    prompt: Sequence[PromptPart]  # empty when `chat` is set
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingParams = field(default_factory=StoppingParams)
     output: OutputOptions = field(default_factory=OutputOptions)
     request_id: str = ""  # "" = assigned
     deadline: float | None = None  # time.monotonic() by which the first step must have started
     cap_max_new_tokens: bool = False  # max_new_tokens was a default: shrink it to fit the context
+    chat: ChatRequest | None = None  # a conversation for the model's chat template, instead of `prompt`
 
 
 def build_request(
@@ -60,6 +72,7 @@ def build_request(
     model_config: ModelConfig,
     max_model_len: int,
     enable_prompt_embeds: bool,
+    chat_template: ChatTemplate | None = None,
 ) -> Request:
     """Validate the spec against the model and flatten its prompt into positions.
 
@@ -77,9 +90,23 @@ def build_request(
     spec.stopping.validate(vocab)
     for i, part in enumerate(spec.prompt):
         _check_segment(i, part, model_config.hidden_size, enable_prompt_embeds)
-    positions = [_positions(i, part, tokenizer, vocab) for i, part in enumerate(spec.prompt)]
+    if spec.chat is not None:
+        if spec.prompt:
+            raise InvalidArgument("prompt", "set either prompt or chat, not both")
+        _check_chat(spec.chat, model_config.hidden_size, vocab, enable_prompt_embeds)
+        if chat_template is None:
+            raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+        # Chat parts were checked above with their own field paths; what rendering adds is the
+        # template's own text, tokenized into this vocabulary.
+        rendered = chat_template.tokenize(chat_template.render(spec.chat))
+        prompt: Sequence[PromptPart] = [p if isinstance(p, list) else EmbeddingPrompt(p) for p in rendered]
+        field_name = "chat"
+    else:
+        prompt, field_name = spec.prompt, "prompt"
+    plain = chat_template.plain_tokenizer if chat_template is not None else None
+    positions = [_positions(i, part, tokenizer, plain, vocab) for i, part in enumerate(prompt)]
     num_positions = sum(len(p) if isinstance(p, list) else p.shape[0] for p in positions)
-    stopping = _fit_context(spec, num_positions, max_model_len)
+    stopping = _fit_context(spec, num_positions, max_model_len, field_name)
     segments = [
         TokenSegment(p) if isinstance(p, list) else _embedding_segment(i, p, model_config.dtype)
         for i, p in enumerate(positions)
@@ -107,10 +134,20 @@ def _check_segment(i: int, part: PromptPart, hidden_size: int, enable_prompt_emb
 
 
 def _positions(
-    i: int, part: PromptPart, tokenizer: tokenizers.Tokenizer, vocab_size: int
+    i: int,
+    part: PromptPart,
+    tokenizer: tokenizers.Tokenizer,
+    plain: tokenizers.Tokenizer | None,
+    vocab_size: int,
 ) -> list[int] | torch.Tensor:
-    """A segment's token ids (text tokenized, ids checked against the vocabulary), or its rows as given."""
+    """A segment's token ids (text tokenized, ids checked against the vocabulary), or its rows as given.
+
+    `plain` is the tokenizer's copy that splits special-token literals into text (built once per
+    engine, with its chat template); None builds one here, for callers that passed none.
+    """
     if isinstance(part, TextPrompt):
+        if part.is_plain:
+            tokenizer = plain if plain is not None else plain_tokenizer(tokenizer)
         return tokenizer.encode(part.text, add_special_tokens=False).ids
     if isinstance(part, EmbeddingPrompt):
         return part.rows
@@ -122,11 +159,55 @@ def _positions(
     return list(part)
 
 
-def _fit_context(spec: GenerateSpec, num_positions: int, max_model_len: int) -> StoppingParams:
+def _check_chat(chat: ChatRequest, hidden_size: int, vocab_size: int, enable_prompt_embeds: bool) -> None:
+    """The chat rules, named by field path: roles, non-empty parts, embeddings on and well shaped, IDs in
+    the vocabulary, embedding values finite."""
+    if not chat.messages:
+        raise InvalidArgument("chat.messages", "must have at least one message")
+    for i, message in enumerate(chat.messages):
+        path = f"chat.messages[{i}]"
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"{path}.role", f"{message.role[:32]!r} is not one of {', '.join(CHAT_ROLES)}"
+            )
+        if not message.content:
+            raise InvalidArgument(f"{path}.content", "must have at least one part")
+        for j, part in enumerate(message.content):
+            _check_chat_part(f"{path}.content[{j}]", part, hidden_size, vocab_size, enable_prompt_embeds)
+
+
+def _check_chat_part(
+    path: str, part: TextPart | TokenIdsPart | EmbeddingsPart, hidden: int, vocab: int, embeds_on: bool
+) -> None:
+    if isinstance(part, TextPart):
+        if not part.text:
+            raise InvalidArgument(f"{path}.text", "must not be empty")
+    elif isinstance(part, TokenIdsPart):
+        if not part.ids:
+            raise InvalidArgument(f"{path}.token_ids.ids", "must not be empty")
+        for k, token_id in enumerate(part.ids):
+            if not 0 <= token_id < vocab:
+                raise InvalidArgument(
+                    f"{path}.token_ids.ids[{k}]", f"token id {token_id} outside [0, {vocab})"
+                )
+    else:
+        if not embeds_on:
+            raise FailedPrecondition(f"{path}.embeddings", "prompt embeddings are disabled on this server")
+        rows = part.rows
+        if rows.dim() != 2 or rows.shape[1] != hidden or rows.shape[0] < 1:
+            raise InvalidArgument(
+                f"{path}.embeddings.shape", f"expected [n >= 1, {hidden}], got {list(rows.shape)}"
+            )
+        tensors.require_finite(rows, f"{path}.embeddings")
+
+
+def _fit_context(
+    spec: GenerateSpec, num_positions: int, max_model_len: int, field_name: str = "prompt"
+) -> StoppingParams:
     """The stopping params, max_new_tokens shrunk to the context when it was a default; else checked."""
     if num_positions >= max_model_len:
         raise InvalidArgument(
-            "prompt",
+            field_name,
             f"{num_positions} positions leave no room to generate within max_model_len {max_model_len}",
         )
     stopping = spec.stopping

@@ -1,0 +1,72 @@
+#!/usr/bin/env node
+// Asks a tandem decoder one chat question and streams the answer, then one JSON line:
+//   {"finish_reason": "FINISH_REASON_EOS", "output_tokens": 9, ...}
+// The server renders the conversation with the model's chat template; the template's end-of-turn
+// token ends the answer. On an error status it prints {"error": {"code": ..., "details": ...}} to
+// stderr and exits 1.
+//
+//   node chat.js ADDRESS QUESTION [--system TEXT] [--max-tokens N] [--temperature T]
+"use strict";
+
+const { decoderClient, chatRequest, grpc } = require("./decoder");
+
+function parseArgs(argv) {
+  const positional = [];
+  const options = { system: null, maxTokens: 256, temperature: 0 };
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i];
+    const value = () => {
+      if (i + 1 >= argv.length) throw new Error(`${arg} needs a value`);
+      return argv[++i];
+    };
+    if (arg === "--system") options.system = value();
+    else if (arg === "--max-tokens") options.maxTokens = Number(value());
+    else if (arg === "--temperature") options.temperature = Number(value());
+    else positional.push(arg);
+  }
+  if (positional.length !== 2) {
+    throw new Error("usage: node chat.js ADDRESS QUESTION [--system TEXT] [--max-tokens N] [--temperature T]");
+  }
+  return { address: positional[0], question: positional[1], ...options };
+}
+
+function main() {
+  let args;
+  try {
+    args = parseArgs(process.argv.slice(2));
+  } catch (error) {
+    console.error(error.message);
+    process.exit(2);
+  }
+  const messages = [];
+  if (args.system !== null) messages.push({ role: "system", content: args.system });
+  messages.push({ role: "user", content: args.question });
+  const request = chatRequest(messages, { maxTokens: args.maxTokens, temperature: args.temperature });
+  const client = decoderClient(args.address);
+  const summary = {};
+  let failed = false;
+  const call = client.Generate(request, { deadline: Date.now() + 120_000 });
+  call.on("data", (response) => {
+    if (response.event === "delta") {
+      process.stdout.write(response.delta.text);
+    } else if (response.event === "finished") {
+      summary.finish_reason = response.finished.reason;
+      summary.output_tokens = response.finished.usage.output_tokens;
+      summary.prompt_tokens = response.finished.usage.input_tokens;
+    }
+  });
+  call.on("error", (error) => {
+    failed = true;
+    const code = grpc.status[error.code] ?? String(error.code);
+    console.error(JSON.stringify({ error: { code, details: error.details } }));
+    client.close();
+    process.exitCode = 1;
+  });
+  call.on("end", () => {
+    if (failed) return;
+    process.stdout.write("\n" + JSON.stringify(summary) + "\n");
+    client.close();
+  });
+}
+
+main();
