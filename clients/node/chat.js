@@ -8,7 +8,7 @@
 //   node chat.js ADDRESS QUESTION [--system TEXT] [--max-tokens N] [--temperature T]
 "use strict";
 
-const { decoderClient, chatRequest, grpc } = require("./decoder");
+const { decoderClient, chatRequest, finishOnEnd } = require("./decoder");
 
 function parseArgs(argv) {
   const positional = [];
@@ -44,7 +44,6 @@ function main() {
   const request = chatRequest(messages, { maxTokens: args.maxTokens, temperature: args.temperature });
   const client = decoderClient(args.address);
   const summary = {};
-  let failed = false;
   const call = client.Generate(request, { deadline: Date.now() + 120_000 });
   call.on("data", (response) => {
     if (response.event === "delta") {
@@ -55,18 +54,7 @@ function main() {
       summary.prompt_tokens = response.finished.usage.input_tokens;
     }
   });
-  call.on("error", (error) => {
-    failed = true;
-    const code = grpc.status[error.code] ?? String(error.code);
-    console.error(JSON.stringify({ error: { code, details: error.details } }));
-    client.close();
-    process.exitCode = 1;
-  });
-  call.on("end", () => {
-    if (failed) return;
-    process.stdout.write("\n" + JSON.stringify(summary) + "\n");
-    client.close();
-  });
+  finishOnEnd(call, client, summary);
 }
 
 main();

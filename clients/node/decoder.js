@@ -61,4 +61,22 @@ function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, te
   return request;
 }
 
-module.exports = { decoderClient, zeroEmbeddings, chatRequest, grpc, MAX_MESSAGE_BYTES };
+// Ends a command-line stream: on an error status, {"error": {code, details}} to stderr and exit code 1;
+// otherwise a newline after the streamed text and `summary` as one JSON line. Closes the client.
+function finishOnEnd(call, client, summary) {
+  let failed = false;
+  call.on("error", (error) => {
+    failed = true;
+    const code = grpc.status[error.code] ?? String(error.code);
+    console.error(JSON.stringify({ error: { code, details: error.details } }));
+    client.close();
+    process.exitCode = 1;
+  });
+  call.on("end", () => {
+    if (failed) return; // grpc-js ends the stream after an error too
+    process.stdout.write("\n" + JSON.stringify(summary) + "\n");
+    client.close();
+  });
+}
+
+module.exports = { decoderClient, zeroEmbeddings, chatRequest, finishOnEnd, grpc, MAX_MESSAGE_BYTES };

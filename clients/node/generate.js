@@ -12,7 +12,7 @@
 // text segment.
 "use strict";
 
-const { decoderClient, zeroEmbeddings, grpc } = require("./decoder");
+const { decoderClient, zeroEmbeddings, finishOnEnd } = require("./decoder");
 
 function parseArgs(argv) {
   const positional = [];
@@ -61,7 +61,6 @@ function main() {
   }
   const client = decoderClient(args.address);
   const summary = { prompt_tokens: null, streamed_tokens: 0 };
-  let failed = false;
   const call = client.Generate(buildRequest(args), { deadline: Date.now() + 120_000 });
   call.on("data", (response) => {
     if (response.event === "accepted") {
@@ -76,18 +75,7 @@ function main() {
       summary.time_to_first_token_s = finished.time_to_first_token_s;
     }
   });
-  call.on("error", (error) => {
-    failed = true;
-    const code = grpc.status[error.code] ?? String(error.code);
-    console.error(JSON.stringify({ error: { code, details: error.details } }));
-    client.close();
-    process.exitCode = 1;
-  });
-  call.on("end", () => {
-    if (failed) return; // grpc-js ends the stream after an error too
-    process.stdout.write("\n" + JSON.stringify(summary) + "\n");
-    client.close();
-  });
+  finishOnEnd(call, client, summary);
 }
 
 main();
