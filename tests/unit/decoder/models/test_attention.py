@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from services.decoder.models import native
-from services.decoder.models.attention import AttentionMetadata, paged_attention, write_kv_cache
+from services.decoder.models.attention import AttentionMetadata, write_kv_cache
+from services.decoder.models.torch_attention import TorchPagedAttention
 
 from .helpers import PagedAllocator
 
@@ -58,7 +59,7 @@ def run_steps(
         k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        out = paged_attention(q, kv_cache, attn, SCALE, k, v, kernels)
+        out = TorchPagedAttention(kernels)(q, k, v, kv_cache, attn, SCALE)
         refs, start = [], 0
         for key, n in chunks:
             keys[key] = torch.cat((keys.get(key, k[:0]), k[start : start + n]))
@@ -122,7 +123,7 @@ def test_tokens_past_the_scheduled_ones_are_padding_with_zero_output() -> None:
         slots = torch.cat((attn.slot_mapping, torch.tensor([0, 1])))
         write_kv_cache(kv_cache, k, k, slots)
         q = torch.randn(num_real + 2, NUM_HEADS, HEAD_DIM)
-        out = paged_attention(q, kv_cache, attn, SCALE, k, k)
+        out = TorchPagedAttention()(q, k, k, kv_cache, attn, SCALE)
         assert out.shape == (num_real + 2, NUM_HEADS * HEAD_DIM)
         assert out[num_real:].eq(0).all() and out[:num_real].ne(0).any()
 
