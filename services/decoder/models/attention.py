@@ -68,6 +68,11 @@ class PagedAttention(ABC):
     sequences possibly decoding in the same step); `__call__` picks one and pads the output.
     """
 
+    @classmethod
+    def check_block_size(cls, block_size: int) -> None:
+        """Raises ValueError naming the limit when this implementation cannot take KV blocks this size."""
+        return None  # torch ops take any size
+
     def __call__(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
