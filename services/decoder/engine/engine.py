@@ -129,7 +129,7 @@ class Engine:
         self.shutdown()
 
     def warmup(self) -> None:
-        """Static mode: run every (tokens, seqs, table width) bucket once with dummy inputs: no shape is new later."""
+        """Static mode: every bucket (tokens, seqs, table width) runs once on dummy inputs, none later."""
         runner = self.core.runner
         assert runner.static is not None
         for num_tokens, num_seqs, block_table_width in warmup_shapes(runner.static):

@@ -161,7 +161,8 @@ def _fresh_prompts(
 def _stale_slots(attn: AttentionMetadata, block_size: int) -> torch.Tensor:
     """int64 [num_seqs * block_size]: each sequence's last-block slots past its end, else a null slot."""
     seq_lens = attn.seq_lens_t.long()  # [num_seqs]
-    last_index = (seq_lens + block_size - 1) // block_size - 1  # [num_seqs]
+    # [num_seqs]; clamped for static padding sequences, which may outgrow their (all null) table
+    last_index = ((seq_lens + block_size - 1) // block_size - 1).clamp(max=attn.block_tables.shape[1] - 1)
     last_block = attn.block_tables.long().gather(1, last_index[:, None])  # [num_seqs, 1]
     offsets = torch.arange(block_size, device=seq_lens.device)  # [block_size]
     is_stale = offsets[None, :] >= (seq_lens - last_index * block_size)[:, None]  # [num_seqs, block_size]

@@ -18,6 +18,12 @@ index, since blocks are shared (prefix caching) only by sequences with the same 
 index. Unused blocks map to 0, which the ownership check rejects unless the block really is the
 sequence's first.
 
+Static-shape padding sequences break both rules and need neither: their table is all null block,
+however long they are (a prefill bucket's last padding sequence can outgrow the table), so the block
+counts are clamped to the table's width, and whatever their rows see is discarded. A real sequence
+never sees the null block: at a logical index it does not use, its table holds the null block, but
+that index is past its length.
+
 Two query layouts:
 - decode: batch = sequences, and the query heads of one KV group are the rows
   (q [num_seqs, num_kv_heads, group, head_dim], no enable_gqa): every KV block is read once per KV
@@ -74,8 +80,8 @@ def decode_block_mask(
     """Each sequence's one query (at seq_len - 1) over its own blocks; tensors only (graph-safe)."""
     num_seqs, width = block_tables.shape
     logical = logical_block_index(block_tables, seq_lens, num_blocks, block_size)  # [num_blocks]
-    num_full = seq_lens // block_size  # [num_seqs] blocks wholly before the query
-    num_partial = (seq_lens % block_size != 0).to(torch.int32)  # [num_seqs] the query's own block
+    num_full = (seq_lens // block_size).clamp(max=width)  # [num_seqs] blocks wholly before the query
+    num_partial = (num_full * block_size < seq_lens) & (num_full < width)  # [num_seqs] the query's own
     cols = torch.arange(width, device=block_tables.device)
     # [num_seqs, width] the table shifted left by num_full: the partial block first
     partial = block_tables.gather(1, (num_full[:, None] + cols).clamp(max=width - 1))
@@ -90,7 +96,7 @@ def decode_block_mask(
         return is_owned & (index * block_size + kv_idx % block_size < seq_lens_long[b])
 
     return BlockMask.from_kv_blocks(
-        num_partial.view(num_seqs, 1, 1),
+        num_partial.to(torch.int32).view(num_seqs, 1, 1),
         partial.view(num_seqs, 1, 1, width),
         num_full.to(torch.int32).view(num_seqs, 1, 1),
         block_tables.view(num_seqs, 1, 1, width),
@@ -127,8 +133,9 @@ def prefill_block_mask(
     local_block = torch.arange(total_q_blocks) - first_q_block[q_block_seq]
     first_pos = ctx_len[q_block_seq] + local_block * Q_BLOCK_SIZE
     last_pos = ctx_len[q_block_seq] + torch.minimum((local_block + 1) * Q_BLOCK_SIZE, q_len[q_block_seq]) - 1
-    num_full = (first_pos + 1) // block_size  # blocks visible to every query of the block
-    num_partial = last_pos // block_size + 1 - num_full
+    num_needed = (last_pos // block_size + 1).clamp(max=width)  # up to the block of the last query
+    num_full = ((first_pos + 1) // block_size).clamp(max=num_needed)  # visible to every query
+    num_partial = num_needed - num_full
 
     row_seq = q_block_seq.repeat_interleave(Q_BLOCK_SIZE)  # [num_rows]
     local_row = torch.arange(num_rows) - first_q_block[row_seq] * Q_BLOCK_SIZE
