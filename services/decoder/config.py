@@ -14,6 +14,7 @@ from pathlib import Path
 from common.dtypes import DTYPES
 from common.server import ServerOptions
 from services.decoder.backends import backend as backends
+from services.decoder.models.attention import PagedAttention
 
 DEFAULT_PORT = 50052
 
@@ -37,6 +38,9 @@ class EngineConfig:
     static_shapes: bool = False  # pad batches to buckets so every step has a known input signature.
     token_buckets: tuple[int, ...] = ()  # static mode: padded token counts; () = powers of two.
     seq_buckets: tuple[int, ...] = ()  # static mode: padded sequence counts; () = powers of two.
+    # static mode: padded block-table widths of decode steps, in blocks; () = fourfold steps up to
+    # the blocks of max_model_len. Gathering decode paths cost what the width holds, not the context.
+    block_table_buckets: tuple[int, ...] = ()
     compile: bool = False  # static mode: decode buckets run as graphs compiled at warmup (Neuron: traced).
     # CPU, eager: norms, RoPE + KV write and decode attention through models/native_kernels.c, built
     # at start with the machine's C compiler; without one the engine logs it and keeps torch ops.
@@ -52,6 +56,7 @@ class EngineConfig:
                 f"device {backend.name} runs static shapes only: it needs static_shapes and compile "
                 "(--static-shapes true --compile true)"
             )
+        (backend.attention or PagedAttention).check_block_size(self.block_size)
         if self.compile and not self.static_shapes:
             raise ValueError("compile needs static_shapes (--static-shapes true): one graph per bucket")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "block_size", "kv_cache_bytes"):
@@ -61,7 +66,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
-        for name in ("token_buckets", "seq_buckets"):
+        for name in ("token_buckets", "seq_buckets", "block_table_buckets"):
             buckets = getattr(self, name)
             if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
                 raise ValueError(f"{name} must be strictly increasing positive sizes, got {buckets}")

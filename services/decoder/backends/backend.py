@@ -8,9 +8,10 @@ How a decode bucket becomes a graph is one file per kind: `torch_compile.py` (CP
 
 - cpu: the default and what every test runs. Compiled buckets go through `torch.compile`
   (Inductor, `dynamic=False`, one graph per bucket).
-- cuda: NCCL between ranks, bf16 by default; compiled buckets use `mode="reduce-overhead"`, so
-  Inductor captures each bucket as a CUDA graph (the KV cache is marked a static address so the
-  graphs may write it in place).
+- cuda: NCCL between ranks, bf16 by default; attention through FlexAttention over the paged cache
+  (`cuda_attention.py`); compiled buckets use `mode="reduce-overhead"`, so Inductor captures each
+  bucket as a CUDA graph (the KV cache is marked a static address so the graphs may write it in
+  place).
 - neuron: needs `torch-neuronx` (the AWS Neuron SDK, not on PyPI). Static shapes only; each decode
   bucket is traced ahead with `torch_neuronx.trace`. One rank only: Neuron tensor parallelism runs as
   one SPMD program (NxD), not as the per-rank processes this engine spawns.
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from services.decoder.backends.cuda_attention import CudaPagedAttention
 from services.decoder.models import native
+from services.decoder.models.attention import PagedAttention
 from services.decoder.models.transformer import DecoderModel
 
 CUDA_INSTALL = (
@@ -60,6 +63,9 @@ class Backend:
     prepacks_weights: bool = False  # pack bf16 linear weights for oneDNN once at load (eager CPU)
     native_kernels: bool = False  # decode attention through models/native_kernels.c (eager CPU)
     compiler: str = "inductor"  # torch.compile backend; tests swap in "aot_eager" (same graphs, no codegen)
+    # The model's attention implementation; None keeps the model's own (torch ops, and the C decode
+    # kernel on eager CPU).
+    attention: type[PagedAttention] | None = None
 
 
 BACKENDS: dict[str, Backend] = {
@@ -84,6 +90,7 @@ BACKENDS: dict[str, Backend] = {
         requires_static_shapes=False,
         uses_cuda_graphs=True,
         install_hint=CUDA_INSTALL,
+        attention=CudaPagedAttention,
     ),
     "neuron": Backend(
         name="neuron",
@@ -139,10 +146,13 @@ def torch_device(device: str) -> torch.device:
 def prepare_model(model: DecoderModel, backend: Backend, compile: bool, native_kernels: bool) -> None:
     """Readies a model this process loaded for serving on `backend`, on every rank alike.
 
-    Eager CPU: bf16 weights packed for oneDNN and, unless `native_kernels` is off, the C kernels
-    attached (None when they cannot be built: the model keeps torch ops). Compiled models stay as
-    loaded: Inductor folds and packs weights itself. Call on the thread that runs the model.
+    The backend's attention implementation, if it has one. Eager CPU: bf16 weights packed for oneDNN
+    and, unless `native_kernels` is off, the C kernels attached (None when they cannot be built: the
+    model keeps torch ops). Compiled models stay as loaded: Inductor folds and packs weights itself.
+    Call on the thread that runs the model.
     """
+    if backend.attention is not None:
+        model.use_attention(backend.attention())
     if compile:
         return
     if backend.prepacks_weights:

@@ -29,6 +29,7 @@ from services.decoder.engine.prompt import GenerateSpec, build_request
 from services.decoder.engine.request import Request
 from services.decoder.engine.runner import ModelRunner, StepSink
 from services.decoder.engine.scheduler import Scheduler, SchedulerConfig
+from services.decoder.engine.static_shapes import warmup_shapes
 from services.decoder.engine.streaming import Mailboxes, stream_events
 from services.decoder.models.loader import LoadedModel, load_model
 from services.decoder.models.tensor_parallel import ParallelGroup, world_size_of
@@ -132,14 +133,11 @@ class Engine:
         self.shutdown()
 
     def warmup(self) -> None:
-        """Static mode: run every (tokens, seqs) bucket once with dummy inputs so no shape is new later."""
+        """Static mode: every bucket (tokens, seqs, table width) runs once on dummy inputs, none later."""
         runner = self.core.runner
         assert runner.static is not None
-        for num_seqs in runner.static.seq_buckets:
-            for num_tokens in runner.static.token_buckets:
-                if num_tokens < num_seqs:
-                    continue
-                runner.warmup(num_tokens, num_seqs)
+        for num_tokens, num_seqs, block_table_width in warmup_shapes(runner.static):
+            runner.warmup(num_tokens, num_seqs, block_table_width)
         runner.seal()
         if runner.compiler is not None:
             log.info(

@@ -24,7 +24,7 @@ from services.decoder.backends.buckets import bucket_compiler
 from services.decoder.engine.batch import BatchTensors, ForwardBatch, pack
 from services.decoder.engine.scheduler import StepPlan
 from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
-from services.decoder.engine.static_shapes import StaticShapes, pad_to_buckets, padding_batch
+from services.decoder.engine.static_shapes import StaticShapes, pad_to_buckets, padded_width, padding_batch
 from services.decoder.models.tensor_parallel import world_size_of
 from services.decoder.models.transformer import DecoderModel
 
@@ -122,13 +122,18 @@ class ModelRunner:
             batch = self.tensors.batch(host, width, has_embeds=bool(host.embed_pieces))
         else:
             pad_to_buckets(host, self.static, self.block_size)
-            batch = self.tensors.batch(host, self.static.block_table_width, has_embeds=True)
+            width = padded_width(self.static, host, self.block_size)
+            batch = self.tensors.batch(host, width, has_embeds=True)
         return batch if self.world_size == 1 else pad_for_sequence_parallel(batch, self.world_size)
 
     @torch.inference_mode()
-    def warmup(self, num_tokens: int, num_seqs: int) -> None:
-        """Run one all-padding batch of exactly these bucket sizes (writes only the null block)."""
+    def warmup(self, num_tokens: int, num_seqs: int, block_table_width: int | None = None) -> None:
+        """Run one all-padding batch of exactly these bucket sizes (writes only the null block).
+
+        block_table_width None: the widest bucket.
+        """
         assert self.static is not None
         host = padding_batch(num_tokens, num_seqs, self.block_size)
-        batch = self.tensors.batch(host, self.static.block_table_width, has_embeds=True)
+        width = block_table_width or self.static.block_table_widths[-1]
+        batch = self.tensors.batch(host, width, has_embeds=True)
         self.forward(pad_for_sequence_parallel(batch, self.world_size))

@@ -6,7 +6,7 @@ Computed once when the engine is built, on every rank alike, and never written b
 from __future__ import annotations
 
 from services.decoder.config import EngineConfig
-from services.decoder.engine.static_shapes import StaticShapes, power_of_two_buckets
+from services.decoder.engine.static_shapes import StaticShapes, power_of_two_buckets, width_buckets
 from services.decoder.models.config import ModelConfig
 
 
@@ -43,8 +43,15 @@ def static_shapes(config: EngineConfig, max_model_len: int) -> StaticShapes | No
         raise ValueError(
             "the largest token bucket must hold max_num_batched_tokens plus the largest seq bucket"
         )
+    max_width = -(-max_model_len // config.block_size)  # blocks of the longest allowed sequence
+    block_table_widths = config.block_table_buckets or width_buckets(max_width)
+    if block_table_widths[-1] < max_width:
+        raise ValueError(
+            f"the largest block_table_bucket must hold max_model_len / block_size = {max_width} blocks, "
+            f"got {block_table_widths[-1]}"
+        )
     return StaticShapes(
         token_buckets=token_buckets,
         seq_buckets=seq_buckets,
-        block_table_width=-(-max_model_len // config.block_size),
+        block_table_widths=block_table_widths,
     )

@@ -4,6 +4,11 @@ Static-shape mode pads the token count and the sequence count to buckets and alw
 `inputs_embeds` (zeros) and `is_token_ids` (all True where not an embedding), so every step has
 one of a known set of input signatures; warmup runs each once and the runner records them.
 Padding tokens write their KV into the reserved null block 0 and attend to it alone.
+
+The block-table width is a bucket too, for decode steps: a decode step that gathers its context
+(the torch path a compiled or traced bucket runs) costs what the width holds, so a batch of short
+sequences pads its tables to a short width, not to the longest allowed context. Steps with any
+prefill run eagerly and keep the widest table, so they add no signatures.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ class StaticShapes:
 
     token_buckets: tuple[int, ...]  # padded num_tokens
     seq_buckets: tuple[int, ...]  # padded num_seqs
-    block_table_width: int  # fixed: blocks of the longest allowed sequence
+    block_table_widths: tuple[int, ...]  # padded block-table widths (blocks); the last holds max_model_len
 
 
 def power_of_two_buckets(limit: int) -> tuple[int, ...]:
@@ -30,6 +35,34 @@ def power_of_two_buckets(limit: int) -> tuple[int, ...]:
     while buckets[-1] < limit:
         buckets.append(buckets[-1] * 2)
     return tuple(buckets)
+
+
+def width_buckets(max_width: int) -> tuple[int, ...]:
+    """1, 4, 16, ... below max_width, then max_width: fourfold, so a decode bucket compiles few graphs."""
+    widths = [1]
+    while widths[-1] * 4 < max_width:
+        widths.append(widths[-1] * 4)
+    return tuple(widths) if widths[-1] == max_width else (*widths, max_width)
+
+
+def warmup_shapes(static: StaticShapes) -> list[tuple[int, int, int]]:
+    """Every (num_tokens, num_seqs, block_table_width) a padded step can have, each once."""
+    shapes = []
+    for num_seqs in static.seq_buckets:
+        for num_tokens in static.token_buckets:
+            if num_tokens < num_seqs:
+                continue
+            is_decode = num_tokens == num_seqs
+            for width in static.block_table_widths if is_decode else static.block_table_widths[-1:]:
+                shapes.append((num_tokens, num_seqs, width))
+    return shapes
+
+
+def padded_width(static: StaticShapes, host: HostBatch, block_size: int) -> int:
+    """The block-table width of a padded step: the narrowest bucket for decodes, the widest otherwise."""
+    if any(n != 1 for n in host.query_lens):
+        return static.block_table_widths[-1]
+    return _bucket(static.block_table_widths, -(-max(host.seq_lens) // block_size))
 
 
 def pad_to_buckets(host: HostBatch, static: StaticShapes, block_size: int) -> None:

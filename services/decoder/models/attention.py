@@ -1,4 +1,4 @@
-"""Paged attention over a block KV cache, and the per-step metadata that drives it.
+"""The attention interface: one call per layer, prefill and decode alike, over the paged KV cache.
 
 NOTE: the invariant. Each step's keys and values are written into the cache first (through
 `slot_mapping`), then every query attends to its own sequence's cache only: the query at packed
@@ -11,23 +11,21 @@ block-table entries point there, so keys are masked by `seq_lens`, never by trus
 
 NOTE: stale slots. A slot past a sequence's end holds whatever its last owner or a padding token
 wrote, NaN and inf included (a request whose values overflow the model dtype leaves them behind).
-No path lets such a slot reach the output: the decode path selects it out of the scores and the
-values (a zero probability is not enough, 0 * NaN is NaN), the prefill path slices the context to
-`seq_len` before attending, and the C kernel reads positions below `seq_len` only.
+No implementation lets such a slot reach the output; each one says how it keeps that promise.
 
-Two paths: a decode-only step (one query per sequence) runs as one batched GQA matmul with an fp32
-softmax (bf16 SDPA on CPU is several times slower for single queries); a step with any prefill
-loops over its sequences with fp32 SDPA and a causal mask offset by the cached prefix.
+Model code calls a `PagedAttention` and never asks which device it runs on. One implementation per
+backend, chosen by `backends/backend.py`: `torch_attention.TorchPagedAttention` (CPU: torch ops and
+the C kernels of `native_kernels.c`; also the default of a freshly built model on any device) and
+`flex_attention.FlexPagedAttention` (CUDA: FlexAttention over block masks built from the block
+tables, SDPA for uniform fresh prompts; it runs on CPU too, where the tests compare it).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-
-from services.decoder.models.native import NativeKernels
 
 
 @dataclass(frozen=True)
@@ -38,8 +36,9 @@ class AttentionMetadata:
     seq_lens: list[int]  # host: context length per sequence after this step (cached + scheduled)
     seq_lens_t: torch.Tensor  # int32 [num_seqs] same as seq_lens, on the device
     slot_mapping: torch.Tensor  # int64 [num_tokens] KV slot (block_id * block_size + offset) per new token
-    # int32 [num_seqs, max_blocks_per_seq] block ids of each sequence, padded with 0. Its width sets the
-    # span a decode step gathers and masks, so keep it to what the batch's longest sequence needs.
+    # int32 [num_seqs, max_blocks_per_seq] block ids of each sequence, padded with 0. Its width is a
+    # static-shape bucket: gathering implementations pay for all of it, so keep it to what the
+    # batch's longest sequence needs.
     block_tables: torch.Tensor
     logits_indices: torch.Tensor  # int64 [num_logits] packed positions whose logits are returned
     is_decode_only: bool = field(init=False)  # derived: every sequence has exactly one query this step
@@ -62,117 +61,62 @@ def write_kv_cache(
     slots[1].index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    attn: AttentionMetadata,
-    scale: float,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    native: NativeKernels | None = None,
-) -> torch.Tensor:
-    """Attends each query to its sequence's cached context (this step's k/v already written).
+class PagedAttention(ABC):
+    """Attention of one layer over the paged cache; this step's keys and values are already written.
 
-    q: [num_tokens, num_heads, head_dim]; k, v: this step's [num_tokens, num_kv_heads, head_dim], the
-    same values just written to the cache. Returns [num_tokens, num_heads * head_dim] in q's dtype.
-    Tokens past sum(query_lens) are static-shape padding; their rows are zero. With `native`, a
-    decode-only step reads the paged cache in place (native_kernels.c) instead of gathering it.
+    Subclasses implement `decode` (one query per sequence) and `prefill` (packed ragged queries, some
+    sequences possibly decoding in the same step); `__call__` picks one and pads the output.
     """
-    num_tokens = q.shape[0]
-    if attn.is_decode_only:
-        q_seqs = q[: len(attn.query_lens)]
-        if native is not None and native.supports_decode(q_seqs, kv_cache):
-            out = native.decode_attention(q_seqs, kv_cache, attn.block_tables, attn.seq_lens_t, scale)
+
+    @classmethod
+    def check_block_size(cls, block_size: int) -> None:
+        """Raises ValueError naming the limit when this implementation cannot take KV blocks this size."""
+        return None  # torch ops take any size
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim] as written; None on decode-only steps
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim] as written; None on decode-only steps
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Returns [num_tokens, num_heads * head_dim] in q's dtype.
+
+        Tokens past sum(query_lens) are padding (sequence-parallel steps pad the token count); their
+        rows are zero.
+        """
+        num_tokens = q.shape[0]
+        if attn.is_decode_only:
+            out = self.decode(q[: len(attn.query_lens)], kv_cache, attn, scale)
         else:
-            out = _decode_attention(q_seqs, kv_cache, attn, scale)
-    else:
-        out = _prefill_attention(q, kv_cache, attn, scale, k, v)
-    if out.shape[0] < num_tokens:
-        out = torch.cat((out, out.new_zeros(num_tokens - out.shape[0], out.shape[1])))
-    return out
+            if k is None or v is None:
+                raise ValueError("a step with any prefill needs this step's keys and values (k, v)")
+            num_real = sum(attn.query_lens)
+            out = self.prefill(q[:num_real], k[:num_real], v[:num_real], kv_cache, attn, scale)
+        if out.shape[0] < num_tokens:
+            out = torch.cat((out, out.new_zeros(num_tokens - out.shape[0], out.shape[1])))
+        return out
 
+    @abstractmethod
+    def decode(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_seqs, num_heads * head_dim] in q's dtype
+        """Reads lengths from `attn.seq_lens_t` only: a traced decode bucket has no host lists."""
 
-def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    # q: [num_seqs, num_heads, head_dim], one query per sequence.
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[3]
-    # Gathering through a head-major view lands the context as [kv_heads, seqs, ctx_len, head_dim]:
-    # the matmuls below then read it in place, where a [seqs, ctx_len, kv_heads, ...] gather would need
-    # a second, transposing copy (2x slower in all at batch 32).
-    by_head = kv_cache.permute(0, 3, 1, 2, 4)  # [2, num_kv_heads, num_blocks, block_size, head_dim]
-    context = by_head.index_select(2, attn.block_tables.flatten())  # [2, kv, seqs * max_blocks, bs, hd]
-    context = context.view(2, num_kv_heads, num_seqs, -1, head_dim)  # [2, kv, num_seqs, ctx_len, hd]
-    # GQA without repeating keys: the query heads sharing a KV head are the rows of one matmul.
-    q = q.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [kv, num_seqs, group, hd]
-    scores = torch.matmul(q, context[0].transpose(-1, -2)).float() * scale  # [kv, num_seqs, group, ctx_len]
-    ctx_len = scores.shape[-1]
-    is_past_end = torch.arange(ctx_len, device=q.device)[None, :] >= attn.seq_lens_t[:, None]  # [seqs, ctx]
-    scores = scores.masked_fill(is_past_end[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(context.dtype)  # [kv, num_seqs, group, ctx_len]
-    # `context` is this step's own gathered copy, so the stale values are zeroed in place (a select,
-    # never a product with the mask): one pass over the values instead of a second copy.
-    values = context[1].masked_fill_(is_past_end[None, :, :, None], 0)  # [kv, num_seqs, ctx_len, hd]
-    out = torch.matmul(probs, values)  # [kv, num_seqs, group, head_dim]
-    return out.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
-
-
-def _prefill_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    attn: AttentionMetadata,
-    scale: float,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> torch.Tensor:
-    # q: [num_tokens, num_heads, head_dim]; the loop bounds and slices come from the host lists.
-    # A sequence with no cached prefix (query_len == seq_len) attends to this step's own keys, so
-    # nothing is read back from the cache, and a run of such sequences of one length is one batched
-    # call: a prefill of many equal prompts costs one SDPA per layer, not one per sequence.
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    outs = []
-    start = 0
-    i = 0
-    query_lens, seq_lens = attn.query_lens, attn.seq_lens
-    while i < len(query_lens):
-        query_len, seq_len = query_lens[i], seq_lens[i]
-        if query_len == seq_len:
-            run = 1
-            while i + run < len(query_lens) and query_lens[i + run] == seq_lens[i + run] == query_len:
-                run += 1
-            end = start + run * query_len
-            q_run = q[start:end].view(run, query_len, num_heads, head_dim).transpose(1, 2).float()
-            k_run = k[start:end].view(run, query_len, -1, head_dim).transpose(1, 2).float()
-            v_run = v[start:end].view(run, query_len, -1, head_dim).transpose(1, 2).float()
-            o = F.scaled_dot_product_attention(
-                q_run, k_run, v_run, is_causal=True, scale=scale, enable_gqa=True
-            )
-            outs.append(o.transpose(1, 2).reshape(run * query_len, num_heads * head_dim))
-        else:
-            run, end = 1, start + query_len
-            outs.append(_attend_with_cached_prefix(q[start:end], kv_cache, attn, i, scale))
-        start = end
-        i += run
-    return torch.cat(outs).to(q.dtype)  # [sum(query_lens), num_heads * head_dim]
-
-
-def _attend_with_cached_prefix(
-    q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, i: int, scale: float
-) -> torch.Tensor:
-    """Sequence i's queries [query_len, num_heads, head_dim] against its whole context in the cache."""
-    query_len, seq_len = attn.query_lens[i], attn.seq_lens[i]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    num_blocks = -(-seq_len // block_size)
-    context = kv_cache.index_select(1, attn.block_tables[i, :num_blocks])  # [2, num_blocks, bs, kv, hd]
-    # Cut to seq_len before attending: the slots after it are stale (see the NOTE at the top).
-    context = context.view(2, -1, num_kv_heads, head_dim)[:, :seq_len]  # [2, seq_len, kv, hd]
-    # 4-D inputs: with 3-D ones CPU SDPA falls back to its 3x slower math kernel.
-    q_i = q[None].transpose(1, 2).float()  # [1, num_heads, query_len, head_dim]
-    k_i = context[None, 0].transpose(1, 2).float()  # [1, num_kv_heads, seq_len, head_dim]
-    v_i = context[None, 1].transpose(1, 2).float()  # [1, num_kv_heads, seq_len, head_dim]
-    # Query j sits at position seq_len - query_len + j and sees keys up to that position.
-    is_visible = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - query_len)
-    o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=is_visible, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1).reshape(query_len, num_heads * head_dim)  # [query_len, heads * hd]
+    @abstractmethod
+    def prefill(
+        self,
+        q: torch.Tensor,  # [sum(query_lens), num_heads, head_dim]
+        k: torch.Tensor,  # [sum(query_lens), num_kv_heads, head_dim]
+        v: torch.Tensor,  # [sum(query_lens), num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [sum(query_lens), num_heads * head_dim] in q's dtype
+        """May use the host lists `attn.query_lens` and `attn.seq_lens`: prefill steps run eagerly."""

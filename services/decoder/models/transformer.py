@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.decoder.models.attention import AttentionMetadata, paged_attention, write_kv_cache
+from services.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.layers import (
     RMSNorm,
@@ -37,6 +37,7 @@ from services.decoder.models.tensor_parallel import (
     vocab_parallel_logits,
     world_size_of,
 )
+from services.decoder.models.torch_attention import TorchPagedAttention
 
 
 class Attention(nn.Module):
@@ -59,6 +60,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
         self.norm_eps = config.rms_norm_eps  # of q_norm and k_norm, for the fused kernel
         self.native: NativeKernels | None = None  # set by DecoderModel.use_native_kernels
+        # The backend's implementation (DecoderModel.use_attention); torch ops until one is set.
+        self.attention: PagedAttention = TorchPagedAttention()
 
     def forward(
         self,
@@ -97,9 +100,7 @@ class Attention(nn.Module):
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
             write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        out = paged_attention(
-            q, kv_cache, attn, self.scale, k, v, self.native
-        )  # [num_tokens, num_heads * head_dim]
+        out = self.attention(q, k, v, kv_cache, attn, self.scale)  # [num_tokens, num_heads * head_dim]
         return row_parallel(self.o_proj, out, self.tp, sp)  # [num_tokens or local_len, hidden_size]
 
 
@@ -204,6 +205,13 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, RMSNorm)):
                 module.native = kernels
+        self.use_attention(TorchPagedAttention(kernels))
+
+    def use_attention(self, attention: PagedAttention) -> None:
+        """Every layer's attention through `attention` (one instance: it may share work across layers)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.attention = attention
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).

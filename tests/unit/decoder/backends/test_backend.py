@@ -119,11 +119,12 @@ def test_one_traced_window_graph_serves_every_rank() -> None:
 
 
 def _fake_neuronx(traced: list[tuple[int, ...]]) -> types.ModuleType:
-    """A stand-in torch_neuronx whose trace records the example shapes and returns the function."""
+    """A stand-in torch_neuronx whose trace records (num_seqs, block-table width) and returns the function."""
     module = types.ModuleType("torch_neuronx")
 
     def trace(fn, example_inputs):
-        traced.append(tuple(example_inputs[0].shape))
+        input_ids, block_tables = example_inputs[0], example_inputs[4]
+        traced.append((input_ids.shape[0], block_tables.shape[1]))
         return fn
 
     module.trace = trace  # type: ignore[attr-defined]
@@ -160,9 +161,11 @@ def test_neuron_buckets_trace_once_each_at_warmup_and_give_the_cpu_tokens(
     with Engine(neuron, tiny_fp32) as engine:
         compiler = engine.core.runner.compiler
         assert isinstance(compiler, NeuronTracedBuckets)
-        assert traced == [(1,), (2,), (4,)]  # one graph per decode bucket, all at warmup
+        # One graph per decode bucket, all at warmup: 3 sequence counts x widths 1, 4, 16 (64 / 4 blocks).
+        buckets = [(num_seqs, width) for num_seqs in (1, 2, 4) for width in (1, 4, 16)]
+        assert traced == buckets
         assert tokens(engine) == expected
-        assert len(traced) == 3
+        assert len(traced) == len(buckets)
 
 
 def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_model_dir) -> None:

@@ -24,8 +24,15 @@ from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 from services.decoder.models.loader import LoadedModel
 
 AOT_EAGER: Backend = dataclasses.replace(BACKENDS["cpu"], compiler="aot_eager")
+# Two block-table widths, 2 and 8 blocks of 4: decode steps whose contexts all fit 8 positions take
+# the narrow one. The workload's longest context is 16 prompt + 9 new positions.
 STATIC = dict(
-    static_shapes=True, max_num_seqs=6, max_num_batched_tokens=64, seq_buckets=(1, 2, 4, 8), max_model_len=128
+    static_shapes=True,
+    max_num_seqs=6,
+    max_num_batched_tokens=64,
+    seq_buckets=(1, 4, 8),
+    max_model_len=32,
+    block_table_buckets=(2, 8),
 )
 
 
@@ -76,7 +83,7 @@ def _run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[in
 
 @pytest.fixture(scope="module")
 def compiled_engine(tiny_model_dir: Path, tiny_fp32: LoadedModel) -> Iterator[Engine]:
-    """Four decode buckets (1, 2, 4, 8 sequences) compiled at warmup; shared: warmup is the slow part."""
+    """Six decode buckets (1, 4, 8 sequences, 2 widths) compiled at warmup; shared: warmup is slow."""
     with _engine(tiny_model_dir, tiny_fp32, AOT_EAGER, compile=True, **STATIC) as engine:
         yield engine
 
@@ -85,14 +92,15 @@ def test_compiled_decode_buckets_see_no_new_signature_or_compile_after_warmup_an
     tiny_model_dir: Path, tiny_fp32: LoadedModel, compiled_engine: Engine
 ) -> None:
     specs = _random_workload(tiny_fp32, num_requests=12, seed=3)
-    with _engine(tiny_model_dir, tiny_fp32, max_model_len=128) as engine:
+    with _engine(tiny_model_dir, tiny_fp32, max_model_len=32) as engine:
         dynamic = _run_concurrently(engine, specs)
     runner = compiled_engine.core.runner
     compiler = runner.compiler
     assert compiler is not None
     warmed = set(runner.signatures)
     decode_buckets = {s for s in warmed if s.is_decode_only}
-    assert set(runner.compiled_steps) == decode_buckets and len(decode_buckets) == 4
+    assert set(runner.compiled_steps) == decode_buckets and len(decode_buckets) == 3 * 2
+    assert {s.block_table_width for s in decode_buckets} == {2, 8}
     assert compiler.num_graphs == len(decode_buckets)  # fullgraph: exactly one graph per bucket
     calls_after_warmup = compiler.num_calls
     compiled = _run_concurrently(compiled_engine, specs)
@@ -113,20 +121,20 @@ def test_a_changed_guard_after_warmup_raises_instead_of_recompiling(
     runner = compiled_engine.core.runner
     assert runner.compiler is not None
     step = runner.compiler.bucket()
-    attn = _decode_metadata(runner, 2)
-    ids, embeds = torch.zeros(2, dtype=torch.int32), torch.zeros(2, tiny_fp32.config.hidden_size)
-    is_token = torch.ones(2, dtype=torch.bool)
+    attn = _decode_metadata(runner, 4)
+    ids, embeds = torch.zeros(4, dtype=torch.int32), torch.zeros(4, tiny_fp32.config.hidden_size)
+    is_token = torch.ones(4, dtype=torch.bool)
     # A warmed-up bucket's shapes, but int32 positions instead of int64: dynamo's guards fail.
     with pytest.raises(Exception, match="recompil"), torch.inference_mode():
-        step(ids, torch.zeros(2, dtype=torch.int32), attn, runner.kv_caches, embeds, is_token)
-    assert runner.compiler.num_graphs == 4
+        step(ids, torch.zeros(4, dtype=torch.int32), attn, runner.kv_caches, embeds, is_token)
+    assert runner.compiler.num_graphs == 3 * 2
 
 
 def _decode_metadata(runner, num_seqs: int):
     from services.decoder.models.attention import AttentionMetadata
 
     assert runner.static is not None
-    width = runner.static.block_table_width
+    width = runner.static.block_table_widths[-1]
     return AttentionMetadata(
         query_lens=[1] * num_seqs,
         seq_lens=[1] * num_seqs,
@@ -141,7 +149,13 @@ def test_inductor_compiled_decode_gives_the_eager_tokens(
     tiny_model_dir: Path, tiny_fp32: LoadedModel
 ) -> None:
     specs = _random_workload(tiny_fp32, num_requests=3, seed=5)
-    small = dict(static_shapes=True, max_num_seqs=1, max_num_batched_tokens=32, seq_buckets=(1, 2))
+    small = dict(
+        static_shapes=True,
+        max_num_seqs=1,
+        max_num_batched_tokens=32,
+        seq_buckets=(1, 2),
+        block_table_buckets=(32,),
+    )
     with _engine(tiny_model_dir, tiny_fp32, max_model_len=128, **small) as engine:
         eager = [_run_concurrently(engine, [spec])[0] for spec in specs]
     with _engine(tiny_model_dir, tiny_fp32, compile=True, max_model_len=128, **small) as engine:

@@ -1,8 +1,9 @@
-"""Paged attention against dense causal attention over each sequence's full keys and values.
+"""Every paged attention implementation against dense causal fp64 attention over each sequence's keys.
 
 The cache starts full of large garbage, so any read of the null block, of a padded block-table entry
-or of a slot past a sequence's end would show in the output. Decode steps run twice: through torch ops
-and through the C kernel (models/native_kernels.c), against the same reference.
+or of a slot past a sequence's end would show in the output. Each test runs every implementation:
+torch ops, torch ops with the C decode kernel (models/native_kernels.c), and FlexAttention over block
+masks from the block tables (the CUDA implementation's code, on FlexAttention's eager CPU path).
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import pytest
 import torch
 
 from services.decoder.models import native
-from services.decoder.models.attention import AttentionMetadata, paged_attention, write_kv_cache
+from services.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
+from services.decoder.models.flex_attention import FlexPagedAttention
+from services.decoder.models.torch_attention import TorchPagedAttention
 
 from .helpers import PagedAllocator
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 8, 4
 SCALE = HEAD_DIM**-0.5
@@ -30,19 +35,21 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.einsum("hqk,khd->qhd", probs, v.double()).reshape(query_len, -1).float()
 
 
-@pytest.fixture(params=["torch", "native"])
-def kernels(request: pytest.FixtureRequest) -> native.NativeKernels | None:
+@pytest.fixture(params=["torch", "native", "flex"])
+def attention(request: pytest.FixtureRequest) -> PagedAttention:
+    if request.param == "flex":
+        return FlexPagedAttention()
     if request.param == "torch":
-        return None
+        return TorchPagedAttention()
     loaded = native.load()
     assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return loaded
+    return TorchPagedAttention(loaded)
 
 
 def run_steps(
     steps: list[list[tuple[str, int]]],
+    attention: PagedAttention,
     dtype: torch.dtype = torch.float32,
-    kernels: native.NativeKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Writes random k/v for each step's chunks (key, new tokens) and attends; returns the last step's
     output and the per-sequence dense reference for its queries."""
@@ -58,7 +65,7 @@ def run_steps(
         k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        out = paged_attention(q, kv_cache, attn, SCALE, k, v, kernels)
+        out = attention(q, k, v, kv_cache, attn, SCALE)
         refs, start = [], 0
         for key, n in chunks:
             keys[key] = torch.cat((keys.get(key, k[:0]), k[start : start + n]))
@@ -68,50 +75,76 @@ def run_steps(
     return out, torch.cat(refs), attn
 
 
-def test_prefill_of_several_sequences_matches_dense_causal_attention() -> None:
-    out, ref, attn = run_steps([[("a", 5), ("b", 9), ("c", 1)]])
+def test_prefill_of_several_sequences_matches_dense_causal_attention(attention: PagedAttention) -> None:
+    out, ref, attn = run_steps([[("a", 5), ("b", 9), ("c", 1)]], attention)
     assert not attn.is_decode_only
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_run_of_equal_length_fresh_prompts_matches_dense_attention() -> None:
+def test_a_run_of_equal_length_fresh_prompts_matches_dense_attention(attention: PagedAttention) -> None:
     # Batched as one call: no cached prefix, one length; "d" breaks the run, "e" and "f" start another.
-    out, ref, _ = run_steps([[("a", 6), ("b", 6), ("c", 6), ("d", 3), ("e", 6), ("f", 6)]])
+    out, ref, _ = run_steps([[("a", 6), ("b", 6), ("c", 6), ("d", 3), ("e", 6), ("f", 6)]], attention)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_chunk_attends_to_the_cached_prefix() -> None:
-    out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 3), ("b", 7)]])
+def test_equal_length_fresh_prompts_alone_match_dense_attention(attention: PagedAttention) -> None:
+    # Nothing cached and one length: FlexPagedAttention's one-SDPA path.
+    out, ref, _ = run_steps([[("a", 7), ("b", 7), ("c", 7)]], attention)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_mixed_step_with_decode_and_prefill_sequences() -> None:
-    out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 1), ("b", 5), ("c", 2)]])
+def test_prefill_chunk_attends_to_the_cached_prefix(attention: PagedAttention) -> None:
+    out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 3), ("b", 7)]], attention)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_batch_matches_dense_attention_with_ragged_lengths_and_padded_tables(kernels) -> None:
+def test_a_long_chunk_over_a_long_prefix_spans_several_query_and_key_blocks(
+    attention: PagedAttention,
+) -> None:
+    # 37 queries after 23 cached positions: three 16-row query blocks, each with full and partial blocks.
+    out, ref, _ = run_steps([[("a", 23), ("b", 2)], [("a", 37), ("b", 1)]], attention)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_step_with_decode_and_prefill_sequences(attention: PagedAttention) -> None:
+    out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 1), ("b", 5), ("c", 2)]], attention)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_batch_matches_dense_attention_with_ragged_lengths_and_padded_tables(
+    attention: PagedAttention,
+) -> None:
     steps = [[("a", 1), ("b", 10), ("c", 4)], [("a", 1), ("b", 1), ("c", 1)], [("a", 1), ("b", 1), ("c", 1)]]
-    out, ref, attn = run_steps(steps, kernels=kernels)
+    out, ref, attn = run_steps(steps, attention)
     assert attn.is_decode_only and attn.block_tables[0, 1:].eq(0).all()  # "a" is padded with the null block
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_long_decode_context_spanning_many_blocks_matches_dense_attention(kernels) -> None:
+def test_a_long_decode_context_spanning_many_blocks_matches_dense_attention(
+    attention: PagedAttention,
+) -> None:
     # 61 cached positions over 16 blocks: the online softmax rescales as each block raises the maximum.
-    out, ref, _ = run_steps([[("a", 60), ("b", 5)], [("a", 1), ("b", 1)]], kernels=kernels)
+    out, ref, _ = run_steps([[("a", 60), ("b", 5)], [("a", 1), ("b", 1)]], attention)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_of_contexts_that_fill_their_last_block_exactly(attention: PagedAttention) -> None:
+    # 8 and 4 positions after the step: no partial block, every listed block is whole.
+    out, ref, _ = run_steps([[("a", 7), ("b", 3)], [("a", 1), ("b", 1)]], attention)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_in_half_precision_stays_close_to_the_fp32_reference(dtype: torch.dtype, kernels) -> None:
+def test_decode_in_half_precision_stays_close_to_the_fp32_reference(
+    dtype: torch.dtype, attention: PagedAttention
+) -> None:
     # float16 has no C kernel: the native run shows it falls back to torch ops.
-    out, ref, _ = run_steps([[("a", 7), ("b", 2)], [("a", 1), ("b", 1)]], dtype=dtype, kernels=kernels)
+    out, ref, _ = run_steps([[("a", 7), ("b", 2)], [("a", 1), ("b", 1)]], attention, dtype=dtype)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_tokens_past_the_scheduled_ones_are_padding_with_zero_output() -> None:
+def test_tokens_past_the_scheduled_ones_are_padding_with_zero_output(attention: PagedAttention) -> None:
     allocator = PagedAllocator(num_blocks=8, block_size=BLOCK_SIZE)
     kv_cache = torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     for chunks in ([("a", 3)], [("a", 1)]):
@@ -122,7 +155,7 @@ def test_tokens_past_the_scheduled_ones_are_padding_with_zero_output() -> None:
         slots = torch.cat((attn.slot_mapping, torch.tensor([0, 1])))
         write_kv_cache(kv_cache, k, k, slots)
         q = torch.randn(num_real + 2, NUM_HEADS, HEAD_DIM)
-        out = paged_attention(q, kv_cache, attn, SCALE, k, k)
+        out = attention(q, k, k, kv_cache, attn, SCALE)
         assert out.shape == (num_real + 2, NUM_HEADS * HEAD_DIM)
         assert out[num_real:].eq(0).all() and out[:num_real].ne(0).any()
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from services.decoder.models import native
-from services.decoder.models.attention import paged_attention, write_kv_cache
+from services.decoder.models.attention import write_kv_cache
 from services.decoder.models.loader import load_model
+from services.decoder.models.torch_attention import TorchPagedAttention
 
 from .conftest import Checkpoint
 from .helpers import PagedAllocator, PagedRun
@@ -80,7 +81,7 @@ def attend_steps(
         k = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim).to(shape.dtype)
         v = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim).to(shape.dtype)
         write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        outs.append(paged_attention(q, kv_cache, attn, shape.head_dim**-0.5, k, v, kernels))
+        outs.append(TorchPagedAttention(kernels)(q, k, v, kv_cache, attn, shape.head_dim**-0.5))
     return outs
 
 
