@@ -33,13 +33,24 @@ _CODES: list[tuple[type[errors.TandemError], int]] = [
 ]
 
 
+# A status travels in trailing metadata, whose hard limit (16 KiB by default) would turn a long
+# message into RESOURCE_EXHAUSTED; messages that quote a caller's input are cut well below it.
+MAX_MESSAGE_CHARS = 1024
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS]}... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
+
+
 def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
     code = next((c for cls, c in _CODES if isinstance(error, cls)), code_pb2.INTERNAL)
-    status = status_pb2.Status(code=code, message=error.message)
+    status = status_pb2.Status(code=code, message=_bounded(error.message))
     detail = any_pb2.Any()
     if isinstance(error, errors.InvalidArgument | errors.FailedPrecondition):
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=error.field, description=error.description
+            field=_bounded(error.field), description=_bounded(error.description)
         )
         detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
         status.details.append(detail)
