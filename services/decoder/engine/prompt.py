@@ -48,7 +48,7 @@ class GenerateSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingParams = field(default_factory=StoppingParams)
     output: OutputOptions = field(default_factory=OutputOptions)
-    request_id: str = ""  # "" = assigned
+    request_id: str = ""  # the caller's label, echoed in events; "" = a random one is assigned
     deadline: float | None = None  # time.monotonic() by which the first step must have started
     cap_max_new_tokens: bool = False  # max_new_tokens was a default: shrink it to fit the context
 
@@ -70,7 +70,7 @@ def build_request(
     and digested for prefix caching. An empty prompt is Request's own rule. Errors name the request
     field: InvalidArgument, or FailedPrecondition when embeddings are off.
     """
-    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+    if len(spec.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes")
     vocab = model_config.vocab_size
     spec.sampling.validate(vocab)
