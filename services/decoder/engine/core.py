@@ -85,7 +85,9 @@ class EngineCore:
         with self.lock:
             self.scheduler.add_request(request)
             self._live[request.request_id] = _Tracked(request, output, sink, generator, deadline)
-        sink(Accepted(output.request_id, request.num_prompt_tokens))
+            # Under the lock: the engine thread cannot schedule the request before Accepted is out,
+            # so no Delta can overtake it.
+            sink(Accepted(output.request_id, request.num_prompt_tokens))
 
     def abort(self, key: str) -> None:
         """Ask for an abort (any thread); it takes effect at the next step boundary, silently.
