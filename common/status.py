@@ -33,13 +33,24 @@ _CODES: list[tuple[type[errors.TandemError], int]] = [
 ]
 
 
+# A status travels in trailing metadata, whose hard limit (16 KiB by default) would turn a long
+# message into RESOURCE_EXHAUSTED; messages that quote a caller's input are cut well below it.
+MAX_MESSAGE_CHARS = 1024
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS]}... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
+
+
 def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
     code = next((c for cls, c in _CODES if isinstance(error, cls)), code_pb2.INTERNAL)
-    status = status_pb2.Status(code=code, message=error.message)
+    status = status_pb2.Status(code=code, message=_bounded(error.message))
     detail = any_pb2.Any()
     if isinstance(error, errors.InvalidArgument | errors.FailedPrecondition):
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=error.field, description=error.description
+            field=_bounded(error.field), description=_bounded(error.description)
         )
         detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
         status.details.append(detail)
@@ -113,7 +124,12 @@ async def _reject_malformed(request: Any, context: grpc.aio.ServicerContext, met
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps TandemError to its status and any other exception to INTERNAL, for every method;
-    a request that does not parse is INVALID_ARGUMENT."""
+    a request that does not parse is INVALID_ARGUMENT, and so is a call that sends none.
+
+    Unary-request methods are served as request-streaming ones that read their one message here:
+    grpc.aio leaves a call that half-closes before sending its request open until the deadline
+    (forever without one), where reading the request ourselves can end it. The wire is the same.
+    """
 
     async def intercept_service(
         self,
@@ -125,13 +141,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
+            return grpc.stream_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return grpc.unary_stream_rpc_method_handler(
+            return grpc.stream_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
@@ -139,10 +155,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+async def _only_request(requests: AsyncIterator[Any], method: str) -> Any:
+    """The one request message of a unary-request call; INVALID_ARGUMENT when the call sent none."""
+    async for request in requests:
+        return request
+    raise errors.InvalidArgument("request", f"the call to {method} ended without a request message")
+
+
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _reject_malformed(request, context, method)
+    async def wrapped(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
         try:
+            request = await _only_request(requests, method)
+            await _reject_malformed(request, context, method)
             return await behavior(request, context)
         except errors.TandemError as error:
             await abort(context, error)
@@ -157,9 +181,10 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callabl
 def _wrap_stream(
     behavior: Callable[..., AsyncIterator[Any]], method: str
 ) -> Callable[..., AsyncIterator[Any]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await _reject_malformed(request, context, method)
+    async def wrapped(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            request = await _only_request(requests, method)
+            await _reject_malformed(request, context, method)
             async for response in behavior(request, context):
                 yield response
         except errors.TandemError as error:

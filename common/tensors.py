@@ -116,13 +116,20 @@ def decode(
 
 
 def require_finite(tensor: torch.Tensor, field: str) -> None:
-    """Raises InvalidArgument naming `field`.data and the first NaN or Inf; integer tensors pass."""
+    """Raises InvalidArgument naming `field`.data and the first NaN or Inf; integer tensors pass.
+
+    Checks the tensor in its own dtype: to hold values to a narrower one (a model's bf16 or fp16),
+    cast first, since a value finite in float32 can overflow to inf there.
+    """
     if not tensor.dtype.is_floating_point or bool(torch.isfinite(tensor).all()):
         return
     first = int((~torch.isfinite(tensor.reshape(-1))).nonzero()[0, 0])
     index = [int(i) for i in np.unravel_index(first, tuple(tensor.shape))]
+    dtype = str(tensor.dtype).removeprefix("torch.")
     raise InvalidArgument(
-        f"{field}.data", f"contains NaN or Inf (first at index {index}); values must be finite"
+        f"{field}.data",
+        f"contains NaN or Inf as {dtype} (first at index {index}); values must be finite and within "
+        f"+-{torch.finfo(tensor.dtype).max:.6g}",
     )
 
 

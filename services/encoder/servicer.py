@@ -21,7 +21,8 @@ import torch
 
 from common import telemetry as otel
 from common import tensors
-from common.errors import InvalidArgument, NotFound, Unavailable
+from common.errors import InvalidArgument, Unavailable
+from common.model_name import check_model
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from services.encoder.config import EncoderConfig
 from services.encoder.embedder import Embedder, Pooling
@@ -83,7 +84,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     async def _embed(self, request: encoder_pb2.EmbedRequest) -> encoder_pb2.EmbedResponse:
         embedder = self._require_embedder()
         info = embedder.info
-        self._check_model(request.model)
+        check_model(request.model, self.config.served_model_name)
         request_id = _request_id(request.request_id)
         pooling = _pooling(request.pooling, self.config.pooling)
         output_dtype = _output_dtype(request.output_dtype)
@@ -165,11 +166,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if self._embedder is None:
             raise Unavailable("the embedder is still loading; retry shortly")
         return self._embedder
-
-    def _check_model(self, model: str) -> None:
-        name = self.config.served_model_name
-        if model and model != name:
-            raise NotFound(f"model {model!r} is not served here; this encoder serves {name!r}")
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -12,7 +12,8 @@ import grpc
 
 from common import telemetry as otel
 from common import tensors
-from common.errors import InvalidArgument, NotFound, Unavailable
+from common.errors import InvalidArgument, Unavailable
+from common.model_name import check_model
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from services.decoder.api import protocol
 from services.decoder.api.engine_metrics import observe_engine
@@ -50,10 +51,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             raise Unavailable("the decoder is loading, draining or has failed; retry later")
         return self.engine
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self.model_name:
-            raise NotFound(f"model {model!r} is not served here (this server serves {self.model_name!r})")
-
     async def Generate(
         self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
@@ -65,7 +62,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         is_finished = False
         try:
             engine = self._engine()
-            self._check_model(request.model)
+            check_model(request.model, self.model_name)
             spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
             num_embedding_positions = _num_embedding_positions(spec)
             if op is not None:

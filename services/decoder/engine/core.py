@@ -39,7 +39,7 @@ Sink = Callable[[Event], None]  # receives one request's events, on the engine t
 
 @dataclass
 class _Tracked:
-    """Engine-side state of one live request."""
+    """Engine-side state of one live request, keyed by the engine's key (`request.request_id`)."""
 
     request: Request
     output: OutputState
@@ -85,12 +85,18 @@ class EngineCore:
         with self.lock:
             self.scheduler.add_request(request)
             self._live[request.request_id] = _Tracked(request, output, sink, generator, deadline)
-        sink(Accepted(request.request_id, request.num_prompt_tokens))
+            # Under the lock: the engine thread cannot schedule the request before Accepted is out,
+            # so no Delta can overtake it.
+            sink(Accepted(output.request_id, request.num_prompt_tokens))
 
-    def abort(self, request_id: str) -> None:
-        """Ask for an abort (any thread); it takes effect at the next step boundary, silently."""
+    def abort(self, key: str) -> None:
+        """Ask for an abort (any thread); it takes effect at the next step boundary, silently.
+
+        `key` is the engine's own key for the request (`Request.request_id`), which no other request
+        ever gets, so a late abort can never hit a newer request that reused the caller's ID.
+        """
         with self.lock:
-            self._pending_aborts.append(request_id)
+            self._pending_aborts.append(key)
 
     def has_work(self) -> bool:
         with self.lock:
@@ -107,7 +113,7 @@ class EngineCore:
             expired = self._expire_deadlines()
             plan = self.scheduler.schedule()
         for tracked in expired:
-            request_id = tracked.request.request_id
+            request_id = tracked.output.request_id
             tracked.sink(Failed(request_id, DeadlineExceeded(f"request {request_id} expired while queued")))
         for request_id in plan.preempted_ids:
             self._live[request_id].output.record("preempted", time.monotonic())
@@ -143,7 +149,7 @@ class EngineCore:
             for tracked in live:
                 self.scheduler.abort(tracked.request.request_id)
         for tracked in live:
-            tracked.sink(Failed(tracked.request.request_id, error))
+            tracked.sink(Failed(tracked.output.request_id, error))
 
     def _sample(self, logits: torch.Tensor, rows: list[_Tracked]) -> SamplerOutput:
         key = tuple(t.request.request_id for t in rows)
@@ -194,9 +200,9 @@ class EngineCore:
             self._live.pop(tracked.request.request_id, None)
 
     def _apply_aborts(self) -> None:
-        for request_id in self._pending_aborts:
-            self.scheduler.abort(request_id)
-            self._live.pop(request_id, None)
+        for key in self._pending_aborts:
+            self.scheduler.abort(key)
+            self._live.pop(key, None)
         self._pending_aborts.clear()
 
     def _expire_deadlines(self) -> list[_Tracked]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -79,7 +80,7 @@ class Engine:
         self.core = self._build_core(tp, backend)
         # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
         self._keepalive_s = None if tp is None else tp.timeout_s / 4
-        self._ids = itertools.count()
+        self._keys = itertools.count()  # the engine's own request keys (see submit)
         self._mailboxes = Mailboxes()
 
     def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
@@ -150,12 +151,19 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------
 
     def submit(self, spec: GenerateSpec, sink: Sink) -> str:
-        """Validate and admit; events go to `sink` on the engine thread. Returns the request id."""
+        """Validate and admit; events go to `sink` on the engine thread. Returns the engine's key for
+        the request, which `abort` takes.
+
+        NOTE: two names. The caller's `request_id` is a label, echoed in every event and never looked
+        up, so callers need not coordinate their IDs and one caller's ID never reaches another's
+        request. The engine keys a request by a name of its own, unique for the engine's life; an
+        empty caller ID gets a random one (a UUID), which says nothing about other requests.
+        """
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
         request = self.make_request(spec)
         output = OutputState(
-            request.request_id,
+            spec.request_id or uuid.uuid4().hex,
             request.prompt_token_ids,
             request.is_token_ids,
             request.stopping,
@@ -169,8 +177,9 @@ class Engine:
         self._thread.wake()
         return request.request_id
 
-    def abort(self, request_id: str) -> None:
-        self.core.abort(request_id)
+    def abort(self, key: str) -> None:
+        """Abort the request `submit` returned `key` for (a no-op once it has ended)."""
+        self.core.abort(key)
         self._thread.wake()
 
     def _eos_token_ids(self, spec: GenerateSpec) -> frozenset[int]:
@@ -183,7 +192,7 @@ class Engine:
         """Flatten and validate a spec against this engine's model; raises InvalidArgument."""
         return build_request(
             spec,
-            spec.request_id or f"req-{next(self._ids)}",
+            f"#{next(self._keys)}",
             self.tokenizer,
             self.model_config,
             self.max_model_len,
@@ -194,7 +203,7 @@ class Engine:
     def generate(self, spec: GenerateSpec) -> Iterator[Event]:
         """In-process API: yields Accepted, Delta*, then Finished or Failed."""
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        request_id = self.submit(spec, events.put)
+        key = self.submit(spec, events.put)
         finished = False
         try:
             while True:
@@ -204,9 +213,8 @@ class Engine:
                     finished = True
                     return
         finally:
-            # Only an unfinished request is aborted: its id may be reused as soon as it finished.
             if not finished:
-                self.abort(request_id)
+                self.abort(key)
 
     def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
         """asyncio front: the same events; leaving early (cancel, error) aborts the request."""

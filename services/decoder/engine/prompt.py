@@ -59,7 +59,7 @@ class GenerateSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingParams = field(default_factory=StoppingParams)
     output: OutputOptions = field(default_factory=OutputOptions)
-    request_id: str = ""  # "" = assigned
+    request_id: str = ""  # the caller's label, echoed in events; "" = a random one is assigned
     deadline: float | None = None  # time.monotonic() by which the first step must have started
     cap_max_new_tokens: bool = False  # max_new_tokens was a default: shrink it to fit the context
     chat: ChatRequest | None = None  # a conversation for the model's chat template, instead of `prompt`
@@ -79,11 +79,11 @@ def build_request(
     NOTE: every request rule is checked here, once, cheapest first: the request id and the sampling
     and stopping values; each segment's emptiness, whether embeddings are accepted, and their shape;
     then what reads every position (token ids against the vocabulary, tokenizing text) and the
-    context length; only then the embedding values (finite), cast to the model dtype (the one cast)
-    and digested for prefix caching. An empty prompt is Request's own rule. Errors name the request
-    field: InvalidArgument, or FailedPrecondition when embeddings are off.
+    context length; only then the embedding rows, cast to the model dtype (the one cast), checked
+    finite in it and digested for prefix caching. An empty prompt is Request's own rule. Errors name
+    the request field: InvalidArgument, or FailedPrecondition when embeddings are off.
     """
-    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+    if len(spec.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes")
     vocab = model_config.vocab_size
     spec.sampling.validate(vocab)
@@ -227,9 +227,11 @@ def _fit_context(
 
 
 def _embedding_segment(i: int, rows: torch.Tensor, dtype: torch.dtype) -> EmbeddingSegment:
-    tensors.require_finite(rows, f"prompt[{i}].embeddings")
-    # The one cast to the model dtype, before the digest: it then keys what the model will see.
+    # The one cast to the model dtype, then the checks on what the model will see: a value finite on
+    # the wire can overflow to inf in it (float32 3.4e38 in bf16, anything past 65,504 in fp16), and
+    # its NaN keys and values would reach the KV cache. The digest then keys those exact rows.
     rows = rows.to(dtype)
+    tensors.require_finite(rows, f"prompt[{i}].embeddings")
     return EmbeddingSegment(rows, rows.shape[0], _row_digests(rows))
 
 

@@ -78,7 +78,7 @@ class Request:
     identity, so two requests with equal prompts stay distinct.
     """
 
-    request_id: str  # chosen by the caller; unique among unfinished requests
+    request_id: str  # the engine's key, unique for its life; never the caller's ID (events carry that)
     prompt_token_ids: list[int]  # [num_prompt_tokens] token id per position; 0 at embedding positions
     is_token_ids: list[bool]  # [num_prompt_tokens] True = token path, False = a row of an embedding span
     embedding_spans: list[EmbeddingSpan] = field(default_factory=list)  # in prompt order, disjoint

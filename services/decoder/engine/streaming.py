@@ -36,7 +36,7 @@ class Mailboxes:
 async def stream_events(
     mailboxes: Mailboxes, submit: Callable[[Sink], str], abort: Callable[[str], None]
 ) -> AsyncIterator[Event]:
-    """Submits through `submit` (which returns the request id) and yields the request's events.
+    """Submits through `submit` (which returns the engine's key) and yields the request's events.
 
     Leaving early (cancel, error) aborts the request. A consumer that falls behind gets the deltas
     that piled up as one (vLLM's output collector does the same): every message costs the server CPU
@@ -48,7 +48,7 @@ async def stream_events(
     def sink(event: Event) -> None:
         mailbox.post(events, event)
 
-    request_id = submit(sink)
+    key = submit(sink)
     finished = False
     held: Event | None = None  # taken from the queue while merging, not yet yielded
     try:
@@ -69,4 +69,4 @@ async def stream_events(
                 return
     finally:
         if not finished:
-            abort(request_id)
+            abort(key)

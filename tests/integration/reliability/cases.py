@@ -112,6 +112,22 @@ CASES: list[Case] = [
         grpc.StatusCode.NOT_FOUND,
         None,
     ),
+    Case(
+        "model name of 20 KB",
+        "Generate",
+        lambda: decoder_pb2.GenerateRequest(
+            model="m" * 20_000, prompt=[decoder_pb2.PromptSegment(text="hi")]
+        ),
+        INVALID,
+        "model",
+    ),
+    Case(
+        "unknown model name of 256 bytes",
+        "Generate",
+        lambda: decoder_pb2.GenerateRequest(model="m" * 256, prompt=[decoder_pb2.PromptSegment(text="hi")]),
+        grpc.StatusCode.NOT_FOUND,
+        None,
+    ),
     # -- Generate: embedding tensors
     Case(
         "embedding width != hidden size",
@@ -386,6 +402,9 @@ CASES: list[Case] = [
         lambda: embed(text="hi", model="other"),
         grpc.StatusCode.NOT_FOUND,
         None,
+    ),
+    Case(
+        "Embed model name of 20 KB", "Embed", lambda: embed(text="hi", model="m" * 20_000), INVALID, "model"
     ),
     Case("Embed random bytes", "Embed", lambda: b"\x0a\x03\xc3\x28\x00", INVALID, "request"),
     Case(

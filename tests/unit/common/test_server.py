@@ -150,3 +150,21 @@ async def test_bytes_that_do_not_parse_are_invalid_argument_not_internal(running
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await channel.unary_unary("/grpc.health.v1.Health/Check")(garbage, timeout=5)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    "method", ["/test.Faulty/BadInput", "/test.Faulty/Slow", "/grpc.health.v1.Health/Check"]
+)
+async def test_a_call_that_half_closes_without_a_request_is_invalid_argument_at_once(
+    running: RunningServer, method: str
+) -> None:
+    # grpc.aio by itself leaves such a call open until its deadline: 1,000 of them were still open
+    # after a minute. A raw stream call sends no message and then half-closes.
+    async with _channel(running) as channel:
+        call = channel.stream_stream(method)(timeout=30)
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in call:
+                pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "without a request message" in caught.value.details()

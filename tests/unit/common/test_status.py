@@ -3,7 +3,7 @@
 from google.rpc import code_pb2, error_details_pb2
 
 from common import errors
-from common.status import to_status_proto
+from common.status import MAX_MESSAGE_CHARS, to_status_proto
 
 
 def test_invalid_argument_carries_a_field_violation() -> None:
@@ -30,3 +30,14 @@ def test_each_domain_error_has_its_code() -> None:
     assert to_status_proto(errors.DeadlineExceeded("late")).code == code_pb2.DEADLINE_EXCEEDED
     assert to_status_proto(errors.NotFound("model x")).code == code_pb2.NOT_FOUND
     assert to_status_proto(errors.FailedPrecondition("f", "off")).code == code_pb2.FAILED_PRECONDITION
+
+
+def test_a_message_quoting_a_long_input_is_cut_to_fit_the_trailing_metadata() -> None:
+    long = "x" * 20_000
+    status = to_status_proto(errors.InvalidArgument("stopping.stop_sequences[0]", f"bad {long}"))
+    bad_request = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad_request)
+    description = bad_request.field_violations[0].description
+    assert description.startswith("bad xxx") and description.endswith("more characters)")
+    assert len(status.SerializeToString()) < 4 * MAX_MESSAGE_CHARS
+    assert len(to_status_proto(errors.NotFound(long)).message) < MAX_MESSAGE_CHARS + 40

@@ -374,3 +374,31 @@ def test_embedding_positions_are_not_prompt_tokens_for_the_repetition_penalty(
     penalised, plain = first_step(2.0), first_step(1.0)
     assert penalised.token_ids == plain.token_ids == (0,)
     assert penalised.top_logprobs == plain.top_logprobs
+
+
+def test_accepted_is_out_before_any_delta_even_while_the_engine_is_busy(tiny_model_dir, tiny_fp32) -> None:
+    # Accepted used to go to the sink after the engine lock was released, so a busy engine thread
+    # could schedule the request and emit its first Delta while Accepted was still on its way. This
+    # sink holds Accepted back until a Delta arrives (or 1 s passes) to open that window wide.
+    events: list[Event] = []
+    first_delta = threading.Event()
+    done = threading.Event()
+
+    def sink(event: Event) -> None:
+        if isinstance(event, Accepted):
+            first_delta.wait(1.0)
+        elif isinstance(event, Delta):
+            first_delta.set()
+        events.append(event)
+        if isinstance(event, Finished | Failed):
+            done.set()
+
+    busy = GenerateSpec([[1, 2, 3]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=64))
+    spec = GenerateSpec([[4, 5]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=3))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        background = engine.generate(busy)
+        next(background)  # the engine thread now steps without waiting for a wakeup
+        engine.submit(spec, sink)
+        assert done.wait(60)
+        background.close()
+    assert isinstance(events[0], Accepted), [type(e).__name__ for e in events]

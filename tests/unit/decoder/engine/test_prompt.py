@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,3 +63,29 @@ def test_cheap_rules_are_checked_before_any_position_is_read(tiny_fp32: LoadedMo
 
 def test_an_empty_prompt_is_refused_naming_the_prompt(tiny_fp32: LoadedModel) -> None:
     assert _field(tiny_fp32, GenerateSpec([], cap_max_new_tokens=True)) == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "overflowing"),
+    [
+        (torch.bfloat16, torch.finfo(torch.float32).max),  # 3.4e38 rounds up to bf16 inf
+        (torch.float16, 65_520.0),  # anything that rounds past fp16's max, 65,504
+    ],
+)
+def test_embedding_values_finite_on_the_wire_but_infinite_in_the_model_dtype_are_refused(
+    tiny_fp32: LoadedModel, dtype: torch.dtype, overflowing: float
+) -> None:
+    # Accepted, such rows gave NaN keys and values, tokens [0, 0, 0, 0] and NaN logprobs.
+    model = dataclasses.replace(tiny_fp32, config=dataclasses.replace(tiny_fp32.config, dtype=dtype))
+    hidden = model.config.hidden_size
+    rows = torch.zeros(2, hidden)
+    rows[1, 3] = overflowing
+    assert bool(torch.isfinite(rows).all())  # finite as sent, in float32
+    with pytest.raises(InvalidArgument) as info:
+        _build(model, GenerateSpec([[1], EmbeddingPrompt(rows)], cap_max_new_tokens=True))
+    assert info.value.field == "prompt[1].embeddings.data"
+    assert "[1, 3]" in info.value.description and str(dtype).removeprefix("torch.") in info.value.description
+    largest = torch.finfo(dtype).max
+    rows[1, 3] = -largest  # the edge itself is finite in the model dtype
+    request = _build(model, GenerateSpec([[1], EmbeddingPrompt(rows)], cap_max_new_tokens=True))
+    assert float(request.embedding_spans[0].rows[1, 3]) == -largest

@@ -1,0 +1,36 @@
+"""The `model` field: bounded, checked against the served name, never echoed whole."""
+
+import pytest
+
+from common.errors import InvalidArgument, NotFound
+from common.model_name import MAX_ECHO_CHARS, MAX_MODEL_NAME_BYTES, check_model, echo
+
+
+def test_empty_or_the_served_name_passes() -> None:
+    check_model("", "SmolLM2")
+    check_model("SmolLM2", "SmolLM2")
+
+
+def test_another_name_is_not_found_and_quoted() -> None:
+    with pytest.raises(NotFound, match="'gpt-5' is not served here"):
+        check_model("gpt-5", "SmolLM2")
+
+
+def test_a_long_unknown_name_is_echoed_cut_short() -> None:
+    name = "m" * MAX_MODEL_NAME_BYTES
+    with pytest.raises(NotFound) as caught:
+        check_model(name, "SmolLM2")
+    assert name not in caught.value.message
+    assert f"({MAX_MODEL_NAME_BYTES} characters)" in caught.value.message
+    assert len(caught.value.message) < MAX_ECHO_CHARS + 120
+
+
+def test_a_name_over_the_bound_is_invalid_argument_naming_the_field() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        check_model("é" * (MAX_MODEL_NAME_BYTES // 2 + 1), "SmolLM2")  # 2 bytes each: over in bytes
+    assert caught.value.field == "model"
+    assert str(MAX_MODEL_NAME_BYTES) in caught.value.description
+
+
+def test_echo_keeps_short_text_whole() -> None:
+    assert echo("abc") == "'abc'"
