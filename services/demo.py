@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import grpc
 from opentelemetry import trace
 
@@ -172,9 +173,22 @@ def _chat_template(model_dir: Path) -> str:
     return json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
 
 
+def command() -> click.Command:
+    return click.Command(
+        "demo",
+        callback=main,
+        help="Start both services on the default model (imported on first use), ask it a question as text "
+        "and as the encoder's embeddings, stream both answers, stop. `make demo` runs this.",
+    )
+
+
 def main() -> int:
-    # Imported once here (on first use), so the two services never race to convert the same file.
-    model_dir = resolve_model(None, "bfloat16", say=lambda line: print(f"[demo] {line}", flush=True))
+    try:
+        # Imported once here (on first use), so the two services never race to convert the same file.
+        model_dir = resolve_model(None, "bfloat16", say=lambda line: print(f"[demo] {line}", flush=True))
+    except ValueError as error:  # ModelNotFound, GGUFImportError: one line saying what to do
+        print(f"[demo] {error}", file=sys.stderr, flush=True)
+        return 1
     try:
         asyncio.run(_run(model_dir))
     except (RuntimeError, TimeoutError) as error:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.up import UpConfig, serve_command
+from services.up import STOP_MARGIN_S, UpConfig, serve_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -150,3 +150,13 @@ def test_dockerfile_healthcheck_probes_grpc_health() -> None:
     assert command.startswith("python -c ")
     assert "grpc_health.v1" in command and "TANDEM_HEALTH_PORTS" in command
     assert ("ENV", 'TANDEM_HEALTH_PORTS="50051 50052"') in dockerfile_instructions()
+
+
+def test_compose_gives_each_service_its_grace_period_and_time_to_stop_after_it() -> None:
+    """Docker kills a container stop_grace_period after SIGTERM: the service's --grace-s plus the same
+    margin `tandem up` leaves (open streams end FINISH_REASON_ABORTED, spans flush)."""
+    services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+    for name in ("encoder", "decoder"):
+        command = services[name]["command"]
+        grace_s = float(command[command.index("--grace-s") + 1])
+        assert services[name]["stop_grace_period"] == f"{grace_s + STOP_MARGIN_S:g}s"

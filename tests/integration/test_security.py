@@ -32,7 +32,6 @@ from common.server import ServerOptions, TlsOptions
 from services import cli
 from services.decoder.api.main import config_from_args as decoder_config
 from services.decoder.models.loader import LoadedModel
-from services.encoder.__main__ import build_parser as encoder_parser
 from services.encoder.__main__ import config_from_args as encoder_config
 from services.up import UpConfig, serve_command
 from tests.integration.reliability.harness import Services
@@ -327,22 +326,18 @@ def test_cli_generate_reaches_a_tls_server_with_its_tls_and_token_flags(
 
 
 def test_security_settings_are_validated_and_tokens_never_printed(
-    pki: Pki, token_file: Path, tmp_path: Path
+    pki: Pki, token_file: Path, tmp_path: Path, environ
 ) -> None:
     with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
-        decoder_config(["--tls-cert", str(pki.server_cert)], environ={})
-    with pytest.raises(ValueError, match="--tls-client-ca needs"):
-        encoder_config(
-            encoder_parser().parse_args(["--model", "m", "--tls-client-ca", str(pki.ca)]), environ={}
-        )
+        decoder_config(["--tls-cert", str(pki.server_cert)])
+    with pytest.raises(ValueError, match="tls_client_ca needs --tls-cert and --tls-key"):
+        encoder_config(["--model", "m", "--tls-client-ca", str(pki.ca)])
     with pytest.raises(ValueError, match="not a readable file"):
-        decoder_config(
-            ["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(pki.server_key)], environ={}
-        )
+        decoder_config(["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(pki.server_key)])
     empty = tmp_path / "empty.txt"
     empty.write_text("# no tokens yet\n\n")
     with pytest.raises(ValueError, match="holds no token"):
-        decoder_config(["--auth-token-file", str(empty)], environ={})
+        decoder_config(["--auth-token-file", str(empty)])
     options = ServerOptions(auth_tokens=load_tokens(token_file))
     assert TOKEN not in repr(options) and TOKEN not in repr(_security(pki))
     # `tandem up` hands the same files to both services.
@@ -442,3 +437,17 @@ def test_both_services_take_tls_and_tokens_from_flags_and_environment(
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_a_key_that_is_not_the_certificates_is_one_line_naming_the_flag(
+    pki: Pki, tiny_model_dir: Path, environ, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.decoder.api.main import main as decoder_main
+
+    mismatched = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.rogue_server_key)]
+    assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", *mismatched]) == 2
+    said = f"{pki.rogue_server_key} is not the private key of {pki.server_cert} (KEY_VALUES_MISMATCH)"
+    assert capsys.readouterr().err == f"tandem serve decoder: --tls-key (TANDEM_TLS_KEY) {said}\n"
+    ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
+    assert cli.main(["up", "--model", str(tiny_model_dir), *ports, *mismatched]) == 2
+    assert capsys.readouterr().err == f"tandem up: --tls-key (TANDEM_UP_TLS_KEY) {said}\n"

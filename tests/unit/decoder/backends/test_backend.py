@@ -67,7 +67,9 @@ def test_neuron_weights_stay_on_the_host_for_tracing_and_cuda_keeps_its_index() 
 
 
 @pytest.mark.skipif(HAS_NEURON_SDK, reason="torch_neuronx is installed here")
-def test_neuron_without_the_sdk_fails_at_start_saying_what_to_install(capsys: pytest.CaptureFixture) -> None:
+def test_neuron_without_the_sdk_fails_at_start_saying_what_to_install(
+    capsys: pytest.CaptureFixture, environ
+) -> None:
     with pytest.raises(BackendUnavailable, match=r"install the AWS Neuron SDK \(torch-neuronx\)"):
         backends.check_available("neuron")
     assert main(["--device", "neuron", "--port", "0"]) == 2
@@ -76,22 +78,23 @@ def test_neuron_without_the_sdk_fails_at_start_saying_what_to_install(capsys: py
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")
-def test_cuda_without_a_gpu_fails_at_start_saying_what_to_install(capsys: pytest.CaptureFixture) -> None:
+def test_cuda_without_a_gpu_fails_at_start_saying_what_to_install(
+    capsys: pytest.CaptureFixture, environ
+) -> None:
     with pytest.raises(BackendUnavailable, match="sees no CUDA device"):
         backends.check_available("cuda")
     assert main(["--device", "cuda", "--port", "0"]) == 2
     assert "install a CUDA build of torch" in capsys.readouterr().err
 
 
-def test_device_flag_and_variable_pick_the_backend_defaults() -> None:
-    neuron = config_from_args(["--device", "neuron"], environ={})
+def test_device_flag_and_variable_pick_the_backend_defaults(environ) -> None:
+    neuron = config_from_args(["--device", "neuron"])
     assert (neuron.engine.device, neuron.engine.dtype) == ("neuron", "bfloat16")
     assert neuron.engine.static_shapes and neuron.engine.compile  # Neuron: static and traced by default
-    cpu = config_from_args(
-        [], environ={"TANDEM_DEVICE": "cpu", "TANDEM_COMPILE": "true", "TANDEM_STATIC_SHAPES": "1"}
-    )
+    assert not config_from_args([]).engine.compile
+    environ({"TANDEM_DEVICE": "cpu", "TANDEM_COMPILE": "true", "TANDEM_STATIC_SHAPES": "1"})
+    cpu = config_from_args([])
     assert cpu.engine.compile and cpu.engine.static_shapes and cpu.engine.dtype == "bfloat16"
-    assert not config_from_args([], environ={}).engine.compile
 
 
 def test_config_refuses_combinations_a_backend_cannot_run(tmp_path: Path) -> None:
@@ -100,10 +103,10 @@ def test_config_refuses_combinations_a_backend_cannot_run(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="compile needs static_shapes"):
         EngineConfig(model_dir=tmp_path, compile=True)
     neuron = EngineConfig(model_dir=tmp_path, device="neuron", static_shapes=True, compile=True)
-    with pytest.raises(ValueError, match="device neuron runs on one rank only"):
+    with pytest.raises(ValueError, match="world_size must be 1: device neuron runs on one rank only"):
         DecoderConfig(engine=neuron, world_size=2)
     compiled = EngineConfig(model_dir=tmp_path, static_shapes=True, compile=True)
-    with pytest.raises(ValueError, match="compile runs on one rank only"):
+    with pytest.raises(ValueError, match="world_size must be 1: compile runs on one rank only"):
         DecoderConfig(engine=compiled, world_size=2)
 
 
