@@ -118,8 +118,13 @@ def flag_error(command: click.Command, error: ConfigError) -> FlagError:
 
 def error_line(error: click.ClickException) -> str:
     """One line for any click error: a bad value names its flag and variable, the rest as click says."""
-    if isinstance(error, click.BadParameter) and error.param is not None:
-        return f"{describe(error.param, error.ctx)}: {error.message}"
+    if isinstance(error, click.BadParameter):
+        param = error.param
+        if param is None and error.ctx is not None and isinstance(error.param_hint, str):
+            hint = error.param_hint.strip("'")  # raised by a command's own check, naming its flag
+            param = next((p for p in error.ctx.command.params if hint in p.opts), None)
+        if param is not None:
+            return f"{describe(param, error.ctx)}: {error.message}"
     return error.format_message()
 
 

@@ -9,6 +9,7 @@ every rank.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 import types
 from pathlib import Path
@@ -212,17 +213,31 @@ def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tin
 
 
 @pytest.mark.parametrize(
-    ("compile", "native_kernels", "packed", "on_kernels"),
-    [(False, True, True, True), (False, False, True, False), (True, True, False, False)],
+    ("compile", "native_kernels", "packed", "on_kernels", "said"),
+    [
+        (False, True, True, True, "CPU kernels: in use for norms, RoPE + KV write and decode attention"),
+        (False, False, True, False, "CPU kernels: off (--native-kernels false), the model runs on torch ops"),
+        (True, True, False, False, "CPU kernels: not used in compiled mode"),
+    ],
 )
-def test_prepare_model_packs_and_attaches_kernels_for_eager_cpu_only(
-    tiny_model_dir, compile: bool, native_kernels: bool, packed: bool, on_kernels: bool
+def test_prepare_model_packs_and_attaches_kernels_for_eager_cpu_only_and_says_so(
+    tiny_model_dir,
+    compile: bool,
+    native_kernels: bool,
+    packed: bool,
+    on_kernels: bool,
+    said: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # What rank 0's engine and every other rank's worker do to the model they load.
     from services.decoder.models.loader import load_model
 
     model = load_model(tiny_model_dir, dtype="bfloat16").model
-    backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
+    with caplog.at_level(logging.INFO, logger="services.decoder.backends.backend"):
+        backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
     assert (model.packed_head is not None) is (packed and ONEDNN_BF16)
     assert (model.layers[0].self_attn.native is not None) is on_kernels
     assert (model.norm.native is not None) is on_kernels
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU kernels")][0].startswith(
+        said
+    )
