@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.auth import load_tokens
 from common.client import ChannelSecurity, DecoderClient, EncoderClient
 from common.pb.tandem.v1 import decoder_pb2, encoder_pb2
-from common.server import ServerOptions, TlsOptions
+from common.server import ServerOptions, TlsOptions, start_server
 from services import cli
 from services.decoder.api.main import config_from_args as decoder_config
 from services.decoder.models.loader import LoadedModel
@@ -451,3 +451,26 @@ def test_a_key_that_is_not_the_certificates_is_one_line_naming_the_flag(
     ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
     assert cli.main(["up", "--model", str(tiny_model_dir), *ports, *mismatched]) == 2
     assert capsys.readouterr().err == f"tandem up: --tls-key (TANDEM_UP_TLS_KEY) {said}\n"
+
+
+async def test_the_readmes_openssl_lines_make_certificates_that_serve_mutual_tls(tmp_path: Path) -> None:
+    """The README's commands, run as written: a server and a client that trust each other through
+    the CA they make."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme.split("<!-- test-pki -->\n```sh\n", 1)[1].split("```", 1)[0]
+    result = subprocess.run(
+        ["sh", "-e", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    tls = TlsOptions(tmp_path / "server.pem", tmp_path / "server-key.pem", client_ca_file=tmp_path / "ca.pem")
+    server = await start_server(ServerOptions(port=0, tls=tls), [])
+    try:
+        await server.set_serving()
+        security = ChannelSecurity.from_files(
+            tmp_path / "ca.pem", tmp_path / "client.pem", tmp_path / "client-key.pem"
+        )
+        for host in ("localhost", "127.0.0.1"):  # the names the server certificate carries
+            async with DecoderClient(f"{host}:{server.port}", security=security) as client:
+                assert await client.health(timeout=10) == SERVING
+    finally:
+        await server.stop(0)
