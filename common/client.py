@@ -5,17 +5,25 @@ retries, TLS and token the servers expect (`channel.py`), and that build request
 values. Errors surface as `grpc.aio.AioRpcError`; `grpc_status.rpc_status.aio.from_call` reads
 their google.rpc details.
 
-OpenTelemetry is optional: nothing here imports it. Given a `common.telemetry.Telemetry` with
-tracing on, the channel gets the OpenTelemetry client interceptors: each call gets a client span and
-carries W3C trace context, so the servers' spans join the caller's trace. With metrics on, Generate
-and Embed record `gen_ai.client.operation.duration`, and Embed and `generate_text`
-`gen_ai.client.token.usage` (a raw Generate stream's usage is in its Finished event, which only its
-reader sees). Without telemetry the channel and the calls are plain gRPC.
+OpenTelemetry is optional: nothing here imports it at load. Without a `telemetry` argument a client
+takes the process's own when the `OTEL_*` environment asks for an exporter (`telemetry_from_environ`),
+as the services do; with tracing on, each Generate and Embed gets a gen_ai client span
+(`common/telemetry/client_spans.py`) over the OpenTelemetry gRPC client span, and carries W3C trace
+context, so the servers' spans join the caller's trace. With metrics on, Generate and Embed record
+`gen_ai.client.operation.duration`, and Embed and `generate_text` `gen_ai.client.token.usage` (a raw
+Generate stream's usage is in its Finished event, which only its reader sees). Without telemetry the
+channel and the calls are plain gRPC.
+
+An address may name several servers (`host:port,host:port` or `dns:///name:port`): the channel then
+balances over them (`common/channel.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -30,6 +38,9 @@ from common.status import error_type
 
 if TYPE_CHECKING:  # OpenTelemetry is optional: a caller that passes telemetry has it installed
     from common.telemetry import ClientMetrics, Telemetry
+    from common.telemetry.client_spans import ClientSpans
+
+log = logging.getLogger(__name__)
 
 Segment = str | Sequence[int] | tensor_pb2.Tensor  # text, token IDs, or packed embeddings
 ChatTurn = Mapping[str, str | Sequence[Segment]]  # {"role": "user", "content": "..." or [parts]}
@@ -126,22 +137,55 @@ def _time_call(call: grpc.aio.Call, metrics: ClientMetrics, attributes: dict[str
 _pending: set[asyncio.Task] = set()  # recording tasks, held until done so they are not collected
 
 
+def telemetry_from_environ(environ: Mapping[str, str] | None = None) -> Telemetry | None:
+    """The process's client telemetry when `OTEL_*` asks for an exporter, else None.
+
+    Built once per process and environment (OpenTelemetry's providers are per process too), and
+    flushed at exit. None, with a warning, when OpenTelemetry is not installed.
+    """
+    variables = {
+        k: v for k, v in (os.environ if environ is None else environ).items() if k.startswith("OTEL_")
+    }
+    return _telemetry_for(tuple(sorted(variables.items()))) if variables else None
+
+
+@functools.cache
+def _telemetry_for(variables: tuple[tuple[str, str], ...]) -> Telemetry | None:
+    try:
+        from common.telemetry import TelemetrySettings, setup_telemetry
+    except ImportError:
+        log.warning("OTEL_* is set but OpenTelemetry is not installed: pip install 'tandem-client[otel]'")
+        return None
+    environ = dict(variables)
+    settings = TelemetrySettings.from_environ("tandem-client", environ)
+    if not settings.traces_exporters and not settings.metrics_exporters:
+        return None
+    return setup_telemetry("tandem-client", environ)
+
+
 class _Client:
     def __init__(
         self,
-        address: str,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        telemetry: Telemetry | None = None,
-        security: ChannelSecurity = PLAINTEXT,
+        address: str | Sequence[str],
+        max_message_bytes: int,
+        telemetry: Telemetry | None,
+        security: ChannelSecurity,
+        service: str,
     ) -> None:
+        telemetry = telemetry if telemetry is not None else telemetry_from_environ()
         interceptors = telemetry.client_interceptors() if telemetry is not None else []
-        self.channel = open_channel(address, max_message_bytes, security, interceptors)
+        self.channel = open_channel(address, max_message_bytes, security, interceptors, service)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._metrics: ClientMetrics | None = None
+        self._spans: ClientSpans | None = None
         if telemetry is not None and telemetry.is_metrics:
             from common.telemetry.metrics import ClientMetrics  # here: OpenTelemetry is optional
 
             self._metrics = ClientMetrics(telemetry.meter)
+        if telemetry is not None and telemetry.is_tracing:
+            from common.telemetry.client_spans import ClientSpans
+
+            self._spans = ClientSpans(telemetry.tracer)
 
     async def health(self, service: str = "", timeout: float = 5.0) -> int:
         """The server's health status for `service` ("" = the whole server)."""
@@ -149,13 +193,27 @@ class _Client:
         return reply.status
 
     async def wait_serving(self, timeout: float = 120.0) -> None:
-        """Block until health says SERVING (the model is loaded and warmed up)."""
-        stream = self._health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        async for reply in stream:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                stream.cancel()
-                return
-        raise TimeoutError("the server never became SERVING")
+        """Block until health says SERVING (the model is loaded and warmed up).
+
+        A balanced channel picks only SERVING servers, so until one is, the check itself is
+        UNAVAILABLE: asked again until `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the server never became SERVING")
+            try:
+                stream = self._health.Watch(
+                    health_pb2.HealthCheckRequest(service=""), timeout=remaining, wait_for_ready=True
+                )
+                async for reply in stream:
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        stream.cancel()
+                        return
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     async def close(self) -> None:
         await self.channel.close()
@@ -170,12 +228,12 @@ class _Client:
 class DecoderClient(_Client):
     def __init__(
         self,
-        address: str = "127.0.0.1:50052",
+        address: str | Sequence[str] = "127.0.0.1:50052",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         telemetry: Telemetry | None = None,
         security: ChannelSecurity = PLAINTEXT,
     ):
-        super().__init__(address, max_message_bytes, telemetry, security)
+        super().__init__(address, max_message_bytes, telemetry, security, "tandem.v1.Decoder")
         self.stub = decoder_pb2_grpc.DecoderStub(self.channel)
 
     def generate(
@@ -194,10 +252,14 @@ class DecoderClient(_Client):
         else:
             request = decoder_pb2.GenerateRequest(prompt=prompt_segments(prompt))
             _set_options(request, max_new_tokens, temperature, seed, stopping_and_output)
-        call = self.stub.Generate(request, timeout=timeout)
-        if self._metrics is not None:
-            _time_call(call, self._metrics, _attributes(semconv.OPERATION_TEXT_COMPLETION, request.model))
-        return call
+
+        def start() -> grpc.aio.UnaryStreamCall:
+            call = self.stub.Generate(request, timeout=timeout)
+            if self._metrics is not None:
+                _time_call(call, self._metrics, _attributes(semconv.OPERATION_TEXT_COMPLETION, request.model))
+            return call
+
+        return start() if self._spans is None else self._spans.generate(request, start)  # type: ignore[return-value]
 
     def chat(
         self,
@@ -264,12 +326,12 @@ class DecoderClient(_Client):
 class EncoderClient(_Client):
     def __init__(
         self,
-        address: str = "127.0.0.1:50051",
+        address: str | Sequence[str] = "127.0.0.1:50051",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         telemetry: Telemetry | None = None,
         security: ChannelSecurity = PLAINTEXT,
     ):
-        super().__init__(address, max_message_bytes, telemetry, security)
+        super().__init__(address, max_message_bytes, telemetry, security, "tandem.v1.Encoder")
         self.stub = encoder_pb2_grpc.EncoderStub(self.channel)
 
     async def embed(
@@ -278,12 +340,18 @@ class EncoderClient(_Client):
         token_ids: Sequence[int] | None = None,
         output_dtype: int = tensor_pb2.DATA_TYPE_UNSPECIFIED,
         timeout: float = 30.0,
+        pooling: int = encoder_pb2.POOLING_UNSPECIFIED,
     ) -> encoder_pb2.EmbedResponse:
-        request = encoder_pb2.EmbedRequest(output_dtype=output_dtype)
+        request = encoder_pb2.EmbedRequest(output_dtype=output_dtype, pooling=pooling)
         if text is not None:
             request.text = text
         if token_ids is not None:
             request.token_ids.ids.extend(token_ids)
+        if self._spans is not None:
+            return await self._spans.embed(request, lambda: self._embed(request, timeout))
+        return await self._embed(request, timeout)
+
+    async def _embed(self, request: encoder_pb2.EmbedRequest, timeout: float) -> encoder_pb2.EmbedResponse:
         if self._metrics is None:
             return await self.stub.Embed(request, timeout=timeout)
         attributes = _attributes(semconv.OPERATION_EMBEDDINGS, "")

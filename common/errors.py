@@ -3,7 +3,8 @@
 Pure Python on purpose: the scheduler, the params and the codec raise these without importing
 grpc; `common.status` is the one place that turns them into gRPC statuses with google.rpc details.
 Each error carries what a client needs to fix or retry its call: the offending field and its
-limit, or how long to wait.
+limit, or how long to wait. `ConfigError`, the one error of another kind, is what a service refuses
+at start; it names the config field so the command line can name the flag and its variable.
 """
 
 from __future__ import annotations
@@ -54,3 +55,21 @@ class DeadlineExceeded(TandemError):
 
 class NotFound(TandemError):
     """A named resource (e.g. a model name) is not served here."""
+
+
+class ConfigError(ValueError):
+    """A configuration value a service refuses at start (never sent to a client).
+
+    `field` is the config field at fault (e.g. `max_num_seqs`) and `reason` reads after its name
+    (`must be >= 1, got 0`), so the command line can say the same with the flag and its variable:
+    `--max-num-seqs (TANDEM_MAX_NUM_SEQS) must be >= 1, got 0`.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason  # "must be >= 1, got 0", or ": <a message of its own>"
+        super().__init__(self.said_of(field))
+
+    def said_of(self, name: str) -> str:
+        """The error about `name`: the field, or a flag and its variable."""
+        return name + ("" if self.reason.startswith(":") else " ") + self.reason

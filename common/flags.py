@@ -1,120 +1,248 @@
-"""Command-line flags the services and the CLI share, and the one way a flag falls back to the environment.
+"""One configuration layer for every `tandem` command, on click.
 
-NOTE: one mechanism. A service's options all default to None, meaning "not given". `values()` takes
-each one from the command line, else from `<env_prefix><DEST>` (e.g. TANDEM_MAX_NUM_SEQS), parsed by
-the flag's own type, and leaves out the rest, so the service's config dataclass supplies every
-default in one place. The environment is read when `values()` is called, at start, never at import.
+NOTE: one mechanism. Every option has a help text, a default and an environment variable, and
+`--help` shows all three. A value comes from the command line, else from its variable, else from its
+default; a service's defaults are its config dataclass's own (`default_of`), so each lives in one
+place. The services name their variables (`TANDEM_<FLAG>` for the decoder, `TANDEM_ENCODER_<FLAG>`,
+`TANDEM_UP_<FLAG>`); the client commands get click's automatic `TANDEM_<COMMAND>_<FLAG>`. Click
+reads the environment when a command runs, never at import.
+
+Every error is one line that names the flag and its variable: a value that does not parse (click's
+own check, by the option's type) and a value the config refuses (`ConfigError`, mapped back to its
+option through `Setting.field`).
+
+Why click: it is kept by Pallets and carries typer and most Python CLIs; an option's `envvar`,
+`show_envvar` and `show_default` are built in, and its parse errors already name the variable.
+pydantic-settings validates as well, but its command line shows no variables in `--help`;
+jsonargparse does, at the price of a much larger dependency for the same result.
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import click
+
 from common.auth import load_tokens
-from common.client import ChannelSecurity
-from common.server import TlsOptions
+from common.channel import ChannelSecurity
+from common.errors import ConfigError
+from common.server import DEFAULT_GRACE_S, ServerOptions, TlsOptions
+
+PATH = click.Path(path_type=Path)  # a path, checked by the config that uses it (one rule, one place)
 
 
-@dataclass(frozen=True)
-class PathFlag:
-    """A flag that names a file."""
+class _Bool(click.ParamType):
+    """true/false, also 1/0, yes/no, on/off; anything else is refused saying so."""
 
-    flag: str  # e.g. "--tls-cert"
-    help: str
-
-    @property
-    def dest(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
-
-
-# A server's TLS and bearer-token files: both services take them, and `tandem up` passes them on.
-SERVER_SECURITY = (
-    PathFlag("--tls-cert", "TLS: server certificate chain (PEM)"),
-    PathFlag("--tls-key", "TLS: server private key (PEM)"),
-    PathFlag("--tls-client-ca", "mutual TLS: CA that must sign client certificates"),
-    PathFlag("--auth-token-file", "accepted bearer tokens, one per line; every call but health needs one"),
-)
-# A client's side of the same: the CA it trusts, its own certificate, the token it sends.
-CLIENT_SECURITY = (
-    PathFlag("--tls-ca", "PEM CA to trust for the server (default: system roots)"),
-    PathFlag("--tls-cert", "mutual TLS: client certificate (PEM)"),
-    PathFlag("--tls-key", "mutual TLS: client private key (PEM)"),
-    PathFlag("--auth-token-file", "file holding the bearer token to send (its first one)"),
-)
-
-
-def flag_bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
-
-
-class ServiceArgumentParser(argparse.ArgumentParser):
-    """A service's flags: every one defaults to None and may instead come from `<env_prefix><FLAG>`."""
-
-    def __init__(self, env_prefix: str, **kwargs: Any) -> None:
-        super().__init__(
-            epilog=f"Each flag may instead be set by {env_prefix}<FLAG>, e.g. {env_prefix}PORT.", **kwargs
-        )
-        self.env_prefix = env_prefix
-
-    def env_var(self, dest: str) -> str:
-        return self.env_prefix + dest.upper()
-
-    def add_flag(self, flag: str, help: str, type: Callable[[str], Any] = str, **kwargs: Any) -> None:
-        dest = flag.removeprefix("--").replace("-", "_")
-        self.add_argument(flag, type=type, default=None, help=f"{help} [{self.env_var(dest)}]", **kwargs)
-
-    def add_server_security_flags(self) -> None:
-        for spec in SERVER_SECURITY:
-            self.add_flag(spec.flag, spec.help, Path, metavar="FILE")
-
-    def values(self, args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
-        """Flags given, else their environment variables; neither: absent. Raises ValueError naming
-        the variable when its value does not parse."""
-        values: dict[str, Any] = {}
-        for action in self._actions:
-            if not action.option_strings or action.dest == "help":
-                continue
-            value = getattr(args, action.dest, None)
-            raw = environ.get(self.env_var(action.dest))
-            if value is None and raw:
-                parse = action.type if callable(action.type) else str
-                try:
-                    value = parse(raw)
-                except (ValueError, argparse.ArgumentTypeError) as e:
-                    raise ValueError(f"{self.env_var(action.dest)}={raw!r}: {e}") from None
-            if value is not None:
-                values[action.dest] = value
-        return values
-
-
-def server_security(values: Mapping[str, Any]) -> dict[str, Any]:
-    """ServerOptions' `tls` and `auth_tokens` from SERVER_SECURITY values. Raises ValueError."""
-    security: dict[str, Any] = {
-        "tls": TlsOptions.from_paths(
-            values.get("tls_cert"), values.get("tls_key"), values.get("tls_client_ca")
-        )
+    name = "BOOLEAN"
+    _VALUES = {
+        "true": True,
+        "1": True,
+        "yes": True,
+        "on": True,
+        "false": False,
+        "0": False,
+        "no": False,
+        "off": False,
     }
-    if values.get("auth_token_file") is not None:
-        security["auth_tokens"] = load_tokens(values["auth_token_file"])
-    return security
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> bool:
+        if isinstance(value, bool):
+            return value
+        parsed = self._VALUES.get(str(value).strip().lower())
+        if parsed is None:
+            self.fail(f"{value!r} is not a boolean: use true or false (or 1/0, yes/no, on/off)", param, ctx)
+        return parsed
 
 
-def add_client_security_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls", action="store_true", help="use TLS (implied by --tls-ca/--tls-cert)")
-    for spec in CLIENT_SECURITY:
-        parser.add_argument(spec.flag, type=Path, help=spec.help)
+BOOL = _Bool()
+# The help of every command: `[env var: ...; default: ...]` after each option, up to 100 columns wide.
+CONTEXT_SETTINGS: dict[str, Any] = {"max_content_width": 100, "help_option_names": ["-h", "--help"]}
 
 
-def client_security(args: argparse.Namespace) -> ChannelSecurity:
-    """The channel security CLIENT_SECURITY flags ask for. Raises OSError or ValueError."""
+class Setting(click.Option):
+    """A service option: its flag, variable (`<prefix><FLAG>`), default and help, and its config field."""
+
+    def __init__(self, prefix: str, flag: str, help: str, *, field: str | None = None, **kwargs: Any) -> None:
+        name = flag.removeprefix("--").replace("-", "_")
+        kwargs.setdefault("show_default", True)
+        super().__init__(
+            [flag, name],
+            help=help,
+            envvar=prefix + name.upper(),
+            show_envvar=True,
+            allow_from_autoenv=False,  # the variable above, never a second one from the command path
+            **kwargs,
+        )
+        self.field = field or name  # the config field it fills: what a ConfigError names
+
+
+def option(flag: str, help: str, **kwargs: Any) -> click.Option:
+    """A client command's option: its default and its automatic `TANDEM_<COMMAND>_<FLAG>` in --help."""
+    kwargs.setdefault("show_default", "off" if kwargs.get("is_flag") else True)
+    return click.Option([flag], help=help, show_envvar=True, **kwargs)
+
+
+def default_of(cls: type, name: str) -> Any:
+    """A dataclass field's default, so that a flag's default is the config's own."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field.default
+
+
+def describe(param: click.Parameter, ctx: click.Context | None = None) -> str:
+    """`--max-num-seqs (TANDEM_MAX_NUM_SEQS)`: the flag and where else its value may come from."""
+    flag = next((o for o in param.opts if o.startswith("--")), param.name or "?")
+    envvar = param.envvar if isinstance(param, click.Option) and isinstance(param.envvar, str) else None
+    if envvar is None and isinstance(param, click.Option) and param.allow_from_autoenv:
+        ctx = ctx or click.get_current_context(silent=True)
+        if ctx is not None and ctx.auto_envvar_prefix and param.name:
+            envvar = f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
+    return f"{flag} ({envvar})" if envvar else flag
+
+
+class FlagError(click.UsageError):
+    """A config error said with the flag and its variable; exits 2 like every usage error."""
+
+
+def flag_error(command: click.Command, error: ConfigError) -> FlagError:
+    """`error` as one line about the option that fills `error.field` (or as it is, if none does)."""
+    for param in command.params:
+        if isinstance(param, Setting) and error.field in (param.field, param.name):
+            return FlagError(error.said_of(describe(param)))
+    return FlagError(str(error))
+
+
+def error_line(error: click.ClickException) -> str:
+    """One line for any click error: a bad value names its flag and variable, the rest as click says."""
+    if isinstance(error, click.BadParameter):
+        param = error.param
+        if param is None and error.ctx is not None and isinstance(error.param_hint, str):
+            hint = error.param_hint.strip("'")  # raised by a command's own check, naming its flag
+            param = next((p for p in error.ctx.command.params if hint in p.opts), None)
+        if param is not None:
+            return f"{describe(param, error.ctx)}: {error.message}"
+    return error.format_message()
+
+
+def run(command: click.Command, argv: Sequence[str] | None, prog_name: str) -> int:
+    """Run `command` as `prog_name ARGV`; returns its exit code. Errors are one line on stderr."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = command.main(args=args, prog_name=prog_name, standalone_mode=False)
+    except click.ClickException as error:
+        ctx = getattr(error, "ctx", None)
+        where = ctx.command_path if ctx is not None else prog_name
+        # Unknown options and the like point at --help; a value's error says all there is to say.
+        is_usage = isinstance(error, click.UsageError) and not isinstance(
+            error, FlagError | click.BadParameter
+        )
+        hint = f" (see {where} --help)" if is_usage else ""
+        print(f"{where}: {error_line(error)}{hint}", file=sys.stderr)
+        return error.exit_code
+    except click.Abort:  # Ctrl-C at a prompt
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+# -- what both services share: how they listen, drain, and secure their port ---------------------------
+
+
+def server_settings(prefix: str, default_port: int) -> list[Setting]:
+    """--host, --port, --max-message-bytes, --grace-s and the TLS / token files, as `prefix` variables."""
+    return [
+        Setting(
+            prefix,
+            "--host",
+            "listen address (0.0.0.0 in containers)",
+            default=default_of(ServerOptions, "host"),
+        ),
+        Setting(prefix, "--port", "listen port (0 = any free port)", type=int, default=default_port),
+        Setting(
+            prefix,
+            "--max-message-bytes",
+            "largest gRPC message sent or received (clients must use the same)",
+            type=int,
+            default=default_of(ServerOptions, "max_message_bytes"),
+        ),
+        Setting(
+            prefix,
+            "--grace-s",
+            "on SIGTERM: seconds in-flight calls get to finish; streams still open then end with "
+            "FINISH_REASON_ABORTED",
+            type=float,
+            default=DEFAULT_GRACE_S,
+        ),
+        *server_security_settings(prefix, ""),
+    ]
+
+
+def server_security_settings(prefix: str, help_prefix: str) -> list[Setting]:
+    """The TLS and bearer-token files a server takes (`tandem up` passes them to both services)."""
+    files = (
+        ("--tls-cert", "TLS: server certificate chain (PEM)", "none, plaintext"),
+        ("--tls-key", "TLS: the certificate's private key (PEM)", "none"),
+        ("--tls-client-ca", "mutual TLS: the CA client certificates must be signed by (PEM)", "none"),
+        (
+            "--auth-token-file",
+            "accepted bearer tokens, one per line; every call but health needs one",
+            "none, no authentication",
+        ),
+    )
+    return [
+        Setting(prefix, flag, help_prefix + text, type=PATH, default=None, show_default=shown, metavar="FILE")
+        for flag, text, shown in files
+    ]
+
+
+def server_options(values: Mapping[str, Any]) -> ServerOptions:
+    """ServerOptions from `server_settings` values. Raises ConfigError."""
+    options: dict[str, Any] = {k: values[k] for k in ("host", "port", "max_message_bytes", "grace_s")}
+    options["tls"] = TlsOptions.from_paths(values["tls_cert"], values["tls_key"], values["tls_client_ca"])
+    if values["auth_token_file"] is not None:
+        try:
+            options["auth_tokens"] = load_tokens(values["auth_token_file"])
+        except ValueError as error:
+            raise ConfigError("auth_token_file", f": {error}") from None
+    return ServerOptions(**options)
+
+
+# -- a client's side: the CA it trusts, its own certificate, the token it sends ------------------------
+
+
+def client_security_options() -> list[click.Option]:
+    return [
+        option("--tls", "use TLS (implied by --tls-ca, --tls-cert)", is_flag=True, default=False),
+        option(
+            "--tls-ca",
+            "CA to trust for the server, PEM",
+            type=PATH,
+            default=None,
+            show_default="system roots",
+        ),
+        option(
+            "--tls-cert", "mutual TLS: client certificate, PEM", type=PATH, default=None, show_default="none"
+        ),
+        option("--tls-key", "mutual TLS: its private key, PEM", type=PATH, default=None, show_default="none"),
+        option(
+            "--auth-token-file",
+            "file holding the bearer token to send (its first one)",
+            type=PATH,
+            default=None,
+            show_default="none",
+        ),
+    ]
+
+
+def client_security(values: Mapping[str, Any]) -> ChannelSecurity:
+    """The channel security `client_security_options` ask for. Raises OSError or ValueError."""
     return ChannelSecurity.from_files(
-        args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file, is_tls=args.tls
+        values["tls_ca"],
+        values["tls_cert"],
+        values["tls_key"],
+        values["auth_token_file"],
+        is_tls=values["tls"],
     )

@@ -81,6 +81,10 @@ def resolve_model(
     """
     model = default_model_file() if model is None else Path(model)
     if model.is_dir():
+        if not (model / "config.json").is_file():
+            raise ModelNotFound(
+                f"model {model} is a directory without config.json: not a checkpoint directory"
+            )
         return model
     if not model.exists():
         raise ModelNotFound(f"model {model} does not exist (a checkpoint directory or a .gguf file)")

@@ -9,23 +9,49 @@ the conversation (the system message stays); end of input ends the chat.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from typing import TextIO
 
+import click
 import grpc
 
-from common.client import ChannelSecurity, DecoderClient
+from common.client import DecoderClient
+from common.flags import CONTEXT_SETTINGS, client_security, client_security_options, option
 
 RESET = "/reset"
 
 
+def command() -> click.Command:
+    return click.Command(
+        "chat",
+        params=[
+            option(
+                "--address",
+                "the decoder: host:port, several host:port,... or dns:///name:port",
+                default="127.0.0.1:50052",
+            ),
+            option(
+                "--system", "a system message opening the conversation", default=None, show_default="none"
+            ),
+            option("--max-tokens", "most tokens per reply", type=int, default=256),
+            option("--temperature", "0 = greedy", type=float, default=0.0),
+            option("--seed", "sampling seed", type=int, default=None, show_default="none, random"),
+            *client_security_options(),
+        ],
+        callback=lambda **values: asyncio.run(run_chat(argparse.Namespace(**values), sys.stdin, sys.stdout)),
+        help="Chat with a running decoder through the model's chat template, each reply streamed. On a "
+        "terminal it prompts for each turn; from a pipe or a file every line is one user turn. "
+        f"{RESET} starts over.",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
 async def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
     try:
-        security = ChannelSecurity.from_files(
-            args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file, is_tls=args.tls
-        )
+        security = client_security(vars(args))
     except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"tandem chat: {error}", file=sys.stderr)
         return 2
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import grpc
 from opentelemetry import trace
 
@@ -148,9 +149,23 @@ async def _stream(dec: DecoderClient, title: str, content: list[str | tensor_pb2
     return "".join(text)
 
 
+def command() -> click.Command:
+    return click.Command(
+        "demo",
+        callback=main,
+        help="Start both services on the default model (imported on first use), ask it a question as "
+        "a chat turn, as text and as the encoder's embeddings, stream both answers, stop. "
+        "`make demo` runs this.",
+    )
+
+
 def main() -> int:
-    # Imported once here (on first use), so the two services never race to convert the same file.
-    model_dir = resolve_model(None, "bfloat16", say=lambda line: print(f"[demo] {line}", flush=True))
+    try:
+        # Imported once here (on first use), so the two services never race to convert the same file.
+        model_dir = resolve_model(None, "bfloat16", say=lambda line: print(f"[demo] {line}", flush=True))
+    except ValueError as error:  # ModelNotFound, GGUFImportError: one line saying what to do
+        print(f"[demo] {error}", file=sys.stderr, flush=True)
+        return 1
     try:
         asyncio.run(_run(model_dir))
     except (RuntimeError, TimeoutError) as error:

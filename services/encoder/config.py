@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from common.dtypes import DTYPES
+from common.errors import ConfigError
 from common.server import ServerOptions
 from services.encoder.embedder import Pooling
 
@@ -37,15 +38,13 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         if self.embedder not in EMBEDDERS:
-            raise ValueError(f"embedder must be one of {EMBEDDERS}, got {self.embedder!r}")
+            raise ConfigError("embedder", f"must be one of {EMBEDDERS}, got {self.embedder!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError("dtype", f"must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.pooling, Pooling):
-            raise ValueError(f"pooling must be one of {[p.value for p in Pooling]}, got {self.pooling!r}")
+            raise ConfigError("pooling", f"must be one of {[p.value for p in Pooling]}, got {self.pooling!r}")
         if self.max_input_tokens < 1:
-            raise ValueError(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
-        if self.server.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {self.server.max_message_bytes}")
+            raise ConfigError("max_input_tokens", f"must be >= 1, got {self.max_input_tokens}")
         # Each path belongs to one embedder: a path given to another one is a mistake, not a no-op.
         required = {
             "soft-prompt": ("adapter_dir",),
@@ -55,9 +54,9 @@ class EncoderConfig:
             for name in names:
                 is_set = getattr(self, name) is not None
                 if self.embedder == kind and not is_set:
-                    raise ValueError(f"embedder {kind!r} requires {name}")
+                    raise ConfigError(name, f"is required by embedder {kind!r}")
                 if self.embedder != kind and is_set:
-                    raise ValueError(f"{name} is only used by embedder {kind!r}, not {self.embedder!r}")
+                    raise ConfigError(name, f"is only used by embedder {kind!r}, not {self.embedder!r}")
 
     @property
     def served_model_name(self) -> str:

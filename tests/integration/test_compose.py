@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.up import UpConfig, serve_command
+from services.up import STOP_MARGIN_S, UpConfig, serve_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -96,7 +96,8 @@ def test_compose_decoder_waits_for_a_healthy_encoder_and_both_share_the_models_v
     assert "models" in config["volumes"]
     for name, port in PORTS.items():
         assert services[name]["volumes"] == ["models:/models:rw"]
-        assert {"published": port, "target": port} in services[name]["ports"]
+        published = f"{port}-{port + 9}" if name == "decoder" else port  # the decoder scales to 10 replicas
+        assert {"published": published, "target": port} in services[name]["ports"]
         # The image's HEALTHCHECK probes these ports; each container runs one service.
         assert services[name]["environment"]["TANDEM_HEALTH_PORTS"] == str(port)
         assert services[name]["build"]["context"] == str(REPO_ROOT)
@@ -150,3 +151,23 @@ def test_dockerfile_healthcheck_probes_grpc_health() -> None:
     assert command.startswith("python -c ")
     assert "grpc_health.v1" in command and "TANDEM_HEALTH_PORTS" in command
     assert ("ENV", 'TANDEM_HEALTH_PORTS="50051 50052"') in dockerfile_instructions()
+
+
+def test_compose_gives_each_service_its_grace_period_and_time_to_stop_after_it() -> None:
+    """Docker kills a container stop_grace_period after SIGTERM: the service's --grace-s plus the same
+    margin `tandem up` leaves (open streams end FINISH_REASON_ABORTED, spans flush)."""
+    services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+    for name in ("encoder", "decoder"):
+        command = services[name]["command"]
+        grace_s = float(command[command.index("--grace-s") + 1])
+        assert services[name]["stop_grace_period"] == f"{grace_s + STOP_MARGIN_S:g}s"
+
+
+def test_compose_can_run_several_decoder_replicas() -> None:
+    """`--scale decoder=N`: no fixed container name or host port stands in the way, each replica gets a
+    host port from the range, and the encoder stays one."""
+    decoder = compose_config()["services"]["decoder"]
+    assert "container_name" not in decoder
+    [mapping] = decoder["ports"]
+    first, last = (int(p) for p in str(mapping["published"]).split("-"))
+    assert (first, last - first + 1, mapping["target"]) == (PORTS["decoder"], 10, PORTS["decoder"])

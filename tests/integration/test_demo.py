@@ -46,4 +46,4 @@ def test_a_service_that_fails_to_start_shows_its_last_log_lines(tmp_path: Path) 
     )
     assert result.returncode == 1
     assert "the decoder exited with code" in result.stderr and "its last lines:" in result.stderr
-    assert "max_num_seqs" in result.stderr, result.stderr
+    assert "--max-num-seqs (TANDEM_MAX_NUM_SEQS) must be >= 1, got 0" in result.stderr, result.stderr

@@ -1,4 +1,5 @@
-"""The Node.js client (clients/node) against a live decoder: streaming, embedding segments, errors."""
+"""The Node.js client (clients/node) against live services: streaming, embedding segments, errors,
+TLS and bearer tokens, the encoder, and balancing over replicas with health checking."""
 
 from __future__ import annotations
 
@@ -10,15 +11,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from common import tensors
+from common.auth import load_tokens
+from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from common.server import TlsOptions
+from services.decoder.models.loader import LoadedModel
 from services.decoder.models.random_model import make_model
+from tests.integration.reliability.harness import Services
+from tests.integration.test_security import OPENSSL, make_pki
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NODE_CLIENT = REPO_ROOT / "clients" / "node"
@@ -155,3 +163,72 @@ def test_node_chat_streams_a_reply_through_the_models_template(
     assert text == expected
     assert summary["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS")
     assert summary["output_tokens"] >= 1
+
+
+def test_node_client_balances_over_replicas_skipping_one_that_is_not_serving(
+    node_client: Path, decoder: LiveDecoder
+) -> None:
+    """A second server that only answers health, NOT_SERVING: without health checking, every other
+    call would go there and fail UNIMPLEMENTED."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for address in (f"{decoder.address},127.0.0.1:{port}", f"127.0.0.1:{port},{decoder.address}"):
+            for _ in range(3):
+                result = _run_node(node_client, address, PROMPT, "2", "--ignore-eos")
+                assert result.returncode == 0, result.stderr
+                assert _text_and_summary(result.stdout)[1]["output_tokens"] == 2
+    finally:
+        server.stop(0)
+
+
+TOKEN = "node-test-token-5c1e"
+
+
+@pytest.fixture(scope="module")
+def tls_services(tiny_model_dir: Path, tiny_fp32: LoadedModel, tmp_path_factory: pytest.TempPathFactory):
+    if OPENSSL is None:
+        pytest.skip("the openssl CLI makes the test certificates")
+    directory = tmp_path_factory.mktemp("node-pki")
+    pki = make_pki(directory)
+    token_file = directory / "tokens.txt"
+    token_file.write_text(f"# the accepted token\n{TOKEN}\n")
+    running = Services(
+        tiny_model_dir,
+        tiny_fp32,
+        tls=TlsOptions(pki.server_cert, pki.server_key),
+        auth_tokens=load_tokens(token_file),
+    )
+    yield running, ["--tls-ca", str(pki.ca), "--auth-token-file", str(token_file)], str(pki.ca)
+    running.close()
+
+
+def test_node_clients_speak_tls_and_bearer_tokens_to_both_services(node_client: Path, tls_services) -> None:
+    services, security, ca = tls_services
+    decoder_address, encoder_address = services.decoder_server.address, services.encoder_server.address
+    result = _run_node(node_client, decoder_address, PROMPT, "3", "--ignore-eos", *security)
+    assert result.returncode == 0, result.stderr
+    assert _text_and_summary(result.stdout)[1]["output_tokens"] == 3
+    no_token = _run_node(node_client, decoder_address, PROMPT, "3", "--tls-ca", ca)
+    assert no_token.returncode == 1
+    assert json.loads(no_token.stderr.strip().splitlines()[-1])["error"]["code"] == "UNAUTHENTICATED"
+
+    embed = _run_node(NODE_CLIENT / "embed.js", encoder_address, "the quiet harbour", *security)
+    assert embed.returncode == 0, embed.stderr
+    summary = json.loads(embed.stdout)
+    # The reference: the same Embed through the Python stub (plaintext stubs cannot reach a TLS
+    # server, so through the servicer's own channel with the same credentials).
+    credentials = grpc.composite_channel_credentials(
+        grpc.ssl_channel_credentials(Path(ca).read_bytes()),
+        grpc.access_token_call_credentials(TOKEN),
+    )
+    with grpc.secure_channel(encoder_address, credentials) as channel:
+        reply = encoder_pb2_grpc.EncoderStub(channel).Embed(
+            encoder_pb2.EmbedRequest(text="the quiet harbour"), timeout=10
+        )
+    rows = tensors.decode(reply.embeddings)
+    assert summary["shape"] == list(rows.shape) and summary["token_ids"] == list(reply.token_ids.ids)
+    assert summary["dtype"] == "DATA_TYPE_FLOAT32"
+    assert summary["first_row"] == rows[0, :8].tolist()

@@ -28,11 +28,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.auth import load_tokens
 from common.client import ChannelSecurity, DecoderClient, EncoderClient
 from common.pb.tandem.v1 import decoder_pb2, encoder_pb2
-from common.server import ServerOptions, TlsOptions
+from common.server import ServerOptions, TlsOptions, start_server
 from services import cli
 from services.decoder.api.main import config_from_args as decoder_config
 from services.decoder.models.loader import LoadedModel
-from services.encoder.__main__ import build_parser as encoder_parser
 from services.encoder.__main__ import config_from_args as encoder_config
 from services.up import UpConfig, serve_command
 from tests.integration.reliability.harness import Services
@@ -327,22 +326,18 @@ def test_cli_generate_reaches_a_tls_server_with_its_tls_and_token_flags(
 
 
 def test_security_settings_are_validated_and_tokens_never_printed(
-    pki: Pki, token_file: Path, tmp_path: Path
+    pki: Pki, token_file: Path, tmp_path: Path, environ
 ) -> None:
     with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
-        decoder_config(["--tls-cert", str(pki.server_cert)], environ={})
-    with pytest.raises(ValueError, match="--tls-client-ca needs"):
-        encoder_config(
-            encoder_parser().parse_args(["--model", "m", "--tls-client-ca", str(pki.ca)]), environ={}
-        )
+        decoder_config(["--tls-cert", str(pki.server_cert)])
+    with pytest.raises(ValueError, match="tls_client_ca needs --tls-cert and --tls-key"):
+        encoder_config(["--model", "m", "--tls-client-ca", str(pki.ca)])
     with pytest.raises(ValueError, match="not a readable file"):
-        decoder_config(
-            ["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(pki.server_key)], environ={}
-        )
+        decoder_config(["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(pki.server_key)])
     empty = tmp_path / "empty.txt"
     empty.write_text("# no tokens yet\n\n")
     with pytest.raises(ValueError, match="holds no token"):
-        decoder_config(["--auth-token-file", str(empty)], environ={})
+        decoder_config(["--auth-token-file", str(empty)])
     options = ServerOptions(auth_tokens=load_tokens(token_file))
     assert TOKEN not in repr(options) and TOKEN not in repr(_security(pki))
     # `tandem up` hands the same files to both services.
@@ -442,3 +437,40 @@ def test_both_services_take_tls_and_tokens_from_flags_and_environment(
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_a_key_that_is_not_the_certificates_is_one_line_naming_the_flag(
+    pki: Pki, tiny_model_dir: Path, environ, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.decoder.api.main import main as decoder_main
+
+    mismatched = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.rogue_server_key)]
+    assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", *mismatched]) == 2
+    said = f"{pki.rogue_server_key} is not the private key of {pki.server_cert} (KEY_VALUES_MISMATCH)"
+    assert capsys.readouterr().err == f"tandem serve decoder: --tls-key (TANDEM_TLS_KEY) {said}\n"
+    ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
+    assert cli.main(["up", "--model", str(tiny_model_dir), *ports, *mismatched]) == 2
+    assert capsys.readouterr().err == f"tandem up: --tls-key (TANDEM_UP_TLS_KEY) {said}\n"
+
+
+async def test_the_readmes_openssl_lines_make_certificates_that_serve_mutual_tls(tmp_path: Path) -> None:
+    """The README's commands, run as written: a server and a client that trust each other through
+    the CA they make."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme.split("<!-- test-pki -->\n```sh\n", 1)[1].split("```", 1)[0]
+    result = subprocess.run(
+        ["sh", "-e", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    tls = TlsOptions(tmp_path / "server.pem", tmp_path / "server-key.pem", client_ca_file=tmp_path / "ca.pem")
+    server = await start_server(ServerOptions(port=0, tls=tls), [])
+    try:
+        await server.set_serving()
+        security = ChannelSecurity.from_files(
+            tmp_path / "ca.pem", tmp_path / "client.pem", tmp_path / "client-key.pem"
+        )
+        for host in ("localhost", "127.0.0.1"):  # the names the server certificate carries
+            async with DecoderClient(f"{host}:{server.port}", security=security) as client:
+                assert await client.health(timeout=10) == SERVING
+    finally:
+        await server.stop(0)

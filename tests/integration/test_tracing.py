@@ -4,6 +4,9 @@ with its own providers over in-memory exporters, as three processes would have."
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -196,12 +199,18 @@ async def test_one_generation_is_one_trace_across_client_encoder_and_decoder(tra
     decoder_server = parent(completion)
     assert (decoder_server.name, decoder_server.kind) == ("/tandem.v1.Decoder/Generate", SpanKind.SERVER)
     assert decoder_server.resource.attributes["service.name"] == "tandem-decoder"
+    # client: pipeline -> gen_ai span (`text_completion`, `embeddings`) -> gRPC span -> the server's
     generate_client = parent(decoder_server)
-    assert generate_client.kind is SpanKind.CLIENT and parent(generate_client).name == "pipeline"
+    assert (generate_client.name, generate_client.kind) == ("/tandem.v1.Decoder/Generate", SpanKind.CLIENT)
+    client_completion = parent(generate_client)
+    assert (client_completion.name, client_completion.kind) == ("text_completion", SpanKind.CLIENT)
+    assert parent(client_completion).name == "pipeline"
     encoder_server = parent(embedding)
     assert (encoder_server.name, encoder_server.kind) == ("/tandem.v1.Encoder/Embed", SpanKind.SERVER)
     assert encoder_server.resource.attributes["service.name"] == "tandem-encoder"
-    assert parent(parent(encoder_server)).name == "pipeline"
+    client_embedding = parent(parent(encoder_server))
+    assert (client_embedding.name, client_embedding.kind) == ("embeddings", SpanKind.CLIENT)
+    assert parent(client_embedding).name == "pipeline"
 
     accepted = responses[0].accepted
     finished = responses[-1].finished
@@ -221,6 +230,27 @@ async def test_one_generation_is_one_trace_across_client_encoder_and_decoder(tra
     assert a[otel.TANDEM_USAGE_CACHED_TOKENS] == finished.usage.cached_input_tokens
     assert a[otel.TANDEM_WORLD_SIZE] == 1
     assert otel.ERROR_TYPE not in a and completion.status.status_code is not StatusCode.ERROR
+    # Time to first token is also on the span, as the server measured it (arrival to first token).
+    assert a[otel.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] == pytest.approx(finished.time_to_first_token_s)
+
+    # The client's own span carries the gen_ai attributes as the client saw them.
+    c = client_completion.attributes
+    assert (c[otel.GEN_AI_OPERATION_NAME], c[otel.GEN_AI_PROVIDER_NAME]) == ("text_completion", "tandem")
+    assert (c[otel.GEN_AI_REQUEST_MAX_TOKENS], c[otel.GEN_AI_REQUEST_TOP_K], c[otel.GEN_AI_REQUEST_SEED]) == (
+        5,
+        20,
+        3,
+    )
+    assert c[otel.GEN_AI_REQUEST_TEMPERATURE] == pytest.approx(0.7)
+    assert c[otel.GEN_AI_RESPONSE_ID] == responses[0].request_id
+    assert tuple(c[otel.GEN_AI_RESPONSE_FINISH_REASONS]) == ("length",)
+    assert (c[otel.GEN_AI_USAGE_INPUT_TOKENS], c[otel.GEN_AI_USAGE_OUTPUT_TOKENS]) == (num_positions, 5)
+    client_ttft_s = c[otel.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK]
+    assert 0 < client_ttft_s <= (client_completion.end_time - client_completion.start_time) / 1e9
+    assert client_completion.status.status_code is not StatusCode.ERROR
+    ce = client_embedding.attributes
+    assert (ce[otel.GEN_AI_OPERATION_NAME], ce[otel.GEN_AI_USAGE_INPUT_TOKENS]) == ("embeddings", num_rows)
+    assert ce[otel.GEN_AI_EMBEDDINGS_DIMENSION_COUNT] == 64
 
     # Engine work as events, none per decoded token; prefill chunks tile the uncached prompt in order.
     names = [e.name for e in completion.events]
@@ -349,3 +379,49 @@ async def test_telemetry_off_installs_nothing_and_records_no_spans(
     finally:
         await stop_stack(stack)
     assert [s.name for s in exporter.get_finished_spans()] == ["root"]
+
+
+CLIENT_SCRIPT = """
+import asyncio, sys
+from common.client import DecoderClient, EncoderClient
+
+async def main(encoder_address, decoder_address):
+    async with EncoderClient(encoder_address) as encoder, DecoderClient(decoder_address) as decoder:
+        embedded = await encoder.embed(text="hello")
+        await decoder.generate_text([embedded.embeddings], max_new_tokens=3, ignore_eos=True)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def _json_objects(text: str) -> list[dict]:
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while (at := text.find("{", at)) != -1:
+        value, at = decoder.raw_decode(text, at)
+        found.append(value)
+    return found
+
+
+@pytest.mark.parametrize("environment", [{"OTEL_TRACES_EXPORTER": "console"}, {}], ids=["otel", "none"])
+async def test_a_client_given_no_telemetry_traces_when_the_otel_environment_asks(
+    traced: Traced, environment: dict[str, str]
+) -> None:
+    encoder_server, decoder_server = traced.stack.servers[1], traced.stack.servers[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | environment
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CLIENT_SCRIPT, encoder_server.address, decoder_server.address,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err.decode()
+    spans = {s["name"]: s for s in _json_objects(out.decode())}
+    if not environment:
+        assert spans == {}
+        return
+    completion, grpc_span = spans["text_completion"], spans["/tandem.v1.Decoder/Generate"]
+    assert completion["kind"] == "SpanKind.CLIENT"
+    assert completion["resource"]["attributes"]["service.name"] == "tandem-client"
+    assert completion["attributes"][otel.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
+    assert completion["attributes"][otel.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
+    assert grpc_span["parent_id"] == completion["context"]["span_id"]
+    assert spans["embeddings"]["attributes"][otel.GEN_AI_EMBEDDINGS_DIMENSION_COUNT] == 64

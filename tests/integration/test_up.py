@@ -14,6 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from services import cli
 from services.decoder.models.random_model import make_model
 from services.up import UpConfig, serve_command
 from tests.integration.test_compose import dockerfile_healthcheck_command
@@ -36,15 +38,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_up(args: list[str], log: Path, home: Path | None = None) -> subprocess.Popen:
-    env = {**os.environ, "HOME": str(home)} if home is not None else None
+def _start_up(
+    args: list[str], log: Path, home: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`tandem up` as a terminal runs it: a process group of its own, which a Ctrl-C signals whole."""
+    env = {**os.environ, **(env or {}), **({"HOME": str(home)} if home is not None else {})}
     with log.open("w") as out:
         return subprocess.Popen(
-            [*UP, *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            env=env,
+            [*UP, *args], stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env, start_new_session=True
         )
 
 
@@ -110,8 +111,16 @@ def test_serve_command_passes_dtype_to_both_and_world_size_to_the_decoder_only()
     config = UpConfig(Path("/m"), "0.0.0.0", 1, 2, dtype="float32", world_size=2, grace_s=1.0)
     assert serve_command("encoder", config) == [
         "serve", "encoder", "--model", "/m", "--host", "0.0.0.0", "--port", "1", "--dtype", "float32",
+        "--grace-s", "1",
     ]  # fmt: skip
-    assert serve_command("decoder", config)[-4:] == ["--dtype", "float32", "--world-size", "2"]
+    assert serve_command("decoder", config)[-6:] == [
+        "--dtype",
+        "float32",
+        "--world-size",
+        "2",
+        "--grace-s",
+        "1",
+    ]
 
 
 def test_services_stop_when_up_is_killed_outright(model_dir: Path, tmp_path: Path) -> None:
@@ -179,3 +188,72 @@ def test_up_exits_nonzero_and_stops_the_encoder_when_the_decoder_dies(
     output = log.read_text()
     assert "the decoder exited on its own" in output
     assert "[up] the encoder stopped (exit 0)" in output
+
+
+def test_ctrl_c_during_a_stream_ends_it_aborted_at_the_grace_with_its_span_and_no_traceback(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    ports = [_free_port(), _free_port()]
+    log = tmp_path / "up.log"
+    args = ["--model", str(model_dir), "--encoder-port", str(ports[0]), "--decoder-port", str(ports[1])]
+    # One grace for everything: the services get up's, not their own default (30 s).
+    up = _start_up([*args, "--grace-s", "2"], log, env={"OTEL_TRACES_EXPORTER": "console"})
+    try:
+        _wait_serving(up, ports, log)
+        with grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as channel:
+            request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text="Once")])
+            request.stopping.max_new_tokens = 4000
+            request.stopping.ignore_eos = True
+            stream = decoder_pb2_grpc.DecoderStub(channel).Generate(request, timeout=60)
+            assert next(stream).HasField("accepted")
+            os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+            started = time.monotonic()
+            responses = list(stream)  # the stream ends OK: no UNAVAILABLE "Cancelling all calls"
+            cut_after_s = time.monotonic() - started
+        assert up.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+    finished = responses[-1].finished
+    assert finished.reason == decoder_pb2.FINISH_REASON_ABORTED
+    assert 0 < finished.usage.output_tokens < 4000
+    assert finished.usage.output_tokens == sum(len(r.delta.token_ids) for r in responses)
+    assert 1.5 < cut_after_s < 10, cut_after_s
+    output = log.read_text()
+    assert "Traceback" not in output and " ERROR " not in output and "CancelledError" not in output, output
+    assert "Shutdown called, ignoring Span" not in output
+    for service in ("encoder", "decoder"):  # one signal each: up's SIGTERM, never the terminal's SIGINT
+        lines = [line for line in output.splitlines() if line.startswith(f"[{service}] ")]
+        assert sum("received SIGTERM: draining for up to 2 s" in line for line in lines) == 1, output
+        assert not any("SIGINT" in line for line in lines), output
+    assert "1 open requests end with FINISH_REASON_ABORTED" in output
+    # The cut stream's span, printed by the decoder's console exporter when it stopped.
+    decoder_json = "\n".join(
+        line.removeprefix("[decoder] ") for line in output.splitlines() if line.startswith("[decoder] ")
+    )
+    assert '"gen_ai.response.finish_reasons": [\n' in decoder_json and '"aborted"' in decoder_json, output
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_any_service_starts(
+    model_dir: Path, environ, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        argv = [
+            "up",
+            "--model",
+            str(model_dir),
+            "--encoder-port",
+            str(_free_port()),
+            "--decoder-port",
+            str(busy),
+        ]
+        assert cli.main(argv) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"tandem up: --decoder-port (TANDEM_UP_DECODER_PORT) {busy} is in use on 127.0.0.1: "
+        "another process listens there\n",
+    )

@@ -1,27 +1,47 @@
-"""The README's configuration tables list every flag of both services with its environment variable."""
+"""The README's configuration tables list every flag of both services and of `tandem up`, each with
+its environment variable and the default `--help` shows."""
 
 import re
 from pathlib import Path
 
-from services.decoder.api.main import build_parser as decoder_parser
-from services.encoder.__main__ import build_parser as encoder_parser
+import click
+import pytest
+
+from common.flags import Setting
+from services.decoder.api.main import command as decoder_command
+from services.encoder.__main__ import command as encoder_command
+from services.up import command as up_command
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-ROWS = set(re.findall(r"^\| `(--[a-z0-9-]+)` \| `([A-Z0-9_]+)` \|", README, flags=re.MULTILINE))
+ROWS = {
+    (flag, env): default
+    for flag, env, default in re.findall(
+        r"^\| `(--[a-z0-9-]+)` \| `([A-Z0-9_]+)` \| ([^|]+) \|", README, flags=re.MULTILINE
+    )
+}
 
 
-def _flags(parser) -> list[str]:
-    return [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+def _settings(command: click.Command) -> list[Setting]:
+    return [p for p in command.params if isinstance(p, Setting)]
 
 
-def test_every_decoder_flag_is_documented_with_its_env_var() -> None:
-    missing = [
-        f for f in _flags(decoder_parser()) if (f, "TANDEM_" + f[2:].upper().replace("-", "_")) not in ROWS
-    ]
-    assert not missing, f"README configuration table lacks decoder flags: {missing}"
+@pytest.mark.parametrize(
+    "command", [decoder_command, encoder_command, up_command], ids=["decoder", "encoder", "up"]
+)
+def test_every_flag_is_documented_with_its_variable_and_default(command) -> None:
+    settings = _settings(command())
+    assert settings
+    missing = [s.opts[0] for s in settings if (s.opts[0], s.envvar) not in ROWS]
+    assert not missing, f"README configuration table lacks {missing}"
+    for setting in settings:
+        if not isinstance(setting.show_default, str):  # a plain value: the README shows the same
+            row = ROWS[(setting.opts[0], setting.envvar)]
+            assert f"`{_shown(setting.default)}`" in row, setting.opts[0]
 
 
-def test_every_encoder_flag_is_documented_with_its_env_var() -> None:
-    expected = {f: "TANDEM_ENCODER_" + f[2:].upper().replace("-", "_") for f in _flags(encoder_parser())}
-    missing = [f for f, env in expected.items() if (f, env) not in ROWS]
-    assert not missing, f"README configuration table lacks encoder flags: {missing}"
+def _shown(default: object) -> str:
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default))
+    return str(default)

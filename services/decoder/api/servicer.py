@@ -100,6 +100,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                     otel.TANDEM_USAGE_CACHED_TOKENS: event.cached_tokens,
                 }
             )
+            if event.output_tokens > 0:
+                op.set({otel.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK: event.time_to_first_token_s})
             op.add_timeline((e.name, e.time, e.attributes) for e in event.timeline)
             m, attributes = self._metrics, op.attributes
             if event.output_tokens > 0:

@@ -23,15 +23,19 @@ exactly what was and was not run on real hardware.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from common.errors import ConfigError
 from services.decoder.backends.cuda_attention import CudaPagedAttention
 from services.decoder.models import native
 from services.decoder.models.attention import PagedAttention
 from services.decoder.models.transformer import DecoderModel
+
+log = logging.getLogger(__name__)
 
 CUDA_INSTALL = (
     "install a CUDA build of torch (e.g. `pip install torch --index-url "
@@ -108,12 +112,12 @@ BACKENDS: dict[str, Backend] = {
 def resolve(device: str) -> Backend:
     """The backend of a --device value ("cpu", "cuda", "cuda:1", "neuron"). Imports nothing.
 
-    Raises ValueError naming the choices.
+    Raises ConfigError naming the choices.
     """
     name, _, index = device.partition(":")
     backend = BACKENDS.get(name)
     if backend is None or (index and (name != "cuda" or not index.isdigit())):
-        raise ValueError(f"device must be one of {', '.join(BACKENDS)} (or cuda:N), got {device!r}")
+        raise ConfigError("device", f"must be one of {', '.join(BACKENDS)} (or cuda:N), got {device!r}")
     return backend
 
 
@@ -154,11 +158,20 @@ def prepare_model(model: DecoderModel, backend: Backend, compile: bool, native_k
     if backend.attention is not None:
         model.use_attention(backend.attention())
     if compile:
+        if backend.native_kernels:
+            log.info("CPU kernels: not used in compiled mode (Inductor generates its own)")
         return
     if backend.prepacks_weights:
         model.prepack()
-    if backend.native_kernels and native_kernels:
-        model.use_native_kernels(native.load())
+    if not backend.native_kernels:
+        return
+    if not native_kernels:
+        log.info("CPU kernels: off (--native-kernels false), the model runs on torch ops")
+        return
+    kernels = native.load()  # None: it logged why, and the model keeps its torch ops
+    model.use_native_kernels(kernels)
+    if kernels is not None:
+        log.info("CPU kernels: in use for norms, RoPE + KV write and decode attention (%s)", kernels.path)
 
 
 def bind_rank_device(device: str) -> None:

@@ -21,6 +21,7 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
+from common.errors import ConfigError
 from services.decoder.backends import backend as backends
 from services.decoder.config import DecoderConfig, EngineConfig
 from services.decoder.distributed.parallel import (
@@ -41,13 +42,13 @@ log = logging.getLogger("tandem.decoder")
 def rank_info(config: DecoderConfig, environ: Mapping[str, str]) -> RankInfo | None:
     """This process's place in the group: from torchrun's variables, else rank 0 of a local group.
 
-    None for a single rank (no process group at all). Raises ValueError on a world-size mismatch.
+    None for a single rank (no process group at all). Raises ConfigError on a world-size mismatch.
     """
     info = RankInfo.from_torchrun(dict(environ))
     if info is not None:
         if config.world_size not in (1, info.world_size):
-            raise ValueError(
-                f"--world-size {config.world_size} but torchrun's WORLD_SIZE is {info.world_size}"
+            raise ConfigError(
+                "world_size", f"is {config.world_size} but torchrun's WORLD_SIZE is {info.world_size}"
             )
         return info if info.world_size > 1 else None
     if config.world_size == 1:

@@ -62,6 +62,7 @@ class EngineCore:
         self.lock = threading.Lock()  # guards scheduler and _live against submit/abort threads
         self._live: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
+        self._finish_all_reason: FinishReason | None = None  # set by finish_all, applied at the next step
         self._batch_key: tuple[str, ...] = ()
         self._batch: SamplingBatch | None = None
         self.num_steps = 0
@@ -98,9 +99,20 @@ class EngineCore:
         with self.lock:
             self._pending_aborts.append(key)
 
+    def finish_all(self, reason: FinishReason) -> int:
+        """Ask (any thread) that every live request end at the next step boundary, with `reason` and
+        the tokens it has (a drain that ran out of time). Returns how many requests that is."""
+        with self.lock:
+            self._finish_all_reason = reason
+            return len(self._live)
+
     def has_work(self) -> bool:
         with self.lock:
-            return self.scheduler.has_unfinished or bool(self._pending_aborts)
+            return (
+                self.scheduler.has_unfinished
+                or bool(self._pending_aborts)
+                or self._finish_all_reason is not None
+            )
 
     def num_live(self) -> int:
         with self.lock:
@@ -110,8 +122,12 @@ class EngineCore:
         """Run one step and deliver its events to the requests' sinks."""
         with self.lock:
             self._apply_aborts()
+            ended = self._take_all_if_asked()
             expired = self._expire_deadlines()
             plan = self.scheduler.schedule()
+        for tracked, reason in ended:
+            for event in tracked.output.finish(reason):
+                tracked.sink(event)
         for tracked in expired:
             request_id = tracked.output.request_id
             tracked.sink(Failed(request_id, DeadlineExceeded(f"request {request_id} expired while queued")))
@@ -204,6 +220,17 @@ class EngineCore:
             self.scheduler.abort(key)
             self._live.pop(key, None)
         self._pending_aborts.clear()
+
+    def _take_all_if_asked(self) -> list[tuple[_Tracked, FinishReason]]:
+        """Under `lock`: after finish_all, every live request leaves the scheduler, blocks freed."""
+        reason, self._finish_all_reason = self._finish_all_reason, None
+        if reason is None:
+            return []
+        ended = [(tracked, reason) for tracked in self._live.values()]
+        for tracked, _ in ended:
+            self.scheduler.abort(tracked.request.request_id)
+        self._live.clear()
+        return ended
 
     def _expire_deadlines(self) -> list[_Tracked]:
         """Drop requests whose deadline passed before their first step: they never reach prefill."""

@@ -25,7 +25,7 @@ from services.decoder.engine.chat import ChatTemplate
 from services.decoder.engine.core import EngineCore, Sink
 from services.decoder.engine.kv_cache import BlockManager
 from services.decoder.engine.loop import EngineThread
-from services.decoder.engine.outputs import Event, Failed, Finished, OutputState
+from services.decoder.engine.outputs import Event, Failed, Finished, FinishReason, OutputState
 from services.decoder.engine.prompt import GenerateSpec, build_request
 from services.decoder.engine.request import Request
 from services.decoder.engine.runner import ModelRunner, StepSink
@@ -187,6 +187,12 @@ class Engine:
         if spec.chat is None:
             return self.eos_token_ids
         return self.eos_token_ids | frozenset(self.chat_template.end_of_turn_ids)
+
+    def finish_all(self, reason: FinishReason) -> int:
+        """End every open request at the next step with `reason` (a drain out of time); how many."""
+        num_live = self.core.finish_all(reason)
+        self._thread.wake()
+        return num_live
 
     def make_request(self, spec: GenerateSpec) -> Request:
         """Flatten and validate a spec against this engine's model; raises InvalidArgument."""

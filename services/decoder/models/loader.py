@@ -9,6 +9,8 @@ each tensor (safetensors `get_slice`), so no rank ever holds the whole model.
 
 from __future__ import annotations
 
+import logging
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,8 @@ from services.decoder.models.registry import MODEL_CLASSES
 from services.decoder.models.tensor_parallel import CheckpointPart, ParallelGroup, check_shardable
 from services.decoder.models.transformer import DecoderModel
 
+log = logging.getLogger(__name__)
+
 
 class ModelLoadError(ValueError):
     """A checkpoint directory that cannot be served; the message names the file or weight at fault."""
@@ -37,6 +41,28 @@ class LoadedModel:
     config: ModelConfig  # config.eos_token_ids are the generation EOS ids
 
 
+def check_checkpoint(model_dir: str | Path, dtype: str = "bfloat16") -> ModelConfig:
+    """Everything `load_model` checks before it reads a weight: the dtype, config.json and its
+    architecture, the tokenizer against the vocabulary, and that the weight files are there.
+
+    Cheap (no weight is read), so a service runs it before it listens. Raises ModelLoadError.
+    """
+    config, _, _ = _checked(Path(model_dir), dtype)
+    return config
+
+
+def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer]:
+    """The config, its architecture and the tokenizer, once everything but the weights checked out."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    config, architecture = _read_config(model_dir, dtype)
+    tokenizer = _read_tokenizer(model_dir, config)  # before the weights: a mismatch fails fast
+    _weight_files(model_dir)
+    return config, architecture, tokenizer
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str = "bfloat16",
@@ -47,36 +73,10 @@ def load_model(
 
     `dtype` is one of DTYPES; weights are cast to it whatever the file stores. With `tp`, the model is
     this rank's shard. Weights come back unpacked; the engine packs them where its backend says to.
-    Raises ModelLoadError.
+    Every few seconds of reading, a progress line is logged. Raises ModelLoadError.
     """
     model_dir = Path(model_dir)
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist")
-    hf_config = _read_json(model_dir / "config.json")
-    generation_path = model_dir / "generation_config.json"
-    generation_config = _read_json(generation_path) if generation_path.is_file() else None
-
-    architectures = hf_config.get("architectures") or []
-    architecture = architectures[0] if architectures else None
-    if architecture not in MODEL_CLASSES:
-        raise ModelLoadError(
-            f"config.json: architecture {architecture!r} is not supported "
-            f"(supported: {', '.join(sorted(MODEL_CLASSES))})"
-        )
-    try:
-        config = ModelConfig.from_hf(hf_config, generation_config, DTYPES[dtype])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
-
-    tokenizer = _read_tokenizer(model_dir)  # before the weights: a mismatch fails fast
-    if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
-        raise ModelLoadError(
-            f"tokenizer.json has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more than the "
-            f"model's vocab_size {config.vocab_size}"
-        )
-
+    config, architecture, tokenizer = _checked(model_dir, dtype)
     if tp is not None:
         try:
             check_shardable(config, tp.world_size)
@@ -91,15 +91,42 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, config=config)
 
 
+def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:
+    """The model config (EOS ids from generation_config.json when present) and its architecture."""
+    hf_config = _read_json(model_dir / "config.json")
+    generation_path = model_dir / "generation_config.json"
+    generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    architectures = hf_config.get("architectures") or []
+    architecture = architectures[0] if architectures else None
+    if architecture not in MODEL_CLASSES:
+        raise ModelLoadError(
+            f"config.json: architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(sorted(MODEL_CLASSES))})"
+        )
+    try:
+        return ModelConfig.from_hf(hf_config, generation_config, DTYPES[dtype]), architecture
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return read_json(path, ModelLoadError)
 
 
-def _read_tokenizer(model_dir: Path) -> Tokenizer:
+def _read_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ModelLoadError(f"tokenizer.json not found in {model_dir}")
-    return Tokenizer.from_file(str(path))
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+        raise ModelLoadError(f"tokenizer.json in {model_dir} cannot be read: {e}") from None
+    if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer.json has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more than the "
+            f"model's vocab_size {config.vocab_size}"
+        )
+    return tokenizer
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -124,6 +151,7 @@ def _read_weights(
 ) -> dict[str, torch.Tensor]:
     """Every parameter of `model`, read from the checkpoint, shape-checked, fused, cast and moved."""
     state: dict[str, torch.Tensor] = {}
+    progress = _Progress(len(list(model.parameters())))
     with ExitStack() as stack:
         handles = [
             stack.enter_context(safe_open(path, framework="pt", device="cpu"))
@@ -138,7 +166,45 @@ def _read_weights(
                 parts.append(_read_part(file_of[part.name], part, model))
             fused = parts[0] if len(parts) == 1 else torch.cat(parts)
             state[name] = fused.to(device=device, dtype=dtype)
+            progress.add(state[name])
+    progress.done()
     return state
+
+
+PROGRESS_INTERVAL_S = 5.0  # a large checkpoint reports how far it got at most this often
+
+
+class _Progress:
+    """Log lines while weights load: one every PROGRESS_INTERVAL_S, and one when all are in."""
+
+    def __init__(self, num_weights: int) -> None:
+        self.num_weights = num_weights
+        self.num_done = 0
+        self.num_bytes = 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, weight: torch.Tensor) -> None:
+        self.num_done += 1
+        self.num_bytes += weight.numel() * weight.element_size()
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_INTERVAL_S and self.num_done < self.num_weights:
+            self.last = now
+            log.info(
+                "loading weights: %d/%d (%.0f%%, %.2f GB, %.0f s)",
+                self.num_done,
+                self.num_weights,
+                100 * self.num_done / self.num_weights,
+                self.num_bytes / 1e9,
+                now - self.start,
+            )
+
+    def done(self) -> None:
+        log.info(
+            "loaded %d weights (%.2f GB) in %.1f s",
+            self.num_done,
+            self.num_bytes / 1e9,
+            time.monotonic() - self.start,
+        )
 
 
 def _read_part(handle: Any, part: CheckpointPart, model: DecoderModel) -> torch.Tensor:

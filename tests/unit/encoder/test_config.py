@@ -5,15 +5,11 @@ from pathlib import Path
 import pytest
 
 from common.model_cache import default_model_file
-from services.encoder.__main__ import build_parser, config_from_args
+from services.encoder.__main__ import config_from_args, main
 from services.encoder.config import EncoderConfig
 from services.encoder.embedder import Pooling
 
 MODEL = Path("/models/tiny")
-
-
-def _config(argv: list[str], environ: dict[str, str] | None = None) -> EncoderConfig:
-    return config_from_args(build_parser().parse_args(argv), environ or {})
 
 
 def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
@@ -31,9 +27,9 @@ def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
         ({"dtype": "int8"}, "dtype must be one of"),
         ({"pooling": "max"}, "pooling must be one of"),
         ({"max_input_tokens": 0}, "max_input_tokens must be >= 1"),
-        ({"embedder": "soft-prompt"}, "embedder 'soft-prompt' requires adapter_dir"),
-        ({"embedder": "projector", "projector_path": Path("p")}, "requires encoder_model_dir"),
-        ({"embedder": "projector", "encoder_model_dir": Path("e")}, "requires projector_path"),
+        ({"embedder": "soft-prompt"}, "adapter_dir is required by embedder 'soft-prompt'"),
+        ({"embedder": "projector", "projector_path": Path("p")}, "encoder_model_dir is required"),
+        ({"embedder": "projector", "encoder_model_dir": Path("e")}, "projector_path is required"),
         ({"adapter_dir": Path("a")}, "adapter_dir is only used by embedder 'soft-prompt', not 'lookup'"),
         ({"embedder": "soft-prompt", "adapter_dir": Path("a"), "projector_path": Path("p")}, "only used"),
     ],
@@ -43,13 +39,13 @@ def test_invalid_configs_are_refused_when_built(kwargs: dict, message: str) -> N
         EncoderConfig(model_dir=MODEL, **kwargs)
 
 
-def test_flags_build_the_config() -> None:
+def test_flags_build_the_config(environ) -> None:
     argv = [
         "--model", "/m", "--embedder", "projector", "--encoder-model", "/e", "--projector", "/p.safetensors",
         "--pooling", "mean", "--dtype", "float32", "--max-input-tokens", "256", "--model-name", "m1",
         "--host", "0.0.0.0", "--port", "6000", "--max-message-bytes", "2048", "--grace-s", "0.5",
     ]  # fmt: skip
-    config = _config(argv)
+    config = config_from_args(argv)
     assert config.model_dir == Path("/m") and config.model_name == "m1"
     assert config.encoder_model_dir == Path("/e") and config.projector_path == Path("/p.safetensors")
     assert (config.embedder, config.pooling, config.dtype, config.max_input_tokens) == (
@@ -63,33 +59,39 @@ def test_flags_build_the_config() -> None:
     assert server.grace_s == 0.5
 
 
-def test_environment_fills_flags_not_given_and_flags_win() -> None:
-    environ = {
-        "TANDEM_ENCODER_MODEL": "/env-model",
-        "TANDEM_ENCODER_EMBEDDER": "soft-prompt",
-        "TANDEM_ENCODER_ADAPTER": "/adapter",
-        "TANDEM_ENCODER_PORT": "7000",
-        "TANDEM_ENCODER_MAX_INPUT_TOKENS": "99",
-    }
-    config = _config(["--port", "7001"], environ)
+def test_environment_fills_flags_not_given_and_flags_win(environ) -> None:
+    environ(
+        {
+            "TANDEM_ENCODER_MODEL": "/env-model",
+            "TANDEM_ENCODER_EMBEDDER": "soft-prompt",
+            "TANDEM_ENCODER_ADAPTER": "/adapter",
+            "TANDEM_ENCODER_PORT": "7000",
+            "TANDEM_ENCODER_MAX_INPUT_TOKENS": "99",
+        }
+    )
+    config = config_from_args(["--port", "7001"])
     assert config.model_dir == Path("/env-model") and config.adapter_dir == Path("/adapter")
     assert (config.embedder, config.max_input_tokens, config.server.port) == ("soft-prompt", 99, 7001)
 
 
-def test_without_a_model_the_encoder_serves_the_decoders_default_model() -> None:
-    config = _config([])
+def test_without_a_model_the_encoder_serves_the_decoders_default_model(environ) -> None:
+    config = config_from_args([])
     assert config.model_dir == default_model_file()
     assert config.served_model_name == "SmolLM2-135M-Instruct"
 
 
-def test_bad_environment_values_name_the_variable() -> None:
-    with pytest.raises(ValueError, match="TANDEM_ENCODER_PORT='http'"):
-        _config(["--model", "/m"], {"TANDEM_ENCODER_PORT": "http"})
-    with pytest.raises(ValueError, match="dtype must be one of"):
-        _config(["--model", "/m"], {"TANDEM_ENCODER_DTYPE": "fp8"})
-
-
-def test_bad_flags_exit_with_usage() -> None:
-    with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(["--embedder", "clip"])
-    assert exited.value.code == 2
+def test_bad_values_are_one_line_naming_the_flag_and_the_variable(environ, capsys) -> None:
+    environ({"TANDEM_ENCODER_PORT": "http"})
+    assert main(["--model", "/m"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --port (TANDEM_ENCODER_PORT): 'http' is not a valid integer.\n"
+    )
+    environ({"TANDEM_ENCODER_PORT": "50051", "TANDEM_ENCODER_MAX_INPUT_TOKENS": "0"})
+    assert main(["--model", "/m"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --max-input-tokens (TANDEM_ENCODER_MAX_INPUT_TOKENS) must be >= 1, got 0\n"
+    )
+    assert main(["--model", "/m", "--embedder", "clip"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem serve encoder: --embedder (TANDEM_ENCODER_EMBEDDER): 'clip' is not one of")
+    assert err.count("\n") == 1

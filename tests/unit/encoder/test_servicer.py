@@ -94,15 +94,26 @@ async def test_max_input_tokens_is_capped_by_the_embedder(tiny_model: Path) -> N
         servicer.close()
 
 
-def test_main_exits_2_with_one_line_when_the_model_does_not_exist(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_main_exits_2_with_one_line_naming_the_flag_when_the_model_does_not_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], environ
 ) -> None:
     assert main(["--model", str(tmp_path / "missing"), "--port", "0"]) == 2
-    assert (
-        capsys.readouterr().err == f"tandem serve encoder: model {tmp_path / 'missing'} does not exist "
+    assert capsys.readouterr().err == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): model {tmp_path / 'missing'} does not exist "
         "(a checkpoint directory or a .gguf file)\n"
+    )
+    assert main(["--model", str(tmp_path), "--port", "0"]) == 2  # a directory, but not a checkpoint
+    assert capsys.readouterr().err == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): model {tmp_path} is a directory without "
+        "config.json: not a checkpoint directory\n"
     )
 
 
-def test_main_exits_1_when_the_model_cannot_be_loaded(tmp_path: Path) -> None:
-    assert main(["--model", str(tmp_path), "--port", "0"]) == 1  # a directory without a checkpoint
+def test_main_exits_1_with_one_line_when_the_model_cannot_be_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, environ
+) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory in name only
+    assert main(["--model", str(tmp_path), "--port", "0"]) == 1
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage().split(":")[0] for r in errors] == ["could not load the lookup embedder"]
+    assert all(r.exc_info is None for r in caplog.records)  # a line, not a traceback

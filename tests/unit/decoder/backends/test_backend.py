@@ -9,6 +9,7 @@ every rank.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 import types
 from pathlib import Path
@@ -67,7 +68,9 @@ def test_neuron_weights_stay_on_the_host_for_tracing_and_cuda_keeps_its_index() 
 
 
 @pytest.mark.skipif(HAS_NEURON_SDK, reason="torch_neuronx is installed here")
-def test_neuron_without_the_sdk_fails_at_start_saying_what_to_install(capsys: pytest.CaptureFixture) -> None:
+def test_neuron_without_the_sdk_fails_at_start_saying_what_to_install(
+    capsys: pytest.CaptureFixture, environ
+) -> None:
     with pytest.raises(BackendUnavailable, match=r"install the AWS Neuron SDK \(torch-neuronx\)"):
         backends.check_available("neuron")
     assert main(["--device", "neuron", "--port", "0"]) == 2
@@ -76,22 +79,23 @@ def test_neuron_without_the_sdk_fails_at_start_saying_what_to_install(capsys: py
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")
-def test_cuda_without_a_gpu_fails_at_start_saying_what_to_install(capsys: pytest.CaptureFixture) -> None:
+def test_cuda_without_a_gpu_fails_at_start_saying_what_to_install(
+    capsys: pytest.CaptureFixture, environ
+) -> None:
     with pytest.raises(BackendUnavailable, match="sees no CUDA device"):
         backends.check_available("cuda")
     assert main(["--device", "cuda", "--port", "0"]) == 2
     assert "install a CUDA build of torch" in capsys.readouterr().err
 
 
-def test_device_flag_and_variable_pick_the_backend_defaults() -> None:
-    neuron = config_from_args(["--device", "neuron"], environ={})
+def test_device_flag_and_variable_pick_the_backend_defaults(environ) -> None:
+    neuron = config_from_args(["--device", "neuron"])
     assert (neuron.engine.device, neuron.engine.dtype) == ("neuron", "bfloat16")
     assert neuron.engine.static_shapes and neuron.engine.compile  # Neuron: static and traced by default
-    cpu = config_from_args(
-        [], environ={"TANDEM_DEVICE": "cpu", "TANDEM_COMPILE": "true", "TANDEM_STATIC_SHAPES": "1"}
-    )
+    assert not config_from_args([]).engine.compile
+    environ({"TANDEM_DEVICE": "cpu", "TANDEM_COMPILE": "true", "TANDEM_STATIC_SHAPES": "1"})
+    cpu = config_from_args([])
     assert cpu.engine.compile and cpu.engine.static_shapes and cpu.engine.dtype == "bfloat16"
-    assert not config_from_args([], environ={}).engine.compile
 
 
 def test_config_refuses_combinations_a_backend_cannot_run(tmp_path: Path) -> None:
@@ -100,10 +104,10 @@ def test_config_refuses_combinations_a_backend_cannot_run(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="compile needs static_shapes"):
         EngineConfig(model_dir=tmp_path, compile=True)
     neuron = EngineConfig(model_dir=tmp_path, device="neuron", static_shapes=True, compile=True)
-    with pytest.raises(ValueError, match="device neuron runs on one rank only"):
+    with pytest.raises(ValueError, match="world_size must be 1: device neuron runs on one rank only"):
         DecoderConfig(engine=neuron, world_size=2)
     compiled = EngineConfig(model_dir=tmp_path, static_shapes=True, compile=True)
-    with pytest.raises(ValueError, match="compile runs on one rank only"):
+    with pytest.raises(ValueError, match="world_size must be 1: compile runs on one rank only"):
         DecoderConfig(engine=compiled, world_size=2)
 
 
@@ -212,17 +216,31 @@ def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tin
 
 
 @pytest.mark.parametrize(
-    ("compile", "native_kernels", "packed", "on_kernels"),
-    [(False, True, True, True), (False, False, True, False), (True, True, False, False)],
+    ("compile", "native_kernels", "packed", "on_kernels", "said"),
+    [
+        (False, True, True, True, "CPU kernels: in use for norms, RoPE + KV write and decode attention"),
+        (False, False, True, False, "CPU kernels: off (--native-kernels false), the model runs on torch ops"),
+        (True, True, False, False, "CPU kernels: not used in compiled mode"),
+    ],
 )
-def test_prepare_model_packs_and_attaches_kernels_for_eager_cpu_only(
-    tiny_model_dir, compile: bool, native_kernels: bool, packed: bool, on_kernels: bool
+def test_prepare_model_packs_and_attaches_kernels_for_eager_cpu_only_and_says_so(
+    tiny_model_dir,
+    compile: bool,
+    native_kernels: bool,
+    packed: bool,
+    on_kernels: bool,
+    said: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # What rank 0's engine and every other rank's worker do to the model they load.
     from services.decoder.models.loader import load_model
 
     model = load_model(tiny_model_dir, dtype="bfloat16").model
-    backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
+    with caplog.at_level(logging.INFO, logger="services.decoder.backends.backend"):
+        backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
     assert (model.packed_head is not None) is (packed and ONEDNN_BF16)
     assert (model.layers[0].self_attn.native is not None) is on_kernels
     assert (model.norm.native is not None) is on_kernels
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU kernels")][0].startswith(
+        said
+    )

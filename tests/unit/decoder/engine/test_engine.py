@@ -227,6 +227,32 @@ def test_abort_mid_decode_and_normal_finish_both_return_every_block(tiny_model_d
         assert engine.core.num_live() == 0
 
 
+def test_finish_all_ends_open_requests_aborted_with_the_tokens_they_have_and_frees_blocks(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    """What a drain does when its grace period runs out: no stream is left without `finished`."""
+    with _engine(tiny_model_dir, tiny_fp32, enable_prefix_caching=False) as engine:
+        initial = engine.core.block_manager.num_free_blocks
+        spec = GenerateSpec(
+            [[1, 2, 3, 4, 5]],
+            SamplingParams(temperature=0.0),
+            StoppingParams(max_new_tokens=300, ignore_eos=True),
+        )
+        stream = engine.generate(spec)
+        events = [next(stream), next(stream)]
+        assert isinstance(events[0], Accepted) and isinstance(events[1], Delta)
+        assert engine.finish_all(FinishReason.ABORTED) == 1
+        events.extend(stream)
+        finished = _finished(events)
+        assert finished.reason is FinishReason.ABORTED
+        assert 1 <= finished.output_tokens < 300
+        assert finished.output_tokens == len(_tokens(events))  # every sampled token was sent first
+        full = _alone(engine, spec)  # the engine serves on, and the aborted tokens are a true prefix
+        assert _tokens(full)[: finished.output_tokens] == _tokens(events)
+        assert engine.core.block_manager.num_free_blocks == initial
+        assert engine.core.num_live() == 0
+
+
 def test_static_shapes_see_no_new_signature_after_warmup_and_match_dynamic(tiny_model_dir, tiny_fp32) -> None:
     specs = _mixed_specs(tiny_fp32)
     static = dict(static_shapes=True, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=256)

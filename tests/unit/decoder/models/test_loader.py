@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.decoder.models import loader
 from services.decoder.models.loader import ModelLoadError, load_model
 from services.decoder.models.registry import MODEL_CLASSES
 
@@ -172,3 +175,19 @@ def test_tokenizer_larger_than_the_vocabulary_is_rejected(
     )
     with pytest.raises(ModelLoadError, match="tokenizer.json has 1024 tokens"):
         load_model(model_dir)
+
+
+def test_loading_logs_its_progress_and_a_summary(
+    checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A large checkpoint says how far it got every PROGRESS_INTERVAL_S; here every weight does."""
+    monkeypatch.setattr(loader, "PROGRESS_INTERVAL_S", 0.0)
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        model = load_model(checkpoint.path, dtype="float32").model
+    lines = [r.getMessage() for r in caplog.records if r.name == loader.__name__]
+    num_weights = len(list(model.parameters()))
+    progress = [re.match(r"loading weights: (\d+)/(\d+) \((\d+)%", line) for line in lines[:-1]]
+    assert all(progress) and [int(m.group(1)) for m in progress] == list(range(1, num_weights))
+    assert {int(m.group(2)) for m in progress} == {num_weights}
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert re.fullmatch(rf"loaded {num_weights} weights \({num_bytes / 1e9:.2f} GB\) in \d+\.\d s", lines[-1])

@@ -1,0 +1,151 @@
+"""`tandem embed` and `tandem generate` against live services: the terminal summary, the files, and
+prompts whose parts are embeddings, each compared with the same call made through the stubs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common import tensors
+from common.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from services import cli
+from services.decoder.models.loader import LoadedModel
+from tests.integration.reliability.harness import Services
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir: Path, tiny_fp32: LoadedModel) -> Iterator[Services]:
+    running = Services(tiny_model_dir, tiny_fp32)
+    yield running
+    running.close()
+
+
+def _embed_rows(services: Services, request: encoder_pb2.EmbedRequest) -> tuple[torch.Tensor, list[int]]:
+    """The reference: the Embed RPC through the stub."""
+    reply = services.encoder.Embed(request, timeout=10)
+    return tensors.decode(reply.embeddings).clone(), list(reply.token_ids.ids)
+
+
+def _greedy_text(services: Services, prompt: list[decoder_pb2.PromptSegment], max_new_tokens: int) -> str:
+    request = decoder_pb2.GenerateRequest(prompt=prompt)
+    request.sampling.temperature = 0.0
+    request.stopping.max_new_tokens = max_new_tokens
+    request.stopping.ignore_eos = True
+    return "".join(
+        r.delta.text for r in services.decoder.Generate(request, timeout=30) if r.HasField("delta")
+    )
+
+
+def _tandem(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert cli.main(list(argv)) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def _generated(out: str) -> str:
+    """The streamed text of `tandem generate`, without its closing [FINISH_REASON...] line."""
+    text, _, summary = out.rstrip("\n").rpartition("\n")
+    assert re.fullmatch(r"\[FINISH_REASON_LENGTH; \d+ tokens; ttft \d+\.\d+s\]", summary), out
+    return text
+
+
+def test_embed_prints_a_summary_of_the_rows(services: Services, capsys, environ) -> None:
+    rows, ids = _embed_rows(services, encoder_pb2.EmbedRequest(text="the quiet harbour"))
+    out = _tandem(
+        capsys, "embed", "--address", services.encoder_server.address, "--text", "the quiet harbour"
+    )
+    norms = rows.norm(dim=-1)
+    assert out.splitlines() == [
+        f"embeddings [{len(ids)}, 64] float32 from {len(ids)} tokens",
+        f"token IDs: {', '.join(map(str, ids))}",
+        f"row norms: min {norms.min():.4f}, mean {norms.mean():.4f}, max {norms.max():.4f}",
+        f"row 0: [{', '.join(f'{v:.4f}' for v in rows[0, :6].tolist())}, ...]",
+    ]
+
+
+def test_embed_writes_npy_and_safetensors_files_holding_the_rows(
+    services: Services, tmp_path: Path, capsys, environ
+) -> None:
+    address = ["--address", services.encoder_server.address]
+    bf16 = encoder_pb2.EmbedRequest(output_dtype=tensor_pb2.DATA_TYPE_BFLOAT16)
+    bf16.token_ids.ids.extend([5, 6, 7])
+    rows, ids = _embed_rows(services, bf16)
+    npy, safetensors = tmp_path / "rows.npy", tmp_path / "rows.safetensors"
+    out = _tandem(capsys, "embed", *address, "--ids", "5,6,7", "--dtype", "bfloat16", "--out", str(npy))
+    assert out == f"wrote {npy}: embeddings [3, 64] float32\n"  # numpy has no bfloat16
+    assert torch.equal(torch.from_numpy(np.load(npy)), rows.float())
+    out = _tandem(
+        capsys, "embed", *address, "--ids", "5,6,7", "--dtype", "bfloat16", "--out", str(safetensors)
+    )
+    assert out == f"wrote {safetensors}: embeddings [3, 64] bfloat16\n"
+    stored = load_file(safetensors)
+    assert torch.equal(stored["embeddings"], rows) and stored["token_ids"].tolist() == ids == [5, 6, 7]
+    assert cli.main(["embed", *address, "--ids", "5", "--out", str(tmp_path / "rows.pt")]) == 2
+    assert "--out (TANDEM_EMBED_OUT): " in capsys.readouterr().err
+
+
+def test_generate_from_a_file_of_token_table_rows_says_what_the_token_ids_say(
+    services: Services, tmp_path: Path, capsys, environ
+) -> None:
+    rows_file = tmp_path / "rows.safetensors"
+    _tandem(
+        capsys,
+        "embed",
+        "--address",
+        services.encoder_server.address,
+        "--ids",
+        "5,6,7",
+        "--out",
+        str(rows_file),
+    )
+    common = [
+        "generate",
+        "--address",
+        services.decoder_server.address,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "6",
+    ]
+    from_ids = _generated(_tandem(capsys, *common, "--part", "ids:5,6,7"))
+    from_file = _generated(_tandem(capsys, *common, "--part", f"file:{rows_file}"))
+    # The lookup encoder's float32 rows are the decoder's token table: the same greedy tokens.
+    assert (
+        from_file
+        == from_ids
+        == _greedy_text(services, [decoder_pb2.PromptSegment(token_ids={"ids": [5, 6, 7]})], 6)
+    )
+
+
+def test_generate_sends_embed_parts_through_the_encoder_in_order(services: Services, capsys, environ) -> None:
+    argv = [
+        "generate", "--address", services.decoder_server.address,
+        "--encoder-address", services.encoder_server.address,
+        "--prompt", "Once", "--part", "embed: upon a time", "--part", "text:,",
+        "--temperature", "0", "--max-tokens", "5",
+    ]  # fmt: skip
+    text = _generated(_tandem(capsys, *argv))
+    embedded = services.encoder.Embed(encoder_pb2.EmbedRequest(text=" upon a time"), timeout=10).embeddings
+    prompt = [
+        decoder_pb2.PromptSegment(text="Once"),
+        decoder_pb2.PromptSegment(embeddings=embedded),
+        decoder_pb2.PromptSegment(text=","),
+    ]
+    assert text == _greedy_text(services, prompt, 5)
+
+
+def test_a_part_that_cannot_be_read_is_one_line(services: Services, tmp_path: Path, capsys, environ) -> None:
+    argv = [
+        "generate",
+        "--address",
+        services.decoder_server.address,
+        "--part",
+        f"file:{tmp_path / 'none.npy'}",
+    ]
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err == f"tandem generate: --part: {tmp_path / 'none.npy'}: no such file\n"
