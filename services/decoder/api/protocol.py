@@ -50,7 +50,7 @@ def spec_from_pb(
 def _part_from_pb(segment: decoder_pb2.PromptSegment, field: str, limits: tensors.TensorLimits) -> PromptPart:
     kind = segment.WhichOneof("segment")
     if kind == "token_ids":
-        return list(segment.token_ids.ids)
+        return segment.token_ids.ids  # not copied: request building bounds the length first
     if kind == "text":
         return TextPrompt(segment.text)
     if kind == "embeddings":

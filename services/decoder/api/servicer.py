@@ -15,6 +15,7 @@ from common import tensors
 from common.errors import InvalidArgument, Unavailable
 from common.model_name import check_model
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
+from common.text_bounds import check_tokenize_bound
 from services.decoder.api import protocol
 from services.decoder.api.engine_metrics import observe_engine
 from services.decoder.engine.engine import Engine
@@ -120,10 +121,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         engine = self._engine()
         if len(request.texts) > MAX_TOKENIZE_TEXTS:
             raise InvalidArgument("texts", f"at most {MAX_TOKENIZE_TEXTS} texts per call")
-        encodings = engine.tokenizer.encode_batch(
-            list(request.texts), add_special_tokens=request.add_special_tokens
-        )
-        return decoder_pb2.DecoderTokenizeResponse(tokens=[tensor_pb2.TokenIds(ids=e.ids) for e in encodings])
+        texts = list(request.texts)
+        check_tokenize_bound(texts, engine.max_token_chars, engine.max_model_len, "max_model_len")
+        token_ids = await engine.tokenize(texts, request.add_special_tokens)
+        return decoder_pb2.DecoderTokenizeResponse(tokens=[tensor_pb2.TokenIds(ids=ids) for ids in token_ids])
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext

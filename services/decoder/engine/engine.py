@@ -7,6 +7,8 @@ from the config and the model (context, KV blocks, buckets) are computed in `siz
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -16,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from common import text_bounds
 from common.errors import Unavailable
 from services.decoder.backends import backend as backends
 from services.decoder.config import EngineConfig
@@ -71,12 +74,19 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = sizing.max_model_len(config, self.model_config)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
         self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
         self.core = self._build_core(tp, backend)
         # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
         self._keepalive_s = None if tp is None else tp.timeout_s / 4
         self._keys = itertools.count()  # the engine's own request keys (see submit)
         self._mailboxes = Mailboxes()
+        # Request building and tokenizing for the asyncio front run here, never on the event loop:
+        # a long text or a large embedding tensor would stall every stream and health probe for its
+        # duration. One thread, so that heavy requests queue behind each other, not beside the model.
+        self._builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-requests", initializer=_init_builder_thread
+        )
 
     def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
         config = self.config
@@ -110,6 +120,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the loop; requests still open end with UNAVAILABLE."""
+        self._builder.shutdown(wait=False, cancel_futures=True)
         self._thread.stop()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
         if self.core.runner.sink is not None and self._thread.error is None:
@@ -189,6 +200,7 @@ class Engine:
             self.model_config,
             self.max_model_len,
             self.config.enable_prompt_embeds,
+            max_token_chars=self.max_token_chars,
         )
 
     def generate(self, spec: GenerateSpec) -> Iterator[Event]:
@@ -208,5 +220,17 @@ class Engine:
                 self.abort(key)
 
     def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
-        """asyncio front: the same events; leaving early (cancel, error) aborts the request."""
-        return stream_events(self._mailboxes, lambda sink: self.submit(spec, sink), self.abort)
+        """asyncio front: the same events; leaving early (cancel, error) aborts the request. The
+        request is built (validated, tokenized, cast) on the request-building thread."""
+        return stream_events(self._mailboxes, lambda sink: self.submit(spec, sink), self.abort, self._builder)
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Token IDs of each text, computed on the request-building thread (the GIL released)."""
+        work = self._builder.submit(self.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in await asyncio.wrap_future(work)]
+
+
+def _init_builder_thread() -> None:
+    # One intra-op thread: a parallel op here would start a second OpenMP team, which slows the
+    # engine thread's own ops (see loop.py); casting one request's rows needs no team.
+    torch.set_num_threads(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -402,3 +403,54 @@ def test_accepted_is_out_before_any_delta_even_while_the_engine_is_busy(tiny_mod
         assert done.wait(60)
         background.close()
     assert isinstance(events[0], Accepted), [type(e).__name__ for e in events]
+
+
+def test_the_asyncio_front_builds_requests_off_the_event_loop(tiny_model_dir, tiny_fp32) -> None:
+    # Built on the loop, a 30 MB text kept health unanswered for 24 s and stalled every stream.
+    spec = GenerateSpec([TextPrompt("hello")], stopping=StoppingParams(max_new_tokens=2))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        threads: list[str] = []
+        make_request = engine.make_request
+
+        def recording(spec: GenerateSpec):
+            threads.append(threading.current_thread().name)
+            return make_request(spec)
+
+        engine.make_request = recording
+
+        async def run() -> list[Event]:
+            return [event async for event in engine.stream(spec)]
+
+        events = asyncio.run(run())
+    assert isinstance(events[-1], Finished)
+    assert len(threads) == 1 and threads[0].startswith("tandem-requests")
+
+
+def test_a_caller_that_leaves_while_its_request_is_built_leaves_nothing_behind(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    spec = GenerateSpec([[3, 4]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=200))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        building = threading.Event()
+        make_request = engine.make_request
+
+        def slow(spec: GenerateSpec):
+            building.set()
+            threading.Event().wait(0.5)
+            return make_request(spec)
+
+        engine.make_request = slow
+
+        async def leave_early() -> None:
+            task = asyncio.ensure_future(anext(aiter(engine.stream(spec))))
+            await asyncio.to_thread(building.wait, 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(leave_early())
+        deadline = time.monotonic() + 10
+        while engine.core.num_live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.core.num_live() == 0
+        assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_total_blocks
