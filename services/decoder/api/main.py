@@ -93,6 +93,7 @@ def build_parser() -> ServiceArgumentParser:
     )
     p.add_flag("--max-message-bytes", "largest gRPC message sent or received", int)
     p.add_flag("--grace-s", "drain time for in-flight streams on SIGTERM", float)
+    p.add_flag("--max-streams-per-connection", "open Generate streams one connection may hold", int)
     p.add_flag("--num-threads", "torch intra-op threads", int)
     p.add_flag("--world-size", "ranks to shard the model over (spawned here unless torchrun)", int)
     p.add_flag("--collective-timeout-s", "several ranks: collective timeout", float)
@@ -111,7 +112,11 @@ def config_from_args(argv: Sequence[str] | None, environ: Mapping[str, str] | No
     engine.setdefault("static_shapes", backend.requires_static_shapes)
     engine.setdefault("compile", backend.requires_static_shapes)
     server = {"port": DEFAULT_PORT, **{k: values[k] for k in _SERVER_FLAGS if k in values}}
-    decoder = {k: values[k] for k in ("world_size", "collective_timeout_s") if k in values}
+    decoder = {
+        k: values[k]
+        for k in ("world_size", "collective_timeout_s", "max_streams_per_connection")
+        if k in values
+    }
     return DecoderConfig(
         engine=EngineConfig(model_dir=model_dir, **engine),
         server=ServerOptions(**server, **server_security(values)),
@@ -136,7 +141,11 @@ async def serve(
     """Serves until SIGTERM; with `rank` (several ranks) also until the group fails. False on failure."""
     telemetry = setup_telemetry("tandem-decoder", os.environ)  # OTEL_*; off when nothing is configured
     servicer = DecoderServicer(
-        config.model_name, config.server.max_message_bytes, config.world_size, telemetry=telemetry
+        config.model_name,
+        config.server.max_message_bytes,
+        config.world_size,
+        telemetry=telemetry,
+        max_streams_per_connection=config.max_streams_per_connection,
     )
     interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
     running = await start_server(

@@ -23,10 +23,11 @@ from common.errors import Unavailable
 from services.decoder.backends import backend as backends
 from services.decoder.config import EngineConfig
 from services.decoder.engine import sizing
+from services.decoder.engine.backpressure import ReaderProgress
 from services.decoder.engine.core import EngineCore, Sink
 from services.decoder.engine.kv_cache import BlockManager
 from services.decoder.engine.loop import EngineThread
-from services.decoder.engine.outputs import Event, Failed, Finished, OutputState
+from services.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputState
 from services.decoder.engine.prompt import GenerateSpec, build_request
 from services.decoder.engine.request import Request
 from services.decoder.engine.runner import ModelRunner, StepSink
@@ -159,7 +160,7 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, spec: GenerateSpec, sink: Sink) -> str:
+    def submit(self, spec: GenerateSpec, sink: Sink, progress: ReaderProgress | None = None) -> str:
         """Validate and admit; events go to `sink` on the engine thread. Returns the engine's key for
         the request, which `abort` takes.
 
@@ -167,6 +168,8 @@ class Engine:
         up, so callers need not coordinate their IDs and one caller's ID never reaches another's
         request. The engine keys a request by a name of its own, unique for the engine's life; an
         empty caller ID gets a random one (a UUID), which says nothing about other requests.
+
+        With `progress`, the request pauses while the reader of `sink`'s events is far behind.
         """
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
@@ -182,7 +185,7 @@ class Engine:
             self.max_model_len,
             request.arrival_time,
         )
-        self.core.add(request, output, sink, spec.deadline)
+        self.core.add(request, output, sink, spec.deadline, progress)
         self._thread.wake()
         return request.request_id
 
@@ -204,13 +207,23 @@ class Engine:
         )
 
     def generate(self, spec: GenerateSpec) -> Iterator[Event]:
-        """In-process API: yields Accepted, Delta*, then Finished or Failed."""
+        """In-process API: yields Accepted, Delta*, then Finished or Failed. The request pauses while
+        the caller leaves Deltas untaken (backpressure.py) and resumes as it iterates on."""
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        key = self.submit(spec, events.put)
+        progress = ReaderProgress(self._thread.wake)
+
+        def sink(event: Event) -> None:
+            if isinstance(event, Delta):
+                progress.handed()
+            events.put(event)
+
+        key = self.submit(spec, sink, progress)
         finished = False
         try:
             while True:
                 event = events.get()
+                if isinstance(event, Delta):
+                    progress.taken(1)
                 yield event
                 if isinstance(event, Finished | Failed):
                     finished = True
@@ -222,7 +235,14 @@ class Engine:
     def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
         """asyncio front: the same events; leaving early (cancel, error) aborts the request. The
         request is built (validated, tokenized, cast) on the request-building thread."""
-        return stream_events(self._mailboxes, lambda sink: self.submit(spec, sink), self.abort, self._builder)
+        progress = ReaderProgress(self._thread.wake)
+        return stream_events(
+            self._mailboxes,
+            lambda sink: self.submit(spec, sink, progress),
+            self.abort,
+            self._builder,
+            progress,
+        )
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Token IDs of each text, computed on the request-building thread (the GIL released)."""

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
+from services.decoder.engine.backpressure import ReaderProgress
 from services.decoder.engine.core import Sink
 from services.decoder.engine.mailbox import LoopMailbox
 from services.decoder.engine.outputs import Delta, Event, Failed, Finished
@@ -40,6 +41,7 @@ async def stream_events(
     submit: Callable[[Sink], str],
     abort: Callable[[str], None],
     builder: concurrent.futures.Executor,
+    progress: ReaderProgress,
 ) -> AsyncIterator[Event]:
     """Submits through `submit` (which returns the engine's key) on `builder`, off the event loop,
     and yields the request's events.
@@ -47,12 +49,15 @@ async def stream_events(
     Leaving early (cancel, error) aborts the request, also when the caller leaves while it is still
     being built. A consumer that falls behind gets the deltas that piled up as one (vLLM's output
     collector does the same): every message costs the server CPU the model needs, so a slow stream
-    sends fewer, fuller messages instead of a growing backlog.
+    sends fewer, fuller messages instead of a growing backlog. `progress` counts the Deltas handed
+    over and taken, so that a request whose reader stops taking them pauses (backpressure.py).
     """
     mailbox = mailboxes.of(asyncio.get_running_loop())
     events: asyncio.Queue[Event] = asyncio.Queue()
 
     def sink(event: Event) -> None:
+        if isinstance(event, Delta):
+            progress.handed()
         mailbox.post(events, event)
 
     admission = builder.submit(submit, sink)
@@ -69,12 +74,16 @@ async def stream_events(
                 event, held = held, None
             else:
                 event = await events.get()
+            num_taken = int(isinstance(event, Delta))
             while isinstance(event, Delta) and not events.empty():
                 later = events.get_nowait()
                 if not isinstance(later, Delta):
                     held = later
                     break
                 event = event.followed_by(later)
+                num_taken += 1
+            if num_taken:
+                progress.taken(num_taken)
             yield event
             if isinstance(event, Finished | Failed):
                 finished = True
