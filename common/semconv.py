@@ -29,7 +29,7 @@ TANDEM_PROMPT_EMBEDDING_POSITIONS = "tandem.prompt.embedding_positions"  # promp
 TANDEM_USAGE_CACHED_TOKENS = "tandem.usage.cached_tokens"  # prompt positions served by the prefix cache
 TANDEM_WORLD_SIZE = "tandem.world_size"  # decoder ranks
 TANDEM_TOKEN_KIND = "tandem.token.kind"  # on tandem.server.tokens: see TOKEN_KINDS
-TANDEM_REQUEST_STATE = "tandem.request.state"  # "running" | "waiting"
+TANDEM_REQUEST_STATE = "tandem.request.state"  # "running" | "waiting" | "paused"
 TANDEM_KV_BLOCK_STATE = "tandem.kv_block.state"  # "used" | "free"
 
 PROVIDER = "tandem"

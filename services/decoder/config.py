@@ -87,8 +87,15 @@ class DecoderConfig:
     model_name: str = ""  # name reported by GetModelInfo and in traces; "" = model directory name.
     world_size: int = 1  # ranks the model runs on.
     collective_timeout_s: float = 60.0  # several ranks: a collective or step broadcast waiting longer fails.
+    # Open Generate streams one connection may hold (api/stream_limit.py). Half the default batch:
+    # one caller can never occupy every running slot.
+    max_streams_per_connection: int = 32
 
     def __post_init__(self) -> None:
+        if self.max_streams_per_connection < 1:
+            raise ConfigError(
+                "max_streams_per_connection", f"must be >= 1, got {self.max_streams_per_connection}"
+            )
         if self.world_size < 1:
             raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
         if self.collective_timeout_s <= 0:

@@ -49,6 +49,7 @@ class EmbedderInfo:
     hidden_size: int  # width of every output row: the decoder's hidden size
     vocab_size: int  # token IDs accepted are < vocab_size (the embedder's own vocabulary)
     dtype: torch.dtype  # native element type of the output rows
+    max_token_chars: int  # the most characters of text one token stands for (common/text_bounds.py)
     max_positions: int | None = None  # most positions the embedder can read at once; None = no limit
     num_virtual_tokens: int = 0  # rows prepended to every input (soft prompts)
 
@@ -58,7 +59,7 @@ class Embedder(Protocol):
     def info(self) -> EmbedderInfo: ...
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token IDs of `text` in this embedder's vocabulary."""
+        """Token IDs of `text` in this embedder's vocabulary, with the GIL released while it works."""
         ...
 
     def embed(self, token_ids: list[int], pooling: Pooling) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from common import checkpoint
+from common import checkpoint, text_bounds
 from services.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, read_tensor
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -74,7 +74,11 @@ class LookupEmbedder:
         self.table = table  # [vocab_size, hidden_size] in the native dtype
         self.tokenizer = tokenizer
         self._info = EmbedderInfo(
-            kind=kind, hidden_size=table.shape[1], vocab_size=table.shape[0], dtype=table.dtype
+            kind=kind,
+            hidden_size=table.shape[1],
+            vocab_size=table.shape[0],
+            dtype=table.dtype,
+            max_token_chars=text_bounds.max_token_chars(tokenizer),
         )
 
     @classmethod
@@ -102,7 +106,9 @@ class LookupEmbedder:
         return self._info
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it for the whole text): health probes and
+        # other calls keep being answered while a long text tokenizes on the worker thread.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def rows(self, token_ids: list[int]) -> torch.Tensor:
         """[len(token_ids), hidden_size], a copy of the table's rows."""

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from common import text_bounds
 from services.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool
 from services.encoder.lookup import read_model_shape
 
@@ -94,6 +95,7 @@ class ProjectorEmbedder:
             hidden_size=_linears(projector)[-1].out_features,
             vocab_size=config.vocab_size,
             dtype=dtype,
+            max_token_chars=_max_token_chars(tokenizer),
             max_positions=getattr(config, "max_position_embeddings", None),
         )
 
@@ -151,3 +153,11 @@ class ProjectorEmbedder:
         if pooling is Pooling.MEAN:
             hidden = mean_pool(hidden)  # [1, encoder hidden_size]
         return self.projector(hidden)  # [num_rows, decoder hidden_size]
+
+
+def _max_token_chars(tokenizer: Any) -> int:
+    """A transformers tokenizer's bound: its Rust tokenizer's when it is a fast one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return text_bounds.max_token_chars(backend)
+    return text_bounds.vocabulary_bound(tokenizer.get_vocab(), is_byte_level=False)

@@ -1,8 +1,9 @@
 """tandem.v1.Encoder: convert, validate, delegate to the embedder.
 
-Embedding and tokenization run on one worker thread, off the event loop, so health checks and
-reflection answer while a long input is being embedded; one thread because torch already uses
-every core for a single call, and embedders are not thread-safe.
+Embedding and tokenization run on one worker thread, off the event loop (and tokenizers release the
+GIL), so health checks and reflection answer while a long input is being embedded; one thread
+because torch already uses every core for a single call, and embedders are not thread-safe. A text
+too long to fit is refused from its length before it is tokenized (`common/text_bounds.py`).
 
 With telemetry on, each Embed gets an `embeddings {model}` span (a child of the gRPC server span)
 and a request-duration point.
@@ -20,7 +21,7 @@ import grpc
 import torch
 
 from common import telemetry as otel
-from common import tensors
+from common import tensors, text_bounds
 from common.errors import InvalidArgument, Unavailable
 from common.model_name import check_model
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
@@ -92,6 +93,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if source == "text":
             if not request.text:
                 raise InvalidArgument("text", "must not be empty")
+            # From its length alone first: tokenizing 30 MB took 27 s and 4 GB it never gave back.
+            num_at_least = text_bounds.min_positions(request.text, info.max_token_chars)
+            if num_at_least > self._max_input_tokens:
+                raise InvalidArgument(
+                    "text",
+                    f"at least {num_at_least} positions (one per {info.max_token_chars} characters or "
+                    f"fewer) exceed max_input_tokens {self._max_input_tokens}",
+                )
             token_ids = await self._run(embedder.tokenize, request.text, request.add_special_tokens)
             if not token_ids:
                 raise InvalidArgument("text", "produces no tokens; send text with at least one token")
@@ -139,6 +148,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 "texts", f"{len(request.texts)} texts exceed the limit of {MAX_TOKENIZE_TEXTS} per call"
             )
         texts, add_special_tokens = list(request.texts), request.add_special_tokens
+        text_bounds.check_tokenize_bound(
+            texts, embedder.info.max_token_chars, self._max_input_tokens, "max_input_tokens"
+        )
 
         def tokenize_all() -> list[list[int]]:
             return [embedder.tokenize(text, add_special_tokens) for text in texts]

@@ -58,6 +58,7 @@ class SoftPromptEmbedder:
             hidden_size=lookup.info.hidden_size,
             vocab_size=lookup.info.vocab_size,
             dtype=lookup.info.dtype,
+            max_token_chars=lookup.info.max_token_chars,
             num_virtual_tokens=prompt.shape[0],
         )
 

@@ -324,7 +324,7 @@ async def test_metrics_record_ttft_and_token_counts(traced: Traced) -> None:
     requests = {
         p.attributes[otel.TANDEM_REQUEST_STATE]: p.value for p in points(m, otel.TANDEM_ENGINE_REQUESTS)
     }
-    assert requests == {"running": 0, "waiting": 0}
+    assert requests == {"running": 0, "waiting": 0, "paused": 0}
     blocks = {
         p.attributes[otel.TANDEM_KV_BLOCK_STATE]: p.value for p in points(m, otel.TANDEM_ENGINE_KV_BLOCKS)
     }

@@ -37,6 +37,7 @@ class EngineReadings:
         return [
             metrics.Observation(scheduler.num_running, {TANDEM_REQUEST_STATE: "running"}),
             metrics.Observation(scheduler.num_waiting, {TANDEM_REQUEST_STATE: "waiting"}),
+            metrics.Observation(scheduler.num_paused, {TANDEM_REQUEST_STATE: "paused"}),
         ]
 
     def blocks(self, _: metrics.CallbackOptions) -> Readings:

@@ -146,7 +146,11 @@ async def serve(
     """Serves until SIGTERM; with `rank` (several ranks) also until the group fails. False on failure."""
     telemetry = setup_telemetry("tandem-decoder", os.environ)  # OTEL_*; off when nothing is configured
     servicer = DecoderServicer(
-        config.model_name, config.server.max_message_bytes, config.world_size, telemetry=telemetry
+        config.model_name,
+        config.server.max_message_bytes,
+        config.world_size,
+        telemetry=telemetry,
+        max_streams_per_connection=config.max_streams_per_connection,
     )
     interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
     running = await start_server(

@@ -113,6 +113,13 @@ def settings() -> list[Setting]:
             type=float,
             default=default_of(DecoderConfig, "collective_timeout_s"),
         ),
+        Setting(
+            ENV_PREFIX,
+            "--max-streams-per-connection",
+            "open Generate streams one connection may hold; beyond it RESOURCE_EXHAUSTED",
+            type=int,
+            default=default_of(DecoderConfig, "max_streams_per_connection"),
+        ),
     ]
 
 
@@ -158,4 +165,5 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
         model_name=values["model_name"] or model_display_name(Path(model)),
         world_size=values["world_size"],
         collective_timeout_s=values["collective_timeout_s"],
+        max_streams_per_connection=values["max_streams_per_connection"],
     )

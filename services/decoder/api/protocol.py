@@ -63,7 +63,7 @@ def _part_from_pb(
 ) -> PromptPart:
     kind = segment.WhichOneof("segment")
     if kind == "token_ids":
-        return list(segment.token_ids.ids)
+        return segment.token_ids.ids  # not copied: request building bounds the length first
     if kind == "text":
         return TextPrompt(segment.text, is_plain=plain_text)
     if kind == "embeddings":

@@ -15,8 +15,10 @@ from common import tensors
 from common.errors import InvalidArgument, Unavailable
 from common.model_name import check_model
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
+from common.text_bounds import check_tokenize_bound
 from services.decoder.api import protocol
 from services.decoder.api.engine_metrics import observe_engine
+from services.decoder.api.stream_limit import StreamLimit
 from services.decoder.engine.chat import EmbeddingsPart
 from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
@@ -33,11 +35,13 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         world_size: int = 1,
         engine: Engine | None = None,
         telemetry: otel.Telemetry | None = None,
+        max_streams_per_connection: int | None = None,  # None: no bound (stream_limit.py)
     ) -> None:
         self.model_name = model_name
         self.max_message_bytes = max_message_bytes
         self.world_size = world_size
         self.engine = engine  # None while loading: every RPC answers UNAVAILABLE
+        self.streams = StreamLimit(max_streams_per_connection)
         # An embedding tensor can never be larger than a message, so the element cap follows from it.
         self.tensor_limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
         # None when telemetry is off: Generate then records nothing at all.
@@ -61,20 +65,21 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             )
         is_finished = False
         try:
-            engine = self._engine()
-            check_model(request.model, self.model_name)
-            spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
-            num_embedding_positions = _num_embedding_positions(spec)
-            if op is not None:
-                op.set(_request_attributes(spec, num_embedding_positions, self.world_size))
-            # Leaving this loop for any reason (client cancel, deadline, error) aborts the request.
-            async for event in engine.stream(spec):
-                if isinstance(event, Failed):
-                    raise event.error
-                if op is not None and not isinstance(event, Delta):
-                    self._observe(op, event, num_embedding_positions)
-                is_finished = isinstance(event, Finished)
-                yield protocol.event_to_pb(event)
+            with self.streams.open(context.peer()):
+                engine = self._engine()
+                check_model(request.model, self.model_name)
+                spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
+                num_embedding_positions = _num_embedding_positions(spec)
+                if op is not None:
+                    op.set(_request_attributes(spec, num_embedding_positions, self.world_size))
+                # Leaving this loop for any reason (client cancel, deadline, error) aborts the request.
+                async for event in engine.stream(spec):
+                    if isinstance(event, Failed):
+                        raise event.error
+                    if op is not None and not isinstance(event, Delta):
+                        self._observe(op, event, num_embedding_positions)
+                    is_finished = isinstance(event, Finished)
+                    yield protocol.event_to_pb(event)
         except BaseException as exc:
             # A cancel after Finished went out (the client leaving as the stream ends) is no failure.
             if op is not None and not is_finished:
@@ -123,10 +128,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         engine = self._engine()
         if len(request.texts) > MAX_TOKENIZE_TEXTS:
             raise InvalidArgument("texts", f"at most {MAX_TOKENIZE_TEXTS} texts per call")
-        encodings = engine.tokenizer.encode_batch(
-            list(request.texts), add_special_tokens=request.add_special_tokens
-        )
-        return decoder_pb2.DecoderTokenizeResponse(tokens=[tensor_pb2.TokenIds(ids=e.ids) for e in encodings])
+        texts = list(request.texts)
+        check_tokenize_bound(texts, engine.max_token_chars, engine.max_model_len, "max_model_len")
+        token_ids = await engine.tokenize(texts, request.add_special_tokens)
+        return decoder_pb2.DecoderTokenizeResponse(tokens=[tensor_pb2.TokenIds(ids=ids) for ids in token_ids])
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext

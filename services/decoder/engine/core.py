@@ -1,8 +1,9 @@
 """One engine step, synchronously: schedule -> run -> sample -> update -> events.
 
 NOTE: the step is the unit of consistency. Everything that changes scheduling state (new requests,
-aborts, deadline expiry, finishes) happens between steps on the engine thread, under `lock`, so an
-abort frees its KV blocks at the next step boundary and a request's events always come out in order.
+aborts, deadline expiry, finishes, pauses for readers far behind and their resumption) happens
+between steps on the engine thread, under `lock`, so an abort frees its KV blocks at the next step
+boundary and a request's events always come out in order.
 `EngineCore` knows nothing about threads or asyncio: `loop.py` steps it, `engine.py` feeds it.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import DeadlineExceeded, TandemError
+from services.decoder.engine.backpressure import ReaderProgress
 from services.decoder.engine.kv_cache import BlockManager
 from services.decoder.engine.outputs import (
     Accepted,
@@ -46,6 +48,7 @@ class _Tracked:
     sink: Sink
     generator: torch.Generator | None  # seeded requests only
     deadline: float | None  # time.monotonic() after which a still-queued request fails
+    progress: ReaderProgress | None  # how far its reader is behind; None: never paused
 
 
 class EngineCore:
@@ -78,14 +81,17 @@ class EngineCore:
         output: OutputState,
         sink: Sink,
         deadline: float | None,
+        progress: ReaderProgress | None = None,
     ) -> None:
-        """Admit a request (any thread). Raises QueueFullError / RequestTooLongError synchronously."""
+        """Admit a request (any thread). Raises QueueFullError / RequestTooLongError synchronously.
+
+        With `progress`, the request pauses while its reader is far behind (backpressure.py)."""
         generator = None
         if request.sampling.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(request.sampling.seed)
         with self.lock:
             self.scheduler.add_request(request)
-            self._live[request.request_id] = _Tracked(request, output, sink, generator, deadline)
+            self._live[request.request_id] = _Tracked(request, output, sink, generator, deadline, progress)
             # Under the lock: the engine thread cannot schedule the request before Accepted is out,
             # so no Delta can overtake it.
             sink(Accepted(output.request_id, request.num_prompt_tokens))
@@ -107,11 +113,14 @@ class EngineCore:
             return len(self._live)
 
     def has_work(self) -> bool:
+        """Something to step: a request to schedule, an abort to apply or a paused one to resume. A
+        request paused for its reader is no work: an engine whose requests all wait for readers idles."""
         with self.lock:
             return (
-                self.scheduler.has_unfinished
+                self.scheduler.has_schedulable
                 or bool(self._pending_aborts)
                 or self._finish_all_reason is not None
+                or any(self._is_resumable(key) for key in self.scheduler.paused)
             )
 
     def num_live(self) -> int:
@@ -123,6 +132,7 @@ class EngineCore:
         with self.lock:
             self._apply_aborts()
             ended = self._take_all_if_asked()
+            self._resume_caught_up()
             expired = self._expire_deadlines()
             plan = self.scheduler.schedule()
         for tracked, reason in ended:
@@ -202,10 +212,13 @@ class EngineCore:
                 n = params.top_logprobs
                 top = TopLogprobs(tuple(top_ids[i][:n]), tuple(top_lp[i][:n]))
             events = tracked.output.on_token(token_id, logprob, top, now)
-            if events and isinstance(events[-1], Finished):
+            is_finished = bool(events) and isinstance(events[-1], Finished)
+            if is_finished:
                 self._retire(tracked, events[-1].reason)
             for event in events:
                 tracked.sink(event)
+            if not is_finished and tracked.progress is not None and tracked.progress.is_far_behind:
+                self._pause(tracked, now)
 
     def _retire(self, tracked: _Tracked, reason: FinishReason) -> None:
         status = (
@@ -214,6 +227,28 @@ class EngineCore:
         with self.lock:
             self.scheduler.finish(tracked.request.request_id, status)
             self._live.pop(tracked.request.request_id, None)
+
+    def _pause(self, tracked: _Tracked, now: float) -> None:
+        """Its reader is far behind: out of the batch, blocks freed, until the reader catches up."""
+        assert tracked.progress is not None
+        with self.lock:
+            if self.scheduler.pause(tracked.request.request_id):
+                tracked.progress.is_paused = True
+                tracked.output.record("paused", now)
+
+    def _is_resumable(self, key: str) -> bool:
+        progress = self._live[key].progress
+        return progress is not None and progress.has_caught_up
+
+    def _resume_caught_up(self) -> None:
+        """Queue again every paused request whose reader has caught up (under the lock)."""
+        now = time.monotonic()
+        for key in [key for key in self.scheduler.paused if self._is_resumable(key)]:
+            tracked = self._live[key]
+            assert tracked.progress is not None
+            tracked.progress.is_paused = False
+            self.scheduler.resume(key)
+            tracked.output.record("resumed", now)
 
     def _apply_aborts(self) -> None:
         for key in self._pending_aborts:

@@ -7,6 +7,8 @@ from the config and the model (context, KV blocks, buckets) are computed in `siz
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -17,15 +19,17 @@ from typing import Protocol
 
 import torch
 
+from common import text_bounds
 from common.errors import Unavailable
 from services.decoder.backends import backend as backends
 from services.decoder.config import EngineConfig
 from services.decoder.engine import sizing
+from services.decoder.engine.backpressure import ReaderProgress
 from services.decoder.engine.chat import ChatTemplate
 from services.decoder.engine.core import EngineCore, Sink
 from services.decoder.engine.kv_cache import BlockManager
 from services.decoder.engine.loop import EngineThread
-from services.decoder.engine.outputs import Event, Failed, Finished, FinishReason, OutputState
+from services.decoder.engine.outputs import Delta, Event, Failed, Finished, FinishReason, OutputState
 from services.decoder.engine.prompt import GenerateSpec, build_request
 from services.decoder.engine.request import Request
 from services.decoder.engine.runner import ModelRunner, StepSink
@@ -76,12 +80,19 @@ class Engine:
         self.chat_template = ChatTemplate.load(Path(config.model_dir), self.tokenizer)
         self.max_model_len = sizing.max_model_len(config, self.model_config)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
         self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
         self.core = self._build_core(tp, backend)
         # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
         self._keepalive_s = None if tp is None else tp.timeout_s / 4
         self._keys = itertools.count()  # the engine's own request keys (see submit)
         self._mailboxes = Mailboxes()
+        # Request building and tokenizing for the asyncio front run here, never on the event loop:
+        # a long text or a large embedding tensor would stall every stream and health probe for its
+        # duration. One thread, so that heavy requests queue behind each other, not beside the model.
+        self._builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-requests", initializer=_init_builder_thread
+        )
 
     def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
         config = self.config
@@ -115,6 +126,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the loop; requests still open end with UNAVAILABLE."""
+        self._builder.shutdown(wait=False, cancel_futures=True)
         self._thread.stop()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
         if self.core.runner.sink is not None and self._thread.error is None:
@@ -150,7 +162,7 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, spec: GenerateSpec, sink: Sink) -> str:
+    def submit(self, spec: GenerateSpec, sink: Sink, progress: ReaderProgress | None = None) -> str:
         """Validate and admit; events go to `sink` on the engine thread. Returns the engine's key for
         the request, which `abort` takes.
 
@@ -158,6 +170,8 @@ class Engine:
         up, so callers need not coordinate their IDs and one caller's ID never reaches another's
         request. The engine keys a request by a name of its own, unique for the engine's life; an
         empty caller ID gets a random one (a UUID), which says nothing about other requests.
+
+        With `progress`, the request pauses while the reader of `sink`'s events is far behind.
         """
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
@@ -173,7 +187,7 @@ class Engine:
             self.max_model_len,
             request.arrival_time,
         )
-        self.core.add(request, output, sink, spec.deadline)
+        self.core.add(request, output, sink, spec.deadline, progress)
         self._thread.wake()
         return request.request_id
 
@@ -204,16 +218,27 @@ class Engine:
             self.max_model_len,
             self.config.enable_prompt_embeds,
             self.chat_template,
+            max_token_chars=self.max_token_chars,
         )
 
     def generate(self, spec: GenerateSpec) -> Iterator[Event]:
-        """In-process API: yields Accepted, Delta*, then Finished or Failed."""
+        """In-process API: yields Accepted, Delta*, then Finished or Failed. The request pauses while
+        the caller leaves Deltas untaken (backpressure.py) and resumes as it iterates on."""
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        key = self.submit(spec, events.put)
+        progress = ReaderProgress(self._thread.wake)
+
+        def sink(event: Event) -> None:
+            if isinstance(event, Delta):
+                progress.handed()
+            events.put(event)
+
+        key = self.submit(spec, sink, progress)
         finished = False
         try:
             while True:
                 event = events.get()
+                if isinstance(event, Delta):
+                    progress.taken(1)
                 yield event
                 if isinstance(event, Finished | Failed):
                     finished = True
@@ -223,5 +248,24 @@ class Engine:
                 self.abort(key)
 
     def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
-        """asyncio front: the same events; leaving early (cancel, error) aborts the request."""
-        return stream_events(self._mailboxes, lambda sink: self.submit(spec, sink), self.abort)
+        """asyncio front: the same events; leaving early (cancel, error) aborts the request. The
+        request is built (validated, tokenized, cast) on the request-building thread."""
+        progress = ReaderProgress(self._thread.wake)
+        return stream_events(
+            self._mailboxes,
+            lambda sink: self.submit(spec, sink, progress),
+            self.abort,
+            self._builder,
+            progress,
+        )
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Token IDs of each text, computed on the request-building thread (the GIL released)."""
+        work = self._builder.submit(self.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in await asyncio.wrap_future(work)]
+
+
+def _init_builder_thread() -> None:
+    # One intra-op thread: a parallel op here would start a second OpenMP team, which slows the
+    # engine thread's own ops (see loop.py); casting one request's rows needs no team.
+    torch.set_num_threads(1)

@@ -7,9 +7,10 @@ coalescing to at most one `Delta` per `stream_interval` steps, because every mes
 gRPC layer tens of microseconds of CPU.
 
 It also keeps the request's timeline (queued, each prefill chunk, first token, preemptions,
-finished) as plain (name, monotonic time, attributes) records that `Finished` carries out. The engine
-thread only appends to a list; turning the timeline into trace span events is the servicer's job, once,
-when the request ends, so telemetry never runs on the engine thread.
+pauses for a reader far behind, finished) as plain (name, monotonic time, attributes) records that
+`Finished` carries out. The engine thread only appends to a list; turning the timeline into trace
+span events is the servicer's job, once, when the request ends, so telemetry never runs on the
+engine thread.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class FinishReason(enum.Enum):
 class TimelineEvent:
     """One moment in a request's life, recorded on the engine thread."""
 
-    name: str  # "queued", "prefill_chunk", "first_token", "preempted" or "finished"
+    name: str  # "queued", "prefill_chunk", "first_token", "preempted", "paused", "resumed", "finished"
     time: float  # time.monotonic()
     attributes: Mapping[str, int | str] = field(default_factory=dict)  # e.g. a prefill chunk's range
 

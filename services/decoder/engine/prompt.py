@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import tokenizers
 import torch
 
-from common import tensors
+from common import tensors, text_bounds
 from common.errors import FailedPrecondition, InvalidArgument
 from services.decoder.engine.chat import ROLES as CHAT_ROLES
 from services.decoder.engine.chat import (
@@ -46,7 +46,9 @@ class EmbeddingPrompt:
     rows: torch.Tensor  # [n, hidden_size], any float dtype; build_request casts it to the model dtype
 
 
-PromptPart = list[int] | TextPrompt | EmbeddingPrompt  # a list of ints is token IDs
+# A sequence of ints is token IDs: a list, or the proto's repeated field as it is (copying 16M IDs
+# into a list costs seconds and gigabytes before the length rule could refuse them).
+PromptPart = Sequence[int] | TextPrompt | EmbeddingPrompt
 
 MAX_REQUEST_ID_BYTES = 128
 
@@ -73,11 +75,15 @@ def build_request(
     max_model_len: int,
     enable_prompt_embeds: bool,
     chat_template: ChatTemplate | None = None,
+    *,
+    max_token_chars: int,  # the most characters one token stands for (common/text_bounds.py)
 ) -> Request:
     """Validate the spec against the model and flatten its prompt into positions.
 
     NOTE: every request rule is checked here, once, cheapest first: the request id and the sampling
     and stopping values; each segment's emptiness, whether embeddings are accepted, and their shape;
+    a bound on the length from sizes alone (token ids and rows counted, text at most one position
+    per `max_token_chars` characters), so a prompt that cannot fit costs nothing per position;
     then what reads every position (token ids against the vocabulary, tokenizing text) and the
     context length; only then the embedding rows, cast to the model dtype (the one cast), checked
     finite in it and digested for prefix caching. An empty prompt is Request's own rule. Errors name
@@ -96,12 +102,15 @@ def build_request(
         _check_chat(spec.chat, model_config.hidden_size, vocab, enable_prompt_embeds)
         if chat_template is None:
             raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+        parts = [_as_prompt_part(part) for message in spec.chat.messages for part in message.content]
+        _check_length_bound(parts, max_token_chars, max_model_len, "chat")
         # Chat parts were checked above with their own field paths; what rendering adds is the
         # template's own text, tokenized into this vocabulary.
         rendered = chat_template.tokenize(chat_template.render(spec.chat))
         prompt: Sequence[PromptPart] = [p if isinstance(p, list) else EmbeddingPrompt(p) for p in rendered]
         field_name = "chat"
     else:
+        _check_length_bound(spec.prompt, max_token_chars, max_model_len)
         prompt, field_name = spec.prompt, "prompt"
     plain = chat_template.plain_tokenizer if chat_template is not None else None
     positions = [_positions(i, part, tokenizer, plain, vocab) for i, part in enumerate(prompt)]
@@ -133,6 +142,32 @@ def _check_segment(i: int, part: PromptPart, hidden_size: int, enable_prompt_emb
         raise InvalidArgument(f"prompt[{i}].token_ids.ids", "must not be empty")
 
 
+def _as_prompt_part(part: TextPart | TokenIdsPart | EmbeddingsPart) -> PromptPart:
+    if isinstance(part, TextPart):
+        return TextPrompt(part.text, is_plain=True)
+    return part.ids if isinstance(part, TokenIdsPart) else EmbeddingPrompt(part.rows)
+
+
+def _check_length_bound(
+    prompt: Sequence[PromptPart], max_token_chars: int, max_model_len: int, field_name: str = "prompt"
+) -> None:
+    """Refuse a prompt that cannot fit from its sizes alone, before any text is tokenized."""
+    num_at_least = sum(
+        text_bounds.min_positions(part.text, max_token_chars)
+        if isinstance(part, TextPrompt)
+        else part.rows.shape[0]
+        if isinstance(part, EmbeddingPrompt)
+        else len(part)
+        for part in prompt
+    )
+    if num_at_least >= max_model_len:
+        raise InvalidArgument(
+            field_name,
+            f"at least {num_at_least} positions (text takes one per {max_token_chars} characters or "
+            f"fewer) leave no room to generate within max_model_len {max_model_len}",
+        )
+
+
 def _positions(
     i: int,
     part: PromptPart,
@@ -148,7 +183,9 @@ def _positions(
     if isinstance(part, TextPrompt):
         if part.is_plain:
             tokenizer = plain if plain is not None else plain_tokenizer(tokenizer)
-        return tokenizer.encode(part.text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it): the event loop and the
+        # engine thread run on while a long text tokenizes on the request-building thread.
+        return tokenizer.encode_batch([part.text], add_special_tokens=False)[0].ids
     if isinstance(part, EmbeddingPrompt):
         return part.rows
     for j, token_id in enumerate(part):

@@ -27,6 +27,7 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # queued, never scheduled
     RUNNING = enum.auto()  # holds KV blocks and is scheduled every step
     PREEMPTED = enum.auto()  # blocks taken back; queued again and recomputes from position 0
+    PAUSED = enum.auto()  # its reader is far behind: blocks taken back, not queued until resumed
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token or a stop string
     FINISHED_LENGTH = enum.auto()  # max_new_tokens (or the model's context) reached
     FINISHED_ABORTED = enum.auto()  # cancelled by the client, a deadline or a shutdown

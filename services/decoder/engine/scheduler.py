@@ -81,6 +81,9 @@ class Scheduler:
         # preempted request (always the last running) goes back to the front of the queue, so it is
         # readmitted before anything that arrived after it.
         self.running: list[Request] = []
+        # Requests whose readers are far behind: neither running nor waiting, holding no blocks,
+        # until resume() queues them again (the engine decides both; see core.py).
+        self.paused: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}  # every unfinished request by id
 
     @property
@@ -92,8 +95,17 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_paused(self) -> int:
+        return len(self.paused)
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    @property
+    def has_schedulable(self) -> bool:
+        """Some request is running or waiting (paused ones wait for their readers, not for a step)."""
+        return bool(self.running or self.waiting)
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -211,7 +223,9 @@ class Scheduler:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        if request in self.running:
+        if request.status is RequestStatus.PAUSED:
+            del self.paused[request_id]
+        elif request in self.running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
@@ -221,6 +235,32 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def pause(self, request_id: str) -> bool:
+        """Take a running or waiting request out of scheduling and free its blocks (they stay in the
+        prefix cache until reused), as a preemption does. False if it is unknown or already paused."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is RequestStatus.PAUSED:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PAUSED
+        self.paused[request_id] = request
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Queue a paused request again, at the front (it arrived before everything waiting); it
+        recomputes its prompt and outputs as a preempted request does. False if it is not paused."""
+        request = self.paused.pop(request_id, None)
+        if request is None:
+            return False
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        return True
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int) -> int:
         return min(request.num_tokens - num_computed_tokens, budget)

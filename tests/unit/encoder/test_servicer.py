@@ -117,3 +117,33 @@ def test_main_exits_1_with_one_line_when_the_model_cannot_be_loaded(
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert [r.getMessage().split(":")[0] for r in errors] == ["could not load the lookup embedder"]
     assert all(r.exc_info is None for r in caplog.records)  # a line, not a traceback
+
+
+async def test_a_text_too_long_to_fit_is_refused_from_its_length_before_it_is_tokenized(
+    tiny_model: Path,
+) -> None:
+    # Tokenizing 30 MB of text held the encoder's event loop for 27 s (encode holds the GIL).
+    class CountingLookup(LookupEmbedder):
+        num_tokenized = 0
+
+        def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+            CountingLookup.num_tokenized += 1
+            return super().tokenize(text, add_special_tokens)
+
+    servicer = EncoderServicer(EncoderConfig(model_dir=tiny_model, max_input_tokens=64))
+    servicer.attach(CountingLookup.load(tiny_model, torch.bfloat16))
+    max_chars = servicer._require_embedder().info.max_token_chars
+    try:
+        with pytest.raises(InvalidArgument, match="at least 65 positions") as caught:
+            await servicer.Embed(encoder_pb2.EmbedRequest(text="a" * (64 * max_chars + 1)), None)
+        assert caught.value.field == "text"
+        with pytest.raises(InvalidArgument) as caught:
+            await servicer.Tokenize(
+                encoder_pb2.EncoderTokenizeRequest(texts=["a" * 64 * max_chars, "b"]), None
+            )
+        assert caught.value.field == "texts"
+        assert CountingLookup.num_tokenized == 0
+        reply = await servicer.Embed(encoder_pb2.EmbedRequest(text="the quiet harbour"), None)
+        assert reply.usage.input_tokens >= 1 and CountingLookup.num_tokenized == 1
+    finally:
+        servicer.close()

@@ -103,6 +103,8 @@ def check_invariants(scheduler: Scheduler, plan: StepPlan) -> None:
     assert all(item.end <= item.request.num_tokens for item in plan.scheduled)
     assert plan.num_free_blocks_after == block_manager.num_free_blocks
     assert all(not request.block_ids for request in scheduler.waiting)
+    assert all(not request.block_ids for request in scheduler.paused.values())
+    assert all(request.status is RequestStatus.PAUSED for request in scheduler.paused.values())
     assert all(request.status is RequestStatus.RUNNING for request in scheduler.running)
     for item in plan.scheduled:
         capacity = len(item.request.block_ids) * block_manager.block_size

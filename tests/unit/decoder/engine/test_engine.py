@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from services.decoder.config import EngineConfig
+from services.decoder.engine.backpressure import MAX_UNREAD_EVENTS
 from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import (
     Accepted,
@@ -428,3 +430,116 @@ def test_accepted_is_out_before_any_delta_even_while_the_engine_is_busy(tiny_mod
         assert done.wait(60)
         background.close()
     assert isinstance(events[0], Accepted), [type(e).__name__ for e in events]
+
+
+def test_the_asyncio_front_builds_requests_off_the_event_loop(tiny_model_dir, tiny_fp32) -> None:
+    # Built on the loop, a 30 MB text kept health unanswered for 24 s and stalled every stream.
+    spec = GenerateSpec([TextPrompt("hello")], stopping=StoppingParams(max_new_tokens=2))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        threads: list[str] = []
+        make_request = engine.make_request
+
+        def recording(spec: GenerateSpec):
+            threads.append(threading.current_thread().name)
+            return make_request(spec)
+
+        engine.make_request = recording
+
+        async def run() -> list[Event]:
+            return [event async for event in engine.stream(spec)]
+
+        events = asyncio.run(run())
+    assert isinstance(events[-1], Finished)
+    assert len(threads) == 1 and threads[0].startswith("tandem-requests")
+
+
+def test_a_caller_that_leaves_while_its_request_is_built_leaves_nothing_behind(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    spec = GenerateSpec([[3, 4]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=200))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        building = threading.Event()
+        make_request = engine.make_request
+
+        def slow(spec: GenerateSpec):
+            building.set()
+            threading.Event().wait(0.5)
+            return make_request(spec)
+
+        engine.make_request = slow
+
+        async def leave_early() -> None:
+            task = asyncio.ensure_future(anext(aiter(engine.stream(spec))))
+            await asyncio.to_thread(building.wait, 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(leave_early())
+        deadline = time.monotonic() + 10
+        while engine.core.num_live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.core.num_live() == 0
+        assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_total_blocks
+
+
+def _wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=5)]
+)
+def test_a_request_whose_reader_stops_taking_deltas_pauses_and_resumes_where_it_left_off(
+    tiny_model_dir, tiny_fp32, sampling: SamplingParams
+) -> None:
+    # Unread streams used to be generated at full speed: with 200 of them open, an unrelated
+    # 32-token request waited 87.7 s and the server's memory grew by 450 MB.
+    stopping = StoppingParams(max_new_tokens=3 * MAX_UNREAD_EVENTS, ignore_eos=True)
+    spec = GenerateSpec([[3, 4, 5]], sampling, stopping)
+    neighbour = GenerateSpec([[7, 8]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=8))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        expected = _tokens(_alone(engine, spec))
+        reader = engine.generate(spec)
+        assert isinstance(next(reader), Accepted)  # and then nothing is taken for a while
+        scheduler, blocks = engine.core.scheduler, engine.core.block_manager
+        _wait_for(lambda: scheduler.num_paused == 1)
+        paused = next(iter(scheduler.paused.values()))
+        assert paused.num_output_tokens == MAX_UNREAD_EVENTS + 1  # one Delta a step, then the pause
+        assert blocks.num_free_blocks == blocks.num_total_blocks  # it holds no KV while paused
+        assert _finished(_alone(engine, neighbour)).output_tokens == 8  # the engine serves others
+        assert paused.num_output_tokens == MAX_UNREAD_EVENTS + 1  # and generated nothing for it
+        rest = list(reader)  # reading resumes it
+    assert _tokens(rest) == expected
+    assert _finished(rest).output_tokens == stopping.max_new_tokens
+    assert [e.name for e in _finished(rest).timeline if e.name in ("paused", "resumed")] == [
+        "paused",
+        "resumed",
+    ]
+
+
+def test_an_async_reader_that_stops_reading_pauses_its_request_until_it_reads_again(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    spec = GenerateSpec(
+        [[3, 4, 5]],
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_new_tokens=2 * MAX_UNREAD_EVENTS, ignore_eos=True),
+    )
+
+    async def read_after_the_pause() -> list[Event]:
+        events = []
+        async for event in engine.stream(spec):
+            events.append(event)
+            if isinstance(event, Accepted):
+                await asyncio.to_thread(_wait_for, lambda: engine.core.scheduler.num_paused == 1)
+        return events
+
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        expected = _tokens(_alone(engine, spec))
+        events = asyncio.run(read_after_the_pause())
+    assert _tokens(events) == expected
+    assert isinstance(events[-1], Finished) and events[-1].output_tokens == 2 * MAX_UNREAD_EVENTS

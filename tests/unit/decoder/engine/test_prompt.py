@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from common import text_bounds
 from common.errors import FailedPrecondition, InvalidArgument
 from services.decoder.engine.params import StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt, build_request
@@ -15,7 +16,10 @@ from services.decoder.models.loader import LoadedModel
 
 
 def _build(loaded: LoadedModel, spec: GenerateSpec, max_model_len: int = 16, embeds: bool = True) -> Request:
-    return build_request(spec, "r", loaded.tokenizer, loaded.config, max_model_len, embeds)
+    max_token_chars = text_bounds.max_token_chars(loaded.tokenizer)
+    return build_request(
+        spec, "r", loaded.tokenizer, loaded.config, max_model_len, embeds, max_token_chars=max_token_chars
+    )
 
 
 def _field(loaded: LoadedModel, spec: GenerateSpec, **kwargs) -> str:
@@ -89,3 +93,43 @@ def test_embedding_values_finite_on_the_wire_but_infinite_in_the_model_dtype_are
     rows[1, 3] = -largest  # the edge itself is finite in the model dtype
     request = _build(model, GenerateSpec([[1], EmbeddingPrompt(rows)], cap_max_new_tokens=True))
     assert float(request.embedding_spans[0].rows[1, 3]) == -largest
+
+
+class _NoTokenizing:
+    """A tokenizer that fails the test if anything is tokenized."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def encode_batch(self, *args, **kwargs):
+        raise AssertionError("tokenized a prompt its length alone rules out")
+
+    def get_vocab(self, *args, **kwargs):
+        return self.real.get_vocab(*args, **kwargs)
+
+    @property
+    def decoder(self):
+        return self.real.decoder
+
+
+def test_a_text_too_long_to_fit_is_refused_from_its_length_before_it_is_tokenized(
+    tiny_fp32: LoadedModel,
+) -> None:
+    # Tokenizing 30 MB of text took the decoder 24 s, all of it before the length rule applied.
+    max_chars = text_bounds.max_token_chars(tiny_fp32.tokenizer)
+    untokenizable = dataclasses.replace(tiny_fp32, tokenizer=_NoTokenizing(tiny_fp32.tokenizer))
+    spec = GenerateSpec([[1, 2], TextPrompt("a" * (14 * max_chars))], cap_max_new_tokens=True)
+    with pytest.raises(InvalidArgument) as info:
+        _build(untokenizable, spec)  # 2 ids + at least 14 positions of text >= 16
+    assert info.value.field == "prompt" and "at least 16 positions" in info.value.description
+    # One character less per bound and the text may fit: it is tokenized, and here it does fit.
+    fits = GenerateSpec([[1, 2], TextPrompt("a" * (13 * max_chars))], cap_max_new_tokens=True)
+    assert _build(tiny_fp32, fits, max_model_len=4096).num_prompt_tokens < 4096
+
+
+def test_token_ids_and_rows_are_counted_before_any_is_read(tiny_fp32: LoadedModel) -> None:
+    hidden = tiny_fp32.config.hidden_size
+    out_of_vocab = [10**9] * 20  # each id would be refused, but the count comes first
+    assert _field(tiny_fp32, GenerateSpec([out_of_vocab])) == "prompt"
+    nan_rows = EmbeddingPrompt(torch.full((20, hidden), float("nan")))
+    assert _field(tiny_fp32, GenerateSpec([nan_rows])) == "prompt"

@@ -366,3 +366,35 @@ def _add_random_request(scheduler: Scheduler, rng: random.Random, request_id: st
 def test_check_invariants_holds_on_an_idle_scheduler() -> None:
     scheduler, _ = make_scheduler()
     check_invariants(scheduler, scheduler.schedule())
+
+
+def test_a_paused_request_leaves_the_batch_holds_no_blocks_and_resumes_with_the_same_outputs() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(make_request("unread", list(range(10)), max_new_tokens=8))
+    scheduler.add_request(make_request("other", [1, 2, 3], max_new_tokens=8))
+    for _ in range(3):
+        run_step(scheduler, runner)
+    unread = scheduler.get_request("unread")
+    assert unread is not None
+    outputs = list(unread.output_token_ids)
+    assert scheduler.pause("unread") and not scheduler.pause("unread")
+    assert unread.status is RequestStatus.PAUSED and not unread.block_ids
+    assert scheduler.has_unfinished and (scheduler.num_running, scheduler.num_paused) == (1, 1)
+    for _ in range(3):
+        assert "unread" not in ids(run_step(scheduler, runner))
+    assert unread.output_token_ids == outputs
+    assert scheduler.resume("unread") and not scheduler.resume("unread")
+    run_until_done(scheduler, runner)
+    assert unread.output_token_ids == reference_outputs("unread", 8)  # recomputed, never resampled
+
+
+def test_a_scheduler_holding_only_paused_requests_has_nothing_to_schedule() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(make_request("a", [1, 2, 3], max_new_tokens=4))
+    run_step(scheduler, runner)
+    scheduler.pause("a")
+    assert scheduler.has_unfinished and not scheduler.has_schedulable
+    assert scheduler.schedule().is_empty
+    assert scheduler.abort("a")  # a paused request ends like any other
+    assert not scheduler.has_unfinished and scheduler.num_paused == 0
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks

@@ -1,0 +1,62 @@
+"""The cheapest bound on how many positions a text can take: one per `max_token_chars` characters.
+
+No token stands for more text than the vocabulary's longest entry, so a text of `n` characters
+takes at least `ceil(n / max_token_chars)` positions (a character is at least one byte). A text
+that cannot fit the positions left is refused from its length alone, before anything tokenizes it:
+tokenizing costs seconds per megabyte and holds the GIL in `Tokenizer.encode`.
+
+For byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) every character of a vocabulary entry is one byte
+of text; for other tokenizers an entry's UTF-8 length is an upper bound (SentencePiece's "▁" is 3
+bytes for one space), so the bound only gets looser. A normalizer that shrinks text (dropping
+accents, say) could make a text fit that this rule refuses; the rule is the documented limit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import tokenizers
+
+from common.errors import InvalidArgument
+
+
+def max_token_chars(tokenizer: tokenizers.Tokenizer) -> int:
+    """The most characters of text one token of `tokenizer` stands for (added tokens included)."""
+    entries = tokenizer.get_vocab(with_added_tokens=True)
+    decoder = tokenizer.decoder
+    spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    return vocabulary_bound(entries, is_byte_level=_is_byte_level(spec))
+
+
+def vocabulary_bound(entries: Iterable[str], is_byte_level: bool) -> int:
+    """The longest entry in characters of text: its length when each character encodes one byte
+    (byte-level BPE), its UTF-8 length otherwise. At least 1."""
+    size = len if is_byte_level else (lambda entry: len(entry.encode()))
+    return max((size(entry) for entry in entries), default=1) or 1
+
+
+def min_positions(text: str, max_chars_per_token: int) -> int:
+    """Fewest positions `text` can tokenize to (0 only for empty text)."""
+    return math.ceil(len(text) / max_chars_per_token)
+
+
+def check_tokenize_bound(texts: list[str], max_chars_per_token: int, max_positions: int, limit: str) -> None:
+    """A Tokenize call does at most the tokenizing one request may: its texts together must be able to
+    fit `max_positions` (the service's `limit`). Raises InvalidArgument naming `texts`."""
+    num_at_least = sum(min_positions(text, max_chars_per_token) for text in texts)
+    if num_at_least > max_positions:
+        raise InvalidArgument(
+            "texts",
+            f"at least {num_at_least} positions (one per {max_chars_per_token} characters or fewer) "
+            f"exceed {limit} {max_positions}; tokenize at most {max_positions * max_chars_per_token} "
+            "characters per call",
+        )
+
+
+def _is_byte_level(decoder: dict[str, Any]) -> bool:
+    """Whether the tokenizer's decoder (its JSON form) maps each vocabulary character to one byte."""
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    return any(part.get("type") == "ByteLevel" for part in parts)

@@ -1,0 +1,44 @@
+"""The length bound on text: never above what tokenizing gives, so it only refuses what cannot fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.errors import InvalidArgument
+from common.text_bounds import check_tokenize_bound, max_token_chars, min_positions, vocabulary_bound
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+def test_a_byte_level_vocabulary_counts_one_character_per_byte(tokenizer: tokenizers.Tokenizer) -> None:
+    longest = max(tokenizer.get_vocab(with_added_tokens=True), key=len)
+    assert max_token_chars(tokenizer) == len(longest)
+
+
+def test_other_vocabularies_count_utf8_bytes() -> None:
+    assert vocabulary_bound(["ab", "▁x"], is_byte_level=False) == 4  # "▁" is 3 bytes
+    assert vocabulary_bound([], is_byte_level=True) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(min_size=1, max_size=400))
+def test_the_bound_never_exceeds_the_real_token_count(tokenizer: tokenizers.Tokenizer, text: str) -> None:
+    bound = min_positions(text, max_token_chars(tokenizer))
+    assert bound <= len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def test_a_tokenize_call_may_hold_one_context_of_text_and_no_more() -> None:
+    check_tokenize_bound(["a" * 40, "b" * 40], max_chars_per_token=10, max_positions=8, limit="max_model_len")
+    with pytest.raises(InvalidArgument) as info:
+        check_tokenize_bound(
+            ["a" * 40, "b" * 41], max_chars_per_token=10, max_positions=8, limit="max_model_len"
+        )
+    assert info.value.field == "texts" and "at most 80 characters" in info.value.description

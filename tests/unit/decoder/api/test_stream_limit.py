@@ -1,0 +1,47 @@
+"""At most N open Generate streams per connection; other connections are not affected."""
+
+import pytest
+
+from common.errors import ResourceExhausted
+from services.decoder.api.main import config_from_args
+from services.decoder.api.stream_limit import StreamLimit
+
+
+def test_a_connection_at_its_bound_is_refused_and_others_are_not() -> None:
+    limit = StreamLimit(2)
+    with limit.open("ipv4:127.0.0.1:1000"), limit.open("ipv4:127.0.0.1:1000"):
+        with pytest.raises(ResourceExhausted, match="already has 2 Generate streams open") as caught:
+            with limit.open("ipv4:127.0.0.1:1000"):
+                pass
+        assert caught.value.retry_after_s > 0
+        with limit.open("ipv4:127.0.0.1:1001"):  # another connection
+            assert limit.num_open("ipv4:127.0.0.1:1001") == 1
+    assert limit.num_open("ipv4:127.0.0.1:1000") == 0
+
+
+def test_a_stream_that_fails_still_gives_its_place_back() -> None:
+    limit = StreamLimit(1)
+    with pytest.raises(RuntimeError), limit.open("peer"):
+        raise RuntimeError("the stream failed")
+    with limit.open("peer"):
+        pass
+
+
+def test_no_bound_counts_but_never_refuses() -> None:
+    limit = StreamLimit(None)
+    with limit.open("peer"), limit.open("peer"), limit.open("peer"):
+        assert limit.num_open("peer") == 3
+
+
+def test_the_bound_comes_from_the_flag_or_the_environment_and_defaults_to_32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert config_from_args(["--model", "m"]).max_streams_per_connection == 32
+    assert (
+        config_from_args(["--model", "m", "--max-streams-per-connection", "4"]).max_streams_per_connection
+        == 4
+    )
+    monkeypatch.setenv("TANDEM_MAX_STREAMS_PER_CONNECTION", "7")
+    assert config_from_args(["--model", "m"]).max_streams_per_connection == 7
+    with pytest.raises(ValueError, match="must be >= 1"):
+        config_from_args(["--model", "m", "--max-streams-per-connection", "0"])
