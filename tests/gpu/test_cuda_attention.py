@@ -1,9 +1,9 @@
 """CudaPagedAttention's compiled FlexAttention kernels against a dense fp64 reference, on the GPU.
 
 What only a GPU can show: the Triton kernels read just the listed blocks of a pool whose other slots
-are NaN, bf16 stays within bf16 error of the reference, the split-KV decoding kernel (static batch,
-a power-of-two group) agrees too, and a decode step captured as a CUDA graph replays with new lengths
-and block tables.
+are NaN, bf16 stays within bf16 error of the reference, the split-KV decoding kernel (taken for a
+static batch, as in a CUDA-graph bucket; decode folds each KV group into rows, so any group qualifies)
+agrees too, and a decode step captured as a CUDA graph replays with new lengths and block tables.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class Heads:
     head_dim: int
 
 
-SMOLLM2 = Heads(9, 3, 64)  # a group of 3: FlexAttention's main kernel, GQA groups as rows
-QWEN = Heads(16, 8, 128)  # a group of 2: the split-KV decoding kernel when the batch is static
+SMOLLM2 = Heads(9, 3, 64)  # a group of 3 (prefill: FlexAttention's GQA takes it on the main kernel)
+QWEN = Heads(16, 8, 128)  # a group of 2 and head_dim 128
 
 
 class Pool:
@@ -142,10 +142,11 @@ def test_compiled_flex_attention_matches_the_fp64_reference_over_a_nan_pool(
         assert torch.equal(got, clean_out), f"step {step}: the NaN pool changed the output"
 
 
-def test_the_split_kv_decoding_kernel_of_a_static_batch_matches_the_reference() -> None:
+@pytest.mark.parametrize("heads", [SMOLLM2, QWEN])
+def test_the_split_kv_decoding_kernel_of_a_static_batch_matches_the_reference(heads: Heads) -> None:
     # dynamic=False: a static batch, as in a CUDA-graph bucket, lets FlexAttention pick flex decoding.
     attention = FlexPagedAttention(torch.compile(flex_attention, dynamic=False, fullgraph=True))
-    for step, (got, ref) in enumerate(_run(attention, QWEN, torch.bfloat16, float("nan"))):
+    for step, (got, ref) in enumerate(_run(attention, heads, torch.bfloat16, float("nan"))):
         assert torch.isfinite(got).all() and _relative_error(got, ref) < 1e-2, f"step {step}"
 
 
