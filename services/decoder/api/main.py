@@ -57,6 +57,7 @@ _ENGINE_FLAGS = (
     "static_shapes",
     "compile",
     "num_threads",
+    "batch_invariant",
 )
 _SERVER_FLAGS = ("host", "port", "max_message_bytes", "grace_s")
 
@@ -95,6 +96,11 @@ def build_parser() -> ServiceArgumentParser:
     p.add_flag("--grace-s", "drain time for in-flight streams on SIGTERM", float)
     p.add_flag("--max-streams-per-connection", "open Generate streams one connection may hold", int)
     p.add_flag("--num-threads", "torch intra-op threads", int)
+    p.add_flag(
+        "--batch-invariant",
+        "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
+        flag_bool,
+    )
     p.add_flag("--world-size", "ranks to shard the model over (spawned here unless torchrun)", int)
     p.add_flag("--collective-timeout-s", "several ranks: collective timeout", float)
     p.add_server_security_flags()
