@@ -47,6 +47,10 @@ class EngineConfig:
     # at start with the machine's C compiler; without one the engine logs it and keeps torch ops.
     native_kernels: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default.
+    # A request's tokens do not depend on what else runs: each request's forward pass runs alone, its
+    # prefill chunks start where they would alone, and prefix caching is off. Costs a batched step's
+    # speed (one pass per request); see the proto's SamplingParams.seed.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -99,6 +99,11 @@ def settings() -> list[Setting]:
             type=BOOL,
         ),
         _engine("--num-threads", "torch intra-op threads", type=int, show_default="torch's default"),
+        _engine(
+            "--batch-invariant",
+            "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
+            type=BOOL,
+        ),
         Setting(
             ENV_PREFIX,
             "--world-size",
@@ -139,6 +144,7 @@ _ENGINE_FIELDS = (
     "compile",
     "native_kernels",
     "num_threads",
+    "batch_invariant",
 )
 
 

@@ -96,12 +96,19 @@ class Engine:
 
     def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
         config = self.config
-        block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Batch-invariant: a cached prefix was computed in another request's chunks, and a request's
+        # chunks are its own (max_num_batched_tokens each, the step's budget never cutting them).
+        invariant = config.batch_invariant
+        block_manager = BlockManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching and not invariant
+        )
         scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                * (config.max_num_seqs if invariant else 1),
                 max_waiting=config.max_queue,
+                max_tokens_per_request=config.max_num_batched_tokens if invariant else None,
             ),
             block_manager,
         )
@@ -113,6 +120,7 @@ class Engine:
             sizing.static_shapes(config, self.max_model_len),
             None if tp is None else tp.step_sender(),
             backend if config.compile else None,
+            invariant,
         )
         return EngineCore(scheduler, runner, self.model_config.vocab_size)
 

@@ -22,7 +22,7 @@ import torch
 from services.decoder.backends.backend import Backend, RecompileError, StepFn
 from services.decoder.backends.buckets import bucket_compiler
 from services.decoder.engine.batch import BatchTensors, ForwardBatch, pack
-from services.decoder.engine.scheduler import StepPlan
+from services.decoder.engine.scheduler import ScheduledRequest, StepPlan
 from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
 from services.decoder.engine.static_shapes import StaticShapes, pad_to_buckets, padded_width, padding_batch
 from services.decoder.models.tensor_parallel import world_size_of
@@ -60,6 +60,7 @@ class ModelRunner:
         static: StaticShapes | None = None,
         sink: StepSink | None = None,
         compile_with: Backend | None = None,  # static mode: compile each decode bucket; None = eager
+        batch_invariant: bool = False,  # one forward pass per request (see execute)
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -76,10 +77,22 @@ class ModelRunner:
                 raise ValueError("compiled decode buckets need static shapes")
             self.compiler = bucket_compiler(compile_with, model, self.kv_caches, len(static.seq_buckets))
         self.compiled_steps: dict[Signature, StepFn] = {}  # decode buckets compiled so far
+        self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Logits float32 [num_sampling_seqs, vocab] for the plan's requests with needs_logits, in order."""
+        """Logits float32 [num_sampling_seqs, vocab] for the plan's requests with needs_logits, in order.
+
+        Batch-invariant: each request runs a forward pass of its own, with the shapes it would have
+        alone. Matrix kernels pick their blocking by the number of rows (MKL's float32 GEMM gives a
+        row other bits at 1 row than among 8; oneDNN's bf16 does the same), so no other guarantee
+        holds on every CPU and library; this one holds by construction.
+        """
+        if self.batch_invariant and len(plan.scheduled) > 1:
+            return torch.cat([self._execute(_alone(plan, item)) for item in plan.scheduled])
+        return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> torch.Tensor:
         batch = self.prepare(plan)
         logits = self.forward(batch)
         return logits[: batch.num_logits]
@@ -137,3 +150,13 @@ class ModelRunner:
         width = block_table_width or self.static.block_table_widths[-1]
         batch = self.tensors.batch(host, width, has_embeds=True)
         self.forward(pad_for_sequence_parallel(batch, self.world_size))
+
+
+def _alone(plan: StepPlan, item: ScheduledRequest) -> StepPlan:
+    """The plan of one of `plan`'s requests, as if it were the only one."""
+    return StepPlan(
+        scheduled=(item,),
+        num_batched_tokens=item.num_new_tokens,
+        preempted_ids=(),
+        num_free_blocks_after=plan.num_free_blocks_after,
+    )

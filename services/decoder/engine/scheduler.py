@@ -34,11 +34,18 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in one step (running set size)
     max_num_batched_tokens: int = 2048  # token budget of one step, prefill and decode together
     max_waiting: int = 256  # waiting-queue bound; add_request raises QueueFullError beyond it
+    # Most positions of one request per step; None = whatever is left of the step's budget. Set (with
+    # a budget of max_num_seqs times it) a request's prefill chunks no longer depend on its neighbours.
+    max_tokens_per_request: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_request is not None and self.max_tokens_per_request < 1:
+            raise ValueError(
+                f"SchedulerConfig.max_tokens_per_request must be >= 1, got {self.max_tokens_per_request}"
+            )
 
 
 @dataclass(frozen=True)
@@ -263,7 +270,8 @@ class Scheduler:
         return True
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int) -> int:
-        return min(request.num_tokens - num_computed_tokens, budget)
+        cap = self.config.max_tokens_per_request or budget
+        return min(request.num_tokens - num_computed_tokens, budget, cap)
 
     def _preempt(self, request: Request) -> None:
         # Recompute, not swap: the outputs stay, and on resume prompt + outputs are prefilled

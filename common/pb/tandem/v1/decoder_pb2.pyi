@@ -73,7 +73,8 @@ class PromptSegment(_message.Message):
     text: _builtins.str
     """UTF-8 text, tokenized by the server without adding BOS/EOS. Special-token literals in it (such
     as "<|im_start|>") become control tokens unless GenerateRequest.plain_text is set. Must not be
-    empty.
+    empty. A text counts at least one position per N characters, N the longest vocabulary entry
+    (81 for SmolLM2): a prompt that cannot fit by that count is refused before it is tokenized.
     """
     @_builtins.property
     def token_ids(self) -> _tensor_pb2.TokenIds:
@@ -81,8 +82,10 @@ class PromptSegment(_message.Message):
 
     @_builtins.property
     def embeddings(self) -> _tensor_pb2.Tensor:
-        """Embedding rows, rank 2, [n, hidden_size], FLOAT32 / FLOAT16 / BFLOAT16, all values finite.
-        Each row takes one position in place of a token; rows are cast to the model's dtype.
+        """Embedding rows, rank 2, [n, hidden_size], FLOAT32 / FLOAT16 / BFLOAT16. Rows are cast to the
+        model's dtype, where every value must be finite: a float32 value beyond bfloat16's range
+        (about 3.39e38) or float16's (65,504) is INVALID_ARGUMENT, as NaN and Inf are. Each row takes one
+        position in place of a token.
         """
 
     def __init__(
@@ -273,8 +276,15 @@ class SamplingParams(_message.Message):
     frequency_penalty: _builtins.float
     """Subtracted from a token's logit once per time it was generated, in [-2, 2]. Default 0."""
     seed: _builtins.int
-    """Random seed. A seeded request produces the same tokens whatever else shares its batch.
-    Unset = a fresh random stream.
+    """Random seed. A seeded request draws from its own generator, never from its neighbours': the same
+    request on the same server gives the same tokens. Whatever else shares its batch, its tokens and
+    logprobs stay exactly those it gets alone only on a server run with --batch-invariant (one
+    forward pass per request, no prefix cache; slower). Otherwise the batch can round its logits
+    differently (matrix kernels choose their blocking by the batch's rows, a decode step that
+    shares a step with a prefill takes the prefill's attention path, prefill chunks follow the
+    shared token budget), which changes a token where two were nearly tied, bf16 ties included.
+    Either way a request recomputed after a preemption (KV cache full) or a pause may differ from
+    there on. Unset = a fresh random stream.
     """
     @_builtins.property
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
@@ -440,11 +450,12 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     PLAIN_TEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Caller-chosen ID echoed in every response and in traces; the server assigns one when empty.
-    At most 128 bytes.
+    """Caller-chosen ID echoed in every response and in traces, at most 128 bytes. A label only: the
+    server never looks a request up by it, so it need not be unique, and reusing one (even right
+    after cancelling its stream) affects no other request. Empty = a random one (a UUID).
     """
     model: _builtins.str
-    """Model name to check against the loaded one; empty = the loaded model."""
+    """Model name to check against the loaded one, at most 256 bytes; empty = the loaded model."""
     plain_text: _builtins.bool
     """Tokenize `prompt` text segments as plain text: special-token literals stay text. Default false,
     as in vLLM's and TGI's completion APIs: a caller that sends raw segments writes the template's
@@ -699,7 +710,9 @@ class DecoderTokenizeRequest(_message.Message):
     """Add the tokenizer's special tokens. Default false."""
     @_builtins.property
     def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Texts, each UTF-8; at most 64 per call."""
+        """Texts, each UTF-8; at most 64 per call, together no more than one context can hold when counted
+        as for a prompt (one position per N characters at least, N the longest vocabulary entry).
+        """
 
     def __init__(
         self,

@@ -31,7 +31,8 @@ class DecoderStub:
     INVALID_ARGUMENT (+ BadRequest field violations naming e.g. `prompt[2].embeddings.shape`) for
     bad input, including prompts that do not fit the context;
     FAILED_PRECONDITION for embedding segments when the server runs with prompt embeddings off;
-    RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full;
+    RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full, or when the connection already
+    holds the server's most open Generate streams (--max-streams-per-connection, default 32);
     UNAVAILABLE while loading, draining, or after an engine failure;
     DEADLINE_EXCEEDED when the call's deadline passes (also while still queued);
     CANCELLED when the client cancels; INTERNAL only for server bugs.
@@ -66,7 +67,8 @@ class DecoderServicer:
     INVALID_ARGUMENT (+ BadRequest field violations naming e.g. `prompt[2].embeddings.shape`) for
     bad input, including prompts that do not fit the context;
     FAILED_PRECONDITION for embedding segments when the server runs with prompt embeddings off;
-    RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full;
+    RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full, or when the connection already
+    holds the server's most open Generate streams (--max-streams-per-connection, default 32);
     UNAVAILABLE while loading, draining, or after an engine failure;
     DEADLINE_EXCEEDED when the call's deadline passes (also while still queued);
     CANCELLED when the client cancels; INTERNAL only for server bugs.
@@ -74,7 +76,10 @@ class DecoderServicer:
 
     def Generate(self, request, context):
         """Streams one generation: exactly one `accepted`, then zero or more `delta`, then exactly one
-        `finished`, then status OK. Cancelling the call aborts the request and frees its cache.
+        `finished`, then status OK. Cancelling the call aborts the request and frees its cache. Read the
+        stream: a request whose reader leaves 64 messages untaken (its HTTP/2 window full) pauses, holding
+        no cache, and resumes with the same tokens once the reader takes them. A call that sends no
+        request message is INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,7 +131,8 @@ class Decoder:
     INVALID_ARGUMENT (+ BadRequest field violations naming e.g. `prompt[2].embeddings.shape`) for
     bad input, including prompts that do not fit the context;
     FAILED_PRECONDITION for embedding segments when the server runs with prompt embeddings off;
-    RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full;
+    RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full, or when the connection already
+    holds the server's most open Generate streams (--max-streams-per-connection, default 32);
     UNAVAILABLE while loading, draining, or after an engine failure;
     DEADLINE_EXCEEDED when the call's deadline passes (also while still queued);
     CANCELLED when the client cancels; INTERNAL only for server bugs.

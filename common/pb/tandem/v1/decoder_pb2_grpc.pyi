@@ -32,7 +32,8 @@ class DecoderStub:
       INVALID_ARGUMENT (+ BadRequest field violations naming e.g. `prompt[2].embeddings.shape`) for
         bad input, including prompts that do not fit the context;
       FAILED_PRECONDITION for embedding segments when the server runs with prompt embeddings off;
-      RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full;
+      RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full, or when the connection already
+        holds the server's most open Generate streams (--max-streams-per-connection, default 32);
       UNAVAILABLE while loading, draining, or after an engine failure;
       DEADLINE_EXCEEDED when the call's deadline passes (also while still queued);
       CANCELLED when the client cancels; INTERNAL only for server bugs.
@@ -44,7 +45,10 @@ class DecoderStub:
     def __new__(cls, channel: _aio.Channel) -> DecoderAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_decoder_pb2.GenerateRequest, _decoder_pb2.GenerateResponse]
     """Streams one generation: exactly one `accepted`, then zero or more `delta`, then exactly one
-    `finished`, then status OK. Cancelling the call aborts the request and frees its cache.
+    `finished`, then status OK. Cancelling the call aborts the request and frees its cache. Read the
+    stream: a request whose reader leaves 64 messages untaken (its HTTP/2 window full) pauses, holding
+    no cache, and resumes with the same tokens once the reader takes them. A call that sends no
+    request message is INVALID_ARGUMENT.
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_decoder_pb2.DecoderTokenizeRequest, _decoder_pb2.DecoderTokenizeResponse]
     """Tokenizes texts with the model's tokenizer."""
@@ -58,7 +62,8 @@ class DecoderAsyncStub(DecoderStub):
       INVALID_ARGUMENT (+ BadRequest field violations naming e.g. `prompt[2].embeddings.shape`) for
         bad input, including prompts that do not fit the context;
       FAILED_PRECONDITION for embedding segments when the server runs with prompt embeddings off;
-      RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full;
+      RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full, or when the connection already
+        holds the server's most open Generate streams (--max-streams-per-connection, default 32);
       UNAVAILABLE while loading, draining, or after an engine failure;
       DEADLINE_EXCEEDED when the call's deadline passes (also while still queued);
       CANCELLED when the client cancels; INTERNAL only for server bugs.
@@ -67,7 +72,10 @@ class DecoderAsyncStub(DecoderStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_decoder_pb2.GenerateRequest, _decoder_pb2.GenerateResponse]  # type: ignore[assignment]
     """Streams one generation: exactly one `accepted`, then zero or more `delta`, then exactly one
-    `finished`, then status OK. Cancelling the call aborts the request and frees its cache.
+    `finished`, then status OK. Cancelling the call aborts the request and frees its cache. Read the
+    stream: a request whose reader leaves 64 messages untaken (its HTTP/2 window full) pauses, holding
+    no cache, and resumes with the same tokens once the reader takes them. A call that sends no
+    request message is INVALID_ARGUMENT.
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_decoder_pb2.DecoderTokenizeRequest, _decoder_pb2.DecoderTokenizeResponse]  # type: ignore[assignment]
     """Tokenizes texts with the model's tokenizer."""
@@ -80,7 +88,8 @@ class DecoderServicer(metaclass=_abc_1.ABCMeta):
       INVALID_ARGUMENT (+ BadRequest field violations naming e.g. `prompt[2].embeddings.shape`) for
         bad input, including prompts that do not fit the context;
       FAILED_PRECONDITION for embedding segments when the server runs with prompt embeddings off;
-      RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full;
+      RESOURCE_EXHAUSTED (+ RetryInfo) when the waiting queue is full, or when the connection already
+        holds the server's most open Generate streams (--max-streams-per-connection, default 32);
       UNAVAILABLE while loading, draining, or after an engine failure;
       DEADLINE_EXCEEDED when the call's deadline passes (also while still queued);
       CANCELLED when the client cancels; INTERNAL only for server bugs.
@@ -93,7 +102,10 @@ class DecoderServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_decoder_pb2.GenerateResponse], _abc.AsyncIterator[_decoder_pb2.GenerateResponse]]:
         """Streams one generation: exactly one `accepted`, then zero or more `delta`, then exactly one
-        `finished`, then status OK. Cancelling the call aborts the request and frees its cache.
+        `finished`, then status OK. Cancelling the call aborts the request and frees its cache. Read the
+        stream: a request whose reader leaves 64 messages untaken (its HTTP/2 window full) pauses, holding
+        no cache, and resumes with the same tokens once the reader takes them. A call that sends no
+        request message is INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod

@@ -60,9 +60,12 @@ class EmbedRequest(_message.Message):
     request_id: _builtins.str
     """Caller-chosen ID echoed in the response; the server assigns one when empty. At most 128 bytes."""
     model: _builtins.str
-    """Model name to check against the loaded one; empty = the loaded model."""
+    """Model name to check against the loaded one, at most 256 bytes; empty = the loaded model."""
     text: _builtins.str
-    """UTF-8 text, tokenized with the embedder's tokenizer. Must not be empty."""
+    """UTF-8 text, tokenized with the embedder's tokenizer. Must not be empty. It counts at least one
+    position per N characters (N the longest vocabulary entry); a text that cannot fit
+    max_input_tokens by that count is refused before it is tokenized.
+    """
     add_special_tokens: _builtins.bool
     """Add the tokenizer's special tokens (e.g. BOS) when tokenizing `text`. Default false."""
     output_dtype: _tensor_pb2.DataType.ValueType
@@ -150,7 +153,9 @@ class EncoderTokenizeRequest(_message.Message):
     """Add the tokenizer's special tokens. Default false."""
     @_builtins.property
     def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Texts, each UTF-8; at most 64 per call."""
+        """Texts, each UTF-8; at most 64 per call, together no more than max_input_tokens positions when
+        counted as for Embed (one per N characters at least).
+        """
 
     def __init__(
         self,

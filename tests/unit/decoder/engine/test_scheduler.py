@@ -398,3 +398,23 @@ def test_a_scheduler_holding_only_paused_requests_has_nothing_to_schedule() -> N
     assert scheduler.abort("a")  # a paused request ends like any other
     assert not scheduler.has_unfinished and scheduler.num_paused == 0
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
+
+
+def test_with_a_per_request_cap_a_prefill_is_chunked_the_same_alone_and_among_neighbours() -> None:
+    # The batch-invariant mode's scheduling: each request's chunks are its own, never cut short by
+    # what its neighbours took of the step's budget.
+    def chunks(neighbours: int) -> list[tuple[int, int]]:
+        scheduler, runner = make_scheduler(
+            num_blocks=256, max_num_seqs=8, max_num_batched_tokens=8 * 6, max_tokens_per_request=6
+        )
+        for i in range(neighbours):
+            scheduler.add_request(make_request(f"n{i}", list(range(5 + i)), max_new_tokens=3))
+        scheduler.add_request(make_request("long", list(range(40, 57)), max_new_tokens=2))
+        seen = []
+        for plan in run_until_done(scheduler, runner):
+            seen += [(item.start, item.end) for item in plan.scheduled if item.request_id == "long"]
+        return seen
+
+    alone = chunks(0)
+    assert alone == [(0, 6), (6, 12), (12, 17), (17, 18)]
+    assert chunks(3) == chunks(7) == alone
