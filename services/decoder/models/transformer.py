@@ -25,6 +25,7 @@ from services.decoder.models.layers import (
 )
 from services.decoder.models.linear import Linear, can_prepack, pack_weight
 from services.decoder.models.native import NativeKernels
+from services.decoder.models.native_linear import NativeLinear, can_bind
 from services.decoder.models.tensor_parallel import (
     CheckpointPart,
     ParallelGroup,
@@ -107,6 +108,20 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
+def _bind_linear(
+    kernels: NativeKernels | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+) -> NativeLinear | None:
+    """The C kernel for a bf16 weight that oneDNN did not pack (it has no bf16 path here), else None."""
+    if kernels is None or packed is not None or not can_bind(weight):
+        return None
+    if bias is not None and bias.dtype != weight.dtype:
+        return None
+    return NativeLinear(kernels, weight, bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelGroup | None) -> None:
         super().__init__()
@@ -151,6 +166,7 @@ class DecoderModel(nn.Module):
             else Linear(config.hidden_size, config.vocab_size // world_size_of(tp), bias=False)
         )
         self.packed_head: torch.Tensor | None = None  # set by prepack(): the head in oneDNN's layout
+        self.native_head: NativeLinear | None = None  # set by use_native_kernels: the head's C kernel
 
     def forward(
         self,
@@ -182,7 +198,8 @@ class DecoderModel(nn.Module):
         # The norm is per row, so only the rows whose logits are wanted go through it and the head.
         h = self.norm(rows_for_logits(h, attn.logits_indices, tp, sp))  # [num_logits, hidden_size]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_parallel_logits(h, head, self.tp, self.packed_head)  # [num_logits, vocab_size]
+        logits = vocab_parallel_logits(h, head, self.tp, self.packed_head, self.native_head)
+        return logits  # [num_logits, vocab_size]
 
     def prepack(self) -> None:
         """Pack every projection and the LM head for oneDNN (bf16 on CPU; a no-op elsewhere).
@@ -196,7 +213,8 @@ class DecoderModel(nn.Module):
         self.packed_head = pack_weight(head) if can_prepack(head) else None
 
     def use_native_kernels(self, kernels: NativeKernels | None) -> None:
-        """Norms, RoPE, the KV-cache write and decode attention through models/native_kernels.c.
+        """Norms, RoPE, the KV-cache write and decode attention through models/native_kernels.c, and
+        bf16 linears that oneDNN did not pack (call prepack() first) through linear_kernels.c.
 
         None goes back to torch ops. Each kernel rounds where the torch path does; results differ
         only by the order of fp32 sums (and attention no longer rounds between its two matmuls).
@@ -204,6 +222,10 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, RMSNorm)):
                 module.native = kernels
+            elif isinstance(module, Linear):
+                module.native = _bind_linear(kernels, module.weight, module.bias, module.packed_weight)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.native_head = _bind_linear(kernels, head, None, self.packed_head)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).
