@@ -25,6 +25,7 @@ from services.decoder.models.layers import (
 )
 from services.decoder.models.linear import Linear, can_prepack, pack_weight
 from services.decoder.models.native import NativeKernels
+from services.decoder.models.native_layer import LayerWeights, NativeLayer
 from services.decoder.models.native_linear import NativeLinear, can_bind
 from services.decoder.models.tensor_parallel import (
     CheckpointPart,
@@ -108,6 +109,25 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
+def _bind_layer(
+    kernels: NativeKernels | None, layer: DecoderLayer, tp: ParallelGroup | None
+) -> NativeLayer | None:
+    """Both halves of the layer in C, when its linears went to the C kernel and there is one rank."""
+    a, mlp = layer.self_attn, layer.mlp
+    linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if kernels is None or tp is not None or any(linear.native is None for linear in linears):
+        return None
+    weights = LayerWeights(
+        input_norm=layer.input_layernorm.weight, qkv=a.qkv_proj.weight, qkv_bias=a.qkv_proj.bias,
+        q_norm=_weight(a.q_norm), k_norm=_weight(a.k_norm), o=a.o_proj.weight, o_bias=a.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight, gate_up=mlp.gate_up_proj.weight,
+        gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+    )  # fmt: skip
+    if layer.input_layernorm.eps != a.norm_eps or layer.post_attention_layernorm.eps != a.norm_eps:
+        return None  # the kernels take one epsilon for every norm of the layer
+    return NativeLayer(kernels, weights, a.num_heads, a.num_kv_heads, a.norm_eps)
+
+
 def _bind_linear(
     kernels: NativeKernels | None,
     weight: torch.Tensor,
@@ -129,6 +149,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, use_qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+        self.native: NativeLayer | None = None  # set by DecoderModel.use_native_kernels (one rank, bf16)
 
     def forward(
         self,
@@ -139,6 +160,12 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         sp: bool = False,
     ) -> torch.Tensor:
+        native, attention = self.native, self.self_attn
+        if native is not None and native.accepts(h, kv_cache):
+            # Everything but attention in two C calls; h is this layer's own input, updated in place.
+            q, k, v = native.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, not attn.is_decode_only)
+            out = paged_attention(q, kv_cache, attn, attention.scale, k, v, attention.native)
+            return native.mlp_block(h, out)
         # Norms and residual adds run on whatever rows this rank holds: its slice under SP.
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache, sp)
         return h + self.mlp(self.post_attention_layernorm(h), sp)  # same rows as h
@@ -226,6 +253,8 @@ class DecoderModel(nn.Module):
                 module.native = _bind_linear(kernels, module.weight, module.bias, module.packed_weight)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.native_head = _bind_linear(kernels, head, None, self.packed_head)
+        for layer in self.layers:
+            layer.native = _bind_layer(kernels, layer, self.tp) if self.native_head is not None else None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).
