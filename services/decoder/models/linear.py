@@ -1,9 +1,11 @@
-"""Linear layers whose weights can be pre-packed once for oneDNN on CPU.
+"""Linear layers whose bf16 weights run on the fastest CPU path the machine has.
 
-F.linear on CPU reorders the weight into oneDNN's blocked layout on every call; doing it once at
-load time makes bf16 decode steps about 10-15% faster on bench-small (docs/PERFORMANCE.md). The
-packed copy gives bit-identical results, so packing is an optimisation the loader applies, never a
-different model. Packing is only for bf16 weights on a CPU with oneDNN: elsewhere the plain path runs.
+- oneDNN with a bf16 path (AVX-512 or AVX-NE-CONVERT): F.linear reorders the weight into oneDNN's
+  blocked layout on every call; doing it once at load time makes bf16 decode steps about 10-15%
+  faster on bench-small (docs/PERFORMANCE.md). The packed copy gives bit-identical results.
+- without one (AVX2 only): torch's bf16 matmul is a reference loop, so the weight is bound to the C
+  kernel instead (`native_linear.py`; attached by DecoderModel.use_native_kernels).
+Both are optimisations the loader applies, never a different model; elsewhere F.linear runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.decoder.models.native_linear import NativeLinear
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -36,22 +40,27 @@ def linear(
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features]
     packed_weight: torch.Tensor | None = None,  # pack_weight(weight), when packed
+    native: NativeLinear | None = None,  # weight (and bias) bound to the C kernel, when bound
 ) -> torch.Tensor:  # [num_tokens, out_features]
     if packed_weight is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    if native is not None and native.accepts(x):
+        return native(x, with_bias=bias is not None)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear plus `prepack()`, and a forward that can leave the bias out (row-parallel sums)."""
+    """nn.Linear plus `prepack()` and the C kernel, and a forward that can leave the bias out (row-parallel
+    sums)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed_weight: torch.Tensor | None = None  # not a buffer: derived, never saved
+        self.native: NativeLinear | None = None  # set by DecoderModel.use_native_kernels
 
     def prepack(self) -> None:
         if can_prepack(self.weight):
             self.packed_weight = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        return linear(x, self.weight, self.bias if with_bias else None, self.packed_weight)
+        return linear(x, self.weight, self.bias if with_bias else None, self.packed_weight, self.native)

@@ -35,6 +35,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
+# Compiled into the same library (the bf16 linear layers, the fused layer halves), and the header
+# they include; all hashed.
+LINEAR_SOURCE = Path(__file__).with_name("linear_kernels.c")
+LAYER_SOURCE = Path(__file__).with_name("layer_kernels.c")
+HEADER = Path(__file__).with_name("native_bf16.h")
 # -fopenmp: the library's parallel loops join torch's OpenMP runtime (libgomp.so.1, already loaded).
 # No -ffast-math: it would also set flush-to-zero for the whole process when the library loads.
 CFLAGS = (
@@ -75,6 +80,16 @@ class NativeKernels:
         self._qkv_rope_cache = _bind(
             library.tandem_qkv_rope_cache, pointers * 9 + sizes * 5 + [ctypes.c_float, ctypes.c_int]
         )
+        # The raw bf16 linear (linear_kernels.c); call it through native_linear.NativeLinear, which
+        # checks every tensor it hands over.
+        self.linear_bf16 = _bind(library.tandem_linear_bf16, pointers * 4 + sizes * 3)
+        # The raw fused layer halves (layer_kernels.c); call them through native_layer.NativeLayer.
+        real = [ctypes.c_float]
+        self.attention_in = _bind(
+            library.tandem_attention_in,
+            pointers * 2 + real + pointers * 4 + real + pointers * 4 + sizes + pointers * 3 + sizes * 5,
+        )
+        self.mlp_block = _bind(library.tandem_mlp_block, pointers * 5 + real + pointers * 4 + sizes * 4)
 
     @staticmethod
     def _same_cpu_dtype(*tensors: torch.Tensor) -> bool:
@@ -385,6 +400,9 @@ def _build(directory: Path) -> tuple[Path, int]:
         b"\0".join(
             [
                 SOURCE.read_bytes(),
+                LINEAR_SOURCE.read_bytes(),
+                LAYER_SOURCE.read_bytes(),
+                HEADER.read_bytes(),
                 " ".join(CFLAGS).encode(),
                 _compiler_version(compiler).encode(),
                 _cpu_identity().encode(),
@@ -490,7 +508,10 @@ def _compile(compiler: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [compiler, *CFLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=300
+            [compiler, *CFLAGS, "-o", str(built), str(SOURCE), str(LINEAR_SOURCE), str(LAYER_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if result.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr.strip()}")

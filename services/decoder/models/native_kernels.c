@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_bf16.h"
+
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
 /* Limits of the on-stack scratch; native.py checks them before calling.
@@ -30,22 +32,6 @@ enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 #define MAX_ROW 16384 /* longest row an RMSNorm takes (hidden size) */
 /* Below this many elements an elementwise kernel stays on the calling thread: waking the team costs more. */
 #define PARALLEL_MIN_ELEMENTS 16384
-
-static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion does; NaN stays a quiet NaN. */
-static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* exp(x) for x <= 0 (softmax arguments): 2^k * p(r) with |r| <= ln2/2 and a degree-6 polynomial,
  * about 1 ulp. Written out so that the compiler vectorises it; libm's expf is one call per score. */

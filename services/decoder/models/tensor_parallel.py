@@ -23,6 +23,7 @@ from torch import nn
 
 from services.decoder.models.config import ModelConfig
 from services.decoder.models.linear import Linear, linear
+from services.decoder.models.native_linear import NativeLinear
 
 
 class ParallelGroup(Protocol):
@@ -124,10 +125,14 @@ def rows_for_logits(
 
 
 def vocab_parallel_logits(
-    h: torch.Tensor, head: torch.Tensor, tp: ParallelGroup | None, packed_head: torch.Tensor | None = None
+    h: torch.Tensor,
+    head: torch.Tensor,
+    tp: ParallelGroup | None,
+    packed_head: torch.Tensor | None = None,
+    native_head: NativeLinear | None = None,
 ) -> torch.Tensor:
     """h: [num_logits, hidden], head: [vocab / world_size, hidden] -> float32 [num_logits, vocab]."""
-    logits = linear(h, head, packed_weight=packed_head)  # [num_logits, vocab / world_size]
+    logits = linear(h, head, packed_weight=packed_head, native=native_head)  # [num_logits, vocab / ws]
     if tp is not None:
         logits = tp.all_gather_last(logits)
     return logits.float()

@@ -25,6 +25,8 @@ from services.decoder.models.layers import (
 )
 from services.decoder.models.linear import Linear, can_prepack, pack_weight
 from services.decoder.models.native import NativeKernels
+from services.decoder.models.native_layer import LayerWeights, NativeLayer
+from services.decoder.models.native_linear import NativeLinear, can_bind
 from services.decoder.models.tensor_parallel import (
     CheckpointPart,
     ParallelGroup,
@@ -108,6 +110,39 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
+def _bind_layer(
+    kernels: NativeKernels | None, layer: DecoderLayer, tp: ParallelGroup | None
+) -> NativeLayer | None:
+    """Both halves of the layer in C, when its linears went to the C kernel and there is one rank."""
+    a, mlp = layer.self_attn, layer.mlp
+    linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if kernels is None or tp is not None or any(linear.native is None for linear in linears):
+        return None
+    weights = LayerWeights(
+        input_norm=layer.input_layernorm.weight, qkv=a.qkv_proj.weight, qkv_bias=a.qkv_proj.bias,
+        q_norm=_weight(a.q_norm), k_norm=_weight(a.k_norm), o=a.o_proj.weight, o_bias=a.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight, gate_up=mlp.gate_up_proj.weight,
+        gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+    )  # fmt: skip
+    if layer.input_layernorm.eps != a.norm_eps or layer.post_attention_layernorm.eps != a.norm_eps:
+        return None  # the kernels take one epsilon for every norm of the layer
+    return NativeLayer(kernels, weights, a.num_heads, a.num_kv_heads, a.norm_eps)
+
+
+def _bind_linear(
+    kernels: NativeKernels | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+) -> NativeLinear | None:
+    """The C kernel for a bf16 weight that oneDNN did not pack (it has no bf16 path here), else None."""
+    if kernels is None or packed is not None or not can_bind(weight):
+        return None
+    if bias is not None and bias.dtype != weight.dtype:
+        return None
+    return NativeLinear(kernels, weight, bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelGroup | None) -> None:
         super().__init__()
@@ -115,6 +150,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, use_qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+        self.native: NativeLayer | None = None  # set by DecoderModel.use_native_kernels (one rank, bf16)
 
     def forward(
         self,
@@ -125,6 +161,12 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         sp: bool = False,
     ) -> torch.Tensor:
+        native, attention = self.native, self.self_attn
+        if native is not None and native.accepts(h, kv_cache):
+            # Everything but attention in two C calls; h is this layer's own input, updated in place.
+            q, k, v = native.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, not attn.is_decode_only)
+            out = attention.attention(q, k, v, kv_cache, attn, attention.scale)
+            return native.mlp_block(h, out)
         # Norms and residual adds run on whatever rows this rank holds: its slice under SP.
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache, sp)
         return h + self.mlp(self.post_attention_layernorm(h), sp)  # same rows as h
@@ -152,6 +194,7 @@ class DecoderModel(nn.Module):
             else Linear(config.hidden_size, config.vocab_size // world_size_of(tp), bias=False)
         )
         self.packed_head: torch.Tensor | None = None  # set by prepack(): the head in oneDNN's layout
+        self.native_head: NativeLinear | None = None  # set by use_native_kernels: the head's C kernel
 
     def forward(
         self,
@@ -183,7 +226,8 @@ class DecoderModel(nn.Module):
         # The norm is per row, so only the rows whose logits are wanted go through it and the head.
         h = self.norm(rows_for_logits(h, attn.logits_indices, tp, sp))  # [num_logits, hidden_size]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_parallel_logits(h, head, self.tp, self.packed_head)  # [num_logits, vocab_size]
+        logits = vocab_parallel_logits(h, head, self.tp, self.packed_head, self.native_head)
+        return logits  # [num_logits, vocab_size]
 
     def prepack(self) -> None:
         """Pack every projection and the LM head for oneDNN (bf16 on CPU; a no-op elsewhere).
@@ -197,7 +241,8 @@ class DecoderModel(nn.Module):
         self.packed_head = pack_weight(head) if can_prepack(head) else None
 
     def use_native_kernels(self, kernels: NativeKernels | None) -> None:
-        """Norms, RoPE, the KV-cache write and decode attention through models/native_kernels.c.
+        """Norms, RoPE, the KV-cache write and decode attention through models/native_kernels.c, and
+        bf16 linears that oneDNN did not pack (call prepack() first) through linear_kernels.c.
 
         None goes back to torch ops. Each kernel rounds where the torch path does; results differ
         only by the order of fp32 sums (and attention no longer rounds between its two matmuls).
@@ -205,6 +250,12 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, RMSNorm)):
                 module.native = kernels
+            elif isinstance(module, Linear):
+                module.native = _bind_linear(kernels, module.weight, module.bias, module.packed_weight)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.native_head = _bind_linear(kernels, head, None, self.packed_head)
+        for layer in self.layers:
+            layer.native = _bind_layer(kernels, layer, self.tp) if self.native_head is not None else None
         self.use_attention(TorchPagedAttention(kernels))
 
     def use_attention(self, attention: PagedAttention) -> None:

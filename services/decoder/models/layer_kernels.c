@@ -1,0 +1,124 @@
+/* A decoder layer in two calls instead of about twenty-five torch ops: called through ctypes by
+ * services/decoder/models/native_layer.py, compiled into the same library as native_kernels.c and
+ * linear_kernels.c, whose exported kernels it chains.
+ *
+ * Why: on SmolLM2 (30 layers, hidden 576) a decode step is mostly fixed cost per op: module calls,
+ * argument checks, tensor allocation, dispatch, about 0.2-0.3 ms per layer on this 2-core machine,
+ * as much as reading the layer's weights. Attention stays a call of its own between the two halves
+ * (models/attention.py, which owns the paged-cache rules); everything before and after it is one
+ * call each:
+ *
+ *   tandem_attention_in:  x = RMSNorm(h); qkv = x W_qkv^T (+ b); q/k norm, RoPE, K and V to the cache
+ *   tandem_mlp_block:     h += attn W_o^T (+ b); x = RMSNorm(h); g, u = x W_gu^T (+ b);
+ *                         h += (silu(g) * u) W_down^T (+ b)
+ *
+ * Rounding: every intermediate is rounded to bf16 where the torch path rounds it (each linear's
+ * output, each residual sum, silu's output and the product with u), so the layer computes what the
+ * module path computes, up to the order of fp32 sums and silu's exp (about 1 ulp in fp32).
+ * Intermediates live in a buffer of the calling thread that grows to the largest step and stays.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "native_bf16.h"
+
+enum { BF16 = 1 };
+#define PARALLEL_MIN_ELEMENTS 16384
+
+int tandem_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t size, float eps,
+                    int dtype);
+int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
+                       int64_t n, int64_t k);
+int tandem_qkv_rope_cache(const void *qkv, const void *cos, const void *sin, const void *q_norm,
+                          const void *k_norm, const int64_t *slots, void *kv_cache, void *q_out, void *k_out,
+                          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t num_slots, float eps, int dtype);
+
+static __thread uint16_t *buffer = NULL;
+static __thread size_t buffer_elements = 0;
+
+static uint16_t *scratch(size_t elements) {
+    if (elements > buffer_elements) {
+        uint16_t *grown = realloc(buffer, elements * sizeof(uint16_t));
+        if (grown == NULL) return NULL;
+        buffer = grown;
+        buffer_elements = elements;
+    }
+    return buffer;
+}
+
+/* silu(g) = g * sigmoid(g), with exp of a non-positive argument only (no overflow). */
+static inline __attribute__((always_inline)) float silu(float g) {
+    const float e = expf(-fabsf(g));
+    const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    return g * sigmoid;
+}
+
+/* h = round(h + d), elementwise over n bf16 values (torch's bf16 add: fp32 sum, one rounding). */
+static void add_into(uint16_t *restrict h, const uint16_t *restrict d, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
+}
+
+/* act [m, inter] = round(round(silu(g)) * u) from gu [m, 2 * inter] = [g | u] per row. */
+static void swiglu(uint16_t *restrict act, const uint16_t *restrict gu, int64_t m, int64_t inter) {
+#pragma omp parallel for schedule(static) if (m * inter >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
+        uint16_t *a = act + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            const float s = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[i]))));
+            a[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* h [m, hidden] -> q_out [m, num_heads, head_dim] (and k_out, v_out [m, num_kv_heads, head_dim] when
+ * not NULL), this step's keys and values written to kv_cache [2, num_slots, num_kv_heads, head_dim] at
+ * slots. w_qkv [(num_heads + 2 * num_kv_heads) * head_dim, hidden]; b_qkv, q_norm, k_norm may be NULL.
+ * Returns 0, or -1 (a slot out of range, a bad size, no scratch memory). All bf16 and contiguous. */
+int tandem_attention_in(const uint16_t *h, const uint16_t *norm, float eps, const uint16_t *w_qkv,
+                        const uint16_t *b_qkv, const uint16_t *q_norm, const uint16_t *k_norm, float qk_eps,
+                        const uint16_t *cos, const uint16_t *sin, const int64_t *slots, uint16_t *kv_cache,
+                        int64_t num_slots, uint16_t *q_out, uint16_t *k_out, uint16_t *v_out, int64_t m,
+                        int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+    if (m < 0 || hidden < 1 || num_heads < 1 || num_kv_heads < 1 || head_dim < 2) return -1;
+    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+    uint16_t *x = scratch((size_t)(m * (hidden + width)));
+    if (x == NULL && m > 0) return -1;
+    uint16_t *qkv = x + m * hidden;
+    if (tandem_rms_norm(h, norm, x, m, hidden, eps, BF16) != 0) return -1;
+    if (tandem_linear_bf16(x, w_qkv, b_qkv, qkv, m, width, hidden) != 0) return -1;
+    if (tandem_qkv_rope_cache(qkv, cos, sin, q_norm, k_norm, slots, kv_cache, q_out, k_out, m, num_heads,
+                              num_kv_heads, head_dim, num_slots, qk_eps, BF16) != 0)
+        return -1;
+    if (v_out != NULL) {
+        const int64_t kv_width = num_kv_heads * head_dim, v_at = (num_heads + num_kv_heads) * head_dim;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < kv_width; i++) v_out[r * kv_width + i] = qkv[r * width + v_at + i];
+    }
+    return 0;
+}
+
+/* h [m, hidden] in place: h += attn W_o^T (+ b_o); then h += down(silu(g) * u) of RMSNorm(h) (see the top).
+ * attn [m, attn_width]; w_o [hidden, attn_width]; w_gu [2 * inter, hidden] (gate rows, then up rows);
+ * w_down [hidden, inter]; biases may be NULL. Returns 0, or -1 (a bad size, no scratch memory). */
+int tandem_mlp_block(uint16_t *h, const uint16_t *attn, const uint16_t *w_o, const uint16_t *b_o,
+                     const uint16_t *norm, float eps, const uint16_t *w_gu, const uint16_t *b_gu,
+                     const uint16_t *w_down, const uint16_t *b_down, int64_t m, int64_t hidden, int64_t attn_width,
+                     int64_t inter) {
+    if (m < 0 || hidden < 1 || attn_width < 1 || inter < 1) return -1;
+    if (m == 0) return 0;
+    uint16_t *d = scratch((size_t)(m * (2 * hidden + 3 * inter)));
+    if (d == NULL) return -1;
+    uint16_t *x = d + m * hidden, *gu = x + m * hidden, *act = gu + m * 2 * inter;
+    if (tandem_linear_bf16(attn, w_o, b_o, d, m, hidden, attn_width) != 0) return -1;
+    add_into(h, d, m * hidden);
+    if (tandem_rms_norm(h, norm, x, m, hidden, eps, BF16) != 0) return -1;
+    if (tandem_linear_bf16(x, w_gu, b_gu, gu, m, 2 * inter, hidden) != 0) return -1;
+    swiglu(act, gu, m, inter);
+    if (tandem_linear_bf16(act, w_down, b_down, d, m, hidden, inter) != 0) return -1;
+    add_into(h, d, m * hidden);
+    return 0;
+}

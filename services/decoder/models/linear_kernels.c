@@ -1,0 +1,226 @@
+/* bf16 linear layers on CPUs where oneDNN has no bf16 path (AVX2 without AVX-512): called through
+ * ctypes by services/decoder/models/native.py, compiled into the same library as native_kernels.c.
+ *
+ * Why: on such a CPU torch's bf16 matmul falls back to a reference loop (0.3 GFLOP/s for a 1024^3
+ * product here, against 17 in fp32 under the same load), and every linear layer, LM head included,
+ * goes through it. This kernel reads each bf16 weight once per block of rows, widens it to fp32 in
+ * registers (a shift: bf16 is the top half of a float) and accumulates in fp32 with FMAs, so a decode
+ * step streams the weights at memory speed and a prefill runs at the FMA units' speed.
+ *
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), rounded once to bf16, as torch's bf16 linear does
+ * (fp32 accumulation, one rounding); the order of the fp32 sums differs, so results may differ in the
+ * last bf16 bit. w is the nn.Linear layout [out_features, in_features], used as stored.
+ *
+ * Layout of the work: threads split the output features; each thread walks its features in tiles of
+ * NR weight rows, and for each tile every block of MR input rows (the tile's weights stay in L1 while
+ * the rows stream from L2). Inputs are widened to fp32 once per block of rows that fits in L2, into a
+ * per-thread buffer. The micro-kernel keeps MR x NR accumulators of 8 lanes each in registers and
+ * reduces the lanes at the end (dot-product form: no repacked weights).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_bf16.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
+/* Rows of x widened to fp32 at a time: their fp32 copy stays within this many bytes (in L2). */
+#define BLOCK_BYTES (192 * 1024)
+#define MAX_MR 4
+
+/* Per-thread scratch for widened rows; grows to the largest block seen, kept for the next call. */
+static __thread float *scratch = NULL;
+static __thread size_t scratch_floats = 0;
+
+static float *scratch_for(size_t floats) {
+    if (floats > scratch_floats) {
+        float *grown = realloc(scratch, floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        scratch = grown;
+        scratch_floats = floats;
+    }
+    return scratch;
+}
+
+#if HAVE_AVX2
+static inline __attribute__((always_inline)) float sum_lanes(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* Weights are read 16 at a time as 8 32-bit lanes, each holding an even element (low half) and the
+ * next odd one (high half): a shift left by 16 makes the even ones floats, a mask the odd ones. The
+ * widened inputs are stored in the matching order (widen_rows), so no lane is ever shuffled. */
+#define CHUNK 16
+
+/* sums[i][j] = x[i, :] . w[j, :] for MR rows of widened x (row stride ldx) and NR rows of w (bf16, row
+ * stride k). MR and NR are constants at every call site, so the loops unroll and the accumulators stay
+ * in registers (MR * NR <= 12 of AVX2's 16). */
+static inline __attribute__((always_inline)) void tile(float sums[MAX_MR][8], const float *restrict x,
+                                                       int64_t ldx, const uint16_t *restrict w, int64_t k,
+                                                       const int MR, const int NR) {
+    int64_t at = 0;
+#if HAVE_AVX2
+    const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[MAX_MR][8];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    for (; at + CHUNK <= k; at += CHUNK) {
+        __m256 wv[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; j++)
+            wv[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(w + j * k + at)), 16));
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * ldx + at);
+#pragma GCC unroll 8
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; j++)
+            wv[j] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + j * k + at)), odd_mask));
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * ldx + at + 8);
+#pragma GCC unroll 8
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; j++) sums[i][j] = sum_lanes(acc[i][j]);
+#else
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) sums[i][j] = 0.0f;
+#endif
+    for (; at < k; at++) /* the tail past a multiple of CHUNK, and everything without AVX2 */
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) sums[i][j] += x[i * ldx + at] * bf16_to_f32(w[j * k + at]);
+}
+
+/* rows x [rows, k] bf16 -> fp32, each whole CHUNK of a row stored evens first, then odds (see tile). */
+static void widen_rows(float *restrict xf, const uint16_t *restrict x, int64_t rows, int64_t k) {
+    const int64_t whole = HAVE_AVX2 ? k - k % CHUNK : 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *src = x + r * k;
+        float *dst = xf + r * k;
+        for (int64_t at = 0; at < whole; at += CHUNK)
+            for (int t = 0; t < CHUNK / 2; t++) {
+                dst[at + t] = bf16_to_f32(src[at + 2 * t]);
+                dst[at + CHUNK / 2 + t] = bf16_to_f32(src[at + 2 * t + 1]);
+            }
+        for (int64_t at = whole; at < k; at++) dst[at] = bf16_to_f32(src[at]);
+    }
+}
+
+static inline __attribute__((always_inline)) void store_tile(uint16_t *out, int64_t ldo, int64_t n0,
+                                                             float sums[MAX_MR][8], const uint16_t *bias,
+                                                             const int MR, const int NR) {
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) {
+            const float b = bias != NULL ? bf16_to_f32(bias[n0 + j]) : 0.0f;
+            out[i * ldo + n0 + j] = f32_to_bf16(sums[i][j] + b);
+        }
+}
+
+/* Rows [0, MR) of the widened block against weight rows [n_begin, n_end), NR rows at a time. */
+#define ROWS(MR, NR)                                                                                          \
+    do {                                                                                                      \
+        int64_t n = n_begin;                                                                                  \
+        for (; n + (NR) <= n_end; n += (NR)) {                                                                \
+            tile(sums, xs, k, w + n * k, k, MR, NR);                                                          \
+            store_tile(o, n_out, n, sums, bias, MR, NR);                                                      \
+        }                                                                                                     \
+        for (; n < n_end; n++) {                                                                              \
+            tile(sums, xs, k, w + n * k, k, MR, 1);                                                           \
+            store_tile(o, n_out, n, sums, bias, MR, 1);                                                       \
+        }                                                                                                     \
+    } while (0)
+
+/* One thread's weight rows [n_begin, n_end) against `rows` widened rows (fp32 [rows, k]) at xf. */
+static void block_rows(const float *xf, int64_t rows, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                       int64_t n_out, int64_t k, int64_t n_begin, int64_t n_end) {
+    float sums[MAX_MR][8];
+    int64_t m = 0;
+    /* Weight rows outer, input rows inner: a tile of weights is read from memory once per block. */
+    if (rows >= MAX_MR) {
+        const int64_t NR = 3;
+        for (int64_t n0 = n_begin; n0 < n_end; n0 += NR) {
+            const int64_t n1 = n0 + NR <= n_end ? n0 + NR : n_end;
+            for (m = 0; m + MAX_MR <= rows; m += MAX_MR) {
+                const float *xs = xf + m * k;
+                uint16_t *o = out + m * n_out;
+                if (n1 - n0 == 3) {
+                    tile(sums, xs, k, w + n0 * k, k, 4, 3);
+                    store_tile(o, n_out, n0, sums, bias, 4, 3);
+                } else {
+                    for (int64_t n = n0; n < n1; n++) {
+                        tile(sums, xs, k, w + n * k, k, 4, 1);
+                        store_tile(o, n_out, n, sums, bias, 4, 1);
+                    }
+                }
+            }
+        }
+        m = rows - rows % MAX_MR;
+    }
+    /* The last 1-3 rows (all of them in a decode step of 1-3 sequences): more weight rows per tile. */
+    const float *xs = xf + m * k;
+    uint16_t *o = out + m * n_out;
+    switch (rows - m) {
+    case 1: ROWS(1, 8); break;
+    case 2: ROWS(2, 6); break;
+    case 3: ROWS(3, 4); break;
+    default: break;
+    }
+}
+
+/* out [m, n] bf16 = x [m, k] bf16 @ w [n, k]^T bf16 (+ bias [n] bf16, or NULL). All contiguous.
+ * Returns 0, or -1 for a bad size or when scratch memory cannot be had (nothing written then). */
+int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
+                       int64_t n, int64_t k) {
+    if (m < 0 || n < 0 || k < 1) return -1;
+    if (m == 0 || n == 0) return 0;
+    int64_t block = BLOCK_BYTES / (k * (int64_t)sizeof(float));
+    block = block < MAX_MR ? MAX_MR : block - block % MAX_MR;
+    if (block > m) block = m;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *xf = scratch_for((size_t)(block * k));
+        if (xf == NULL) {
+            failed = 1;
+        } else {
+            int threads = 1, me = 0;
+#ifdef _OPENMP
+            threads = omp_get_num_threads();
+            me = omp_get_thread_num();
+#endif
+            /* Output features split evenly, in multiples of 24 (whole tiles of 3 and of 8). */
+            const int64_t chunks = (n + 23) / 24;
+            const int64_t n_begin = 24 * (chunks * me / threads);
+            const int64_t n_end = me + 1 == threads ? n : 24 * (chunks * (me + 1) / threads);
+            for (int64_t m0 = 0; m0 < m && n_begin < n_end; m0 += block) {
+                const int64_t rows = m - m0 < block ? m - m0 : block;
+                widen_rows(xf, x + m0 * k, rows, k);
+                block_rows(xf, rows, w, bias, out + m0 * n, n, k, n_begin, n_end);
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
