@@ -96,7 +96,8 @@ def _checked_config(values: dict[str, Any]) -> tuple[DecoderConfig, RankInfo | N
     config = config_from_options(values)
     check_available(config.engine.device)
     rank = rank_info(config, os.environ)  # None: one rank, no process group
-    check_port_free(config.server.host, config.server.port)
+    if rank is None or rank.rank == 0:  # only rank 0 listens (under torchrun every rank starts here)
+        check_port_free(config.server.host, config.server.port)
     config = with_checkpoint_dir(config)
     check_model(config, 1 if rank is None else rank.world_size)
     return config, rank

@@ -41,7 +41,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_model_dir: 
             "--dtype",
             "float32",
             "--grace-s",
-            "20",
+            "60",  # generous: a loaded CI machine must not turn this into an aborted stream
             "--num-threads",
             "1",
         ],
@@ -59,15 +59,15 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_model_dir: 
                 await asyncio.sleep(0.1)
             else:
                 raise AssertionError("the decoder never became SERVING")
-            stream = client.generate([[1, 2, 3]], max_new_tokens=1500, ignore_eos=True, stream_interval=1)
+            stream = client.generate([[1, 2, 3]], max_new_tokens=600, ignore_eos=True, stream_interval=1)
             assert (await stream.read()).HasField("accepted")
             process.send_signal(signal.SIGTERM)
             responses = []
             while (response := await stream.read()) is not grpc.aio.EOF:
                 responses.append(response)
             assert responses[-1].HasField("finished")
-            assert responses[-1].finished.usage.output_tokens == 1500
-        assert process.wait(timeout=60) == 0
+            assert responses[-1].finished.usage.output_tokens == 600
+        assert process.wait(timeout=90) == 0
     finally:
         if process.poll() is None:
             process.kill()
