@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from services.decoder.models import native
 from services.decoder.models.attention import AttentionMetadata, write_kv_cache
@@ -186,6 +186,43 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     k, v = k.repeat_interleave(group, dim=1).double(), v.repeat_interleave(group, dim=1).double()
     probs = (torch.einsum("qhd,khd->hqk", q.double(), k) * scale).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v).reshape(1, -1).float()
+
+
+def test_inductor_compiled_decode_reads_only_the_listed_blocks_of_a_nan_pool() -> None:
+    # A real block-sparse kernel (Inductor's CPU template) over a pool of NaN: finite, and the fp64
+    # reference. The CPU lowering wants block lists as wide as the pool, hence tables of NUM_BLOCKS.
+    # Only decode: torch 2.13's CPU template fails to build the prefill mask (a C++ codegen error).
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim = 6, 2, 8
+    kv_cache = torch.full((2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim), float("nan"))
+    lengths = [9, 4, 1, 14]
+    blocks = (torch.randperm(NUM_BLOCKS - 1) + 1).tolist()
+    tables = torch.zeros(len(lengths), NUM_BLOCKS, dtype=torch.int32)
+    keys, values = [], []
+    for i, n in enumerate(lengths):
+        owned = [blocks.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        tables[i, : len(owned)] = torch.tensor(owned)
+        k, v = torch.randn(2, n, num_kv_heads, head_dim)
+        slots = torch.tensor([owned[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)])
+        write_kv_cache(kv_cache, k, v, slots)
+        keys.append(k)
+        values.append(v)
+    attn = AttentionMetadata(
+        query_lens=[1] * len(lengths),
+        seq_lens=lengths,
+        seq_lens_t=torch.tensor(lengths, dtype=torch.int32),
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.int64),  # written above
+        block_tables=tables,
+        logits_indices=torch.arange(len(lengths)),
+    )
+    q = torch.randn(len(lengths), num_heads, head_dim)
+    scale = head_dim**-0.5
+    out = FlexPagedAttention(torch.compile(flex_attention, fullgraph=True))(
+        q, None, None, kv_cache, attn, scale
+    )
+    ref = torch.cat([_dense(q[i : i + 1], keys[i], values[i], scale) for i in range(len(lengths))])
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_a_model_gives_the_same_greedy_tokens_through_flex_attention_alone_and_batched(
