@@ -96,17 +96,18 @@ def decode(
             f"{field}.shape", f"{num_elements} elements exceed the limit of {limits.max_elements}"
         )
     itemsize = torch_dtype.itemsize
-    if len(message.data) != num_elements * itemsize:
+    data = message.data  # read once: each read of a bytes field makes a new copy of it
+    if len(data) != num_elements * itemsize:
         raise InvalidArgument(
             f"{field}.data",
             f"expected {num_elements * itemsize} bytes for shape {shape} of "
-            f"{DataType.Name(message.dtype)}, got {len(message.data)}",
+            f"{DataType.Name(message.dtype)}, got {len(data)}",
         )
     with warnings.catch_warnings():
         # frombuffer warns that protobuf's bytes are immutable; the module docstring covers why
         # aliasing them is safe.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(message.data, dtype=torch_dtype)
+        flat = torch.frombuffer(data, dtype=torch_dtype)
     if not _LITTLE_ENDIAN:
         flat = _byteswapped(flat)
     tensor = flat.view(shape)

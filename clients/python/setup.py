@@ -11,7 +11,7 @@ from setuptools.command.build_py import build_py
 
 # common's own modules that the client imports (common/client.py and what it imports, transitively),
 # plus the packages listed in pyproject.toml (stubs, telemetry), which are taken whole.
-CLIENT_MODULES = {"__init__", "auth", "channel", "client", "errors", "semconv", "status"}
+CLIENT_MODULES = {"__init__", "auth", "channel", "client", "errors", "memory", "semconv", "status"}
 
 
 class ClientModulesOnly(build_py):

@@ -37,6 +37,9 @@ class Limits:
     max_num_seqs: int = 16
     max_queue: int = 64
     num_kv_blocks: int = 512
+    max_model_len: int = MAX_MODEL_LEN
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_streams_per_connection: int | None = None  # the documented default is 32; None: no bound
 
 
 class Services:
@@ -52,8 +55,13 @@ class Services:
         auth_tokens: frozenset[str] = frozenset(),
     ) -> None:
         limits = limits or Limits()
+        self.limits = limits
         self.server_options = ServerOptions(
-            host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES, tls=tls, auth_tokens=auth_tokens
+            host="127.0.0.1",
+            port=0,
+            max_message_bytes=limits.max_message_bytes,
+            tls=tls,
+            auth_tokens=auth_tokens,
         )
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-servers", daemon=True)
@@ -61,9 +69,9 @@ class Services:
         self.engine = Engine(
             EngineConfig(
                 model_dir=model_dir,
-                dtype="float32",
+                dtype=str(loaded.config.dtype).removeprefix("torch."),  # the loaded model's
                 block_size=4,
-                max_model_len=MAX_MODEL_LEN,
+                max_model_len=limits.max_model_len,
                 max_num_seqs=limits.max_num_seqs,
                 max_queue=limits.max_queue,
                 num_kv_blocks=limits.num_kv_blocks,
@@ -81,10 +89,10 @@ class Services:
         self.decoder_server: RunningServer = self.run(self._start_decoder(model_dir))
         self.encoder_server: RunningServer = self.run(self._start_encoder())
         self.decoder_channel = grpc.insecure_channel(
-            self.decoder_server.address, options=channel_options(MAX_MESSAGE_BYTES)
+            self.decoder_server.address, options=channel_options(limits.max_message_bytes)
         )
         self.encoder_channel = grpc.insecure_channel(
-            self.encoder_server.address, options=channel_options(MAX_MESSAGE_BYTES)
+            self.encoder_server.address, options=channel_options(limits.max_message_bytes)
         )
         self.decoder = decoder_pb2_grpc.DecoderStub(self.decoder_channel)
         self.encoder = encoder_pb2_grpc.EncoderStub(self.encoder_channel)
@@ -94,7 +102,12 @@ class Services:
         return future.result(timeout=60)
 
     async def _start_decoder(self, model_dir: Path) -> RunningServer:
-        servicer = DecoderServicer(model_dir.name, MAX_MESSAGE_BYTES, engine=self.engine)
+        servicer = DecoderServicer(
+            model_dir.name,
+            self.limits.max_message_bytes,
+            engine=self.engine,
+            max_streams_per_connection=self.limits.max_streams_per_connection,
+        )
         server = await start_server(
             self.server_options,
             [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],

@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from common import errors
+from common import errors, memory
 from common.channel import channel_options
 from common.server import RunningServer, ServerOptions, Service, start_server
 
@@ -168,3 +168,32 @@ async def test_a_call_that_half_closes_without_a_request_is_invalid_argument_at_
                 pass
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "without a request message" in caught.value.details()
+
+
+async def test_a_large_request_gives_its_memory_back_once_the_call_has_ended(
+    running: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Refused 60 MB requests used to stay in gRPC's reference cycles and glibc's arenas: the decoder
+    # grew by about 75 MB per request and kept it.
+    calls: list[float] = []
+    monkeypatch.setattr(memory, "give_back", lambda: calls.append(asyncio.get_running_loop().time()))
+    monkeypatch.setattr(memory, "LARGE_REQUEST_BYTES", 256 * 1024)  # what the 1 MiB test server takes
+    async with _channel(running) as channel:
+        for size in (1024, memory.LARGE_REQUEST_BYTES // 2):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await channel.unary_unary("/test.Faulty/BadInput")(bytes(size), timeout=10)
+        await asyncio.sleep(0.2)
+        assert calls == []  # small requests cost nothing
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary("/test.Faulty/BadInput")(bytes(memory.LARGE_REQUEST_BYTES), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError):
+            async for _ in channel.unary_stream("/test.Faulty/Stream")(
+                bytes(memory.LARGE_REQUEST_BYTES), timeout=10
+            ):
+                pass
+        for _ in range(50):
+            if len(calls) == 2:
+                break
+            await asyncio.sleep(0.05)
+    assert len(calls) == 2

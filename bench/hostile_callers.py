@@ -1,0 +1,400 @@
+"""The hostile-caller attacks of issue 18 against both services as processes: what the attacker gets,
+what a neighbour sees meanwhile, and what the server keeps. The figures of docs/RELIABILITY.md.
+
+Both services start as `python -m services.decoder` / `python -m services.encoder` with their
+documented defaults (the default model unless `--model`), on free loopback ports. This process is
+only a client: health probes (1 s deadline, every 100 ms), the neighbour's streams and the attacks
+run here, so the servers' event loops and GILs are their own. Server memory is read from
+/proc/<pid>/status: VmRSS (now) and VmHWM (peak).
+
+Run: `.venv/bin/python bench/hostile_callers.py [--model DIR] [--rounds 200]`. It prints one
+markdown table; nothing is asserted (the reliability tests hold the promises).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.channel import channel_options  # noqa: E402
+from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2  # noqa: E402
+
+MIB = 1024 * 1024
+OPTIONS = channel_options(64 * MIB)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(module: str, model: Path | None) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", module, "--port", str(port)] + (["--model", str(model)] if model else [])
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for _ in range(1200):
+            if process.poll() is not None:
+                raise SystemExit(f"{module} exited with {process.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return process, address
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    raise SystemExit(f"{module} never became SERVING")
+
+
+def _memory_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) in MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def _request(prompt: str = "Once upon a time", max_new_tokens: int = 32, request_id: str = ""):
+    request = decoder_pb2.GenerateRequest(
+        request_id=request_id, prompt=[decoder_pb2.PromptSegment(text=prompt)]
+    )
+    request.sampling.temperature = 0.0
+    request.stopping.max_new_tokens = max_new_tokens
+    request.stopping.ignore_eos = True
+    return request
+
+
+class Probe(threading.Thread):
+    """Health every 100 ms with a 1 s deadline; longest time without an answer."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(daemon=True)
+        self.address, self.stop, self.unanswered, self.longest_silence = address, threading.Event(), 0, 0.0
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub, last = health_pb2_grpc.HealthStub(channel), time.monotonic()
+            while not self.stop.is_set():
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    last = time.monotonic()
+                except grpc.RpcError:
+                    self.unanswered += 1
+                self.longest_silence = max(self.longest_silence, time.monotonic() - last)
+                time.sleep(0.1)
+
+
+class Neighbour(threading.Thread):
+    """Back-to-back greedy streams; the largest gap between two of their messages."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(daemon=True)
+        self.address, self.stop, self.gaps = address, threading.Event(), [0.0]
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = decoder_pb2_grpc.DecoderStub(channel)
+            while not self.stop.is_set():
+                last = time.monotonic()
+                for _ in stub.Generate(_request(max_new_tokens=16), timeout=300):
+                    self.gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+
+
+def attack_under_watch(
+    name: str,
+    attack: Callable[[], str],
+    server: subprocess.Popen,
+    address: str,
+    neighbour_address: str | None,
+) -> list[str]:
+    """Run `attack` (returns the status it got) while health is probed and a neighbour streams."""
+    probe = Probe(address)
+    neighbour = Neighbour(neighbour_address) if neighbour_address else None
+    rss_before, _ = _memory_mb(server.pid)
+    probe.start()
+    if neighbour:
+        neighbour.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    status = attack()
+    took = time.monotonic() - start
+    time.sleep(1.0)
+    probe.stop.set()
+    if neighbour:
+        neighbour.stop.set()
+        neighbour.join(300)
+    probe.join(30)
+    rss_after, peak = _memory_mb(server.pid)
+    gap = f"{max(neighbour.gaps):.2f} s" if neighbour else "-"
+    return [
+        name,
+        f"{status} in {took:.2f} s",
+        f"{probe.longest_silence:.2f} s, {probe.unanswered} unanswered",
+        gap,
+        f"{rss_before:.0f} -> {rss_after:.0f} MB (peak so far {peak:.0f})",
+    ]
+
+
+def _status(call: Callable[[], object]) -> str:
+    try:
+        result = call()
+        if hasattr(result, "__next__"):  # a stream: read it to its status
+            list(result)  # type: ignore[call-overload]
+        return "OK"
+    except grpc.RpcError as error:
+        return error.code().name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=None, help="default: the services' default model")
+    parser.add_argument("--rounds", type=int, default=200, help="cancel-then-reuse rounds")
+    args = parser.parse_args()
+    decoder_process, decoder_address = _start("services.decoder", args.model)
+    encoder_process, encoder_address = _start("services.encoder", args.model)
+    rows: list[list[str]] = []
+    try:
+        decoder_channel = grpc.insecure_channel(decoder_address, options=OPTIONS)
+        encoder_channel = grpc.insecure_channel(encoder_address, options=OPTIONS)
+        raw_generate = decoder_channel.unary_stream("/tandem.v1.Decoder/Generate")
+        raw_decoder_tokenize = decoder_channel.unary_unary("/tandem.v1.Decoder/Tokenize")
+        raw_embed = encoder_channel.unary_unary("/tandem.v1.Encoder/Embed")
+        decoder = decoder_pb2_grpc.DecoderStub(decoder_channel)
+        info = decoder.GetModelInfo(decoder_pb2.DecoderGetModelInfoRequest(), timeout=30)
+        text = "All work and no play makes Jack a dull boy. " * (30 * MIB // 44)
+        big_text = decoder_pb2.GenerateRequest(
+            prompt=[decoder_pb2.PromptSegment(text=text)]
+        ).SerializeToString()
+        big_tokenize = decoder_pb2.DecoderTokenizeRequest(texts=[text]).SerializeToString()
+        big_embed = encoder_pb2.EmbedRequest(text=text).SerializeToString()
+        num_rows = 60 * MIB // (4 * info.hidden_size)
+        rows_message = decoder_pb2.GenerateRequest(
+            prompt=[
+                decoder_pb2.PromptSegment(
+                    embeddings=tensor_pb2.Tensor(
+                        dtype=tensor_pb2.DATA_TYPE_FLOAT32,
+                        shape=[num_rows, info.hidden_size],
+                        data=bytes(num_rows * info.hidden_size * 4),
+                    )
+                )
+            ]
+        ).SerializeToString()
+        del text
+        _status(lambda: decoder.Generate(_request(), timeout=300))  # warm
+        d, e = (decoder_process, decoder_address), (encoder_process, encoder_address)
+        long_name = decoder_pb2.GenerateRequest(
+            model="m" * 20_000, prompt=[decoder_pb2.PromptSegment(text="hi")]
+        )
+        attacks: list[tuple[str, Callable[[], str], tuple[subprocess.Popen, str], str | None]] = [
+            ("no attack (control)", lambda: _neighbour_latency(decoder), d, d[1]),
+            (
+                "decoder Generate, 30 MB text",
+                lambda: _status(lambda: raw_generate(big_text, timeout=120)),
+                d,
+                d[1],
+            ),
+            (
+                "decoder Tokenize, 30 MB text",
+                lambda: _status(lambda: raw_decoder_tokenize(big_tokenize, timeout=120)),
+                d,
+                d[1],
+            ),
+            (
+                f"decoder Generate, 60 MB float32 rows [{num_rows}, {info.hidden_size}], 5 times",
+                lambda: ", ".join(_status(lambda: raw_generate(rows_message, timeout=120)) for _ in range(5)),
+                d,
+                d[1],
+            ),
+            (
+                "encoder Embed, 30 MB text",
+                lambda: _status(lambda: raw_embed(big_embed, timeout=120)),
+                e,
+                None,
+            ),
+            (
+                "decoder Generate, float32 3.4e38 in a row (inf in bf16), then a greedy request",
+                lambda: _poison(decoder, info.hidden_size),
+                d,
+                None,  # alone: in a batch, bf16 logits can differ anyway (README: Batch invariance)
+            ),
+            (
+                f"{args.rounds} rounds of cancel then reuse the ID",
+                lambda: _cancel_then_reuse(decoder, args.rounds),
+                d,
+                d[1],
+            ),
+            (
+                "streams named req-0..req-9 held open, then 5 anonymous requests",
+                lambda: _squat(decoder_address, decoder),
+                d,
+                d[1],
+            ),
+            (
+                "200 Generate streams on one connection, never read (default gRPC client)",
+                lambda: _unread(decoder_address, decoder, small_window=False),
+                d,
+                None,
+            ),
+            (
+                "200 Generate streams on 7 connections, never read (4 KiB windows, no BDP, top-20 logprobs)",
+                lambda: _unread(decoder_address, decoder, small_window=True),
+                d,
+                None,
+            ),
+            (
+                "1,000 Generate calls that half-close without a request",
+                lambda: _half_close(decoder_address),
+                d,
+                d[1],
+            ),
+            (
+                "Generate with a 20 KB model name",
+                lambda: _status(lambda: decoder.Generate(long_name, timeout=30)),
+                d,
+                None,
+            ),
+        ]
+        for name, attack, (process, address), neighbour in attacks:
+            rows.append(attack_under_watch(name, attack, process, address, neighbour))
+            print(" | ".join(rows[-1]), flush=True)
+    finally:
+        for process in (decoder_process, encoder_process):
+            process.terminate()
+            process.wait(60)
+    print("| attack | attacker gets | health: longest silence | neighbour stream: largest gap | server RSS |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def _poison(decoder: decoder_pb2_grpc.DecoderStub, hidden: int) -> str:
+    baseline = [
+        t for r in decoder.Generate(_request(max_new_tokens=40), timeout=300) for t in r.delta.token_ids
+    ]
+    rows = np.zeros((4, hidden), dtype="<f4")
+    rows[2, 5] = np.finfo(np.float32).max
+    poison = decoder_pb2.GenerateRequest(
+        prompt=[
+            decoder_pb2.PromptSegment(
+                embeddings=tensor_pb2.Tensor(
+                    dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[4, hidden], data=rows.tobytes()
+                )
+            )
+        ]
+    )
+    status = _status(lambda: decoder.Generate(poison, timeout=60))
+    after = [t for r in decoder.Generate(_request(max_new_tokens=40), timeout=300) for t in r.delta.token_ids]
+    return (
+        f"{status}; the next greedy request {'equals' if after == baseline else 'DIFFERS FROM'} its baseline"
+    )
+
+
+def _neighbour_latency(decoder: decoder_pb2_grpc.DecoderStub) -> str:
+    start = time.monotonic()
+    status = _status(
+        lambda: decoder.Generate(_request("An unrelated request", max_new_tokens=32), timeout=300)
+    )
+    return f"a neighbour's 32 tokens: {status} in {time.monotonic() - start:.1f} s"
+
+
+def _cancel_then_reuse(decoder: decoder_pb2_grpc.DecoderStub, rounds: int) -> str:
+    """Each round: a stream is accepted, cancelled, and its ID reused at once. A hang is a reused
+    stream accepted and then silent until its deadline (120 s, far beyond any step)."""
+    outcomes: dict[str, int] = {}
+    slowest = 0.0
+    for _ in range(rounds):
+        first = decoder.Generate(_request(max_new_tokens=200, request_id="reused"), timeout=120)
+        next(first)
+        first.cancel()
+        start = time.monotonic()
+        outcome = _status(
+            partial(decoder.Generate, _request(max_new_tokens=2, request_id="reused"), timeout=120)
+        )
+        slowest = max(slowest, time.monotonic() - start)
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) + f"; slowest reuse {slowest:.1f} s"
+
+
+def _squat(address: str, decoder: decoder_pb2_grpc.DecoderStub) -> str:
+    with grpc.insecure_channel(address) as channel:
+        squatter = decoder_pb2_grpc.DecoderStub(channel)
+        held = [
+            squatter.Generate(_request(max_new_tokens=200, request_id=f"req-{i}"), timeout=300)
+            for i in range(10)
+        ]
+        for call in held:
+            next(call)
+        outcomes = [
+            _status(lambda: decoder.Generate(_request(max_new_tokens=4), timeout=60)) for _ in range(5)
+        ]
+        for call in held:
+            call.cancel()
+    return f"anonymous: {', '.join(outcomes)}"
+
+
+def _unread(address: str, decoder: decoder_pb2_grpc.DecoderStub, small_window: bool) -> str:
+    # A local subchannel pool: otherwise channels to one target share one connection.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    if small_window:
+        options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096)]
+    channels = [grpc.insecure_channel(address, options=options) for _ in range(7 if small_window else 1)]
+    request = _request(max_new_tokens=1024)
+    request.output.logprobs = small_window
+    request.output.top_logprobs = 20 if small_window else 0
+    calls = [
+        decoder_pb2_grpc.DecoderStub(channels[i % len(channels)]).Generate(request, timeout=600)
+        for i in range(200)
+    ]
+    time.sleep(30.0)  # the streams get going (and, with small windows, fill them and pause)
+    start = time.monotonic()
+    neighbour = _status(
+        lambda: decoder.Generate(_request("An unrelated request", max_new_tokens=32), timeout=300)
+    )
+    waited = time.monotonic() - start
+    refused = 0
+    for call in calls:
+        try:
+            next(call)
+        except grpc.RpcError as error:
+            refused += error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        call.cancel()
+    for channel in channels:
+        channel.close()
+    return (
+        f"{200 - refused} streams open, {refused} RESOURCE_EXHAUSTED; "
+        f"a neighbour's 32 tokens: {neighbour} in {waited:.1f} s"
+    )
+
+
+def _half_close(address: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        method = channel.stream_stream("/tandem.v1.Decoder/Generate")
+        calls = [method(iter(()), timeout=60) for _ in range(1000)]
+        time.sleep(5.0)
+        still_open = sum(not call.done() for call in calls)
+        codes = {}
+        for call in calls:
+            call.cancel()
+            code = call.code().name
+            codes[code] = codes.get(code, 0) + 1
+    return f"{still_open} still open after 5 s; " + ", ".join(f"{k} {v}" for k, v in sorted(codes.items()))
+
+
+if __name__ == "__main__":
+    main()

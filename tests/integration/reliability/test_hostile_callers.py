@@ -1,0 +1,355 @@
+"""Hostile and careless callers against live servers: one caller's mistakes and attacks stay its own.
+
+Each test replays an attack from issue 18 through raw gRPC and checks what the attacker gets, what a
+neighbour sees meanwhile, and that nothing is left behind. Run with `-s` for the figures that
+docs/RELIABILITY.md quotes (latencies, gaps, counts).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from common.channel import channel_options
+from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
+from services.decoder.engine.backpressure import MAX_UNREAD_EVENTS
+from services.decoder.models.loader import LoadedModel, load_model
+
+from .cases import HIDDEN, embeds
+from .harness import Limits, Services
+
+MIB = 1024 * 1024
+
+
+def _request(
+    prompt: str = "the river runs", max_new_tokens: int = 8, request_id: str = "", **output: object
+) -> decoder_pb2.GenerateRequest:
+    request = decoder_pb2.GenerateRequest(
+        request_id=request_id, prompt=[decoder_pb2.PromptSegment(text=prompt)]
+    )
+    request.sampling.temperature = 0.0
+    request.stopping.max_new_tokens = max_new_tokens
+    request.stopping.ignore_eos = True
+    for name, value in output.items():
+        setattr(request.output, name, value)
+    return request
+
+
+def _tokens(responses: list[decoder_pb2.GenerateResponse]) -> list[int]:
+    return [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
+
+
+def _violation(error: grpc.RpcError) -> str:
+    status = rpc_status.from_call(error)
+    assert status is not None, error.details()
+    violation = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(violation)
+    return violation.field_violations[0].field
+
+
+@pytest.fixture
+def serve(tiny_model_dir: Path, tiny_fp32: LoadedModel) -> Iterator:
+    started: list[Services] = []
+
+    def start(limits: Limits | None = None, loaded: LoadedModel | None = None) -> Services:
+        started.append(Services(tiny_model_dir, loaded or tiny_fp32, limits))
+        return started[-1]
+
+    yield start
+    for services in started:
+        services.close()
+
+
+# -- 1. finite on the wire, infinite in the model -----------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "overflowing"), [("bfloat16", 3.4028234e38), ("float16", 70_000.0)])
+def test_rows_that_overflow_the_model_dtype_are_refused_and_poison_no_later_request(
+    serve, tiny_model_dir: Path, dtype: str, overflowing: float
+) -> None:
+    # Accepted, such rows came back as tokens [0, 0, 0, 0] with NaN logprobs, and their NaN keys
+    # and values, left in freed KV blocks, turned a later greedy request into 39 NaN logprobs of 40.
+    services = serve(loaded=load_model(tiny_model_dir, dtype=dtype))
+    unrelated = _request("once upon a time", max_new_tokens=40, logprobs=True)
+    baseline = list(services.decoder.Generate(unrelated, timeout=60))
+    rows = np.zeros((4, HIDDEN), dtype="<f4")
+    rows[2, 5] = overflowing  # finite in float32, infinite once cast
+    poison = decoder_pb2.GenerateRequest(prompt=[embeds([4, HIDDEN], data=rows.tobytes())])
+    poison.stopping.max_new_tokens = 4
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as caught:
+            list(services.decoder.Generate(poison, timeout=60))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _violation(caught.value) == "prompt[0].embeddings.data"
+        assert f"as {dtype}" in caught.value.details() and "[2, 5]" in caught.value.details()
+    after = list(services.decoder.Generate(unrelated, timeout=60))
+    assert _tokens(after) == _tokens(baseline)
+    logprobs = [lp for r in after if r.HasField("delta") for lp in r.delta.logprobs]
+    assert logprobs == [lp for r in baseline if r.HasField("delta") for lp in r.delta.logprobs]
+    assert all(math.isfinite(lp) for lp in logprobs)
+    assert services.idle()
+
+
+# -- 2. one big text must not stall the service -------------------------------------------------
+
+
+class _HealthProbe(threading.Thread):
+    """Asks both services' health every 100 ms with a 1 s deadline, as an orchestrator would."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.channels = [grpc.insecure_channel(a) for a in addresses]
+        self.stop = threading.Event()
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+
+    def run(self) -> None:
+        stubs = [health_pb2_grpc.HealthStub(c) for c in self.channels]
+        while not self.stop.is_set():
+            for stub in stubs:
+                start = time.monotonic()
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    self.latencies.append(time.monotonic() - start)
+                except grpc.RpcError as error:
+                    self.failures.append(error.code().name)
+            time.sleep(0.1)
+        for channel in self.channels:
+            channel.close()
+
+
+class _Neighbour(threading.Thread):
+    """Streams greedy generations back to back and records the largest gap between two messages."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(daemon=True)
+        self.channel = grpc.insecure_channel(address)
+        self.stop = threading.Event()
+        self.gaps: list[float] = []
+        self.num_tokens = 0
+
+    def run(self) -> None:
+        stub = decoder_pb2_grpc.DecoderStub(self.channel)
+        while not self.stop.is_set():
+            last = time.monotonic()
+            for response in stub.Generate(_request(max_new_tokens=60), timeout=120):
+                now = time.monotonic()
+                self.gaps.append(now - last)
+                last = now
+                self.num_tokens += len(response.delta.token_ids)
+        self.channel.close()
+
+
+def test_a_30_mb_text_is_refused_from_its_length_while_health_answers_and_a_neighbour_streams(serve) -> None:
+    # Before: 30 MB of text kept the decoder's health unanswered for 24 s (the encoder's for 27 s),
+    # a concurrent stream silent for 52 s, and 60 MB of float32 rows cost 1.0-1.6 s per refusal.
+    services = serve(Limits(max_message_bytes=64 * MIB))
+    text = "All work and no play makes Jack a dull boy. " * (30 * MIB // 44)
+    rows = 60 * MIB // (4 * HIDDEN)
+    # Serialized up front: this process is also the client, and building 30 MB messages here would
+    # hold the GIL that the servers' threads need.
+    attacks = {
+        "decoder Generate, 30 MB text": (
+            "/tandem.v1.Decoder/Generate",
+            decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text=text)]),
+            "prompt",
+        ),
+        "decoder Tokenize, 30 MB text": (
+            "/tandem.v1.Decoder/Tokenize",
+            decoder_pb2.DecoderTokenizeRequest(texts=[text]),
+            "texts",
+        ),
+        "decoder Generate, 60 MB of float32 rows": (
+            "/tandem.v1.Decoder/Generate",
+            decoder_pb2.GenerateRequest(prompt=[embeds([rows, HIDDEN])]),
+            "prompt",
+        ),
+        "encoder Embed, 30 MB text": (
+            "/tandem.v1.Encoder/Embed",
+            encoder_pb2.EmbedRequest(text=text),
+            "text",
+        ),
+        "encoder Tokenize, 30 MB text": (
+            "/tandem.v1.Encoder/Tokenize",
+            encoder_pb2.EncoderTokenizeRequest(texts=[text]),
+            "texts",
+        ),
+    }
+    payloads = {
+        name: (path, message.SerializeToString(), field) for name, (path, message, field) in attacks.items()
+    }
+    del text, attacks
+    options = channel_options(64 * MIB)
+    channels = {
+        "/tandem.v1.Decoder": grpc.insecure_channel(services.decoder_server.address, options=options),
+        "/tandem.v1.Encoder": grpc.insecure_channel(services.encoder_server.address, options=options),
+    }
+    probe = _HealthProbe([services.decoder_server.address, services.encoder_server.address])
+    neighbour = _Neighbour(services.decoder_server.address)
+    probe.start()
+    neighbour.start()
+    time.sleep(1.0)  # the neighbour is streaming
+    took = {}
+    try:
+        for name, (path, payload, field) in payloads.items():
+            channel = channels[path.rsplit("/", 1)[0]]
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as caught:
+                if path.endswith("Generate"):
+                    list(channel.unary_stream(path)(payload, timeout=60))
+                else:
+                    channel.unary_unary(path)(payload, timeout=60)
+            took[name] = time.monotonic() - start
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, caught.value.details())
+            assert _violation(caught.value) == field, name
+        time.sleep(0.5)
+    finally:
+        probe.stop.set()
+        neighbour.stop.set()
+        probe.join(30)
+        neighbour.join(120)
+        for channel in channels.values():
+            channel.close()
+    print(
+        "\nrefusals: "
+        + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in took.items())
+        + f"\nhealth: {len(probe.latencies)} answered, slowest {max(probe.latencies):.3f} s, "
+        f"{len(probe.failures)} unanswered; neighbour: {neighbour.num_tokens} tokens, "
+        f"largest gap {max(neighbour.gaps):.3f} s"
+    )
+    assert not probe.failures
+    assert all(seconds < 5 for seconds in took.values()), took
+    assert max(neighbour.gaps) < 2.0
+    assert services.idle()
+
+
+# -- 3. request-ID reuse right after a cancel ---------------------------------------------------
+
+
+def test_200_rounds_of_cancel_then_reuse_end_without_a_hang(serve) -> None:
+    # Before: the cancelled stream's abort, applied by ID at the next step, removed the new stream
+    # (accepted, then nothing: 17 of 200 rounds), or the reuse was refused as "already in use"
+    # (152 of 200).
+    services = serve()
+    expected = _tokens(list(services.decoder.Generate(_request(max_new_tokens=2), timeout=30)))
+    start = time.monotonic()
+    for _ in range(200):
+        first = services.decoder.Generate(_request(max_new_tokens=200, request_id="reused"), timeout=30)
+        assert next(first).HasField("accepted")
+        first.cancel()
+        second = list(services.decoder.Generate(_request(max_new_tokens=2, request_id="reused"), timeout=15))
+        assert second[-1].HasField("finished") and _tokens(second) == expected
+        assert {r.request_id for r in second} == {"reused"}
+    print(f"\n200 rounds of cancel-then-reuse in {time.monotonic() - start:.1f} s")
+    assert services.idle()
+
+
+# -- 4. one caller's IDs cannot reach another's requests ----------------------------------------
+
+
+def test_a_caller_can_neither_collide_with_nor_probe_other_callers_requests(serve) -> None:
+    # Before: server-assigned IDs were req-N in the callers' namespace; streams named req-602 to
+    # req-606 made the next five anonymous requests fail "already in use", an oracle of who is in
+    # flight besides.
+    services = serve()
+    anonymous = _request(max_new_tokens=6)
+    expected = _tokens(list(services.decoder.Generate(anonymous, timeout=30)))
+    squatter = grpc.insecure_channel(services.decoder_server.address)
+    squatting = decoder_pb2_grpc.DecoderStub(squatter)
+    held = [
+        squatting.Generate(_request(max_new_tokens=200, request_id=f"req-{i}"), timeout=60) for i in range(8)
+    ]
+    try:
+        assert all(next(call).HasField("accepted") for call in held)
+        ids = []
+        for _ in range(5):
+            responses = list(services.decoder.Generate(anonymous, timeout=30))
+            assert _tokens(responses) == expected
+            ids.append(responses[0].request_id)
+        assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == 5
+        # The squatter takes the very ID an anonymous stream got, while that stream runs.
+        victim = services.decoder.Generate(anonymous, timeout=30)
+        victim_id = next(victim).request_id
+        copy = list(squatting.Generate(_request(max_new_tokens=3, request_id=victim_id), timeout=30))
+        assert copy[-1].HasField("finished") and {r.request_id for r in copy} == {victim_id}
+        assert _tokens(list(victim)) == expected
+    finally:
+        for call in held:
+            call.cancel()
+        squatter.close()
+    assert services.idle()
+
+
+# -- 6. streams nobody reads --------------------------------------------------------------------
+
+
+def test_unread_streams_pause_and_one_connection_holds_at_most_its_bound(serve) -> None:
+    # Before: 200 streams opened and never read were generated at full speed; an unrelated 32-token
+    # request waited 87.7 s. A client that never reads fills its HTTP/2 window (here without BDP
+    # probing and with small windows, so it fills within seconds); its streams then pause.
+    services = serve(
+        Limits(
+            max_num_seqs=64,
+            max_queue=256,
+            num_kv_blocks=8192,
+            max_model_len=1024,
+            max_streams_per_connection=32,
+        )
+    )
+    neighbour = _request("an unrelated request", max_new_tokens=32)
+    start = time.monotonic()
+    expected = _tokens(list(services.decoder.Generate(neighbour, timeout=60)))
+    alone_s = time.monotonic() - start
+    unread = _request(max_new_tokens=600, logprobs=True, top_logprobs=20)
+    unread_expected = _tokens(list(services.decoder.Generate(unread, timeout=300)))
+    attacker = grpc.insecure_channel(
+        services.decoder_server.address,
+        options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096)],
+    )
+    calls = [decoder_pb2_grpc.DecoderStub(attacker).Generate(unread, timeout=600) for _ in range(40)]
+    scheduler, blocks = services.engine.core.scheduler, services.engine.core.block_manager
+    try:
+        deadline = time.monotonic() + 120
+        while scheduler.num_paused < 32:
+            assert time.monotonic() < deadline, f"{scheduler.num_paused} of 32 paused"
+            time.sleep(0.05)
+        generated = sorted(r.num_output_tokens for r in scheduler.paused.values())
+        assert scheduler.num_running == scheduler.num_waiting == 0
+        assert blocks.num_free_blocks == blocks.num_total_blocks  # paused streams hold no KV
+        start = time.monotonic()
+        assert _tokens(list(services.decoder.Generate(neighbour, timeout=60))) == expected
+        neighbour_s = time.monotonic() - start
+        assert sorted(r.num_output_tokens for r in scheduler.paused.values()) == generated
+        accepted, refused = [], 0
+        for call in calls:
+            try:
+                assert next(call).HasField("accepted")
+                accepted.append(call)
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+                refused += 1
+        assert (len(accepted), refused) == (32, 8)
+        start = time.monotonic()
+        assert _tokens(list(accepted[0])) == unread_expected  # reading resumes it, tokens unchanged
+        print(
+            f"\n32 unread streams paused after {generated[0]}-{generated[-1]} tokens "
+            f"(a 4 KiB window, then {MAX_UNREAD_EVENTS} messages); 8 more refused RESOURCE_EXHAUSTED; "
+            f"a neighbour's 32 tokens took {neighbour_s:.2f} s (alone: {alone_s:.2f} s); one unread "
+            f"stream read to its end in {time.monotonic() - start:.2f} s"
+        )
+    finally:
+        for call in calls:
+            call.cancel()
+        attacker.close()
+    assert services.idle(timeout=30)
