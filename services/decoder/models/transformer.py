@@ -254,7 +254,7 @@ class DecoderModel(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.native_head = _bind_linear(kernels, head, None, self.packed_head)
         for layer in self.layers:
-            layer.native = _bind_layer(kernels, layer, self.tp) if self.native_head is not None else None
+            layer.native = _bind_layer(kernels, layer, self.tp)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).
