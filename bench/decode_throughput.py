@@ -57,6 +57,15 @@ class RunResult:
     tokens: int  # generated tokens counted
     ttft_median_s: float
     steps: int | None = None  # engine steps (Tandem only)
+    # From the last request's first token to the last token: decode steps only (prefill excluded)
+    decode_s: float | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after each request's first, over decode_s."""
+        if not self.decode_s:
+            return None
+        return (self.tokens - self.num_requests) / self.decode_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,9 +125,14 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int)
 
 
 def build_engine(
-    model_dir: Path, args: argparse.Namespace, max_requests: int, enable_prefix_caching: bool = False
+    model_dir: Path,
+    args: argparse.Namespace,
+    max_requests: int,
+    enable_prefix_caching: bool = False,
+    start: bool = True,
 ) -> Engine:
-    """A started engine with KV blocks for `max_requests` of `args.prompt_len + args.new_tokens`."""
+    """An engine (started unless `start` is False) with KV blocks for `max_requests` of
+    `args.prompt_len + args.new_tokens`."""
     blocks_per_request = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
     config = EngineConfig(
         model_dir=model_dir,
@@ -132,7 +146,8 @@ def build_engine(
         max_queue=max(1024, max_requests),
     )
     # The engine loads the model on its own thread: torch work on a second thread would slow its steps.
-    return Engine(config).start()
+    engine = Engine(config)
+    return engine.start() if start else engine
 
 
 def run_tandem(
@@ -169,8 +184,10 @@ def run_tandem(
         for prompt in prompts
     ]
     steps_before = engine.core.num_steps
+    submitted = [0.0] * n
     start = time.perf_counter()
     for i, spec in enumerate(specs):
+        submitted[i] = time.perf_counter()
         engine.submit(spec, sink_for(i))
     for _ in specs:
         if not done.acquire(timeout=600):
@@ -183,7 +200,10 @@ def run_tandem(
         raise RuntimeError(f"Tandem generated {generated} tokens, expected {n * new_tokens}")
     ttft = statistics.median(f.time_to_first_token_s for f in finished if f is not None)
     steps = engine.core.num_steps - steps_before
-    return RunResult("tandem", n, wall, generated, ttft, steps), tokens
+    # A request's TTFT runs from its submission; the last first token opens the decode-only window.
+    last_first = max(t + f.time_to_first_token_s for t, f in zip(submitted, finished, strict=True) if f)
+    decode_s = max(end_times) - last_first
+    return RunResult("tandem", n, wall, generated, ttft, steps, decode_s), tokens
 
 
 # -- transformers ---------------------------------------------------------------------------------
@@ -201,10 +221,10 @@ class _FirstCallTimer:
         return scores
 
 
-def load_transformers(model_dir: Path):
+def load_transformers(model_dir: Path, dtype: torch.dtype = torch.bfloat16):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.train(False)
     return model
 
@@ -233,7 +253,8 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> tuple[
             f"transformers generated shape {tuple(generated.shape)}, expected {(n, new_tokens)}"
         )
     ttft = (timer.first or start) - start
-    return RunResult("transformers", n, wall, n * new_tokens, ttft), generated.tolist()
+    result = RunResult("transformers", n, wall, n * new_tokens, ttft, decode_s=wall - ttft)
+    return result, generated.tolist()
 
 
 # -- per-step breakdown ----------------------------------------------------------------------------

@@ -1,26 +1,32 @@
 """Tandem's benchmark harness (`make bench`, `tandem bench`): every workload and peer in one run.
 
 It starts what it measures (in-process engines, a decoder and an encoder server as subprocesses,
-vLLM in its own venv), runs the workloads on the bench-small checkpoint (bf16), and writes
-`bench-<date>.json` and `bench-<date>.png` under `--out`. Workloads:
+vLLM and llama.cpp in their own venvs) and runs the workloads on two checkpoints, bf16: the default
+model, SmolLM2-135M-Instruct (30 layers, hidden 576; the primary benchmark model), then bench-small
+(8 random layers, hidden 512). It writes `bench-<date>.json` and `bench-<date>.png` under `--out`.
+Workloads, per model:
 
 1. decode throughput at N = 1/8/32 concurrent requests (128 random prompt tokens, 64 greedy tokens,
-   EOS ignored): Tandem in-process, Tandem over gRPC, transformers `generate`, vLLM CPU;
+   EOS ignored): Tandem in-process, Tandem over gRPC, transformers `generate`, vLLM CPU, and at N = 1
+   llama.cpp on the default model's Q4_1 GGUF; tokens/s end to end and over the decode steps alone;
 2. the same with each prompt given as its 128 rows of the checkpoint's `embed_tokens` table
    (Tandem `EmbeddingPrompt`, transformers `inputs_embeds`, vLLM `EmbedsPrompt`);
-3. time to first token for one prompt of 128..4095 tokens (max_new_tokens 1): Tandem, transformers;
+3. time to first token for one prompt of 128..4095 tokens (max_new_tokens 1): Tandem, transformers,
+   llama.cpp;
 4. prefix cache: TTFT of a fresh 1024-token prompt (miss) and of the same prompt again (hit);
-5. embedding transport: `common.tensors` encode/decode of [n, 512] bf16, and the encoder's Embed RPC
-   over loopback gRPC, in MB/s (`transport.py`);
-6. the machine's floors, sampled between the workloads of the same run: memory read bandwidth and
-   bf16 1024^3 matmul rate, turned into tokens/s and prefill bounds for bench-small (`floors.py`).
+and once: 5. embedding transport (`transport.py`); 6. the machine's floors, sampled between the
+workloads (`floors.py`).
+
+transformers runs in bf16 where oneDNN has a bf16 matmul and in float32 where it has not (an
+AVX2-only CPU, where torch's bf16 matmul is a reference loop): its faster setting on the machine.
 
 Noise: the VM is shared, so in-process engines are warmed up and interleaved (the order rotates per
-repeat) and medians are kept; vLLM runs in a subprocess between them; the load average is recorded
-at the start and the end. tokens/s = N x new tokens / wall time, prefill included.
+repeat) and medians are kept; peers in venvs run in subprocesses between them; the load average is
+recorded at the start and the end. tokens/s = N x new tokens / wall time, prefill included.
 
 Run: `make bench`, `.venv/bin/python bench/harness.py --quick` (smoke), `--skip-vllm`,
-`--skip-transformers`, `--repeats N`, `--out DIR`.
+`--skip-llama-cpp`, `--skip-transformers`, `--repeats N`, `--out DIR`, `--model-dir DIR` (that
+checkpoint only).
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from collections import defaultdict
 from dataclasses import asdict
@@ -46,14 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_throughput import ensure_model, make_prompts  # noqa: E402
 from floors import Floors, ModelCost, measure_floors  # noqa: E402
 from grpc_throughput import run_grpc, start_server, wait_serving  # noqa: E402
+from peer_runs import run_llama_cpp, run_vllm  # noqa: E402
 from report import print_report, write_plot  # noqa: E402
 from subjects import Remote, TandemSubject, TransformersSubject  # noqa: E402
 from transport import transport_workload  # noqa: E402
 
+from common.model_cache import default_model_file, resolve_model  # noqa: E402
+from services.decoder.models.linear import can_prepack  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = REPO / "bench" / "peers" / ".venv-vllm" / "bin" / "python"
-VLLM_SCRIPT = REPO / "bench" / "peers" / "vllm_offline.py"
-VLLM_MISSING = "skipped: run bench/peers/vllm_cpu.sh"
 PROMPT_LEN = 128
 NEW_TOKENS = 64
 PREFIX_LEN = 1024
@@ -65,9 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: N 1,8, one repeat, short prompts")
     p.add_argument("--skip-vllm", action="store_true", help="do not run the vLLM CPU peer")
     p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers peer")
+    p.add_argument("--skip-llama-cpp", action="store_true", help="do not run the llama.cpp peer")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per point, median kept (default 3)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="where JSON and PNG go")
-    p.add_argument("--model-dir", type=Path, default=None, help="checkpoint (default bench-small)")
+    p.add_argument("--model-dir", type=Path, default=None, help="this checkpoint only (default: both)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = p.parse_args(argv)
     if args.repeats is None:
@@ -98,72 +105,40 @@ def decode_workload(
     embeds: bool,
     vocab: int,
     args: argparse.Namespace,
-) -> dict[str, dict[int, list[float]]]:
-    """tokens/s runs per engine and N. With `embeds`, prompts are embedding rows ("-embeds" engines)."""
+) -> tuple[dict[str, dict[int, list[float]]], dict[str, dict[int, list[float]]]]:
+    """tokens/s runs per engine and N, end to end and decode steps only (where the engine reports its
+    first token). With `embeds`, prompts are embedding rows ("-embeds" engines)."""
     suffix = "-embeds" if embeds else ""
     subjects: dict[str, Remote] = {"tandem": tandem} | ({"transformers": hf} if hf is not None else {})
     engines = list(subjects)
     if address is not None:
         engines.insert(1, "tandem-grpc")
 
-    def run(name: str, ids: list[list[int]], new_tokens: int) -> float:
+    def run(name: str, ids: list[list[int]], new_tokens: int) -> tuple[float, float | None]:
         if name == "tandem-grpc":
             wall, tokens, _ = asyncio.run(run_grpc(address, ids, workload_args(args.threads, 0, new_tokens)))
-            return tokens / wall
-        tokens, wall, _ = subjects[name].call("run", ids, new_tokens, embeds)
-        return tokens / wall
+            return tokens / wall, None
+        tokens, wall, _, decode_s = subjects[name].call("run", ids, new_tokens, embeds)
+        return tokens / wall, (tokens - len(ids)) / decode_s if decode_s else None
 
     for n in args.sizes:  # warm-up: first-use allocations, oneDNN primitive caches
         for name in engines:
             run(name, make_prompts(n, PROMPT_LEN, vocab, seed=10_000 + n), 8)
     runs: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    decode_runs: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for repeat in range(args.repeats):
         order = engines[repeat % len(engines) :] + engines[: repeat % len(engines)]
         for n in args.sizes:
             ids = make_prompts(n, PROMPT_LEN, vocab, seed=repeat)
             for name in order:
-                rate = run(name, ids, NEW_TOKENS)
+                rate, decode_rate = run(name, ids, NEW_TOKENS)
                 runs[name + suffix][n].append(rate)
-                print(
-                    f"  decode{suffix} repeat {repeat + 1} N={n:<3} {name:<13} {rate:8.1f} tok/s", flush=True
-                )
-    return {name: dict(by_n) for name, by_n in runs.items()}
-
-
-def run_vllm(
-    args: argparse.Namespace, model_dir: Path, prompt_embeds: bool
-) -> tuple[dict[int, dict] | str, str | None]:
-    """(vLLM's median tokens/s per N as {N: {"median": tok/s}}, or why it was skipped; its version)."""
-    if args.skip_vllm:
-        return "skipped: --skip-vllm", None
-    if not VLLM_PYTHON.exists():
-        return VLLM_MISSING, None
-    argv = [
-        str(VLLM_PYTHON), str(VLLM_SCRIPT), "--model-dir", str(model_dir),
-        "--sizes", ",".join(map(str, args.sizes)), "--repeats", str(args.repeats),
-        "--prompt-len", str(PROMPT_LEN), "--new-tokens", str(NEW_TOKENS),
-        *(["--prompt-embeds"] if prompt_embeds else []),
-    ]  # fmt: skip
-    print(f"  vLLM{' (prompt embeds)' if prompt_embeds else ''}: starting its own process ...", flush=True)
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
-        return "skipped: vLLM did not finish within 900 s", None
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"version"')]
-    if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"skipped: vLLM exited with {done.returncode}: {last[:200]}", None
-    result = json.loads(lines[-1])
-    rates = {
-        int(n): {
-            "median": row["tokens_per_s"],
-            "runs": [round(r, 4) for r in row.get("runs_tokens_per_s", [])],
-        }
-        for n, row in result["sizes"].items()
-    }
-    for n, rate in rates.items():
-        print(f"  vLLM{'-embeds' if prompt_embeds else ''} N={n:<3} {rate['median']:8.1f} tok/s", flush=True)
-    return rates, result["version"]
+                if decode_rate is not None:
+                    decode_runs[name + suffix][n].append(decode_rate)
+                decoding = f" ({decode_rate:.1f} decoding)" if decode_rate is not None else ""
+                print(f"  decode{suffix} repeat {repeat + 1} N={n:<3} {name:<13} {rate:8.1f} tok/s{decoding}",
+                      flush=True)  # fmt: skip
+    return {k: dict(v) for k, v in runs.items()}, {k: dict(v) for k, v in decode_runs.items()}
 
 
 # -- workloads 3 and 4: time to first token ----------------------------------------------------------
@@ -230,16 +205,20 @@ def summarize(runs: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, di
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    started = datetime.datetime.now()
-    load_start = os.getloadavg()
-    model_dir = ensure_model(args.model_dir)
-    info = machine_info() | {"loadavg_start": load_start}
-    print(f"{info}; model {model_dir}", flush=True)
+def models_to_run(args: argparse.Namespace) -> list[tuple[str, Path, Path | None]]:
+    """(label, checkpoint directory, GGUF file of the same model or None), primary model first."""
+    if args.model_dir is not None:
+        return [(args.model_dir.name, ensure_model(args.model_dir), None)]
+    return [
+        ("SmolLM2-135M-Instruct", resolve_model(None, "bfloat16"), default_model_file()),
+        ("bench-small", ensure_model(None), None),
+    ]
 
+
+def run_model(
+    model_dir: Path, gguf: Path | None, args: argparse.Namespace, floor_samples: list[Floors]
+) -> tuple[dict, str | None]:
+    """Every per-model workload on one checkpoint; (its JSON section, vLLM's version if it ran)."""
     decode_engine = Remote(
         TandemSubject, model_dir, workload_args(args.threads, PROMPT_LEN, NEW_TOKENS), max(args.sizes), False
     )
@@ -251,33 +230,30 @@ def main(argv: list[str] | None = None) -> None:
         attention_width=shape["num_heads"] * shape["head_dim"],
         num_layers=shape["num_layers"],
     )
-    hf = None if args.skip_transformers else Remote(TransformersSubject, model_dir, args.threads)
+    hf_dtype = "bfloat16" if can_prepack(torch.zeros(1, dtype=torch.bfloat16)) else "float32"
+    hf = None if args.skip_transformers else Remote(TransformersSubject, model_dir, args.threads, hf_dtype)
     server, address = start_server(
         model_dir, workload_args(args.threads, PROMPT_LEN, NEW_TOKENS), max(args.sizes)
     )
-    floor_samples: list[Floors] = []
     try:
         asyncio.run(wait_serving(address, server))
         floor_samples.append(measure_floors())
         print("decode throughput, token prompts ...", flush=True)
-        decode = decode_workload(decode_engine, hf, address, False, vocab, args)
+        decode, decode_only = decode_workload(decode_engine, hf, address, False, vocab, args)
     finally:
         server.terminate()
         server.wait(timeout=60)
     floor_samples.append(measure_floors())
-    vllm: dict[str, dict | str] = {}
-    vllm["vllm"], vllm_version = run_vllm(args, model_dir, prompt_embeds=False)
+    peers: dict[str, dict | str] = {}
+    peers["vllm"], vllm_version = run_vllm(args, model_dir, False, PROMPT_LEN, NEW_TOKENS)
     print("decode throughput, embedding prompts ...", flush=True)
-    decode |= decode_workload(decode_engine, hf, None, True, vocab, args)
+    embeds, embeds_only = decode_workload(decode_engine, hf, None, True, vocab, args)
     floor_samples.append(measure_floors())
-    vllm["vllm-embeds"], embeds_version = run_vllm(args, model_dir, prompt_embeds=True)
+    peers["vllm-embeds"], embeds_version = run_vllm(args, model_dir, True, PROMPT_LEN, NEW_TOKENS)
+    llama = run_llama_cpp(args, gguf, PROMPT_LEN, NEW_TOKENS, list(args.ttft_lens))
     decode_engine.close()
     ttft_engine = Remote(
-        TandemSubject,
-        model_dir,
-        workload_args(args.threads, max(*args.ttft_lens, PREFIX_LEN), 1),
-        1,
-        True,
+        TandemSubject, model_dir, workload_args(args.threads, max(*args.ttft_lens, PREFIX_LEN), 1), 1, True
     )
     print("time to first token ...", flush=True)
     ttft = ttft_workload(ttft_engine, hf, vocab, args)
@@ -287,21 +263,51 @@ def main(argv: list[str] | None = None) -> None:
     if hf is not None:
         hf.close()
     floor_samples.append(measure_floors())
-    print("embedding transport ...", flush=True)
-    transport = transport_workload(model_dir, shape["hidden_size"], vocab, args.repeats)
-    floor_samples.append(measure_floors())
+    section = {
+        "settings": {
+            "model": str(model_dir),
+            "cost": asdict(cost),
+            "transformers_dtype": hf_dtype,
+            "gguf": None if gguf is None else str(gguf),
+        },  # fmt: skip
+        "decode_tok_s": summarize(decode | embeds) | peers,
+        "decode_only_tok_s": summarize(decode_only | embeds_only),
+        "ttft_s": summarize(ttft),
+        "prefix_cache_ttft_s": {k: {"median": statistics.median(v), "runs": v} for k, v in prefix.items()},
+        "llama_cpp": llama,
+    }
+    return section, vllm_version or embeds_version
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    started = datetime.datetime.now()
+    info = machine_info() | {"loadavg_start": os.getloadavg()}
+    models = models_to_run(args)
+    print(f"{info}; models {[str(m) for _, m, _ in models]}", flush=True)
+    floor_samples: list[Floors] = []
+    sections: dict[str, dict] = {}
+    vllm_version = None
+    for label, model_dir, gguf in models:
+        print(f"== {label} ({model_dir})", flush=True)
+        sections[label], version = run_model(model_dir, gguf, args, floor_samples)
+        vllm_version = vllm_version or version
+    print("embedding transport ...", flush=True)
+    primary = models[0][1]
+    config = json.loads((primary / "config.json").read_text())
+    transport = transport_workload(primary, config["hidden_size"], config["vocab_size"], args.repeats)
+    floor_samples.append(measure_floors())
     info |= {
         "loadavg_end": os.getloadavg(),
-        "vllm": vllm_version or embeds_version,
+        "vllm": vllm_version,
         "wall_s": (datetime.datetime.now() - started).total_seconds(),
     }
     payload = {
         "date": started.isoformat(timespec="seconds"),
         "machine": info,
         "settings": {
-            "model": str(model_dir),
-            "cost": asdict(cost),
             "dtype": "bfloat16",
             "threads": args.threads,
             "sizes": args.sizes,
@@ -313,9 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             "quick": args.quick,
         },
         "floors": [f.as_dict() for f in floor_samples],
-        "decode_tok_s": summarize(decode) | vllm,
-        "ttft_s": summarize(ttft),
-        "prefix_cache_ttft_s": {k: {"median": statistics.median(v), "runs": v} for k, v in prefix.items()},
+        "models": sections,
         "transport": transport,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -84,8 +84,10 @@ class TandemSubject:
         return dict(params=params, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                     num_heads=c.num_heads, head_dim=c.head_dim, num_layers=c.num_layers)  # fmt: skip
 
-    def run(self, prompts: list[list[int]], new_tokens: int, embeds: bool) -> tuple[int, float, float]:
-        """(generated tokens, wall seconds, median TTFT seconds)."""
+    def run(
+        self, prompts: list[list[int]], new_tokens: int, embeds: bool
+    ) -> tuple[int, float, float, float | None]:
+        """(generated tokens, wall seconds, median TTFT seconds, decode-only seconds)."""
         from decode_throughput import run_tandem
 
         from services.decoder.engine.prompt import EmbeddingPrompt
@@ -96,7 +98,7 @@ class TandemSubject:
             result, _ = run_tandem(self.engine, inputs, new_tokens)
         else:
             result, _ = run_tandem(self.engine, prompts, new_tokens)
-        return result.tokens, result.wall_s, result.ttft_median_s
+        return result.tokens, result.wall_s, result.ttft_median_s, result.decode_s
 
     def _table(self) -> torch.Tensor:
         if self.table is None:
@@ -110,21 +112,26 @@ class TandemSubject:
 
 
 class TransformersSubject:
-    """Hugging Face `generate` on the same checkpoint, bf16."""
+    """Hugging Face `generate` on the same checkpoint, in `dtype` (the harness picks the faster here)."""
 
-    def __init__(self, model_dir: Path, threads: int) -> None:
+    def __init__(self, model_dir: Path, threads: int, dtype: str) -> None:
         from decode_throughput import load_transformers
 
         torch.set_num_threads(threads)
-        self.model = load_transformers(model_dir)
+        self.model = load_transformers(model_dir, getattr(torch, dtype))
 
-    def run(self, prompts: list[list[int]], new_tokens: int, embeds: bool) -> tuple[int, float, float]:
-        from decode_throughput import run_transformers
+    def run(
+        self, prompts: list[list[int]], new_tokens: int, embeds: bool
+    ) -> tuple[int, float, float, float | None]:
+        """(generated tokens, wall seconds, TTFT seconds, decode-only seconds)."""
+        from decode_throughput import _FirstCallTimer, run_transformers
+        from transformers import LogitsProcessorList
 
         if not embeds:
             result, _ = run_transformers(self.model, prompts, new_tokens)
-            return result.tokens, result.wall_s, result.ttft_median_s
+            return result.tokens, result.wall_s, result.ttft_median_s, result.decode_s
         embeddings = self.model.get_input_embeddings().weight[torch.tensor(prompts)]  # [N, len, hidden]
+        timer = _FirstCallTimer()
         with torch.inference_mode():
             start = time.perf_counter()
             out = self.model.generate(
@@ -134,8 +141,10 @@ class TransformersSubject:
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 pad_token_id=0,
+                logits_processor=LogitsProcessorList([timer]),
             )
             wall = time.perf_counter() - start
         if out.shape[-1] != new_tokens:  # with inputs_embeds only, generate returns just the new tokens
             raise RuntimeError(f"transformers generated shape {tuple(out.shape)}, expected [N, {new_tokens}]")
-        return len(prompts) * new_tokens, wall, float("nan")
+        ttft = (timer.first or start) - start
+        return len(prompts) * new_tokens, wall, ttft, wall - ttft

@@ -255,7 +255,7 @@ class DecoderModel(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.native_head = _bind_linear(kernels, head, None, self.packed_head)
         for layer in self.layers:
-            layer.native = _bind_layer(kernels, layer, self.tp) if self.native_head is not None else None
+            layer.native = _bind_layer(kernels, layer, self.tp)
         self.use_attention(TorchPagedAttention(kernels))
 
     def use_attention(self, attention: PagedAttention) -> None:
