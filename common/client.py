@@ -91,7 +91,8 @@ def _set_options(
     seed: int | None,
     stopping_and_output: dict[str, object],
 ) -> None:
-    """Keyword arguments onto the request: the named ones, then stopping or output fields by name."""
+    """Keyword arguments onto the request: the named ones, then stopping, output or the request's own
+    fields (speculative_tokens, plain_text) by name."""
     if max_new_tokens is not None:
         request.stopping.max_new_tokens = max_new_tokens
     if temperature is not None:
@@ -99,7 +100,11 @@ def _set_options(
     if seed is not None:
         request.sampling.seed = seed
     for key, value in stopping_and_output.items():
-        target = request.stopping if key in request.stopping.DESCRIPTOR.fields_by_name else request.output
+        target: object = request
+        if key in request.stopping.DESCRIPTOR.fields_by_name:
+            target = request.stopping
+        elif key in request.output.DESCRIPTOR.fields_by_name:
+            target = request.output
         field = getattr(target, key)
         if hasattr(field, "extend"):
             field.extend(value)  # type: ignore[arg-type]

@@ -49,6 +49,8 @@ TANDEM_ENGINE_REQUESTS = "tandem.engine.requests"
 TANDEM_ENGINE_KV_BLOCKS = "tandem.engine.kv_cache.blocks"
 TANDEM_ENGINE_PREFIX_CACHE_QUERY_TOKENS = "tandem.engine.prefix_cache.query_tokens"
 TANDEM_ENGINE_PREFIX_CACHE_HIT_TOKENS = "tandem.engine.prefix_cache.hit_tokens"
+TANDEM_ENGINE_SPECULATIVE_PROPOSED_TOKENS = "tandem.engine.speculative.proposed_tokens"
+TANDEM_ENGINE_SPECULATIVE_ACCEPTED_TOKENS = "tandem.engine.speculative.accepted_tokens"
 
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)

@@ -18,6 +18,10 @@ from services.decoder.backends import backend as backends
 from services.decoder.models.attention import PagedAttention
 
 DEFAULT_PORT = 50052
+# Tokens one decode step may propose and verify beyond its own (prompt lookup), per request and as
+# the server default. A verification costs about one step while the step reads weights rather than
+# computes; far past that it computes, and a long guess is rarely right to the end.
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class EngineConfig:
     # prefill chunks start where they would alone, and prefix caching is off. Costs a batched step's
     # speed (one pass per request); see the proto's SamplingParams.seed.
     batch_invariant: bool = False
+    # Speculative decoding by prompt lookup: tokens a decode step may propose and verify, for requests
+    # that do not say (GenerateRequest.speculative_tokens); 0 = off. See engine/core.py.
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,6 +80,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(
                 "num_kv_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}"
+            )
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                "speculative_tokens",
+                f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}",
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")

@@ -14,6 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from common.gguf_import import import_gguf
 from common.model_cache import default_model_file
+from services.decoder.config import EngineConfig
+from services.decoder.engine.chat import ChatMessage, ChatRequest, TextPart
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Delta, Finished
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import GenerateSpec
 from services.decoder.models.loader import LoadedModel, load_model
 from tests.unit.decoder.models.helpers import PagedRun, greedy
 
@@ -102,3 +108,35 @@ def test_asked_through_its_chat_template_it_knows_the_capital_of_france(
     tokens = greedy(ours_fp32.model, _ids(ours_fp32.tokenizer, text), 12)
     answer = ours_fp32.tokenizer.decode(tokens)
     assert answer.startswith("The capital of France is Paris."), answer
+
+
+PASSAGE = (
+    "The city council met on Tuesday evening to discuss the proposed budget for the coming year. "
+    "Members debated funding for road repairs, public libraries and a new community swimming pool."
+)
+
+
+def test_speculation_by_prompt_lookup_accepts_most_of_a_repeated_passage_and_changes_no_token(
+    ours_fp32: LoadedModel, imported: dict[str, Path]
+) -> None:
+    """Asked to repeat a passage, the model copies it: prompt lookup proposes the passage's next
+    tokens, and greedy decoding with speculation gives exactly the tokens it gives without."""
+    chat = ChatRequest(
+        messages=[ChatMessage("user", [TextPart("Repeat the following text exactly:\n\n" + PASSAGE)])],
+        add_generation_prompt=True,
+        template=None,
+        template_kwargs={},
+    )
+    greedy, stopping = SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=48)
+    spec = GenerateSpec(prompt=[], chat=chat, sampling=greedy, stopping=stopping)
+    runs = {}
+    for k in (0, 4):
+        config = EngineConfig(model_dir=imported["float32"], dtype="float32", speculative_tokens=k)
+        with Engine(config, ours_fp32) as engine:
+            events = list(engine.generate(spec))
+        assert isinstance(events[-1], Finished)
+        runs[k] = ([t for e in events if isinstance(e, Delta) for t in e.token_ids], events[-1])
+    (plain, _), (speculated, finished) = runs[0], runs[4]
+    assert speculated == plain
+    assert ours_fp32.tokenizer.decode(plain).startswith(PASSAGE[:60])
+    assert finished.accepted_tokens >= 0.6 * len(plain), (finished.proposed_tokens, finished.accepted_tokens)

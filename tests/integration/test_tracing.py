@@ -331,6 +331,9 @@ async def test_metrics_record_ttft_and_token_counts(traced: Traced) -> None:
     assert sum(blocks.values()) == stack.engine.core.block_manager.num_total_blocks
     (queried,) = points(m, otel.TANDEM_ENGINE_PREFIX_CACHE_QUERY_TOKENS)
     assert queried.value == stack.engine.core.block_manager.num_prefix_queries_tokens
+    (proposed,) = points(m, otel.TANDEM_ENGINE_SPECULATIVE_PROPOSED_TOKENS)
+    (accepted,) = points(m, otel.TANDEM_ENGINE_SPECULATIVE_ACCEPTED_TOKENS)
+    assert (proposed.value, accepted.value) == (0, 0)  # this server does not speculate
 
     usage = {
         p.attributes[otel.GEN_AI_TOKEN_TYPE]: (p.count, p.sum)

@@ -15,6 +15,8 @@ from common.semconv import (
     TANDEM_ENGINE_PREFIX_CACHE_HIT_TOKENS,
     TANDEM_ENGINE_PREFIX_CACHE_QUERY_TOKENS,
     TANDEM_ENGINE_REQUESTS,
+    TANDEM_ENGINE_SPECULATIVE_ACCEPTED_TOKENS,
+    TANDEM_ENGINE_SPECULATIVE_PROPOSED_TOKENS,
     TANDEM_KV_BLOCK_STATE,
     TANDEM_REQUEST_STATE,
 )
@@ -67,12 +69,22 @@ class EngineReadings:
             else [metrics.Observation(current.core.block_manager.num_prefix_hits_tokens)]
         )
 
+    def proposed_tokens(self, _: metrics.CallbackOptions) -> Readings:
+        current = self.engine()
+        return [] if current is None else [metrics.Observation(current.core.num_proposed_tokens)]
+
+    def accepted_tokens(self, _: metrics.CallbackOptions) -> Readings:
+        current = self.engine()
+        return [] if current is None else [metrics.Observation(current.core.num_accepted_tokens)]
+
 
 def observe_engine(meter: metrics.Meter, engine: Callable[[], Engine | None]) -> None:
     """Observable instruments over a decoder engine, read at collection time."""
     readings = EngineReadings(engine)
     meter.create_observable_gauge(
         TANDEM_ENGINE_REQUESTS,
+    TANDEM_ENGINE_SPECULATIVE_ACCEPTED_TOKENS,
+    TANDEM_ENGINE_SPECULATIVE_PROPOSED_TOKENS,
         [readings.requests],
         unit="{request}",
         description="Requests running and waiting",
@@ -94,4 +106,16 @@ def observe_engine(meter: metrics.Meter, engine: Callable[[], Engine | None]) ->
         [readings.prefix_hit_tokens],
         unit="{token}",
         description="Prompt positions served from the prefix cache",
+    )
+    meter.create_observable_counter(
+        TANDEM_ENGINE_SPECULATIVE_PROPOSED_TOKENS,
+        [readings.proposed_tokens],
+        unit="{token}",
+        description="Speculative decoding: proposed tokens verified",
+    )
+    meter.create_observable_counter(
+        TANDEM_ENGINE_SPECULATIVE_ACCEPTED_TOKENS,
+        [readings.accepted_tokens],
+        unit="{token}",
+        description="Speculative decoding: proposed tokens accepted (each an engine step saved)",
     )

@@ -100,6 +100,12 @@ def settings() -> list[Setting]:
         ),
         _engine("--num-threads", "torch intra-op threads", type=int, show_default="torch's default"),
         _engine(
+            "--speculative-tokens",
+            "speculative decoding: tokens a decode step may propose from the request's own history "
+            "(prompt lookup) and verify, 0-16; 0 = off; a request may say otherwise",
+            type=int,
+        ),
+        _engine(
             "--batch-invariant",
             "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
             type=BOOL,
@@ -145,6 +151,7 @@ _ENGINE_FIELDS = (
     "native_kernels",
     "num_threads",
     "batch_invariant",
+    "speculative_tokens",
 )
 
 

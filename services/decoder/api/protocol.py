@@ -55,6 +55,7 @@ def spec_from_pb(
         deadline=None if time_remaining_s is None else time.monotonic() + time_remaining_s,
         cap_max_new_tokens=cap,
         chat=_chat_from_pb(request.chat, limits) if request.HasField("chat") else None,
+        speculative_tokens=request.speculative_tokens if request.HasField("speculative_tokens") else None,
     )
 
 
@@ -167,6 +168,8 @@ def event_to_pb(event: Event) -> decoder_pb2.GenerateResponse:
             time_to_first_token_s=event.time_to_first_token_s,
             total_time_s=event.total_time_s,
             queue_time_s=event.queue_time_s,
+            proposed_tokens=event.proposed_tokens,
+            accepted_tokens=event.accepted_tokens,
         )
         if event.stop_sequence is not None:
             finished.stop_sequence = event.stop_sequence

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.decoder.engine.kv_cache import NULL_BLOCK_ID
-from services.decoder.engine.scheduler import StepPlan
+from services.decoder.engine.scheduler import ScheduledRequest, StepPlan
 from services.decoder.models.attention import AttentionMetadata
 
 
@@ -54,6 +54,9 @@ def pack(plan: StepPlan, block_size: int) -> HostBatch:
     """The plan's scheduled positions, request after request, as host lists."""
     host = HostBatch()
     for item in plan.scheduled:
+        if item.num_draft_tokens:
+            _pack_verification(host, item, block_size)
+            continue
         req, start, end = item.request, item.start, item.end
         offset = len(host.input_ids)
         num_prompt = req.num_prompt_tokens
@@ -81,6 +84,28 @@ def pack(plan: StepPlan, block_size: int) -> HostBatch:
             host.logits_rows.append(len(host.input_ids) - 1)
     host.num_logits = len(host.logits_rows)
     return host
+
+
+def _pack_verification(host: HostBatch, item: ScheduledRequest, block_size: int) -> None:
+    """A decode step that verifies proposed tokens: the last sampled token, then the proposal.
+
+    Each position attends as a sequence of its own (query length 1, context up to and including
+    itself, the request's block table), which is exactly causal attention over the request: so a
+    step of decodes and verifications is still decode-only, one batched attention call per layer
+    (the C kernel on CPU). Every position is sampled.
+    """
+    req, start = item.request, item.start
+    ids = [req.output_token_ids[-1], *req.draft_token_ids[: item.num_draft_tokens]]  # [1 + n]
+    for j, token_id in enumerate(ids):
+        position = start + j
+        host.logits_rows.append(len(host.input_ids))
+        host.input_ids.append(token_id)
+        host.is_token_ids.append(True)
+        host.positions.append(position)
+        host.slots.append(item.block_ids[position // block_size] * block_size + position % block_size)
+        host.query_lens.append(1)
+        host.seq_lens.append(position + 1)
+        host.block_tables.append(item.block_ids)
 
 
 class BatchTensors:

@@ -5,10 +5,24 @@ aborts, deadline expiry, finishes, pauses for readers far behind and their resum
 between steps on the engine thread, under `lock`, so an abort frees its KV blocks at the next step
 boundary and a request's events always come out in order.
 `EngineCore` knows nothing about threads or asyncio: `loop.py` steps it, `engine.py` feeds it.
+
+NOTE: speculation. Before scheduling, each decoding request with `num_speculative_tokens` proposes
+its next tokens from its own history (`prompt_lookup.py`); the scheduler runs them after the
+request's last token in the same step, as far as the step has room. Every one of those positions
+is sampled exactly as a plain decode step would sample it, given the tokens before it, the
+proposal included: row j's penalties count the proposal's first j tokens, its min-tokens mask is
+the one j tokens later, and a seeded request's noise is drawn for its output position n + j
+(`position_seed`). The request keeps the samples while they equal the proposal, and the first one
+that differs (or the one after the whole proposal). For a proposal that is one fixed sequence this
+is the standard rejection rule: sample t ~ p and accept proposal d when t == d happens with
+probability p(d), and the t of a rejection is distributed as p without d, renormalized. So the
+output has exactly the distribution it has without speculation, greedy keeps the longest prefix
+that equals the arg-max, and a seeded request gives the same tokens with speculation as without.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -27,12 +41,14 @@ from services.decoder.engine.outputs import (
     Finished,
     FinishReason,
     OutputState,
+    SampledToken,
     TopLogprobs,
 )
+from services.decoder.engine.prompt_lookup import PromptLookup, verified_tokens
 from services.decoder.engine.request import Request, RequestStatus
 from services.decoder.engine.runner import ModelRunner
 from services.decoder.engine.sampler import Sampler, SamplerOutput, SamplingBatch
-from services.decoder.engine.scheduler import Scheduler
+from services.decoder.engine.scheduler import ScheduledRequest, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +62,23 @@ class _Tracked:
     request: Request
     output: OutputState
     sink: Sink
-    generator: torch.Generator | None  # seeded requests only
+    # Seeded requests: one generator per token sampled in a step (1 + proposed tokens), reseeded for
+    # the output position it samples before every step. Empty for unseeded requests.
+    generators: list[torch.Generator]
     deadline: float | None  # time.monotonic() after which a still-queued request fails
     progress: ReaderProgress | None  # how far its reader is behind; None: never paused
+    lookup: PromptLookup | None  # its token history, when it speculates
+    # Tokens to propose next: the request's maximum after a fully accepted proposal, one more than
+    # the accepted ones after a rejection, so a request whose guesses miss costs one extra position.
+    num_to_propose: int = 0
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One sampled position of a step: request `tracked`'s output position n + `ahead`."""
+
+    tracked: _Tracked
+    ahead: int  # 0 = the token after the last sampled one; j = after j proposed tokens
 
 
 class EngineCore:
@@ -70,6 +100,8 @@ class EngineCore:
         self._batch: SamplingBatch | None = None
         self.num_steps = 0
         self.num_preemptions = 0  # requests preempted by recompute, over the engine's life
+        self.num_proposed_tokens = 0  # proposed tokens verified, over the engine's life
+        self.num_accepted_tokens = 0  # of those, the ones accepted
 
     @property
     def block_manager(self) -> BlockManager:
@@ -86,12 +118,18 @@ class EngineCore:
         """Admit a request (any thread). Raises QueueFullError / RequestTooLongError synchronously.
 
         With `progress`, the request pauses while its reader is far behind (backpressure.py)."""
-        generator = None
+        generators = []
         if request.sampling.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(request.sampling.seed)
+            generators = [torch.Generator(device=self.runner.device)]
+        lookup = None
+        if request.num_speculative_tokens:
+            lookup = PromptLookup(request.prompt_token_ids, request.is_token_ids)
+        tracked = _Tracked(
+            request, output, sink, generators, deadline, progress, lookup, request.num_speculative_tokens
+        )
         with self.lock:
             self.scheduler.add_request(request)
-            self._live[request.request_id] = _Tracked(request, output, sink, generator, deadline, progress)
+            self._live[request.request_id] = tracked
             # Under the lock: the engine thread cannot schedule the request before Accepted is out,
             # so no Delta can overtake it.
             sink(Accepted(output.request_id, request.num_prompt_tokens))
@@ -134,6 +172,7 @@ class EngineCore:
             ended = self._take_all_if_asked()
             self._resume_caught_up()
             expired = self._expire_deadlines()
+            self._propose()
             plan = self.scheduler.schedule()
         for tracked, reason in ended:
             for event in tracked.output.finish(reason):
@@ -156,16 +195,17 @@ class EngineCore:
                 tracked.output.record(
                     "prefill_chunk", now, {"positions.start": item.start, "positions.end": item.end}
                 )
-        logits = self.runner.execute(plan)  # [num_sampling, vocab]
-        sampling = [self._live[item.request_id] for item in plan.scheduled if item.needs_logits]
-        sampled = self._sample(logits, sampling) if sampling else None
-        token_ids = sampled.token_ids.tolist() if sampled is not None else []
+        logits = self.runner.execute(plan)  # [num_sampled_positions, vocab]
+        items = [item for item in plan.scheduled if item.needs_logits]
+        rows = [
+            _Row(self._live[item.request_id], j) for item in items for j in range(1 + item.num_draft_tokens)
+        ]
+        sampled = self._sample(logits, rows) if rows else None
+        kept = self._verify(items, sampled.token_ids.tolist() if sampled is not None else [])
         with self.lock:
-            self.scheduler.update(
-                plan, {t.request.request_id: tok for t, tok in zip(sampling, token_ids, strict=True)}
-            )
+            self.scheduler.update(plan, {item.request_id: t for item, t in zip(items, kept, strict=True)})
         self.num_steps += 1
-        self._emit(sampling, token_ids, sampled, time.monotonic())
+        self._emit(items, kept, sampled, time.monotonic())
 
     def fail_all(self, error: TandemError) -> None:
         """End every live request with `error` (an engine fault or shutdown) and free its blocks."""
@@ -177,41 +217,95 @@ class EngineCore:
         for tracked in live:
             tracked.sink(Failed(tracked.output.request_id, error))
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Tracked]) -> SamplerOutput:
-        key = tuple(t.request.request_id for t in rows)
+    def _propose(self) -> None:
+        """Under `lock`: each decoding request that speculates proposes its next tokens."""
+        for request in self.scheduler.running:
+            tracked = self._live[request.request_id]
+            if tracked.lookup is None or request.num_computed_tokens != request.num_tokens - 1:
+                continue  # no speculation, or a prefill (chunk) to run first
+            lookup = tracked.lookup
+            lookup.extend(request.output_token_ids[len(lookup.history) - request.num_prompt_tokens :])
+            # The proposal and the token after it must fit max_new_tokens and the context.
+            room = min(
+                request.stopping.max_new_tokens - request.num_output_tokens,
+                tracked.output.max_model_len - request.num_tokens,
+            )
+            request.draft_token_ids = lookup.propose(min(tracked.num_to_propose, room - 1))
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> SamplerOutput:
+        key = tuple((row.tracked.request.request_id, row.ahead) for row in rows)
+        for row in rows:  # a seeded row's noise is its output position's, whatever the step
+            request = row.tracked.request
+            if request.sampling.seed is not None:
+                generators = row.tracked.generators
+                while len(generators) <= row.ahead:
+                    generators.append(torch.Generator(device=self.runner.device))
+                position = request.num_output_tokens + row.ahead
+                generators[row.ahead].manual_seed(position_seed(request.sampling.seed, position))
         if key != self._batch_key or self._batch is None:
             self._batch = SamplingBatch.build(
-                [t.request.sampling for t in rows],
-                [t.generator for t in rows],
-                [t.request.prompt_token_ids for t in rows],
-                [t.request.is_token_ids for t in rows],
+                [row.tracked.request.sampling for row in rows],
+                [_generator(row) for row in rows],
+                [row.tracked.request.prompt_token_ids for row in rows],
+                [row.tracked.request.is_token_ids for row in rows],
                 self.vocab_size,
                 self.runner.device,
             )
             self._batch_key = key
-        banned = [t.output.banned_token_ids() for t in rows]
+        banned = [row.tracked.output.banned_token_ids(row.ahead) for row in rows]
         return self.sampler(
             logits,
             self._batch,
-            [t.request.output_token_ids for t in rows] if self._batch.has_penalties else [[] for _ in rows],
+            [_history(row) for row in rows] if self._batch.has_penalties else [[] for _ in rows],
             banned if any(banned) else None,
         )
 
+    def _verify(self, items: list[ScheduledRequest], token_ids: list[int]) -> list[list[int]]:
+        """Each sampling request's tokens of this step: its samples up to and including the first one
+        that differs from its proposal (all of them when none does). token_ids: one per row."""
+        kept: list[list[int]] = []
+        row = 0
+        for item in items:
+            proposal = item.request.draft_token_ids[: item.num_draft_tokens]
+            tokens = verified_tokens(proposal, token_ids[row : row + 1 + item.num_draft_tokens])
+            row += 1 + item.num_draft_tokens
+            kept.append(tokens)
+            if proposal:
+                num_accepted = len(tokens) - 1
+                tracked = self._live[item.request_id]
+                tracked.num_to_propose = (
+                    item.request.num_speculative_tokens if num_accepted == len(proposal) else num_accepted + 1
+                )
+                tracked.output.on_verified(len(proposal), num_accepted)
+                self.num_proposed_tokens += len(proposal)
+                self.num_accepted_tokens += num_accepted
+        return kept
+
     def _emit(
-        self, rows: list[_Tracked], token_ids: list[int], sampled: SamplerOutput | None, now: float
+        self,
+        items: list[ScheduledRequest],
+        kept: list[list[int]],
+        sampled: SamplerOutput | None,
+        now: float,
     ) -> None:
         logprobs = sampled.logprobs.tolist() if sampled is not None and sampled.logprobs is not None else None
         top_ids = top_lp = None
         if sampled is not None and sampled.top_token_ids is not None and sampled.top_logprobs is not None:
             top_ids, top_lp = sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist()
-        for i, (tracked, token_id) in enumerate(zip(rows, token_ids, strict=True)):
+        first_row = 0
+        for item, tokens in zip(items, kept, strict=True):
+            tracked = self._live[item.request_id]
             params = tracked.request.sampling
-            logprob = logprobs[i] if logprobs is not None and params.logprobs else None
-            top = None
-            if top_ids is not None and top_lp is not None and params.top_logprobs:
-                n = params.top_logprobs
-                top = TopLogprobs(tuple(top_ids[i][:n]), tuple(top_lp[i][:n]))
-            events = tracked.output.on_token(token_id, logprob, top, now)
+            step: list[SampledToken] = []
+            for i, token_id in enumerate(tokens, start=first_row):
+                logprob = logprobs[i] if logprobs is not None and params.logprobs else None
+                top = None
+                if top_ids is not None and top_lp is not None and params.top_logprobs:
+                    n = params.top_logprobs
+                    top = TopLogprobs(tuple(top_ids[i][:n]), tuple(top_lp[i][:n]))
+                step.append(SampledToken(token_id, logprob, top))
+            first_row += 1 + item.num_draft_tokens
+            events = tracked.output.on_tokens(step, now)
             is_finished = bool(events) and isinstance(events[-1], Finished)
             if is_finished:
                 self._retire(tracked, events[-1].reason)
@@ -283,3 +377,23 @@ class EngineCore:
 
 
 _LENGTH_REASONS = (FinishReason.LENGTH, FinishReason.CONTEXT_LIMIT)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output position: a hash of both, so the noise of
+    every position is its own whatever a step samples, and nearby seeds or positions share nothing.
+    (CPU generators keep the low 32 bits, CUDA's all 64.)"""
+    key = (seed % 2**64).to_bytes(8, "little") + position.to_bytes(8, "little")
+    digest = hashlib.blake2b(key, digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _generator(row: _Row) -> torch.Generator | None:
+    generators = row.tracked.generators
+    return generators[row.ahead] if generators else None
+
+
+def _history(row: _Row) -> list[int]:
+    """The output tokens row `row`'s penalties count: the request's, then the proposal's first j."""
+    request = row.tracked.request
+    return request.output_token_ids + request.draft_token_ids[: row.ahead]

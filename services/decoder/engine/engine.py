@@ -99,6 +99,7 @@ class Engine:
         # Batch-invariant: a cached prefix was computed in another request's chunks, and a request's
         # chunks are its own (max_num_batched_tokens each, the step's budget never cutting them).
         invariant = config.batch_invariant
+        static = sizing.static_shapes(config, self.max_model_len)
         block_manager = BlockManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching and not invariant
         )
@@ -109,6 +110,8 @@ class Engine:
                 * (config.max_num_seqs if invariant else 1),
                 max_waiting=config.max_queue,
                 max_tokens_per_request=config.max_num_batched_tokens if invariant else None,
+                # A verified proposed token is a sequence of its own, and padding needs a spare one.
+                max_num_rows=None if static is None else max(config.max_num_seqs, static.seq_buckets[-1] - 1),
             ),
             block_manager,
         )
@@ -117,7 +120,7 @@ class Engine:
             self.loaded.model,
             self.num_blocks,
             config.block_size,
-            sizing.static_shapes(config, self.max_model_len),
+            static,
             None if tp is None else tp.step_sender(),
             backend if config.compile else None,
             invariant,
@@ -227,6 +230,7 @@ class Engine:
             self.config.enable_prompt_embeds,
             self.chat_template,
             max_token_chars=self.max_token_chars,
+            default_speculative_tokens=self.config.speculative_tokens,
         )
 
     def generate(self, spec: GenerateSpec) -> Iterator[Event]:

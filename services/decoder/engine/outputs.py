@@ -4,7 +4,8 @@ Events, in order: one `Accepted`, zero or more `Delta`, then exactly one `Finish
 `OutputState` turns each sampled token into those events: stop checks (stop tokens and EOS after
 `min_new_tokens`, stop strings through the detokenizer, max tokens, the context limit), text, and
 coalescing to at most one `Delta` per `stream_interval` steps, because every message costs the
-gRPC layer tens of microseconds of CPU.
+gRPC layer tens of microseconds of CPU. A step yields one token, or several when it verified
+proposed tokens (speculation): they count as one step and travel in one Delta.
 
 It also keeps the request's timeline (queued, each prefill chunk, first token, preemptions,
 pauses for a reader far behind, finished) as plain (name, monotonic time, attributes) records that
@@ -57,6 +58,15 @@ class TopLogprobs:
     logprobs: tuple[float, ...]  # natural log, same order
 
 
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One token a step produced, with its logprobs when the request asked for them."""
+
+    token_id: int
+    logprob: float | None = None
+    top: TopLogprobs | None = None
+
+
 @dataclass(frozen=True)
 class Delta:
     request_id: str
@@ -89,6 +99,8 @@ class Finished:
     total_time_s: float
     queue_time_s: float
     timeline: tuple[TimelineEvent, ...] = ()  # in time order, ending with "finished"
+    proposed_tokens: int = 0  # speculation: proposed tokens verified over the request's life
+    accepted_tokens: int = 0  # of those, the ones accepted (each an engine step saved)
 
 
 @dataclass(frozen=True)
@@ -150,21 +162,46 @@ class OutputState:
         self._pending_logprobs: list[float] = []
         self._pending_top: list[TopLogprobs] = []
         self._steps_since_emit = 0
+        self.num_proposed_tokens = 0
+        self.num_accepted_tokens = 0
 
     def record(self, name: str, now: float, attributes: Mapping[str, int | str] | None = None) -> None:
         """Add a moment to the timeline (engine thread; costs one list append)."""
         self.timeline.append(TimelineEvent(name, now, attributes or {}))
 
-    def banned_token_ids(self) -> list[int]:
-        """EOS and stop tokens are masked at sampling until min_new_tokens were generated."""
-        if self.num_output_tokens >= self.stopping.min_new_tokens:
+    def banned_token_ids(self, ahead: int = 0) -> list[int]:
+        """EOS and stop tokens are masked at sampling until min_new_tokens were generated; `ahead`:
+        for the token that follows `ahead` more (proposed) tokens."""
+        if self.num_output_tokens + ahead >= self.stopping.min_new_tokens:
             return []
         return sorted(self._eos_token_ids | self._stop_token_ids)
+
+    def on_verified(self, num_proposed: int, num_accepted: int) -> None:
+        """Count a verified proposal (speculation) for Finished."""
+        self.num_proposed_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
 
     def on_token(
         self, token_id: int, logprob: float | None, top: TopLogprobs | None, now: float
     ) -> list[Event]:
-        """Account one sampled token; returns the events it releases (possibly none)."""
+        """Account one sampled token, a step of its own; returns the events it releases."""
+        return self.on_tokens([SampledToken(token_id, logprob, top)], now)
+
+    def on_tokens(self, tokens: list[SampledToken], now: float) -> list[Event]:
+        """Account one step's tokens in order (several when it verified a proposal); returns the
+        events they release (possibly none). Tokens after one that ends the request are dropped."""
+        for token in tokens:
+            finish = self._add(token, now)
+            if finish is not None:
+                return self.finish(*finish, now=now)
+        self._steps_since_emit += 1
+        if self._steps_since_emit >= max(1, self.options.stream_interval):
+            return [self._take_delta()]
+        return []
+
+    def _add(self, token: SampledToken, now: float) -> tuple[FinishReason, str | None, int | None] | None:
+        """Account one token; why the request ends with it, if it does."""
+        token_id, logprob, top = token.token_id, token.logprob, token.top
         if self.first_token_time is None:
             self.first_token_time = now
             self.record("first_token", now)
@@ -186,12 +223,7 @@ class OutputState:
             finish = (FinishReason.LENGTH, None, None)
         if finish is None and self.num_prompt_tokens + self.num_output_tokens >= self.max_model_len:
             finish = (FinishReason.CONTEXT_LIMIT, None, None)
-        self._steps_since_emit += 1
-        if finish is not None:
-            return self.finish(*finish, now=now)
-        if self._steps_since_emit >= max(1, self.options.stream_interval):
-            return [self._take_delta()]
-        return []
+        return finish
 
     def finish(
         self,
@@ -224,6 +256,8 @@ class OutputState:
                 total_time_s=now - self.arrival_time,
                 queue_time_s=scheduled - self.arrival_time,
                 timeline=tuple(self.timeline),
+                proposed_tokens=self.num_proposed_tokens,
+                accepted_tokens=self.num_accepted_tokens,
             )
         )
         return events

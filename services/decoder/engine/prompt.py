@@ -19,6 +19,7 @@ import torch
 
 from common import tensors, text_bounds
 from common.errors import FailedPrecondition, InvalidArgument
+from services.decoder.config import MAX_SPECULATIVE_TOKENS
 from services.decoder.engine.chat import ROLES as CHAT_ROLES
 from services.decoder.engine.chat import (
     ChatRequest,
@@ -65,6 +66,8 @@ class GenerateSpec:
     deadline: float | None = None  # time.monotonic() by which the first step must have started
     cap_max_new_tokens: bool = False  # max_new_tokens was a default: shrink it to fit the context
     chat: ChatRequest | None = None  # a conversation for the model's chat template, instead of `prompt`
+    # Most tokens a decode step may propose and verify (prompt lookup), 0-16; None = the engine's.
+    speculative_tokens: int | None = None
 
 
 def build_request(
@@ -77,6 +80,7 @@ def build_request(
     chat_template: ChatTemplate | None = None,
     *,
     max_token_chars: int,  # the most characters one token stands for (common/text_bounds.py)
+    default_speculative_tokens: int = 0,  # for a spec that leaves speculative_tokens unset
 ) -> Request:
     """Validate the spec against the model and flatten its prompt into positions.
 
@@ -94,6 +98,14 @@ def build_request(
     vocab = model_config.vocab_size
     spec.sampling.validate(vocab)
     spec.stopping.validate(vocab)
+    speculative_tokens = default_speculative_tokens
+    if spec.speculative_tokens is not None:
+        if not 0 <= spec.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidArgument(
+                "speculative_tokens",
+                f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {spec.speculative_tokens}",
+            )
+        speculative_tokens = spec.speculative_tokens
     for i, part in enumerate(spec.prompt):
         _check_segment(i, part, model_config.hidden_size, enable_prompt_embeds)
     if spec.chat is not None:
@@ -120,7 +132,9 @@ def build_request(
         TokenSegment(p) if isinstance(p, list) else _embedding_segment(i, p, model_config.dtype)
         for i, p in enumerate(positions)
     ]
-    return Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
+    request = Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
+    request.num_speculative_tokens = speculative_tokens
+    return request
 
 
 def _check_segment(i: int, part: PromptPart, hidden_size: int, enable_prompt_embeds: bool) -> None:

@@ -87,6 +87,8 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # how tokens are picked
     stopping: StoppingParams = field(default_factory=StoppingParams)  # when the engine ends it
     arrival_time: float = field(default_factory=time.monotonic)  # time.monotonic(); queue-time metrics
+    # Most tokens a decode step may propose for verification (prompt lookup); 0 = no speculation.
+    num_speculative_tokens: int = 0
 
     # Scheduling state.
     status: RequestStatus = RequestStatus.WAITING  # lifecycle; see RequestStatus
@@ -98,6 +100,9 @@ class Request:
     # never change once they exist, so these stay valid for the request's life, preemptions included.
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0  # times its blocks were taken back (metrics, tests)
+    # Tokens proposed for the next decode step, verified with it (the engine writes them before
+    # scheduling; the scheduler may shorten them to fit the step and clears them in update()).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -7,7 +7,9 @@ stop strings and max_new_tokens, then calls finish()); it only keeps every reque
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.errors import InvalidArgument, ResourceExhausted
@@ -37,11 +39,17 @@ class SchedulerConfig:
     # Most positions of one request per step; None = whatever is left of the step's budget. Set (with
     # a budget of max_num_seqs times it) a request's prefill chunks no longer depend on its neighbours.
     max_tokens_per_request: int | None = None
+    # Most attention rows in one step: a request's prefill or decode is one, every proposed token it
+    # verifies one more (each attends as a sequence of its own). Static shapes set it to the largest
+    # sequence bucket; None = only the token budget bounds proposals.
+    max_num_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_rows is not None and self.max_num_rows < self.max_num_seqs:
+            raise ValueError(f"SchedulerConfig.max_num_rows must be >= max_num_seqs, got {self.max_num_rows}")
         if self.max_tokens_per_request is not None and self.max_tokens_per_request < 1:
             raise ValueError(
                 f"SchedulerConfig.max_tokens_per_request must be >= 1, got {self.max_tokens_per_request}"
@@ -57,8 +65,11 @@ class ScheduledRequest:
     start: int  # num_computed_tokens before this step: first position to run
     num_new_tokens: int  # positions to run this step, >= 1
     block_ids: tuple[int, ...]  # the request's whole block table after this step's allocation
-    needs_logits: bool  # the step reaches num_tokens: sample a token from the last position
+    needs_logits: bool  # the step reaches num_tokens: sample from the last 1 + num_draft_tokens positions
     is_prefill: bool  # start < num_prompt_tokens (some positions may be embedding rows)
+    # The last positions run the request's proposed tokens (`request.draft_token_ids[:n]`), verified
+    # by this step: the step samples 1 + n tokens and keeps the ones the proposal got right.
+    num_draft_tokens: int = 0
 
     @property
     def end(self) -> int:
@@ -153,6 +164,9 @@ class Scheduler:
         # Admitting right after a preemption would only hand the freed blocks to a newcomer.
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
+        # Proposed tokens get what the step has left, after every request's own position: speculation
+        # never delays an admission or causes a preemption.
+        budget = self._add_drafts(budget, scheduled)
         return StepPlan(
             scheduled=tuple(scheduled),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
@@ -201,13 +215,18 @@ class Scheduler:
             budget -= num_new_tokens
         return budget
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> None:
-        """Record that `plan` ran: advance each request and append its sampled token, if any.
+    def update(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]]) -> None:
+        """Record that `plan` ran: advance each request and append its sampled token(s), if any.
 
-        Requests finished or aborted since schedule() are skipped; their blocks are already free.
+        A request that verified n proposed tokens gets 1 to n + 1 tokens: the proposed ones that were
+        accepted, then the one sampled after them. Only the positions holding accepted tokens count as
+        computed; the rejected positions' KV slots lie past the sequence's end, where attention never
+        reads, and the next step writes over them. Requests finished or aborted since schedule() are
+        skipped; their blocks are already free.
         """
         for item in plan.scheduled:
             request = item.request
+            request.draft_token_ids.clear()
             if request.is_finished:
                 continue
             if request.num_computed_tokens != item.start:
@@ -219,7 +238,15 @@ class Scheduler:
             if item.needs_logits:
                 if item.request_id not in sampled:
                     raise KeyError(f"no sampled token for {item.request_id!r}, which needed logits")
-                request.output_token_ids.append(sampled[item.request_id])
+                tokens = sampled[item.request_id]
+                tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+                if not 1 <= len(tokens) <= 1 + item.num_draft_tokens:
+                    raise ValueError(
+                        f"{item.request_id!r} verified {item.num_draft_tokens} proposed tokens, "
+                        f"so it takes 1 to {1 + item.num_draft_tokens} tokens, got {len(tokens)}"
+                    )
+                request.num_computed_tokens -= item.num_draft_tokens - (len(tokens) - 1)
+                request.output_token_ids.extend(tokens)
             self.block_manager.cache_full_blocks(request)
 
     def finish(self, request_id: str, status: RequestStatus) -> bool:
@@ -255,6 +282,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids.clear()
         request.status = RequestStatus.PAUSED
         self.paused[request_id] = request
         return True
@@ -278,9 +306,40 @@ class Scheduler:
         # together (often from the prefix cache, since its freed blocks stay evictable).
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids.clear()
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
+
+    def _add_drafts(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Extend the decode steps of requests with proposed tokens by those tokens, as far as the
+        step's token budget, its max_num_rows and the free blocks allow; the budget left. A proposal
+        that does not fit is shortened or dropped: it was only a guess."""
+        num_rows = len(scheduled)
+        max_rows = self.config.max_num_rows
+        for i, item in enumerate(scheduled):
+            request = item.request
+            drafts = request.draft_token_ids
+            if not drafts:
+                continue
+            if not (item.needs_logits and item.num_new_tokens == 1 and not item.is_prefill):
+                drafts.clear()  # only a decode step verifies: a prefill chunk has no proposal to check
+                continue
+            room = budget if max_rows is None else min(budget, max_rows - num_rows)
+            del drafts[max(0, room) :]
+            if drafts and not self.block_manager.allocate_slots(request, 1 + len(drafts)):
+                drafts.clear()
+            if not drafts:
+                continue
+            budget -= len(drafts)
+            num_rows += len(drafts)
+            scheduled[i] = dataclasses.replace(
+                item,
+                num_new_tokens=1 + len(drafts),
+                block_ids=tuple(request.block_ids),
+                num_draft_tokens=len(drafts),
+            )
+        return budget
 
     def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -51,6 +51,21 @@ async def test_streamed_generation_equals_the_in_process_engine(decoder: Served)
     assert finished.total_time_s >= finished.time_to_first_token_s > 0
 
 
+async def test_a_speculating_request_streams_the_tokens_of_a_plain_one_and_reports_its_proposals(
+    decoder: Served,
+) -> None:
+    # A prompt on which the tiny model's greedy output repeats itself, so prompt lookup proposes.
+    prompt = [torch.randint(5, 1000, (8,), generator=torch.Generator().manual_seed(0)).tolist()]
+    options = dict(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    plain = await _collect(decoder.client.generate(prompt, **options))
+    speculated = await _collect(decoder.client.generate(prompt, speculative_tokens=4, **options))
+    assert _tokens(speculated) == _tokens(plain)
+    assert (plain[-1].finished.proposed_tokens, plain[-1].finished.accepted_tokens) == (0, 0)
+    finished = speculated[-1].finished
+    assert finished.proposed_tokens >= finished.accepted_tokens >= 1
+    assert finished.usage.output_tokens == 64
+
+
 async def test_64_concurrent_streams_finish_with_their_token_counts(decoder: Served) -> None:
     hidden = decoder.engine.model_config.hidden_size
 
@@ -117,6 +132,10 @@ def _bad_requests(hidden: int, vocab: int, max_len: int) -> list[tuple[str, deco
         ("sampling.min_p", req(sampling__min_p=2.0)),
         ("output.top_logprobs", req(output__top_logprobs=99)),
         ("stopping.stop_sequences", req_with_stops(17)),
+        (
+            "speculative_tokens",
+            decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text="hi")], speculative_tokens=17),
+        ),
     ]
 
 

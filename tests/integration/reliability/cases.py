@@ -276,6 +276,13 @@ CASES: list[Case] = [
     Case(
         "top_logprobs = 99", "Generate", lambda: gen(output__top_logprobs=99), INVALID, "output.top_logprobs"
     ),
+    Case(
+        "speculative_tokens = 17",
+        "Generate",
+        lambda: decoder_pb2.GenerateRequest(prompt=gen().prompt, speculative_tokens=17),
+        INVALID,
+        "speculative_tokens",
+    ),
     # -- Generate: stopping
     Case(
         "max_new_tokens = 0",

@@ -98,6 +98,7 @@ def valid_generate_requests(draw) -> decoder_pb2.GenerateRequest:
     r.output.logprobs = draw(st.booleans())
     r.output.top_logprobs = draw(st.integers(0, 20))
     r.output.stream_interval = draw(st.integers(0, 3))
+    r.speculative_tokens = draw(st.integers(0, 16))
     return r
 
 
@@ -129,6 +130,8 @@ def wild_generate_requests(draw) -> decoder_pb2.GenerateRequest:
     r.output.top_logprobs = draw(st.integers(0, 25))
     r.output.omit_text = draw(st.booleans())
     r.output.stream_interval = draw(st.integers(0, 3))
+    if draw(st.booleans()):
+        r.speculative_tokens = draw(st.integers(0, 2**32 - 1))
     return r
 
 

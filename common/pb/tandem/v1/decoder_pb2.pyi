@@ -449,6 +449,7 @@ class GenerateRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
     PLAIN_TEXT_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen ID echoed in every response and in traces, at most 128 bytes. A label only: the
     server never looks a request up by it, so it need not be unique, and reusing one (even right
@@ -461,6 +462,15 @@ class GenerateRequest(_message.Message):
     as in vLLM's and TGI's completion APIs: a caller that sends raw segments writes the template's
     control tokens itself. Set it when the text comes from someone else; `chat` content is always
     plain.
+    """
+    speculative_tokens: _builtins.int
+    """Speculative decoding by prompt lookup: each decode step may propose up to this many tokens,
+    copied from what followed the latest earlier occurrence of the request's last 2-4 tokens in its
+    own prompt and output (embedding positions match nothing), and verify them in the same forward
+    pass. It changes speed only: the tokens have exactly the distribution they have without it,
+    greedy and seeded requests give the same tokens, logprobs are those of a plain step. At most 16;
+    0 turns it off; unset = the server's --speculative-tokens (0 unless set). Pays where the output
+    repeats the prompt (rewriting, extraction, editing) and on a lightly loaded server.
     """
     @_builtins.property
     def prompt(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptSegment]:
@@ -497,12 +507,15 @@ class GenerateRequest(_message.Message):
         output: Global___OutputOptions | None = ...,
         chat: Global___ChatPrompt | None = ...,
         plain_text: _builtins.bool = ...,
+        speculative_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "output", b"output", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "chat", b"chat", "output", b"output", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "model", b"model", "output", b"output", "plain_text", b"plain_text", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "chat", b"chat", "model", b"model", "output", b"output", "plain_text", b"plain_text", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__speculative_tokens: _TypeAlias = _typing.Literal["speculative_tokens"]  # noqa: Y015
+    _WhichOneofArgType__speculative_tokens: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speculative_tokens) -> _WhichOneofReturnType__speculative_tokens | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -619,6 +632,8 @@ class Finished(_message.Message):
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _builtins.int
     TOTAL_TIME_S_FIELD_NUMBER: _builtins.int
     QUEUE_TIME_S_FIELD_NUMBER: _builtins.int
+    PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     reason: Global___FinishReason.ValueType
     """Why generation ended."""
     stop_sequence: _builtins.str
@@ -631,6 +646,11 @@ class Finished(_message.Message):
     """Seconds from arrival to the end of generation."""
     queue_time_s: _builtins.float
     """Seconds spent waiting in the queue before the first prefill step."""
+    proposed_tokens: _builtins.int
+    """Speculative decoding: proposed tokens the engine verified, and how many of them it accepted
+    (each accepted token is an engine step saved). 0 without speculation.
+    """
+    accepted_tokens: _builtins.int
     @_builtins.property
     def usage(self) -> _tensor_pb2.Usage:
         """Token accounting."""
@@ -645,10 +665,12 @@ class Finished(_message.Message):
         time_to_first_token_s: _builtins.float = ...,
         total_time_s: _builtins.float = ...,
         queue_time_s: _builtins.float = ...,
+        proposed_tokens: _builtins.int = ...,
+        accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop", "queue_time_s", b"queue_time_s", "reason", b"reason", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "time_to_first_token_s", b"time_to_first_token_s", "total_time_s", b"total_time_s", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_tokens", b"accepted_tokens", "matched_stop", b"matched_stop", "proposed_tokens", b"proposed_tokens", "queue_time_s", b"queue_time_s", "reason", b"reason", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "time_to_first_token_s", b"time_to_first_token_s", "total_time_s", b"total_time_s", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_matched_stop: _TypeAlias = _typing.Literal["stop_sequence", "stop_token_id"]  # noqa: Y015
     _WhichOneofArgType_matched_stop: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015

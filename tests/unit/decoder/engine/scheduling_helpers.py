@@ -6,14 +6,18 @@ position the step attends to and checks it is that request's own content. A wron
 prefix-cache hit on the wrong block, or a write into a shared block therefore fails loudly. The
 sampled token depends only on (request id, number of outputs so far), so a request's outputs have
 one right answer whatever the batching, chunking or preemption; `reference_outputs` gives it.
+A step that verifies proposed tokens samples every one of its positions the same way, and
+`run_step` keeps the samples the proposal got right, as the engine does.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Callable
 
 from services.decoder.engine.params import StoppingParams
+from services.decoder.engine.prompt_lookup import verified_tokens
 from services.decoder.engine.request import EmbeddingSegment, Request, RequestStatus, Segment, TokenSegment
 from services.decoder.engine.scheduler import Scheduler, StepPlan
 
@@ -56,6 +60,8 @@ def reference_outputs(request_id: str, num_tokens: int) -> list[int]:
 
 
 def expected_key(request: Request, position: int) -> object:
+    if position >= request.num_tokens:  # a proposed token, verified this step
+        return ("t", request.draft_token_ids[position - request.num_tokens])
     if position >= request.num_prompt_tokens:
         return ("t", request.output_token_ids[position - request.num_prompt_tokens])
     if request.is_token_ids[position]:
@@ -69,8 +75,9 @@ class FakeRunner:
         self.block_size = scheduler.block_manager.block_size
         self.kv: dict[int, object] = {}  # slot -> what was written there
 
-    def execute(self, plan: StepPlan) -> dict[str, int]:
-        sampled: dict[str, int] = {}
+    def execute(self, plan: StepPlan) -> dict[str, list[int]]:
+        """One sample per sampled position: 1 + num_draft_tokens per request that needs logits."""
+        sampled: dict[str, list[int]] = {}
         block_manager = self.scheduler.block_manager
         for item in plan.scheduled:
             request = item.request
@@ -83,7 +90,10 @@ class FakeRunner:
                 got = self.kv.get(self._slot(item.block_ids, position))
                 assert got == expected_key(request, position), (item.request_id, position, got)
             if item.needs_logits:
-                sampled[item.request_id] = fake_token(item.request_id, request.num_output_tokens)
+                n = request.num_output_tokens
+                sampled[item.request_id] = [
+                    fake_token(item.request_id, n + j) for j in range(1 + item.num_draft_tokens)
+                ]
         return sampled
 
     def _slot(self, block_ids: tuple[int, ...], position: int) -> int:
@@ -97,10 +107,15 @@ def check_invariants(scheduler: Scheduler, plan: StepPlan) -> None:
     ids = [item.request_id for item in plan.scheduled]
     assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
     assert len(ids) <= config.max_num_seqs
+    # Each verified proposed token attends as a row of its own.
+    num_rows = len(ids) + sum(item.num_draft_tokens for item in plan.scheduled)
+    assert config.max_num_rows is None or num_rows <= config.max_num_rows
     assert plan.num_batched_tokens == sum(item.num_new_tokens for item in plan.scheduled)
     assert plan.num_batched_tokens <= config.max_num_batched_tokens
     assert all(item.num_new_tokens >= 1 for item in plan.scheduled)
-    assert all(item.end <= item.request.num_tokens for item in plan.scheduled)
+    for item in plan.scheduled:
+        assert item.end <= item.request.num_tokens + item.num_draft_tokens
+        assert item.num_draft_tokens == 0 or (item.needs_logits and item.start == item.request.num_tokens - 1)
     assert plan.num_free_blocks_after == block_manager.num_free_blocks
     assert all(not request.block_ids for request in scheduler.waiting)
     assert all(not request.block_ids for request in scheduler.paused.values())
@@ -122,11 +137,24 @@ def check_invariants(scheduler: Scheduler, plan: StepPlan) -> None:
                 assert index < num_full_computed, (request.request_id, index, block_id)
 
 
-def run_step(scheduler: Scheduler, runner: FakeRunner) -> StepPlan:
-    """One engine step: schedule, check, run, update, then stop requests at max_new_tokens."""
+Proposer = Callable[[Request], list[int]]  # a decoding request's guess at its next tokens
+
+
+def run_step(scheduler: Scheduler, runner: FakeRunner, propose: Proposer | None = None) -> StepPlan:
+    """One engine step: propose, schedule, check, run, verify, update, then stop requests at
+    max_new_tokens."""
+    if propose is not None:
+        for request in scheduler.running:
+            if request.num_computed_tokens == request.num_tokens - 1:
+                request.draft_token_ids = propose(request)
     plan = scheduler.schedule()
     check_invariants(scheduler, plan)
-    scheduler.update(plan, runner.execute(plan))
+    samples = runner.execute(plan)
+    for item in plan.scheduled:
+        if item.needs_logits:
+            proposal = item.request.draft_token_ids[: item.num_draft_tokens]
+            samples[item.request_id] = verified_tokens(proposal, samples[item.request_id])
+    scheduler.update(plan, samples)
     for item in plan.scheduled:
         request = item.request
         if item.needs_logits and request.num_output_tokens >= request.stopping.max_new_tokens:
@@ -134,9 +162,11 @@ def run_step(scheduler: Scheduler, runner: FakeRunner) -> StepPlan:
     return plan
 
 
-def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000) -> list[StepPlan]:
+def run_until_done(
+    scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000, propose: Proposer | None = None
+) -> list[StepPlan]:
     plans = []
     while scheduler.has_unfinished:
         assert len(plans) < max_steps, "requests did not finish: the scheduler is stuck"
-        plans.append(run_step(scheduler, runner))
+        plans.append(run_step(scheduler, runner, propose))
     return plans

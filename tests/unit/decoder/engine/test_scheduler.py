@@ -418,3 +418,134 @@ def test_with_a_per_request_cap_a_prefill_is_chunked_the_same_alone_and_among_ne
     alone = chunks(0)
     assert alone == [(0, 6), (6, 12), (12, 17), (17, 18)]
     assert chunks(3) == chunks(7) == alone
+
+
+# -- speculation: proposed tokens verified in a decode step -------------------------------------
+
+
+def _decoding(scheduler, runner, request_id: str = "a", prompt_len: int = 5, max_new_tokens: int = 12):
+    """A request past its prefill: its next step is a decode."""
+    request = make_request(request_id, list(range(1, prompt_len + 1)), max_new_tokens=max_new_tokens)
+    scheduler.add_request(request)
+    run_step(scheduler, runner)
+    assert request.num_computed_tokens == request.num_tokens - 1
+    return request
+
+
+def test_a_proposal_runs_after_the_last_token_and_only_its_right_prefix_is_kept() -> None:
+    scheduler, runner = make_scheduler()
+    request = _decoding(scheduler, runner)
+    truth = reference_outputs("a", 12)
+    start = request.num_computed_tokens
+    # The first two guesses are right, the third wrong: 2 accepted, then the sample at the miss.
+    plan = run_step(scheduler, runner, propose=lambda r: [truth[1], truth[2], truth[3] + 1, truth[4]])
+    (item,) = plan.scheduled
+    assert (item.start, item.num_new_tokens, item.num_draft_tokens) == (start, 5, 4)
+    assert request.output_token_ids == truth[:4]
+    # Computed: the last token and the two accepted guesses; the rest of the step's slots are stale.
+    assert request.num_computed_tokens == start + 3 == request.num_tokens - 1
+    assert request.draft_token_ids == []
+    run_until_done(scheduler, runner)
+    assert request.output_token_ids == truth
+
+
+def test_a_wholly_right_proposal_gives_every_token_and_the_next() -> None:
+    scheduler, runner = make_scheduler()
+    request = _decoding(scheduler, runner)
+    truth = reference_outputs("a", 12)
+    run_step(scheduler, runner, propose=lambda r: truth[1:4])
+    assert request.output_token_ids == truth[:5]
+
+
+def test_proposals_take_only_what_the_step_has_left_after_admissions() -> None:
+    # Budget 8: the decode takes 1 and the newcomer's prompt 6, so one proposed token fits.
+    scheduler, runner = make_scheduler(max_num_batched_tokens=8)
+    request = _decoding(scheduler, runner)
+    scheduler.add_request(make_request("b", [7] * 6))
+    plan = run_step(scheduler, runner, propose=lambda r: [1, 2, 3, 4])
+    assert ids(plan) == ["a", "b"]
+    assert plan.scheduled[0].num_draft_tokens == 1
+    assert plan.num_batched_tokens == 8
+    assert request.num_output_tokens in (2, 3)
+
+
+def test_proposals_never_take_more_attention_rows_than_max_num_rows() -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=2, max_num_rows=3)
+    _decoding(scheduler, runner, "a")
+    _decoding(scheduler, runner, "b")
+    plan = run_step(scheduler, runner, propose=lambda r: [1, 2, 3])
+    assert [item.num_draft_tokens for item in plan.scheduled] == [1, 0]
+
+
+def test_a_proposal_without_free_blocks_is_dropped_rather_than_preempting() -> None:
+    # 4 usable blocks of 4 positions: a holds 1 (positions 0-3), b the other 3.
+    scheduler, runner = make_scheduler(num_blocks=5, block_size=4)
+    request = _decoding(scheduler, runner, prompt_len=2, max_new_tokens=12)
+    scheduler.add_request(make_request("b", [9] * 11, max_new_tokens=2))
+    run_step(scheduler, runner)
+    assert scheduler.block_manager.num_free_blocks == 0
+    # a decodes position 3, in its block; its guesses would need a new one: they go, nobody is preempted.
+    plan = run_step(scheduler, runner, propose=lambda r: [1, 2, 3])
+    assert plan.preempted_ids == ()
+    assert [(item.request_id, item.num_draft_tokens) for item in plan.scheduled] == [("a", 0), ("b", 0)]
+    run_until_done(scheduler, runner)
+    assert request.output_token_ids == reference_outputs("a", 12)
+
+
+def test_a_prefill_chunk_never_verifies_a_proposal() -> None:
+    scheduler, runner = make_scheduler(max_num_batched_tokens=4)
+    request = make_request("a", list(range(1, 11)))
+    scheduler.add_request(request)
+    request.draft_token_ids = [1, 2]
+    plan = scheduler.schedule()
+    assert plan.scheduled[0].num_draft_tokens == 0
+    assert request.draft_token_ids == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    block_size=st.integers(1, 8),
+    num_blocks=st.integers(3, 40),
+    budget=st.integers(4, 48),
+    max_num_seqs=st.integers(1, 6),
+    extra_rows=st.one_of(st.none(), st.integers(0, 6)),
+    prefix_caching=st.booleans(),
+)
+def test_random_workloads_with_proposals_give_the_same_outputs_as_without(
+    seed: int,
+    block_size: int,
+    num_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    extra_rows: int | None,
+    prefix_caching: bool,
+) -> None:
+    """Guesses right, half right and wrong, under preemption, chunking and prefix caching: every
+    request ends with exactly its reference outputs, and every block comes back."""
+    rng = random.Random(seed)
+    max_num_rows = None if extra_rows is None else max_num_seqs + extra_rows
+    scheduler, runner = make_scheduler(
+        num_blocks,
+        block_size,
+        prefix_caching,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_num_rows=max_num_rows,
+    )
+
+    def propose(request) -> list[int]:
+        n, room = request.num_output_tokens, request.stopping.max_new_tokens - request.num_output_tokens
+        guess = reference_outputs(request.request_id, n + room)[n : n + min(rng.randint(0, 5), room - 1)]
+        if guess and rng.random() < 0.4:
+            guess[rng.randrange(len(guess))] += 1  # a wrong token somewhere
+        return guess
+
+    accepted = []
+    for i in range(rng.randint(1, 12)):
+        accepted.extend(_add_random_request(scheduler, rng, f"r{i}", float(i)))
+    run_until_done(scheduler, runner, max_steps=5000, propose=propose)
+    for request in accepted:
+        expected = reference_outputs(request.request_id, request.stopping.max_new_tokens)
+        assert request.output_token_ids == expected
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
