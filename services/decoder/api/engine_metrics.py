@@ -83,8 +83,6 @@ def observe_engine(meter: metrics.Meter, engine: Callable[[], Engine | None]) ->
     readings = EngineReadings(engine)
     meter.create_observable_gauge(
         TANDEM_ENGINE_REQUESTS,
-        TANDEM_ENGINE_SPECULATIVE_ACCEPTED_TOKENS,
-        TANDEM_ENGINE_SPECULATIVE_PROPOSED_TOKENS,
         [readings.requests],
         unit="{request}",
         description="Requests running and waiting",
