@@ -42,9 +42,10 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def imported(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("smollm2")
-    return {dtype: import_gguf(gguf_path, tmp / dtype, dtype) for dtype in ("float32", "bfloat16")}
+def imported(gguf_path: Path, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The file imported in float32 here, and in bfloat16 once for the whole session (smollm2_dir)."""
+    fp32 = import_gguf(gguf_path, tmp_path_factory.mktemp("smollm2-fp32") / "SmolLM2", "float32")
+    return {"float32": fp32, "bfloat16": smollm2_dir}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def test_the_imported_shape_is_smollm2_135m(ours_fp32: LoadedModel) -> None:
     assert ours_fp32.tokenizer.id_to_token(c.eos_token_ids[0]) == "<|im_end|>"
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+# Three of the five: each costs transformers' 32-token generate at fp32 (the suite's time is bounded).
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
 def test_fp32_greedy_tokens_equal_transformers_on_the_same_file(
     prompt: str, ours_fp32: LoadedModel, reference: Any
 ) -> None:

@@ -1,0 +1,236 @@
+"""Speculative decoding (prompt lookup) on the default model: tokens/s with and without, acceptance.
+
+One engine (SmolLM2-135M-Instruct, bf16, 2 threads, prefix caching off so repeats recompute their
+prompts); speculation is switched per request (`GenerateSpec.speculative_tokens`), so both arms run
+on the same engine, interleaved, the order alternating per repeat; the median of `--repeats` runs.
+
+Workloads, each at N = 1 (the prompts one after another) and N = 8 (eight at once):
+- repetitive: chat requests that repeat a passage, or correct the spelling of one (the answer copies
+  most of it); greedy, up to 160 new tokens, ending at the model's end of turn;
+- random: `make bench`'s decode workload, 128 random prompt tokens and 64 greedy tokens (EOS ignored).
+
+Reported per workload and N: tokens/s of each arm and their ratio, the acceptance rate (accepted /
+proposed tokens), tokens per engine step, and whether the two arms' tokens are equal.
+
+Run: `.venv/bin/python bench/speculation.py` (about 5 minutes on 2 quiet cores); `--out DIR` writes
+speculation-<date>.json there (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode_throughput import make_prompts  # noqa: E402
+from common.model_cache import resolve_model  # noqa: E402
+from services.decoder.config import EngineConfig  # noqa: E402
+from services.decoder.engine.chat import ChatMessage, ChatRequest, TextPart  # noqa: E402
+from services.decoder.engine.engine import Engine  # noqa: E402
+from services.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
+from services.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
+from services.decoder.engine.prompt import GenerateSpec  # noqa: E402
+
+PASSAGES = [
+    "The city council met on Tuesday evening to discuss the proposed budget for the coming year. Members "
+    "debated funding for road repairs, public libraries and a new community swimming pool. After three "
+    "hours of discussion, the council voted to approve the budget with minor changes.",
+    "To make a simple tomato sauce, warm two tablespoons of olive oil in a pan over medium heat. Add one "
+    "chopped onion and cook until soft, then stir in two cloves of garlic. Pour in a can of crushed "
+    "tomatoes, season with salt and pepper, and let it simmer for twenty minutes.",
+    "The library will be closed on Monday for maintenance. During this time, the heating system will be "
+    "replaced and the reading room will be repainted. Books can still be returned through the drop box "
+    "at the main entrance, and online services will remain available as usual.",
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide "
+    "and water. It takes place mainly in the leaves, inside small structures called chloroplasts. The "
+    "process releases oxygen into the air, which most living things need to breathe.",
+    "Our team finished the first version of the mobile app last week. Users can now create an account, "
+    "browse the catalogue and save items to a wish list. In the next release we plan to add payments, "
+    "push notifications and a dark mode for the interface.",
+    "The museum's new exhibition brings together more than two hundred paintings from private "
+    "collections around the world. Visitors can follow the development of landscape painting over four "
+    "centuries. Tickets are available online and at the museum's front desk.",
+    "Regular exercise improves both physical and mental health. Walking for thirty minutes a day can "
+    "lower blood pressure, strengthen the heart and improve sleep. Experts also recommend stretching and "
+    "simple strength exercises at least twice a week.",
+    "The train to the coast leaves every hour from platform four. The journey takes about ninety "
+    "minutes and passes through several small villages and along a wide river valley. Bicycles are "
+    "allowed on board, but passengers should book a space in advance.",
+]
+# Spelling mistakes for the correction task: the answer copies the passage with them fixed.
+TYPOS = {"the ": "teh ", "and ": "adn ", "with ": "wiht ", "which ": "wich "}
+SPECULATIVE_TOKENS = 4
+
+
+def repetitive_specs() -> list[GenerateSpec]:
+    specs = []
+    for i, passage in enumerate(PASSAGES):
+        if i % 2 == 0:
+            text = "Repeat the following text exactly, word for word:\n\n" + passage
+        else:
+            for right, wrong in TYPOS.items():
+                passage = passage.replace(right, wrong)
+            text = "Correct the spelling mistakes in the following text:\n\n" + passage
+        chat = ChatRequest(messages=[ChatMessage("user", [TextPart(text)])])
+        specs.append(
+            GenerateSpec(
+                prompt=[],
+                chat=chat,
+                sampling=SamplingParams(temperature=0.0),
+                stopping=StoppingParams(max_new_tokens=160),
+                output=OutputOptions(include_text=False),
+            )
+        )
+    return specs
+
+
+def random_specs(vocab_size: int) -> list[GenerateSpec]:
+    return [
+        GenerateSpec(
+            prompt=[ids],
+            sampling=SamplingParams(temperature=0.0),
+            stopping=StoppingParams(max_new_tokens=64, ignore_eos=True),
+            output=OutputOptions(include_text=False),
+        )
+        for ids in make_prompts(8, 128, vocab_size, seed=0)
+    ]
+
+
+def run(engine: Engine, specs: list[GenerateSpec], concurrency: int, speculative_tokens: int) -> dict:
+    """`specs` in waves of `concurrency` requests; totals over all of them."""
+    tokens: list[list[int]] = [[] for _ in specs]
+    finished: list[Finished] = []
+    steps_before = engine.core.num_steps
+    start = time.perf_counter()
+    for wave in range(0, len(specs), concurrency):
+        done = threading.Semaphore(0)
+        for i in range(wave, min(wave + concurrency, len(specs))):
+
+            def sink(event: Event, i: int = i, done: threading.Semaphore = done) -> None:
+                if isinstance(event, Delta):
+                    tokens[i].extend(event.token_ids)
+                elif isinstance(event, Finished):
+                    finished.append(event)
+                    done.release()
+                elif isinstance(event, Failed):
+                    raise SystemExit(f"request {i} failed: {event.error}")
+
+            spec = specs[i]
+            engine.submit(
+                GenerateSpec(
+                    spec.prompt,
+                    spec.sampling,
+                    spec.stopping,
+                    spec.output,
+                    chat=spec.chat,
+                    speculative_tokens=speculative_tokens,
+                ),
+                sink,
+            )
+        for _ in range(wave, min(wave + concurrency, len(specs))):
+            if not done.acquire(timeout=600):
+                raise SystemExit("a request did not finish within 600 s")
+    wall = time.perf_counter() - start
+    generated = sum(f.output_tokens for f in finished)
+    proposed = sum(f.proposed_tokens for f in finished)
+    accepted = sum(f.accepted_tokens for f in finished)
+    return {
+        "tokens_per_s": generated / wall,
+        "wall_s": wall,
+        "tokens": generated,
+        "steps": engine.core.num_steps - steps_before,
+        "proposed": proposed,
+        "accepted": accepted,
+        "outputs": tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+
+    model_dir = resolve_model(None, "bfloat16")
+    config = EngineConfig(
+        model_dir=model_dir,
+        dtype="bfloat16",
+        max_num_seqs=32,
+        enable_prefix_caching=False,
+        num_threads=args.threads,
+    )
+    rows = []
+    with Engine(config) as engine:
+        workloads = {"repetitive": repetitive_specs(), "random": random_specs(engine.model_config.vocab_size)}
+        for specs in workloads.values():  # warm up both arms on every shape
+            run(engine, specs[:2], 2, 0)
+            run(engine, specs[:2], 2, SPECULATIVE_TOKENS)
+        for name, specs in workloads.items():
+            for concurrency in (1, 8):
+                arms: dict[int, list[dict]] = {0: [], SPECULATIVE_TOKENS: []}
+                for repeat in range(args.repeats):
+                    order = [0, SPECULATIVE_TOKENS] if repeat % 2 == 0 else [SPECULATIVE_TOKENS, 0]
+                    for k in order:
+                        arms[k].append(run(engine, specs, concurrency, k))
+                plain, spec = arms[0], arms[SPECULATIVE_TOKENS]
+                plain_rate = statistics.median(r["tokens_per_s"] for r in plain)
+                spec_rate = statistics.median(r["tokens_per_s"] for r in spec)
+                row = {
+                    "workload": name,
+                    "concurrency": concurrency,
+                    "plain_tokens_per_s": plain_rate,
+                    "speculative_tokens_per_s": spec_rate,
+                    "ratio": spec_rate / plain_rate,
+                    "acceptance": spec[0]["accepted"] / max(1, spec[0]["proposed"]),
+                    "proposed": spec[0]["proposed"],
+                    "accepted": spec[0]["accepted"],
+                    "tokens": spec[0]["tokens"],
+                    "tokens_per_step_plain": plain[0]["tokens"] / plain[0]["steps"],
+                    "tokens_per_step_speculative": spec[0]["tokens"] / spec[0]["steps"],
+                    "same_tokens": all(r["outputs"] == plain[0]["outputs"] for r in plain + spec),
+                    "runs": {
+                        "plain": [r["tokens_per_s"] for r in plain],
+                        "speculative": [r["tokens_per_s"] for r in spec],
+                    },
+                }
+                rows.append(row)
+                print(
+                    f"{name:10s} N={concurrency}: plain {plain_rate:6.1f} tok/s, speculative "
+                    f"{spec_rate:6.1f} tok/s ({row['ratio']:.2f}x), acceptance {row['acceptance']:.0%} "
+                    f"({row['accepted']}/{row['proposed']}), tokens/step "
+                    f"{row['tokens_per_step_plain']:.2f} -> {row['tokens_per_step_speculative']:.2f}, "
+                    f"same tokens: {row['same_tokens']}",
+                    flush=True,
+                )
+    print()
+    print("| workload | N | without | with (k = 4) | ratio | acceptance | tokens per step | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['workload']} | {r['concurrency']} | {r['plain_tokens_per_s']:.1f} | "
+            f"{r['speculative_tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['acceptance']:.0%} | "
+            f"{r['tokens_per_step_plain']:.2f} -> {r['tokens_per_step_speculative']:.2f} | "
+            f"{r['same_tokens']} |"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"speculation-{datetime.date.today().isoformat()}.json"
+    settings = {
+        "model": str(model_dir),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "k": SPECULATIVE_TOKENS,
+    }
+    path.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
