@@ -29,6 +29,7 @@ from services.decoder.engine.outputs import (
     OutputState,
     TopLogprobs,
 )
+from services.decoder.engine.prompt_logprobs import PromptLogprobsChunk
 from services.decoder.engine.request import Request, RequestStatus
 from services.decoder.engine.runner import ModelRunner
 from services.decoder.engine.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -156,7 +157,9 @@ class EngineCore:
                 tracked.output.record(
                     "prefill_chunk", now, {"positions.start": item.start, "positions.end": item.end}
                 )
-        logits = self.runner.execute(plan)  # [num_sampling, vocab]
+        output = self.runner.execute(plan)
+        logits = output.logits  # [num_sampling, vocab]
+        self._add_prompt_logprobs(output.prompt_logprobs)
         sampling = [self._live[item.request_id] for item in plan.scheduled if item.needs_logits]
         sampled = self._sample(logits, sampling) if sampling else None
         token_ids = sampled.token_ids.tolist() if sampled is not None else []
@@ -176,6 +179,11 @@ class EngineCore:
                 self.scheduler.abort(tracked.request.request_id)
         for tracked in live:
             tracked.sink(Failed(tracked.output.request_id, error))
+
+    def _add_prompt_logprobs(self, chunks: tuple[PromptLogprobsChunk, ...]) -> None:
+        """Hand each request the prompt positions this step scored; they go out with its first token."""
+        for chunk in chunks:
+            self._live[chunk.request_id].output.add_prompt_logprobs(chunk)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Tracked]) -> SamplerOutput:
         key = tuple(t.request.request_id for t in rows)

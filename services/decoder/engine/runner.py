@@ -10,6 +10,10 @@ num_seqs) as a graph compiled at warmup, one per bucket (`backends/buckets.py`);
 any prefill stay eager, because prefill attention loops over the host-side `query_lens` and
 `seq_lens`, whose values a graph would have to specialise on. After `seal()` a decode signature
 that warmup did not compile raises `RecompileError` rather than compiling in the middle of serving.
+
+A step that scores prompt positions (`prompt_logprobs.py`) returns their logits rows after the
+sampled ones and reduces them here, before `execute` returns; it runs eagerly, since its logits
+count is not the one a compiled bucket was built for.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from services.decoder.backends.backend import Backend, RecompileError, StepFn
 from services.decoder.backends.buckets import bucket_compiler
 from services.decoder.engine.batch import BatchTensors, ForwardBatch, pack
+from services.decoder.engine.prompt_logprobs import PromptLogprobsChunk, score
 from services.decoder.engine.scheduler import ScheduledRequest, StepPlan
 from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
 from services.decoder.engine.static_shapes import StaticShapes, pad_to_buckets, padded_width, padding_batch
@@ -37,6 +42,14 @@ class Signature:
     num_seqs: int
     block_table_width: int
     is_decode_only: bool
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step's forward pass returns to the engine."""
+
+    logits: torch.Tensor  # float32 [num_sampling_seqs, vocab] of the requests with needs_logits, in order
+    prompt_logprobs: tuple[PromptLogprobsChunk, ...] = ()  # the prompt positions scored this step
 
 
 class StepSink(Protocol):
@@ -80,8 +93,8 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Logits float32 [num_sampling_seqs, vocab] for the plan's requests with needs_logits, in order.
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Logits for the plan's requests with needs_logits, and the prompt positions scored this step.
 
         Batch-invariant: each request runs a forward pass of its own, with the shapes it would have
         alone. Matrix kernels pick their blocking by the number of rows (MKL's float32 GEMM gives a
@@ -89,13 +102,20 @@ class ModelRunner:
         holds on every CPU and library; this one holds by construction.
         """
         if self.batch_invariant and len(plan.scheduled) > 1:
-            return torch.cat([self._execute(_alone(plan, item)) for item in plan.scheduled])
+            outputs = [self._execute(_alone(plan, item)) for item in plan.scheduled]
+            return StepOutput(
+                logits=torch.cat([o.logits for o in outputs]),
+                prompt_logprobs=tuple(chunk for o in outputs for chunk in o.prompt_logprobs),
+            )
         return self._execute(plan)
 
-    def _execute(self, plan: StepPlan) -> torch.Tensor:
+    def _execute(self, plan: StepPlan) -> StepOutput:
         batch = self.prepare(plan)
-        logits = self.forward(batch)
-        return logits[: batch.num_logits]
+        logits = self.forward(batch)  # [num_logits_rows + num_scored_rows, vocab]
+        if not batch.scored_spans:
+            return StepOutput(logits[: batch.num_logits])
+        scored = logits[logits.shape[0] - batch.num_scored_rows :]  # [num_scored_rows, vocab]
+        return StepOutput(logits[: batch.num_logits], tuple(score(scored, batch.scored_spans)))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         attn = batch.attn
@@ -108,7 +128,9 @@ class ModelRunner:
         self.signatures.add(signature)
         if self.sink is not None:
             self.sink.send(batch)
-        step = self._step_for(signature)
+        # Every rank tells a step that scores prompt positions from its batch alone, by its logits count.
+        is_scoring = attn.logits_indices.shape[0] != signature.num_seqs
+        step = self.model if is_scoring else self._step_for(signature)
         return step(
             batch.input_ids, batch.positions, attn, self.kv_caches, batch.inputs_embeds, batch.is_token_ids
         )
