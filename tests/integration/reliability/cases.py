@@ -276,6 +276,13 @@ CASES: list[Case] = [
     Case(
         "top_logprobs = 99", "Generate", lambda: gen(output__top_logprobs=99), INVALID, "output.top_logprobs"
     ),
+    Case(
+        "prompt_logprobs = 21",
+        "Generate",
+        lambda: gen(output__prompt_logprobs=21),
+        INVALID,
+        "output.prompt_logprobs",
+    ),
     # -- Generate: stopping
     Case(
         "max_new_tokens = 0",
