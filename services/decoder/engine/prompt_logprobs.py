@@ -4,25 +4,26 @@ NOTE: the invariant. Position p > 0 of a prompt of P positions is scored by the 
 p - 1, so a request scoring its prompt needs logits rows at positions 0 .. P - 2 on top of the row
 it samples from (P - 1). Those rows are asked for in whichever step runs each position (`pack`
 adds them to a chunked prefill's step as its positions run) and reduced in that same step to what
-is delivered (a logprob and the top n per position), a slice of rows at a time, so no more than
-one step's logits and one slice's log-softmax are ever alive. Every position must run: a request
-scoring its prompt takes no prefix-cache hit (`Request.is_scoring_prompt`). The entries wait in a
-`PromptLogprobsBuffer` until the prompt is whole, and go out with the first sampled token, which
-is sampled in the step that runs position P - 1; a recompute of a position already scored (a
-preemption mid-prompt) finds its entry filled and changes nothing, so no position is sent twice.
+is delivered (a logprob and the top n per position), a slice of rows at a time: on one rank only
+one slice's logits and log-softmax are ever alive (with several ranks, the step's logits too).
+Every position must run: a request scoring its prompt takes no prefix-cache hit
+(`Request.is_scoring_prompt`). The entries wait in a `PromptLogprobsBuffer` until the prompt is
+whole, and go out with the first sampled token, which is sampled in the step that runs position
+P - 1; a recompute of a position already scored (a preemption mid-prompt) finds its entry filled
+and changes nothing, so no position is sent twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.decoder.engine.scheduler import ScheduledRequest
 
-# Rows reduced at once: the log-softmax of one slice is [SLICE_ROWS, vocab] float32 (48 MiB at
-# SmolLM2's 49,152 entries), next to the step's logits themselves.
+# Rows reduced at once: one slice's logits and their log-softmax are [SLICE_ROWS, vocab] float32
+# each (48 MiB at SmolLM2's 49,152 entries).
 SLICE_ROWS = 256
 
 
@@ -86,17 +87,24 @@ def scored_span(item: ScheduledRequest, positions: range) -> ScoredSpan:
     )
 
 
-def score(logits: torch.Tensor, spans: Sequence[ScoredSpan]) -> list[PromptLogprobsChunk]:
-    """Each span's chunk from its rows of `logits` (float32 [sum of num_rows, vocab], spans in order)."""
-    num_rows = logits.shape[0]
+# The logits of some of a step's scored rows: rows (a slice of them, in span order) -> float32
+# [rows, vocab]. Computed on demand, so the caller decides whether they already exist.
+LogitsOf = Callable[[slice], torch.Tensor]
+
+
+def score(
+    logits_of: LogitsOf, spans: Sequence[ScoredSpan], device: torch.device
+) -> list[PromptLogprobsChunk]:
+    """Each span's chunk, from its rows' logits (spans in order, their rows back to back)."""
+    num_rows = sum(span.num_rows for span in spans)
     num_top = max(span.num_top for span in spans)
-    targets = torch.tensor([t for s in spans for t in s.target_ids], device=logits.device)  # [num_rows]
-    token_logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)  # [num_rows]
-    top_logprobs = torch.empty(num_rows, num_top, dtype=torch.float32, device=logits.device)
-    top_ids = torch.empty(num_rows, num_top, dtype=torch.int64, device=logits.device)  # [num_rows, num_top]
+    targets = torch.tensor([t for s in spans for t in s.target_ids], device=device)  # [num_rows]
+    token_logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)  # [num_rows]
+    top_logprobs = torch.empty(num_rows, num_top, dtype=torch.float32, device=device)  # [num_rows, num_top]
+    top_ids = torch.empty(num_rows, num_top, dtype=torch.int64, device=device)  # [num_rows, num_top]
     for lo in range(0, num_rows, SLICE_ROWS):
-        rows = slice(lo, lo + SLICE_ROWS)
-        logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [slice, vocab]
+        rows = slice(lo, min(lo + SLICE_ROWS, num_rows))
+        logprobs = torch.log_softmax(logits_of(rows).float(), dim=-1)  # [slice, vocab]
         token_logprobs[rows] = logprobs.gather(1, targets[rows, None]).squeeze(1)
         if num_top:
             top_logprobs[rows], top_ids[rows] = logprobs.topk(num_top, dim=-1)

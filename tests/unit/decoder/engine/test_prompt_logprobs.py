@@ -8,6 +8,7 @@ any real difference (a wrong row or position moves a logprob by whole units on t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from services.decoder.config import EngineConfig
 from services.decoder.engine.batch import BatchTensors, pack
 from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event, Finished
+from services.decoder.engine.outputs import Delta, Event, Finished, OutputOptions
 from services.decoder.engine.params import MAX_TOP_LOGPROBS, ParamError, SamplingParams, StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 from services.decoder.engine.prompt_logprobs import (
@@ -132,7 +133,7 @@ def test_score_gives_each_span_its_targets_logprob_and_top_n_and_none_at_embeddi
         ScoredSpan("a", 1, (3, 0), (True, False), 2),
         ScoredSpan("b", 4, (7, 8, 9), (True, True, True), 0),
     ]
-    a, b = score(logits, spans)
+    a, b = score(lambda rows: logits[rows], spans, logits.device)
     expected = torch.log_softmax(logits, dim=-1)
     assert a.logprobs[0] == pytest.approx(expected[0, 3].item()) and a.logprobs[1] is None
     top = expected[1].topk(2)
@@ -145,9 +146,16 @@ def test_score_gives_each_span_its_targets_logprob_and_top_n_and_none_at_embeddi
 def test_score_reduces_in_slices_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     logits = torch.randn(7, 30, generator=torch.Generator().manual_seed(1))
     spans = [ScoredSpan("a", 1, (1, 2, 3, 4, 5, 6, 7), (True,) * 7, 3)]
-    whole = score(logits, spans)
+    asked: list[slice] = []
+
+    def logits_of(rows: slice) -> torch.Tensor:
+        asked.append(rows)
+        return logits[rows]
+
+    whole = score(logits_of, spans, logits.device)
     monkeypatch.setattr("services.decoder.engine.prompt_logprobs.SLICE_ROWS", 2)
-    assert score(logits, spans) == whole
+    assert score(logits_of, spans, logits.device) == whole
+    assert asked == [slice(0, 7), slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
 
 
 def test_the_buffer_marks_position_0_keeps_the_first_result_and_is_complete_only_when_whole() -> None:
@@ -327,3 +335,39 @@ def test_scoring_requests_batched_with_others_match_alone_in_static_and_batch_in
     else:
         _assert_matches(_prompt_logprobs(together[0]), *_expected(reference, tiny_fp32, prompts["mixed"]))
     assert all(not d.prompt_logprobs for events in together[1:] for d in events if isinstance(d, Delta))
+
+
+def test_a_one_position_prompt_gets_its_one_context_free_entry(tiny_model_dir, tiny_fp32) -> None:
+    row = EmbeddingPrompt(torch.zeros(1, tiny_fp32.config.hidden_size))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        token = _prompt_logprobs(list(engine.generate(_spec([[42]]))))
+        embedding = _prompt_logprobs(list(engine.generate(_spec([row]))))
+    assert token == (PromptLogprob(42, None, (), ()),)
+    assert embedding == (PromptLogprob(None, None, (), ()),)
+
+
+def test_coalesced_deltas_carry_the_entries_once_on_the_first(tiny_model_dir, tiny_fp32, reference) -> None:
+    prompt = _prompts(tiny_fp32)["tokens"]
+    spec = _spec(prompt)
+    spec = GenerateSpec(spec.prompt, spec.sampling, spec.stopping, OutputOptions(stream_interval=2))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        events = list(engine.generate(spec))
+    assert [len(e.token_ids) for e in events if isinstance(e, Delta)] == [2, 1]
+    _assert_matches(_prompt_logprobs(events), *_expected(reference, tiny_fp32, prompt))
+
+
+def test_asking_for_prompt_logprobs_leaves_the_generated_tokens_and_their_logprobs_as_they_were(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    # On one rank the sampled rows go through the head on their own, as in a step that scores nothing.
+    prompt = _prompts(tiny_fp32)["mixed"]
+    sampling = SamplingParams(temperature=0.8, seed=3, logprobs=True)
+    stopping = StoppingParams(max_new_tokens=6, ignore_eos=True)
+    plain = GenerateSpec(prompt, sampling, stopping)
+    scoring = GenerateSpec(prompt, dataclasses.replace(sampling, prompt_logprobs=TOP_N), stopping)
+    with _engine(tiny_model_dir, tiny_fp32, enable_prefix_caching=False, max_num_batched_tokens=8) as engine:
+        outputs = [
+            [(d.token_ids, d.logprobs) for d in engine.generate(spec) if isinstance(d, Delta)]
+            for spec in (plain, scoring)
+        ]
+    assert outputs[0] == outputs[1]
