@@ -32,7 +32,8 @@ class ForwardBatch:
     inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]; None on token-only dynamic steps
     attn: AttentionMetadata
     num_logits: int  # leading rows of the returned logits that belong to real sequences
-    # Prompt positions scored this step, in order: the last sum(num_rows) rows of the returned logits.
+    # Prompt positions scored this step, in order: their rows are the last num_scored_rows entries of
+    # attn.logits_indices.
     scored_spans: tuple[ScoredSpan, ...] = ()
 
     @property
