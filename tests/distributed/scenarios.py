@@ -130,7 +130,7 @@ def engine_specs(hidden_size: int) -> list[GenerateSpec]:
     return [
         GenerateSpec(
             prompt=prompt,
-            sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+            sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5, prompt_logprobs=3),
             stopping=StoppingParams(max_new_tokens=6, ignore_eos=True),
             output=OutputOptions(include_text=False),
         )
@@ -138,8 +138,9 @@ def engine_specs(hidden_size: int) -> list[GenerateSpec]:
     ]
 
 
-def engine_outputs(engine: Engine) -> list[tuple[list[int], list[float], list[list[float]]]]:
-    """Each spec's tokens, their logprobs and top-5 logprobs, all requests in flight together."""
+def engine_outputs(engine: Engine) -> list[tuple[list[int], list[float], list[list[float]], list[float]]]:
+    """Each spec's tokens, their logprobs, top-5 logprobs and its prompt's logprobs (each position's own
+    where it has a token, then its top 3), all requests in flight together."""
     specs = engine_specs(engine.model_config.hidden_size)
     events: list[list] = [[] for _ in specs]
     done = threading.Semaphore(0)
@@ -161,6 +162,11 @@ def engine_outputs(engine: Engine) -> list[tuple[list[int], list[float], list[li
                 [t for d in deltas for t in d.token_ids],
                 [lp for d in deltas for lp in d.logprobs],
                 [list(top.logprobs) for d in deltas for top in d.top_logprobs],
+                [
+                    lp
+                    for entry in deltas[0].prompt_logprobs
+                    for lp in ([] if entry.logprob is None else [entry.logprob]) + list(entry.top_logprobs)
+                ],
             )
         )
     return results

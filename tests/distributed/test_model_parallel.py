@@ -1,4 +1,5 @@
-"""Two gloo ranks against one: the same logits (1e-5 relative) and greedy tokens, step for step.
+"""Two gloo ranks against one: the same logits (1e-5 relative) and greedy tokens, step for step,
+and the same prompt logprobs (their rows are sequence-parallel like every prefill row).
 
 The script covers token, embedding-only and mixed prompts packed in one prefill of an odd length,
 a chunked prefill sharing steps with decodes, and decode-only steps (see scenarios.py).
@@ -45,7 +46,11 @@ def test_two_rank_engine_generates_what_the_one_rank_engine_does(tiny_model_dir:
         engine.shutdown()
     rank0, rank1 = run_ranks(scenarios.rank_engine_outputs, 2, tiny_model_dir)
     assert rank1 is None  # the worker ran until rank 0's STOP
-    for (tokens, logprobs, top), (ref_tokens, ref_logprobs, ref_top) in zip(rank0, reference, strict=True):
+    for (tokens, logprobs, top, prompt), (ref_tokens, ref_logprobs, ref_top, ref_prompt) in zip(
+        rank0, reference, strict=True
+    ):
         assert tokens == ref_tokens
+        assert len(prompt) == len(ref_prompt) > 0
+        torch.testing.assert_close(torch.tensor(prompt), torch.tensor(ref_prompt), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.tensor(top), torch.tensor(ref_top), rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ from services.decoder.engine.chat import (
 from services.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
 from services.decoder.engine.params import SamplingParams, StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, PromptPart, TextPrompt
+from services.decoder.engine.prompt_logprobs import PromptLogprob
 
 _REASONS = {
     FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
@@ -119,6 +120,7 @@ def _sampling_from_pb(s: decoder_pb2.SamplingParams, out: decoder_pb2.OutputOpti
         seed=s.seed if s.HasField("seed") else None,
         logprobs=out.logprobs,
         top_logprobs=out.top_logprobs,
+        prompt_logprobs=out.prompt_logprobs if out.HasField("prompt_logprobs") else None,
     )
 
 
@@ -150,6 +152,7 @@ def event_to_pb(event: Event) -> decoder_pb2.GenerateResponse:
                     decoder_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
                     for t in event.top_logprobs
                 ],
+                prompt_logprobs=[_prompt_logprob_to_pb(entry) for entry in event.prompt_logprobs],
             ),
         )
     if isinstance(event, Accepted):
@@ -177,6 +180,19 @@ def event_to_pb(event: Event) -> decoder_pb2.GenerateResponse:
             finished.stop_token_id = event.stop_token_id
         return decoder_pb2.GenerateResponse(request_id=event.request_id, finished=finished)
     raise TypeError(f"no wire form for {type(event).__name__}")
+
+
+def _prompt_logprob_to_pb(entry: PromptLogprob) -> decoder_pb2.PromptLogprob:
+    """Unset fields mark what a position lacks: a token (an embedding row), a context (position 0)."""
+    message = decoder_pb2.PromptLogprob()
+    if entry.token_id is not None:
+        message.token_id = entry.token_id
+    if entry.logprob is not None:
+        message.logprob = entry.logprob
+    if entry.top_token_ids:
+        message.top_logprobs.token_ids.extend(entry.top_token_ids)
+        message.top_logprobs.logprobs.extend(entry.top_logprobs)
+    return message
 
 
 def dtype_to_pb(dtype: torch.dtype) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.decoder.engine.kv_cache import NULL_BLOCK_ID
+from services.decoder.engine.prompt_logprobs import ScoredSpan, positions_to_score, scored_span
 from services.decoder.engine.scheduler import ScheduledRequest, StepPlan
 from services.decoder.models.attention import AttentionMetadata
 
@@ -31,6 +32,13 @@ class ForwardBatch:
     inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]; None on token-only dynamic steps
     attn: AttentionMetadata
     num_logits: int  # leading rows of the returned logits that belong to real sequences
+    # Prompt positions scored this step, in order: their rows are the last num_scored_rows entries of
+    # attn.logits_indices.
+    scored_spans: tuple[ScoredSpan, ...] = ()
+
+    @property
+    def num_scored_rows(self) -> int:
+        return sum(span.num_rows for span in self.scored_spans)
 
 
 @dataclass
@@ -48,6 +56,10 @@ class HostBatch:
     block_tables: list[tuple[int, ...]] = field(default_factory=list)  # [num_seqs] block ids
     logits_rows: list[int] = field(default_factory=list)  # packed index of each sampled last position
     num_logits: int = 0  # leading logits_rows that belong to real sequences (the rest is padding)
+    # Packed index of each position whose logits score the next prompt position (prompt_logprobs.py),
+    # returned after every logits_rows entry, padding included; one span per request that scores.
+    scored_rows: list[int] = field(default_factory=list)
+    scored_spans: list[ScoredSpan] = field(default_factory=list)
 
 
 def pack(plan: StepPlan, block_size: int) -> HostBatch:
@@ -82,6 +94,7 @@ def pack(plan: StepPlan, block_size: int) -> HostBatch:
         host.block_tables.append(block_ids)
         if item.needs_logits:
             host.logits_rows.append(len(host.input_ids) - 1)
+        _add_scored_rows(host, item, offset)
     host.num_logits = len(host.logits_rows)
     return host
 
@@ -108,6 +121,14 @@ def _pack_verification(host: HostBatch, item: ScheduledRequest, block_size: int)
         host.block_tables.append(item.block_ids)
 
 
+def _add_scored_rows(host: HostBatch, item: ScheduledRequest, offset: int) -> None:
+    """The rows scoring prompt positions of a request that asked for prompt logprobs; none otherwise."""
+    positions = positions_to_score(item)
+    if positions:
+        host.scored_rows.extend(offset + p - item.start for p in positions)
+        host.scored_spans.append(scored_span(item, positions))
+
+
 class BatchTensors:
     """Turns host lists into tensors on the model's device."""
 
@@ -125,6 +146,7 @@ class BatchTensors:
             inputs_embeds=self.embeds(len(host.input_ids), host.embed_pieces) if has_embeds else None,
             attn=self.metadata(host, block_table_width),
             num_logits=host.num_logits,
+            scored_spans=tuple(host.scored_spans),
         )
 
     def metadata(self, host: HostBatch, width: int) -> AttentionMetadata:
@@ -135,7 +157,7 @@ class BatchTensors:
             seq_lens_t=self.tensor(host.seq_lens, torch.int32),
             slot_mapping=self.tensor(host.slots, torch.int64),
             block_tables=self.tensor(padded, torch.int32),
-            logits_indices=self.tensor(host.logits_rows, torch.int64),
+            logits_indices=self.tensor(host.logits_rows + host.scored_rows, torch.int64),
         )
 
     def embeds(self, num_tokens: int, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

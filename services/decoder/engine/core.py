@@ -44,6 +44,7 @@ from services.decoder.engine.outputs import (
     SampledToken,
     TopLogprobs,
 )
+from services.decoder.engine.prompt_logprobs import PromptLogprobsChunk
 from services.decoder.engine.prompt_lookup import PromptLookup, verified_tokens
 from services.decoder.engine.request import Request, RequestStatus
 from services.decoder.engine.runner import ModelRunner
@@ -195,7 +196,9 @@ class EngineCore:
                 tracked.output.record(
                     "prefill_chunk", now, {"positions.start": item.start, "positions.end": item.end}
                 )
-        logits = self.runner.execute(plan)  # [num_sampled_positions, vocab]
+        output = self.runner.execute(plan)
+        logits = output.logits  # [num_sampled_positions, vocab]
+        self._add_prompt_logprobs(output.prompt_logprobs)
         items = [item for item in plan.scheduled if item.needs_logits]
         rows = [
             _Row(self._live[item.request_id], j) for item in items for j in range(1 + item.num_draft_tokens)
@@ -216,6 +219,11 @@ class EngineCore:
                 self.scheduler.abort(tracked.request.request_id)
         for tracked in live:
             tracked.sink(Failed(tracked.output.request_id, error))
+
+    def _add_prompt_logprobs(self, chunks: tuple[PromptLogprobsChunk, ...]) -> None:
+        """Hand each request the prompt positions this step scored; they go out with its first token."""
+        for chunk in chunks:
+            self._live[chunk.request_id].output.add_prompt_logprobs(chunk)
 
     def _propose(self) -> None:
         """Under `lock`: each decoding request that speculates proposes its next tokens."""

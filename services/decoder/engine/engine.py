@@ -31,6 +31,7 @@ from services.decoder.engine.kv_cache import BlockManager
 from services.decoder.engine.loop import EngineThread
 from services.decoder.engine.outputs import Delta, Event, Failed, Finished, FinishReason, OutputState
 from services.decoder.engine.prompt import GenerateSpec, build_request
+from services.decoder.engine.prompt_logprobs import PromptLogprobsBuffer
 from services.decoder.engine.request import Request
 from services.decoder.engine.runner import ModelRunner, StepSink
 from services.decoder.engine.scheduler import Scheduler, SchedulerConfig
@@ -197,6 +198,7 @@ class Engine:
             self._eos_token_ids(spec),
             self.max_model_len,
             request.arrival_time,
+            _prompt_logprobs_buffer(request),
         )
         self.core.add(request, output, sink, spec.deadline, progress)
         self._thread.wake()
@@ -281,3 +283,9 @@ def _init_builder_thread() -> None:
     # One intra-op thread: a parallel op here would start a second OpenMP team, which slows the
     # engine thread's own ops (see loop.py); casting one request's rows needs no team.
     torch.set_num_threads(1)
+
+
+def _prompt_logprobs_buffer(request: Request) -> PromptLogprobsBuffer | None:
+    if request.sampling.prompt_logprobs is None:
+        return None
+    return PromptLogprobsBuffer(request.prompt_token_ids, request.is_token_ids)

@@ -117,9 +117,10 @@ class BlockManager:
         """Cached blocks matching the request's leading full blocks, and how many tokens they cover.
 
         Changes nothing: pass the ids to allocate_slots to take them. At least one position is left
-        to compute, so the admitting step still produces logits to sample from.
+        to compute, so the admitting step still produces logits to sample from. A request scoring its
+        prompt gets no hit: a cached position would never run, and its logits are needed.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.is_scoring_prompt:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []
@@ -148,8 +149,9 @@ class BlockManager:
         if num_new_blocks > len(self._free) - num_revived:
             return False
         if not request.block_ids and self.enable_prefix_caching:
-            self.num_prefix_queries_tokens += request.num_tokens
-            self.num_prefix_hits_tokens += len(new_computed_block_ids) * self.block_size
+            if not request.is_scoring_prompt:  # it never looked the cache up
+                self.num_prefix_queries_tokens += request.num_tokens
+                self.num_prefix_hits_tokens += len(new_computed_block_ids) * self.block_size
             self._num_registered[request.request_id] = len(new_computed_block_ids)
         for block_id in new_computed_block_ids:
             block = self._blocks[block_id]

@@ -26,6 +26,7 @@ import tokenizers
 from common.errors import TandemError
 from services.decoder.engine.detokenizer import IncrementalDetokenizer
 from services.decoder.engine.params import StoppingParams
+from services.decoder.engine.prompt_logprobs import PromptLogprob, PromptLogprobsBuffer, PromptLogprobsChunk
 
 
 class FinishReason(enum.Enum):
@@ -74,6 +75,8 @@ class Delta:
     text: str  # text that became final ("" when text is off or held back)
     logprobs: tuple[float, ...]  # one per token when asked for, else ()
     top_logprobs: tuple[TopLogprobs, ...]  # one per token when asked for, else ()
+    # One per prompt position, on a request's first delta only, when prompt logprobs were asked for.
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
     def followed_by(self, later: Delta) -> Delta:
         """This delta and the next one of the same request, as one."""
@@ -83,6 +86,7 @@ class Delta:
             self.text + later.text,
             self.logprobs + later.logprobs,
             self.top_logprobs + later.top_logprobs,
+            self.prompt_logprobs + later.prompt_logprobs,  # at most one of them has any
         )
 
 
@@ -134,6 +138,7 @@ class OutputState:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         arrival_time: float,
+        prompt_logprobs: PromptLogprobsBuffer | None = None,  # the request scores its prompt
     ) -> None:
         self.request_id = request_id
         self.stopping = stopping
@@ -164,10 +169,16 @@ class OutputState:
         self._steps_since_emit = 0
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
+        self._prompt_logprobs = prompt_logprobs  # None again once delivered
 
     def record(self, name: str, now: float, attributes: Mapping[str, int | str] | None = None) -> None:
         """Add a moment to the timeline (engine thread; costs one list append)."""
         self.timeline.append(TimelineEvent(name, now, attributes or {}))
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Keep prompt positions scored by a step until the first delta carries them all."""
+        if self._prompt_logprobs is not None:
+            self._prompt_logprobs.add(chunk)
 
     def banned_token_ids(self, ahead: int = 0) -> list[int]:
         """EOS and stop tokens are masked at sampling until min_new_tokens were generated; `ahead`:
@@ -278,6 +289,7 @@ class OutputState:
             text="".join(self._pending_text) if self.options.include_text else "",
             logprobs=tuple(self._pending_logprobs),
             top_logprobs=tuple(self._pending_top),
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
         self._pending_ids.clear()
         self._pending_text.clear()
@@ -285,3 +297,9 @@ class OutputState:
         self._pending_top.clear()
         self._steps_since_emit = 0
         return delta
+
+    def _take_prompt_logprobs(self) -> tuple[PromptLogprob, ...]:
+        """The whole prompt's entries on the first delta, () on every later one. The first token is
+        sampled in the step that runs the prompt's last position, so the buffer is complete by then."""
+        buffer, self._prompt_logprobs = self._prompt_logprobs, None
+        return () if buffer is None else buffer.entries()

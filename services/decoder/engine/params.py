@@ -43,6 +43,10 @@ class SamplingParams:
     seed: int | None = None  # a seeded request samples the same tokens whatever shares its batch.
     logprobs: bool = False  # return the log-probability of each sampled token.
     top_logprobs: int = 0  # also return the n most likely tokens at each step, [0, MAX_TOP_LOGPROBS].
+    # Score the prompt (prompt_logprobs.py): each position's logprob given the ones before it, with
+    # this many most likely tokens, [0, MAX_TOP_LOGPROBS]; None = off. The model's raw distribution:
+    # none of the fields above applies to it.
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -77,6 +81,10 @@ class SamplingParams:
             # The wire puts top_logprobs with the output options, so the error names it there.
             raise ParamError(
                 "output.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ParamError(
+                "output.prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
             )
 
 

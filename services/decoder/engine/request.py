@@ -178,3 +178,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_scoring_prompt(self) -> bool:
+        """Its prompt logprobs are asked for and not yet delivered: every prompt position must run (so
+        no prefix-cache hit) and produce logits. They are delivered with the first sampled token, so
+        a recompute after that (a preemption, a pause) scores nothing again."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids

@@ -10,6 +10,12 @@ num_seqs) as a graph compiled at warmup, one per bucket (`backends/buckets.py`);
 any prefill stay eager, because prefill attention loops over the host-side `query_lens` and
 `seq_lens`, whose values a graph would have to specialise on. After `seal()` a decode signature
 that warmup did not compile raises `RecompileError` rather than compiling in the middle of serving.
+
+A step that scores prompt positions (`prompt_logprobs.py`) asks for their rows after the sampled
+ones and reduces them here, before `execute` returns. It runs eagerly, since its logits count is
+not the one a compiled bucket was built for. On one rank it stops before the LM head and takes the
+scored rows' logits a slice at a time; with several ranks the head is a collective that the other
+ranks run over every row at once, so rank 0 does the same.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from services.decoder.backends.backend import Backend, RecompileError, StepFn
 from services.decoder.backends.buckets import bucket_compiler
 from services.decoder.engine.batch import BatchTensors, ForwardBatch, pack
+from services.decoder.engine.prompt_logprobs import PromptLogprobsChunk, score
 from services.decoder.engine.scheduler import ScheduledRequest, StepPlan
 from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
 from services.decoder.engine.static_shapes import StaticShapes, pad_to_buckets, padded_width, padding_batch
@@ -37,6 +44,14 @@ class Signature:
     num_seqs: int
     block_table_width: int
     is_decode_only: bool
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step's forward pass returns to the engine."""
+
+    logits: torch.Tensor  # float32 [num_sampling_seqs, vocab] of the requests with needs_logits, in order
+    prompt_logprobs: tuple[PromptLogprobsChunk, ...] = ()  # the prompt positions scored this step
 
 
 class StepSink(Protocol):
@@ -80,8 +95,8 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Logits float32 [num_sampling_seqs, vocab] for the plan's requests with needs_logits, in order.
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Logits for the plan's requests with needs_logits, and the prompt positions scored this step.
 
         Batch-invariant: each request runs a forward pass of its own, with the shapes it would have
         alone. Matrix kernels pick their blocking by the number of rows (MKL's float32 GEMM gives a
@@ -89,15 +104,53 @@ class ModelRunner:
         holds on every CPU and library; this one holds by construction.
         """
         if self.batch_invariant and len(plan.scheduled) > 1:
-            return torch.cat([self._execute(_alone(plan, item)) for item in plan.scheduled])
+            outputs = [self._execute(_alone(plan, item)) for item in plan.scheduled]
+            return StepOutput(
+                logits=torch.cat([o.logits for o in outputs]),
+                prompt_logprobs=tuple(chunk for o in outputs for chunk in o.prompt_logprobs),
+            )
         return self._execute(plan)
 
-    def _execute(self, plan: StepPlan) -> torch.Tensor:
+    def _execute(self, plan: StepPlan) -> StepOutput:
         batch = self.prepare(plan)
-        logits = self.forward(batch)
-        return logits[: batch.num_logits]
+        if not batch.scored_spans:
+            return StepOutput(self.forward(batch)[: batch.num_logits])
+        if self.world_size == 1:
+            return self._execute_scoring(batch)
+        # Several ranks: the head is a collective every rank runs on the same rows, and the others
+        # run `forward`, so rank 0 takes every row's logits at once: [num_rows, vocab] for this step.
+        logits = self.forward(batch)  # [num_logits_rows + num_scored_rows, vocab]
+        scored = logits[logits.shape[0] - batch.num_scored_rows :]  # [num_scored_rows, vocab]
+        chunks = score(lambda rows: scored[rows], batch.scored_spans, logits.device)
+        return StepOutput(logits[: batch.num_logits], tuple(chunks))
+
+    def _execute_scoring(self, batch: ForwardBatch) -> StepOutput:
+        """One rank: the hidden rows of the whole step, then the head over a slice of the scored rows
+        at a time, so the step holds [SLICE_ROWS, vocab] logits rather than one row per position."""
+        self._announce(batch)
+        args = (batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        h = self.model.hidden_states(*args, batch.inputs_embeds, batch.is_token_ids)  # [rows, hidden]
+        scored = h[h.shape[0] - batch.num_scored_rows :]  # [num_scored_rows, hidden]
+        chunks = score(lambda rows: self.model.compute_logits(scored[rows]), batch.scored_spans, h.device)
+        return StepOutput(self.model.compute_logits(h[: batch.num_logits]), tuple(chunks))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits float32 [num_logits_rows, vocab] at the batch's logits_indices (every rank calls it)."""
+        signature = self._announce(batch)
+        # Every rank tells a step that scores prompt positions from its batch alone, by its logits count.
+        is_scoring = batch.attn.logits_indices.shape[0] != signature.num_seqs
+        step = self.model if is_scoring else self._step_for(signature)
+        return step(
+            batch.input_ids,
+            batch.positions,
+            batch.attn,
+            self.kv_caches,
+            batch.inputs_embeds,
+            batch.is_token_ids,
+        )
+
+    def _announce(self, batch: ForwardBatch) -> Signature:
+        """Record the batch's signature and, on rank 0 of several, send the batch to the other ranks."""
         attn = batch.attn
         signature = Signature(
             num_tokens=batch.input_ids.shape[0],
@@ -108,10 +161,7 @@ class ModelRunner:
         self.signatures.add(signature)
         if self.sink is not None:
             self.sink.send(batch)
-        step = self._step_for(signature)
-        return step(
-            batch.input_ids, batch.positions, attn, self.kv_caches, batch.inputs_embeds, batch.is_token_ids
-        )
+        return signature
 
     def seal(self) -> None:
         """Warmup is over: from now on a decode bucket that would compile raises RecompileError."""

@@ -76,9 +76,11 @@ def pad_to_buckets(host: HostBatch, static: StaticShapes, block_size: int) -> No
     if pad_seqs:
         pad_query_lens[-1] += num_tokens - num_real_tokens - pad_seqs
     append_padding(host, pad_query_lens, block_size)
-    # The logits count is part of the signature: always num_seqs rows, sampling rows first. (A step
-    # whose sequences all stop mid-prefill, filling its buckets exactly, samples nothing: row 0.)
-    host.logits_rows += [host.logits_rows[-1] if host.logits_rows else 0] * (num_seqs - len(host.logits_rows))
+    # The logits count is part of the signature: always num_seqs rows, sampling rows first. A step
+    # whose every sequence is mid-prefill, filling its buckets exactly, has no row to repeat: row 0.
+    filler = host.logits_rows[-1] if host.logits_rows else 0
+    host.logits_rows += [filler] * (num_seqs - len(host.logits_rows))
+    host.logits_rows = host.logits_rows[:num_seqs]
 
 
 def padding_batch(num_tokens: int, num_seqs: int, block_size: int) -> HostBatch:

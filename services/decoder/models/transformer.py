@@ -210,6 +210,20 @@ class DecoderModel(nn.Module):
         With several ranks every rank returns the same logits. A step with any prefill runs
         sequence-parallel and needs its token count padded to a multiple of the world size.
         """
+        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids)
+        return self.compute_logits(h)  # [num_logits, vocab_size]
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+    ) -> torch.Tensor:
+        """`forward` without the LM head: the final hidden rows [num_logits, hidden_size] at
+        attn.logits_indices, for a caller that takes the logits of many rows a slice at a time."""
         tp = self.tp
         sp = tp is not None and not attn.is_decode_only
         if sp and input_ids.shape[0] % tp.world_size:
@@ -224,10 +238,15 @@ class DecoderModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, attn, kv_cache, sp)
         # The norm is per row, so only the rows whose logits are wanted go through it and the head.
-        h = self.norm(rows_for_logits(h, attn.logits_indices, tp, sp))  # [num_logits, hidden_size]
+        return self.norm(rows_for_logits(h, attn.logits_indices, tp, sp))  # [num_logits, hidden_size]
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [num_rows, vocab_size] of final hidden rows h [num_rows, hidden_size].
+
+        With several ranks a collective: every rank calls it with the same rows.
+        """
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = vocab_parallel_logits(h, head, self.tp, self.packed_head, self.native_head)
-        return logits  # [num_logits, vocab_size]
+        return vocab_parallel_logits(h, head, self.tp, self.packed_head, self.native_head)
 
     def prepack(self) -> None:
         """Pack every projection and the LM head for oneDNN (bf16 on CPU; a no-op elsewhere).

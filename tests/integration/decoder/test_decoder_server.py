@@ -16,7 +16,7 @@ from common import tensors
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from services.decoder.engine.outputs import Delta
 from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import GenerateSpec, TextPrompt
+from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 
 from .conftest import Served, serve, shutdown
 
@@ -92,6 +92,42 @@ async def test_64_concurrent_streams_finish_with_their_token_counts(decoder: Ser
         assert responses[-1].finished.reason == decoder_pb2.FINISH_REASON_LENGTH
 
 
+async def test_a_mixed_prompt_is_scored_once_on_the_first_delta_with_its_embedding_rows_marked(
+    decoder: Served,
+) -> None:
+    rows = torch.randn(3, decoder.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(2))
+    responses = await _collect(
+        decoder.client.generate(
+            [[10, 11], tensors.encode(rows), "the sea"],
+            max_new_tokens=4,
+            temperature=0.0,
+            ignore_eos=True,
+            prompt_logprobs=4,
+        )
+    )
+    deltas = [r.delta for r in responses if r.HasField("delta")]
+    entries = deltas[0].prompt_logprobs
+    assert len(entries) == responses[0].accepted.prompt_tokens > 5
+    assert not any(d.prompt_logprobs for d in deltas[1:])
+    assert entries[0].token_id == 10 and not entries[0].HasField("logprob")  # position 0: no context
+    assert not entries[0].HasField("top_logprobs")
+    for row in entries[2:5]:  # embedding rows: no token, but what the model predicted there
+        assert not row.HasField("token_id") and not row.HasField("logprob")
+        assert len(row.top_logprobs.token_ids) == 4
+    for token in [entries[1], *entries[5:]]:
+        assert token.HasField("token_id") and token.logprob <= 0 and len(token.top_logprobs.logprobs) == 4
+    spec = GenerateSpec(
+        [[10, 11], EmbeddingPrompt(rows), TextPrompt("the sea")],
+        SamplingParams(temperature=0.0, prompt_logprobs=4),
+        StoppingParams(max_new_tokens=4, ignore_eos=True),
+    )
+    in_process = next(e for e in decoder.engine.generate(spec) if isinstance(e, Delta)).prompt_logprobs
+    assert [e.token_id if e.HasField("token_id") else None for e in entries] == [
+        e.token_id for e in in_process
+    ]
+    assert [e.logprob for e in entries[5:]] == pytest.approx([e.logprob for e in in_process[5:]], rel=1e-6)
+
+
 def _embeddings(shape, dtype=tensor_pb2.DATA_TYPE_FLOAT32, data=None) -> decoder_pb2.PromptSegment:
     n = 1
     for d in shape:
@@ -131,6 +167,7 @@ def _bad_requests(hidden: int, vocab: int, max_len: int) -> list[tuple[str, deco
         ("sampling.top_p", req(sampling__top_p=1.5)),
         ("sampling.min_p", req(sampling__min_p=2.0)),
         ("output.top_logprobs", req(output__top_logprobs=99)),
+        ("output.prompt_logprobs", req(output__prompt_logprobs=21)),
         ("stopping.stop_sequences", req_with_stops(17)),
         (
             "speculative_tokens",

@@ -283,6 +283,13 @@ CASES: list[Case] = [
         INVALID,
         "speculative_tokens",
     ),
+    Case(
+        "prompt_logprobs = 21",
+        "Generate",
+        lambda: gen(output__prompt_logprobs=21),
+        INVALID,
+        "output.prompt_logprobs",
+    ),
     # -- Generate: stopping
     Case(
         "max_new_tokens = 0",

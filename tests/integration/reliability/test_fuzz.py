@@ -97,6 +97,8 @@ def valid_generate_requests(draw) -> decoder_pb2.GenerateRequest:
         r.sampling.seed = draw(st.integers(0, 2**64 - 1))
     r.output.logprobs = draw(st.booleans())
     r.output.top_logprobs = draw(st.integers(0, 20))
+    if draw(st.booleans()):
+        r.output.prompt_logprobs = draw(st.integers(0, 20))
     r.output.stream_interval = draw(st.integers(0, 3))
     r.speculative_tokens = draw(st.integers(0, 16))
     return r
@@ -128,6 +130,8 @@ def wild_generate_requests(draw) -> decoder_pb2.GenerateRequest:
     r.sampling.logit_bias.update(draw(st.dictionaries(st.integers(0, VOCAB + 5), floats, max_size=3)))
     r.output.logprobs = draw(st.booleans())
     r.output.top_logprobs = draw(st.integers(0, 25))
+    if draw(st.booleans()):
+        r.output.prompt_logprobs = draw(st.integers(0, 25))
     r.output.omit_text = draw(st.booleans())
     r.output.stream_interval = draw(st.integers(0, 3))
     if draw(st.booleans()):

@@ -406,6 +406,7 @@ class OutputOptions(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     OMIT_TEXT_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.bool
     """Return the log-probability of each generated token (after temperature and penalties). Default false."""
     top_logprobs: _builtins.int
@@ -419,6 +420,15 @@ class OutputOptions(_message.Message):
     0 or 1 = a message every step. Larger values cut per-message overhead at high concurrency.
     A stream whose reader falls behind also gets the tokens that piled up in one message.
     """
+    prompt_logprobs: _builtins.int
+    """Score the prompt: set, the first `delta` carries `prompt_logprobs`, one entry per prompt position,
+    each from the model's distribution given every position before it (embedding rows included),
+    and the value is how many most likely tokens each entry lists, in [0, 20]. Unset = off; 0 = the
+    prompt tokens' own logprobs only. Every prompt position runs through the model for it: such a
+    request takes nothing from the prefix cache (its blocks still enter it for later requests), so
+    it pays its whole prefill even when a prefix is cached. That delta grows by at most about 12 bytes per
+    position plus 8 per listed token.
+    """
     def __init__(
         self,
         *,
@@ -426,12 +436,15 @@ class OutputOptions(_message.Message):
         top_logprobs: _builtins.int = ...,
         omit_text: _builtins.bool = ...,
         stream_interval: _builtins.int = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "omit_text", b"omit_text", "stream_interval", b"stream_interval", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "logprobs", b"logprobs", "omit_text", b"omit_text", "prompt_logprobs", b"prompt_logprobs", "stream_interval", b"stream_interval", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
 
 Global___OutputOptions: _TypeAlias = OutputOptions  # noqa: Y015
 
@@ -578,6 +591,53 @@ class TopLogprobs(_message.Message):
 Global___TopLogprobs: _TypeAlias = TopLogprobs  # noqa: Y015
 
 @_typing.final
+class PromptLogprob(_message.Message):
+    """One prompt position as the model saw it from the positions before it (OutputOptions.prompt_logprobs).
+    Position 0 has nothing before it: its entry holds only token_id. An embedding row has no token:
+    its entry has no token_id and no logprob, but top_logprobs still lists what the model predicted there.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The prompt's token ID at this position; unset at an embedding row."""
+    logprob: _builtins.float
+    """Natural-log probability of token_id given every earlier position, from the model's own
+    distribution (temperature 1; no penalties, bias or other sampling parameter applies). Unset at
+    position 0 and at embedding rows.
+    """
+    @_builtins.property
+    def top_logprobs(self) -> Global___TopLogprobs:
+        """The n most likely tokens at this position given every earlier one, n = prompt_logprobs, most
+        likely first; unset at position 0 and when n is 0.
+        """
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int | None = ...,
+        logprob: _builtins.float | None = ...,
+        top_logprobs: Global___TopLogprobs | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_token_id", b"_token_id", "logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_token_id", b"_token_id", "logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
+    _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    _WhichOneofReturnType__token_id: _TypeAlias = _typing.Literal["token_id"]  # noqa: Y015
+    _WhichOneofArgType__token_id: _TypeAlias = _typing.Literal["_token_id", b"_token_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__token_id) -> _WhichOneofReturnType__token_id | None: ...
+
+Global___PromptLogprob: _TypeAlias = PromptLogprob  # noqa: Y015
+
+@_typing.final
 class TokenDelta(_message.Message):
     """Newly generated tokens."""
 
@@ -587,6 +647,7 @@ class TokenDelta(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text that became final since the previous delta (UTF-8 safe; text that may be part of a stop
     string is held back). Empty when omit_text is set.
@@ -603,6 +664,12 @@ class TokenDelta(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
         """One per token when top_logprobs > 0."""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptLogprob]:
+        """On the first delta of a request with output.prompt_logprobs set, and on no other: one entry per
+        prompt position, in order (the same count as accepted.prompt_tokens). Empty otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -610,10 +677,11 @@ class TokenDelta(_message.Message):
         text: _builtins.str = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[Global___PromptLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -164,3 +164,29 @@ def test_inductor_compiled_decode_gives_the_eager_tokens(
         compiled = [_run_concurrently(engine, [spec])[0] for spec in specs]
         assert compiler.num_graphs == 2
     assert compiled == eager
+
+
+def test_a_decode_shaped_step_that_scores_a_prompt_position_runs_eagerly(compiled_engine: Engine) -> None:
+    # One position of a prompt that scores itself: a decode bucket's shape (1 token, 1 sequence), but
+    # one logits row more than the bucket was compiled for. It must not ask for a graph after warmup.
+    from services.decoder.engine.request import Request, TokenSegment
+    from services.decoder.engine.scheduler import ScheduledRequest, StepPlan
+
+    core = compiled_engine.core
+    request = Request.from_segments("scoring", [TokenSegment([5, 6, 7])], SamplingParams(prompt_logprobs=2))
+    with core.lock:
+        assert core.block_manager.allocate_slots(request, 1)
+    try:
+        item = ScheduledRequest("scoring", request, 0, 1, tuple(request.block_ids), False, True)
+        plan = StepPlan((item,), 1, (), 0)
+        output = core.runner.execute(plan)  # one rank: the head a slice of rows at a time
+        logits = core.runner.forward(core.runner.prepare(plan))  # what the other ranks of several run
+    finally:
+        with core.lock:
+            core.block_manager.free(request)
+    assert output.logits.shape[0] == 0
+    (chunk,) = output.prompt_logprobs
+    assert chunk.start == 1 and len(chunk.logprobs) == 1 and len(chunk.top_token_ids[0]) == 2
+    assert logits.shape[0] == 2  # the bucket's one (padding) sampling row, then the scored row
+    assert chunk.logprobs[0] == pytest.approx(torch.log_softmax(logits[1], -1)[6].item(), abs=1e-5)
+    assert core.runner.compiler is not None and core.runner.compiler.num_graphs == 3 * 2

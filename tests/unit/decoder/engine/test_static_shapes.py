@@ -52,6 +52,14 @@ def test_a_decode_step_pads_its_tables_to_the_narrowest_width_that_holds_its_lon
     assert padded_width(STATIC, longer, BLOCK_SIZE) == 8
 
 
+def test_a_prefill_chunk_that_fills_its_buckets_exactly_and_samples_nothing_still_pads_logits() -> None:
+    host = _host([16], [16])
+    host.logits_rows, host.num_logits = [], 0  # mid-prompt: its last position is not the prompt's
+    pad_to_buckets(host, STATIC, BLOCK_SIZE)
+    assert len(host.query_lens) == 1 and len(host.input_ids) == 16  # no padding sequence needed
+    assert len(host.logits_rows) == 1 and host.num_logits == 0
+
+
 def test_a_step_with_any_prefill_keeps_the_widest_table() -> None:
     host = _host([1, 3], [3, 3])
     pad_to_buckets(host, STATIC, BLOCK_SIZE)

@@ -1,0 +1,51 @@
+"""Proto <-> engine conversion of prompt logprobs: the option in, the entries out, unset fields as marks."""
+
+from __future__ import annotations
+
+from common import tensors
+from common.pb.tandem.v1 import decoder_pb2
+from services.decoder.api.protocol import event_to_pb, spec_from_pb
+from services.decoder.engine.outputs import Delta
+from services.decoder.engine.prompt_logprobs import PromptLogprob
+
+
+def _request(**output: int) -> decoder_pb2.GenerateRequest:
+    request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text="hi")])
+    for name, value in output.items():
+        setattr(request.output, name, value)
+    return request
+
+
+def test_prompt_logprobs_is_off_when_unset_and_its_value_is_the_top_n_when_set() -> None:
+    def prompt_logprobs(request: decoder_pb2.GenerateRequest) -> int | None:
+        return spec_from_pb(request, tensors.DEFAULT_LIMITS, None).sampling.prompt_logprobs
+
+    assert prompt_logprobs(_request()) is None
+    assert prompt_logprobs(_request(prompt_logprobs=0)) == 0  # set to 0: the tokens' own logprobs only
+    assert prompt_logprobs(_request(prompt_logprobs=7)) == 7
+
+
+def test_entries_leave_unset_what_a_position_lacks() -> None:
+    delta = Delta(
+        "r",
+        (9,),
+        "",
+        (),
+        (),
+        prompt_logprobs=(
+            PromptLogprob(11, None, (), ()),  # position 0: no context
+            PromptLogprob(None, None, (4, 5), (-0.5, -1.5)),  # an embedding row: no token
+            PromptLogprob(12, -2.25, (4, 12), (-0.25, -2.25)),
+        ),
+    )
+    first, row, token = event_to_pb(delta).delta.prompt_logprobs
+    assert first.HasField("token_id") and first.token_id == 11
+    assert not first.HasField("logprob") and not first.HasField("top_logprobs")
+    assert not row.HasField("token_id") and not row.HasField("logprob")
+    assert list(row.top_logprobs.token_ids) == [4, 5] and list(row.top_logprobs.logprobs) == [-0.5, -1.5]
+    assert (token.token_id, token.logprob) == (12, -2.25)
+    assert list(token.top_logprobs.token_ids) == [4, 12]
+
+
+def test_a_delta_without_them_sends_none() -> None:
+    assert not event_to_pb(Delta("r", (9,), "x", (), ())).delta.prompt_logprobs
