@@ -276,8 +276,9 @@ class SamplingParams(_message.Message):
     frequency_penalty: _builtins.float
     """Subtracted from a token's logit once per time it was generated, in [-2, 2]. Default 0."""
     seed: _builtins.int
-    """Random seed. A seeded request draws from its own generator, never from its neighbours': the same
-    request on the same server gives the same tokens. Whatever else shares its batch, its tokens and
+    """Random seed. A seeded request draws from its own generator, seeded for each output position from
+    the seed and the position, never from its neighbours': the same request on the same server gives
+    the same tokens, with or without speculative_tokens. Whatever else shares its batch, its tokens and
     logprobs stay exactly those it gets alone only on a server run with --batch-invariant (one
     forward pass per request, no prefix cache; slower). Otherwise the batch can round its logits
     differently (matrix kernels choose their blocking by the batch's rows, a decode step that

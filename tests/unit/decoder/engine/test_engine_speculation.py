@@ -256,3 +256,26 @@ def test_in_static_shape_mode_verifications_fit_the_warmed_buckets(
         assert engine.core.runner.signatures == warmed
         assert engine.core.num_accepted_tokens > 0
     assert [_tokens(events) for events in results] == list(plain.values())
+
+
+def test_a_speculating_request_scores_its_prompt_as_a_plain_one_does(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, oracle: Oracle
+) -> None:
+    """Prompt logprobs come from the prompt's own steps, speculation from the decode steps after:
+    together, each is what it is alone."""
+    prompt = _prompts(tiny_fp32)["mixed"]
+    sampling = SamplingParams(temperature=0.0, prompt_logprobs=3)
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        plain = list(engine.generate(_spec(prompt, sampling)))
+    oracle.know(_history(tiny_fp32, prompt), _tokens(plain))
+    with _engine(tiny_model_dir, tiny_fp32, speculative_tokens=4) as engine:
+        speculated = list(engine.generate(_spec(prompt, sampling)))
+    assert _tokens(speculated) == _tokens(plain)
+    assert _finished(speculated).accepted_tokens > 0
+
+    def scored(events: list[Event]) -> list:
+        (first, *_) = [e for e in events if isinstance(e, Delta)]
+        return [(p.token_id, p.top_token_ids) for p in first.prompt_logprobs]
+
+    assert scored(speculated) == scored(plain)
+    assert len(scored(plain)) == 13  # every prompt position
