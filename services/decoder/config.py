@@ -58,6 +58,11 @@ class EngineConfig:
     # Speculative decoding by prompt lookup: tokens a decode step may propose and verify, for requests
     # that do not say (GenerateRequest.speculative_tokens); 0 = off. See engine/core.py.
     speculative_tokens: int = 0
+    # Steps with more running requests than this verify no proposals. Where a step's cost grows with
+    # its rows (computing rather than reading weights: a few rows on a CPU without bf16 FMAs), a
+    # verified row is worth it only if every proposed token is accepted, so speculation pays only in
+    # small batches. docs/PERFORMANCE.md has the measurement behind the default.
+    speculative_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -86,6 +91,8 @@ class EngineConfig:
                 "speculative_tokens",
                 f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}",
             )
+        if self.speculative_max_batch < 1:
+            raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         for name in ("token_buckets", "seq_buckets", "block_table_buckets"):

@@ -106,6 +106,11 @@ def settings() -> list[Setting]:
             type=int,
         ),
         _engine(
+            "--speculative-max-batch",
+            "speculation: steps with more running requests than this verify no proposals",
+            type=int,
+        ),
+        _engine(
             "--batch-invariant",
             "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
             type=BOOL,
@@ -152,6 +157,7 @@ _ENGINE_FIELDS = (
     "num_threads",
     "batch_invariant",
     "speculative_tokens",
+    "speculative_max_batch",
 )
 
 

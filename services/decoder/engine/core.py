@@ -88,10 +88,12 @@ class EngineCore:
         scheduler: Scheduler,
         runner: ModelRunner,
         vocab_size: int,
+        speculative_max_batch: int | None = None,  # more running requests: no proposals; None = any
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.vocab_size = vocab_size
+        self.speculative_max_batch = speculative_max_batch
         self.sampler = Sampler()
         self.lock = threading.Lock()  # guards scheduler and _live against submit/abort threads
         self._live: dict[str, _Tracked] = {}
@@ -226,8 +228,12 @@ class EngineCore:
             self._live[chunk.request_id].output.add_prompt_logprobs(chunk)
 
     def _propose(self) -> None:
-        """Under `lock`: each decoding request that speculates proposes its next tokens."""
-        for request in self.scheduler.running:
+        """Under `lock`: each decoding request that speculates proposes its next tokens, while the
+        batch is small enough for verified rows to cost little (`speculative_max_batch`)."""
+        running = self.scheduler.running
+        if self.speculative_max_batch is not None and len(running) > self.speculative_max_batch:
+            return
+        for request in running:
             tracked = self._live[request.request_id]
             if tracked.lookup is None or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # no speculation, or a prefill (chunk) to run first

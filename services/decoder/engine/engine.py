@@ -126,7 +126,7 @@ class Engine:
             backend if config.compile else None,
             invariant,
         )
-        return EngineCore(scheduler, runner, self.model_config.vocab_size)
+        return EngineCore(scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch)
 
     # -- lifecycle -------------------------------------------------------------------------------
 

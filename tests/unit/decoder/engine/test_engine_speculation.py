@@ -29,6 +29,8 @@ from services.decoder.models.loader import LoadedModel
 
 def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:
     settings = dict(model_dir=model_dir, dtype="float32", num_kv_blocks=1024, block_size=4, max_num_seqs=16)
+    # Every batch speculates unless a test says otherwise (the default stops above 4 requests).
+    settings["speculative_max_batch"] = 64
     return Engine(EngineConfig(**(settings | overrides)), loaded)
 
 
@@ -279,3 +281,17 @@ def test_a_speculating_request_scores_its_prompt_as_a_plain_one_does(
 
     assert scored(speculated) == scored(plain)
     assert len(scored(plain)) == 13  # every prompt position
+
+
+def test_a_batch_larger_than_speculative_max_batch_verifies_no_proposals(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, oracle: Oracle
+) -> None:
+    prompt = _prompts(tiny_fp32)["tokens"]
+    greedy = SamplingParams(temperature=0.0)
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        oracle.know(prompt[0], _tokens(list(engine.generate(_spec(prompt, greedy)))))
+    for max_batch, speculates in ((4, False), (6, True)):
+        config = dict(speculative_tokens=4, speculative_max_batch=max_batch)
+        with _engine(tiny_model_dir, tiny_fp32, **config) as engine:
+            results = _run_concurrently(engine, [_spec(prompt, greedy)] * 6)
+        assert [_finished(e).proposed_tokens > 0 for e in results] == [speculates] * 6
