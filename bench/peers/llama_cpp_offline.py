@@ -59,10 +59,14 @@ def main() -> None:
     import llama_cpp
 
     lens = [int(n) for n in args.ttft_lens.split(",") if n]
+    n_ctx = max([*lens, args.prompt_len + args.new_tokens]) + 16
     llm = llama_cpp.Llama(
         model_path=args.model,
-        n_ctx=max([*lens, args.prompt_len + args.new_tokens]) + 16,
-        n_batch=512,
+        n_ctx=n_ctx,
+        # llama-cpp-python 0.3.36 keeps n_batch rows of scores without logits_all and writes the last
+        # prompt token's at its position: a prompt longer than n_batch raised IndexError. llama.cpp
+        # still computes in micro-batches (n_ubatch, 512) whatever n_batch is.
+        n_batch=n_ctx,
         n_threads=args.threads,
         n_threads_batch=args.threads,
         logits_all=False,
