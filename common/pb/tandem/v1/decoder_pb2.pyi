@@ -716,10 +716,9 @@ class Finished(_message.Message):
     queue_time_s: _builtins.float
     """Seconds spent waiting in the queue before the first prefill step."""
     proposed_tokens: _builtins.int
-    """Speculative decoding: proposed tokens the engine verified, and how many of them it accepted
-    (each accepted token is an engine step saved). 0 without speculation.
-    """
+    """Speculative decoding: proposed tokens the engine verified (0 without speculation)."""
     accepted_tokens: _builtins.int
+    """Of those, the ones accepted; each accepted token is an engine step saved."""
     @_builtins.property
     def usage(self) -> _tensor_pb2.Usage:
         """Token accounting."""
