@@ -104,25 +104,37 @@ def random_specs(vocab_size: int) -> list[GenerateSpec]:
 
 
 def run(engine: Engine, specs: list[GenerateSpec], concurrency: int, speculative_tokens: int) -> dict:
-    """`specs` in waves of `concurrency` requests; totals over all of them."""
+    """`specs` in waves of `concurrency` requests; totals over all of them.
+
+    Decoding time is each wave's time from its last first token to its last token: the prompts'
+    prefill, the same in both arms, is left out of the decode-only rate."""
     tokens: list[list[int]] = [[] for _ in specs]
     finished: list[Finished] = []
+    ends: list[float] = [0.0] * len(specs)
+    submitted: list[float] = [0.0] * len(specs)
     steps_before = engine.core.num_steps
+    decode_s = 0.0
     start = time.perf_counter()
     for wave in range(0, len(specs), concurrency):
         done = threading.Semaphore(0)
+        wave_finished: list[tuple[int, Finished]] = []
         for i in range(wave, min(wave + concurrency, len(specs))):
 
-            def sink(event: Event, i: int = i, done: threading.Semaphore = done) -> None:
+            def sink(
+                event: Event, i: int = i, done: threading.Semaphore = done, mine: list = wave_finished
+            ) -> None:
                 if isinstance(event, Delta):
                     tokens[i].extend(event.token_ids)
                 elif isinstance(event, Finished):
+                    ends[i] = time.perf_counter()
                     finished.append(event)
+                    mine.append((i, event))
                     done.release()
                 elif isinstance(event, Failed):
                     raise SystemExit(f"request {i} failed: {event.error}")
 
             spec = specs[i]
+            submitted[i] = time.perf_counter()
             engine.submit(
                 GenerateSpec(
                     spec.prompt,
@@ -137,12 +149,15 @@ def run(engine: Engine, specs: list[GenerateSpec], concurrency: int, speculative
         for _ in range(wave, min(wave + concurrency, len(specs))):
             if not done.acquire(timeout=600):
                 raise SystemExit("a request did not finish within 600 s")
+        last_first = max(submitted[i] + f.time_to_first_token_s for i, f in wave_finished)
+        decode_s += max(ends[i] for i, _ in wave_finished) - last_first
     wall = time.perf_counter() - start
     generated = sum(f.output_tokens for f in finished)
     proposed = sum(f.proposed_tokens for f in finished)
     accepted = sum(f.accepted_tokens for f in finished)
     return {
         "tokens_per_s": generated / wall,
+        "decode_tokens_per_s": (generated - len(specs)) / decode_s,
         "wall_s": wall,
         "tokens": generated,
         "steps": engine.core.num_steps - steps_before,
@@ -156,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--k", type=int, default=SPECULATIVE_TOKENS, help="speculative_tokens of the arm")
+    parser.add_argument("--sizes", default="1,8", help="concurrencies, comma-separated")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
 
@@ -172,23 +189,28 @@ def main(argv: list[str] | None = None) -> None:
         workloads = {"repetitive": repetitive_specs(), "random": random_specs(engine.model_config.vocab_size)}
         for specs in workloads.values():  # warm up both arms on every shape
             run(engine, specs[:2], 2, 0)
-            run(engine, specs[:2], 2, SPECULATIVE_TOKENS)
+            run(engine, specs[:2], 2, args.k)
         for name, specs in workloads.items():
-            for concurrency in (1, 8):
-                arms: dict[int, list[dict]] = {0: [], SPECULATIVE_TOKENS: []}
+            for concurrency in [int(n) for n in args.sizes.split(",")]:
+                arms: dict[int, list[dict]] = {0: [], args.k: []}
                 for repeat in range(args.repeats):
-                    order = [0, SPECULATIVE_TOKENS] if repeat % 2 == 0 else [SPECULATIVE_TOKENS, 0]
+                    order = [0, args.k] if repeat % 2 == 0 else [args.k, 0]
                     for k in order:
                         arms[k].append(run(engine, specs, concurrency, k))
-                plain, spec = arms[0], arms[SPECULATIVE_TOKENS]
+                plain, spec = arms[0], arms[args.k]
                 plain_rate = statistics.median(r["tokens_per_s"] for r in plain)
                 spec_rate = statistics.median(r["tokens_per_s"] for r in spec)
+                plain_decode = statistics.median(r["decode_tokens_per_s"] for r in plain)
+                spec_decode = statistics.median(r["decode_tokens_per_s"] for r in spec)
                 row = {
                     "workload": name,
                     "concurrency": concurrency,
                     "plain_tokens_per_s": plain_rate,
                     "speculative_tokens_per_s": spec_rate,
                     "ratio": spec_rate / plain_rate,
+                    "plain_decode_tokens_per_s": plain_decode,
+                    "speculative_decode_tokens_per_s": spec_decode,
+                    "decode_ratio": spec_decode / plain_decode,
                     "acceptance": spec[0]["accepted"] / max(1, spec[0]["proposed"]),
                     "proposed": spec[0]["proposed"],
                     "accepted": spec[0]["accepted"],
@@ -204,29 +226,36 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 print(
                     f"{name:10s} N={concurrency}: plain {plain_rate:6.1f} tok/s, speculative "
-                    f"{spec_rate:6.1f} tok/s ({row['ratio']:.2f}x), acceptance {row['acceptance']:.0%} "
+                    f"{spec_rate:6.1f} tok/s ({row['ratio']:.2f}x; decoding {plain_decode:.1f} -> "
+                    f"{spec_decode:.1f}, {row['decode_ratio']:.2f}x), acceptance {row['acceptance']:.0%} "
                     f"({row['accepted']}/{row['proposed']}), tokens/step "
                     f"{row['tokens_per_step_plain']:.2f} -> {row['tokens_per_step_speculative']:.2f}, "
                     f"same tokens: {row['same_tokens']}",
                     flush=True,
                 )
     print()
-    print("| workload | N | without | with (k = 4) | ratio | acceptance | tokens per step | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        f"| workload | N | without | with (k = {args.k}) | ratio | decoding: without | with | ratio ", end=""
+    )
+    print("| acceptance | tokens per step | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['workload']} | {r['concurrency']} | {r['plain_tokens_per_s']:.1f} | "
-            f"{r['speculative_tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['acceptance']:.0%} | "
+            f"{r['speculative_tokens_per_s']:.1f} | {r['ratio']:.2f}x | "
+            f"{r['plain_decode_tokens_per_s']:.1f} | {r['speculative_decode_tokens_per_s']:.1f} | "
+            f"{r['decode_ratio']:.2f}x | {r['acceptance']:.0%} | "
             f"{r['tokens_per_step_plain']:.2f} -> {r['tokens_per_step_speculative']:.2f} | "
             f"{r['same_tokens']} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"speculation-{datetime.date.today().isoformat()}.json"
+    suffix = "" if args.k == SPECULATIVE_TOKENS and args.sizes == "1,8" else f"-k{args.k}-n{args.sizes}"
+    path = args.out / f"speculation-{datetime.date.today().isoformat()}{suffix}.json"
     settings = {
         "model": str(model_dir),
         "threads": args.threads,
         "repeats": args.repeats,
-        "k": SPECULATIVE_TOKENS,
+        "k": args.k,
     }
     path.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     print(f"wrote {path}")
