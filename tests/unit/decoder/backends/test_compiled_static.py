@@ -8,7 +8,6 @@ one test runs real Inductor on two buckets.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +17,10 @@ import torch
 from services.decoder.backends.backend import BACKENDS, Backend, RecompileError
 from services.decoder.config import EngineConfig
 from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event, Failed, Finished
 from services.decoder.engine.params import SamplingParams, StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 from services.decoder.models.loader import LoadedModel
+from tests.unit.decoder.engine.engine_helpers import finished, run_concurrently, tokens
 
 AOT_EAGER: Backend = dataclasses.replace(BACKENDS["cpu"], compiler="aot_eager")
 # Two block-table widths, 2 and 8 blocks of 4: decode steps whose contexts all fit 8 positions take
@@ -61,24 +60,11 @@ def _random_workload(loaded: LoadedModel, num_requests: int, seed: int) -> list[
 
 
 def _run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[int]]:
-    tokens: list[list[int]] = [[] for _ in specs]
-    done = threading.Semaphore(0)
-
-    def sink_for(i: int):
-        def sink(event: Event) -> None:
-            if isinstance(event, Delta):
-                tokens[i].extend(event.token_ids)
-            elif isinstance(event, Finished | Failed):
-                assert isinstance(event, Finished), event
-                done.release()
-
-        return sink
-
-    for i, spec in enumerate(specs):
-        engine.submit(spec, sink_for(i))
-    for _ in specs:
-        assert done.acquire(timeout=120)
-    return tokens
+    """Each spec's tokens, all submitted at once; every request must end Finished."""
+    results = run_concurrently(engine, specs)
+    for events in results:
+        finished(events)  # asserts the last event is Finished, not Failed
+    return [tokens(events) for events in results]
 
 
 @pytest.fixture(scope="module")

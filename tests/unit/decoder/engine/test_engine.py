@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -26,41 +25,15 @@ from services.decoder.engine.outputs import (
 from services.decoder.engine.params import SamplingParams, StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 from services.decoder.models.loader import LoadedModel
+from tests.unit.decoder.engine.engine_helpers import finished as _finished
+from tests.unit.decoder.engine.engine_helpers import run_concurrently as _run_concurrently
+from tests.unit.decoder.engine.engine_helpers import tokens as _tokens
 
 
 def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:
     settings = dict(model_dir=model_dir, dtype="float32", num_kv_blocks=512, block_size=4, max_num_seqs=16)
     settings.update(overrides)
     return Engine(EngineConfig(**settings), loaded)
-
-
-def _tokens(events: Iterable[Event]) -> list[int]:
-    return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
-
-
-def _finished(events: list[Event]) -> Finished:
-    assert isinstance(events[-1], Finished), events[-1]
-    return events[-1]
-
-
-def _run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[Event]]:
-    """Submit every spec before the engine can finish any, then wait for all."""
-    results: list[list[Event]] = [[] for _ in specs]
-    done = threading.Semaphore(0)
-
-    def sink_for(i: int):
-        def sink(event: Event) -> None:
-            results[i].append(event)
-            if isinstance(event, Finished | Failed):
-                done.release()
-
-        return sink
-
-    for i, spec in enumerate(specs):
-        engine.submit(spec, sink_for(i))
-    for _ in specs:
-        assert done.acquire(timeout=120)
-    return results
 
 
 def _alone(engine: Engine, spec: GenerateSpec) -> list[Event]:

@@ -9,7 +9,6 @@ tests/integration/test_default_model.py.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,10 +20,13 @@ from scipy.stats import chi2_contingency
 from services.decoder.config import EngineConfig
 from services.decoder.engine import prompt_lookup
 from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event, Failed, Finished
+from services.decoder.engine.outputs import Delta, Event
 from services.decoder.engine.params import SamplingParams, StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 from services.decoder.models.loader import LoadedModel
+from tests.unit.decoder.engine.engine_helpers import finished as _finished
+from tests.unit.decoder.engine.engine_helpers import run_concurrently as _run_concurrently
+from tests.unit.decoder.engine.engine_helpers import tokens as _tokens
 
 
 def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:
@@ -34,36 +36,8 @@ def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:
     return Engine(EngineConfig(**(settings | overrides)), loaded)
 
 
-def _tokens(events: list[Event]) -> list[int]:
-    return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
-
-
 def _logprobs(events: list[Event]) -> list[float]:
     return [lp for e in events if isinstance(e, Delta) for lp in e.logprobs]
-
-
-def _finished(events: list[Event]) -> Finished:
-    assert isinstance(events[-1], Finished), events[-1]
-    return events[-1]
-
-
-def _run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[Event]]:
-    results: list[list[Event]] = [[] for _ in specs]
-    done = threading.Semaphore(0)
-
-    def sink_for(i: int):
-        def sink(event: Event) -> None:
-            results[i].append(event)
-            if isinstance(event, Finished | Failed):
-                done.release()
-
-        return sink
-
-    for i, spec in enumerate(specs):
-        engine.submit(spec, sink_for(i))
-    for _ in specs:
-        assert done.acquire(timeout=120)
-    return results
 
 
 class Oracle:

@@ -1,0 +1,39 @@
+"""Running an in-process engine in tests: concurrent submission and reading its events."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Delta, Event, Failed, Finished
+from services.decoder.engine.prompt import GenerateSpec
+
+
+def tokens(events: Iterable[Event]) -> list[int]:
+    return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+
+
+def finished(events: list[Event]) -> Finished:
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1]
+
+
+def run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[Event]]:
+    """Submit every spec before the engine can finish any, then wait for all."""
+    results: list[list[Event]] = [[] for _ in specs]
+    done = threading.Semaphore(0)
+
+    def sink_for(i: int):
+        def sink(event: Event) -> None:
+            results[i].append(event)
+            if isinstance(event, Finished | Failed):
+                done.release()
+
+        return sink
+
+    for i, spec in enumerate(specs):
+        engine.submit(spec, sink_for(i))
+    for _ in specs:
+        assert done.acquire(timeout=120)
+    return results
