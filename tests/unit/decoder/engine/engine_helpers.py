@@ -20,7 +20,11 @@ def finished(events: list[Event]) -> Finished:
 
 
 def run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[Event]]:
-    """Submit every spec before the engine can finish any, then wait for all."""
+    """Submit every spec before the engine takes its next step, then wait for all.
+
+    The loop checks for work under its wake-up condition; holding it while submitting means the
+    first step already sees every request, so none runs alone for a few steps first (which would,
+    for example, let it speculate in a test about batches too large to speculate)."""
     results: list[list[Event]] = [[] for _ in specs]
     done = threading.Semaphore(0)
 
@@ -32,8 +36,9 @@ def run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[Eve
 
         return sink
 
-    for i, spec in enumerate(specs):
-        engine.submit(spec, sink_for(i))
+    with engine._thread._wakeup:  # re-entrant: submit's own wake() takes it again
+        for i, spec in enumerate(specs):
+            engine.submit(spec, sink_for(i))
     for _ in specs:
         assert done.acquire(timeout=120)
     return results
