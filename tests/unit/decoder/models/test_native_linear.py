@@ -38,10 +38,12 @@ def assert_within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) -> 
     assert ((actual.float() - expected.float()).abs() <= step).all()
 
 
-# Rows: a decode step of 1-3 sequences has its own tiles, 4 and more the blocked path; 300 rows of
-# 1,000 columns spans several row blocks. Columns: whole chunks of 16, a tail, fewer than one chunk.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33, 300])
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 37), (7, 1000), (25, 5)])
+# Rows: a decode step of 1-3 sequences has its own tiles, 4 and more groups of 4 plus 1-3 left over
+# (5 and 9: a verification step), all in the same pass over a block of weight rows; 300 rows of 1,000
+# columns spans several row blocks. Output features: whole blocks of 24 weight rows, a partial one,
+# several with a partial last. Columns: whole chunks of 16, a tail, fewer than one chunk.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 33, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 37), (7, 1000), (25, 5), (131, 48)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_linear_equals_the_product_rounded_once(
     kernels, rows: int, out_features: int, in_features: int, with_bias: bool
