@@ -1,4 +1,4 @@
-"""Prompt lookup: what follows the latest earlier occurrence of the history's last 2-4 tokens."""
+"""Prompt lookup: what follows the latest earlier occurrence of the history's last 1-4 tokens."""
 
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ def test_the_longest_matching_suffix_wins_then_the_latest_occurrence() -> None:
     assert _lookup([2, 3, 8, 1, 2, 3, 4, 0, 2, 3]).propose(1) == [4]
 
 
-def test_one_matching_token_is_not_enough_context() -> None:
-    assert _lookup([5, 6, 7, 8, 5]).propose(3) == []
+def test_one_matching_token_is_used_when_no_longer_suffix_matches() -> None:
+    assert _lookup([5, 6, 7, 8, 5]).propose(3) == [6, 7, 8]
+    # A longer match wins over the latest single token: "9 5" was followed by 1, "5" lastly by 6.
+    assert _lookup([9, 5, 1, 2, 5, 6, 0, 9, 5]).propose(1) == [1]
+    assert PromptLookup([5, 6, 7, 8, 5], [True] * 5, ngram_min=2).propose(3) == []
 
 
 def test_sampled_tokens_extend_the_history_and_its_index() -> None:
@@ -48,7 +51,7 @@ def test_embedding_positions_match_nothing_and_end_a_proposal() -> None:
     # An embedding row inside the suffix: no n-gram ends with it.
     assert _lookup(tokens, is_token).propose(4) == []
     # Placeholder IDs (0) at embedding positions never match a real token 0.
-    assert _lookup([0, 0, 7, 0, 0], [False, False, True, True, True]).propose(2) == []
+    assert _lookup([0, 0, 7, 0], [False, False, True, True]).propose(2) == []
 
 
 def test_a_zero_budget_proposes_nothing() -> None:
@@ -67,7 +70,7 @@ def test_verification_keeps_the_samples_up_to_the_first_that_differs() -> None:
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 8))
 def test_a_proposal_always_continues_a_real_earlier_occurrence(history: list[int], k: int) -> None:
     """Whatever the history, a proposal is the continuation of an earlier occurrence of its last
-    n >= 2 tokens (checked by brute force), and incremental indexing equals indexing at once."""
+    n >= 1 tokens (checked by brute force), and incremental indexing equals indexing at once."""
     incremental = _lookup(history[:1])
     for token in history[1:]:
         incremental.propose(k)
@@ -77,6 +80,6 @@ def test_a_proposal_always_continues_a_real_earlier_occurrence(history: list[int
     if proposal:
         assert any(
             history[start - n : start] == history[-n:] and history[start : start + len(proposal)] == proposal
-            for n in range(2, 5)
+            for n in range(1, 5)
             for start in range(n, len(history))
         )
