@@ -63,8 +63,9 @@ static inline __attribute__((always_inline)) float sum_lanes(__m256 v) {
 #endif
 
 /* Weights are read 16 at a time as 8 32-bit lanes, each holding an even element (low half) and the
- * next odd one (high half): a shift left by 16 makes the even ones floats, a shift right then left the odd ones. The
- * widened inputs are stored in the matching order (widen_rows), so no lane is ever shuffled. */
+ * next odd one (high half): a shift left by 16 makes the even ones floats, a shift right then left
+ * the odd ones. The widened inputs are stored in the matching order (widen_rows), so no lane is
+ * ever shuffled. */
 #define CHUNK 16
 
 /* sums[i][j] = x[i, :] . w[j, :] for MR rows of widened x (row stride ldx) and NR rows of w (bf16, row
