@@ -5,14 +5,16 @@ prompts); speculation is switched per request (`GenerateSpec.speculative_tokens`
 on the same engine, interleaved, the order alternating per repeat; the median of `--repeats` runs.
 
 Workloads, each at N = 1 (the prompts one after another) and N = 8 (eight at once):
-- repetitive: chat requests that repeat a passage, or correct the spelling of one (the answer copies
-  most of it); greedy, up to 160 new tokens, ending at the model's end of turn;
+- repetitive: chat requests that repeat a passage of three sentences, or correct the spelling of one
+  (the answer copies most of it); greedy, up to 160 new tokens, ending at the model's end of turn;
+- paragraphs: the same two tasks on paragraphs of eight sentences (bench/passages.py), up to 400
+  new tokens: a rewritten document, where the answer is as long as the passage;
 - random: `make bench`'s decode workload, 128 random prompt tokens and 64 greedy tokens (EOS ignored).
 
 Reported per workload and N: tokens/s of each arm and their ratio, the acceptance rate (accepted /
 proposed tokens), tokens per engine step, and whether the two arms' tokens are equal.
 
-Run: `.venv/bin/python bench/speculation.py` (about 5 minutes on 2 quiet cores); `--out DIR` writes
+Run: `.venv/bin/python bench/speculation.py` (about 12 minutes on 2 quiet cores); `--out DIR` writes
 speculation-<date>.json there (default bench/results).
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_throughput import make_prompts  # noqa: E402
+from bench.passages import PARAGRAPHS, PASSAGES  # noqa: E402
 from common.model_cache import resolve_model  # noqa: E402
 from services.decoder.config import EngineConfig  # noqa: E402
 from services.decoder.engine.chat import ChatMessage, ChatRequest, TextPart  # noqa: E402
@@ -38,40 +41,15 @@ from services.decoder.engine.outputs import Delta, Event, Failed, Finished, Outp
 from services.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
 from services.decoder.engine.prompt import GenerateSpec  # noqa: E402
 
-PASSAGES = [
-    "The city council met on Tuesday evening to discuss the proposed budget for the coming year. Members "
-    "debated funding for road repairs, public libraries and a new community swimming pool. After three "
-    "hours of discussion, the council voted to approve the budget with minor changes.",
-    "To make a simple tomato sauce, warm two tablespoons of olive oil in a pan over medium heat. Add one "
-    "chopped onion and cook until soft, then stir in two cloves of garlic. Pour in a can of crushed "
-    "tomatoes, season with salt and pepper, and let it simmer for twenty minutes.",
-    "The library will be closed on Monday for maintenance. During this time, the heating system will be "
-    "replaced and the reading room will be repainted. Books can still be returned through the drop box "
-    "at the main entrance, and online services will remain available as usual.",
-    "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide "
-    "and water. It takes place mainly in the leaves, inside small structures called chloroplasts. The "
-    "process releases oxygen into the air, which most living things need to breathe.",
-    "Our team finished the first version of the mobile app last week. Users can now create an account, "
-    "browse the catalogue and save items to a wish list. In the next release we plan to add payments, "
-    "push notifications and a dark mode for the interface.",
-    "The museum's new exhibition brings together more than two hundred paintings from private "
-    "collections around the world. Visitors can follow the development of landscape painting over four "
-    "centuries. Tickets are available online and at the museum's front desk.",
-    "Regular exercise improves both physical and mental health. Walking for thirty minutes a day can "
-    "lower blood pressure, strengthen the heart and improve sleep. Experts also recommend stretching and "
-    "simple strength exercises at least twice a week.",
-    "The train to the coast leaves every hour from platform four. The journey takes about ninety "
-    "minutes and passes through several small villages and along a wide river valley. Bicycles are "
-    "allowed on board, but passengers should book a space in advance.",
-]
 # Spelling mistakes for the correction task: the answer copies the passage with them fixed.
 TYPOS = {"the ": "teh ", "and ": "adn ", "with ": "wiht ", "which ": "wich "}
-SPECULATIVE_TOKENS = 4
+# A verification step of 4 rows is one 4-row tile of the bf16 kernel: it costs about a plain step.
+SPECULATIVE_TOKENS = 3
 
 
-def repetitive_specs() -> list[GenerateSpec]:
+def repetitive_specs(passages: list[str], max_new_tokens: int) -> list[GenerateSpec]:
     specs = []
-    for i, passage in enumerate(PASSAGES):
+    for i, passage in enumerate(passages):
         if i % 2 == 0:
             text = "Repeat the following text exactly, word for word:\n\n" + passage
         else:
@@ -84,7 +62,7 @@ def repetitive_specs() -> list[GenerateSpec]:
                 prompt=[],
                 chat=chat,
                 sampling=SamplingParams(temperature=0.0),
-                stopping=StoppingParams(max_new_tokens=160),
+                stopping=StoppingParams(max_new_tokens=max_new_tokens),
                 output=OutputOptions(include_text=False),
             )
         )
@@ -173,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k", type=int, default=SPECULATIVE_TOKENS, help="speculative_tokens of the arm")
     parser.add_argument("--sizes", default="1,8", help="concurrencies, comma-separated")
+    parser.add_argument("--workloads", default="repetitive,paragraphs,random", help="comma-separated")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
 
@@ -186,7 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows = []
     with Engine(config) as engine:
-        workloads = {"repetitive": repetitive_specs(), "random": random_specs(engine.model_config.vocab_size)}
+        every = {
+            "repetitive": repetitive_specs(PASSAGES, 160),
+            "paragraphs": repetitive_specs(PARAGRAPHS, 400),
+            "random": random_specs(engine.model_config.vocab_size),
+        }
+        workloads = {name: every[name] for name in args.workloads.split(",")}
         for specs in workloads.values():  # warm up both arms on every shape
             run(engine, specs[:2], 2, 0)
             run(engine, specs[:2], 2, args.k)
@@ -249,7 +233,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['same_tokens']} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.k == SPECULATIVE_TOKENS and args.sizes == "1,8" else f"-k{args.k}-n{args.sizes}"
+    default_workloads = args.workloads == parser.get_default("workloads")
+    default = args.k == SPECULATIVE_TOKENS and args.sizes == "1,8" and default_workloads
+    suffix = "" if default else f"-k{args.k}-n{args.sizes}-{args.workloads.replace(',', '-')}"
     path = args.out / f"speculation-{datetime.date.today().isoformat()}{suffix}.json"
     settings = {
         "model": str(model_dir),
