@@ -14,9 +14,15 @@
  * Layout of the work: threads split the output features; each thread walks its features in blocks of
  * NB weight rows, and for each block every group of MR input rows in tiles of NR weight rows (the
  * block's weights are read from memory once and stay in cache while the rows go over them), the
- * next tile's weights prefetched while one computes. Inputs are widened to fp32 once per block of rows that fits in L2, into a
- * per-thread buffer. The micro-kernel keeps MR x NR accumulators of 8 lanes each in registers and
- * reduces the lanes at the end (dot-product form: no repacked weights).
+ * next tile's weights prefetched while one computes. Inputs are widened to fp32 once per block of
+ * rows that fits in L2, into a per-thread buffer. The micro-kernel keeps MR x NR accumulators of 8
+ * lanes each in registers and reduces the lanes at the end (dot-product form: no repacked weights).
+ *
+ * NOTE: every output's sums run in one order whatever the number of rows or the tile that computes
+ * it (8 lanes over the chunks, then the same lane reduction), so a row's result does not depend on
+ * the rows beside it. Speculative decoding relies on that: a verification step of k + 1 rows gives
+ * each row the bits a one-row step would, so greedy tokens are the same with and without it. A
+ * faster tile must keep that order (test_native_linear.py checks rows against rows alone).
  */
 #include <stdint.h>
 #include <stdlib.h>

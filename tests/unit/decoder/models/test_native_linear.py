@@ -56,6 +56,25 @@ def test_linear_equals_the_product_rounded_once(
     assert_within_one_rounding(actual, rounded_once(x, weight, bias))
 
 
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 17, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(131, 48), (50, 37), (30, 1000)])
+def test_a_rows_result_is_the_same_bits_whatever_rows_share_the_call(
+    kernels, rows: int, out_features: int, in_features: int
+) -> None:
+    """Speculative decoding verifies k proposals as k + 1 rows of one step and promises the tokens a
+    step per row would give: every row's sums must run in one order whatever tile computes them."""
+    torch.manual_seed(rows + out_features)
+    linear = NativeLinear(
+        kernels,
+        torch.randn(out_features, in_features).to(torch.bfloat16),
+        torch.randn(out_features).to(torch.bfloat16),
+    )
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    together = linear(x)
+    for i in range(rows):
+        assert torch.equal(together[i : i + 1], linear(x[i : i + 1].contiguous())), i
+
+
 def test_an_empty_batch_gives_an_empty_result(kernels) -> None:
     weight = torch.randn(8, 16).to(torch.bfloat16)
     assert NativeLinear(kernels, weight, None)(torch.empty(0, 16, dtype=torch.bfloat16)).shape == (0, 8)
