@@ -25,13 +25,12 @@ from common import tensors, text_bounds
 from common.errors import InvalidArgument, Unavailable
 from common.model_name import check_model
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
+from common.wire_limits import MAX_REQUEST_ID_BYTES, MAX_TOKENIZE_TEXTS
 from services.encoder.config import EncoderConfig
 from services.encoder.embedder import Embedder, Pooling
 
 T = TypeVar("T")
 
-MAX_REQUEST_ID_BYTES = 128
-MAX_TOKENIZE_TEXTS = 64
 # Room in a response for everything but the tensor bytes: token IDs (up to 5 bytes each) and framing.
 RESPONSE_OVERHEAD_BYTES = 4096
 BYTES_PER_TOKEN_ID = 5

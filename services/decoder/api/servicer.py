@@ -16,6 +16,7 @@ from common.errors import InvalidArgument, Unavailable
 from common.model_name import check_model
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from common.text_bounds import check_tokenize_bound
+from common.wire_limits import MAX_TOKENIZE_TEXTS
 from services.decoder.api import protocol
 from services.decoder.api.engine_metrics import observe_engine
 from services.decoder.api.stream_limit import StreamLimit
@@ -23,8 +24,6 @@ from services.decoder.engine.chat import EmbeddingsPart
 from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
-
-MAX_TOKENIZE_TEXTS = 64
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServicer):

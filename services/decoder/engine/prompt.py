@@ -19,6 +19,7 @@ import torch
 
 from common import tensors, text_bounds
 from common.errors import FailedPrecondition, InvalidArgument
+from common.wire_limits import MAX_REQUEST_ID_BYTES
 from services.decoder.config import MAX_SPECULATIVE_TOKENS
 from services.decoder.engine.chat import ROLES as CHAT_ROLES
 from services.decoder.engine.chat import (
@@ -50,8 +51,6 @@ class EmbeddingPrompt:
 # A sequence of ints is token IDs: a list, or the proto's repeated field as it is (copying 16M IDs
 # into a list costs seconds and gigabytes before the length rule could refuse them).
 PromptPart = Sequence[int] | TextPrompt | EmbeddingPrompt
-
-MAX_REQUEST_ID_BYTES = 128
 
 
 @dataclass(frozen=True)
