@@ -132,6 +132,84 @@ static inline __attribute__((always_inline)) void tile(float sums[MAX_MR][8], co
             for (int j = 0; j < NR; j++) sums[i][j] += x[i * ldx + at] * bf16_to_f32(w[j * k + at]);
 }
 
+#if HAVE_AVX2 && defined(__x86_64__)
+#define HAVE_TILE_4X3_ASM 1
+/* Pieces of tile_4x3's loop: three weight rows widened into ymm12-14 (even elements, then odd
+ * ones), and one input row's vector in ymm15 against them into three accumulators. */
+#define WIDEN_EVEN(REG, W) "vmovdqu (%[" W "],%[at],2), %%" REG "\n\tvpslld $16, %%" REG ", %%" REG "\n\t"
+#define WIDEN_ODD(REG, W)                                                                                     \
+    "vmovdqu (%[" W "],%[at],2), %%" REG "\n\tvpsrld $16, %%" REG ", %%" REG "\n\tvpslld $16, %%" REG         \
+    ", %%" REG "\n\t"
+#define ROW_FMAS(OFFSET, X, A0, A1, A2)                                                                       \
+    "vmovups " OFFSET "(%[" X "],%[at],4), %%ymm15\n\t"                                                       \
+    "vfmadd231ps %%ymm12, %%ymm15, %%" A0 "\n\t"                                                              \
+    "vfmadd231ps %%ymm13, %%ymm15, %%" A1 "\n\t"                                                              \
+    "vfmadd231ps %%ymm14, %%ymm15, %%" A2 "\n\t"
+
+/* The 4 x 3 tile (verification steps of 4-9 rows, prefill) written out: 12 accumulators in
+ * ymm0-11, 3 widened weight vectors and one input vector, all 16 registers, each input vector
+ * loaded once for its 3 FMAs. Compiled from tile(), GCC folds an input load into every FMA (30
+ * loads for 24 FMAs a chunk, against 14 here) and spills; this runs 1.4-1.5x faster on one core
+ * (50-62 against 34-40 GFLOP/s, of a 94 peak) and cuts an 8-row step's linears by a quarter and a
+ * 195-row prefill's by 30%. The same sums in the same order as tile(), so the same bits. */
+static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_MR][8], const float *restrict x,
+                                                           int64_t ldx, const uint16_t *restrict w, int64_t k) {
+    float acc[12][8]; /* ymm0-11 stored by the loop, then summed lane by lane as in tile() */
+    const int64_t chunks = k / CHUNK;
+    if (chunks > 0) {
+        const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+        const uint16_t *w0 = w, *w1 = w + k, *w2 = w + 2 * k;
+        const char *next_tile = (const char *)(w + 3 * k); /* prefetched as tile() does: 96 bytes a chunk */
+        int64_t at = 0, left = chunks;
+        __asm__ volatile(
+            "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+            "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n\t"
+            "vmovaps %%ymm0, %%ymm4\n\tvmovaps %%ymm0, %%ymm5\n\tvmovaps %%ymm0, %%ymm6\n\t"
+            "vmovaps %%ymm0, %%ymm7\n\tvmovaps %%ymm0, %%ymm8\n\tvmovaps %%ymm0, %%ymm9\n\t"
+            "vmovaps %%ymm0, %%ymm10\n\tvmovaps %%ymm0, %%ymm11\n\t"
+            "1:\n\t"
+            "prefetcht0 (%[pf])\n\t"
+            "prefetcht0 64(%[pf])\n\t"
+            WIDEN_EVEN("ymm12", "w0") WIDEN_EVEN("ymm13", "w1") WIDEN_EVEN("ymm14", "w2")
+            ROW_FMAS("", "x0", "ymm0", "ymm1", "ymm2")
+            ROW_FMAS("", "x1", "ymm3", "ymm4", "ymm5")
+            ROW_FMAS("", "x2", "ymm6", "ymm7", "ymm8")
+            ROW_FMAS("", "x3", "ymm9", "ymm10", "ymm11")
+            WIDEN_ODD("ymm12", "w0") WIDEN_ODD("ymm13", "w1") WIDEN_ODD("ymm14", "w2")
+            ROW_FMAS("32", "x0", "ymm0", "ymm1", "ymm2")
+            ROW_FMAS("32", "x1", "ymm3", "ymm4", "ymm5")
+            ROW_FMAS("32", "x2", "ymm6", "ymm7", "ymm8")
+            ROW_FMAS("32", "x3", "ymm9", "ymm10", "ymm11")
+            "add $96, %[pf]\n\t"
+            "add $16, %[at]\n\t"
+            "dec %[left]\n\t"
+            "jnz 1b\n\t"
+            "vmovups %%ymm0, (%[acc])\n\tvmovups %%ymm1, 32(%[acc])\n\tvmovups %%ymm2, 64(%[acc])\n\t"
+            "vmovups %%ymm3, 96(%[acc])\n\tvmovups %%ymm4, 128(%[acc])\n\tvmovups %%ymm5, 160(%[acc])\n\t"
+            "vmovups %%ymm6, 192(%[acc])\n\tvmovups %%ymm7, 224(%[acc])\n\tvmovups %%ymm8, 256(%[acc])\n\t"
+            "vmovups %%ymm9, 288(%[acc])\n\tvmovups %%ymm10, 320(%[acc])\n\tvmovups %%ymm11, 352(%[acc])\n\t"
+            : [at] "+r"(at), [left] "+r"(left), [pf] "+r"(next_tile)
+            : [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [w0] "r"(w0), [w1] "r"(w1), [w2] "r"(w2),
+              [acc] "r"(acc)
+            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+              "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 3; j++) sums[i][j] = sum_lanes(_mm256_loadu_ps(acc[3 * i + j]));
+    } else {
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 3; j++) sums[i][j] = 0.0f;
+    }
+    for (int64_t at = chunks * CHUNK; at < k; at++) /* the tail past a multiple of CHUNK, as in tile() */
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 3; j++) sums[i][j] += x[i * ldx + at] * bf16_to_f32(w[j * k + at]);
+}
+#undef WIDEN_EVEN
+#undef WIDEN_ODD
+#undef ROW_FMAS
+#else
+#define HAVE_TILE_4X3_ASM 0
+#endif
+
 /* rows x [rows, k] bf16 -> fp32, each whole CHUNK of a row stored evens first, then odds (see tile). */
 static void widen_rows(float *restrict xf, const uint16_t *restrict x, int64_t rows, int64_t k) {
     const int64_t whole = HAVE_AVX2 ? k - k % CHUNK : 0;
@@ -162,7 +240,10 @@ static inline __attribute__((always_inline)) void store_tile(uint16_t *out, int6
     do {                                                                                                      \
         int64_t n = n0;                                                                                       \
         for (; n + (NR) <= n1; n += (NR)) {                                                                   \
-            tile(sums, xs, k, w + n * k, k, MR, NR);                                                          \
+            if (HAVE_TILE_4X3_ASM && (MR) == 4 && (NR) == 3)                                                  \
+                tile_4x3(sums, xs, k, w + n * k, k);                                                          \
+            else                                                                                              \
+                tile(sums, xs, k, w + n * k, k, MR, NR);                                                      \
             store_tile(o, n_out, n, sums, bias, MR, NR);                                                      \
         }                                                                                                     \
         for (; n < n1; n++) {                                                                                 \
