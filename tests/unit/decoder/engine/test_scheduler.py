@@ -298,8 +298,9 @@ def test_embedding_prompts_share_batches_and_cache_with_token_prompts() -> None:
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
 
 
-@settings(max_examples=200, deadline=None)
-@given(
+# A random workload's shape: the pool, the step budget, the batch, prefix caching, and the seed of
+# everything else it draws (requests, their lengths, aborts).
+WORKLOADS = dict(
     seed=st.integers(0, 2**32 - 1),
     block_size=st.integers(1, 8),
     num_blocks=st.integers(3, 40),
@@ -307,6 +308,10 @@ def test_embedding_prompts_share_batches_and_cache_with_token_prompts() -> None:
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
 )
+
+
+@settings(max_examples=200, deadline=None)
+@given(**WORKLOADS)
 def test_random_workloads_keep_invariants_and_every_request_finishes(
     seed: int,
     block_size: int,
@@ -503,15 +508,7 @@ def test_a_prefill_chunk_never_verifies_a_proposal() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    block_size=st.integers(1, 8),
-    num_blocks=st.integers(3, 40),
-    budget=st.integers(4, 48),
-    max_num_seqs=st.integers(1, 6),
-    extra_rows=st.one_of(st.none(), st.integers(0, 6)),
-    prefix_caching=st.booleans(),
-)
+@given(**WORKLOADS, extra_rows=st.one_of(st.none(), st.integers(0, 6)))
 def test_random_workloads_with_proposals_give_the_same_outputs_as_without(
     seed: int,
     block_size: int,
