@@ -306,10 +306,10 @@ int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
             threads = omp_get_num_threads();
             me = omp_get_thread_num();
 #endif
-            /* Output features split evenly, in multiples of 24 (whole tiles of 3 and of 8). */
-            const int64_t chunks = (n + 23) / 24;
-            const int64_t n_begin = 24 * (chunks * me / threads);
-            const int64_t n_end = me + 1 == threads ? n : 24 * (chunks * (me + 1) / threads);
+            /* Output features split evenly, in whole blocks of NB (whole tiles of every NR). */
+            const int64_t chunks = (n + NB - 1) / NB;
+            const int64_t n_begin = NB * (chunks * me / threads);
+            const int64_t n_end = me + 1 == threads ? n : NB * (chunks * (me + 1) / threads);
             for (int64_t m0 = 0; m0 < m && n_begin < n_end; m0 += block) {
                 const int64_t rows = m - m0 < block ? m - m0 : block;
                 widen_rows(xf, x + m0 * k, rows, k);
