@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default="repetitive,paragraphs,random", help="comma-separated")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
+    unknown = set(args.workloads.split(",")) - {"repetitive", "paragraphs", "random"}
+    if unknown:
+        parser.error(f"--workloads: unknown {', '.join(sorted(unknown))}; known: repetitive, paragraphs, random")
 
     model_dir = resolve_model(None, "bfloat16")
     config = EngineConfig(
