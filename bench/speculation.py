@@ -154,9 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default="repetitive,paragraphs,random", help="comma-separated")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    unknown = set(args.workloads.split(",")) - {"repetitive", "paragraphs", "random"}
+    known = ("repetitive", "paragraphs", "random")
+    unknown = sorted(set(args.workloads.split(",")) - set(known))
     if unknown:
-        parser.error(f"--workloads: unknown {', '.join(sorted(unknown))}; known: repetitive, paragraphs, random")
+        parser.error(f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(known)}")
 
     model_dir = resolve_model(None, "bfloat16")
     config = EngineConfig(
