@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "native_bf16.h"
+#include "native_exp.h"
 
 enum { BF16 = 1 };
 #define PARALLEL_MIN_ELEMENTS 16384
@@ -48,11 +49,12 @@ static uint16_t *scratch(size_t elements) {
     return buffer;
 }
 
-/* silu(g) = g * sigmoid(g), with exp of a non-positive argument only (no overflow). */
+/* silu(g) = g * sigmoid(g), with exp of a non-positive argument only (no overflow); the polynomial
+ * exp, so that swiglu's loop vectorises: with libm's expf, one scalar call per value, silu took 2.2 of
+ * a 4-row step's 33 ms (0.5 of a 1-row step's), now a tenth of that. */
 static inline __attribute__((always_inline)) float silu(float g) {
-    const float e = expf(-fabsf(g));
-    const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-    return g * sigmoid;
+    const float e = exp_nonpositive(-fabsf(g));
+    return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
 }
 
 /* h = round(h + d), elementwise over n bf16 values (torch's bf16 add: fp32 sum, one rounding). */
@@ -67,6 +69,7 @@ static void swiglu(uint16_t *restrict act, const uint16_t *restrict gu, int64_t 
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
         uint16_t *a = act + r * inter;
+#pragma omp simd
         for (int64_t i = 0; i < inter; i++) {
             const float s = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[i]))));
             a[i] = f32_to_bf16(s * bf16_to_f32(u[i]));

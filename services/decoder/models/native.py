@@ -35,11 +35,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-# Compiled into the same library (the bf16 linear layers, the fused layer halves), and the header
+# Compiled into the same library (the bf16 linear layers, the fused layer halves), and the headers
 # they include; all hashed.
 LINEAR_SOURCE = Path(__file__).with_name("linear_kernels.c")
 LAYER_SOURCE = Path(__file__).with_name("layer_kernels.c")
-HEADER = Path(__file__).with_name("native_bf16.h")
+HEADERS = (Path(__file__).with_name("native_bf16.h"), Path(__file__).with_name("native_exp.h"))
 # -fopenmp: the library's parallel loops join torch's OpenMP runtime (libgomp.so.1, already loaded).
 # No -ffast-math: it would also set flush-to-zero for the whole process when the library loads.
 CFLAGS = (
@@ -402,7 +402,7 @@ def _build(directory: Path) -> tuple[Path, int]:
                 SOURCE.read_bytes(),
                 LINEAR_SOURCE.read_bytes(),
                 LAYER_SOURCE.read_bytes(),
-                HEADER.read_bytes(),
+                *(header.read_bytes() for header in HEADERS),
                 " ".join(CFLAGS).encode(),
                 _compiler_version(compiler).encode(),
                 _cpu_identity().encode(),

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "native_bf16.h"
+#include "native_exp.h"
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
@@ -32,25 +33,6 @@ enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 #define MAX_ROW 16384 /* longest row an RMSNorm takes (hidden size) */
 /* Below this many elements an elementwise kernel stays on the calling thread: waking the team costs more. */
 #define PARALLEL_MIN_ELEMENTS 16384
-
-/* exp(x) for x <= 0 (softmax arguments): 2^k * p(r) with |r| <= ln2/2 and a degree-6 polynomial,
- * about 1 ulp. Written out so that the compiler vectorises it; libm's expf is one call per score. */
-static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float k = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* Rows [n, head_dim] of one KV head inside a paged block -> contiguous fp32 [n, head_dim]. */
 static inline __attribute__((always_inline)) void load_rows(float *restrict dst, const char *restrict src,
