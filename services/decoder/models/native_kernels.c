@@ -20,6 +20,13 @@
 #include "native_bf16.h"
 #include "native_exp.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
 /* Limits of the on-stack scratch; native.py checks them before calling.
@@ -52,6 +59,92 @@ static inline __attribute__((always_inline)) void load_rows(float *restrict dst,
     }
 }
 
+#if HAVE_AVX2
+/* scores[g][t0 + j] = q[g] . rows[t0 + j] for GS (1-3) query heads and 4 keys: a 3 x 4 tile of 8-lane
+ * accumulators in registers, each key vector loaded once for its GS FMAs, then the four lanes' sums of
+ * each head reduced together by horizontal adds. (Dot product by dot product, each score was one
+ * dependent chain of FMAs and a horizontal sum of its own.) Every score's sum runs in one order, so a
+ * row's result does not depend on the rows beside it in the step (speculative decoding needs that). */
+static inline __attribute__((always_inline)) void score_tile(float scores[][MAX_BLOCK_SIZE],
+                                                             const float *restrict q, const float *restrict rows,
+                                                             int64_t g0, int64_t t0, const int64_t head_dim,
+                                                             const int GS) {
+    __m256 acc[3][4];
+    for (int g = 0; g < GS; g++)
+        for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+    const float *k = rows + t0 * head_dim;
+    for (int64_t i = 0; i < head_dim; i += 8) {
+        __m256 kv[4];
+        for (int j = 0; j < 4; j++) kv[j] = _mm256_loadu_ps(k + j * head_dim + i);
+        for (int g = 0; g < GS; g++) {
+            const __m256 qv = _mm256_loadu_ps(q + (g0 + g) * head_dim + i);
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(qv, kv[j], acc[g][j]);
+        }
+    }
+    for (int g = 0; g < GS; g++) {
+        /* [a0 a1 a2 a3] -> one vector of their four sums: pairs, then pairs of pairs, then the halves. */
+        const __m256 h01 = _mm256_hadd_ps(acc[g][0], acc[g][1]), h23 = _mm256_hadd_ps(acc[g][2], acc[g][3]);
+        const __m256 h = _mm256_hadd_ps(h01, h23);
+        _mm_storeu_ps(&scores[g0 + g][t0], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+#endif
+
+/* scores[g][t] = q[g] . rows[t] for every query head of the group and the block's n keys. rows holds
+ * at least n rounded up to 4 (the rows past n are zeros, their scores unused). */
+static inline __attribute__((always_inline)) void block_scores(float scores[][MAX_BLOCK_SIZE],
+                                                               const float *restrict q, const float *restrict rows,
+                                                               int64_t n, int64_t group, const int64_t head_dim) {
+#if HAVE_AVX2
+    if (head_dim % 8 == 0) {
+        for (int64_t t0 = 0; t0 < n; t0 += 4) {
+            int64_t g0 = 0;
+            for (; g0 + 3 <= group; g0 += 3) score_tile(scores, q, rows, g0, t0, head_dim, 3);
+            if (group - g0 == 2) score_tile(scores, q, rows, g0, t0, head_dim, 2);
+            else if (group - g0 == 1) score_tile(scores, q, rows, g0, t0, head_dim, 1);
+        }
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t t = 0; t < n; t++) {
+            const float *restrict qg = q + g * head_dim, *restrict k = rows + t * head_dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < head_dim; i++) dot += qg[i] * k[i];
+            scores[g][t] = dot;
+        }
+}
+
+/* o[i] += sum_t p[t] * rows[t][i] over the block's n values. With AVX2, 64 dimensions at a time in 8
+ * registers for the whole block (the plain loop kept its accumulators on the stack: a store and a
+ * load around every FMA); either way each o[i] adds its terms in t order. */
+static inline __attribute__((always_inline)) void block_values(float *restrict o, const float *restrict p,
+                                                               const float *restrict rows, int64_t n,
+                                                               const int64_t head_dim) {
+#if HAVE_AVX2
+    if (head_dim % 64 == 0) {
+        for (int64_t i0 = 0; i0 < head_dim; i0 += 64) {
+            __m256 acc[8];
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(o + i0 + 8 * c);
+            for (int64_t t = 0; t < n; t++) {
+                const __m256 pt = _mm256_set1_ps(p[t]);
+                const float *restrict v = rows + t * head_dim + i0;
+                for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            }
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + i0 + 8 * c, acc[c]);
+        }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < n; t++) {
+        const float pt = p[t];
+        const float *restrict v = rows + t * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; i++) o[i] += pt * v[i];
+    }
+}
+
 /* One sequence's query heads that share KV head `kv_head`, against its first `seq_len` cached positions.
  * q: [group, head_dim] fp32, already scaled; out: [group, head_dim] fp32. Always inlined into
  * attend_one's cases, so common head sizes get loops of known length (kept in vector registers). */
@@ -75,18 +168,26 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
         const int64_t block = block_table[start / block_size];
         const char *keys = kv_cache + (block * block_elems + kv_head * head_dim) * elem;
+        /* The next block's keys and values are fetched while this one computes: a block's rows for one
+         * head are 16 strided pieces that the hardware prefetcher did not follow, and the loads of
+         * them were half of this kernel's time. */
+        if (start + block_size < seq_len) {
+            const int64_t next = block_table[start / block_size + 1];
+            const int64_t left = seq_len - start - block_size, next_n = left < block_size ? left : block_size;
+            const char *next_keys = kv_cache + (next * block_elems + kv_head * head_dim) * elem;
+            const char *next_values = next_keys + values_offset * elem;
+            for (int64_t t = 0; t < next_n; t++)
+                for (int64_t b = 0; b < head_dim * elem; b += 64) {
+                    __builtin_prefetch(next_keys + t * row_stride * elem + b);
+                    __builtin_prefetch(next_values + t * row_stride * elem + b);
+                }
+        }
         load_rows(rows, keys, n, head_dim, row_stride, dtype);
+        for (int64_t i = n * head_dim; i < ((n + 3) & ~(int64_t)3) * head_dim; i++) rows[i] = 0.0f;
+        block_scores(scores, q, rows, n, group, head_dim);
         for (int64_t g = 0; g < group; g++) {
-            const float *restrict qg = q + g * head_dim;
             float block_max = -INFINITY;
-            for (int64_t t = 0; t < n; t++) {
-                const float *restrict k = rows + t * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < head_dim; i++) dot += qg[i] * k[i];
-                scores[g][t] = dot;
-                block_max = dot > block_max ? dot : block_max;
-            }
+            for (int64_t t = 0; t < n; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
             /* Online softmax: rescale what was accumulated when the maximum grows. */
             const float new_max = block_max > running_max[g] ? block_max : running_max[g];
             const float correction = running_max[g] == -INFINITY ? 0.0f : exp_nonpositive(running_max[g] - new_max);
@@ -104,18 +205,7 @@ static inline __attribute__((always_inline)) void attend(
         }
         const char *values = kv_cache + (values_offset + block * block_elems + kv_head * head_dim) * elem;
         load_rows(rows, values, n, head_dim, row_stride, dtype);
-        for (int64_t g = 0; g < group; g++) {
-            float acc[MAX_HEAD_DIM];
-            float *restrict o = out + g * head_dim;
-            for (int64_t i = 0; i < head_dim; i++) acc[i] = o[i];
-            for (int64_t t = 0; t < n; t++) {
-                const float p = scores[g][t];
-                const float *restrict v = rows + t * head_dim;
-#pragma omp simd
-                for (int64_t i = 0; i < head_dim; i++) acc[i] += p * v[i];
-            }
-            for (int64_t i = 0; i < head_dim; i++) o[i] = acc[i];
-        }
+        for (int64_t g = 0; g < group; g++) block_values(out + g * head_dim, scores[g], rows, n, head_dim);
     }
     for (int64_t g = 0; g < group; g++) {
         const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
@@ -170,7 +260,9 @@ int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *
     const char *cache = (const char *)kv_cache;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
-        const int64_t s = item / num_kv_heads, kv_head = item % num_kv_heads;
+        /* Sequences fastest: a sequence's verification rows (one sequence each) read the same keys and
+         * values, so consecutive items find them in cache. */
+        const int64_t s = item % num_seqs, kv_head = item / num_seqs;
         float q_scaled[MAX_GROUP * MAX_HEAD_DIM], result[MAX_GROUP * MAX_HEAD_DIM];
         const int64_t first = (s * num_heads + kv_head * group) * head_dim; /* first element of the group */
         const int64_t count = group * head_dim;
