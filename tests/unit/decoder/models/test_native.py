@@ -125,6 +125,27 @@ def test_kernels_refuse_slots_and_block_ids_outside_the_cache_and_write_nothing(
         kernels.decode_attention(q, cache, tables, torch.tensor([5, 9], dtype=torch.int32), 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_decode_attention_gives_a_sequence_the_same_bits_whatever_sequences_share_the_call(
+    kernels, dtype: torch.dtype, group: int
+) -> None:
+    # A verification step attends as k + 1 one-query sequences; speculation keeps greedy tokens only
+    # if each row's result is what it would be alone. Lengths cover whole and partial blocks and
+    # partial groups of 4 keys; the tables share blocks, as a sequence's verification rows do.
+    torch.manual_seed(0)
+    num_kv_heads, head_dim, block_size = 3, 64, 16
+    cache = torch.randn(2, 12, block_size, num_kv_heads, head_dim).to(dtype)
+    seq_lens = torch.tensor([1, 3, 16, 17, 18, 19, 45, 100, 130], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(12, dtype=torch.int32)[:9] for _ in seq_lens])
+    tables[1:5] = tables[0]  # four rows of one sequence
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype)
+    together = kernels.decode_attention(q, cache, tables, seq_lens, 0.125)
+    for s in range(len(seq_lens)):
+        alone = kernels.decode_attention(q[s : s + 1], cache, tables[s : s + 1], seq_lens[s : s + 1], 0.125)
+        assert torch.equal(alone[0], together[s]), f"sequence {s} (length {int(seq_lens[s])})"
+
+
 def test_a_model_on_the_kernels_gives_the_torch_path_logits_and_transformers_greedy_tokens(
     kernels, checkpoint: Checkpoint
 ) -> None:
