@@ -12,6 +12,9 @@
  *   tandem_mlp_block:     h += attn W_o^T (+ b); x = RMSNorm(h); g, u = x W_gu^T (+ b);
  *                         h += (silu(g) * u) W_down^T (+ b)
  *
+ * and, for a decode-only step, every layer in one call (tandem_decode_layers: the two halves with
+ * decode attention between them, layer after layer), so the step's host work is one call, not 90.
+ *
  * Rounding: every intermediate is rounded to bf16 where the torch path rounds it (each linear's
  * output, each residual sum, silu's output and the product with u), so the layer computes what the
  * module path computes, up to the order of fp32 sums and silu's exp (about 1 ulp in fp32).
@@ -31,6 +34,10 @@ int tandem_rms_norm(const void *x, const void *weight, void *out, int64_t rows, 
                     int dtype);
 int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
                        int64_t n, int64_t k);
+int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *block_tables,
+                            const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                            int64_t max_blocks, float scale, int dtype);
 int tandem_qkv_rope_cache(const void *qkv, const void *cos, const void *sin, const void *q_norm,
                           const void *k_norm, const int64_t *slots, void *kv_cache, void *q_out, void *k_out,
                           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -123,5 +130,41 @@ int tandem_mlp_block(uint16_t *h, const uint16_t *attn, const uint16_t *w_o, con
     swiglu(act, gu, m, inter);
     if (tandem_linear_bf16(act, w_down, b_down, d, m, hidden, inter) != 0) return -1;
     add_into(h, d, m * hidden);
+    return 0;
+}
+
+/* Pointers per layer in tandem_decode_layers' `weights`, in this order (bias and q/k norms may be NULL). */
+enum {
+    W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_Q_NORM, W_K_NORM, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
+    W_DOWN, W_DOWN_BIAS, WEIGHTS_PER_LAYER
+};
+
+/* Every layer of a decode-only step: for each layer, tandem_attention_in, tandem_decode_attention
+ * (one query per row, each row its own sequence) and tandem_mlp_block, exactly as the per-layer calls
+ * run them (the same kernels in the same order: the same bits). h [m, hidden] is updated in place.
+ * weights: [num_layers][WEIGHTS_PER_LAYER]; kv_caches: [num_layers] caches of [2, num_blocks,
+ * block_size, num_kv_heads, head_dim]; q and attn: scratch [m, num_heads * head_dim].
+ * Returns 0; 1 when a slot is outside the cache, 2 when a length or block id is, 3 without scratch
+ * memory (what the layers before wrote to the cache stays: the caller fails the step). */
+int tandem_decode_layers(uint16_t *h, const void *const *weights, void *const *kv_caches, int64_t num_layers,
+                         float eps, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                         const int32_t *block_tables, const int32_t *seq_lens, int64_t max_blocks,
+                         int64_t num_blocks, int64_t block_size, float scale, uint16_t *q, uint16_t *attn,
+                         int64_t m, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t inter) {
+    if (num_layers < 0 || m < 0 || num_blocks < 0 || block_size < 1) return 2;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const void *const *w = weights + l * WEIGHTS_PER_LAYER;
+        if (tandem_attention_in(h, w[W_INPUT_NORM], eps, w[W_QKV], w[W_QKV_BIAS], w[W_Q_NORM], w[W_K_NORM], eps,
+                                cos, sin, slots, kv_caches[l], num_blocks * block_size, q, NULL, NULL, m, hidden,
+                                num_heads, num_kv_heads, head_dim) != 0)
+            return 1;
+        if (tandem_decode_attention(q, kv_caches[l], block_tables, seq_lens, attn, m, num_heads, num_kv_heads,
+                                    head_dim, num_blocks, block_size, max_blocks, scale, BF16) != 0)
+            return 2;
+        if (tandem_mlp_block(h, attn, w[W_O], w[W_O_BIAS], w[W_POST_NORM], eps, w[W_GATE_UP], w[W_GATE_UP_BIAS],
+                             w[W_DOWN], w[W_DOWN_BIAS], m, hidden, num_heads * head_dim, inter) != 0)
+            return 3;
+    }
     return 0;
 }

@@ -90,6 +90,11 @@ class NativeKernels:
             pointers * 2 + real + pointers * 4 + real + pointers * 4 + sizes + pointers * 3 + sizes * 5,
         )
         self.mlp_block = _bind(library.tandem_mlp_block, pointers * 5 + real + pointers * 4 + sizes * 4)
+        # Every layer of a decode-only step (layer_kernels.c); call it through native_stack.NativeStack.
+        self.decode_layers = _bind(
+            library.tandem_decode_layers,
+            pointers * 3 + sizes + real + pointers * 5 + sizes * 3 + real + pointers * 2 + sizes * 6,
+        )
 
     @staticmethod
     def _same_cpu_dtype(*tensors: torch.Tensor) -> bool:

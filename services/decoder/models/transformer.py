@@ -27,6 +27,7 @@ from services.decoder.models.linear import Linear, can_prepack, pack_weight
 from services.decoder.models.native import NativeKernels
 from services.decoder.models.native_layer import LayerWeights, NativeLayer
 from services.decoder.models.native_linear import NativeLinear, can_bind
+from services.decoder.models.native_stack import NativeStack
 from services.decoder.models.tensor_parallel import (
     CheckpointPart,
     ParallelGroup,
@@ -129,6 +130,21 @@ def _bind_layer(
     return NativeLayer(kernels, weights, a.num_heads, a.num_kv_heads, a.norm_eps)
 
 
+def _bind_stack(
+    kernels: NativeKernels | None, layers: nn.ModuleList, attention: TorchPagedAttention
+) -> NativeStack | None:
+    """Decode-only steps' layers in one C call, when every layer is fused and the C decode kernel
+    takes the model's attention shapes; else None (the per-layer path)."""
+    natives = [layer.native for layer in layers]
+    scales = {layer.self_attn.scale for layer in layers}
+    if kernels is None or not natives or any(n is None for n in natives) or len(scales) != 1:
+        return None
+    try:
+        return NativeStack(kernels, [n for n in natives if n is not None], attention, scales.pop())
+    except ValueError:
+        return None  # layers of different sizes, or heads past the C attention's limits
+
+
 def _bind_linear(
     kernels: NativeKernels | None,
     weight: torch.Tensor,
@@ -195,6 +211,7 @@ class DecoderModel(nn.Module):
         )
         self.packed_head: torch.Tensor | None = None  # set by prepack(): the head in oneDNN's layout
         self.native_head: NativeLinear | None = None  # set by use_native_kernels: the head's C kernel
+        self.native_stack: NativeStack | None = None  # set by use_native_kernels: decode steps' layers in C
 
     def forward(
         self,
@@ -235,8 +252,12 @@ class DecoderModel(nn.Module):
         # Every rank cuts the same window out of the per-position inputs, then merges on its slice.
         h = merge_prompt_embeds(h, local_rows(inputs_embeds, tp, sp), local_rows(is_token_ids, tp, sp))
         cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, attn, kv_cache, sp)
+        stack = self.native_stack
+        if stack is not None and attn.is_decode_only and stack.takes(*self._native_parts()):
+            h = stack.run(h, cos, sin, attn, kv_caches)  # every layer in one C call
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h = layer(h, cos, sin, attn, kv_cache, sp)
         # The norm is per row, so only the rows whose logits are wanted go through it and the head.
         return self.norm(rows_for_logits(h, attn.logits_indices, tp, sp))  # [num_logits, hidden_size]
 
@@ -275,7 +296,12 @@ class DecoderModel(nn.Module):
         self.native_head = _bind_linear(kernels, head, None, self.packed_head)
         for layer in self.layers:
             layer.native = _bind_layer(kernels, layer, self.tp)
-        self.use_attention(TorchPagedAttention(kernels))
+        attention = TorchPagedAttention(kernels)
+        self.use_attention(attention)
+        self.native_stack = _bind_stack(kernels, self.layers, attention)
+
+    def _native_parts(self) -> tuple[list[NativeLayer | None], list[PagedAttention]]:
+        return [layer.native for layer in self.layers], [layer.self_attn.attention for layer in self.layers]
 
     def use_attention(self, attention: PagedAttention) -> None:
         """Every layer's attention through `attention` (one instance: it may share work across layers)."""

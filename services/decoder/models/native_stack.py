@@ -1,0 +1,127 @@
+"""Every layer of a decode-only step in one C call (`tandem_decode_layers`, layer_kernels.c).
+
+Per layer, the fused path is three C calls (attention_in, decode attention, mlp_block), each behind
+a Python wrapper that checks its tensors, plus the module call around them: on SmolLM2 (30 layers)
+about 5 ms of host work in a 26 ms decode step at batch 1. Here the step's tensors are checked once
+and the layers run back to back in C, the same kernels in the same order as the per-layer calls, so
+the results are the same bits. Steps with any prefill keep the per-layer path (their attention is
+torch's).
+
+Bound by DecoderModel.use_native_kernels when every layer is fused (NativeLayer) and attention is the
+C decode kernel; it steps aside (`takes` is False) once anything it was bound with is swapped out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from services.decoder.models.attention import AttentionMetadata, PagedAttention
+from services.decoder.models.native import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, NativeKernels
+from services.decoder.models.native_layer import NativeLayer
+
+# The order of each layer's pointers in the weights array: layer_kernels.c's W_* enum.
+_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
+            "gate_up_bias", "down", "down_bias")  # fmt: skip
+_ERRORS = {
+    1: "slot_mapping: a KV slot is outside kv_cache",
+    2: "a sequence length (seq_lens) or block id (block_tables) is outside kv_cache",
+    3: "no scratch memory for the step",
+}
+
+
+class NativeStack:
+    """run: h [m, hidden] through every layer of a decode-only step, in place."""
+
+    def __init__(
+        self, kernels: NativeKernels, layers: list[NativeLayer], attention: PagedAttention, scale: float
+    ) -> None:
+        first = layers[0]
+        if len({(n.hidden, n.head_dim, n.inter, n.num_heads, n.num_kv_heads, n.eps) for n in layers}) != 1:
+            raise ValueError("every layer must have the same sizes and norm epsilon to run as one stack")
+        group = first.num_heads // first.num_kv_heads
+        if first.head_dim > MAX_HEAD_DIM or group > MAX_GROUP:
+            raise ValueError(f"head_dim ({first.head_dim}) and group ({group}) must be at most "
+                             f"{MAX_HEAD_DIM} and {MAX_GROUP} for the C decode attention")  # fmt: skip
+        self.layers = layers  # held: the weight pointers below stay valid while this object lives
+        self.attention = attention
+        self.scale = scale
+        self.hidden, self.head_dim, self.inter = first.hidden, first.head_dim, first.inter
+        self.num_heads, self.num_kv_heads, self.eps = first.num_heads, first.num_kv_heads, first.eps
+        tensors = [getattr(layer.weights, name) for layer in layers for name in _WEIGHTS]
+        pointers = [None if t is None else t.data_ptr() for t in tensors]
+        self._weights = (ctypes.c_void_p * len(pointers))(*pointers)  # [num_layers][len(_WEIGHTS)]
+        self._kv_type = ctypes.c_void_p * len(layers)
+        self._run = kernels.decode_layers
+
+    def takes(self, layers: list[NativeLayer | None], attentions: list[PagedAttention]) -> bool:
+        """Whether the model still holds what this stack was bound with (tests and backends swap parts)."""
+        return all(a is b for a, b in zip(layers, self.layers, strict=True)) and all(
+            a is self.attention for a in attentions
+        )
+
+    def run(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden], updated in place and returned
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,  # decode-only: one query per sequence
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+    ) -> torch.Tensor:
+        m = h.shape[0]
+        if not attn.is_decode_only or len(attn.query_lens) != m:
+            raise ValueError(f"a stack step is decode-only with one row per sequence: {m} rows, "
+                             f"query_lens {attn.query_lens}")  # fmt: skip
+        self._check(h, cos, sin, attn, kv_caches)
+        width = self.num_heads * self.head_dim
+        q = h.new_empty(m, width)
+        out = h.new_empty(m, width)
+        _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        tables = attn.block_tables
+        caches = self._kv_type(*[c.data_ptr() for c in kv_caches])
+        status = self._run(h.data_ptr(), self._weights, caches, len(self.layers), self.eps, cos.data_ptr(),
+                           sin.data_ptr(), attn.slot_mapping.data_ptr(), tables.data_ptr(),
+                           attn.seq_lens_t.data_ptr(), tables.shape[1], num_blocks, block_size, self.scale,
+                           q.data_ptr(), out.data_ptr(), m, self.hidden, self.num_heads, self.num_kv_heads,
+                           self.head_dim, self.inter)  # fmt: skip
+        if status != 0:
+            raise ValueError(f"native layers refused their input: {_ERRORS.get(status, status)}")
+        return h
+
+    def _check(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> None:
+        """The C side checks slots, lengths and block ids; everything it reads by size is checked here."""
+        m, d = h.shape[0], self.head_dim
+        if not self.layers[0].accepts(h, kv_caches[0]):
+            raise ValueError(f"h must be contiguous bfloat16 [*, {self.hidden}] and kv_cache bfloat16 "
+                             f"[2, *, *, {self.num_kv_heads}, {d}], got {list(h.shape)}, "
+                             f"{list(kv_caches[0].shape)}")  # fmt: skip
+        shape = kv_caches[0].shape
+        if shape[2] > MAX_BLOCK_SIZE:
+            raise ValueError(f"kv_cache block_size ({shape[2]}) must be at most {MAX_BLOCK_SIZE}")
+        if len(kv_caches) != len(self.layers) or not all(
+            c.shape == shape and _is_plain(c, torch.bfloat16) for c in kv_caches
+        ):
+            raise ValueError(f"kv_caches must be {len(self.layers)} contiguous bfloat16 tensors of one shape")
+        for name, t in (("cos", cos), ("sin", sin)):
+            if not _is_plain(t, torch.bfloat16) or t.numel() != m * d:
+                raise ValueError(f"{name} must be contiguous bfloat16 [{m}, 1, {d}]")
+        for name, t, dtype, want in (
+            ("slot_mapping", attn.slot_mapping, torch.int64, (m,)),
+            ("seq_lens", attn.seq_lens_t, torch.int32, (m,)),
+            ("block_tables", attn.block_tables, torch.int32, (m, attn.block_tables.shape[-1])),
+        ):
+            if not _is_plain(t, dtype) or tuple(t.shape) != want:
+                got = f"{t.dtype} {list(t.shape)}"
+                raise ValueError(f"{name} must be contiguous {dtype} {list(want)} on the CPU, got {got}")
+
+
+def _is_plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()

@@ -1,0 +1,129 @@
+"""A decode-only step's layers in one C call (models/native_stack.py) against the per-layer calls.
+
+The stack runs the same kernels in the same order as the fused layers, so its logits are the same
+bits; it checks the step's tensors once, and steps aside when a part it was bound with is swapped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decoder.models import native
+from services.decoder.models.attention import AttentionMetadata
+from services.decoder.models.linear import can_prepack
+from services.decoder.models.loader import load_model
+from services.decoder.models.native_stack import NativeStack
+from services.decoder.models.torch_attention import TorchPagedAttention
+
+from .conftest import Checkpoint
+from .helpers import PagedRun
+
+PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
+
+pytestmark = pytest.mark.skipif(
+    can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="oneDNN packs bf16 weights here: no C linears"
+)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native.NativeKernels:
+    loaded = native.load()
+    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
+    return loaded
+
+
+def decode_logits(model, use_stack: bool) -> list[torch.Tensor]:
+    """Two prompts prefilled (per layer: a prefill step), then five decode steps of both."""
+    bound = model.native_stack
+    model.native_stack = bound if use_stack else None
+    run = PagedRun(model)
+    run.step([("a", PROMPT), ("b", PROMPT[:7])])
+    out = [run.step([("a", [token]), ("b", [token + 1])]) for token in (42, 7, 99, 5, 310)]
+    model.native_stack = bound
+    return out
+
+
+def test_a_one_rank_bf16_model_binds_a_stack_and_a_float32_model_does_not(
+    kernels, checkpoint: Checkpoint
+) -> None:
+    model = load_model(checkpoint.path, dtype="bfloat16").model
+    model.use_native_kernels(kernels)
+    assert isinstance(model.native_stack, NativeStack)
+    model.use_native_kernels(None)
+    assert model.native_stack is None
+    fp32 = load_model(checkpoint.path, dtype="float32").model
+    fp32.use_native_kernels(kernels)
+    assert fp32.native_stack is None
+
+
+def test_decode_steps_through_the_stack_give_the_per_layer_calls_bits(
+    kernels, checkpoint: Checkpoint
+) -> None:
+    model = load_model(checkpoint.path, dtype="bfloat16").model
+    model.use_native_kernels(kernels)
+    for got, want in zip(decode_logits(model, True), decode_logits(model, False), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_stack_steps_aside_when_a_layer_or_the_attention_is_swapped(
+    kernels, checkpoints: dict[str, Checkpoint]
+) -> None:
+    model = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
+    model.use_native_kernels(kernels)
+    stack = model.native_stack
+    assert stack is not None and stack.takes(*model._native_parts())
+    saved = model.layers[1].native
+    model.layers[1].native = None  # as a test comparing against the module path does
+    assert not stack.takes(*model._native_parts())
+    model.layers[1].native = saved
+    model.use_attention(TorchPagedAttention(None))  # torch ops: the C decode kernel is not in use
+    assert not stack.takes(*model._native_parts())
+
+
+def metadata(slots: list[int], seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    return AttentionMetadata(
+        query_lens=[1] * len(slots),
+        seq_lens=seq_lens,
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots),
+        block_tables=tables,
+        logits_indices=torch.arange(len(slots)),
+    )
+
+
+def test_the_stack_refuses_what_the_kernels_cannot_read_naming_the_argument(
+    kernels, checkpoints: dict[str, Checkpoint]
+) -> None:
+    model = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
+    model.use_native_kernels(kernels)
+    stack = model.native_stack
+    assert stack is not None
+    caches = model.allocate_kv_cache(4, 4)  # 16 slots a layer
+    h = torch.randn(2, stack.hidden).to(torch.bfloat16)
+    cos = sin = torch.ones(2, 1, stack.head_dim, dtype=torch.bfloat16)
+    tables = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    good = metadata([5, 12], [2, 1], tables)
+
+    with pytest.raises(ValueError, match="KV slot is outside kv_cache"):
+        stack.run(h.clone(), cos, sin, metadata([5, 16], [2, 1], tables), caches)
+    assert all(c.count_nonzero() == 0 for c in caches), "a refused slot is found before any write"
+    with pytest.raises(ValueError, match=r"sequence length \(seq_lens\) or block id"):
+        stack.run(h.clone(), cos, sin, metadata([5, 12], [2, 9], tables), caches)
+    with pytest.raises(ValueError, match="^h must be contiguous bfloat16"):
+        stack.run(h.float(), cos, sin, good, caches)
+    with pytest.raises(ValueError, match="^cos must be contiguous bfloat16"):
+        stack.run(h.clone(), cos.float(), sin, good, caches)
+    with pytest.raises(ValueError, match=r"^block_tables must be contiguous torch.int32 \[2, 2\]"):
+        stack.run(h.clone(), cos, sin, metadata([5, 12], [2, 1], tables.long()), caches)
+    with pytest.raises(ValueError, match=r"^seq_lens must be contiguous torch.int32 \[2\]"):
+        bad = metadata([5, 12], [2, 1], tables)
+        stack.run(h.clone(), cos, sin, AttentionMetadata(bad.query_lens, bad.seq_lens, bad.seq_lens_t[:1],
+                  bad.slot_mapping, tables, bad.logits_indices), caches)  # fmt: skip
+    with pytest.raises(ValueError, match="^kv_caches must be"):
+        stack.run(h.clone(), cos, sin, good, caches[:-1])
+    with pytest.raises(ValueError, match="decode-only"):
+        prefill = AttentionMetadata([2], [2], torch.tensor([2], dtype=torch.int32), torch.tensor([5, 6]),
+                                    tables[:1], torch.tensor([1]))  # fmt: skip
+        stack.run(h.clone(), cos, sin, prefill, caches)
+    assert stack.run(h.clone(), cos, sin, good, caches).isfinite().all()
