@@ -436,7 +436,7 @@ def main() -> None:
 
     print()
     print(
-        f"Decode throughput, bench-small bf16, prompt {args.prompt_len} random tokens, "
+        f"Decode throughput, {model_dir.name} bf16, prompt {args.prompt_len} random tokens, "
         f"{args.new_tokens} new tokens (greedy, EOS ignored), median of {args.repeats} runs"
     )
     header = (
