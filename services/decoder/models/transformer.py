@@ -253,7 +253,7 @@ class DecoderModel(nn.Module):
         h = merge_prompt_embeds(h, local_rows(inputs_embeds, tp, sp), local_rows(is_token_ids, tp, sp))
         cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
         stack = self.native_stack
-        if stack is not None and attn.is_decode_only and stack.takes(*self._native_parts()):
+        if stack is not None and attn.is_decode_only and stack.takes([layer.native for layer in self.layers]):
             h = stack.run(h, cos, sin, attn, kv_caches)  # every layer in one C call
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -300,11 +300,10 @@ class DecoderModel(nn.Module):
         self.use_attention(attention)
         self.native_stack = _bind_stack(kernels, self.layers, attention)
 
-    def _native_parts(self) -> tuple[list[NativeLayer | None], list[PagedAttention]]:
-        return [layer.native for layer in self.layers], [layer.self_attn.attention for layer in self.layers]
-
     def use_attention(self, attention: PagedAttention) -> None:
         """Every layer's attention through `attention` (one instance: it may share work across layers)."""
+        if self.native_stack is not None and attention is not self.native_stack.attention:
+            self.native_stack = None  # it runs the C decode attention, which this replaces
         for module in self.modules():
             if isinstance(module, Attention):
                 module.attention = attention

@@ -12,10 +12,18 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from services.decoder.models.attention import AttentionMetadata
+from services.decoder.models.linear import can_prepack
 from services.decoder.models.transformer import DecoderModel
+
+# Tests of the fused bf16 layers: where oneDNN packs bf16 weights, the linears (and so the layers) stay
+# on oneDNN and none of them is bound.
+NEEDS_C_LINEARS = pytest.mark.skipif(
+    can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="oneDNN packs bf16 weights here: no C linears"
+)
 
 
 class PagedAllocator:

@@ -23,13 +23,6 @@ from .helpers import PagedRun, greedy, hf_greedy
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> native.NativeKernels:
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return loaded
-
-
 def assert_same_up_to_summation_order(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """fp32: equal within 1e-5. bf16: under 1% of elements differ, each by at most one bf16 step."""
     if actual.dtype == torch.float32:

@@ -18,7 +18,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.decoder.models import native
 from services.decoder.models.layers import RMSNorm
 
 from .test_native import torch_qkv_rope_cache
@@ -29,13 +28,6 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCh
 
 Args = dict[str, Any]
 Breaker = Callable[[Args, st.DataObject], Args]
-
-
-@pytest.fixture(scope="module")
-def kernels() -> native.NativeKernels:
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return loaded
 
 
 def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:

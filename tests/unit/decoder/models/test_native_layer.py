@@ -10,26 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.models import native
-from services.decoder.models.linear import Linear, can_prepack
+from services.decoder.models.linear import Linear
 from services.decoder.models.loader import load_model
 from services.decoder.models.native_layer import NativeLayer
 
 from .conftest import Checkpoint
-from .helpers import PagedRun
+from .helpers import NEEDS_C_LINEARS, PagedRun
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 
-pytestmark = pytest.mark.skipif(
-    can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="oneDNN packs bf16 weights here: no C linears"
-)
-
-
-@pytest.fixture(scope="module")
-def kernels() -> native.NativeKernels:
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return loaded
+pytestmark = NEEDS_C_LINEARS
 
 
 def steps(model, fused: bool) -> list[torch.Tensor]:

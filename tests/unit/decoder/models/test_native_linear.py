@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.models import native
 from services.decoder.models.linear import Linear, can_prepack
 from services.decoder.models.loader import load_model
 from services.decoder.models.native_linear import NativeLinear
@@ -18,13 +17,6 @@ from .conftest import Checkpoint
 from .helpers import greedy
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
-
-
-@pytest.fixture(scope="module")
-def kernels() -> native.NativeKernels:
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return loaded
 
 
 def rounded_once(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -9,28 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.models import native
 from services.decoder.models.attention import AttentionMetadata
-from services.decoder.models.linear import can_prepack
 from services.decoder.models.loader import load_model
 from services.decoder.models.native_stack import NativeStack
 from services.decoder.models.torch_attention import TorchPagedAttention
+from services.decoder.models.transformer import DecoderModel
 
 from .conftest import Checkpoint
-from .helpers import PagedRun
+from .helpers import NEEDS_C_LINEARS, PagedRun
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 
-pytestmark = pytest.mark.skipif(
-    can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="oneDNN packs bf16 weights here: no C linears"
-)
-
-
-@pytest.fixture(scope="module")
-def kernels() -> native.NativeKernels:
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return loaded
+pytestmark = NEEDS_C_LINEARS
 
 
 def decode_logits(model, use_stack: bool) -> list[torch.Tensor]:
@@ -66,19 +56,23 @@ def test_decode_steps_through_the_stack_give_the_per_layer_calls_bits(
         assert torch.equal(got, want)
 
 
-def test_the_stack_steps_aside_when_a_layer_or_the_attention_is_swapped(
-    kernels, checkpoints: dict[str, Checkpoint]
-) -> None:
+@pytest.fixture
+def qwen3_bf16(kernels, checkpoints: dict[str, Checkpoint]) -> DecoderModel:
+    """Our Qwen3 variant in bf16 on the C kernels, its own copy (tests swap its parts)."""
     model = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
     model.use_native_kernels(kernels)
-    stack = model.native_stack
-    assert stack is not None and stack.takes(*model._native_parts())
-    saved = model.layers[1].native
-    model.layers[1].native = None  # as a test comparing against the module path does
-    assert not stack.takes(*model._native_parts())
-    model.layers[1].native = saved
-    model.use_attention(TorchPagedAttention(None))  # torch ops: the C decode kernel is not in use
-    assert not stack.takes(*model._native_parts())
+    assert model.native_stack is not None
+    return model
+
+
+def test_the_stack_steps_aside_when_a_layer_or_the_attention_is_swapped(qwen3_bf16: DecoderModel) -> None:
+    stack = qwen3_bf16.native_stack
+    assert stack is not None
+    natives = [layer.native for layer in qwen3_bf16.layers]
+    assert stack.takes(natives)
+    assert not stack.takes([natives[0], None])  # a layer back on the module path, as tests compare
+    qwen3_bf16.use_attention(TorchPagedAttention(None))  # torch ops: the C decode kernel is not in use
+    assert qwen3_bf16.native_stack is None
 
 
 def metadata(slots: list[int], seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
@@ -92,14 +86,10 @@ def metadata(slots: list[int], seq_lens: list[int], tables: torch.Tensor) -> Att
     )
 
 
-def test_the_stack_refuses_what_the_kernels_cannot_read_naming_the_argument(
-    kernels, checkpoints: dict[str, Checkpoint]
-) -> None:
-    model = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
-    model.use_native_kernels(kernels)
-    stack = model.native_stack
+def test_the_stack_refuses_what_the_kernels_cannot_read_naming_the_argument(qwen3_bf16: DecoderModel) -> None:
+    stack = qwen3_bf16.native_stack
     assert stack is not None
-    caches = model.allocate_kv_cache(4, 4)  # 16 slots a layer
+    caches = qwen3_bf16.allocate_kv_cache(4, 4)  # 16 slots a layer
     h = torch.randn(2, stack.hidden).to(torch.bfloat16)
     cos = sin = torch.ones(2, 1, stack.head_dim, dtype=torch.bfloat16)
     tables = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
@@ -122,6 +112,14 @@ def test_the_stack_refuses_what_the_kernels_cannot_read_naming_the_argument(
                   bad.slot_mapping, tables, bad.logits_indices), caches)  # fmt: skip
     with pytest.raises(ValueError, match="^kv_caches must be"):
         stack.run(h.clone(), cos, sin, good, caches[:-1])
+    # The caches are checked again whenever one is not the tensor checked last time.
+    assert stack.run(h.clone(), cos, sin, good, caches).isfinite().all()
+    with pytest.raises(ValueError, match="^kv_caches must be 2 contiguous bfloat16 tensors of one shape"):
+        stack.run(h.clone(), cos, sin, good, [caches[0], caches[1].float()])
+    with pytest.raises(ValueError, match="^kv_caches must be 2 contiguous bfloat16 tensors of one shape"):
+        stack.run(h.clone(), cos, sin, good, [caches[0], qwen3_bf16.allocate_kv_cache(3, 4)[1]])
+    with pytest.raises(ValueError, match=r"^kv_cache must be bfloat16 \[2, \*, \*, "):
+        stack.run(h.clone(), cos, sin, good, [c[:, :, :, :1] for c in caches])
     with pytest.raises(ValueError, match="decode-only"):
         prefill = AttentionMetadata([2], [2], torch.tensor([2], dtype=torch.int32), torch.tensor([5, 6]),
                                     tables[:1], torch.tensor([1]))  # fmt: skip
