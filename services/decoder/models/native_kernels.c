@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "native_bf16.h"
@@ -145,24 +146,66 @@ static inline __attribute__((always_inline)) void block_values(float *restrict o
     }
 }
 
-/* One sequence's query heads that share KV head `kv_head`, against its first `seq_len` cached positions.
- * q: [group, head_dim] fp32, already scaled; out: [group, head_dim] fp32. Always inlined into
- * attend_one's cases, so common head sizes get loops of known length (kept in vector registers). */
+/* Softmax of one query head's scores for a block of n keys, online: the running maximum and sum
+ * updated, the output accumulated so far rescaled, scores[0, n) replaced by their exps. */
+static inline __attribute__((always_inline)) void softmax_block(float *restrict scores, int64_t n,
+                                                                float *restrict running_max,
+                                                                float *restrict running_sum, float *restrict o,
+                                                                const int64_t head_dim) {
+    float block_max = -INFINITY;
+    for (int64_t t = 0; t < n; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
+    /* Online softmax: rescale what was accumulated when the maximum grows. */
+    const float new_max = block_max > *running_max ? block_max : *running_max;
+    const float correction = *running_max == -INFINITY ? 0.0f : exp_nonpositive(*running_max - new_max);
+    *running_max = new_max;
+#if HAVE_AVX2
+    /* 8 exps at a time, over n rounded up to 8 (the scores array has room); the lanes past n are
+     * neither summed nor used. */
+    const __m256 max8 = _mm256_set1_ps(new_max);
+    for (int64_t t = 0; t < n; t += 8)
+        _mm256_storeu_ps(scores + t, exp8_nonpositive(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), max8),
+                                                                    _mm256_setzero_ps())));
+#else
+    for (int64_t t = 0; t < n; t++) scores[t] = exp_nonpositive(scores[t] - new_max);
+#endif
+    float sum = 0.0f; /* in t order, one row's sum the same whatever else the step holds */
+    for (int64_t t = 0; t < n; t++) sum += scores[t];
+    *running_sum = *running_sum * correction + sum;
+#pragma omp simd
+    for (int64_t i = 0; i < head_dim; i++) o[i] *= correction;
+}
+
+/* Query rows of one sequence attended together: at most this many (a verification step's k + 1), and
+ * at most MAX_QUERY_HEADS query heads of them for one KV head (the scratch on the stack). */
+#define MAX_ROWS 8
+#define MAX_QUERY_HEADS 32
+
+/* Query rows r = 0..R-1 of one sequence, row r at context length first_len + r (a decode step's row,
+ * or a verification step's consecutive positions), their query heads that share KV head `kv_head`.
+ * q: [R, group, head_dim] fp32, already scaled; out: [R, group, head_dim] fp32.
+ *
+ * The rows share the sequence's keys and values: each block is read and widened once for all of
+ * them (row by row, a 4-row verification step cost 4.4x a 1-row one). Each row still sees the blocks
+ * it would see alone, with its own n in its last one, and every sum runs in the same order as for a
+ * row alone, so a row's bits do not depend on the rows beside it. Always inlined into attend_one's
+ * cases, so common head sizes get loops of known length (kept in vector registers). */
 static inline __attribute__((always_inline)) void attend(
-    float *restrict out, const float *restrict q, const char *restrict kv_cache,
-    const int32_t *restrict block_table, int64_t seq_len, int64_t kv_head, int64_t group, int64_t num_blocks,
+    float *restrict out, const float *restrict q, int64_t num_rows, const char *restrict kv_cache,
+    const int32_t *restrict block_table, int64_t first_len, int64_t kv_head, int64_t group, int64_t num_blocks,
     int64_t block_size, int64_t num_kv_heads, const int64_t head_dim, int dtype) {
     const int64_t elem = dtype == DTYPE_BFLOAT16 ? 2 : 4;
     const int64_t row_stride = num_kv_heads * head_dim;           /* elements between positions */
     const int64_t block_elems = block_size * row_stride;          /* elements per block per K or V */
     const int64_t values_offset = num_blocks * block_elems;       /* V follows all of K */
+    const int64_t heads = num_rows * group;                       /* row r's head g is r * group + g */
+    const int64_t seq_len = first_len + num_rows - 1;             /* the last row's context */
     float rows[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
-    float scores[MAX_GROUP][MAX_BLOCK_SIZE];
-    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        running_max[g] = -INFINITY;
-        running_sum[g] = 0.0f;
-        for (int64_t i = 0; i < head_dim; i++) out[g * head_dim + i] = 0.0f;
+    float scores[MAX_QUERY_HEADS][MAX_BLOCK_SIZE];
+    float running_max[MAX_QUERY_HEADS], running_sum[MAX_QUERY_HEADS];
+    for (int64_t h = 0; h < heads; h++) {
+        running_max[h] = -INFINITY;
+        running_sum[h] = 0.0f;
+        for (int64_t i = 0; i < head_dim; i++) out[h * head_dim + i] = 0.0f;
     }
     for (int64_t start = 0; start < seq_len; start += block_size) {
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
@@ -184,57 +227,80 @@ static inline __attribute__((always_inline)) void attend(
         }
         load_rows(rows, keys, n, head_dim, row_stride, dtype);
         for (int64_t i = n * head_dim; i < ((n + 3) & ~(int64_t)3) * head_dim; i++) rows[i] = 0.0f;
-        block_scores(scores, q, rows, n, group, head_dim);
-        for (int64_t g = 0; g < group; g++) {
-            float block_max = -INFINITY;
-            for (int64_t t = 0; t < n; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
-            /* Online softmax: rescale what was accumulated when the maximum grows. */
-            const float new_max = block_max > running_max[g] ? block_max : running_max[g];
-            const float correction = running_max[g] == -INFINITY ? 0.0f : exp_nonpositive(running_max[g] - new_max);
-            running_max[g] = new_max;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; t++) {
-                scores[g][t] = exp_nonpositive(scores[g][t] - new_max);
-                sum += scores[g][t];
-            }
-            running_sum[g] = running_sum[g] * correction + sum;
-            float *restrict o = out + g * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; i++) o[i] *= correction;
+        block_scores(scores, q, rows, n, heads, head_dim);
+        for (int64_t r = 0; r < num_rows; r++) {
+            const int64_t left = first_len + r - start, n_r = left < block_size ? left : block_size;
+            for (int64_t g = r * group; g < (r + 1) * group && n_r > 0; g++)
+                softmax_block(scores[g], n_r, &running_max[g], &running_sum[g], out + g * head_dim, head_dim);
         }
         const char *values = kv_cache + (values_offset + block * block_elems + kv_head * head_dim) * elem;
         load_rows(rows, values, n, head_dim, row_stride, dtype);
-        for (int64_t g = 0; g < group; g++) block_values(out + g * head_dim, scores[g], rows, n, head_dim);
+        for (int64_t r = 0; r < num_rows; r++) {
+            const int64_t left = first_len + r - start, n_r = left < block_size ? left : block_size;
+            for (int64_t g = r * group; g < (r + 1) * group && n_r > 0; g++)
+                block_values(out + g * head_dim, scores[g], rows, n_r, head_dim);
+        }
     }
-    for (int64_t g = 0; g < group; g++) {
-        const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
-        float *restrict o = out + g * head_dim;
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+        float *restrict o = out + h * head_dim;
 #pragma omp simd
         for (int64_t i = 0; i < head_dim; i++) o[i] *= inv;
     }
 }
 
-static void attend_one(float *out, const float *q, const char *kv_cache, const int32_t *block_table,
-                       int64_t seq_len, int64_t kv_head, int64_t group, int64_t num_blocks, int64_t block_size,
-                       int64_t num_kv_heads, int64_t head_dim, int dtype) {
+static void attend_one(float *out, const float *q, int64_t num_rows, const char *kv_cache,
+                       const int32_t *block_table, int64_t first_len, int64_t kv_head, int64_t group,
+                       int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int dtype) {
 #define ATTEND(HEAD_DIM, DTYPE)                                                                               \
-    attend(out, q, kv_cache, block_table, seq_len, kv_head, group, num_blocks, block_size, num_kv_heads,     \
-           HEAD_DIM, DTYPE)
+    attend(out, q, num_rows, kv_cache, block_table, first_len, kv_head, group, num_blocks, block_size,        \
+           num_kv_heads, HEAD_DIM, DTYPE)
     if (dtype == DTYPE_BFLOAT16 && head_dim == 64) ATTEND(64, DTYPE_BFLOAT16);
     else if (dtype == DTYPE_BFLOAT16 && head_dim == 128) ATTEND(128, DTYPE_BFLOAT16);
     else ATTEND(head_dim, dtype);
 #undef ATTEND
 }
 
-/* Decode attention over a paged KV cache: one query per sequence.
+/* Rows of each run of one sequence's consecutive positions, for the run's first row (0 for the others).
+ * Row s continues the run before it when its length is one more and its blocks are the run's first
+ * row's (a verification step's rows; the engine gives each its own copy of the sequence's table).
+ * Grows a per-thread buffer; NULL when it cannot. */
+static __thread int32_t *run_rows = NULL;
+static __thread int64_t run_rows_size = 0;
+
+static int32_t *find_runs(const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                          int64_t max_blocks, int64_t block_size, int64_t group) {
+    if (num_seqs > run_rows_size) {
+        int32_t *grown = realloc(run_rows, (size_t)num_seqs * sizeof(int32_t));
+        if (grown == NULL) return NULL;
+        run_rows = grown;
+        run_rows_size = num_seqs;
+    }
+    int64_t first = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        run_rows[s] = 0;
+        const int64_t blocks = (seq_lens[s] + block_size - 1) / block_size;
+        if (s > 0 && s - first < MAX_ROWS && (s - first + 1) * group <= MAX_QUERY_HEADS && seq_lens[s] == seq_lens[s - 1] + 1 &&
+            memcmp(block_tables + s * max_blocks, block_tables + first * max_blocks,
+                   (size_t)blocks * sizeof(int32_t)) == 0) {
+            run_rows[first]++;
+        } else {
+            first = s;
+            run_rows[s] = 1;
+        }
+    }
+    return run_rows;
+}
+
+/* Decode attention over a paged KV cache: one query per row, each row a sequence's position.
  *
  * q:            [num_seqs, num_heads, head_dim] (query head h uses KV head h / (num_heads / num_kv_heads))
  * kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_dim], 0 = keys, 1 = values
  * block_tables: int32 [num_seqs, max_blocks]
- * seq_lens:     int32 [num_seqs], context length of each sequence including this step's token
+ * seq_lens:     int32 [num_seqs], context length of each row including its own token
  * out:          [num_seqs, num_heads * head_dim], same dtype as q and the cache
- * All contiguous. Returns 0, or -1 when a length or block id is out of range (nothing is written then).
+ * All contiguous. Returns 0, or -1 when a length or block id is out of range (nothing is written then),
+ * or when scratch memory cannot be had.
  */
 int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *block_tables,
                             const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
@@ -257,29 +323,37 @@ int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *
             if (id < 0 || id >= num_blocks) return -1;
         }
     }
+    const int32_t *runs = find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size, group);
+    if (runs == NULL) return -1;
     const char *cache = (const char *)kv_cache;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
-        /* Sequences fastest: a sequence's verification rows (one sequence each) read the same keys and
-         * values, so consecutive items find them in cache. */
-        const int64_t s = item % num_seqs, kv_head = item / num_seqs;
-        float q_scaled[MAX_GROUP * MAX_HEAD_DIM], result[MAX_GROUP * MAX_HEAD_DIM];
-        const int64_t first = (s * num_heads + kv_head * group) * head_dim; /* first element of the group */
+        /* Rows fastest: the items of rows inside a run have nothing to do. */
+        const int64_t s = item % num_seqs, kv_head = item / num_seqs, num_rows = runs[s];
+        if (num_rows == 0) continue;
+        float q_scaled[MAX_QUERY_HEADS * MAX_HEAD_DIM], result[MAX_QUERY_HEADS * MAX_HEAD_DIM];
         const int64_t count = group * head_dim;
-        if (dtype == DTYPE_BFLOAT16) {
-            const uint16_t *src = (const uint16_t *)q + first;
-            for (int64_t i = 0; i < count; i++) q_scaled[i] = bf16_to_f32(src[i]) * scale;
-        } else {
-            const float *src = (const float *)q + first;
-            for (int64_t i = 0; i < count; i++) q_scaled[i] = src[i] * scale;
+        for (int64_t r = 0; r < num_rows; r++) {
+            const int64_t first = ((s + r) * num_heads + kv_head * group) * head_dim; /* the row's group */
+            float *dst = q_scaled + r * count;
+            if (dtype == DTYPE_BFLOAT16) {
+                const uint16_t *src = (const uint16_t *)q + first;
+                for (int64_t i = 0; i < count; i++) dst[i] = bf16_to_f32(src[i]) * scale;
+            } else {
+                const float *src = (const float *)q + first;
+                for (int64_t i = 0; i < count; i++) dst[i] = src[i] * scale;
+            }
         }
-        attend_one(result, q_scaled, cache, block_tables + s * max_blocks, seq_lens[s], kv_head, group,
+        attend_one(result, q_scaled, num_rows, cache, block_tables + s * max_blocks, seq_lens[s], kv_head, group,
                    num_blocks, block_size, num_kv_heads, head_dim, dtype);
-        if (dtype == DTYPE_BFLOAT16) {
-            uint16_t *dst = (uint16_t *)out + first;
-            for (int64_t i = 0; i < count; i++) dst[i] = f32_to_bf16(result[i]);
-        } else {
-            memcpy((float *)out + first, result, (size_t)count * sizeof(float));
+        for (int64_t r = 0; r < num_rows; r++) {
+            const int64_t first = ((s + r) * num_heads + kv_head * group) * head_dim;
+            if (dtype == DTYPE_BFLOAT16) {
+                uint16_t *dst = (uint16_t *)out + first;
+                for (int64_t i = 0; i < count; i++) dst[i] = f32_to_bf16(result[r * count + i]);
+            } else {
+                memcpy((float *)out + first, result + r * count, (size_t)count * sizeof(float));
+            }
         }
     }
     return 0;

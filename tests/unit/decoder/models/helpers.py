@@ -158,3 +158,21 @@ def save_hf_checkpoint(
             config.pop(key)
         (out_dir / "config.json").write_text(json.dumps(config))
     return out_dir
+
+
+def dense_decode(q, kv_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Each sequence's query against its first seq_len cached positions, in float64."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    slots_kv = kv_cache.double().reshape(2, num_blocks * block_size, num_kv_heads, head_dim)
+    outs = []
+    for s in range(num_seqs):
+        positions = torch.arange(int(seq_lens[s]))
+        slots = block_tables[s].long()[positions // block_size] * block_size + positions % block_size
+        group = num_heads // num_kv_heads
+        k = slots_kv[0, slots].repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        v = slots_kv[1, slots].repeat_interleave(group, dim=1)
+        probs = (torch.einsum("hd,nhd->hn", q[s].double(), k) * scale).softmax(-1)
+        outs.append(torch.einsum("hn,nhd->hd", probs, v).reshape(-1))
+    out = torch.stack(outs) if outs else torch.empty(0, num_heads * head_dim, dtype=torch.float64)
+    return out.to(q.dtype)

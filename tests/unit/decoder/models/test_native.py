@@ -18,7 +18,7 @@ from services.decoder.models.layers import RMSNorm, apply_rotary
 from services.decoder.models.loader import load_model
 
 from .conftest import Checkpoint
-from .helpers import PagedRun, greedy, hf_greedy
+from .helpers import PagedRun, dense_decode, greedy, hf_greedy
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 
@@ -123,17 +123,26 @@ def test_kernels_refuse_slots_and_block_ids_outside_the_cache_and_write_nothing(
 def test_decode_attention_gives_a_sequence_the_same_bits_whatever_sequences_share_the_call(
     kernels, dtype: torch.dtype, group: int
 ) -> None:
-    # A verification step attends as k + 1 one-query sequences; speculation keeps greedy tokens only
-    # if each row's result is what it would be alone. Lengths cover whole and partial blocks and
-    # partial groups of 4 keys; the tables share blocks, as a sequence's verification rows do.
+    # A verification step attends as k + 1 one-query rows; speculation keeps greedy tokens only if
+    # each row's result is what it would be alone. The kernel attends a run of one sequence's
+    # consecutive positions together (one read of its keys): runs of 3 and 10 rows (longer than a
+    # run's 8), across block boundaries, and lengths one apart whose tables differ (no run). Lengths
+    # cover empty, whole and partial blocks and partial groups of 4 keys.
     torch.manual_seed(0)
     num_kv_heads, head_dim, block_size = 3, 64, 16
     cache = torch.randn(2, 12, block_size, num_kv_heads, head_dim).to(dtype)
-    seq_lens = torch.tensor([1, 3, 16, 17, 18, 19, 45, 100, 130], dtype=torch.int32)
+    run = list(range(60, 70))
+    seq_lens = torch.tensor([0, 1, 3, 16, 17, 18, 19, 45, 100, 130, *run, 20, 21], dtype=torch.int32)
     tables = torch.stack([torch.randperm(12, dtype=torch.int32)[:9] for _ in seq_lens])
-    tables[1:5] = tables[0]  # four rows of one sequence
+    tables[2:6] = tables[1]  # rows of one sequence: lengths 16, 17, 18 make a run
+    tables[10:20] = tables[10]  # one sequence's 10 consecutive positions
+    tables[21] = (tables[20] + 1) % 12  # lengths 20, 21 on other blocks: two sequences
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype)
     together = kernels.decode_attention(q, cache, tables, seq_lens, 0.125)
+    assert together[0].count_nonzero() == 0  # no context: nothing to attend to
+    want = dense_decode(q[1:].double(), cache, tables[1:], seq_lens[1:], 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together[1:].double(), want, atol=tolerance, rtol=tolerance)
     for s in range(len(seq_lens)):
         alone = kernels.decode_attention(q[s : s + 1], cache, tables[s : s + 1], seq_lens[s : s + 1], 0.125)
         assert torch.equal(alone[0], together[s]), f"sequence {s} (length {int(seq_lens[s])})"
