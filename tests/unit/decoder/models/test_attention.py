@@ -166,3 +166,56 @@ def test_write_kv_cache_puts_keys_and_values_at_their_slots() -> None:
     write_kv_cache(kv_cache, k, v, torch.tensor([2 * BLOCK_SIZE + 1, 3 * BLOCK_SIZE]))
     assert torch.equal(kv_cache[0, 2, 1], k[0]) and torch.equal(kv_cache[1, 3, 0], v[1])
     assert kv_cache.count_nonzero() == 2 * 2 * NUM_KV_HEADS * HEAD_DIM
+
+
+# -- the C kernel in steps with prefill (TorchPagedAttention with the kernels) -------------------------
+
+
+def native_attention() -> TorchPagedAttention:
+    loaded = native.load()
+    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
+    return TorchPagedAttention(loaded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefilled_position_gets_the_bits_a_decode_step_gives_it(dtype: torch.dtype) -> None:
+    # With the kernels a short prefill attends one row per token through the decode kernel, so a
+    # position's output does not depend on whether it came in a prompt or a decode step (a
+    # preempted sequence's recompute, a verification step's rows, a prompt scored for logprobs).
+    attention = native_attention()
+    allocator = PagedAllocator(num_blocks=64, block_size=BLOCK_SIZE)
+    kv_cache = torch.zeros(2, 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    torch.manual_seed(0)
+    q = torch.randn(11, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    k, v = torch.randn(2, 11, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    attn = allocator.metadata([("prefix", 3), ("a", 11)])  # "a" 11 fresh tokens beside another prompt
+    prefix_q = torch.randn(3, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    k_all, v_all = torch.cat((torch.randn_like(k[:3]), k)), torch.cat((torch.randn_like(v[:3]), v))
+    write_kv_cache(kv_cache, k_all, v_all, attn.slot_mapping)
+    prefilled = attention(torch.cat((prefix_q, q)), k_all, v_all, kv_cache, attn, SCALE)[3:]
+    for position in range(11):  # the same queries one at a time, as decode steps over the same cache
+        decode = AttentionMetadata(
+            query_lens=[1],
+            seq_lens=[position + 1],
+            seq_lens_t=torch.tensor([position + 1], dtype=torch.int32),
+            slot_mapping=attn.slot_mapping[3 + position : 4 + position],
+            block_tables=attn.block_tables[1:],
+            logits_indices=torch.tensor([0]),
+        )
+        decoded = attention(q[position : position + 1], None, None, kv_cache, decode, SCALE)
+        assert torch.equal(decoded[0], prefilled[position]), f"position {position}"
+
+
+def test_a_prefill_past_the_native_context_limit_runs_on_sdpa_and_still_matches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.decoder.models import torch_attention
+
+    monkeypatch.setattr(torch_attention, "NATIVE_PREFILL_MAX_CONTEXT", 5)
+    attention = native_attention()
+    calls = []
+    monkeypatch.setattr(attention.native, "decode_attention", lambda *a: calls.append(a))
+    # The longest contexts: 6, then 10.
+    out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 3), ("b", 7)]], attention)
+    assert calls == []
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
