@@ -44,6 +44,8 @@
 /* Rows of x widened to fp32 at a time: their fp32 copy stays within this many bytes (in L2). */
 #define BLOCK_BYTES (192 * 1024)
 #define MAX_MR 4
+/* Rows of the largest tile (6 x 2): the sums arrays' size. */
+#define MAX_TILE_ROWS 6
 
 /* Per-thread scratch for widened rows; grows to the largest block seen, kept for the next call. */
 static __thread float *scratch = NULL;
@@ -77,7 +79,7 @@ static inline __attribute__((always_inline)) float sum_lanes(__m256 v) {
 /* sums[i][j] = x[i, :] . w[j, :] for MR rows of widened x (row stride ldx) and NR rows of w (bf16, row
  * stride k). MR and NR are constants at every call site, so the loops unroll and the accumulators stay
  * in registers (MR * NR <= 12 of AVX2's 16). */
-static inline __attribute__((always_inline)) void tile(float sums[MAX_MR][8], const float *restrict x,
+static inline __attribute__((always_inline)) void tile(float sums[MAX_TILE_ROWS][8], const float *restrict x,
                                                        int64_t ldx, const uint16_t *restrict w, int64_t k,
                                                        const int MR, const int NR) {
     int64_t at = 0;
@@ -152,7 +154,7 @@ static inline __attribute__((always_inline)) void tile(float sums[MAX_MR][8], co
  * loads for 24 FMAs a chunk, against 14 here) and spills; this runs 1.4-1.5x faster on one core
  * (50-62 against 34-40 GFLOP/s, of a 94 peak) and cuts an 8-row step's linears by a quarter and a
  * 195-row prefill's by 30%. The same sums in the same order as tile(), so the same bits. */
-static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_MR][8], const float *restrict x,
+static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_TILE_ROWS][8], const float *restrict x,
                                                            int64_t ldx, const uint16_t *restrict w, int64_t k) {
     float acc[12][8]; /* ymm0-11 stored by the loop, then summed lane by lane as in tile() */
     const int64_t chunks = k / CHUNK;
@@ -203,6 +205,79 @@ static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_MR][8]
         for (int i = 0; i < 4; i++)
             for (int j = 0; j < 3; j++) sums[i][j] += x[i * ldx + at] * bf16_to_f32(w[j * k + at]);
 }
+
+/* The 6 x 2 tile (steps of 5 or 6 rows: a verification step of k = 4 or 5, or 5-6 sequences): all
+ * the rows in one pass over the weights, where 4 x 3 tiles and a 1-2 row tile read them twice, the
+ * second time compute-bound (a 6-row step's linears cost 1.8x a 4-row one's; now 1.24x). 12
+ * accumulators in ymm0-11, two widened weight vectors in ymm12-13, an input vector in ymm14, and in
+ * ymm15 the mask that keeps each lane's odd element (one AND instead of tile_4x3's two shifts: this
+ * tile has a register to spare). The same sums in the same order as tile(), so the same bits. For
+ * prefill it is no faster than 4 x 3 (C driver, 195 rows: 363 ms either way). */
+#define EVEN2(REG, W) "vmovdqu (%[" W "],%[at],2), %%" REG "\n\tvpslld $16, %%" REG ", %%" REG "\n\t"
+#define ODD2(REG, W) "vpand (%[" W "],%[at],2), %%ymm15, %%" REG "\n\t"
+#define ROW_FMAS2(OFFSET, X, A0, A1)                                                                          \
+    "vmovups " OFFSET "(%[" X "],%[at],4), %%ymm14\n\t"                                                       \
+    "vfmadd231ps %%ymm12, %%ymm14, %%" A0 "\n\t"                                                              \
+    "vfmadd231ps %%ymm13, %%ymm14, %%" A1 "\n\t"
+/* rows[i] is input row i (fp32, widened); a 5-row tile passes its last row twice. */
+static inline __attribute__((always_inline)) void tile_6x2(float sums[MAX_TILE_ROWS][8], const float *const rows[6],
+                                                           const uint16_t *restrict w, int64_t k) {
+    float acc[12][8]; /* ymm0-11 stored by the loop, then summed lane by lane as in tile() */
+    const int64_t chunks = k / CHUNK;
+    if (chunks > 0) {
+        const float *x0 = rows[0], *x1 = rows[1], *x2 = rows[2], *x3 = rows[3], *x4 = rows[4], *x5 = rows[5];
+        const uint16_t *w0 = w, *w1 = w + k;
+        const char *next_tile = (const char *)(w + 2 * k); /* 64 bytes a chunk: the next two rows */
+        int64_t at = 0, left = chunks;
+        __asm__ volatile(
+            "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+            "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n\t"
+            "vmovaps %%ymm0, %%ymm4\n\tvmovaps %%ymm0, %%ymm5\n\tvmovaps %%ymm0, %%ymm6\n\t"
+            "vmovaps %%ymm0, %%ymm7\n\tvmovaps %%ymm0, %%ymm8\n\tvmovaps %%ymm0, %%ymm9\n\t"
+            "vmovaps %%ymm0, %%ymm10\n\tvmovaps %%ymm0, %%ymm11\n\t"
+            "vpcmpeqd %%ymm15, %%ymm15, %%ymm15\n\tvpslld $16, %%ymm15, %%ymm15\n\t"
+            "1:\n\t"
+            "prefetcht0 (%[pf])\n\t"
+            EVEN2("ymm12", "w0") EVEN2("ymm13", "w1")
+            ROW_FMAS2("", "x0", "ymm0", "ymm1")
+            ROW_FMAS2("", "x1", "ymm2", "ymm3")
+            ROW_FMAS2("", "x2", "ymm4", "ymm5")
+            ROW_FMAS2("", "x3", "ymm6", "ymm7")
+            ROW_FMAS2("", "x4", "ymm8", "ymm9")
+            ROW_FMAS2("", "x5", "ymm10", "ymm11")
+            ODD2("ymm12", "w0") ODD2("ymm13", "w1")
+            ROW_FMAS2("32", "x0", "ymm0", "ymm1")
+            ROW_FMAS2("32", "x1", "ymm2", "ymm3")
+            ROW_FMAS2("32", "x2", "ymm4", "ymm5")
+            ROW_FMAS2("32", "x3", "ymm6", "ymm7")
+            ROW_FMAS2("32", "x4", "ymm8", "ymm9")
+            ROW_FMAS2("32", "x5", "ymm10", "ymm11")
+            "add $64, %[pf]\n\t"
+            "add $16, %[at]\n\t"
+            "dec %[left]\n\t"
+            "jnz 1b\n\t"
+            "vmovups %%ymm0, (%[acc])\n\tvmovups %%ymm1, 32(%[acc])\n\tvmovups %%ymm2, 64(%[acc])\n\t"
+            "vmovups %%ymm3, 96(%[acc])\n\tvmovups %%ymm4, 128(%[acc])\n\tvmovups %%ymm5, 160(%[acc])\n\t"
+            "vmovups %%ymm6, 192(%[acc])\n\tvmovups %%ymm7, 224(%[acc])\n\tvmovups %%ymm8, 256(%[acc])\n\t"
+            "vmovups %%ymm9, 288(%[acc])\n\tvmovups %%ymm10, 320(%[acc])\n\tvmovups %%ymm11, 352(%[acc])\n\t"
+            : [at] "+r"(at), [left] "+r"(left), [pf] "+r"(next_tile)
+            : [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [x4] "r"(x4), [x5] "r"(x5), [w0] "r"(w0),
+              [w1] "r"(w1), [acc] "r"(acc)
+            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+              "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+        for (int i = 0; i < 6; i++)
+            for (int j = 0; j < 2; j++) sums[i][j] = sum_lanes(_mm256_loadu_ps(acc[2 * i + j]));
+    } else {
+        for (int i = 0; i < 6; i++)
+            for (int j = 0; j < 2; j++) sums[i][j] = 0.0f;
+    }
+    for (int64_t at = chunks * CHUNK; at < k; at++) /* the tail past a multiple of CHUNK, as in tile() */
+        for (int i = 0; i < 6; i++)
+            for (int j = 0; j < 2; j++) sums[i][j] += rows[i][at] * bf16_to_f32(w[j * k + at]);
+}
+#undef EVEN2
+#undef ODD2
+#undef ROW_FMAS2
 #undef WIDEN_EVEN
 #undef WIDEN_ODD
 #undef ROW_FMAS
@@ -226,7 +301,7 @@ static void widen_rows(float *restrict xf, const uint16_t *restrict x, int64_t r
 }
 
 static inline __attribute__((always_inline)) void store_tile(uint16_t *out, int64_t ldo, int64_t n0,
-                                                             float sums[MAX_MR][8], const uint16_t *bias,
+                                                             float sums[MAX_TILE_ROWS][8], const uint16_t *bias,
                                                              const int MR, const int NR) {
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) {
@@ -256,6 +331,28 @@ static inline __attribute__((always_inline)) void store_tile(uint16_t *out, int6
  * enough to stay in L2 while every block of input rows goes over it. */
 #define NB 24
 
+#if HAVE_TILE_4X3_ASM
+/* block_rows for 5 or 6 rows: 6 x 2 tiles over the thread's weight rows, an odd last one by tile(). */
+static void six_rows(const float *xf, int64_t rows, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                     int64_t n_out, int64_t k, int64_t n_begin, int64_t n_end) {
+    float sums[MAX_TILE_ROWS][8];
+    const float *x[6] = {xf, xf + k, xf + 2 * k, xf + 3 * k, xf + 4 * k, xf + (rows - 1) * k};
+    int64_t n = n_begin;
+    for (; n + 2 <= n_end; n += 2) {
+        tile_6x2(sums, x, w + n * k, k);
+        store_tile(out, n_out, n, sums, bias, (int)rows, 2);
+    }
+    if (n < n_end) {
+        tile(sums, xf, k, w + n * k, k, 4, 1);
+        store_tile(out, n_out, n, sums, bias, 4, 1);
+        for (int64_t i = 4; i < rows; i++) {
+            tile(sums, xf + i * k, k, w + n * k, k, 1, 1);
+            store_tile(out + i * n_out, n_out, n, sums, bias, 1, 1);
+        }
+    }
+}
+#endif
+
 /* One thread's weight rows [n_begin, n_end) against `rows` widened rows (fp32 [rows, k]) at xf.
  *
  * Weight rows outer, input rows inner: each block of NB weight rows is read from memory once, and
@@ -264,7 +361,13 @@ static inline __attribute__((always_inline)) void store_tile(uint16_t *out, int6
  * rows then cost nearly two single-row steps.) */
 static void block_rows(const float *xf, int64_t rows, const uint16_t *w, const uint16_t *bias, uint16_t *out,
                        int64_t n_out, int64_t k, int64_t n_begin, int64_t n_end) {
-    float sums[MAX_MR][8];
+    float sums[MAX_TILE_ROWS][8];
+#if HAVE_TILE_4X3_ASM
+    if (rows == 5 || rows == 6) {
+        six_rows(xf, rows, w, bias, out, n_out, k, n_begin, n_end);
+        return;
+    }
+#endif
     const int64_t whole = rows - rows % MAX_MR;
     for (int64_t n0 = n_begin; n0 < n_end; n0 += NB) {
         const int64_t n1 = n0 + NB <= n_end ? n0 + NB : n_end;

@@ -30,11 +30,12 @@ def assert_within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) -> 
     assert ((actual.float() - expected.float()).abs() <= step).all()
 
 
-# Rows: a decode step of 1-3 sequences has its own tiles, 4 and more groups of 4 plus 1-3 left over
-# (5 and 9: a verification step), all in the same pass over a block of weight rows; 300 rows of 1,000
+# Rows: a decode step of 1-3 sequences has its own tiles, 5-6 (a verification step of k = 4 or 5) one
+# pass of 6 x 2 tiles, 4 and 7 or more groups of 4 plus 1-3 left over (9: a verification step of
+# k = 8), all in the same pass over a block of weight rows; 300 rows of 1,000
 # columns spans several row blocks. Output features: whole blocks of 24 weight rows, a partial one,
 # several with a partial last. Columns: whole chunks of 16, a tail, fewer than one chunk.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 33, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 33, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 37), (7, 1000), (25, 5), (131, 48)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_linear_equals_the_product_rounded_once(
@@ -48,7 +49,7 @@ def test_linear_equals_the_product_rounded_once(
     assert_within_one_rounding(actual, rounded_once(x, weight, bias))
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 17, 300])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 8, 9, 17, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(131, 48), (50, 37), (30, 1000)])
 def test_a_rows_result_is_the_same_bits_whatever_rows_share_the_call(
     kernels, rows: int, out_features: int, in_features: int
