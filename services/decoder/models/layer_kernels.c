@@ -159,9 +159,10 @@ int tandem_decode_layers(uint16_t *h, const void *const *weights, void *const *k
                                 cos, sin, slots, kv_caches[l], num_blocks * block_size, q, NULL, NULL, m, hidden,
                                 num_heads, num_kv_heads, head_dim) != 0)
             return 1;
-        if (tandem_decode_attention(q, kv_caches[l], block_tables, seq_lens, attn, m, num_heads, num_kv_heads,
-                                    head_dim, num_blocks, block_size, max_blocks, scale, BF16) != 0)
-            return 2;
+        const int attended = tandem_decode_attention(q, kv_caches[l], block_tables, seq_lens, attn, m, num_heads,
+                                                     num_kv_heads, head_dim, num_blocks, block_size, max_blocks,
+                                                     scale, BF16);
+        if (attended != 0) return attended == -2 ? 3 : 2;
         if (tandem_mlp_block(h, attn, w[W_O], w[W_O_BIAS], w[W_POST_NORM], eps, w[W_GATE_UP], w[W_GATE_UP_BIAS],
                              w[W_DOWN], w[W_DOWN_BIAS], m, hidden, num_heads * head_dim, inter) != 0)
             return 3;

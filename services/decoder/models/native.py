@@ -256,6 +256,8 @@ class NativeKernels:
             scale,
             DTYPE_CODES[q.dtype],
         )
+        if status == -2:
+            raise MemoryError(f"decode attention: no scratch memory for {num_seqs} rows")
         _check(status, "a sequence length (seq_lens) or block id (block_tables) is outside kv_cache")
         return out
 

@@ -30,10 +30,11 @@ static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* exp_nonpositive on 8 lanes: the same steps, each product-and-add one FMA. For the softmax of decode
- * attention, whose scalar loop (16 exps a block per query head) was a fifth of the kernel's time. */
+/* exp_nonpositive on 8 lanes: the same steps, each product-and-add one FMA; NaN in, NaN out. For the
+ * softmax of decode attention, whose scalar loop (16 exps a block per query head) was a fifth of the
+ * kernel's time. */
 static inline __attribute__((always_inline)) __m256 exp8_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x); /* this operand order keeps a NaN x a NaN */
     const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x));
     __m256 p = _mm256_set1_ps(1.9875691500e-4f);

@@ -159,12 +159,11 @@ static inline __attribute__((always_inline)) void softmax_block(float *restrict 
     const float correction = *running_max == -INFINITY ? 0.0f : exp_nonpositive(*running_max - new_max);
     *running_max = new_max;
 #if HAVE_AVX2
-    /* 8 exps at a time, over n rounded up to 8 (the scores array has room); the lanes past n are
-     * neither summed nor used. */
+    /* 8 exps at a time, over n rounded up to 8 (the scores array has room, zeros past n: see attend);
+     * the lanes past n are neither summed nor used. A NaN score stays NaN, as in the scalar exp. */
     const __m256 max8 = _mm256_set1_ps(new_max);
     for (int64_t t = 0; t < n; t += 8)
-        _mm256_storeu_ps(scores + t, exp8_nonpositive(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), max8),
-                                                                    _mm256_setzero_ps())));
+        _mm256_storeu_ps(scores + t, exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), max8)));
 #else
     for (int64_t t = 0; t < n; t++) scores[t] = exp_nonpositive(scores[t] - new_max);
 #endif
@@ -228,6 +227,8 @@ static inline __attribute__((always_inline)) void attend(
         load_rows(rows, keys, n, head_dim, row_stride, dtype);
         for (int64_t i = n * head_dim; i < ((n + 3) & ~(int64_t)3) * head_dim; i++) rows[i] = 0.0f;
         block_scores(scores, q, rows, n, heads, head_dim);
+        for (int64_t h = 0; h < heads; h++) /* up to the 8-lane exps' reach: written, never used */
+            for (int64_t t = (n + 3) & ~(int64_t)3; t < ((n + 7) & ~(int64_t)7); t++) scores[h][t] = 0.0f;
         for (int64_t r = 0; r < num_rows; r++) {
             const int64_t left = first_len + r - start, n_r = left < block_size ? left : block_size;
             for (int64_t g = r * group; g < (r + 1) * group && n_r > 0; g++)
@@ -299,8 +300,8 @@ static int32_t *find_runs(const int32_t *block_tables, const int32_t *seq_lens, 
  * block_tables: int32 [num_seqs, max_blocks]
  * seq_lens:     int32 [num_seqs], context length of each row including its own token
  * out:          [num_seqs, num_heads * head_dim], same dtype as q and the cache
- * All contiguous. Returns 0, or -1 when a length or block id is out of range (nothing is written then),
- * or when scratch memory cannot be had.
+ * All contiguous. Returns 0; -1 when a length or block id is out of range, -2 without scratch memory
+ * (nothing is written then).
  */
 int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *block_tables,
                             const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
@@ -323,8 +324,9 @@ int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *
             if (id < 0 || id >= num_blocks) return -1;
         }
     }
+    if (num_seqs == 0) return 0;
     const int32_t *runs = find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size, group);
-    if (runs == NULL) return -1;
+    if (runs == NULL) return -2;
     const char *cache = (const char *)kv_cache;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {

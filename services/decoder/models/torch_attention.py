@@ -56,14 +56,19 @@ class TorchPagedAttention(PagedAttention):
         attn: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        # Every context within its table too: a static-shape padding sequence is longer than its
+        # one-block table (it attends only to its own fresh keys, which SDPA needs no table for).
+        longest = max(attn.seq_lens)
         if (
             self.native is not None
-            and max(attn.seq_lens) <= NATIVE_PREFILL_MAX_CONTEXT
+            and longest <= NATIVE_PREFILL_MAX_CONTEXT
+            and longest <= attn.block_tables.shape[1] * kv_cache.shape[2]
             and self.native.supports_decode(q, kv_cache)
         ):
-            if self._rows is None or self._rows[0] is not attn:
-                self._rows = (attn, *_rows_as_sequences(attn))
-            _, tables, row_lens = self._rows
+            rows = self._rows
+            if rows is None or rows[0] is not attn:
+                rows = self._rows = (attn, *_rows_as_sequences(attn))
+            _, tables, row_lens = rows
             return self.native.decode_attention(q, kv_cache, tables, row_lens, scale)
         return _prefill_attention(q, kv_cache, attn, scale, k, v)
 

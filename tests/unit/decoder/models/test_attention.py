@@ -219,3 +219,25 @@ def test_a_prefill_past_the_native_context_limit_runs_on_sdpa_and_still_matches(
     out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 3), ("b", 7)]], attention)
     assert calls == []
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fresh_sequence_longer_than_its_table_stays_on_sdpa() -> None:
+    # A static-shape padding sequence: its tokens' keys go to the null block, its one-block table
+    # holds fewer positions than its length, and it attends only to its own fresh keys. The C
+    # kernel reads keys through the table, so such a step must stay on SDPA.
+    torch.manual_seed(0)
+    kv_cache = torch.zeros(2, 4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    num_tokens = 3 * BLOCK_SIZE
+    attn = AttentionMetadata(
+        query_lens=[num_tokens],
+        seq_lens=[num_tokens],
+        seq_lens_t=torch.tensor([num_tokens], dtype=torch.int32),
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),  # every padding key in the null slot
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        logits_indices=torch.tensor([num_tokens - 1]),
+    )
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
+    k, v = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    write_kv_cache(kv_cache, k, v, attn.slot_mapping)
+    out = native_attention()(q, k, v, kv_cache, attn, SCALE)
+    torch.testing.assert_close(out, dense_attention(q, k, v), atol=1e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ step, on rare elements); decode attention is checked against a dense reference i
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,33 @@ def test_decode_attention_gives_a_sequence_the_same_bits_whatever_sequences_shar
     for s in range(len(seq_lens)):
         alone = kernels.decode_attention(q[s : s + 1], cache, tables[s : s + 1], seq_lens[s : s + 1], 0.125)
         assert torch.equal(alone[0], together[s]), f"sequence {s} (length {int(seq_lens[s])})"
+
+
+def test_decode_attention_of_no_rows_is_empty_on_a_thread_that_never_attended(kernels) -> None:
+    # The run finder's buffer is per thread: a first call with no rows must not need it.
+    cache = torch.zeros(2, 4, 4, 1, 64)
+    results = []
+    tables, lens = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    no_rows = (torch.zeros(0, 1, 64), cache, tables, lens)
+    thread = threading.Thread(target=lambda: results.append(kernels.decode_attention(*no_rows, 0.125)))
+    thread.start()
+    thread.join()
+    assert results[0].shape == (0, 64)
+
+
+def test_a_nan_query_gives_nan_for_its_row_only(kernels) -> None:
+    # As torch's softmax would: a NaN score is not quietly weighted, and a run's other rows keep
+    # their own results.
+    torch.manual_seed(0)
+    cache = torch.randn(2, 4, 16, 1, 64)
+    tables = torch.tensor([[2, 0], [2, 0], [2, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 6, 7], dtype=torch.int32)  # one run of three rows
+    q = torch.randn(3, 1, 64)
+    clean = kernels.decode_attention(q, cache, tables, seq_lens, 0.125)
+    q[1, 0, 7] = float("nan")
+    out = kernels.decode_attention(q, cache, tables, seq_lens, 0.125)
+    assert out[1].isnan().all()
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
 
 
 def test_a_model_on_the_kernels_gives_the_torch_path_logits_and_transformers_greedy_tokens(
