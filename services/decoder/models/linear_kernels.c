@@ -136,6 +136,35 @@ static inline __attribute__((always_inline)) void tile(float sums[MAX_TILE_ROWS]
 
 #if HAVE_AVX2 && defined(__x86_64__)
 #define HAVE_TILE_4X3_ASM 1
+/* What both written-out tiles share: their 12 accumulators (ymm0-11) zeroed before the loop and
+ * stored to acc after it, every vector register clobbered, and the lane sums and k-tail after. */
+#define ZERO_ACC12                                                                                            \
+    "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"                                                                       \
+    "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n\t"                         \
+    "vmovaps %%ymm0, %%ymm4\n\tvmovaps %%ymm0, %%ymm5\n\tvmovaps %%ymm0, %%ymm6\n\t"                         \
+    "vmovaps %%ymm0, %%ymm7\n\tvmovaps %%ymm0, %%ymm8\n\tvmovaps %%ymm0, %%ymm9\n\t"                         \
+    "vmovaps %%ymm0, %%ymm10\n\tvmovaps %%ymm0, %%ymm11\n\t"
+#define STORE_ACC12                                                                                           \
+    "vmovups %%ymm0, (%[acc])\n\tvmovups %%ymm1, 32(%[acc])\n\tvmovups %%ymm2, 64(%[acc])\n\t"               \
+    "vmovups %%ymm3, 96(%[acc])\n\tvmovups %%ymm4, 128(%[acc])\n\tvmovups %%ymm5, 160(%[acc])\n\t"           \
+    "vmovups %%ymm6, 192(%[acc])\n\tvmovups %%ymm7, 224(%[acc])\n\tvmovups %%ymm8, 256(%[acc])\n\t"          \
+    "vmovups %%ymm9, 288(%[acc])\n\tvmovups %%ymm10, 320(%[acc])\n\tvmovups %%ymm11, 352(%[acc])\n\t"
+#define ALL_YMM_CLOBBERED                                                                                     \
+    "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", \
+        "xmm13", "xmm14", "xmm15", "cc", "memory"
+
+/* sums[i][j] from an MR x NR tile's accumulators acc[NR * i + j] (unset, and the sums zero, when k
+ * has no whole CHUNK), then the elements past the last whole CHUNK, as tile() adds them. */
+static inline __attribute__((always_inline)) void finish_tile(float sums[MAX_TILE_ROWS][8], float acc[12][8],
+                                                              const float *const rows[], const uint16_t *w,
+                                                              int64_t k, const int MR, const int NR) {
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) sums[i][j] = k >= CHUNK ? sum_lanes(_mm256_loadu_ps(acc[NR * i + j])) : 0.0f;
+    for (int64_t at = k - k % CHUNK; at < k; at++)
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) sums[i][j] += rows[i][at] * bf16_to_f32(w[j * k + at]);
+}
+
 /* Pieces of tile_4x3's loop: three weight rows widened into ymm12-14 (even elements, then odd
  * ones), and one input row's vector in ymm15 against them into three accumulators. */
 #define WIDEN_EVEN(REG, W) "vmovdqu (%[" W "],%[at],2), %%" REG "\n\tvpslld $16, %%" REG ", %%" REG "\n\t"
@@ -164,11 +193,7 @@ static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_TILE_R
         const char *next_tile = (const char *)(w + 3 * k); /* prefetched as tile() does: 96 bytes a chunk */
         int64_t at = 0, left = chunks;
         __asm__ volatile(
-            "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
-            "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n\t"
-            "vmovaps %%ymm0, %%ymm4\n\tvmovaps %%ymm0, %%ymm5\n\tvmovaps %%ymm0, %%ymm6\n\t"
-            "vmovaps %%ymm0, %%ymm7\n\tvmovaps %%ymm0, %%ymm8\n\tvmovaps %%ymm0, %%ymm9\n\t"
-            "vmovaps %%ymm0, %%ymm10\n\tvmovaps %%ymm0, %%ymm11\n\t"
+            ZERO_ACC12
             "1:\n\t"
             "prefetcht0 (%[pf])\n\t"
             "prefetcht0 64(%[pf])\n\t"
@@ -186,24 +211,14 @@ static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_TILE_R
             "add $16, %[at]\n\t"
             "dec %[left]\n\t"
             "jnz 1b\n\t"
-            "vmovups %%ymm0, (%[acc])\n\tvmovups %%ymm1, 32(%[acc])\n\tvmovups %%ymm2, 64(%[acc])\n\t"
-            "vmovups %%ymm3, 96(%[acc])\n\tvmovups %%ymm4, 128(%[acc])\n\tvmovups %%ymm5, 160(%[acc])\n\t"
-            "vmovups %%ymm6, 192(%[acc])\n\tvmovups %%ymm7, 224(%[acc])\n\tvmovups %%ymm8, 256(%[acc])\n\t"
-            "vmovups %%ymm9, 288(%[acc])\n\tvmovups %%ymm10, 320(%[acc])\n\tvmovups %%ymm11, 352(%[acc])\n\t"
+            STORE_ACC12
             : [at] "+r"(at), [left] "+r"(left), [pf] "+r"(next_tile)
             : [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [w0] "r"(w0), [w1] "r"(w1), [w2] "r"(w2),
               [acc] "r"(acc)
-            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
-              "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < 3; j++) sums[i][j] = sum_lanes(_mm256_loadu_ps(acc[3 * i + j]));
-    } else {
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < 3; j++) sums[i][j] = 0.0f;
+            : ALL_YMM_CLOBBERED);
     }
-    for (int64_t at = chunks * CHUNK; at < k; at++) /* the tail past a multiple of CHUNK, as in tile() */
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < 3; j++) sums[i][j] += x[i * ldx + at] * bf16_to_f32(w[j * k + at]);
+    const float *const rows[4] = {x, x + ldx, x + 2 * ldx, x + 3 * ldx};
+    finish_tile(sums, acc, rows, w, k, 4, 3);
 }
 
 /* The 6 x 2 tile (steps of 5 or 6 rows: a verification step of k = 4 or 5, or 5-6 sequences): all
@@ -230,11 +245,7 @@ static inline __attribute__((always_inline)) void tile_6x2(float sums[MAX_TILE_R
         const char *next_tile = (const char *)(w + 2 * k); /* 64 bytes a chunk: the next two rows */
         int64_t at = 0, left = chunks;
         __asm__ volatile(
-            "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
-            "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n\t"
-            "vmovaps %%ymm0, %%ymm4\n\tvmovaps %%ymm0, %%ymm5\n\tvmovaps %%ymm0, %%ymm6\n\t"
-            "vmovaps %%ymm0, %%ymm7\n\tvmovaps %%ymm0, %%ymm8\n\tvmovaps %%ymm0, %%ymm9\n\t"
-            "vmovaps %%ymm0, %%ymm10\n\tvmovaps %%ymm0, %%ymm11\n\t"
+            ZERO_ACC12
             "vpcmpeqd %%ymm15, %%ymm15, %%ymm15\n\tvpslld $16, %%ymm15, %%ymm15\n\t"
             "1:\n\t"
             "prefetcht0 (%[pf])\n\t"
@@ -256,24 +267,13 @@ static inline __attribute__((always_inline)) void tile_6x2(float sums[MAX_TILE_R
             "add $16, %[at]\n\t"
             "dec %[left]\n\t"
             "jnz 1b\n\t"
-            "vmovups %%ymm0, (%[acc])\n\tvmovups %%ymm1, 32(%[acc])\n\tvmovups %%ymm2, 64(%[acc])\n\t"
-            "vmovups %%ymm3, 96(%[acc])\n\tvmovups %%ymm4, 128(%[acc])\n\tvmovups %%ymm5, 160(%[acc])\n\t"
-            "vmovups %%ymm6, 192(%[acc])\n\tvmovups %%ymm7, 224(%[acc])\n\tvmovups %%ymm8, 256(%[acc])\n\t"
-            "vmovups %%ymm9, 288(%[acc])\n\tvmovups %%ymm10, 320(%[acc])\n\tvmovups %%ymm11, 352(%[acc])\n\t"
+            STORE_ACC12
             : [at] "+r"(at), [left] "+r"(left), [pf] "+r"(next_tile)
             : [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [x4] "r"(x4), [x5] "r"(x5), [w0] "r"(w0),
               [w1] "r"(w1), [acc] "r"(acc)
-            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
-              "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
-        for (int i = 0; i < 6; i++)
-            for (int j = 0; j < 2; j++) sums[i][j] = sum_lanes(_mm256_loadu_ps(acc[2 * i + j]));
-    } else {
-        for (int i = 0; i < 6; i++)
-            for (int j = 0; j < 2; j++) sums[i][j] = 0.0f;
+            : ALL_YMM_CLOBBERED);
     }
-    for (int64_t at = chunks * CHUNK; at < k; at++) /* the tail past a multiple of CHUNK, as in tile() */
-        for (int i = 0; i < 6; i++)
-            for (int j = 0; j < 2; j++) sums[i][j] += rows[i][at] * bf16_to_f32(w[j * k + at]);
+    finish_tile(sums, acc, rows, w, k, 6, 2);
 }
 #undef EVEN2
 #undef ODD2
@@ -281,6 +281,9 @@ static inline __attribute__((always_inline)) void tile_6x2(float sums[MAX_TILE_R
 #undef WIDEN_EVEN
 #undef WIDEN_ODD
 #undef ROW_FMAS
+#undef ZERO_ACC12
+#undef STORE_ACC12
+#undef ALL_YMM_CLOBBERED
 #else
 #define HAVE_TILE_4X3_ASM 0
 #endif

@@ -32,7 +32,8 @@ NATIVE_PREFILL_MAX_CONTEXT = 640
 
 
 class TorchPagedAttention(PagedAttention):
-    """Torch ops; with `native`, a decode-only step the kernel takes runs in native_kernels.c instead."""
+    """Torch ops; with `native`, a decode-only step the kernel takes, and a step with prefill whose
+    contexts are all short, run in native_kernels.c instead."""
 
     def __init__(self, native: NativeKernels | None = None) -> None:
         self.native = native
