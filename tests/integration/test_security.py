@@ -453,11 +453,11 @@ def test_a_key_that_is_not_the_certificates_is_one_line_naming_the_flag(
     assert capsys.readouterr().err == f"tandem up: --tls-key (TANDEM_UP_TLS_KEY) {said}\n"
 
 
-async def test_the_readmes_openssl_lines_make_certificates_that_serve_mutual_tls(tmp_path: Path) -> None:
-    """The README's commands, run as written: a server and a client that trust each other through
-    the CA they make."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    block = readme.split("<!-- test-pki -->\n```sh\n", 1)[1].split("```", 1)[0]
+async def test_the_security_pages_openssl_lines_make_certificates_for_mutual_tls(tmp_path: Path) -> None:
+    """docs/SECURITY.md's commands, run as written: a server and a client that trust each other
+    through the CA they make."""
+    doc = (REPO_ROOT / "docs" / "SECURITY.md").read_text()
+    block = doc.split("<!-- test-pki -->\n```sh\n", 1)[1].split("```", 1)[0]
     result = subprocess.run(
         ["sh", "-e", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )

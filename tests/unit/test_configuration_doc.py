@@ -1,5 +1,5 @@
-"""The README's configuration tables list every flag of both services and of `tandem up`, each with
-its environment variable and the default `--help` shows."""
+"""docs/CONFIGURATION.md's tables list every flag of both services and of `tandem up`, each with its
+environment variable and the default `--help` shows."""
 
 import re
 from pathlib import Path
@@ -12,11 +12,11 @@ from services.decoder.api.main import command as decoder_command
 from services.encoder.__main__ import command as encoder_command
 from services.up import command as up_command
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+CONFIGURATION = (Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md").read_text()
 ROWS = {
     (flag, env): default
     for flag, env, default in re.findall(
-        r"^\| `(--[a-z0-9-]+)` \| `([A-Z0-9_]+)` \| ([^|]+) \|", README, flags=re.MULTILINE
+        r"^\| `(--[a-z0-9-]+)` \| `([A-Z0-9_]+)` \| ([^|]+) \|", CONFIGURATION, flags=re.MULTILINE
     )
 }
 
@@ -32,9 +32,9 @@ def test_every_flag_is_documented_with_its_variable_and_default(command) -> None
     settings = _settings(command())
     assert settings
     missing = [s.opts[0] for s in settings if (s.opts[0], s.envvar) not in ROWS]
-    assert not missing, f"README configuration table lacks {missing}"
+    assert not missing, f"docs/CONFIGURATION.md's table lacks {missing}"
     for setting in settings:
-        if not isinstance(setting.show_default, str):  # a plain value: the README shows the same
+        if not isinstance(setting.show_default, str):  # a plain value: the table shows the same
             row = ROWS[(setting.opts[0], setting.envvar)]
             assert f"`{_shown(setting.default)}`" in row, setting.opts[0]
 
