@@ -231,7 +231,7 @@ def main() -> None:
                 "decoder Generate, float32 3.4e38 in a row (inf in bf16), then a greedy request",
                 lambda: _poison(decoder, info.hidden_size),
                 d,
-                None,  # alone: in a batch, bf16 logits can differ anyway (README: Batch invariance)
+                None,  # alone: in a batch, bf16 logits can differ anyway (docs/ARCHITECTURE.md)
             ),
             (
                 f"{args.rounds} rounds of cancel then reuse the ID",

@@ -1,8 +1,8 @@
 """Neuron decode buckets: one `torch_neuronx.trace` graph per bucket. EXPERIMENTAL: never run on hardware.
 
 Reachable only when torch_neuronx imports, which it does on no machine this repository is tested on: the
-tests drive this class with a stand-in for the SDK (tests/unit/decoder/backends/test_backend.py). The
-README's "Backends" section says what was and was not run on real hardware.
+tests drive this class with a stand-in for the SDK (tests/unit/decoder/backends/test_backend.py).
+docs/BACKENDS.md says what was and was not run on real hardware.
 """
 
 from __future__ import annotations
