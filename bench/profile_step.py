@@ -15,7 +15,7 @@ steps measured three ways, each pass on its own so that no instrument distorts a
 Hooks cost ~2-4 us per module call, so pass 2's categories add up to more than pass 1's forward.
 
 Run: `.venv/bin/python bench/profile_step.py` (SmolLM2-135M-Instruct bf16, N = 1, 8, 32), or
-`--model-dir DIR`, `--path modules` (the layers op by op, linears on the C kernel) or `--path torch`
+`--model-dir DIR`, `--path modules` (the executor without its one-call decode stack) or `--path torch`
 (the layers op by op, linears on torch: the state before the C linears and fused layers).
 """
 
@@ -36,13 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_throughput import StepTimer, build_engine, make_prompts  # noqa: E402
 
 from common.model_cache import resolve_model  # noqa: E402
+from services.decoder.backends.cpu.build import this_machine_levels  # noqa: E402
+from services.decoder.backends.cpu.executor import CpuExecutor  # noqa: E402
+from services.decoder.backends.cpu.kernels import load  # noqa: E402
+from services.decoder.backends.cpu.linear import CLinear  # noqa: E402
 from services.decoder.engine.outputs import OutputOptions, OutputState  # noqa: E402
 from services.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
 from services.decoder.engine.prompt import GenerateSpec  # noqa: E402
 from services.decoder.models import transformer  # noqa: E402
 from services.decoder.models.layers import RMSNorm, SwiGLU  # noqa: E402
 from services.decoder.models.linear import Linear  # noqa: E402
-from services.decoder.models.native_linear import NativeLinear  # noqa: E402
 
 LINEAR_NAMES = {
     "qkv_proj": "q/k/v projection",
@@ -151,25 +154,26 @@ def profile_size(engine, n: int, args: argparse.Namespace) -> dict:
     clock = ModuleClock(model)
     kernel_ms: dict[str, float] = defaultdict(float)
     undo = []
-    kernels = next((m.native for m in model.modules() if isinstance(m, RMSNorm) and m.native), None)
-    if kernels is not None:
+    step_fn = core.runner.executor
+    if isinstance(step_fn, CpuExecutor) and step_fn.choice.build is not None:
+        kernels = load(next(level for level in this_machine_levels() if level.name == step_fn.choice.build))
         for attr, key in (("_rms_norm", "C RMSNorm"), ("_qkv_rope_cache", "C q/k norm + RoPE + KV write"),
                           ("_decode_attention", "C decode attention")):  # fmt: skip
             undo.append(time_calls(kernels, attr, kernel_ms, key))
-    bound: list[NativeLinear] = [m.native for m in model.modules() if isinstance(m, Linear) and m.native]
-    bound += [model.native_head] if model.native_head is not None else []
-    for linear in bound:
-        undo.append(time_calls(linear, "_fn", kernel_ms, "C bf16 linear"))
-    for layer in model.layers:
-        if layer.native is not None:
-            undo.append(time_calls(layer.native, "_attention_in", kernel_ms, "C fused attention_in"))
-            undo.append(time_calls(layer.native, "_mlp_block", kernel_ms, "C fused mlp_block"))
+        linears = [step_fn.head, *(getattr(layer, name) for layer in step_fn.layers
+                                   for name in ("qkv", "o", "gate_up", "down"))]  # fmt: skip
+        for linear in linears:
+            if isinstance(linear, CLinear):
+                undo.append(time_calls(linear, "_fn", kernel_ms, "C bf16 linear"))
+        for fused in step_fn.fused or []:
+            undo.append(time_calls(fused, "_attention_in", kernel_ms, "C fused attention_in"))
+            undo.append(time_calls(fused, "_mlp_block", kernel_ms, "C fused mlp_block"))
     head_ms: dict[str, float] = defaultdict(float)
-    original_head = transformer.vocab_parallel_logits
-    transformer.vocab_parallel_logits = lambda *a: _timed_head(original_head, head_ms, *a)
+    original_head = step_fn.compute_logits
+    step_fn.compute_logits = lambda *a: _timed_head(original_head, head_ms, *a)  # type: ignore[method-assign]
     for _ in range(steps):
         core.step()
-    transformer.vocab_parallel_logits = original_head
+    del step_fn.compute_logits  # the instance attribute set above: back to the method
     clock.remove()
     for restore in undo:
         restore()
@@ -225,14 +229,11 @@ def main() -> None:
                                   threads=args.threads, max_num_batched_tokens=4096)  # fmt: skip
     engine = build_engine(model_dir, workload, max(sizes), start=False)
     model = engine.loaded.model
-    if args.path in ("modules", "torch"):
-        for layer in model.layers:
-            layer.native = None
-    if args.path == "torch":
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.native = None
-        model.native_head = None
+    executor = engine.core.runner.executor
+    if args.path in ("modules", "torch") and isinstance(executor, CpuExecutor) and executor.choice.build:
+        kernels = load(next(level for level in this_machine_levels() if level.name == executor.choice.build))
+        linears = "torch" if args.path == "torch" else executor.choice.linears
+        engine.core.runner.executor = CpuExecutor(model, kernels, linears=linears, use_stack=False)
     print(f"model {model_dir}, threads {args.threads}, path {args.path}, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     for n in sizes:

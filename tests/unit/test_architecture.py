@@ -150,3 +150,18 @@ def test_every_decoder_package_says_what_it_owns_and_the_top_level_is_packages()
         assert docstring and "\n" not in docstring.strip(), f"{package.name}/__init__.py: one-line docstring"
     files = sorted(p.name for p in root.glob("*.py"))
     assert files == ["__init__.py", "__main__.py", "config.py"]
+
+
+def test_the_model_is_plain_torch_and_the_cpu_kernels_live_in_the_cpu_backend() -> None:
+    # The model package holds no native code and no hook for it: the CPU executor binds kernels from
+    # outside (backends/cpu/), and the model's one forward is the reference it is tested against.
+    models = REPO_ROOT / "services" / "decoder" / "models"
+    assert not [p.name for p in models.iterdir() if p.suffix in (".c", ".h", ".so")]
+    for module in (m for m in modules() if m.startswith(f"{DECODER}.models")):
+        assert "ctypes" not in imports(module), module
+        assert not any(n.startswith(f"{DECODER}.backends") for n in imports(module)), module
+        assert ".native" not in modules()[module].read_text(), f"{module} still has a native hook"
+    cpu = REPO_ROOT / "services" / "decoder" / "backends" / "cpu"
+    assert sorted(p.name for p in (cpu / "csrc").glob("*.c")) == ["attention.c", "layer.c", "linear.c"]
+    decoder_users = sorted(m for m in modules() if m.startswith(DECODER) and "ctypes" in imports(m))
+    assert decoder_users and all(m.startswith(f"{DECODER}.backends.cpu.") for m in decoder_users)

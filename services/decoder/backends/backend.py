@@ -16,7 +16,7 @@ How a decode bucket becomes a graph is one file per kind: `torch_compile.py` (CP
   bucket is traced ahead with `torch_neuronx.trace`. One rank only: Neuron tensor parallelism runs as
   one SPMD program (NxD), not as the per-rank processes this engine spawns.
 
-Only the SDK-free parts run in this repository's tests; see the README's "Backends" section for
+Only the SDK-free parts run in this repository's tests; see docs/BACKENDS.md for
 exactly what was and was not run on real hardware.
 """
 
@@ -26,13 +26,15 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from common.errors import ConfigError
+from services.decoder.backends.cpu import executor as cpu_executor
+from services.decoder.backends.cpu import kernels as cpu_kernels
 from services.decoder.backends.cuda_attention import CudaPagedAttention
-from services.decoder.models import native
-from services.decoder.models.attention import PagedAttention
+from services.decoder.models.attention import AttentionMetadata, PagedAttention
 from services.decoder.models.transformer import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -64,11 +66,10 @@ class Backend:
     requires_static_shapes: bool  # True: every step must be padded to a warmed-up bucket
     uses_cuda_graphs: bool  # compiled buckets replay into reused output buffers (callers get a copy)
     install_hint: str  # what to install when `check_available` fails
-    prepacks_weights: bool = False  # pack bf16 linear weights for oneDNN once at load (eager CPU)
-    native_kernels: bool = False  # decode attention through models/native_kernels.c (eager CPU)
+    has_cpu_executor: bool = False  # eager steps run through backends/cpu/executor.py's bound kernels
     compiler: str = "inductor"  # torch.compile backend; tests swap in "aot_eager" (same graphs, no codegen)
-    # The model's attention implementation; None keeps the model's own (torch ops, and the C decode
-    # kernel on eager CPU).
+    # The model's attention implementation; None keeps the model's own (torch ops; the CPU executor
+    # plugs in its C decode kernel).
     attention: type[PagedAttention] | None = None
 
 
@@ -82,8 +83,7 @@ BACKENDS: dict[str, Backend] = {
         requires_static_shapes=False,
         uses_cuda_graphs=False,
         install_hint="",
-        prepacks_weights=True,
-        native_kernels=True,
+        has_cpu_executor=True,
     ),
     "cuda": Backend(
         name="cuda",
@@ -147,31 +147,51 @@ def torch_device(device: str) -> torch.device:
     return torch.device(device if backend.placement == "cuda" else backend.placement)
 
 
-def prepare_model(model: DecoderModel, backend: Backend, compile: bool, native_kernels: bool) -> None:
-    """Readies a model this process loaded for serving on `backend`, on every rank alike.
+class ModelStep(Protocol):
+    """What runs a model's steps: the model itself, or an executor bound to it (the CPU's)."""
 
-    The backend's attention implementation, if it has one. Eager CPU: bf16 weights packed for oneDNN
-    and, unless `native_kernels` is off, the C kernels attached (None when they cannot be built: the
-    model keeps torch ops). Compiled models stay as loaded: Inductor folds and packs weights itself.
-    Call on the thread that runs the model.
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens]
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
+    ) -> torch.Tensor: ...  # float32 logits [num_logits, vocab_size]
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        inputs_embeds: torch.Tensor | None = None,
+        is_token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # [num_logits, hidden_size]
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor: ...  # float32 [num_rows, vocab_size]
+
+
+def prepare_model(model: DecoderModel, backend: Backend, compile: bool, native_kernels: bool) -> ModelStep:
+    """What runs a model this process loaded on `backend`, on every rank alike.
+
+    The backend's attention implementation, if it has one. Eager CPU: the CPU executor, its kernels
+    chosen from this CPU's flags (the C kernels' build for it, when installed: else one log line and
+    torch ops). `native_kernels` off, or compiled mode: the plain model (Inductor generates its own
+    kernels and packs weights itself). Call on the thread that runs the model.
     """
     if backend.attention is not None:
         model.use_attention(backend.attention())
+    if not backend.has_cpu_executor:
+        return model
     if compile:
-        if backend.native_kernels:
-            log.info("CPU kernels: not used in compiled mode (Inductor generates its own)")
-        return
-    if backend.prepacks_weights:
-        model.prepack()
-    if not backend.native_kernels:
-        return
+        log.info("CPU kernels: not used in compiled mode (Inductor generates its own)")
+        return model
     if not native_kernels:
         log.info("CPU kernels: off (--native-kernels false), the model runs on torch ops")
-        return
-    kernels = native.load()  # None: it logged why, and the model keeps its torch ops
-    model.use_native_kernels(kernels)
-    if kernels is not None:
-        log.info("CPU kernels: in use for norms, RoPE + KV write and decode attention (%s)", kernels.path)
+        return model
+    return cpu_executor.bind(model, cpu_kernels.load_for_cpu())
 
 
 def bind_rank_device(device: str) -> None:

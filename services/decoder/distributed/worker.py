@@ -121,9 +121,10 @@ def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
     """Loads this rank's shard and runs every batch rank 0 sends until STOP; raises on a failure."""
     loaded = load_model(config.model_dir, config.dtype, config.device, tp)
     backend = backends.resolve(config.device)
-    backends.prepare_model(loaded.model, backend, config.compile, config.native_kernels)
+    executor = backends.prepare_model(loaded.model, backend, config.compile, config.native_kernels)
     model_config = loaded.config
-    runner = ModelRunner(loaded.model, num_kv_blocks(config, model_config, tp.world_size), config.block_size)
+    num_blocks = num_kv_blocks(config, model_config, tp.world_size)
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor)
     log.info("rank %d of %d ready", tp.rank, tp.world_size)
     with torch.inference_mode():
         while (

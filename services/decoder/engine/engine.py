@@ -26,14 +26,14 @@ from services.decoder.config import EngineConfig
 from services.decoder.engine import sizing
 from services.decoder.engine.backpressure import ReaderProgress
 from services.decoder.engine.chat import ChatTemplate
-from services.decoder.engine.core import EngineCore, Sink
+from services.decoder.engine.core import EngineCore, EventCallback
 from services.decoder.engine.kv_cache import BlockManager
 from services.decoder.engine.loop import EngineThread
 from services.decoder.engine.outputs import Delta, Event, Failed, Finished, FinishReason, OutputState
 from services.decoder.engine.prompt import GenerateSpec, build_request
 from services.decoder.engine.prompt_logprobs import PromptLogprobsBuffer
 from services.decoder.engine.request import Request
-from services.decoder.engine.runner import ModelRunner, StepSink
+from services.decoder.engine.runner import ModelRunner, StepFeed
 from services.decoder.engine.scheduler import Scheduler, SchedulerConfig
 from services.decoder.engine.static_shapes import warmup_shapes
 from services.decoder.engine.streaming import Mailboxes, stream_events
@@ -48,7 +48,7 @@ class RankGroup(ParallelGroup, Protocol):
 
     timeout_s: float  # a collective waiting longer fails, so idle rank 0 sends keepalives well within it
 
-    def step_sender(self) -> StepSink: ...  # feeds every step to the other ranks' worker loops
+    def step_sender(self) -> StepFeed: ...  # feeds every step to the other ranks' worker loops
 
 
 class Engine:
@@ -71,10 +71,15 @@ class Engine:
         except BaseException:
             self._thread.stop()
             raise
-        if loaded is None:  # a caller's model stays as given
-            self._thread.run(
+        # A caller's model runs as given (tests compare against it); one this engine loaded runs on the
+        # backend's executor, its kernels chosen for this machine.
+        self.executor: backends.ModelStep = (
+            self.loaded.model
+            if loaded is not None
+            else self._thread.run(
                 backends.prepare_model, self.loaded.model, backend, config.compile, config.native_kernels
             )
+        )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         # The chat template (if any) and the tokenizer's plain-text twin, built once.
@@ -125,6 +130,7 @@ class Engine:
             None if tp is None else tp.step_sender(),
             backend if config.compile else None,
             invariant,
+            self.executor,
         )
         return EngineCore(scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch)
 
@@ -141,9 +147,9 @@ class Engine:
         self._builder.shutdown(wait=False, cancel_futures=True)
         self._thread.stop()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
-        if self.core.runner.sink is not None and self._thread.error is None:
+        if self.core.runner.peers is not None and self._thread.error is None:
             try:
-                self.core.runner.sink.stop()  # the other ranks' worker loops end
+                self.core.runner.peers.stop()  # the other ranks' worker loops end
             except Exception:  # a rank already gone: it has nothing left to stop
                 log.exception("could not tell the other ranks to stop")
 
@@ -174,16 +180,18 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, spec: GenerateSpec, sink: Sink, progress: ReaderProgress | None = None) -> str:
-        """Validate and admit; events go to `sink` on the engine thread. Returns the engine's key for
-        the request, which `abort` takes.
+    def submit(
+        self, spec: GenerateSpec, on_event: EventCallback, progress: ReaderProgress | None = None
+    ) -> str:
+        """Validate and admit; events go to `on_event` on the engine thread. Returns the engine's key
+        for the request, which `abort` takes.
 
         NOTE: two names. The caller's `request_id` is a label, echoed in every event and never looked
         up, so callers need not coordinate their IDs and one caller's ID never reaches another's
         request. The engine keys a request by a name of its own, unique for the engine's life; an
         empty caller ID gets a random one (a UUID), which says nothing about other requests.
 
-        With `progress`, the request pauses while the reader of `sink`'s events is far behind.
+        With `progress`, the request pauses while the reader of `on_event`'s events is far behind.
         """
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
@@ -200,7 +208,7 @@ class Engine:
             request.arrival_time,
             _prompt_logprobs_buffer(request),
         )
-        self.core.add(request, output, sink, spec.deadline, progress)
+        self.core.add(request, output, on_event, spec.deadline, progress)
         self._thread.wake()
         return request.request_id
 
@@ -241,12 +249,12 @@ class Engine:
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         progress = ReaderProgress(self._thread.wake)
 
-        def sink(event: Event) -> None:
+        def on_event(event: Event) -> None:
             if isinstance(event, Delta):
                 progress.handed()
             events.put(event)
 
-        key = self.submit(spec, sink, progress)
+        key = self.submit(spec, on_event, progress)
         finished = False
         try:
             while True:
@@ -267,7 +275,7 @@ class Engine:
         progress = ReaderProgress(self._thread.wake)
         return stream_events(
             self._mailboxes,
-            lambda sink: self.submit(spec, sink, progress),
+            lambda on_event: self.submit(spec, on_event, progress),
             self.abort,
             self._builder,
             progress,

@@ -69,7 +69,7 @@ class EngineThread:
         self._executor.shutdown()
 
     def _loop(self, core: EngineCore, keepalive_s: float | None) -> None:
-        sink = core.runner.sink
+        peers = core.runner.peers
         while True:
             with self._wakeup:
                 if self._running and not core.has_work():
@@ -79,8 +79,8 @@ class EngineThread:
             try:
                 if core.has_work():
                     core.step()
-                elif sink is not None:
-                    sink.keepalive()
+                elif peers is not None:
+                    peers.keepalive()
             except Exception as exc:  # a fault in the model or the engine: fail loudly, never hang
                 log.exception("engine step failed; failing every open request")
                 self.error = exc

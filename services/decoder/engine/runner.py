@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from services.decoder.backends.backend import Backend, RecompileError, StepFn
+from services.decoder.backends.backend import Backend, ModelStep, RecompileError, StepFn
 from services.decoder.backends.buckets import bucket_compiler
 from services.decoder.engine.batch import BatchTensors, ForwardBatch, pack
 from services.decoder.engine.prompt_logprobs import PromptLogprobsChunk, score
@@ -54,7 +54,7 @@ class StepOutput:
     prompt_logprobs: tuple[PromptLogprobsChunk, ...] = ()  # the prompt positions scored this step
 
 
-class StepSink(Protocol):
+class StepFeed(Protocol):
     """Where rank 0 sends each batch before running it (the other ranks run the same one)."""
 
     def send(self, batch: ForwardBatch) -> None: ...
@@ -73,14 +73,16 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         static: StaticShapes | None = None,
-        sink: StepSink | None = None,
+        peers: StepFeed | None = None,
         compile_with: Backend | None = None,  # static mode: compile each decode bucket; None = eager
         batch_invariant: bool = False,  # one forward pass per request (see execute)
+        executor: ModelStep | None = None,  # what runs eager steps (the CPU executor); None = the model
     ) -> None:
         self.model = model
+        self.executor: ModelStep = executor or model
         self.block_size = block_size
         self.static = static
-        self.sink = sink  # rank 0 of several: the other ranks' feed; None otherwise
+        self.peers = peers  # rank 0 of several: the other ranks' feed; None otherwise
         self.world_size = world_size_of(model.tp)
         self.device = model.embed_tokens.weight.device
         self.tensors = BatchTensors(self.device, model.config.hidden_size, model.config.dtype)
@@ -129,17 +131,18 @@ class ModelRunner:
         at a time, so the step holds [SLICE_ROWS, vocab] logits rather than one row per position."""
         self._announce(batch)
         args = (batch.input_ids, batch.positions, batch.attn, self.kv_caches)
-        h = self.model.hidden_states(*args, batch.inputs_embeds, batch.is_token_ids)  # [rows, hidden]
+        h = self.executor.hidden_states(*args, batch.inputs_embeds, batch.is_token_ids)  # [rows, hidden]
         scored = h[h.shape[0] - batch.num_scored_rows :]  # [num_scored_rows, hidden]
-        chunks = score(lambda rows: self.model.compute_logits(scored[rows]), batch.scored_spans, h.device)
-        return StepOutput(self.model.compute_logits(h[: batch.num_logits]), tuple(chunks))
+        logits_of = self.executor.compute_logits
+        chunks = score(lambda rows: logits_of(scored[rows]), batch.scored_spans, h.device)
+        return StepOutput(logits_of(h[: batch.num_logits]), tuple(chunks))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits float32 [num_logits_rows, vocab] at the batch's logits_indices (every rank calls it)."""
         signature = self._announce(batch)
         # Every rank tells a step that scores prompt positions from its batch alone, by its logits count.
         is_scoring = batch.attn.logits_indices.shape[0] != signature.num_seqs
-        step = self.model if is_scoring else self._step_for(signature)
+        step = self.executor if is_scoring else self._step_for(signature)
         return step(
             batch.input_ids,
             batch.positions,
@@ -159,8 +162,8 @@ class ModelRunner:
             is_decode_only=attn.is_decode_only,
         )
         self.signatures.add(signature)
-        if self.sink is not None:
-            self.sink.send(batch)
+        if self.peers is not None:
+            self.peers.send(batch)
         return signature
 
     def seal(self) -> None:
@@ -170,7 +173,7 @@ class ModelRunner:
 
     def _step_for(self, signature: Signature) -> StepFn:
         if self.compiler is None or not signature.is_decode_only:
-            return self.model
+            return self.executor
         step = self.compiled_steps.get(signature)
         if step is None:
             if self.compiler.is_sealed:

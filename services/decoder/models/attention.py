@@ -14,8 +14,8 @@ wrote, NaN and inf included (a request whose values overflow the model dtype lea
 No implementation lets such a slot reach the output; each one says how it keeps that promise.
 
 Model code calls a `PagedAttention` and never asks which device it runs on. One implementation per
-backend, chosen by `backends/backend.py`: `torch_attention.TorchPagedAttention` (CPU: torch ops and
-the C kernels of `native_kernels.c`; also the default of a freshly built model on any device) and
+backend, chosen by `backends/backend.py`: `torch_attention.TorchPagedAttention` (torch ops: the default
+of a freshly built model on any device; the CPU executor puts its C kernel in front of it) and
 `flex_attention.FlexPagedAttention` (CUDA: FlexAttention over block masks built from the block
 tables, SDPA for uniform fresh prompts; it runs on CPU too, where the tests compare it).
 """

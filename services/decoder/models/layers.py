@@ -14,7 +14,6 @@ from torch import nn
 
 from services.decoder.models.config import Llama3RopeScaling
 from services.decoder.models.linear import Linear
-from services.decoder.models.native import NativeKernels
 from services.decoder.models.tensor_parallel import (
     ParallelGroup,
     gather_sequence,
@@ -28,12 +27,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))  # [size]
         self.eps = eps
-        self.native: NativeKernels | None = None  # set by DecoderModel.use_native_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., size]. The mean of squares is taken in fp32: in bf16 it loses most of its bits.
-        if self.native is not None and self.native.supports_norm(x, self.weight):
-            return self.native.rms_norm(x, self.weight, self.eps)  # the same numerics in one pass
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.decoder.models.config import ModelConfig
-from services.decoder.models.linear import Linear, linear
-from services.decoder.models.native_linear import NativeLinear
+from services.decoder.models.linear import Linear
 
 
 class ParallelGroup(Protocol):
@@ -124,15 +123,8 @@ def rows_for_logits(
     return tp.all_reduce(rows)
 
 
-def vocab_parallel_logits(
-    h: torch.Tensor,
-    head: torch.Tensor,
-    tp: ParallelGroup | None,
-    packed_head: torch.Tensor | None = None,
-    native_head: NativeLinear | None = None,
-) -> torch.Tensor:
-    """h: [num_logits, hidden], head: [vocab / world_size, hidden] -> float32 [num_logits, vocab]."""
-    logits = linear(h, head, packed_weight=packed_head, native=native_head)  # [num_logits, vocab / ws]
+def gather_vocab_logits(logits: torch.Tensor, tp: ParallelGroup | None) -> torch.Tensor:
+    """This rank's logits [num_logits, vocab / world_size] -> float32 [num_logits, vocab] on every rank."""
     if tp is not None:
         logits = tp.all_gather_last(logits)
     return logits.float()

@@ -1,18 +1,15 @@
-"""The CPU implementation of paged attention: torch ops, and the C decode kernel when it is loaded.
+"""Paged attention in plain torch ops: the default of a freshly built model on any device.
 
-It is also the default of a freshly built model on any device (plain torch ops run everywhere), and
-what a compiled or traced decode bucket runs (the C kernel is a ctypes call no graph can hold).
+The CPU executor's attention (backends/cpu/attention.py) puts the C kernel in front of it where the
+kernel takes the shapes; a compiled or traced decode bucket runs these ops.
 
 How it keeps stale slots out (models/attention.py, the NOTE on stale slots): the decode path selects
-them out of the scores and the values (a zero probability is not enough, 0 * NaN is NaN), the prefill
-path slices the context to `seq_len` before attending, and the C kernel reads positions below
-`seq_len` only.
+them out of the scores and the values (a zero probability is not enough, 0 * NaN is NaN), and the
+prefill path slices the context to `seq_len` before attending.
 
-Two paths: a decode-only step (one query per sequence) runs as one batched GQA matmul with an fp32
-softmax (bf16 SDPA on CPU is several times slower for single queries), or the C kernel, which reads
-the paged cache in place; a step with any prefill loops over its sequences with fp32 SDPA and a
-causal mask offset by the cached prefix, or, when every context is short, runs through the same C
-kernel with one query row per token (see NATIVE_PREFILL_MAX_CONTEXT).
+A decode-only step (one query per sequence) runs as one batched GQA matmul with an fp32 softmax
+(bf16 SDPA on CPU is several times slower for single queries); a step with any prefill loops over
+its sequences with fp32 SDPA and a causal mask offset by the cached prefix.
 """
 
 from __future__ import annotations
@@ -21,32 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from services.decoder.models.attention import AttentionMetadata, PagedAttention
-from services.decoder.models.native import NativeKernels
-
-# Longest context for which a step with prefill attends through the C decode kernel, one row per
-# token: its rows of one sequence are runs of consecutive positions that read each key block once, so
-# it costs rows x context where SDPA tiles the causal triangle. Measured on SmolLM2's shapes (30
-# layers, 2 threads): 195 tokens 19 ms against 42 for SDPA, 512 tokens 122 against 227, 768 tokens
-# 359 against 351. The rows then get the bits a decode step gives the same position, too.
-NATIVE_PREFILL_MAX_CONTEXT = 640
 
 
 class TorchPagedAttention(PagedAttention):
-    """Torch ops; with `native`, a decode-only step the kernel takes, and a step with prefill whose
-    contexts are all short, run in native_kernels.c instead."""
-
-    def __init__(self, native: NativeKernels | None = None) -> None:
-        self.native = native
-        # The last step's rows as sequences, computed by its first layer for all of them (one instance
-        # serves every layer): (metadata, tables, lengths).
-        self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
+    """Torch ops only."""
 
     def decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if self.native is not None and self.native.supports_decode(q, kv_cache):
-            return self.native.decode_attention(q, kv_cache, attn.block_tables, attn.seq_lens_t, scale)
-        return _decode_attention(q, kv_cache, attn, scale)
+        return decode_attention(q, kv_cache, attn, scale)
 
     def prefill(
         self,
@@ -57,41 +37,10 @@ class TorchPagedAttention(PagedAttention):
         attn: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        # Every context within its table too: a static-shape padding sequence is longer than its
-        # one-block table (it attends only to its own fresh keys, which SDPA needs no table for).
-        longest = max(attn.seq_lens)
-        if (
-            self.native is not None
-            and longest <= NATIVE_PREFILL_MAX_CONTEXT
-            and longest <= attn.block_tables.shape[1] * kv_cache.shape[2]
-            and self.native.supports_decode(q, kv_cache)
-        ):
-            rows = self._rows
-            if rows is None or rows[0] is not attn:
-                rows = self._rows = (attn, *_rows_as_sequences(attn))
-            _, tables, row_lens = rows
-            return self.native.decode_attention(q, kv_cache, tables, row_lens, scale)
-        return _prefill_attention(q, kv_cache, attn, scale, k, v)
+        return prefill_attention(q, kv_cache, attn, scale, k, v)
 
 
-def _rows_as_sequences(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query row of the step as a one-query sequence: its sequence's block table, and the
-    context it sees (query j of a sequence sits at position seq_len - query_len + j, and sees it).
-
-    Returns int32 [num_rows, max_blocks] and int32 [num_rows]."""
-    device = attn.block_tables.device
-    counts = torch.tensor(attn.query_lens, device=device)  # [num_seqs]
-    num_rows = sum(attn.query_lens)
-    first = attn.seq_lens_t.long() - counts + 1  # [num_seqs] the context of each sequence's first row
-    offsets = torch.arange(num_rows, device=device) - torch.repeat_interleave(
-        counts.cumsum(0) - counts, counts, output_size=num_rows
-    )  # [num_rows] j within its sequence
-    row_lens = torch.repeat_interleave(first, counts, output_size=num_rows) + offsets
-    tables = attn.block_tables.repeat_interleave(counts, dim=0, output_size=num_rows)
-    return tables, row_lens.to(torch.int32)
-
-
-def _decode_attention(
+def decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     # q: [num_seqs, num_heads, head_dim], one query per sequence.
@@ -117,7 +66,7 @@ def _decode_attention(
     return out.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
 
 
-def _prefill_attention(
+def prefill_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     attn: AttentionMetadata,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
@@ -23,21 +24,17 @@ from services.decoder.models.layers import (
     apply_rotary,
     merge_prompt_embeds,
 )
-from services.decoder.models.linear import Linear, can_prepack, pack_weight
-from services.decoder.models.native import NativeKernels
-from services.decoder.models.native_layer import LayerWeights, NativeLayer
-from services.decoder.models.native_linear import NativeLinear, can_bind
-from services.decoder.models.native_stack import NativeStack
+from services.decoder.models.linear import Linear
 from services.decoder.models.tensor_parallel import (
     CheckpointPart,
     ParallelGroup,
     VocabParallelEmbedding,
     checkpoint_parts,
     gather_sequence,
+    gather_vocab_logits,
     local_rows,
     row_parallel,
     rows_for_logits,
-    vocab_parallel_logits,
     world_size_of,
 )
 from services.decoder.models.torch_attention import TorchPagedAttention
@@ -61,8 +58,6 @@ class Attention(nn.Module):
         # Qwen3 normalises each query and key head before RoPE; Llama does not.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
-        self.norm_eps = config.rms_norm_eps  # of q_norm and k_norm, for the fused kernel
-        self.native: NativeKernels | None = None  # set by DecoderModel.use_native_kernels
         # The backend's implementation (DecoderModel.use_attention); torch ops until one is set.
         self.attention: PagedAttention = TorchPagedAttention()
 
@@ -76,87 +71,32 @@ class Attention(nn.Module):
         sp: bool = False,  # sequence parallel: x is a slice, and so is the output
     ) -> torch.Tensor:
         x = gather_sequence(x, self.tp, sp)  # [num_tokens, hidden_size]
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.native is not None and self.native.supports_qkv(qkv, cos, sin, kv_cache):
-            # Norms, RoPE and the cache write in one pass; decode steps read keys from the cache only.
-            q, k = self.native.qkv_rope_cache(
-                qkv,
-                cos,
-                sin,
-                _weight(self.q_norm),
-                _weight(self.k_norm),
-                self.norm_eps,
-                kv_cache,
-                attn.slot_mapping,
-                self.num_heads,
-                want_keys=not attn.is_decode_only,
-            )
-        else:
-            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-            if self.q_norm is not None and self.k_norm is not None:
-                q = self.q_norm(q)
-                k = self.k_norm(k)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            write_kv_cache(kv_cache, k, v, attn.slot_mapping)
+        q, k, v = self.rope_and_cache(self.qkv_proj(x), cos, sin, attn, kv_cache)
         out = self.attention(q, k, v, kv_cache, attn, self.scale)  # [num_tokens, num_heads * head_dim]
         return row_parallel(self.o_proj, out, self.tp, sp)  # [num_tokens or local_len, hidden_size]
 
-
-def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
-    return None if norm is None else norm.weight
-
-
-def _bind_layer(
-    kernels: NativeKernels | None, layer: DecoderLayer, tp: ParallelGroup | None
-) -> NativeLayer | None:
-    """Both halves of the layer in C, when its linears went to the C kernel and there is one rank."""
-    a, mlp = layer.self_attn, layer.mlp
-    linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if kernels is None or tp is not None or any(linear.native is None for linear in linears):
-        return None
-    weights = LayerWeights(
-        input_norm=layer.input_layernorm.weight, qkv=a.qkv_proj.weight, qkv_bias=a.qkv_proj.bias,
-        q_norm=_weight(a.q_norm), k_norm=_weight(a.k_norm), o=a.o_proj.weight, o_bias=a.o_proj.bias,
-        post_norm=layer.post_attention_layernorm.weight, gate_up=mlp.gate_up_proj.weight,
-        gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
-    )  # fmt: skip
-    if layer.input_layernorm.eps != a.norm_eps or layer.post_attention_layernorm.eps != a.norm_eps:
-        return None  # the kernels take one epsilon for every norm of the layer
-    return NativeLayer(kernels, weights, a.num_heads, a.num_kv_heads, a.norm_eps)
-
-
-def _bind_stack(
-    kernels: NativeKernels | None, layers: nn.ModuleList, attention: TorchPagedAttention
-) -> NativeStack | None:
-    """Decode-only steps' layers in one C call, when every layer is fused and the C decode kernel
-    takes the model's attention shapes; else None (the per-layer path)."""
-    natives = [layer.native for layer in layers]
-    scales = {layer.self_attn.scale for layer in layers}
-    if kernels is None or not natives or any(n is None for n in natives) or len(scales) != 1:
-        return None
-    try:
-        return NativeStack(kernels, [n for n in natives if n is not None], attention, scales.pop())
-    except ValueError:
-        return None  # layers of different sizes, or heads past the C attention's limits
-
-
-def _bind_linear(
-    kernels: NativeKernels | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor | None,
-) -> NativeLinear | None:
-    """The C kernel for a bf16 weight that oneDNN did not pack (it has no bf16 path here), else None."""
-    if kernels is None or packed is not None or not can_bind(weight):
-        return None
-    if bias is not None and bias.dtype != weight.dtype:
-        return None
-    return NativeLinear(kernels, weight, bias)
+    def rope_and_cache(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projected heads, normed (Qwen3) and rotated, with this step's keys and values written to
+        the cache: q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim]."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        write_kv_cache(kv_cache, k, v, attn.slot_mapping)
+        return q, k, v
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +106,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, use_qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
-        self.native: NativeLayer | None = None  # set by DecoderModel.use_native_kernels (one rank, bf16)
 
     def forward(
         self,
@@ -177,12 +116,6 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         sp: bool = False,
     ) -> torch.Tensor:
-        native, attention = self.native, self.self_attn
-        if native is not None and native.accepts(h, kv_cache):
-            # Everything but attention in two C calls; h is this layer's own input, updated in place.
-            q, k, v = native.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, not attn.is_decode_only)
-            out = attention.attention(q, k, v, kv_cache, attn, attention.scale)
-            return native.mlp_block(h, out)
         # Norms and residual adds run on whatever rows this rank holds: its slice under SP.
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache, sp)
         return h + self.mlp(self.post_attention_layernorm(h), sp)  # same rows as h
@@ -209,9 +142,6 @@ class DecoderModel(nn.Module):
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size // world_size_of(tp), bias=False)
         )
-        self.packed_head: torch.Tensor | None = None  # set by prepack(): the head in oneDNN's layout
-        self.native_head: NativeLinear | None = None  # set by use_native_kernels: the head's C kernel
-        self.native_stack: NativeStack | None = None  # set by use_native_kernels: decode steps' layers in C
 
     def forward(
         self,
@@ -241,6 +171,18 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """`forward` without the LM head: the final hidden rows [num_logits, hidden_size] at
         attn.logits_indices, for a caller that takes the logits of many rows a slice at a time."""
+        sp = self.is_sequence_parallel(input_ids, attn)
+        h = self.embed(input_ids, inputs_embeds, is_token_ids, sp)
+        cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, attn, kv_cache, sp)
+        return self.final_rows(h, attn, sp)  # [num_logits, hidden_size]
+
+    def is_sequence_parallel(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> bool:
+        """Whether this step runs sequence-parallel: several ranks and any prefill.
+
+        Raises ValueError when such a step's token count is not padded to a multiple of the world size.
+        """
         tp = self.tp
         sp = tp is not None and not attn.is_decode_only
         if sp and input_ids.shape[0] % tp.world_size:
@@ -248,62 +190,42 @@ class DecoderModel(nn.Module):
                 f"a sequence-parallel step needs num_tokens ({input_ids.shape[0]}) padded to a multiple "
                 f"of the world size ({tp.world_size})"
             )
-        h = self.embed_tokens(input_ids, sp)  # [num_tokens, hidden_size], or [local_len, ...] under SP
+        return sp
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        inputs_embeds: torch.Tensor | None,  # [num_tokens, hidden_size] in the model dtype
+        is_token_ids: torch.Tensor | None,  # bool [num_tokens], True = token path
+        sp: bool,
+    ) -> torch.Tensor:
+        """The first hidden rows: [num_tokens, hidden_size], or this rank's [local_len, ...] under SP."""
+        h = self.embed_tokens(input_ids, sp)
         # Every rank cuts the same window out of the per-position inputs, then merges on its slice.
-        h = merge_prompt_embeds(h, local_rows(inputs_embeds, tp, sp), local_rows(is_token_ids, tp, sp))
-        cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
-        stack = self.native_stack
-        if stack is not None and attn.is_decode_only and stack.takes([layer.native for layer in self.layers]):
-            h = stack.run(h, cos, sin, attn, kv_caches)  # every layer in one C call
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                h = layer(h, cos, sin, attn, kv_cache, sp)
-        # The norm is per row, so only the rows whose logits are wanted go through it and the head.
-        return self.norm(rows_for_logits(h, attn.logits_indices, tp, sp))  # [num_logits, hidden_size]
+        tp = self.tp
+        return merge_prompt_embeds(h, local_rows(inputs_embeds, tp, sp), local_rows(is_token_ids, tp, sp))
+
+    def final_rows(self, h: torch.Tensor, attn: AttentionMetadata, sp: bool) -> torch.Tensor:
+        """The last layer's rows whose logits are wanted, normed: [num_logits, hidden_size].
+
+        The norm is per row, so only those rows go through it and the head.
+        """
+        return self.norm(rows_for_logits(h, attn.logits_indices, self.tp, sp))
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[vocab_size / world_size, hidden_size]: lm_head's, or the tied embedding table."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, vocab_size] of final hidden rows h [num_rows, hidden_size].
 
         With several ranks a collective: every rank calls it with the same rows.
         """
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_parallel_logits(h, head, self.tp, self.packed_head, self.native_head)
-
-    def prepack(self) -> None:
-        """Pack every projection and the LM head for oneDNN (bf16 on CPU; a no-op elsewhere).
-
-        Call once the weights are final and on their device: the packed copies are derived.
-        """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack()
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_head = pack_weight(head) if can_prepack(head) else None
-
-    def use_native_kernels(self, kernels: NativeKernels | None) -> None:
-        """Norms, RoPE, the KV-cache write and decode attention through models/native_kernels.c, and
-        bf16 linears that oneDNN did not pack (call prepack() first) through linear_kernels.c.
-
-        None goes back to torch ops. Each kernel rounds where the torch path does; results differ
-        only by the order of fp32 sums (and attention no longer rounds between its two matmuls).
-        """
-        for module in self.modules():
-            if isinstance(module, (Attention, RMSNorm)):
-                module.native = kernels
-            elif isinstance(module, Linear):
-                module.native = _bind_linear(kernels, module.weight, module.bias, module.packed_weight)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.native_head = _bind_linear(kernels, head, None, self.packed_head)
-        for layer in self.layers:
-            layer.native = _bind_layer(kernels, layer, self.tp)
-        attention = TorchPagedAttention(kernels)
-        self.use_attention(attention)
-        self.native_stack = _bind_stack(kernels, self.layers, attention)
+        return gather_vocab_logits(F.linear(h, self.head_weight), self.tp)
 
     def use_attention(self, attention: PagedAttention) -> None:
         """Every layer's attention through `attention` (one instance: it may share work across layers)."""
-        if self.native_stack is not None and attention is not self.native_stack.attention:
-            self.native_stack = None  # it runs the C decode attention, which this replaces
         for module in self.modules():
             if isinstance(module, Attention):
                 module.attention = attention

@@ -20,6 +20,9 @@ import torch
 from services.decoder.api.main import config_from_args, main
 from services.decoder.backends import backend as backends
 from services.decoder.backends.backend import BACKENDS, BackendUnavailable
+from services.decoder.backends.cpu.attention import CpuPagedAttention
+from services.decoder.backends.cpu.executor import CpuExecutor
+from services.decoder.backends.cpu.isa import best_level, this_cpu
 from services.decoder.backends.neuron import NeuronTracedBuckets
 from services.decoder.config import DecoderConfig, EngineConfig
 from services.decoder.engine.engine import Engine
@@ -29,7 +32,7 @@ from services.decoder.engine.prompt import GenerateSpec
 from services.decoder.models.loader import LoadedModel
 from services.decoder.models.tensor_parallel import window_rows
 
-# bf16 prepacking needs oneDNN's bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT); without it, none.
+# oneDNN's packed bf16 linears need its bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT); else the C kernel.
 ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 HAS_NEURON_SDK = importlib.util.find_spec("torch_neuronx") is not None
@@ -172,7 +175,9 @@ def test_neuron_buckets_trace_once_each_at_warmup_and_give_the_cpu_tokens(
         assert len(traced) == len(buckets)
 
 
-def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_model_dir) -> None:
+def test_an_engine_runs_the_bf16_model_it_loads_on_the_cpu_executor_but_a_callers_as_given(
+    tiny_model_dir,
+) -> None:
     from services.decoder.config import EngineConfig
     from services.decoder.engine.engine import Engine
     from services.decoder.models.loader import load_model
@@ -180,13 +185,15 @@ def test_an_engine_packs_the_bf16_model_it_loads_on_cpu_but_not_a_callers(tiny_m
     config = EngineConfig(model_dir=tiny_model_dir, dtype="bfloat16", num_kv_blocks=16)
     engine = Engine(config)
     try:
-        assert (engine.loaded.model.packed_head is not None) is ONEDNN_BF16
+        assert isinstance(engine.executor, CpuExecutor)
+        assert engine.executor.choice.linears == ("onednn" if ONEDNN_BF16 else "c")
+        assert engine.core.runner.executor is engine.executor
     finally:
         engine.shutdown()
     given = load_model(tiny_model_dir, dtype="bfloat16")
     engine = Engine(config, given)
     try:
-        assert given.model.packed_head is None
+        assert engine.executor is given.model
     finally:
         engine.shutdown()
 
@@ -207,8 +214,8 @@ def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tin
             model_dir=tiny_model_dir, dtype="float32", num_kv_blocks=16, native_kernels=use_kernels
         )
         with Engine(config) as engine:
-            attention = engine.loaded.model.layers[0].self_attn
-            assert (attention.native is not None) is use_kernels
+            attention = engine.loaded.model.layers[0].self_attn.attention
+            assert isinstance(attention, CpuPagedAttention) is use_kernels
             events = list(engine.generate(spec))
             outputs[use_kernels] = [t for e in events if isinstance(e, Delta) for t in e.token_ids]
     assert len(outputs[True]) == 6
@@ -216,31 +223,36 @@ def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tin
 
 
 @pytest.mark.parametrize(
-    ("compile", "native_kernels", "packed", "on_kernels", "said"),
+    ("compile", "native_kernels", "on_executor", "said"),
     [
-        (False, True, True, True, "CPU kernels: in use for norms, RoPE + KV write and decode attention"),
-        (False, False, True, False, "CPU kernels: off (--native-kernels false), the model runs on torch ops"),
-        (True, True, False, False, "CPU kernels: not used in compiled mode"),
+        (False, True, True, "CPU "),
+        (False, False, False, "CPU kernels: off (--native-kernels false), the model runs on torch ops"),
+        (True, True, False, "CPU kernels: not used in compiled mode"),
     ],
 )
-def test_prepare_model_packs_and_attaches_kernels_for_eager_cpu_only_and_says_so(
+def test_prepare_model_binds_the_cpu_executor_for_eager_cpu_only_and_says_so(
     tiny_model_dir,
     compile: bool,
     native_kernels: bool,
-    packed: bool,
-    on_kernels: bool,
+    on_executor: bool,
     said: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # What rank 0's engine and every other rank's worker do to the model they load.
+    # What rank 0's engine and every other rank's worker do with the model they load.
     from services.decoder.models.loader import load_model
 
     model = load_model(tiny_model_dir, dtype="bfloat16").model
-    with caplog.at_level(logging.INFO, logger="services.decoder.backends.backend"):
-        backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
-    assert (model.packed_head is not None) is (packed and ONEDNN_BF16)
-    assert (model.layers[0].self_attn.native is not None) is on_kernels
-    assert (model.norm.native is not None) is on_kernels
+    with caplog.at_level(logging.INFO, logger="services.decoder.backends"):
+        step = backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
+    assert isinstance(step, CpuExecutor) is on_executor
+    assert (step is model) is not on_executor
+    assert isinstance(model.layers[0].self_attn.attention, CpuPagedAttention) is on_executor
+    if on_executor:
+        # One line says what was chosen: the CPU, its ISA flags, the build, linears and layer paths.
+        assert_one_line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU ")]
+        assert assert_one_line == [step.choice.describe()]
+        assert step.choice.build == best_level(this_cpu()).name
+        return
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU kernels")][0].startswith(
         said
     )

@@ -12,18 +12,10 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from services.decoder.models.attention import AttentionMetadata
-from services.decoder.models.linear import can_prepack
 from services.decoder.models.transformer import DecoderModel
-
-# Tests of the fused bf16 layers: where oneDNN packs bf16 weights, the linears (and so the layers) stay
-# on oneDNN and none of them is bound.
-NEEDS_C_LINEARS = pytest.mark.skipif(
-    can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="oneDNN packs bf16 weights here: no C linears"
-)
 
 
 class PagedAllocator:
@@ -73,10 +65,15 @@ class PagedAllocator:
 
 
 class PagedRun:
-    """Runs a model step by step over its own paged KV cache, packing the given chunks in order."""
+    """Runs a model step by step over its own paged KV cache, packing the given chunks in order.
 
-    def __init__(self, model: DecoderModel, num_blocks: int = 128, block_size: int = 4) -> None:
-        self.model = model
+    `step` runs the forward: the model itself by default, or an executor bound to it.
+    """
+
+    def __init__(
+        self, model: DecoderModel, num_blocks: int = 128, block_size: int = 4, step: Any = None
+    ) -> None:
+        self.model = model if step is None else step
         self.allocator = PagedAllocator(num_blocks, block_size)
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
 

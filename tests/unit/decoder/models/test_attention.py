@@ -2,16 +2,20 @@
 
 The cache starts full of large garbage, so any read of the null block, of a padded block-table entry
 or of a slot past a sequence's end would show in the output. Each test runs every implementation:
-torch ops, torch ops with the C decode kernel (models/native_kernels.c), and FlexAttention over block
-masks from the block tables (the CUDA implementation's code, on FlexAttention's eager CPU path).
+torch ops, torch ops behind the CPU executor's C decode kernel (backends/cpu/attention.py), and
+FlexAttention over block masks from the block tables (the CUDA implementation's code, on FlexAttention's eager CPU path).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from services.decoder.models import native
+from services.decoder.backends.cpu import attention as cpu_attention
+from services.decoder.backends.cpu.kernels import load_for_cpu
+from services.decoder.backends.cpu.ops import register
 from services.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
 from services.decoder.models.flex_attention import FlexPagedAttention
 from services.decoder.models.torch_attention import TorchPagedAttention
@@ -41,9 +45,7 @@ def attention(request: pytest.FixtureRequest) -> PagedAttention:
         return FlexPagedAttention()
     if request.param == "torch":
         return TorchPagedAttention()
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return TorchPagedAttention(loaded)
+    return native_attention()
 
 
 def run_steps(
@@ -171,10 +173,10 @@ def test_write_kv_cache_puts_keys_and_values_at_their_slots() -> None:
 # -- the C kernel in steps with prefill (TorchPagedAttention with the kernels) -------------------------
 
 
-def native_attention() -> TorchPagedAttention:
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return TorchPagedAttention(loaded)
+def native_attention() -> cpu_attention.CpuPagedAttention:
+    loaded = load_for_cpu()
+    assert loaded is not None, "the C kernels are built when the project is installed (make setup)"
+    return cpu_attention.CpuPagedAttention(register(loaded))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,12 +211,10 @@ def test_a_prefilled_position_gets_the_bits_a_decode_step_gives_it(dtype: torch.
 def test_a_prefill_past_the_native_context_limit_runs_on_sdpa_and_still_matches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from services.decoder.models import torch_attention
-
-    monkeypatch.setattr(torch_attention, "NATIVE_PREFILL_MAX_CONTEXT", 5)
+    monkeypatch.setattr(cpu_attention, "PREFILL_MAX_CONTEXT", 5)
     attention = native_attention()
     calls = []
-    monkeypatch.setattr(attention.native, "decode_attention", lambda *a: calls.append(a))
+    attention.ops = SimpleNamespace(decode_attention=lambda *a: calls.append(a))
     # The longest contexts: 6, then 10.
     out, ref, _ = run_steps([[("a", 6), ("b", 3)], [("a", 3), ("b", 7)]], attention)
     assert calls == []

@@ -15,12 +15,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.decoder.models import native
+from services.decoder.backends.cpu import kernels as cpu_kernels
+from services.decoder.backends.cpu.attention import CpuPagedAttention
+from services.decoder.backends.cpu.executor import CpuExecutor
+from services.decoder.backends.cpu.ops import register
 from services.decoder.models.attention import write_kv_cache
 from services.decoder.models.loader import load_model
 from services.decoder.models.torch_attention import TorchPagedAttention
 
-from .conftest import Checkpoint
+from ..conftest import Checkpoint
 from .helpers import PagedAllocator, PagedRun
 
 POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -40,9 +43,9 @@ SHAPES = {
     "fp32": Shape(4, 2, 8, 4, torch.float32),
     "bf16": Shape(4, 2, 64, 4, torch.bfloat16),
     "fp16": Shape(4, 2, 8, 4, torch.float16),  # no C kernel for float16
-    "block-past-limit": Shape(4, 2, 8, 2 * native.MAX_BLOCK_SIZE, torch.float32),
-    "head-dim-past-limit": Shape(2, 1, 2 * native.MAX_HEAD_DIM, 4, torch.bfloat16),
-    "group-past-limit": Shape(2 * native.MAX_GROUP, 1, 8, 4, torch.float32),
+    "block-past-limit": Shape(4, 2, 8, 2 * cpu_kernels.MAX_BLOCK_SIZE, torch.float32),
+    "head-dim-past-limit": Shape(2, 1, 2 * cpu_kernels.MAX_HEAD_DIM, 4, torch.bfloat16),
+    "group-past-limit": Shape(2 * cpu_kernels.MAX_GROUP, 1, 8, 4, torch.float32),
 }
 
 # Fresh prompts, then chunks over a cached prefix (a prefill that reads the cache), then decodes
@@ -56,16 +59,16 @@ STEPS = [
 
 
 @pytest.fixture(params=["torch", "native"])
-def kernels(request: pytest.FixtureRequest) -> native.NativeKernels | None:
+def kernels(request: pytest.FixtureRequest) -> cpu_kernels.Kernels | None:
     if request.param == "torch":
         return None
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
+    loaded = cpu_kernels.load_for_cpu()
+    assert loaded is not None, "the C kernels are built when the project is installed (make setup)"
     return loaded
 
 
 def attend_steps(
-    shape: Shape, fill: float, kernels: native.NativeKernels | None, num_blocks: int = 16
+    shape: Shape, fill: float, kernels: cpu_kernels.Kernels | None, num_blocks: int = 16
 ) -> list[torch.Tensor]:
     """Each step's attention output, over a cache that starts with every element equal to `fill`."""
     torch.manual_seed(0)
@@ -73,6 +76,7 @@ def attend_steps(
     kv_cache = torch.full(
         (2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim), fill, dtype=shape.dtype
     )
+    attention = TorchPagedAttention() if kernels is None else CpuPagedAttention(register(kernels))
     outs = []
     for chunks in STEPS:
         attn = allocator.metadata(chunks)
@@ -81,14 +85,14 @@ def attend_steps(
         k = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim).to(shape.dtype)
         v = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim).to(shape.dtype)
         write_kv_cache(kv_cache, k, v, attn.slot_mapping)
-        outs.append(TorchPagedAttention(kernels)(q, k, v, kv_cache, attn, shape.head_dim**-0.5))
+        outs.append(attention(q, k, v, kv_cache, attn, shape.head_dim**-0.5))
     return outs
 
 
 @pytest.mark.parametrize("poison", list(POISONS))
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_a_cache_full_of_nan_or_inf_gives_the_clean_cache_output_on_every_path(
-    kernels: native.NativeKernels | None, shape_name: str, poison: str
+    kernels: cpu_kernels.Kernels | None, shape_name: str, poison: str
 ) -> None:
     shape = SHAPES[shape_name]
     clean = attend_steps(shape, 0.0, kernels)
@@ -108,11 +112,11 @@ def test_a_request_after_one_that_left_nan_in_the_cache_gets_the_clean_cache_log
     # The reported failure: every KV slot NaN (as a freed block of an overflowing request leaves it),
     # then an unrelated greedy request: its tokens must not become 0 with NaN logprobs.
     model = load_model(checkpoints["qwen3"].path, dtype=dtype).model
-    model.use_native_kernels(native.load() if use_kernels else None)
+    step = CpuExecutor(model, cpu_kernels.load_for_cpu()) if use_kernels else model
     prompt = [17, 402, 33, 981, 5, 250, 250, 731, 64]
     runs = {}
     for name, fill in (("clean", 0.0), ("poisoned", float("nan"))):
-        run = PagedRun(model, num_blocks=32)
+        run = PagedRun(model, num_blocks=32, step=step)
         for cache in run.kv_caches:
             cache.fill_(fill)
         # A prompt in two chunks (the second attends to a cached prefix), then three decode steps.

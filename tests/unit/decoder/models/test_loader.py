@@ -17,7 +17,7 @@ from services.decoder.models import loader
 from services.decoder.models.loader import ModelLoadError, load_model
 from services.decoder.models.registry import MODEL_CLASSES
 
-from .conftest import Checkpoint
+from ..conftest import Checkpoint
 from .helpers import PagedRun
 
 

@@ -7,7 +7,7 @@ import torch
 
 from services.decoder.models.loader import load_model
 
-from .conftest import Checkpoint
+from ..conftest import Checkpoint
 from .helpers import PagedRun, greedy, greedy_batch, hf_greedy
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]

@@ -8,7 +8,7 @@ import torch
 from services.decoder.models.loader import load_model
 from services.decoder.models.transformer import DecoderModel
 
-from .conftest import Checkpoint
+from ..conftest import Checkpoint
 from .helpers import PagedRun
 
 TOKENS_A, EMBEDDED, TOKENS_B = [17, 402, 33], [981, 5, 250, 731], [64, 12]

@@ -1,15 +1,14 @@
-"""Every layer of a decode-only step in one C call (`tandem_decode_layers`, layer_kernels.c).
+"""Every layer of a decode-only step in one C call (`tandem_decode_layers`, csrc/layer.c).
 
 Per layer, the fused path is three C calls (attention_in, decode attention, mlp_block), each behind
 a Python wrapper that checks its tensors, plus the module call around them: on SmolLM2 (30 layers)
-about 5 ms of host work in a 26 ms decode step at batch 1. Here the step's tensors are checked once
+most of a decode step's host work at batch 1 (docs/PERFORMANCE.md). Here the step's tensors are checked once
 and the layers run back to back in C, the same kernels in the same order as the per-layer calls, so
 the results are the same bits. Steps with any prefill keep the per-layer path (their attention is
 torch's).
 
-Bound by DecoderModel.use_native_kernels when every layer is fused (NativeLayer) and attention is the
-C decode kernel; it steps aside (`takes` is False) once a layer's fused kernels are swapped out, and
-DecoderModel.use_attention drops it when another attention implementation comes in.
+Bound by the executor (`executor.py`) when every layer is fused (FusedLayer) and the attention is the
+C decode kernel.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ import weakref
 
 import torch
 
-from services.decoder.models.attention import AttentionMetadata, PagedAttention
-from services.decoder.models.native import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, NativeKernels
-from services.decoder.models.native_layer import NativeLayer
+from services.decoder.backends.cpu.kernels import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, Kernels, is_plain
+from services.decoder.backends.cpu.layer import FusedLayer
+from services.decoder.models.attention import AttentionMetadata
 
 # The order of each layer's pointers in the weights array: layer_kernels.c's W_* enum.
 _WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
@@ -32,12 +31,10 @@ _ERRORS = {
 }
 
 
-class NativeStack:
+class DecodeStack:
     """run: h [m, hidden] through every layer of a decode-only step, in place."""
 
-    def __init__(
-        self, kernels: NativeKernels, layers: list[NativeLayer], attention: PagedAttention, scale: float
-    ) -> None:
+    def __init__(self, kernels: Kernels, layers: list[FusedLayer], scale: float) -> None:
         first = layers[0]
         if len({(n.hidden, n.head_dim, n.inter, n.num_heads, n.num_kv_heads, n.eps) for n in layers}) != 1:
             raise ValueError("every layer must have the same sizes and norm epsilon to run as one stack")
@@ -46,7 +43,6 @@ class NativeStack:
             raise ValueError(f"head_dim ({first.head_dim}) and group ({group}) must be at most "
                              f"{MAX_HEAD_DIM} and {MAX_GROUP} for the C decode attention")  # fmt: skip
         self.layers = layers  # held: the weight pointers below stay valid while this object lives
-        self.attention = attention
         self.scale = scale
         self.hidden, self.head_dim, self.inter = first.hidden, first.head_dim, first.inter
         self.num_heads, self.num_kv_heads, self.eps = first.num_heads, first.num_kv_heads, first.eps
@@ -60,11 +56,6 @@ class NativeStack:
         self._caches: list[weakref.ref[torch.Tensor]] = []
         self._cache_pointers: ctypes.Array[ctypes.c_void_p] | None = None
         self._cache_shape: torch.Size | None = None  # theirs, as checked
-
-    def takes(self, layers: list[NativeLayer | None]) -> bool:
-        """Whether the model's layers still hold the fused kernels this stack was bound with (a test
-        comparing against the module path takes them out)."""
-        return all(a is b for a, b in zip(layers, self.layers, strict=True))
 
     def run(
         self,
@@ -90,27 +81,27 @@ class NativeStack:
                            q.data_ptr(), out.data_ptr(), m, self.hidden, self.num_heads, self.num_kv_heads,
                            self.head_dim, self.inter)  # fmt: skip
         if status == 3:
-            raise MemoryError(f"native layers: no scratch memory for {m} tokens")
+            raise MemoryError(f"decode stack: no scratch memory for {m} tokens")
         if status != 0:
-            raise ValueError(f"native layers refused their input: {_ERRORS.get(status, status)}")
+            raise ValueError(f"decode stack refused their input: {_ERRORS.get(status, status)}")
         return h
 
     def _check(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata) -> None:
         """The C side checks slots, lengths and block ids; everything it reads by size is checked here."""
         m, d = h.shape[0], self.head_dim
-        if not _is_plain(h, torch.bfloat16) or h.dim() != 2 or h.shape[1] != self.hidden:
+        if not is_plain(h, torch.bfloat16) or h.dim() != 2 or h.shape[1] != self.hidden:
             raise ValueError(
                 f"h must be contiguous bfloat16 [*, {self.hidden}], got {h.dtype} {list(h.shape)}"
             )
         for name, t in (("cos", cos), ("sin", sin)):
-            if not _is_plain(t, torch.bfloat16) or t.numel() != m * d:
+            if not is_plain(t, torch.bfloat16) or t.numel() != m * d:
                 raise ValueError(f"{name} must be contiguous bfloat16 [{m}, 1, {d}]")
         for name, t, dtype, want in (
             ("slot_mapping", attn.slot_mapping, torch.int64, (m,)),
             ("seq_lens", attn.seq_lens_t, torch.int32, (m,)),
             ("block_tables", attn.block_tables, torch.int32, (m, attn.block_tables.shape[-1])),
         ):
-            if not _is_plain(t, dtype) or tuple(t.shape) != want:
+            if not is_plain(t, dtype) or tuple(t.shape) != want:
                 got = f"{t.dtype} {list(t.shape)}"
                 raise ValueError(f"{name} must be contiguous {dtype} {list(want)} on the CPU, got {got}")
 
@@ -140,13 +131,9 @@ class NativeStack:
                              f"got {list(shape)}")  # fmt: skip
         if shape[2] > MAX_BLOCK_SIZE:
             raise ValueError(f"kv_cache block_size ({shape[2]}) must be at most {MAX_BLOCK_SIZE}")
-        if not all(c.shape == shape and _is_plain(c, torch.bfloat16) for c in kv_caches):
+        if not all(c.shape == shape and is_plain(c, torch.bfloat16) for c in kv_caches):
             raise ValueError(f"kv_caches must be {len(self.layers)} contiguous bfloat16 tensors of one shape")
         self._caches = [weakref.ref(c) for c in kv_caches]
         self._cache_pointers = self._kv_type(*[c.data_ptr() for c in kv_caches])
         self._cache_shape = shape
         return self._cache_pointers, shape
-
-
-def _is_plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()

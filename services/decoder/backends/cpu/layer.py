@@ -1,8 +1,8 @@
-"""A decoder layer's bf16 weights bound to `tandem_attention_in` and `tandem_mlp_block` (layer_kernels.c).
+"""A decoder layer's bf16 weights bound to `tandem_attention_in` and `tandem_mlp_block` (csrc/layer.c).
 
 Two C calls do what the module path does in about twenty-five torch ops around attention (norms,
 projections, q/k norm + RoPE + cache write, residual adds, SwiGLU); attention itself stays the
-model's own call between them. Bound once by DecoderModel.use_native_kernels, with every weight
+executor's attention call between them. Bound once by the executor (`executor.py`), with every weight
 checked then; a call checks only the per-step tensors and refuses (ValueError naming the argument)
 what the kernels cannot read in place. One rank only: tensor parallelism keeps the module path,
 whose collectives sit between the projections.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decoder.models.native import NativeKernels
+from services.decoder.backends.cpu.kernels import Kernels, is_plain
 
 
 @dataclass(frozen=True)
@@ -37,18 +37,18 @@ class LayerWeights:
 
 
 def _is_plain_bf16(t: torch.Tensor | None) -> bool:
-    return t is None or (t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous())
+    return t is None or is_plain(t, torch.bfloat16)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class NativeLayer:
+class FusedLayer:
     """attention_in: h -> q (k, v) with this step's keys and values in the cache; mlp_block: h updated."""
 
     def __init__(
-        self, kernels: NativeKernels, weights: LayerWeights, num_heads: int, num_kv_heads: int, eps: float
+        self, kernels: Kernels, weights: LayerWeights, num_heads: int, num_kv_heads: int, eps: float
     ) -> None:
         hidden = weights.input_norm.shape[0]
         head_dim = weights.o.shape[1] // num_heads
@@ -75,16 +75,12 @@ class NativeLayer:
         self._mlp_ptrs = (_ptr(w.o), _ptr(w.o_bias), _ptr(w.post_norm), ctypes.c_float(eps), _ptr(w.gate_up),
                           _ptr(w.gate_up_bias), _ptr(w.down), _ptr(w.down_bias))  # fmt: skip
 
-    def accepts(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether this step can take the fused path (else the caller keeps the module path)."""
+    def _accepts(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (
-            h.dtype == torch.bfloat16
+            is_plain(h, torch.bfloat16)
             and h.dim() == 2
             and h.shape[1] == self.hidden
-            and h.is_contiguous()
-            and h.device.type == "cpu"
-            and kv_cache.dtype == torch.bfloat16
-            and kv_cache.is_contiguous()
+            and is_plain(kv_cache, torch.bfloat16)
             and kv_cache.dim() == 5
             and tuple(kv_cache.shape[3:]) == (self.num_kv_heads, self.head_dim)
         )
@@ -100,7 +96,7 @@ class NativeLayer:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """q [num_tokens, num_heads, head_dim], and k, v [num_tokens, num_kv_heads, head_dim] or None."""
         m = h.shape[0]
-        if not self.accepts(h, kv_cache):
+        if not self._accepts(h, kv_cache):
             raise ValueError(f"h must be contiguous bfloat16 [*, {self.hidden}] and kv_cache bfloat16 "
                              f"[2, *, *, {self.num_kv_heads}, {self.head_dim}], got {list(h.shape)}, "
                              f"{list(kv_cache.shape)}")  # fmt: skip
@@ -121,7 +117,7 @@ class NativeLayer:
                                     _ptr(v), m, self.hidden, self.num_heads, self.num_kv_heads,
                                     self.head_dim)  # fmt: skip
         if status != 0:
-            raise ValueError("native layer refused its input: slot_mapping: a KV slot is outside kv_cache")
+            raise ValueError("fused layer refused its input: slot_mapping: a KV slot is outside kv_cache")
         return q, k, v
 
     def mlp_block(
@@ -139,5 +135,5 @@ class NativeLayer:
             h.data_ptr(), attn.data_ptr(), *self._mlp_ptrs, m, self.hidden, width, self.inter
         )
         if status != 0:
-            raise MemoryError(f"native layer: no scratch memory for {m} tokens")
+            raise MemoryError(f"fused layer: no scratch memory for {m} tokens")
         return h

@@ -24,8 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "native_bf16.h"
-#include "native_exp.h"
+#include "bf16.h"
+#include "exp.h"
 
 enum { BF16 = 1 };
 #define PARALLEL_MIN_ELEMENTS 16384

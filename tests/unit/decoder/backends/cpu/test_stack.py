@@ -1,7 +1,7 @@
-"""A decode-only step's layers in one C call (models/native_stack.py) against the per-layer calls.
+"""A decode-only step's layers in one C call (backends/cpu/stack.py) against the per-layer fused calls.
 
 The stack runs the same kernels in the same order as the fused layers, so its logits are the same
-bits; it checks the step's tensors once, and steps aside when a part it was bound with is swapped.
+bits; it checks the step's tensors once.
 """
 
 from __future__ import annotations
@@ -9,70 +9,52 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.decoder.backends.cpu.executor import CpuExecutor
+from services.decoder.backends.cpu.stack import DecodeStack
 from services.decoder.models.attention import AttentionMetadata
 from services.decoder.models.loader import load_model
-from services.decoder.models.native_stack import NativeStack
-from services.decoder.models.torch_attention import TorchPagedAttention
 from services.decoder.models.transformer import DecoderModel
 
-from .conftest import Checkpoint
-from .helpers import NEEDS_C_LINEARS, PagedRun
+from ...conftest import Checkpoint
+from ...models.helpers import PagedRun
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 
-pytestmark = NEEDS_C_LINEARS
 
-
-def decode_logits(model, use_stack: bool) -> list[torch.Tensor]:
+def decode_logits(model: DecoderModel, kernels, use_stack: bool) -> list[torch.Tensor]:
     """Two prompts prefilled (per layer: a prefill step), then five decode steps of both."""
-    bound = model.native_stack
-    model.native_stack = bound if use_stack else None
-    run = PagedRun(model)
+    run = PagedRun(model, step=CpuExecutor(model, kernels, linears="c", use_stack=use_stack))
     run.step([("a", PROMPT), ("b", PROMPT[:7])])
-    out = [run.step([("a", [token]), ("b", [token + 1])]) for token in (42, 7, 99, 5, 310)]
-    model.native_stack = bound
-    return out
+    return [run.step([("a", [token]), ("b", [token + 1])]) for token in (42, 7, 99, 5, 310)]
 
 
 def test_a_one_rank_bf16_model_binds_a_stack_and_a_float32_model_does_not(
     kernels, checkpoint: Checkpoint
 ) -> None:
     model = load_model(checkpoint.path, dtype="bfloat16").model
-    model.use_native_kernels(kernels)
-    assert isinstance(model.native_stack, NativeStack)
-    model.use_native_kernels(None)
-    assert model.native_stack is None
+    assert isinstance(CpuExecutor(model, kernels, linears="c").stack, DecodeStack)
+    assert CpuExecutor(model, None, linears="c").stack is None
     fp32 = load_model(checkpoint.path, dtype="float32").model
-    fp32.use_native_kernels(kernels)
-    assert fp32.native_stack is None
+    assert CpuExecutor(fp32, kernels, linears="c").stack is None
 
 
 def test_decode_steps_through_the_stack_give_the_per_layer_calls_bits(
     kernels, checkpoint: Checkpoint
 ) -> None:
     model = load_model(checkpoint.path, dtype="bfloat16").model
-    model.use_native_kernels(kernels)
-    for got, want in zip(decode_logits(model, True), decode_logits(model, False), strict=True):
+    for got, want in zip(
+        decode_logits(model, kernels, True), decode_logits(model, kernels, False), strict=True
+    ):
         assert torch.equal(got, want)
 
 
 @pytest.fixture
-def qwen3_bf16(kernels, checkpoints: dict[str, Checkpoint]) -> DecoderModel:
-    """Our Qwen3 variant in bf16 on the C kernels, its own copy (tests swap its parts)."""
+def stack(kernels, checkpoints: dict[str, Checkpoint]) -> tuple[DecodeStack, DecoderModel]:
+    """Our Qwen3 variant in bf16, its stack bound to the C kernels."""
     model = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
-    model.use_native_kernels(kernels)
-    assert model.native_stack is not None
-    return model
-
-
-def test_the_stack_steps_aside_when_a_layer_or_the_attention_is_swapped(qwen3_bf16: DecoderModel) -> None:
-    stack = qwen3_bf16.native_stack
-    assert stack is not None
-    natives = [layer.native for layer in qwen3_bf16.layers]
-    assert stack.takes(natives)
-    assert not stack.takes([natives[0], None])  # a layer back on the module path, as tests compare
-    qwen3_bf16.use_attention(TorchPagedAttention(None))  # torch ops: the C decode kernel is not in use
-    assert qwen3_bf16.native_stack is None
+    bound = CpuExecutor(model, kernels, linears="c").stack
+    assert bound is not None
+    return bound, model
 
 
 def metadata(slots: list[int], seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
@@ -86,9 +68,10 @@ def metadata(slots: list[int], seq_lens: list[int], tables: torch.Tensor) -> Att
     )
 
 
-def test_the_stack_refuses_what_the_kernels_cannot_read_naming_the_argument(qwen3_bf16: DecoderModel) -> None:
-    stack = qwen3_bf16.native_stack
-    assert stack is not None
+def test_the_stack_refuses_what_the_kernels_cannot_read_naming_the_argument(
+    stack: tuple[DecodeStack, DecoderModel],
+) -> None:
+    stack, qwen3_bf16 = stack
     caches = qwen3_bf16.allocate_kv_cache(4, 4)  # 16 slots a layer
     h = torch.randn(2, stack.hidden).to(torch.bfloat16)
     cos = sin = torch.ones(2, 1, stack.head_dim, dtype=torch.bfloat16)

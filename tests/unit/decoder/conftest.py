@@ -14,11 +14,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from services.decoder.models import native
 from services.decoder.models.loader import load_model
 from services.decoder.models.random_model import train_tokenizer
 
-from .helpers import save_hf_checkpoint
+from .models.helpers import save_hf_checkpoint
 
 VOCAB_SIZE = 1024  # the trained test tokenizer's size
 COMMON: dict[str, Any] = {
@@ -117,14 +116,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tokenizer_file: Path) 
 @pytest.fixture(params=list(VARIANTS))
 def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, Checkpoint]) -> Checkpoint:
     return checkpoints[request.param]
-
-
-@pytest.fixture(scope="session")
-def kernels() -> native.NativeKernels:
-    """The C kernels (native_kernels.c and the files built with it), built once for the session."""
-    loaded = native.load()
-    assert loaded is not None, "the C kernels must build on the test machine (it has a compiler)"
-    return loaded
 
 
 @pytest.fixture(scope="session")

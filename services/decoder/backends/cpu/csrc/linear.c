@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_bf16.h"
+#include "bf16.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -286,6 +286,12 @@ static inline __attribute__((always_inline)) void tile_6x2(float sums[MAX_TILE_R
 #undef ALL_YMM_CLOBBERED
 #else
 #define HAVE_TILE_4X3_ASM 0
+/* Without the assembly the 4 x 3 tile is the generic one: ROWS below names tile_4x3 on every build,
+ * so it must exist on every build (an implicit declaration is an error from GCC 14 and Clang 16). */
+static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_TILE_ROWS][8], const float *restrict x,
+                                                           int64_t ldx, const uint16_t *restrict w, int64_t k) {
+    tile(sums, x, ldx, w, k, 4, 3);
+}
 #endif
 
 /* rows x [rows, k] bf16 -> fp32, each whole CHUNK of a row stored evens first, then odds (see tile). */

@@ -18,8 +18,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_bf16.h"
-#include "native_exp.h"
+#include "bf16.h"
+#include "exp.h"
+
+/* The digest build.py passes in (sources, headers, flags): kernels.py loads a library only when it
+ * matches the sources beside it. */
+#ifndef TANDEM_BUILD_ID
+#define TANDEM_BUILD_ID "unversioned"
+#endif
+const char *tandem_build_id(void) { return TANDEM_BUILD_ID; }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

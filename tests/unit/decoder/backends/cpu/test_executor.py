@@ -1,0 +1,88 @@
+"""The CPU executor (backends/cpu/executor.py): kernels chosen once, every path against the plain model.
+
+The default production path (bf16, kernels on, the engine loading the model itself) is tested end
+to end against the torch path on the real default model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common.model_cache import resolve_model
+from services.decoder.backends.cpu.executor import CpuExecutor, choose_linears
+from services.decoder.backends.cpu.linear import has_onednn_bf16
+from services.decoder.config import EngineConfig
+from services.decoder.engine.engine import Engine
+from services.decoder.engine.outputs import Delta
+from services.decoder.engine.params import SamplingParams, StoppingParams
+from services.decoder.engine.prompt import GenerateSpec
+from services.decoder.models.loader import load_model
+
+from ...conftest import Checkpoint
+from ...models.helpers import PagedRun, greedy
+
+PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
+
+
+def test_linears_go_to_onednn_where_it_has_bf16_else_to_the_c_kernel_and_float32_to_torch(
+    kernels, checkpoints: dict[str, Checkpoint]
+) -> None:
+    bf16 = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
+    assert choose_linears(bf16, kernels) == ("onednn" if has_onednn_bf16() else "c")
+    assert choose_linears(bf16, None) == ("onednn" if has_onednn_bf16() else "torch")
+    fp32 = load_model(checkpoints["qwen3"].path, dtype="float32").model
+    assert choose_linears(fp32, kernels) == "torch"
+
+
+@pytest.mark.parametrize("linears", ["c", "onednn", "torch"])
+def test_every_path_gives_the_plain_models_greedy_tokens(
+    kernels, checkpoint: Checkpoint, linears: str
+) -> None:
+    if linears == "onednn" and not has_onednn_bf16():
+        pytest.skip("oneDNN has no bf16 path on this CPU (AVX2 only): no packed linears to test")
+    model = load_model(checkpoint.path, dtype="bfloat16").model
+    want = greedy(model, PROMPT, 12)
+    executor = CpuExecutor(model, kernels, linears=linears)  # type: ignore[arg-type]
+    assert executor.choice.linears == linears
+    assert greedy_with(executor, model, PROMPT, 12) == want
+
+
+def greedy_with(executor: CpuExecutor, model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    run = PagedRun(model, step=executor)
+    tokens = [int(run.step([("s", prompt)])[0].argmax())]
+    while len(tokens) < max_new_tokens:
+        tokens.append(int(run.step([("s", tokens[-1:])])[0].argmax()))
+    return tokens
+
+
+def test_without_a_build_the_executor_runs_torch_ops_and_says_so(checkpoints: dict[str, Checkpoint]) -> None:
+    model = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
+    executor = CpuExecutor(model, None)
+    assert executor.choice.build is None and not executor.choice.c_ops and executor.fused is None
+    assert "no C kernels" in executor.choice.describe()
+    assert greedy_with(executor, model, PROMPT, 8) == greedy(model, PROMPT, 8)
+
+
+def engine_tokens(config: EngineConfig, prompt: list[int], max_new_tokens: int) -> list[int]:
+    spec = GenerateSpec(
+        [prompt],
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+    )
+    with Engine(config) as engine:
+        return [t for e in engine.generate(spec) if isinstance(e, Delta) for t in e.token_ids]
+
+
+def test_the_default_production_path_gives_the_torch_paths_greedy_tokens_on_the_default_model() -> None:
+    # bf16, kernels on, the engine loading the model itself: what `tandem up` runs. Against the plain
+    # model on torch ops (--native-kernels false). The kernels sum in another order than torch (and
+    # attention does not round between its matmuls), so bf16 logits may differ in their last bits:
+    # the stated bound is the first 16 greedy tokens of a real prompt.
+    model_dir = resolve_model(None)
+    prompt = load_model(model_dir, dtype="bfloat16").tokenizer.encode("The capital of France is").ids
+    config = EngineConfig(model_dir=model_dir, dtype="bfloat16", num_kv_blocks=64)
+    on_kernels = engine_tokens(config, prompt, 16)
+    on_torch = engine_tokens(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_kv_blocks=64,
+                                          native_kernels=False), prompt, 16)  # fmt: skip
+    assert len(on_kernels) == 16
+    assert on_kernels == on_torch
