@@ -35,11 +35,11 @@ from bench.decode_throughput import make_prompts  # noqa: E402
 from bench.passages import PARAGRAPHS, PASSAGES  # noqa: E402
 from common.model_cache import resolve_model  # noqa: E402
 from services.decoder.config import EngineConfig  # noqa: E402
-from services.decoder.engine.chat import ChatMessage, ChatRequest, TextPart  # noqa: E402
+from services.decoder.engine.chat import ChatMessage, ChatRequest  # noqa: E402
 from services.decoder.engine.engine import Engine  # noqa: E402
 from services.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from services.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from services.decoder.engine.prompt import GenerateSpec  # noqa: E402
+from services.decoder.engine.prompt import GenerateSpec, TextPrompt  # noqa: E402
 
 # Spelling mistakes for the correction task: the answer copies the passage with them fixed.
 TYPOS = {"the ": "teh ", "and ": "adn ", "with ": "wiht ", "which ": "wich "}
@@ -56,7 +56,7 @@ def repetitive_specs(passages: list[str], max_new_tokens: int) -> list[GenerateS
             for right, wrong in TYPOS.items():
                 passage = passage.replace(right, wrong)
             text = "Correct the spelling mistakes in the following text:\n\n" + passage
-        chat = ChatRequest(messages=[ChatMessage("user", [TextPart(text)])])
+        chat = ChatRequest(messages=[ChatMessage("user", [TextPrompt(text)])])
         specs.append(
             GenerateSpec(
                 prompt=[],

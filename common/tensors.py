@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,12 +151,3 @@ def encode(tensor: torch.Tensor | np.ndarray, dtype: torch.dtype | None = None) 
 def _byteswapped(tensor: torch.Tensor) -> torch.Tensor:
     as_bytes = tensor.contiguous().view(torch.uint8).view(-1, tensor.dtype.itemsize)
     return as_bytes.flip(-1).contiguous().view(tensor.dtype).view(tensor.shape)
-
-
-def token_ids_to_list(ids: Sequence[int], field: str, vocab_size: int) -> list[int]:
-    """Validate token IDs against the vocabulary; raises InvalidArgument naming the first bad one."""
-    out = list(ids)
-    for i, token_id in enumerate(out):
-        if token_id >= vocab_size:
-            raise InvalidArgument(f"{field}[{i}]", f"token id {token_id} >= vocab_size {vocab_size}")
-    return out

@@ -43,16 +43,17 @@ def min_positions(text: str, max_chars_per_token: int) -> int:
     return math.ceil(len(text) / max_chars_per_token)
 
 
-def check_tokenize_bound(texts: list[str], max_chars_per_token: int, max_positions: int, limit: str) -> None:
-    """A Tokenize call does at most the tokenizing one request may: its texts together must be able to
-    fit `max_positions` (the service's `limit`). Raises InvalidArgument naming `texts`."""
-    num_at_least = sum(min_positions(text, max_chars_per_token) for text in texts)
+def check_fits(
+    num_at_least: int, max_positions: int, field: str, max_chars_per_token: int, limit: str, hint: str = ""
+) -> None:
+    """Refuse what cannot fit from its size alone: `num_at_least` positions (text counted by
+    `min_positions`) over `max_positions`. Raises InvalidArgument naming `field` and `limit`, the
+    bound in words (e.g. "max_input_tokens 512"); `hint` (if any) says what would fit."""
     if num_at_least > max_positions:
         raise InvalidArgument(
-            "texts",
-            f"at least {num_at_least} positions (one per {max_chars_per_token} characters or fewer) "
-            f"exceed {limit} {max_positions}; tokenize at most {max_positions * max_chars_per_token} "
-            "characters per call",
+            field,
+            f"at least {num_at_least} positions (text takes one per {max_chars_per_token} characters or "
+            f"fewer) exceed {limit}{hint}",
         )
 
 

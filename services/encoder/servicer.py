@@ -1,9 +1,10 @@
-"""tandem.v1.Encoder: convert, validate, delegate to the embedder.
+"""tandem.v1.Encoder: convert, delegate to the request builder and the embedder. The rules live in
+`request.py`; errors map to statuses in `common/status.py`.
 
-Embedding and tokenization run on one worker thread, off the event loop (and tokenizers release the
-GIL), so health checks and reflection answer while a long input is being embedded; one thread
-because torch already uses every core for a single call, and embedders are not thread-safe. A text
-too long to fit is refused from its length before it is tokenized (`common/text_bounds.py`).
+Request building (tokenizing included), embedding and Tokenize run on one worker thread, off the
+event loop (and tokenizers release the GIL), so health checks and reflection answer while a long
+input is being embedded; one thread because torch already uses every core for a single call, and
+embedders are not thread-safe.
 
 With telemetry on, each Embed gets an `embeddings {model}` span (a child of the gRPC server span)
 and a request-duration point.
@@ -12,7 +13,6 @@ and a request-duration point.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -21,19 +21,18 @@ import grpc
 import torch
 
 from common import telemetry as otel
-from common import tensors, text_bounds
+from common import tensors
 from common.errors import InvalidArgument, Unavailable
 from common.model_name import check_model
 from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
-from common.wire_limits import MAX_REQUEST_ID_BYTES, MAX_TOKENIZE_TEXTS
+from common.prompt_parts import TextPrompt
+from common.wire_limits import check_tokenize_texts
 from services.encoder.config import EncoderConfig
 from services.encoder.embedder import Embedder, Pooling
+from services.encoder.request import EmbedSpec, build_job
 
 T = TypeVar("T")
 
-# Room in a response for everything but the tensor bytes: token IDs (up to 5 bytes each) and framing.
-RESPONSE_OVERHEAD_BYTES = 4096
-BYTES_PER_TOKEN_ID = 5
 _POOLINGS = {encoder_pb2.POOLING_NONE: Pooling.NONE, encoder_pb2.POOLING_MEAN: Pooling.MEAN}
 
 
@@ -83,73 +82,31 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     async def _embed(self, request: encoder_pb2.EmbedRequest) -> encoder_pb2.EmbedResponse:
         embedder = self._require_embedder()
-        info = embedder.info
         check_model(request.model, self.config.served_model_name)
-        request_id = _request_id(request.request_id)
-        pooling = _pooling(request.pooling, self.config.pooling)
-        output_dtype = _output_dtype(request.output_dtype)
-        source = request.WhichOneof("input")
-        if source == "text":
-            if not request.text:
-                raise InvalidArgument("text", "must not be empty")
-            # From its length alone first: tokenizing 30 MB took 27 s and 4 GB it never gave back.
-            num_at_least = text_bounds.min_positions(request.text, info.max_token_chars)
-            if num_at_least > self._max_input_tokens:
-                raise InvalidArgument(
-                    "text",
-                    f"at least {num_at_least} positions (one per {info.max_token_chars} characters or "
-                    f"fewer) exceed max_input_tokens {self._max_input_tokens}",
-                )
-            token_ids = await self._run(embedder.tokenize, request.text, request.add_special_tokens)
-            if not token_ids:
-                raise InvalidArgument("text", "produces no tokens; send text with at least one token")
-        elif source == "token_ids":
-            if not request.token_ids.ids:
-                raise InvalidArgument("token_ids.ids", "must not be empty")
-            token_ids = list(request.token_ids.ids)
-        else:
-            raise InvalidArgument("input", "set exactly one of text or token_ids")
-        if len(token_ids) > self._max_input_tokens:
-            raise InvalidArgument(
-                source, f"{len(token_ids)} positions exceed max_input_tokens {self._max_input_tokens}"
-            )
-        if source == "token_ids":
-            tensors.token_ids_to_list(token_ids, "token_ids.ids", info.vocab_size)
-        num_rows = 1 if pooling is Pooling.MEAN else info.num_virtual_tokens + len(token_ids)
-        itemsize = (output_dtype or info.dtype).itemsize
-        num_bytes = num_rows * info.hidden_size * itemsize + len(token_ids) * BYTES_PER_TOKEN_ID
-        max_bytes = self.config.server.max_message_bytes - RESPONSE_OVERHEAD_BYTES
-        if num_bytes > max_bytes:
-            raise InvalidArgument(
-                source,
-                f"the response would take about {num_bytes} bytes, over max_message_bytes "
-                f"{self.config.server.max_message_bytes}; send a shorter input or a 2-byte output_dtype",
-            )
+        spec = _spec_from_pb(request)
+        max_message_bytes = self.config.server.max_message_bytes
+        job = await self._run(
+            build_job, spec, embedder, self._max_input_tokens, max_message_bytes, self.config.pooling
+        )
 
         def embed_and_pack() -> tensor_pb2.Tensor:
             # Packing copies up to max_message_bytes: keep that off the event loop too.
-            rows = embedder.embed(token_ids, pooling)  # [num_rows, hidden_size]
-            return tensors.encode(rows, output_dtype)
+            rows = embedder.embed(job.token_ids, job.pooling)  # [num_rows, hidden_size]
+            return tensors.encode(rows, job.output_dtype)
 
         return encoder_pb2.EmbedResponse(
-            request_id=request_id,
+            request_id=job.request_id,
             embeddings=await self._run(embed_and_pack),
-            token_ids=tensor_pb2.TokenIds(ids=token_ids),
-            usage=tensor_pb2.Usage(input_tokens=len(token_ids)),
+            token_ids=tensor_pb2.TokenIds(ids=job.token_ids),
+            usage=tensor_pb2.Usage(input_tokens=len(job.token_ids)),
         )
 
     async def Tokenize(
         self, request: encoder_pb2.EncoderTokenizeRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EncoderTokenizeResponse:
         embedder = self._require_embedder()
-        if len(request.texts) > MAX_TOKENIZE_TEXTS:
-            raise InvalidArgument(
-                "texts", f"{len(request.texts)} texts exceed the limit of {MAX_TOKENIZE_TEXTS} per call"
-            )
         texts, add_special_tokens = list(request.texts), request.add_special_tokens
-        text_bounds.check_tokenize_bound(
-            texts, embedder.info.max_token_chars, self._max_input_tokens, "max_input_tokens"
-        )
+        check_tokenize_texts(texts, embedder.info.max_token_chars, self._max_input_tokens, "max_input_tokens")
 
         def tokenize_all() -> list[list[int]]:
             return [embedder.tokenize(text, add_special_tokens) for text in texts]
@@ -182,15 +139,22 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
 
-def _request_id(request_id: str) -> str:
-    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-        raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} bytes")
-    return request_id or uuid.uuid4().hex
+def _spec_from_pb(request: encoder_pb2.EmbedRequest) -> EmbedSpec:
+    """The call as the request builder takes it. Fails only where an enum cannot be mapped."""
+    source = request.WhichOneof("input")
+    return EmbedSpec(
+        input=TextPrompt(request.text) if source == "text" else request.token_ids.ids if source else None,
+        add_special_tokens=request.add_special_tokens,
+        request_id=request.request_id,
+        pooling=_pooling(request.pooling),
+        output_dtype=_output_dtype(request.output_dtype),
+    )
 
 
-def _pooling(pooling: int, default: Pooling) -> Pooling:
+def _pooling(pooling: int) -> Pooling | None:
+    """None = the server's configured pooling."""
     if pooling == encoder_pb2.POOLING_UNSPECIFIED:
-        return default
+        return None
     if pooling not in _POOLINGS:
         raise InvalidArgument("pooling", f"unknown pooling {pooling}; use POOLING_NONE or POOLING_MEAN")
     return _POOLINGS[pooling]

@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM
 from common.gguf_import import import_gguf
 from common.model_cache import default_model_file
 from services.decoder.config import EngineConfig
-from services.decoder.engine.chat import ChatMessage, ChatRequest, TextPart
+from services.decoder.engine.chat import ChatMessage, ChatRequest
 from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import Delta, Finished
 from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import GenerateSpec
+from services.decoder.engine.prompt import GenerateSpec, TextPrompt
 from services.decoder.models.loader import LoadedModel, load_model
 from tests.unit.decoder.models.helpers import PagedRun, greedy
 
@@ -124,7 +124,7 @@ def test_speculation_by_prompt_lookup_accepts_most_of_a_repeated_passage_and_cha
     """Asked to repeat a passage, the model copies it: prompt lookup proposes the passage's next
     tokens, and greedy decoding with speculation gives exactly the tokens it gives without."""
     chat = ChatRequest(
-        messages=[ChatMessage("user", [TextPart("Repeat the following text exactly:\n\n" + PASSAGE)])],
+        messages=[ChatMessage("user", [TextPrompt("Repeat the following text exactly:\n\n" + PASSAGE)])],
         add_generation_prompt=True,
         template=None,
         template_kwargs={},

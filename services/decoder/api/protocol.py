@@ -16,17 +16,11 @@ from google.protobuf import json_format
 from common import tensors
 from common.errors import InvalidArgument
 from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from services.decoder.engine.chat import (
-    ChatMessage,
-    ChatRequest,
-    ContentPart,
-    EmbeddingsPart,
-    TextPart,
-    TokenIdsPart,
-)
+from common.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
+from services.decoder.engine.chat import ChatMessage, ChatRequest
 from services.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
 from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, PromptPart, TextPrompt
+from services.decoder.engine.prompt import GenerateSpec
 from services.decoder.engine.prompt_logprobs import PromptLogprob
 
 _REASONS = {
@@ -61,16 +55,21 @@ def spec_from_pb(
 
 
 def _part_from_pb(
-    segment: decoder_pb2.PromptSegment, field: str, limits: tensors.TensorLimits, plain_text: bool
+    part: decoder_pb2.PromptSegment | decoder_pb2.ChatContentPart,
+    field: str,
+    limits: tensors.TensorLimits,
+    plain_text: bool = False,
 ) -> PromptPart:
-    kind = segment.WhichOneof("segment")
+    """A prompt segment or a chat message part (the same three kinds under two oneof names)."""
+    oneof = "segment" if isinstance(part, decoder_pb2.PromptSegment) else "part"
+    kind = part.WhichOneof(oneof)
     if kind == "token_ids":
-        return segment.token_ids.ids  # not copied: request building bounds the length first
+        return part.token_ids.ids  # not copied: request building bounds the length first
     if kind == "text":
-        return TextPrompt(segment.text, is_plain=plain_text)
+        return TextPrompt(part.text, is_plain=plain_text)
     if kind == "embeddings":
         # Wire checks only (dtype, sizes against the byte count and `limits`); zero-copy.
-        return EmbeddingPrompt(tensors.decode(segment.embeddings, f"{field}.embeddings", limits=limits))
+        return EmbeddingPrompt(tensors.decode(part.embeddings, f"{field}.embeddings", limits=limits))
     raise InvalidArgument(field, "set one of token_ids, embeddings or text")
 
 
@@ -79,7 +78,7 @@ def _chat_from_pb(chat: decoder_pb2.ChatPrompt, limits: tensors.TensorLimits) ->
         ChatMessage(
             message.role,
             [
-                _chat_part_from_pb(part, f"chat.messages[{i}].content[{j}]", limits)
+                _part_from_pb(part, f"chat.messages[{i}].content[{j}]", limits)
                 for j, part in enumerate(message.content)
             ],
         )
@@ -91,19 +90,6 @@ def _chat_from_pb(chat: decoder_pb2.ChatPrompt, limits: tensors.TensorLimits) ->
         template=chat.chat_template if chat.HasField("chat_template") else None,
         template_kwargs=json_format.MessageToDict(chat.template_kwargs),
     )
-
-
-def _chat_part_from_pb(
-    part: decoder_pb2.ChatContentPart, field: str, limits: tensors.TensorLimits
-) -> ContentPart:
-    kind = part.WhichOneof("part")
-    if kind == "text":
-        return TextPart(part.text)
-    if kind == "token_ids":
-        return TokenIdsPart(list(part.token_ids.ids))
-    if kind == "embeddings":
-        return EmbeddingsPart(tensors.decode(part.embeddings, f"{field}.embeddings", limits=limits))
-    raise InvalidArgument(field, "set one of text, token_ids or embeddings")
 
 
 def _sampling_from_pb(s: decoder_pb2.SamplingParams, out: decoder_pb2.OutputOptions) -> SamplingParams:

@@ -12,18 +12,17 @@ import grpc
 
 from common import telemetry as otel
 from common import tensors
-from common.errors import InvalidArgument, Unavailable
+from common.errors import Unavailable
 from common.model_name import check_model
 from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
-from common.text_bounds import check_tokenize_bound
-from common.wire_limits import MAX_TOKENIZE_TEXTS
+from common.prompt_parts import EmbeddingPrompt
+from common.wire_limits import check_tokenize_texts
 from services.decoder.api import protocol
 from services.decoder.api.engine_metrics import observe_engine
 from services.decoder.api.stream_limit import StreamLimit
-from services.decoder.engine.chat import EmbeddingsPart
 from services.decoder.engine.engine import Engine
 from services.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
+from services.decoder.engine.prompt import GenerateSpec
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
@@ -49,7 +48,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         if self._telemetry is not None:
             observe_engine(self._telemetry.meter, lambda: self.engine)
 
-    def _engine(self) -> Engine:
+    def _healthy_engine(self) -> Engine:
         if self.engine is None or not self.engine.is_healthy:
             raise Unavailable("the decoder is loading, draining or has failed; retry later")
         return self.engine
@@ -65,7 +64,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         is_finished = False
         try:
             with self.streams.open(context.peer()):
-                engine = self._engine()
+                engine = self._healthy_engine()
                 check_model(request.model, self.model_name)
                 spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
                 num_embedding_positions = _num_embedding_positions(spec)
@@ -124,18 +123,16 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
     async def Tokenize(
         self, request: decoder_pb2.DecoderTokenizeRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.DecoderTokenizeResponse:
-        engine = self._engine()
-        if len(request.texts) > MAX_TOKENIZE_TEXTS:
-            raise InvalidArgument("texts", f"at most {MAX_TOKENIZE_TEXTS} texts per call")
+        engine = self._healthy_engine()
         texts = list(request.texts)
-        check_tokenize_bound(texts, engine.max_token_chars, engine.max_model_len, "max_model_len")
+        check_tokenize_texts(texts, engine.max_token_chars, engine.max_model_len, "max_model_len")
         token_ids = await engine.tokenize(texts, request.add_special_tokens)
         return decoder_pb2.DecoderTokenizeResponse(tokens=[tensor_pb2.TokenIds(ids=ids) for ids in token_ids])
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.DecoderGetModelInfoResponse:
-        engine = self._engine()
+        engine = self._healthy_engine()
         c = engine.model_config
         return decoder_pb2.DecoderGetModelInfoResponse(
             model=self.model_name,
@@ -155,7 +152,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 
 def _num_embedding_positions(spec: GenerateSpec) -> int:
     parts = [*spec.prompt, *(p for m in spec.chat.messages for p in m.content)] if spec.chat else spec.prompt
-    return sum(part.rows.shape[0] for part in parts if isinstance(part, EmbeddingPrompt | EmbeddingsPart))
+    return sum(part.rows.shape[0] for part in parts if isinstance(part, EmbeddingPrompt))
 
 
 def _request_attributes(

@@ -8,8 +8,9 @@ How parts keep their boundaries and caller text stays text:
   spliced back as its own prompt part after rendering, so no tokenization crosses it.
 - A text part is rendered inline, so the whole string tokenizes exactly as transformers'
   `apply_chat_template(..., tokenize=True)` does, unless it contains a special-token literal (such as
-  `<|im_start|>`): then it too becomes a placeholder and is tokenized with special tokens split into
-  plain text. Caller text can never forge a control token; the template's own control tokens stay.
+  `<|im_start|>`): then it too becomes a placeholder, spliced back as plain text (`is_plain`), which
+  tokenizes special-token literals as the text they spell. Caller text can never forge a control
+  token; the template's own control tokens stay.
 
 The end-of-turn token is read off the template itself: the first special token it writes after an
 assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3).
@@ -26,38 +27,20 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-import torch
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from common.errors import FailedPrecondition, InvalidArgument
+from common.prompt_parts import PromptPart, TextPrompt
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_RENDERED_CHARS = 1 << 20  # 1 MiB of rendered text: far above any context this serves
 
 
 @dataclass(frozen=True)
-class TextPart:
-    text: str
-
-
-@dataclass(frozen=True)
-class TokenIdsPart:
-    ids: list[int]
-
-
-@dataclass(frozen=True)
-class EmbeddingsPart:
-    rows: torch.Tensor  # [n, hidden_size], already decoded and checked by protocol.py
-
-
-ContentPart = TextPart | TokenIdsPart | EmbeddingsPart
-
-
-@dataclass(frozen=True)
 class ChatMessage:
     role: str  # one of ROLES
-    content: Sequence[ContentPart]
+    content: Sequence[PromptPart]  # caller text in it is always plain (`TextPrompt.is_plain` unread)
 
 
 @dataclass(frozen=True)
@@ -70,14 +53,9 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
 
 
-@dataclass(frozen=True)
-class PlainText:
-    """Caller text whose special-token literals must stay plain text."""
-
-    text: str
-
-
-RenderedPart = str | PlainText | list[int] | torch.Tensor  # template text, plain text, IDs, embedding rows
+# A rendered prompt: each part with the field path its errors name. The template's own text is
+# `TextPrompt(text)` at "chat"; a caller's part keeps its path, `chat.messages[i].content[j]`.
+LocatedPart = tuple[str, PromptPart]
 
 
 class ChatTemplate:
@@ -88,7 +66,7 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.special = special  # bos_token / eos_token / ... names the templates refer to
         # The same vocabulary with special-token literals split into plain text (for caller text).
-        self.plain_tokenizer = plain_tokenizer(tokenizer)
+        self.literal_tokenizer = literal_tokenizer(tokenizer)
         self._environment = _sandbox()
         self._special_literals = [
             t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content
@@ -109,39 +87,27 @@ class ChatTemplate:
         special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
         return cls(source if isinstance(source, str) else None, tokenizer, special)
 
-    def render(self, chat: ChatRequest) -> list[RenderedPart]:
+    def render(self, chat: ChatRequest) -> list[LocatedPart]:
         """The prompt parts for `chat`, in order. Raises InvalidArgument / FailedPrecondition."""
         source = chat.template if chat.template is not None else self.source
         if source is None:
             raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
         nonce = secrets.token_hex(8)
-        spliced: dict[str, RenderedPart] = {}
+        spliced: dict[str, LocatedPart] = {}
         messages = []
         for i, message in enumerate(chat.messages):
             pieces = []
             for j, part in enumerate(message.content):
-                if isinstance(part, TextPart) and not self._has_special_literal(part.text):
+                if isinstance(part, TextPrompt) and not self._has_special_literal(part.text):
                     pieces.append(part.text)
                     continue
                 key = f"<<tandem-part-{nonce}-{i}-{j}>>"
-                spliced[key] = _as_rendered(part)
+                as_given = TextPrompt(part.text, is_plain=True) if isinstance(part, TextPrompt) else part
+                spliced[key] = (f"chat.messages[{i}].content[{j}]", as_given)
                 pieces.append(key)
             messages.append({"role": message.role, "content": "".join(pieces)})
         text = self._render_text(source, messages, chat)
         return _splice(text, spliced, nonce)
-
-    def tokenize(self, parts: Sequence[RenderedPart]) -> list[list[int] | torch.Tensor]:
-        """Token IDs for text (template text with its control tokens; caller text as plain text),
-        token-ID and embedding parts as they are."""
-        out: list[list[int] | torch.Tensor] = []
-        for part in parts:
-            if isinstance(part, str):
-                out.append(self.tokenizer.encode(part, add_special_tokens=False).ids)
-            elif isinstance(part, PlainText):
-                out.append(self.plain_tokenizer.encode(part.text, add_special_tokens=False).ids)
-            else:
-                out.append(part)
-        return [part for part in out if len(part)]
 
     def _render_text(self, source: str, messages: list[dict[str, str]], chat: ChatRequest) -> str:
         """Renders with the output bounded as it is produced (a template can loop)."""
@@ -184,11 +150,11 @@ class ChatTemplate:
         return ()
 
 
-def plain_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+def literal_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
     """A copy of `tokenizer` that tokenizes special-token literals as the plain text they spell."""
-    plain = tokenizers.Tokenizer.from_str(tokenizer.to_str())
-    plain.encode_special_tokens = True
-    return plain
+    literal = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+    literal.encode_special_tokens = True
+    return literal
 
 
 def _one_line(error: BaseException) -> str:
@@ -209,22 +175,10 @@ def _sandbox() -> ImmutableSandboxedEnvironment:
     return environment
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=False)
-
-
-def _as_rendered(part: ContentPart) -> RenderedPart:
-    if isinstance(part, TextPart):
-        return PlainText(part.text)
-    if isinstance(part, TokenIdsPart):
-        return list(part.ids)
-    return part.rows
-
-
-def _splice(text: str, spliced: dict[str, RenderedPart], nonce: str) -> list[RenderedPart]:
+def _splice(text: str, spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:
     """Splits the rendered text at the placeholders; each must appear exactly once."""
     pattern = re.compile(rf"<<tandem-part-{nonce}-\d+-\d+>>")
-    parts: list[RenderedPart] = []
+    parts: list[LocatedPart] = []
     seen: set[str] = set()
     position = 0
     for match in pattern.finditer(text):
@@ -233,11 +187,11 @@ def _splice(text: str, spliced: dict[str, RenderedPart], nonce: str) -> list[Ren
             raise InvalidArgument("chat.chat_template", "the template repeated a non-text message part")
         seen.add(key)
         if match.start() > position:
-            parts.append(text[position : match.start()])
+            parts.append(("chat", TextPrompt(text[position : match.start()])))
         parts.append(spliced[key])
         position = match.end()
     if position < len(text):
-        parts.append(text[position:])
+        parts.append(("chat", TextPrompt(text[position:])))
     if len(seen) != len(spliced):
         raise InvalidArgument("chat.chat_template", "the template dropped a non-text message part")
     return parts

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from common.errors import InvalidArgument
+from common.prompt_parts import check_token_id, check_token_ids
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -72,10 +73,7 @@ class SamplingParams:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ParamError(f"{prefix}.logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
         for token_id, bias in self.logit_bias.items():
-            if not 0 <= token_id < vocab_size:
-                raise ParamError(
-                    f"{prefix}.logit_bias", f"token id {token_id} outside vocabulary [0, {vocab_size})"
-                )
+            check_token_id(token_id, f"{prefix}.logit_bias", vocab_size)
             _check_range(f"{prefix}.logit_bias[{token_id}]", bias, -100.0, 100.0)
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             # The wire puts top_logprobs with the output options, so the error names it there.
@@ -120,9 +118,7 @@ class StoppingParams:
                 )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ParamError(f"{prefix}.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
-        for i, t in enumerate(self.stop_token_ids):
-            if not 0 <= t < vocab_size:
-                raise ParamError(f"{prefix}.stop_token_ids[{i}]", f"token id {t} outside [0, {vocab_size})")
+        check_token_ids(self.stop_token_ids, f"{prefix}.stop_token_ids", vocab_size)
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidArgument
-from common.text_bounds import check_tokenize_bound, max_token_chars, min_positions, vocabulary_bound
+from common.text_bounds import check_fits, max_token_chars, min_positions, vocabulary_bound
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +35,11 @@ def test_the_bound_never_exceeds_the_real_token_count(tokenizer: tokenizers.Toke
     assert bound <= len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def test_a_tokenize_call_may_hold_one_context_of_text_and_no_more() -> None:
-    check_tokenize_bound(["a" * 40, "b" * 40], max_chars_per_token=10, max_positions=8, limit="max_model_len")
+def test_what_cannot_fit_is_refused_naming_the_field_and_the_limit() -> None:
+    check_fits(8, max_positions=8, field="text", max_chars_per_token=10, limit="max_input_tokens 8")
     with pytest.raises(InvalidArgument) as info:
-        check_tokenize_bound(
-            ["a" * 40, "b" * 41], max_chars_per_token=10, max_positions=8, limit="max_model_len"
-        )
-    assert info.value.field == "texts" and "at most 80 characters" in info.value.description
+        check_fits(9, max_positions=8, field="text", max_chars_per_token=10, limit="max_input_tokens 8")
+    assert info.value.field == "text"
+    assert info.value.description == (
+        "at least 9 positions (text takes one per 10 characters or fewer) exceed max_input_tokens 8"
+    )

@@ -9,6 +9,7 @@ import torch
 
 from common import text_bounds
 from common.errors import FailedPrecondition, InvalidArgument
+from services.decoder.engine.chat import ChatMessage, ChatRequest, ChatTemplate
 from services.decoder.engine.params import StoppingParams
 from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt, build_request
 from services.decoder.engine.request import Request
@@ -17,8 +18,20 @@ from services.decoder.models.loader import LoadedModel
 
 def _build(loaded: LoadedModel, spec: GenerateSpec, max_model_len: int = 16, embeds: bool = True) -> Request:
     max_token_chars = text_bounds.max_token_chars(loaded.tokenizer)
+    template = None
+    if spec.chat is not None:
+        template = ChatTemplate(
+            "{% for m in messages %}{{ m['content'] }}\n{% endfor %}", loaded.tokenizer, {}
+        )
     return build_request(
-        spec, "r", loaded.tokenizer, loaded.config, max_model_len, embeds, max_token_chars=max_token_chars
+        spec,
+        "r",
+        loaded.tokenizer,
+        loaded.config,
+        max_model_len,
+        embeds,
+        template,
+        max_token_chars=max_token_chars,
     )
 
 
@@ -133,3 +146,42 @@ def test_token_ids_and_rows_are_counted_before_any_is_read(tiny_fp32: LoadedMode
     assert _field(tiny_fp32, GenerateSpec([out_of_vocab])) == "prompt"
     nan_rows = EmbeddingPrompt(torch.full((20, hidden), float("nan")))
     assert _field(tiny_fp32, GenerateSpec([nan_rows])) == "prompt"
+
+
+def _chat(*contents: list) -> GenerateSpec:
+    chat = ChatRequest([ChatMessage("user", content) for content in contents])
+    return GenerateSpec([], chat=chat, cap_max_new_tokens=True)
+
+
+def test_chat_parts_obey_the_segment_rules_and_errors_name_where_the_caller_put_them(
+    tiny_fp32: LoadedModel,
+) -> None:
+    hidden, vocab = tiny_fp32.config.hidden_size, tiny_fp32.config.vocab_size
+    assert _field(tiny_fp32, _chat([TextPrompt("a")], [[1], TextPrompt("")])) == (
+        "chat.messages[1].content[1].text"
+    )
+    assert _field(tiny_fp32, _chat([EmbeddingPrompt(torch.ones(1, 3))])) == (
+        "chat.messages[0].content[0].embeddings.shape"
+    )
+    assert _field(tiny_fp32, _chat([TextPrompt("a")], [[1, vocab]])) == (
+        "chat.messages[1].content[0].token_ids.ids[1]"
+    )
+    nan = EmbeddingPrompt(torch.full((1, hidden), float("nan")))
+    assert _field(tiny_fp32, _chat([TextPrompt("a")], [TextPrompt("b"), nan])) == (
+        "chat.messages[1].content[1].embeddings.data"
+    )
+    assert _field(tiny_fp32, _chat([list(range(16))])) == "chat"  # the length bound, from sizes alone
+    with pytest.raises(FailedPrecondition):
+        _build(tiny_fp32, _chat([nan]), embeds=False)
+
+
+def test_a_chat_flattens_like_the_same_parts_sent_as_segments(tiny_fp32: LoadedModel) -> None:
+    rows = EmbeddingPrompt(torch.ones(2, tiny_fp32.config.hidden_size))
+    chat = _build(tiny_fp32, _chat([[5, 6], rows]), max_model_len=64)
+    newline = tiny_fp32.tokenizer.encode("\n", add_special_tokens=False).ids
+    segments = _build(
+        tiny_fp32, GenerateSpec([[5, 6], rows, newline], cap_max_new_tokens=True), max_model_len=64
+    )
+    assert chat.prompt_token_ids == segments.prompt_token_ids
+    assert chat.is_token_ids == segments.is_token_ids
+    assert chat.embedding_digests == segments.embedding_digests

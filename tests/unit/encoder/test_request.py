@@ -1,0 +1,76 @@
+"""Embed request building: every rule once, cheapest first, errors naming the request field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.errors import InvalidArgument
+from common.prompt_parts import TextPrompt
+from services.encoder.embedder import EmbedderInfo, Pooling
+from services.encoder.request import RESPONSE_OVERHEAD_BYTES, EmbedSpec, build_job
+
+INFO = EmbedderInfo(kind="fake", hidden_size=4, vocab_size=100, dtype=torch.float32, max_token_chars=5)
+
+
+class FakeEmbedder:
+    """Tokenizes one ID per word; counts its calls."""
+
+    info = INFO
+
+    def __init__(self) -> None:
+        self.num_tokenized = 0
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.num_tokenized += 1
+        return [1 + len(word) for word in text.split()]
+
+    def embed(self, token_ids: list[int], pooling: Pooling) -> torch.Tensor:
+        raise AssertionError("request building never embeds")
+
+
+def _build(spec: EmbedSpec, embedder: FakeEmbedder | None = None, max_input_tokens: int = 8):
+    return build_job(spec, embedder or FakeEmbedder(), max_input_tokens, 1 << 20, Pooling.NONE)
+
+
+def _field(spec: EmbedSpec, **kwargs) -> str:
+    with pytest.raises(InvalidArgument) as info:
+        _build(spec, **kwargs)
+    return info.value.field
+
+
+def test_each_bad_input_is_refused_naming_its_field() -> None:
+    assert _field(EmbedSpec(TextPrompt("hi"), request_id="r" * 129)) == "request_id"
+    assert _field(EmbedSpec(None)) == "input"
+    assert _field(EmbedSpec(TextPrompt(""))) == "text"
+    assert _field(EmbedSpec([])) == "token_ids.ids"
+    assert _field(EmbedSpec([1, 100])) == "token_ids.ids[1]"
+    assert _field(EmbedSpec([1] * 9)) == "token_ids"
+    assert _field(EmbedSpec(TextPrompt("a b c d e f g h i"))) == "text"  # 9 tokens, over 8
+
+
+def test_a_text_too_long_to_fit_is_refused_from_its_length_before_it_is_tokenized() -> None:
+    embedder = FakeEmbedder()
+    with pytest.raises(InvalidArgument, match="at least 9 positions") as info:
+        _build(EmbedSpec(TextPrompt("a" * (8 * INFO.max_token_chars + 1))), embedder)
+    assert info.value.field == "text" and embedder.num_tokenized == 0
+
+
+def test_a_reply_over_the_message_limit_is_refused_before_embedding() -> None:
+    spec = EmbedSpec([1] * 8)  # 8 rows of 4 float32 and 8 IDs: 168 bytes
+    with pytest.raises(InvalidArgument, match="over max_message_bytes") as info:
+        build_job(spec, FakeEmbedder(), 8, RESPONSE_OVERHEAD_BYTES + 167, Pooling.NONE)
+    assert info.value.field == "token_ids"
+    assert build_job(spec, FakeEmbedder(), 8, RESPONSE_OVERHEAD_BYTES + 168, Pooling.NONE)
+
+
+def test_a_valid_call_gets_its_ids_a_request_id_and_the_default_pooling() -> None:
+    job = _build(EmbedSpec(TextPrompt("the sea"), add_special_tokens=True))
+    assert job.token_ids == [4, 4] and len(job.request_id) == 32 and job.pooling is Pooling.NONE
+    job = _build(EmbedSpec([7, 8], request_id="mine", pooling=Pooling.MEAN, output_dtype=torch.float16))
+    assert (job.request_id, job.token_ids, job.pooling, job.output_dtype) == (
+        "mine",
+        [7, 8],
+        Pooling.MEAN,
+        torch.float16,
+    )
