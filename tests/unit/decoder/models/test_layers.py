@@ -8,7 +8,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from services.decoder.models.config import Llama3RopeScaling
 from services.decoder.models.layers import RMSNorm, RotaryEmbedding, merge_prompt_embeds, rope_inv_freq
-from services.decoder.models.linear import Linear
 
 
 def test_merge_prompt_embeds_returns_h_itself_when_there_are_no_embeddings() -> None:
@@ -74,30 +73,3 @@ def test_rotary_angles_depend_on_each_token_position_only() -> None:
     packed_cos, packed_sin = rotary(torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32), torch.float32)
     alone_cos, alone_sin = rotary(torch.tensor([0, 1]), torch.float32)
     assert torch.equal(packed_cos[3:], alone_cos) and torch.equal(packed_sin[3:], alone_sin)
-
-
-@pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU's oneDNN has no bf16 path (AVX2 only)"
-)
-def test_prepacked_linear_gives_bit_identical_bf16_results() -> None:
-    torch.manual_seed(0)
-    layer = Linear(96, 160, bias=True).to(torch.bfloat16)
-    x = torch.randn(7, 96, dtype=torch.bfloat16)
-    with_bias, without_bias = layer(x), layer(x, with_bias=False)
-    layer.prepack()
-    assert layer.packed_weight is not None
-    assert torch.equal(layer(x), with_bias)
-    assert torch.equal(layer(x, with_bias=False), without_bias)
-
-
-def test_prepack_is_skipped_where_onednn_has_no_bf16_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("services.decoder.models.linear._has_onednn_bf16", lambda: False)
-    layer = Linear(8, 4).to(torch.bfloat16)
-    layer.prepack()
-    assert layer.packed_weight is None
-
-
-def test_prepack_leaves_float32_on_the_plain_path() -> None:
-    layer = Linear(8, 4)
-    layer.prepack()
-    assert layer.packed_weight is None

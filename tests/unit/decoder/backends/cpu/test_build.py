@@ -1,0 +1,159 @@
+"""How the C kernels are built and loaded: every level compiles warning-free, a library built from other
+sources is refused, a missing one leaves the model on torch ops, and the CPU's flags pick the level."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from services.decoder.backends.cpu import kernels as cpu_kernels
+from services.decoder.backends.cpu.build import (
+    AARCH64_LEVELS,
+    X86_64_LEVELS,
+    Level,
+    build_id,
+    compile_level,
+    this_machine_levels,
+)
+from services.decoder.backends.cpu.isa import CpuInfo, best_level, parse_cpuinfo, runnable_levels, this_cpu
+from services.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable
+
+STRICT = ("-Werror", "-Wall", "-Wextra")
+CROSS_AARCH64 = "aarch64-linux-gnu-gcc"
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler `cc` on PATH")
+
+
+@needs_cc
+@pytest.mark.parametrize("level", this_machine_levels(), ids=lambda level: level.name)
+def test_every_level_of_this_machine_compiles_without_a_warning(level: Level, tmp_path: Path) -> None:
+    output = tmp_path / f"{level.name}.so"
+    compile_level("cc", level, output, extra=STRICT)
+    assert output.is_file()
+
+
+@pytest.mark.skipif(shutil.which(CROSS_AARCH64) is None, reason=f"no {CROSS_AARCH64} on PATH")
+@pytest.mark.parametrize("level", AARCH64_LEVELS, ids=lambda level: level.name)
+def test_the_aarch64_level_cross_compiles_without_a_warning(level: Level, tmp_path: Path) -> None:
+    output = tmp_path / f"{level.name}.so"
+    compile_level(CROSS_AARCH64, level, output, extra=STRICT)
+    assert output.is_file()
+
+
+def build_with_id(tmp_path: Path, level: Level, build: str | None) -> Path:
+    """This level's library at -O0 (the flags that make its build id stay), reporting `build` if given."""
+    output = tmp_path / f"_kernels_{level.name}.so"
+    relabel = ("-UTANDEM_BUILD_ID", f'-DTANDEM_BUILD_ID="{build}"') if build is not None else ()
+    compile_level("cc", level, output, extra=("-O0", *relabel))
+    return output
+
+
+@needs_cc
+def test_load_takes_a_library_built_from_these_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    level = runnable_levels(this_cpu())[0]
+    library = build_with_id(tmp_path, level, None)
+    monkeypatch.setattr(cpu_kernels, "library_path", lambda _: library)
+    loaded = cpu_kernels.load.__wrapped__(level)
+    assert isinstance(loaded, Kernels) and loaded.level == level and loaded.path == library
+
+
+@needs_cc
+def test_load_refuses_a_library_built_from_other_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    level = runnable_levels(this_cpu())[0]
+    other = "0123456789abcdef"
+    assert other != build_id(level)
+    library = build_with_id(tmp_path, level, other)
+    monkeypatch.setattr(cpu_kernels, "library_path", lambda _: library)
+    with pytest.raises(KernelsUnavailable, match=f"built from other sources \\(build {other}, sources"):
+        cpu_kernels.load.__wrapped__(level)
+
+
+def test_without_a_library_load_for_cpu_logs_one_warning_and_returns_none(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def missing(level: Level) -> Path:
+        raise KernelsUnavailable(f"no {level.name} build of the CPU kernels")
+
+    monkeypatch.setattr(cpu_kernels, "library_path", missing)
+    monkeypatch.setattr(cpu_kernels, "load", cpu_kernels.load.__wrapped__)  # past the per-process cache
+    cpu = CpuInfo("x86_64", "test CPU", frozenset())
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load_for_cpu.__wrapped__(cpu) is None
+    assert [record.getMessage() for record in caplog.records] == [
+        "CPU kernels unavailable, the model runs on torch ops: no x86_64 build of the CPU kernels"
+    ]
+
+
+# -- isa.py ----------------------------------------------------------------------------------------
+
+X86_CPUINFO = """\
+processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) CPU E5-2690 v4 @ 2.60GHz
+flags\t\t: fpu sse2 avx avx2 fma bmi1 bmi2
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+model name\t: some other name
+flags\t\t: fpu
+"""
+
+AARCH64_CPUINFO = """\
+processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm sve
+CPU implementer\t: 0x41
+CPU architecture: 8
+
+processor\t: 1
+Features\t: fp
+"""
+
+# An AVX2-only CPU's flags (Haswell), and an AVX-512 one's (Skylake-SP).
+AVX2_FLAGS = frozenset(
+    "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 bmi1 bmi2 f16c fma abm movbe xsave aes".split()
+)
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def test_parse_cpuinfo_of_x86_takes_the_first_processors_model_name_and_flags() -> None:
+    cpu = parse_cpuinfo(X86_CPUINFO, "x86_64")
+    assert cpu.machine == "x86_64"
+    assert cpu.model_name == "Intel(R) Xeon(R) CPU E5-2690 v4 @ 2.60GHz"
+    assert cpu.flags == {"fpu", "sse2", "avx", "avx2", "fma", "bmi1", "bmi2"}
+
+
+def test_parse_cpuinfo_of_aarch64_names_the_machine_and_reads_the_features() -> None:
+    cpu = parse_cpuinfo(AARCH64_CPUINFO, "aarch64")
+    assert cpu.model_name == "aarch64"  # no "model name" line
+    assert {"fp", "asimd", "sve"} <= cpu.flags and "fphp" in cpu.flags
+    assert cpu.isa_summary == "asimd sve"
+
+
+@pytest.mark.parametrize(
+    ("machine", "flags", "best"),
+    [
+        ("x86_64", AVX2_FLAGS, "avx2"),
+        ("x86_64", AVX512_FLAGS, "avx512"),
+        ("x86_64", AVX512_FLAGS - {"avx512vl"}, "avx2"),  # AVX-512 without all of x86-64-v4
+        ("x86_64", AVX2_FLAGS - {"movbe"}, "x86_64"),  # AVX2 without all of x86-64-v3
+        ("x86_64", frozenset(), "x86_64"),  # flags unknown: the lowest level, never a guess
+        ("aarch64", frozenset({"fp", "asimd"}), "aarch64"),
+        ("aarch64", frozenset(), "aarch64"),
+        ("riscv64", frozenset(), "generic"),
+    ],
+)
+def test_the_best_level_is_the_highest_one_the_cpus_flags_allow(
+    machine: str, flags: frozenset[str], best: str
+) -> None:
+    cpu = CpuInfo(machine, "test CPU", flags)
+    levels = runnable_levels(cpu)
+    assert best_level(cpu).name == best == levels[-1].name
+    if machine == "x86_64":  # every level up to the best, lowest first
+        assert levels == X86_64_LEVELS[: [level.name for level in X86_64_LEVELS].index(best) + 1]
