@@ -53,7 +53,7 @@ from services.decoder.engine.scheduler import ScheduledRequest, Scheduler
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[Event], None]  # receives one request's events, on the engine thread
+EventCallback = Callable[[Event], None]  # receives one request's events, on the engine thread
 
 
 @dataclass
@@ -62,7 +62,7 @@ class _Tracked:
 
     request: Request
     output: OutputState
-    sink: Sink
+    on_event: EventCallback
     # Seeded requests: one generator per token sampled in a step (1 + proposed tokens), reseeded for
     # the output position it samples before every step. Empty for unseeded requests.
     generators: list[torch.Generator]
@@ -114,7 +114,7 @@ class EngineCore:
         self,
         request: Request,
         output: OutputState,
-        sink: Sink,
+        on_event: EventCallback,
         deadline: float | None,
         progress: ReaderProgress | None = None,
     ) -> None:
@@ -128,14 +128,14 @@ class EngineCore:
         if request.num_speculative_tokens:
             lookup = PromptLookup(request.prompt_token_ids, request.is_token_ids)
         tracked = _Tracked(
-            request, output, sink, generators, deadline, progress, lookup, request.num_speculative_tokens
+            request, output, on_event, generators, deadline, progress, lookup, request.num_speculative_tokens
         )
         with self.lock:
             self.scheduler.add_request(request)
             self._live[request.request_id] = tracked
             # Under the lock: the engine thread cannot schedule the request before Accepted is out,
             # so no Delta can overtake it.
-            sink(Accepted(output.request_id, request.num_prompt_tokens))
+            on_event(Accepted(output.request_id, request.num_prompt_tokens))
 
     def abort(self, key: str) -> None:
         """Ask for an abort (any thread); it takes effect at the next step boundary, silently.
@@ -169,7 +169,7 @@ class EngineCore:
             return len(self._live)
 
     def step(self) -> None:
-        """Run one step and deliver its events to the requests' sinks."""
+        """Run one step and deliver its events to the requests' callbacks."""
         with self.lock:
             self._apply_aborts()
             ended = self._take_all_if_asked()
@@ -179,10 +179,12 @@ class EngineCore:
             plan = self.scheduler.schedule()
         for tracked, reason in ended:
             for event in tracked.output.finish(reason):
-                tracked.sink(event)
+                tracked.on_event(event)
         for tracked in expired:
             request_id = tracked.output.request_id
-            tracked.sink(Failed(request_id, DeadlineExceeded(f"request {request_id} expired while queued")))
+            tracked.on_event(
+                Failed(request_id, DeadlineExceeded(f"request {request_id} expired while queued"))
+            )
         for request_id in plan.preempted_ids:
             self._live[request_id].output.record("preempted", time.monotonic())
         if plan.is_empty:
@@ -220,7 +222,7 @@ class EngineCore:
             for tracked in live:
                 self.scheduler.abort(tracked.request.request_id)
         for tracked in live:
-            tracked.sink(Failed(tracked.output.request_id, error))
+            tracked.on_event(Failed(tracked.output.request_id, error))
 
     def _add_prompt_logprobs(self, chunks: tuple[PromptLogprobsChunk, ...]) -> None:
         """Hand each request the prompt positions this step scored; they go out with its first token."""
@@ -324,7 +326,7 @@ class EngineCore:
             if is_finished:
                 self._retire(tracked, events[-1].reason)
             for event in events:
-                tracked.sink(event)
+                tracked.on_event(event)
             if not is_finished and tracked.progress is not None and tracked.progress.is_far_behind:
                 self._pause(tracked, now)
 

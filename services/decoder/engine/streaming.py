@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 
 from services.decoder.engine.backpressure import ReaderProgress
-from services.decoder.engine.core import Sink
+from services.decoder.engine.core import EventCallback
 from services.decoder.engine.mailbox import LoopMailbox
 from services.decoder.engine.outputs import Delta, Event, Failed, Finished
 
@@ -38,7 +38,7 @@ class Mailboxes:
 
 async def stream_events(
     mailboxes: Mailboxes,
-    submit: Callable[[Sink], str],
+    submit: Callable[[EventCallback], str],
     abort: Callable[[str], None],
     builder: concurrent.futures.Executor,
     progress: ReaderProgress,
@@ -55,12 +55,12 @@ async def stream_events(
     mailbox = mailboxes.of(asyncio.get_running_loop())
     events: asyncio.Queue[Event] = asyncio.Queue()
 
-    def sink(event: Event) -> None:
+    def on_event(event: Event) -> None:
         if isinstance(event, Delta):
             progress.handed()
         mailbox.post(events, event)
 
-    admission = builder.submit(submit, sink)
+    admission = builder.submit(submit, on_event)
     try:
         key = await asyncio.wrap_future(admission)
     except asyncio.CancelledError:

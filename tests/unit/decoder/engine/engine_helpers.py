@@ -28,17 +28,17 @@ def run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[Eve
     results: list[list[Event]] = [[] for _ in specs]
     done = threading.Semaphore(0)
 
-    def sink_for(i: int):
-        def sink(event: Event) -> None:
+    def on_event_for(i: int):
+        def on_event(event: Event) -> None:
             results[i].append(event)
             if isinstance(event, Finished | Failed):
                 done.release()
 
-        return sink
+        return on_event
 
     with engine._thread._wakeup:  # re-entrant: submit's own wake() takes it again
         for i, spec in enumerate(specs):
-            engine.submit(spec, sink_for(i))
+            engine.submit(spec, on_event_for(i))
     for _ in specs:
         assert done.acquire(timeout=120)
     return results

@@ -378,14 +378,14 @@ def test_embedding_positions_are_not_prompt_tokens_for_the_repetition_penalty(
 
 
 def test_accepted_is_out_before_any_delta_even_while_the_engine_is_busy(tiny_model_dir, tiny_fp32) -> None:
-    # Accepted used to go to the sink after the engine lock was released, so a busy engine thread
+    # Accepted used to go to the callback after the engine lock was released, so a busy engine thread
     # could schedule the request and emit its first Delta while Accepted was still on its way. This
-    # sink holds Accepted back until a Delta arrives (or 1 s passes) to open that window wide.
+    # callback holds Accepted back until a Delta arrives (or 1 s passes) to open that window wide.
     events: list[Event] = []
     first_delta = threading.Event()
     done = threading.Event()
 
-    def sink(event: Event) -> None:
+    def on_event(event: Event) -> None:
         if isinstance(event, Accepted):
             first_delta.wait(1.0)
         elif isinstance(event, Delta):
@@ -399,7 +399,7 @@ def test_accepted_is_out_before_any_delta_even_while_the_engine_is_busy(tiny_mod
     with _engine(tiny_model_dir, tiny_fp32) as engine:
         background = engine.generate(busy)
         next(background)  # the engine thread now steps without waiting for a wakeup
-        engine.submit(spec, sink)
+        engine.submit(spec, on_event)
         assert done.wait(60)
         background.close()
     assert isinstance(events[0], Accepted), [type(e).__name__ for e in events]

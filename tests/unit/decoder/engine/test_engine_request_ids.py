@@ -67,7 +67,7 @@ def test_an_assigned_id_is_random_and_says_nothing_about_other_requests(tiny_mod
 
 
 class _Gate:
-    """A sink that holds the engine thread inside its first event, until `release()`."""
+    """An event callback that holds the engine thread inside its first event, until `release()`."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
@@ -91,12 +91,12 @@ def _collect() -> tuple[list[Event], threading.Event, object]:
     events: list[Event] = []
     done = threading.Event()
 
-    def sink(event: Event) -> None:
+    def on_event(event: Event) -> None:
         events.append(event)
         if isinstance(event, Finished | Failed):
             done.set()
 
-    return events, done, sink
+    return events, done, on_event
 
 
 def test_a_cancelled_requests_id_is_free_at_once_and_its_abort_hits_only_it(
@@ -110,11 +110,11 @@ def test_a_cancelled_requests_id_is_free_at_once_and_its_abort_hits_only_it(
         baseline = _tokens(engine.generate(_spec("baseline", greedy)))
         gate = _Gate()
         engine.submit(GenerateSpec([[1, 2]], greedy, _STOPPING, request_id="gate"), gate)
-        assert gate.entered.wait(30)  # the engine thread now waits inside the gate's sink
+        assert gate.entered.wait(30)  # the engine thread now waits inside the gate's callback
         cancelled_key = engine.submit(_spec("reused", greedy), lambda event: None)
         engine.abort(cancelled_key)  # the stream's caller cancels...
-        events, done, sink = _collect()
-        engine.submit(_spec("reused", greedy), sink)  # ...and reuses the ID before the next step
+        events, done, on_event = _collect()
+        engine.submit(_spec("reused", greedy), on_event)  # ...and reuses the ID before the next step
         gate.release()
         assert done.wait(60) and gate.done.wait(60)
         assert isinstance(events[0], Accepted) and isinstance(events[-1], Finished)
@@ -125,11 +125,11 @@ def test_a_cancelled_requests_id_is_free_at_once_and_its_abort_hits_only_it(
 def test_an_abort_after_the_request_ended_touches_nothing(tiny_model_dir, tiny_fp32) -> None:
     greedy = SamplingParams(temperature=0.0)
     with _engine(tiny_model_dir, tiny_fp32) as engine:
-        events, done, sink = _collect()
-        key = engine.submit(_spec("x", greedy), sink)
+        events, done, on_event = _collect()
+        key = engine.submit(_spec("x", greedy), on_event)
         assert done.wait(60)
-        later, later_done, later_sink = _collect()
-        engine.submit(_spec("x", greedy), later_sink)
+        later, later_done, later_on_event = _collect()
+        engine.submit(_spec("x", greedy), later_on_event)
         engine.abort(key)  # a stale abort of the first: the second, under the same ID, runs on
         assert later_done.wait(60)
     assert isinstance(later[-1], Finished) and _tokens(later) == _tokens(events)
