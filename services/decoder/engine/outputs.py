@@ -192,12 +192,6 @@ class OutputState:
         self.num_proposed_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
 
-    def on_token(
-        self, token_id: int, logprob: float | None, top: TopLogprobs | None, now: float
-    ) -> list[Event]:
-        """Account one sampled token, a step of its own; returns the events it releases."""
-        return self.on_tokens([SampledToken(token_id, logprob, top)], now)
-
     def on_tokens(self, tokens: list[SampledToken], now: float) -> list[Event]:
         """Account one step's tokens in order (several when it verified a proposal); returns the
         events they release (possibly none). Tokens after one that ends the request are dropped."""
