@@ -129,21 +129,29 @@ def test_tokens_with_speculation_equal_those_without_alone_and_batched(
 def test_speculation_keeps_the_sampling_distribution(
     tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Unseeded sampling (temperature 1.5, top-k 3) over three tokens: the joint distribution of the
-    tokens, with a fixed two-token proposal verified at the second step, matches the one without
-    (a chi-square test of homogeneity, 1,200 requests each)."""
+    """Sampling (temperature 1.5, top-k 3) over three tokens: the joint distribution of the tokens,
+    with a fixed two-token proposal verified at the second step, matches the one without (a
+    chi-square test of homogeneity, 1,200 requests each). Each request has a seed of its own, the two
+    runs disjoint ones: independent samples, the same on every run whatever the batching, and a
+    speculation that skewed the distribution would still show as a p-value far below the bound."""
     prompt = [torch.randint(5, 1000, (6,), generator=torch.Generator().manual_seed(8)).tolist()]
-    sampling = SamplingParams(temperature=1.5, top_k=3)
+
+    def specs(first_seed: int) -> list[GenerateSpec]:
+        return [
+            _spec(prompt, SamplingParams(temperature=1.5, top_k=3, seed=first_seed + i), 3)
+            for i in range(1200)
+        ]
+
     config = dict(max_num_seqs=64, max_queue=4096)
     with _engine(tiny_model_dir, tiny_fp32, **config) as engine:
         greedy = _tokens(list(engine.generate(_spec(prompt, SamplingParams(temperature=0.0), 3))))
-        plain = _run_concurrently(engine, [_spec(prompt, sampling, 3)] * 1200)
+        plain = _run_concurrently(engine, specs(first_seed=0))
     # The proposal the greedy path would make: often right, often wrong, never the same as a sample.
     monkeypatch.setattr(
         prompt_lookup.PromptLookup, "propose", lambda self, k: greedy[1:3] if len(self.history) == 7 else []
     )
     with _engine(tiny_model_dir, tiny_fp32, speculative_tokens=2, **config) as engine:
-        speculated = _run_concurrently(engine, [_spec(prompt, sampling, 3)] * 1200)
+        speculated = _run_concurrently(engine, specs(first_seed=1200))
     assert sum(_finished(e).accepted_tokens for e in speculated) > 100  # the proposal was often right
 
     plain_counts = Counter(tuple(_tokens(e)) for e in plain)
