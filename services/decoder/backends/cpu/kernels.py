@@ -290,7 +290,7 @@ def _bind(fn: Any, argtypes: list[Any]) -> Any:
 
 def _check(status: int, what: str) -> None:
     if status != 0:
-        raise ValueError(f"native kernel refused its input: {what}")
+        raise ValueError(f"C kernel refused its input: {what}")
 
 
 def library_path(level: Level) -> Path:

@@ -8,8 +8,8 @@ a compiled graph does not have, so only the eager executor calls them.
 
 Why a namespace per level: a process may load more than one build (the tests run every level the
 machine can run), and each op must call the build it was registered for; a process-wide "current
-build" would be hidden global state. Registering through `torch.library.Library` with a plain
-function costs about 2 us a call (a `custom_op` decorator costs about 7).
+build" would be hidden global state. Registered through `torch.library.Library` with a plain
+function: a call costs a quarter of what a `custom_op` decorator's does (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Every layer of a decode-only step in one C call (`tandem_decode_layers`, csrc/layer.c).
 
 Per layer, the fused path is three C calls (attention_in, decode attention, mlp_block), each behind
-a Python wrapper that checks its tensors, plus the module call around them: on SmolLM2 (30 layers)
-most of a decode step's host work at batch 1 (docs/PERFORMANCE.md). Here the step's tensors are checked once
-and the layers run back to back in C, the same kernels in the same order as the per-layer calls, so
+a Python wrapper that checks its tensors: for a small model, most of a decode step's host work at
+batch 1. Here the step's tensors are checked once and the layers run back to back in C, the same kernels in the same order as the per-layer calls, so
 the results are the same bits. Steps with any prefill keep the per-layer path (their attention is
 torch's).
 
@@ -52,7 +51,7 @@ class DecodeStack:
         self._kv_type = ctypes.c_void_p * len(layers)
         self._run = kernels.decode_layers
         # The caches last checked (weakly: the runner owns them) and their pointers. The runner passes
-        # the same caches every step, and checking 30 of them took 85 us of a 20 ms step.
+        # the same caches every step: checking them all again would be per-step host work for nothing.
         self._caches: list[weakref.ref[torch.Tensor]] = []
         self._cache_pointers: ctypes.Array[ctypes.c_void_p] | None = None
         self._cache_shape: torch.Size | None = None  # theirs, as checked

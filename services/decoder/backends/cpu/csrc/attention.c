@@ -1,10 +1,10 @@
-/* CPU kernels the model calls through ctypes (services/decoder/models/native.py builds and loads this):
+/* CPU kernels the executor calls through ctypes (backends/cpu/kernels.py loads the build for this CPU):
  * decode attention here, and RMSNorm and the q/k norm + RoPE + KV write further down.
  *
  * Why C: a decode step's attention in torch is a gather of every sequence's KV blocks into a
- * contiguous copy, two small batched matmuls, a mask and a softmax, per layer: at batch 32 on
- * bench-small the gather alone is ~4 ms of a ~20 ms step, because it writes the whole context once
- * more before reading it again. Here each (sequence, KV head) reads its keys and values straight
+ * contiguous copy, two small batched matmuls, a mask and a softmax, per layer: at batch 32 the
+ * gather alone is a fifth of a step (docs/PERFORMANCE-HISTORY.md), because it writes the whole
+ * context once more before reading it again. Here each (sequence, KV head) reads its keys and values straight
  * from the paged cache, once, with an online softmax, so the context is read and never copied.
  *
  * Threads: `#pragma omp` here binds to the libgomp torch already loaded (same soname), so this runs
@@ -37,11 +37,11 @@ const char *tandem_build_id(void) { return TANDEM_BUILD_ID; }
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
-/* Limits of the on-stack scratch; native.py checks them before calling.
+/* Limits of the on-stack scratch; kernels.py checks them before calling.
  *
  * What each kernel checks itself: its scalar arguments (counts, sizes, the limits below) and every
  * index it follows (KV slots, block ids, sequence lengths). What it cannot check is how long a buffer
- * is: native.py's wrappers check every tensor's device, dtype, shape and contiguity before the call. */
+ * is: kernels.py's wrappers check every tensor's device, dtype, shape and contiguity before the call. */
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK_SIZE 64
@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void softmax_block(float *restrict 
  * q: [R, group, head_dim] fp32, already scaled; out: [R, group, head_dim] fp32.
  *
  * The rows share the sequence's keys and values: each block is read and widened once for all of
- * them (row by row, a 4-row verification step cost 4.4x a 1-row one). Each row still sees the blocks
+ * them (row by row, a 4-row verification step re-read every key four times). Each row still sees the blocks
  * it would see alone, with its own n in its last one, and every sum runs in the same order as for a
  * row alone, so a row's bits do not depend on the rows beside it. Always inlined into attend_one's
  * cases, so common head sizes get loops of known length (kept in vector registers). */

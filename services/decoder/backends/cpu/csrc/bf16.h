@@ -1,4 +1,4 @@
-/* bf16 <-> fp32 for the C kernels (native_kernels.c, linear_kernels.c, layer_kernels.c): bf16 is the top
+/* bf16 <-> fp32 for the C kernels (attention.c, linear.c, layer.c): bf16 is the top
  * half of a float. */
 #ifndef TANDEM_NATIVE_BF16_H
 #define TANDEM_NATIVE_BF16_H

@@ -1,10 +1,10 @@
 /* A decoder layer in two calls instead of about twenty-five torch ops: called through ctypes by
- * services/decoder/models/native_layer.py, compiled into the same library as native_kernels.c and
- * linear_kernels.c, whose exported kernels it chains.
+ * backends/cpu/layer.py and stack.py, compiled into the same library as attention.c and linear.c,
+ * whose exported kernels it chains.
  *
- * Why: on SmolLM2 (30 layers, hidden 576) a decode step is mostly fixed cost per op: module calls,
- * argument checks, tensor allocation, dispatch, about 0.2-0.3 ms per layer on this 2-core machine,
- * as much as reading the layer's weights. Attention stays a call of its own between the two halves
+ * Why: for a small model (SmolLM2: 30 layers, hidden 576) a decode step is mostly fixed cost per op:
+ * module calls, argument checks, tensor allocation, dispatch, as much per layer as reading the
+ * layer's weights (the profile is in docs/PERFORMANCE-HISTORY.md). Attention stays a call of its own between the two halves
  * (models/attention.py, which owns the paged-cache rules); everything before and after it is one
  * call each:
  *
@@ -57,8 +57,7 @@ static uint16_t *scratch(size_t elements) {
 }
 
 /* silu(g) = g * sigmoid(g), with exp of a non-positive argument only (no overflow); the polynomial
- * exp, so that swiglu's loop vectorises: with libm's expf, one scalar call per value, silu took 2.2 of
- * a 4-row step's 33 ms (0.5 of a 1-row step's), now a tenth of that. */
+ * exp, so that swiglu's loop vectorises (libm's expf is one scalar call per value). */
 static inline __attribute__((always_inline)) float silu(float g) {
     const float e = exp_nonpositive(-fabsf(g));
     return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));

@@ -1,5 +1,5 @@
 /* bf16 linear layers on CPUs where oneDNN has no bf16 path (AVX2 without AVX-512): called through
- * ctypes by services/decoder/models/native.py, compiled into the same library as native_kernels.c.
+ * ctypes by backends/cpu/linear.py, compiled into the same library as attention.c.
  *
  * Why: on such a CPU torch's bf16 matmul falls back to a reference loop (0.3 GFLOP/s for a 1024^3
  * product here, against 17 in fp32 under the same load), and every linear layer, LM head included,
@@ -22,7 +22,7 @@
  * it (8 lanes over the chunks, then the same lane reduction), so a row's result does not depend on
  * the rows beside it. Speculative decoding relies on that: a verification step of k + 1 rows gives
  * each row the bits a one-row step would, so greedy tokens are the same with and without it. A
- * faster tile must keep that order (test_native_linear.py checks rows against rows alone).
+ * faster tile must keep that order (tests/unit/decoder/backends/cpu/test_linear.py checks rows against rows alone).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -91,8 +91,8 @@ static inline __attribute__((always_inline)) void tile(float sums[MAX_TILE_ROWS]
         for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
     /* Prefetch the next tile's weights (the NR rows after these, contiguous) while this one computes:
      * NR / 2 cache lines per chunk covers them by the tile's end. Without it a core leaves the memory
-     * idle between its demand misses: a decode step read 10 GB/s here, with it 14; and a block of 4-8
-     * rows, which computes longer per weight, hides the whole read (1.7x faster). A prefetch past the
+     * idle between its demand misses; a block of 4-8 rows, which computes longer per weight, then hides
+     * the whole read (docs/PERFORMANCE-HISTORY.md has the measurements). A prefetch past the
      * end of w is harmless: it never faults. */
     const char *next_tile = (const char *)(w + NR * k);
     for (; at + CHUNK <= k; at += CHUNK) {
@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void tile(float sums[MAX_TILE_ROWS]
             for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
         }
         /* The odd elements: each lane's high half, its low half cleared by two shifts rather than a
-         * mask, which would hold a register the 4 x 3 tile needs (12-16% faster at 8-200 rows). */
+         * mask, which would hold a register the 4 x 3 tile needs. */
 #pragma GCC unroll 8
         for (int j = 0; j < NR; j++)
             wv[j] = _mm256_castsi256_ps(
@@ -180,9 +180,8 @@ static inline __attribute__((always_inline)) void finish_tile(float sums[MAX_TIL
 /* The 4 x 3 tile (verification steps of 4-9 rows, prefill) written out: 12 accumulators in
  * ymm0-11, 3 widened weight vectors and one input vector, all 16 registers, each input vector
  * loaded once for its 3 FMAs. Compiled from tile(), GCC folds an input load into every FMA (30
- * loads for 24 FMAs a chunk, against 14 here) and spills; this runs 1.4-1.5x faster on one core
- * (50-62 against 34-40 GFLOP/s, of a 94 peak) and cuts an 8-row step's linears by a quarter and a
- * 195-row prefill's by 30%. The same sums in the same order as tile(), so the same bits. */
+ * loads for 24 FMAs a chunk, against 14 here) and spills. The same sums in the same order as tile(),
+ * so the same bits. */
 static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_TILE_ROWS][8], const float *restrict x,
                                                            int64_t ldx, const uint16_t *restrict w, int64_t k) {
     float acc[12][8]; /* ymm0-11 stored by the loop, then summed lane by lane as in tile() */
@@ -223,11 +222,11 @@ static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_TILE_R
 
 /* The 6 x 2 tile (steps of 5 or 6 rows: a verification step of k = 4 or 5, or 5-6 sequences): all
  * the rows in one pass over the weights, where 4 x 3 tiles and a 1-2 row tile read them twice, the
- * second time compute-bound (a 6-row step's linears cost 1.8x a 4-row one's; now 1.24x). 12
+ * second time compute-bound. 12
  * accumulators in ymm0-11, two widened weight vectors in ymm12-13, an input vector in ymm14, and in
  * ymm15 the mask that keeps each lane's odd element (one AND instead of tile_4x3's two shifts: this
- * tile has a register to spare). The same sums in the same order as tile(), so the same bits. For
- * prefill it is no faster than 4 x 3 (C driver, 195 rows: 363 ms either way). */
+ * tile has a register to spare). The same sums in the same order as tile(), so the same bits. Prefill
+ * keeps 4 x 3, which is as fast there. */
 #define EVEN2(REG, W) "vmovdqu (%[" W "],%[at],2), %%" REG "\n\tvpslld $16, %%" REG ", %%" REG "\n\t"
 #define ODD2(REG, W) "vpand (%[" W "],%[at],2), %%ymm15, %%" REG "\n\t"
 #define ROW_FMAS2(OFFSET, X, A0, A1)                                                                          \
