@@ -92,7 +92,10 @@ async def _run(model_dir: Path) -> None:
             process.log_path.unlink(missing_ok=True)  # type: ignore[attr-defined]
 
 
-QUESTION = "What is the capital of France?"
+# Asked so that the answer does not hang on a near tie: bare, "What is the capital of France?" gives
+# SmolLM2 two first tokens 0.1 apart even in float32, and bf16 runs that sum in different orders
+# (oneDNN, the C kernels on each ISA) then answer differently. This one gives every path "Paris".
+QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 async def _embed_and_generate(

@@ -121,7 +121,7 @@ def test_compose_sends_traces_of_both_services_to_jaeger() -> None:
 
 def test_dockerfile_installs_cpu_torch_pinned_like_the_makefile() -> None:
     instructions = dockerfile_instructions()
-    assert instructions[0] == ("FROM", "python:3.11-slim")
+    assert instructions[0] == ("FROM", "python:3.11-slim AS builder")
     makefile_torch = re.search(r"^TORCH_VERSION := (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M)
     assert makefile_torch is not None
     assert ("ARG", f"TORCH_VERSION={makefile_torch.group(1)}") in instructions
@@ -130,6 +130,20 @@ def test_dockerfile_installs_cpu_torch_pinned_like_the_makefile() -> None:
     assert "--index-url https://download.pytorch.org/whl/cpu" in torch_install
     # torch comes before the project, so the project's `torch` requirement is already met.
     assert runs.index(torch_install) < next(i for i, run in enumerate(runs) if "pip install -e ." in run)
+
+
+def test_the_runtime_image_has_no_compiler_and_takes_the_builders_installed_kernels() -> None:
+    # The builder stage compiles the CPU kernels when it installs the project (setup.py); the image
+    # that runs copies the result, so it carries no gcc and no service ever compiles.
+    instructions = dockerfile_instructions()
+    stages = [i for i, (name, _) in enumerate(instructions) if name == "FROM"]
+    assert [instructions[i][1] for i in stages] == ["python:3.11-slim AS builder", "python:3.11-slim"]
+    builder, runtime = instructions[: stages[1]], instructions[stages[1] :]
+    assert any(name == "RUN" and "gcc" in args for name, args in builder)
+    assert any(name == "RUN" and "pip install -e ." in args and "_kernels_" in args for name, args in builder)
+    assert not any("gcc" in args or "cc " in args for name, args in runtime if name == "RUN")
+    copied = [args for name, args in runtime if name == "COPY"]
+    assert "--from=builder /usr/local /usr/local" in copied and "--from=builder /app /app" in copied
 
 
 def test_dockerfile_runs_as_a_non_root_user_with_the_default_model_baked_in() -> None:

@@ -2,9 +2,9 @@
 
 Per layer, the fused path is three C calls (attention_in, decode attention, mlp_block), each behind
 a Python wrapper that checks its tensors: for a small model, most of a decode step's host work at
-batch 1. Here the step's tensors are checked once and the layers run back to back in C, the same kernels in the same order as the per-layer calls, so
-the results are the same bits. Steps with any prefill keep the per-layer path (their attention is
-torch's).
+batch 1. Here the step's tensors are checked once and the layers run back to back in C, the same
+kernels in the same order as the per-layer calls, so the results are the same bits. Steps with any
+prefill keep the per-layer path.
 
 Bound by the executor (`executor.py`) when every layer is fused (FusedLayer) and the attention is the
 C decode kernel.

@@ -3,7 +3,8 @@
 The cache starts full of large garbage, so any read of the null block, of a padded block-table entry
 or of a slot past a sequence's end would show in the output. Each test runs every implementation:
 torch ops, torch ops behind the CPU executor's C decode kernel (backends/cpu/attention.py), and
-FlexAttention over block masks from the block tables (the CUDA implementation's code, on FlexAttention's eager CPU path).
+FlexAttention over block masks from the block tables (the CUDA implementation's code, on
+FlexAttention's eager CPU path).
 """
 
 from __future__ import annotations
