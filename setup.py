@@ -1,6 +1,6 @@
 """Builds the CPU kernels when the project is installed (pip install, editable or not; the image build).
 
-One shared library per ISA level this machine's architecture has (services/decoder/backends/cpu/
+One shared library per ISA level this machine's architecture has (tandem/decoder/backends/cpu/
 build.py), each an optional extension: without a C compiler, or if a level fails to build, pip says
 so and the install goes on; the decoder then logs one line and runs on torch ops. The libraries are
 plain C loaded with ctypes, not Python modules: the compile command is build.py's own, the one the
@@ -15,11 +15,11 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-# Loaded by path: importing the package would run services/__init__.py in pip's isolated build
+# Loaded by path: importing the package would run tandem/__init__.py in pip's isolated build
 # environment, which has no torch (build.py needs only the standard library).
 ROOT = Path(__file__).resolve().parent
 _SPEC = importlib.util.spec_from_file_location(
-    "tandem_kernel_build", ROOT / "services/decoder/backends/cpu/build.py"
+    "tandem_kernel_build", ROOT / "tandem/decoder/backends/cpu/build.py"
 )
 build = sys.modules[_SPEC.name] = importlib.util.module_from_spec(_SPEC)  # dataclasses look it up
 _SPEC.loader.exec_module(build)

@@ -3,7 +3,7 @@
 The decode workload of `decode_throughput.py` (bench-small bf16, N concurrent requests of
 `--prompt-len` random token IDs, exactly `--new-tokens` greedy tokens) three ways:
 - in-process: Tandem's Engine in this process (as in decode_throughput.py);
-- gRPC: a `python -m services.decoder` subprocess with the same engine settings, driven by N
+- gRPC: a `python -m tandem.decoder` subprocess with the same engine settings, driven by N
   concurrent `Generate` streams from an asyncio client in this process (text omitted, as in-process).
 Client and server share the machine's cores, so the client's CPU seconds are reported beside the
 server's. Target (issue 5): gRPC at least 0.9x the in-process throughput at 32 streams.
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_throughput import BLOCK_SIZE, build_engine, ensure_model, make_prompts, run_tandem  # noqa: E402
 
-from common.client import DecoderClient, EncoderClient  # noqa: E402
-from common.pb.tandem.v1 import decoder_pb2, tensor_pb2  # noqa: E402
+from tandem.client.client import DecoderClient, EncoderClient  # noqa: E402
+from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,7 +63,7 @@ def start_server(
     port = _free_port()
     blocks_per_request = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
     argv = [
-        sys.executable, "-m", "services.decoder", "--model", str(model_dir), "--port", str(port),
+        sys.executable, "-m", "tandem.decoder", "--model", str(model_dir), "--port", str(port),
         "--dtype", "bfloat16", "--max-num-seqs", str(max(32, max_requests)),
         "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, max_requests)),
         "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(max_requests * blocks_per_request + 9),

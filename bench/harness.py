@@ -56,8 +56,8 @@ from report import print_report, write_plot  # noqa: E402
 from subjects import Remote, TandemSubject, TransformersSubject  # noqa: E402
 from transport import transport_workload  # noqa: E402
 
-from common.model_cache import default_model_file, resolve_model  # noqa: E402
-from services.decoder.backends.cpu.linear import can_prepack  # noqa: E402
+from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
+from tandem.decoder.backends.cpu.linear import can_prepack  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 128

@@ -1,7 +1,7 @@
 """The hostile-caller attacks of issue 18 against both services as processes: what the attacker gets,
 what a neighbour sees meanwhile, and what the server keeps. The figures of docs/RELIABILITY.md.
 
-Both services start as `python -m services.decoder` / `python -m services.encoder` with their
+Both services start as `python -m tandem.decoder` / `python -m tandem.encoder` with their
 documented defaults (the default model unless `--model`), on free loopback ports. This process is
 only a client: health probes (1 s deadline, every 100 ms), the neighbour's streams and the attacks
 run here, so the servers' event loops and GILs are their own. Server memory is read from
@@ -29,8 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.channel import channel_options  # noqa: E402
-from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2  # noqa: E402
+from tandem.client.channel import channel_options  # noqa: E402
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2  # noqa: E402
 
 MIB = 1024 * 1024
 OPTIONS = channel_options(64 * MIB)
@@ -166,8 +166,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="default: the services' default model")
     parser.add_argument("--rounds", type=int, default=200, help="cancel-then-reuse rounds")
     args = parser.parse_args()
-    decoder_process, decoder_address = _start("services.decoder", args.model)
-    encoder_process, encoder_address = _start("services.encoder", args.model)
+    decoder_process, decoder_address = _start("tandem.decoder", args.model)
+    encoder_process, encoder_address = _start("tandem.encoder", args.model)
     rows: list[list[str]] = []
     try:
         decoder_channel = grpc.insecure_channel(decoder_address, options=OPTIONS)

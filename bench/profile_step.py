@@ -35,17 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_throughput import StepTimer, build_engine, make_prompts  # noqa: E402
 
-from common.model_cache import resolve_model  # noqa: E402
-from services.decoder.backends.cpu.build import this_machine_levels  # noqa: E402
-from services.decoder.backends.cpu.executor import CpuExecutor  # noqa: E402
-from services.decoder.backends.cpu.kernels import load  # noqa: E402
-from services.decoder.backends.cpu.linear import CLinear  # noqa: E402
-from services.decoder.engine.outputs import OutputOptions, OutputState  # noqa: E402
-from services.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from services.decoder.engine.prompt import GenerateSpec  # noqa: E402
-from services.decoder.models import transformer  # noqa: E402
-from services.decoder.models.layers import RMSNorm, SwiGLU  # noqa: E402
-from services.decoder.models.linear import Linear  # noqa: E402
+from tandem.common.model_cache import resolve_model  # noqa: E402
+from tandem.decoder.backends.cpu.build import this_machine_levels  # noqa: E402
+from tandem.decoder.backends.cpu.executor import CpuExecutor  # noqa: E402
+from tandem.decoder.backends.cpu.kernels import load  # noqa: E402
+from tandem.decoder.backends.cpu.linear import CLinear  # noqa: E402
+from tandem.decoder.engine.outputs import OutputOptions, OutputState  # noqa: E402
+from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
+from tandem.decoder.engine.prompt import GenerateSpec  # noqa: E402
+from tandem.decoder.models import transformer  # noqa: E402
+from tandem.decoder.models.layers import RMSNorm, SwiGLU  # noqa: E402
+from tandem.decoder.models.linear import Linear  # noqa: E402
 
 LINEAR_NAMES = {
     "qkv_proj": "q/k/v projection",

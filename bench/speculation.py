@@ -33,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_throughput import make_prompts  # noqa: E402
 from bench.passages import PARAGRAPHS, PASSAGES  # noqa: E402
-from common.model_cache import resolve_model  # noqa: E402
-from services.decoder.config import EngineConfig  # noqa: E402
-from services.decoder.engine.chat import ChatMessage, ChatRequest  # noqa: E402
-from services.decoder.engine.engine import Engine  # noqa: E402
-from services.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
-from services.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from services.decoder.engine.prompt import GenerateSpec, TextPrompt  # noqa: E402
+from tandem.common.model_cache import resolve_model  # noqa: E402
+from tandem.decoder.config import EngineConfig  # noqa: E402
+from tandem.decoder.engine.chat import ChatMessage, ChatRequest  # noqa: E402
+from tandem.decoder.engine.engine import Engine  # noqa: E402
+from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
+from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
+from tandem.decoder.engine.prompt import GenerateSpec, TextPrompt  # noqa: E402
 
 # Spelling mistakes for the correction task: the answer copies the passage with them fixed.
 TYPOS = {"the ": "teh ", "and ": "adn ", "with ": "wiht ", "which ": "wich "}

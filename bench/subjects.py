@@ -90,7 +90,7 @@ class TandemSubject:
         """(generated tokens, wall seconds, median TTFT seconds, decode-only seconds)."""
         from decode_throughput import run_tandem
 
-        from services.decoder.engine.prompt import EmbeddingPrompt
+        from tandem.decoder.engine.prompt import EmbeddingPrompt
 
         if embeds:
             table = self._table()
@@ -102,7 +102,7 @@ class TandemSubject:
 
     def _table(self) -> torch.Tensor:
         if self.table is None:
-            from services.encoder.lookup import read_embedding_table
+            from tandem.encoder.lookup import read_embedding_table
 
             self.table = read_embedding_table(self.model_dir).to(torch.bfloat16)  # [vocab, hidden]
         return self.table

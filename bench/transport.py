@@ -1,9 +1,9 @@
 """Embedding transport: how fast [n, hidden] bf16 rows move as `tandem.v1.Tensor` messages.
 
 Two measures, per row count (`TRANSPORT_ROWS`, hidden 512 for bench-small, so 0.13 to 8.4 MB):
-- the codec alone: `common.tensors.encode` (tensor -> message, one copy), protobuf serialize + parse
-  (the bytes a channel carries), `common.tensors.decode` (validation and a zero-copy view);
-- the encoder's Embed RPC over loopback gRPC against a `python -m services.encoder` subprocess: token
+- the codec alone: `tandem.common.tensors.encode` (tensor -> message, one copy), protobuf serialize + parse
+  (the bytes a channel carries), `tandem.common.tensors.decode` (validation and a zero-copy view);
+- the encoder's Embed RPC over loopback gRPC against a `python -m tandem.encoder` subprocess: token
   IDs in, [n, hidden] rows out, so the lookup, the server's encode and the client's parse are included.
 MB/s is 1e6 bytes of bf16 payload over the median time.
 """
@@ -26,15 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_throughput import make_prompts  # noqa: E402
 from grpc_throughput import _free_port, wait_serving  # noqa: E402
 
-from common import tensors  # noqa: E402
-from common.client import EncoderClient  # noqa: E402
+from tandem.client.client import EncoderClient  # noqa: E402
+from tandem.common import tensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRANSPORT_ROWS = (128, 1024, 4096, 8192)
 
 
 def codec_rates(hidden_size: int, repeats: int) -> dict[int, dict[str, float]]:
-    """MB/s of `common.tensors` encode, protobuf serialize + parse, and decode, per row count."""
+    """MB/s of `tandem.common.tensors` encode, protobuf serialize + parse, and decode, per row count."""
     out = {}
     for rows in TRANSPORT_ROWS:
         x = torch.randn(rows, hidden_size).to(torch.bfloat16)  # [rows, hidden_size]
@@ -78,7 +78,7 @@ async def embed_rpc_rates(address: str, vocab: int, repeats: int) -> dict[int, d
 def transport_workload(model_dir: Path, hidden_size: int, vocab: int, repeats: int) -> dict:
     """Embed RPC MB/s against a fresh encoder subprocess, then the codec alone."""
     port = _free_port()
-    argv = [sys.executable, "-m", "services.encoder", "--model", str(model_dir), "--port", str(port)]
+    argv = [sys.executable, "-m", "tandem.encoder", "--model", str(model_dir), "--port", str(port)]
     encoder = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         asyncio.run(wait_serving(f"127.0.0.1:{port}", encoder, EncoderClient))

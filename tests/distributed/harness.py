@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from services.decoder.distributed.parallel import ParallelContext, RankInfo, free_port, init_parallel
+from tandem.decoder.distributed.parallel import ParallelContext, RankInfo, free_port, init_parallel
 
 RankFn = Callable[..., Any]  # fn(tp, *args) -> a picklable result
 

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import torch
 
-from services.decoder.config import EngineConfig
-from services.decoder.distributed.parallel import ParallelContext
-from services.decoder.distributed.worker import run_steps
-from services.decoder.engine.batch import ForwardBatch
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Failed, Finished, OutputOptions
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
-from services.decoder.engine.runner import ModelRunner
-from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
-from services.decoder.models.loader import load_model
-from services.decoder.models.transformer import DecoderModel
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.distributed.parallel import ParallelContext
+from tandem.decoder.distributed.worker import run_steps
+from tandem.decoder.engine.batch import ForwardBatch
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta, Failed, Finished, OutputOptions
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
+from tandem.decoder.engine.runner import ModelRunner
+from tandem.decoder.engine.sequence_parallel import pad_for_sequence_parallel
+from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.transformer import DecoderModel
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 Chunk = tuple[str, list[int], torch.Tensor | None]  # sequence key, token ids, rows [n, hidden] or None

@@ -1,4 +1,4 @@
-"""`python -m services.decoder --world-size 2` as processes: serves what one rank serves, and a dead
+"""`python -m tandem.decoder --world-size 2` as processes: serves what one rank serves, and a dead
 rank ends open streams with UNAVAILABLE and takes the whole group down."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from common import tensors
-from common.client import DecoderClient
-from services.decoder.distributed.parallel import free_port
+from tandem.client.client import DecoderClient
+from tandem.common import tensors
+from tandem.decoder.distributed.parallel import free_port
 
 
 class DecoderProcess:
@@ -34,7 +34,7 @@ class DecoderProcess:
             [
                 sys.executable,
                 "-m",
-                "services.decoder",
+                "tandem.decoder",
                 *("--model", str(model_dir), "--port", str(self.port), "--dtype", "float32"),
                 *("--num-threads", "1", "--world-size", str(world_size), "--grace-s", "2"),
                 *("--num-kv-blocks", "1200", "--block-size", "4", "--collective-timeout-s", "20"),

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.engine.engine import Engine
-from services.decoder.models.loader import load_model
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.models.loader import load_model
 
 from . import scenarios
 from .harness import run_ranks

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.engine.batch import ForwardBatch
-from services.decoder.engine.kv_cache import NULL_BLOCK_ID
-from services.decoder.engine.sequence_parallel import pad_for_sequence_parallel
-from services.decoder.models.layers import merge_prompt_embeds
-from services.decoder.models.loader import ModelLoadError, load_model
-from services.decoder.models.tensor_parallel import local_rows
+from tandem.decoder.engine.batch import ForwardBatch
+from tandem.decoder.engine.kv_cache import NULL_BLOCK_ID
+from tandem.decoder.engine.sequence_parallel import pad_for_sequence_parallel
+from tandem.decoder.models.layers import merge_prompt_embeds
+from tandem.decoder.models.loader import ModelLoadError, load_model
+from tandem.decoder.models.tensor_parallel import local_rows
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 

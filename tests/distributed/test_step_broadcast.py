@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.decoder.distributed.step_broadcast import StepSender, receive_step
-from services.decoder.engine.batch import ForwardBatch
+from tandem.decoder.distributed.step_broadcast import StepSender, receive_step
+from tandem.decoder.engine.batch import ForwardBatch
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from services.decoder.backends.cuda_attention import CudaPagedAttention
-from services.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
-from services.decoder.models.flex_attention import FlexPagedAttention
+from tandem.decoder.backends.cuda_attention import CudaPagedAttention
+from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
+from tandem.decoder.models.flex_attention import FlexPagedAttention
 
 pytestmark = pytest.mark.gpu
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.config import EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event, Failed, Finished
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 
 pytestmark = pytest.mark.gpu
 

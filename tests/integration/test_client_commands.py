@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common import tensors
-from common.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
-from services import cli
-from services.decoder.models.loader import LoadedModel
+from tandem import cli
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from tandem.common import tensors
+from tandem.decoder.models.loader import LoadedModel
 from tests.integration.reliability.harness import Services
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.up import STOP_MARGIN_S, UpConfig, serve_command
+from tandem.up import STOP_MARGIN_S, UpConfig, serve_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"

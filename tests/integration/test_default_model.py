@@ -12,15 +12,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from common.gguf_import import import_gguf
-from common.model_cache import default_model_file
-from services.decoder.config import EngineConfig
-from services.decoder.engine.chat import ChatMessage, ChatRequest
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Finished
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import GenerateSpec, TextPrompt
-from services.decoder.models.loader import LoadedModel, load_model
+from tandem.common.gguf_import import import_gguf
+from tandem.common.model_cache import default_model_file
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.chat import ChatMessage, ChatRequest
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta, Finished
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import GenerateSpec, TextPrompt
+from tandem.decoder.models.loader import LoadedModel, load_model
 from tests.unit.decoder.models.helpers import PagedRun, greedy
 
 PROMPTS = [

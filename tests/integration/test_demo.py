@@ -1,4 +1,4 @@
-"""`make demo` (`python -m services.demo`) end to end, as a developer on a fresh machine runs it."""
+"""`make demo` (`python -m tandem.demo`) end to end, as a developer on a fresh machine runs it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_demo_imports_the_default_model_and_answers_the_question_both_ways(tmp_path: Path) -> None:
     # A fresh HOME, so the demo imports the default model's GGUF file as it does on first use.
     result = subprocess.run(
-        [sys.executable, "-m", "services.demo"],
+        [sys.executable, "-m", "tandem.demo"],
         env={**os.environ, "HOME": str(tmp_path)},
         cwd=REPO_ROOT,
         capture_output=True,
@@ -37,7 +37,7 @@ def test_demo_imports_the_default_model_and_answers_the_question_both_ways(tmp_p
 def test_a_service_that_fails_to_start_shows_its_last_log_lines(tmp_path: Path) -> None:
     # The decoder refuses its configuration at once (exit 2); the demo shows why instead of a bare code.
     result = subprocess.run(
-        [sys.executable, "-m", "services.demo"],
+        [sys.executable, "-m", "tandem.demo"],
         env={**os.environ, "TANDEM_MAX_NUM_SEQS": "0"},
         cwd=REPO_ROOT,
         capture_output=True,

@@ -19,12 +19,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import tensors
-from common.auth import load_tokens
-from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from common.server import TlsOptions
-from services.decoder.models.loader import LoadedModel
-from services.decoder.models.random_model import make_model
+from tandem.client.auth import load_tokens
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from tandem.common import tensors
+from tandem.common.server import TlsOptions
+from tandem.decoder.models.loader import LoadedModel
+from tandem.decoder.models.random_model import make_model
 from tests.integration.reliability.harness import Services
 from tests.integration.test_security import OPENSSL, make_pki
 
@@ -58,7 +58,7 @@ def decoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveDecoder]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = ["--model", str(model_dir), "--port", str(port), "--dtype", "float32", "--num-threads", "1"]
-    command = [sys.executable, "-m", "services.decoder", *argv]
+    command = [sys.executable, "-m", "tandem.decoder", *argv]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.decoder.models.loader import LoadedModel
+from tandem.decoder.models.loader import LoadedModel
 from tests.integration.decoder.conftest import serve, shutdown
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ CLIENT_PROJECT = REPO_ROOT / "clients" / "python"
 CLIENT_SCRIPT = """
 import asyncio, importlib.util, json, sys
 
-from common.client import DecoderClient
+from tandem_client.client import DecoderClient
 
 async def main(address):
     async with DecoderClient(address) as client:
@@ -31,7 +31,7 @@ async def main(address):
         text, finished = await client.generate_text(["Once upon a time"], max_new_tokens=5, temperature=0.0)
         tokens = await client.tokenize(["Once upon a time"])
     missing = [m for m in ("torch", "numpy", "opentelemetry") if importlib.util.find_spec(m) is None]
-    has_tensors = importlib.util.find_spec("common.tensors") is not None
+    has_tensors = importlib.util.find_spec("tandem") is not None  # the server package: absent
     print(json.dumps({
         "hidden_size": info.hidden_size, "text": text, "output_tokens": finished.usage.output_tokens,
         "tokens": tokens, "missing": missing, "has_tensors": has_tensors,
@@ -59,7 +59,7 @@ def client_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with only tandem-client installed, built from a copy of the sources it needs."""
     root = tmp_path_factory.mktemp("python-client")
     ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
-    shutil.copytree(REPO_ROOT / "common", root / "common", ignore=ignore)
+    shutil.copytree(REPO_ROOT / "tandem" / "client", root / "tandem" / "client", ignore=ignore)
     shutil.copytree(CLIENT_PROJECT, root / "clients" / "python", ignore=ignore)
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=60)

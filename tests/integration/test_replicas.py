@@ -1,5 +1,5 @@
 """Several decoder replicas behind one client address: gRPC's round-robin with client-side health
-checking (`common/channel.py`), on loopback.
+checking (`tandem/client/channel.py`), on loopback.
 
 Each replica serves a differently seeded tiny checkpoint, so a greedy answer says which replica gave
 it; the references come from a channel to each replica alone.
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from common.client import DecoderClient
-from common.server import ServerOptions, Service, start_server
-from services.decoder.distributed.parallel import free_port
-from services.decoder.models.random_model import make_model
+from tandem.client.client import DecoderClient
+from tandem.common.server import ServerOptions, Service, start_server
+from tandem.decoder.distributed.parallel import free_port
+from tandem.decoder.models.random_model import make_model
 
 PROMPT = [[1, 2, 3, 4]]
 
@@ -52,7 +52,7 @@ class Replica:
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "OTEL_"))}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.decoder", *argv, "--grace-s", "1"],
+            [sys.executable, "-m", "tandem.decoder", *argv, "--grace-s", "1"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -114,7 +114,7 @@ async def test_requests_spread_over_both_replicas_and_killing_one_fails_no_new_r
 
 
 def test_several_addresses_must_be_one_address_family() -> None:
-    from common.channel import channel_target
+    from tandem.client.channel import channel_target
 
     assert channel_target("127.0.0.1:1,localhost:2") == ("ipv4:127.0.0.1:1,127.0.0.1:2", True)
     assert channel_target(["[::1]:1", "[::1]:2"]) == ("ipv6:[::1]:1,[::1]:2", True)

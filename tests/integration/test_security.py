@@ -25,15 +25,15 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.auth import load_tokens
-from common.client import ChannelSecurity, DecoderClient, EncoderClient
-from common.pb.tandem.v1 import decoder_pb2, encoder_pb2
-from common.server import ServerOptions, TlsOptions, start_server
-from services import cli
-from services.decoder.api.main import config_from_args as decoder_config
-from services.decoder.models.loader import LoadedModel
-from services.encoder.__main__ import config_from_args as encoder_config
-from services.up import UpConfig, serve_command
+from tandem import cli
+from tandem.client.auth import load_tokens
+from tandem.client.client import ChannelSecurity, DecoderClient, EncoderClient
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
+from tandem.common.server import ServerOptions, TlsOptions, start_server
+from tandem.decoder.api.main import config_from_args as decoder_config
+from tandem.decoder.models.loader import LoadedModel
+from tandem.encoder.__main__ import config_from_args as encoder_config
+from tandem.up import UpConfig, serve_command
 from tests.integration.reliability.harness import Services
 from tests.integration.test_compose import dockerfile_healthcheck_command
 
@@ -372,14 +372,14 @@ def test_both_services_take_tls_and_tokens_from_flags_and_environment(
     common = ["--model", str(tiny_model_dir), "--dtype", "float32", "--grace-s", "1"]
     processes = {
         "encoder": subprocess.Popen(
-            [sys.executable, "-m", "services.encoder", *common, "--port", str(ports["encoder"])],
+            [sys.executable, "-m", "tandem.encoder", *common, "--port", str(ports["encoder"])],
             cwd=REPO_ROOT,
             env=encoder_env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         ),
         "decoder": subprocess.Popen(
-            [sys.executable, "-m", "services.decoder", *common, "--port", str(ports["decoder"])]
+            [sys.executable, "-m", "tandem.decoder", *common, "--port", str(ports["decoder"])]
             + ["--num-threads", "1", "--num-kv-blocks", "64", "--auth-token-file", str(token_file)],
             cwd=REPO_ROOT,
             env=decoder_env,
@@ -442,7 +442,7 @@ def test_both_services_take_tls_and_tokens_from_flags_and_environment(
 def test_a_key_that_is_not_the_certificates_is_one_line_naming_the_flag(
     pki: Pki, tiny_model_dir: Path, environ, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.decoder.api.main import main as decoder_main
+    from tandem.decoder.api.main import main as decoder_main
 
     mismatched = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.rogue_server_key)]
     assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", *mismatched]) == 2

@@ -21,17 +21,17 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from common import telemetry as otel
-from common.client import DecoderClient, EncoderClient, prompt_segments
-from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2_grpc
-from common.server import RunningServer, ServerOptions, Service, start_server
-from services.decoder.api.servicer import DecoderServicer
-from services.decoder.config import EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.models.loader import LoadedModel
-from services.encoder.config import EncoderConfig
-from services.encoder.lookup import LookupEmbedder
-from services.encoder.servicer import EncoderServicer
+from tandem.client import telemetry as otel
+from tandem.client.client import DecoderClient, EncoderClient, prompt_segments
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.decoder.api.servicer import DecoderServicer
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.models.loader import LoadedModel
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.lookup import LookupEmbedder
+from tandem.encoder.servicer import EncoderServicer
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MODEL = "tiny"
@@ -386,7 +386,7 @@ async def test_telemetry_off_installs_nothing_and_records_no_spans(
 
 CLIENT_SCRIPT = """
 import asyncio, sys
-from common.client import DecoderClient, EncoderClient
+from tandem.client.client import DecoderClient, EncoderClient
 
 async def main(encoder_address, decoder_address):
     async with EncoderClient(encoder_address) as encoder, DecoderClient(decoder_address) as decoder:

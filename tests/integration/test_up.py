@@ -14,17 +14,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from services import cli
-from services.decoder.models.random_model import make_model
-from services.up import UpConfig, serve_command
+from tandem import cli
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from tandem.decoder.models.random_model import make_model
+from tandem.up import UpConfig, serve_command
 from tests.integration.test_compose import dockerfile_healthcheck_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180.0  # the default-model case imports the GGUF file first
 GRACE_S = 20.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
-UP = [sys.executable, "-m", "services.cli", "up", "--dtype", "float32", "--grace-s", str(GRACE_S)]
+UP = [sys.executable, "-m", "tandem.cli", "up", "--dtype", "float32", "--grace-s", str(GRACE_S)]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DECODER = "services.decoder"
+DECODER = "tandem.decoder"
 # Each decoder package imports only the ones after it (and common/); models/ is the leaf.
 DECODER_LAYERS = ("api", "distributed", "engine", "config", "backends", "models")
 PURE_PYTHON = ("engine.params", "engine.request", "engine.scheduler", "engine.kv_cache")
@@ -18,7 +18,7 @@ PURE_PYTHON = ("engine.params", "engine.request", "engine.scheduler", "engine.kv
 @cache
 def modules() -> dict[str, Path]:
     found = {}
-    for root in ("common", "services"):
+    for root in ("tandem",):
         for path in (REPO_ROOT / root).rglob("*.py"):
             parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -34,11 +34,22 @@ def imports(module: str) -> frozenset[str]:
     for node in ast.walk(ast.parse(modules()[module].read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            base = _absolute(module, node.module, node.level)
             for alias in node.names:
-                full = f"{node.module}.{alias.name}"
-                names.add(full if full in modules() else node.module)
+                full = f"{base}.{alias.name}"
+                names.add(full if full in modules() else base)
     return frozenset(names)
+
+
+def _absolute(module: str, name: str | None, level: int) -> str:
+    """The dotted name a `from` import names; relative ones resolved against `module`'s package."""
+    if not level:
+        return name or ""
+    package = module if modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{name}" if name else package
 
 
 def project_imports(module: str) -> set[str]:
@@ -89,7 +100,8 @@ def test_decoder_packages_import_only_the_layers_below_them() -> None:
                 layer
             ):
                 upward.append(f"{module} -> {target}")
-            if target.startswith("services.") and target_layer is None:
+            is_shared = target.startswith(("tandem.common", "tandem.client"))
+            if target.startswith("tandem.") and not is_shared and target_layer is None:
                 upward.append(f"{module} -> {target}")  # the decoder never imports the encoder or the CLI
     assert not upward
 
@@ -100,7 +112,7 @@ def test_models_is_a_leaf_that_imports_only_itself_and_common() -> None:
         for module in modules()
         if module.startswith(f"{DECODER}.models")
         for target in project_imports(module)
-        if not target.startswith((f"{DECODER}.models", "common"))
+        if not target.startswith((f"{DECODER}.models", "tandem.common", "tandem.client"))
     ]
     assert not outside
 
@@ -117,7 +129,7 @@ def test_only_the_parallel_module_calls_torch_distributed() -> None:
 
 
 def test_the_client_imports_neither_torch_nor_opentelemetry_when_loaded() -> None:
-    seen, pending = set(), ["common.client"]
+    seen, pending = set(), ["tandem.client.client"]
     while pending:
         module = pending.pop()
         if module in seen:
@@ -129,7 +141,7 @@ def test_the_client_imports_neither_torch_nor_opentelemetry_when_loaded() -> Non
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             assert not any(n.split(".")[0] in ("torch", "numpy", "opentelemetry") for n in names), module
         pending.extend(t for t in project_imports(module) if t in _top_level_targets(tree))
-    assert "common.telemetry" not in seen
+    assert "tandem.client.telemetry" not in seen
 
 
 def _top_level_targets(tree: ast.Module) -> set[str]:
@@ -144,7 +156,7 @@ def _top_level_targets(tree: ast.Module) -> set[str]:
 
 
 def test_every_decoder_package_says_what_it_owns_and_the_top_level_is_packages() -> None:
-    root = REPO_ROOT / "services" / "decoder"
+    root = REPO_ROOT / "tandem" / "decoder"
     for package in sorted(p for p in root.iterdir() if (p / "__init__.py").is_file()):
         docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
         assert docstring and "\n" not in docstring.strip(), f"{package.name}/__init__.py: one-line docstring"
@@ -155,13 +167,13 @@ def test_every_decoder_package_says_what_it_owns_and_the_top_level_is_packages()
 def test_the_model_is_plain_torch_and_the_cpu_kernels_live_in_the_cpu_backend() -> None:
     # The model package holds no native code and no hook for it: the CPU executor binds kernels from
     # outside (backends/cpu/), and the model's one forward is the reference it is tested against.
-    models = REPO_ROOT / "services" / "decoder" / "models"
+    models = REPO_ROOT / "tandem" / "decoder" / "models"
     assert not [p.name for p in models.iterdir() if p.suffix in (".c", ".h", ".so")]
     for module in (m for m in modules() if m.startswith(f"{DECODER}.models")):
         assert "ctypes" not in imports(module), module
         assert not any(n.startswith(f"{DECODER}.backends") for n in imports(module)), module
         assert ".native" not in modules()[module].read_text(), f"{module} still has a native hook"
-    cpu = REPO_ROOT / "services" / "decoder" / "backends" / "cpu"
+    cpu = REPO_ROOT / "tandem" / "decoder" / "backends" / "cpu"
     assert sorted(p.name for p in (cpu / "csrc").glob("*.c")) == ["attention.c", "layer.c", "linear.c"]
     decoder_users = sorted(m for m in modules() if m.startswith(DECODER) and "ctypes" in imports(m))
     assert decoder_users and all(m.startswith(f"{DECODER}.backends.cpu.") for m in decoder_users)

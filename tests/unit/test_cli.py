@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import click
 import pytest
 
-from services import cli
-from services.decoder.api.main import main as decoder_main
-from services.encoder.__main__ import main as encoder_main
+from tandem import cli
+from tandem.decoder.api.main import main as decoder_main
+from tandem.encoder.__main__ import main as encoder_main
 
 
 def _commands() -> Iterator[tuple[str, click.Command, click.Context]]:
@@ -61,7 +61,7 @@ def test_every_flag_of_every_command_shows_its_help_default_and_variable() -> No
 
 
 def test_the_encoder_usage_line_says_tandem_serve_encoder(capsys: pytest.CaptureFixture[str]) -> None:
-    # `python -m services.encoder` runs encoder_main; `tandem serve encoder` goes through the group.
+    # `python -m tandem.encoder` runs encoder_main; `tandem serve encoder` goes through the group.
     for run_help in (lambda: encoder_main(["--help"]), lambda: cli.main(["serve", "encoder", "--help"])):
         assert run_help() == 0
         assert capsys.readouterr().out.startswith("Usage: tandem serve encoder [OPTIONS]")

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 import pytest
 
-from common.flags import Setting
-from services.decoder.api.main import command as decoder_command
-from services.encoder.__main__ import command as encoder_command
-from services.up import command as up_command
+from tandem.common.flags import Setting
+from tandem.decoder.api.main import command as decoder_command
+from tandem.encoder.__main__ import command as encoder_command
+from tandem.up import command as up_command
 
 CONFIGURATION = (Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md").read_text()
 ROWS = {

@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.up import STOP_MARGIN_S, UpConfig, serve_command
+from tandem.up import STOP_MARGIN_S, UpConfig, serve_command
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 IMAGE_MODEL_DIR = Path("/models/SmolLM2-135M-Instruct")  # where the init containers put the default

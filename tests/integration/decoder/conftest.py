@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from common.client import DecoderClient
-from common.pb.tandem.v1 import decoder_pb2_grpc
-from common.server import RunningServer, ServerOptions, Service, start_server
-from services.decoder.api.servicer import DecoderServicer
-from services.decoder.config import EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.models.loader import LoadedModel
+from tandem.client.client import DecoderClient
+from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.decoder.api.servicer import DecoderServicer
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.models.loader import LoadedModel
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from common import tensors
-from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from services.decoder.models.loader import LoadedModel, load_model
+from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from tandem.common import tensors
+from tandem.decoder.models.loader import LoadedModel, load_model
 from tests.integration.decoder.conftest import Served, serve, shutdown
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -166,7 +166,7 @@ async def test_tandem_chat_reads_turns_from_stdin_and_answers(decoder: Served) -
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "tandem.cli",
         "chat",
         "--address",
         decoder.server.address,

@@ -1,4 +1,4 @@
-"""`python -m services.decoder`: loads, serves, drains on SIGTERM, exits 0; a start-up that cannot
+"""`python -m tandem.decoder`: loads, serves, drains on SIGTERM, exits 0; a start-up that cannot
 succeed is one line and an exit code."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from common.client import DecoderClient
-from services.decoder.api.main import main
+from tandem.client.client import DecoderClient
+from tandem.decoder.api.main import main
 
 
 def _free_port() -> int:
@@ -33,7 +33,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_model_dir: 
         [
             sys.executable,
             "-m",
-            "services.decoder",
+            "tandem.decoder",
             "--model",
             str(tiny_model_dir),
             "--port",

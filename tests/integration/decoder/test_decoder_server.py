@@ -12,11 +12,11 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from common import tensors
-from common.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from services.decoder.engine.outputs import Delta
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
+from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from tandem.common import tensors
+from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 
 from .conftest import Served, serve, shutdown
 

@@ -8,13 +8,13 @@ import grpc
 import pytest
 import torch
 
-from common.channel import channel_options
-from common.pb.tandem.v1 import encoder_pb2_grpc
-from common.server import RunningServer, ServerOptions, Service, start_server
-from services.encoder.__main__ import SERVICE_NAME
-from services.encoder.config import EncoderConfig
-from services.encoder.lookup import LookupEmbedder
-from services.encoder.servicer import EncoderServicer
+from tandem.client.channel import channel_options
+from tandem.client.pb.tandem.v1 import encoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.encoder.__main__ import SERVICE_NAME
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.lookup import LookupEmbedder
+from tandem.encoder.servicer import EncoderServicer
 
 MAX_MESSAGE_BYTES = 1024 * 1024
 MAX_INPUT_TOKENS = 64

@@ -1,4 +1,4 @@
-"""`python -m services.encoder` as a process: starts, turns SERVING, embeds, exits 0 on SIGTERM."""
+"""`python -m tandem.encoder` as a process: starts, turns SERVING, embeds, exits 0 on SIGTERM."""
 
 import os
 import signal
@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 30.0
@@ -41,7 +41,7 @@ def _wait_serving(channel: grpc.Channel, process: subprocess.Popen) -> None:
 
 def test_module_serves_until_sigterm_and_exits_0(tiny_model: Path) -> None:
     port = _free_port()
-    command = [sys.executable, "-m", "services.encoder", "--model", str(tiny_model), "--port", str(port)]
+    command = [sys.executable, "-m", "tandem.encoder", "--model", str(tiny_model), "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_ENCODER_")}
     process = subprocess.Popen(
         [*command, "--grace-s", "1"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT

@@ -8,10 +8,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from common import tensors
-from common.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from services.encoder.embedder import Pooling
-from services.encoder.lookup import LookupEmbedder
+from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.common import tensors
+from tandem.encoder.embedder import Pooling
+from tandem.encoder.lookup import LookupEmbedder
 from tests.integration.encoder.conftest import (
     MAX_INPUT_TOKENS,
     MAX_MESSAGE_BYTES,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from common.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
 
 from .harness import ENCODER_MAX_INPUT_TOKENS, MAX_MESSAGE_BYTES, MAX_MODEL_LEN
 

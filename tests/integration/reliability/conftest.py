@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.decoder.models.loader import LoadedModel
+from tandem.decoder.models.loader import LoadedModel
 
 from .harness import Services
 

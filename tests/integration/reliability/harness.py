@@ -16,16 +16,16 @@ from typing import Any
 import grpc
 import torch
 
-from common.channel import channel_options
-from common.pb.tandem.v1 import decoder_pb2_grpc, encoder_pb2_grpc
-from common.server import RunningServer, ServerOptions, Service, TlsOptions, start_server
-from services.decoder.api.servicer import DecoderServicer
-from services.decoder.config import EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.models.loader import LoadedModel
-from services.encoder.config import EncoderConfig
-from services.encoder.lookup import LookupEmbedder
-from services.encoder.servicer import EncoderServicer
+from tandem.client.channel import channel_options
+from tandem.client.pb.tandem.v1 import decoder_pb2_grpc, encoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, TlsOptions, start_server
+from tandem.decoder.api.servicer import DecoderServicer
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.models.loader import LoadedModel
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.lookup import LookupEmbedder
+from tandem.encoder.servicer import EncoderServicer
 
 MAX_MESSAGE_BYTES = 1024 * 1024
 MAX_MODEL_LEN = 256

@@ -10,7 +10,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from common.pb.tandem.v1 import decoder_pb2, encoder_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
 
 from .cases import CASES, Case
 from .harness import Services

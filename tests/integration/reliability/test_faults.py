@@ -23,10 +23,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from common.client import DecoderClient, EncoderClient
-from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from common.server import RunningServer, ServerOptions, Service, start_server
-from services.decoder.api.servicer import DecoderServicer
+from tandem.client.client import DecoderClient, EncoderClient
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.decoder.api.servicer import DecoderServicer
 
 from .harness import MAX_MESSAGE_BYTES, Services
 
@@ -152,7 +152,7 @@ def test_idempotent_calls_are_retried_through_a_transient_unavailable_and_genera
 def _start_encoder(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
     with log.open("a") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.encoder", "--model", str(model_dir), "--port", str(port)]
+            [sys.executable, "-m", "tandem.encoder", "--model", str(model_dir), "--port", str(port)]
             + ["--dtype", "float32", "--grace-s", "1"],
             cwd=REPO_ROOT,
             env=_clean_env(),
@@ -296,7 +296,7 @@ def test_sigterm_to_the_decoder_under_load_ends_every_stream_with_its_finished_e
     log = tmp_path / "decoder.log"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.decoder", "--model", str(tiny_model_dir)]
+            [sys.executable, "-m", "tandem.decoder", "--model", str(tiny_model_dir)]
             + ["--port", str(port), "--dtype", "float32", "--num-threads", "1", "--block-size", "16"]
             + ["--grace-s", str(DECODER_GRACE_S), "--max-num-seqs", "32"],
             cwd=REPO_ROOT,

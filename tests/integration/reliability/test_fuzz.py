@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
 
 from .cases import HIDDEN, VOCAB
 from .harness import Services

@@ -21,10 +21,10 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from common.channel import channel_options
-from common.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
-from services.decoder.engine.backpressure import MAX_UNREAD_EVENTS
-from services.decoder.models.loader import LoadedModel, load_model
+from tandem.client.channel import channel_options
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
+from tandem.decoder.engine.backpressure import MAX_UNREAD_EVENTS
+from tandem.decoder.models.loader import LoadedModel, load_model
 
 from .cases import HIDDEN, embeds
 from .harness import Limits, Services

@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from common.client import DecoderClient
-from common.pb.tandem.v1 import decoder_pb2
+from tandem.client.client import DecoderClient
+from tandem.client.pb.tandem.v1 import decoder_pb2
 
 from .harness import Limits, Services
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from common.auth import load_tokens, read_token
-from common.server import ServerOptions
+from tandem.client.auth import load_tokens, read_token
+from tandem.common.server import ServerOptions
 
 
 def test_token_file_holds_one_token_a_line_skipping_blank_lines_and_comments(tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from common.gguf_import import import_gguf
-from services.decoder.models.loader import load_model
+from tandem.common.gguf_import import import_gguf
+from tandem.decoder.models.loader import load_model
 from tests.unit.common.gguf_files import write_gguf
 from tests.unit.decoder.models.helpers import greedy
 
@@ -143,7 +143,7 @@ def test_bfloat16_is_the_default_dtype_of_the_written_weights(source, tmp_path: 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "import-gguf", *args],
+        [sys.executable, "-m", "tandem.cli", "import-gguf", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

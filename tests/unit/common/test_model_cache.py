@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from common import model_cache
-from common.model_cache import ModelNotFound, default_model_file, model_display_name, resolve_model
+from tandem.common import model_cache
+from tandem.common.model_cache import ModelNotFound, default_model_file, model_display_name, resolve_model
 from tests.unit.common.gguf_files import write_gguf
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from common.errors import InvalidArgument, NotFound
-from common.model_name import MAX_ECHO_CHARS, MAX_MODEL_NAME_BYTES, check_model, echo
+from tandem.client.errors import InvalidArgument, NotFound
+from tandem.common.model_name import MAX_ECHO_CHARS, MAX_MODEL_NAME_BYTES, check_model, echo
 
 
 def test_empty_or_the_served_name_passes() -> None:

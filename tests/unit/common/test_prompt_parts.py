@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import FailedPrecondition, InvalidArgument
-from common.pb.tandem.v1 import tensor_pb2
-from common.prompt_parts import (
+from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.client.pb.tandem.v1 import tensor_pb2
+from tandem.common.prompt_parts import (
     EmbeddingPrompt,
     TextPrompt,
     check_part,

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.pb import generate
+from tandem.client.pb import generate
 
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:

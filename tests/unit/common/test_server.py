@@ -9,9 +9,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from common import errors, memory
-from common.channel import channel_options
-from common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.client import errors, memory
+from tandem.client.channel import channel_options
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 
 MAX_BYTES = 1024 * 1024
 

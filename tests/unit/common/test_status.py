@@ -2,8 +2,8 @@
 
 from google.rpc import code_pb2, error_details_pb2
 
-from common import errors
-from common.status import MAX_MESSAGE_CHARS, to_status_proto
+from tandem.client import errors
+from tandem.client.status import MAX_MESSAGE_CHARS, to_status_proto
 
 
 def test_invalid_argument_carries_a_field_violation() -> None:

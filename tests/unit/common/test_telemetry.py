@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracer, StatusCode
 
-from common import errors
-from common import telemetry as otel
+from tandem.client import errors
+from tandem.client import telemetry as otel
 
 
 class _Details(grpc.HandlerCallDetails):

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import tensors
-from common.errors import InvalidArgument
-from common.pb.tandem.v1 import tensor_pb2
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import tensor_pb2
+from tandem.common import tensors
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -9,8 +9,8 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.errors import InvalidArgument
-from common.text_bounds import check_fits, max_token_chars, min_positions, vocabulary_bound
+from tandem.client.errors import InvalidArgument
+from tandem.common.text_bounds import check_fits, max_token_chars, min_positions, vocabulary_bound
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import InvalidArgument
-from common.wire_limits import (
+from tandem.client.errors import InvalidArgument
+from tandem.common.wire_limits import (
     MAX_REQUEST_ID_BYTES,
     MAX_TOKENIZE_TEXTS,
     check_request_id,

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from common.model_cache import default_model_file
-from services.encoder.__main__ import config_from_args, main
-from services.encoder.config import EncoderConfig
-from services.encoder.embedder import Pooling
+from tandem.common.model_cache import default_model_file
+from tandem.encoder.__main__ import config_from_args, main
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.embedder import Pooling
 
 MODEL = Path("/models/tiny")
 

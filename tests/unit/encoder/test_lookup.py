@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services.decoder.models.attention import AttentionMetadata
-from services.decoder.models.loader import load_model
-from services.encoder import embedder
-from services.encoder.embedder import EmbedderLoadError, Pooling
-from services.encoder.lookup import EMBED_KEY, LookupEmbedder
+from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.loader import load_model
+from tandem.encoder import embedder
+from tandem.encoder.embedder import EmbedderLoadError, Pooling
+from tandem.encoder.lookup import EMBED_KEY, LookupEmbedder
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 

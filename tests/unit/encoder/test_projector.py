@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.encoder.embedder import EmbedderLoadError, Pooling
-from services.encoder.projector import LLAVA_PREFIX, ProjectorEmbedder, load_projector
+from tandem.encoder.embedder import EmbedderLoadError, Pooling
+from tandem.encoder.projector import LLAVA_PREFIX, ProjectorEmbedder, load_projector
 from tests.unit.encoder.helpers import write_random_projector
 
 DECODER_HIDDEN = 64  # the tiny checkpoint's hidden size

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import InvalidArgument
-from common.prompt_parts import TextPrompt
-from services.encoder.embedder import EmbedderInfo, Pooling
-from services.encoder.request import RESPONSE_OVERHEAD_BYTES, EmbedSpec, build_job
+from tandem.client.errors import InvalidArgument
+from tandem.common.prompt_parts import TextPrompt
+from tandem.encoder.embedder import EmbedderInfo, Pooling
+from tandem.encoder.request import RESPONSE_OVERHEAD_BYTES, EmbedSpec, build_job
 
 INFO = EmbedderInfo(kind="fake", hidden_size=4, vocab_size=100, dtype=torch.float32, max_token_chars=5)
 

@@ -6,16 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import tensors
-from common.errors import InvalidArgument, Unavailable
-from common.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from common.server import ServerOptions
-from services.encoder.__main__ import main
-from services.encoder.config import EncoderConfig
-from services.encoder.embedder import EmbedderInfo, Pooling
-from services.encoder.loader import load_embedder
-from services.encoder.lookup import LookupEmbedder
-from services.encoder.servicer import EncoderServicer
+from tandem.client.errors import InvalidArgument, Unavailable
+from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.common import tensors
+from tandem.common.server import ServerOptions
+from tandem.encoder.__main__ import main
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.embedder import EmbedderInfo, Pooling
+from tandem.encoder.loader import load_embedder
+from tandem.encoder.lookup import LookupEmbedder
+from tandem.encoder.servicer import EncoderServicer
 from tests.unit.encoder.helpers import write_prompt_adapter
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.encoder.embedder import EmbedderLoadError, Pooling
-from services.encoder.lookup import LookupEmbedder
-from services.encoder.soft_prompt import SoftPromptEmbedder
+from tandem.encoder.embedder import EmbedderLoadError, Pooling
+from tandem.encoder.lookup import LookupEmbedder
+from tandem.encoder.soft_prompt import SoftPromptEmbedder
 from tests.unit.encoder.helpers import write_prompt_adapter
 
 HIDDEN_SIZE = 64  # the tiny checkpoint's

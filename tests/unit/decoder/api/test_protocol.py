@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from common import tensors
-from common.pb.tandem.v1 import decoder_pb2
-from services.decoder.api.protocol import event_to_pb, spec_from_pb
-from services.decoder.engine.outputs import Delta
-from services.decoder.engine.prompt_logprobs import PromptLogprob
+from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.common import tensors
+from tandem.decoder.api.protocol import event_to_pb, spec_from_pb
+from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.prompt_logprobs import PromptLogprob
 
 
 def _request(**output: int) -> decoder_pb2.GenerateRequest:

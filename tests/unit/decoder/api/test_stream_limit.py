@@ -2,9 +2,9 @@
 
 import pytest
 
-from common.errors import ResourceExhausted
-from services.decoder.api.main import config_from_args
-from services.decoder.api.stream_limit import StreamLimit
+from tandem.client.errors import ResourceExhausted
+from tandem.decoder.api.main import config_from_args
+from tandem.decoder.api.stream_limit import StreamLimit
 
 
 def test_a_connection_at_its_bound_is_refused_and_others_are_not() -> None:

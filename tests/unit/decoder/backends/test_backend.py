@@ -17,20 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.api.main import config_from_args, main
-from services.decoder.backends import backend as backends
-from services.decoder.backends.backend import BACKENDS, BackendUnavailable
-from services.decoder.backends.cpu.attention import CpuPagedAttention
-from services.decoder.backends.cpu.executor import CpuExecutor
-from services.decoder.backends.cpu.isa import best_level, this_cpu
-from services.decoder.backends.neuron import NeuronTracedBuckets
-from services.decoder.config import DecoderConfig, EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import GenerateSpec
-from services.decoder.models.loader import LoadedModel
-from services.decoder.models.tensor_parallel import window_rows
+from tandem.decoder.api.main import config_from_args, main
+from tandem.decoder.backends import backend as backends
+from tandem.decoder.backends.backend import BACKENDS, BackendUnavailable
+from tandem.decoder.backends.cpu.attention import CpuPagedAttention
+from tandem.decoder.backends.cpu.executor import CpuExecutor
+from tandem.decoder.backends.cpu.isa import best_level, this_cpu
+from tandem.decoder.backends.neuron import NeuronTracedBuckets
+from tandem.decoder.config import DecoderConfig, EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import GenerateSpec
+from tandem.decoder.models.loader import LoadedModel
+from tandem.decoder.models.tensor_parallel import window_rows
 
 # oneDNN's packed bf16 linears need its bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT); else the C kernel.
 ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -178,9 +178,9 @@ def test_neuron_buckets_trace_once_each_at_warmup_and_give_the_cpu_tokens(
 def test_an_engine_runs_the_bf16_model_it_loads_on_the_cpu_executor_but_a_callers_as_given(
     tiny_model_dir,
 ) -> None:
-    from services.decoder.config import EngineConfig
-    from services.decoder.engine.engine import Engine
-    from services.decoder.models.loader import load_model
+    from tandem.decoder.config import EngineConfig
+    from tandem.decoder.engine.engine import Engine
+    from tandem.decoder.models.loader import load_model
 
     config = EngineConfig(model_dir=tiny_model_dir, dtype="bfloat16", num_kv_blocks=16)
     engine = Engine(config)
@@ -199,11 +199,11 @@ def test_an_engine_runs_the_bf16_model_it_loads_on_the_cpu_executor_but_a_caller
 
 
 def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tiny_model_dir) -> None:
-    from services.decoder.config import EngineConfig
-    from services.decoder.engine.engine import Engine
-    from services.decoder.engine.outputs import Delta
-    from services.decoder.engine.params import SamplingParams, StoppingParams
-    from services.decoder.engine.prompt import GenerateSpec
+    from tandem.decoder.config import EngineConfig
+    from tandem.decoder.engine.engine import Engine
+    from tandem.decoder.engine.outputs import Delta
+    from tandem.decoder.engine.params import SamplingParams, StoppingParams
+    from tandem.decoder.engine.prompt import GenerateSpec
 
     spec = GenerateSpec(
         [[5, 6, 7, 8]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=6, ignore_eos=True)
@@ -239,10 +239,10 @@ def test_prepare_model_binds_the_cpu_executor_for_eager_cpu_only_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # What rank 0's engine and every other rank's worker do with the model they load.
-    from services.decoder.models.loader import load_model
+    from tandem.decoder.models.loader import load_model
 
     model = load_model(tiny_model_dir, dtype="bfloat16").model
-    with caplog.at_level(logging.INFO, logger="services.decoder.backends"):
+    with caplog.at_level(logging.INFO, logger="tandem.decoder.backends"):
         step = backends.prepare_model(model, BACKENDS["cpu"], compile, native_kernels)
     assert isinstance(step, CpuExecutor) is on_executor
     assert (step is model) is not on_executor

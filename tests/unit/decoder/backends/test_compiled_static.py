@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.backends.backend import BACKENDS, Backend, RecompileError
-from services.decoder.config import EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
-from services.decoder.models.loader import LoadedModel
+from tandem.decoder.backends.backend import BACKENDS, Backend, RecompileError
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
+from tandem.decoder.models.loader import LoadedModel
 from tests.unit.decoder.engine.engine_helpers import finished, run_concurrently, tokens
 
 AOT_EAGER: Backend = dataclasses.replace(BACKENDS["cpu"], compiler="aot_eager")
@@ -117,7 +117,7 @@ def test_a_changed_guard_after_warmup_raises_instead_of_recompiling(
 
 
 def _decode_metadata(runner, num_seqs: int):
-    from services.decoder.models.attention import AttentionMetadata
+    from tandem.decoder.models.attention import AttentionMetadata
 
     assert runner.static is not None
     width = runner.static.block_table_widths[-1]
@@ -155,8 +155,8 @@ def test_inductor_compiled_decode_gives_the_eager_tokens(
 def test_a_decode_shaped_step_that_scores_a_prompt_position_runs_eagerly(compiled_engine: Engine) -> None:
     # One position of a prompt that scores itself: a decode bucket's shape (1 token, 1 sequence), but
     # one logits row more than the bucket was compiled for. It must not ask for a graph after warmup.
-    from services.decoder.engine.request import Request, TokenSegment
-    from services.decoder.engine.scheduler import ScheduledRequest, StepPlan
+    from tandem.decoder.engine.request import Request, TokenSegment
+    from tandem.decoder.engine.scheduler import ScheduledRequest, StepPlan
 
     core = compiled_engine.core
     request = Request.from_segments("scoring", [TokenSegment([5, 6, 7])], SamplingParams(prompt_logprobs=2))

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.backends import backend as backends
-from services.decoder.backends.backend import BACKENDS, Backend
-from services.decoder.backends.cuda_attention import CudaPagedAttention
-from services.decoder.config import EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event, Failed, Finished
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
-from services.decoder.models.flex_attention import FlexPagedAttention
-from services.decoder.models.loader import LoadedModel, load_model
+from tandem.decoder.backends import backend as backends
+from tandem.decoder.backends.backend import BACKENDS, Backend
+from tandem.decoder.backends.cuda_attention import CudaPagedAttention
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
+from tandem.decoder.models.flex_attention import FlexPagedAttention
+from tandem.decoder.models.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event, Failed, Finished
-from services.decoder.engine.prompt import GenerateSpec
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished
+from tandem.decoder.engine.prompt import GenerateSpec
 
 
 def tokens(events: Iterable[Event]) -> list[int]:

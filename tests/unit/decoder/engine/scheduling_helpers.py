@@ -16,10 +16,10 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable
 
-from services.decoder.engine.params import StoppingParams
-from services.decoder.engine.prompt_lookup import verified_tokens
-from services.decoder.engine.request import EmbeddingSegment, Request, RequestStatus, Segment, TokenSegment
-from services.decoder.engine.scheduler import Scheduler, StepPlan
+from tandem.decoder.engine.params import StoppingParams
+from tandem.decoder.engine.prompt_lookup import verified_tokens
+from tandem.decoder.engine.request import EmbeddingSegment, Request, RequestStatus, Segment, TokenSegment
+from tandem.decoder.engine.scheduler import Scheduler, StepPlan
 
 VOCAB_SIZE = 50
 

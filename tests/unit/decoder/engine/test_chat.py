@@ -13,9 +13,9 @@ import torch
 from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer
 
-from common.errors import FailedPrecondition, InvalidArgument
-from common.prompt_parts import EmbeddingPrompt, TextPrompt
-from services.decoder.engine.chat import ChatMessage, ChatRequest, ChatTemplate
+from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.common.prompt_parts import EmbeddingPrompt, TextPrompt
+from tandem.decoder.engine.chat import ChatMessage, ChatRequest, ChatTemplate
 
 # A second template family with other control tokens (Llama 3's layout).
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from services.decoder.engine.detokenizer import (
+from tandem.decoder.engine.detokenizer import (
     NUM_PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
     find_stop,

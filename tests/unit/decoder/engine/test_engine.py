@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.config import EngineConfig
-from services.decoder.engine.backpressure import MAX_UNREAD_EVENTS
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import (
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.backpressure import MAX_UNREAD_EVENTS
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import (
     Accepted,
     Delta,
     Event,
@@ -22,9 +22,9 @@ from services.decoder.engine.outputs import (
     FinishReason,
     OutputOptions,
 )
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
-from services.decoder.models.loader import LoadedModel
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
+from tandem.decoder.models.loader import LoadedModel
 from tests.unit.decoder.engine.engine_helpers import finished as _finished
 from tests.unit.decoder.engine.engine_helpers import run_concurrently as _run_concurrently
 from tests.unit.decoder.engine.engine_helpers import tokens as _tokens

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from services.decoder.config import EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import GenerateSpec, TextPrompt
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta, Event
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import GenerateSpec, TextPrompt
 
 from .test_engine import _run_concurrently
 

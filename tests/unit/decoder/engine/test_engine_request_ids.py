@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 import threading
 
-from services.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import GenerateSpec
+from tandem.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import GenerateSpec
 
 from .test_engine import _engine, _run_concurrently, _tokens
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from services.decoder.config import EngineConfig
-from services.decoder.engine import prompt_lookup
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
-from services.decoder.models.loader import LoadedModel
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine import prompt_lookup
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta, Event
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
+from tandem.decoder.models.loader import LoadedModel
 from tests.unit.decoder.engine.engine_helpers import finished as _finished
 from tests.unit.decoder.engine.engine_helpers import run_concurrently as _run_concurrently
 from tests.unit.decoder.engine.engine_helpers import tokens as _tokens

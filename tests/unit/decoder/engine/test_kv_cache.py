@@ -7,8 +7,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.decoder.engine.kv_cache import BlockManager, hash_block
-from services.decoder.engine.request import Request, TokenSegment
+from tandem.decoder.engine.kv_cache import BlockManager, hash_block
+from tandem.decoder.engine.request import Request, TokenSegment
 from tests.unit.decoder.engine.scheduling_helpers import embedding, make_request
 
 BLOCK_SIZE = 4

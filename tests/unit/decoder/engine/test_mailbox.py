@@ -3,7 +3,7 @@
 import asyncio
 import threading
 
-from services.decoder.engine.mailbox import LoopMailbox
+from tandem.decoder.engine.mailbox import LoopMailbox
 
 
 async def test_a_burst_from_another_thread_arrives_in_order_with_one_wakeup() -> None:

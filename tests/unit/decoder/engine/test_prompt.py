@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from common import text_bounds
-from common.errors import FailedPrecondition, InvalidArgument
-from services.decoder.engine.chat import ChatMessage, ChatRequest, ChatTemplate
-from services.decoder.engine.params import StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt, build_request
-from services.decoder.engine.request import Request
-from services.decoder.models.loader import LoadedModel
+from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.common import text_bounds
+from tandem.decoder.engine.chat import ChatMessage, ChatRequest, ChatTemplate
+from tandem.decoder.engine.params import StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt, build_request
+from tandem.decoder.engine.request import Request
+from tandem.decoder.models.loader import LoadedModel
 
 
 def _build(loaded: LoadedModel, spec: GenerateSpec, max_model_len: int = 16, embeds: bool = True) -> Request:

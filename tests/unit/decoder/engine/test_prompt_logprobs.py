@@ -14,23 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.decoder.config import EngineConfig
-from services.decoder.engine.batch import BatchTensors, pack
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta, Event, Finished, OutputOptions
-from services.decoder.engine.params import MAX_TOP_LOGPROBS, ParamError, SamplingParams, StoppingParams
-from services.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
-from services.decoder.engine.prompt_logprobs import (
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.batch import BatchTensors, pack
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta, Event, Finished, OutputOptions
+from tandem.decoder.engine.params import MAX_TOP_LOGPROBS, ParamError, SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
+from tandem.decoder.engine.prompt_logprobs import (
     PromptLogprob,
     PromptLogprobsBuffer,
     PromptLogprobsChunk,
     ScoredSpan,
     score,
 )
-from services.decoder.engine.request import Request, TokenSegment
-from services.decoder.engine.scheduler import ScheduledRequest, StepPlan
-from services.decoder.engine.static_shapes import StaticShapes, pad_to_buckets
-from services.decoder.models.loader import LoadedModel
+from tandem.decoder.engine.request import Request, TokenSegment
+from tandem.decoder.engine.scheduler import ScheduledRequest, StepPlan
+from tandem.decoder.engine.static_shapes import StaticShapes, pad_to_buckets
+from tandem.decoder.models.loader import LoadedModel
 
 from .test_engine import _run_concurrently
 
@@ -104,7 +104,7 @@ def test_scored_rows_come_after_the_sampled_rows_static_padding_included() -> No
 
 
 def test_a_request_scoring_its_prompt_takes_no_prefix_cache_hit_until_it_has_delivered() -> None:
-    from services.decoder.engine.kv_cache import BlockManager
+    from tandem.decoder.engine.kv_cache import BlockManager
 
     manager = BlockManager(num_blocks=16, block_size=4)
     first = _request("first", list(range(10, 19)), None)
@@ -153,7 +153,7 @@ def test_score_reduces_in_slices_with_the_same_result(monkeypatch: pytest.Monkey
         return logits[rows]
 
     whole = score(logits_of, spans, logits.device)
-    monkeypatch.setattr("services.decoder.engine.prompt_logprobs.SLICE_ROWS", 2)
+    monkeypatch.setattr("tandem.decoder.engine.prompt_logprobs.SLICE_ROWS", 2)
     assert score(logits_of, spans, logits.device) == whole
     assert asked == [slice(0, 7), slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
 

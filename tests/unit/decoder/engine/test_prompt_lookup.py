@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.decoder.engine.prompt_lookup import PromptLookup, verified_tokens
+from tandem.decoder.engine.prompt_lookup import PromptLookup, verified_tokens
 
 
 def _lookup(tokens: list[int], is_token: list[bool] | None = None) -> PromptLookup:

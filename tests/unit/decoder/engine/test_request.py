@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import InvalidArgument
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.request import (
+from tandem.client.errors import InvalidArgument
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.request import (
     EmbeddingSegment,
     EmbeddingSpan,
     InvalidPromptError,

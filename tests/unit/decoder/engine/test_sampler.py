@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.decoder.engine.params import MIN_REPETITION_PENALTY, MIN_SAMPLING_TEMPERATURE, SamplingParams
-from services.decoder.engine.request import EmbeddingSegment, Request, TokenSegment
-from services.decoder.engine.sampler import (
+from tandem.decoder.engine.params import MIN_REPETITION_PENALTY, MIN_SAMPLING_TEMPERATURE, SamplingParams
+from tandem.decoder.engine.request import EmbeddingSegment, Request, TokenSegment
+from tandem.decoder.engine.sampler import (
     Sampler,
     SamplerOutput,
     SamplingBatch,

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.errors import InvalidArgument
-from services.decoder.engine.kv_cache import BlockManager
-from services.decoder.engine.request import RequestStatus, TokenSegment
-from services.decoder.engine.scheduler import (
+from tandem.client.errors import InvalidArgument
+from tandem.decoder.engine.kv_cache import BlockManager
+from tandem.decoder.engine.request import RequestStatus, TokenSegment
+from tandem.decoder.engine.scheduler import (
     QueueFullError,
     RequestTooLongError,
     Scheduler,

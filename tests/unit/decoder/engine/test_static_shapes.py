@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from services.decoder.config import EngineConfig
-from services.decoder.engine import sizing
-from services.decoder.engine.batch import HostBatch
-from services.decoder.engine.static_shapes import (
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine import sizing
+from tandem.decoder.engine.batch import HostBatch
+from tandem.decoder.engine.static_shapes import (
     StaticShapes,
     pad_to_buckets,
     padded_width,

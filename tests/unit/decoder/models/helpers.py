@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from services.decoder.models.attention import AttentionMetadata
-from services.decoder.models.transformer import DecoderModel
+from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.transformer import DecoderModel
 
 
 class PagedAllocator:

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.decoder.backends.cpu import attention as cpu_attention
-from services.decoder.backends.cpu.kernels import load_for_cpu
-from services.decoder.backends.cpu.ops import register
-from services.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
-from services.decoder.models.flex_attention import FlexPagedAttention
-from services.decoder.models.torch_attention import TorchPagedAttention
+from tandem.decoder.backends.cpu import attention as cpu_attention
+from tandem.decoder.backends.cpu.kernels import load_for_cpu
+from tandem.decoder.backends.cpu.ops import register
+from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
+from tandem.decoder.models.flex_attention import FlexPagedAttention
+from tandem.decoder.models.torch_attention import TorchPagedAttention
 
 from .helpers import PagedAllocator
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.decoder.backends.cpu import kernels as cpu_kernels
-from services.decoder.backends.cpu.attention import CpuPagedAttention
-from services.decoder.backends.cpu.executor import CpuExecutor
-from services.decoder.backends.cpu.ops import register
-from services.decoder.models.attention import write_kv_cache
-from services.decoder.models.loader import load_model
-from services.decoder.models.torch_attention import TorchPagedAttention
+from tandem.decoder.backends.cpu import kernels as cpu_kernels
+from tandem.decoder.backends.cpu.attention import CpuPagedAttention
+from tandem.decoder.backends.cpu.executor import CpuExecutor
+from tandem.decoder.backends.cpu.ops import register
+from tandem.decoder.models.attention import write_kv_cache
+from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.torch_attention import TorchPagedAttention
 
 from ..conftest import Checkpoint
 from .helpers import PagedAllocator, PagedRun

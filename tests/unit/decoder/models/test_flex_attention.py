@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from services.decoder.backends.cpu.attention import CpuPagedAttention
-from services.decoder.backends.cpu.kernels import load_for_cpu
-from services.decoder.backends.cpu.ops import register
-from services.decoder.models.attention import AttentionMetadata, write_kv_cache
-from services.decoder.models.flex_attention import FlexPagedAttention
-from services.decoder.models.flex_block_mask import Q_BLOCK_SIZE, decode_block_mask, prefill_block_mask
-from services.decoder.models.loader import load_model
+from tandem.decoder.backends.cpu.attention import CpuPagedAttention
+from tandem.decoder.backends.cpu.kernels import load_for_cpu
+from tandem.decoder.backends.cpu.ops import register
+from tandem.decoder.models.attention import AttentionMetadata, write_kv_cache
+from tandem.decoder.models.flex_attention import FlexPagedAttention
+from tandem.decoder.models.flex_block_mask import Q_BLOCK_SIZE, decode_block_mask, prefill_block_mask
+from tandem.decoder.models.loader import load_model
 
 from ..conftest import Checkpoint
 from .helpers import PagedAllocator, greedy, greedy_batch

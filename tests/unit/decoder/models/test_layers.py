@@ -6,8 +6,8 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from services.decoder.models.config import Llama3RopeScaling
-from services.decoder.models.layers import RMSNorm, RotaryEmbedding, merge_prompt_embeds, rope_inv_freq
+from tandem.decoder.models.config import Llama3RopeScaling
+from tandem.decoder.models.layers import RMSNorm, RotaryEmbedding, merge_prompt_embeds, rope_inv_freq
 
 
 def test_merge_prompt_embeds_returns_h_itself_when_there_are_no_embeddings() -> None:

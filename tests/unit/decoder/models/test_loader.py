@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.decoder.models import loader
-from services.decoder.models.loader import ModelLoadError, load_model
-from services.decoder.models.registry import MODEL_CLASSES
+from tandem.decoder.models import loader
+from tandem.decoder.models.loader import ModelLoadError, load_model
+from tandem.decoder.models.registry import MODEL_CLASSES
 
 from ..conftest import Checkpoint
 from .helpers import PagedRun

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.decoder.models.loader import load_model
+from tandem.decoder.models.loader import load_model
 
 from ..conftest import Checkpoint
 from .helpers import PagedRun, greedy, greedy_batch, hf_greedy

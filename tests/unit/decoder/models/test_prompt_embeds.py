@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.models.loader import load_model
-from services.decoder.models.transformer import DecoderModel
+from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.transformer import DecoderModel
 
 from ..conftest import Checkpoint
 from .helpers import PagedRun

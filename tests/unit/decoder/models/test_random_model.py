@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.decoder.models.loader import load_model
-from services.decoder.models.random_model import EOS_TOKEN, SPECIAL_TOKENS, make_model, train_tokenizer
+from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.random_model import EOS_TOKEN, SPECIAL_TOKENS, make_model, train_tokenizer
 
 from .helpers import PagedRun, greedy
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from services.decoder.backends.cpu import isa
-from services.decoder.backends.cpu import ops as cpu_ops
-from services.decoder.backends.cpu.build import Level
-from services.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load
+from tandem.decoder.backends.cpu import isa
+from tandem.decoder.backends.cpu import ops as cpu_ops
+from tandem.decoder.backends.cpu.build import Level
+from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load
 
 
 @pytest.fixture(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.decoder.backends.cpu import kernels as cpu_kernels
-from services.decoder.backends.cpu.build import (
+from tandem.decoder.backends.cpu import kernels as cpu_kernels
+from tandem.decoder.backends.cpu.build import (
     AARCH64_LEVELS,
     X86_64_LEVELS,
     Level,
@@ -18,8 +18,8 @@ from services.decoder.backends.cpu.build import (
     compile_level,
     this_machine_levels,
 )
-from services.decoder.backends.cpu.isa import CpuInfo, best_level, parse_cpuinfo, runnable_levels, this_cpu
-from services.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable
+from tandem.decoder.backends.cpu.isa import CpuInfo, best_level, parse_cpuinfo, runnable_levels, this_cpu
+from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable
 
 STRICT = ("-Werror", "-Wall", "-Wextra")
 CROSS_AARCH64 = "aarch64-linux-gnu-gcc"

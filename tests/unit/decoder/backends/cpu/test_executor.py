@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from common.model_cache import resolve_model
-from services.decoder.backends.cpu.executor import CpuExecutor, choose_linears
-from services.decoder.backends.cpu.linear import has_onednn_bf16
-from services.decoder.config import EngineConfig
-from services.decoder.engine.engine import Engine
-from services.decoder.engine.outputs import Delta
-from services.decoder.engine.params import SamplingParams, StoppingParams
-from services.decoder.engine.prompt import GenerateSpec
-from services.decoder.models.loader import load_model
+from tandem.common.model_cache import resolve_model
+from tandem.decoder.backends.cpu.executor import CpuExecutor, choose_linears
+from tandem.decoder.backends.cpu.linear import has_onednn_bf16
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.prompt import GenerateSpec
+from tandem.decoder.models.loader import load_model
 
 from ...conftest import Checkpoint
 from ...models.helpers import PagedRun, greedy

@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.decoder.models.layers import RMSNorm
+from tandem.decoder.models.layers import RMSNorm
 
 from ...models.helpers import dense_decode
 from .test_kernels import torch_qkv_rope_cache

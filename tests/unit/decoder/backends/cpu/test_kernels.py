@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from services.decoder.backends.cpu.attention import CpuPagedAttention, fits
-from services.decoder.backends.cpu.executor import CpuExecutor
-from services.decoder.backends.cpu.kernels import MAX_HEAD_DIM, MAX_ROW
-from services.decoder.backends.cpu.linear import CLinear
-from services.decoder.models.attention import write_kv_cache
-from services.decoder.models.layers import RMSNorm, apply_rotary
-from services.decoder.models.loader import load_model
-from services.decoder.models.torch_attention import TorchPagedAttention
+from tandem.decoder.backends.cpu.attention import CpuPagedAttention, fits
+from tandem.decoder.backends.cpu.executor import CpuExecutor
+from tandem.decoder.backends.cpu.kernels import MAX_HEAD_DIM, MAX_ROW
+from tandem.decoder.backends.cpu.linear import CLinear
+from tandem.decoder.models.attention import write_kv_cache
+from tandem.decoder.models.layers import RMSNorm, apply_rotary
+from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.torch_attention import TorchPagedAttention
 
 from ...conftest import Checkpoint
 from ...models.helpers import PagedAllocator, PagedRun, dense_decode, hf_greedy

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.backends.cpu.executor import CpuExecutor
-from services.decoder.backends.cpu.layer import FusedLayer
-from services.decoder.models.loader import load_model
+from tandem.decoder.backends.cpu.executor import CpuExecutor
+from tandem.decoder.backends.cpu.layer import FusedLayer
+from tandem.decoder.models.loader import load_model
 
 from ...conftest import Checkpoint
 from ...models.helpers import PagedRun

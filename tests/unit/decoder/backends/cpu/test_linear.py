@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.decoder.backends.cpu import linear as cpu_linear
-from services.decoder.backends.cpu.executor import CpuExecutor, OpsLayer
-from services.decoder.backends.cpu.linear import (
+from tandem.decoder.backends.cpu import linear as cpu_linear
+from tandem.decoder.backends.cpu.executor import CpuExecutor, OpsLayer
+from tandem.decoder.backends.cpu.linear import (
     CLinear,
     PackedLinear,
     TorchLinear,
@@ -23,7 +23,7 @@ from services.decoder.backends.cpu.linear import (
     can_prepack,
     has_onednn_bf16,
 )
-from services.decoder.models.loader import load_model
+from tandem.decoder.models.loader import load_model
 
 from ...conftest import Checkpoint
 from ...models.helpers import PagedRun, greedy

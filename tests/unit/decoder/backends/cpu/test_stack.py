@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.backends.cpu.executor import CpuExecutor
-from services.decoder.backends.cpu.stack import DecodeStack
-from services.decoder.models.attention import AttentionMetadata
-from services.decoder.models.loader import load_model
-from services.decoder.models.transformer import DecoderModel
+from tandem.decoder.backends.cpu.executor import CpuExecutor
+from tandem.decoder.backends.cpu.stack import DecodeStack
+from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.transformer import DecoderModel
 
 from ...conftest import Checkpoint
 from ...models.helpers import PagedRun

@@ -1,0 +1,201 @@
+"""A client's channel to either service: size limits, keepalive, retries of idempotent calls, TLS, token.
+
+The message-size cap is the same number on both sides: `DEFAULT_MAX_MESSAGE_BYTES` unless configured,
+and a server's options (`server.py`) use it too. Idempotent unary calls (Embed, Tokenize, GetModelInfo,
+health Check) are retried by gRPC itself when they end UNAVAILABLE (a server restarting, a connection
+reset): `service_config`, with throttling so that a dead server does not get a retry storm.
+Generate is never retried: a stream that already produced tokens cannot be replayed.
+
+`ChannelSecurity` turns on TLS (a CA to trust, optionally a client certificate for mutual TLS) and
+a bearer token, sent as `authorization: Bearer <token>` on every call (see `tandem.client.auth`).
+
+Replicas: an address that names several servers (`host:port,host:port`, a list, or
+`dns:///name:port`, e.g. a Kubernetes headless Service) is balanced by gRPC itself: the
+`round_robin` policy over every server, with client-side health checking (`grpc.health.v1` Watch on
+each connection), so a replica that stops, drains or is NOT_SERVING gets no new calls. A plain
+`host:port` keeps gRPC's default, one connection to one server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from .auth import bearer_token_interceptors, read_token
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
+
+_IDEMPOTENT_METHODS = [
+    {"service": "tandem.v1.Encoder", "method": "Embed"},
+    {"service": "tandem.v1.Encoder", "method": "Tokenize"},
+    {"service": "tandem.v1.Encoder", "method": "GetModelInfo"},
+    {"service": "tandem.v1.Decoder", "method": "Tokenize"},
+    {"service": "tandem.v1.Decoder", "method": "GetModelInfo"},
+    {"service": "grpc.health.v1.Health", "method": "Check"},
+]
+# Up to 5 attempts within the call's own deadline, about 1.5 s of backoff in all. Throttling: each
+# failed attempt costs a token, each success earns 0.1, and retries stop below half of maxTokens.
+_RETRY_CONFIG = {
+    "methodConfig": [
+        {
+            "name": _IDEMPOTENT_METHODS,
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "1s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ],
+    "retryThrottling": {"maxTokens": 20, "tokenRatio": 0.1},
+}
+
+
+def service_config(health_service: str | None = None) -> str:
+    """The channel's service config: the retry policy; with `health_service`, also round-robin over
+    every resolved server, each one used only while its health for that service is SERVING."""
+    config: dict[str, Any] = dict(_RETRY_CONFIG)
+    if health_service is not None:
+        config["loadBalancingConfig"] = [{"round_robin": {}}]
+        config["healthCheckConfig"] = {"serviceName": health_service}
+    return json.dumps(config)
+
+
+def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
+    """The gRPC target of `address`, and whether it names several servers (then it is balanced).
+
+    "host:port" is one server. "a:1,b:2" (or a list) is several: gRPC's static `ipv4:`/`ipv6:`
+    list, host names resolved once, here. "dns:///name:port" is every address the name resolves to,
+    re-resolved by gRPC as servers come and go. Raises ValueError for an address it cannot use.
+    """
+    addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address)]
+    if not addresses or not all(addresses):
+        raise ValueError(f"address {address!r}: expected host:port, several separated by commas, or dns:///")
+    if len(addresses) == 1:
+        return addresses[0], addresses[0].startswith("dns:")
+    resolved = [_ip_address(a) for a in addresses]
+    families = {ip.version for ip, _ in resolved}
+    if len(families) > 1:
+        raise ValueError(f"address {address!r}: mixes IPv4 and IPv6 servers; gRPC balances one family")
+    if families == {4}:
+        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in resolved), True
+    return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved), True
+
+
+def _ip_address(address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r}: expected host:port")
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host), int(port)
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise ValueError(f"address {address!r}: {host} does not resolve ({error.strerror})") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first: `localhost` is both
+    return ipaddress.ip_address(infos[0][4][0]), int(port)
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a client reaches a server that uses TLS and/or bearer tokens. The default is plaintext."""
+
+    is_tls: bool = False  # TLS even without the PEM fields (then the system's trusted roots).
+    root_certificates: bytes | None = None  # PEM CA(s) trusted for the server certificate.
+    certificate_chain: bytes | None = None  # mutual TLS: this client's certificate, PEM.
+    private_key: bytes | None = field(default=None, repr=False)  # mutual TLS: its key, PEM.
+    token: str | None = field(default=None, repr=False)  # sent as `authorization: Bearer <token>`.
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("a client certificate needs its private key, and the other way round")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.is_tls or any(
+            v is not None for v in (self.root_certificates, self.certificate_chain, self.private_key)
+        )
+
+    @classmethod
+    def from_files(
+        cls,
+        ca: Path | None = None,
+        cert: Path | None = None,
+        key: Path | None = None,
+        token_file: Path | None = None,
+        is_tls: bool = False,
+    ) -> ChannelSecurity:
+        """From PEM files and a token file (its first token), as the CLI flags name them."""
+
+        def read(path: Path | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return cls(
+            is_tls=is_tls,
+            root_certificates=read(ca),
+            certificate_chain=read(cert),
+            private_key=read(key),
+            token=None if token_file is None else read_token(token_file),
+        )
+
+
+PLAINTEXT = ChannelSecurity()
+
+
+def client_channel_options(
+    max_message_bytes: int, health_service: str | None = None
+) -> list[tuple[str, Any]]:
+    """`channel_options` plus the retry policy for idempotent calls (and balancing, see service_config)."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", service_config(health_service)),
+        # While a server is down the channel waits longer and longer between reconnects (gRPC's
+        # default grows to 120 s); a restarted server is found again within 5 s.
+        ("grpc.max_reconnect_backoff_ms", 5_000),
+    ]
+
+
+def open_channel(
+    address: str | Sequence[str],
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    security: ChannelSecurity = PLAINTEXT,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    service: str = "",
+) -> grpc.aio.Channel:
+    """A channel to one of our services (`service`, e.g. "tandem.v1.Decoder", names its health
+    status): size limits, keepalive, retries, TLS and token as asked; balanced over several servers.
+
+    Raises ValueError for an address it cannot use."""
+    target, is_balanced = channel_target(address)
+    options = client_channel_options(max_message_bytes, service if is_balanced else None)
+    chain = [*interceptors, *(bearer_token_interceptors(security.token) if security.token else [])] or None
+    if not security.uses_tls:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=chain)
+    credentials = grpc.ssl_channel_credentials(
+        security.root_certificates, security.private_key, security.certificate_chain
+    )
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=chain)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options for clients of our services: same size cap as the server, keepalive it permits."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]

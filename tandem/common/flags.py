@@ -1,0 +1,248 @@
+"""One configuration layer for every `tandem` command, on click.
+
+NOTE: one mechanism. Every option has a help text, a default and an environment variable, and
+`--help` shows all three. A value comes from the command line, else from its variable, else from its
+default; a service's defaults are its config dataclass's own (`default_of`), so each lives in one
+place. The services name their variables (`TANDEM_<FLAG>` for the decoder, `TANDEM_ENCODER_<FLAG>`,
+`TANDEM_UP_<FLAG>`); the client commands get click's automatic `TANDEM_<COMMAND>_<FLAG>`. Click
+reads the environment when a command runs, never at import.
+
+Every error is one line that names the flag and its variable: a value that does not parse (click's
+own check, by the option's type) and a value the config refuses (`ConfigError`, mapped back to its
+option through `Setting.field`).
+
+Why click: it is kept by Pallets and carries typer and most Python CLIs; an option's `envvar`,
+`show_envvar` and `show_default` are built in, and its parse errors already name the variable.
+pydantic-settings validates as well, but its command line shows no variables in `--help`;
+jsonargparse does, at the price of a much larger dependency for the same result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tandem.client.auth import load_tokens
+from tandem.client.channel import ChannelSecurity
+from tandem.client.errors import ConfigError
+from tandem.common.server import DEFAULT_GRACE_S, ServerOptions, TlsOptions
+
+PATH = click.Path(path_type=Path)  # a path, checked by the config that uses it (one rule, one place)
+
+
+class _Bool(click.ParamType):
+    """true/false, also 1/0, yes/no, on/off; anything else is refused saying so."""
+
+    name = "BOOLEAN"
+    _VALUES = {
+        "true": True,
+        "1": True,
+        "yes": True,
+        "on": True,
+        "false": False,
+        "0": False,
+        "no": False,
+        "off": False,
+    }
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> bool:
+        if isinstance(value, bool):
+            return value
+        parsed = self._VALUES.get(str(value).strip().lower())
+        if parsed is None:
+            self.fail(f"{value!r} is not a boolean: use true or false (or 1/0, yes/no, on/off)", param, ctx)
+        return parsed
+
+
+BOOL = _Bool()
+# The help of every command: `[env var: ...; default: ...]` after each option, up to 100 columns wide.
+CONTEXT_SETTINGS: dict[str, Any] = {"max_content_width": 100, "help_option_names": ["-h", "--help"]}
+
+
+class Setting(click.Option):
+    """A service option: its flag, variable (`<prefix><FLAG>`), default and help, and its config field."""
+
+    def __init__(self, prefix: str, flag: str, help: str, *, field: str | None = None, **kwargs: Any) -> None:
+        name = flag.removeprefix("--").replace("-", "_")
+        kwargs.setdefault("show_default", True)
+        super().__init__(
+            [flag, name],
+            help=help,
+            envvar=prefix + name.upper(),
+            show_envvar=True,
+            allow_from_autoenv=False,  # the variable above, never a second one from the command path
+            **kwargs,
+        )
+        self.field = field or name  # the config field it fills: what a ConfigError names
+
+
+def option(flag: str, help: str, **kwargs: Any) -> click.Option:
+    """A client command's option: its default and its automatic `TANDEM_<COMMAND>_<FLAG>` in --help."""
+    kwargs.setdefault("show_default", "off" if kwargs.get("is_flag") else True)
+    return click.Option([flag], help=help, show_envvar=True, **kwargs)
+
+
+def default_of(cls: type, name: str) -> Any:
+    """A dataclass field's default, so that a flag's default is the config's own."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field.default
+
+
+def describe(param: click.Parameter, ctx: click.Context | None = None) -> str:
+    """`--max-num-seqs (TANDEM_MAX_NUM_SEQS)`: the flag and where else its value may come from."""
+    flag = next((o for o in param.opts if o.startswith("--")), param.name or "?")
+    envvar = param.envvar if isinstance(param, click.Option) and isinstance(param.envvar, str) else None
+    if envvar is None and isinstance(param, click.Option) and param.allow_from_autoenv:
+        ctx = ctx or click.get_current_context(silent=True)
+        if ctx is not None and ctx.auto_envvar_prefix and param.name:
+            envvar = f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
+    return f"{flag} ({envvar})" if envvar else flag
+
+
+class FlagError(click.UsageError):
+    """A config error said with the flag and its variable; exits 2 like every usage error."""
+
+
+def flag_error(command: click.Command, error: ConfigError) -> FlagError:
+    """`error` as one line about the option that fills `error.field` (or as it is, if none does)."""
+    for param in command.params:
+        if isinstance(param, Setting) and error.field in (param.field, param.name):
+            return FlagError(error.said_of(describe(param)))
+    return FlagError(str(error))
+
+
+def error_line(error: click.ClickException) -> str:
+    """One line for any click error: a bad value names its flag and variable, the rest as click says."""
+    if isinstance(error, click.BadParameter):
+        param = error.param
+        if param is None and error.ctx is not None and isinstance(error.param_hint, str):
+            hint = error.param_hint.strip("'")  # raised by a command's own check, naming its flag
+            param = next((p for p in error.ctx.command.params if hint in p.opts), None)
+        if param is not None:
+            return f"{describe(param, error.ctx)}: {error.message}"
+    return error.format_message()
+
+
+def run(command: click.Command, argv: Sequence[str] | None, prog_name: str) -> int:
+    """Run `command` as `prog_name ARGV`; returns its exit code. Errors are one line on stderr."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = command.main(args=args, prog_name=prog_name, standalone_mode=False)
+    except click.ClickException as error:
+        ctx = getattr(error, "ctx", None)
+        where = ctx.command_path if ctx is not None else prog_name
+        # Unknown options and the like point at --help; a value's error says all there is to say.
+        is_usage = isinstance(error, click.UsageError) and not isinstance(
+            error, FlagError | click.BadParameter
+        )
+        hint = f" (see {where} --help)" if is_usage else ""
+        print(f"{where}: {error_line(error)}{hint}", file=sys.stderr)
+        return error.exit_code
+    except click.Abort:  # Ctrl-C at a prompt
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+# -- what both services share: how they listen, drain, and secure their port ---------------------------
+
+
+def server_settings(prefix: str, default_port: int) -> list[Setting]:
+    """--host, --port, --max-message-bytes, --grace-s and the TLS / token files, as `prefix` variables."""
+    return [
+        Setting(
+            prefix,
+            "--host",
+            "listen address (0.0.0.0 in containers)",
+            default=default_of(ServerOptions, "host"),
+        ),
+        Setting(prefix, "--port", "listen port (0 = any free port)", type=int, default=default_port),
+        Setting(
+            prefix,
+            "--max-message-bytes",
+            "largest gRPC message sent or received (clients must use the same)",
+            type=int,
+            default=default_of(ServerOptions, "max_message_bytes"),
+        ),
+        Setting(
+            prefix,
+            "--grace-s",
+            "on SIGTERM: seconds in-flight calls get to finish; streams still open then end with "
+            "FINISH_REASON_ABORTED",
+            type=float,
+            default=DEFAULT_GRACE_S,
+        ),
+        *server_security_settings(prefix, ""),
+    ]
+
+
+def server_security_settings(prefix: str, help_prefix: str) -> list[Setting]:
+    """The TLS and bearer-token files a server takes (`tandem up` passes them to both services)."""
+    files = (
+        ("--tls-cert", "TLS: server certificate chain (PEM)", "none, plaintext"),
+        ("--tls-key", "TLS: the certificate's private key (PEM)", "none"),
+        ("--tls-client-ca", "mutual TLS: the CA client certificates must be signed by (PEM)", "none"),
+        (
+            "--auth-token-file",
+            "accepted bearer tokens, one per line; every call but health needs one",
+            "none, no authentication",
+        ),
+    )
+    return [
+        Setting(prefix, flag, help_prefix + text, type=PATH, default=None, show_default=shown, metavar="FILE")
+        for flag, text, shown in files
+    ]
+
+
+def server_options(values: Mapping[str, Any]) -> ServerOptions:
+    """ServerOptions from `server_settings` values. Raises ConfigError."""
+    options: dict[str, Any] = {k: values[k] for k in ("host", "port", "max_message_bytes", "grace_s")}
+    options["tls"] = TlsOptions.from_paths(values["tls_cert"], values["tls_key"], values["tls_client_ca"])
+    if values["auth_token_file"] is not None:
+        try:
+            options["auth_tokens"] = load_tokens(values["auth_token_file"])
+        except ValueError as error:
+            raise ConfigError("auth_token_file", f": {error}") from None
+    return ServerOptions(**options)
+
+
+# -- a client's side: the CA it trusts, its own certificate, the token it sends ------------------------
+
+
+def client_security_options() -> list[click.Option]:
+    return [
+        option("--tls", "use TLS (implied by --tls-ca, --tls-cert)", is_flag=True, default=False),
+        option(
+            "--tls-ca",
+            "CA to trust for the server, PEM",
+            type=PATH,
+            default=None,
+            show_default="system roots",
+        ),
+        option(
+            "--tls-cert", "mutual TLS: client certificate, PEM", type=PATH, default=None, show_default="none"
+        ),
+        option("--tls-key", "mutual TLS: its private key, PEM", type=PATH, default=None, show_default="none"),
+        option(
+            "--auth-token-file",
+            "file holding the bearer token to send (its first one)",
+            type=PATH,
+            default=None,
+            show_default="none",
+        ),
+    ]
+
+
+def client_security(values: Mapping[str, Any]) -> ChannelSecurity:
+    """The channel security `client_security_options` ask for. Raises OSError or ValueError."""
+    return ChannelSecurity.from_files(
+        values["tls_ca"],
+        values["tls_cert"],
+        values["tls_key"],
+        values["auth_token_file"],
+        is_tls=values["tls"],
+    )

@@ -1,0 +1,29 @@
+"""The `model` field of a request: a bounded name, checked against the one this server serves.
+
+A caller's string is never echoed whole into a status: gRPC carries the message in trailing
+metadata, whose hard limit (16 KiB by default) turns an echo of a long name into RESOURCE_EXHAUSTED
+instead of the NOT_FOUND the caller should see.
+"""
+
+from __future__ import annotations
+
+from tandem.client.errors import InvalidArgument, NotFound
+
+MAX_MODEL_NAME_BYTES = 256  # the longest `model` a request may carry
+MAX_ECHO_CHARS = 64  # the most of a caller's string an error message repeats
+
+
+def echo(text: str) -> str:
+    """`text` quoted for an error message, cut to MAX_ECHO_CHARS characters."""
+    if len(text) <= MAX_ECHO_CHARS:
+        return repr(text)
+    return f"{text[:MAX_ECHO_CHARS]!r}... ({len(text)} characters)"
+
+
+def check_model(requested: str, served: str) -> None:
+    """Empty = the served model. Raises InvalidArgument when `requested` is over the bound, NotFound
+    when it names another model."""
+    if len(requested.encode()) > MAX_MODEL_NAME_BYTES:
+        raise InvalidArgument("model", f"at most {MAX_MODEL_NAME_BYTES} bytes, got {len(requested.encode())}")
+    if requested and requested != served:
+        raise NotFound(f"model {echo(requested)} is not served here (this server serves {served!r})")

@@ -1,0 +1,153 @@
+"""`tandem.v1.Tensor` <-> torch / numpy: the only place bytes meet tensors.
+
+Wire format: little-endian, C-contiguous, no padding, `len(data) == prod(shape) * itemsize`.
+Decoding checks every declared size against the real byte count *before* touching the payload,
+so a tiny message that claims a huge shape costs nothing, then wraps the bytes without a copy
+(`torch.frombuffer`). The returned tensor is read-only in spirit (it aliases the message's bytes):
+callers that write to it must `.clone()` first; casting to the model dtype copies anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import tensor_pb2
+
+DataType = tensor_pb2.DataType
+
+_TORCH_DTYPES: dict[int, torch.dtype] = {
+    tensor_pb2.DATA_TYPE_FLOAT32: torch.float32,
+    tensor_pb2.DATA_TYPE_FLOAT16: torch.float16,
+    tensor_pb2.DATA_TYPE_BFLOAT16: torch.bfloat16,
+    tensor_pb2.DATA_TYPE_INT32: torch.int32,
+}
+_WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in _TORCH_DTYPES.items()}
+FLOAT_DATA_TYPES = frozenset(
+    {tensor_pb2.DATA_TYPE_FLOAT32, tensor_pb2.DATA_TYPE_FLOAT16, tensor_pb2.DATA_TYPE_BFLOAT16}
+)
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+@dataclass(frozen=True)
+class TensorLimits:
+    """What a decoder of untrusted tensors accepts. Built once from the service config."""
+
+    max_elements: int = 64 * 1024 * 1024  # cap on prod(shape), checked before any allocation.
+    allowed_dtypes: frozenset[int] = FLOAT_DATA_TYPES  # wire dtypes accepted.
+
+
+DEFAULT_LIMITS = TensorLimits()
+
+
+def to_torch_dtype(dtype: int, field: str = "dtype") -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[dtype]
+    except KeyError:
+        raise InvalidArgument(field, f"unknown or unset dtype {dtype}") from None
+
+
+def to_wire_dtype(dtype: torch.dtype) -> int:
+    try:
+        return _WIRE_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"{dtype} has no wire encoding") from None
+
+
+def decode(
+    message: tensor_pb2.Tensor,
+    field: str = "tensor",
+    *,
+    rank: int | None = None,
+    last_dim: int | None = None,
+    check_finite: bool = False,
+    limits: TensorLimits = DEFAULT_LIMITS,
+) -> torch.Tensor:
+    """Validate and wrap a Tensor message; raises InvalidArgument naming `field` and the limit.
+
+    Zero-copy for every dtype on little-endian hosts: the result aliases `message.data`.
+    """
+    if message.dtype not in limits.allowed_dtypes:
+        allowed = ", ".join(DataType.Name(d) for d in sorted(limits.allowed_dtypes))
+        name = DataType.Name(message.dtype) if message.dtype in DataType.values() else str(message.dtype)
+        raise InvalidArgument(f"{field}.dtype", f"{name} is not accepted here; expected one of {allowed}")
+    torch_dtype = _TORCH_DTYPES[message.dtype]
+    shape = list(message.shape)
+    if rank is not None and len(shape) != rank:
+        raise InvalidArgument(f"{field}.shape", f"expected rank {rank}, got rank {len(shape)} {shape}")
+    if not shape:
+        raise InvalidArgument(f"{field}.shape", "must have at least one dimension")
+    for i, dim in enumerate(shape):
+        if dim < 1:
+            raise InvalidArgument(f"{field}.shape", f"dimension {i} is {dim}; every dimension must be >= 1")
+    if last_dim is not None and shape[-1] != last_dim:
+        raise InvalidArgument(f"{field}.shape", f"last dimension must be {last_dim}, got {shape[-1]}")
+    # Python ints do not overflow, so a hostile shape cannot wrap around to a small count.
+    num_elements = math.prod(shape)
+    if num_elements > limits.max_elements:
+        raise InvalidArgument(
+            f"{field}.shape", f"{num_elements} elements exceed the limit of {limits.max_elements}"
+        )
+    itemsize = torch_dtype.itemsize
+    data = message.data  # read once: each read of a bytes field makes a new copy of it
+    if len(data) != num_elements * itemsize:
+        raise InvalidArgument(
+            f"{field}.data",
+            f"expected {num_elements * itemsize} bytes for shape {shape} of "
+            f"{DataType.Name(message.dtype)}, got {len(data)}",
+        )
+    with warnings.catch_warnings():
+        # frombuffer warns that protobuf's bytes are immutable; the module docstring covers why
+        # aliasing them is safe.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch_dtype)
+    if not _LITTLE_ENDIAN:
+        flat = _byteswapped(flat)
+    tensor = flat.view(shape)
+    if check_finite:
+        require_finite(tensor, field)
+    return tensor
+
+
+def require_finite(tensor: torch.Tensor, field: str) -> None:
+    """Raises InvalidArgument naming `field`.data and the first NaN or Inf; integer tensors pass.
+
+    Checks the tensor in its own dtype: to hold values to a narrower one (a model's bf16 or fp16),
+    cast first, since a value finite in float32 can overflow to inf there.
+    """
+    if not tensor.dtype.is_floating_point or bool(torch.isfinite(tensor).all()):
+        return
+    first = int((~torch.isfinite(tensor.reshape(-1))).nonzero()[0, 0])
+    index = [int(i) for i in np.unravel_index(first, tuple(tensor.shape))]
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    raise InvalidArgument(
+        f"{field}.data",
+        f"contains NaN or Inf as {dtype} (first at index {index}); values must be finite and within "
+        f"+-{torch.finfo(tensor.dtype).max:.6g}",
+    )
+
+
+def encode(tensor: torch.Tensor | np.ndarray, dtype: torch.dtype | None = None) -> tensor_pb2.Tensor:
+    """Pack a tensor (optionally cast to `dtype` first). One copy: into the message's bytes."""
+    if isinstance(tensor, np.ndarray):
+        tensor = torch.from_numpy(np.ascontiguousarray(tensor))
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    wire = to_wire_dtype(tensor.dtype)
+    tensor = tensor.detach().to("cpu").contiguous()
+    if not _LITTLE_ENDIAN:
+        tensor = _byteswapped(tensor)
+    # numpy has no bfloat16: reinterpret 2-byte types as int16 to reach the raw bytes.
+    raw = tensor.view(torch.int16) if tensor.dtype.itemsize == 2 else tensor
+    return tensor_pb2.Tensor(dtype=wire, shape=list(tensor.shape), data=raw.numpy().tobytes())
+
+
+def _byteswapped(tensor: torch.Tensor) -> torch.Tensor:
+    as_bytes = tensor.contiguous().view(torch.uint8).view(-1, tensor.dtype.itemsize)
+    return as_bytes.flip(-1).contiguous().view(tensor.dtype).view(tensor.shape)

@@ -1,0 +1,39 @@
+"""Limits of the wire contract that both services apply alike; a request past one is refused with
+INVALID_ARGUMENT naming the field and the limit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tandem.client.errors import InvalidArgument
+from tandem.common.text_bounds import check_fits, min_positions
+
+MAX_REQUEST_ID_BYTES = 128  # `request_id`, UTF-8: a label echoed in every event, never looked up
+MAX_TOKENIZE_TEXTS = 64  # `texts` of one Tokenize call: each is tokenized in full before the reply
+
+
+def check_request_id(request_id: str) -> None:
+    num_bytes = len(request_id.encode())
+    if num_bytes > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {num_bytes}")
+
+
+def check_tokenize_texts(
+    texts: Sequence[str], max_chars_per_token: int, max_positions: int, limit: str
+) -> None:
+    """A Tokenize call does at most the tokenizing one request may: at most MAX_TOKENIZE_TEXTS texts,
+    which together must be able to fit `max_positions` (the service's `limit`, e.g. "max_model_len").
+    Checked from counts and lengths alone, before anything is tokenized."""
+    if len(texts) > MAX_TOKENIZE_TEXTS:
+        raise InvalidArgument(
+            "texts", f"{len(texts)} texts exceed the limit of {MAX_TOKENIZE_TEXTS} per call"
+        )
+    num_at_least = sum(min_positions(text, max_chars_per_token) for text in texts)
+    check_fits(
+        num_at_least,
+        max_positions,
+        "texts",
+        max_chars_per_token,
+        f"{limit} {max_positions}",
+        f"; tokenize at most {max_positions * max_chars_per_token} characters per call",
+    )

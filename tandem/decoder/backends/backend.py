@@ -1,0 +1,218 @@
+"""Accelerator backends: everything that differs between CPU, CUDA and AWS Neuron, in one table.
+
+NOTE: the rule. Model code never asks which backend it runs on. What differs (where the weights and
+the KV cache live, the default dtype, the data-plane collective backend, how a static-shape decode
+bucket becomes a compiled graph, whether dynamic shapes are allowed at all) is a field of `Backend`
+or a function here; the engine, the runner and `distributed/parallel.py` read it, nothing else does.
+How a decode bucket becomes a graph is one file per kind: `torch_compile.py` (CPU, CUDA), `neuron.py`.
+
+- cpu: the default and what every test runs. Compiled buckets go through `torch.compile`
+  (Inductor, `dynamic=False`, one graph per bucket).
+- cuda: NCCL between ranks, bf16 by default; attention through FlexAttention over the paged cache
+  (`cuda_attention.py`); compiled buckets use `mode="reduce-overhead"`, so Inductor captures each
+  bucket as a CUDA graph (the KV cache is marked a static address so the graphs may write it in
+  place).
+- neuron: needs `torch-neuronx` (the AWS Neuron SDK, not on PyPI). Static shapes only; each decode
+  bucket is traced ahead with `torch_neuronx.trace`. One rank only: Neuron tensor parallelism runs as
+  one SPMD program (NxD), not as the per-rank processes this engine spawns.
+
+Only the SDK-free parts run in this repository's tests; see docs/BACKENDS.md for
+exactly what was and was not run on real hardware.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tandem.client.errors import ConfigError
+from tandem.decoder.backends.cpu import executor as cpu_executor
+from tandem.decoder.backends.cpu import kernels as cpu_kernels
+from tandem.decoder.backends.cuda_attention import CudaPagedAttention
+from tandem.decoder.models.attention import AttentionMetadata, PagedAttention
+from tandem.decoder.models.transformer import DecoderModel
+
+log = logging.getLogger(__name__)
+
+CUDA_INSTALL = (
+    "install a CUDA build of torch (e.g. `pip install torch --index-url "
+    "https://download.pytorch.org/whl/cu126`) on a machine with an NVIDIA GPU and driver"
+)
+NEURON_INSTALL = (
+    "install the AWS Neuron SDK (torch-neuronx), which is not on PyPI: on an Inf2/Trn1/Trn2 instance "
+    "run `pip install torch-neuronx neuronx-cc --extra-index-url https://pip.repos.neuron.amazonaws.com` "
+    "(see https://awsdocs-neuron.readthedocs-hosted.com for the driver and runtime)"
+)
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run in this process; the message says what to install."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One accelerator family, as the engine sees it."""
+
+    name: str  # "cpu", "cuda" or "neuron": the --device value without a device index
+    placement: str  # torch device type of the weights and KV cache ("cpu" for Neuron's traced graphs)
+    default_dtype: str  # --dtype when none is given
+    collective_backend: str | None  # torch.distributed data plane; None = one rank only
+    compile_mode: str | None  # torch.compile mode of a decode bucket; None = traced by the SDK instead
+    requires_static_shapes: bool  # True: every step must be padded to a warmed-up bucket
+    uses_cuda_graphs: bool  # compiled buckets replay into reused output buffers (callers get a copy)
+    install_hint: str  # what to install when `check_available` fails
+    has_cpu_executor: bool = False  # eager steps run through backends/cpu/executor.py's bound kernels
+    compiler: str = "inductor"  # torch.compile backend; tests swap in "aot_eager" (same graphs, no codegen)
+    # The model's attention implementation; None keeps the model's own (torch ops; the CPU executor
+    # plugs in its C decode kernel).
+    attention: type[PagedAttention] | None = None
+
+
+BACKENDS: dict[str, Backend] = {
+    "cpu": Backend(
+        name="cpu",
+        placement="cpu",
+        default_dtype="bfloat16",
+        collective_backend="gloo",
+        compile_mode="default",
+        requires_static_shapes=False,
+        uses_cuda_graphs=False,
+        install_hint="",
+        has_cpu_executor=True,
+    ),
+    "cuda": Backend(
+        name="cuda",
+        placement="cuda",
+        default_dtype="bfloat16",
+        collective_backend="nccl",
+        compile_mode="reduce-overhead",
+        requires_static_shapes=False,
+        uses_cuda_graphs=True,
+        install_hint=CUDA_INSTALL,
+        attention=CudaPagedAttention,
+    ),
+    "neuron": Backend(
+        name="neuron",
+        placement="cpu",
+        default_dtype="bfloat16",
+        collective_backend=None,
+        compile_mode=None,
+        requires_static_shapes=True,
+        uses_cuda_graphs=False,
+        install_hint=NEURON_INSTALL,
+    ),
+}
+
+
+def resolve(device: str) -> Backend:
+    """The backend of a --device value ("cpu", "cuda", "cuda:1", "neuron"). Imports nothing.
+
+    Raises ConfigError naming the choices.
+    """
+    name, _, index = device.partition(":")
+    backend = BACKENDS.get(name)
+    if backend is None or (index and (name != "cuda" or not index.isdigit())):
+        raise ConfigError("device", f"must be one of {', '.join(BACKENDS)} (or cuda:N), got {device!r}")
+    return backend
+
+
+def check_available(device: str) -> Backend:
+    """Fails fast, before any weight is read, when this process cannot run `device`.
+
+    Raises BackendUnavailable with what to install: a CPU-only torch for cuda, no torch_neuronx
+    for neuron.
+    """
+    backend = resolve(device)
+    if backend.name == "cuda" and not torch.cuda.is_available():
+        built = torch.version.cuda or "none (a CPU-only build)"
+        raise BackendUnavailable(
+            f"--device {device}: torch {torch.__version__} sees no CUDA device (CUDA runtime: {built}); "
+            f"{backend.install_hint}"
+        )
+    if backend.name == "cuda" and ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+        raise BackendUnavailable(f"--device {device}: only {torch.cuda.device_count()} CUDA devices")
+    if backend.name == "neuron":
+        import_neuron(device)
+    return backend
+
+
+def torch_device(device: str) -> torch.device:
+    """Where the weights and the KV cache are allocated for a --device value."""
+    backend = resolve(device)
+    return torch.device(device if backend.placement == "cuda" else backend.placement)
+
+
+class ModelStep(Protocol):
+    """What runs a model's steps: the model itself, or an executor bound to it (the CPU's)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens]
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
+    ) -> torch.Tensor: ...  # float32 logits [num_logits, vocab_size]
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        inputs_embeds: torch.Tensor | None = None,
+        is_token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # [num_logits, hidden_size]
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor: ...  # float32 [num_rows, vocab_size]
+
+
+def prepare_model(model: DecoderModel, backend: Backend, compile: bool, native_kernels: bool) -> ModelStep:
+    """What runs a model this process loaded on `backend`, on every rank alike.
+
+    The backend's attention implementation, if it has one. Eager CPU: the CPU executor, its kernels
+    chosen from this CPU's flags (the C kernels' build for it, when installed: else one log line and
+    torch ops). `native_kernels` off, or compiled mode: the plain model (Inductor generates its own
+    kernels and packs weights itself). Call on the thread that runs the model.
+    """
+    if backend.attention is not None:
+        model.use_attention(backend.attention())
+    if not backend.has_cpu_executor:
+        return model
+    if compile:
+        log.info("CPU kernels: not used in compiled mode (Inductor generates its own)")
+        return model
+    if not native_kernels:
+        log.info("CPU kernels: off (--native-kernels false), the model runs on torch ops")
+        return model
+    return cpu_executor.bind(model, cpu_kernels.load_for_cpu())
+
+
+def bind_rank_device(device: str) -> None:
+    """Before joining a process group: NCCL needs the rank's CUDA device to be the current one."""
+    if resolve(device).name == "cuda":
+        torch.cuda.set_device(torch.device(device))
+
+
+def import_neuron(device: str):  # -> the torch_neuronx module
+    try:
+        return importlib.import_module("torch_neuronx")
+    except ImportError as exc:
+        raise BackendUnavailable(f"--device {device} needs torch_neuronx ({exc}); {NEURON_INSTALL}") from exc
+
+
+# -- compiled decode buckets: what every kind shares (torch_compile.py, neuron.py; buckets.py picks) --
+
+# A decode step as the runner calls it: (input_ids, positions, attn, kv_caches, inputs_embeds,
+# is_token_ids) -> float32 logits [num_seqs, vocab]. The model itself is one.
+StepFn = Callable[..., torch.Tensor]
+
+
+class RecompileError(RuntimeError):
+    """A compiled decode bucket was asked to compile again after warmup (a shape or guard changed)."""

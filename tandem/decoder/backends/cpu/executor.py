@@ -1,0 +1,265 @@
+"""The CPU step executor: binds a loaded model's weights to the fastest kernels once, then runs its steps.
+
+NOTE: the rule. The model (models/) is plain torch and stays the reference; everything that makes
+it fast on a CPU lives here and is chosen once, at bind time, from the CPU's flags and the model's
+dtype, then logged (`KernelChoice.describe`). Per step only the step's own kind is looked at:
+
+- a decode-only step, with every layer fused: the one-call decode stack (`stack.py`);
+- any other step, with every layer fused: per layer, the two fused C halves (`layer.py`) around the
+  attention call;
+- otherwise per layer in Python, each op on its chosen kernel: the linears bound once (`linear.py`:
+  oneDNN's packed bf16, the C kernel or F.linear), the norms and the q/k norm + RoPE + KV write as C
+  custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
+
+Layers fuse when the linears are on the C kernel (a CPU whose oneDNN has no bf16 path: AVX2-only),
+there is one rank, and the weights are bf16. Attention is always `CpuPagedAttention` when a build is
+loaded (the C decode kernel in front of torch ops), plugged in through the model's PagedAttention
+interface so the plain model's forward uses it too. Every path keeps each row's sums in one order
+whatever the number of rows, so a row's bits never depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from tandem.decoder.backends.cpu.attention import CpuPagedAttention
+from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
+from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, MAX_GROUP, MAX_HEAD_DIM, MAX_ROW, Kernels
+from tandem.decoder.backends.cpu.layer import FusedLayer, LayerWeights
+from tandem.decoder.backends.cpu.linear import CLinear, PackedLinear, TorchLinear, can_bind, can_prepack
+from tandem.decoder.backends.cpu.ops import register
+from tandem.decoder.backends.cpu.stack import DecodeStack
+from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.layers import RMSNorm
+from tandem.decoder.models.tensor_parallel import gather_sequence, gather_vocab_logits, row_parallel
+from tandem.decoder.models.transformer import DecoderLayer, DecoderModel
+
+log = logging.getLogger(__name__)
+
+LinearKind = Literal["c", "onednn", "torch"]
+BoundLinear = CLinear | PackedLinear | TorchLinear
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What the executor bound, decided once; logged at load and readable by tests and benchmarks."""
+
+    cpu: str  # the CPU's model name
+    isa: str  # the flags that decided (CpuInfo.isa_summary)
+    build: str | None  # the C kernels' build level ("avx512", "avx2", "x86_64", ...); None = none loaded
+    linears: LinearKind  # what runs the projections and the LM head
+    fused_layers: bool  # every layer in two fused C halves around attention
+    decode_stack: bool  # decode-only steps' layers in one C call
+    c_ops: bool  # norms, q/k norm + RoPE + KV write and attention through the C custom ops
+
+    def describe(self) -> str:
+        build = f"C kernels {self.build} build" if self.build else "no C kernels"
+        if self.decode_stack:
+            layers = "decode steps in one C call, prefill in fused C layers"
+        elif self.fused_layers:
+            layers = "fused C layers"
+        else:
+            ops = "C norms, RoPE + KV write and attention" if self.c_ops else "torch norms and attention"
+            layers = f"per-op layers ({ops})"
+        return f"CPU {self.cpu} [{self.isa}]: {build}; {self.linears} linears; {layers}"
+
+
+def choose_linears(model: DecoderModel, kernels: Kernels | None) -> LinearKind:
+    """oneDNN's packed bf16 where oneDNN has a bf16 path, else the C kernel for bf16, else F.linear."""
+    weight = model.head_weight
+    if can_prepack(weight):
+        return "onednn"
+    if kernels is not None and weight.dtype == torch.bfloat16:
+        return "c"
+    return "torch"
+
+
+def _bind_linear(kind: LinearKind, kernels: Kernels | None, weight: torch.Tensor, bias: Any) -> BoundLinear:
+    if kind == "c" and kernels is not None and can_bind(weight, bias):
+        return CLinear(kernels, weight, bias)
+    if kind == "onednn" and can_prepack(weight):
+        return PackedLinear(weight, bias)
+    return TorchLinear(weight, bias)
+
+
+class OpsLayer:
+    """One decoder layer op by op, each op on the kernel bound for it (the model's own collectives)."""
+
+    def __init__(
+        self, layer: DecoderLayer, kind: LinearKind, kernels: Kernels | None, ops: Any | None
+    ) -> None:
+        a, mlp = layer.self_attn, layer.mlp
+        self.layer = layer
+        self.ops = ops  # torch.ops.tandem_<level>, or None: torch ops for norms and RoPE
+        self.qkv = _bind_linear(kind, kernels, a.qkv_proj.weight, a.qkv_proj.bias)
+        self.o = _bind_linear(kind, kernels, a.o_proj.weight, a.o_proj.bias)
+        self.gate_up = _bind_linear(kind, kernels, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        self.down = _bind_linear(kind, kernels, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x) if self.ops is None else self.ops.rms_norm(x, norm.weight, norm.eps)
+
+    def __call__(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden], or this rank's [local_len, hidden] under SP
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        sp: bool,
+    ) -> torch.Tensor:
+        layer = self.layer
+        a, tp = layer.self_attn, layer.self_attn.tp
+        x = gather_sequence(self._norm(layer.input_layernorm, h), tp, sp)  # [num_tokens, hidden]
+        qkv = self.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
+        if self.ops is None:
+            q, k, v = a.rope_and_cache(qkv, cos, sin, attn, kv_cache)
+        else:
+            q, k = self.ops.qkv_rope_cache(
+                qkv, cos, sin, _weight(a.q_norm), _weight(a.k_norm), a.q_norm.eps if a.q_norm else 0.0,
+                kv_cache, attn.slot_mapping, a.num_heads, not attn.is_decode_only,
+            )  # fmt: skip
+            v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
+        out = a.attention(q, k, v, kv_cache, attn, a.scale)  # [num_tokens, num_heads * head_dim]
+        h = h + row_parallel(self.o, out, tp, sp)
+        x = gather_sequence(self._norm(layer.post_attention_layernorm, h), tp, sp)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # 2 x [num_tokens, intermediate / world_size]
+        return h + row_parallel(self.down, F.silu(gate) * up, tp, sp)
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
+
+
+def _fuse(kernels: Kernels, layer: DecoderLayer) -> FusedLayer | None:
+    """Both halves of the layer in C, when its weights are plain bf16 and its norms share one epsilon."""
+    a, mlp = layer.self_attn, layer.mlp
+    eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+    eps |= {norm.eps for norm in (a.q_norm, a.k_norm) if norm is not None}
+    if len(eps) != 1:
+        return None  # the kernels take one epsilon for every norm of the layer
+    weights = LayerWeights(
+        input_norm=layer.input_layernorm.weight, qkv=a.qkv_proj.weight, qkv_bias=a.qkv_proj.bias,
+        q_norm=_weight(a.q_norm), k_norm=_weight(a.k_norm), o=a.o_proj.weight, o_bias=a.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight, gate_up=mlp.gate_up_proj.weight,
+        gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+    )  # fmt: skip
+    try:
+        return FusedLayer(kernels, weights, a.num_heads, a.num_kv_heads, eps.pop())
+    except ValueError:
+        return None  # a weight that is not plain bf16 of the expected shape
+
+
+class CpuExecutor:
+    """Runs a model's steps on the kernels bound at construction; called like the model itself."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        kernels: Kernels | None,
+        linears: LinearKind | None = None,  # None: choose_linears; tests force each kind
+        use_stack: bool = True,  # tests turn it off to compare the stack with the per-layer calls
+        cpu: CpuInfo | None = None,
+    ) -> None:
+        self.model = model
+        config = model.config
+        kind = linears or choose_linears(model, kernels)
+        c_ops = (
+            kernels is not None
+            and config.dtype in DTYPE_CODES
+            and config.head_dim <= MAX_HEAD_DIM
+            and config.head_dim % 2 == 0
+            and config.hidden_size <= MAX_ROW
+        )
+        ops = register(kernels) if kernels is not None and c_ops else None
+        if ops is not None:
+            model.use_attention(CpuPagedAttention(ops))
+        self.fused: list[FusedLayer] | None = None
+        if kernels is not None and kind == "c" and model.tp is None:
+            fused = [_fuse(kernels, layer) for layer in model.layers]
+            if all(f is not None for f in fused):
+                self.fused = [f for f in fused if f is not None]
+        self.stack = self._bind_stack(kernels) if use_stack else None
+        self.layers = (
+            [OpsLayer(layer, kind, kernels, ops) for layer in model.layers] if not self.fused else []
+        )
+        self.head = _bind_linear(kind, kernels, model.head_weight, None)
+        cpu = cpu or this_cpu()
+        self.choice = KernelChoice(
+            cpu=cpu.model_name,
+            isa=cpu.isa_summary,
+            build=None if kernels is None else kernels.level.name,
+            linears=kind,
+            fused_layers=self.fused is not None,
+            decode_stack=self.stack is not None,
+            c_ops=ops is not None,
+        )
+
+    def _bind_stack(self, kernels: Kernels | None) -> DecodeStack | None:
+        """Every fused layer in one C call, when they share their sizes and the C decode attention takes
+        the model's heads."""
+        a = self.model.layers[0].self_attn
+        scales = {layer.self_attn.scale for layer in self.model.layers}
+        if kernels is None or not self.fused or len(scales) != 1 or a.num_heads // a.num_kv_heads > MAX_GROUP:
+            return None
+        try:
+            return DecodeStack(kernels, self.fused, scales.pop())
+        except ValueError:
+            return None  # layers of different sizes, or heads past the C attention's limits
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+    ) -> torch.Tensor:
+        """float32 logits [num_logits, vocab_size] at attn.logits_indices, as DecoderModel.forward."""
+        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids)
+        return self.compute_logits(h)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens]
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
+    ) -> torch.Tensor:
+        """The final hidden rows [num_logits, hidden_size], as DecoderModel.hidden_states."""
+        model = self.model
+        sp = model.is_sequence_parallel(input_ids, attn)
+        h = model.embed(input_ids, inputs_embeds, is_token_ids, sp)  # [num_tokens or local_len, hidden]
+        cos, sin = model.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each
+        if self.stack is not None and attn.is_decode_only:
+            h = self.stack.run(h, cos, sin, attn, kv_caches)  # every layer in one C call
+        elif self.fused is not None:
+            want_kv = not attn.is_decode_only
+            for fused, layer, kv_cache in zip(self.fused, model.layers, kv_caches, strict=True):
+                # Everything but attention in two C calls; h is this layer's own input, updated in place.
+                q, k, v = fused.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, want_kv)
+                a = layer.self_attn
+                h = fused.mlp_block(h, a.attention(q, k, v, kv_cache, attn, a.scale))
+        else:
+            for ops_layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h = ops_layer(h, cos, sin, attn, kv_cache, sp)
+        return model.final_rows(h, attn, sp)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [num_rows, vocab_size] of final hidden rows [num_rows, hidden_size]."""
+        return gather_vocab_logits(self.head(h), self.model.tp)
+
+
+def bind(model: DecoderModel, kernels: Kernels | None) -> CpuExecutor:
+    """The executor for a loaded model, its choice logged in one line."""
+    executor = CpuExecutor(model, kernels)
+    log.info("%s", executor.choice.describe())
+    return executor

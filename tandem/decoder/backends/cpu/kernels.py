@@ -1,0 +1,336 @@
+"""The C kernels of one ISA level, loaded with ctypes, each behind a typed wrapper that checks its tensors.
+
+The libraries are built when the project is installed (`build.py`, run by setup.py), one per ISA
+level; `load_for_cpu()` loads the highest level this CPU runs and says which in one log line, or says
+why there is none (not built, built from other sources, cannot be loaded) and returns None: the
+executor then runs the model on torch ops. Nothing is compiled when a service starts.
+
+Tensors are passed as data pointers, after the wrapper has checked their device, dtype, shape and
+contiguity (ValueError naming the argument otherwise): the C side cannot see a buffer's size, so it
+trusts those, and checks the slots, block ids and lengths itself.
+
+Every wrapper is also a torch custom op, `torch.ops.tandem_<level>.<name>`, with a fake (meta)
+implementation, so a traced or compiled graph can hold the call (`ops.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import logging
+import math
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.decoder.backends.cpu.build import Level, build_id, module_name
+from tandem.decoder.backends.cpu.isa import CpuInfo, best_level, this_cpu
+
+log = logging.getLogger(__name__)
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK_SIZE, MAX_ROW = 256, 16, 64, 16384  # the C side's scratch limits
+
+
+class KernelsUnavailable(RuntimeError):
+    """This level's library is not there, is not the build of these sources, or cannot be loaded."""
+
+
+class Kernels:
+    """The loaded library, with one typed wrapper per kernel.
+
+    The C side reads and writes through raw pointers and can check only the indices it is given (slots,
+    block ids, lengths): every wrapper checks each tensor's device, dtype, shape and contiguity before
+    the call, and raises ValueError naming the argument. Whether a kernel fits a model at all is the
+    executor's question, answered once at bind time.
+    """
+
+    def __init__(self, library: ctypes.CDLL, level: Level, path: Path) -> None:
+        self.level = level
+        self.path = path
+        pointers, sizes = [ctypes.c_void_p], [ctypes.c_int64]
+        self._decode_attention = _bind(
+            library.tandem_decode_attention, pointers * 5 + sizes * 7 + [ctypes.c_float, ctypes.c_int]
+        )
+        self._rms_norm = _bind(
+            library.tandem_rms_norm, pointers * 3 + sizes * 2 + [ctypes.c_float, ctypes.c_int]
+        )
+        self._qkv_rope_cache = _bind(
+            library.tandem_qkv_rope_cache, pointers * 9 + sizes * 5 + [ctypes.c_float, ctypes.c_int]
+        )
+        # The raw bf16 linear (linear_kernels.c); call it through linear.CLinear, which
+        # checks every tensor it hands over.
+        self.linear_bf16 = _bind(library.tandem_linear_bf16, pointers * 4 + sizes * 3)
+        # The raw fused layer halves (layer_kernels.c); call them through layer.FusedLayer.
+        real = [ctypes.c_float]
+        self.attention_in = _bind(
+            library.tandem_attention_in,
+            pointers * 2 + real + pointers * 4 + real + pointers * 4 + sizes + pointers * 3 + sizes * 5,
+        )
+        self.mlp_block = _bind(library.tandem_mlp_block, pointers * 5 + real + pointers * 4 + sizes * 4)
+        # Every layer of a decode-only step (layer_kernels.c); call it through stack.DecodeStack.
+        self.decode_layers = _bind(
+            library.tandem_decode_layers,
+            pointers * 3 + sizes + real + pointers * 5 + sizes * 3 + real + pointers * 2 + sizes * 6,
+        )
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [..., size]
+        weight: torch.Tensor,  # [size]
+        eps: float,
+    ) -> torch.Tensor:
+        """x: [..., size] -> RMSNorm(x) * weight, same shape; numerics of layers.RMSNorm."""
+        _check_tensor("x", x, DTYPE_CODES)
+        if x.dim() == 0 or not 1 <= x.shape[-1] <= MAX_ROW:
+            raise ValueError(f"x must be [..., size] with size in [1, {MAX_ROW}], got {_shape(x)}")
+        size = x.shape[-1]
+        _check_tensor("weight", weight, x.dtype, (size,), against="x")
+        _check_finite("eps", eps, low=0.0)
+        out = torch.empty_like(x)
+        status = self._rms_norm(
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // size,
+            size,
+            eps,
+            DTYPE_CODES[x.dtype],
+        )
+        _check(status, f"rms_norm: rows of {size} (at most {MAX_ROW})")
+        return out
+
+    def qkv_rope_cache(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim] or [num_tokens, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim] or [num_tokens, head_dim]
+        q_norm: torch.Tensor | None,  # [head_dim] (Qwen3) or None
+        k_norm: torch.Tensor | None,  # [head_dim] (Qwen3) or None
+        eps: float,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [num_tokens]
+        num_heads: int,
+        want_keys: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-head norms, RoPE and the KV-cache write of one layer in one pass.
+
+        Returns q [num_tokens, num_heads, head_dim] and, with want_keys, k [num_tokens, num_kv_heads,
+        head_dim]; the values are written to the cache only (the caller's view of qkv has them).
+        """
+        _check_kv_cache(kv_cache)
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"kv_cache head_dim must be even and at most {MAX_HEAD_DIM}, got {head_dim}")
+        _check_count("num_heads", num_heads, low=1)
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        _check_tensor("qkv", qkv, kv_cache.dtype, (None, width), against="num_heads and kv_cache")
+        num_tokens = qkv.shape[0]
+        for name, angles in (("cos", cos), ("sin", sin)):
+            is_3d = isinstance(angles, torch.Tensor) and angles.dim() == 3
+            rows = (num_tokens, 1, head_dim) if is_3d else (num_tokens, head_dim)
+            _check_tensor(name, angles, kv_cache.dtype, rows, against="qkv and kv_cache")
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if norm is not None:
+                _check_tensor(name, norm, kv_cache.dtype, (head_dim,), against="kv_cache")
+        _check_finite("eps", eps, low=0.0)
+        slot_mapping = _index_tensor("slot_mapping", slot_mapping, torch.int64, (num_tokens,), "qkv")
+        q = qkv.new_empty(num_tokens, num_heads, head_dim)
+        k = qkv.new_empty(num_tokens, num_kv_heads, head_dim) if want_keys else None
+        status = self._qkv_rope_cache(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
+            slot_mapping.data_ptr(),
+            kv_cache.data_ptr(),
+            q.data_ptr(),
+            None if k is None else k.data_ptr(),
+            num_tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_blocks * block_size,
+            eps,
+            DTYPE_CODES[qkv.dtype],
+        )
+        _check(status, "slot_mapping: a KV slot is outside kv_cache")
+        return q, k
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
+        block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+        seq_lens: torch.Tensor,  # int32 [num_seqs]
+        scale: float,
+    ) -> torch.Tensor:  # [num_seqs, num_heads * head_dim] in q's dtype
+        _check_kv_cache(kv_cache)
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"kv_cache head_dim ({head_dim}) and block_size ({block_size}) must be at most "
+                f"{MAX_HEAD_DIM} and {MAX_BLOCK_SIZE}"
+            )
+        _check_tensor("q", q, kv_cache.dtype, (None, None, head_dim), contiguous=False, against="kv_cache")
+        num_seqs, num_heads, _ = q.shape
+        if num_heads == 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+            raise ValueError(
+                f"q must have a multiple of kv_cache's num_kv_heads ({num_kv_heads}) heads, at most "
+                f"{MAX_GROUP} per KV head, got {num_heads}"
+            )
+        block_tables = _index_tensor("block_tables", block_tables, torch.int32, (num_seqs, None), "q")
+        seq_lens = _index_tensor("seq_lens", seq_lens, torch.int32, (num_seqs,), "q")
+        _check_finite("scale", scale)
+        q = q.contiguous()
+        out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype)
+        status = self._decode_attention(
+            q.data_ptr(),
+            kv_cache.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_blocks,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            DTYPE_CODES[q.dtype],
+        )
+        if status == -2:
+            raise MemoryError(f"decode attention: no scratch memory for {num_seqs} rows")
+        _check(status, "a sequence length (seq_lens) or block id (block_tables) is outside kv_cache")
+        return out
+
+
+def is_plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The one question every kernel asks first: a contiguous, strided CPU tensor of `dtype`, that a
+    pointer to its first element describes in full."""
+    return (
+        t.dtype == dtype
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_neg()
+    )
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"[{', '.join(str(n) for n in t.shape)}]"
+
+
+def _check_tensor(
+    name: str,
+    t: object,
+    dtype: torch.dtype | Mapping[torch.dtype, int],
+    shape: tuple[int | None, ...] | None = None,  # None entries take any size
+    contiguous: bool = True,
+    against: str = "",  # the arguments the dtype and shape come from, named in the error too
+) -> None:
+    """Raises ValueError naming `name` unless `t` is a plain CPU tensor the kernel can read in place."""
+    matching = f" to match {against}" if against else ""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_neg():
+        raise ValueError(f"{name} must be a plain strided CPU tensor, got {t.layout} on {t.device}")
+    if isinstance(dtype, torch.dtype) and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}{matching}, got {t.dtype}")
+    if not isinstance(dtype, torch.dtype) and t.dtype not in dtype:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, dtype))}, got {t.dtype}")
+    if shape is not None and (
+        t.dim() != len(shape)
+        or any(want is not None and got != want for got, want in zip(t.shape, shape, strict=True))
+    ):
+        wanted = ", ".join("*" if n is None else str(n) for n in shape)
+        raise ValueError(f"{name} must have shape [{wanted}]{matching}, got {_shape(t)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_kv_cache(kv_cache: torch.Tensor) -> None:
+    _check_tensor("kv_cache", kv_cache, DTYPE_CODES, (2, None, None, None, None))
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if min(block_size, num_kv_heads, head_dim) < 1:
+        raise ValueError(
+            f"kv_cache must have block_size, num_kv_heads and head_dim >= 1, got {_shape(kv_cache)}"
+        )
+
+
+def _index_tensor(
+    name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int | None, ...], against: str
+) -> torch.Tensor:
+    """A contiguous copy when needed (index tensors are small); the C side range-checks the values."""
+    _check_tensor(name, t, dtype, shape, contiguous=False, against=against)
+    return t.contiguous()
+
+
+def _check_count(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_finite(name: str, value: object, low: float | None = None) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or (low is not None and value < low):
+        bound = f" >= {low}" if low is not None else ""
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
+
+
+def _bind(fn: Any, argtypes: list[Any]) -> Any:
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    return fn
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise ValueError(f"C kernel refused its input: {what}")
+
+
+def library_path(level: Level) -> Path:
+    """Where setup.py put this level's library: beside this file, named as an extension module."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"{module_name(level)}{suffix}"
+        if candidate.is_file():
+            return candidate
+    raise KernelsUnavailable(
+        f"no {level.name} build of the CPU kernels in {here} (they are built by `pip install -e .` / "
+        "`make setup`; a C compiler is needed then, not at run time)"
+    )
+
+
+@cache
+def load(level: Level) -> Kernels:
+    """This level's library, loaded once per process; KernelsUnavailable says why it cannot be."""
+    path = library_path(level)
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise KernelsUnavailable(f"{path.name} cannot be loaded: {error}") from error
+    library.tandem_build_id.restype = ctypes.c_char_p
+    built, expected = library.tandem_build_id().decode(), build_id(level)
+    if built != expected:
+        raise KernelsUnavailable(
+            f"{path.name} was built from other sources (build {built}, sources {expected}): rebuild it with "
+            "`make setup` or `pip install -e .`"
+        )
+    return Kernels(library, level, path)
+
+
+@cache
+def load_for_cpu(cpu: CpuInfo | None = None) -> Kernels | None:
+    """The highest level this CPU runs; None, with one log line saying why, when it is unavailable."""
+    cpu = cpu or this_cpu()
+    level = best_level(cpu)
+    try:
+        return load(level)
+    except KernelsUnavailable as error:
+        log.warning("CPU kernels unavailable, the model runs on torch ops: %s", error)
+        return None

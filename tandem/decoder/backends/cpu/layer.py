@@ -1,0 +1,139 @@
+"""A decoder layer's bf16 weights bound to `tandem_attention_in` and `tandem_mlp_block` (csrc/layer.c).
+
+Two C calls do what the module path does in about twenty-five torch ops around attention (norms,
+projections, q/k norm + RoPE + cache write, residual adds, SwiGLU); attention itself stays the
+executor's attention call between them. Bound once by the executor (`executor.py`), with every weight
+checked then; a call checks only the per-step tensors and refuses (ValueError naming the argument)
+what the kernels cannot read in place. One rank only: tensor parallelism keeps the module path,
+whose collectives sit between the projections.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from tandem.decoder.backends.cpu.kernels import Kernels, is_plain
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """The tensors of one decoder layer, as the model holds them (bf16, contiguous, on the CPU)."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
+    q_norm: torch.Tensor | None  # [head_dim], Qwen3 only
+    k_norm: torch.Tensor | None  # [head_dim], Qwen3 only
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    o_bias: torch.Tensor | None  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
+    gate_up_bias: torch.Tensor | None  # [2 * intermediate]
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None  # [hidden]
+
+
+def _is_plain_bf16(t: torch.Tensor | None) -> bool:
+    return t is None or is_plain(t, torch.bfloat16)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedLayer:
+    """attention_in: h -> q (k, v) with this step's keys and values in the cache; mlp_block: h updated."""
+
+    def __init__(
+        self, kernels: Kernels, weights: LayerWeights, num_heads: int, num_kv_heads: int, eps: float
+    ) -> None:
+        hidden = weights.input_norm.shape[0]
+        head_dim = weights.o.shape[1] // num_heads
+        inter = weights.down.shape[1]
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        shapes = {
+            "input_norm": (hidden,), "qkv": (width, hidden), "qkv_bias": (width,), "q_norm": (head_dim,),
+            "k_norm": (head_dim,), "o": (hidden, num_heads * head_dim), "o_bias": (hidden,),
+            "post_norm": (hidden,), "gate_up": (2 * inter, hidden), "gate_up_bias": (2 * inter,),
+            "down": (hidden, inter), "down_bias": (hidden,),
+        }  # fmt: skip
+        for name, shape in shapes.items():
+            t = getattr(weights, name)
+            if not _is_plain_bf16(t) or (t is not None and tuple(t.shape) != shape):
+                raise ValueError(f"{name} must be a contiguous bfloat16 CPU tensor of shape {list(shape)}")
+        self.weights = weights  # held: the pointers below stay valid while this object lives
+        self.hidden, self.head_dim, self.inter = hidden, head_dim, inter
+        self.num_heads, self.num_kv_heads, self.eps = num_heads, num_kv_heads, eps
+        w = weights
+        self._attention_in = kernels.attention_in
+        self._mlp_block = kernels.mlp_block
+        self._in_ptrs = (_ptr(w.input_norm), ctypes.c_float(eps), _ptr(w.qkv), _ptr(w.qkv_bias),
+                         _ptr(w.q_norm), _ptr(w.k_norm), ctypes.c_float(eps))  # fmt: skip
+        self._mlp_ptrs = (_ptr(w.o), _ptr(w.o_bias), _ptr(w.post_norm), ctypes.c_float(eps), _ptr(w.gate_up),
+                          _ptr(w.gate_up_bias), _ptr(w.down), _ptr(w.down_bias))  # fmt: skip
+
+    def _accepts(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (
+            is_plain(h, torch.bfloat16)
+            and h.dim() == 2
+            and h.shape[1] == self.hidden
+            and is_plain(kv_cache, torch.bfloat16)
+            and kv_cache.dim() == 5
+            and tuple(kv_cache.shape[3:]) == (self.num_kv_heads, self.head_dim)
+        )
+
+    def attention_in(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [num_tokens]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        want_kv: bool,  # also return this step's keys and values (prefill attends to them)
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """q [num_tokens, num_heads, head_dim], and k, v [num_tokens, num_kv_heads, head_dim] or None."""
+        m = h.shape[0]
+        if not self._accepts(h, kv_cache):
+            raise ValueError(f"h must be contiguous bfloat16 [*, {self.hidden}] and kv_cache bfloat16 "
+                             f"[2, *, *, {self.num_kv_heads}, {self.head_dim}], got {list(h.shape)}, "
+                             f"{list(kv_cache.shape)}")  # fmt: skip
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dtype != torch.bfloat16 or t.numel() != m * self.head_dim or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous bfloat16 [{m}, 1, {self.head_dim}]")
+        if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (m,):
+            raise ValueError(
+                f"slot_mapping must be int64 [{m}], got {slot_mapping.dtype} {list(slot_mapping.shape)}"
+            )
+        slots = slot_mapping.contiguous()
+        q = h.new_empty(m, self.num_heads, self.head_dim)
+        k = h.new_empty(m, self.num_kv_heads, self.head_dim) if want_kv else None
+        v = h.new_empty(m, self.num_kv_heads, self.head_dim) if want_kv else None
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        status = self._attention_in(h.data_ptr(), *self._in_ptrs, cos.data_ptr(), sin.data_ptr(),
+                                    slots.data_ptr(), kv_cache.data_ptr(), num_slots, q.data_ptr(), _ptr(k),
+                                    _ptr(v), m, self.hidden, self.num_heads, self.num_kv_heads,
+                                    self.head_dim)  # fmt: skip
+        if status != 0:
+            raise ValueError("fused layer refused its input: slot_mapping: a KV slot is outside kv_cache")
+        return q, k, v
+
+    def mlp_block(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden], updated in place and returned
+        attn: torch.Tensor,  # [num_tokens, num_heads * head_dim], attention's output
+    ) -> torch.Tensor:
+        m = h.shape[0]
+        width = self.num_heads * self.head_dim
+        if attn.dtype != torch.bfloat16 or tuple(attn.shape) != (m, width) or not attn.is_contiguous():
+            raise ValueError(
+                f"attn must be contiguous bfloat16 [{m}, {width}], got {attn.dtype} {list(attn.shape)}"
+            )
+        status = self._mlp_block(
+            h.data_ptr(), attn.data_ptr(), *self._mlp_ptrs, m, self.hidden, width, self.inter
+        )
+        if status != 0:
+            raise MemoryError(f"fused layer: no scratch memory for {m} tokens")
+        return h

@@ -1,0 +1,110 @@
+"""A linear layer's weight bound once to its kernel: the C kernel, oneDNN's packed bf16, or torch.
+
+- `CLinear`: bf16 through `tandem_linear_bf16` (csrc/linear.c). Chosen where oneDNN has no bf16
+  path (an AVX2-only CPU): there torch's bf16 matmul is a reference loop, tens of times slower.
+- `PackedLinear`: bf16 through oneDNN with the weight reordered into its blocked layout once, at
+  bind time (F.linear would reorder it on every call); bit-identical to F.linear.
+- `TorchLinear`: F.linear, for everything else (float32, or kernels off).
+
+All three are called as `linear(x, with_bias=True)` and carry `.bias`, as the model's row-parallel
+helper expects. The weight (and bias) are checked once, when bound: a decode step calls 120 linears
+on a 30-layer model, so a call checks only its input, in a handful of attribute reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.decoder.backends.cpu.kernels import Kernels, is_plain
+
+
+def can_bind(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the C kernel takes this weight and bias: bf16, contiguous, on the CPU, at least one column."""
+    return (
+        is_plain(weight, torch.bfloat16)
+        and weight.dim() == 2
+        and weight.shape[1] >= 1
+        and (bias is None or is_plain(bias, torch.bfloat16))
+    )
+
+
+def has_onednn_bf16() -> bool:
+    """Whether oneDNN has a bf16 path on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT; AMX included)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """bf16 on a CPU whose oneDNN has a bf16 path (elsewhere the reorder raises)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and has_onednn_bf16()
+
+
+class TorchLinear:
+    """F.linear over the model's own weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.detach()  # [out_features, in_features]
+        self.bias = None if bias is None else bias.detach()  # [out_features]
+
+    def __call__(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if with_bias else None)
+
+
+class PackedLinear(TorchLinear):
+    """oneDNN's bf16 linear over the weight packed once (can_prepack must hold)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)  # opaque blocked layout
+
+    def __call__(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        bias = self.bias if with_bias else None
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class CLinear:
+    """x [num_tokens, in_features] bf16 -> x @ weight.T (+ bias) [num_tokens, out_features] bf16.
+
+    fp32 accumulation and one rounding, like torch's bf16 linear; the sums run in another order, so
+    a result may differ from torch's in its last bit.
+    """
+
+    def __init__(self, kernels: Kernels, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if not can_bind(weight, None):
+            raise ValueError(
+                "weight must be a contiguous 2-D bfloat16 CPU tensor with at least one column, got "
+                f"{weight.dtype} {list(weight.shape)} on {weight.device}"
+            )
+        out_features, in_features = weight.shape
+        if bias is not None and not (is_plain(bias, torch.bfloat16) and tuple(bias.shape) == (out_features,)):
+            raise ValueError(
+                f"bias must be a contiguous bfloat16 CPU tensor of shape [{out_features}] to match weight, "
+                f"got {bias.dtype} {list(bias.shape)} on {bias.device}"
+            )
+        self._fn = kernels.linear_bf16
+        # Held so the pointers below stay valid for as long as this object lives.
+        self.weight = weight.detach()  # [out_features, in_features]
+        self.bias = None if bias is None else bias.detach()  # [out_features]
+        self.out_features, self.in_features = out_features, in_features
+        self._weight_ptr = self.weight.data_ptr()
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        if not (is_plain(x, torch.bfloat16) and x.dim() == 2 and x.shape[1] == self.in_features):
+            raise ValueError(
+                f"x must be a contiguous bfloat16 CPU tensor of shape [*, {self.in_features}] to match "
+                f"weight, got {x.dtype} {list(x.shape)} on {x.device}"
+            )
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        status = self._fn(
+            x.data_ptr(),
+            self._weight_ptr,
+            self._bias_ptr if with_bias else None,
+            out.data_ptr(),
+            x.shape[0],
+            self.out_features,
+            self.in_features,
+        )
+        if status != 0:
+            raise MemoryError(f"C linear: no scratch memory for {x.shape[0]} rows of {self.in_features}")
+        return out

@@ -1,0 +1,136 @@
+"""The decoder's configuration: one frozen object, validated when built, passed down.
+
+Built once in `__main__` (from flags, or `TANDEM_*` environment variables for flags not given)
+or directly by tests and the offline API. Values derived from the loaded model, such as the
+number of KV blocks that fit in `kv_cache_bytes`, are computed by the engine and never written
+back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.client.errors import ConfigError
+from tandem.common.dtypes import DTYPES
+from tandem.common.server import ServerOptions
+from tandem.decoder.backends import backend as backends
+from tandem.decoder.models.attention import PagedAttention
+
+DEFAULT_PORT = 50052
+# Tokens one decode step may propose and verify beyond its own (prompt lookup), per request and as
+# the server default. A verification costs about one step while the step reads weights rather than
+# computes; far past that it computes, and a long guess is rarely right to the end.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; no transport settings."""
+
+    model_dir: Path  # a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    dtype: str = "bfloat16"  # compute and KV-cache dtype, one of DTYPES.
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (backends/backend.py); checked, not imported.
+    max_num_seqs: int = 64  # most requests in one step's batch.
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
+    max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
+    max_queue: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED).
+    block_size: int = 16  # positions per KV block.
+    kv_cache_bytes: int = 512 * 1024 * 1024  # KV pool size; the block count is derived from it.
+    num_kv_blocks: int | None = None  # exact block count instead of kv_cache_bytes (tests).
+    enable_prefix_caching: bool = True  # reuse full KV blocks of identical prompt prefixes.
+    enable_prompt_embeds: bool = True  # accept embedding segments; off -> FAILED_PRECONDITION.
+    static_shapes: bool = False  # pad batches to buckets so every step has a known input signature.
+    token_buckets: tuple[int, ...] = ()  # static mode: padded token counts; () = powers of two.
+    seq_buckets: tuple[int, ...] = ()  # static mode: padded sequence counts; () = powers of two.
+    # static mode: padded block-table widths of decode steps, in blocks; () = fourfold steps up to
+    # the blocks of max_model_len. Gathering decode paths cost what the width holds, not the context.
+    block_table_buckets: tuple[int, ...] = ()
+    compile: bool = False  # static mode: decode buckets run as graphs compiled at warmup (Neuron: traced).
+    # CPU, eager: norms, RoPE + KV write and decode attention through models/native_kernels.c, built
+    # at start with the machine's C compiler; without one the engine logs it and keeps torch ops.
+    native_kernels: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default.
+    # A request's tokens do not depend on what else runs: each request's forward pass runs alone, its
+    # prefill chunks start where they would alone, and prefix caching is off. Costs a batched step's
+    # speed (one pass per request); see the proto's SamplingParams.seed.
+    batch_invariant: bool = False
+    # Speculative decoding by prompt lookup: tokens a decode step may propose and verify, for requests
+    # that do not say (GenerateRequest.speculative_tokens); 0 = off. See engine/core.py.
+    speculative_tokens: int = 0
+    # Steps with more running requests than this verify no proposals. Where a step's cost grows with
+    # its rows (computing rather than reading weights: a few rows on a CPU without bf16 FMAs), a
+    # verified row is worth it only if every proposed token is accepted, so speculation pays only in
+    # small batches. docs/PERFORMANCE.md has the measurement behind the default.
+    speculative_max_batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        backend = backends.resolve(self.device)
+        if backend.requires_static_shapes and not (self.static_shapes and self.compile):
+            raise ConfigError(
+                "device",
+                f"{backend.name} runs static shapes only: it needs static_shapes and compile "
+                "(--static-shapes true --compile true)",
+            )
+        (backend.attention or PagedAttention).check_block_size(self.block_size)
+        if self.compile and not self.static_shapes:
+            raise ConfigError("compile", "needs static_shapes (--static-shapes true): one graph per bucket")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "block_size", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(
+                "num_kv_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}"
+            )
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                "speculative_tokens",
+                f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}",
+            )
+        if self.speculative_max_batch < 1:
+            raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        for name in ("token_buckets", "seq_buckets", "block_table_buckets"):
+            buckets = getattr(self, name)
+            if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
+                raise ConfigError(name, f"must be strictly increasing positive sizes, got {buckets}")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The decoder service: its engine plus how it is served."""
+
+    engine: EngineConfig
+    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
+    model_name: str = ""  # name reported by GetModelInfo and in traces; "" = model directory name.
+    world_size: int = 1  # ranks the model runs on.
+    collective_timeout_s: float = 60.0  # several ranks: a collective or step broadcast waiting longer fails.
+    # Open Generate streams one connection may hold (api/stream_limit.py). Half the default batch:
+    # one caller can never occupy every running slot.
+    max_streams_per_connection: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_streams_per_connection < 1:
+            raise ConfigError(
+                "max_streams_per_connection", f"must be >= 1, got {self.max_streams_per_connection}"
+            )
+        if self.world_size < 1:
+            raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s}")
+        if self.world_size > 1:
+            backend = backends.resolve(self.engine.device)
+            if backend.collective_backend is None:
+                raise ConfigError(
+                    "world_size",
+                    f"must be 1: device {backend.name} runs on one rank only, got {self.world_size}",
+                )
+            if self.engine.compile:
+                raise ConfigError(
+                    "world_size", f"must be 1: compile runs on one rank only, got {self.world_size}"
+                )

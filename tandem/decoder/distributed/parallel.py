@@ -1,0 +1,156 @@
+"""Ranks, process groups and collectives: the only module that calls torch.distributed.
+
+NOTE: two groups. The data plane (gloo on CPU, NCCL on CUDA) carries the model's collectives; a
+separate gloo control group carries rank 0's step broadcasts, so control traffic is always host
+memory and never queues behind, or deadlocks with, device collectives. Both groups have a timeout:
+a rank that dies or hangs makes every other rank's next collective raise instead of wait forever.
+
+World size 1 creates no group at all: the model and the runner take `ParallelContext | None` and
+None means "one rank, no collectives". Nothing here is module-global: the context is passed down.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tandem.decoder.backends import backend as backends
+from tandem.decoder.distributed.step_broadcast import StepSender
+
+# Recent torch names the tensor-in/tensor-out collectives *_single (2.13 warns on *_tensor); older
+# releases have only *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits and how the ranks meet."""
+
+    rank: int  # 0 runs the server, scheduler and sampler; the others run the worker loop
+    world_size: int  # ranks the model is sharded over
+    # "env://" under torchrun (its agent's store and variables), else rank 0's "tcp://host:port"
+    init_method: str
+    local_rank: int = 0  # index of this rank on its machine (selects the CUDA device)
+
+    @property
+    def is_torchrun(self) -> bool:
+        return self.init_method == "env://"
+
+    @classmethod
+    def local(cls, rank: int, world_size: int, port: int) -> RankInfo:
+        """A rank of a group spawned on this machine, meeting at 127.0.0.1:port."""
+        return cls(rank, world_size, f"tcp://127.0.0.1:{port}", local_rank=rank)
+
+    @classmethod
+    def from_torchrun(cls, environ: dict[str, str]) -> RankInfo | None:
+        """From torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or None."""
+        if "RANK" not in environ or "WORLD_SIZE" not in environ:
+            return None
+        rank = int(environ["RANK"])
+        return cls(rank, int(environ["WORLD_SIZE"]), "env://", int(environ.get("LOCAL_RANK", rank)))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (for a local spawn's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ControlGroup:
+    """Broadcasts from rank 0 on the gloo control group; tensors are host tensors."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0 sends `x`; the others receive into it (same shape and dtype) and get it back."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
+
+class ParallelContext:
+    """This rank's view of the data-plane group: sharding coordinates and the model's collectives.
+
+    Sequence collectives work on dim 0 (tokens); rank r owns rows [r * local_len, (r + 1) * local_len).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        control: ControlGroup,
+        timeout_s: float,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        # The rank as a 0-dim tensor: sequence windows computed from it are the same graph on every
+        # rank (a traced SPMD program cannot take the Python int); 0-dim, so it mixes with any device.
+        self.rank_tensor = torch.tensor(rank, dtype=torch.int64)
+        self.group = group  # data plane; None = the default group
+        self.control = control  # rank 0's step broadcasts
+        self.timeout_s = timeout_s  # any collective waiting longer than this raises
+
+    def step_sender(self) -> StepSender:
+        """Rank 0's feed of every step to the other ranks' worker loops, on the control group."""
+        return StepSender(self.control)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place. x: any shape, the same on every rank."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """[local_len, ...] -> [local_len * world_size, ...], rank order along dim 0."""
+        out = x.new_empty((x.shape[0] * self.world_size, *x.shape[1:]))
+        _all_gather_single(out, x.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, ...] partial sums -> this rank's window [num_tokens / world_size, ...] of the sum."""
+        out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
+        _reduce_scatter_single(out, x.contiguous(), group=self.group)
+        return out
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] -> [..., n * world_size], rank order along the last dim (vocab-parallel logits)."""
+        stacked = self.all_gather_seq(x).view(self.world_size, *x.shape)  # [world_size, ..., n]
+        return torch.cat(stacked.unbind(0), dim=-1)
+
+
+def init_parallel(info: RankInfo, device: str, timeout_s: float) -> ParallelContext:
+    """Joins the group (blocks until every rank has), returns this rank's context.
+
+    `device` picks the data-plane backend (`backends/backend.py`: NCCL for CUDA, gloo on CPU).
+    """
+    if info.world_size < 2:
+        raise ValueError("init_parallel is for world_size >= 2; one rank needs no process group")
+    timeout = timedelta(seconds=timeout_s)
+    backend = backends.resolve(device)
+    if backend.collective_backend is None:
+        raise ValueError(f"device {backend.name} runs on one rank only")
+    backends.bind_rank_device(device)
+    dist.init_process_group(
+        backend.collective_backend,
+        init_method=info.init_method,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+    )
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return ParallelContext(info.rank, info.world_size, None, ControlGroup(control), timeout_s)
+
+
+def destroy_parallel() -> None:
+    """Leaves the groups (best effort: a dead peer must not keep this process alive)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # on the way out after a failure: nothing is left to save
+            pass

@@ -1,0 +1,197 @@
+"""Chat messages -> prompt parts, through the checkpoint's chat template.
+
+Rendering runs in Jinja2's immutable sandbox (no attribute or file escape, no mutation of the
+arguments), with the output size bounded while it is produced.
+
+How parts keep their boundaries and caller text stays text:
+- A token-ID or embedding part is rendered as a unique placeholder (a random nonce per render) and
+  spliced back as its own prompt part after rendering, so no tokenization crosses it.
+- A text part is rendered inline, so the whole string tokenizes exactly as transformers'
+  `apply_chat_template(..., tokenize=True)` does, unless it contains a special-token literal (such as
+  `<|im_start|>`): then it too becomes a placeholder, spliced back as plain text (`is_plain`), which
+  tokenizes special-token literals as the text they spell. Caller text can never forge a control
+  token; the template's own control tokens stay.
+
+The end-of-turn token is read off the template itself: the first special token it writes after an
+assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.common.prompt_parts import PromptPart, TextPrompt
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_RENDERED_CHARS = 1 << 20  # 1 MiB of rendered text: far above any context this serves
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # one of ROLES
+    content: Sequence[PromptPart]  # caller text in it is always plain (`TextPrompt.is_plain` unread)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat prompt as the engine takes it; protocol.py builds it from tandem.v1.ChatPrompt."""
+
+    messages: Sequence[ChatMessage]
+    add_generation_prompt: bool = True  # end with the assistant turn's opening
+    template: str | None = None  # a Jinja2 template replacing the model's
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+
+
+# A rendered prompt: each part with the field path its errors name. The template's own text is
+# `TextPrompt(text)` at "chat"; a caller's part keeps its path, `chat.messages[i].content[j]`.
+LocatedPart = tuple[str, PromptPart]
+
+
+class ChatTemplate:
+    """The checkpoint's template and what it needs: special token names and the end-of-turn ID."""
+
+    def __init__(self, source: str | None, tokenizer: tokenizers.Tokenizer, special: dict[str, str]) -> None:
+        self.source = source  # None: the checkpoint has no template
+        self.tokenizer = tokenizer
+        self.special = special  # bos_token / eos_token / ... names the templates refer to
+        # The same vocabulary with special-token literals split into plain text (for caller text).
+        self.literal_tokenizer = literal_tokenizer(tokenizer)
+        self._environment = _sandbox()
+        self._special_literals = [
+            t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content
+        ]
+        self.end_of_turn_ids = self._find_end_of_turn() if source else ()
+
+    @classmethod
+    def load(cls, model_dir: Path, tokenizer: tokenizers.Tokenizer) -> ChatTemplate:
+        """From `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (None if absent)."""
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        source = config.get("chat_template")
+        if isinstance(source, list):  # the named-template form: take "default"
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        jinja_path = model_dir / "chat_template.jinja"
+        if jinja_path.is_file():
+            source = jinja_path.read_text()
+        special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        return cls(source if isinstance(source, str) else None, tokenizer, special)
+
+    def render(self, chat: ChatRequest) -> list[LocatedPart]:
+        """The prompt parts for `chat`, in order. Raises InvalidArgument / FailedPrecondition."""
+        source = chat.template if chat.template is not None else self.source
+        if source is None:
+            raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+        nonce = secrets.token_hex(8)
+        spliced: dict[str, LocatedPart] = {}
+        messages = []
+        for i, message in enumerate(chat.messages):
+            pieces = []
+            for j, part in enumerate(message.content):
+                if isinstance(part, TextPrompt) and not self._has_special_literal(part.text):
+                    pieces.append(part.text)
+                    continue
+                key = f"<<tandem-part-{nonce}-{i}-{j}>>"
+                as_given = TextPrompt(part.text, is_plain=True) if isinstance(part, TextPrompt) else part
+                spliced[key] = (f"chat.messages[{i}].content[{j}]", as_given)
+                pieces.append(key)
+            messages.append({"role": message.role, "content": "".join(pieces)})
+        text = self._render_text(source, messages, chat)
+        return _splice(text, spliced, nonce)
+
+    def _render_text(self, source: str, messages: list[dict[str, str]], chat: ChatRequest) -> str:
+        """Renders with the output bounded as it is produced (a template can loop)."""
+        chunks, size = [], 0
+        try:
+            template = self._environment.from_string(source)
+            variables = {**self.special, **chat.template_kwargs}
+            stream = template.generate(
+                messages=messages, add_generation_prompt=chat.add_generation_prompt, **variables
+            )
+            for chunk in stream:
+                size += len(chunk)
+                if size > MAX_RENDERED_CHARS:
+                    break
+                chunks.append(chunk)
+        except Exception as e:  # the template is code: any error it raises is the caller's to see
+            raise InvalidArgument("chat.chat_template", f"the template failed: {_one_line(e)}") from None
+        if size > MAX_RENDERED_CHARS:
+            raise InvalidArgument("chat", f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters")
+        return "".join(chunks)
+
+    def _has_special_literal(self, text: str) -> bool:
+        return any(literal in text for literal in self._special_literals)
+
+    def _find_end_of_turn(self) -> tuple[int, ...]:
+        """The special token the template writes right after an assistant message's content."""
+        mark = f"tandem{secrets.token_hex(4)}"
+        conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}]
+        try:
+            text = self._render_text(self.source or "", conversation, ChatRequest(messages=()))
+        except InvalidArgument:
+            return ()
+        if mark not in text:
+            return ()
+        after = text.split(mark, 1)[1]
+        specials = set(self._special_literals)
+        for token in self.tokenizer.encode(after, add_special_tokens=False).tokens:
+            if token in specials:
+                return (self.tokenizer.token_to_id(token),)
+        return ()
+
+
+def literal_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of `tokenizer` that tokenizes special-token literals as the plain text they spell."""
+    literal = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+    literal.encode_special_tokens = True
+    return literal
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:500] or type(error).__name__
+
+
+def _sandbox() -> ImmutableSandboxedEnvironment:
+    """transformers' settings, so templates written for it render the same here."""
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    environment.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, indent=indent, ensure_ascii=False
+    )
+    return environment
+
+
+def _splice(text: str, spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:
+    """Splits the rendered text at the placeholders; each must appear exactly once."""
+    pattern = re.compile(rf"<<tandem-part-{nonce}-\d+-\d+>>")
+    parts: list[LocatedPart] = []
+    seen: set[str] = set()
+    position = 0
+    for match in pattern.finditer(text):
+        key = match.group(0)
+        if key in seen or key not in spliced:
+            raise InvalidArgument("chat.chat_template", "the template repeated a non-text message part")
+        seen.add(key)
+        if match.start() > position:
+            parts.append(("chat", TextPrompt(text[position : match.start()])))
+        parts.append(spliced[key])
+        position = match.end()
+    if position < len(text):
+        parts.append(("chat", TextPrompt(text[position:])))
+    if len(seen) != len(spliced):
+        raise InvalidArgument("chat.chat_template", "the template dropped a non-text message part")
+    return parts

@@ -1,0 +1,299 @@
+"""The engine: a model, its KV pool and scheduler, stepped on a thread of its own (`loop.py`).
+
+Fronts: `generate()` for in-process use (a blocking iterator of events) and `stream()` for the
+asyncio servicer (an async iterator, `streaming.py`; cancelling it aborts the request). Sizes derived
+from the config and the model (context, KV blocks, buckets) are computed in `sizing.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from tandem.client.errors import Unavailable
+from tandem.common import text_bounds
+from tandem.decoder.backends import backend as backends
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine import sizing
+from tandem.decoder.engine.backpressure import ReaderProgress
+from tandem.decoder.engine.chat import ChatTemplate
+from tandem.decoder.engine.core import EngineCore, EventCallback
+from tandem.decoder.engine.kv_cache import BlockManager
+from tandem.decoder.engine.loop import EngineThread
+from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished, FinishReason, OutputState
+from tandem.decoder.engine.prompt import GenerateSpec, build_request
+from tandem.decoder.engine.prompt_logprobs import PromptLogprobsBuffer
+from tandem.decoder.engine.request import Request
+from tandem.decoder.engine.runner import ModelRunner, StepFeed
+from tandem.decoder.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.decoder.engine.static_shapes import warmup_shapes
+from tandem.decoder.engine.streaming import Mailboxes, stream_events
+from tandem.decoder.models.loader import LoadedModel, load_model
+from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
+
+log = logging.getLogger(__name__)
+
+
+class RankGroup(ParallelGroup, Protocol):
+    """Rank 0's view of its group of ranks; the decoder passes `distributed.parallel.ParallelContext`."""
+
+    timeout_s: float  # a collective waiting longer fails, so idle rank 0 sends keepalives well within it
+
+    def step_sender(self) -> StepFeed: ...  # feeds every step to the other ranks' worker loops
+
+
+class Engine:
+    """With `tp` (several ranks) this is rank 0: it feeds every step to the others' worker loops."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        tp: RankGroup | None = None,
+        backend: backends.Backend | None = None,  # None: config.device's; tests may swap the compiler
+    ) -> None:
+        self.config = config
+        backend = backend or backends.check_available(config.device)
+        self._thread = EngineThread(config.num_threads or torch.get_num_threads())
+        try:
+            self.loaded = loaded or self._thread.run(
+                load_model, config.model_dir, config.dtype, backends.torch_device(config.device), tp
+            )
+        except BaseException:
+            self._thread.stop()
+            raise
+        # A caller's model runs as given (tests compare against it); one this engine loaded runs on the
+        # backend's executor, its kernels chosen for this machine.
+        self.executor: backends.ModelStep = (
+            self.loaded.model
+            if loaded is not None
+            else self._thread.run(
+                backends.prepare_model, self.loaded.model, backend, config.compile, config.native_kernels
+            )
+        )
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        # The chat template (if any) and the tokenizer's plain-text twin, built once.
+        self.chat_template = ChatTemplate.load(Path(config.model_dir), self.tokenizer)
+        self.max_model_len = sizing.max_model_len(config, self.model_config)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
+        self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
+        self.core = self._build_core(tp, backend)
+        # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
+        self._keepalive_s = None if tp is None else tp.timeout_s / 4
+        self._keys = itertools.count()  # the engine's own request keys (see submit)
+        self._mailboxes = Mailboxes()
+        # Request building and tokenizing for the asyncio front run here, never on the event loop:
+        # a long text or a large embedding tensor would stall every stream and health probe for its
+        # duration. One thread, so that heavy requests queue behind each other, not beside the model.
+        self._builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-requests", initializer=_init_builder_thread
+        )
+
+    def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
+        config = self.config
+        # Batch-invariant: a cached prefix was computed in another request's chunks, and a request's
+        # chunks are its own (max_num_batched_tokens each, the step's budget never cutting them).
+        invariant = config.batch_invariant
+        static = sizing.static_shapes(config, self.max_model_len)
+        block_manager = BlockManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching and not invariant
+        )
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                * (config.max_num_seqs if invariant else 1),
+                max_waiting=config.max_queue,
+                max_tokens_per_request=config.max_num_batched_tokens if invariant else None,
+                # A verified proposed token is a sequence of its own, and padding needs a spare one.
+                max_num_rows=None if static is None else max(config.max_num_seqs, static.seq_buckets[-1] - 1),
+            ),
+            block_manager,
+        )
+        runner = self._thread.run(
+            ModelRunner,
+            self.loaded.model,
+            self.num_blocks,
+            config.block_size,
+            static,
+            None if tp is None else tp.step_sender(),
+            backend if config.compile else None,
+            invariant,
+            self.executor,
+        )
+        return EngineCore(scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self.config.static_shapes:
+            self._thread.run(self.warmup)
+        self._thread.start(self.core, self._keepalive_s)
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests still open end with UNAVAILABLE."""
+        self._builder.shutdown(wait=False, cancel_futures=True)
+        self._thread.stop()
+        self.core.fail_all(Unavailable("the decoder is shutting down"))
+        if self.core.runner.peers is not None and self._thread.error is None:
+            try:
+                self.core.runner.peers.stop()  # the other ranks' worker loops end
+            except Exception:  # a rank already gone: it has nothing left to stop
+                log.exception("could not tell the other ranks to stop")
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_healthy
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def warmup(self) -> None:
+        """Static mode: every bucket (tokens, seqs, table width) runs once on dummy inputs, none later."""
+        runner = self.core.runner
+        assert runner.static is not None
+        for num_tokens, num_seqs, block_table_width in warmup_shapes(runner.static):
+            runner.warmup(num_tokens, num_seqs, block_table_width)
+        runner.seal()
+        if runner.compiler is not None:
+            log.info(
+                "compiled %d decode buckets (%d graphs) in %.1f s",
+                len(runner.compiled_steps),
+                runner.compiler.num_graphs,
+                runner.compiler.compile_s,
+            )
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def submit(
+        self, spec: GenerateSpec, on_event: EventCallback, progress: ReaderProgress | None = None
+    ) -> str:
+        """Validate and admit; events go to `on_event` on the engine thread. Returns the engine's key
+        for the request, which `abort` takes.
+
+        NOTE: two names. The caller's `request_id` is a label, echoed in every event and never looked
+        up, so callers need not coordinate their IDs and one caller's ID never reaches another's
+        request. The engine keys a request by a name of its own, unique for the engine's life; an
+        empty caller ID gets a random one (a UUID), which says nothing about other requests.
+
+        With `progress`, the request pauses while the reader of `on_event`'s events is far behind.
+        """
+        if not self._thread.is_healthy:
+            raise Unavailable("the decoder engine is not running")
+        request = self.make_request(spec)
+        output = OutputState(
+            spec.request_id or uuid.uuid4().hex,
+            request.prompt_token_ids,
+            request.is_token_ids,
+            request.stopping,
+            spec.output,
+            self.tokenizer,
+            self._eos_token_ids(spec),
+            self.max_model_len,
+            request.arrival_time,
+            _prompt_logprobs_buffer(request),
+        )
+        self.core.add(request, output, on_event, spec.deadline, progress)
+        self._thread.wake()
+        return request.request_id
+
+    def abort(self, key: str) -> None:
+        """Abort the request `submit` returned `key` for (a no-op once it has ended)."""
+        self.core.abort(key)
+        self._thread.wake()
+
+    def _eos_token_ids(self, spec: GenerateSpec) -> frozenset[int]:
+        """A chat reply also ends at the template's end-of-turn token (left out of the text like EOS)."""
+        if spec.chat is None:
+            return self.eos_token_ids
+        return self.eos_token_ids | frozenset(self.chat_template.end_of_turn_ids)
+
+    def finish_all(self, reason: FinishReason) -> int:
+        """End every open request at the next step with `reason` (a drain out of time); how many."""
+        num_live = self.core.finish_all(reason)
+        self._thread.wake()
+        return num_live
+
+    def make_request(self, spec: GenerateSpec) -> Request:
+        """Flatten and validate a spec against this engine's model; raises InvalidArgument."""
+        return build_request(
+            spec,
+            f"#{next(self._keys)}",
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            self.config.enable_prompt_embeds,
+            self.chat_template,
+            max_token_chars=self.max_token_chars,
+            default_speculative_tokens=self.config.speculative_tokens,
+        )
+
+    def generate(self, spec: GenerateSpec) -> Iterator[Event]:
+        """In-process API: yields Accepted, Delta*, then Finished or Failed. The request pauses while
+        the caller leaves Deltas untaken (backpressure.py) and resumes as it iterates on."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        progress = ReaderProgress(self._thread.wake)
+
+        def on_event(event: Event) -> None:
+            if isinstance(event, Delta):
+                progress.handed()
+            events.put(event)
+
+        key = self.submit(spec, on_event, progress)
+        finished = False
+        try:
+            while True:
+                event = events.get()
+                if isinstance(event, Delta):
+                    progress.taken(1)
+                yield event
+                if isinstance(event, Finished | Failed):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(key)
+
+    def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
+        """asyncio front: the same events; leaving early (cancel, error) aborts the request. The
+        request is built (validated, tokenized, cast) on the request-building thread."""
+        progress = ReaderProgress(self._thread.wake)
+        return stream_events(
+            self._mailboxes,
+            lambda on_event: self.submit(spec, on_event, progress),
+            self.abort,
+            self._builder,
+            progress,
+        )
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Token IDs of each text, computed on the request-building thread (the GIL released)."""
+        work = self._builder.submit(self.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in await asyncio.wrap_future(work)]
+
+
+def _init_builder_thread() -> None:
+    # One intra-op thread: a parallel op here would start a second OpenMP team, which slows the
+    # engine thread's own ops (see loop.py); casting one request's rows needs no team.
+    torch.set_num_threads(1)
+
+
+def _prompt_logprobs_buffer(request: Request) -> PromptLogprobsBuffer | None:
+    if request.sampling.prompt_logprobs is None:
+        return None
+    return PromptLogprobsBuffer(request.prompt_token_ids, request.is_token_ids)

@@ -1,0 +1,250 @@
+"""The decoder stack shared by Qwen3 and Llama; each family's file states only what differs.
+
+Parameter names follow the Hugging Face checkpoints (minus the leading "model."), except that
+q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj`: one GEMM each instead of three and
+two. `checkpoint_parts` tells the loader which checkpoint tensors (and which shard of each) make up
+each parameter. With a ParallelGroup the model holds this rank's shard only; where the collectives
+go is described in `tensor_parallel.py`. Without one (a single rank) the forward is the plain model.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
+from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rotary,
+    merge_prompt_embeds,
+)
+from tandem.decoder.models.linear import Linear
+from tandem.decoder.models.tensor_parallel import (
+    CheckpointPart,
+    ParallelGroup,
+    VocabParallelEmbedding,
+    checkpoint_parts,
+    gather_sequence,
+    gather_vocab_logits,
+    local_rows,
+    row_parallel,
+    rows_for_logits,
+    world_size_of,
+)
+from tandem.decoder.models.torch_attention import TorchPagedAttention
+
+
+class Attention(nn.Module):
+    """QKV column-parallel (this rank's query and KV heads), o_proj row-parallel."""
+
+    def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelGroup | None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_heads = config.num_heads // world_size_of(tp)  # on this rank
+        self.num_kv_heads = config.num_kv_heads // world_size_of(tp)  # on this rank
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        bias = config.attention_bias
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        # Qwen3 normalises each query and key head before RoPE; Llama does not.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
+        # The backend's implementation (DecoderModel.use_attention); torch ops until one is set.
+        self.attention: PagedAttention = TorchPagedAttention()
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size], or this rank's [local_len, hidden_size] under SP
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (this rank's heads)
+        sp: bool = False,  # sequence parallel: x is a slice, and so is the output
+    ) -> torch.Tensor:
+        x = gather_sequence(x, self.tp, sp)  # [num_tokens, hidden_size]
+        q, k, v = self.rope_and_cache(self.qkv_proj(x), cos, sin, attn, kv_cache)
+        out = self.attention(q, k, v, kv_cache, attn, self.scale)  # [num_tokens, num_heads * head_dim]
+        return row_parallel(self.o_proj, out, self.tp, sp)  # [num_tokens or local_len, hidden_size]
+
+    def rope_and_cache(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projected heads, normed (Qwen3) and rotated, with this step's keys and values written to
+        the cache: q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim]."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        write_kv_cache(kv_cache, k, v, attn.slot_mapping)
+        return q, k, v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, use_qk_norm: bool, tp: ParallelGroup | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, use_qk_norm, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden_size], or this rank's [local_len, hidden_size] under SP
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        sp: bool = False,
+    ) -> torch.Tensor:
+        # Norms and residual adds run on whatever rows this rank holds: its slice under SP.
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache, sp)
+        return h + self.mlp(self.post_attention_layernorm(h), sp)  # same rows as h
+
+
+class DecoderModel(nn.Module):
+    """Token embedding on the device, prompt-embeds merge, decoder layers, LM head at chosen rows."""
+
+    use_qk_norm: ClassVar[bool] = False  # per-head RMSNorm on queries and keys before RoPE
+
+    def __init__(self, config: ModelConfig, tp: ParallelGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp  # None: one rank, the whole model here
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.use_qk_norm, tp) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # Tied checkpoints carry no lm_head.weight; the head then reads embed_tokens.weight.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size // world_size_of(tp), bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+    ) -> torch.Tensor:
+        """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices.
+
+        With several ranks every rank returns the same logits. A step with any prefill runs
+        sequence-parallel and needs its token count padded to a multiple of the world size.
+        """
+        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids)
+        return self.compute_logits(h)  # [num_logits, vocab_size]
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+    ) -> torch.Tensor:
+        """`forward` without the LM head: the final hidden rows [num_logits, hidden_size] at
+        attn.logits_indices, for a caller that takes the logits of many rows a slice at a time."""
+        sp = self.is_sequence_parallel(input_ids, attn)
+        h = self.embed(input_ids, inputs_embeds, is_token_ids, sp)
+        cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, attn, kv_cache, sp)
+        return self.final_rows(h, attn, sp)  # [num_logits, hidden_size]
+
+    def is_sequence_parallel(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> bool:
+        """Whether this step runs sequence-parallel: several ranks and any prefill.
+
+        Raises ValueError when such a step's token count is not padded to a multiple of the world size.
+        """
+        tp = self.tp
+        sp = tp is not None and not attn.is_decode_only
+        if sp and input_ids.shape[0] % tp.world_size:
+            raise ValueError(
+                f"a sequence-parallel step needs num_tokens ({input_ids.shape[0]}) padded to a multiple "
+                f"of the world size ({tp.world_size})"
+            )
+        return sp
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        inputs_embeds: torch.Tensor | None,  # [num_tokens, hidden_size] in the model dtype
+        is_token_ids: torch.Tensor | None,  # bool [num_tokens], True = token path
+        sp: bool,
+    ) -> torch.Tensor:
+        """The first hidden rows: [num_tokens, hidden_size], or this rank's [local_len, ...] under SP."""
+        h = self.embed_tokens(input_ids, sp)
+        # Every rank cuts the same window out of the per-position inputs, then merges on its slice.
+        tp = self.tp
+        return merge_prompt_embeds(h, local_rows(inputs_embeds, tp, sp), local_rows(is_token_ids, tp, sp))
+
+    def final_rows(self, h: torch.Tensor, attn: AttentionMetadata, sp: bool) -> torch.Tensor:
+        """The last layer's rows whose logits are wanted, normed: [num_logits, hidden_size].
+
+        The norm is per row, so only those rows go through it and the head.
+        """
+        return self.norm(rows_for_logits(h, attn.logits_indices, self.tp, sp))
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[vocab_size / world_size, hidden_size]: lm_head's, or the tied embedding table."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [num_rows, vocab_size] of final hidden rows h [num_rows, hidden_size].
+
+        With several ranks a collective: every rank calls it with the same rows.
+        """
+        return gather_vocab_logits(F.linear(h, self.head_weight), self.tp)
+
+    def use_attention(self, attention: PagedAttention) -> None:
+        """Every layer's attention through `attention` (one instance: it may share work across layers)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.attention = attention
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).
+
+        num_kv_heads is this rank's share. Zeroed, not empty, though attention never reads a slot
+        past a sequence's end (models/attention.py): no NaN bit patterns in a fresh pool.
+        """
+        c = self.config
+        shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)
+        device = self.embed_tokens.weight.device
+        return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
+
+    def checkpoint_parts(self, name: str) -> list[CheckpointPart]:
+        """The checkpoint tensors that make up parameter `name` on this rank, and the shard of each.
+
+        Fused parameters concatenate their parts along dim 0 in the order listed.
+        """
+        local_shape = tuple(self.get_parameter(name).shape)
+        return checkpoint_parts(self.config, name, local_shape, world_size_of(self.tp))

