@@ -47,8 +47,8 @@ class EngineConfig:
     # the blocks of max_model_len. Gathering decode paths cost what the width holds, not the context.
     block_table_buckets: tuple[int, ...] = ()
     compile: bool = False  # static mode: decode buckets run as graphs compiled at warmup (Neuron: traced).
-    # CPU, eager: norms, RoPE + KV write and decode attention through models/native_kernels.c, built
-    # at start with the machine's C compiler; without one the engine logs it and keeps torch ops.
+    # CPU, eager: steps run through the CPU executor and its C kernels (backends/cpu/, built when the
+    # project is installed, chosen from the CPU's flags); False runs the plain model on torch ops.
     native_kernels: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default.
     # A request's tokens do not depend on what else runs: each request's forward pass runs alone, its

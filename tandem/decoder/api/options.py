@@ -22,7 +22,7 @@ from tandem.decoder.config import DEFAULT_PORT, DecoderConfig, EngineConfig
 ENV_PREFIX = "TANDEM_"
 
 
-def _engine(flag: str, help: str, **kwargs: Any) -> Setting:
+def _engine_setting(flag: str, help: str, **kwargs: Any) -> Setting:
     """A flag that fills the EngineConfig field of the same name, with that field's default."""
     name = flag.removeprefix("--").replace("-", "_")
     kwargs.setdefault("default", default_of(EngineConfig, name))
@@ -48,69 +48,69 @@ def settings() -> list[Setting]:
             show_default="the directory's or file's name",
         ),
         *server_settings(ENV_PREFIX, DEFAULT_PORT),
-        _engine("--device", "cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)"),
-        _engine(
+        _engine_setting("--device", "cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)"),
+        _engine_setting(
             "--dtype",
             "weights and activations",
             type=click.Choice(list(DTYPES)),
             default=None,
             show_default="the device's: bfloat16",
         ),
-        _engine("--max-num-seqs", "most requests in one batch", type=int),
-        _engine(
+        _engine_setting("--max-num-seqs", "most requests in one batch", type=int),
+        _engine_setting(
             "--max-num-batched-tokens",
             "token budget of one engine step (chunked prefill beyond it)",
             type=int,
         ),
-        _engine(
+        _engine_setting(
             "--max-model-len",
             "most positions per request, prompt + output",
             type=int,
             show_default="the model's context",
         ),
-        _engine("--max-queue", "most waiting requests; beyond it RESOURCE_EXHAUSTED", type=int),
-        _engine("--block-size", "positions per KV cache block", type=int),
-        _engine("--kv-cache-bytes", "KV cache pool size in bytes", type=int),
-        _engine(
+        _engine_setting("--max-queue", "most waiting requests; beyond it RESOURCE_EXHAUSTED", type=int),
+        _engine_setting("--block-size", "positions per KV cache block", type=int),
+        _engine_setting("--kv-cache-bytes", "KV cache pool size in bytes", type=int),
+        _engine_setting(
             "--num-kv-blocks",
             "exact KV block count (overrides --kv-cache-bytes)",
             type=int,
             show_default="from --kv-cache-bytes",
         ),
-        _engine("--enable-prefix-caching", "reuse KV blocks of equal prompt prefixes", type=BOOL),
-        _engine("--enable-prompt-embeds", "accept embedding segments (off: FAILED_PRECONDITION)", type=BOOL),
-        _engine(
+        _engine_setting("--enable-prefix-caching", "reuse KV blocks of equal prompt prefixes", type=BOOL),
+        _engine_setting("--enable-prompt-embeds", "accept embedding segments (off: FAILED_PRECONDITION)", type=BOOL),
+        _engine_setting(
             "--static-shapes",
             "pad batches to fixed buckets, warmed up at start",
             type=BOOL,
             default=None,
             show_default="false, true on neuron",
         ),
-        _engine(
+        _engine_setting(
             "--compile",
             "static shapes: compile each decode bucket at warmup",
             type=BOOL,
             default=None,
             show_default="false, true on neuron",
         ),
-        _engine(
+        _engine_setting(
             "--native-kernels",
-            "CPU: norms, RoPE and decode attention in C, built at start with cc (else torch ops)",
+            "CPU: run steps on the C kernels built at install, chosen for this CPU (false: torch ops)",
             type=BOOL,
         ),
-        _engine("--num-threads", "torch intra-op threads", type=int, show_default="torch's default"),
-        _engine(
+        _engine_setting("--num-threads", "torch intra-op threads", type=int, show_default="torch's default"),
+        _engine_setting(
             "--speculative-tokens",
             "speculative decoding: tokens a decode step may propose from the request's own history "
             "(prompt lookup) and verify, 0-16; 0 = off; a request may say otherwise",
             type=int,
         ),
-        _engine(
+        _engine_setting(
             "--speculative-max-batch",
             "speculation: steps with more running requests than this verify no proposals",
             type=int,
         ),
-        _engine(
+        _engine_setting(
             "--batch-invariant",
             "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
             type=BOOL,
