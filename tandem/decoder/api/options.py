@@ -78,7 +78,9 @@ def settings() -> list[Setting]:
             show_default="from --kv-cache-bytes",
         ),
         _engine_setting("--enable-prefix-caching", "reuse KV blocks of equal prompt prefixes", type=BOOL),
-        _engine_setting("--enable-prompt-embeds", "accept embedding segments (off: FAILED_PRECONDITION)", type=BOOL),
+        _engine_setting(
+            "--enable-prompt-embeds", "accept embedding segments (off: FAILED_PRECONDITION)", type=BOOL
+        ),
         _engine_setting(
             "--static-shapes",
             "pad batches to fixed buckets, warmed up at start",
