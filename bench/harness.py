@@ -57,6 +57,7 @@ from subjects import Remote, TandemSubject, TransformersSubject  # noqa: E402
 from transport import transport_workload  # noqa: E402
 
 from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
+from tandem.decoder.backends.cpu.isa import best_level, this_cpu  # noqa: E402
 from tandem.decoder.backends.cpu.linear import can_prepack  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,17 +181,16 @@ def prefix_workload(tandem: Remote, vocab: int, args: argparse.Namespace) -> dic
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [
-            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line
-        ]
-        cpu = names[0] if names else cpu
+    """The CPU (model name, the ISA flags that decide kernel choices, the kernel build this CPU loads)
+    and the software versions: every figure of a run is read against these."""
     import transformers
 
+    cpu = this_cpu()
     return {
-        "cpu": cpu,
+        "cpu": cpu.model_name,
+        "cpu_isa": cpu.isa_summary,
+        "cpu_flags": sorted(cpu.flags),
+        "cpu_kernel_build": best_level(cpu).name,
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
