@@ -79,7 +79,9 @@ def choose_linears(model: DecoderModel, kernels: Kernels | None) -> LinearKind:
     return "torch"
 
 
-def _bind_linear(kind: LinearKind, kernels: Kernels | None, weight: torch.Tensor, bias: Any) -> BoundLinear:
+def _bind_linear(
+    kind: LinearKind, kernels: Kernels | None, weight: torch.Tensor, bias: torch.Tensor | None
+) -> BoundLinear:
     if kind == "c" and kernels is not None and can_bind(weight, bias):
         return CLinear(kernels, weight, bias)
     if kind == "onednn" and can_prepack(weight):
