@@ -17,7 +17,7 @@ checks and per token nothing. On, the per-request cost is a handful of spans and
 the decoder's engine thread only appends to a request's timeline (`engine/outputs.py`), which the
 servicer turns into span events when the request ends.
 
-Everything is re-exported here: `from common import telemetry as otel` then `otel.ServerOperation`.
+Everything is re-exported here: `from tandem.client import telemetry as otel` then `otel.ServerOperation`.
 """
 
 from ..semconv import *  # noqa: F403 (the names, as otel.GEN_AI_*)

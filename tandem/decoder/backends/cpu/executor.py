@@ -182,7 +182,8 @@ class CpuExecutor:
         if ops is not None:
             model.use_attention(CpuPagedAttention(ops))
         self.fused: list[FusedLayer] | None = None
-        if kernels is not None and kind == "c" and model.tp is None:
+        # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
+        if kernels is not None and c_ops and kind == "c" and model.tp is None:
             fused = [_fuse(kernels, layer) for layer in model.layers]
             if all(f is not None for f in fused):
                 self.fused = [f for f in fused if f is not None]

@@ -82,6 +82,7 @@ class FusedLayer:
             and h.shape[1] == self.hidden
             and is_plain(kv_cache, torch.bfloat16)
             and kv_cache.dim() == 5
+            and kv_cache.shape[0] == 2
             and tuple(kv_cache.shape[3:]) == (self.num_kv_heads, self.head_dim)
         )
 

@@ -7,16 +7,20 @@ to end against the torch path on the real default model.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem.common.model_cache import resolve_model
 from tandem.decoder.backends.cpu.executor import CpuExecutor, choose_linears
+from tandem.decoder.backends.cpu.kernels import MAX_HEAD_DIM
 from tandem.decoder.backends.cpu.linear import has_onednn_bf16
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.engine import Engine
 from tandem.decoder.engine.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.prompt import GenerateSpec
+from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.qwen3 import Qwen3ForCausalLM
 
 from ...conftest import Checkpoint
 from ...models.helpers import PagedRun, greedy
@@ -86,3 +90,25 @@ def test_the_default_production_path_gives_the_torch_paths_greedy_tokens_on_the_
                                           native_kernels=False), prompt, 16)  # fmt: skip
     assert len(on_kernels) == 16
     assert on_kernels == on_torch
+
+
+def test_a_model_past_the_c_kernels_limits_runs_per_op_on_torch_and_matches_the_plain_model(
+    kernels,
+) -> None:
+    # head_dim 272 is past the C kernels' scratch (MAX_HEAD_DIM 256): nothing may fuse or call the C
+    # ops, even where the C linears are chosen, and the executor still gives the model's logits.
+    config = ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=MAX_HEAD_DIM + 16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, tie_word_embeddings=False, max_position_embeddings=512, eos_token_ids=(1,),
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    executor = CpuExecutor(model, kernels, linears="c")
+    assert executor.fused is None and executor.stack is None and not executor.choice.c_ops
+    steps = [[("a", [3, 4, 5, 6]), ("b", [7, 8])], [("a", [9]), ("b", [10])]]
+    plain, on_executor = PagedRun(model), PagedRun(model, step=executor)
+    for chunks in steps:
+        want, got = plain.step(chunks), on_executor.step(chunks)
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
