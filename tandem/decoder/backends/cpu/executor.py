@@ -102,6 +102,9 @@ class OpsLayer:
         self.o = _bind_linear(kind, kernels, a.o_proj.weight, a.o_proj.bias)
         self.gate_up = _bind_linear(kind, kernels, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         self.down = _bind_linear(kind, kernels, mlp.down_proj.weight, mlp.down_proj.bias)
+        # Qwen3's per-head norms for the C op (Llama: None, None; its epsilon then goes unread).
+        self.q_norm, self.k_norm = _weight(a.q_norm), _weight(a.k_norm)
+        self.qk_eps = a.q_norm.eps if a.q_norm is not None else 0.0
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x) if self.ops is None else self.ops.rms_norm(x, norm.weight, norm.eps)
@@ -123,8 +126,8 @@ class OpsLayer:
             q, k, v = a.rope_and_cache(qkv, cos, sin, attn, kv_cache)
         else:
             q, k = self.ops.qkv_rope_cache(
-                qkv, cos, sin, _weight(a.q_norm), _weight(a.k_norm), a.q_norm.eps if a.q_norm else 0.0,
-                kv_cache, attn.slot_mapping, a.num_heads, not attn.is_decode_only,
+                qkv, cos, sin, self.q_norm, self.k_norm, self.qk_eps, kv_cache, attn.slot_mapping,
+                a.num_heads, not attn.is_decode_only,
             )  # fmt: skip
             v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
         out = a.attention(q, k, v, kv_cache, attn, a.scale)  # [num_tokens, num_heads * head_dim]

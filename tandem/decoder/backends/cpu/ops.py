@@ -77,21 +77,11 @@ FAKES = {
 
 
 def _implementations(kernels: Kernels) -> dict[str, Any]:
-    def qkv_rope_cache(
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        q_norm: torch.Tensor | None,
-        k_norm: torch.Tensor | None,
-        eps: float,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        num_heads: int,
-        want_keys: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k = kernels.qkv_rope_cache(
-            qkv, cos, sin, q_norm, k_norm, eps, kv_cache, slot_mapping, num_heads, want_keys
-        )
+    def qkv_rope_cache(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # The schema's arguments, in order (SCHEMAS); an op returns a tensor where the wrapper gives
+        # None, so keys not wanted come back empty, as the fake says.
+        q, k = kernels.qkv_rope_cache(*args)
+        qkv, kv_cache = args[0], args[6]
         return q, k if k is not None else qkv.new_empty(0, kv_cache.shape[3], kv_cache.shape[4])
 
     return {
