@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.c", "linear.c", "layer.c")  # one library; linear.c and layer.c call attention.c
+SOURCES = ("attention.c", "linear.c", "linear_packed.c", "layer.c")  # one library; they call each other
 HEADERS = ("bf16.h", "exp.h")
 PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as extension modules
 
@@ -36,7 +36,7 @@ COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-
 class Level:
     """One build of the library."""
 
-    name: str  # "x86_64", "avx2", "avx512", "aarch64" or "generic": also the library's suffix
+    name: str  # "x86_64", "avx2", "avx512", "avx512bf16", "aarch64" or "generic": also the library's suffix
     machine_flags: tuple[str, ...]  # the compiler's target flags for this baseline
     cpu_flags: frozenset[str]  # /proc/cpuinfo flags a CPU needs to run it (x86-64 psABI level)
 
@@ -47,6 +47,8 @@ X86_64_LEVELS = (
     Level("x86_64", ("-march=x86-64", "-mtune=generic"), frozenset()),
     Level("avx2", ("-march=x86-64-v3", "-mtune=generic"), _V3),
     Level("avx512", ("-march=x86-64-v4", "-mtune=generic"), _V4),
+    # AVX512-BF16's dot product (Zen 4 and 5, Cooper Lake, Sapphire Rapids on): the packed linears.
+    Level("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"), _V4 | {"avx512_bf16"}),
 )
 AARCH64_LEVELS = (Level("aarch64", ("-march=armv8-a",), frozenset()),)
 GENERIC_LEVELS = (Level("generic", (), frozenset()),)  # any other machine: the compiler's default target

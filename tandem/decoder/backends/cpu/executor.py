@@ -11,8 +11,8 @@ dtype, then logged (`KernelChoice.describe`). Per step only the step's own kind 
   oneDNN's packed bf16, the C kernel or F.linear), the norms and the q/k norm + RoPE + KV write as C
   custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
 
-Layers fuse when the linears are on the C kernel (a CPU whose oneDNN has no bf16 path: AVX2-only),
-there is one rank, and the weights are bf16. Attention is always `CpuPagedAttention` when a build is
+Layers fuse when the linears are on the C kernel (an AVX512-BF16 CPU, or one whose oneDNN has no
+bf16 path: AVX2-only), there is one rank, and the weights are bf16. Attention is always `CpuPagedAttention` when a build is
 loaded (the C decode kernel in front of torch ops), plugged in through the model's PagedAttention
 interface so the plain model's forward uses it too. Every path keeps each row's sums in one order
 whatever the number of rows, so a row's bits never depend on its neighbours.
@@ -51,7 +51,7 @@ class KernelChoice:
 
     cpu: str  # the CPU's model name
     isa: str  # the flags that decided (CpuInfo.isa_summary)
-    build: str | None  # the C kernels' build level ("avx512", "avx2", "x86_64", ...); None = none loaded
+    build: str | None  # the C kernels' build level ("avx512bf16", "avx2", "x86_64", ...); None = none loaded
     linears: LinearKind  # what runs the projections and the LM head
     fused_layers: bool  # every layer in two fused C halves around attention
     decode_stack: bool  # decode-only steps' layers in one C call
@@ -70,11 +70,21 @@ class KernelChoice:
 
 
 def choose_linears(model: DecoderModel, kernels: Kernels | None) -> LinearKind:
-    """oneDNN's packed bf16 where oneDNN has a bf16 path, else the C kernel for bf16, else F.linear."""
+    """For bf16: the C kernel on an AVX512-BF16 build (packed weights, VDPBF16PS), else oneDNN's packed
+    bf16 where oneDNN has a bf16 path (AVX-512 without BF16), else the C kernel (AVX2). F.linear for
+    anything else.
+
+    Why the C kernel before oneDNN where both are fast: oneDNN orders a row's sums by the row count
+    (its blocking depends on it), so a row's bits change with its neighbours, and speculative
+    decoding and the prefix cache could change a request's tokens. The C kernels' order is fixed."""
     weight = model.head_weight
+    if weight.dtype != torch.bfloat16:
+        return "torch"
+    if kernels is not None and kernels.weight_layout != 0:
+        return "c"
     if can_prepack(weight):
         return "onednn"
-    if kernels is not None and weight.dtype == torch.bfloat16:
+    if kernels is not None:
         return "c"
     return "torch"
 

@@ -61,9 +61,14 @@ class Kernels:
         self._qkv_rope_cache = _bind(
             library.tandem_qkv_rope_cache, pointers * 9 + sizes * 5 + [ctypes.c_float, ctypes.c_int]
         )
-        # The raw bf16 linear (linear_kernels.c); call it through linear.CLinear, which
-        # checks every tensor it hands over.
+        # The raw bf16 linear (linear.c); call it through linear.CLinear, which checks every tensor
+        # it hands over. Its weights are in weight_layout: 0 = [n, k] as stored, 16 = packed for
+        # AVX512-BF16 (linear_packed.c), made once per weight by pack_weight.
         self.linear_bf16 = _bind(library.tandem_linear_bf16, pointers * 4 + sizes * 3)
+        self.weight_layout = int(_bind(library.tandem_weight_layout, [])())
+        self._pack_bf16 = _bind(library.tandem_pack_bf16, pointers * 2 + sizes * 2)
+        self._packed_elements = library.tandem_packed_elements
+        self._packed_elements.restype, self._packed_elements.argtypes = ctypes.c_int64, sizes * 2
         # The raw fused layer halves (layer_kernels.c); call them through layer.FusedLayer.
         real = [ctypes.c_float]
         self.attention_in = _bind(
@@ -76,6 +81,19 @@ class Kernels:
             library.tandem_decode_layers,
             pointers * 3 + sizes + real + pointers * 5 + sizes * 3 + real + pointers * 2 + sizes * 6,
         )
+
+    def pack_weight(self, weight: torch.Tensor, layout: int | None = None) -> torch.Tensor:
+        """A linear's weight [n, k] bf16 in the layout this build's linear reads (`layout`, default
+        weight_layout): the weight itself for 0, else a packed copy (1-D, n and k padded)."""
+        _check_tensor("weight", weight, torch.bfloat16)
+        if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] < 1:
+            raise ValueError(f"weight must be [n, k] with n, k >= 1, got {_shape(weight)}")
+        if (self.weight_layout if layout is None else layout) == 0:
+            return weight
+        n, k = weight.shape
+        packed = torch.empty(self._packed_elements(n, k), dtype=torch.bfloat16)
+        _check(self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k), f"pack_weight: [{n}, {k}]")
+        return packed
 
     def rms_norm(
         self,

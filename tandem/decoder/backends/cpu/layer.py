@@ -11,6 +11,7 @@ whose collectives sit between the projections.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
+
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the weights the linear kernel reads
 
 
 def _is_plain_bf16(t: torch.Tensor | None) -> bool:
@@ -64,7 +68,12 @@ class FusedLayer:
             t = getattr(weights, name)
             if not _is_plain_bf16(t) or (t is not None and tuple(t.shape) != shape):
                 raise ValueError(f"{name} must be a contiguous bfloat16 CPU tensor of shape {list(shape)}")
-        self.weights = weights  # held: the pointers below stay valid while this object lives
+        # The projections in the layout the kernels read (packed copies on AVX512-BF16 builds); held:
+        # the pointers below stay valid while this object lives.
+        weights = dataclasses.replace(
+            weights, **{name: kernels.pack_weight(getattr(weights, name)) for name in _PROJECTIONS}
+        )
+        self.weights = weights
         self.hidden, self.head_dim, self.inter = hidden, head_dim, inter
         self.num_heads, self.num_kv_heads, self.eps = num_heads, num_kv_heads, eps
         w = weights

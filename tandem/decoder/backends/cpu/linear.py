@@ -1,7 +1,8 @@
 """A linear layer's weight bound once to its kernel: the C kernel, oneDNN's packed bf16, or torch.
 
-- `CLinear`: bf16 through `tandem_linear_bf16` (csrc/linear.c). Chosen where oneDNN has no bf16
-  path (an AVX2-only CPU): there torch's bf16 matmul is a reference loop, tens of times slower.
+- `CLinear`: bf16 through `tandem_linear_bf16` (csrc/linear.c; on AVX512-BF16 builds over a packed
+  copy of the weight, csrc/linear_packed.c). Chosen for bf16 wherever a build is loaded except a CPU
+  with oneDNN bf16 and no AVX512-BF16 build: its sums keep one order whatever the row count.
 - `PackedLinear`: bf16 through oneDNN with the weight reordered into its blocked layout once, at
   bind time (F.linear would reorder it on every call); bit-identical to F.linear.
 - `TorchLinear`: F.linear, for everything else (float32, or kernels off).
@@ -86,7 +87,8 @@ class CLinear:
         self.weight = weight.detach()  # [out_features, in_features]
         self.bias = None if bias is None else bias.detach()  # [out_features]
         self.out_features, self.in_features = out_features, in_features
-        self._weight_ptr = self.weight.data_ptr()
+        self._kernel_weight = kernels.pack_weight(self.weight)  # the weight as the kernel reads it
+        self._weight_ptr = self._kernel_weight.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:

@@ -396,10 +396,16 @@ static void block_rows(const float *xf, int64_t rows, const uint16_t *w, const u
     }
 }
 
-/* out [m, n] bf16 = x [m, k] bf16 @ w [n, k]^T bf16 (+ bias [n] bf16, or NULL). All contiguous.
- * Returns 0, or -1 for a bad size or when scratch memory cannot be had (nothing written then). */
+int tandem_weight_layout(void);
+int tandem_linear_packed_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out,
+                              int64_t m, int64_t n, int64_t k);
+
+/* out [m, n] bf16 = x [m, k] bf16 @ w [n, k]^T bf16 (+ bias [n] bf16, or NULL). All contiguous. On a
+ * build with AVX512-BF16 (tandem_weight_layout() != 0) w is the packed copy and linear_packed.c does
+ * the work. Returns 0, or -1 for a bad size or when scratch memory cannot be had (nothing written then). */
 int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
                        int64_t n, int64_t k) {
+    if (tandem_weight_layout() != 0) return tandem_linear_packed_bf16(x, w, bias, out, m, n, k);
     if (m < 0 || n < 0 || k < 1) return -1;
     if (m == 0 || n == 0) return 0;
     int64_t block = BLOCK_BYTES / (k * (int64_t)sizeof(float));

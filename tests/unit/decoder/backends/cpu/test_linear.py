@@ -46,7 +46,9 @@ def assert_within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) -> 
 # pass of 6 x 2 tiles, 4 and 7 or more groups of 4 plus 1-3 left over (9: a verification step of
 # k = 8), all in the same pass over a block of weight rows; 300 rows of 1,000
 # columns spans several row blocks. Output features: whole blocks of 24 weight rows, a partial one,
-# several with a partial last. Columns: whole chunks of 16, a tail, fewer than one chunk.
+# several with a partial last. Columns: whole chunks of 16, a tail, fewer than one chunk. On an
+# AVX512-BF16 build (packed weights): tiles of 1-4 rows by one group of 96 features, groups whole,
+# partial, or one partial vector; odd columns (37, 25) end on a pair of their own.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 33, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 37), (7, 1000), (25, 5), (131, 48)])
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -78,6 +80,23 @@ def test_a_rows_result_is_the_same_bits_whatever_rows_share_the_call(
     together = linear(x)
     for i in range(rows):
         assert torch.equal(together[i : i + 1], linear(x[i : i + 1].contiguous())), i
+
+
+def test_the_packed_layout_holds_groups_of_96_features_pair_by_pair(kernels) -> None:
+    """AVX512-BF16 builds read weights packed once at bind time (csrc/linear_packed.c): for group g
+    of 96 features and input pair p, 96 dwords of (w[f][2p], w[f][2p + 1]), zero past n and k."""
+    n, k = 100, 7
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    packed = kernels.pack_weight(weight, layout=96)
+    kp, groups = (k + 1) // 2, 2
+    assert packed.shape == (groups * 96 * 2 * kp,)
+    view = packed.view(groups, kp, 96, 2)  # [group, pair, feature, half]
+    padded = torch.zeros(groups * 96, 2 * kp, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    for g in range(groups):
+        for p in range(kp):
+            assert torch.equal(view[g, p], padded[96 * g : 96 * (g + 1), 2 * p : 2 * p + 2]), (g, p)
+    assert kernels.pack_weight(weight, layout=0) is weight
 
 
 def test_an_empty_batch_gives_an_empty_result(kernels) -> None:
