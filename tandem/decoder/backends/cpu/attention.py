@@ -7,6 +7,8 @@ through it too, one query row per token, when every context is short (PREFILL_MA
 sequence's rows are runs of consecutive positions that read each key block once, which costs
 rows x context where SDPA tiles the causal triangle; past the limit SDPA wins. A prefilled position
 then gets the bits a decode step gives the same position, so a recompute after preemption matches.
+On AVX512-BF16 builds a bf16 cache with head_dim a multiple of 64 goes to the tiled kernel
+(csrc/attention_tiles.c), which is faster than SDPA at every length: there is no limit then.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ def fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 class CpuPagedAttention(TorchPagedAttention):
     """Torch ops, with the C kernel (`ops.decode_attention`, one build's custom op) in front."""
 
-    def __init__(self, ops: Any) -> None:
+    def __init__(self, ops: Any, prefill_max_context: int | None = PREFILL_MAX_CONTEXT) -> None:
         self.ops = ops  # torch.ops.tandem_<level> (ops.register)
+        # Longest context a step with prefill attends through the kernel; None: any (the tiled kernel
+        # of AVX512-BF16 builds, faster than SDPA at every length).
+        self.prefill_max_context = prefill_max_context
         # The last step's rows as sequences, computed by its first layer for all of them (one instance
         # serves every layer): (metadata, tables, lengths).
         self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
@@ -69,7 +74,7 @@ class CpuPagedAttention(TorchPagedAttention):
         # one-block table (it attends only to its own fresh keys, which SDPA needs no table for).
         longest = max(attn.seq_lens)
         if (
-            longest <= PREFILL_MAX_CONTEXT
+            (self.prefill_max_context is None or longest <= self.prefill_max_context)
             and longest <= attn.block_tables.shape[1] * kv_cache.shape[2]
             and fits(q, kv_cache)
         ):

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.c", "linear.c", "linear_packed.c", "layer.c")  # one library; they call each other
+# One library; the files call each other.
+SOURCES = ("attention.c", "attention_tiles.c", "linear.c", "linear_packed.c", "layer.c")
 HEADERS = ("bf16.h", "exp.h")
 PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as extension modules
 

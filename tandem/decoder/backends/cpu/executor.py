@@ -12,8 +12,9 @@ dtype, then logged (`KernelChoice.describe`). Per step only the step's own kind 
   custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
 
 Layers fuse when the linears are on the C kernel (an AVX512-BF16 CPU, or one whose oneDNN has no
-bf16 path: AVX2-only), there is one rank, and the weights are bf16. Attention is always `CpuPagedAttention` when a build is
-loaded (the C decode kernel in front of torch ops), plugged in through the model's PagedAttention
+bf16 path: AVX2-only), there is one rank, and the weights are bf16. Attention is always
+`CpuPagedAttention` when a build is loaded (the C decode kernel in front of torch ops; the tiled
+kernel at any context length on AVX512-BF16 builds), plugged in through the model's PagedAttention
 interface so the plain model's forward uses it too. Every path keeps each row's sums in one order
 whatever the number of rows, so a row's bits never depend on its neighbours.
 """
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from tandem.decoder.backends.cpu.attention import CpuPagedAttention
+from tandem.decoder.backends.cpu.attention import PREFILL_MAX_CONTEXT, CpuPagedAttention
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, MAX_GROUP, MAX_HEAD_DIM, MAX_ROW, Kernels
 from tandem.decoder.backends.cpu.layer import FusedLayer, LayerWeights
@@ -193,7 +194,14 @@ class CpuExecutor:
         )
         ops = register(kernels) if kernels is not None and c_ops else None
         if ops is not None:
-            model.use_attention(CpuPagedAttention(ops))
+            tiled = (
+                kernels is not None
+                and kernels.tiled_attention
+                and config.dtype == torch.bfloat16
+                and config.head_dim % 64 == 0
+                and config.head_dim <= MAX_HEAD_DIM
+            )
+            model.use_attention(CpuPagedAttention(ops, None if tiled else PREFILL_MAX_CONTEXT))
         self.fused: list[FusedLayer] | None = None
         # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
         if kernels is not None and c_ops and kind == "c" and model.tp is None:

@@ -66,6 +66,9 @@ class Kernels:
         # AVX512-BF16 (linear_packed.c), made once per weight by pack_weight.
         self.linear_bf16 = _bind(library.tandem_linear_bf16, pointers * 4 + sizes * 3)
         self.weight_layout = int(_bind(library.tandem_weight_layout, [])())
+        # Whether decode_attention runs bf16 caches with head_dim a multiple of 64 (at most 256)
+        # through the tiled kernel (attention_tiles.c), fast at any context length.
+        self.tiled_attention = bool(_bind(library.tandem_attention_tiles_available, [])())
         self._pack_bf16 = _bind(library.tandem_pack_bf16, pointers * 2 + sizes * 2)
         self._packed_elements = library.tandem_packed_elements
         self._packed_elements.restype, self._packed_elements.argtypes = ctypes.c_int64, sizes * 2

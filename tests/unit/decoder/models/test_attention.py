@@ -174,10 +174,12 @@ def test_write_kv_cache_puts_keys_and_values_at_their_slots() -> None:
 # -- the C kernel in steps with prefill (TorchPagedAttention with the kernels) -------------------------
 
 
-def native_attention() -> cpu_attention.CpuPagedAttention:
+def native_attention(
+    prefill_max_context: int | None = cpu_attention.PREFILL_MAX_CONTEXT,
+) -> cpu_attention.CpuPagedAttention:
     loaded = load_for_cpu()
     assert loaded is not None, "the C kernels are built when the project is installed (make setup)"
-    return cpu_attention.CpuPagedAttention(register(loaded))
+    return cpu_attention.CpuPagedAttention(register(loaded), prefill_max_context)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,11 +211,8 @@ def test_a_prefilled_position_gets_the_bits_a_decode_step_gives_it(dtype: torch.
         assert torch.equal(decoded[0], prefilled[position]), f"position {position}"
 
 
-def test_a_prefill_past_the_native_context_limit_runs_on_sdpa_and_still_matches(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(cpu_attention, "PREFILL_MAX_CONTEXT", 5)
-    attention = native_attention()
+def test_a_prefill_past_the_native_context_limit_runs_on_sdpa_and_still_matches() -> None:
+    attention = native_attention(prefill_max_context=5)
     calls = []
     attention.ops = SimpleNamespace(decode_attention=lambda *a: calls.append(a))
     # The longest contexts: 6, then 10.

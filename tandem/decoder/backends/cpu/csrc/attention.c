@@ -300,6 +300,11 @@ static int32_t *find_runs(const int32_t *block_tables, const int32_t *seq_lens, 
     return run_rows;
 }
 
+int tandem_attention_tiles(const uint16_t *q, const uint16_t *kv_cache, const int32_t *block_tables,
+                           const int32_t *seq_lens, uint16_t *out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                           int64_t max_blocks, float scale);
+
 /* Decode attention over a paged KV cache: one query per row, each row a sequence's position.
  *
  * q:            [num_seqs, num_heads, head_dim] (query head h uses KV head h / (num_heads / num_kv_heads))
@@ -332,6 +337,11 @@ int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *
         }
     }
     if (num_seqs == 0) return 0;
+    if (dtype == DTYPE_BFLOAT16) { /* AVX512-BF16 builds: the tiled kernel (attention_tiles.c) */
+        const int tiled = tandem_attention_tiles(q, kv_cache, block_tables, seq_lens, out, num_seqs, num_heads,
+                                                 num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale);
+        if (tiled != 1) return tiled;
+    }
     const int32_t *runs = find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size, group);
     if (runs == NULL) return -2;
     const char *cache = (const char *)kv_cache;

@@ -22,4 +22,19 @@ static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* f32_to_bf16 on 16 lanes, the first `valid` stored to out: the same bits, lane by lane. */
+static inline __attribute__((always_inline)) void store16_bf16(uint16_t *out, __m512 s, int valid) {
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+    const __m512i bits = _mm512_castps_si512(s);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#endif
+
 #endif

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -79,21 +81,16 @@ static inline __attribute__((always_inline)) __m512i pair(const uint16_t *x, int
     return _mm512_set1_epi32((int)v);
 }
 
-/* 16 fp32 sums (+ 16 bf16 biases) rounded to bf16 as bf16.h's f32_to_bf16 rounds (nearest even, NaN
- * kept quiet), the first `valid` stored. */
+/* 16 fp32 sums (+ 16 bf16 biases) rounded to bf16 as bf16.h's f32_to_bf16 rounds, the first `valid`
+ * stored. */
 static inline __attribute__((always_inline)) void store16(uint16_t *out, __m512 s, const uint16_t *bias,
                                                           int valid) {
-    const __mmask16 mask = valid >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
     if (bias != NULL) {
+        const __mmask16 mask = valid >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
         const __m512i b = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16);
         s = _mm512_add_ps(s, _mm512_castsi512_ps(b));
     }
-    const __m512i bits = _mm512_castps_si512(s);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-    _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    store16_bf16(out, s, valid);
 }
 
 /* out[i, col + c] for rows i < MR (row strides k for x, n for out) and the group at `wp` (c < 96, the

@@ -161,6 +161,34 @@ def test_decode_attention_gives_a_sequence_the_same_bits_whatever_sequences_shar
         assert torch.equal(alone[0], together[s]), f"sequence {s} (length {int(seq_lens[s])})"
 
 
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 8), (128, 16), (64, 32)])
+def test_a_prefill_as_rows_matches_dense_attention_and_gives_each_row_its_bits_alone(
+    kernels, head_dim: int, block_size: int
+) -> None:
+    # A prefill chunk reaches the kernel as one row per position (attention.py, rows_as_sequences).
+    # On AVX512-BF16 builds the tiled kernel takes runs of up to 16 such rows against tiles of 16
+    # positions, which cross cache blocks of 8; 45 rows after a 7-position prefix make three runs and
+    # a partial one. The slots past the last position hold NaN: a read of them would show.
+    torch.manual_seed(head_dim + block_size)
+    num_kv_heads, group, num_blocks, prefix, rows = 2, 3, 40, 7, 45
+    scale = head_dim**-0.5
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(torch.bfloat16)
+    table = torch.randperm(num_blocks, dtype=torch.int32)
+    total = prefix + rows
+    for position in range(total, -(-total // block_size) * block_size):
+        cache[:, table[position // block_size], position % block_size] = float("nan")
+    seq_lens = torch.arange(prefix + 1, total + 1, dtype=torch.int32)
+    tables = table.repeat(rows, 1)
+    q = torch.randn(rows, num_kv_heads * group, head_dim).to(torch.bfloat16)
+    together = kernels.decode_attention(q, cache, tables, seq_lens, scale)
+    assert torch.isfinite(together.float()).all()
+    want = dense_decode(q.double(), cache, tables, seq_lens, scale)
+    torch.testing.assert_close(together.double(), want, atol=2e-2, rtol=2e-2)
+    for s in (0, 1, 15, 16, 17, 31, 44):
+        alone = kernels.decode_attention(q[s : s + 1], cache, tables[s : s + 1], seq_lens[s : s + 1], scale)
+        assert torch.equal(alone[0], together[s]), f"row {s} (length {int(seq_lens[s])})"
+
+
 def test_decode_attention_of_no_rows_is_empty_on_a_thread_that_never_attended(kernels) -> None:
     # The run finder's buffer is per thread: a first call with no rows must not need it.
     cache = torch.zeros(2, 4, 4, 1, 64)
