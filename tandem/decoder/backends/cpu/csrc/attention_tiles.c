@@ -59,26 +59,44 @@ typedef struct {
     uint16_t p[MAX_HEADS * TILE];             /* this tile's probabilities in bf16 [heads][16] */
     uint32_t kt[MAX_HEAD_DIM / 2 * TILE];     /* keys transposed: [pair of dimensions][position] */
     uint32_t vp[TILE / 2 * MAX_HEAD_DIM];     /* values: [pair of positions][dimension] */
-    uint16_t k[TILE * MAX_HEAD_DIM];          /* the tile's keys as rows, zero past its positions */
 } Scratch;
 
 static __thread Scratch *scratch = NULL;
+
+/* out[c] = column c of the 16 x 16 dword matrix rows[0..16) (a transpose in registers: 64 shuffles). */
+static inline __attribute__((always_inline)) void transpose16(__m512i out[16], const __m512i rows[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) { /* per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3] */
+        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) { /* u[g + k]: column 4 L + k of rows g .. g + 3 in lane L */
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int k = 0; k < 4; k++) { /* gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k] */
+        const __m512i x = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), y = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xee);
+        const __m512i x2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+        const __m512i y2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xee);
+        out[k] = _mm512_shuffle_i32x4(x, x2, 0x88);
+        out[4 + k] = _mm512_shuffle_i32x4(x, x2, 0xdd);
+        out[8 + k] = _mm512_shuffle_i32x4(y, y2, 0x88);
+        out[12 + k] = _mm512_shuffle_i32x4(y, y2, 0xdd);
+    }
+}
 
 /* One tile's keys transposed (kt[p][t] = the dword of key t's dimensions 2p, 2p + 1) and its values
  * interleaved by pairs of positions (vp[i][d] = v[2i][d] | v[2i + 1][d] << 16), zero past n. */
 static void load_tile(Scratch *w, const uint16_t *const keys[TILE], const uint16_t *const values[TILE], int64_t n,
                       int64_t head_dim) {
-    const int64_t pairs = head_dim / 2;
-    for (int64_t t = 0; t < TILE; t++) {
-        if (t < n)
-            memcpy(w->k + t * head_dim, keys[t], (size_t)head_dim * sizeof(uint16_t));
-        else
-            memset(w->k + t * head_dim, 0, (size_t)head_dim * sizeof(uint16_t));
+    for (int64_t d = 0; d < head_dim; d += 32) { /* 16 pairs of dimensions at a time */
+        __m512i rows[TILE], columns[TILE];
+        for (int64_t t = 0; t < TILE; t++) rows[t] = t < n ? _mm512_loadu_si512(keys[t] + d) : _mm512_setzero_si512();
+        transpose16(columns, rows);
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(w->kt + (d / 2 + p) * TILE, columns[p]);
     }
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)pairs));
-    for (int64_t p = 0; p < pairs; p++)
-        _mm512_storeu_si512(w->kt + p * TILE, _mm512_i32gather_epi32(rows, (const int *)w->k + p, 4));
     /* Values: positions 2i and 2i + 1 interleaved 16 dimensions at a time. */
     static const uint16_t interleave[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -183,6 +201,18 @@ static void attend_run(Scratch *w, const uint16_t *q, const uint16_t *cache, con
             keys[t] = cache + (int64_t)table[pos / block_size] * block_elems + pos % block_size * row_stride +
                       kv_head * head_dim;
             values[t] = keys[t] + values_offset;
+        }
+        /* The next tile's rows fetched while this one computes: 16 strided pieces of a block per
+         * head, which the hardware prefetcher does not follow (as attention.c found). */
+        const int64_t next_n = last_len - t0 - TILE < TILE ? last_len - t0 - TILE : TILE;
+        for (int64_t t = 0; t < next_n; t++) {
+            const int64_t pos = t0 + TILE + t;
+            const char *key = (const char *)(cache + (int64_t)table[pos / block_size] * block_elems +
+                                             pos % block_size * row_stride + kv_head * head_dim);
+            for (int64_t b = 0; b < head_dim * 2; b += 64) {
+                __builtin_prefetch(key + b);
+                __builtin_prefetch(key + values_offset * 2 + b);
+            }
         }
         load_tile(w, keys, values, n, head_dim);
         /* Rows whose context ends before this tile have nothing here: the first row that has. */
