@@ -271,13 +271,14 @@ static void attend_one(float *out, const float *q, int64_t num_rows, const char 
 
 /* Rows of each run of one sequence's consecutive positions, for the run's first row (0 for the others).
  * Row s continues the run before it when its length is one more and its blocks are the run's first
- * row's (a verification step's rows; the engine gives each its own copy of the sequence's table).
- * Grows a per-thread buffer; NULL when it cannot. */
+ * row's (a verification step's or a prefill's rows; the engine gives each its own copy of the
+ * sequence's table), up to max_rows rows a run. Grows a per-thread buffer; NULL when it cannot.
+ * Shared with attention_tiles.c, which takes longer runs. */
 static __thread int32_t *run_rows = NULL;
 static __thread int64_t run_rows_size = 0;
 
-static int32_t *find_runs(const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                          int64_t max_blocks, int64_t block_size, int64_t group) {
+const int32_t *tandem_find_runs(const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                                int64_t max_blocks, int64_t block_size, int64_t max_rows) {
     if (num_seqs > run_rows_size) {
         int32_t *grown = realloc(run_rows, (size_t)num_seqs * sizeof(int32_t));
         if (grown == NULL) return NULL;
@@ -288,7 +289,7 @@ static int32_t *find_runs(const int32_t *block_tables, const int32_t *seq_lens, 
     for (int64_t s = 0; s < num_seqs; s++) {
         run_rows[s] = 0;
         const int64_t blocks = (seq_lens[s] + block_size - 1) / block_size;
-        if (s > 0 && s - first < MAX_ROWS && (s - first + 1) * group <= MAX_QUERY_HEADS && seq_lens[s] == seq_lens[s - 1] + 1 &&
+        if (s > 0 && s - first < max_rows && seq_lens[s] == seq_lens[s - 1] + 1 &&
             memcmp(block_tables + s * max_blocks, block_tables + first * max_blocks,
                    (size_t)blocks * sizeof(int32_t)) == 0) {
             run_rows[first]++;
@@ -342,7 +343,9 @@ int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *
                                                  num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale);
         if (tiled != 1) return tiled;
     }
-    const int32_t *runs = find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size, group);
+    /* At most MAX_ROWS rows a run, and MAX_QUERY_HEADS query heads of them (the scratch on the stack). */
+    const int64_t max_rows = MAX_QUERY_HEADS / group < MAX_ROWS ? MAX_QUERY_HEADS / group : MAX_ROWS;
+    const int32_t *runs = tandem_find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size, max_rows);
     if (runs == NULL) return -2;
     const char *cache = (const char *)kv_cache;
 #pragma omp parallel for schedule(dynamic, 1)

@@ -255,34 +255,10 @@ static void attend_run(Scratch *w, const uint16_t *q, const uint16_t *cache, con
     }
 }
 
-/* Rows of each run (consecutive positions of one sequence, its blocks the same), for its first row,
- * 0 for the others; runs of at most RUN_ROWS rows. Grows a per-thread buffer; NULL when it cannot. */
-static __thread int32_t *runs = NULL;
-static __thread int64_t runs_size = 0;
-
-static const int32_t *find_runs(const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                                int64_t max_blocks, int64_t block_size) {
-    if (num_seqs > runs_size) {
-        int32_t *grown = realloc(runs, (size_t)num_seqs * sizeof(int32_t));
-        if (grown == NULL) return NULL;
-        runs = grown;
-        runs_size = num_seqs;
-    }
-    int64_t first = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        runs[s] = 0;
-        const int64_t blocks = (seq_lens[s] + block_size - 1) / block_size;
-        if (s > 0 && s - first < RUN_ROWS && seq_lens[s] == seq_lens[s - 1] + 1 &&
-            memcmp(block_tables + s * max_blocks, block_tables + first * max_blocks,
-                   (size_t)blocks * sizeof(int32_t)) == 0) {
-            runs[first]++;
-        } else {
-            first = s;
-            runs[s] = 1;
-        }
-    }
-    return runs;
-}
+/* attention.c's run finder: rows of each run of consecutive positions for its first row, 0 for the
+ * others, at most max_rows a run; NULL without memory. */
+const int32_t *tandem_find_runs(const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                                int64_t max_blocks, int64_t block_size, int64_t max_rows);
 
 /* tandem_decode_attention's contract, bf16 only, its checks already passed. 0, 1 when this build or
  * these shapes are not the tiled kernel's (the caller goes on), -2 without scratch memory. */
@@ -291,7 +267,7 @@ int tandem_attention_tiles(const uint16_t *q, const uint16_t *kv_cache, const in
                            int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                            int64_t max_blocks, float scale) {
     if (head_dim % 64 != 0 || head_dim > MAX_HEAD_DIM || num_heads / num_kv_heads > MAX_GROUP) return 1;
-    const int32_t *run = find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size);
+    const int32_t *run = tandem_find_runs(block_tables, seq_lens, num_seqs, max_blocks, block_size, RUN_ROWS);
     if (run == NULL) return -2;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
