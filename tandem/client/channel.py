@@ -4,7 +4,11 @@ The message-size cap is the same number on both sides: `DEFAULT_MAX_MESSAGE_BYTE
 and a server's options (`server.py`) use it too. Idempotent unary calls (Embed, Tokenize, GetModelInfo,
 health Check) are retried by gRPC itself when they end UNAVAILABLE (a server restarting, a connection
 reset): `service_config`, with throttling so that a dead server does not get a retry storm.
-Generate is never retried: a stream that already produced tokens cannot be replayed.
+Generate is retried the same way only until its call is committed: gRPC stops retrying once the
+server's first response (the `accepted` event) arrives, so a stream that has begun is never replayed,
+while one that no server took (a replica killed as the call went out, a server loading or draining)
+goes to the next attempt. A request larger than gRPC's per-call retry buffer (256 KiB, an embedding
+prompt of some size) is committed as it is sent and never retried.
 
 `ChannelSecurity` turns on TLS (a CA to trust, optionally a client certificate for mutual TLS) and
 a bearer token, sent as `authorization: Bearer <token>` on every call (see `tandem.client.auth`).
@@ -32,20 +36,22 @@ from .auth import bearer_token_interceptors, read_token
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
 
-_IDEMPOTENT_METHODS = [
+_RETRIED_METHODS = [
     {"service": "tandem.v1.Encoder", "method": "Embed"},
     {"service": "tandem.v1.Encoder", "method": "Tokenize"},
     {"service": "tandem.v1.Encoder", "method": "GetModelInfo"},
     {"service": "tandem.v1.Decoder", "method": "Tokenize"},
     {"service": "tandem.v1.Decoder", "method": "GetModelInfo"},
     {"service": "grpc.health.v1.Health", "method": "Check"},
+    # Not idempotent once begun, but gRPC retries only before the first response: see the docstring.
+    {"service": "tandem.v1.Decoder", "method": "Generate"},
 ]
 # Up to 5 attempts within the call's own deadline, about 1.5 s of backoff in all. Throttling: each
 # failed attempt costs a token, each success earns 0.1, and retries stop below half of maxTokens.
 _RETRY_CONFIG = {
     "methodConfig": [
         {
-            "name": _IDEMPOTENT_METHODS,
+            "name": _RETRIED_METHODS,
             "retryPolicy": {
                 "maxAttempts": 5,
                 "initialBackoff": "0.1s",

@@ -174,6 +174,7 @@ def test_the_model_is_plain_torch_and_the_cpu_kernels_live_in_the_cpu_backend() 
         assert not any(n.startswith(f"{DECODER}.backends") for n in imports(module)), module
         assert ".native" not in modules()[module].read_text(), f"{module} still has a native hook"
     cpu = REPO_ROOT / "tandem" / "decoder" / "backends" / "cpu"
-    assert sorted(p.name for p in (cpu / "csrc").glob("*.c")) == ["attention.c", "layer.c", "linear.c"]
+    native = sorted(p.relative_to(REPO_ROOT) for p in (REPO_ROOT / "tandem").rglob("*.[ch]"))
+    assert native and all(p.parent == (cpu / "csrc").relative_to(REPO_ROOT) for p in native), native
     decoder_users = sorted(m for m in modules() if m.startswith(DECODER) and "ctypes" in imports(m))
     assert decoder_users and all(m.startswith(f"{DECODER}.backends.cpu.") for m in decoder_users)

@@ -1,7 +1,8 @@
 """Faults: a server failing transiently, the encoder killed mid-load, the decoder stopped under load.
 
 What the callers see is the promise: idempotent unary calls ride out a transient UNAVAILABLE by the
-client's retry policy (Generate is never replayed); a dead encoder is UNAVAILABLE to its clients and
+client's retry policy, and so does a Generate that no server began (one that has begun is never
+replayed); a dead encoder is UNAVAILABLE to its clients and
 nothing to the decoder's, and serves again once restarted on its port; a SIGTERM'd decoder ends
 every open stream finished or UNAVAILABLE within its grace period. Every wait here is bounded.
 """
@@ -89,7 +90,7 @@ class FailFirstAttempt(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unavailable, response_serializer=serializer)
 
 
-def test_idempotent_calls_are_retried_through_a_transient_unavailable_and_generate_is_not(
+def test_calls_no_server_began_are_retried_through_a_transient_unavailable(
     services: Services,
 ) -> None:
     flaky = FailFirstAttempt()
@@ -141,12 +142,46 @@ def test_idempotent_calls_are_retried_through_a_transient_unavailable_and_genera
         codes = asyncio.run(calls())
     finally:
         services.run(server.stop(0))
-    generate = "/tandem.v1.Decoder/Generate"
-    assert codes.pop(generate) == grpc.StatusCode.UNAVAILABLE
-    assert flaky.attempts[generate] == 1  # a stream is never replayed behind the caller's back
     assert codes == dict.fromkeys(codes, grpc.StatusCode.OK)
     assert all(flaky.attempts[method] == 2 for method in codes), flaky.attempts
     assert services.idle()
+
+
+class FailAfterAccepted(decoder_pb2_grpc.DecoderServicer):
+    """A Generate that begins (its first response goes out) and then fails UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls += 1
+        yield decoder_pb2.GenerateResponse(request_id="begun", accepted=decoder_pb2.PromptAccepted())
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "engine failed")
+
+
+def test_a_generate_that_has_begun_is_never_replayed() -> None:
+    async def run() -> tuple[grpc.StatusCode, list[str], int]:
+        servicer = FailAfterAccepted()
+        server = await start_server(
+            ServerOptions(host="127.0.0.1", port=0),
+            [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
+        )
+        await server.set_serving()
+        seen: list[str] = []
+        try:
+            async with DecoderClient(server.address) as decoder:
+                try:
+                    async for response in decoder.generate([[1, 2]], max_new_tokens=2, timeout=10):
+                        seen.append(response.WhichOneof("event"))
+                except grpc.aio.AioRpcError as error:
+                    return error.code(), seen, servicer.calls
+        finally:
+            await server.stop(0)
+        return grpc.StatusCode.OK, seen, servicer.calls
+
+    code, seen, calls = asyncio.run(run())
+    # The caller saw the stream begin, so it alone decides whether to ask again.
+    assert (code, seen, calls) == (grpc.StatusCode.UNAVAILABLE, ["accepted"], 1)
 
 
 def _start_encoder(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
