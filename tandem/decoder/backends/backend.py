@@ -172,6 +172,8 @@ class ModelStep(Protocol):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor: ...  # float32 [num_rows, vocab_size]
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor: ...  # int64 [num_rows] of [num_rows, vocab]
+
 
 def prepare_model(model: DecoderModel, backend: Backend, compile: bool, native_kernels: bool) -> ModelStep:
     """What runs a model this process loaded on `backend`, on every rank alike.

@@ -94,7 +94,7 @@ class EngineCore:
         self.runner = runner
         self.vocab_size = vocab_size
         self.speculative_max_batch = speculative_max_batch
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=runner.executor.argmax)
         self.lock = threading.Lock()  # guards scheduler and _live against submit/abort threads
         self._live: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []

@@ -26,7 +26,7 @@ batch row nor on its neighbours. Rows without a generator share one draw.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -200,11 +200,21 @@ def apply_top_k_top_p(
     return logits.scatter(1, sorted_index, sorted_logits)
 
 
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Picks the next token of every row. Stateless apart from the generator unseeded rows share."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,  # [batch, vocab] -> int64 [batch]
+    ) -> None:
         self.generator = generator  # None uses torch's global generator for the device
+        # The executor's argmax (a C one on CPU), exactly torch.argmax(dim=-1); None: torch's.
+        self.argmax = argmax or _torch_argmax
 
     def __call__(
         self,
@@ -220,7 +230,7 @@ class Sampler:
             batch.has_penalties or batch.logit_bias_index is not None or has_mask
         ):
             # Fast path: the processed logits are the raw ones, so no copy and no softmax unless asked.
-            return self._output(logits.argmax(dim=-1), logits, batch)
+            return self._output(self.argmax(logits), logits, batch)
 
         logits = logits.to(torch.float32, copy=True)
         if batch.has_penalties:
@@ -238,7 +248,7 @@ class Sampler:
             rows = [r for r, ids in enumerate(min_tokens_mask_ids) for _ in ids]
             cols = [t for ids in min_tokens_mask_ids for t in ids]
             logits[rows, cols] = float("-inf")
-        greedy_ids = logits.argmax(dim=-1)  # [batch]
+        greedy_ids = self.argmax(logits)  # [batch]
         if batch.is_all_greedy:
             return self._output(greedy_ids, logits, batch)
 

@@ -224,6 +224,11 @@ class DecoderModel(nn.Module):
         """
         return gather_vocab_logits(F.linear(h, self.head_weight), self.tp)
 
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        """int64 [num_rows]: each row's first largest logit (greedy decoding's pick)."""
+        return logits.argmax(dim=-1)
+
     def use_attention(self, attention: PagedAttention) -> None:
         """Every layer's attention through `attention` (one instance: it may share work across layers)."""
         for module in self.modules():

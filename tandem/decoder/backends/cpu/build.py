@@ -22,7 +22,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 # One library; the files call each other.
-SOURCES = ("attention.c", "attention_tiles.c", "linear.c", "linear_packed.c", "layer.c")
+SOURCES = ("argmax.c", "attention.c", "attention_tiles.c", "linear.c", "linear_packed.c", "layer.c")
 HEADERS = ("bf16.h", "exp.h")
 PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as extension modules
 

@@ -213,6 +213,8 @@ class CpuExecutor:
             [OpsLayer(layer, kind, kernels, ops) for layer in model.layers] if not self.fused else []
         )
         self.head = _bind_linear(kind, kernels, model.head_weight, None)
+        # torch's argmax took 0.9 ms of a 24.5 ms step at 32 sequences; the C one, 0.05.
+        self._argmax = kernels.argmax if kernels is not None else None
         cpu = cpu or this_cpu()
         self.choice = KernelChoice(
             cpu=cpu.model_name,
@@ -280,6 +282,12 @@ class CpuExecutor:
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, vocab_size] of final hidden rows [num_rows, hidden_size]."""
         return gather_vocab_logits(self.head(h), self.model.tp)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [num_rows]: torch.argmax(logits, dim=-1), in C when the kernels are loaded."""
+        if self._argmax is None or logits.dtype != torch.float32 or not logits.is_contiguous():
+            return self.model.argmax(logits)
+        return self._argmax(logits)
 
 
 def bind(model: DecoderModel, kernels: Kernels | None) -> CpuExecutor:

@@ -72,6 +72,7 @@ class Kernels:
         self._pack_bf16 = _bind(library.tandem_pack_bf16, pointers * 2 + sizes * 2)
         self._packed_elements = library.tandem_packed_elements
         self._packed_elements.restype, self._packed_elements.argtypes = ctypes.c_int64, sizes * 2
+        self._argmax_f32 = _bind(library.tandem_argmax_f32, pointers + sizes * 2 + pointers)
         # The raw fused layer halves (layer_kernels.c); call them through layer.FusedLayer.
         real = [ctypes.c_float]
         self.attention_in = _bind(
@@ -97,6 +98,16 @@ class Kernels:
         packed = torch.empty(self._packed_elements(n, k), dtype=torch.bfloat16)
         _check(self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k), f"pack_weight: [{n}, {k}]")
         return packed
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: torch.argmax(logits, dim=-1) of float32 logits [rows, vocab] (argmax.c)."""
+        _check_tensor("logits", logits, torch.float32, (None, None))
+        rows, vocab = logits.shape
+        if vocab < 1:
+            raise ValueError(f"logits must have at least one column, got {_shape(logits)}")
+        out = torch.empty(rows, dtype=torch.int64)
+        _check(self._argmax_f32(logits.data_ptr(), rows, vocab, out.data_ptr()), f"argmax: {_shape(logits)}")
+        return out
 
     def rms_norm(
         self,

@@ -57,6 +57,22 @@ def test_greedy_rows_take_the_argmax() -> None:
     assert torch.equal(sample(logits, [SamplingParams(temperature=0.0)] * 8), logits.argmax(-1))
 
 
+def test_greedy_rows_take_the_executors_argmax_when_given_one() -> None:
+    # The engine hands the sampler its executor's argmax (a C one on CPU): every greedy pick goes
+    # through it, on the fast path and after penalties alike.
+    calls = []
+
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(logits.shape))
+        return logits.argmin(dim=-1)  # visibly not torch's argmax
+
+    logits = distinct_logits(4)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, presence_penalty=0.5)):
+        out = Sampler(argmax=argmax)(logits, make_batch([params] * 4), [[] for _ in range(4)])
+        assert torch.equal(out.token_ids, logits.argmin(dim=-1))
+    assert calls == [(4, VOCAB), (4, VOCAB)]
+
+
 def test_greedy_rows_stay_argmax_next_to_sampling_rows() -> None:
     logits = torch.randn(6, VOCAB)
     params = [SamplingParams(temperature=0.0 if r % 2 else 1.5) for r in range(6)]

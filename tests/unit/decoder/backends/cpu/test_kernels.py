@@ -61,6 +61,35 @@ def test_rms_norm_equals_the_torch_module(kernels, dtype: torch.dtype, rows: int
     assert_same_up_to_summation_order(kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
 
 
+@pytest.mark.parametrize("vocab", [1, 3, 16, 17, 49152 + 5])  # under a register, whole ones, a tail
+def test_argmax_is_torch_argmax_first_largest_with_nan_largest(kernels, vocab: int) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(40, vocab)
+    logits[1] = float("-inf")  # nothing larger than the first: 0
+    logits[2] = 0.0
+    logits[2, vocab // 2] = -0.0  # equal to 0.0: the first still wins
+    logits[3, vocab - 1] = logits[3].max() + 1  # the last position (the tail past whole registers)
+    logits[4, vocab // 3 :] = 7.0  # ties: the first of them
+    logits[5, vocab - 1] = float("nan")  # a NaN beats everything...
+    logits[6, vocab // 2] = float("nan")
+    logits[6, vocab - 1] = float("nan")  # ...and the first NaN wins
+    logits[7, 0] = float("inf")
+    logits[8] = float("nan")
+    assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
+    assert kernels.argmax(logits[:0]).shape == (0,)
+
+
+def test_argmax_refuses_what_it_cannot_read(kernels) -> None:
+    with pytest.raises(ValueError, match="logits must be torch.float32"):
+        kernels.argmax(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"logits must have shape \[\*, \*\]"):
+        kernels.argmax(torch.zeros(8))
+    with pytest.raises(ValueError, match="logits must be contiguous"):
+        kernels.argmax(torch.zeros(8, 2).t())
+    with pytest.raises(ValueError, match="at least one column"):
+        kernels.argmax(torch.zeros(2, 0))
+
+
 def torch_qkv_rope_cache(qkv, cos, sin, q_norm, k_norm, kv_cache, slots, num_heads, num_kv_heads, head_dim):
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = q.reshape(-1, num_heads, head_dim)
