@@ -22,8 +22,16 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 # One library; the files call each other.
-SOURCES = ("argmax.c", "attention.c", "attention_tiles.c", "linear.c", "linear_packed.c", "layer.c")
-HEADERS = ("bf16.h", "exp.h")
+SOURCES = (
+    "argmax.c",
+    "attention.c",
+    "attention_tiles.c",
+    "linear.c",
+    "linear_packed.c",
+    "linear_quant.c",
+    "layer.c",
+)
+HEADERS = ("bf16.h", "exp.h", "weight.h")
 PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as extension modules
 
 # -fopenmp: the library's parallel loops join torch's OpenMP runtime (torch/lib/libgomp.so.1, already

@@ -68,21 +68,26 @@ class FusedLayer:
             t = getattr(weights, name)
             if not _is_plain_bf16(t) or (t is not None and tuple(t.shape) != shape):
                 raise ValueError(f"{name} must be a contiguous bfloat16 CPU tensor of shape {list(shape)}")
-        # The projections in the layout the kernels read (packed copies on AVX512-BF16 builds); held:
-        # the pointers below stay valid while this object lives.
-        weights = dataclasses.replace(
-            weights, **{name: kernels.pack_weight(getattr(weights, name)) for name in _PROJECTIONS}
-        )
         self.weights = weights
+        # The projections as the kernels read them (packed copies on AVX512-BF16 builds); held: the
+        # pointers below stay valid while this object lives.
+        self.kernel_weights = {name: kernels.pack_weight(getattr(weights, name)) for name in _PROJECTIONS}
+        # Every weight's pointer, as tandem_attention_in, tandem_mlp_block and the stack take them.
+        self.pointers = {
+            f.name: self.kernel_weights[f.name].ptr
+            if f.name in _PROJECTIONS
+            else _ptr(getattr(weights, f.name))
+            for f in dataclasses.fields(weights)
+        }
         self.hidden, self.head_dim, self.inter = hidden, head_dim, inter
         self.num_heads, self.num_kv_heads, self.eps = num_heads, num_kv_heads, eps
-        w = weights
+        p = self.pointers
         self._attention_in = kernels.attention_in
         self._mlp_block = kernels.mlp_block
-        self._in_ptrs = (_ptr(w.input_norm), ctypes.c_float(eps), _ptr(w.qkv), _ptr(w.qkv_bias),
-                         _ptr(w.q_norm), _ptr(w.k_norm), ctypes.c_float(eps))  # fmt: skip
-        self._mlp_ptrs = (_ptr(w.o), _ptr(w.o_bias), _ptr(w.post_norm), ctypes.c_float(eps), _ptr(w.gate_up),
-                          _ptr(w.gate_up_bias), _ptr(w.down), _ptr(w.down_bias))  # fmt: skip
+        self._in_ptrs = (p["input_norm"], ctypes.c_float(eps), p["qkv"], p["qkv_bias"],
+                         p["q_norm"], p["k_norm"], ctypes.c_float(eps))  # fmt: skip
+        self._mlp_ptrs = (p["o"], p["o_bias"], p["post_norm"], ctypes.c_float(eps), p["gate_up"],
+                          p["gate_up_bias"], p["down"], p["down_bias"])  # fmt: skip
 
     def _accepts(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (

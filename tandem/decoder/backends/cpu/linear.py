@@ -6,8 +6,10 @@
 - `PackedLinear`: bf16 through oneDNN with the weight reordered into its blocked layout once, at
   bind time (F.linear would reorder it on every call); bit-identical to F.linear.
 - `TorchLinear`: F.linear, for everything else (float32, or kernels off).
+- `QuantLinear`: a quantized weight (4- or 8-bit codes with fp16 scales per 32 inputs, csrc/
+  linear_quant.c) against bf16 or float32 inputs, through `tandem_linear`.
 
-All three are called as `linear(x, with_bias=True)` and carry `.bias`, as the model's row-parallel
+All four are called as `linear(x, with_bias=True)` and carry `.bias`, as the model's row-parallel
 helper expects. The weight (and bias) are checked once, when bound: a decode step calls 120 linears
 on a 30-layer model, so a call checks only its input, in a handful of attribute reads.
 """
@@ -17,7 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.decoder.backends.cpu.kernels import Kernels, is_plain
+from tandem.decoder.backends.cpu.kernels import WEIGHT_BF16, Kernels, KernelWeight, is_plain
+
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 0}  # tandem_linear's dtype argument
 
 
 def can_bind(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -82,22 +86,60 @@ class CLinear:
                 f"bias must be a contiguous bfloat16 CPU tensor of shape [{out_features}] to match weight, "
                 f"got {bias.dtype} {list(bias.shape)} on {bias.device}"
             )
-        self._fn = kernels.linear_bf16
         # Held so the pointers below stay valid for as long as this object lives.
         self.weight = weight.detach()  # [out_features, in_features]
         self.bias = None if bias is None else bias.detach()  # [out_features]
-        self.out_features, self.in_features = out_features, in_features
-        self._kernel_weight = kernels.pack_weight(self.weight)  # the weight as the kernel reads it
-        self._weight_ptr = self._kernel_weight.data_ptr()
-        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+        self.kernel_weight = kernels.pack_weight(self.weight)  # the weight as the kernel reads it
+        self._call = _KernelCall(kernels, self.kernel_weight, self.bias, torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        if not (is_plain(x, torch.bfloat16) and x.dim() == 2 and x.shape[1] == self.in_features):
+        return self._call(x, with_bias)
+
+
+class QuantLinear:
+    """x [num_tokens, in_features] (bf16 or float32) -> x @ weight.T (+ bias), weight quantized.
+
+    Each output is sum over blocks of d (x . q) + m (sum of x), in fp32, rounded once to x's dtype.
+    """
+
+    def __init__(
+        self, kernels: Kernels, weight: KernelWeight, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        if weight.format == WEIGHT_BF16 or dtype not in _DTYPE_CODES:
+            raise ValueError(f"QuantLinear takes a quantized weight and bf16 or float32 inputs, got {dtype}")
+        if bias is not None and not (is_plain(bias, dtype) and tuple(bias.shape) == (weight.n,)):
             raise ValueError(
-                f"x must be a contiguous bfloat16 CPU tensor of shape [*, {self.in_features}] to match "
+                f"bias must be a contiguous {dtype} CPU tensor of shape [{weight.n}] to match weight, "
+                f"got {bias.dtype} {list(bias.shape)} on {bias.device}"
+            )
+        self.kernel_weight = weight
+        self.bias = None if bias is None else bias.detach()  # [out_features]
+        self._call = _KernelCall(kernels, weight, self.bias, dtype)
+
+    def __call__(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        return self._call(x, with_bias)
+
+
+class _KernelCall:
+    """One bound call of tandem_linear: the input checked, the output allocated, the status read."""
+
+    def __init__(
+        self, kernels: Kernels, weight: KernelWeight, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        self._fn = kernels.linear
+        self.out_features, self.in_features, self.dtype = weight.n, weight.k, dtype
+        self._weight_ptr = weight.ptr
+        self._bias_ptr = None if bias is None else bias.data_ptr()
+        self._dtype_code = _DTYPE_CODES[dtype]
+
+    def __call__(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        if not (is_plain(x, self.dtype) and x.dim() == 2 and x.shape[1] == self.in_features):
+            raise ValueError(
+                f"x must be a contiguous {str(self.dtype).removeprefix('torch.')} CPU tensor of shape "
+                f"[*, {self.in_features}] to match "
                 f"weight, got {x.dtype} {list(x.shape)} on {x.device}"
             )
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        out = torch.empty(x.shape[0], self.out_features, dtype=self.dtype)
         status = self._fn(
             x.data_ptr(),
             self._weight_ptr,
@@ -106,6 +148,7 @@ class CLinear:
             x.shape[0],
             self.out_features,
             self.in_features,
+            self._dtype_code,
         )
         if status != 0:
             raise MemoryError(f"C linear: no scratch memory for {x.shape[0]} rows of {self.in_features}")

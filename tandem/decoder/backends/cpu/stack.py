@@ -45,8 +45,7 @@ class DecodeStack:
         self.scale = scale
         self.hidden, self.head_dim, self.inter = first.hidden, first.head_dim, first.inter
         self.num_heads, self.num_kv_heads, self.eps = first.num_heads, first.num_kv_heads, first.eps
-        tensors = [getattr(layer.weights, name) for layer in layers for name in _WEIGHTS]
-        pointers = [None if t is None else t.data_ptr() for t in tensors]
+        pointers = [layer.pointers[name] for layer in layers for name in _WEIGHTS]
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)  # [num_layers][len(_WEIGHTS)]
         self._kv_type = ctypes.c_void_p * len(layers)
         self._run = kernels.decode_layers

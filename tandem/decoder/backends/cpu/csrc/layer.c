@@ -26,14 +26,13 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "weight.h"
 
 enum { BF16 = 1 };
 #define PARALLEL_MIN_ELEMENTS 16384
 
 int tandem_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t size, float eps,
                     int dtype);
-int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
-                       int64_t n, int64_t k);
 int tandem_decode_attention(const void *q, const void *kv_cache, const int32_t *block_tables,
                             const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
@@ -85,9 +84,10 @@ static void swiglu(uint16_t *restrict act, const uint16_t *restrict gu, int64_t 
 
 /* h [m, hidden] -> q_out [m, num_heads, head_dim] (and k_out, v_out [m, num_kv_heads, head_dim] when
  * not NULL), this step's keys and values written to kv_cache [2, num_slots, num_kv_heads, head_dim] at
- * slots. w_qkv [(num_heads + 2 * num_kv_heads) * head_dim, hidden]; b_qkv, q_norm, k_norm may be NULL.
+ * slots. w_qkv describes a [(num_heads + 2 * num_kv_heads) * head_dim, hidden] weight (weight.h: bf16 or
+ * quantized); b_qkv, q_norm, k_norm may be NULL.
  * Returns 0, or -1 (a slot out of range, a bad size, no scratch memory). All bf16 and contiguous. */
-int tandem_attention_in(const uint16_t *h, const uint16_t *norm, float eps, const uint16_t *w_qkv,
+int tandem_attention_in(const uint16_t *h, const uint16_t *norm, float eps, const TandemWeight *w_qkv,
                         const uint16_t *b_qkv, const uint16_t *q_norm, const uint16_t *k_norm, float qk_eps,
                         const uint16_t *cos, const uint16_t *sin, const int64_t *slots, uint16_t *kv_cache,
                         int64_t num_slots, uint16_t *q_out, uint16_t *k_out, uint16_t *v_out, int64_t m,
@@ -98,7 +98,7 @@ int tandem_attention_in(const uint16_t *h, const uint16_t *norm, float eps, cons
     if (x == NULL && m > 0) return -1;
     uint16_t *qkv = x + m * hidden;
     if (tandem_rms_norm(h, norm, x, m, hidden, eps, BF16) != 0) return -1;
-    if (tandem_linear_bf16(x, w_qkv, b_qkv, qkv, m, width, hidden) != 0) return -1;
+    if (tandem_linear(x, w_qkv, b_qkv, qkv, m, width, hidden, BF16) != 0) return -1;
     if (tandem_qkv_rope_cache(qkv, cos, sin, q_norm, k_norm, slots, kv_cache, q_out, k_out, m, num_heads,
                               num_kv_heads, head_dim, num_slots, qk_eps, BF16) != 0)
         return -1;
@@ -111,28 +111,29 @@ int tandem_attention_in(const uint16_t *h, const uint16_t *norm, float eps, cons
 }
 
 /* h [m, hidden] in place: h += attn W_o^T (+ b_o); then h += down(silu(g) * u) of RMSNorm(h) (see the top).
- * attn [m, attn_width]; w_o [hidden, attn_width]; w_gu [2 * inter, hidden] (gate rows, then up rows);
- * w_down [hidden, inter]; biases may be NULL. Returns 0, or -1 (a bad size, no scratch memory). */
-int tandem_mlp_block(uint16_t *h, const uint16_t *attn, const uint16_t *w_o, const uint16_t *b_o,
-                     const uint16_t *norm, float eps, const uint16_t *w_gu, const uint16_t *b_gu,
-                     const uint16_t *w_down, const uint16_t *b_down, int64_t m, int64_t hidden, int64_t attn_width,
+ * attn [m, attn_width]; weights (weight.h descriptors) w_o [hidden, attn_width]; w_gu [2 * inter, hidden]
+ * (gate rows, then up rows); w_down [hidden, inter]; biases may be NULL. Returns 0, or -1 (a bad size, no scratch memory). */
+int tandem_mlp_block(uint16_t *h, const uint16_t *attn, const TandemWeight *w_o, const uint16_t *b_o,
+                     const uint16_t *norm, float eps, const TandemWeight *w_gu, const uint16_t *b_gu,
+                     const TandemWeight *w_down, const uint16_t *b_down, int64_t m, int64_t hidden, int64_t attn_width,
                      int64_t inter) {
     if (m < 0 || hidden < 1 || attn_width < 1 || inter < 1) return -1;
     if (m == 0) return 0;
     uint16_t *d = scratch((size_t)(m * (2 * hidden + 3 * inter)));
     if (d == NULL) return -1;
     uint16_t *x = d + m * hidden, *gu = x + m * hidden, *act = gu + m * 2 * inter;
-    if (tandem_linear_bf16(attn, w_o, b_o, d, m, hidden, attn_width) != 0) return -1;
+    if (tandem_linear(attn, w_o, b_o, d, m, hidden, attn_width, BF16) != 0) return -1;
     add_into(h, d, m * hidden);
     if (tandem_rms_norm(h, norm, x, m, hidden, eps, BF16) != 0) return -1;
-    if (tandem_linear_bf16(x, w_gu, b_gu, gu, m, 2 * inter, hidden) != 0) return -1;
+    if (tandem_linear(x, w_gu, b_gu, gu, m, 2 * inter, hidden, BF16) != 0) return -1;
     swiglu(act, gu, m, inter);
-    if (tandem_linear_bf16(act, w_down, b_down, d, m, hidden, inter) != 0) return -1;
+    if (tandem_linear(act, w_down, b_down, d, m, hidden, inter, BF16) != 0) return -1;
     add_into(h, d, m * hidden);
     return 0;
 }
 
-/* Pointers per layer in tandem_decode_layers' `weights`, in this order (bias and q/k norms may be NULL). */
+/* Pointers per layer in tandem_decode_layers' `weights`, in this order (bias and q/k norms may be NULL;
+ * the projections W_QKV, W_O, W_GATE_UP and W_DOWN are weight.h descriptors, the rest bf16 vectors). */
 enum {
     W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_Q_NORM, W_K_NORM, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
     W_DOWN, W_DOWN_BIAS, WEIGHTS_PER_LAYER

@@ -87,7 +87,7 @@ def test_the_packed_layout_holds_groups_of_96_features_pair_by_pair(kernels) -> 
     of 96 features and input pair p, 96 dwords of (w[f][2p], w[f][2p + 1]), zero past n and k."""
     n, k = 100, 7
     weight = torch.randn(n, k).to(torch.bfloat16)
-    packed = kernels.pack_weight(weight, layout=96)
+    packed = kernels.pack_weight(weight, layout=96).data
     kp, groups = (k + 1) // 2, 2
     assert packed.shape == (groups * 96 * 2 * kp,)
     view = packed.view(groups, kp, 96, 2)  # [group, pair, feature, half]
@@ -96,7 +96,7 @@ def test_the_packed_layout_holds_groups_of_96_features_pair_by_pair(kernels) -> 
     for g in range(groups):
         for p in range(kp):
             assert torch.equal(view[g, p], padded[96 * g : 96 * (g + 1), 2 * p : 2 * p + 2]), (g, p)
-    assert kernels.pack_weight(weight, layout=0) is weight
+    assert kernels.pack_weight(weight, layout=0).data is weight
 
 
 def test_an_empty_batch_gives_an_empty_result(kernels) -> None:

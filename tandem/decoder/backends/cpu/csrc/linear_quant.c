@@ -1,0 +1,402 @@
+/* Linear layers over quantized weights (GGUF's Q4_0, Q4_1 and Q8_0, and what --quantization int4 / int8
+ * makes of a dense checkpoint), and tandem_linear, the one entry that takes any weight (weight.h).
+ *
+ * Why: a decode step of one sequence reads every weight once and does little else, so its time is the
+ * weights' bytes over memory bandwidth. bf16 is 2 bytes a weight; Q4_1 is 0.625 (4 bits, and an fp16
+ * scale and offset per 32), Q8_0 1.0625. Serving the file's own values also serves them exactly, where
+ * a bf16 copy rounds d * q + m.
+ *
+ * Arithmetic: for output f and a block b of 32 inputs, sum_i x_i (d q_i + m) = d (sum_i x_i q_i) +
+ * m (sum_i x_i). The codes q are small integers, exact in bf16, so on AVX512-BF16 builds the inner sum
+ * is VDPBF16PS over x (bf16) and q widened to bf16 in registers, each product exact in fp32; the block
+ * sum S_b = sum_i x_i is computed once per row and shared by every output. Nothing is dequantized to
+ * memory. Other builds run the same sums in portable C that the compiler vectorizes over 16 outputs.
+ *
+ * Packed layout (tandem_pack_quant; nb = k / 32 blocks, outputs in groups of 16, padded with zeros):
+ *   Q4 codes  [group][block][pair p < 16][output c < 16] bytes: q[16 g + c][32 b + 2 p] in the low
+ *             nibble, q[16 g + c][32 b + 2 p + 1] in the high one (16 bytes: one pair of 16 outputs)
+ *   Q8 codes  [group][block][pair][output][2] int8: the pair's two codes side by side
+ *   scales    [group][block][output] fp16 d; mins (Q4) the same layout, fp16 m
+ *
+ * NOTE: every output's sum runs in one order whatever the number of rows or the tile: for each block
+ * in order, its 16 pairs in order into a block sum that starts at 0, then acc = fma(blk, d, acc), then
+ * acc = fma(m, S_b, acc); then the bias, then one rounding. Speculative decoding's exactness rests on
+ * it (test_linear_quant.py checks rows against rows alone).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "weight.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_QUANT_BF16 1
+#else
+#define HAVE_QUANT_BF16 0
+#endif
+
+#define QB TANDEM_QUANT_BLOCK /* inputs per block: 32 */
+#define QP (QB / 2)           /* pairs per block: 16 */
+#define QG 16                 /* outputs per group */
+
+int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
+                       int64_t n, int64_t k);
+
+static inline float fp16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, NaN */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: mantissa * 2^-24, exact in fp32 */
+        float f = (float)mantissa * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Elements of each packed array for an [n, k] weight: codes bytes, then scales (and mins) fp16. -1 when
+ * k is not a whole number of blocks or a size is below 1. */
+int64_t tandem_quant_codes_bytes(int64_t format, int64_t n, int64_t k) {
+    if (n < 1 || k < 1 || k % QB != 0) return -1;
+    const int64_t padded = (n + QG - 1) / QG * QG;
+    if (format == TANDEM_WEIGHT_Q4) return padded * k / 2;
+    if (format == TANDEM_WEIGHT_Q8) return padded * k;
+    return -1;
+}
+
+int64_t tandem_quant_scales(int64_t n, int64_t k) {
+    if (n < 1 || k < 1 || k % QB != 0) return -1;
+    return (n + QG - 1) / QG * QG * (k / QB);
+}
+
+/* From codes q [n, k] (uint8 0..15 for Q4, int8 for Q8, one a byte) and d, m [n, k / 32] fp16 (m only
+ * for Q4), the packed arrays above. 0, or -1 for a bad size or format (a Q4 code past 15: -2). */
+int tandem_pack_quant(int64_t format, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t n,
+                      int64_t k, uint8_t *codes, uint16_t *scales, uint16_t *mins) {
+    const int64_t bytes = tandem_quant_codes_bytes(format, n, k);
+    if (bytes < 0 || (format == TANDEM_WEIGHT_Q4 && (m == NULL || mins == NULL))) return -1;
+    const int64_t groups = (n + QG - 1) / QG, nb = k / QB;
+    int bad = 0;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            for (int64_t c = 0; c < QG; c++) {
+                const int64_t f = g * QG + c, at = (g * nb + b) * QG + c;
+                scales[at] = f < n ? d[f * nb + b] : 0;
+                if (format == TANDEM_WEIGHT_Q4) mins[at] = f < n ? m[f * nb + b] : 0;
+            }
+            for (int64_t p = 0; p < QP; p++)
+                for (int64_t c = 0; c < QG; c++) {
+                    const int64_t f = g * QG + c, i = b * QB + 2 * p;
+                    const uint8_t lo = f < n ? q[f * k + i] : 0, hi = f < n ? q[f * k + i + 1] : 0;
+                    const int64_t at = ((g * nb + b) * QP + p) * QG + c;
+                    if (format == TANDEM_WEIGHT_Q4) {
+                        bad |= lo > 15 || hi > 15;
+                        codes[at] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                    } else {
+                        codes[2 * at] = lo;
+                        codes[2 * at + 1] = hi;
+                    }
+                }
+        }
+    return bad ? -2 : 0;
+}
+
+/* Per-thread scratch: the rows' block sums S [m][nb] and, for bf16 inputs on other builds, the rows
+ * widened to fp32. */
+static __thread float *scratch = NULL;
+static __thread size_t scratch_floats = 0;
+
+static float *scratch_for(size_t floats) {
+    if (floats > scratch_floats) {
+        float *grown = realloc(scratch, floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        scratch = grown;
+        scratch_floats = floats;
+    }
+    return scratch;
+}
+
+static inline float input(const void *x, int64_t i, int dtype) {
+    return dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline void store(void *out, int64_t i, float v, const void *bias, int64_t f, int dtype) {
+    if (dtype == 1) {
+        if (bias != NULL) v += bf16_to_f32(((const uint16_t *)bias)[f]);
+        ((uint16_t *)out)[i] = f32_to_bf16(v);
+    } else {
+        if (bias != NULL) v += ((const float *)bias)[f];
+        ((float *)out)[i] = v;
+    }
+}
+
+/* The portable kernel: one row (fp32 xf [k], its block sums s [nb]) against groups [g0, g1). */
+static void row_portable(const float *restrict xf, const float *restrict s, const TandemWeight *w, const void *bias,
+                         void *out, int64_t row, int64_t n, int64_t nb, int64_t g0, int64_t g1, int dtype) {
+    const uint8_t *codes = w->data;
+    for (int64_t g = g0; g < g1; g++) {
+        float acc[QG] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            float blk[QG] = {0};
+            const int64_t base = (g * nb + b) * QP;
+            for (int64_t p = 0; p < QP; p++) {
+                const float x0 = xf[b * QB + 2 * p], x1 = xf[b * QB + 2 * p + 1];
+                if (w->format == TANDEM_WEIGHT_Q4) {
+                    const uint8_t *c = codes + (base + p) * QG;
+                    for (int j = 0; j < QG; j++) blk[j] = blk[j] + (x0 * (float)(c[j] & 15) + x1 * (float)(c[j] >> 4));
+                } else {
+                    const int8_t *c = (const int8_t *)codes + (base + p) * QG * 2;
+                    for (int j = 0; j < QG; j++) blk[j] = blk[j] + (x0 * (float)c[2 * j] + x1 * (float)c[2 * j + 1]);
+                }
+            }
+            const int64_t at = (g * nb + b) * QG;
+            for (int j = 0; j < QG; j++) {
+                acc[j] = fmaf(blk[j], fp16_to_f32(w->scales[at + j]), acc[j]);
+                if (w->mins != NULL) acc[j] = fmaf(fp16_to_f32(w->mins[at + j]), s[b], acc[j]);
+            }
+        }
+        for (int j = 0; j < QG && g * QG + j < n; j++) store(out, row * n + g * QG + j, acc[j], bias, g * QG + j, dtype);
+    }
+}
+
+#if HAVE_QUANT_BF16
+
+/* Per-thread scratch for widened codes (many_rows_bf16), 64-byte aligned; grows, kept. */
+static __thread __m512i *widened = NULL;
+static __thread size_t widened_vectors = 0;
+
+static __m512i *widened_for(size_t vectors) {
+    if (vectors > widened_vectors) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, vectors * sizeof(__m512i)) != 0) return NULL;
+        free(widened);
+        widened = grown;
+        widened_vectors = vectors;
+    }
+    return widened;
+}
+
+/* One pair of 16 outputs' codes as 16 dwords of two bf16 values (the pair's first input low). */
+static inline __attribute__((always_inline)) __m512i codes_bf16(const uint8_t *c, const int FORMAT) {
+    if (FORMAT == TANDEM_WEIGHT_Q4) {
+        /* byte -> dword; the low nibble to the low word, the high nibble to the high word; then each
+         * word 0..15 to its bf16 through a 32-entry table (VPERMW). */
+        static const uint16_t small[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                           0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+        const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+        const __m512i v = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000f000f), 0xa8);
+        return _mm512_permutexvar_epi16(v, _mm512_loadu_si512(small));
+    }
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* Rows [0, MR) of x (bf16, row stride k; block sums s, row stride nb) against NB groups from g. The
+ * codes come from w, widened here, or (pre not NULL) already widened by widen_groups for these NB
+ * groups: the same values, so the same bits. */
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const float *s, const TandemWeight *w,
+                                                            const __m512i *pre, const uint16_t *bias, uint16_t *out,
+                                                            int64_t n, int64_t k, int64_t nb, int64_t g, const int MR,
+                                                            const int NB, const int FORMAT) {
+    const uint8_t *codes = w->data;
+    const int64_t pair_bytes = FORMAT == TANDEM_WEIGHT_Q4 ? QG : 2 * QG;
+    __m512 acc[4][6];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 blk[4][6];
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 6
+            for (int j = 0; j < NB; j++) blk[i][j] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < QP; p++) {
+            __m512i wv[6];
+#pragma GCC unroll 6
+            for (int j = 0; j < NB; j++)
+                wv[j] = pre != NULL ? _mm512_load_si512(pre + (b * QP + p) * NB + j)
+                                    : codes_bf16(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, FORMAT);
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) {
+                uint32_t pr;
+                memcpy(&pr, x + i * k + b * QB + 2 * p, sizeof pr);
+                const __m512i xp = _mm512_set1_epi32((int)pr);
+#pragma GCC unroll 6
+                for (int j = 0; j < NB; j++) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)xp, (__m512bh)wv[j]);
+            }
+        }
+#pragma GCC unroll 6
+        for (int j = 0; j < NB; j++) {
+            const int64_t at = ((g + j) * nb + b) * QG;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
+            if (FORMAT == TANDEM_WEIGHT_Q4) {
+                const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at)));
+#pragma GCC unroll 4
+                for (int i = 0; i < MR; i++) {
+                    acc[i][j] = _mm512_fmadd_ps(blk[i][j], d, acc[i][j]);
+                    acc[i][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s[i * nb + b]), acc[i][j]);
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int i = 0; i < MR; i++) acc[i][j] = _mm512_fmadd_ps(blk[i][j], d, acc[i][j]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < NB; j++) {
+            const int64_t c = (g + j) * QG;
+            if (c >= n) continue;
+            const int valid = n - c >= QG ? QG : (int)(n - c);
+            __m512 v = acc[i][j];
+            if (bias != NULL) {
+                const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+                const __m512i bb = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16);
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(bb));
+            }
+            store16_bf16(out + i * n + c, v, valid);
+        }
+}
+
+/* Rows [0, MR) against groups [g0, g1): NB groups at a time, then what is left one by one. */
+static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *x, const float *s, const TandemWeight *w,
+                                                            const uint16_t *bias, uint16_t *out, int64_t n, int64_t k,
+                                                            int64_t nb, int64_t g0, int64_t g1, const int MR,
+                                                            const int NB, const int FORMAT) {
+    int64_t g = g0;
+    for (; g + NB <= g1; g += NB) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, NB, FORMAT);
+    for (; g < g1; g++) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, 1, FORMAT);
+}
+
+/* pre [nb][16 pairs][NB] = the NB groups from g widened to bf16 pairs, as tile_bf16 widens them. */
+static inline __attribute__((always_inline)) void widen_groups(__m512i *pre, const TandemWeight *w, int64_t nb,
+                                                               int64_t g, const int NB, const int FORMAT) {
+    const uint8_t *codes = w->data;
+    const int64_t pair_bytes = FORMAT == TANDEM_WEIGHT_Q4 ? QG : 2 * QG;
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t p = 0; p < QP; p++)
+#pragma GCC unroll 3
+            for (int j = 0; j < NB; j++)
+                _mm512_store_si512(pre + (b * QP + p) * NB + j,
+                                   codes_bf16(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, FORMAT));
+}
+
+/* Past 4 rows: each set of groups widened once into pre (k / 2 x NB vectors, 55 KB at k = 576), then
+ * every tile of 4 rows over it; tiles of 4 rows that widened the codes themselves ran at 0.4-0.6x
+ * the bf16 kernel's speed at 32 rows, the widening repeated once a tile. */
+static inline __attribute__((always_inline)) void many_rows_bf16(const uint16_t *x, const float *s,
+                                                                 const TandemWeight *w, __m512i *pre,
+                                                                 const uint16_t *bias, uint16_t *out, int64_t m,
+                                                                 int64_t n, int64_t k, int64_t nb, int64_t g,
+                                                                 const int NB, const int FORMAT) {
+    widen_groups(pre, w, nb, g, NB, FORMAT);
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 4, NB, FORMAT);
+    switch (m - r) {
+    case 1: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 1, NB, FORMAT); break;
+    case 2: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 2, NB, FORMAT); break;
+    case 3: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 3, NB, FORMAT); break;
+    default: break;
+    }
+}
+
+/* One thread's groups [g0, g1) against all m rows (block sums s), a format's tiles: one row with six
+ * groups (six independent sums keep the loads in flight), up to 4 rows with three, more rows over
+ * codes widened once (pre: this thread's scratch of k / 2 x 3 vectors). */
+static void part_bf16(const uint16_t *x, const float *s, const TandemWeight *w, __m512i *pre, const uint16_t *bias,
+                      uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t nb, int64_t g0, int64_t g1,
+                      const int FORMAT) {
+    if (m > 4) {
+        int64_t g = g0;
+        for (; g + 3 <= g1; g += 3) many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, 3, FORMAT);
+        for (; g < g1; g++) many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, 1, FORMAT);
+        return;
+    }
+    switch (m) {
+    case 1: rows_bf16(x, s, w, bias, out, n, k, nb, g0, g1, 1, 6, FORMAT); break;
+    case 2: rows_bf16(x, s, w, bias, out, n, k, nb, g0, g1, 2, 3, FORMAT); break;
+    case 3: rows_bf16(x, s, w, bias, out, n, k, nb, g0, g1, 3, 3, FORMAT); break;
+    case 4: rows_bf16(x, s, w, bias, out, n, k, nb, g0, g1, 4, 3, FORMAT); break;
+    default: break;
+    }
+}
+
+#endif
+
+/* The quantized linear: block sums first (one order per row), then the groups split over the threads. */
+static int linear_quant(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
+                        int64_t k, int dtype) {
+    if (k % QB != 0 || (w->format == TANDEM_WEIGHT_Q4 && w->mins == NULL) || w->scales == NULL) return -1;
+    if (m == 0 || n == 0) return 0;
+    const int64_t nb = k / QB, groups = (n + QG - 1) / QG;
+    float *s = scratch_for((size_t)(m * nb)); /* the calling thread's: shared by the team below */
+    if (s == NULL) return -1;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        int threads = 1, me = 0;
+#ifdef _OPENMP
+        threads = omp_get_num_threads();
+        me = omp_get_thread_num();
+#endif
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t b = 0; b < nb; b++) {
+                float sum = 0.0f;
+                for (int64_t i = 0; i < QB; i++) sum += input(x, r * k + b * QB + i, dtype);
+                s[r * nb + b] = sum;
+            }
+        /* (the loop's barrier: every row's sums are in before any output uses them) */
+        const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
+#if HAVE_QUANT_BF16
+        if (dtype == 1 && g0 < g1) {
+            __m512i *pre = m > 4 ? widened_for(k / 2 * 3) : NULL;
+            if (m > 4 && pre == NULL)
+                failed = 1;
+            else if (w->format == TANDEM_WEIGHT_Q4)
+                part_bf16(x, s, w, pre, bias, out, m, n, k, nb, g0, g1, TANDEM_WEIGHT_Q4);
+            else
+                part_bf16(x, s, w, pre, bias, out, m, n, k, nb, g0, g1, TANDEM_WEIGHT_Q8);
+        } else
+#endif
+            if (g0 < g1) {
+            float *xf = malloc((size_t)k * sizeof(float));
+            if (xf == NULL) {
+                failed = 1;
+            } else {
+                for (int64_t r = 0; r < m; r++) {
+                    for (int64_t i = 0; i < k; i++) xf[i] = input(x, r * k + i, dtype);
+                    row_portable(xf, s + r * nb, w, bias, out, r, n, nb, g0, g1, dtype);
+                }
+                free(xf);
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+int tandem_linear(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
+                  int64_t k, int dtype) {
+    if (w == NULL || m < 0 || n < 0 || k < 1 || w->n != n || w->k != k || (dtype != 0 && dtype != 1)) return -1;
+    if (w->format == TANDEM_WEIGHT_BF16)
+        return dtype == 1 ? tandem_linear_bf16(x, w->data, bias, out, m, n, k) : -1;
+    if (w->format == TANDEM_WEIGHT_Q4 || w->format == TANDEM_WEIGHT_Q8) return linear_quant(x, w, bias, out, m, n, k, dtype);
+    return -1;
+}

@@ -1,0 +1,35 @@
+/* What a linear layer's weight is, for the kernels that take any kind (tandem_linear in linear_quant.c,
+ * the fused layers and the decode stack in layer.c): one descriptor, built and kept alive by the Python
+ * side (backends/cpu/kernels.py, KernelWeight), passed by pointer.
+ *
+ * Formats:
+ *   TANDEM_WEIGHT_BF16         data: bf16 [n, k] as stored, or tandem_pack_bf16's copy on builds whose
+ *                              tandem_weight_layout() is not 0 (what tandem_linear_bf16 takes).
+ *   TANDEM_WEIGHT_Q4           w[f][i] = d * q + m, q in 0..15, d and m fp16 per 32 inputs (GGUF's Q4_0
+ *                              and Q4_1; Q4_0's d * (q - 8) is m = -8 d).
+ *   TANDEM_WEIGHT_Q8           w[f][i] = d * q, q in -128..127, d fp16 per 32 inputs (GGUF's Q8_0).
+ * Quantized weights are in linear_quant.c's packed layout (tandem_pack_quant), the same on every build.
+ */
+#ifndef TANDEM_NATIVE_WEIGHT_H
+#define TANDEM_NATIVE_WEIGHT_H
+
+#include <stdint.h>
+
+enum { TANDEM_WEIGHT_BF16 = 1, TANDEM_WEIGHT_Q4 = 2, TANDEM_WEIGHT_Q8 = 3 };
+
+#define TANDEM_QUANT_BLOCK 32 /* inputs per scale (and offset) */
+
+typedef struct {
+    int64_t format;         /* TANDEM_WEIGHT_* */
+    int64_t n, k;           /* output and input features */
+    const void *data;       /* the values or codes */
+    const uint16_t *scales; /* quantized: fp16 d, tandem_pack_quant's layout; else NULL */
+    const uint16_t *mins;   /* Q4: fp16 m, the same layout; else NULL */
+} TandemWeight;
+
+/* out [m, n] = x [m, k] @ w^T (+ bias [n]); x, bias and out bf16 (dtype 1) or, for quantized weights,
+ * float32 (dtype 0). 0, or -1 for a bad size, a format this build cannot run, or no scratch memory. */
+int tandem_linear(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
+                  int64_t k, int dtype);
+
+#endif
