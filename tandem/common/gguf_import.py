@@ -370,6 +370,28 @@ def _weights(
             on_progress(ImportProgress(num_done=done, num_tensors=len(tensors)))
 
 
+def gguf_name(hf_name: str) -> str | None:
+    """The GGUF tensor name of a Hugging Face checkpoint name (None: no counterpart)."""
+    for gguf, hf in _GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return gguf
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    for gguf, hf in _BLOCK_NAMES.items():
+        if match and hf == match.group(2):
+            return f"blk.{match.group(1)}.{gguf}"
+    return None
+
+
+def unpermute_rows(hf_name: str, rows: np.ndarray, hf_config: dict[str, Any]) -> np.ndarray:
+    """`rows` (any array whose rows are the tensor's output features) of a Llama file's Q or K
+    projection put back in Hugging Face's order; anything else as it is."""
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute(rows, hf_config["num_attention_heads"])
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute(rows, hf_config["num_key_value_heads"])
+    return rows
+
+
 def _hf_name(name: str, path: Path) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]

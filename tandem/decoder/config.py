@@ -31,6 +31,10 @@ class EngineConfig:
     model_dir: Path  # a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     dtype: str = "bfloat16"  # compute and KV-cache dtype, one of DTYPES.
     device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (backends/backend.py); checked, not imported.
+    # "gguf": the linears and the token table served as the GGUF file `quantized_from` stores them
+    # (models/gguf_weights.py; CPU, bf16 or float32 activations); "none": model_dir's dense weights.
+    quantization: str = "none"
+    quantized_from: Path | None = None
     max_num_seqs: int = 64  # most requests in one step's batch.
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
     max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
@@ -67,6 +71,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        self._check_quantization()
         backend = backends.resolve(self.device)
         if backend.requires_static_shapes and not (self.static_shapes and self.compile):
             raise ConfigError(
@@ -99,6 +104,30 @@ class EngineConfig:
             buckets = getattr(self, name)
             if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
                 raise ConfigError(name, f"must be strictly increasing positive sizes, got {buckets}")
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "none":
+            return
+        needs = {
+            "device": (
+                self.device == "cpu",
+                f"cpu (the quantized kernels are CPU kernels), got {self.device!r}",
+            ),
+            "dtype": (self.dtype in ("bfloat16", "float32"), f"bfloat16 or float32, got {self.dtype!r}"),
+            "native_kernels": (self.native_kernels, "on: the quantized linears are C kernels"),
+            "static_shapes": (not self.static_shapes, "off (eager steps only)"),
+        }
+        for name, (ok, what) in needs.items():
+            if not ok:
+                raise ConfigError(
+                    "quantization", f"{self.quantization} needs --{name.replace('_', '-')} {what}"
+                )
+
+
+# --quantization: "gguf" serves a GGUF file's own Q4_0 / Q4_1 / Q8_0 weights (others re-quantized once).
+QUANTIZATIONS = ("none", "gguf")
 
 
 @dataclass(frozen=True)
@@ -133,4 +162,8 @@ class DecoderConfig:
             if self.engine.compile:
                 raise ConfigError(
                     "world_size", f"must be 1: compile runs on one rank only, got {self.world_size}"
+                )
+            if self.engine.quantization != "none":
+                raise ConfigError(
+                    "world_size", f"must be 1: quantized weights run on one rank only, got {self.world_size}"
                 )

@@ -28,7 +28,7 @@ from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
-from tandem.common.model_cache import resolve_model
+from tandem.common.model_cache import is_gguf_file, resolve_model
 from tandem.common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
 from tandem.decoder.api.options import config_from_options, settings
 from tandem.decoder.api.servicer import DecoderServicer
@@ -109,11 +109,20 @@ def with_checkpoint_dir(config: DecoderConfig) -> DecoderConfig:
     Runs before the server starts and before other ranks spawn, so a bad file fails fast with one line
     and every rank reads the same directory. Raises ConfigError.
     """
+    source = Path(config.engine.model_dir)
     try:
-        model_dir = resolve_model(Path(config.engine.model_dir), config.engine.dtype, say=log.info)
+        model_dir = resolve_model(source, config.engine.dtype, say=log.info)
     except ValueError as error:  # ModelNotFound, GGUFImportError
         raise ConfigError("model_dir", f": {error}") from None
-    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, model_dir=model_dir))
+    quantized_from = None
+    if config.engine.quantization == "gguf":
+        if not is_gguf_file(source):
+            raise ConfigError(
+                "quantization", f"gguf needs --model to be a GGUF file, got the directory {source}"
+            )
+        quantized_from = source
+    engine = dataclasses.replace(config.engine, model_dir=model_dir, quantized_from=quantized_from)
+    return dataclasses.replace(config, engine=engine)
 
 
 def check_model(config: DecoderConfig, world_size: int) -> None:

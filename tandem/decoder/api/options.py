@@ -17,7 +17,7 @@ from tandem.common.dtypes import DTYPES
 from tandem.common.flags import BOOL, PATH, Setting, default_of, server_options, server_settings
 from tandem.common.model_cache import default_model_file, model_display_name
 from tandem.decoder.backends.backend import resolve
-from tandem.decoder.config import DEFAULT_PORT, DecoderConfig, EngineConfig
+from tandem.decoder.config import DEFAULT_PORT, QUANTIZATIONS, DecoderConfig, EngineConfig
 
 ENV_PREFIX = "TANDEM_"
 
@@ -55,6 +55,12 @@ def settings() -> list[Setting]:
             type=click.Choice(list(DTYPES)),
             default=None,
             show_default="the device's: bfloat16",
+        ),
+        _engine_setting(
+            "--quantization",
+            "weights: none (the checkpoint's, in --dtype) or gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 "
+            "tensors, served as stored; other types re-quantized once)",
+            type=click.Choice(list(QUANTIZATIONS)),
         ),
         _engine_setting("--max-num-seqs", "most requests in one batch", type=int),
         _engine_setting(
@@ -144,6 +150,7 @@ def settings() -> list[Setting]:
 _ENGINE_FIELDS = (
     "device",
     "dtype",
+    "quantization",
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",

@@ -66,7 +66,12 @@ class Engine:
         self._thread = EngineThread(config.num_threads or torch.get_num_threads())
         try:
             self.loaded = loaded or self._thread.run(
-                load_model, config.model_dir, config.dtype, backends.torch_device(config.device), tp
+                load_model,
+                config.model_dir,
+                config.dtype,
+                backends.torch_device(config.device),
+                tp,
+                config.quantized_from if config.quantization == "gguf" else None,
             )
         except BaseException:
             self._thread.stop()

@@ -84,7 +84,7 @@ class ModelRunner:
         self.static = static
         self.peers = peers  # rank 0 of several: the other ranks' feed; None otherwise
         self.world_size = world_size_of(model.tp)
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
         self.tensors = BatchTensors(self.device, model.config.hidden_size, model.config.dtype)
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.signatures: set[Signature] = set()  # distinct input signatures seen so far

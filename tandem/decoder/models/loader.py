@@ -22,7 +22,9 @@ from tokenizers import Tokenizer
 
 from tandem.common.checkpoint import read_json
 from tandem.common.dtypes import DTYPES
+from tandem.decoder.models import quantized
 from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.gguf_weights import read_quantized
 from tandem.decoder.models.registry import MODEL_CLASSES
 from tandem.decoder.models.tensor_parallel import CheckpointPart, ParallelGroup, check_shardable
 from tandem.decoder.models.transformer import DecoderModel
@@ -68,11 +70,14 @@ def load_model(
     dtype: str = "bfloat16",
     device: str | torch.device = "cpu",
     tp: ParallelGroup | None = None,
+    quantized_from: str | Path | None = None,
 ) -> LoadedModel:
     """Reads config, generation config, tokenizer and weights from a checkpoint directory.
 
     `dtype` is one of DTYPES; weights are cast to it whatever the file stores. With `tp`, the model is
     this rank's shard. Weights come back unpacked; the engine packs them where its backend says to.
+    With `quantized_from` (the GGUF file model_dir was imported from), the linears and the token
+    table are that file's quantized tensors instead (models/gguf_weights.py), the dense ones released.
     Every few seconds of reading, a progress line is logged. Raises ModelLoadError.
     """
     model_dir = Path(model_dir)
@@ -87,7 +92,13 @@ def load_model(
     model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
     model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
     model.train(False).requires_grad_(False)  # inference mode
-
+    if quantized_from is not None:
+        if tp is not None:
+            raise ModelLoadError("quantized weights run on one rank only")
+        try:
+            quantized.apply(model, read_quantized(Path(quantized_from), model))
+        except ValueError as e:  # QuantizationError, or a tensor of another shape than config.json's
+            raise ModelLoadError(str(e)) from None
     return LoadedModel(model=model, tokenizer=tokenizer, config=config)
 
 

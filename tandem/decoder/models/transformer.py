@@ -25,6 +25,7 @@ from tandem.decoder.models.layers import (
     merge_prompt_embeds,
 )
 from tandem.decoder.models.linear import Linear
+from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from tandem.decoder.models.tensor_parallel import (
     CheckpointPart,
     ParallelGroup,
@@ -213,16 +214,25 @@ class DecoderModel(nn.Module):
         return self.norm(rows_for_logits(h, attn.logits_indices, self.tp, sp))
 
     @property
-    def head_weight(self) -> torch.Tensor:
-        """[vocab_size / world_size, hidden_size]: lm_head's, or the tied embedding table."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def head_weight(self) -> torch.Tensor | QuantizedTensor:
+        """[vocab_size / world_size, hidden_size]: lm_head's, or the tied embedding table (quantized
+        when the model was loaded with quantized weights)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.qweight if isinstance(head, QuantizedLinear | QuantizedEmbedding) else head.weight
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, vocab_size] of final hidden rows h [num_rows, hidden_size].
 
         With several ranks a collective: every rank calls it with the same rows.
         """
-        return gather_vocab_logits(F.linear(h, self.head_weight), self.tp)
+        weight = self.head_weight
+        if isinstance(weight, QuantizedTensor):
+            weight = weight.dequantize(h.dtype)
+        return gather_vocab_logits(F.linear(h, weight), self.tp)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     @staticmethod
     def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -243,7 +253,7 @@ class DecoderModel(nn.Module):
         """
         c = self.config
         shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)
-        device = self.embed_tokens.weight.device
+        device = self.device
         return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
 
     def checkpoint_parts(self, name: str) -> list[CheckpointPart]:

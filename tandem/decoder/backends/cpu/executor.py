@@ -32,18 +32,26 @@ from tandem.decoder.backends.cpu.attention import PREFILL_MAX_CONTEXT, CpuPagedA
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, MAX_GROUP, MAX_HEAD_DIM, MAX_ROW, Kernels
 from tandem.decoder.backends.cpu.layer import FusedLayer, LayerWeights
-from tandem.decoder.backends.cpu.linear import CLinear, PackedLinear, TorchLinear, can_bind, can_prepack
+from tandem.decoder.backends.cpu.linear import (
+    CLinear,
+    PackedLinear,
+    QuantLinear,
+    TorchLinear,
+    can_bind,
+    can_prepack,
+)
 from tandem.decoder.backends.cpu.ops import register
 from tandem.decoder.backends.cpu.stack import DecodeStack
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.layers import RMSNorm
+from tandem.decoder.models.quantized import QuantizedLinear, QuantizedTensor
 from tandem.decoder.models.tensor_parallel import gather_sequence, gather_vocab_logits, row_parallel
 from tandem.decoder.models.transformer import DecoderLayer, DecoderModel
 
 log = logging.getLogger(__name__)
 
 LinearKind = Literal["c", "onednn", "torch"]
-BoundLinear = CLinear | PackedLinear | TorchLinear
+BoundLinear = CLinear | PackedLinear | TorchLinear | QuantLinear
 
 
 @dataclass(frozen=True)
@@ -78,21 +86,32 @@ def choose_linears(model: DecoderModel, kernels: Kernels | None) -> LinearKind:
     Why the C kernel before oneDNN where both are fast: oneDNN orders a row's sums by the row count
     (its blocking depends on it), so a row's bits change with its neighbours, and speculative
     decoding and the prefix cache could change a request's tokens. The C kernels' order is fixed."""
-    weight = model.head_weight
-    if weight.dtype != torch.bfloat16:
+    if model.config.dtype != torch.bfloat16:
         return "torch"
     if kernels is not None and kernels.weight_layout != 0:
         return "c"
-    if can_prepack(weight):
+    if can_prepack(model.norm.weight):  # a bf16 CPU tensor like every weight: where oneDNN has bf16
         return "onednn"
     if kernels is not None:
         return "c"
     return "torch"
 
 
+def _weight_of(linear: torch.nn.Module) -> torch.Tensor | QuantizedTensor:
+    return linear.qweight if isinstance(linear, QuantizedLinear) else linear.weight
+
+
 def _bind_linear(
-    kind: LinearKind, kernels: Kernels | None, weight: torch.Tensor, bias: torch.Tensor | None
+    kind: LinearKind,
+    kernels: Kernels | None,
+    weight: torch.Tensor | QuantizedTensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,  # the model's: a quantized weight's inputs and outputs
 ) -> BoundLinear:
+    if isinstance(weight, QuantizedTensor):
+        if kernels is None:
+            raise ValueError("quantized weights need the C kernels (this CPU has no build loaded)")
+        return QuantLinear(kernels, kernels.quantized_weight(weight), bias, dtype)
     if kind == "c" and kernels is not None and can_bind(weight, bias):
         return CLinear(kernels, weight, bias)
     if kind == "onednn" and can_prepack(weight):
@@ -109,10 +128,11 @@ class OpsLayer:
         a, mlp = layer.self_attn, layer.mlp
         self.layer = layer
         self.ops = ops  # torch.ops.tandem_<level>, or None: torch ops for norms and RoPE
-        self.qkv = _bind_linear(kind, kernels, a.qkv_proj.weight, a.qkv_proj.bias)
-        self.o = _bind_linear(kind, kernels, a.o_proj.weight, a.o_proj.bias)
-        self.gate_up = _bind_linear(kind, kernels, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        self.down = _bind_linear(kind, kernels, mlp.down_proj.weight, mlp.down_proj.bias)
+        dtype = layer.input_layernorm.weight.dtype
+        self.qkv = _bind_linear(kind, kernels, _weight_of(a.qkv_proj), a.qkv_proj.bias, dtype)
+        self.o = _bind_linear(kind, kernels, _weight_of(a.o_proj), a.o_proj.bias, dtype)
+        self.gate_up = _bind_linear(kind, kernels, _weight_of(mlp.gate_up_proj), mlp.gate_up_proj.bias, dtype)
+        self.down = _bind_linear(kind, kernels, _weight_of(mlp.down_proj), mlp.down_proj.bias, dtype)
         # Qwen3's per-head norms for the C op (Llama: None, None; its epsilon then goes unread).
         self.q_norm, self.k_norm = _weight(a.q_norm), _weight(a.k_norm)
         self.qk_eps = a.q_norm.eps if a.q_norm is not None else 0.0
@@ -160,10 +180,10 @@ def _fuse(kernels: Kernels, layer: DecoderLayer) -> FusedLayer | None:
     if len(eps) != 1:
         return None  # the kernels take one epsilon for every norm of the layer
     weights = LayerWeights(
-        input_norm=layer.input_layernorm.weight, qkv=a.qkv_proj.weight, qkv_bias=a.qkv_proj.bias,
-        q_norm=_weight(a.q_norm), k_norm=_weight(a.k_norm), o=a.o_proj.weight, o_bias=a.o_proj.bias,
-        post_norm=layer.post_attention_layernorm.weight, gate_up=mlp.gate_up_proj.weight,
-        gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        input_norm=layer.input_layernorm.weight, qkv=_weight_of(a.qkv_proj), qkv_bias=a.qkv_proj.bias,
+        q_norm=_weight(a.q_norm), k_norm=_weight(a.k_norm), o=_weight_of(a.o_proj), o_bias=a.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight, gate_up=_weight_of(mlp.gate_up_proj),
+        gate_up_bias=mlp.gate_up_proj.bias, down=_weight_of(mlp.down_proj), down_bias=mlp.down_proj.bias,
     )  # fmt: skip
     try:
         return FusedLayer(kernels, weights, a.num_heads, a.num_kv_heads, eps.pop())
@@ -212,7 +232,7 @@ class CpuExecutor:
         self.layers = (
             [OpsLayer(layer, kind, kernels, ops) for layer in model.layers] if not self.fused else []
         )
-        self.head = _bind_linear(kind, kernels, model.head_weight, None)
+        self.head = _bind_linear(kind, kernels, model.head_weight, None, config.dtype)
         # torch's argmax took 0.9 ms of a 24.5 ms step at 32 sequences; the C one, 0.05.
         self._argmax = kernels.argmax if kernels is not None else None
         cpu = cpu or this_cpu()

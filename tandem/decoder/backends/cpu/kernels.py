@@ -28,6 +28,7 @@ import torch
 
 from tandem.decoder.backends.cpu.build import Level, build_id, module_name
 from tandem.decoder.backends.cpu.isa import CpuInfo, best_level, this_cpu
+from tandem.decoder.models.quantized import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,9 @@ class Kernels:
         # it hands over. Its weights are in weight_layout: 0 = [n, k] as stored, 16 = packed for
         # AVX512-BF16 (linear_packed.c), made once per weight by pack_weight.
         self.linear_bf16 = _bind(library.tandem_linear_bf16, pointers * 4 + sizes * 3)
-        # Any weight (weight.h's descriptor: bf16, or quantized by pack_quantized); call it through
+        # Any weight (weight.h's descriptor: bf16, or quantized_weight's); call it through
         # linear.CLinear or linear.QuantLinear, which check every tensor they hand over.
         self.linear = _bind(library.tandem_linear, pointers * 4 + sizes * 3 + [ctypes.c_int])
-        self._pack_quant = _bind(library.tandem_pack_quant, sizes + pointers * 3 + sizes * 2 + pointers * 3)
-        self._quant_codes_bytes = library.tandem_quant_codes_bytes
-        self._quant_codes_bytes.restype, self._quant_codes_bytes.argtypes = ctypes.c_int64, sizes * 3
-        self._quant_scales = library.tandem_quant_scales
-        self._quant_scales.restype, self._quant_scales.argtypes = ctypes.c_int64, sizes * 2
         self.weight_layout = int(_bind(library.tandem_weight_layout, [])())
         # Whether decode_attention runs bf16 caches with head_dim a multiple of 64 (at most 256)
         # through the tiled kernel (attention_tiles.c), fast at any context length.
@@ -107,35 +103,12 @@ class Kernels:
         _check(self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k), f"pack_weight: [{n}, {k}]")
         return KernelWeight(WEIGHT_BF16, n, k, packed)
 
-    def pack_quantized(
-        self,
-        codes: torch.Tensor,  # [n, k] uint8 0..15 (Q4) or int8 (Q8), one code a byte
-        scales: torch.Tensor,  # float16 [n, k / QUANT_BLOCK]: d
-        mins: torch.Tensor | None,  # float16 [n, k / QUANT_BLOCK]: m, Q4 only
-    ) -> KernelWeight:
-        """A quantized linear weight, w = d q + m per block of QUANT_BLOCK inputs, in the packed layout
-        of csrc/linear_quant.c (the same on every build)."""
-        fmt = WEIGHT_Q4 if codes.dtype == torch.uint8 else WEIGHT_Q8
-        _check_tensor("codes", codes, {torch.uint8: 0, torch.int8: 0}, (None, None))
-        n, k = codes.shape
-        if n < 1 or k < 1 or k % QUANT_BLOCK != 0:
-            raise ValueError(f"codes must be [n, k] with k a multiple of {QUANT_BLOCK}, got {_shape(codes)}")
-        _check_tensor("scales", scales, torch.float16, (n, k // QUANT_BLOCK), against="codes")
-        if (mins is None) != (fmt == WEIGHT_Q8):
-            raise ValueError("mins must be given with uint8 (4-bit) codes and only with them")
-        if mins is not None:
-            _check_tensor("mins", mins, torch.float16, (n, k // QUANT_BLOCK), against="codes")
-        packed = torch.empty(self._quant_codes_bytes(fmt, n, k), dtype=torch.uint8)
-        packed_scales = torch.empty(self._quant_scales(n, k), dtype=torch.float16)
-        packed_mins = torch.empty_like(packed_scales) if mins is not None else None
-        status = self._pack_quant(
-            fmt, codes.data_ptr(), scales.data_ptr(), _ptr_of(mins), n, k,
-            packed.data_ptr(), packed_scales.data_ptr(), _ptr_of(packed_mins),
-        )  # fmt: skip
-        if status == -2:
-            raise ValueError("codes must be 0..15 for a 4-bit (uint8) weight")
-        _check(status, f"pack_quantized: [{n}, {k}]")
-        return KernelWeight(fmt, n, k, packed, packed_scales, packed_mins)
+    @staticmethod
+    def quantized_weight(weight: QuantizedTensor) -> KernelWeight:
+        """A quantized weight as the kernels read it: its own tensors, in place (models/quantized.py's
+        layout is the one csrc/linear_quant.c reads)."""
+        fmt = WEIGHT_Q4 if weight.bits == 4 else WEIGHT_Q8
+        return KernelWeight(fmt, weight.n, weight.k, weight.codes, weight.scales, weight.mins)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: torch.argmax(logits, dim=-1) of float32 logits [rows, vocab] (argmax.c)."""
@@ -281,7 +254,6 @@ class Kernels:
 
 
 WEIGHT_BF16, WEIGHT_Q4, WEIGHT_Q8 = 1, 2, 3  # csrc/weight.h's formats
-QUANT_BLOCK = 32  # inputs per scale (and offset) of a quantized weight
 
 
 class _WeightDescriptor(ctypes.Structure):

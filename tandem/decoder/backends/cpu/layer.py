@@ -16,24 +16,26 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.decoder.backends.cpu.kernels import Kernels, is_plain
+from tandem.decoder.backends.cpu.kernels import Kernels, KernelWeight, is_plain
+from tandem.decoder.models.quantized import QuantizedTensor
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """The tensors of one decoder layer, as the model holds them (bf16, contiguous, on the CPU)."""
+    """The tensors of one decoder layer, as the model holds them (bf16, contiguous, on the CPU; the
+    projections may be quantized)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv: torch.Tensor | QuantizedTensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
     q_norm: torch.Tensor | None  # [head_dim], Qwen3 only
     k_norm: torch.Tensor | None  # [head_dim], Qwen3 only
-    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    o: torch.Tensor | QuantizedTensor  # [hidden, num_heads * head_dim]
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
+    gate_up: torch.Tensor | QuantizedTensor  # [2 * intermediate, hidden]: gate rows, then up rows
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
-    down: torch.Tensor  # [hidden, intermediate]
+    down: torch.Tensor | QuantizedTensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
 
 
@@ -42,6 +44,12 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the weights the linear kernel 
 
 def _is_plain_bf16(t: torch.Tensor | None) -> bool:
     return t is None or is_plain(t, torch.bfloat16)
+
+
+def _kernel_weight(kernels: Kernels, weight: torch.Tensor | QuantizedTensor) -> KernelWeight:
+    if isinstance(weight, QuantizedTensor):
+        return kernels.quantized_weight(weight)
+    return kernels.pack_weight(weight)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -66,12 +74,14 @@ class FusedLayer:
         }  # fmt: skip
         for name, shape in shapes.items():
             t = getattr(weights, name)
+            if isinstance(t, QuantizedTensor) and name in _PROJECTIONS and t.shape == shape:
+                continue
             if not _is_plain_bf16(t) or (t is not None and tuple(t.shape) != shape):
                 raise ValueError(f"{name} must be a contiguous bfloat16 CPU tensor of shape {list(shape)}")
         self.weights = weights
         # The projections as the kernels read them (packed copies on AVX512-BF16 builds); held: the
         # pointers below stay valid while this object lives.
-        self.kernel_weights = {name: kernels.pack_weight(getattr(weights, name)) for name in _PROJECTIONS}
+        self.kernel_weights = {name: _kernel_weight(kernels, getattr(weights, name)) for name in _PROJECTIONS}
         # Every weight's pointer, as tandem_attention_in, tandem_mlp_block and the stack take them.
         self.pointers = {
             f.name: self.kernel_weights[f.name].ptr

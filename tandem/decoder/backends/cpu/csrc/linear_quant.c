@@ -12,7 +12,8 @@
  * sum S_b = sum_i x_i is computed once per row and shared by every output. Nothing is dequantized to
  * memory. Other builds run the same sums in portable C that the compiler vectorizes over 16 outputs.
  *
- * Packed layout (tandem_pack_quant; nb = k / 32 blocks, outputs in groups of 16, padded with zeros):
+ * Packed layout (models/quantized.py writes it; nb = k / 32 blocks, outputs in groups of 16, padded
+ * with zeros):
  *   Q4 codes  [group][block][pair p < 16][output c < 16] bytes: q[16 g + c][32 b + 2 p] in the low
  *             nibble, q[16 g + c][32 b + 2 p + 1] in the high one (16 bytes: one pair of 16 outputs)
  *   Q8 codes  [group][block][pair][output][2] int8: the pair's two codes side by side
@@ -66,53 +67,6 @@ static inline float fp16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-
-/* Elements of each packed array for an [n, k] weight: codes bytes, then scales (and mins) fp16. -1 when
- * k is not a whole number of blocks or a size is below 1. */
-int64_t tandem_quant_codes_bytes(int64_t format, int64_t n, int64_t k) {
-    if (n < 1 || k < 1 || k % QB != 0) return -1;
-    const int64_t padded = (n + QG - 1) / QG * QG;
-    if (format == TANDEM_WEIGHT_Q4) return padded * k / 2;
-    if (format == TANDEM_WEIGHT_Q8) return padded * k;
-    return -1;
-}
-
-int64_t tandem_quant_scales(int64_t n, int64_t k) {
-    if (n < 1 || k < 1 || k % QB != 0) return -1;
-    return (n + QG - 1) / QG * QG * (k / QB);
-}
-
-/* From codes q [n, k] (uint8 0..15 for Q4, int8 for Q8, one a byte) and d, m [n, k / 32] fp16 (m only
- * for Q4), the packed arrays above. 0, or -1 for a bad size or format (a Q4 code past 15: -2). */
-int tandem_pack_quant(int64_t format, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t n,
-                      int64_t k, uint8_t *codes, uint16_t *scales, uint16_t *mins) {
-    const int64_t bytes = tandem_quant_codes_bytes(format, n, k);
-    if (bytes < 0 || (format == TANDEM_WEIGHT_Q4 && (m == NULL || mins == NULL))) return -1;
-    const int64_t groups = (n + QG - 1) / QG, nb = k / QB;
-    int bad = 0;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            for (int64_t c = 0; c < QG; c++) {
-                const int64_t f = g * QG + c, at = (g * nb + b) * QG + c;
-                scales[at] = f < n ? d[f * nb + b] : 0;
-                if (format == TANDEM_WEIGHT_Q4) mins[at] = f < n ? m[f * nb + b] : 0;
-            }
-            for (int64_t p = 0; p < QP; p++)
-                for (int64_t c = 0; c < QG; c++) {
-                    const int64_t f = g * QG + c, i = b * QB + 2 * p;
-                    const uint8_t lo = f < n ? q[f * k + i] : 0, hi = f < n ? q[f * k + i + 1] : 0;
-                    const int64_t at = ((g * nb + b) * QP + p) * QG + c;
-                    if (format == TANDEM_WEIGHT_Q4) {
-                        bad |= lo > 15 || hi > 15;
-                        codes[at] = (uint8_t)((lo & 15) | (hi & 15) << 4);
-                    } else {
-                        codes[2 * at] = lo;
-                        codes[2 * at + 1] = hi;
-                    }
-                }
-        }
-    return bad ? -2 : 0;
 }
 
 /* Per-thread scratch: the rows' block sums S [m][nb] and, for bf16 inputs on other builds, the rows

@@ -8,7 +8,7 @@
  *   TANDEM_WEIGHT_Q4           w[f][i] = d * q + m, q in 0..15, d and m fp16 per 32 inputs (GGUF's Q4_0
  *                              and Q4_1; Q4_0's d * (q - 8) is m = -8 d).
  *   TANDEM_WEIGHT_Q8           w[f][i] = d * q, q in -128..127, d fp16 per 32 inputs (GGUF's Q8_0).
- * Quantized weights are in linear_quant.c's packed layout (tandem_pack_quant), the same on every build.
+ * Quantized weights are in linear_quant.c's packed layout (written by models/quantized.py).
  */
 #ifndef TANDEM_NATIVE_WEIGHT_H
 #define TANDEM_NATIVE_WEIGHT_H

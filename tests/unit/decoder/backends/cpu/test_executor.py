@@ -18,8 +18,10 @@ from tandem.decoder.engine.engine import Engine
 from tandem.decoder.engine.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.prompt import GenerateSpec
+from tandem.decoder.models import quantized
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.quantized import quantize
 from tandem.decoder.models.qwen3 import Qwen3ForCausalLM
 
 from ...conftest import Checkpoint
@@ -115,3 +117,35 @@ def test_a_model_past_the_c_kernels_limits_runs_per_op_on_torch_and_matches_the_
     for chunks in steps:
         want, got = plain.step(chunks), on_executor.step(chunks)
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_weights_run_on_the_quantized_kernels_with_the_models_own_tokens(
+    kernels, checkpoints: dict[str, Checkpoint], bits: int, dtype: str
+) -> None:
+    # Every linear and the token table rounded to `bits`: the executor binds kernels that read the codes
+    # in place (fused layers and the one-call stack on AVX512-BF16 builds, as for bf16 weights).
+    model = load_model(checkpoints["qwen3"].path, dtype=dtype).model
+    dense = {name: p for name, p in model.named_parameters() if p.dim() == 2}
+    quantized.apply(model, {name: quantize(p, bits) for name, p in dense.items()})
+    executor = CpuExecutor(model, kernels)
+    if dtype == "bfloat16" and kernels.weight_layout != 0:
+        assert executor.fused is not None and executor.stack is not None
+    if dtype == "float32":
+        # The reference dequantizes the same values; only the order of fp32 sums differs.
+        assert greedy_with(executor, model, PROMPT, 12) == greedy(model, PROMPT, 12)
+    else:
+        # The reference rounds each dequantized weight to bf16; the kernels use d q + m exactly. So the
+        # executor is compared with the model in float32 over the same codes: logits close.
+        run = PagedRun(model, step=executor)
+        reference = load_model(checkpoints["qwen3"].path, dtype="float32").model
+        quantized.apply(reference, {name: _as_float32(model, name) for name in dense})
+        ref_run = PagedRun(reference)
+        logits, want = run.step([("s", PROMPT)]), ref_run.step([("s", PROMPT)])
+        assert (logits - want).abs().max() < 0.05 * want.abs().max()
+
+
+def _as_float32(model, name: str):
+    module = model.get_submodule(name.removesuffix(".weight"))
+    return module.qweight  # the same codes and scales serve float32 inputs

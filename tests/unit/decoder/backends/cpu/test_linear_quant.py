@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.decoder.backends.cpu.kernels import QUANT_BLOCK, WEIGHT_Q4, WEIGHT_Q8, Kernels
+from tandem.decoder.backends.cpu.kernels import WEIGHT_Q4, WEIGHT_Q8, Kernels
 from tandem.decoder.backends.cpu.linear import QuantLinear
+from tandem.decoder.models.quantized import BLOCK as QUANT_BLOCK
+from tandem.decoder.models.quantized import pack
 
 
 def q4_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,7 +52,7 @@ def test_a_4_bit_linear_is_the_product_with_its_dequantized_weight(
     kernels: Kernels, dtype: torch.dtype, n: int, k: int
 ) -> None:
     codes, d, m = q4_weight(n, k)
-    weight = kernels.pack_quantized(codes, d, m)
+    weight = kernels.quantized_weight(pack(codes, d, m))
     assert weight.format == WEIGHT_Q4
     for rows in (1, 3, 4, 9):
         x = torch.randn(rows, k).to(dtype)
@@ -63,7 +65,7 @@ def test_an_8_bit_linear_with_a_bias_is_the_product_with_its_dequantized_weight(
 ) -> None:
     n, k = 72, 160
     codes, d = q8_weight(n, k)
-    weight = kernels.pack_quantized(codes, d, None)
+    weight = kernels.quantized_weight(pack(codes, d, None))
     assert weight.format == WEIGHT_Q8
     bias = torch.randn(n).to(dtype)
     for rows in (1, 2, 5):
@@ -81,10 +83,10 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Kernels, b
     n, k = 200, 128  # 13 groups of 16: whole tiles of 6 and 3 groups, and a remainder
     if bits == 4:
         codes, d, m = q4_weight(n, k, seed=1)
-        weight = kernels.pack_quantized(codes, d, m)
+        weight = kernels.quantized_weight(pack(codes, d, m))
     else:
         codes, d = q8_weight(n, k, seed=1)
-        weight = kernels.pack_quantized(codes, d, None)
+        weight = kernels.quantized_weight(pack(codes, d, None))
     linear = QuantLinear(kernels, weight, None, torch.bfloat16)
     x = torch.randn(11, k).to(torch.bfloat16)  # tiles of 4 rows, then 3
     together = linear(x)
@@ -94,39 +96,9 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Kernels, b
         assert torch.equal(together[begin:end], linear(x[begin:end].contiguous())), (begin, end)
 
 
-def test_the_4_bit_layout_holds_pairs_of_16_outputs_in_nibbles(kernels: Kernels) -> None:
-    n, k = 20, 64  # two groups of 16 outputs (the second padded), two blocks
-    codes, d, m = q4_weight(n, k)
-    weight = kernels.pack_quantized(codes, d, m)
-    groups, blocks = 2, k // QUANT_BLOCK
-    padded = torch.zeros(groups * 16, k, dtype=torch.uint8)
-    padded[:n] = codes
-    packed = weight.data.view(groups, blocks, QUANT_BLOCK // 2, 16)  # [group, block, pair, output]
-    for g in range(groups):
-        for b in range(blocks):
-            for p in range(QUANT_BLOCK // 2):
-                rows = padded[16 * g : 16 * (g + 1), QUANT_BLOCK * b + 2 * p : QUANT_BLOCK * b + 2 * p + 2]
-                assert torch.equal(packed[g, b, p], rows[:, 0] | rows[:, 1] << 4), (g, b, p)
-    scales = weight.scales.view(groups, blocks, 16)
-    assert torch.equal(scales[0], d[:16].T) and torch.equal(scales[1, :, :4], d[16:].T)
-    assert not scales[1, :, 4:].any() and not weight.mins.view(groups, blocks, 16)[1, :, 4:].any()
-
-
-def test_weights_the_kernel_cannot_take_are_refused_naming_the_argument(kernels: Kernels) -> None:
+def test_inputs_the_kernel_cannot_read_are_refused_naming_the_argument(kernels: Kernels) -> None:
     codes, d, m = q4_weight(16, 64)
-    with pytest.raises(ValueError, match="k a multiple of 32"):
-        kernels.pack_quantized(codes[:, :48].contiguous(), d[:, :1].contiguous(), m[:, :1].contiguous())
-    with pytest.raises(ValueError, match="codes must be 0..15"):
-        kernels.pack_quantized(codes | 16, d, m)
-    with pytest.raises(ValueError, match="mins must be given with uint8"):
-        kernels.pack_quantized(codes, d, None)
-    with pytest.raises(ValueError, match="mins must be given with uint8"):
-        kernels.pack_quantized(codes.to(torch.int8), d, m)
-    with pytest.raises(ValueError, match=r"scales must have shape \[16, 2\] to match codes"):
-        kernels.pack_quantized(codes, d[:, :1].contiguous(), m)
-    with pytest.raises(ValueError, match="scales must be torch.float16"):
-        kernels.pack_quantized(codes, d.float(), m)
-    weight = kernels.pack_quantized(codes, d, m)
+    weight = kernels.quantized_weight(pack(codes, d, m))
     linear = QuantLinear(kernels, weight, None, torch.bfloat16)
     with pytest.raises(ValueError, match=r"x must be a contiguous bfloat16 CPU tensor of shape \[\*, 64\]"):
         linear(torch.randn(2, 64))

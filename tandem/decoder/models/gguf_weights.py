@@ -1,0 +1,128 @@
+"""A GGUF file's own quantized weights, for `--quantization gguf`: every linear and the token table.
+
+The checkpoint directory imported from the file (common/gguf_import.py) gives the model its config,
+tokenizer, norms and dense weights; this reads the file's linear weights again, as stored:
+- Q4_0 (d (q - 8), stored as d q + m with m = -8 d, exact in fp16), Q4_1 (d q + m) and Q8_0 (d q)
+  blocks are served as they are (models/quantized.py's form, no value changed);
+- any other type is dequantized by the gguf package and re-quantized once, to 4 bits for the types
+  of 4 bits or fewer (Q2_K .. Q4_K, IQ*) and to 8 bits for the rest (Q5_*, Q6_K, F16, F32, BF16),
+  which the log says.
+Llama files store the Q and K rows in llama.cpp's RoPE order; they are put back, codes and scales
+alike (a permutation of output rows moves whole blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.common.gguf_import import gguf_name, unpermute_rows
+from tandem.decoder.models.quantized import BLOCK, QuantizedTensor, cat_rows, pack, quantize
+
+log = logging.getLogger(__name__)
+
+SERVED = ("Q4_0", "Q4_1", "Q8_0")  # served as stored
+_TO_4_BITS = ("Q2_K", "Q3_K", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+              "IQ4_NL", "IQ4_XS")  # fmt: skip
+
+
+class QuantizationError(ValueError):
+    """Weights that cannot be served quantized; the message is one line naming the flag and why."""
+
+
+def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, QuantizedTensor]:
+    """The quantized form of every linear weight and of the token table of `model` (parameter name ->
+    weight), from the GGUF file it was imported from."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except (OSError, ValueError) as e:
+        raise QuantizationError(f"--quantization gguf: {gguf_path} cannot be read: {e}") from None
+    tensors = {t.name: t for t in reader.tensors}
+    field = reader.fields.get("general.architecture")
+    architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    heads = {"num_attention_heads": model.config.num_heads, "num_key_value_heads": model.config.num_kv_heads}
+    out: dict[str, QuantizedTensor] = {}
+    requantized: Counter[str] = Counter()
+    for name, module in model.named_modules():
+        if not _is_quantizable(name, module):
+            continue
+        param = f"{name}.weight"
+        parts = []
+        for part in model.checkpoint_parts(param):
+            key = gguf_name(part.name)
+            if key is None or key not in tensors:
+                raise QuantizationError(f"--quantization gguf: {gguf_path} has no tensor for {part.name}")
+            parts.append(_read(tensors[key], part.name, architecture, heads, requantized))
+        out[param] = parts[0] if len(parts) == 1 else cat_rows(parts)
+    if requantized:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(requantized.items()))
+        log.info("--quantization gguf: re-quantized once (not a type served as stored): %s", kinds)
+    return out
+
+
+def _is_quantizable(name: str, module: torch.nn.Module) -> bool:
+    """The linears (qkv, o, gate_up, down, an untied LM head) and the token table."""
+    leaf = name.rpartition(".")[2]
+    return leaf in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "embed_tokens") and hasattr(
+        module, "weight"
+    )
+
+
+def _read(
+    tensor: Any, hf_name: str, architecture: str, heads: dict[str, int], requantized: Counter[str]
+) -> QuantizedTensor:
+    """One GGUF tensor as a QuantizedTensor in Hugging Face's row order."""
+    import gguf
+
+    kind = tensor.tensor_type.name
+    n, k = (int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest-first
+    if kind in SERVED:
+        codes, d, m = _blocks(np.asarray(tensor.data), kind, n, k)
+        if architecture == "llama":
+            codes, d = unpermute_rows(hf_name, codes, heads), unpermute_rows(hf_name, d, heads)
+            m = None if m is None else unpermute_rows(hf_name, m, heads)
+        return pack(
+            torch.from_numpy(np.ascontiguousarray(codes)),
+            torch.from_numpy(np.ascontiguousarray(d)),
+            None if m is None else torch.from_numpy(np.ascontiguousarray(m)),
+        )
+    try:
+        dense = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        dense = np.array(dense, dtype=np.float32).reshape(n, k)
+    except NotImplementedError as e:
+        raise QuantizationError(f"--quantization gguf: {hf_name}: type {kind} cannot be read") from e
+    if k % BLOCK != 0:
+        raise QuantizationError(
+            f"--quantization gguf: {hf_name} has rows of {k}, not a whole number of blocks of {BLOCK}"
+        )
+    if architecture == "llama":
+        dense = unpermute_rows(hf_name, dense, heads)
+    requantized[kind] += 1
+    return quantize(torch.from_numpy(np.ascontiguousarray(dense)), 4 if kind in _TO_4_BITS else 8)
+
+
+def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """codes [n, k], d and m [n, k / 32] (m None for Q8_0) of a Q4_0, Q4_1 or Q8_0 tensor's raw bytes."""
+    nb = k // BLOCK
+    raw = data.reshape(n, nb, -1)  # [rows, blocks, bytes per block]
+    d = raw[:, :, 0:2].copy().view(np.float16).reshape(n, nb)
+    if kind == "Q8_0":
+        if not np.isfinite(d).all():
+            raise QuantizationError("--quantization gguf: a Q8_0 tensor has scales that are not finite")
+        return raw[:, :, 2:34].copy().view(np.int8).reshape(n, k), d, None
+    qs = raw[:, :, 4:20] if kind == "Q4_1" else raw[:, :, 2:18]  # 16 bytes: code j low, code j + 16 high
+    codes = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(n, k).astype(np.uint8)
+    if kind == "Q4_1":
+        m = raw[:, :, 2:4].copy().view(np.float16).reshape(n, nb)
+    else:  # Q4_0: d (q - 8) = d q + (-8 d), times 8 exact in fp16 unless it overflows
+        m = (d.astype(np.float32) * -8).astype(np.float16)
+    if not (np.isfinite(d).all() and np.isfinite(m).all()):
+        raise QuantizationError(f"--quantization gguf: a {kind} tensor has scales fp16 cannot hold")
+    return codes, d, m

@@ -1,0 +1,191 @@
+"""Quantized weights: 4- or 8-bit codes with an fp16 scale (and, 4-bit, an fp16 offset) per 32 inputs.
+
+A weight [n, k] is w[f][i] = d q + m for the block of 32 inputs holding i: GGUF's Q4_0 (m = -8 d),
+Q4_1 and Q8_0 (no m) are this, exactly. The model keeps them in this form and nowhere dequantized:
+`QuantizedLinear`'s forward (the reference the CPU kernels are tested against) and
+`QuantizedEmbedding`'s lookup rebuild the values they need per call, in fp32, rounded to the model's
+dtype. The CPU executor's kernels (backends/cpu/csrc/linear_quant.c) read the same tensors in place.
+
+Storage (`pack`): outputs in groups of 16 (the last padded with zeros), for each group the blocks in
+order, for each block its 16 pairs of inputs, for each pair the group's 16 outputs:
+  4-bit codes  [group][block][pair][output] uint8: the pair's first code in the low nibble
+  8-bit codes  [group][block][pair][output][2] int8
+  scales, mins [group][block][output] float16
+so that one pair of 16 outputs is 16 (or 32) consecutive bytes: one vector load in the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 32  # inputs per scale
+GROUP = 16  # outputs per group of the storage layout
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A [n, k] weight as `pack` stores it (see the module docstring)."""
+
+    bits: int  # 4 or 8
+    n: int
+    k: int
+    codes: torch.Tensor  # uint8 (4-bit: two codes a byte) or int8, 1-D
+    scales: torch.Tensor  # float16, 1-D: d
+    mins: torch.Tensor | None  # float16, 1-D: m; 4-bit only
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.codes, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes [n, k] one a byte, d [n, k / 32], m [n, k / 32] or None): `pack`'s inverse."""
+        groups, blocks = -(-self.n // GROUP), self.k // BLOCK
+        if self.bits == 4:
+            packed = self.codes.view(groups, blocks, BLOCK // 2, GROUP)
+            pairs = torch.stack((packed & 15, packed >> 4), dim=-1)  # [group, block, pair, output, 2]
+        else:
+            pairs = self.codes.view(groups, blocks, BLOCK // 2, GROUP, 2)
+        codes = pairs.permute(0, 3, 1, 2, 4).reshape(groups * GROUP, self.k)[: self.n]
+
+        def per_output(t: torch.Tensor) -> torch.Tensor:
+            return t.view(groups, blocks, GROUP).permute(0, 2, 1).reshape(groups * GROUP, blocks)[: self.n]
+
+        return codes, per_output(self.scales), None if self.mins is None else per_output(self.mins)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[n, k] in `dtype`: d q + m computed in fp32, then rounded once."""
+        codes, d, m = self.unpack()
+        return _values(codes, d, m).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` ([num_ids], int) of the dequantized weight: [num_ids, k] in `dtype`."""
+        groups, blocks = -(-self.n // GROUP), self.k // BLOCK
+        g, c = ids // GROUP, ids % GROUP
+        if self.bits == 4:
+            packed = self.codes.view(groups, blocks, BLOCK // 2, GROUP)[g, :, :, c]  # [ids, block, pair]
+            codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1, self.k)
+        else:
+            codes = self.codes.view(groups, blocks, BLOCK // 2, GROUP, 2)[g, :, :, c].reshape(-1, self.k)
+        d = self.scales.view(groups, blocks, GROUP)[g, :, c]  # [ids, block]
+        m = None if self.mins is None else self.mins.view(groups, blocks, GROUP)[g, :, c]
+        return _values(codes, d, m).to(dtype)
+
+
+def _values(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [rows, k]: d q (+ m), each scale over its 32 inputs, as GGUF's own dequantization computes it."""
+    values = codes.float() * d.float().repeat_interleave(BLOCK, dim=1)
+    return values if m is None else values + m.float().repeat_interleave(BLOCK, dim=1)
+
+
+def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> QuantizedTensor:
+    """codes [n, k] (uint8 0..15 with m: 4-bit; int8 without: 8-bit), d and m float16 [n, k / 32]."""
+    n, k = codes.shape
+    if k % BLOCK != 0 or n < 1:
+        raise ValueError(f"a quantized weight needs whole blocks of {BLOCK} inputs per row, got [{n}, {k}]")
+    bits = 4 if m is not None else 8
+    if bits == 4 and (codes.dtype != torch.uint8 or int(codes.max()) > 15):
+        raise ValueError("4-bit codes must be uint8 in 0..15")
+    if bits == 8 and codes.dtype != torch.int8:
+        raise ValueError("8-bit codes must be int8")
+    groups, blocks = -(-n // GROUP), k // BLOCK
+    padded = F.pad(codes, (0, 0, 0, groups * GROUP - n))  # [groups * 16, k]
+    pairs = padded.view(groups, GROUP, blocks, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)  # [g, b, p, out, 2]
+    if bits == 4:
+        packed = (pairs[..., 0] | pairs[..., 1] << 4).contiguous().view(-1)
+    else:
+        packed = pairs.contiguous().view(-1)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t.to(torch.float16), (0, 0, 0, groups * GROUP - n))
+        return t.view(groups, GROUP, blocks).permute(0, 2, 1).contiguous().view(-1)
+
+    return QuantizedTensor(bits, n, k, packed, per_group(d), None if m is None else per_group(m))
+
+
+def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """The weights' rows one after another (q, k, v into qkv; gate, up into gate_up)."""
+    if len({p.bits for p in parts}) != 1 or len({p.k for p in parts}) != 1:
+        raise ValueError("weights fused into one must share their quantization and width")
+    unpacked = [p.unpack() for p in parts]
+    mins = None if parts[0].bits == 8 else torch.cat([u[2] for u in unpacked])
+    return pack(torch.cat([u[0] for u in unpacked]), torch.cat([u[1] for u in unpacked]), mins)
+
+
+def quantize(weight: torch.Tensor, bits: int) -> QuantizedTensor:
+    """A dense [n, k] weight rounded to `bits` per block of 32: 8-bit symmetric (d = max |w| / 127, as
+    GGUF's Q8_0), 4-bit with an offset (d = (max - min) / 15, m = min, as Q4_1)."""
+    n, k = weight.shape
+    if k % BLOCK != 0:
+        raise ValueError(f"a row of {k} inputs is not a whole number of blocks of {BLOCK}")
+    w = weight.float().view(n, k // BLOCK, BLOCK)
+    if bits == 8:
+        d = (w.abs().amax(dim=-1) / 127).half()  # [n, blocks]
+        inverse = torch.where(d.float() > 0, 1 / d.float(), 0.0)[..., None]
+        codes = (w * inverse).round().clamp(-128, 127).to(torch.int8).view(n, k)
+        return pack(codes, d, None)
+    if bits == 4:
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        d, m = ((high - low) / 15).half(), low.half()
+        inverse = torch.where(d.float() > 0, 1 / d.float(), 0.0)[..., None]
+        codes = ((w - m.float()[..., None]) * inverse).round().clamp(0, 15).to(torch.uint8).view(n, k)
+        return pack(codes, d, m)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+class QuantizedLinear(nn.Module):
+    """The model's linear over a quantized weight; its forward dequantizes per call (the reference:
+    the CPU executor binds a kernel that reads the codes in place)."""
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features = weight.k, weight.n
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        return F.linear(x, self.qweight.dequantize(x.dtype), self.bias if with_bias else None)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token-embedding table kept quantized: a lookup dequantizes only the rows it returns (the
+    same values the tied LM head multiplies)."""
+
+    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.n, weight.k
+
+    def forward(self, ids: torch.Tensor, sp: bool = False) -> torch.Tensor:
+        # ids: [num_tokens] -> [num_tokens, embedding_dim]. One rank only: sp is never True here.
+        return self.qweight.rows(ids.reshape(-1).long(), self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+def apply(model: nn.Module, weights: dict[str, QuantizedTensor]) -> None:
+    """Replaces the model's linears and token embedding named in `weights` (parameter names, e.g.
+    "layers.0.self_attn.qkv_proj.weight", "embed_tokens.weight", "lm_head.weight") by their quantized
+    forms; the dense weights they held are released."""
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    for name, weight in weights.items():
+        module_name = name.removesuffix(".weight")
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        if tuple(old.weight.shape) != weight.shape:
+            raise ValueError(
+                f"{name}: a quantized weight of {list(weight.shape)} for {list(old.weight.shape)}"
+            )
+        if attr == "embed_tokens":
+            setattr(parent, attr, QuantizedEmbedding(weight, dtype))
+        else:
+            setattr(parent, attr, QuantizedLinear(weight, getattr(old, "bias", None)))

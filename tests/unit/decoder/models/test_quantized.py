@@ -1,0 +1,123 @@
+"""Quantized weights (models/quantized.py): the storage layout the CPU kernels read, lookups of rows,
+rounding a dense weight, and the modules that replace a model's linears and token table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.decoder.models.quantized import (
+    BLOCK,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    cat_rows,
+    pack,
+    quantize,
+)
+
+
+def q4(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // BLOCK, generator=g) * 0.02 + 1e-3).half()
+    m = (torch.randn(n, k // BLOCK, generator=g) * 0.1).half()
+    return codes, d, m
+
+
+def q8(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return codes, (torch.rand(n, k // BLOCK, generator=g) * 0.002).half()
+
+
+def test_4_bit_storage_holds_pairs_of_16_outputs_in_nibbles_block_by_block() -> None:
+    n, k = 20, 64  # two groups of 16 outputs (the second padded with zeros), two blocks
+    codes, d, m = q4(n, k)
+    weight = pack(codes, d, m)
+    groups, blocks = 2, k // BLOCK
+    padded = torch.zeros(groups * 16, k, dtype=torch.uint8)
+    padded[:n] = codes
+    stored = weight.codes.view(groups, blocks, BLOCK // 2, 16)  # [group, block, pair, output]
+    for g in range(groups):
+        for b in range(blocks):
+            for p in range(BLOCK // 2):
+                pair = padded[16 * g : 16 * (g + 1), BLOCK * b + 2 * p : BLOCK * b + 2 * p + 2]
+                assert torch.equal(stored[g, b, p], pair[:, 0] | pair[:, 1] << 4), (g, b, p)
+    scales = weight.scales.view(groups, blocks, 16)
+    assert torch.equal(scales[0], d[:16].T) and torch.equal(scales[1, :, :4], d[16:].T)
+    assert not scales[1, :, 4:].any() and not weight.mins.view(groups, blocks, 16)[1, :, 4:].any()
+    assert weight.nbytes == groups * 16 * (k // 2 + 2 * 2 * blocks)  # 0.625 bytes a weight
+
+
+def test_8_bit_storage_holds_each_pair_side_by_side() -> None:
+    codes, d = q8(16, 32)
+    stored = pack(codes, d, None).codes.view(1, 1, BLOCK // 2, 16, 2)
+    for p in range(BLOCK // 2):
+        assert torch.equal(stored[0, 0, p], codes[:, 2 * p : 2 * p + 2]), p
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_unpack_dequantize_and_rows_give_back_d_q_plus_m(bits: int) -> None:
+    n, k = 37, 96
+    codes, d, m = q4(n, k) if bits == 4 else (*q8(n, k), None)
+    weight = pack(codes, d, m)
+    unpacked = weight.unpack()
+    assert torch.equal(unpacked[0], codes) and torch.equal(unpacked[1], d)
+    assert (unpacked[2] is None) == (m is None) and (m is None or torch.equal(unpacked[2], m))
+    expected = codes.float() * d.float().repeat_interleave(BLOCK, 1)
+    if m is not None:
+        expected = expected + m.float().repeat_interleave(BLOCK, 1)
+    assert torch.equal(weight.dequantize(torch.float32), expected)
+    ids = torch.tensor([36, 0, 17, 17, 5])
+    assert torch.equal(weight.rows(ids, torch.bfloat16), expected[ids].to(torch.bfloat16))
+
+
+def test_rows_of_several_weights_concatenate_as_their_dense_forms_do() -> None:
+    parts = [pack(*q4(n, 64, seed=n)) for n in (24, 8, 8)]
+    fused = cat_rows(parts)
+    assert fused.shape == (40, 64)
+    assert torch.equal(
+        fused.dequantize(torch.float32), torch.cat([p.dequantize(torch.float32) for p in parts])
+    )
+    with pytest.raises(ValueError, match="share their quantization"):
+        cat_rows([parts[0], pack(*q8(8, 64), None)])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rounding_a_dense_weight_errs_by_at_most_half_a_step_per_block(bits: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(48, 128)
+    weight = quantize(w, bits)
+    assert weight.bits == bits
+    _, d, _ = weight.unpack()
+    step = d.float().repeat_interleave(BLOCK, 1)
+    # fp16 scales round d itself: allow that rounding on top of half a step.
+    error = (weight.dequantize(torch.float32) - w).abs()
+    assert (error <= step * 0.5 + w.abs() * 2**-10 + 1e-6).all()
+
+
+def test_weights_the_storage_cannot_hold_are_refused() -> None:
+    codes, d, m = q4(16, 64)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        pack(codes[:, :48], d[:, :1], m[:, :1])
+    with pytest.raises(ValueError, match="4-bit codes must be uint8 in 0..15"):
+        pack(codes | 16, d, m)
+    with pytest.raises(ValueError, match="8-bit codes must be int8"):
+        pack(codes, d, None)
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        quantize(torch.randn(4, 40), 8)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        quantize(torch.randn(4, 64), 2)
+
+
+def test_the_modules_compute_with_the_dequantized_values() -> None:
+    weight = pack(*q4(24, 64))
+    bias = torch.randn(24)
+    linear = QuantizedLinear(weight, bias)
+    x = torch.randn(3, 64)
+    dense = weight.dequantize(torch.float32)
+    torch.testing.assert_close(linear(x), x @ dense.T + bias)
+    torch.testing.assert_close(linear(x, with_bias=False), x @ dense.T)
+    embedding = QuantizedEmbedding(weight, torch.bfloat16)
+    ids = torch.tensor([[3, 23], [0, 3]])
+    assert torch.equal(embedding(ids), dense[ids].to(torch.bfloat16))
