@@ -2,8 +2,8 @@
 
 The checkpoint directory imported from the file (common/gguf_import.py) gives the model its config,
 tokenizer, norms and dense weights; this reads the file's linear weights again, as stored:
-- Q4_0 (d (q - 8), stored as d q + m with m = -8 d, exact in fp16), Q4_1 (d q + m) and Q8_0 (d q)
-  blocks are served as they are (models/quantized.py's form, no value changed);
+- Q4_0 (d (q - 8)), Q4_1 (d q + m) and Q8_0 (d q) blocks are served as they are (models/quantized.py's
+  form: the same codes and fp16 scales, every value computed as GGUF computes it);
 - any other type is dequantized by the gguf package and re-quantized once, to 4 bits for the types
   of 4 bits or fewer (Q2_K .. Q4_K, IQ*) and to 8 bits for the rest (Q5_*, Q6_K, F16, F32, BF16),
   which the log says.
@@ -109,20 +109,14 @@ def _read(
 
 
 def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """codes [n, k], d and m [n, k / 32] (m None for Q8_0) of a Q4_0, Q4_1 or Q8_0 tensor's raw bytes."""
+    """codes [n, k], d and m [n, k / 32] (m only for Q4_1) of a Q4_0, Q4_1 or Q8_0 tensor's raw bytes.
+    A scale that is not finite stays so: the weights it scales are then what the file says, NaN."""
     nb = k // BLOCK
     raw = data.reshape(n, nb, -1)  # [rows, blocks, bytes per block]
     d = raw[:, :, 0:2].copy().view(np.float16).reshape(n, nb)
     if kind == "Q8_0":
-        if not np.isfinite(d).all():
-            raise QuantizationError("--quantization gguf: a Q8_0 tensor has scales that are not finite")
         return raw[:, :, 2:34].copy().view(np.int8).reshape(n, k), d, None
     qs = raw[:, :, 4:20] if kind == "Q4_1" else raw[:, :, 2:18]  # 16 bytes: code j low, code j + 16 high
     codes = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(n, k).astype(np.uint8)
-    if kind == "Q4_1":
-        m = raw[:, :, 2:4].copy().view(np.float16).reshape(n, nb)
-    else:  # Q4_0: d (q - 8) = d q + (-8 d), times 8 exact in fp16 unless it overflows
-        m = (d.astype(np.float32) * -8).astype(np.float16)
-    if not (np.isfinite(d).all() and np.isfinite(m).all()):
-        raise QuantizationError(f"--quantization gguf: a {kind} tensor has scales fp16 cannot hold")
+    m = raw[:, :, 2:4].copy().view(np.float16).reshape(n, nb) if kind == "Q4_1" else None  # Q4_0: d (q - 8)
     return codes, d, m

@@ -1,17 +1,21 @@
-"""Quantized weights: 4- or 8-bit codes with an fp16 scale (and, 4-bit, an fp16 offset) per 32 inputs.
+"""Quantized weights: 4- or 8-bit codes with an fp16 scale (and an fp16 offset) per 32 inputs.
 
-A weight [n, k] is w[f][i] = d q + m for the block of 32 inputs holding i: GGUF's Q4_0 (m = -8 d),
-Q4_1 and Q8_0 (no m) are this, exactly. The model keeps them in this form and nowhere dequantized:
+A weight [n, k] has, for the block of 32 inputs holding i, w[f][i] = d (q - 8) (4-bit without
+offsets: GGUF's Q4_0), d q + m (4-bit with offsets: Q4_1), or d q (8-bit: Q8_0), each computed in
+fp32 as GGUF's own dequantization computes it (a product, then a sum), so the values are the file's.
+The model keeps them in this form and nowhere dequantized:
 `QuantizedLinear`'s forward (the reference the CPU kernels are tested against) and
 `QuantizedEmbedding`'s lookup rebuild the values they need per call, in fp32, rounded to the model's
 dtype. The CPU executor's kernels (backends/cpu/csrc/linear_quant.c) read the same tensors in place.
 
 Storage (`pack`): outputs in groups of 16 (the last padded with zeros), for each group the blocks in
-order, for each block its 16 pairs of inputs, for each pair the group's 16 outputs:
-  4-bit codes  [group][block][pair][output] uint8: the pair's first code in the low nibble
-  8-bit codes  [group][block][pair][output][2] int8
+order, for each block its 16 pairs of inputs, for each pair the group's 32 codes in lane order
+L = 2 c + t (output c, input 2 p + t):
+  4-bit codes  [group][block][pair][16] uint8: byte j holds lane j (low nibble) and lane j + 16
+  8-bit codes  [group][block][pair][32] int8, lane by lane
   scales, mins [group][block][output] float16
-so that one pair of 16 outputs is 16 (or 32) consecutive bytes: one vector load in the kernel.
+so that one pair of 16 outputs is 16 (or 32) consecutive bytes, one vector load in the kernel, whose
+two halves become, once widened, the 16 dwords of (w[c][2p], w[c][2p + 1]) a bf16 dot product takes.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class QuantizedTensor:
     k: int
     codes: torch.Tensor  # uint8 (4-bit: two codes a byte) or int8, 1-D
     scales: torch.Tensor  # float16, 1-D: d
-    mins: torch.Tensor | None  # float16, 1-D: m; 4-bit only
+    mins: torch.Tensor | None  # float16, 1-D: m; 4-bit with offsets only
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -49,60 +53,62 @@ class QuantizedTensor:
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(codes [n, k] one a byte, d [n, k / 32], m [n, k / 32] or None): `pack`'s inverse."""
         groups, blocks = -(-self.n // GROUP), self.k // BLOCK
-        if self.bits == 4:
-            packed = self.codes.view(groups, blocks, BLOCK // 2, GROUP)
-            pairs = torch.stack((packed & 15, packed >> 4), dim=-1)  # [group, block, pair, output, 2]
-        else:
-            pairs = self.codes.view(groups, blocks, BLOCK // 2, GROUP, 2)
-        codes = pairs.permute(0, 3, 1, 2, 4).reshape(groups * GROUP, self.k)[: self.n]
+        lanes = self._lanes(self.codes.view(groups, blocks, BLOCK // 2, -1))  # [g, b, pair, 16 out, 2]
+        codes = lanes.permute(0, 3, 1, 2, 4).reshape(groups * GROUP, self.k)[: self.n]
 
         def per_output(t: torch.Tensor) -> torch.Tensor:
             return t.view(groups, blocks, GROUP).permute(0, 2, 1).reshape(groups * GROUP, blocks)[: self.n]
 
         return codes, per_output(self.scales), None if self.mins is None else per_output(self.mins)
 
+    def _lanes(self, stored: torch.Tensor) -> torch.Tensor:
+        """[..., 16 outputs, 2] codes of stored pairs [..., 16 bytes (4-bit) or 32 int8]."""
+        if self.bits == 4:
+            stored = torch.cat((stored & 15, stored >> 4), dim=-1)  # lanes 0-15, then 16-31
+        return stored.unflatten(-1, (GROUP, 2))
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """[n, k] in `dtype`: d q + m computed in fp32, then rounded once."""
+        """[n, k] in `dtype`: each weight in fp32 as GGUF computes it, then rounded once."""
         codes, d, m = self.unpack()
-        return _values(codes, d, m).to(dtype)
+        return _values(self.bits, codes, d, m).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` ([num_ids], int) of the dequantized weight: [num_ids, k] in `dtype`."""
         groups, blocks = -(-self.n // GROUP), self.k // BLOCK
         g, c = ids // GROUP, ids % GROUP
-        if self.bits == 4:
-            packed = self.codes.view(groups, blocks, BLOCK // 2, GROUP)[g, :, :, c]  # [ids, block, pair]
-            codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1, self.k)
-        else:
-            codes = self.codes.view(groups, blocks, BLOCK // 2, GROUP, 2)[g, :, :, c].reshape(-1, self.k)
+        lanes = self._lanes(self.codes.view(groups, blocks, BLOCK // 2, -1)[g])  # [ids, b, pair, 16, 2]
+        codes = lanes[torch.arange(len(ids)), :, :, c].reshape(-1, self.k)
         d = self.scales.view(groups, blocks, GROUP)[g, :, c]  # [ids, block]
         m = None if self.mins is None else self.mins.view(groups, blocks, GROUP)[g, :, c]
-        return _values(codes, d, m).to(dtype)
+        return _values(self.bits, codes, d, m).to(dtype)
 
 
-def _values(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """fp32 [rows, k]: d q (+ m), each scale over its 32 inputs, as GGUF's own dequantization computes it."""
-    values = codes.float() * d.float().repeat_interleave(BLOCK, dim=1)
+def _values(bits: int, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [rows, k] of codes [rows, k] and per-block d, m [rows, k / 32], as GGUF computes them."""
+    q = codes.float() - 8 if bits == 4 and m is None else codes.float()
+    values = q * d.float().repeat_interleave(BLOCK, dim=1)
     return values if m is None else values + m.float().repeat_interleave(BLOCK, dim=1)
 
 
-def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> QuantizedTensor:
-    """codes [n, k] (uint8 0..15 with m: 4-bit; int8 without: 8-bit), d and m float16 [n, k / 32]."""
+def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> QuantizedTensor:
+    """codes [n, k]: uint8 0..15 (4-bit: d (q - 8), or d q + m with offsets m) or int8 (8-bit: d q);
+    d and m float16 [n, k / 32]."""
     n, k = codes.shape
     if k % BLOCK != 0 or n < 1:
         raise ValueError(f"a quantized weight needs whole blocks of {BLOCK} inputs per row, got [{n}, {k}]")
-    bits = 4 if m is not None else 8
-    if bits == 4 and (codes.dtype != torch.uint8 or int(codes.max()) > 15):
+    bits = 4 if codes.dtype == torch.uint8 else 8
+    if bits == 4 and int(codes.max()) > 15:
         raise ValueError("4-bit codes must be uint8 in 0..15")
-    if bits == 8 and codes.dtype != torch.int8:
-        raise ValueError("8-bit codes must be int8")
+    if bits == 8 and (codes.dtype != torch.int8 or m is not None):
+        raise ValueError("8-bit codes must be int8, without offsets")
     groups, blocks = -(-n // GROUP), k // BLOCK
     padded = F.pad(codes, (0, 0, 0, groups * GROUP - n))  # [groups * 16, k]
-    pairs = padded.view(groups, GROUP, blocks, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)  # [g, b, p, out, 2]
+    lanes = padded.view(groups, GROUP, blocks, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)  # [g, b, p, out, 2]
+    lanes = lanes.reshape(groups, blocks, BLOCK // 2, 2 * GROUP)  # lane L = 2 out + t
     if bits == 4:
-        packed = (pairs[..., 0] | pairs[..., 1] << 4).contiguous().view(-1)
+        packed = (lanes[..., :GROUP] | lanes[..., GROUP:] << 4).contiguous().view(-1)
     else:
-        packed = pairs.contiguous().view(-1)
+        packed = lanes.contiguous().view(-1)
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
         t = F.pad(t.to(torch.float16), (0, 0, 0, groups * GROUP - n))
@@ -115,8 +121,10 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """The weights' rows one after another (q, k, v into qkv; gate, up into gate_up)."""
     if len({p.bits for p in parts}) != 1 or len({p.k for p in parts}) != 1:
         raise ValueError("weights fused into one must share their quantization and width")
+    if len({p.mins is None for p in parts}) != 1:
+        raise ValueError("weights fused into one must share their quantization (offsets or none)")
     unpacked = [p.unpack() for p in parts]
-    mins = None if parts[0].bits == 8 else torch.cat([u[2] for u in unpacked])
+    mins = None if parts[0].mins is None else torch.cat([u[2] for u in unpacked])
     return pack(torch.cat([u[0] for u in unpacked]), torch.cat([u[1] for u in unpacked]), mins)
 
 

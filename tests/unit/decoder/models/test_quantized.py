@@ -30,42 +30,49 @@ def q8(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, (torch.rand(n, k // BLOCK, generator=g) * 0.002).half()
 
 
-def test_4_bit_storage_holds_pairs_of_16_outputs_in_nibbles_block_by_block() -> None:
+def lanes(codes: torch.Tensor, g: int, b: int, p: int) -> torch.Tensor:
+    """The 32 codes of pair p of block b of group g in lane order 2 c + t (output c, input 2 p + t)."""
+    pair = codes[16 * g : 16 * (g + 1), BLOCK * b + 2 * p : BLOCK * b + 2 * p + 2]  # [16, 2]
+    return pair.reshape(-1)
+
+
+def test_4_bit_storage_holds_a_pairs_32_lanes_in_16_bytes_low_nibbles_first() -> None:
     n, k = 20, 64  # two groups of 16 outputs (the second padded with zeros), two blocks
     codes, d, m = q4(n, k)
     weight = pack(codes, d, m)
     groups, blocks = 2, k // BLOCK
     padded = torch.zeros(groups * 16, k, dtype=torch.uint8)
     padded[:n] = codes
-    stored = weight.codes.view(groups, blocks, BLOCK // 2, 16)  # [group, block, pair, output]
+    stored = weight.codes.view(groups, blocks, BLOCK // 2, 16)  # [group, block, pair, byte]
     for g in range(groups):
         for b in range(blocks):
             for p in range(BLOCK // 2):
-                pair = padded[16 * g : 16 * (g + 1), BLOCK * b + 2 * p : BLOCK * b + 2 * p + 2]
-                assert torch.equal(stored[g, b, p], pair[:, 0] | pair[:, 1] << 4), (g, b, p)
+                lane = lanes(padded, g, b, p)
+                assert torch.equal(stored[g, b, p], lane[:16] | lane[16:] << 4), (g, b, p)
     scales = weight.scales.view(groups, blocks, 16)
     assert torch.equal(scales[0], d[:16].T) and torch.equal(scales[1, :, :4], d[16:].T)
     assert not scales[1, :, 4:].any() and not weight.mins.view(groups, blocks, 16)[1, :, 4:].any()
     assert weight.nbytes == groups * 16 * (k // 2 + 2 * 2 * blocks)  # 0.625 bytes a weight
 
 
-def test_8_bit_storage_holds_each_pair_side_by_side() -> None:
+def test_8_bit_storage_holds_a_pairs_32_lanes_in_order() -> None:
     codes, d = q8(16, 32)
-    stored = pack(codes, d, None).codes.view(1, 1, BLOCK // 2, 16, 2)
+    stored = pack(codes, d).codes.view(1, 1, BLOCK // 2, 32)
     for p in range(BLOCK // 2):
-        assert torch.equal(stored[0, 0, p], codes[:, 2 * p : 2 * p + 2]), p
+        assert torch.equal(stored[0, 0, p], lanes(codes, 0, 0, p)), p
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_unpack_dequantize_and_rows_give_back_d_q_plus_m(bits: int) -> None:
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+def test_unpack_dequantize_and_rows_compute_each_value_as_gguf_does(kind: str) -> None:
     n, k = 37, 96
-    codes, d, m = q4(n, k) if bits == 4 else (*q8(n, k), None)
+    codes, d, m = {"q4_0": q4(n, k)[:2] + (None,), "q4_1": q4(n, k), "q8_0": (*q8(n, k), None)}[kind]
     weight = pack(codes, d, m)
     unpacked = weight.unpack()
     assert torch.equal(unpacked[0], codes) and torch.equal(unpacked[1], d)
     assert (unpacked[2] is None) == (m is None) and (m is None or torch.equal(unpacked[2], m))
-    expected = codes.float() * d.float().repeat_interleave(BLOCK, 1)
-    if m is not None:
+    q = codes.float() - 8 if kind == "q4_0" else codes.float()  # Q4_0 is d (q - 8)
+    expected = q * d.float().repeat_interleave(BLOCK, 1)
+    if m is not None:  # Q4_1: the product, then the offset
         expected = expected + m.float().repeat_interleave(BLOCK, 1)
     assert torch.equal(weight.dequantize(torch.float32), expected)
     ids = torch.tensor([36, 0, 17, 17, 5])
@@ -80,7 +87,9 @@ def test_rows_of_several_weights_concatenate_as_their_dense_forms_do() -> None:
         fused.dequantize(torch.float32), torch.cat([p.dequantize(torch.float32) for p in parts])
     )
     with pytest.raises(ValueError, match="share their quantization"):
-        cat_rows([parts[0], pack(*q8(8, 64), None)])
+        cat_rows([parts[0], pack(*q8(8, 64))])
+    with pytest.raises(ValueError, match="offsets or none"):
+        cat_rows([parts[0], pack(*q4(8, 64)[:2])])
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -102,8 +111,8 @@ def test_weights_the_storage_cannot_hold_are_refused() -> None:
         pack(codes[:, :48], d[:, :1], m[:, :1])
     with pytest.raises(ValueError, match="4-bit codes must be uint8 in 0..15"):
         pack(codes | 16, d, m)
-    with pytest.raises(ValueError, match="8-bit codes must be int8"):
-        pack(codes, d, None)
+    with pytest.raises(ValueError, match="8-bit codes must be int8, without offsets"):
+        pack(codes.to(torch.int8), d, m)
     with pytest.raises(ValueError, match="whole number of blocks"):
         quantize(torch.randn(4, 40), 8)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):

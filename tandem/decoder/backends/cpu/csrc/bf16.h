@@ -35,6 +35,17 @@ static inline __attribute__((always_inline)) void store16_bf16(uint16_t *out, __
     rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
     _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
+
+/* store16_bf16 of 16 fp32 sums plus 16 bf16 biases (bias NULL: none), a linear's last step. */
+static inline __attribute__((always_inline)) void store16_bias_bf16(uint16_t *out, __m512 s, const uint16_t *bias,
+                                                                    int valid) {
+    if (bias != NULL) {
+        const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+        const __m512i b = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16);
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(b));
+    }
+    store16_bf16(out, s, valid);
+}
 #endif
 
 #endif

@@ -81,18 +81,6 @@ static inline __attribute__((always_inline)) __m512i pair(const uint16_t *x, int
     return _mm512_set1_epi32((int)v);
 }
 
-/* 16 fp32 sums (+ 16 bf16 biases) rounded to bf16 as bf16.h's f32_to_bf16 rounds, the first `valid`
- * stored. */
-static inline __attribute__((always_inline)) void store16(uint16_t *out, __m512 s, const uint16_t *bias,
-                                                          int valid) {
-    if (bias != NULL) {
-        const __mmask16 mask = valid >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-        const __m512i b = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16);
-        s = _mm512_add_ps(s, _mm512_castsi512_ps(b));
-    }
-    store16_bf16(out, s, valid);
-}
-
 /* out[i, col + c] for rows i < MR (row strides k for x, n for out) and the group at `wp` (c < 96, the
  * features past n not stored). */
 static inline __attribute__((always_inline)) void tile(const uint16_t *restrict x, const uint16_t *restrict wp,
@@ -132,9 +120,25 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *restrict 
         for (int j = 0; j < NB; j++) {
             const int64_t c = col + j * LANES;
             if (c < n)
-                store16(out + i * n + c, acc[i][j], bias != NULL ? bias + c : NULL,
+                store16_bias_bf16(out + i * n + c, acc[i][j], bias != NULL ? bias + c : NULL,
                         n - c >= LANES ? LANES : (int)(n - c));
         }
+}
+
+/* All m rows, four at a time, against one packed group (its weights at w, its outputs from col). Also
+ * what linear_quant.c runs over a group of quantized weights widened to this layout: the same sums. */
+void tandem_packed_group_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
+                              int64_t n, int64_t k, int64_t col) {
+    const int64_t whole = m - m % 4;
+    for (int64_t r = 0; r < whole; r += 4) tile(x + r * k, w, k, bias, out + r * n, col, n, 4);
+    const uint16_t *xs = x + whole * k;
+    uint16_t *o = out + whole * n;
+    switch (m - whole) {
+    case 1: tile(xs, w, k, bias, o, col, n, 1); break;
+    case 2: tile(xs, w, k, bias, o, col, n, 2); break;
+    case 3: tile(xs, w, k, bias, o, col, n, 3); break;
+    default: break;
+    }
 }
 
 /* One thread's groups [g_begin, g_end) against all m rows: group by group (its weights, 110-300 KB,
@@ -142,20 +146,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *restrict 
 static void thread_part(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, int64_t m,
                         int64_t n, int64_t k, int64_t g_begin, int64_t g_end) {
     const int64_t group_elements = (k + 1) / 2 * 2 * GROUP;
-    const int64_t whole = m - m % 4;
-    for (int64_t g = g_begin; g < g_end; g++) {
-        const uint16_t *w = wp + g * group_elements;
-        const int64_t col = g * GROUP;
-        for (int64_t r = 0; r < whole; r += 4) tile(x + r * k, w, k, bias, out + r * n, col, n, 4);
-        const uint16_t *xs = x + whole * k;
-        uint16_t *o = out + whole * n;
-        switch (m - whole) {
-        case 1: tile(xs, w, k, bias, o, col, n, 1); break;
-        case 2: tile(xs, w, k, bias, o, col, n, 2); break;
-        case 3: tile(xs, w, k, bias, o, col, n, 3); break;
-        default: break;
-        }
-    }
+    for (int64_t g = g_begin; g < g_end; g++)
+        tandem_packed_group_rows(x, wp + g * group_elements, bias, out, m, n, k, g * GROUP);
 }
 
 /* out [m, n] bf16 = x [m, k] bf16 @ w [n, k]^T (+ bias [n]), w packed by tandem_pack_bf16. */
