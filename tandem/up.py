@@ -33,6 +33,7 @@ from tandem.client.errors import ConfigError
 from tandem.common.flags import CONTEXT_SETTINGS, PATH, Setting, flag_error, run, server_security_settings
 from tandem.common.gguf_import import DTYPE_NAMES
 from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
+from tandem.decoder.config import QUANTIZATIONS
 
 SERVICES = ("encoder", "decoder")
 ENV_PREFIX = "TANDEM_UP_"
@@ -52,6 +53,7 @@ class UpConfig:
     decoder_port: int
     dtype: str | None  # passed to both; None leaves each service its own default
     world_size: int | None  # decoder ranks; None leaves the decoder its default
+    quantization: str = "none"  # the decoder's --quantization
     grace_s: float = DEFAULT_GRACE_S  # both services' drain time; `up` kills STOP_MARGIN_S after it
     tls_cert: Path | None = None  # both services: TLS server certificate (PEM); None = plaintext
     tls_key: Path | None = None  # both services: its private key
@@ -85,6 +87,8 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
         argv += ["--dtype", config.dtype]
     if service == "decoder" and config.world_size is not None:
         argv += ["--world-size", str(config.world_size)]
+    if service == "decoder" and config.quantization != "none":
+        argv += ["--quantization", config.quantization]
     argv += ["--grace-s", f"{config.grace_s:g}"]
     for name in SECURITY_FIELDS:
         path = getattr(config, name)
@@ -114,6 +118,13 @@ def command() -> click.Command:
             type=click.Choice(DTYPE_NAMES),
             default=None,
             show_default="each service's own, bfloat16",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--quantization",
+            "the decoder's weights: none, or gguf (a GGUF --model's own quantized tensors)",
+            type=click.Choice(list(QUANTIZATIONS)),
+            default="none",
         ),
         Setting(
             ENV_PREFIX,
@@ -157,6 +168,7 @@ def _config(values: dict[str, Any]) -> UpConfig:
         decoder_port=values["decoder_port"],
         dtype=values["dtype"],
         world_size=values["world_size"],
+        quantization=values["quantization"],
         grace_s=values["grace_s"],
         **{name: values[name] for name in SECURITY_FIELDS},
     )

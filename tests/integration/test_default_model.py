@@ -142,3 +142,57 @@ def test_speculation_by_prompt_lookup_accepts_most_of_a_repeated_passage_and_cha
     assert speculated == plain
     assert ours_fp32.tokenizer.decode(plain).startswith(PASSAGE[:60])
     assert finished.accepted_tokens >= 0.6 * len(plain), (finished.proposed_tokens, finished.accepted_tokens)
+
+
+# -- served quantized (--quantization gguf): the file's own Q4_1 / Q8_0 tensors, never dequantized ------
+
+
+@pytest.fixture(scope="module")
+def quantized_fp32(imported: dict[str, Path], gguf_path: Path) -> LoadedModel:
+    return load_model(imported["float32"], dtype="float32", quantized_from=gguf_path)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[3:])  # the two the dense test above leaves out
+def test_fp32_quantized_greedy_tokens_equal_transformers_on_the_same_file(
+    prompt: str, quantized_fp32: LoadedModel, reference: Any
+) -> None:
+    from tandem.decoder.backends.cpu.executor import CpuExecutor
+    from tandem.decoder.backends.cpu.kernels import load_for_cpu
+
+    ids = _ids(quantized_fp32.tokenizer, prompt)
+    out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids) :].tolist()
+    assert len(out) == 32 or out[-1] in quantized_fp32.config.eos_token_ids
+    run = PagedRun(quantized_fp32.model, step=CpuExecutor(quantized_fp32.model, load_for_cpu()))
+    tokens = [int(run.step([("s", ids)])[0].argmax())]
+    while len(tokens) < len(out):
+        tokens.append(int(run.step([("s", tokens[-1:])])[0].argmax()))
+    assert tokens == out
+
+
+def test_an_engine_serving_the_file_quantized_in_bf16_knows_the_capital_of_france(
+    imported: dict[str, Path], gguf_path: Path
+) -> None:
+    # bf16 activations against the file's exact values (the dense checkpoint rounds each to bf16): the
+    # answers stay the model's (docs/PERFORMANCE.md has their first divergences from float32).
+    template = (imported["bfloat16"] / "chat_template.jinja").read_text()
+    text = (
+        ImmutableSandboxedEnvironment()
+        .from_string(template)
+        .render(
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+        )
+    )
+    config = EngineConfig(
+        model_dir=imported["bfloat16"], num_kv_blocks=64, quantization="gguf", quantized_from=gguf_path
+    )
+    engine = Engine(config).start()
+    try:
+        spec = GenerateSpec(
+            [TextPrompt(text)], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=12)
+        )
+        tokens = [t for e in engine.generate(spec) if isinstance(e, Delta) for t in e.token_ids]
+    finally:
+        engine.shutdown()
+    answer = Tokenizer.from_file(str(imported["bfloat16"] / "tokenizer.json")).decode(tokens)
+    assert answer.startswith("The capital of France is Paris."), answer

@@ -123,6 +123,15 @@ def test_serve_command_passes_dtype_to_both_and_world_size_to_the_decoder_only()
     ]
 
 
+def test_serve_command_passes_quantization_to_the_decoder_only() -> None:
+    config = UpConfig(Path("/m.gguf"), "127.0.0.1", 1, 2, dtype=None, world_size=None, quantization="gguf")
+    assert "--quantization" not in serve_command("encoder", config)
+    decoder = serve_command("decoder", config)
+    assert decoder[decoder.index("--quantization") + 1] == "gguf"
+    plain = UpConfig(Path("/m.gguf"), "127.0.0.1", 1, 2, dtype=None, world_size=None)
+    assert "--quantization" not in serve_command("decoder", plain)
+
+
 def test_services_stop_when_up_is_killed_outright(model_dir: Path, tmp_path: Path) -> None:
     ports = [_free_port(), _free_port()]
     args = ["--model", str(model_dir), "--encoder-port", str(ports[0]), "--decoder-port", str(ports[1])]

@@ -3,33 +3,37 @@
  *
  * Why: a decode step of one sequence reads every weight once and does little else, so its time is the
  * weights' bytes over memory bandwidth. bf16 is 2 bytes a weight; Q4_1 is 0.625 (4 bits, and an fp16
- * scale and offset per 32 inputs), Q8_0 1.0625. The codes are widened in registers, never to memory
- * (SmolLM2 at one sequence: 208 tok/s against 131 for bf16 weights, Zen 5).
+ * scale and offset per 32 inputs), Q8_0 1.0625. SmolLM2 at one sequence: 208 tok/s against 131 with
+ * bf16 weights (Zen 5).
  *
- * Values: each weight is computed in fp32 exactly as GGUF's own dequantization computes it (Q4_0:
- * d (q - 8); Q4_1: d q + m, a product then a sum; Q8_0: d q), then, for bf16 inputs, rounded to bf16
- * (VCVTNE2PS2BF16, round to nearest even): the very values of the bf16 checkpoint imported from the
- * same file. On AVX512-BF16 builds the sums are then the packed bf16 kernel's, in its order
- * (linear_packed.c): a quantized linear gives the bits the imported bf16 linear gives, so serving the
- * file quantized changes no token (test_linear_quant.py). Float32 inputs multiply the fp32 values.
+ * Arithmetic: for output f and a block b of 32 inputs, sum_i x_i w_i is, exactly in real numbers,
+ *   Q4_1  d (sum_i x_i q_i) + m (sum_i x_i)      Q4_0  d (sum_i x_i (q_i - 8))      Q8_0  d (sum_i x_i q_i)
+ * The codes (and q - 8) are small integers, exact in bf16, so on AVX512-BF16 builds the inner sum is
+ * VDPBF16PS over x (bf16) and the codes widened to bf16 in registers (a 16-entry table, VPERMW), each
+ * product exact in fp32; the block sum S_b = sum_i x_i is computed once per row and shared by every
+ * output. The weights are never rounded: this is closer to the file's values than its bf16 import,
+ * which rounds each d q + m to bf16 (so the two give close, not equal, logits). Other builds run the
+ * same sums in portable C that the compiler vectorizes over 16 outputs.
  *
- *   up to 4 rows   tiles widen each pair of 16 outputs' codes as they go (the step reads the codes once)
- *   more rows      96 outputs at a time widened once into the packed kernel's layout in L2, then its
- *                  tiles over every row (widening per tile of 4 rows cost 25-45 % at 32 rows)
+ * Tried instead (2026-12-03): widening each weight to d q + m in fp32, rounding it to bf16 and running
+ * the packed bf16 kernel's sums gave the imported checkpoint's bits exactly, but took ten vector
+ * operations a pair instead of five and made one sequence's decode slower than bf16 weights' (7.2
+ * against 6.3 ms a step), losing what quantizing is for.
  *
- * Storage (models/quantized.py writes it): outputs in groups of 16, padded with zeros; per group, per
- * block of 32 inputs, per pair of inputs p, the group's 32 codes in lane order L = 2 c + t (output c,
- * input 2 p + t):
+ * Storage (models/quantized.py writes it; nb = k / 32 blocks, outputs in groups of 16, padded with
+ * zeros): per group, per block, per pair of inputs p, the group's 32 codes in lane order L = 2 c + t
+ * (output c, input 2 p + t):
  *   4-bit  16 bytes: byte j holds lane j in its low nibble and lane j + 16 in its high one
  *   8-bit  32 int8, lane by lane
- *   scales (and 4-bit offsets)  [group][block][output c] fp16
- * so that a pair's low and high nibbles are the two halves VCVTNE2PS2BF16 packs into 16 dwords of
- * (w[c][2p], w[c][2p + 1]), the pairs VDPBF16PS multiplies.
+ *   scales (and 4-bit offsets)  [group][block][output] fp16
+ * Widened, a pair's 32 lanes are the 16 dwords of (q[c][2p], q[c][2p + 1]) that VDPBF16PS multiplies.
  *
- * NOTE: every output's sum runs in one order whatever the number of rows or the tile: pair 0 to the
- * last, in one accumulator, then the bias, then one rounding (the packed kernel's order). Speculative
- * decoding's exactness rests on it (test_linear_quant.py checks rows against rows alone).
+ * NOTE: every output's sum runs in one order whatever the number of rows or the tile: for each block
+ * in order, its 16 pairs in order into a block sum that starts at 0, then acc = fma(blk, d, acc), then
+ * (Q4_1) acc = fma(m, S_b, acc); then the bias, then one rounding. Speculative decoding's exactness
+ * rests on it (test_linear_quant.py checks rows against rows alone).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,7 +55,7 @@
 #define QB TANDEM_QUANT_BLOCK /* inputs per block: 32 */
 #define QP (QB / 2)           /* pairs per block: 16 */
 #define QG 16                 /* outputs per group */
-#define PACKED_GROUPS 6       /* quantized groups in one of the packed kernel's groups of 96 outputs */
+#define FORMAT_Q4_0 (-TANDEM_WEIGHT_Q4) /* the kernels' name for 4-bit codes without offsets: d (q - 8) */
 
 int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
                        int64_t n, int64_t k);
@@ -75,129 +79,154 @@ static inline float fp16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Lane L of pair p of block b of group g: output 16 g + L / 2, input 32 b + 2 p + L % 2. */
-static inline float weight_value(const TandemWeight *w, int64_t nb, int64_t g, int64_t b, int64_t p, int lane) {
-    const int64_t pair = ((g * nb + b) * QP + p), at = (g * nb + b) * QG + lane / 2;
-    const float d = fp16_to_f32(w->scales[at]);
-    if (w->format == TANDEM_WEIGHT_Q8) return d * (float)((const int8_t *)w->data)[pair * 2 * QG + lane];
-    const uint8_t byte = ((const uint8_t *)w->data)[pair * QG + lane % 16];
-    const int q = lane < 16 ? byte & 15 : byte >> 4;
-    if (w->mins == NULL) return d * (float)(q - 8);
-    return d * (float)q + fp16_to_f32(w->mins[at]);
+/* Per-thread scratch: the rows' block sums S [m][nb] and, for bf16 inputs on other builds, the rows
+ * widened to fp32. */
+static __thread float *scratch = NULL;
+static __thread size_t scratch_floats = 0;
+
+static float *scratch_for(size_t floats) {
+    if (floats > scratch_floats) {
+        float *grown = realloc(scratch, floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        scratch = grown;
+        scratch_floats = floats;
+    }
+    return scratch;
 }
 
-/* The portable kernel (other builds; float32 inputs everywhere): row r against groups [g0, g1), each
- * output the sum of x_i w_i over i in order, in fp32. */
-static void row_portable(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t r, int64_t n,
-                         int64_t k, int64_t g0, int64_t g1, int dtype) {
-    const int64_t nb = k / QB;
+static inline float input(const void *x, int64_t i, int dtype) {
+    return dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline void store(void *out, int64_t i, float v, const void *bias, int64_t f, int dtype) {
+    if (dtype == 1) {
+        if (bias != NULL) v += bf16_to_f32(((const uint16_t *)bias)[f]);
+        ((uint16_t *)out)[i] = f32_to_bf16(v);
+    } else {
+        if (bias != NULL) v += ((const float *)bias)[f];
+        ((float *)out)[i] = v;
+    }
+}
+
+/* Code of lane L (output L / 2, input 2 p + L % 2) of pair p at `pair` (its bytes), as an integer:
+ * Q4_0's q - 8, Q4_1's q, Q8_0's q. */
+static inline int code_at(const TandemWeight *w, const uint8_t *pair, int lane) {
+    if (w->format == TANDEM_WEIGHT_Q8) return ((const int8_t *)pair)[lane];
+    const int q = lane < 16 ? pair[lane] & 15 : pair[lane - 16] >> 4;
+    return w->mins == NULL ? q - 8 : q;
+}
+
+/* The portable kernel: one row (fp32 xf [k], its block sums s [nb]) against groups [g0, g1). */
+static void row_portable(const float *restrict xf, const float *restrict s, const TandemWeight *w, const void *bias,
+                         void *out, int64_t row, int64_t n, int64_t nb, int64_t g0, int64_t g1, int dtype) {
+    const uint8_t *codes = w->data;
+    const int64_t pair_bytes = w->format == TANDEM_WEIGHT_Q4 ? QG : 2 * QG;
     for (int64_t g = g0; g < g1; g++) {
         float acc[QG] = {0};
-        for (int64_t b = 0; b < nb; b++)
-            for (int64_t p = 0; p < QP; p++)
-                for (int t = 0; t < 2; t++) {
-                    const int64_t i = r * k + b * QB + 2 * p + t;
-                    const float xi = dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-                    for (int c = 0; c < QG; c++) acc[c] = acc[c] + xi * weight_value(w, nb, g, b, p, 2 * c + t);
-                }
-        for (int c = 0; c < QG && g * QG + c < n; c++) {
-            const int64_t f = g * QG + c;
-            float v = acc[c];
-            if (dtype == 1) {
-                if (bias != NULL) v += bf16_to_f32(((const uint16_t *)bias)[f]);
-                ((uint16_t *)out)[r * n + f] = f32_to_bf16(v);
-            } else {
-                if (bias != NULL) v += ((const float *)bias)[f];
-                ((float *)out)[r * n + f] = v;
+        for (int64_t b = 0; b < nb; b++) {
+            float blk[QG] = {0};
+            for (int64_t p = 0; p < QP; p++) {
+                const uint8_t *pair = codes + ((g * nb + b) * QP + p) * pair_bytes;
+                const float x0 = xf[b * QB + 2 * p], x1 = xf[b * QB + 2 * p + 1];
+                for (int j = 0; j < QG; j++)
+                    blk[j] = blk[j] + (x0 * (float)code_at(w, pair, 2 * j) + x1 * (float)code_at(w, pair, 2 * j + 1));
+            }
+            const int64_t at = (g * nb + b) * QG;
+            for (int j = 0; j < QG; j++) {
+                acc[j] = fmaf(blk[j], fp16_to_f32(w->scales[at + j]), acc[j]);
+                if (w->mins != NULL) acc[j] = fmaf(fp16_to_f32(w->mins[at + j]), s[b], acc[j]);
             }
         }
+        for (int j = 0; j < QG && g * QG + j < n; j++) store(out, row * n + g * QG + j, acc[j], bias, g * QG + j, dtype);
     }
 }
 
 #if HAVE_QUANT_BF16
 
-void tandem_packed_group_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
-                              int64_t n, int64_t k, int64_t col);
+/* Per-thread scratch for widened codes (many_rows_bf16), 64-byte aligned; grows, kept. */
+static __thread __m512i *widened = NULL;
+static __thread size_t widened_vectors = 0;
 
-/* A block's scales (and offsets) of one group, each repeated for its output's two lanes: [0] lanes
- * 0-15 (outputs 0-7), [1] lanes 16-31 (outputs 8-15). */
-typedef struct {
-    __m512 d[2], m[2];
-} BlockScales;
-
-static inline __attribute__((always_inline)) BlockScales block_scales(const TandemWeight *w, int64_t at,
-                                                                      const int FORMAT, const int OFFSET) {
-    static const int32_t low[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-    const __m512i lo = _mm512_loadu_si512(low), hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-    BlockScales s;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
-    s.d[0] = _mm512_permutexvar_ps(lo, d);
-    s.d[1] = _mm512_permutexvar_ps(hi, d);
-    if (FORMAT == TANDEM_WEIGHT_Q4 && OFFSET) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at)));
-        s.m[0] = _mm512_permutexvar_ps(lo, m);
-        s.m[1] = _mm512_permutexvar_ps(hi, m);
-    } else {
-        s.m[0] = s.m[1] = _mm512_setzero_ps();
+static __m512i *widened_for(size_t vectors) {
+    if (vectors > widened_vectors) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, vectors * sizeof(__m512i)) != 0) return NULL;
+        free(widened);
+        widened = grown;
+        widened_vectors = vectors;
     }
-    return s;
+    return widened;
 }
 
-/* One pair of a group's 16 outputs: 16 dwords of (w[c][2p], w[c][2p + 1]) in bf16, each weight
- * computed as weight_value computes it and rounded to nearest even. */
-static inline __attribute__((always_inline)) __m512i widen(const uint8_t *codes, const BlockScales *s,
-                                                           const int FORMAT, const int OFFSET) {
-    __m512 a, b;
-    if (FORMAT == TANDEM_WEIGHT_Q4) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-        __m512i qa = _mm512_and_si512(v, _mm512_set1_epi32(15)), qb = _mm512_srli_epi32(v, 4);
-        if (!OFFSET) { /* Q4_0: d (q - 8) */
-            qa = _mm512_sub_epi32(qa, _mm512_set1_epi32(8));
-            qb = _mm512_sub_epi32(qb, _mm512_set1_epi32(8));
-        }
-        a = _mm512_mul_ps(_mm512_cvtepi32_ps(qa), s->d[0]);
-        b = _mm512_mul_ps(_mm512_cvtepi32_ps(qb), s->d[1]);
-        if (OFFSET) { /* Q4_1: the product, then the offset: two roundings, as GGUF computes it */
-            a = _mm512_add_ps(a, s->m[0]);
-            b = _mm512_add_ps(b, s->m[1]);
-        }
-    } else {
-        a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))), s->d[0]);
-        b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))),
-                          s->d[1]);
+/* One pair of 16 outputs' codes as 16 dwords of two bf16 values (the pair's first input low); for
+ * FORMAT_Q4_0 each code q as q - 8. */
+static inline __attribute__((always_inline)) __m512i codes_bf16(const uint8_t *c, const int FORMAT) {
+    if (FORMAT != TANDEM_WEIGHT_Q8) {
+        /* bytes -> words; low nibbles are lanes 0-15, high nibbles lanes 16-31; each word 0..15 to
+         * its bf16 (or that of q - 8) through a 32-entry table (VPERMW). */
+        static const uint16_t small[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                           0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+        static const uint16_t centred[32] = {0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+                                             0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
+        const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
+        const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        return _mm512_permutexvar_epi16(lanes, _mm512_loadu_si512(FORMAT == FORMAT_Q4_0 ? centred : small));
     }
-    return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-/* Rows [0, MR) (x row stride k) against NB groups from g, widening as they go: the packed kernel's
- * tile, its weights computed instead of loaded. */
-static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const TandemWeight *w,
-                                                            const uint16_t *bias, uint16_t *out, int64_t n, int64_t k,
-                                                            int64_t g, const int MR, const int NB, const int FORMAT,
-                                                            const int OFFSET) {
-    const int64_t nb = k / QB, pair_bytes = FORMAT == TANDEM_WEIGHT_Q4 ? QG : 2 * QG;
+/* Rows [0, MR) of x (bf16, row stride k; block sums s, row stride nb) against NB groups from g. The
+ * codes come from w, widened here, or (pre not NULL) already widened by widen_groups for these NB
+ * groups: the same values, so the same bits. */
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const float *s, const TandemWeight *w,
+                                                            const __m512i *pre, const uint16_t *bias, uint16_t *out,
+                                                            int64_t n, int64_t k, int64_t nb, int64_t g, const int MR,
+                                                            const int NB, const int FORMAT) {
     const uint8_t *codes = w->data;
+    const int64_t pair_bytes = FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG;
     __m512 acc[4][6];
 #pragma GCC unroll 4
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 6
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        BlockScales s[6];
+        __m512 blk[4][6];
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++)
 #pragma GCC unroll 6
-        for (int j = 0; j < NB; j++) s[j] = block_scales(w, ((g + j) * nb + b) * QG, FORMAT, OFFSET);
+            for (int j = 0; j < NB; j++) blk[i][j] = _mm512_setzero_ps();
         for (int64_t p = 0; p < QP; p++) {
             __m512i wv[6];
 #pragma GCC unroll 6
             for (int j = 0; j < NB; j++)
-                wv[j] = widen(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, &s[j], FORMAT, OFFSET);
+                wv[j] = pre != NULL ? _mm512_load_si512(pre + (b * QP + p) * NB + j)
+                                    : codes_bf16(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, FORMAT);
 #pragma GCC unroll 4
             for (int i = 0; i < MR; i++) {
                 uint32_t pr;
                 memcpy(&pr, x + i * k + b * QB + 2 * p, sizeof pr);
                 const __m512i xp = _mm512_set1_epi32((int)pr);
 #pragma GCC unroll 6
-                for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xp, (__m512bh)wv[j]);
+                for (int j = 0; j < NB; j++) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)xp, (__m512bh)wv[j]);
+            }
+        }
+#pragma GCC unroll 6
+        for (int j = 0; j < NB; j++) {
+            const int64_t at = ((g + j) * nb + b) * QG;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
+            if (FORMAT == TANDEM_WEIGHT_Q4) {
+                const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at)));
+#pragma GCC unroll 4
+                for (int i = 0; i < MR; i++) {
+                    acc[i][j] = _mm512_fmadd_ps(blk[i][j], d, acc[i][j]);
+                    acc[i][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s[i * nb + b]), acc[i][j]);
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int i = 0; i < MR; i++) acc[i][j] = _mm512_fmadd_ps(blk[i][j], d, acc[i][j]);
             }
         }
     }
@@ -206,89 +235,91 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
 #pragma GCC unroll 6
         for (int j = 0; j < NB; j++) {
             const int64_t c = (g + j) * QG;
-            if (c < n)
-                store16_bias_bf16(out + i * n + c, acc[i][j], bias != NULL ? bias + c : NULL,
-                                  n - c >= QG ? QG : (int)(n - c));
+            if (c >= n) continue;
+            const int valid = n - c >= QG ? QG : (int)(n - c);
+            __m512 v = acc[i][j];
+            if (bias != NULL) {
+                const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+                const __m512i bb = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16);
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(bb));
+            }
+            store16_bf16(out + i * n + c, v, valid);
         }
 }
 
-/* Rows [0, MR) against groups [g0, g1): NB groups at a time, then one by one. */
-static inline __attribute__((always_inline)) void few_rows(const uint16_t *x, const TandemWeight *w,
-                                                           const uint16_t *bias, uint16_t *out, int64_t n, int64_t k,
-                                                           int64_t g0, int64_t g1, const int MR, const int NB,
-                                                           const int FORMAT, const int OFFSET) {
+/* Rows [0, MR) against groups [g0, g1): NB groups at a time, then what is left one by one. */
+static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *x, const float *s, const TandemWeight *w,
+                                                            const uint16_t *bias, uint16_t *out, int64_t n, int64_t k,
+                                                            int64_t nb, int64_t g0, int64_t g1, const int MR,
+                                                            const int NB, const int FORMAT) {
     int64_t g = g0;
-    for (; g + NB <= g1; g += NB) tile_bf16(x, w, bias, out, n, k, g, MR, NB, FORMAT, OFFSET);
-    for (; g < g1; g++) tile_bf16(x, w, bias, out, n, k, g, MR, 1, FORMAT, OFFSET);
+    for (; g + NB <= g1; g += NB) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, NB, FORMAT);
+    for (; g < g1; g++) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, 1, FORMAT);
 }
 
-/* packed = quantized groups [g, g + 6) (those below `groups`; zeros for the rest) in the packed
- * kernel's layout: for each pair p, 96 dwords of (w[c][2p], w[c][2p + 1]). */
-static inline __attribute__((always_inline)) void widen_packed(uint16_t *packed, const TandemWeight *w, int64_t k,
-                                                               int64_t g, int64_t groups, const int FORMAT,
-                                                               const int OFFSET) {
-    const int64_t nb = k / QB, pair_bytes = FORMAT == TANDEM_WEIGHT_Q4 ? QG : 2 * QG;
+/* pre [nb][16 pairs][NB] = the NB groups from g widened to bf16 pairs, as tile_bf16 widens them. */
+static inline __attribute__((always_inline)) void widen_groups(__m512i *pre, const TandemWeight *w, int64_t nb,
+                                                               int64_t g, const int NB, const int FORMAT) {
     const uint8_t *codes = w->data;
-    for (int j = 0; j < PACKED_GROUPS; j++) {
-        if (g + j >= groups) {
-            for (int64_t p = 0; p < k / 2; p++)
-                _mm512_storeu_si512(packed + (p * PACKED_GROUPS + j) * 2 * QG, _mm512_setzero_si512());
-            continue;
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            const BlockScales s = block_scales(w, ((g + j) * nb + b) * QG, FORMAT, OFFSET);
-            for (int64_t p = 0; p < QP; p++)
-                _mm512_storeu_si512(packed + ((b * QP + p) * PACKED_GROUPS + j) * 2 * QG,
-                                    widen(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, &s, FORMAT, OFFSET));
-        }
-    }
+    const int64_t pair_bytes = FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG;
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t p = 0; p < QP; p++)
+#pragma GCC unroll 3
+            for (int j = 0; j < NB; j++)
+                _mm512_store_si512(pre + (b * QP + p) * NB + j,
+                                   codes_bf16(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, FORMAT));
 }
 
-/* One thread's share: up to 4 rows over groups [g0, g1) widening as they go; more rows over the
- * packed groups of 96 outputs [s0, s1), each widened once into `packed`. */
-static void part_bf16(const uint16_t *x, const TandemWeight *w, const uint16_t *bias, uint16_t *out, int64_t m,
-                      int64_t n, int64_t k, int64_t g0, int64_t g1, uint16_t *packed, const int FORMAT,
-                      const int OFFSET) {
-    if (m > 4) {
-        const int64_t groups = (n + QG - 1) / QG;
-        for (int64_t s = g0; s < g1; s += PACKED_GROUPS) {
-            widen_packed(packed, w, k, s, groups, FORMAT, OFFSET);
-            tandem_packed_group_rows(x, packed, bias, out, m, n, k, s * QG);
-        }
-        return;
-    }
-    switch (m) {
-    case 1: few_rows(x, w, bias, out, n, k, g0, g1, 1, 6, FORMAT, OFFSET); break;
-    case 2: few_rows(x, w, bias, out, n, k, g0, g1, 2, 3, FORMAT, OFFSET); break;
-    case 3: few_rows(x, w, bias, out, n, k, g0, g1, 3, 3, FORMAT, OFFSET); break;
-    case 4: few_rows(x, w, bias, out, n, k, g0, g1, 4, 3, FORMAT, OFFSET); break;
+/* Past 4 rows: each set of groups widened once into pre (k / 2 x NB vectors, 55 KB at k = 576), then
+ * every tile of 4 rows over it; tiles of 4 rows that widened the codes themselves ran at 0.4-0.6x
+ * the bf16 kernel's speed at 32 rows, the widening repeated once a tile. */
+static inline __attribute__((always_inline)) void many_rows_bf16(const uint16_t *x, const float *s,
+                                                                 const TandemWeight *w, __m512i *pre,
+                                                                 const uint16_t *bias, uint16_t *out, int64_t m,
+                                                                 int64_t n, int64_t k, int64_t nb, int64_t g,
+                                                                 const int NB, const int FORMAT) {
+    widen_groups(pre, w, nb, g, NB, FORMAT);
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 4, NB, FORMAT);
+    switch (m - r) {
+    case 1: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 1, NB, FORMAT); break;
+    case 2: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 2, NB, FORMAT); break;
+    case 3: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 3, NB, FORMAT); break;
     default: break;
     }
 }
 
-/* Per-thread scratch for one packed group (k / 2 pairs x 96 dwords), 64-byte aligned; grows, kept. */
-static __thread uint16_t *packed_scratch = NULL;
-static __thread size_t packed_scratch_bytes = 0;
-
-static uint16_t *packed_for(size_t bytes) {
-    if (bytes > packed_scratch_bytes) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, bytes) != 0) return NULL;
-        free(packed_scratch);
-        packed_scratch = grown;
-        packed_scratch_bytes = bytes;
+/* One thread's groups [g0, g1) against all m rows (block sums s), a format's tiles: one row with six
+ * groups (six independent sums keep the loads in flight), up to 4 rows with three, more rows over
+ * codes widened once (pre: this thread's scratch of k / 2 x 3 vectors). */
+static void part_bf16(const uint16_t *x, const float *s, const TandemWeight *w, __m512i *pre, const uint16_t *bias,
+                      uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t nb, int64_t g0, int64_t g1,
+                      const int FORMAT) {
+    if (m > 4) {
+        int64_t g = g0;
+        for (; g + 3 <= g1; g += 3) many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, 3, FORMAT);
+        for (; g < g1; g++) many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, 1, FORMAT);
+        return;
     }
-    return packed_scratch;
+    switch (m) {
+    case 1: rows_bf16(x, s, w, bias, out, n, k, nb, g0, g1, 1, 6, FORMAT); break;
+    case 2: rows_bf16(x, s, w, bias, out, n, k, nb, g0, g1, 2, 3, FORMAT); break;
+    case 3: rows_bf16(x, s, w, bias, out, n, k, nb, g0, g1, 3, 3, FORMAT); break;
+    case 4: rows_bf16(x, s, w, bias, out, n, k, nb, g0, g1, 4, 3, FORMAT); break;
+    default: break;
+    }
 }
 
 #endif
 
-/* The quantized linear: output groups split over the threads (in whole packed groups past 4 rows). */
+/* The quantized linear: block sums first (one order per row), then the groups split over the threads. */
 static int linear_quant(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
                         int64_t k, int dtype) {
     if (k % QB != 0 || w->scales == NULL) return -1;
     if (m == 0 || n == 0) return 0;
-    const int64_t groups = (n + QG - 1) / QG;
+    const int64_t nb = k / QB, groups = (n + QG - 1) / QG;
+    float *s = scratch_for((size_t)(m * nb)); /* the calling thread's: shared by the team below */
+    if (s == NULL) return -1;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
@@ -297,29 +328,39 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
         threads = omp_get_num_threads();
         me = omp_get_thread_num();
 #endif
-#if HAVE_QUANT_BF16
-        if (dtype == 1) {
-            const int64_t unit = m > 4 ? PACKED_GROUPS : 1, units = (groups + unit - 1) / unit;
-            const int64_t g0 = unit * (units * me / threads), g1_units = unit * (units * (me + 1) / threads);
-            const int64_t g1 = g1_units < groups ? g1_units : groups;
-            uint16_t *packed = m > 4 ? packed_for((size_t)(k / 2 * PACKED_GROUPS * QG * 2 * 2)) : NULL;
-            if (m > 4 && packed == NULL) {
-                failed = 1;
-            } else if (g0 < g1) {
-                const uint16_t *xb = x, *bb = bias;
-                uint16_t *ob = out;
-                if (w->format == TANDEM_WEIGHT_Q8)
-                    part_bf16(xb, w, bb, ob, m, n, k, g0, g1, packed, TANDEM_WEIGHT_Q8, 0);
-                else if (w->mins != NULL)
-                    part_bf16(xb, w, bb, ob, m, n, k, g0, g1, packed, TANDEM_WEIGHT_Q4, 1);
-                else
-                    part_bf16(xb, w, bb, ob, m, n, k, g0, g1, packed, TANDEM_WEIGHT_Q4, 0);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t b = 0; b < nb; b++) {
+                float sum = 0.0f;
+                for (int64_t i = 0; i < QB; i++) sum += input(x, r * k + b * QB + i, dtype);
+                s[r * nb + b] = sum;
             }
+        /* (the loop's barrier: every row's sums are in before any output uses them) */
+        const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
+#if HAVE_QUANT_BF16
+        if (dtype == 1 && g0 < g1) {
+            __m512i *pre = m > 4 ? widened_for(k / 2 * 3) : NULL;
+            if (m > 4 && pre == NULL)
+                failed = 1;
+            else if (w->format == TANDEM_WEIGHT_Q8)
+                part_bf16(x, s, w, pre, bias, out, m, n, k, nb, g0, g1, TANDEM_WEIGHT_Q8);
+            else if (w->mins != NULL)
+                part_bf16(x, s, w, pre, bias, out, m, n, k, nb, g0, g1, TANDEM_WEIGHT_Q4);
+            else
+                part_bf16(x, s, w, pre, bias, out, m, n, k, nb, g0, g1, FORMAT_Q4_0);
         } else
 #endif
-        {
-            const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
-            for (int64_t r = 0; r < m && g0 < g1; r++) row_portable(x, w, bias, out, r, n, k, g0, g1, dtype);
+            if (g0 < g1) {
+            float *xf = malloc((size_t)k * sizeof(float));
+            if (xf == NULL) {
+                failed = 1;
+            } else {
+                for (int64_t r = 0; r < m; r++) {
+                    for (int64_t i = 0; i < k; i++) xf[i] = input(x, r * k + i, dtype);
+                    row_portable(xf, s + r * nb, w, bias, out, r, n, nb, g0, g1, dtype);
+                }
+                free(xf);
+            }
         }
     }
     return failed ? -1 : 0;

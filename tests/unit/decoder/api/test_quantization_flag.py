@@ -1,0 +1,44 @@
+"""`--quantization`: what cannot be served quantized is one line naming the flag and exit 2, before any
+weight is read or a port is opened."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.decoder.api.main import main as decoder_main
+
+PREFIX = "tandem serve decoder: --quantization (TANDEM_QUANTIZATION)"
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--dtype", "float16"], "gguf needs --dtype bfloat16 or float32, got 'float16'"),
+        (["--device", "cuda"], "gguf needs --device cpu (the quantized kernels are CPU kernels), got 'cuda'"),
+        (
+            ["--native-kernels", "false"],
+            "gguf needs --native-kernels on: the quantized linears are C kernels",
+        ),
+    ],
+)
+def test_settings_the_quantized_kernels_cannot_run_are_refused(
+    flags: list[str], said: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_model_dir), "--port", "0", "--quantization", "gguf", *flags]
+    assert decoder_main(argv) == 2
+    assert capsys.readouterr().err == f"{PREFIX} {said}\n"
+
+
+def test_gguf_needs_a_gguf_file_not_a_checkpoint_directory(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", "--quantization", "gguf"]) == 2
+    said = f"gguf needs --model to be a GGUF file, got the directory {tiny_model_dir}"
+    assert capsys.readouterr().err == f"{PREFIX} {said}\n"
+
+
+def test_an_unknown_quantization_names_the_ones_there_are(capsys: pytest.CaptureFixture[str]) -> None:
+    assert decoder_main(["--quantization", "int3", "--port", "0"]) == 2
+    assert "'int3' is not one of 'none', 'gguf'" in capsys.readouterr().err
