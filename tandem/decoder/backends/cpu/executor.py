@@ -65,6 +65,7 @@ class KernelChoice:
     fused_layers: bool  # every layer in two fused C halves around attention
     decode_stack: bool  # decode-only steps' layers in one C call
     c_ops: bool  # norms, q/k norm + RoPE + KV write and attention through the C custom ops
+    quantized: str = ""  # the quantized weights' kinds ("4-bit, 8-bit"); "" = none
 
     def describe(self) -> str:
         build = f"C kernels {self.build} build" if self.build else "no C kernels"
@@ -75,7 +76,10 @@ class KernelChoice:
         else:
             ops = "C norms, RoPE + KV write and attention" if self.c_ops else "torch norms and attention"
             layers = f"per-op layers ({ops})"
-        return f"CPU {self.cpu} [{self.isa}]: {build}; {self.linears} linears; {layers}"
+        linears = f"{self.linears} linears" + (
+            f" and quantized ({self.quantized}) ones" if self.quantized else ""
+        )
+        return f"CPU {self.cpu} [{self.isa}]: {build}; {linears}; {layers}"
 
 
 def choose_linears(model: DecoderModel, kernels: Kernels | None) -> LinearKind:
@@ -244,6 +248,9 @@ class CpuExecutor:
             fused_layers=self.fused is not None,
             decode_stack=self.stack is not None,
             c_ops=ops is not None,
+            quantized=", ".join(
+                sorted({f"{m.qweight.bits}-bit" for m in model.modules() if hasattr(m, "qweight")})
+            ),
         )
 
     def _bind_stack(self, kernels: Kernels | None) -> DecodeStack | None:

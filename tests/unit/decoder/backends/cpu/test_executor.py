@@ -130,6 +130,10 @@ def test_quantized_weights_run_on_the_quantized_kernels_with_the_models_own_toke
     dense = {name: p for name, p in model.named_parameters() if p.dim() == 2}
     quantized.apply(model, {name: quantize(p, bits) for name, p in dense.items()})
     executor = CpuExecutor(model, kernels)
+    assert (
+        executor.choice.quantized == f"{bits}-bit"
+        and f"quantized ({bits}-bit) ones" in executor.choice.describe()
+    )
     if dtype == "bfloat16" and kernels.weight_layout != 0:
         assert executor.fused is not None and executor.stack is not None
     if dtype == "float32":
