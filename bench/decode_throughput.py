@@ -130,9 +130,11 @@ def build_engine(
     max_requests: int,
     enable_prefix_caching: bool = False,
     start: bool = True,
+    quantized_from: Path | None = None,
 ) -> Engine:
     """An engine (started unless `start` is False) with KV blocks for `max_requests` of
-    `args.prompt_len + args.new_tokens`."""
+    `args.prompt_len + args.new_tokens`; with `quantized_from` (the GGUF file model_dir was imported
+    from), serving that file's quantized weights (`--quantization gguf`)."""
     blocks_per_request = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
     config = EngineConfig(
         model_dir=model_dir,
@@ -144,6 +146,8 @@ def build_engine(
         enable_prefix_caching=enable_prefix_caching,
         num_threads=args.threads,
         max_queue=max(1024, max_requests),
+        quantization="none" if quantized_from is None else "gguf",
+        quantized_from=quantized_from,
     )
     # The engine loads the model on its own thread: torch work on a second thread would slow its steps.
     engine = Engine(config)

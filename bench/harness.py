@@ -14,7 +14,9 @@ Workloads, per model:
 3. time to first token for one prompt of 128..4095 tokens (max_new_tokens 1): Tandem, transformers,
    llama.cpp;
 4. prefix cache: TTFT of a fresh 1024-token prompt (miss) and of the same prompt again (hit);
-and once: 5. embedding transport (`transport.py`); 6. the machine's floors, sampled between the
+5. on the default model, decode with its GGUF file's own quantized weights (`--quantization gguf`)
+   against the bf16 engine, interleaved, with each engine's resident memory;
+and once: 6. embedding transport (`transport.py`); 7. the machine's floors, sampled between the
 workloads (`floors.py`).
 
 transformers runs in bf16 where oneDNN has a bf16 matmul and in float32 where it has not (an
@@ -205,6 +207,45 @@ def summarize(runs: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, di
     }
 
 
+def quantized_workload(
+    dense: Remote, model_dir: Path, gguf: Path, vocab: int, args: argparse.Namespace
+) -> dict:
+    """Token-prompt decode at each N with the GGUF file's own quantized weights (`--quantization
+    gguf`) against the bf16 engine `dense`, interleaved per repeat, and each engine's resident memory."""
+    quantized = Remote(
+        TandemSubject,
+        model_dir,
+        workload_args(args.threads, PROMPT_LEN, NEW_TOKENS),
+        max(args.sizes),
+        False,
+        gguf,
+    )
+    engines = {"tandem": dense, "tandem-gguf": quantized}
+    runs: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    decode_runs: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    try:
+        for n in args.sizes:  # warm-up
+            for engine in engines.values():
+                engine.call("run", make_prompts(n, PROMPT_LEN, vocab, seed=10_000 + n), 8, False)
+        for repeat in range(args.repeats):
+            order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+            for n in args.sizes:
+                ids = make_prompts(n, PROMPT_LEN, vocab, seed=repeat)
+                for name in order:
+                    tokens, wall, _, decode_s = engines[name].call("run", ids, NEW_TOKENS, False)
+                    runs[name][n].append(tokens / wall)
+                    if decode_s:
+                        decode_runs[name][n].append((tokens - len(ids)) / decode_s)
+                    print(
+                        f"  quantized repeat {repeat + 1} N={n:<3} {name:<12} {tokens / wall:8.1f} tok/s",
+                        flush=True,
+                    )
+        rss = {name: engine.call("rss_mb") for name, engine in engines.items()}
+    finally:
+        quantized.close()
+    return {"decode_tok_s": summarize(runs), "decode_only_tok_s": summarize(decode_runs), "rss_mb": rss}
+
+
 def models_to_run(args: argparse.Namespace) -> list[tuple[str, Path, Path | None]]:
     """(label, checkpoint directory, GGUF file of the same model or None), primary model first."""
     if args.model_dir is not None:
@@ -246,6 +287,10 @@ def run_model(
     floor_samples.append(measure_floors())
     peers: dict[str, dict | str] = {}
     peers["vllm"], vllm_version = run_vllm(args, model_dir, False, PROMPT_LEN, NEW_TOKENS)
+    quantized = None
+    if gguf is not None:
+        print("decode throughput, --quantization gguf against bf16 weights ...", flush=True)
+        quantized = quantized_workload(decode_engine, model_dir, gguf, vocab, args)
     print("decode throughput, embedding prompts ...", flush=True)
     embeds, embeds_only = decode_workload(decode_engine, hf, None, True, vocab, args)
     floor_samples.append(measure_floors())
@@ -275,6 +320,7 @@ def run_model(
         "ttft_s": summarize(ttft),
         "prefix_cache_ttft_s": {k: {"median": statistics.median(v), "runs": v} for k, v in prefix.items()},
         "llama_cpp": llama,
+        "quantized": quantized,
     }
     return section, vllm_version or embeds_version
 

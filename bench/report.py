@@ -106,6 +106,24 @@ def _ttft_table(section: dict, lens: list[int], floors: Floors, cost: ModelCost)
     return lines, ratios
 
 
+def _quantized_table(quantized: dict, sizes: list[int]) -> tuple[list[str], dict]:
+    """tokens/s (decode-only in brackets) of the GGUF file's own weights against bf16, and memory."""
+    tok, only, rss = quantized["decode_tok_s"], quantized["decode_only_tok_s"], quantized["rss_mb"]
+    lines = ["| N | bf16 tok/s | gguf tok/s | gguf / bf16 |", "|---|---|---|---|"]
+    ratios: dict = {}
+    for n in sizes:
+        dense, quant = _median(tok.get("tandem"), n), _median(tok.get("tandem-gguf"), n)
+        dense_only, quant_only = _median(only.get("tandem"), n), _median(only.get("tandem-gguf"), n)
+        ratios[n] = _ratio(quant, dense)
+        lines.append(
+            f"| {n} | {_fmt(dense)} ({_fmt(dense_only)}) | {_fmt(quant)} ({_fmt(quant_only)}) | "
+            f"{_fmt(ratios[n], '.2f', 'x')} |"
+        )
+    lines.append(f"| resident MB | {rss['tandem']:.0f} | {rss['tandem-gguf']:.0f} | "
+                 f"{rss['tandem-gguf'] - rss['tandem']:+.0f} MB |")  # fmt: skip
+    return lines, ratios
+
+
 def _model_sections(label: str, section: dict, settings: dict, floors: Floors) -> tuple[dict, dict]:
     cost, sizes = ModelCost(**section["settings"]["cost"]), settings["sizes"]
     decode, decode_only = with_llama(section)
@@ -120,6 +138,10 @@ def _model_sections(label: str, section: dict, settings: dict, floors: Floors) -
     sections[f"{label}: time to first token"], ratios["ttft"] = _ttft_table(
         section, settings["ttft_lens"], floors, cost
     )
+    if section.get("quantized"):
+        sections[f"{label}: --quantization gguf against bf16 weights"], ratios["quantized"] = (
+            _quantized_table(section["quantized"], sizes)
+        )
     prefix = section["prefix_cache_ttft_s"]
     miss, hit = prefix["miss"]["median"], prefix["hit"]["median"]
     ratios["prefix_cache_speedup"] = miss / hit

@@ -66,17 +66,29 @@ class TandemSubject:
     """Tandem's in-process Engine (the engine loads and steps on its own thread)."""
 
     def __init__(
-        self, model_dir: Path, workload: argparse.Namespace, max_requests: int, enable_prefix_caching: bool
+        self,
+        model_dir: Path,
+        workload: argparse.Namespace,
+        max_requests: int,
+        enable_prefix_caching: bool,
+        quantized_from: Path | None = None,  # the GGUF file: serve its own quantized weights
     ) -> None:
         from decode_throughput import build_engine
 
         # The harness thread here only submits: one intra-op thread, so it holds no OpenMP team.
         self.engine = build_engine(
-            model_dir, workload, max_requests, enable_prefix_caching=enable_prefix_caching
-        )
+            model_dir, workload, max_requests, enable_prefix_caching=enable_prefix_caching,
+            quantized_from=quantized_from,
+        )  # fmt: skip
         torch.set_num_threads(1)
         self.table: torch.Tensor | None = None
         self.model_dir = model_dir
+
+    @staticmethod
+    def rss_mb() -> float:
+        """This process's resident memory, MB (the engine, its model and its KV cache)."""
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
     def info(self) -> dict[str, int]:
         c = self.engine.model_config
