@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "scratch.h"
 #include "weight.h"
 
 enum { BF16 = 1 };
@@ -42,18 +43,9 @@ int tandem_qkv_rope_cache(const void *qkv, const void *cos, const void *sin, con
                           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t num_slots, float eps, int dtype);
 
-static __thread uint16_t *buffer = NULL;
-static __thread size_t buffer_elements = 0;
+static __thread ThreadBuffer buffer;
 
-static uint16_t *scratch(size_t elements) {
-    if (elements > buffer_elements) {
-        uint16_t *grown = realloc(buffer, elements * sizeof(uint16_t));
-        if (grown == NULL) return NULL;
-        buffer = grown;
-        buffer_elements = elements;
-    }
-    return buffer;
-}
+static uint16_t *scratch(size_t elements) { return buffer_of_at_least(&buffer, elements * sizeof(uint16_t)); }
 
 /* silu(g) = g * sigmoid(g), with exp of a non-positive argument only (no overflow); the polynomial
  * exp, so that swiglu's loop vectorises (libm's expf is one scalar call per value). */

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -48,18 +49,9 @@
 #define MAX_TILE_ROWS 6
 
 /* Per-thread scratch for widened rows; grows to the largest block seen, kept for the next call. */
-static __thread float *scratch = NULL;
-static __thread size_t scratch_floats = 0;
+static __thread ThreadBuffer scratch;
 
-static float *scratch_for(size_t floats) {
-    if (floats > scratch_floats) {
-        float *grown = realloc(scratch, floats * sizeof(float));
-        if (grown == NULL) return NULL;
-        scratch = grown;
-        scratch_floats = floats;
-    }
-    return scratch;
-}
+static float *scratch_for(size_t floats) { return buffer_of_at_least(&scratch, floats * sizeof(float)); }
 
 #if HAVE_AVX2
 static inline __attribute__((always_inline)) float sum_lanes(__m256 v) {

@@ -3,8 +3,9 @@
  *
  * Why: a decode step of one sequence reads every weight once and does little else, so its time is the
  * weights' bytes over memory bandwidth. bf16 is 2 bytes a weight; Q4_1 is 0.625 (4 bits, and an fp16
- * scale and offset per 32 inputs), Q8_0 1.0625. SmolLM2 at one sequence: 208 tok/s against 131 with
- * bf16 weights (Zen 5).
+ * scale and offset per 32 inputs), Q8_0 1.0625. SmolLM2 at one sequence: 203 tok/s against 142 with
+ * bf16 weights (1.43x, Zen 5, bench/harness.py's quantized workload); past 4 rows the per-block
+ * scaling costs more than the bytes save (0.85x at 8 sequences).
  *
  * Arithmetic: for output f and a block b of 32 inputs, sum_i x_i w_i is, exactly in real numbers,
  *   Q4_1  d (sum_i x_i q_i) + m (sum_i x_i)      Q4_0  d (sum_i x_i (q_i - 8))      Q8_0  d (sum_i x_i q_i)
@@ -39,6 +40,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #include "weight.h"
 
 #ifdef _OPENMP
@@ -79,20 +81,9 @@ static inline float fp16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Per-thread scratch: the rows' block sums S [m][nb] and, for bf16 inputs on other builds, the rows
- * widened to fp32. */
-static __thread float *scratch = NULL;
-static __thread size_t scratch_floats = 0;
-
-static float *scratch_for(size_t floats) {
-    if (floats > scratch_floats) {
-        float *grown = realloc(scratch, floats * sizeof(float));
-        if (grown == NULL) return NULL;
-        scratch = grown;
-        scratch_floats = floats;
-    }
-    return scratch;
-}
+/* Per-thread scratch: the calling thread's rows' block sums S [m][nb]; each thread's row widened to
+ * fp32 (the portable kernel). */
+static __thread ThreadBuffer block_sums, widened_row;
 
 static inline float input(const void *x, int64_t i, int dtype) {
     return dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
@@ -143,20 +134,8 @@ static void row_portable(const float *restrict xf, const float *restrict s, cons
 
 #if HAVE_QUANT_BF16
 
-/* Per-thread scratch for widened codes (many_rows_bf16), 64-byte aligned; grows, kept. */
-static __thread __m512i *widened = NULL;
-static __thread size_t widened_vectors = 0;
-
-static __m512i *widened_for(size_t vectors) {
-    if (vectors > widened_vectors) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, vectors * sizeof(__m512i)) != 0) return NULL;
-        free(widened);
-        widened = grown;
-        widened_vectors = vectors;
-    }
-    return widened;
-}
+/* Per-thread scratch for widened codes (many_rows_bf16). */
+static __thread ThreadBuffer widened;
 
 /* One pair of 16 outputs' codes as 16 dwords of two bf16 values (the pair's first input low); for
  * FORMAT_Q4_0 each code q as q - 8. */
@@ -202,7 +181,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
             __m512i wv[6];
 #pragma GCC unroll 6
             for (int j = 0; j < NB; j++)
-                wv[j] = pre != NULL ? _mm512_load_si512(pre + (b * QP + p) * NB + j)
+                wv[j] = pre != NULL ? _mm512_loadu_si512(pre + (b * QP + p) * NB + j)
                                     : codes_bf16(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, FORMAT);
 #pragma GCC unroll 4
             for (int i = 0; i < MR; i++) {
@@ -235,15 +214,9 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
 #pragma GCC unroll 6
         for (int j = 0; j < NB; j++) {
             const int64_t c = (g + j) * QG;
-            if (c >= n) continue;
-            const int valid = n - c >= QG ? QG : (int)(n - c);
-            __m512 v = acc[i][j];
-            if (bias != NULL) {
-                const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
-                const __m512i bb = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16);
-                v = _mm512_add_ps(v, _mm512_castsi512_ps(bb));
-            }
-            store16_bf16(out + i * n + c, v, valid);
+            if (c < n)
+                store16_bias_bf16(out + i * n + c, acc[i][j], bias != NULL ? bias + c : NULL,
+                                  n - c >= QG ? QG : (int)(n - c));
         }
 }
 
@@ -266,7 +239,7 @@ static inline __attribute__((always_inline)) void widen_groups(__m512i *pre, con
         for (int64_t p = 0; p < QP; p++)
 #pragma GCC unroll 3
             for (int j = 0; j < NB; j++)
-                _mm512_store_si512(pre + (b * QP + p) * NB + j,
+                _mm512_storeu_si512(pre + (b * QP + p) * NB + j,
                                    codes_bf16(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, FORMAT));
 }
 
@@ -318,7 +291,7 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
     if (k % QB != 0 || w->scales == NULL) return -1;
     if (m == 0 || n == 0) return 0;
     const int64_t nb = k / QB, groups = (n + QG - 1) / QG;
-    float *s = scratch_for((size_t)(m * nb)); /* the calling thread's: shared by the team below */
+    float *s = buffer_of_at_least(&block_sums, (size_t)(m * nb) * sizeof(float)); /* shared by the team below */
     if (s == NULL) return -1;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -339,7 +312,7 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
         const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
 #if HAVE_QUANT_BF16
         if (dtype == 1 && g0 < g1) {
-            __m512i *pre = m > 4 ? widened_for(k / 2 * 3) : NULL;
+            __m512i *pre = m > 4 ? buffer_of_at_least(&widened, (size_t)(k / 2 * 3) * sizeof(__m512i)) : NULL;
             if (m > 4 && pre == NULL)
                 failed = 1;
             else if (w->format == TANDEM_WEIGHT_Q8)
@@ -351,7 +324,7 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
         } else
 #endif
             if (g0 < g1) {
-            float *xf = malloc((size_t)k * sizeof(float));
+            float *xf = buffer_of_at_least(&widened_row, (size_t)k * sizeof(float));
             if (xf == NULL) {
                 failed = 1;
             } else {
@@ -359,7 +332,6 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
                     for (int64_t i = 0; i < k; i++) xf[i] = input(x, r * k + i, dtype);
                     row_portable(xf, s + r * nb, w, bias, out, r, n, nb, g0, g1, dtype);
                 }
-                free(xf);
             }
         }
     }
