@@ -64,6 +64,17 @@ def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text).ids
 
 
+def _chat_prompt(model_dir: Path, question: str) -> str:
+    """One user turn through the checkpoint's own chat template, ready for the answer."""
+    template = (model_dir / "chat_template.jinja").read_text()
+    messages = [{"role": "user", "content": question}]
+    return (
+        ImmutableSandboxedEnvironment()
+        .from_string(template)
+        .render(messages=messages, add_generation_prompt=True)
+    )
+
+
 def test_the_imported_shape_is_smollm2_135m(ours_fp32: LoadedModel) -> None:
     c = ours_fp32.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
@@ -98,15 +109,7 @@ def test_bf16_logits_are_within_the_stated_tolerance_of_transformers_fp32(
 def test_asked_through_its_chat_template_it_knows_the_capital_of_france(
     ours_fp32: LoadedModel, imported: dict[str, Path]
 ) -> None:
-    template = (imported["float32"] / "chat_template.jinja").read_text()
-    text = (
-        ImmutableSandboxedEnvironment()
-        .from_string(template)
-        .render(
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            add_generation_prompt=True,
-        )
-    )
+    text = _chat_prompt(imported["float32"], "What is the capital of France?")
     tokens = greedy(ours_fp32.model, _ids(ours_fp32.tokenizer, text), 12)
     answer = ours_fp32.tokenizer.decode(tokens)
     assert answer.startswith("The capital of France is Paris."), answer
@@ -162,11 +165,8 @@ def test_fp32_quantized_greedy_tokens_equal_transformers_on_the_same_file(
     ids = _ids(quantized_fp32.tokenizer, prompt)
     out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids) :].tolist()
     assert len(out) == 32 or out[-1] in quantized_fp32.config.eos_token_ids
-    run = PagedRun(quantized_fp32.model, step=CpuExecutor(quantized_fp32.model, load_for_cpu()))
-    tokens = [int(run.step([("s", ids)])[0].argmax())]
-    while len(tokens) < len(out):
-        tokens.append(int(run.step([("s", tokens[-1:])])[0].argmax()))
-    assert tokens == out
+    executor = CpuExecutor(quantized_fp32.model, load_for_cpu())
+    assert greedy(quantized_fp32.model, ids, len(out), step=executor) == out
 
 
 def test_an_engine_serving_the_file_quantized_in_bf16_knows_the_capital_of_france(
@@ -174,15 +174,7 @@ def test_an_engine_serving_the_file_quantized_in_bf16_knows_the_capital_of_franc
 ) -> None:
     # bf16 activations against the file's exact values (the dense checkpoint rounds each to bf16): the
     # answers stay the model's (docs/PERFORMANCE.md has their first divergences from float32).
-    template = (imported["bfloat16"] / "chat_template.jinja").read_text()
-    text = (
-        ImmutableSandboxedEnvironment()
-        .from_string(template)
-        .render(
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            add_generation_prompt=True,
-        )
-    )
+    text = _chat_prompt(imported["bfloat16"], "What is the capital of France?")
     config = EngineConfig(
         model_dir=imported["bfloat16"], num_kv_blocks=64, quantization="gguf", quantized_from=gguf_path
     )

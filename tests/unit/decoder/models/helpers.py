@@ -104,9 +104,12 @@ class PagedRun:
         )
 
 
-def greedy(model: DecoderModel, prompt: Sequence[int], max_new_tokens: int, block_size: int = 4) -> list[int]:
-    """Prefill then one decode step per token, through the paged cache."""
-    run = PagedRun(model, block_size=block_size)
+def greedy(
+    model: DecoderModel, prompt: Sequence[int], max_new_tokens: int, block_size: int = 4, step: Any = None
+) -> list[int]:
+    """Prefill then one decode step per token, through the paged cache (`step`: an executor bound to
+    the model runs the forward instead of the model itself)."""
+    run = PagedRun(model, block_size=block_size, step=step)
     logits = run.step([("s", prompt)])
     tokens = [int(logits[0].argmax())]
     while len(tokens) < max_new_tokens:

@@ -22,7 +22,7 @@ from tandem.decoder.models.tensor_parallel import checkpoint_parts
 from tests.unit.common.gguf_files import write_gguf
 from tests.unit.common.test_gguf_import import _small
 
-from .helpers import PagedRun, greedy
+from .helpers import greedy
 
 Q = gguf.GGMLQuantizationType
 PROMPT = [3, 44, 210, 7]
@@ -65,11 +65,7 @@ def test_served_types_keep_the_files_values_and_give_transformers_greedy_tokens(
     assert greedy(model, PROMPT, 8) == want  # the model's own forward
     executor = CpuExecutor(model, load_for_cpu())  # the quantized kernels, never dequantizing
     assert executor.choice.linears == "torch" and not executor.fused  # float32: layer by layer
-    run = PagedRun(model, step=executor)
-    tokens = [int(run.step([("s", PROMPT)])[0].argmax())]
-    while len(tokens) < 8:
-        tokens.append(int(run.step([("s", tokens[-1:])])[0].argmax()))
-    assert tokens == want
+    assert greedy(model, PROMPT, 8, step=executor) == want
 
 
 def test_other_types_are_re_quantized_once_and_the_log_says_so(
