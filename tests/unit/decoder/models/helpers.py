@@ -118,10 +118,10 @@ def greedy(
 
 
 def greedy_batch(
-    model: DecoderModel, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    model: DecoderModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, step: Any = None
 ) -> list[list[int]]:
     """All prompts prefilled in one packed step, then decoded together, one batched step per token."""
-    run = PagedRun(model)
+    run = PagedRun(model, step=step)
     logits = run.step(list(enumerate(prompts)))
     outputs = [[int(row.argmax())] for row in logits]
     while len(outputs[0]) < max_new_tokens:

@@ -25,7 +25,7 @@ from tandem.decoder.models.quantized import quantize
 from tandem.decoder.models.qwen3 import Qwen3ForCausalLM
 
 from ...conftest import Checkpoint
-from ...models.helpers import PagedRun, greedy
+from ...models.helpers import PagedRun, greedy, greedy_batch
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 
@@ -136,6 +136,11 @@ def test_quantized_weights_run_on_the_quantized_kernels_with_the_models_own_toke
     )
     if dtype == "bfloat16" and kernels.weight_layout != 0:
         assert executor.fused is not None and executor.stack is not None
+    # A request's tokens do not depend on its neighbours: prefilled and decoded together (quantized
+    # tiles of several rows) or alone (one row), the same tokens.
+    prompts = [PROMPT, PROMPT[3:9], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    alone = [greedy(model, p, 8, step=executor) for p in prompts]
+    assert greedy_batch(model, prompts, 8, step=executor) == alone
     if dtype == "float32":
         # The reference dequantizes the same values; only the order of fp32 sums differs.
         assert greedy_with(executor, model, PROMPT, 12) == greedy(model, PROMPT, 12)
