@@ -285,11 +285,6 @@ class KernelWeight:
         self._descriptor = _WeightDescriptor(fmt, n, k, data.data_ptr(), _ptr_of(scales), _ptr_of(mins))
         self.ptr = ctypes.addressof(self._descriptor)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the arrays the kernels read."""
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
-
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
