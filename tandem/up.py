@@ -32,6 +32,7 @@ from tandem.client.auth import load_tokens
 from tandem.client.errors import ConfigError
 from tandem.common.flags import CONTEXT_SETTINGS, PATH, Setting, flag_error, run, server_security_settings
 from tandem.common.gguf_import import DTYPE_NAMES
+from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
 from tandem.decoder.config import QUANTIZATIONS
 
@@ -53,7 +54,8 @@ class UpConfig:
     decoder_port: int
     dtype: str | None  # passed to both; None leaves each service its own default
     world_size: int | None  # decoder ranks; None leaves the decoder its default
-    quantization: str = "none"  # the decoder's --quantization
+    quantization: str = "none"  # the decoder's --quantization (and the encoder's, for int8 / int4)
+    quantization_group_size: int | None = None  # int4: the decoder's; None leaves its default
     grace_s: float = DEFAULT_GRACE_S  # both services' drain time; `up` kills STOP_MARGIN_S after it
     tls_cert: Path | None = None  # both services: TLS server certificate (PEM); None = plaintext
     tls_key: Path | None = None  # both services: its private key
@@ -87,8 +89,12 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
         argv += ["--dtype", config.dtype]
     if service == "decoder" and config.world_size is not None:
         argv += ["--world-size", str(config.world_size)]
-    if service == "decoder" and config.quantization != "none":
+    # The encoder rounds its lookup table as the decoder rounds the model's (int8, int4); a GGUF
+    # file's own weights need nothing of it: the imported table holds the file's values.
+    if config.quantization != "none" and (service == "decoder" or config.quantization in SCHEMES):
         argv += ["--quantization", config.quantization]
+    if service == "decoder" and config.quantization_group_size is not None:
+        argv += ["--quantization-group-size", str(config.quantization_group_size)]
     argv += ["--grace-s", f"{config.grace_s:g}"]
     for name in SECURITY_FIELDS:
         path = getattr(config, name)
@@ -122,9 +128,18 @@ def command() -> click.Command:
         Setting(
             ENV_PREFIX,
             "--quantization",
-            "the decoder's weights: none, or gguf (a GGUF --model's own quantized tensors)",
+            "the decoder's weights: none, gguf (a GGUF --model's own quantized tensors), int8 or int4 "
+            "(rounded at load; the encoder rounds its lookup table alike)",
             type=click.Choice(list(QUANTIZATIONS)),
             default="none",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--quantization-group-size",
+            "int4: the decoder's inputs per scale, a multiple of 32",
+            type=int,
+            default=None,
+            show_default="the decoder's own, 32",
         ),
         Setting(
             ENV_PREFIX,
@@ -169,6 +184,7 @@ def _config(values: dict[str, Any]) -> UpConfig:
         dtype=values["dtype"],
         world_size=values["world_size"],
         quantization=values["quantization"],
+        quantization_group_size=values["quantization_group_size"],
         grace_s=values["grace_s"],
         **{name: values[name] for name in SECURITY_FIELDS},
     )

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import DTYPES
+from tandem.common.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
+from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import ServerOptions
 from tandem.decoder.backends import backend as backends
 from tandem.decoder.models.attention import PagedAttention
@@ -32,9 +34,12 @@ class EngineConfig:
     dtype: str = "bfloat16"  # compute and KV-cache dtype, one of DTYPES.
     device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (backends/backend.py); checked, not imported.
     # "gguf": the linears and the token table served as the GGUF file `quantized_from` stores them
-    # (models/gguf_weights.py; CPU, bf16 or float32 activations); "none": model_dir's dense weights.
+    # (models/gguf_weights.py); "int8" / "int4": rounded from model_dir's weights at load, int8 with
+    # one scale per output channel, int4 with a scale and an offset per `quantization_group_size`
+    # inputs (common/quantized_tensor.py); "none": model_dir's dense weights. Activations stay `dtype`.
     quantization: str = "none"
     quantized_from: Path | None = None
+    quantization_group_size: int = QUANTIZATION_BLOCK  # int4 only: a multiple of 32
     max_num_seqs: int = 64  # most requests in one step's batch.
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
     max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
@@ -108,6 +113,15 @@ class EngineConfig:
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        group = self.quantization_group_size
+        if group < QUANTIZATION_BLOCK or group % QUANTIZATION_BLOCK != 0:
+            raise ConfigError(
+                "quantization_group_size", f"must be a positive multiple of {QUANTIZATION_BLOCK}, got {group}"
+            )
+        if group != QUANTIZATION_BLOCK and self.quantization != "int4":
+            raise ConfigError(
+                "quantization_group_size", f"is only used by --quantization int4, not {self.quantization!r}"
+            )
         if self.quantization == "none":
             return
         needs = {
@@ -126,8 +140,9 @@ class EngineConfig:
                 )
 
 
-# --quantization: "gguf" serves a GGUF file's own Q4_0 / Q4_1 / Q8_0 weights (others re-quantized once).
-QUANTIZATIONS = ("none", "gguf")
+# --quantization: "gguf" serves a GGUF file's own Q4_0 / Q4_1 / Q8_0 weights (others re-quantized once);
+# "int8" and "int4" round a dense checkpoint's (common/quantized_tensor.py's SCHEMES).
+QUANTIZATIONS = ("none", "gguf", *SCHEMES)
 
 
 @dataclass(frozen=True)

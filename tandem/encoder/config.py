@@ -14,10 +14,12 @@ import torch
 
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import DTYPES
+from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import ServerOptions
 from tandem.encoder.embedder import Pooling
 
 EMBEDDERS = ("lookup", "soft-prompt", "projector")
+QUANTIZATIONS = ("none", *SCHEMES)
 DEFAULT_PORT = 50051
 
 
@@ -32,6 +34,11 @@ class EncoderConfig:
     projector_path: Path | None = None  # projector: safetensors weights, encoder hidden -> decoder hidden.
     pooling: Pooling = Pooling.NONE  # applied when a request leaves pooling UNSPECIFIED.
     dtype: str = "bfloat16"  # native dtype of the embeddings (the decoder's, for exact lookups).
+    # The decoder's --quantization when it rounds a dense checkpoint ("int8", "int4"): the lookup table
+    # is rounded as the decoder rounds its own (8-bit per row under either), so its rows stay the
+    # decoder's embedding of the same tokens. A GGUF file's own weights need nothing: the imported
+    # table already holds the file's values.
+    quantization: str = "none"
     max_input_tokens: int = 8192  # most positions per Embed call (the embedder may allow fewer).
     server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
     model_name: str = ""  # reported by GetModelInfo and checked against requests; "" = directory name.
@@ -43,6 +50,7 @@ class EncoderConfig:
             raise ConfigError("dtype", f"must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.pooling, Pooling):
             raise ConfigError("pooling", f"must be one of {[p.value for p in Pooling]}, got {self.pooling!r}")
+        self._check_quantization()
         if self.max_input_tokens < 1:
             raise ConfigError("max_input_tokens", f"must be >= 1, got {self.max_input_tokens}")
         # Each path belongs to one embedder: a path given to another one is a mistake, not a no-op.
@@ -57,6 +65,14 @@ class EncoderConfig:
                     raise ConfigError(name, f"is required by embedder {kind!r}")
                 if self.embedder != kind and is_set:
                     raise ConfigError(name, f"is only used by embedder {kind!r}, not {self.embedder!r}")
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization != "none" and self.embedder == "projector":
+            raise ConfigError(
+                "quantization", "rounds the decoder's lookup table: not used by embedder 'projector'"
+            )
 
     @property
     def served_model_name(self) -> str:

@@ -13,10 +13,10 @@ def load_embedder(config: EncoderConfig) -> Embedder:
     dtype = config.torch_dtype
     if config.embedder == "soft-prompt":
         assert config.adapter_dir is not None  # guaranteed by EncoderConfig's validation
-        return SoftPromptEmbedder.load(config.model_dir, config.adapter_dir, dtype)
+        return SoftPromptEmbedder.load(config.model_dir, config.adapter_dir, dtype, config.quantization)
     if config.embedder == "projector":
         assert config.encoder_model_dir is not None and config.projector_path is not None
         return ProjectorEmbedder.load(
             config.model_dir, config.encoder_model_dir, config.projector_path, dtype
         )
-    return LookupEmbedder.load(config.model_dir, dtype)
+    return LookupEmbedder.load(config.model_dir, dtype, config.quantization)

@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tandem.common import checkpoint, text_bounds
+from tandem.common.quantized_tensor import quantize_table
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, read_tensor
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -82,7 +83,7 @@ class LookupEmbedder:
         )
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype) -> LookupEmbedder:
+    def load(cls, model_dir: Path, dtype: torch.dtype, quantization: str = "none") -> LookupEmbedder:
         if not model_dir.is_dir():
             raise EmbedderLoadError(f"model directory {model_dir} does not exist")
         shape = read_model_shape(model_dir)
@@ -98,8 +99,15 @@ class LookupEmbedder:
             raise EmbedderLoadError(
                 f"tokenizer.json has {num_tokens} tokens, more than the model's vocab_size {shape.vocab_size}"
             )
-        # The same cast the decoder's loader applies, so rows match its embed_tokens exactly.
-        return cls(table.to(dtype), tokenizer)
+        # The same cast the decoder's loader applies, so rows match its embed_tokens exactly; rounded
+        # as its --quantization int8 / int4 rounds the table (8-bit per row), for the same reason.
+        table = table.to(dtype)
+        if quantization != "none":
+            try:
+                table = quantize_table(table).dequantize(dtype)
+            except ValueError as e:  # rows not a whole number of blocks of 32
+                raise EmbedderLoadError(f"--quantization {quantization}: {EMBED_KEY}: {e}") from None
+        return cls(table, tokenizer)
 
     @property
     def info(self) -> EmbedderInfo:

@@ -13,7 +13,7 @@ from tandem.client.errors import ConfigError
 from tandem.common.dtypes import DTYPES
 from tandem.common.flags import PATH, Setting, default_of, server_options, server_settings
 from tandem.common.model_cache import default_model_file, model_display_name
-from tandem.encoder.config import DEFAULT_PORT, EMBEDDERS, EncoderConfig
+from tandem.encoder.config import DEFAULT_PORT, EMBEDDERS, QUANTIZATIONS, EncoderConfig
 from tandem.encoder.embedder import Pooling
 
 ENV_PREFIX = "TANDEM_ENCODER_"
@@ -65,6 +65,12 @@ def settings() -> list[Setting]:
             default=Pooling.NONE.value,
         ),
         _config("--dtype", "dtype of the returned embeddings", type=click.Choice(list(DTYPES))),
+        _config(
+            "--quantization",
+            "the decoder's --quantization when it rounds a dense checkpoint (int8, int4): the lookup "
+            "table is rounded alike, so its rows stay the decoder's own (gguf needs nothing here)",
+            type=click.Choice(QUANTIZATIONS),
+        ),
         _config("--max-input-tokens", "most positions per Embed call", type=int),
         _config(
             "--model-name",
@@ -92,6 +98,7 @@ def config_from_options(values: Mapping[str, Any]) -> EncoderConfig:
         projector_path=values["projector"],
         pooling=Pooling(values["pooling"]),
         dtype=values["dtype"],
+        quantization=values["quantization"],
         max_input_tokens=values["max_input_tokens"],
         server=server_options(values),
         model_name=values["model_name"] or model_display_name(Path(model)),

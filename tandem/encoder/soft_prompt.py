@@ -63,8 +63,10 @@ class SoftPromptEmbedder:
         )
 
     @classmethod
-    def load(cls, model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> SoftPromptEmbedder:
-        lookup = LookupEmbedder.load(model_dir, dtype)
+    def load(
+        cls, model_dir: Path, adapter_dir: Path, dtype: torch.dtype, quantization: str = "none"
+    ) -> SoftPromptEmbedder:
+        lookup = LookupEmbedder.load(model_dir, dtype, quantization)
         return cls(lookup, read_prompt(adapter_dir, lookup.info.hidden_size))
 
     @property

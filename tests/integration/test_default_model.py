@@ -152,7 +152,7 @@ def test_speculation_by_prompt_lookup_accepts_most_of_a_repeated_passage_and_cha
 
 @pytest.fixture(scope="module")
 def quantized_fp32(imported: dict[str, Path], gguf_path: Path) -> LoadedModel:
-    return load_model(imported["float32"], dtype="float32", quantized_from=gguf_path)
+    return load_model(imported["float32"], dtype="float32", quantization="gguf", quantized_from=gguf_path)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[3:])  # the two the dense test above leaves out
@@ -169,14 +169,20 @@ def test_fp32_quantized_greedy_tokens_equal_transformers_on_the_same_file(
     assert greedy(quantized_fp32.model, ids, len(out), step=executor) == out
 
 
-def test_an_engine_serving_the_file_quantized_in_bf16_knows_the_capital_of_france(
-    imported: dict[str, Path], gguf_path: Path
+@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+def test_an_engine_serving_quantized_weights_in_bf16_knows_the_capital_of_france(
+    imported: dict[str, Path], gguf_path: Path, quantization: str
 ) -> None:
-    # bf16 activations against the file's exact values (the dense checkpoint rounds each to bf16): the
-    # answers stay the model's (docs/PERFORMANCE.md has their first divergences from float32).
+    # bf16 activations against the file's exact values (the dense checkpoint rounds each to bf16), or
+    # the dense checkpoint rounded at load (the linears int8 per output channel or int4 per 32 inputs,
+    # the token table 8-bit per row): the answers
+    # stay the model's (docs/PERFORMANCE.md has their first divergences and perplexities).
     text = _chat_prompt(imported["bfloat16"], "What is the capital of France?")
     config = EngineConfig(
-        model_dir=imported["bfloat16"], num_kv_blocks=64, quantization="gguf", quantized_from=gguf_path
+        model_dir=imported["bfloat16"],
+        num_kv_blocks=64,
+        quantization=quantization,
+        quantized_from=gguf_path if quantization == "gguf" else None,
     )
     engine = Engine(config).start()
     try:
@@ -188,3 +194,53 @@ def test_an_engine_serving_the_file_quantized_in_bf16_knows_the_capital_of_franc
         engine.shutdown()
     answer = Tokenizer.from_file(str(imported["bfloat16"] / "tokenizer.json")).decode(tokens)
     assert answer.startswith("The capital of France is Paris."), answer
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "int8", "int4"])
+def test_the_encoders_rows_are_the_quantized_decoders_own_embedding(
+    imported: dict[str, Path], gguf_path: Path, quantization: str
+) -> None:
+    # What `tandem up --quantization Q` starts: the encoder on the imported checkpoint (int8 / int4:
+    # told the same; gguf: nothing, the imported table holds the file's values), the decoder quantized.
+    from tandem.encoder.lookup import LookupEmbedder
+
+    decoder = load_model(
+        imported["bfloat16"],
+        quantization=quantization,
+        quantized_from=gguf_path if quantization == "gguf" else None,
+    )
+    encoder = LookupEmbedder.load(
+        imported["bfloat16"], torch.bfloat16, "none" if quantization == "gguf" else quantization
+    )
+    ids = torch.tensor(_ids(decoder.tokenizer, "The capital of France is Paris. <|im_start|>user"))
+    assert torch.equal(encoder.rows(ids.tolist()), decoder.model.embed_tokens(ids))
+
+
+def _perplexity(engine: Engine, text: str) -> float:
+    """exp of the mean negative log-likelihood of `text`'s tokens after the first, as served."""
+    spec = GenerateSpec(
+        [TextPrompt(text)],
+        SamplingParams(temperature=0.0, prompt_logprobs=0),
+        StoppingParams(max_new_tokens=1),
+    )
+    logprobs = [p.logprob for e in engine.generate(spec) if isinstance(e, Delta) for p in e.prompt_logprobs]
+    scored = [lp for lp in logprobs if lp is not None]
+    assert len(scored) == len(logprobs) - 1
+    return float(torch.tensor(scored).neg().mean().exp())
+
+
+def test_int8_and_int4_cost_at_most_three_percent_perplexity_on_a_passage(imported: dict[str, Path]) -> None:
+    # Measured on the whole of bench/passages.py (bench/perplexity.py, docs/PERFORMANCE.md): dense bf16
+    # 17.20, int8 17.15, int4 17.16; with the LM head at 4 bits int4 was 18.51 (+7.6 %).
+    text = PASSAGE + " After three hours of discussion, the council voted to approve the budget."
+    perplexities = {}
+    for quantization in ("none", "int8", "int4"):
+        config = EngineConfig(model_dir=imported["bfloat16"], num_kv_blocks=64, quantization=quantization)
+        engine = Engine(config).start()
+        try:
+            perplexities[quantization] = _perplexity(engine, text)
+        finally:
+            engine.shutdown()
+    dense = perplexities.pop("none")
+    assert 2 < dense < 40, dense  # the model reads English
+    assert all(p <= 1.03 * dense for p in perplexities.values()), (dense, perplexities)

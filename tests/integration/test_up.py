@@ -123,13 +123,27 @@ def test_serve_command_passes_dtype_to_both_and_world_size_to_the_decoder_only()
     ]
 
 
-def test_serve_command_passes_quantization_to_the_decoder_only() -> None:
+def test_serve_command_passes_gguf_quantization_to_the_decoder_only() -> None:
+    # The encoder's table imported from the file already holds the file's values.
     config = UpConfig(Path("/m.gguf"), "127.0.0.1", 1, 2, dtype=None, world_size=None, quantization="gguf")
     assert "--quantization" not in serve_command("encoder", config)
     decoder = serve_command("decoder", config)
     assert decoder[decoder.index("--quantization") + 1] == "gguf"
     plain = UpConfig(Path("/m.gguf"), "127.0.0.1", 1, 2, dtype=None, world_size=None)
     assert "--quantization" not in serve_command("decoder", plain)
+
+
+def test_serve_command_passes_int4_to_both_services_and_its_group_size_to_the_decoder() -> None:
+    # The encoder rounds its lookup table as the decoder rounds the model's table (8-bit per row,
+    # whatever the linears' group): the same rows.
+    config = UpConfig(
+        Path("/m"), "127.0.0.1", 1, 2, None, None, quantization="int4", quantization_group_size=64
+    )
+    encoder, decoder = serve_command("encoder", config), serve_command("decoder", config)
+    assert encoder[encoder.index("--quantization") + 1] == "int4"
+    assert decoder[decoder.index("--quantization") + 1] == "int4"
+    assert decoder[decoder.index("--quantization-group-size") + 1] == "64"
+    assert "--quantization-group-size" not in encoder
 
 
 def test_services_stop_when_up_is_killed_outright(model_dir: Path, tmp_path: Path) -> None:

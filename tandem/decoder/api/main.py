@@ -45,6 +45,7 @@ from tandem.decoder.distributed.worker import (
 from tandem.decoder.engine.engine import Engine
 from tandem.decoder.engine.outputs import FinishReason
 from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
+from tandem.decoder.models.quantized import check_group
 from tandem.decoder.models.tensor_parallel import check_shardable
 
 log = logging.getLogger("tandem.decoder")
@@ -131,6 +132,15 @@ def check_model(config: DecoderConfig, world_size: int) -> None:
         model_config = check_checkpoint(config.engine.model_dir, config.engine.dtype)
     except ModelLoadError as error:
         raise ConfigError("model_dir", f": {error}") from None
+    engine = config.engine
+    if engine.quantization != "none":
+        try:
+            check_group(model_config, engine.quantization_group_size)
+        except ValueError as error:
+            field = "quantization_group_size" if engine.quantization == "int4" else "quantization"
+            raise ConfigError(
+                field, f"{engine.quantization} cannot quantize this checkpoint: {error}"
+            ) from None
     if world_size > 1:
         try:
             check_shardable(model_config, world_size)

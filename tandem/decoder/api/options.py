@@ -58,9 +58,15 @@ def settings() -> list[Setting]:
         ),
         _engine_setting(
             "--quantization",
-            "weights: none (the checkpoint's, in --dtype) or gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 "
-            "tensors, served as stored; other types re-quantized once)",
+            "weights: none (the checkpoint's, in --dtype), gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 "
+            "tensors, served as stored; other types re-quantized once), int8 (rounded at load, a scale "
+            "per output channel) or int4 (rounded at load, a scale and offset per group of inputs)",
             type=click.Choice(list(QUANTIZATIONS)),
+        ),
+        _engine_setting(
+            "--quantization-group-size",
+            "int4: inputs per scale, a multiple of 32 dividing every linear's input width",
+            type=int,
         ),
         _engine_setting("--max-num-seqs", "most requests in one batch", type=int),
         _engine_setting(
@@ -151,6 +157,7 @@ _ENGINE_FIELDS = (
     "device",
     "dtype",
     "quantization",
+    "quantization_group_size",
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",

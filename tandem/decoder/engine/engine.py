@@ -71,7 +71,9 @@ class Engine:
                 config.dtype,
                 backends.torch_device(config.device),
                 tp,
-                config.quantized_from if config.quantization == "gguf" else None,
+                config.quantization,
+                config.quantized_from,
+                config.quantization_group_size,
             )
         except BaseException:
             self._thread.stop()

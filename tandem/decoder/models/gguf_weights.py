@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from tandem.common.gguf_import import gguf_name, unpermute_rows
-from tandem.decoder.models.quantized import BLOCK, QuantizedTensor, cat_rows, pack, quantize
+from tandem.common.quantized_tensor import BLOCK, QuantizedTensor, cat_rows, pack, quantize
+from tandem.decoder.models.quantized import quantizable
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,7 @@ def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, Quantiz
     heads = {"num_attention_heads": model.config.num_heads, "num_key_value_heads": model.config.num_kv_heads}
     out: dict[str, QuantizedTensor] = {}
     requantized: Counter[str] = Counter()
-    for name, module in model.named_modules():
-        if not _is_quantizable(name, module):
-            continue
-        param = f"{name}.weight"
+    for param in quantizable(model):
         parts = []
         for part in model.checkpoint_parts(param):
             key = gguf_name(part.name)
@@ -65,14 +63,6 @@ def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, Quantiz
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(requantized.items()))
         log.info("--quantization gguf: re-quantized once (not a type served as stored): %s", kinds)
     return out
-
-
-def _is_quantizable(name: str, module: torch.nn.Module) -> bool:
-    """The linears (qkv, o, gate_up, down, an untied LM head) and the token table."""
-    leaf = name.rpartition(".")[2]
-    return leaf in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "embed_tokens") and hasattr(
-        module, "weight"
-    )
 
 
 def _read(

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from tandem.common.checkpoint import read_json
 from tandem.common.dtypes import DTYPES
+from tandem.common.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
 from tandem.decoder.models import quantized
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.gguf_weights import read_quantized
@@ -70,14 +71,18 @@ def load_model(
     dtype: str = "bfloat16",
     device: str | torch.device = "cpu",
     tp: ParallelGroup | None = None,
+    quantization: str = "none",
     quantized_from: str | Path | None = None,
+    group_size: int = BLOCK,
 ) -> LoadedModel:
     """Reads config, generation config, tokenizer and weights from a checkpoint directory.
 
     `dtype` is one of DTYPES; weights are cast to it whatever the file stores. With `tp`, the model is
     this rank's shard. Weights come back unpacked; the engine packs them where its backend says to.
-    With `quantized_from` (the GGUF file model_dir was imported from), the linears and the token
-    table are that file's quantized tensors instead (models/gguf_weights.py), the dense ones released.
+    `quantization` (EngineConfig's): "gguf" serves the linears and the token table as `quantized_from`
+    (the GGUF file model_dir was imported from) stores them (models/gguf_weights.py); "int8" and
+    "int4" round them from the loaded weights (int4: one scale per `group_size` inputs); either way
+    the dense weights are released.
     Every few seconds of reading, a progress line is logged. Raises ModelLoadError.
     """
     model_dir = Path(model_dir)
@@ -92,14 +97,31 @@ def load_model(
     model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
     model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
     model.train(False).requires_grad_(False)  # inference mode
-    if quantized_from is not None:
+    if quantization != "none":
         if tp is not None:
             raise ModelLoadError("quantized weights run on one rank only")
+        quantized.apply(model, _quantized_weights(model, quantization, quantized_from, group_size))
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config)
+
+
+def _quantized_weights(
+    model: torch.nn.Module, quantization: str, quantized_from: str | Path | None, group_size: int
+) -> dict[str, QuantizedTensor]:
+    if quantization == "gguf":
+        if quantized_from is None:
+            raise ModelLoadError("--quantization gguf needs the GGUF file the checkpoint was imported from")
         try:
-            quantized.apply(model, read_quantized(Path(quantized_from), model))
+            return read_quantized(Path(quantized_from), model)
         except ValueError as e:  # QuantizationError, or a tensor of another shape than config.json's
             raise ModelLoadError(str(e)) from None
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config)
+    if quantization not in SCHEMES:
+        raise ModelLoadError(
+            f"--quantization must be none, gguf or one of {tuple(SCHEMES)}, got {quantization!r}"
+        )
+    try:
+        return quantized.rounded(model, quantization, group_size)
+    except ValueError as e:  # a group size that does not divide a row
+        raise ModelLoadError(f"--quantization-group-size {group_size}: {e}") from None
 
 
 def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:

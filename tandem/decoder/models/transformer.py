@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.common.quantized_tensor import QuantizedTensor
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.layers import (
@@ -25,7 +26,7 @@ from tandem.decoder.models.layers import (
     merge_prompt_embeds,
 )
 from tandem.decoder.models.linear import Linear
-from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.tensor_parallel import (
     CheckpointPart,
     ParallelGroup,

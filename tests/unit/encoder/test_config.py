@@ -32,6 +32,16 @@ def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
         ({"embedder": "projector", "encoder_model_dir": Path("e")}, "projector_path is required"),
         ({"adapter_dir": Path("a")}, "adapter_dir is only used by embedder 'soft-prompt', not 'lookup'"),
         ({"embedder": "soft-prompt", "adapter_dir": Path("a"), "projector_path": Path("p")}, "only used"),
+        ({"quantization": "gguf"}, r"quantization must be one of \('none', 'int8', 'int4'\)"),
+        (
+            {
+                "quantization": "int8",
+                "embedder": "projector",
+                "projector_path": Path("p"),
+                "encoder_model_dir": Path("e"),
+            },
+            "not used by embedder 'projector'",
+        ),
     ],
 )
 def test_invalid_configs_are_refused_when_built(kwargs: dict, message: str) -> None:

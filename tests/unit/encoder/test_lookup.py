@@ -30,6 +30,21 @@ def test_rows_equal_the_decoders_embed_tokens(tiny_model: Path, dtype: str) -> N
     assert torch.equal(rows, expected)
 
 
+@pytest.mark.parametrize(("scheme", "group"), [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_equal_the_quantized_decoders_embedding(
+    tiny_model: Path, dtype: str, scheme: str, group: int
+) -> None:
+    # --quantization int8 / int4 rounds the decoder's token table (the tied head's weight), 8-bit per
+    # row whatever the linears' group: the encoder, told the scheme, returns the decoder's own rows.
+    decoder = load_model(tiny_model, dtype=dtype, quantization=scheme, group_size=group)
+    embedder = LookupEmbedder.load(tiny_model, getattr(torch, dtype), scheme)
+    ids = embedder.tokenize(TEXT, add_special_tokens=False)
+    expected = decoder.model.embed_tokens(torch.tensor(ids))
+    assert torch.equal(embedder.embed(ids, Pooling.NONE), expected)
+    assert not torch.equal(expected, load_model(tiny_model, dtype=dtype).model.embed_tokens.weight[ids])
+
+
 def test_info_describes_the_checkpoint(tiny_model: Path) -> None:
     config = json.loads((tiny_model / "config.json").read_text())
     info = LookupEmbedder.load(tiny_model, torch.bfloat16).info

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from tandem.common.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu.attention import PREFILL_MAX_CONTEXT, CpuPagedAttention
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, MAX_GROUP, MAX_HEAD_DIM, MAX_ROW, Kernels
@@ -44,7 +45,7 @@ from tandem.decoder.backends.cpu.ops import register
 from tandem.decoder.backends.cpu.stack import DecodeStack
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.layers import RMSNorm
-from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.tensor_parallel import gather_sequence, gather_vocab_logits, row_parallel
 from tandem.decoder.models.transformer import DecoderLayer, DecoderModel
 

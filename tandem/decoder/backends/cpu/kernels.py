@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from tandem.common.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu.build import Level, build_id, module_name
 from tandem.decoder.backends.cpu.isa import CpuInfo, best_level, this_cpu
-from tandem.decoder.models.quantized import QuantizedTensor
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.common.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelWeight, is_plain
-from tandem.decoder.models.quantized import QuantizedTensor
 
 
 @dataclass(frozen=True)

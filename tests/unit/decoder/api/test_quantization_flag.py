@@ -41,4 +41,45 @@ def test_gguf_needs_a_gguf_file_not_a_checkpoint_directory(
 
 def test_an_unknown_quantization_names_the_ones_there_are(capsys: pytest.CaptureFixture[str]) -> None:
     assert decoder_main(["--quantization", "int3", "--port", "0"]) == 2
-    assert "'int3' is not one of 'none', 'gguf'" in capsys.readouterr().err
+    assert "'int3' is not one of 'none', 'gguf', 'int8', 'int4'" in capsys.readouterr().err
+
+
+GROUP = "tandem serve decoder: --quantization-group-size (TANDEM_QUANTIZATION_GROUP_SIZE)"
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            ["--quantization", "int4", "--quantization-group-size", "48"],
+            "must be a positive multiple of 32, got 48",
+        ),
+        (
+            ["--quantization", "int4", "--quantization-group-size", "0"],
+            "must be a positive multiple of 32, got 0",
+        ),
+        (
+            ["--quantization", "int8", "--quantization-group-size", "64"],
+            "is only used by --quantization int4, not 'int8'",
+        ),
+        # The tiny checkpoint's rows are 64 inputs (hidden_size) and 192 (intermediate_size) wide.
+        (
+            ["--quantization", "int4", "--quantization-group-size", "128"],
+            "int4 cannot quantize this checkpoint: 64, the input width of qkv_proj and gate_up_proj "
+            "(hidden_size), is not a multiple of 128",
+        ),
+    ],
+)
+def test_a_group_size_that_does_not_divide_every_row_is_one_line_and_exit_2(
+    flags: list[str], said: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", *flags]) == 2
+    assert capsys.readouterr().err == f"{GROUP} {said}\n"
+
+
+def test_int8_and_int4_need_what_the_quantized_kernels_need(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_model_dir), "--port", "0", "--quantization", "int8", "--dtype", "float16"]
+    assert decoder_main(argv) == 2
+    assert capsys.readouterr().err == f"{PREFIX} int8 needs --dtype bfloat16 or float32, got 'float16'\n"

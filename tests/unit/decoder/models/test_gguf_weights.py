@@ -44,7 +44,7 @@ def test_served_types_keep_the_files_values_and_give_transformers_greedy_tokens(
 ) -> None:
     path = write_gguf(tmp_path / "m.gguf", _small(arch, tokenizer.get_vocab_size()), tokenizer, qtype)
     imported = import_gguf(path, tmp_path / "out", dtype="float32")
-    loaded = load_model(imported, dtype="float32", quantized_from=path)
+    loaded = load_model(imported, dtype="float32", quantization="gguf", quantized_from=path)
     model = loaded.model
     # Every linear and the token table quantized, nothing dense left of them.
     quantized = _quantized_modules(model)
@@ -74,7 +74,7 @@ def test_other_types_are_re_quantized_once_and_the_log_says_so(
     path = write_gguf(tmp_path / "m.gguf", _small("llama", tokenizer.get_vocab_size()), tokenizer, Q.F16)
     imported = import_gguf(path, tmp_path / "out", dtype="float32")
     with caplog.at_level(logging.INFO, logger="tandem.decoder.models.gguf_weights"):
-        model = load_model(imported, dtype="float32", quantized_from=path).model
+        model = load_model(imported, dtype="float32", quantization="gguf", quantized_from=path).model
     assert "re-quantized once" in caplog.text and "F16" in caplog.text
     dense = load_file(imported / "model.safetensors")
     q_proj = model.layers[0].self_attn.qkv_proj.qweight
@@ -92,4 +92,4 @@ def test_a_file_that_does_not_match_the_checkpoint_is_one_load_error(
     other = write_gguf(tmp_path / "b.gguf", _small("qwen3", vocab), tokenizer, Q.Q8_0)
     imported = import_gguf(first, tmp_path / "out", dtype="float32")
     with pytest.raises(ModelLoadError, match="has no tensor for|a quantized weight of"):
-        load_model(imported, dtype="float32", quantized_from=other)
+        load_model(imported, dtype="float32", quantization="gguf", quantized_from=other)

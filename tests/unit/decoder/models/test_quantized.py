@@ -1,19 +1,17 @@
-"""Quantized weights (models/quantized.py): the storage layout the CPU kernels read, lookups of rows,
-rounding a dense weight, and the modules that replace a model's linears and token table."""
+"""The quantized modules (models/quantized.py): what quantizes in a model, rounding a model's weights,
+the group sizes a model's widths admit, and the modules that replace its linears and token table."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from tandem.decoder.models.quantized import (
-    BLOCK,
-    QuantizedEmbedding,
-    QuantizedLinear,
-    cat_rows,
-    pack,
-    quantize,
-)
+from tandem.common.quantized_tensor import BLOCK, pack, quantize_scheme, quantize_table
+from tandem.decoder.models import quantized
+from tandem.decoder.models.loader import ModelLoadError, load_model
+from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 
 def q4(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -22,101 +20,6 @@ def q4(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch
     d = (torch.rand(n, k // BLOCK, generator=g) * 0.02 + 1e-3).half()
     m = (torch.randn(n, k // BLOCK, generator=g) * 0.1).half()
     return codes, d, m
-
-
-def q8(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    return codes, (torch.rand(n, k // BLOCK, generator=g) * 0.002).half()
-
-
-def lanes(codes: torch.Tensor, g: int, b: int, p: int) -> torch.Tensor:
-    """The 32 codes of pair p of block b of group g in lane order 2 c + t (output c, input 2 p + t)."""
-    pair = codes[16 * g : 16 * (g + 1), BLOCK * b + 2 * p : BLOCK * b + 2 * p + 2]  # [16, 2]
-    return pair.reshape(-1)
-
-
-def test_4_bit_storage_holds_a_pairs_32_lanes_in_16_bytes_low_nibbles_first() -> None:
-    n, k = 20, 64  # two groups of 16 outputs (the second padded with zeros), two blocks
-    codes, d, m = q4(n, k)
-    weight = pack(codes, d, m)
-    groups, blocks = 2, k // BLOCK
-    padded = torch.zeros(groups * 16, k, dtype=torch.uint8)
-    padded[:n] = codes
-    stored = weight.codes.view(groups, blocks, BLOCK // 2, 16)  # [group, block, pair, byte]
-    for g in range(groups):
-        for b in range(blocks):
-            for p in range(BLOCK // 2):
-                lane = lanes(padded, g, b, p)
-                assert torch.equal(stored[g, b, p], lane[:16] | lane[16:] << 4), (g, b, p)
-    scales = weight.scales.view(groups, blocks, 16)
-    assert torch.equal(scales[0], d[:16].T) and torch.equal(scales[1, :, :4], d[16:].T)
-    assert not scales[1, :, 4:].any() and not weight.mins.view(groups, blocks, 16)[1, :, 4:].any()
-    assert weight.nbytes == groups * 16 * (k // 2 + 2 * 2 * blocks)  # 0.625 bytes a weight
-
-
-def test_8_bit_storage_holds_a_pairs_32_lanes_in_order() -> None:
-    codes, d = q8(16, 32)
-    stored = pack(codes, d).codes.view(1, 1, BLOCK // 2, 32)
-    for p in range(BLOCK // 2):
-        assert torch.equal(stored[0, 0, p], lanes(codes, 0, 0, p)), p
-
-
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
-def test_unpack_dequantize_and_rows_compute_each_value_as_gguf_does(kind: str) -> None:
-    n, k = 37, 96
-    codes, d, m = {"q4_0": q4(n, k)[:2] + (None,), "q4_1": q4(n, k), "q8_0": (*q8(n, k), None)}[kind]
-    weight = pack(codes, d, m)
-    unpacked = weight.unpack()
-    assert torch.equal(unpacked[0], codes) and torch.equal(unpacked[1], d)
-    assert (unpacked[2] is None) == (m is None) and (m is None or torch.equal(unpacked[2], m))
-    q = codes.float() - 8 if kind == "q4_0" else codes.float()  # Q4_0 is d (q - 8)
-    expected = q * d.float().repeat_interleave(BLOCK, 1)
-    if m is not None:  # Q4_1: the product, then the offset
-        expected = expected + m.float().repeat_interleave(BLOCK, 1)
-    assert torch.equal(weight.dequantize(torch.float32), expected)
-    ids = torch.tensor([36, 0, 17, 17, 5])
-    assert torch.equal(weight.rows(ids, torch.bfloat16), expected[ids].to(torch.bfloat16))
-
-
-def test_rows_of_several_weights_concatenate_as_their_dense_forms_do() -> None:
-    parts = [pack(*q4(n, 64, seed=n)) for n in (24, 8, 8)]
-    fused = cat_rows(parts)
-    assert fused.shape == (40, 64)
-    assert torch.equal(
-        fused.dequantize(torch.float32), torch.cat([p.dequantize(torch.float32) for p in parts])
-    )
-    with pytest.raises(ValueError, match="share their quantization"):
-        cat_rows([parts[0], pack(*q8(8, 64))])
-    with pytest.raises(ValueError, match="offsets or none"):
-        cat_rows([parts[0], pack(*q4(8, 64)[:2])])
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_rounding_a_dense_weight_errs_by_at_most_half_a_step_per_block(bits: int) -> None:
-    torch.manual_seed(0)
-    w = torch.randn(48, 128)
-    weight = quantize(w, bits)
-    assert weight.bits == bits
-    _, d, _ = weight.unpack()
-    step = d.float().repeat_interleave(BLOCK, 1)
-    # fp16 scales round d itself: allow that rounding on top of half a step.
-    error = (weight.dequantize(torch.float32) - w).abs()
-    assert (error <= step * 0.5 + w.abs() * 2**-10 + 1e-6).all()
-
-
-def test_weights_the_storage_cannot_hold_are_refused() -> None:
-    codes, d, m = q4(16, 64)
-    with pytest.raises(ValueError, match="whole blocks of 32"):
-        pack(codes[:, :48], d[:, :1], m[:, :1])
-    with pytest.raises(ValueError, match="4-bit codes must be uint8 in 0..15"):
-        pack(codes | 16, d, m)
-    with pytest.raises(ValueError, match="8-bit codes must be int8, without offsets"):
-        pack(codes.to(torch.int8), d, m)
-    with pytest.raises(ValueError, match="whole number of blocks"):
-        quantize(torch.randn(4, 40), 8)
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
-        quantize(torch.randn(4, 64), 2)
 
 
 def test_the_modules_compute_with_the_dequantized_values() -> None:
@@ -130,3 +33,44 @@ def test_the_modules_compute_with_the_dequantized_values() -> None:
     embedding = QuantizedEmbedding(weight, torch.bfloat16)
     ids = torch.tensor([[3, 23], [0, 3]])
     assert torch.equal(embedding(ids), dense[ids].to(torch.bfloat16))
+
+
+def test_every_linear_and_the_token_table_quantize(tiny_fp32) -> None:
+    names = quantized.quantizable(tiny_fp32.model)
+    layers = tiny_fp32.config.num_layers
+    per_layer = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    # Tied: the LM head multiplies the token table, so the table is the head's one weight.
+    assert sorted(names) == sorted(
+        ["embed_tokens.weight"] + [f"layers.{i}.{m}.weight" for i in range(layers) for m in per_layer]
+    )
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_loading_with_int8_or_int4_rounds_each_weight_from_its_dense_values_the_table_to_8_bits(
+    tiny_model_dir: Path, tiny_fp32, scheme: str
+) -> None:
+    model = load_model(tiny_model_dir, dtype="float32", quantization=scheme, group_size=64).model
+    for name in quantized.quantizable(tiny_fp32.model):
+        module = model.get_submodule(name.removesuffix(".weight"))
+        assert isinstance(module, QuantizedEmbedding if "embed" in name else QuantizedLinear), name
+        dense = tiny_fp32.model.get_parameter(name)
+        want = quantize_table(dense) if "embed" in name else quantize_scheme(dense, scheme, 64)
+        assert torch.equal(module.qweight.codes, want.codes) and torch.equal(
+            module.qweight.scales, want.scales
+        )
+    assert model.head_weight is model.embed_tokens.qweight  # tied: the values the lookup returns
+    assert not any(p.dim() == 2 for p in model.parameters())  # no dense linear weight is left
+
+
+def test_a_group_size_that_does_not_divide_every_row_is_refused_naming_the_width(
+    tiny_model_dir: Path, tiny_fp32
+) -> None:
+    quantized.check_group(tiny_fp32.config, 64)
+    with pytest.raises(
+        ValueError, match=r"64, the input width of qkv_proj.*\(hidden_size\), is not a multiple of 128"
+    ):
+        quantized.check_group(tiny_fp32.config, 128)
+    with pytest.raises(ModelLoadError, match="--quantization-group-size 128: a row of 64 inputs"):
+        load_model(tiny_model_dir, dtype="float32", quantization="int4", group_size=128)
+    with pytest.raises(ModelLoadError, match="gguf needs the GGUF file"):
+        load_model(tiny_model_dir, dtype="float32", quantization="gguf")

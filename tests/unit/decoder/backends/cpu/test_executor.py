@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tandem.common.model_cache import resolve_model
+from tandem.common.quantized_tensor import quantize
 from tandem.decoder.backends.cpu.executor import CpuExecutor, choose_linears
 from tandem.decoder.backends.cpu.kernels import MAX_HEAD_DIM
 from tandem.decoder.backends.cpu.linear import has_onednn_bf16
@@ -21,7 +22,6 @@ from tandem.decoder.engine.prompt import GenerateSpec
 from tandem.decoder.models import quantized
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import load_model
-from tandem.decoder.models.quantized import quantize
 from tandem.decoder.models.qwen3 import Qwen3ForCausalLM
 
 from ...conftest import Checkpoint

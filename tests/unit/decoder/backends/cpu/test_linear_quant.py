@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.common.quantized_tensor import BLOCK as QUANT_BLOCK
+from tandem.common.quantized_tensor import pack
 from tandem.decoder.backends.cpu.kernels import Kernels
 from tandem.decoder.backends.cpu.linear import QuantLinear
-from tandem.decoder.models.quantized import BLOCK as QUANT_BLOCK
-from tandem.decoder.models.quantized import pack
 
 
 def q4_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
