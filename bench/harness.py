@@ -211,7 +211,8 @@ def quantized_workload(
     dense: Remote, model_dir: Path, gguf: Path, vocab: int, args: argparse.Namespace
 ) -> dict:
     """Token-prompt decode at each N with the GGUF file's own quantized weights (`--quantization
-    gguf`) against the bf16 engine `dense`, interleaved per repeat, and each engine's resident memory."""
+    gguf`) against the bf16 engine `dense`, interleaved per repeat, each engine's resident memory, and
+    the quantized engine's TTFT (the report reads both beside llama.cpp's on the same file)."""
     quantized = Remote(
         TandemSubject,
         model_dir,
@@ -241,9 +242,16 @@ def quantized_workload(
                         flush=True,
                     )
         rss = {name: engine.call("rss_mb") for name, engine in engines.items()}
+        print("time to first token, --quantization gguf ...", flush=True)
+        ttft = ttft_workload(quantized, None, vocab, args)["tandem"]  # beside llama.cpp's, same file
     finally:
         quantized.close()
-    return {"decode_tok_s": summarize(runs), "decode_only_tok_s": summarize(decode_runs), "rss_mb": rss}
+    return {
+        "decode_tok_s": summarize(runs),
+        "decode_only_tok_s": summarize(decode_runs),
+        "rss_mb": rss,
+        "ttft_s": {length: {"median": statistics.median(v), "runs": v} for length, v in ttft.items()},
+    }
 
 
 def models_to_run(args: argparse.Namespace) -> list[tuple[str, Path, Path | None]]:

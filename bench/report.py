@@ -124,6 +124,35 @@ def _quantized_table(quantized: dict, sizes: list[int]) -> tuple[list[str], dict
     return lines, ratios
 
 
+def _llama_table(quantized: dict, llama: dict | str | None, lens: list[int]) -> tuple[list[str], dict]:
+    """Batch 1 on the same GGUF file: Tandem --quantization gguf against llama.cpp (goal: decode
+    >= 1.2x, end to end >= 1.5x)."""
+    if not isinstance(llama, dict):
+        return [f"llama.cpp: {llama or 'did not run'}"], {}
+    note = "" if llama.get("extra_bufts", True) else " (repacked buffers off: the default run crashed)"
+    rows = [
+        ("decode only, tok/s", _median(quantized["decode_only_tok_s"].get("tandem-gguf"), 1),
+         llama["decode"]["decode_tokens_per_s"], False),
+        ("end to end, tok/s", _median(quantized["decode_tok_s"].get("tandem-gguf"), 1),
+         llama["decode"]["tokens_per_s"], False),
+    ] + [
+        (f"time to first token, {n} tokens, ms", _median(quantized.get("ttft_s"), n),
+         _median(llama["ttft_s"], n), True)
+        for n in lens
+    ]  # fmt: skip
+    lines = [f"| N = 1 | Tandem gguf | llama.cpp{note} | Tandem / llama.cpp |", "|---|---|---|---|"]
+    ratios: dict = {}
+    for label, ours, theirs, is_time in rows:
+        ratio = _ratio(theirs, ours) if is_time else _ratio(ours, theirs)  # > 1: Tandem ahead
+        ratios[label] = ratio
+        scale = 1e3 if is_time else 1
+        lines.append(
+            f"| {label} | {_fmt(ours and scale * ours)} | {_fmt(theirs and scale * theirs)} | "
+            f"{_fmt(ratio, '.2f', 'x')} |"
+        )
+    return lines, ratios
+
+
 def _model_sections(label: str, section: dict, settings: dict, floors: Floors) -> tuple[dict, dict]:
     cost, sizes = ModelCost(**section["settings"]["cost"]), settings["sizes"]
     decode, decode_only = with_llama(section)
@@ -141,6 +170,9 @@ def _model_sections(label: str, section: dict, settings: dict, floors: Floors) -
     if section.get("quantized"):
         sections[f"{label}: --quantization gguf against bf16 weights"], ratios["quantized"] = (
             _quantized_table(section["quantized"], sizes)
+        )
+        sections[f"{label}: --quantization gguf against llama.cpp on the same file"], ratios["llama_cpp"] = (
+            _llama_table(section["quantized"], section.get("llama_cpp"), settings["ttft_lens"])
         )
     prefix = section["prefix_cache_ttft_s"]
     miss, hit = prefix["miss"]["median"], prefix["hit"]["median"]

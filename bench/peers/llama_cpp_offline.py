@@ -55,8 +55,25 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--ttft-lens", default="128,512,1024,2048,4095")
+    p.add_argument(
+        "--no-extra-bufts",
+        action="store_true",
+        help="keep the file's weight layout (llama.cpp's repacked CPU buffers off): its AMX path "
+        "segfaulted on a Xeon, and the harness reruns with this when the default run dies",
+    )
     args = p.parse_args()
     import llama_cpp
+
+    if args.no_extra_bufts:
+        # Not a keyword of Llama(): the model parameters it starts from are llama.cpp's defaults.
+        defaults = llama_cpp.llama_model_default_params
+
+        def without_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_model_default_params = without_extra_bufts
 
     lens = [int(n) for n in args.ttft_lens.split(",") if n]
     n_ctx = max([*lens, args.prompt_len + args.new_tokens]) + 16
@@ -90,7 +107,12 @@ def main() -> None:
             if repeat >= 0:
                 times.append(first)
         ttft[length] = {"median": statistics.median(times), "runs": times}
-    print(json.dumps({"version": llama_cpp.__version__, "decode": decode, "ttft_s": ttft}))
+    extra_bufts = not args.no_extra_bufts
+    print(
+        json.dumps(
+            {"version": llama_cpp.__version__, "extra_bufts": extra_bufts, "decode": decode, "ttft_s": ttft}
+        )
+    )
 
 
 if __name__ == "__main__":
