@@ -7,10 +7,13 @@ How parts keep their boundaries and caller text stays text:
 - A token-ID or embedding part is rendered as a unique placeholder (a random nonce per render) and
   spliced back as its own prompt part after rendering, so no tokenization crosses it.
 - A text part is rendered inline, so the whole string tokenizes exactly as transformers'
-  `apply_chat_template(..., tokenize=True)` does, unless it contains a special-token literal (such as
-  `<|im_start|>`): then it too becomes a placeholder, spliced back as plain text (`is_plain`), which
-  tokenizes special-token literals as the text they spell. Caller text can never forge a control
-  token; the template's own control tokens stay.
+  `apply_chat_template(..., tokenize=True)` does, unless it could take part in a special-token
+  literal (such as `<|im_start|>`): one inside it, or, at its ends (whitespace aside), the start of
+  one (`... <|im_`) or the end of one (`start|> ...`), which a neighbouring part or the template's
+  text could complete. Then it becomes a placeholder, spliced back as plain text (`is_plain`), which
+  tokenizes special-token literals as the text they spell. A literal spread over several parts has
+  a start in one and an end in another, so caller text can never forge a control token, however it
+  is split; the template's own control tokens stay.
 
 The end-of-turn token is read off the template itself: the first special token it writes after an
 assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3).
@@ -71,6 +74,14 @@ class ChatTemplate:
         self._special_literals = [
             t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content
         ]
+        # Every proper start and end of a literal ("<", "<|", ... and ">", "|>", ...), by length.
+        self._literal_starts = {
+            literal[:n] for literal in self._special_literals for n in range(1, len(literal))
+        }
+        self._literal_ends = {
+            literal[-n:] for literal in self._special_literals for n in range(1, len(literal))
+        }
+        self._longest_literal = max(map(len, self._special_literals), default=0)
         self.end_of_turn_ids = self._find_end_of_turn() if source else ()
 
     @classmethod
@@ -98,7 +109,7 @@ class ChatTemplate:
         for i, message in enumerate(chat.messages):
             pieces = []
             for j, part in enumerate(message.content):
-                if isinstance(part, TextPrompt) and not self._has_special_literal(part.text):
+                if isinstance(part, TextPrompt) and not self._could_form_special(part.text):
                     pieces.append(part.text)
                     continue
                 key = f"<<tandem-part-{nonce}-{i}-{j}>>"
@@ -129,8 +140,15 @@ class ChatTemplate:
             raise InvalidArgument("chat", f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters")
         return "".join(chunks)
 
-    def _has_special_literal(self, text: str) -> bool:
-        return any(literal in text for literal in self._special_literals)
+    def _could_form_special(self, text: str) -> bool:
+        """Whether `text` holds a special-token literal, or could complete one with its neighbours."""
+        if any(literal in text for literal in self._special_literals):
+            return True
+        end, start = text.rstrip(), text.lstrip()
+        return any(
+            end[-n:] in self._literal_starts or start[:n] in self._literal_ends
+            for n in range(1, self._longest_literal)
+        )
 
     def _find_end_of_turn(self) -> tuple[int, ...]:
         """The special token the template writes right after an assistant message's content."""
