@@ -10,6 +10,9 @@ from tandem.common.text_bounds import check_fits, min_positions
 
 MAX_REQUEST_ID_BYTES = 128  # `request_id`, UTF-8: a label echoed in every event, never looked up
 MAX_TOKENIZE_TEXTS = 64  # `texts` of one Tokenize call: each is tokenized in full before the reply
+# A chat template, a caller's or a GGUF file's, in characters: real ones are 1-10 KB (Qwen3's about 4),
+# and a template is code that runs on every request that uses it.
+MAX_TEMPLATE_CHARS = 64 * 1024
 
 
 def check_request_id(request_id: str) -> None:

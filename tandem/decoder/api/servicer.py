@@ -19,6 +19,7 @@ from tandem.common.prompt_parts import EmbeddingPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.decoder.api import protocol
 from tandem.decoder.api.engine_metrics import observe_engine
+from tandem.decoder.api.request_width import check_width
 from tandem.decoder.api.stream_limit import StreamLimit
 from tandem.decoder.engine.engine import Engine
 from tandem.decoder.engine.outputs import Accepted, Delta, Event, Failed, Finished
@@ -66,6 +67,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             with self.streams.open(context.peer()):
                 engine = self._healthy_engine()
                 check_model(request.model, self.model_name)
+                check_width(request, engine.max_model_len)  # counts only: nothing converted yet
                 spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
                 num_embedding_positions = _num_embedding_positions(spec)
                 if op is not None:

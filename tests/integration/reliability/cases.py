@@ -58,6 +58,14 @@ def _filled(value: float) -> bytes:
     return np.full((1, HIDDEN), value, dtype="<f4").tobytes()
 
 
+def _chat_with_kwargs(kwargs: dict) -> decoder_pb2.GenerateRequest:
+    chat = decoder_pb2.ChatPrompt(
+        messages=[decoder_pb2.ChatMessage(role="user", content=[decoder_pb2.ChatContentPart(text="hi")])]
+    )
+    chat.template_kwargs.update(kwargs)
+    return decoder_pb2.GenerateRequest(chat=chat)
+
+
 def embed(**fields: object) -> encoder_pb2.EmbedRequest:
     return encoder_pb2.EmbedRequest(**fields)
 
@@ -289,6 +297,71 @@ CASES: list[Case] = [
         lambda: gen(output__prompt_logprobs=21),
         INVALID,
         "output.prompt_logprobs",
+    ),
+    # -- Generate: width, counted before any element is converted (request_width.py). The segments
+    # and parts below could not be converted at all: refused for their count, never for their contents.
+    Case(
+        "more segments than max_model_len",
+        "Generate",
+        lambda: decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment()] * (MAX_MODEL_LEN + 1)),
+        INVALID,
+        "prompt",
+    ),
+    Case(
+        "more token IDs than max_model_len over several segments",
+        "Generate",
+        lambda: gen(tokens(*range(200)), tokens(*range(100))),
+        INVALID,
+        "prompt",
+    ),
+    Case(
+        "more chat messages than max_model_len",
+        "Generate",
+        lambda: decoder_pb2.GenerateRequest(
+            chat=decoder_pb2.ChatPrompt(messages=[decoder_pb2.ChatMessage(role="?")] * (MAX_MODEL_LEN + 1))
+        ),
+        INVALID,
+        "chat.messages",
+    ),
+    Case(
+        "more chat parts than max_model_len",
+        "Generate",
+        lambda: decoder_pb2.GenerateRequest(
+            chat=decoder_pb2.ChatPrompt(
+                messages=[decoder_pb2.ChatMessage(role="?", content=[decoder_pb2.ChatContentPart()] * 200)]
+                * 2
+            )
+        ),
+        INVALID,
+        "chat.messages",
+    ),
+    Case(
+        "chat template of 65 KiB",
+        "Generate",
+        lambda: decoder_pb2.GenerateRequest(
+            chat=decoder_pb2.ChatPrompt(
+                messages=[
+                    decoder_pb2.ChatMessage(role="user", content=[decoder_pb2.ChatContentPart(text="hi")])
+                ],
+                chat_template="x" * (65 * 1024),
+            )
+        ),
+        INVALID,
+        "chat.chat_template",
+    ),
+    Case(
+        "template_kwargs of 300 nested fields",
+        "Generate",
+        lambda: _chat_with_kwargs({"a": {f"k{i}": [i, {"x": i}] for i in range(100)}}),
+        INVALID,
+        "chat.template_kwargs",
+    ),
+    Case(
+        "1,025 logit_bias entries",
+        "Generate",
+        lambda: gen(sampling__logit_bias={i: 1.0 for i in range(1025)}),
+        INVALID,
+        "sampling.logit_bias",
     ),
     # -- Generate: stopping
     Case(
