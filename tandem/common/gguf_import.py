@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
+
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # what `--dtype` accepts for the written weights
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -105,6 +107,7 @@ def import_gguf(
     reader = _open(gguf_path)
     meta = _Metadata(reader, gguf_path)
     hf_config = _hf_config(meta)
+    _check_blocks(reader, meta, hf_config["num_hidden_layers"])
     tokenizer_json, tokenizer_config, generation_config = _tokenizer_files(meta, hf_config)
 
     out_dir = Path(out_dir)
@@ -190,25 +193,62 @@ class _Metadata:
         return value
 
 
+# Sane ranges for what a file's metadata says, checked before anything is sized from it: a file is
+# untrusted input (block_count 10^9 imported, then grew a server past 6 GB; context_length 2^40 made
+# every GetModelInfo fail). Far above any real model: Llama 3 405B has 126 layers, 128 heads, 16,384
+# hidden, 53,248 intermediate, a 128K context and a vocabulary of 128K tokens of at most a few
+# hundred characters.
+_RANGES = {
+    "block_count": 1024,
+    "attention.head_count": 1024,
+    "attention.head_count_kv": 1024,
+    "embedding_length": 1 << 17,
+    "feed_forward_length": 1 << 20,
+    "attention.key_length": 4096,
+    "context_length": 1 << 24,
+}
+MAX_VOCAB = 1 << 22  # token IDs travel as uint32; 4M entries is 30x the largest vocabulary in use
+MAX_TOKEN_CHARS = 1024  # one vocabulary entry; the text bounds divide by the longest (text_bounds.py)
+
+
+def _int_in_range(meta: _Metadata, key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise GGUFImportError(
+            f"{meta.path}: metadata {key} must be an integer in [{low}, {high}], got {value!r}"
+        )
+    return value
+
+
 def _hf_config(meta: _Metadata) -> dict[str, Any]:
-    num_heads = int(meta.require("attention.head_count"))
-    hidden_size = int(meta.require("embedding_length"))
-    num_kv_heads = meta.arch("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):  # per-layer counts (some hybrid models): unsupported shape
+    def arch_int(key: str, default: Any = None) -> int:
+        value = meta.arch(key, default) if default is not None else meta.require(key)
+        return _int_in_range(meta, f"{meta.architecture}.{key}", value, 1, _RANGES[key])
+
+    num_heads = arch_int("attention.head_count")
+    hidden_size = arch_int("embedding_length")
+    if isinstance(meta.arch("attention.head_count_kv"), list):  # per-layer counts (hybrid models)
         raise GGUFImportError(f"{meta.path}: per-layer attention.head_count_kv is not supported")
+    num_kv_heads = arch_int("attention.head_count_kv", num_heads)
+    if num_heads % num_kv_heads != 0:
+        raise GGUFImportError(
+            f"{meta.path}: metadata attention.head_count {num_heads} is not a multiple of "
+            f"attention.head_count_kv {num_kv_heads}"
+        )
     vocab = meta.get("tokenizer.ggml.tokens") or []
+    vocab_size = meta.arch("vocab_size", len(vocab))
+    _int_in_range(meta, f"{meta.architecture}.vocab_size", vocab_size, max(1, len(vocab)), MAX_VOCAB)
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[meta.architecture]],
         "model_type": meta.architecture,
-        "vocab_size": int(meta.arch("vocab_size", len(vocab))),
+        "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "intermediate_size": int(meta.require("feed_forward_length")),
-        "num_hidden_layers": int(meta.require("block_count")),
+        "intermediate_size": arch_int("feed_forward_length"),
+        "num_hidden_layers": arch_int("block_count"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": int(num_kv_heads),
-        "head_dim": int(meta.arch("attention.key_length", hidden_size // num_heads)),
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": arch_int("attention.key_length", max(1, hidden_size // num_heads)),
         "hidden_act": "silu",
-        "max_position_embeddings": int(meta.arch("context_length", 4096)),
+        "max_position_embeddings": arch_int("context_length", 4096),
         "rms_norm_eps": float(meta.require("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(meta.arch("rope.freq_base", 10000.0)),
         "rope_scaling": None,
@@ -224,6 +264,22 @@ def _hf_config(meta: _Metadata) -> dict[str, Any]:
     if meta.architecture == "qwen3":
         config |= {"use_sliding_window": False, "sliding_window": None}
     return config
+
+
+def _check_blocks(reader: Any, meta: _Metadata, num_layers: int) -> None:
+    """The file's tensors are blocks 0 .. block_count - 1, no more and no fewer."""
+    blocks = {int(t.name.split(".")[1]) for t in reader.tensors if re.match(r"blk\.\d+\.", t.name)}
+    if blocks != set(range(num_layers)):
+        have = (
+            "no blocks"
+            if not blocks
+            else f"blocks 0-{max(blocks)}"
+            if blocks == set(range(len(blocks)))
+            else f"{len(blocks)} blocks numbered {min(blocks)}-{max(blocks)}"
+        )
+        raise GGUFImportError(
+            f"{meta.path}: metadata {meta.architecture}.block_count is {num_layers}, the tensors hold {have}"
+        )
 
 
 def _tokenizer_files(
@@ -246,6 +302,22 @@ def _tokenizer_files(
     merges: list[str] = meta.get("tokenizer.ggml.merges") or []
     if not tokens or len(types) != len(tokens):
         raise GGUFImportError(f"{meta.path}: tokenizer.ggml.tokens / token_type missing or inconsistent")
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]))
+    if len(tokens[longest]) > MAX_TOKEN_CHARS:
+        raise GGUFImportError(
+            f"{meta.path}: tokenizer.ggml.tokens[{longest}] has {len(tokens[longest])} characters, "
+            f"more than {MAX_TOKEN_CHARS}"
+        )
+    for key in ("bos", "eos", "eot", "unknown", "padding"):
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if index is not None:
+            _int_in_range(meta, f"tokenizer.ggml.{key}_token_id", index, 0, len(tokens) - 1)
+    template = meta.get_str("tokenizer.chat_template") or ""
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise GGUFImportError(
+            f"{meta.path}: tokenizer.chat_template has {len(template)} characters, "
+            f"more than {MAX_TEMPLATE_CHARS}"
+        )
     added = [
         {
             "id": i,

@@ -60,14 +60,29 @@ def write_gguf(
     chat_template: str | None = None,
     pre: str = "gpt2",
     raw_tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> Path:
     """`hf_model` (LlamaForCausalLM or Qwen3ForCausalLM) as a GGUF file; 2-D weights in `qtype`.
 
-    `raw_tensors` replaces tensors (by GGUF name) with given bytes of a given type.
+    `raw_tensors` replaces tensors (by GGUF name) with given bytes of a given type; `metadata`
+    replaces the values written under its keys (e.g. "llama.block_count": 10**9: a hostile file).
     """
     config = hf_model.config
     arch = {"llama": "llama", "qwen3": "qwen3"}[config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
+    written: set[str] = set()
+    if metadata:
+        write = writer.add_key_value
+
+        def add_key_value(key: str, val: Any, vtype: Any, sub_type: Any = None) -> None:
+            written.add(key)
+            if key in metadata:
+                val = metadata[key]
+                if isinstance(val, int) and not 0 <= val < 1 << 32:
+                    vtype = gguf.GGUFValueType.INT64 if val < 0 else gguf.GGUFValueType.UINT64
+            write(key, val, vtype, sub_type)
+
+        writer.add_key_value = add_key_value  # type: ignore[method-assign]
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -98,6 +113,9 @@ def write_gguf(
     writer.add_add_bos_token(False)
     if chat_template:
         writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():  # keys this file would not have had
+        if key not in written and isinstance(value, str):
+            writer.add_string(key, value)
 
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:

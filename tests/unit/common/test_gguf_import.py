@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from tandem.common.gguf_import import import_gguf
+from tandem.common.gguf_import import GGUFImportError, import_gguf
 from tandem.decoder.models.loader import load_model
 from tests.unit.common.gguf_files import write_gguf
 from tests.unit.decoder.models.helpers import greedy
@@ -208,3 +208,76 @@ def test_an_unsupported_tokenizer_kind_is_named(tokenizer: Tokenizer, tmp_path: 
         tmp_path / "m.gguf", _small("qwen3", tokenizer.get_vocab_size()), tokenizer, pre="mystery"
     )
     _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), "tokenizer.ggml.pre", "'mystery'")
+
+
+@pytest.mark.parametrize(
+    ("arch", "metadata", "said"),
+    [
+        (
+            "qwen3",
+            {"qwen3.attention.head_count": 0},
+            "qwen3.attention.head_count must be an integer in [1, 1024], got 0",
+        ),
+        (
+            "llama",
+            {"llama.attention.head_count_kv": 3},
+            "head_count 4 is not a multiple of attention.head_count_kv 3",
+        ),
+        (
+            "llama",
+            {"llama.block_count": 10**9},
+            "llama.block_count must be an integer in [1, 1024], got 1000000000",
+        ),
+        ("llama", {"llama.block_count": 3}, "llama.block_count is 3, the tensors hold blocks 0-1"),
+        (
+            "qwen3",
+            {"qwen3.context_length": 2**40},
+            "qwen3.context_length must be an integer in [1, 16777216]",
+        ),
+        (
+            "qwen3",
+            {"qwen3.embedding_length": -5},
+            "qwen3.embedding_length must be an integer in [1, 131072], got -5",
+        ),
+        (
+            "llama",
+            {"tokenizer.ggml.bos_token_id": 10**6},
+            "tokenizer.ggml.bos_token_id must be an integer in [0, ",
+        ),
+        (
+            "llama",
+            {"tokenizer.ggml.eos_token_id": 2**33},
+            "tokenizer.ggml.eos_token_id must be an integer in [0, ",
+        ),
+        (
+            "qwen3",
+            {"tokenizer.chat_template": "{{ 'a' }}" * 8000},
+            "tokenizer.chat_template has 72000 characters",
+        ),
+    ],
+)
+def test_metadata_out_of_its_sane_range_is_one_line_exit_2_before_anything_is_sized(
+    tokenizer: Tokenizer, tmp_path: Path, arch: str, metadata: dict, said: str
+) -> None:
+    # An untrusted file: block_count 10^9 used to import, then grow `serve` past 6 GB; head_count 0 was
+    # a traceback; context_length 2^40 served, then failed every GetModelInfo.
+    path = write_gguf(
+        tmp_path / "m.gguf", _small(arch, tokenizer.get_vocab_size()), tokenizer, metadata=metadata
+    )
+    with pytest.raises(GGUFImportError) as caught:  # the CLI prints it as one line, exit 2 (above)
+        import_gguf(path, tmp_path / "out")
+    assert said in str(caught.value) and "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_vocabulary_entry_of_a_million_characters_is_refused(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    # The text bounds divide a text's length by the longest entry: one huge entry disabled them.
+    model = _small("qwen3", tokenizer.get_vocab_size())
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    tokens += [f"[PAD{i}]" for i in range(model.config.vocab_size - len(tokens))]
+    tokens[-1] = "x" * 1_000_000
+    path = write_gguf(tmp_path / "m.gguf", model, tokenizer, metadata={"tokenizer.ggml.tokens": tokens})
+    said = f"tokenizer.ggml.tokens[{len(tokens) - 1}] has 1000000 characters, more than 1024"
+    _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), said)
+    assert not (tmp_path / "out").exists()
