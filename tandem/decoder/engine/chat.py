@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2 import TemplateError
+from jinja2 import TemplateError, Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
@@ -185,12 +185,33 @@ def _sandbox() -> ImmutableSandboxedEnvironment:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, finalize=_printable)
     environment.globals["raise_exception"] = raise_exception
     environment.filters["tojson"] = lambda value, indent=None: json.dumps(
         value, indent=indent, ensure_ascii=False
     )
     return environment
+
+
+# What a template may print: text, numbers and the containers the arguments are made of. Anything else
+# (a function, a macro, a loop object) prints as its repr, which can hold a heap address that the
+# caller would read back through the prompt's logprobs.
+_PRINTABLE = (str, int, float, bool, type(None), list, tuple, dict, Undefined)
+
+
+def _printable(value: Any) -> Any:
+    """`value` if it and everything in it print as text or values; else the render fails."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if not isinstance(item, _PRINTABLE):
+            raise TemplateError(f"the template printed a {type(item).__name__}, not text or a value")
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return value
 
 
 def _splice(text: str, spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:

@@ -138,6 +138,25 @@ def test_text_that_cannot_touch_a_literal_is_still_rendered_inline(smollm2_dir: 
     assert [path for path, _ in parts] == ["chat"]
 
 
+@pytest.mark.parametrize(
+    "printed",
+    ["{{ raise_exception }}", "{{ [raise_exception] }}", "{{ {'f': cycler} }}", "{{ messages[0].keys }}"],
+)
+def test_a_template_cannot_print_an_objects_repr(smollm2_dir: Path, printed: str) -> None:
+    # A repr can hold a heap address, which the caller could read back through prompt logprobs.
+    chat = _chat([{"role": "user", "content": "hi"}], template=printed)
+    with pytest.raises(InvalidArgument, match="the template printed a"):
+        _template(smollm2_dir).render(chat)
+
+
+def test_a_template_still_prints_text_numbers_and_the_messages(smollm2_dir: Path) -> None:
+    chat = _chat(
+        [{"role": "user", "content": "hi"}], template="{{ messages }} {{ 1.5 }} {{ none }} {{ [1, 'a'] }}"
+    )
+    ((_, part),) = _template(smollm2_dir).render(chat)
+    assert part.text == "[{'role': 'user', 'content': 'hi'}] 1.5 None [1, 'a']"
+
+
 def test_token_id_and_embedding_parts_are_spliced_in_place_as_their_own_parts(smollm2_dir: Path) -> None:
     template = _template(smollm2_dir)
     rows = EmbeddingPrompt(torch.randn(3, 576))

@@ -1,5 +1,5 @@
-"""--batch-invariant: on the default model in bf16, a request's tokens and logprobs are the same alone
-and in any batch, seeded sampling and greedy alike, prefill chunked or not.
+"""--batch-invariant: on the default model in bf16, a request's tokens and logprobs are the same alone,
+in any batch and run again, seeded sampling and greedy alike, prefill chunked or not.
 
 Without the mode a request's logits can round differently with its batch (the matrix kernels pick
 their blocking by the number of rows, and prefill chunks follow the step's shared token budget), so
@@ -59,6 +59,8 @@ def test_batch_invariant_mode_gives_each_request_its_alone_tokens_and_logprobs_i
         alone = [_output(list(engine.generate(spec))) for spec in specs]
         together = [_output(events) for events in _run_concurrently(engine, specs)]
         pairs = [_output(events) for events in _run_concurrently(engine, specs[1:3])]
+        again = [_output(list(engine.generate(spec))) for spec in specs]
+    assert again == alone  # the same request, later: what a prefix-cache hit would have changed
     assert together == alone
     assert pairs == alone[1:3]
     assert all(len(tokens) == 12 for tokens, _ in alone)
