@@ -1,7 +1,7 @@
 """Chat messages -> prompt parts, through the checkpoint's chat template.
 
 Rendering runs in Jinja2's immutable sandbox (no attribute or file escape, no mutation of the
-arguments), with the output size bounded while it is produced.
+arguments), in a worker process with bounded time, memory and output (template_worker.py).
 
 How parts keep their boundaries and caller text stays text:
 - A token-ID or embedding part is rendered as a unique placeholder (a random nonce per render) and
@@ -30,14 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2 import TemplateError, Undefined
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common.prompt_parts import PromptPart, TextPrompt
+from tandem.decoder.engine.template_worker import TemplateFailed, TemplateWorkers
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_RENDERED_CHARS = 1 << 20  # 1 MiB of rendered text: far above any context this serves
 
 
 @dataclass(frozen=True)
@@ -64,13 +62,19 @@ LocatedPart = tuple[str, PromptPart]
 class ChatTemplate:
     """The checkpoint's template and what it needs: special token names and the end-of-turn ID."""
 
-    def __init__(self, source: str | None, tokenizer: tokenizers.Tokenizer, special: dict[str, str]) -> None:
+    def __init__(
+        self,
+        source: str | None,
+        tokenizer: tokenizers.Tokenizer,
+        special: dict[str, str],
+        workers: TemplateWorkers | None = None,  # None: its own, stopped by close() or with it
+    ) -> None:
         self.source = source  # None: the checkpoint has no template
         self.tokenizer = tokenizer
         self.special = special  # bos_token / eos_token / ... names the templates refer to
         # The same vocabulary with special-token literals split into plain text (for caller text).
         self.literal_tokenizer = literal_tokenizer(tokenizer)
-        self._environment = _sandbox()
+        self.workers = workers or TemplateWorkers()
         self._special_literals = [
             t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content
         ]
@@ -121,24 +125,16 @@ class ChatTemplate:
         return _splice(text, spliced, nonce)
 
     def _render_text(self, source: str, messages: list[dict[str, str]], chat: ChatRequest) -> str:
-        """Renders with the output bounded as it is produced (a template can loop)."""
-        chunks, size = [], 0
+        """Renders in a template worker: bounded in time, memory and output."""
+        variables = {**self.special, **chat.template_kwargs}
         try:
-            template = self._environment.from_string(source)
-            variables = {**self.special, **chat.template_kwargs}
-            stream = template.generate(
-                messages=messages, add_generation_prompt=chat.add_generation_prompt, **variables
-            )
-            for chunk in stream:
-                size += len(chunk)
-                if size > MAX_RENDERED_CHARS:
-                    break
-                chunks.append(chunk)
-        except Exception as e:  # the template is code: any error it raises is the caller's to see
-            raise InvalidArgument("chat.chat_template", f"the template failed: {_one_line(e)}") from None
-        if size > MAX_RENDERED_CHARS:
-            raise InvalidArgument("chat", f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters")
-        return "".join(chunks)
+            return self.workers.render(source, messages, chat.add_generation_prompt, variables)
+        except TemplateFailed as e:
+            raise InvalidArgument("chat.chat_template", str(e)) from None
+
+    def close(self) -> None:
+        """Stops the template workers."""
+        self.workers.close()
 
     def _could_form_special(self, text: str) -> bool:
         """Whether `text` holds a special-token literal, or could complete one with its neighbours."""
@@ -173,45 +169,6 @@ def literal_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
     literal = tokenizers.Tokenizer.from_str(tokenizer.to_str())
     literal.encode_special_tokens = True
     return literal
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:500] or type(error).__name__
-
-
-def _sandbox() -> ImmutableSandboxedEnvironment:
-    """transformers' settings, so templates written for it render the same here."""
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, finalize=_printable)
-    environment.globals["raise_exception"] = raise_exception
-    environment.filters["tojson"] = lambda value, indent=None: json.dumps(
-        value, indent=indent, ensure_ascii=False
-    )
-    return environment
-
-
-# What a template may print: text, numbers and the containers the arguments are made of. Anything else
-# (a function, a macro, a loop object) prints as its repr, which can hold a heap address that the
-# caller would read back through the prompt's logprobs.
-_PRINTABLE = (str, int, float, bool, type(None), list, tuple, dict, Undefined)
-
-
-def _printable(value: Any) -> Any:
-    """`value` if it and everything in it print as text or values; else the render fails."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if not isinstance(item, _PRINTABLE):
-            raise TemplateError(f"the template printed a {type(item).__name__}, not text or a value")
-        if isinstance(item, dict):
-            pending.extend(item.keys())
-            pending.extend(item.values())
-        elif isinstance(item, list | tuple):
-            pending.extend(item)
-    return value
 
 
 def _splice(text: str, spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:

@@ -23,7 +23,7 @@ from tandem.client.errors import Unavailable
 from tandem.common import text_bounds
 from tandem.decoder.backends import backend as backends
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine import sizing
+from tandem.decoder.engine import sizing, template_worker
 from tandem.decoder.engine.backpressure import ReaderProgress
 from tandem.decoder.engine.chat import ChatTemplate
 from tandem.decoder.engine.core import EngineCore, EventCallback
@@ -106,6 +106,14 @@ class Engine:
         self._builder = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tandem-requests", initializer=_init_builder_thread
         )
+        # Chat requests build beside it, as many at once as there are template workers: a render
+        # waits on its worker process (template_worker.py, up to its time bound), and a slow template
+        # must hold up neither other callers' plain prompts nor, up to that many, their chats.
+        self._chat_builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=template_worker.WORKERS,
+            thread_name_prefix="tandem-chats",
+            initializer=_init_builder_thread,
+        )
 
     def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
         config = self.config
@@ -152,6 +160,8 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the loop; requests still open end with UNAVAILABLE."""
         self._builder.shutdown(wait=False, cancel_futures=True)
+        self._chat_builder.shutdown(wait=False, cancel_futures=True)
+        self.chat_template.close()
         self._thread.stop()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
         if self.core.runner.peers is not None and self._thread.error is None:
@@ -284,7 +294,7 @@ class Engine:
             self._mailboxes,
             lambda on_event: self.submit(spec, on_event, progress),
             self.abort,
-            self._builder,
+            self._builder if spec.chat is None else self._chat_builder,
             progress,
         )
 

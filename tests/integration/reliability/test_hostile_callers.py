@@ -234,6 +234,76 @@ def test_a_30_mb_text_is_refused_from_its_length_while_health_answers_and_a_neig
     assert services.idle()
 
 
+# -- chat templates: bounded in a worker process, off everyone else's path (issue 32 items 1-2) ----
+
+
+def _chat_request(template: str | None = None) -> decoder_pb2.GenerateRequest:
+    chat = decoder_pb2.ChatPrompt(
+        messages=[decoder_pb2.ChatMessage(role="user", content=[decoder_pb2.ChatContentPart(text="hi")])]
+    )
+    if template is not None:
+        chat.chat_template = template
+    request = decoder_pb2.GenerateRequest(chat=chat)
+    request.stopping.max_new_tokens = 2
+    return request
+
+
+def test_a_hostile_chat_template_fails_alone_while_health_answers_and_a_neighbour_chats(serve) -> None:
+    # Before: 'a' * 10**9 took the server from 1.6 to 5.4 GB and silenced health 9.4 s; center(10**9)
+    # 16.5 s of silence; a looping template delayed every other caller's `accepted` by 7.6-57.7 s.
+    services = serve()
+    attacks = {
+        "'a' * 10**9": "{% set x = 'a' * 10**9 %}{{ x | length }}",
+        "'a' | center(10**9)": "{{ 'a' | center(10**9) | length }}",
+        "10^10 empty iterations": "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}",
+    }
+    address = services.decoder_server.address
+    probe = _HealthProbe([address])
+    waits: list[float] = []  # a neighbour's chats: seconds to `accepted`
+    stop = threading.Event()
+
+    def neighbour() -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = decoder_pb2_grpc.DecoderStub(channel)
+            while not stop.is_set():
+                start = time.monotonic()
+                responses = stub.Generate(_chat_request(), timeout=60)
+                assert next(responses).HasField("accepted")
+                waits.append(time.monotonic() - start)
+                list(responses)
+
+    chats = threading.Thread(target=neighbour, daemon=True)
+    probe.start()
+    chats.start()
+    took = {}
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = decoder_pb2_grpc.DecoderStub(channel)
+            for name, template in attacks.items():
+                start = time.monotonic()
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(stub.Generate(_chat_request(template), timeout=60))
+                took[name] = time.monotonic() - start
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, caught.value.details())
+                assert _violation(caught.value) == "chat.chat_template", name
+    finally:
+        stop.set()
+        probe.stop.set()
+        chats.join(60)
+        probe.join(30)
+    print(
+        "\nrefusals: "
+        + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in took.items())
+        + f"\nhealth: {len(probe.latencies)} answered, slowest {max(probe.latencies):.3f} s, "
+        f"{len(probe.failures)} unanswered; neighbour chats: {len(waits)}, slowest accepted "
+        f"{max(waits):.3f} s"
+    )
+    assert not probe.failures
+    assert all(seconds < 5 for seconds in took.values()), took
+    assert waits and max(waits) < 2.0, waits  # no longer queued behind the hostile render
+    assert services.idle()
+
+
 # -- 3. request-ID reuse right after a cancel ---------------------------------------------------
 
 
