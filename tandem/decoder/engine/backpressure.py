@@ -2,8 +2,11 @@
 
 NOTE: what "behind" means. gRPC takes a stream's messages as fast as the peer's HTTP/2 window
 allows; a reader that stops reading fills its window, grpc's writes then wait, and the stream's
-events pile up in its queue. Counted here: Delta events the engine has handed the stream and the
-stream has not yet taken. Past `max_unread` the engine pauses the request (it leaves the batch and
+events pile up in its queue. Counted here: the tokens of the Delta events the engine has handed the
+stream and the stream has not yet taken (a Delta without tokens, one of prompt logprobs only,
+counts as one). Tokens, not events: a request that asks for a Delta every `stream_interval` steps
+(at most MAX_STREAM_INTERVAL) would otherwise run that many times further ahead of a reader who
+stopped before it paused. Past `max_unread` the engine pauses the request (it leaves the batch and
 frees its KV blocks, `Scheduler.pause`); once the reader takes what piled up, the engine resumes it
 (recomputing from the prefix cache, as after a preemption) and its tokens are the same as if it had
 never stopped. A stream whose reader keeps up never pauses: every take empties the queue.
@@ -16,12 +19,24 @@ and the reader wakes the engine once it has caught up with a paused request.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-MAX_UNREAD_EVENTS = 64  # Delta events a stream may hold untaken before its request pauses
+if TYPE_CHECKING:
+    from tandem.decoder.engine.outputs import Delta
+
+MAX_UNREAD_TOKENS = 64  # tokens a stream may hold untaken before its request pauses
+# Steps per Delta at most (OutputOptions.stream_interval): a request sending nothing for longer
+# could never fall behind, so never pause, however long its reader had stopped.
+MAX_STREAM_INTERVAL = 16
+
+
+def unread_weight(delta: Delta) -> int:
+    """What a Delta adds to its stream's unread count: its tokens, at least one."""
+    return max(1, len(delta.token_ids))
 
 
 class ReaderProgress:
-    def __init__(self, wake: Callable[[], None], max_unread: int = MAX_UNREAD_EVENTS) -> None:
+    def __init__(self, wake: Callable[[], None], max_unread: int = MAX_UNREAD_TOKENS) -> None:
         self.max_unread = max_unread
         self._wake = wake  # tells the engine loop to look again (it may be idle, every request paused)
         self.num_handed = 0  # engine thread only
@@ -32,13 +47,14 @@ class ReaderProgress:
     def num_unread(self) -> int:
         return self.num_handed - self.num_taken
 
-    def handed(self, num_events: int = 1) -> None:
-        """Engine thread: events went to the stream."""
-        self.num_handed += num_events
+    def handed(self, weight: int = 1) -> None:
+        """Engine thread: a Delta of `weight` (unread_weight) went to the stream."""
+        self.num_handed += weight
 
-    def taken(self, num_events: int) -> None:
-        """Reader: events left the stream's queue; wake the engine if that resumes the request."""
-        self.num_taken += num_events
+    def taken(self, weight: int) -> None:
+        """Reader: Deltas of `weight` in all left the stream's queue; wake the engine if that resumes
+        the request."""
+        self.num_taken += weight
         if self.is_paused and self.has_caught_up:
             self._wake()
 

@@ -24,7 +24,7 @@ from tandem.common import text_bounds
 from tandem.decoder.backends import backend as backends
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine import sizing, template_worker
-from tandem.decoder.engine.backpressure import ReaderProgress
+from tandem.decoder.engine.backpressure import ReaderProgress, unread_weight
 from tandem.decoder.engine.chat import ChatTemplate
 from tandem.decoder.engine.core import EngineCore, EventCallback
 from tandem.decoder.engine.kv_cache import BlockManager
@@ -268,7 +268,7 @@ class Engine:
 
         def on_event(event: Event) -> None:
             if isinstance(event, Delta):
-                progress.handed()
+                progress.handed(unread_weight(event))
             events.put(event)
 
         key = self.submit(spec, on_event, progress)
@@ -277,7 +277,7 @@ class Engine:
             while True:
                 event = events.get()
                 if isinstance(event, Delta):
-                    progress.taken(1)
+                    progress.taken(unread_weight(event))
                 yield event
                 if isinstance(event, Finished | Failed):
                     finished = True

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import tokenizers
 
 from tandem.client.errors import TandemError
+from tandem.decoder.engine.backpressure import MAX_STREAM_INTERVAL
 from tandem.decoder.engine.detokenizer import IncrementalDetokenizer
 from tandem.decoder.engine.params import StoppingParams
 from tandem.decoder.engine.prompt_logprobs import PromptLogprob, PromptLogprobsBuffer, PromptLogprobsChunk
@@ -121,7 +122,7 @@ class OutputOptions:
     """Per-request output settings (the proto's OutputOptions)."""
 
     include_text: bool = True  # detokenize; stop strings are still checked when off
-    stream_interval: int = 1  # steps per Delta; the final tokens always flush with Finished
+    stream_interval: int = 1  # steps per Delta, at most MAX_STREAM_INTERVAL; Finished flushes the rest
 
 
 class OutputState:
@@ -200,7 +201,8 @@ class OutputState:
             if finish is not None:
                 return self.finish(*finish, now=now)
         self._steps_since_emit += 1
-        if self._steps_since_emit >= max(1, self.options.stream_interval):
+        # At most MAX_STREAM_INTERVAL steps between Deltas: one sending nothing could never pause.
+        if self._steps_since_emit >= min(max(1, self.options.stream_interval), MAX_STREAM_INTERVAL):
             return [self._take_delta()]
         return []
 

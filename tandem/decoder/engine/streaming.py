@@ -13,7 +13,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
-from tandem.decoder.engine.backpressure import ReaderProgress
+from tandem.decoder.engine.backpressure import ReaderProgress, unread_weight
 from tandem.decoder.engine.core import EventCallback
 from tandem.decoder.engine.mailbox import LoopMailbox
 from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished
@@ -57,7 +57,7 @@ async def stream_events(
 
     def on_event(event: Event) -> None:
         if isinstance(event, Delta):
-            progress.handed()
+            progress.handed(unread_weight(event))
         mailbox.post(events, event)
 
     admission = builder.submit(submit, on_event)
@@ -74,14 +74,14 @@ async def stream_events(
                 event, held = held, None
             else:
                 event = await events.get()
-            num_taken = int(isinstance(event, Delta))
+            num_taken = unread_weight(event) if isinstance(event, Delta) else 0
             while isinstance(event, Delta) and not events.empty():
                 later = events.get_nowait()
                 if not isinstance(later, Delta):
                     held = later
                     break
                 event = event.followed_by(later)
-                num_taken += 1
+                num_taken += unread_weight(later)
             if num_taken:
                 progress.taken(num_taken)
             yield event

@@ -23,7 +23,7 @@ from grpc_status import rpc_status
 
 from tandem.client.channel import channel_options
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
-from tandem.decoder.engine.backpressure import MAX_UNREAD_EVENTS
+from tandem.decoder.engine.backpressure import MAX_UNREAD_TOKENS
 from tandem.decoder.models.loader import LoadedModel, load_model
 
 from .cases import HIDDEN, embeds
@@ -418,7 +418,7 @@ def test_unread_streams_pause_and_one_connection_holds_at_most_its_bound(serve) 
         assert _tokens(list(accepted[0])) == unread_expected  # reading resumes it, tokens unchanged
         print(
             f"\n32 unread streams paused after {generated[0]}-{generated[-1]} tokens "
-            f"(a 4 KiB window, then {MAX_UNREAD_EVENTS} messages); 8 more refused RESOURCE_EXHAUSTED; "
+            f"(a 4 KiB window, then {MAX_UNREAD_TOKENS} tokens); 8 more refused RESOURCE_EXHAUSTED; "
             f"a neighbour's 32 tokens took {neighbour_s:.2f} s (alone: {alone_s:.2f} s); one unread "
             f"stream read to its end in {time.monotonic() - start:.2f} s"
         )

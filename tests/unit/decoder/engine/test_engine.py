@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.backpressure import MAX_UNREAD_EVENTS
+from tandem.decoder.engine.backpressure import MAX_STREAM_INTERVAL, MAX_UNREAD_TOKENS
 from tandem.decoder.engine.engine import Engine
 from tandem.decoder.engine.outputs import (
     Accepted,
@@ -471,7 +471,7 @@ def test_a_request_whose_reader_stops_taking_deltas_pauses_and_resumes_where_it_
 ) -> None:
     # Unread streams used to be generated at full speed: with 200 of them open, an unrelated
     # 32-token request waited 87.7 s and the server's memory grew by 450 MB.
-    stopping = StoppingParams(max_new_tokens=3 * MAX_UNREAD_EVENTS, ignore_eos=True)
+    stopping = StoppingParams(max_new_tokens=3 * MAX_UNREAD_TOKENS, ignore_eos=True)
     spec = GenerateSpec([[3, 4, 5]], sampling, stopping)
     neighbour = GenerateSpec([[7, 8]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=8))
     with _engine(tiny_model_dir, tiny_fp32) as engine:
@@ -481,10 +481,10 @@ def test_a_request_whose_reader_stops_taking_deltas_pauses_and_resumes_where_it_
         scheduler, blocks = engine.core.scheduler, engine.core.block_manager
         _wait_for(lambda: scheduler.num_paused == 1)
         paused = next(iter(scheduler.paused.values()))
-        assert paused.num_output_tokens == MAX_UNREAD_EVENTS + 1  # one Delta a step, then the pause
+        assert paused.num_output_tokens == MAX_UNREAD_TOKENS + 1  # one Delta a step, then the pause
         assert blocks.num_free_blocks == blocks.num_total_blocks  # it holds no KV while paused
         assert _finished(_alone(engine, neighbour)).output_tokens == 8  # the engine serves others
-        assert paused.num_output_tokens == MAX_UNREAD_EVENTS + 1  # and generated nothing for it
+        assert paused.num_output_tokens == MAX_UNREAD_TOKENS + 1  # and generated nothing for it
         rest = list(reader)  # reading resumes it
     assert _tokens(rest) == expected
     assert _finished(rest).output_tokens == stopping.max_new_tokens
@@ -494,13 +494,34 @@ def test_a_request_whose_reader_stops_taking_deltas_pauses_and_resumes_where_it_
     ]
 
 
+def test_a_huge_stream_interval_cannot_keep_an_unread_request_from_pausing(tiny_model_dir, tiny_fp32) -> None:
+    # stream_interval 10^6 sent nothing until the end, so an unread request never fell behind and
+    # 640 of them starved a neighbour for 509 s (issue 32). Deltas now come every 16 steps at most,
+    # and the pause counts their tokens.
+    stopping = StoppingParams(max_new_tokens=8 * MAX_UNREAD_TOKENS, ignore_eos=True)
+    spec = GenerateSpec(
+        [[3, 4, 5]], SamplingParams(temperature=0.0), stopping, OutputOptions(stream_interval=10**6)
+    )
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        expected = _tokens(_alone(engine, spec))
+        reader = engine.generate(spec)
+        assert isinstance(next(reader), Accepted)
+        _wait_for(lambda: engine.core.scheduler.num_paused == 1)
+        paused = next(iter(engine.core.scheduler.paused.values()))
+        # Paused once more than 64 tokens went unread: the Delta that crossed it, 16 steps.
+        assert MAX_UNREAD_TOKENS < paused.num_output_tokens <= MAX_UNREAD_TOKENS + MAX_STREAM_INTERVAL + 1
+        rest = list(reader)
+    assert _tokens(rest) == expected
+    assert len([e for e in rest if isinstance(e, Delta)]) >= len(expected) // MAX_STREAM_INTERVAL
+
+
 def test_an_async_reader_that_stops_reading_pauses_its_request_until_it_reads_again(
     tiny_model_dir, tiny_fp32
 ) -> None:
     spec = GenerateSpec(
         [[3, 4, 5]],
         SamplingParams(temperature=0.0),
-        StoppingParams(max_new_tokens=2 * MAX_UNREAD_EVENTS, ignore_eos=True),
+        StoppingParams(max_new_tokens=2 * MAX_UNREAD_TOKENS, ignore_eos=True),
     )
 
     async def read_after_the_pause() -> list[Event]:
@@ -515,4 +536,4 @@ def test_an_async_reader_that_stops_reading_pauses_its_request_until_it_reads_ag
         expected = _tokens(_alone(engine, spec))
         events = asyncio.run(read_after_the_pause())
     assert _tokens(events) == expected
-    assert isinstance(events[-1], Finished) and events[-1].output_tokens == 2 * MAX_UNREAD_EVENTS
+    assert isinstance(events[-1], Finished) and events[-1].output_tokens == 2 * MAX_UNREAD_TOKENS
