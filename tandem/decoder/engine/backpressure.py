@@ -18,11 +18,7 @@ and the reader wakes the engine once it has caught up with a paused request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tandem.decoder.engine.outputs import Delta
+from collections.abc import Callable, Sized
 
 MAX_UNREAD_TOKENS = 64  # tokens a stream may hold untaken before its request pauses
 # Steps per Delta at most (OutputOptions.stream_interval): a request sending nothing for longer
@@ -30,9 +26,9 @@ MAX_UNREAD_TOKENS = 64  # tokens a stream may hold untaken before its request pa
 MAX_STREAM_INTERVAL = 16
 
 
-def unread_weight(delta: Delta) -> int:
-    """What a Delta adds to its stream's unread count: its tokens, at least one."""
-    return max(1, len(delta.token_ids))
+def unread_weight(token_ids: Sized) -> int:
+    """What a Delta of `token_ids` adds to its stream's unread count: its tokens, at least one."""
+    return max(1, len(token_ids))
 
 
 class ReaderProgress:

@@ -268,7 +268,7 @@ class Engine:
 
         def on_event(event: Event) -> None:
             if isinstance(event, Delta):
-                progress.handed(unread_weight(event))
+                progress.handed(unread_weight(event.token_ids))
             events.put(event)
 
         key = self.submit(spec, on_event, progress)
@@ -277,7 +277,7 @@ class Engine:
             while True:
                 event = events.get()
                 if isinstance(event, Delta):
-                    progress.taken(unread_weight(event))
+                    progress.taken(unread_weight(event.token_ids))
                 yield event
                 if isinstance(event, Finished | Failed):
                     finished = True

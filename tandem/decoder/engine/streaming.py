@@ -57,7 +57,7 @@ async def stream_events(
 
     def on_event(event: Event) -> None:
         if isinstance(event, Delta):
-            progress.handed(unread_weight(event))
+            progress.handed(unread_weight(event.token_ids))
         mailbox.post(events, event)
 
     admission = builder.submit(submit, on_event)
@@ -74,14 +74,14 @@ async def stream_events(
                 event, held = held, None
             else:
                 event = await events.get()
-            num_taken = unread_weight(event) if isinstance(event, Delta) else 0
+            num_taken = unread_weight(event.token_ids) if isinstance(event, Delta) else 0
             while isinstance(event, Delta) and not events.empty():
                 later = events.get_nowait()
                 if not isinstance(later, Delta):
                     held = later
                     break
                 event = event.followed_by(later)
-                num_taken += unread_weight(later)
+                num_taken += unread_weight(later.token_ids)
             if num_taken:
                 progress.taken(num_taken)
             yield event

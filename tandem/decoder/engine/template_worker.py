@@ -123,7 +123,8 @@ class _Worker:
     def __init__(self, memory_bytes: int) -> None:
         self.memory_bytes = memory_bytes
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tandem.decoder.engine.template_worker", str(memory_bytes)],
+            # -P: the server's working directory does not go on the worker's import path.
+            [sys.executable, "-P", "-m", "tandem.decoder.engine.template_worker", str(memory_bytes)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

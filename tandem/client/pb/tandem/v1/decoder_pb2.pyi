@@ -277,13 +277,16 @@ class SamplingParams(_message.Message):
     """Subtracted from a token's logit once per time it was generated, in [-2, 2]. Default 0."""
     seed: _builtins.int
     """Random seed. A seeded request draws from its own generator, seeded for each output position from
-    the seed and the position, never from its neighbours': the same request on the same server gives
-    the same tokens, with or without speculative_tokens. Whatever else shares its batch, its tokens and
-    logprobs stay exactly those it gets alone only on a server run with --batch-invariant (one
-    forward pass per request, no prefix cache; slower). Otherwise the batch can round its logits
-    differently (matrix kernels choose their blocking by the batch's rows, a decode step that
-    shares a step with a prefill takes the prefill's attention path, prefill chunks follow the
-    shared token budget), which changes a token where two were nearly tied, bf16 ties included.
+    the seed and the position, never from its neighbours', with or without speculative_tokens. The
+    same request gives exactly the same tokens and logprobs, whatever else shares its batch and
+    whatever was served before it, only on a server run with --batch-invariant (one forward pass per
+    request, no prefix cache; slower). Otherwise its logits can round differently, which changes a
+    token where two were nearly tied, bf16 ties included: with the batch (matrix kernels choose their
+    blocking by the batch's rows, a decode step that shares a step with a prefill takes the
+    prefill's attention path, prefill chunks follow the shared token budget) and with the prefix
+    cache (a prompt whose first blocks an earlier request computed prefills only the rest, in other
+    chunks: measured on SmolLM2 in bf16, 3 of 8 greedy prompts differ between the first run and a
+    repeat).
     Either way a request recomputed after a preemption (KV cache full) or a pause may differ from
     there on. Unset = a fresh random stream.
     """
@@ -418,8 +421,10 @@ class OutputOptions(_message.Message):
     """
     stream_interval: _builtins.int
     """Coalesce deltas: at most one `delta` message per this many engine steps (1 step = 1 token).
-    0 or 1 = a message every step. Larger values cut per-message overhead at high concurrency.
-    A stream whose reader falls behind also gets the tokens that piled up in one message.
+    0 or 1 = a message every step. Larger values cut per-message overhead at high concurrency;
+    values above 16 are taken as 16 (a request whose reader stops pauses after 64 unread tokens,
+    which it can only do if it sends them). A stream whose reader falls behind also gets the tokens
+    that piled up in one message.
     """
     prompt_logprobs: _builtins.int
     """Score the prompt: set, the first `delta` carries `prompt_logprobs`, one entry per prompt position,
