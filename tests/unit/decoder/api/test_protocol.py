@@ -1,8 +1,12 @@
-"""Proto <-> engine conversion of prompt logprobs: the option in, the entries out, unset fields as marks."""
+"""Proto <-> engine conversion: prompt logprobs (the option in, the entries out, unset fields as marks) and
+the field paths of what cannot be converted."""
 
 from __future__ import annotations
 
-from tandem.client.pb.tandem.v1 import decoder_pb2
+import pytest
+
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.common import tensors
 from tandem.decoder.api.protocol import event_to_pb, spec_from_pb
 from tandem.decoder.engine.outputs import Delta
@@ -49,3 +53,16 @@ def test_entries_leave_unset_what_a_position_lacks() -> None:
 
 def test_a_delta_without_them_sends_none() -> None:
     assert not event_to_pb(Delta("r", (9,), "x", (), ())).delta.prompt_logprobs
+
+
+def test_a_chat_parts_tensor_errors_name_the_part_not_a_prompt_segment() -> None:
+    # Issue 32: a chat embedding part was refused under `prompt[1]...`.
+
+    bad = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[2, 4], data=bytes(7))
+    parts = [decoder_pb2.ChatContentPart(text="see"), decoder_pb2.ChatContentPart(embeddings=bad)]
+    request = decoder_pb2.GenerateRequest(
+        chat=decoder_pb2.ChatPrompt(messages=[decoder_pb2.ChatMessage(role="user", content=parts)])
+    )
+    with pytest.raises(InvalidArgument) as caught:
+        spec_from_pb(request, tensors.DEFAULT_LIMITS, None)
+    assert caught.value.field.startswith("chat.messages[0].content[1].embeddings"), caught.value.field
