@@ -64,6 +64,14 @@ def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text).ids
 
 
+def _reference_greedy(reference: Any, ours: LoadedModel, ids: list[int]) -> list[int]:
+    """transformers' 32 greedy tokens after `ids`; it stops at EOS (<|im_end|>), where ours runs on past
+    it, so the comparisons stop there too."""
+    out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids) :].tolist()
+    assert len(out) == 32 or out[-1] in ours.config.eos_token_ids
+    return out
+
+
 def _chat_prompt(model_dir: Path, question: str) -> str:
     """One user turn through the checkpoint's own chat template, ready for the answer."""
     template = (model_dir / "chat_template.jinja").read_text()
@@ -88,9 +96,7 @@ def test_fp32_greedy_tokens_equal_transformers_on_the_same_file(
     prompt: str, ours_fp32: LoadedModel, reference: Any
 ) -> None:
     ids = _ids(ours_fp32.tokenizer, prompt)
-    # transformers stops at EOS (<|im_end|>); ours runs on past it, so the comparison stops there too.
-    out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids) :].tolist()
-    assert len(out) == 32 or out[-1] in ours_fp32.config.eos_token_ids
+    out = _reference_greedy(reference, ours_fp32, ids)
     assert greedy(ours_fp32.model, ids, 32)[: len(out)] == out
 
 
@@ -163,8 +169,7 @@ def test_fp32_quantized_greedy_tokens_equal_transformers_on_the_same_file(
     from tandem.decoder.backends.cpu.kernels import load_for_cpu
 
     ids = _ids(quantized_fp32.tokenizer, prompt)
-    out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids) :].tolist()
-    assert len(out) == 32 or out[-1] in quantized_fp32.config.eos_token_ids
+    out = _reference_greedy(reference, quantized_fp32, ids)
     executor = CpuExecutor(quantized_fp32.model, load_for_cpu())
     assert greedy(quantized_fp32.model, ids, len(out), step=executor) == out
 

@@ -130,7 +130,7 @@ class ChatTemplate:
         try:
             return self.workers.render(source, messages, chat.add_generation_prompt, variables)
         except TemplateFailed as e:
-            raise InvalidArgument("chat.chat_template", str(e)) from None
+            raise InvalidArgument(e.field, str(e)) from None
 
     def close(self) -> None:
         """Stops the template workers."""

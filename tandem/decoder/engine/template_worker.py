@@ -44,7 +44,13 @@ CACHED_TEMPLATES = 64
 
 
 class TemplateFailed(Exception):
-    """The template raised, or exceeded a bound; the message is one line for the caller."""
+    """The template raised, or exceeded a bound; the message is one line for the caller, `field` the
+    request field at fault: the template, or the whole chat when the rendered prompt is too long
+    (which the messages' length can cause as well as the template)."""
+
+    def __init__(self, message: str, field: str = "chat.chat_template") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class TemplateWorkers:
@@ -89,7 +95,7 @@ class TemplateWorkers:
         finally:
             self._idle.put(worker)
         if "error" in reply:
-            raise TemplateFailed(reply["error"])
+            raise TemplateFailed(reply["error"], reply.get("field", "chat.chat_template"))
         return reply["text"]
 
     def _start(self) -> _Worker:
@@ -192,7 +198,7 @@ def main() -> None:
             _reply({"error": f"the template needed more than {memory_bytes >> 20} MiB of memory"})
             return  # a process that ran out of memory is not trusted again: the parent starts another
         except _TooLong:
-            reply = {"error": f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters"}
+            reply = {"error": f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters", "field": "chat"}
         except Exception as error:  # the template is code: any error it raises is the caller's to see
             reply = {"error": f"the template failed: {_one_line(error)}"}
         _reply(reply)

@@ -129,6 +129,19 @@ class _HealthProbe(threading.Thread):
             channel.close()
 
 
+def _refusals_and_health(took: dict[str, float], probe: _HealthProbe) -> str:
+    """The figures docs/RELIABILITY.md quotes; asserts every attack was refused within 5 s and every
+    health probe answered."""
+    assert not probe.failures
+    assert all(seconds < 5 for seconds in took.values()), took
+    return (
+        "\nrefusals: "
+        + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in took.items())
+        + f"\nhealth: {len(probe.latencies)} answered, slowest {max(probe.latencies):.3f} s, "
+        f"{len(probe.failures)} unanswered"
+    )
+
+
 class _Neighbour(threading.Thread):
     """Streams greedy generations back to back and records the largest gap between two messages."""
 
@@ -222,14 +235,9 @@ def test_a_30_mb_text_is_refused_from_its_length_while_health_answers_and_a_neig
         for channel in channels.values():
             channel.close()
     print(
-        "\nrefusals: "
-        + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in took.items())
-        + f"\nhealth: {len(probe.latencies)} answered, slowest {max(probe.latencies):.3f} s, "
-        f"{len(probe.failures)} unanswered; neighbour: {neighbour.num_tokens} tokens, "
-        f"largest gap {max(neighbour.gaps):.3f} s"
+        _refusals_and_health(took, probe)
+        + f"; neighbour: {neighbour.num_tokens} tokens, largest gap {max(neighbour.gaps):.3f} s"
     )
-    assert not probe.failures
-    assert all(seconds < 5 for seconds in took.values()), took
     assert max(neighbour.gaps) < 2.0
     assert services.idle()
 
@@ -296,14 +304,9 @@ def test_a_hostile_chat_template_fails_alone_while_health_answers_and_a_neighbou
         chats.join(60)
         probe.join(30)
     print(
-        "\nrefusals: "
-        + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in took.items())
-        + f"\nhealth: {len(probe.latencies)} answered, slowest {max(probe.latencies):.3f} s, "
-        f"{len(probe.failures)} unanswered; neighbour chats: {len(waits)}, slowest accepted "
-        f"{max(waits):.3f} s"
+        _refusals_and_health(took, probe)
+        + f"; neighbour chats: {len(waits)}, slowest accepted {max(waits):.3f} s"
     )
-    assert not probe.failures
-    assert all(seconds < 5 for seconds in took.values()), took
     assert waits and max(waits) < 2.0, waits  # no longer queued behind the hostile render
     assert services.idle()
 

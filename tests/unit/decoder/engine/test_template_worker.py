@@ -55,13 +55,15 @@ def test_a_template_that_runs_too_long_is_killed_and_its_worker_replaced(workers
 
 
 def test_output_past_the_bound_fails_while_it_is_produced(workers: TemplateWorkers) -> None:
-    with pytest.raises(TemplateFailed, match=f"exceeds {MAX_RENDERED_CHARS} characters"):
+    with pytest.raises(TemplateFailed, match=f"exceeds {MAX_RENDERED_CHARS} characters") as caught:
         _render(workers, "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}")
+    assert caught.value.field == "chat"  # long messages can cause it as well as the template
 
 
 def test_a_template_error_is_one_line_for_the_caller(workers: TemplateWorkers) -> None:
-    with pytest.raises(TemplateFailed, match="the template failed: no"):
+    with pytest.raises(TemplateFailed, match="the template failed: no way") as caught:
         _render(workers, "{{ raise_exception('no\nway') }}")
+    assert caught.value.field == "chat.chat_template"
     with pytest.raises(TemplateFailed, match="the template failed: Expected an expression"):
         _render(workers, "{% if %}")
 

@@ -8,18 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.common.quantized_tensor import BLOCK, pack, quantize_scheme, quantize_table
+from tandem.common.quantized_tensor import pack, quantize_scheme, quantize_table
 from tandem.decoder.models import quantized
 from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
-
-
-def q4(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    d = (torch.rand(n, k // BLOCK, generator=g) * 0.02 + 1e-3).half()
-    m = (torch.randn(n, k // BLOCK, generator=g) * 0.1).half()
-    return codes, d, m
+from tests.unit.common.test_quantized_tensor import q4
 
 
 def test_the_modules_compute_with_the_dequantized_values() -> None:
