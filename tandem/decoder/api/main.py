@@ -171,6 +171,7 @@ async def serve(
         config.world_size,
         telemetry=telemetry,
         max_streams_per_connection=config.max_streams_per_connection,
+        identify_by_token=bool(config.server.auth_tokens),
     )
     interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
     running = await start_server(

@@ -6,6 +6,7 @@ span) and its metrics; the engine's per-request timeline becomes span events onc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,6 +19,7 @@ from tandem.common.model_name import check_model
 from tandem.common.prompt_parts import EmbeddingPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.decoder.api import protocol
+from tandem.decoder.api.caller import caller_of
 from tandem.decoder.api.engine_metrics import observe_engine
 from tandem.decoder.api.request_width import check_width
 from tandem.decoder.api.stream_limit import StreamLimit
@@ -35,12 +37,14 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         engine: Engine | None = None,
         telemetry: otel.Telemetry | None = None,
         max_streams_per_connection: int | None = None,  # None: no bound (stream_limit.py)
+        identify_by_token: bool = False,  # bearer tokens are on: a caller is its token (caller.py)
     ) -> None:
         self.model_name = model_name
         self.max_message_bytes = max_message_bytes
         self.world_size = world_size
         self.engine = engine  # None while loading: every RPC answers UNAVAILABLE
         self.streams = StreamLimit(max_streams_per_connection)
+        self.identify_by_token = identify_by_token
         # An embedding tensor can never be larger than a message, so the element cap follows from it.
         self.tensor_limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
         # None when telemetry is off: Generate then records nothing at all.
@@ -69,6 +73,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                 check_model(request.model, self.model_name)
                 check_width(request, engine.max_model_len)  # counts only: nothing converted yet
                 spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
+                caller = caller_of(context.peer(), context.invocation_metadata(), self.identify_by_token)
+                spec = dataclasses.replace(spec, caller=caller)
                 num_embedding_positions = _num_embedding_positions(spec)
                 if op is not None:
                     op.set(_request_attributes(spec, num_embedding_positions, self.world_size))

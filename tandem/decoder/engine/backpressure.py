@@ -3,8 +3,9 @@
 NOTE: what "behind" means. gRPC takes a stream's messages as fast as the peer's HTTP/2 window
 allows; a reader that stops reading fills its window, grpc's writes then wait, and the stream's
 events pile up in its queue. Counted here: the tokens of the Delta events the engine has handed the
-stream and the stream has not yet taken (a Delta without tokens, one of prompt logprobs only,
-counts as one). Tokens, not events: a request that asks for a Delta every `stream_interval` steps
+stream and the stream has not yet taken, and their prompt-logprob entries (one per position: a
+request that scores a long prompt pauses right after that Delta until it is taken); a Delta with
+neither counts as one. Tokens, not events: a request that asks for a Delta every `stream_interval` steps
 (at most MAX_STREAM_INTERVAL) would otherwise run that many times further ahead of a reader who
 stopped before it paused. Past `max_unread` the engine pauses the request (it leaves the batch and
 frees its KV blocks, `Scheduler.pause`); once the reader takes what piled up, the engine resumes it
@@ -26,9 +27,9 @@ MAX_UNREAD_TOKENS = 64  # tokens a stream may hold untaken before its request pa
 MAX_STREAM_INTERVAL = 16
 
 
-def unread_weight(token_ids: Sized) -> int:
-    """What a Delta of `token_ids` adds to its stream's unread count: its tokens, at least one."""
-    return max(1, len(token_ids))
+def unread_weight(token_ids: Sized, prompt_logprobs: Sized) -> int:
+    """What a Delta adds to its stream's unread count: its tokens and prompt positions, at least one."""
+    return max(1, len(token_ids) + len(prompt_logprobs))
 
 
 class ReaderProgress:
@@ -38,6 +39,17 @@ class ReaderProgress:
         self.num_handed = 0  # engine thread only
         self.num_taken = 0  # reader only
         self.is_paused = False  # engine thread only
+        self._releases: list[Callable[[], None]] = []  # what the stream gives back when it ends
+
+    def hold(self, release: Callable[[], None]) -> None:
+        """Something reserved for this stream (a prompt-logprob budget) until `close`."""
+        self._releases.append(release)
+
+    def close(self) -> None:
+        """The stream ended: give back everything it held (once)."""
+        releases, self._releases = self._releases, []
+        for release in releases:
+            release()
 
     @property
     def num_unread(self) -> int:

@@ -31,6 +31,7 @@ from tandem.decoder.engine.kv_cache import BlockManager
 from tandem.decoder.engine.loop import EngineThread
 from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished, FinishReason, OutputState
 from tandem.decoder.engine.prompt import GenerateSpec, build_request
+from tandem.decoder.engine.prompt_logprob_budget import PromptLogprobBudget, num_entries
 from tandem.decoder.engine.prompt_logprobs import PromptLogprobsBuffer
 from tandem.decoder.engine.request import Request
 from tandem.decoder.engine.runner import ModelRunner, StepFeed
@@ -92,6 +93,7 @@ class Engine:
         # The chat template (if any) and the tokenizer's plain-text twin, built once.
         self.chat_template = ChatTemplate.load(Path(config.model_dir), self.tokenizer)
         self.max_model_len = sizing.max_model_len(config, self.model_config)
+        self.prompt_logprob_budget = PromptLogprobBudget(self.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
         self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
@@ -208,11 +210,16 @@ class Engine:
         request. The engine keys a request by a name of its own, unique for the engine's life; an
         empty caller ID gets a random one (a UUID), which says nothing about other requests.
 
-        With `progress`, the request pauses while the reader of `on_event`'s events is far behind.
+        With `progress`, the request pauses while the reader of `on_event`'s events is far behind,
+        and its prompt logprobs are held against its caller's budget (prompt_logprob_budget.py) until
+        the stream closes `progress`.
         """
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
         request = self.make_request(spec)
+        if progress is not None and request.sampling.prompt_logprobs is not None:
+            entries = num_entries(request.num_prompt_tokens, request.sampling.prompt_logprobs)
+            progress.hold(self.prompt_logprob_budget.reserve(request.caller, entries))
         output = OutputState(
             spec.request_id or uuid.uuid4().hex,
             request.prompt_token_ids,
@@ -268,16 +275,20 @@ class Engine:
 
         def on_event(event: Event) -> None:
             if isinstance(event, Delta):
-                progress.handed(unread_weight(event.token_ids))
+                progress.handed(unread_weight(event.token_ids, event.prompt_logprobs))
             events.put(event)
 
-        key = self.submit(spec, on_event, progress)
+        try:
+            key = self.submit(spec, on_event, progress)
+        except BaseException:
+            progress.close()
+            raise
         finished = False
         try:
             while True:
                 event = events.get()
                 if isinstance(event, Delta):
-                    progress.taken(unread_weight(event.token_ids))
+                    progress.taken(unread_weight(event.token_ids, event.prompt_logprobs))
                 yield event
                 if isinstance(event, Finished | Failed):
                     finished = True
@@ -285,6 +296,7 @@ class Engine:
         finally:
             if not finished:
                 self.abort(key)
+            progress.close()
 
     def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
         """asyncio front: the same events; leaving early (cancel, error) aborts the request. The

@@ -57,6 +57,7 @@ class GenerateSpec:
     chat: ChatRequest | None = None  # a conversation for the model's chat template, instead of `prompt`
     # Most tokens a decode step may propose and verify (prompt lookup), 0-16; None = the engine's.
     speculative_tokens: int | None = None
+    caller: str = ""  # who sent it (api/caller.py): callers share the batch fairly; "" = anonymous
 
 
 def build_request(
@@ -125,6 +126,7 @@ def build_request(
     ]
     request = Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
     request.num_speculative_tokens = speculative_tokens
+    request.caller = spec.caller
     return request
 
 

@@ -89,6 +89,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)  # time.monotonic(); queue-time metrics
     # Most tokens a decode step may propose for verification (prompt lookup); 0 = no speculation.
     num_speculative_tokens: int = 0
+    # Who sent it: callers share the batch fairly (Scheduler._next_waiting); "" = anonymous.
+    caller: str = ""
 
     # Scheduling state.
     status: RequestStatus = RequestStatus.WAITING  # lifecycle; see RequestStatus
@@ -100,6 +102,10 @@ class Request:
     # never change once they exist, so these stay valid for the request's life, preemptions included.
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0  # times its blocks were taken back (metrics, tests)
+    # Fair sharing between callers (Scheduler._yield_a_slot): num_tokens when last admitted, and
+    # which admission that was (0: never admitted).
+    num_tokens_at_admission: int = 0
+    admission_number: int = 0
     # Tokens proposed for the next decode step, verified with it (the engine writes them before
     # scheduling; the scheduler may shorten them to fit the step and clears them in update()).
     draft_token_ids: list[int] = field(default_factory=list)

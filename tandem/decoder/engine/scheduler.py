@@ -8,13 +8,19 @@ stop strings and max_new_tokens, then calls finish()); it only keeps every reque
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.kv_cache import BlockManager
 from tandem.decoder.engine.request import Request, RequestStatus
+
+
+# Tokens a request keeps its slot after admission before a caller with nothing running may take it
+# (when every running caller has one request and more callers wait than there are slots): slots then
+# go round the callers, each turn long enough that recomputing the preempted request is a small part.
+FAIR_TURN_TOKENS = 128
 
 
 class QueueFullError(ResourceExhausted):
@@ -94,15 +100,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
-        # In arrival order, so the last one is the lowest priority: admission is strictly FCFS, and a
-        # preempted request (always the last running) goes back to the front of the queue, so it is
-        # readmitted before anything that arrived after it.
+        self.waiting: deque[Request] = deque()  # arrival order; preempted requests go back to the front
+        # In admission order, so the last one is the lowest priority. Admission takes the first
+        # waiting request of the caller running the fewest (`_next_waiting`): with one caller, strict
+        # FCFS; a preempted request (always the last running) goes back to the front of the queue, so
+        # it is readmitted before anything of its caller that arrived after it.
         self.running: list[Request] = []
         # Requests whose readers are far behind: neither running nor waiting, holding no blocks,
         # until resume() queues them again (the engine decides both; see core.py).
         self.paused: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}  # every unfinished request by id
+        self._num_admissions = 0  # admissions so far: each admitted request's turn number
 
     @property
     def num_running(self) -> int:
@@ -129,9 +137,9 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (FCFS). Raises RequestTooLongError if it could never fit in the KV pool, and
-        QueueFullError when the waiting queue is at max_waiting. Request building has checked it
-        against the model's context already (`prompt.build_request`)."""
+        """Queue a request (FCFS within its caller). Raises RequestTooLongError if it could never fit
+        in the KV pool, and QueueFullError when the waiting queue is at max_waiting. Request building
+        has checked it against the model's context already (`prompt.build_request`)."""
         if request.request_id in self._requests:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in use")
         num_tokens = request.num_prompt_tokens + request.stopping.max_new_tokens
@@ -151,19 +159,23 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         # NOTE: the one rule. Each request has num_computed_tokens (positions whose KV is cached)
-        # and num_tokens (prompt + outputs). Each step, RUNNING requests, then WAITING ones in FCFS
-        # order, advance num_computed_tokens toward num_tokens, taking at most what is left of the
-        # step's token budget (max_num_batched_tokens), with at most max_num_seqs requests running.
-        # A prefill that does not fit is chunked; decodes (one position each) share the step with
-        # prefills. When a running request cannot get blocks, the lowest-priority (latest-arrived)
-        # running request is preempted and recomputed later; waiting requests are admitted only into
-        # free blocks and never cause a preemption.
+        # and num_tokens (prompt + outputs). Each step, RUNNING requests, then WAITING ones (the
+        # fewest-running caller's first, FCFS within a caller) advance num_computed_tokens toward
+        # num_tokens, taking at most what is left of the step's token budget (max_num_batched_tokens),
+        # with at most max_num_seqs requests running. A prefill that does not fit is chunked; decodes
+        # (one position each) share the step with prefills. When a running request cannot get blocks,
+        # the lowest-priority (latest-admitted) running request is preempted and recomputed later;
+        # waiting requests are admitted only into free blocks and never cause a block preemption.
+        # Callers share the batch: a full one gives a slot per step to a waiting caller running at
+        # least two fewer requests than the busiest, or running none (`_yield_a_slot`).
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        yielded = self._yield_a_slot()
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
-        # Admitting right after a preemption would only hand the freed blocks to a newcomer.
+        # Admitting right after a block preemption would only hand the freed blocks to a newcomer.
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
+        preempted += yielded
         # Proposed tokens get what the step has left, after every request's own position: speculation
         # never delays an admission or causes a preemption.
         budget = self._add_drafts(budget, scheduled)
@@ -184,7 +196,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.block_manager.allocate_slots(request, num_new_tokens):
-                # `running` is in arrival order and every earlier request is already scheduled,
+                # `running` is in admission order and every earlier request is already scheduled,
                 # so the victim is the last one; it may be `request` itself.
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -198,22 +210,62 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """Admit waiting requests in FCFS order into free blocks (cached prefix first); the budget left."""
+        """Admit waiting requests (`_next_waiting` first) into free blocks (cached prefix first); the
+        budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_waiting()
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget)
             if not self.block_manager.allocate_slots(request, num_new_tokens, computed_block_ids):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the request that is next in line
+            self.waiting.remove(request)
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached_tokens
             request.num_computed_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
+            request.num_tokens_at_admission = request.num_tokens
+            self._num_admissions += 1
+            request.admission_number = self._num_admissions
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new_tokens))
             budget -= num_new_tokens
         return budget
+
+    def _next_waiting(self) -> Request:
+        """The first waiting request (in queue order) of the callers running the fewest requests and,
+        among those, of the caller whose last turn is the oldest (a request preempted for another
+        caller carries its caller's turn), so that one caller's many requests never make another wait
+        behind them all, and slots go round the callers when there are more callers than slots."""
+        running = Counter(r.caller for r in self.running)
+        last_turn: dict[str, int] = {}
+        for request in self.waiting:
+            last_turn[request.caller] = max(last_turn.get(request.caller, 0), request.admission_number)
+        # min() keeps the first of equals: queue order, FCFS within a caller.
+        return min(self.waiting, key=lambda r: (running[r.caller], last_turn[r.caller]))
+
+    def _yield_a_slot(self) -> list[str]:
+        """With the batch full, preempt one running request for a waiting caller that runs fewer (one
+        per step; the ids preempted): the latest-admitted request of the busiest caller when the
+        waiting caller runs at least two fewer (the gap shrinks by two with each yield, so slots never
+        go back and forth); else, when the waiting caller runs none and every running caller one, the
+        request that has run longest since its admission, once that is FAIR_TURN_TOKENS (slots go
+        round the callers, a turn each)."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return []
+        running = Counter(r.caller for r in self.running)
+        busiest, most = running.most_common(1)[0]
+        fewest = min(running[r.caller] for r in self.waiting)
+        if most - fewest >= 2:
+            victim = next(r for r in reversed(self.running) if r.caller == busiest)
+        elif fewest == 0:
+            victim = max(self.running, key=lambda r: r.num_tokens - r.num_tokens_at_admission)
+            if victim.num_tokens - victim.num_tokens_at_admission < FAIR_TURN_TOKENS:
+                return []
+        else:
+            return []
+        self.running.remove(victim)
+        self._preempt(victim)
+        return [victim.request_id]
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]]) -> None:
         """Record that `plan` ran: advance each request and append its sampled token(s), if any.

@@ -57,14 +57,17 @@ async def stream_events(
 
     def on_event(event: Event) -> None:
         if isinstance(event, Delta):
-            progress.handed(unread_weight(event.token_ids))
+            progress.handed(unread_weight(event.token_ids, event.prompt_logprobs))
         mailbox.post(events, event)
 
     admission = builder.submit(submit, on_event)
     try:
         key = await asyncio.wrap_future(admission)
     except asyncio.CancelledError:
-        admission.add_done_callback(partial(_abort_if_admitted, abort))
+        admission.add_done_callback(partial(_abort_if_admitted, abort, progress))
+        raise
+    except BaseException:
+        progress.close()
         raise
     finished = False
     held: Event | None = None  # taken from the queue while merging, not yet yielded
@@ -74,14 +77,16 @@ async def stream_events(
                 event, held = held, None
             else:
                 event = await events.get()
-            num_taken = unread_weight(event.token_ids) if isinstance(event, Delta) else 0
+            num_taken = (
+                unread_weight(event.token_ids, event.prompt_logprobs) if isinstance(event, Delta) else 0
+            )
             while isinstance(event, Delta) and not events.empty():
                 later = events.get_nowait()
                 if not isinstance(later, Delta):
                     held = later
                     break
                 event = event.followed_by(later)
-                num_taken += unread_weight(later.token_ids)
+                num_taken += unread_weight(later.token_ids, later.prompt_logprobs)
             if num_taken:
                 progress.taken(num_taken)
             yield event
@@ -91,9 +96,13 @@ async def stream_events(
     finally:
         if not finished:
             abort(key)
+        progress.close()
 
 
-def _abort_if_admitted(abort: Callable[[str], None], admission: concurrent.futures.Future[str]) -> None:
+def _abort_if_admitted(
+    abort: Callable[[str], None], progress: ReaderProgress, admission: concurrent.futures.Future[str]
+) -> None:
     """The caller left while its request was being built: abort it if it was admitted after all."""
     if not admission.cancelled() and admission.exception() is None:
         abort(admission.result())
+    progress.close()

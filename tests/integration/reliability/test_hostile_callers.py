@@ -371,6 +371,62 @@ def test_a_caller_can_neither_collide_with_nor_probe_other_callers_requests(serv
 # -- 6. streams nobody reads --------------------------------------------------------------------
 
 
+def test_a_neighbour_is_served_at_once_beside_160_unread_streams_over_5_connections(serve) -> None:
+    # Before: admission was FCFS, so a neighbour waited behind every flood request queued before it
+    # (640 unread streams over 20 connections on SmolLM2: 723 s for 32 tokens, 0.27 s alone). Callers
+    # (here: connections) now share the batch: the neighbour's caller runs none, so it is admitted
+    # first and a full batch yields it a slot. The flood's 900-token streams fit in their HTTP/2
+    # windows, so none of them ever pauses: this is fairness, not backpressure.
+    services = serve(
+        Limits(
+            max_num_seqs=16,
+            max_queue=1024,
+            num_kv_blocks=8192,
+            max_model_len=1024,
+            max_streams_per_connection=32,
+        )
+    )
+    neighbour = _request("an unrelated request", max_new_tokens=32)
+    _tokens(list(services.decoder.Generate(neighbour, timeout=60)))  # warm
+    start = time.monotonic()
+    expected = _tokens(list(services.decoder.Generate(neighbour, timeout=60)))
+    alone_s = time.monotonic() - start
+    flood = _request(max_new_tokens=900)
+    # One connection each: grpc shares a subchannel between channels with the same target otherwise.
+    channels = [
+        grpc.insecure_channel(
+            services.decoder_server.address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        for _ in range(5)
+    ]
+    calls = [
+        decoder_pb2_grpc.DecoderStub(c).Generate(flood, timeout=600) for c in channels for _ in range(32)
+    ]
+    engine = services.engine
+    try:
+        deadline = time.monotonic() + 120
+        while engine.core.num_live() < 160:
+            assert time.monotonic() < deadline, f"{engine.core.num_live()} of 160 flood requests built"
+            time.sleep(0.05)
+        scheduler = engine.core.scheduler
+        assert scheduler.num_running == 16 and scheduler.num_waiting == 144
+        start = time.monotonic()
+        assert _tokens(list(services.decoder.Generate(neighbour, timeout=120))) == expected
+        neighbour_s = time.monotonic() - start
+        # Served while every flood request was still unfinished: it waited for no flood request's end.
+        assert engine.core.num_live() == 160
+        print(
+            f"\na neighbour's 32 tokens beside 160 unread streams (16 running, 144 waiting): "
+            f"{neighbour_s:.2f} s (alone {alone_s:.2f} s, {neighbour_s / alone_s:.1f}x)"
+        )
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+    assert services.idle(timeout=60)
+
+
 def test_unread_streams_pause_and_one_connection_holds_at_most_its_bound(serve) -> None:
     # Before: 200 streams opened and never read were generated at full speed; an unrelated 32-token
     # request waited 87.7 s. A client that never reads fills its HTTP/2 window (here without BDP

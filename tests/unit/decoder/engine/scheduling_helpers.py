@@ -38,17 +38,20 @@ def make_request(
     prompt: list[int] | list[Segment],
     max_new_tokens: int = 4,
     arrival_time: float | None = None,
+    caller: str = "",
 ) -> Request:
     """A request from token ids, or from a list of segments."""
     segments: list[Segment] = (
         [TokenSegment(prompt)] if all(isinstance(x, int) for x in prompt) else prompt  # type: ignore[list-item]
     )
-    return Request.from_segments(
+    request = Request.from_segments(
         request_id,
         segments,
         stopping=StoppingParams(max_new_tokens=max_new_tokens),
         arrival_time=arrival_time,
     )
+    request.caller = caller
+    return request
 
 
 def fake_token(request_id: str, index: int) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.client.errors import ResourceExhausted
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.backpressure import MAX_STREAM_INTERVAL, MAX_UNREAD_TOKENS
 from tandem.decoder.engine.engine import Engine
@@ -537,3 +538,47 @@ def test_an_async_reader_that_stops_reading_pauses_its_request_until_it_reads_ag
         events = asyncio.run(read_after_the_pause())
     assert _tokens(events) == expected
     assert isinstance(events[-1], Finished) and events[-1].output_tokens == 2 * MAX_UNREAD_TOKENS
+
+
+def test_a_request_scoring_a_long_prompt_pauses_after_that_delta_until_it_is_taken(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    # Its prompt logprobs weigh one per position: 100 unread positions are past the bound at once.
+    prompt = [3 + i % 50 for i in range(100)]
+    spec = GenerateSpec(
+        [prompt],
+        SamplingParams(temperature=0.0, prompt_logprobs=2),
+        StoppingParams(max_new_tokens=8, ignore_eos=True),
+    )
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        expected = _tokens(_alone(engine, spec))
+        reader = engine.generate(spec)
+        assert isinstance(next(reader), Accepted)
+        _wait_for(lambda: engine.core.scheduler.num_paused == 1)
+        assert next(iter(engine.core.scheduler.paused.values())).num_output_tokens == 1
+        rest = list(reader)
+    assert _tokens(rest) == expected
+    assert len(rest[0].prompt_logprobs) == len(prompt)
+
+
+def test_a_caller_whose_open_streams_hold_too_many_prompt_logprobs_is_refused_until_one_ends(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    def scoring(caller: str) -> GenerateSpec:
+        sampling = SamplingParams(temperature=0.0, prompt_logprobs=20)
+        return GenerateSpec([[3] * 60], sampling, StoppingParams(max_new_tokens=4), caller=caller)
+
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        engine.prompt_logprob_budget.max_entries = 2 * 60 * 21  # two such streams per caller
+        held = [engine.generate(scoring("a")) for _ in range(2)]
+        for reader in held:
+            assert isinstance(next(reader), Accepted)  # both admitted, neither read further
+        with pytest.raises(ResourceExhausted, match=r"output\.prompt_logprobs.*limit is 2520"):
+            next(engine.generate(scoring("a")))
+        assert isinstance(next(engine.generate(scoring("b"))), Accepted)  # another caller's budget
+        held[0].close()  # the stream ends: its entries come back
+        assert isinstance(next(engine.generate(scoring("a"))), Accepted)
+        for reader in held[1:]:
+            reader.close()
+        _wait_for(lambda: engine.core.num_live() == 0)
+    assert engine.prompt_logprob_budget.held("a") == 0

@@ -14,6 +14,7 @@ from tandem.client.errors import InvalidArgument
 from tandem.decoder.engine.kv_cache import BlockManager
 from tandem.decoder.engine.request import RequestStatus, TokenSegment
 from tandem.decoder.engine.scheduler import (
+    FAIR_TURN_TOKENS,
     QueueFullError,
     RequestTooLongError,
     Scheduler,
@@ -53,6 +54,88 @@ def test_requests_are_admitted_in_arrival_order() -> None:
     for name in "cab":
         scheduler.add_request(make_request(name, [1, 2, 3]))
     assert ids(scheduler.schedule()) == ["c", "a", "b"]
+
+
+def test_admission_takes_the_first_request_of_the_caller_running_fewest() -> None:
+    scheduler, _ = make_scheduler(max_num_seqs=3)
+    for name in ("a1", "a2", "a3", "a4"):
+        scheduler.add_request(make_request(name, [1, 2, 3], caller="a"))
+    scheduler.add_request(make_request("b1", [1, 2, 3], caller="b"))
+    # a1 first (nobody runs yet), then b1 (its caller runs none, a's one), then a2: FCFS within a caller.
+    assert ids(scheduler.schedule()) == ["a1", "b1", "a2"]
+
+
+def test_a_full_batch_yields_one_slot_per_step_to_a_caller_running_two_fewer() -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=2)
+    requests = [make_request(name, [1, 2, 3], max_new_tokens=6, caller="a") for name in ("a1", "a2", "a3")]
+    for request in requests:
+        scheduler.add_request(request)
+    run_step(scheduler, runner)
+    requests.append(make_request("b1", [1, 2, 3], max_new_tokens=6, caller="b"))
+    scheduler.add_request(requests[-1])
+    plan = run_step(scheduler, runner)
+    assert plan.preempted_ids == ("a2",)  # a's latest-admitted request
+    assert ids(plan) == ["a1", "b1"]
+    assert scheduler.waiting[0].request_id == "a2"  # first in line of its caller, before a3
+    # One each now: nothing goes back and forth, and a's requests follow in order.
+    for _ in range(3):
+        assert not run_step(scheduler, runner).preempted_ids
+    run_until_done(scheduler, runner)
+    for request in requests:  # a2 recomputed after its preemption: the same outputs
+        assert request.output_token_ids == reference_outputs(request.request_id, 6)
+
+
+def test_a_caller_running_one_fewer_waits_for_a_free_slot() -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=3)
+    for name, caller in (("a1", "a"), ("a2", "a"), ("b1", "b")):
+        scheduler.add_request(make_request(name, [1, 2, 3], max_new_tokens=6, caller=caller))
+    run_step(scheduler, runner)
+    scheduler.add_request(make_request("b2", [1, 2, 3], max_new_tokens=6, caller="b"))
+    plan = run_step(scheduler, runner)
+    assert not plan.preempted_ids and ids(plan) == ["a1", "b1", "a2"]
+
+
+def test_with_more_callers_than_slots_the_slots_go_round_a_turn_each() -> None:
+    scheduler, runner = make_scheduler(num_blocks=1024, max_num_seqs=2)
+    n = 3 * FAIR_TURN_TOKENS
+    requests = [make_request(c, [1, 2, 3], max_new_tokens=n, caller=c) for c in "abc"]
+    for request in requests:
+        scheduler.add_request(request)
+    admitted: list[tuple[int, list[str]]] = []  # (step, who got a slot) whenever it changes
+    step = 0
+    while scheduler.has_unfinished:
+        plan = run_step(scheduler, runner)
+        if not admitted or sorted(ids(plan)) != admitted[-1][1]:
+            admitted.append((step, sorted(ids(plan))))
+        step += 1
+    # c waits for a's turn; then a for b's (which ran as long); then b for c's; and so on.
+    assert admitted[:4] == [
+        (0, ["a", "b"]),
+        (FAIR_TURN_TOKENS, ["b", "c"]),
+        (FAIR_TURN_TOKENS + 1, ["a", "c"]),
+        (2 * FAIR_TURN_TOKENS, ["a", "b"]),
+    ]
+    for request in requests:  # recomputed after each turn: the same outputs
+        assert request.output_token_ids == reference_outputs(request.request_id, n)
+
+
+def test_a_late_caller_gets_the_next_turn_before_callers_that_have_had_one() -> None:
+    # Slots must not circle between the callers that had them and the first in the queue.
+    scheduler, runner = make_scheduler(num_blocks=4096, max_num_seqs=2)
+    n = 4 * FAIR_TURN_TOKENS
+    for c in "abcd":
+        scheduler.add_request(make_request(c, [1, 2, 3], max_new_tokens=n, caller=c))
+    run_step(scheduler, runner)
+    late = make_request("late", [4, 5, 6], max_new_tokens=4, caller="late")
+    scheduler.add_request(late)
+    step = 1
+    while late.output_token_ids == []:
+        run_step(scheduler, runner)
+        step += 1
+    # c takes a's turn, d b's; the next turn is the late caller's, before a's or b's second one.
+    assert step == 2 * FAIR_TURN_TOKENS + 1
+    run_until_done(scheduler, runner)
+    assert late.output_token_ids == reference_outputs("late", 4)
 
 
 def test_first_step_prefills_the_prompt_and_samples_once() -> None:
@@ -360,7 +443,13 @@ def _add_random_request(scheduler: Scheduler, rng: random.Random, request_id: st
     if rng.random() < 0.3:
         segments.append(embedding([rng.choice("ab") for _ in range(rng.randint(1, 6))]))
     segments.append(TokenSegment([rng.randint(0, 9) for _ in range(rng.randint(1, 4))]))
-    request = make_request(request_id, segments, max_new_tokens=rng.randint(1, 10), arrival_time=arrival)
+    request = make_request(
+        request_id,
+        segments,
+        max_new_tokens=rng.randint(1, 10),
+        arrival_time=arrival,
+        caller=rng.choice("xyz"),
+    )
     try:
         scheduler.add_request(request)
     except (QueueFullError, RequestTooLongError):
