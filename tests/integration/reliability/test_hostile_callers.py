@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from tandem.client.channel import channel_options
-from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2
 from tandem.decoder.engine.backpressure import MAX_UNREAD_TOKENS
 from tandem.decoder.models.loader import LoadedModel, load_model
 
@@ -424,6 +424,55 @@ def test_a_neighbour_is_served_at_once_beside_160_unread_streams_over_5_connecti
             call.cancel()
         for channel in channels:
             channel.close()
+    assert services.idle(timeout=60)
+
+
+def test_a_connections_unread_prompt_logprobs_are_bounded_and_another_connection_is_not_refused(
+    serve,
+) -> None:
+    # Before: each unread stream scoring a 4,000-position prompt held ~8 MB in gRPC's buffers, with
+    # no bound (128 streams: +994 MB). Now a caller's open streams hold at most 4 full-context
+    # prompts at 20 alternatives: here 4 x 1,024 x 21 entries, four 1,000-position prompts.
+    services = serve(Limits(max_num_seqs=16, max_queue=256, num_kv_blocks=8192, max_model_len=1024))
+    scoring = decoder_pb2.GenerateRequest(
+        prompt=[
+            decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=[3 + i % 50 for i in range(1000)]))
+        ]
+    )
+    scoring.stopping.max_new_tokens = 8
+    scoring.output.prompt_logprobs = 20
+    flood = grpc.insecure_channel(
+        services.decoder_server.address, options=[("grpc.use_local_subchannel_pool", 1)]
+    )
+    calls = [decoder_pb2_grpc.DecoderStub(flood).Generate(scoring, timeout=120) for _ in range(6)]
+    try:
+        outcomes = []
+        for call in calls:
+            try:
+                outcomes.append("accepted" if next(call).HasField("accepted") else "?")
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+                assert "output.prompt_logprobs" in error.details() and "limit is 86016" in error.details()
+                outcomes.append("refused")
+        assert outcomes.count("accepted") == 4 and outcomes.count("refused") == 2
+        # Another connection is another caller: its budget is whole.
+        other = list(services.decoder.Generate(scoring, timeout=120))
+        assert len(other[1].delta.prompt_logprobs) == 1000
+        calls[0].cancel()  # an ended stream gives its share back
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                again = decoder_pb2_grpc.DecoderStub(flood).Generate(scoring, timeout=120)
+                assert next(again).HasField("accepted")
+                break
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                time.sleep(0.05)
+        calls.append(again)
+    finally:
+        for call in calls:
+            call.cancel()
+        flood.close()
     assert services.idle(timeout=60)
 
 
