@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -21,6 +21,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from . import errors, memory
+from .oversized import oversized
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +113,19 @@ class _Malformed:
         self.error = error
 
 
-def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _tolerant(
+    deserializer: Callable[[bytes], Any] | None, max_bytes: Callable[[], int | None] | None = None
+) -> Callable[[bytes], Any] | None:
+    """`deserializer`, answering a request that does not parse, or is longer than `max_bytes()` says
+    the method can use, with a _Malformed (the latter unparsed: client/oversized.py)."""
     if deserializer is None:
         return None
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
 
     def parse(raw: bytes) -> Any:
+        bound = max_bytes() if max_bytes is not None else None
+        if bound is not None and len(raw) > bound:
+            return _Malformed(oversized(raw, bound, descriptor))
         try:
             return deserializer(raw)
         except Exception as error:
@@ -127,6 +136,8 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
 
 def _reject_malformed(request: Any, method: str) -> None:
     if isinstance(request, _Malformed):
+        if isinstance(request.error, errors.InvalidArgument):
+            raise request.error
         raise errors.InvalidArgument("request", f"not a valid request message for {method}: {request.error}")
 
 
@@ -138,6 +149,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     grpc.aio leaves a call that half-closes before sending its request open until the deadline
     (forever without one), where reading the request ourselves can end it. The wire is the same.
     """
+
+    def __init__(self, max_request_bytes: Mapping[str, Callable[[], int | None]] | None = None) -> None:
+        # "/package.Service/Method" -> the most bytes its request can usefully have (None: no bound
+        # yet); a longer one is refused unparsed (client/oversized.py).
+        self._max_request_bytes = dict(max_request_bytes or {})
 
     async def intercept_service(
         self,
@@ -151,7 +167,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=_tolerant(handler.request_deserializer),
+                request_deserializer=_tolerant(
+                    handler.request_deserializer, self._max_request_bytes.get(method)
+                ),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):

@@ -23,7 +23,7 @@ import logging
 import signal
 import socket
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,6 +160,9 @@ class Service:
     name: str  # e.g. "tandem.v1.Decoder"
     servicer: object
     add_to_server: Callable[[Any, grpc.aio.Server], None]
+    # Method name -> the most bytes its request can usefully have (None while unknown): a longer
+    # request is refused INVALID_ARGUMENT from its size, unparsed (tandem/client/oversized.py).
+    max_request_bytes: Mapping[str, Callable[[], int | None]] = field(default_factory=dict)
 
 
 class RunningServer:
@@ -188,11 +191,15 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
+def _max_request_bytes(services: Sequence[Service]) -> dict[str, Callable[[], int | None]]:
+    return {f"/{s.name}/{method}": bound for s in services for method, bound in s.max_request_bytes.items()}
+
+
 async def start_server(options: ServerOptions, services: Sequence[Service]) -> RunningServer:
     # Authentication comes first: a denied call reaches neither tracing nor the servicer.
     auth = [AuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
     server = grpc.aio.server(
-        interceptors=[*auth, *options.interceptors, ErrorInterceptor()],
+        interceptors=[*auth, *options.interceptors, ErrorInterceptor(_max_request_bytes(services))],
         options=_server_options(options.max_message_bytes),
     )
     health = HealthServicer()

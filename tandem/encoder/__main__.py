@@ -20,11 +20,10 @@ from typing import Any
 import click
 
 from tandem.client.errors import ConfigError
-from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
 from tandem.common.model_cache import resolve_model
-from tandem.common.server import Service, check_port_free, start_server, stop_on_signals
+from tandem.common.server import check_port_free, start_server, stop_on_signals
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderLoadError
 from tandem.encoder.loader import load_embedder
@@ -33,7 +32,6 @@ from tandem.encoder.servicer import EncoderServicer
 
 log = logging.getLogger("tandem.encoder")
 
-SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "tandem.v1.Encoder"
 PROG = "tandem serve encoder"
 
 
@@ -89,7 +87,7 @@ async def serve(config: EncoderConfig) -> None:
     interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
     running = await start_server(
         dataclasses.replace(config.server, interceptors=interceptors),
-        [Service(SERVICE_NAME, servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
+        [servicer.service()],
     )
     stop_requested = stop_on_signals(config.server.grace_s, log)
     loading = asyncio.ensure_future(asyncio.to_thread(load_embedder, config))

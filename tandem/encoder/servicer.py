@@ -26,12 +26,16 @@ from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from tandem.common import tensors
 from tandem.common.model_name import check_model
 from tandem.common.prompt_parts import TextPrompt
+from tandem.common.server import Service
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import Embedder, Pooling
 from tandem.encoder.request import EmbedSpec, build_job
 
 T = TypeVar("T")
+
+SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "tandem.v1.Encoder"
+SMALL_FIELDS_BYTES = 64 * 1024  # request_id, model and the enums, with their tags, and then some
 
 _POOLINGS = {encoder_pb2.POOLING_NONE: Pooling.NONE, encoder_pb2.POOLING_MEAN: Pooling.MEAN}
 
@@ -55,6 +59,25 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+    def max_embed_request_bytes(self) -> int | None:
+        """The most bytes an Embed request can usefully have (None until attached): max_input_tokens
+        positions of text (UTF-8, at most 4 bytes a character, `max_token_chars` characters a
+        position) or of token IDs (at most 5 bytes each), plus room for the small fields. A longer
+        request is refused from its size, unparsed (Service.max_request_bytes)."""
+        if self._embedder is None:
+            return None
+        per_position = max(5, 4 * self._embedder.info.max_token_chars)
+        return self._max_input_tokens * per_position + SMALL_FIELDS_BYTES
+
+    def service(self) -> Service:
+        """This servicer as the server mounts it."""
+        return Service(
+            SERVICE_NAME,
+            self,
+            encoder_pb2_grpc.add_EncoderServicer_to_server,
+            max_request_bytes={"Embed": self.max_embed_request_bytes},
+        )
 
     async def Embed(
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext

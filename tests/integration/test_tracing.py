@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from tandem.client import telemetry as otel
 from tandem.client.client import DecoderClient, EncoderClient, prompt_segments
-from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2_grpc
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.decoder.api.servicer import DecoderServicer
 from tandem.decoder.config import EngineConfig
@@ -89,7 +89,7 @@ async def start_stack(
     encoder_servicer.attach(lookup)
     encoder_server = await start_server(
         encoder_config.server,
-        [Service("tandem.v1.Encoder", encoder_servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
+        [encoder_servicer.service()],
     )
     for server in (decoder_server, encoder_server):
         await server.set_serving()

@@ -16,7 +16,6 @@ from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.kv_cache import BlockManager
 from tandem.decoder.engine.request import Request, RequestStatus
 
-
 # Tokens a request keeps its slot after admission before a caller with nothing running may take it
 # (when every running caller has one request and more callers wait than there are slots): slots then
 # go round the callers, each turn long enough that recomputing the preempted request is a small part.

@@ -10,8 +10,7 @@ import torch
 
 from tandem.client.channel import channel_options
 from tandem.client.pb.tandem.v1 import encoder_pb2_grpc
-from tandem.common.server import RunningServer, ServerOptions, Service, start_server
-from tandem.encoder.__main__ import SERVICE_NAME
+from tandem.common.server import RunningServer, ServerOptions, start_server
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.lookup import LookupEmbedder
 from tandem.encoder.servicer import EncoderServicer
@@ -42,9 +41,7 @@ class Encoder:
 
 async def start_encoder(config: EncoderConfig, embedder: LookupEmbedder | None) -> Encoder:
     servicer = EncoderServicer(config)
-    server = await start_server(
-        config.server, [Service(SERVICE_NAME, servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)]
-    )
+    server = await start_server(config.server, [servicer.service()])
     if embedder is not None:
         servicer.attach(embedder)
         await server.set_serving()

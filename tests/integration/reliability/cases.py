@@ -70,6 +70,21 @@ def embed(**fields: object) -> encoder_pb2.EmbedRequest:
     return encoder_pb2.EmbedRequest(**fields)
 
 
+def embed_ids_wire(n: int) -> bytes:
+    """An EmbedRequest of `n` token IDs (each 5), written as wire bytes: no message object of that
+    size is ever built on the client side."""
+    inner = b"\x0a" + _varint(n) + b"\x05" * n  # TokenIds.ids, packed
+    return b"\x22" + _varint(len(inner)) + inner  # EmbedRequest.token_ids (field 4)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out) + bytes([value])
+
+
 CASES: list[Case] = [
     # -- Generate: the prompt
     Case("no prompt segments", "Generate", lambda: decoder_pb2.GenerateRequest(), INVALID, "prompt"),
@@ -494,6 +509,13 @@ CASES: list[Case] = [
         "Embed model name of 20 KB", "Embed", lambda: embed(text="hi", model="m" * 20_000), INVALID, "model"
     ),
     Case("Embed random bytes", "Embed", lambda: b"\x0a\x03\xc3\x28\x00", INVALID, "request"),
+    Case(
+        "Embed of 200,000 token IDs, refused from its size unparsed",
+        "Embed",
+        lambda: embed_ids_wire(200_000),
+        INVALID,
+        "token_ids",
+    ),
     Case(
         "Encoder Tokenize with 65 texts",
         "EncoderTokenize",

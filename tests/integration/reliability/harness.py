@@ -118,11 +118,7 @@ class Services:
     async def _start_encoder(self) -> RunningServer:
         server = await start_server(
             self.encoder_config.server,
-            [
-                Service(
-                    "tandem.v1.Encoder", self.encoder_servicer, encoder_pb2_grpc.add_EncoderServicer_to_server
-                )
-            ],
+            [self.encoder_servicer.service()],
         )
         await server.set_serving()
         return server

@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tandem.client.client import DecoderClient, EncoderClient
-from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.decoder.api.servicer import DecoderServicer
 
@@ -106,11 +106,7 @@ def test_calls_no_server_began_are_retried_through_a_transient_unavailable(
                     DecoderServicer("flaky", MAX_MESSAGE_BYTES, engine=services.engine),
                     decoder_pb2_grpc.add_DecoderServicer_to_server,
                 ),
-                Service(
-                    "tandem.v1.Encoder",
-                    services.encoder_servicer,
-                    encoder_pb2_grpc.add_EncoderServicer_to_server,
-                ),
+                services.encoder_servicer.service(),
             ],
         )
         await server.set_serving()

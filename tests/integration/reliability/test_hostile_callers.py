@@ -26,7 +26,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb
 from tandem.decoder.engine.backpressure import MAX_UNREAD_TOKENS
 from tandem.decoder.models.loader import LoadedModel, load_model
 
-from .cases import HIDDEN, embeds
+from .cases import HIDDEN, embed_ids_wire, embeds
 from .harness import Limits, Services
 
 MIB = 1024 * 1024
@@ -193,6 +193,11 @@ def test_a_30_mb_text_is_refused_from_its_length_while_health_answers_and_a_neig
             encoder_pb2.EmbedRequest(text=text),
             "text",
         ),
+        "encoder Embed, 60 million token IDs": (
+            "/tandem.v1.Encoder/Embed",
+            embed_ids_wire(60_000_000),
+            "token_ids",
+        ),
         "encoder Tokenize, 30 MB text": (
             "/tandem.v1.Encoder/Tokenize",
             encoder_pb2.EncoderTokenizeRequest(texts=[text]),
@@ -200,7 +205,8 @@ def test_a_30_mb_text_is_refused_from_its_length_while_health_answers_and_a_neig
         ),
     }
     payloads = {
-        name: (path, message.SerializeToString(), field) for name, (path, message, field) in attacks.items()
+        name: (path, message if isinstance(message, bytes) else message.SerializeToString(), field)
+        for name, (path, message, field) in attacks.items()
     }
     del text, attacks
     options = channel_options(64 * MIB)
