@@ -247,13 +247,19 @@ def main() -> None:
             ),
             (
                 "200 Generate streams on one connection, never read (default gRPC client)",
-                lambda: _unread(decoder_address, decoder, small_window=False),
+                lambda: _unread(decoder_address, decoder, 200, 1, small_window=False),
                 d,
                 None,
             ),
             (
                 "200 Generate streams on 7 connections, never read (4 KiB windows, no BDP, top-20 logprobs)",
-                lambda: _unread(decoder_address, decoder, small_window=True),
+                lambda: _unread(decoder_address, decoder, 200, 7, small_window=True),
+                d,
+                None,
+            ),
+            (
+                "640 Generate streams on 20 connections, never read (default gRPC client; issue 32)",
+                lambda: _unread(decoder_address, decoder, 640, 20, small_window=False),
                 d,
                 None,
             ),
@@ -348,18 +354,24 @@ def _squat(address: str, decoder: decoder_pb2_grpc.DecoderStub) -> str:
     return f"anonymous: {', '.join(outcomes)}"
 
 
-def _unread(address: str, decoder: decoder_pb2_grpc.DecoderStub, small_window: bool) -> str:
+def _unread(
+    address: str,
+    decoder: decoder_pb2_grpc.DecoderStub,
+    num_streams: int,
+    num_connections: int,
+    small_window: bool,
+) -> str:
     # A local subchannel pool: otherwise channels to one target share one connection.
     options = [("grpc.use_local_subchannel_pool", 1)]
     if small_window:
         options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4096)]
-    channels = [grpc.insecure_channel(address, options=options) for _ in range(7 if small_window else 1)]
+    channels = [grpc.insecure_channel(address, options=options) for _ in range(num_connections)]
     request = _request(max_new_tokens=1024)
     request.output.logprobs = small_window
     request.output.top_logprobs = 20 if small_window else 0
     calls = [
         decoder_pb2_grpc.DecoderStub(channels[i % len(channels)]).Generate(request, timeout=600)
-        for i in range(200)
+        for i in range(num_streams)
     ]
     time.sleep(30.0)  # the streams get going (and, with small windows, fill them and pause)
     start = time.monotonic()
@@ -377,7 +389,7 @@ def _unread(address: str, decoder: decoder_pb2_grpc.DecoderStub, small_window: b
     for channel in channels:
         channel.close()
     return (
-        f"{200 - refused} streams open, {refused} RESOURCE_EXHAUSTED; "
+        f"{num_streams - refused} streams open, {refused} RESOURCE_EXHAUSTED; "
         f"a neighbour's 32 tokens: {neighbour} in {waited:.1f} s"
     )
 
