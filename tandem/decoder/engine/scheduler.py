@@ -163,7 +163,7 @@ class Scheduler:
         # num_tokens, taking at most what is left of the step's token budget (max_num_batched_tokens),
         # with at most max_num_seqs requests running. A prefill that does not fit is chunked; decodes
         # (one position each) share the step with prefills. When a running request cannot get blocks,
-        # the lowest-priority (latest-admitted) running request is preempted and recomputed later;
+        # the busiest caller's latest-admitted running request is preempted and recomputed later;
         # waiting requests are admitted only into free blocks and never cause a block preemption.
         # Callers share the batch: a full one gives a slot per step to a waiting caller running at
         # least two fewer requests than the busiest, or running none (`_yield_a_slot`).
@@ -186,7 +186,8 @@ class Scheduler:
         )
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
-        """Advance the running requests in order, preempting from the back for blocks; the budget left."""
+        """Advance the running requests in order, preempting for blocks (`_block_victim`); the budget
+        left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -195,9 +196,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.block_manager.allocate_slots(request, num_new_tokens):
-                # `running` is in admission order and every earlier request is already scheduled,
-                # so the victim is the last one; it may be `request` itself.
-                victim = self.running.pop()
+                # Every earlier request is already scheduled, so the victim comes from here on; it
+                # may be `request` itself.
+                victim = self.running.pop(self._block_victim(i))
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -207,6 +208,13 @@ class Scheduler:
                 budget -= num_new_tokens
                 i += 1
         return budget
+
+    def _block_victim(self, first: int) -> int:
+        """Index of the request to preempt for blocks, among running[first:]: the latest-admitted of
+        the caller running the most (with one caller, the last one), so that a caller that just got
+        its one slot is not the first to lose it when a busier caller has filled the KV cache."""
+        running = Counter(r.caller for r in self.running)
+        return max(range(first, len(self.running)), key=lambda j: (running[self.running[j].caller], j))
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         """Admit waiting requests (`_next_waiting` first) into free blocks (cached prefix first); the

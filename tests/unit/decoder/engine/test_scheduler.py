@@ -138,6 +138,22 @@ def test_a_late_caller_gets_the_next_turn_before_callers_that_have_had_one() -> 
     assert late.output_token_ids == reference_outputs("late", 4)
 
 
+def test_blocks_are_taken_back_from_the_busiest_caller_not_from_the_one_just_admitted() -> None:
+    scheduler, runner = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=4)
+    requests = [
+        make_request(name, [1, 2, 3], max_new_tokens=12, caller=name[0]) for name in ("a1", "a2", "a3")
+    ]
+    requests.append(make_request("b1", [4, 5, 6], max_new_tokens=12, caller="b"))
+    for request in requests:
+        scheduler.add_request(request)
+    plans = run_until_done(scheduler, runner)
+    victims = [victim for plan in plans for victim in plan.preempted_ids]
+    assert victims and victims[0] == "a3"  # b1, admitted last, keeps its one slot
+    assert "b1" not in victims[:2]
+    for request in requests:
+        assert request.output_token_ids == reference_outputs(request.request_id, 12)
+
+
 def test_first_step_prefills_the_prompt_and_samples_once() -> None:
     scheduler, runner = make_scheduler()
     scheduler.add_request(make_request("a", [1, 2, 3, 4, 5], max_new_tokens=3))
