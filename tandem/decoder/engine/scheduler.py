@@ -100,10 +100,9 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()  # arrival order; preempted requests go back to the front
-        # In admission order, so the last one is the lowest priority. Admission takes the first
-        # waiting request of the caller running the fewest (`_next_waiting`): with one caller, strict
-        # FCFS; a preempted request (always the last running) goes back to the front of the queue, so
-        # it is readmitted before anything of its caller that arrived after it.
+        # In admission order. Admission takes the first waiting request of the caller running the
+        # fewest (`_next_waiting`): with one caller, strict FCFS; a preempted request goes back to the
+        # front of the queue, so it is readmitted before anything of its caller that arrived after it.
         self.running: list[Request] = []
         # Requests whose readers are far behind: neither running nor waiting, holding no blocks,
         # until resume() queues them again (the engine decides both; see core.py).
