@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import Descriptor
 
-from tandem.client.errors import InvalidArgument
+from .errors import InvalidArgument
 
 _LENGTH_DELIMITED = 2
 _FIXED_SIZES = {1: 8, 5: 4}  # wire type -> bytes

@@ -178,3 +178,22 @@ def test_the_model_is_plain_torch_and_the_cpu_kernels_live_in_the_cpu_backend() 
     assert native and all(p.parent == (cpu / "csrc").relative_to(REPO_ROOT) for p in native), native
     decoder_users = sorted(m for m in modules() if m.startswith(DECODER) and "ctypes" in imports(m))
     assert decoder_users and all(m.startswith(f"{DECODER}.backends.cpu.") for m in decoder_users)
+
+
+def test_the_client_package_imports_itself_only_by_relative_path() -> None:
+    # It ships alone as `tandem_client` (clients/python/pyproject.toml), where `tandem.` does not exist:
+    # an absolute `from tandem.client...` import works here and breaks the installed client.
+    offenders = []
+    for module, path in modules().items():
+        if not module.startswith("tandem.client") or ".pb." in module:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").startswith("tandem")
+            ):
+                offenders.append(f"{module}: from {node.module}")
+            if isinstance(node, ast.Import) and any(a.name.startswith("tandem") for a in node.names):
+                offenders.append(f"{module}: import {node.names[0].name}")
+    assert offenders == []
