@@ -157,12 +157,14 @@ class DecoderConfig:
     # Open Generate streams one connection may hold (api/stream_limit.py). Half the default batch:
     # one caller can never occupy every running slot.
     max_streams_per_connection: int = 32
+    # With bearer tokens on, open Generate streams one token may hold over all its connections (a
+    # token is one caller, api/caller.py): more connections do not buy more memory or slots.
+    max_streams_per_token: int = 256
 
     def __post_init__(self) -> None:
-        if self.max_streams_per_connection < 1:
-            raise ConfigError(
-                "max_streams_per_connection", f"must be >= 1, got {self.max_streams_per_connection}"
-            )
+        for name in ("max_streams_per_connection", "max_streams_per_token"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.world_size < 1:
             raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
         if self.collective_timeout_s <= 0:

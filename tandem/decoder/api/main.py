@@ -172,6 +172,7 @@ async def serve(
         telemetry=telemetry,
         max_streams_per_connection=config.max_streams_per_connection,
         identify_by_token=bool(config.server.auth_tokens),
+        max_streams_per_token=config.max_streams_per_token,
     )
     interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
     running = await start_server(

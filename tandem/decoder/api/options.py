@@ -150,6 +150,14 @@ def settings() -> list[Setting]:
             type=int,
             default=default_of(DecoderConfig, "max_streams_per_connection"),
         ),
+        Setting(
+            ENV_PREFIX,
+            "--max-streams-per-token",
+            "with --auth-token-file: open Generate streams one bearer token may hold over all its "
+            "connections; beyond it RESOURCE_EXHAUSTED",
+            type=int,
+            default=default_of(DecoderConfig, "max_streams_per_token"),
+        ),
     ]
 
 
@@ -201,4 +209,5 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
         world_size=values["world_size"],
         collective_timeout_s=values["collective_timeout_s"],
         max_streams_per_connection=values["max_streams_per_connection"],
+        max_streams_per_token=values["max_streams_per_token"],
     )

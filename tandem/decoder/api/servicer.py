@@ -6,6 +6,7 @@ span) and its metrics; the engine's per-request timeline becomes span events onc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -38,6 +39,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         telemetry: otel.Telemetry | None = None,
         max_streams_per_connection: int | None = None,  # None: no bound (stream_limit.py)
         identify_by_token: bool = False,  # bearer tokens are on: a caller is its token (caller.py)
+        max_streams_per_token: int | None = None,  # with identify_by_token; None: no bound
     ) -> None:
         self.model_name = model_name
         self.max_message_bytes = max_message_bytes
@@ -45,6 +47,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         self.engine = engine  # None while loading: every RPC answers UNAVAILABLE
         self.streams = StreamLimit(max_streams_per_connection)
         self.identify_by_token = identify_by_token
+        self.token_streams = StreamLimit(max_streams_per_token, "bearer token", "--max-streams-per-token")
         # An embedding tensor can never be larger than a message, so the element cap follows from it.
         self.tensor_limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
         # None when telemetry is off: Generate then records nothing at all.
@@ -68,12 +71,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             )
         is_finished = False
         try:
-            with self.streams.open(context.peer()):
+            caller = caller_of(context.peer(), context.invocation_metadata(), self.identify_by_token)
+            with self.streams.open(context.peer()), self._token_streams(caller):
                 engine = self._healthy_engine()
                 check_model(request.model, self.model_name)
                 check_width(request, engine.max_model_len)  # counts only: nothing converted yet
                 spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
-                caller = caller_of(context.peer(), context.invocation_metadata(), self.identify_by_token)
                 spec = dataclasses.replace(spec, caller=caller)
                 num_embedding_positions = _num_embedding_positions(spec)
                 if op is not None:
@@ -94,6 +97,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         finally:
             if op is not None:
                 op.end()
+
+    def _token_streams(self, caller: str) -> contextlib.AbstractContextManager[None]:
+        """The token's share of open streams; without tokens the caller is the connection, already
+        bounded."""
+        return self.token_streams.open(caller) if self.identify_by_token else contextlib.nullcontext()
 
     def _observe(self, op: otel.ServerOperation, event: Event, num_embedding_positions: int) -> None:
         """Accepted and Finished, as span attributes, span events and metric points."""

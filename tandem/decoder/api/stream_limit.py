@@ -18,10 +18,15 @@ from tandem.client.errors import ResourceExhausted
 
 
 class StreamLimit:
-    """Counts the open streams of each connection; event-loop thread only (no lock)."""
+    """Counts the open streams of each connection (or, for `holder` "bearer token", of each token);
+    event-loop thread only (no lock)."""
 
-    def __init__(self, max_streams: int | None) -> None:
+    def __init__(
+        self, max_streams: int | None, holder: str = "connection", flag: str = "--max-streams-per-connection"
+    ) -> None:
         self.max_streams = max_streams  # None: no bound
+        self.holder = holder  # what the error calls the key
+        self.flag = flag
         self._open: Counter[str] = Counter()
 
     def num_open(self, peer: str) -> int:
@@ -31,9 +36,10 @@ class StreamLimit:
     def open(self, peer: str) -> Iterator[None]:
         """Holds one of `peer`'s streams for the body. Raises ResourceExhausted beyond the bound."""
         if self.max_streams is not None and self._open[peer] >= self.max_streams:
+            advice = "end one or use another connection" if self.holder == "connection" else "end one"
             raise ResourceExhausted(
-                f"this connection already has {self.max_streams} Generate streams open "
-                "(--max-streams-per-connection); end one or use another connection",
+                f"this {self.holder} already has {self.max_streams} Generate streams open "
+                f"({self.flag}); {advice}",
                 retry_after_s=1.0,
             )
         self._open[peer] += 1

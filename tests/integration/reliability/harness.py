@@ -40,6 +40,7 @@ class Limits:
     max_model_len: int = MAX_MODEL_LEN
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_streams_per_connection: int | None = None  # the documented default is 32; None: no bound
+    max_streams_per_token: int | None = None  # with auth tokens; the documented default is 256
 
 
 class Services:
@@ -107,6 +108,8 @@ class Services:
             self.limits.max_message_bytes,
             engine=self.engine,
             max_streams_per_connection=self.limits.max_streams_per_connection,
+            identify_by_token=bool(self.server_options.auth_tokens),
+            max_streams_per_token=self.limits.max_streams_per_token,
         )
         server = await start_server(
             self.server_options,

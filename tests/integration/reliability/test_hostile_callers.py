@@ -482,6 +482,48 @@ def test_a_connections_unread_prompt_logprobs_are_bounded_and_another_connection
     assert services.idle(timeout=60)
 
 
+def test_one_bearer_token_holds_its_bound_over_all_its_connections_and_another_token_is_not_refused(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    # With tokens on, a token is one caller: opening more connections buys no more streams.
+    services = Services(
+        tiny_model_dir,
+        tiny_fp32,
+        Limits(max_streams_per_connection=32, max_streams_per_token=4),
+        auth_tokens=frozenset({"token-a", "token-b"}),
+    )
+    channels = [
+        grpc.insecure_channel(
+            services.decoder_server.address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        for _ in range(3)
+    ]
+    held = []
+    try:
+
+        def generate(channel: grpc.Channel, token: str):
+            call = decoder_pb2_grpc.DecoderStub(channel).Generate(
+                _request(max_new_tokens=200), timeout=60, metadata=[("authorization", f"Bearer {token}")]
+            )
+            held.append(call)
+            return next(call)
+
+        for i in range(4):  # over three connections
+            assert generate(channels[i % 3], "token-a").HasField("accepted")
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(channels[2], "token-a")
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "this bearer token already has 4 Generate streams open" in caught.value.details()
+        assert generate(channels[0], "token-b").HasField("accepted")  # another caller
+    finally:
+        for call in held:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+        assert services.idle(timeout=30)
+        services.close()
+
+
 def test_unread_streams_pause_and_one_connection_holds_at_most_its_bound(serve) -> None:
     # Before: 200 streams opened and never read were generated at full speed; an unrelated 32-token
     # request waited 87.7 s. A client that never reads fills its HTTP/2 window (here without BDP

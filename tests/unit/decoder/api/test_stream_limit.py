@@ -45,3 +45,23 @@ def test_the_bound_comes_from_the_flag_or_the_environment_and_defaults_to_32(
     assert config_from_args(["--model", "m"]).max_streams_per_connection == 7
     with pytest.raises(ValueError, match="must be >= 1"):
         config_from_args(["--model", "m", "--max-streams-per-connection", "0"])
+
+
+def test_a_token_bound_says_whose_streams_and_which_flag() -> None:
+    limit = StreamLimit(1, "bearer token", "--max-streams-per-token")
+    with limit.open("token:ab"), pytest.raises(ResourceExhausted) as caught, limit.open("token:ab"):
+        pass
+    assert "this bearer token already has 1 Generate streams open (--max-streams-per-token); end one" == str(
+        caught.value
+    )
+
+
+def test_the_token_bound_comes_from_the_flag_or_the_environment_and_defaults_to_256(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert config_from_args(["--model", "m"]).max_streams_per_token == 256
+    assert config_from_args(["--model", "m", "--max-streams-per-token", "4"]).max_streams_per_token == 4
+    monkeypatch.setenv("TANDEM_MAX_STREAMS_PER_TOKEN", "7")
+    assert config_from_args(["--model", "m"]).max_streams_per_token == 7
+    with pytest.raises(ValueError, match="max_streams_per_token.*must be >= 1"):
+        config_from_args(["--model", "m", "--max-streams-per-token", "0"])
