@@ -50,6 +50,20 @@ def _tokens(responses: list[decoder_pb2.GenerateResponse]) -> list[int]:
     return [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
 
 
+def _timed_tokens(
+    stub: decoder_pb2_grpc.DecoderStub, request: decoder_pb2.GenerateRequest
+) -> tuple[list[int], float]:
+    """A stream's tokens and the seconds it took, read to its end."""
+    start = time.monotonic()
+    tokens = _tokens(list(stub.Generate(request, timeout=120)))
+    return tokens, time.monotonic() - start
+
+
+def _own_connection(address: str) -> grpc.Channel:
+    """A channel on a connection of its own: grpc otherwise shares one between channels to a target."""
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
 def _violation(error: grpc.RpcError) -> str:
     status = rpc_status.from_call(error)
     assert status is not None, error.details()
@@ -393,18 +407,10 @@ def test_a_neighbour_is_served_at_once_beside_160_unread_streams_over_5_connecti
         )
     )
     neighbour = _request("an unrelated request", max_new_tokens=32)
-    _tokens(list(services.decoder.Generate(neighbour, timeout=60)))  # warm
-    start = time.monotonic()
-    expected = _tokens(list(services.decoder.Generate(neighbour, timeout=60)))
-    alone_s = time.monotonic() - start
+    _timed_tokens(services.decoder, neighbour)  # warm
+    expected, alone_s = _timed_tokens(services.decoder, neighbour)
     flood = _request(max_new_tokens=900)
-    # One connection each: grpc shares a subchannel between channels with the same target otherwise.
-    channels = [
-        grpc.insecure_channel(
-            services.decoder_server.address, options=[("grpc.use_local_subchannel_pool", 1)]
-        )
-        for _ in range(5)
-    ]
+    channels = [_own_connection(services.decoder_server.address) for _ in range(5)]
     calls = [
         decoder_pb2_grpc.DecoderStub(c).Generate(flood, timeout=600) for c in channels for _ in range(32)
     ]
@@ -416,9 +422,8 @@ def test_a_neighbour_is_served_at_once_beside_160_unread_streams_over_5_connecti
             time.sleep(0.05)
         scheduler = engine.core.scheduler
         assert scheduler.num_running == 16 and scheduler.num_waiting == 144
-        start = time.monotonic()
-        assert _tokens(list(services.decoder.Generate(neighbour, timeout=120))) == expected
-        neighbour_s = time.monotonic() - start
+        tokens, neighbour_s = _timed_tokens(services.decoder, neighbour)
+        assert tokens == expected
         # Served while every flood request was still unfinished: it waited for no flood request's end.
         assert engine.core.num_live() == 160
         print(
@@ -447,9 +452,7 @@ def test_a_connections_unread_prompt_logprobs_are_bounded_and_another_connection
     )
     scoring.stopping.max_new_tokens = 8
     scoring.output.prompt_logprobs = 20
-    flood = grpc.insecure_channel(
-        services.decoder_server.address, options=[("grpc.use_local_subchannel_pool", 1)]
-    )
+    flood = _own_connection(services.decoder_server.address)
     calls = [decoder_pb2_grpc.DecoderStub(flood).Generate(scoring, timeout=120) for _ in range(6)]
     try:
         outcomes = []
@@ -492,12 +495,7 @@ def test_one_bearer_token_holds_its_bound_over_all_its_connections_and_another_t
         Limits(max_streams_per_connection=32, max_streams_per_token=4),
         auth_tokens=frozenset({"token-a", "token-b"}),
     )
-    channels = [
-        grpc.insecure_channel(
-            services.decoder_server.address, options=[("grpc.use_local_subchannel_pool", 1)]
-        )
-        for _ in range(3)
-    ]
+    channels = [_own_connection(services.decoder_server.address) for _ in range(3)]
     held = []
     try:
 
@@ -538,9 +536,7 @@ def test_unread_streams_pause_and_one_connection_holds_at_most_its_bound(serve) 
         )
     )
     neighbour = _request("an unrelated request", max_new_tokens=32)
-    start = time.monotonic()
-    expected = _tokens(list(services.decoder.Generate(neighbour, timeout=60)))
-    alone_s = time.monotonic() - start
+    expected, alone_s = _timed_tokens(services.decoder, neighbour)
     unread = _request(max_new_tokens=600, logprobs=True, top_logprobs=20)
     unread_expected = _tokens(list(services.decoder.Generate(unread, timeout=300)))
     attacker = grpc.insecure_channel(
@@ -557,9 +553,8 @@ def test_unread_streams_pause_and_one_connection_holds_at_most_its_bound(serve) 
         generated = sorted(r.num_output_tokens for r in scheduler.paused.values())
         assert scheduler.num_running == scheduler.num_waiting == 0
         assert blocks.num_free_blocks == blocks.num_total_blocks  # paused streams hold no KV
-        start = time.monotonic()
-        assert _tokens(list(services.decoder.Generate(neighbour, timeout=60))) == expected
-        neighbour_s = time.monotonic() - start
+        tokens, neighbour_s = _timed_tokens(services.decoder, neighbour)
+        assert tokens == expected
         assert sorted(r.num_output_tokens for r in scheduler.paused.values()) == generated
         accepted, refused = [], 0
         for call in calls:
