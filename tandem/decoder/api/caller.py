@@ -1,4 +1,4 @@
-"""Who a Generate comes from, so that callers share the engine fairly (`Scheduler._next_waiting`).
+"""Who a Generate comes from, so that callers share the engine fairly (`engine/admission_order.py`).
 
 With bearer tokens on, a caller is its token: all of one key's connections are one caller, and a
 client cannot split itself into many by opening more connections. Without them, a caller is its

@@ -89,7 +89,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)  # time.monotonic(); queue-time metrics
     # Most tokens a decode step may propose for verification (prompt lookup); 0 = no speculation.
     num_speculative_tokens: int = 0
-    # Who sent it: callers share the batch fairly (Scheduler._next_waiting); "" = anonymous.
+    # Who sent it: callers share the batch fairly (admission_order.py); "" = anonymous.
     caller: str = ""
 
     # Scheduling state.

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.decoder.engine.admission_order import AdmissionOrder
 from tandem.decoder.engine.kv_cache import BlockManager
 from tandem.decoder.engine.request import Request, RequestStatus
 
@@ -101,7 +102,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()  # arrival order; preempted requests go back to the front
         # In admission order. Admission takes the first waiting request of the caller running the
-        # fewest (`_next_waiting`): with one caller, strict FCFS; a preempted request goes back to the
+        # fewest (`AdmissionOrder`): with one caller, strict FCFS; a preempted request goes back to the
         # front of the queue, so it is readmitted before anything of its caller that arrived after it.
         self.running: list[Request] = []
         # Requests whose readers are far behind: neither running nor waiting, holding no blocks,
@@ -216,15 +217,21 @@ class Scheduler:
         return max(range(first, len(self.running)), key=lambda j: (running[self.running[j].caller], j))
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """Admit waiting requests (`_next_waiting` first) into free blocks (cached prefix first); the
+        """Admit waiting requests (in `AdmissionOrder`) into free blocks (cached prefix first); the
         budget left."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._next_waiting()
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return budget
+        order = AdmissionOrder(self.waiting, self.running)
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = order.next()
+            if request is None:
+                break
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget)
             if not self.block_manager.allocate_slots(request, num_new_tokens, computed_block_ids):
                 break  # nobody overtakes the request that is next in line
             self.waiting.remove(request)
+            order.admitted(request)
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached_tokens
             request.num_computed_tokens = num_cached_tokens
@@ -236,18 +243,6 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new_tokens))
             budget -= num_new_tokens
         return budget
-
-    def _next_waiting(self) -> Request:
-        """The first waiting request (in queue order) of the callers running the fewest requests and,
-        among those, of the caller whose last turn is the oldest (a request preempted for another
-        caller carries its caller's turn), so that one caller's many requests never make another wait
-        behind them all, and slots go round the callers when there are more callers than slots."""
-        running = Counter(r.caller for r in self.running)
-        last_turn: dict[str, int] = {}
-        for request in self.waiting:
-            last_turn[request.caller] = max(last_turn.get(request.caller, 0), request.admission_number)
-        # min() keeps the first of equals: queue order, FCFS within a caller.
-        return min(self.waiting, key=lambda r: (running[r.caller], last_turn[r.caller]))
 
     def _yield_a_slot(self) -> list[str]:
         """With the batch full, preempt one running request for a waiting caller that runs fewer (one
