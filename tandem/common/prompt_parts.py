@@ -34,6 +34,9 @@ class TextPrompt:
 @dataclass(frozen=True)
 class EmbeddingPrompt:
     rows: torch.Tensor  # [n, hidden_size], any float dtype; request building casts it to the model's
+    # An image's rows (a chat message's `image` part): the chat template places them, where it writes
+    # the model's image placeholder. Elsewhere they are rows like any other.
+    is_image: bool = False
 
 
 # A sequence of ints is token IDs: a list, or the proto's repeated field as it is (copying 16M IDs
@@ -53,7 +56,7 @@ def check_part(part: PromptPart, path: str, hidden_size: int, accepts_embeddings
         if not part.text:
             raise InvalidArgument(field_of(path, "text"), "must not be empty")
     elif isinstance(part, EmbeddingPrompt):
-        field = field_of(path, "embeddings")
+        field = field_of(path, "image" if part.is_image else "embeddings")
         if not accepts_embeddings:
             raise FailedPrecondition(field, "prompt embeddings are disabled on this server")
         shape = list(part.rows.shape)

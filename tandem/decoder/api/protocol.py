@@ -60,7 +60,8 @@ def _part_from_pb(
     limits: tensors.TensorLimits,
     plain_text: bool = False,
 ) -> PromptPart:
-    """A prompt segment or a chat message part (the same three kinds under two oneof names)."""
+    """A prompt segment or a chat message part (the same three kinds under two oneof names, and a
+    chat part's image: rows the template places)."""
     oneof = "segment" if isinstance(part, decoder_pb2.PromptSegment) else "part"
     kind = part.WhichOneof(oneof)
     if kind == "token_ids":
@@ -70,7 +71,11 @@ def _part_from_pb(
     if kind == "embeddings":
         # Wire checks only (dtype, sizes against the byte count and `limits`); zero-copy.
         return EmbeddingPrompt(tensors.decode(part.embeddings, f"{field}.embeddings", limits=limits))
-    raise InvalidArgument(field, "set one of token_ids, embeddings or text")
+    if kind == "image":
+        return EmbeddingPrompt(tensors.decode(part.image, f"{field}.image", limits=limits), is_image=True)
+    raise InvalidArgument(
+        field, "set one of token_ids, embeddings or text" + (", or image" if oneof == "part" else "")
+    )
 
 
 def _chat_from_pb(chat: decoder_pb2.ChatPrompt, limits: tensors.TensorLimits) -> ChatRequest:

@@ -163,6 +163,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             world_size=self.world_size,
             max_queued_requests=engine.config.max_queue,
             has_chat_template=engine.chat_template.source is not None,
+            image_placeholder=engine.chat_template.image_placeholder or "",
         )
 
 

@@ -240,7 +240,8 @@ def _one_line(error: BaseException) -> str:
 def sandbox() -> Any:
     """Jinja2's immutable sandbox with transformers' settings, so templates written for it render the
     same here, and nothing but text and values printed."""
-    from jinja2 import TemplateError, Undefined
+    from jinja2 import TemplateError, Undefined, nodes
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     printable = (str, int, float, bool, type(None), list, tuple, dict, Undefined)
@@ -263,7 +264,20 @@ def sandbox() -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, finalize=finalize)
+    class Generation(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's text for
+        training masks (LLaVA's templates use it): here it renders its body and nothing else."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, finalize=finalize, extensions=[Generation]
+    )
     environment.globals["raise_exception"] = raise_exception
     environment.filters["tojson"] = lambda value, indent=None: json.dumps(
         value, indent=indent, ensure_ascii=False

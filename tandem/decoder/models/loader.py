@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from tandem.common import vision_language
 from tandem.common.checkpoint import read_json
 from tandem.common.dtypes import DTYPES
 from tandem.common.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
@@ -129,12 +130,14 @@ def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:
     hf_config = _read_json(model_dir / "config.json")
     generation_path = model_dir / "generation_config.json"
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    if vision_language.is_vision_language(hf_config):  # the decoder serves its language model
+        hf_config = vision_language.text_config(hf_config, ModelLoadError)
     architectures = hf_config.get("architectures") or []
     architecture = architectures[0] if architectures else None
     if architecture not in MODEL_CLASSES:
+        supported = sorted([*MODEL_CLASSES, *vision_language.ARCHITECTURES])
         raise ModelLoadError(
-            f"config.json: architecture {architecture!r} is not supported "
-            f"(supported: {', '.join(sorted(MODEL_CLASSES))})"
+            f"config.json: architecture {architecture!r} is not supported (supported: {', '.join(supported)})"
         )
     try:
         return ModelConfig.from_hf(hf_config, generation_config, DTYPES[dtype]), architecture
@@ -191,12 +194,14 @@ def _read_weights(
             for path in _weight_files(model_dir)
         ]
         file_of = {key: handle for handle in handles for key in handle.keys()}
+        layout = vision_language.weight_layout(_architecture(model_dir), file_of, ModelLoadError)
         for name, _ in model.named_parameters():
             parts = []
             for part in model.checkpoint_parts(name):
-                if part.name not in file_of:
-                    raise ModelLoadError(f"weight {part.name} not found in the checkpoint in {model_dir}")
-                parts.append(_read_part(file_of[part.name], part, model))
+                key = layout.checkpoint_name(part.name)
+                if key not in file_of:
+                    raise ModelLoadError(f"weight {key} not found in the checkpoint in {model_dir}")
+                parts.append(_read_part(file_of[key], part, key, model))
             fused = parts[0] if len(parts) == 1 else torch.cat(parts)
             state[name] = fused.to(device=device, dtype=dtype)
             progress.add(state[name])
@@ -240,17 +245,22 @@ class _Progress:
         )
 
 
-def _read_part(handle: Any, part: CheckpointPart, model: DecoderModel) -> torch.Tensor:
-    """The checkpoint tensor, shape-checked, or only this rank's slice of it along part.shard_dim."""
+def _architecture(model_dir: Path) -> str:
+    """config.json's own architecture (a vision-language one for a LLaVA or SmolVLM directory)."""
+    return (_read_json(model_dir / "config.json").get("architectures") or [""])[0]
+
+
+def _read_part(handle: Any, part: CheckpointPart, key: str, model: DecoderModel) -> torch.Tensor:
+    """Checkpoint tensor `key`, shape-checked, or only this rank's slice of it along part.shard_dim."""
     tp = model.tp
     if tp is None or part.shard_dim is None:
-        tensor = handle.get_tensor(part.name)
+        tensor = handle.get_tensor(key)
         shape = tuple(tensor.shape)
     else:
-        lazy = handle.get_slice(part.name)  # memory-mapped: nothing is read until indexed
+        lazy = handle.get_slice(key)  # memory-mapped: nothing is read until indexed
         shape = tuple(lazy.get_shape())
     if shape != part.shape:
-        raise ModelLoadError(f"weight {part.name} has shape {list(shape)}, expected {list(part.shape)}")
+        raise ModelLoadError(f"weight {key} has shape {list(shape)}, expected {list(part.shape)}")
     if tp is None or part.shard_dim is None:
         return tensor
     size = shape[part.shard_dim] // tp.world_size

@@ -114,6 +114,7 @@ class ChatContentPart(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """UTF-8 text. Always tokenized as plain text: a special-token literal in it stays text, so caller
     text cannot forge a turn.
@@ -128,18 +129,27 @@ class ChatContentPart(_message.Message):
         output), spliced in as n positions.
         """
 
+    @_builtins.property
+    def image(self) -> _tensor_pb2.Tensor:
+        """An image's rows as the encoder's Embed returns them for an `image` input, [n, hidden_size].
+        The template places it: the message's content is then a list of {"type": "text", "text": ...}
+        and {"type": "image"} items, and the rows replace the image placeholder the template writes
+        for it (GetModelInfo.image_placeholder), n positions. Needs a vision-language checkpoint.
+        """
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         token_ids: _tensor_pb2.TokenIds | None = ...,
         embeddings: _tensor_pb2.Tensor | None = ...,
+        image: _tensor_pb2.Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "image", b"image", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "image", b"image", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "token_ids", "embeddings"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "token_ids", "embeddings", "image"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -882,6 +892,7 @@ class DecoderGetModelInfoResponse(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    IMAGE_PLACEHOLDER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name (the checkpoint directory's name)."""
     architecture: _builtins.str
@@ -904,6 +915,8 @@ class DecoderGetModelInfoResponse(_message.Message):
     """Requests that may wait in the queue before RESOURCE_EXHAUSTED."""
     has_chat_template: _builtins.bool
     """Whether the model has a chat template, so `chat` requests are accepted."""
+    image_placeholder: _builtins.str
+    """Where the chat template puts an image part's rows ("<image>"); empty: the model takes no images."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token IDs that end generation unless ignore_eos is set."""
@@ -923,10 +936,11 @@ class DecoderGetModelInfoResponse(_message.Message):
         world_size: _builtins.int = ...,
         max_queued_requests: _builtins.int = ...,
         has_chat_template: _builtins.bool = ...,
+        image_placeholder: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_prompt_embeds", b"accepts_prompt_embeds", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "max_context_tokens", b"max_context_tokens", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_prompt_embeds", b"accepts_prompt_embeds", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

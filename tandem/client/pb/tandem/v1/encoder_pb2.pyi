@@ -54,6 +54,7 @@ class EmbedRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_DTYPE_FIELD_NUMBER: _builtins.int
     POOLING_FIELD_NUMBER: _builtins.int
@@ -78,6 +79,10 @@ class EmbedRequest(_message.Message):
     def token_ids(self) -> _tensor_pb2.TokenIds:
         """Token IDs in the embedder's vocabulary. Must not be empty."""
 
+    @_builtins.property
+    def image(self) -> Global___Image:
+        """A picture, for an embedder that accepts images (GetModelInfo.accepts_images)."""
+
     def __init__(
         self,
         *,
@@ -85,19 +90,46 @@ class EmbedRequest(_message.Message):
         model: _builtins.str = ...,
         text: _builtins.str = ...,
         token_ids: _tensor_pb2.TokenIds | None = ...,
+        image: Global___Image | None = ...,
         add_special_tokens: _builtins.bool = ...,
         output_dtype: _tensor_pb2.DataType.ValueType = ...,
         pooling: Global___Pooling.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_special_tokens", b"add_special_tokens", "input", b"input", "model", b"model", "output_dtype", b"output_dtype", "pooling", b"pooling", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_special_tokens", b"add_special_tokens", "image", b"image", "input", b"input", "model", b"model", "output_dtype", b"output_dtype", "pooling", b"pooling", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids", "image"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class Image(_message.Message):
+    """An encoded picture. Its rows are the model's whole image span: the vision tower's rows and, for
+    SmolVLM, the tile markers around them, preprocessed as the checkpoint's processor does.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """PNG, JPEG or WebP bytes; the format is read from them. At most max_image_bytes, and at most
+    max_image_pixels (width x height, read from the header before anything is decoded).
+    """
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Image: _TypeAlias = Image  # noqa: Y015
 
 @_typing.final
 class EmbedResponse(_message.Message):
@@ -109,8 +141,13 @@ class EmbedResponse(_message.Message):
     EMBEDDINGS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    PLACEHOLDER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's ID (the caller's, or one assigned by the server)."""
+    placeholder: _builtins.str
+    """For an image: the text the model's chat template writes where an image goes (LLaVA's and
+    SmolVLM's "<image>"); the rows stand in its place. Empty for text and token IDs.
+    """
     @_builtins.property
     def embeddings(self) -> _tensor_pb2.Tensor:
         """Rank 2, [num_rows, hidden_size] with hidden_size the decoder's."""
@@ -123,7 +160,7 @@ class EmbedResponse(_message.Message):
 
     @_builtins.property
     def usage(self) -> _tensor_pb2.Usage:
-        """input_tokens = positions read; output_tokens = 0."""
+        """input_tokens = positions read (for an image, the rows of its span); output_tokens = 0."""
 
     def __init__(
         self,
@@ -132,10 +169,11 @@ class EmbedResponse(_message.Message):
         embeddings: _tensor_pb2.Tensor | None = ...,
         token_ids: _tensor_pb2.TokenIds | None = ...,
         usage: _tensor_pb2.Usage | None = ...,
+        placeholder: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "request_id", b"request_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "placeholder", b"placeholder", "request_id", b"request_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -226,6 +264,12 @@ class EncoderGetModelInfoResponse(_message.Message):
     MAX_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     NUM_VIRTUAL_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTS_IMAGES_FIELD_NUMBER: _builtins.int
+    IMAGE_PLACEHOLDER_FIELD_NUMBER: _builtins.int
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_WAIT_S_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Name of the decoder checkpoint whose hidden space the embeddings live in."""
     embedder: _builtins.str
@@ -242,6 +286,18 @@ class EncoderGetModelInfoResponse(_message.Message):
     """Largest message the server accepts or sends, in bytes."""
     num_virtual_tokens: _builtins.int
     """Rows a soft prompt prepends to every input (0 for other embedders)."""
+    accepts_images: _builtins.bool
+    """Embed takes `image` inputs (a LLaVA or SmolVLM checkpoint)."""
+    image_placeholder: _builtins.str
+    """The text an image's rows replace in a chat template ("<image>"); empty without images."""
+    max_image_bytes: _builtins.int
+    """Largest Image.data accepted, in bytes (0 without images)."""
+    max_image_pixels: _builtins.int
+    """Most pixels (width x height) of an image accepted (0 without images)."""
+    max_batch_size: _builtins.int
+    """Most calls run together in one batch."""
+    max_batch_wait_s: _builtins.float
+    """The longest the first call of a batch waits for others to join it, in seconds."""
     def __init__(
         self,
         *,
@@ -253,10 +309,16 @@ class EncoderGetModelInfoResponse(_message.Message):
         max_input_tokens: _builtins.int = ...,
         max_message_bytes: _builtins.int = ...,
         num_virtual_tokens: _builtins.int = ...,
+        accepts_images: _builtins.bool = ...,
+        image_placeholder: _builtins.str = ...,
+        max_image_bytes: _builtins.int = ...,
+        max_image_pixels: _builtins.int = ...,
+        max_batch_size: _builtins.int = ...,
+        max_batch_wait_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "embedder", b"embedder", "hidden_size", b"hidden_size", "max_input_tokens", b"max_input_tokens", "max_message_bytes", b"max_message_bytes", "model", b"model", "num_virtual_tokens", b"num_virtual_tokens", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_images", b"accepts_images", "dtype", b"dtype", "embedder", b"embedder", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_batch_size", b"max_batch_size", "max_batch_wait_s", b"max_batch_wait_s", "max_image_bytes", b"max_image_bytes", "max_image_pixels", b"max_image_pixels", "max_input_tokens", b"max_input_tokens", "max_message_bytes", b"max_message_bytes", "model", b"model", "num_virtual_tokens", b"num_virtual_tokens", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,8 +26,9 @@ if _version_not_supported:
 
 
 class EncoderStub:
-    """Turns text or token IDs into embeddings in the decoder model's hidden space. Its output can be
-    sent unchanged as an `embeddings` prompt segment to `tandem.v1.Decoder/Generate`.
+    """Turns text, token IDs or (for a vision-language checkpoint) images into embeddings in the decoder
+    model's hidden space. Its output can be sent unchanged as an `embeddings` prompt segment to
+    `tandem.v1.Decoder/Generate`, or an image's as a chat message's `image` part.
     """
 
     def __init__(self, channel):
@@ -54,13 +55,15 @@ class EncoderStub:
 
 
 class EncoderServicer:
-    """Turns text or token IDs into embeddings in the decoder model's hidden space. Its output can be
-    sent unchanged as an `embeddings` prompt segment to `tandem.v1.Decoder/Generate`.
+    """Turns text, token IDs or (for a vision-language checkpoint) images into embeddings in the decoder
+    model's hidden space. Its output can be sent unchanged as an `embeddings` prompt segment to
+    `tandem.v1.Decoder/Generate`, or an image's as a chat message's `image` part.
     """
 
     def Embed(self, request, context):
         """Embeds one input. Errors: INVALID_ARGUMENT (with BadRequest field violations) for an empty or
-        oversized input or an out-of-vocabulary token ID; UNAVAILABLE while loading or draining.
+        oversized input, an out-of-vocabulary token ID or an image that cannot be read; UNAVAILABLE while
+        loading or draining. Concurrent calls run together in batches (EncoderGetModelInfoResponse).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,8 +110,9 @@ def add_EncoderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Encoder:
-    """Turns text or token IDs into embeddings in the decoder model's hidden space. Its output can be
-    sent unchanged as an `embeddings` prompt segment to `tandem.v1.Decoder/Generate`.
+    """Turns text, token IDs or (for a vision-language checkpoint) images into embeddings in the decoder
+    model's hidden space. Its output can be sent unchanged as an `embeddings` prompt segment to
+    `tandem.v1.Decoder/Generate`, or an image's as a chat message's `image` part.
     """
 
     @staticmethod

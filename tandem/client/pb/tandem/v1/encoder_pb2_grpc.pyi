@@ -27,8 +27,9 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class EncoderStub:
-    """Turns text or token IDs into embeddings in the decoder model's hidden space. Its output can be
-    sent unchanged as an `embeddings` prompt segment to `tandem.v1.Decoder/Generate`.
+    """Turns text, token IDs or (for a vision-language checkpoint) images into embeddings in the decoder
+    model's hidden space. Its output can be sent unchanged as an `embeddings` prompt segment to
+    `tandem.v1.Decoder/Generate`, or an image's as a chat message's `image` part.
     """
 
     @_typing.overload
@@ -37,7 +38,8 @@ class EncoderStub:
     def __new__(cls, channel: _aio.Channel) -> EncoderAsyncStub: ...
     Embed: _grpc.UnaryUnaryMultiCallable[_encoder_pb2.EmbedRequest, _encoder_pb2.EmbedResponse]
     """Embeds one input. Errors: INVALID_ARGUMENT (with BadRequest field violations) for an empty or
-    oversized input or an out-of-vocabulary token ID; UNAVAILABLE while loading or draining.
+    oversized input, an out-of-vocabulary token ID or an image that cannot be read; UNAVAILABLE while
+    loading or draining. Concurrent calls run together in batches (EncoderGetModelInfoResponse).
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_encoder_pb2.EncoderTokenizeRequest, _encoder_pb2.EncoderTokenizeResponse]
     """Tokenizes texts with the encoder's tokenizer."""
@@ -46,14 +48,16 @@ class EncoderStub:
 
 @_typing.type_check_only
 class EncoderAsyncStub(EncoderStub):
-    """Turns text or token IDs into embeddings in the decoder model's hidden space. Its output can be
-    sent unchanged as an `embeddings` prompt segment to `tandem.v1.Decoder/Generate`.
+    """Turns text, token IDs or (for a vision-language checkpoint) images into embeddings in the decoder
+    model's hidden space. Its output can be sent unchanged as an `embeddings` prompt segment to
+    `tandem.v1.Decoder/Generate`, or an image's as a chat message's `image` part.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Embed: _aio.UnaryUnaryMultiCallable[_encoder_pb2.EmbedRequest, _encoder_pb2.EmbedResponse]  # type: ignore[assignment]
     """Embeds one input. Errors: INVALID_ARGUMENT (with BadRequest field violations) for an empty or
-    oversized input or an out-of-vocabulary token ID; UNAVAILABLE while loading or draining.
+    oversized input, an out-of-vocabulary token ID or an image that cannot be read; UNAVAILABLE while
+    loading or draining. Concurrent calls run together in batches (EncoderGetModelInfoResponse).
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_encoder_pb2.EncoderTokenizeRequest, _encoder_pb2.EncoderTokenizeResponse]  # type: ignore[assignment]
     """Tokenizes texts with the encoder's tokenizer."""
@@ -61,8 +65,9 @@ class EncoderAsyncStub(EncoderStub):
     """Describes the loaded embedder."""
 
 class EncoderServicer(metaclass=_abc_1.ABCMeta):
-    """Turns text or token IDs into embeddings in the decoder model's hidden space. Its output can be
-    sent unchanged as an `embeddings` prompt segment to `tandem.v1.Decoder/Generate`.
+    """Turns text, token IDs or (for a vision-language checkpoint) images into embeddings in the decoder
+    model's hidden space. Its output can be sent unchanged as an `embeddings` prompt segment to
+    `tandem.v1.Decoder/Generate`, or an image's as a chat message's `image` part.
     """
 
     @_abc_1.abstractmethod
@@ -72,7 +77,8 @@ class EncoderServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_encoder_pb2.EmbedResponse, _abc.Awaitable[_encoder_pb2.EmbedResponse]]:
         """Embeds one input. Errors: INVALID_ARGUMENT (with BadRequest field violations) for an empty or
-        oversized input or an out-of-vocabulary token ID; UNAVAILABLE while loading or draining.
+        oversized input, an out-of-vocabulary token ID or an image that cannot be read; UNAVAILABLE while
+        loading or draining. Concurrent calls run together in batches (EncoderGetModelInfoResponse).
         """
 
     @_abc_1.abstractmethod
