@@ -20,7 +20,8 @@ the template as a list of `{"type": "text", "text": ...}` and `{"type": "image"}
 transformers' processors pass it (SmolVLM's template reads nothing else), so the checkpoint's own
 template decides where each image goes; elsewhere a message holding an image is passed so too. Every
 image placeholder (`<image>`) the template writes then takes the next image's rows, in order; the
-template must place each image exactly once. Caller text that spells the placeholder stays text, as any special literal.
+template must place each image exactly once. Caller text that spells the placeholder stays text, as
+any special literal.
 
 The end-of-turn token is read off the template itself: the first special token it writes after an
 assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3).
