@@ -40,6 +40,13 @@ class EncoderConfig:
     # table already holds the file's values.
     quantization: str = "none"
     max_input_tokens: int = 8192  # most positions per Embed call (the embedder may allow fewer).
+    # Images (a LLaVA or SmolVLM checkpoint): the bytes of one, and its pixels, read from its header
+    # before it is decoded (decoded RGB takes 3 bytes a pixel: 32 Mpx is 96 MB).
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 32 * 1024 * 1024
+    # Concurrent Embed calls run together: at most this many, the first waiting at most this long.
+    max_batch_size: int = 8
+    max_batch_wait_ms: float = 2.0
     server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
     model_name: str = ""  # reported by GetModelInfo and checked against requests; "" = directory name.
 
@@ -51,8 +58,11 @@ class EncoderConfig:
         if not isinstance(self.pooling, Pooling):
             raise ConfigError("pooling", f"must be one of {[p.value for p in Pooling]}, got {self.pooling!r}")
         self._check_quantization()
-        if self.max_input_tokens < 1:
-            raise ConfigError("max_input_tokens", f"must be >= 1, got {self.max_input_tokens}")
+        for name in ("max_input_tokens", "max_image_bytes", "max_image_pixels", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_batch_wait_ms <= 1000:
+            raise ConfigError("max_batch_wait_ms", f"must be in [0, 1000], got {self.max_batch_wait_ms}")
         # Each path belongs to one embedder: a path given to another one is a mistake, not a no-op.
         required = {
             "soft-prompt": ("adapter_dir",),

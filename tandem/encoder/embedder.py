@@ -52,6 +52,7 @@ class EmbedderInfo:
     max_token_chars: int  # the most characters of text one token stands for (tandem/common/text_bounds.py)
     max_positions: int | None = None  # most positions the embedder can read at once; None = no limit
     num_virtual_tokens: int = 0  # rows prepended to every input (soft prompts)
+    image_placeholder: str = ""  # what an image's rows replace in the chat template; "" = no images
 
 
 class Embedder(Protocol):

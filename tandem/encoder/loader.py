@@ -1,10 +1,14 @@
-"""Builds the configured embedder. Raises EmbedderLoadError naming the file at fault."""
+"""Builds the configured embedder. Raises EmbedderLoadError naming the file at fault.
+
+The lookup embedder on a vision-language checkpoint (LLaVA, SmolVLM) is its image half as well: the
+token table for text, and the vision tower and projector for images (`vision/embedder.py`)."""
 
 from __future__ import annotations
 
+from tandem.common import vision_language
 from tandem.encoder.config import EncoderConfig
-from tandem.encoder.embedder import Embedder
-from tandem.encoder.lookup import LookupEmbedder
+from tandem.encoder.embedder import Embedder, EmbedderLoadError
+from tandem.encoder.lookup import LookupEmbedder, read_json
 from tandem.encoder.projector import ProjectorEmbedder
 from tandem.encoder.soft_prompt import SoftPromptEmbedder
 
@@ -19,4 +23,11 @@ def load_embedder(config: EncoderConfig) -> Embedder:
         return ProjectorEmbedder.load(
             config.model_dir, config.encoder_model_dir, config.projector_path, dtype
         )
+    config_path = config.model_dir / "config.json"
+    if config_path.is_file() and vision_language.is_vision_language(read_json(config_path)):
+        if config.quantization != "none":
+            raise EmbedderLoadError("--quantization rounds a text model's table; images need none")
+        from tandem.encoder.vision.embedder import VisionLanguageEmbedder  # Pillow, on demand
+
+        return VisionLanguageEmbedder.load(config.model_dir, dtype)
     return LookupEmbedder.load(config.model_dir, dtype, config.quantization)

@@ -72,6 +72,18 @@ def settings() -> list[Setting]:
             type=click.Choice(QUANTIZATIONS),
         ),
         _config("--max-input-tokens", "most positions per Embed call", type=int),
+        _config("--max-image-bytes", "images: most bytes of one encoded image", type=int),
+        _config(
+            "--max-image-pixels",
+            "images: most pixels (width x height, read from the header before decoding)",
+            type=int,
+        ),
+        _config("--max-batch-size", "most concurrent Embed calls run together in one batch", type=int),
+        _config(
+            "--max-batch-wait-ms",
+            "longest a call waits for others to join its batch, in milliseconds",
+            type=float,
+        ),
         _config(
             "--model-name",
             "model name reported and checked against requests",
@@ -100,6 +112,10 @@ def config_from_options(values: Mapping[str, Any]) -> EncoderConfig:
         dtype=values["dtype"],
         quantization=values["quantization"],
         max_input_tokens=values["max_input_tokens"],
+        max_image_bytes=values["max_image_bytes"],
+        max_image_pixels=values["max_image_pixels"],
+        max_batch_size=values["max_batch_size"],
+        max_batch_wait_ms=values["max_batch_wait_ms"],
         server=server_options(values),
         model_name=values["model_name"] or model_display_name(Path(model)),
     )

@@ -4,7 +4,9 @@
 Request building (tokenizing included), embedding and Tokenize run on one worker thread, off the
 event loop (and tokenizers release the GIL), so health checks and reflection answer while a long
 input is being embedded; one thread because torch already uses every core for a single call, and
-embedders are not thread-safe.
+embedders are not thread-safe. Embedding itself goes through the batcher: concurrent calls (text,
+token IDs, images) run as one batch on that thread (`batcher.py`, `batch.py`), an image's decoding
+included, so the event loop never touches image bytes beyond counting them.
 
 With telemetry on, each Embed gets an `embeddings {model}` span (a child of the gRPC server span)
 and a request-duration point.
@@ -28,9 +30,19 @@ from tandem.common.model_name import check_model
 from tandem.common.prompt_parts import TextPrompt
 from tandem.common.server import Service
 from tandem.common.wire_limits import check_tokenize_texts
+from tandem.encoder.batch import EmbedOutput, run_batch
+from tandem.encoder.batcher import Batcher
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import Embedder, Pooling
-from tandem.encoder.request import EmbedSpec, build_job
+from tandem.encoder.request import (
+    EmbedJob,
+    EmbedSpec,
+    ImageBytes,
+    ImageJob,
+    ImageLimits,
+    build_image_job,
+    build_job,
+)
 
 T = TypeVar("T")
 
@@ -48,6 +60,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._embedder: Embedder | None = None
         self._max_input_tokens = config.max_input_tokens  # min(config, embedder limit) once attached
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
+        self._batcher: Batcher[EmbedJob | ImageJob, EmbedOutput] | None = None  # once attached
+        self._image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
         # None when telemetry is off: Embed then records nothing at all.
         self._telemetry = telemetry if telemetry is not None and telemetry.is_enabled else None
         self._metrics = otel.ServerMetrics(telemetry.meter) if self._telemetry is not None else None
@@ -56,8 +70,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._embedder = embedder
         limit = embedder.info.max_positions
         self._max_input_tokens = min(self.config.max_input_tokens, limit or self.config.max_input_tokens)
+        self._batcher = Batcher(
+            self._executor,
+            lambda jobs: run_batch(embedder, jobs),
+            self.config.max_batch_size,
+            self.config.max_batch_wait_ms / 1000,
+        )
 
     def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
         self._executor.shutdown(wait=True)
 
     def max_embed_request_bytes(self) -> int | None:
@@ -68,7 +90,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if self._embedder is None:
             return None
         per_position = max(5, 4 * self._embedder.info.max_token_chars)
-        return self._max_input_tokens * per_position + SMALL_FIELDS_BYTES
+        longest = self._max_input_tokens * per_position
+        if self._embedder.info.image_placeholder:
+            longest = max(longest, self.config.max_image_bytes)
+        return longest + SMALL_FIELDS_BYTES
 
     def service(self) -> Service:
         """This servicer as the server mounts it."""
@@ -108,20 +133,30 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         check_model(request.model, self.config.served_model_name)
         spec = _spec_from_pb(request)
         max_message_bytes = self.config.server.max_message_bytes
-        job = await self._run(
-            build_job, spec, embedder, self._max_input_tokens, max_message_bytes, self.config.pooling
-        )
-
-        def embed_and_pack() -> tensor_pb2.Tensor:
-            # Packing copies up to max_message_bytes: keep that off the event loop too.
-            rows = embedder.embed(job.token_ids, job.pooling)  # [num_rows, hidden_size]
-            return tensors.encode(rows, job.output_dtype)
-
+        job: EmbedJob | ImageJob
+        if isinstance(spec.input, ImageBytes):
+            job = build_image_job(
+                spec,
+                embedder,
+                self._image_limits,
+                self._max_input_tokens,
+                max_message_bytes,
+                self.config.pooling,
+            )
+        else:
+            job = await self._run(
+                build_job, spec, embedder, self._max_input_tokens, max_message_bytes, self.config.pooling
+            )
+        assert self._batcher is not None  # set with the embedder
+        # Embedding, an image's decoding and packing (a copy of up to max_message_bytes) all run in
+        # the batch, on the worker thread.
+        output = await self._batcher.submit(job)
         return encoder_pb2.EmbedResponse(
             request_id=job.request_id,
-            embeddings=await self._run(embed_and_pack),
-            token_ids=tensor_pb2.TokenIds(ids=job.token_ids),
-            usage=tensor_pb2.Usage(input_tokens=len(job.token_ids)),
+            embeddings=output.embeddings,
+            token_ids=tensor_pb2.TokenIds(ids=output.token_ids),
+            usage=tensor_pb2.Usage(input_tokens=len(output.token_ids)),
+            placeholder=output.placeholder,
         )
 
     async def Tokenize(
@@ -151,6 +186,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             max_input_tokens=self._max_input_tokens,
             max_message_bytes=self.config.server.max_message_bytes,
             num_virtual_tokens=info.num_virtual_tokens,
+            accepts_images=bool(info.image_placeholder),
+            image_placeholder=info.image_placeholder,
+            max_image_bytes=self.config.max_image_bytes if info.image_placeholder else 0,
+            max_image_pixels=self.config.max_image_pixels if info.image_placeholder else 0,
+            max_batch_size=self.config.max_batch_size,
+            max_batch_wait_s=self.config.max_batch_wait_ms / 1000,
         )
 
     def _require_embedder(self) -> Embedder:
@@ -165,8 +206,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 def _spec_from_pb(request: encoder_pb2.EmbedRequest) -> EmbedSpec:
     """The call as the request builder takes it. Fails only where an enum cannot be mapped."""
     source = request.WhichOneof("input")
+    inputs = {
+        "text": lambda: TextPrompt(request.text),
+        "token_ids": lambda: request.token_ids.ids,
+        "image": lambda: ImageBytes(request.image.data),
+    }
     return EmbedSpec(
-        input=TextPrompt(request.text) if source == "text" else request.token_ids.ids if source else None,
+        input=inputs[source]() if source else None,
         add_special_tokens=request.add_special_tokens,
         request_id=request.request_id,
         pooling=_pooling(request.pooling),

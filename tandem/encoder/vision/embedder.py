@@ -1,0 +1,123 @@
+"""The encoder's half of a LLaVA or SmolVLM checkpoint: images and text into the decoder's space.
+
+Loads the vision tower and its projector (or connector), and the language model's token table for
+text, token IDs and the markers around an image's tiles; never the language model's layers, which
+are the decoder's. Images are embedded in batches: every tile of every image in a batch goes through
+the tower in one forward pass (`embed_images`); then each image's span is assembled, the tower's
+rows where its image tokens are and the token table's rows everywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from tandem.common import vision_language
+from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling
+from tandem.encoder.lookup import LookupEmbedder, read_json, read_tokenizer
+from tandem.encoder.vision.image_span import PreparedImage, VisionModel
+from tandem.encoder.vision.llava import LlavaVision
+from tandem.encoder.vision.weights import read_weights, weight_names
+
+
+def processor_config(model_dir: Path) -> dict[str, Any]:
+    """The image processor's settings: preprocessor_config.json, or processor_config.json's
+    `image_processor` (where transformers 5 writes them)."""
+    path = model_dir / "preprocessor_config.json"
+    if path.is_file():
+        return read_json(path)
+    processor = model_dir / "processor_config.json"
+    if processor.is_file() and isinstance(read_json(processor).get("image_processor"), dict):
+        return read_json(processor)["image_processor"]
+    raise EmbedderLoadError(f"preprocessor_config.json not found in {model_dir}")
+
+
+class VisionLanguageEmbedder:
+    """Text and token IDs by the token table (as LookupEmbedder); images by the vision model."""
+
+    def __init__(self, lookup: LookupEmbedder, vision: VisionModel, placeholder: str) -> None:
+        self.lookup = lookup
+        self.vision = vision
+        self._info = EmbedderInfo(
+            kind="vision",
+            hidden_size=lookup.info.hidden_size,
+            vocab_size=lookup.info.vocab_size,
+            dtype=lookup.info.dtype,
+            max_token_chars=lookup.info.max_token_chars,
+            image_placeholder=placeholder,
+        )
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype) -> VisionLanguageEmbedder:
+        hf_config = read_json(model_dir / "config.json")
+        architecture = (hf_config.get("architectures") or [""])[0]
+        text = vision_language.text_config(hf_config, EmbedderLoadError)
+        hidden_size, vocab_size = text.get("hidden_size"), text.get("vocab_size")
+        if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
+            raise EmbedderLoadError(
+                f"config.json in {model_dir}: text_config needs hidden_size and vocab_size"
+            )
+        files = weight_names(model_dir, EmbedderLoadError)
+        layout = vision_language.weight_layout(architecture, files, EmbedderLoadError)
+        table_name = layout.checkpoint_name("model.embed_tokens.weight")
+        table = read_weights(files, [table_name])[table_name]  # [vocab_size, hidden_size]
+        if tuple(table.shape) != (vocab_size, hidden_size):
+            raise EmbedderLoadError(
+                f"{table_name} has shape {list(table.shape)}, "
+                f"but text_config says {[vocab_size, hidden_size]}"
+            )
+        tokenizer = read_tokenizer(model_dir)
+        image_token_id = vision_language.image_token_id(hf_config)
+        placeholder = tokenizer.id_to_token(image_token_id) if image_token_id is not None else None
+        if image_token_id is None or placeholder is None:
+            raise EmbedderLoadError(
+                f"config.json in {model_dir}: image_token_index is not a token of tokenizer.json"
+            )
+        processing = processor_config(model_dir)
+        vision: VisionModel
+        if architecture == vision_language.LLAVA:
+            vision = LlavaVision.load(
+                hf_config, processing, files, hidden_size, image_token_id, dtype, EmbedderLoadError
+            )
+        else:
+            from tandem.encoder.vision.idefics3 import Idefics3Vision
+
+            vision = Idefics3Vision.load(
+                hf_config, processing, files, tokenizer, image_token_id, dtype, EmbedderLoadError
+            )
+        return cls(LookupEmbedder(table.to(dtype), tokenizer, kind="vision"), vision, placeholder)
+
+    @property
+    def info(self) -> EmbedderInfo:
+        return self._info
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.lookup.tokenize(text, add_special_tokens)
+
+    def embed(self, token_ids: list[int], pooling: Pooling) -> torch.Tensor:
+        return self.lookup.embed(token_ids, pooling)
+
+    def prepare_image(self, image: Image.Image) -> PreparedImage:
+        """Preprocessed tiles and the span's token IDs (the servicer checks the span's size)."""
+        return self.vision.prepare(image)
+
+    @torch.inference_mode()
+    def embed_images(self, images: Sequence[PreparedImage]) -> list[torch.Tensor]:
+        """Each image's span rows, [len(span), hidden_size]; all tiles through the tower at once."""
+        pixels = torch.cat([image.pixels for image in images])  # [tiles, 3, side, side]
+        features = self.vision.encode(pixels).to(self.info.dtype)  # [tiles, rows per tile, hidden]
+        flat = features.reshape(-1, features.shape[-1])
+        spans, start = [], 0
+        for image in images:
+            ids = torch.tensor(image.token_ids, dtype=torch.long)
+            is_image = ids == self.vision.image_token_id
+            rows = self.lookup.table[ids]  # markers' rows; image tokens' are overwritten below
+            count = int(is_image.sum())
+            rows[is_image] = flat[start : start + count]
+            start += count
+            spans.append(rows)
+        return spans

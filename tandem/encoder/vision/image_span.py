@@ -1,0 +1,36 @@
+"""What a vision model makes of one image before the tower runs: its tiles and its span of tokens.
+
+The span is what replaces the template's one image placeholder in the prompt: for LLaVA, `num_rows`
+image tokens; for SmolVLM, its tiles' image tokens framed by the row/column marker tokens the
+processor writes. The embedder fills the span's image tokens with the tower's rows in order and the
+other tokens with the language model's own token rows, so one embedding part carries the whole span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    pixels: torch.Tensor  # [tiles, channels, side, side] float32, every tile the tower's size
+    token_ids: list[int]  # the span: image tokens where the tower's rows go, in order, and markers
+
+
+class VisionModel(Protocol):
+    image_token_id: int  # the token the span fills with the tower's rows
+
+    @property
+    def tile_shape(self) -> tuple[int, int, int]:
+        """(channels, side, side) of every tile."""
+        ...
+
+    def prepare(self, image: Image.Image) -> PreparedImage: ...
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[tiles, channels, side, side] -> [tiles, rows per tile, text hidden]."""
+        ...
