@@ -3,7 +3,9 @@
 The conversation is kept here and sent whole each turn as a `chat` request; the server renders it
 with the model's template and stops at its end-of-turn token. On a terminal each turn is prompted
 for; from a pipe or a file every line is one user turn, so a chat can be scripted. `/reset` forgets
-the conversation (the system message stays); end of input ends the chat.
+the conversation (the system message stays); end of input ends the chat. `--image FILE` sends a
+picture through the encoder first and puts its rows in the first user turn (and again after a
+reset), where the model's template places an image: a LLaVA or SmolVLM checkpoint's.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 from typing import TextIO
 
 import click
 import grpc
 
-from tandem.client.client import DecoderClient
+from tandem.client.channel import ChannelSecurity
+from tandem.client.client import DecoderClient, EncoderClient, ImageRows
 from tandem.common.flags import CONTEXT_SETTINGS, client_security, client_security_options, option
 
 RESET = "/reset"
@@ -37,6 +41,14 @@ def command() -> click.Command:
             option("--max-tokens", "most tokens per reply", type=int, default=256),
             option("--temperature", "0 = greedy", type=float, default=0.0),
             option("--seed", "sampling seed", type=int, default=None, show_default="none, random"),
+            option(
+                "--image",
+                "a picture (PNG, JPEG, WebP) for the first turn, through the encoder (repeatable)",
+                type=click.Path(exists=True, dir_okay=False),
+                multiple=True,
+                show_default="none",
+            ),
+            option("--encoder-address", "the encoder, for --image", default="127.0.0.1:50051"),
             *client_security_options(),
         ],
         callback=lambda **values: asyncio.run(run_chat(argparse.Namespace(**values), sys.stdin, sys.stdout)),
@@ -56,6 +68,15 @@ async def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> i
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)
     interactive = stdin.isatty()
+    try:
+        images = await _embed_images(args, security)
+    except (OSError, grpc.aio.AioRpcError) as error:
+        reason = (
+            f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
+        )
+        print(f"tandem chat: --image: {reason}", file=sys.stderr)
+        return 1
+    pending_images = list(images)  # sent with the next user turn
     async with DecoderClient(args.address, security=security) as client:
         while True:
             if interactive:
@@ -67,17 +88,27 @@ async def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> i
             text = line.rstrip("\n")
             if text.strip() == RESET:
                 history = list(opening)
+                pending_images = list(images)
                 stdout.write("[conversation reset]\n")
                 continue
             if not text.strip():
                 continue
-            history.append({"role": "user", "content": text})
+            history.append({"role": "user", "content": [*pending_images, text] if pending_images else text})
+            pending_images = []
             try:
                 reply = await _stream_reply(client, history, args, stdout)
             except grpc.aio.AioRpcError as error:
                 print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
                 return 1
             history.append({"role": "assistant", "content": reply})
+
+
+async def _embed_images(args: argparse.Namespace, security: ChannelSecurity) -> list[ImageRows]:
+    """Each --image's rows from the encoder, in order."""
+    if not getattr(args, "image", None):
+        return []
+    async with EncoderClient(args.encoder_address, security=security) as encoder:
+        return [await encoder.embed_image(Path(path).read_bytes()) for path in args.image]
 
 
 async def _stream_reply(

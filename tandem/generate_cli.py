@@ -1,8 +1,10 @@
 """`tandem generate`: stream a generation from a running decoder to the terminal.
 
 The prompt is text (`--prompt`) and any number of `--part`s, in order: text, token IDs, the
-encoder's embeddings of a text (`embed:TEXT`, from the encoder at --encoder-address), or embedding
-rows from a file (`file:PATH`, `.npy` or `.safetensors`, as `tandem embed --out` writes them).
+encoder's embeddings of a text (`embed:TEXT`, from the encoder at --encoder-address), an image's
+rows from that encoder (`image:FILE`, a PNG, JPEG or WebP; the prompt's text around it is yours to
+write as the model's template would), or embedding rows from a file (`file:PATH`, `.npy` or
+`.safetensors`, as `tandem embed --out` writes them).
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ if TYPE_CHECKING:
     from tandem.client.pb.tandem.v1 import decoder_pb2
     from tandem.client.telemetry import Telemetry
 
-PART_KINDS = ("text", "ids", "embed", "file")
+PART_KINDS = ("text", "ids", "embed", "image", "file")
 
 
 @dataclass(frozen=True)
 class PromptPart:
     kind: str  # one of PART_KINDS
-    value: str  # the text, "1,2,3", the text to embed, or a file path
+    value: str  # the text, "1,2,3", the text to embed, or a file path (an image's, or rows')
 
 
 class _PartType(click.ParamType):
@@ -61,12 +63,15 @@ def command() -> click.Command:
             option(
                 "--part",
                 "a part of the prompt after --prompt, in order: text:TEXT, ids:1,2,3, embed:TEXT (the "
-                "encoder's embeddings of TEXT) or file:PATH (.npy or .safetensors rows)",
+                "encoder's embeddings of TEXT), image:FILE (the encoder's rows of a PNG, JPEG or WebP) "
+                "or file:PATH (.npy or .safetensors rows)",
                 type=_PartType(),
                 multiple=True,
                 show_default="none",
             ),
-            option("--encoder-address", "the encoder, for embed: parts", default="127.0.0.1:50051"),
+            option(
+                "--encoder-address", "the encoder, for embed: and image: parts", default="127.0.0.1:50051"
+            ),
             option("--max-tokens", "most tokens to generate", type=int, default=64),
             option("--temperature", "0 = greedy", type=float, default=None, show_default="1.0"),
             option("--top-p", "nucleus sampling", type=float, default=None, show_default="1.0, off"),
@@ -126,7 +131,7 @@ async def _stream(values: dict[str, Any], security: ChannelSecurity, telemetry: 
 
     try:
         prompt = await _prompt(values, security, telemetry)
-    except (ValueError, grpc.aio.AioRpcError) as error:
+    except (ValueError, OSError, grpc.aio.AioRpcError) as error:
         reason = (
             f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
         )
@@ -160,7 +165,8 @@ async def _stream(values: dict[str, Any], security: ChannelSecurity, telemetry: 
 async def _prompt(
     values: dict[str, Any], security: ChannelSecurity, telemetry: Telemetry
 ) -> list[decoder_pb2.PromptSegment]:
-    """The segments, in order; `embed:` parts go to the encoder first. Raises ValueError, AioRpcError."""
+    """The segments, in order; `embed:` and `image:` parts go to the encoder first. Raises ValueError
+    (OSError included), AioRpcError."""
     from tandem.client.client import EncoderClient
     from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
     from tandem.common import tensors
@@ -182,9 +188,13 @@ async def _prompt(
                 rows = read_embeddings(Path(part.value))
                 segments.append(decoder_pb2.PromptSegment(embeddings=tensors.encode(rows)))
             else:
+                image = Path(part.value).read_bytes() if part.kind == "image" else None
                 if encoder is None:
                     encoder = EncoderClient(values["encoder_address"], telemetry=telemetry, security=security)
-                embedded = await encoder.embed(text=part.value)
+                if image is not None:
+                    embedded = await encoder.embed(image=image, timeout=60.0)
+                else:
+                    embedded = await encoder.embed(text=part.value)
                 segments.append(decoder_pb2.PromptSegment(embeddings=embedded.embeddings))
     finally:
         if encoder is not None:

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -42,8 +43,18 @@ if TYPE_CHECKING:  # OpenTelemetry is optional: a caller that passes telemetry h
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class ImageRows:
+    """An image's rows from the encoder (`EncoderClient.embed_image`), as a chat message part: the
+    model's chat template places them where it puts an image."""
+
+    rows: tensor_pb2.Tensor  # [n, hidden_size], the image's whole span
+
+
 Segment = str | Sequence[int] | tensor_pb2.Tensor  # text, token IDs, or packed embeddings
-ChatTurn = Mapping[str, str | Sequence[Segment]]  # {"role": "user", "content": "..." or [parts]}
+ChatPart = Segment | ImageRows
+ChatTurn = Mapping[str, str | Sequence[ChatPart]]  # {"role": "user", "content": "..." or [parts]}
 
 
 def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]:
@@ -73,6 +84,8 @@ def chat_prompt(
         for part in parts:
             if isinstance(part, str):
                 turn.content.add(text=part)
+            elif isinstance(part, ImageRows):
+                turn.content.add(image=part.rows)
             elif isinstance(part, tensor_pb2.Tensor):
                 turn.content.add(embeddings=part)
             else:
@@ -346,15 +359,23 @@ class EncoderClient(_Client):
         output_dtype: int = tensor_pb2.DATA_TYPE_UNSPECIFIED,
         timeout: float = 30.0,
         pooling: int = encoder_pb2.POOLING_UNSPECIFIED,
+        image: bytes | None = None,
     ) -> encoder_pb2.EmbedResponse:
+        """Embeds one of `text`, `token_ids` or `image` (PNG, JPEG or WebP bytes)."""
         request = encoder_pb2.EmbedRequest(output_dtype=output_dtype, pooling=pooling)
         if text is not None:
             request.text = text
         if token_ids is not None:
             request.token_ids.ids.extend(token_ids)
+        if image is not None:
+            request.image.data = image
         if self._spans is not None:
             return await self._spans.embed(request, lambda: self._embed(request, timeout))
         return await self._embed(request, timeout)
+
+    async def embed_image(self, image: bytes, timeout: float = 60.0) -> ImageRows:
+        """An image's rows, ready to be a chat message part."""
+        return ImageRows((await self.embed(image=image, timeout=timeout)).embeddings)
 
     async def _embed(self, request: encoder_pb2.EmbedRequest, timeout: float) -> encoder_pb2.EmbedResponse:
         if self._metrics is None:

@@ -101,8 +101,8 @@ def test_a_client_command_names_its_own_variable(environ, capsys: pytest.Capture
     assert capsys.readouterr().err == (
         "tandem generate: --max-tokens (TANDEM_GENERATE_MAX_TOKENS): 'many' is not a valid integer.\n"
     )
-    assert cli.main(["generate", "--part", "image:cat.png"]) == 2
-    assert "--part (TANDEM_GENERATE_PART): 'image:cat.png' is not KIND:VALUE" in capsys.readouterr().err
+    assert cli.main(["generate", "--part", "audio:cat.wav"]) == 2
+    assert "--part (TANDEM_GENERATE_PART): 'audio:cat.wav' is not KIND:VALUE" in capsys.readouterr().err
 
 
 def test_an_unknown_flag_points_at_help(capsys: pytest.CaptureFixture[str]) -> None:
