@@ -1,0 +1,113 @@
+"""Tiny random vision-language checkpoints written by transformers: LLaVA (CLIP or SigLIP tower) and
+SmolVLM (Idefics3). Each directory is what `save_pretrained` writes for the model and its processor:
+config.json, model.safetensors, tokenizer files, preprocessor_config.json and the chat template.
+
+Their weights are noise, at scales large enough that greedy decoding varies (see random_model.py),
+so "the same 16 greedy tokens as transformers" is a real comparison.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from tandem.decoder.models.random_model import EOS_TOKEN, train_tokenizer
+
+IMAGE_TOKEN = "<image>"
+# llava-1.5-hf's template: images first, then text (`generation` marks text for training masks).
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
+    "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' ' }}{% endgeneration %}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def tokenizer_with(extra_special: list[str]):  # -> (PreTrainedTokenizerFast, vocab size rounded up to 64)
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = train_tokenizer()
+    tokenizer.add_special_tokens(extra_special)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    return fast, -(-size // 64) * 64
+
+
+def make_llava(out_dir: Path, tower: str = "clip", seed: int = 0) -> Path:
+    """A LlavaForConditionalGeneration with a `tower` ("clip" or "siglip"): 36 x 36 pixels, 6 x 6 patches."""
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        SiglipImageProcessorPil,
+        SiglipVisionConfig,
+    )
+
+    torch.manual_seed(seed)
+    tokenizer, vocab_size = tokenizer_with([IMAGE_TOKEN])
+    vision_sizes = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=36,
+        patch_size=6,
+    )
+    if tower == "clip":
+        vision = CLIPVisionConfig(**vision_sizes, initializer_factor=5.0)
+        processor = CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size={"height": 36, "width": 36})
+    else:
+        vision = SiglipVisionConfig(**vision_sizes)
+        processor = SiglipImageProcessorPil(size={"height": 36, "width": 36})
+    text = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_select_strategy="default" if tower == "clip" else "full",
+        vision_feature_layer=-2,
+        image_seq_length=36,
+    )
+    model = LlavaForConditionalGeneration(config).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    LlavaProcessor(
+        image_processor=processor,
+        tokenizer=tokenizer,
+        patch_size=6,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        num_additional_image_tokens=1 if tower == "clip" else 0,
+        chat_template=LLAVA_TEMPLATE,
+    ).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_image(path: Path, size: tuple[int, int] = (53, 41), seed: int = 0, mode: str = "RGB") -> Path:
+    """A noise picture of `size` (width, height), saved in the format its suffix names."""
+    generator = torch.Generator().manual_seed(seed)
+    channels = len(mode)
+    pixels = torch.randint(0, 256, (size[1], size[0], channels), generator=generator, dtype=torch.uint8)
+    Image.fromarray(pixels.numpy().squeeze(-1) if channels == 1 else pixels.numpy(), mode).save(path)
+    return path
+
+
+def read_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
