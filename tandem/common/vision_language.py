@@ -22,6 +22,65 @@ IDEFICS3 = "Idefics3ForConditionalGeneration"
 ARCHITECTURES = (LLAVA, IDEFICS3)
 TEXT_MODEL_TYPES = ("llama",)  # the decoder's LlamaForCausalLM serves these
 
+# What transformers' config classes assume for a key a config.json leaves out. The Hub's llava-hf
+# checkpoints rely on them: llava-1.5-7b-hf's text_config names little more than its vocabulary.
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+}
+VISION_DEFAULTS: dict[str, dict[str, Any]] = {
+    "clip_vision_model": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "image_size": 224,
+        "patch_size": 32,
+        "layer_norm_eps": 1e-5,
+        "hidden_act": "quick_gelu",
+    },
+    "siglip_vision_model": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "image_size": 224,
+        "patch_size": 16,
+        "layer_norm_eps": 1e-6,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+    "idefics3_vision": {
+        "hidden_size": 1152,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "image_size": 224,
+        "patch_size": 32,
+        "layer_norm_eps": 1e-6,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+}
+# A checkpoint without a vision_config or text_config at all gets the architecture's own.
+ABSENT_VISION = {
+    LLAVA: {
+        "model_type": "clip_vision_model",
+        "intermediate_size": 4096,
+        "hidden_size": 1024,
+        "patch_size": 14,
+        "image_size": 336,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+    },
+    IDEFICS3: {"model_type": "idefics3_vision"},
+}
+ABSENT_TEXT = {LLAVA: {"model_type": "llama"}, IDEFICS3: {"model_type": "llama", "rms_norm_eps": 1e-5}}
+DEFAULT_IMAGE_TOKEN_ID = {LLAVA: 32000, IDEFICS3: 128257}
+
 
 @dataclass(frozen=True)
 class WeightLayout:
@@ -53,32 +112,51 @@ def is_vision_language(hf_config: dict[str, Any]) -> bool:
 
 
 def text_config(hf_config: dict[str, Any], error: Callable[[str], Exception]) -> dict[str, Any]:
-    """The language model's config.json as a causal LM's: `text_config`, named LlamaForCausalLM.
-
-    `tie_word_embeddings` is read where transformers reads it (the outer config for LLaVA), and the
-    EOS from the outer config when the text config has none. Raises `error(message)`."""
+    """The language model's config.json as a causal LM's: `text_config` with transformers' defaults for
+    what it leaves out, named LlamaForCausalLM. Its head is tied when either config says so (as
+    transformers reads LLaVA's), and the EOS comes from the outer config when the text config has
+    none. Raises `error(message)`."""
     architecture = hf_config["architectures"][0]
-    text = hf_config.get("text_config")
+    text = hf_config.get("text_config", ABSENT_TEXT[architecture])
     if not isinstance(text, dict):
-        raise error(f"config.json: {architecture} without a text_config")
+        raise error(f"config.json: {architecture}'s text_config is not an object")
     model_type = text.get("model_type", "llama")
     if model_type not in TEXT_MODEL_TYPES:
         raise error(
             f"config.json: {architecture} with a {model_type!r} language model is not supported "
             f"(supported: {', '.join(TEXT_MODEL_TYPES)})"
         )
-    merged = {**text, "architectures": ["LlamaForCausalLM"]}
-    if "tie_word_embeddings" in hf_config:
-        merged["tie_word_embeddings"] = hf_config["tie_word_embeddings"]
+    merged = {**LLAMA_DEFAULTS, **text, "architectures": ["LlamaForCausalLM"]}
+    merged["tie_word_embeddings"] = bool(hf_config.get("tie_word_embeddings")) or bool(
+        text.get("tie_word_embeddings")
+    )
     if merged.get("eos_token_id") is None and hf_config.get("eos_token_id") is not None:
         merged["eos_token_id"] = hf_config["eos_token_id"]
     return merged
 
 
+def vision_config(hf_config: dict[str, Any], error: Callable[[str], Exception]) -> dict[str, Any]:
+    """The vision tower's config with transformers' defaults for what it leaves out."""
+    architecture = hf_config["architectures"][0]
+    vision = hf_config.get("vision_config", ABSENT_VISION[architecture])
+    if not isinstance(vision, dict):
+        raise error(f"config.json: {architecture}'s vision_config is not an object")
+    model_type = vision.get("model_type", ABSENT_VISION[architecture]["model_type"])
+    if model_type not in VISION_DEFAULTS:
+        raise error(
+            f"config.json: vision tower {model_type!r} is not supported "
+            f"(supported: {', '.join(VISION_DEFAULTS)})"
+        )
+    return {**VISION_DEFAULTS[model_type], **vision, "model_type": model_type}
+
+
 def image_token_id(hf_config: dict[str, Any]) -> int | None:
-    """The token the template writes where an image goes (LLaVA's `image_token_index`)."""
+    """The token the template writes where an image goes (LLaVA's `image_token_index`); None for a
+    checkpoint that takes no images."""
+    if not is_vision_language(hf_config):
+        return None
     value = hf_config.get("image_token_index", hf_config.get("image_token_id"))
-    return value if isinstance(value, int) else None
+    return value if isinstance(value, int) else DEFAULT_IMAGE_TOKEN_ID[hf_config["architectures"][0]]
 
 
 def weight_layout(

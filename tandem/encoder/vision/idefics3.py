@@ -31,6 +31,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 from torch import nn
 
+from tandem.common import vision_language
 from tandem.encoder.vision.idefics3_preprocess import Idefics3Processing
 from tandem.encoder.vision.image_span import PreparedImage
 from tandem.encoder.vision.vit import VisionTower, VitConfig
@@ -131,12 +132,12 @@ class Idefics3Vision:
         dtype: torch.dtype,
         error: Callable[[str], Exception],
     ) -> Idefics3Vision:
-        vision = hf_config.get("vision_config") or {}
-        if vision.get("model_type", "idefics3_vision") != "idefics3_vision":
+        vision = vision_language.vision_config(hf_config, error)
+        if vision["model_type"] != "idefics3_vision":
             raise error(
-                f"config.json: vision_config model_type {vision.get('model_type')!r} is not idefics3_vision"
+                f"config.json: vision_config model_type {vision['model_type']!r} is not idefics3_vision"
             )
-        vit = VitConfig.from_hf({"model_type": "idefics3_vision", **vision}, error)
+        vit = VitConfig.from_hf(vision, error)
         processing = Idefics3Processing.from_hf(processor_config, error)
         if processing.tile != vit.image_size:
             # A tile of another size would reach the tower as a patch grid it would bucketize onto its
@@ -152,9 +153,7 @@ class Idefics3Vision:
                 f"config.json: scale_factor {scale_factor!r} does not divide the tower's {side} patches "
                 "a side"
             )
-        text_hidden = (hf_config.get("text_config") or {}).get("hidden_size")
-        if not isinstance(text_hidden, int):
-            raise error("config.json: text_config needs hidden_size")
+        text_hidden = vision_language.text_config(hf_config, error)["hidden_size"]
         _check_markers(tokenizer, image_token_id, processing.max_grid_side(), error)
         with torch.device("meta"):
             tower = VisionTower(vit)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.common import vision_language
 from tandem.encoder.vision.image_span import PreparedImage
 from tandem.encoder.vision.preprocess import ImageProcessing
 from tandem.encoder.vision.vit import ACTIVATIONS, VisionTower, VitConfig
@@ -75,7 +76,7 @@ class LlavaVision:
         dtype: torch.dtype,
         error: Callable[[str], Exception],
     ) -> LlavaVision:
-        vit = VitConfig.from_hf(hf_config.get("vision_config") or {}, error)
+        vit = VitConfig.from_hf(vision_language.vision_config(hf_config, error), error)
         processing = ImageProcessing.from_hf(processor_config, error)
         if processing.output_size() != (vit.image_size, vit.image_size):
             raise error(

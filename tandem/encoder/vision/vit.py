@@ -46,16 +46,10 @@ class VitConfig:
 
     @classmethod
     def from_hf(cls, vision: dict[str, Any], error: Callable[[str], Exception]) -> VitConfig:
-        model_type = vision.get("model_type", "")
-        flavour = "clip" if model_type.startswith("clip") else "siglip" if "siglip" in model_type else None
-        if model_type == "idefics3_vision":
-            flavour = "siglip"
-        if flavour is None:
-            raise error(
-                f"config.json: vision tower {model_type!r} is not supported "
-                "(supported: clip_vision_model, siglip_vision_model, idefics3_vision)"
-            )
-        hidden_act = vision.get("hidden_act", "quick_gelu" if flavour == "clip" else "gelu_pytorch_tanh")
+        """From a vision_config with its defaults filled in (vision_language.vision_config)."""
+        model_type = vision["model_type"]
+        flavour = "clip" if model_type == "clip_vision_model" else "siglip"  # SigLIP's and Idefics3's
+        hidden_act = vision["hidden_act"]
         if hidden_act not in ACTIVATIONS:
             raise error(
                 f"config.json: vision hidden_act {hidden_act!r} is not supported ({sorted(ACTIVATIONS)})"
@@ -70,7 +64,7 @@ class VitConfig:
                 image_size=int(vision["image_size"]),
                 patch_size=int(vision["patch_size"]),
                 num_channels=int(vision.get("num_channels", 3)),
-                layer_norm_eps=float(vision.get("layer_norm_eps", 1e-5 if flavour == "clip" else 1e-6)),
+                layer_norm_eps=float(vision["layer_norm_eps"]),
                 hidden_act=hidden_act,
             )
         except (KeyError, TypeError, ValueError) as e:
