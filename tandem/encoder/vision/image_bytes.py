@@ -11,6 +11,7 @@ file gives its first frame.
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 
 from PIL import Image, UnidentifiedImageError
@@ -18,6 +19,7 @@ from PIL import Image, UnidentifiedImageError
 from tandem.client.errors import InvalidArgument
 
 FORMATS = ("PNG", "JPEG", "WEBP")
+_UNBOUNDED = threading.Lock()  # PIL's bound is a module global: one opener at a time lifts it
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -43,7 +45,7 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int, field: str = "ima
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=[image_format])  # the header only
+            image = _open_header(data, image_format)
             width, height = image.size
             if width < 1 or height < 1:
                 raise InvalidArgument(field, f"has no pixels ({width} x {height})")
@@ -57,6 +59,16 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int, field: str = "ima
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Warning) as e:
         raise InvalidArgument(field, f"cannot be decoded as {image_format}: {e}") from None
-    except Image.DecompressionBombError as e:
-        raise InvalidArgument(field, f"cannot be decoded as {image_format}: {e}") from None
     return image
+
+
+def _open_header(data: bytes, image_format: str) -> Image.Image:
+    """The file opened (its header read, no pixel decoded), with PIL's own pixel bound lifted: ours,
+    max_image_pixels, is checked right after, with its own message (PIL's fires at open, at its
+    limit, which is not the operator's)."""
+    with _UNBOUNDED:
+        bound, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            return Image.open(io.BytesIO(data), formats=[image_format])
+        finally:
+            Image.MAX_IMAGE_PIXELS = bound

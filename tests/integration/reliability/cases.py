@@ -365,6 +365,22 @@ CASES: list[Case] = [
         "chat.chat_template",
     ),
     Case(
+        "chat image part on a text-only model",
+        "Generate",
+        lambda: decoder_pb2.GenerateRequest(
+            chat=decoder_pb2.ChatPrompt(
+                messages=[
+                    decoder_pb2.ChatMessage(
+                        role="user",
+                        content=[decoder_pb2.ChatContentPart(image=embeds([2, HIDDEN]).embeddings)],
+                    )
+                ]
+            )
+        ),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "chat.messages[0].content[0].image",
+    ),
+    Case(
         "template_kwargs of 300 nested fields",
         "Generate",
         lambda: _chat_with_kwargs({"a": {f"k{i}": [i, {"x": i}] for i in range(100)}}),
@@ -515,6 +531,13 @@ CASES: list[Case] = [
         lambda: embed_ids_wire(200_000),
         INVALID,
         "token_ids",
+    ),
+    Case(
+        "Embed an image on a text-only model",
+        "Embed",
+        lambda: encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=b"\x89PNG\r\n\x1a\n")),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "image",
     ),
     Case(
         "Encoder Tokenize with 65 texts",

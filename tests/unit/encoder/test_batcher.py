@@ -1,0 +1,107 @@
+"""Concurrent calls gathered into batches: a bounded wait for company, a bounded batch size, each
+call's outcome its own, and a caller that gives up left out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tandem.encoder.batcher import Batcher
+
+
+class Recorder:
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.batches: list[list[int]] = []
+        self.delay_s = delay_s
+
+    def __call__(self, jobs: Sequence[int]) -> list[int | BaseException]:
+        self.batches.append(list(jobs))
+        time.sleep(self.delay_s)
+        return [ValueError(f"job {j} is negative") if j < 0 else j * 10 for j in jobs]
+
+
+@pytest.fixture
+def executor():
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool
+
+
+async def test_calls_arriving_together_run_as_one_batch(executor: ThreadPoolExecutor) -> None:
+    run = Recorder()
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.05)
+    assert await asyncio.gather(*(batcher.submit(i) for i in range(5))) == [0, 10, 20, 30, 40]
+    assert run.batches == [[0, 1, 2, 3, 4]]
+    batcher.close()
+
+
+async def test_a_batch_never_exceeds_its_size_and_keeps_arrival_order(executor: ThreadPoolExecutor) -> None:
+    run = Recorder()
+    batcher = Batcher(executor, run, max_batch_size=3, max_wait_s=0.05)
+    assert await asyncio.gather(*(batcher.submit(i) for i in range(7))) == [i * 10 for i in range(7)]
+    assert run.batches == [[0, 1, 2], [3, 4, 5], [6]]
+    batcher.close()
+
+
+async def test_a_lone_call_waits_no_longer_than_the_bound(executor: ThreadPoolExecutor) -> None:
+    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=0.02)
+    start = time.monotonic()
+    assert await batcher.submit(1) == 10
+    assert time.monotonic() - start < 0.5  # 20 ms of waiting for company, then it runs alone
+    batcher.close()
+
+
+async def test_calls_that_arrive_during_a_batch_form_the_next_one(executor: ThreadPoolExecutor) -> None:
+    run = Recorder(delay_s=0.1)
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.0)
+    first = asyncio.ensure_future(batcher.submit(0))
+    await asyncio.sleep(0.03)  # the first batch is running
+    rest = await asyncio.gather(*(batcher.submit(i) for i in range(1, 4)))
+    assert await first == 0 and rest == [10, 20, 30]
+    assert run.batches == [[0], [1, 2, 3]]
+    batcher.close()
+
+
+async def test_one_calls_failure_is_its_own(executor: ThreadPoolExecutor) -> None:
+    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=0.02)
+    results = await asyncio.gather(
+        batcher.submit(1), batcher.submit(-1), batcher.submit(2), return_exceptions=True
+    )
+    assert results[0] == 10 and results[2] == 20
+    assert isinstance(results[1], ValueError) and "job -1" in str(results[1])
+    batcher.close()
+
+
+async def test_a_worker_that_fails_fails_its_batch_and_the_next_batch_runs(
+    executor: ThreadPoolExecutor,
+) -> None:
+    calls = []
+
+    def run(jobs: Sequence[int]) -> list[int]:
+        calls.append(list(jobs))
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return list(jobs)
+
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.0)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        await batcher.submit(1)
+    assert await batcher.submit(2) == 2
+    batcher.close()
+
+
+async def test_a_caller_that_gives_up_before_its_batch_is_left_out(executor: ThreadPoolExecutor) -> None:
+    run = Recorder(delay_s=0.1)
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.0)
+    first = asyncio.ensure_future(batcher.submit(0))
+    await asyncio.sleep(0.03)
+    gone = asyncio.ensure_future(batcher.submit(1))
+    kept = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0)
+    gone.cancel()
+    assert await first == 0 and await kept == 20
+    assert run.batches == [[0], [2]]
+    batcher.close()

@@ -1,0 +1,92 @@
+"""Untrusted image bytes: each refusal names `image.data` and its limit, and comes before decoding."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import pytest
+from PIL import Image
+
+from tandem.client.errors import InvalidArgument
+from tandem.encoder.vision.image_bytes import decode_image, sniff_format
+
+MAX_BYTES = 1 << 20
+MAX_PIXELS = 1 << 20
+
+
+def _encoded(image_format: str, size: tuple[int, int] = (20, 10), mode: str = "RGB") -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, "red" if mode != "P" else 1).save(out, image_format)
+    return out.getvalue()
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A valid PNG header for width x height with one tiny compressed row: a decompression bomb's shape."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize(("image_format", "name"), [("PNG", "PNG"), ("JPEG", "JPEG"), ("WEBP", "WEBP")])
+def test_png_jpeg_and_webp_decode_and_are_told_by_their_signature(image_format: str, name: str) -> None:
+    data = _encoded(image_format)
+    assert sniff_format(data) == name
+    assert decode_image(data, MAX_BYTES, MAX_PIXELS).size == (20, 10)
+
+
+@pytest.mark.parametrize("image_format", ["GIF", "BMP", "TIFF"])
+def test_other_formats_are_refused_from_their_first_bytes(image_format: str) -> None:
+    with pytest.raises(InvalidArgument, match="not a PNG, JPEG or WebP") as error:
+        decode_image(_encoded(image_format), MAX_BYTES, MAX_PIXELS)
+    assert error.value.field == "image.data"
+
+
+def test_a_file_over_the_byte_limit_is_refused_by_its_size() -> None:
+    data = _encoded("PNG")
+    with pytest.raises(InvalidArgument, match=f"{len(data)} bytes exceed max_image_bytes 50"):
+        decode_image(data, 50, MAX_PIXELS)
+
+
+def test_a_header_claiming_too_many_pixels_is_refused_before_decoding() -> None:
+    bomb = _png_claiming(100_000, 100_000)
+    assert len(bomb) < 200
+    with pytest.raises(InvalidArgument, match="100000 x 100000 = 10000000000 pixels exceed max_image_pixels"):
+        decode_image(bomb, MAX_BYTES, 10_000_000_000 - 1)  # above PIL's own bound: ours still decides
+    with pytest.raises(InvalidArgument, match="3000 x 3000 = 9000000 pixels exceed max_image_pixels"):
+        decode_image(_png_claiming(3000, 3000), MAX_BYTES, MAX_PIXELS)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x89PNG\r\n\x1a\n",  # the signature alone
+        b"\xff\xd8\xff\xe0garbage",
+        b"RIFF\x00\x00\x00\x00WEBPVP8 ",
+    ],
+)
+def test_empty_or_broken_files_are_invalid_argument(data: bytes) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        decode_image(data, MAX_BYTES, MAX_PIXELS)
+    assert error.value.field == "image.data"
+
+
+def test_a_truncated_png_is_invalid_argument_not_a_crash() -> None:
+    data = _encoded("PNG", (64, 64))
+    with pytest.raises(InvalidArgument, match="cannot be decoded as PNG"):
+        decode_image(data[: len(data) // 2], MAX_BYTES, MAX_PIXELS)
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P", "LA"])
+def test_any_colour_mode_decodes(mode: str) -> None:
+    assert decode_image(_encoded("PNG", mode=mode), MAX_BYTES, MAX_PIXELS).mode == mode

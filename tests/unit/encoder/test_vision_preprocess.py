@@ -1,0 +1,62 @@
+"""An image's pixels as LLaVA's towers read them: equal to transformers' image processors' (the PIL
+backend), for CLIP's resize-and-crop and SigLIP's fixed resize, whatever the picture's shape or mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tandem.encoder.vision.preprocess import ImageProcessing
+
+SIZES = [(53, 41), (30, 70), (336, 336), (7, 500), (1, 1)]
+MODES = ["RGB", "RGBA", "L", "P", "LA"]
+
+
+def _picture(size: tuple[int, int], mode: str, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    rgba = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 4), dtype=np.uint8), "RGBA")
+    return rgba.convert(mode)
+
+
+def _processors() -> dict[str, Any]:
+    from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil
+
+    return {
+        "clip": CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size={"height": 36, "width": 36}),
+        "clip-224": CLIPImageProcessorPil(),  # the class defaults, as a terse preprocessor_config.json
+        "siglip": SiglipImageProcessorPil(size={"height": 36, "width": 36}),
+    }
+
+
+@pytest.mark.parametrize("name", ["clip", "clip-224", "siglip"])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("mode", MODES)
+def test_pixels_equal_transformers_image_processor(name: str, size: tuple[int, int], mode: str) -> None:
+    processor = _processors()[name]
+    ours = ImageProcessing.from_hf(processor.to_dict(), ValueError)
+    picture = _picture(size, mode)
+    expected = processor(picture, return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(ours(picture), expected)
+
+
+def test_the_output_size_is_known_from_the_config() -> None:
+    processors = _processors()
+    assert ImageProcessing.from_hf(processors["clip"].to_dict(), ValueError).output_size() == (36, 36)
+    assert ImageProcessing.from_hf(processors["clip-224"].to_dict(), ValueError).output_size() == (224, 224)
+    assert ImageProcessing.from_hf(processors["siglip"].to_dict(), ValueError).output_size() == (36, 36)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"do_pad": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}, "do_pad is not supported"),
+        ({"size": {"longest_edge": 30}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}, "size"),
+    ],
+)
+def test_a_step_we_cannot_reproduce_is_refused_by_name(config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ImageProcessing.from_hf(config, ValueError)
