@@ -6,15 +6,20 @@
 // stderr and exits 1.
 //
 //   node chat.js ADDRESS QUESTION [--system TEXT] [--max-tokens N] [--temperature T]
+//                [--image FILE --encoder ADDRESS]
 //                [--tls] [--tls-ca PEM] [--tls-cert PEM --tls-key PEM] [--auth-token-file FILE]
+//
+// --image sends a picture (PNG, JPEG, WebP) to the encoder at --encoder first; its rows go into the
+// question as an image part, which a LLaVA or SmolVLM checkpoint's template places.
 "use strict";
 
-const { securityFlags } = require("./client");
+const fs = require("node:fs");
+const { encoderClient, errorLine, securityFlags } = require("./client");
 const { decoderClient, chatRequest, finishOnEnd } = require("./decoder");
 
 function parseArgs(argv) {
   const positional = [];
-  const options = { system: null, maxTokens: 256, temperature: 0 };
+  const options = { system: null, maxTokens: 256, temperature: 0, image: null, encoder: "127.0.0.1:50051" };
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i];
     const value = () => {
@@ -24,6 +29,8 @@ function parseArgs(argv) {
     if (arg === "--system") options.system = value();
     else if (arg === "--max-tokens") options.maxTokens = Number(value());
     else if (arg === "--temperature") options.temperature = Number(value());
+    else if (arg === "--image") options.image = value();
+    else if (arg === "--encoder") options.encoder = value();
     else positional.push(arg);
   }
   if (positional.length !== 2) {
@@ -32,7 +39,19 @@ function parseArgs(argv) {
   return { address: positional[0], question: positional[1], ...options };
 }
 
-function main() {
+// The encoder's rows for the picture in `file`: resolves to the packed tensor.
+function embedImage(address, security, file) {
+  const client = encoderClient(address, security);
+  return new Promise((resolve, reject) => {
+    client.Embed({ image: { data: fs.readFileSync(file) } }, { deadline: Date.now() + 60_000 }, (error, reply) => {
+      client.close();
+      if (error) reject(error);
+      else resolve(reply.embeddings);
+    });
+  });
+}
+
+async function main() {
   let args;
   let security;
   try {
@@ -45,7 +64,19 @@ function main() {
   }
   const messages = [];
   if (args.system !== null) messages.push({ role: "system", content: args.system });
-  messages.push({ role: "user", content: args.question });
+  if (args.image === null) {
+    messages.push({ role: "user", content: args.question });
+  } else {
+    let rows;
+    try {
+      rows = await embedImage(args.encoder, security, args.image);
+    } catch (error) {
+      console.error(error.code === undefined ? error.message : errorLine(error));
+      process.exitCode = 1;
+      return;
+    }
+    messages.push({ role: "user", content: [{ image: rows }, args.question] });
+  }
   const request = chatRequest(messages, { maxTokens: args.maxTokens, temperature: args.temperature });
   const client = decoderClient(args.address, security);
   const summary = {};

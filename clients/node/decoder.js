@@ -18,12 +18,13 @@ function zeroEmbeddings(rows, hidden) {
 
 // A Generate request carrying a conversation, rendered with the model's chat template on the server.
 // `messages` is [{role, content}], content a string or a list of parts: a string (text), an array of
-// token IDs, or {embeddings: {dtype, shape, data}} (for example an encoder's output).
+// token IDs, {embeddings: {dtype, shape, data}} (for example an encoder's output), or {image: tensor}
+// (the encoder's rows for an image: the model's template places them).
 function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, temperature = null } = {}) {
   const part = (p) => {
     if (typeof p === "string") return { text: p };
     if (Array.isArray(p)) return { token_ids: { ids: p } };
-    return p; // already {embeddings: ...} or {text: ...}
+    return p; // already {embeddings: ...}, {image: ...} or {text: ...}
   };
   const request = {
     chat: {

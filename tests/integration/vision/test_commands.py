@@ -1,12 +1,17 @@
-"""`tandem chat --image` and `tandem generate --part image:FILE` against the split LLaVA: the picture
-goes to the encoder, its rows to the decoder, and the answer is the Python client's."""
+"""`tandem chat --image`, `tandem generate --part image:FILE` and the Node client's `chat.js --image`
+against the split LLaVA: the picture goes to the encoder, its rows to the decoder, and the answer is
+the Python client's."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.integration.vision.conftest import Split
 
@@ -88,3 +93,43 @@ async def test_a_missing_image_file_is_one_line_naming_the_part(split: Split, tm
         "generate", "--address", split.decoder.server.address, "--part", f"image:{tmp_path / 'none.png'}"
     )
     assert code == 1 and err.startswith("tandem generate: --part:") and "none.png" in err
+
+
+@pytest.fixture(scope="module")
+def node_chat() -> Path:
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        pytest.skip("npm/node are not installed: the Node.js client cannot be tested")
+    node_client = REPO_ROOT / "clients" / "node"
+    result = subprocess.run(
+        ["npm", "ci", "--no-audit", "--no-fund"], cwd=node_client, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return node_client / "chat.js"
+
+
+async def test_the_node_client_chats_with_an_image_as_the_python_client_does(
+    split: Split, pictures: dict[str, Path], node_chat: Path
+) -> None:
+    picture = pictures["square.webp"]
+    image = await split.images.embed_image(picture.read_bytes())
+    expected, _ = await split.decoder.client.chat_text(
+        [{"role": "user", "content": [image, QUESTION]}], max_new_tokens=10, temperature=0
+    )
+    process = await asyncio.create_subprocess_exec(
+        "node",
+        str(node_chat),
+        split.decoder.server.address,
+        QUESTION,
+        "--image",
+        str(picture),
+        "--encoder",
+        split.encoder.server.address,
+        "--max-tokens",
+        "10",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, err.decode()
+    text, _, summary = out.decode().rstrip("\n").rpartition("\n")
+    assert text == expected and json.loads(summary)["output_tokens"] == 10
