@@ -90,7 +90,7 @@ async def serve(config: EncoderConfig) -> None:
         [servicer.service()],
     )
     stop_requested = stop_on_signals(config.server.grace_s, log)
-    loading = asyncio.ensure_future(asyncio.to_thread(load_embedder, config))
+    loading = asyncio.ensure_future(servicer.on_worker(load_embedder, config))
     stopping = asyncio.ensure_future(stop_requested.wait())
     try:
         log.info("loading the %s embedder for %s", config.embedder, config.model_dir)

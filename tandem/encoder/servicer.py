@@ -199,6 +199,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             raise Unavailable("the embedder is still loading; retry shortly")
         return self._embedder
 
+    async def on_worker(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the worker thread. The embedder is loaded there too: torch on 2 cores ran a
+        SigLIP-B/16 tower 15-30 % slower on a thread other than the one that loaded its weights (the
+        loader's OpenMP team and the worker's competing; measured in issue 33)."""
+        return await self._run(fn, *args)
+
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
