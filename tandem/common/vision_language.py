@@ -142,6 +142,10 @@ def vision_config(hf_config: dict[str, Any], error: Callable[[str], Exception]) 
     if not isinstance(vision, dict):
         raise error(f"config.json: {architecture}'s vision_config is not an object")
     model_type = vision.get("model_type", ABSENT_VISION[architecture]["model_type"])
+    if architecture == IDEFICS3:
+        # transformers builds Idefics3's tower from its own config class whatever the file names it:
+        # SmolVLM-256M's says siglip_vision_model, and its missing keys take idefics3_vision's defaults.
+        model_type = "idefics3_vision"
     if model_type not in VISION_DEFAULTS:
         raise error(
             f"config.json: vision tower {model_type!r} is not supported "

@@ -183,7 +183,11 @@ class ChatTemplate:
     def _find_end_of_turn(self) -> tuple[int, ...]:
         """The special token the template writes right after an assistant message's content."""
         mark = f"tandem{secrets.token_hex(4)}"
-        conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}]
+        as_items = self.image_placeholder is not None  # as render() passes content
+        conversation = [
+            {"role": "user", "content": _content(["x"], as_items)},
+            {"role": "assistant", "content": _content([mark], as_items)},
+        ]
         try:
             text = self._render_text(self.source or "", conversation, ChatRequest(messages=()))
         except InvalidArgument:

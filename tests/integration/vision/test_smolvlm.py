@@ -104,3 +104,9 @@ async def test_the_span_is_the_processors_expansion_with_the_models_rows(
     rows = tensors.decode(reply.embeddings, "embeddings")
     torch.testing.assert_close(rows, embeds[0, start : start + len(span)], atol=1e-5, rtol=0)
     assert reply.placeholder == "<image>"
+
+
+async def test_the_end_of_turn_is_read_off_a_template_that_takes_content_as_items(split: Split) -> None:
+    """SmolVLM's template renders nothing of string content; the end of turn is found all the same."""
+    chat_template = split.decoder.engine.chat_template
+    assert chat_template.end_of_turn_ids == (chat_template.tokenizer.token_to_id("<end_of_utterance>"),)

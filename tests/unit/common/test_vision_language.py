@@ -37,6 +37,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "llava without sub-configs": {"architectures": [LLAVA]},
     "llava, siglip tower": {"architectures": [LLAVA], "vision_config": {"model_type": "siglip_vision_model"}},
     "idefics3 without sub-configs": {"architectures": [IDEFICS3]},
+    "idefics3 as SmolVLM-256M names its tower": {
+        "architectures": [IDEFICS3],
+        "scale_factor": 4,
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 768,
+            "image_size": 512,
+            "patch_size": 16,
+            "num_attention_heads": 12,
+        },
+    },
     "idefics3, tied text": {
         "architectures": [IDEFICS3],
         "text_config": {
