@@ -6,9 +6,11 @@ The checkpoint is a random LLaVA written by transformers with a realistic tower,
 224 px (86M parameters, 196 rows an image), and a tiny language model the encoder never reads. The
 encoder runs in this process behind a real gRPC server on loopback (the client's work shares the
 cores, as a co-located caller's would); each run embeds `--images` JPEGs of 640 x 480 after two warm
-calls. Nothing is asserted: it prints the CPU and one markdown table.
+calls. Subjects run interleaved, the order rotating per repeat, and the median of `--repeats` (3) is
+printed. Nothing is asserted: it prints the CPU and one markdown table.
 
-Run: `.venv/bin/python bench/encoder_batching.py [--images 32] [--dtype bfloat16]`.
+Run: `.venv/bin/python bench/encoder_batching.py [--images 32] [--repeats 3] [--dtype bfloat16]`
+(about 2 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import io
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -98,12 +101,7 @@ def pictures(count: int) -> list[bytes]:
 
 
 async def run_encoder(
-    model_dir: Path,
-    embedder: VisionLanguageEmbedder,
-    images: list[bytes],
-    batch_size: int,
-    callers: int,
-    dtype: str,
+    model_dir: Path, images: list[bytes], batch_size: int, callers: int, dtype: str
 ) -> dict:
     config = EncoderConfig(
         model_dir=model_dir,
@@ -149,7 +147,8 @@ async def run_encoder(
     }
 
 
-def run_transformers(model_dir: Path, images: list[bytes], batch: int, dtype: torch.dtype) -> dict:
+def transformers_runner(model_dir: Path, dtype: torch.dtype) -> Callable[[list[bytes], int], dict]:
+    """transformers' image path, loaded once: its processor, then get_image_features, `batch` at a time."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
@@ -160,22 +159,23 @@ def run_transformers(model_dir: Path, images: list[bytes], batch: int, dtype: to
         with torch.inference_mode():
             out = model.get_image_features(pixel_values=pixels["pixel_values"].to(dtype))
         out = getattr(out, "pooler_output", out)
-        return (
-            sum(o.reshape(-1, o.shape[-1]).shape[0] for o in out)
-            if isinstance(out, list | tuple)
-            else (out.reshape(-1, out.shape[-1]).shape[0])
-        )
+        parts = out if isinstance(out, list | tuple) else [out]
+        return sum(o.reshape(-1, o.shape[-1]).shape[0] for o in parts)
 
-    features(images[:batch])  # warm
-    start = time.perf_counter()
-    rows = sum(features(images[i : i + batch]) for i in range(0, len(images), batch))
-    elapsed = time.perf_counter() - start
-    return {
-        "images/s": len(images) / elapsed,
-        "rows/s": rows / elapsed,
-        "latency": elapsed / len(images) * batch,
-        "batch": float(batch),
-    }
+    def run(images: list[bytes], batch: int) -> dict:
+        features(images[:batch])  # warm
+        start = time.perf_counter()
+        rows = sum(features(images[i : i + batch]) for i in range(0, len(images), batch))
+        elapsed = time.perf_counter() - start
+        latency = elapsed / len(images) * batch
+        return {
+            "images/s": len(images) / elapsed,
+            "rows/s": rows / elapsed,
+            "latency": latency,
+            "batch": batch,
+        }
+
+    return run
 
 
 def main() -> None:
@@ -184,24 +184,32 @@ def main() -> None:
     )
     parser.add_argument("--images", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is printed")
     args = parser.parse_args()
     cpu = this_cpu()
     print(f"CPU: {cpu.model_name} [{cpu.isa_summary}], {torch.get_num_threads()} threads, dtype {args.dtype}")
     images = pictures(args.images)
+    subjects = [(f"Tandem encoder, --max-batch-size {b}", c) for b in (1, 8) for c in (1, 8)]
+    subjects += [(f"transformers processor + get_image_features, batch {b}", "-") for b in (1, 8)]
+    runs: dict[tuple[str, object], list[dict]] = {subject: [] for subject in subjects}
     with tempfile.TemporaryDirectory() as folder:
         model_dir = make_checkpoint(Path(folder) / "llava-siglip-b16")
         torch_dtype = getattr(torch, args.dtype)
-        embedder = VisionLanguageEmbedder.load(model_dir, torch_dtype)
-        rows = []
-        for batch_size in (1, 8):
-            for callers in (1, 8):
-                result = asyncio.run(
-                    run_encoder(model_dir, embedder, images, batch_size, callers, args.dtype)
-                )
-                rows.append((f"Tandem encoder, --max-batch-size {batch_size}", callers, result))
-        for batch in (1, 8):
-            result = run_transformers(model_dir, images, batch, torch_dtype)
-            rows.append((f"transformers processor + get_image_features, batch {batch}", "-", result))
+        reference = transformers_runner(model_dir, torch_dtype)
+        for repeat in range(args.repeats):  # interleaved, the order rotating, as the harness does
+            order = subjects[repeat % len(subjects) :] + subjects[: repeat % len(subjects)]
+            for name, callers in order:
+                if name.startswith("Tandem"):
+                    batch_size = int(name.rsplit(" ", 1)[1])
+                    result = asyncio.run(run_encoder(model_dir, images, batch_size, int(callers), args.dtype))
+                else:
+                    result = reference(images, int(name.rsplit(" ", 1)[1]))
+                runs[(name, callers)].append(result)
+    rows = []
+    for name, callers in subjects:
+        done = runs[(name, callers)]
+        median = {key: float(np.median([r[key] for r in done])) for key in done[0]}
+        rows.append((name, callers, median))
     print()
     print("| subject | callers | images/s | rows/s | median latency (s) | mean batch |")
     print("|---|---|---|---|---|---|")
