@@ -38,8 +38,17 @@ def tokenizer_with(extra_special: list[str]):  # -> (PreTrainedTokenizerFast, vo
     return fast, -(-size // 64) * 64
 
 
-def make_llava(out_dir: Path, tower: str = "clip", seed: int = 0) -> Path:
-    """A LlavaForConditionalGeneration with a `tower` ("clip" or "siglip"): 36 x 36 pixels, 6 x 6 patches."""
+def make_llava(
+    out_dir: Path,
+    tower: str = "clip",
+    seed: int = 0,
+    strategy: str | None = None,
+    feature_layer: int | list[int] = -2,
+    projector_bias: bool = True,
+) -> Path:
+    """A LlavaForConditionalGeneration with a `tower` ("clip" or "siglip"): 36 x 36 pixels, 6 x 6 patches.
+    `strategy` (vision_feature_select_strategy) defaults to llava-1.5's "default" for CLIP, "full" for
+    SigLIP (which has no class row to drop)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -82,8 +91,9 @@ def make_llava(out_dir: Path, tower: str = "clip", seed: int = 0) -> Path:
         vision_config=vision,
         text_config=text,
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_select_strategy="default" if tower == "clip" else "full",
-        vision_feature_layer=-2,
+        vision_feature_select_strategy=strategy or ("default" if tower == "clip" else "full"),
+        vision_feature_layer=feature_layer,
+        multimodal_projector_bias=projector_bias,
         image_seq_length=36,
     )
     model = LlavaForConditionalGeneration(config).eval()
@@ -94,7 +104,7 @@ def make_llava(out_dir: Path, tower: str = "clip", seed: int = 0) -> Path:
         tokenizer=tokenizer,
         patch_size=6,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
-        num_additional_image_tokens=1 if tower == "clip" else 0,
+        num_additional_image_tokens=1 if tower == "clip" else 0,  # the class row
         chat_template=LLAVA_TEMPLATE,
     ).save_pretrained(out_dir)
     return out_dir

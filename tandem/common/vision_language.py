@@ -113,9 +113,8 @@ def is_vision_language(hf_config: dict[str, Any]) -> bool:
 
 def text_config(hf_config: dict[str, Any], error: Callable[[str], Exception]) -> dict[str, Any]:
     """The language model's config.json as a causal LM's: `text_config` with transformers' defaults for
-    what it leaves out, named LlamaForCausalLM. Its head is tied when either config says so (as
-    transformers reads LLaVA's), and the EOS comes from the outer config when the text config has
-    none. Raises `error(message)`."""
+    what it leaves out, named LlamaForCausalLM. Its head is tied as transformers ties it, and the EOS
+    comes from the outer config when the text config has none. Raises `error(message)`."""
     architecture = hf_config["architectures"][0]
     text = hf_config.get("text_config", ABSENT_TEXT[architecture])
     if not isinstance(text, dict):
@@ -127,9 +126,11 @@ def text_config(hf_config: dict[str, Any], error: Callable[[str], Exception]) ->
             f"(supported: {', '.join(TEXT_MODEL_TYPES)})"
         )
     merged = {**LLAMA_DEFAULTS, **text, "architectures": ["LlamaForCausalLM"]}
-    merged["tie_word_embeddings"] = bool(hf_config.get("tie_word_embeddings")) or bool(
-        text.get("tie_word_embeddings")
-    )
+    # transformers ties by the outer config; LlavaConfig copies a tied text config's flag up first.
+    tied = bool(hf_config.get("tie_word_embeddings"))
+    if architecture == LLAVA:
+        tied = tied or bool(text.get("tie_word_embeddings"))
+    merged["tie_word_embeddings"] = tied
     if merged.get("eos_token_id") is None and hf_config.get("eos_token_id") is not None:
         merged["eos_token_id"] = hf_config["eos_token_id"]
     return merged

@@ -61,9 +61,8 @@ class LlavaVision:
         self.feature_layers = feature_layers  # indices into hidden_states, non-negative
         self.drop_class_row = drop_class_row
         self.image_token_id = image_token_id
-        self.num_rows = tower.config.num_patches + (
-            0 if drop_class_row or tower.config.flavour != "clip" else 1
-        )
+        has_class_row = tower.config.flavour == "clip"
+        self.num_rows = tower.config.num_patches + int(has_class_row) - int(drop_class_row)
 
     @classmethod
     def load(
@@ -114,7 +113,7 @@ class LlavaVision:
             projector.to(dtype).train(False).requires_grad_(False),
             processing,
             [i % (vit.num_layers + 1) for i in layers],
-            strategy == "default" and vit.flavour == "clip",
+            strategy == "default",  # transformers drops row 0 under "default" whatever the tower
             image_token_id,
         )
 

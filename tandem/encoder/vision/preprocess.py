@@ -18,6 +18,13 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tandem.client.errors import InvalidArgument
+
+# A shortest-edge resize keeps the aspect ratio: a 20,000 x 1 picture (138 bytes of PNG, well within
+# any pixel bound) would become 6,720,000 x 336 before its crop, 6.7 GB. Above this many pixels after
+# the resize, the picture is refused (transformers' own processor fails on it too).
+MAX_RESIZED_PIXELS = 32 * 1024 * 1024
+
 # transformers' defaults for a preprocessor_config.json that leaves a step's switch out.
 RESAMPLE_BY_PROCESSOR = {"CLIPImageProcessor": Image.Resampling.BICUBIC}
 
@@ -111,6 +118,12 @@ class ImageProcessing:
             size = (self.width, self.height)
         else:
             return image
+        if size[0] * size[1] > MAX_RESIZED_PIXELS:
+            raise InvalidArgument(
+                "image.data",
+                f"{image.size[0]} x {image.size[1]} would be resized to {size[0]} x {size[1]}, over "
+                f"{MAX_RESIZED_PIXELS} pixels: its aspect ratio is too extreme for this model's processor",
+            )
         return image.resize(size, resample=self.resample)
 
 
