@@ -4,13 +4,15 @@ In order, cheapest first: the byte count against max_image_bytes; the format, fr
 signature (PNG, JPEG or WebP only: no decoder for anything else is ever reached); the size, from the
 header alone (PIL reads no pixel data when it opens a file), against max_image_pixels, so a small
 file that claims 100,000 x 100,000 pixels (a decompression bomb) is refused before a byte of it is
-inflated; then the decode, whose every failure is INVALID_ARGUMENT naming the field. An animated
-file gives its first frame.
+inflated; a JPEG's scans, counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny
+scans took 4 s to decode, and 20 MiB holds 277,000); then the decode, whose every failure is
+INVALID_ARGUMENT naming the field. An animated file gives its first frame.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import threading
 import warnings
 
@@ -19,7 +21,9 @@ from PIL import Image, UnidentifiedImageError
 from tandem.client.errors import InvalidArgument
 
 FORMATS = ("PNG", "JPEG", "WEBP")
-_UNBOUNDED = threading.Lock()  # PIL's bound is a module global: one opener at a time lifts it
+MAX_JPEG_SCANS = 32
+_BOUND = threading.Lock()  # PIL's pixel bound is a module global: one opener at a time sets it
+_PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -42,10 +46,12 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int, field: str = "ima
     image_format = sniff_format(data)
     if image_format is None:
         raise InvalidArgument(field, "is not a PNG, JPEG or WebP image (read from its first bytes)")
+    if image_format == "JPEG" and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
+        raise InvalidArgument(field, f"a JPEG of {scans} scans; at most {MAX_JPEG_SCANS} are decoded")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = _open_header(data, image_format)
+            image = _open_header(data, image_format, max_pixels)
             width, height = image.size
             if width < 1 or height < 1:
                 raise InvalidArgument(field, f"has no pixels ({width} x {height})")
@@ -57,18 +63,46 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int, field: str = "ima
             image.load()
     except InvalidArgument:
         raise
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+        claimed = _PIL_PIXELS.search(str(e))
+        pixels = f"{claimed.group(1)} pixels" if claimed else "more pixels"
+        raise InvalidArgument(
+            field, f"its header claims {pixels}, over max_image_pixels {max_pixels}"
+        ) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Warning) as e:
         raise InvalidArgument(field, f"cannot be decoded as {image_format}: {e}") from None
     return image
 
 
-def _open_header(data: bytes, image_format: str) -> Image.Image:
-    """The file opened (its header read, no pixel decoded), with PIL's own pixel bound lifted: ours,
-    max_image_pixels, is checked right after, with its own message (PIL's fires at open, at its
-    limit, which is not the operator's)."""
-    with _UNBOUNDED:
-        bound, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+def _open_header(data: bytes, image_format: str, max_pixels: int) -> Image.Image:
+    """The file opened (its header read, no pixel decoded) under PIL's own bound set to ours: PIL checks
+    it at open, and for WebP before libwebp reserves its canvas buffers (a 138-byte WebP claiming
+    16,384 x 16,384 reserved 2 GB of address space with the bound lifted). PIL warns past the bound
+    (an error here) and refuses past twice it."""
+    with _BOUND:
+        bound, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, max_pixels
         try:
             return Image.open(io.BytesIO(data), formats=[image_format])
         finally:
             Image.MAX_IMAGE_PIXELS = bound
+
+
+def jpeg_scans(data: bytes) -> int:
+    """The SOS markers of a JPEG, found by walking its segments (each names its length) and skipping
+    entropy-coded data, where 0xFF is always followed by a stuffed 0x00 or a restart marker."""
+    scans, i = 0, 2
+    while True:
+        i = data.find(b"\xff", i)
+        if i < 0 or i + 1 >= len(data):
+            return scans
+        marker = data[i + 1]
+        if marker == 0xFF or marker == 0x00 or 0xD0 <= marker <= 0xD7:  # fill, stuffing, restart
+            i += 1 if marker == 0xFF else 2
+            continue
+        if marker == 0xD9:  # end of image
+            return scans
+        if i + 4 > len(data):
+            return scans
+        if marker == 0xDA:
+            scans += 1
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")

@@ -60,10 +60,49 @@ def test_a_file_over_the_byte_limit_is_refused_by_its_size() -> None:
 def test_a_header_claiming_too_many_pixels_is_refused_before_decoding() -> None:
     bomb = _png_claiming(100_000, 100_000)
     assert len(bomb) < 200
-    with pytest.raises(InvalidArgument, match="100000 x 100000 = 10000000000 pixels exceed max_image_pixels"):
-        decode_image(bomb, MAX_BYTES, 10_000_000_000 - 1)  # above PIL's own bound: ours still decides
-    with pytest.raises(InvalidArgument, match="3000 x 3000 = 9000000 pixels exceed max_image_pixels"):
+    with pytest.raises(InvalidArgument, match="claims 10000000000 pixels, over max_image_pixels 9999999999"):
+        decode_image(bomb, MAX_BYTES, 10_000_000_000 - 1)  # above PIL's default bound: ours decides
+    with pytest.raises(InvalidArgument, match="claims 9000000 pixels, over max_image_pixels 1048576"):
         decode_image(_png_claiming(3000, 3000), MAX_BYTES, MAX_PIXELS)
+    with pytest.raises(InvalidArgument, match="claims 1500000 pixels, over max_image_pixels 1048576"):
+        decode_image(_png_claiming(1500, 1000), MAX_BYTES, MAX_PIXELS)  # between ours and twice ours
+
+
+def test_the_pixel_bound_is_ours_wherever_it_sits_against_pils_default() -> None:
+    big = 20_000 * 10_000  # above PIL's default warning bound (89 Mpx)
+    assert decode_image(_encoded("PNG"), MAX_BYTES, big).size == (20, 10)
+    assert Image.MAX_IMAGE_PIXELS not in (big, MAX_PIXELS)  # restored after each open
+
+
+def test_a_webp_claiming_a_huge_canvas_is_refused_before_libwebp_reserves_it() -> None:
+    data = bytearray(_encoded("WEBP", (16, 16)))
+    assert data[12:16] == b"VP8 "  # lossy: width and height at bytes 26..29, 14 bits each
+    data[26:30] = (16383).to_bytes(2, "little") + (16383).to_bytes(2, "little")
+    with pytest.raises(InvalidArgument, match="over max_image_pixels|cannot be decoded"):
+        decode_image(bytes(data), MAX_BYTES, MAX_PIXELS)
+
+
+def _progressive_jpeg_with_scans(extra_scans: int) -> bytes:
+    """A valid progressive JPEG followed, before its end, by copies of its last scan."""
+    out = io.BytesIO()
+    Image.effect_noise((64, 64), 40).convert("L").save(out, "JPEG", progressive=True)
+    data = out.getvalue()
+    last_sos = data.rindex(b"\xff\xda")
+    scan = data[last_sos:-2]
+    return data[:-2] + scan * extra_scans + b"\xff\xd9"
+
+
+def test_a_jpeg_of_many_scans_is_refused_before_decoding() -> None:
+    from tandem.encoder.vision.image_bytes import MAX_JPEG_SCANS, jpeg_scans
+
+    ordinary = _progressive_jpeg_with_scans(0)
+    assert 2 <= jpeg_scans(ordinary) <= 12  # libjpeg's progression
+    assert decode_image(ordinary, MAX_BYTES, MAX_PIXELS).size == (64, 64)
+    assert jpeg_scans(_encoded("JPEG")) == 1  # baseline
+    many = _progressive_jpeg_with_scans(200)
+    assert jpeg_scans(many) > MAX_JPEG_SCANS
+    with pytest.raises(InvalidArgument, match=f"scans; at most {MAX_JPEG_SCANS} are decoded"):
+        decode_image(many, MAX_BYTES, MAX_PIXELS)
 
 
 @pytest.mark.parametrize(
