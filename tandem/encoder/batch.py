@@ -2,7 +2,9 @@
 image's tiles through the vision tower in one forward pass.
 
 Each call's outcome is its own: an image that cannot be decoded, or whose span is too long, fails
-that call alone (its exception in its slot), and the rest of the batch is answered.
+that call alone (its exception in its slot), and the rest of the batch is answered. So does anything
+unexpected (a bug, memory): a failure while preparing one call stays in its slot, and when the
+batched tower pass fails, each image is run again alone, so only the one that fails alone fails.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.client.errors import InvalidArgument, TandemError
+import torch
+
+from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import tensor_pb2
 from tandem.common import tensors
 from tandem.encoder.embedder import Embedder, Pooling, mean_pool
@@ -26,9 +30,9 @@ class EmbedOutput:
     placeholder: str  # an image's: what its rows replace in the chat template; "" for text
 
 
-def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[EmbedOutput | TandemError]:
-    """The outcome of each job, in order."""
-    results: list[EmbedOutput | TandemError | None] = [None] * len(jobs)
+def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[EmbedOutput | Exception]:
+    """The outcome of each job, in order: its output, or the exception that failed it alone."""
+    results: list[EmbedOutput | Exception | None] = [None] * len(jobs)
     images: list[tuple[int, PreparedImage]] = []
     for i, job in enumerate(jobs):
         try:
@@ -37,24 +41,46 @@ def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[E
                 results[i] = EmbedOutput(tensors.encode(rows, job.output_dtype), job.token_ids, "")
             else:
                 images.append((i, _prepare(embedder, job)))
-        except TandemError as error:
+        except Exception as error:
             results[i] = error
-    if images:
-        spans = embedder.embed_images([prepared for _, prepared in images])  # type: ignore[attr-defined]
-        for (i, prepared), rows in zip(images, spans, strict=True):
-            job = jobs[i]
-            if job.pooling is Pooling.MEAN:
-                rows = mean_pool(rows)  # [1, hidden_size]
+    try:
+        spans: list = embedder.embed_images([prepared for _, prepared in images]) if images else []  # type: ignore[attr-defined]
+    except Exception:
+        spans = [_alone(embedder, prepared) for _, prepared in images]
+    for (i, prepared), rows in zip(images, spans, strict=True):
+        if isinstance(rows, Exception):
+            results[i] = rows
+            continue
+        job = jobs[i]
+        if job.pooling is Pooling.MEAN:
+            rows = mean_pool(rows)  # [1, hidden_size]
+        try:
             packed = tensors.encode(rows, job.output_dtype)
-            results[i] = EmbedOutput(packed, prepared.token_ids, embedder.info.image_placeholder)
+        except Exception as error:
+            results[i] = error
+            continue
+        results[i] = EmbedOutput(packed, prepared.token_ids, embedder.info.image_placeholder)
     assert all(result is not None for result in results)
     return results  # type: ignore[return-value]
+
+
+def _alone(embedder: Embedder, prepared: PreparedImage) -> torch.Tensor | Exception:
+    """One image's span rows on its own, or what failed it."""
+    try:
+        return embedder.embed_images([prepared])[0]  # type: ignore[attr-defined]
+    except MemoryError:
+        return ResourceExhausted("image: the encoder ran out of memory embedding this image")
+    except Exception as error:
+        return error
 
 
 def _prepare(embedder: Embedder, job: ImageJob) -> PreparedImage:
     """Decoded (pixels bounded before decoding), preprocessed, and its span within the limits."""
     image = decode_image(job.data, len(job.data), job.max_image_pixels)
-    prepared = embedder.prepare_image(image)  # type: ignore[attr-defined]
+    try:
+        prepared = embedder.prepare_image(image)  # type: ignore[attr-defined]
+    except (MemoryError, OverflowError) as error:  # a bound the preprocessing checks itself missed
+        raise InvalidArgument("image.data", f"cannot be preprocessed: {type(error).__name__}") from None
     num_rows = len(prepared.token_ids)
     if num_rows > job.max_input_tokens:
         raise InvalidArgument(

@@ -41,7 +41,8 @@ class EncoderConfig:
     quantization: str = "none"
     max_input_tokens: int = 8192  # most positions per Embed call (the embedder may allow fewer).
     # Images (a LLaVA or SmolVLM checkpoint): the bytes of one, and its pixels, read from its header
-    # before it is decoded (decoded RGB takes 3 bytes a pixel: 32 Mpx is 96 MB).
+    # before it is decoded (PIL holds RGB in 4 bytes a pixel, and compositing an alpha channel onto
+    # white takes a few copies: 32 Mpx is 128 MB to about 0.5 GB while it is preprocessed).
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 32 * 1024 * 1024
     # Concurrent Embed calls run together: at most this many, the first waiting at most this long.

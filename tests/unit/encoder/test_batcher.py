@@ -105,3 +105,39 @@ async def test_a_caller_that_gives_up_before_its_batch_is_left_out(executor: Thr
     assert await first == 0 and await kept == 20
     assert run.batches == [[0], [2]]
     batcher.close()
+
+
+async def test_close_cancels_the_running_batch_as_well_as_the_queue(executor: ThreadPoolExecutor) -> None:
+    batcher = Batcher(executor, Recorder(delay_s=0.2), max_batch_size=1, max_wait_s=0.0)
+    running = asyncio.ensure_future(batcher.submit(0))
+    queued = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0.05)  # the first is on the worker, the second waits
+    batcher.close()
+    results = await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), 1)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+
+
+async def test_a_run_that_miscounts_fails_its_batch_and_the_next_call_is_served(
+    executor: ThreadPoolExecutor,
+) -> None:
+    calls = []
+
+    def run(jobs: Sequence[int]) -> list[int]:
+        calls.append(list(jobs))
+        return [] if len(calls) == 1 else list(jobs)
+
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.0)
+    with pytest.raises(RuntimeError, match="gave 0 outcomes"):
+        await asyncio.wait_for(batcher.submit(1), 1)
+    assert await asyncio.wait_for(batcher.submit(2), 1) == 2
+    batcher.close()
+
+
+async def test_a_serving_task_that_died_is_started_again(executor: ThreadPoolExecutor) -> None:
+    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=0.0)
+    assert await batcher.submit(1) == 10
+    assert batcher._task is not None
+    batcher._task.cancel()  # as if it had died
+    await asyncio.sleep(0)
+    assert await asyncio.wait_for(batcher.submit(2), 1) == 20
+    batcher.close()

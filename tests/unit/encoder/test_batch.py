@@ -1,0 +1,96 @@
+"""One batch on the worker thread: every call's outcome is its own, whatever fails."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.encoder.batch import EmbedOutput, run_batch
+from tandem.encoder.embedder import EmbedderInfo, Pooling
+from tandem.encoder.request import EmbedJob, ImageJob
+from tandem.encoder.vision.image_span import PreparedImage
+
+HIDDEN = 4
+POISON = 255  # an image whose first pixel is this fails the tower
+
+
+def _png(size: tuple[int, int], value: int = 10) -> bytes:
+    out = io.BytesIO()
+    Image.new("L", size, value).save(out, "PNG")
+    return out.getvalue()
+
+
+@dataclass
+class FakeEmbedder:
+    """Images of any size become 2 rows; the tower fails on a batch holding a poison image, and runs out
+    of memory on one holding a size-3 image."""
+
+    tower_calls: int = 0
+
+    @property
+    def info(self) -> EmbedderInfo:
+        return EmbedderInfo("vision", HIDDEN, 100, torch.float32, 4, image_placeholder="<image>")
+
+    def embed(self, token_ids: list[int], pooling: Pooling) -> torch.Tensor:
+        if 99 in token_ids:
+            raise RuntimeError("a bug in the text path")
+        return torch.ones(len(token_ids), HIDDEN)
+
+    def prepare_image(self, image: Image.Image) -> PreparedImage:
+        if image.size[0] == 7:
+            raise MemoryError
+        first = image.convert("L").getpixel((0, 0))
+        return PreparedImage(torch.full((1, 1, 1, 1), float(first)), [5, 5] if image.size[0] != 3 else [6, 6])
+
+    def embed_images(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        self.tower_calls += 1
+        if any(p.pixels.item() == POISON for p in images):
+            raise RuntimeError("the tower failed")
+        if any(p.token_ids == [6, 6] for p in images):
+            raise MemoryError
+        return [torch.full((2, HIDDEN), p.pixels.item()) for p in images]
+
+
+def _image(data: bytes) -> ImageJob:
+    return ImageJob(
+        "r",
+        data,
+        Pooling.NONE,
+        None,
+        max_image_pixels=1 << 20,
+        max_input_tokens=64,
+        max_message_bytes=1 << 20,
+    )
+
+
+def test_each_call_of_a_batch_gets_its_own_outcome_whatever_fails() -> None:
+    embedder = FakeEmbedder()
+    jobs = [
+        EmbedJob("t", [1, 2], Pooling.NONE, None),  # fine
+        _image(_png((5, 5), 10)),  # fine
+        _image(b"not an image"),  # refused by decoding
+        _image(_png((5, 5), POISON)),  # fails the batched tower pass, and fails alone
+        _image(_png((7, 5))),  # preparing runs out of memory
+        EmbedJob("t", [99], Pooling.NONE, None),  # a bug in the text path
+        _image(_png((3, 5), 20)),  # out of memory in the tower, alone too
+        _image(_png((5, 5), 30)),  # fine: run again alone after the batched pass failed
+    ]
+    results = run_batch(embedder, jobs)  # type: ignore[arg-type]
+    assert isinstance(results[0], EmbedOutput) and isinstance(results[1], EmbedOutput)
+    assert isinstance(results[2], InvalidArgument) and results[2].field == "image.data"
+    assert isinstance(results[3], RuntimeError) and "tower failed" in str(results[3])
+    assert isinstance(results[4], InvalidArgument) and "MemoryError" in str(results[4])
+    assert isinstance(results[5], RuntimeError) and "text path" in str(results[5])
+    assert isinstance(results[6], ResourceExhausted) and str(results[6]).startswith("image: ")
+    assert isinstance(results[7], EmbedOutput)
+    assert embedder.tower_calls == 1 + 4  # the batch, then each of its four images alone
+
+
+def test_a_batch_that_succeeds_runs_the_tower_once() -> None:
+    embedder = FakeEmbedder()
+    results = run_batch(embedder, [_image(_png((5, 5), v)) for v in (1, 2, 3)])  # type: ignore[arg-type]
+    assert all(isinstance(r, EmbedOutput) for r in results) and embedder.tower_calls == 1
