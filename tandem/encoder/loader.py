@@ -24,7 +24,14 @@ def load_embedder(config: EncoderConfig) -> Embedder:
             config.model_dir, config.encoder_model_dir, config.projector_path, dtype
         )
     config_path = config.model_dir / "config.json"
-    if config_path.is_file() and vision_language.is_vision_language(read_json(config_path)):
+    hf_config = read_json(config_path) if config_path.is_file() else {}
+    if "vision_config" in hf_config and not vision_language.is_vision_language(hf_config):
+        architecture = (hf_config.get("architectures") or ["?"])[0]
+        raise EmbedderLoadError(
+            f"config.json: vision-language architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(vision_language.ARCHITECTURES)})"
+        )
+    if vision_language.is_vision_language(hf_config):
         if config.quantization != "none":
             raise EmbedderLoadError("--quantization rounds a text model's table; images need none")
         from tandem.encoder.vision.embedder import VisionLanguageEmbedder  # Pillow, on demand

@@ -105,3 +105,30 @@ def test_bad_values_are_one_line_naming_the_flag_and_the_variable(environ, capsy
     err = capsys.readouterr().err
     assert err.startswith("tandem serve encoder: --embedder (TANDEM_ENCODER_EMBEDDER): 'clip' is not one of")
     assert err.count("\n") == 1
+
+
+def test_an_unsupported_vision_language_checkpoint_is_one_line_naming_what_is_supported(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from tandem.encoder.embedder import EmbedderLoadError
+    from tandem.encoder.loader import load_embedder
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": {}})
+    )
+    with pytest.raises(EmbedderLoadError) as error:
+        load_embedder(EncoderConfig(model_dir=tmp_path))
+    message = str(error.value)
+    assert "'Qwen2VLForConditionalGeneration' is not supported" in message and "\n" not in message
+    assert "LlavaForConditionalGeneration" in message and "Idefics3ForConditionalGeneration" in message
+
+
+def test_the_lookup_embedder_on_a_llava_checkpoint_serves_its_images(tmp_path: Path) -> None:
+    from tandem.encoder.loader import load_embedder
+    from tandem.encoder.vision.embedder import VisionLanguageEmbedder
+    from tests.vision_checkpoints import make_llava
+
+    embedder = load_embedder(EncoderConfig(model_dir=make_llava(tmp_path / "llava")))
+    assert isinstance(embedder, VisionLanguageEmbedder) and embedder.info.image_placeholder == "<image>"
