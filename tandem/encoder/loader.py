@@ -32,9 +32,7 @@ def load_embedder(config: EncoderConfig) -> Embedder:
             f"(supported: {', '.join(vision_language.ARCHITECTURES)})"
         )
     if vision_language.is_vision_language(hf_config):
-        if config.quantization != "none":
-            raise EmbedderLoadError("--quantization rounds a text model's table; images need none")
-        from tandem.encoder.vision.embedder import VisionLanguageEmbedder  # Pillow, on demand
+        from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 
-        return VisionLanguageEmbedder.load(config.model_dir, dtype)
+        return VisionLanguageEmbedder.load(config.model_dir, dtype, config.quantization)
     return LookupEmbedder.load(config.model_dir, dtype, config.quantization)

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from tandem.common import vision_language
+from tandem.common.quantized_tensor import quantize_table
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling
 from tandem.encoder.lookup import LookupEmbedder, read_json, read_tokenizer
 from tandem.encoder.vision.image_span import PreparedImage, VisionModel
@@ -52,7 +53,9 @@ class VisionLanguageEmbedder:
         )
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype) -> VisionLanguageEmbedder:
+    def load(cls, model_dir: Path, dtype: torch.dtype, quantization: str = "none") -> VisionLanguageEmbedder:
+        """`quantization`: the decoder's int8 / int4, whose rounding of the token table the text rows
+        follow (as LookupEmbedder's do); the tower and projector are never rounded."""
         hf_config = read_json(model_dir / "config.json")
         architecture = (hf_config.get("architectures") or [""])[0]
         text = vision_language.text_config(hf_config, EmbedderLoadError)
@@ -89,7 +92,13 @@ class VisionLanguageEmbedder:
             vision = Idefics3Vision.load(
                 hf_config, processing, files, tokenizer, image_token_id, dtype, EmbedderLoadError
             )
-        return cls(LookupEmbedder(table.to(dtype), tokenizer, kind="vision"), vision, placeholder)
+        table = table.to(dtype)
+        if quantization != "none":
+            try:
+                table = quantize_table(table).dequantize(dtype)
+            except ValueError as e:  # rows not a whole number of blocks of 32
+                raise EmbedderLoadError(f"--quantization {quantization}: {table_name}: {e}") from None
+        return cls(LookupEmbedder(table, tokenizer, kind="vision"), vision, placeholder)
 
     @property
     def info(self) -> EmbedderInfo:

@@ -40,3 +40,19 @@ def test_image_rows_are_transformers_image_features(name: str, tmp_path: Path) -
     assert rows.shape == expected.shape, name
     torch.testing.assert_close(rows, expected, atol=1e-5, rtol=0)
     assert len(prepared.token_ids) == rows.shape[0]
+
+
+def test_text_rows_follow_the_quantized_decoders_token_table(tmp_path: Path) -> None:
+    """`tandem up --quantization int8` hands the scheme to both: the text rows stay the decoder's own."""
+    from tandem.decoder.models.loader import load_model
+    from tandem.encoder.embedder import Pooling
+
+    model_dir = make_llava(tmp_path / "llava")
+    decoder = load_model(model_dir, dtype="float32", quantization="int8")
+    encoder = VisionLanguageEmbedder.load(model_dir, torch.float32, "int8")
+    ids = [5, 17, 300, 1000]
+    expected = decoder.model.embed_tokens(torch.tensor(ids))
+    assert torch.equal(encoder.embed(ids, Pooling.NONE), expected)
+    assert not torch.equal(
+        expected, VisionLanguageEmbedder.load(model_dir, torch.float32).embed(ids, Pooling.NONE)
+    )
