@@ -21,7 +21,7 @@ from tandem.common.flags import CONTEXT_SETTINGS, option, run
 
 # name -> ("module:factory" of its click command, the line `tandem --help` shows)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("tandem.cli:serve_group", "run one service: tandem serve decoder|encoder [flags]"),
+    "serve": ("tandem.cli:serve_group", "run one service: tandem serve decoder|encoder|openai [flags]"),
     "up": ("tandem.up:command", "run both services in the foreground until Ctrl-C or SIGTERM"),
     "demo": ("tandem.demo:command", "start both services on the default model, ask it a question, stop"),
     "generate": ("tandem.generate_cli:command", "stream a generation from a running decoder"),
@@ -37,6 +37,7 @@ SERVICES: dict[str, tuple[str, str]] = {
         "tandem.encoder.__main__:command",
         "tandem.v1.Encoder: text or token IDs in, embeddings out",
     ),
+    "openai": ("tandem.gateway.__main__:command", "the OpenAI HTTP API in front of a decoder and an encoder"),
 }
 
 

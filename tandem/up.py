@@ -61,11 +61,22 @@ class UpConfig:
     tls_key: Path | None = None  # both services: its private key
     tls_client_ca: Path | None = None  # both services: mutual TLS, the CA client certificates need
     auth_token_file: Path | None = None  # both services: accepted bearer tokens, one per line
+    openai_port: int | None = None  # the OpenAI HTTP gateway's port; None: no gateway
 
     def __post_init__(self) -> None:
         for name in ("encoder_port", "decoder_port"):
             if not 0 < getattr(self, name) <= 65535:
                 raise ConfigError(name, f"must be in 1..65535, got {getattr(self, name)}")
+        if self.openai_port is not None and not 0 < self.openai_port <= 65535:
+            raise ConfigError("openai_port", f"must be in 1..65535, got {self.openai_port}")
+        if self.openai_port in (self.encoder_port, self.decoder_port):
+            raise ConfigError("openai_port", f"must differ from the services' ports, got {self.openai_port}")
+        if self.openai_port is not None and self.tls_cert is not None:
+            raise ConfigError(
+                "openai_port",
+                ": the gateway under `up` reaches the services in plaintext; with TLS, start "
+                "`tandem serve openai --upstream-tls-ca ...` yourself",
+            )
         if self.encoder_port == self.decoder_port:
             raise ConfigError(
                 "decoder_port", f"must differ from --encoder-port, both are {self.decoder_port}"
@@ -78,8 +89,14 @@ class UpConfig:
         return self.grace_s + STOP_MARGIN_S
 
 
+def services(config: UpConfig) -> tuple[str, ...]:
+    return (*SERVICES, "openai") if config.openai_port is not None else SERVICES
+
+
 def serve_command(service: str, config: UpConfig) -> list[str]:
     """`serve <service> FLAGS`: what follows `tandem` here and in docker-compose.yml's `command`."""
+    if service == "openai":
+        return _gateway_command(config)
     port = {"encoder": config.encoder_port, "decoder": config.decoder_port}[service]
     argv = ["serve", service]
     if config.model_dir is not None:
@@ -100,6 +117,21 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
         path = getattr(config, name)
         if path is not None:
             argv += ["--" + name.replace("_", "-"), str(path)]
+    return argv
+
+
+def _gateway_command(config: UpConfig) -> list[str]:
+    """The gateway in front of both services, with their token file (it passes callers' tokens on)."""
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    argv = ["serve", "openai", "--host", config.host, "--port", str(config.openai_port)]
+    argv += [
+        "--decoder-address",
+        f"{host}:{config.decoder_port}",
+        "--encoder-address",
+        f"{host}:{config.encoder_port}",
+    ]
+    if config.auth_token_file is not None:
+        argv += ["--auth-token-file", str(config.auth_token_file)]
     return argv
 
 
@@ -158,6 +190,14 @@ def command() -> click.Command:
             default=DEFAULT_GRACE_S,
         ),
         *server_security_settings(ENV_PREFIX, "both services: "),
+        Setting(
+            ENV_PREFIX,
+            "--openai-port",
+            "also start the OpenAI HTTP gateway (tandem serve openai) on this port, e.g. 8000",
+            type=int,
+            default=None,
+            show_default="none, no gateway",
+        ),
     ]
     return click.Command(
         "up",
@@ -187,13 +227,16 @@ def _config(values: dict[str, Any]) -> UpConfig:
         quantization_group_size=values["quantization_group_size"],
         grace_s=values["grace_s"],
         **{name: values[name] for name in SECURITY_FIELDS},
+        openai_port=values["openai_port"],
     )
 
 
 def check_before_start(config: UpConfig) -> None:
     """What both services would refuse, said once about `up`'s own flags: the ports, the TLS files and
     the token file. Raises ConfigError."""
-    for name in ("encoder_port", "decoder_port"):
+    for name in ("encoder_port", "decoder_port", "openai_port"):
+        if getattr(config, name) is None:
+            continue
         try:
             check_port_free(config.host, getattr(config, name))
         except ConfigError as error:
@@ -289,7 +332,7 @@ def run_services(config: UpConfig) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: list[_Child] = []
     try:
-        for name in SERVICES:
+        for name in services(config):
             argv = [sys.executable, "-m", "tandem.cli", *serve_command(name, config)]
             _say(f"starting the {name}: tandem {' '.join(serve_command(name, config))}")
             children.append(_Child(name, argv))

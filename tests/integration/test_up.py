@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem import cli
+from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.decoder.models.random_model import make_model
 from tandem.up import UpConfig, serve_command
@@ -280,3 +281,17 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_any_service_starts(
         f"tandem up: --decoder-port (TANDEM_UP_DECODER_PORT) {busy} is in use on 127.0.0.1: "
         "another process listens there\n",
     )
+
+
+def test_openai_port_adds_the_gateway_in_front_of_both_services() -> None:
+    from tandem.up import services
+
+    config = UpConfig(None, "0.0.0.0", 50051, 50052, None, None, openai_port=8000)
+    assert services(config) == ("encoder", "decoder", "openai")
+    assert serve_command("openai", config) == [
+        "serve", "openai", "--host", "0.0.0.0", "--port", "8000",
+        "--decoder-address", "127.0.0.1:50052", "--encoder-address", "127.0.0.1:50051",
+    ]  # fmt: skip
+    assert services(UpConfig(None, "127.0.0.1", 50051, 50052, None, None)) == ("encoder", "decoder")
+    with pytest.raises(ConfigError, match="must differ"):
+        UpConfig(None, "127.0.0.1", 50051, 50052, None, None, openai_port=50052)

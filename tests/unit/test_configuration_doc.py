@@ -1,4 +1,4 @@
-"""docs/CONFIGURATION.md's tables list every flag of both services and of `tandem up`, each with its
+"""docs/CONFIGURATION.md's tables list every flag of both services, the gateway and `tandem up`, each with its
 environment variable and the default `--help` shows."""
 
 import re
@@ -10,6 +10,7 @@ import pytest
 from tandem.common.flags import Setting
 from tandem.decoder.api.main import command as decoder_command
 from tandem.encoder.__main__ import command as encoder_command
+from tandem.gateway.__main__ import command as gateway_command
 from tandem.up import command as up_command
 
 CONFIGURATION = (Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md").read_text()
@@ -26,7 +27,9 @@ def _settings(command: click.Command) -> list[Setting]:
 
 
 @pytest.mark.parametrize(
-    "command", [decoder_command, encoder_command, up_command], ids=["decoder", "encoder", "up"]
+    "command",
+    [decoder_command, encoder_command, up_command, gateway_command],
+    ids=["decoder", "encoder", "up", "openai"],
 )
 def test_every_flag_is_documented_with_its_variable_and_default(command) -> None:
     settings = _settings(command())

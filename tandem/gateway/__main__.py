@@ -1,0 +1,175 @@
+"""`tandem serve openai`: the OpenAI-compatible HTTP gateway in front of a decoder and an encoder.
+
+Every flag can also come from a `TANDEM_OPENAI_<FLAG>` variable. The gateway holds no model: it
+starts at once, and its /health answers 503 until the decoder serves. Exit codes: 0 after SIGTERM or
+SIGINT, 2 for a flag or variable that is wrong (a port in use included); every failure is one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import click
+from aiohttp import web
+
+from tandem.client.auth import load_tokens
+from tandem.client.client import DecoderClient, EncoderClient
+from tandem.client.errors import ConfigError
+from tandem.client.telemetry import setup_telemetry
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    PATH,
+    Setting,
+    client_security,
+    default_of,
+    flag_error,
+    run,
+)
+from tandem.common.server import DEFAULT_GRACE_S, check_port_free, stop_on_signals
+from tandem.gateway.app import Gateway
+from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
+
+log = logging.getLogger("tandem.gateway")
+PROG = "tandem serve openai"
+ENV_PREFIX = "TANDEM_OPENAI_"
+
+
+def _setting(flag: str, help: str, **kwargs: Any) -> Setting:
+    name = flag.removeprefix("--").replace("-", "_")
+    if "default" not in kwargs:
+        kwargs["default"] = default_of(GatewayConfig, name)
+    return Setting(ENV_PREFIX, flag, help, **kwargs)
+
+
+def settings() -> list[click.Option]:
+    upstream = (
+        ("--upstream-tls", "towards the services: use TLS (implied by --upstream-tls-ca)"),
+        ("--upstream-tls-ca", "towards the services: the CA to trust (PEM)"),
+        ("--upstream-tls-cert", "towards the services: mutual TLS client certificate (PEM)"),
+        ("--upstream-tls-key", "towards the services: its private key (PEM)"),
+        ("--upstream-auth-token-file", "towards the services: a token of their own (else the caller's)"),
+    )
+    return [
+        _setting("--host", "listen address (0.0.0.0 in containers)"),
+        _setting("--port", "listen port (0 = any free port)", type=int, default=DEFAULT_PORT),
+        _setting("--decoder-address", "the decoder: host:port, several host:port,... or dns:///name:port"),
+        _setting("--encoder-address", "the encoder, for /v1/embeddings"),
+        _setting(
+            "--auth-token-file",
+            "accepted bearer tokens, one per line (the services' file); passed on with each call",
+            type=PATH,
+            default=None,
+            show_default="none, no authentication",
+        ),
+        _setting("--max-body-bytes", "largest request body (embedding rows travel as base64)", type=int),
+        _setting(
+            "--max-streams-per-caller",
+            "open completions per caller (its bearer token, else its IP address)",
+            type=int,
+        ),
+        _setting("--max-message-bytes", "the services' --max-message-bytes", type=int),
+        *(
+            Setting(
+                ENV_PREFIX,
+                flag,
+                text,
+                type=PATH if "tls-c" in flag or "tls-k" in flag or "token" in flag else None,
+                is_flag=flag == "--upstream-tls",
+                default=False if flag == "--upstream-tls" else None,
+                show_default="off" if flag == "--upstream-tls" else "none",
+            )
+            for flag, text in upstream
+        ),
+    ]
+
+
+def command() -> click.Command:
+    return click.Command(
+        "openai",
+        params=settings(),
+        callback=_start,
+        help="Serve the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/embeddings, "
+        "/v1/models) in front of a running decoder and encoder.",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(command(), argv, PROG)
+
+
+def config_from_options(values: dict[str, Any]) -> GatewayConfig:
+    tokens = None
+    if values["auth_token_file"] is not None:
+        try:
+            tokens = load_tokens(values["auth_token_file"])
+        except ValueError as error:
+            raise ConfigError("auth_token_file", f": {error}") from None
+    try:
+        upstream = client_security(
+            {
+                "tls": values["upstream_tls"],
+                "tls_ca": values["upstream_tls_ca"],
+                "tls_cert": values["upstream_tls_cert"],
+                "tls_key": values["upstream_tls_key"],
+                "auth_token_file": values["upstream_auth_token_file"],
+            }
+        )
+    except (OSError, ValueError) as error:
+        raise ConfigError("upstream_tls_ca", f": {error}") from None
+    return GatewayConfig(
+        decoder_address=values["decoder_address"],
+        encoder_address=values["encoder_address"],
+        host=values["host"],
+        port=values["port"],
+        auth_tokens=tokens,
+        upstream=upstream,
+        max_body_bytes=values["max_body_bytes"],
+        max_streams_per_caller=values["max_streams_per_caller"],
+        max_message_bytes=values["max_message_bytes"],
+    )
+
+
+def _start(**values: Any) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = click.get_current_context()
+    try:
+        config = config_from_options(values)
+        check_port_free(config.host, config.port)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
+    asyncio.run(serve(config))
+    return 0
+
+
+async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None) -> None:
+    """Listen until a signal (or until cancelled); `ready` gets the port once listening."""
+    telemetry = setup_telemetry("tandem-openai", os.environ)
+    decoder = DecoderClient(config.decoder_address, config.max_message_bytes, telemetry, config.upstream)
+    encoder = EncoderClient(config.encoder_address, config.max_message_bytes, telemetry, config.upstream)
+    tracer = telemetry.tracer if telemetry.is_tracing else None
+    runner = web.AppRunner(Gateway(config, decoder, encoder, tracer).app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    log.info("serving the OpenAI API on %s:%d (decoder %s)", config.host, port, config.decoder_address)
+    if ready is not None:
+        ready.set_result(port)
+    try:
+        if ready is None:
+            await stop_on_signals(DEFAULT_GRACE_S, log).wait()
+        else:
+            await asyncio.Event().wait()  # until cancelled (tests)
+    finally:
+        await runner.cleanup()
+        await decoder.close()
+        await encoder.close()
+        telemetry.shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""OpenAI request bodies -> Tandem's gRPC requests. Conversion and the checks only the gateway can make
+(JSON types, OpenAI's parameter names); every limit on the content is the services' own, so a prompt
+is refused here exactly as over gRPC, with the services' field paths translated back by `errors.py`.
+
+Tandem's extension, in a prompt or a message's content: a part
+`{"type": "tandem_embeddings", "embeddings": {"dtype": "bfloat16" | "float16" | "float32",
+"shape": [n, hidden], "data": "<base64 of the raw little-endian bytes>"}}` becomes an embeddings part,
+checked by the decoder exactly as a gRPC Tensor is (`tandem/common/tensors.py`); nothing is ever
+unpickled or `torch.load`ed. `{"type": "tandem_image_embeddings", ...}` is the same rows as an image part
+(the encoder's output for an image; the template places it).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+
+DTYPES = {
+    "float32": tensor_pb2.DATA_TYPE_FLOAT32,
+    "float16": tensor_pb2.DATA_TYPE_FLOAT16,
+    "bfloat16": tensor_pb2.DATA_TYPE_BFLOAT16,
+}
+ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_STOP = 16  # OpenAI allows 4; vLLM more: the decoder bounds their size
+
+
+def _field(body: dict[str, Any], name: str, types: type | tuple[type, ...], path: str = "") -> Any:
+    value = body.get(name)
+    if value is not None and (
+        not isinstance(value, types) or isinstance(value, bool) and bool not in _as_tuple(types)
+    ):
+        expected = " or ".join(t.__name__ for t in _as_tuple(types))
+        raise InvalidArgument(f"{path}{name}", f"must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def tensor(value: Any, path: str) -> tensor_pb2.Tensor:
+    """Tandem's embeddings extension -> a Tensor message (its bytes decoded from base64, nothing else)."""
+    if not isinstance(value, dict):
+        raise InvalidArgument(path, "must be an object {dtype, shape, data}")
+    dtype = value.get("dtype")
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"{path}.dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    shape = value.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 2
+        or not all(isinstance(d, int) and d >= 0 for d in shape)
+    ):
+        raise InvalidArgument(f"{path}.shape", f"must be [n, hidden_size], got {shape!r}")
+    data = value.get("data")
+    if not isinstance(data, str):
+        raise InvalidArgument(f"{path}.data", "must be a base64 string of the raw little-endian bytes")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(f"{path}.data", "is not valid base64") from None
+    return tensor_pb2.Tensor(dtype=DTYPES[dtype], shape=shape, data=raw)
+
+
+def _content_parts(content: Any, path: str) -> list[decoder_pb2.ChatContentPart]:
+    if isinstance(content, str):
+        return [decoder_pb2.ChatContentPart(text=content)]
+    if not isinstance(content, list) or not content:
+        raise InvalidArgument(path, "must be a string or a non-empty list of content parts")
+    parts = []
+    for j, part in enumerate(content):
+        where = f"{path}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(decoder_pb2.ChatContentPart(text=part["text"]))
+        elif kind == "tandem_embeddings":
+            parts.append(
+                decoder_pb2.ChatContentPart(embeddings=tensor(part.get("embeddings"), f"{where}.embeddings"))
+            )
+        elif kind == "tandem_image_embeddings":
+            parts.append(
+                decoder_pb2.ChatContentPart(image=tensor(part.get("embeddings"), f"{where}.embeddings"))
+            )
+        else:
+            raise InvalidArgument(
+                where,
+                f"part type {kind!r} is not supported: text, tandem_embeddings or tandem_image_embeddings "
+                "(send an image through /v1/embeddings' Tandem extension, or the encoder, first)",
+            )
+    return parts
+
+
+def chat_request(body: dict[str, Any]) -> decoder_pb2.GenerateRequest:
+    """POST /v1/chat/completions -> a Generate request with a chat prompt."""
+    messages = _field(body, "messages", list)
+    if not messages:
+        raise InvalidArgument("messages", "must be a non-empty list")
+    request = decoder_pb2.GenerateRequest()
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidArgument(f"messages[{i}]", "must be an object {role, content}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        turn = request.chat.messages.add(role="system" if role == "developer" else role)
+        turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content"))
+    _common(body, request, max_tokens=("max_completion_tokens", "max_tokens"))
+    if body.get("logprobs"):
+        request.output.logprobs = True
+        top = _field(body, "top_logprobs", int)
+        if top:
+            request.output.top_logprobs = top
+    return request
+
+
+def completion_request(body: dict[str, Any]) -> decoder_pb2.GenerateRequest:
+    """POST /v1/completions -> a Generate request of prompt segments."""
+    prompt = body.get("prompt")
+    request = decoder_pb2.GenerateRequest(plain_text=True)
+    if isinstance(prompt, str):
+        request.prompt.add(text=prompt)
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=prompt))
+    elif isinstance(prompt, list) and prompt:
+        for j, part in enumerate(prompt):
+            where = f"prompt[{j}]"
+            if isinstance(part, str):
+                request.prompt.add(text=part)
+            elif isinstance(part, dict) and part.get("type") == "tandem_embeddings":
+                request.prompt.add(embeddings=tensor(part.get("embeddings"), f"{where}.embeddings"))
+            elif isinstance(part, list) and part and all(isinstance(t, int) for t in part):
+                request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=part))
+            else:
+                raise InvalidArgument(where, "must be text, a list of token IDs or a tandem_embeddings part")
+    else:
+        raise InvalidArgument("prompt", "must be a string, a list of token IDs, or a list of parts")
+    _common(body, request, max_tokens=("max_tokens",))
+    logprobs = _field(body, "logprobs", int)
+    if logprobs is not None:
+        request.output.logprobs = True
+        request.output.top_logprobs = logprobs
+    if _field(body, "echo", bool):
+        raise InvalidArgument("echo", "is not supported")
+    return request
+
+
+def _common(body: dict[str, Any], request: decoder_pb2.GenerateRequest, max_tokens: tuple[str, ...]) -> None:
+    """The sampling and stopping parameters both endpoints share."""
+    request.model = _field(body, "model", str) or ""
+    n = _field(body, "n", int)
+    if n is not None and n != 1:
+        raise InvalidArgument("n", f"only 1 choice per request is supported, got {n}; send {n} requests")
+    if _field(body, "best_of", int) not in (None, 1):
+        raise InvalidArgument("best_of", "only 1 is supported")
+    for name in max_tokens:
+        value = _field(body, name, int)
+        if value is not None:
+            if value < 1:
+                raise InvalidArgument(name, f"must be >= 1, got {value}")
+            request.stopping.max_new_tokens = value
+            break
+    for name, target in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("presence_penalty", "presence_penalty"),
+    ):
+        value = _field(body, name, (int, float))
+        if value is not None:
+            setattr(request.sampling, target, float(value))
+    seed = _field(body, "seed", int)
+    if seed is not None:
+        if seed < 0:
+            raise InvalidArgument("seed", f"must be >= 0, got {seed}")
+        request.sampling.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
+            raise InvalidArgument("stop", f"must be a string or a list of at most {MAX_STOP} strings")
+        request.stopping.stop_sequences.extend(stop)
+    logit_bias = _field(body, "logit_bias", dict)
+    for key, value in (logit_bias or {}).items():
+        if not str(key).isdigit() or not isinstance(value, int | float):
+            raise InvalidArgument("logit_bias", f"maps token IDs to numbers; got {key!r}: {value!r}")
+        request.sampling.logit_bias[int(key)] = float(value)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise InvalidArgument(
+            "response_format", 'structured output is not supported yet; only {"type": "text"}'
+        )
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise InvalidArgument(name, "tool calling is not supported")
+
+
+def embed_request(body: dict[str, Any]) -> list[encoder_pb2.EmbedRequest]:
+    """POST /v1/embeddings -> one Embed call per input (mean-pooled unless `tandem_pooling` is "none")."""
+    items = body.get("input")
+    if isinstance(items, str) or (
+        isinstance(items, list) and items and all(isinstance(t, int) for t in items)
+    ):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        raise InvalidArgument("input", "must be a string, a list of strings, or token IDs")
+    if len(items) > 64:
+        raise InvalidArgument("input", f"at most 64 inputs per call, got {len(items)}")
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise InvalidArgument("encoding_format", f"must be float or base64, got {encoding!r}")
+    if body.get("dimensions") is not None:
+        raise InvalidArgument("dimensions", "is not supported: rows have the decoder's hidden size")
+    pooling = body.get("tandem_pooling", "mean")
+    if pooling not in ("mean", "none"):
+        raise InvalidArgument("tandem_pooling", f"must be mean or none, got {pooling!r}")
+    requests = []
+    for i, item in enumerate(items):
+        request = encoder_pb2.EmbedRequest(
+            model=_field(body, "model", str) or "",
+            output_dtype=tensor_pb2.DATA_TYPE_FLOAT32,
+            pooling=encoder_pb2.POOLING_MEAN if pooling == "mean" else encoder_pb2.POOLING_NONE,
+        )
+        if isinstance(item, str):
+            request.text = item
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            request.token_ids.ids.extend(item)
+        elif (
+            isinstance(item, dict)
+            and item.get("type") == "tandem_image"
+            and isinstance(item.get("data"), str)
+        ):
+            try:
+                request.image.data = base64.b64decode(item["data"], validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidArgument(f"input[{i}].data", "is not valid base64") from None
+        else:
+            raise InvalidArgument(f"input[{i}]", "must be a string, token IDs or a tandem_image part")
+        requests.append(request)
+    return requests

@@ -1,0 +1,148 @@
+"""Tandem's Generate events -> OpenAI's response objects and stream chunks (chat and completions).
+
+Token strings for logprobs: the gateway holds no tokenizer, so a sampled token's text is its delta's
+text (one token a delta, the decoder's default), and an alternative is spelled `token_id:N`, as vLLM's
+`return_tokens_as_token_ids` spells them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tandem.client.pb.tandem.v1 import decoder_pb2
+
+FINISH_REASONS = {
+    decoder_pb2.FINISH_REASON_LENGTH: "length",
+    decoder_pb2.FINISH_REASON_CONTEXT_LIMIT: "length",
+    decoder_pb2.FINISH_REASON_EOS: "stop",
+    decoder_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
+    decoder_pb2.FINISH_REASON_STOP_TOKEN: "stop",
+    decoder_pb2.FINISH_REASON_ABORTED: "abort",
+}
+
+
+def usage(finished: decoder_pb2.Finished) -> dict[str, Any]:
+    prompt, completion = finished.usage.input_tokens, finished.usage.output_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": finished.usage.cached_input_tokens},
+    }
+
+
+def chat_logprobs(delta: decoder_pb2.TokenDelta) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content` entries of one delta."""
+    entries = []
+    for k, (token_id, logprob) in enumerate(zip(delta.token_ids, delta.logprobs, strict=False)):
+        text = delta.text if k == 0 else ""
+        top = delta.top_logprobs[k] if k < len(delta.top_logprobs) else None
+        entries.append(
+            {
+                "token": text if text else f"token_id:{token_id}",
+                "logprob": logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": f"token_id:{t}", "logprob": lp, "bytes": None}
+                    for t, lp in zip(top.token_ids, top.logprobs, strict=False)
+                ]
+                if top is not None
+                else [],
+            }
+        )
+    return entries
+
+
+class Completion:
+    """Accumulates one request's events into OpenAI objects; `chunk` renders a stream event."""
+
+    def __init__(self, kind: str, request_id: str, model: str) -> None:
+        self.kind = kind  # "chat" or "text"
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.finished: decoder_pb2.Finished | None = None
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def add(self, delta: decoder_pb2.TokenDelta, with_logprobs: bool) -> None:
+        self.text.append(delta.text)
+        if with_logprobs:
+            self.logprobs.extend(chat_logprobs(delta))
+
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.finished.reason) if self.finished is not None else None
+
+    def whole(self, with_logprobs: bool) -> dict[str, Any]:
+        """The non-streamed response."""
+        text = "".join(self.text)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason()}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = {"content": self.logprobs} if with_logprobs else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = text_logprobs(self.logprobs) if with_logprobs else None
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+        body["choices"] = [choice]
+        if self.finished is not None:
+            body["usage"] = usage(self.finished)
+        return body
+
+    def chunk(
+        self, delta: decoder_pb2.TokenDelta | None, with_logprobs: bool, first: bool = False
+    ) -> dict[str, Any]:
+        """A stream chunk: a delta's text, or (`delta` None) the closing one with the finish reason."""
+        text = delta.text if delta is not None else ""
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": None if delta is not None else self.finish_reason(),
+        }
+        logprobs = chat_logprobs(delta) if delta is not None and with_logprobs else None
+        if self.kind == "chat":
+            choice["delta"] = ({"role": "assistant"} if first else {}) | (
+                {"content": text} if delta or first else {}
+            )
+            choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = text_logprobs(logprobs) if logprobs is not None else None
+        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def usage_chunk(self) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        assert self.finished is not None
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage(self.finished),
+        }
+
+
+def text_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The completions endpoint's older logprobs shape."""
+    offsets, position = [], 0
+    for entry in entries:
+        offsets.append(position)
+        position += len(entry["token"]) if not entry["token"].startswith("token_id:") else 0
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }

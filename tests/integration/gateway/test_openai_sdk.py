@@ -1,0 +1,203 @@
+"""The real `openai` SDK against a live gateway, decoder and encoder: what any OpenAI client does."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from tests.integration.gateway.conftest import Live
+
+pytestmark = pytest.mark.asyncio
+PROMPT = "Once upon a time"
+
+
+def _client(live: Live, **kwargs) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=live.base_url, api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs
+    )
+
+
+async def _grpc_tokens(live: Live, request: decoder_pb2.GenerateRequest) -> tuple[str, decoder_pb2.Finished]:
+    return await live.decoder.client._collect(live.decoder.client.generate(request))
+
+
+async def test_models_lists_the_served_model(live: Live) -> None:
+    async with _client(live) as client:
+        models = await client.models.list()
+    assert [m.id for m in models.data] == [(await live.decoder.client.model_info()).model]
+
+
+async def test_a_chat_answer_is_the_decoders_own(live: Live) -> None:
+    request = decoder_pb2.GenerateRequest(stopping=decoder_pb2.StoppingCriteria(max_new_tokens=12))
+    request.sampling.temperature = 0
+    request.chat.messages.add(role="user").content.add(text=PROMPT)
+    expected, finished = await _grpc_tokens(live, request)
+    async with _client(live) as client:
+        reply = await client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0
+        )
+        streamed = await client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in streamed]
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage.completion_tokens == finished.usage.output_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == finished.usage.output_tokens
+
+
+async def test_completions_streamed_and_not_with_stop_strings_and_a_seed(live: Live) -> None:
+    async with _client(live) as client:
+        sampled = [
+            (await client.completions.create(model="", prompt=PROMPT, max_tokens=16, seed=7, temperature=1.0))
+            .choices[0]
+            .text
+            for _ in range(2)
+        ]
+        assert sampled[0] == sampled[1]  # same seed, same text
+        stream = await client.completions.create(
+            model="", prompt=PROMPT, max_tokens=16, temperature=0, stream=True
+        )
+        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+        whole = await client.completions.create(model="", prompt=PROMPT, max_tokens=16, temperature=0)
+        assert streamed == whole.choices[0].text
+        stop = whole.choices[0].text[3:6]
+        cut = await client.completions.create(
+            model="", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+        )
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+
+
+async def test_logprobs_are_the_decoders(live: Live) -> None:
+    async with _client(live) as client:
+        reply = await client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+        )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the best one
+
+
+async def test_embeddings_come_from_the_encoder(live: Live) -> None:
+    async with _client(live) as client:
+        reply = await client.embeddings.create(model="", input=["hello there", "general kenobi"])
+        raw = await client.embeddings.create(model="", input="hello there", encoding_format="base64")
+    assert len(reply.data) == 2 and len(reply.data[0].embedding) == 64
+    ours = await live.encoder.stub.Embed(
+        encoder_pb2.EmbedRequest(
+            text="hello there", pooling=encoder_pb2.POOLING_MEAN, output_dtype=tensor_pb2.DATA_TYPE_FLOAT32
+        )
+    )
+    expected = np.frombuffer(ours.embeddings.data, dtype="<f4")
+    np.testing.assert_allclose(reply.data[0].embedding, expected, rtol=0, atol=0)
+    assert reply.usage.prompt_tokens > 0
+    as_floats = np.frombuffer(base64.b64decode(raw.data[0].embedding), dtype="<f4")  # OpenAI's base64
+    np.testing.assert_array_equal(as_floats, expected)
+
+
+async def test_an_embedding_part_answers_as_its_tokens_do(live: Live, tiny_fp32) -> None:
+    ids = tiny_fp32.tokenizer.encode(PROMPT).ids
+    rows = tiny_fp32.model.embed_tokens.weight[torch.tensor(ids)].detach().float().numpy()
+    part = {
+        "type": "tandem_embeddings",
+        "embeddings": {
+            "dtype": "float32",
+            "shape": list(rows.shape),
+            "data": base64.b64encode(rows.tobytes()).decode(),
+        },
+    }
+    async with _client(live) as client:
+        as_text = await client.completions.create(model="", prompt=PROMPT, max_tokens=8, temperature=0)
+        as_rows = await client.completions.create(model="", prompt=[part], max_tokens=8, temperature=0)  # type: ignore[list-item]
+    assert as_rows.choices[0].text == as_text.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "param"),
+    [
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+        (dict(messages=[{"role": "user", "content": "hi"}], n=3), 400, "n"),
+        (dict(messages=[{"role": "user", "content": "hi"}], max_tokens=10**6), 400, "max_tokens"),
+        (dict(messages=[{"role": "user", "content": "hi"}], model="gpt-4"), 404, None),
+        (
+            dict(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tandem_embeddings",
+                                "embeddings": {
+                                    "dtype": "float32",
+                                    "shape": [1, 3],
+                                    "data": "AAAAAAAAAAAAAAAA",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            ),
+            400,
+            "messages[0].content[0].embeddings",
+        ),
+    ],
+)
+async def test_errors_come_in_openais_shape_with_the_right_status(
+    live: Live, kwargs, status: int, param
+) -> None:
+    kwargs.setdefault("model", "")
+    async with _client(live) as client:
+        with pytest.raises(openai.APIStatusError) as error:
+            await client.chat.completions.create(**kwargs)
+    assert error.value.status_code == status, error.value.message
+    body = error.value.body
+    assert body["message"] and body["type"]
+    if param is not None:
+        assert body["param"] is not None and body["param"].startswith(param), body
+
+
+async def test_a_caller_that_disconnects_mid_stream_frees_its_request(live: Live) -> None:
+    import asyncio
+
+    async with _client(live) as client:
+        stream = await client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4000,
+            temperature=0,
+            stream=True,
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.close()
+    core = live.decoder.engine.core
+    blocks = core.block_manager
+    for _ in range(200):
+        if core.num_live() == 0 and blocks.num_free_blocks == blocks.num_total_blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert core.num_live() == 0 and blocks.num_free_blocks == blocks.num_total_blocks
