@@ -220,8 +220,10 @@ class Gateway:
         event: decoder_pb2.GenerateResponse | None = first
         try:
             while event is not None:
-                if event.HasField("delta") and (event.delta.text or with_logprobs):
+                if event.HasField("delta") and with_logprobs:
                     await send(completion.chunk(event.delta, with_logprobs))
+                elif event.HasField("delta") and event.delta.text:
+                    await send(completion.text_chunk(event.delta.text))
                 elif event.HasField("finished"):
                     completion.finished = event.finished
                 event = await anext(events, None)

@@ -176,6 +176,20 @@ def _common(body: dict[str, Any], request: decoder_pb2.GenerateRequest, max_toke
         value = _field(body, name, (int, float))
         if value is not None:
             setattr(request.sampling, target, float(value))
+    # vLLM's extra parameters (the openai SDK sends them with extra_body), where Tandem has them.
+    for name, target in (
+        ("top_k", "top_k"),
+        ("min_p", "min_p"),
+        ("repetition_penalty", "repetition_penalty"),
+    ):
+        value = _field(body, name, (int, float))
+        if value is not None:
+            setattr(request.sampling, target, int(value) if name == "top_k" else float(value))
+    if _field(body, "ignore_eos", bool):
+        request.stopping.ignore_eos = True
+    min_tokens = _field(body, "min_tokens", int)
+    if min_tokens is not None:
+        request.stopping.min_new_tokens = min_tokens
     seed = _field(body, "seed", int)
     if seed is not None:
         if seed < 0:

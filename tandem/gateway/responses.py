@@ -7,6 +7,7 @@ text (one token a delta, the decoder's default), and an alternative is spelled `
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -65,6 +66,7 @@ class Completion:
         self.text: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
         self.finished: decoder_pb2.Finished | None = None
+        self._text_chunk: tuple[str, str] | None = None  # a text chunk's JSON before and after its text
 
     @property
     def object(self) -> str:
@@ -120,6 +122,18 @@ class Completion:
             "model": self.model,
             "choices": [choice],
         }
+
+    def text_chunk(self, text: str) -> str:
+        """`chunk` of a delta without logprobs, serialized: all of it but the text is the same for every
+        token of the request, so that part is built once (a third of the gateway's time per token at
+        32 streams went to building and dumping the same dict)."""
+        if self._text_chunk is None:
+            marker = "\x00tandem-text\x00"
+            whole = json.dumps(self.chunk(decoder_pb2.TokenDelta(text=marker), False), separators=(",", ":"))
+            before, after = whole.split(json.dumps(marker))
+            self._text_chunk = (before, after)
+        before, after = self._text_chunk
+        return before + json.dumps(text) + after
 
     def usage_chunk(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -201,3 +201,12 @@ async def test_a_caller_that_disconnects_mid_stream_frees_its_request(live: Live
             break
         await asyncio.sleep(0.05)
     assert core.num_live() == 0 and blocks.num_free_blocks == blocks.num_total_blocks
+
+
+async def test_vllms_extra_parameters_reach_the_decoder(live: Live) -> None:
+    async with _client(live) as client:
+        reply = await client.completions.create(
+            model="", prompt=PROMPT, max_tokens=20, temperature=0.8, seed=3,
+            extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1},
+        )  # fmt: skip
+    assert reply.usage.completion_tokens == 20 and reply.choices[0].finish_reason == "length"

@@ -1,0 +1,31 @@
+"""Generate events as OpenAI objects: the serialized fast path is the slow path's JSON, byte for byte."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.gateway.responses import Completion
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("text", ["hello", "", 'quote " and \\ and \n', "caf\u00e9 \u2603", "\x00"])
+def test_a_text_chunk_is_the_chunks_json(kind: str, text: str) -> None:
+    completion = Completion(kind, "abc", "tiny")
+    expected = json.dumps(completion.chunk(decoder_pb2.TokenDelta(text=text), False), separators=(",", ":"))
+    assert completion.text_chunk(text) == expected
+    assert json.loads(completion.text_chunk(text)) == json.loads(expected)
+
+
+def test_finish_reasons_and_usage() -> None:
+    completion = Completion("chat", "abc", "tiny")
+    completion.add(decoder_pb2.TokenDelta(text="hi"), False)
+    completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_STOP_SEQUENCE)
+    completion.finished.usage.input_tokens, completion.finished.usage.output_tokens = 5, 1
+    whole = completion.whole(False)
+    assert whole["choices"][0] == {
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}, "logprobs": None
+    }  # fmt: skip
+    assert whole["usage"]["total_tokens"] == 6 and whole["object"] == "chat.completion"
