@@ -68,9 +68,11 @@ def from_grpc(error: grpc.aio.AioRpcError) -> HttpError:
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
             retry_after = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    message = error.details() or error.code().name
+    if status == 429 and "larger than max" in message:  # the transport's size limit: not retryable
+        return HttpError(413, "invalid_request_error", message)
     if status == 429 and retry_after is None:
         retry_after = 1.0
-    message = error.details() or error.code().name
     return HttpError(status, kind, body_field(message), param, retry_after)
 
 

@@ -127,3 +127,47 @@ async def test_a_decoder_that_is_down_is_503_and_health_says_so(tmp_path: Path) 
     finally:
         await stop_gateway(task)
     await asyncio.sleep(0)
+
+
+async def test_hostile_bodies_are_400_and_a_neighbour_keeps_streaming(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    decoder = await serve(tiny_model_dir, tiny_fp32)
+    config = GatewayConfig(decoder_address=decoder.server.address, port=0, max_message_bytes=4 * 1024 * 1024)
+    task, port = await start_gateway(config)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    hostile = {
+        "deep nesting": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "not UTF-8": b'{"prompt": "\\xff\\xfe"}'.replace(b"\\xff\\xfe", bytes([0xFF, 0xFE])),
+        "a list": b"[1, 2, 3]",
+        "bad base64 rows": (
+            b'{"model": "", "prompt": [{"type": "tandem_embeddings", "embeddings": '
+            b'{"dtype": "float32", "shape": [1, 64], "data": "%%%"}}]}'
+        ),
+        "rows of the wrong width": (
+            b'{"model": "", "prompt": [{"type": "tandem_embeddings", "embeddings": '
+            b'{"dtype": "float32", "shape": [1, 3], "data": "AAAAAAAAAAAAAAAA"}}]}'
+        ),
+        "a prompt too long for the context": b'{"model": "", "prompt": "' + b"word " * 200_000 + b'"}',
+    }
+    try:
+        async with aiohttp.ClientSession() as session:
+            neighbour = asyncio.ensure_future(
+                session.post(url, json={"model": "", "prompt": "hi", "max_tokens": 64, "ignore_eos": True})
+            )
+            for name, body in hostile.items():
+                headers = {"Content-Type": "application/json"}
+                async with session.post(url, data=body, headers=headers) as response:
+                    assert response.status == 400, (name, response.status, await response.text())
+                    assert (await response.json())["error"]["type"] == "invalid_request_error", name
+            huge = b'{"model": "", "prompt": "' + b"word " * 6_000_000 + b'"}'  # 30 MB, over 4 MiB messages
+            async with session.post(url, data=huge, headers={"Content-Type": "application/json"}) as response:
+                assert (
+                    response.status == 413
+                    and "max_message_bytes" in (await response.json())["error"]["message"]
+                )
+            reply = await neighbour
+            assert reply.status == 200 and (await reply.json())["usage"]["completion_tokens"] == 64
+    finally:
+        await stop_gateway(task)
+        await shutdown(decoder)
