@@ -151,7 +151,13 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     decoder = DecoderClient(config.decoder_address, config.max_message_bytes, telemetry, config.upstream)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, telemetry, config.upstream)
     tracer = telemetry.tracer if telemetry.is_tracing else None
-    runner = web.AppRunner(Gateway(config, decoder, encoder, tracer).app(), handler_cancellation=True)
+    # Open streams get the services' grace period on SIGTERM (aiohttp's default is 60 s; compose and
+    # Kubernetes kill 15 s after the grace period).
+    runner = web.AppRunner(
+        Gateway(config, decoder, encoder, tracer).app(),
+        handler_cancellation=True,
+        shutdown_timeout=DEFAULT_GRACE_S,
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -127,9 +127,30 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        return await self._complete(
-            request, body, "chat", await _convert(request, requests.chat_request, body)
-        )
+        images = await self._embed_images(request, requests.image_urls(body))
+        generate = await _convert(request, lambda b: requests.chat_request(b, images), body)
+        return await self._complete(request, body, "chat", generate)
+
+    async def _embed_images(
+        self, request: web.Request, found: dict[tuple[int, int], bytes]
+    ) -> requests.ImageRowsByPart:
+        """The encoder's rows for each image part, embedded concurrently (the encoder batches them)."""
+        if not found:
+            return {}
+        metadata = self._metadata(request)
+
+        async def rows(where: tuple[int, int], data: bytes) -> tuple[tuple[int, int], Any]:
+            embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=data))
+            try:
+                reply = await self.encoder.stub.Embed(embed, metadata=metadata)
+            except grpc.aio.AioRpcError as error:
+                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    i, j = where
+                    raise InvalidArgument(f"messages[{i}].content[{j}].image_url", error.details()) from None
+                raise
+            return where, reply.embeddings
+
+        return dict(await asyncio.gather(*(rows(where, data) for where, data in found.items())))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)

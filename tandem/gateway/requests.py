@@ -7,7 +7,8 @@ Tandem's extension, in a prompt or a message's content: a part
 "shape": [n, hidden], "data": "<base64 of the raw little-endian bytes>"}}` becomes an embeddings part,
 checked by the decoder exactly as a gRPC Tensor is (`tandem/common/tensors.py`); nothing is ever
 unpickled or `torch.load`ed. `{"type": "tandem_image_embeddings", ...}` is the same rows as an image part
-(the encoder's output for an image; the template places it).
+(the encoder's output for an image; the template places it). OpenAI's own image part, `image_url`
+with a data: URL, is sent to the encoder first and its rows placed the same way.
 """
 
 from __future__ import annotations
@@ -66,7 +67,40 @@ def tensor(value: Any, path: str) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=DTYPES[dtype], shape=shape, data=raw)
 
 
-def _content_parts(content: Any, path: str) -> list[decoder_pb2.ChatContentPart]:
+ImageRowsByPart = dict[tuple[int, int], tensor_pb2.Tensor]  # (message, part) -> the encoder's rows
+
+
+def image_urls(body: dict[str, Any]) -> dict[tuple[int, int], bytes]:
+    """OpenAI's image parts (`{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`)
+    of every message, as image bytes for the encoder. Only data URLs: the gateway fetches nothing (a URL
+    it would fetch is a server-side request forgery waiting to happen)."""
+    found: dict[tuple[int, int], bytes] = {}
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            where = f"messages[{i}].content[{j}].image_url"
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            if not isinstance(url, str) or not url.startswith("data:"):
+                raise InvalidArgument(
+                    where, "must be a data: URL (data:image/png;base64,...); the gateway fetches no URL"
+                )
+            header, _, data = url.partition(",")
+            if not header.endswith(";base64"):
+                raise InvalidArgument(where, "must be base64 (data:image/...;base64,...)")
+            try:
+                found[(i, j)] = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidArgument(where, "is not valid base64") from None
+    return found
+
+
+def _content_parts(
+    content: Any, path: str, images: ImageRowsByPart | None = None, i: int = 0
+) -> list[decoder_pb2.ChatContentPart]:
     if isinstance(content, str):
         return [decoder_pb2.ChatContentPart(text=content)]
     if not isinstance(content, list) or not content:
@@ -85,17 +119,20 @@ def _content_parts(content: Any, path: str) -> list[decoder_pb2.ChatContentPart]
             parts.append(
                 decoder_pb2.ChatContentPart(image=tensor(part.get("embeddings"), f"{where}.embeddings"))
             )
+        elif kind == "image_url" and images is not None and (i, j) in images:
+            parts.append(decoder_pb2.ChatContentPart(image=images[(i, j)]))
         else:
             raise InvalidArgument(
                 where,
-                f"part type {kind!r} is not supported: text, tandem_embeddings or tandem_image_embeddings "
-                "(send an image through /v1/embeddings' Tandem extension, or the encoder, first)",
+                f"part type {kind!r} is not supported: text, image_url (a data: URL), tandem_embeddings or "
+                "tandem_image_embeddings",
             )
     return parts
 
 
-def chat_request(body: dict[str, Any]) -> decoder_pb2.GenerateRequest:
-    """POST /v1/chat/completions -> a Generate request with a chat prompt."""
+def chat_request(body: dict[str, Any], images: ImageRowsByPart | None = None) -> decoder_pb2.GenerateRequest:
+    """POST /v1/chat/completions -> a Generate request with a chat prompt; `images` holds the encoder's
+    rows for each image_url part (`image_urls` found them)."""
     messages = _field(body, "messages", list)
     if not messages:
         raise InvalidArgument("messages", "must be a non-empty list")
@@ -107,7 +144,7 @@ def chat_request(body: dict[str, Any]) -> decoder_pb2.GenerateRequest:
         if role not in ROLES:
             raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
-        turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content"))
+        turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", images, i))
     _common(body, request, max_tokens=("max_completion_tokens", "max_tokens"))
     if body.get("logprobs"):
         request.output.logprobs = True

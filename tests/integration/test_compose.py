@@ -12,11 +12,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tandem.common.server import DEFAULT_GRACE_S
 from tandem.up import STOP_MARGIN_S, UpConfig, serve_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +28,10 @@ COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
 PORTS = {"encoder": 50051, "decoder": 50052}
+OPENAI_PORT = 8000
+# How the gateway reaches the services inside the compose network: every decoder replica through DNS
+# (balanced by gRPC), the one encoder by its name.
+GATEWAY_UPSTREAMS = {"decoder": "dns:///decoder:50052", "encoder": "encoder:50051"}
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -71,6 +79,7 @@ def _up_config(model_dir: str) -> UpConfig:
         dtype=None,
         world_size=None,
         grace_s=30.0,
+        openai_port=OPENAI_PORT,
     )
 
 
@@ -103,20 +112,20 @@ def test_compose_decoder_waits_for_a_healthy_encoder_and_both_share_the_models_v
         assert services[name]["build"]["context"] == str(REPO_ROOT)
 
 
-def test_compose_sends_traces_of_both_services_to_jaeger() -> None:
+def test_compose_sends_traces_of_both_services_and_the_gateway_to_jaeger() -> None:
     services = compose_config()["services"]
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one:")
     assert {"published": 16686, "target": 16686} in jaeger["ports"]  # the UI
     assert {"published": 4317, "target": 4317} in jaeger["ports"]  # OTLP gRPC in
     names = set()
-    for name in ("encoder", "decoder"):
+    for name in ("encoder", "decoder", "openai"):
         environment = services[name]["environment"]
         assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
         assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
         assert "jaeger" in services[name]["depends_on"]
         names.add(environment["OTEL_SERVICE_NAME"])
-    assert names == {"tandem-encoder", "tandem-decoder"}
+    assert names == {"tandem-encoder", "tandem-decoder", "tandem-openai"}
 
 
 def test_dockerfile_installs_cpu_torch_pinned_like_the_makefile() -> None:
@@ -185,3 +194,59 @@ def test_compose_can_run_several_decoder_replicas() -> None:
     [mapping] = decoder["ports"]
     first, last = (int(p) for p in str(mapping["published"]).split("-"))
     assert (first, last - first + 1, mapping["target"]) == (PORTS["decoder"], 10, PORTS["decoder"])
+
+
+def test_compose_gateway_runs_what_tandem_up_runs_with_the_services_compose_names() -> None:
+    """`tandem up --openai-port 8000` points the gateway at 127.0.0.1; in compose the same argv names
+    the services instead, on the ports they listen on."""
+    expected = serve_command("openai", _up_config(IMAGE_MODEL_DIR))
+    for service, address in GATEWAY_UPSTREAMS.items():
+        flag = expected.index(f"--{service}-address") + 1
+        assert expected[flag] == f"127.0.0.1:{PORTS[service]}"
+        assert address.endswith(f"{service}:{PORTS[service]}")
+        expected[flag] = address
+    gateway = compose_config()["services"]["openai"]
+    assert gateway["command"] == ["tandem", *expected]
+    assert gateway["ports"] == [{"published": OPENAI_PORT, "target": OPENAI_PORT}]
+    assert gateway["depends_on"]["decoder"] == {"condition": "service_healthy"}
+    assert "volumes" not in gateway  # it holds no model
+    # It drains as the services do (tandem.gateway.__main__ stops on DEFAULT_GRACE_S), with the same margin.
+    assert gateway["stop_grace_period"] == f"{DEFAULT_GRACE_S + STOP_MARGIN_S:g}s"
+
+
+class _Health(BaseHTTPRequestHandler):
+    """A stand-in for the gateway's /health, answering the status its server holds."""
+
+    def do_GET(self) -> None:
+        self.send_response(self.server.health_status if self.path == "/health" else 404)  # type: ignore[attr-defined]
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_compose_gateway_is_healthy_only_while_its_health_endpoint_answers_200() -> None:
+    """The image has no curl: the check is Python's urllib, which fails on a 503 (the decoder not
+    serving) as on a refused connection. It runs here against a stand-in /health on a free port."""
+    assert "curl" not in DOCKERFILE.read_text()
+    test = compose_config()["services"]["openai"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    [code] = test[3:]
+    assert f"127.0.0.1:{OPENAI_PORT}/health" in code
+
+    def check(port: int) -> int:
+        here = code.replace(f":{OPENAI_PORT}/", f":{port}/")
+        return subprocess.run([sys.executable, "-c", here], capture_output=True, timeout=30).returncode
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        server.health_status = 200  # type: ignore[attr-defined]
+        assert check(port) == 0
+        server.health_status = 503  # type: ignore[attr-defined]
+        assert check(port) != 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert check(port) != 0  # nothing listens

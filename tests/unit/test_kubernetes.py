@@ -9,11 +9,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tandem.common.server import DEFAULT_GRACE_S
 from tandem.up import STOP_MARGIN_S, UpConfig, serve_command
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 IMAGE_MODEL_DIR = Path("/models/SmolLM2-135M-Instruct")  # where the init containers put the default
 PORTS = {"encoder": 50051, "decoder": 50052}
+OPENAI_PORT = 8000
 OLDEST = "1.27"  # gRPC probes are GA from 1.27
 
 
@@ -40,6 +42,8 @@ def test_every_manifest_is_valid_against_the_kubernetes_schemas(version: str) ->
         ("Deployment", "tandem-decoder"),
         ("Service", "tandem-encoder"),
         ("Service", "tandem-decoder"),
+        ("Deployment", "tandem-openai"),
+        ("Service", "tandem-openai"),
     }
     for resource in resources:
         kubernetes_validate.validate(resource, version, strict=True)  # raises ValidationError
@@ -99,3 +103,50 @@ def test_the_model_is_read_from_the_shared_volume_that_the_init_container_fills(
     assert init["image"] == container["image"]  # the image carries the default model it copies
     assert init["volumeMounts"] == [{"name": volume["name"], "mountPath": "/volume"}]
     assert f"/volume/{IMAGE_MODEL_DIR.name}" in init["args"][0]
+
+
+def test_the_gateway_runs_what_tandem_up_runs_addressing_the_services_through_their_dns_names() -> None:
+    """`tandem up --openai-port` points the gateway at 127.0.0.1; in the cluster it is each headless
+    Service by name (`dns:///`: every ready replica, balanced by gRPC), on the port that Service serves."""
+    spec = _one("Deployment", "tandem-openai")["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    up = UpConfig(
+        IMAGE_MODEL_DIR,
+        "0.0.0.0",
+        PORTS["encoder"],
+        PORTS["decoder"],
+        dtype=None,
+        world_size=None,
+        openai_port=OPENAI_PORT,
+    )
+    expected = serve_command("openai", up)
+    for service in ("decoder", "encoder"):
+        name = _one("Service", f"tandem-{service}")["metadata"]["name"]
+        [port] = _one("Service", f"tandem-{service}")["spec"]["ports"]
+        flag = expected.index(f"--{service}-address") + 1
+        assert expected[flag] == f"127.0.0.1:{port['port']}"
+        expected[flag] = f"dns:///{name}:{port['port']}"
+    assert container["command"] == ["tandem", *expected]
+    assert container["ports"] == [{"name": "http", "containerPort": OPENAI_PORT}]
+    assert spec["terminationGracePeriodSeconds"] == DEFAULT_GRACE_S + STOP_MARGIN_S
+    resources = container["resources"]
+    assert resources["requests"]["cpu"] and resources["requests"]["memory"] and resources["limits"]["memory"]
+    assert "volumes" not in spec and "initContainers" not in spec  # it holds no model
+
+
+def test_the_gateway_is_ready_on_http_health_and_alive_while_it_answers_at_all() -> None:
+    """/health is 503 while the decoder is down: the gateway leaves the Service then, but is not
+    restarted for it (liveness is a TCP connect to its own port)."""
+    [container] = _one("Deployment", "tandem-openai")["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["tcpSocket"] == {"port": "http"}
+
+
+def test_the_gateways_service_spreads_http_connections_over_its_ready_pods() -> None:
+    spec = _one("Service", "tandem-openai")["spec"]
+    template = _one("Deployment", "tandem-openai")["spec"]["template"]
+    assert spec.get("clusterIP") != "None"  # kube-proxy balances HTTP connections; no gRPC client here
+    assert spec["selector"].items() <= template["metadata"]["labels"].items()
+    assert spec["ports"] == [
+        {"name": "http", "port": OPENAI_PORT, "targetPort": "http", "appProtocol": "http"}
+    ]

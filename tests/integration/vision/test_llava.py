@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from PIL import Image
 
@@ -170,3 +171,52 @@ def test_image_rows_are_a_chat_part_of_their_own() -> None:
     prompt = chat_prompt([{"role": "user", "content": [ImageRows(rows), "hi"]}])
     assert [p.WhichOneof("part") for p in prompt.messages[0].content] == ["image", "text"]
     assert isinstance(prompt, decoder_pb2.ChatPrompt)
+
+
+async def test_an_openai_image_url_part_through_the_gateway_answers_as_the_image_part_does(
+    split: Split, pictures: dict[str, Path]
+) -> None:
+    import base64
+
+    import openai
+
+    from tandem.gateway.config import GatewayConfig
+    from tests.integration.gateway.conftest import start_gateway, stop_gateway
+
+    picture = pictures["landscape.png"]
+    image = await split.images.embed_image(picture.read_bytes())
+    expected = await _chat_tokens(split, [image, QUESTION], num_tokens=12)
+    task, port = await start_gateway(
+        GatewayConfig(
+            decoder_address=split.decoder.server.address, encoder_address=split.encoder.server.address, port=0
+        )
+    )
+    url = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
+    try:
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none") as client:
+            reply = await client.chat.completions.create(
+                model="", messages=[{"role": "user", "content": content}], max_tokens=12, temperature=0,
+                logprobs=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            remote = [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}]
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.chat.completions.create(model="", messages=[{"role": "user", "content": remote}])
+            assert (
+                "fetches no URL" in str(error.value)
+                and error.value.body["param"] == "messages[0].content[0].image_url"
+            )
+            broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.chat.completions.create(model="", messages=[{"role": "user", "content": broken}])
+            assert error.value.body["param"] == "messages[0].content[0].image_url"
+    finally:
+        await stop_gateway(task)
+    ids = [int(entry.token.removeprefix("token_id:")) if entry.token.startswith("token_id:") else None
+           for entry in reply.choices[0].logprobs.content]  # fmt: skip
+    assert reply.usage.completion_tokens == 12
+    text, _ = await split.decoder.client.chat_text(
+        [{"role": "user", "content": [image, QUESTION]}], max_new_tokens=12, temperature=0, ignore_eos=True
+    )
+    assert reply.choices[0].message.content == text
+    assert len(expected) == 12 and len(ids) == 12

@@ -25,7 +25,6 @@ def test_finish_reasons_and_usage() -> None:
     completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_STOP_SEQUENCE)
     completion.finished.usage.input_tokens, completion.finished.usage.output_tokens = 5, 1
     whole = completion.whole(False)
-    assert whole["choices"][0] == {
-        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}, "logprobs": None
-    }  # fmt: skip
+    message = {"role": "assistant", "content": "hi"}
+    assert whole["choices"][0] == {"index": 0, "finish_reason": "stop", "message": message, "logprobs": None}
     assert whole["usage"]["total_tokens"] == 6 and whole["object"] == "chat.completion"
