@@ -39,7 +39,10 @@ log = logging.getLogger("tandem.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 UNAUTHENTICATED_PATHS = ("/health",)
+# FINISH_REASON_ABORTED: the decoder drained (SIGTERM) before the answer ended; OpenAI has no such reason.
+ABORTED = HttpError(503, "service_unavailable", "the server stopped before the answer ended; retry")
 LARGE_BODY_BYTES = 1024 * 1024  # parsed and converted on a thread above this
+BODY_BYTES = web.RequestKey("body_bytes", int)  # the body's size, once read
 
 
 def error_response(error: HttpError) -> web.Response:
@@ -84,6 +87,14 @@ class Gateway:
             return error_response(HttpError(413, "invalid_request_error", message))
         except web.HTTPException as error:  # 404 / 405 from routing
             return error_response(HttpError(error.status, "invalid_request_error", error.reason))
+        except UnicodeEncodeError:  # Python's JSON parser lets lone UTF-16 surrogates ("\ud800") through
+            message = "holds a lone UTF-16 surrogate, which is not valid UTF-8 text"
+            return error_response(HttpError(400, "invalid_request_error", f"body: {message}", "body"))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the caller left: nothing to answer
+        except Exception:  # a bug: an OpenAI-shaped 500, the traceback in our log only
+            log.exception("%s %s failed", request.method, request.path)
+            return error_response(HttpError(500, "server_error", "the gateway failed on this request"))
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -127,6 +138,7 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
+        requests.chat_request(body, None, images_pending=True)  # every other rule first: images cost calls
         images = await self._embed_images(request, requests.image_urls(body))
         generate = await _convert(request, lambda b: requests.chat_request(b, images), body)
         return await self._complete(request, body, "chat", generate)
@@ -150,7 +162,7 @@ class Gateway:
                 raise
             return where, reply.embeddings
 
-        return dict(await asyncio.gather(*(rows(where, data) for where, data in found.items())))
+        return dict(await _all([rows(where, data) for where, data in found.items()]))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
@@ -161,7 +173,7 @@ class Gateway:
         body = await _json(request)
         calls = requests.embed_request(body)
         metadata = self._metadata(request)
-        replies = await asyncio.gather(*(self.encoder.stub.Embed(c, metadata=metadata) for c in calls))
+        replies = await _all([self.encoder.stub.Embed(c, metadata=metadata) for c in calls])
         as_base64 = body.get("encoding_format") == "base64"
         data = []
         for i, reply in enumerate(replies):
@@ -184,7 +196,8 @@ class Gateway:
     async def _complete(
         self, request: web.Request, body: dict[str, Any], kind: str, generate: decoder_pb2.GenerateRequest
     ) -> web.StreamResponse:
-        connection = _caller(request)
+        model = body.get("model") or await self._model_name(request)
+        connection = _caller(request, self.config.auth_tokens is not None)
         if self._streams[connection] >= self.config.max_streams_per_caller:
             limit = self.config.max_streams_per_caller
             message = f"{limit} completions of this caller are open (--max-streams-per-caller)"
@@ -196,22 +209,26 @@ class Gateway:
                 f"max_message_bytes {self.config.max_message_bytes}"
             )
             return error_response(HttpError(413, "invalid_request_error", message))
-        stream = bool(body.get("stream"))
+        stream = body.get("stream") is True
         with_logprobs = generate.output.logprobs
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        model = body.get("model") or await self._model_name(request)
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
         completion = Completion(kind, generate.request_id, model)
         self._streams[connection] += 1
-        call = self.decoder.stub.Generate(generate, metadata=self._metadata(request))
+        call = None
         try:
+            call = self.decoder.stub.Generate(generate, metadata=self._metadata(request))
             events = call.__aiter__()
             first = await events.__anext__()  # a refusal arrives here, before any byte is written
             if not stream:
                 await self._collect(first, events, completion, with_logprobs)
+                if completion.aborted:
+                    return error_response(ABORTED)
                 return web.json_response(completion.whole(with_logprobs))
             return await self._stream(request, first, events, completion, with_logprobs, include_usage)
         finally:
-            call.cancel()  # a no-op once the stream ended; frees the request if the caller left
+            if call is not None:
+                call.cancel()  # a no-op once the stream ended; frees the request if the caller left
             self._streams[connection] -= 1
             if not self._streams[connection]:
                 del self._streams[connection]
@@ -261,6 +278,11 @@ class Gateway:
         except grpc.aio.AioRpcError as error:  # after the headers: the error goes in the stream
             await send(from_grpc(error).body())
         else:
+            if completion.aborted:
+                await send(ABORTED.body())
+                await send("[DONE]")
+                await response.write_eof()
+                return response
             await send(completion.chunk(None, with_logprobs))
             if include_usage and completion.finished is not None:
                 await send(completion.usage_chunk())
@@ -288,15 +310,28 @@ async def _convert(
     request: web.Request, convert: Callable[[dict[str, Any]], Any], body: dict[str, Any]
 ) -> Any:
     """`convert(body)`, on a thread for a large body (base64 rows decode at about 1 GB/s)."""
-    if (request.content_length or 0) < LARGE_BODY_BYTES:
+    if request.get(BODY_BYTES, 0) < LARGE_BODY_BYTES:
         return convert(body)
     return await asyncio.to_thread(convert, body)
 
 
-def _caller(request: web.Request) -> str:
-    """Who is calling: a digest of the bearer token when there is one, else the peer's address."""
+async def _all(awaitables: list[Any]) -> list[Any]:
+    """Every result, in order; the first failure cancels the rest (no work left running for nobody)
+    and is raised as it is (gRPC errors keep their status)."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+def _caller(request: web.Request, tokens_checked: bool) -> str:
+    """Who is calling: a digest of its (checked) bearer token, else the peer's address. An unchecked
+    token says nothing: a caller could send a new one with each request."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and token:
+    if tokens_checked and scheme.lower() == "bearer" and token:
         return "token:" + hashlib.blake2b(token.encode(), digest_size=16).hexdigest()
     return f"peer:{request.remote}"
 
@@ -314,6 +349,7 @@ async def _json(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object. A large one is parsed off the event loop (96 MiB of JSON takes about a
     second), so other streams keep streaming meanwhile."""
     raw = await request.read()
+    request[BODY_BYTES] = len(raw)
     try:
         body = json.loads(raw) if len(raw) < LARGE_BODY_BYTES else await asyncio.to_thread(json.loads, raw)
     except ValueError as error:  # not JSON, or not UTF-8

@@ -52,7 +52,7 @@ def from_invalid(error: InvalidArgument) -> HttpError:
 
 
 def from_grpc(error: grpc.aio.AioRpcError) -> HttpError:
-    status, kind = STATUSES.get(error.code(), (500, "internal_error"))
+    status, kind = STATUSES.get(error.code(), (500, "server_error"))
     param, retry_after = None, None
     try:
         details = rpc_status.from_call(error)  # type: ignore[arg-type]
@@ -76,6 +76,21 @@ def from_grpc(error: grpc.aio.AioRpcError) -> HttpError:
     return HttpError(status, kind, body_field(message), param, retry_after)
 
 
+# A service's field path -> the body's (first matching prefix).
+BODY_FIELDS = (
+    ("chat.messages", "messages"),
+    ("stopping.max_new_tokens", "max_tokens"),
+    ("stopping.min_new_tokens", "min_tokens"),
+    ("stopping.stop_sequences", "stop"),
+    ("stopping.ignore_eos", "ignore_eos"),
+    ("output.top_logprobs", "top_logprobs"),
+    ("output.logprobs", "logprobs"),
+    ("sampling.", ""),
+)
+
+
 def body_field(path: str) -> str:
-    """A service's field path as the OpenAI body spells it."""
-    return path.replace("chat.messages", "messages").replace("stopping.max_new_tokens", "max_tokens")
+    """A service's field path (or a message holding one) as the OpenAI body spells it."""
+    for service, body in BODY_FIELDS:
+        path = path.replace(service, body)
+    return path

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
@@ -26,6 +27,7 @@ DTYPES = {
     "bfloat16": tensor_pb2.DATA_TYPE_BFLOAT16,
 }
 ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_IMAGES = 16  # image_url parts per chat request: each is an encoder call
 MAX_STOP = 16  # OpenAI allows 4; vLLM more: the decoder bounds their size
 
 
@@ -43,18 +45,55 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
+UINT32 = 2**32 - 1
+UINT64 = 2**64 - 1
+
+
+def _uint(body: dict[str, Any], name: str, low: int = 0, high: int = UINT32) -> int | None:
+    """An integer field (never a bool) within [low, high]: the proto's unsigned range at most."""
+    value = _field(body, name, int)
+    if value is not None and not low <= value <= high:
+        raise InvalidArgument(name, f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    """A finite number (JSON has no NaN or Infinity; Python's parser accepts them, this does not)."""
+    value = _field(body, name, (int, float))
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidArgument(name, "is too large") from None
+    if not math.isfinite(number):
+        raise InvalidArgument(name, f"must be a finite number, got {value}")
+    return number
+
+
+def _token_ids(value: Any, path: str) -> list[int] | None:
+    """A non-empty list of token IDs (ints in the proto's range, no bools), or None if it is not one."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    if min(value) < 0 or max(value) > UINT32:
+        raise InvalidArgument(path, f"token IDs must be in [0, {UINT32}]")
+    return value
+
+
 def tensor(value: Any, path: str) -> tensor_pb2.Tensor:
     """Tandem's embeddings extension -> a Tensor message (its bytes decoded from base64, nothing else)."""
     if not isinstance(value, dict):
         raise InvalidArgument(path, "must be an object {dtype, shape, data}")
     dtype = value.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgument(f"{path}.dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
     shape = value.get("shape")
     if (
         not isinstance(shape, list)
         or len(shape) != 2
-        or not all(isinstance(d, int) and d >= 0 for d in shape)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)
     ):
         raise InvalidArgument(f"{path}.shape", f"must be [n, hidden_size], got {shape!r}")
     data = value.get("data")
@@ -95,11 +134,13 @@ def image_urls(body: dict[str, Any]) -> dict[tuple[int, int], bytes]:
                 found[(i, j)] = base64.b64decode(data, validate=True)
             except (binascii.Error, ValueError):
                 raise InvalidArgument(where, "is not valid base64") from None
+            if len(found) > MAX_IMAGES:
+                raise InvalidArgument("messages", f"at most {MAX_IMAGES} image_url parts per request")
     return found
 
 
 def _content_parts(
-    content: Any, path: str, images: ImageRowsByPart | None = None, i: int = 0
+    content: Any, path: str, images: ImageRowsByPart | None = None, i: int = 0, images_pending: bool = False
 ) -> list[decoder_pb2.ChatContentPart]:
     if isinstance(content, str):
         return [decoder_pb2.ChatContentPart(text=content)]
@@ -121,6 +162,8 @@ def _content_parts(
             )
         elif kind == "image_url" and images is not None and (i, j) in images:
             parts.append(decoder_pb2.ChatContentPart(image=images[(i, j)]))
+        elif kind == "image_url" and images_pending:
+            continue
         else:
             raise InvalidArgument(
                 where,
@@ -130,9 +173,12 @@ def _content_parts(
     return parts
 
 
-def chat_request(body: dict[str, Any], images: ImageRowsByPart | None = None) -> decoder_pb2.GenerateRequest:
+def chat_request(
+    body: dict[str, Any], images: ImageRowsByPart | None = None, images_pending: bool = False
+) -> decoder_pb2.GenerateRequest:
     """POST /v1/chat/completions -> a Generate request with a chat prompt; `images` holds the encoder's
-    rows for each image_url part (`image_urls` found them)."""
+    rows for each image_url part (`image_urls` found them). `images_pending`: check everything else,
+    leaving image_url parts out, before any image is sent to the encoder."""
     messages = _field(body, "messages", list)
     if not messages:
         raise InvalidArgument("messages", "must be a non-empty list")
@@ -144,11 +190,12 @@ def chat_request(body: dict[str, Any], images: ImageRowsByPart | None = None) ->
         if role not in ROLES:
             raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
-        turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", images, i))
+        parts = _content_parts(message.get("content"), f"messages[{i}].content", images, i, images_pending)
+        turn.content.extend(parts)
     _common(body, request, max_tokens=("max_completion_tokens", "max_tokens"))
-    if body.get("logprobs"):
+    if _field(body, "logprobs", bool):
         request.output.logprobs = True
-        top = _field(body, "top_logprobs", int)
+        top = _uint(body, "top_logprobs", 0, 20)  # OpenAI's bound
         if top:
             request.output.top_logprobs = top
     return request
@@ -160,12 +207,8 @@ def completion_request(body: dict[str, Any]) -> decoder_pb2.GenerateRequest:
     request = decoder_pb2.GenerateRequest(plain_text=True)
     if isinstance(prompt, str):
         request.prompt.add(text=prompt)
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=prompt))
+    elif (ids := _token_ids(prompt, "prompt")) is not None:
+        request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=ids))
     elif isinstance(prompt, list) and prompt:
         for j, part in enumerate(prompt):
             where = f"prompt[{j}]"
@@ -173,14 +216,14 @@ def completion_request(body: dict[str, Any]) -> decoder_pb2.GenerateRequest:
                 request.prompt.add(text=part)
             elif isinstance(part, dict) and part.get("type") == "tandem_embeddings":
                 request.prompt.add(embeddings=tensor(part.get("embeddings"), f"{where}.embeddings"))
-            elif isinstance(part, list) and part and all(isinstance(t, int) for t in part):
-                request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=part))
+            elif (ids := _token_ids(part, where)) is not None:
+                request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=ids))
             else:
                 raise InvalidArgument(where, "must be text, a list of token IDs or a tandem_embeddings part")
     else:
         raise InvalidArgument("prompt", "must be a string, a list of token IDs, or a list of parts")
     _common(body, request, max_tokens=("max_tokens",))
-    logprobs = _field(body, "logprobs", int)
+    logprobs = _uint(body, "logprobs", 0, 20)
     if logprobs is not None:
         request.output.logprobs = True
         request.output.top_logprobs = logprobs
@@ -192,16 +235,14 @@ def completion_request(body: dict[str, Any]) -> decoder_pb2.GenerateRequest:
 def _common(body: dict[str, Any], request: decoder_pb2.GenerateRequest, max_tokens: tuple[str, ...]) -> None:
     """The sampling and stopping parameters both endpoints share."""
     request.model = _field(body, "model", str) or ""
-    n = _field(body, "n", int)
+    n = _uint(body, "n", 1)
     if n is not None and n != 1:
         raise InvalidArgument("n", f"only 1 choice per request is supported, got {n}; send {n} requests")
-    if _field(body, "best_of", int) not in (None, 1):
+    if _uint(body, "best_of", 1) not in (None, 1):
         raise InvalidArgument("best_of", "only 1 is supported")
     for name in max_tokens:
-        value = _field(body, name, int)
+        value = _uint(body, name, 1)
         if value is not None:
-            if value < 1:
-                raise InvalidArgument(name, f"must be >= 1, got {value}")
             request.stopping.max_new_tokens = value
             break
     for name, target in (
@@ -210,27 +251,28 @@ def _common(body: dict[str, Any], request: decoder_pb2.GenerateRequest, max_toke
         ("frequency_penalty", "frequency_penalty"),
         ("presence_penalty", "presence_penalty"),
     ):
-        value = _field(body, name, (int, float))
+        value = _number(body, name)
         if value is not None:
-            setattr(request.sampling, target, float(value))
+            setattr(request.sampling, target, value)
     # vLLM's extra parameters (the openai SDK sends them with extra_body), where Tandem has them.
-    for name, target in (
-        ("top_k", "top_k"),
-        ("min_p", "min_p"),
-        ("repetition_penalty", "repetition_penalty"),
-    ):
-        value = _field(body, name, (int, float))
+    top_k = _field(body, "top_k", int)
+    if top_k is not None:
+        if not -1 <= top_k <= UINT32:
+            raise InvalidArgument(
+                "top_k", f"must be -1 (off, as vLLM spells it) or in [0, {UINT32}], got {top_k}"
+            )
+        request.sampling.top_k = max(top_k, 0)
+    for name in ("min_p", "repetition_penalty"):
+        value = _number(body, name)
         if value is not None:
-            setattr(request.sampling, target, int(value) if name == "top_k" else float(value))
+            setattr(request.sampling, name, value)
     if _field(body, "ignore_eos", bool):
         request.stopping.ignore_eos = True
-    min_tokens = _field(body, "min_tokens", int)
+    min_tokens = _uint(body, "min_tokens")
     if min_tokens is not None:
         request.stopping.min_new_tokens = min_tokens
-    seed = _field(body, "seed", int)
+    seed = _uint(body, "seed", 0, UINT64)
     if seed is not None:
-        if seed < 0:
-            raise InvalidArgument("seed", f"must be >= 0, got {seed}")
         request.sampling.seed = seed
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -241,8 +283,10 @@ def _common(body: dict[str, Any], request: decoder_pb2.GenerateRequest, max_toke
         request.stopping.stop_sequences.extend(stop)
     logit_bias = _field(body, "logit_bias", dict)
     for key, value in (logit_bias or {}).items():
-        if not str(key).isdigit() or not isinstance(value, int | float):
-            raise InvalidArgument("logit_bias", f"maps token IDs to numbers; got {key!r}: {value!r}")
+        is_id = key.isascii() and key.isdigit() and int(key) <= UINT32
+        is_number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not is_id or not is_number or not math.isfinite(value):
+            raise InvalidArgument("logit_bias", f"maps token IDs to finite numbers; got {key!r}: {value!r}")
         request.sampling.logit_bias[int(key)] = float(value)
     if body.get("response_format") not in (None, {"type": "text"}):
         raise InvalidArgument(
@@ -256,9 +300,7 @@ def _common(body: dict[str, Any], request: decoder_pb2.GenerateRequest, max_toke
 def embed_request(body: dict[str, Any]) -> list[encoder_pb2.EmbedRequest]:
     """POST /v1/embeddings -> one Embed call per input (mean-pooled unless `tandem_pooling` is "none")."""
     items = body.get("input")
-    if isinstance(items, str) or (
-        isinstance(items, list) and items and all(isinstance(t, int) for t in items)
-    ):
+    if isinstance(items, str) or _token_ids(items, "input") is not None:
         items = [items]
     if not isinstance(items, list) or not items:
         raise InvalidArgument("input", "must be a string, a list of strings, or token IDs")
@@ -272,6 +314,9 @@ def embed_request(body: dict[str, Any]) -> list[encoder_pb2.EmbedRequest]:
     pooling = body.get("tandem_pooling", "mean")
     if pooling not in ("mean", "none"):
         raise InvalidArgument("tandem_pooling", f"must be mean or none, got {pooling!r}")
+    if pooling == "none" and encoding != "base64":
+        # Every row as JSON floats is about 20 bytes a value: 64 inputs of rows could make gigabytes.
+        raise InvalidArgument("encoding_format", 'must be "base64" with "tandem_pooling": "none"')
     requests = []
     for i, item in enumerate(items):
         request = encoder_pb2.EmbedRequest(
@@ -281,8 +326,8 @@ def embed_request(body: dict[str, Any]) -> list[encoder_pb2.EmbedRequest]:
         )
         if isinstance(item, str):
             request.text = item
-        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            request.token_ids.ids.extend(item)
+        elif (ids := _token_ids(item, f"input[{i}]")) is not None:
+            request.token_ids.ids.extend(ids)
         elif (
             isinstance(item, dict)
             and item.get("type") == "tandem_image"

@@ -19,8 +19,12 @@ FINISH_REASONS = {
     decoder_pb2.FINISH_REASON_EOS: "stop",
     decoder_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
     decoder_pb2.FINISH_REASON_STOP_TOKEN: "stop",
-    decoder_pb2.FINISH_REASON_ABORTED: "abort",
-}
+}  # FINISH_REASON_ABORTED (the server drained) is no OpenAI reason: it is answered as a 503 (`aborted`)
+LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity: a token the model rules out gets this, as vLLM does
+
+
+def _logprob(value: float) -> float:
+    return value if value > LOWEST_LOGPROB else LOWEST_LOGPROB  # NaN, too: never valid JSON
 
 
 def usage(finished: decoder_pb2.Finished) -> dict[str, Any]:
@@ -42,10 +46,10 @@ def chat_logprobs(delta: decoder_pb2.TokenDelta) -> list[dict[str, Any]]:
         entries.append(
             {
                 "token": text if text else f"token_id:{token_id}",
-                "logprob": logprob,
-                "bytes": list(text.encode()),
+                "logprob": _logprob(logprob),
+                "bytes": list(text.encode()) if text else None,
                 "top_logprobs": [
-                    {"token": f"token_id:{t}", "logprob": lp, "bytes": None}
+                    {"token": f"token_id:{t}", "logprob": _logprob(lp), "bytes": None}
                     for t, lp in zip(top.token_ids, top.logprobs, strict=False)
                 ]
                 if top is not None
@@ -67,6 +71,7 @@ class Completion:
         self.logprobs: list[dict[str, Any]] = []
         self.finished: decoder_pb2.Finished | None = None
         self._text_chunk: tuple[str, str] | None = None  # a text chunk's JSON before and after its text
+        self._text_offset = 0  # characters of text already streamed (completions' logprobs.text_offset)
 
     @property
     def object(self) -> str:
@@ -76,6 +81,10 @@ class Completion:
         self.text.append(delta.text)
         if with_logprobs:
             self.logprobs.extend(chat_logprobs(delta))
+
+    @property
+    def aborted(self) -> bool:
+        return self.finished is not None and self.finished.reason == decoder_pb2.FINISH_REASON_ABORTED
 
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.finished.reason) if self.finished is not None else None
@@ -113,7 +122,8 @@ class Completion:
             choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
         else:
             choice["text"] = text
-            choice["logprobs"] = text_logprobs(logprobs) if logprobs is not None else None
+            choice["logprobs"] = text_logprobs(logprobs, self._text_offset) if logprobs is not None else None
+            self._text_offset += len(text)
         kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {
             "id": self.id,
@@ -148,9 +158,9 @@ class Completion:
         }
 
 
-def text_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The completions endpoint's older logprobs shape."""
-    offsets, position = [], 0
+def text_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
+    """The completions endpoint's older logprobs shape; `start`: characters of the completion before."""
+    offsets, position = [], start
     for entry in entries:
         offsets.append(position)
         position += len(entry["token"]) if not entry["token"].startswith("token_id:") else 0

@@ -69,9 +69,10 @@ async def test_a_callers_open_completions_are_bounded_and_the_rest_answered(
     body = CHAT | {"max_tokens": 200, "stream": True, "temperature": 0}
     try:
         async with aiohttp.ClientSession() as session:
-            first = await session.post(url, json=body)
-            second = await session.post(url, json=body)
-            third = await session.post(url, json=body)
+            # Without tokens checked, a token says nothing: a new one per request is still the same caller.
+            first = await session.post(url, json=body, headers={"Authorization": "Bearer a"})
+            second = await session.post(url, json=body, headers={"Authorization": "Bearer b"})
+            third = await session.post(url, json=body, headers={"Authorization": "Bearer c"})
             assert (first.status, second.status, third.status) == (200, 200, 429)
             assert third.headers["Retry-After"] == "1"
             error = (await third.json())["error"]
@@ -144,6 +145,7 @@ async def test_hostile_bodies_are_400_and_a_neighbour_keeps_streaming(
             b'{"model": "", "prompt": [{"type": "tandem_embeddings", "embeddings": '
             b'{"dtype": "float32", "shape": [1, 64], "data": "%%%"}}]}'
         ),
+        "a lone surrogate": b'{"model": "", "prompt": "x\\ud800"}',
         "rows of the wrong width": (
             b'{"model": "", "prompt": [{"type": "tandem_embeddings", "embeddings": '
             b'{"dtype": "float32", "shape": [1, 3], "data": "AAAAAAAAAAAAAAAA"}}]}'
