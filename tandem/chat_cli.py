@@ -21,7 +21,14 @@ import grpc
 
 from tandem.client.channel import ChannelSecurity
 from tandem.client.client import DecoderClient, EncoderClient, ImageRows
-from tandem.common.flags import CONTEXT_SETTINGS, client_security, client_security_options, option
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    client_security,
+    client_security_options,
+    option,
+    structured_choice,
+    structured_options,
+)
 
 RESET = "/reset"
 
@@ -49,6 +56,7 @@ def command() -> click.Command:
                 show_default="none",
             ),
             option("--encoder-address", "the encoder, for --image", default="127.0.0.1:50051"),
+            *structured_options(),
             *client_security_options(),
         ],
         callback=lambda **values: asyncio.run(run_chat(argparse.Namespace(**values), sys.stdin, sys.stdout)),
@@ -116,7 +124,11 @@ async def _stream_reply(
 ) -> str:
     out.write("assistant> ")
     text = []
-    call = client.chat(history, max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    structured = structured_choice(vars(args))
+    extra = {"structured": structured} if structured is not None else {}
+    call = client.chat(
+        history, max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, **extra
+    )
     async for response in call:
         if response.HasField("delta"):
             text.append(response.delta.text)

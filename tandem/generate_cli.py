@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tandem.common.flags import CONTEXT_SETTINGS, client_security, client_security_options, option
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    client_security,
+    client_security_options,
+    option,
+    structured_choice,
+    structured_options,
+)
 
 if TYPE_CHECKING:
     from tandem.client.channel import ChannelSecurity
@@ -78,6 +85,7 @@ def command() -> click.Command:
             option("--top-k", "sample from the k most likely", type=int, default=None, show_default="0, off"),
             option("--seed", "sampling seed", type=int, default=None, show_default="none, random"),
             option("--stop", "a stop string (repeatable)", multiple=True, show_default="none"),
+            *structured_options(),
             option("--json", "print each raw event as JSON", is_flag=True, default=False),
             *client_security_options(),
             option(
@@ -140,6 +148,13 @@ async def _stream(values: dict[str, Any], security: ChannelSecurity, telemetry: 
     request = decoder_pb2.GenerateRequest(prompt=prompt)
     request.stopping.max_new_tokens = values["max_tokens"]
     request.stopping.stop_sequences.extend(values["stop"])
+    try:
+        structured = structured_choice(values)
+    except OSError as error:
+        print(f"tandem generate: {error}", file=sys.stderr)
+        return 1
+    if structured is not None:
+        request.structured.CopyFrom(structured)
     for name in ("temperature", "top_p", "top_k", "seed"):
         if values[name] is not None:
             setattr(request.sampling, name, values[name])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import time
@@ -97,6 +98,30 @@ def chat_prompt(
     return prompt
 
 
+def structured_output(
+    *,
+    json_schema: str | Mapping[str, object] | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+) -> decoder_pb2.StructuredOutput:
+    """A `structured=` value for generate / chat: exactly one of the arguments (a schema may be a dict)."""
+    given = [json_schema is not None, json_object, regex is not None, choice is not None, grammar is not None]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of json_schema, json_object, regex, choice or grammar")
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        return decoder_pb2.StructuredOutput(json_schema=text)
+    if json_object:
+        return decoder_pb2.StructuredOutput(json_object=True)
+    if regex is not None:
+        return decoder_pb2.StructuredOutput(regex=regex)
+    if choice is not None:
+        return decoder_pb2.StructuredOutput(choice=decoder_pb2.StructuredChoices(choices=list(choice)))
+    return decoder_pb2.StructuredOutput(grammar=grammar)
+
+
 def _set_options(
     request: decoder_pb2.GenerateRequest,
     max_new_tokens: int | None,
@@ -113,6 +138,9 @@ def _set_options(
     if seed is not None:
         request.sampling.seed = seed
     for key, value in stopping_and_output.items():
+        if key == "structured":  # a message field: structured_output() builds it
+            request.structured.CopyFrom(value)  # type: ignore[arg-type]
+            continue
         target: object = request
         if key in request.stopping.DESCRIPTOR.fields_by_name:
             target = request.stopping

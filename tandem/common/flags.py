@@ -246,3 +246,44 @@ def client_security(values: Mapping[str, Any]) -> ChannelSecurity:
         values["auth_token_file"],
         is_tls=values["tls"],
     )
+
+
+# -- structured output, for the client commands ----------------------------------------------------
+
+
+def structured_options() -> list[click.Option]:
+    """--json-schema FILE, --regex, --choice (repeatable) and --grammar FILE: at most one of them."""
+    return [
+        option("--json-schema", "the answer is JSON this schema (a file) validates", type=PATH, default=None,
+               show_default="none"),
+        option("--regex", "the answer matches this regular expression", default=None, show_default="none"),
+        option("--choice", "the answer is one of these strings (repeatable)", multiple=True,
+               show_default="none"),
+        option("--grammar", "the answer follows this Lark grammar (a file)", type=PATH, default=None,
+               show_default="none"),
+    ]  # fmt: skip
+
+
+def structured_choice(values: Mapping[str, Any]) -> Any:
+    """The StructuredOutput message `structured_options` ask for, or None. Raises click.UsageError for
+    two at once, OSError for a file that cannot be read."""
+    from tandem.client.client import structured_output
+
+    given = {
+        name: values[name]
+        for name in ("json_schema", "regex", "choice", "grammar")
+        if values[name] not in (None, ())
+    }
+    if len(given) > 1:
+        raise click.UsageError(
+            f"give at most one of --json-schema, --regex, --choice, --grammar (got {len(given)})"
+        )
+    if "json_schema" in given:
+        return structured_output(json_schema=Path(given["json_schema"]).read_text())
+    if "grammar" in given:
+        return structured_output(grammar=Path(given["grammar"]).read_text())
+    if "regex" in given:
+        return structured_output(regex=given["regex"])
+    if "choice" in given:
+        return structured_output(choice=list(given["choice"]))
+    return None

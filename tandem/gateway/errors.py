@@ -86,6 +86,7 @@ BODY_FIELDS = (
     ("output.top_logprobs", "top_logprobs"),
     ("output.logprobs", "logprobs"),
     ("sampling.", ""),
+    ("structured.", "response_format."),
 )
 
 

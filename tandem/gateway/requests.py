@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 from typing import Any
 
@@ -288,13 +289,54 @@ def _common(body: dict[str, Any], request: decoder_pb2.GenerateRequest, max_toke
         if not is_id or not is_number or not math.isfinite(value):
             raise InvalidArgument("logit_bias", f"maps token IDs to finite numbers; got {key!r}: {value!r}")
         request.sampling.logit_bias[int(key)] = float(value)
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise InvalidArgument(
-            "response_format", 'structured output is not supported yet; only {"type": "text"}'
-        )
+    _structured(body, request)
     for name in ("tools", "functions"):
         if body.get(name):
             raise InvalidArgument(name, "tool calling is not supported")
+
+
+def _structured(body: dict[str, Any], request: decoder_pb2.GenerateRequest) -> None:
+    """OpenAI's `response_format` (json_schema, json_object) and vLLM's `guided_*` extras -> one
+    StructuredOutput; two at once is INVALID_ARGUMENT."""
+    chosen: list[tuple[str, decoder_pb2.StructuredOutput]] = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_schema":
+            inner = response_format.get("json_schema")
+            schema = inner.get("schema") if isinstance(inner, dict) else None
+            if not isinstance(schema, dict | bool):
+                raise InvalidArgument("response_format.json_schema.schema", "must be a JSON schema object")
+            chosen.append(("response_format", decoder_pb2.StructuredOutput(json_schema=json.dumps(schema))))
+        elif kind == "json_object":
+            chosen.append(("response_format", decoder_pb2.StructuredOutput(json_object=True)))
+        elif kind != "text":
+            raise InvalidArgument(
+                "response_format.type", f"must be text, json_object or json_schema, got {kind!r}"
+            )
+    guided_json = body.get("guided_json")
+    if guided_json is not None:
+        if not isinstance(guided_json, dict | str):
+            raise InvalidArgument("guided_json", "must be a JSON schema (an object, or its text)")
+        text = guided_json if isinstance(guided_json, str) else json.dumps(guided_json)
+        chosen.append(("guided_json", decoder_pb2.StructuredOutput(json_schema=text)))
+    for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise InvalidArgument(name, "must be a string")
+            chosen.append((name, decoder_pb2.StructuredOutput(**{kind: value})))
+    guided_choice = body.get("guided_choice")
+    if guided_choice is not None:
+        if not isinstance(guided_choice, list) or not all(isinstance(c, str) for c in guided_choice):
+            raise InvalidArgument("guided_choice", "must be a list of strings")
+        choices = decoder_pb2.StructuredChoices(choices=guided_choice)
+        chosen.append(("guided_choice", decoder_pb2.StructuredOutput(choice=choices)))
+    if len(chosen) > 1:
+        names = ", ".join(name for name, _ in chosen)
+        raise InvalidArgument(chosen[1][0], f"one structured output per request, got {names}")
+    if chosen:
+        request.structured.CopyFrom(chosen[0][1])
 
 
 def embed_request(body: dict[str, Any]) -> list[encoder_pb2.EmbedRequest]:

@@ -19,9 +19,10 @@ from tandem.common import tensors
 from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
-from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.prompt import GenerateSpec
 from tandem.decoder.engine.prompt_logprobs import PromptLogprob
+from tandem.decoder.engine.structured import MAX_CHOICES
 
 _REASONS = {
     FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
@@ -51,6 +52,7 @@ def spec_from_pb(
         cap_max_new_tokens=cap,
         chat=_chat_from_pb(request.chat, limits) if request.HasField("chat") else None,
         speculative_tokens=request.speculative_tokens if request.HasField("speculative_tokens") else None,
+        structured=_structured_from_pb(request.structured) if request.HasField("structured") else None,
     )
 
 
@@ -76,6 +78,21 @@ def _part_from_pb(
     raise InvalidArgument(
         field, "set one of token_ids, embeddings or text" + (", or image" if oneof == "part" else "")
     )
+
+
+def _structured_from_pb(structured: decoder_pb2.StructuredOutput) -> StructuredOutput:
+    kind = structured.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("structured", "set one of json_schema, json_object, regex, choice or grammar")
+    if kind == "choice":
+        if len(structured.choice.choices) > MAX_CHOICES:  # counted before anything is copied
+            raise InvalidArgument("structured.choice", f"at most {MAX_CHOICES} choices")
+        return StructuredOutput(kind, tuple(structured.choice.choices))
+    if kind == "json_object":
+        if not structured.json_object:
+            raise InvalidArgument("structured.json_object", "must be true when set")
+        return StructuredOutput(kind, "")
+    return StructuredOutput(kind, getattr(structured, kind))
 
 
 def _chat_from_pb(chat: decoder_pb2.ChatPrompt, limits: tensors.TensorLimits) -> ChatRequest:

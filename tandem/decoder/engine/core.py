@@ -209,6 +209,10 @@ class EngineCore:
         ]
         sampled = self._sample(logits, rows) if rows else None
         kept = self._verify(items, sampled.token_ids.tolist() if sampled is not None else [])
+        for item, tokens in zip(items, kept, strict=True):  # the grammar takes what was sampled
+            if item.request.constraint is not None:
+                for token_id in tokens:
+                    item.request.constraint.accept(token_id)
         with self.lock:
             self.scheduler.update(plan, {item.request_id: t for item, t in zip(items, kept, strict=True)})
         self.num_steps += 1
@@ -239,6 +243,8 @@ class EngineCore:
             tracked = self._live[request.request_id]
             if tracked.lookup is None or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # no speculation, or a prefill (chunk) to run first
+            if request.constraint is not None:
+                continue  # structured output proposes nothing yet (structured.py)
             lookup = tracked.lookup
             lookup.extend(request.output_token_ids[len(lookup.history) - request.num_prompt_tokens :])
             # The proposal and the token after it must fit max_new_tokens and the context.
@@ -269,11 +275,14 @@ class EngineCore:
             )
             self._batch_key = key
         banned = [row.tracked.output.banned_token_ids(row.ahead) for row in rows]
+        constraints = [row.tracked.request.constraint for row in rows]
+        allowed = [c.allowed() if c is not None else None for c in constraints] if any(constraints) else None
         return self.sampler(
             logits,
             self._batch,
             [_history(row) for row in rows] if self._batch.has_penalties else [[] for _ in rows],
             banned if any(banned) else None,
+            allowed,
         )
 
     def _verify(self, items: list[ScheduledRequest], token_ids: list[int]) -> list[list[int]]:

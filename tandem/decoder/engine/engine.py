@@ -12,6 +12,7 @@ import concurrent.futures
 import itertools
 import logging
 import queue
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ from tandem.decoder.engine.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.decoder.engine.static_shapes import warmup_shapes
 from tandem.decoder.engine.streaming import Mailboxes, stream_events
+from tandem.decoder.engine.structured import GrammarCompiler
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
 
@@ -92,6 +94,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         # The chat template (if any) and the tokenizer's plain-text twin, built once.
         self.chat_template = ChatTemplate.load(Path(config.model_dir), self.tokenizer)
+        self._grammars: GrammarCompiler | None = None  # structured output, made on first use
+        self._grammars_lock = threading.Lock()
         self.max_model_len = sizing.max_model_len(config, self.model_config)
         self.prompt_logprob_budget = PromptLogprobBudget(self.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -265,7 +269,17 @@ class Engine:
             self.chat_template,
             max_token_chars=self.max_token_chars,
             default_speculative_tokens=self.config.speculative_tokens,
+            grammars=self._grammar_compiler,
         )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler, made by the first structured request (llguidance loads then)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+                )
+            return self._grammars
 
     def generate(self, spec: GenerateSpec) -> Iterator[Event]:
         """In-process API: yields Accepted, Delta*, then Finished or Failed. The request pauses while

@@ -124,3 +124,15 @@ class StoppingParams:
 def _check_range(name: str, value: float, low: float, high: float) -> None:
     if math.isnan(value) or not low <= value <= high:
         raise ParamError(name, f"must be in [{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A request's structured output (structured.py compiles it): which kind, and its text."""
+
+    kind: str  # "json_schema", "json_object", "regex", "choice" or "grammar" (Lark)
+    source: str | tuple[str, ...]  # the schema / regex / Lark grammar text, or the choices
+
+    @property
+    def field(self) -> str:
+        return f"structured.{self.kind}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import tokenizers
@@ -32,15 +32,17 @@ from tandem.common.prompt_parts import (
 from tandem.common.text_bounds import check_fits
 from tandem.common.wire_limits import check_request_id
 from tandem.decoder.config import MAX_SPECULATIVE_TOKENS
+from tandem.decoder.engine import structured
 from tandem.decoder.engine.chat import ROLES as CHAT_ROLES
 from tandem.decoder.engine.chat import ChatRequest, ChatTemplate, LocatedPart, literal_tokenizer
 from tandem.decoder.engine.outputs import OutputOptions
-from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.request import EmbeddingSegment, Request, TokenSegment
+from tandem.decoder.engine.structured import GrammarCompiler
 from tandem.decoder.models.config import ModelConfig
 
 # The prompt-part types are tandem/common/prompt_parts.py's; callers of the engine take them from here.
-__all__ = ["EmbeddingPrompt", "GenerateSpec", "PromptPart", "TextPrompt", "build_request"]
+__all__ = ["EmbeddingPrompt", "GenerateSpec", "PromptPart", "StructuredOutput", "TextPrompt", "build_request"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class GenerateSpec:
     # Most tokens a decode step may propose and verify (prompt lookup), 0-16; None = the engine's.
     speculative_tokens: int | None = None
     caller: str = ""  # who sent it (api/caller.py): callers share the batch fairly; "" = anonymous
+    structured: StructuredOutput | None = None  # a grammar the answer must follow (structured.py)
 
 
 def build_request(
@@ -71,6 +74,7 @@ def build_request(
     *,
     max_token_chars: int,  # the most characters one token stands for (tandem/common/text_bounds.py)
     default_speculative_tokens: int = 0,  # for a spec that leaves speculative_tokens unset
+    grammars: Callable[[], GrammarCompiler] | None = None,  # the engine's, made on first use
 ) -> Request:
     """Validate the spec against the model and flatten its prompt into positions.
 
@@ -98,6 +102,14 @@ def build_request(
                 f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {spec.speculative_tokens}",
             )
         speculative_tokens = spec.speculative_tokens
+    if spec.structured is not None:
+        structured.check(spec.structured)
+        if spec.stopping.ignore_eos:
+            raise InvalidArgument(
+                "stopping.ignore_eos", "cannot be combined with structured output: the grammar's end is EOS"
+            )
+        if grammars is None:
+            raise FailedPrecondition("structured", "structured output is not available on this server")
     if spec.chat is not None and spec.prompt:
         raise InvalidArgument("prompt", "set either prompt or chat, not both")
     field_name = "prompt" if spec.chat is None else "chat"
@@ -127,6 +139,9 @@ def build_request(
     request = Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
     request.num_speculative_tokens = speculative_tokens
     request.caller = spec.caller
+    if spec.structured is not None and grammars is not None:  # last: compiling is the dearest rule
+        request.constraint = grammars().constraint(spec.structured)
+        request.num_speculative_tokens = 0  # not composed with speculation yet (structured.py)
     return request
 
 

@@ -14,6 +14,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.client.errors import InvalidArgument
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
@@ -91,6 +92,8 @@ class Request:
     num_speculative_tokens: int = 0
     # Who sent it: callers share the batch fairly (admission_order.py); "" = anonymous.
     caller: str = ""
+    # Structured output: the grammar's state (structured.Constraint); None: unconstrained.
+    constraint: Any = None
 
     # Scheduling state.
     status: RequestStatus = RequestStatus.WAITING  # lifecycle; see RequestStatus

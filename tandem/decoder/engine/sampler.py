@@ -222,12 +222,14 @@ class Sampler:
         batch: SamplingBatch,
         output_token_ids: Sequence[Sequence[int]],  # [batch][num_output], read only with penalties
         min_tokens_mask_ids: Sequence[Sequence[int]] | None = None,  # [batch][*] ids forbidden this step
+        allowed: Sequence[torch.Tensor | None] | None = None,  # [batch] bool [vocab] (a grammar) or None
     ) -> SamplerOutput:
         if logits.shape != (len(batch.generators), batch.vocab_size):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match the sampling batch")
         has_mask = min_tokens_mask_ids is not None and any(min_tokens_mask_ids)
+        has_grammar = allowed is not None and any(mask is not None for mask in allowed)
         if batch.is_all_greedy and not (
-            batch.has_penalties or batch.logit_bias_index is not None or has_mask
+            batch.has_penalties or batch.logit_bias_index is not None or has_mask or has_grammar
         ):
             # Fast path: the processed logits are the raw ones, so no copy and no softmax unless asked.
             return self._output(self.argmax(logits), logits, batch)
@@ -248,6 +250,11 @@ class Sampler:
             rows = [r for r, ids in enumerate(min_tokens_mask_ids) for _ in ids]
             cols = [t for ids in min_tokens_mask_ids for t in ids]
             logits[rows, cols] = float("-inf")
+        if has_grammar:
+            assert allowed is not None
+            for row, mask in enumerate(allowed):
+                if mask is not None:
+                    logits[row].masked_fill_(~mask.to(logits.device), float("-inf"))
         greedy_ids = self.argmax(logits)  # [batch]
         if batch.is_all_greedy:
             return self._output(greedy_ids, logits, batch)

@@ -210,3 +210,35 @@ async def test_vllms_extra_parameters_reach_the_decoder(live: Live) -> None:
             extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1},
         )  # fmt: skip
     assert reply.usage.completion_tokens == 20 and reply.choices[0].finish_reason == "length"
+
+
+async def test_response_format_json_schema_gives_json_the_schema_validates(live: Live) -> None:
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "rank": {"enum": [1, 2, 3]}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    async with _client(live) as client:
+        reply = await client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=64,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        )  # fmt: skip
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+        choice = await client.completions.create(
+            model="", prompt=PROMPT, max_tokens=8, extra_body={"guided_choice": ["up", "down"]}
+        )
+        assert choice.choices[0].text in ("up", "down")
+        with pytest.raises(openai.BadRequestError) as error:
+            await client.completions.create(
+                model="", prompt=PROMPT, extra_body={"guided_regex": "a+", "guided_choice": ["x"]}
+            )
+        assert error.value.body["param"] == "guided_choice"
+        with pytest.raises(openai.BadRequestError) as error:
+            await client.completions.create(model="", prompt=PROMPT, extra_body={"guided_regex": "(("})
+        assert error.value.body["param"] == "response_format.regex"

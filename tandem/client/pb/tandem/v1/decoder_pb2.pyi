@@ -479,6 +479,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     PLAIN_TEXT_FIELD_NUMBER: _builtins.int
     SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen ID echoed in every response and in traces, at most 128 bytes. A label only: the
     server never looks a request up by it, so it need not be unique, and reusing one (even right
@@ -525,6 +526,10 @@ class GenerateRequest(_message.Message):
         end-of-turn token (e.g. "<|im_end|>") then also ends generation and is left out of the text.
         """
 
+    @_builtins.property
+    def structured(self) -> Global___StructuredOutput:
+        """Structured output: the answer follows this grammar, so it parses. Unset: free text."""
+
     def __init__(
         self,
         *,
@@ -537,16 +542,87 @@ class GenerateRequest(_message.Message):
         chat: Global___ChatPrompt | None = ...,
         plain_text: _builtins.bool = ...,
         speculative_tokens: _builtins.int | None = ...,
+        structured: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "chat", b"chat", "output", b"output", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "chat", b"chat", "output", b"output", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping", "structured", b"structured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "chat", b"chat", "model", b"model", "output", b"output", "plain_text", b"plain_text", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "chat", b"chat", "model", b"model", "output", b"output", "plain_text", b"plain_text", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping", "structured", b"structured"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__speculative_tokens: _TypeAlias = _typing.Literal["speculative_tokens"]  # noqa: Y015
     _WhichOneofArgType__speculative_tokens: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__speculative_tokens) -> _WhichOneofReturnType__speculative_tokens | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class StructuredOutput(_message.Message):
+    """A grammar the answer must follow: each step samples only tokens the grammar accepts next, and the
+    model's EOS only where the grammar may end. An answer that ends with FINISH_REASON_EOS parses; one
+    cut by max_new_tokens (FINISH_REASON_LENGTH) may not. Not combined with ignore_eos; a constrained
+    request does not speculate. Compiled with llguidance, cached by content.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON schema, as JSON text; the answer is one JSON value it validates, without extra whitespace."""
+    json_object: _builtins.bool
+    """Any JSON object."""
+    regex: _builtins.str
+    """A regular expression the whole answer matches (Rust regex syntax)."""
+    grammar: _builtins.str
+    """A Lark grammar, in llguidance's dialect (its `start` rule is the answer)."""
+    @_builtins.property
+    def choice(self) -> Global___StructuredChoices:
+        """Exactly one of these strings (1 to 1,024, none empty)."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        choice: Global___StructuredChoices | None = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StructuredOutput: _TypeAlias = StructuredOutput  # noqa: Y015
+
+@_typing.final
+class StructuredChoices(_message.Message):
+    """The strings of a `choice`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """In any order."""
+
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StructuredChoices: _TypeAlias = StructuredChoices  # noqa: Y015
 
 @_typing.final
 class PromptAccepted(_message.Message):

@@ -1,0 +1,146 @@
+"""Structured output: a grammar constrains which tokens a request may sample, so its answer parses.
+
+llguidance does the grammar work (JSON schema, regular expressions, Lark grammars; a choice among
+strings is a regular expression of them). One `GrammarCompiler` per engine holds the tokenizer in
+llguidance's form (built once: about a second for a 50k vocabulary) and a cache of compiled grammars
+by content; each request gets its own `Constraint` (a matcher: the grammar's state after the tokens
+sampled so far). Compiling and the first matcher run in the request builder's thread, before the
+request is queued, under llguidance's parser limits, so a hostile schema costs its caller an
+INVALID_ARGUMENT and nothing else. Each step the constraint's allowed tokens mask the request's logits
+(the model's EOS only where the grammar may end); after the step it takes the sampled token.
+
+What is not composed yet: speculative decoding (a constrained request proposes nothing, so it decodes
+one token a step) and `ignore_eos` (refused: the grammar's end is the model's EOS).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import tokenizers
+import torch
+
+from tandem.client.errors import InvalidArgument
+from tandem.decoder.engine.params import StructuredOutput
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SOURCE_CHARS = 64 * 1024  # a schema, regex or grammar: its text
+MAX_CHOICES = 1024
+CACHE_SIZE = 256  # compiled grammars kept, by content
+
+
+def check(spec: StructuredOutput) -> None:
+    """The cheap rules, before anything is compiled: sizes and types."""
+    if spec.kind not in KINDS:
+        raise InvalidArgument("structured", f"kind must be one of {', '.join(KINDS)}, got {spec.kind!r}")
+    if spec.kind == "choice":
+        choices = spec.source
+        if not isinstance(choices, tuple) or not choices or len(choices) > MAX_CHOICES:
+            raise InvalidArgument(spec.field, f"must hold 1 to {MAX_CHOICES} strings")
+        if any(not choice for choice in choices) or sum(map(len, choices)) > MAX_SOURCE_CHARS:
+            raise InvalidArgument(
+                spec.field, f"choices must be non-empty, {MAX_SOURCE_CHARS} characters in all"
+            )
+        return
+    if not isinstance(spec.source, str) or (spec.kind != "json_object" and not spec.source):
+        raise InvalidArgument(spec.field, "must not be empty")
+    if len(spec.source) > MAX_SOURCE_CHARS:
+        raise InvalidArgument(spec.field, f"{len(spec.source)} characters exceed {MAX_SOURCE_CHARS}")
+
+
+class Constraint:
+    """One request's grammar state. Not thread-safe: the engine thread alone uses it after building."""
+
+    def __init__(self, matcher: object, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens the grammar accepts next."""
+        words = np.frombuffer(self._matcher.compute_bitmask(), dtype="<u4")  # type: ignore[attr-defined]
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        mask = np.zeros(self.vocab_size, dtype=bool)
+        mask[: bits.shape[0]] = bits.astype(bool)
+        return torch.from_numpy(mask)
+
+    def accept(self, token_id: int) -> None:
+        self._matcher.consume_token(token_id)  # type: ignore[attr-defined]
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self._matcher.is_error())  # type: ignore[attr-defined]
+
+
+class GrammarCompiler:
+    """The engine's llguidance tokenizer and compiled-grammar cache."""
+
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        import llguidance  # on first structured request: a text-only server never loads it
+
+        self._llguidance = llguidance
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        )
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
+        self._cache: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._lock = threading.Lock()  # request builders may compile concurrently
+
+    def constraint(self, spec: StructuredOutput) -> Constraint:
+        """A fresh matcher for `spec`. Raises InvalidArgument naming the field for what does not compile."""
+        check(spec)
+        grammar = self._grammar(spec)
+        matcher = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise InvalidArgument(spec.field, f"does not compile: {_short(matcher.get_error())}")
+        return Constraint(matcher, self.vocab_size)
+
+    def _grammar(self, spec: StructuredOutput) -> str:
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        grammar = self._compile(spec)
+        is_error, messages = self._llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self._tokenizer
+        )
+        if is_error:
+            raise InvalidArgument(spec.field, f"does not compile: {_short(messages[0] if messages else '')}")
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, spec: StructuredOutput) -> str:
+        matcher = self._llguidance.LLMatcher
+        if spec.kind == "json_schema":
+            try:
+                schema = json.loads(spec.source)  # type: ignore[arg-type]
+            except (ValueError, RecursionError) as e:
+                raise InvalidArgument(spec.field, f"is not valid JSON: {_short(str(e))}") from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidArgument(spec.field, "must be a JSON schema object")
+            try:
+                return matcher.grammar_from_json_schema(spec.source, defaults={"whitespace_flexible": False})
+            except (ValueError, TypeError) as e:
+                raise InvalidArgument(spec.field, f"is not a usable JSON schema: {_short(str(e))}") from None
+        if spec.kind == "json_object":
+            return matcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults={"whitespace_flexible": False}
+            )
+        if spec.kind == "regex":
+            return matcher.grammar_from_regex(spec.source)  # type: ignore[arg-type]
+        if spec.kind == "choice":
+            return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.source))
+        return matcher.grammar_from_lark(spec.source)  # type: ignore[arg-type]
+
+
+def _short(message: str) -> str:
+    return " ".join(message.split())[:300]

@@ -1,0 +1,167 @@
+"""Structured output through a live decoder (the tiny random model, so only the grammar makes its
+answers parse): JSON schemas, json_object, regular expressions, choices and Lark grammars, greedy and
+sampled, alone and in a batch with free requests, from token, embedding and chat prompts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import grpc
+import jsonschema
+import pytest
+import torch
+
+from tandem.client.client import structured_output
+from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.common import tensors
+from tests.integration.decoder.conftest import Served
+
+S = {"type": "string", "maxLength": 8}
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+def obj(**properties: dict) -> dict:
+    """An object with exactly these properties (extra ones would let a random model write keys forever)."""
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+SCHEMAS = [
+    obj(name=S),
+    obj(age={"type": "integer", "minimum": 0, "maximum": 120}),
+    obj(ok={"type": "boolean"}),
+    obj(color={"enum": ["red", "green", "blue"]}),
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {"type": "array", "items": S, "maxItems": 3},
+    obj(tags={"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}),
+    obj(inner=obj(x=DIGIT)),
+    obj(code={"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}),
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "boolean"}]},
+    obj(v={"anyOf": [S, {"type": "null"}]}),
+    obj(a={"type": "integer", "minimum": 1, "maximum": 3}, b=S),
+    {"enum": ["yes", "no", 1, None]},
+    obj(points={"type": "array", "maxItems": 2, "items": obj(x=DIGIT)}),
+    {"type": "string", "maxLength": 12},
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    obj(kind={"const": "point"}, n={"type": "integer", "minimum": 0, "maximum": 5}),
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [1, 2]}], "items": False},
+    obj(email={"type": "string", "pattern": "^[a-z]{1,5}@[a-z]{1,5}\\.com$"}),
+    obj(level={"enum": [0.5, 1.5, 2.5]}, on={"type": "boolean"}),
+]
+PROMPT = "Answer in JSON:"
+
+
+async def _answer(decoder: Served, structured, **kwargs) -> tuple[str, decoder_pb2.Finished]:
+    kwargs.setdefault("max_new_tokens", 160)
+    return await decoder.client.generate_text([PROMPT], structured=structured, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+async def test_every_answer_to_twenty_schemas_validates(decoder: Served, temperature: float) -> None:
+    for i, schema in enumerate(SCHEMAS):
+        text, finished = await _answer(
+            decoder, structured_output(json_schema=schema), temperature=temperature, seed=i
+        )
+        assert finished.reason == decoder_pb2.FINISH_REASON_EOS, (i, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+async def test_a_batch_of_sixteen_mixing_constrained_and_free_requests(decoder: Served) -> None:
+    async def free() -> str:
+        return (await decoder.client.generate_text([PROMPT], max_new_tokens=24, temperature=0))[0]
+
+    alone = await free()
+    schemas = SCHEMAS[:12]
+    results = await asyncio.gather(
+        *(_answer(decoder, structured_output(json_schema=s), temperature=0.8, seed=7) for s in schemas),
+        *(free() for _ in range(4)),
+    )
+    for schema, (text, finished) in zip(schemas, results[:12], strict=True):
+        assert finished.reason == decoder_pb2.FINISH_REASON_EOS
+        jsonschema.validate(json.loads(text), schema)
+    assert all(text == alone for text in results[12:])  # free neighbours are untouched
+
+
+async def test_the_same_seed_gives_the_same_answer(decoder: Served) -> None:
+    schema = structured_output(json_schema=SCHEMAS[5])
+    first = await _answer(decoder, schema, temperature=1.0, seed=11)
+    second = await _answer(decoder, schema, temperature=1.0, seed=11)
+    assert first[0] == second[0]
+
+
+async def test_regex_choice_json_object_and_a_lark_grammar(decoder: Served) -> None:
+    text, _ = await _answer(decoder, structured_output(regex="[0-9]{3}-[a-z]{2}"), temperature=1.0, seed=3)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text)
+    text, _ = await _answer(decoder, structured_output(choice=["positive", "negative", "neutral"]))
+    assert text in ("positive", "negative", "neutral")
+    text, finished = await _answer(decoder, structured_output(json_object=True), max_new_tokens=256)
+    if finished.reason == decoder_pb2.FINISH_REASON_EOS:
+        assert isinstance(json.loads(text), dict)
+    grammar = 'start: "(" num ("+" num)* ")"\nnum: /[1-9]/'
+    text, _ = await _answer(decoder, structured_output(grammar=grammar), temperature=1.0, seed=5)
+    assert re.fullmatch(r"\([1-9](\+[1-9])*\)", text), text
+
+
+async def test_embedding_and_chat_prompts_and_speculation_compose(decoder: Served, tiny_fp32) -> None:
+    schema = SCHEMAS[11]
+    ids = tiny_fp32.tokenizer.encode(PROMPT).ids
+    rows = tensors.encode(tiny_fp32.model.embed_tokens.weight[torch.tensor(ids)].detach())
+    as_rows, _ = await decoder.client.generate_text(
+        [rows], structured=structured_output(json_schema=schema), max_new_tokens=160, temperature=0
+    )
+    as_ids, _ = await decoder.client.generate_text(
+        [ids], structured=structured_output(json_schema=schema), max_new_tokens=160, temperature=0
+    )
+    assert as_rows == as_ids
+    jsonschema.validate(json.loads(as_rows), schema)
+    chat, finished = await decoder.client.chat_text(
+        [{"role": "user", "content": PROMPT}], structured=structured_output(json_schema=schema), temperature=0
+    )
+    assert finished.reason == decoder_pb2.FINISH_REASON_EOS
+    jsonschema.validate(json.loads(chat), schema)
+    speculated, _ = await decoder.client.generate_text(
+        [ids], structured=structured_output(json_schema=schema), max_new_tokens=160, temperature=0,
+        speculative_tokens=4,
+    )  # fmt: skip
+    assert speculated == as_ids
+
+
+async def test_a_cut_answer_says_length(decoder: Served) -> None:
+    _, finished = await _answer(decoder, structured_output(json_schema=SCHEMAS[7]), max_new_tokens=2)
+    assert finished.reason == decoder_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize(
+    ("structured", "kwargs", "field"),
+    [
+        (decoder_pb2.StructuredOutput(json_schema="{not json"), {}, "structured.json_schema"),
+        (decoder_pb2.StructuredOutput(json_schema="[1, 2]"), {}, "structured.json_schema"),
+        (decoder_pb2.StructuredOutput(regex="(("), {}, "structured.regex"),
+        (decoder_pb2.StructuredOutput(grammar="start: undefined_rule"), {}, "structured.grammar"),
+        (decoder_pb2.StructuredOutput(regex="x" * 70_000), {}, "structured.regex"),
+        (decoder_pb2.StructuredOutput(choice=decoder_pb2.StructuredChoices()), {}, "structured.choice"),
+        (structured_output(choice=["a", ""]), {}, "structured.choice"),
+        (decoder_pb2.StructuredOutput(), {}, "structured"),
+        (decoder_pb2.StructuredOutput(regex="a"), {"ignore_eos": True}, "stopping.ignore_eos"),
+    ],
+)  # fmt: skip
+async def test_a_bad_grammar_is_invalid_argument_naming_the_field(
+    decoder: Served, structured, kwargs, field: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _answer(decoder, structured, **kwargs)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith(field), error.value.details()
+    text, _ = await _answer(decoder, structured_output(regex="ok"))  # and it keeps serving
+    assert text == "ok"
