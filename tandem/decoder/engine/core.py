@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ from tandem.decoder.engine.prompt_lookup import PromptLookup, verified_tokens
 from tandem.decoder.engine.request import Request, RequestStatus
 from tandem.decoder.engine.runner import ModelRunner
 from tandem.decoder.engine.sampler import Sampler, SamplerOutput, SamplingBatch
-from tandem.decoder.engine.scheduler import ScheduledRequest, Scheduler
+from tandem.decoder.engine.scheduler import ScheduledRequest, Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,25 @@ class _Row:
     ahead: int  # 0 = the token after the last sampled one; j = after j proposed tokens
 
 
+def _has_constraint(plan: StepPlan) -> bool:
+    return any(item.needs_logits and item.request.constraint is not None for item in plan.scheduled)
+
+
+def _grammar_masks(plan: StepPlan) -> list[torch.Tensor | None]:
+    """One entry per sampled row of `plan`, in the order `step` builds its rows: the grammar's allowed
+    tokens for a constrained request's row (after the proposed tokens before it), None otherwise."""
+    masks: list[torch.Tensor | None] = []
+    for item in plan.scheduled:
+        if not item.needs_logits:
+            continue
+        constraint = item.request.constraint
+        if constraint is None:
+            masks.extend([None] * (1 + item.num_draft_tokens))
+        else:
+            masks.extend(constraint.masks_along(item.request.draft_token_ids[: item.num_draft_tokens]))
+    return masks
+
+
 class EngineCore:
     def __init__(
         self,
@@ -95,6 +115,7 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.speculative_max_batch = speculative_max_batch
         self.sampler = Sampler(argmax=runner.executor.argmax)
+        self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks beside the forward pass
         self.lock = threading.Lock()  # guards scheduler and _live against submit/abort threads
         self._live: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
@@ -200,6 +221,8 @@ class EngineCore:
                 tracked.output.record(
                     "prefill_chunk", now, {"positions.start": item.start, "positions.end": item.end}
                 )
+        # Grammar masks on a helper thread while the model runs the step (structured.py).
+        masks = self._masks().submit(_grammar_masks, plan) if _has_constraint(plan) else None
         output = self.runner.execute(plan)
         logits = output.logits  # [num_sampled_positions, vocab]
         self._add_prompt_logprobs(output.prompt_logprobs)
@@ -207,7 +230,8 @@ class EngineCore:
         rows = [
             _Row(self._live[item.request_id], j) for item in items for j in range(1 + item.num_draft_tokens)
         ]
-        sampled = self._sample(logits, rows) if rows else None
+        allowed = masks.result() if masks is not None else None
+        sampled = self._sample(logits, rows, allowed) if rows else None
         kept = self._verify(items, sampled.token_ids.tolist() if sampled is not None else [])
         for item, tokens in zip(items, kept, strict=True):  # the grammar takes what was sampled
             if item.request.constraint is not None:
@@ -217,6 +241,16 @@ class EngineCore:
             self.scheduler.update(plan, {item.request_id: t for item, t in zip(items, kept, strict=True)})
         self.num_steps += 1
         self._emit(items, kept, sampled, time.monotonic())
+
+    def _masks(self) -> ThreadPoolExecutor:
+        if self._mask_pool is None:  # made by the first constrained step
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-grammar")
+        return self._mask_pool
+
+    def close(self) -> None:
+        """Stops the grammar-mask thread (the engine's shutdown)."""
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
     def fail_all(self, error: TandemError) -> None:
         """End every live request with `error` (an engine fault or shutdown) and free its blocks."""
@@ -243,8 +277,6 @@ class EngineCore:
             tracked = self._live[request.request_id]
             if tracked.lookup is None or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # no speculation, or a prefill (chunk) to run first
-            if request.constraint is not None:
-                continue  # structured output proposes nothing yet (structured.py)
             lookup = tracked.lookup
             lookup.extend(request.output_token_ids[len(lookup.history) - request.num_prompt_tokens :])
             # The proposal and the token after it must fit max_new_tokens and the context.
@@ -252,9 +284,14 @@ class EngineCore:
                 request.stopping.max_new_tokens - request.num_output_tokens,
                 tracked.output.max_model_len - request.num_tokens,
             )
-            request.draft_token_ids = lookup.propose(min(tracked.num_to_propose, room - 1))
+            draft = lookup.propose(min(tracked.num_to_propose, room - 1))
+            if request.constraint is not None:  # only what the grammar accepts is worth verifying
+                draft = draft[: request.constraint.valid_prefix(draft)]
+            request.draft_token_ids = draft
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> SamplerOutput:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[_Row], allowed: list[torch.Tensor | None] | None = None
+    ) -> SamplerOutput:
         key = tuple((row.tracked.request.request_id, row.ahead) for row in rows)
         for row in rows:  # a seeded row's noise is its output position's, whatever the step
             request = row.tracked.request
@@ -275,8 +312,6 @@ class EngineCore:
             )
             self._batch_key = key
         banned = [row.tracked.output.banned_token_ids(row.ahead) for row in rows]
-        constraints = [row.tracked.request.constraint for row in rows]
-        allowed = [c.allowed() if c is not None else None for c in constraints] if any(constraints) else None
         return self.sampler(
             logits,
             self._batch,

@@ -170,6 +170,7 @@ class Engine:
         self.chat_template.close()
         self._thread.stop()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
+        self.core.close()
         if self.core.runner.peers is not None and self._thread.error is None:
             try:
                 self.core.runner.peers.stop()  # the other ranks' worker loops end

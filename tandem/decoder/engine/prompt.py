@@ -141,7 +141,6 @@ def build_request(
     request.caller = spec.caller
     if spec.structured is not None and grammars is not None:  # last: compiling is the dearest rule
         request.constraint = grammars().constraint(spec.structured)
-        request.num_speculative_tokens = 0  # not composed with speculation yet (structured.py)
     return request
 
 

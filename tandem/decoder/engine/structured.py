@@ -9,8 +9,11 @@ request is queued, under llguidance's parser limits, so a hostile schema costs i
 INVALID_ARGUMENT and nothing else. Each step the constraint's allowed tokens mask the request's logits
 (the model's EOS only where the grammar may end); after the step it takes the sampled token.
 
-What is not composed yet: speculative decoding (a constrained request proposes nothing, so it decodes
-one token a step) and `ignore_eos` (refused: the grammar's end is the model's EOS).
+Speculation composes: a proposal is cut at its first token the grammar refuses, and each verifying
+row is masked by the grammar's state after the proposed tokens before it (`masks_along`, rolled back
+after), so verification samples exactly what plain constrained steps would. The masks of a step are
+computed on a helper thread while the model runs the step (llguidance releases the GIL). Refused:
+`ignore_eos` (the grammar's end is the model's EOS).
 """
 
 from __future__ import annotations
@@ -69,6 +72,23 @@ class Constraint:
 
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # type: ignore[attr-defined]
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` the grammar accepts in order from here (a proposal is cut there)."""
+        if not token_ids:
+            return 0
+        return int(self._matcher.validate_tokens(token_ids))  # type: ignore[attr-defined]
+
+    def masks_along(self, token_ids: list[int]) -> list[torch.Tensor]:
+        """The allowed tokens here and after each of `token_ids` (a proposal the grammar accepts):
+        1 + len(token_ids) masks, one per row verifying it. The state is left where it was."""
+        masks = [self.allowed()]
+        for token_id in token_ids:
+            self._matcher.consume_token(token_id)  # type: ignore[attr-defined]
+            masks.append(self.allowed())
+        if token_ids:
+            self._matcher.rollback(len(token_ids))  # type: ignore[attr-defined]
+        return masks
 
     @property
     def is_error(self) -> bool:

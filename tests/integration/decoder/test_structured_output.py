@@ -137,6 +137,27 @@ async def test_embedding_and_chat_prompts_and_speculation_compose(decoder: Serve
     assert speculated == as_ids
 
 
+async def test_speculation_proposes_only_what_the_grammar_accepts_and_changes_nothing(
+    decoder: Served,
+) -> None:
+    """A prompt full of the answer's shape gives prompt lookup proposals to verify; the grammar cuts each
+    at its first refused token and masks every verifying row, so the tokens are plain decoding's."""
+    schema = {"type": "array", "items": {"enum": ["ab", "cd", "ef"]}, "minItems": 6, "maxItems": 6}
+    prompt = ['["ab","cd","ef","ab","cd","ef"] ["ab","cd","ef","ab","cd","ef"] ["ab","cd"']
+    for temperature in (0.0, 1.0):
+        plain, _ = await decoder.client.generate_text(
+            prompt, structured=structured_output(json_schema=schema), temperature=temperature, seed=2,
+            max_new_tokens=64,
+        )  # fmt: skip
+        fast, finished = await decoder.client.generate_text(
+            prompt, structured=structured_output(json_schema=schema), temperature=temperature, seed=2,
+            max_new_tokens=64, speculative_tokens=6,
+        )  # fmt: skip
+        assert fast == plain and json.loads(fast)
+        jsonschema.validate(json.loads(fast), schema)
+        assert finished.proposed_tokens > 0, finished
+
+
 async def test_a_cut_answer_says_length(decoder: Served) -> None:
     _, finished = await _answer(decoder, structured_output(json_schema=SCHEMAS[7]), max_new_tokens=2)
     assert finished.reason == decoder_pb2.FINISH_REASON_LENGTH
