@@ -5,21 +5,22 @@
 // and exits 1.
 //
 //   node generate.js ADDRESS PROMPT MAX_TOKENS [--embedding-rows N --hidden H] [--ignore-eos]
-//                    [--temperature T] [--seed S]
+//                    [--temperature T] [--seed S] [--json-schema FILE | --regex RE | --choice A,B,...]
 //                    [--tls] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE] [--auth-token-file FILE]
 //
 // ADDRESS is host:port, several host:port,host:port (balanced, health-checked) or dns:///name:port.
 // --embedding-rows N --hidden H puts an embedding segment of N x H float32 zeros first in the
 // prompt (H must be the model's hidden size; GetModelInfo reports it). An empty PROMPT sends no
-// text segment.
+// text segment. --json-schema, --regex and --choice constrain the answer (structured output).
 "use strict";
 
+const fs = require("node:fs");
 const { securityFlags } = require("./client");
 const { decoderClient, zeroEmbeddings, finishOnEnd } = require("./decoder");
 
 function parseArgs(argv) {
   const positional = [];
-  const options = { embeddingRows: 0, hidden: 0, ignoreEos: false, temperature: null, seed: null };
+  const options = { embeddingRows: 0, hidden: 0, ignoreEos: false, temperature: null, seed: null, structured: null };
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i];
     const value = () => {
@@ -31,6 +32,9 @@ function parseArgs(argv) {
     else if (arg === "--temperature") options.temperature = value();
     else if (arg === "--seed") options.seed = value();
     else if (arg === "--ignore-eos") options.ignoreEos = true;
+    else if (arg === "--json-schema") options.structured = { json_schema: fs.readFileSync(argv[++i], "utf8") };
+    else if (arg === "--regex") options.structured = { regex: argv[++i] };
+    else if (arg === "--choice") options.structured = { choice: { choices: argv[++i].split(",") } };
     else positional.push(arg);
   }
   if (positional.length !== 3) {
@@ -47,11 +51,13 @@ function buildRequest(args) {
   const sampling = {};
   if (args.temperature !== null) sampling.temperature = args.temperature;
   if (args.seed !== null) sampling.seed = args.seed;
-  return {
+  const request = {
     prompt,
     sampling,
     stopping: { max_new_tokens: args.maxTokens, ignore_eos: args.ignoreEos },
   };
+  if (args.structured !== null) request.structured = args.structured;
+  return request;
 }
 
 function main() {

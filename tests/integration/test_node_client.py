@@ -4,6 +4,7 @@ TLS and bearer tokens, the encoder, and balancing over replicas with health chec
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -163,6 +164,24 @@ def test_node_chat_streams_a_reply_through_the_models_template(
     assert text == expected
     assert summary["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS")
     assert summary["output_tokens"] >= 1
+
+
+def test_node_client_constrains_the_answer_with_a_json_schema_a_regex_or_a_choice(
+    node_client: Path, decoder: LiveDecoder, tmp_path: Path
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    result = _run_node(
+        node_client, decoder.address, PROMPT, "32", "--json-schema", str(tmp_path / "schema.json")
+    )
+    assert result.returncode == 0, result.stderr
+    text, summary = _text_and_summary(result.stdout)
+    assert summary["finish_reason"] == "FINISH_REASON_EOS" and 0 <= json.loads(text)["n"] <= 9
+    result = _run_node(node_client, decoder.address, PROMPT, "16", "--regex", "[a-c]{4}")
+    assert re.fullmatch("[a-c]{4}", _text_and_summary(result.stdout)[0]), result.stdout
+    result = _run_node(node_client, decoder.address, PROMPT, "16", "--choice", "left,right")
+    assert _text_and_summary(result.stdout)[0] in ("left", "right")
 
 
 def test_node_client_balances_over_replicas_skipping_one_that_is_not_serving(

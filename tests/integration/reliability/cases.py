@@ -66,6 +66,12 @@ def _chat_with_kwargs(kwargs: dict) -> decoder_pb2.GenerateRequest:
     return decoder_pb2.GenerateRequest(chat=chat)
 
 
+def structured(output: decoder_pb2.StructuredOutput, **fields: object) -> decoder_pb2.GenerateRequest:
+    request = gen(**fields)
+    request.structured.CopyFrom(output)
+    return request
+
+
 def embed(**fields: object) -> encoder_pb2.EmbedRequest:
     return encoder_pb2.EmbedRequest(**fields)
 
@@ -379,6 +385,34 @@ CASES: list[Case] = [
         ),
         grpc.StatusCode.FAILED_PRECONDITION,
         "chat.messages[0].content[0].image",
+    ),
+    Case(
+        "structured JSON schema that is not JSON",
+        "Generate",
+        lambda: structured(decoder_pb2.StructuredOutput(json_schema="{oops")),
+        INVALID,
+        "structured.json_schema",
+    ),
+    Case(
+        "structured regex that does not compile",
+        "Generate",
+        lambda: structured(decoder_pb2.StructuredOutput(regex="((")),
+        INVALID,
+        "structured.regex",
+    ),
+    Case(
+        "structured grammar of 70,000 characters",
+        "Generate",
+        lambda: structured(decoder_pb2.StructuredOutput(grammar="x" * 70_000)),
+        INVALID,
+        "structured.grammar",
+    ),
+    Case(
+        "structured output with ignore_eos",
+        "Generate",
+        lambda: structured(decoder_pb2.StructuredOutput(regex="a"), stopping__ignore_eos=True),
+        INVALID,
+        "stopping.ignore_eos",
     ),
     Case(
         "template_kwargs of 300 nested fields",
