@@ -186,3 +186,81 @@ async def test_a_bad_grammar_is_invalid_argument_naming_the_field(
     assert error.value.details().startswith(field), error.value.details()
     text, _ = await _answer(decoder, structured_output(regex="ok"))  # and it keeps serving
     assert text == "ok"
+
+
+async def test_batch_invariant_serving_keeps_the_grammar(tiny_model_dir, tiny_fp32) -> None:
+    from tests.integration.decoder.conftest import serve, shutdown
+
+    served = await serve(tiny_model_dir, tiny_fp32, batch_invariant=True)
+    try:
+        schema = SCHEMAS[11]
+        results = await asyncio.gather(
+            *(
+                _answer(served, structured_output(json_schema=schema), temperature=1.0, seed=s)
+                for s in range(4)
+            )
+        )
+        for text, finished in results:
+            assert finished.reason == decoder_pb2.FINISH_REASON_EOS
+            jsonschema.validate(json.loads(text), schema)
+    finally:
+        await shutdown(served)
+
+
+async def test_stop_strings_end_a_constrained_answer_early(decoder: Served) -> None:
+    text, finished = await _answer(decoder, structured_output(regex="(ab,){20}"), stop_sequences=[",ab,"])
+    assert finished.reason == decoder_pb2.FINISH_REASON_STOP_SEQUENCE and text == "ab"  # before the stop
+
+
+async def test_tandem_generate_takes_a_json_schema_file_and_a_choice(decoder: Served, tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMAS[3]))
+    repo = Path(__file__).resolve().parents[3]
+
+    async def run(*args: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tandem.cli", "generate", "--address", decoder.server.address,
+            "--prompt", PROMPT, "--max-tokens", "64", "--temperature", "0", *args,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=repo,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(process.communicate(), 120)
+        return process.returncode or 0, out.decode(), err.decode()
+
+    code, out, err = await run("--json-schema", str(schema_file))
+    assert code == 0, err
+    jsonschema.validate(json.loads(out.split("\n[")[0]), SCHEMAS[3])
+    code, out, _ = await run("--choice", "left", "--choice", "right")
+    assert out.split("\n[")[0] in ("left", "right")
+    code, _, err = await run("--regex", "a", "--choice", "b")
+    assert code == 2 and "at most one of" in err
+
+
+async def test_a_hostile_grammar_costs_its_caller_an_error_while_health_answers(decoder: Served) -> None:
+    """Sources built to explode a compiler: llguidance's parser limits refuse them, in the request
+    builder's thread, while the server's health keeps answering within a second."""
+    import time
+
+    hostile = [
+        structured_output(regex="(" * 2000 + "a" + ")*" * 2000),
+        structured_output(regex="(a|aa|aaa|aaaa)*(b|bb|bbb){1000}[a-z]{1000}"),
+        structured_output(json_schema={"anyOf": [{"type": "string", "pattern": f"^a{{{i}}}b+$"} for i in range(400)]}),  # noqa: E501
+        structured_output(grammar="start: " + " | ".join(f'"t{i}" start' for i in range(5000))),
+    ]  # fmt: skip
+    worst = 0.0
+    for structured in hostile:
+        task = asyncio.ensure_future(_answer(decoder, structured, max_new_tokens=4))
+        while not task.done():
+            start = time.monotonic()
+            await decoder.client.health(timeout=1.0)
+            worst = max(worst, time.monotonic() - start)
+            await asyncio.sleep(0.05)
+        try:
+            await task  # refused (INVALID_ARGUMENT) or, within the limits, answered
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+            assert error.details().startswith("structured."), error.details()
+    assert worst < 1.0
