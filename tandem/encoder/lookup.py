@@ -68,6 +68,19 @@ def read_tokenizer(model_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+def as_decoder_has_it(table: torch.Tensor, dtype: torch.dtype, quantization: str, name: str) -> torch.Tensor:
+    """The token table as the decoder holds it: the same cast its loader applies, so rows match its
+    embed_tokens exactly, and rounded as its --quantization int8 / int4 rounds it (8-bit per row), for
+    the same reason. Raises EmbedderLoadError naming the weight."""
+    table = table.to(dtype)
+    if quantization == "none":
+        return table
+    try:
+        return quantize_table(table).dequantize(dtype)
+    except ValueError as e:  # rows not a whole number of blocks of 32
+        raise EmbedderLoadError(f"--quantization {quantization}: {name}: {e}") from None
+
+
 class LookupEmbedder:
     """Rows of the decoder's embedding table, indexed by the decoder tokenizer's IDs."""
 
@@ -99,15 +112,7 @@ class LookupEmbedder:
             raise EmbedderLoadError(
                 f"tokenizer.json has {num_tokens} tokens, more than the model's vocab_size {shape.vocab_size}"
             )
-        # The same cast the decoder's loader applies, so rows match its embed_tokens exactly; rounded
-        # as its --quantization int8 / int4 rounds the table (8-bit per row), for the same reason.
-        table = table.to(dtype)
-        if quantization != "none":
-            try:
-                table = quantize_table(table).dequantize(dtype)
-            except ValueError as e:  # rows not a whole number of blocks of 32
-                raise EmbedderLoadError(f"--quantization {quantization}: {EMBED_KEY}: {e}") from None
-        return cls(table, tokenizer)
+        return cls(as_decoder_has_it(table, dtype, quantization, EMBED_KEY), tokenizer)
 
     @property
     def info(self) -> EmbedderInfo:

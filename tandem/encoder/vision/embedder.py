@@ -17,9 +17,8 @@ import torch
 from PIL import Image
 
 from tandem.common import vision_language
-from tandem.common.quantized_tensor import quantize_table
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling
-from tandem.encoder.lookup import LookupEmbedder, read_json, read_tokenizer
+from tandem.encoder.lookup import LookupEmbedder, as_decoder_has_it, read_json, read_tokenizer
 from tandem.encoder.vision.image_span import PreparedImage, VisionModel
 from tandem.encoder.vision.llava import LlavaVision
 from tandem.encoder.vision.weights import read_weights, weight_names
@@ -92,12 +91,7 @@ class VisionLanguageEmbedder:
             vision = Idefics3Vision.load(
                 hf_config, processing, files, tokenizer, image_token_id, dtype, EmbedderLoadError
             )
-        table = table.to(dtype)
-        if quantization != "none":
-            try:
-                table = quantize_table(table).dequantize(dtype)
-            except ValueError as e:  # rows not a whole number of blocks of 32
-                raise EmbedderLoadError(f"--quantization {quantization}: {table_name}: {e}") from None
+        table = as_decoder_has_it(table, dtype, quantization, table_name)
         return cls(LookupEmbedder(table, tokenizer, kind="vision"), vision, placeholder)
 
     @property

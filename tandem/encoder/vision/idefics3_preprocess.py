@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tandem.encoder.vision.preprocess import to_rgb
+from tandem.client.errors import InvalidArgument
+from tandem.encoder.vision.preprocess import rescale_and_normalize, to_rgb
 
 # transformers' Idefics3ImageProcessorPil defaults, for a config that leaves a key out.
 DEFAULT_LONGEST_EDGE = 4 * 364
@@ -113,7 +114,10 @@ class Idefics3Processing:
         if self.convert_rgb:
             image = to_rgb(image)
         elif image.mode != "RGB":
-            raise ValueError(f"image mode {image.mode!r} is not RGB, and do_convert_rgb is false")
+            raise InvalidArgument(
+                "image.data",
+                f"image mode {image.mode!r} is not RGB, and this model's processor converts none",
+            )
         if self.longest_edge is not None:
             image = self._resize(image, *_longest_edge_size(image.height, image.width, self.longest_edge))
         if self.splitting:
@@ -134,21 +138,16 @@ class Idefics3Processing:
     def _resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
         if height < 1 or width < 1:
             # transformers fails here too (an extreme aspect ratio rounds a side down to 0).
-            raise ValueError(f"image of {image.width} x {image.height} resizes to {width} x {height}")
+            raise InvalidArgument(
+                "image.data",
+                f"{image.width} x {image.height} resizes to {width} x {height}: an aspect ratio too extreme",
+            )
         return image.resize((width, height), resample=self.resample)
 
     def _to_tensor(self, frame: Image.Image) -> torch.Tensor:
         """[3, tile, tile] float32: rescaled in float64, then float32 (as transformers), and normalized."""
         array = np.asarray(frame).transpose(2, 0, 1)  # [3, tile, tile] uint8
-        if self.rescale_factor is not None:
-            array = (array.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        else:
-            array = array.astype(np.float32)
-        if self.mean is not None and self.std is not None:
-            mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
-            std = np.asarray(self.std, dtype=np.float32)[:, None, None]
-            array = (array - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        return rescale_and_normalize(array, self.rescale_factor, self.mean, self.std)
 
 
 def _per_channel(value: Any) -> tuple[float, ...]:

@@ -97,16 +97,7 @@ class ImageProcessing:
             pixels = pixels[:, :, None]
         if self.crop is not None:
             pixels = _center_crop(pixels, *self.crop)
-        array = pixels.transpose(2, 0, 1)  # [3, height, width]
-        if self.rescale_factor is not None:
-            array = (array.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        else:
-            array = array.astype(np.float32)
-        if self.mean is not None and self.std is not None:
-            mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
-            std = np.asarray(self.std, dtype=np.float32)[:, None, None]
-            array = (array - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        return rescale_and_normalize(pixels.transpose(2, 0, 1), self.rescale_factor, self.mean, self.std)
 
     def _resize(self, image: Image.Image) -> Image.Image:
         if self.shortest_edge is not None:
@@ -125,6 +116,25 @@ class ImageProcessing:
                 f"{MAX_RESIZED_PIXELS} pixels: its aspect ratio is too extreme for this model's processor",
             )
         return image.resize(size, resample=self.resample)
+
+
+def rescale_and_normalize(
+    array: np.ndarray,  # [channels, height, width] uint8
+    rescale_factor: float | None,
+    mean: tuple[float, ...] | None,
+    std: tuple[float, ...] | None,
+) -> torch.Tensor:
+    """[channels, height, width] float32 as transformers makes it: rescaled in float64 then cast to
+    float32 (numpy's order), then normalized per channel in float32."""
+    if rescale_factor is not None:
+        array = (array.astype(np.float64) * rescale_factor).astype(np.float32)
+    else:
+        array = array.astype(np.float32)
+    if mean is not None and std is not None:
+        mean_column = np.asarray(mean, dtype=np.float32)[:, None, None]
+        std_column = np.asarray(std, dtype=np.float32)[:, None, None]
+        array = (array - mean_column) / std_column
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -97,12 +97,22 @@ async def test_bad_images_in_a_batch_fail_alone_and_the_good_ones_are_answered(
     encoder: Encoder, pictures: dict[str, Path]
 ) -> None:
     good = [p.read_bytes() for p in pictures.values()]
+
+    def embed(data: bytes):
+        return encoder.stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=data)))
+
+    alone = [tensors.decode((await embed(data)).embeddings, "e") for data in good]  # the reference
     calls = [
-        encoder.stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=data)))
-        for data in [good[0], BAD_IMAGES["a GIF"][0], good[1], BAD_IMAGES["a truncated PNG"][0], good[2]]
+        embed(d)
+        for d in [good[0], BAD_IMAGES["a GIF"][0], good[1], BAD_IMAGES["a truncated PNG"][0], good[2]]
     ]
     results = await asyncio.gather(*calls, return_exceptions=True)
     assert [isinstance(r, grpc.aio.AioRpcError) for r in results] == [False, True, False, True, False]
+    assert all(
+        r.code() == grpc.StatusCode.INVALID_ARGUMENT for r in results if isinstance(r, grpc.aio.AioRpcError)
+    )
+    for reply, expected in zip([results[0], results[2], results[4]], alone, strict=True):
+        torch.testing.assert_close(tensors.decode(reply.embeddings, "e"), expected, atol=1e-6, rtol=0)
     assert max(encoder.servicer._batcher.batch_sizes) > 1  # type: ignore[union-attr]
 
 
