@@ -36,57 +36,25 @@ from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.encoder.config import EncoderConfig  # noqa: E402
 from tandem.encoder.servicer import EncoderServicer  # noqa: E402
 from tandem.encoder.vision.embedder import VisionLanguageEmbedder  # noqa: E402
-from tests.vision_checkpoints import IMAGE_TOKEN, tokenizer_with  # noqa: E402
+from tests.vision_checkpoints import make_llava  # noqa: E402
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def make_checkpoint(out_dir: Path) -> Path:
-    from transformers import (
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-        SiglipImageProcessorPil,
-        SiglipVisionConfig,
-    )
-
-    tokenizer, vocab_size = tokenizer_with([IMAGE_TOKEN])
-    vision = SiglipVisionConfig(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        image_size=224,
+    """A random LLaVA with a SigLIP-B/16 tower at 224 px and a one-layer language model (never run)."""
+    siglip_b16 = dict(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=224,
         patch_size=16,
-    )
-    text = LlamaConfig(
+    )  # fmt: skip
+    text = dict(
         hidden_size=576,
         intermediate_size=1536,
         num_hidden_layers=1,
         num_attention_heads=9,
         num_key_value_heads=3,
-        vocab_size=vocab_size,
-        eos_token_id=tokenizer.eos_token_id,
     )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_select_strategy="full",
-        vision_feature_layer=-2,
-        image_seq_length=196,
-    )
-    LlavaForConditionalGeneration(config).save_pretrained(out_dir)
-    processor = SiglipImageProcessorPil(size={"height": 224, "width": 224})
-    LlavaProcessor(
-        image_processor=processor,
-        tokenizer=tokenizer,
-        patch_size=16,
-        vision_feature_select_strategy="full",
-        num_additional_image_tokens=0,
-    ).save_pretrained(out_dir)
-    return out_dir
+    return make_llava(out_dir, tower="siglip", strategy="full", vision_sizes=siglip_b16, text_sizes=text)
 
 
 def pictures(count: int) -> list[bytes]:

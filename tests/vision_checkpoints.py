@@ -45,10 +45,13 @@ def make_llava(
     strategy: str | None = None,
     feature_layer: int | list[int] = -2,
     projector_bias: bool = True,
+    vision_sizes: dict[str, int] | None = None,
+    text_sizes: dict[str, int] | None = None,
 ) -> Path:
-    """A LlavaForConditionalGeneration with a `tower` ("clip" or "siglip"): 36 x 36 pixels, 6 x 6 patches.
-    `strategy` (vision_feature_select_strategy) defaults to llava-1.5's "default" for CLIP, "full" for
-    SigLIP (which has no class row to drop)."""
+    """A LlavaForConditionalGeneration with a `tower` ("clip" or "siglip"), by default of 36 x 36 pixels in
+    6 x 6 patches over a 64-wide language model (`vision_sizes` / `text_sizes` override: the benchmark's
+    SigLIP-B/16). `strategy` (vision_feature_select_strategy) defaults to llava-1.5's "default" for CLIP,
+    "full" for SigLIP (which has no class row to drop)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -62,7 +65,7 @@ def make_llava(
 
     torch.manual_seed(seed)
     tokenizer, vocab_size = tokenizer_with([IMAGE_TOKEN])
-    vision_sizes = dict(
+    vision_sizes = vision_sizes or dict(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=3,
@@ -70,18 +73,24 @@ def make_llava(
         image_size=36,
         patch_size=6,
     )
+    side, patch = vision_sizes["image_size"], vision_sizes["patch_size"]
     if tower == "clip":
         vision = CLIPVisionConfig(**vision_sizes, initializer_factor=5.0)
-        processor = CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size={"height": 36, "width": 36})
+        processor = CLIPImageProcessorPil(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+        )
     else:
         vision = SiglipVisionConfig(**vision_sizes)
-        processor = SiglipImageProcessorPil(size={"height": 36, "width": 36})
-    text = LlamaConfig(
+        processor = SiglipImageProcessorPil(size={"height": side, "width": side})
+    text_sizes = text_sizes or dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+    )
+    text = LlamaConfig(
+        **text_sizes,
         vocab_size=vocab_size,
         max_position_embeddings=1024,
         initializer_range=0.2,
@@ -94,7 +103,7 @@ def make_llava(
         vision_feature_select_strategy=strategy or ("default" if tower == "clip" else "full"),
         vision_feature_layer=feature_layer,
         multimodal_projector_bias=projector_bias,
-        image_seq_length=36,
+        image_seq_length=(side // patch) ** 2,
     )
     model = LlavaForConditionalGeneration(config).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -102,7 +111,7 @@ def make_llava(
     LlavaProcessor(
         image_processor=processor,
         tokenizer=tokenizer,
-        patch_size=6,
+        patch_size=patch,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
         num_additional_image_tokens=1 if tower == "clip" else 0,  # the class row
         chat_template=LLAVA_TEMPLATE,

@@ -1,12 +1,12 @@
 """Concurrent Embed calls gathered into batches, with a bound on how long a call waits for company.
 
-A call joins the queue; the first call of a batch waits at most `max_wait_s` for others (less when
-`max_batch_size` calls are already there), then the batch runs on the worker thread while new calls
-queue for the next one. Under load that alone batches: everything that arrived during a batch goes
-into the next. A caller that gives up (its RPC cancelled) before its batch starts is left out of it.
-No caller is ever left waiting: whatever fails while a batch is delivered fails that batch's calls,
-a serving task that died is started again by the next call, and `close` cancels queued and running
-calls alike.
+A call joins the queue; the first call of a batch waits at most `max_wait_s(its job)` for others
+(less when `max_batch_size` calls are already there; a job worth no wait runs at once), then the batch
+runs on the worker thread while new calls queue for the next one. Under load that alone batches:
+everything that arrived during a batch goes into the next. A caller that gives up (its RPC cancelled)
+before its batch starts is left out of it. No caller is ever left waiting: whatever fails while a
+batch is delivered fails that batch's calls, a serving task that died is started again by the next
+call, and `close` cancels queued and running calls alike.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Batcher(Generic[J, R]):
         executor: Executor,
         run: Callable[[Sequence[J]], Sequence[R | BaseException]],  # one outcome per job, in order
         max_batch_size: int,
-        max_wait_s: float,
+        max_wait_s: Callable[[J], float],  # how long a batch led by this job may wait for company
     ) -> None:
         self._executor = executor
         self._run = run
@@ -88,7 +88,8 @@ class Batcher(Generic[J, R]):
 
     async def _gather(self) -> None:
         """Until the batch is full or its first call has waited max_wait_s."""
-        deadline = self._queue[0].arrived + self.max_wait_s
+        first = self._queue[0]
+        deadline = first.arrived + self.max_wait_s(first.job)
         while len(self._queue) < self.max_batch_size:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -81,7 +81,7 @@ def settings() -> list[Setting]:
         _config("--max-batch-size", "most concurrent Embed calls run together in one batch", type=int),
         _config(
             "--max-batch-wait-ms",
-            "longest a call waits for others to join its batch, in milliseconds",
+            "longest an image call waits for others to join its batch, in milliseconds (text never waits)",
             type=float,
         ),
         _config(

@@ -70,11 +70,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._embedder = embedder
         limit = embedder.info.max_positions
         self._max_input_tokens = min(self.config.max_input_tokens, limit or self.config.max_input_tokens)
+        wait_s = self.config.max_batch_wait_ms / 1000
         self._batcher = Batcher(
             self._executor,
             lambda jobs: run_batch(embedder, jobs),
             self.config.max_batch_size,
-            self.config.max_batch_wait_ms / 1000,
+            # An image (tens of ms in the tower) waits for company; text (a lookup, well under a
+            # millisecond) never does: a 2 ms wait took a lone text Embed from 0.73 to 2.9 ms.
+            lambda job: wait_s if isinstance(job, ImageJob) else 0.0,
         )
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ def executor():
 
 async def test_calls_arriving_together_run_as_one_batch(executor: ThreadPoolExecutor) -> None:
     run = Recorder()
-    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.05)
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=lambda job: 0.05)
     assert await asyncio.gather(*(batcher.submit(i) for i in range(5))) == [0, 10, 20, 30, 40]
     assert run.batches == [[0, 1, 2, 3, 4]]
     batcher.close()
@@ -40,14 +40,14 @@ async def test_calls_arriving_together_run_as_one_batch(executor: ThreadPoolExec
 
 async def test_a_batch_never_exceeds_its_size_and_keeps_arrival_order(executor: ThreadPoolExecutor) -> None:
     run = Recorder()
-    batcher = Batcher(executor, run, max_batch_size=3, max_wait_s=0.05)
+    batcher = Batcher(executor, run, max_batch_size=3, max_wait_s=lambda job: 0.05)
     assert await asyncio.gather(*(batcher.submit(i) for i in range(7))) == [i * 10 for i in range(7)]
     assert run.batches == [[0, 1, 2], [3, 4, 5], [6]]
     batcher.close()
 
 
 async def test_a_lone_call_waits_no_longer_than_the_bound(executor: ThreadPoolExecutor) -> None:
-    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=0.02)
+    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=lambda job: 0.02)
     start = time.monotonic()
     assert await batcher.submit(1) == 10
     assert time.monotonic() - start < 0.5  # 20 ms of waiting for company, then it runs alone
@@ -56,7 +56,7 @@ async def test_a_lone_call_waits_no_longer_than_the_bound(executor: ThreadPoolEx
 
 async def test_calls_that_arrive_during_a_batch_form_the_next_one(executor: ThreadPoolExecutor) -> None:
     run = Recorder(delay_s=0.1)
-    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.0)
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=lambda job: 0.0)
     first = asyncio.ensure_future(batcher.submit(0))
     await asyncio.sleep(0.03)  # the first batch is running
     rest = await asyncio.gather(*(batcher.submit(i) for i in range(1, 4)))
@@ -66,7 +66,7 @@ async def test_calls_that_arrive_during_a_batch_form_the_next_one(executor: Thre
 
 
 async def test_one_calls_failure_is_its_own(executor: ThreadPoolExecutor) -> None:
-    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=0.02)
+    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=lambda job: 0.02)
     results = await asyncio.gather(
         batcher.submit(1), batcher.submit(-1), batcher.submit(2), return_exceptions=True
     )
@@ -86,7 +86,7 @@ async def test_a_worker_that_fails_fails_its_batch_and_the_next_batch_runs(
             raise RuntimeError("out of memory")
         return list(jobs)
 
-    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.0)
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=lambda job: 0.0)
     with pytest.raises(RuntimeError, match="out of memory"):
         await batcher.submit(1)
     assert await batcher.submit(2) == 2
@@ -95,7 +95,7 @@ async def test_a_worker_that_fails_fails_its_batch_and_the_next_batch_runs(
 
 async def test_a_caller_that_gives_up_before_its_batch_is_left_out(executor: ThreadPoolExecutor) -> None:
     run = Recorder(delay_s=0.1)
-    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.0)
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=lambda job: 0.0)
     first = asyncio.ensure_future(batcher.submit(0))
     await asyncio.sleep(0.03)
     gone = asyncio.ensure_future(batcher.submit(1))
@@ -108,7 +108,7 @@ async def test_a_caller_that_gives_up_before_its_batch_is_left_out(executor: Thr
 
 
 async def test_close_cancels_the_running_batch_as_well_as_the_queue(executor: ThreadPoolExecutor) -> None:
-    batcher = Batcher(executor, Recorder(delay_s=0.2), max_batch_size=1, max_wait_s=0.0)
+    batcher = Batcher(executor, Recorder(delay_s=0.2), max_batch_size=1, max_wait_s=lambda job: 0.0)
     running = asyncio.ensure_future(batcher.submit(0))
     queued = asyncio.ensure_future(batcher.submit(1))
     await asyncio.sleep(0.05)  # the first is on the worker, the second waits
@@ -126,7 +126,7 @@ async def test_a_run_that_miscounts_fails_its_batch_and_the_next_call_is_served(
         calls.append(list(jobs))
         return [] if len(calls) == 1 else list(jobs)
 
-    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=0.0)
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=lambda job: 0.0)
     with pytest.raises(RuntimeError, match="gave 0 outcomes"):
         await asyncio.wait_for(batcher.submit(1), 1)
     assert await asyncio.wait_for(batcher.submit(2), 1) == 2
@@ -134,10 +134,26 @@ async def test_a_run_that_miscounts_fails_its_batch_and_the_next_call_is_served(
 
 
 async def test_a_serving_task_that_died_is_started_again(executor: ThreadPoolExecutor) -> None:
-    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=0.0)
+    batcher = Batcher(executor, Recorder(), max_batch_size=8, max_wait_s=lambda job: 0.0)
     assert await batcher.submit(1) == 10
     assert batcher._task is not None
     batcher._task.cancel()  # as if it had died
     await asyncio.sleep(0)
     assert await asyncio.wait_for(batcher.submit(2), 1) == 20
+    batcher.close()
+
+
+async def test_a_job_worth_no_wait_runs_at_once_and_one_worth_waiting_gathers_company(
+    executor: ThreadPoolExecutor,
+) -> None:
+    """The servicer's rule: text (here even jobs) never waits; an image (odd) waits for others."""
+    run = Recorder()
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=lambda job: 0.0 if job % 2 == 0 else 0.1)
+    start = time.monotonic()
+    assert await batcher.submit(2) == 20
+    assert time.monotonic() - start < 0.05  # no wait for company
+    lone_image = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0.02)  # still gathering: the 3 joins its batch
+    assert await asyncio.gather(lone_image, batcher.submit(3)) == [10, 30]
+    assert run.batches == [[2], [1, 3]]
     batcher.close()

@@ -208,4 +208,3 @@ def test_a_missing_marker_token_is_refused_by_name(checkpoints) -> None:
     assert tokenizer.token_to_id(GLOBAL_TOKEN) is None
     with pytest.raises(EmbedderLoadError, match=GLOBAL_TOKEN):
         _load(model_dir, tokenizer=tokenizer)
-
