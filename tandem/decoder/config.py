@@ -73,6 +73,13 @@ class EngineConfig:
     # small batches. docs/PERFORMANCE.md has the measurement behind the default.
     speculative_max_batch: int = 4
 
+    @property
+    def max_rows_without_prompt(self) -> int:
+        """The most rows a step with no prompt positions holds: a row per running request, or, in a
+        step that verifies proposals (at most speculative_max_batch requests), each request's row and
+        its proposals. Larger steps are prefills (the CPU executor's dense quantized path)."""
+        return max(self.max_num_seqs, self.speculative_max_batch * (1 + MAX_SPECULATIVE_TOKENS))
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {tuple(DTYPES)}, got {self.dtype!r}")

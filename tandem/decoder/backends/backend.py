@@ -175,7 +175,13 @@ class ModelStep(Protocol):
     def argmax(self, logits: torch.Tensor) -> torch.Tensor: ...  # int64 [num_rows] of [num_rows, vocab]
 
 
-def prepare_model(model: DecoderModel, backend: Backend, compile: bool, native_kernels: bool) -> ModelStep:
+def prepare_model(
+    model: DecoderModel,
+    backend: Backend,
+    compile: bool,
+    native_kernels: bool,
+    dense_rows: int = 0,  # the CPU executor's (executor.py): EngineConfig.max_rows_without_prompt + 1
+) -> ModelStep:
     """What runs a model this process loaded on `backend`, on every rank alike.
 
     The backend's attention implementation, if it has one. Eager CPU: the CPU executor, its kernels
@@ -193,7 +199,7 @@ def prepare_model(model: DecoderModel, backend: Backend, compile: bool, native_k
     if not native_kernels:
         log.info("CPU kernels: off (--native-kernels false), the model runs on torch ops")
         return model
-    return cpu_executor.bind(model, cpu_kernels.load_for_cpu())
+    return cpu_executor.bind(model, cpu_kernels.load_for_cpu(), dense_rows)
 
 
 def bind_rank_device(device: str) -> None:

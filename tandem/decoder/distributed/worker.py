@@ -121,7 +121,9 @@ def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
     """Loads this rank's shard and runs every batch rank 0 sends until STOP; raises on a failure."""
     loaded = load_model(config.model_dir, config.dtype, config.device, tp)
     backend = backends.resolve(config.device)
-    executor = backends.prepare_model(loaded.model, backend, config.compile, config.native_kernels)
+    executor = backends.prepare_model(
+        loaded.model, backend, config.compile, config.native_kernels, config.max_rows_without_prompt + 1
+    )
     model_config = loaded.config
     num_blocks = num_kv_blocks(config, model_config, tp.world_size)
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor)

@@ -87,7 +87,12 @@ class Engine:
             self.loaded.model
             if loaded is not None
             else self._thread.run(
-                backends.prepare_model, self.loaded.model, backend, config.compile, config.native_kernels
+                backends.prepare_model,
+                self.loaded.model,
+                backend,
+                config.compile,
+                config.native_kernels,
+                config.max_rows_without_prompt + 1,
             )
         )
         self.model_config = self.loaded.config

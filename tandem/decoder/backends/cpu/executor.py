@@ -68,6 +68,7 @@ class KernelChoice:
     decode_stack: bool  # decode-only steps' layers in one C call
     c_ops: bool  # norms, q/k norm + RoPE + KV write and attention through the C custom ops
     quantized: str = ""  # the quantized weights' kinds ("4-bit, 8-bit"); "" = none
+    dense_rows: int = 0  # quantized: steps of this many rows on read them as bf16 (0: never)
 
     def describe(self) -> str:
         build = f"C kernels {self.build} build" if self.build else "no C kernels"
@@ -81,6 +82,8 @@ class KernelChoice:
         linears = f"{self.linears} linears" + (
             f" and quantized ({self.quantized}) ones" if self.quantized else ""
         )
+        if self.quantized and self.dense_rows:
+            linears += f", dequantized to bf16 tiles in steps of {self.dense_rows}+ rows"
         return f"CPU {self.cpu} [{self.isa}]: {build}; {linears}; {layers}"
 
 
@@ -113,11 +116,12 @@ def _bind_linear(
     weight: torch.Tensor | QuantizedTensor,
     bias: torch.Tensor | None,
     dtype: torch.dtype,  # the model's: a quantized weight's inputs and outputs
+    dense_rows: int = 0,  # quantized: Kernels.quantized_weight's
 ) -> BoundLinear:
     if isinstance(weight, QuantizedTensor):
         if kernels is None:
             raise ValueError("quantized weights need the C kernels (this CPU has no build loaded)")
-        return QuantLinear(kernels, kernels.quantized_weight(weight), bias, dtype)
+        return QuantLinear(kernels, kernels.quantized_weight(weight, dense_rows), bias, dtype)
     if kind == "c" and kernels is not None and can_bind(weight, bias):
         return CLinear(kernels, weight, bias)
     if kind == "onednn" and can_prepack(weight):
@@ -178,7 +182,7 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
-def _fuse(kernels: Kernels, layer: DecoderLayer) -> FusedLayer | None:
+def _fuse(kernels: Kernels, layer: DecoderLayer, dense_rows: int) -> FusedLayer | None:
     """Both halves of the layer in C, when its weights are plain bf16 and its norms share one epsilon."""
     a, mlp = layer.self_attn, layer.mlp
     eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
@@ -192,7 +196,7 @@ def _fuse(kernels: Kernels, layer: DecoderLayer) -> FusedLayer | None:
         gate_up_bias=mlp.gate_up_proj.bias, down=_weight_of(mlp.down_proj), down_bias=mlp.down_proj.bias,
     )  # fmt: skip
     try:
-        return FusedLayer(kernels, weights, a.num_heads, a.num_kv_heads, eps.pop())
+        return FusedLayer(kernels, weights, a.num_heads, a.num_kv_heads, eps.pop(), dense_rows)
     except ValueError:
         return None  # a weight that is not plain bf16 of the expected shape
 
@@ -207,6 +211,11 @@ class CpuExecutor:
         linears: LinearKind | None = None,  # None: choose_linears; tests force each kind
         use_stack: bool = True,  # tests turn it off to compare the stack with the per-layer calls
         cpu: CpuInfo | None = None,
+        # Quantized weights: steps of this many rows on (prefill chunks; 0: none) read each weight as
+        # its bf16 rounding, at the bf16 kernel's speed, where the exact per-block sums cost 1.3x. It
+        # must exceed every step without prompt rows (EngineConfig.max_rows_without_prompt), so that a
+        # decode or verify row's sums keep one order and speculation stays exact.
+        dense_rows: int = 0,
     ) -> None:
         self.model = model
         config = model.config
@@ -231,14 +240,14 @@ class CpuExecutor:
         self.fused: list[FusedLayer] | None = None
         # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
         if kernels is not None and c_ops and kind == "c" and model.tp is None:
-            fused = [_fuse(kernels, layer) for layer in model.layers]
+            fused = [_fuse(kernels, layer, dense_rows) for layer in model.layers]
             if all(f is not None for f in fused):
                 self.fused = [f for f in fused if f is not None]
         self.stack = self._bind_stack(kernels) if use_stack else None
         self.layers = (
             [OpsLayer(layer, kind, kernels, ops) for layer in model.layers] if not self.fused else []
         )
-        self.head = _bind_linear(kind, kernels, model.head_weight, None, config.dtype)
+        self.head = _bind_linear(kind, kernels, model.head_weight, None, config.dtype, dense_rows)
         # torch's argmax took 0.9 ms of a 24.5 ms step at 32 sequences; the C one takes 0.12.
         self._argmax = kernels.argmax if kernels is not None else None
         cpu = cpu or this_cpu()
@@ -253,6 +262,7 @@ class CpuExecutor:
             quantized=", ".join(
                 sorted({f"{m.qweight.bits}-bit" for m in model.modules() if isinstance(m, QUANTIZED_MODULES)})
             ),
+            dense_rows=dense_rows,
         )
 
     def _bind_stack(self, kernels: Kernels | None) -> DecodeStack | None:
@@ -319,8 +329,8 @@ class CpuExecutor:
         return self._argmax(logits)
 
 
-def bind(model: DecoderModel, kernels: Kernels | None) -> CpuExecutor:
+def bind(model: DecoderModel, kernels: Kernels | None, dense_rows: int = 0) -> CpuExecutor:
     """The executor for a loaded model, its choice logged in one line."""
-    executor = CpuExecutor(model, kernels)
+    executor = CpuExecutor(model, kernels, dense_rows=dense_rows)
     log.info("%s", executor.choice.describe())
     return executor

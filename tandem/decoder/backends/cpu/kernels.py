@@ -104,11 +104,13 @@ class Kernels:
         return KernelWeight(WEIGHT_BF16, n, k, packed)
 
     @staticmethod
-    def quantized_weight(weight: QuantizedTensor) -> KernelWeight:
+    def quantized_weight(weight: QuantizedTensor, dense_rows: int = 0) -> KernelWeight:
         """A quantized weight as the kernels read it: its own tensors, in place (models/quantized.py's
-        layout is the one csrc/linear_quant.c reads)."""
+        layout is the one csrc/linear_quant.c reads). From `dense_rows` rows on (0: never), a bf16 call
+        runs each weight as its bf16 rounding, dequantized tile by tile into the packed bf16 kernel:
+        the dense checkpoint's speed and bits for a prefill, where the exact per-block sums cost 1.3x."""
         fmt = WEIGHT_Q4 if weight.bits == 4 else WEIGHT_Q8
-        return KernelWeight(fmt, weight.n, weight.k, weight.codes, weight.scales, weight.mins)
+        return KernelWeight(fmt, weight.n, weight.k, weight.codes, weight.scales, weight.mins, dense_rows)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: torch.argmax(logits, dim=-1) of float32 logits [rows, vocab] (argmax.c)."""
@@ -264,6 +266,7 @@ class _WeightDescriptor(ctypes.Structure):
         ("data", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
         ("mins", ctypes.c_void_p),
+        ("dense_rows", ctypes.c_int64),
     ]
 
 
@@ -279,10 +282,13 @@ class KernelWeight:
         data: torch.Tensor,
         scales: torch.Tensor | None = None,
         mins: torch.Tensor | None = None,
+        dense_rows: int = 0,
     ) -> None:
         self.format, self.n, self.k = fmt, n, k
         self.data, self.scales, self.mins = data, scales, mins
-        self._descriptor = _WeightDescriptor(fmt, n, k, data.data_ptr(), _ptr_of(scales), _ptr_of(mins))
+        self._descriptor = _WeightDescriptor(
+            fmt, n, k, data.data_ptr(), _ptr_of(scales), _ptr_of(mins), dense_rows
+        )
         self.ptr = ctypes.addressof(self._descriptor)
 
 

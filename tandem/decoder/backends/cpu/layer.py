@@ -46,9 +46,9 @@ def _is_plain_bf16(t: torch.Tensor | None) -> bool:
     return t is None or is_plain(t, torch.bfloat16)
 
 
-def _kernel_weight(kernels: Kernels, weight: torch.Tensor | QuantizedTensor) -> KernelWeight:
+def _kernel_weight(kernels: Kernels, weight: torch.Tensor | QuantizedTensor, dense_rows: int) -> KernelWeight:
     if isinstance(weight, QuantizedTensor):
-        return kernels.quantized_weight(weight)
+        return kernels.quantized_weight(weight, dense_rows)
     return kernels.pack_weight(weight)
 
 
@@ -60,7 +60,13 @@ class FusedLayer:
     """attention_in: h -> q (k, v) with this step's keys and values in the cache; mlp_block: h updated."""
 
     def __init__(
-        self, kernels: Kernels, weights: LayerWeights, num_heads: int, num_kv_heads: int, eps: float
+        self,
+        kernels: Kernels,
+        weights: LayerWeights,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+        dense_rows: int = 0,  # quantized projections: Kernels.quantized_weight's
     ) -> None:
         hidden = weights.input_norm.shape[0]
         head_dim = weights.o.shape[1] // num_heads
@@ -81,7 +87,9 @@ class FusedLayer:
         self.weights = weights
         # The projections as the kernels read them (packed copies on AVX512-BF16 builds); held: the
         # pointers below stay valid while this object lives.
-        self.kernel_weights = {name: _kernel_weight(kernels, getattr(weights, name)) for name in _PROJECTIONS}
+        self.kernel_weights = {
+            name: _kernel_weight(kernels, getattr(weights, name), dense_rows) for name in _PROJECTIONS
+        }
         # Every weight's pointer, as tandem_attention_in, tandem_mlp_block and the stack take them.
         self.pointers = {
             f.name: self.kernel_weights[f.name].ptr

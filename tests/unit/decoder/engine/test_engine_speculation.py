@@ -277,3 +277,24 @@ def test_a_batch_larger_than_speculative_max_batch_verifies_no_proposals(
         with _engine(tiny_model_dir, tiny_fp32, **config) as engine:
             results = _run_concurrently(engine, [_spec(prompt, greedy)] * 6)
         assert [_finished(e).proposed_tokens > 0 for e in results] == [speculates] * 6
+
+
+def test_quantized_weights_turn_dense_only_past_the_largest_step_without_prompt_rows(
+    tiny_model_dir: Path,
+) -> None:
+    # The CPU executor reads quantized weights as bf16 from dense_rows rows on (prefill speed); a
+    # decode or verify step must never get there, or a row's sums would change with its step's size
+    # and speculation would stop being exact. The engine derives the bound from its own limits.
+    from tandem.decoder.config import MAX_SPECULATIVE_TOKENS
+
+    for max_num_seqs, max_batch in ((16, 4), (200, 4), (8, 12)):
+        config = EngineConfig(
+            model_dir=tiny_model_dir,
+            num_kv_blocks=64,
+            max_num_seqs=max_num_seqs,
+            speculative_max_batch=max_batch,
+        )
+        verify_rows = max_batch * (1 + MAX_SPECULATIVE_TOKENS)  # each verifying request: its row + k
+        assert config.max_rows_without_prompt == max(max_num_seqs, verify_rows)
+    with Engine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64)) as engine:
+        assert engine.executor.choice.dense_rows == engine.config.max_rows_without_prompt + 1

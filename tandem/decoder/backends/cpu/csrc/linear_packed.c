@@ -125,25 +125,29 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *restrict 
         }
 }
 
+/* Every row of x against one packed group w (features col to col + 95, those below n), four rows at
+ * a time. Also linear_quant.c's, over a group it dequantized. */
+void tandem_packed_group_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
+                              int64_t n, int64_t k, int64_t col) {
+    const int64_t whole = m - m % 4;
+    for (int64_t r = 0; r < whole; r += 4) tile(x + r * k, w, k, bias, out + r * n, col, n, 4);
+    const uint16_t *xs = x + whole * k;
+    uint16_t *o = out + whole * n;
+    switch (m - whole) {
+    case 1: tile(xs, w, k, bias, o, col, n, 1); break;
+    case 2: tile(xs, w, k, bias, o, col, n, 2); break;
+    case 3: tile(xs, w, k, bias, o, col, n, 3); break;
+    default: break;
+    }
+}
+
 /* One thread's groups [g_begin, g_end) against all m rows: group by group (its weights, 110-300 KB,
- * read from memory once and kept in L2), every row over each group, four at a time. */
+ * read from memory once and kept in L2), every row over each group. */
 static void thread_part(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, int64_t m,
                         int64_t n, int64_t k, int64_t g_begin, int64_t g_end) {
     const int64_t group_elements = (k + 1) / 2 * 2 * GROUP;
-    const int64_t whole = m - m % 4;
-    for (int64_t g = g_begin; g < g_end; g++) {
-        const uint16_t *w = wp + g * group_elements;
-        const int64_t col = g * GROUP;
-        for (int64_t r = 0; r < whole; r += 4) tile(x + r * k, w, k, bias, out + r * n, col, n, 4);
-        const uint16_t *xs = x + whole * k;
-        uint16_t *o = out + whole * n;
-        switch (m - whole) {
-        case 1: tile(xs, w, k, bias, o, col, n, 1); break;
-        case 2: tile(xs, w, k, bias, o, col, n, 2); break;
-        case 3: tile(xs, w, k, bias, o, col, n, 3); break;
-        default: break;
-        }
-    }
+    for (int64_t g = g_begin; g < g_end; g++)
+        tandem_packed_group_rows(x, wp + g * group_elements, bias, out, m, n, k, g * GROUP);
 }
 
 /* out [m, n] bf16 = x [m, k] bf16 @ w [n, k]^T (+ bias [n]), w packed by tandem_pack_bf16. */

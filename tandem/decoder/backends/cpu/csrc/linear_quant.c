@@ -4,8 +4,9 @@
  * Why: a decode step of one sequence reads every weight once and does little else, so its time is the
  * weights' bytes over memory bandwidth. bf16 is 2 bytes a weight; Q4_1 is 0.625 (4 bits, and an fp16
  * scale and offset per 32 inputs), Q8_0 1.0625. SmolLM2 at one sequence: 203 tok/s against 142 with
- * bf16 weights (1.43x, Zen 5, bench/harness.py's quantized workload); past 4 rows the per-block
- * scaling costs more than the bytes save (0.85x at 8 sequences).
+ * bf16 weights (1.43x, Zen 5, bench/harness.py's quantized workload); at 8 sequences 1.16x, at 32
+ * 0.85x (the per-block scaling costs more than the bytes save once the step computes more than it
+ * reads).
  *
  * Arithmetic: for output f and a block b of 32 inputs, sum_i x_i w_i is, exactly in real numbers,
  *   Q4_1  d (sum_i x_i q_i) + m (sum_i x_i)      Q4_0  d (sum_i x_i (q_i - 8))      Q8_0  d (sum_i x_i q_i)
@@ -24,10 +25,21 @@
  * A/B in one process), the same at 8 and 32 rows. Software prefetch of the codes 2, 4 or 8 blocks
  * ahead measured within the machine's noise (+-5 %) and was left out.
  *
- * Tried instead (2026-12-03): widening each weight to d q + m in fp32, rounding it to bf16 and running
- * the packed bf16 kernel's sums gave the imported checkpoint's bits exactly, but took ten vector
- * operations a pair instead of five and made one sequence's decode slower than bf16 weights' (7.2
- * against 6.3 ms a step), losing what quantizing is for.
+ * Past 4 rows each set of six groups is widened once into a thread's scratch (64-byte aligned), and
+ * tiles of 4 rows x 6 groups run over it: their 24 block sums in registers, the running sums in L1,
+ * updated once a block (a 4 x 3 tile with both in registers was 10 % slower at 128 rows); the next
+ * set's codes are prefetched while the tiles run, so memory and arithmetic overlap (8 rows: 8.2 ->
+ * 6.3 ms for SmolLM2's 30 layers and head, 1.24x the bf16 kernel's 7.8; Zen 5, one process).
+ *
+ * Prefill: at 128 rows the exact sums above cost 1.28x the bf16 kernel (two multiply-adds a block and
+ * the widening). A weight whose descriptor sets dense_rows (the executor: one more than any step
+ * without prompt rows can hold) runs calls of that many rows on as bf16: each set of six groups
+ * dequantized to bf16(d q + m), GGUF's fp32 value rounded once, which is exactly what the
+ * checkpoint's bf16 import holds, into the packed bf16 kernel's layout, and that kernel's tiles
+ * over it (1.06x its time at 128 rows, 1.04x at 512). Decode and verify steps never reach dense_rows,
+ * so their rows keep the exact sums in one order; a prefill's rows are the dense model's, bit for
+ * bit. For one sequence that path took 7.2 against the bf16 kernel's 6.3 ms a step (the dequantizing
+ * does not pay for itself at one row), which is why decode keeps the exact sums.
  *
  * Storage (models/quantized.py writes it; nb = k / 32 blocks, outputs in groups of 16, padded with
  * zeros): per group, per block, per pair of inputs p, the group's 32 codes in lane order L = 2 c + t
@@ -37,10 +49,10 @@
  *   scales (and 4-bit offsets)  [group][block][output] fp16
  * Widened, a pair's 32 lanes are the 16 dwords of (q[c][2p], q[c][2p + 1]) that VDPBF16PS multiplies.
  *
- * NOTE: every output's sum runs in one order whatever the number of rows or the tile: for each block
- * in order, its 16 pairs in order into a block sum that starts at 0, then acc = fma(blk, d, acc), then
- * (4-bit) acc = fma(offset, S_b, acc); then the bias, then one rounding. Speculative decoding's exactness
- * rests on it (test_linear_quant.py checks rows against rows alone).
+ * NOTE: below dense_rows, every output's sum runs in one order whatever the number of rows or the
+ * tile: for each block in order, its 16 pairs in order into a block sum that starts at 0, then
+ * acc = fma(blk, d, acc), then (4-bit) acc = fma(offset, S_b, acc); then the bias, then one rounding.
+ * Speculative decoding's exactness rests on it (test_linear_quant.py checks rows against rows alone).
  */
 #include <math.h>
 #include <stdint.h>
@@ -69,6 +81,9 @@
 
 int tandem_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
                        int64_t n, int64_t k);
+void tandem_packed_group_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
+                              int64_t n, int64_t k, int64_t col);
+int tandem_weight_layout(void);
 
 static inline float fp16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
@@ -142,8 +157,14 @@ static void row_portable(const float *restrict xf, const float *restrict s, cons
 
 #if HAVE_QUANT_BF16
 
-/* Per-thread scratch for widened codes (many_rows_bf16). */
+/* Per-thread scratch for widened codes (many_rows_bf16, dense_part), 64-byte aligned: the tiles'
+ * vector loads from it would otherwise each span two cache lines (realloc aligns to 16). */
 static __thread ThreadBuffer widened;
+
+static __m512i *widened_vectors(int64_t count) {
+    char *raw = buffer_of_at_least(&widened, (size_t)count * sizeof(__m512i) + 64);
+    return raw == NULL ? NULL : (__m512i *)(raw + (64 - (uintptr_t)raw % 64) % 64);
+}
 
 /* One pair of 16 outputs' codes as 16 dwords of two bf16 values (the pair's first input low); for
  * FORMAT_Q4_0 each code q as q - 8. */
@@ -246,27 +267,104 @@ static inline __attribute__((always_inline)) void widen_groups(__m512i *pre, con
     const int64_t pair_bytes = FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG;
     for (int64_t b = 0; b < nb; b++)
         for (int64_t p = 0; p < QP; p++)
-#pragma GCC unroll 3
+#pragma GCC unroll 6
             for (int j = 0; j < NB; j++)
                 _mm512_storeu_si512(pre + (b * QP + p) * NB + j,
                                    codes_bf16(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, FORMAT));
 }
 
-/* Past 4 rows: each set of groups widened once into pre (k / 2 x NB vectors, 55 KB at k = 576), then
- * every tile of 4 rows over it; tiles of 4 rows that widened the codes themselves ran at 0.4-0.6x
- * the bf16 kernel's speed at 32 rows, the widening repeated once a tile. */
+/* Rows [0, MR) of x against NB groups over codes widened once (pre, as widen_groups leaves them):
+ * the block sums of all MR x NB outputs in registers (24 at 4 x 6, as the bf16 kernel's tile), the
+ * running sums in `acc` (memory, L1), updated once a block. The same operations in the same order as
+ * tile_bf16, so the same bits. */
+static inline __attribute__((always_inline)) void tile_pre_bf16(const uint16_t *x, const float *s,
+                                                                const TandemWeight *w, const __m512i *pre,
+                                                                const uint16_t *bias, uint16_t *out, int64_t n,
+                                                                int64_t k, int64_t nb, int64_t g, const char *pf,
+                                                                int64_t pf_lines, const int MR, const int NB,
+                                                                const int FORMAT) {
+    __m512 acc[4][6];
+    float *accf = (float *)acc;
+    for (int i = 0; i < MR * 6 * QG; i++) accf[i] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 blk[4][6];
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 6
+            for (int j = 0; j < NB; j++) blk[i][j] = _mm512_setzero_ps();
+        const __m512i *wp = pre + b * QP * NB;
+        const uint16_t *xb = x + b * QB;
+        for (int64_t l = 0; l < pf_lines; l++) _mm_prefetch(pf + (b * pf_lines + l) * 64, _MM_HINT_T1);
+        for (int64_t p = 0; p < QP; p++, wp += NB) {
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) {
+                uint32_t pr;
+                memcpy(&pr, xb + i * k + 2 * p, sizeof pr);
+                const __m512i xp = _mm512_set1_epi32((int)pr);
+#pragma GCC unroll 6
+                for (int j = 0; j < NB; j++)
+                    blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)xp, (__m512bh)_mm512_loadu_si512(wp + j));
+            }
+        }
+#pragma GCC unroll 6
+        for (int j = 0; j < NB; j++) {
+            const int64_t at = ((g + j) * nb + b) * QG;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
+            if (FORMAT != TANDEM_WEIGHT_Q8) {
+                const __m512 off =
+                    FORMAT == TANDEM_WEIGHT_Q4
+                        ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d,
+                                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at))))
+                        : _mm512_mul_ps(_mm512_set1_ps(-136.0f), d);
+#pragma GCC unroll 4
+                for (int i = 0; i < MR; i++) {
+                    __m512 a = _mm512_load_ps(accf + (i * 6 + j) * QG);
+                    a = _mm512_fmadd_ps(blk[i][j], d, a);
+                    a = _mm512_fmadd_ps(off, _mm512_set1_ps(s[i * nb + b]), a);
+                    _mm512_store_ps(accf + (i * 6 + j) * QG, a);
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int i = 0; i < MR; i++)
+                    _mm512_store_ps(accf + (i * 6 + j) * QG,
+                                    _mm512_fmadd_ps(blk[i][j], d, _mm512_load_ps(accf + (i * 6 + j) * QG)));
+            }
+        }
+        __asm__ volatile("" ::: "memory"); /* keep acc in memory: the registers hold the block sums */
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < NB; j++) {
+            const int64_t c = (g + j) * QG;
+            if (c < n)
+                store16_bias_bf16(out + i * n + c, _mm512_load_ps(accf + (i * 6 + j) * QG),
+                                  bias != NULL ? bias + c : NULL, n - c >= QG ? QG : (int)(n - c));
+        }
+}
+
+/* Past 4 rows: each set of NB groups widened once into pre (k / 2 x NB vectors), then every tile of
+ * 4 rows over it; tiles of 4 rows that widened the codes themselves ran at 0.4-0.6x the bf16
+ * kernel's speed at 32 rows, the widening repeated once a tile. */
 static inline __attribute__((always_inline)) void many_rows_bf16(const uint16_t *x, const float *s,
                                                                  const TandemWeight *w, __m512i *pre,
                                                                  const uint16_t *bias, uint16_t *out, int64_t m,
                                                                  int64_t n, int64_t k, int64_t nb, int64_t g,
-                                                                 const int NB, const int FORMAT) {
+                                                                 int64_t next, const int NB, const int FORMAT) {
     widen_groups(pre, w, nb, g, NB, FORMAT);
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 4, NB, FORMAT);
+    /* While the tiles run, the next set's codes (groups [g + NB, next)) come in from memory. */
+    const int64_t group_bytes = nb * QP * (FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG);
+    const char *pf = (const char *)w->data + (g + NB) * group_bytes;
+    const int64_t tiles = (m + 3) / 4, lines = (next - g - NB) * group_bytes / 64;
+    const int64_t per = lines > 0 ? (lines + tiles * nb - 1) / (tiles * nb) : 0;
+    int64_t r = 0, t = 0;
+    for (; r + 4 <= m; r += 4, t++)
+        tile_pre_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, pf + t * nb * per * 64, per, 4, NB, FORMAT);
+    const char *pt = pf + t * nb * per * 64;
     switch (m - r) {
-    case 1: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 1, NB, FORMAT); break;
-    case 2: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 2, NB, FORMAT); break;
-    case 3: tile_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, 3, NB, FORMAT); break;
+    case 1: tile_pre_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, pt, per, 1, NB, FORMAT); break;
+    case 2: tile_pre_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, pt, per, 2, NB, FORMAT); break;
+    case 3: tile_pre_bf16(x + r * k, s + r * nb, w, pre, bias, out + r * n, n, k, nb, g, pt, per, 3, NB, FORMAT); break;
     default: break;
     }
 }
@@ -279,8 +377,9 @@ static void part_bf16(const uint16_t *x, const float *s, const TandemWeight *w, 
                       const int FORMAT) {
     if (m > 4) {
         int64_t g = g0;
-        for (; g + 3 <= g1; g += 3) many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, 3, FORMAT);
-        for (; g < g1; g++) many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, 1, FORMAT);
+        for (; g + 6 <= g1; g += 6)
+            many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, g + 12 <= g1 ? g + 12 : g1, 6, FORMAT);
+        for (; g < g1; g++) many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, g + 1, 1, FORMAT);
         return;
     }
     switch (m) {
@@ -292,6 +391,67 @@ static void part_bf16(const uint16_t *x, const float *s, const TandemWeight *w, 
     }
 }
 
+/* The dense path: each weight as bf16(d q + m), GGUF's value rounded once (what the checkpoint's bf16
+ * import holds), for six groups (96 outputs: the packed bf16 kernel's group) at a time, written in
+ * that kernel's layout and run by it. pre [k / 2][6] vectors; groups past `groups` are zeros. */
+static inline __attribute__((always_inline)) void dequantize_set(__m512i *pre, const TandemWeight *w, int64_t nb,
+                                                                 int64_t g, int64_t groups, const int FORMAT) {
+    const uint8_t *codes = w->data;
+    const int64_t pair_bytes = FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG;
+    /* Lane L of a pair's 32 is output L / 2: the 16 scales spread over the two halves. */
+    const __m512i lo_outputs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_outputs = _mm512_add_epi32(lo_outputs, _mm512_set1_epi32(8));
+    for (int64_t b = 0; b < nb; b++)
+        for (int j = 0; j < 6; j++) {
+            __m512i *to = pre + b * QP * 6 + j;
+            if (g + j >= groups) {
+                for (int64_t p = 0; p < QP; p++) _mm512_storeu_si512(to + p * 6, _mm512_setzero_si512());
+                continue;
+            }
+            const int64_t at = ((g + j) * nb + b) * QG;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
+            const __m512 m = FORMAT == TANDEM_WEIGHT_Q4
+                                 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at)))
+                                 : _mm512_mul_ps(_mm512_set1_ps(-8.0f), d); /* Q4_0; unused by Q8_0 */
+            const __m512 d_lo = _mm512_permutexvar_ps(lo_outputs, d), d_hi = _mm512_permutexvar_ps(hi_outputs, d);
+            const __m512 m_lo = _mm512_permutexvar_ps(lo_outputs, m), m_hi = _mm512_permutexvar_ps(hi_outputs, m);
+            const uint8_t *c = codes + ((g + j) * nb + b) * QP * pair_bytes;
+            for (int64_t p = 0; p < QP; p++, c += pair_bytes) {
+                __m512i qlo, qhi; /* lanes 0-15 and 16-31 of the pair as int32 */
+                if (FORMAT != TANDEM_WEIGHT_Q8) { /* byte j: lane j low, lane j + 16 high */
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+                    qlo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+                    qhi = _mm512_srli_epi32(v, 4);
+                } else {
+                    qlo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c));
+                    qhi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)));
+                }
+                /* d q is exact in fp32 (11 by at most 8 significant bits), + m rounds once, as GGUF's
+                 * fp32 does (Q4_0's m = -8 d makes d (q - 8), also exact); then to bf16, nearest even, as
+                 * the import's .to(bfloat16). */
+                const __m512 lo = _mm512_cvtepi32_ps(qlo), hi = _mm512_cvtepi32_ps(qhi);
+                const __m512 vlo = FORMAT != TANDEM_WEIGHT_Q8 ? _mm512_fmadd_ps(lo, d_lo, m_lo) : _mm512_mul_ps(lo, d_lo);
+                const __m512 vhi = FORMAT != TANDEM_WEIGHT_Q8 ? _mm512_fmadd_ps(hi, d_hi, m_hi) : _mm512_mul_ps(hi, d_hi);
+                _mm512_storeu_si512(to + p * 6, (__m512i)_mm512_cvtne2ps_pbh(vhi, vlo));
+            }
+        }
+}
+
+/* One thread's sets of six groups [set0, set1) against all m rows, dense (above). */
+static void dense_part(const uint16_t *x, const TandemWeight *w, __m512i *pre, const uint16_t *bias, uint16_t *out,
+                       int64_t m, int64_t n, int64_t k, int64_t nb, int64_t groups, int64_t set0, int64_t set1) {
+    for (int64_t set = set0; set < set1; set++) {
+        const int64_t g = set * 6;
+        if (w->format == TANDEM_WEIGHT_Q8)
+            dequantize_set(pre, w, nb, g, groups, TANDEM_WEIGHT_Q8);
+        else if (w->mins != NULL)
+            dequantize_set(pre, w, nb, g, groups, TANDEM_WEIGHT_Q4);
+        else
+            dequantize_set(pre, w, nb, g, groups, FORMAT_Q4_0);
+        tandem_packed_group_rows(x, (const uint16_t *)pre, bias, out, m, n, k, g * QG);
+    }
+}
+
 #endif
 
 /* The quantized linear: block sums first (one order per row), then the groups split over the threads. */
@@ -300,6 +460,27 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
     if (k % QB != 0 || w->scales == NULL) return -1;
     if (m == 0 || n == 0) return 0;
     const int64_t nb = k / QB, groups = (n + QG - 1) / QG;
+#if HAVE_QUANT_BF16
+    if (dtype == 1 && w->dense_rows > 0 && m >= w->dense_rows && tandem_weight_layout() == 6 * QG) {
+        const int64_t sets = (groups + 5) / 6;
+        int failed = 0;
+#pragma omp parallel reduction(| : failed)
+        {
+            int threads = 1, me = 0;
+#ifdef _OPENMP
+            threads = omp_get_num_threads();
+            me = omp_get_thread_num();
+#endif
+            const int64_t s0 = sets * me / threads, s1 = sets * (me + 1) / threads;
+            __m512i *pre = s0 < s1 ? widened_vectors(k / 2 * 6) : NULL;
+            if (s0 < s1 && pre == NULL)
+                failed = 1;
+            else if (s0 < s1)
+                dense_part(x, w, pre, bias, out, m, n, k, nb, groups, s0, s1);
+        }
+        return failed ? -1 : 0;
+    }
+#endif
     float *s = buffer_of_at_least(&block_sums, (size_t)(m * nb) * sizeof(float)); /* shared by the team below */
     if (s == NULL) return -1;
     int failed = 0;
@@ -321,7 +502,7 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
         const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
 #if HAVE_QUANT_BF16
         if (dtype == 1 && g0 < g1) {
-            __m512i *pre = m > 4 ? buffer_of_at_least(&widened, (size_t)(k / 2 * 3) * sizeof(__m512i)) : NULL;
+            __m512i *pre = m > 4 ? widened_vectors(k / 2 * 6) : NULL;
             if (m > 4 && pre == NULL)
                 failed = 1;
             else if (w->format == TANDEM_WEIGHT_Q8)

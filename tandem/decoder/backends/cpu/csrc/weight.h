@@ -25,6 +25,8 @@ typedef struct {
     const void *data;       /* the values or codes */
     const uint16_t *scales; /* quantized: fp16 d, tandem_pack_quant's layout; else NULL */
     const uint16_t *mins;   /* Q4: fp16 m, the same layout; else NULL */
+    int64_t dense_rows;     /* quantized, bf16 inputs: from this many rows on, each weight as its bf16
+                               rounding (linear_quant.c); 0: never */
 } TandemWeight;
 
 /* out [m, n] = x [m, k] @ w^T (+ bias [n]); x, bias and out bf16 (dtype 1) or, for quantized weights,

@@ -155,3 +155,11 @@ def test_quantized_weights_run_on_the_quantized_kernels_with_the_models_own_toke
         got = PagedRun(model, step=executor).step([("s", PROMPT)])
         want = PagedRun(same, step=CpuExecutor(same, kernels)).step([("s", PROMPT)])
         assert (got - want).abs().max() < 0.05 * want.abs().max()
+        if kernels.weight_layout != 0:
+            # From dense_rows rows on (prefill steps, in an engine), the quantized model computes what
+            # the dense one computes, bit for bit: each weight rounded to bf16 into the packed kernel.
+            dense_from = CpuExecutor(model, kernels, dense_rows=len(PROMPT))
+            assert f"steps of {len(PROMPT)}+ rows" in dense_from.choice.describe()
+            got = PagedRun(model, step=dense_from).step([("s", PROMPT)], all_logits=True)
+            want = PagedRun(same, step=CpuExecutor(same, kernels)).step([("s", PROMPT)], all_logits=True)
+            assert torch.equal(got, want)

@@ -1,9 +1,10 @@
-"""Quantized linears (csrc/linear_quant.c): codes widened in registers, never dequantized to memory.
+"""Quantized linears (csrc/linear_quant.c): codes widened in registers or a thread's scratch.
 
 Each output is, per block of 32 inputs, d (x . q) + m (sum of x) in fp32, rounded once: against the
 float64 product with the file's values it is within fp32 summation error (float32 inputs) or one bf16
 rounding (bf16), on every build and every tile, and every row's sums run in one order whatever rows
-share the call.
+share the call. From a weight's `dense_rows` on (prefill steps), a bf16 call is instead the packed
+bf16 kernel's product with each weight rounded to bf16.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from tandem.common.quantized_tensor import BLOCK as QUANT_BLOCK
 from tandem.common.quantized_tensor import pack
 from tandem.decoder.backends.cpu.kernels import Kernels
-from tandem.decoder.backends.cpu.linear import QuantLinear
+from tandem.decoder.backends.cpu.linear import CLinear, QuantLinear
 
 
 def q4_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,6 +90,32 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Kernels, k
         assert torch.equal(together[i : i + 1], linear(x[i : i + 1].contiguous())), i
     for begin, end in ((0, 2), (1, 4), (3, 8)):
         assert torch.equal(together[begin:end], linear(x[begin:end].contiguous())), (begin, end)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize(("n", "k"), [(200, 128), (96, 64), (1000, 576)])
+def test_from_dense_rows_on_a_call_is_the_bf16_kernels_product_with_the_rounded_weight(
+    kernels: Kernels, kind: str, n: int, k: int
+) -> None:
+    # A prefill's rows: each weight dequantized as GGUF computes it and rounded once to bf16 (what the
+    # checkpoint's bf16 import holds), through the packed bf16 kernel: the dense model's bits exactly.
+    # Below dense_rows, and on builds without the packed kernel, the exact per-block sums as ever.
+    weight = KINDS[kind](n, k, seed=2)
+    bias = torch.randn(n).to(torch.bfloat16)
+    dense_from = 9
+    linear = QuantLinear(kernels, kernels.quantized_weight(weight, dense_from), bias, torch.bfloat16)
+    exact = QuantLinear(kernels, kernels.quantized_weight(weight), bias, torch.bfloat16)
+    rounded = CLinear(kernels, weight.dequantize(torch.bfloat16), bias)
+    for rows in (1, 4, 8, 9, 13, 40):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        if rows >= dense_from and kernels.weight_layout != 0:
+            assert torch.equal(linear(x), rounded(x)), rows
+        else:
+            assert torch.equal(linear(x), exact(x)), rows
+    # A dense call's rows do not depend on each other either.
+    x = torch.randn(24, k).to(torch.bfloat16)
+    together = linear(x)
+    assert torch.equal(together[5:17], linear(x[5:17].contiguous()))
 
 
 def test_inputs_the_kernel_cannot_read_are_refused_naming_the_argument(kernels: Kernels) -> None:
