@@ -72,6 +72,12 @@ class EngineConfig:
     # verified row is worth it only if every proposed token is accepted, so speculation pays only in
     # small batches. docs/PERFORMANCE.md has the measurement behind the default.
     speculative_max_batch: int = 4
+    # Most requests in one step while a caller with nothing waiting shares the batch with callers that
+    # have requests waiting (a flood beside a neighbour): the neighbour's requests run every step, the
+    # flood's take turns for the rest, so the neighbour's tokens come at the pace of a narrow step.
+    # 0 = off; None = the backend's (16 on a CPU, where a step's time grows with its rows; off
+    # elsewhere). See SchedulerConfig.shared_step_seqs and docs/RELIABILITY.md.
+    shared_step_seqs: int | None = None
 
     @property
     def max_rows_without_prompt(self) -> int:
@@ -108,6 +114,8 @@ class EngineConfig:
                 "speculative_tokens",
                 f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}",
             )
+        if self.shared_step_seqs is not None and self.shared_step_seqs < 0:
+            raise ConfigError("shared_step_seqs", f"must be >= 0 (0: off), got {self.shared_step_seqs}")
         if self.speculative_max_batch < 1:
             raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
         if self.num_threads is not None and self.num_threads < 1:

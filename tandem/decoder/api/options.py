@@ -125,6 +125,13 @@ def settings() -> list[Setting]:
             type=int,
         ),
         _engine_setting(
+            "--shared-step-seqs",
+            "most requests in a step while a caller with nothing queued shares the batch with callers "
+            "that have requests queued: the first kind's run every step, the others' take turns; 0 = off",
+            type=int,
+            show_default="16 on a CPU, 0 elsewhere",
+        ),
+        _engine_setting(
             "--batch-invariant",
             "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
             type=BOOL,
@@ -182,6 +189,7 @@ _ENGINE_FIELDS = (
     "batch_invariant",
     "speculative_tokens",
     "speculative_max_batch",
+    "shared_step_seqs",
 )
 
 

@@ -67,6 +67,10 @@ class Backend:
     uses_cuda_graphs: bool  # compiled buckets replay into reused output buffers (callers get a copy)
     install_hint: str  # what to install when `check_available` fails
     has_cpu_executor: bool = False  # eager steps run through backends/cpu/executor.py's bound kernels
+    # EngineConfig.shared_step_seqs when not given: where a step's time grows with its rows (a CPU:
+    # attention over each row's context), a neighbour beside a flood is served at a narrow step's
+    # pace; an accelerator's wide step costs little more than a narrow one, so 0 (off).
+    shared_step_seqs: int = 0
     compiler: str = "inductor"  # torch.compile backend; tests swap in "aot_eager" (same graphs, no codegen)
     # The model's attention implementation; None keeps the model's own (torch ops; the CPU executor
     # plugs in its C decode kernel).
@@ -84,6 +88,7 @@ BACKENDS: dict[str, Backend] = {
         uses_cuda_graphs=False,
         install_hint="",
         has_cpu_executor=True,
+        shared_step_seqs=16,
     ),
     "cuda": Backend(
         name="cuda",

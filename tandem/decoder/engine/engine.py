@@ -144,6 +144,10 @@ class Engine:
                 max_tokens_per_request=config.max_num_batched_tokens if invariant else None,
                 # A verified proposed token is a sequence of its own, and padding needs a spare one.
                 max_num_rows=None if static is None else max(config.max_num_seqs, static.seq_buckets[-1] - 1),
+                shared_step_seqs=(
+                    backend.shared_step_seqs if config.shared_step_seqs is None else config.shared_step_seqs
+                )
+                or None,
             ),
             block_manager,
         )

@@ -109,6 +109,7 @@ class Request:
     # which admission that was (0: never admitted).
     num_tokens_at_admission: int = 0
     admission_number: int = 0
+    last_step: int = 0  # the scheduler's step count when it last ran (Scheduler._sitting_out's turns)
     # Tokens proposed for the next decode step, verified with it (the engine writes them before
     # scheduling; the scheduler may shorten them to fit the step and clears them in update()).
     draft_token_ids: list[int] = field(default_factory=list)

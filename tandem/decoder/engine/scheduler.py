@@ -49,8 +49,16 @@ class SchedulerConfig:
     # verifies one more (each attends as a sequence of its own). Static shapes set it to the largest
     # sequence bucket; None = only the token budget bounds proposals.
     max_num_rows: int | None = None
+    # Most requests in one step while a caller with nothing waiting shares the batch with callers that
+    # have requests waiting (a flood beside a neighbour): every request of the callers with nothing
+    # waiting runs each step, the others' take turns for the rest. A step's time grows with its rows
+    # (on a CPU: attention over each row's context), so a neighbour's tokens come at the pace of a
+    # narrow step, not of the flood's full batch. None = every running request, every step.
+    shared_step_seqs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.shared_step_seqs is not None and self.shared_step_seqs < 1:
+            raise ValueError(f"SchedulerConfig.shared_step_seqs must be >= 1, got {self.shared_step_seqs}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -110,6 +118,7 @@ class Scheduler:
         self.paused: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}  # every unfinished request by id
         self._num_admissions = 0  # admissions so far: each admitted request's turn number
+        self._num_steps = 0  # schedule() calls so far: requests that sat out a step go first next time
 
     @property
     def num_running(self) -> int:
@@ -167,13 +176,19 @@ class Scheduler:
         # waiting requests are admitted only into free blocks and never cause a block preemption.
         # Callers share the batch: a full one gives a slot per step to a waiting caller running at
         # least two fewer requests than the busiest, or running none (`_yield_a_slot`).
+        # And its steps: while a running caller has nothing waiting and another has requests waiting,
+        # a step holds at most shared_step_seqs requests, the first kind's all, the rest in turns
+        # (`_step_limit`, `_sitting_out`): a neighbour's tokens come at a narrow step's pace.
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._num_steps += 1
         yielded = self._yield_a_slot()
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        step_limit = self._step_limit()
+        sitting_out = self._sitting_out(step_limit) if step_limit is not None else set()
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted, sitting_out)
         # Admitting right after a block preemption would only hand the freed blocks to a newcomer.
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, step_limit)
         preempted += yielded
         # Proposed tokens get what the step has left, after every request's own position: speculation
         # never delays an admission or causes a preemption.
@@ -185,12 +200,37 @@ class Scheduler:
             num_free_blocks_after=self.block_manager.num_free_blocks,
         )
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
-        """Advance the running requests in order, preempting for blocks (`_block_victim`); the budget
-        left."""
+    def _step_limit(self) -> int | None:
+        """`shared_step_seqs` while some running caller has nothing waiting and another caller has
+        requests waiting (a neighbour beside a backlog); else None: every running request runs."""
+        limit = self.config.shared_step_seqs
+        if limit is None or not self.waiting:
+            return None
+        backlogged = {r.caller for r in self.waiting}
+        return None if all(r.caller in backlogged for r in self.running) else limit
+
+    def _sitting_out(self, limit: int) -> set[str]:
+        """Running requests that skip this step (ids): the step holds every request of the callers with
+        nothing waiting and, up to `limit` requests in all but at least one, the others' that ran least
+        recently (so the callers with a backlog, together, still advance every step: beside many
+        neighbours they get one row a step, as each neighbour does)."""
+        backlogged = {r.caller for r in self.waiting}
+        others = [r for r in self.running if r.caller in backlogged]
+        room = max(1, limit - (len(self.running) - len(others)))
+        others.sort(key=lambda r: r.last_step)  # stable: admission order among equals
+        return {r.request_id for r in others[room:]}
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str], sitting_out: set[str]
+    ) -> int:
+        """Advance the running requests in order (but those sitting out), preempting for blocks
+        (`_block_victim`); the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in sitting_out:
+                i += 1
+                continue
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new_tokens == 0:
                 i += 1
@@ -216,16 +256,20 @@ class Scheduler:
         running = Counter(r.caller for r in self.running)
         return max(range(first, len(self.running)), key=lambda j: (running[self.running[j].caller], j))
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], step_limit: int | None) -> int:
         """Admit waiting requests (in `AdmissionOrder`) into free blocks (cached prefix first); the
-        budget left."""
+        budget left. With a `step_limit` (`_step_limit`), callers already running get no more than
+        the step has room for; a caller running nothing is always let in."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
         order = AdmissionOrder(self.waiting, self.running)
+        running_callers = {r.caller for r in self.running}
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = order.next()
             if request is None:
                 break
+            if step_limit is not None and len(scheduled) >= step_limit and request.caller in running_callers:
+                break  # AdmissionOrder offers callers running nothing first: the rest run something
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget)
             if not self.block_manager.allocate_slots(request, num_new_tokens, computed_block_ids):
@@ -240,6 +284,7 @@ class Scheduler:
             self._num_admissions += 1
             request.admission_number = self._num_admissions
             self.running.append(request)
+            running_callers.add(request.caller)
             scheduled.append(self._scheduled(request, num_new_tokens))
             budget -= num_new_tokens
         return budget
@@ -395,6 +440,7 @@ class Scheduler:
         return budget
 
     def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        request.last_step = self._num_steps
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,

@@ -404,6 +404,7 @@ def test_a_neighbour_is_served_at_once_beside_160_unread_streams_over_5_connecti
             num_kv_blocks=8192,
             max_model_len=1024,
             max_streams_per_connection=32,
+            shared_step_seqs=4,
         )
     )
     neighbour = _request("an unrelated request", max_new_tokens=32)
@@ -422,10 +423,27 @@ def test_a_neighbour_is_served_at_once_beside_160_unread_streams_over_5_connecti
             time.sleep(0.05)
         scheduler = engine.core.scheduler
         assert scheduler.num_running == 16 and scheduler.num_waiting == 144
-        tokens, neighbour_s = _timed_tokens(services.decoder, neighbour)
+        flood_callers = {r.caller for r in scheduler.running} | {r.caller for r in scheduler.waiting}
+        steps: list[list[str]] = []  # each step's requests, by caller
+        schedule = scheduler.schedule
+
+        def recording_schedule():
+            plan = schedule()
+            steps.append([item.request.caller for item in plan.scheduled])
+            return plan
+
+        scheduler.schedule = recording_schedule
+        try:
+            tokens, neighbour_s = _timed_tokens(services.decoder, neighbour)
+        finally:
+            del scheduler.schedule
         assert tokens == expected
         # Served while every flood request was still unfinished: it waited for no flood request's end.
         assert engine.core.num_live() == 160
+        # Its steps were narrow (shared_step_seqs 4): its request and 3 of the flood's 16 running, in
+        # turns, after the step that admitted it (a yielded slot, its prefill beside the 15 others).
+        with_neighbour = [s for s in steps if any(c not in flood_callers for c in s)]
+        assert len(with_neighbour) >= 32 and all(len(s) <= 4 for s in with_neighbour[1:]), with_neighbour[:3]
         print(
             f"\na neighbour's 32 tokens beside 160 unread streams (16 running, 144 waiting): "
             f"{neighbour_s:.2f} s (alone {alone_s:.2f} s, {neighbour_s / alone_s:.1f}x)"

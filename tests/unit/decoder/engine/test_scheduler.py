@@ -138,6 +138,69 @@ def test_a_late_caller_gets_the_next_turn_before_callers_that_have_had_one() -> 
     assert late.output_token_ids == reference_outputs("late", 4)
 
 
+def test_beside_a_caller_with_requests_queued_a_neighbours_request_runs_every_step_of_a_narrow_one() -> None:
+    # A flood of one caller fills the batch and queues more; a neighbour with one request gets a slot
+    # (yielded), then runs every step while the flood's requests take turns for the other two rows.
+    scheduler, runner = make_scheduler(num_blocks=512, max_num_seqs=8, shared_step_seqs=3)
+    flood = [make_request(f"f{i}", [1, 2, 3], max_new_tokens=30, caller="flood") for i in range(10)]
+    for request in flood:
+        scheduler.add_request(request)
+    assert len(ids(run_step(scheduler, runner))) == 8  # nobody to protect: the whole batch
+    neighbour = make_request("n", [4, 5, 6], max_new_tokens=12, caller="n")
+    scheduler.add_request(neighbour)
+    plan = run_step(scheduler, runner)  # a slot yielded, the neighbour admitted (its prefill)
+    assert "n" in ids(plan) and len(plan.preempted_ids) == 1
+    last_ran = {r.request_id: 0 for r in scheduler.running if r.caller == "flood"}
+    step = 0
+    while not neighbour.is_finished:
+        plan = run_step(scheduler, runner)
+        step += 1
+        assert "n" in ids(plan) and len(ids(plan)) == 3, ids(plan)
+        for request_id in ids(plan):
+            last_ran[request_id] = step
+        # The flood's 7 running requests take the 2 other rows in turn: none waits more than 4 steps.
+        assert all(step - ran <= 4 for request_id, ran in last_ran.items() if request_id != "n")
+    # The neighbour gone, the flood has the whole batch again.
+    assert len(ids(run_step(scheduler, runner))) == 8
+    run_until_done(scheduler, runner)
+    for request in [*flood, neighbour]:  # who sat out when changes no request's outputs
+        expected = reference_outputs(request.request_id, request.stopping.max_new_tokens)
+        assert request.output_token_ids == expected
+
+
+def test_beside_more_neighbours_than_a_narrow_step_holds_a_backlogged_caller_still_runs_each_step() -> None:
+    scheduler, runner = make_scheduler(num_blocks=512, max_num_seqs=8, shared_step_seqs=3)
+    busy = [make_request(f"b{i}", [1, 2, 3], max_new_tokens=20, caller="busy") for i in range(6)]
+    for request in busy:
+        scheduler.add_request(request)
+    run_step(scheduler, runner)  # 6 running, nothing waiting
+    scheduler.add_request(make_request("b-late", [1, 2, 3], max_new_tokens=20, caller="busy"))
+    for caller in "xyz":  # three neighbours take the two free slots and a yielded one
+        scheduler.add_request(make_request(caller, [4, 5], max_new_tokens=20, caller=caller))
+    for _ in range(2):
+        run_step(scheduler, runner)
+    for _ in range(10):
+        plan = run_step(scheduler, runner)
+        running = [r.caller for r in scheduler.running]
+        neighbours = [i for i in ids(plan) if i in "xyz"]
+        # Every neighbour's request runs, and one of the busy caller's: one row a step each.
+        assert len(neighbours) == running.count("x") + running.count("y") + running.count("z")
+        assert len(ids(plan)) - len(neighbours) == 1, ids(plan)
+    run_until_done(scheduler, runner)
+    assert all(r.output_token_ids == reference_outputs(r.request_id, 20) for r in busy)
+
+
+def test_steps_stay_whole_for_callers_with_nothing_queued_and_for_a_flood_alone() -> None:
+    # Many callers with one request each (nothing waits) and one caller's backlog alone: nobody is
+    # protected from anybody, so every running request runs every step.
+    for callers in ("abcdefgh", "a" * 12):
+        scheduler, runner = make_scheduler(num_blocks=512, max_num_seqs=8, shared_step_seqs=3)
+        for i, caller in enumerate(callers):
+            scheduler.add_request(make_request(f"r{i}", [1, 2, 3], max_new_tokens=10, caller=caller))
+        for _ in range(5):
+            assert len(ids(run_step(scheduler, runner))) == 8
+
+
 def test_blocks_are_taken_back_from_the_busiest_caller_not_from_the_one_just_admitted() -> None:
     scheduler, runner = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=4)
     requests = [
@@ -406,6 +469,7 @@ WORKLOADS = dict(
     budget=st.integers(4, 48),
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
+    shared_step_seqs=st.one_of(st.none(), st.integers(1, 4)),
 )
 
 
@@ -418,6 +482,7 @@ def test_random_workloads_keep_invariants_and_every_request_finishes(
     budget: int,
     max_num_seqs: int,
     prefix_caching: bool,
+    shared_step_seqs: int | None,
 ) -> None:
     rng = random.Random(seed)
     scheduler, runner = make_scheduler(
@@ -427,6 +492,7 @@ def test_random_workloads_keep_invariants_and_every_request_finishes(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_waiting=8,
+        shared_step_seqs=shared_step_seqs,
     )
     accepted, aborted = [], set()
     num_to_add = rng.randint(1, 16)
@@ -622,6 +688,7 @@ def test_random_workloads_with_proposals_give_the_same_outputs_as_without(
     max_num_seqs: int,
     extra_rows: int | None,
     prefix_caching: bool,
+    shared_step_seqs: int | None,
 ) -> None:
     """Guesses right, half right and wrong, under preemption, chunking and prefix caching: every
     request ends with exactly its reference outputs, and every block comes back."""
@@ -634,6 +701,7 @@ def test_random_workloads_with_proposals_give_the_same_outputs_as_without(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_num_rows=max_num_rows,
+        shared_step_seqs=shared_step_seqs,
     )
 
     def propose(request) -> list[int]:
