@@ -262,7 +262,10 @@ class CpuExecutor:
             quantized=", ".join(
                 sorted({f"{m.qweight.bits}-bit" for m in model.modules() if isinstance(m, QUANTIZED_MODULES)})
             ),
-            dense_rows=dense_rows,
+            # Only the packed bf16 kernel's builds have the dense path; elsewhere every row is exact.
+            dense_rows=dense_rows
+            if kernels is not None and kernels.weight_layout != 0 and config.dtype == torch.bfloat16
+            else 0,
         )
 
     def _bind_stack(self, kernels: Kernels | None) -> DecodeStack | None:
