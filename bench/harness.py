@@ -212,7 +212,8 @@ def quantized_workload(
 ) -> dict:
     """Token-prompt decode at each N with the GGUF file's own quantized weights (`--quantization
     gguf`) against the bf16 engine `dense`, interleaved per repeat, each engine's resident memory, and
-    the quantized engine's TTFT (the report reads both beside llama.cpp's on the same file)."""
+    the quantized weights' TTFT on an engine set up as the bf16 TTFT engine (the report reads both
+    beside llama.cpp's on the same file)."""
     quantized = Remote(
         TandemSubject,
         model_dir,
@@ -242,10 +243,17 @@ def quantized_workload(
                         flush=True,
                     )
         rss = {name: engine.call("rss_mb") for name, engine in engines.items()}
-        print("time to first token, --quantization gguf ...", flush=True)
-        ttft = ttft_workload(quantized, None, vocab, args)["tandem"]  # beside llama.cpp's, same file
     finally:
         quantized.close()
+    # TTFT on an engine set up as the bf16 TTFT engine is (its step budget holds the longest prompt
+    # whole), so the two compare; the decode engine's smaller budget chunks a long prompt.
+    print("time to first token, --quantization gguf ...", flush=True)
+    ttft_args = workload_args(args.threads, max(*args.ttft_lens, PREFIX_LEN), 1)
+    ttft_engine = Remote(TandemSubject, model_dir, ttft_args, 1, True, gguf)
+    try:
+        ttft = ttft_workload(ttft_engine, None, vocab, args)["tandem"]  # beside llama.cpp's, same file
+    finally:
+        ttft_engine.close()
     return {
         "decode_tok_s": summarize(runs),
         "decode_only_tok_s": summarize(decode_runs),
