@@ -42,9 +42,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(module: str, model: Path | None) -> tuple[subprocess.Popen, str]:
+def _start(module: str, model: Path | None, flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`python -m module` on a free loopback port with `flags`, once its health says SERVING."""
     port = _free_port()
     argv = [sys.executable, "-m", module, "--port", str(port)] + (["--model", str(model)] if model else [])
+    argv += flags
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     with grpc.insecure_channel(address) as channel:

@@ -18,42 +18,20 @@ import argparse
 import asyncio
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hostile_callers import _free_port, _request  # noqa: E402
+from hostile_callers import _request, _start  # noqa: E402
 
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
-
-
-def start_decoder(shared_step_seqs: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "tandem.decoder", "--port", str(port)]
-    argv += ["--shared-step-seqs", str(shared_step_seqs), "--max-queue", "1024"]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        for _ in range(1200):
-            if process.poll() is not None:
-                raise SystemExit(f"the decoder exited with {process.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return process, address
-            except grpc.RpcError:
-                pass
-            time.sleep(0.25)
-    raise SystemExit("the decoder never became SERVING")
 
 
 def neighbour(stub: decoder_pb2_grpc.DecoderStub) -> tuple[float, float]:
@@ -122,7 +100,8 @@ def main() -> None:
     print("| --shared-step-seqs | alone (s) | beside the flood (s) | ratio | first token (s) | flood tok/s |")
     print("|---|---|---|---|---|---|")
     for setting in (int(s) for s in args.settings.split(",")):
-        process, address = start_decoder(setting)
+        flags = ("--shared-step-seqs", str(setting), "--max-queue", "1024")
+        process, address = _start("tandem.decoder", None, flags)
         try:
             with grpc.insecure_channel(address) as channel:
                 stub = decoder_pb2_grpc.DecoderStub(channel)

@@ -26,10 +26,8 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "team.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -158,12 +156,8 @@ int tandem_linear_packed_bf16(const uint16_t *x, const uint16_t *wp, const uint1
     const int64_t groups = (n + GROUP - 1) / GROUP;
 #pragma omp parallel
     {
-        int threads = 1, me = 0;
-#ifdef _OPENMP
-        threads = omp_get_num_threads();
-        me = omp_get_thread_num();
-#endif
-        const int64_t g_begin = groups * me / threads, g_end = groups * (me + 1) / threads;
+        int64_t g_begin, g_end;
+        team_share(groups, &g_begin, &g_end);
         if (g_begin < g_end) thread_part(x, wp, bias, out, m, n, k, g_begin, g_end);
     }
     return 0;

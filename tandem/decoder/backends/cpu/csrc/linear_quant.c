@@ -61,11 +61,9 @@
 
 #include "bf16.h"
 #include "scratch.h"
+#include "team.h"
 #include "weight.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -182,6 +180,29 @@ static inline __attribute__((always_inline)) __m512i codes_bf16(const uint8_t *c
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* The scales of a block of 16 outputs (at: its index into w->scales) for sums of 128 + q (codes_bf16):
+ * d, and the offset that takes the 128 back: d blk + (m - 128 d) S_b for Q4_1, Q4_0's d (q - 8) as
+ * d blk - 136 d S_b; Q8_0's codes are as stored (off unused). */
+static inline __attribute__((always_inline)) void block_scales(const TandemWeight *w, int64_t at, const int FORMAT,
+                                                               __m512 *d, __m512 *off) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
+    if (FORMAT == TANDEM_WEIGHT_Q4)
+        *off = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), *d,
+                                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at))));
+    else if (FORMAT == FORMAT_Q4_0)
+        *off = _mm512_mul_ps(_mm512_set1_ps(-136.0f), *d);
+    else
+        *off = _mm512_setzero_ps();
+}
+
+/* acc after a block whose sums are blk (s_b: the row's sum of x over the block): acc + d blk, then
+ * (4-bit) + off s_b. The one order every tile keeps (the NOTE at the top). */
+static inline __attribute__((always_inline)) __m512 add_block(__m512 acc, __m512 blk, __m512 d, __m512 off,
+                                                             float s_b, const int FORMAT) {
+    acc = _mm512_fmadd_ps(blk, d, acc);
+    return FORMAT != TANDEM_WEIGHT_Q8 ? _mm512_fmadd_ps(off, _mm512_set1_ps(s_b), acc) : acc;
+}
+
 /* Rows [0, MR) of x (bf16, row stride k; block sums s, row stride nb) against NB groups from g. The
  * codes come from w, widened here, or (pre not NULL) already widened by widen_groups for these NB
  * groups: the same values, so the same bits. */
@@ -219,24 +240,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
         }
 #pragma GCC unroll 6
         for (int j = 0; j < NB; j++) {
-            const int64_t at = ((g + j) * nb + b) * QG;
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
-            if (FORMAT != TANDEM_WEIGHT_Q8) {
-                /* blk = sum x (128 + q): d blk + (m - 128 d) S_b for Q4_1; Q4_0's d (q - 8), d blk - 136 d S_b. */
-                const __m512 off =
-                    FORMAT == TANDEM_WEIGHT_Q4
-                        ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d,
-                                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at))))
-                        : _mm512_mul_ps(_mm512_set1_ps(-136.0f), d);
+            __m512 d, off;
+            block_scales(w, ((g + j) * nb + b) * QG, FORMAT, &d, &off);
 #pragma GCC unroll 4
-                for (int i = 0; i < MR; i++) {
-                    acc[i][j] = _mm512_fmadd_ps(blk[i][j], d, acc[i][j]);
-                    acc[i][j] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[i * nb + b]), acc[i][j]);
-                }
-            } else {
-#pragma GCC unroll 4
-                for (int i = 0; i < MR; i++) acc[i][j] = _mm512_fmadd_ps(blk[i][j], d, acc[i][j]);
-            }
+            for (int i = 0; i < MR; i++) acc[i][j] = add_block(acc[i][j], blk[i][j], d, off, s[i * nb + b], FORMAT);
         }
     }
 #pragma GCC unroll 4
@@ -308,26 +315,12 @@ static inline __attribute__((always_inline)) void tile_pre_bf16(const uint16_t *
         }
 #pragma GCC unroll 6
         for (int j = 0; j < NB; j++) {
-            const int64_t at = ((g + j) * nb + b) * QG;
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
-            if (FORMAT != TANDEM_WEIGHT_Q8) {
-                const __m512 off =
-                    FORMAT == TANDEM_WEIGHT_Q4
-                        ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d,
-                                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at))))
-                        : _mm512_mul_ps(_mm512_set1_ps(-136.0f), d);
+            __m512 d, off;
+            block_scales(w, ((g + j) * nb + b) * QG, FORMAT, &d, &off);
 #pragma GCC unroll 4
-                for (int i = 0; i < MR; i++) {
-                    __m512 a = _mm512_load_ps(accf + (i * 6 + j) * QG);
-                    a = _mm512_fmadd_ps(blk[i][j], d, a);
-                    a = _mm512_fmadd_ps(off, _mm512_set1_ps(s[i * nb + b]), a);
-                    _mm512_store_ps(accf + (i * 6 + j) * QG, a);
-                }
-            } else {
-#pragma GCC unroll 4
-                for (int i = 0; i < MR; i++)
-                    _mm512_store_ps(accf + (i * 6 + j) * QG,
-                                    _mm512_fmadd_ps(blk[i][j], d, _mm512_load_ps(accf + (i * 6 + j) * QG)));
+            for (int i = 0; i < MR; i++) {
+                float *a = accf + (i * 6 + j) * QG;
+                _mm512_store_ps(a, add_block(_mm512_load_ps(a), blk[i][j], d, off, s[i * nb + b], FORMAT));
             }
         }
         __asm__ volatile("" ::: "memory"); /* keep acc in memory: the registers hold the block sums */
@@ -466,12 +459,8 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
         int failed = 0;
 #pragma omp parallel reduction(| : failed)
         {
-            int threads = 1, me = 0;
-#ifdef _OPENMP
-            threads = omp_get_num_threads();
-            me = omp_get_thread_num();
-#endif
-            const int64_t s0 = sets * me / threads, s1 = sets * (me + 1) / threads;
+            int64_t s0, s1;
+            team_share(sets, &s0, &s1);
             __m512i *pre = s0 < s1 ? widened_vectors(k / 2 * 6) : NULL;
             if (s0 < s1 && pre == NULL)
                 failed = 1;
@@ -486,11 +475,6 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        int threads = 1, me = 0;
-#ifdef _OPENMP
-        threads = omp_get_num_threads();
-        me = omp_get_thread_num();
-#endif
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
             for (int64_t b = 0; b < nb; b++) {
@@ -499,7 +483,8 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
                 s[r * nb + b] = sum;
             }
         /* (the loop's barrier: every row's sums are in before any output uses them) */
-        const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
+        int64_t g0, g1;
+        team_share(groups, &g0, &g1);
 #if HAVE_QUANT_BF16
         if (dtype == 1 && g0 < g1) {
             __m512i *pre = m > 4 ? widened_vectors(k / 2 * 6) : NULL;
