@@ -115,7 +115,6 @@ def main() -> None:
                     rate = (flood.tokens - before) / (time.monotonic() - start)
                 finally:
                     flood.close()
-            print(f"  runs: {[(round(f, 2), round(t, 2)) for f, t in runs]}", flush=True)
             beside = statistics.median(r[1] for r in runs)
             first = statistics.median(r[0] for r in runs)
             print(

@@ -119,10 +119,6 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request by id
         self._num_admissions = 0  # admissions so far: each admitted request's turn number
         self._num_steps = 0  # schedule() calls so far: requests that sat out a step go first next time
-        # A narrow step's (`_step_limit`): the callers with requests waiting, and the positions their
-        # running requests may still take this step (None: the step is not narrowed).
-        self._backlogged: set[str] = set()
-        self._backlog_tokens: int | None = None
 
     @property
     def num_running(self) -> int:
@@ -182,18 +178,17 @@ class Scheduler:
         # least two fewer requests than the busiest, or running none (`_yield_a_slot`).
         # And its steps: while a running caller has nothing waiting and another has requests waiting,
         # a step holds at most shared_step_seqs requests, the first kind's all, the rest in turns
-        # (`_step_limit`, `_narrow`): a neighbour's tokens come at a narrow step's pace.
+        # (`_step_limit`, `_sitting_out`): a neighbour's tokens come at a narrow step's pace.
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._num_steps += 1
         yielded = self._yield_a_slot()
         step_limit = self._step_limit()
-        sitting_out = self._narrow(step_limit) if step_limit is not None else set()
+        sitting_out = self._sitting_out(step_limit) if step_limit is not None else set()
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted, sitting_out)
         # Admitting right after a block preemption would only hand the freed blocks to a newcomer.
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
-        self._backlog_tokens = None
+            budget = self._admit_waiting(budget, scheduled, step_limit)
         preempted += yielded
         # Proposed tokens get what the step has left, after every request's own position: speculation
         # never delays an admission or causes a preemption.
@@ -214,29 +209,16 @@ class Scheduler:
         backlogged = {r.caller for r in self.waiting}
         return None if all(r.caller in backlogged for r in self.running) else limit
 
-    def _narrow(self, limit: int) -> set[str]:
-        """Narrows this step; the running requests that sit it out (ids). The step holds every request
-        of the callers with nothing waiting and, up to `limit` requests in all but at least one, the
-        others' that ran least recently (so the callers with a backlog, together, still advance every
-        step: beside many neighbours they get one row a step, as each neighbour does). Those others take
-        as many positions as they have rows, no more: a recomputed or new prefill of theirs goes in
-        small chunks, never one that makes the neighbour's step a long prefill."""
-        self._backlogged = {r.caller for r in self.waiting}
-        others = [r for r in self.running if r.caller in self._backlogged]
+    def _sitting_out(self, limit: int) -> set[str]:
+        """Running requests that skip this step (ids): the step holds every request of the callers with
+        nothing waiting and, up to `limit` requests in all but at least one, the others' that ran least
+        recently (so the callers with a backlog, together, still advance every step: beside many
+        neighbours they get one row a step, as each neighbour does)."""
+        backlogged = {r.caller for r in self.waiting}
+        others = [r for r in self.running if r.caller in backlogged]
         room = max(1, limit - (len(self.running) - len(others)))
-        self._backlog_tokens = room
         others.sort(key=lambda r: r.last_step)  # stable: admission order among equals
         return {r.request_id for r in others[room:]}
-
-    def _backlog_cap(self, request: Request, num_new_tokens: int) -> int:
-        """num_new_tokens, cut to what a narrow step leaves a backlogged caller's request (0: none)."""
-        if self._backlog_tokens is None or request.caller not in self._backlogged:
-            return num_new_tokens
-        return min(num_new_tokens, self._backlog_tokens)
-
-    def _took(self, request: Request, num_new_tokens: int) -> None:
-        if self._backlog_tokens is not None and request.caller in self._backlogged:
-            self._backlog_tokens -= num_new_tokens
 
     def _schedule_running(
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str], sitting_out: set[str]
@@ -249,9 +231,7 @@ class Scheduler:
             if request.request_id in sitting_out:
                 i += 1
                 continue
-            num_new_tokens = self._backlog_cap(
-                request, self._num_new_tokens(request, request.num_computed_tokens, budget)
-            )
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new_tokens == 0:
                 i += 1
                 continue
@@ -265,7 +245,6 @@ class Scheduler:
                     break
             else:
                 scheduled.append(self._scheduled(request, num_new_tokens))
-                self._took(request, num_new_tokens)
                 budget -= num_new_tokens
                 i += 1
         return budget
@@ -277,10 +256,10 @@ class Scheduler:
         running = Counter(r.caller for r in self.running)
         return max(range(first, len(self.running)), key=lambda j: (running[self.running[j].caller], j))
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], step_limit: int | None) -> int:
         """Admit waiting requests (in `AdmissionOrder`) into free blocks (cached prefix first); the
-        budget left. In a narrow step (`_narrow`) callers already running get only what is left of
-        their positions; a caller running nothing is always let in."""
+        budget left. With a `step_limit` (`_step_limit`), callers already running get no more than
+        the step has room for; a caller running nothing is always let in."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
         order = AdmissionOrder(self.waiting, self.running)
@@ -289,12 +268,10 @@ class Scheduler:
             request = order.next()
             if request is None:
                 break
+            if step_limit is not None and len(scheduled) >= step_limit and request.caller in running_callers:
+                break  # AdmissionOrder offers callers running nothing first: the rest run something
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget)
-            if request.caller in running_callers:
-                num_new_tokens = self._backlog_cap(request, num_new_tokens)
-                if num_new_tokens == 0:
-                    break  # AdmissionOrder offers callers running nothing first: the rest run something
             if not self.block_manager.allocate_slots(request, num_new_tokens, computed_block_ids):
                 break  # nobody overtakes the request that is next in line
             self.waiting.remove(request)
@@ -307,8 +284,6 @@ class Scheduler:
             self._num_admissions += 1
             request.admission_number = self._num_admissions
             self.running.append(request)
-            if request.caller in running_callers:
-                self._took(request, num_new_tokens)
             running_callers.add(request.caller)
             scheduled.append(self._scheduled(request, num_new_tokens))
             budget -= num_new_tokens

@@ -190,38 +190,6 @@ def test_beside_more_neighbours_than_a_narrow_step_holds_a_backlogged_caller_sti
     assert all(r.output_token_ids == reference_outputs(r.request_id, 20) for r in busy)
 
 
-def test_in_a_narrow_step_a_backlogged_callers_prefill_goes_in_small_chunks() -> None:
-    # A flood request admitted (or recomputed) while a neighbour runs must not turn the neighbour's
-    # narrow step into a long prefill: the backlog's requests take as many positions as they have rows.
-    scheduler, runner = make_scheduler(num_blocks=512, max_num_seqs=4, shared_step_seqs=3)
-    # Three short flood requests end while the neighbour runs; their slots go to a 40-token prompt.
-    lengths = (3, 3, 3, 40)
-    flood = [
-        make_request(f"f{i}", [1, 2, 3], max_new_tokens=n, caller="flood") for i, n in enumerate(lengths)
-    ]
-    flood.append(make_request("f-long", list(range(1, 41)), max_new_tokens=4, caller="flood"))
-    for request in flood:
-        scheduler.add_request(request)
-    run_step(scheduler, runner)
-    neighbour = make_request("n", [4, 5], max_new_tokens=20, caller="n")
-    scheduler.add_request(neighbour)
-    run_step(scheduler, runner)  # a slot yielded, the neighbour admitted
-    long_ran = False
-    while not neighbour.is_finished:
-        plan = run_step(scheduler, runner)
-        long_ran |= "f-long" in ids(plan)
-        flood_positions = sum(i.num_new_tokens for i in plan.scheduled if i.request.caller == "flood")
-        assert "n" in ids(plan) and flood_positions <= 2, [
-            (i.request_id, i.num_new_tokens) for i in plan.scheduled
-        ]
-    assert long_ran  # its prefill went on beside the neighbour, at most two positions a step
-    run_until_done(scheduler, runner)
-    for request in flood:
-        assert request.output_token_ids == reference_outputs(
-            request.request_id, request.stopping.max_new_tokens
-        )
-
-
 def test_steps_stay_whole_for_callers_with_nothing_queued_and_for_a_flood_alone() -> None:
     # Many callers with one request each (nothing waits) and one caller's backlog alone: nobody is
     # protected from anybody, so every running request runs every step.
