@@ -178,13 +178,15 @@ class Scheduler:
         # least two fewer requests than the busiest, or running none (`_yield_a_slot`).
         # And its steps: while a running caller has nothing waiting and another has requests waiting,
         # a step holds at most shared_step_seqs requests, the first kind's all, the rest in turns
-        # (`_step_limit`, `_sitting_out`): a neighbour's tokens come at a narrow step's pace.
+        # (`_backlogged_beside_a_neighbour`, `_sitting_out`): a neighbour's tokens come at a narrow
+        # step's pace.
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._num_steps += 1
         yielded = self._yield_a_slot()
-        step_limit = self._step_limit()
-        sitting_out = self._sitting_out(step_limit) if step_limit is not None else set()
+        backlogged = self._backlogged_beside_a_neighbour()
+        step_limit = None if backlogged is None else self.config.shared_step_seqs
+        sitting_out = set() if step_limit is None else self._sitting_out(step_limit, backlogged)
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted, sitting_out)
         # Admitting right after a block preemption would only hand the freed blocks to a newcomer.
         if not preempted:
@@ -200,21 +202,20 @@ class Scheduler:
             num_free_blocks_after=self.block_manager.num_free_blocks,
         )
 
-    def _step_limit(self) -> int | None:
-        """`shared_step_seqs` while some running caller has nothing waiting and another caller has
-        requests waiting (a neighbour beside a backlog); else None: every running request runs."""
-        limit = self.config.shared_step_seqs
-        if limit is None or not self.waiting:
+    def _backlogged_beside_a_neighbour(self) -> set[str] | None:
+        """The callers with requests waiting, when the step is to be narrowed (`shared_step_seqs` set,
+        and some running caller has nothing waiting: a neighbour beside a backlog); else None, and
+        every running request runs."""
+        if self.config.shared_step_seqs is None or not self.waiting:
             return None
         backlogged = {r.caller for r in self.waiting}
-        return None if all(r.caller in backlogged for r in self.running) else limit
+        return None if all(r.caller in backlogged for r in self.running) else backlogged
 
-    def _sitting_out(self, limit: int) -> set[str]:
+    def _sitting_out(self, limit: int, backlogged: set[str]) -> set[str]:
         """Running requests that skip this step (ids): the step holds every request of the callers with
         nothing waiting and, up to `limit` requests in all but at least one, the others' that ran least
         recently (so the callers with a backlog, together, still advance every step: beside many
         neighbours they get one row a step, as each neighbour does)."""
-        backlogged = {r.caller for r in self.waiting}
         others = [r for r in self.running if r.caller in backlogged]
         room = max(1, limit - (len(self.running) - len(others)))
         others.sort(key=lambda r: r.last_step)  # stable: admission order among equals
@@ -258,7 +259,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], step_limit: int | None) -> int:
         """Admit waiting requests (in `AdmissionOrder`) into free blocks (cached prefix first); the
-        budget left. With a `step_limit` (`_step_limit`), callers already running get no more than
+        budget left. With a `step_limit` (a narrowed step), callers already running get no more than
         the step has room for; a caller running nothing is always let in."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
