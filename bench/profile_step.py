@@ -164,7 +164,7 @@ def profile_size(engine, n: int, args: argparse.Namespace) -> dict:
                                    for name in ("qkv", "o", "gate_up", "down"))]  # fmt: skip
         for linear in linears:
             if isinstance(linear, CLinear):
-                undo.append(time_calls(linear, "_fn", kernel_ms, "C bf16 linear"))
+                undo.append(time_calls(linear, "_call", kernel_ms, "C bf16 linear"))
         for fused in step_fn.fused or []:
             undo.append(time_calls(fused, "_attention_in", kernel_ms, "C fused attention_in"))
             undo.append(time_calls(fused, "_mlp_block", kernel_ms, "C fused mlp_block"))
