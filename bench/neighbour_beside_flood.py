@@ -3,7 +3,7 @@
 The decoder runs as a process with its defaults on the default model (SmolLM2); for each setting:
 the neighbour's 32 greedy tokens alone (a warm-up, then the median of 3), then a flood of N streams
 of 1,024 tokens over C connections (each connection one caller) that this process reads on
-background threads, counting their tokens, and, once the flood has run 20 s, the neighbour again,
+background threads, counting their tokens, and, once the flood has run 30 s, the neighbour again,
 3 times back to back: its time to the first token and to the last, and the flood's tokens/s over
 those runs (what narrowing the steps costs it). A reader that keeps up and one that never reads
 look the same to the scheduler until the pause (1,024 one-token messages fit in a client's HTTP/2
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--settings", default="0,16,8", help="--shared-step-seqs values (0: off)")
     parser.add_argument("--streams", type=int, default=640)
     parser.add_argument("--connections", type=int, default=20)
-    parser.add_argument("--warm-s", type=float, default=20.0)
+    parser.add_argument("--warm-s", type=float, default=30.0)
     args = parser.parse_args()
     cpu = this_cpu()
     print(f"CPU: {cpu.model_name} ({cpu.isa_summary}); {platform.node()}")

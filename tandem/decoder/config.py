@@ -72,10 +72,11 @@ class EngineConfig:
     # verified row is worth it only if every proposed token is accepted, so speculation pays only in
     # small batches. docs/PERFORMANCE.md has the measurement behind the default.
     speculative_max_batch: int = 4
-    # Most requests in one step while a caller with nothing waiting shares the batch with callers that
-    # have requests waiting (a flood beside a neighbour): the neighbour's requests run every step, the
-    # flood's take turns for the rest, so the neighbour's tokens come at the pace of a narrow step.
-    # 0 = off; None = the backend's (16 on a CPU, where a step's time grows with its rows; off
+    # Most requests in one step while a light caller (nothing waiting, at most this many running)
+    # shares the batch with heavy ones (requests waiting, or more running: a flood beside a
+    # neighbour): the neighbour's requests run every step, the flood's take turns for the rest, so
+    # the neighbour's tokens come at the pace of a narrow step.
+    # 0 = off; None = the backend's (8 on a CPU, where a step's time grows with its rows; off
     # elsewhere). See SchedulerConfig.shared_step_seqs and docs/RELIABILITY.md.
     shared_step_seqs: int | None = None
 

@@ -126,10 +126,11 @@ def settings() -> list[Setting]:
         ),
         _engine_setting(
             "--shared-step-seqs",
-            "most requests in a step while a caller with nothing queued shares the batch with callers "
-            "that have requests queued: the first kind's run every step, the others' take turns; 0 = off",
+            "most requests in a step while a light caller (nothing queued, at most this many running) "
+            "shares the batch with heavier ones: the light callers' run every step, the others' take "
+            "turns; 0 = off",
             type=int,
-            show_default="16 on a CPU, 0 elsewhere",
+            show_default="8 on a CPU, 0 elsewhere",
         ),
         _engine_setting(
             "--batch-invariant",

@@ -88,7 +88,7 @@ BACKENDS: dict[str, Backend] = {
         uses_cuda_graphs=False,
         install_hint="",
         has_cpu_executor=True,
-        shared_step_seqs=16,
+        shared_step_seqs=8,
     ),
     "cuda": Backend(
         name="cuda",

@@ -49,11 +49,12 @@ class SchedulerConfig:
     # verifies one more (each attends as a sequence of its own). Static shapes set it to the largest
     # sequence bucket; None = only the token budget bounds proposals.
     max_num_rows: int | None = None
-    # Most requests in one step while a caller with nothing waiting shares the batch with callers that
-    # have requests waiting (a flood beside a neighbour): every request of the callers with nothing
-    # waiting runs each step, the others' take turns for the rest. A step's time grows with its rows
-    # (on a CPU: attention over each row's context), so a neighbour's tokens come at the pace of a
-    # narrow step, not of the flood's full batch. None = every running request, every step.
+    # Most requests in one step while a light caller (nothing waiting, at most this many running)
+    # shares the batch with heavy ones (requests waiting, or more running: a flood beside a
+    # neighbour): every request of the light callers runs each step, the heavy ones' take turns for
+    # the rest. A step's time grows with its rows (on a CPU: attention over each row's context), so a
+    # neighbour's tokens come at the pace of a narrow step, not of the flood's full batch. None =
+    # every running request, every step.
     shared_step_seqs: int | None = None
 
     def __post_init__(self) -> None:
@@ -176,17 +177,18 @@ class Scheduler:
         # waiting requests are admitted only into free blocks and never cause a block preemption.
         # Callers share the batch: a full one gives a slot per step to a waiting caller running at
         # least two fewer requests than the busiest, or running none (`_yield_a_slot`).
-        # And its steps: while a running caller has nothing waiting and another has requests waiting,
-        # a step holds at most shared_step_seqs requests, the first kind's all, the rest in turns
-        # (`_backlogged_beside_a_neighbour`, `_sitting_out`): a neighbour's tokens come at a narrow
-        # step's pace.
+        # And its steps: while a light caller (nothing waiting, at most shared_step_seqs running)
+        # runs beside a heavy one (requests waiting, or more running), or a caller running nothing
+        # is about to be admitted beside running ones, a step holds at most shared_step_seqs
+        # requests, the light callers' all, the heavy ones' in turns (`_heavy_beside_a_neighbour`,
+        # `_sitting_out`): a neighbour's tokens, its first included, come at a narrow step's pace.
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._num_steps += 1
         yielded = self._yield_a_slot()
-        backlogged = self._backlogged_beside_a_neighbour()
-        step_limit = None if backlogged is None else self.config.shared_step_seqs
-        sitting_out = set() if step_limit is None else self._sitting_out(step_limit, backlogged)
+        heavy = self._heavy_beside_a_neighbour()
+        step_limit = None if heavy is None else self.config.shared_step_seqs
+        sitting_out = set() if step_limit is None else self._sitting_out(step_limit, heavy)
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted, sitting_out)
         # Admitting right after a block preemption would only hand the freed blocks to a newcomer.
         if not preempted:
@@ -202,21 +204,31 @@ class Scheduler:
             num_free_blocks_after=self.block_manager.num_free_blocks,
         )
 
-    def _backlogged_beside_a_neighbour(self) -> set[str] | None:
-        """The callers with requests waiting, when the step is to be narrowed (`shared_step_seqs` set,
-        and some running caller has nothing waiting: a neighbour beside a backlog); else None, and
-        every running request runs."""
-        if self.config.shared_step_seqs is None or not self.waiting:
+    def _heavy_beside_a_neighbour(self) -> set[str] | None:
+        """The heavy callers (requests waiting, or more running than `shared_step_seqs`), when the step
+        is to be narrowed: a light caller runs beside a heavy one (a neighbour beside a flood, queued
+        or not), or a caller running nothing can be admitted beside running ones (a neighbour's first
+        step, whose prefill and first token would otherwise wait for the whole batch). Else None, and
+        every running request runs: one caller alone, callers all light or all heavy."""
+        limit = self.config.shared_step_seqs
+        if limit is None or not self.running:
             return None
-        backlogged = {r.caller for r in self.waiting}
-        return None if all(r.caller in backlogged for r in self.running) else backlogged
+        running = Counter(r.caller for r in self.running)
+        waiting = {r.caller for r in self.waiting}
+        heavy = waiting | {caller for caller, n in running.items() if n > limit}
+        if not heavy:
+            return None
+        if not running.keys() <= heavy:
+            return heavy
+        newcomer = not waiting <= running.keys()
+        return heavy if newcomer and len(self.running) < self.config.max_num_seqs else None
 
-    def _sitting_out(self, limit: int, backlogged: set[str]) -> set[str]:
-        """Running requests that skip this step (ids): the step holds every request of the callers with
-        nothing waiting and, up to `limit` requests in all but at least one, the others' that ran least
-        recently (so the callers with a backlog, together, still advance every step: beside many
-        neighbours they get one row a step, as each neighbour does)."""
-        others = [r for r in self.running if r.caller in backlogged]
+    def _sitting_out(self, limit: int, heavy: set[str]) -> set[str]:
+        """Running requests that skip this step (ids): the step holds every request of the light
+        callers and, up to `limit` requests in all but at least one, the heavy callers' that ran least
+        recently (so the heavy callers, together, still advance every step: beside many neighbours
+        they get one row a step, as each neighbour does)."""
+        others = [r for r in self.running if r.caller in heavy]
         room = max(1, limit - (len(self.running) - len(others)))
         others.sort(key=lambda r: r.last_step)  # stable: admission order among equals
         return {r.request_id for r in others[room:]}

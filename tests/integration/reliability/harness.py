@@ -41,7 +41,7 @@ class Limits:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_streams_per_connection: int | None = None  # the documented default is 32; None: no bound
     max_streams_per_token: int | None = None  # with auth tokens; the documented default is 256
-    shared_step_seqs: int | None = None  # None: the backend's (16 on a CPU)
+    shared_step_seqs: int | None = None  # None: the backend's (8 on a CPU)
 
 
 class Services:

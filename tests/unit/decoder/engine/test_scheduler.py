@@ -150,6 +150,7 @@ def test_beside_a_caller_with_requests_queued_a_neighbours_request_runs_every_st
     scheduler.add_request(neighbour)
     plan = run_step(scheduler, runner)  # a slot yielded, the neighbour admitted (its prefill)
     assert "n" in ids(plan) and len(plan.preempted_ids) == 1
+    assert len(ids(plan)) == 4  # narrow already: 3 of the flood's and the newcomer, always let in
     last_ran = {r.request_id: 0 for r in scheduler.running if r.caller == "flood"}
     step = 0
     while not neighbour.is_finished:
@@ -188,6 +189,50 @@ def test_beside_more_neighbours_than_a_narrow_step_holds_a_backlogged_caller_sti
         assert len(ids(plan)) - len(neighbours) == 1, ids(plan)
     run_until_done(scheduler, runner)
     assert all(r.output_token_ids == reference_outputs(r.request_id, 20) for r in busy)
+
+
+def test_beside_a_caller_running_more_than_a_narrow_step_holds_a_neighbour_runs_in_narrow_steps() -> None:
+    # Nothing queued anywhere (a connection's stream bound keeps the flood's queue empty), yet one
+    # caller runs 10: heavy. A neighbour's steps hold it and 2 of the 10, in turns; a caller running
+    # no more than the limit is light, and beside it the steps stay whole.
+    scheduler, runner = make_scheduler(num_blocks=512, max_num_seqs=12, shared_step_seqs=3)
+    flood = [make_request(f"f{i}", [1, 2, 3], max_new_tokens=30, caller="flood") for i in range(10)]
+    for request in flood:
+        scheduler.add_request(request)
+    run_step(scheduler, runner)
+    neighbour = make_request("n", [4, 5, 6], max_new_tokens=8, caller="n")
+    scheduler.add_request(neighbour)
+    assert len(ids(run_step(scheduler, runner))) == 4  # its admission: 3 of the flood's and it
+    while not neighbour.is_finished:
+        plan = run_step(scheduler, runner)
+        assert "n" in ids(plan) and len(ids(plan)) == 3, ids(plan)
+    assert len(ids(run_step(scheduler, runner))) == 10
+    run_until_done(scheduler, runner)
+    for request in [*flood, neighbour]:
+        assert request.output_token_ids == reference_outputs(
+            request.request_id, request.stopping.max_new_tokens
+        )
+
+    scheduler, runner = make_scheduler(num_blocks=512, max_num_seqs=12, shared_step_seqs=3)
+    for i in range(3):
+        scheduler.add_request(make_request(f"g{i}", [1, 2, 3], max_new_tokens=10, caller="light"))
+    scheduler.add_request(make_request("m", [4, 5], max_new_tokens=10, caller="m"))
+    for _ in range(5):
+        assert len(ids(run_step(scheduler, runner))) == 4
+
+
+def test_a_newcomer_that_cannot_be_admitted_yet_leaves_the_step_whole() -> None:
+    # Eight callers each run one request and queue another (a full batch, nobody two ahead of the
+    # newcomer, no turn used up yet): nothing is yielded, so the newcomer waits, and narrowing the
+    # step for it would only slow everybody else.
+    scheduler, runner = make_scheduler(num_blocks=512, max_num_seqs=8, shared_step_seqs=3)
+    for caller in "abcdefgh":
+        for i in range(2):
+            scheduler.add_request(make_request(f"{caller}{i}", [1, 2, 3], max_new_tokens=10, caller=caller))
+    assert len(ids(run_step(scheduler, runner))) == 8
+    scheduler.add_request(make_request("new", [4, 5], max_new_tokens=10, caller="new"))
+    plan = run_step(scheduler, runner)
+    assert "new" not in ids(plan) and not plan.preempted_ids and len(ids(plan)) == 8
 
 
 def test_steps_stay_whole_for_callers_with_nothing_queued_and_for_a_flood_alone() -> None:
