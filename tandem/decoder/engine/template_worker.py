@@ -89,6 +89,12 @@ class TemplateWorkers:
             if worker is None or not worker.is_alive():
                 worker = self._start()
             reply = worker.call(line, self.time_limit_s)
+            if reply.get("retiring"):
+                # It answered and is ending (out of memory): a render handed to it now would find
+                # its pipe closed, so the slot starts a fresh one. (Another caller's chat failed
+                # that way, "worker ended (exit 0)", right after an 'a' * 10**9 template.)
+                worker.kill()
+                worker = None
         except _WorkerLost as lost:
             worker = None  # killed, or it died: the slot starts a fresh one next time
             raise TemplateFailed(str(lost)) from None
@@ -195,7 +201,8 @@ def main() -> None:
             request = json.loads(line)
             reply = {"text": _render(environment, templates, request)}
         except MemoryError:
-            _reply({"error": f"the template needed more than {memory_bytes >> 20} MiB of memory"})
+            error = f"the template needed more than {memory_bytes >> 20} MiB of memory"
+            _reply({"error": error, "retiring": True})
             return  # a process that ran out of memory is not trusted again: the parent starts another
         except _TooLong:
             reply = {"error": f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters", "field": "chat"}

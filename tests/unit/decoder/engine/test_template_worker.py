@@ -48,6 +48,20 @@ def test_a_template_that_needs_too_much_memory_fails_and_its_worker_is_replaced(
     assert _render(workers, CHATML).startswith("<|im_start|>user")  # a fresh worker
 
 
+def test_the_next_render_after_an_out_of_memory_one_gets_a_live_worker() -> None:
+    # Before: the worker answered "out of memory" and exited, but went back to the pool still
+    # alive for a moment, so the next caller's chat could find its pipe closed ("the template's
+    # worker ended (exit 0)"): one worker makes the next render land on it every time.
+    workers = TemplateWorkers(workers=1, time_limit_s=1.0)
+    try:
+        for _ in range(3):
+            with pytest.raises(TemplateFailed, match="MiB of memory"):
+                _render(workers, "{% set x = 'a' * 10**9 %}{{ x | length }}")
+            assert _render(workers, CHATML).startswith("<|im_start|>user")
+    finally:
+        workers.close()
+
+
 def test_a_template_that_runs_too_long_is_killed_and_its_worker_replaced(workers: TemplateWorkers) -> None:
     with pytest.raises(TemplateFailed, match="the template ran longer than 1 s"):
         _render(workers, LOOP)
