@@ -190,6 +190,25 @@ def test_decode_attention_gives_a_sequence_the_same_bits_whatever_sequences_shar
         assert torch.equal(alone[0], together[s]), f"sequence {s} (length {int(seq_lens[s])})"
 
 
+@pytest.mark.parametrize("num_kv_heads", [2, 3])
+def test_a_decode_step_of_many_sequences_gives_each_the_bits_it_gets_alone(kernels, num_kv_heads: int) -> None:
+    # With many one-row sequences (a decode step's; 48 is 4 per thread up to 12 threads) the tiled
+    # kernel attends a sequence's KV heads together, tile by tile; alone, a head at a time. Each
+    # head's sums keep their order either way.
+    torch.manual_seed(num_kv_heads)
+    group, head_dim, block_size, num_blocks = 3, 64, 16, 64
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(torch.bfloat16)
+    seq_lens = torch.tensor([1 + (37 * s) % 300 for s in range(48)], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, dtype=torch.int32)[:19] for _ in seq_lens])
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(torch.bfloat16)
+    together = kernels.decode_attention(q, cache, tables, seq_lens, 0.125)
+    want = dense_decode(q.double(), cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(together.double(), want, atol=2e-2, rtol=2e-2)
+    for s in range(len(seq_lens)):
+        alone = kernels.decode_attention(q[s : s + 1], cache, tables[s : s + 1], seq_lens[s : s + 1], 0.125)
+        assert torch.equal(alone[0], together[s]), f"sequence {s} (length {int(seq_lens[s])})"
+
+
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 8), (128, 16), (64, 32)])
 def test_a_prefill_as_rows_matches_dense_attention_and_gives_each_row_its_bits_alone(
     kernels, head_dim: int, block_size: int
