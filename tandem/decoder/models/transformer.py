@@ -9,12 +9,14 @@ go is described in `tensor_parallel.py`. Without one (a single rank) the forward
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.common import huge_pages
 from tandem.common.quantized_tensor import QuantizedTensor
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
 from tandem.decoder.models.config import ModelConfig
@@ -255,6 +257,12 @@ class DecoderModel(nn.Module):
         c = self.config
         shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)
         device = self.device
+        if device.type == "cpu":
+            # One pool in 2 MiB pages (common/huge_pages.py: a step's scattered block reads), each
+            # layer's cache a contiguous view of it.
+            pool = huge_pages.empty(c.num_layers * math.prod(shape), c.dtype).zero_()
+            layers = pool.view(c.num_layers, *shape)
+            return [layers[i] for i in range(c.num_layers)]  # not unbind: its views refuse in-place writes
         return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
 
     def checkpoint_parts(self, name: str) -> list[CheckpointPart]:

@@ -191,7 +191,9 @@ def test_decode_attention_gives_a_sequence_the_same_bits_whatever_sequences_shar
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 3])
-def test_a_decode_step_of_many_sequences_gives_each_the_bits_it_gets_alone(kernels, num_kv_heads: int) -> None:
+def test_a_decode_step_of_many_sequences_gives_each_the_bits_it_gets_alone(
+    kernels, num_kv_heads: int
+) -> None:
     # With many one-row sequences (a decode step's; 48 is 4 per thread up to 12 threads) the tiled
     # kernel attends a sequence's KV heads together, tile by tile; alone, a head at a time. Each
     # head's sums keep their order either way.

@@ -1,0 +1,46 @@
+"""Huge-page tensors: the same tensor as torch.empty's, its whole 2 MiB pages advised huge on Linux."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.common import huge_pages
+from tandem.common.huge_pages import HUGE_PAGE
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_large_tensor_starts_on_a_huge_page_and_holds_its_elements() -> None:
+    x = huge_pages.empty(3 * HUGE_PAGE // 2 + 5, torch.bfloat16)  # 3 MiB and 10 bytes
+    assert x.shape == (3 * HUGE_PAGE // 2 + 5,) and x.dtype == torch.bfloat16 and x.is_contiguous()
+    assert x.data_ptr() % HUGE_PAGE == 0
+    x.fill_(2.0)
+    assert x.sum(dtype=torch.float64) == 2.0 * x.numel()
+
+
+def test_a_small_tensor_is_a_plain_one() -> None:
+    x = huge_pages.empty(1000, torch.float32)
+    assert x.shape == (1000,) and x.dtype == torch.float32
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_on_linux_the_whole_pages_are_advised_huge() -> None:
+    # (Whether the tail is too depends on what the allocator reused: a heap range advised before.)
+    x = huge_pages.empty(2 * HUGE_PAGE + 4096, torch.uint8)  # two huge pages and a 4 KiB tail
+    assert "hg" in _vm_flags(x.data_ptr())  # the kernel's mark for MADV_HUGEPAGE
+    assert "hg" in _vm_flags(x.data_ptr() + 2 * HUGE_PAGE - 1)
