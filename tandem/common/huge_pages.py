@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import threading
 
 import torch
 
@@ -53,3 +54,31 @@ def _libc_madvise():
 
 
 _madvise = _libc_madvise()
+
+
+class Arena:
+    """Tensors side by side in chunks of huge pages, in the order they are asked for: the weights a
+    decode step streams, one after another, where most are too small (a SmolLM2 layer's are 0.7-3.5
+    MB) to hold a whole 2 MiB page of their own. A chunk is freed when the last tensor in it is;
+    what a chunk has not handed out is never touched, so never resident (beyond the huge page the
+    last tensor ends in). Thread-safe."""
+
+    CHUNK = 32 << 20
+    ALIGN = 64  # each tensor starts on a cache line
+
+    def __init__(self) -> None:
+        self._chunk: torch.Tensor | None = None  # [CHUNK] uint8
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised 1-D tensor of `numel` elements (a large one gets chunks of its own)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.CHUNK // 4:
+            return empty(numel, dtype)
+        with self._lock:
+            if self._chunk is None or self._used + nbytes > self.CHUNK:
+                self._chunk, self._used = empty(self.CHUNK, torch.uint8), 0
+            view = self._chunk[self._used : self._used + nbytes].view(dtype)
+            self._used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return view

@@ -44,3 +44,26 @@ def test_on_linux_the_whole_pages_are_advised_huge() -> None:
     x = huge_pages.empty(2 * HUGE_PAGE + 4096, torch.uint8)  # two huge pages and a 4 KiB tail
     assert "hg" in _vm_flags(x.data_ptr())  # the kernel's mark for MADV_HUGEPAGE
     assert "hg" in _vm_flags(x.data_ptr() + 2 * HUGE_PAGE - 1)
+
+
+def test_an_arena_hands_out_tensors_side_by_side_each_on_a_cache_line() -> None:
+    arena = huge_pages.Arena()
+    first = arena.empty(1000, torch.bfloat16)  # 2,000 bytes
+    second = arena.empty(10, torch.float32)
+    assert first.data_ptr() % HUGE_PAGE == 0  # a chunk starts on a huge page
+    assert second.data_ptr() == first.data_ptr() + 2048  # the next cache line after the first
+    first.fill_(1.0)
+    second.fill_(2.0)
+    assert first.eq(1.0).all() and second.eq(2.0).all()  # neither overlaps the other
+
+
+def test_an_arena_starts_a_chunk_when_one_is_full_and_gives_a_large_tensor_its_own() -> None:
+    arena = huge_pages.Arena()
+    quarter = huge_pages.Arena.CHUNK // 4
+    parts = [arena.empty(quarter, torch.uint8) for _ in range(5)]  # the fifth: a second chunk
+    starts = [p.data_ptr() for p in parts]
+    assert starts[1:4] == [starts[0] + i * quarter for i in (1, 2, 3)]
+    assert starts[4] % HUGE_PAGE == 0 and not starts[0] <= starts[4] < starts[0] + 4 * quarter
+    large = arena.empty(quarter + 1, torch.uint8)
+    assert large.data_ptr() % HUGE_PAGE == 0 and large.numel() == quarter + 1
+    assert arena.empty(1, torch.uint8).data_ptr() == starts[4] + quarter  # the open chunk goes on
