@@ -29,7 +29,7 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     (its start 2 MiB-aligned; a tail shorter than a page is not advised, so this call makes nothing
     past the tensor resident). Touch it only after this returns: a page already faulted in stays
     small until the kernel's background collapse."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or _madvise is None:
         return torch.empty(numel, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # [bytes], room to align the start
@@ -72,8 +72,9 @@ class Arena:
         self._lock = threading.Lock()
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised 1-D tensor of `numel` elements (a large one gets chunks of its own)."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        """An uninitialised 1-D tensor of `numel` elements (one past a quarter chunk gets an allocation
+        of its own: a chunk's tail is not left unused for it)."""
+        nbytes = numel * dtype.itemsize
         if nbytes > self.CHUNK // 4:
             return empty(numel, dtype)
         with self._lock:

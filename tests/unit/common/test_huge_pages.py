@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,10 @@ def test_a_small_tensor_is_a_plain_one() -> None:
     assert x.shape == (1000,) and x.dtype == torch.float32
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="madvise(MADV_HUGEPAGE) needs Linux with transparent huge pages built in",
+)
 def test_on_linux_the_whole_pages_are_advised_huge() -> None:
     # (Whether the tail is too depends on what the allocator reused: a heap range advised before.)
     x = huge_pages.empty(2 * HUGE_PAGE + 4096, torch.uint8)  # two huge pages and a 4 KiB tail

@@ -216,8 +216,8 @@ static void run_tile(Scratch *w, const Run *run, int64_t t0, const Shape *x) {
     const uint16_t *keys[TILE], *values[TILE];
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = t0 + t;
-        keys[t] = run->cache + (int64_t)run->table[pos / block_size] * x->block_elems + pos % block_size * x->row_stride +
-                  run->kv_head * head_dim;
+        keys[t] = run->cache + (int64_t)run->table[pos / block_size] * x->block_elems +
+                  pos % block_size * x->row_stride + run->kv_head * head_dim;
         values[t] = keys[t] + x->values_offset;
     }
     /* The next tile's rows fetched while this one computes: 16 strided pieces of a block per head,

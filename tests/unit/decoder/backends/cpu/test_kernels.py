@@ -8,6 +8,7 @@ runs on each build this machine's CPU can run (conftest.py).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -194,13 +195,14 @@ def test_decode_attention_gives_a_sequence_the_same_bits_whatever_sequences_shar
 def test_a_decode_step_of_many_sequences_gives_each_the_bits_it_gets_alone(
     kernels, num_kv_heads: int
 ) -> None:
-    # With many one-row sequences (a decode step's; 48 is 4 per thread up to 12 threads) the tiled
-    # kernel attends a sequence's KV heads together, tile by tile; alone, a head at a time. Each
-    # head's sums keep their order either way.
+    # With many one-row sequences (a decode step's: at least 4 per OpenMP thread, whose default is
+    # a thread a core) the tiled kernel attends a sequence's KV heads together, tile by tile; alone,
+    # a head at a time. Each head's sums keep their order either way.
     torch.manual_seed(num_kv_heads)
     group, head_dim, block_size, num_blocks = 3, 64, 16, 64
+    num_seqs = 4 * max(12, os.cpu_count() or 1)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(torch.bfloat16)
-    seq_lens = torch.tensor([1 + (37 * s) % 300 for s in range(48)], dtype=torch.int32)
+    seq_lens = torch.tensor([1 + (37 * s) % 300 for s in range(num_seqs)], dtype=torch.int32)
     tables = torch.stack([torch.randperm(num_blocks, dtype=torch.int32)[:19] for _ in seq_lens])
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(torch.bfloat16)
     together = kernels.decode_attention(q, cache, tables, seq_lens, 0.125)
