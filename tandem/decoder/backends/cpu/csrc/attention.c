@@ -219,7 +219,8 @@ static inline __attribute__((always_inline)) void attend(
         const char *keys = kv_cache + (block * block_elems + kv_head * head_dim) * elem;
         /* The next block's keys and values are fetched while this one computes: a block's rows for one
          * head are 16 strided pieces that the hardware prefetcher did not follow, and the loads of
-         * them were half of this kernel's time. */
+         * them were half of this kernel's time. Into L2 (prefetcht1; attention_tiles.c says why):
+         * 32 sequences at 160 positions 17.5 -> 11.7 ms over 30 layers (AVX2 build, Zen 4). */
         if (start + block_size < seq_len) {
             const int64_t next = block_table[start / block_size + 1];
             const int64_t left = seq_len - start - block_size, next_n = left < block_size ? left : block_size;
@@ -227,8 +228,8 @@ static inline __attribute__((always_inline)) void attend(
             const char *next_values = next_keys + values_offset * elem;
             for (int64_t t = 0; t < next_n; t++)
                 for (int64_t b = 0; b < head_dim * elem; b += 64) {
-                    __builtin_prefetch(next_keys + t * row_stride * elem + b);
-                    __builtin_prefetch(next_values + t * row_stride * elem + b);
+                    __builtin_prefetch(next_keys + t * row_stride * elem + b, 0, 2);
+                    __builtin_prefetch(next_values + t * row_stride * elem + b, 0, 2);
                 }
         }
         load_rows(rows, keys, n, head_dim, row_stride, dtype);
