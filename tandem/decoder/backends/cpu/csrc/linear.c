@@ -85,12 +85,15 @@ static inline __attribute__((always_inline)) void tile(float sums[MAX_TILE_ROWS]
      * NR / 2 cache lines per chunk covers them by the tile's end. Without it a core leaves the memory
      * idle between its demand misses; a block of 4-8 rows, which computes longer per weight, then hides
      * the whole read (docs/PERFORMANCE-HISTORY.md has the measurements). A prefetch past the
-     * end of w is harmless: it never faults. */
+     * end of w is harmless: it never faults. Into L2 (prefetcht1), as attention_tiles.c's: into L1 the
+     * prefetches held the fill buffers the tile's own loads need (this build on a Zen 4: a one-row
+     * step of SmolLM2's linears 15.0-15.6 -> 12.2-13.8 ms, two rows 16.1-16.3 -> 13.5-14.1, more rows
+     * within noise; not measured on an AVX2-only CPU). */
     const char *next_tile = (const char *)(w + NR * k);
     for (; at + CHUNK <= k; at += CHUNK) {
         __m256 wv[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < (NR + 1) / 2; j++) _mm_prefetch(next_tile + at * NR * 2 + j * 64, _MM_HINT_T0);
+        for (int j = 0; j < (NR + 1) / 2; j++) _mm_prefetch(next_tile + at * NR * 2 + j * 64, _MM_HINT_T1);
 #pragma GCC unroll 8
         for (int j = 0; j < NR; j++)
             wv[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(w + j * k + at)), 16));
@@ -186,8 +189,8 @@ static inline __attribute__((always_inline)) void tile_4x3(float sums[MAX_TILE_R
         __asm__ volatile(
             ZERO_ACC12
             "1:\n\t"
-            "prefetcht0 (%[pf])\n\t"
-            "prefetcht0 64(%[pf])\n\t"
+            "prefetcht1 (%[pf])\n\t"
+            "prefetcht1 64(%[pf])\n\t"
             WIDEN_EVEN("ymm12", "w0") WIDEN_EVEN("ymm13", "w1") WIDEN_EVEN("ymm14", "w2")
             ROW_FMAS("", "x0", "ymm0", "ymm1", "ymm2")
             ROW_FMAS("", "x1", "ymm3", "ymm4", "ymm5")
@@ -239,7 +242,7 @@ static inline __attribute__((always_inline)) void tile_6x2(float sums[MAX_TILE_R
             ZERO_ACC12
             "vpcmpeqd %%ymm15, %%ymm15, %%ymm15\n\tvpslld $16, %%ymm15, %%ymm15\n\t"
             "1:\n\t"
-            "prefetcht0 (%[pf])\n\t"
+            "prefetcht1 (%[pf])\n\t"
             EVEN2("ymm12", "w0") EVEN2("ymm13", "w1")
             ROW_FMAS2("", "x0", "ymm0", "ymm1")
             ROW_FMAS2("", "x1", "ymm2", "ymm3")
