@@ -39,7 +39,7 @@
 #define LANES 16            /* output features per vector */
 #define NB 6                /* vectors per group */
 #define GROUP (NB * LANES)  /* output features per group: 96 */
-#define PREFETCH_AHEAD 1536 /* bytes ahead a streaming tile prefetches (tandem_packed_group_rows) */
+#define PREFETCH_AHEAD 1536 /* bytes ahead a streaming tile prefetches (group_rows) */
 
 /* Whether this build's tandem_linear_bf16 takes packed weights: GROUP, the group width, or 0 (the
  * [n, k] layout as stored). The Python side packs each weight once with tandem_pack_bf16 when not 0. */
@@ -81,10 +81,12 @@ static inline __attribute__((always_inline)) __m512i pair(const uint16_t *x, int
 }
 
 /* out[i, col + c] for rows i < MR (row strides k for x, n for out) and the group at `wp` (c < 96, the
- * features past n not stored). */
+ * features past n not stored). With STREAM, the tile prefetches its own weights PREFETCH_AHEAD bytes
+ * on; else the lines [pf, pf + 64 pf_lines), pf_per of them a pair (tandem_packed_group_rows says why). */
 static inline __attribute__((always_inline)) void tile(const uint16_t *restrict x, const uint16_t *restrict wp,
                                                        int64_t k, const uint16_t *bias, uint16_t *out,
-                                                       int64_t col, int64_t n, const int MR, const int PREFETCH) {
+                                                       int64_t col, int64_t n, const int MR, const int STREAM,
+                                                       const char *pf, int64_t pf_lines, int64_t pf_per) {
     __m512 acc[4][NB];
 #pragma GCC unroll 4
     for (int i = 0; i < MR; i++)
@@ -96,9 +98,11 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *restrict 
         __m512i wv[NB];
 #pragma GCC unroll 6
         for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512(w + j * 2 * LANES);
-        if (PREFETCH)
+        if (STREAM)
 #pragma GCC unroll 6
             for (int j = 0; j < NB; j++) _mm_prefetch((const char *)w + PREFETCH_AHEAD + j * 64, _MM_HINT_T1);
+        else if (p * pf_per < pf_lines)
+            for (int64_t j = 0; j < pf_per; j++) _mm_prefetch(pf + (p * pf_per + j) * 64, _MM_HINT_T1);
 #pragma GCC unroll 4
         for (int i = 0; i < MR; i++) {
             const __m512i xp = pair(x + i * k, p);
@@ -128,31 +132,48 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *restrict 
 }
 
 /* Every row of x against one packed group w (features col to col + 95, those below n), four rows at
- * a time. Also linear_quant.c's, over a group it dequantized.
+ * a time, prefetching the group at `next` (NULL: none) into L2.
  *
- * A step of 1-3 rows (one tile per group) streams the weights: its tile prefetches into L2 what it
- * reads PREFETCH_AHEAD bytes on (the next group follows in memory, in the packing and in the arena).
- * Into L1 (prefetcht0) the same was slower than none; into L2 a one-row step of SmolLM2's linears
- * took 8.0 against 9.6 ms (Zen 4, interleaved, 25 repeats). Tiles of 4 rows reuse a group from L2
- * and compute longer per weight: prefetching there cost up to 40 % at 5-8 rows. */
-void tandem_packed_group_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
-                              int64_t n, int64_t k, int64_t col) {
+ * Prefetches go into L2 (prefetcht1): into L1 they held the fill buffers the tiles' own loads need,
+ * and were slower than none. A step of 1-3 rows (one tile per group) streams the weights: its tile
+ * prefetches what it reads PREFETCH_AHEAD bytes on (the next group follows in memory, in the packing
+ * and in the arena): a one-row step of SmolLM2's linears 8.0 against 9.6 ms. From 8 rows the group
+ * is read from memory by the first 4-row tile and from L2 by the others, and that first tile waited
+ * on memory: now every tile fetches its share of the next group, at most 2 lines a pair, so the
+ * whole group is in L2 when its turn comes: 12 rows 13.9 -> 10.8 ms, 16 rows 15.7 -> 13.1, 32 rows
+ * 25.3 -> 22.1, 64 rows 43.9 -> 42.7. With one 4-row tile (4-7 rows) either prefetch cost 4-40 %.
+ * (Zen 4, one process, interleaved.) */
+static void group_rows(const uint16_t *x, const uint16_t *w, const char *next, const uint16_t *bias, uint16_t *out,
+                       int64_t m, int64_t n, int64_t k, int64_t col) {
     switch (m) {
-    case 1: tile(x, w, k, bias, out, col, n, 1, 1); return;
-    case 2: tile(x, w, k, bias, out, col, n, 2, 1); return;
-    case 3: tile(x, w, k, bias, out, col, n, 3, 1); return;
+    case 1: tile(x, w, k, bias, out, col, n, 1, 1, NULL, 0, 0); return;
+    case 2: tile(x, w, k, bias, out, col, n, 2, 1, NULL, 0, 0); return;
+    case 3: tile(x, w, k, bias, out, col, n, 3, 1, NULL, 0, 0); return;
     default: break;
     }
-    const int64_t whole = m - m % 4;
-    for (int64_t r = 0; r < whole; r += 4) tile(x + r * k, w, k, bias, out + r * n, col, n, 4, 0);
+    const int64_t whole = m - m % 4, tiles = whole / 4, pairs = k / 2 > 0 ? k / 2 : 1;
+    const int64_t lines = next != NULL && tiles >= 2 ? (k + 1) / 2 * 2 * GROUP * 2 / 64 : 0; /* the next group's */
+    const int64_t share = (lines + tiles - 1) / tiles, per_pair = (share + pairs - 1) / pairs;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t first = t * share, count = lines - first < share ? lines - first : share;
+        tile(x + 4 * t * k, w, k, bias, out + 4 * t * n, col, n, 4, 0, next + 64 * first, count > 0 ? count : 0,
+             per_pair < 2 ? per_pair : 2);
+    }
     const uint16_t *xs = x + whole * k;
     uint16_t *o = out + whole * n;
     switch (m - whole) {
-    case 1: tile(xs, w, k, bias, o, col, n, 1, 0); break;
-    case 2: tile(xs, w, k, bias, o, col, n, 2, 0); break;
-    case 3: tile(xs, w, k, bias, o, col, n, 3, 0); break;
+    case 1: tile(xs, w, k, bias, o, col, n, 1, 0, NULL, 0, 0); break;
+    case 2: tile(xs, w, k, bias, o, col, n, 2, 0, NULL, 0, 0); break;
+    case 3: tile(xs, w, k, bias, o, col, n, 3, 0, NULL, 0, 0); break;
     default: break;
     }
+}
+
+/* Every row of x against one packed group w: linear_quant.c's, over a group it dequantized (in its
+ * scratch, already in cache: nothing to prefetch). */
+void tandem_packed_group_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t m,
+                              int64_t n, int64_t k, int64_t col) {
+    group_rows(x, w, NULL, bias, out, m, n, k, col);
 }
 
 /* One thread's groups [g_begin, g_end) against all m rows: group by group (its weights, 110-300 KB,
@@ -160,8 +181,11 @@ void tandem_packed_group_rows(const uint16_t *x, const uint16_t *w, const uint16
 static void thread_part(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *out, int64_t m,
                         int64_t n, int64_t k, int64_t g_begin, int64_t g_end) {
     const int64_t group_elements = (k + 1) / 2 * 2 * GROUP;
-    for (int64_t g = g_begin; g < g_end; g++)
-        tandem_packed_group_rows(x, wp + g * group_elements, bias, out, m, n, k, g * GROUP);
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const uint16_t *group = wp + g * group_elements;
+        group_rows(x, group, g + 1 < g_end ? (const char *)(group + group_elements) : NULL, bias, out, m, n, k,
+                   g * GROUP);
+    }
 }
 
 /* out [m, n] bf16 = x [m, k] bf16 @ w [n, k]^T (+ bias [n]), w packed by tandem_pack_bf16. */
