@@ -210,7 +210,7 @@ static inline __attribute__((always_inline)) __m512 add_block(__m512 acc, __m512
 static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const float *s, const TandemWeight *w,
                                                             const __m512i *pre, const uint16_t *bias, uint16_t *out,
                                                             int64_t n, int64_t k, int64_t nb, int64_t g, const int MR,
-                                                            const int NB, const int FORMAT) {
+                                                            const int NB, const int FORMAT, int prefetch_next) {
     const uint8_t *codes = w->data;
     const int64_t pair_bytes = FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG;
     __m512 acc[4][6];
@@ -224,16 +224,33 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
         for (int i = 0; i < MR; i++)
 #pragma GCC unroll 6
             for (int j = 0; j < NB; j++) blk[i][j] = _mm512_setzero_ps();
-        /* Codes read from memory (steps of 1-4 rows): each group's, PREFETCH_AHEAD bytes on, into L2.
-         * Six streams a tile, which the hardware prefetcher keeps less far ahead: a one-row step of
-         * SmolLM2's 4-bit linears 6.7-6.8 -> 6.2-6.3 ms, 3 rows 7.8 -> 7.4, 4 rows 7.2 -> 6.7 (Zen 4,
-         * interleaved; into L1, as tried before, it measured within noise). */
-        if (pre == NULL)
+        /* Codes read from memory (steps of 1-4 rows), prefetched into L2 (into L1, as tried before,
+         * it measured within noise). A tile's NB groups are six streams of 4.6 KB (SmolLM2), which
+         * the hardware prefetcher hardly ramps up on, and eighteen with the scales and offsets. With
+         * a tile after this one in the thread's share, each block prefetches its part of that tile's
+         * codes, scales and offsets (one contiguous range each), so the next tile starts in L2;
+         * else each group's codes PREFETCH_AHEAD bytes on. A one-row step of SmolLM2's 4-bit
+         * linears 6.8-7.0 ms with no prefetch, 6.2-6.3 with the streams alone, 6.1-6.2 with both
+         * (2 rows 7.3 -> 6.2-6.3, 4 rows 7.2-8.0 -> 5.1; Zen 4, interleaved in one process). */
+        if (prefetch_next) {
+            const int64_t code_lines = NB * nb * QP * pair_bytes / 64, scale_lines = (NB * nb * QG * 2 + 63) / 64;
+            const int64_t code_share = (code_lines + nb - 1) / nb, scale_share = (scale_lines + nb - 1) / nb;
+            const char *next_codes = (const char *)(codes + (g + NB) * nb * QP * pair_bytes);
+            const char *next_scales = (const char *)(w->scales + (g + NB) * nb * QG);
+            const char *next_mins = FORMAT == TANDEM_WEIGHT_Q4 ? (const char *)(w->mins + (g + NB) * nb * QG) : NULL;
+            for (int64_t l = b * code_share; l < (b + 1) * code_share && l < code_lines; l++)
+                _mm_prefetch(next_codes + 64 * l, _MM_HINT_T1);
+            for (int64_t l = b * scale_share; l < (b + 1) * scale_share && l < scale_lines; l++) {
+                _mm_prefetch(next_scales + 64 * l, _MM_HINT_T1);
+                if (next_mins != NULL) _mm_prefetch(next_mins + 64 * l, _MM_HINT_T1);
+            }
+        } else if (pre == NULL) {
 #pragma GCC unroll 6
             for (int j = 0; j < NB; j++)
                 for (int64_t l = 0; l < QP * pair_bytes; l += 64)
                     _mm_prefetch((const char *)(codes + ((g + j) * nb + b) * QP * pair_bytes) + PREFETCH_AHEAD + l,
                                  _MM_HINT_T1);
+        }
         for (int64_t p = 0; p < QP; p++) {
             __m512i wv[6];
 #pragma GCC unroll 6
@@ -274,8 +291,8 @@ static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *x, c
                                                             int64_t nb, int64_t g0, int64_t g1, const int MR,
                                                             const int NB, const int FORMAT) {
     int64_t g = g0;
-    for (; g + NB <= g1; g += NB) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, NB, FORMAT);
-    for (; g < g1; g++) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, 1, FORMAT);
+    for (; g + NB <= g1; g += NB) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, NB, FORMAT, g + 2 * NB <= g1);
+    for (; g < g1; g++) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, 1, FORMAT, 0);
 }
 
 /* pre [nb][16 pairs][NB] = the NB groups from g widened to bf16 pairs, as tile_bf16 widens them. */
