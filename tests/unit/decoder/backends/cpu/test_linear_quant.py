@@ -84,11 +84,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Kernels, k
     # Speculative decoding's exactness: a verification step's rows get the bits single steps give them.
     n, k = 200, 128  # 13 groups of 16: whole tiles of 6 and 3 groups, a remainder, a partial group of 96
     linear = QuantLinear(kernels, kernels.quantized_weight(KINDS[kind](n, k, seed=1)), None, torch.bfloat16)
-    x = torch.randn(11, k).to(torch.bfloat16)  # past 4 rows: widened once; alone: widened per tile
+    x = torch.randn(11, k).to(torch.bfloat16)  # past 8 rows: widened once; alone: widened per tile
     together = linear(x)
     for i in range(x.shape[0]):
         assert torch.equal(together[i : i + 1], linear(x[i : i + 1].contiguous())), i
-    for begin, end in ((0, 2), (1, 4), (3, 8)):
+    for begin, end in ((0, 2), (1, 4), (3, 8), (2, 9), (3, 11)):  # 5-8 rows: the 1-4-row tiles twice
         assert torch.equal(together[begin:end], linear(x[begin:end].contiguous())), (begin, end)
 
 
