@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) __m512i pair(const uint16_t *x, int
 
 /* out[i, col + c] for rows i < MR (row strides k for x, n for out) and the group at `wp` (c < 96, the
  * features past n not stored). With STREAM, the tile prefetches its own weights PREFETCH_AHEAD bytes
- * on; else the lines [pf, pf + 64 pf_lines), pf_per of them a pair (tandem_packed_group_rows says why). */
+ * on; else the lines [pf, pf + 64 pf_lines), pf_per of them a pair (group_rows says why). */
 static inline __attribute__((always_inline)) void tile(const uint16_t *restrict x, const uint16_t *restrict wp,
                                                        int64_t k, const uint16_t *bias, uint16_t *out,
                                                        int64_t col, int64_t n, const int MR, const int STREAM,

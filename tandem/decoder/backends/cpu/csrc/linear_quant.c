@@ -26,8 +26,9 @@
  * ahead into L1 measured within the machine's noise (+-5 %); into L2 it pays (tile_bf16).
  *
  * Past 8 rows (5-8 run the 1-4-row tiles twice: part_bf16) each set of six groups is widened once
- * into a thread's scratch (64-byte aligned), and tiles of 4 rows x 6 groups run over it: their 24 block sums in registers, the running sums in L1,
- * updated once a block (a 4 x 3 tile with both in registers was 10 % slower at 128 rows); the next
+ * into a thread's scratch (64-byte aligned), and tiles of 4 rows x 6 groups run over it: their 24
+ * block sums in registers, the running sums in L1, updated once a block (a 4 x 3 tile with both in
+ * registers was 10 % slower at 128 rows); the next
  * set's codes are prefetched while the tiles run, so memory and arithmetic overlap (8 rows: 8.2 ->
  * 6.3 ms for SmolLM2's 30 layers and head, 1.24x the bf16 kernel's 7.8; Zen 5, one process).
  *
@@ -229,9 +230,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
          * the hardware prefetcher hardly ramps up on, and eighteen with the scales and offsets. With
          * a tile after this one in the thread's share, each block prefetches its part of that tile's
          * codes, scales and offsets (one contiguous range each), so the next tile starts in L2;
-         * else each group's codes PREFETCH_AHEAD bytes on. A one-row step of SmolLM2's 4-bit
-         * linears 6.8-7.0 ms with no prefetch, 6.2-6.3 with the streams alone, 6.1-6.2 with both
-         * (2 rows 7.3 -> 6.2-6.3, 4 rows 7.2-8.0 -> 5.1; Zen 4, interleaved in one process). */
+         * else each group's codes PREFETCH_AHEAD bytes on. SmolLM2's 4-bit linears (Zen 4, each
+         * A/B interleaved in one process): no prefetch -> the streams, one row 6.3-6.8 -> 6.0-6.3 ms,
+         * three rows 7.8 -> 7.4; the streams -> the next tile's ranges, one row 6.8-7.0 -> 6.1-6.2,
+         * two rows 7.3 -> 6.2-6.3, four rows 6.1-6.9 -> 5.1-5.7. */
         if (prefetch_next) {
             const int64_t code_lines = NB * nb * QP * pair_bytes / 64, scale_lines = (NB * nb * QG * 2 + 63) / 64;
             const int64_t code_share = (code_lines + nb - 1) / nb, scale_share = (scale_lines + nb - 1) / nb;

@@ -58,7 +58,16 @@ def test_every_tile_gives_the_product_with_the_files_values(
     weight = KINDS[kind](n, k)
     values = weight.dequantize(torch.float32)
     linear = QuantLinear(kernels, kernels.quantized_weight(weight), None, torch.bfloat16)
-    for rows in (1, 2, 3, 4, 5, 9, 33):  # tiles widening as they go, and codes widened once past 4 rows
+    for rows in (
+        1,
+        2,
+        3,
+        4,
+        5,
+        8,
+        9,
+        33,
+    ):  # tiles widening as they go (twice for 5-8), codes widened once past 8
         x = torch.randn(rows, k).to(torch.bfloat16)
         assert_close_to_reference(linear(x), x, values)
 
