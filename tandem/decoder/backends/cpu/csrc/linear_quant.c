@@ -130,6 +130,31 @@ static inline int code_at(const TandemWeight *w, const uint8_t *pair, int lane) 
     return w->mins == NULL ? q - 8 : q;
 }
 
+/* s [nb] = the sums of row r's blocks of 32 inputs, each in one order, whatever the other rows. On
+ * AVX512-BF16 builds (bf16 inputs) a block is x[i] + x[i + 16] lane by lane, then one horizontal
+ * sum of the 16 lanes: in the one-element chain it replaces, 32 dependent additions a block took
+ * 1.2 ms of a 32-row step of SmolLM2's linears (30 layers and the head, Zen 4). */
+static void block_sums_of_row(const void *x, float *s, int64_t r, int64_t k, int64_t nb, int dtype) {
+#if HAVE_QUANT_BF16
+    if (dtype == 1) {
+        const uint16_t *xr = (const uint16_t *)x + r * k;
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + b * QB)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + b * QB + 16)));
+            const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                           _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+            s[b] = _mm512_reduce_add_ps(v);
+        }
+        return;
+    }
+#endif
+    for (int64_t b = 0; b < nb; b++) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < QB; i++) sum += input(x, r * k + b * QB + i, dtype);
+        s[b] = sum;
+    }
+}
+
 /* The portable kernel: one row (fp32 xf [k], its block sums s [nb]) against groups [g0, g1). */
 static void row_portable(const float *restrict xf, const float *restrict s, const TandemWeight *w, const void *bias,
                          void *out, int64_t row, int64_t n, int64_t nb, int64_t g0, int64_t g1, int dtype) {
@@ -322,7 +347,8 @@ static inline __attribute__((always_inline)) void tile_pre_bf16(const uint16_t *
                                                                 const int FORMAT) {
     __m512 acc[4][6];
     float *accf = (float *)acc;
-    for (int i = 0; i < MR * 6 * QG; i++) accf[i] = 0.0f;
+#pragma GCC unroll 24
+    for (int i = 0; i < MR * 6; i++) _mm512_store_ps(accf + i * QG, _mm512_setzero_ps()); /* (a loop of floats: rep stos) */
     for (int64_t b = 0; b < nb; b++) {
         __m512 blk[4][6];
 #pragma GCC unroll 4
@@ -517,12 +543,7 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
 #pragma omp parallel reduction(| : failed)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t b = 0; b < nb; b++) {
-                float sum = 0.0f;
-                for (int64_t i = 0; i < QB; i++) sum += input(x, r * k + b * QB + i, dtype);
-                s[r * nb + b] = sum;
-            }
+        for (int64_t r = 0; r < m; r++) block_sums_of_row(x, s + r * nb, r, k, nb, dtype);
         /* (the loop's barrier: every row's sums are in before any output uses them) */
         int64_t g0, g1;
         team_share(groups, &g0, &g1);
