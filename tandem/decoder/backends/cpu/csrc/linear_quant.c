@@ -25,12 +25,15 @@
  * A/B in one process), the same at 8 and 32 rows. Software prefetch of the codes 2, 4 or 8 blocks
  * ahead into L1 measured within the machine's noise (+-5 %); into L2 it pays (tile_bf16).
  *
- * Past 8 rows (5-8 run the 1-4-row tiles twice: part_bf16) each set of six groups is widened once
- * into a thread's scratch (64-byte aligned), and tiles of 4 rows x 6 groups run over it: their 24
+ * 5-8 rows run one tile of all the rows x 3 groups, widening as it reads (tile_wide), and 9-16 rows
+ * that tile in passes of 8 rows (part_bf16 says why). Past 16 rows each set of six groups is widened
+ * once into a thread's scratch (64-byte aligned), and tiles of 4 rows x 6 groups run over it: their 24
  * block sums in registers, the running sums in L1, updated once a block (a 4 x 3 tile with both in
- * registers was 10 % slower at 128 rows); the next
- * set's codes are prefetched while the tiles run, so memory and arithmetic overlap (8 rows: 8.2 ->
- * 6.3 ms for SmolLM2's 30 layers and head, 1.24x the bf16 kernel's 7.8; Zen 5, one process).
+ * registers was 10 % slower at 128 rows, and the same at 32 on Zen 4); the next set's codes are
+ * prefetched while the tiles run, so memory and arithmetic overlap. At 32 rows (Zen 4, sampled) the
+ * dot products take 64 % of this path's time, as long as the bf16 kernel's whole step; the blocks'
+ * scaling 20 % (precomputing d and the offset per set, or running groups 3-5 half a block behind
+ * 0-2 to spread it, gained nothing), the widening 8 %.
  *
  * Prefill: at 128 rows the exact sums above cost 1.28x the bf16 kernel (two multiply-adds a block and
  * the widening). A weight whose descriptor sets dense_rows (the executor: one more than any step
@@ -230,6 +233,24 @@ static inline __attribute__((always_inline)) __m512 add_block(__m512 acc, __m512
     return FORMAT != TANDEM_WEIGHT_Q8 ? _mm512_fmadd_ps(off, _mm512_set1_ps(s_b), acc) : acc;
 }
 
+/* Block b's part of the codes, scales and offsets of the NB groups after those from g (the tile after
+ * this one), into L2: a tile of nb blocks fetches the whole next tile (tile_bf16 says why). */
+static inline __attribute__((always_inline)) void prefetch_next_tile(const TandemWeight *w, int64_t nb, int64_t g,
+                                                                     int64_t b, const int NB, const int FORMAT) {
+    const int64_t pair_bytes = FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG;
+    const int64_t code_lines = NB * nb * QP * pair_bytes / 64, scale_lines = (NB * nb * QG * 2 + 63) / 64;
+    const int64_t code_share = (code_lines + nb - 1) / nb, scale_share = (scale_lines + nb - 1) / nb;
+    const char *next_codes = (const char *)((const uint8_t *)w->data + (g + NB) * nb * QP * pair_bytes);
+    const char *next_scales = (const char *)(w->scales + (g + NB) * nb * QG);
+    const char *next_mins = FORMAT == TANDEM_WEIGHT_Q4 ? (const char *)(w->mins + (g + NB) * nb * QG) : NULL;
+    for (int64_t l = b * code_share; l < (b + 1) * code_share && l < code_lines; l++)
+        _mm_prefetch(next_codes + 64 * l, _MM_HINT_T1);
+    for (int64_t l = b * scale_share; l < (b + 1) * scale_share && l < scale_lines; l++) {
+        _mm_prefetch(next_scales + 64 * l, _MM_HINT_T1);
+        if (next_mins != NULL) _mm_prefetch(next_mins + 64 * l, _MM_HINT_T1);
+    }
+}
+
 /* Rows [0, MR) of x (bf16, row stride k; block sums s, row stride nb) against NB groups from g. The
  * codes come from w, widened here, or (pre not NULL) already widened by widen_groups for these NB
  * groups: the same values, so the same bits. */
@@ -260,17 +281,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
          * three rows 7.8 -> 7.4; the streams -> the next tile's ranges, one row 6.8-7.0 -> 6.1-6.2,
          * two rows 7.3 -> 6.2-6.3, four rows 6.1-6.9 -> 5.1-5.7. */
         if (prefetch_next) {
-            const int64_t code_lines = NB * nb * QP * pair_bytes / 64, scale_lines = (NB * nb * QG * 2 + 63) / 64;
-            const int64_t code_share = (code_lines + nb - 1) / nb, scale_share = (scale_lines + nb - 1) / nb;
-            const char *next_codes = (const char *)(codes + (g + NB) * nb * QP * pair_bytes);
-            const char *next_scales = (const char *)(w->scales + (g + NB) * nb * QG);
-            const char *next_mins = FORMAT == TANDEM_WEIGHT_Q4 ? (const char *)(w->mins + (g + NB) * nb * QG) : NULL;
-            for (int64_t l = b * code_share; l < (b + 1) * code_share && l < code_lines; l++)
-                _mm_prefetch(next_codes + 64 * l, _MM_HINT_T1);
-            for (int64_t l = b * scale_share; l < (b + 1) * scale_share && l < scale_lines; l++) {
-                _mm_prefetch(next_scales + 64 * l, _MM_HINT_T1);
-                if (next_mins != NULL) _mm_prefetch(next_mins + 64 * l, _MM_HINT_T1);
-            }
+            prefetch_next_tile(w, nb, g, b, NB, FORMAT);
         } else if (pre == NULL) {
 #pragma GCC unroll 6
             for (int j = 0; j < NB; j++)
@@ -320,6 +331,73 @@ static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *x, c
     int64_t g = g0;
     for (; g + NB <= g1; g += NB) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, NB, FORMAT, g + 2 * NB <= g1);
     for (; g < g1; g++) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, 1, FORMAT, 0);
+}
+
+/* Rows [0, MR) (5-8) against NB groups (3, or 1 for what is left) from g: each pair's codes widened
+ * once as read and multiplied by all MR rows, the MR x NB block sums in registers (24 of AVX-512's 32
+ * at 8 x 3), the running sums in memory (L1), updated once a block as tile_pre_bf16's; the next
+ * tile's codes prefetched as tile_bf16's. The same operations in the same order, so the same bits. */
+static inline __attribute__((always_inline)) void tile_wide(const uint16_t *x, const float *s, const TandemWeight *w,
+                                                            const uint16_t *bias, uint16_t *out, int64_t n, int64_t k,
+                                                            int64_t nb, int64_t g, const int MR, const int NB,
+                                                            const int FORMAT, int prefetch_next) {
+    const uint8_t *codes = w->data;
+    const int64_t pair_bytes = FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG;
+    __m512 acc[8][3];
+    float *accf = (float *)acc;
+#pragma GCC unroll 24
+    for (int i = 0; i < MR * 3; i++) _mm512_store_ps(accf + i * QG, _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 blk[8][3];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 3
+            for (int j = 0; j < NB; j++) blk[i][j] = _mm512_setzero_ps();
+        if (prefetch_next) prefetch_next_tile(w, nb, g, b, NB, FORMAT);
+        for (int64_t p = 0; p < QP; p++) {
+            __m512i wv[3];
+#pragma GCC unroll 3
+            for (int j = 0; j < NB; j++) wv[j] = codes_bf16(codes + (((g + j) * nb + b) * QP + p) * pair_bytes, FORMAT);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                uint32_t pr;
+                memcpy(&pr, x + i * k + b * QB + 2 * p, sizeof pr);
+                const __m512i xp = _mm512_set1_epi32((int)pr);
+#pragma GCC unroll 3
+                for (int j = 0; j < NB; j++) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)xp, (__m512bh)wv[j]);
+            }
+        }
+#pragma GCC unroll 3
+        for (int j = 0; j < NB; j++) {
+            __m512 d, off;
+            block_scales(w, ((g + j) * nb + b) * QG, FORMAT, &d, &off);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                float *a = accf + (i * 3 + j) * QG;
+                _mm512_store_ps(a, add_block(_mm512_load_ps(a), blk[i][j], d, off, s[i * nb + b], FORMAT));
+            }
+        }
+        __asm__ volatile("" ::: "memory"); /* keep acc in memory: the registers hold the block sums */
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < NB; j++) {
+            const int64_t c = (g + j) * QG;
+            if (c < n)
+                store16_bias_bf16(out + i * n + c, _mm512_load_ps(accf + (i * 3 + j) * QG),
+                                  bias != NULL ? bias + c : NULL, n - c >= QG ? QG : (int)(n - c));
+        }
+}
+
+/* Rows [0, MR) (5-8) against groups [g0, g1): three groups at a time, then what is left one by one. */
+static inline __attribute__((always_inline)) void rows_wide(const uint16_t *x, const float *s, const TandemWeight *w,
+                                                            const uint16_t *bias, uint16_t *out, int64_t n, int64_t k,
+                                                            int64_t nb, int64_t g0, int64_t g1, const int MR,
+                                                            const int FORMAT) {
+    int64_t g = g0;
+    for (; g + 3 <= g1; g += 3) tile_wide(x, s, w, bias, out, n, k, nb, g, MR, 3, FORMAT, g + 6 <= g1);
+    for (; g < g1; g++) tile_wide(x, s, w, bias, out, n, k, nb, g, MR, 1, FORMAT, 0);
 }
 
 /* pre [nb][16 pairs][NB] = the NB groups from g widened to bf16 pairs, as tile_bf16 widens them. */
@@ -392,7 +470,7 @@ static inline __attribute__((always_inline)) void tile_pre_bf16(const uint16_t *
         }
 }
 
-/* Past 4 rows: each set of NB groups widened once into pre (k / 2 x NB vectors), then every tile of
+/* Past 16 rows: each set of NB groups widened once into pre (k / 2 x NB vectors), then every tile of
  * 4 rows over it; tiles of 4 rows that widened the codes themselves ran at 0.4-0.6x the bf16
  * kernel's speed at 32 rows, the widening repeated once a tile. */
 static inline __attribute__((always_inline)) void many_rows_bf16(const uint16_t *x, const float *s,
@@ -419,23 +497,34 @@ static inline __attribute__((always_inline)) void many_rows_bf16(const uint16_t 
 }
 
 /* One thread's groups [g0, g1) against all m rows (block sums s), a format's tiles: one row with six
- * groups (six independent sums keep the loads in flight), up to 4 rows with three, more rows over
- * codes widened once (pre: this thread's scratch of k / 2 x 3 vectors). */
+ * groups (six independent sums keep the loads in flight), up to 4 rows with three, 5-8 rows all in
+ * one tile of three groups, 9-16 in passes of 8, more rows over codes widened once (pre: this
+ * thread's scratch of k / 2 x 6 vectors). */
 static void part_bf16(const uint16_t *x, const float *s, const TandemWeight *w, __m512i *pre, const uint16_t *bias,
                       uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t nb, int64_t g0, int64_t g1,
                       const int FORMAT) {
-    /* 5-8 rows: two passes of the 1-4-row tiles (the second reads the thread's codes from L2), not
-     * the widened scratch: widening a set once pays over three or more 4-row tiles, and at two it
-     * cost more than it saved. SmolLM2's 4-bit linears 5 rows 10.6 -> 8.8 ms, 6 12.2 -> 10.1-10.5,
-     * 7 13.3-13.5 -> 10.5-11.0, 8 13.0-13.2 -> 11.6; 12 rows the same, 16 slower (Zen 4, one
-     * process, interleaved). The same operations in the same order: the same bits. */
-    if (m > 4 && m <= 8) {
-        for (int64_t r = 0; r < m; r += 4)
-            part_bf16(x + r * k, s + r * nb, w, NULL, bias, out + r * n, m - r < 4 ? m - r : 4, n, k, nb, g0, g1,
+    /* 5-8 rows: one tile of all the rows widens each code once and reads it from memory once; two
+     * passes of the 1-4-row tiles (the second from L2) widened everything twice, and the scratch
+     * costs a store and a load a widened pair, which pays over three or more 4-row tiles. 9-16 rows:
+     * passes of 8 (the codes widened twice) beat the scratch's 4-row tiles; from 17 the two are
+     * even. SmolLM2's 4-bit linears against the two passes and the scratch (Zen 4, one process,
+     * interleaved, two runs): 5 rows 9.3-9.6 -> 7.6-8.0 ms, 6 9.5-10.4 -> 8.3-8.4, 7 10.5-11.4 ->
+     * 9.3-9.9, 8 11.2-11.5 -> 10.7-11.7, 12 15.9 -> 14.3, 16 18.9 -> 17.3; 24 and 32 rows within
+     * noise. The same operations in the same order: the same bits. */
+    if (m > 8 && m <= 16) {
+        for (int64_t r = 0; r < m; r += 8)
+            part_bf16(x + r * k, s + r * nb, w, NULL, bias, out + r * n, m - r < 8 ? m - r : 8, n, k, nb, g0, g1,
                       FORMAT);
         return;
     }
-    if (m > 4) {
+    switch (m) {
+    case 5: rows_wide(x, s, w, bias, out, n, k, nb, g0, g1, 5, FORMAT); return;
+    case 6: rows_wide(x, s, w, bias, out, n, k, nb, g0, g1, 6, FORMAT); return;
+    case 7: rows_wide(x, s, w, bias, out, n, k, nb, g0, g1, 7, FORMAT); return;
+    case 8: rows_wide(x, s, w, bias, out, n, k, nb, g0, g1, 8, FORMAT); return;
+    default: break;
+    }
+    if (m > 16) {
         int64_t g = g0;
         for (; g + 6 <= g1; g += 6)
             many_rows_bf16(x, s, w, pre, bias, out, m, n, k, nb, g, g + 12 <= g1 ? g + 12 : g1, 6, FORMAT);
@@ -549,8 +638,8 @@ static int linear_quant(const void *x, const TandemWeight *w, const void *bias, 
         team_share(groups, &g0, &g1);
 #if HAVE_QUANT_BF16
         if (dtype == 1 && g0 < g1) {
-            __m512i *pre = m > 8 ? widened_vectors(k / 2 * 6) : NULL;
-            if (m > 8 && pre == NULL)
+            __m512i *pre = m > 16 ? widened_vectors(k / 2 * 6) : NULL;
+            if (m > 16 && pre == NULL)
                 failed = 1;
             else if (w->format == TANDEM_WEIGHT_Q8)
                 part_bf16(x, s, w, pre, bias, out, m, n, k, nb, g0, g1, TANDEM_WEIGHT_Q8);

@@ -58,16 +58,9 @@ def test_every_tile_gives_the_product_with_the_files_values(
     weight = KINDS[kind](n, k)
     values = weight.dequantize(torch.float32)
     linear = QuantLinear(kernels, kernels.quantized_weight(weight), None, torch.bfloat16)
-    for rows in (
-        1,
-        2,
-        3,
-        4,
-        5,
-        8,
-        9,
-        33,
-    ):  # tiles widening as they go (twice for 5-8), codes widened once past 8
+    # 1-4 rows: tiles widening as they go; 5-8: one tile of every row; 9-16: passes of 8; past 16:
+    # the codes widened once into scratch
+    for rows in (1, 2, 3, 4, 5, 8, 9, 13, 17, 33):
         x = torch.randn(rows, k).to(torch.bfloat16)
         assert_close_to_reference(linear(x), x, values)
 
@@ -93,11 +86,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: Kernels, k
     # Speculative decoding's exactness: a verification step's rows get the bits single steps give them.
     n, k = 200, 128  # 13 groups of 16: whole tiles of 6 and 3 groups, a remainder, a partial group of 96
     linear = QuantLinear(kernels, kernels.quantized_weight(KINDS[kind](n, k, seed=1)), None, torch.bfloat16)
-    x = torch.randn(11, k).to(torch.bfloat16)  # past 8 rows: widened once; alone: widened per tile
+    x = torch.randn(20, k).to(torch.bfloat16)  # past 16 rows: widened once; alone: widened per tile
     together = linear(x)
     for i in range(x.shape[0]):
         assert torch.equal(together[i : i + 1], linear(x[i : i + 1].contiguous())), i
-    for begin, end in ((0, 2), (1, 4), (3, 8), (2, 9), (3, 11)):  # 5-8 rows: the 1-4-row tiles twice
+    # 2-4 rows, 5-8 (one tile of every row), 9-16 (passes of 8)
+    for begin, end in ((0, 2), (1, 4), (3, 8), (2, 9), (3, 11), (1, 13), (4, 20)):
         assert torch.equal(together[begin:end], linear(x[begin:end].contiguous())), (begin, end)
 
 
