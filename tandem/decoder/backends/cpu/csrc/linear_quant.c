@@ -133,24 +133,12 @@ static inline int code_at(const TandemWeight *w, const uint8_t *pair, int lane) 
     return w->mins == NULL ? q - 8 : q;
 }
 
-/* s [nb] = the sums of row r's blocks of 32 inputs, each in one order, whatever the other rows. On
- * AVX512-BF16 builds (bf16 inputs) a block is x[i] + x[i + 16] lane by lane, then one horizontal
- * sum of the 16 lanes: in the one-element chain it replaces, 32 dependent additions a block took
- * 1.2 ms of a 32-row step of SmolLM2's linears (30 layers and the head, Zen 4). */
+/* s [nb] = the sums of row r's blocks of 32 inputs, each in input order from 0, whatever the other
+ * rows. A horizontal sum a block (x[i] + x[i + 16], then a tree) made 8-32-row steps 4-7 % faster
+ * but changed the sums' bits, which flipped the default model's near-tie answer to "What is the
+ * capital of France?" in bf16 ("L'Etoile" for "The capital of France is Paris."); the blocks side
+ * by side, or gathered 16 at a time, in this order measured as this loop (Zen 4). */
 static void block_sums_of_row(const void *x, float *s, int64_t r, int64_t k, int64_t nb, int dtype) {
-#if HAVE_QUANT_BF16
-    if (dtype == 1) {
-        const uint16_t *xr = (const uint16_t *)x + r * k;
-        for (int64_t b = 0; b < nb; b++) {
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + b * QB)));
-            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + b * QB + 16)));
-            const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
-                                           _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
-            s[b] = _mm512_reduce_add_ps(v);
-        }
-        return;
-    }
-#endif
     for (int64_t b = 0; b < nb; b++) {
         float sum = 0.0f;
         for (int64_t i = 0; i < QB; i++) sum += input(x, r * k + b * QB + i, dtype);
