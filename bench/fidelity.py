@@ -24,15 +24,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from perplexity import Setting  # noqa: E402
 
 from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
-from tandem.common.prompt_parts import TextPrompt  # noqa: E402
+from tandem.common.prompt_parts import PromptPart, TextPrompt  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
+from tandem.decoder.engine.chat import ChatMessage, ChatRequest, ChatTemplate  # noqa: E402
 from tandem.decoder.engine.engine import Engine  # noqa: E402
 from tandem.decoder.engine.outputs import Delta  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
@@ -49,15 +50,17 @@ REFERENCE = "float32:gguf"  # the file's own values in float32: what transformer
 DEFAULT_SETTINGS = "bfloat16:none,gguf,int8,int4"
 
 
-def chat_prompt(model_dir: Path, question: str) -> str:
-    """One user turn through the checkpoint's own chat template, ready for the answer."""
-    template = (model_dir / "chat_template.jinja").read_text()
-    messages = [{"role": "user", "content": question}]
-    return (
-        ImmutableSandboxedEnvironment()
-        .from_string(template)
-        .render(messages=messages, add_generation_prompt=True)
-    )
+def chat_prompts(model_dir: Path, questions: list[str]) -> list[list[PromptPart]]:
+    """Each question as one user turn through the checkpoint's chat template, as the engine renders a
+    chat request, ready for the answer."""
+    template = ChatTemplate.load(model_dir, Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    try:
+        return [
+            [part for _, part in template.render(ChatRequest([ChatMessage("user", [TextPrompt(q)])]))]
+            for q in questions
+        ]
+    finally:
+        template.close()
 
 
 @dataclass
@@ -85,10 +88,9 @@ def serve(setting: Setting, questions: list[str], tokens: int, reference: list[l
     engine = Engine(config).start()
     served = Served([], [], [])
     try:
-        for q, question in enumerate(questions):
-            prompt = TextPrompt(chat_prompt(model_dir, question))
+        for q, prompt in enumerate(chat_prompts(model_dir, questions)):
             spec = GenerateSpec(
-                [prompt],
+                prompt,
                 SamplingParams(temperature=0.0, top_logprobs=2),
                 StoppingParams(max_new_tokens=tokens),
             )
@@ -97,7 +99,7 @@ def serve(setting: Setting, questions: list[str], tokens: int, reference: list[l
             served.margins.append([t.logprobs[0] - t.logprobs[1] for d in deltas for t in d.top_logprobs])
             answer = served.tokens[-1] if reference is None else reference[q]
             spec = GenerateSpec(
-                [prompt, answer],
+                [*prompt, answer],
                 SamplingParams(temperature=0.0, prompt_logprobs=0),
                 StoppingParams(max_new_tokens=1),
             )

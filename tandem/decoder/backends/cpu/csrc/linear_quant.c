@@ -321,6 +321,45 @@ static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *x, c
     for (; g < g1; g++) tile_bf16(x, s, w, NULL, bias, out, n, k, nb, g, MR, 1, FORMAT, 0);
 }
 
+/* Tiles that keep their running sums in memory (tile_wide, tile_pre_bf16): accf holds rows [0, MR) x
+ * NB groups, RS vectors a row, as does blk (the block sums, in registers once inlined). */
+static inline __attribute__((always_inline)) void zero_running_sums(float *accf, const int MR, const int RS) {
+#pragma GCC unroll 24
+    for (int i = 0; i < MR * RS; i++) _mm512_store_ps(accf + i * QG, _mm512_setzero_ps()); /* not a loop of floats: rep stos */
+}
+
+/* The running sums after block b (add_block's order), then a barrier that keeps them in memory. */
+static inline __attribute__((always_inline)) void add_blocks(float *accf, const __m512 *blk, const float *s,
+                                                            const TandemWeight *w, int64_t nb, int64_t g, int64_t b,
+                                                            const int MR, const int NB, const int RS, const int FORMAT) {
+#pragma GCC unroll 6
+    for (int j = 0; j < NB; j++) {
+        __m512 d, off;
+        block_scales(w, ((g + j) * nb + b) * QG, FORMAT, &d, &off);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            float *a = accf + (i * RS + j) * QG;
+            _mm512_store_ps(a, add_block(_mm512_load_ps(a), blk[i * RS + j], d, off, s[i * nb + b], FORMAT));
+        }
+    }
+    __asm__ volatile("" ::: "memory"); /* keep acc in memory: the registers hold the block sums */
+}
+
+/* out = the running sums (+ bias), rounded once; the outputs past n not written. */
+static inline __attribute__((always_inline)) void store_running_sums(uint16_t *out, const float *accf,
+                                                                     const uint16_t *bias, int64_t n, int64_t g,
+                                                                     const int MR, const int NB, const int RS) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < NB; j++) {
+            const int64_t c = (g + j) * QG;
+            if (c < n)
+                store16_bias_bf16(out + i * n + c, _mm512_load_ps(accf + (i * RS + j) * QG),
+                                  bias != NULL ? bias + c : NULL, n - c >= QG ? QG : (int)(n - c));
+        }
+}
+
 /* Rows [0, MR) (5-8) against NB groups (3, or 1 for what is left) from g: each pair's codes widened
  * once as read and multiplied by all MR rows, the MR x NB block sums in registers (24 of AVX-512's 32
  * at 8 x 3), the running sums in memory (L1), updated once a block as tile_pre_bf16's; the next
@@ -333,8 +372,7 @@ static inline __attribute__((always_inline)) void tile_wide(const uint16_t *x, c
     const int64_t pair_bytes = FORMAT != TANDEM_WEIGHT_Q8 ? QG : 2 * QG;
     __m512 acc[8][3];
     float *accf = (float *)acc;
-#pragma GCC unroll 24
-    for (int i = 0; i < MR * 3; i++) _mm512_store_ps(accf + i * QG, _mm512_setzero_ps());
+    zero_running_sums(accf, MR, 3);
     for (int64_t b = 0; b < nb; b++) {
         __m512 blk[8][3];
 #pragma GCC unroll 8
@@ -355,27 +393,9 @@ static inline __attribute__((always_inline)) void tile_wide(const uint16_t *x, c
                 for (int j = 0; j < NB; j++) blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)xp, (__m512bh)wv[j]);
             }
         }
-#pragma GCC unroll 3
-        for (int j = 0; j < NB; j++) {
-            __m512 d, off;
-            block_scales(w, ((g + j) * nb + b) * QG, FORMAT, &d, &off);
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                float *a = accf + (i * 3 + j) * QG;
-                _mm512_store_ps(a, add_block(_mm512_load_ps(a), blk[i][j], d, off, s[i * nb + b], FORMAT));
-            }
-        }
-        __asm__ volatile("" ::: "memory"); /* keep acc in memory: the registers hold the block sums */
+        add_blocks(accf, (const __m512 *)blk, s, w, nb, g, b, MR, NB, 3, FORMAT);
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++)
-#pragma GCC unroll 3
-        for (int j = 0; j < NB; j++) {
-            const int64_t c = (g + j) * QG;
-            if (c < n)
-                store16_bias_bf16(out + i * n + c, _mm512_load_ps(accf + (i * 3 + j) * QG),
-                                  bias != NULL ? bias + c : NULL, n - c >= QG ? QG : (int)(n - c));
-        }
+    store_running_sums(out, accf, bias, n, g, MR, NB, 3);
 }
 
 /* Rows [0, MR) (5-8) against groups [g0, g1): three groups at a time, then what is left one by one. */
@@ -413,8 +433,7 @@ static inline __attribute__((always_inline)) void tile_pre_bf16(const uint16_t *
                                                                 const int FORMAT) {
     __m512 acc[4][6];
     float *accf = (float *)acc;
-#pragma GCC unroll 24
-    for (int i = 0; i < MR * 6; i++) _mm512_store_ps(accf + i * QG, _mm512_setzero_ps()); /* (a loop of floats: rep stos) */
+    zero_running_sums(accf, MR, 6);
     for (int64_t b = 0; b < nb; b++) {
         __m512 blk[4][6];
 #pragma GCC unroll 4
@@ -435,27 +454,9 @@ static inline __attribute__((always_inline)) void tile_pre_bf16(const uint16_t *
                     blk[i][j] = _mm512_dpbf16_ps(blk[i][j], (__m512bh)xp, (__m512bh)_mm512_loadu_si512(wp + j));
             }
         }
-#pragma GCC unroll 6
-        for (int j = 0; j < NB; j++) {
-            __m512 d, off;
-            block_scales(w, ((g + j) * nb + b) * QG, FORMAT, &d, &off);
-#pragma GCC unroll 4
-            for (int i = 0; i < MR; i++) {
-                float *a = accf + (i * 6 + j) * QG;
-                _mm512_store_ps(a, add_block(_mm512_load_ps(a), blk[i][j], d, off, s[i * nb + b], FORMAT));
-            }
-        }
-        __asm__ volatile("" ::: "memory"); /* keep acc in memory: the registers hold the block sums */
+        add_blocks(accf, (const __m512 *)blk, s, w, nb, g, b, MR, NB, 6, FORMAT);
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; i++)
-#pragma GCC unroll 6
-        for (int j = 0; j < NB; j++) {
-            const int64_t c = (g + j) * QG;
-            if (c < n)
-                store16_bias_bf16(out + i * n + c, _mm512_load_ps(accf + (i * 6 + j) * QG),
-                                  bias != NULL ? bias + c : NULL, n - c >= QG ? QG : (int)(n - c));
-        }
+    store_running_sums(out, accf, bias, n, g, MR, NB, 6);
 }
 
 /* Past 16 rows: each set of NB groups widened once into pre (k / 2 x NB vectors), then every tile of
