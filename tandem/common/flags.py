@@ -60,6 +60,27 @@ class _Bool(click.ParamType):
 
 
 BOOL = _Bool()
+
+
+class _Sizes(click.ParamType):
+    """A comma-separated list of positive integers ("16,64,128"); the config checks their order."""
+
+    name = "SIZES"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        try:
+            sizes = tuple(int(part) for part in text.split(",")) if text else ()
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers (e.g. 16,64,128)", param, ctx)
+        return sizes
+
+
+SIZES = _Sizes()
 # The help of every command: `[env var: ...; default: ...]` after each option, up to 100 columns wide.
 CONTEXT_SETTINGS: dict[str, Any] = {"max_content_width": 100, "help_option_names": ["-h", "--help"]}
 
