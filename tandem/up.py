@@ -53,7 +53,8 @@ class UpConfig:
     encoder_port: int
     decoder_port: int
     dtype: str | None  # passed to both; None leaves each service its own default
-    world_size: int | None  # decoder ranks; None leaves the decoder its default
+    world_size: int | None  # decoder ranks (neuron: devices); None leaves the decoder its default
+    device: str | None = None  # the decoder's --device (the encoder stays on the CPU); None: its default
     quantization: str = "none"  # the decoder's --quantization (and the encoder's, for int8 / int4)
     quantization_group_size: int | None = None  # int4: the decoder's; None leaves its default
     grace_s: float = DEFAULT_GRACE_S  # both services' drain time; `up` kills STOP_MARGIN_S after it
@@ -106,6 +107,8 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
         argv += ["--dtype", config.dtype]
     if service == "decoder" and config.world_size is not None:
         argv += ["--world-size", str(config.world_size)]
+    if service == "decoder" and config.device is not None:
+        argv += ["--device", config.device]
     # The encoder rounds its lookup table as the decoder rounds the model's (int8, int4); a GGUF
     # file's own weights need nothing of it: the imported table holds the file's values.
     if config.quantization != "none" and (service == "decoder" or config.quantization in SCHEMES):
@@ -175,8 +178,15 @@ def command() -> click.Command:
         ),
         Setting(
             ENV_PREFIX,
+            "--device",
+            "the decoder's device: cpu, cuda, cuda:N or neuron (the encoder runs on the CPU)",
+            default=None,
+            show_default="the decoder's, cpu",
+        ),
+        Setting(
+            ENV_PREFIX,
             "--world-size",
-            "decoder ranks",
+            "decoder ranks (neuron: devices)",
             type=int,
             default=None,
             show_default="the decoder's, 1",
@@ -223,6 +233,7 @@ def _config(values: dict[str, Any]) -> UpConfig:
         decoder_port=values["decoder_port"],
         dtype=values["dtype"],
         world_size=values["world_size"],
+        device=values["device"],
         quantization=values["quantization"],
         quantization_group_size=values["quantization_group_size"],
         grace_s=values["grace_s"],

@@ -108,20 +108,15 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def test_serve_command_passes_dtype_to_both_and_world_size_to_the_decoder_only() -> None:
-    config = UpConfig(Path("/m"), "0.0.0.0", 1, 2, dtype="float32", world_size=2, grace_s=1.0)
+def test_serve_command_passes_dtype_to_both_and_world_size_and_device_to_the_decoder_only() -> None:
+    config = UpConfig(Path("/m"), "0.0.0.0", 1, 2, "float32", world_size=2, device="neuron", grace_s=1.0)
     assert serve_command("encoder", config) == [
         "serve", "encoder", "--model", "/m", "--host", "0.0.0.0", "--port", "1", "--dtype", "float32",
         "--grace-s", "1",
     ]  # fmt: skip
-    assert serve_command("decoder", config)[-6:] == [
-        "--dtype",
-        "float32",
-        "--world-size",
-        "2",
-        "--grace-s",
-        "1",
-    ]
+    assert serve_command("decoder", config)[-8:] == [
+        "--dtype", "float32", "--world-size", "2", "--device", "neuron", "--grace-s", "1",
+    ]  # fmt: skip
 
 
 def test_serve_command_passes_gguf_quantization_to_the_decoder_only() -> None:

@@ -51,6 +51,7 @@ class XlaRunner(ModelRunner):
     ) -> None:
         super().__init__(model, num_blocks, block_size, batch_invariant=batch_invariant)
         runtime.sync()  # the zeroed KV cache, materialized on the device before it is sharded
+        runtime.wait()  # and the weights' transfers done
         self.buckets = buckets
         self.executor = self.step = XlaStep(model, self.kv_caches, sharding)
         # Batches, sampling and prompt scoring happen on the host; only the step crosses to the device.

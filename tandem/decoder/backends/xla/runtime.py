@@ -98,6 +98,12 @@ def sync() -> None:
     _import("torch_xla").sync()
 
 
+def wait() -> None:
+    """Blocks until every transfer and graph this process started has finished: a weight sent to the
+    device is not there yet when `.to()` returns, and only data that is there can be resharded."""
+    _import("torch_xla.core.xla_model").wait_device_ops()
+
+
 def num_compiles() -> int:
     """Graphs XLA compiled in this process so far (torch_xla's own CompileTime metric)."""
     data = _import("torch_xla.debug.metrics").metric_data("CompileTime")
