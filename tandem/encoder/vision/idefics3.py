@@ -180,6 +180,10 @@ class Idefics3Vision:
         side = self.tower.config.image_size
         return (self.tower.config.num_channels, side, side)
 
+    def span_size(self, width: int, height: int) -> int:
+        """The span's length for a picture of this size: its grid's (InvalidArgument if none)."""
+        return len(self._span(*self.processing.grid(width, height)))
+
     def prepare(self, image: Image.Image) -> PreparedImage:
         """One PIL image -> its tiles (the grid row by row, then the global image) and its span."""
         tiles = self.processing(image)

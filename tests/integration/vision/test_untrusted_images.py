@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 
 from tandem.client.client import EncoderClient
 from tandem.client.pb.tandem.v1 import encoder_pb2
@@ -81,6 +81,34 @@ async def test_a_bad_image_is_invalid_argument_naming_the_field_and_the_encoder_
         encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_encoded("PNG", (50, 40))))
     )
     assert list(good.embeddings.shape) == [36, 64]
+
+
+async def test_a_1_by_33_million_png_is_refused_for_its_resize_from_its_header_without_decoding(
+    llava_dir: Path, llava_images: VisionLanguageEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Within the default 32 Mi pixel bound, it cost 1.05 s and 640 MB to decode before the
+    # shortest-edge resize it implies (36 x 1,188,000,000) was refused; 8 at once took 3.7 GB.
+    decoded = []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image.size) or load(image))
+    config = encoder_config(llava_dir, max_image_bytes=MAX_IMAGE_BYTES)
+    assert 33_000_000 <= config.max_image_pixels
+    running = await start_encoder(config, llava_images)  # type: ignore[arg-type]
+    try:
+        thin = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_png_claiming(1, 33_000_000)))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await running.stub.Embed(thin)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith(
+            "image.data: 1 x 33000000 would be resized to 36 x 1188000000"
+        )
+        assert decoded == []
+        good = await running.stub.Embed(
+            encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_encoded("PNG", (50, 40))))
+        )
+        assert list(good.embeddings.shape) == [36, 64] and set(decoded) == {(50, 40)}  # decoded, once taken
+    finally:
+        await stop_encoder(running)
 
 
 async def test_a_request_far_over_the_image_bound_is_refused_from_its_size_unparsed(encoder: Encoder) -> None:
