@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import struct
+import threading
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -158,6 +159,32 @@ async def test_concurrent_images_batch_and_each_gets_its_own_rows(
         assert max(sizes) > 1 and sum(sizes) == len(data) + 3
     finally:
         await client.close()
+
+
+async def test_a_text_embed_is_answered_while_a_batch_of_images_holds_the_tower(
+    encoder: Encoder, pictures: dict[str, Path]
+) -> None:
+    # Text waited 4.3-8.8 s behind batches of large images. The image worker is held here (a gate on
+    # its thread, as a long batch would hold it), so the order is certain: text first, images after.
+    gate = threading.Event()
+    held = asyncio.ensure_future(encoder.servicer.on_worker(gate.wait))
+    try:
+        images = [
+            asyncio.ensure_future(
+                encoder.stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=p.read_bytes())))
+            )
+            for p in [*pictures.values()] * 3
+        ]
+        text = await encoder.stub.Embed(encoder_pb2.EmbedRequest(text="a neighbour"), timeout=60)
+        ids = await encoder.stub.Tokenize(
+            encoder_pb2.EncoderTokenizeRequest(texts=["a neighbour"]), timeout=60
+        )
+        assert list(text.token_ids.ids) == list(ids.tokens[0].ids)
+        assert not any(image.done() for image in images)  # all still behind the held worker
+    finally:
+        gate.set()
+        await held
+    assert all(reply.placeholder == "<image>" for reply in await asyncio.gather(*images))
 
 
 async def test_text_on_the_vision_language_encoder_is_the_language_models_own_rows(
