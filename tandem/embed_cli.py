@@ -1,8 +1,10 @@
-"""`tandem embed`: text or token IDs -> embeddings from a running encoder.
+"""`tandem embed`: text, token IDs or an image -> embeddings from a running encoder.
 
 Without `--out`, a summary on the terminal: the shape and dtype, the token IDs, the rows' norms and
 the first values. With `--out FILE.npy` or `FILE.safetensors`, the rows go to the file
-(`tandem/embedding_files.py`), ready for `tandem generate --part file:FILE`.
+(`tandem/embedding_files.py`), ready for `tandem generate --part file:FILE`. An image's rows (a LLaVA
+or SmolVLM checkpoint's encoder) are its whole span, what `EncoderClient.embed_image` returns: the
+rows that replace the chat template's `<image>`, with the span's token IDs beside them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ def command() -> click.Command:
                 show_default="none",
             ),
             option(
+                "--image",
+                "a picture (PNG, JPEG or WebP) to embed instead: its span's rows, from a LLaVA or SmolVLM "
+                "checkpoint's encoder",
+                type=PATH,
+                default=None,
+                show_default="none",
+            ),
+            option(
                 "--dtype",
                 "dtype of the returned rows",
                 type=click.Choice(OUTPUT_DTYPES),
@@ -70,7 +80,7 @@ def command() -> click.Command:
             ),
         ],
         callback=lambda **values: asyncio.run(_embed(values)),
-        help="Embed a text or token IDs with a running encoder: a summary, or the rows in a file.",
+        help="Embed a text, token IDs or an image with a running encoder: a summary, or the rows in a file.",
         context_settings=CONTEXT_SETTINGS,
     )
 
@@ -78,8 +88,8 @@ def command() -> click.Command:
 async def _embed(values: dict[str, Any]) -> int:
     from tandem.embedding_files import SUFFIXES
 
-    if (values["text"] is None) == (values["ids"] is None):
-        raise click.UsageError("give exactly one of --text and --ids")
+    if sum(values[name] is not None for name in ("text", "ids", "image")) != 1:
+        raise click.UsageError("give exactly one of --text, --ids and --image")
     if values["ids"] is not None and not all(i.strip().isdigit() for i in values["ids"].split(",")):
         raise click.BadParameter(
             f"{values['ids']!r}: comma-separated integers, e.g. 1,2,3", param_hint="'--ids'"
@@ -88,15 +98,23 @@ async def _embed(values: dict[str, Any]) -> int:
         raise click.BadParameter(
             f"{values['out']}: the file name must end in {' or '.join(SUFFIXES)}", param_hint="'--out'"
         )
+    image = None
+    if values["image"] is not None:
+        try:
+            image = Path(values["image"]).read_bytes()
+        except OSError as error:
+            raise click.BadParameter(f"{values['image']}: {error.strerror}", param_hint="'--image'") from None
     try:
         security = client_security(values)
     except (OSError, ValueError) as error:
         print(f"tandem embed: {error}", file=sys.stderr)
         return 2
-    return await run_traced("tandem embed", values["trace"], lambda t: _call(values, security, t))
+    return await run_traced("tandem embed", values["trace"], lambda t: _call(values, image, security, t))
 
 
-async def _call(values: dict[str, Any], security: ChannelSecurity, telemetry: Telemetry) -> int:
+async def _call(
+    values: dict[str, Any], image: bytes | None, security: ChannelSecurity, telemetry: Telemetry
+) -> int:
     import grpc
 
     from tandem.client.client import EncoderClient
@@ -113,7 +131,12 @@ async def _call(values: dict[str, Any], security: ChannelSecurity, telemetry: Te
     async with EncoderClient(values["address"], telemetry=telemetry, security=security) as client:
         try:
             response = await client.embed(
-                text=values["text"], token_ids=ids, output_dtype=dtype, pooling=pooling
+                text=values["text"],
+                token_ids=ids,
+                image=image,
+                output_dtype=dtype,
+                pooling=pooling,
+                timeout=60.0 if image is not None else 30.0,  # a tower pass, EncoderClient.embed_image's
             )
         except grpc.aio.AioRpcError as error:
             print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
@@ -121,7 +144,7 @@ async def _call(values: dict[str, Any], security: ChannelSecurity, telemetry: Te
     rows = tensors.decode(response.embeddings, "embeddings")  # [n, hidden_size]
     token_ids = list(response.token_ids.ids)
     if values["out"] is None:
-        print(summary(rows, token_ids))
+        print(summary(rows, token_ids, response.placeholder))
         return 0
     from tandem.embedding_files import write_embeddings
 
@@ -132,15 +155,19 @@ async def _call(values: dict[str, Any], security: ChannelSecurity, telemetry: Te
     return 0
 
 
-def summary(rows: Any, token_ids: list[int]) -> str:
-    """What a person wants to see of rows [n, hidden_size]: shape, dtype, tokens, norms, first values."""
+def summary(rows: Any, token_ids: list[int], placeholder: str = "") -> str:
+    """What a person wants to see of rows [n, hidden_size]: shape, dtype, tokens, norms, first values;
+    for an image's span, the placeholder its rows replace."""
     norms = rows.float().norm(dim=-1)  # [n]
     first = ", ".join(f"{v:.4f}" for v in rows[0, :6].float().tolist())
     ids = ", ".join(map(str, token_ids[:16])) + (", ..." if len(token_ids) > 16 else "")
     dtype = str(rows.dtype).removeprefix("torch.")
+    source = f"{len(token_ids)} tokens"
+    if placeholder:
+        source = f"an image's span of {source} (it replaces {placeholder})"
     return "\n".join(
         [
-            f"embeddings {list(rows.shape)} {dtype} from {len(token_ids)} tokens",
+            f"embeddings {list(rows.shape)} {dtype} from {source}",
             f"token IDs: {ids}",
             f"row norms: min {norms.min():.4f}, mean {norms.mean():.4f}, max {norms.max():.4f}",
             f"row 0: [{first}, ...]",
