@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tandem.common.flags import CONTEXT_SETTINGS, PATH, client_security, client_security_options, option
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    PATH,
+    client_security,
+    client_security_options,
+    describe_flag,
+    is_token_ids,
+    option,
+)
 from tandem.generate_cli import run_traced
 
 if TYPE_CHECKING:
@@ -24,6 +32,7 @@ if TYPE_CHECKING:
     from tandem.client.telemetry import Telemetry
 
 OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
+PROG = "tandem embed"
 
 
 def command() -> click.Command:
@@ -90,9 +99,9 @@ async def _embed(values: dict[str, Any]) -> int:
 
     if sum(values[name] is not None for name in ("text", "ids", "image")) != 1:
         raise click.UsageError("give exactly one of --text, --ids and --image")
-    if values["ids"] is not None and not all(i.strip().isdigit() for i in values["ids"].split(",")):
+    if values["ids"] is not None and not is_token_ids(values["ids"]):
         raise click.BadParameter(
-            f"{values['ids']!r}: comma-separated integers, e.g. 1,2,3", param_hint="'--ids'"
+            f"{values['ids']!r}: comma-separated integers below 2^32, e.g. 1,2,3", param_hint="'--ids'"
         )
     if values["out"] is not None and values["out"].suffix not in SUFFIXES:
         raise click.BadParameter(
@@ -107,9 +116,9 @@ async def _embed(values: dict[str, Any]) -> int:
     try:
         security = client_security(values)
     except (OSError, ValueError) as error:
-        print(f"tandem embed: {error}", file=sys.stderr)
+        print(f"{PROG}: {error}", file=sys.stderr)
         return 2
-    return await run_traced("tandem embed", values["trace"], lambda t: _call(values, image, security, t))
+    return await run_traced(PROG, values["trace"], lambda t: _call(values, image, security, t))
 
 
 async def _call(
@@ -117,6 +126,7 @@ async def _call(
 ) -> int:
     import grpc
 
+    from tandem.cli_errors import CallFlags, failure
     from tandem.client.client import EncoderClient
     from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
     from tandem.common import tensors
@@ -128,7 +138,22 @@ async def _call(
     if values["pooling"] is not None:
         pooling = encoder_pb2.Pooling.Value(f"POOLING_{values['pooling'].upper()}")
     ids = None if values["ids"] is None else [int(i) for i in values["ids"].split(",")]
-    async with EncoderClient(values["address"], telemetry=telemetry, security=security) as client:
+    flags = CallFlags(
+        f"{describe_flag('address')} {values['address']}",
+        {
+            "text": describe_flag("text"),
+            "token_ids": describe_flag("ids"),
+            "image": describe_flag("image"),
+            "output_dtype": describe_flag("dtype"),
+            "pooling": describe_flag("pooling"),
+        },
+    )
+    try:
+        client = EncoderClient(values["address"], telemetry=telemetry, security=security)
+    except ValueError as error:  # an address it cannot use
+        print(f"{PROG}: {flags.address}: {error}", file=sys.stderr)
+        return 2
+    async with client:
         try:
             response = await client.embed(
                 text=values["text"],
@@ -139,8 +164,9 @@ async def _call(
                 timeout=60.0 if image is not None else 30.0,  # a tower pass, EncoderClient.embed_image's
             )
         except grpc.aio.AioRpcError as error:
-            print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
-            return 1
+            line, code = failure(error, flags)
+            print(f"{PROG}: {line}", file=sys.stderr)
+            return code
     rows = tensors.decode(response.embeddings, "embeddings")  # [n, hidden_size]
     token_ids = list(response.token_ids.ids)
     if values["out"] is None:

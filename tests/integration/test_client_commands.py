@@ -4,6 +4,7 @@ prompts whose parts are embeddings, each compared with the same call made throug
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,7 +140,7 @@ def test_generate_sends_embed_parts_through_the_encoder_in_order(services: Servi
     assert text == _greedy_text(services, prompt, 5)
 
 
-def test_a_part_that_cannot_be_read_is_one_line(services: Services, tmp_path: Path, capsys, environ) -> None:
+def test_a_part_that_cannot_be_read_is_one_line_naming_it(services: Services, tmp_path: Path, capsys) -> None:
     argv = [
         "generate",
         "--address",
@@ -147,5 +148,63 @@ def test_a_part_that_cannot_be_read_is_one_line(services: Services, tmp_path: Pa
         "--part",
         f"file:{tmp_path / 'none.npy'}",
     ]
-    assert cli.main(argv) == 1
-    assert capsys.readouterr().err == f"tandem generate: --part: {tmp_path / 'none.npy'}: no such file\n"
+    assert cli.main(argv) == 2
+    none = tmp_path / "none.npy"
+    assert capsys.readouterr().err == f"tandem generate: --part file:{none}: no such file\n"
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], code: int) -> str:
+    """The one line a failed command prints on stderr; nothing on stdout, no traceback, no blank line."""
+    assert cli.main(argv) == code
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "Traceback" not in err, (out, err)
+    return err.rstrip("\n")
+
+
+def test_a_value_a_request_cannot_hold_names_its_flag_without_a_traceback(capsys, environ) -> None:
+    # `--max-tokens -1` was a 44-line traceback (ValueError: Value out of range: -1).
+    for flag, value in [("--max-tokens", "-1"), ("--top-k", "-3"), ("--seed", str(2**64))]:
+        err = _one_line_error(capsys, ["generate", "--prompt", "hi", flag, value], 2)
+        assert err.startswith(f"tandem generate: {flag} (TANDEM_GENERATE_"), err
+    err = _one_line_error(capsys, ["generate", "--part", "ids:1,4294967296"], 2)
+    assert err.startswith("tandem generate: --part (TANDEM_GENERATE_PART): 'ids:1,4294967296': token IDs"), err
+
+
+def test_a_value_the_decoder_refuses_is_one_line_naming_the_flag(services: Services, capsys, environ) -> None:
+    decoder = ["generate", "--address", services.decoder_server.address, "--prompt", "hi"]
+    err = _one_line_error(capsys, [*decoder, "--max-tokens", "0"], 2)
+    assert err == (
+        "tandem generate: --max-tokens (TANDEM_GENERATE_MAX_TOKENS): must be >= 1, got 0 "
+        "(the request's stopping.max_new_tokens)"
+    )
+    err = _one_line_error(capsys, [*decoder, "--temperature", "-1"], 2)
+    assert err.startswith(
+        "tandem generate: --temperature (TANDEM_GENERATE_TEMPERATURE): must be in [0.0, "
+    ), err
+    err = _one_line_error(capsys, [*decoder, "--part", "ids:5,999999", "--max-tokens", "2"], 2)
+    assert err.startswith("tandem generate: --part ids:5,999999: token id 999999 outside [0, "), err
+    assert err.endswith("(the request's prompt[1].token_ids.ids[1])"), err
+
+
+def test_an_unreachable_server_names_the_flag_of_its_address(services: Services, capsys, environ) -> None:
+    # The encoder down used to blame `--part`.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+    argv = ["generate", "--address", services.decoder_server.address, "--encoder-address", closed]
+    err = _one_line_error(capsys, [*argv, "--part", "embed: the quiet harbour"], 1)
+    assert err.startswith(
+        f"tandem generate: --encoder-address (TANDEM_GENERATE_ENCODER_ADDRESS) {closed}: UNAVAILABLE: "
+    )
+    err = _one_line_error(capsys, ["generate", "--address", closed, "--prompt", "hi"], 1)
+    assert err.startswith(f"tandem generate: --address (TANDEM_GENERATE_ADDRESS) {closed}: UNAVAILABLE: "), (
+        err
+    )
+    err = _one_line_error(capsys, ["embed", "--address", closed, "--text", "hi"], 1)
+    assert err.startswith(f"tandem embed: --address (TANDEM_EMBED_ADDRESS) {closed}: UNAVAILABLE: "), err
+
+
+def test_a_value_the_encoder_refuses_is_one_line_naming_the_flag(services: Services, capsys, environ) -> None:
+    encoder = ["embed", "--address", services.encoder_server.address]
+    err = _one_line_error(capsys, [*encoder, "--ids", "999999"], 2)
+    assert err.startswith("tandem embed: --ids (TANDEM_EMBED_IDS): token id 999999 outside [0, "), err
