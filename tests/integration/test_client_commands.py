@@ -167,7 +167,9 @@ def test_a_value_a_request_cannot_hold_names_its_flag_without_a_traceback(capsys
         err = _one_line_error(capsys, ["generate", "--prompt", "hi", flag, value], 2)
         assert err.startswith(f"tandem generate: {flag} (TANDEM_GENERATE_"), err
     err = _one_line_error(capsys, ["generate", "--part", "ids:1,4294967296"], 2)
-    assert err.startswith("tandem generate: --part (TANDEM_GENERATE_PART): 'ids:1,4294967296': token IDs"), err
+    assert err.startswith("tandem generate: --part (TANDEM_GENERATE_PART): 'ids:1,4294967296': token IDs"), (
+        err
+    )
 
 
 def test_a_value_the_decoder_refuses_is_one_line_naming_the_flag(services: Services, capsys, environ) -> None:
