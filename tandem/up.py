@@ -30,13 +30,22 @@ import click
 
 from tandem.client.auth import load_tokens
 from tandem.client.errors import ConfigError
-from tandem.common.flags import CONTEXT_SETTINGS, PATH, Setting, flag_error, run, server_security_settings
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    PATH,
+    Setting,
+    default_of,
+    flag_error,
+    run,
+    server_security_settings,
+)
 from tandem.common.gguf_import import DTYPE_NAMES
 from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
 from tandem.decoder.config import QUANTIZATIONS
 
 SERVICES = ("encoder", "decoder")
+DEFAULT_DTYPE = "bfloat16"  # both services' own default, for what `up` checks before they start
 ENV_PREFIX = "TANDEM_UP_"
 PROG = "tandem up"
 # After the grace period: time for the services to end their aborted streams, flush their spans and
@@ -249,15 +258,28 @@ def check_before_start(config: UpConfig) -> None:
             raise ConfigError("auth_token_file", f": {error}") from None
 
 
-def import_once(config: UpConfig) -> None:
-    """Imports a GGUF model (the default one included) before the services start, showing progress.
+def import_once(config: UpConfig) -> Path:
+    """Imports a GGUF model (the default one included) before the services start, showing progress;
+    returns the checkpoint directory.
 
     Both services would otherwise convert it at the same moment; they then find it in the cache.
     Raises ValueError (ModelNotFound, GGUFImportError) with one line.
     """
     from tandem.common.model_cache import resolve_model
 
-    resolve_model(config.model_dir, config.dtype or "bfloat16", say=_say)
+    return resolve_model(config.model_dir, config.dtype or DEFAULT_DTYPE, say=_say)
+
+
+def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
+    """What the decoder would refuse of `up`'s own flags (the dtype, the quantization and its group,
+    the world size against the checkpoint), said before anything starts. Raises ConfigError."""
+    from tandem.decoder.api.main import check_fits
+    from tandem.decoder.config import EngineConfig
+
+    group_size = config.quantization_group_size or default_of(EngineConfig, "quantization_group_size")
+    check_fits(
+        model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, config.world_size or 1
+    )
 
 
 _output_lock = threading.Lock()
@@ -386,9 +408,13 @@ def _start(**values: Any) -> int:
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
     try:
-        import_once(config)
+        model_dir = import_once(config)
     except ValueError as error:  # ModelNotFound, GGUFImportError
         raise flag_error(ctx.command, ConfigError("model_dir", f": {error}")) from None
+    try:
+        check_decoder_fits(config, model_dir)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
     return run_services(config)
 
 

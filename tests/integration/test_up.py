@@ -283,6 +283,25 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_any_service_starts(
     )
 
 
+def test_a_world_size_the_model_cannot_shard_is_one_line_about_ups_own_flag_before_any_service_starts(
+    model_dir: Path, environ, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It used to start both services, then relay the decoder's 10 lines naming TANDEM_WORLD_SIZE, exit 1.
+    ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
+    assert cli.main(["up", "--model", str(model_dir), *ports, "--world-size", "3"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "tandem up: --world-size (TANDEM_UP_WORLD_SIZE): num_heads (4) must be divisible by the world "
+        "size (3) to shard the model\n",
+    )
+    environ({"TANDEM_UP_QUANTIZATION": "int4", "TANDEM_UP_QUANTIZATION_GROUP_SIZE": "4096"})
+    assert cli.main(["up", "--model", str(model_dir), *ports]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(
+        "tandem up: --quantization-group-size (TANDEM_UP_QUANTIZATION_GROUP_SIZE) int4 cannot quantize"
+    ), err
+
+
 def test_openai_port_adds_the_gateway_in_front_of_both_services() -> None:
     from tandem.up import services
 
