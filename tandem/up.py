@@ -5,6 +5,10 @@ Each service is a child process running `python -m tandem.cli serve <service> FL
 checks docker-compose.yml against it. The children's output is relayed line by line with a
 `[encoder] ` / `[decoder] ` prefix (their stdout to ours, their stderr to ours).
 
+Once every service serves (health SERVING; the gateway's /health 200), `up` says so once: "[up] ready:
+..." with where each listens and how to stop them; a script that starts `up &` waits for the same
+with `tandem wait` (`tandem/readiness.py` is both).
+
 Stopping: SIGINT (Ctrl-C) or SIGTERM sends SIGTERM to both. `--grace-s` is one setting end to end:
 both services get it as their own `--grace-s` (streams still open after it end with
 FINISH_REASON_ABORTED), and `up` kills what is left only STOP_MARGIN_S after it. The children run in
@@ -353,11 +357,15 @@ def run_services(config: UpConfig) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: list[_Child] = []
+    stopping = threading.Event()
     try:
         for name in services(config):
             argv = [sys.executable, "-m", "tandem.cli", *serve_command(name, config)]
             _say(f"starting the {name}: tandem {' '.join(serve_command(name, config))}")
             children.append(_Child(name, argv))
+        threading.Thread(
+            target=_announce_ready, args=(config, stopping), name="up-ready", daemon=True
+        ).start()
         died = None
         while not stop_signal:
             died = next((c for c in children if c.process.poll() is not None), None)
@@ -368,14 +376,49 @@ def run_services(config: UpConfig) -> int:
             _say(f"the {died.name} exited on its own (code {died.process.returncode}): stopping the rest")
         else:
             _say(f"received {stop_signal[0].name}: stopping both (streams get {config.grace_s:g} s)")
+        stopping.set()
         return _stop_all(children, config.kill_after_s, failed=died is not None and not stop_signal)
     finally:
+        stopping.set()
         for child in children:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def ready_targets(config: UpConfig) -> dict[str, str]:
+    """What each service is, by the target `tandem wait` (and `up` itself) probes it at."""
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    targets = {
+        "the encoder": f"{host}:{config.encoder_port}",
+        "the decoder": f"{host}:{config.decoder_port}",
+    }
+    if config.openai_port is not None:
+        targets["the OpenAI API"] = f"http://{host}:{config.openai_port}/health"
+    return targets
+
+
+def _announce_ready(config: UpConfig, stopping: threading.Event) -> None:
+    """Says once, when every service serves, that they do, where, and how to stop them. With TLS the
+    probe would need the client's side of it, which `up` does not hold: it says how to wait instead."""
+    from tandem.readiness import Probe
+
+    targets = ready_targets(config)
+    if config.tls_cert is not None:
+        _say(
+            f"with TLS, readiness is not probed here: `tandem wait --tls-ca CA {' '.join(targets.values())}`"
+        )
+        return
+    probe = Probe(list(targets.values()))
+    try:
+        if probe.wait(None, stopping):
+            return  # stopping before both served
+    finally:
+        probe.close()
+    where = ", ".join(f"{name} on {target.replace('/health', '/v1')}" for name, target in targets.items())
+    _say(f"ready: {where}. Ctrl-C stops them (in the background: kill {os.getpid()})")
 
 
 def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:

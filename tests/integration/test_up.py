@@ -67,6 +67,18 @@ def _wait_serving(up: subprocess.Popen, ports: list[int], log: Path) -> None:
         time.sleep(0.2)
 
 
+def _wait_for_line(up: subprocess.Popen, log: Path, start: str) -> str:
+    """The first line of `up`'s output that starts with `start`, once it is there."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        found = [line for line in log.read_text().splitlines() if line.startswith(start)]
+        if found:
+            return found[0]
+        assert up.poll() is None, f"tandem up exited with {up.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {start!r} within {STARTUP_TIMEOUT_S} s:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
 def _children(pid: int) -> dict[str, int]:
     """Service name -> pid of `pid`'s child processes, from /proc."""
     found = {}
@@ -171,6 +183,11 @@ def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_p
     )
     try:
         _wait_serving(up, [encoder_port, decoder_port], log)
+        ready = _wait_for_line(up, log, "[up] ready: ")  # said once both serve
+        assert ready == (
+            f"[up] ready: the encoder on 127.0.0.1:{encoder_port}, the decoder on 127.0.0.1:{decoder_port}. "
+            f"Ctrl-C stops them (in the background: kill {up.pid})"
+        )
         imported = [p for p in (tmp_path / ".cache" / "tandem" / "models").iterdir() if p.is_dir()]
         assert [p.name.startswith("SmolLM2-135M-Instruct-") for p in imported] == [True]
         children = _children(up.pid)
@@ -188,6 +205,10 @@ def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_p
         _stop(up)
     output = log.read_text()
     assert "[encoder] " in output and "[decoder] " in output  # the services' own log lines, prefixed
+    lines = output.splitlines()
+    assert [line for line in lines if line.startswith("[up] ready")] == [ready]  # once, after both serve
+    serving = [i for i, line in enumerate(lines) if " serving SmolLM2-135M-Instruct on port " in line]
+    assert len(serving) == 2 and max(serving) < lines.index(ready)
     assert "[up] the encoder stopped (exit 0)" in output and "[up] the decoder stopped (exit 0)" in output
 
 
