@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from tandem.cli_telemetry import run_traced
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     PATH,
@@ -25,7 +26,6 @@ from tandem.common.flags import (
     is_token_ids,
     option,
 )
-from tandem.generate_cli import run_traced
 
 if TYPE_CHECKING:
     from tandem.client.channel import ChannelSecurity

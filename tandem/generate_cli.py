@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from tandem.cli_telemetry import run_traced
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     UINT32,
@@ -131,23 +130,6 @@ async def _generate(values: dict[str, Any]) -> int:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
     return await run_traced(PROG, values["trace"], lambda t: _stream(values, structured, security, t))
-
-
-async def run_traced(name: str, is_traced: bool, run: Callable[[Telemetry], Awaitable[int]]) -> int:
-    """`run` under a client span named `name`, exported where OTEL_* says; `is_traced` also makes a
-    trace id when it says nothing, and prints it."""
-    from opentelemetry import trace
-
-    from tandem.client.telemetry import setup_telemetry
-
-    telemetry = setup_telemetry("tandem-cli", os.environ, always_trace=is_traced)
-    try:
-        with telemetry.tracer.start_as_current_span(name, kind=trace.SpanKind.CLIENT) as span:
-            if is_traced:
-                print(f"trace id: {trace.format_trace_id(span.get_span_context().trace_id)}", file=sys.stderr)
-            return await run(telemetry)
-    finally:
-        telemetry.shutdown()
 
 
 async def _stream(

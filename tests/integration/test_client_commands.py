@@ -3,6 +3,7 @@ prompts whose parts are embeddings, each compared with the same call made throug
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from collections.abc import Iterator
@@ -210,3 +211,33 @@ def test_a_value_the_encoder_refuses_is_one_line_naming_the_flag(services: Servi
     encoder = ["embed", "--address", services.encoder_server.address]
     err = _one_line_error(capsys, [*encoder, "--ids", "999999"], 2)
     assert err.startswith("tandem embed: --ids (TANDEM_EMBED_IDS): token id 999999 outside [0, "), err
+
+
+def test_trace_without_an_exporter_says_nothing_is_recorded_and_how_to_record(
+    services: Services, capsys, environ, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    argv = ["generate", "--address", services.decoder_server.address, "--prompt", "hi", "--max-tokens", "2"]
+    assert cli.main([*argv, "--trace"]) == 0
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"trace id: [0-9a-f]{32}; not recorded here, no exporter is configured: "
+        r"OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:4317 sends spans to a collector, "
+        r"OTEL_TRACES_EXPORTER=console prints them\n",
+        err,
+    ), err
+
+
+def test_an_unreachable_collector_is_one_line_after_the_answer(services: Services, capsys, environ) -> None:
+    # It was four exporter messages over 16 s of retries.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    environ({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed}"})
+    argv = ["generate", "--address", services.decoder_server.address, "--prompt", "hi", "--max-tokens", "2"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "[FINISH_REASON_LENGTH; 2 tokens;" in out
+    assert err.startswith(f"tandem generate: telemetry: Failed to export traces to 127.0.0.1:{closed}, ")
+    assert len(err.splitlines()) == 1, err
