@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from tandem.common import tensors
 from tandem.embedding_files import read_embeddings
+from tests.integration.package_index import install
 from tests.integration.vision.conftest import Split
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -137,10 +138,7 @@ def node_chat() -> Path:
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("npm/node are not installed: the Node.js client cannot be tested")
     node_client = REPO_ROOT / "clients" / "node"
-    result = subprocess.run(
-        ["npm", "ci", "--no-audit", "--no-fund"], cwd=node_client, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    install(["npm", "ci", "--no-audit", "--no-fund"], cwd=node_client)
     return node_client / "chat.js"
 
 
