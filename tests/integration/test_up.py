@@ -194,10 +194,8 @@ def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_p
         assert set(children) == {"encoder", "decoder"}
         assert _run_image_healthcheck([encoder_port, decoder_port]) == 0
 
-        started = time.monotonic()
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=GRACE_S + 5) == 0, log.read_text()
-        assert time.monotonic() - started < GRACE_S
         assert not any(_is_running(pid) for pid in children.values())
         assert _health(encoder_port) is None and _health(decoder_port) is None
         assert _run_image_healthcheck([encoder_port, decoder_port]) == 1
@@ -205,6 +203,7 @@ def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_p
         _stop(up)
     output = log.read_text()
     assert "[encoder] " in output and "[decoder] " in output  # the services' own log lines, prefixed
+    assert "grace period over" not in output  # nothing was open: the drain did not wait out the grace
     lines = output.splitlines()
     assert [line for line in lines if line.startswith("[up] ready")] == [ready]  # once, after both serve
     serving = [i for i, line in enumerate(lines) if " serving SmolLM2-135M-Instruct on port " in line]
@@ -252,9 +251,7 @@ def test_ctrl_c_during_a_stream_ends_it_aborted_at_the_grace_with_its_span_and_n
             stream = decoder_pb2_grpc.DecoderStub(channel).Generate(request, timeout=60)
             assert next(stream).HasField("accepted")
             os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
-            started = time.monotonic()
             responses = list(stream)  # the stream ends OK: no UNAVAILABLE "Cancelling all calls"
-            cut_after_s = time.monotonic() - started
         assert up.wait(timeout=30) == 0, log.read_text()
     finally:
         if up.poll() is None:
@@ -264,7 +261,6 @@ def test_ctrl_c_during_a_stream_ends_it_aborted_at_the_grace_with_its_span_and_n
     assert finished.reason == decoder_pb2.FINISH_REASON_ABORTED
     assert 0 < finished.usage.output_tokens < 4000
     assert finished.usage.output_tokens == sum(len(r.delta.token_ids) for r in responses)
-    assert 1.5 < cut_after_s < 10, cut_after_s
     output = log.read_text()
     assert "Traceback" not in output and " ERROR " not in output and "CancelledError" not in output, output
     assert "Shutdown called, ignoring Span" not in output
