@@ -111,13 +111,19 @@ def terminal():
     opened.close()
 
 
-async def test_ctrl_c_during_a_reply_cancels_that_reply_only(terminal: Terminal) -> None:
+async def _a_reply_cancelled(terminal: Terminal) -> tuple[StandInDecoder, asyncio.Future[int]]:
+    """A chat whose reply to "hang" was cancelled by a Ctrl-C, back at its prompt."""
     decoder = StandInDecoder()
     chat = asyncio.ensure_future(run_chat(_args(), terminal.stdin, terminal.stdout, lambda *_: decoder))
     terminal.type("hang\n")
     await _until(lambda: "partial" in terminal.stdout.getvalue())
     _ctrl_c()
     await _until(lambda: "[reply cancelled]" in terminal.stdout.getvalue())
+    return decoder, chat
+
+
+async def test_ctrl_c_during_a_reply_cancels_that_reply_only(terminal: Terminal) -> None:
+    decoder, chat = await _a_reply_cancelled(terminal)
     terminal.type("hello\n")
     terminal.end_input()
     assert await chat == 0
@@ -144,12 +150,7 @@ async def test_ctrl_c_at_the_prompt_is_no_turn_and_a_second_one_leaves(terminal:
 
 
 async def test_a_second_ctrl_c_after_a_cancelled_reply_leaves(terminal: Terminal) -> None:
-    decoder = StandInDecoder()
-    chat = asyncio.ensure_future(run_chat(_args(), terminal.stdin, terminal.stdout, lambda *_: decoder))
-    terminal.type("hang\n")
-    await _until(lambda: "partial" in terminal.stdout.getvalue())
-    _ctrl_c()
-    await _until(lambda: "[reply cancelled]" in terminal.stdout.getvalue())
+    decoder, chat = await _a_reply_cancelled(terminal)
     _ctrl_c()
     assert await chat == EXIT_INTERRUPTED
     assert decoder.num_cancelled == 1 and len(decoder.conversations) == 1
