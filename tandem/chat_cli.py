@@ -41,6 +41,7 @@ from tandem.common.flags import (
     describe_flag,
     option,
     structured_choice,
+    structured_fields,
     structured_options,
 )
 
@@ -90,8 +91,7 @@ def _start(**values: Any) -> int:
         "stopping.max_new_tokens": describe_flag("max_tokens"),
         "sampling.temperature": describe_flag("temperature"),
         "sampling.seed": describe_flag("seed"),
-        "structured": "--json-schema / --regex / --choice / --grammar",
-        **{f"structured.{k}": describe_flag(k) for k in ("json_schema", "regex", "choice", "grammar")},
+        **structured_fields(),
     }
     if values["system"]:
         fields["chat.messages[0]"] = describe_flag("system")

@@ -29,6 +29,7 @@ from tandem.common.flags import (
     is_token_ids,
     option,
     structured_choice,
+    structured_fields,
     structured_options,
 )
 
@@ -198,11 +199,7 @@ def _request_flags(parts: list[PromptPart]) -> dict[str, str]:
         "sampling.top_p": describe_flag("top_p"),
         "sampling.top_k": describe_flag("top_k"),
         "sampling.seed": describe_flag("seed"),
-        "structured": "--json-schema / --regex / --choice / --grammar",
-        **{
-            f"structured.{kind}": describe_flag(kind)
-            for kind in ("json_schema", "regex", "choice", "grammar")
-        },
+        **structured_fields(),
     }
     fields.update({f"prompt[{i}]": part.flag() for i, part in enumerate(parts)})
     return fields

@@ -279,6 +279,17 @@ def structured_options() -> list[click.Option]:
     ]  # fmt: skip
 
 
+def structured_fields() -> dict[str, str]:
+    """The request fields `structured_options` set -> their flags, as the running command names them."""
+    return {
+        "structured": "--json-schema / --regex / --choice / --grammar",
+        **{
+            f"structured.{kind}": describe_flag(kind)
+            for kind in ("json_schema", "regex", "choice", "grammar")
+        },
+    }
+
+
 def structured_choice(values: Mapping[str, Any]) -> Any:
     """The StructuredOutput message `structured_options` ask for, or None. Raises click.UsageError for
     two at once, click.BadParameter naming the flag for a file that cannot be read."""
