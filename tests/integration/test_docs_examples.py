@@ -200,16 +200,3 @@ def test_api_mds_node_outputs_are_what_the_client_prints(services: Ports) -> Non
             assert result.returncode == 0, (argv, result.stderr)
             last = result.stdout.strip().splitlines()[-1]
             assert _matches(example.stdout, last), (argv, example.stdout, last)
-
-
-def test_api_mds_command_line_block_runs(services: Ports, tmp_path: Path) -> None:
-    """Every command of "From the command line" (but the image's: the default model takes none), in
-    order, in one shell: `embed --out` writes the file the last `generate` reads."""
-    api = (REPO_ROOT / "docs" / "API.md").read_text()
-    block = code_block(api, "### From the command line", "sh")
-    commands = re.sub(r"\\\n\s*", "", block).splitlines()  # continued lines joined
-    script = "\n".join(["set -e", *(services.apply(c) for c in commands if c.strip() and "--image" not in c)])
-    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("[FINISH_REASON_LENGTH; ") == 3, result.stdout
-    assert "wrote harbour.safetensors: embeddings [3, 576] bfloat16" in result.stdout, result.stdout
