@@ -60,6 +60,7 @@ SCHEMAS = [
     obj(level={"enum": [0.5, 1.5, 2.5]}, on={"type": "boolean"}),
 ]
 PROMPT = "Answer in JSON:"
+SELF_REFERENCE = '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'
 
 
 async def _answer(decoder: Served, structured, **kwargs) -> tuple[str, decoder_pb2.Finished]:
@@ -170,6 +171,9 @@ async def test_a_cut_answer_says_length(decoder: Served) -> None:
         (decoder_pb2.StructuredOutput(json_schema="[1, 2]"), {}, "structured.json_schema"),
         (decoder_pb2.StructuredOutput(regex="(("), {}, "structured.regex"),
         (decoder_pb2.StructuredOutput(grammar="start: undefined_rule"), {}, "structured.grammar"),
+        # No finite JSON matches it: it used to end `stop` with an empty answer.
+        (decoder_pb2.StructuredOutput(json_schema=SELF_REFERENCE), {}, "structured.json_schema: admits no"),
+        (decoder_pb2.StructuredOutput(grammar="start: a\na: a"), {}, "structured.grammar: admits no"),
         (decoder_pb2.StructuredOutput(regex="x" * 70_000), {}, "structured.regex"),
         (decoder_pb2.StructuredOutput(choice=decoder_pb2.StructuredChoices()), {}, "structured.choice"),
         (structured_output(choice=["a", ""]), {}, "structured.choice"),
