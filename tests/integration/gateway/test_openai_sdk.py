@@ -239,6 +239,14 @@ async def test_response_format_json_schema_gives_json_the_schema_validates(live:
                 model="", prompt=PROMPT, extra_body={"guided_regex": "a+", "guided_choice": ["x"]}
             )
         assert error.value.body["param"] == "guided_choice"
+        for name, source in (("guided_regex", "(("), ("guided_grammar", "start: (")):
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.completions.create(model="", prompt=PROMPT, extra_body={name: source})
+            assert error.value.body["param"] == name  # the caller's own field, in the message too
+            assert error.value.body["message"].startswith(f"{name}: does not compile")
         with pytest.raises(openai.BadRequestError) as error:
-            await client.completions.create(model="", prompt=PROMPT, extra_body={"guided_regex": "(("})
-        assert error.value.body["param"] == "response_format.regex"
+            await client.chat.completions.create(
+                model="", messages=[{"role": "user", "content": PROMPT}],
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+            )  # fmt: skip
+        assert error.value.body["param"] == "response_format.json_schema.schema"
