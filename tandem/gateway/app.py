@@ -162,7 +162,7 @@ class Gateway:
         return web.json_response({"object": "list", "data": [card]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        limits = BodyLimits.for_completions((await self._decoder(request)).max_context_tokens)
+        limits = BodyLimits.for_chat((await self._decoder(request)).max_context_tokens)
         call = await self._convert(request, requests.chat_request, limits)
         assert isinstance(call, GenerateCall)
         await self._embed_images(request, call)

@@ -9,7 +9,7 @@ from tandem.client.errors import InvalidArgument
 from tandem.gateway import requests
 from tandem.gateway.body_limits import BodyLimits
 
-LIMITS = BodyLimits.for_completions(256)
+LIMITS = BodyLimits.for_chat(256)
 EMBED_LIMITS = BodyLimits.for_embeddings(64)
 
 CHAT = {"model": "", "messages": [{"role": "user", "content": "hi"}]}
