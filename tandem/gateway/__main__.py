@@ -16,7 +16,6 @@ import click
 from aiohttp import web
 
 from tandem.client.auth import load_tokens
-from tandem.client.channel import open_channel
 from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
@@ -32,7 +31,7 @@ from tandem.common.flags import (
 from tandem.common.server import DEFAULT_GRACE_S, check_port_free, stop_on_signals
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
-from tandem.gateway.callers import CallerChannels
+from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
 from tandem.gateway.connections import ConnectionGuard
 
@@ -182,18 +181,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     telemetry = setup_telemetry("tandem-openai", os.environ)
     decoder = DecoderClient(config.decoder_address, config.max_message_bytes, telemetry, config.upstream)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, telemetry, config.upstream)
-    interceptors = telemetry.client_interceptors()
-    callers = CallerChannels(
-        lambda: open_channel(
-            config.decoder_address,
-            config.max_message_bytes,
-            config.upstream,
-            interceptors,
-            "tandem.v1.Decoder",
-            own_connection=True,
-        ),
-        config.max_idle_channels,
-    )
+    callers = decoder_channels(config, telemetry.client_interceptors())
     workers = BodyWorkers(config.body_workers)
     tracer = telemetry.tracer if telemetry.is_tracing else None
     # Open streams get the services' grace period on SIGTERM (aiohttp's default is 60 s; compose and

@@ -31,7 +31,7 @@ from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
 from tandem.gateway import embeddings, requests
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
-from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import CallerChannels, caller_of
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import ConnectionGuard
@@ -194,7 +194,7 @@ class Gateway:
         self, request: web.Request, to_call: Convert, limits: BodyLimits
     ) -> GenerateCall | EmbedCall:
         """The body, read and converted: in a worker process when it is large (`bodies.py`)."""
-        raw = await self._read(request)
+        raw = await self._read(request, limits)
         if len(raw) < self.config.large_body_bytes:
             call = convert(to_call, raw, limits)
         else:
@@ -203,32 +203,38 @@ class Gateway:
             request[STRUCTURED_FIELD] = call.structured_field
         return call
 
-    async def _read(self, request: web.Request) -> bytes:
-        """The body's bytes: at most --max-body-bytes (413), within --body-timeout-s (408); a large one
-        holds a place among --max-large-bodies from the moment its size says so (503 when none is free)."""
+    async def _read(self, request: web.Request, limits: BodyLimits) -> bytearray:
+        """The body's bytes: at most --max-body-bytes (413), within --body-timeout-s (408), its JSON
+        values counted as they come (`count_values`: 400 naming the field before the rest is read); a
+        large one holds a place among --max-large-bodies from the moment its size says so (503 when
+        none is free).
+
+        Read into one buffer, each chunk copied in as it arrives: holding the chunks and joining them
+        left the heap grown by the body's size after it was freed (glibc keeps a freed heap's middle),
+        where one buffer this large is its own mapping, given back whole."""
         limit = self.config.max_body_bytes
         declared = request.content_length
         if declared is not None and declared > limit:
             raise Refused(_too_large(limit))
         if declared is not None and declared >= self.config.large_body_bytes:
             self._take_large_body(request)
-        chunks, size = [], 0
+        body, num_values = bytearray(), 0
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 while chunk := await request.content.readany():
-                    size += len(chunk)
-                    if size > limit:
+                    if len(body) + len(chunk) > limit:
                         raise Refused(_too_large(limit))
-                    if size >= self.config.large_body_bytes and LARGE_BODY not in request:
+                    body += chunk
+                    num_values = count_values(body, limits, len(body) - len(chunk), num_values)
+                    if len(body) >= self.config.large_body_bytes and LARGE_BODY not in request:
                         self._take_large_body(request)
-                    chunks.append(chunk)
         except TimeoutError:
             message = (
                 f"the body did not arrive within {self.config.body_timeout_s:g} s (--body-timeout-s); "
-                f"{size} bytes came"
+                f"{len(body)} bytes came"
             )
             raise Refused(HttpError(408, "invalid_request_error", message, "body")) from None
-        return b"".join(chunks)
+        return body
 
     def _take_large_body(self, request: web.Request) -> None:
         request[LARGE_BODY] = self.large_bodies.take()

@@ -23,12 +23,14 @@ import asyncio
 import contextlib
 import hashlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from tandem.client.channel import open_channel
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
+from tandem.gateway.config import GatewayConfig
 
 
 def caller_of(authorization: str, peer: str | None, tokens_checked: bool) -> str:
@@ -86,3 +88,20 @@ class CallerChannels:
         channels = [held.channel for held in self._channels.values()]
         self._channels.clear()
         await asyncio.gather(*(channel.close() for channel in channels), *self._closing)
+
+
+def decoder_channels(
+    config: GatewayConfig, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+) -> CallerChannels:
+    """Each caller's channel to `config`'s decoder: its TLS and token, and `interceptors` (tracing)."""
+    return CallerChannels(
+        lambda: open_channel(
+            config.decoder_address,
+            config.max_message_bytes,
+            config.upstream,
+            interceptors,
+            "tandem.v1.Decoder",
+            own_connection=True,
+        ),
+        config.max_idle_channels,
+    )

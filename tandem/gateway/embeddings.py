@@ -18,8 +18,8 @@ import json
 import numpy as np
 from aiohttp import web
 
-from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.gateway.errors import HttpError, Refused
 from tandem.gateway.requests import EmbedCall
 
 # Base64 is written in slices of this many bytes of rows (a multiple of 3, so the pieces join up).
@@ -55,15 +55,15 @@ def answer_bound(call: EmbedCall, info: encoder_pb2.EncoderGetModelInfoResponse)
 
 
 def check_answer_size(call: EmbedCall, info: encoder_pb2.EncoderGetModelInfoResponse, limit: int) -> None:
-    """Raises InvalidArgument naming `input` when `call`'s answer could be larger than `limit` bytes."""
+    """Refused (413 naming `input`) when `call`'s answer could be larger than `limit` bytes."""
     bound = answer_bound(call, info)
     if bound > limit:
-        raise InvalidArgument(
-            "input",
-            f"the embeddings of these inputs could take {bound} bytes (rows x {info.hidden_size} values), "
-            f"over the gateway's --max-embeddings-bytes {limit}; send fewer or shorter inputs, or pool "
-            "them (tandem_pooling mean)",
+        message = (
+            f"input: the embeddings of these inputs could take {bound} bytes (rows x {info.hidden_size} "
+            f"values), over the gateway's --max-embeddings-bytes {limit}; send fewer or shorter inputs, or "
+            "pool them (tandem_pooling mean)"
         )
+        raise Refused(HttpError(413, "invalid_request_error", message, "input"))
 
 
 async def write_answer(

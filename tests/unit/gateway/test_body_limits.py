@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tandem.client.errors import InvalidArgument
-from tandem.gateway.body_limits import COUNTED_BYTES, BodyLimits, check_values
+from tandem.gateway.body_limits import COUNTED_BYTES, BodyLimits, count_values
 
 LIMITS = BodyLimits.for_chat(256)
 
@@ -48,14 +48,14 @@ def test_a_body_too_wide_is_refused_unparsed_naming_its_wide_field(body: dict, f
     raw = json.dumps(body).encode()
     assert len(raw) > COUNTED_BYTES  # counted a slice at a time: the refusal comes before the end
     with pytest.raises(InvalidArgument) as error:
-        check_values(raw, LIMITS)
+        count_values(raw, LIMITS)
     assert error.value.field == field and "refused before parsing" in str(error.value)
 
 
 def test_a_body_within_the_bound_passes_however_large_its_strings() -> None:
     rows = {"messages": [{"role": "user", "content": "A" * (50 * COUNTED_BYTES)}], "stop": ["a"] * 16}
-    check_values(json.dumps(rows).encode(), LIMITS)
+    count_values(json.dumps(rows).encode(), LIMITS)
     exact = b"[" + b"," * (LIMITS.max_values - 1) + b"]"
-    check_values(exact, LIMITS)
+    count_values(exact, LIMITS)
     with pytest.raises(InvalidArgument):
-        check_values(exact + b",", LIMITS)
+        count_values(exact + b",", LIMITS)
