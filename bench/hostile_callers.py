@@ -258,7 +258,12 @@ def main() -> None:
     )
     parser.add_argument("--model", type=Path, default=None, help="default: the services' default model")
     parser.add_argument("--rounds", type=int, default=200, help="cancel-then-reuse rounds")
-    parser.add_argument("--only", choices=("services", "gateway"), default=None, help="one half only")
+    parser.add_argument(
+        "--only",
+        choices=("services", "gateway", "held-open"),
+        default=None,
+        help="the services' attacks, the gateway's, or only the gateway's held-open streams",
+    )
     args = parser.parse_args()
     cpu = this_cpu()
     print(f"CPU: {cpu.model_name} [{cpu.isa_summary}], {os.cpu_count()} cores", flush=True)
@@ -268,14 +273,16 @@ def main() -> None:
     rows: list[list[str]] = []
     try:
         if args.only != "services":
-            for name, attack, neighbour in _gateway_attacks(int(gateway_address.rpartition(":")[2])):
+            stub = decoder_pb2_grpc.DecoderStub(grpc.insecure_channel(decoder_address, options=OPTIONS))
+            attacks = _gateway_attacks(int(gateway_address.rpartition(":")[2]), stub)
+            for name, attack, neighbour in attacks[-1:] if args.only == "held-open" else attacks:
                 rows.append(
                     attack_under_watch(
                         name, attack, gateway_process, gateway_address, neighbour and gateway_address, True
                     )
                 )
                 print(" | ".join(rows[-1]), flush=True)
-        if args.only == "gateway":
+        if args.only in ("gateway", "held-open"):
             return _print(rows)
         decoder_channel = grpc.insecure_channel(decoder_address, options=OPTIONS)
         encoder_channel = grpc.insecure_channel(encoder_address, options=OPTIONS)
@@ -400,8 +407,10 @@ def _print(rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def _gateway_attacks(port: int) -> list[tuple[str, Callable[[], str], bool]]:
-    """Issue 49's attacks on the gateway: (name, attack, whether a gRPC neighbour streams meanwhile)."""
+def _gateway_attacks(
+    port: int, decoder: decoder_pb2_grpc.DecoderStub
+) -> list[tuple[str, Callable[[], str], bool]]:
+    """Issue 49's attacks on the gateway: (name, attack, whether an HTTP neighbour streams meanwhile)."""
     chat_messages = b'{"model":"","messages":[' + b",".join([b'{"role":"user","content":"hi"}'] * 3_000_000)
     chat_messages += b"]}"
     bias = b",".join(b'"%d":1.0' % i for i in range(7_000_000))
@@ -435,7 +444,7 @@ def _gateway_attacks(port: int) -> list[tuple[str, Callable[[], str], bool]]:
         ),
         (
             "gateway: 32 completions held open (never read) by 127.0.0.2, then 127.0.0.9's 32 tokens",
-            lambda: _held_open(port),
+            lambda: _held_open(port, decoder),
             False,
         ),
     ]
@@ -457,10 +466,12 @@ def _http_neighbour(port: int, source: str) -> float:
     return time.monotonic() - start
 
 
-def _held_open(port: int) -> str:
+def _held_open(port: int, decoder: decoder_pb2_grpc.DecoderStub) -> str:
     """Issue 49, item 3: one HTTP caller holds 32 streams open and reads nothing; another caller's 32
-    tokens, against the same caller's alone (the median of 3 each)."""
-    alone = statistics.median(_http_neighbour(port, "127.0.0.9") for _ in range(3))
+    tokens beside them, against the same caller's alone just before and just after (medians of 3, so a
+    machine whose load drifts is seen drifting), and a gRPC neighbour's beside the same streams (what
+    the decoder's own sharing gives, without the gateway)."""
+    before = [_http_neighbour(port, "127.0.0.9") for _ in range(3)]
     body = json.dumps(
         {"model": "", "prompt": "Once upon a time", "max_tokens": 1024, "temperature": 0, "ignore_eos": True,
          "stream": True}
@@ -474,14 +485,29 @@ def _held_open(port: int) -> str:
         statuses.append(connection.getresponse().status)  # the headers; the events are never read
         held.append(connection)
     time.sleep(30.0)  # the streams get going and fill what buffers they can
-    beside = statistics.median(_http_neighbour(port, "127.0.0.9") for _ in range(3))
+    beside = [_http_neighbour(port, "127.0.0.9") for _ in range(3)]
+    direct = [_grpc_neighbour(decoder) for _ in range(3)]
     for connection in held:
         connection.close()
+    after = [_http_neighbour(port, "127.0.0.9") for _ in range(3)]
+    alone = statistics.median(before + after)
     opened = sum(s == 200 for s in statuses)
     return (
         f"{opened} streams open, {len(statuses) - opened} refused; the other caller's 32 tokens: "
-        f"{beside:.2f} s beside them, {alone:.2f} s alone ({beside / alone:.1f}x)"
+        f"{statistics.median(beside):.2f} s beside them ({_seconds(beside)}), {alone:.2f} s alone "
+        f"(before {_seconds(before)}, after {_seconds(after)}): {statistics.median(beside) / alone:.1f}x; "
+        f"a gRPC neighbour beside them: {statistics.median(direct):.2f} s ({_seconds(direct)})"
     )
+
+
+def _grpc_neighbour(decoder: decoder_pb2_grpc.DecoderStub) -> float:
+    start = time.monotonic()
+    list(decoder.Generate(_request("An unrelated request", max_new_tokens=32), timeout=300))
+    return time.monotonic() - start
+
+
+def _seconds(times: list[float]) -> str:
+    return "/".join(f"{t:.2f}" for t in times)
 
 
 def _poison(decoder: decoder_pb2_grpc.DecoderStub, hidden: int) -> str:

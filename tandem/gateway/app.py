@@ -272,11 +272,12 @@ class Gateway:
         generate = call.request
         generate.request_id = uuid.uuid4().hex
         if generate.ByteSize() > self.config.max_message_bytes:
+            field = "messages" if kind == "chat" else "prompt"  # what makes a request this large
             message = (
-                f"the request is {generate.ByteSize()} bytes as a Generate call, over the services' "
-                f"max_message_bytes {self.config.max_message_bytes}"
+                f"{field}: the request is {generate.ByteSize()} bytes as a Generate call, over the "
+                f"services' max_message_bytes {self.config.max_message_bytes}"
             )
-            return error_response(HttpError(413, "invalid_request_error", message))
+            return error_response(HttpError(413, "invalid_request_error", message, field))
         with_logprobs = generate.output.logprobs
         completion = Completion(kind, generate.request_id, model)
         self._streams[caller] += 1
