@@ -443,11 +443,58 @@ def _gateway_attacks(
             True,
         ),
         (
+            "gateway: 600 sockets trickling a request head, a byte a second",
+            lambda: _trickling(port, 600),
+            True,
+        ),
+        (
             "gateway: 32 completions held open (never read) by 127.0.0.2, then 127.0.0.9's 32 tokens",
             lambda: _held_open(port, decoder),
             False,
         ),
     ]
+
+
+def _trickling(port: int, num_sockets: int) -> str:
+    """Slow clients: sockets that send a request head a byte a second (the gateway closes one without
+    a whole head after --header-timeout-s, and answers those beyond --max-connections 503 at once)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sockets, refused, closed_after = [], 0, []
+    start = time.monotonic()
+    for _ in range(num_sockets):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.setblocking(False)
+        sockets.append(sock)
+    open_ = set(range(num_sockets))
+    for i in range(len(head)):
+        if not open_ or time.monotonic() - start > 60:
+            break
+        for k in list(open_):
+            try:
+                answer = sockets[k].recv(4096)
+            except BlockingIOError:
+                answer = None
+            except OSError:
+                answer = b""
+            if answer is not None:  # an answer (a 503) or the end: this socket is done
+                refused += answer.startswith(b"HTTP/1.1 503")
+                closed_after.append(time.monotonic() - start)
+                open_.discard(k)
+                continue
+            try:
+                sockets[k].send(head[i : i + 1])
+            except OSError:
+                closed_after.append(time.monotonic() - start)
+                open_.discard(k)
+        time.sleep(1.0)
+    for sock in sockets:
+        sock.close()
+    timed_out = len(closed_after) - refused
+    latest = max(closed_after) if closed_after else 0.0
+    return (
+        f"{refused} answered 503 at once, {timed_out} closed by the gateway (the last {latest:.0f} s in), "
+        f"{len(open_)} still open"
+    )
 
 
 def _http_neighbour(port: int, source: str) -> float:
