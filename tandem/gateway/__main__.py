@@ -33,7 +33,7 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
-from tandem.gateway.connections import ConnectionGuard
+from tandem.gateway.connections import ConnectionGuard, ensure_descriptors
 
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
@@ -170,6 +170,7 @@ def _start(**values: Any) -> int:
     try:
         config = config_from_options(values)
         check_port_free(config.host, config.port)
+        ensure_descriptors(config.max_connections, config.max_idle_channels)
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
     asyncio.run(serve(config))

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 from collections.abc import Callable
+
+from tandem.client.errors import ConfigError
 
 REFUSAL_BODY = json.dumps(
     {
@@ -30,6 +33,29 @@ REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(REFUSAL_BODY)
 ) + REFUSAL_BODY
+
+
+# Descriptors beside the connections and their decoder channels: the listener, the services'
+# channels, the body workers' pipes, logs, imports.
+SPARE_DESCRIPTORS = 64
+
+
+def ensure_descriptors(max_connections: int, max_idle_channels: int) -> int:
+    """Raise the soft limit on open files to what `max_connections` need (each connection, and the
+    decoder channel of its caller, plus the idle channels kept), up to the hard limit; a hard limit
+    below that is a ConfigError naming max_connections. Returns the limit now in force."""
+    need = 2 * max_connections + max_idle_channels + SPARE_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(
+            "max_connections",
+            f"of {max_connections} needs about {need} open files, over this process's limit of {hard} "
+            "(ulimit -Hn): lower it or raise the limit",
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return need
 
 
 class ConnectionGuard:
