@@ -554,10 +554,6 @@ def _grpc_neighbour(decoder: decoder_pb2_grpc.DecoderStub) -> float:
     return time.monotonic() - start
 
 
-def _seconds(times: list[float]) -> str:
-    return "/".join(f"{t:.2f}" for t in times)
-
-
 def _poison(decoder: decoder_pb2_grpc.DecoderStub, hidden: int) -> str:
     baseline = [
         t for r in decoder.Generate(_request(max_new_tokens=40), timeout=300) for t in r.delta.token_ids
