@@ -411,11 +411,11 @@ def _gateway_attacks(
     port: int, decoder: decoder_pb2_grpc.DecoderStub
 ) -> list[tuple[str, Callable[[], str], bool]]:
     """Issue 49's attacks on the gateway: (name, attack, whether an HTTP neighbour streams meanwhile)."""
-    chat_messages = b'{"model":"","messages":[' + b",".join([b'{"role":"user","content":"hi"}'] * 3_000_000)
-    chat_messages += b"]}"
-    bias = b",".join(b'"%d":1.0' % i for i in range(7_000_000))
+    message = b'{"role":"user","content":"hi"}'
+    chat_messages = b'{"model":"","messages":[' + message + (b"," + message) * (3_000_000 - 1) + b"]}"
+    bias = ('"' + '":1.0,"'.join(map(str, range(7_000_000))) + '":1.0').encode()
     logit_bias = b'{"model":"","messages":[{"role":"user","content":"hi"}],"logit_bias":{' + bias + b"}}"
-    token_ids = b'{"model":"","prompt":[' + b",".join([b"1"] * 40_000_000) + b"]}"
+    token_ids = b'{"model":"","prompt":[' + b"1," * (40_000_000 - 1) + b"1]}"
     ids = b"[" + b",".join([b"7"] * 8000) + b"]"
     embeddings = b'{"model":"","encoding_format":"base64","tandem_pooling":"none","input":['
     embeddings += b",".join([ids] * 32) + b"]}"

@@ -93,16 +93,17 @@ async def services_and_gateway(
 
 
 def _chat_messages(n: int) -> bytes:
-    return b'{"model":"","messages":[' + b",".join([b'{"role":"user","content":"hi"}'] * n) + b"]}"
+    message = b'{"role":"user","content":"hi"}'
+    return b'{"model":"","messages":[' + message + (b"," + message) * (n - 1) + b"]}"
 
 
 def _logit_bias(n: int) -> bytes:
-    entries = b",".join(b'"%d":1.0' % i for i in range(n))
+    entries = ('"' + '":1.0,"'.join(map(str, range(n))) + '":1.0').encode()
     return b'{"model":"","messages":[{"role":"user","content":"hi"}],"logit_bias":{' + entries + b"}}"
 
 
 def _token_ids(n: int) -> bytes:
-    return b'{"model":"","prompt":[' + b",".join([b"1"] * n) + b"]}"
+    return b'{"model":"","prompt":[' + b"1," * (n - 1) + b"1]}"
 
 
 def _embeddings(num_inputs: int, num_ids: int) -> bytes:
