@@ -18,7 +18,9 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.client.errors import InvalidArgument, Unavailable
@@ -72,6 +74,7 @@ class BodyWorkers:
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._workers: set[_Worker] = set()
         self._started: asyncio.Task[None] | None = None
+        self._is_closed = False
 
     async def start(self) -> None:
         """Start every process (at the latest with the first large body: importing takes a second)."""
@@ -96,31 +99,47 @@ class BodyWorkers:
         await self.start()
         worker = await self._idle.get()
         exchange = asyncio.ensure_future(self._exchange(worker, to_call, raw, limits))
-        call, refusal = await asyncio.shield(exchange)
-        if refusal is not None:
-            # Raised here, not in the task: a task keeps its exception, and with it the traceback's
-            # frames and the body they hold, until the cyclic GC frees the task.
-            raise InvalidArgument(*refusal)
-        assert call is not None
-        return call
+        outcome = await asyncio.shield(exchange)
+        # Raised here, not in the task: a task keeps its exception, and with it the traceback's frames
+        # and the body they hold, until the cyclic GC frees the task.
+        if outcome.refusal is not None:
+            raise InvalidArgument(*outcome.refusal)
+        if outcome.has_died:
+            raise Unavailable("the process converting this body died (out of memory?); retry")
+        if outcome.failure is not None:
+            raise RuntimeError(f"a body worker failed: {outcome.failure}")
+        assert outcome.call is not None
+        return outcome.call
 
     async def _exchange(
         self, worker: _Worker, to_call: Convert, raw: bytes | bytearray, limits: BodyLimits
-    ) -> tuple[GenerateCall | EmbedCall | None, tuple[str, str] | None]:
+    ) -> _Outcome:
         try:
-            return await asyncio.to_thread(worker.convert, to_call, raw, limits)
-        except (EOFError, OSError):
+            outcome = await asyncio.to_thread(worker.convert, to_call, raw, limits)
+        except (EOFError, OSError):  # the pipe broke: the process is gone
             self._workers.discard(worker)
             worker.close()
-            worker = await self._spawn()
-            raise Unavailable("the process converting this body died (out of memory?); retry") from None
-        finally:
-            self._idle.put_nowait(worker)
+            if not self._is_closed:
+                self._idle.put_nowait(await self._spawn())
+            return _Outcome(has_died=True)
+        self._idle.put_nowait(worker)
+        return outcome
 
     def close(self) -> None:
+        self._is_closed = True
         for worker in self._workers:
             worker.close()
         self._workers.clear()
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What a worker sends back for a body: its call, or why there is none."""
+
+    call: GenerateCall | EmbedCall | None = None
+    refusal: tuple[str, str] | None = None  # the InvalidArgument raised: its field and description
+    failure: str | None = None  # anything else raised (a bug: a 500), its traceback; the worker lives on
+    has_died: bool = False  # the worker died on it (set by the gateway: a 503, the worker replaced)
 
 
 class _Worker:
@@ -132,10 +151,7 @@ class _Worker:
         self._process.start()
         theirs.close()
 
-    def convert(
-        self, to_call: Convert, raw: bytes | bytearray, limits: BodyLimits
-    ) -> tuple[GenerateCall | EmbedCall | None, tuple[str, str] | None]:
-        """(the call, None), or (None, (field, description)) of the InvalidArgument it raised."""
+    def convert(self, to_call: Convert, raw: bytes | bytearray, limits: BodyLimits) -> _Outcome:
         self._connection.send((to_call, limits))
         self._connection.send_bytes(raw)
         return self._connection.recv()
@@ -147,8 +163,8 @@ class _Worker:
 
 
 def _serve(connection: multiprocessing.connection.Connection) -> None:
-    """A worker's life: a body at a time, converted (or its InvalidArgument's field and description)
-    sent back, the heap the body took given back to the OS (tandem/client/memory.py)."""
+    """A worker's life: a body at a time, its outcome sent back, the heap the body took given back to
+    the OS (tandem/client/memory.py)."""
     while True:
         try:
             to_call, limits = connection.recv()
@@ -156,12 +172,11 @@ def _serve(connection: multiprocessing.connection.Connection) -> None:
             return
         raw = connection.recv_bytes()
         try:
-            outcome: tuple[GenerateCall | EmbedCall | None, tuple[str, str] | None] = (
-                convert(to_call, raw, limits),
-                None,
-            )
+            outcome = _Outcome(call=convert(to_call, raw, limits))
         except InvalidArgument as error:
-            outcome = (None, (error.field, error.description))
+            outcome = _Outcome(refusal=(error.field, error.description))
+        except Exception:
+            outcome = _Outcome(failure=traceback.format_exc())
         del raw
         connection.send(outcome)
         del outcome

@@ -61,6 +61,22 @@ async def test_a_worker_that_dies_is_replaced_and_its_body_answered_unavailable(
         workers.close()
 
 
+def _broken(body: dict, limits: BodyLimits) -> requests.GenerateCall:
+    """A conversion with a bug in it."""
+    raise KeyError("a bug")
+
+
+async def test_a_bug_in_a_worker_is_an_error_of_its_own_and_the_worker_serves_on() -> None:
+    workers = BodyWorkers(1)
+    try:
+        with pytest.raises(RuntimeError, match="KeyError: 'a bug'"):  # a 500 with the worker's traceback
+            await workers.convert(_broken, bytearray(b"{}"), LIMITS)
+        call = await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
+        assert call.model == "m"
+    finally:
+        workers.close()
+
+
 def test_large_bodies_beyond_the_bound_are_503_until_one_is_released() -> None:
     bodies = LargeBodies(2)
     first, _ = bodies.take(), bodies.take()
