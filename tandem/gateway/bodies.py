@@ -3,11 +3,11 @@ worker process, so the gateway's event loop never parses it.
 
 NOTE: why a process and not a thread. Python's JSON parser, base64 and protobuf hold the GIL for the
 whole of a call, so a thread frees nothing: a 90 MB body of 3 million chat messages parsed "off the
-loop" still kept /health silent for its 2.3 s. A worker process takes the body's bytes (one copy
-through a pipe, about 20 ms for 90 MB) and gives back the converted call, its protobufs serialized;
-what the parse and conversion cost stays in that process, which gives its heap back after every
-large body. At most `max_large_bodies` bodies are read or converted at once (the gateway's
-`LargeBodies`), so the workers' queue is bounded by that too.
+loop" still kept /health silent for its 2.3 s. A worker process takes the body's bytes through a
+pipe (written from the gateway's buffer, no copy) and gives back the converted call, its protobufs
+serialized; what the parse and conversion cost stays in that process, which gives its heap back
+after every body. At most `max_large_bodies` bodies are read or converted at once (`LargeBodies`
+below), so the workers' queue is bounded by that too.
 """
 
 from __future__ import annotations
