@@ -15,6 +15,7 @@ import asyncio
 import base64
 import contextlib
 import http.client
+import io
 import socket
 import threading
 import time
@@ -138,7 +139,7 @@ async def test_wide_bodies_and_amplified_embeddings_are_refused_naming_the_field
                 body = bodies.pop(0)
                 before_mb = gateway.rss_mb()
                 started = time.monotonic()
-                async with session.post(gateway.url + path, data=body, headers=JSON) as response:
+                async with session.post(gateway.url + path, data=io.BytesIO(body), headers=JSON) as response:
                     error = (await response.json())["error"]
                 took = time.monotonic() - started
                 del body
