@@ -147,3 +147,40 @@ async def test_token_embedding_and_mixed_prompts_stream_the_cpu_engines_tokens_o
     if demo is not None:  # the demo's question, from two XLA devices
         assert [t for d in deltas for t in d.token_ids] == demo
         assert "Paris" in "".join(d.text for d in deltas)
+
+
+async def test_tandem_up_with_the_decoder_on_neuron_streams_the_cpu_engines_tokens(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Both services from the venv's own `tandem up`; the decoder's buckets from its TANDEM_* variables.
+    encoder_port, decoder_port = free_port(), free_port()
+    argv = [str(Path(sys.executable).parent / "tandem"), "up", "--model", str(tiny_model_dir)]
+    argv += ["--device", "neuron", "--world-size", "2", "--dtype", "float32", "--grace-s", "5"]
+    argv += ["--encoder-port", str(encoder_port), "--decoder-port", str(decoder_port)]
+    env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}
+    env.update(
+        {
+            f"TANDEM_{name.upper()}": ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+            for name, v in {**LIMITS, **BUCKETS}.items()
+        }
+    )
+    prompt = [[[5, 9, 300, 41, 7]]]  # one prompt of one token-ID part
+    want = _cpu_tokens(tiny_model_dir, prompt)
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        up = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        async with DecoderClient(f"127.0.0.1:{decoder_port}") as client:
+            await _wait_serving(client, up)
+            assert await _greedy_over_grpc(client, prompt) == want
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+    text = log.read_text()
+    assert "XLA buckets: decode rows [16]" in text and "XLA: 0 graphs compiled after warmup" in text, text[
+        -3000:
+    ]
