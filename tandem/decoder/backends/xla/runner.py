@@ -27,7 +27,7 @@ from tandem.decoder.backends.xla.buckets import Bucket, XlaBuckets
 from tandem.decoder.backends.xla.sharding import ShardingPlan
 from tandem.decoder.backends.xla.step import Transfers, XlaStep
 from tandem.decoder.engine.batch import BatchTensors, ForwardBatch, HostBatch, pack
-from tandem.decoder.engine.runner import ModelRunner, StepOutput
+from tandem.decoder.engine.runner import ModelRunner, Signature, StepOutput
 from tandem.decoder.engine.scheduler import ScheduledRequest, StepPlan
 from tandem.decoder.engine.static_shapes import append_padding
 from tandem.decoder.models.transformer import DecoderModel
@@ -90,11 +90,12 @@ class XlaRunner(ModelRunner):
         _pad_positions(host, bucket.num_tokens)
         return self.tensors.batch(host, bucket.width, has_embeds=True)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _announce(self, batch: ForwardBatch) -> Signature:
+        """Every step passes here before its graph is traced (plain and prompt-scoring steps alike)."""
         bucket = _bucket_of(batch)
         if self.is_sealed and bucket not in self.warmed:
             raise RecompileError(f"{bucket} was not compiled at warmup")
-        return super().forward(batch)
+        return super()._announce(batch)
 
     @torch.no_grad()
     def warm_up(self) -> None:
