@@ -49,6 +49,10 @@ class Ports:
         text = text.replace(
             "tandem up &", f"tandem up --encoder-port {self.encoder} --decoder-port {self.decoder} &"
         )
+        # Commands that leave the services' addresses to their defaults (50052, 50051) name these ports.
+        addresses = f"127.0.0.1:{self.decoder} --encoder-address 127.0.0.1:{self.encoder} "
+        text = text.replace("tandem generate ", f"tandem generate --address {addresses}")
+        text = text.replace("tandem serve openai ", f"tandem serve openai --decoder-address {addresses}")
         text = re.sub(
             r"tandem wait(?=\s+#|\s*$)",
             f"tandem wait 127.0.0.1:{self.encoder} 127.0.0.1:{self.decoder}",
