@@ -15,7 +15,7 @@ package, `xla/`.
   place).
 - neuron: an XLA device (torch-neuronx is torch_xla's PJRT plugin for NeuronCores; `xla/runtime.py`).
   Weights and the KV cache live on the device; every step is a static-shape graph compiled at
-  warmup (`xla/runner.py`); several devices are one SPMD program in one process, sharded by
+  warmup (`engine/xla_runner.py`); several devices are one SPMD program in one process, sharded by
   annotations (`xla/sharding.py`), not the per-rank processes this engine spawns for CPU and CUDA.
   Without the Neuron SDK the same graphs run on XLA's CPU device (PJRT_DEVICE=CPU): every test here.
   docs/BACKENDS.md says exactly what ran where.

@@ -23,7 +23,6 @@ import torch
 from tandem.client.errors import Unavailable
 from tandem.common import text_bounds
 from tandem.decoder.backends import backend as backends
-from tandem.decoder.backends.xla.buckets import XlaBuckets
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine import sizing, template_worker
 from tandem.decoder.engine.backpressure import ReaderProgress, unread_weight
@@ -40,6 +39,7 @@ from tandem.decoder.engine.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.decoder.engine.streaming import Mailboxes, stream_events
 from tandem.decoder.engine.structured import GrammarCompiler
+from tandem.decoder.engine.xla_buckets import XlaBuckets
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
 
@@ -131,7 +131,7 @@ class Engine:
         # Batch-invariant: a cached prefix was computed in another request's chunks, and a request's
         # chunks are its own (max_num_batched_tokens each, the step's budget never cutting them).
         invariant = config.batch_invariant
-        is_xla = backend.placement == "xla"  # its own buckets (backends/xla/buckets.py)
+        is_xla = backend.placement == "xla"  # its own buckets (engine/xla_buckets.py)
         static = None if is_xla else sizing.static_shapes(config, self.max_model_len)
         xla_buckets = (
             XlaBuckets.from_config(config, self.max_model_len, config.num_devices) if is_xla else None
@@ -159,8 +159,8 @@ class Engine:
             block_manager,
         )
         if xla_buckets is not None:
-            from tandem.decoder.backends.xla.runner import XlaRunner  # imports torch_xla's SPMD API
             from tandem.decoder.backends.xla.sharding import ShardingPlan
+            from tandem.decoder.engine.xla_runner import XlaRunner  # imports torch_xla's SPMD API
 
             log.info("XLA buckets: %s", xla_buckets.describe())
             runner: ModelRunner = self._thread.run(

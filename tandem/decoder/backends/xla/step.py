@@ -14,7 +14,7 @@ and runs the cached executable every time after. A step's graph depends only on 
 (tokens x sequences x block-table width, decode or prefill), never on its values, because nothing
 in the traced code reads a value back to the host: prefill attention takes its bounds from tensors
 (attention.py), and the logits rows are a fixed `num_seqs` per bucket. Warmup runs every bucket
-(runner.py), after which `num_compiles` must not move.
+(engine/xla_runner.py), after which `num_compiles` must not move.
 
 A step that scores prompt positions needs the final hidden row of every position: each graph also
 outputs them (normed, [num_tokens, hidden]) and they stay on the device unless asked for; their

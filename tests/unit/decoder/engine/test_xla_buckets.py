@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.decoder.backends.xla.buckets import Bucket, XlaBuckets, fourfold
 from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.xla_buckets import Bucket, XlaBuckets, fourfold
 
 
 def _config(**overrides) -> EngineConfig:

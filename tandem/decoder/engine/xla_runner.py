@@ -1,4 +1,5 @@
 """The XLA backend's model runner: every step split into static-shape graphs, compiled at warmup only.
+The device side (the step, the attention, the sharding) is backends/xla/.
 
 NOTE: how a step becomes graphs. The scheduler's plan mixes decodes, speculative verification rows
 and prefill chunks as on any backend. Here it runs as one decode graph for every row that has one
@@ -23,13 +24,13 @@ import torch
 
 from tandem.decoder.backends.backend import RecompileError
 from tandem.decoder.backends.xla import runtime
-from tandem.decoder.backends.xla.buckets import Bucket, XlaBuckets
 from tandem.decoder.backends.xla.sharding import ShardingPlan
 from tandem.decoder.backends.xla.step import Transfers, XlaStep
 from tandem.decoder.engine.batch import BatchTensors, ForwardBatch, HostBatch, pack
 from tandem.decoder.engine.runner import ModelRunner, Signature, StepOutput
 from tandem.decoder.engine.scheduler import ScheduledRequest, StepPlan
 from tandem.decoder.engine.static_shapes import append_padding
+from tandem.decoder.engine.xla_buckets import Bucket, XlaBuckets
 from tandem.decoder.models.transformer import DecoderModel
 
 log = logging.getLogger(__name__)
