@@ -1,0 +1,188 @@
+"""Shared-memory segments between an encoder and a decoder on one host: names, the proof of sharing a
+host, creating and opening segments, and the keyed digest of their bytes. Files and bytes only: rows
+become tensors in `tensors.py`.
+
+NOTE: the protocol. The decoder (the reader) creates a probe file in its /dev/shm, `tandem-probe-<32
+hex>`, mode 0600, holding 32 random bytes, and sends its name and content with every Embed call, with
+a fresh segment name `tandem-rows-<32 hex>` and a fresh 32-byte digest key (`SharedMemoryOffer`). The
+encoder (the writer) takes the offer only if the file of that name in its own /dev/shm is a regular
+file of its own user holding exactly those bytes: both then see one /dev/shm (one host, one IPC
+namespace) as one user. It creates the segment under the name asked for (O_EXCL, mode 0600), writes
+the rows, and replies with a handle (`SharedTensor`) carrying their keyed digest. The reader opens only
+the name it asked for, checks the handle against the file and the digest under its own key, and
+removes the file: a handle replayed later finds nothing, and one pointing anywhere else is refused
+before anything is opened. The writer removes what no reader took after its lease.
+
+Who can reach a segment: only the user both services run as (mode 0600 under /dev/shm, a sticky
+directory), and only by its name, 128 random bits that travel in the Embed call and its reply. That
+user can read or change a segment, as it can read or change either process's memory: the digest
+detects a segment changed or swapped after it was written, by a bug or a stale file, and ties the
+handle to this call's key, but it is no defence against that user.
+
+The digest is a keyed universal hash finished by BLAKE2b (the construction of UMAC and VMAC): each
+16 KiB chunk's 4-byte words w_j give sum_j w_j * k_j mod 2^64 with 64-bit odd keys k_j drawn from the
+call's key; BLAKE2b keyed with the call's key then digests the byte count and those sums. Two
+different chunks give equal sums with probability at most 2^-32 over the keys, and without the key
+BLAKE2b's output cannot be predicted. It runs at numpy's multiply-add speed (about 8 GB/s on the Zen 4
+machine measured, where BLAKE2b alone runs at 0.4-1 GB/s), so checking a segment costs about what
+copying it does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import mmap
+import os
+import re
+import secrets
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+PROBE_PREFIX = "tandem-probe-"
+SEGMENT_PREFIX = "tandem-rows-"
+TOKEN_BYTES = 32  # a probe file's content
+KEY_BYTES = 32  # a digest key
+DIGEST_BYTES = 16
+CHUNK_WORDS = 4096  # 16 KiB of 4-byte words per universal-hash sum: the keys stay in L1
+_NAME = re.compile(r"(tandem-probe-|tandem-rows-)[0-9a-f]{32}")
+
+
+def new_name(prefix: str) -> str:
+    """A fresh name under `prefix`: 128 random bits, in hex."""
+    return prefix + secrets.token_hex(16)
+
+
+def is_name(name: str, prefix: str) -> bool:
+    """`name` is `prefix` and 32 lowercase hex digits: nothing else is ever opened or created."""
+    return name.startswith(prefix) and _NAME.fullmatch(name) is not None
+
+
+def is_supported(directory: Path = SHM_DIR) -> bool:
+    """Segments hold little-endian rows as they lie in memory: a little-endian host with the directory."""
+    return sys.byteorder == "little" and directory.is_dir()
+
+
+class Probe:
+    """The reader's proof file: created once, removed by `close` (or with the process's /dev/shm)."""
+
+    def __init__(self, directory: Path, name: str, token: bytes) -> None:
+        self.directory = directory
+        self.name = name  # "tandem-probe-<32 hex>"
+        self.token = token  # [TOKEN_BYTES] the file's content
+
+    @classmethod
+    def create(cls, directory: Path = SHM_DIR) -> Probe | None:
+        """A new probe file, or None where segments cannot be shared (no such directory, no room)."""
+        if not is_supported(directory):
+            return None
+        name, token = new_name(PROBE_PREFIX), secrets.token_bytes(TOKEN_BYTES)
+        try:
+            fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return None
+        try:
+            os.write(fd, token)
+        finally:
+            os.close(fd)
+        return cls(directory, name, token)
+
+    def close(self) -> None:
+        remove(self.directory, self.name)
+
+
+def probe_matches(directory: Path, name: str, token: bytes) -> bool:
+    """The writer's check of an offer: `name` is a regular file of this process's user in `directory`
+    holding exactly `token`. Any doubt is False: the reply then carries bytes."""
+    if not is_name(name, PROBE_PREFIX) or len(token) != TOKEN_BYTES or not is_supported(directory):
+        return False
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size != TOKEN_BYTES:
+            return False
+        content = os.read(fd, TOKEN_BYTES)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return hmac.compare_digest(content, token)
+
+
+def create_segment(directory: Path, name: str, num_bytes: int) -> mmap.mmap:
+    """A new segment of `num_bytes` (>= 1), mapped for writing. Raises OSError (FileExistsError for a
+    name taken) and removes what it made on failure."""
+    assert is_name(name, SEGMENT_PREFIX) and num_bytes >= 1
+    path = directory / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, num_bytes)
+        return mmap.mmap(fd, num_bytes)
+    except BaseException:
+        remove(directory, name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_segment(directory: Path, name: str) -> mmap.mmap | None:
+    """The segment `name`, mapped read-only, or None when it is gone. Raises PermissionError for a
+    file that is not a regular file of this process's user (or empty)."""
+    assert is_name(name, SEGMENT_PREFIX)
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size == 0:
+            raise PermissionError(f"{name} is not a segment of this user")
+        return mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def remove(directory: Path, name: str) -> bool:
+    """Removes the file `name`; False when it was gone already."""
+    try:
+        os.unlink(directory / name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def exists(directory: Path, name: str) -> bool:
+    return os.path.lexists(directory / name)
+
+
+def keyed_digest(data: memoryview | bytes, key: bytes) -> bytes:
+    """DIGEST_BYTES of `data` under `key` (KEY_BYTES): see the module's note."""
+    assert len(key) == KEY_BYTES
+    view = memoryview(data).cast("B")
+    num_words = len(view) // 4
+    words = np.frombuffer(view, dtype="<u4", count=num_words)
+    keys = _word_keys(key)
+    num_full = num_words // CHUNK_WORDS
+    finish = hashlib.blake2b(len(view).to_bytes(8, "little"), key=key, digest_size=DIGEST_BYTES)
+    if num_full:
+        # [num_full] one sum per chunk, mod 2^64: einsum casts the words to uint64 in small buffers
+        sums = np.einsum("ij,j->i", words[: num_full * CHUNK_WORDS].reshape(num_full, CHUNK_WORDS), keys)
+        finish.update(sums.astype("<u8").tobytes())
+    rest = words[num_full * CHUNK_WORDS :]
+    if len(rest):
+        finish.update(np.einsum("j,j->", rest, keys[: len(rest)]).astype("<u8").tobytes())
+    finish.update(view[num_words * 4 :])  # the last 0-3 bytes as they are
+    return finish.digest()
+
+
+def _word_keys(key: bytes) -> np.ndarray:
+    """[CHUNK_WORDS] odd 64-bit keys drawn from `key` (an odd key keeps every one-word change visible)."""
+    generator = np.random.Generator(np.random.PCG64(int.from_bytes(key, "little")))
+    return generator.integers(0, 2**64, CHUNK_WORDS, dtype=np.uint64, endpoint=False) | np.uint64(1)
