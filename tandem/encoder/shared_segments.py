@@ -99,7 +99,9 @@ class SharedSegments:
 
     @property
     def num_live(self) -> int:
+        """Segments written and still there, unread, now."""
         with self._lock:
+            self._sweep()
             return len(self._live)
 
     def close(self) -> None:

@@ -1,0 +1,157 @@
+"""A chat's picture sent as an `encoder` part: the decoder fetches its rows from the encoder itself (over
+shared memory on one host, bytes otherwise), and answers what the client-carried rows give, while the
+caller never holds the rows. Tiny LLaVA, float32, both services on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem.client.client import EncoderPart
+from tandem.decoder.api.encoder_parts import EncoderParts
+from tandem.decoder.models.loader import LoadedModel
+from tandem.encoder.vision.embedder import VisionLanguageEmbedder
+from tests.integration.decoder.conftest import Served, serve, shutdown
+from tests.integration.encoder.conftest import Encoder, start_encoder, stop_encoder
+from tests.integration.vision.conftest import MAX_MESSAGE_BYTES, Split, encoder_config
+from tests.vision_checkpoints import make_image
+
+QUESTION = "What is in the picture?"
+IMAGE_ROW_BYTES = 36 * 64 * 4  # tiny LLaVA: 36 rows of 64 float32 per picture
+
+
+@dataclass
+class Handoff:
+    encoder: Encoder
+    decoder: Served
+    parts: EncoderParts
+
+
+async def _handoff(llava_dir: Path, language: LoadedModel, images, **encoder_settings) -> Handoff:
+    encoder = await start_encoder(encoder_config(llava_dir, **encoder_settings), images)
+    parts = EncoderParts(encoder.server.address, torch.float32, MAX_MESSAGE_BYTES, cache_bytes=1 << 20)
+    decoder = await serve(llava_dir, language, encoder_parts=parts, num_kv_blocks=512, block_size=16)
+    return Handoff(encoder, decoder, parts)
+
+
+async def _stop(handoff: Handoff) -> None:
+    await shutdown(handoff.decoder)
+    await handoff.parts.close()
+    await stop_encoder(handoff.encoder)
+
+
+@pytest.fixture
+async def handoff(
+    llava_dir: Path, llava_language_model: LoadedModel, llava_images: VisionLanguageEmbedder
+) -> AsyncIterator[Handoff]:
+    made = await _handoff(llava_dir, llava_language_model, llava_images)
+    try:
+        yield made
+    finally:
+        await _stop(made)
+
+
+async def _chat(decoder: Served, content: list, num_tokens: int = 16) -> tuple[list[int], int, object]:
+    """The greedy tokens, the bytes of every message the caller received, and the finished event."""
+    call = decoder.client.chat(
+        [{"role": "user", "content": content}], max_new_tokens=num_tokens, temperature=0, ignore_eos=True
+    )
+    tokens, received, finished = [], 0, None
+    async for response in call:
+        received += response.ByteSize()
+        if response.HasField("delta"):
+            tokens += list(response.delta.token_ids)
+        elif response.HasField("finished"):
+            finished = response.finished
+    return tokens, received, finished
+
+
+async def test_a_picture_as_an_encoder_part_answers_as_its_client_carried_rows_which_the_caller_never_holds(
+    split: Split, handoff: Handoff, pictures: dict[str, Path]
+) -> None:
+    for name, picture in pictures.items():
+        data = picture.read_bytes()
+        carried, _, _ = await _chat(split.decoder, [await split.images.embed_image(data), QUESTION])
+        fetched, received, finished = await _chat(handoff.decoder, [EncoderPart(image=data), QUESTION])
+        assert fetched == carried, name
+        assert finished.usage.input_tokens > 36  # the picture's 36 rows were in the prompt
+        assert received < IMAGE_ROW_BYTES / 4, (name, received)  # tokens and events only, never rows
+    assert (handoff.parts.num_shared, handoff.parts.num_bytes) == (len(pictures), 0)  # one host: /dev/shm
+    assert handoff.encoder.servicer.segments.num_live == 0  # each segment removed by its reader
+
+
+async def test_an_encoder_on_another_host_sends_the_rows_as_bytes(
+    split: Split,
+    llava_dir: Path,
+    llava_language_model: LoadedModel,
+    llava_images: VisionLanguageEmbedder,
+    pictures: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """The encoder's /dev/shm is another directory: the decoder's proof file is not in it."""
+    elsewhere = await _handoff(llava_dir, llava_language_model, llava_images, shared_memory_dir=tmp_path)
+    try:
+        data = pictures["portrait.jpg"].read_bytes()
+        carried, _, _ = await _chat(split.decoder, [await split.images.embed_image(data), QUESTION])
+        fetched, _, _ = await _chat(elsewhere.decoder, [EncoderPart(image=data), QUESTION])
+        assert fetched == carried
+        assert (elsewhere.parts.num_shared, elsewhere.parts.num_bytes) == (0, 1)
+        assert not list(tmp_path.iterdir())
+    finally:
+        await _stop(elsewhere)
+
+
+async def test_the_same_picture_twice_is_encoded_once(handoff: Handoff, pictures: dict[str, Path]) -> None:
+    data = pictures["square.webp"].read_bytes()
+    first, _, first_finished = await _chat(handoff.decoder, [EncoderPart(image=data), QUESTION])
+    again, _, again_finished = await _chat(handoff.decoder, [EncoderPart(image=data), QUESTION])
+    assert again == first
+    assert handoff.encoder.servicer.num_embeds == 1  # the second request's rows came from the cache
+    assert handoff.parts.cache.num_hits == 1
+    assert again_finished.usage.cached_input_tokens >= 32  # and its KV from the prefix cache
+    other, _, _ = await _chat(handoff.decoder, [EncoderPart(image=pictures["landscape.png"].read_bytes())])
+    assert handoff.encoder.servicer.num_embeds == 2
+
+
+async def test_an_encoder_part_of_text_is_placed_where_it_stands(
+    handoff: Handoff, split: Split, pictures: dict[str, Path]
+) -> None:
+    """Text through the encoder is rows spliced in place, as an embeddings part of the same rows."""
+    reply = await split.images.embed(text="a cat")
+    carried, _, _ = await _chat(split.decoder, [reply.embeddings, QUESTION])
+    fetched, _, _ = await _chat(handoff.decoder, [EncoderPart(text="a cat"), QUESTION])
+    assert fetched == carried
+
+
+async def test_a_picture_the_encoder_cannot_read_is_invalid_argument_naming_the_part(
+    handoff: Handoff, tmp_path: Path
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _chat(handoff.decoder, [QUESTION, EncoderPart(image=b"not a picture")])
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith("chat.messages[0].content[1].encoder: the encoder refused it")
+    picture = make_image(tmp_path / "fine.png")  # the decoder serves on
+    tokens, _, _ = await _chat(handoff.decoder, [EncoderPart(image=picture.read_bytes())], num_tokens=2)
+    assert len(tokens) == 2
+
+
+async def test_a_decoder_without_an_encoder_refuses_an_encoder_part_naming_the_flag(
+    split: Split, pictures: dict[str, Path]
+) -> None:
+    info = await split.decoder.client.model_info()
+    assert not info.accepts_encoder_parts
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _chat(split.decoder, [EncoderPart(image=pictures["square.webp"].read_bytes())])
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.value.details() == (
+        "chat.messages[0].content[0].encoder: this decoder has no encoder; start it with --encoder ADDR"
+    )
+
+
+async def test_model_info_says_a_decoder_with_an_encoder_accepts_encoder_parts(handoff: Handoff) -> None:
+    assert (await handoff.decoder.client.model_info()).accepts_encoder_parts
