@@ -58,7 +58,7 @@ class Gateway:
         self.encoder = encoder
         self.tracer = tracer  # an OpenTelemetry tracer when tracing is on: one span per HTTP request
         self._streams: Counter[str] = Counter()  # open completions per caller
-        self._model: str | None = None
+        self._info: decoder_pb2.DecoderGetModelInfoResponse | None = None
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -139,7 +139,12 @@ class Gateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
         requests.chat_request(body, None, images_pending=True)  # every other rule first: images cost calls
-        images = await self._embed_images(request, requests.image_urls(body))
+        found = requests.image_urls(body)
+        if found and (await self._decoder_info(request)).accepts_encoder_parts:
+            # The decoder fetches each picture's rows from its encoder: they never pass through here.
+            images = requests.encoder_images(found)
+        else:
+            images = await self._embed_images(request, found)
         generate = await _convert(request, lambda b: requests.chat_request(b, images), body)
         return await self._complete(request, body, "chat", generate)
 
@@ -298,12 +303,15 @@ class Gateway:
         return (("authorization", request.headers["Authorization"]),)
 
     async def _model_name(self, request: web.Request) -> str:
-        if self._model is None:
-            info = await self.decoder.stub.GetModelInfo(
+        return (await self._decoder_info(request)).model
+
+    async def _decoder_info(self, request: web.Request) -> decoder_pb2.DecoderGetModelInfoResponse:
+        """The decoder's GetModelInfo, asked once (its replicas serve alike)."""
+        if self._info is None:
+            self._info = await self.decoder.stub.GetModelInfo(
                 decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
             )
-            self._model = info.model
-        return self._model
+        return self._info
 
 
 async def _convert(

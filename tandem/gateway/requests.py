@@ -107,7 +107,15 @@ def tensor(value: Any, path: str) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=DTYPES[dtype], shape=shape, data=raw)
 
 
-ImageRowsByPart = dict[tuple[int, int], tensor_pb2.Tensor]  # (message, part) -> the encoder's rows
+# (message, part) -> the encoder's rows, or the picture for the decoder's own encoder to embed
+ImageRowsByPart = dict[tuple[int, int], tensor_pb2.Tensor | encoder_pb2.EncoderInput]
+
+
+def encoder_images(found: dict[tuple[int, int], bytes]) -> ImageRowsByPart:
+    """Each picture as an `encoder` part, for a decoder that fetches its rows itself."""
+    return {
+        where: encoder_pb2.EncoderInput(image=encoder_pb2.Image(data=data)) for where, data in found.items()
+    }
 
 
 def image_urls(body: dict[str, Any]) -> dict[tuple[int, int], bytes]:
@@ -162,7 +170,11 @@ def _content_parts(
                 decoder_pb2.ChatContentPart(image=tensor(part.get("embeddings"), f"{where}.embeddings"))
             )
         elif kind == "image_url" and images is not None and (i, j) in images:
-            parts.append(decoder_pb2.ChatContentPart(image=images[(i, j)]))
+            image = images[(i, j)]
+            if isinstance(image, encoder_pb2.EncoderInput):
+                parts.append(decoder_pb2.ChatContentPart(encoder=image))
+            else:
+                parts.append(decoder_pb2.ChatContentPart(image=image))
         elif kind == "image_url" and images_pending:
             continue
         else:

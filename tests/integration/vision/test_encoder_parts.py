@@ -155,3 +155,48 @@ async def test_a_decoder_without_an_encoder_refuses_an_encoder_part_naming_the_f
 
 async def test_model_info_says_a_decoder_with_an_encoder_accepts_encoder_parts(handoff: Handoff) -> None:
     assert (await handoff.decoder.client.model_info()).accepts_encoder_parts
+
+
+async def test_the_gateways_image_url_goes_to_the_decoders_encoder_never_through_the_gateway(
+    split: Split, handoff: Handoff, pictures: dict[str, Path]
+) -> None:
+    import base64
+    import socket
+
+    import openai
+
+    from tandem.gateway.config import GatewayConfig
+    from tests.integration.gateway.conftest import start_gateway, stop_gateway
+
+    with socket.socket() as sock:  # the gateway's own encoder address leads nowhere: it is not used
+        sock.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{sock.getsockname()[1]}"
+    picture = pictures["landscape.png"]
+    expected, _, _ = await _chat(
+        split.decoder, [await split.images.embed_image(picture.read_bytes()), QUESTION]
+    )
+    task, port = await start_gateway(
+        GatewayConfig(decoder_address=handoff.decoder.server.address, encoder_address=nowhere, port=0)
+    )
+    url = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
+    try:
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none") as client:
+            reply = await client.chat.completions.create(
+                model="", messages=[{"role": "user", "content": content}], max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.chat.completions.create(model="", messages=[{"role": "user", "content": broken}])
+            assert error.value.body["param"] == "messages[0].content[0].image_url"
+    finally:
+        await stop_gateway(task)
+    text, _ = await split.decoder.client.chat_text(
+        [{"role": "user", "content": [await split.images.embed_image(picture.read_bytes()), QUESTION]}],
+        max_new_tokens=16,
+        temperature=0,
+        ignore_eos=True,
+    )
+    assert reply.choices[0].message.content == text and len(expected) == 16
+    assert handoff.encoder.servicer.num_embeds == 1  # by the decoder's encoder (the broken one refused)
