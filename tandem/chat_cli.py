@@ -3,9 +3,11 @@
 The conversation is kept here and sent whole each turn as a `chat` request; the server renders it
 with the model's template and stops at its end-of-turn token. On a terminal each turn is prompted
 for; from a pipe or a file every line is one user turn, so a chat can be scripted. `/reset` forgets
-the conversation (the system message stays); end of input ends the chat. `--image FILE` sends a
-picture through the encoder first and puts its rows in the first user turn (and again after a
-reset), where the model's template places an image: a LLaVA or SmolVLM checkpoint's.
+the conversation (the system message stays); end of input ends the chat. `--image FILE` puts a
+picture in the first user turn (and again after a reset), where the model's template places an image:
+a LLaVA or SmolVLM checkpoint's. A decoder with an encoder of its own gets the picture as an encoder
+part and fetches its rows itself; otherwise the picture goes through `--encoder-address` first and
+its rows are sent.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import click
 import grpc
 
 from tandem.client.channel import ChannelSecurity
-from tandem.client.client import DecoderClient, EncoderClient, ImageRows
+from tandem.client.client import DecoderClient, EncoderClient, EncoderPart, ImageRows
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     client_security,
@@ -55,7 +57,11 @@ def command() -> click.Command:
                 multiple=True,
                 show_default="none",
             ),
-            option("--encoder-address", "the encoder, for --image", default="127.0.0.1:50051"),
+            option(
+                "--encoder-address",
+                "the encoder, for --image when the decoder has none of its own",
+                default="127.0.0.1:50051",
+            ),
             *structured_options(),
             *client_security_options(),
         ],
@@ -111,10 +117,13 @@ async def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> i
             history.append({"role": "assistant", "content": reply})
 
 
-async def _embed_images(args: argparse.Namespace, security: ChannelSecurity) -> list[ImageRows]:
-    """Each --image's rows from the encoder, in order."""
+async def _embed_images(args: argparse.Namespace, security: ChannelSecurity) -> list[ImageRows | EncoderPart]:
+    """Each --image, in order: for the decoder's own encoder when it has one, else its rows from ours."""
     if not getattr(args, "image", None):
         return []
+    async with DecoderClient(args.address, security=security) as decoder:
+        if (await decoder.model_info()).accepts_encoder_parts:
+            return [EncoderPart(image=Path(path).read_bytes()) for path in args.image]
     async with EncoderClient(args.encoder_address, security=security) as encoder:
         return [await encoder.embed_image(Path(path).read_bytes()) for path in args.image]
 

@@ -4,6 +4,7 @@ caller never holds the rows. Tiny LLaVA, float32, both services on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,3 +201,25 @@ async def test_the_gateways_image_url_goes_to_the_decoders_encoder_never_through
     )
     assert reply.choices[0].message.content == text and len(expected) == 16
     assert handoff.encoder.servicer.num_embeds == 1  # by the decoder's encoder (the broken one refused)
+
+
+async def test_tandem_chat_sends_an_image_to_a_decoder_with_an_encoder_as_an_encoder_part(
+    split: Split, handoff: Handoff, pictures: dict[str, Path]
+) -> None:
+    import sys
+
+    picture = pictures["landscape.png"]
+    image = await split.images.embed_image(picture.read_bytes())
+    expected, _ = await split.decoder.client.chat_text(
+        [{"role": "user", "content": [image, QUESTION]}], max_new_tokens=12, temperature=0
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tandem.cli", "chat", "--address", handoff.decoder.server.address,
+        "--encoder-address", "127.0.0.1:1",  # never used: the decoder fetches the rows itself
+        "--image", str(picture), "--max-tokens", "12",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(f"{QUESTION}\n".encode()), 120)
+    assert process.returncode == 0, err.decode()
+    assert out.decode().splitlines()[0] == f"assistant> {expected}"
+    assert handoff.encoder.servicer.num_embeds == 1
