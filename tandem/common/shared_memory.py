@@ -7,11 +7,17 @@ hex>`, mode 0600, holding 32 random bytes, and sends its name and content with e
 a fresh segment name `tandem-rows-<32 hex>` and a fresh 32-byte digest key (`SharedMemoryOffer`). The
 encoder (the writer) takes the offer only if the file of that name in its own /dev/shm is a regular
 file of its own user holding exactly those bytes: both then see one /dev/shm (one host, one IPC
-namespace) as one user. It creates the segment under the name asked for (O_EXCL, mode 0600), writes
-the rows, and replies with a handle (`SharedTensor`) carrying their keyed digest. The reader opens only
-the name it asked for, checks the handle against the file and the digest under its own key, and
-removes the file: a handle replayed later finds nothing, and one pointing anywhere else is refused
-before anything is opened. The writer removes what no reader took after its lease.
+namespace) as one user. It keeps a pool of segments, `tandem-pool-<32 hex>`, created once, their pages
+allocated and kept mapped (a fresh tmpfs page costs 20-40 times its copy: docs/PERFORMANCE.md); for a
+call it links a free one under the name asked for (a second name for the same file, O_EXCL-like:
+never over a file already there), writes the rows, and replies with a handle (`SharedTensor`)
+carrying their keyed digest. The reader opens only the name it asked for, checks the handle against
+the file, copies the bytes into its own memory and checks the digest of that copy under its own key,
+then removes the name: that releases the segment to the writer's pool, and a handle replayed later
+finds nothing. One pointing anywhere else is refused before anything is opened. The writer removes
+the name of a segment no reader released after its lease, and only then writes into it again: a
+reader that comes later still finds the name gone, and one that outlived the lease while reading
+sees its digest fail, never other rows.
 
 Who can reach a segment: only the user both services run as (mode 0600 under /dev/shm, a sticky
 directory), and only by its name, 128 random bits that travel in the Embed call and its reply. That
@@ -24,8 +30,8 @@ The digest is a keyed universal hash finished by BLAKE2b (the construction of UM
 call's key; BLAKE2b keyed with the call's key then digests the byte count and those sums. Two
 different chunks give equal sums with probability at most 2^-32 over the keys, and without the key
 BLAKE2b's output cannot be predicted. It runs at numpy's multiply-add speed (about 8 GB/s on the Zen 4
-machine measured, where BLAKE2b alone runs at 0.4-1 GB/s), so checking a segment costs about what
-copying it does.
+machine measured, where BLAKE2b alone runs at 0.4-1 GB/s): the dearest part of a move through shared
+memory, since both sides must read every byte under the call's key (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -44,12 +50,14 @@ import numpy as np
 
 SHM_DIR = Path("/dev/shm")
 PROBE_PREFIX = "tandem-probe-"
-SEGMENT_PREFIX = "tandem-rows-"
+SEGMENT_PREFIX = "tandem-rows-"  # a call's name for a segment: the reader's choice
+POOL_PREFIX = "tandem-pool-"  # the writer's own name for a segment of its pool
 TOKEN_BYTES = 32  # a probe file's content
 KEY_BYTES = 32  # a digest key
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the page tables filled when mapped
 DIGEST_BYTES = 16
 CHUNK_WORDS = 4096  # 16 KiB of 4-byte words per universal-hash sum: the keys stay in L1
-_NAME = re.compile(r"(tandem-probe-|tandem-rows-)[0-9a-f]{32}")
+_NAME = re.compile(r"(tandem-probe-|tandem-rows-|tandem-pool-)[0-9a-f]{32}")
 
 
 def new_name(prefix: str) -> str:
@@ -117,14 +125,15 @@ def probe_matches(directory: Path, name: str, token: bytes) -> bool:
 
 
 def create_segment(directory: Path, name: str, num_bytes: int) -> mmap.mmap:
-    """A new segment of `num_bytes` (>= 1), mapped for writing. Raises OSError (FileExistsError for a
-    name taken) and removes what it made on failure."""
-    assert is_name(name, SEGMENT_PREFIX) and num_bytes >= 1
+    """A new segment of `num_bytes` (>= 1), its pages allocated now and mapped for writing: writes into
+    it never fault, and a full /dev/shm is an OSError here rather than a SIGBUS on a later write.
+    Raises OSError (FileExistsError for a name taken) and removes what it made on failure."""
+    assert is_name(name, POOL_PREFIX) and num_bytes >= 1
     path = directory / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.ftruncate(fd, num_bytes)
-        return mmap.mmap(fd, num_bytes)
+        os.posix_fallocate(fd, 0, num_bytes)
+        return mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
     except BaseException:
         remove(directory, name)
         raise
@@ -132,8 +141,44 @@ def create_segment(directory: Path, name: str, num_bytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def open_segment(directory: Path, name: str) -> mmap.mmap | None:
-    """The segment `name`, mapped read-only, or None when it is gone. Raises PermissionError for a
+def link(directory: Path, pool_name: str, name: str) -> None:
+    """Gives the pool's segment `pool_name` a call's `name` as well. Raises OSError (FileExistsError for
+    a name already there: nothing is ever written over)."""
+    assert is_name(pool_name, POOL_PREFIX) and is_name(name, SEGMENT_PREFIX)
+    os.link(directory / pool_name, directory / name, follow_symlinks=False)
+
+
+class Segment:
+    """A segment opened for reading by the name a call asked for. Its bytes are copied into the
+    reader's own memory, never mapped: a pool's segment is written again once its reader released it."""
+
+    def __init__(self, fd: int, num_bytes: int) -> None:
+        self.fd = fd
+        self.num_bytes = num_bytes  # the file's size when opened
+
+    def read_into(self, offset: int, out: memoryview | np.ndarray) -> bool:
+        """Fills `out` with the bytes at `offset`; False when the file holds fewer."""
+        target = memoryview(out).cast("B")  # type: ignore[arg-type]
+        done = 0
+        while done < len(target):
+            count = os.preadv(self.fd, [target[done:]], offset + done)
+            if count == 0:
+                return False
+            done += count
+        return True
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_segment(directory: Path, name: str) -> Segment | None:
+    """The segment `name`, opened for reading, or None when it is gone. Raises PermissionError for a
     file that is not a regular file of this process's user (or empty)."""
     assert is_name(name, SEGMENT_PREFIX)
     try:
@@ -144,9 +189,10 @@ def open_segment(directory: Path, name: str) -> mmap.mmap | None:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size == 0:
             raise PermissionError(f"{name} is not a segment of this user")
-        return mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return Segment(fd, info.st_size)
 
 
 def remove(directory: Path, name: str) -> bool:

@@ -1,17 +1,28 @@
 """The encoder's shared-memory segments: an Embed reply's rows for a caller on this host.
 
 A call whose `shared_memory` offer proves it shares this host's /dev/shm and user
-(`tandem/common/shared_memory.py`) gets a `SharedTarget`; its batch writes the rows into the segment
-the offer named and answers with the handle instead of the bytes. Segments are bounded in number and
-bytes: when either bound is reached, or the name is taken, the reply carries bytes as usual, so
-sharing never fails a call. A segment is gone once its reader has removed it (the sweep then frees
-its share of the bounds) or, unread, once its lease has run out: a reply lost with its cancelled call
-leaves nothing behind for longer than the lease. A thread of its own sweeps, every quarter lease.
+(`tandem/common/shared_memory.py`) gets a `SharedTarget`; its batch writes the rows into a segment of
+the pool and answers with the handle instead of the bytes.
+
+NOTE: the pool. Segments are created once, their pages allocated and mapped for good, and used again
+and again: creating a segment's pages and freeing them cost 20-40 times copying the rows into pages
+already there (docs/PERFORMANCE.md). Each segment is free or leased to one call. A call leases the
+smallest free segment that holds its rows (or a new one, its size rounded up to a power of two so that
+rows of a like size find it again), under the name its offer asked for: a second name for the
+segment's file. The lease ends when the reader removes that name (it has copied the rows), or when its
+`lease_s` has run out since the reply was made (the writer then removes the name: a reply lost with a
+cancelled call). Only then is the segment written again. The pool is bounded in segments and bytes,
+leased or free: when a call finds no free segment and no room for a new one, even once the free
+segments that do not fit are given back, or when the name is taken, its reply carries bytes as usual,
+so sharing never fails or delays a call. A segment free for `idle_s` is given back; so is every one on
+`close`. A thread of its own ends leases and gives segments back, every quarter lease.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import threading
 import time
 from dataclasses import dataclass
@@ -24,37 +35,48 @@ from tandem.common import shared_memory, tensors
 
 log = logging.getLogger(__name__)
 
+IDLE_S = 60.0  # a free segment unused this long is given back: the pool shrinks when replies stop
+
 
 @dataclass(frozen=True)
 class SharedTarget:
-    """Where one call's rows go: the segment its offer named, digested under its key."""
+    """Where one call's rows go: the name its offer asked for, digested under its key."""
 
     segments: SharedSegments
     name: str  # "tandem-rows-<32 hex>", the offer's
     key: bytes  # [KEY_BYTES] the offer's digest key
 
     def write(self, rows: torch.Tensor, dtype: torch.dtype | None) -> tensor_pb2.SharedTensor | None:
-        """The handle of `rows` (cast to `dtype`) written into the segment; None: send bytes instead."""
+        """The handle of `rows` (cast to `dtype`) written into a segment; None: send bytes instead."""
         return self.segments.write(self, rows, dtype)
 
 
 @dataclass
-class _Live:
+class _Slot:
+    """One segment of the pool."""
+
+    pool_name: str  # "tandem-pool-<32 hex>": the file, for as long as the pool keeps it
+    segment: mmap.mmap  # [num_bytes] mapped for writing since it was created
     num_bytes: int
-    expires: float  # time.monotonic()
+    lease: str | None = None  # the name of the call it is leased to; None: free
+    expires: float = math.inf  # time.monotonic() when the lease runs out; inf while being written
+    last_used: float = 0.0  # time.monotonic() when it was last freed
 
 
 class SharedSegments:
-    def __init__(self, directory: Path, max_bytes: int, max_segments: int, lease_s: float) -> None:
+    def __init__(
+        self, directory: Path, max_bytes: int, max_segments: int, lease_s: float, idle_s: float = IDLE_S
+    ) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
         self.max_segments = max_segments
         self.lease_s = lease_s
-        self._live: dict[str, _Live] = {}  # segments written and not yet seen gone
-        self._num_bytes = 0
+        self.idle_s = idle_s
+        self._slots: list[_Slot] = []
         self._lock = threading.Lock()  # the worker thread writes, the sweeper sweeps
         self.num_written = 0  # replies sent as segments (tests, the benchmark)
-        self.num_expired = 0  # segments removed unread at the end of their lease
+        self.num_expired = 0  # leases that ran out unread
+        self.num_created = 0  # segments created: what the pool saves is num_written - num_created
         self._stop = threading.Event()
         self._sweeper = threading.Thread(
             target=self._sweep_until_stopped, name="encoder-segments", daemon=True
@@ -77,62 +99,109 @@ class SharedSegments:
         num_bytes = tensors.shared_num_bytes(rows, dtype)
         with self._lock:
             self._sweep()
-            if len(self._live) >= self.max_segments or self._num_bytes + num_bytes > self.max_bytes:
+            slot = self._free_slot(num_bytes) or self._new_slot(num_bytes)
+            if slot is None:
                 return None
             try:
-                segment = shared_memory.create_segment(self.directory, target.name, num_bytes)
-            except OSError as error:  # the name taken, /dev/shm full: the bytes go in the reply
+                shared_memory.link(self.directory, slot.pool_name, target.name)
+            except OSError as error:  # the name taken: the bytes go in the reply
                 log.debug("no segment %s: %s", target.name, error)
                 return None
-            # Counted from now: should the write fail, the sweep still removes the file.
-            self._live[target.name] = _Live(num_bytes, time.monotonic() + self.lease_s)
-            self._num_bytes += num_bytes
+            slot.lease, slot.expires = target.name, math.inf  # no sweep ends it while it is written
         try:
-            handle = tensors.encode_shared(rows, segment, target.name, target.key, self.lease_s, dtype)
+            handle = tensors.encode_shared(rows, slot.segment, target.name, target.key, self.lease_s, dtype)
         except BaseException:
-            segment.close()
-            self._forget(target.name, remove=True)
+            with self._lock:
+                shared_memory.remove(self.directory, target.name)
+                self._free(slot)
             raise
-        segment.close()
+        with self._lock:
+            slot.expires = time.monotonic() + self.lease_s  # the lease counts from the reply
         self.num_written += 1
         return handle
 
     @property
-    def num_live(self) -> int:
-        """Segments written and still there, unread, now."""
+    def num_leased(self) -> int:
+        """Segments leased now: written, and not yet released by their readers nor past their lease."""
         with self._lock:
             self._sweep()
-            return len(self._live)
+            return sum(slot.lease is not None for slot in self._slots)
+
+    @property
+    def num_segments(self) -> int:
+        """Segments in the pool now, leased or free."""
+        with self._lock:
+            self._sweep()
+            return len(self._slots)
 
     def close(self) -> None:
-        """Stops the sweeper and removes every segment still there."""
+        """Stops the sweeper and removes every segment and every name leased."""
         self._stop.set()
         self._sweeper.join()
         with self._lock:
-            for name in self._live:
-                shared_memory.remove(self.directory, name)
-            self._live.clear()
-            self._num_bytes = 0
+            for slot in list(self._slots):
+                if slot.lease is not None:
+                    shared_memory.remove(self.directory, slot.lease)
+                self._drop(slot)
 
-    def _forget(self, name: str, remove: bool) -> None:
-        with self._lock:
-            live = self._live.pop(name, None)
-            if live is not None:
-                self._num_bytes -= live.num_bytes
-        if remove:
-            shared_memory.remove(self.directory, name)
+    def _free_slot(self, num_bytes: int) -> _Slot | None:
+        """Under the lock: the smallest free segment that holds `num_bytes`."""
+        fits = [slot for slot in self._slots if slot.lease is None and slot.num_bytes >= num_bytes]
+        return min(fits, key=lambda slot: slot.num_bytes, default=None)
+
+    def _new_slot(self, num_bytes: int) -> _Slot | None:
+        """Under the lock: a new segment for `num_bytes`, once free ones that do not fit are given back
+        to make room; None when the leased ones leave none."""
+        if num_bytes > self.max_bytes:
+            return None
+        size = max(num_bytes, min(1 << (num_bytes - 1).bit_length(), self.max_bytes))
+        free = sorted((slot for slot in self._slots if slot.lease is None), key=lambda slot: slot.last_used)
+        while len(self._slots) >= self.max_segments or self._num_bytes() + size > self.max_bytes:
+            if not free:
+                size = num_bytes  # the rounding is a wish, not a need
+                if len(self._slots) < self.max_segments and self._num_bytes() + size <= self.max_bytes:
+                    break
+                return None
+            self._drop(free.pop(0))
+        pool_name = shared_memory.new_name(shared_memory.POOL_PREFIX)
+        try:
+            segment = shared_memory.create_segment(self.directory, pool_name, size)
+        except OSError as error:  # /dev/shm full: the bytes go in the reply
+            log.debug("no new segment of %d bytes: %s", size, error)
+            return None
+        slot = _Slot(pool_name, segment, size, last_used=time.monotonic())
+        self._slots.append(slot)
+        self.num_created += 1
+        return slot
+
+    def _num_bytes(self) -> int:
+        return sum(slot.num_bytes for slot in self._slots)
+
+    def _free(self, slot: _Slot) -> None:
+        slot.lease, slot.expires, slot.last_used = None, math.inf, time.monotonic()
+
+    def _drop(self, slot: _Slot) -> None:
+        """Under the lock: gives a segment's pages back."""
+        self._slots.remove(slot)
+        slot.segment.close()
+        shared_memory.remove(self.directory, slot.pool_name)
 
     def _sweep(self) -> None:
-        """Under the lock: frees what readers took, removes what outlived its lease."""
+        """Under the lock: frees what readers released, ends leases run out, gives idle segments back."""
         now = time.monotonic()
-        for name, live in list(self._live.items()):
-            if now >= live.expires:
-                if shared_memory.remove(self.directory, name):
-                    self.num_expired += 1
-            elif shared_memory.exists(self.directory, name):
+        for slot in list(self._slots):
+            if slot.lease is None:
+                if now - slot.last_used >= self.idle_s:
+                    self._drop(slot)
                 continue
-            del self._live[name]
-            self._num_bytes -= live.num_bytes
+            if slot.expires == math.inf:  # being written: its name cannot free it yet
+                continue
+            if now >= slot.expires:
+                if shared_memory.remove(self.directory, slot.lease):
+                    self.num_expired += 1
+            elif shared_memory.exists(self.directory, slot.lease):
+                continue
+            self._free(slot)
 
     def _sweep_until_stopped(self) -> None:
         while not self._stop.wait(self.lease_s / 4):

@@ -16,14 +16,16 @@ A fetch, on the event loop:
    an encoder on the same host writes the rows into the segment the offer named, and any other
    encoder ignores the offer and sends bytes. Negotiated per call, never configured.
 3. The reply: a handle is read only if it names the segment this call asked for; the segment is
-   mapped, checked (dtype, shape, bounds, digest under this call's key: `tensors.decode_shared`),
-   wrapped in place and removed, so a replay finds nothing. Bytes are decoded as any tensor (zero
-   copy).
+   opened, checked (dtype, shape, bounds), its rows copied into this process and their digest checked
+   under this call's key (`tensors.decode_shared`), and the name removed: that releases the segment to
+   the encoder's pool, which writes into it again, and a replay finds nothing. Bytes are decoded as
+   any tensor (zero copy).
 Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
 on `prompt[i].encoder`; an encoder that cannot be reached is UNAVAILABLE naming its address, within
 the retries of its channel, so the request never waits for it past its deadline.
 A call that ends (cancelled, failed, finished) cancels its fetches still running; the request being
-built then fails, and a segment written for a cancelled call is removed by the encoder's lease.
+built then fails, and the name of a segment written for a cancelled call is removed (the segment
+freed) by the encoder's lease.
 """
 
 from __future__ import annotations
@@ -192,7 +194,8 @@ class EncoderParts:
         return result
 
     def _read_segment(self, handle: tensor_pb2.SharedTensor, key: bytes, field: str) -> torch.Tensor:
-        """The segment a reply names, checked and wrapped in place, and removed: read once."""
+        """The rows of the segment a reply names, checked and copied into this process, and the name
+        removed: read once, and the segment released to the encoder's pool."""
         where = f"{field}.shared_embeddings"
         try:
             segment = shared_memory.open_segment(self.shm_dir, handle.name)
@@ -203,7 +206,8 @@ class EncoderParts:
                 f"{where}.name", "the segment is gone: read already, or its lease ran out before it was read"
             )
         try:
-            return tensors.decode_shared(handle, segment, key, where, rank=2, limits=self.limits)
+            with segment:
+                return tensors.decode_shared(handle, segment, key, where, rank=2, limits=self.limits)
         finally:
             shared_memory.remove(self.shm_dir, handle.name)
 

@@ -1,7 +1,7 @@
 """What a decoder does when its encoder misbehaves: a reply naming a segment this call did not ask for
 (forged, or replayed from an earlier call), past its segment, altered, or gone after its lease, is
 INVALID_ARGUMENT; an encoder that is down is UNAVAILABLE naming it, in seconds; a call cancelled while
-its rows are fetched leaves no thread waiting and no segment behind. The encoder here is a stand-in
+its rows are fetched leaves no thread waiting and no segment leased. The encoder here is a stand-in
 that writes real segments (the encoder's own SharedSegments) and then says what each test needs."""
 
 from __future__ import annotations
@@ -98,10 +98,13 @@ async def _refused(decoder: Served) -> grpc.aio.AioRpcError:
     return error.value
 
 
-async def test_an_honest_reply_is_read_and_its_segment_removed(rig: Rig) -> None:
-    assert len(await _generate(rig.decoder)) == 2
-    assert rig.parts.num_shared == 1
-    assert not shared_memory.exists(rig.directory, rig.stand_in.handles[0].name)
+async def test_an_honest_reply_is_read_and_its_segment_released_for_the_next(rig: Rig) -> None:
+    for _ in range(2):
+        assert len(await _generate(rig.decoder)) == 2
+    assert rig.parts.num_shared == 2
+    assert not any(shared_memory.exists(rig.directory, h.name) for h in rig.stand_in.handles)
+    assert rig.stand_in.segments.num_leased == 0
+    assert rig.stand_in.segments.num_created == 1  # the second call's rows went into the first's segment
 
 
 async def test_a_reply_naming_a_segment_this_call_did_not_ask_for_is_refused(rig: Rig) -> None:
@@ -135,8 +138,14 @@ async def test_a_handle_replayed_from_an_earlier_call_is_refused(rig: Rig) -> No
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (lambda h, d: h.shape.__setitem__(0, 4), "prompt[0].encoder.shared_embeddings.shape: 1024 bytes"),
-        (lambda h, d: setattr(h, "offset", 4), "prompt[0].encoder.shared_embeddings.shape: 768 bytes"),
+        (
+            lambda h, d: h.shape.__setitem__(0, _size(d / h.name) // 256 + 1),
+            "prompt[0].encoder.shared_embeddings.shape: ",
+        ),
+        (
+            lambda h, d: setattr(h, "offset", _size(d / h.name) - 768 + 4),
+            "prompt[0].encoder.shared_embeddings.shape: 768 bytes",
+        ),
         (lambda h, d: _flip_a_byte(d / h.name), "prompt[0].encoder.shared_embeddings.digest: does not match"),
         (lambda h, d: setattr(h, "digest", bytes(16)), "prompt[0].encoder.shared_embeddings.digest"),
         (
@@ -160,6 +169,7 @@ async def test_a_handle_its_segment_does_not_bear_out_is_invalid_argument(rig: R
     error = await _refused(rig.decoder)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith(expected), error.details()
+    assert "shape" not in expected or "run past the segment's" in error.details()
     assert not shared_memory.exists(rig.directory, rig.stand_in.handles[0].name)  # read once, or never there
     rig.stand_in.reply = rig.stand_in.honest
     assert len(await _generate(rig.decoder)) == 2  # the decoder serves on
@@ -193,7 +203,7 @@ async def test_an_unread_segment_of_a_call_cancelled_mid_fetch_is_gone_after_its
     while shared_memory.exists(rig.directory, name) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert not shared_memory.exists(rig.directory, name)  # the encoder's lease removed it
-    assert rig.stand_in.segments.num_expired == 1
+    assert rig.stand_in.segments.num_expired == 1 and rig.stand_in.segments.num_leased == 0  # freed
     rig.stand_in.reply = rig.stand_in.honest
     assert len(await _generate(rig.decoder)) == 2
 
@@ -224,6 +234,11 @@ def _other_offer(offer: encoder_pb2.SharedMemoryOffer) -> encoder_pb2.SharedMemo
     other.CopyFrom(offer)
     other.segment_name = shared_memory.new_name(shared_memory.SEGMENT_PREFIX)
     return other
+
+
+def _size(path: Path) -> int:
+    """A segment's bytes: the pool's size for it, at least its rows' (3 x 64 float32 here, 768 bytes)."""
+    return path.stat().st_size
 
 
 def _flip_a_byte(path: Path) -> None:

@@ -83,7 +83,7 @@ async def test_a_picture_as_an_encoder_part_answers_as_its_client_carried_rows_w
         assert finished.usage.input_tokens > 36  # the picture's 36 rows were in the prompt
         assert received < IMAGE_ROW_BYTES / 4, (name, received)  # tokens and events only, never rows
     assert (handoff.parts.num_shared, handoff.parts.num_bytes) == (len(pictures), 0)  # one host: /dev/shm
-    assert handoff.encoder.servicer.segments.num_live == 0  # each segment removed by its reader
+    assert handoff.encoder.servicer.segments.num_leased == 0  # each segment released by its reader
 
 
 async def test_an_encoder_on_another_host_sends_the_rows_as_bytes(

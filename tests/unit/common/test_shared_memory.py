@@ -74,22 +74,36 @@ def test_a_probe_name_that_could_leave_the_directory_is_never_opened(tmp_path: P
     assert not shm.probe_matches(inside, link, b"x" * shm.TOKEN_BYTES)
 
 
-def test_a_segment_is_created_once_under_its_name_readable_by_its_user_only(tmp_path: Path) -> None:
-    name = shm.new_name(shm.SEGMENT_PREFIX)
-    segment = shm.create_segment(tmp_path, name, 100)
-    segment[:5] = b"hello"
-    segment.close()
-    assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
+def test_a_pool_segment_is_created_once_its_pages_allocated_readable_by_its_user_only(tmp_path: Path) -> None:
+    pool_name = shm.new_name(shm.POOL_PREFIX)
+    segment = shm.create_segment(tmp_path, pool_name, 100_000)
+    info = os.stat(tmp_path / pool_name)
+    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_size == 100_000
+    assert info.st_blocks * 512 >= 100_000  # allocated now: no write into it waits for a page
     with pytest.raises(FileExistsError):
-        shm.create_segment(tmp_path, name, 100)
+        shm.create_segment(tmp_path, pool_name, 100)
+    segment.close()
+
+
+def test_a_call_reads_a_pool_segment_by_its_own_name_until_it_removes_that_name(tmp_path: Path) -> None:
+    pool_name, name = shm.new_name(shm.POOL_PREFIX), shm.new_name(shm.SEGMENT_PREFIX)
+    segment = shm.create_segment(tmp_path, pool_name, 100)
+    shm.link(tmp_path, pool_name, name)
+    with pytest.raises(FileExistsError):  # a name already there is never taken over
+        shm.link(tmp_path, pool_name, name)
+    segment[:5] = b"hello"  # written through the pool's mapping, after the link: one file
     reader = shm.open_segment(tmp_path, name)
-    assert reader is not None and len(reader) == 100 and reader[:5] == b"hello"
-    with pytest.raises(TypeError):
-        reader[0] = 1  # mapped read-only
+    assert reader is not None and reader.num_bytes == 100
+    out = bytearray(5)
+    assert reader.read_into(0, out) and out == b"hello"
+    assert reader.read_into(2, memoryview(out)[:3]) and out[:3] == b"llo"
+    assert not reader.read_into(98, bytearray(5))  # past the end: not filled
     reader.close()
     assert shm.remove(tmp_path, name) and not shm.exists(tmp_path, name)
+    assert shm.exists(tmp_path, pool_name)  # the pool keeps it
     assert shm.open_segment(tmp_path, name) is None
     assert not shm.remove(tmp_path, name)
+    segment.close()
 
 
 def test_a_segment_name_that_is_a_link_or_not_a_file_is_refused(tmp_path: Path) -> None:

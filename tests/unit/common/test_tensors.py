@@ -150,42 +150,52 @@ def test_random_garbage_either_decodes_consistently_or_raises_invalid_argument(d
 
 
 def _shared(tmp_path, rows: torch.Tensor, dtype: torch.dtype | None = None, spare: int = 0):
-    """`rows` written into a new segment (with `spare` bytes after them) and read back: the handle, the
-    reader's mapping and the key."""
+    """`rows` written into a new pool segment (with `spare` bytes after them), opened by a call's name:
+    the handle, the reader's open segment, the key and the writer's mapping."""
     import os
 
     from tandem.common import shared_memory as shm
 
-    name, key = shm.new_name(shm.SEGMENT_PREFIX), os.urandom(shm.KEY_BYTES)
-    segment = shm.create_segment(tmp_path, name, tensors.shared_num_bytes(rows, dtype) + spare)
+    pool_name, name, key = shm.new_name(shm.POOL_PREFIX), shm.new_name(shm.SEGMENT_PREFIX), os.urandom(32)
+    segment = shm.create_segment(tmp_path, pool_name, tensors.shared_num_bytes(rows, dtype) + spare)
+    shm.link(tmp_path, pool_name, name)
     handle = tensors.encode_shared(rows, segment, name, key, 5.0, dtype)
-    segment.close()
-    return handle, shm.open_segment(tmp_path, name), key
+    return handle, shm.open_segment(tmp_path, name), key, segment
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_shared_tensor_round_trips_cast_on_the_way(tmp_path, dtype: torch.dtype) -> None:
     rows = torch.randn(6, 10)
-    handle, segment, key = _shared(tmp_path, rows, dtype)
+    handle, segment, key, _ = _shared(tmp_path, rows, dtype)
     assert handle.dtype == tensors.to_wire_dtype(dtype) and list(handle.shape) == [6, 10]
     decoded = tensors.decode_shared(handle, segment, key, "rows", rank=2, last_dim=10)
     assert torch.equal(decoded, rows.to(dtype))
 
 
-def test_a_shared_tensor_aliases_the_mapping_which_cannot_close_under_it(tmp_path) -> None:
-    handle, segment, key = _shared(tmp_path, torch.ones(2, 4))
+def test_a_shared_tensor_is_the_readers_own_copy_which_the_segment_written_again_leaves_alone(
+    tmp_path,
+) -> None:
+    rows = torch.randn(2, 4)
+    handle, segment, key, written = _shared(tmp_path, rows)
     decoded = tensors.decode_shared(handle, segment, key)
-    assert decoded.data_ptr() >= 0
-    with pytest.raises(BufferError):
-        segment.close()
-    del decoded
-    segment.close()
+    written[:] = bytes(len(written))  # the pool's next call
+    assert torch.equal(decoded, rows)
+    decoded += 1  # and it may be written: nobody else holds it
+    assert torch.equal(decoded, rows + 1)
+
+
+def test_a_segment_written_again_before_it_is_read_fails_the_digest(tmp_path) -> None:
+    """A reader late past its lease, whose segment the pool gave to the next call: never other rows."""
+    handle, segment, key, written = _shared(tmp_path, torch.randn(3, 4))
+    np.frombuffer(written, dtype=np.float32)[:] = torch.randn(12).numpy()
+    with pytest.raises(InvalidArgument, match=r"rows\.digest: does not match"):
+        tensors.decode_shared(handle, segment, key, "rows")
 
 
 def test_a_changed_byte_or_another_key_fails_the_digest(tmp_path) -> None:
     import os
 
-    handle, segment, key = _shared(tmp_path, torch.randn(3, 4))
+    handle, segment, key, _ = _shared(tmp_path, torch.randn(3, 4))
     with pytest.raises(InvalidArgument, match=r"rows\.digest: does not match"):
         tensors.decode_shared(handle, segment, os.urandom(len(key)), "rows")
     path = tmp_path / handle.name
@@ -197,7 +207,7 @@ def test_a_changed_byte_or_another_key_fails_the_digest(tmp_path) -> None:
 
 
 def test_a_handle_past_its_segment_is_refused_before_reading(tmp_path) -> None:
-    handle, segment, key = _shared(tmp_path, torch.randn(3, 4), spare=4)
+    handle, segment, key, _ = _shared(tmp_path, torch.randn(3, 4), spare=4)
     longer = tensor_pb2.SharedTensor()
     longer.CopyFrom(handle)
     longer.shape[:] = [4, 4]  # 16 bytes more than the 48 + 4 the segment holds
@@ -217,7 +227,7 @@ def test_a_handle_past_its_segment_is_refused_before_reading(tmp_path) -> None:
 
 
 def test_a_shared_handle_is_checked_like_a_tensor(tmp_path) -> None:
-    handle, segment, key = _shared(tmp_path, torch.randn(3, 4))
+    handle, segment, key, _ = _shared(tmp_path, torch.randn(3, 4))
     for change, match in (
         (lambda h: setattr(h, "dtype", tensor_pb2.DATA_TYPE_INT32), r"rows\.dtype"),
         (lambda h: h.shape.__setitem__(slice(None), [12]), r"rows\.shape: expected rank 2"),

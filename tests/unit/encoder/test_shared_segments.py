@@ -1,5 +1,6 @@
-"""The encoder's shared-memory replies: taken only on a proof, bounded, freed by their reader or their
-lease, and the same rows as the bytes they replace."""
+"""The encoder's shared-memory replies: taken only on a proof, written into a pool of segments used
+again once their reader released them or their lease ran out and never before, bounded, and the same
+rows as the bytes they replace."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.common import shared_memory, tensors
 from tandem.encoder.config import EncoderConfig
@@ -45,7 +47,24 @@ def segments(tmp_path: Path):
 def _read(directory: Path, handle: tensor_pb2.SharedTensor, key: bytes) -> torch.Tensor:
     segment = shared_memory.open_segment(directory, handle.name)
     assert segment is not None
-    return tensors.decode_shared(handle, segment, key, rank=2).clone()
+    with segment:
+        return tensors.decode_shared(handle, segment, key, rank=2)
+
+
+def _release(directory: Path, handle: tensor_pb2.SharedTensor) -> None:
+    """What the reader does once it has copied the rows."""
+    assert shared_memory.remove(directory, handle.name)
+
+
+def _file(directory: Path, handle: tensor_pb2.SharedTensor) -> int:
+    """The segment a handle's name stands for: its file's inode."""
+    return os.stat(directory / handle.name).st_ino
+
+
+def _written(segments: SharedSegments, probe, rows: torch.Tensor):
+    offer = _offer(probe)
+    handle = segments.target(offer).write(rows, None)
+    return handle, offer.digest_key
 
 
 def test_an_offer_is_taken_only_with_its_proof(tmp_path: Path, probe, segments: SharedSegments) -> None:
@@ -82,7 +101,7 @@ def test_beyond_its_bytes_or_segments_a_reply_carries_bytes(probe, segments: Sha
     for _ in range(3):
         assert segments.target(_offer(probe)).write(torch.zeros(1, 2), None) is not None
     assert segments.target(_offer(probe)).write(torch.zeros(1, 2), None) is None  # a 4th segment
-    assert segments.num_live == 3
+    assert segments.num_leased == 3 and segments.num_segments == 3
 
 
 def test_a_name_already_there_is_never_written_over(tmp_path: Path, probe, segments) -> None:
@@ -90,33 +109,123 @@ def test_a_name_already_there_is_never_written_over(tmp_path: Path, probe, segme
     (tmp_path / offer.segment_name).write_bytes(b"someone else's")
     assert segments.target(offer).write(torch.zeros(1, 2), None) is None
     assert (tmp_path / offer.segment_name).read_bytes() == b"someone else's"
+    assert segments.num_leased == 0  # and the segment it would have had is free
 
 
-def test_a_segment_its_reader_removed_frees_its_share(tmp_path: Path, probe, segments) -> None:
-    for _ in range(3):
-        handle = segments.target(_offer(probe)).write(torch.zeros(1, 2), None)
-    shared_memory.remove(tmp_path, handle.name)  # what the reader does once it has read it
-    assert segments.target(_offer(probe)).write(torch.zeros(1, 2), None) is not None
-    assert segments.num_expired == 0
+def test_a_segment_its_reader_released_is_written_again_for_the_next_call(
+    tmp_path: Path, probe, segments
+) -> None:
+    first, first_key = _written(segments, probe, torch.randn(2, 8))
+    used = _file(tmp_path, first)
+    _read(tmp_path, first, first_key)
+    _release(tmp_path, first)
+    rows = torch.randn(2, 8)
+    second, second_key = _written(segments, probe, rows)
+    assert _file(tmp_path, second) == used and second.name != first.name
+    assert torch.equal(_read(tmp_path, second, second_key), rows)
+    assert (segments.num_written, segments.num_created, segments.num_expired) == (2, 1, 0)
 
 
-def test_an_unread_segment_is_removed_when_its_lease_runs_out(tmp_path: Path, probe, segments) -> None:
-    offer = _offer(probe)
-    handle = segments.target(offer).write(torch.zeros(2, 2), None)
-    assert shared_memory.exists(tmp_path, handle.name)
+def test_a_segment_is_never_written_again_while_leased(tmp_path: Path, probe, segments) -> None:
+    rows = torch.randn(2, 8)
+    leased, key = _written(segments, probe, rows)
+    other, _ = _written(segments, probe, torch.randn(2, 8))
+    assert _file(tmp_path, other) != _file(tmp_path, leased)
+    assert torch.equal(_read(tmp_path, leased, key), rows)  # untouched by the call after it
+    assert segments.num_created == 2
+
+
+def test_a_call_takes_the_smallest_free_segment_that_holds_its_rows(tmp_path: Path, probe) -> None:
+    segments = SharedSegments(tmp_path, max_bytes=1 << 20, max_segments=8, lease_s=5.0)
+    try:
+        small, _ = _written(segments, probe, torch.zeros(1, 16))  # 64 bytes
+        large, _ = _written(segments, probe, torch.zeros(1, 1024))  # 4 KiB
+        small_file, large_file = _file(tmp_path, small), _file(tmp_path, large)
+        _release(tmp_path, small)
+        _release(tmp_path, large)
+        assert _file(tmp_path, _written(segments, probe, torch.zeros(1, 10))[0]) == small_file
+        assert _file(tmp_path, _written(segments, probe, torch.zeros(1, 20))[0]) == large_file  # 80 > 64
+        assert segments.num_created == 2
+    finally:
+        segments.close()
+
+
+def test_a_full_pool_gives_back_free_segments_too_small_to_make_room(tmp_path: Path, probe) -> None:
+    segments = SharedSegments(tmp_path, max_bytes=1000, max_segments=2, lease_s=5.0)
+    try:
+        for handle in [_written(segments, probe, torch.zeros(1, 2))[0] for _ in range(2)]:
+            _release(tmp_path, handle)
+        assert segments.num_segments == 2
+        rows = torch.randn(1, 200)  # 800 bytes: neither fits, and two segments is the bound
+        handle, key = _written(segments, probe, rows)
+        assert handle is not None and torch.equal(_read(tmp_path, handle, key), rows)
+        assert segments.num_segments == 1 and segments.num_created == 3
+    finally:
+        segments.close()
+
+
+def test_an_exhausted_pool_answers_bytes_at_once_until_a_reader_releases(tmp_path: Path, probe) -> None:
+    segments = SharedSegments(tmp_path, max_bytes=1000, max_segments=1, lease_s=60.0)
+    try:
+        leased, _ = _written(segments, probe, torch.zeros(1, 2))
+        assert segments.target(_offer(probe)).write(torch.zeros(1, 2), None) is None  # bytes, no wait
+        _release(tmp_path, leased)
+        assert segments.target(_offer(probe)).write(torch.zeros(1, 2), None) is not None
+    finally:
+        segments.close()
+
+
+def test_the_old_handle_of_a_segment_written_again_is_refused(tmp_path: Path, probe, segments) -> None:
+    old, old_key = _written(segments, probe, torch.randn(2, 8))
+    _read(tmp_path, old, old_key)
+    _release(tmp_path, old)
+    new, _ = _written(segments, probe, torch.randn(2, 8))
+    assert shared_memory.open_segment(tmp_path, old.name) is None  # its name went with its read
+    replayed = tensor_pb2.SharedTensor()
+    replayed.CopyFrom(old)
+    replayed.name = new.name  # the old handle under the new call's name: the bytes are not its own
+    with pytest.raises(InvalidArgument, match=r"tensor\.digest: does not match"):
+        _read(tmp_path, replayed, old_key)
+
+
+def test_an_unread_lease_runs_out_its_name_removed_and_its_segment_freed(
+    tmp_path: Path, probe, segments
+) -> None:
+    handle, key = _written(segments, probe, torch.zeros(2, 2))
+    used = _file(tmp_path, handle)
+    late = shared_memory.open_segment(tmp_path, handle.name)  # a reader that opened it, and then stalled
     deadline = time.monotonic() + 5
     while shared_memory.exists(tmp_path, handle.name) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not shared_memory.exists(tmp_path, handle.name)  # the sweeper's, with no call to trigger it
-    assert segments.num_live == 0 and segments.num_expired == 1
+    assert segments.num_leased == 0 and segments.num_expired == 1
     assert shared_memory.open_segment(tmp_path, handle.name) is None  # a replay finds nothing
+    next_handle, _ = _written(segments, probe, torch.ones(2, 2))
+    assert _file(tmp_path, next_handle) == used  # free again, and written again
+    with late, pytest.raises(InvalidArgument, match=r"tensor\.digest"):  # the late reader: never these rows
+        tensors.decode_shared(handle, late, key)
 
 
-def test_closing_removes_every_segment(tmp_path: Path, probe) -> None:
+def test_a_segment_free_for_its_idle_time_is_given_back(tmp_path: Path, probe) -> None:
+    segments = SharedSegments(tmp_path, max_bytes=1000, max_segments=3, lease_s=0.4, idle_s=0.2)
+    try:
+        _release(tmp_path, _written(segments, probe, torch.zeros(1, 2))[0])
+        deadline = time.monotonic() + 5
+        while segments.num_segments and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert segments.num_segments == 0
+        assert not list(tmp_path.glob(shared_memory.POOL_PREFIX + "*"))
+    finally:
+        segments.close()
+
+
+def test_closing_removes_every_segment_and_every_name(tmp_path: Path, probe) -> None:
     segments = SharedSegments(tmp_path, 1000, 3, 60.0)
     names = [segments.target(_offer(probe)).write(torch.zeros(1, 2), None).name for _ in range(2)]
+    _release(tmp_path, _written(segments, probe, torch.zeros(1, 2))[0])  # a free one too
     segments.close()
     assert not any(shared_memory.exists(tmp_path, name) for name in names)
+    assert not list(tmp_path.glob(shared_memory.POOL_PREFIX + "*"))
 
 
 async def test_an_embed_with_a_proven_offer_replies_with_a_handle_not_bytes(
