@@ -80,13 +80,16 @@ def machine() -> dict[str, object]:
 
 
 def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
-    """The rows' move alone, tensor to tensor, median ms: into a segment and out of it checked (what
-    the encoder's batch and the decoder's fetch do), and through a reply's bytes (encode, serialize,
-    parse, decode)."""
+    """The rows' move alone, tensor to tensor, median ms: into a segment of the encoder's pool and out
+    of it checked (what the encoder's batch and the decoder's fetch do; "shm_first": the first move,
+    which creates the segment the others reuse), one digest of their bytes (each side computes one),
+    and through a reply's bytes (encode, serialize, parse, decode)."""
     probe = shared_memory.Probe.create()
     assert probe is not None
     segments = SharedSegments(shared_memory.SHM_DIR, 1 << 30, 16, 10.0)
-    times: dict[str, list[float]] = {"shm": [], "bytes": []}
+    times: dict[str, list[float]] = {"shm": [], "bytes": [], "digest": []}
+    first = 0.0
+    raw = rows.view(torch.int16).numpy() if rows.dtype.itemsize == 2 else rows.numpy()
     for repeat in range(repeats + 2):
         offer = encoder_pb2.SharedMemoryOffer(
             probe_name=probe.name,
@@ -100,19 +103,28 @@ def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
         handle = target.write(rows, None)
         assert handle is not None
         segment = shared_memory.open_segment(shared_memory.SHM_DIR, handle.name)
-        read = tensors.decode_shared(handle, segment, offer.digest_key, rank=2)
-        shared_memory.remove(shared_memory.SHM_DIR, handle.name)
+        with segment:
+            read = tensors.decode_shared(handle, segment, offer.digest_key, rank=2)
+        shared_memory.remove(shared_memory.SHM_DIR, handle.name)  # released: the next repeat reuses it
         middle = time.perf_counter()
         data = encoder_pb2.EmbedResponse(embeddings=tensors.encode(rows)).SerializeToString()
         tensors.decode(encoder_pb2.EmbedResponse.FromString(data).embeddings, rank=2)
         end = time.perf_counter()
+        shared_memory.keyed_digest(raw, offer.digest_key)
+        digested = time.perf_counter()
         assert read.shape == rows.shape
+        if repeat == 0:
+            first = middle - start
         if repeat >= 2:
             times["shm"].append(middle - start)
             times["bytes"].append(end - middle)
+            times["digest"].append(digested - end)
+    assert segments.num_created == 1, "every move after the first reused its segment"
     segments.close()
     probe.close()
-    return {path: statistics.median(values) * 1e3 for path, values in times.items()}
+    return {"shm_first": first * 1e3} | {
+        path: statistics.median(values) * 1e3 for path, values in times.items()
+    }
 
 
 def copy_gbps(num_bytes: int, repeats: int = 20) -> float:
@@ -232,6 +244,7 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
             **{f"{path}_grpc_mb": wire[path] / 1e6 for path in PATHS},
         }
         row["shm_transfer_ms"], row["bytes_transfer_ms"] = moved["shm"], moved["bytes"]
+        row["shm_first_transfer_ms"], row["digest_ms"] = moved["shm_first"], moved["digest"]
         shm_gbps = num_bytes / moved["shm"] / 1e6
         row["shm_transfer_gbps"] = shm_gbps
         row["shm_share_of_copy"] = shm_gbps / copy
@@ -242,7 +255,8 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
             f"{row['carried_grpc_mb']:6.2f} MB | bytes {row['bytes_ms']:7.2f} ms "
             f"{row['bytes_grpc_mb']:6.2f} MB | "
             f"shm {row['shm_ms']:7.2f} ms {row['shm_grpc_mb']:6.3f} MB || the move alone: bytes "
-            f"{moved['bytes']:6.2f} ms, shm {moved['shm']:6.2f} ms = {shm_gbps:5.2f} GB/s, "
+            f"{moved['bytes']:6.2f} ms, shm {moved['shm']:6.2f} ms = {shm_gbps:5.2f} GB/s "
+            f"(first {moved['shm_first']:6.2f} ms; one digest {moved['digest']:5.2f} ms), "
             f"{100 * row['shm_share_of_copy']:3.0f} % of a same-size copy ({copy:5.2f} GB/s), "
             f"{100 * row['shm_share_of_dram_copy']:3.0f} % of a 256 MiB copy "
             f"({args.dram_copy_gbps:5.2f} GB/s)",
