@@ -6,7 +6,8 @@ Both services run in this process on loopback gRPC (the real servicers and the d
 - carried: the client calls Embed (token IDs in, rows back), then sends the rows in its Generate;
 - bytes: the client sends an `encoder` part, the decoder calls Embed and gets the rows in the reply
   (the encoder's /dev/shm is another directory here: what two hosts see);
-- shm: the same, the encoder on this host: the rows come through a /dev/shm segment.
+- shm: the same, the encoder on this host: the rows come through a segment of the encoder's pool in
+  /dev/shm (created by the warm-up round, reused after).
 
 Two measures:
 1. Handoff, per span: the time from the caller's start until the decoder holds the rows as a tensor,
@@ -14,9 +15,11 @@ Two measures:
    4,096-wide table stands in for its tower: the tower's time is the same on every path) and
    SmolLM2's [n, 576] bf16 rows, n = 128 ... 8,190. For carried, the second leg goes to a sink
    server that parses the Generate request and decodes its rows as the decoder does. Beside it, the
-   move alone, tensor to tensor (into a segment and out of it checked; through a reply's bytes),
-   against the machine's copy bandwidth: numpy `copyto` of a buffer of the same size (in cache) and
-   of 256 MiB (memory).
+   move alone, tensor to tensor (into a pooled segment and out of it checked, the first move, which
+   creates the segment, apart; through a reply's bytes), one keyed digest of the span (each side of a
+   shared-memory move computes one) and the shared-memory move without its digests, against the
+   machine's copy bandwidth: numpy `copyto` of a buffer of the same size (in cache) and of 256 MiB
+   (memory).
 2. TTFT on SmolLM2 (bf16, prefix caching off, the embedding cache off, fresh token IDs each run):
    `Finished.time_to_first_token_s` is the decoder's; the client's wall time to the first token
    includes the carried path's Embed call. Prefill dominates as n grows: the paths part by the
@@ -107,24 +110,47 @@ def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
             read = tensors.decode_shared(handle, segment, offer.digest_key, rank=2)
         shared_memory.remove(shared_memory.SHM_DIR, handle.name)  # released: the next repeat reuses it
         middle = time.perf_counter()
+        shared_memory.keyed_digest(raw, offer.digest_key)  # as the writer does, its bytes as warm
+        digested = time.perf_counter()
         data = encoder_pb2.EmbedResponse(embeddings=tensors.encode(rows)).SerializeToString()
         tensors.decode(encoder_pb2.EmbedResponse.FromString(data).embeddings, rank=2)
         end = time.perf_counter()
-        shared_memory.keyed_digest(raw, offer.digest_key)
-        digested = time.perf_counter()
         assert read.shape == rows.shape
         if repeat == 0:
             first = middle - start
         if repeat >= 2:
             times["shm"].append(middle - start)
-            times["bytes"].append(end - middle)
-            times["digest"].append(digested - end)
+            times["bytes"].append(end - digested)
+            times["digest"].append(digested - middle)
     assert segments.num_created == 1, "every move after the first reused its segment"
     segments.close()
     probe.close()
     return {"shm_first": first * 1e3} | {
         path: statistics.median(values) * 1e3 for path, values in times.items()
     }
+
+
+def undigested_ms(rows: torch.Tensor, repeats: int) -> float:
+    """The shared-memory move without its two digests, median ms: the same copy into a pooled segment,
+    link, open, read into the reader's memory and removal, to show what the digests cost."""
+    raw = (rows.view(torch.int16) if rows.dtype.itemsize == 2 else rows).numpy().reshape(-1).view(np.uint8)
+    pool_name = shared_memory.new_name(shared_memory.POOL_PREFIX)
+    segment = shared_memory.create_segment(shared_memory.SHM_DIR, pool_name, len(raw))
+    times = []
+    for repeat in range(repeats + 2):
+        name = shared_memory.new_name(shared_memory.SEGMENT_PREFIX)
+        start = time.perf_counter()
+        np.copyto(np.frombuffer(segment, dtype=np.uint8, count=len(raw)), raw)
+        shared_memory.link(shared_memory.SHM_DIR, pool_name, name)
+        opened = shared_memory.open_segment(shared_memory.SHM_DIR, name)
+        with opened:
+            assert opened.read_into(0, np.empty(len(raw), dtype=np.uint8))
+        shared_memory.remove(shared_memory.SHM_DIR, name)
+        if repeat >= 2:
+            times.append(time.perf_counter() - start)
+    segment.close()
+    shared_memory.remove(shared_memory.SHM_DIR, pool_name)
+    return statistics.median(times) * 1e3
 
 
 def copy_gbps(num_bytes: int, repeats: int = 20) -> float:
@@ -245,8 +271,13 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
         }
         row["shm_transfer_ms"], row["bytes_transfer_ms"] = moved["shm"], moved["bytes"]
         row["shm_first_transfer_ms"], row["digest_ms"] = moved["shm_first"], moved["digest"]
+        row["shm_undigested_ms"] = undigested_ms(
+            torch.randn(num_rows, hidden).to(torch.bfloat16), args.repeats
+        )
         shm_gbps = num_bytes / moved["shm"] / 1e6
         row["shm_transfer_gbps"] = shm_gbps
+        undigested_gbps = num_bytes / row["shm_undigested_ms"] / 1e6
+        row["shm_undigested_gbps"] = undigested_gbps
         row["shm_share_of_copy"] = shm_gbps / copy
         row["shm_share_of_dram_copy"] = shm_gbps / args.dram_copy_gbps
         rows_out.append(row)
@@ -256,7 +287,8 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
             f"{row['bytes_grpc_mb']:6.2f} MB | "
             f"shm {row['shm_ms']:7.2f} ms {row['shm_grpc_mb']:6.3f} MB || the move alone: bytes "
             f"{moved['bytes']:6.2f} ms, shm {moved['shm']:6.2f} ms = {shm_gbps:5.2f} GB/s "
-            f"(first {moved['shm_first']:6.2f} ms; one digest {moved['digest']:5.2f} ms), "
+            f"(first {moved['shm_first']:6.2f} ms; one digest {moved['digest']:5.2f} ms; without the "
+            f"digests {row['shm_undigested_ms']:5.2f} ms = {undigested_gbps:5.2f} GB/s), "
             f"{100 * row['shm_share_of_copy']:3.0f} % of a same-size copy ({copy:5.2f} GB/s), "
             f"{100 * row['shm_share_of_dram_copy']:3.0f} % of a 256 MiB copy "
             f"({args.dram_copy_gbps:5.2f} GB/s)",
