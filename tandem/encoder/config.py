@@ -52,9 +52,10 @@ class EncoderConfig:
     max_batch_size: int = 8
     max_batch_wait_ms: float = 2.0
     # Replies in shared memory for callers on this host (an Embed call's `shared_memory` offer, what a
-    # decoder started with --encoder sends): at most this many bytes and segments written and not yet
-    # taken by their readers (beyond them the reply carries bytes), each unread one removed after its
-    # lease. 0 bytes: never. The directory is /dev/shm; tests point it elsewhere to be another host.
+    # decoder started with --encoder sends): a pool of at most this many bytes and segments, leased or
+    # free (beyond them the reply carries bytes), each segment leased to one reply until its reader
+    # releases it or the lease runs out. 0 bytes: never. The directory is /dev/shm; tests point it
+    # elsewhere to be another host.
     shared_memory_bytes: int = 1024 * 1024 * 1024
     shared_memory_segments: int = 256
     shared_memory_lease_s: float = 10.0

@@ -86,14 +86,14 @@ def settings() -> list[Setting]:
         ),
         _config(
             "--shared-memory-bytes",
-            "most bytes of replies left in shared memory for callers on this host (a decoder with "
-            "--encoder) and not yet read; beyond it replies carry bytes; 0: never",
+            "most bytes of the pool of shared-memory segments for replies to callers on this host (a "
+            "decoder with --encoder), leased or free; beyond it replies carry bytes; 0: never",
             type=int,
         ),
-        _config("--shared-memory-segments", "most replies left in shared memory and not yet read", type=int),
+        _config("--shared-memory-segments", "most segments in that pool, leased or free", type=int),
         _config(
             "--shared-memory-lease-s",
-            "seconds a reply left in shared memory waits for its reader before it is removed",
+            "seconds a reply's segment stays leased to its reader before the encoder takes it back",
             type=float,
         ),
         _config(
