@@ -134,8 +134,8 @@ class SharedMemoryOffer(_message.Message):
     probe_token: _builtins.bytes
     """The proof file's content, 32 bytes."""
     segment_name: _builtins.str
-    """The segment to create: "tandem-rows-" and 32 lowercase hex digits, fresh for every call. The
-    caller reads no other name, so a reply can only point at the segment this call asked for.
+    """The name the rows' segment gets: "tandem-rows-" and 32 lowercase hex digits, fresh for every call.
+    The caller reads no other name, so a reply can only point at the segment this call asked for.
     """
     digest_key: _builtins.bytes
     """32 random bytes, fresh for every call: the key of SharedTensor.digest."""

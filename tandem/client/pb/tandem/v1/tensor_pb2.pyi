@@ -98,7 +98,8 @@ class SharedTensor(_message.Message):
     encoder's reply to a caller that proved it shares the encoder's /dev/shm (EmbedRequest.shared_memory).
     The receiver checks it as it checks a Tensor, and more: the segment must be the one it asked for,
     exist, be a regular file of its own user, and hold offset + prod(shape) * itemsize bytes, and the
-    bytes must match `digest` under the key it sent. It removes the segment once it has read it.
+    bytes it copies out must match `digest` under the key it sent. It removes the name once it has read
+    it, which hands the segment back to the writer.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -120,7 +121,9 @@ class SharedTensor(_message.Message):
     SharedMemoryOffer.digest_key (tandem/common/shared_memory.py: a keyed universal hash, then BLAKE2b).
     """
     lease_s: _builtins.float
-    """Seconds the segment is kept for its reader after the reply was made; the encoder removes it then."""
+    """Seconds the segment is kept for its reader after the reply was made; the encoder then removes the
+    name and may write into the segment again.
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Dimensions, outermost first, as Tensor.shape."""
