@@ -134,14 +134,13 @@ def undigested_ms(rows: torch.Tensor, repeats: int) -> float:
     """The shared-memory move without its two digests, median ms: the same copy into a pooled segment,
     link, open, read into the reader's memory and removal, to show what the digests cost."""
     raw = (rows.view(torch.int16) if rows.dtype.itemsize == 2 else rows).numpy().reshape(-1).view(np.uint8)
-    pool_name = shared_memory.new_name(shared_memory.POOL_PREFIX)
-    segment = shared_memory.create_segment(shared_memory.SHM_DIR, pool_name, len(raw))
+    segment = shared_memory.PooledSegment.create(shared_memory.SHM_DIR, len(raw))
     times = []
     for repeat in range(repeats + 2):
         name = shared_memory.new_name(shared_memory.SEGMENT_PREFIX)
         start = time.perf_counter()
-        np.copyto(np.frombuffer(segment, dtype=np.uint8, count=len(raw)), raw)
-        shared_memory.link(shared_memory.SHM_DIR, pool_name, name)
+        np.copyto(np.frombuffer(segment.mapping, dtype=np.uint8, count=len(raw)), raw)
+        segment.link(name)
         opened = shared_memory.open_segment(shared_memory.SHM_DIR, name)
         with opened:
             assert opened.read_into(0, np.empty(len(raw), dtype=np.uint8))
@@ -149,7 +148,6 @@ def undigested_ms(rows: torch.Tensor, repeats: int) -> float:
         if repeat >= 2:
             times.append(time.perf_counter() - start)
     segment.close()
-    shared_memory.remove(shared_memory.SHM_DIR, pool_name)
     return statistics.median(times) * 1e3
 
 

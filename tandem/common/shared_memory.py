@@ -36,6 +36,7 @@ memory, since both sides must read every byte under the call's key (docs/PERFORM
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import mmap
@@ -124,28 +125,73 @@ def probe_matches(directory: Path, name: str, token: bytes) -> bool:
     return hmac.compare_digest(content, token)
 
 
-def create_segment(directory: Path, name: str, num_bytes: int) -> mmap.mmap:
-    """A new segment of `num_bytes` (>= 1), its pages allocated now and mapped for writing: writes into
-    it never fault, and a full /dev/shm is an OSError here rather than a SIGBUS on a later write.
-    Raises OSError (FileExistsError for a name taken) and removes what it made on failure."""
-    assert is_name(name, POOL_PREFIX) and num_bytes >= 1
-    path = directory / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, num_bytes)
-        return mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
-    except BaseException:
-        remove(directory, name)
-        raise
-    finally:
-        os.close(fd)
+class PooledSegment:
+    """A segment of a writer's pool, `tandem-pool-<32 hex>`: its pages allocated when it is created and
+    mapped for writing until `close`, so writes into it never fault (and a full /dev/shm is an OSError
+    at creation rather than a SIGBUS on a write). Its file is locked (flock) while this process holds
+    it: a writer that starts later tells a live pool's segments from those of one that died
+    (`remove_abandoned`). A reader reaches it only by a call's name linked to it."""
+
+    def __init__(self, directory: Path, name: str, fd: int, mapping: mmap.mmap, num_bytes: int) -> None:
+        self.directory = directory
+        self.name = name  # "tandem-pool-<32 hex>"
+        self.fd = fd  # kept open: it holds the lock
+        self.mapping = mapping  # [num_bytes] writable
+        self.num_bytes = num_bytes
+
+    @classmethod
+    def create(cls, directory: Path, num_bytes: int) -> PooledSegment:
+        """A new segment of `num_bytes` (>= 1). Raises OSError and removes what it made on failure."""
+        assert num_bytes >= 1
+        name = new_name(POOL_PREFIX)
+        fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.posix_fallocate(fd, 0, num_bytes)
+            mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        except BaseException:
+            remove(directory, name)
+            os.close(fd)
+            raise
+        return cls(directory, name, fd, mapping, num_bytes)
+
+    def link(self, name: str) -> None:
+        """Gives the segment a call's `name` as well. Raises OSError (FileExistsError for a name already
+        there: nothing is ever written over)."""
+        assert is_name(name, SEGMENT_PREFIX)
+        os.link(self.directory / self.name, self.directory / name, follow_symlinks=False)
+
+    def close(self) -> None:
+        """Unmaps and removes the segment (its pages go once no reader holds them) and unlocks it."""
+        self.mapping.close()
+        remove(self.directory, self.name)
+        os.close(self.fd)
 
 
-def link(directory: Path, pool_name: str, name: str) -> None:
-    """Gives the pool's segment `pool_name` a call's `name` as well. Raises OSError (FileExistsError for
-    a name already there: nothing is ever written over)."""
-    assert is_name(pool_name, POOL_PREFIX) and is_name(name, SEGMENT_PREFIX)
-    os.link(directory / pool_name, directory / name, follow_symlinks=False)
+def remove_abandoned(directory: Path) -> int:
+    """Removes the pool segments of writers that died (a SIGKILL, an OOM kill): files of this user
+    named `tandem-pool-<32 hex>` that no live process holds locked. Returns how many it removed."""
+    if not directory.is_dir():
+        return 0
+    removed = 0
+    for name in os.listdir(directory):
+        if not is_name(name, POOL_PREFIX):
+            continue
+        try:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its writer is alive
+            removed += remove(directory, name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 class Segment:

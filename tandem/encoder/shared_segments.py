@@ -15,14 +15,14 @@ cancelled call). Only then is the segment written again. The pool is bounded in 
 leased or free: when a call finds no free segment and no room for a new one, even once the free
 segments that do not fit are given back, or when the name is taken, its reply carries bytes as usual,
 so sharing never fails or delays a call. A segment free for `idle_s` is given back; so is every one on
-`close`. A thread of its own ends leases and gives segments back, every quarter lease.
+`close`, and a new pool removes what one that died left (its segments are locked while it lives). A
+thread of its own ends leases and gives segments back, every quarter lease.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import mmap
 import threading
 import time
 from dataclasses import dataclass
@@ -55,9 +55,7 @@ class SharedTarget:
 class _Slot:
     """One segment of the pool."""
 
-    pool_name: str  # "tandem-pool-<32 hex>": the file, for as long as the pool keeps it
-    segment: mmap.mmap  # [num_bytes] mapped for writing since it was created
-    num_bytes: int
+    segment: shared_memory.PooledSegment  # mapped for writing since it was created
     lease: str | None = None  # the name of the call it is leased to; None: free
     expires: float = math.inf  # time.monotonic() when the lease runs out; inf while being written
     last_used: float = 0.0  # time.monotonic() when it was last freed
@@ -77,6 +75,8 @@ class SharedSegments:
         self.num_written = 0  # replies sent as segments (tests, the benchmark)
         self.num_expired = 0  # leases that ran out unread
         self.num_created = 0  # segments created: what the pool saves is num_written - num_created
+        # A pool left by an encoder that was killed would hold its pages until the host restarts.
+        self.num_abandoned = shared_memory.remove_abandoned(directory)
         self._stop = threading.Event()
         self._sweeper = threading.Thread(
             target=self._sweep_until_stopped, name="encoder-segments", daemon=True
@@ -103,13 +103,15 @@ class SharedSegments:
             if slot is None:
                 return None
             try:
-                shared_memory.link(self.directory, slot.pool_name, target.name)
+                slot.segment.link(target.name)
             except OSError as error:  # the name taken: the bytes go in the reply
                 log.debug("no segment %s: %s", target.name, error)
                 return None
             slot.lease, slot.expires = target.name, math.inf  # no sweep ends it while it is written
         try:
-            handle = tensors.encode_shared(rows, slot.segment, target.name, target.key, self.lease_s, dtype)
+            handle = tensors.encode_shared(
+                rows, slot.segment.mapping, target.name, target.key, self.lease_s, dtype
+            )
         except BaseException:
             with self._lock:
                 shared_memory.remove(self.directory, target.name)
@@ -146,8 +148,8 @@ class SharedSegments:
 
     def _free_slot(self, num_bytes: int) -> _Slot | None:
         """Under the lock: the smallest free segment that holds `num_bytes`."""
-        fits = [slot for slot in self._slots if slot.lease is None and slot.num_bytes >= num_bytes]
-        return min(fits, key=lambda slot: slot.num_bytes, default=None)
+        fits = [slot for slot in self._slots if slot.lease is None and slot.segment.num_bytes >= num_bytes]
+        return min(fits, key=lambda slot: slot.segment.num_bytes, default=None)
 
     def _new_slot(self, num_bytes: int) -> _Slot | None:
         """Under the lock: a new segment for `num_bytes`, once free ones that do not fit are given back
@@ -163,19 +165,18 @@ class SharedSegments:
                     break
                 return None
             self._drop(free.pop(0))
-        pool_name = shared_memory.new_name(shared_memory.POOL_PREFIX)
         try:
-            segment = shared_memory.create_segment(self.directory, pool_name, size)
+            segment = shared_memory.PooledSegment.create(self.directory, size)
         except OSError as error:  # /dev/shm full: the bytes go in the reply
             log.debug("no new segment of %d bytes: %s", size, error)
             return None
-        slot = _Slot(pool_name, segment, size, last_used=time.monotonic())
+        slot = _Slot(segment, last_used=time.monotonic())
         self._slots.append(slot)
         self.num_created += 1
         return slot
 
     def _num_bytes(self) -> int:
-        return sum(slot.num_bytes for slot in self._slots)
+        return sum(slot.segment.num_bytes for slot in self._slots)
 
     def _free(self, slot: _Slot) -> None:
         slot.lease, slot.expires, slot.last_used = None, math.inf, time.monotonic()
@@ -184,7 +185,6 @@ class SharedSegments:
         """Under the lock: gives a segment's pages back."""
         self._slots.remove(slot)
         slot.segment.close()
-        shared_memory.remove(self.directory, slot.pool_name)
 
     def _sweep(self) -> None:
         """Under the lock: frees what readers released, ends leases run out, gives idle segments back."""

@@ -74,24 +74,22 @@ def test_a_probe_name_that_could_leave_the_directory_is_never_opened(tmp_path: P
     assert not shm.probe_matches(inside, link, b"x" * shm.TOKEN_BYTES)
 
 
-def test_a_pool_segment_is_created_once_its_pages_allocated_readable_by_its_user_only(tmp_path: Path) -> None:
-    pool_name = shm.new_name(shm.POOL_PREFIX)
-    segment = shm.create_segment(tmp_path, pool_name, 100_000)
-    info = os.stat(tmp_path / pool_name)
-    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_size == 100_000
+def test_a_pool_segment_is_created_its_pages_allocated_readable_by_its_user_only(tmp_path: Path) -> None:
+    segment = shm.PooledSegment.create(tmp_path, 100_000)
+    assert shm.is_name(segment.name, shm.POOL_PREFIX)
+    info = os.stat(tmp_path / segment.name)
+    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_size == 100_000 == len(segment.mapping)
     assert info.st_blocks * 512 >= 100_000  # allocated now: no write into it waits for a page
-    with pytest.raises(FileExistsError):
-        shm.create_segment(tmp_path, pool_name, 100)
     segment.close()
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_call_reads_a_pool_segment_by_its_own_name_until_it_removes_that_name(tmp_path: Path) -> None:
-    pool_name, name = shm.new_name(shm.POOL_PREFIX), shm.new_name(shm.SEGMENT_PREFIX)
-    segment = shm.create_segment(tmp_path, pool_name, 100)
-    shm.link(tmp_path, pool_name, name)
+    segment, name = shm.PooledSegment.create(tmp_path, 100), shm.new_name(shm.SEGMENT_PREFIX)
+    segment.link(name)
     with pytest.raises(FileExistsError):  # a name already there is never taken over
-        shm.link(tmp_path, pool_name, name)
-    segment[:5] = b"hello"  # written through the pool's mapping, after the link: one file
+        segment.link(name)
+    segment.mapping[:5] = b"hello"  # written through the pool's mapping, after the link: one file
     reader = shm.open_segment(tmp_path, name)
     assert reader is not None and reader.num_bytes == 100
     out = bytearray(5)
@@ -100,10 +98,22 @@ def test_a_call_reads_a_pool_segment_by_its_own_name_until_it_removes_that_name(
     assert not reader.read_into(98, bytearray(5))  # past the end: not filled
     reader.close()
     assert shm.remove(tmp_path, name) and not shm.exists(tmp_path, name)
-    assert shm.exists(tmp_path, pool_name)  # the pool keeps it
+    assert shm.exists(tmp_path, segment.name)  # the pool keeps it
     assert shm.open_segment(tmp_path, name) is None
     assert not shm.remove(tmp_path, name)
     segment.close()
+
+
+def test_only_the_pool_segments_of_a_writer_that_died_are_removed(tmp_path: Path) -> None:
+    live = shm.PooledSegment.create(tmp_path, 100)
+    abandoned = shm.new_name(shm.POOL_PREFIX)  # what a killed writer leaves: a file nobody has locked
+    (tmp_path / abandoned).write_bytes(bytes(100))
+    other = tmp_path / ("tandem-pool-" + "0" * 31)  # not a pool name: never touched
+    other.write_bytes(b"x")
+    assert shm.remove_abandoned(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+    live.close()
+    assert shm.remove_abandoned(tmp_path / "no-such-directory") == 0
 
 
 def test_a_segment_name_that_is_a_link_or_not_a_file_is_refused(tmp_path: Path) -> None:

@@ -156,11 +156,11 @@ def _shared(tmp_path, rows: torch.Tensor, dtype: torch.dtype | None = None, spar
 
     from tandem.common import shared_memory as shm
 
-    pool_name, name, key = shm.new_name(shm.POOL_PREFIX), shm.new_name(shm.SEGMENT_PREFIX), os.urandom(32)
-    segment = shm.create_segment(tmp_path, pool_name, tensors.shared_num_bytes(rows, dtype) + spare)
-    shm.link(tmp_path, pool_name, name)
-    handle = tensors.encode_shared(rows, segment, name, key, 5.0, dtype)
-    return handle, shm.open_segment(tmp_path, name), key, segment
+    name, key = shm.new_name(shm.SEGMENT_PREFIX), os.urandom(32)
+    segment = shm.PooledSegment.create(tmp_path, tensors.shared_num_bytes(rows, dtype) + spare)
+    segment.link(name)
+    handle = tensors.encode_shared(rows, segment.mapping, name, key, 5.0, dtype)
+    return handle, shm.open_segment(tmp_path, name), key, segment.mapping
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

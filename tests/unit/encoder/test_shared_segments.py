@@ -228,6 +228,21 @@ def test_closing_removes_every_segment_and_every_name(tmp_path: Path, probe) -> 
     assert not list(tmp_path.glob(shared_memory.POOL_PREFIX + "*"))
 
 
+def test_a_new_pool_removes_what_a_killed_encoder_left_and_not_a_live_ones(tmp_path: Path, probe) -> None:
+    live = SharedSegments(tmp_path, 1000, 3, 60.0)
+    try:
+        _release(tmp_path, _written(live, probe, torch.zeros(1, 2))[0])
+        killed = shared_memory.new_name(shared_memory.POOL_PREFIX)  # a pool whose encoder died
+        (tmp_path / killed).write_bytes(bytes(8))
+        starting = SharedSegments(tmp_path, 1000, 3, 60.0)
+        starting.close()
+        assert starting.num_abandoned == 1 and not (tmp_path / killed).exists()
+        assert live.num_segments == 1 and len(list(tmp_path.glob(shared_memory.POOL_PREFIX + "*"))) == 1
+        assert _written(live, probe, torch.zeros(1, 2))[0] is not None  # and it serves on
+    finally:
+        live.close()
+
+
 async def test_an_embed_with_a_proven_offer_replies_with_a_handle_not_bytes(
     tiny_model: Path, tmp_path: Path, probe
 ) -> None:
