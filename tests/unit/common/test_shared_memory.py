@@ -1,50 +1,81 @@
 """Shared-memory segments and the co-location proof: only the names asked for are ever created or
-opened, a proof holds only for the same file and token, and the digest is the documented one."""
+opened, a proof holds only for the same file and token, and the digest is AES-256-GMAC (against its
+specification worked in plain integers, a published tag and the library's own one-shot)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tandem.common import shared_memory as shm
 
 
-def _reference_digest(data: bytes, key: bytes) -> bytes:
-    """The module note's construction in plain Python integers."""
-    keys = [int(k) for k in shm._word_keys(key)]
-    words = [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data) // 4 * 4, 4)]
-    finish = hashlib.blake2b(len(data).to_bytes(8, "little"), key=key, digest_size=shm.DIGEST_BYTES)
-    for start in range(0, len(words), shm.CHUNK_WORDS):
-        chunk = words[start : start + shm.CHUNK_WORDS]
-        total = sum(w * k for w, k in zip(chunk, keys, strict=False)) % 2**64
-        finish.update(total.to_bytes(8, "little"))
-    finish.update(data[len(data) // 4 * 4 :])
-    return finish.digest()
+def _gf_multiply(x: int, y: int) -> int:
+    """x * y in GCM's GF(2^128), on blocks read as big-endian integers (bit 0 of a block is its top
+    bit: SP 800-38D's algorithm 1, shifting right and reducing by R = 0xe1 << 120)."""
+    product, v = 0, y
+    for i in range(127, -1, -1):
+        if (x >> i) & 1:
+            product ^= v
+        v = (v >> 1) ^ (0xE1 << 120) if v & 1 else v >> 1
+    return product
 
 
-@pytest.mark.parametrize("num_bytes", [1, 4, 7, 4 * shm.CHUNK_WORDS, 4 * shm.CHUNK_WORDS * 2 + 13])
-def test_the_digest_is_the_keyed_universal_hash_finished_by_blake2b(num_bytes: int) -> None:
+def _reference_gmac(data: bytes, key: bytes) -> bytes:
+    """GMAC by SP 800-38D in plain Python integers, AES's block function the only borrowed part:
+    H = E(0^128), GHASH over the data zero-padded to blocks and its length block, masked by E(J0)."""
+    block = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+    h = int.from_bytes(block.update(bytes(16)), "big")
+    j0 = shm.DIGEST_NONCE + (1).to_bytes(4, "big")
+    padded = data + bytes(-len(data) % 16)
+    lengths = (8 * len(data)).to_bytes(8, "big") + (0).to_bytes(8, "big")  # of the data, of no text
+    ghash = 0
+    for i in range(0, len(padded + lengths), 16):
+        ghash = _gf_multiply(ghash ^ int.from_bytes((padded + lengths)[i : i + 16], "big"), h)
+    return (ghash ^ int.from_bytes(block.update(j0), "big")).to_bytes(16, "big")
+
+
+@pytest.mark.parametrize("num_bytes", [0, 1, 15, 16, 17, 100, 1000])
+def test_the_digest_is_gmac_by_its_specification(num_bytes: int) -> None:
     data, key = os.urandom(num_bytes), os.urandom(shm.KEY_BYTES)
-    assert shm.keyed_digest(data, key) == _reference_digest(data, key)
+    assert shm.keyed_digest(data, key) == _reference_gmac(data, key)
 
 
-def test_the_digest_changes_with_any_word_its_top_bits_and_the_key() -> None:
-    data, key = bytearray(os.urandom(3 * 4 * shm.CHUNK_WORDS)), os.urandom(shm.KEY_BYTES)
+def test_the_digest_of_nothing_under_the_zero_key_is_the_published_gcm_tag() -> None:
+    # McGrew and Viega's GCM test case 13: AES-256, K = 0, IV = 0, no text, no associated data.
+    assert shm.keyed_digest(b"", bytes(32)).hex() == "530f8afbc74536b9a963b4f1c4cb738b"
+
+
+@pytest.mark.parametrize("num_bytes", [1, 4096, 576 * 64 * 2 + 3])
+def test_the_digest_is_the_librarys_one_shot_gmac_fed_in_parts_or_whole(
+    num_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, key = os.urandom(num_bytes), os.urandom(shm.KEY_BYTES)
+    one_shot = AESGCM(key).encrypt(shm.DIGEST_NONCE, b"", data)  # no text: the tag alone
+    assert shm.keyed_digest(data, key) == one_shot
+    monkeypatch.setattr(shm, "DIGEST_UPDATE_BYTES", 1000)  # what a > 1 GiB segment does, in small
+    assert shm.keyed_digest(memoryview(data), key) == one_shot
+
+
+def test_the_digest_changes_with_any_bit_the_length_and_the_key() -> None:
+    data, key = bytearray(os.urandom(3 * 16384)), os.urandom(shm.KEY_BYTES)
     digest = shm.keyed_digest(bytes(data), key)
+    assert len(digest) == shm.DIGEST_BYTES
     assert shm.keyed_digest(bytes(data), os.urandom(shm.KEY_BYTES)) != digest
-    for position in (0, 5, 4 * shm.CHUNK_WORDS + 3, len(data) - 1):
+    for position in (0, 5, 16384 + 3, len(data) - 1):
         altered = bytearray(data)
         altered[position] ^= 0x80  # a sign bit of a float
         assert shm.keyed_digest(bytes(altered), key) != digest, position
-    both = bytearray(data)  # two top bits flipped: what a mod-2^64 sum with even keys would miss
+    both = bytearray(data)  # two bits flipped at once
     both[3] ^= 0x80
     both[7] ^= 0x80
     assert shm.keyed_digest(bytes(both), key) != digest
-    assert shm.keyed_digest(bytes(data) + b"\0", key) != digest  # the length counts
+    assert shm.keyed_digest(bytes(data) + b"\0", key) != digest  # the length counts, zeros too
 
 
 def test_a_probe_proves_only_its_own_file_token_and_user(tmp_path: Path) -> None:

@@ -118,7 +118,8 @@ class SharedTensor(_message.Message):
     """Element type. Required (UNSPECIFIED is rejected)."""
     digest: _builtins.bytes
     """16 bytes: the keyed digest of the prod(shape) * itemsize bytes at `offset`, under the caller's
-    SharedMemoryOffer.digest_key (tandem/common/shared_memory.py: a keyed universal hash, then BLAKE2b).
+    SharedMemoryOffer.digest_key: AES-256-GMAC with a nonce of 12 zero bytes (the key is never reused;
+    tandem/common/shared_memory.py).
     """
     lease_s: _builtins.float
     """Seconds the segment is kept for its reader after the reply was made; the encoder then removes the
