@@ -15,11 +15,11 @@ Two measures:
    4,096-wide table stands in for its tower: the tower's time is the same on every path) and
    SmolLM2's [n, 576] bf16 rows, n = 128 ... 8,190. For carried, the second leg goes to a sink
    server that parses the Generate request and decodes its rows as the decoder does. Beside it, the
-   move alone, tensor to tensor (into a pooled segment and out of it checked, the first move, which
-   creates the segment, apart; through a reply's bytes), one keyed digest of the span (each side of a
-   shared-memory move computes one) and the shared-memory move without its digests, against the
-   machine's copy bandwidth: numpy `copyto` of a buffer of the same size (in cache) and of 256 MiB
-   (memory).
+   move alone, tensor to tensor (into a pooled segment and out of it checked through the reader's
+   mapping, the first move, which creates the segment and the mapping, apart; through a reply's
+   bytes), one keyed digest of the span (each side of a shared-memory move computes one) and the
+   shared-memory move without its digests, against the machine's copy bandwidth: numpy `copyto` of a
+   buffer of the same size (in cache) and of 256 MiB (memory).
 2. TTFT on SmolLM2 (bf16, prefix caching off, the embedding cache off, fresh token IDs each run):
    `Finished.time_to_first_token_s` is the decoder's; the client's wall time to the first token
    includes the carried path's Embed call. Prefill dominates as n grows: the paths part by the
@@ -85,11 +85,13 @@ def machine() -> dict[str, object]:
 def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
     """The rows' move alone, tensor to tensor, median ms: into a segment of the encoder's pool and out
     of it checked (what the encoder's batch and the decoder's fetch do; "shm_first": the first move,
-    which creates the segment the others reuse), one digest of their bytes (each side computes one),
-    and through a reply's bytes (encode, serialize, parse, decode)."""
+    which creates the segment and the reader's mapping of it, both reused by the others), one digest of
+    their bytes (each side computes one), and through a reply's bytes (encode, serialize, parse,
+    decode)."""
     probe = shared_memory.Probe.create()
     assert probe is not None
     segments = SharedSegments(shared_memory.SHM_DIR, 1 << 30, 16, 10.0)
+    maps = shared_memory.SegmentMaps(shared_memory.SHM_DIR)  # the decoder's, kept as it keeps them
     times: dict[str, list[float]] = {"shm": [], "bytes": [], "digest": []}
     first = 0.0
     raw = rows.view(torch.int16).numpy() if rows.dtype.itemsize == 2 else rows.numpy()
@@ -105,7 +107,7 @@ def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
         assert target is not None
         handle = target.write(rows, None)
         assert handle is not None
-        segment = shared_memory.open_segment(shared_memory.SHM_DIR, handle.name)
+        segment = maps.open(handle.name)
         with segment:
             read = tensors.decode_shared(handle, segment, offer.digest_key, rank=2)
         shared_memory.remove(shared_memory.SHM_DIR, handle.name)  # released: the next repeat reuses it
@@ -122,8 +124,9 @@ def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
             times["shm"].append(middle - start)
             times["bytes"].append(end - digested)
             times["digest"].append(digested - middle)
-    assert segments.num_created == 1, "every move after the first reused its segment"
+    assert segments.num_created == maps.num_mapped == 1, "every move after the first reused its segment"
     segments.close()
+    maps.close()
     probe.close()
     return {"shm_first": first * 1e3} | {
         path: statistics.median(values) * 1e3 for path, values in times.items()
@@ -135,18 +138,20 @@ def undigested_ms(rows: torch.Tensor, repeats: int) -> float:
     link, open, read into the reader's memory and removal, to show what the digests cost."""
     raw = (rows.view(torch.int16) if rows.dtype.itemsize == 2 else rows).numpy().reshape(-1).view(np.uint8)
     segment = shared_memory.PooledSegment.create(shared_memory.SHM_DIR, len(raw))
+    maps = shared_memory.SegmentMaps(shared_memory.SHM_DIR)
     times = []
     for repeat in range(repeats + 2):
         name = shared_memory.new_name(shared_memory.SEGMENT_PREFIX)
         start = time.perf_counter()
         np.copyto(np.frombuffer(segment.mapping, dtype=np.uint8, count=len(raw)), raw)
         segment.link(name)
-        opened = shared_memory.open_segment(shared_memory.SHM_DIR, name)
+        opened = maps.open(name)
         with opened:
             assert opened.read_into(0, np.empty(len(raw), dtype=np.uint8))
         shared_memory.remove(shared_memory.SHM_DIR, name)
         if repeat >= 2:
             times.append(time.perf_counter() - start)
+    maps.close()
     segment.close()
     return statistics.median(times) * 1e3
 

@@ -16,8 +16,10 @@ A fetch, on the event loop:
    an encoder on the same host writes the rows into the segment the offer named, and any other
    encoder ignores the offer and sends bytes. Negotiated per call, never configured.
 3. The reply: a handle is read only if it names the segment this call asked for; the segment is
-   opened, checked (dtype, shape, bounds), its rows copied into this process and their digest checked
-   under this call's key (`tensors.decode_shared`), and the name removed: that releases the segment to
+   opened, checked (dtype, shape, bounds), its rows copied into this process (through this decoder's
+   mapping of the encoder's pool segment, made the first time it is given one and kept:
+   `shared_memory.SegmentMaps`) and their digest checked under this call's key
+   (`tensors.decode_shared`), and the name removed: that releases the segment to
    the encoder's pool, which writes into it again, and a replay finds nothing. Bytes are decoded as
    any tensor (zero copy).
 Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
@@ -79,6 +81,8 @@ class EncoderParts:
         self.cache = EmbeddingCache(cache_bytes)
         self.shm_dir = shm_dir
         self.probe = shared_memory.Probe.create(shm_dir)  # None: shared memory is never offered
+        # The encoder's pool segments, mapped once each and read through the mapping every later call.
+        self.maps = shared_memory.SegmentMaps(shm_dir) if self.probe is not None else None
         # An embedding tensor can never be larger than a message, as for the caller's own tensors.
         self.limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
         self._traces_itself = telemetry is not None and telemetry.is_tracing
@@ -90,6 +94,8 @@ class EncoderParts:
     async def close(self) -> None:
         if self.probe is not None:
             self.probe.close()
+        if self.maps is not None:
+            self.maps.close()
         await self.client.close()
 
     def start(
@@ -197,8 +203,9 @@ class EncoderParts:
         """The rows of the segment a reply names, checked and copied into this process, and the name
         removed: read once, and the segment released to the encoder's pool."""
         where = f"{field}.shared_embeddings"
+        assert self.maps is not None, "a handle is read only for a call that offered shared memory"
         try:
-            segment = shared_memory.open_segment(self.shm_dir, handle.name)
+            segment = self.maps.open(handle.name)
         except OSError as error:
             raise InvalidArgument(f"{where}.name", f"cannot be read: {error}") from None
         if segment is None:

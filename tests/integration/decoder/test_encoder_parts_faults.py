@@ -105,6 +105,7 @@ async def test_an_honest_reply_is_read_and_its_segment_released_for_the_next(rig
     assert not any(shared_memory.exists(rig.directory, h.name) for h in rig.stand_in.handles)
     assert rig.stand_in.segments.num_leased == 0
     assert rig.stand_in.segments.num_created == 1  # the second call's rows went into the first's segment
+    assert rig.parts.maps.num_mapped == 1  # which the decoder read through the mapping it kept
 
 
 async def test_a_reply_naming_a_segment_this_call_did_not_ask_for_is_refused(rig: Rig) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -115,24 +116,113 @@ def test_a_pool_segment_is_created_its_pages_allocated_readable_by_its_user_only
     assert not list(tmp_path.iterdir())
 
 
-def test_a_call_reads_a_pool_segment_by_its_own_name_until_it_removes_that_name(tmp_path: Path) -> None:
+@pytest.fixture
+def reader(tmp_path: Path):
+    made = shm.SegmentMaps(tmp_path)
+    yield made
+    made.close()
+
+
+def test_a_call_reads_a_pool_segment_by_its_own_name_until_it_removes_that_name(
+    tmp_path: Path, reader: shm.SegmentMaps
+) -> None:
     segment, name = shm.PooledSegment.create(tmp_path, 100), shm.new_name(shm.SEGMENT_PREFIX)
     segment.link(name)
     with pytest.raises(FileExistsError):  # a name already there is never taken over
         segment.link(name)
     segment.mapping[:5] = b"hello"  # written through the pool's mapping, after the link: one file
-    reader = shm.open_segment(tmp_path, name)
-    assert reader is not None and reader.num_bytes == 100
+    opened = reader.open(name)
+    assert opened is not None and opened.num_bytes == 100
     out = bytearray(5)
-    assert reader.read_into(0, out) and out == b"hello"
-    assert reader.read_into(2, memoryview(out)[:3]) and out[:3] == b"llo"
-    assert not reader.read_into(98, bytearray(5))  # past the end: not filled
-    reader.close()
+    assert opened.read_into(0, out) and out == b"hello"
+    assert opened.read_into(2, memoryview(out)[:3]) and out[:3] == b"llo"
+    assert not opened.read_into(98, out) and out == b"llolo"  # past the end: untouched
+    opened.close()
     assert shm.remove(tmp_path, name) and not shm.exists(tmp_path, name)
     assert shm.exists(tmp_path, segment.name)  # the pool keeps it
-    assert shm.open_segment(tmp_path, name) is None
+    assert reader.open(name) is None
     assert not shm.remove(tmp_path, name)
     segment.close()
+
+
+def test_a_pool_segment_given_again_under_a_new_name_is_read_through_the_mapping_kept(
+    tmp_path: Path, reader: shm.SegmentMaps
+) -> None:
+    segment = shm.PooledSegment.create(tmp_path, 4096)
+    for round_ in range(3):
+        name = shm.new_name(shm.SEGMENT_PREFIX)
+        segment.link(name)
+        segment.mapping[:4] = bytes([round_]) * 4  # the writer's next rows, in the same pages
+        with reader.open(name) as opened:
+            out = bytearray(4)
+            assert opened.read_into(0, out) and out == bytes([round_]) * 4
+        shm.remove(tmp_path, name)
+    assert reader.num_mapped == 1 and reader.num_kept == 1
+    other = shm.PooledSegment.create(tmp_path, 4096)  # another file: a mapping of its own
+    name = shm.new_name(shm.SEGMENT_PREFIX)
+    other.link(name)
+    with reader.open(name) as opened:
+        assert opened.read_into(0, bytearray(4))
+    assert reader.num_mapped == 2 and reader.num_kept == 2
+    shm.remove(tmp_path, name)
+    other.close()
+    segment.close()
+
+
+def _mapped_here(path: Path) -> bool:
+    """This process maps the file it opened as `path` (Linux lists each mapping with the path it was
+    opened by, "(deleted)" after it once removed)."""
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_the_mapping_of_a_segment_given_back_is_dropped_with_no_call_to_trigger_it(tmp_path: Path) -> None:
+    reader = shm.SegmentMaps(tmp_path, sweep_s=0.05)
+    try:
+        segment, name = shm.PooledSegment.create(tmp_path, 4096), shm.new_name(shm.SEGMENT_PREFIX)
+        segment.link(name)
+        reader.open(name).close()
+        shm.remove(tmp_path, name)
+        time.sleep(0.2)
+        assert reader.num_kept == 1 and _mapped_here(tmp_path / name)  # the pool has it: kept for next time
+        segment.close()  # given back: no name left, and the reader must not hold its pages
+        deadline = time.monotonic() + 5
+        while _mapped_here(tmp_path / name) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _mapped_here(tmp_path / name)
+    finally:
+        reader.close()
+
+
+def test_mappings_are_bounded_the_least_recently_used_dropped_never_one_being_read(tmp_path: Path) -> None:
+    reader = shm.SegmentMaps(tmp_path, max_maps=2, max_bytes=3 * 4096)
+    pool = [shm.PooledSegment.create(tmp_path, 4096) for _ in range(3)]
+    names = [shm.new_name(shm.SEGMENT_PREFIX) for _ in pool]
+    try:
+        for segment, name in zip(pool, names, strict=True):
+            segment.link(name)
+            segment.mapping[:1] = name[-1:].encode()
+        first = reader.open(names[0])
+        second = reader.open(names[1])
+        third = reader.open(names[2])  # both kept ones are being read: mapped for this read only
+        assert reader.num_kept == 2 and reader.num_mapped == 3
+        for opened, name in zip((first, second, third), names, strict=True):
+            out = bytearray(1)
+            assert opened.read_into(0, out) and out == name[-1:].encode()
+            opened.close()
+        reader.open(names[2]).close()  # now the least recently used (the first) makes room
+        assert reader.num_kept == 2 and reader.num_mapped == 4
+        reader.open(names[1]).close()
+        assert reader.num_mapped == 4  # still kept
+        big = shm.PooledSegment.create(tmp_path, 4 * 4096)  # past max_bytes: mapped, never kept
+        name = shm.new_name(shm.SEGMENT_PREFIX)
+        big.link(name)
+        reader.open(name).close()
+        assert reader.num_kept == 2 and reader.num_mapped == 5
+        big.close()
+    finally:
+        reader.close()
+        for segment in pool:
+            segment.close()
 
 
 def test_only_the_pool_segments_of_a_writer_that_died_are_removed(tmp_path: Path) -> None:
@@ -147,14 +237,21 @@ def test_only_the_pool_segments_of_a_writer_that_died_are_removed(tmp_path: Path
     assert shm.remove_abandoned(tmp_path / "no-such-directory") == 0
 
 
-def test_a_segment_name_that_is_a_link_or_not_a_file_is_refused(tmp_path: Path) -> None:
+def test_a_segment_name_that_is_a_link_or_not_a_file_is_refused(
+    tmp_path: Path, reader: shm.SegmentMaps
+) -> None:
     target = tmp_path / "target"
     target.write_bytes(b"rows" * 10)
     link = shm.new_name(shm.SEGMENT_PREFIX)
     (tmp_path / link).symlink_to(target)
     with pytest.raises(OSError):
-        shm.open_segment(tmp_path, link)
+        reader.open(link)
     folder = shm.new_name(shm.SEGMENT_PREFIX)
     (tmp_path / folder).mkdir()
     with pytest.raises(PermissionError):
-        shm.open_segment(tmp_path, folder)
+        reader.open(folder)
+    empty = shm.new_name(shm.SEGMENT_PREFIX)
+    (tmp_path / empty).write_bytes(b"")
+    with pytest.raises(PermissionError):
+        reader.open(empty)
+    assert reader.num_mapped == 0

@@ -38,14 +38,22 @@ def probe(tmp_path: Path):
 
 
 @pytest.fixture
+def reader(tmp_path: Path):
+    """The decoder's side: its mappings of the segments it is given."""
+    made = shared_memory.SegmentMaps(tmp_path)
+    yield made
+    made.close()
+
+
+@pytest.fixture
 def segments(tmp_path: Path):
     made = SharedSegments(tmp_path, max_bytes=1000, max_segments=3, lease_s=0.4)
     yield made
     made.close()
 
 
-def _read(directory: Path, handle: tensor_pb2.SharedTensor, key: bytes) -> torch.Tensor:
-    segment = shared_memory.open_segment(directory, handle.name)
+def _read(reader: shared_memory.SegmentMaps, handle: tensor_pb2.SharedTensor, key: bytes) -> torch.Tensor:
+    segment = reader.open(handle.name)
     assert segment is not None
     with segment:
         return tensors.decode_shared(handle, segment, key, rank=2)
@@ -88,12 +96,12 @@ def test_an_offer_is_taken_only_with_its_proof(tmp_path: Path, probe, segments: 
         elsewhere.close()
 
 
-def test_the_rows_written_are_the_rows_read_cast_as_asked(tmp_path: Path, probe, segments) -> None:
+def test_the_rows_written_are_the_rows_read_cast_as_asked(tmp_path: Path, probe, segments, reader) -> None:
     offer = _offer(probe)
     rows = torch.randn(4, 16)
     handle = segments.target(offer).write(rows, torch.bfloat16)
     assert handle is not None and handle.name == offer.segment_name and handle.lease_s == 0.4
-    assert torch.equal(_read(tmp_path, handle, offer.digest_key), rows.bfloat16())
+    assert torch.equal(_read(reader, handle, offer.digest_key), rows.bfloat16())
 
 
 def test_beyond_its_bytes_or_segments_a_reply_carries_bytes(probe, segments: SharedSegments) -> None:
@@ -113,25 +121,26 @@ def test_a_name_already_there_is_never_written_over(tmp_path: Path, probe, segme
 
 
 def test_a_segment_its_reader_released_is_written_again_for_the_next_call(
-    tmp_path: Path, probe, segments
+    tmp_path: Path, probe, segments, reader
 ) -> None:
     first, first_key = _written(segments, probe, torch.randn(2, 8))
     used = _file(tmp_path, first)
-    _read(tmp_path, first, first_key)
+    _read(reader, first, first_key)
     _release(tmp_path, first)
     rows = torch.randn(2, 8)
     second, second_key = _written(segments, probe, rows)
     assert _file(tmp_path, second) == used and second.name != first.name
-    assert torch.equal(_read(tmp_path, second, second_key), rows)
+    assert torch.equal(_read(reader, second, second_key), rows)
     assert (segments.num_written, segments.num_created, segments.num_expired) == (2, 1, 0)
+    assert reader.num_mapped == 1  # the reader's mapping of that segment, kept from the first call
 
 
-def test_a_segment_is_never_written_again_while_leased(tmp_path: Path, probe, segments) -> None:
+def test_a_segment_is_never_written_again_while_leased(tmp_path: Path, probe, segments, reader) -> None:
     rows = torch.randn(2, 8)
     leased, key = _written(segments, probe, rows)
     other, _ = _written(segments, probe, torch.randn(2, 8))
     assert _file(tmp_path, other) != _file(tmp_path, leased)
-    assert torch.equal(_read(tmp_path, leased, key), rows)  # untouched by the call after it
+    assert torch.equal(_read(reader, leased, key), rows)  # untouched by the call after it
     assert segments.num_created == 2
 
 
@@ -150,7 +159,7 @@ def test_a_call_takes_the_smallest_free_segment_that_holds_its_rows(tmp_path: Pa
         segments.close()
 
 
-def test_a_full_pool_gives_back_free_segments_too_small_to_make_room(tmp_path: Path, probe) -> None:
+def test_a_full_pool_gives_back_free_segments_too_small_to_make_room(tmp_path: Path, probe, reader) -> None:
     segments = SharedSegments(tmp_path, max_bytes=1000, max_segments=2, lease_s=5.0)
     try:
         for handle in [_written(segments, probe, torch.zeros(1, 2))[0] for _ in range(2)]:
@@ -158,7 +167,7 @@ def test_a_full_pool_gives_back_free_segments_too_small_to_make_room(tmp_path: P
         assert segments.num_segments == 2
         rows = torch.randn(1, 200)  # 800 bytes: neither fits, and two segments is the bound
         handle, key = _written(segments, probe, rows)
-        assert handle is not None and torch.equal(_read(tmp_path, handle, key), rows)
+        assert handle is not None and torch.equal(_read(reader, handle, key), rows)
         assert segments.num_segments == 1 and segments.num_created == 3
     finally:
         segments.close()
@@ -175,31 +184,33 @@ def test_an_exhausted_pool_answers_bytes_at_once_until_a_reader_releases(tmp_pat
         segments.close()
 
 
-def test_the_old_handle_of_a_segment_written_again_is_refused(tmp_path: Path, probe, segments) -> None:
+def test_the_old_handle_of_a_segment_written_again_is_refused(
+    tmp_path: Path, probe, segments, reader
+) -> None:
     old, old_key = _written(segments, probe, torch.randn(2, 8))
-    _read(tmp_path, old, old_key)
+    _read(reader, old, old_key)
     _release(tmp_path, old)
     new, _ = _written(segments, probe, torch.randn(2, 8))
-    assert shared_memory.open_segment(tmp_path, old.name) is None  # its name went with its read
+    assert reader.open(old.name) is None  # its name went with its read
     replayed = tensor_pb2.SharedTensor()
     replayed.CopyFrom(old)
     replayed.name = new.name  # the old handle under the new call's name: the bytes are not its own
     with pytest.raises(InvalidArgument, match=r"tensor\.digest: does not match"):
-        _read(tmp_path, replayed, old_key)
+        _read(reader, replayed, old_key)
 
 
 def test_an_unread_lease_runs_out_its_name_removed_and_its_segment_freed(
-    tmp_path: Path, probe, segments
+    tmp_path: Path, probe, segments, reader
 ) -> None:
     handle, key = _written(segments, probe, torch.zeros(2, 2))
     used = _file(tmp_path, handle)
-    late = shared_memory.open_segment(tmp_path, handle.name)  # a reader that opened it, and then stalled
+    late = reader.open(handle.name)  # a reader that opened it, and then stalled
     deadline = time.monotonic() + 5
     while shared_memory.exists(tmp_path, handle.name) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not shared_memory.exists(tmp_path, handle.name)  # the sweeper's, with no call to trigger it
     assert segments.num_leased == 0 and segments.num_expired == 1
-    assert shared_memory.open_segment(tmp_path, handle.name) is None  # a replay finds nothing
+    assert reader.open(handle.name) is None  # a replay finds nothing
     next_handle, _ = _written(segments, probe, torch.ones(2, 2))
     assert _file(tmp_path, next_handle) == used  # free again, and written again
     with late, pytest.raises(InvalidArgument, match=r"tensor\.digest"):  # the late reader: never these rows
@@ -244,7 +255,7 @@ def test_a_new_pool_removes_what_a_killed_encoder_left_and_not_a_live_ones(tmp_p
 
 
 async def test_an_embed_with_a_proven_offer_replies_with_a_handle_not_bytes(
-    tiny_model: Path, tmp_path: Path, probe
+    tiny_model: Path, tmp_path: Path, probe, reader
 ) -> None:
     config = EncoderConfig(model_dir=tiny_model, shared_memory_dir=tmp_path)
     servicer = EncoderServicer(config)
@@ -255,7 +266,7 @@ async def test_an_embed_with_a_proven_offer_replies_with_a_handle_not_bytes(
         shared = await servicer.Embed(encoder_pb2.EmbedRequest(text="hello there", shared_memory=offer), None)
         assert shared.HasField("shared_embeddings") and not shared.HasField("embeddings")
         assert shared.ByteSize() < plain.ByteSize() - plain.embeddings.ByteSize() + 200
-        rows = _read(tmp_path, shared.shared_embeddings, offer.digest_key)
+        rows = _read(reader, shared.shared_embeddings, offer.digest_key)
         assert torch.equal(rows, tensors.decode(plain.embeddings))
         offer.probe_token = os.urandom(shared_memory.TOKEN_BYTES)  # no proof: bytes, as before
         unproven = await servicer.Embed(
