@@ -15,11 +15,14 @@ Two measures:
    4,096-wide table stands in for its tower: the tower's time is the same on every path) and
    SmolLM2's [n, 576] bf16 rows, n = 128 ... 8,190. For carried, the second leg goes to a sink
    server that parses the Generate request and decodes its rows as the decoder does. Beside it, the
-   move alone, tensor to tensor (into a pooled segment and out of it checked through the reader's
-   mapping, the first move, which creates the segment and the mapping, apart; through a reply's
-   bytes), one keyed digest of the span (each side of a shared-memory move computes one) and the
-   shared-memory move without its digests, against the machine's copy bandwidth: numpy `copyto` of a
-   buffer of the same size (in cache) and of 256 MiB (memory).
+   move alone, tensor to tensor, each measure in a loop of its own: into a pooled segment and out of
+   it checked through the reader's mapping, back to back (the caches warm, as for rows just made by
+   the encoder's model) and each move after a 64 MiB pass that leaves none of its bytes cached
+   (cold); the first move, which creates the segment and the mapping; through a reply's bytes; one
+   keyed digest of the span (each side of a shared-memory move computes one); the shared-memory move
+   without its digests, warm and cold. Against the machine's copy bandwidth: numpy `copyto` of a
+   buffer of the same size (in cache) and of 256 MiB (memory), the latter again beside each span's
+   moves, since the load moves by the minute.
 2. TTFT on SmolLM2 (bf16, prefix caching off, the embedding cache off, fresh token IDs each run):
    `Finished.time_to_first_token_s` is the decoder's; the client's wall time to the first token
    includes the carried path's Embed call. Prefill dominates as n grows: the paths part by the
@@ -78,24 +81,43 @@ def machine() -> dict[str, object]:
     flags = next(
         (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []
     )
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16")
+    wanted = (
+        *("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16"),
+        *("aes", "vaes", "pclmulqdq", "vpclmulqdq"),  # the digest's AES-GMAC runs on these
+    )
     return {"cpu": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
 
 
-def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
-    """The rows' move alone, tensor to tensor, median ms: into a segment of the encoder's pool and out
-    of it checked (what the encoder's batch and the decoder's fetch do; "shm_first": the first move,
-    which creates the segment and the reader's mapping of it, both reused by the others), one digest of
-    their bytes (each side computes one), and through a reply's bytes (encode, serialize, parse,
-    decode)."""
+DRAM_COPY_BYTES = 256 << 20  # a copy this large runs at the memory's speed, not the caches'
+EVICT_BYTES = 64 << 20  # twice the measured machine's 32 MiB L3: a pass over it leaves none of a move's bytes
+
+
+class Evictor:
+    """Leaves the caches holding none of a move's bytes: a write pass over EVICT_BYTES of its own."""
+
+    def __init__(self) -> None:
+        self.buffer = np.zeros(EVICT_BYTES, dtype=np.uint8)  # [EVICT_BYTES]
+
+    def __call__(self) -> None:
+        np.add(self.buffer, 1, out=self.buffer)
+
+
+def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, float]:
+    """The rows' move alone, tensor to tensor, median ms, each measure in a loop of its own:
+    - "shm": into a segment of the encoder's pool and out of it checked (what the encoder's batch and
+      the decoder's fetch do), moves back to back: the caches warm, as for rows just made by the
+      encoder's model; "shm_first": the first move, which creates the segment and the reader's mapping
+      of it, both reused by the others; "shm_cold": each move after `evict`, nothing cached;
+    - "digest": one keyed digest of the rows, back to back (each side of a move computes one);
+    - "bytes": through a reply's bytes (encode, serialize, parse, decode)."""
     probe = shared_memory.Probe.create()
     assert probe is not None
     segments = SharedSegments(shared_memory.SHM_DIR, 1 << 30, 16, 10.0)
     maps = shared_memory.SegmentMaps(shared_memory.SHM_DIR)  # the decoder's, kept as it keeps them
-    times: dict[str, list[float]] = {"shm": [], "bytes": [], "digest": []}
-    first = 0.0
     raw = rows.view(torch.int16).numpy() if rows.dtype.itemsize == 2 else rows.numpy()
-    for repeat in range(repeats + 2):
+    moves = 2 * repeats + 1
+
+    def shm() -> float:
         offer = encoder_pb2.SharedMemoryOffer(
             probe_name=probe.name,
             probe_token=probe.token,
@@ -110,20 +132,34 @@ def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
         segment = maps.open(handle.name)
         with segment:
             read = tensors.decode_shared(handle, segment, offer.digest_key, rank=2)
-        shared_memory.remove(shared_memory.SHM_DIR, handle.name)  # released: the next repeat reuses it
-        middle = time.perf_counter()
-        shared_memory.keyed_digest(raw, offer.digest_key)  # as the writer does, its bytes as warm
-        digested = time.perf_counter()
+        shared_memory.remove(shared_memory.SHM_DIR, handle.name)  # released: the next move reuses it
+        elapsed = time.perf_counter() - start
+        assert read.shape == rows.shape
+        return elapsed
+
+    def digest() -> float:
+        start = time.perf_counter()
+        shared_memory.keyed_digest(raw, os.urandom(shared_memory.KEY_BYTES))
+        return time.perf_counter() - start
+
+    def carried() -> float:
+        start = time.perf_counter()
         data = encoder_pb2.EmbedResponse(embeddings=tensors.encode(rows)).SerializeToString()
         tensors.decode(encoder_pb2.EmbedResponse.FromString(data).embeddings, rank=2)
-        end = time.perf_counter()
-        assert read.shape == rows.shape
-        if repeat == 0:
-            first = middle - start
-        if repeat >= 2:
-            times["shm"].append(middle - start)
-            times["bytes"].append(end - digested)
-            times["digest"].append(digested - middle)
+        return time.perf_counter() - start
+
+    def cold() -> float:
+        evict()
+        return shm()
+
+    first = shm()
+    shm()
+    times = {
+        "shm": [shm() for _ in range(moves)],
+        "shm_cold": [cold() for _ in range(moves)],
+        "digest": [digest() for _ in range(moves)],
+        "bytes": [carried() for _ in range(repeats)],
+    }
     assert segments.num_created == maps.num_mapped == 1, "every move after the first reused its segment"
     segments.close()
     maps.close()
@@ -133,14 +169,15 @@ def transfer_ms(rows: torch.Tensor, repeats: int) -> dict[str, float]:
     }
 
 
-def undigested_ms(rows: torch.Tensor, repeats: int) -> float:
-    """The shared-memory move without its two digests, median ms: the same copy into a pooled segment,
-    link, open, read into the reader's memory and removal, to show what the digests cost."""
+def undigested_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> tuple[float, float]:
+    """The shared-memory move without its two digests, median ms, warm and cold (as in `transfer_ms`):
+    the same copy into a pooled segment, link, open, read into the reader's memory through its kept
+    mapping, and removal, to show what the digests cost."""
     raw = (rows.view(torch.int16) if rows.dtype.itemsize == 2 else rows).numpy().reshape(-1).view(np.uint8)
     segment = shared_memory.PooledSegment.create(shared_memory.SHM_DIR, len(raw))
     maps = shared_memory.SegmentMaps(shared_memory.SHM_DIR)
-    times = []
-    for repeat in range(repeats + 2):
+
+    def move() -> float:
         name = shared_memory.new_name(shared_memory.SEGMENT_PREFIX)
         start = time.perf_counter()
         np.copyto(np.frombuffer(segment.mapping, dtype=np.uint8, count=len(raw)), raw)
@@ -149,11 +186,18 @@ def undigested_ms(rows: torch.Tensor, repeats: int) -> float:
         with opened:
             assert opened.read_into(0, np.empty(len(raw), dtype=np.uint8))
         shared_memory.remove(shared_memory.SHM_DIR, name)
-        if repeat >= 2:
-            times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    def cold() -> float:
+        evict()
+        return move()
+
+    move(), move()
+    warm = statistics.median([move() for _ in range(2 * repeats + 1)]) * 1e3
+    cold_ms = statistics.median([cold() for _ in range(2 * repeats + 1)]) * 1e3
     maps.close()
     segment.close()
-    return statistics.median(times) * 1e3
+    return warm, cold_ms
 
 
 def copy_gbps(num_bytes: int, repeats: int = 20) -> float:
@@ -211,6 +255,7 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
     wide = LookupEmbedder(torch.randn(1024, 4096).to(torch.bfloat16), smol.tokenizer)
     elsewhere = Path(tempfile.mkdtemp(prefix="tandem-bench-other-host-"))
     sink_server, sink_address = await start_sink()
+    evict = Evictor()
     rows_out = []
     for name, num_rows, hidden in SPANS:
         embedder = wide if hidden == 4096 else smol
@@ -262,39 +307,45 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
         assert links["shm"].num_shared and not links["bytes"].num_shared, "shm used only when co-located"
         num_bytes = num_rows * hidden * 2
         copy = copy_gbps(num_bytes)
-        moved = transfer_ms(torch.randn(num_rows, hidden).to(torch.bfloat16), args.repeats)
+        span_rows = torch.randn(num_rows, hidden).to(torch.bfloat16)
+        moved = transfer_ms(span_rows, args.repeats, evict)
+        undigested, undigested_cold = undigested_ms(span_rows, args.repeats, evict)
+        dram = copy_gbps(DRAM_COPY_BYTES, repeats=3)  # beside the moves: the load changes by the minute
         row = {
             "span": name,
             "rows": num_rows,
             "hidden": hidden,
             "megabytes": num_bytes / 1e6,
             "copy_gbps": copy,
+            "dram_copy_gbps": dram,
             **{f"{path}_ms": statistics.median(times[path]) * 1e3 for path in PATHS},
             **{f"{path}_grpc_mb": wire[path] / 1e6 for path in PATHS},
+            "shm_transfer_ms": moved["shm"],
+            "shm_cold_transfer_ms": moved["shm_cold"],
+            "shm_first_transfer_ms": moved["shm_first"],
+            "bytes_transfer_ms": moved["bytes"],
+            "digest_ms": moved["digest"],
+            "shm_undigested_ms": undigested,
+            "shm_cold_undigested_ms": undigested_cold,
         }
-        row["shm_transfer_ms"], row["bytes_transfer_ms"] = moved["shm"], moved["bytes"]
-        row["shm_first_transfer_ms"], row["digest_ms"] = moved["shm_first"], moved["digest"]
-        row["shm_undigested_ms"] = undigested_ms(
-            torch.randn(num_rows, hidden).to(torch.bfloat16), args.repeats
-        )
-        shm_gbps = num_bytes / moved["shm"] / 1e6
-        row["shm_transfer_gbps"] = shm_gbps
-        undigested_gbps = num_bytes / row["shm_undigested_ms"] / 1e6
-        row["shm_undigested_gbps"] = undigested_gbps
-        row["shm_share_of_copy"] = shm_gbps / copy
-        row["shm_share_of_dram_copy"] = shm_gbps / args.dram_copy_gbps
+        for key in ("shm_transfer", "shm_cold_transfer", "shm_undigested", "shm_cold_undigested"):
+            row[f"{key}_gbps"] = num_bytes / row[f"{key}_ms"] / 1e6
+        row["shm_share_of_copy"] = row["shm_transfer_gbps"] / copy
+        row["shm_share_of_dram_copy"] = row["shm_transfer_gbps"] / dram
+        row["shm_cold_share_of_dram_copy"] = row["shm_cold_transfer_gbps"] / dram
         rows_out.append(row)
         print(
             f"{name:24s} {num_bytes / 1e6:7.2f} MB | carried {row['carried_ms']:7.2f} ms "
             f"{row['carried_grpc_mb']:6.2f} MB | bytes {row['bytes_ms']:7.2f} ms "
             f"{row['bytes_grpc_mb']:6.2f} MB | "
             f"shm {row['shm_ms']:7.2f} ms {row['shm_grpc_mb']:6.3f} MB || the move alone: bytes "
-            f"{moved['bytes']:6.2f} ms, shm {moved['shm']:6.2f} ms = {shm_gbps:5.2f} GB/s "
-            f"(first {moved['shm_first']:6.2f} ms; one digest {moved['digest']:5.2f} ms; without the "
-            f"digests {row['shm_undigested_ms']:5.2f} ms = {undigested_gbps:5.2f} GB/s), "
-            f"{100 * row['shm_share_of_copy']:3.0f} % of a same-size copy ({copy:5.2f} GB/s), "
-            f"{100 * row['shm_share_of_dram_copy']:3.0f} % of a 256 MiB copy "
-            f"({args.dram_copy_gbps:5.2f} GB/s)",
+            f"{moved['bytes']:6.2f} ms, shm {moved['shm']:6.2f} ms = {row['shm_transfer_gbps']:5.2f} GB/s, "
+            f"{100 * row['shm_share_of_dram_copy']:3.0f} % of a 256 MiB copy ({dram:5.2f} GB/s), "
+            f"{100 * row['shm_share_of_copy']:3.0f} % of a same-size copy ({copy:5.2f} GB/s); cold "
+            f"{moved['shm_cold']:6.2f} ms = {row['shm_cold_transfer_gbps']:5.2f} GB/s, "
+            f"{100 * row['shm_cold_share_of_dram_copy']:3.0f} %; first {moved['shm_first']:6.2f} ms; "
+            f"one digest {moved['digest']:5.2f} ms; without the digests {undigested:5.2f} ms = "
+            f"{row['shm_undigested_gbps']:5.2f} GB/s, cold {undigested_cold:5.2f} ms",
             flush=True,
         )
         await client.close()
@@ -402,7 +453,7 @@ async def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     model_dir = resolve_model(None, "bfloat16")
-    args.dram_copy_gbps = copy_gbps(256 << 20, repeats=5)
+    args.dram_copy_gbps = copy_gbps(DRAM_COPY_BYTES, repeats=5)
     report: dict[str, object] = {
         "machine": machine(),
         "loadavg_start": os.getloadavg(),
