@@ -158,11 +158,13 @@ def test_a_pool_segment_given_again_under_a_new_name_is_read_through_the_mapping
             assert opened.read_into(0, out) and out == bytes([round_]) * 4
         shm.remove(tmp_path, name)
     assert reader.num_mapped == 1 and reader.num_kept == 1
-    other = shm.PooledSegment.create(tmp_path, 4096)  # another file: a mapping of its own
+    other = shm.PooledSegment.create(tmp_path, 4096)  # another file, the same size: a mapping of its own
+    other.mapping[:4] = b"else"
     name = shm.new_name(shm.SEGMENT_PREFIX)
     other.link(name)
     with reader.open(name) as opened:
-        assert opened.read_into(0, bytearray(4))
+        out = bytearray(4)
+        assert opened.read_into(0, out) and out == b"else"  # its own bytes, never the kept file's
     assert reader.num_mapped == 2 and reader.num_kept == 2
     shm.remove(tmp_path, name)
     other.close()
