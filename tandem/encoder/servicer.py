@@ -4,9 +4,12 @@
 Request building (tokenizing included), embedding and Tokenize run on one worker thread, off the
 event loop (and tokenizers release the GIL), so health checks and reflection answer while a long
 input is being embedded; one thread because torch already uses every core for a single call, and
-embedders are not thread-safe. Embedding itself goes through the batcher: concurrent calls (text,
-token IDs, images) run as one batch on that thread (`batcher.py`, `batch.py`), an image's decoding
-included, so the event loop never touches image bytes beyond counting them.
+embedders are not thread-safe. Embedding itself goes through the batcher: concurrent calls run as
+one batch on that thread (`batcher.py`, `batch.py`), an image's decoding included, so the event loop
+never touches image bytes beyond counting them. A model that takes images keeps that thread for its
+tower, and text (building, Tokenize, its own batches of table lookups) gets a second one: a text
+Embed waited 4.3-8.8 s behind batches of large images, where it now takes its lookup's time. The two
+share nothing but the token table, which both only read.
 
 A call from a caller on this host that offers shared memory (a decoder fetching its `encoder` parts)
 gets its rows in a segment rather than in the reply (`shared_segments.py`), written by its batch.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -66,6 +69,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._max_input_tokens = config.max_input_tokens  # min(config, embedder limit) once attached
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
         self._batcher: Batcher[EmbedJob | ImageJob, EmbedOutput] | None = None  # once attached
+        # A model that takes images: text's own thread and batches, beside the tower's. Otherwise
+        # text shares the one worker (a projector's network runs fastest where it was loaded).
+        self._text_executor = self._executor
+        self._text_batcher: Batcher[EmbedJob | ImageJob, EmbedOutput] | None = None  # once attached
         self._image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
         self.segments = (
             SharedSegments(
@@ -95,10 +102,22 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             # millisecond) never does: a 2 ms wait took a lone text Embed from 0.73 to 2.9 ms.
             lambda job: wait_s if isinstance(job, ImageJob) else 0.0,
         )
+        self._text_batcher = self._batcher
+        if embedder.info.image_placeholder:
+            self._text_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder-text")
+            self._text_batcher = Batcher(
+                self._text_executor,
+                lambda jobs: run_batch(embedder, jobs),
+                self.config.max_batch_size,
+                _no_wait,
+            )
 
     def close(self) -> None:
+        if self._text_batcher is not None and self._text_batcher is not self._batcher:
+            self._text_batcher.close()
         if self._batcher is not None:
             self._batcher.close()
+        self._text_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         if self.segments is not None:
             self.segments.close()
@@ -165,16 +184,23 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 self.config.pooling,
             )
         else:
-            job = await self._run(
-                build_job, spec, embedder, self._max_input_tokens, max_message_bytes, self.config.pooling
+            job = await _on(
+                self._text_executor,
+                build_job,
+                spec,
+                embedder,
+                self._max_input_tokens,
+                max_message_bytes,
+                self.config.pooling,
             )
         if request.HasField("shared_memory") and self.segments is not None:
             target = self.segments.target(request.shared_memory)
             job = dataclasses.replace(job, shared=target) if target is not None else job
-        assert self._batcher is not None  # set with the embedder
+        batcher = self._batcher if isinstance(job, ImageJob) else self._text_batcher
+        assert batcher is not None  # set with the embedder
         # Embedding, an image's decoding and packing (a copy of up to max_message_bytes, into the
-        # reply or a segment) all run in the batch, on the worker thread.
-        output = await self._batcher.submit(job)
+        # reply or a segment) all run in the batch, on its worker thread.
+        output = await batcher.submit(job)
         self.num_embeds += 1
         is_shared = isinstance(output.embeddings, tensor_pb2.SharedTensor)
         return encoder_pb2.EmbedResponse(
@@ -195,7 +221,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         def tokenize_all() -> list[list[int]]:
             return [embedder.tokenize(text, add_special_tokens) for text in texts]
 
-        token_lists = await self._run(tokenize_all)
+        token_lists = await _on(self._text_executor, tokenize_all)
         tokens = [tensor_pb2.TokenIds(ids=ids) for ids in token_lists]
         return encoder_pb2.EncoderTokenizeResponse(tokens=tokens)
 
@@ -229,10 +255,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         """`fn(*args)` on the worker thread. The embedder is loaded there too: torch on 2 cores ran a
         SigLIP-B/16 tower 15-30 % slower on a thread other than the one that loaded its weights (the
         loader's OpenMP team and the worker's competing; measured in issue 33)."""
-        return await self._run(fn, *args)
+        return await _on(self._executor, fn, *args)
 
-    async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+async def _on(executor: Executor, fn: Callable[..., T], *args: object) -> T:
+    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+def _no_wait(job: object) -> float:
+    """Text batches wait for no company: a lookup costs less than any wait."""
+    return 0.0
 
 
 def _rows(response: encoder_pb2.EmbedResponse) -> tensor_pb2.Tensor | tensor_pb2.SharedTensor:

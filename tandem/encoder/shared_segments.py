@@ -71,7 +71,7 @@ class SharedSegments:
         self.lease_s = lease_s
         self.idle_s = idle_s
         self._slots: list[_Slot] = []
-        self._lock = threading.Lock()  # the worker thread writes, the sweeper sweeps
+        self._lock = threading.Lock()  # the worker threads (tower, text) write, the sweeper sweeps
         self.num_written = 0  # replies sent as segments (tests, the benchmark)
         self.num_expired = 0  # leases that ran out unread
         self.num_created = 0  # segments created: what the pool saves is num_written - num_created
@@ -119,7 +119,7 @@ class SharedSegments:
             raise
         with self._lock:
             slot.expires = time.monotonic() + self.lease_s  # the lease counts from the reply
-        self.num_written += 1
+            self.num_written += 1
         return handle
 
     @property
