@@ -5,6 +5,7 @@ caller never holds the rows. Tiny LLaVA, float32, both services on loopback."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,23 +204,39 @@ async def test_the_gateways_image_url_goes_to_the_decoders_encoder_never_through
     assert handoff.encoder.servicer.num_embeds == 1  # by the decoder's encoder (the broken one refused)
 
 
-async def test_tandem_chat_sends_an_image_to_a_decoder_with_an_encoder_as_an_encoder_part(
-    split: Split, handoff: Handoff, pictures: dict[str, Path]
-) -> None:
-    import sys
-
-    picture = pictures["landscape.png"]
-    image = await split.images.embed_image(picture.read_bytes())
-    expected, _ = await split.decoder.client.chat_text(
-        [{"role": "user", "content": [image, QUESTION]}], max_new_tokens=12, temperature=0
-    )
+async def _tandem_chat(decoder: Served, picture: Path) -> tuple[int, str, str]:
+    """`tandem chat --image picture` asking QUESTION once: its exit code, stdout and stderr."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tandem.cli", "chat", "--address", handoff.decoder.server.address,
+        sys.executable, "-m", "tandem.cli", "chat", "--address", decoder.server.address,
         "--encoder-address", "127.0.0.1:1",  # never used: the decoder fetches the rows itself
         "--image", str(picture), "--max-tokens", "12",
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(process.communicate(f"{QUESTION}\n".encode()), 120)
-    assert process.returncode == 0, err.decode()
-    assert out.decode().splitlines()[0] == f"assistant> {expected}"
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_tandem_chat_sends_an_image_to_a_decoder_with_an_encoder_as_an_encoder_part(
+    split: Split, handoff: Handoff, pictures: dict[str, Path]
+) -> None:
+    picture = pictures["landscape.png"]
+    image = await split.images.embed_image(picture.read_bytes())
+    expected, _ = await split.decoder.client.chat_text(
+        [{"role": "user", "content": [image, QUESTION]}], max_new_tokens=12, temperature=0
+    )
+    code, out, err = await _tandem_chat(handoff.decoder, picture)
+    assert code == 0, err
+    assert out.splitlines()[0] == f"assistant> {expected}"
     assert handoff.encoder.servicer.num_embeds == 1
+
+
+async def test_tandem_chat_names_the_image_file_the_decoders_encoder_refuses(
+    handoff: Handoff, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a picture")
+    code, _, err = await _tandem_chat(handoff.decoder, broken)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"tandem chat: --image {broken}: the encoder refused it: "), err
+    assert err.endswith("(the request's chat.messages[0].content[0].encoder)\n"), err
