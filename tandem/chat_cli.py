@@ -3,9 +3,11 @@
 The conversation is kept here and sent whole each turn as a `chat` request; the server renders it
 with the model's template and stops at its end-of-turn token. On a terminal each turn is prompted
 for; from a pipe or a file every line is one user turn, so a chat can be scripted. `/reset` forgets
-the conversation (the system message stays); end of input (Ctrl-D) ends the chat. `--image FILE` sends
-a picture through the encoder first and puts its rows in the first user turn (and again after a
-reset), where the model's template places an image: a LLaVA or SmolVLM checkpoint's.
+the conversation (the system message stays); end of input (Ctrl-D) ends the chat. `--image FILE` puts
+a picture in the first user turn (and again after a reset), where the model's template places an
+image: a LLaVA or SmolVLM checkpoint's. A decoder with an encoder of its own gets the picture as an
+encoder part and fetches its rows itself; otherwise the picture goes through `--encoder-address` first
+and its rows are sent.
 
 Ctrl-C during a reply cancels that reply only: its turn is forgotten and the prompt comes back. A
 second Ctrl-C with no line entered in between (or one at the prompt after a hint) leaves, exit 130.
@@ -31,7 +33,7 @@ import grpc
 
 from tandem.cli_errors import CallFlags, failure
 from tandem.client.channel import ChannelSecurity
-from tandem.client.client import DecoderClient, EncoderClient, ImageRows
+from tandem.client.client import DecoderClient, EncoderClient, EncoderPart, ImageRows
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     UINT32,
@@ -73,7 +75,11 @@ def command() -> click.Command:
                 multiple=True,
                 show_default="none",
             ),
-            option("--encoder-address", "the encoder, for --image", default="127.0.0.1:50051"),
+            option(
+                "--encoder-address",
+                "the encoder, for --image when the decoder has none of its own",
+                default="127.0.0.1:50051",
+            ),
             *structured_options(),
             *client_security_options(),
         ],
@@ -95,6 +101,9 @@ def _start(**values: Any) -> int:
     }
     if values["system"]:
         fields["chat.messages[0]"] = describe_flag("system")
+    first_turn = 1 if values["system"] else 0  # where the pictures go, on the first turn and after a reset
+    for j, path in enumerate(values["image"]):  # a part the decoder's encoder refuses names its file
+        fields[f"chat.messages[{first_turn}].content[{j}]"] = f"--image {path}"
     flags = CallFlags(f"{describe_flag('address')} {values['address']}", fields)
     encoder_flag = f"{describe_flag('encoder_address')} {values['encoder_address']}"
     args = argparse.Namespace(**values, structured=structured, flags=flags, encoder_flag=encoder_flag)
@@ -116,66 +125,80 @@ async def run_chat(
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
     opening = [{"role": "system", "content": args.system}] if args.system else []
-    history = list(opening)
-    interactive = stdin.isatty()
-    try:
-        images = await _embed_images(args, security)
-    except grpc.aio.AioRpcError as error:
-        line, code = failure(error, CallFlags(args.encoder_flag, {"image": "--image"}))
-        print(f"{PROG}: {line}", file=sys.stderr)
-        return code
-    pending_images = list(images)  # sent with the next user turn
     try:
         decoder = connect(args.address, security)
     except ValueError as error:  # an address it cannot use
         print(f"{PROG}: {args.flags.address}: {error}", file=sys.stderr)
         return 2
+    async with decoder as client:
+        return await _converse(args, client, security, opening, stdin, stdout)
+
+
+async def _converse(
+    args: argparse.Namespace,
+    client: DecoderClient,
+    security: ChannelSecurity,
+    opening: list[dict],
+    stdin: TextIO,
+    stdout: TextIO,
+) -> int:
+    """The turns over `client`, each --image in the first; the exit code."""
+    images: list[ImageRows | EncoderPart] = []
+    if args.image:
+        try:
+            fetches_rows = (await client.model_info()).accepts_encoder_parts
+        except grpc.aio.AioRpcError as error:
+            return _failed(error, args.flags)
+        try:
+            images = await _image_parts(args, fetches_rows, security)
+        except grpc.aio.AioRpcError as error:
+            return _failed(error, CallFlags(args.encoder_flag, {"image": "--image"}))
+    history = list(opening)
+    pending_images = list(images)  # sent with the next user turn
+    interactive = stdin.isatty()
     lines = _LineReader(stdin)
     interrupts = _Interrupts(asyncio.get_running_loop(), stdout, interactive)
     try:
-        async with decoder as client:
-            while True:
+        while True:
+            if interactive:
+                stdout.write("you> ")
+                stdout.flush()
+            line = await interrupts.unless_leaving(lines.next())
+            if line is None:  # a second Ctrl-C
+                stdout.write("\n")
+                return EXIT_INTERRUPTED
+            if not line:  # end of input: Ctrl-D on a terminal
                 if interactive:
-                    stdout.write("you> ")
-                    stdout.flush()
-                line = await interrupts.unless_leaving(lines.next())
-                if line is None:  # a second Ctrl-C
+                    stdout.write("\n")
+                return 0
+            interrupts.is_armed = False  # a line was entered: one Ctrl-C cancels again
+            text = line.rstrip("\n")
+            if text.strip() == RESET:
+                history = list(opening)
+                pending_images = list(images)
+                stdout.write("[conversation reset]\n")
+                continue
+            if not text.strip():
+                continue
+            turn = {"role": "user", "content": [*pending_images, text] if pending_images else text}
+            reply_task = asyncio.ensure_future(_stream_reply(client, [*history, turn], args, stdout))
+            interrupts.reply = reply_task
+            try:
+                reply = await reply_task
+            except asyncio.CancelledError:
+                if interrupts.is_leaving:
                     stdout.write("\n")
                     return EXIT_INTERRUPTED
-                if not line:  # end of input: Ctrl-D on a terminal
-                    if interactive:
-                        stdout.write("\n")
-                    return 0
-                interrupts.is_armed = False  # a line was entered: one Ctrl-C cancels again
-                text = line.rstrip("\n")
-                if text.strip() == RESET:
-                    history = list(opening)
-                    pending_images = list(images)
-                    stdout.write("[conversation reset]\n")
-                    continue
-                if not text.strip():
-                    continue
-                turn = {"role": "user", "content": [*pending_images, text] if pending_images else text}
-                reply_task = asyncio.ensure_future(_stream_reply(client, [*history, turn], args, stdout))
-                interrupts.reply = reply_task
-                try:
-                    reply = await reply_task
-                except asyncio.CancelledError:
-                    if interrupts.is_leaving:
-                        stdout.write("\n")
-                        return EXIT_INTERRUPTED
-                    stdout.write(f"\n[reply cancelled] {LEAVE_HINT}\n")  # the turn is forgotten
-                    continue
-                except grpc.aio.AioRpcError as error:
-                    stdout.write("\n")
-                    stdout.flush()
-                    line, code = failure(error, args.flags)
-                    print(f"{PROG}: {line}", file=sys.stderr)
-                    return code
-                finally:
-                    interrupts.reply = None
-                history += [turn, {"role": "assistant", "content": reply}]
-                pending_images = []
+                stdout.write(f"\n[reply cancelled] {LEAVE_HINT}\n")  # the turn is forgotten
+                continue
+            except grpc.aio.AioRpcError as error:
+                stdout.write("\n")
+                stdout.flush()
+                return _failed(error, args.flags)
+            finally:
+                interrupts.reply = None
+            history += [turn, {"role": "assistant", "content": reply}]
+            pending_images = []
     finally:
         interrupts.close()
 
@@ -258,10 +281,20 @@ class _LineReader:
         return self._next
 
 
-async def _embed_images(args: argparse.Namespace, security: ChannelSecurity) -> list[ImageRows]:
-    """Each --image's rows from the encoder, in order."""
-    if not getattr(args, "image", None):
-        return []
+def _failed(error: grpc.aio.AioRpcError, flags: CallFlags) -> int:
+    """Says on stderr that a call failed, naming the flag to change; the exit code."""
+    line, code = failure(error, flags)
+    print(f"{PROG}: {line}", file=sys.stderr)
+    return code
+
+
+async def _image_parts(
+    args: argparse.Namespace, fetches_rows: bool, security: ChannelSecurity
+) -> list[ImageRows | EncoderPart]:
+    """Each --image, in order: an encoder part when the decoder fetches the rows itself, else the
+    rows from --encoder-address."""
+    if fetches_rows:
+        return [EncoderPart(image=Path(path).read_bytes()) for path in args.image]
     async with EncoderClient(args.encoder_address, security=security) as encoder:
         return [await encoder.embed_image(Path(path).read_bytes()) for path in args.image]
 

@@ -129,6 +129,10 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
     if service == "decoder" and config.quantization_group_size is not None:
         argv += ["--quantization-group-size", str(config.quantization_group_size)]
     argv += ["--grace-s", f"{config.grace_s:g}"]
+    if service == "decoder" and config.tls_cert is None:
+        # Encoder parts: the decoder fetches their rows itself, over /dev/shm on this one host. (Its
+        # channel to the encoder speaks plaintext: with TLS the decoder takes no encoder parts.)
+        argv += ["--encoder", f"{_local(config.host)}:{config.encoder_port}"]
     for name in SECURITY_FIELDS:
         path = getattr(config, name)
         if path is not None:
@@ -138,7 +142,7 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
 
 def _gateway_command(config: UpConfig) -> list[str]:
     """The gateway in front of both services, with their token file (it passes callers' tokens on)."""
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    host = _local(config.host)
     argv = ["serve", "openai", "--host", config.host, "--port", str(config.openai_port)]
     argv += [
         "--decoder-address",
@@ -149,6 +153,11 @@ def _gateway_command(config: UpConfig) -> list[str]:
     if config.auth_token_file is not None:
         argv += ["--auth-token-file", str(config.auth_token_file)]
     return argv
+
+
+def _local(host: str) -> str:
+    """Where a service listening on `host` is reached from this host."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
 def command() -> click.Command:
@@ -401,7 +410,7 @@ def run_services(config: UpConfig) -> int:
 
 def ready_targets(config: UpConfig) -> dict[str, str]:
     """What each service is, by the target `tandem wait` (and `up` itself) probes it at."""
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    host = _local(config.host)
     targets = {
         "the encoder": f"{host}:{config.encoder_port}",
         "the decoder": f"{host}:{config.decoder_port}",

@@ -53,7 +53,29 @@ class ImageRows:
     rows: tensor_pb2.Tensor  # [n, hidden_size], the image's whole span
 
 
-Segment = str | Sequence[int] | tensor_pb2.Tensor  # text, token IDs, or packed embeddings
+@dataclass(frozen=True)
+class EncoderPart:
+    """An input whose rows the decoder fetches from its own encoder (a decoder started with --encoder:
+    GetModelInfo.accepts_encoder_parts), so they never pass through the caller. Exactly one field is
+    set; in a chat an image is placed by the model's template, as ImageRows are."""
+
+    image: bytes | None = None  # PNG, JPEG or WebP bytes
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+
+    def to_pb(self) -> encoder_pb2.EncoderInput:
+        given = [value is not None for value in (self.image, self.text, self.token_ids)]
+        if sum(given) != 1:
+            raise ValueError("an EncoderPart holds exactly one of image, text or token_ids")
+        if self.image is not None:
+            return encoder_pb2.EncoderInput(image=encoder_pb2.Image(data=self.image))
+        if self.text is not None:
+            return encoder_pb2.EncoderInput(text=self.text)
+        return encoder_pb2.EncoderInput(token_ids=tensor_pb2.TokenIds(ids=list(self.token_ids or ())))
+
+
+# text, token IDs, packed embeddings, or an input for the decoder's encoder
+Segment = str | Sequence[int] | tensor_pb2.Tensor | EncoderPart
 ChatPart = Segment | ImageRows
 ChatTurn = Mapping[str, str | Sequence[ChatPart]]  # {"role": "user", "content": "..." or [parts]}
 
@@ -65,6 +87,8 @@ def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]
             segments.append(decoder_pb2.PromptSegment(text=part))
         elif isinstance(part, tensor_pb2.Tensor):
             segments.append(decoder_pb2.PromptSegment(embeddings=part))
+        elif isinstance(part, EncoderPart):
+            segments.append(decoder_pb2.PromptSegment(encoder=part.to_pb()))
         else:
             segments.append(decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=list(part))))
     return segments
@@ -89,6 +113,8 @@ def chat_prompt(
                 turn.content.add(image=part.rows)
             elif isinstance(part, tensor_pb2.Tensor):
                 turn.content.add(embeddings=part)
+            elif isinstance(part, EncoderPart):
+                turn.content.add(encoder=part.to_pb())
             else:
                 turn.content.add(token_ids=tensor_pb2.TokenIds(ids=list(part)))
     if chat_template is not None:
@@ -323,7 +349,8 @@ class DecoderClient(_Client):
         """Start a chat stream: `messages` rendered with the model's chat template on the server.
 
         Each message is {"role": ..., "content": ...}; content is a string or a list of parts, each a
-        string (text), a Tensor (embeddings, e.g. the encoder's output) or a list of token IDs.
+        string (text), a Tensor (embeddings, e.g. the encoder's output), ImageRows, an EncoderPart (an
+        input the decoder's own encoder embeds) or a list of token IDs.
         """
         request = decoder_pb2.GenerateRequest(
             chat=chat_prompt(messages, add_generation_prompt, chat_template, template_kwargs)

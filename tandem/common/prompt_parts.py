@@ -1,4 +1,5 @@
-"""A piece of prompt (token IDs, text or embedding rows) and the rules every piece obeys.
+"""A piece of prompt (token IDs, text, embedding rows or the encoder's rows for an input) and the rules
+every piece obeys.
 
 Prompt segments (`GenerateSpec.prompt`), chat messages (`ChatMessage.content`) and the encoder's
 input are made of these pieces, so each rule is written once, here, and every front refuses a bad
@@ -12,6 +13,7 @@ with `check_token_id` and stay importable without torch.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,9 +41,29 @@ class EmbeddingPrompt:
     is_image: bool = False
 
 
+ENCODER_INPUTS = ("text", "token_ids", "image")
+
+
+@dataclass(frozen=True)
+class EncoderPrompt:
+    """The encoder's rows for an input, which the decoder fetches itself while the request is built
+    (tandem/decoder/api/encoder_parts.py): the caller sends the input, never the rows."""
+
+    kind: str  # one of ENCODER_INPUTS: what the encoder embeds
+    content: str | Sequence[int] | bytes  # the input as sent: text, token IDs, or a picture's bytes
+    # Settles with the rows, [n, hidden_size] in any float dtype, or with the error that failed the
+    # fetch; None on a decoder without an encoder (the part is refused).
+    rows: concurrent.futures.Future[torch.Tensor] | None = None
+
+    @property
+    def is_image(self) -> bool:
+        """A picture's rows: the chat template places them, as an `image` part's."""
+        return self.kind == "image"
+
+
 # A sequence of ints is token IDs: a list, or the proto's repeated field as it is (copying 16M IDs
 # into a list costs seconds and gigabytes before the length rule could refuse them).
-PromptPart = Sequence[int] | TextPrompt | EmbeddingPrompt
+PromptPart = Sequence[int] | TextPrompt | EmbeddingPrompt | EncoderPrompt
 
 
 def field_of(path: str, name: str) -> str:
@@ -51,7 +73,8 @@ def field_of(path: str, name: str) -> str:
 
 def check_part(part: PromptPart, path: str, hidden_size: int, accepts_embeddings: bool) -> None:
     """The rules of one piece that cost nothing per position: not empty; embeddings accepted here
-    (FailedPrecondition otherwise) and shaped [n >= 1, hidden_size]."""
+    (FailedPrecondition otherwise) and shaped [n >= 1, hidden_size]; an encoder part only where there
+    is an encoder to fetch its rows (its rows' shape is checked once they come: `check_rows`)."""
     if isinstance(part, TextPrompt):
         if not part.text:
             raise InvalidArgument(field_of(path, "text"), "must not be empty")
@@ -62,18 +85,42 @@ def check_part(part: PromptPart, path: str, hidden_size: int, accepts_embeddings
         shape = list(part.rows.shape)
         if len(shape) != 2 or shape[1] != hidden_size or shape[0] < 1:
             raise InvalidArgument(f"{field}.shape", f"expected [n >= 1, {hidden_size}], got {shape}")
+    elif isinstance(part, EncoderPrompt):
+        field = field_of(path, "encoder")
+        if part.rows is None:
+            raise FailedPrecondition(field, "this decoder has no encoder; start it with --encoder ADDR")
+        if not accepts_embeddings:
+            raise FailedPrecondition(field, "prompt embeddings are disabled on this server")
+        if not part.content:
+            raise InvalidArgument(
+                f"{field}.{part.kind}{'.ids' if part.kind == 'token_ids' else ''}", "must not be empty"
+            )
     elif not part:
         raise InvalidArgument(field_of(path, "token_ids.ids"), "must not be empty")
 
 
+def check_rows(rows: torch.Tensor, field: str, hidden_size: int) -> None:
+    """An encoder part's rows, once fetched: [n >= 1, hidden_size], as an embeddings part's."""
+    shape = list(rows.shape)
+    if len(shape) != 2 or shape[1] != hidden_size or shape[0] < 1:
+        raise InvalidArgument(
+            field,
+            f"the encoder's rows are {shape}, this model takes [n >= 1, {hidden_size}]: "
+            "serve the encoder with this decoder's model",
+        )
+
+
 def num_positions_at_least(parts: Sequence[PromptPart], max_token_chars: int) -> int:
     """Fewest positions `parts` can take, from sizes alone: IDs and rows counted, text at one position
-    per `max_token_chars` characters (tandem/common/text_bounds.py). Reads no ID, row or character."""
+    per `max_token_chars` characters (tandem/common/text_bounds.py), an encoder part at one. Reads no
+    ID, row or character."""
     return sum(
         min_positions(part.text, max_token_chars)
         if isinstance(part, TextPrompt)
         else part.rows.shape[0]
         if isinstance(part, EmbeddingPrompt)
+        else 1
+        if isinstance(part, EncoderPrompt)
         else len(part)
         for part in parts
     )

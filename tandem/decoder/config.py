@@ -189,11 +189,25 @@ class DecoderConfig:
     # With bearer tokens on, open Generate streams one token may hold over all its connections (a
     # token is one caller, api/caller.py): more connections do not buy more memory or slots.
     max_streams_per_token: int = 256
+    # Encoder parts (api/encoder_parts.py): the encoder the decoder fetches their rows from (host:port,
+    # several separated by commas, balanced, or dns:///name:port); "" = none, and such parts are
+    # refused. Its rows of recent inputs are kept up to this many bytes (0: none).
+    encoder_address: str = ""
+    encoder_cache_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("max_streams_per_connection", "max_streams_per_token"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.encoder_cache_bytes < 0:
+            raise ConfigError(
+                "encoder_cache_bytes", f"must be >= 0 (0: none), got {self.encoder_cache_bytes}"
+            )
+        if self.encoder_address and not all(a.strip() for a in self.encoder_address.split(",")):
+            raise ConfigError(
+                "encoder_address",
+                f"expected host:port, several separated by commas, got {self.encoder_address!r}",
+            )
         if self.world_size < 1:
             raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
         if self.collective_timeout_s <= 0:

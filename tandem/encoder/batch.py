@@ -25,7 +25,8 @@ from tandem.encoder.vision.image_span import PreparedImage
 
 @dataclass(frozen=True)
 class EmbedOutput:
-    embeddings: tensor_pb2.Tensor  # packed [num_rows, hidden_size]
+    # [num_rows, hidden_size]: packed, or in a shared-memory segment for a caller on this host
+    embeddings: tensor_pb2.Tensor | tensor_pb2.SharedTensor
     token_ids: list[int]  # what the rows came from (an image's span: its image tokens and markers)
     placeholder: str  # an image's: what its rows replace in the chat template; "" for text
 
@@ -38,7 +39,7 @@ def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[E
         try:
             if isinstance(job, EmbedJob):
                 rows = embedder.embed(job.token_ids, job.pooling)  # [num_rows, hidden_size]
-                results[i] = EmbedOutput(tensors.encode(rows, job.output_dtype), job.token_ids, "")
+                results[i] = EmbedOutput(_pack(rows, job), job.token_ids, "")
             else:
                 images.append((i, _prepare(embedder, job)))
         except Exception as error:
@@ -55,13 +56,23 @@ def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[E
         if job.pooling is Pooling.MEAN:
             rows = mean_pool(rows)  # [1, hidden_size]
         try:
-            packed = tensors.encode(rows, job.output_dtype)
+            packed = _pack(rows, job)
         except Exception as error:
             results[i] = error
             continue
         results[i] = EmbedOutput(packed, prepared.token_ids, embedder.info.image_placeholder)
     assert all(result is not None for result in results)
     return results  # type: ignore[return-value]
+
+
+def _pack(rows: torch.Tensor, job: EmbedJob | ImageJob) -> tensor_pb2.Tensor | tensor_pb2.SharedTensor:
+    """The rows as the reply carries them: in the job's shared-memory segment when it has one with
+    room, else packed into bytes."""
+    if job.shared is not None:
+        handle = job.shared.write(rows, job.output_dtype)
+        if handle is not None:
+            return handle
+    return tensors.encode(rows, job.output_dtype)
 
 
 def _alone(embedder: Embedder, prepared: PreparedImage) -> torch.Tensor | Exception:

@@ -16,6 +16,7 @@ from tandem.client.errors import ConfigError
 from tandem.common.dtypes import DTYPES
 from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import ServerOptions
+from tandem.common.shared_memory import SHM_DIR
 from tandem.encoder.embedder import Pooling
 
 EMBEDDERS = ("lookup", "soft-prompt", "projector")
@@ -50,6 +51,15 @@ class EncoderConfig:
     # to 2.9 ms, median of 200). Calls that arrive while a batch runs form the next one in any case.
     max_batch_size: int = 8
     max_batch_wait_ms: float = 2.0
+    # Replies in shared memory for callers on this host (an Embed call's `shared_memory` offer, what a
+    # decoder started with --encoder sends): a pool of at most this many bytes and segments, leased or
+    # free (beyond them the reply carries bytes), each segment leased to one reply until its reader
+    # releases it or the lease runs out. 0 bytes: never. The directory is /dev/shm; tests point it
+    # elsewhere to be another host.
+    shared_memory_bytes: int = 1024 * 1024 * 1024
+    shared_memory_segments: int = 256
+    shared_memory_lease_s: float = 10.0
+    shared_memory_dir: Path = SHM_DIR
     server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
     model_name: str = ""  # reported by GetModelInfo and checked against requests; "" = directory name.
 
@@ -61,9 +71,23 @@ class EncoderConfig:
         if not isinstance(self.pooling, Pooling):
             raise ConfigError("pooling", f"must be one of {[p.value for p in Pooling]}, got {self.pooling!r}")
         self._check_quantization()
-        for name in ("max_input_tokens", "max_image_bytes", "max_image_pixels", "max_batch_size"):
+        for name in (
+            "max_input_tokens",
+            "max_image_bytes",
+            "max_image_pixels",
+            "max_batch_size",
+            "shared_memory_segments",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.shared_memory_bytes < 0:
+            raise ConfigError(
+                "shared_memory_bytes", f"must be >= 0 (0: never), got {self.shared_memory_bytes}"
+            )
+        if not 0.1 <= self.shared_memory_lease_s <= 3600:
+            raise ConfigError(
+                "shared_memory_lease_s", f"must be in [0.1, 3600] seconds, got {self.shared_memory_lease_s}"
+            )
         if not 0 <= self.max_batch_wait_ms <= 1000:
             raise ConfigError("max_batch_wait_ms", f"must be in [0, 1000], got {self.max_batch_wait_ms}")
         # Each path belongs to one embedder: a path given to another one is a mistake, not a no-op.

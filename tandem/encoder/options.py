@@ -85,6 +85,18 @@ def settings() -> list[Setting]:
             type=float,
         ),
         _config(
+            "--shared-memory-bytes",
+            "most bytes of the pool of shared-memory segments for replies to callers on this host (a "
+            "decoder with --encoder), leased or free; beyond it replies carry bytes; 0: never",
+            type=int,
+        ),
+        _config("--shared-memory-segments", "most segments in that pool, leased or free", type=int),
+        _config(
+            "--shared-memory-lease-s",
+            "seconds a reply's segment stays leased to its reader before the encoder takes it back",
+            type=float,
+        ),
+        _config(
             "--model-name",
             "model name reported and checked against requests",
             default=None,
@@ -116,6 +128,9 @@ def config_from_options(values: Mapping[str, Any]) -> EncoderConfig:
         max_image_pixels=values["max_image_pixels"],
         max_batch_size=values["max_batch_size"],
         max_batch_wait_ms=values["max_batch_wait_ms"],
+        shared_memory_bytes=values["shared_memory_bytes"],
+        shared_memory_segments=values["shared_memory_segments"],
+        shared_memory_lease_s=values["shared_memory_lease_s"],
         server=server_options(values),
         model_name=values["model_name"] or model_display_name(Path(model)),
     )

@@ -24,6 +24,7 @@ from tandem.common.prompt_parts import TextPrompt, check_part, check_token_ids, 
 from tandem.common.text_bounds import check_fits
 from tandem.common.wire_limits import check_request_id
 from tandem.encoder.embedder import Embedder, Pooling
+from tandem.encoder.shared_segments import SharedTarget
 
 # Room in a response for everything but the tensor bytes: token IDs (up to 5 bytes each) and framing.
 RESPONSE_OVERHEAD_BYTES = 4096
@@ -54,6 +55,7 @@ class EmbedJob:
     token_ids: list[int]  # [num_tokens], at least one, each in the embedder's vocabulary
     pooling: Pooling
     output_dtype: torch.dtype | None  # None: the embedder's native dtype
+    shared: SharedTarget | None = None  # the rows go to shared memory when they can (shared_segments.py)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class ImageJob:
     max_image_pixels: int
     max_input_tokens: int  # the span's rows count as positions
     max_message_bytes: int
+    shared: SharedTarget | None = None  # the rows go to shared memory when they can (shared_segments.py)
 
 
 @dataclass(frozen=True)

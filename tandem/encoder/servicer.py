@@ -11,6 +11,9 @@ tower, and text (building, Tokenize, its own batches of table lookups) gets a se
 Embed waited 4.3-8.8 s behind batches of large images, where it now takes its lookup's time. The two
 share nothing but the token table, which both only read.
 
+A call from a caller on this host that offers shared memory (a decoder fetching its `encoder` parts)
+gets its rows in a segment rather than in the reply (`shared_segments.py`), written by its batch.
+
 With telemetry on, each Embed gets an `embeddings {model}` span (a child of the gRPC server span)
 and a request-duration point.
 """
@@ -18,6 +21,7 @@ and a request-duration point.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TypeVar
@@ -46,6 +50,7 @@ from tandem.encoder.request import (
     build_image_job,
     build_job,
 )
+from tandem.encoder.shared_segments import SharedSegments
 
 T = TypeVar("T")
 
@@ -69,6 +74,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._text_executor = self._executor
         self._text_batcher: Batcher[EmbedJob | ImageJob, EmbedOutput] | None = None  # once attached
         self._image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
+        self.segments = (
+            SharedSegments(
+                config.shared_memory_dir,
+                config.shared_memory_bytes,
+                config.shared_memory_segments,
+                config.shared_memory_lease_s,
+            )
+            if config.shared_memory_bytes > 0
+            else None
+        )
+        self.num_embeds = 0  # Embed calls answered (what a caller's embedding cache saves)
         # None when telemetry is off: Embed then records nothing at all.
         self._telemetry = telemetry if telemetry is not None and telemetry.is_enabled else None
         self._metrics = otel.ServerMetrics(telemetry.meter) if self._telemetry is not None else None
@@ -103,6 +119,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self._batcher.close()
         self._text_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)
+        if self.segments is not None:
+            self.segments.close()
 
     def max_embed_request_bytes(self) -> int | None:
         """The most bytes an Embed request can usefully have (None until attached): max_input_tokens
@@ -140,7 +158,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 {
                     otel.GEN_AI_RESPONSE_ID: response.request_id,
                     otel.GEN_AI_USAGE_INPUT_TOKENS: response.usage.input_tokens,
-                    otel.GEN_AI_EMBEDDINGS_DIMENSION_COUNT: response.embeddings.shape[-1],
+                    otel.GEN_AI_EMBEDDINGS_DIMENSION_COUNT: _rows(response).shape[-1],
                 }
             )
             return response
@@ -175,17 +193,22 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 max_message_bytes,
                 self.config.pooling,
             )
+        if request.HasField("shared_memory") and self.segments is not None:
+            target = self.segments.target(request.shared_memory)
+            job = dataclasses.replace(job, shared=target) if target is not None else job
         batcher = self._batcher if isinstance(job, ImageJob) else self._text_batcher
         assert batcher is not None  # set with the embedder
-        # Embedding, an image's decoding and packing (a copy of up to max_message_bytes) all run in
-        # the batch, on its worker thread.
+        # Embedding, an image's decoding and packing (a copy of up to max_message_bytes, into the
+        # reply or a segment) all run in the batch, on its worker thread.
         output = await batcher.submit(job)
+        self.num_embeds += 1
+        is_shared = isinstance(output.embeddings, tensor_pb2.SharedTensor)
         return encoder_pb2.EmbedResponse(
             request_id=job.request_id,
-            embeddings=output.embeddings,
             token_ids=tensor_pb2.TokenIds(ids=output.token_ids),
             usage=tensor_pb2.Usage(input_tokens=len(output.token_ids)),
             placeholder=output.placeholder,
+            **{"shared_embeddings" if is_shared else "embeddings": output.embeddings},  # type: ignore[arg-type]
         )
 
     async def Tokenize(
@@ -242,6 +265,10 @@ async def _on(executor: Executor, fn: Callable[..., T], *args: object) -> T:
 def _no_wait(job: object) -> float:
     """Text batches wait for no company: a lookup costs less than any wait."""
     return 0.0
+
+
+def _rows(response: encoder_pb2.EmbedResponse) -> tensor_pb2.Tensor | tensor_pb2.SharedTensor:
+    return response.shared_embeddings if response.HasField("shared_embeddings") else response.embeddings
 
 
 def _spec_from_pb(request: encoder_pb2.EmbedRequest) -> EmbedSpec:

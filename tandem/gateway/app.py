@@ -162,10 +162,15 @@ class Gateway:
         return web.json_response({"object": "list", "data": [card]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        limits = BodyLimits.for_chat((await self._decoder(request)).max_context_tokens)
-        call = await self._convert(request, requests.chat_request, limits)
+        info = await self._decoder(request)
+        call = await self._convert(
+            request, requests.chat_request, BodyLimits.for_chat(info.max_context_tokens)
+        )
         assert isinstance(call, GenerateCall)
-        await self._embed_images(request, call)
+        if info.accepts_encoder_parts:
+            requests.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
+        else:
+            await self._embed_images(request, call)
         return await self._complete(request, call, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -91,6 +91,7 @@ def from_grpc(error: grpc.aio.AioRpcError, structured_field: str | None = None) 
 # A service's field path -> the body's (first matching prefix).
 BODY_FIELDS = (
     ("chat.messages", "messages"),
+    ("].encoder", "].image_url"),  # the gateway sends only image_url parts as encoder parts
     ("stopping.max_new_tokens", "max_tokens"),
     ("stopping.min_new_tokens", "min_tokens"),
     ("stopping.stop_sequences", "stop"),

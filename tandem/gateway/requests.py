@@ -8,7 +8,8 @@ Tandem's extension, in a prompt or a message's content: a part
 checked by the decoder exactly as a gRPC Tensor is (`tandem/common/tensors.py`); nothing is ever
 unpickled or `torch.load`ed. `{"type": "tandem_image_embeddings", ...}` is the same rows as an image part
 (the encoder's output for an image; the template places it). OpenAI's own image part, `image_url`
-with a data: URL, is sent to the encoder first and its rows placed the same way.
+with a data: URL, is sent to the encoder first and its rows placed the same way; or, when the decoder
+has an encoder of its own, it goes to the decoder as an encoder part, whose rows the decoder fetches.
 
 Every repeated field is counted (`body_limits.py`) before the first element is converted, and each
 function returns what its handler needs of the body (`GenerateCall`, `EmbedCall`), so that a large
@@ -212,6 +213,14 @@ def _content_parts(
                 "tandem_image_embeddings",
             )
     return parts
+
+
+def as_encoder_parts(call: GenerateCall) -> None:
+    """Each image_url part of `call` as an encoder part of its file, for a decoder that fetches the
+    rows from its encoder itself: they never pass through the gateway."""
+    for image in call.images:
+        part = call.request.chat.messages[image.message].content[image.part]
+        part.encoder.CopyFrom(encoder_pb2.EncoderInput(image=encoder_pb2.Image(data=image.data)))
 
 
 def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:

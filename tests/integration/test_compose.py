@@ -83,10 +83,26 @@ def _up_config(model_dir: str) -> UpConfig:
     )
 
 
+def _compose_argv(service: str, model_dir: str) -> list[str]:
+    """`tandem up`'s argv for `service`, the decoder's encoder named as compose names it."""
+    argv = serve_command(service, _up_config(model_dir))
+    if service == "decoder":
+        flag = argv.index("--encoder") + 1
+        assert argv[flag] == f"127.0.0.1:{PORTS['encoder']}"
+        argv[flag] = f"encoder:{PORTS['encoder']}"
+    return argv
+
+
 def test_compose_services_run_the_argv_tandem_up_runs() -> None:
     services = compose_config()["services"]
     for name in ("encoder", "decoder"):
-        assert services[name]["command"] == ["tandem", *serve_command(name, _up_config(IMAGE_MODEL_DIR))]
+        assert services[name]["command"] == ["tandem", *_compose_argv(name, IMAGE_MODEL_DIR)]
+
+
+def test_compose_decoders_share_the_encoders_shared_memory() -> None:
+    services = compose_config()["services"]
+    assert services["encoder"]["ipc"] == "shareable"
+    assert services["decoder"]["ipc"] == "service:encoder"
 
 
 def test_compose_model_and_its_volume_are_overridable_by_environment() -> None:
@@ -94,7 +110,7 @@ def test_compose_model_and_its_volume_are_overridable_by_environment() -> None:
         "services"
     ]
     for name in ("encoder", "decoder"):
-        assert services[name]["command"] == ["tandem", *serve_command(name, _up_config("/models/my-qwen3"))]
+        assert services[name]["command"] == ["tandem", *_compose_argv(name, "/models/my-qwen3")]
         assert services[name]["volumes"] == ["/srv/models:/models:rw"]
 
 

@@ -126,9 +126,19 @@ def test_serve_command_passes_dtype_to_both_and_world_size_and_device_to_the_dec
         "serve", "encoder", "--model", "/m", "--host", "0.0.0.0", "--port", "1", "--dtype", "float32",
         "--grace-s", "1",
     ]  # fmt: skip
-    assert serve_command("decoder", config)[-8:] == [
+    assert serve_command("decoder", config)[-10:] == [
         "--dtype", "float32", "--world-size", "2", "--device", "neuron", "--grace-s", "1",
+        "--encoder", "127.0.0.1:1",
     ]  # fmt: skip
+
+
+def test_serve_command_points_the_decoder_at_the_encoder_for_its_encoder_parts() -> None:
+    config = UpConfig(Path("/m"), "10.0.0.5", 7, 8, dtype=None, world_size=None)
+    decoder = serve_command("decoder", config)
+    assert decoder[decoder.index("--encoder") + 1] == "10.0.0.5:7"
+    assert "--encoder" not in serve_command("encoder", config)
+    with_tls = UpConfig(Path("/m"), "10.0.0.5", 7, 8, None, None, tls_cert=Path("c"), tls_key=Path("k"))
+    assert "--encoder" not in serve_command("decoder", with_tls)  # its channel to the encoder is plaintext
 
 
 def test_serve_command_passes_gguf_quantization_to_the_decoder_only() -> None:

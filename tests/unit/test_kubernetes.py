@@ -62,7 +62,12 @@ def test_each_deployment_runs_what_tandem_up_runs_and_stops_after_its_grace(serv
     spec = _one("Deployment", f"tandem-{service}")["spec"]["template"]["spec"]
     [container] = spec["containers"]
     up = UpConfig(IMAGE_MODEL_DIR, "0.0.0.0", PORTS["encoder"], PORTS["decoder"], dtype=None, world_size=None)
-    assert container["command"] == ["tandem", *serve_command(service, up)]
+    expected = serve_command(service, up)
+    if service == "decoder":  # its encoder by the headless Service's name, as the gateway's
+        flag = expected.index("--encoder") + 1
+        assert expected[flag] == f"127.0.0.1:{PORTS['encoder']}"
+        expected[flag] = f"dns:///tandem-encoder:{PORTS['encoder']}"
+    assert container["command"] == ["tandem", *expected]
     assert spec["terminationGracePeriodSeconds"] == up.grace_s + STOP_MARGIN_S
     assert container["ports"] == [{"name": "grpc", "containerPort": PORTS[service]}]
     resources = container["resources"]

@@ -24,12 +24,14 @@ from typing import Any
 import click
 import torch
 
+from tandem.client.channel import channel_target
 from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
 from tandem.common.model_cache import is_gguf_file, resolve_model
 from tandem.common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
+from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.api.options import config_from_options, settings
 from tandem.decoder.api.servicer import DecoderServicer
 from tandem.decoder.backends.backend import BackendUnavailable, check_available
@@ -101,6 +103,11 @@ def _checked_config(values: dict[str, Any]) -> tuple[DecoderConfig, RankInfo | N
         check_port_free(config.server.host, config.server.port)
     config = with_checkpoint_dir(config)
     check_model(config, 1 if rank is None else rank.world_size)
+    if config.encoder_address:
+        try:
+            channel_target(config.encoder_address)
+        except ValueError as error:
+            raise ConfigError("encoder_address", f": {error}") from None
     return config, rank
 
 
@@ -201,6 +208,15 @@ async def serve(
     # This thread only converts requests (small tensor ops): one intra-op thread, so it never holds
     # an OpenMP team that would slow the engine thread's steps.
     torch.set_num_threads(1)
+    if config.encoder_address:
+        servicer.encoder_parts = EncoderParts(
+            config.encoder_address,
+            engine.model_config.dtype,
+            config.server.max_message_bytes,
+            config.encoder_cache_bytes,
+            telemetry,
+        )
+        log.info("encoder parts are fetched from %s", config.encoder_address)
     servicer.engine = engine
     await running.set_serving()
     log.info("serving %s on port %d", config.model_name, running.port)
@@ -213,6 +229,8 @@ async def serve(
     watchdog.cancel()
     await drain(running, engine, config.server.grace_s)
     engine.shutdown()
+    if servicer.encoder_parts is not None:
+        await servicer.encoder_parts.close()
     telemetry.shutdown()  # flushes spans and metrics still buffered
     log.info("stopped")
     return healthy

@@ -198,6 +198,23 @@ def settings() -> list[Setting]:
             type=int,
             default=default_of(DecoderConfig, "max_streams_per_token"),
         ),
+        Setting(
+            ENV_PREFIX,
+            "--encoder",
+            "the encoder whose rows `encoder` prompt parts ask for: host:port (repeat it, or separate "
+            "several by commas: balanced) or dns:///name:port; fetched over shared memory on this host",
+            multiple=True,
+            default=(),
+            show_default="none: `encoder` parts are refused",
+            field="encoder_address",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--encoder-cache-bytes",
+            "rows of recent encoder inputs kept, so an input sent again is not encoded again; 0: none",
+            type=int,
+            default=default_of(DecoderConfig, "encoder_cache_bytes"),
+        ),
     ]
 
 
@@ -262,4 +279,6 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
         collective_timeout_s=values["collective_timeout_s"],
         max_streams_per_connection=values["max_streams_per_connection"],
         max_streams_per_token=values["max_streams_per_token"],
+        encoder_address=",".join(a.strip() for value in values["encoder"] for a in value.split(",")),
+        encoder_cache_bytes=values["encoder_cache_bytes"],
     )

@@ -3,7 +3,9 @@
 Every request rule is checked once, by the engine's request building (`engine/prompt.py`), so the
 in-process API rejects exactly what the wire rejects. What fails here is only what cannot be
 converted: a segment with nothing set, or an embedding tensor whose bytes do not match its dtype and
-shape (`tandem/common/tensors.py`). Errors name the field the way the proto does, e.g. `prompt[2].embeddings`.
+shape (`tandem/common/tensors.py`). An `encoder` part becomes an EncoderPrompt whose rows are not
+fetched yet (`encoder_parts.py` starts the fetch; a decoder without an encoder refuses it). Errors
+name the field the way the proto does, e.g. `prompt[2].embeddings`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import torch
 from google.protobuf import json_format
 
 from tandem.client.errors import InvalidArgument
-from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
 from tandem.common import tensors
-from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
+from tandem.common.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
@@ -75,9 +77,23 @@ def _part_from_pb(
         return EmbeddingPrompt(tensors.decode(part.embeddings, f"{field}.embeddings", limits=limits))
     if kind == "image":
         return EmbeddingPrompt(tensors.decode(part.image, f"{field}.image", limits=limits), is_image=True)
+    if kind == "encoder":
+        return _encoder_from_pb(part.encoder, f"{field}.encoder")
     raise InvalidArgument(
-        field, "set one of token_ids, embeddings or text" + (", or image" if oneof == "part" else "")
+        field,
+        "set one of token_ids, embeddings, text" + (", image" if oneof == "part" else "") + " or encoder",
     )
+
+
+def _encoder_from_pb(encoder: encoder_pb2.EncoderInput, field: str) -> EncoderPrompt:
+    kind = encoder.WhichOneof("input")
+    if kind == "text":
+        return EncoderPrompt(kind, encoder.text)
+    if kind == "token_ids":
+        return EncoderPrompt(kind, encoder.token_ids.ids)  # not copied, as a token_ids segment's
+    if kind == "image":
+        return EncoderPrompt(kind, encoder.image.data)
+    raise InvalidArgument(field, "set one of text, token_ids or image")
 
 
 def _structured_from_pb(structured: decoder_pb2.StructuredOutput) -> StructuredOutput:

@@ -1,11 +1,15 @@
 """`tandem.v1.Decoder`: convert, validate, delegate. No scheduling or tensor math lives here.
 
+With an encoder (`encoder_parts.py`), a call's `encoder` parts start fetching as soon as it is
+converted, and whatever ends the call cancels those still running.
+
 With telemetry on, each Generate gets a `text_completion {model}` span (a child of the gRPC server
 span) and its metrics; the engine's per-request timeline becomes span events once the request ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -21,6 +25,7 @@ from tandem.common.prompt_parts import EmbeddingPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.decoder.api import protocol
 from tandem.decoder.api.caller import caller_of
+from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.api.engine_metrics import observe_engine
 from tandem.decoder.api.request_width import check_width
 from tandem.decoder.api.stream_limit import StreamLimit
@@ -40,11 +45,13 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         max_streams_per_connection: int | None = None,  # None: no bound (stream_limit.py)
         identify_by_token: bool = False,  # bearer tokens are on: a caller is its token (caller.py)
         max_streams_per_token: int | None = None,  # with identify_by_token; None: no bound
+        encoder_parts: EncoderParts | None = None,  # None: `encoder` parts are refused
     ) -> None:
         self.model_name = model_name
         self.max_message_bytes = max_message_bytes
         self.world_size = world_size
         self.engine = engine  # None while loading: every RPC answers UNAVAILABLE
+        self.encoder_parts = encoder_parts
         self.streams = StreamLimit(max_streams_per_connection)
         self.identify_by_token = identify_by_token
         self.token_streams = StreamLimit(max_streams_per_token, "bearer token", "--max-streams-per-token")
@@ -70,6 +77,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                 self._telemetry, self._metrics, otel.OPERATION_TEXT_COMPLETION, self.model_name
             )
         is_finished = False
+        fetches: list[asyncio.Task] = []
         try:
             caller = caller_of(context.peer(), context.invocation_metadata(), self.identify_by_token)
             with self.streams.open(context.peer()), self._token_streams(caller):
@@ -78,6 +86,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                 check_width(request, engine.max_model_len)  # counts only: nothing converted yet
                 spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
                 spec = dataclasses.replace(spec, caller=caller)
+                if self.encoder_parts is not None:
+                    spec, fetches = self.encoder_parts.start(
+                        spec, context.invocation_metadata(), context.time_remaining()
+                    )
                 num_embedding_positions = _num_embedding_positions(spec)
                 if op is not None:
                     op.set(_request_attributes(spec, num_embedding_positions, self.world_size))
@@ -95,6 +107,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                 op.fail(exc)
             raise
         finally:
+            for fetch in fetches:  # the request is admitted or failed: nothing waits for these now
+                fetch.cancel()
             if op is not None:
                 op.end()
 
@@ -164,6 +178,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             max_queued_requests=engine.config.max_queue,
             has_chat_template=engine.chat_template.source is not None,
             image_placeholder=engine.chat_template.image_placeholder or "",
+            accepts_encoder_parts=self.encoder_parts is not None,
         )
 
 

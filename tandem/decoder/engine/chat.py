@@ -15,7 +15,8 @@ How parts keep their boundaries and caller text stays text:
   a start in one and an end in another, so caller text can never forge a control token, however it
   is split; the template's own control tokens stay.
 
-Images (a part with `is_image`): on a vision-language checkpoint every message's content is passed to
+Images (a part with `is_image`: an `image` part's rows, or an `encoder` part of a picture, whose rows
+its fetch brings): on a vision-language checkpoint every message's content is passed to
 the template as a list of `{"type": "text", "text": ...}` and `{"type": "image"}` items, as
 transformers' processors pass it (SmolVLM's template reads nothing else), so the checkpoint's own
 template decides where each image goes; elsewhere a message holding an image is passed so too. Every
@@ -41,7 +42,7 @@ import tokenizers
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common import vision_language
-from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
+from tandem.common.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.template_worker import TemplateFailed, TemplateWorkers
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -138,10 +139,11 @@ class ChatTemplate:
         for i, message in enumerate(chat.messages):
             pieces: list[str | None] = []  # None: an image, placed by the template
             for j, part in enumerate(message.content):
-                if isinstance(part, EmbeddingPrompt) and part.is_image:
+                if isinstance(part, EmbeddingPrompt | EncoderPrompt) and part.is_image:
                     path = f"chat.messages[{i}].content[{j}]"
                     if not self.image_placeholder:
-                        raise FailedPrecondition(f"{path}.image", "this model takes no images")
+                        kind = "encoder" if isinstance(part, EncoderPrompt) else "image"
+                        raise FailedPrecondition(f"{path}.{kind}", "this model takes no images")
                     images.append((path, part))
                     pieces.append(None)
                     continue

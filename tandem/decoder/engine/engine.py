@@ -31,7 +31,7 @@ from tandem.decoder.engine.core import EngineCore, EventCallback
 from tandem.decoder.engine.kv_cache import BlockManager
 from tandem.decoder.engine.loop import EngineThread
 from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished, FinishReason, OutputState
-from tandem.decoder.engine.prompt import GenerateSpec, build_request
+from tandem.decoder.engine.prompt import GenerateSpec, build_request, has_encoder_parts
 from tandem.decoder.engine.prompt_logprob_budget import PromptLogprobBudget, num_entries
 from tandem.decoder.engine.prompt_logprobs import PromptLogprobsBuffer
 from tandem.decoder.engine.request import Request
@@ -44,6 +44,8 @@ from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
 
 log = logging.getLogger(__name__)
+
+FETCHING_BUILDERS = 8  # requests built at once while they wait for their encoder parts' rows
 
 
 class RankGroup(ParallelGroup, Protocol):
@@ -125,6 +127,14 @@ class Engine:
             thread_name_prefix="tandem-chats",
             initializer=_init_builder_thread,
         )
+        # Requests with encoder parts build here: each waits for its encoder's rows (a vision tower's
+        # tens of milliseconds), which must hold up neither plain prompts nor chats; the threads only
+        # wait, so there can be several.
+        self._fetching_builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=FETCHING_BUILDERS,
+            thread_name_prefix="tandem-fetching",
+            initializer=_init_builder_thread,
+        )
 
     def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
         config = self.config
@@ -198,6 +208,7 @@ class Engine:
         """Stop the loop; requests still open end with UNAVAILABLE."""
         self._builder.shutdown(wait=False, cancel_futures=True)
         self._chat_builder.shutdown(wait=False, cancel_futures=True)
+        self._fetching_builder.shutdown(wait=False, cancel_futures=True)
         self.chat_template.close()
         self._thread.stop()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
@@ -352,9 +363,14 @@ class Engine:
             self._mailboxes,
             lambda on_event: self.submit(spec, on_event, progress),
             self.abort,
-            self._builder if spec.chat is None else self._chat_builder,
+            self._builder_for(spec),
             progress,
         )
+
+    def _builder_for(self, spec: GenerateSpec) -> concurrent.futures.Executor:
+        if has_encoder_parts(spec):
+            return self._fetching_builder
+        return self._builder if spec.chat is None else self._chat_builder
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Token IDs of each text, computed on the request-building thread (the GIL released)."""

@@ -9,6 +9,7 @@ fronts therefore reject exactly the same requests. The rules on one piece of pro
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import time
@@ -18,13 +19,15 @@ from dataclasses import dataclass, field
 import tokenizers
 import torch
 
-from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common import tensors
 from tandem.common.prompt_parts import (
     EmbeddingPrompt,
+    EncoderPrompt,
     PromptPart,
     TextPrompt,
     check_part,
+    check_rows,
     check_token_ids,
     field_of,
     num_positions_at_least,
@@ -42,7 +45,16 @@ from tandem.decoder.engine.structured import GrammarCompiler
 from tandem.decoder.models.config import ModelConfig
 
 # The prompt-part types are tandem/common/prompt_parts.py's; callers of the engine take them from here.
-__all__ = ["EmbeddingPrompt", "GenerateSpec", "PromptPart", "StructuredOutput", "TextPrompt", "build_request"]
+__all__ = [
+    "EmbeddingPrompt",
+    "EncoderPrompt",
+    "GenerateSpec",
+    "PromptPart",
+    "StructuredOutput",
+    "TextPrompt",
+    "build_request",
+    "has_encoder_parts",
+]
 
 
 @dataclass(frozen=True)
@@ -83,8 +95,10 @@ def build_request(
     are accepted, and their shape; a bound on the length from sizes alone (token ids and rows
     counted, text at most one position per `max_token_chars` characters), so a prompt that cannot
     fit costs nothing per position; then what reads every position (token ids against the
-    vocabulary, tokenizing text) and the context length; only then the embedding rows, cast to the
-    model dtype (the one cast), checked finite in it and digested for prefix caching. A chat takes
+    vocabulary, tokenizing text), then the rows of encoder parts, waited for only now (their fetch
+    started with the call, api/encoder_parts.py, and overlaps all of the above) and shaped like
+    embeddings, and the context length; only then the embedding rows, cast to the model dtype (the
+    one cast), checked finite in it and digested for prefix caching. A chat takes
     the same path as `prompt` segments: its parts are checked where the caller put them, and its
     rendering (the template's text and the caller's parts, each with its field path) is read like
     segments. An empty prompt is Request's own rule. Errors name the request field: InvalidArgument,
@@ -129,12 +143,27 @@ def build_request(
         assert chat_template is not None
         located = chat_template.render(spec.chat)
     literal = chat_template.literal_tokenizer if chat_template is not None else None
-    positions = [(path, _positions(path, part, tokenizer, literal, vocab)) for path, part in located]
-    num_positions = sum(len(p) if isinstance(p, list) else p.shape[0] for _, p in positions)
+    # Every other part first: the encoder's rows are waited for last, their fetch overlapping the rest.
+    positions: list[list[int] | torch.Tensor | None] = [
+        None if isinstance(part, EncoderPrompt) else _positions(path, part, tokenizer, literal, vocab)
+        for path, part in located
+    ]
+    for i, (path, part) in enumerate(located):
+        if isinstance(part, EncoderPrompt):
+            positions[i] = _fetched_rows(
+                field_of(path, "encoder"), part, model_config.hidden_size, spec.deadline
+            )
+    num_positions = sum(len(p) if isinstance(p, list) else p.shape[0] for p in positions)  # type: ignore[union-attr]
     stopping = _fit_context(spec, num_positions, max_model_len, field_name)
     segments = [
-        TokenSegment(p) if isinstance(p, list) else _embedding_segment(path, p, model_config.dtype)
-        for path, p in positions
+        TokenSegment(p)
+        if isinstance(p, list)
+        else _embedding_segment(
+            field_of(path, "encoder" if isinstance(part, EncoderPrompt) else "embeddings"),
+            p,
+            model_config.dtype,
+        )
+        for (path, part), p in zip(located, positions, strict=True)
     ]
     request = Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
     request.num_speculative_tokens = speculative_tokens
@@ -142,6 +171,27 @@ def build_request(
     if spec.structured is not None and grammars is not None:  # last: compiling is the dearest rule
         request.constraint = grammars().constraint(spec.structured)
     return request
+
+
+def has_encoder_parts(spec: GenerateSpec) -> bool:
+    """Whether building the request waits for an encoder's rows (then not on a thread others share)."""
+    parts = spec.prompt if spec.chat is None else [part for m in spec.chat.messages for part in m.content]
+    return any(isinstance(part, EncoderPrompt) and part.rows is not None for part in parts)
+
+
+def _fetched_rows(field: str, part: EncoderPrompt, hidden_size: int, deadline: float | None) -> torch.Tensor:
+    """An encoder part's rows, once its fetch settles: [n, hidden_size]. Its errors are the fetch's."""
+    assert part.rows is not None  # check_part's
+    try:
+        rows = part.rows.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        raise DeadlineExceeded(
+            f"{field}: the deadline passed while the encoder's rows were fetched"
+        ) from None
+    except concurrent.futures.CancelledError:
+        raise Unavailable(f"{field}: the fetch of the encoder's rows was cancelled") from None
+    check_rows(rows, field, hidden_size)
+    return rows
 
 
 def _located_parts(spec: GenerateSpec) -> list[LocatedPart]:
@@ -212,12 +262,12 @@ def _fit_context(
     return stopping
 
 
-def _embedding_segment(path: str, rows: torch.Tensor, dtype: torch.dtype) -> EmbeddingSegment:
+def _embedding_segment(field: str, rows: torch.Tensor, dtype: torch.dtype) -> EmbeddingSegment:
     # The one cast to the model dtype, then the checks on what the model will see: a value finite on
     # the wire can overflow to inf in it (float32 3.4e38 in bf16, anything past 65,504 in fp16), and
     # its NaN keys and values would reach the KV cache. The digest then keys those exact rows.
     rows = rows.to(dtype)
-    tensors.require_finite(rows, field_of(path, "embeddings"))
+    tensors.require_finite(rows, field)
     return EmbeddingSegment(rows, rows.shape[0], _row_digests(rows))
 
 

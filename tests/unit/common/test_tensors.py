@@ -144,3 +144,110 @@ def test_random_garbage_either_decodes_consistently_or_raises_invalid_argument(d
         return
     assert list(decoded.shape) == shape
     assert decoded.numel() * decoded.element_size() == len(data)
+
+
+# -- SharedTensor: a tensor in a shared-memory segment --------------------------------------------
+
+
+@pytest.fixture
+def reader(tmp_path):
+    """The reader's mappings of the segments it is given."""
+    from tandem.common import shared_memory as shm
+
+    made = shm.SegmentMaps(tmp_path)
+    yield made
+    made.close()
+
+
+def _shared(tmp_path, reader, rows: torch.Tensor, dtype: torch.dtype | None = None, spare: int = 0):
+    """`rows` written into a new pool segment (with `spare` bytes after them), opened by a call's name:
+    the handle, the reader's open segment, the key and the writer's mapping."""
+    import os
+
+    from tandem.common import shared_memory as shm
+
+    name, key = shm.new_name(shm.SEGMENT_PREFIX), os.urandom(32)
+    segment = shm.PooledSegment.create(tmp_path, tensors.shared_num_bytes(rows, dtype) + spare)
+    segment.link(name)
+    handle = tensors.encode_shared(rows, segment.mapping, name, key, 5.0, dtype)
+    return handle, reader.open(name), key, segment.mapping
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_shared_tensor_round_trips_cast_on_the_way(tmp_path, reader, dtype: torch.dtype) -> None:
+    rows = torch.randn(6, 10)
+    handle, segment, key, _ = _shared(tmp_path, reader, rows, dtype)
+    assert handle.dtype == tensors.to_wire_dtype(dtype) and list(handle.shape) == [6, 10]
+    decoded = tensors.decode_shared(handle, segment, key, "rows", rank=2, last_dim=10)
+    assert torch.equal(decoded, rows.to(dtype))
+
+
+def test_a_shared_tensor_is_the_readers_own_copy_which_the_segment_written_again_leaves_alone(
+    tmp_path,
+    reader,
+) -> None:
+    rows = torch.randn(2, 4)
+    handle, segment, key, written = _shared(tmp_path, reader, rows)
+    decoded = tensors.decode_shared(handle, segment, key)
+    written[:] = bytes(len(written))  # the pool's next call
+    assert torch.equal(decoded, rows)
+    decoded += 1  # and it may be written: nobody else holds it
+    assert torch.equal(decoded, rows + 1)
+
+
+def test_a_segment_written_again_before_it_is_read_fails_the_digest(tmp_path, reader) -> None:
+    """A reader late past its lease, whose segment the pool gave to the next call: never other rows."""
+    handle, segment, key, written = _shared(tmp_path, reader, torch.randn(3, 4))
+    np.frombuffer(written, dtype=np.float32)[:] = torch.randn(12).numpy()
+    with pytest.raises(InvalidArgument, match=r"rows\.digest: does not match"):
+        tensors.decode_shared(handle, segment, key, "rows")
+
+
+def test_a_changed_byte_or_another_key_fails_the_digest(tmp_path, reader) -> None:
+    import os
+
+    handle, segment, key, _ = _shared(tmp_path, reader, torch.randn(3, 4))
+    with pytest.raises(InvalidArgument, match=r"rows\.digest: does not match"):
+        tensors.decode_shared(handle, segment, os.urandom(len(key)), "rows")
+    path = tmp_path / handle.name
+    altered = bytearray(path.read_bytes())
+    altered[9] ^= 1
+    path.write_bytes(bytes(altered))
+    with pytest.raises(InvalidArgument, match=r"rows\.digest"):
+        tensors.decode_shared(handle, segment, key, "rows")
+
+
+def test_a_handle_past_its_segment_is_refused_before_reading(tmp_path, reader) -> None:
+    handle, segment, key, _ = _shared(tmp_path, reader, torch.randn(3, 4), spare=4)
+    longer = tensor_pb2.SharedTensor()
+    longer.CopyFrom(handle)
+    longer.shape[:] = [4, 4]  # 16 bytes more than the 48 + 4 the segment holds
+    with pytest.raises(InvalidArgument, match=r"rows\.shape: 64 bytes .* past the segment's 52 bytes"):
+        tensors.decode_shared(longer, segment, key, "rows")
+    shifted = tensor_pb2.SharedTensor()
+    shifted.CopyFrom(handle)
+    shifted.offset = 8  # 8 + 48 > 52
+    with pytest.raises(InvalidArgument, match=r"rows\.shape"):
+        tensors.decode_shared(shifted, segment, key, "rows")
+    shifted.offset = 2
+    with pytest.raises(InvalidArgument, match=r"rows\.offset: 2 is not a multiple of the element size 4"):
+        tensors.decode_shared(shifted, segment, key, "rows")
+    shifted.offset = 2**63  # no wrap-around to a small end
+    with pytest.raises(InvalidArgument, match=r"rows\.shape: .* at offset 9223372036854775808 run past"):
+        tensors.decode_shared(shifted, segment, key, "rows")
+
+
+def test_a_shared_handle_is_checked_like_a_tensor(tmp_path, reader) -> None:
+    handle, segment, key, _ = _shared(tmp_path, reader, torch.randn(3, 4))
+    for change, match in (
+        (lambda h: setattr(h, "dtype", tensor_pb2.DATA_TYPE_INT32), r"rows\.dtype"),
+        (lambda h: h.shape.__setitem__(slice(None), [12]), r"rows\.shape: expected rank 2"),
+        (lambda h: h.shape.__setitem__(slice(None), [4, 3]), r"rows\.shape: last dimension must be 4"),
+        (lambda h: h.shape.__setitem__(slice(None), [0, 4]), r"rows\.shape: dimension 0 is 0"),
+        (lambda h: h.shape.__setitem__(slice(None), [2**40, 4]), r"rows\.shape: .* exceed the limit"),
+    ):
+        forged = tensor_pb2.SharedTensor()
+        forged.CopyFrom(handle)
+        change(forged)
+        with pytest.raises(InvalidArgument, match=match):
+            tensors.decode_shared(forged, segment, key, "rows", rank=2, last_dim=4)

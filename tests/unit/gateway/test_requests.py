@@ -147,6 +147,16 @@ def test_an_image_url_part_becomes_an_empty_image_part_with_its_file_kept_in_ord
     assert part.WhichOneof("part") == "image" and part.image.ByteSize() == 0
 
 
+def test_for_a_decoder_with_an_encoder_an_image_url_part_becomes_an_encoder_part_of_its_file() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAEC"}}
+    content = [image, {"type": "text", "text": "b"}, image]
+    call = requests.chat_request({"messages": [{"role": "user", "content": content}]}, LIMITS)
+    requests.as_encoder_parts(call)
+    parts = call.request.chat.messages[0].content
+    assert [part.WhichOneof("part") for part in parts] == ["encoder", "text", "encoder"]
+    assert [parts[0].encoder.image.data, parts[2].encoder.image.data] == [b"\x00\x01\x02"] * 2
+
+
 def test_what_the_answer_needs_of_the_body_is_kept() -> None:
     call = requests.chat_request(
         CHAT

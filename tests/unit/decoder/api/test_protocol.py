@@ -66,3 +66,31 @@ def test_a_chat_parts_tensor_errors_name_the_part_not_a_prompt_segment() -> None
     with pytest.raises(InvalidArgument) as caught:
         spec_from_pb(request, tensors.DEFAULT_LIMITS, None)
     assert caught.value.field.startswith("chat.messages[0].content[1].embeddings"), caught.value.field
+
+
+def test_an_encoder_part_is_converted_unfetched_and_an_empty_one_names_its_field() -> None:
+    from tandem.client.pb.tandem.v1 import encoder_pb2
+    from tandem.common.prompt_parts import EncoderPrompt
+
+    request = decoder_pb2.GenerateRequest(
+        prompt=[
+            decoder_pb2.PromptSegment(encoder=encoder_pb2.EncoderInput(text="a cat")),
+            decoder_pb2.PromptSegment(
+                encoder=encoder_pb2.EncoderInput(token_ids=tensor_pb2.TokenIds(ids=[3]))
+            ),
+        ]
+    )
+    text, ids = spec_from_pb(request, tensors.DEFAULT_LIMITS, None).prompt
+    assert text == EncoderPrompt("text", "a cat") and text.rows is None
+    assert (ids.kind, list(ids.content)) == ("token_ids", [3])
+    chat = decoder_pb2.GenerateRequest()
+    chat.chat.messages.add(role="user").content.add(
+        encoder=encoder_pb2.EncoderInput(image=encoder_pb2.Image(data=b"png"))
+    )
+    [image] = spec_from_pb(chat, tensors.DEFAULT_LIMITS, None).chat.messages[0].content
+    assert image.is_image and image.content == b"png"
+    empty = decoder_pb2.GenerateRequest(
+        prompt=[decoder_pb2.PromptSegment(encoder=encoder_pb2.EncoderInput())]
+    )
+    with pytest.raises(InvalidArgument, match=r"^prompt\[0\]\.encoder: set one of text, token_ids or image$"):
+        spec_from_pb(empty, tensors.DEFAULT_LIMITS, None)

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import time
 
 import pytest
 import torch
 
-from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common import text_bounds
 from tandem.decoder.engine.chat import ChatMessage, ChatRequest, ChatTemplate
 from tandem.decoder.engine.params import StoppingParams
-from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt, build_request
+from tandem.decoder.engine.prompt import (
+    EmbeddingPrompt,
+    EncoderPrompt,
+    GenerateSpec,
+    TextPrompt,
+    build_request,
+)
 from tandem.decoder.engine.request import Request
 from tandem.decoder.models.loader import LoadedModel
 
@@ -185,3 +193,59 @@ def test_a_chat_flattens_like_the_same_parts_sent_as_segments(tiny_fp32: LoadedM
     assert chat.prompt_token_ids == segments.prompt_token_ids
     assert chat.is_token_ids == segments.is_token_ids
     assert chat.embedding_digests == segments.embedding_digests
+
+
+# -- encoder parts: rows the decoder fetches while the request is built -------------------------------
+
+
+def _fetched(rows: torch.Tensor | BaseException | None) -> EncoderPrompt:
+    """An encoder part whose fetch has settled with `rows` (or failed); None: never settles."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    if isinstance(rows, BaseException):
+        future.set_exception(rows)
+    elif rows is not None:
+        future.set_result(rows)
+    return EncoderPrompt("image", b"picture bytes", future)
+
+
+def _spec(*parts, **fields) -> GenerateSpec:
+    return GenerateSpec(list(parts), cap_max_new_tokens=True, **fields)
+
+
+def test_an_encoder_parts_rows_are_positions_as_an_embeddings_parts_are(tiny_fp32: LoadedModel) -> None:
+    rows = torch.randn(3, tiny_fp32.config.hidden_size)
+    fetched = _build(tiny_fp32, _spec([1, 2], _fetched(rows), [3]))
+    given = _build(tiny_fp32, _spec([1, 2], EmbeddingPrompt(rows), [3]))
+    assert fetched.is_token_ids == given.is_token_ids == [True, True, False, False, False, True]
+    assert fetched.embedding_digests == given.embedding_digests
+
+
+def test_a_decoder_without_an_encoder_refuses_an_encoder_part_naming_the_flag(tiny_fp32: LoadedModel) -> None:
+    with pytest.raises(FailedPrecondition) as info:
+        _build(tiny_fp32, _spec([1], EncoderPrompt("text", "hello")))
+    assert str(info.value) == "prompt[1].encoder: this decoder has no encoder; start it with --encoder ADDR"
+    empty = dataclasses.replace(_fetched(None), kind="token_ids", content=[])
+    with pytest.raises(InvalidArgument, match=r"prompt\[0\]\.encoder\.token_ids\.ids: must not be empty"):
+        _build(tiny_fp32, _spec(empty))
+
+
+def test_an_encoder_parts_rows_must_be_the_models_width_and_finite(tiny_fp32: LoadedModel) -> None:
+    hidden = tiny_fp32.config.hidden_size
+    assert _field(tiny_fp32, _spec(_fetched(torch.randn(2, hidden + 1)))) == "prompt[0].encoder"
+    bad = torch.randn(2, hidden)
+    bad[1, 3] = float("nan")
+    assert _field(tiny_fp32, _spec(_fetched(bad))) == "prompt[0].encoder.data"
+
+
+def test_a_failed_fetch_is_the_requests_error_waited_for_only_after_the_cheaper_rules(
+    tiny_fp32: LoadedModel,
+) -> None:
+    with pytest.raises(Unavailable, match="encoder 10.0.0.1:1 is unavailable"):
+        _build(tiny_fp32, _spec(_fetched(Unavailable("encoder 10.0.0.1:1 is unavailable"))))
+    never = _fetched(None)  # a fetch that never settles: a rule that fails first never waits for it
+    assert _field(tiny_fp32, _spec(never, [10**6])) == "prompt[1].token_ids.ids[0]"
+    with pytest.raises(DeadlineExceeded, match=r"prompt\[0\]\.encoder: the deadline passed"):
+        _build(tiny_fp32, _spec(never, deadline=time.monotonic() + 0.05))
+    never.rows.cancel()
+    with pytest.raises(Unavailable, match="cancelled"):
+        _build(tiny_fp32, _spec(never))

@@ -23,10 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
+from . import encoder_pb2 as tandem_dot_v1_dot_encoder__pb2
 from . import tensor_pb2 as tandem_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/decoder.proto\x12\ttandem.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16tandem/v1/tensor.proto\"}\n\rPromptSegment\x12(\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\nembeddings\x18\x02 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x42\t\n\x07segment\"\xa0\x01\n\x0f\x43hatContentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\nembeddings\x18\x03 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12\"\n\x05image\x18\x04 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x42\x06\n\x04part\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1a.tandem.v1.ChatContentPart\"\xd4\x01\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x30\n\x0ftemplate_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_promptB\x10\n\x0e_chat_template\"\xc2\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xbe\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_sequences\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x1e\n\x16include_stop_in_output\x18\x06 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\x95\x01\n\rOutputOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\x12\x11\n\tomit_text\x18\x03 \x01(\x08\x12\x17\n\x0fstream_interval\x18\x04 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\x86\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x06prompt\x18\x03 \x03(\x0b\x32\x18.tandem.v1.PromptSegment\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StoppingCriteria\x12(\n\x06output\x18\x06 \x01(\x0b\x32\x18.tandem.v1.OutputOptions\x12#\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x15.tandem.v1.ChatPrompt\x12\x12\n\nplain_text\x18\x08 \x01(\x08\x12\x1f\n\x12speculative_tokens\x18\t \x01(\rH\x00\x88\x01\x01\x12/\n\nstructured\x18\n \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\x15\n\x13_speculative_tokens\"\x9c\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1c.tandem.v1.StructuredChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"$\n\x11StructuredChoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\x0ePromptAccepted\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x83\x01\n\rPromptLogprob\x12\x15\n\x08token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12,\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x16.tandem.v1.TopLogprobsB\x0b\n\t_token_idB\n\n\x08_logprob\"\xa0\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.PromptLogprob\"\x93\x02\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_sequence\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x06 \x01(\x01\x12\x14\n\x0cqueue_time_s\x18\x07 \x01(\x01\x12\x17\n\x0fproposed_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\rB\x0e\n\x0cmatched_stop\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PromptAcceptedH\x00\x12&\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x12\'\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.tandem.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"C\n\x16\x44\x65\x63oderTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\">\n\x17\x44\x65\x63oderTokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.tandem.v1.TokenIds\"\x1c\n\x1a\x44\x65\x63oderGetModelInfoRequest\"\xe3\x02\n\x1b\x44\x65\x63oderGetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pts_prompt_embeds\x18\x08 \x01(\x08\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0b \x01(\r\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08\x12\x19\n\x11image_placeholder\x18\r \x01(\t*\xd9\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x12\x1f\n\x1b\x46INISH_REASON_CONTEXT_LIMIT\x10\x05\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x06\x32\x82\x02\n\x07\x44\x65\x63oder\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12Q\n\x08Tokenize\x12!.tandem.v1.DecoderTokenizeRequest\x1a\".tandem.v1.DecoderTokenizeResponse\x12]\n\x0cGetModelInfo\x12%.tandem.v1.DecoderGetModelInfoRequest\x1a&.tandem.v1.DecoderGetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/decoder.proto\x12\ttandem.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17tandem/v1/encoder.proto\x1a\x16tandem/v1/tensor.proto\"\xa9\x01\n\rPromptSegment\x12(\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\nembeddings\x18\x02 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\x07\x65ncoder\x18\x04 \x01(\x0b\x32\x17.tandem.v1.EncoderInputH\x00\x42\t\n\x07segment\"\xcc\x01\n\x0f\x43hatContentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\nembeddings\x18\x03 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12\"\n\x05image\x18\x04 \x01(\x0b\x32\x11.tandem.v1.TensorH\x00\x12*\n\x07\x65ncoder\x18\x05 \x01(\x0b\x32\x17.tandem.v1.EncoderInputH\x00\x42\x06\n\x04part\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1a.tandem.v1.ChatContentPart\"\xd4\x01\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x30\n\x0ftemplate_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_promptB\x10\n\x0e_chat_template\"\xc2\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xbe\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_sequences\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x1e\n\x16include_stop_in_output\x18\x06 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\x95\x01\n\rOutputOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\x12\x11\n\tomit_text\x18\x03 \x01(\x08\x12\x17\n\x0fstream_interval\x18\x04 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\x86\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x06prompt\x18\x03 \x03(\x0b\x32\x18.tandem.v1.PromptSegment\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StoppingCriteria\x12(\n\x06output\x18\x06 \x01(\x0b\x32\x18.tandem.v1.OutputOptions\x12#\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x15.tandem.v1.ChatPrompt\x12\x12\n\nplain_text\x18\x08 \x01(\x08\x12\x1f\n\x12speculative_tokens\x18\t \x01(\rH\x00\x88\x01\x01\x12/\n\nstructured\x18\n \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\x15\n\x13_speculative_tokens\"\x9c\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1c.tandem.v1.StructuredChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"$\n\x11StructuredChoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\x0ePromptAccepted\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x83\x01\n\rPromptLogprob\x12\x15\n\x08token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12,\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x16.tandem.v1.TopLogprobsB\x0b\n\t_token_idB\n\n\x08_logprob\"\xa0\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.PromptLogprob\"\x93\x02\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_sequence\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x06 \x01(\x01\x12\x14\n\x0cqueue_time_s\x18\x07 \x01(\x01\x12\x17\n\x0fproposed_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\rB\x0e\n\x0cmatched_stop\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PromptAcceptedH\x00\x12&\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x12\'\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.tandem.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"C\n\x16\x44\x65\x63oderTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\">\n\x17\x44\x65\x63oderTokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.tandem.v1.TokenIds\"\x1c\n\x1a\x44\x65\x63oderGetModelInfoRequest\"\x82\x03\n\x1b\x44\x65\x63oderGetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pts_prompt_embeds\x18\x08 \x01(\x08\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0b \x01(\r\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08\x12\x19\n\x11image_placeholder\x18\r \x01(\t\x12\x1d\n\x15\x61\x63\x63\x65pts_encoder_parts\x18\x11 \x01(\x08*\xd9\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x12\x1f\n\x1b\x46INISH_REASON_CONTEXT_LIMIT\x10\x05\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x06\x32\x82\x02\n\x07\x44\x65\x63oder\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12Q\n\x08Tokenize\x12!.tandem.v1.DecoderTokenizeRequest\x1a\".tandem.v1.DecoderTokenizeResponse\x12]\n\x0cGetModelInfo\x12%.tandem.v1.DecoderGetModelInfoRequest\x1a&.tandem.v1.DecoderGetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,50 +36,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3450
-  _globals['_FINISHREASON']._serialized_end=3667
-  _globals['_PROMPTSEGMENT']._serialized_start=92
-  _globals['_PROMPTSEGMENT']._serialized_end=217
-  _globals['_CHATCONTENTPART']._serialized_start=220
-  _globals['_CHATCONTENTPART']._serialized_end=380
-  _globals['_CHATMESSAGE']._serialized_start=382
-  _globals['_CHATMESSAGE']._serialized_end=454
-  _globals['_CHATPROMPT']._serialized_start=457
-  _globals['_CHATPROMPT']._serialized_end=669
-  _globals['_SAMPLINGPARAMS']._serialized_start=672
-  _globals['_SAMPLINGPARAMS']._serialized_end=1122
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=953
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1001
-  _globals['_STOPPINGCRITERIA']._serialized_start=1125
-  _globals['_STOPPINGCRITERIA']._serialized_end=1315
-  _globals['_OUTPUTOPTIONS']._serialized_start=1318
-  _globals['_OUTPUTOPTIONS']._serialized_end=1467
-  _globals['_GENERATEREQUEST']._serialized_start=1470
-  _globals['_GENERATEREQUEST']._serialized_end=1860
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1863
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=2019
-  _globals['_STRUCTUREDCHOICES']._serialized_start=2021
-  _globals['_STRUCTUREDCHOICES']._serialized_end=2057
-  _globals['_PROMPTACCEPTED']._serialized_start=2059
-  _globals['_PROMPTACCEPTED']._serialized_end=2121
-  _globals['_TOPLOGPROBS']._serialized_start=2123
-  _globals['_TOPLOGPROBS']._serialized_end=2173
-  _globals['_PROMPTLOGPROB']._serialized_start=2176
-  _globals['_PROMPTLOGPROB']._serialized_end=2307
-  _globals['_TOKENDELTA']._serialized_start=2310
-  _globals['_TOKENDELTA']._serialized_end=2470
-  _globals['_FINISHED']._serialized_start=2473
-  _globals['_FINISHED']._serialized_end=2748
-  _globals['_GENERATERESPONSE']._serialized_start=2751
-  _globals['_GENERATERESPONSE']._serialized_end=2926
-  _globals['_DECODERTOKENIZEREQUEST']._serialized_start=2928
-  _globals['_DECODERTOKENIZEREQUEST']._serialized_end=2995
-  _globals['_DECODERTOKENIZERESPONSE']._serialized_start=2997
-  _globals['_DECODERTOKENIZERESPONSE']._serialized_end=3059
-  _globals['_DECODERGETMODELINFOREQUEST']._serialized_start=3061
-  _globals['_DECODERGETMODELINFOREQUEST']._serialized_end=3089
-  _globals['_DECODERGETMODELINFORESPONSE']._serialized_start=3092
-  _globals['_DECODERGETMODELINFORESPONSE']._serialized_end=3447
-  _globals['_DECODER']._serialized_start=3670
-  _globals['_DECODER']._serialized_end=3928
+  _globals['_FINISHREASON']._serialized_start=3595
+  _globals['_FINISHREASON']._serialized_end=3812
+  _globals['_PROMPTSEGMENT']._serialized_start=118
+  _globals['_PROMPTSEGMENT']._serialized_end=287
+  _globals['_CHATCONTENTPART']._serialized_start=290
+  _globals['_CHATCONTENTPART']._serialized_end=494
+  _globals['_CHATMESSAGE']._serialized_start=496
+  _globals['_CHATMESSAGE']._serialized_end=568
+  _globals['_CHATPROMPT']._serialized_start=571
+  _globals['_CHATPROMPT']._serialized_end=783
+  _globals['_SAMPLINGPARAMS']._serialized_start=786
+  _globals['_SAMPLINGPARAMS']._serialized_end=1236
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1067
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1115
+  _globals['_STOPPINGCRITERIA']._serialized_start=1239
+  _globals['_STOPPINGCRITERIA']._serialized_end=1429
+  _globals['_OUTPUTOPTIONS']._serialized_start=1432
+  _globals['_OUTPUTOPTIONS']._serialized_end=1581
+  _globals['_GENERATEREQUEST']._serialized_start=1584
+  _globals['_GENERATEREQUEST']._serialized_end=1974
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1977
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=2133
+  _globals['_STRUCTUREDCHOICES']._serialized_start=2135
+  _globals['_STRUCTUREDCHOICES']._serialized_end=2171
+  _globals['_PROMPTACCEPTED']._serialized_start=2173
+  _globals['_PROMPTACCEPTED']._serialized_end=2235
+  _globals['_TOPLOGPROBS']._serialized_start=2237
+  _globals['_TOPLOGPROBS']._serialized_end=2287
+  _globals['_PROMPTLOGPROB']._serialized_start=2290
+  _globals['_PROMPTLOGPROB']._serialized_end=2421
+  _globals['_TOKENDELTA']._serialized_start=2424
+  _globals['_TOKENDELTA']._serialized_end=2584
+  _globals['_FINISHED']._serialized_start=2587
+  _globals['_FINISHED']._serialized_end=2862
+  _globals['_GENERATERESPONSE']._serialized_start=2865
+  _globals['_GENERATERESPONSE']._serialized_end=3040
+  _globals['_DECODERTOKENIZEREQUEST']._serialized_start=3042
+  _globals['_DECODERTOKENIZEREQUEST']._serialized_end=3109
+  _globals['_DECODERTOKENIZERESPONSE']._serialized_start=3111
+  _globals['_DECODERTOKENIZERESPONSE']._serialized_end=3173
+  _globals['_DECODERGETMODELINFOREQUEST']._serialized_start=3175
+  _globals['_DECODERGETMODELINFOREQUEST']._serialized_end=3203
+  _globals['_DECODERGETMODELINFORESPONSE']._serialized_start=3206
+  _globals['_DECODERGETMODELINFORESPONSE']._serialized_end=3592
+  _globals['_DECODER']._serialized_start=3815
+  _globals['_DECODER']._serialized_end=4073
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,7 @@ from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from . import encoder_pb2 as _encoder_pb2
 from . import tensor_pb2 as _tensor_pb2
 import builtins as _builtins
 import sys
@@ -70,6 +71,7 @@ class PromptSegment(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    ENCODER_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """UTF-8 text, tokenized by the server without adding BOS/EOS. Special-token literals in it (such
     as "<|im_start|>") become control tokens unless GenerateRequest.plain_text is set. Must not be
@@ -88,18 +90,28 @@ class PromptSegment(_message.Message):
         position in place of a token.
         """
 
+    @_builtins.property
+    def encoder(self) -> _encoder_pb2.EncoderInput:
+        """The encoder's rows for this input, fetched by the decoder itself from its encoder (started with
+        --encoder; GetModelInfo.accepts_encoder_parts), with the call's deadline and trace context, over
+        shared memory when both run on one host. The rows never pass through the caller. Each row takes
+        one position. Without an encoder: FAILED_PRECONDITION. The encoder's errors about the input are
+        INVALID_ARGUMENT on `prompt[i].encoder`; an encoder that cannot be reached is UNAVAILABLE.
+        """
+
     def __init__(
         self,
         *,
         token_ids: _tensor_pb2.TokenIds | None = ...,
         embeddings: _tensor_pb2.Tensor | None = ...,
         text: _builtins.str = ...,
+        encoder: _encoder_pb2.EncoderInput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "segment", b"segment", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "encoder", b"encoder", "segment", b"segment", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "segment", b"segment", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "encoder", b"encoder", "segment", b"segment", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_segment: _TypeAlias = _typing.Literal["token_ids", "embeddings", "text"]  # noqa: Y015
+    _WhichOneofReturnType_segment: _TypeAlias = _typing.Literal["token_ids", "embeddings", "text", "encoder"]  # noqa: Y015
     _WhichOneofArgType_segment: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_segment) -> _WhichOneofReturnType_segment | None: ...
 
@@ -115,6 +127,7 @@ class ChatContentPart(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
+    ENCODER_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """UTF-8 text. Always tokenized as plain text: a special-token literal in it stays text, so caller
     text cannot forge a turn.
@@ -137,6 +150,13 @@ class ChatContentPart(_message.Message):
         for it (GetModelInfo.image_placeholder), n positions. Needs a vision-language checkpoint.
         """
 
+    @_builtins.property
+    def encoder(self) -> _encoder_pb2.EncoderInput:
+        """The encoder's rows for this input, fetched by the decoder itself, as PromptSegment.encoder. An
+        `image` input is placed by the template as an `image` part is; text and token IDs are spliced in
+        where the part stands.
+        """
+
     def __init__(
         self,
         *,
@@ -144,12 +164,13 @@ class ChatContentPart(_message.Message):
         token_ids: _tensor_pb2.TokenIds | None = ...,
         embeddings: _tensor_pb2.Tensor | None = ...,
         image: _tensor_pb2.Tensor | None = ...,
+        encoder: _encoder_pb2.EncoderInput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "image", b"image", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "encoder", b"encoder", "image", b"image", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "image", b"image", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "encoder", b"encoder", "image", b"image", "part", b"part", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "token_ids", "embeddings", "image"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "token_ids", "embeddings", "image", "encoder"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -970,6 +991,7 @@ class DecoderGetModelInfoResponse(_message.Message):
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     IMAGE_PLACEHOLDER_FIELD_NUMBER: _builtins.int
+    ACCEPTS_ENCODER_PARTS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name (the checkpoint directory's name)."""
     architecture: _builtins.str
@@ -994,6 +1016,10 @@ class DecoderGetModelInfoResponse(_message.Message):
     """Whether the model has a chat template, so `chat` requests are accepted."""
     image_placeholder: _builtins.str
     """Where the chat template puts an image part's rows ("<image>"); empty: the model takes no images."""
+    accepts_encoder_parts: _builtins.bool
+    """Whether `encoder` prompt segments and chat parts are accepted: the decoder was started with
+    --encoder and fetches their rows itself.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token IDs that end generation unless ignore_eos is set."""
@@ -1014,10 +1040,11 @@ class DecoderGetModelInfoResponse(_message.Message):
         max_queued_requests: _builtins.int = ...,
         has_chat_template: _builtins.bool = ...,
         image_placeholder: _builtins.str = ...,
+        accepts_encoder_parts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_prompt_embeds", b"accepts_prompt_embeds", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_encoder_parts", b"accepts_encoder_parts", "accepts_prompt_embeds", b"accepts_prompt_embeds", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -58,6 +58,7 @@ class EmbedRequest(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_DTYPE_FIELD_NUMBER: _builtins.int
     POOLING_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen ID echoed in the response; the server assigns one when empty. At most 128 bytes."""
     model: _builtins.str
@@ -83,6 +84,13 @@ class EmbedRequest(_message.Message):
     def image(self) -> Global___Image:
         """A picture, for an embedder that accepts images (GetModelInfo.accepts_images)."""
 
+    @_builtins.property
+    def shared_memory(self) -> Global___SharedMemoryOffer:
+        """Ask for the rows in a shared-memory segment (EmbedResponse.shared_embeddings) instead of the
+        reply's bytes. Honoured only when the offer proves the caller shares the encoder's /dev/shm and
+        user, and the encoder's segments have room; otherwise the reply carries the bytes as usual.
+        """
+
     def __init__(
         self,
         *,
@@ -94,16 +102,96 @@ class EmbedRequest(_message.Message):
         add_special_tokens: _builtins.bool = ...,
         output_dtype: _tensor_pb2.DataType.ValueType = ...,
         pooling: Global___Pooling.ValueType = ...,
+        shared_memory: Global___SharedMemoryOffer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "input", b"input", "shared_memory", b"shared_memory", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_special_tokens", b"add_special_tokens", "image", b"image", "input", b"input", "model", b"model", "output_dtype", b"output_dtype", "pooling", b"pooling", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_special_tokens", b"add_special_tokens", "image", b"image", "input", b"input", "model", b"model", "output_dtype", b"output_dtype", "pooling", b"pooling", "request_id", b"request_id", "shared_memory", b"shared_memory", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids", "image"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class SharedMemoryOffer(_message.Message):
+    """A caller's offer to read the rows from shared memory, and its proof of sharing the encoder's host.
+    The proof: the caller created a file in its /dev/shm holding a secret; the encoder opens the file of
+    that name in its own /dev/shm and compares. A match shows both see one /dev/shm (one host, one IPC
+    namespace) and, since the file must belong to the encoder's own user, one user: the only reader a
+    segment (mode 0600) can have.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROBE_NAME_FIELD_NUMBER: _builtins.int
+    PROBE_TOKEN_FIELD_NUMBER: _builtins.int
+    SEGMENT_NAME_FIELD_NUMBER: _builtins.int
+    DIGEST_KEY_FIELD_NUMBER: _builtins.int
+    probe_name: _builtins.str
+    """The proof file's name in /dev/shm: "tandem-probe-" and 32 lowercase hex digits."""
+    probe_token: _builtins.bytes
+    """The proof file's content, 32 bytes."""
+    segment_name: _builtins.str
+    """The name the rows' segment gets: "tandem-rows-" and 32 lowercase hex digits, fresh for every call.
+    The caller reads no other name, so a reply can only point at the segment this call asked for.
+    """
+    digest_key: _builtins.bytes
+    """32 random bytes, fresh for every call: the key of SharedTensor.digest."""
+    def __init__(
+        self,
+        *,
+        probe_name: _builtins.str = ...,
+        probe_token: _builtins.bytes = ...,
+        segment_name: _builtins.str = ...,
+        digest_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_key", b"digest_key", "probe_name", b"probe_name", "probe_token", b"probe_token", "segment_name", b"segment_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMemoryOffer: _TypeAlias = SharedMemoryOffer  # noqa: Y015
+
+@_typing.final
+class EncoderInput(_message.Message):
+    """What an encoder embeds for a decoder's `encoder` prompt part: one of Embed's inputs, embedded with
+    no special tokens added, one row per position, in the decoder's dtype.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """UTF-8 text, tokenized with the encoder's tokenizer. Must not be empty."""
+    @_builtins.property
+    def token_ids(self) -> _tensor_pb2.TokenIds:
+        """Token IDs in the encoder's vocabulary. Must not be empty."""
+
+    @_builtins.property
+    def image(self) -> Global___Image:
+        """A picture, for an encoder that accepts images (GetModelInfo.accepts_images)."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: _tensor_pb2.TokenIds | None = ...,
+        image: Global___Image | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids", "image"]  # noqa: Y015
+    _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
+
+Global___EncoderInput: _TypeAlias = EncoderInput  # noqa: Y015
 
 @_typing.final
 class Image(_message.Message):
@@ -142,6 +230,7 @@ class EmbedResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     PLACEHOLDER_FIELD_NUMBER: _builtins.int
+    SHARED_EMBEDDINGS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's ID (the caller's, or one assigned by the server)."""
     placeholder: _builtins.str
@@ -162,6 +251,12 @@ class EmbedResponse(_message.Message):
     def usage(self) -> _tensor_pb2.Usage:
         """input_tokens = positions read (for an image, the rows of its span); output_tokens = 0."""
 
+    @_builtins.property
+    def shared_embeddings(self) -> _tensor_pb2.SharedTensor:
+        """Set instead of `embeddings` when the request's shared_memory offer was taken: the same rows, in a
+        shared-memory segment on this host.
+        """
+
     def __init__(
         self,
         *,
@@ -170,10 +265,11 @@ class EmbedResponse(_message.Message):
         token_ids: _tensor_pb2.TokenIds | None = ...,
         usage: _tensor_pb2.Usage | None = ...,
         placeholder: _builtins.str = ...,
+        shared_embeddings: _tensor_pb2.SharedTensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "shared_embeddings", b"shared_embeddings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "placeholder", b"placeholder", "request_id", b"request_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "placeholder", b"placeholder", "request_id", b"request_id", "shared_embeddings", b"shared_embeddings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tensor.proto\x12\ttandem.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"Q\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_input_tokens\x18\x03 \x01(\r*\x80\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x02\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tensor.proto\x12\ttandem.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x80\x01\n\x0cSharedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06\x64igest\x18\x05 \x01(\x0c\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"Q\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_input_tokens\x18\x03 \x01(\r*\x80\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x02\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=221
-  _globals['_DATATYPE']._serialized_end=349
+  _globals['_DATATYPE']._serialized_start=352
+  _globals['_DATATYPE']._serialized_end=480
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=110
-  _globals['_TOKENIDS']._serialized_start=112
-  _globals['_TOKENIDS']._serialized_end=135
-  _globals['_USAGE']._serialized_start=137
-  _globals['_USAGE']._serialized_end=218
+  _globals['_SHAREDTENSOR']._serialized_start=113
+  _globals['_SHAREDTENSOR']._serialized_end=241
+  _globals['_TOKENIDS']._serialized_start=243
+  _globals['_TOKENIDS']._serialized_end=266
+  _globals['_USAGE']._serialized_start=268
+  _globals['_USAGE']._serialized_end=349
 # @@protoc_insertion_point(module_scope)

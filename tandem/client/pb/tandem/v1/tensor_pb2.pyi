@@ -93,6 +93,61 @@ class Tensor(_message.Message):
 Global___Tensor: _TypeAlias = Tensor  # noqa: Y015
 
 @_typing.final
+class SharedTensor(_message.Message):
+    """A tensor left in a shared-memory segment on the receiver's host instead of in the message: the
+    encoder's reply to a caller that proved it shares the encoder's /dev/shm (EmbedRequest.shared_memory).
+    The receiver checks it as it checks a Tensor, and more: the segment must be the one it asked for,
+    exist, be a regular file of its own user, and hold offset + prod(shape) * itemsize bytes, and the
+    bytes it copies out must match `digest` under the key it sent. It removes the name once it has read
+    it, which hands the segment back to the writer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The segment's name: a file in /dev/shm, the name the caller's offer asked for."""
+    offset: _builtins.int
+    """Where the elements start in the segment, in bytes; a multiple of the dtype's size."""
+    dtype: Global___DataType.ValueType
+    """Element type. Required (UNSPECIFIED is rejected)."""
+    digest: _builtins.bytes
+    """16 bytes: the keyed digest of the prod(shape) * itemsize bytes at `offset`, under the caller's
+    SharedMemoryOffer.digest_key: AES-256-GMAC with a nonce of 12 zero bytes (the key is never reused;
+    tandem/common/shared_memory.py).
+    """
+    lease_s: _builtins.float
+    """Seconds the segment is kept for its reader after the reply was made; the encoder then removes the
+    name and may write into the segment again.
+    """
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Dimensions, outermost first, as Tensor.shape."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        dtype: Global___DataType.ValueType = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        digest: _builtins.bytes = ...,
+        lease_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "dtype", b"dtype", "lease_s", b"lease_s", "name", b"name", "offset", b"offset", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedTensor: _TypeAlias = SharedTensor  # noqa: Y015
+
+@_typing.final
 class TokenIds(_message.Message):
     """A list of token IDs, packed on the wire. Each ID must be < the model's vocab_size."""
 

@@ -1,0 +1,408 @@
+"""Shared-memory segments between an encoder and a decoder on one host: names, the proof of sharing a
+host, creating and opening segments, and the keyed digest of their bytes. Files and bytes only: rows
+become tensors in `tensors.py`.
+
+NOTE: the protocol. The decoder (the reader) creates a probe file in its /dev/shm, `tandem-probe-<32
+hex>`, mode 0600, holding 32 random bytes, and sends its name and content with every Embed call, with
+a fresh segment name `tandem-rows-<32 hex>` and a fresh 32-byte digest key (`SharedMemoryOffer`). The
+encoder (the writer) takes the offer only if the file of that name in its own /dev/shm is a regular
+file of its own user holding exactly those bytes: both then see one /dev/shm (one host, one IPC
+namespace) as one user. It keeps a pool of segments, `tandem-pool-<32 hex>`, created once, their pages
+allocated and kept mapped (a fresh tmpfs page costs 20-40 times its copy: docs/PERFORMANCE.md); for a
+call it links a free one under the name asked for (a second name for the same file, O_EXCL-like:
+never over a file already there), writes the rows, and replies with a handle (`SharedTensor`)
+carrying their keyed digest. The reader opens only the name it asked for, checks the handle against
+the file, copies the bytes into its own memory (through its mapping of the file, kept for the next
+call given the same pool segment: `SegmentMaps`) and checks the digest of that copy under its own key,
+then removes the name: that releases the segment to the writer's pool, and a handle replayed later
+finds nothing. One pointing anywhere else is refused before anything is opened. The writer removes
+the name of a segment no reader released after its lease, and only then writes into it again: a
+reader that comes later still finds the name gone, and one that outlived the lease while reading
+sees its digest fail, never other rows.
+
+Who can reach a segment: only the user both services run as (mode 0600 under /dev/shm, a sticky
+directory), and only by its name, 128 random bits that travel in the Embed call and its reply. That
+user can read or change a segment, as it can read or change either process's memory: the digest
+detects a segment changed or swapped after it was written, by a bug or a stale file, and ties the
+handle to this call's key, but it is no defence against that user.
+
+The digest is AES-256-GMAC (GCM with nothing to encrypt: its tag over the rows as associated data)
+under the call's key, with a fixed nonce: each key is drawn for one call and tags one message, the
+rows the writer meant to write; the reader recomputes it over its own copy and keeps its result to
+itself. Without the key a tag cannot be predicted, and two different byte strings of L 16-byte blocks
+share a tag under a random key with probability at most about L / 2^128. It runs from the
+`cryptography` wheel's OpenSSL at GHASH speed on carry-less multiplication (PCLMULQDQ, VPCLMULQDQ and
+VAES on the Zen 4 machine measured: 23 GB/s, against 12.8 for Poly1305, 7.4 for the numpy universal
+hash it replaced, 1.8 for HMAC-SHA256 and 0.9 for keyed BLAKE2b; docs/PERFORMANCE.md). Both sides
+read every byte under the call's key, so the digest is half of a move's passes over the rows.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import mmap
+import os
+import re
+import secrets
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+SHM_DIR = Path("/dev/shm")
+PROBE_PREFIX = "tandem-probe-"
+SEGMENT_PREFIX = "tandem-rows-"  # a call's name for a segment: the reader's choice
+POOL_PREFIX = "tandem-pool-"  # the writer's own name for a segment of its pool
+TOKEN_BYTES = 32  # a probe file's content
+KEY_BYTES = 32  # a digest key
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the page tables filled when mapped
+DIGEST_BYTES = 16  # a GCM tag
+DIGEST_NONCE = bytes(12)  # fixed: a key tags one message (the note)
+DIGEST_UPDATE_BYTES = 1 << 30  # fed to the MAC in parts of at most this: its one call takes < 2^31
+MAX_MAPS = 64  # a reader's mappings kept (`SegmentMaps`): each holds its file open
+MAX_MAPPED_BYTES = 1 << 31  # and their bytes, the pool's own pages: address space, no more memory
+SWEEP_S = 1.0  # how often a reader drops the mappings of files given back
+_NAME = re.compile(r"(tandem-probe-|tandem-rows-|tandem-pool-)[0-9a-f]{32}")
+
+
+def new_name(prefix: str) -> str:
+    """A fresh name under `prefix`: 128 random bits, in hex."""
+    return prefix + secrets.token_hex(16)
+
+
+def is_name(name: str, prefix: str) -> bool:
+    """`name` is `prefix` and 32 lowercase hex digits: nothing else is ever opened or created."""
+    return name.startswith(prefix) and _NAME.fullmatch(name) is not None
+
+
+def is_supported(directory: Path = SHM_DIR) -> bool:
+    """Segments hold little-endian rows as they lie in memory: a little-endian host with the directory."""
+    return sys.byteorder == "little" and directory.is_dir()
+
+
+class Probe:
+    """The reader's proof file: created once, removed by `close` (or with the process's /dev/shm)."""
+
+    def __init__(self, directory: Path, name: str, token: bytes) -> None:
+        self.directory = directory
+        self.name = name  # "tandem-probe-<32 hex>"
+        self.token = token  # [TOKEN_BYTES] the file's content
+
+    @classmethod
+    def create(cls, directory: Path = SHM_DIR) -> Probe | None:
+        """A new probe file, or None where segments cannot be shared (no such directory, no room)."""
+        if not is_supported(directory):
+            return None
+        name, token = new_name(PROBE_PREFIX), secrets.token_bytes(TOKEN_BYTES)
+        try:
+            fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return None
+        try:
+            os.write(fd, token)
+        finally:
+            os.close(fd)
+        return cls(directory, name, token)
+
+    def close(self) -> None:
+        remove(self.directory, self.name)
+
+
+def probe_matches(directory: Path, name: str, token: bytes) -> bool:
+    """The writer's check of an offer: `name` is a regular file of this process's user in `directory`
+    holding exactly `token`. Any doubt is False: the reply then carries bytes."""
+    if not is_name(name, PROBE_PREFIX) or len(token) != TOKEN_BYTES or not is_supported(directory):
+        return False
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size != TOKEN_BYTES:
+            return False
+        content = os.read(fd, TOKEN_BYTES)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return hmac.compare_digest(content, token)
+
+
+class PooledSegment:
+    """A segment of a writer's pool, `tandem-pool-<32 hex>`: its pages allocated when it is created and
+    mapped for writing until `close`, so writes into it never fault (and a full /dev/shm is an OSError
+    at creation rather than a SIGBUS on a write). Its file is locked (flock) while this process holds
+    it: a writer that starts later tells a live pool's segments from those of one that died
+    (`remove_abandoned`). A reader reaches it only by a call's name linked to it."""
+
+    def __init__(self, directory: Path, name: str, fd: int, mapping: mmap.mmap, num_bytes: int) -> None:
+        self.directory = directory
+        self.name = name  # "tandem-pool-<32 hex>"
+        self.fd = fd  # kept open: it holds the lock
+        self.mapping = mapping  # [num_bytes] writable
+        self.num_bytes = num_bytes
+
+    @classmethod
+    def create(cls, directory: Path, num_bytes: int) -> PooledSegment:
+        """A new segment of `num_bytes` (>= 1). Raises OSError and removes what it made on failure."""
+        assert num_bytes >= 1
+        name = new_name(POOL_PREFIX)
+        fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.posix_fallocate(fd, 0, num_bytes)
+            mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        except BaseException:
+            remove(directory, name)
+            os.close(fd)
+            raise
+        return cls(directory, name, fd, mapping, num_bytes)
+
+    def link(self, name: str) -> None:
+        """Gives the segment a call's `name` as well. Raises OSError (FileExistsError for a name already
+        there: nothing is ever written over)."""
+        assert is_name(name, SEGMENT_PREFIX)
+        os.link(self.directory / self.name, self.directory / name, follow_symlinks=False)
+
+    def close(self) -> None:
+        """Unmaps and removes the segment (its pages go once no reader holds them) and unlocks it."""
+        self.mapping.close()
+        remove(self.directory, self.name)
+        os.close(self.fd)
+
+
+def remove_abandoned(directory: Path) -> int:
+    """Removes the pool segments of writers that died (a SIGKILL, an OOM kill): files of this user
+    named `tandem-pool-<32 hex>` that no live process holds locked. Returns how many it removed."""
+    if not directory.is_dir():
+        return 0
+    removed = 0
+    for name in os.listdir(directory):
+        if not is_name(name, POOL_PREFIX):
+            continue
+        try:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its writer is alive
+            removed += remove(directory, name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+@dataclass(eq=False)
+class _Mapping:
+    """The reader's read-only mapping of one segment's file."""
+
+    file: tuple[int, int]  # (st_dev, st_ino): the file, whatever its names
+    fd: int  # kept open while mapped: the inode (and its number) cannot be reused meanwhile
+    mapping: mmap.mmap  # [num_bytes] read-only
+    num_bytes: int
+    users: int = 0  # Segments open on it: it is unmapped only once none is
+    kept: bool = False  # in the reader's SegmentMaps, for the next call given the same file
+    last_used: float = 0.0
+
+
+class Segment:
+    """A segment opened for reading by the name a call asked for, read through the reader's mapping of
+    its file. Its bytes are copied into the reader's own memory, never used in place: a pool's segment
+    is written again once its reader released it. `close` (or `with`) once read."""
+
+    def __init__(self, maps: SegmentMaps, mapped: _Mapping) -> None:
+        self._maps = maps
+        self._mapped: _Mapping | None = mapped
+        self.num_bytes = mapped.num_bytes  # the file's size when opened
+
+    def read_into(self, offset: int, out: memoryview | bytearray | np.ndarray) -> bool:
+        """Fills `out` with the bytes at `offset`; False (and `out` untouched) when the segment holds
+        fewer."""
+        assert self._mapped is not None, "read after close"
+        target = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)  # type: ignore[arg-type]
+        if offset < 0 or offset + len(target) > self.num_bytes:
+            return False
+        # numpy's copy on this thread, the GIL released: one pass, no page faults (the pages are mapped).
+        np.copyto(target, np.frombuffer(self._mapped.mapping, np.uint8, count=len(target), offset=offset))
+        return True
+
+    def close(self) -> None:
+        if self._mapped is not None:
+            self._maps._release(self._mapped)
+            self._mapped = None
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SegmentMaps:
+    """The reader's mappings of the segments it was given, kept so that a pool's segment given to it
+    again (under a new call's name: one file, two names) is read without mapping it again.
+
+    NOTE: a segment is still reached only by a call's own name: `open` opens that name, checks the file
+    (a regular file of this user, not a symbolic link) and only then looks the file up by its device and
+    inode among the mappings kept (each holds its file open, so no other file can take that inode's
+    number meanwhile). Mapping a pool segment's file costs its page tables once (MAP_POPULATE), where
+    `preadv` paid the kernel's page lookups on every read. A mapping is dropped once its file has no
+    name left (the writer gave its segment back, or a reader removed the last name of a file that was
+    never pooled), checked at every `open` and every SWEEP_S on a thread of its own, so the reader
+    never holds pages the writer freed for longer; and it is bounded: at most `max_maps` files and
+    `max_bytes`, the least recently used dropped first, and past them (every mapping being read) a
+    file is mapped for the one read. A file shrunk under a mapping would stop the reader (SIGBUS):
+    the writer never shrinks its segments, and only the user both run as could."""
+
+    def __init__(
+        self,
+        directory: Path,
+        max_maps: int = MAX_MAPS,
+        max_bytes: int = MAX_MAPPED_BYTES,
+        sweep_s: float = SWEEP_S,
+    ) -> None:
+        self.directory = directory
+        self.max_maps = max_maps
+        self.max_bytes = max_bytes
+        self.sweep_s = sweep_s
+        self._kept: dict[tuple[int, int], _Mapping] = {}
+        self._lock = threading.Lock()  # opened on the event loop and on reading threads
+        self.num_mapped = 0  # files mapped (tests, the benchmark): what keeping saves is reads - this
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_until_stopped, name="segment-maps", daemon=True)
+        self._sweeper.start()
+
+    def open(self, name: str) -> Segment | None:
+        """The segment `name` opened for reading, or None when it is gone. Raises PermissionError for a
+        file that is not a regular file of this process's user (or empty), OSError when it cannot be
+        opened or mapped."""
+        assert is_name(name, SEGMENT_PREFIX)
+        try:
+            fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size == 0:
+                raise PermissionError(f"{name} is not a segment of this user")
+            file = (info.st_dev, info.st_ino)
+            with self._lock:
+                self._sweep()
+                kept = self._kept.get(file)
+                if kept is not None and kept.num_bytes == info.st_size:
+                    kept.users += 1
+                    kept.last_used = time.monotonic()
+                    os.close(fd)
+                    return Segment(self, kept)
+                if kept is not None:  # the same file, another size: never the pool's, mapped anew
+                    self._forget(kept)
+            mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        mapped = _Mapping(file, fd, mapping, info.st_size, users=1, last_used=time.monotonic())
+        with self._lock:
+            self.num_mapped += 1
+            if file not in self._kept and self._make_room(mapped.num_bytes):
+                mapped.kept = True
+                self._kept[file] = mapped
+        return Segment(self, mapped)
+
+    @property
+    def num_kept(self) -> int:
+        """Files mapped and kept now."""
+        with self._lock:
+            self._sweep()
+            return len(self._kept)
+
+    def close(self) -> None:
+        """Stops the sweeper and unmaps every file (those being read once their read ends)."""
+        self._stop.set()
+        self._sweeper.join()
+        with self._lock:
+            for mapped in list(self._kept.values()):
+                self._forget(mapped)
+
+    def _release(self, mapped: _Mapping) -> None:
+        with self._lock:
+            mapped.users -= 1
+            if not mapped.kept and mapped.users == 0:
+                _unmap(mapped)
+
+    def _make_room(self, num_bytes: int) -> bool:
+        """Under the lock: drops the least recently used mappings not being read until one of
+        `num_bytes` fits; False when it cannot."""
+        if num_bytes > self.max_bytes:
+            return False
+        idle = sorted((m for m in self._kept.values() if m.users == 0), key=lambda m: m.last_used)
+        while len(self._kept) >= self.max_maps or self._num_bytes() + num_bytes > self.max_bytes:
+            if not idle:
+                return False
+            self._forget(idle.pop(0))
+        return True
+
+    def _num_bytes(self) -> int:
+        return sum(mapped.num_bytes for mapped in self._kept.values())
+
+    def _forget(self, mapped: _Mapping) -> None:
+        """Under the lock: no longer kept; unmapped now, or by its last reader."""
+        del self._kept[mapped.file]
+        mapped.kept = False
+        if mapped.users == 0:
+            _unmap(mapped)
+
+    def _sweep(self) -> None:
+        """Under the lock: drops the mappings of files that have no name left."""
+        for mapped in list(self._kept.values()):
+            try:
+                gone = os.fstat(mapped.fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                self._forget(mapped)
+
+    def _sweep_until_stopped(self) -> None:
+        while not self._stop.wait(self.sweep_s):
+            with self._lock:
+                self._sweep()
+
+
+def _unmap(mapped: _Mapping) -> None:
+    mapped.mapping.close()
+    os.close(mapped.fd)
+
+
+def remove(directory: Path, name: str) -> bool:
+    """Removes the file `name`; False when it was gone already."""
+    try:
+        os.unlink(directory / name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def exists(directory: Path, name: str) -> bool:
+    return os.path.lexists(directory / name)
+
+
+def keyed_digest(data: memoryview | bytes | np.ndarray, key: bytes) -> bytes:
+    """DIGEST_BYTES of `data` under `key` (KEY_BYTES): AES-256-GMAC, see the module's note."""
+    assert len(key) == KEY_BYTES
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    context = Cipher(algorithms.AES(key), modes.GCM(DIGEST_NONCE)).encryptor()
+    for start in range(0, len(view), DIGEST_UPDATE_BYTES):
+        context.authenticate_additional_data(view[start : start + DIGEST_UPDATE_BYTES])
+    context.finalize()
+    return context.tag

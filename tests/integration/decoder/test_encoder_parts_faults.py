@@ -1,0 +1,260 @@
+"""What a decoder does when its encoder misbehaves: a reply naming a segment this call did not ask for
+(forged, or replayed from an earlier call), past its segment, altered, or gone after its lease, is
+INVALID_ARGUMENT; an encoder that is down is UNAVAILABLE naming it, in seconds; a call cancelled while
+its rows are fetched leaves no thread waiting and no segment leased. The encoder here is a stand-in
+that writes real segments (the encoder's own SharedSegments) and then says what each test needs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem.client.client import EncoderPart
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
+from tandem.common import shared_memory
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.decoder.api.encoder_parts import EncoderParts
+from tandem.decoder.models.loader import LoadedModel
+from tandem.encoder.shared_segments import SharedSegments
+from tests.integration.decoder.conftest import MAX_MESSAGE_BYTES, Served, serve, shutdown
+
+Reply = Callable[[encoder_pb2.EmbedRequest, grpc.aio.ServicerContext], Awaitable[encoder_pb2.EmbedResponse]]
+
+
+class StandIn(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, segments: SharedSegments) -> None:
+        self.segments = segments
+        self.reply: Reply = self.honest
+        self.handles: list[tensor_pb2.SharedTensor] = []  # every segment written, in order
+
+    async def GetModelInfo(self, request, context) -> encoder_pb2.EncoderGetModelInfoResponse:
+        return encoder_pb2.EncoderGetModelInfoResponse(model="stand-in", hidden_size=64)
+
+    async def Embed(self, request, context) -> encoder_pb2.EmbedResponse:
+        return await self.reply(request, context)
+
+    def write(self, request: encoder_pb2.EmbedRequest, num_rows: int = 3) -> tensor_pb2.SharedTensor:
+        target = self.segments.target(request.shared_memory)
+        assert target is not None, "the decoder's offer proves one host"
+        handle = target.write(torch.randn(num_rows, 64) * 0.1, torch.float32)
+        assert handle is not None
+        self.handles.append(handle)
+        return handle
+
+    async def honest(self, request, context) -> encoder_pb2.EmbedResponse:
+        return encoder_pb2.EmbedResponse(shared_embeddings=self.write(request))
+
+
+@dataclass
+class Rig:
+    stand_in: StandIn
+    decoder: Served
+    parts: EncoderParts
+    directory: Path
+
+
+@pytest.fixture
+async def rig(tiny_model_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path) -> AsyncIterator[Rig]:
+    segments = SharedSegments(tmp_path, max_bytes=1 << 20, max_segments=16, lease_s=0.5)
+    stand_in = StandIn(segments)
+    server = await _serve_encoder(stand_in)
+    parts = EncoderParts(server.address, torch.float32, MAX_MESSAGE_BYTES, cache_bytes=0, shm_dir=tmp_path)
+    decoder = await serve(tiny_model_dir, tiny_fp32, encoder_parts=parts)
+    try:
+        yield Rig(stand_in, decoder, parts, tmp_path)
+    finally:
+        await shutdown(decoder)
+        await parts.close()
+        await server.stop(0)
+        segments.close()
+
+
+async def _serve_encoder(servicer: encoder_pb2_grpc.EncoderServicer) -> RunningServer:
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0),
+        [Service("tandem.v1.Encoder", servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
+    )
+    await server.set_serving()
+    return server
+
+
+async def _generate(decoder: Served, text: str = "hello") -> list[int]:
+    call = decoder.client.generate([EncoderPart(text=text), "and then"], max_new_tokens=2, temperature=0)
+    return [t async for r in call if r.HasField("delta") for t in r.delta.token_ids]
+
+
+async def _refused(decoder: Served) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _generate(decoder)
+    return error.value
+
+
+async def test_an_honest_reply_is_read_and_its_segment_released_for_the_next(rig: Rig) -> None:
+    for _ in range(2):
+        assert len(await _generate(rig.decoder)) == 2
+    assert rig.parts.num_shared == 2
+    assert not any(shared_memory.exists(rig.directory, h.name) for h in rig.stand_in.handles)
+    assert rig.stand_in.segments.num_leased == 0
+    assert rig.stand_in.segments.num_created == 1  # the second call's rows went into the first's segment
+    assert rig.parts.maps.num_mapped == 1  # which the decoder read through the mapping it kept
+
+
+async def test_a_reply_naming_a_segment_this_call_did_not_ask_for_is_refused(rig: Rig) -> None:
+    async def forged(request, context):
+        rig.stand_in.write(request)  # the segment asked for exists; the handle names another one
+        other = rig.stand_in.write(request.__class__(shared_memory=_other_offer(request.shared_memory)))
+        return encoder_pb2.EmbedResponse(shared_embeddings=other)
+
+    rig.stand_in.reply = forged
+    error = await _refused(rig.decoder)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == (
+        "prompt[0].encoder.shared_embeddings.name: names a segment this call did not ask for"
+    )
+    assert shared_memory.exists(rig.directory, rig.stand_in.handles[1].name)  # never opened, never removed
+
+
+async def test_a_handle_replayed_from_an_earlier_call_is_refused(rig: Rig) -> None:
+    assert len(await _generate(rig.decoder)) == 2
+    first = rig.stand_in.handles[0]
+
+    async def replayed(request, context):
+        return encoder_pb2.EmbedResponse(shared_embeddings=first)
+
+    rig.stand_in.reply = replayed
+    error = await _refused(rig.decoder)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "names a segment this call did not ask for" in error.details()
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            lambda h, d: h.shape.__setitem__(0, _size(d / h.name) // 256 + 1),
+            "prompt[0].encoder.shared_embeddings.shape: ",
+        ),
+        (
+            lambda h, d: setattr(h, "offset", _size(d / h.name) - 768 + 4),
+            "prompt[0].encoder.shared_embeddings.shape: 768 bytes",
+        ),
+        (lambda h, d: _flip_a_byte(d / h.name), "prompt[0].encoder.shared_embeddings.digest: does not match"),
+        (lambda h, d: setattr(h, "digest", bytes(16)), "prompt[0].encoder.shared_embeddings.digest"),
+        (
+            lambda h, d: shared_memory.remove(d, h.name),
+            "prompt[0].encoder.shared_embeddings.name: the segment is gone",
+        ),
+        (
+            lambda h, d: setattr(h, "dtype", tensor_pb2.DATA_TYPE_INT32),
+            "prompt[0].encoder.shared_embeddings.dtype",
+        ),
+    ],
+    ids=["past-its-end", "shifted-past-its-end", "altered", "forged-digest", "gone", "not-floats"],
+)
+async def test_a_handle_its_segment_does_not_bear_out_is_invalid_argument(rig: Rig, change, expected) -> None:
+    async def bent(request, context):
+        handle = rig.stand_in.write(request)
+        change(handle, rig.directory)
+        return encoder_pb2.EmbedResponse(shared_embeddings=handle)
+
+    rig.stand_in.reply = bent
+    error = await _refused(rig.decoder)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith(expected), error.details()
+    assert "shape" not in expected or "run past the segment's" in error.details()
+    assert not shared_memory.exists(rig.directory, rig.stand_in.handles[0].name)  # read once, or never there
+    rig.stand_in.reply = rig.stand_in.honest
+    assert len(await _generate(rig.decoder)) == 2  # the decoder serves on
+
+
+async def test_an_unread_segment_of_a_call_cancelled_mid_fetch_is_gone_after_its_lease(rig: Rig) -> None:
+    entered, left = asyncio.Event(), asyncio.Event()
+
+    async def stalled(request, context):
+        rig.stand_in.write(request)  # written, and the reply never comes
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            left.set()  # cancelled by the decoder when its caller left
+
+    rig.stand_in.reply = stalled
+    call = rig.decoder.client.generate([EncoderPart(text="hello"), "more"], max_new_tokens=2)
+    reading = asyncio.ensure_future(call.initial_metadata())
+    await asyncio.wait_for(entered.wait(), 10)
+    call.cancel()
+    reading.cancel()
+    await asyncio.wait_for(left.wait(), 5)  # the cancel reached the encoder call
+    deadline = time.monotonic() + 5
+    while _threads_waiting_for_rows() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not _threads_waiting_for_rows()
+    scheduler = rig.decoder.engine.core.scheduler
+    assert scheduler.num_running == scheduler.num_waiting == 0
+    name = rig.stand_in.handles[0].name
+    while shared_memory.exists(rig.directory, name) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not shared_memory.exists(rig.directory, name)  # the encoder's lease removed it
+    assert rig.stand_in.segments.num_expired == 1 and rig.stand_in.segments.num_leased == 0  # freed
+    rig.stand_in.reply = rig.stand_in.honest
+    assert len(await _generate(rig.decoder)) == 2
+
+
+async def test_an_encoder_that_is_down_is_unavailable_naming_it_within_seconds(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    parts = EncoderParts(address, torch.float32, MAX_MESSAGE_BYTES, cache_bytes=0)
+    decoder = await serve(tiny_model_dir, tiny_fp32, encoder_parts=parts)
+    try:
+        started = time.monotonic()
+        error = await _refused(decoder)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"encoder {address} is unavailable" in error.details()
+        assert time.monotonic() - started < 15  # the channel's retries, not a queue without end
+        call = decoder.client.generate(["plain text"], max_new_tokens=2)  # requests without parts go on
+        assert [r async for r in call if r.HasField("finished")]
+    finally:
+        await shutdown(decoder)
+        await parts.close()
+
+
+def _other_offer(offer: encoder_pb2.SharedMemoryOffer) -> encoder_pb2.SharedMemoryOffer:
+    other = encoder_pb2.SharedMemoryOffer()
+    other.CopyFrom(offer)
+    other.segment_name = shared_memory.new_name(shared_memory.SEGMENT_PREFIX)
+    return other
+
+
+def _size(path: Path) -> int:
+    """A segment's bytes: the pool's size for it, at least its rows' (3 x 64 float32 here, 768 bytes)."""
+    return path.stat().st_size
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _threads_waiting_for_rows() -> list[int]:
+    """Threads whose stack is inside the request builder's wait for an encoder part's rows."""
+    waiting = []
+    for thread_id, frame in sys._current_frames().items():
+        while frame is not None:
+            if frame.f_code.co_name == "_fetched_rows":
+                waiting.append(thread_id)
+                break
+            frame = frame.f_back
+    return waiting
