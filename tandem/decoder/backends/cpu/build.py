@@ -30,6 +30,7 @@ SOURCES = (
     "linear_packed.c",
     "linear_quant.c",
     "layer.c",
+    "lora.c",
 )
 HEADERS = ("bf16.h", "exp.h", "scratch.h", "team.h", "weight.h")
 PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as extension modules
