@@ -85,6 +85,12 @@ def command() -> click.Command:
             option("--top-k", "sample from the k most likely", type=int, default=None, show_default="0, off"),
             option("--seed", "sampling seed", type=int, default=None, show_default="none, random"),
             option("--stop", "a stop string (repeatable)", multiple=True, show_default="none"),
+            option(
+                "--adapter",
+                "a LoRA adapter the decoder has loaded, by name (GetModelInfo lists them)",
+                default="",
+                show_default="none, the base model",
+            ),
             *structured_options(),
             option("--json", "print each raw event as JSON", is_flag=True, default=False),
             *client_security_options(),
@@ -145,7 +151,7 @@ async def _stream(values: dict[str, Any], security: ChannelSecurity, telemetry: 
         )
         print(f"tandem generate: --part: {reason}", file=sys.stderr)
         return 1
-    request = decoder_pb2.GenerateRequest(prompt=prompt)
+    request = decoder_pb2.GenerateRequest(prompt=prompt, adapter=values["adapter"])
     request.stopping.max_new_tokens = values["max_tokens"]
     request.stopping.stop_sequences.extend(values["stop"])
     try:

@@ -132,9 +132,23 @@ class Gateway:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        model = await self._model_name(request)
-        card = {"id": model, "object": "model", "created": 0, "owned_by": "tandem"}
-        return web.json_response({"object": "list", "data": [card]})
+        info = await self.decoder.stub.GetModelInfo(
+            decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+        )
+        card = {"id": info.model, "object": "model", "created": 0, "owned_by": "tandem"}
+        # LoRA adapters as vLLM lists them: a model of their own, its parent the base model.
+        adapters = [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tandem",
+                "root": a.path,
+                "parent": info.model,
+            }  # fmt: skip
+            for a in info.adapters
+        ]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
@@ -196,7 +210,10 @@ class Gateway:
     async def _complete(
         self, request: web.Request, body: dict[str, Any], kind: str, generate: decoder_pb2.GenerateRequest
     ) -> web.StreamResponse:
-        model = body.get("model") or await self._model_name(request)
+        base = await self._model_name(request)
+        model = body.get("model") or base
+        if generate.model and generate.model != base:  # as in vLLM: a LoRA adapter, by its name
+            generate.adapter, generate.model = generate.model, ""
         connection = _caller(request, self.config.auth_tokens is not None)
         if self._streams[connection] >= self.config.max_streams_per_caller:
             limit = self.config.max_streams_per_caller

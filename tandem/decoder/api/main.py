@@ -45,6 +45,7 @@ from tandem.decoder.distributed.worker import (
 from tandem.decoder.engine.engine import Engine
 from tandem.decoder.engine.outputs import FinishReason
 from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
+from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
 from tandem.decoder.models.quantized import check_group
 from tandem.decoder.models.tensor_parallel import check_shardable
 
@@ -146,6 +147,11 @@ def check_model(config: DecoderConfig, world_size: int) -> None:
             check_shardable(model_config, world_size)
         except ValueError as error:
             raise ConfigError("world_size", f": {error}") from None
+    for name, path in engine.loras:  # read once here too, so a bad adapter fails before listening
+        try:
+            read_adapter(path, model_config, engine.max_lora_rank)
+        except AdapterError as error:
+            raise ConfigError("loras", f": adapter {name!r}: {error}") from None
 
 
 def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
