@@ -1119,7 +1119,9 @@ class LoadAdapterResponse(_message.Message):
 
     ADAPTER_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def adapter(self) -> Global___AdapterInfo: ...
+    def adapter(self) -> Global___AdapterInfo:
+        """Its name, path, rank and target modules."""
+
     def __init__(
         self,
         *,
@@ -1141,6 +1143,7 @@ class UnloadAdapterRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """The name it was loaded under."""
     def __init__(
         self,
         *,
@@ -1201,7 +1204,9 @@ class ListAdaptersResponse(_message.Message):
 
     ADAPTERS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]: ...
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """One entry per loaded adapter."""
+
     def __init__(
         self,
         *,
