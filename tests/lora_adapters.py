@@ -47,15 +47,14 @@ def make_adapter(model_dir: Path, out_dir: Path, spec: AdapterSpec, seed: int) -
 
 
 def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], num_tokens: int) -> list[int]:
-    """transformers + peft's greedy tokens in float32 (adapter_dir None: the base model's)."""
+    """transformers + peft's greedy tokens in float32, past EOS (adapter_dir None: the base model's)."""
     import peft
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # as ignore_eos: past EOS, EOS itself included
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir)
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
-        )
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.client.errors import DeadlineExceeded, NotFound, TandemError
+from tandem.client.errors import DeadlineExceeded, FailedPrecondition, NotFound, TandemError
 from tandem.common.model_name import echo
 from tandem.decoder.engine.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.backpressure import ReaderProgress
@@ -209,6 +209,20 @@ class EngineCore:
         with self.lock:
             return [] if self.adapters is None else self.adapters.adapters
 
+    def check_can_load(self, name: str) -> None:
+        """Raises unless an adapter could be loaded as `name` now: a new name and a free slot."""
+        with self.lock:
+            if self.adapters is None:
+                raise FailedPrecondition("name", "this server runs without LoRA: start it with --enable-lora")
+            self.adapters.check_new(name)
+            self._release_drained()
+            self.adapters.free_slot()
+
+    def _release_drained(self) -> None:
+        """Under `lock`: free the unloaded adapters' slots whose last request has ended."""
+        if self.adapters is not None and self.adapters.num_draining:
+            self.adapters.release(self._adapter_slots_in_use())
+
     def _adapter_slots_in_use(self) -> set[int]:
         return {t.request.adapter_slot for t in self._live.values() if t.request.adapter_slot >= 0}
 
@@ -247,11 +261,10 @@ class EngineCore:
     def step(self) -> None:
         """Run one step and deliver its events to the requests' callbacks."""
         with self.lock:
-            self._run_queued()
             self._apply_aborts()
             ended = self._take_all_if_asked()
-            if self.adapters is not None and self.adapters.num_draining:
-                self.adapters.release(self._adapter_slots_in_use())
+            self._release_drained()  # before a load takes a slot
+            self._run_queued()
             self._resume_caught_up()
             expired = self._expire_deadlines()
             self._propose()

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.client.errors import FailedPrecondition, Unavailable
+from tandem.client.errors import Unavailable
 from tandem.common import text_bounds
 from tandem.decoder.backends import backend as backends
 from tandem.decoder.config import EngineConfig
@@ -372,8 +372,6 @@ class Engine:
         go on undisturbed. Raises FailedPrecondition (LoRA off), InvalidArgument (the name, or an
         adapter that does not fit: the file and field named), AlreadyExists, ResourceExhausted (every
         slot taken). Nothing is loaded when it raises."""
-        if self.lora is None:
-            raise FailedPrecondition("name", "this server runs without LoRA: start it with --enable-lora")
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
         reading = self._adapter_reader.submit(self._read_adapter, name, path)
@@ -383,10 +381,7 @@ class Engine:
         return await asyncio.wrap_future(installing)
 
     def _read_adapter(self, name: str, path: str | Path) -> LoraAdapter:
-        with self.core.lock:  # the cheap refusals before the files are read
-            assert self.core.adapters is not None
-            self.core.adapters.check_new(name)
-            self.core.adapters.free_slot()
+        self.core.check_can_load(name)  # the cheap refusals before the files are read
         assert self.lora is not None
         return read_adapter(path, self.model_config, self.lora.max_rank)
 
@@ -395,7 +390,7 @@ class Engine:
         then the name is published (a request can name it from then on)."""
         assert self.lora is not None and self.core.adapters is not None
         slots = self.core.adapters
-        slots.check_new(name)  # again: another load of the name may have won the race since
+        slots.check_new(name)  # again: another load of the name or slot may have won the race since
         slot = slots.free_slot()
         start = time.perf_counter()
         self.lora.write(slot, adapter)
