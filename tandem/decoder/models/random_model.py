@@ -65,18 +65,6 @@ SHAPES: dict[str, ModelShape] = {
         vocab_size=None,
         max_position_embeddings=4096,
     ),
-    # The default model's architecture (SmolLM2 is a Llama: tied head, GQA, no q/k norms), as small.
-    "tiny-llama": ModelShape(
-        hidden_size=64,
-        intermediate_size=192,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=None,
-        max_position_embeddings=4096,
-        architecture="LlamaForCausalLM",
-    ),
     # A small model of realistic proportions (Qwen3-like, 41.6M parameters), for benchmarks.
     "bench-small": ModelShape(
         hidden_size=512,
@@ -98,6 +86,18 @@ SHAPES: dict[str, ModelShape] = {
         head_dim=128,
         vocab_size=151936,
         max_position_embeddings=40960,
+    ),
+    # The default model's architecture (SmolLM2 is a Llama: tied head, GQA, no q/k norms), as small.
+    "tiny-llama": ModelShape(
+        hidden_size=64,
+        intermediate_size=192,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=None,
+        max_position_embeddings=4096,
+        architecture="LlamaForCausalLM",
     ),
 }
 
