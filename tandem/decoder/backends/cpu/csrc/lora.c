@@ -31,16 +31,23 @@
 #define COLUMNS 256 /* output columns per unit of the second pass (its sums stay in registers' reach) */
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
-static inline float value_at(const void *p, int64_t i, int is_bf16) {
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float value_at(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* LANES consecutive values of p from i on, as float32. */
-static inline vf lanes_at(const void *p, int64_t i, int is_bf16) {
+/* LANES consecutive values of p from i on, as float32 (bf16: the top halves of the floats). */
+INLINE vf lanes_at(const void *p, int64_t i, int is_bf16) {
     vf v;
     if (is_bf16) {
-        for (int l = 0; l < LANES; l++) v[l] = bf16_to_f32(((const uint16_t *)p)[i + l]);
+        vh h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        const vu bits = __builtin_convertvector(h, vu) << 16;
+        memcpy(&v, &bits, sizeof v);
     } else {
         memcpy(&v, (const float *)p + i, sizeof v);
     }
@@ -48,7 +55,7 @@ static inline vf lanes_at(const void *p, int64_t i, int is_bf16) {
 }
 
 /* sum_i x[i] * w[i] over k values: x float32, w in the weights' dtype; the order of the NOTE. */
-static float dot(const float *x, const void *w, int64_t k, int is_bf16) {
+INLINE float dot(const float *x, const void *w, int64_t k, int is_bf16) {
     vf acc = {0};
     const int64_t whole = k - k % LANES;
     for (int64_t i = 0; i < whole; i += LANES) {
@@ -60,6 +67,37 @@ static float dot(const float *x, const void *w, int64_t k, int is_bf16) {
     for (int l = 0; l < LANES; l++) sum += acc[l];
     for (int64_t i = whole; i < k; i++) sum += x[i] * value_at(w, i, is_bf16);
     return sum;
+}
+
+/* d[o - from] += u * b[o] for o in [from, to): each element's own product and sum, as in scalar code. */
+INLINE void axpy(float *d, float u, const void *b, int64_t from, int64_t to, int is_bf16) {
+    int64_t o = from;
+    for (; o + LANES <= to; o += LANES) {
+        vf dv;
+        memcpy(&dv, d + (o - from), sizeof dv);
+        dv += u * lanes_at(b, o, is_bf16);
+        memcpy(d + (o - from), &dv, sizeof dv);
+    }
+    for (; o < to; o++) d[o - from] += u * value_at(b, o, is_bf16);
+}
+
+/* Row t's columns [from, to) of part p (rank r): y += scale * sum_j u[j] * bt[j][o], j in order. */
+INLINE void add_part(void *y, const float *u, const void *bt_slot, float scale, int64_t t, int64_t n, int64_t r,
+                     int64_t from, int64_t to, int is_bf16) {
+    float d[COLUMNS];
+    for (int64_t o = from; o < to; o++) d[o - from] = 0.0f;
+    const size_t element = is_bf16 ? 2 : 4;
+    for (int64_t j = 0; j < r; j++) axpy(d, u[j], (const char *)bt_slot + (size_t)(j * n) * element, from, to, is_bf16);
+    for (int64_t o = from; o < to; o++) {
+        const int64_t at = t * n + o;
+        if (is_bf16) {
+            uint16_t *out = (uint16_t *)y;
+            out[at] = f32_to_bf16(bf16_to_f32(out[at]) + scale * d[o - from]);
+        } else {
+            float *out = (float *)y;
+            out[at] = out[at] + scale * d[o - from];
+        }
+    }
 }
 
 /* y[t] [n], x [m, k], a [num_slots, num_parts * max_rank, k], bt [num_slots, max_rank, n] in `dtype`
@@ -94,7 +132,7 @@ int tandem_lora_delta(const void *x, void *y, const int64_t *slots, const void *
         if (s < 0 || row % max_rank >= ranks[s * num_parts + row / max_rank]) continue;
         const size_t element = is_bf16 ? 2 : 4;
         const char *w = (const char *)a + ((size_t)s * (size_t)width + (size_t)row) * (size_t)k * element;
-        u[unit] = dot(xf + t * k, w, k, is_bf16);
+        u[unit] = is_bf16 ? dot(xf + t * k, w, k, 1) : dot(xf + t * k, w, k, 0);
     }
 
     /* Pass 2: a unit is (row, block of COLUMNS output columns); each column sums over j in order. */
@@ -103,29 +141,18 @@ int tandem_lora_delta(const void *x, void *y, const int64_t *slots, const void *
     for (int64_t unit = 0; unit < m * blocks; unit++) {
         const int64_t t = unit / blocks, s = slots[t];
         if (s < 0) continue;
-        float d[COLUMNS];
         const int64_t lo = (unit % blocks) * COLUMNS, hi = lo + COLUMNS < n ? lo + COLUMNS : n;
+        const size_t element = is_bf16 ? 2 : 4;
+        const char *bt_slot = (const char *)bt + (size_t)(s * max_rank * n) * element;
         for (int64_t p = 0, start = 0; p < num_parts; start = part_ends[p], p++) {
             const int64_t from = lo > start ? lo : start, to = hi < part_ends[p] ? hi : part_ends[p];
             const int64_t r = ranks[s * num_parts + p];
             if (from >= to || r == 0) continue;
-            for (int64_t o = from; o < to; o++) d[o - lo] = 0.0f;
-            for (int64_t j = 0; j < r; j++) {
-                const float uj = u[t * width + p * max_rank + j];
-                const int64_t base = ((s * max_rank) + j) * n;
-                for (int64_t o = from; o < to; o++) d[o - lo] += uj * value_at(bt, base + o, is_bf16);
-            }
-            const float scale = scales[s];
-            for (int64_t o = from; o < to; o++) {
-                const int64_t at = t * n + o;
-                if (is_bf16) {
-                    uint16_t *out = (uint16_t *)y;
-                    out[at] = f32_to_bf16(bf16_to_f32(out[at]) + scale * d[o - lo]);
-                } else {
-                    float *out = (float *)y;
-                    out[at] = out[at] + scale * d[o - lo];
-                }
-            }
+            const float *ut = u + t * width + p * max_rank;
+            if (is_bf16)
+                add_part(y, ut, bt_slot, scales[s], t, n, r, from, to, 1);
+            else
+                add_part(y, ut, bt_slot, scales[s], t, n, r, from, to, 0);
         }
     }
     free(xf);
