@@ -2,10 +2,10 @@
 base model alone, and the cost of one adapter swap.
 
 Engines (SmolLM2-135M-Instruct, bf16, the production CPU path, prefix caching off): one without
-LoRA (the fused C layers and the one-call decode stack), and one with --enable-lora (every step per
-op, a delta after each projection), holding 4 adapters of rank 16 on all seven projections (random
-A and B, written in PEFT's format). Arms, interleaved and rotated per repeat, the median of
-`--repeats`:
+LoRA (the fused C layers and the one-call decode stack), and one with --enable-lora (the same
+path, each adapted row's delta added after each projection), holding 4 adapters of rank 16 on all
+seven projections (random A and B, written in PEFT's format). Arms, interleaved and rotated per
+repeat, the median of `--repeats`:
 - base: N requests on the engine without LoRA (what a server that never loads an adapter runs);
 - base-lora-on: N base-model requests on the LoRA engine;
 - mixed: N requests on the LoRA engine, request i on adapter i % 4.

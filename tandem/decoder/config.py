@@ -82,8 +82,8 @@ class EngineConfig:
     shared_step_seqs: int | None = None
     # LoRA adapters, as vLLM's --enable-lora: `max_loras` slots of rank up to `max_lora_rank`, filled
     # at start from `loras` ((name, PEFT directory) pairs) and at run time (the LoadAdapter RPC). Each
-    # request names its adapter or none, and requests of every adapter share one batch. On, every
-    # step runs the CPU executor's per-op path (the fused layers take no deltas).
+    # request names its adapter or none, and requests of every adapter share one batch (the CPU
+    # executor adds the deltas inside its fused layers: backends/cpu/lora.py).
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16

@@ -11,6 +11,11 @@ dtype, then logged (`KernelChoice.describe`). Per step only the step's own kind 
   oneDNN's packed bf16, the C kernel or F.linear), the norms and the q/k norm + RoPE + KV write as C
   custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
 
+LoRA slots (models/lora.py) change none of that: the fused halves and the stack add each adapted row's
+delta after each projection in C (`lora.py`, csrc/lora.c), and the per-op path adds it after each
+bound linear (the C kernel when a build is loaded, the torch reference otherwise). A step without an
+adapted row runs exactly the plain calls, so a base row's bits are the same with LoRA on or off.
+
 Layers fuse when the linears are on the C kernel (an AVX512-BF16 CPU, or one whose oneDNN has no
 bf16 path: AVX2-only), there is one rank, and the weights are bf16. Attention is always
 `CpuPagedAttention` when a build is loaded (the C decode kernel in front of torch ops; the tiled
@@ -212,7 +217,9 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
-def _fuse(kernels: Kernels, layer: DecoderLayer, dense_rows: int) -> FusedLayer | None:
+def _fuse(
+    kernels: Kernels, layer: DecoderLayer, dense_rows: int, lora: LayerCLora | None
+) -> FusedLayer | None:
     """Both halves of the layer in C, when its weights are plain bf16 and its norms share one epsilon."""
     a, mlp = layer.self_attn, layer.mlp
     eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
@@ -226,9 +233,9 @@ def _fuse(kernels: Kernels, layer: DecoderLayer, dense_rows: int) -> FusedLayer 
         gate_up_bias=mlp.gate_up_proj.bias, down=_weight_of(mlp.down_proj), down_bias=mlp.down_proj.bias,
     )  # fmt: skip
     try:
-        return FusedLayer(kernels, weights, a.num_heads, a.num_kv_heads, eps.pop(), dense_rows)
+        return FusedLayer(kernels, weights, a.num_heads, a.num_kv_heads, eps.pop(), dense_rows, lora)
     except ValueError:
-        return None  # a weight that is not plain bf16 of the expected shape
+        return None  # a weight (or LoRA slots) not plain bf16 of the expected shape
 
 
 class CpuExecutor:
@@ -246,9 +253,8 @@ class CpuExecutor:
         # must exceed every step without prompt rows (EngineConfig.max_rows_without_prompt), so that a
         # decode or verify row's sums keep one order and speculation stays exact.
         dense_rows: int = 0,
-        # LoRA slots (models/lora.py): every step then runs per op, a delta after each projection,
-        # so a row's bits never depend on its neighbours' adapters (the fused layers' bits are not
-        # the per-op path's).
+        # LoRA slots (models/lora.py): each step's adapted rows get their deltas on whichever path
+        # the step takes (see the NOTE).
         lora: LoraTable | None = None,
     ) -> None:
         self.model = model
@@ -273,13 +279,16 @@ class CpuExecutor:
             )
             model.use_attention(CpuPagedAttention(ops, None if tiled else PREFILL_MAX_CONTEXT))
         self.fused: list[FusedLayer] | None = None
+        bound = bind_table(kernels, lora) if kernels is not None and lora is not None else None
         # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
-        if kernels is not None and c_ops and kind == "c" and model.tp is None and lora is None:
-            fused = [_fuse(kernels, layer, dense_rows) for layer in model.layers]
+        if kernels is not None and c_ops and kind == "c" and model.tp is None:
+            fused = [
+                _fuse(kernels, layer, dense_rows, None if bound is None else bound[i])
+                for i, layer in enumerate(model.layers)
+            ]
             if all(f is not None for f in fused):
                 self.fused = [f for f in fused if f is not None]
         self.stack = self._bind_stack(kernels) if use_stack else None
-        bound = bind_table(kernels, lora) if kernels is not None and lora is not None else None
         self.layers = (
             [
                 OpsLayer(layer, kind, kernels, ops, None if bound is None else bound[i])
@@ -352,15 +361,16 @@ class CpuExecutor:
         sp = model.is_sequence_parallel(input_ids, attn)
         h = model.embed(input_ids, inputs_embeds, is_token_ids, sp)  # [num_tokens or local_len, hidden]
         cos, sin = model.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each
+        slots = None if lora is None else lora.slots  # int64 [num_tokens]; None: no row is adapted
         if self.stack is not None and attn.is_decode_only:
-            h = self.stack.run(h, cos, sin, attn, kv_caches)  # every layer in one C call
+            h = self.stack.run(h, cos, sin, attn, kv_caches, slots)  # every layer in one C call
         elif self.fused is not None:
             want_kv = not attn.is_decode_only
             for fused, layer, kv_cache in zip(self.fused, model.layers, kv_caches, strict=True):
                 # Everything but attention in two C calls; h is this layer's own input, updated in place.
-                q, k, v = fused.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, want_kv)
+                q, k, v = fused.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, want_kv, slots)
                 a = layer.self_attn
-                h = fused.mlp_block(h, a.attention(q, k, v, kv_cache, attn, a.scale))
+                h = fused.mlp_block(h, a.attention(q, k, v, kv_cache, attn, a.scale), slots)
         else:
             for i, (ops_layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 h = ops_layer(h, cos, sin, attn, kv_cache, sp, ops_layer.deltas(lora, i))

@@ -1,4 +1,6 @@
-/* LoRA deltas, each row its own adapter (Punica / S-LoRA), added into a projection's output in place.
+/* LoRA deltas, each row its own adapter (Punica / S-LoRA), added into a projection's output in place:
+ * called by layer.c's fused layers and decode stack after each projection, and through ctypes by
+ * backends/cpu/lora.py on the per-op path. The slots' layout is lora.h's.
  *
  * For row t with slot s = slots[t] >= 0 (-1: the base model, untouched), and each part p of the
  * projection (q/k/v of a fused qkv, gate/up, or the one part) with rank r = ranks[s][p] > 0:
@@ -6,35 +8,54 @@
  *     u[j] = sum_i x[t][i] * a[s][p * max_rank + j][i]                 j < r
  *     y[t][o] = round(y[t][o] + scales[s] * sum_j u[j] * bt[s][j][o])   o in part p's columns
  *
- * models/lora.py has the layout and the reference in torch.
+ * models/lora.py has the reference in torch.
  *
  * NOTE: the order. Each u[j] is LANES running sums over i (lane l takes i = l, l + LANES, ...),
- * added lane 0 first, then the tail in order; each output's sum over j runs j = 0, 1, ... So every
- * row's bits depend on its own inputs and slot only: not on how many rows share the call, which
- * adapters they use, or the number of threads (threads split whole (row, j) and (row, column block)
- * units). Weights and activations are float32 or bf16 (the model's dtype); every sum is float32,
- * rounded once into y.
+ * added lane 0 first, then the tail in order; each output's sum over j runs j = 0, 1, ...; every
+ * product and sum is a separate float32 operation (no contraction: -std=c11). Weights and activations
+ * are float32 or bf16 (the model's dtype); y is rounded once.
+ *
+ * NOTE: grouping (Punica's SGMV). The adapted rows are sorted by slot (stably) and each slot's rows
+ * run together: a tile of up to TILE_ROWS of them shares every load of A and B^T, so a slot's weights
+ * are read once a call whatever its number of rows (a prefill's 1,024 rows, or two decode rows per
+ * adapter), not once a row. A tile does for each of its rows exactly what a tile of that row alone
+ * does (its own accumulators, the operations above in the order above), so a row's bits depend on its
+ * own inputs and slot only: not on how many rows share the call, which adapters they use, how they
+ * are grouped, or the number of threads (threads split whole units: a slot's run of rows by A rows
+ * in pass 1, by column blocks in pass 2).
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "lora.h"
+#include "scratch.h"
+#include "team.h"
 
 #if defined(__AVX512F__)
 #define LANES 16
+#define TILE_ROWS 4 /* rows a tile: 16 accumulators of 32 registers in either pass */
 #elif defined(__AVX2__)
 #define LANES 8
+#define TILE_ROWS 2 /* 8 accumulators of 16 registers */
 #else
 #define LANES 4
+#define TILE_ROWS 2
 #endif
-#define COLUMNS 256 /* output columns per unit of the second pass (its sums stay in registers' reach) */
+#define TILE_A 4            /* A rows a pass-1 tile */
+#define TILE_VECS 4         /* column vectors a pass-2 tile */
+#define CHUNK 16            /* a unit's rows (of one slot) */
+#define UNIT_A 8            /* a pass-1 unit's A rows (of one part) */
+#define COLUMNS 256         /* a pass-2 unit's output columns */
+#define PARALLEL_MIN 65536  /* multiply-adds below which a call runs on the calling thread */
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
 #define INLINE static inline __attribute__((always_inline))
+
+static __thread ThreadBuffer buffer;
 
 INLINE float value_at(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -54,107 +75,237 @@ INLINE vf lanes_at(const void *p, int64_t i, int is_bf16) {
     return v;
 }
 
-/* sum_i x[i] * w[i] over k values: x float32, w in the weights' dtype; the order of the NOTE. */
-INLINE float dot(const float *x, const void *w, int64_t k, int is_bf16) {
-    vf acc = {0};
+INLINE void store_value(void *p, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* store_value on LANES values: bf16.h's f32_to_bf16 lane by lane (the same bits). */
+INLINE void store_lanes(void *p, int64_t i, vf v, int is_bf16) {
+    if (!is_bf16) {
+        memcpy((float *)p + i, &v, sizeof v);
+        return;
+    }
+    vu bits;
+    memcpy(&bits, &v, sizeof bits);
+    const vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const vu nan = (vu)((bits & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+    const vu out = (nan & ((bits >> 16) | 0x40u)) | (~nan & rounded);
+    const vh h = __builtin_convertvector(out, vh);
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+/* Pass 1 on a tile: u[r * width + j] for rows r < MR of xs (float32, row stride k) and A rows j < nj
+ * of w (row stride k), each sum in the NOTE's order. */
+INLINE void shrink_tile(const float *xs, const void *w, int64_t k, int nj, float *u, int64_t width, const int MR,
+                        const int is_bf16) {
+    const size_t row_bytes = (size_t)k * (is_bf16 ? 2 : 4);
+    const char *a[TILE_A];
+    for (int j = 0; j < TILE_A; j++) a[j] = (const char *)w + (size_t)(j < nj ? j : 0) * row_bytes;
+    vf acc[TILE_ROWS][TILE_A];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE_A; j++) acc[r][j] = (vf){0};
     const int64_t whole = k - k % LANES;
     for (int64_t i = 0; i < whole; i += LANES) {
-        vf xv;
-        memcpy(&xv, x + i, sizeof xv);
-        acc += xv * lanes_at(w, i, is_bf16);
+        vf wv[TILE_A];
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE_A; j++) wv[j] = lanes_at(a[j], i, is_bf16);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) {
+            vf xv;
+            memcpy(&xv, xs + r * k + i, sizeof xv);
+#pragma GCC unroll 4
+            for (int j = 0; j < TILE_A; j++) acc[r][j] += xv * wv[j];
+        }
     }
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; l++) sum += acc[l];
-    for (int64_t i = whole; i < k; i++) sum += x[i] * value_at(w, i, is_bf16);
-    return sum;
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < nj; j++) {
+            float sum = 0.0f;
+            for (int l = 0; l < LANES; l++) sum += acc[r][j][l];
+            for (int64_t i = whole; i < k; i++) sum += xs[r * k + i] * value_at(a[j], i, is_bf16);
+            u[r * width + j] = sum;
+        }
 }
 
-/* d[o - from] += u * b[o] for o in [from, to): each element's own product and sum, as in scalar code. */
-INLINE void axpy(float *d, float u, const void *b, int64_t from, int64_t to, int is_bf16) {
-    int64_t o = from;
-    for (; o + LANES <= to; o += LANES) {
-        vf dv;
-        memcpy(&dv, d + (o - from), sizeof dv);
-        dv += u * lanes_at(b, o, is_bf16);
-        memcpy(d + (o - from), &dv, sizeof dv);
+/* Pass 2 on a tile: rows r < MR (y rows rows[r]; their part's u at u + r * width) and the NV * LANES
+ * columns from c: y = round(y + scale * sum_j u[j] * bt[j][column]), j < rank, in order. */
+INLINE void expand_tile(void *y, const int64_t *rows, const float *u, int64_t width, const void *bt, int64_t n,
+                        int64_t rank, int64_t c, float scale, const int MR, const int NV, const int is_bf16) {
+    const size_t row_bytes = (size_t)n * (is_bf16 ? 2 : 4);
+    vf d[TILE_ROWS][TILE_VECS];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) d[r][v] = (vf){0};
+    for (int64_t j = 0; j < rank; j++) {
+        const char *b = (const char *)bt + (size_t)j * row_bytes;
+        vf bv[TILE_VECS];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) bv[v] = lanes_at(b, c + v * LANES, is_bf16);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) {
+            const float uj = u[r * width + j];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) d[r][v] += uj * bv[v];
+        }
     }
-    for (; o < to; o++) d[o - from] += u * value_at(b, o, is_bf16);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
+            const int64_t at = rows[r] * n + c + v * LANES;
+            store_lanes(y, at, lanes_at(y, at, is_bf16) + scale * d[r][v], is_bf16);
+        }
 }
 
-/* Row t's columns [from, to) of part p (rank r): y += scale * sum_j u[j] * bt[j][o], j in order. */
-INLINE void add_part(void *y, const float *u, const void *bt_slot, float scale, int64_t t, int64_t n, int64_t r,
-                     int64_t from, int64_t to, int is_bf16) {
-    float d[COLUMNS];
-    for (int64_t o = from; o < to; o++) d[o - from] = 0.0f;
+/* expand_tile's sums for one column c and `count` rows, in scalar code (the same operations). */
+INLINE void expand_column(void *y, const int64_t *rows, int64_t count, const float *u, int64_t width, const void *bt,
+                          int64_t n, int64_t rank, int64_t c, float scale, const int is_bf16) {
+    for (int64_t r = 0; r < count; r++) {
+        float d = 0.0f;
+        for (int64_t j = 0; j < rank; j++) d += u[r * width + j] * value_at(bt, j * n + c, is_bf16);
+        const int64_t at = rows[r] * n + c;
+        store_value(y, at, value_at(y, at, is_bf16) + scale * d, is_bf16);
+    }
+}
+
+/* A run of rows of one slot: positions [first, first + count) of the grouped order. */
+typedef struct {
+    int64_t slot, first, count;
+} Chunk;
+
+/* Pass 1 of one unit: the chunk's rows against A rows [j0, j1) of one part (tiles of TILE_ROWS x TILE_A). */
+INLINE void shrink_unit(const TandemLoraWeight *w, const Chunk *ch, const float *xs, float *u, int64_t width,
+                        int64_t j0, int64_t j1, const int is_bf16) {
+    const int64_t k = w->k;
     const size_t element = is_bf16 ? 2 : 4;
-    for (int64_t j = 0; j < r; j++) axpy(d, u[j], (const char *)bt_slot + (size_t)(j * n) * element, from, to, is_bf16);
-    for (int64_t o = from; o < to; o++) {
-        const int64_t at = t * n + o;
-        if (is_bf16) {
-            uint16_t *out = (uint16_t *)y;
-            out[at] = f32_to_bf16(bf16_to_f32(out[at]) + scale * d[o - from]);
-        } else {
-            float *out = (float *)y;
-            out[at] = out[at] + scale * d[o - from];
+    for (int64_t j = j0; j < j1; j += TILE_A) {
+        const int nj = j1 - j < TILE_A ? (int)(j1 - j) : TILE_A;
+        const char *a = (const char *)w->a + ((size_t)ch->slot * (size_t)width + (size_t)j) * (size_t)k * element;
+        for (int64_t r = 0; r < ch->count; r += TILE_ROWS) {
+            const int64_t at = ch->first + r;
+            const float *x = xs + at * k;
+            float *out = u + at * width + j;
+            switch (ch->count - r < TILE_ROWS ? ch->count - r : TILE_ROWS) {
+            case 1: shrink_tile(x, a, k, nj, out, width, 1, is_bf16); break;
+#if TILE_ROWS == 4
+            case 2: shrink_tile(x, a, k, nj, out, width, 2, is_bf16); break;
+            case 3: shrink_tile(x, a, k, nj, out, width, 3, is_bf16); break;
+#endif
+            default: shrink_tile(x, a, k, nj, out, width, TILE_ROWS, is_bf16); break;
+            }
         }
     }
 }
 
-/* y[t] [n], x [m, k], a [num_slots, num_parts * max_rank, k], bt [num_slots, max_rank, n] in `dtype`
- * (0 float32, 1 bf16); slots [m]; ranks [num_slots, num_parts]; scales [num_slots]; part_ends
- * [num_parts], the last n. 0; -1 bad sizes; -2 a slot or rank out of range; -3 no memory. */
-int tandem_lora_delta(const void *x, void *y, const int64_t *slots, const void *a, const void *bt,
-                      const int64_t *ranks, const float *scales, const int64_t *part_ends, int64_t m, int64_t n,
-                      int64_t k, int64_t num_slots, int64_t num_parts, int64_t max_rank, int dtype) {
-    if (m < 0 || n < 1 || k < 1 || num_slots < 1 || num_parts < 1 || max_rank < 1 || (dtype != 0 && dtype != 1) ||
-        part_ends[num_parts - 1] != n)
-        return -1;
-    for (int64_t p = 0; p < num_parts; p++)
-        if (part_ends[p] < (p ? part_ends[p - 1] : 0)) return -1;
-    for (int64_t t = 0; t < m; t++)
-        if (slots[t] < -1 || slots[t] >= num_slots) return -2;
-    for (int64_t i = 0; i < num_slots * num_parts; i++)
-        if (ranks[i] < 0 || ranks[i] > max_rank) return -2;
-    const int is_bf16 = dtype == 1;
-    const int64_t width = num_parts * max_rank; /* u's per row */
-    float *xf = malloc(sizeof(float) * (size_t)(m * k + m * width + 1));
-    if (xf == NULL) return -3;
-    float *u = xf + m * k;
-
-    /* Pass 1: each adapted row's x as float32, and its u. A unit is (row, one of its u). */
-#pragma omp parallel for schedule(static) if (m * k > 4096)
-    for (int64_t t = 0; t < m; t++)
-        if (slots[t] >= 0)
-            for (int64_t i = 0; i < k; i++) xf[t * k + i] = value_at(x, t * k + i, is_bf16);
-#pragma omp parallel for schedule(static) if (m * width * k > 65536)
-    for (int64_t unit = 0; unit < m * width; unit++) {
-        const int64_t t = unit / width, row = unit % width, s = slots[t];
-        if (s < 0 || row % max_rank >= ranks[s * num_parts + row / max_rank]) continue;
-        const size_t element = is_bf16 ? 2 : 4;
-        const char *w = (const char *)a + ((size_t)s * (size_t)width + (size_t)row) * (size_t)k * element;
-        u[unit] = is_bf16 ? dot(xf + t * k, w, k, 1) : dot(xf + t * k, w, k, 0);
-    }
-
-    /* Pass 2: a unit is (row, block of COLUMNS output columns); each column sums over j in order. */
-    const int64_t blocks = (n + COLUMNS - 1) / COLUMNS;
-#pragma omp parallel for schedule(static) if (m * blocks > 1)
-    for (int64_t unit = 0; unit < m * blocks; unit++) {
-        const int64_t t = unit / blocks, s = slots[t];
-        if (s < 0) continue;
-        const int64_t lo = (unit % blocks) * COLUMNS, hi = lo + COLUMNS < n ? lo + COLUMNS : n;
-        const size_t element = is_bf16 ? 2 : 4;
-        const char *bt_slot = (const char *)bt + (size_t)(s * max_rank * n) * element;
-        for (int64_t p = 0, start = 0; p < num_parts; start = part_ends[p], p++) {
-            const int64_t from = lo > start ? lo : start, to = hi < part_ends[p] ? hi : part_ends[p];
-            const int64_t r = ranks[s * num_parts + p];
-            if (from >= to || r == 0) continue;
-            const float *ut = u + t * width + p * max_rank;
-            if (is_bf16)
-                add_part(y, ut, bt_slot, scales[s], t, n, r, from, to, 1);
-            else
-                add_part(y, ut, bt_slot, scales[s], t, n, r, from, to, 0);
+/* Pass 2 of one unit: the chunk's rows, output columns [lo, hi), every part that has some of them. */
+INLINE void expand_unit(const TandemLoraWeight *w, const Chunk *ch, const int64_t *order, const float *u, void *y,
+                        int64_t width, int64_t lo, int64_t hi, const int is_bf16) {
+    const int64_t n = w->n, s = ch->slot;
+    const size_t element = is_bf16 ? 2 : 4;
+    const char *bt = (const char *)w->bt + (size_t)(s * w->max_rank * n) * element;
+    const float scale = w->scales[s];
+    for (int64_t p = 0, start = 0; p < w->num_parts; start = w->part_ends[p], p++) {
+        const int64_t from = lo > start ? lo : start, to = hi < w->part_ends[p] ? hi : w->part_ends[p];
+        const int64_t rank = w->ranks[s * w->num_parts + p];
+        if (from >= to || rank == 0) continue;
+        for (int64_t r = 0; r < ch->count; r += TILE_ROWS) {
+            const int64_t at = ch->first + r, rows = ch->count - r < TILE_ROWS ? ch->count - r : TILE_ROWS;
+            const int64_t *ys = order + at;
+            const float *ut = u + at * width + p * w->max_rank;
+            int64_t c = from;
+            for (; c + TILE_VECS * LANES <= to; c += TILE_VECS * LANES) switch (rows) {
+                case 1: expand_tile(y, ys, ut, width, bt, n, rank, c, scale, 1, TILE_VECS, is_bf16); break;
+#if TILE_ROWS == 4
+                case 2: expand_tile(y, ys, ut, width, bt, n, rank, c, scale, 2, TILE_VECS, is_bf16); break;
+                case 3: expand_tile(y, ys, ut, width, bt, n, rank, c, scale, 3, TILE_VECS, is_bf16); break;
+#endif
+                default: expand_tile(y, ys, ut, width, bt, n, rank, c, scale, TILE_ROWS, TILE_VECS, is_bf16); break;
+                }
+            for (; c + LANES <= to; c += LANES)
+                for (int64_t i = 0; i < rows; i++) expand_tile(y, ys + i, ut + i * width, width, bt, n, rank, c, scale, 1, 1, is_bf16);
+            for (; c < to; c++) expand_column(y, ys, rows, ut, width, bt, n, rank, c, scale, is_bf16);
         }
     }
-    free(xf);
+}
+
+int tandem_lora_check(const TandemLoraWeight *w, const int64_t *slots, int64_t m) {
+    if (w == NULL || m < 0 || w->n < 1 || w->k < 1 || w->num_slots < 1 || w->num_parts < 1 || w->max_rank < 1 ||
+        (w->dtype != 0 && w->dtype != 1) || w->part_ends[w->num_parts - 1] != w->n)
+        return -1;
+    for (int64_t p = 0; p < w->num_parts; p++)
+        if (w->part_ends[p] < (p ? w->part_ends[p - 1] : 0)) return -1;
+    for (int64_t t = 0; t < m; t++)
+        if (slots[t] < -1 || slots[t] >= w->num_slots) return -2;
+    for (int64_t i = 0; i < w->num_slots * w->num_parts; i++)
+        if (w->ranks[i] < 0 || w->ranks[i] > w->max_rank) return -2;
+    return 0;
+}
+
+/* Both passes over the grouped rows (see the NOTEs), on the calling thread's team. */
+INLINE void run(const TandemLoraWeight *w, const void *x, void *y, const int64_t *order, const Chunk *chunks,
+                int64_t num_chunks, int64_t adapted, float *xs, float *u, int64_t work, const int is_bf16) {
+    const int64_t k = w->k, width = w->num_parts * w->max_rank, a_units = (w->max_rank + UNIT_A - 1) / UNIT_A;
+    const int64_t blocks = (w->n + COLUMNS - 1) / COLUMNS;
+#pragma omp parallel if (work >= PARALLEL_MIN)
+    {
+        int64_t begin, end;
+        team_share(adapted, &begin, &end); /* each adapted row's x, as float32, in the grouped order */
+        for (int64_t at = begin; at < end; at++)
+            for (int64_t i = 0; i < k; i++) xs[at * k + i] = value_at(x, order[at] * k + i, is_bf16);
+#pragma omp barrier
+        team_share(num_chunks * w->num_parts * a_units, &begin, &end);
+        for (int64_t unit = begin; unit < end; unit++) {
+            const Chunk *ch = chunks + unit / (w->num_parts * a_units);
+            const int64_t p = unit / a_units % w->num_parts, rank = w->ranks[ch->slot * w->num_parts + p];
+            const int64_t j0 = unit % a_units * UNIT_A, j1 = j0 + UNIT_A < rank ? j0 + UNIT_A : rank;
+            if (j0 < j1) shrink_unit(w, ch, xs, u, width, p * w->max_rank + j0, p * w->max_rank + j1, is_bf16);
+        }
+#pragma omp barrier
+        team_share(num_chunks * blocks, &begin, &end);
+        for (int64_t unit = begin; unit < end; unit++) {
+            const int64_t lo = unit % blocks * COLUMNS, hi = lo + COLUMNS < w->n ? lo + COLUMNS : w->n;
+            expand_unit(w, chunks + unit / blocks, order, u, y, width, lo, hi, is_bf16);
+        }
+    }
+}
+
+int tandem_lora_delta(const TandemLoraWeight *w, const void *x, void *y, const int64_t *slots, int64_t m) {
+    const int checked = tandem_lora_check(w, slots, m);
+    if (checked != 0) return checked;
+    const int64_t num_slots = w->num_slots, width = w->num_parts * w->max_rank, k = w->k;
+    int64_t adapted = 0;
+    for (int64_t t = 0; t < m; t++) adapted += slots[t] >= 0;
+    if (adapted == 0) return 0;
+    /* Scratch: starts [num_slots + 1], order [adapted], chunks, then x as float32 and u. */
+    const int64_t max_chunks = adapted / CHUNK + num_slots;
+    const size_t ints = (size_t)(num_slots + 1 + adapted + 3 * max_chunks);
+    int64_t *starts = buffer_of_at_least(&buffer, sizeof(int64_t) * ints + sizeof(float) * (size_t)(adapted * (k + width)));
+    if (starts == NULL) return -3;
+    int64_t *order = starts + num_slots + 1;
+    Chunk *chunks = (Chunk *)(order + adapted);
+    float *xs = (float *)(starts + ints), *u = xs + adapted * k;
+    /* Counting sort by slot, rows in order within a slot. */
+    memset(starts, 0, sizeof(int64_t) * (size_t)(num_slots + 1));
+    for (int64_t t = 0; t < m; t++)
+        if (slots[t] >= 0) starts[slots[t] + 1]++;
+    for (int64_t s = 0; s < num_slots; s++) starts[s + 1] += starts[s];
+    int64_t num_chunks = 0;
+    for (int64_t s = 0; s < num_slots; s++)
+        for (int64_t first = starts[s]; first < starts[s + 1]; first += CHUNK) {
+            const int64_t count = starts[s + 1] - first < CHUNK ? starts[s + 1] - first : CHUNK;
+            chunks[num_chunks++] = (Chunk){s, first, count};
+        }
+    for (int64_t t = 0; t < m; t++)
+        if (slots[t] >= 0) order[starts[slots[t]]++] = t; /* starts[s] ends as the next slot's start */
+    const int64_t work = adapted * (width * k + w->max_rank * w->n);
+    if (w->dtype == 1)
+        run(w, x, y, order, chunks, num_chunks, adapted, xs, u, work, 1);
+    else
+        run(w, x, y, order, chunks, num_chunks, adapted, xs, u, work, 0);
     return 0;
 }

@@ -1,5 +1,7 @@
 """The LoRA delta kernel (backends/cpu/lora.py, csrc/lora.c) on every build this CPU runs: the
-reference's sums, a row's bits whatever shares the call, and the executor's per-op path with it."""
+reference's sums, a row's bits whatever shares the call, and the executor's paths with it (the fused
+layers, the decode stack, the per-op path): the model's logits, a row's bits alone and among others,
+a base row's bits with LoRA on or off, and a bad slot refused before anything is written."""
 
 from __future__ import annotations
 
@@ -73,33 +75,91 @@ def test_a_slot_outside_the_table_is_refused_and_nothing_written(
         clora(x, y.clone(), torch.tensor([0, 1], dtype=torch.int32))
 
 
-def step(
-    run, loaded: LoadedModel, prompts: list[list[int]], slots: list[int], table: LoraTable
-) -> torch.Tensor:
-    """Each prompt's last-position logits, packed in one prefill step, its rows on its slot."""
-    attn = PagedAllocator().metadata([(i, len(p)) for i, p in enumerate(prompts)])
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int32)
-    positions = torch.cat([torch.arange(len(p)) for p in prompts])
-    row_slots = torch.tensor([s for p, s in zip(prompts, slots, strict=True) for _ in p])
-    with torch.inference_mode():
-        return run(
-            ids, positions, attn, loaded.model.allocate_kv_cache(64, 4), lora=LoraStep(table, row_slots)
+class LoraRun:
+    """Steps of `run` (an executor or the model) over its own paged KV cache, each row on its slot."""
+
+    def __init__(self, run, loaded: LoadedModel, table: LoraTable) -> None:
+        self.run, self.table = run, table
+        self.allocator = PagedAllocator()
+        self.kv_caches = loaded.model.allocate_kv_cache(128, 4)
+
+    def step(self, chunks: list[tuple[str, list[int], int]]) -> torch.Tensor:
+        """Each chunk's (sequence, new tokens, slot) last-position logits, the chunks packed in one step."""
+        starts = [self.allocator.seq_lens.get(key, 0) for key, _, _ in chunks]
+        attn = self.allocator.metadata([(key, len(ids)) for key, ids, _ in chunks])
+        ids = torch.tensor([t for _, tokens, _ in chunks for t in tokens], dtype=torch.int32)
+        positions = torch.tensor(
+            [p for s, (_, t, _) in zip(starts, chunks, strict=True) for p in range(s, s + len(t))]
         )
+        slots = torch.tensor([slot for _, tokens, slot in chunks for _ in tokens])
+        with torch.inference_mode():
+            return self.run(ids, positions, attn, self.kv_caches, lora=LoraStep(self.table, slots))
 
 
-def test_the_executor_runs_every_step_per_op_with_the_models_adapted_logits(
+SEQUENCES = {"a": (PROMPT, 0), "b": (PROMPT[:6], 1), "c": (PROMPT[2:], 2), "d": (PROMPT, -1)}  # prompt, slot
+
+
+def generate(run: LoraRun, names: str, steps: int = 4) -> list[torch.Tensor]:
+    """The sequences `names` prefilled in one step, then `steps` decode steps of them all (one token each,
+    the same tokens whatever the run): every step's logits."""
+    out = [run.step([(n, SEQUENCES[n][0], SEQUENCES[n][1]) for n in names])]
+    for i in range(steps):
+        out.append(run.step([(n, [(40 * i + 7 * ord(n)) % 1000], SEQUENCES[n][1]) for n in names]))
+    return out
+
+
+def test_steps_with_adapters_keep_the_fused_layers_and_the_stack_with_the_models_logits(
     kernels, tiny_model_dir: Path, adapters: list[Path]
 ) -> None:
     loaded = load_model(tiny_model_dir, dtype="bfloat16")
     table = table_of(loaded, adapters)
     executor = CpuExecutor(loaded.model, kernels, linears="c", lora=table)
-    assert not executor.choice.fused_layers and not executor.choice.decode_stack
-    prompts = [PROMPT, PROMPT[:6], PROMPT[2:], PROMPT]
-    slots = [0, 1, 2, -1]
-    got = step(executor, loaded, prompts, slots, table)
-    want = step(loaded.model, loaded, prompts, slots, table)  # the plain model, the reference delta
-    assert (got - want).abs().max() <= 0.05 * want.abs().max()
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    # bf16 on the C linears: each row the same bits alone as in the step, adapted or not.
-    for i, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
-        assert torch.equal(step(executor, loaded, [prompt], [slot], table)[0], got[i])
+    assert executor.choice.fused_layers and executor.choice.decode_stack
+    together = generate(LoraRun(executor, loaded, table), "abcd")
+    reference = generate(LoraRun(loaded.model, loaded, table), "abcd")  # the plain model's torch deltas
+    for got, want in zip(together, reference, strict=True):
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    # A row's bits: the same alone, through the stack or the per-layer fused calls (decode steps), and
+    # a base row's with LoRA off (an executor without slots).
+    per_layer = CpuExecutor(loaded.model, kernels, linears="c", use_stack=False, lora=table)
+    assert per_layer.choice.fused_layers and not per_layer.choice.decode_stack
+    by_layer = generate(LoraRun(per_layer, loaded, table), "abcd")
+    assert all(torch.equal(g, w) for g, w in zip(by_layer, together, strict=True))
+    for i, name in enumerate("abcd"):
+        alone = generate(LoraRun(executor, loaded, table), name)
+        assert all(torch.equal(g[0], w[i]) for g, w in zip(alone, together, strict=True)), name
+    plain = CpuExecutor(loaded.model, kernels, linears="c")
+    without = generate(LoraRun(lambda *a, lora: plain(*a), loaded, table), "d")
+    assert all(torch.equal(g[0], w[3]) for g, w in zip(without, together, strict=True))
+
+
+def test_the_per_op_path_adds_the_c_deltas_after_its_linears(
+    kernels, tiny_model_dir: Path, adapters: list[Path]
+) -> None:
+    loaded = load_model(tiny_model_dir, dtype="bfloat16")
+    table = table_of(loaded, adapters)
+    executor = CpuExecutor(loaded.model, kernels, linears="torch", lora=table)  # torch linears: per op
+    assert not executor.choice.fused_layers and executor.layers[0].lora is not None
+    got = generate(LoraRun(executor, loaded, table), "abcd", steps=2)
+    want = generate(LoraRun(loaded.model, loaded, table), "abcd", steps=2)
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max() <= 0.05 * w.abs().max()
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+def test_a_slot_outside_the_table_is_refused_by_the_fused_layers_and_the_stack_before_any_write(
+    kernels, tiny_model_dir: Path, adapters: list[Path]
+) -> None:
+    loaded = load_model(tiny_model_dir, dtype="bfloat16")
+    table = table_of(loaded, adapters)
+    executor = CpuExecutor(loaded.model, kernels, linears="c", lora=table)
+    run = LoraRun(executor, loaded, table)
+    with pytest.raises(ValueError, match="lora_slots: a slot outside the LoRA table"):
+        run.step([("a", PROMPT, 0), ("b", PROMPT, 3)])  # a prefill step: the fused halves
+    assert all(c.count_nonzero() == 0 for c in run.kv_caches)
+    run = LoraRun(executor, loaded, table)
+    run.step([("a", PROMPT, 0), ("b", PROMPT, 1)])
+    before = [c.clone() for c in run.kv_caches]
+    with pytest.raises(ValueError, match="lora_slots: a slot outside the LoRA table"):
+        run.step([("a", [5], 0), ("b", [6], -2)])  # a decode step: the stack
+    assert all(torch.equal(c, b) for c, b in zip(run.kv_caches, before, strict=True))
