@@ -10,10 +10,14 @@
  *
  * models/lora.py has the reference in torch.
  *
- * NOTE: the order. Each u[j] is LANES running sums over i (lane l takes i = l, l + LANES, ...),
- * added lane 0 first, then the tail in order; each output's sum over j runs j = 0, 1, ...; every
- * product and sum is a separate float32 operation (no contraction: -std=c11). Weights and activations
- * are float32 or bf16 (the model's dtype); y is rounded once.
+ * NOTE: the order, fixed per build. Each u[j] is LANES running sums over i (lane l takes i = l,
+ * l + LANES, ...), added lane 0 first, then the tail in order; each output's sum over j runs j = 0,
+ * 1, ...; on builds with FMA each product is fused into its sum (written out: -std=c11 contracts
+ * nothing), elsewhere multiplied, then added. On AVX512-BF16 builds a bf16 u[j] is instead 16 running
+ * sums of VDPBF16PS's pairwise products (lane l takes the pairs i = 2l, 2l + 1 of every 32 inputs; a
+ * tail of fewer than 32 is padded with zeros), reduced by _mm512_reduce_add_ps's fixed tree.
+ * Weights and activations are float32 or bf16 (the model's dtype); u and the sums over j are float32,
+ * y is rounded once.
  *
  * NOTE: grouping (Punica's SGMV). The adapted rows are sorted by slot (stably) and each slot's rows
  * run together: a tile of up to TILE_ROWS of them shares every load of A and B^T, so a slot's weights
@@ -24,8 +28,13 @@
  * are grouped, or the number of threads (threads split whole units: a slot's run of rows by A rows
  * in pass 1, by column blocks in pass 2).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "bf16.h"
 #include "lora.h"
@@ -34,13 +43,16 @@
 
 #if defined(__AVX512F__)
 #define LANES 16
-#define TILE_ROWS 4 /* rows a tile: 16 accumulators of 32 registers in either pass */
+#define TILE_ROWS 4   /* rows a pass-1 tile: 16 accumulators of 32 registers */
+#define EXPAND_ROWS 6 /* rows a pass-2 tile: 24 accumulators */
 #elif defined(__AVX2__)
 #define LANES 8
 #define TILE_ROWS 2 /* 8 accumulators of 16 registers */
+#define EXPAND_ROWS 2
 #else
 #define LANES 4
 #define TILE_ROWS 2
+#define EXPAND_ROWS 2
 #endif
 #define TILE_A 4            /* A rows a pass-1 tile */
 #define TILE_VECS 4         /* column vectors a pass-2 tile */
@@ -55,7 +67,37 @@ typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_DPBF16 1
+#define DP_LANES 32 /* bf16 inputs a VDPBF16PS takes */
+#else
+#define HAVE_DPBF16 0
+#endif
+
 static __thread ThreadBuffer buffer;
+
+/* Every lane v. */
+#if LANES == 16
+INLINE vf splat(float v) { return (vf)_mm512_set1_ps(v); }
+#elif LANES == 8
+INLINE vf splat(float v) { return (vf)_mm256_set1_ps(v); }
+#else
+INLINE vf splat(float v) { return (vf){v, v, v, v}; }
+#endif
+
+/* c + a * b: fused where the build has FMA (the NOTE's order either way). */
+#if defined(__FMA__) && LANES == 16
+INLINE vf madd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif defined(__FMA__) && LANES == 8
+INLINE vf madd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+INLINE vf madd(vf a, vf b, vf c) { return c + a * b; }
+#endif
+#if defined(__FMA__)
+INLINE float madd1(float a, float b, float c) { return fmaf(a, b, c); }
+#else
+INLINE float madd1(float a, float b, float c) { return c + a * b; }
+#endif
 
 INLINE float value_at(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -65,10 +107,18 @@ INLINE float value_at(const void *p, int64_t i, int is_bf16) {
 INLINE vf lanes_at(const void *p, int64_t i, int is_bf16) {
     vf v;
     if (is_bf16) {
+#if LANES == 16
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        v = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif LANES == 8
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        v = (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
         vh h;
         memcpy(&h, (const uint16_t *)p + i, sizeof h);
         const vu bits = __builtin_convertvector(h, vu) << 16;
         memcpy(&v, &bits, sizeof v);
+#endif
     } else {
         memcpy(&v, (const float *)p + i, sizeof v);
     }
@@ -119,25 +169,66 @@ INLINE void shrink_tile(const float *xs, const void *w, int64_t k, int nj, float
             vf xv;
             memcpy(&xv, xs + r * k + i, sizeof xv);
 #pragma GCC unroll 4
-            for (int j = 0; j < TILE_A; j++) acc[r][j] += xv * wv[j];
+            for (int j = 0; j < TILE_A; j++) acc[r][j] = madd(xv, wv[j], acc[r][j]);
         }
     }
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < nj; j++) {
             float sum = 0.0f;
             for (int l = 0; l < LANES; l++) sum += acc[r][j][l];
-            for (int64_t i = whole; i < k; i++) sum += xs[r * k + i] * value_at(a[j], i, is_bf16);
+            for (int64_t i = whole; i < k; i++) sum = madd1(xs[r * k + i], value_at(a[j], i, is_bf16), sum);
             u[r * width + j] = sum;
         }
 }
+
+#if HAVE_DPBF16
+/* shrink_tile for bf16 rows xs (row stride k) on VDPBF16PS: the NOTE's AVX512-BF16 order. */
+INLINE void shrink_tile_dp(const uint16_t *xs, const uint16_t *w, int64_t k, int nj, float *u, int64_t width,
+                           const int MR) {
+    const uint16_t *a[TILE_A];
+    for (int j = 0; j < TILE_A; j++) a[j] = w + (j < nj ? j : 0) * k;
+    __m512 acc[TILE_ROWS][TILE_A];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE_A; j++) acc[r][j] = _mm512_setzero_ps();
+    const int64_t whole = k - k % DP_LANES;
+    for (int64_t i = 0; i < whole; i += DP_LANES) {
+        __m512i wv[TILE_A];
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE_A; j++) wv[j] = _mm512_loadu_si512(a[j] + i);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) {
+            const __m512i xv = _mm512_loadu_si512(xs + r * k + i);
+#pragma GCC unroll 4
+            for (int j = 0; j < TILE_A; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv, (__m512bh)wv[j]);
+        }
+    }
+    if (whole < k) { /* the tail, zeros past k */
+        const __mmask32 mask = (__mmask32)((1u << (k - whole)) - 1u);
+        __m512i wv[TILE_A];
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE_A; j++) wv[j] = _mm512_maskz_loadu_epi16(mask, a[j] + whole);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) {
+            const __m512i xv = _mm512_maskz_loadu_epi16(mask, xs + r * k + whole);
+#pragma GCC unroll 4
+            for (int j = 0; j < TILE_A; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv, (__m512bh)wv[j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < nj; j++) u[r * width + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#endif
 
 /* Pass 2 on a tile: rows r < MR (y rows rows[r]; their part's u at u + r * width) and the NV * LANES
  * columns from c: y = round(y + scale * sum_j u[j] * bt[j][column]), j < rank, in order. */
 INLINE void expand_tile(void *y, const int64_t *rows, const float *u, int64_t width, const void *bt, int64_t n,
                         int64_t rank, int64_t c, float scale, const int MR, const int NV, const int is_bf16) {
     const size_t row_bytes = (size_t)n * (is_bf16 ? 2 : 4);
-    vf d[TILE_ROWS][TILE_VECS];
-#pragma GCC unroll 4
+    vf d[EXPAND_ROWS][TILE_VECS];
+#pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) d[r][v] = (vf){0};
@@ -146,14 +237,14 @@ INLINE void expand_tile(void *y, const int64_t *rows, const float *u, int64_t wi
         vf bv[TILE_VECS];
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) bv[v] = lanes_at(b, c + v * LANES, is_bf16);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int r = 0; r < MR; r++) {
-            const float uj = u[r * width + j];
+            const vf uj = splat(u[r * width + j]);
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; v++) d[r][v] += uj * bv[v];
+            for (int v = 0; v < NV; v++) d[r][v] = madd(uj, bv[v], d[r][v]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) {
@@ -167,7 +258,7 @@ INLINE void expand_column(void *y, const int64_t *rows, int64_t count, const flo
                           int64_t n, int64_t rank, int64_t c, float scale, const int is_bf16) {
     for (int64_t r = 0; r < count; r++) {
         float d = 0.0f;
-        for (int64_t j = 0; j < rank; j++) d += u[r * width + j] * value_at(bt, j * n + c, is_bf16);
+        for (int64_t j = 0; j < rank; j++) d = madd1(u[r * width + j], value_at(bt, j * n + c, is_bf16), d);
         const int64_t at = rows[r] * n + c;
         store_value(y, at, value_at(y, at, is_bf16) + scale * d, is_bf16);
     }
@@ -178,25 +269,35 @@ typedef struct {
     int64_t slot, first, count;
 } Chunk;
 
-/* Pass 1 of one unit: the chunk's rows against A rows [j0, j1) of one part (tiles of TILE_ROWS x TILE_A). */
-INLINE void shrink_unit(const TandemLoraWeight *w, const Chunk *ch, const float *xs, float *u, int64_t width,
-                        int64_t j0, int64_t j1, const int is_bf16) {
+/* shrink_tile on VDPBF16PS (`dp`: bf16 rows xs on an AVX512-BF16 build) or not, MR rows. */
+#if HAVE_DPBF16
+#define SHRINK(MR)                                                                                                   \
+    (dp ? shrink_tile_dp((const uint16_t *)xs + at * k, (const uint16_t *)a, k, nj, out, width, MR)                  \
+        : shrink_tile((const float *)xs + at * k, a, k, nj, out, width, MR, is_bf16))
+#else
+#define SHRINK(MR) shrink_tile((const float *)xs + at * k, a, k, nj, out, width, MR, is_bf16)
+#endif
+
+/* Pass 1 of one unit: the chunk's rows against A rows [j0, j1) of one part (tiles of TILE_ROWS x TILE_A).
+ * xs: the grouped rows, float32, or bf16 as given when `dp`. */
+INLINE void shrink_unit(const TandemLoraWeight *w, const Chunk *ch, const void *xs, float *u, int64_t width,
+                        int64_t j0, int64_t j1, const int is_bf16, const int dp) {
     const int64_t k = w->k;
     const size_t element = is_bf16 ? 2 : 4;
+    (void)dp;
     for (int64_t j = j0; j < j1; j += TILE_A) {
         const int nj = j1 - j < TILE_A ? (int)(j1 - j) : TILE_A;
         const char *a = (const char *)w->a + ((size_t)ch->slot * (size_t)width + (size_t)j) * (size_t)k * element;
         for (int64_t r = 0; r < ch->count; r += TILE_ROWS) {
             const int64_t at = ch->first + r;
-            const float *x = xs + at * k;
             float *out = u + at * width + j;
             switch (ch->count - r < TILE_ROWS ? ch->count - r : TILE_ROWS) {
-            case 1: shrink_tile(x, a, k, nj, out, width, 1, is_bf16); break;
+            case 1: SHRINK(1); break;
 #if TILE_ROWS == 4
-            case 2: shrink_tile(x, a, k, nj, out, width, 2, is_bf16); break;
-            case 3: shrink_tile(x, a, k, nj, out, width, 3, is_bf16); break;
+            case 2: SHRINK(2); break;
+            case 3: SHRINK(3); break;
 #endif
-            default: shrink_tile(x, a, k, nj, out, width, TILE_ROWS, is_bf16); break;
+            default: SHRINK(TILE_ROWS); break;
             }
         }
     }
@@ -213,19 +314,23 @@ INLINE void expand_unit(const TandemLoraWeight *w, const Chunk *ch, const int64_
         const int64_t from = lo > start ? lo : start, to = hi < w->part_ends[p] ? hi : w->part_ends[p];
         const int64_t rank = w->ranks[s * w->num_parts + p];
         if (from >= to || rank == 0) continue;
-        for (int64_t r = 0; r < ch->count; r += TILE_ROWS) {
-            const int64_t at = ch->first + r, rows = ch->count - r < TILE_ROWS ? ch->count - r : TILE_ROWS;
+        for (int64_t r = 0; r < ch->count; r += EXPAND_ROWS) {
+            const int64_t at = ch->first + r, rows = ch->count - r < EXPAND_ROWS ? ch->count - r : EXPAND_ROWS;
             const int64_t *ys = order + at;
             const float *ut = u + at * width + p * w->max_rank;
             int64_t c = from;
+#define EXPAND(MR) expand_tile(y, ys, ut, width, bt, n, rank, c, scale, MR, TILE_VECS, is_bf16)
             for (; c + TILE_VECS * LANES <= to; c += TILE_VECS * LANES) switch (rows) {
-                case 1: expand_tile(y, ys, ut, width, bt, n, rank, c, scale, 1, TILE_VECS, is_bf16); break;
-#if TILE_ROWS == 4
-                case 2: expand_tile(y, ys, ut, width, bt, n, rank, c, scale, 2, TILE_VECS, is_bf16); break;
-                case 3: expand_tile(y, ys, ut, width, bt, n, rank, c, scale, 3, TILE_VECS, is_bf16); break;
+                case 1: EXPAND(1); break;
+#if EXPAND_ROWS == 6
+                case 2: EXPAND(2); break;
+                case 3: EXPAND(3); break;
+                case 4: EXPAND(4); break;
+                case 5: EXPAND(5); break;
 #endif
-                default: expand_tile(y, ys, ut, width, bt, n, rank, c, scale, TILE_ROWS, TILE_VECS, is_bf16); break;
+                default: EXPAND(EXPAND_ROWS); break;
                 }
+#undef EXPAND
             for (; c + LANES <= to; c += LANES)
                 for (int64_t i = 0; i < rows; i++) expand_tile(y, ys + i, ut + i * width, width, bt, n, rank, c, scale, 1, 1, is_bf16);
             for (; c < to; c++) expand_column(y, ys, rows, ut, width, bt, n, rank, c, scale, is_bf16);
@@ -248,22 +353,26 @@ int tandem_lora_check(const TandemLoraWeight *w, const int64_t *slots, int64_t m
 
 /* Both passes over the grouped rows (see the NOTEs), on the calling thread's team. */
 INLINE void run(const TandemLoraWeight *w, const void *x, void *y, const int64_t *order, const Chunk *chunks,
-                int64_t num_chunks, int64_t adapted, float *xs, float *u, int64_t work, const int is_bf16) {
+                int64_t num_chunks, int64_t adapted, void *xs, float *u, int64_t work, const int is_bf16) {
     const int64_t k = w->k, width = w->num_parts * w->max_rank, a_units = (w->max_rank + UNIT_A - 1) / UNIT_A;
     const int64_t blocks = (w->n + COLUMNS - 1) / COLUMNS;
+    const int dp = HAVE_DPBF16 && is_bf16;
 #pragma omp parallel if (work >= PARALLEL_MIN)
     {
         int64_t begin, end;
-        team_share(adapted, &begin, &end); /* each adapted row's x, as float32, in the grouped order */
+        team_share(adapted, &begin, &end); /* each adapted row's x in the grouped order: float32, or as is */
         for (int64_t at = begin; at < end; at++)
-            for (int64_t i = 0; i < k; i++) xs[at * k + i] = value_at(x, order[at] * k + i, is_bf16);
+            if (dp)
+                memcpy((uint16_t *)xs + at * k, (const uint16_t *)x + order[at] * k, sizeof(uint16_t) * (size_t)k);
+            else
+                for (int64_t i = 0; i < k; i++) ((float *)xs)[at * k + i] = value_at(x, order[at] * k + i, is_bf16);
 #pragma omp barrier
         team_share(num_chunks * w->num_parts * a_units, &begin, &end);
         for (int64_t unit = begin; unit < end; unit++) {
             const Chunk *ch = chunks + unit / (w->num_parts * a_units);
             const int64_t p = unit / a_units % w->num_parts, rank = w->ranks[ch->slot * w->num_parts + p];
             const int64_t j0 = unit % a_units * UNIT_A, j1 = j0 + UNIT_A < rank ? j0 + UNIT_A : rank;
-            if (j0 < j1) shrink_unit(w, ch, xs, u, width, p * w->max_rank + j0, p * w->max_rank + j1, is_bf16);
+            if (j0 < j1) shrink_unit(w, ch, xs, u, width, p * w->max_rank + j0, p * w->max_rank + j1, is_bf16, dp);
         }
 #pragma omp barrier
         team_share(num_chunks * blocks, &begin, &end);
@@ -281,14 +390,14 @@ int tandem_lora_delta(const TandemLoraWeight *w, const void *x, void *y, const i
     int64_t adapted = 0;
     for (int64_t t = 0; t < m; t++) adapted += slots[t] >= 0;
     if (adapted == 0) return 0;
-    /* Scratch: starts [num_slots + 1], order [adapted], chunks, then x as float32 and u. */
+    /* Scratch: starts [num_slots + 1], order [adapted], chunks, then x (as float32 at most) and u. */
     const int64_t max_chunks = adapted / CHUNK + num_slots;
     const size_t ints = (size_t)(num_slots + 1 + adapted + 3 * max_chunks);
     int64_t *starts = buffer_of_at_least(&buffer, sizeof(int64_t) * ints + sizeof(float) * (size_t)(adapted * (k + width)));
     if (starts == NULL) return -3;
     int64_t *order = starts + num_slots + 1;
     Chunk *chunks = (Chunk *)(order + adapted);
-    float *xs = (float *)(starts + ints), *u = xs + adapted * k;
+    float *xs = (float *)(starts + ints), *u = xs + adapted * k; /* u float32-aligned whatever x takes */
     /* Counting sort by slot, rows in order within a slot. */
     memset(starts, 0, sizeof(int64_t) * (size_t)(num_slots + 1));
     for (int64_t t = 0; t < m; t++)
