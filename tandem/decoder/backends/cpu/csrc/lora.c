@@ -390,14 +390,18 @@ int tandem_lora_delta(const TandemLoraWeight *w, const void *x, void *y, const i
     int64_t adapted = 0;
     for (int64_t t = 0; t < m; t++) adapted += slots[t] >= 0;
     if (adapted == 0) return 0;
-    /* Scratch: starts [num_slots + 1], order [adapted], chunks, then x (as float32 at most) and u. */
+    /* Scratch: starts [num_slots + 1], order [adapted], chunks, u, then x (bf16 as is for VDPBF16PS,
+     * else float32). */
     const int64_t max_chunks = adapted / CHUNK + num_slots;
     const size_t ints = (size_t)(num_slots + 1 + adapted + 3 * max_chunks);
-    int64_t *starts = buffer_of_at_least(&buffer, sizeof(int64_t) * ints + sizeof(float) * (size_t)(adapted * (k + width)));
+    const size_t x_element = HAVE_DPBF16 && w->dtype == 1 ? sizeof(uint16_t) : sizeof(float);
+    int64_t *starts = buffer_of_at_least(&buffer, sizeof(int64_t) * ints + sizeof(float) * (size_t)(adapted * width) +
+                                                      x_element * (size_t)(adapted * k));
     if (starts == NULL) return -3;
     int64_t *order = starts + num_slots + 1;
     Chunk *chunks = (Chunk *)(order + adapted);
-    float *xs = (float *)(starts + ints), *u = xs + adapted * k; /* u float32-aligned whatever x takes */
+    float *u = (float *)(starts + ints);
+    void *xs = u + adapted * width;
     /* Counting sort by slot, rows in order within a slot. */
     memset(starts, 0, sizeof(int64_t) * (size_t)(num_slots + 1));
     for (int64_t t = 0; t < m; t++)

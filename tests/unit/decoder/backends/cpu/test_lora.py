@@ -5,6 +5,8 @@ a base row's bits with LoRA on or off, and a bad slot refused before anything is
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from tandem.decoder.backends.cpu.executor import CpuExecutor
 from tandem.decoder.backends.cpu.lora import CLora, bind_table
 from tandem.decoder.models.loader import LoadedModel, load_model
-from tandem.decoder.models.lora import PARTS, LoraStep, LoraTable
+from tandem.decoder.models.lora import PARTS, LoraStep, LoraTable, ProjectionLora
 from tandem.decoder.models.peft_adapter import read_adapter
 from tests.lora_adapters import SPECS, make_adapter
 
@@ -37,6 +39,25 @@ def table_of(loaded: LoadedModel, adapters: list[Path]) -> LoraTable:
     return table
 
 
+def check_rows(
+    clora: CLora, projection: ProjectionLora, scales: torch.Tensor, generator: torch.Generator
+) -> None:
+    """41 rows of 3 slots and the base: the reference's sums, and each row's bits alone and shuffled
+    among the others (the kernel groups them by slot in tiles of every size)."""
+    dtype = projection.a.dtype
+    x = torch.randn(41, projection.in_features, generator=generator).to(dtype)
+    y = torch.randn(41, projection.out_features, generator=generator).to(dtype)
+    slots = torch.randint(-1, 3, (41,), generator=generator)
+    together = clora(x, y.clone(), slots)
+    want = projection.add_delta(x, y.clone(), slots, scales)
+    assert (together.float() - want.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 0.05)
+    assert torch.equal(together[slots < 0], y[slots < 0])
+    for t in range(41):  # alone, and among other rows of other adapters
+        assert torch.equal(clora(x[t : t + 1], y[t : t + 1].clone(), slots[t : t + 1])[0], together[t])
+    shuffled = torch.randperm(41, generator=generator)
+    assert torch.equal(clora(x[shuffled], y[shuffled].clone(), slots[shuffled]), together[shuffled])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_kernel_sums_as_the_reference_and_a_rows_bits_never_depend_on_the_others(
     kernels, tiny_model_dir: Path, adapters: list[Path], dtype: str
@@ -46,18 +67,31 @@ def test_the_kernel_sums_as_the_reference_and_a_rows_bits_never_depend_on_the_ot
     bound = bind_table(kernels, table)[2]
     generator = torch.Generator().manual_seed(0)
     for name in PARTS:
-        projection, clora = table.layers[2][name], getattr(bound, name)
-        x = torch.randn(41, projection.in_features, generator=generator).to(loaded.config.dtype)
-        y = torch.randn(41, projection.out_features, generator=generator).to(loaded.config.dtype)
-        slots = torch.randint(-1, 3, (41,), generator=generator)
-        together = clora(x, y.clone(), slots)
-        want = projection.add_delta(x, y.clone(), slots, table.scales)
-        assert (together.float() - want.float()).abs().max() <= (1e-5 if dtype == "float32" else 0.05)
-        assert torch.equal(together[slots < 0], y[slots < 0])
-        for t in range(41):  # alone, and among other rows of other adapters
-            assert torch.equal(clora(x[t : t + 1], y[t : t + 1].clone(), slots[t : t + 1])[0], together[t])
-        shuffled = torch.randperm(41, generator=generator)
-        assert torch.equal(clora(x[shuffled], y[shuffled].clone(), slots[shuffled]), together[shuffled])
+        check_rows(getattr(bound, name), table.layers[2][name], table.scales, generator)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sizes_off_every_vector_width_take_the_kernels_tails_with_the_same_promises(
+    kernels, tiny_fp32: LoadedModel, dtype: torch.dtype
+) -> None:
+    # Inputs 60, 72 and 300 and parts ending at 60, 80, 100, 300 and 600: the tails of the sums over
+    # the inputs (16 and 32 lanes) and of the output columns (tiles of 64, vectors of 16).
+    config = dataclasses.replace(
+        tiny_fp32.config, hidden_size=72, intermediate_size=300, num_heads=3, num_kv_heads=1, head_dim=20
+    )
+    generator = torch.Generator().manual_seed(1)
+    scales = torch.tensor([0.5, 2.0, 1.25])
+    for name in PARTS:
+        projection = ProjectionLora(config, name, max_loras=3, max_rank=16, dtype=dtype)
+        projection.ranks = torch.randint(0, 17, projection.ranks.shape, generator=generator)
+        for (slot, p), rank in zip(itertools.product(range(3), range(len(projection.parts))),
+                                   projection.ranks.flatten().tolist(), strict=True):  # fmt: skip
+            start, end = ((0,) + projection.part_ends)[p], projection.part_ends[p]
+            a = torch.randn(rank, projection.in_features, generator=generator) * 0.1
+            projection.a[slot, p * 16 : p * 16 + rank] = a.to(dtype)
+            b = torch.randn(rank, end - start, generator=generator) * 0.1
+            projection.bt[slot, :rank, start:end] = b.to(dtype)
+        check_rows(CLora(kernels, projection, scales), projection, scales, generator)
 
 
 def test_a_slot_outside_the_table_is_refused_and_nothing_written(
