@@ -14,7 +14,9 @@ ignored); tokens/s = output tokens / wall time, N at once. A swap: LoadAdapter o
 into a slot freed by an unload (files read and checked, slot written), timed end to end.
 
 Run: `.venv/bin/python bench/lora_throughput.py` (about 4 minutes on 2 quiet cores); prints one JSON
-line per arm and N, and the CPU with its flags.
+line per arm and N (with each repeat's ratio to the base run beside it, and the load average before
+and after: on a shared machine the paired ratios are steadier than the medians), and the CPU with
+its flags.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -127,19 +130,24 @@ def main() -> None:
             run(plain, prompts[:2], [""]), run(lora, prompts[:2], names)  # warm both
             results: dict[str, list[float]] = {arm: [] for arm in arms}
             order = list(arms)
+            load_before = os.getloadavg()[0]
             for r in range(args.repeats):
                 for arm in order[r % 3 :] + order[: r % 3]:
                     engine, adapters = arms[arm]
                     results[arm].append(run(engine, prompts, adapters))
             medians = {arm: statistics.median(v) for arm, v in results.items()}
+            load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             for arm, value in medians.items():
+                paired = zip(results[arm], results["base"], strict=True)
                 line = {
                     "n": n,
                     "arm": arm,
                     "tokens_per_s": round(value, 1),
                     "runs": [round(v, 1) for v in results[arm]],
+                    "vs_base": round(value / medians["base"], 3),
+                    "vs_base_runs": [round(v / b, 3) for v, b in paired],
+                    "load": load,
                 }
-                line["vs_base"] = round(value / medians["base"], 3)
                 print(json.dumps(line), flush=True)
         swaps = []
         for _ in range(args.repeats):
