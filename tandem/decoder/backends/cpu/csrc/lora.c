@@ -148,10 +148,10 @@ INLINE void store_lanes(void *p, int64_t i, vf v, int is_bf16) {
     memcpy((uint16_t *)p + i, &h, sizeof h);
 }
 
-/* Pass 1 on a tile: u[r * width + j] for rows r < MR of xs (float32, row stride k) and A rows j < nj
+/* Pass 1 on a tile: u[r * width + j] for rows rows[r] (r < MR) of x (row stride k) and A rows j < nj
  * of w (row stride k), each sum in the NOTE's order. */
-INLINE void shrink_tile(const float *xs, const void *w, int64_t k, int nj, float *u, int64_t width, const int MR,
-                        const int is_bf16) {
+INLINE void shrink_tile(const void *x, const int64_t *rows, const void *w, int64_t k, int nj, float *u, int64_t width,
+                        const int MR, const int is_bf16) {
     const size_t row_bytes = (size_t)k * (is_bf16 ? 2 : 4);
     const char *a[TILE_A];
     for (int j = 0; j < TILE_A; j++) a[j] = (const char *)w + (size_t)(j < nj ? j : 0) * row_bytes;
@@ -167,8 +167,7 @@ INLINE void shrink_tile(const float *xs, const void *w, int64_t k, int nj, float
         for (int j = 0; j < TILE_A; j++) wv[j] = lanes_at(a[j], i, is_bf16);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; r++) {
-            vf xv;
-            memcpy(&xv, xs + r * k + i, sizeof xv);
+            const vf xv = lanes_at(x, rows[r] * k + i, is_bf16);
 #pragma GCC unroll 4
             for (int j = 0; j < TILE_A; j++) acc[r][j] = madd(xv, wv[j], acc[r][j]);
         }
@@ -177,15 +176,16 @@ INLINE void shrink_tile(const float *xs, const void *w, int64_t k, int nj, float
         for (int j = 0; j < nj; j++) {
             float sum = 0.0f;
             for (int l = 0; l < LANES; l++) sum += acc[r][j][l];
-            for (int64_t i = whole; i < k; i++) sum = madd1(xs[r * k + i], value_at(a[j], i, is_bf16), sum);
+            for (int64_t i = whole; i < k; i++)
+                sum = madd1(value_at(x, rows[r] * k + i, is_bf16), value_at(a[j], i, is_bf16), sum);
             u[r * width + j] = sum;
         }
 }
 
 #if HAVE_DPBF16
-/* shrink_tile for bf16 rows xs (row stride k) on VDPBF16PS: the NOTE's AVX512-BF16 order. */
-INLINE void shrink_tile_dp(const uint16_t *xs, const uint16_t *w, int64_t k, int nj, float *u, int64_t width,
-                           const int MR) {
+/* shrink_tile for bf16 x on VDPBF16PS: the NOTE's AVX512-BF16 order. */
+INLINE void shrink_tile_dp(const uint16_t *x, const int64_t *rows, const uint16_t *w, int64_t k, int nj, float *u,
+                           int64_t width, const int MR) {
     const uint16_t *a[TILE_A];
     for (int j = 0; j < TILE_A; j++) a[j] = w + (j < nj ? j : 0) * k;
     __m512 acc[TILE_ROWS][TILE_A];
@@ -200,7 +200,7 @@ INLINE void shrink_tile_dp(const uint16_t *xs, const uint16_t *w, int64_t k, int
         for (int j = 0; j < TILE_A; j++) wv[j] = _mm512_loadu_si512(a[j] + i);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; r++) {
-            const __m512i xv = _mm512_loadu_si512(xs + r * k + i);
+            const __m512i xv = _mm512_loadu_si512(x + rows[r] * k + i);
 #pragma GCC unroll 4
             for (int j = 0; j < TILE_A; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv, (__m512bh)wv[j]);
         }
@@ -212,7 +212,7 @@ INLINE void shrink_tile_dp(const uint16_t *xs, const uint16_t *w, int64_t k, int
         for (int j = 0; j < TILE_A; j++) wv[j] = _mm512_maskz_loadu_epi16(mask, a[j] + whole);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; r++) {
-            const __m512i xv = _mm512_maskz_loadu_epi16(mask, xs + r * k + whole);
+            const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + rows[r] * k + whole);
 #pragma GCC unroll 4
             for (int j = 0; j < TILE_A; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv, (__m512bh)wv[j]);
         }
@@ -270,19 +270,19 @@ typedef struct {
     int64_t slot, first, count;
 } Chunk;
 
-/* shrink_tile on VDPBF16PS (`dp`: bf16 rows xs on an AVX512-BF16 build) or not, MR rows. */
+/* shrink_tile on VDPBF16PS (`dp`: bf16 on an AVX512-BF16 build) or not, MR rows. */
 #if HAVE_DPBF16
 #define SHRINK(MR)                                                                                                   \
-    (dp ? shrink_tile_dp((const uint16_t *)xs + at * k, (const uint16_t *)a, k, nj, out, width, MR)                  \
-        : shrink_tile((const float *)xs + at * k, a, k, nj, out, width, MR, is_bf16))
+    (dp ? shrink_tile_dp((const uint16_t *)x, order + at, (const uint16_t *)a, k, nj, out, width, MR)                \
+        : shrink_tile(x, order + at, a, k, nj, out, width, MR, is_bf16))
 #else
-#define SHRINK(MR) shrink_tile((const float *)xs + at * k, a, k, nj, out, width, MR, is_bf16)
+#define SHRINK(MR) shrink_tile(x, order + at, a, k, nj, out, width, MR, is_bf16)
 #endif
 
 /* Pass 1 of one unit: the chunk's rows against A rows [j0, j1) of one part (tiles of TILE_ROWS x TILE_A).
- * xs: the grouped rows, float32, or bf16 as given when `dp`. */
-INLINE void shrink_unit(const TandemLoraWeight *w, const Chunk *ch, const void *xs, float *u, int64_t width,
-                        int64_t j0, int64_t j1, const int is_bf16, const int dp) {
+ * x: the call's rows, read in the grouped order. */
+INLINE void shrink_unit(const TandemLoraWeight *w, const Chunk *ch, const void *x, const int64_t *order, float *u,
+                        int64_t width, int64_t j0, int64_t j1, const int is_bf16, const int dp) {
     const int64_t k = w->k;
     const size_t element = is_bf16 ? 2 : 4;
     (void)dp;
@@ -395,8 +395,8 @@ INLINE void prefetch_expand_unit(const TandemLoraWeight *w, const Chunk *ch, int
  * memory: 5.1 -> 3.9 ms a step; at 32 rows 7.5 -> 6.1 (one thread, Zen 4, loaded machine). A
  * prefill's calls reuse each weight over many rows from cache and ask for nothing. */
 INLINE void run(const TandemLoraWeight *w, const void *x, void *y, const int64_t *order, const Chunk *chunks,
-                int64_t num_chunks, int64_t adapted, void *xs, float *u, int64_t work, const int is_bf16) {
-    const int64_t k = w->k, width = w->num_parts * w->max_rank, a_units = (w->max_rank + UNIT_A - 1) / UNIT_A;
+                int64_t num_chunks, int64_t adapted, float *u, int64_t work, const int is_bf16) {
+    const int64_t width = w->num_parts * w->max_rank, a_units = (w->max_rank + UNIT_A - 1) / UNIT_A;
     const int64_t blocks = (w->n + COLUMNS - 1) / COLUMNS;
     const int dp = HAVE_DPBF16 && is_bf16;
     const size_t element = is_bf16 ? 2 : 4;
@@ -411,19 +411,12 @@ INLINE void run(const TandemLoraWeight *w, const void *x, void *y, const int64_t
         }
         team_share(num_chunks * w->num_parts * a_units, &begin, &end);
         for (int64_t unit = begin; ahead && unit < end; unit++) prefetch_shrink_unit(w, chunks, unit, a_units, element);
-        team_share(adapted, &begin, &end); /* each adapted row's x in the grouped order: float32, or as is */
-        for (int64_t at = begin; at < end; at++)
-            if (dp)
-                memcpy((uint16_t *)xs + at * k, (const uint16_t *)x + order[at] * k, sizeof(uint16_t) * (size_t)k);
-            else
-                for (int64_t i = 0; i < k; i++) ((float *)xs)[at * k + i] = value_at(x, order[at] * k + i, is_bf16);
-#pragma omp barrier
         team_share(num_chunks * w->num_parts * a_units, &begin, &end);
         for (int64_t unit = begin; unit < end; unit++) {
             int64_t j0, j1;
             const Chunk *ch = shrink_unit_at(w, chunks, unit, a_units, &j0, &j1);
             if (ahead && unit + 1 < end) prefetch_shrink_unit(w, chunks, unit + 1, a_units, element);
-            if (j0 < j1) shrink_unit(w, ch, xs, u, width, j0, j1, is_bf16, dp);
+            if (j0 < j1) shrink_unit(w, ch, x, order, u, width, j0, j1, is_bf16, dp);
         }
 #pragma omp barrier
         team_share(num_chunks * blocks, &begin, &end);
@@ -441,18 +434,14 @@ int tandem_lora_delta(const TandemLoraWeight *w, const void *x, void *y, const i
     int64_t adapted = 0;
     for (int64_t t = 0; t < m; t++) adapted += slots[t] >= 0;
     if (adapted == 0) return 0;
-    /* Scratch: starts [num_slots + 1], order [adapted], chunks, u, then x (bf16 as is for VDPBF16PS,
-     * else float32). */
+    /* Scratch: starts [num_slots + 1], order [adapted], chunks, then u [adapted, width]. */
     const int64_t max_chunks = adapted / CHUNK + num_slots;
     const size_t ints = (size_t)(num_slots + 1 + adapted + 3 * max_chunks);
-    const size_t x_element = HAVE_DPBF16 && w->dtype == 1 ? sizeof(uint16_t) : sizeof(float);
-    int64_t *starts = buffer_of_at_least(&buffer, sizeof(int64_t) * ints + sizeof(float) * (size_t)(adapted * width) +
-                                                      x_element * (size_t)(adapted * k));
+    int64_t *starts = buffer_of_at_least(&buffer, sizeof(int64_t) * ints + sizeof(float) * (size_t)(adapted * width));
     if (starts == NULL) return -3;
     int64_t *order = starts + num_slots + 1;
     Chunk *chunks = (Chunk *)(order + adapted);
     float *u = (float *)(starts + ints);
-    void *xs = u + adapted * width;
     /* Counting sort by slot, rows in order within a slot. */
     memset(starts, 0, sizeof(int64_t) * (size_t)(num_slots + 1));
     for (int64_t t = 0; t < m; t++)
@@ -468,8 +457,8 @@ int tandem_lora_delta(const TandemLoraWeight *w, const void *x, void *y, const i
         if (slots[t] >= 0) order[starts[slots[t]]++] = t; /* starts[s] ends as the next slot's start */
     const int64_t work = adapted * (width * k + w->max_rank * w->n);
     if (w->dtype == 1)
-        run(w, x, y, order, chunks, num_chunks, adapted, xs, u, work, 1);
+        run(w, x, y, order, chunks, num_chunks, adapted, u, work, 1);
     else
-        run(w, x, y, order, chunks, num_chunks, adapted, xs, u, work, 0);
+        run(w, x, y, order, chunks, num_chunks, adapted, u, work, 0);
     return 0;
 }
