@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,6 +115,8 @@ class FusedLayer:
         self._mlp_ptrs = (p["o"], p["o_bias"], p["post_norm"], ctypes.c_float(eps), p["gate_up"],
                           p["gate_up_bias"], p["down"], p["down_bias"])  # fmt: skip
         self.lora = lora
+        self._attention_in_lora: Any = None  # the *_lora entry points, when LoRA slots are bound
+        self._mlp_block_lora: Any = None
         if lora is not None:
             sizes = {"qkv_proj": (hidden, width), "o_proj": (num_heads * head_dim, hidden),
                      "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}  # fmt: skip
@@ -168,22 +171,24 @@ class FusedLayer:
         args = (h.data_ptr(), *self._in_ptrs, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                 kv_cache.data_ptr(), num_slots, q.data_ptr(), _ptr(k), _ptr(v), m, self.hidden,
                 self.num_heads, self.num_kv_heads, self.head_dim)  # fmt: skip
-        if lora_slots is None:
-            status = self._attention_in(*args)
-        else:
-            status = self._attention_in_lora(*args, *self._lora_of(lora_slots, m))
-        if status == -2:
-            raise ValueError(f"fused layer refused its input: lora_slots: {_LORA_SLOT}")
-        if status != 0:
+        if self._call(self._attention_in, self._attention_in_lora, args, lora_slots, m) != 0:
             raise ValueError("fused layer refused its input: slot_mapping: a KV slot is outside kv_cache")
         return q, k, v
 
-    def _lora_of(self, lora_slots: torch.Tensor, m: int) -> tuple[ctypes.Array[ctypes.c_void_p], int]:
-        """The *_lora entry points' last two arguments: the layer's slots and each row's."""
+    def _call(
+        self, plain: Any, with_lora: Any, args: tuple[Any, ...], lora_slots: torch.Tensor | None, m: int
+    ) -> int:
+        """A half's status: its plain entry point, or (lora_slots given) its *_lora twin with the
+        layer's slots and each of the m rows'; a LoRA slot it refused raises."""
+        if lora_slots is None:
+            return plain(*args)
         if self.lora is None:
             raise ValueError("lora_slots given to a fused layer bound without LoRA slots")
         check_slots(lora_slots, m)
-        return self._lora_ptrs, lora_slots.data_ptr()
+        status = with_lora(*args, self._lora_ptrs, lora_slots.data_ptr())
+        if status == -2:
+            raise ValueError(f"fused layer refused its input: lora_slots: {_LORA_SLOT}")
+        return status
 
     def mlp_block(
         self,
@@ -198,12 +203,6 @@ class FusedLayer:
                 f"attn must be contiguous bfloat16 [{m}, {width}], got {attn.dtype} {list(attn.shape)}"
             )
         args = (h.data_ptr(), attn.data_ptr(), *self._mlp_ptrs, m, self.hidden, width, self.inter)
-        if lora_slots is None:
-            status = self._mlp_block(*args)
-        else:
-            status = self._mlp_block_lora(*args, *self._lora_of(lora_slots, m))
-        if status == -2:
-            raise ValueError(f"fused layer refused its input: lora_slots: {_LORA_SLOT}")
-        if status != 0:
+        if self._call(self._mlp_block, self._mlp_block_lora, args, lora_slots, m) != 0:
             raise MemoryError(f"fused layer: no scratch memory for {m} tokens")
         return h
