@@ -1,6 +1,8 @@
 """LoRA adapters in the engine with the rest of a request's options: prompt logprobs are the
-adapter's, structured output and chat templates hold with it, and --batch-invariant keeps an adapted
-request's tokens and logprobs whatever shares its batch."""
+adapter's, structured output and chat templates hold with it, --batch-invariant keeps an adapted
+request's tokens and logprobs whatever shares its batch, and on the bf16 production path (the fused
+C layers and the decode stack) an adapted request's tokens are the same alone, among other adapters'
+and speculating."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.outputs import Delta, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.prompt import GenerateSpec, TextPrompt
 from tests.lora_adapters import SPECS, make_adapter
@@ -30,9 +32,9 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def engine(model_dir: Path, adapters, **settings) -> Engine:
+    settings.setdefault("dtype", "float32")
     config = EngineConfig(
         model_dir=model_dir,
-        dtype="float32",
         num_kv_blocks=256,
         block_size=4,
         enable_lora=True,
@@ -115,3 +117,43 @@ def test_batch_invariant_adapted_requests_keep_tokens_and_logprobs_whatever_shar
             t.join()
     assert [r for a, r in results if a == "qv4"] == [alone, alone]
     assert [r for a, r in results if a == "mlp8"][0] != alone
+
+
+def test_on_the_fused_bf16_path_an_adapted_requests_tokens_are_the_same_alone_among_others_and_speculating(
+    tiny_model_dir: Path, adapters
+) -> None:
+    import threading
+
+    # bf16 on the C kernels: the fused layers and the one-call decode stack add the deltas (float32
+    # runs per op). Verify rows take the per-layer fused calls, plain decode steps the stack, and a
+    # row's sums do not depend on its neighbours: the same greedy tokens every way.
+    def run(e: Engine, adapter: str) -> tuple[list[int], int]:
+        stopping = StoppingParams(max_new_tokens=24, ignore_eos=True)
+        events = list(
+            e.generate(GenerateSpec([PROMPT], SamplingParams(temperature=0.0), stopping, adapter=adapter))
+        )
+        finished = next(event for event in events if isinstance(event, Finished))
+        return [
+            t for event in events if isinstance(event, Delta) for t in event.token_ids
+        ], finished.proposed_tokens
+
+    def together(e: Engine, names: tuple[str, ...]) -> dict[str, tuple[list[int], int]]:
+        results: dict[str, tuple[list[int], int]] = {}
+        threads = [threading.Thread(target=lambda a=a: results.update({a: run(e, a)})) for a in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    names = ("qv4", "mlp8", "")
+    with engine(tiny_model_dir, adapters, dtype="bfloat16") as e:
+        assert e.executor.choice.fused_layers and e.executor.choice.decode_stack
+        alone = {name: run(e, name)[0] for name in names}
+        shared = together(e, names)
+    with engine(tiny_model_dir, adapters, dtype="bfloat16", speculative_tokens=3) as e:
+        speculating = together(e, names)
+    assert {name: tokens for name, (tokens, _) in shared.items()} == alone
+    assert {name: tokens for name, (tokens, _) in speculating.items()} == alone
+    assert sum(proposed for _, proposed in speculating.values()) > 0  # verify rows ran with the adapters
+    assert alone["qv4"] != alone[""] and alone["mlp8"] != alone[""]  # the adapters change the answer
