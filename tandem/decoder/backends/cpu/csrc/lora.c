@@ -20,13 +20,13 @@
  * y is rounded once.
  *
  * NOTE: grouping (Punica's SGMV). The adapted rows are sorted by slot (stably) and each slot's rows
- * run together: a tile of up to TILE_ROWS of them shares every load of A and B^T, so a slot's weights
- * are read once a call whatever its number of rows (a prefill's 1,024 rows, or two decode rows per
- * adapter), not once a row. A tile does for each of its rows exactly what a tile of that row alone
- * does (its own accumulators, the operations above in the order above), so a row's bits depend on its
- * own inputs and slot only: not on how many rows share the call, which adapters they use, how they
- * are grouped, or the number of threads (threads split whole units: a slot's run of rows by A rows
- * in pass 1, by column blocks in pass 2).
+ * run together: a tile of up to TILE_ROWS (pass 1) or EXPAND_ROWS (pass 2) of them shares every load
+ * of A and B^T, so a slot's weights are read once a call whatever its number of rows (a prefill's
+ * 1,024 rows, or two decode rows per adapter), not once a row. A tile does for each of its rows
+ * exactly what a tile of that row alone does (its own accumulators, the operations above in the
+ * order above), so a row's bits depend on its own inputs and slot only: not on how many rows share
+ * the call, which adapters they use, how they are grouped, or the number of threads (threads split
+ * whole units: a slot's run of rows by A rows in pass 1, by column blocks in pass 2).
  */
 #include <math.h>
 #include <stdint.h>
