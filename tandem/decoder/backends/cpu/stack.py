@@ -53,8 +53,8 @@ class DecodeStack:
         self._kv_type = ctypes.c_void_p * len(layers)
         self._run = kernels.decode_layers
         # Every layer's LoRA slots, when the layers have them (all or none: the executor binds them so).
-        loras = [layer.lora for layer in layers]
-        self._lora = None if any(lora is None for lora in loras) else pointer_array(loras)  # type: ignore[arg-type]
+        loras = [layer.lora for layer in layers if layer.lora is not None]
+        self._lora = pointer_array(loras) if len(loras) == len(layers) else None
         self._run_lora = functions(kernels).decode_layers if self._lora is not None else None
         # The caches last checked (weakly: the runner owns them) and their pointers. The runner passes
         # the same caches every step: checking them all again would be per-step host work for nothing.
