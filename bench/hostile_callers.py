@@ -1,20 +1,28 @@
-"""The hostile-caller attacks of issue 18 against both services as processes: what the attacker gets,
-what a neighbour sees meanwhile, and what the server keeps. The figures of docs/RELIABILITY.md.
+"""The hostile-caller attacks of issues 18 and 49 against both services and the OpenAI gateway as
+processes: what the attacker gets, what a neighbour sees meanwhile, and what the server keeps. The
+figures of docs/RELIABILITY.md.
 
 Both services start as `python -m tandem.decoder` / `python -m tandem.encoder` with their
-documented defaults (the default model unless `--model`), on free loopback ports. This process is
-only a client: health probes (1 s deadline, every 100 ms), the neighbour's streams and the attacks
-run here, so the servers' event loops and GILs are their own. Server memory is read from
-/proc/<pid>/status: VmRSS (now) and VmHWM (peak).
+documented defaults (the default model unless `--model`), on free loopback ports, and the gateway
+(`python -m tandem.gateway`) in front of them. This process is only a client: health probes (1 s
+deadline, every 100 ms: gRPC health for the services, GET /health for the gateway), the neighbour's
+streams and the attacks run here, so the servers' event loops and GILs are their own. Server memory
+is read from /proc/<pid>/status: VmRSS (now) and VmHWM (peak); the gateway's includes its body
+workers. HTTP callers are told apart by their source address (127.0.0.2, 127.0.0.9: every 127/8
+address is loopback on Linux), as the gateway tells them apart without tokens.
 
-Run: `.venv/bin/python bench/hostile_callers.py [--model DIR] [--rounds 200]`. It prints one
-markdown table; nothing is asserted (the reliability tests hold the promises).
+Run: `.venv/bin/python bench/hostile_callers.py [--model DIR] [--rounds 200] [--only gateway]`. It
+prints one markdown table; nothing is asserted (the reliability tests hold the promises).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
+import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -31,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.client.channel import channel_options  # noqa: E402
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2  # noqa: E402
+from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 
 MIB = 1024 * 1024
 OPTIONS = channel_options(64 * MIB)
@@ -64,9 +73,64 @@ def _start(module: str, model: Path | None, flags: tuple[str, ...] = ()) -> tupl
 
 
 def _memory_mb(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) in MB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+    """(VmRSS, VmHWM) in MB, of `pid` and its children (the gateway's body workers)."""
+    rss = hwm = 0.0
+    for one in [pid, *_children(pid)]:
+        try:
+            text = Path(f"/proc/{one}/status").read_text()
+        except FileNotFoundError:
+            continue
+        fields = dict(line.split(":", 1) for line in text.splitlines())
+        rss += int(fields["VmRSS"].split()[0]) / 1024
+        hwm += int(fields["VmHWM"].split()[0]) / 1024
+    return rss, hwm
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def _start_gateway(decoder: str, encoder: str) -> tuple[subprocess.Popen, str]:
+    """`python -m tandem.gateway` in front of both, with its defaults, once /health answers 200."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "tandem.gateway", "--port", str(port)]
+    argv += ["--decoder-address", decoder, "--encoder-address", encoder]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        if process.poll() is not None:
+            raise SystemExit(f"the gateway exited with {process.returncode}")
+        try:
+            if _http("GET", port, "/health", timeout=1.0)[0] == 200:
+                return process, f"127.0.0.1:{port}"
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit("the gateway never answered /health")
+
+
+def _http(
+    method: str,
+    port: int,
+    path: str,
+    body: bytes | None = None,
+    source: str = "127.0.0.1",
+    timeout: float = 300.0,
+) -> tuple[int, bytes]:
+    """One HTTP request from `source`; (status, body)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
 
 
 def _request(prompt: str = "Once upon a time", max_new_tokens: int = 32, request_id: str = ""):
@@ -80,33 +144,42 @@ def _request(prompt: str = "Once upon a time", max_new_tokens: int = 32, request
 
 
 class Probe(threading.Thread):
-    """Health every 100 ms with a 1 s deadline; longest time without an answer."""
+    """Health every 100 ms with a 1 s deadline; longest time without an answer. `http`: the
+    gateway's GET /health (any answer counts: 503 while the decoder is down is still an answer)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, http: bool = False) -> None:
         super().__init__(daemon=True)
         self.address, self.stop, self.unanswered, self.longest_silence = address, threading.Event(), 0, 0.0
+        self.http = http
 
     def run(self) -> None:
         with grpc.insecure_channel(self.address) as channel:
             stub, last = health_pb2_grpc.HealthStub(channel), time.monotonic()
+            port = int(self.address.rpartition(":")[2])
             while not self.stop.is_set():
                 try:
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if self.http:
+                        _http("GET", port, "/health", timeout=1.0)
+                    else:
+                        stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                     last = time.monotonic()
-                except grpc.RpcError:
+                except (grpc.RpcError, OSError):
                     self.unanswered += 1
                 self.longest_silence = max(self.longest_silence, time.monotonic() - last)
                 time.sleep(0.1)
 
 
 class Neighbour(threading.Thread):
-    """Back-to-back greedy streams; the largest gap between two of their messages."""
+    """Back-to-back greedy streams; the largest gap between two of their messages. `http`: streamed
+    completions through the gateway, from another caller's address (127.0.0.5), gaps between events."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, http: bool = False) -> None:
         super().__init__(daemon=True)
-        self.address, self.stop, self.gaps = address, threading.Event(), [0.0]
+        self.address, self.stop, self.gaps, self.http = address, threading.Event(), [0.0], http
 
     def run(self) -> None:
+        if self.http:
+            return self._run_http(int(self.address.rpartition(":")[2]))
         with grpc.insecure_channel(self.address) as channel:
             stub = decoder_pb2_grpc.DecoderStub(channel)
             while not self.stop.is_set():
@@ -115,6 +188,23 @@ class Neighbour(threading.Thread):
                     self.gaps.append(time.monotonic() - last)
                     last = time.monotonic()
 
+    def _run_http(self, port: int) -> None:
+        body = {"model": "", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        while not self.stop.is_set():
+            connection = http.client.HTTPConnection(
+                "127.0.0.1", port, timeout=300, source_address=("127.0.0.5", 0)
+            )
+            connection.request(
+                "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            last, response = time.monotonic(), connection.getresponse()
+            while line := response.readline():
+                if line.startswith(b"data: "):
+                    self.gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+            connection.close()
+
 
 def attack_under_watch(
     name: str,
@@ -122,10 +212,11 @@ def attack_under_watch(
     server: subprocess.Popen,
     address: str,
     neighbour_address: str | None,
+    http: bool = False,
 ) -> list[str]:
     """Run `attack` (returns the status it got) while health is probed and a neighbour streams."""
-    probe = Probe(address)
-    neighbour = Neighbour(neighbour_address) if neighbour_address else None
+    probe = Probe(address, http)
+    neighbour = Neighbour(neighbour_address, http) if neighbour_address else None
     rss_before, _ = _memory_mb(server.pid)
     probe.start()
     if neighbour:
@@ -167,11 +258,32 @@ def main() -> None:
     )
     parser.add_argument("--model", type=Path, default=None, help="default: the services' default model")
     parser.add_argument("--rounds", type=int, default=200, help="cancel-then-reuse rounds")
+    parser.add_argument(
+        "--only",
+        choices=("services", "gateway", "held-open"),
+        default=None,
+        help="the services' attacks, the gateway's, or only the gateway's held-open streams",
+    )
     args = parser.parse_args()
+    cpu = this_cpu()
+    print(f"CPU: {cpu.model_name} [{cpu.isa_summary}], {os.cpu_count()} cores", flush=True)
     decoder_process, decoder_address = _start("tandem.decoder", args.model)
     encoder_process, encoder_address = _start("tandem.encoder", args.model)
+    gateway_process, gateway_address = _start_gateway(decoder_address, encoder_address)
     rows: list[list[str]] = []
     try:
+        if args.only != "services":
+            stub = decoder_pb2_grpc.DecoderStub(grpc.insecure_channel(decoder_address, options=OPTIONS))
+            attacks = _gateway_attacks(int(gateway_address.rpartition(":")[2]), stub)
+            for name, attack, neighbour in attacks[-1:] if args.only == "held-open" else attacks:
+                rows.append(
+                    attack_under_watch(
+                        name, attack, gateway_process, gateway_address, neighbour and gateway_address, True
+                    )
+                )
+                print(" | ".join(rows[-1]), flush=True)
+        if args.only in ("gateway", "held-open"):
+            return _print(rows)
         decoder_channel = grpc.insecure_channel(decoder_address, options=OPTIONS)
         encoder_channel = grpc.insecure_channel(encoder_address, options=OPTIONS)
         raw_generate = decoder_channel.unary_stream("/tandem.v1.Decoder/Generate")
@@ -282,13 +394,164 @@ def main() -> None:
             rows.append(attack_under_watch(name, attack, process, address, neighbour))
             print(" | ".join(rows[-1]), flush=True)
     finally:
-        for process in (decoder_process, encoder_process):
+        for process in (gateway_process, decoder_process, encoder_process):
             process.terminate()
             process.wait(60)
+    _print(rows)
+
+
+def _print(rows: list[list[str]]) -> None:
     print("| attack | attacker gets | health: longest silence | neighbour stream: largest gap | server RSS |")
     print("|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+
+
+def _gateway_attacks(
+    port: int, decoder: decoder_pb2_grpc.DecoderStub
+) -> list[tuple[str, Callable[[], str], bool]]:
+    """Issue 49's attacks on the gateway: (name, attack, whether an HTTP neighbour streams meanwhile)."""
+    message = b'{"role":"user","content":"hi"}'
+    chat_messages = b'{"model":"","messages":[' + message + (b"," + message) * (3_000_000 - 1) + b"]}"
+    bias = ('"' + '":1.0,"'.join(map(str, range(7_000_000))) + '":1.0').encode()
+    logit_bias = b'{"model":"","messages":[{"role":"user","content":"hi"}],"logit_bias":{' + bias + b"}}"
+    token_ids = b'{"model":"","prompt":[' + b"1," * (40_000_000 - 1) + b"1]}"
+    ids = b"[" + b",".join([b"7"] * 8000) + b"]"
+    embeddings = b'{"model":"","encoding_format":"base64","tandem_pooling":"none","input":['
+    embeddings += b",".join([ids] * 32) + b"]}"
+
+    def refused(path: str, body: bytes, times: int = 1) -> Callable[[], str]:
+        def attack() -> str:
+            statuses = []
+            for _ in range(times):
+                status, answer = _http("POST", port, path, body)
+                statuses.append(f"{status} {json.loads(answer)['error']['param']}")
+            return ", ".join(statuses)
+
+        return attack
+
+    chat, text = "/v1/chat/completions", "/v1/completions"
+    mb = lambda body: f"{len(body) / 1e6:.1f} MB"  # noqa: E731
+    return [
+        ("gateway: no attack (control), 5 s", lambda: time.sleep(5.0) or "-", True),
+        (f"gateway chat, 3M messages ({mb(chat_messages)})", refused(chat, chat_messages), True),
+        (f"gateway chat, 7M logit_bias entries ({mb(logit_bias)})", refused(chat, logit_bias), True),
+        (f"gateway completions, 40M token IDs ({mb(token_ids)})", refused(text, token_ids), True),
+        (
+            f"gateway embeddings, 32 inputs of 8,000 IDs, rows asked ({mb(embeddings)}), 3 times",
+            refused("/v1/embeddings", embeddings, 3),
+            True,
+        ),
+        (
+            "gateway: 600 sockets trickling a request head, a byte a second",
+            lambda: _trickling(port, 600),
+            True,
+        ),
+        (
+            "gateway: 32 completions held open (never read) by 127.0.0.2, then 127.0.0.9's 32 tokens",
+            lambda: _held_open(port, decoder),
+            False,
+        ),
+    ]
+
+
+def _trickling(port: int, num_sockets: int) -> str:
+    """Slow clients: sockets that send a request head a byte a second (the gateway closes one without
+    a whole head after --header-timeout-s, and answers those beyond --max-connections 503 at once)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sockets, refused, closed_after = [], 0, []
+    start = time.monotonic()
+    for _ in range(num_sockets):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.setblocking(False)
+        sockets.append(sock)
+    open_ = set(range(num_sockets))
+    for i in range(len(head)):
+        if not open_ or time.monotonic() - start > 60:
+            break
+        for k in list(open_):
+            try:
+                answer = sockets[k].recv(4096)
+            except BlockingIOError:
+                answer = None
+            except OSError:
+                answer = b""
+            if answer is not None:  # an answer (a 503) or the end: this socket is done
+                refused += answer.startswith(b"HTTP/1.1 503")
+                closed_after.append(time.monotonic() - start)
+                open_.discard(k)
+                continue
+            try:
+                sockets[k].send(head[i : i + 1])
+            except OSError:
+                closed_after.append(time.monotonic() - start)
+                open_.discard(k)
+        time.sleep(1.0)
+    for sock in sockets:
+        sock.close()
+    timed_out = len(closed_after) - refused
+    latest = max(closed_after) if closed_after else 0.0
+    return (
+        f"{refused} answered 503 at once, {timed_out} closed by the gateway (the last {latest:.0f} s in), "
+        f"{len(open_)} still open"
+    )
+
+
+def _http_neighbour(port: int, source: str) -> float:
+    """An HTTP caller's 32 greedy tokens, not streamed: seconds."""
+    body = {
+        "model": "",
+        "prompt": "An unrelated request",
+        "max_tokens": 32,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    start = time.monotonic()
+    status, answer = _http("POST", port, "/v1/completions", json.dumps(body).encode(), source)
+    if status != 200:
+        raise SystemExit(f"the neighbour got {status}: {answer[:300]!r}")
+    return time.monotonic() - start
+
+
+def _held_open(port: int, decoder: decoder_pb2_grpc.DecoderStub, rounds: int = 3) -> str:
+    """Issue 49, item 3: one HTTP caller holds 32 streams open and reads nothing; another caller's 32
+    tokens beside them, 20 s in, against the same caller's alone just before, round after round (each
+    ratio pairs two measurements a minute apart, so a machine whose load drifts is seen drifting); and
+    a gRPC neighbour's beside the same streams (the decoder's own sharing, without the gateway)."""
+    body = json.dumps(
+        {"model": "", "prompt": "Once upon a time", "max_tokens": 1024, "temperature": 0, "ignore_eos": True,
+         "stream": True}
+    ).encode()  # fmt: skip
+    ratios, described, refused = [], [], 0
+    for _ in range(rounds):
+        alone = _http_neighbour(port, "127.0.0.9")
+        held = []
+        for _ in range(32):
+            connection = http.client.HTTPConnection(
+                "127.0.0.1", port, timeout=600, source_address=("127.0.0.2", 0)
+            )
+            connection.request(
+                "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
+            )
+            refused += connection.getresponse().status != 200  # the headers; the events are never read
+            held.append(connection)
+        time.sleep(20.0)  # the streams get going and fill what buffers they can
+        beside = _http_neighbour(port, "127.0.0.9")
+        direct = _grpc_neighbour(decoder)
+        for connection in held:
+            connection.close()
+        ratios.append(beside / alone)
+        described.append(f"{beside:.2f}/{alone:.2f} s (gRPC {direct:.2f} s)")
+    return (
+        f"{32 * rounds - refused} of {32 * rounds} streams opened; the other caller's 32 tokens beside them "
+        f"/ alone: {', '.join(described)}: median {statistics.median(ratios):.1f}x"
+    )
+
+
+def _grpc_neighbour(decoder: decoder_pb2_grpc.DecoderStub) -> float:
+    start = time.monotonic()
+    list(decoder.Generate(_request("An unrelated request", max_new_tokens=32), timeout=300))
+    return time.monotonic() - start
 
 
 def _poison(decoder: decoder_pb2_grpc.DecoderStub, hidden: int) -> str:

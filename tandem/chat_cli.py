@@ -3,34 +3,52 @@
 The conversation is kept here and sent whole each turn as a `chat` request; the server renders it
 with the model's template and stops at its end-of-turn token. On a terminal each turn is prompted
 for; from a pipe or a file every line is one user turn, so a chat can be scripted. `/reset` forgets
-the conversation (the system message stays); end of input ends the chat. `--image FILE` sends a
-picture through the encoder first and puts its rows in the first user turn (and again after a
+the conversation (the system message stays); end of input (Ctrl-D) ends the chat. `--image FILE` sends
+a picture through the encoder first and puts its rows in the first user turn (and again after a
 reset), where the model's template places an image: a LLaVA or SmolVLM checkpoint's.
+
+Ctrl-C during a reply cancels that reply only: its turn is forgotten and the prompt comes back. A
+second Ctrl-C with no line entered in between (or one at the prompt after a hint) leaves, exit 130.
+Lines are read on a thread of their own, so the event loop, and with it the signal, is never stuck in
+a blocking read.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
+import os
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import click
 import grpc
 
+from tandem.cli_errors import CallFlags, failure
 from tandem.client.channel import ChannelSecurity
 from tandem.client.client import DecoderClient, EncoderClient, ImageRows
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
+    UINT32,
+    UINT64,
     client_security,
     client_security_options,
+    describe_flag,
     option,
     structured_choice,
+    structured_fields,
     structured_options,
 )
 
+PROG = "tandem chat"
 RESET = "/reset"
+LEAVE_HINT = "(Ctrl-C again or Ctrl-D leaves)"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def command() -> click.Command:
@@ -45,9 +63,9 @@ def command() -> click.Command:
             option(
                 "--system", "a system message opening the conversation", default=None, show_default="none"
             ),
-            option("--max-tokens", "most tokens per reply", type=int, default=256),
+            option("--max-tokens", "most tokens per reply", type=UINT32, default=256),
             option("--temperature", "0 = greedy", type=float, default=0.0),
-            option("--seed", "sampling seed", type=int, default=None, show_default="none, random"),
+            option("--seed", "sampling seed", type=UINT64, default=None, show_default="none, random"),
             option(
                 "--image",
                 "a picture (PNG, JPEG, WebP) for the first turn, through the encoder (repeatable)",
@@ -59,56 +77,185 @@ def command() -> click.Command:
             *structured_options(),
             *client_security_options(),
         ],
-        callback=lambda **values: asyncio.run(run_chat(argparse.Namespace(**values), sys.stdin, sys.stdout)),
+        callback=_start,
         help="Chat with a running decoder through the model's chat template, each reply streamed. On a "
         "terminal it prompts for each turn; from a pipe or a file every line is one user turn. "
-        f"{RESET} starts over.",
+        f"{RESET} starts over; Ctrl-C cancels a reply, a second Ctrl-C (or Ctrl-D) leaves.",
         context_settings=CONTEXT_SETTINGS,
     )
 
 
-async def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
+def _start(**values: Any) -> int:
+    structured = structured_choice(values)  # click.UsageError for two at once, BadParameter for a file
+    fields = {
+        "stopping.max_new_tokens": describe_flag("max_tokens"),
+        "sampling.temperature": describe_flag("temperature"),
+        "sampling.seed": describe_flag("seed"),
+        **structured_fields(),
+    }
+    if values["system"]:
+        fields["chat.messages[0]"] = describe_flag("system")
+    flags = CallFlags(f"{describe_flag('address')} {values['address']}", fields)
+    encoder_flag = f"{describe_flag('encoder_address')} {values['encoder_address']}"
+    args = argparse.Namespace(**values, structured=structured, flags=flags, encoder_flag=encoder_flag)
+    return asyncio.run(run_chat(args, sys.stdin, sys.stdout))
+
+
+async def run_chat(
+    args: argparse.Namespace,
+    stdin: TextIO,
+    stdout: TextIO,
+    connect: Callable[[str, ChannelSecurity], DecoderClient] = lambda address, security: DecoderClient(
+        address, security=security
+    ),
+) -> int:
+    """The chat; its exit code. `connect(address, security)` makes the decoder's client."""
     try:
         security = client_security(vars(args))
     except (OSError, ValueError) as error:
-        print(f"tandem chat: {error}", file=sys.stderr)
+        print(f"{PROG}: {error}", file=sys.stderr)
         return 2
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)
     interactive = stdin.isatty()
     try:
         images = await _embed_images(args, security)
-    except (OSError, grpc.aio.AioRpcError) as error:
-        reason = (
-            f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
-        )
-        print(f"tandem chat: --image: {reason}", file=sys.stderr)
-        return 1
+    except grpc.aio.AioRpcError as error:
+        line, code = failure(error, CallFlags(args.encoder_flag, {"image": "--image"}))
+        print(f"{PROG}: {line}", file=sys.stderr)
+        return code
     pending_images = list(images)  # sent with the next user turn
-    async with DecoderClient(args.address, security=security) as client:
+    try:
+        decoder = connect(args.address, security)
+    except ValueError as error:  # an address it cannot use
+        print(f"{PROG}: {args.flags.address}: {error}", file=sys.stderr)
+        return 2
+    lines = _LineReader(stdin)
+    interrupts = _Interrupts(asyncio.get_running_loop(), stdout, interactive)
+    try:
+        async with decoder as client:
+            while True:
+                if interactive:
+                    stdout.write("you> ")
+                    stdout.flush()
+                line = await interrupts.unless_leaving(lines.next())
+                if line is None:  # a second Ctrl-C
+                    stdout.write("\n")
+                    return EXIT_INTERRUPTED
+                if not line:  # end of input: Ctrl-D on a terminal
+                    if interactive:
+                        stdout.write("\n")
+                    return 0
+                interrupts.is_armed = False  # a line was entered: one Ctrl-C cancels again
+                text = line.rstrip("\n")
+                if text.strip() == RESET:
+                    history = list(opening)
+                    pending_images = list(images)
+                    stdout.write("[conversation reset]\n")
+                    continue
+                if not text.strip():
+                    continue
+                turn = {"role": "user", "content": [*pending_images, text] if pending_images else text}
+                reply_task = asyncio.ensure_future(_stream_reply(client, [*history, turn], args, stdout))
+                interrupts.reply = reply_task
+                try:
+                    reply = await reply_task
+                except asyncio.CancelledError:
+                    if interrupts.is_leaving:
+                        stdout.write("\n")
+                        return EXIT_INTERRUPTED
+                    stdout.write(f"\n[reply cancelled] {LEAVE_HINT}\n")  # the turn is forgotten
+                    continue
+                except grpc.aio.AioRpcError as error:
+                    stdout.write("\n")
+                    stdout.flush()
+                    line, code = failure(error, args.flags)
+                    print(f"{PROG}: {line}", file=sys.stderr)
+                    return code
+                finally:
+                    interrupts.reply = None
+                history += [turn, {"role": "assistant", "content": reply}]
+                pending_images = []
+    finally:
+        interrupts.close()
+
+
+class _Interrupts:
+    """SIGINT while chatting: the first cancels the reply in flight (or, at the prompt, only arms);
+    one more before a line is entered leaves."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, out: TextIO, interactive: bool) -> None:
+        self.reply: asyncio.Future[str] | None = None  # the reply streaming now
+        self.is_armed = False  # a Ctrl-C since the last line entered: the next one leaves
+        self.is_leaving = False
+        self._leave = loop.create_future()
+        self._loop = loop
+        self._out = out
+        self._prompt = "you> " if interactive else ""
+        loop.add_signal_handler(signal.SIGINT, self._on_interrupt)
+
+    def _on_interrupt(self) -> None:
+        if self.is_armed:
+            self.is_leaving = True
+            if not self._leave.done():
+                self._leave.set_result(None)
+            if self.reply is not None:
+                self.reply.cancel()
+            return
+        self.is_armed = True
+        if self.reply is not None:
+            self.reply.cancel()
+        else:  # at the prompt: nothing to cancel, say how to leave
+            self._out.write(f"\n{LEAVE_HINT}\n{self._prompt}")
+            self._out.flush()
+
+    async def unless_leaving(self, line: asyncio.Future[str]) -> str | None:
+        """The line, or None when a second Ctrl-C comes first (the read then stays pending)."""
+        await asyncio.wait([line, self._leave], return_when=asyncio.FIRST_COMPLETED)
+        return line.result() if line.done() else None
+
+    def close(self) -> None:
+        self._loop.remove_signal_handler(signal.SIGINT)
+
+
+class _LineReader:
+    """The lines of a stream, read on a daemon thread from its file descriptor (type-ahead is kept).
+
+    Not through the stream's own buffer: a daemon thread blocked in its readline holds that buffer's
+    lock, and Python's exit, closing stdin, then aborts ("could not acquire lock ... at interpreter
+    shutdown"). A thread blocked in os.read holds nothing, so the chat can leave while it waits.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._fd = stream.fileno()
+        self._lines: asyncio.Queue[str] = asyncio.Queue()
+        self._next: asyncio.Future[str] | None = None
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read, args=(loop,), name="chat-stdin", daemon=True).start()
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pending = ""
         while True:
-            if interactive:
-                stdout.write("you> ")
-                stdout.flush()
-            line = stdin.readline()
-            if not line:
-                return 0
-            text = line.rstrip("\n")
-            if text.strip() == RESET:
-                history = list(opening)
-                pending_images = list(images)
-                stdout.write("[conversation reset]\n")
-                continue
-            if not text.strip():
-                continue
-            history.append({"role": "user", "content": [*pending_images, text] if pending_images else text})
-            pending_images = []
+            chunk = os.read(self._fd, 65536)
+            pending += decoder.decode(chunk, final=not chunk)
+            *lines, pending = pending.split("\n")
+            lines = [line + "\n" for line in lines]
+            if not chunk:  # end of input: what is left (a line without its newline), then ""
+                lines += [pending, ""] if pending else [""]
             try:
-                reply = await _stream_reply(client, history, args, stdout)
-            except grpc.aio.AioRpcError as error:
-                print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
-                return 1
-            history.append({"role": "assistant", "content": reply})
+                for line in lines:
+                    loop.call_soon_threadsafe(self._lines.put_nowait, line)
+            except RuntimeError:  # the loop is closed: the chat is over
+                return
+            if not chunk:
+                return
+
+    def next(self) -> asyncio.Future[str]:
+        """The next line ("" at the end of input); the same one until it has been taken."""
+        if self._next is None or self._next.done():
+            self._next = asyncio.ensure_future(self._lines.get())
+        return self._next
 
 
 async def _embed_images(args: argparse.Namespace, security: ChannelSecurity) -> list[ImageRows]:
@@ -124,8 +271,7 @@ async def _stream_reply(
 ) -> str:
     out.write("assistant> ")
     text = []
-    structured = structured_choice(vars(args))
-    extra = {"structured": structured} if structured is not None else {}
+    extra = {"structured": args.structured} if args.structured is not None else {}
     call = client.chat(
         history, max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, **extra
     )

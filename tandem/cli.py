@@ -23,6 +23,7 @@ from tandem.common.flags import CONTEXT_SETTINGS, option, run
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tandem.cli:serve_group", "run one service: tandem serve decoder|encoder|openai [flags]"),
     "up": ("tandem.up:command", "run both services in the foreground until Ctrl-C or SIGTERM"),
+    "wait": ("tandem.wait_cli:command", "wait until services serve (after `tandem up &`)"),
     "demo": ("tandem.demo:command", "start both services on the default model, ask it a question, stop"),
     "generate": ("tandem.generate_cli:command", "stream a generation from a running decoder"),
     "chat": ("tandem.chat_cli:command", "chat with a running decoder through the model's chat template"),

@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from tandem.cli_telemetry import run_traced
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
+    UINT32,
+    UINT64,
     client_security,
     client_security_options,
+    describe_flag,
+    is_token_ids,
     option,
     structured_choice,
+    structured_fields,
     structured_options,
 )
 
@@ -35,12 +39,23 @@ if TYPE_CHECKING:
     from tandem.client.telemetry import Telemetry
 
 PART_KINDS = ("text", "ids", "embed", "image", "file")
+PROG = "tandem generate"
 
 
 @dataclass(frozen=True)
 class PromptPart:
     kind: str  # one of PART_KINDS
     value: str  # the text, "1,2,3", the text to embed, or a file path (an image's, or rows')
+    is_prompt: bool = False  # given as --prompt, not --part
+
+    def flag(self) -> str:
+        """How an error names this part: `--prompt`, or `--part KIND:VALUE` with a long value cut."""
+        if self.is_prompt:
+            return "--prompt"
+        value = self.value
+        if self.kind in ("text", "embed") and len(value) > 40:  # a path or IDs are said whole
+            value = value[:37] + "..."
+        return f"--part {self.kind}:{value}"
 
 
 class _PartType(click.ParamType):
@@ -52,8 +67,10 @@ class _PartType(click.ParamType):
         kind, sep, rest = str(value).partition(":")
         if not sep or kind not in PART_KINDS:
             self.fail(f"{value!r} is not KIND:VALUE with KIND one of {', '.join(PART_KINDS)}", param, ctx)
-        if kind == "ids" and not all(i.strip().isdigit() for i in rest.split(",")):
-            self.fail(f"{value!r}: token IDs are comma-separated integers, e.g. ids:1,2,3", param, ctx)
+        if kind == "ids" and not is_token_ids(rest):
+            self.fail(
+                f"{value!r}: token IDs are comma-separated integers below 2^32, e.g. ids:1,2,3", param, ctx
+            )
         return PromptPart(kind, rest)
 
 
@@ -79,11 +96,13 @@ def command() -> click.Command:
             option(
                 "--encoder-address", "the encoder, for embed: and image: parts", default="127.0.0.1:50051"
             ),
-            option("--max-tokens", "most tokens to generate", type=int, default=64),
+            option("--max-tokens", "most tokens to generate", type=UINT32, default=64),
             option("--temperature", "0 = greedy", type=float, default=None, show_default="1.0"),
             option("--top-p", "nucleus sampling", type=float, default=None, show_default="1.0, off"),
-            option("--top-k", "sample from the k most likely", type=int, default=None, show_default="0, off"),
-            option("--seed", "sampling seed", type=int, default=None, show_default="none, random"),
+            option(
+                "--top-k", "sample from the k most likely", type=UINT32, default=None, show_default="0, off"
+            ),
+            option("--seed", "sampling seed", type=UINT64, default=None, show_default="none, random"),
             option("--stop", "a stop string (repeatable)", multiple=True, show_default="none"),
             option(
                 "--adapter",
@@ -111,66 +130,56 @@ def command() -> click.Command:
 async def _generate(values: dict[str, Any]) -> int:
     if values["prompt"] is None and not values["part"]:
         raise click.UsageError("give --prompt, one --part or more, or both")
+    structured = structured_choice(values)  # click.UsageError for two at once, BadParameter for a file
     try:
         security = client_security(values)
     except (OSError, ValueError) as error:
-        print(f"tandem generate: {error}", file=sys.stderr)
+        print(f"{PROG}: {error}", file=sys.stderr)
         return 2
-    return await run_traced("tandem generate", values["trace"], lambda t: _stream(values, security, t))
+    return await run_traced(PROG, values["trace"], lambda t: _stream(values, structured, security, t))
 
 
-async def run_traced(name: str, is_traced: bool, run: Callable[[Telemetry], Awaitable[int]]) -> int:
-    """`run` under a client span named `name`, exported where OTEL_* says; `is_traced` also makes a
-    trace id when it says nothing, and prints it."""
-    from opentelemetry import trace
-
-    from tandem.client.telemetry import setup_telemetry
-
-    telemetry = setup_telemetry("tandem-cli", os.environ, always_trace=is_traced)
-    try:
-        with telemetry.tracer.start_as_current_span(name, kind=trace.SpanKind.CLIENT) as span:
-            if is_traced:
-                print(f"trace id: {trace.format_trace_id(span.get_span_context().trace_id)}", file=sys.stderr)
-            return await run(telemetry)
-    finally:
-        telemetry.shutdown()
-
-
-async def _stream(values: dict[str, Any], security: ChannelSecurity, telemetry: Telemetry) -> int:
+async def _stream(
+    values: dict[str, Any], structured: Any, security: ChannelSecurity, telemetry: Telemetry
+) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from tandem.cli_errors import CallFlags, failure
     from tandem.client.client import DecoderClient
     from tandem.client.pb.tandem.v1 import decoder_pb2
 
+    given = [PromptPart("text", values["prompt"], is_prompt=True)] if values["prompt"] is not None else []
+    parts = given + list(values["part"])
     try:
-        prompt = await _prompt(values, security, telemetry)
-    except (ValueError, OSError, grpc.aio.AioRpcError) as error:
-        reason = (
-            f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else error
-        )
-        print(f"tandem generate: --part: {reason}", file=sys.stderr)
-        return 1
+        prompt = await _prompt(parts, values, security, telemetry)
+    except PartError as error:
+        print(f"{PROG}: {error.line}", file=sys.stderr)
+        return error.code
     request = decoder_pb2.GenerateRequest(prompt=prompt, adapter=values["adapter"])
     request.stopping.max_new_tokens = values["max_tokens"]
     request.stopping.stop_sequences.extend(values["stop"])
-    try:
-        structured = structured_choice(values)
-    except OSError as error:
-        print(f"tandem generate: {error}", file=sys.stderr)
-        return 1
     if structured is not None:
         request.structured.CopyFrom(structured)
     for name in ("temperature", "top_p", "top_k", "seed"):
         if values[name] is not None:
             setattr(request.sampling, name, values[name])
-    async with DecoderClient(values["address"], telemetry=telemetry, security=security) as client:
+    flags = CallFlags(f"{describe_flag('address')} {values['address']}", _request_flags(parts))
+    is_mid_line = False  # the streamed text ended without a newline: an error starts a line of its own
+    try:
+        client = DecoderClient(values["address"], telemetry=telemetry, security=security)
+    except ValueError as error:  # an address it cannot use
+        print(f"{PROG}: {flags.address}: {error}", file=sys.stderr)
+        return 2
+    async with client:
         try:
             async for response in client.generate(request):
                 if values["json"]:
                     print(json.dumps(json_format.MessageToDict(response)), flush=True)
                 elif response.HasField("delta"):
                     print(response.delta.text, end="", flush=True)
+                    if response.delta.text:
+                        is_mid_line = not response.delta.text.endswith("\n")
                 elif response.HasField("finished"):
                     f = response.finished
                     reason = decoder_pb2.FinishReason.Name(f.reason)
@@ -178,26 +187,54 @@ async def _stream(values: dict[str, Any], security: ChannelSecurity, telemetry: 
                         f"\n[{reason}; {f.usage.output_tokens} tokens; ttft {f.time_to_first_token_s:.3f}s]"
                     )
         except grpc.aio.AioRpcError as error:
-            print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
-            return 1
+            if is_mid_line:
+                print(flush=True)
+            line, code = failure(error, flags)
+            print(f"{PROG}: {line}", file=sys.stderr)
+            return code
     return 0
 
 
+def _request_flags(parts: list[PromptPart]) -> dict[str, str]:
+    """Each request field this command sets -> the flag that set it, as its errors name it."""
+    fields = {
+        "prompt": "--prompt / --part",
+        "stopping.max_new_tokens": describe_flag("max_tokens"),
+        "stopping.stop_sequences": describe_flag("stop"),
+        "sampling.temperature": describe_flag("temperature"),
+        "sampling.top_p": describe_flag("top_p"),
+        "sampling.top_k": describe_flag("top_k"),
+        "sampling.seed": describe_flag("seed"),
+        **structured_fields(),
+    }
+    fields.update({f"prompt[{i}]": part.flag() for i, part in enumerate(parts)})
+    return fields
+
+
+class PartError(Exception):
+    """A part that could not become a segment: the line saying so and the exit code."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(line)
+        self.line = line
+        self.code = code
+
+
 async def _prompt(
-    values: dict[str, Any], security: ChannelSecurity, telemetry: Telemetry
+    parts: list[PromptPart], values: dict[str, Any], security: ChannelSecurity, telemetry: Telemetry
 ) -> list[decoder_pb2.PromptSegment]:
-    """The segments, in order; `embed:` and `image:` parts go to the encoder first. Raises ValueError
-    (OSError included), AioRpcError."""
+    """The segments, in order; `embed:` and `image:` parts go to the encoder first. Raises PartError."""
+    import grpc
+
+    from tandem.cli_errors import CallFlags, failure
     from tandem.client.client import EncoderClient
     from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
     from tandem.common import tensors
     from tandem.embedding_files import read_embeddings
 
-    parts = ([PromptPart("text", values["prompt"])] if values["prompt"] is not None else []) + list(
-        values["part"]
-    )
     segments = []
     encoder = None
+    encoder_address = f"{describe_flag('encoder_address')} {values['encoder_address']}"
     try:
         for part in parts:
             if part.kind == "text":
@@ -206,16 +243,33 @@ async def _prompt(
                 ids = [int(i) for i in part.value.split(",")]
                 segments.append(decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=ids)))
             elif part.kind == "file":
-                rows = read_embeddings(Path(part.value))
+                try:
+                    rows = read_embeddings(Path(part.value))
+                except (ValueError, OSError) as error:  # its message starts with the path
+                    raise PartError(
+                        f"{part.flag()}: {str(error).removeprefix(part.value + ': ')}", 2
+                    ) from None
                 segments.append(decoder_pb2.PromptSegment(embeddings=tensors.encode(rows)))
             else:
-                image = Path(part.value).read_bytes() if part.kind == "image" else None
+                try:
+                    image = Path(part.value).read_bytes() if part.kind == "image" else None
+                except OSError as error:
+                    raise PartError(f"{part.flag()}: {error.strerror}", 2) from None
                 if encoder is None:
-                    encoder = EncoderClient(values["encoder_address"], telemetry=telemetry, security=security)
-                if image is not None:
-                    embedded = await encoder.embed(image=image, timeout=60.0)
-                else:
-                    embedded = await encoder.embed(text=part.value)
+                    try:
+                        encoder = EncoderClient(
+                            values["encoder_address"], telemetry=telemetry, security=security
+                        )
+                    except ValueError as error:
+                        raise PartError(f"{encoder_address}: {error}", 2) from None
+                try:
+                    if image is not None:
+                        embedded = await encoder.embed(image=image, timeout=60.0)
+                    else:
+                        embedded = await encoder.embed(text=part.value)
+                except grpc.aio.AioRpcError as error:
+                    flags = CallFlags(encoder_address, {"text": part.flag(), "image": part.flag()})
+                    raise PartError(*failure(error, flags)) from None
                 segments.append(decoder_pb2.PromptSegment(embeddings=embedded.embeddings))
     finally:
         if encoder is not None:

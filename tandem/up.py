@@ -5,6 +5,10 @@ Each service is a child process running `python -m tandem.cli serve <service> FL
 checks docker-compose.yml against it. The children's output is relayed line by line with a
 `[encoder] ` / `[decoder] ` prefix (their stdout to ours, their stderr to ours).
 
+Once every service serves (health SERVING; the gateway's /health 200), `up` says so once: "[up] ready:
+..." with where each listens and how to stop them; a script that starts `up &` waits for the same
+with `tandem wait` (`tandem/readiness.py` is both).
+
 Stopping: SIGINT (Ctrl-C) or SIGTERM sends SIGTERM to both. `--grace-s` is one setting end to end:
 both services get it as their own `--grace-s` (streams still open after it end with
 FINISH_REASON_ABORTED), and `up` kills what is left only STOP_MARGIN_S after it. The children run in
@@ -30,13 +34,22 @@ import click
 
 from tandem.client.auth import load_tokens
 from tandem.client.errors import ConfigError
-from tandem.common.flags import CONTEXT_SETTINGS, PATH, Setting, flag_error, run, server_security_settings
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    PATH,
+    Setting,
+    default_of,
+    flag_error,
+    run,
+    server_security_settings,
+)
 from tandem.common.gguf_import import DTYPE_NAMES
 from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
 from tandem.decoder.config import QUANTIZATIONS
 
 SERVICES = ("encoder", "decoder")
+DEFAULT_DTYPE = "bfloat16"  # both services' own default, for what `up` checks before they start
 ENV_PREFIX = "TANDEM_UP_"
 PROG = "tandem up"
 # After the grace period: time for the services to end their aborted streams, flush their spans and
@@ -53,7 +66,8 @@ class UpConfig:
     encoder_port: int
     decoder_port: int
     dtype: str | None  # passed to both; None leaves each service its own default
-    world_size: int | None  # decoder ranks; None leaves the decoder its default
+    world_size: int | None  # decoder ranks (neuron: devices); None leaves the decoder its default
+    device: str | None = None  # the decoder's --device (the encoder stays on the CPU); None: its default
     quantization: str = "none"  # the decoder's --quantization (and the encoder's, for int8 / int4)
     quantization_group_size: int | None = None  # int4: the decoder's; None leaves its default
     grace_s: float = DEFAULT_GRACE_S  # both services' drain time; `up` kills STOP_MARGIN_S after it
@@ -106,6 +120,8 @@ def serve_command(service: str, config: UpConfig) -> list[str]:
         argv += ["--dtype", config.dtype]
     if service == "decoder" and config.world_size is not None:
         argv += ["--world-size", str(config.world_size)]
+    if service == "decoder" and config.device is not None:
+        argv += ["--device", config.device]
     # The encoder rounds its lookup table as the decoder rounds the model's (int8, int4); a GGUF
     # file's own weights need nothing of it: the imported table holds the file's values.
     if config.quantization != "none" and (service == "decoder" or config.quantization in SCHEMES):
@@ -175,8 +191,15 @@ def command() -> click.Command:
         ),
         Setting(
             ENV_PREFIX,
+            "--device",
+            "the decoder's device: cpu, cuda, cuda:N or neuron (the encoder runs on the CPU)",
+            default=None,
+            show_default="the decoder's, cpu",
+        ),
+        Setting(
+            ENV_PREFIX,
             "--world-size",
-            "decoder ranks",
+            "decoder ranks (neuron: devices)",
             type=int,
             default=None,
             show_default="the decoder's, 1",
@@ -223,6 +246,7 @@ def _config(values: dict[str, Any]) -> UpConfig:
         decoder_port=values["decoder_port"],
         dtype=values["dtype"],
         world_size=values["world_size"],
+        device=values["device"],
         quantization=values["quantization"],
         quantization_group_size=values["quantization_group_size"],
         grace_s=values["grace_s"],
@@ -249,15 +273,28 @@ def check_before_start(config: UpConfig) -> None:
             raise ConfigError("auth_token_file", f": {error}") from None
 
 
-def import_once(config: UpConfig) -> None:
-    """Imports a GGUF model (the default one included) before the services start, showing progress.
+def import_once(config: UpConfig) -> Path:
+    """Imports a GGUF model (the default one included) before the services start, showing progress;
+    returns the checkpoint directory.
 
     Both services would otherwise convert it at the same moment; they then find it in the cache.
     Raises ValueError (ModelNotFound, GGUFImportError) with one line.
     """
     from tandem.common.model_cache import resolve_model
 
-    resolve_model(config.model_dir, config.dtype or "bfloat16", say=_say)
+    return resolve_model(config.model_dir, config.dtype or DEFAULT_DTYPE, say=_say)
+
+
+def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
+    """What the decoder would refuse of `up`'s own flags (the dtype, the quantization and its group,
+    the world size against the checkpoint), said before anything starts. Raises ConfigError."""
+    from tandem.decoder.api.main import check_fits
+    from tandem.decoder.config import EngineConfig
+
+    group_size = config.quantization_group_size or default_of(EngineConfig, "quantization_group_size")
+    check_fits(
+        model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, config.world_size or 1
+    )
 
 
 _output_lock = threading.Lock()
@@ -331,11 +368,15 @@ def run_services(config: UpConfig) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: list[_Child] = []
+    stopping = threading.Event()
     try:
         for name in services(config):
             argv = [sys.executable, "-m", "tandem.cli", *serve_command(name, config)]
             _say(f"starting the {name}: tandem {' '.join(serve_command(name, config))}")
             children.append(_Child(name, argv))
+        threading.Thread(
+            target=_announce_ready, args=(config, stopping), name="up-ready", daemon=True
+        ).start()
         died = None
         while not stop_signal:
             died = next((c for c in children if c.process.poll() is not None), None)
@@ -346,14 +387,49 @@ def run_services(config: UpConfig) -> int:
             _say(f"the {died.name} exited on its own (code {died.process.returncode}): stopping the rest")
         else:
             _say(f"received {stop_signal[0].name}: stopping both (streams get {config.grace_s:g} s)")
+        stopping.set()
         return _stop_all(children, config.kill_after_s, failed=died is not None and not stop_signal)
     finally:
+        stopping.set()
         for child in children:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def ready_targets(config: UpConfig) -> dict[str, str]:
+    """What each service is, by the target `tandem wait` (and `up` itself) probes it at."""
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    targets = {
+        "the encoder": f"{host}:{config.encoder_port}",
+        "the decoder": f"{host}:{config.decoder_port}",
+    }
+    if config.openai_port is not None:
+        targets["the OpenAI API"] = f"http://{host}:{config.openai_port}/health"
+    return targets
+
+
+def _announce_ready(config: UpConfig, stopping: threading.Event) -> None:
+    """Says once, when every service serves, that they do, where, and how to stop them. With TLS the
+    probe would need the client's side of it, which `up` does not hold: it says how to wait instead."""
+    from tandem.readiness import Probe
+
+    targets = ready_targets(config)
+    if config.tls_cert is not None:
+        _say(
+            f"with TLS, readiness is not probed here: `tandem wait --tls-ca CA {' '.join(targets.values())}`"
+        )
+        return
+    probe = Probe(list(targets.values()))
+    try:
+        if probe.wait(None, stopping):
+            return  # stopping before both served
+    finally:
+        probe.close()
+    where = ", ".join(f"{name} on {target.replace('/health', '/v1')}" for name, target in targets.items())
+    _say(f"ready: {where}. Ctrl-C stops them (in the background: kill {os.getpid()})")
 
 
 def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:
@@ -386,9 +462,13 @@ def _start(**values: Any) -> int:
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
     try:
-        import_once(config)
+        model_dir = import_once(config)
     except ValueError as error:  # ModelNotFound, GGUFImportError
         raise flag_error(ctx.command, ConfigError("model_dir", f": {error}")) from None
+    try:
+        check_decoder_fits(config, model_dir)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
     return run_services(config)
 
 

@@ -5,6 +5,7 @@ Tests that change a checkpoint make their own copy; these are read-only.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,10 @@ import pytest
 
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.random_model import make_model
+
+# The Neuron backend's tests (tests/xla/) need torch_xla, which only .venv-xla has: `make test` runs
+# them there, after the rest of the suite here.
+collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
 
 
 @pytest.fixture(scope="session")

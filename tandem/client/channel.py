@@ -179,13 +179,18 @@ def open_channel(
     security: ChannelSecurity = PLAINTEXT,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     service: str = "",
+    own_connection: bool = False,
 ) -> grpc.aio.Channel:
     """A channel to one of our services (`service`, e.g. "tandem.v1.Decoder", names its health
     status): size limits, keepalive, retries, TLS and token as asked; balanced over several servers.
+    `own_connection`: never share a connection with another channel to the same target (gRPC shares
+    them by default), so the server sees this channel's calls as one caller of their own.
 
     Raises ValueError for an address it cannot use."""
     target, is_balanced = channel_target(address)
     options = client_channel_options(max_message_bytes, service if is_balanced else None)
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     chain = [*interceptors, *(bearer_token_interceptors(security.token) if security.token else [])] or None
     if not security.uses_tls:
         return grpc.aio.insecure_channel(target, options=options, interceptors=chain)

@@ -65,6 +65,21 @@ def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
     return status
 
 
+def field_violation(error: grpc.aio.AioRpcError) -> tuple[str, str] | None:
+    """(field, description) of the first `BadRequest` field violation a status carries; None if none."""
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except Exception:  # details that do not parse: the code and message still hold
+        return None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            for violation in bad_request.field_violations:
+                return violation.field, violation.description
+    return None
+
+
 def error_type(exc: BaseException) -> str:
     """`error.type`: the gRPC status name a client sees (`INVALID_ARGUMENT`, `CANCELLED`, ...), or the
     exception's class name for bugs (which the client sees as INTERNAL)."""

@@ -60,6 +60,27 @@ class _Bool(click.ParamType):
 
 
 BOOL = _Bool()
+
+
+class _Sizes(click.ParamType):
+    """A comma-separated list of positive integers ("16,64,128"); the config checks their order."""
+
+    name = "SIZES"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        try:
+            sizes = tuple(int(part) for part in text.split(",")) if text else ()
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers (e.g. 16,64,128)", param, ctx)
+        return sizes
+
+
+SIZES = _Sizes()
 # The help of every command: `[env var: ...; default: ...]` after each option, up to 100 columns wide.
 CONTEXT_SETTINGS: dict[str, Any] = {"max_content_width": 100, "help_option_names": ["-h", "--help"]}
 
@@ -91,6 +112,21 @@ def default_of(cls: type, name: str) -> Any:
     """A dataclass field's default, so that a flag's default is the config's own."""
     field = next(f for f in dataclasses.fields(cls) if f.name == name)
     return field.default
+
+
+UINT32 = click.IntRange(0, 2**32 - 1)  # what a uint32 field of a request can hold (max tokens, top-k)
+UINT64 = click.IntRange(0, 2**64 - 1)  # a uint64 field's (the seed)
+
+
+def is_token_ids(text: str) -> bool:
+    """ "1,2,3": comma-separated integers a token ID (a uint32) can hold."""
+    return all(i.strip().isdigit() and int(i) < 2**32 for i in text.split(","))
+
+
+def describe_flag(name: str) -> str:
+    """`describe` of the running command's option `name`, e.g. "--max-tokens (TANDEM_GENERATE_MAX_TOKENS)"."""
+    ctx = click.get_current_context()
+    return describe(next(p for p in ctx.command.params if p.name == name), ctx)
 
 
 def describe(param: click.Parameter, ctx: click.Context | None = None) -> str:
@@ -264,9 +300,20 @@ def structured_options() -> list[click.Option]:
     ]  # fmt: skip
 
 
+def structured_fields() -> dict[str, str]:
+    """The request fields `structured_options` set -> their flags, as the running command names them."""
+    return {
+        "structured": "--json-schema / --regex / --choice / --grammar",
+        **{
+            f"structured.{kind}": describe_flag(kind)
+            for kind in ("json_schema", "regex", "choice", "grammar")
+        },
+    }
+
+
 def structured_choice(values: Mapping[str, Any]) -> Any:
     """The StructuredOutput message `structured_options` ask for, or None. Raises click.UsageError for
-    two at once, OSError for a file that cannot be read."""
+    two at once, click.BadParameter naming the flag for a file that cannot be read."""
     from tandem.client.client import structured_output
 
     given = {
@@ -278,10 +325,16 @@ def structured_choice(values: Mapping[str, Any]) -> Any:
         raise click.UsageError(
             f"give at most one of --json-schema, --regex, --choice, --grammar (got {len(given)})"
         )
-    if "json_schema" in given:
-        return structured_output(json_schema=Path(given["json_schema"]).read_text())
-    if "grammar" in given:
-        return structured_output(grammar=Path(given["grammar"]).read_text())
+    for name in ("json_schema", "grammar"):
+        if name in given:
+            try:
+                source = Path(given[name]).read_text()
+            except (OSError, UnicodeDecodeError) as error:
+                reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+                raise click.BadParameter(
+                    f"{given[name]}: {reason}", param_hint=f"'--{name.replace('_', '-')}'"
+                ) from None
+            return structured_output(**{name: source})
     if "regex" in given:
         return structured_output(regex=given["regex"])
     if "choice" in given:

@@ -207,6 +207,8 @@ _RANGES = {
     "attention.key_length": 4096,
     "context_length": 1 << 24,
 }
+# The real-valued fields: an epsilon is far below 1; RoPE bases run from 10^4 to 10^8 in use.
+_REAL_RANGES = {"attention.layer_norm_rms_epsilon": 1.0, "rope.freq_base": 1e12}
 MAX_VOCAB = 1 << 22  # token IDs travel as uint32; 4M entries is 30x the largest vocabulary in use
 MAX_TOKEN_CHARS = 1024  # one vocabulary entry; the text bounds divide by the longest (text_bounds.py)
 
@@ -219,10 +221,21 @@ def _int_in_range(meta: _Metadata, key: str, value: Any, low: int, high: int) ->
     return value
 
 
+def _real_in_range(meta: _Metadata, key: str, value: Any, high: float) -> float:
+    """A number in (0, high]: a string, a boolean or a NaN where a number belongs is refused by name."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= high:
+        raise GGUFImportError(f"{meta.path}: metadata {key} must be a number in (0, {high:g}], got {value!r}")
+    return float(value)
+
+
 def _hf_config(meta: _Metadata) -> dict[str, Any]:
     def arch_int(key: str, default: Any = None) -> int:
         value = meta.arch(key, default) if default is not None else meta.require(key)
         return _int_in_range(meta, f"{meta.architecture}.{key}", value, 1, _RANGES[key])
+
+    def arch_real(key: str, default: float | None) -> float:
+        value = meta.arch(key, default) if default is not None else meta.require(key)
+        return _real_in_range(meta, f"{meta.architecture}.{key}", value, _REAL_RANGES[key])
 
     num_heads = arch_int("attention.head_count")
     hidden_size = arch_int("embedding_length")
@@ -249,8 +262,8 @@ def _hf_config(meta: _Metadata) -> dict[str, Any]:
         "head_dim": arch_int("attention.key_length", max(1, hidden_size // num_heads)),
         "hidden_act": "silu",
         "max_position_embeddings": arch_int("context_length", 4096),
-        "rms_norm_eps": float(meta.require("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.arch("rope.freq_base", 10000.0)),
+        "rms_norm_eps": arch_real("attention.layer_norm_rms_epsilon", None),
+        "rope_theta": arch_real("rope.freq_base", 10000.0),
         "rope_scaling": None,
         "tie_word_embeddings": False,  # set when the file has no output.weight
         "attention_bias": False,  # set when the file has attention biases

@@ -56,7 +56,9 @@ class EngineConfig:
     # static mode: padded block-table widths of decode steps, in blocks; () = fourfold steps up to
     # the blocks of max_model_len. Gathering decode paths cost what the width holds, not the context.
     block_table_buckets: tuple[int, ...] = ()
-    compile: bool = False  # static mode: decode buckets run as graphs compiled at warmup (Neuron: traced).
+    compile: bool = False  # static mode: decode buckets are graphs compiled at warmup (Neuron: every step).
+    # neuron: XLA devices the model spans, as one SPMD program in this process (DecoderConfig.world_size).
+    num_devices: int = 1
     # CPU, eager: steps run through the CPU executor and its C kernels (backends/cpu/, built when the
     # project is installed, chosen from the CPU's flags); False runs the plain model on torch ops.
     native_kernels: bool = True
@@ -110,7 +112,18 @@ class EngineConfig:
         (backend.attention or PagedAttention).check_block_size(self.block_size)
         if self.compile and not self.static_shapes:
             raise ConfigError("compile", "needs static_shapes (--static-shapes true): one graph per bucket")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "block_size", "kv_cache_bytes"):
+        if self.num_devices != 1 and not backend.is_spmd:
+            raise ConfigError(
+                "num_devices", f"must be 1 on {backend.name} (several ranks are processes: world_size)"
+            )
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queue",
+            "block_size",
+            "kv_cache_bytes",
+            "num_devices",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -225,8 +238,13 @@ class DecoderConfig:
             raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
         if self.collective_timeout_s <= 0:
             raise ConfigError("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s}")
-        if self.world_size > 1:
-            backend = backends.resolve(self.engine.device)
+        backend = backends.resolve(self.engine.device)
+        if backend.is_spmd and self.engine.num_devices != self.world_size:
+            raise ConfigError(
+                "world_size",
+                f"is {self.world_size} but the engine spans {self.engine.num_devices} {backend.name} devices",
+            )
+        if self.world_size > 1 and not backend.is_spmd:
             if backend.collective_backend is None:
                 raise ConfigError(
                     "world_size",

@@ -96,7 +96,10 @@ async def serve(config: EncoderConfig) -> None:
         log.info("loading the %s embedder for %s", config.embedder, config.model_dir)
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
-            servicer.attach(loading.result())  # re-raises a load error
+            embedder = loading.result()  # re-raises a load error
+            if embedder.info.image_placeholder:  # a vision-language checkpoint: name its image half
+                log.info("images: %s", embedder.describe())  # type: ignore[attr-defined]
+            servicer.attach(embedder)
             await running.set_serving()
             log.info("serving %s on port %d", config.served_model_name, running.port)
             await stopping

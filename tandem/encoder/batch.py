@@ -75,19 +75,21 @@ def _alone(embedder: Embedder, prepared: PreparedImage) -> torch.Tensor | Except
 
 
 def _prepare(embedder: Embedder, job: ImageJob) -> PreparedImage:
-    """Decoded (pixels bounded before decoding), preprocessed, and its span within the limits."""
-    image = decode_image(job.data, len(job.data), job.max_image_pixels)
+    """Decoded and preprocessed, once every rule on its size has passed on its header alone."""
+
+    def check_size(width: int, height: int) -> None:
+        num_rows = embedder.image_span_size(width, height)  # type: ignore[attr-defined]
+        if num_rows > job.max_input_tokens:
+            raise InvalidArgument(
+                "image", f"its span of {num_rows} rows exceeds max_input_tokens {job.max_input_tokens}"
+            )
+        info = embedder.info
+        itemsize = (job.output_dtype or info.dtype).itemsize
+        reply_rows = 1 if job.pooling is Pooling.MEAN else num_rows
+        check_reply_size(reply_rows, num_rows, info.hidden_size, itemsize, job.max_message_bytes, "image")
+
+    image = decode_image(job.data, len(job.data), job.max_image_pixels, check_size=check_size)
     try:
-        prepared = embedder.prepare_image(image)  # type: ignore[attr-defined]
+        return embedder.prepare_image(image)  # type: ignore[attr-defined]
     except (MemoryError, OverflowError) as error:  # a bound the preprocessing checks itself missed
         raise InvalidArgument("image.data", f"cannot be preprocessed: {type(error).__name__}") from None
-    num_rows = len(prepared.token_ids)
-    if num_rows > job.max_input_tokens:
-        raise InvalidArgument(
-            "image", f"its span of {num_rows} rows exceeds max_input_tokens {job.max_input_tokens}"
-        )
-    info = embedder.info
-    itemsize = (job.output_dtype or info.dtype).itemsize
-    reply_rows = 1 if job.pooling is Pooling.MEAN else num_rows
-    check_reply_size(reply_rows, num_rows, info.hidden_size, itemsize, job.max_message_bytes, "image")
-    return prepared

@@ -110,7 +110,7 @@ class ProjectorEmbedder:
             from transformers import AutoModel, AutoTokenizer
         except ImportError as e:
             raise EmbedderLoadError(
-                f"the projector embedder needs transformers (pip install transformers): {e}"
+                f"the projector embedder needs transformers (pip install 'tandem[projector]'): {e}"
             ) from e
 
         try:

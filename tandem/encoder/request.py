@@ -6,8 +6,9 @@ field: the request id; an input set and not empty; text that cannot fit refused 
 before it is tokenized (tokenizing 30 MB took 27 s and 4 GB it never gave back); then the
 positions against max_input_tokens, the IDs against the vocabulary and the reply's size against
 max_message_bytes. The rules on the input are `tandem/common/prompt_parts.py`'s, the decoder's as well.
-An image is only checked for what costs nothing here (images accepted, its byte count): it is decoded,
-with its pixel bound checked first, in its batch (`batch.py`), off the event loop.
+An image is only checked for what costs nothing here (images accepted, its byte count): it is decoded
+in its batch (`batch.py`), off the event loop, once every rule on its size (pixels, the resize, the
+span) has passed on its header.
 """
 
 from __future__ import annotations

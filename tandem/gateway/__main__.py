@@ -30,7 +30,10 @@ from tandem.common.flags import (
 )
 from tandem.common.server import DEFAULT_GRACE_S, check_port_free, stop_on_signals
 from tandem.gateway.app import Gateway
+from tandem.gateway.bodies import BodyWorkers
+from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
+from tandem.gateway.connections import ConnectionGuard, ensure_descriptors
 
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
@@ -71,6 +74,27 @@ def settings() -> list[click.Option]:
             type=int,
         ),
         _setting("--max-message-bytes", "the services' --max-message-bytes", type=int),
+        _setting(
+            "--max-embeddings-bytes",
+            "largest /v1/embeddings answer, reckoned from rows x width x inputs before any work",
+            type=int,
+        ),
+        _setting(
+            "--max-large-bodies",
+            "bodies over 1 MiB read, converted or answered at once (503 beyond)",
+            type=int,
+        ),
+        _setting("--body-workers", "processes that parse and convert bodies over 1 MiB", type=int),
+        _setting("--max-connections", "open HTTP connections (a new one beyond: 503, closed)", type=int),
+        _setting(
+            "--header-timeout-s", "a new connection's first request head must arrive within", type=float
+        ),
+        _setting(
+            "--idle-timeout-s",
+            "a keep-alive connection idle (or trickling its next head) this long is closed",
+            type=float,
+        ),
+        _setting("--body-timeout-s", "a request body must arrive whole within (408 beyond)", type=float),
         *(
             Setting(
                 ENV_PREFIX,
@@ -130,6 +154,13 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
         max_body_bytes=values["max_body_bytes"],
         max_streams_per_caller=values["max_streams_per_caller"],
         max_message_bytes=values["max_message_bytes"],
+        max_embeddings_bytes=values["max_embeddings_bytes"],
+        max_large_bodies=values["max_large_bodies"],
+        body_workers=values["body_workers"],
+        max_connections=values["max_connections"],
+        header_timeout_s=values["header_timeout_s"],
+        idle_timeout_s=values["idle_timeout_s"],
+        body_timeout_s=values["body_timeout_s"],
     )
 
 
@@ -139,6 +170,7 @@ def _start(**values: Any) -> int:
     try:
         config = config_from_options(values)
         check_port_free(config.host, config.port)
+        ensure_descriptors(config.max_connections, config.max_idle_channels)
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
     asyncio.run(serve(config))
@@ -150,28 +182,39 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     telemetry = setup_telemetry("tandem-openai", os.environ)
     decoder = DecoderClient(config.decoder_address, config.max_message_bytes, telemetry, config.upstream)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, telemetry, config.upstream)
+    callers = decoder_channels(config, telemetry.client_interceptors())
+    workers = BodyWorkers(config.body_workers)
     tracer = telemetry.tracer if telemetry.is_tracing else None
     # Open streams get the services' grace period on SIGTERM (aiohttp's default is 60 s; compose and
-    # Kubernetes kill 15 s after the grace period).
+    # Kubernetes kill 15 s after the grace period). aiohttp's keep-alive timeout is the idle timeout;
+    # lingering (reading what is left of a refused body before closing) is cut to a second.
+    gateway = Gateway(config, decoder, encoder, callers, workers, tracer=tracer)
     runner = web.AppRunner(
-        Gateway(config, decoder, encoder, tracer).app(),
+        gateway.app(),
         handler_cancellation=True,
         shutdown_timeout=DEFAULT_GRACE_S,
+        keepalive_timeout=config.idle_timeout_s,
+        lingering_time=1.0,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    log.info("serving the OpenAI API on %s:%d (decoder %s)", config.host, port, config.decoder_address)
-    if ready is not None:
-        ready.set_result(port)
+    assert runner.server is not None
+    gateway.guard = ConnectionGuard(runner.server, config.max_connections, config.header_timeout_s)
+    listener = await asyncio.get_running_loop().create_server(gateway.guard, config.host, config.port)
+    port = listener.sockets[0].getsockname()[1]
     try:
+        await workers.start()
+        log.info("serving the OpenAI API on %s:%d (decoder %s)", config.host, port, config.decoder_address)
+        if ready is not None:
+            ready.set_result(port)
         if ready is None:
             await stop_on_signals(DEFAULT_GRACE_S, log).wait()
         else:
             await asyncio.Event().wait()  # until cancelled (tests)
     finally:
+        listener.close()
         await runner.cleanup()
+        await callers.close()
+        workers.close()
         await decoder.close()
         await encoder.close()
         telemetry.shutdown()

@@ -1,21 +1,20 @@
 """The OpenAI-compatible HTTP front: aiohttp handlers that translate to the services' gRPC calls.
 
-Thin by design: a body is parsed and converted (`requests.py`), the call goes to the decoder or the
-encoder over the Python client's channels (balancing, TLS, retries), and its events come back as
-OpenAI objects or server-sent events (`responses.py`); every limit on content is the services' own.
-What the gateway itself guards: the bearer token (the services' token file; a caller's token travels
-on with its calls, so the decoder's per-token bounds and fair sharing see each caller), the body's
-size, open completions per caller (its token, else its address), and a caller that disconnects: its
-handler is cancelled (aiohttp's handler cancellation), which cancels the gRPC call, which frees the
-request's KV blocks. Without tokens every HTTP caller reaches the decoder over the gateway's one
-connection: the decoder's --max-streams-per-connection then bounds the gateway as a whole.
+Thin by design: a body is read, bounded and converted (`bodies.py`, `requests.py`), the call goes to
+the decoder or the encoder over the Python client's channels (balancing, TLS, retries), and its
+events come back as OpenAI objects or server-sent events (`responses.py`, `embeddings.py`); every
+limit on content is the services' own. What the gateway itself guards, each bound answered with an
+OpenAI error naming it: the bearer token (the services' token file; a caller's token travels on with
+its calls), the body's size and the time it takes to arrive, large bodies at once, the size of an
+embeddings answer, open completions per caller (its token, else its address), and a caller that
+disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels the gRPC call,
+which frees the request's KV blocks. Each caller reaches the decoder over a connection of its own
+(`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP callers one by one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 import logging
 import uuid
@@ -24,15 +23,20 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-import numpy as np
 from aiohttp import web
 
 from tandem.client.client import DecoderClient, EncoderClient
-from tandem.client.errors import InvalidArgument
-from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
-from tandem.gateway import requests
+from tandem.client.errors import InvalidArgument, Unavailable
+from tandem.client.memory import give_back
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from tandem.gateway import embeddings, requests
+from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
+from tandem.gateway.body_limits import BodyLimits, count_values
+from tandem.gateway.callers import CallerChannels, caller_of
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.errors import HttpError, from_grpc, from_invalid
+from tandem.gateway.connections import ConnectionGuard
+from tandem.gateway.errors import HttpError, Refused, from_grpc, from_invalid
+from tandem.gateway.requests import EmbedCall, GenerateCall, ImagePart
 from tandem.gateway.responses import Completion
 
 log = logging.getLogger("tandem.gateway")
@@ -41,24 +45,40 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 UNAUTHENTICATED_PATHS = ("/health",)
 # FINISH_REASON_ABORTED: the decoder drained (SIGTERM) before the answer ended; OpenAI has no such reason.
 ABORTED = HttpError(503, "service_unavailable", "the server stopped before the answer ended; retry")
-LARGE_BODY_BYTES = 1024 * 1024  # parsed and converted on a thread above this
-BODY_BYTES = web.RequestKey("body_bytes", int)  # the body's size, once read
+LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
+WAS_LARGE = web.RequestKey("was_large", bool)  # it held one: give the heap back when it ends
+STRUCTURED_FIELD = web.RequestKey("structured_field", str)  # the body field naming structured output
 
 
 def error_response(error: HttpError) -> web.Response:
-    return web.json_response(error.body(), status=error.status, headers=error.headers())
+    response = web.json_response(error.body(), status=error.status, headers=error.headers())
+    if error.status in (408, 413):  # the rest of the body may still be coming: not worth reading
+        response.force_close()
+    return response
 
 
 class Gateway:
     def __init__(
-        self, config: GatewayConfig, decoder: DecoderClient, encoder: EncoderClient, tracer: Any = None
+        self,
+        config: GatewayConfig,
+        decoder: DecoderClient,
+        encoder: EncoderClient,
+        callers: CallerChannels,
+        workers: BodyWorkers,
+        guard: ConnectionGuard | None = None,
+        tracer: Any = None,
     ) -> None:
         self.config = config
-        self.decoder = decoder
+        self.decoder = decoder  # health and model info; completions go over `callers`
         self.encoder = encoder
+        self.callers = callers
+        self.workers = workers
+        self.guard = guard  # told of each request head (the first one ends a connection's header timer)
         self.tracer = tracer  # an OpenTelemetry tracer when tracing is on: one span per HTTP request
+        self.large_bodies = LargeBodies(config.max_large_bodies)
         self._streams: Counter[str] = Counter()  # open completions per caller
-        self._model: str | None = None
+        self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
+        self._encoder_info: encoder_pb2.EncoderGetModelInfoResponse | None = None
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -76,25 +96,30 @@ class Gateway:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.guard is not None:
+            self.guard.head_received(request.transport)
         try:
             return await handler(request)
+        except Refused as refused:
+            return error_response(refused.error)
         except InvalidArgument as error:
             return error_response(from_invalid(error))
+        except Unavailable as error:
+            return error_response(HttpError(503, "service_unavailable", str(error), retry_after_s=1.0))
         except grpc.aio.AioRpcError as error:
-            return error_response(from_grpc(error))
-        except web.HTTPRequestEntityTooLarge:
-            message = f"the request body is over {self.config.max_body_bytes} bytes (--max-body-bytes)"
-            return error_response(HttpError(413, "invalid_request_error", message))
+            return error_response(from_grpc(error, request.get(STRUCTURED_FIELD)))
         except web.HTTPException as error:  # 404 / 405 from routing
             return error_response(HttpError(error.status, "invalid_request_error", error.reason))
-        except UnicodeEncodeError:  # Python's JSON parser lets lone UTF-16 surrogates ("\ud800") through
-            message = "holds a lone UTF-16 surrogate, which is not valid UTF-8 text"
-            return error_response(HttpError(400, "invalid_request_error", f"body: {message}", "body"))
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the caller left: nothing to answer
         except Exception:  # a bug: an OpenAI-shaped 500, the traceback in our log only
             log.exception("%s %s failed", request.method, request.path)
             return error_response(HttpError(500, "server_error", "the gateway failed on this request"))
+        finally:
+            if (held := request.get(LARGE_BODY)) is not None:
+                held.release()
+            if request.get(WAS_LARGE):
+                give_back()  # the body's and the answer's heap back to the OS (tandem/client/memory.py)
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -132,6 +157,7 @@ class Gateway:
         )
 
     async def models(self, request: web.Request) -> web.Response:
+        # Asked each time, not cached: adapters load and unload while the gateway runs.
         info = await self.decoder.stub.GetModelInfo(
             decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
         )
@@ -151,104 +177,150 @@ class Gateway:
         return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
-        requests.chat_request(body, None, images_pending=True)  # every other rule first: images cost calls
-        images = await self._embed_images(request, requests.image_urls(body))
-        generate = await _convert(request, lambda b: requests.chat_request(b, images), body)
-        return await self._complete(request, body, "chat", generate)
+        limits = BodyLimits.for_chat((await self._decoder(request)).max_context_tokens)
+        call = await self._convert(request, requests.chat_request, limits)
+        assert isinstance(call, GenerateCall)
+        await self._embed_images(request, call)
+        return await self._complete(request, call, "chat")
 
-    async def _embed_images(
-        self, request: web.Request, found: dict[tuple[int, int], bytes]
-    ) -> requests.ImageRowsByPart:
-        """The encoder's rows for each image part, embedded concurrently (the encoder batches them)."""
-        if not found:
-            return {}
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        limits = BodyLimits.for_completions((await self._decoder(request)).max_context_tokens)
+        call = await self._convert(request, requests.completion_request, limits)
+        assert isinstance(call, GenerateCall)
+        return await self._complete(request, call, "text")
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        info = await self._encoder(request)
+        call = await self._convert(
+            request, requests.embed_request, BodyLimits.for_embeddings(info.max_input_tokens)
+        )
+        assert isinstance(call, EmbedCall)
+        bound = embeddings.answer_bound(call, info)
+        embeddings.check_answer_size(call, info, self.config.max_embeddings_bytes)  # before any call
+        if bound >= self.config.large_body_bytes and LARGE_BODY not in request:
+            self._take_large_body(request)  # the replies and the answer are large too
+        metadata = self._metadata(request)
+        replies = await _all([self.encoder.stub.Embed(c, metadata=metadata) for c in call.requests])
+        return await embeddings.write_answer(request, call, replies, call.model or info.model)
+
+    # -- bodies -----------------------------------------------------------------------------------------
+
+    async def _convert(
+        self, request: web.Request, to_call: Convert, limits: BodyLimits
+    ) -> GenerateCall | EmbedCall:
+        """The body, read and converted: in a worker process when it is large (`bodies.py`)."""
+        raw = await self._read(request, limits)
+        if len(raw) < self.config.large_body_bytes:
+            call = convert(to_call, raw, limits)
+        else:
+            call = await self.workers.convert(to_call, raw, limits)
+        if isinstance(call, GenerateCall) and call.structured_field is not None:
+            request[STRUCTURED_FIELD] = call.structured_field
+        return call
+
+    async def _read(self, request: web.Request, limits: BodyLimits) -> bytearray:
+        """The body's bytes: at most --max-body-bytes (413), within --body-timeout-s (408), its JSON
+        values counted as they come (`count_values`: 400 naming the field before the rest is read); a
+        large one holds a place among --max-large-bodies from the moment its size says so (503 when
+        none is free).
+
+        Read into one buffer, each chunk copied in as it arrives: holding the chunks and joining them
+        left the heap grown by the body's size after it was freed (glibc keeps a freed heap's middle),
+        where one buffer this large is its own mapping, given back whole."""
+        limit = self.config.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            raise Refused(_too_large(limit))
+        if declared is not None and declared >= self.config.large_body_bytes:
+            self._take_large_body(request)
+        body, num_values = bytearray(), 0
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                while chunk := await request.content.readany():
+                    if len(body) + len(chunk) > limit:
+                        raise Refused(_too_large(limit))
+                    body += chunk
+                    num_values = count_values(body, limits, len(body) - len(chunk), num_values)
+                    if len(body) >= self.config.large_body_bytes and LARGE_BODY not in request:
+                        self._take_large_body(request)
+        except TimeoutError:
+            message = (
+                f"the body did not arrive within {self.config.body_timeout_s:g} s (--body-timeout-s); "
+                f"{len(body)} bytes came"
+            )
+            raise Refused(HttpError(408, "invalid_request_error", message, "body")) from None
+        return body
+
+    def _take_large_body(self, request: web.Request) -> None:
+        request[LARGE_BODY] = self.large_bodies.take()
+        request[WAS_LARGE] = True
+
+    async def _embed_images(self, request: web.Request, call: GenerateCall) -> None:
+        """The encoder's rows in place of each image_url part, embedded concurrently (the encoder batches)."""
         metadata = self._metadata(request)
 
-        async def rows(where: tuple[int, int], data: bytes) -> tuple[tuple[int, int], Any]:
-            embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=data))
+        async def rows(image: ImagePart) -> tuple[ImagePart, tensor_pb2.Tensor]:
+            embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=image.data))
             try:
                 reply = await self.encoder.stub.Embed(embed, metadata=metadata)
             except grpc.aio.AioRpcError as error:
                 if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                    i, j = where
-                    raise InvalidArgument(f"messages[{i}].content[{j}].image_url", error.details()) from None
+                    where = f"messages[{image.message}].content[{image.part}].image_url"
+                    raise InvalidArgument(where, error.details()) from None
                 raise
-            return where, reply.embeddings
+            return image, reply.embeddings
 
-        return dict(await _all([rows(where, data) for where, data in found.items()]))
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
-        generate = await _convert(request, requests.completion_request, body)
-        return await self._complete(request, body, "text", generate)
-
-    async def embeddings(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        calls = requests.embed_request(body)
-        metadata = self._metadata(request)
-        replies = await _all([self.encoder.stub.Embed(c, metadata=metadata) for c in calls])
-        as_base64 = body.get("encoding_format") == "base64"
-        data = []
-        for i, reply in enumerate(replies):
-            rows = np.frombuffer(reply.embeddings.data, dtype="<f4").reshape(list(reply.embeddings.shape))
-            vector: Any = (
-                rows[0] if rows.shape[0] == 1 and calls[i].pooling == encoder_pb2.POOLING_MEAN else rows
-            )
-            if as_base64:
-                vector = base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode()
-            else:
-                vector = vector.tolist()
-            data.append({"object": "embedding", "index": i, "embedding": vector})
-        tokens = sum(r.usage.input_tokens for r in replies)
-        model = body.get("model") or await self._model_name(request)
-        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-        return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
+        for image, embedded in await _all([rows(image) for image in call.images]):
+            call.request.chat.messages[image.message].content[image.part].image.CopyFrom(embedded)
 
     # -- completions --------------------------------------------------------------------------------------
 
-    async def _complete(
-        self, request: web.Request, body: dict[str, Any], kind: str, generate: decoder_pb2.GenerateRequest
-    ) -> web.StreamResponse:
-        base = await self._model_name(request)
-        model = body.get("model") or base
+    async def _complete(self, request: web.Request, call: GenerateCall, kind: str) -> web.StreamResponse:
+        base = (await self._decoder(request)).model
+        model = call.model or base
+        generate = call.request
         if generate.model and generate.model != base:  # as in vLLM: a LoRA adapter, by its name
             generate.adapter, generate.model = generate.model, ""
-        connection = _caller(request, self.config.auth_tokens is not None)
-        if self._streams[connection] >= self.config.max_streams_per_caller:
+        caller = caller_of(
+            request.headers.get("Authorization", ""), request.remote, self.config.auth_tokens is not None
+        )
+        if self._streams[caller] >= self.config.max_streams_per_caller:
             limit = self.config.max_streams_per_caller
             message = f"{limit} completions of this caller are open (--max-streams-per-caller)"
             return error_response(HttpError(429, "rate_limit_error", message, retry_after_s=1.0))
         generate.request_id = uuid.uuid4().hex
         if generate.ByteSize() > self.config.max_message_bytes:
+            field = "messages" if kind == "chat" else "prompt"  # what makes a request this large
             message = (
-                f"the request is {generate.ByteSize()} bytes as a Generate call, over the services' "
-                f"max_message_bytes {self.config.max_message_bytes}"
+                f"{field}: the request is {generate.ByteSize()} bytes as a Generate call, over the "
+                f"services' max_message_bytes {self.config.max_message_bytes}"
             )
-            return error_response(HttpError(413, "invalid_request_error", message))
-        stream = body.get("stream") is True
+            return error_response(HttpError(413, "invalid_request_error", message, field))
         with_logprobs = generate.output.logprobs
-        options = body.get("stream_options")
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
         completion = Completion(kind, generate.request_id, model)
-        self._streams[connection] += 1
-        call = None
+        self._streams[caller] += 1
         try:
-            call = self.decoder.stub.Generate(generate, metadata=self._metadata(request))
-            events = call.__aiter__()
-            first = await events.__anext__()  # a refusal arrives here, before any byte is written
-            if not stream:
-                await self._collect(first, events, completion, with_logprobs)
-                if completion.aborted:
-                    return error_response(ABORTED)
-                return web.json_response(completion.whole(with_logprobs))
-            return await self._stream(request, first, events, completion, with_logprobs, include_usage)
+            async with self.callers.stub(caller) as stub:
+                grpc_call = stub.Generate(generate, metadata=self._metadata(request))
+                try:
+                    events = grpc_call.__aiter__()
+                    first = await events.__anext__()  # a refusal arrives here, before any byte is written
+                    if (held := request.get(LARGE_BODY)) is not None:
+                        held.release()  # the request went out: its bytes are the decoder's now
+                    if not call.is_stream:
+                        await self._collect(first, events, completion, with_logprobs)
+                        if completion.aborted:
+                            return error_response(ABORTED)
+                        return web.json_response(completion.whole(with_logprobs))
+                    return await self._stream(
+                        request, first, events, completion, with_logprobs, call.include_usage
+                    )
+                finally:
+                    grpc_call.cancel()  # a no-op once the stream ended; frees the request if the caller left
         finally:
-            if call is not None:
-                call.cancel()  # a no-op once the stream ended; frees the request if the caller left
-            self._streams[connection] -= 1
-            if not self._streams[connection]:
-                del self._streams[connection]
+            self._streams[caller] -= 1
+            if not self._streams[caller]:
+                del self._streams[caller]
 
     @staticmethod
     async def _collect(
@@ -293,7 +365,7 @@ class Gateway:
                     completion.finished = event.finished
                 event = await anext(events, None)
         except grpc.aio.AioRpcError as error:  # after the headers: the error goes in the stream
-            await send(from_grpc(error).body())
+            await send(from_grpc(error, request.get(STRUCTURED_FIELD)).body())
         else:
             if completion.aborted:
                 await send(ABORTED.body())
@@ -314,22 +386,21 @@ class Gateway:
             return None
         return (("authorization", request.headers["Authorization"]),)
 
-    async def _model_name(self, request: web.Request) -> str:
-        if self._model is None:
-            info = await self.decoder.stub.GetModelInfo(
+    async def _decoder(self, request: web.Request) -> decoder_pb2.DecoderGetModelInfoResponse:
+        """The decoder's model info (its name, its context), asked once."""
+        if self._decoder_info is None:
+            self._decoder_info = await self.decoder.stub.GetModelInfo(
                 decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
             )
-            self._model = info.model
-        return self._model
+        return self._decoder_info
 
-
-async def _convert(
-    request: web.Request, convert: Callable[[dict[str, Any]], Any], body: dict[str, Any]
-) -> Any:
-    """`convert(body)`, on a thread for a large body (base64 rows decode at about 1 GB/s)."""
-    if request.get(BODY_BYTES, 0) < LARGE_BODY_BYTES:
-        return convert(body)
-    return await asyncio.to_thread(convert, body)
+    async def _encoder(self, request: web.Request) -> encoder_pb2.EncoderGetModelInfoResponse:
+        """The encoder's model info (its width, its input bound), asked once."""
+        if self._encoder_info is None:
+            self._encoder_info = await self.encoder.stub.GetModelInfo(
+                encoder_pb2.EncoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+            )
+        return self._encoder_info
 
 
 async def _all(awaitables: list[Any]) -> list[Any]:
@@ -344,13 +415,10 @@ async def _all(awaitables: list[Any]) -> list[Any]:
         raise
 
 
-def _caller(request: web.Request, tokens_checked: bool) -> str:
-    """Who is calling: a digest of its (checked) bearer token, else the peer's address. An unchecked
-    token says nothing: a caller could send a new one with each request."""
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if tokens_checked and scheme.lower() == "bearer" and token:
-        return "token:" + hashlib.blake2b(token.encode(), digest_size=16).hexdigest()
-    return f"peer:{request.remote}"
+def _too_large(limit: int) -> HttpError:
+    return HttpError(
+        413, "invalid_request_error", f"the request body is over {limit} bytes (--max-body-bytes)", "body"
+    )
 
 
 def _opening(completion: Completion) -> dict[str, Any]:
@@ -360,19 +428,3 @@ def _opening(completion: Completion) -> dict[str, Any]:
         "logprobs": None,
         "finish_reason": None,
     }
-
-
-async def _json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object. A large one is parsed off the event loop (96 MiB of JSON takes about a
-    second), so other streams keep streaming meanwhile."""
-    raw = await request.read()
-    request[BODY_BYTES] = len(raw)
-    try:
-        body = json.loads(raw) if len(raw) < LARGE_BODY_BYTES else await asyncio.to_thread(json.loads, raw)
-    except ValueError as error:  # not JSON, or not UTF-8
-        raise InvalidArgument("body", f"is not valid JSON: {error}") from None
-    except RecursionError:  # '[' x 100,000
-        raise InvalidArgument("body", "nests too deep") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("body", "must be a JSON object")
-    return body

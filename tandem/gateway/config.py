@@ -8,6 +8,7 @@ from tandem.client.channel import PLAINTEXT, ChannelSecurity
 from tandem.client.errors import ConfigError
 
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -21,15 +22,46 @@ class GatewayConfig:
     auth_tokens: frozenset[str] | None = None
     upstream: ChannelSecurity = field(default=PLAINTEXT)  # TLS and token towards the services
     # A request body's bytes (a prompt of embedding rows travels as base64: 4/3 of its bytes).
-    max_body_bytes: int = 96 * 1024 * 1024
+    max_body_bytes: int = 96 * MIB
     # Open completions per caller (its bearer token with tokens on, else its IP address); 429 beyond it.
     # HTTP/1.1 carries one request a connection, so a connection bound would bound nothing.
     max_streams_per_caller: int = 32
-    max_message_bytes: int = 64 * 1024 * 1024  # the services' --max-message-bytes
+    max_message_bytes: int = 64 * MIB  # the services' --max-message-bytes
+    # The largest /v1/embeddings answer, reckoned before any work from rows x width x inputs (413 beyond).
+    max_embeddings_bytes: int = 64 * MIB
+    # Bodies over `large_body_bytes` are parsed and converted in worker processes (`body_workers.py`),
+    # at most `max_large_bodies` at once (read, queued or converting; 503 with Retry-After beyond).
+    large_body_bytes: int = 1 * MIB
+    max_large_bodies: int = 4
+    body_workers: int = 2
+    # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
+    max_connections: int = 512
+    # Slow clients: a new connection's first request head must arrive within `header_timeout_s`; a
+    # keep-alive connection idle (or trickling its next head) for `idle_timeout_s` is closed; a body must
+    # arrive whole within `body_timeout_s` (408 otherwise).
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    # Idle per-caller channels to the decoder kept for reuse (`callers.py`).
+    max_idle_channels: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in 0..65535, got {self.port}")
-        for name in ("max_body_bytes", "max_streams_per_caller", "max_message_bytes"):
+        for name in (
+            "max_body_bytes",
+            "max_streams_per_caller",
+            "max_message_bytes",
+            "max_embeddings_bytes",
+            "large_body_bytes",
+            "max_large_bodies",
+            "body_workers",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_idle_channels < 0:
+            raise ConfigError("max_idle_channels", f"must be >= 0, got {self.max_idle_channels}")
+        for name in ("header_timeout_s", "idle_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")

@@ -6,6 +6,7 @@ RESOURCE_EXHAUSTED's RetryInfo becomes `Retry-After`."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -47,11 +48,22 @@ class HttpError:
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
+class Refused(Exception):
+    """The gateway's own refusal of a request (a body too large or too slow, the gateway too busy),
+    answered as `error`."""
+
+    def __init__(self, error: HttpError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 def from_invalid(error: InvalidArgument) -> HttpError:
     return HttpError(400, "invalid_request_error", str(error), error.field)
 
 
-def from_grpc(error: grpc.aio.AioRpcError) -> HttpError:
+def from_grpc(error: grpc.aio.AioRpcError, structured_field: str | None = None) -> HttpError:
+    """`error` in OpenAI's shape; `structured_field`: the body field that asked for structured output,
+    which the decoder's `structured.*` paths are named after."""
     status, kind = STATUSES.get(error.code(), (500, "server_error"))
     param, retry_after = None, None
     try:
@@ -63,7 +75,7 @@ def from_grpc(error: grpc.aio.AioRpcError) -> HttpError:
             violation = error_details_pb2.BadRequest()
             detail.Unpack(violation)
             if violation.field_violations:
-                param = body_field(violation.field_violations[0].field)
+                param = body_field(violation.field_violations[0].field, structured_field)
         elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
@@ -73,7 +85,7 @@ def from_grpc(error: grpc.aio.AioRpcError) -> HttpError:
         return HttpError(413, "invalid_request_error", message)
     if status == 429 and retry_after is None:
         retry_after = 1.0
-    return HttpError(status, kind, body_field(message), param, retry_after)
+    return HttpError(status, kind, body_field(message, structured_field), param, retry_after)
 
 
 # A service's field path -> the body's (first matching prefix).
@@ -86,12 +98,19 @@ BODY_FIELDS = (
     ("output.top_logprobs", "top_logprobs"),
     ("output.logprobs", "logprobs"),
     ("sampling.", ""),
-    ("structured.", "response_format."),
 )
+# The decoder's `structured` field and its kinds, as `response_format` spells them.
+RESPONSE_FORMAT_FIELDS = {".json_schema": "response_format.json_schema.schema", "": "response_format"}
+# `structured.<kind>`, or `structured` as a whole field (not the word in "structured output").
+STRUCTURED = re.compile(r"\bstructured(\.[a-z_]+|(?=:|$))")
 
 
-def body_field(path: str) -> str:
-    """A service's field path (or a message holding one) as the OpenAI body spells it."""
+def body_field(path: str, structured_field: str | None = None) -> str:
+    """A service's field path (or a message holding one) as the OpenAI body spells it. The decoder's
+    `structured.<kind>` is the body field that asked for it: `response_format.json_schema.schema`,
+    or vLLM's own (`guided_regex`, `guided_grammar`, `guided_json`, `guided_choice`)."""
     for service, body in BODY_FIELDS:
         path = path.replace(service, body)
-    return path
+    if structured_field is not None and structured_field != "response_format":
+        return STRUCTURED.sub(structured_field, path)
+    return STRUCTURED.sub(lambda m: RESPONSE_FORMAT_FIELDS.get(m[1] or "", "response_format"), path)

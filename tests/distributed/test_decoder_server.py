@@ -136,14 +136,12 @@ async def test_killing_rank_1_mid_generation_fails_the_stream_and_exits(tiny_mod
             assert (await stream.read()).HasField("delta")  # decoding is under way
             rank1 = server.rank_pid(1)
             os.kill(rank1, signal.SIGKILL)
-            killed_at = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 while await asyncio.wait_for(stream.read(), timeout=30) is not grpc.aio.EOF:
                     pass
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        returncode = await asyncio.to_thread(server.process.wait, 30)
+        returncode = await asyncio.to_thread(server.process.wait, 30)  # TimeoutExpired if it lingers
         assert returncode != 0
-        assert time.monotonic() - killed_at < 30
         assert not _pid_alive(rank1)
     finally:
         if server.process.poll() is None:

@@ -3,7 +3,9 @@ prompts whose parts are embeddings, each compared with the same call made throug
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,7 +141,7 @@ def test_generate_sends_embed_parts_through_the_encoder_in_order(services: Servi
     assert text == _greedy_text(services, prompt, 5)
 
 
-def test_a_part_that_cannot_be_read_is_one_line(services: Services, tmp_path: Path, capsys, environ) -> None:
+def test_a_part_that_cannot_be_read_is_one_line_naming_it(services: Services, tmp_path: Path, capsys) -> None:
     argv = [
         "generate",
         "--address",
@@ -147,5 +149,95 @@ def test_a_part_that_cannot_be_read_is_one_line(services: Services, tmp_path: Pa
         "--part",
         f"file:{tmp_path / 'none.npy'}",
     ]
-    assert cli.main(argv) == 1
-    assert capsys.readouterr().err == f"tandem generate: --part: {tmp_path / 'none.npy'}: no such file\n"
+    assert cli.main(argv) == 2
+    none = tmp_path / "none.npy"
+    assert capsys.readouterr().err == f"tandem generate: --part file:{none}: no such file\n"
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], code: int) -> str:
+    """The one line a failed command prints on stderr; nothing on stdout, no traceback, no blank line."""
+    assert cli.main(argv) == code
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "Traceback" not in err, (out, err)
+    return err.rstrip("\n")
+
+
+def test_a_value_a_request_cannot_hold_names_its_flag_without_a_traceback(capsys, environ) -> None:
+    # `--max-tokens -1` was a 44-line traceback (ValueError: Value out of range: -1).
+    for flag, value in [("--max-tokens", "-1"), ("--top-k", "-3"), ("--seed", str(2**64))]:
+        err = _one_line_error(capsys, ["generate", "--prompt", "hi", flag, value], 2)
+        assert err.startswith(f"tandem generate: {flag} (TANDEM_GENERATE_"), err
+    err = _one_line_error(capsys, ["generate", "--part", "ids:1,4294967296"], 2)
+    assert err.startswith("tandem generate: --part (TANDEM_GENERATE_PART): 'ids:1,4294967296': token IDs"), (
+        err
+    )
+
+
+def test_a_value_the_decoder_refuses_is_one_line_naming_the_flag(services: Services, capsys, environ) -> None:
+    decoder = ["generate", "--address", services.decoder_server.address, "--prompt", "hi"]
+    err = _one_line_error(capsys, [*decoder, "--max-tokens", "0"], 2)
+    assert err == (
+        "tandem generate: --max-tokens (TANDEM_GENERATE_MAX_TOKENS): must be >= 1, got 0 "
+        "(the request's stopping.max_new_tokens)"
+    )
+    err = _one_line_error(capsys, [*decoder, "--temperature", "-1"], 2)
+    assert err.startswith(
+        "tandem generate: --temperature (TANDEM_GENERATE_TEMPERATURE): must be in [0.0, "
+    ), err
+    err = _one_line_error(capsys, [*decoder, "--part", "ids:5,999999", "--max-tokens", "2"], 2)
+    assert err.startswith("tandem generate: --part ids:5,999999: token id 999999 outside [0, "), err
+    assert err.endswith("(the request's prompt[1].token_ids.ids[1])"), err
+
+
+def test_an_unreachable_server_names_the_flag_of_its_address(services: Services, capsys, environ) -> None:
+    # The encoder down used to blame `--part`.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+    argv = ["generate", "--address", services.decoder_server.address, "--encoder-address", closed]
+    err = _one_line_error(capsys, [*argv, "--part", "embed: the quiet harbour"], 1)
+    assert err.startswith(
+        f"tandem generate: --encoder-address (TANDEM_GENERATE_ENCODER_ADDRESS) {closed}: UNAVAILABLE: "
+    )
+    err = _one_line_error(capsys, ["generate", "--address", closed, "--prompt", "hi"], 1)
+    assert err.startswith(f"tandem generate: --address (TANDEM_GENERATE_ADDRESS) {closed}: UNAVAILABLE: "), (
+        err
+    )
+    err = _one_line_error(capsys, ["embed", "--address", closed, "--text", "hi"], 1)
+    assert err.startswith(f"tandem embed: --address (TANDEM_EMBED_ADDRESS) {closed}: UNAVAILABLE: "), err
+
+
+def test_a_value_the_encoder_refuses_is_one_line_naming_the_flag(services: Services, capsys, environ) -> None:
+    encoder = ["embed", "--address", services.encoder_server.address]
+    err = _one_line_error(capsys, [*encoder, "--ids", "999999"], 2)
+    assert err.startswith("tandem embed: --ids (TANDEM_EMBED_IDS): token id 999999 outside [0, "), err
+
+
+def test_trace_without_an_exporter_says_nothing_is_recorded_and_how_to_record(
+    services: Services, capsys, environ, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    argv = ["generate", "--address", services.decoder_server.address, "--prompt", "hi", "--max-tokens", "2"]
+    assert cli.main([*argv, "--trace"]) == 0
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"trace id: [0-9a-f]{32}; not recorded here, no exporter is configured: "
+        r"OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:4317 sends spans to a collector, "
+        r"OTEL_TRACES_EXPORTER=console prints them\n",
+        err,
+    ), err
+
+
+def test_an_unreachable_collector_is_one_line_after_the_answer(services: Services, capsys, environ) -> None:
+    # It was four exporter messages over 16 s of retries.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    environ({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed}"})
+    argv = ["generate", "--address", services.decoder_server.address, "--prompt", "hi", "--max-tokens", "2"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "[FINISH_REASON_LENGTH; 2 tokens;" in out
+    assert err.startswith(f"tandem generate: telemetry: Failed to export traces to 127.0.0.1:{closed}, ")
+    assert len(err.splitlines()) == 1, err

@@ -26,6 +26,7 @@ from tandem.common import tensors
 from tandem.common.server import TlsOptions
 from tandem.decoder.models.loader import LoadedModel
 from tandem.decoder.models.random_model import make_model
+from tests.integration.package_index import install
 from tests.integration.reliability.harness import Services
 from tests.integration.test_security import OPENSSL, make_pki
 
@@ -45,10 +46,7 @@ class LiveDecoder:
 def node_client() -> Path:
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("npm/node are not installed: the Node.js client cannot be tested")
-    result = subprocess.run(
-        ["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_CLIENT, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    install(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_CLIENT)
     return NODE_CLIENT / "generate.js"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +21,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from .settings import TelemetrySettings
 
 _INSTRUMENTATION_SCOPE = "tandem"
+# The exporter retries the codes it is given (an empty set means its default ones); a failed export
+# never ends OK, so with this set nothing is retried.
+_NO_RETRIES = (grpc.StatusCode.OK,)
 
 
 class Telemetry:
@@ -30,10 +35,17 @@ class Telemetry:
         tracer_provider: TracerProvider | None,
         meter_provider: MeterProvider | None,
         excluded_grpc_services: Sequence[str] = (),
+        is_exporting_traces: bool | None = None,
+        shutdown_timeout_s: float | None = None,
     ) -> None:
         self.service_name = service_name
         self.tracer_provider = tracer_provider  # None = tracing off
         self.meter_provider = meter_provider  # None = metrics off
+        # Spans go somewhere; False for a provider that only makes trace ids (`always_trace`).
+        self.is_exporting_traces = (
+            tracer_provider is not None if is_exporting_traces is None else is_exporting_traces
+        )
+        self.shutdown_timeout_s = shutdown_timeout_s  # bounds `shutdown`; None: it waits for the exports
         self.tracer: trace.Tracer = (
             tracer_provider.get_tracer(_INSTRUMENTATION_SCOPE) if tracer_provider else trace.NoOpTracer()
         )
@@ -76,11 +88,23 @@ class Telemetry:
             self.meter_provider.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
-        """Flush and stop exporters (at exit)."""
-        if self.tracer_provider is not None:
-            self.tracer_provider.shutdown()
-        if self.meter_provider is not None:
-            self.meter_provider.shutdown()
+        """Flush and stop exporters (at exit). With `shutdown_timeout_s`, the tracer's and the meter's
+        last exports run side by side and this returns after that long at most, whatever is left
+        (their threads are daemons: a process exiting then drops what they still hold)."""
+        providers = [p for p in (self.tracer_provider, self.meter_provider) if p is not None]
+        timeout_s = self.shutdown_timeout_s
+        if timeout_s is None:
+            for provider in providers:
+                provider.shutdown()
+            return
+        threads = [
+            threading.Thread(target=p.shutdown, name="telemetry-shutdown", daemon=True) for p in providers
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def build_telemetry(
@@ -91,33 +115,60 @@ def build_telemetry(
     resource_attributes: Mapping[str, str] | None = None,
     excluded_grpc_services: Sequence[str] = (),
     always_trace: bool = False,
+    shutdown_on_exit: bool = True,
+    shutdown_timeout_s: float | None = None,
 ) -> Telemetry:
     """Providers over the given processors and readers (tests pass in-memory ones). Tracing is on when
-    there is a processor or `always_trace` (a client that wants trace ids even when exporting nothing)."""
+    there is a processor or `always_trace` (a client that wants trace ids even when exporting nothing).
+    `shutdown_on_exit`: the SDK shuts the providers down at exit (False: the caller does, once);
+    `shutdown_timeout_s` bounds `Telemetry.shutdown`."""
     resource = Resource({**(resource_attributes or {}), "service.name": service_name})
     processors = list(span_processors)
     tracer_provider = None
     if processors or always_trace:
-        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=shutdown_on_exit)
         for processor in processors:
             tracer_provider.add_span_processor(processor)
     meter_provider = (
-        MeterProvider(metric_readers=metric_readers, resource=resource) if metric_readers else None
+        MeterProvider(metric_readers=metric_readers, resource=resource, shutdown_on_exit=shutdown_on_exit)
+        if metric_readers
+        else None
     )
-    return Telemetry(service_name, tracer_provider, meter_provider, excluded_grpc_services)
+    return Telemetry(
+        service_name,
+        tracer_provider,
+        meter_provider,
+        excluded_grpc_services,
+        is_exporting_traces=bool(processors),
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
 
 
 def setup_telemetry(
-    default_service_name: str, environ: Mapping[str, str], *, always_trace: bool = False
+    default_service_name: str,
+    environ: Mapping[str, str],
+    *,
+    always_trace: bool = False,
+    is_one_shot: bool = False,
 ) -> Telemetry:
-    """Telemetry as `OTEL_*` in `environ` asks (see the module docstring). Call once, at start."""
+    """Telemetry as `OTEL_*` in `environ` asks (see the module docstring). Call once, at start.
+
+    `is_one_shot`: a command that makes its calls and exits (`tandem generate`). Its exports are tried
+    once, not retried with backoff (a collector that refused a moment ago will not take the spans a
+    second later, and a command would wait for it), each bounded by OTEL_EXPORTER_OTLP_TIMEOUT, and
+    `shutdown` bounds them all together by that timeout: an unreachable collector costs it the
+    timeout once, not 16 s of retries. It then shuts its providers down itself.
+    """
     settings = TelemetrySettings.from_environ(default_service_name, environ)
+    otlp: dict[str, Any] = {"timeout": settings.export_timeout_s}
+    if is_one_shot:
+        otlp["retryable_error_codes"] = _NO_RETRIES
     processors: list[SpanProcessor] = []
     for name in settings.traces_exporters:
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            processors.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.traces_endpoint)))
+            processors.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.traces_endpoint, **otlp)))
         else:
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -128,7 +179,7 @@ def setup_telemetry(
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-            exporter: Any = OTLPMetricExporter(endpoint=settings.metrics_endpoint)
+            exporter: Any = OTLPMetricExporter(endpoint=settings.metrics_endpoint, **otlp)
         else:
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
@@ -141,4 +192,6 @@ def setup_telemetry(
         resource_attributes=settings.resource_attributes,
         excluded_grpc_services=settings.excluded_grpc_services,
         always_trace=always_trace,
+        shutdown_on_exit=not is_one_shot,
+        shutdown_timeout_s=settings.export_timeout_s if is_one_shot else None,
     )

@@ -4,6 +4,8 @@
   when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) is set, else `none`.
 - metrics: `OTEL_METRICS_EXPORTER` likewise (`..._METRICS_ENDPOINT`), every
   `OTEL_METRIC_EXPORT_INTERVAL` ms.
+- `OTEL_EXPORTER_OTLP_TIMEOUT`: seconds one OTLP export may take, retries included (10; seconds, as
+  OpenTelemetry's Python exporter reads it).
 - `OTEL_SERVICE_NAME` overrides the service's own name; `OTEL_RESOURCE_ATTRIBUTES` are added;
   `OTEL_SDK_DISABLED=true` turns everything off.
 - gRPC health checks are never traced; `OTEL_PYTHON_GRPC_EXCLUDED_SERVICES` excludes more services.
@@ -27,6 +29,7 @@ class TelemetrySettings:
     traces_endpoint: str | None  # OTLP/gRPC endpoint; None = the exporter's default
     metrics_endpoint: str | None
     metric_export_interval_s: float  # how often metric readers push
+    export_timeout_s: float  # one OTLP export's bound, retries included
     excluded_grpc_services: tuple[str, ...]  # never traced, on top of grpc.health.v1.Health
 
     @classmethod
@@ -46,6 +49,13 @@ class TelemetrySettings:
             raise ValueError(f"OTEL_METRIC_EXPORT_INTERVAL={interval_ms!r}: expected milliseconds") from None
         if interval_s <= 0:
             raise ValueError(f"OTEL_METRIC_EXPORT_INTERVAL={interval_ms!r}: must be > 0")
+        timeout = environ.get("OTEL_EXPORTER_OTLP_TIMEOUT", "10")
+        try:
+            timeout_s = float(timeout)
+        except ValueError:
+            raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT={timeout!r}: expected seconds") from None
+        if not timeout_s > 0:
+            raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT={timeout!r}: must be > 0")
         excluded = environ.get("OTEL_PYTHON_GRPC_EXCLUDED_SERVICES", "")
         return cls(
             service_name=name,
@@ -59,6 +69,7 @@ class TelemetrySettings:
             traces_endpoint=traces_endpoint,
             metrics_endpoint=metrics_endpoint,
             metric_export_interval_s=interval_s,
+            export_timeout_s=timeout_s,
             excluded_grpc_services=tuple(s.strip() for s in excluded.split(",") if s.strip()),
         )
 

@@ -129,19 +129,28 @@ def with_checkpoint_dir(config: DecoderConfig) -> DecoderConfig:
 
 def check_model(config: DecoderConfig, world_size: int) -> None:
     """The checkpoint has what loading needs and `world_size` shards it; no weight is read."""
+    engine = config.engine
+    check_fits(
+        engine.model_dir, engine.dtype, engine.quantization, engine.quantization_group_size, world_size
+    )
+
+
+def check_fits(
+    model_dir: str | Path, dtype: str, quantization: str, quantization_group_size: int, world_size: int
+) -> None:
+    """The checkpoint in `model_dir` loads in `dtype`, `quantization` rounds it and `world_size`
+    shards it; no weight is read (`tandem up` asks before it starts the decoder). Raises ConfigError
+    naming the field at fault."""
     try:
-        model_config = check_checkpoint(config.engine.model_dir, config.engine.dtype)
+        model_config = check_checkpoint(model_dir, dtype)
     except ModelLoadError as error:
         raise ConfigError("model_dir", f": {error}") from None
-    engine = config.engine
-    if engine.quantization != "none":
+    if quantization != "none":
         try:
-            check_group(model_config, engine.quantization_group_size)
+            check_group(model_config, quantization_group_size)
         except ValueError as error:
-            field = "quantization_group_size" if engine.quantization == "int4" else "quantization"
-            raise ConfigError(
-                field, f"{engine.quantization} cannot quantize this checkpoint: {error}"
-            ) from None
+            field = "quantization_group_size" if quantization == "int4" else "quantization"
+            raise ConfigError(field, f"{quantization} cannot quantize this checkpoint: {error}") from None
     if world_size > 1:
         try:
             check_shardable(model_config, world_size)

@@ -14,7 +14,7 @@ import click
 
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import DTYPES
-from tandem.common.flags import BOOL, PATH, Setting, default_of, server_options, server_settings
+from tandem.common.flags import BOOL, PATH, SIZES, Setting, default_of, server_options, server_settings
 from tandem.common.model_cache import default_model_file, model_display_name
 from tandem.decoder.backends.backend import resolve
 from tandem.decoder.config import DEFAULT_PORT, QUANTIZATIONS, DecoderConfig, EngineConfig
@@ -48,7 +48,11 @@ def settings() -> list[Setting]:
             show_default="the directory's or file's name",
         ),
         *server_settings(ENV_PREFIX, DEFAULT_PORT),
-        _engine_setting("--device", "cpu, cuda, cuda:N or neuron (neuron needs torch-neuronx)"),
+        _engine_setting(
+            "--device",
+            "cpu, cuda, cuda:N or neuron (an XLA device: NeuronCores with the Neuron SDK, else XLA's CPU; "
+            "needs torch_xla, in .venv-xla)",
+        ),
         _engine_setting(
             "--dtype",
             "weights and activations",
@@ -68,17 +72,25 @@ def settings() -> list[Setting]:
             "int4: inputs per scale, a multiple of 32 dividing every linear's input width",
             type=int,
         ),
-        _engine_setting("--max-num-seqs", "most requests in one batch", type=int),
+        _engine_setting(
+            "--max-num-seqs",
+            "most requests in one batch",
+            type=int,
+            default=None,
+            show_default=f"{default_of(EngineConfig, 'max_num_seqs')}, 8 on neuron",
+        ),
         _engine_setting(
             "--max-num-batched-tokens",
             "token budget of one engine step (chunked prefill beyond it)",
             type=int,
+            default=None,
+            show_default=f"{default_of(EngineConfig, 'max_num_batched_tokens')}, 128 on neuron",
         ),
         _engine_setting(
             "--max-model-len",
             "most positions per request, prompt + output",
             type=int,
-            show_default="the model's context",
+            show_default="the model's context, at most 2048 on neuron",
         ),
         _engine_setting("--max-queue", "most waiting requests; beyond it RESOURCE_EXHAUSTED", type=int),
         _engine_setting("--block-size", "positions per KV cache block", type=int),
@@ -106,6 +118,25 @@ def settings() -> list[Setting]:
             type=BOOL,
             default=None,
             show_default="false, true on neuron",
+        ),
+        _engine_setting(
+            "--seq-buckets",
+            "static shapes: padded batch sizes (neuron: rows of a decode graph), comma-separated",
+            type=SIZES,
+            show_default="powers of two up to --max-num-seqs",
+        ),
+        _engine_setting(
+            "--token-buckets",
+            "static shapes: padded positions per step (neuron: of one prefill chunk), comma-separated",
+            type=SIZES,
+            show_default="from --max-num-batched-tokens",
+        ),
+        _engine_setting(
+            "--block-table-buckets",
+            "static shapes: padded block-table widths in blocks, comma-separated; the last holds "
+            "--max-model-len",
+            type=SIZES,
+            show_default="fourfold steps up to --max-model-len",
         ),
         _engine_setting(
             "--native-kernels",
@@ -160,7 +191,8 @@ def settings() -> list[Setting]:
         Setting(
             ENV_PREFIX,
             "--world-size",
-            "ranks to shard the model over (spawned here unless under torchrun)",
+            "ranks to shard the model over (spawned here unless under torchrun); neuron: devices of one "
+            "SPMD program in this process (NeuronCores, or CPU_NUM_DEVICES virtual XLA devices)",
             type=int,
             default=default_of(DecoderConfig, "world_size"),
         ),
@@ -205,6 +237,9 @@ _ENGINE_FIELDS = (
     "enable_prompt_embeds",
     "static_shapes",
     "compile",
+    "seq_buckets",
+    "token_buckets",
+    "block_table_buckets",
     "native_kernels",
     "num_threads",
     "batch_invariant",
@@ -235,6 +270,14 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
     ):
         if engine[name] is None:
             engine[name] = backend_default
+    for name, backend_limit in backend.default_limits:
+        if engine[name] is None:
+            engine[name] = backend_limit
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if engine[name] is None:
+            engine[name] = default_of(EngineConfig, name)
+    if backend.is_spmd:  # several devices of one process, not several ranks
+        engine["num_devices"] = values["world_size"]
     return DecoderConfig(
         engine=EngineConfig(model_dir=Path(model), **engine),
         server=server_options(values),

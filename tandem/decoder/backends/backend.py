@@ -4,7 +4,8 @@ NOTE: the rule. Model code never asks which backend it runs on. What differs (wh
 the KV cache live, the default dtype, the data-plane collective backend, how a static-shape decode
 bucket becomes a compiled graph, whether dynamic shapes are allowed at all) is a field of `Backend`
 or a function here; the engine, the runner and `distributed/parallel.py` read it, nothing else does.
-How a decode bucket becomes a graph is one file per kind: `torch_compile.py` (CPU, CUDA), `neuron.py`.
+How a CPU or CUDA decode bucket becomes a graph is `torch_compile.py`; the Neuron backend is its own
+package, `xla/`.
 
 - cpu: the default and what every test runs. Compiled buckets go through `torch.compile`
   (Inductor, `dynamic=False`, one graph per bucket).
@@ -12,17 +13,16 @@ How a decode bucket becomes a graph is one file per kind: `torch_compile.py` (CP
   (`cuda_attention.py`); compiled buckets use `mode="reduce-overhead"`, so Inductor captures each
   bucket as a CUDA graph (the KV cache is marked a static address so the graphs may write it in
   place).
-- neuron: needs `torch-neuronx` (the AWS Neuron SDK, not on PyPI). Static shapes only; each decode
-  bucket is traced ahead with `torch_neuronx.trace`. One rank only: Neuron tensor parallelism runs as
-  one SPMD program (NxD), not as the per-rank processes this engine spawns.
-
-Only the SDK-free parts run in this repository's tests; see docs/BACKENDS.md for
-exactly what was and was not run on real hardware.
+- neuron: an XLA device (torch-neuronx is torch_xla's PJRT plugin for NeuronCores; `xla/runtime.py`).
+  Weights and the KV cache live on the device; every step is a static-shape graph compiled at
+  warmup (`xla/runner.py`); several devices are one SPMD program in one process, sharded by
+  annotations (`xla/sharding.py`), not the per-rank processes this engine spawns for CPU and CUDA.
+  Without the Neuron SDK the same graphs run on XLA's CPU device (PJRT_DEVICE=CPU): every test here.
+  docs/BACKENDS.md says exactly what ran where.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +34,8 @@ from tandem.client.errors import ConfigError
 from tandem.decoder.backends.cpu import executor as cpu_executor
 from tandem.decoder.backends.cpu import kernels as cpu_kernels
 from tandem.decoder.backends.cuda_attention import CudaPagedAttention
+from tandem.decoder.backends.xla import runtime as xla_runtime
+from tandem.decoder.backends.xla.attention import XlaPagedAttention
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention
 from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.transformer import DecoderModel
@@ -43,11 +45,6 @@ log = logging.getLogger(__name__)
 CUDA_INSTALL = (
     "install a CUDA build of torch (e.g. `pip install torch --index-url "
     "https://download.pytorch.org/whl/cu126`) on a machine with an NVIDIA GPU and driver"
-)
-NEURON_INSTALL = (
-    "install the AWS Neuron SDK (torch-neuronx), which is not on PyPI: on an Inf2/Trn1/Trn2 instance "
-    "run `pip install torch-neuronx neuronx-cc --extra-index-url https://pip.repos.neuron.amazonaws.com` "
-    "(see https://awsdocs-neuron.readthedocs-hosted.com for the driver and runtime)"
 )
 
 
@@ -60,10 +57,10 @@ class Backend:
     """One accelerator family, as the engine sees it."""
 
     name: str  # "cpu", "cuda" or "neuron": the --device value without a device index
-    placement: str  # torch device type of the weights and KV cache ("cpu" for Neuron's traced graphs)
+    placement: str  # torch device type of the weights and KV cache
     default_dtype: str  # --dtype when none is given
-    collective_backend: str | None  # torch.distributed data plane; None = one rank only
-    compile_mode: str | None  # torch.compile mode of a decode bucket; None = traced by the SDK instead
+    collective_backend: str | None  # torch.distributed data plane; None = no process group
+    compile_mode: str | None  # torch.compile mode of a decode bucket; None = not torch.compile (XLA)
     requires_static_shapes: bool  # True: every step must be padded to a warmed-up bucket
     uses_cuda_graphs: bool  # compiled buckets replay into reused output buffers (callers get a copy)
     install_hint: str  # what to install when `check_available` fails
@@ -76,6 +73,12 @@ class Backend:
     # The model's attention implementation; None keeps the model's own (torch ops; the CPU executor
     # plugs in its C decode kernel).
     attention: type[PagedAttention] | None = None
+    # Several devices are one SPMD program in this process (XLA), not one process per rank: the model
+    # loads whole and `--world-size` counts devices (EngineConfig.num_devices).
+    is_spmd: bool = False
+    # Flags left unset take these where the backend needs its own (else EngineConfig's defaults): a
+    # static-shape backend compiles a graph per bucket, and the buckets grow with these limits.
+    default_limits: tuple[tuple[str, int], ...] = ()
 
 
 BACKENDS: dict[str, Backend] = {
@@ -104,13 +107,19 @@ BACKENDS: dict[str, Backend] = {
     ),
     "neuron": Backend(
         name="neuron",
-        placement="cpu",
+        placement="xla",
         default_dtype="bfloat16",
         collective_backend=None,
         compile_mode=None,
         requires_static_shapes=True,
         uses_cuda_graphs=False,
-        install_hint=NEURON_INSTALL,
+        install_hint=xla_runtime.XLA_INSTALL,
+        attention=XlaPagedAttention,
+        is_spmd=True,
+        # 16 decode graphs (1-8 rows x widths 4-128 blocks) and 11 prefill graphs (16-128 positions)
+        # for a 2,048-position context, as NxD Inference's default buckets are few: every graph is a
+        # compile at start.
+        default_limits=(("max_num_seqs", 8), ("max_num_batched_tokens", 128), ("max_model_len", 2048)),
     ),
 }
 
@@ -130,8 +139,8 @@ def resolve(device: str) -> Backend:
 def check_available(device: str) -> Backend:
     """Fails fast, before any weight is read, when this process cannot run `device`.
 
-    Raises BackendUnavailable with what to install: a CPU-only torch for cuda, no torch_neuronx
-    for neuron.
+    Raises BackendUnavailable with what to install: a CPU-only torch for cuda, no torch_xla for
+    neuron. Starts nothing (the XLA runtime starts in `start_device`).
     """
     backend = resolve(device)
     if backend.name == "cuda" and not torch.cuda.is_available():
@@ -142,14 +151,24 @@ def check_available(device: str) -> Backend:
         )
     if backend.name == "cuda" and ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
         raise BackendUnavailable(f"--device {device}: only {torch.cuda.device_count()} CUDA devices")
-    if backend.name == "neuron":
-        import_neuron(device)
+    if backend.placement == "xla" and not xla_runtime.is_installed():
+        raise BackendUnavailable(f"--device {device}: {xla_runtime.XLA_INSTALL}")
     return backend
 
 
-def torch_device(device: str) -> torch.device:
-    """Where the weights and the KV cache are allocated for a --device value."""
+def start_device(device: str, num_devices: int = 1) -> torch.device:
+    """Where the weights and the KV cache are allocated for a --device value. For an XLA backend this
+    starts its runtime over `num_devices` devices (once per process, before any tensor goes there).
+
+    Raises BackendUnavailable when the XLA runtime cannot start.
+    """
     backend = resolve(device)
+    if backend.placement == "xla":
+        try:
+            xla_runtime.start(num_devices)
+            return xla_runtime.device()
+        except xla_runtime.XlaUnavailable as error:
+            raise BackendUnavailable(f"--device {device}: {error}") from None
     return torch.device(device if backend.placement == "cuda" else backend.placement)
 
 
@@ -217,14 +236,7 @@ def bind_rank_device(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
 
 
-def import_neuron(device: str):  # -> the torch_neuronx module
-    try:
-        return importlib.import_module("torch_neuronx")
-    except ImportError as exc:
-        raise BackendUnavailable(f"--device {device} needs torch_neuronx ({exc}); {NEURON_INSTALL}") from exc
-
-
-# -- compiled decode buckets: what every kind shares (torch_compile.py, neuron.py; buckets.py picks) --
+# -- compiled decode buckets (torch_compile.py) --
 
 # A decode step as the runner calls it: (input_ids, positions, attn, kv_caches, inputs_embeds,
 # is_token_ids) -> float32 logits [num_seqs, vocab]. The model itself is one.

@@ -44,6 +44,8 @@ def rank_info(config: DecoderConfig, environ: Mapping[str, str]) -> RankInfo | N
 
     None for a single rank (no process group at all). Raises ConfigError on a world-size mismatch.
     """
+    if backends.resolve(config.engine.device).is_spmd:
+        return None  # its devices are one SPMD program in this process: no process group
     info = RankInfo.from_torchrun(dict(environ))
     if info is not None:
         if config.world_size not in (1, info.world_size):

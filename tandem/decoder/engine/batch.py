@@ -12,6 +12,7 @@ tensors on the model's device in one go.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -167,6 +168,7 @@ class BatchTensors:
             slot_mapping=self.tensor(host.slots, torch.int64),
             block_tables=self.tensor(padded, torch.int32),
             logits_indices=self.tensor(host.logits_rows + host.scored_rows, torch.int64),
+            query_start_loc=self.tensor(list(itertools.accumulate(host.query_lens, initial=0)), torch.int32),
         )
 
     def embeds(self, num_tokens: int, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from tandem.client.errors import Unavailable
 from tandem.common import text_bounds
 from tandem.decoder.backends import backend as backends
+from tandem.decoder.backends.xla.buckets import XlaBuckets
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine import sizing, template_worker
 from tandem.decoder.engine.adapters import Adapter, AdapterSlots
@@ -40,7 +41,6 @@ from tandem.decoder.engine.prompt_logprobs import PromptLogprobsBuffer
 from tandem.decoder.engine.request import Request
 from tandem.decoder.engine.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.scheduler import Scheduler, SchedulerConfig
-from tandem.decoder.engine.static_shapes import warmup_shapes
 from tandem.decoder.engine.streaming import Mailboxes, stream_events
 from tandem.decoder.engine.structured import GrammarCompiler
 from tandem.decoder.models.loader import LoadedModel, load_model
@@ -77,7 +77,7 @@ class Engine:
                 load_model,
                 config.model_dir,
                 config.dtype,
-                backends.torch_device(config.device),
+                backends.start_device(config.device, config.num_devices),
                 tp,
                 config.quantization,
                 config.quantized_from,
@@ -157,7 +157,14 @@ class Engine:
         # Batch-invariant: a cached prefix was computed in another request's chunks, and a request's
         # chunks are its own (max_num_batched_tokens each, the step's budget never cutting them).
         invariant = config.batch_invariant
-        static = sizing.static_shapes(config, self.max_model_len)
+        is_xla = backend.placement == "xla"  # its own buckets (backends/xla/buckets.py)
+        static = None if is_xla else sizing.static_shapes(config, self.max_model_len)
+        xla_buckets = (
+            XlaBuckets.from_config(config, self.max_model_len, config.num_devices) if is_xla else None
+        )
+        max_num_rows = None if static is None else max(config.max_num_seqs, static.seq_buckets[-1] - 1)
+        if xla_buckets is not None:  # a decode graph holds every row: decodes and verified proposals
+            max_num_rows = xla_buckets.decode_seqs[-1]
         block_manager = BlockManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching and not invariant
         )
@@ -169,7 +176,7 @@ class Engine:
                 max_waiting=config.max_queue,
                 max_tokens_per_request=config.max_num_batched_tokens if invariant else None,
                 # A verified proposed token is a sequence of its own, and padding needs a spare one.
-                max_num_rows=None if static is None else max(config.max_num_seqs, static.seq_buckets[-1] - 1),
+                max_num_rows=max_num_rows,
                 shared_step_seqs=(
                     backend.shared_step_seqs if config.shared_step_seqs is None else config.shared_step_seqs
                 )
@@ -177,18 +184,33 @@ class Engine:
             ),
             block_manager,
         )
-        runner = self._thread.run(
-            ModelRunner,
-            self.loaded.model,
-            self.num_blocks,
-            config.block_size,
-            static,
-            None if tp is None else tp.step_sender(),
-            backend if config.compile else None,
-            invariant,
-            self.executor,
-            self.lora,
-        )
+        if xla_buckets is not None:
+            from tandem.decoder.backends.xla.runner import XlaRunner  # imports torch_xla's SPMD API
+            from tandem.decoder.backends.xla.sharding import ShardingPlan
+
+            log.info("XLA buckets: %s", xla_buckets.describe())
+            runner: ModelRunner = self._thread.run(
+                XlaRunner,
+                self.loaded.model,
+                self.num_blocks,
+                config.block_size,
+                xla_buckets,
+                ShardingPlan(config.num_devices),
+                invariant,
+            )
+        else:
+            runner = self._thread.run(
+                ModelRunner,
+                self.loaded.model,
+                self.num_blocks,
+                config.block_size,
+                static,
+                None if tp is None else tp.step_sender(),
+                backend if config.compile else None,
+                invariant,
+                self.executor,
+                self.lora,
+            )
         adapters = None if self.lora is None else AdapterSlots(config.max_loras)
         return EngineCore(
             scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch, adapters
@@ -211,6 +233,9 @@ class Engine:
         self._thread.stop()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
         self.core.close()
+        summary = self.core.runner.summary()
+        if summary is not None:
+            log.info("%s", summary)
         if self.core.runner.peers is not None and self._thread.error is None:
             try:
                 self.core.runner.peers.stop()  # the other ranks' worker loops end
@@ -230,10 +255,7 @@ class Engine:
     def warmup(self) -> None:
         """Static mode: every bucket (tokens, seqs, table width) runs once on dummy inputs, none later."""
         runner = self.core.runner
-        assert runner.static is not None
-        for num_tokens, num_seqs, block_table_width in warmup_shapes(runner.static):
-            runner.warmup(num_tokens, num_seqs, block_table_width)
-        runner.seal()
+        runner.warm_up()
         if runner.compiler is not None:
             log.info(
                 "compiled %d decode buckets (%d graphs) in %.1f s",

@@ -6,7 +6,7 @@ several ranks (`sequence_parallel.py`). The runner owns the model and this rank'
 the step function, and with several ranks sends each batch to the others before running it.
 
 Compiled static-shape mode (`compile_with` a backend) runs every decode-only bucket (num_tokens ==
-num_seqs) as a graph compiled at warmup, one per bucket (`backends/buckets.py`); steps with
+num_seqs) as a graph compiled at warmup, one per bucket (`backends/torch_compile.py`); steps with
 any prefill stay eager, because prefill attention loops over the host-side `query_lens` and
 `seq_lens`, whose values a graph would have to specialise on. After `seal()` a decode signature
 that warmup did not compile raises `RecompileError` rather than compiling in the middle of serving.
@@ -26,12 +26,18 @@ from typing import Protocol
 import torch
 
 from tandem.decoder.backends.backend import Backend, ModelStep, RecompileError, StepFn
-from tandem.decoder.backends.buckets import bucket_compiler
+from tandem.decoder.backends.torch_compile import TorchCompileBuckets
 from tandem.decoder.engine.batch import BatchTensors, ForwardBatch, pack
 from tandem.decoder.engine.prompt_logprobs import PromptLogprobsChunk, score
 from tandem.decoder.engine.scheduler import ScheduledRequest, StepPlan
 from tandem.decoder.engine.sequence_parallel import pad_for_sequence_parallel
-from tandem.decoder.engine.static_shapes import StaticShapes, pad_to_buckets, padded_width, padding_batch
+from tandem.decoder.engine.static_shapes import (
+    StaticShapes,
+    pad_to_buckets,
+    padded_width,
+    padding_batch,
+    warmup_shapes,
+)
 from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.tensor_parallel import world_size_of
 from tandem.decoder.models.transformer import DecoderModel
@@ -94,7 +100,7 @@ class ModelRunner:
         if compile_with is not None:
             if static is None:
                 raise ValueError("compiled decode buckets need static shapes")
-            self.compiler = bucket_compiler(compile_with, model, self.kv_caches, len(static.seq_buckets))
+            self.compiler = TorchCompileBuckets(compile_with, model, self.kv_caches, len(static.seq_buckets))
         self.compiled_steps: dict[Signature, StepFn] = {}  # decode buckets compiled so far
         self.batch_invariant = batch_invariant
         self.lora = lora
@@ -177,6 +183,10 @@ class ModelRunner:
             self.peers.send(batch)
         return signature
 
+    def summary(self) -> str | None:
+        """What the runner has to say about its life when the engine stops (None: nothing)."""
+        return None
+
     def seal(self) -> None:
         """Warmup is over: from now on a decode bucket that would compile raises RecompileError."""
         if self.compiler is not None:
@@ -202,6 +212,13 @@ class ModelRunner:
             width = padded_width(self.static, host, self.block_size)
             batch = self.tensors.batch(host, width, has_embeds=True)
         return batch if self.world_size == 1 else pad_for_sequence_parallel(batch, self.world_size)
+
+    def warm_up(self) -> None:
+        """Static mode: every bucket (tokens, seqs, table width) runs once on dummy inputs; then sealed."""
+        assert self.static is not None
+        for num_tokens, num_seqs, block_table_width in warmup_shapes(self.static):
+            self.warmup(num_tokens, num_seqs, block_table_width)
+        self.seal()
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int, num_seqs: int, block_table_width: int | None = None) -> None:

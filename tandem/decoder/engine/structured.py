@@ -122,6 +122,14 @@ class GrammarCompiler:
         matcher = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise InvalidArgument(spec.field, f"does not compile: {_short(matcher.get_error())}")
+        # The first mask, here rather than at the first step: a grammar no text can begin (a schema
+        # that is only a reference to itself) fails only when it is asked for a token, and would
+        # otherwise allow just EOS and end `stop` with an empty answer, which is no JSON at all.
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise InvalidArgument(
+                spec.field, f"admits no answer: no text can begin it ({_short(matcher.get_error())})"
+            )
         return Constraint(matcher, self.vocab_size)
 
     def _grammar(self, spec: StructuredOutput) -> str:

@@ -41,6 +41,10 @@ class AttentionMetadata:
     # batch's longest sequence needs.
     block_tables: torch.Tensor
     logits_indices: torch.Tensor  # int64 [num_logits] packed positions whose logits are returned
+    # int32 [num_seqs + 1] cumulative query_lens (0 first), on the device: where each sequence's queries
+    # start in the packed batch, for implementations whose prefill reads no host list (XLA's graphs).
+    # None where no implementation needs it (the batch was built without it).
+    query_start_loc: torch.Tensor | None = None
     is_decode_only: bool = field(init=False)  # derived: every sequence has exactly one query this step
 
     def __post_init__(self) -> None:
@@ -54,11 +58,19 @@ def write_kv_cache(
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; k, v: [num_tokens, num_kv_heads,
     head_dim]; slot_mapping: int64 [num_tokens].
+
+    One in-place write of the cache tensor itself, never of a view of it: a graph compiler then
+    updates the cache's buffer in place (XLA aliases an input updated in place to its output; an
+    update through a view it copies whole).
     """
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, num_kv_heads, head_dim]
-    slots[0].index_copy_(0, slot_mapping, k)
-    slots[1].index_copy_(0, slot_mapping, v)
+    block_size = kv_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # [num_tokens] each
+    is_value = torch.zeros_like(slot_mapping)  # [num_tokens]: 0 selects the keys' half of the cache
+    with torch.no_grad():  # the cache is state, never part of a graph to differentiate
+        kv_cache.index_put_(
+            (torch.cat((is_value, is_value + 1)), torch.cat((blocks, blocks)), torch.cat((offsets, offsets))),
+            torch.cat((k, v)),  # [2 * num_tokens, num_kv_heads, head_dim]
+        )
 
 
 class PagedAttention(ABC):

@@ -185,11 +185,27 @@ class DecoderModel(nn.Module):
         """`forward` without the LM head: the final hidden rows [num_logits, hidden_size] at
         attn.logits_indices, for a caller that takes the logits of many rows a slice at a time."""
         sp = self.is_sequence_parallel(input_ids, attn)
+        h = self.layer_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, sp, lora)
+        return self.final_rows(h, attn, sp)  # [num_logits, hidden_size]
+
+    def layer_states(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+        sp: bool = False,  # sequence parallel (is_sequence_parallel): this rank's slice in and out
+        lora: LoraStep | None = None,  # each row's adapter; None: no adapters loaded
+    ) -> torch.Tensor:
+        """The last layer's output at every position, before the final norm: [num_tokens, hidden_size],
+        or this rank's [local_len, hidden_size] under SP."""
         h = self.embed(input_ids, inputs_embeds, is_token_ids, sp)
         cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h = layer(h, cos, sin, attn, kv_cache, sp, None if lora is None else lora.layer(i))
-        return self.final_rows(h, attn, sp)  # [num_logits, hidden_size]
+        return h
 
     def is_sequence_parallel(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> bool:
         """Whether this step runs sequence-parallel: several ranks and any prefill.

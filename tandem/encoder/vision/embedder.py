@@ -104,6 +104,14 @@ class VisionLanguageEmbedder:
     def embed(self, token_ids: list[int], pooling: Pooling) -> torch.Tensor:
         return self.lookup.embed(token_ids, pooling)
 
+    def describe(self) -> str:
+        """The image half it loaded, for the log (VisionModel.describe)."""
+        return self.vision.describe()
+
+    def image_span_size(self, width: int, height: int) -> int:
+        """The span's length for a picture of this size, from its header (VisionModel.span_size)."""
+        return self.vision.span_size(width, height)
+
     def prepare_image(self, image: Image.Image) -> PreparedImage:
         """Preprocessed tiles and the span's token IDs (the servicer checks the span's size)."""
         return self.vision.prepare(image)

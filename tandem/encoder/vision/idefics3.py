@@ -180,6 +180,17 @@ class Idefics3Vision:
         side = self.tower.config.image_size
         return (self.tower.config.num_channels, side, side)
 
+    def describe(self) -> str:
+        tiles = "tiles and a global image" if self.processing.splitting else "one tile"
+        return (
+            f"SmolVLM (Idefics3): {self.tower.config.describe()}, pixel shuffle x{self.scale_factor} "
+            f"and connector, {self.image_seq_len} rows per tile ({tiles} per image)"
+        )
+
+    def span_size(self, width: int, height: int) -> int:
+        """The span's length for a picture of this size: its grid's (InvalidArgument if none)."""
+        return len(self._span(*self.processing.grid(width, height)))
+
     def prepare(self, image: Image.Image) -> PreparedImage:
         """One PIL image -> its tiles (the grid row by row, then the global image) and its span."""
         tiles = self.processing(image)

@@ -110,6 +110,24 @@ class Idefics3Processing:
         longest = self.longest_edge + self.longest_edge % 2
         return math.ceil(min(longest, MAX_IMAGE_SIZE) / self.tile)
 
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) of the tiles a picture of this size is cut into (0 x 0: one tile, not split),
+        from its size alone, so a header says it before a pixel is decoded. Raises InvalidArgument for
+        an aspect ratio the resizes round to nothing."""
+        return _grid(*self._sizes(height, width)[-1], self.tile)
+
+    def _sizes(self, height: int, width: int) -> list[tuple[int, int]]:
+        """(height, width) after each resize, in order."""
+        sizes = []
+        if self.longest_edge is not None:
+            height, width = _checked(width, height, *_longest_edge_size(height, width, self.longest_edge))
+            sizes.append((height, width))
+        if self.splitting:
+            sizes.append(_checked(width, height, *_tile_multiple_size(height, width, self.tile)))
+        else:
+            sizes.append((self.tile, self.tile))
+        return sizes
+
     def __call__(self, image: Image.Image) -> Tiles:
         if self.convert_rgb:
             image = to_rgb(image)
@@ -118,15 +136,11 @@ class Idefics3Processing:
                 "image.data",
                 f"image mode {image.mode!r} is not RGB, and this model's processor converts none",
             )
-        if self.longest_edge is not None:
-            image = self._resize(image, *_longest_edge_size(image.height, image.width, self.longest_edge))
-        if self.splitting:
-            image = self._resize(image, *_tile_multiple_size(image.height, image.width, self.tile))
-        else:
-            image = self._resize(image, self.tile, self.tile)
-        frames, rows, cols = [image], 0, 0
-        if image.height > self.tile or image.width > self.tile:
-            rows, cols = image.height // self.tile, image.width // self.tile
+        for height, width in self._sizes(image.height, image.width):
+            image = self._resize(image, height, width)
+        frames = [image]
+        rows, cols = _grid(image.height, image.width, self.tile)
+        if (rows, cols) != (0, 0):
             frames = [
                 image.crop((c * self.tile, r * self.tile, (c + 1) * self.tile, (r + 1) * self.tile))
                 for r in range(rows)
@@ -136,18 +150,30 @@ class Idefics3Processing:
         return Tiles(torch.stack([self._to_tensor(frame) for frame in frames]), rows, cols)
 
     def _resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
-        if height < 1 or width < 1:
-            # transformers fails here too (an extreme aspect ratio rounds a side down to 0).
-            raise InvalidArgument(
-                "image.data",
-                f"{image.width} x {image.height} resizes to {width} x {height}: an aspect ratio too extreme",
-            )
         return image.resize((width, height), resample=self.resample)
 
     def _to_tensor(self, frame: Image.Image) -> torch.Tensor:
         """[3, tile, tile] float32: rescaled in float64, then float32 (as transformers), and normalized."""
         array = np.asarray(frame).transpose(2, 0, 1)  # [3, tile, tile] uint8
         return rescale_and_normalize(array, self.rescale_factor, self.mean, self.std)
+
+
+def _grid(height: int, width: int, tile: int) -> tuple[int, int]:
+    """(rows, cols) of tiles a resized picture is cut into; 0 x 0 when it is one tile."""
+    if height > tile or width > tile:
+        return height // tile, width // tile
+    return 0, 0
+
+
+def _checked(width: int, height: int, new_height: int, new_width: int) -> tuple[int, int]:
+    """(new_height, new_width), the resize of a width x height picture, if neither side is 0."""
+    if new_height < 1 or new_width < 1:
+        # transformers fails here too (an extreme aspect ratio rounds a side down to 0).
+        raise InvalidArgument(
+            "image.data",
+            f"{width} x {height} resizes to {new_width} x {new_height}: an aspect ratio too extreme",
+        )
+    return new_height, new_width
 
 
 def _per_channel(value: Any) -> tuple[float, ...]:

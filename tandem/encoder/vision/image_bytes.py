@@ -1,11 +1,13 @@
 """Untrusted image bytes -> a decoded picture, refusing what could hurt the server before decoding it.
 
 In order, cheapest first: the byte count against max_image_bytes; the format, from the file's own
-signature (PNG, JPEG or WebP only: no decoder for anything else is ever reached); the size, from the
-header alone (PIL reads no pixel data when it opens a file), against max_image_pixels, so a small
-file that claims 100,000 x 100,000 pixels (a decompression bomb) is refused before a byte of it is
-inflated; a JPEG's scans, counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny
-scans took 4 s to decode, and 20 MiB holds 277,000); then the decode, whose every failure is
+signature (PNG, JPEG or WebP only: no decoder for anything else is ever reached); a JPEG's scans,
+counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny scans took 4 s to
+decode, and 20 MiB holds 277,000); the size, from the header alone (PIL reads no pixel data when it
+opens a file), against max_image_pixels, so a small file that claims 100,000 x 100,000 pixels (a
+decompression bomb) is refused before a byte of it is inflated; then the caller's rules on that size
+(`check_size`: the resize the model's processor implies, the span's length), so a 1 x 33,000,000
+PNG that the resize would blow up costs nothing either; then the decode, whose every failure is
 INVALID_ARGUMENT naming the field. An animated file gives its first frame.
 """
 
@@ -15,6 +17,7 @@ import io
 import re
 import threading
 import warnings
+from collections.abc import Callable
 
 from PIL import Image, UnidentifiedImageError
 
@@ -37,8 +40,17 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def decode_image(data: bytes, max_bytes: int, max_pixels: int, field: str = "image.data") -> Image.Image:
-    """The decoded picture (its first frame). Raises InvalidArgument naming `field`."""
+def decode_image(
+    data: bytes,
+    max_bytes: int,
+    max_pixels: int,
+    field: str = "image.data",
+    check_size: Callable[[int, int], None] = lambda width, height: None,
+) -> Image.Image:
+    """The decoded picture (its first frame). `check_size(width, height)` runs on the header's size
+    after the pixel bound and before decoding: every other rule that follows from the size (the
+    resize a processor implies, the span's length) refuses there, at no cost. Raises InvalidArgument
+    naming `field`."""
     if not data:
         raise InvalidArgument(field, "is empty; send PNG, JPEG or WebP bytes")
     if len(data) > max_bytes:
@@ -60,6 +72,7 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int, field: str = "ima
                     field,
                     f"{width} x {height} = {width * height} pixels exceed max_image_pixels {max_pixels}",
                 )
+            check_size(width, height)
             image.load()
     except InvalidArgument:
         raise

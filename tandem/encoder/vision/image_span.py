@@ -29,6 +29,16 @@ class VisionModel(Protocol):
         """(channels, side, side) of every tile."""
         ...
 
+    def describe(self) -> str:
+        """One line for the log: which tower, its sizes, what it makes of an image."""
+        ...
+
+    def span_size(self, width: int, height: int) -> int:
+        """len(prepare(image).token_ids) for a picture of this size, from the size alone (a header's),
+        so that every size rule is decided before a pixel is decoded. Raises InvalidArgument for a
+        size the processor refuses."""
+        ...
+
     def prepare(self, image: Image.Image) -> PreparedImage: ...
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:

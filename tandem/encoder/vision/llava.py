@@ -122,6 +122,18 @@ class LlavaVision:
         side = self.tower.config.image_size
         return (self.tower.config.num_channels, side, side)
 
+    def describe(self) -> str:
+        layers = " and ".join(str(i) for i in self.feature_layers)
+        return (
+            f"LLaVA: {self.tower.config.describe()}, its layer {layers} output through the MLP projector, "
+            f"{self.num_rows} rows per image"
+        )
+
+    def span_size(self, width: int, height: int) -> int:
+        """num_rows, once the processor takes a picture of this size (InvalidArgument if not)."""
+        self.processing.resized_size(width, height)
+        return self.num_rows
+
     def prepare(self, image: Any) -> PreparedImage:
         """One PIL image -> its pixels (one tile) and its span: num_rows image tokens."""
         pixels = self.processing(image)[None]  # [1, 3, side, side]

@@ -99,23 +99,29 @@ class ImageProcessing:
             pixels = _center_crop(pixels, *self.crop)
         return rescale_and_normalize(pixels.transpose(2, 0, 1), self.rescale_factor, self.mean, self.std)
 
-    def _resize(self, image: Image.Image) -> Image.Image:
+    def resized_size(self, width: int, height: int) -> tuple[int, int] | None:
+        """(width, height) a picture of this size is resized to; None: it is not resized. Raises
+        InvalidArgument for one whose aspect ratio would blow the resize up: from the size alone, so a
+        header says it before a pixel is decoded."""
         if self.shortest_edge is not None:
-            width, height = image.size
             short, long = (width, height) if width <= height else (height, width)
             new_long = int(self.shortest_edge * long / short)
             size = (self.shortest_edge, new_long) if width <= height else (new_long, self.shortest_edge)
         elif self.height is not None and self.width is not None:
             size = (self.width, self.height)
         else:
-            return image
+            return None
         if size[0] * size[1] > MAX_RESIZED_PIXELS:
             raise InvalidArgument(
                 "image.data",
-                f"{image.size[0]} x {image.size[1]} would be resized to {size[0]} x {size[1]}, over "
+                f"{width} x {height} would be resized to {size[0]} x {size[1]}, over "
                 f"{MAX_RESIZED_PIXELS} pixels: its aspect ratio is too extreme for this model's processor",
             )
-        return image.resize(size, resample=self.resample)
+        return size
+
+    def _resize(self, image: Image.Image) -> Image.Image:
+        size = self.resized_size(*image.size)
+        return image if size is None else image.resize(size, resample=self.resample)
 
 
 def rescale_and_normalize(

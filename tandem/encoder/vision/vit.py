@@ -44,6 +44,13 @@ class VitConfig:
     layer_norm_eps: float
     hidden_act: str
 
+    def describe(self) -> str:
+        """What a log line says of the tower: "CLIP vision tower (24 layers, 1024 wide, ...)"."""
+        return (
+            f"{self.flavour.upper() if self.flavour == 'clip' else 'SigLIP'} vision tower ({self.num_layers} "
+            f"layers, {self.hidden_size} wide, {self.image_size} px input in {self.patch_size} px patches)"
+        )
+
     @classmethod
     def from_hf(cls, vision: dict[str, Any], error: Callable[[str], Exception]) -> VitConfig:
         """From a vision_config with its defaults filled in (vision_language.vision_config)."""

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
+from tests.vision_checkpoints import make_llava
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 30.0
@@ -39,9 +40,10 @@ def _wait_serving(channel: grpc.Channel, process: subprocess.Popen) -> None:
     raise AssertionError(f"encoder not SERVING within {STARTUP_TIMEOUT_S} s")
 
 
-def test_module_serves_until_sigterm_and_exits_0(tiny_model: Path) -> None:
+def _serve_embed_and_stop(model_dir: Path) -> str:
+    """`python -m tandem.encoder --model model_dir` until SERVING, one Embed, SIGTERM; its output."""
     port = _free_port()
-    command = [sys.executable, "-m", "tandem.encoder", "--model", str(tiny_model), "--port", str(port)]
+    command = [sys.executable, "-m", "tandem.encoder", "--model", str(model_dir), "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_ENCODER_")}
     process = subprocess.Popen(
         [*command, "--grace-s", "1"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -56,7 +58,22 @@ def test_module_serves_until_sigterm_and_exits_0(tiny_model: Path) -> None:
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=EXIT_TIMEOUT_S)
         assert process.returncode == 0, output.decode(errors="replace")
+        return output.decode(errors="replace")
     finally:
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def test_module_serves_until_sigterm_and_exits_0(tiny_model: Path) -> None:
+    output = _serve_embed_and_stop(tiny_model)
+    assert "images:" not in output
+
+
+def test_a_llava_checkpoints_log_names_the_vision_tower_it_loaded(tmp_path: Path) -> None:
+    # It said only "loading the lookup embedder", nothing about the tower.
+    output = _serve_embed_and_stop(make_llava(tmp_path / "llava", tower="siglip"))
+    assert (
+        "images: LLaVA: SigLIP vision tower (3 layers, 32 wide, 36 px input in 6 px patches), its layer 2 "
+        "output through the MLP projector, 36 rows per image"
+    ) in output, output

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,3 +61,68 @@ async def live(tiny_model_dir: Path, tiny_fp32: LoadedModel) -> AsyncIterator[Li
         await stop_gateway(task)
         await stop_encoder(encoder)
         await shutdown(decoder)
+
+
+@dataclass
+class GatewayProcess:
+    """`python -m tandem.gateway` as a process of its own (its event loop, GIL and memory apart from
+    the services on this test's loop), on a free loopback port."""
+
+    process: asyncio.subprocess.Process
+    port: int
+    log: Path  # its stderr
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def rss_mb(self) -> float:
+        """Resident memory of the gateway and its worker processes, in MB."""
+        return sum(self.rss_parts_mb())
+
+    def rss_parts_mb(self) -> list[float]:
+        """The gateway's resident memory, then each child's (its workers), in MB."""
+        pids = [self.process.pid]
+        for task in Path(f"/proc/{self.process.pid}/task").iterdir():  # children of every thread
+            with contextlib.suppress(FileNotFoundError):
+                pids += [int(pid) for pid in (task / "children").read_text().split()]
+        return [_rss_kb(pid) / 1024 for pid in pids]
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:  # a worker that just exited
+        return 0
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(log: Path, *flags: str) -> AsyncIterator[GatewayProcess]:
+    """The gateway as a process with `flags`, once it accepts connections; terminated afterwards."""
+    port = free_port()
+    with log.open("wb") as err:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tandem.gateway", "--port", str(port), *flags, stdout=err, stderr=err
+        )
+    try:
+        for _ in range(300):
+            if process.returncode is not None:
+                raise AssertionError(f"the gateway exited: {log.read_text()}")
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.1)
+        yield GatewayProcess(process, port, log)
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await asyncio.wait_for(process.wait(), 30)

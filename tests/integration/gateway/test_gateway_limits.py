@@ -164,12 +164,57 @@ async def test_hostile_bodies_are_400_and_a_neighbour_keeps_streaming(
                     assert (await response.json())["error"]["type"] == "invalid_request_error", name
             huge = b'{"model": "", "prompt": "' + b"word " * 6_000_000 + b'"}'  # 30 MB, over 4 MiB messages
             async with session.post(url, data=huge, headers={"Content-Type": "application/json"}) as response:
-                assert (
-                    response.status == 413
-                    and "max_message_bytes" in (await response.json())["error"]["message"]
-                )
+                error = (await response.json())["error"]
+                assert response.status == 413 and "max_message_bytes" in error["message"]
+                assert error["param"] == "prompt"
             reply = await neighbour
             assert reply.status == 200 and (await reply.json())["usage"]["completion_tokens"] == 64
     finally:
         await stop_gateway(task)
+        await shutdown(decoder)
+
+
+async def test_each_http_caller_is_its_own_caller_to_the_decoder(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    """One address holding the decoder's whole per-connection bound leaves another address served: the
+    gateway reaches the decoder over a connection per caller (it used to be one for all, so the second
+    caller got 429 at once)."""
+    from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
+    from tandem.common.server import Service, start_server
+    from tandem.decoder.api.servicer import DecoderServicer
+
+    decoder = await serve(tiny_model_dir, tiny_fp32)
+    servicer = DecoderServicer(
+        tiny_model_dir.name, 64 * 1024 * 1024, engine=decoder.engine, max_streams_per_connection=2
+    )
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0),
+        [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
+    )
+    await server.set_serving()
+    task, port = await start_gateway(
+        GatewayConfig(decoder_address=server.address, port=0, max_streams_per_caller=8)
+    )
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    long = CHAT | {"max_tokens": 2000, "stream": True, "ignore_eos": True}
+    try:
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as first,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0))) as second,
+        ):
+            held = [await first.post(url, json=long) for _ in range(2)]
+            for response in held:
+                assert response.status == 200
+                await response.content.readline()  # accepted and streaming
+            over = await first.post(url, json=CHAT)
+            assert over.status == 429  # the decoder's bound on this caller's connection
+            assert "--max-streams-per-connection" in (await over.json())["error"]["message"]
+            async with second.post(url, json=CHAT) as other:
+                assert other.status == 200, await other.text()
+            for response in held:
+                response.close()
+    finally:
+        await stop_gateway(task)
+        await server.stop(0)
         await shutdown(decoder)

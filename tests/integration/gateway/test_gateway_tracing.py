@@ -18,6 +18,8 @@ from tandem.client.client import DecoderClient, EncoderClient
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.lookup import LookupEmbedder
 from tandem.gateway.app import Gateway
+from tandem.gateway.bodies import BodyWorkers
+from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
 from tests.integration.test_tracing import (
     EMBEDDINGS,
@@ -47,7 +49,10 @@ async def test_a_chat_and_an_embedding_through_the_gateway_are_the_callers_trace
     decoder_address, encoder_address = stack.servers[0].address, stack.servers[1].address
     decoder = DecoderClient(decoder_address, MAX_MESSAGE_BYTES, telemetry=gateway_telemetry)
     encoder = EncoderClient(encoder_address, MAX_MESSAGE_BYTES, telemetry=gateway_telemetry)
-    gateway = Gateway(GatewayConfig(port=0), decoder, encoder, gateway_telemetry.tracer)
+    config = GatewayConfig(decoder_address=decoder_address, port=0)
+    callers = decoder_channels(config, gateway_telemetry.client_interceptors())  # completions go here
+    workers = BodyWorkers(1)
+    gateway = Gateway(config, decoder, encoder, callers, workers, tracer=gateway_telemetry.tracer)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -81,6 +86,8 @@ async def test_a_chat_and_an_embedding_through_the_gateway_are_the_callers_trace
             assert ancestor in http  # the service's work hangs under the gateway's HTTP span
     finally:
         await runner.cleanup()
+        await callers.close()
+        workers.close()
         await decoder.close()
         await encoder.close()
         await stop_stack(stack)

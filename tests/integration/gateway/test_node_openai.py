@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import openai
 import pytest
 
 from tests.integration.gateway.conftest import Live
+from tests.integration.package_index import install
 
 # An exact version, so a new release cannot change what passes. 6.x needs no dependencies and runs on
 # Node 20 (7.x asks for Node 22).
@@ -52,14 +52,7 @@ def chat_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("node-openai")
     # A package.json of its own keeps npm from installing into a package.json found further up.
     (directory / "package.json").write_text(json.dumps({"name": "chat", "private": True}))
-    result = subprocess.run(
-        ["npm", "install", "--no-audit", "--no-fund", OPENAI_NPM],
-        cwd=directory,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    install(["npm", "install", "--no-audit", "--no-fund", OPENAI_NPM], cwd=directory)  # offline: a skip
     script = directory / "chat.mjs"
     script.write_text(CHAT_SCRIPT)
     return script

@@ -203,13 +203,26 @@ async def test_a_caller_that_disconnects_mid_stream_frees_its_request(live: Live
     assert core.num_live() == 0 and blocks.num_free_blocks == blocks.num_total_blocks
 
 
-async def test_vllms_extra_parameters_reach_the_decoder(live: Live) -> None:
+@pytest.mark.parametrize(
+    ("name", "value", "temperature"),
+    [("top_k", 1, 1.0), ("min_p", 1.0, 1.0), ("repetition_penalty", 2.0, 0.0)],  # greedy repeats itself
+)
+async def test_vllms_extra_parameters_reach_the_decoder(
+    live: Live, name: str, value: float, temperature: float
+) -> None:
+    """Each of vLLM's extras changes the answer, to exactly the decoder's own answer with that value."""
+    request = decoder_pb2.GenerateRequest(plain_text=True, prompt=[decoder_pb2.PromptSegment(text=PROMPT)])
+    request.sampling.temperature, request.sampling.seed = temperature, 3
+    request.stopping.max_new_tokens, request.stopping.ignore_eos = 40, True
+    setattr(request.sampling, name, value)
+    expected, _ = await _grpc_tokens(live, request)
+    sampled = dict(model="", prompt=PROMPT, max_tokens=40, temperature=temperature, seed=3)
     async with _client(live) as client:
-        reply = await client.completions.create(
-            model="", prompt=PROMPT, max_tokens=20, temperature=0.8, seed=3,
-            extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1},
-        )  # fmt: skip
-    assert reply.usage.completion_tokens == 20 and reply.choices[0].finish_reason == "length"
+        given = await client.completions.create(**sampled, extra_body={"ignore_eos": True, name: value})
+        without = await client.completions.create(**sampled, extra_body={"ignore_eos": True})
+    assert given.choices[0].text == expected
+    assert without.choices[0].text != expected  # the parameter matters here: dropping it would show
+    assert given.usage.completion_tokens == 40 and given.choices[0].finish_reason == "length"
 
 
 async def test_response_format_json_schema_gives_json_the_schema_validates(live: Live) -> None:
@@ -239,6 +252,14 @@ async def test_response_format_json_schema_gives_json_the_schema_validates(live:
                 model="", prompt=PROMPT, extra_body={"guided_regex": "a+", "guided_choice": ["x"]}
             )
         assert error.value.body["param"] == "guided_choice"
+        for name, source in (("guided_regex", "(("), ("guided_grammar", "start: (")):
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.completions.create(model="", prompt=PROMPT, extra_body={name: source})
+            assert error.value.body["param"] == name  # the caller's own field, in the message too
+            assert error.value.body["message"].startswith(f"{name}: does not compile")
         with pytest.raises(openai.BadRequestError) as error:
-            await client.completions.create(model="", prompt=PROMPT, extra_body={"guided_regex": "(("})
-        assert error.value.body["param"] == "response_format.regex"
+            await client.chat.completions.create(
+                model="", messages=[{"role": "user", "content": PROMPT}],
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+            )  # fmt: skip
+        assert error.value.body["param"] == "response_format.json_schema.schema"

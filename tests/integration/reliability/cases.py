@@ -394,6 +394,17 @@ CASES: list[Case] = [
         "structured.json_schema",
     ),
     Case(
+        "structured JSON schema no finite JSON matches",
+        "Generate",
+        lambda: structured(
+            decoder_pb2.StructuredOutput(
+                json_schema='{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'
+            )
+        ),
+        INVALID,
+        "structured.json_schema",
+    ),
+    Case(
         "structured regex that does not compile",
         "Generate",
         lambda: structured(decoder_pb2.StructuredOutput(regex="((")),

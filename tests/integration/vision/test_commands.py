@@ -12,7 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from tandem.common import tensors
+from tandem.embedding_files import read_embeddings
+from tests.integration.package_index import install
 from tests.integration.vision.conftest import Split
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -92,7 +97,40 @@ async def test_a_missing_image_file_is_one_line_naming_the_part(split: Split, tm
     code, _, err = await _run(
         "generate", "--address", split.decoder.server.address, "--part", f"image:{tmp_path / 'none.png'}"
     )
-    assert code == 1 and err.startswith("tandem generate: --part:") and "none.png" in err
+    assert (
+        code == 2
+        and err == f"tandem generate: --part image:{tmp_path / 'none.png'}: No such file or directory\n"
+    )
+
+
+async def test_tandem_embed_image_writes_the_rows_embed_image_returns(
+    split: Split, pictures: dict[str, Path], tmp_path: Path
+) -> None:
+    picture = pictures["portrait.jpg"]
+    expected = tensors.decode((await split.images.embed_image(picture.read_bytes())).rows, "rows")
+    address = split.encoder.server.address
+    for name in ("rows.safetensors", "rows.npy"):
+        code, out, err = await _run(
+            "embed", "--address", address, "--image", str(picture), "--out", str(tmp_path / name)
+        )
+        assert code == 0, err
+        assert out.strip() == f"wrote {tmp_path / name}: embeddings {list(expected.shape)} float32"
+        assert torch.equal(read_embeddings(tmp_path / name), expected)
+    span = load_file(tmp_path / "rows.safetensors")["token_ids"].tolist()
+    assert span == [split.encoder.servicer._embedder.vision.image_token_id] * expected.shape[0]  # type: ignore[union-attr]
+    code, out, err = await _run("embed", "--address", address, "--image", str(picture))
+    assert code == 0, err
+    assert out.splitlines()[0] == (
+        f"embeddings {list(expected.shape)} float32 from an image's span of {expected.shape[0]} tokens "
+        "(it replaces <image>)"
+    )
+
+
+async def test_tandem_embed_image_of_a_missing_file_is_one_line_naming_the_flag(tmp_path: Path) -> None:
+    code, out, err = await _run("embed", "--image", str(tmp_path / "none.png"))
+    assert code == 2 and out == ""
+    assert err.startswith("tandem embed: --image (TANDEM_EMBED_IMAGE): ") and "none.png" in err
+    assert len(err.splitlines()) == 1, err
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +138,7 @@ def node_chat() -> Path:
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("npm/node are not installed: the Node.js client cannot be tested")
     node_client = REPO_ROOT / "clients" / "node"
-    result = subprocess.run(
-        ["npm", "ci", "--no-audit", "--no-fund"], cwd=node_client, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    install(["npm", "ci", "--no-audit", "--no-fund"], cwd=node_client)
     return node_client / "chat.js"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import struct
+import threading
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 
 from tandem.client.client import EncoderClient
 from tandem.client.pb.tandem.v1 import encoder_pb2
@@ -83,6 +84,34 @@ async def test_a_bad_image_is_invalid_argument_naming_the_field_and_the_encoder_
     assert list(good.embeddings.shape) == [36, 64]
 
 
+async def test_a_1_by_33_million_png_is_refused_for_its_resize_from_its_header_without_decoding(
+    llava_dir: Path, llava_images: VisionLanguageEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Within the default 32 Mi pixel bound, it cost 1.05 s and 640 MB to decode before the
+    # shortest-edge resize it implies (36 x 1,188,000,000) was refused; 8 at once took 3.7 GB.
+    decoded = []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image.size) or load(image))
+    config = encoder_config(llava_dir, max_image_bytes=MAX_IMAGE_BYTES)
+    assert 33_000_000 <= config.max_image_pixels
+    running = await start_encoder(config, llava_images)  # type: ignore[arg-type]
+    try:
+        thin = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_png_claiming(1, 33_000_000)))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await running.stub.Embed(thin)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith(
+            "image.data: 1 x 33000000 would be resized to 36 x 1188000000"
+        )
+        assert decoded == []
+        good = await running.stub.Embed(
+            encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_encoded("PNG", (50, 40))))
+        )
+        assert list(good.embeddings.shape) == [36, 64] and set(decoded) == {(50, 40)}  # decoded, once taken
+    finally:
+        await stop_encoder(running)
+
+
 async def test_a_request_far_over_the_image_bound_is_refused_from_its_size_unparsed(encoder: Encoder) -> None:
     bound = encoder.servicer.max_embed_request_bytes()
     assert bound is not None
@@ -130,6 +159,32 @@ async def test_concurrent_images_batch_and_each_gets_its_own_rows(
         assert max(sizes) > 1 and sum(sizes) == len(data) + 3
     finally:
         await client.close()
+
+
+async def test_a_text_embed_is_answered_while_a_batch_of_images_holds_the_tower(
+    encoder: Encoder, pictures: dict[str, Path]
+) -> None:
+    # Text waited 4.3-8.8 s behind batches of large images. The image worker is held here (a gate on
+    # its thread, as a long batch would hold it), so the order is certain: text first, images after.
+    gate = threading.Event()
+    held = asyncio.ensure_future(encoder.servicer.on_worker(gate.wait))
+    try:
+        images = [
+            asyncio.ensure_future(
+                encoder.stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=p.read_bytes())))
+            )
+            for p in [*pictures.values()] * 3
+        ]
+        text = await encoder.stub.Embed(encoder_pb2.EmbedRequest(text="a neighbour"), timeout=60)
+        ids = await encoder.stub.Tokenize(
+            encoder_pb2.EncoderTokenizeRequest(texts=["a neighbour"]), timeout=60
+        )
+        assert list(text.token_ids.ids) == list(ids.tokens[0].ids)
+        assert not any(image.done() for image in images)  # all still behind the held worker
+    finally:
+        gate.set()
+        await held
+    assert all(reply.placeholder == "<image>" for reply in await asyncio.gather(*images))
 
 
 async def test_text_on_the_vision_language_encoder_is_the_language_models_own_rows(

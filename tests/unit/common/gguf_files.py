@@ -80,6 +80,8 @@ def write_gguf(
                 val = metadata[key]
                 if isinstance(val, int) and not 0 <= val < 1 << 32:
                     vtype = gguf.GGUFValueType.INT64 if val < 0 else gguf.GGUFValueType.UINT64
+                if isinstance(val, str):  # a value stored under the wrong type, as a hostile file may
+                    vtype = gguf.GGUFValueType.STRING
             write(key, val, vtype, sub_type)
 
         writer.add_key_value = add_key_value  # type: ignore[method-assign]

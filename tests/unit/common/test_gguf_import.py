@@ -250,6 +250,21 @@ def test_an_unsupported_tokenizer_kind_is_named(tokenizer: Tokenizer, tmp_path: 
             "tokenizer.ggml.eos_token_id must be an integer in [0, ",
         ),
         (
+            "llama",
+            {"llama.attention.layer_norm_rms_epsilon": "1e-5"},
+            "llama.attention.layer_norm_rms_epsilon must be a number in (0, 1], got '1e-5'",
+        ),
+        (
+            "qwen3",
+            {"qwen3.attention.layer_norm_rms_epsilon": -0.25},
+            "qwen3.attention.layer_norm_rms_epsilon must be a number in (0, 1], got -0.25",
+        ),
+        (
+            "qwen3",
+            {"qwen3.rope.freq_base": float("nan")},
+            "qwen3.rope.freq_base must be a number in (0, 1e+12], got nan",
+        ),
+        (
             "qwen3",
             {"tokenizer.chat_template": "{{ 'a' }}" * 8000},
             "tokenizer.chat_template has 72000 characters",
@@ -267,6 +282,19 @@ def test_metadata_out_of_its_sane_range_is_one_line_exit_2_before_anything_is_si
     with pytest.raises(GGUFImportError) as caught:  # the CLI prints it as one line, exit 2 (above)
         import_gguf(path, tmp_path / "out")
     assert said in str(caught.value) and "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_epsilon_stored_as_a_string_is_one_line_exit_2(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    # It used to end in a traceback (float() of the string) and exit 1.
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        _small("llama", tokenizer.get_vocab_size()),
+        tokenizer,
+        metadata={"llama.attention.layer_norm_rms_epsilon": "0.00001"},
+    )
+    said = "llama.attention.layer_norm_rms_epsilon must be a number in (0, 1], got '0.00001'"
+    _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), said)
     assert not (tmp_path / "out").exists()
 
 

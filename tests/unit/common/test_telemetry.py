@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Iterator
+from concurrent import futures
 
 import grpc
 import pytest
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracer, StatusCode
@@ -144,3 +150,70 @@ def test_a_failed_operation_before_admission_is_rejected_and_its_span_errored() 
     assert rejected.value == 1 and rejected.attributes[otel.ERROR_TYPE] == "RESOURCE_EXHAUSTED"
     (duration,) = metrics[otel.GEN_AI_SERVER_REQUEST_DURATION]
     assert duration.attributes[otel.ERROR_TYPE] == "RESOURCE_EXHAUSTED"
+
+
+class _UnavailableCollector(
+    trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_grpc.MetricsServiceServicer
+):
+    """An OTLP collector that answers every export UNAVAILABLE, counting them."""
+
+    def __init__(self) -> None:
+        self.num_exports = {"traces": 0, "metrics": 0}
+
+    def Export(self, request, context):  # noqa: N802 (the service's name)
+        self.num_exports["traces" if hasattr(request, "resource_spans") else "metrics"] += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "down for maintenance")
+
+
+@pytest.fixture
+def unavailable_collector() -> Iterator[tuple[str, _UnavailableCollector]]:
+    collector = _UnavailableCollector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"http://127.0.0.1:{port}", collector
+    server.stop(0)
+
+
+def test_a_one_shot_command_asks_an_unavailable_collector_once(unavailable_collector) -> None:
+    # A command's exports used to be retried with backoff: a 1.4 s call took 16.1 s and logged four times.
+    endpoint, collector = unavailable_collector
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_TIMEOUT": "5"}
+    telemetry = otel.setup_telemetry("tandem-cli", environ, is_one_shot=True)
+    assert telemetry.shutdown_timeout_s == 5.0
+    with telemetry.tracer.start_as_current_span("generate"):
+        telemetry.meter.create_counter("calls").add(1)
+    telemetry.shutdown()
+    assert collector.num_exports == {"traces": 1, "metrics": 1}
+
+
+class _Stuck(SpanProcessor):
+    """A span processor whose shutdown waits, as an export to a collector that never answers does."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.is_shut_down = False
+
+    def shutdown(self) -> None:
+        self.released.wait()
+        self.is_shut_down = True
+
+
+def test_a_bounded_shutdown_returns_while_an_export_still_waits() -> None:
+    stuck = _Stuck()
+    telemetry = otel.build_telemetry("tandem-cli", [stuck], shutdown_on_exit=False, shutdown_timeout_s=0.05)
+    telemetry.shutdown()  # returns: it does not wait for the stuck processor
+    assert not stuck.is_shut_down
+    stuck.released.set()
+
+
+def test_exports_are_bounded_by_the_otlp_timeout_variable() -> None:
+    assert otel.TelemetrySettings.from_environ("x", {}).export_timeout_s == 10.0
+    assert (
+        otel.TelemetrySettings.from_environ("x", {"OTEL_EXPORTER_OTLP_TIMEOUT": "2.5"}).export_timeout_s
+        == 2.5
+    )
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TIMEOUT='soon': expected seconds"):
+        otel.TelemetrySettings.from_environ("x", {"OTEL_EXPORTER_OTLP_TIMEOUT": "soon"})

@@ -30,6 +30,7 @@ class FakeEmbedder:
     of memory on one holding a size-3 image."""
 
     tower_calls: int = 0
+    num_prepared: int = 0
 
     @property
     def info(self) -> EmbedderInfo:
@@ -40,7 +41,11 @@ class FakeEmbedder:
             raise RuntimeError("a bug in the text path")
         return torch.ones(len(token_ids), HIDDEN)
 
+    def image_span_size(self, width: int, height: int) -> int:
+        return 2
+
     def prepare_image(self, image: Image.Image) -> PreparedImage:
+        self.num_prepared += 1
         if image.size[0] == 7:
             raise MemoryError
         first = image.convert("L").getpixel((0, 0))
@@ -55,15 +60,15 @@ class FakeEmbedder:
         return [torch.full((2, HIDDEN), p.pixels.item()) for p in images]
 
 
-def _image(data: bytes) -> ImageJob:
+def _image(data: bytes, max_input_tokens: int = 64, max_message_bytes: int = 1 << 20) -> ImageJob:
     return ImageJob(
         "r",
         data,
         Pooling.NONE,
         None,
         max_image_pixels=1 << 20,
-        max_input_tokens=64,
-        max_message_bytes=1 << 20,
+        max_input_tokens=max_input_tokens,
+        max_message_bytes=max_message_bytes,
     )
 
 
@@ -94,3 +99,17 @@ def test_a_batch_that_succeeds_runs_the_tower_once() -> None:
     embedder = FakeEmbedder()
     results = run_batch(embedder, [_image(_png((5, 5), v)) for v in (1, 2, 3)])  # type: ignore[arg-type]
     assert all(isinstance(r, EmbedOutput) for r in results) and embedder.tower_calls == 1
+
+
+def test_a_span_or_reply_too_long_is_refused_from_the_header_before_decoding() -> None:
+    embedder = FakeEmbedder()
+    long_span, big_reply = (
+        _image(_png((5, 5)), max_input_tokens=1),
+        _image(_png((5, 5)), max_message_bytes=100),
+    )
+    results = run_batch(embedder, [long_span, big_reply])  # type: ignore[arg-type]
+    assert isinstance(results[0], InvalidArgument) and "span of 2 rows exceeds max_input_tokens 1" in str(
+        results[0]
+    )
+    assert isinstance(results[1], InvalidArgument) and "over max_message_bytes 100" in str(results[1])
+    assert embedder.num_prepared == 0 and embedder.tower_calls == 0

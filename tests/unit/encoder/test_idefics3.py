@@ -131,6 +131,15 @@ def test_span_is_the_processors_expansion_of_one_image_token(checkpoints, pictur
 
 
 @pytest.mark.parametrize("which", ["split", "single"])
+@pytest.mark.parametrize(
+    "size", [(100, 70), (40, 100), (6, 4), (1, 1), (300, 1), (1, 90), (64, 64), (65, 33)]
+)
+def test_the_span_size_known_from_a_header_is_the_prepared_spans(checkpoints, which, size) -> None:
+    embedder = checkpoints[which].embedder
+    assert embedder.image_span_size(*size) == len(embedder.prepare_image(Image.new("RGB", size)).token_ids)
+
+
+@pytest.mark.parametrize("which", ["split", "single"])
 @pytest.mark.parametrize("name", ["landscape", "portrait", "tiny"])
 def test_span_rows_are_transformers_merged_inputs_embeds(checkpoints, pictures, which, name) -> None:
     checkpoint = checkpoints[which]

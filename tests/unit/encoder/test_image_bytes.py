@@ -7,7 +7,7 @@ import struct
 import zlib
 
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from tandem.client.errors import InvalidArgument
 from tandem.encoder.vision.image_bytes import decode_image, sniff_format
@@ -129,3 +129,21 @@ def test_a_truncated_png_is_invalid_argument_not_a_crash() -> None:
 @pytest.mark.parametrize("mode", ["L", "RGBA", "P", "LA"])
 def test_any_colour_mode_decodes(mode: str) -> None:
     assert decode_image(_encoded("PNG", mode=mode), MAX_BYTES, MAX_PIXELS).mode == mode
+
+
+def test_the_callers_size_rules_run_on_the_header_before_any_pixel_is_decoded(monkeypatch) -> None:
+    # A 1 x 33,000,000 PNG is within a 32 Mi pixel bound; decoding it took 1 s and 640 MB before the
+    # resize it implied was refused. The size rules now see the header's size first.
+    decoded = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image.size))
+    seen = []
+
+    def refuse(width: int, height: int) -> None:
+        seen.append((width, height))
+        raise InvalidArgument("image.data", f"{width} x {height}: too thin")
+
+    with pytest.raises(InvalidArgument, match="33000000 x 1: too thin"):
+        decode_image(_png_claiming(33_000_000, 1), MAX_BYTES, 32 * 1024 * 1024, check_size=refuse)
+    assert seen == [(33_000_000, 1)] and decoded == []
+    decode_image(_encoded("PNG"), MAX_BYTES, MAX_PIXELS, check_size=lambda w, h: seen.append((w, h)))
+    assert seen[-1] == (20, 10) and set(decoded) == {(20, 10)}  # a size it takes: then decoded

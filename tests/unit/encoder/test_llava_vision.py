@@ -56,3 +56,15 @@ def test_text_rows_follow_the_quantized_decoders_token_table(tmp_path: Path) -> 
     assert not torch.equal(
         expected, VisionLanguageEmbedder.load(model_dir, torch.float32).embed(ids, Pooling.NONE)
     )
+
+
+def test_the_span_size_is_known_from_a_header_and_an_extreme_aspect_ratio_refused_there(
+    tmp_path: Path,
+) -> None:
+    from tandem.client.errors import InvalidArgument
+
+    embedder = VisionLanguageEmbedder.load(make_llava(tmp_path / "llava"), torch.float32)
+    picture = Image.new("RGB", (47, 29))
+    assert embedder.image_span_size(47, 29) == len(embedder.prepare_image(picture).token_ids)
+    with pytest.raises(InvalidArgument, match="aspect ratio is too extreme"):
+        embedder.image_span_size(33_000_000, 1)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tandem.encoder.vision.preprocess import ImageProcessing
+from tandem.client.errors import InvalidArgument
+from tandem.encoder.vision.preprocess import MAX_RESIZED_PIXELS, ImageProcessing
 
 SIZES = [(53, 41), (30, 70), (336, 336), (7, 500), (1, 1)]
 MODES = ["RGB", "RGBA", "L", "P", "LA"]
@@ -60,3 +61,20 @@ def test_the_output_size_is_known_from_the_config() -> None:
 def test_a_step_we_cannot_reproduce_is_refused_by_name(config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ImageProcessing.from_hf(config, ValueError)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_the_resized_size_known_from_a_header_is_the_size_of_the_resized_picture(size) -> None:
+    clip = ImageProcessing.from_hf({**_processors()["clip"].to_dict(), "do_center_crop": False}, ValueError)
+    assert clip(_picture(size, "RGB")).shape[1:] == clip.resized_size(*size)[::-1]
+
+
+def test_an_aspect_ratio_the_resize_would_blow_up_is_refused_from_the_size_alone() -> None:
+    clip = ImageProcessing.from_hf(_processors()["clip"].to_dict(), ValueError)
+    # 1 x 33,000,000 would become 36 x 1,188,000,000 before its crop.
+    with pytest.raises(InvalidArgument, match="1 x 33000000 would be resized to 36 x 1188000000, over"):
+        clip.resized_size(1, 33_000_000)
+    thinnest = MAX_RESIZED_PIXELS // 36 // 36  # the longest side a 1-pixel-wide picture may have
+    assert clip.resized_size(1, thinnest) == (36, 36 * thinnest)
+    with pytest.raises(InvalidArgument, match="too extreme"):
+        clip.resized_size(thinnest + 1, 1)

@@ -7,9 +7,14 @@ import pytest
 
 from tandem.client.errors import InvalidArgument
 from tandem.gateway import requests
+from tandem.gateway.body_limits import BodyLimits
+
+LIMITS = BodyLimits.for_chat(256)
+EMBED_LIMITS = BodyLimits.for_embeddings(64)
 
 CHAT = {"model": "", "messages": [{"role": "user", "content": "hi"}]}
 ROWS = {"dtype": "float32", "shape": [1, 4], "data": "AAAAAAAAAAAAAAAAAAAAAA=="}
+TEXT = {"type": "text", "text": "a"}
 URL = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
 
 
@@ -55,6 +60,11 @@ HOSTILE_CHAT = {
         "messages[0].content[0].image_url",
     ),
     "17 images": (_user(*[URL] * 17), "messages"),
+    "257 messages": ({"messages": [{"role": "user", "content": "hi"}] * 257}, "messages"),
+    "257 parts in all": ({"messages": [_user(*[TEXT] * 129)["messages"][0]] * 2}, "messages"),
+    "1025 logit_bias entries": ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    "1025 choices": ({"guided_choice": ["x"] * 1025}, "guided_choice"),
+    "guided_choice of numbers": ({"guided_choice": [1]}, "guided_choice"),
 }  # fmt: skip
 
 
@@ -62,9 +72,7 @@ HOSTILE_CHAT = {
 def test_a_hostile_chat_body_is_invalid_argument_naming_the_field(name: str) -> None:
     extra, field = HOSTILE_CHAT[name]
     with pytest.raises(InvalidArgument) as error:
-        body = CHAT | extra
-        requests.image_urls(body)
-        requests.chat_request(body, images_pending=True)
+        requests.chat_request(CHAT | extra, LIMITS)
     assert error.value.field == field, str(error.value)
 
 
@@ -76,11 +84,15 @@ def test_a_hostile_chat_body_is_invalid_argument_naming_the_field(name: str) -> 
         (["a", [-1]], "prompt[1]"),
         (["a", [True]], "prompt[1]"),
         (5, "prompt"),
+        ([1] * 257, "prompt"),
+        (["a"] * 257, "prompt"),
+        ([[1] * 200, [1] * 57], "prompt"),
+        ([[1] * 257], "prompt"),
     ],
 )
 def test_hostile_completion_prompts_are_invalid_argument(prompt: object, field: str) -> None:
     with pytest.raises(InvalidArgument) as error:
-        requests.completion_request({"prompt": prompt})
+        requests.completion_request({"prompt": prompt}, LIMITS)
     assert error.value.field == field
 
 
@@ -92,13 +104,64 @@ def test_hostile_completion_prompts_are_invalid_argument(prompt: object, field: 
         ({"input": [True]}, "input[0]"),
         ({"input": "x", "tandem_pooling": "none"}, "encoding_format"),
         ({"input": ["x"] * 65}, "input"),
+        ({"input": [1] * 65}, "input"),
+        ({"input": [[1] * 65]}, "input[0]"),
     ],
 )
 def test_hostile_embedding_inputs_are_invalid_argument(body: dict, field: str) -> None:
     with pytest.raises(InvalidArgument) as error:
-        requests.embed_request(body)
+        requests.embed_request(body, EMBED_LIMITS)
     assert error.value.field == field
 
 
+def test_a_wide_list_is_refused_from_its_length_before_any_element_is_read() -> None:
+    class Unreadable(list):
+        """A list whose elements must not be looked at: only its length."""
+
+        def __iter__(self):
+            raise AssertionError("an element was read")
+
+    wide = Unreadable([0] * 10_000)
+    for convert, body, limits in (
+        (requests.completion_request, {"prompt": wide}, LIMITS),
+        (requests.embed_request, {"input": wide}, EMBED_LIMITS),
+        (requests.chat_request, {"messages": wide}, LIMITS),
+        (requests.chat_request, CHAT | {"stop": wide}, LIMITS),
+        (requests.chat_request, CHAT | {"guided_choice": wide}, LIMITS),
+    ):
+        with pytest.raises(InvalidArgument, match="exceed the limit|at most"):
+            convert(body, limits)
+
+
+def test_an_image_url_part_becomes_an_empty_image_part_with_its_file_kept_in_order() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAEC"}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "user", "content": [{"type": "text", "text": "b"}, image]},
+        ]
+    }
+    call = requests.chat_request(body, LIMITS)
+    assert call.images == (requests.ImagePart(1, 1, b"\x00\x01\x02"),)
+    part = call.request.chat.messages[1].content[1]
+    assert part.WhichOneof("part") == "image" and part.image.ByteSize() == 0
+
+
+def test_what_the_answer_needs_of_the_body_is_kept() -> None:
+    call = requests.chat_request(
+        CHAT
+        | {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "guided_regex": "a+"},
+        LIMITS,
+    )
+    assert (call.model, call.is_stream, call.include_usage, call.structured_field) == (
+        "m",
+        True,
+        True,
+        "guided_regex",
+    )
+    plain = requests.completion_request({"prompt": "hi"}, LIMITS)
+    assert (plain.is_stream, plain.include_usage, plain.structured_field) == (False, False, None)
+
+
 def test_vllms_top_k_minus_one_means_off() -> None:
-    assert requests.chat_request(CHAT | {"top_k": -1}).sampling.top_k == 0
+    assert requests.chat_request(CHAT | {"top_k": -1}, LIMITS).request.sampling.top_k == 0

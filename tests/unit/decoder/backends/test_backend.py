@@ -1,17 +1,13 @@
 """The backend switch: what each --device means, how a missing SDK or GPU fails, rank-free slicing.
 
-CUDA and Neuron never run here (no GPU, no Neuron SDK); these tests pin what can be checked on CPU:
-the table, the start-up errors, the config rules, the Neuron bucket wrapper driven by a stand-in
-`torch_neuronx` whose trace is the identity, and sequence windows that one traced graph serves for
-every rank.
+CUDA never runs here (no GPU), and this environment has no torch_xla (the Neuron backend's tests run
+in .venv-xla: tests/xla/). These tests pin what can be checked without either: the table, the start-up
+errors, the config rules, and sequence windows that one traced graph serves for every rank.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -24,19 +20,18 @@ from tandem.decoder.backends.cpu.attention import CpuPagedAttention
 from tandem.decoder.backends.cpu.executor import CpuExecutor
 from tandem.decoder.backends.cpu.isa import best_level, this_cpu
 from tandem.decoder.backends.cpu.kernels import load_for_cpu
-from tandem.decoder.backends.neuron import NeuronTracedBuckets
+from tandem.decoder.backends.xla import runtime as xla_runtime
 from tandem.decoder.config import DecoderConfig, EngineConfig
 from tandem.decoder.engine.engine import Engine
 from tandem.decoder.engine.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.prompt import GenerateSpec
-from tandem.decoder.models.loader import LoadedModel
 from tandem.decoder.models.tensor_parallel import window_rows
 
 # oneDNN's packed bf16 linears need its bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT); else the C kernel.
 ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
-HAS_NEURON_SDK = importlib.util.find_spec("torch_neuronx") is not None
+HAS_XLA = xla_runtime.is_installed()
 
 
 def test_each_backend_states_its_placement_dtype_collectives_and_compiler() -> None:
@@ -48,7 +43,8 @@ def test_each_backend_states_its_placement_dtype_collectives_and_compiler() -> N
     )
     assert {b.default_dtype for b in BACKENDS.values()} == {"bfloat16"}
     assert cuda.uses_cuda_graphs and cuda.compile_mode == "reduce-overhead"
-    assert neuron.requires_static_shapes and neuron.compile_mode is None  # traced per bucket instead
+    assert neuron.requires_static_shapes and neuron.compile_mode is None  # XLA graphs, not torch.compile
+    assert neuron.placement == "xla" and neuron.is_spmd and not cpu.is_spmd and not cuda.is_spmd
     assert not cpu.requires_static_shapes and not cuda.requires_static_shapes
 
 
@@ -65,21 +61,20 @@ def test_unknown_devices_are_refused_naming_the_choices(device: str) -> None:
         backends.resolve(device)
 
 
-def test_neuron_weights_stay_on_the_host_for_tracing_and_cuda_keeps_its_index() -> None:
-    assert backends.torch_device("neuron") == torch.device("cpu")
-    assert backends.torch_device("cuda:1") == torch.device("cuda:1")
-    assert backends.torch_device("cpu") == torch.device("cpu")
+def test_cpu_and_cuda_place_weights_on_their_device_and_cuda_keeps_its_index() -> None:
+    assert backends.start_device("cuda:1") == torch.device("cuda:1")
+    assert backends.start_device("cpu") == torch.device("cpu")
 
 
-@pytest.mark.skipif(HAS_NEURON_SDK, reason="torch_neuronx is installed here")
-def test_neuron_without_the_sdk_fails_at_start_saying_what_to_install(
+@pytest.mark.skipif(HAS_XLA, reason="torch_xla is installed here")
+def test_neuron_without_torch_xla_fails_at_start_saying_what_to_install(
     capsys: pytest.CaptureFixture, environ
 ) -> None:
-    with pytest.raises(BackendUnavailable, match=r"install the AWS Neuron SDK \(torch-neuronx\)"):
+    with pytest.raises(BackendUnavailable, match=r"torch_xla is not installed"):
         backends.check_available("neuron")
     assert main(["--device", "neuron", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "torch-neuronx" in err and "pip.repos.neuron.amazonaws.com" in err
+    assert "make .venv-xla" in err and "torch-xla 2.9.0" in err and "pip.repos.neuron.amazonaws.com" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")
@@ -95,6 +90,8 @@ def test_cuda_without_a_gpu_fails_at_start_saying_what_to_install(
 def test_device_flag_and_variable_pick_the_backend_defaults(environ) -> None:
     neuron = config_from_args(["--device", "neuron"])
     assert (neuron.engine.device, neuron.engine.dtype) == ("neuron", "bfloat16")
+    # --world-size on neuron counts devices of one SPMD program in this process, not ranks.
+    assert config_from_args(["--device", "neuron", "--world-size", "4"]).engine.num_devices == 4
     assert neuron.engine.static_shapes and neuron.engine.compile  # Neuron: static and traced by default
     assert not config_from_args([]).engine.compile
     environ({"TANDEM_DEVICE": "cpu", "TANDEM_COMPILE": "true", "TANDEM_STATIC_SHAPES": "1"})
@@ -108,8 +105,10 @@ def test_config_refuses_combinations_a_backend_cannot_run(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="compile needs static_shapes"):
         EngineConfig(model_dir=tmp_path, compile=True)
     neuron = EngineConfig(model_dir=tmp_path, device="neuron", static_shapes=True, compile=True)
-    with pytest.raises(ValueError, match="world_size must be 1: device neuron runs on one rank only"):
+    with pytest.raises(ValueError, match="world_size is 2 but the engine spans 1 neuron devices"):
         DecoderConfig(engine=neuron, world_size=2)
+    with pytest.raises(ValueError, match=r"num_devices must be 1 on cpu"):
+        EngineConfig(model_dir=tmp_path, num_devices=2)
     compiled = EngineConfig(model_dir=tmp_path, static_shapes=True, compile=True)
     with pytest.raises(ValueError, match="world_size must be 1: compile runs on one rank only"):
         DecoderConfig(engine=compiled, world_size=2)
@@ -126,61 +125,10 @@ def test_one_traced_window_graph_serves_every_rank() -> None:
         assert torch.equal(graph(x, torch.tensor(rank)), x[rank * 3 : (rank + 1) * 3])
 
 
-def _fake_neuronx(traced: list[tuple[int, ...]]) -> types.ModuleType:
-    """A stand-in torch_neuronx whose trace records (num_seqs, block-table width) and returns the function."""
-    module = types.ModuleType("torch_neuronx")
-
-    def trace(fn, example_inputs):
-        input_ids, block_tables = example_inputs[0], example_inputs[4]
-        traced.append((input_ids.shape[0], block_tables.shape[1]))
-        return fn
-
-    module.trace = trace  # type: ignore[attr-defined]
-    return module
-
-
-def test_neuron_buckets_trace_once_each_at_warmup_and_give_the_cpu_tokens(
-    tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    traced: list[tuple[int, ...]] = []
-    monkeypatch.setitem(sys.modules, "torch_neuronx", _fake_neuronx(traced))
-    settings = dict(
-        model_dir=tiny_model_dir,
-        dtype="float32",
-        num_kv_blocks=128,
-        block_size=4,
-        max_num_seqs=3,
-        max_num_batched_tokens=32,
-        seq_buckets=(1, 2, 4),
-        max_model_len=64,
-    )
-    spec = GenerateSpec(
-        [[11, 12, 13, 14, 15]],
-        SamplingParams(temperature=0.0),
-        StoppingParams(max_new_tokens=8, ignore_eos=True),
-    )
-
-    def tokens(engine: Engine) -> list[int]:
-        return [t for e in engine.generate(spec) if isinstance(e, Delta) for t in e.token_ids]
-
-    with Engine(EngineConfig(**settings), tiny_fp32) as engine:
-        expected = tokens(engine)
-    neuron = EngineConfig(**settings, device="neuron", static_shapes=True, compile=True)
-    with Engine(neuron, tiny_fp32) as engine:
-        compiler = engine.core.runner.compiler
-        assert isinstance(compiler, NeuronTracedBuckets)
-        # One graph per decode bucket, all at warmup: 3 sequence counts x widths 1, 4, 16 (64 / 4 blocks).
-        buckets = [(num_seqs, width) for num_seqs in (1, 2, 4) for width in (1, 4, 16)]
-        assert traced == buckets
-        assert tokens(engine) == expected
-        assert len(traced) == len(buckets)
-
-
 def test_an_engine_runs_the_bf16_model_it_loads_on_the_cpu_executor_but_a_callers_as_given(
     tiny_model_dir,
 ) -> None:
     from tandem.decoder.config import EngineConfig
-    from tandem.decoder.engine.engine import Engine
     from tandem.decoder.models.loader import load_model
 
     config = EngineConfig(model_dir=tiny_model_dir, dtype="bfloat16", num_kv_blocks=16)
@@ -203,10 +151,6 @@ def test_an_engine_runs_the_bf16_model_it_loads_on_the_cpu_executor_but_a_caller
 
 def test_an_engine_on_cpu_runs_its_model_on_the_c_kernels_unless_told_not_to(tiny_model_dir) -> None:
     from tandem.decoder.config import EngineConfig
-    from tandem.decoder.engine.engine import Engine
-    from tandem.decoder.engine.outputs import Delta
-    from tandem.decoder.engine.params import SamplingParams, StoppingParams
-    from tandem.decoder.engine.prompt import GenerateSpec
 
     spec = GenerateSpec(
         [[5, 6, 7, 8]], SamplingParams(temperature=0.0), StoppingParams(max_new_tokens=6, ignore_eos=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.decoder.models.loader import load_model
-from tandem.decoder.models.random_model import EOS_TOKEN, SPECIAL_TOKENS, make_model, train_tokenizer
+from tandem.decoder.models.random_model import (
+    CORPUS_PATH,
+    EOS_TOKEN,
+    SPECIAL_TOKENS,
+    TOKENIZER_VOCAB_SIZE,
+    make_model,
+    train_tokenizer,
+)
 
 from .helpers import PagedRun, greedy
 
@@ -92,7 +98,7 @@ def test_unknown_shape_is_rejected_with_the_known_ones(tmp_path: Path) -> None:
         make_model(tmp_path, shape="huge")
 
 
-def test_tokenizer_training_is_quick() -> None:
-    start = time.perf_counter()
-    train_tokenizer()
-    assert time.perf_counter() - start < 2.0
+def test_the_tokenizer_trains_on_a_corpus_small_enough_for_every_test() -> None:
+    # Every random checkpoint trains it (tests make dozens): its work is the corpus and the vocabulary.
+    assert CORPUS_PATH.stat().st_size < 16 * 1024 and TOKENIZER_VOCAB_SIZE <= 1024
+    assert train_tokenizer().get_vocab_size(with_added_tokens=True) == TOKENIZER_VOCAB_SIZE

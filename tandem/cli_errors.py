@@ -1,0 +1,61 @@
+"""How a client command (`tandem generate`, `chat`, `embed`) says that a call failed: one line on
+stderr, naming the flag to change, and an exit code; never a traceback.
+
+A server names the request field it refuses (`stopping.max_new_tokens: must be >= 1, got 0`, with a
+`BadRequest` field violation); a command knows which of its flags set that field, so the line names
+the flag (`--max-tokens (TANDEM_GENERATE_MAX_TOKENS): must be >= 1, got 0`) and exits 2, as a flag
+the command itself refuses does. A server that cannot be reached (or is still loading) is the flag of
+its address, `--address` or `--encoder-address`. Anything else is the status as the server said it,
+exit 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.client.status import field_violation
+
+EXIT_FLAG = 2  # a flag's value is wrong: change it (click's usage errors exit 2 too)
+EXIT_FAILED = 1  # the call failed for another reason
+
+
+@dataclass(frozen=True)
+class CallFlags:
+    """The flags behind one call, for naming them in its errors."""
+
+    address: str  # the flag naming the server called, with its value: "--address 127.0.0.1:50052"
+    fields: Mapping[str, str]  # a request field (or a prefix of it) -> the flag that set it
+
+
+def failure(error: grpc.aio.AioRpcError, flags: CallFlags) -> tuple[str, int]:
+    """The line to print for `error` (after the command's name) and the exit code."""
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (
+            f"{flags.address}: UNAVAILABLE: {details} (`tandem wait` waits until it serves)",
+            EXIT_FAILED,
+        )
+    violation = field_violation(error)
+    if violation is not None and code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ):
+        field, description = violation
+        flag = flag_of(field, flags.fields)
+        if flag is not None:
+            return f"{flag}: {description} (the request's {field})", EXIT_FLAG
+    return f"{code.name}: {details}", EXIT_FAILED
+
+
+def flag_of(field: str, fields: Mapping[str, str]) -> str | None:
+    """The flag of the longest key of `fields` that is `field` or a path above it (`prompt[2]` is
+    above `prompt[2].embeddings.shape`, `structured` above `structured.regex`)."""
+    best = None
+    for key in fields:
+        if field == key or field.startswith((key + ".", key + "[")):
+            if best is None or len(key) > len(best):
+                best = key
+    return None if best is None else fields[best]

@@ -1,0 +1,125 @@
+"""torch_xla as the Neuron backend uses it: the PJRT device, SPMD, and what the runtime counts.
+
+NOTE: Neuron is an XLA device. torch-neuronx is torch_xla's PJRT plugin for NeuronCores, so the graphs
+this backend builds run with `PJRT_DEVICE=NEURON` on a Trn/Inf instance and with `PJRT_DEVICE=CPU`
+anywhere else (every test here): the same program, compiled by neuronx-cc there and by XLA's CPU
+compiler here. Several devices in one process are one SPMD program (sharding.py): NeuronCores there,
+`CPU_NUM_DEVICES` virtual devices here.
+
+The environment is read and set once, by `configure`, before torch_xla starts its runtime; nothing is
+imported from torch_xla at import time, so the CPU and CUDA backends never load it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+XLA_INSTALL = (
+    "torch_xla is not installed in this environment: `make .venv-xla` builds a virtual environment with "
+    "torch 2.9.0 + torch-xla 2.9.0 and Tandem (then run .venv-xla/bin/tandem); on a Trn/Inf instance add "
+    "the Neuron SDK's PJRT plugin: `pip install torch-neuronx neuronx-cc --extra-index-url "
+    "https://pip.repos.neuron.amazonaws.com`"
+)
+
+
+class XlaUnavailable(RuntimeError):
+    """torch_xla cannot run here; the message says what to install."""
+
+
+@dataclass(frozen=True)
+class XlaRuntime:
+    """The started runtime: which PJRT device and how many of them the model spans."""
+
+    pjrt_device: str  # "NEURON" or "CPU" (or another PJRT plugin the user chose)
+    num_devices: int  # devices of the one SPMD program
+
+
+def is_installed() -> bool:
+    """Whether torch_xla can be imported, without importing it (it starts nothing)."""
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def configure(num_devices: int, environ: MutableMapping[str, str] = os.environ) -> str:
+    """Sets the PJRT environment for `num_devices` devices, unless the user set it. Returns the device.
+
+    No PJRT_DEVICE: NEURON where the Neuron SDK is installed, else CPU (logged: nothing runs on
+    Neuron hardware then). On CPU, `CPU_NUM_DEVICES` virtual devices; on Neuron, as many NeuronCores.
+    """
+    if "PJRT_DEVICE" not in environ:
+        has_neuron = importlib.util.find_spec("torch_neuronx") is not None
+        environ["PJRT_DEVICE"] = "NEURON" if has_neuron else "CPU"
+        if not has_neuron:
+            log.info(
+                "--device neuron without the Neuron SDK: its XLA graphs run on XLA's CPU device "
+                "(PJRT_DEVICE=CPU, %d virtual devices)",
+                num_devices,
+            )
+    pjrt = environ["PJRT_DEVICE"]
+    if pjrt == "CPU":
+        environ.setdefault("CPU_NUM_DEVICES", str(num_devices))
+    elif pjrt == "NEURON":
+        environ.setdefault("NEURON_RT_NUM_CORES", str(num_devices))
+    return pjrt
+
+
+def start(num_devices: int, environ: MutableMapping[str, str] = os.environ) -> XlaRuntime:
+    """Configures and starts the runtime (SPMD for several devices). Raises XlaUnavailable.
+
+    Call once per process, before any tensor is put on an XLA device.
+    """
+    pjrt = configure(num_devices, environ)
+    xr = _import("torch_xla.runtime")
+    if num_devices > 1:
+        xr.use_spmd()  # before any device tensor exists: one program over every device
+    found = xr.global_runtime_device_count()
+    if found != num_devices:
+        raise XlaUnavailable(
+            f"--world-size {num_devices} needs {num_devices} {pjrt} devices, the runtime has {found} "
+            f"(PJRT_DEVICE={pjrt}, CPU_NUM_DEVICES={environ.get('CPU_NUM_DEVICES', 'unset')})"
+        )
+    return XlaRuntime(pjrt_device=pjrt, num_devices=num_devices)
+
+
+def device():  # -> torch.device
+    """The XLA device tensors go to (under SPMD: the one virtual device the program spans)."""
+    return _import("torch_xla").device()
+
+
+def sync() -> None:
+    """Ends the lazily recorded graph and runs it (compiling it the first time its shape is seen)."""
+    _import("torch_xla").sync()
+
+
+def wait() -> None:
+    """Blocks until every transfer and graph this process started has finished: a weight sent to the
+    device is not there yet when `.to()` returns, and only data that is there can be resharded."""
+    _import("torch_xla.core.xla_model").wait_device_ops()
+
+
+def num_compiles() -> int:
+    """Graphs XLA compiled in this process so far (torch_xla's own CompileTime metric)."""
+    data = _import("torch_xla.debug.metrics").metric_data("CompileTime")
+    return 0 if data is None else int(data[0])
+
+
+def transferred_bytes() -> tuple[int, int]:
+    """Bytes moved host -> device and device -> host so far. torch_xla names them from the host's side:
+    OutboundData went to the device, InboundData came back."""
+    metrics = _import("torch_xla.debug.metrics")
+    to_device, from_device = metrics.metric_data("OutboundData"), metrics.metric_data("InboundData")
+    return (0 if to_device is None else int(to_device[1]), 0 if from_device is None else int(from_device[1]))
+
+
+def _import(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise XlaUnavailable(f"{exc}; {XLA_INSTALL}") from exc

@@ -1,0 +1,143 @@
+"""The gateway's HTTP connections: at most `max_connections` open, and a first request head in time.
+
+NOTE: what a slow client costs. Each open connection holds a file descriptor, and aiohttp keeps one
+that has not sent a whole request head waiting for an hour by default: 3,000 sockets trickling a
+byte at a time stayed open 40 s (and would have for 3,630), so at a 1,024-descriptor limit about
+1,000 of them lock every caller out. Here a connection beyond `max_connections` is answered 503 and
+closed as soon as it is accepted, and one whose first request head has not arrived within
+`header_timeout_s` is closed. After a response, aiohttp's own keep-alive timeout (the gateway's
+`idle_timeout_s`) closes a connection that stays idle, or trickles its next head, that long; a body
+that does not arrive within `body_timeout_s` is the handler's 408 (app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+from collections.abc import Callable
+
+from tandem.client.errors import ConfigError
+
+REFUSAL_BODY = json.dumps(
+    {
+        "error": {
+            "message": "the gateway has too many open connections (--max-connections); retry",
+            "type": "service_unavailable",
+            "param": None,
+            "code": "service_unavailable",
+        }
+    }
+).encode()
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(REFUSAL_BODY)
+) + REFUSAL_BODY
+
+
+# Descriptors beside the connections and their decoder channels: the listener, the services'
+# channels, the body workers' pipes, logs, imports.
+SPARE_DESCRIPTORS = 64
+
+
+def ensure_descriptors(max_connections: int, max_idle_channels: int) -> int:
+    """Raise the soft limit on open files to what `max_connections` need (each connection, and the
+    decoder channel of its caller, plus the idle channels kept), up to the hard limit; a hard limit
+    below that is a ConfigError naming max_connections. Returns the limit now in force."""
+    need = 2 * max_connections + max_idle_channels + SPARE_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(
+            "max_connections",
+            f"of {max_connections} needs about {need} open files, over this process's limit of {hard} "
+            "(ulimit -Hn): lower it or raise the limit",
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return need
+
+
+class ConnectionGuard:
+    """A protocol factory for `loop.create_server` around aiohttp's: counts the open connections and
+    refuses those beyond the bound; closes one without a request head in time. Event-loop thread only."""
+
+    def __init__(
+        self, protocol: Callable[[], asyncio.Protocol], max_connections: int, header_timeout_s: float
+    ) -> None:
+        self._protocol = protocol  # aiohttp's: one RequestHandler per connection
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.num_open = 0
+        self.num_refused = 0
+        self.num_timed_out = 0
+        self._waiting: dict[asyncio.BaseTransport, asyncio.TimerHandle] = {}  # no request head yet
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Guarded(self)
+
+    def head_received(self, transport: asyncio.BaseTransport | None) -> None:
+        """A request head arrived on `transport` (called for every request; only a first one counts)."""
+        timer = self._waiting.pop(transport, None) if transport is not None else None
+        if timer is not None:
+            timer.cancel()
+
+    def _open(self, transport: asyncio.BaseTransport) -> asyncio.Protocol | None:
+        """aiohttp's protocol for a new connection, or None (and the connection refused) over the bound."""
+        if self.num_open >= self.max_connections:
+            self.num_refused += 1
+            assert isinstance(transport, asyncio.WriteTransport)
+            transport.write(REFUSAL)
+            transport.close()
+            return None
+        self.num_open += 1
+        loop = asyncio.get_running_loop()
+        self._waiting[transport] = loop.call_later(self.header_timeout_s, self._no_head, transport)
+        return self._protocol()
+
+    def _no_head(self, transport: asyncio.BaseTransport) -> None:
+        if self._waiting.pop(transport, None) is not None:
+            self.num_timed_out += 1
+            transport.close()
+
+    def _closed(self, transport: asyncio.BaseTransport) -> None:
+        self.num_open -= 1
+        timer = self._waiting.pop(transport, None)
+        if timer is not None:
+            timer.cancel()
+
+
+class _Guarded(asyncio.Protocol):
+    """aiohttp's protocol, every event passed on, once the guard has let the connection in (the check
+    is made as each connection is made, so a burst of accepts cannot pass the bound together)."""
+
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self._guard = guard
+        self._inner: asyncio.Protocol | None = None  # None: refused
+        self._transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._inner = self._guard._open(transport)
+        if self._inner is not None:
+            self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._inner is not None and self._transport is not None:
+            self._guard._closed(self._transport)
+            self._inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()

@@ -1,0 +1,90 @@
+"""Bodies converted in a worker process give what the same conversion gives in process; a worker that
+dies is replaced and its body answered 503 (Unavailable); large bodies at once are bounded."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from tandem.client.errors import InvalidArgument, Unavailable
+from tandem.gateway import requests
+from tandem.gateway.bodies import BodyWorkers, LargeBodies, convert
+from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.errors import Refused
+
+LIMITS = BodyLimits.for_chat(256)
+ROWS = {"dtype": "float32", "shape": [2, 4], "data": base64.b64encode(bytes(range(32))).decode()}
+EMBEDDINGS = {"type": "tandem_embeddings", "embeddings": ROWS}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAEC"}}
+BODY = {
+    "model": "m",
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE, EMBEDDINGS]},
+    ],
+    "logit_bias": {"5": -1.5},
+    "stop": ["x"],
+    "guided_regex": "a+",
+    "stream": True,
+}  # fmt: skip
+
+
+async def test_a_worker_converts_a_body_exactly_as_the_gateway_would_and_refuses_it_alike() -> None:
+    workers = BodyWorkers(1)
+    try:
+        raw = bytearray(json.dumps(BODY).encode())
+        assert await workers.convert(requests.chat_request, raw, LIMITS) == convert(
+            requests.chat_request, raw, LIMITS
+        )
+        wide = bytearray(json.dumps(BODY | {"stop": ["x"] * 17}).encode())
+        with pytest.raises(InvalidArgument) as error:
+            await workers.convert(requests.chat_request, wide, LIMITS)
+        assert error.value.field == "stop"
+    finally:
+        workers.close()
+
+
+async def test_a_worker_that_dies_is_replaced_and_its_body_answered_unavailable() -> None:
+    workers = BodyWorkers(1)
+    try:
+        await workers.start()
+        (worker,) = workers._workers
+        worker._process.kill()
+        worker._process.join(5)
+        with pytest.raises(Unavailable):
+            await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
+        call = await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
+        assert call.structured_field == "guided_regex"
+    finally:
+        workers.close()
+
+
+def _broken(body: dict, limits: BodyLimits) -> requests.GenerateCall:
+    """A conversion with a bug in it."""
+    raise KeyError("a bug")
+
+
+async def test_a_bug_in_a_worker_is_an_error_of_its_own_and_the_worker_serves_on() -> None:
+    workers = BodyWorkers(1)
+    try:
+        with pytest.raises(RuntimeError, match="KeyError: 'a bug'"):  # a 500 with the worker's traceback
+            await workers.convert(_broken, bytearray(b"{}"), LIMITS)
+        call = await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
+        assert call.model == "m"
+    finally:
+        workers.close()
+
+
+def test_large_bodies_beyond_the_bound_are_503_until_one_is_released() -> None:
+    bodies = LargeBodies(2)
+    first, _ = bodies.take(), bodies.take()
+    with pytest.raises(Refused) as refused:
+        bodies.take()
+    assert refused.value.error.status == 503 and refused.value.error.retry_after_s == 1.0
+    assert "--max-large-bodies" in refused.value.error.message
+    first.release()
+    first.release()  # idempotent: a place is given back once
+    bodies.take()
+    assert bodies.num_held == 2

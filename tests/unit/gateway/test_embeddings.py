@@ -1,0 +1,54 @@
+"""An embeddings answer's size, reckoned before any encoder call, is never below what the answer can
+take: one row when pooled, else each input's most rows, in the asked encoding."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.gateway import requests
+from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.embeddings import answer_bound, check_answer_size
+from tandem.gateway.errors import Refused
+
+INFO = encoder_pb2.EncoderGetModelInfoResponse(hidden_size=64, max_input_tokens=100, num_virtual_tokens=2)
+LIMITS = BodyLimits.for_embeddings(100)
+
+
+def _answer_bytes(call: requests.EmbedCall, rows_per_input: list[int]) -> int:
+    """The answer's real size, for inputs that took these many rows (the JSON write_answer writes)."""
+    data = []
+    for i, num_rows in enumerate(rows_per_input):
+        rows = np.full((num_rows, INFO.hidden_size), -1.2345678e-05, dtype="<f4")
+        vector = base64.b64encode(rows.tobytes()).decode() if call.is_base64 else rows[0].tolist()
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    answer = {"object": "list", "data": data, "model": "m", "usage": {"prompt_tokens": 1, "total_tokens": 1}}
+    return len(json.dumps(answer, separators=(",", ":")))
+
+
+@pytest.mark.parametrize(
+    ("body", "rows_per_input"),
+    [
+        ({"input": ["hello", "a longer text of words"]}, [1, 1]),  # pooled: one row each, as JSON floats
+        ({"input": [[5] * 100, "hi"], "tandem_pooling": "none", "encoding_format": "base64"}, [102, 4]),
+        ({"input": "é" * 40, "tandem_pooling": "none", "encoding_format": "base64"}, [82]),  # one row a byte
+    ],
+)
+def test_the_bound_is_never_below_the_answer(body: dict, rows_per_input: list[int]) -> None:
+    call = requests.embed_request(body | {"model": "m"}, LIMITS)
+    assert answer_bound(call, INFO) >= _answer_bytes(call, rows_per_input)
+
+
+def test_an_answer_over_the_limit_is_413_naming_input() -> None:
+    call = requests.embed_request(
+        {"input": [[5] * 100] * 4, "tandem_pooling": "none", "encoding_format": "base64"}, LIMITS
+    )
+    check_answer_size(call, INFO, answer_bound(call, INFO))  # at the bound: served
+    with pytest.raises(Refused) as refused:
+        check_answer_size(call, INFO, answer_bound(call, INFO) - 1)
+    assert (refused.value.error.status, refused.value.error.param) == (413, "input")
+    assert "--max-embeddings-bytes" in refused.value.error.message
