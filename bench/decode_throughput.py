@@ -131,6 +131,7 @@ def build_engine(
     enable_prefix_caching: bool = False,
     start: bool = True,
     quantized_from: Path | None = None,
+    **overrides: object,  # more EngineConfig fields (LoRA's, for bench/profile_step.py --lora)
 ) -> Engine:
     """An engine (started unless `start` is False) with KV blocks for `max_requests` of
     `args.prompt_len + args.new_tokens`; with `quantized_from` (the GGUF file model_dir was imported
@@ -148,6 +149,7 @@ def build_engine(
         max_queue=max(1024, max_requests),
         quantization="none" if quantized_from is None else "gguf",
         quantized_from=quantized_from,
+        **overrides,
     )
     # The engine loads the model on its own thread: torch work on a second thread would slow its steps.
     engine = Engine(config)

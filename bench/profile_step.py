@@ -16,7 +16,10 @@ Hooks cost ~2-4 us per module call, so pass 2's categories add up to more than p
 
 Run: `.venv/bin/python bench/profile_step.py` (SmolLM2-135M-Instruct bf16, N = 1, 8, 32), or
 `--model-dir DIR`, `--path modules` (the executor without its one-call decode stack) or `--path torch`
-(the layers op by op, linears on torch: the state before the C linears and fused layers).
+(the layers op by op, linears on torch: the state before the C linears and fused layers), or
+`--lora K` (an engine with --enable-lora holding K adapters of rank 16 on all seven projections,
+request i on adapter i % K; `--lora K --base-rows`: the same engine, every request on the base model).
+The prefill of the N prompts is timed too (wall time of its steps).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_throughput import StepTimer, build_engine, make_prompts  # noqa: E402
+from lora_throughput import RANK, write_adapter  # noqa: E402
 
 from tandem.common.model_cache import resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.build import this_machine_levels  # noqa: E402
@@ -46,6 +51,7 @@ from tandem.decoder.engine.prompt import GenerateSpec  # noqa: E402
 from tandem.decoder.models import transformer  # noqa: E402
 from tandem.decoder.models.layers import RMSNorm, SwiGLU  # noqa: E402
 from tandem.decoder.models.linear import Linear  # noqa: E402
+from tandem.decoder.models.loader import check_checkpoint  # noqa: E402
 
 LINEAR_NAMES = {
     "qkv_proj": "q/k/v projection",
@@ -64,15 +70,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--path", choices=("fused", "modules", "torch"), default="fused",
                    help="fused layers; op by op with C linears; op by op with torch linears")  # fmt: skip
+    p.add_argument("--lora", type=int, default=0, help="adapters loaded (rank 16, all projections); 0: off")
+    p.add_argument("--base-rows", action="store_true", help="with --lora: every request on the base model")
     return p.parse_args()
 
 
-def admit(engine, prompts: list[list[int]], new_tokens: int) -> None:
-    """What Engine.submit does, without the running loop (the caller steps the core itself)."""
-    for prompt in prompts:
+def admit(engine, prompts: list[list[int]], new_tokens: int, adapters: list[str]) -> None:
+    """What Engine.submit does, without the running loop (the caller steps the core itself); request i
+    on adapters[i % len(adapters)]."""
+    for i, prompt in enumerate(prompts):
         spec = GenerateSpec([prompt], SamplingParams(temperature=0.0),
                             StoppingParams(max_new_tokens=new_tokens, ignore_eos=True),
-                            OutputOptions(include_text=False))  # fmt: skip
+                            OutputOptions(include_text=False),
+                            adapter=adapters[i % len(adapters)])  # fmt: skip
         request = engine.make_request(spec)
         output = OutputState(request.request_id, request.prompt_token_ids, request.is_token_ids,
                              request.stopping, spec.output, engine.tokenizer, engine.eos_token_ids,
@@ -138,10 +148,14 @@ def time_calls(obj: object, attr: str, totals: dict[str, float], key: str):
 def profile_size(engine, n: int, args: argparse.Namespace) -> dict:
     core, model = engine.core, engine.loaded.model
     steps = args.steps
-    admit(engine, make_prompts(n, args.prompt_len, engine.model_config.vocab_size, seed=n), 3 * steps + 8)
+    adapters = [""] if not args.lora or args.base_rows else [f"a{i}" for i in range(args.lora)]
+    prompts = make_prompts(n, args.prompt_len, engine.model_config.vocab_size, seed=n)
+    admit(engine, prompts, 3 * steps + 8, adapters)
+    start = time.perf_counter()
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running + list(
             core.scheduler.waiting)):  # fmt: skip
         core.step()  # prefill
+    prefill_ms = 1e3 * (time.perf_counter() - start)
     for _ in range(4):
         core.step()  # warm decode steps
     # 1. plain
@@ -168,6 +182,10 @@ def profile_size(engine, n: int, args: argparse.Namespace) -> dict:
         for fused in step_fn.fused or []:
             undo.append(time_calls(fused, "_attention_in", kernel_ms, "C fused attention_in"))
             undo.append(time_calls(fused, "_mlp_block", kernel_ms, "C fused mlp_block"))
+        for layer in step_fn.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                if layer.lora is not None:
+                    undo.append(time_calls(getattr(layer.lora, name), "_fn", kernel_ms, "C LoRA delta"))
     head_ms: dict[str, float] = defaultdict(float)
     original_head = step_fn.compute_logits
     step_fn.compute_logits = lambda *a: _timed_head(original_head, head_ms, *a)  # type: ignore[method-assign]
@@ -189,7 +207,7 @@ def profile_size(engine, n: int, args: argparse.Namespace) -> dict:
         core.step()
     modules = {k: v / steps for k, v in clock.ms.items()} | {"LM head (logits)": head_ms["head"] / steps}
     return {"plain": plain, "modules": modules, "kernels": {k: v / steps for k, v in kernel_ms.items()},
-            "ops": ops}  # fmt: skip
+            "ops": ops, "prefill_ms": prefill_ms}  # fmt: skip
 
 
 def _timed_head(fn, totals: dict[str, float], *args):
@@ -205,7 +223,8 @@ def report(n: int, result: dict) -> None:
     forward = plain.get("forward", float("nan"))
     aten = sum(ms for _, ms, _ in ops)
     native = sum(kernels.values())
-    print(f"\n### N = {n}: decode step {plain.get('step', float('nan')):.2f} ms (median of plain pass)\n")
+    print(f"\n### N = {n}: decode step {plain.get('step', float('nan')):.2f} ms (median of plain pass); "
+          f"prefill of the {n} prompts {result['prefill_ms']:.0f} ms\n")  # fmt: skip
     print("| host phase | ms |\n|---|---|")
     for phase in (*StepTimer.PHASES, "other"):
         print(f"| {phase} | {plain.get(phase, float('nan')):.2f} |")
@@ -229,14 +248,30 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     workload = argparse.Namespace(prompt_len=args.prompt_len, new_tokens=3 * args.steps + 8,
                                   threads=args.threads, max_num_batched_tokens=4096)  # fmt: skip
-    engine = build_engine(model_dir, workload, max(sizes), start=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        lora = {}
+        if args.lora:
+            config = check_checkpoint(model_dir, "bfloat16")
+            paths = [write_adapter(Path(tmp) / f"a{i}", config, seed=i) for i in range(args.lora)]
+            lora = dict(enable_lora=True, max_loras=args.lora, max_lora_rank=RANK,
+                        loras=tuple((f"a{i}", path) for i, path in enumerate(paths)))  # fmt: skip
+        engine = build_engine(model_dir, workload, max(sizes), start=False, **lora)
+    profile(engine, args, model_dir, sizes)
+
+
+def profile(engine, args: argparse.Namespace, model_dir: Path, sizes: list[int]) -> None:
     model = engine.loaded.model
     executor = engine.core.runner.executor
     if args.path in ("modules", "torch") and isinstance(executor, CpuExecutor) and executor.choice.build:
         kernels = load(next(level for level in this_machine_levels() if level.name == executor.choice.build))
         linears = "torch" if args.path == "torch" else executor.choice.linears
-        engine.core.runner.executor = CpuExecutor(model, kernels, linears=linears, use_stack=False)
-    print(f"model {model_dir}, threads {args.threads}, path {args.path}, "
+        engine.core.runner.executor = CpuExecutor(
+            model, kernels, linears=linears, use_stack=False, lora=engine.lora
+        )
+    rows = " loaded, base rows" if args.base_rows else " mixed"
+    lora = f", {args.lora} LoRA adapters{rows}" if args.lora else ""
+    print(f"model {model_dir}, threads {args.threads}, path {args.path}{lora}, "
+          f"{executor.choice.describe() if isinstance(executor, CpuExecutor) else ''}, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     for n in sizes:
         # On the engine thread, as the loop would step it (the one-thread rule, engine/loop.py).

@@ -104,6 +104,12 @@ def command() -> click.Command:
             ),
             option("--seed", "sampling seed", type=UINT64, default=None, show_default="none, random"),
             option("--stop", "a stop string (repeatable)", multiple=True, show_default="none"),
+            option(
+                "--adapter",
+                "a LoRA adapter the decoder has loaded, by name (GetModelInfo lists them)",
+                default="",
+                show_default="none, the base model",
+            ),
             *structured_options(),
             option("--json", "print each raw event as JSON", is_flag=True, default=False),
             *client_security_options(),
@@ -150,7 +156,7 @@ async def _stream(
     except PartError as error:
         print(f"{PROG}: {error.line}", file=sys.stderr)
         return error.code
-    request = decoder_pb2.GenerateRequest(prompt=prompt)
+    request = decoder_pb2.GenerateRequest(prompt=prompt, adapter=values["adapter"])
     request.stopping.max_new_tokens = values["max_tokens"]
     request.stopping.stop_sequences.extend(values["stop"])
     if structured is not None:

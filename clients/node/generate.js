@@ -6,12 +6,14 @@
 //
 //   node generate.js ADDRESS PROMPT MAX_TOKENS [--embedding-rows N --hidden H] [--ignore-eos]
 //                    [--temperature T] [--seed S] [--json-schema FILE | --regex RE | --choice A,B,...]
+//                    [--adapter NAME]
 //                    [--tls] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE] [--auth-token-file FILE]
 //
 // ADDRESS is host:port, several host:port,host:port (balanced, health-checked) or dns:///name:port.
 // --embedding-rows N --hidden H puts an embedding segment of N x H float32 zeros first in the
 // prompt (H must be the model's hidden size; GetModelInfo reports it). An empty PROMPT sends no
 // text segment. --json-schema, --regex and --choice constrain the answer (structured output).
+// --adapter NAME generates with a LoRA adapter the decoder has loaded (GetModelInfo lists them).
 "use strict";
 
 const fs = require("node:fs");
@@ -20,7 +22,9 @@ const { decoderClient, zeroEmbeddings, finishOnEnd } = require("./decoder");
 
 function parseArgs(argv) {
   const positional = [];
-  const options = { embeddingRows: 0, hidden: 0, ignoreEos: false, temperature: null, seed: null, structured: null };
+  const options = {
+    embeddingRows: 0, hidden: 0, ignoreEos: false, temperature: null, seed: null, structured: null, adapter: "",
+  };
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i];
     const value = () => {
@@ -35,6 +39,7 @@ function parseArgs(argv) {
     else if (arg === "--json-schema") options.structured = { json_schema: fs.readFileSync(argv[++i], "utf8") };
     else if (arg === "--regex") options.structured = { regex: argv[++i] };
     else if (arg === "--choice") options.structured = { choice: { choices: argv[++i].split(",") } };
+    else if (arg === "--adapter") options.adapter = argv[++i];
     else positional.push(arg);
   }
   if (positional.length !== 3) {
@@ -57,6 +62,7 @@ function buildRequest(args) {
     stopping: { max_new_tokens: args.maxTokens, ignore_eos: args.ignoreEos },
   };
   if (args.structured !== null) request.structured = args.structured;
+  if (args.adapter) request.adapter = args.adapter;
   return request;
 }
 

@@ -156,7 +156,7 @@ def _set_options(
     stopping_and_output: dict[str, object],
 ) -> None:
     """Keyword arguments onto the request: the named ones, then stopping, output or the request's own
-    fields (speculative_tokens, plain_text) by name."""
+    fields (speculative_tokens, plain_text, adapter) by name."""
     if max_new_tokens is not None:
         request.stopping.max_new_tokens = max_new_tokens
     if temperature is not None:
@@ -394,6 +394,21 @@ class DecoderClient(_Client):
 
     async def model_info(self, timeout: float = 10.0) -> decoder_pb2.DecoderGetModelInfoResponse:
         return await self.stub.GetModelInfo(decoder_pb2.DecoderGetModelInfoRequest(), timeout=timeout)
+
+    async def load_adapter(self, name: str, path: str, timeout: float = 60.0) -> decoder_pb2.AdapterInfo:
+        """Load the PEFT adapter in the server's directory `path` as `name` (then generate(...,
+        adapter=name) uses it)."""
+        request = decoder_pb2.LoadAdapterRequest(name=name, path=path)
+        return (await self.stub.LoadAdapter(request, timeout=timeout)).adapter
+
+    async def unload_adapter(self, name: str, timeout: float = 10.0) -> int:
+        """Stop serving adapter `name`; how many requests still run with it (they finish with it)."""
+        request = decoder_pb2.UnloadAdapterRequest(name=name)
+        return (await self.stub.UnloadAdapter(request, timeout=timeout)).running_requests
+
+    async def list_adapters(self, timeout: float = 10.0) -> list[decoder_pb2.AdapterInfo]:
+        reply = await self.stub.ListAdapters(decoder_pb2.ListAdaptersRequest(), timeout=timeout)
+        return list(reply.adapters)
 
 
 class EncoderClient(_Client):

@@ -57,6 +57,10 @@ class NotFound(TandemError):
     """A named resource (e.g. a model name) is not served here."""
 
 
+class AlreadyExists(TandemError):
+    """A named resource (e.g. a LoRA adapter) exists already; remove it first."""
+
+
 class ConfigError(ValueError):
     """A configuration value a service refuses at start (never sent to a client).
 

@@ -27,3 +27,11 @@ def check_model(requested: str, served: str) -> None:
         raise InvalidArgument("model", f"at most {MAX_MODEL_NAME_BYTES} bytes, got {len(requested.encode())}")
     if requested and requested != served:
         raise NotFound(f"model {echo(requested)} is not served here (this server serves {served!r})")
+
+
+def check_adapter_name(name: str, field: str = "name") -> None:
+    """A LoRA adapter's name: 1 to MAX_MODEL_NAME_BYTES bytes (it stands for a model name in the
+    OpenAI front, as in vLLM). Raises InvalidArgument naming `field`."""
+    size = len(name.encode())
+    if not 1 <= size <= MAX_MODEL_NAME_BYTES:
+        raise InvalidArgument(field, f"must be 1 to {MAX_MODEL_NAME_BYTES} bytes, got {size}")

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.client.errors import ConfigError
+from tandem.client.errors import ConfigError, InvalidArgument
 from tandem.common.dtypes import DTYPES
+from tandem.common.model_name import check_adapter_name
 from tandem.common.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
 from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import ServerOptions
@@ -81,6 +82,14 @@ class EngineConfig:
     # 0 = off; None = the backend's (8 on a CPU, where a step's time grows with its rows; off
     # elsewhere). See SchedulerConfig.shared_step_seqs and docs/RELIABILITY.md.
     shared_step_seqs: int | None = None
+    # LoRA adapters, as vLLM's --enable-lora: `max_loras` slots of rank up to `max_lora_rank`, filled
+    # at start from `loras` ((name, PEFT directory) pairs) and at run time (the LoadAdapter RPC). Each
+    # request names its adapter or none, and requests of every adapter share one batch (the CPU
+    # executor adds the deltas inside its fused layers: backends/cpu/lora.py).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    loras: tuple[tuple[str, Path], ...] = ()
 
     @property
     def max_rows_without_prompt(self) -> int:
@@ -134,10 +143,37 @@ class EngineConfig:
             raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        self._check_lora()
         for name in ("token_buckets", "seq_buckets", "block_table_buckets"):
             buckets = getattr(self, name)
             if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
                 raise ConfigError(name, f"must be strictly increasing positive sizes, got {buckets}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if not 1 <= getattr(self, name) <= MAX_LORA_LIMITS[name]:
+                raise ConfigError(name, f"must be in [1, {MAX_LORA_LIMITS[name]}], got {getattr(self, name)}")
+        if not self.enable_lora:
+            if self.loras:
+                raise ConfigError("loras", "needs --enable-lora true")
+            return
+        if len(self.loras) > self.max_loras:
+            raise ConfigError("loras", f": {len(self.loras)} adapters, more than max_loras {self.max_loras}")
+        names = [name for name, _ in self.loras]
+        for name in names:
+            try:
+                check_adapter_name(name)
+            except InvalidArgument as error:
+                raise ConfigError("loras", f": adapter name {name!r}: {error.description}") from None
+            if names.count(name) > 1:
+                raise ConfigError("loras", f": adapter name {name!r} is given twice")
+        needs = {
+            "device": (self.device == "cpu", f"cpu (the LoRA slots are CPU tensors), got {self.device!r}"),
+            "compile": (not self.compile, "off (the compiled decode buckets take no adapters)"),
+        }
+        for name, (ok, what) in needs.items():
+            if not ok:
+                raise ConfigError("enable_lora", f"needs --{name.replace('_', '-')} {what}")
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -168,6 +204,10 @@ class EngineConfig:
                     "quantization", f"{self.quantization} needs --{name.replace('_', '-')} {what}"
                 )
 
+
+# The most LoRA slots and the highest rank a server may reserve (each slot holds a rank-`max_lora_rank`
+# copy of every projection's A and B: SmolLM2 at rank 16, 10 MB in bf16).
+MAX_LORA_LIMITS = {"max_loras": 256, "max_lora_rank": 512}
 
 # --quantization: "gguf" serves a GGUF file's own Q4_0 / Q4_1 / Q8_0 weights (others re-quantized once);
 # "int8" and "int4" round a dense checkpoint's (common/quantized_tensor.py's SCHEMES).
@@ -232,3 +272,10 @@ class DecoderConfig:
                 raise ConfigError(
                     "world_size", f"must be 1: quantized weights run on one rank only, got {self.world_size}"
                 )
+            if self.engine.enable_lora:
+                raise ConfigError(
+                    "world_size", f"must be 1: LoRA adapters run on one rank only, got {self.world_size}"
+                )
+        for name, _ in self.engine.loras:
+            if name == self.model_name:
+                raise ConfigError("loras", f": adapter name {name!r} is the model's own name")

@@ -157,9 +157,24 @@ class Gateway:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        model = (await self._decoder(request)).model
-        card = {"id": model, "object": "model", "created": 0, "owned_by": "tandem"}
-        return web.json_response({"object": "list", "data": [card]})
+        # Asked each time, not cached: adapters load and unload while the gateway runs.
+        info = await self.decoder.stub.GetModelInfo(
+            decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+        )
+        card = {"id": info.model, "object": "model", "created": 0, "owned_by": "tandem"}
+        # LoRA adapters as vLLM lists them: a model of their own, its parent the base model.
+        adapters = [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tandem",
+                "root": a.path,
+                "parent": info.model,
+            }  # fmt: skip
+            for a in info.adapters
+        ]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
@@ -266,7 +281,11 @@ class Gateway:
     # -- completions --------------------------------------------------------------------------------------
 
     async def _complete(self, request: web.Request, call: GenerateCall, kind: str) -> web.StreamResponse:
-        model = call.model or (await self._decoder(request)).model
+        base = (await self._decoder(request)).model
+        model = call.model or base
+        generate = call.request
+        if generate.model and generate.model != base:  # as in vLLM: a LoRA adapter, by its name
+            generate.adapter, generate.model = generate.model, ""
         caller = caller_of(
             request.headers.get("Authorization", ""), request.remote, self.config.auth_tokens is not None
         )
@@ -274,7 +293,6 @@ class Gateway:
             limit = self.config.max_streams_per_caller
             message = f"{limit} completions of this caller are open (--max-streams-per-caller)"
             return error_response(HttpError(429, "rate_limit_error", message, retry_after_s=1.0))
-        generate = call.request
         generate.request_id = uuid.uuid4().hex
         if generate.ByteSize() > self.config.max_message_bytes:
             field = "messages" if kind == "chat" else "prompt"  # what makes a request this large

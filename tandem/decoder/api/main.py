@@ -46,7 +46,9 @@ from tandem.decoder.distributed.worker import (
 )
 from tandem.decoder.engine.engine import Engine
 from tandem.decoder.engine.outputs import FinishReason
+from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
+from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
 from tandem.decoder.models.quantized import check_group
 from tandem.decoder.models.tensor_parallel import check_shardable
 
@@ -136,17 +138,22 @@ def with_checkpoint_dir(config: DecoderConfig) -> DecoderConfig:
 def check_model(config: DecoderConfig, world_size: int) -> None:
     """The checkpoint has what loading needs and `world_size` shards it; no weight is read."""
     engine = config.engine
-    check_fits(
+    model_config = check_fits(
         engine.model_dir, engine.dtype, engine.quantization, engine.quantization_group_size, world_size
     )
+    for name, path in engine.loras:  # read once here too, so a bad adapter fails before listening
+        try:
+            read_adapter(path, model_config, engine.max_lora_rank)
+        except AdapterError as error:
+            raise ConfigError("loras", f": adapter {name!r}: {error}") from None
 
 
 def check_fits(
     model_dir: str | Path, dtype: str, quantization: str, quantization_group_size: int, world_size: int
-) -> None:
+) -> ModelConfig:
     """The checkpoint in `model_dir` loads in `dtype`, `quantization` rounds it and `world_size`
-    shards it; no weight is read (`tandem up` asks before it starts the decoder). Raises ConfigError
-    naming the field at fault."""
+    shards it; no weight is read (`tandem up` asks before it starts the decoder). Returns the model's
+    config; raises ConfigError naming the field at fault."""
     try:
         model_config = check_checkpoint(model_dir, dtype)
     except ModelLoadError as error:
@@ -162,6 +169,7 @@ def check_fits(
             check_shardable(model_config, world_size)
         except ValueError as error:
             raise ConfigError("world_size", f": {error}") from None
+    return model_config
 
 
 def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:

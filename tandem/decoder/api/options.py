@@ -168,6 +168,26 @@ def settings() -> list[Setting]:
             "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
             type=BOOL,
         ),
+        _engine_setting(
+            "--enable-lora",
+            "serve LoRA adapters (PEFT's format) per request, loaded with --lora or the LoadAdapter RPC; "
+            "every step then runs the per-op kernels",
+            type=BOOL,
+            default=None,
+            show_default="true when --lora is given",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--lora",
+            "a LoRA adapter to serve from the start, as NAME=PATH (a PEFT adapter directory); repeatable "
+            "(in the variable: separated by spaces)",
+            multiple=True,
+            default=(),
+            show_default="none",
+            field="loras",
+        ),
+        _engine_setting("--max-loras", "LoRA: most adapters loaded at once (slots)", type=int),
+        _engine_setting("--max-lora-rank", "LoRA: highest adapter rank (r) a slot holds", type=int),
         Setting(
             ENV_PREFIX,
             "--world-size",
@@ -243,6 +263,8 @@ _ENGINE_FIELDS = (
     "speculative_tokens",
     "speculative_max_batch",
     "shared_step_seqs",
+    "max_loras",
+    "max_lora_rank",
 )
 
 
@@ -256,6 +278,8 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
             raise ConfigError("model_dir", f": {error}") from None
     backend = resolve(values["device"])
     engine = {name: values[name] for name in _ENGINE_FIELDS}
+    engine["loras"] = _loras(values["lora"])
+    engine["enable_lora"] = bool(engine["loras"]) if values["enable_lora"] is None else values["enable_lora"]
     for name, backend_default in (
         ("dtype", backend.default_dtype),
         ("static_shapes", backend.requires_static_shapes),
@@ -282,3 +306,14 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
         encoder_address=",".join(a.strip() for value in values["encoder"] for a in value.split(",")),
         encoder_cache_bytes=values["encoder_cache_bytes"],
     )
+
+
+def _loras(values: tuple[str, ...]) -> tuple[tuple[str, Path], ...]:
+    """--lora NAME=PATH values as (name, path) pairs. Raises ConfigError naming the one at fault."""
+    loras = []
+    for value in values:
+        name, is_pair, path = value.partition("=")
+        if not (is_pair and name and path):
+            raise ConfigError("loras", f"must be NAME=PATH, got {value!r}")
+        loras.append((name, Path(path)))
+    return tuple(loras)

@@ -19,6 +19,7 @@ from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
 from tandem.common import tensors
 from tandem.common.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
+from tandem.decoder.engine.adapters import Adapter
 from tandem.decoder.engine.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.outputs import Accepted, Delta, Event, Finished, FinishReason, OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
@@ -55,6 +56,7 @@ def spec_from_pb(
         chat=_chat_from_pb(request.chat, limits) if request.HasField("chat") else None,
         speculative_tokens=request.speculative_tokens if request.HasField("speculative_tokens") else None,
         structured=_structured_from_pb(request.structured) if request.HasField("structured") else None,
+        adapter=request.adapter,
     )
 
 
@@ -217,6 +219,12 @@ def _prompt_logprob_to_pb(entry: PromptLogprob) -> decoder_pb2.PromptLogprob:
         message.top_logprobs.token_ids.extend(entry.top_token_ids)
         message.top_logprobs.logprobs.extend(entry.top_logprobs)
     return message
+
+
+def adapter_to_pb(adapter: Adapter) -> decoder_pb2.AdapterInfo:
+    return decoder_pb2.AdapterInfo(
+        name=adapter.name, path=adapter.path, rank=adapter.rank, target_modules=adapter.targets
+    )
 
 
 def dtype_to_pb(dtype: torch.dtype) -> int:

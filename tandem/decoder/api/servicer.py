@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.client import telemetry as otel
-from tandem.client.errors import Unavailable
+from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from tandem.common import tensors
-from tandem.common.model_name import check_model
+from tandem.common.model_name import check_adapter_name, check_model
 from tandem.common.prompt_parts import EmbeddingPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.decoder.api import protocol
@@ -178,8 +178,33 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             max_queued_requests=engine.config.max_queue,
             has_chat_template=engine.chat_template.source is not None,
             image_placeholder=engine.chat_template.image_placeholder or "",
+            adapters=[protocol.adapter_to_pb(a) for a in engine.adapters],
+            max_loras=engine.config.max_loras if engine.config.enable_lora else 0,
+            max_lora_rank=engine.config.max_lora_rank if engine.config.enable_lora else 0,
             accepts_encoder_parts=self.encoder_parts is not None,
         )
+
+    async def LoadAdapter(
+        self, request: decoder_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> decoder_pb2.LoadAdapterResponse:
+        engine = self._healthy_engine()
+        check_adapter_name(request.name)
+        if request.name == self.model_name:  # the OpenAI front's `model` could not tell them apart
+            raise InvalidArgument("name", f"{request.name!r} is the base model's own name")
+        adapter = await engine.load_adapter(request.name, request.path)
+        return decoder_pb2.LoadAdapterResponse(adapter=protocol.adapter_to_pb(adapter))
+
+    async def UnloadAdapter(
+        self, request: decoder_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> decoder_pb2.UnloadAdapterResponse:
+        running = self._healthy_engine().unload_adapter(request.name)
+        return decoder_pb2.UnloadAdapterResponse(running_requests=running)
+
+    async def ListAdapters(
+        self, request: decoder_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> decoder_pb2.ListAdaptersResponse:
+        adapters = self._healthy_engine().adapters
+        return decoder_pb2.ListAdaptersResponse(adapters=[protocol.adapter_to_pb(a) for a in adapters])
 
 
 def _num_embedding_positions(spec: GenerateSpec) -> int:

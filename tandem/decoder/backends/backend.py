@@ -37,6 +37,7 @@ from tandem.decoder.backends.cuda_attention import CudaPagedAttention
 from tandem.decoder.backends.xla import runtime as xla_runtime
 from tandem.decoder.backends.xla.attention import XlaPagedAttention
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention
+from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.transformer import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ class ModelStep(Protocol):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
+        lora: LoraStep | None = None,  # each row's LoRA adapter; None: LoRA off
     ) -> torch.Tensor: ...  # float32 logits [num_logits, vocab_size]
 
     def hidden_states(
@@ -192,6 +194,7 @@ class ModelStep(Protocol):
         kv_caches: list[torch.Tensor],
         inputs_embeds: torch.Tensor | None = None,
         is_token_ids: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor: ...  # [num_logits, hidden_size]
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor: ...  # float32 [num_rows, vocab_size]
@@ -205,6 +208,7 @@ def prepare_model(
     compile: bool,
     native_kernels: bool,
     dense_rows: int = 0,  # the CPU executor's (executor.py): EngineConfig.max_rows_without_prompt + 1
+    lora: LoraTable | None = None,  # LoRA slots the CPU executor binds (models/lora.py); None: off
 ) -> ModelStep:
     """What runs a model this process loaded on `backend`, on every rank alike.
 
@@ -223,7 +227,7 @@ def prepare_model(
     if not native_kernels:
         log.info("CPU kernels: off (--native-kernels false), the model runs on torch ops")
         return model
-    return cpu_executor.bind(model, cpu_kernels.load_for_cpu(), dense_rows)
+    return cpu_executor.bind(model, cpu_kernels.load_for_cpu(), dense_rows, lora)
 
 
 def bind_rank_device(device: str) -> None:

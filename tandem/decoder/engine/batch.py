@@ -33,6 +33,9 @@ class ForwardBatch:
     inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]; None on token-only dynamic steps
     attn: AttentionMetadata
     num_logits: int  # leading rows of the returned logits that belong to real sequences
+    # int64 [num_tokens]: each position's LoRA slot (its request's adapter), -1 = the base model;
+    # None when no position of the step uses an adapter.
+    lora_slots: torch.Tensor | None = None
     # Prompt positions scored this step, in order: their rows are the last num_scored_rows entries of
     # attn.logits_indices.
     scored_spans: tuple[ScoredSpan, ...] = ()
@@ -52,6 +55,7 @@ class HostBatch:
     is_token_ids: list[bool] = field(default_factory=list)  # [num_tokens]
     # (batch offset, rows [n, hidden_size]) of each run of embedding positions
     embed_pieces: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # [num_tokens] LoRA slot, -1 = base model
     query_lens: list[int] = field(default_factory=list)  # [num_seqs] positions scheduled per sequence
     seq_lens: list[int] = field(default_factory=list)  # [num_seqs] context length after this step
     block_tables: list[tuple[int, ...]] = field(default_factory=list)  # [num_seqs] block ids
@@ -88,6 +92,7 @@ def pack(plan: StepPlan, block_size: int) -> HostBatch:
                     rows = span.rows[lo - span.start : hi - span.start]  # [hi - lo, hidden]
                     host.embed_pieces.append((offset + lo - start, rows))
         host.positions.extend(range(start, end))
+        host.lora_slots.extend([req.adapter_slot] * (end - start))
         block_ids = item.block_ids
         host.slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
         host.query_lens.append(end - start)
@@ -116,6 +121,7 @@ def _pack_verification(host: HostBatch, item: ScheduledRequest, block_size: int)
         host.input_ids.append(token_id)
         host.is_token_ids.append(True)
         host.positions.append(position)
+        host.lora_slots.append(req.adapter_slot)  # verified rows run the request's own adapter
         host.slots.append(item.block_ids[position // block_size] * block_size + position % block_size)
         host.query_lens.append(1)
         host.seq_lens.append(position + 1)
@@ -148,6 +154,9 @@ class BatchTensors:
             attn=self.metadata(host, block_table_width),
             num_logits=host.num_logits,
             scored_spans=tuple(host.scored_spans),
+            lora_slots=(
+                self.tensor(host.lora_slots, torch.int64) if max(host.lora_slots, default=-1) >= 0 else None
+            ),
         )
 
     def metadata(self, host: HostBatch, width: int) -> AttentionMetadata:

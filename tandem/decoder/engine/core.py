@@ -27,12 +27,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from tandem.client.errors import DeadlineExceeded, TandemError
+from tandem.client.errors import DeadlineExceeded, FailedPrecondition, NotFound, TandemError
+from tandem.common.model_name import echo
+from tandem.decoder.engine.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.backpressure import ReaderProgress
 from tandem.decoder.engine.kv_cache import BlockManager
 from tandem.decoder.engine.outputs import (
@@ -55,6 +58,7 @@ from tandem.decoder.engine.scheduler import ScheduledRequest, Scheduler, StepPla
 log = logging.getLogger(__name__)
 
 EventCallback = Callable[[Event], None]  # receives one request's events, on the engine thread
+T = TypeVar("T")
 
 
 @dataclass
@@ -109,8 +113,10 @@ class EngineCore:
         runner: ModelRunner,
         vocab_size: int,
         speculative_max_batch: int | None = None,  # more running requests: no proposals; None = any
+        adapters: AdapterSlots | None = None,  # the LoRA slots' names; None: LoRA off
     ) -> None:
         self.scheduler = scheduler
+        self.adapters = adapters
         self.runner = runner
         self.vocab_size = vocab_size
         self.speculative_max_batch = speculative_max_batch
@@ -120,6 +126,8 @@ class EngineCore:
         self._live: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
         self._finish_all_reason: FinishReason | None = None  # set by finish_all, applied at the next step
+        # Work for the engine thread between two steps (loading an adapter's weights into its slot).
+        self._between_steps: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._batch_key: tuple[str, ...] = ()
         self._batch: SamplingBatch | None = None
         self.num_steps = 0
@@ -152,11 +160,71 @@ class EngineCore:
             request, output, on_event, generators, deadline, progress, lookup, request.num_speculative_tokens
         )
         with self.lock:
+            if request.adapter:
+                self._resolve_adapter(request)
             self.scheduler.add_request(request)
             self._live[request.request_id] = tracked
             # Under the lock: the engine thread cannot schedule the request before Accepted is out,
             # so no Delta can overtake it.
             on_event(Accepted(output.request_id, request.num_prompt_tokens))
+
+    def _resolve_adapter(self, request: Request) -> None:
+        """Under `lock`: the slot and cache salt of the adapter the request names; NotFound if none."""
+        if self.adapters is None:
+            raise NotFound(f"adapter {echo(request.adapter)} is not loaded: this server runs without LoRA")
+        adapter = self.adapters.get(request.adapter)
+        request.adapter_slot = adapter.slot
+        request.cache_salt = adapter.cache_salt
+
+    def between_steps(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the engine thread before the next step, holding `lock` (any thread may ask)."""
+        future: Future[T] = Future()
+        with self.lock:
+            self._between_steps.append((fn, future))
+        return future
+
+    def run_between_steps(self) -> None:
+        """Run what `between_steps` queued (the engine thread: each step, and before the loop starts)."""
+        with self.lock:
+            self._run_queued()
+
+    def _run_queued(self) -> None:
+        work, self._between_steps = self._between_steps, []
+        for fn, future in work:
+            try:
+                future.set_result(fn())
+            except Exception as error:  # the caller's to report; the engine goes on
+                future.set_exception(error)
+
+    def unload_adapter(self, name: str) -> int:
+        """Withdraw adapter `name` (NotFound if not loaded): new requests can no longer name it, and its
+        slot is freed once its live requests have ended. Returns how many live requests still use it."""
+        with self.lock:
+            if self.adapters is None:
+                raise NotFound(f"adapter {echo(name)} is not loaded: this server runs without LoRA")
+            slot = self.adapters.remove(name, self._adapter_slots_in_use()).slot
+            return sum(1 for t in self._live.values() if t.request.adapter_slot == slot)
+
+    def loaded_adapters(self) -> list[Adapter]:
+        with self.lock:
+            return [] if self.adapters is None else self.adapters.adapters
+
+    def check_can_load(self, name: str) -> None:
+        """Raises unless an adapter could be loaded as `name` now: a new name and a free slot."""
+        with self.lock:
+            if self.adapters is None:
+                raise FailedPrecondition("name", "this server runs without LoRA: start it with --enable-lora")
+            self.adapters.check_new(name)
+            self._release_drained()
+            self.adapters.free_slot()
+
+    def _release_drained(self) -> None:
+        """Under `lock`: free the unloaded adapters' slots whose last request has ended."""
+        if self.adapters is not None and self.adapters.num_draining:
+            self.adapters.release(self._adapter_slots_in_use())
+
+    def _adapter_slots_in_use(self) -> set[int]:
+        return {t.request.adapter_slot for t in self._live.values() if t.request.adapter_slot >= 0}
 
     def abort(self, key: str) -> None:
         """Ask for an abort (any thread); it takes effect at the next step boundary, silently.
@@ -181,6 +249,7 @@ class EngineCore:
             return (
                 self.scheduler.has_schedulable
                 or bool(self._pending_aborts)
+                or bool(self._between_steps)
                 or self._finish_all_reason is not None
                 or any(self._is_resumable(key) for key in self.scheduler.paused)
             )
@@ -194,6 +263,8 @@ class EngineCore:
         with self.lock:
             self._apply_aborts()
             ended = self._take_all_if_asked()
+            self._release_drained()  # before a load takes a slot
+            self._run_queued()
             self._resume_caught_up()
             expired = self._expire_deadlines()
             self._propose()
@@ -259,6 +330,9 @@ class EngineCore:
             self._live.clear()
             for tracked in live:
                 self.scheduler.abort(tracked.request.request_id)
+            work, self._between_steps = self._between_steps, []
+        for _, future in work:
+            future.set_exception(error)
         for tracked in live:
             tracked.on_event(Failed(tracked.output.request_id, error))
 

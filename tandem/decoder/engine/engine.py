@@ -13,8 +13,10 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +27,7 @@ from tandem.common import text_bounds
 from tandem.decoder.backends import backend as backends
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine import sizing, template_worker
+from tandem.decoder.engine.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.backpressure import ReaderProgress, unread_weight
 from tandem.decoder.engine.chat import ChatTemplate
 from tandem.decoder.engine.core import EngineCore, EventCallback
@@ -41,6 +44,8 @@ from tandem.decoder.engine.streaming import Mailboxes, stream_events
 from tandem.decoder.engine.structured import GrammarCompiler
 from tandem.decoder.engine.xla_buckets import XlaBuckets
 from tandem.decoder.models.loader import LoadedModel, load_model
+from tandem.decoder.models.lora import LoraTable
+from tandem.decoder.models.peft_adapter import LoraAdapter, read_adapter
 from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
 
 log = logging.getLogger(__name__)
@@ -83,6 +88,13 @@ class Engine:
         except BaseException:
             self._thread.stop()
             raise
+        # LoRA slots, every one empty until an adapter is loaded into it (models/lora.py).
+        self.lora: LoraTable | None = None
+        if config.enable_lora:
+            model = self.loaded.model
+            self.lora = self._thread.run(
+                LoraTable, model.config, config.max_loras, config.max_lora_rank, model.device
+            )
         # A caller's model runs as given (tests compare against it); one this engine loaded runs on the
         # backend's executor, its kernels chosen for this machine.
         self.executor: backends.ModelStep = (
@@ -95,6 +107,7 @@ class Engine:
                 config.compile,
                 config.native_kernels,
                 config.max_rows_without_prompt + 1,
+                self.lora,
             )
         )
         self.model_config = self.loaded.config
@@ -109,6 +122,19 @@ class Engine:
         self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
         self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
         self.core = self._build_core(tp, backend)
+        # Adapters are read (files, checks) here, off the engine thread; their slots are written on it.
+        self._adapter_reader = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-adapters", initializer=_init_builder_thread
+        )
+        try:
+            for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
+                adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
+                installing = self.core.between_steps(partial(self._install, name, path, adapter))
+                self._thread.run(self.core.run_between_steps)
+                installing.result()
+        except BaseException:
+            self.shutdown()
+            raise
         # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
         self._keepalive_s = None if tp is None else tp.timeout_s / 4
         self._keys = itertools.count()  # the engine's own request keys (see submit)
@@ -193,8 +219,12 @@ class Engine:
                 backend if config.compile else None,
                 invariant,
                 self.executor,
+                self.lora,
             )
-        return EngineCore(scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch)
+        adapters = None if self.lora is None else AdapterSlots(config.max_loras)
+        return EngineCore(
+            scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch, adapters
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -209,6 +239,7 @@ class Engine:
         self._builder.shutdown(wait=False, cancel_futures=True)
         self._chat_builder.shutdown(wait=False, cancel_futures=True)
         self._fetching_builder.shutdown(wait=False, cancel_futures=True)
+        self._adapter_reader.shutdown(wait=False, cancel_futures=True)
         self.chat_template.close()
         self._thread.stop()
         self.core.fail_all(Unavailable("the decoder is shutting down"))
@@ -371,6 +402,58 @@ class Engine:
         if has_encoder_parts(spec):
             return self._fetching_builder
         return self._builder if spec.chat is None else self._chat_builder
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        """Read the PEFT adapter in directory `path` and serve it as `name`; requests already running
+        go on undisturbed. Raises FailedPrecondition (LoRA off), InvalidArgument (the name, or an
+        adapter that does not fit: the file and field named), AlreadyExists, ResourceExhausted (every
+        slot taken). Nothing is loaded when it raises."""
+        if not self._thread.is_healthy:
+            raise Unavailable("the decoder engine is not running")
+        reading = self._adapter_reader.submit(self._read_adapter, name, path)
+        adapter = await asyncio.wrap_future(reading)
+        installing = self.core.between_steps(partial(self._install, name, path, adapter))
+        self._thread.wake()
+        return await asyncio.wrap_future(installing)
+
+    def _read_adapter(self, name: str, path: str | Path) -> LoraAdapter:
+        self.core.check_can_load(name)  # the cheap refusals before the files are read
+        assert self.lora is not None
+        return read_adapter(path, self.model_config, self.lora.max_rank)
+
+    def _install(self, name: str, path: str | Path, adapter: LoraAdapter) -> Adapter:
+        """On the engine thread between steps, under the core's lock: a free slot gets the weights,
+        then the name is published (a request can name it from then on)."""
+        assert self.lora is not None and self.core.adapters is not None
+        slots = self.core.adapters
+        slots.check_new(name)  # again: another load of the name or slot may have won the race since
+        slot = slots.free_slot()
+        start = time.perf_counter()
+        self.lora.write(slot, adapter)
+        loaded = slots.add(name, str(path), adapter.rank, adapter.targets, slot)
+        log.info(
+            "adapter %s (rank %d, %s) in slot %d: %.1f ms to write",
+            name,
+            adapter.rank,
+            "/".join(adapter.targets),
+            slot,
+            1000 * (time.perf_counter() - start),
+        )
+        return loaded
+
+    def unload_adapter(self, name: str) -> int:
+        """Stop serving adapter `name` (NotFound if not loaded); requests running with it finish with
+        it, and its slot is free once they have. Returns how many there still are."""
+        num_running = self.core.unload_adapter(name)
+        self._thread.wake()  # its slot may be free at the next step
+        return num_running
+
+    @property
+    def adapters(self) -> list[Adapter]:
+        """The loaded adapters, by name."""
+        return self.core.loaded_adapters()
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Token IDs of each text, computed on the request-building thread (the GIL released)."""

@@ -19,8 +19,10 @@ NOTE (invariants):
 Prefix hashes form a chain, hash(block i) = blake2b(hash(block i - 1) || encoding of its positions),
 so a block matches only under the same whole prefix. A token position is encoded as b"t" + 8-byte id
 and an embedding position as b"e" + 1-byte length + the row's digest: the encoding is injective, so a
-token id can never collide with an embedding, and equal embedding rows share cache. blake2b rather
-than Python's hash(): stable across processes (ranks, restarts) and collision-resistant.
+token id can never collide with an embedding, and equal embedding rows share cache. A request's
+cache salt (its LoRA adapter's, one per load) follows b"root" as b"a" + 1-byte length + the salt: no
+position starts with b"a", so two adapters, or an adapter and the base model, never share a block.
+blake2b rather than Python's hash(): stable across processes (ranks, restarts) and collision-resistant.
 """
 
 from __future__ import annotations
@@ -47,10 +49,14 @@ def position_key(request: Request, position: int) -> PositionKey:
     return ("e", request.embedding_digests[position])
 
 
-def hash_block(parent_hash: bytes | None, block_key: Sequence[PositionKey]) -> bytes:
-    """Chain hash of one full block; `parent_hash` is None for a request's first block."""
+def hash_block(parent_hash: bytes | None, block_key: Sequence[PositionKey], salt: bytes = b"") -> bytes:
+    """Chain hash of one full block; `parent_hash` is None for a request's first block, whose hash
+    also takes the request's cache salt (its LoRA adapter's: the chain then carries it)."""
     h = hashlib.blake2b(digest_size=32)
-    h.update(parent_hash or b"root")
+    if parent_hash is not None:
+        h.update(parent_hash)
+    else:
+        h.update(b"root" + (b"a" + len(salt).to_bytes(1, "little") + salt if salt else b""))
     for key in block_key:
         if isinstance(key, int):
             h.update(b"t" + key.to_bytes(8, "little"))
@@ -211,5 +217,5 @@ class BlockManager:
         while len(hashes) < num_blocks:
             start = len(hashes) * size
             key = [position_key(request, p) for p in range(start, start + size)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, key))
+            hashes.append(hash_block(hashes[-1] if hashes else None, key, request.cache_salt))
         return hashes

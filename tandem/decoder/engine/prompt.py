@@ -21,6 +21,7 @@ import torch
 
 from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common import tensors
+from tandem.common.model_name import check_adapter_name
 from tandem.common.prompt_parts import (
     EmbeddingPrompt,
     EncoderPrompt,
@@ -73,6 +74,7 @@ class GenerateSpec:
     speculative_tokens: int | None = None
     caller: str = ""  # who sent it (api/caller.py): callers share the batch fairly; "" = anonymous
     structured: StructuredOutput | None = None  # a grammar the answer must follow (structured.py)
+    adapter: str = ""  # the LoRA adapter to run with (its name); "" = the base model
 
 
 def build_request(
@@ -105,6 +107,8 @@ def build_request(
     or FailedPrecondition when embeddings are off or the model has no chat template.
     """
     check_request_id(spec.request_id)
+    if spec.adapter:  # which adapters are loaded is the core's to say, at admission
+        check_adapter_name(spec.adapter, "adapter")
     vocab = model_config.vocab_size
     spec.sampling.validate(vocab)
     spec.stopping.validate(vocab)
@@ -168,6 +172,7 @@ def build_request(
     request = Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
     request.num_speculative_tokens = speculative_tokens
     request.caller = spec.caller
+    request.adapter = spec.adapter
     if spec.structured is not None and grammars is not None:  # last: compiling is the dearest rule
         request.constraint = grammars().constraint(spec.structured)
     return request

@@ -94,6 +94,12 @@ class Request:
     caller: str = ""
     # Structured output: the grammar's state (structured.Constraint); None: unconstrained.
     constraint: Any = None
+    # The LoRA adapter it names ("" = the base model); its slot and cache salt are set when it is
+    # admitted (core.py, adapters.py): -1 and b"" for the base model.
+    adapter: str = ""
+    adapter_slot: int = -1
+    # The prefix cache's namespace (kv_cache.py): requests of different salts never share KV blocks.
+    cache_salt: bytes = b""
 
     # Scheduling state.
     status: RequestStatus = RequestStatus.WAITING  # lifecycle; see RequestStatus

@@ -38,6 +38,7 @@ from tandem.decoder.engine.static_shapes import (
     padding_batch,
     warmup_shapes,
 )
+from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.tensor_parallel import world_size_of
 from tandem.decoder.models.transformer import DecoderModel
 
@@ -83,6 +84,7 @@ class ModelRunner:
         compile_with: Backend | None = None,  # static mode: compile each decode bucket; None = eager
         batch_invariant: bool = False,  # one forward pass per request (see execute)
         executor: ModelStep | None = None,  # what runs eager steps (the CPU executor); None = the model
+        lora: LoraTable | None = None,  # LoRA slots (the executor's, when it has one); None = off
     ) -> None:
         self.model = model
         self.executor: ModelStep = executor or model
@@ -101,6 +103,7 @@ class ModelRunner:
             self.compiler = TorchCompileBuckets(compile_with, model, self.kv_caches, len(static.seq_buckets))
         self.compiled_steps: dict[Signature, StepFn] = {}  # decode buckets compiled so far
         self.batch_invariant = batch_invariant
+        self.lora = lora
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -137,7 +140,9 @@ class ModelRunner:
         at a time, so the step holds [SLICE_ROWS, vocab] logits rather than one row per position."""
         self._announce(batch)
         args = (batch.input_ids, batch.positions, batch.attn, self.kv_caches)
-        h = self.executor.hidden_states(*args, batch.inputs_embeds, batch.is_token_ids)  # [rows, hidden]
+        h = self.executor.hidden_states(
+            *args, batch.inputs_embeds, batch.is_token_ids, **self._lora_of(batch)
+        )  # [rows, hidden]
         scored = h[h.shape[0] - batch.num_scored_rows :]  # [num_scored_rows, hidden]
         logits_of = self.executor.compute_logits
         chunks = score(lambda rows: logits_of(scored[rows]), batch.scored_spans, h.device)
@@ -156,7 +161,13 @@ class ModelRunner:
             self.kv_caches,
             batch.inputs_embeds,
             batch.is_token_ids,
+            **self._lora_of(batch),
         )
+
+    def _lora_of(self, batch: ForwardBatch) -> dict[str, LoraStep]:
+        """The step's adapters as a keyword for the step function; none when LoRA is off (compiled
+        buckets, which never run with it, take no such argument)."""
+        return {} if self.lora is None else {"lora": LoraStep(self.lora, batch.lora_slots)}
 
     def _announce(self, batch: ForwardBatch) -> Signature:
         """Record the batch's signature and, on rank 0 of several, send the batch to the other ranks."""

@@ -35,4 +35,5 @@ def pad_for_sequence_parallel(batch: ForwardBatch, world_size: int) -> ForwardBa
         is_token_ids=None if batch.is_token_ids is None else pad(batch.is_token_ids, True),
         inputs_embeds=None if batch.inputs_embeds is None else pad(batch.inputs_embeds, 0),
         attn=dataclasses.replace(batch.attn, slot_mapping=pad(batch.attn.slot_mapping, NULL_BLOCK_ID)),
+        lora_slots=None if batch.lora_slots is None else pad(batch.lora_slots, -1),
     )

@@ -101,6 +101,7 @@ def append_padding(host: HostBatch, pad_query_lens: list[int], block_size: int) 
         # A padding sequence writes and reads only the null block, however long it is.
         host.slots.extend(p % block_size for p in range(n))
         host.is_token_ids.extend([True] * n)
+        host.lora_slots.extend([-1] * n)
         host.query_lens.append(n)
         host.seq_lens.append(n)
         host.block_tables.append((NULL_BLOCK_ID,))

@@ -1,4 +1,4 @@
-"""Random-weight Qwen3 checkpoints in Hugging Face format, for fast tests and benchmark shapes.
+"""Random-weight Qwen3 (and Llama) checkpoints in Hugging Face format, for fast tests and benchmark shapes.
 
 These are not the default model (that is SmolLM2-135M-Instruct, see tandem/common/model_cache.py): their
 output is noise by construction. `make_model` writes a complete checkpoint directory (config,
@@ -50,6 +50,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int | None  # None: the tokenizer's size rounded up to a multiple of 64
     max_position_embeddings: int
+    architecture: str = "Qwen3ForCausalLM"  # or "LlamaForCausalLM" (no q/k norms): the default model's
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -85,6 +86,18 @@ SHAPES: dict[str, ModelShape] = {
         head_dim=128,
         vocab_size=151936,
         max_position_embeddings=40960,
+    ),
+    # The default model's architecture (SmolLM2 is a Llama: tied head, GQA, no q/k norms), as small.
+    "tiny-llama": ModelShape(
+        hidden_size=64,
+        intermediate_size=192,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=None,
+        max_position_embeddings=4096,
+        architecture="LlamaForCausalLM",
     ),
 }
 
@@ -141,8 +154,8 @@ def make_model(out_dir: str | Path, shape: str = "tiny-random", seed: int = 0) -
 
 def _hf_config(shape: ModelShape, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": [shape.architecture],
+        "model_type": "llama" if shape.architecture == "LlamaForCausalLM" else "qwen3",
         "vocab_size": vocab_size,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -195,12 +208,15 @@ def _random_weights(shape: ModelShape, vocab_size: int, seed: int) -> dict[str, 
             f"{prefix}.self_attn.k_proj.weight": normal(kv_size, hidden),
             f"{prefix}.self_attn.v_proj.weight": normal(kv_size, hidden),
             f"{prefix}.self_attn.o_proj.weight": normal(hidden, q_size),
-            f"{prefix}.self_attn.q_norm.weight": ones(head_dim),
-            f"{prefix}.self_attn.k_norm.weight": ones(head_dim),
             f"{prefix}.mlp.gate_proj.weight": normal(shape.intermediate_size, hidden),
             f"{prefix}.mlp.up_proj.weight": normal(shape.intermediate_size, hidden),
             f"{prefix}.mlp.down_proj.weight": normal(hidden, shape.intermediate_size),
         }
+        if shape.architecture == "Qwen3ForCausalLM":  # per-head norms on queries and keys
+            weights |= {
+                f"{prefix}.self_attn.q_norm.weight": ones(head_dim),
+                f"{prefix}.self_attn.k_norm.weight": ones(head_dim),
+            }
     return weights
 
 

@@ -14,6 +14,7 @@ Every helper is the identity (or the plain layer) when `tp` is None, so one rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,15 +94,25 @@ def gather_sequence(x: torch.Tensor, tp: ParallelGroup | None, sp: bool) -> torc
     return tp.all_gather_seq(x) if tp is not None and sp else x
 
 
-def row_parallel(projection: Linear, x: torch.Tensor, tp: ParallelGroup | None, sp: bool) -> torch.Tensor:
+def row_parallel(
+    projection: Linear,
+    x: torch.Tensor,
+    tp: ParallelGroup | None,
+    sp: bool,
+    delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """A row-parallel projection, summed over ranks: to sequence slices under SP, replicated otherwise.
 
     x: [num_tokens, in_features / world_size] -> [local_len or num_tokens, out_features]. The bias is
-    added once, after the sum.
+    added once, after the sum. `delta(x, y) -> y` (a LoRA delta) adds to the projection's output
+    before the sum: its A is sharded like the weight's inputs, so each rank's share sums too.
     """
     if tp is None:
-        return projection(x)
+        out = projection(x)
+        return out if delta is None else delta(x, out)
     partial = projection(x, with_bias=False)  # [num_tokens, out_features], this rank's share of the sum
+    if delta is not None:
+        partial = delta(x, partial)
     out = tp.reduce_scatter_seq(partial) if sp else tp.all_reduce(partial)
     return out if projection.bias is None else out + projection.bias
 

@@ -28,6 +28,7 @@ from tandem.decoder.models.layers import (
     merge_prompt_embeds,
 )
 from tandem.decoder.models.linear import Linear
+from tandem.decoder.models.lora import LayerLora, LoraStep
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.tensor_parallel import (
     CheckpointPart,
@@ -73,11 +74,16 @@ class Attention(nn.Module):
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (this rank's heads)
         sp: bool = False,  # sequence parallel: x is a slice, and so is the output
+        lora: LayerLora | None = None,  # the step's adapters' deltas; None: no row is adapted
     ) -> torch.Tensor:
         x = gather_sequence(x, self.tp, sp)  # [num_tokens, hidden_size]
-        q, k, v = self.rope_and_cache(self.qkv_proj(x), cos, sin, attn, kv_cache)
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        if lora is not None:
+            qkv = lora.qkv_proj(x, qkv)
+        q, k, v = self.rope_and_cache(qkv, cos, sin, attn, kv_cache)
         out = self.attention(q, k, v, kv_cache, attn, self.scale)  # [num_tokens, num_heads * head_dim]
-        return row_parallel(self.o_proj, out, self.tp, sp)  # [num_tokens or local_len, hidden_size]
+        o_delta = None if lora is None else lora.o_proj
+        return row_parallel(self.o_proj, out, self.tp, sp, o_delta)  # [num_tokens or local_len, hidden_size]
 
     def rope_and_cache(
         self,
@@ -119,10 +125,11 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         sp: bool = False,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         # Norms and residual adds run on whatever rows this rank holds: its slice under SP.
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache, sp)
-        return h + self.mlp(self.post_attention_layernorm(h), sp)  # same rows as h
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache, sp, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), sp, lora)  # same rows as h
 
 
 class DecoderModel(nn.Module):
@@ -155,13 +162,14 @@ class DecoderModel(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+        lora: LoraStep | None = None,  # each row's adapter (models/lora.py); None: no adapters loaded
     ) -> torch.Tensor:
         """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices.
 
         With several ranks every rank returns the same logits. A step with any prefill runs
         sequence-parallel and needs its token count padded to a multiple of the world size.
         """
-        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids)
+        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora)
         return self.compute_logits(h)  # [num_logits, vocab_size]
 
     def hidden_states(
@@ -172,11 +180,12 @@ class DecoderModel(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+        lora: LoraStep | None = None,  # each row's adapter; None: no adapters loaded
     ) -> torch.Tensor:
         """`forward` without the LM head: the final hidden rows [num_logits, hidden_size] at
         attn.logits_indices, for a caller that takes the logits of many rows a slice at a time."""
         sp = self.is_sequence_parallel(input_ids, attn)
-        h = self.layer_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, sp)
+        h = self.layer_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, sp, lora)
         return self.final_rows(h, attn, sp)  # [num_logits, hidden_size]
 
     def layer_states(
@@ -188,13 +197,14 @@ class DecoderModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
         sp: bool = False,  # sequence parallel (is_sequence_parallel): this rank's slice in and out
+        lora: LoraStep | None = None,  # each row's adapter; None: no adapters loaded
     ) -> torch.Tensor:
         """The last layer's output at every position, before the final norm: [num_tokens, hidden_size],
         or this rank's [local_len, hidden_size] under SP."""
         h = self.embed(input_ids, inputs_embeds, is_token_ids, sp)
         cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, attn, kv_cache, sp)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h = layer(h, cos, sin, attn, kv_cache, sp, None if lora is None else lora.layer(i))
         return h
 
     def is_sequence_parallel(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> bool:

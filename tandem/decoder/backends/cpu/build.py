@@ -30,8 +30,9 @@ SOURCES = (
     "linear_packed.c",
     "linear_quant.c",
     "layer.c",
+    "lora.c",
 )
-HEADERS = ("bf16.h", "exp.h", "scratch.h", "team.h", "weight.h")
+HEADERS = ("bf16.h", "exp.h", "lora.h", "scratch.h", "team.h", "weight.h")
 PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as extension modules
 
 # -fopenmp: the library's parallel loops join torch's OpenMP runtime (torch/lib/libgomp.so.1, already

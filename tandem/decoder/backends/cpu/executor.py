@@ -11,6 +11,11 @@ dtype, then logged (`KernelChoice.describe`). Per step only the step's own kind 
   oneDNN's packed bf16, the C kernel or F.linear), the norms and the q/k norm + RoPE + KV write as C
   custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
 
+LoRA slots (models/lora.py) change none of that: the fused halves and the stack add each adapted row's
+delta after each projection in C (`lora.py`, csrc/lora.c), and the per-op path adds it after each
+bound linear (the C kernel when a build is loaded, the torch reference otherwise). A step without an
+adapted row runs exactly the plain calls, so a base row's bits are the same with LoRA on or off.
+
 Layers fuse when the linears are on the C kernel (an AVX512-BF16 CPU, or one whose oneDNN has no
 bf16 path: AVX2-only), there is one rank, and the weights are bf16. Attention is always
 `CpuPagedAttention` when a build is loaded (the C decode kernel in front of torch ops; the tiled
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -41,10 +47,12 @@ from tandem.decoder.backends.cpu.linear import (
     can_bind,
     can_prepack,
 )
+from tandem.decoder.backends.cpu.lora import LayerCLora, bind_table
 from tandem.decoder.backends.cpu.ops import register
 from tandem.decoder.backends.cpu.stack import DecodeStack
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.layers import RMSNorm
+from tandem.decoder.models.lora import LayerLora, LoraStep, LoraTable
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.tensor_parallel import gather_sequence, gather_vocab_logits, row_parallel
 from tandem.decoder.models.transformer import DecoderLayer, DecoderModel
@@ -133,7 +141,12 @@ class OpsLayer:
     """One decoder layer op by op, each op on the kernel bound for it (the model's own collectives)."""
 
     def __init__(
-        self, layer: DecoderLayer, kind: LinearKind, kernels: Kernels | None, ops: Any | None
+        self,
+        layer: DecoderLayer,
+        kind: LinearKind,
+        kernels: Kernels | None,
+        ops: Any | None,
+        lora: LayerCLora | None = None,  # the layer's LoRA slots on the C kernel; None: none or torch's
     ) -> None:
         a, mlp = layer.self_attn, layer.mlp
         self.layer = layer
@@ -146,6 +159,21 @@ class OpsLayer:
         # Qwen3's per-head norms for the C op (Llama: None, None; its epsilon then goes unread).
         self.q_norm, self.k_norm = _weight(a.q_norm), _weight(a.k_norm)
         self.qk_eps = a.q_norm.eps if a.q_norm is not None else 0.0
+        self.lora = lora
+
+    def deltas(self, step: LoraStep | None, index: int) -> LayerLora | None:
+        """The step's LoRA deltas for this layer (index `index`): on the C kernel where bound."""
+        if step is None or step.slots is None:
+            return None
+        c, slots = self.lora, step.slots
+        if c is None:
+            return step.layer(index)
+        return LayerLora(
+            partial(c.qkv_proj, slots=slots),
+            partial(c.o_proj, slots=slots),
+            partial(c.gate_up_proj, slots=slots),
+            partial(c.down_proj, slots=slots),
+        )
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x) if self.ops is None else self.ops.rms_norm(x, norm.weight, norm.eps)
@@ -158,11 +186,14 @@ class OpsLayer:
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         sp: bool,
+        lora: LayerLora | None = None,  # this layer's deltas for the step (`deltas`)
     ) -> torch.Tensor:
         layer = self.layer
         a, tp = layer.self_attn, layer.self_attn.tp
         x = gather_sequence(self._norm(layer.input_layernorm, h), tp, sp)  # [num_tokens, hidden]
         qkv = self.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
+        if lora is not None:
+            qkv = lora.qkv_proj(x, qkv)
         if self.ops is None:
             q, k, v = a.rope_and_cache(qkv, cos, sin, attn, kv_cache)
         else:
@@ -172,17 +203,23 @@ class OpsLayer:
             )  # fmt: skip
             v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
         out = a.attention(q, k, v, kv_cache, attn, a.scale)  # [num_tokens, num_heads * head_dim]
-        h = h + row_parallel(self.o, out, tp, sp)
+        h = h + row_parallel(self.o, out, tp, sp, None if lora is None else lora.o_proj)
         x = gather_sequence(self._norm(layer.post_attention_layernorm, h), tp, sp)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # 2 x [num_tokens, intermediate / world_size]
-        return h + row_parallel(self.down, F.silu(gate) * up, tp, sp)
+        gate_up = self.gate_up(x)  # [num_tokens, 2 * intermediate / world_size]
+        if lora is not None:
+            gate_up = lora.gate_up_proj(x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [num_tokens, intermediate / world_size]
+        down_delta = None if lora is None else lora.down_proj
+        return h + row_parallel(self.down, F.silu(gate) * up, tp, sp, down_delta)
 
 
 def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
-def _fuse(kernels: Kernels, layer: DecoderLayer, dense_rows: int) -> FusedLayer | None:
+def _fuse(
+    kernels: Kernels, layer: DecoderLayer, dense_rows: int, lora: LayerCLora | None
+) -> FusedLayer | None:
     """Both halves of the layer in C, when its weights are plain bf16 and its norms share one epsilon."""
     a, mlp = layer.self_attn, layer.mlp
     eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
@@ -196,9 +233,9 @@ def _fuse(kernels: Kernels, layer: DecoderLayer, dense_rows: int) -> FusedLayer 
         gate_up_bias=mlp.gate_up_proj.bias, down=_weight_of(mlp.down_proj), down_bias=mlp.down_proj.bias,
     )  # fmt: skip
     try:
-        return FusedLayer(kernels, weights, a.num_heads, a.num_kv_heads, eps.pop(), dense_rows)
+        return FusedLayer(kernels, weights, a.num_heads, a.num_kv_heads, eps.pop(), dense_rows, lora)
     except ValueError:
-        return None  # a weight that is not plain bf16 of the expected shape
+        return None  # a weight (or LoRA slots) not plain bf16 of the expected shape
 
 
 class CpuExecutor:
@@ -216,8 +253,12 @@ class CpuExecutor:
         # must exceed every step without prompt rows (EngineConfig.max_rows_without_prompt), so that a
         # decode or verify row's sums keep one order and speculation stays exact.
         dense_rows: int = 0,
+        # LoRA slots (models/lora.py): each step's adapted rows get their deltas on whichever path
+        # the step takes (see the NOTE).
+        lora: LoraTable | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         config = model.config
         kind = linears or choose_linears(model, kernels)
         c_ops = (
@@ -238,14 +279,23 @@ class CpuExecutor:
             )
             model.use_attention(CpuPagedAttention(ops, None if tiled else PREFILL_MAX_CONTEXT))
         self.fused: list[FusedLayer] | None = None
+        bound = bind_table(kernels, lora) if kernels is not None and lora is not None else None
         # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
         if kernels is not None and c_ops and kind == "c" and model.tp is None:
-            fused = [_fuse(kernels, layer, dense_rows) for layer in model.layers]
+            fused = [
+                _fuse(kernels, layer, dense_rows, None if bound is None else bound[i])
+                for i, layer in enumerate(model.layers)
+            ]
             if all(f is not None for f in fused):
                 self.fused = [f for f in fused if f is not None]
         self.stack = self._bind_stack(kernels) if use_stack else None
         self.layers = (
-            [OpsLayer(layer, kind, kernels, ops) for layer in model.layers] if not self.fused else []
+            [
+                OpsLayer(layer, kind, kernels, ops, None if bound is None else bound[i])
+                for i, layer in enumerate(model.layers)
+            ]
+            if not self.fused
+            else []
         )
         self.head = _bind_linear(kind, kernels, model.head_weight, None, config.dtype, dense_rows)
         # torch's argmax took 0.9 ms of a 24.5 ms step at 32 sequences; the C one takes 0.12.
@@ -288,9 +338,10 @@ class CpuExecutor:
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+        lora: LoraStep | None = None,  # each row's adapter: the table this executor was bound to
     ) -> torch.Tensor:
         """float32 logits [num_logits, vocab_size] at attn.logits_indices, as DecoderModel.forward."""
-        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids)
+        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora)
         return self.compute_logits(h)
 
     def hidden_states(
@@ -301,24 +352,28 @@ class CpuExecutor:
         kv_caches: list[torch.Tensor],  # per layer
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
+        lora: LoraStep | None = None,  # each row's adapter
     ) -> torch.Tensor:
         """The final hidden rows [num_logits, hidden_size], as DecoderModel.hidden_states."""
         model = self.model
+        if lora is not None and lora.table is not self.lora:
+            raise ValueError("a step's LoRA table must be the one the executor was bound to")
         sp = model.is_sequence_parallel(input_ids, attn)
         h = model.embed(input_ids, inputs_embeds, is_token_ids, sp)  # [num_tokens or local_len, hidden]
         cos, sin = model.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each
+        slots = None if lora is None else lora.slots  # int64 [num_tokens]; None: no row is adapted
         if self.stack is not None and attn.is_decode_only:
-            h = self.stack.run(h, cos, sin, attn, kv_caches)  # every layer in one C call
+            h = self.stack.run(h, cos, sin, attn, kv_caches, slots)  # every layer in one C call
         elif self.fused is not None:
             want_kv = not attn.is_decode_only
             for fused, layer, kv_cache in zip(self.fused, model.layers, kv_caches, strict=True):
                 # Everything but attention in two C calls; h is this layer's own input, updated in place.
-                q, k, v = fused.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, want_kv)
+                q, k, v = fused.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, want_kv, slots)
                 a = layer.self_attn
-                h = fused.mlp_block(h, a.attention(q, k, v, kv_cache, attn, a.scale))
+                h = fused.mlp_block(h, a.attention(q, k, v, kv_cache, attn, a.scale), slots)
         else:
-            for ops_layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                h = ops_layer(h, cos, sin, attn, kv_cache, sp)
+            for i, (ops_layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                h = ops_layer(h, cos, sin, attn, kv_cache, sp, ops_layer.deltas(lora, i))
         return model.final_rows(h, attn, sp)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -332,8 +387,10 @@ class CpuExecutor:
         return self._argmax(logits)
 
 
-def bind(model: DecoderModel, kernels: Kernels | None, dense_rows: int = 0) -> CpuExecutor:
+def bind(
+    model: DecoderModel, kernels: Kernels | None, dense_rows: int = 0, lora: LoraTable | None = None
+) -> CpuExecutor:
     """The executor for a loaded model, its choice logged in one line."""
-    executor = CpuExecutor(model, kernels, dense_rows=dense_rows)
+    executor = CpuExecutor(model, kernels, dense_rows=dense_rows, lora=lora)
     log.info("%s", executor.choice.describe())
     return executor

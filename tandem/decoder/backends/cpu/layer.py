@@ -6,6 +6,10 @@ executor's attention call between them. Bound once by the executor (`executor.py
 checked then; a call checks only the per-step tensors and refuses (ValueError naming the argument)
 what the kernels cannot read in place. One rank only: tensor parallelism keeps the module path,
 whose collectives sit between the projections.
+
+With LoRA slots bound (`lora`), a step whose rows use adapters passes each row's slot and the halves
+add each adapted row's delta after each projection, in C (backends/cpu/lora.py); a row of slot -1
+gets the plain halves' bits.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tandem.common.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelWeight, is_plain
+from tandem.decoder.backends.cpu.lora import LayerCLora, check_slots, functions
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class LayerWeights:
 
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the weights the linear kernel reads
+_LORA_SLOT = "a slot outside the LoRA table (slots must be -1 or a loaded slot)"
 
 
 def _is_plain_bf16(t: torch.Tensor | None) -> bool:
@@ -67,6 +74,7 @@ class FusedLayer:
         num_kv_heads: int,
         eps: float,
         dense_rows: int = 0,  # quantized projections: Kernels.quantized_weight's
+        lora: LayerCLora | None = None,  # the layer's LoRA slots (bf16); None: no adapters
     ) -> None:
         hidden = weights.input_norm.shape[0]
         head_dim = weights.o.shape[1] // num_heads
@@ -106,6 +114,20 @@ class FusedLayer:
                          p["q_norm"], p["k_norm"], ctypes.c_float(eps))  # fmt: skip
         self._mlp_ptrs = (p["o"], p["o_bias"], p["post_norm"], ctypes.c_float(eps), p["gate_up"],
                           p["gate_up_bias"], p["down"], p["down_bias"])  # fmt: skip
+        self.lora = lora
+        self._attention_in_lora: Any = None  # the *_lora entry points, when LoRA slots are bound
+        self._mlp_block_lora: Any = None
+        if lora is not None:
+            sizes = {"qkv_proj": (hidden, width), "o_proj": (num_heads * head_dim, hidden),
+                     "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}  # fmt: skip
+            for name, (k, n) in sizes.items():
+                c = getattr(lora, name)
+                if c.dtype != torch.bfloat16 or (c.in_features, c.out_features) != (k, n):
+                    raise ValueError(f"LoRA slots of {name} must be bfloat16 [{k} -> {n}], got {c.dtype} "
+                                     f"[{c.in_features} -> {c.out_features}]")  # fmt: skip
+            lora_fns = functions(kernels)
+            self._attention_in_lora, self._mlp_block_lora = lora_fns.attention_in, lora_fns.mlp_block
+            self._lora_ptrs = (ctypes.c_void_p * 4)(*lora.pointers)
 
     def _accepts(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (
@@ -126,6 +148,7 @@ class FusedLayer:
         slot_mapping: torch.Tensor,  # int64 [num_tokens]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         want_kv: bool,  # also return this step's keys and values (prefill attends to them)
+        lora_slots: torch.Tensor | None = None,  # int64 [num_tokens], each row's LoRA slot; None: none
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """q [num_tokens, num_heads, head_dim], and k, v [num_tokens, num_kv_heads, head_dim] or None."""
         m = h.shape[0]
@@ -145,18 +168,33 @@ class FusedLayer:
         k = h.new_empty(m, self.num_kv_heads, self.head_dim) if want_kv else None
         v = h.new_empty(m, self.num_kv_heads, self.head_dim) if want_kv else None
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-        status = self._attention_in(h.data_ptr(), *self._in_ptrs, cos.data_ptr(), sin.data_ptr(),
-                                    slots.data_ptr(), kv_cache.data_ptr(), num_slots, q.data_ptr(), _ptr(k),
-                                    _ptr(v), m, self.hidden, self.num_heads, self.num_kv_heads,
-                                    self.head_dim)  # fmt: skip
-        if status != 0:
+        args = (h.data_ptr(), *self._in_ptrs, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                kv_cache.data_ptr(), num_slots, q.data_ptr(), _ptr(k), _ptr(v), m, self.hidden,
+                self.num_heads, self.num_kv_heads, self.head_dim)  # fmt: skip
+        if self._call(self._attention_in, self._attention_in_lora, args, lora_slots, m) != 0:
             raise ValueError("fused layer refused its input: slot_mapping: a KV slot is outside kv_cache")
         return q, k, v
+
+    def _call(
+        self, plain: Any, with_lora: Any, args: tuple[Any, ...], lora_slots: torch.Tensor | None, m: int
+    ) -> int:
+        """A half's status: its plain entry point, or (lora_slots given) its *_lora twin with the
+        layer's slots and each of the m rows'; a LoRA slot it refused raises."""
+        if lora_slots is None:
+            return plain(*args)
+        if self.lora is None:
+            raise ValueError("lora_slots given to a fused layer bound without LoRA slots")
+        check_slots(lora_slots, m)
+        status = with_lora(*args, self._lora_ptrs, lora_slots.data_ptr())
+        if status == -2:
+            raise ValueError(f"fused layer refused its input: lora_slots: {_LORA_SLOT}")
+        return status
 
     def mlp_block(
         self,
         h: torch.Tensor,  # [num_tokens, hidden], updated in place and returned
         attn: torch.Tensor,  # [num_tokens, num_heads * head_dim], attention's output
+        lora_slots: torch.Tensor | None = None,  # int64 [num_tokens], each row's LoRA slot; None: none
     ) -> torch.Tensor:
         m = h.shape[0]
         width = self.num_heads * self.head_dim
@@ -164,9 +202,7 @@ class FusedLayer:
             raise ValueError(
                 f"attn must be contiguous bfloat16 [{m}, {width}], got {attn.dtype} {list(attn.shape)}"
             )
-        status = self._mlp_block(
-            h.data_ptr(), attn.data_ptr(), *self._mlp_ptrs, m, self.hidden, width, self.inter
-        )
-        if status != 0:
+        args = (h.data_ptr(), attn.data_ptr(), *self._mlp_ptrs, m, self.hidden, width, self.inter)
+        if self._call(self._mlp_block, self._mlp_block_lora, args, lora_slots, m) != 0:
             raise MemoryError(f"fused layer: no scratch memory for {m} tokens")
         return h

@@ -7,7 +7,8 @@ kernels in the same order as the per-layer calls, so the results are the same bi
 prefill keep the per-layer path.
 
 Bound by the executor (`executor.py`) when every layer is fused (FusedLayer) and the attention is the
-C decode kernel.
+C decode kernel. With LoRA slots (the fused layers' own), a step whose rows use adapters runs the
+same call with each row's slot, every layer adding the deltas as its fused halves do.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from tandem.decoder.backends.cpu.kernels import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, Kernels, is_plain
 from tandem.decoder.backends.cpu.layer import FusedLayer
+from tandem.decoder.backends.cpu.lora import check_slots, functions, pointer_array
 from tandem.decoder.models.attention import AttentionMetadata
 
 # The order of each layer's pointers in the weights array: layer_kernels.c's W_* enum.
@@ -27,6 +29,7 @@ _WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", 
 _ERRORS = {
     1: "slot_mapping: a KV slot is outside kv_cache",
     2: "a sequence length (seq_lens) or block id (block_tables) is outside kv_cache",
+    4: "lora_slots: a slot outside the LoRA table (slots must be -1 or a loaded slot)",
 }
 
 
@@ -49,6 +52,10 @@ class DecodeStack:
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)  # [num_layers][len(_WEIGHTS)]
         self._kv_type = ctypes.c_void_p * len(layers)
         self._run = kernels.decode_layers
+        # Every layer's LoRA slots, when the layers have them (all or none: the executor binds them so).
+        loras = [layer.lora for layer in layers if layer.lora is not None]
+        self._lora = pointer_array(loras) if len(loras) == len(layers) else None
+        self._run_lora = functions(kernels).decode_layers if self._lora is not None else None
         # The caches last checked (weakly: the runner owns them) and their pointers. The runner passes
         # the same caches every step: checking them all again would be per-step host work for nothing.
         self._caches: list[weakref.ref[torch.Tensor]] = []
@@ -62,6 +69,7 @@ class DecodeStack:
         sin: torch.Tensor,  # [num_tokens, 1, head_dim]
         attn: AttentionMetadata,  # decode-only: one query per sequence
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        lora_slots: torch.Tensor | None = None,  # int64 [num_tokens], each row's LoRA slot; None: none
     ) -> torch.Tensor:
         m = h.shape[0]
         if not attn.is_decode_only or len(attn.query_lens) != m:
@@ -73,11 +81,17 @@ class DecodeStack:
         q = h.new_empty(m, width)
         out = h.new_empty(m, width)
         tables = attn.block_tables
-        status = self._run(h.data_ptr(), self._weights, caches, len(self.layers), self.eps, cos.data_ptr(),
-                           sin.data_ptr(), attn.slot_mapping.data_ptr(), tables.data_ptr(),
-                           attn.seq_lens_t.data_ptr(), tables.shape[1], num_blocks, block_size, self.scale,
-                           q.data_ptr(), out.data_ptr(), m, self.hidden, self.num_heads, self.num_kv_heads,
-                           self.head_dim, self.inter)  # fmt: skip
+        args = (h.data_ptr(), self._weights, caches, len(self.layers), self.eps, cos.data_ptr(),
+                sin.data_ptr(), attn.slot_mapping.data_ptr(), tables.data_ptr(), attn.seq_lens_t.data_ptr(),
+                tables.shape[1], num_blocks, block_size, self.scale, q.data_ptr(), out.data_ptr(), m,
+                self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.inter)  # fmt: skip
+        if lora_slots is None:
+            status = self._run(*args)
+        elif self._run_lora is None:
+            raise ValueError("lora_slots given to a decode stack bound without LoRA slots")
+        else:
+            check_slots(lora_slots, m)
+            status = self._run_lora(*args, self._lora, lora_slots.data_ptr())
         if status == 3:
             raise MemoryError(f"decode stack: no scratch memory for {m} tokens")
         if status != 0:

@@ -271,3 +271,15 @@ def test_random_allocate_and_free_keep_block_accounting(
     for request in live.values():
         manager.free(request)
     assert manager.num_free_blocks == manager.num_total_blocks
+
+
+def test_requests_of_different_adapters_never_share_blocks_and_of_one_adapter_do() -> None:
+    manager = BlockManager(num_blocks=20, block_size=BLOCK_SIZE)
+    first = make_request("first", list(range(10)))
+    first.cache_salt = b"adapter-a"
+    assert admit(manager, first)
+    compute_all(manager, first)
+    for salt, num_cached in ((b"", 0), (b"adapter-b", 0), (b"adapter-a", 8)):
+        second = make_request("second", list(range(10)) + [42])
+        second.cache_salt = salt
+        assert manager.get_computed_blocks(second)[1] == num_cached, salt

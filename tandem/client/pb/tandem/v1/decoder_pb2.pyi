@@ -501,6 +501,7 @@ class GenerateRequest(_message.Message):
     PLAIN_TEXT_FIELD_NUMBER: _builtins.int
     SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     STRUCTURED_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen ID echoed in every response and in traces, at most 128 bytes. A label only: the
     server never looks a request up by it, so it need not be unique, and reusing one (even right
@@ -522,6 +523,12 @@ class GenerateRequest(_message.Message):
     greedy and seeded requests give the same tokens, logprobs are those of a plain step. At most 16;
     0 turns it off; unset = the server's --speculative-tokens (0 unless set). Pays where the output
     repeats the prompt (rewriting, extraction, editing) and on a lightly loaded server.
+    """
+    adapter: _builtins.str
+    """The LoRA adapter to generate with, by the name it was loaded under (ListAdapters); empty = the
+    base model. Requests of different adapters and the base model share one batch; each gets its
+    own adapter's tokens, and two adapters never share prefix-cache blocks. NOT_FOUND when no
+    adapter of that name is loaded. At most 256 bytes.
     """
     @_builtins.property
     def prompt(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptSegment]:
@@ -564,10 +571,11 @@ class GenerateRequest(_message.Message):
         plain_text: _builtins.bool = ...,
         speculative_tokens: _builtins.int | None = ...,
         structured: Global___StructuredOutput | None = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "chat", b"chat", "output", b"output", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping", "structured", b"structured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "chat", b"chat", "model", b"model", "output", b"output", "plain_text", b"plain_text", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping", "structured", b"structured"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens", "adapter", b"adapter", "chat", b"chat", "model", b"model", "output", b"output", "plain_text", b"plain_text", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative_tokens", b"speculative_tokens", "stopping", b"stopping", "structured", b"structured"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__speculative_tokens: _TypeAlias = _typing.Literal["speculative_tokens"]  # noqa: Y015
     _WhichOneofArgType__speculative_tokens: _TypeAlias = _typing.Literal["_speculative_tokens", b"_speculative_tokens"]  # noqa: Y015
@@ -991,6 +999,9 @@ class DecoderGetModelInfoResponse(_message.Message):
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     IMAGE_PLACEHOLDER_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     ACCEPTS_ENCODER_PARTS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name (the checkpoint directory's name)."""
@@ -1016,6 +1027,10 @@ class DecoderGetModelInfoResponse(_message.Message):
     """Whether the model has a chat template, so `chat` requests are accepted."""
     image_placeholder: _builtins.str
     """Where the chat template puts an image part's rows ("<image>"); empty: the model takes no images."""
+    max_loras: _builtins.int
+    """Most adapters loaded at once (--max-loras); 0 when the server runs without LoRA."""
+    max_lora_rank: _builtins.int
+    """Highest adapter rank accepted (--max-lora-rank); 0 when the server runs without LoRA."""
     accepts_encoder_parts: _builtins.bool
     """Whether `encoder` prompt segments and chat parts are accepted: the decoder was started with
     --encoder and fetches their rows itself.
@@ -1023,6 +1038,10 @@ class DecoderGetModelInfoResponse(_message.Message):
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token IDs that end generation unless ignore_eos is set."""
+
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """The LoRA adapters loaded now, by name (GenerateRequest.adapter)."""
 
     def __init__(
         self,
@@ -1040,12 +1059,190 @@ class DecoderGetModelInfoResponse(_message.Message):
         max_queued_requests: _builtins.int = ...,
         has_chat_template: _builtins.bool = ...,
         image_placeholder: _builtins.str = ...,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
         accepts_encoder_parts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_encoder_parts", b"accepts_encoder_parts", "accepts_prompt_embeds", b"accepts_prompt_embeds", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_encoder_parts", b"accepts_encoder_parts", "accepts_prompt_embeds", b"accepts_prompt_embeds", "adapters", b"adapters", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecoderGetModelInfoResponse: _TypeAlias = DecoderGetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """A loaded LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests use (GenerateRequest.adapter; the OpenAI front's `model`)."""
+    path: _builtins.str
+    """The directory it was read from, on the server."""
+    rank: _builtins.int
+    """Its rank (r)."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The checkpoint modules it adapts: some of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+        down_proj.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    """Load the PEFT adapter at `path` (adapter_config.json + adapter_model.safetensors; a pickle is
+    never read) and serve it as `name`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests will use, 1-256 bytes, not taken by a loaded adapter."""
+    path: _builtins.str
+    """The adapter's directory, on the server's file system."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadAdapterResponse(_message.Message):
+    """The adapter as loaded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___AdapterInfo:
+        """Its name, path, rank and target modules."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___AdapterInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterResponse: _TypeAlias = LoadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    """Stop serving the adapter loaded as `name`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name it was loaded under."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterResponse(_message.Message):
+    """The adapter is no longer served."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
+    running_requests: _builtins.int
+    """Requests still running with it, which finish with it; its slot is free once they have."""
+    def __init__(
+        self,
+        *,
+        running_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["running_requests", b"running_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    """Asks for the loaded adapters. No fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    """The loaded adapters, by name."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """One entry per loaded adapter."""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015

@@ -59,6 +59,21 @@ class DecoderStub:
                 request_serializer=tandem_dot_v1_dot_decoder__pb2.DecoderGetModelInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_decoder__pb2.DecoderGetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tandem.v1.Decoder/LoadAdapter',
+                request_serializer=tandem_dot_v1_dot_decoder__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decoder__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/tandem.v1.Decoder/UnloadAdapter',
+                request_serializer=tandem_dot_v1_dot_decoder__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decoder__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/tandem.v1.Decoder/ListAdapters',
+                request_serializer=tandem_dot_v1_dot_decoder__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decoder__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class DecoderServicer:
@@ -99,6 +114,33 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter (PEFT's format) into a free slot, served under its name from then on;
+        streams already running go on undisturbed. FAILED_PRECONDITION when the server runs without
+        --enable-lora; INVALID_ARGUMENT naming the file and field when the adapter does not fit the base
+        model or the server (rank over --max-lora-rank, a module other than q/k/v/o/gate/up/down, a
+        tensor of another shape than the model's, DoRA, bias terms), with nothing loaded;
+        ALREADY_EXISTS when the name is taken; RESOURCE_EXHAUSTED when all --max-loras slots are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Stops serving an adapter: new requests naming it get NOT_FOUND, and requests running with it
+        finish with it; its slot is free once they have. NOT_FOUND when it is not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The loaded adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +158,21 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tandem_dot_v1_dot_decoder__pb2.DecoderGetModelInfoRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_decoder__pb2.DecoderGetModelInfoResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=tandem_dot_v1_dot_decoder__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decoder__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=tandem_dot_v1_dot_decoder__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decoder__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=tandem_dot_v1_dot_decoder__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decoder__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -209,6 +266,87 @@ class Decoder:
             '/tandem.v1.Decoder/GetModelInfo',
             tandem_dot_v1_dot_decoder__pb2.DecoderGetModelInfoRequest.SerializeToString,
             tandem_dot_v1_dot_decoder__pb2.DecoderGetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decoder/LoadAdapter',
+            tandem_dot_v1_dot_decoder__pb2.LoadAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_decoder__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decoder/UnloadAdapter',
+            tandem_dot_v1_dot_decoder__pb2.UnloadAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_decoder__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decoder/ListAdapters',
+            tandem_dot_v1_dot_decoder__pb2.ListAdaptersRequest.SerializeToString,
+            tandem_dot_v1_dot_decoder__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

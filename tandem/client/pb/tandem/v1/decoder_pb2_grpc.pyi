@@ -54,6 +54,20 @@ class DecoderStub:
     """Tokenizes texts with the model's tokenizer."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_decoder_pb2.DecoderGetModelInfoRequest, _decoder_pb2.DecoderGetModelInfoResponse]
     """Describes the loaded model and the server's limits."""
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_decoder_pb2.LoadAdapterRequest, _decoder_pb2.LoadAdapterResponse]
+    """Loads a LoRA adapter (PEFT's format) into a free slot, served under its name from then on;
+    streams already running go on undisturbed. FAILED_PRECONDITION when the server runs without
+    --enable-lora; INVALID_ARGUMENT naming the file and field when the adapter does not fit the base
+    model or the server (rank over --max-lora-rank, a module other than q/k/v/o/gate/up/down, a
+    tensor of another shape than the model's, DoRA, bias terms), with nothing loaded;
+    ALREADY_EXISTS when the name is taken; RESOURCE_EXHAUSTED when all --max-loras slots are.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_decoder_pb2.UnloadAdapterRequest, _decoder_pb2.UnloadAdapterResponse]
+    """Stops serving an adapter: new requests naming it get NOT_FOUND, and requests running with it
+    finish with it; its slot is free once they have. NOT_FOUND when it is not loaded.
+    """
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_decoder_pb2.ListAdaptersRequest, _decoder_pb2.ListAdaptersResponse]
+    """The loaded adapters."""
 
 @_typing.type_check_only
 class DecoderAsyncStub(DecoderStub):
@@ -81,6 +95,20 @@ class DecoderAsyncStub(DecoderStub):
     """Tokenizes texts with the model's tokenizer."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_decoder_pb2.DecoderGetModelInfoRequest, _decoder_pb2.DecoderGetModelInfoResponse]  # type: ignore[assignment]
     """Describes the loaded model and the server's limits."""
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_decoder_pb2.LoadAdapterRequest, _decoder_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    """Loads a LoRA adapter (PEFT's format) into a free slot, served under its name from then on;
+    streams already running go on undisturbed. FAILED_PRECONDITION when the server runs without
+    --enable-lora; INVALID_ARGUMENT naming the file and field when the adapter does not fit the base
+    model or the server (rank over --max-lora-rank, a module other than q/k/v/o/gate/up/down, a
+    tensor of another shape than the model's, DoRA, bias terms), with nothing loaded;
+    ALREADY_EXISTS when the name is taken; RESOURCE_EXHAUSTED when all --max-loras slots are.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_decoder_pb2.UnloadAdapterRequest, _decoder_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """Stops serving an adapter: new requests naming it get NOT_FOUND, and requests running with it
+    finish with it; its slot is free once they have. NOT_FOUND when it is not loaded.
+    """
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_decoder_pb2.ListAdaptersRequest, _decoder_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """The loaded adapters."""
 
 class DecoderServicer(metaclass=_abc_1.ABCMeta):
     """Generates text from prompts made of token IDs, text and caller-provided embeddings in any mix.
@@ -123,5 +151,37 @@ class DecoderServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_decoder_pb2.DecoderGetModelInfoResponse, _abc.Awaitable[_decoder_pb2.DecoderGetModelInfoResponse]]:
         """Describes the loaded model and the server's limits."""
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _decoder_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_decoder_pb2.LoadAdapterResponse, _abc.Awaitable[_decoder_pb2.LoadAdapterResponse]]:
+        """Loads a LoRA adapter (PEFT's format) into a free slot, served under its name from then on;
+        streams already running go on undisturbed. FAILED_PRECONDITION when the server runs without
+        --enable-lora; INVALID_ARGUMENT naming the file and field when the adapter does not fit the base
+        model or the server (rank over --max-lora-rank, a module other than q/k/v/o/gate/up/down, a
+        tensor of another shape than the model's, DoRA, bias terms), with nothing loaded;
+        ALREADY_EXISTS when the name is taken; RESOURCE_EXHAUSTED when all --max-loras slots are.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _decoder_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_decoder_pb2.UnloadAdapterResponse, _abc.Awaitable[_decoder_pb2.UnloadAdapterResponse]]:
+        """Stops serving an adapter: new requests naming it get NOT_FOUND, and requests running with it
+        finish with it; its slot is free once they have. NOT_FOUND when it is not loaded.
+        """
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _decoder_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_decoder_pb2.ListAdaptersResponse, _abc.Awaitable[_decoder_pb2.ListAdaptersResponse]]:
+        """The loaded adapters."""
 
 def add_DecoderServicer_to_server(servicer: DecoderServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,178 @@
+"""A LoRA adapter in PEFT's format, read without peft: `adapter_config.json` + `adapter_model.safetensors`.
+
+Only safetensors is read (never `adapter_model.bin`: a pickle). Every rule is checked before
+anything is kept, so a refused adapter leaves nothing behind, and each refusal names the file and
+the field at fault. The rules are what the serving side can honour exactly: plain LoRA (no DoRA, no
+bias terms, no `modules_to_save`, no per-module rank or alpha patterns) on the attention and MLP
+projections (q/k/v/o, gate/up/down), rank at most --max-lora-rank, and every tensor of the shape
+the base model's own projection has (so an adapter made for another base model, whose hidden size
+or head counts differ, fails naming the first tensor that does not fit).
+
+Scaling is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tandem.client.errors import InvalidArgument
+from tandem.common.checkpoint import read_json
+from tandem.decoder.models.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# The checkpoint modules an adapter may target (models/lora.py: the fused projection each is part of).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT strips the adapter's name).
+_TENSOR_NAME = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
+)
+
+
+class AdapterError(InvalidArgument, ValueError):
+    """An adapter that cannot be served here; `field` names the file and its entry."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter's weights, checked against one base model; not yet in any slot."""
+
+    rank: int  # r
+    scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
+    targets: tuple[str, ...]  # the checkpoint modules it adapts, in TARGETS order
+    # (layer, module) -> (A [rank, in_features], B [out_features, rank]), float32
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(a.numel() + b.numel() for a, b in self.weights.values())
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each target module in the base model's checkpoint."""
+    c = config
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {
+        "q_proj": (q_size, c.hidden_size),
+        "k_proj": (kv_size, c.hidden_size),
+        "v_proj": (kv_size, c.hidden_size),
+        "o_proj": (c.hidden_size, q_size),
+        "gate_proj": (c.intermediate_size, c.hidden_size),
+        "up_proj": (c.intermediate_size, c.hidden_size),
+        "down_proj": (c.hidden_size, c.intermediate_size),
+    }
+
+
+def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """The adapter in directory `path`, checked against a base model of `config`. Raises AdapterError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterError("path", f"{path} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    settings = read_json(path / CONFIG_FILE, _ConfigFileError)
+    rank, scale = _check_config(settings, max_rank)
+    weights_path = path / WEIGHTS_FILE
+    if not weights_path.is_file():
+        pickle = (path / "adapter_model.bin").exists()
+        hint = " (adapter_model.bin is a pickle, never read: save it as safetensors)" if pickle else ""
+        raise AdapterError(WEIGHTS_FILE, f"not found in {path}{hint}")
+    weights = _read_weights(weights_path, config, rank)
+    targets = tuple(t for t in TARGETS if any(module == t for _, module in weights))
+    return LoraAdapter(rank=rank, scale=scale, targets=targets, weights=weights)
+
+
+class _ConfigFileError(AdapterError):
+    """adapter_config.json missing or not JSON (read_json's message names the file's path)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(CONFIG_FILE, message)
+
+
+def _check_config(settings: dict[str, Any], max_rank: int) -> tuple[int, float]:
+    """r and the scale, once every setting the serving side cannot honour is ruled out."""
+
+    def refuse(key: str, why: str) -> AdapterError:
+        return AdapterError(f"{CONFIG_FILE}:{key}", why)
+
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise refuse("peft_type", f"must be LORA, got {settings['peft_type']!r}")
+    rank = settings.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise refuse("r", f"must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise refuse("r", f"{rank} is more than the server's --max-lora-rank {max_rank}")
+    alpha = settings.get("lora_alpha", rank)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise refuse("lora_alpha", f"must be a finite number, got {alpha!r}")
+    unsupported = {
+        "use_dora": "DoRA is not supported",
+        "fan_in_fan_out": "fan_in_fan_out weights (Conv1D models) are not supported",
+        "lora_bias": "LoRA bias terms are not supported",
+        "modules_to_save": "fully trained modules (modules_to_save) are not supported",
+        "rank_pattern": "per-module ranks are not supported",
+        "alpha_pattern": "per-module alphas are not supported",
+    }
+    for key, why in unsupported.items():
+        if settings.get(key):
+            raise refuse(key, why)
+    if settings.get("bias", "none") != "none":
+        raise refuse("bias", f"must be 'none' (bias terms are not supported), got {settings['bias']!r}")
+    targets = settings.get("target_modules")
+    if isinstance(targets, list) and (unknown := sorted(set(targets) - set(TARGETS))):
+        raise refuse("target_modules", f"{unknown[0]!r} is not one of {', '.join(TARGETS)}")
+    use_rslora = bool(settings.get("use_rslora", False))
+    return rank, float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+
+
+def _read_weights(
+    path: Path, config: ModelConfig, rank: int
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    shapes = module_shapes(config)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except Exception as error:  # safetensors raises its own SafetensorError for a malformed header
+        raise AdapterError(WEIGHTS_FILE, f"cannot be read: {error}") from None
+    with handle:
+        for name in handle.keys():
+            match = _TENSOR_NAME.fullmatch(name)
+            if match is None or match.group(2) not in TARGETS:
+                raise AdapterError(
+                    f"{WEIGHTS_FILE}:{name}",
+                    f"is not a LoRA weight of a decoder layer's {', '.join(TARGETS)}",
+                )
+            layer, module, half = int(match.group(1)), match.group(2), match.group(3)
+            if layer >= config.num_layers:
+                raise AdapterError(
+                    f"{WEIGHTS_FILE}:{name}", f"names layer {layer}; the base model has {config.num_layers}"
+                )
+            out_features, in_features = shapes[module]
+            want = (rank, in_features) if half == "A" else (out_features, rank)
+            shape = tuple(handle.get_slice(name).get_shape())
+            if shape != want:
+                raise AdapterError(
+                    f"{WEIGHTS_FILE}:{name}",
+                    f"has shape {list(shape)}, expected {list(want)} (r {rank} and the base model's "
+                    f"{module}: in {in_features}, out {out_features})",
+                )
+            tensor = handle.get_tensor(name)
+            if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+                raise AdapterError(f"{WEIGHTS_FILE}:{name}", "must hold finite floating-point values")
+            halves.setdefault((layer, module), {})[half] = tensor.float()
+    weights = {}
+    for (layer, module), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise AdapterError(WEIGHTS_FILE, f"layer {layer} {module} has no {missing} weight")
+        weights[(layer, module)] = (pair["A"], pair["B"])
+    if not weights:
+        raise AdapterError(WEIGHTS_FILE, "holds no LoRA weights")
+    return weights

@@ -1,0 +1,220 @@
+"""LoRA adapters over gRPC on the default model's architecture (a tiny random Llama, float32): three
+peft adapters of different ranks and targets and the base model in one running batch, each with
+transformers + peft's own tokens; with embedding prompts and speculation; loaded, unloaded and
+reloaded while another adapter's stream runs; and every refusal with its status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from tandem.decoder.models.random_model import make_model
+from tests.lora_adapters import SPECS, make_adapter, peft_greedy
+
+from .conftest import Served, serve, shutdown
+
+pytestmark = pytest.mark.asyncio
+PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 17, 402, 33]
+NUM_TOKENS = 32
+LONG = 320  # the stream that runs while adapters come and go (the calls beside it take ~100 of its steps)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = make_model(root / "tiny-llama", shape="tiny-llama", seed=0)
+    adapters = {
+        name: make_adapter(model_dir, root / name, spec, seed=i)
+        for i, (name, spec) in enumerate(SPECS.items())
+    }
+    return model_dir, adapters
+
+
+@pytest.fixture(scope="module")
+def references(llama: tuple[Path, dict[str, Path]]) -> dict[str, list[int]]:
+    """transformers + peft's greedy tokens per adapter ("" = the base model)."""
+    model_dir, adapters = llama
+    tokens = {"": peft_greedy(model_dir, None, PROMPT, NUM_TOKENS)}
+    for name, path in adapters.items():
+        tokens[name] = peft_greedy(model_dir, path, PROMPT, NUM_TOKENS)
+    assert len({tuple(t) for t in tokens.values()}) == 4  # every adapter changes the answer
+    return tokens
+
+
+@pytest.fixture
+async def lora_decoder(llama: tuple[Path, dict[str, Path]]) -> AsyncIterator[Served]:
+    model_dir, adapters = llama
+    served = await serve(
+        model_dir, None, enable_lora=True, loras=tuple(adapters.items()), max_loras=4, max_lora_rank=16
+    )
+    yield served
+    await shutdown(served)
+
+
+def request(
+    adapter: str, prompt=None, max_new_tokens: int = NUM_TOKENS, **fields
+) -> decoder_pb2.GenerateRequest:
+    message = decoder_pb2.GenerateRequest(adapter=adapter, **fields)
+    if prompt is None:
+        message.prompt.add().token_ids.ids.extend(PROMPT)
+    else:
+        message.prompt.append(prompt)
+    message.sampling.temperature = 0
+    message.stopping.max_new_tokens = max_new_tokens
+    message.stopping.ignore_eos = True
+    return message
+
+
+async def tokens_of(
+    served: Served, message: decoder_pb2.GenerateRequest
+) -> tuple[list[int], decoder_pb2.Finished]:
+    tokens, finished = [], None
+    async for response in served.client.generate(message):
+        if response.HasField("delta"):
+            tokens.extend(response.delta.token_ids)
+        elif response.HasField("finished"):
+            finished = response.finished
+    assert finished is not None
+    return tokens, finished
+
+
+def record_steps(served: Served) -> list[set[int]]:
+    """Each step's set of adapter slots from now on (-1: base rows), one set per running request."""
+    runner = served.engine.core.runner
+    steps: list[set[int]] = []
+    execute = runner.execute
+
+    def recording(plan):
+        steps.append(
+            {item.request.adapter_slot for item in plan.scheduled} if len(plan.scheduled) == 4 else set()
+        )
+        return execute(plan)
+
+    runner.execute = recording
+    return steps
+
+
+async def test_three_adapters_and_the_base_in_one_running_batch_give_peft_s_tokens(
+    lora_decoder: Served, references: dict[str, list[int]], llama: tuple[Path, dict[str, Path]]
+) -> None:
+    steps = record_steps(lora_decoder)
+    names = ["", *SPECS]
+    results = await asyncio.gather(*(tokens_of(lora_decoder, request(name)) for name in names))
+    for name, (tokens, _) in zip(names, results, strict=True):
+        assert tokens == references[name], name or "base"
+    assert {-1, 0, 1, 2} in steps  # a step that ran all four, three adapters and the base
+
+    # The same prompt as embedding rows (the checkpoint's own table), and with speculation.
+    table = lora_decoder.engine.loaded.model.embed_tokens.weight
+    rows = table[torch.tensor(PROMPT)].detach().float().numpy()
+    embeddings = decoder_pb2.PromptSegment(
+        embeddings=tensor_pb2.Tensor(
+            dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=rows.shape, data=rows.tobytes()
+        )
+    )
+    as_rows = await asyncio.gather(*(tokens_of(lora_decoder, request(name, embeddings)) for name in names))
+    speculating = await asyncio.gather(
+        *(tokens_of(lora_decoder, request(name, speculative_tokens=3)) for name in names)
+    )
+    for name, (tokens, _), (spec_tokens, _) in zip(names, as_rows, speculating, strict=True):
+        assert tokens == references[name], f"{name or 'base'} from embedding rows"
+        assert spec_tokens == references[name], f"{name or 'base'} speculating"
+    assert sum(f.proposed_tokens for _, f in speculating) > 0  # the verify rows ran the adapters
+
+    info = await lora_decoder.client.model_info()
+    assert [(a.name, a.rank, list(a.target_modules)) for a in info.adapters] == [
+        (name, SPECS[name].rank, list(SPECS[name].targets)) for name in sorted(SPECS)
+    ]
+    assert (info.max_loras, info.max_lora_rank) == (4, 16)
+
+
+async def test_an_adapters_prefix_is_never_served_from_another_adapters_blocks(lora_decoder: Served) -> None:
+    _, first = await tokens_of(lora_decoder, request("qv4"))
+    _, again = await tokens_of(lora_decoder, request("qv4"))
+    _, other = await tokens_of(lora_decoder, request("mlp8"))
+    assert first.usage.cached_input_tokens == 0 and again.usage.cached_input_tokens > 0
+    assert other.usage.cached_input_tokens == 0
+
+
+async def test_adapters_load_unload_and_reload_while_another_adapters_stream_runs_unchanged(
+    llama: tuple[Path, dict[str, Path]], references: dict[str, list[int]]
+) -> None:
+    model_dir, adapters = llama
+    long_reference = peft_greedy(model_dir, adapters["qv4"], PROMPT, LONG)
+    served = await serve(model_dir, None, enable_lora=True, loras=(("qv4", adapters["qv4"]),), max_loras=2)
+    try:
+        client = served.client
+        running = asyncio.ensure_future(tokens_of(served, request("qv4", max_new_tokens=LONG)))
+        while not served.engine.core.num_live():
+            await asyncio.sleep(0.001)
+        loaded = await client.load_adapter("mlp8", str(adapters["mlp8"]))
+        assert (loaded.name, loaded.rank) == ("mlp8", 8)
+        assert (await tokens_of(served, request("mlp8")))[0] == references["mlp8"]
+        assert await client.unload_adapter("mlp8") == 0
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await tokens_of(served, request("mlp8"))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "'mlp8'" in refused.value.details()
+        await client.load_adapter("mlp8", str(adapters["mlp8"]))
+        assert (await tokens_of(served, request("mlp8")))[0] == references["mlp8"]
+        assert not running.done(), "the long stream ended before the adapters changed: nothing was tested"
+        assert await client.unload_adapter("qv4") == 1  # in use: it finishes with its adapter
+        assert [a.name for a in await client.list_adapters()] == ["mlp8"]
+        assert (await running)[0] == long_reference
+        await client.load_adapter("all16", str(adapters["all16"]))  # qv4's slot is free again
+    finally:
+        await shutdown(served)
+
+
+async def test_bad_adapter_calls_get_their_status_and_load_nothing(
+    lora_decoder: Served, llama: tuple[Path, dict[str, Path]], tmp_path: Path
+) -> None:
+    _, adapters = llama
+    client = lora_decoder.client
+
+    async def status_of(call) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call
+        return raised.value.code(), raised.value.details()
+
+    code, details = await status_of(tokens_of(lora_decoder, request("nope")))
+    assert code == grpc.StatusCode.NOT_FOUND and "adapter 'nope' is not loaded" in details
+    too_big = tmp_path / "r32"
+    shutil.copytree(adapters["all16"], too_big)
+    config = json.loads((too_big / "adapter_config.json").read_text())
+    (too_big / "adapter_config.json").write_text(json.dumps(config | {"r": 32}))
+    code, details = await status_of(client.load_adapter("big", str(too_big)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "adapter_config.json:r" in details
+    code, details = await status_of(client.load_adapter("again", str(tmp_path / "missing")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "is not a directory" in details
+    code, _ = await status_of(client.load_adapter("qv4", str(adapters["qv4"])))
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+    await client.load_adapter("fourth", str(adapters["qv4"]))
+    code, details = await status_of(client.load_adapter("fifth", str(adapters["qv4"])))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-loras" in details
+    model_name = (await client.model_info()).model
+    code, _ = await status_of(client.load_adapter(model_name, str(adapters["qv4"])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [a.name for a in await client.list_adapters()] == ["all16", "fourth", "mlp8", "qv4"]
+
+
+async def test_a_server_without_lora_refuses_adapters(
+    decoder: Served, llama: tuple[Path, dict[str, Path]]
+) -> None:
+    _, adapters = llama
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await decoder.client.load_adapter("qv4", str(adapters["qv4"]))
+    assert (
+        raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "--enable-lora" in raised.value.details()
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await tokens_of(decoder, request("qv4"))
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
