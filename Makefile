@@ -19,7 +19,8 @@ XLA_VERSION := 2.9.0
 
 # The CPU kernels are compiled when the project is installed (setup.py), one library per ISA level:
 # editing a C source, or the build, rebuilds them (a library built from other sources is refused).
-KERNEL_SOURCES := setup.py tandem/decoder/backends/cpu/build.py $(wildcard tandem/decoder/backends/cpu/csrc/*)
+CPU_BACKEND := services/decoder/tandem/decoder/backends/cpu
+KERNEL_SOURCES := setup.py services/decoder/kernel_setup.py $(CPU_BACKEND)/build.py $(wildcard $(CPU_BACKEND)/csrc/*)
 
 .PHONY: setup setup-xla test protos lint demo bench soak
 

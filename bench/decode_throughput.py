@@ -39,10 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
-from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
+from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec  # noqa: E402
 from tandem.decoder.models.random_model import make_model  # noqa: E402
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "bench-small"
@@ -131,11 +131,13 @@ def build_engine(
     enable_prefix_caching: bool = False,
     start: bool = True,
     quantized_from: Path | None = None,
+    quantized_activations: str = "none",
     **overrides: object,  # more EngineConfig fields (LoRA's, for bench/profile_step.py --lora)
 ) -> Engine:
     """An engine (started unless `start` is False) with KV blocks for `max_requests` of
     `args.prompt_len + args.new_tokens`; with `quantized_from` (the GGUF file model_dir was imported
-    from), serving that file's quantized weights (`--quantization gguf`)."""
+    from), serving that file's quantized weights (`--quantization gguf`), their inputs as
+    `quantized_activations` says (`--quantized-activations`)."""
     blocks_per_request = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
     config = EngineConfig(
         model_dir=model_dir,
@@ -149,6 +151,7 @@ def build_engine(
         max_queue=max(1024, max_requests),
         quantization="none" if quantized_from is None else "gguf",
         quantized_from=quantized_from,
+        quantized_activations=quantized_activations,
         **overrides,
     )
     # The engine loads the model on its own thread: torch work on a second thread would slow its steps.

@@ -2,7 +2,7 @@
 over shared memory (issue 52).
 
 Both services run in this process on loopback gRPC (the real servicers and the decoder's own fetch,
-`tandem/decoder/api/encoder_parts.py`), so the three paths differ only in how the rows travel:
+`tandem.decoder.api.encoder_parts`), so the three paths differ only in how the rows travel:
 - carried: the client calls Embed (token IDs in, rows back), then sends the rows in its Generate;
 - bytes: the client sends an `encoder` part, the decoder calls Embed and gets the rows in the reply
   (the encoder's /dev/shm is another directory here: what two hosts see);
@@ -64,7 +64,7 @@ from tandem.common.server import ServerOptions, Service, start_server  # noqa: E
 from tandem.decoder.api.encoder_parts import EncoderParts  # noqa: E402
 from tandem.decoder.api.servicer import DecoderServicer  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
 from tandem.encoder.config import EncoderConfig  # noqa: E402
 from tandem.encoder.lookup import LookupEmbedder  # noqa: E402
 from tandem.encoder.servicer import EncoderServicer  # noqa: E402

@@ -15,6 +15,9 @@ prompt log-probabilities): the mean and largest gap from the reference's log-pro
 answer token measure how far the setting's numbers are from the reference's, ties or not.
 
     .venv/bin/python bench/fidelity.py [--settings bfloat16:none,gguf,int8,int4] [--tokens 32]
+
+A setting's `+a8` adds `--quantized-activations int8` (e.g. `gguf+a8`): each row's inputs to the
+quantized linears rounded to int8 per 32, a lossy mode read beside the exact one.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ from tandem.common.model_cache import default_model_file, resolve_model  # noqa:
 from tandem.common.prompt_parts import PromptPart, TextPrompt  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.chat import ChatMessage, ChatRequest, ChatTemplate  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
-from tandem.decoder.engine.outputs import Delta  # noqa: E402
+from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, ChatTemplate  # noqa: E402
+from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
+from tandem.decoder.engine.outputs.outputs import Delta  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.engine.prompt import GenerateSpec  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -47,7 +50,7 @@ QUESTIONS = [
     "Give me three tips for sleeping better.",
 ]
 REFERENCE = "float32:gguf"  # the file's own values in float32: what transformers' GGUF load computes
-DEFAULT_SETTINGS = "bfloat16:none,gguf,int8,int4"
+DEFAULT_SETTINGS = "bfloat16:none,gguf,gguf+a8,int8,int4"
 
 
 def chat_prompts(model_dir: Path, questions: list[str]) -> list[list[PromptPart]]:
@@ -83,6 +86,7 @@ def serve(setting: Setting, questions: list[str], tokens: int, reference: list[l
         quantization=setting.quantization,
         quantized_from=default_model_file() if setting.quantization == "gguf" else None,
         quantization_group_size=setting.group_size,
+        quantized_activations=setting.activations,
         num_kv_blocks=64,
     )
     engine = Engine(config).start()
@@ -121,7 +125,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma-separated [DTYPE:]QUANT[:GROUP]")
+    parser.add_argument(
+        "--settings", default=DEFAULT_SETTINGS, help="comma-separated [DTYPE:]QUANT[+a8][:GROUP]"
+    )
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
     cpu = this_cpu()

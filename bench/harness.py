@@ -15,7 +15,9 @@ Workloads, per model:
    llama.cpp;
 4. prefix cache: TTFT of a fresh 1024-token prompt (miss) and of the same prompt again (hit);
 5. on the default model, decode with its GGUF file's own quantized weights (`--quantization gguf`)
-   against the bf16 engine, interleaved, with each engine's resident memory;
+   against the bf16 engine, interleaved, with each engine's resident memory; and, in the same
+   interleaving, the same weights with 8-bit activations (`--quantized-activations int8`, the
+   JSON's `quantized-activations` workload; `--skip-quantized-activations` leaves it out);
 and once: 6. embedding transport (`transport.py`); 7. the machine's floors, sampled between the
 workloads (`floors.py`).
 
@@ -75,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-vllm", action="store_true", help="do not run the vLLM CPU peer")
     p.add_argument("--skip-transformers", action="store_true", help="do not run the transformers peer")
     p.add_argument("--skip-llama-cpp", action="store_true", help="do not run the llama.cpp peer")
+    p.add_argument(
+        "--skip-quantized-activations",
+        action="store_true",
+        help="do not run the gguf engine with --quantized-activations int8",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed runs per point, median kept (default 3)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="where JSON and PNG go")
     p.add_argument("--model-dir", type=Path, default=None, help="this checkpoint only (default: both)")
@@ -207,22 +214,23 @@ def summarize(runs: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, di
     }
 
 
+INT8_ACTIVATIONS = "tandem-gguf-int8"  # the gguf engine with --quantized-activations int8
+
+
 def quantized_workload(
     dense: Remote, model_dir: Path, gguf: Path, vocab: int, args: argparse.Namespace
-) -> dict:
+) -> tuple[dict, dict | None]:
     """Token-prompt decode at each N with the GGUF file's own quantized weights (`--quantization
     gguf`) against the bf16 engine `dense`, interleaved per repeat, each engine's resident memory, and
     the quantized weights' TTFT on an engine set up as the bf16 TTFT engine (the report reads both
-    beside llama.cpp's on the same file)."""
-    quantized = Remote(
-        TandemSubject,
-        model_dir,
-        workload_args(args.threads, PROMPT_LEN, NEW_TOKENS),
-        max(args.sizes),
-        False,
-        gguf,
-    )
+    beside llama.cpp's on the same file). Unless --skip-quantized-activations, the same weights with
+    8-bit activations run in the same interleaving: (the gguf workload, the `quantized-activations`
+    one or None), each in the same form."""
+    settings = (model_dir, workload_args(args.threads, PROMPT_LEN, NEW_TOKENS), max(args.sizes), False, gguf)
+    quantized = Remote(TandemSubject, *settings)
     engines = {"tandem": dense, "tandem-gguf": quantized}
+    if not args.skip_quantized_activations:
+        engines[INT8_ACTIVATIONS] = Remote(TandemSubject, *settings, "int8")
     runs: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     decode_runs: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     try:
@@ -244,22 +252,30 @@ def quantized_workload(
                     )
         rss = {name: engine.call("rss_mb") for name, engine in engines.items()}
     finally:
-        quantized.close()
+        for name, engine in engines.items():
+            if name != "tandem":
+                engine.close()
     # TTFT on an engine set up as the bf16 TTFT engine is (its step budget holds the longest prompt
     # whole), so the two compare; the decode engine's smaller budget chunks a long prompt.
-    print("time to first token, --quantization gguf ...", flush=True)
     ttft_args = workload_args(args.threads, max(*args.ttft_lens, PREFIX_LEN), 1)
-    ttft_engine = Remote(TandemSubject, model_dir, ttft_args, 1, True, gguf)
-    try:
-        ttft = ttft_workload(ttft_engine, None, vocab, args)["tandem"]  # beside llama.cpp's, same file
-    finally:
-        ttft_engine.close()
-    return {
-        "decode_tok_s": summarize(runs),
-        "decode_only_tok_s": summarize(decode_runs),
-        "rss_mb": rss,
-        "ttft_s": {length: {"median": statistics.median(v), "runs": v} for length, v in ttft.items()},
-    }
+    workloads = {}
+    for name, activations in (("tandem-gguf", "none"), (INT8_ACTIVATIONS, "int8")):
+        if name not in engines:
+            continue
+        print(f"time to first token, --quantization gguf, {activations} activations ...", flush=True)
+        ttft_engine = Remote(TandemSubject, model_dir, ttft_args, 1, True, gguf, activations)
+        try:
+            ttft = ttft_workload(ttft_engine, None, vocab, args)["tandem"]  # beside llama.cpp's, same file
+        finally:
+            ttft_engine.close()
+        names = ("tandem", "tandem-gguf") if name == "tandem-gguf" else (name,)
+        workloads[name] = {
+            "decode_tok_s": summarize({n: runs[n] for n in names}),
+            "decode_only_tok_s": summarize({n: decode_runs[n] for n in names if n in decode_runs}),
+            "rss_mb": {n: rss[n] for n in names},
+            "ttft_s": {length: {"median": statistics.median(v), "runs": v} for length, v in ttft.items()},
+        }
+    return workloads["tandem-gguf"], workloads.get(INT8_ACTIVATIONS)
 
 
 def models_to_run(args: argparse.Namespace) -> list[tuple[str, Path, Path | None]]:
@@ -303,10 +319,10 @@ def run_model(
     floor_samples.append(measure_floors())
     peers: dict[str, dict | str] = {}
     peers["vllm"], vllm_version = run_vllm(args, model_dir, False, PROMPT_LEN, NEW_TOKENS)
-    quantized = None
+    quantized = activations = None
     if gguf is not None:
         print("decode throughput, --quantization gguf against bf16 weights ...", flush=True)
-        quantized = quantized_workload(decode_engine, model_dir, gguf, vocab, args)
+        quantized, activations = quantized_workload(decode_engine, model_dir, gguf, vocab, args)
     print("decode throughput, embedding prompts ...", flush=True)
     embeds, embeds_only = decode_workload(decode_engine, hf, None, True, vocab, args)
     floor_samples.append(measure_floors())
@@ -338,6 +354,8 @@ def run_model(
         "llama_cpp": llama,
         "quantized": quantized,
     }
+    if activations is not None:
+        section["quantized-activations"] = activations
     return section, vllm_version or embeds_version
 
 

@@ -41,10 +41,10 @@ from bench.decode_throughput import make_prompts  # noqa: E402
 from tandem.common.model_cache import resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
-from tandem.decoder.engine.outputs import Finished  # noqa: E402
+from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
+from tandem.decoder.engine.outputs.outputs import Finished  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.engine.prompt import GenerateSpec  # noqa: E402
 from tandem.decoder.models.config import ModelConfig  # noqa: E402
 from tandem.decoder.models.loader import check_checkpoint  # noqa: E402
 from tandem.decoder.models.peft_adapter import TARGETS, module_shapes  # noqa: E402

@@ -27,10 +27,10 @@ from tandem.common.model_cache import default_model_file, resolve_model  # noqa:
 from tandem.common.prompt_parts import TextPrompt  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
-from tandem.decoder.engine.outputs import Delta, Finished  # noqa: E402
+from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
+from tandem.decoder.engine.outputs.outputs import Delta, Finished  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.engine.prompt import GenerateSpec  # noqa: E402
 
 DEFAULT_SETTINGS = "float32:none,none,gguf,int8,int4,int4:64"
 
@@ -40,19 +40,25 @@ class Setting:
     dtype: str
     quantization: str
     group_size: int = 32
+    activations: str = "none"  # --quantized-activations
 
     @classmethod
     def parse(cls, text: str) -> Setting:
-        """ "[DTYPE:]QUANTIZATION[:GROUP]", e.g. "float32:none", "int4:64"."""
+        """ "[DTYPE:]QUANTIZATION[+a8][:GROUP]", e.g. "float32:none", "int4:64", "gguf+a8" (with
+        --quantized-activations int8)."""
         parts = text.split(":")
         dtype = parts.pop(0) if parts[0] in ("float32", "bfloat16") else "bfloat16"
         group = int(parts[1]) if len(parts) > 1 else 32
-        return cls(dtype, parts[0], group)
+        quantization, _, a8 = parts[0].partition("+")
+        if a8 not in ("", "a8"):
+            raise ValueError(f"{text}: after + only a8 (int8 activations)")
+        return cls(dtype, quantization, group, "int8" if a8 else "none")
 
     @property
     def label(self) -> str:
         group = f", group {self.group_size}" if self.quantization == "int4" else ""
-        return f"{self.dtype} {self.quantization}{group}"
+        activations = ", int8 activations" if self.activations == "int8" else ""
+        return f"{self.dtype} {self.quantization}{group}{activations}"
 
 
 def perplexity(setting: Setting, texts: list[str]) -> tuple[float, int, float]:
@@ -64,6 +70,7 @@ def perplexity(setting: Setting, texts: list[str]) -> tuple[float, int, float]:
         quantization=setting.quantization,
         quantized_from=gguf if setting.quantization == "gguf" else None,
         quantization_group_size=setting.group_size,
+        quantized_activations=setting.activations,
         num_kv_blocks=64,
         enable_prefix_caching=False,
     )
@@ -92,7 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma-separated [DTYPE:]QUANT[:GROUP]")
+    parser.add_argument(
+        "--settings", default=DEFAULT_SETTINGS, help="comma-separated [DTYPE:]QUANT[+a8][:GROUP]"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this file")
     args = parser.parse_args()
     cpu = this_cpu()

@@ -45,9 +45,9 @@ from tandem.decoder.backends.cpu.build import this_machine_levels  # noqa: E402
 from tandem.decoder.backends.cpu.executor import CpuExecutor  # noqa: E402
 from tandem.decoder.backends.cpu.kernels import load  # noqa: E402
 from tandem.decoder.backends.cpu.linear import CLinear  # noqa: E402
-from tandem.decoder.engine.outputs import OutputOptions, OutputState  # noqa: E402
+from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402
+from tandem.decoder.engine.outputs.outputs import OutputOptions, OutputState  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.engine.prompt import GenerateSpec  # noqa: E402
 from tandem.decoder.models import transformer  # noqa: E402
 from tandem.decoder.models.layers import RMSNorm, SwiGLU  # noqa: E402
 from tandem.decoder.models.linear import Linear  # noqa: E402
@@ -274,7 +274,7 @@ def profile(engine, args: argparse.Namespace, model_dir: Path, sizes: list[int])
           f"{executor.choice.describe() if isinstance(executor, CpuExecutor) else ''}, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     for n in sizes:
-        # On the engine thread, as the loop would step it (the one-thread rule, engine/loop.py).
+        # On the engine thread, as the loop would step it (the one-thread rule, engine/front/loop.py).
         report(n, engine._thread.run(profile_size, engine, n, args))
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     engine.shutdown()

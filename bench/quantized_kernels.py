@@ -32,9 +32,11 @@ LAYERS = 30
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def ours(kernels: Kernels, w: torch.Tensor, bits: int, per_channel: bool, dense_rows: int = 0) -> Linear:
+def ours(
+    kernels: Kernels, w: torch.Tensor, bits: int, per_channel: bool, dense_rows: int = 0, int8: bool = False
+) -> Linear:
     q = quantize(w, bits, w.shape[1] if per_channel else BLOCK)
-    return QuantLinear(kernels, kernels.quantized_weight(q, dense_rows), None, torch.bfloat16)
+    return QuantLinear(kernels, kernels.quantized_weight(q, dense_rows, int8), None, torch.bfloat16)
 
 
 def torch_int8(w: torch.Tensor) -> Linear:
@@ -58,8 +60,9 @@ def torch_int4(w: torch.Tensor, group: int = BLOCK) -> Linear:
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zeros)
 
 
-def build(kernels: Kernels) -> dict[str, list[tuple[Linear, int]]]:
-    """Each kernel's linears for one step, in order: (linear, its input width)."""
+def build(kernels: Kernels, names: set[str] | None = None) -> dict[str, list[tuple[Linear, int]]]:
+    """Each kernel's linears for one step, in order: (linear, its input width); all kernels, or those
+    `names` names."""
     generator = torch.Generator().manual_seed(0)
     # Every layer its own weights, as a model's: a step reads each once, from memory, not from cache.
     shapes = [s for _ in range(LAYERS) for s in LAYER_SHAPES] + [HEAD_SHAPE]
@@ -70,11 +73,17 @@ def build(kernels: Kernels) -> dict[str, list[tuple[Linear, int]]]:
         # The prefill path at every row count: each weight dequantized to bf16 into the packed kernel.
         "tandem 4-bit, dequantized to bf16": lambda w: ours(kernels, w, 4, False, dense_rows=1),
         "tandem 8-bit, 32 per scale": lambda w: ours(kernels, w, 8, False),
+        # --quantized-activations int8: each row's inputs rounded to int8 per 32, integer products.
+        "tandem 4-bit, int8 activations": lambda w: ours(kernels, w, 4, False, int8=True),
+        "tandem 8-bit, 32 per scale, int8 activations": lambda w: ours(kernels, w, 8, False, int8=True),
         "tandem 8-bit, per channel": lambda w: ours(kernels, w, 8, True),
         "torch int4pack, 32 per scale": torch_int4,
         "torch int8pack, per channel": torch_int8,
     }
-    return {name: [(make(w), w.shape[1]) for w in weights] for name, make in makers.items()}
+    if names is not None and names - set(makers):
+        raise SystemExit(f"--kernel: unknown {sorted(names - set(makers))}; there are {list(makers)}")
+    chosen = {name: make for name, make in makers.items() if names is None or name in names}
+    return {name: [(make(w), w.shape[1]) for w in weights] for name, make in chosen.items()}
 
 
 def main() -> None:
@@ -83,12 +92,15 @@ def main() -> None:
     )
     parser.add_argument("--rows", default="1,4,8,32")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--kernel", action="append", help="a kernel to run, by its row name (repeat; default: all)"
+    )
     args = parser.parse_args()
     cpu = this_cpu()
     kernels = load_for_cpu()
     threads = torch.get_num_threads()
     print(f"CPU: {cpu.model_name} ({cpu.isa_summary}); kernel build {kernels.level.name}; {threads} threads")
-    kinds = build(kernels)
+    kinds = build(kernels, set(args.kernel) if args.kernel else None)
     rows = [int(r) for r in args.rows.split(",")]
     print("\n| step ms | " + " | ".join(map(str, rows)) + " rows | same row alone and in 32 |")
     print("|---|" + "---|" * (len(rows) + 1))

@@ -106,7 +106,7 @@ def _ttft_table(section: dict, lens: list[int], floors: Floors, cost: ModelCost)
     return lines, ratios
 
 
-def _quantized_table(quantized: dict, sizes: list[int]) -> tuple[list[str], dict]:
+def quantized_table(quantized: dict, sizes: list[int]) -> tuple[list[str], dict]:
     """tokens/s (decode-only in brackets) of the GGUF file's own weights against bf16, and memory."""
     tok, only, rss = quantized["decode_tok_s"], quantized["decode_only_tok_s"], quantized["rss_mb"]
     lines = ["| N | bf16 tok/s | gguf tok/s | gguf / bf16 |", "|---|---|---|---|"]
@@ -124,7 +124,39 @@ def _quantized_table(quantized: dict, sizes: list[int]) -> tuple[list[str], dict
     return lines, ratios
 
 
-def _llama_table(quantized: dict, llama: dict | str | None, lens: list[int]) -> tuple[list[str], dict]:
+def activations_table(
+    quantized: dict, activations: dict, llama: dict | str | None, sizes: list[int]
+) -> tuple[list[str], dict]:
+    """tokens/s (decode-only in brackets) of the gguf weights with 8-bit activations against bf16 and
+    the exact gguf engine (interleaved with both), and at N = 1 against llama.cpp decoding (goals:
+    >= 1.2x bf16 at N = 32, >= 1.3x llama.cpp at N = 1, decoding)."""
+    engine = "tandem-gguf-int8"
+    tok = quantized["decode_tok_s"] | activations["decode_tok_s"]
+    only = quantized["decode_only_tok_s"] | activations["decode_only_tok_s"]
+    lines = [
+        "| N | int8 activations tok/s | / bf16 | / gguf | decoding / bf16 | decoding / gguf |",
+        "|---|---|---|---|---|---|",
+    ]
+    ratios: dict = {}
+    for n in sizes:
+        ours, ours_only = _median(tok.get(engine), n), _median(only.get(engine), n)
+        cells = [_fmt(ours) + f" ({_fmt(ours_only)})"]
+        for rates, mine in ((tok, ours), (only, ours_only)):
+            for other in ("tandem", "tandem-gguf"):
+                ratio = _ratio(mine, _median(rates.get(other), n))
+                ratios[f"{n}:{'decoding' if rates is only else 'end to end'}/{other}"] = ratio
+                cells.append(_fmt(ratio, ".2f", "x"))
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    if isinstance(llama, dict):
+        ours, theirs = _median(only.get(engine), 1), llama["decode"]["decode_tokens_per_s"]
+        ratios["1:decoding/llama.cpp"] = _ratio(ours, theirs)
+        lines.append(f"| 1, decoding against llama.cpp ({_fmt(theirs)} tok/s) | {_fmt(ours)} | "
+                     f"{_fmt(ratios['1:decoding/llama.cpp'], '.2f', 'x')} | | | |")  # fmt: skip
+    lines.append(f"| resident MB | {activations['rss_mb'][engine]:.0f} | | | | |")
+    return lines, ratios
+
+
+def llama_table(quantized: dict, llama: dict | str | None, lens: list[int]) -> tuple[list[str], dict]:
     """Batch 1 on the same GGUF file: Tandem --quantization gguf against llama.cpp (goal: decode
     >= 1.2x, end to end >= 1.5x)."""
     if not isinstance(llama, dict):
@@ -168,11 +200,16 @@ def _model_sections(label: str, section: dict, settings: dict, floors: Floors) -
         section, settings["ttft_lens"], floors, cost
     )
     if section.get("quantized"):
-        sections[f"{label}: --quantization gguf against bf16 weights"], ratios["quantized"] = (
-            _quantized_table(section["quantized"], sizes)
+        sections[f"{label}: --quantization gguf against bf16 weights"], ratios["quantized"] = quantized_table(
+            section["quantized"], sizes
         )
         sections[f"{label}: --quantization gguf against llama.cpp on the same file"], ratios["llama_cpp"] = (
-            _llama_table(section["quantized"], section.get("llama_cpp"), settings["ttft_lens"])
+            llama_table(section["quantized"], section.get("llama_cpp"), settings["ttft_lens"])
+        )
+    if section.get("quantized") and section.get("quantized-activations"):
+        title = f"{label}: --quantization gguf --quantized-activations int8 (quantized-activations)"
+        sections[title], ratios["quantized-activations"] = activations_table(
+            section["quantized"], section["quantized-activations"], section.get("llama_cpp"), sizes
         )
     prefix = section["prefix_cache_ttft_s"]
     miss, hit = prefix["miss"]["median"], prefix["hit"]["median"]

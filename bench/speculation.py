@@ -35,11 +35,11 @@ from bench.decode_throughput import make_prompts  # noqa: E402
 from bench.passages import PARAGRAPHS, PASSAGES  # noqa: E402
 from tandem.common.model_cache import resolve_model  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.chat import ChatMessage, ChatRequest  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
-from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
+from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest  # noqa: E402
+from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.engine.prompt import GenerateSpec, TextPrompt  # noqa: E402
 
 # Spelling mistakes for the correction task: the answer copies the passage with them fixed.
 TYPOS = {"the ": "teh ", "and ": "adn ", "with ": "wiht ", "which ": "wich "}

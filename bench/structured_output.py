@@ -27,10 +27,10 @@ import torch  # noqa: E402
 from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
-from tandem.decoder.engine.outputs import Delta, Finished  # noqa: E402
+from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
+from tandem.decoder.engine.outputs.outputs import Delta, Finished  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput  # noqa: E402
-from tandem.decoder.engine.prompt import GenerateSpec, TextPrompt  # noqa: E402
 from tandem.decoder.models.loader import load_model  # noqa: E402
 
 PROMPT = "List twenty fruits as JSON."

@@ -72,13 +72,14 @@ class TandemSubject:
         max_requests: int,
         enable_prefix_caching: bool,
         quantized_from: Path | None = None,  # the GGUF file: serve its own quantized weights
+        quantized_activations: str = "none",  # with quantized_from: --quantized-activations
     ) -> None:
         from decode_throughput import build_engine
 
         # The harness thread here only submits: one intra-op thread, so it holds no OpenMP team.
         self.engine = build_engine(
             model_dir, workload, max_requests, enable_prefix_caching=enable_prefix_caching,
-            quantized_from=quantized_from,
+            quantized_from=quantized_from, quantized_activations=quantized_activations,
         )  # fmt: skip
         torch.set_num_threads(1)
         self.table: torch.Tensor | None = None
@@ -102,7 +103,7 @@ class TandemSubject:
         """(generated tokens, wall seconds, median TTFT seconds, decode-only seconds)."""
         from decode_throughput import run_tandem
 
-        from tandem.decoder.engine.prompt import EmbeddingPrompt
+        from tandem.decoder.engine.admission.prompt import EmbeddingPrompt
 
         if embeds:
             table = self._table()

@@ -43,7 +43,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2_grpc  # noqa: E402
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server  # noqa: E402
 from tandem.decoder.api.servicer import DecoderServicer  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
 from tandem.decoder.models.loader import load_model  # noqa: E402
 from tandem.decoder.models.random_model import make_model  # noqa: E402
 

@@ -39,10 +39,10 @@ def run_one(device: str, num_devices: int, dtype: str, repeats: int) -> dict[str
     from tandem.common.model_cache import resolve_model
     from tandem.decoder.backends.cpu.isa import this_cpu
     from tandem.decoder.config import EngineConfig
-    from tandem.decoder.engine.engine import Engine
-    from tandem.decoder.engine.outputs import Finished
+    from tandem.decoder.engine.admission.prompt import GenerateSpec
+    from tandem.decoder.engine.front.engine import Engine
+    from tandem.decoder.engine.outputs.outputs import Finished
     from tandem.decoder.engine.params import SamplingParams, StoppingParams
-    from tandem.decoder.engine.prompt import GenerateSpec
 
     xla = device == "neuron"
     extra = dict(static_shapes=True, compile=True, num_devices=num_devices, **BUCKETS) if xla else {}

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode_throughput import make_prompts  # noqa: E402
 from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
-from tandem.decoder.engine.engine import Engine  # noqa: E402
-from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
+from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402
+from tandem.decoder.engine.front.engine import Engine  # noqa: E402
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.engine.prompt import GenerateSpec  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 128, 64
 MAX_MODEL_LEN = 256  # prompt + new tokens fit: one block-table width of 16 blocks

@@ -14,6 +14,9 @@
 # Usage: scripts/device_check.sh [python]   (default: python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The project is not installed there: the `tandem` namespace is read from its four folders (the root
+# pyproject.toml's package-dir), absolute so that a test's chdir cannot lose them.
+export PYTHONPATH="$PWD/common:$PWD/services/encoder:$PWD/services/decoder:$PWD/services/gateway${PYTHONPATH:+:$PYTHONPATH}"
 PY="${1:-python3}"
 OUT="${OUT:-device-out}"
 mkdir -p "$OUT"

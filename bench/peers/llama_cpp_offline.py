@@ -65,15 +65,20 @@ def main() -> None:
     import llama_cpp
 
     if args.no_extra_bufts:
-        # Not a keyword of Llama(): the model parameters it starts from are llama.cpp's defaults.
-        defaults = llama_cpp.llama_model_default_params
+        # Not a keyword of Llama(): the model parameters it starts from are llama.cpp's defaults, read
+        # through the ctypes bindings module (llama.py does `import llama_cpp.llama_cpp as llama_cpp`).
+        # Patching the package's re-export instead left them on: on an AMX Xeon the retry crashed
+        # (signal 11) as the default run did; patched here it ran (Q4_1 at 167 tok/s, issue 48).
+        import llama_cpp.llama_cpp as bindings
+
+        defaults = bindings.llama_model_default_params
 
         def without_extra_bufts():
             params = defaults()
             params.use_extra_bufts = False
             return params
 
-        llama_cpp.llama_model_default_params = without_extra_bufts
+        bindings.llama_model_default_params = without_extra_bufts
 
     lens = [int(n) for n in args.ttft_lens.split(",") if n]
     n_ctx = max([*lens, args.prompt_len + args.new_tokens]) + 16

@@ -1,7 +1,7 @@
 // Clients for both services (tandem.v1.Decoder and tandem.v1.Encoder), built from the repository's
 // protos at run time (no generated code, no copied .proto files), on channels that carry what the
 // servers expect: the message-size limit, TLS (a CA to trust, a client certificate for mutual TLS)
-// and a bearer token, as the Python client does (tandem/client/channel.py).
+// and a bearer token, as the Python client does (common/tandem/client/channel.py).
 //
 // An address is "host:port", several "host:port,host:port" (IP addresses or localhost), or
 // "dns:///name:port" (every address a name resolves to, e.g. a Kubernetes headless Service). Several
@@ -16,7 +16,7 @@ const protoLoader = require("@grpc/proto-loader");
 const { POLICY } = require("./health");
 
 const PROTOS_ROOT = path.resolve(__dirname, "..", "..", "protos");
-// Must match the servers' --max-message-bytes (tandem/client/channel.py DEFAULT_MAX_MESSAGE_BYTES).
+// Must match the servers' --max-message-bytes (common/tandem/client/channel.py DEFAULT_MAX_MESSAGE_BYTES).
 const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 
 const definition = protoLoader.loadSync(["tandem/v1/decoder.proto", "tandem/v1/encoder.proto"], {

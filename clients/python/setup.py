@@ -1,4 +1,4 @@
-"""Builds tandem-client: the repository's tandem/client/ package, installed as `tandem_client`.
+"""Builds tandem-client: the repository's common/tandem/client/ package, installed as `tandem_client`.
 
 The client's modules import each other relatively, so the same files are `tandem.client` in the
 server's package and `tandem_client` here: one source, two names, and no top-level package that the

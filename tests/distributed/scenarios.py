@@ -13,13 +13,13 @@ import torch
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.distributed.parallel import ParallelContext
 from tandem.decoder.distributed.worker import run_steps
-from tandem.decoder.engine.batch import ForwardBatch
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta, Failed, Finished, OutputOptions
+from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta, Failed, Finished, OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
-from tandem.decoder.engine.runner import ModelRunner
-from tandem.decoder.engine.sequence_parallel import pad_for_sequence_parallel
+from tandem.decoder.engine.step.batch import ForwardBatch
+from tandem.decoder.engine.step.runner import ModelRunner
+from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
 from tandem.decoder.models.loader import load_model
 from tandem.decoder.models.transformer import DecoderModel
 from tests.unit.decoder.models.helpers import PagedAllocator

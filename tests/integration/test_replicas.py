@@ -1,5 +1,5 @@
 """Several decoder replicas behind one client address: gRPC's round-robin with client-side health
-checking (`tandem/client/channel.py`), on loopback.
+checking (`tandem.client.channel`), on loopback.
 
 Each replica serves a differently seeded tiny checkpoint, so a greedy answer says which replica gave
 it; the references come from a channel to each replica alone.

@@ -35,7 +35,7 @@ from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.__main__ import config_from_args as encoder_config
 from tandem.up import UpConfig, serve_command
 from tests.integration.reliability.harness import Services
-from tests.integration.test_compose import dockerfile_healthcheck_command
+from tests.integration.test_images import dockerfile_healthcheck_command
 
 OPENSSL = shutil.which("openssl")
 pytestmark = pytest.mark.skipif(OPENSSL is None, reason="the openssl CLI makes the test certificates")

@@ -27,7 +27,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.decoder.api.servicer import DecoderServicer
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.lookup import LookupEmbedder

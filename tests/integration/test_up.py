@@ -19,7 +19,7 @@ from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.decoder.models.random_model import make_model
 from tandem.up import UpConfig, serve_command
-from tests.integration.test_compose import dockerfile_healthcheck_command
+from tests.integration.test_images import dockerfile_healthcheck_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180.0  # the default-model case imports the GGUF file first

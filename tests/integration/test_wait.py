@@ -1,4 +1,4 @@
-"""`tandem wait` (tandem/readiness.py): it returns once every target serves, and says which did not."""
+"""`tandem wait` (tandem.readiness): it returns once every target serves, and says which did not."""
 
 from __future__ import annotations
 

@@ -3,28 +3,37 @@
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.layout import REPO_ROOT, SOURCE_ROOTS, package_dir, python_files
+
 DECODER = "tandem.decoder"
 # Each decoder package imports only the ones after it (and common/); models/ is the leaf.
 DECODER_LAYERS = ("api", "distributed", "engine", "config", "backends", "models")
-PURE_PYTHON = ("engine.params", "engine.request", "engine.scheduler", "engine.kv_cache")
+ENGINE = f"{DECODER}.engine"
+# Which engine sub-packages each one may import: the table in docs/ARCHITECTURE.md says the same.
+# Every one may import the engine's two shared leaf modules, which import none of them.
+ENGINE_IMPORTS = {
+    "front": ("admission", "step", "outputs", "sampling", "scheduling"),
+    "admission": ("outputs", "sampling"),
+    "step": ("outputs", "sampling", "scheduling"),
+    "outputs": ("scheduling",),
+    "sampling": (),
+    "scheduling": (),
+}
+ENGINE_LEAVES = ("params", "request")
+PURE_PYTHON = ("engine.params", "engine.request", "engine.scheduling")  # a package: every module in it
 
 
 @cache
 def modules() -> dict[str, Path]:
-    found = {}
-    for root in ("tandem",):
-        for path in (REPO_ROOT / root).rglob("*.py"):
-            parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join(parts)] = path
-    return found
+    return python_files()
 
 
 @cache
@@ -118,9 +127,58 @@ def test_models_is_a_leaf_that_imports_only_itself_and_common() -> None:
 
 
 def test_scheduling_modules_are_pure_python() -> None:
-    for name in PURE_PYTHON:
-        heavy = [n for n in imports(f"{DECODER}.{name}") if n.split(".")[0] in ("torch", "grpc", "numpy")]
-        assert not heavy, f"{name} imports {heavy}"
+    checked = [m for m in modules() for name in PURE_PYTHON if _is_in(m, f"{DECODER}.{name}")]
+    assert len(checked) > len(PURE_PYTHON)  # the scheduling package's modules, not only its __init__
+    for module in checked:
+        heavy = [n for n in imports(module) if n.split(".")[0] in ("torch", "grpc", "numpy")]
+        assert not heavy, f"{module} imports {heavy}"
+
+
+def _is_in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _engine_part(module: str) -> str | None:
+    """The engine sub-package or leaf module `module` belongs to (None outside the engine)."""
+    if not module.startswith(ENGINE + "."):
+        return None
+    return module.removeprefix(ENGINE + ".").split(".")[0]
+
+
+def test_the_engine_is_its_leaf_modules_and_sub_packages_that_each_say_what_they_own() -> None:
+    root = package_dir(ENGINE)
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py", *(f"{m}.py" for m in ENGINE_LEAVES)]
+    packages = sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file())
+    assert packages == sorted(ENGINE_IMPORTS)
+    for package in packages:
+        docstring = ast.get_docstring(ast.parse((root / package / "__init__.py").read_text()))
+        assert docstring and "\n" not in docstring.strip(), (
+            f"engine/{package}/__init__.py: one-line docstring"
+        )
+
+
+def test_architecture_md_states_the_engine_imports_this_test_enforces() -> None:
+    text = (REPO_ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| `(\w+)/` +\|.*\| ([\w, ]+?) +\|$", text, flags=re.MULTILINE)
+    stated = {name: () if allowed == "none" else tuple(allowed.split(", ")) for name, allowed in rows}
+    assert stated == ENGINE_IMPORTS
+
+
+def test_engine_sub_packages_import_only_the_ones_they_are_allowed() -> None:
+    crossing = []
+    for module in modules():
+        part = _engine_part(module)
+        if part is None:
+            continue
+        if part in ENGINE_LEAVES:
+            allowed = set(ENGINE_LEAVES)  # the leaves import no sub-package
+        else:
+            allowed = {part, *ENGINE_LEAVES, *ENGINE_IMPORTS.get(part, ())}
+        for target in project_imports(module):
+            target_part = _engine_part(target)
+            if target_part is not None and target_part not in allowed:
+                crossing.append(f"{module} -> {target}")
+    assert not crossing
 
 
 def test_only_the_parallel_module_calls_torch_distributed() -> None:
@@ -156,7 +214,7 @@ def _top_level_targets(tree: ast.Module) -> set[str]:
 
 
 def test_every_decoder_package_says_what_it_owns_and_the_top_level_is_packages() -> None:
-    root = REPO_ROOT / "tandem" / "decoder"
+    root = package_dir(DECODER)
     for package in sorted(p for p in root.iterdir() if (p / "__init__.py").is_file()):
         docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
         assert docstring and "\n" not in docstring.strip(), f"{package.name}/__init__.py: one-line docstring"
@@ -167,15 +225,15 @@ def test_every_decoder_package_says_what_it_owns_and_the_top_level_is_packages()
 def test_the_model_is_plain_torch_and_the_cpu_kernels_live_in_the_cpu_backend() -> None:
     # The model package holds no native code and no hook for it: the CPU executor binds kernels from
     # outside (backends/cpu/), and the model's one forward is the reference it is tested against.
-    models = REPO_ROOT / "tandem" / "decoder" / "models"
+    models = package_dir(f"{DECODER}.models")
     assert not [p.name for p in models.iterdir() if p.suffix in (".c", ".h", ".so")]
     for module in (m for m in modules() if m.startswith(f"{DECODER}.models")):
         assert "ctypes" not in imports(module), module
         assert not any(n.startswith(f"{DECODER}.backends") for n in imports(module)), module
         assert ".native" not in modules()[module].read_text(), f"{module} still has a native hook"
-    cpu = REPO_ROOT / "tandem" / "decoder" / "backends" / "cpu"
-    native = sorted(p.relative_to(REPO_ROOT) for p in (REPO_ROOT / "tandem").rglob("*.[ch]"))
-    assert native and all(p.parent == (cpu / "csrc").relative_to(REPO_ROOT) for p in native), native
+    cpu = package_dir(f"{DECODER}.backends.cpu")
+    native = sorted(p for root in SOURCE_ROOTS for p in (root / "tandem").rglob("*.[ch]"))
+    assert native and all(p.parent == cpu / "csrc" for p in native), native
     decoder_users = sorted(m for m in modules() if m.startswith(DECODER) and "ctypes" in imports(m))
     assert decoder_users and all(m.startswith(f"{DECODER}.backends.cpu.") for m in decoder_users)
 
@@ -196,4 +254,46 @@ def test_the_client_package_imports_itself_only_by_relative_path() -> None:
                 offenders.append(f"{module}: from {node.module}")
             if isinstance(node, ast.Import) and any(a.name.startswith("tandem") for a in node.names):
                 offenders.append(f"{module}: import {node.names[0].name}")
+    assert offenders == []
+
+
+# The gateway's own modules and the torch-free half of the dtype table (the command that starts the
+# gateway is added by the check itself).
+GATEWAY_ENTRY_POINTS = (
+    *sorted(m for m in modules() if m.startswith("tandem.gateway")),
+    "tandem.common.dtypes",
+)
+_LOADED_HEAVY = """
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+from tandem import cli
+cli.serve_group().get_command(None, "openai")  # what `tandem serve openai` imports before it runs
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "numpy"})))
+"""
+
+
+def test_the_gateway_loads_neither_torch_nor_numpy() -> None:
+    # In a fresh interpreter, so that what pytest and the other tests imported cannot hide an import;
+    # sys.modules sees third-party imports too (a library that pulls numpy in), which the AST cannot.
+    loaded = subprocess.run(
+        [sys.executable, "-c", _LOADED_HEAVY, *GATEWAY_ENTRY_POINTS],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO_ROOT,
+    ).stdout.split()
+    assert loaded == []
+
+
+def test_no_gateway_module_imports_torch_or_numpy_even_lazily() -> None:
+    # The fresh interpreter above runs no handler; a function's own import runs only when it is called.
+    seen, pending, offenders = set(), list(GATEWAY_ENTRY_POINTS), []
+    while pending:
+        module = pending.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        offenders += [f"{module}: {n}" for n in imports(module) if n.split(".")[0] in ("torch", "numpy")]
+        pending.extend(project_imports(module))
     assert offenders == []

@@ -12,7 +12,8 @@ import yaml
 from tandem.common.server import DEFAULT_GRACE_S
 from tandem.up import STOP_MARGIN_S, UpConfig, serve_command
 
-MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MANIFESTS = REPO_ROOT / "deploy" / "kubernetes"
 IMAGE_MODEL_DIR = Path("/models/SmolLM2-135M-Instruct")  # where the init containers put the default
 PORTS = {"encoder": 50051, "decoder": 50052}
 OPENAI_PORT = 8000
@@ -108,6 +109,14 @@ def test_the_model_is_read_from_the_shared_volume_that_the_init_container_fills(
     assert init["image"] == container["image"]  # the image carries the default model it copies
     assert init["volumeMounts"] == [{"name": volume["name"], "mountPath": "/volume"}]
     assert f"/volume/{IMAGE_MODEL_DIR.name}" in init["args"][0]
+
+
+@pytest.mark.parametrize("service", ["encoder", "decoder", "openai"])
+def test_each_deployment_runs_its_services_own_image_the_one_compose_builds(service: str) -> None:
+    spec = _one("Deployment", f"tandem-{service}")["spec"]["template"]["spec"]
+    images = {c["image"] for c in [*spec["containers"], *spec.get("initContainers", [])]}
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
+    assert images == {compose[service]["image"]}
 
 
 def test_the_gateway_runs_what_tandem_up_runs_addressing_the_services_through_their_dns_names() -> None:

@@ -5,9 +5,9 @@ scan needs no exceptions a real `eval(` could hide behind.
 """
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.layout import REPO_ROOT, python_files
+
 FORBIDDEN = re.compile(
     r"\b(import pickle|from pickle|cPickle|dill|torch\.load\(|marshal\.loads|shelve)\b|\b(eval|exec)\("
 )
@@ -15,11 +15,10 @@ FORBIDDEN = re.compile(
 
 def test_serving_code_has_no_pickle_torch_load_or_eval() -> None:
     offenders = []
-    for package in ("tandem",):
-        for path in (ROOT / package).rglob("*.py"):
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                if FORBIDDEN.search(line):
-                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    for path in python_files().values():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if FORBIDDEN.search(line):
+                offenders.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
 
 

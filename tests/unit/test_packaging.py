@@ -1,18 +1,34 @@
-"""Both pyproject.toml files apply cleanly with setuptools: no deprecation warning on every install."""
+"""The project installs as the design card lays it out.
+
+Every pyproject.toml applies cleanly with setuptools (no deprecation warning on every install), the
+`tandem` namespace package is assembled from the card's folders, and setup.py's CPU kernels never
+stop an install.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from setuptools.config.pyprojecttoml import apply_configuration
 from setuptools.dist import Distribution
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.test_images import distributions_imported, with_dependencies
+from tests.layout import REPO_ROOT, SOURCE_ROOTS, python_files
 
 
-@pytest.mark.parametrize("project", [".", "clients/python"])
+@pytest.mark.parametrize(
+    "project", [".", "common", "services/encoder", "services/decoder", "services/gateway", "clients/python"]
+)
 def test_pyproject_applies_without_warnings_and_declares_an_spdx_license(
     project: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -23,3 +39,136 @@ def test_pyproject_applies_without_warnings_and_declares_an_spdx_license(
         distribution = apply_configuration(Distribution(), directory / "pyproject.toml")
     assert [str(w.message).splitlines()[0] for w in caught] == []
     assert distribution.metadata.license_expression == "Apache-2.0"
+
+
+KERNEL_SOURCES = Path("services/decoder/tandem/decoder/backends/cpu")
+# What the two setup.py files (the workspace's and the decoder unit's) read: both use kernel_setup.py.
+SETUP_FILES = (
+    "setup.py",
+    "pyproject.toml",
+    "README.md",
+    "services/decoder/setup.py",
+    "services/decoder/pyproject.toml",
+    "services/decoder/kernel_setup.py",
+    f"{KERNEL_SOURCES}/build.py",
+)
+
+
+@pytest.mark.parametrize("project", [".", "services/decoder"])
+@pytest.mark.parametrize(
+    ("environment", "warned"),
+    [
+        ({"CC": "/nonexistent/cc"}, "no C compiler '/nonexistent/cc' on PATH"),  # a machine without one
+        ({"TANDEM_BUILD_KERNELS": "0"}, None),  # the encoder's and the gateway's images: none asked for
+    ],
+)
+def test_an_install_without_the_kernels_goes_on(
+    project: str, environment: dict[str, str], warned: str | None, tmp_path: Path
+) -> None:
+    """Each ISA level is an optional extension: a failed build is a warning, never a failed install.
+    Built here from a copy of what setup.py reads, so nothing lands in the checkout."""
+    for name in SETUP_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO_ROOT / name, tmp_path / name)
+    shutil.copytree(REPO_ROOT / KERNEL_SOURCES / "csrc", tmp_path / KERNEL_SOURCES / "csrc")
+    result = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--build-lib", "out", "--build-temp", "temp"],
+        cwd=tmp_path / project,
+        env={**os.environ, **environment},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.rglob("_kernels_*")) == []
+    if warned is not None:
+        assert warned in result.stderr
+    assert ("building extension" in result.stderr) == (warned is not None)
+
+
+# Which of the design card's folders holds each part of the `tandem` namespace package.
+CARD_FOLDERS = {
+    "tandem.common": "common",
+    "tandem.client": "common",
+    "tandem.cli": "common",
+    "tandem.encoder": "services/encoder",
+    "tandem.decoder": "services/decoder",
+    "tandem.gateway": "services/gateway",
+}
+_WHERE_IMPORTED = """
+import importlib, json, sys
+import tandem
+found = {name: importlib.import_module(name).__file__ for name in sys.argv[1:]}
+print(json.dumps({"tandem": getattr(tandem, "__file__", None), "found": found}))
+"""
+
+
+def test_the_installed_packages_are_the_sources_in_the_card_folders_from_any_directory(
+    tmp_path: Path,
+) -> None:
+    # From a directory outside the checkout, so that only the (editable) install can find them: each
+    # module is the file in its card folder itself, so an edit there takes effect without reinstalling.
+    result = subprocess.run(
+        [sys.executable, "-c", _WHERE_IMPORTED, *CARD_FOLDERS],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    where = json.loads(result.stdout)
+    assert where["tandem"] is None  # a PEP 420 namespace: no tandem/__init__.py anywhere
+    for name, folder in CARD_FOLDERS.items():
+        assert Path(where["found"][name]).is_relative_to(REPO_ROOT / folder / "tandem"), name
+
+
+def test_each_card_folder_holds_a_tandem_folder_without_an_init_and_only_its_own_packages() -> None:
+    assert {root.relative_to(REPO_ROOT).as_posix() for root in SOURCE_ROOTS} == set(CARD_FOLDERS.values())
+    for root in SOURCE_ROOTS:
+        assert not (root / "tandem" / "__init__.py").exists(), root
+        packages = {p.name for p in (root / "tandem").iterdir() if (p / "__init__.py").is_file()}
+        folder = root.relative_to(REPO_ROOT).as_posix()
+        expected = {n.split(".")[1] for n, f in CARD_FOLDERS.items() if f == folder and n != "tandem.cli"}
+        assert packages == expected, folder
+
+
+# The services' units (services/*/pyproject.toml) and what their modules may import that no
+# dependency installs: the Neuron backend's torch_xla needs a torch of its own (`make setup-xla`).
+SERVICE_UNITS = {"encoder": (), "decoder": ("torch_xla",)}
+
+
+def _requirements(unit: str, extras: set[str] | None = None) -> list[Requirement]:
+    """A unit's dependencies with the extras it offers (all unless named), tandem-common's expanded."""
+    project = tomllib.loads((REPO_ROOT / unit / "pyproject.toml").read_text())["project"]
+    offered = project.get("optional-dependencies", {})
+    lines = project["dependencies"] + [
+        line for extra in offered if extras is None or extra in extras for line in offered[extra]
+    ]
+    found = []
+    for requirement in map(Requirement, lines):
+        if canonicalize_name(requirement.name) == "tandem-common":
+            found += _requirements("common", requirement.extras)
+        else:
+            found.append(requirement)
+    return found
+
+
+@pytest.mark.parametrize("service", SERVICE_UNITS)
+def test_a_service_units_dependencies_are_the_workspaces_and_cover_what_its_modules_import(
+    service: str,
+) -> None:
+    """What the service's modules (and the common modules they use) import anywhere, lazily too, comes
+    from its unit's dependencies, its extras and tandem-common's, or what they require; each of its
+    own dependencies is imported; and every range is the workspace's own."""
+    unit = f"services/{service}"
+    own = {
+        canonicalize_name(r.name)
+        for r in _requirements(unit)
+        if r not in _requirements("common", {"tensors"})
+    }
+    modules = [m for m in python_files() if m.startswith(f"tandem.{service}")]
+    needed = distributions_imported(modules, exempt=SERVICE_UNITS[service])
+    assert needed - with_dependencies({canonicalize_name(r.name) for r in _requirements(unit)}) == set()
+    assert own - needed == set()
+    workspace = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    ranges = workspace["dependencies"] + workspace["optional-dependencies"]["projector"]
+    assert {str(r) for r in _requirements(unit)} <= {str(Requirement(line)) for line in ranges}

@@ -10,10 +10,10 @@ import torch
 
 from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import GenerateSpec
 from tandem.decoder.models.loader import load_model
 
 

@@ -13,10 +13,10 @@ from tandem.client.errors import InvalidArgument
 from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart
 from tandem.decoder.backends.backend import RecompileError
 from tandem.decoder.backends.xla import runtime
-from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
-from tandem.decoder.engine.prompt import GenerateSpec
-from tandem.decoder.engine.xla_runner import XlaRunner
+from tandem.decoder.engine.step.xla_runner import XlaRunner
 from tests.unit.decoder.engine.engine_helpers import run_concurrently
 from tests.xla.helpers import engine_on, greedy, settings, table_rows
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.common.prompt_parts import TextPrompt
-from tandem.decoder.engine.chat import ChatMessage, ChatRequest
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import GenerateSpec
 from tests.unit.decoder.engine.engine_helpers import run_concurrently
 from tests.xla.helpers import engine_on
 

@@ -21,10 +21,10 @@ from tandem.client.client import DecoderClient, Segment
 from tandem.common import tensors
 from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
 from tandem.decoder.distributed.parallel import free_port
-from tandem.decoder.engine.chat import ChatMessage, ChatRequest
-from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import GenerateSpec
 from tests.unit.decoder.engine.engine_helpers import run_concurrently
 from tests.xla.helpers import engine_on, prompts_of_each_kind
 

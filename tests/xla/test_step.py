@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tandem.common.prompt_parts import PromptPart
-from tandem.decoder.engine.batch import BatchTensors, HostBatch
-from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.params import StoppingParams
-from tandem.decoder.engine.prompt import GenerateSpec
-from tandem.decoder.engine.xla_runner import XlaRunner, _pad_positions
+from tandem.decoder.engine.step.batch import BatchTensors, HostBatch
+from tandem.decoder.engine.step.xla_runner import XlaRunner, _pad_positions
 from tests.xla.helpers import engine_on, greedy, prompts_of_each_kind, settings
 
 LOGITS_TOLERANCE = 1e-4  # float32, the bound

@@ -14,7 +14,7 @@ from tandem.common.server import RunningServer, ServerOptions, Service, start_se
 from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.api.servicer import DecoderServicer
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.models.loader import LoadedModel
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024

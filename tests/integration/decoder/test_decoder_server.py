@@ -14,9 +14,9 @@ from grpc_status import rpc_status
 
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.common import tensors
-from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
+from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 
 from .conftest import Served, serve, shutdown
 

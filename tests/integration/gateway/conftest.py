@@ -82,11 +82,25 @@ class GatewayProcess:
 
     def rss_parts_mb(self) -> list[float]:
         """The gateway's resident memory, then each child's (its workers), in MB."""
+        return [_rss_kb(pid) / 1024 for pid in self.pids()]
+
+    def pids(self) -> list[int]:
+        """The gateway, then its children (its workers)."""
         pids = [self.process.pid]
         for task in Path(f"/proc/{self.process.pid}/task").iterdir():  # children of every thread
             with contextlib.suppress(FileNotFoundError):
                 pids += [int(pid) for pid in (task / "children").read_text().split()]
-        return [_rss_kb(pid) / 1024 for pid in pids]
+        return pids
+
+    def mapped_packages(self, *packages: str) -> set[str]:
+        """Which of `packages` have a file mapped into the gateway or a worker: a native library is
+        mapped from the moment its package is imported, so this is what the processes loaded."""
+        found = set()
+        for pid in self.pids():
+            with contextlib.suppress(FileNotFoundError):
+                maps = Path(f"/proc/{pid}/maps").read_text()
+                found.update(p for p in packages if f"/{p}/" in maps)
+        return found
 
 
 def _rss_kb(pid: int) -> int:
@@ -104,12 +118,15 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(log: Path, *flags: str) -> AsyncIterator[GatewayProcess]:
-    """The gateway as a process with `flags`, once it accepts connections; terminated afterwards."""
+async def gateway_process(
+    log: Path, *flags: str, python: str | Path = sys.executable
+) -> AsyncIterator[GatewayProcess]:
+    """The gateway as a process with `flags` (run by `python`: this venv's, or one the gateway was
+    installed into alone), once it accepts connections; terminated afterwards."""
     port = free_port()
     with log.open("wb") as err:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tandem.gateway", "--port", str(port), *flags, stdout=err, stderr=err
+            str(python), "-m", "tandem.gateway", "--port", str(port), *flags, stdout=err, stderr=err
         )
     try:
         for _ in range(300):

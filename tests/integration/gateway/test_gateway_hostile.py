@@ -173,6 +173,15 @@ async def test_an_embeddings_answer_under_the_bound_is_the_encoders_rows_written
         assert response.status == 200 and response.content_length is not None
         answer = await response.json()
         assert len(await response.read()) == response.content_length
+        pooled = []  # "hello" mean-pooled: base64 of the row's bytes, then JSON floats
+        for encoding in ("base64", "float"):
+            mean = {"model": "", "input": "hello", "tandem_pooling": "mean", "encoding_format": encoding}
+            async with session.post(gateway.url + "/v1/embeddings", json=mean) as pooled_response:
+                pooled.append((await pooled_response.json())["data"][0]["embedding"])
+        # Serving took neither: the gateway is an HTTP front with no numerical library.
+        assert gateway.mapped_packages("torch", "numpy") == set()
+    mean_row = np.frombuffer(base64.b64decode(pooled[0]), dtype="<f4")
+    assert pooled[1] == mean_row.tolist()  # JSON floats: the same row's values
     rows = np.frombuffer(base64.b64decode(answer["data"][0]["embedding"]), dtype="<f4").reshape(-1, 64)
     expected = tiny_fp32.model.embed_tokens.weight[torch.tensor(ids)].detach().float().numpy()
     np.testing.assert_array_equal(rows, expected)

@@ -23,7 +23,7 @@ from grpc_status import rpc_status
 
 from tandem.client.channel import channel_options
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2
-from tandem.decoder.engine.backpressure import MAX_UNREAD_TOKENS
+from tandem.decoder.engine.outputs.backpressure import MAX_UNREAD_TOKENS
 from tandem.decoder.models.loader import LoadedModel, load_model
 
 from .cases import HIDDEN, embed_ids_wire, embeds

@@ -12,7 +12,7 @@ import pytest
 from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.gateway import requests
 from tandem.gateway.body_limits import BodyLimits
-from tandem.gateway.embeddings import answer_bound, check_answer_size
+from tandem.gateway.embeddings import answer_bound, check_answer_size, float32_values
 from tandem.gateway.errors import Refused
 
 INFO = encoder_pb2.EncoderGetModelInfoResponse(hidden_size=64, max_input_tokens=100, num_virtual_tokens=2)
@@ -52,3 +52,14 @@ def test_an_answer_over_the_limit_is_413_naming_input() -> None:
         check_answer_size(call, INFO, answer_bound(call, INFO) - 1)
     assert (refused.value.error.status, refused.value.error.param) == (413, "input")
     assert "--max-embeddings-bytes" in refused.value.error.message
+
+
+def test_a_rows_json_floats_are_numpys_reading_of_the_little_endian_bytes() -> None:
+    finfo = np.finfo(np.float32)
+    extremes = [0.0, -0.0, 1.0, -1.2345678e-05, finfo.max, -finfo.max, finfo.tiny, finfo.smallest_subnormal]
+    row = np.concatenate(
+        [np.array(extremes, dtype="<f4"), np.random.default_rng(0).standard_normal(64, "<f4")]
+    )
+    values = float32_values(row.tobytes())
+    assert values == row.tolist() and all(type(v) is float for v in values)
+    assert json.dumps(values) == json.dumps(row.tolist())

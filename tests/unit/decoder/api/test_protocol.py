@@ -9,8 +9,8 @@ from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.common import tensors
 from tandem.decoder.api.protocol import event_to_pb, spec_from_pb
-from tandem.decoder.engine.outputs import Delta
-from tandem.decoder.engine.prompt_logprobs import PromptLogprob
+from tandem.decoder.engine.outputs.outputs import Delta
+from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
 
 
 def _request(**output: int) -> decoder_pb2.GenerateRequest:

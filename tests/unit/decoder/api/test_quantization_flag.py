@@ -83,3 +83,25 @@ def test_int8_and_int4_need_what_the_quantized_kernels_need(
     argv = ["--model", str(tiny_model_dir), "--port", "0", "--quantization", "int8", "--dtype", "float16"]
     assert decoder_main(argv) == 2
     assert capsys.readouterr().err == f"{PREFIX} int8 needs --dtype bfloat16 or float32, got 'float16'\n"
+
+
+ACTIVATIONS = "tandem serve decoder: --quantized-activations (TANDEM_QUANTIZED_ACTIVATIONS)"
+
+
+def test_int8_activations_without_quantized_weights_is_one_line_and_exit_2(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_model_dir), "--port", "0", "--quantized-activations", "int8"]
+    assert decoder_main(argv) == 2
+    said = "int8 needs --quantization gguf, int8 or int4 (it rounds the inputs of quantized linears)"
+    assert capsys.readouterr().err == f"{ACTIVATIONS} {said}\n"
+
+
+def test_an_unknown_activation_kind_names_the_ones_there_are(capsys: pytest.CaptureFixture[str]) -> None:
+    assert decoder_main(["--quantized-activations", "int4", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and "--quantized-activations" in err
+        and "'int4' is not one of 'none', 'int8'" in err
+    )

@@ -22,10 +22,10 @@ from tandem.decoder.backends.cpu.isa import best_level, this_cpu
 from tandem.decoder.backends.cpu.kernels import load_for_cpu
 from tandem.decoder.backends.xla import runtime as xla_runtime
 from tandem.decoder.config import DecoderConfig, EngineConfig
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import GenerateSpec
 from tandem.decoder.models.tensor_parallel import window_rows
 
 # oneDNN's packed bf16 linears need its bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT); else the C kernel.

@@ -16,9 +16,9 @@ import torch
 
 from tandem.decoder.backends.backend import BACKENDS, Backend, RecompileError
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.engine import Engine
+from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 from tandem.decoder.models.loader import LoadedModel
 from tests.unit.decoder.engine.engine_helpers import finished, run_concurrently, tokens
 
@@ -156,7 +156,7 @@ def test_a_decode_shaped_step_that_scores_a_prompt_position_runs_eagerly(compile
     # One position of a prompt that scores itself: a decode bucket's shape (1 token, 1 sequence), but
     # one logits row more than the bucket was compiled for. It must not ask for a graph after warmup.
     from tandem.decoder.engine.request import Request, TokenSegment
-    from tandem.decoder.engine.scheduler import ScheduledRequest, StepPlan
+    from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
 
     core = compiled_engine.core
     request = Request.from_segments("scoring", [TokenSegment([5, 6, 7])], SamplingParams(prompt_logprobs=2))

@@ -19,10 +19,10 @@ from tandem.decoder.backends import backend as backends
 from tandem.decoder.backends.backend import BACKENDS, Backend
 from tandem.decoder.backends.cuda_attention import CudaPagedAttention
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished
+from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import EmbeddingPrompt, GenerateSpec
 from tandem.decoder.models.flex_attention import FlexPagedAttention
 from tandem.decoder.models.loader import LoadedModel, load_model
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta, Event, Failed, Finished
-from tandem.decoder.engine.prompt import GenerateSpec
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished
 
 
 def tokens(events: Iterable[Event]) -> list[int]:

@@ -17,9 +17,9 @@ from collections import Counter
 from collections.abc import Callable
 
 from tandem.decoder.engine.params import StoppingParams
-from tandem.decoder.engine.prompt_lookup import verified_tokens
 from tandem.decoder.engine.request import EmbeddingSegment, Request, RequestStatus, Segment, TokenSegment
-from tandem.decoder.engine.scheduler import Scheduler, StepPlan
+from tandem.decoder.engine.sampling.prompt_lookup import verified_tokens
+from tandem.decoder.engine.scheduling.scheduler import Scheduler, StepPlan
 
 VOCAB_SIZE = 50
 

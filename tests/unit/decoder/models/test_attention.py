@@ -9,6 +9,7 @@ FlexAttention's eager CPU path).
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -174,12 +175,14 @@ def test_write_kv_cache_puts_keys_and_values_at_their_slots() -> None:
 # -- the C kernel in steps with prefill (TorchPagedAttention with the kernels) -------------------------
 
 
-def native_attention(
-    prefill_max_context: int | None = cpu_attention.PREFILL_MAX_CONTEXT,
-) -> cpu_attention.CpuPagedAttention:
+def native_attention(prefill_max_context: int | None = None) -> cpu_attention.CpuPagedAttention:
+    """The C kernel's attention, not tiled, up to the build's prefill context (or the one given)."""
     loaded = load_for_cpu()
     assert loaded is not None, "the C kernels are built when the project is installed (make setup)"
-    return cpu_attention.CpuPagedAttention(register(loaded), prefill_max_context)
+    limits = loaded.limits
+    if prefill_max_context is not None:
+        limits = dataclasses.replace(limits, prefill_max_context=prefill_max_context)
+    return cpu_attention.CpuPagedAttention(register(loaded), limits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

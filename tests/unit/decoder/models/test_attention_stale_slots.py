@@ -10,6 +10,7 @@ for shapes past the kernel's limits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from tandem.decoder.backends.cpu import kernels as cpu_kernels
 from tandem.decoder.backends.cpu.attention import CpuPagedAttention
 from tandem.decoder.backends.cpu.executor import CpuExecutor
+from tandem.decoder.backends.cpu.limits import Limits
 from tandem.decoder.backends.cpu.ops import register
 from tandem.decoder.models.attention import write_kv_cache
 from tandem.decoder.models.loader import load_model
@@ -38,15 +40,23 @@ class Shape:
     dtype: torch.dtype
 
 
-# Shapes the C kernel takes, and shapes past each of its limits (the step then runs torch ops).
-SHAPES = {
-    "fp32": Shape(4, 2, 8, 4, torch.float32),
-    "bf16": Shape(4, 2, 64, 4, torch.bfloat16),
-    "fp16": Shape(4, 2, 8, 4, torch.float16),  # no C kernel for float16
-    "block-past-limit": Shape(4, 2, 8, 2 * cpu_kernels.MAX_BLOCK_SIZE, torch.float32),
-    "head-dim-past-limit": Shape(2, 1, 2 * cpu_kernels.MAX_HEAD_DIM, 4, torch.bfloat16),
-    "group-past-limit": Shape(2 * cpu_kernels.MAX_GROUP, 1, 8, 4, torch.float32),
+# Shapes the C kernel takes, and shapes past each of its limits (the step then runs torch ops), given
+# the limits of the build this CPU loads.
+SHAPES: dict[str, Callable[[Limits], Shape]] = {
+    "fp32": lambda _: Shape(4, 2, 8, 4, torch.float32),
+    "bf16": lambda _: Shape(4, 2, 64, 4, torch.bfloat16),
+    "fp16": lambda _: Shape(4, 2, 8, 4, torch.float16),  # no C kernel for float16
+    "block-past-limit": lambda limits: Shape(4, 2, 8, 2 * limits.max_block_size, torch.float32),
+    "head-dim-past-limit": lambda limits: Shape(2, 1, 2 * limits.max_head_dim, 4, torch.bfloat16),
+    "group-past-limit": lambda limits: Shape(2 * limits.max_group, 1, 8, 4, torch.float32),
 }
+
+
+def loaded() -> cpu_kernels.Kernels:
+    kernels = cpu_kernels.load_for_cpu()
+    assert kernels is not None, "the C kernels are built when the project is installed (make setup)"
+    return kernels
+
 
 # Fresh prompts, then chunks over a cached prefix (a prefill that reads the cache), then decodes
 # with ragged lengths, so block tables are padded with the null block and last blocks are partial.
@@ -60,11 +70,7 @@ STEPS = [
 
 @pytest.fixture(params=["torch", "native"])
 def kernels(request: pytest.FixtureRequest) -> cpu_kernels.Kernels | None:
-    if request.param == "torch":
-        return None
-    loaded = cpu_kernels.load_for_cpu()
-    assert loaded is not None, "the C kernels are built when the project is installed (make setup)"
-    return loaded
+    return None if request.param == "torch" else loaded()
 
 
 def attend_steps(
@@ -76,7 +82,9 @@ def attend_steps(
     kv_cache = torch.full(
         (2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim), fill, dtype=shape.dtype
     )
-    attention = TorchPagedAttention() if kernels is None else CpuPagedAttention(register(kernels))
+    attention = (
+        TorchPagedAttention() if kernels is None else CpuPagedAttention(register(kernels), kernels.limits)
+    )
     outs = []
     for chunks in STEPS:
         attn = allocator.metadata(chunks)
@@ -94,7 +102,7 @@ def attend_steps(
 def test_a_cache_full_of_nan_or_inf_gives_the_clean_cache_output_on_every_path(
     kernels: cpu_kernels.Kernels | None, shape_name: str, poison: str
 ) -> None:
-    shape = SHAPES[shape_name]
+    shape = SHAPES[shape_name](loaded().limits)
     clean = attend_steps(shape, 0.0, kernels)
     poisoned = attend_steps(shape, POISONS[poison], kernels)
     for step, (got, want) in enumerate(zip(poisoned, clean, strict=True)):

@@ -166,7 +166,7 @@ def test_flex_decode_matches_the_c_kernel_and_the_fp64_reference_on_one_cache(dt
     q = torch.randn(len(lengths), num_heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     flex = FlexPagedAttention()(q, None, None, kv_cache, attn, scale)
-    c_kernel = CpuPagedAttention(register(kernels))(q, None, None, kv_cache, attn, scale)
+    c_kernel = CpuPagedAttention(register(kernels), kernels.limits)(q, None, None, kv_cache, attn, scale)
     refs, start = [], 0
     for i, (n, q_i) in enumerate(zip(lengths.values(), q, strict=True)):
         keys = torch.cat((k[start : start + n], k_new[i : i + 1])).float()

@@ -3,8 +3,10 @@ sources is refused, a missing one leaves the model on torch ops, and the CPU's f
 
 from __future__ import annotations
 
+import graphlib
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,11 @@ import pytest
 from tandem.decoder.backends.cpu import kernels as cpu_kernels
 from tandem.decoder.backends.cpu.build import (
     AARCH64_LEVELS,
+    SOURCES,
     X86_64_LEVELS,
     Level,
     build_id,
+    compile_command,
     compile_level,
     this_machine_levels,
 )
@@ -90,6 +94,54 @@ def test_without_a_library_load_for_cpu_logs_one_warning_and_returns_none(
     ]
 
 
+# -- which source calls which ----------------------------------------------------------------------
+
+
+def calls_between_sources(level: Level, tmp_path: Path) -> dict[str, set[str]]:
+    """For each source, the other sources whose functions its object calls: each file compiled alone by
+    build.py's command (-c), its undefined symbols (`nm`) matched to the others' defined ones. At -O0,
+    where no call is optimised away, so every call any build makes is there (files never inline each
+    other: there is no link-time optimisation)."""
+    objects = {source: tmp_path / f"{source}.o" for source in SOURCES}
+    compiles = [
+        subprocess.Popen(compile_command("cc", level, out, ("-c", "-O0"), (source,)), stderr=subprocess.PIPE)
+        for source, out in objects.items()
+    ]
+    for process in compiles:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr.decode()
+    defined, undefined = {}, {}
+    for source, out in objects.items():
+        listing = subprocess.run(["nm", "-g", "-P", str(out)], capture_output=True, text=True, check=True)
+        rows = [line.split()[:2] for line in listing.stdout.splitlines()]
+        defined[source] = {name for name, kind in rows if kind != "U"}
+        undefined[source] = {name for name, kind in rows if kind == "U"}
+    return {
+        source: {other for other in SOURCES if other != source and undefined[source] & defined[other]}
+        for source in SOURCES
+    }
+
+
+@needs_cc
+@pytest.mark.skipif(shutil.which("nm") is None, reason="no `nm` on PATH")
+@pytest.mark.parametrize(
+    "level",
+    # The lowest and the highest level: the code each #if keeps differs most between them.
+    dict.fromkeys((this_machine_levels()[0], this_machine_levels()[-1])),
+    ids=lambda level: level.name,
+)
+def test_no_source_calls_back_into_a_file_that_calls_it(level: Level, tmp_path: Path) -> None:
+    calls = calls_between_sources(level, tmp_path)
+    # What the library is built as: layer.c chains the others' kernels, attention.c hands bf16 caches
+    # to the tiled kernel (a stub below AVX512-BF16), and both attentions share the run finder.
+    assert {"attention.c", "linear_quant.c", "lora.c"} <= calls["layer.c"]
+    assert {"attention_tiles.c", "runs.c"} <= calls["attention.c"]
+    try:
+        tuple(graphlib.TopologicalSorter(calls).static_order())
+    except graphlib.CycleError as error:
+        pytest.fail(f"the sources call each other in a circle: {' -> '.join(error.args[1])}")
+
+
 # -- isa.py ----------------------------------------------------------------------------------------
 
 X86_CPUINFO = """\
@@ -141,6 +193,18 @@ def test_parse_cpuinfo_of_aarch64_names_the_machine_and_reads_the_features() -> 
     [
         ("x86_64", AVX2_FLAGS, "avx2"),
         ("x86_64", AVX512_FLAGS, "avx512"),
+        ("x86_64", AVX512_FLAGS | {"avx512_bf16", "avx512_vnni"}, "avx512bf16"),
+        ("x86_64", AVX512_FLAGS | {"avx512_bf16"}, "avx512"),  # the build's int8 products need VNNI too
+        (
+            "x86_64",
+            AVX512_FLAGS | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
+            "amx",
+        ),  # Sapphire Rapids on
+        (
+            "x86_64",
+            AVX512_FLAGS | {"avx512_bf16", "avx512_vnni", "amx_tile"},
+            "avx512bf16",
+        ),  # tiles, no bf16 product
         ("x86_64", AVX512_FLAGS - {"avx512vl"}, "avx2"),  # AVX-512 without all of x86-64-v4
         ("x86_64", AVX2_FLAGS - {"movbe"}, "x86_64"),  # AVX2 without all of x86-64-v3
         ("x86_64", frozenset(), "x86_64"),  # flags unknown: the lowest level, never a guess

@@ -12,13 +12,12 @@ import torch
 from tandem.common.model_cache import resolve_model
 from tandem.common.quantized_tensor import quantize
 from tandem.decoder.backends.cpu.executor import CpuExecutor, choose_linears
-from tandem.decoder.backends.cpu.kernels import MAX_HEAD_DIM
 from tandem.decoder.backends.cpu.linear import has_onednn_bf16
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.engine import Engine
-from tandem.decoder.engine.outputs import Delta
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.prompt import GenerateSpec
 from tandem.decoder.models import quantized
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import load_model
@@ -100,13 +99,13 @@ def test_the_default_production_path_gives_the_torch_paths_greedy_tokens_on_the_
 def test_a_model_past_the_c_kernels_limits_runs_per_op_on_torch_and_matches_the_plain_model(
     kernels,
 ) -> None:
-    # head_dim 272 is past the C kernels' scratch (MAX_HEAD_DIM 256): nothing may fuse or call the C
-    # ops, even where the C linears are chosen, and the executor still gives the model's logits.
+    # head_dim past the C kernels' scratch (limits.max_head_dim): nothing may fuse or call the C ops,
+    # even where the C linears are chosen, and the executor still gives the model's logits.
     config = ModelConfig(
         architecture="Qwen3ForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=MAX_HEAD_DIM + 16, rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_scaling=None, tie_word_embeddings=False, max_position_embeddings=512, eos_token_ids=(1,),
-        dtype=torch.bfloat16,
+        num_heads=4, num_kv_heads=2, head_dim=kernels.limits.max_head_dim + 16, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False, max_position_embeddings=512,
+        eos_token_ids=(1,), dtype=torch.bfloat16,
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()

@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.decoder.backends.cpu.attention import CpuPagedAttention, fits
+from tandem.decoder.backends.cpu.attention import CpuPagedAttention
 from tandem.decoder.backends.cpu.executor import CpuExecutor
-from tandem.decoder.backends.cpu.kernels import MAX_HEAD_DIM, MAX_ROW
 from tandem.decoder.backends.cpu.linear import CLinear
 from tandem.decoder.models.attention import write_kv_cache
 from tandem.decoder.models.layers import RMSNorm, apply_rotary
@@ -269,22 +268,26 @@ def test_a_nan_query_gives_nan_for_its_row_only(kernels) -> None:
 
 
 def test_shapes_past_the_kernels_limits_are_refused_and_attention_keeps_torch_ops(kernels, ops) -> None:
-    with pytest.raises(ValueError, match=rf"size in \[1, {MAX_ROW}\]"):
-        kernels.rms_norm(torch.randn(2, MAX_ROW + 2), torch.randn(MAX_ROW + 2), 1e-6)
-    wide = 2 * MAX_HEAD_DIM
+    max_row, max_head_dim = kernels.limits.max_row, kernels.limits.max_head_dim
+    with pytest.raises(ValueError, match=rf"x must .* row {max_row + 2} is outside \[1, max_row {max_row}\]"):
+        kernels.rms_norm(torch.randn(2, max_row + 2), torch.randn(max_row + 2), 1e-6)
+    wide = 2 * max_head_dim
     big_heads = torch.randn(2, 2, 4, 1, wide)
     angles = torch.zeros(1, 1, wide)
-    with pytest.raises(ValueError, match=f"head_dim must be even and at most {MAX_HEAD_DIM}"):
+    with pytest.raises(
+        ValueError, match=rf"kv_cache .* head_dim {wide} is outside \[1, max_head_dim {max_head_dim}\]"
+    ):
         kernels.qkv_rope_cache(
             torch.zeros(1, 3 * wide), angles, angles, None, None, 1e-6, big_heads, torch.tensor([0]), 1, True
         )
     q = torch.randn(1, 1, wide)
     attn = PagedAllocator(num_blocks=2, block_size=4).metadata([("s", 3)])
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match="max_head_dim"):
         kernels.decode_attention(q, big_heads, attn.block_tables, attn.seq_lens_t, 0.1)
-    assert not fits(q, big_heads)
+    attention = CpuPagedAttention(ops, kernels.limits)
+    assert not attention.takes(q, big_heads)
     expected = TorchPagedAttention().decode(q, big_heads, attn, 0.1)
-    assert torch.equal(CpuPagedAttention(ops).decode(q, big_heads, attn, 0.1), expected)
+    assert torch.equal(attention.decode(q, big_heads, attn, 0.1), expected)
 
 
 def test_a_model_on_the_kernels_gives_the_torch_path_logits_and_transformers_greedy_tokens(

@@ -1,7 +1,8 @@
 """The LoRA delta kernel (backends/cpu/lora.py, csrc/lora.c) on every build this CPU runs: the
 reference's sums, a row's bits whatever shares the call, and the executor's paths with it (the fused
-layers, the decode stack, the per-op path): the model's logits, a row's bits alone and among others,
-a base row's bits with LoRA on or off, and a bad slot refused before anything is written."""
+layers, the decode stack, the per-op path, a step split around a prompt chunk): the model's logits, a
+row's bits alone and among others, a base row's bits with LoRA on or off, and a bad slot refused
+before anything is written."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from tandem.decoder.backends.cpu.executor import CpuExecutor
+from tandem.decoder.backends.cpu.kernel_choice import LinearPlan
+from tandem.decoder.backends.cpu.linear import has_onednn_bf16
 from tandem.decoder.backends.cpu.lora import CLora, bind_table
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.lora import PARTS, LoraStep, LoraTable, ProjectionLora
@@ -197,3 +200,41 @@ def test_a_slot_outside_the_table_is_refused_by_the_fused_layers_and_the_stack_b
     with pytest.raises(ValueError, match="lora_slots: a slot outside the LoRA table"):
         run.step([("a", [5], 0), ("b", [6], -2)])  # a decode step: the stack
     assert all(torch.equal(c, b) for c, b in zip(run.kv_caches, before, strict=True))
+
+
+@pytest.mark.skipif(not has_onednn_bf16(), reason="this CPU's oneDNN has no bf16 path: not a candidate")
+def test_a_split_step_gives_each_part_its_own_rows_slots(
+    kernels, tiny_model_dir: Path, adapters: list[Path]
+) -> None:
+    """With prompt chunks of 9+ rows on oneDNN (prefill_split.py), a step of adapted decode rows beside an
+    adapted 10-row chunk runs in two parts, each with its own rows' slots: the decode rows keep the bits
+    they get alone, the chunk gets its adapter's logits."""
+    loaded = load_model(tiny_model_dir, dtype="bfloat16")
+    table = table_of(loaded, adapters)
+    shapes = sorted({(w.shape[0], w.shape[1]) for w in _projection_weights(loaded)})
+    exact = tuple((s, kernels.level.name) for s in shapes)
+    plan = LinearPlan(kernels.level.name, exact, tuple((s, "onednn") for s in shapes), 9, "test")
+    executor = CpuExecutor(loaded.model, kernels, dense_rows=9, plan=plan, lora=table)
+    assert executor.split_rows == 9 and executor.prefill_layers
+    mixed, alone = LoraRun(executor, loaded, table), LoraRun(executor, loaded, table)
+    for run in (mixed, alone):
+        run.step([("a", PROMPT[:4], 0), ("b", PROMPT[:3], 1)])
+    together = mixed.step([("a", [42], 0), ("b", [7], 1), ("c", PROMPT, 2)])
+    assert torch.equal(together[:2], alone.step([("a", [42], 0), ("b", [7], 1)]))
+    want = LoraRun(loaded.model, loaded, table).step([("c", PROMPT, 2)])[0]  # the torch reference
+    assert (together[2] - want).abs().max() <= 0.05 * want.abs().max()
+    base = LoraRun(loaded.model, loaded, table).step([("c", PROMPT, -1)])[0]
+    assert (together[2] - base).abs().max() > 10 * (together[2] - want).abs().max()  # the adapter applied
+
+
+def _projection_weights(loaded: LoadedModel) -> list[torch.Tensor]:
+    return [
+        linear.weight
+        for layer in loaded.model.layers
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]

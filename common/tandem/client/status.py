@@ -1,0 +1,256 @@
+"""Domain errors -> gRPC statuses with google.rpc details, and the one interceptor that does it.
+
+Servicers raise `tandem.client.errors` types (or let them propagate from the engine); the interceptor
+turns each into its status code with a `BadRequest` field violation or a `RetryInfo`, so clients
+in any language can read the field and the limit from the standard details. Anything else is a
+bug: logged with its traceback and reported as INTERNAL without leaking internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from . import errors, memory
+from .oversized import oversized
+
+log = logging.getLogger(__name__)
+
+_CODES: list[tuple[type[errors.TandemError], int]] = [
+    (errors.InvalidArgument, code_pb2.INVALID_ARGUMENT),
+    (errors.FailedPrecondition, code_pb2.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, code_pb2.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, code_pb2.UNAVAILABLE),
+    (errors.DeadlineExceeded, code_pb2.DEADLINE_EXCEEDED),
+    (errors.NotFound, code_pb2.NOT_FOUND),
+    (errors.AlreadyExists, code_pb2.ALREADY_EXISTS),
+]
+
+
+# A status travels in trailing metadata, whose hard limit (16 KiB by default) would turn a long
+# message into RESOURCE_EXHAUSTED; messages that quote a caller's input are cut well below it.
+MAX_MESSAGE_CHARS = 1024
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS]}... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
+
+
+def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
+    code = next((c for cls, c in _CODES if isinstance(error, cls)), code_pb2.INTERNAL)
+    status = status_pb2.Status(code=code, message=_bounded(error.message))
+    detail = any_pb2.Any()
+    if isinstance(error, errors.InvalidArgument | errors.FailedPrecondition):
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=_bounded(error.field), description=_bounded(error.description)
+        )
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+        status.details.append(detail)
+    elif isinstance(error, errors.ResourceExhausted):
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(error.retry_after_s * 1e9))
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        status.details.append(detail)
+    return status
+
+
+def field_violation(error: grpc.aio.AioRpcError) -> tuple[str, str] | None:
+    """(field, description) of the first `BadRequest` field violation a status carries; None if none."""
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except Exception:  # details that do not parse: the code and message still hold
+        return None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            for violation in bad_request.field_violations:
+                return violation.field, violation.description
+    return None
+
+
+def error_type(exc: BaseException) -> str:
+    """`error.type`: the gRPC status name a client sees (`INVALID_ARGUMENT`, `CANCELLED`, ...), or the
+    exception's class name for bugs (which the client sees as INTERNAL)."""
+    if isinstance(exc, errors.TandemError):
+        return code_pb2.Code.Name(to_status_proto(exc).code)
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "CANCELLED"
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code().name
+    return type(exc).__qualname__
+
+
+def end_with(context: grpc.aio.ServicerContext, error: errors.TandemError) -> None:
+    """Give the RPC the error's status; the handler then returns, and grpc sends it.
+
+    NOTE: not context.abort(). It raises AbortError through grpc's own frames, which then hold each
+    other and the request in a reference cycle that only the cyclic GC frees; an idle server runs it
+    rarely, so every refused request kept its memory (about 140 MB for 60 MB of embedding rows) long
+    after it ended. For the same reason the error leaves its traceback (its frames hold the request).
+    """
+    error.__traceback__ = None
+    status = rpc_status.to_status(to_status_proto(error))
+    context.set_code(status.code)
+    context.set_details(status.details)
+    context.set_trailing_metadata(status.trailing_metadata)
+
+
+def end_with_internal(context: grpc.aio.ServicerContext, method: str) -> None:
+    log.exception("unhandled error in %s", method)
+    context.set_code(grpc.StatusCode.INTERNAL)
+    context.set_details(f"internal error in {method}; see the server log")
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # A servicer's own context.abort() raises AbortError (a BaseException subclass in some versions).
+    return isinstance(exc, grpc.aio.AbortError)
+
+
+class _Malformed:
+    """What a request that failed to parse becomes, so the behaviour can answer INVALID_ARGUMENT.
+
+    Left to grpc, a message that does not parse (random bytes, invalid UTF-8 in a string field)
+    ends as INTERNAL, which would blame the server for the client's bytes.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(
+    deserializer: Callable[[bytes], Any] | None, max_bytes: Callable[[], int | None] | None = None
+) -> Callable[[bytes], Any] | None:
+    """`deserializer`, answering a request that does not parse, or is longer than `max_bytes()` says
+    the method can use, with a _Malformed (the latter unparsed: client/oversized.py)."""
+    if deserializer is None:
+        return None
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+
+    def parse(raw: bytes) -> Any:
+        bound = max_bytes() if max_bytes is not None else None
+        if bound is not None and len(raw) > bound:
+            return _Malformed(oversized(raw, bound, descriptor))
+        try:
+            return deserializer(raw)
+        except Exception as error:
+            return _Malformed(error)
+
+    return parse
+
+
+def _reject_malformed(request: Any, method: str) -> None:
+    if isinstance(request, _Malformed):
+        if isinstance(request.error, errors.InvalidArgument):
+            raise request.error
+        raise errors.InvalidArgument("request", f"not a valid request message for {method}: {request.error}")
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps TandemError to its status and any other exception to INTERNAL, for every method;
+    a request that does not parse is INVALID_ARGUMENT, and so is a call that sends none.
+
+    Unary-request methods are served as request-streaming ones that read their one message here:
+    grpc.aio leaves a call that half-closes before sending its request open until the deadline
+    (forever without one), where reading the request ourselves can end it. The wire is the same.
+    """
+
+    def __init__(self, max_request_bytes: Mapping[str, Callable[[], int | None]] | None = None) -> None:
+        # "/package.Service/Method" -> the most bytes its request can usefully have (None: no bound
+        # yet); a longer one is refused unparsed (client/oversized.py).
+        self._max_request_bytes = dict(max_request_bytes or {})
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=_tolerant(
+                    handler.request_deserializer, self._max_request_bytes.get(method)
+                ),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+async def _only_request(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str) -> Any:
+    """The one request message of a unary-request call; INVALID_ARGUMENT when the call sent none.
+
+    A large one gets its memory given back once the call has ended (tandem.client.memory)."""
+    async for request in requests:
+        if _num_bytes(request) >= memory.LARGE_REQUEST_BYTES:
+            context.add_done_callback(partial(_give_back_soon, asyncio.get_running_loop()))
+        return request
+    raise errors.InvalidArgument("request", f"the call to {method} ended without a request message")
+
+
+def _num_bytes(request: Any) -> int:
+    """A request's size on the wire: a message's, or raw bytes' for methods registered without one."""
+    if isinstance(request, bytes):
+        return len(request)
+    return request.ByteSize() if hasattr(request, "ByteSize") else 0
+
+
+def _give_back_soon(loop: asyncio.AbstractEventLoop, _: object) -> None:
+    # After grpc has let go of the call, which it does once its done callbacks have run.
+    loop.call_soon(memory.give_back)
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def wrapped(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = await _only_request(requests, context, method)
+            _reject_malformed(request, method)
+            return await behavior(request, context)
+        except errors.TandemError as error:
+            end_with(context, error)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            end_with_internal(context, method)
+        return None  # discarded: the status is not OK
+
+    return wrapped
+
+
+def _wrap_stream(
+    behavior: Callable[..., AsyncIterator[Any]], method: str
+) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapped(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            request = await _only_request(requests, context, method)
+            _reject_malformed(request, method)
+            async for response in behavior(request, context):
+                yield response
+        except errors.TandemError as error:
+            end_with(context, error)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            end_with_internal(context, method)
+
+    return wrapped

@@ -1,0 +1,514 @@
+"""Converts a GGUF file (llama.cpp's format) into an ordinary Hugging Face checkpoint directory.
+
+The output is what every other part of Tandem reads: `config.json`, `model.safetensors` (dequantized to
+one dtype), `tokenizer.json` rebuilt from the GGUF tokenizer metadata, `tokenizer_config.json` with the
+special tokens and the chat template, and `generation_config.json` with the EOS IDs. Serving a GGUF file
+is then nothing special: it is imported once and loaded like any checkpoint.
+
+Two facts of the format matter for correctness:
+- llama.cpp's converter permutes the rows of Llama's Q and K projections into its own RoPE layout
+  (pairs interleaved instead of halves). `_unpermute` undoes it; without it the model still produces
+  fluent-looking text that is wrong. Qwen3 files are written unpermuted.
+- GGUF lists a tensor's dimensions fastest-first, the reverse of PyTorch's order.
+
+The reader is the `gguf` package that llama.cpp maintains; every quantization type it can dequantize
+is accepted. Anything that cannot be converted raises GGUFImportError with one line naming the
+problem (architecture, quantization type, tokenizer kind, a truncated file, a wrong magic).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tandem.common.dtypes import COMPUTE_NAMES
+from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# GGUF tensor names (per block, then global) -> Hugging Face names.
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
+
+# GGUF token types (llama.cpp's llama_token_type).
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+# Byte-level BPE pre-tokenizer split patterns, by `tokenizer.ggml.pre` (llama.cpp's llama-vocab.cpp).
+# Each entry is the list of regexes applied in turn before the byte-level mapping.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_PRE_TOKENIZERS: dict[str, list[str]] = {
+    "default": [_GPT2_SPLIT],
+    "gpt2": [_GPT2_SPLIT],
+    "smollm": [r"\p{N}", _GPT2_SPLIT],  # digits one by one, then GPT-2's rule
+    "qwen2": [
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ],
+    "llama-bpe": [
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ],
+}
+
+
+class GGUFImportError(ValueError):
+    """A GGUF file that cannot be converted; the message is one line naming the problem."""
+
+
+@dataclass(frozen=True)
+class ImportProgress:
+    """Reported once per converted tensor, so a caller can print a progress line."""
+
+    num_done: int
+    num_tensors: int
+
+
+def import_gguf(
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    on_progress: Callable[[ImportProgress], None] | None = None,
+) -> Path:
+    """Writes the checkpoint directory for `gguf_path` into `out_dir` (created) and returns it.
+
+    Files are written readable by everyone (0644; directories 0755), so a checkpoint can be mounted
+    into containers that run as another user. Raises GGUFImportError.
+    """
+    if dtype not in COMPUTE_NAMES:
+        raise GGUFImportError(f"--dtype {dtype!r} is not supported (supported: {', '.join(COMPUTE_NAMES)})")
+    gguf_path = Path(gguf_path)
+    reader = _open(gguf_path)
+    meta = _Metadata(reader, gguf_path)
+    hf_config = _hf_config(meta)
+    _check_blocks(reader, meta, hf_config["num_hidden_layers"])
+    tokenizer_json, tokenizer_config, generation_config = _tokenizer_files(meta, hf_config)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = dict(_weights(reader, meta, hf_config, dtype, on_progress))
+    if "lm_head.weight" not in weights:
+        hf_config["tie_word_embeddings"] = True
+    _save_weights(weights, out_dir / "model.safetensors")
+    _write_json(out_dir / "config.json", hf_config)
+    _write_json(out_dir / "tokenizer.json", tokenizer_json)
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    _write_json(out_dir / "generation_config.json", generation_config)
+    if meta.get_str("tokenizer.chat_template"):
+        (out_dir / "chat_template.jinja").write_text(meta.get_str("tokenizer.chat_template"))
+    make_world_readable(out_dir)
+    return out_dir
+
+
+def make_world_readable(directory: Path) -> None:
+    """0755 on the directory, 0644 on its files: containers running as another uid can read them."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _open(path: Path) -> Any:
+    import gguf
+
+    if not path.is_file():
+        raise GGUFImportError(f"{path}: no such file")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFImportError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError, TypeError) as e:
+        raise GGUFImportError(
+            f"{path}: unreadable GGUF header ({_one_line(e)}); is the file truncated?"
+        ) from e
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        if int(tensor.data_offset) + int(tensor.n_bytes) > size:
+            raise GGUFImportError(
+                f"{path}: truncated: tensor {tensor.name} ends at byte "
+                f"{int(tensor.data_offset) + int(tensor.n_bytes):,}, the file has {size:,}"
+            )
+    return reader
+
+
+class _Metadata:
+    """Typed access to the GGUF key-value fields, with errors that name the key."""
+
+    def __init__(self, reader: Any, path: Path) -> None:
+        self.reader, self.path = reader, path
+        self.architecture = self.get_str("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            raise GGUFImportError(
+                f"{path}: architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+            )
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.get_field(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (ValueError, IndexError, TypeError) as e:
+            raise GGUFImportError(f"{self.path}: metadata {key} unreadable ({_one_line(e)})") from e
+
+    def get_str(self, key: str) -> str | None:
+        value = self.get(key)
+        return value if isinstance(value, str) else None
+
+    def arch(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.architecture}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        value = self.arch(key)
+        if value is None:
+            raise GGUFImportError(f"{self.path}: metadata {self.architecture}.{key} is missing")
+        return value
+
+
+# Sane ranges for what a file's metadata says, checked before anything is sized from it: a file is
+# untrusted input (block_count 10^9 imported, then grew a server past 6 GB; context_length 2^40 made
+# every GetModelInfo fail). Far above any real model: Llama 3 405B has 126 layers, 128 heads, 16,384
+# hidden, 53,248 intermediate, a 128K context and a vocabulary of 128K tokens of at most a few
+# hundred characters.
+_RANGES = {
+    "block_count": 1024,
+    "attention.head_count": 1024,
+    "attention.head_count_kv": 1024,
+    "embedding_length": 1 << 17,
+    "feed_forward_length": 1 << 20,
+    "attention.key_length": 4096,
+    "context_length": 1 << 24,
+}
+# The real-valued fields: an epsilon is far below 1; RoPE bases run from 10^4 to 10^8 in use.
+_REAL_RANGES = {"attention.layer_norm_rms_epsilon": 1.0, "rope.freq_base": 1e12}
+MAX_VOCAB = 1 << 22  # token IDs travel as uint32; 4M entries is 30x the largest vocabulary in use
+MAX_TOKEN_CHARS = 1024  # one vocabulary entry; the text bounds divide by the longest (text_bounds.py)
+
+
+def _int_in_range(meta: _Metadata, key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise GGUFImportError(
+            f"{meta.path}: metadata {key} must be an integer in [{low}, {high}], got {value!r}"
+        )
+    return value
+
+
+def _real_in_range(meta: _Metadata, key: str, value: Any, high: float) -> float:
+    """A number in (0, high]: a string, a boolean or a NaN where a number belongs is refused by name."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= high:
+        raise GGUFImportError(f"{meta.path}: metadata {key} must be a number in (0, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _hf_config(meta: _Metadata) -> dict[str, Any]:
+    def arch_int(key: str, default: Any = None) -> int:
+        value = meta.arch(key, default) if default is not None else meta.require(key)
+        return _int_in_range(meta, f"{meta.architecture}.{key}", value, 1, _RANGES[key])
+
+    def arch_real(key: str, default: float | None) -> float:
+        value = meta.arch(key, default) if default is not None else meta.require(key)
+        return _real_in_range(meta, f"{meta.architecture}.{key}", value, _REAL_RANGES[key])
+
+    num_heads = arch_int("attention.head_count")
+    hidden_size = arch_int("embedding_length")
+    if isinstance(meta.arch("attention.head_count_kv"), list):  # per-layer counts (hybrid models)
+        raise GGUFImportError(f"{meta.path}: per-layer attention.head_count_kv is not supported")
+    num_kv_heads = arch_int("attention.head_count_kv", num_heads)
+    if num_heads % num_kv_heads != 0:
+        raise GGUFImportError(
+            f"{meta.path}: metadata attention.head_count {num_heads} is not a multiple of "
+            f"attention.head_count_kv {num_kv_heads}"
+        )
+    vocab = meta.get("tokenizer.ggml.tokens") or []
+    vocab_size = meta.arch("vocab_size", len(vocab))
+    _int_in_range(meta, f"{meta.architecture}.vocab_size", vocab_size, max(1, len(vocab)), MAX_VOCAB)
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[meta.architecture]],
+        "model_type": meta.architecture,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": arch_int("feed_forward_length"),
+        "num_hidden_layers": arch_int("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": arch_int("attention.key_length", max(1, hidden_size // num_heads)),
+        "hidden_act": "silu",
+        "max_position_embeddings": arch_int("context_length", 4096),
+        "rms_norm_eps": arch_real("attention.layer_norm_rms_epsilon", None),
+        "rope_theta": arch_real("rope.freq_base", 10000.0),
+        "rope_scaling": None,
+        "tie_word_embeddings": False,  # set when the file has no output.weight
+        "attention_bias": False,  # set when the file has attention biases
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "bfloat16",
+    }
+    scaling = meta.arch("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise GGUFImportError(f"{meta.path}: rope scaling {scaling!r} is not supported")
+    if meta.architecture == "qwen3":
+        config |= {"use_sliding_window": False, "sliding_window": None}
+    return config
+
+
+def _check_blocks(reader: Any, meta: _Metadata, num_layers: int) -> None:
+    """The file's tensors are blocks 0 .. block_count - 1, no more and no fewer."""
+    blocks = {int(t.name.split(".")[1]) for t in reader.tensors if re.match(r"blk\.\d+\.", t.name)}
+    if blocks != set(range(num_layers)):
+        have = (
+            "no blocks"
+            if not blocks
+            else f"blocks 0-{max(blocks)}"
+            if blocks == set(range(len(blocks)))
+            else f"{len(blocks)} blocks numbered {min(blocks)}-{max(blocks)}"
+        )
+        raise GGUFImportError(
+            f"{meta.path}: metadata {meta.architecture}.block_count is {num_layers}, the tensors hold {have}"
+        )
+
+
+def _tokenizer_files(
+    meta: _Metadata, hf_config: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """tokenizer.json (byte-level BPE), tokenizer_config.json and generation_config.json."""
+    kind = meta.get_str("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFImportError(
+            f"{meta.path}: tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', byte-level BPE)"
+        )
+    pre = meta.get_str("tokenizer.ggml.pre") or "default"
+    if pre not in _PRE_TOKENIZERS:
+        raise GGUFImportError(
+            f"{meta.path}: tokenizer.ggml.pre {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    merges: list[str] = meta.get("tokenizer.ggml.merges") or []
+    if not tokens or len(types) != len(tokens):
+        raise GGUFImportError(f"{meta.path}: tokenizer.ggml.tokens / token_type missing or inconsistent")
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]))
+    if len(tokens[longest]) > MAX_TOKEN_CHARS:
+        raise GGUFImportError(
+            f"{meta.path}: tokenizer.ggml.tokens[{longest}] has {len(tokens[longest])} characters, "
+            f"more than {MAX_TOKEN_CHARS}"
+        )
+    for key in ("bos", "eos", "eot", "unknown", "padding"):
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if index is not None:
+            _int_in_range(meta, f"tokenizer.ggml.{key}_token_id", index, 0, len(tokens) - 1)
+    template = meta.get_str("tokenizer.chat_template") or ""
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise GGUFImportError(
+            f"{meta.path}: tokenizer.chat_template has {len(template)} characters, "
+            f"more than {MAX_TEMPLATE_CHARS}"
+        )
+    added = [
+        {
+            "id": i,
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": kind_ == _CONTROL,
+        }
+        for i, (token, kind_) in enumerate(zip(tokens, types, strict=True))
+        if kind_ in (_CONTROL, _USER_DEFINED)
+    ]
+    splits = [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+        for regex in _PRE_TOKENIZERS[pre]
+    ]
+    # The splits above already did the regex's work; ByteLevel only maps bytes to its alphabet.
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tokenizer_json = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*splits, byte_level]},
+        "post_processor": _post_processor(meta, tokens),
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {token: i for i, token in enumerate(tokens)},
+            "merges": [merge.split(" ", 1) for merge in merges],
+        },
+    }
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+    eos_ids = [
+        i
+        for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
+        if isinstance(i, int)
+    ]
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": hf_config["max_position_embeddings"],
+        "chat_template": meta.get_str("tokenizer.chat_template"),
+    }
+    generation_config = {"eos_token_id": list(dict.fromkeys(eos_ids)) or None}
+    if isinstance(meta.get("tokenizer.ggml.bos_token_id"), int):
+        generation_config["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
+    return tokenizer_json, tokenizer_config, generation_config
+
+
+def _post_processor(meta: _Metadata, tokens: list[str]) -> dict[str, Any] | None:
+    """Prepends BOS when the file says the tokenizer adds it (Llama 3 does; SmolLM2 does not)."""
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if not meta.get("tokenizer.ggml.add_bos_token", False) or not isinstance(bos, int):
+        return None
+    name = tokens[bos]
+    return {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": {"id": name, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {name: {"id": name, "ids": [bos], "tokens": [name]}},
+    }
+
+
+def _weights(
+    reader: Any,
+    meta: _Metadata,
+    hf_config: dict[str, Any],
+    dtype: str,
+    on_progress: Callable[[ImportProgress], None] | None,
+) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, dequantized tensor in `dtype`) for every tensor of the file."""
+    import gguf
+    import torch
+
+    from tandem.common.torch_dtypes import COMPUTE_DTYPES
+
+    torch_dtype = COMPUTE_DTYPES[dtype]
+    tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    if len(tensors) != len(reader.tensors) and meta.architecture == "llama":
+        raise GGUFImportError(f"{meta.path}: rope_freqs (Llama 3.1 RoPE scaling) is not supported")
+    for done, tensor in enumerate(tensors, start=1):
+        name = _hf_name(tensor.name, meta.path)
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as e:
+            raise GGUFImportError(
+                f"{meta.path}: tensor {tensor.name}: quantization type {tensor.tensor_type.name} "
+                "cannot be dequantized by the gguf package"
+            ) from e
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest-first
+        array = np.array(array, dtype=np.float32).reshape(shape)  # a writable copy, off the memory map
+        if meta.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _unpermute(array, hf_config["num_attention_heads"])
+        elif meta.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _unpermute(array, hf_config["num_key_value_heads"])
+        if name.endswith("bias") and "self_attn" in name:
+            hf_config["attention_bias"] = True
+        yield name, torch.from_numpy(array).to(torch_dtype)
+        if on_progress is not None:
+            on_progress(ImportProgress(num_done=done, num_tensors=len(tensors)))
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """The GGUF tensor name of a Hugging Face checkpoint name (None: no counterpart)."""
+    for gguf, hf in _GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return gguf
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    for gguf, hf in _BLOCK_NAMES.items():
+        if match and hf == match.group(2):
+            return f"blk.{match.group(1)}.{gguf}"
+    return None
+
+
+def unpermute_rows(hf_name: str, rows: np.ndarray, hf_config: dict[str, Any]) -> np.ndarray:
+    """`rows` (any array whose rows are the tensor's output features) of a Llama file's Q or K
+    projection put back in Hugging Face's order; anything else as it is."""
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute(rows, hf_config["num_attention_heads"])
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute(rows, hf_config["num_key_value_heads"])
+    return rows
+
+
+def _hf_name(name: str, path: Path) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK_PATTERN.fullmatch(name)
+    if match and match.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+    raise GGUFImportError(f"{path}: tensor {name!r} has no Hugging Face counterpart (unsupported model?)")
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation: per head, rows (pair, half) go back to (half, pair).
+
+    llama.cpp writes `w.reshape(heads, 2, rows_per_head // 2, ...).swapaxes(1, 2)`; this is its inverse.
+    """
+    rows = weight.shape[0]
+    grouped = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(weight.shape))
+
+
+def _save_weights(weights: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(".tmp")
+    save_file({name: t.contiguous() for name, t in weights.items()}, tmp, {"format": "pt"})
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

@@ -1,0 +1,282 @@
+"""One grpc.aio server bootstrap for both services.
+
+Every server gets the same things: explicit message-size limits (the same number the client
+uses), keepalive settings that tolerate long silent streams, `grpc.health.v1` that reports
+NOT_SERVING until the service says it is ready, server reflection (grpcurl works), the error
+interceptor, and a graceful stop: health goes NOT_SERVING, new RPCs are refused, and in-flight
+ones get `grace_s` to finish (`DEFAULT_GRACE_S` unless configured: the same for both services and
+`tandem up`). What is still running then is cancelled; the decoder ends its streams first, with
+FINISH_REASON_ABORTED (`tandem.decoder.api.main`).
+
+Start-up problems are found before anything listens, each as one ConfigError naming its field: a
+TLS key that does not match its certificate, a port already in use.
+
+Optionally TLS (a server certificate; with a client CA, mutual TLS that refuses callers without a
+certificate it signed) and bearer tokens (`tandem.client.auth`: every service but health needs one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import signal
+import socket
+import ssl
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from tandem.client.auth import AuthInterceptor
+from tandem.client.channel import DEFAULT_MAX_MESSAGE_BYTES
+from tandem.client.errors import ConfigError
+from tandem.client.status import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 30.0  # drain time on SIGTERM, of both services and of `tandem up`
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """PEM files of a TLS server; read when the server starts, so rotated files need a restart."""
+
+    cert_file: Path  # the server's certificate chain, leaf first.
+    key_file: Path  # its private key (unencrypted PEM).
+    client_ca_file: Path | None = None  # set: mutual TLS, clients need a certificate this CA signed.
+
+    def __post_init__(self) -> None:
+        """The files exist and the key is the certificate's: else gRPC fails later with "Failed to bind"."""
+        for name, field_name in _TLS_FIELDS.items():
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(field_name, f"{path} is not a readable file")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        except ssl.SSLError as error:
+            raise ConfigError(
+                "tls_key", f"{self.key_file} is not the private key of {self.cert_file} ({error.reason})"
+            ) from None
+        if self.client_ca_file is not None:
+            try:
+                context.load_verify_locations(self.client_ca_file)
+            except ssl.SSLError as error:
+                raise ConfigError(
+                    "tls_client_ca", f"{self.client_ca_file} holds no PEM CA ({error.reason})"
+                ) from None
+
+    @classmethod
+    def from_paths(
+        cls, cert: Path | None, key: Path | None, client_ca: Path | None = None
+    ) -> TlsOptions | None:
+        """From the `--tls-*` flags: None when none is given; a certificate needs its key."""
+        if cert is None and key is None:
+            if client_ca is not None:
+                raise ConfigError("tls_client_ca", "needs --tls-cert and --tls-key (mTLS is TLS first)")
+            return None
+        if cert is None or key is None:
+            raise ConfigError(
+                "tls_cert" if cert is None else "tls_key", ": --tls-cert and --tls-key go together"
+            )
+        return cls(Path(cert), Path(key), None if client_ca is None else Path(client_ca))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        root = Path(self.client_ca_file).read_bytes() if self.client_ca_file is not None else None
+        return grpc.ssl_server_credentials(
+            [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())],
+            root_certificates=root,
+            require_client_auth=root is not None,
+        )
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Transport settings shared by both services; built once from each service's config."""
+
+    host: str = "127.0.0.1"  # listen address; "0.0.0.0" in containers.
+    port: int = 0  # 0 = pick a free port (tests); the bound port is on RunningServer.port.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # send and receive cap, in bytes.
+    grace_s: float = DEFAULT_GRACE_S  # in-flight RPCs get this long to finish on shutdown.
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = field(default_factory=tuple)  # e.g. tracing.
+    tls: TlsOptions | None = None  # None: plaintext.
+    auth_tokens: frozenset[str] = field(default=frozenset(), repr=False)  # accepted; empty: no auth.
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be in 0..65535, got {self.port}")
+        if self.max_message_bytes < 1024:
+            raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
+        if self.grace_s < 0:
+            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+
+
+_TLS_FIELDS = {"cert_file": "tls_cert", "key_file": "tls_key", "client_ca_file": "tls_client_ca"}
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises ConfigError("port") when another process listens on host:port (gRPC would print a
+    traceback). Port 0 is always free. Binds the way gRPC does: SO_REUSEADDR, no SO_REUSEPORT."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ConfigError("host", f"{host!r} does not resolve: {error.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    "port", f"{port} is in use on {host}: another process listens there"
+                ) from None
+            raise ConfigError("host", f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
+def _server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Streams of a slow generation can be silent for a while: allow client pings every 10 s.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+@dataclass(frozen=True)
+class Service:
+    """A servicer to mount: its full proto name and the generated `add_*_to_server` function."""
+
+    name: str  # e.g. "tandem.v1.Decoder"
+    servicer: object
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    # Method name -> the most bytes its request can usefully have (None while unknown): a longer
+    # request is refused INVALID_ARGUMENT from its size, unparsed (tandem.client.oversized).
+    max_request_bytes: Mapping[str, Callable[[], int | None]] = field(default_factory=dict)
+
+
+class RunningServer:
+    """A started server. Health starts NOT_SERVING for every mounted service."""
+
+    def __init__(self, server: grpc.aio.Server, health: HealthServicer, port: int, names: list[str]):
+        self.server = server
+        self.health = health
+        self.port = port
+        self.service_names = names
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Health NOT_SERVING, refuse new RPCs, give in-flight ones `grace_s`, then cancel them."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+def _max_request_bytes(services: Sequence[Service]) -> dict[str, Callable[[], int | None]]:
+    return {f"/{s.name}/{method}": bound for s in services for method, bound in s.max_request_bytes.items()}
+
+
+class _CallOverFilter(logging.Filter):
+    """Drops grpc.aio's traceback for a message it could not send on a call that is already over.
+
+    A send fails in gRPC's core only once the call has ended on the wire: its client cancelled or
+    went away, its deadline passed, or the server is stopping. grpc.aio says nothing when it saw the
+    client's cancel first, and logs the failed send with a traceback when the send's failure came
+    first, a race: cancelling 640 unread streams logged 59 of them. Either way the call is over and
+    its client knows why; nothing in it is the server's to fix.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(GRPC_FAILED_SEND_MESSAGE)
+
+
+GRPC_LOGGER = "grpc._cython.cygrpc"
+GRPC_FAILED_SEND_MESSAGE = "ExecuteBatchError raised in core"  # grpc/_cython/_cygrpc/aio/server.pyx.pxi
+_CALL_OVER_FILTER = _CallOverFilter()
+
+
+async def start_server(options: ServerOptions, services: Sequence[Service]) -> RunningServer:
+    logging.getLogger(GRPC_LOGGER).addFilter(_CALL_OVER_FILTER)  # added once: filters are a set
+    # Authentication comes first: a denied call reaches neither tracing nor the servicer.
+    auth = [AuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
+    server = grpc.aio.server(
+        interceptors=[*auth, *options.interceptors, ErrorInterceptor(_max_request_bytes(services))],
+        options=_server_options(options.max_message_bytes),
+    )
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = [s.name for s in services]
+    for service in services:
+        service.add_to_server(service.servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address = f"{options.host}:{options.port}"
+    check_port_free(options.host, options.port)  # a one-line error instead of gRPC's traceback
+    try:
+        if options.tls is not None:
+            port = server.add_secure_port(address, options.tls.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as error:  # gRPC's "Failed to bind": taken in the moment since the check
+        raise ConfigError("port", f"{options.port}: cannot listen on {address} ({error})") from None
+    if port == 0:
+        raise ConfigError("port", f"{options.port}: cannot listen on {address}")
+    running = RunningServer(server, health, port, names)
+    for name in ["", *names]:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info(
+        "listening on %s:%d (%s; %s, %s)",
+        options.host,
+        port,
+        ", ".join(names) or "health only",
+        _describe_tls(options.tls),
+        "bearer tokens required" if options.auth_tokens else "no authentication",
+    )
+    if options.auth_tokens and options.tls is None and options.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("bearer tokens without TLS travel in the clear: use --tls-cert/--tls-key off loopback")
+    return running
+
+
+def _describe_tls(tls: TlsOptions | None) -> str:
+    if tls is None:
+        return "plaintext"
+    return "mutual TLS" if tls.client_ca_file is not None else "TLS"
+
+
+def stop_on_signals(grace_s: float, logger: logging.Logger) -> asyncio.Event:
+    """An event set by the first SIGTERM or SIGINT (a graceful stop, not a traceback); a second
+    signal only says that the service is already draining."""
+    stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            logger.info("received %s: already draining", sig.name)
+            return
+        logger.info("received %s: draining for up to %g s", sig.name, grace_s)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return stop

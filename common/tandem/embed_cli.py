@@ -1,0 +1,201 @@
+"""`tandem embed`: text, token IDs or an image -> embeddings from a running encoder.
+
+Without `--out`, a summary on the terminal: the shape and dtype, the token IDs, the rows' norms and
+the first values. With `--out FILE.npy` or `FILE.safetensors`, the rows go to the file
+(`tandem.embedding_files`), ready for `tandem generate --part file:FILE`. An image's rows (a LLaVA
+or SmolVLM checkpoint's encoder) are its whole span, what `EncoderClient.embed_image` returns: the
+rows that replace the chat template's `<image>`, with the span's token IDs beside them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from tandem.cli_telemetry import run_traced
+from tandem.common.dtypes import BY_NAME, FLOAT_NAMES
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    PATH,
+    client_security,
+    client_security_options,
+    describe_flag,
+    is_token_ids,
+    option,
+)
+
+if TYPE_CHECKING:
+    from tandem.client.channel import ChannelSecurity
+    from tandem.client.telemetry import Telemetry
+
+PROG = "tandem embed"
+
+
+def command() -> click.Command:
+    return click.Command(
+        "embed",
+        params=[
+            option(
+                "--address",
+                "the encoder: host:port, several host:port,... or dns:///name:port",
+                default="127.0.0.1:50051",
+            ),
+            option("--text", "the text to embed", default=None, show_default="none"),
+            option(
+                "--ids",
+                "token IDs to embed instead, comma-separated: 1,2,3",
+                default=None,
+                show_default="none",
+            ),
+            option(
+                "--image",
+                "a picture (PNG, JPEG or WebP) to embed instead: its span's rows, from a LLaVA or SmolVLM "
+                "checkpoint's encoder",
+                type=PATH,
+                default=None,
+                show_default="none",
+            ),
+            option(
+                "--dtype",
+                "dtype of the returned rows",
+                type=click.Choice(FLOAT_NAMES),
+                default=None,
+                show_default="the encoder's",
+            ),
+            option(
+                "--pooling",
+                "none: one row per token; mean: one row",
+                type=click.Choice(("none", "mean")),
+                default=None,
+                show_default="the encoder's",
+            ),
+            option(
+                "--out",
+                "write the rows to FILE: .npy (bfloat16 as float32) or .safetensors (with the token IDs)",
+                type=PATH,
+                default=None,
+                show_default="none, a summary on the terminal",
+            ),
+            *client_security_options(),
+            option(
+                "--trace",
+                "trace the call and print its trace id (hex) to stderr",
+                is_flag=True,
+                default=False,
+            ),
+        ],
+        callback=lambda **values: asyncio.run(_embed(values)),
+        help="Embed a text, token IDs or an image with a running encoder: a summary, or the rows in a file.",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
+async def _embed(values: dict[str, Any]) -> int:
+    from tandem.embedding_files import SUFFIXES
+
+    if sum(values[name] is not None for name in ("text", "ids", "image")) != 1:
+        raise click.UsageError("give exactly one of --text, --ids and --image")
+    if values["ids"] is not None and not is_token_ids(values["ids"]):
+        raise click.BadParameter(
+            f"{values['ids']!r}: comma-separated integers below 2^32, e.g. 1,2,3", param_hint="'--ids'"
+        )
+    if values["out"] is not None and values["out"].suffix not in SUFFIXES:
+        raise click.BadParameter(
+            f"{values['out']}: the file name must end in {' or '.join(SUFFIXES)}", param_hint="'--out'"
+        )
+    image = None
+    if values["image"] is not None:
+        try:
+            image = Path(values["image"]).read_bytes()
+        except OSError as error:
+            raise click.BadParameter(f"{values['image']}: {error.strerror}", param_hint="'--image'") from None
+    try:
+        security = client_security(values)
+    except (OSError, ValueError) as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
+    return await run_traced(PROG, values["trace"], lambda t: _call(values, image, security, t))
+
+
+async def _call(
+    values: dict[str, Any], image: bytes | None, security: ChannelSecurity, telemetry: Telemetry
+) -> int:
+    import grpc
+
+    from tandem.cli_errors import CallFlags, failure
+    from tandem.client.client import EncoderClient
+    from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+    from tandem.common import tensors
+
+    dtype = tensor_pb2.DATA_TYPE_UNSPECIFIED
+    if values["dtype"] is not None:
+        dtype = BY_NAME[values["dtype"]].wire
+    pooling = encoder_pb2.POOLING_UNSPECIFIED
+    if values["pooling"] is not None:
+        pooling = encoder_pb2.Pooling.Value(f"POOLING_{values['pooling'].upper()}")
+    ids = None if values["ids"] is None else [int(i) for i in values["ids"].split(",")]
+    flags = CallFlags(
+        f"{describe_flag('address')} {values['address']}",
+        {
+            "text": describe_flag("text"),
+            "token_ids": describe_flag("ids"),
+            "image": describe_flag("image"),
+            "output_dtype": describe_flag("dtype"),
+            "pooling": describe_flag("pooling"),
+        },
+    )
+    try:
+        client = EncoderClient(values["address"], telemetry=telemetry, security=security)
+    except ValueError as error:  # an address it cannot use
+        print(f"{PROG}: {flags.address}: {error}", file=sys.stderr)
+        return 2
+    async with client:
+        try:
+            response = await client.embed(
+                text=values["text"],
+                token_ids=ids,
+                image=image,
+                output_dtype=dtype,
+                pooling=pooling,
+                timeout=60.0 if image is not None else 30.0,  # a tower pass, EncoderClient.embed_image's
+            )
+        except grpc.aio.AioRpcError as error:
+            line, code = failure(error, flags)
+            print(f"{PROG}: {line}", file=sys.stderr)
+            return code
+    rows = tensors.decode(response.embeddings, "embeddings")  # [n, hidden_size]
+    token_ids = list(response.token_ids.ids)
+    if values["out"] is None:
+        print(summary(rows, token_ids, response.placeholder))
+        return 0
+    from tandem.embedding_files import write_embeddings
+
+    stored = write_embeddings(Path(values["out"]), rows, token_ids)
+    print(
+        f"wrote {values['out']}: embeddings {list(stored.shape)} {str(stored.dtype).removeprefix('torch.')}"
+    )
+    return 0
+
+
+def summary(rows: Any, token_ids: list[int], placeholder: str = "") -> str:
+    """What a person wants to see of rows [n, hidden_size]: shape, dtype, tokens, norms, first values;
+    for an image's span, the placeholder its rows replace."""
+    norms = rows.float().norm(dim=-1)  # [n]
+    first = ", ".join(f"{v:.4f}" for v in rows[0, :6].float().tolist())
+    ids = ", ".join(map(str, token_ids[:16])) + (", ..." if len(token_ids) > 16 else "")
+    dtype = str(rows.dtype).removeprefix("torch.")
+    source = f"{len(token_ids)} tokens"
+    if placeholder:
+        source = f"an image's span of {source} (it replaces {placeholder})"
+    return "\n".join(
+        [
+            f"embeddings {list(rows.shape)} {dtype} from {source}",
+            f"token IDs: {ids}",
+            f"row norms: min {norms.min():.4f}, mean {norms.mean():.4f}, max {norms.max():.4f}",
+            f"row 0: [{first}, ...]",
+        ]
+    )

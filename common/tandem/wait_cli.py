@@ -1,0 +1,57 @@
+"""`tandem wait`: block until services serve, for scripts that start them in the background.
+
+`tandem up &` returns at once; the services then load their model. `tandem wait` (by default the
+encoder at 127.0.0.1:50051 and the decoder at 127.0.0.1:50052) returns 0 once each serves, or 1 with
+a line naming what did not within `--timeout-s`. An `http://` target is an HTTP health URL, e.g. the
+OpenAI gateway's `http://127.0.0.1:8000/health` (`tandem.readiness`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from tandem.common.flags import CONTEXT_SETTINGS, client_security, client_security_options, option
+
+PROG = "tandem wait"
+DEFAULT_TARGETS = ("127.0.0.1:50051", "127.0.0.1:50052")  # `tandem up`'s encoder and decoder
+
+
+def command() -> click.Command:
+    return click.Command(
+        "wait",
+        params=[
+            click.Argument(["targets"], nargs=-1),
+            option(
+                "--timeout-s", "give up after this many seconds", type=click.FloatRange(min=0), default=120.0
+            ),
+            *client_security_options(),
+        ],
+        callback=_wait,
+        help="Wait until every TARGET serves: host:port (gRPC health SERVING) or an http:// health URL "
+        f"(200). Without TARGETs: {' and '.join(DEFAULT_TARGETS)}, what `tandem up` starts.",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
+def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:
+    from tandem.readiness import Probe
+
+    try:
+        security = client_security(values)
+    except (OSError, ValueError) as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
+    probe = Probe(targets or DEFAULT_TARGETS, security)
+    try:
+        waiting = probe.wait(timeout_s)
+    finally:
+        probe.close()
+    if waiting:
+        said = "; ".join(f"{target}: {reason}" for target, reason in waiting.items())
+        print(f"{PROG}: not serving after {timeout_s:g} s: {said}", file=sys.stderr)
+        return 1
+    print(f"serving: {', '.join(probe.targets)}")
+    return 0

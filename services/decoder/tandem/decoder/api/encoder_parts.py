@@ -1,0 +1,266 @@
+"""The decoder's encoder: it fetches the rows of its requests' `encoder` parts itself.
+
+A decoder started with `--encoder ADDR` (several addresses, or `dns:///`, balanced as the clients
+balance them: `tandem.client.channel`) starts one fetch per encoder part as soon as a Generate call
+is converted; the request is built meanwhile on its own thread, which waits for the rows only once
+everything else is checked and tokenized (`engine/admission/prompt.py`). So the rows never travel through the
+caller: an image's bytes come in, its rows go from the encoder to the decoder directly.
+
+A fetch, on the event loop:
+1. The embedding cache (`embedding_cache.py`): an input seen recently, for the same encoder model and
+   dtype, is not embedded again.
+2. An Embed call with the caller's deadline (at most MAX_FETCH_S), bearer token and trace context
+   (the telemetry's interceptor carries the decoder's span; without it the caller's own
+   `traceparent` is passed on), asking for the model's dtype, so the rows need no cast here. Where this
+   decoder could make its probe file, the call offers shared memory (`tandem.common.shared_memory`):
+   an encoder on the same host writes the rows into the segment the offer named, and any other
+   encoder ignores the offer and sends bytes. Negotiated per call, never configured.
+3. The reply: a handle is read only if it names the segment this call asked for; the segment is
+   opened, checked (dtype, shape, bounds), its rows copied into this process (through this decoder's
+   mapping of the encoder's pool segment, made the first time it is given one and kept:
+   `shared_memory.SegmentMaps`) and their digest checked under this call's key
+   (`tensors.decode_shared`), and the name removed: that releases the segment to
+   the encoder's pool, which writes into it again, and a replay finds nothing. Bytes are decoded as
+   any tensor (zero copy).
+Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
+on `prompt[i].encoder`; an encoder that cannot be reached is UNAVAILABLE naming its address, within
+the retries of its channel, so the request never waits for it past its deadline.
+A call that ends (cancelled, failed, finished) cancels its fetches still running; the request being
+built then fails, and the name of a segment written for a cancelled call is removed (the segment
+freed) by the encoder's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import torch
+
+from tandem.client import telemetry as otel
+from tandem.client.client import EncoderClient
+from tandem.client.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    TandemError,
+    Unavailable,
+)
+from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.common import shared_memory, tensors
+from tandem.common.dtypes import BY_WIRE
+from tandem.common.prompt_parts import EncoderPrompt, PromptPart
+from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
+from tandem.decoder.engine.admission.chat import ChatMessage
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+
+MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
+READ_ON_A_THREAD_BYTES = 1024 * 1024  # segments this large are checked off the event loop
+FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
+TRACE_METADATA = ("traceparent", "tracestate")  # passed on when this decoder does not trace itself
+
+
+class EncoderParts:
+    def __init__(
+        self,
+        address: str,
+        dtype: torch.dtype,  # the model's: the rows are asked for in it
+        max_message_bytes: int,
+        cache_bytes: int,
+        telemetry: otel.Telemetry | None = None,
+        shm_dir: Path = shared_memory.SHM_DIR,
+    ) -> None:
+        self.address = address
+        self.dtype = dtype
+        self.client = EncoderClient(address, max_message_bytes, telemetry)
+        self.cache = EmbeddingCache(cache_bytes)
+        self.shm_dir = shm_dir
+        self.probe = shared_memory.Probe.create(shm_dir)  # None: shared memory is never offered
+        # The encoder's pool segments, mapped once each and read through the mapping every later call.
+        self.maps = shared_memory.SegmentMaps(shm_dir) if self.probe is not None else None
+        # An embedding tensor can never be larger than a message, as for the caller's own tensors.
+        self.limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
+        self._traces_itself = telemetry is not None and telemetry.is_tracing
+        self._model: str | None = None  # the encoder's model name, asked once: part of every cache key
+        self._model_lock = asyncio.Lock()
+        self.num_shared = 0  # replies read from shared memory
+        self.num_bytes = 0  # replies that carried their rows as bytes
+
+    async def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+        if self.maps is not None:
+            self.maps.close()
+        await self.client.close()
+
+    def start(
+        self,
+        spec: GenerateSpec,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        time_remaining_s: float | None,
+    ) -> tuple[GenerateSpec, list[asyncio.Task]]:
+        """`spec` with a fetch started for each encoder part (its `rows` settle with it), and the
+        fetches, which the caller cancels when its call ends."""
+        timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, time_remaining_s)
+        forwarded = self._forwarded(metadata or ())
+        tasks: list[asyncio.Task] = []
+
+        def started(part: PromptPart, field: str) -> PromptPart:
+            if not isinstance(part, EncoderPrompt):
+                return part
+            rows: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+            task = asyncio.ensure_future(self._fetch(part, f"{field}.encoder", rows, timeout_s, forwarded))
+            # A task cancelled before it ran never enters _fetch: its rows settle here all the same.
+            task.add_done_callback(lambda done: rows.cancel() if done.cancelled() else None)
+            tasks.append(task)
+            return dataclasses.replace(part, rows=rows)
+
+        prompt = [started(part, f"prompt[{i}]") for i, part in enumerate(spec.prompt)]
+        chat = spec.chat
+        if chat is not None:
+            messages = [
+                ChatMessage(
+                    message.role,
+                    [
+                        started(part, f"chat.messages[{i}].content[{j}]")
+                        for j, part in enumerate(message.content)
+                    ],
+                )
+                for i, message in enumerate(chat.messages)
+            ]
+            chat = dataclasses.replace(chat, messages=messages)
+        return (dataclasses.replace(spec, prompt=prompt, chat=chat) if tasks else spec), tasks
+
+    def _forwarded(self, metadata: Sequence[tuple[str, str | bytes]]) -> tuple[tuple[str, str | bytes], ...]:
+        names = FORWARDED_METADATA if self._traces_itself else FORWARDED_METADATA + TRACE_METADATA
+        return tuple((key, value) for key, value in metadata if key in names)
+
+    async def _fetch(
+        self,
+        part: EncoderPrompt,
+        field: str,
+        rows: concurrent.futures.Future[torch.Tensor],
+        timeout_s: float,
+        metadata: tuple[tuple[str, str | bytes], ...],
+    ) -> None:
+        try:
+            result = await self._rows(part, field, timeout_s, metadata)
+        except asyncio.CancelledError:
+            rows.cancel()
+            raise
+        except Exception as error:
+            if not rows.done():
+                rows.set_exception(error)
+        else:
+            if not rows.done():
+                rows.set_result(result)
+
+    async def _rows(
+        self, part: EncoderPrompt, field: str, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
+    ) -> torch.Tensor:
+        """[n, hidden_size] in the model's dtype: cached, or fetched (and then cached)."""
+        key = cache_key(await self._encoder_model(timeout_s, metadata), part.kind, part.content, self.dtype)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        request = encoder_pb2.EmbedRequest(output_dtype=tensors.to_wire_dtype(self.dtype))
+        if part.kind == "text":
+            request.text = part.content  # type: ignore[assignment]
+        elif part.kind == "token_ids":
+            request.token_ids.ids.extend(part.content)  # type: ignore[arg-type]
+        else:
+            request.image.data = part.content  # type: ignore[assignment]
+        offer = self._offer()
+        if offer is not None:
+            request.shared_memory.CopyFrom(offer)
+        try:
+            reply = await self.client.stub.Embed(request, timeout=timeout_s, metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            raise self._error(error, field) from None
+        if reply.HasField("shared_embeddings"):
+            handle = reply.shared_embeddings
+            if offer is None or handle.name != offer.segment_name:
+                raise InvalidArgument(
+                    f"{field}.shared_embeddings.name", "names a segment this call did not ask for"
+                )
+            if _claimed_bytes(handle) > READ_ON_A_THREAD_BYTES:
+                result = await asyncio.to_thread(self._read_segment, handle, offer.digest_key, field)
+            else:
+                result = self._read_segment(handle, offer.digest_key, field)
+            self.num_shared += 1
+        else:
+            result = tensors.decode(reply.embeddings, f"{field}.embeddings", rank=2, limits=self.limits)
+            self.num_bytes += 1
+        self.cache.put(key, result)
+        return result
+
+    def _read_segment(self, handle: tensor_pb2.SharedTensor, key: bytes, field: str) -> torch.Tensor:
+        """The rows of the segment a reply names, checked and copied into this process, and the name
+        removed: read once, and the segment released to the encoder's pool."""
+        where = f"{field}.shared_embeddings"
+        assert self.maps is not None, "a handle is read only for a call that offered shared memory"
+        try:
+            segment = self.maps.open(handle.name)
+        except OSError as error:
+            raise InvalidArgument(f"{where}.name", f"cannot be read: {error}") from None
+        if segment is None:
+            raise InvalidArgument(
+                f"{where}.name", "the segment is gone: read already, or its lease ran out before it was read"
+            )
+        try:
+            with segment:
+                return tensors.decode_shared(handle, segment, key, where, rank=2, limits=self.limits)
+        finally:
+            shared_memory.remove(self.shm_dir, handle.name)
+
+    def _offer(self) -> encoder_pb2.SharedMemoryOffer | None:
+        """A fresh segment name and digest key for one call, with this decoder's proof; None without one."""
+        if self.probe is None:
+            return None
+        return encoder_pb2.SharedMemoryOffer(
+            probe_name=self.probe.name,
+            probe_token=self.probe.token,
+            segment_name=shared_memory.new_name(shared_memory.SEGMENT_PREFIX),
+            digest_key=secrets.token_bytes(shared_memory.KEY_BYTES),
+        )
+
+    async def _encoder_model(self, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]) -> str:
+        """The encoder's model name, asked once (every cache key holds it)."""
+        async with self._model_lock:
+            if self._model is None:
+                try:
+                    info = await self.client.stub.GetModelInfo(
+                        encoder_pb2.EncoderGetModelInfoRequest(), timeout=timeout_s, metadata=metadata
+                    )
+                except grpc.aio.AioRpcError as error:
+                    raise self._error(error, "encoder") from None
+                self._model = info.model
+            return self._model
+
+    def _error(self, error: grpc.aio.AioRpcError, field: str) -> TandemError:
+        """The encoder's status as this call's: about the input, or about the encoder."""
+        code, details = error.code(), error.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidArgument(field, f"the encoder refused it: {details}")
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return FailedPrecondition(field, f"the encoder refused it: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(f"{field}: the deadline passed while encoder {self.address} embedded it")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ResourceExhausted(f"{field}: encoder {self.address} is full: {details}")
+        return Unavailable(f"{field}: encoder {self.address} is unavailable ({code.name}: {details})")
+
+
+def _claimed_bytes(handle: tensor_pb2.SharedTensor) -> int:
+    """The bytes a handle claims, before anything checks it (only to choose where to read it)."""
+    num_elements = 1
+    for dim in handle.shape:
+        num_elements *= max(0, dim)
+    dtype = BY_WIRE.get(handle.dtype)
+    return num_elements * dtype.itemsize if dtype else 0  # an unknown dtype is refused at once, inline

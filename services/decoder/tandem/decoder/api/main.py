@@ -1,0 +1,285 @@
+"""`tandem serve decoder` / `python -m tandem.decoder`: load the model, serve until SIGTERM.
+
+Start-up, in order, each failure one line and an exit code (2: a flag or variable is wrong, a port
+in use included; 1: the weights could not be loaded): the flags and `TANDEM_*` variables
+(`options.py`), the device, the port, the model (a GGUF file is imported once), the checkpoint's
+files and whether the world size shards it. Only then does the server listen, health NOT_SERVING,
+while the weights load; SERVING once loaded.
+
+Stopping (SIGTERM or SIGINT; a second signal only says it is already draining): health NOT_SERVING,
+no new calls, and open streams get --grace-s to finish. Any still open then end with
+FINISH_REASON_ABORTED, so every stream gets its `finished` event and its span is exported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from tandem.client.channel import channel_target
+from tandem.client.errors import ConfigError
+from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
+from tandem.client.telemetry import setup_telemetry
+from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
+from tandem.common.model_cache import is_gguf_file, resolve_model
+from tandem.common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
+from tandem.decoder.api.encoder_parts import EncoderParts
+from tandem.decoder.api.options import config_from_options, settings
+from tandem.decoder.api.servicer import DecoderServicer
+from tandem.decoder.backends.backend import BackendUnavailable, check_available, resolve
+from tandem.decoder.backends.cpu.kernel_choice import AUTO as AUTO_KERNELS
+from tandem.decoder.backends.cpu.kernel_choice import check_kernels
+from tandem.decoder.config import DecoderConfig
+from tandem.decoder.distributed.parallel import RankInfo, init_parallel
+from tandem.decoder.distributed.worker import (
+    join_local_ranks,
+    rank_config,
+    rank_info,
+    run_worker,
+    spawn_local_ranks,
+)
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import FinishReason
+from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
+from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
+from tandem.decoder.models.quantized import check_group
+from tandem.decoder.models.tensor_parallel import check_shardable
+
+log = logging.getLogger("tandem.decoder")
+
+PROG = "tandem serve decoder"
+CUT_S = 5.0  # after the grace period: how long aborted streams get to send `finished` before gRPC cancels
+
+
+def command() -> click.Command:
+    return click.Command(
+        "decoder",
+        params=settings(),
+        callback=_start,
+        help="Serve tandem.v1.Decoder: prompts of text, token IDs and embeddings in, streamed tokens out.",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(command(), argv, PROG)
+
+
+def config_from_args(argv: Sequence[str]) -> DecoderConfig:
+    """The config `tandem serve decoder ARGV` runs: flags, then TANDEM_* variables, then defaults.
+
+    Raises click.UsageError for a value that does not parse and ConfigError for one the config refuses.
+    """
+    with command().make_context(PROG, list(argv)) as ctx:
+        return config_from_options(ctx.params)
+
+
+def _start(**values: Any) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
+    ctx = click.get_current_context()
+    try:
+        config, rank = _checked_config(values)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
+    except BackendUnavailable as error:  # e.g. --device neuron without torch-neuronx: what to install
+        raise FlagError(str(error)) from None
+    try:
+        return _serve_ranks(config, rank)
+    except ConfigError as error:  # the port, taken since it was checked
+        raise flag_error(ctx.command, error) from None
+
+
+def _checked_config(values: dict[str, Any]) -> tuple[DecoderConfig, RankInfo | None]:
+    """Everything that can be checked before listening, cheapest first. Raises ConfigError."""
+    config = config_from_options(values)
+    check_available(config.engine.device)
+    rank = rank_info(config, os.environ)  # None: one rank, no process group
+    if rank is None or rank.rank == 0:  # only rank 0 listens (under torchrun every rank starts here)
+        check_port_free(config.server.host, config.server.port)
+    config = with_checkpoint_dir(config)
+    check_model(config, 1 if rank is None else rank.world_size)
+    if config.encoder_address:
+        try:
+            channel_target(config.encoder_address)
+        except ValueError as error:
+            raise ConfigError("encoder_address", f": {error}") from None
+    check_cpu_kernels(config)
+    return config, rank
+
+
+def check_cpu_kernels(config: DecoderConfig) -> None:
+    """A build named by --cpu-kernels runs on this CPU and loads (where it would be used). Raises
+    ConfigError."""
+    engine = config.engine
+    uses_them = resolve(engine.device).has_cpu_executor and engine.native_kernels and not engine.compile
+    if engine.cpu_kernels != AUTO_KERNELS and uses_them:
+        check_kernels(engine.cpu_kernels)
+
+
+def with_checkpoint_dir(config: DecoderConfig) -> DecoderConfig:
+    """The config with --model resolved to a checkpoint directory (a GGUF file is imported once).
+
+    Runs before the server starts and before other ranks spawn, so a bad file fails fast with one line
+    and every rank reads the same directory. Raises ConfigError.
+    """
+    source = Path(config.engine.model_dir)
+    try:
+        model_dir = resolve_model(source, config.engine.dtype, say=log.info)
+    except ValueError as error:  # ModelNotFound, GGUFImportError
+        raise ConfigError("model_dir", f": {error}") from None
+    quantized_from = None
+    if config.engine.quantization == "gguf":
+        if not is_gguf_file(source):
+            raise ConfigError(
+                "quantization", f"gguf needs --model to be a GGUF file, got the directory {source}"
+            )
+        quantized_from = source
+    engine = dataclasses.replace(config.engine, model_dir=model_dir, quantized_from=quantized_from)
+    return dataclasses.replace(config, engine=engine)
+
+
+def check_model(config: DecoderConfig, world_size: int) -> None:
+    """The checkpoint has what loading needs and `world_size` shards it; no weight is read."""
+    engine = config.engine
+    model_config = check_fits(
+        engine.model_dir, engine.dtype, engine.quantization, engine.quantization_group_size, world_size
+    )
+    for name, path in engine.loras:  # read once here too, so a bad adapter fails before listening
+        try:
+            read_adapter(path, model_config, engine.max_lora_rank)
+        except AdapterError as error:
+            raise ConfigError("loras", f": adapter {name!r}: {error}") from None
+
+
+def check_fits(
+    model_dir: str | Path, dtype: str, quantization: str, quantization_group_size: int, world_size: int
+) -> ModelConfig:
+    """The checkpoint in `model_dir` loads in `dtype`, `quantization` rounds it and `world_size`
+    shards it; no weight is read (`tandem up` asks before it starts the decoder). Returns the model's
+    config; raises ConfigError naming the field at fault."""
+    try:
+        model_config = check_checkpoint(model_dir, dtype)
+    except ModelLoadError as error:
+        raise ConfigError("model_dir", f": {error}") from None
+    if quantization != "none":
+        try:
+            check_group(model_config, quantization_group_size)
+        except ValueError as error:
+            field = "quantization_group_size" if quantization == "int4" else "quantization"
+            raise ConfigError(field, f"{quantization} cannot quantize this checkpoint: {error}") from None
+    if world_size > 1:
+        try:
+            check_shardable(model_config, world_size)
+        except ValueError as error:
+            raise ConfigError("world_size", f": {error}") from None
+    return model_config
+
+
+def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
+    if rank is None:
+        return 0 if asyncio.run(serve(config)) else 1
+    config = rank_config(config, rank)
+    if rank.rank != 0:
+        return run_worker(rank, config)
+    workers = [] if rank.is_torchrun else spawn_local_ranks(config, rank)
+    healthy = asyncio.run(serve(config, rank=rank))
+    healthy = join_local_ranks(workers, config.collective_timeout_s) and healthy
+    return 0 if healthy else 1
+
+
+async def serve(
+    config: DecoderConfig, ready: asyncio.Event | None = None, rank: RankInfo | None = None
+) -> bool:
+    """Serves until SIGTERM; with `rank` (several ranks) also until the group fails. False on failure."""
+    telemetry = setup_telemetry("tandem-decoder", os.environ)  # OTEL_*; off when nothing is configured
+    servicer = DecoderServicer(
+        config.model_name,
+        config.server.max_message_bytes,
+        config.world_size,
+        telemetry=telemetry,
+        max_streams_per_connection=config.max_streams_per_connection,
+        identify_by_token=bool(config.server.auth_tokens),
+        max_streams_per_token=config.max_streams_per_token,
+    )
+    interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
+    running = await start_server(
+        dataclasses.replace(config.server, interceptors=interceptors),
+        [Service("tandem.v1.Decoder", servicer, decoder_pb2_grpc.add_DecoderServicer_to_server)],
+    )
+    stop = stop_on_signals(config.server.grace_s, log)
+    log.info("loading %s (health NOT_SERVING until ready)", config.engine.model_dir)
+    try:
+        engine = await asyncio.to_thread(_load_engine, config, rank)
+    except (ModelLoadError, BackendUnavailable, OSError, RuntimeError, ValueError) as error:
+        log.error("could not load %s: %s", config.engine.model_dir, error)
+        log.debug("the load failed here", exc_info=True)
+        await running.stop(0)
+        telemetry.shutdown()
+        return False
+    # This thread only converts requests (small tensor ops): one intra-op thread, so it never holds
+    # an OpenMP team that would slow the engine thread's steps.
+    torch.set_num_threads(1)
+    if config.encoder_address:
+        servicer.encoder_parts = EncoderParts(
+            config.encoder_address,
+            engine.model_config.dtype,
+            config.server.max_message_bytes,
+            config.encoder_cache_bytes,
+            telemetry,
+        )
+        log.info("encoder parts are fetched from %s", config.encoder_address)
+    servicer.engine = engine
+    await running.set_serving()
+    log.info("serving %s on port %d", config.model_name, running.port)
+    if ready is not None:
+        ready.set()
+    # A failed group cannot recover: rank 0 then stops too, so the whole group exits non-zero.
+    watchdog = asyncio.create_task(_watch_engine(engine, running, stop if rank is not None else None))
+    await stop.wait()
+    healthy = engine.is_healthy
+    watchdog.cancel()
+    await drain(running, engine, config.server.grace_s)
+    engine.shutdown()
+    if servicer.encoder_parts is not None:
+        await servicer.encoder_parts.close()
+    telemetry.shutdown()  # flushes spans and metrics still buffered
+    log.info("stopped")
+    return healthy
+
+
+async def drain(running: RunningServer, engine: Engine, grace_s: float) -> None:
+    """No new calls; open streams get `grace_s` to finish, then end with FINISH_REASON_ABORTED.
+
+    gRPC itself would cancel what is left at the deadline (callers see UNAVAILABLE and the spans are
+    lost), so its deadline is CUT_S later: by then every aborted stream has sent its `finished`.
+    """
+    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S))
+    done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+    if not done:
+        num_aborted = engine.finish_all(FinishReason.ABORTED)
+        log.info("grace period over: %d open requests end with FINISH_REASON_ABORTED", num_aborted)
+    await stopping
+
+
+def _load_engine(config: DecoderConfig, rank: RankInfo | None) -> Engine:
+    tp = None if rank is None else init_parallel(rank, config.engine.device, config.collective_timeout_s)
+    return Engine(config.engine, tp=tp).start()
+
+
+async def _watch_engine(engine: Engine, running, stop: asyncio.Event | None = None) -> None:
+    """An engine fault fails its open streams at once; this also takes the server out of rotation."""
+    while engine.is_healthy:
+        await asyncio.sleep(0.5)
+    log.error("engine failed: health NOT_SERVING")
+    await running.set_serving(False)
+    if stop is not None:
+        stop.set()

@@ -1,0 +1,149 @@
+"""How the C kernels are compiled: one shared library per ISA level, built when the project is installed.
+
+Standard library only: `setup.py` runs this at `pip install` time (in pip's isolated build
+environment, which has no torch), and the tests run the same commands to check every level builds
+warning-free. A service never compiles: it loads the build for its CPU's level (`kernels.py`).
+
+Why several levels: `-march=native` bakes the build machine's CPU into the code, so one image could
+not serve another CPU, and a build for the lowest common level leaves AVX2 and AVX-512 unused. Each
+level is a named baseline (x86-64 psABI levels), and `isa.py` picks the highest one the running CPU
+has. The sources choose their vector paths from the compiler's macros (`__AVX2__`, `__FMA__`), so a
+level gets exactly the code its baseline allows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
+# One library. A file may call another's exported functions, never in a circle (layer.c the fused
+# layer's parts, attention.c the tiled attention, both attentions the run finder): test_build checks.
+SOURCES = (
+    "argmax.c",
+    "attention.c",
+    "attention_tiles.c",
+    "limits.c",
+    "linear.c",
+    "linear_int8.c",
+    "linear_packed.c",
+    "linear_quant.c",
+    "linear_tiles.c",
+    "layer.c",
+    "lora.c",
+    "runs.c",
+)
+HEADERS = ("bf16.h", "elements.h", "exp.h", "limits.h", "lora.h", "runs.h", "scratch.h", "team.h", "weight.h")
+PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as extension modules
+
+# -fopenmp: the library's parallel loops join torch's OpenMP runtime (torch/lib/libgomp.so.1, already
+# loaded by then). No -ffast-math: it would also set flush-to-zero for the whole process on load, and
+# it would let the compiler reorder sums (each output row's summation order is a promise). -std=c11
+# keeps floating-point contraction off, so only the written-out FMAs fuse.
+COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=c11")
+
+
+@dataclass(frozen=True)
+class Level:
+    """One build of the library."""
+
+    name: str  # "x86_64", "avx2", "avx512", "avx512bf16", "amx", "aarch64" or "generic": the library's suffix
+    machine_flags: tuple[str, ...]  # the compiler's target flags for this baseline
+    cpu_flags: frozenset[str]  # /proc/cpuinfo flags a CPU needs to run it (x86-64 psABI level)
+
+
+_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+X86_64_LEVELS = (
+    Level("x86_64", ("-march=x86-64", "-mtune=generic"), frozenset()),
+    Level("avx2", ("-march=x86-64-v3", "-mtune=generic"), _V3),
+    Level("avx512", ("-march=x86-64-v4", "-mtune=generic"), _V4),
+    # AVX512-BF16's dot product (Zen 4 and 5, Cooper Lake, Sapphire Rapids on): the packed linears;
+    # and AVX512-VNNI's byte dot product, which every CPU with AVX512-BF16 has: int8 activations
+    # (linear_int8.c).
+    Level(
+        "avx512bf16",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
+        _V4 | {"avx512_bf16", "avx512_vnni"},
+    ),
+    # AMX tiles on top (Sapphire Rapids on): TDPBF16PS linears (linear_tiles.c) where the measured
+    # choice binds them; the tile state also needs the kernel's permission, asked at load (Kernels.tiles).
+    Level(
+        "amx",
+        (
+            "-march=x86-64-v4",
+            "-mavx512bf16",
+            "-mavx512vnni",
+            "-mamx-tile",
+            "-mamx-bf16",
+            "-mamx-int8",
+            "-mtune=generic",
+        ),
+        _V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
+    ),
+)
+AARCH64_LEVELS = (Level("aarch64", ("-march=armv8-a",), frozenset()),)
+GENERIC_LEVELS = (Level("generic", (), frozenset()),)  # any other machine: the compiler's default target
+
+
+def levels_for(machine: str) -> tuple[Level, ...]:
+    """The builds made for a machine (`platform.machine()`), lowest first."""
+    machine = machine.lower()
+    if machine in ("x86_64", "amd64"):
+        return X86_64_LEVELS
+    if machine in ("aarch64", "arm64"):
+        return AARCH64_LEVELS
+    return GENERIC_LEVELS
+
+
+def module_name(level: Level) -> str:
+    """The library's module name: `_kernels_<level>` (it is loaded with ctypes, never imported)."""
+    return f"_kernels_{level.name}"
+
+
+def build_id(level: Level) -> str:
+    """What a library must report (`tandem_build_id()`) to be loaded: a digest of the sources, the
+    headers and the level's flags. A library built from other sources (an install older than the
+    checkout) is refused rather than run."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes() + b"\0")
+    digest.update(" ".join((*COMMON_FLAGS, *level.machine_flags)).encode())
+    return digest.hexdigest()[:16]
+
+
+def compile_command(
+    compiler: str,
+    level: Level,
+    output: Path,
+    extra: tuple[str, ...] = (),
+    sources: tuple[str, ...] = SOURCES,  # one source with extra ("-c",): that file's object alone
+) -> list[str]:
+    return [
+        compiler,
+        *COMMON_FLAGS,
+        *level.machine_flags,
+        f'-DTANDEM_BUILD_ID="{build_id(level)}"',
+        *extra,
+        "-o",
+        str(output),
+        *(str(CSRC / source) for source in sources),
+    ]
+
+
+def compile_level(compiler: str, level: Level, output: Path, extra: tuple[str, ...] = ()) -> None:
+    """Builds one level's library at `output`; RuntimeError with the compiler's output on failure."""
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
+    command = compile_command(compiler, level, output, extra)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+
+
+def this_machine_levels() -> tuple[Level, ...]:
+    return levels_for(platform.machine())

@@ -1,0 +1,524 @@
+"""The CPU step executor: binds a loaded model's weights to the fastest kernels once, then runs its steps.
+
+NOTE: the rule. The model (models/) is plain torch and stays the reference; everything that makes
+it fast on a CPU lives here and is chosen once, at bind time, from the CPU's flags and the model's
+dtype, then logged (`KernelChoice.describe`). Per step only the step's own kind is looked at:
+
+- a decode-only step, with every layer fused: the one-call decode stack (`stack.py`);
+- any other step, with every layer fused: per layer, the two fused C halves (`layer.py`) around the
+  attention call;
+- otherwise per layer in Python, each op on its chosen kernel: the linears bound once (`linear.py`:
+  oneDNN's packed bf16, the C kernel or F.linear), the norms and the q/k norm + RoPE + KV write as C
+  custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
+
+Layers fuse when the linears are on the C kernel (an AVX512-BF16 CPU, or one whose oneDNN has no
+bf16 path: AVX2-only), there is one rank, and the weights are bf16. Attention is always
+`CpuPagedAttention` when a build is loaded (the C decode kernel in front of torch ops; the tiled
+kernel at any context length on AVX512-BF16 builds), plugged in through the model's PagedAttention
+interface so the plain model's forward uses it too. Every path keeps each row's sums in one order
+whatever the number of rows, so a row's bits never depend on its neighbours.
+
+LoRA slots (models/lora.py) change none of that: the fused halves and the stack add each adapted row's
+delta after each projection in C (`lora.py`, csrc/lora.c), and the per-op path adds it after each
+bound linear (the C kernel when a build is loaded, the torch reference otherwise). A step without an
+adapted row runs exactly the plain calls, so a base row's bits are the same with LoRA on or off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from tandem.common.quantized_tensor import QuantizedTensor
+from tandem.decoder.backends.cpu import kernel_choice, prefill_split
+from tandem.decoder.backends.cpu.attention import CpuPagedAttention
+from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
+from tandem.decoder.backends.cpu.kernel_choice import KernelOptions, LinearPlan
+from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, Kernels, load_for_cpu
+from tandem.decoder.backends.cpu.layer import FusedLayer, LayerWeights
+from tandem.decoder.backends.cpu.limits import fits
+from tandem.decoder.backends.cpu.linear import (
+    CLinear,
+    KernelLinear,
+    PackedLinear,
+    QuantLinear,
+    TorchLinear,
+    can_bind,
+    can_prepack,
+)
+from tandem.decoder.backends.cpu.lora import LayerCLora, bind_table
+from tandem.decoder.backends.cpu.ops import register
+from tandem.decoder.backends.cpu.stack import DecodeStack
+from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.layers import RMSNorm
+from tandem.decoder.models.lora import LayerLora, LoraStep, LoraTable
+from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
+from tandem.decoder.models.tensor_parallel import gather_sequence, gather_vocab_logits, row_parallel
+from tandem.decoder.models.transformer import DecoderLayer, DecoderModel
+
+log = logging.getLogger(__name__)
+
+LinearKind = Literal["c", "onednn", "torch"]
+BoundLinear = CLinear | PackedLinear | TorchLinear | QuantLinear | KernelLinear
+Shape = tuple[int, int]  # a weight's [out_features, in_features]
+QUANTIZED_MODULES = (QuantizedLinear, QuantizedEmbedding)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What the executor bound, decided once; logged at load and readable by tests and benchmarks."""
+
+    cpu: str  # the CPU's model name
+    isa: str  # the flags that decided (CpuInfo.isa_summary)
+    build: str | None  # the C kernels' build level ("avx512bf16", "avx2", "x86_64", ...); None = none loaded
+    linears: LinearKind  # what runs the projections and the LM head
+    fused_layers: bool  # every layer in two fused C halves around attention
+    decode_stack: bool  # decode-only steps' layers in one C call
+    c_ops: bool  # norms, q/k norm + RoPE + KV write and attention through the C custom ops
+    quantized: str = ""  # the quantized weights' kinds ("4-bit, 8-bit"); "" = none
+    dense_rows: int = 0  # quantized: steps of this many rows on read them as bf16 (0: never)
+    int8_activations: bool = False  # quantized: every row's inputs rounded to int8 per 32 (no dense path)
+    kernels: str = ""  # the measured choice of the bf16 linears' kernels (LinearPlan.describe); "" = none
+
+    def describe(self) -> str:
+        build = f"C kernels {self.build} build" if self.build else "no C kernels"
+        if self.decode_stack:
+            layers = "decode steps in one C call, prefill in fused C layers"
+        elif self.fused_layers:
+            layers = "fused C layers"
+        else:
+            ops = "C norms, RoPE + KV write and attention" if self.c_ops else "torch norms and attention"
+            layers = f"per-op layers ({ops})"
+        linears = f"{self.linears} linears" + (
+            f" and quantized ({self.quantized}) ones" if self.quantized else ""
+        )
+        if self.quantized and self.int8_activations:
+            linears += " with int8 activations"
+        elif self.quantized and self.dense_rows:
+            linears += f", dequantized to bf16 tiles in steps of {self.dense_rows}+ rows"
+        chosen = f"; {self.kernels}" if self.kernels else ""
+        return f"CPU {self.cpu} [{self.isa}]: {build}; {linears}; {layers}{chosen}"
+
+
+def choose_linears(model: DecoderModel, kernels: Kernels | None) -> LinearKind:
+    """For bf16: the C kernel on an AVX512-BF16 build (packed weights, VDPBF16PS), else oneDNN's packed
+    bf16 where oneDNN has a bf16 path (AVX-512 without BF16), else the C kernel (AVX2). F.linear for
+    anything else.
+
+    Why the C kernel before oneDNN where both are fast: oneDNN orders a row's sums by the row count
+    (its blocking depends on it), so a row's bits change with its neighbours, and speculative
+    decoding and the prefix cache could change a request's tokens. The C kernels' order is fixed."""
+    if model.config.dtype != torch.bfloat16:
+        return "torch"
+    if kernels is not None and kernels.weight_layout != 0:
+        return "c"
+    if can_prepack(model.norm.weight):  # a bf16 CPU tensor like every weight: where oneDNN has bf16
+        return "onednn"
+    if kernels is not None:
+        return "c"
+    return "torch"
+
+
+def _weight_of(linear: torch.nn.Module) -> torch.Tensor | QuantizedTensor:
+    return linear.qweight if isinstance(linear, QuantizedLinear) else linear.weight
+
+
+def _bind_linear(
+    kind: LinearKind,
+    kernels: Kernels | None,
+    weight: torch.Tensor | QuantizedTensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,  # the model's: a quantized weight's inputs and outputs
+    dense_rows: int = 0,  # quantized: Kernels.quantized_weight's
+    tile_rows: Mapping[Shape, int] | None = None,  # bf16 on the C kernel, by shape: Kernels.pack_weight's
+    int8_activations: bool = False,  # quantized: Kernels.quantized_weight's
+) -> BoundLinear:
+    if isinstance(weight, QuantizedTensor):
+        if kernels is None:
+            raise ValueError("quantized weights need the C kernels (this CPU has no build loaded)")
+        return QuantLinear(
+            kernels, kernels.quantized_weight(weight, dense_rows, int8_activations), bias, dtype
+        )
+    if kind == "c" and kernels is not None and can_bind(weight, bias):
+        return CLinear(kernels, weight, bias, (tile_rows or {}).get((weight.shape[0], weight.shape[1]), 0))
+    if kind == "onednn" and can_prepack(weight):
+        return PackedLinear(weight, bias)
+    return TorchLinear(weight, bias)
+
+
+class OpsLayer:
+    """One decoder layer op by op, each op on the kernel bound for it (the model's own collectives)."""
+
+    def __init__(
+        self,
+        layer: DecoderLayer,
+        kind: LinearKind,
+        kernels: Kernels | None,
+        ops: Any | None,
+        tile_rows: Mapping[Shape, int] | None = None,  # _bind_linear's
+        int8_activations: bool = False,  # _bind_linear's
+        lora: LayerCLora | None = None,  # the layer's LoRA slots on the C kernel; None: none or torch's
+    ) -> None:
+        a, mlp = layer.self_attn, layer.mlp
+        self.layer = layer
+        self.ops = ops  # torch.ops.tandem_<level>, or None: torch ops for norms and RoPE
+        dtype = layer.input_layernorm.weight.dtype
+        bound = dict(tile_rows=tile_rows, int8_activations=int8_activations)
+        self.qkv = _bind_linear(kind, kernels, _weight_of(a.qkv_proj), a.qkv_proj.bias, dtype, **bound)
+        self.o = _bind_linear(kind, kernels, _weight_of(a.o_proj), a.o_proj.bias, dtype, **bound)
+        self.gate_up = _bind_linear(
+            kind, kernels, _weight_of(mlp.gate_up_proj), mlp.gate_up_proj.bias, dtype, **bound
+        )
+        self.down = _bind_linear(kind, kernels, _weight_of(mlp.down_proj), mlp.down_proj.bias, dtype, **bound)
+        # Qwen3's per-head norms for the C op (Llama: None, None; its epsilon then goes unread).
+        self.q_norm, self.k_norm = _weight(a.q_norm), _weight(a.k_norm)
+        self.qk_eps = a.q_norm.eps if a.q_norm is not None else 0.0
+        self.lora = lora
+
+    def deltas(self, step: LoraStep | None, index: int) -> LayerLora | None:
+        """The step's LoRA deltas for this layer (index `index`): on the C kernel where bound."""
+        if step is None or step.slots is None:
+            return None
+        c, slots = self.lora, step.slots
+        if c is None:
+            return step.layer(index)
+        return LayerLora(
+            partial(c.qkv_proj, slots=slots),
+            partial(c.o_proj, slots=slots),
+            partial(c.gate_up_proj, slots=slots),
+            partial(c.down_proj, slots=slots),
+        )
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x) if self.ops is None else self.ops.rms_norm(x, norm.weight, norm.eps)
+
+    def __call__(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden], or this rank's [local_len, hidden] under SP
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        sp: bool,
+        lora: LayerLora | None = None,  # this layer's deltas for the step (`deltas`)
+    ) -> torch.Tensor:
+        layer = self.layer
+        a, tp = layer.self_attn, layer.self_attn.tp
+        x = gather_sequence(self._norm(layer.input_layernorm, h), tp, sp)  # [num_tokens, hidden]
+        qkv = self.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
+        if lora is not None:
+            qkv = lora.qkv_proj(x, qkv)
+        if self.ops is None:
+            q, k, v = a.rope_and_cache(qkv, cos, sin, attn, kv_cache)
+        else:
+            q, k = self.ops.qkv_rope_cache(
+                qkv, cos, sin, self.q_norm, self.k_norm, self.qk_eps, kv_cache, attn.slot_mapping,
+                a.num_heads, not attn.is_decode_only,
+            )  # fmt: skip
+            v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
+        out = a.attention(q, k, v, kv_cache, attn, a.scale)  # [num_tokens, num_heads * head_dim]
+        h = h + row_parallel(self.o, out, tp, sp, None if lora is None else lora.o_proj)
+        x = gather_sequence(self._norm(layer.post_attention_layernorm, h), tp, sp)
+        gate_up = self.gate_up(x)  # [num_tokens, 2 * intermediate / world_size]
+        if lora is not None:
+            gate_up = lora.gate_up_proj(x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [num_tokens, intermediate / world_size]
+        down_delta = None if lora is None else lora.down_proj
+        return h + row_parallel(self.down, F.silu(gate) * up, tp, sp, down_delta)
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
+
+
+def _fuse(
+    kernels: Kernels,
+    layer: DecoderLayer,
+    dense_rows: int,
+    tile_rows: Mapping[Shape, int],
+    int8_activations: bool,
+    lora: LayerCLora | None,
+) -> FusedLayer | None:
+    """Both halves of the layer in C, when its weights are plain bf16 and its norms share one epsilon."""
+    a, mlp = layer.self_attn, layer.mlp
+    eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+    eps |= {norm.eps for norm in (a.q_norm, a.k_norm) if norm is not None}
+    if len(eps) != 1:
+        return None  # the kernels take one epsilon for every norm of the layer
+    weights = LayerWeights(
+        input_norm=layer.input_layernorm.weight, qkv=_weight_of(a.qkv_proj), qkv_bias=a.qkv_proj.bias,
+        q_norm=_weight(a.q_norm), k_norm=_weight(a.k_norm), o=_weight_of(a.o_proj), o_bias=a.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight, gate_up=_weight_of(mlp.gate_up_proj),
+        gate_up_bias=mlp.gate_up_proj.bias, down=_weight_of(mlp.down_proj), down_bias=mlp.down_proj.bias,
+    )  # fmt: skip
+    try:
+        return FusedLayer(
+            kernels,
+            weights,
+            a.num_heads,
+            a.num_kv_heads,
+            eps.pop(),
+            dense_rows,
+            tile_rows,
+            int8_activations,
+            lora,
+        )
+    except ValueError:
+        return None  # a weight (or LoRA slots) not plain bf16 of the expected shape
+
+
+class CpuExecutor:
+    """Runs a model's steps on the kernels bound at construction; called like the model itself."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        kernels: Kernels | None,
+        linears: LinearKind | None = None,  # None: choose_linears; tests force each kind
+        use_stack: bool = True,  # tests turn it off to compare the stack with the per-layer calls
+        cpu: CpuInfo | None = None,
+        # Quantized weights: steps of this many rows on (prefill chunks; 0: none) read each weight as
+        # its bf16 rounding, at the bf16 kernel's speed, where the exact per-block sums cost 1.3x. It
+        # must exceed every step without prompt rows (EngineConfig.max_rows_without_prompt), so that a
+        # decode or verify row's sums keep one order and speculation stays exact.
+        dense_rows: int = 0,
+        # The measured kernels of the bf16 linears (kernel_choice.py), for this build: None, the flags'.
+        plan: LinearPlan | None = None,
+        # Quantized weights: every row's inputs rounded to int8 per block of 32, prefill chunks too
+        # (--quantized-activations int8, csrc/linear_int8.c); lossy, and still one order per row.
+        int8_activations: bool = False,
+        # LoRA slots (models/lora.py): each step's adapted rows get their deltas on whichever path
+        # the step takes (see the NOTE).
+        lora: LoraTable | None = None,
+    ) -> None:
+        self.model = model
+        self.lora = lora
+        config = model.config
+        kind = linears or (
+            "c" if plan is not None and kernels is not None else choose_linears(model, kernels)
+        )
+        tiles = {} if plan is None else {shape: plan.tile_rows(shape) for shape, _ in plan.exact}
+        c_ops = (
+            kernels is not None
+            and config.dtype in DTYPE_CODES
+            and bool(fits(kernels.limits, head_dim=config.head_dim, row=config.hidden_size, rotary=True))
+        )
+        ops = register(kernels) if kernels is not None and c_ops else None
+        if kernels is not None and ops is not None:
+            tiled = (
+                kernels.tiled_attention
+                and config.dtype == torch.bfloat16
+                and bool(fits(kernels.limits, head_dim=config.head_dim, tiled=True))
+            )
+            model.use_attention(CpuPagedAttention(ops, kernels.limits, tiled))
+        self.fused: list[FusedLayer] | None = None
+        bound = bind_table(kernels, lora) if kernels is not None and lora is not None else None
+        # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
+        if kernels is not None and c_ops and kind == "c" and model.tp is None:
+            fused = [
+                _fuse(
+                    kernels, layer, dense_rows, tiles, int8_activations, None if bound is None else bound[i]
+                )
+                for i, layer in enumerate(model.layers)
+            ]
+            if all(f is not None for f in fused):
+                self.fused = [f for f in fused if f is not None]
+        self.stack = self._bind_stack(kernels) if use_stack else None
+        self.layers = (
+            [
+                OpsLayer(
+                    layer, kind, kernels, ops, tiles, int8_activations, None if bound is None else bound[i]
+                )
+                for i, layer in enumerate(model.layers)
+            ]
+            if not self.fused
+            else []
+        )
+        self.head = _bind_linear(
+            kind, kernels, model.head_weight, None, config.dtype, dense_rows, tiles, int8_activations
+        )
+        # Prefill chunks on kernels of their own: a step mixing them with decode rows runs in parts
+        # (prefill_split.py); the chunks' layers op by op where oneDNN runs some of their linears.
+        self.split_rows = (
+            plan.prefill_rows if plan is not None and plan.splits_prefill and model.tp is None else 0
+        )
+        self.prefill_layers = (
+            self._prefill_layers(plan, kernels, ops) if self.split_rows and plan is not None else []
+        )
+        # torch's argmax took 0.9 ms of a 24.5 ms step at 32 sequences; the C one takes 0.12.
+        self._argmax = kernels.argmax if kernels is not None else None
+        cpu = cpu or this_cpu()
+        self.choice = KernelChoice(
+            cpu=cpu.model_name,
+            isa=cpu.isa_summary,
+            build=None if kernels is None else kernels.level.name,
+            linears=kind,
+            fused_layers=self.fused is not None,
+            decode_stack=self.stack is not None,
+            c_ops=ops is not None,
+            quantized=", ".join(
+                sorted({f"{m.qweight.bits}-bit" for m in model.modules() if isinstance(m, QUANTIZED_MODULES)})
+            ),
+            # Only the packed bf16 kernel's builds have the dense path; elsewhere every row is exact.
+            dense_rows=dense_rows
+            if kernels is not None and kernels.weight_layout != 0 and config.dtype == torch.bfloat16
+            else 0,
+            kernels="" if plan is None else plan.describe(),
+            int8_activations=int8_activations,
+        )
+
+    def _prefill_layers(self, plan: LinearPlan, kernels: Kernels | None, ops: Any | None) -> list[OpsLayer]:
+        """Each layer op by op for prompt chunks, where oneDNN runs the shapes the plan gives it and
+        every other linear is the exact path's own bound weight (no second copy); [] when no shape is
+        oneDNN's (the chunks then take the exact path, whose weights tile from prefill_rows rows)."""
+        onednn = plan.onednn_shapes
+        if not onednn:
+            return []
+        names = ("qkv", "o", "gate_up", "down")
+        layers = []
+        for i, layer in enumerate(self.model.layers):
+            ops_layer = OpsLayer(layer, "torch", None, ops)  # torch linears hold references only
+            for name in names:
+                mine = getattr(ops_layer, name)
+                shape = (mine.weight.shape[0], mine.weight.shape[1])
+                if shape in onednn:
+                    setattr(ops_layer, name, PackedLinear(mine.weight, mine.bias))
+                elif self.fused is not None and kernels is not None:
+                    setattr(
+                        ops_layer, name, KernelLinear(kernels, self.fused[i].kernel_weights[name], mine.bias)
+                    )
+                elif self.layers:
+                    setattr(ops_layer, name, getattr(self.layers[i], name))
+            layers.append(ops_layer)
+        return layers
+
+    def _bind_stack(self, kernels: Kernels | None) -> DecodeStack | None:
+        """Every fused layer in one C call, when they share their sizes and the C decode attention takes
+        the model's heads (DecodeStack asks)."""
+        scales = {layer.self_attn.scale for layer in self.model.layers}
+        if kernels is None or not self.fused or len(scales) != 1:
+            return None
+        try:
+            return DecodeStack(kernels, self.fused, scales.pop())
+        except ValueError:
+            return None  # layers of different sizes, or heads past the C attention's limits
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
+        lora: LoraStep | None = None,  # each row's adapter: the table this executor was bound to
+    ) -> torch.Tensor:
+        """float32 logits [num_logits, vocab_size] at attn.logits_indices, as DecoderModel.forward."""
+        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora)
+        return self.compute_logits(h)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # int32 [num_tokens]
+        positions: torch.Tensor,  # int32 or int64 [num_tokens]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
+        lora: LoraStep | None = None,  # each row's adapter
+    ) -> torch.Tensor:
+        """The final hidden rows [num_logits, hidden_size], as DecoderModel.hidden_states."""
+        model = self.model
+        if lora is not None and lora.table is not self.lora:
+            raise ValueError("a step's LoRA table must be the one the executor was bound to")
+        sp = model.is_sequence_parallel(input_ids, attn)
+        h = model.embed(input_ids, inputs_embeds, is_token_ids, sp)  # [num_tokens or local_len, hidden]
+        cos, sin = model.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each
+        parts = prefill_split.split_step(attn, h.shape[0], self.split_rows) if self.split_rows else None
+        if parts is not None:
+            h = prefill_split.run_parts(parts, h, cos, sin, kv_caches, self._part_layers, lora)
+        else:
+            h = self._layers(h, cos, sin, attn, kv_caches, sp, lora)
+        return model.final_rows(h, attn, sp)
+
+    def _part_layers(
+        self,
+        h: torch.Tensor,  # [num_rows, hidden]
+        cos: torch.Tensor,  # [num_rows, 1, head_dim]
+        sin: torch.Tensor,  # [num_rows, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        is_prefill: bool,
+        lora: LoraStep | None,  # this part's rows' adapters
+    ) -> torch.Tensor:
+        """One part of a split step (one rank): prompt chunks on the prefill layers, if any."""
+        if is_prefill and self.prefill_layers:
+            for i, (ops_layer, kv_cache) in enumerate(zip(self.prefill_layers, kv_caches, strict=True)):
+                h = ops_layer(h, cos, sin, attn, kv_cache, False, ops_layer.deltas(lora, i))
+            return h
+        return self._layers(h, cos, sin, attn, kv_caches, False, lora)
+
+    def _layers(
+        self,
+        h: torch.Tensor,  # [num_tokens or local_len, hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer
+        sp: bool,
+        lora: LoraStep | None,  # each row's adapter
+    ) -> torch.Tensor:
+        """Every layer over the step's rows, on the path its kind takes (stack, fused, op by op)."""
+        model = self.model
+        slots = None if lora is None else lora.slots  # int64 [num_rows]; None: no row is adapted
+        if self.stack is not None and attn.is_decode_only:
+            h = self.stack.run(h, cos, sin, attn, kv_caches, slots)  # every layer in one C call
+        elif self.fused is not None:
+            want_kv = not attn.is_decode_only
+            for fused, layer, kv_cache in zip(self.fused, model.layers, kv_caches, strict=True):
+                # Everything but attention in two C calls; h is this layer's own input, updated in place.
+                q, k, v = fused.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, want_kv, slots)
+                a = layer.self_attn
+                h = fused.mlp_block(h, a.attention(q, k, v, kv_cache, attn, a.scale), slots)
+        else:
+            for i, (ops_layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                h = ops_layer(h, cos, sin, attn, kv_cache, sp, ops_layer.deltas(lora, i))
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [num_rows, vocab_size] of final hidden rows [num_rows, hidden_size]."""
+        return gather_vocab_logits(self.head(h), self.model.tp)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [num_rows]: torch.argmax(logits, dim=-1), in C when the kernels are loaded."""
+        if self._argmax is None or logits.dtype != torch.float32 or not logits.is_contiguous():
+            return self.model.argmax(logits)
+        return self._argmax(logits)
+
+
+def bind(
+    model: DecoderModel, options: KernelOptions | None = None, lora: LoraTable | None = None
+) -> CpuExecutor:
+    """The executor for a loaded model, its choice logged in one line: kernels chosen as `options`
+    say (kernel_choice.py: measured, cached or named), or from the CPU's flags alone without them;
+    `lora` the LoRA slots it binds (None: off)."""
+    if options is None:
+        executor = CpuExecutor(model, load_for_cpu(), lora=lora)
+    else:
+        kernels, plan = kernel_choice.choose(model, options)
+        executor = CpuExecutor(
+            model,
+            kernels,
+            dense_rows=options.prefill_rows,
+            plan=plan,
+            int8_activations=options.int8_activations,
+            lora=lora,
+        )
+    log.info("%s", executor.choice.describe())
+    return executor

@@ -1,0 +1,327 @@
+"""The decoder's configuration: one frozen object, validated when built, passed down.
+
+Built once in `__main__` (from flags, or `TANDEM_*` environment variables for flags not given)
+or directly by tests and the offline API. Values derived from the loaded model, such as the
+number of KV blocks that fit in `kv_cache_bytes`, are computed by the engine and never written
+back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.client.errors import ConfigError, InvalidArgument
+from tandem.common.dtypes import COMPUTE_NAMES
+from tandem.common.model_name import check_adapter_name
+from tandem.common.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
+from tandem.common.quantized_tensor import SCHEMES
+from tandem.common.server import ServerOptions
+from tandem.common.torch_dtypes import BY_TORCH
+from tandem.decoder.backends import backend as backends
+from tandem.decoder.backends.cpu.kernel_choice import AUTO as AUTO_KERNELS
+from tandem.decoder.backends.cpu.kernel_choice import CPU_KERNELS, KernelOptions
+from tandem.decoder.backends.cpu.kernels import DTYPE_CODES
+from tandem.decoder.models.attention import PagedAttention
+
+DEFAULT_PORT = 50052
+# Tokens one decode step may propose and verify beyond its own (prompt lookup), per request and as
+# the server default. A verification costs about one step while the step reads weights rather than
+# computes; far past that it computes, and a long guess is rarely right to the end.
+MAX_SPECULATIVE_TOKENS = 16
+# What the C kernels compute in, by name: a quantized linear has no torch path to fall back on.
+KERNEL_DTYPE_NAMES = tuple(sorted(BY_TORCH[dtype].name for dtype in DTYPE_CODES))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; no transport settings."""
+
+    model_dir: Path  # a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    dtype: str = "bfloat16"  # compute and KV-cache dtype, one of COMPUTE_NAMES.
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "neuron" (backends/backend.py); checked, not imported.
+    # "gguf": the linears and the token table served as the GGUF file `quantized_from` stores them
+    # (models/gguf_weights.py); "int8" / "int4": rounded from model_dir's weights at load, int8 with
+    # one scale per output channel, int4 with a scale and an offset per `quantization_group_size`
+    # inputs (common/quantized_tensor.py); "none": model_dir's dense weights. Activations stay `dtype`.
+    quantization: str = "none"
+    quantized_from: Path | None = None
+    quantization_group_size: int = QUANTIZATION_BLOCK  # int4 only: a multiple of 32
+    # Quantized linears' inputs: "none" in `dtype` (exact sums; prefill chunks through the weights'
+    # bf16 rounding); "int8" rounds every row's inputs to int8 per block of 32 and multiplies them as
+    # integers (backends/cpu/csrc/linear_int8.c): faster at every row count, and lossy
+    # (docs/PERFORMANCE.md has its fidelity). A row's bits still never depend on the rows beside it,
+    # so speculation and batching stay exact within the mode.
+    quantized_activations: str = "none"
+    max_num_seqs: int = 64  # most requests in one step's batch.
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
+    max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
+    max_queue: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED).
+    block_size: int = 16  # positions per KV block.
+    kv_cache_bytes: int = 512 * 1024 * 1024  # KV pool size; the block count is derived from it.
+    num_kv_blocks: int | None = None  # exact block count instead of kv_cache_bytes (tests).
+    enable_prefix_caching: bool = True  # reuse full KV blocks of identical prompt prefixes.
+    enable_prompt_embeds: bool = True  # accept embedding segments; off -> FAILED_PRECONDITION.
+    static_shapes: bool = False  # pad batches to buckets so every step has a known input signature.
+    token_buckets: tuple[int, ...] = ()  # static mode: padded token counts; () = powers of two.
+    seq_buckets: tuple[int, ...] = ()  # static mode: padded sequence counts; () = powers of two.
+    # static mode: padded block-table widths of decode steps, in blocks; () = fourfold steps up to
+    # the blocks of max_model_len. Gathering decode paths cost what the width holds, not the context.
+    block_table_buckets: tuple[int, ...] = ()
+    compile: bool = False  # static mode: decode buckets are graphs compiled at warmup (Neuron: every step).
+    # neuron: XLA devices the model spans, as one SPMD program in this process (DecoderConfig.world_size).
+    num_devices: int = 1
+    # CPU, eager: steps run through the CPU executor and its C kernels (backends/cpu/, built when the
+    # project is installed, chosen from the CPU's flags); False runs the plain model on torch ops.
+    native_kernels: bool = True
+    # CPU kernels: "auto" times each candidate on the model's shapes at load and binds the fastest
+    # (backends/cpu/kernel_choice.py, cached beside the model); a build's name runs that build's
+    # kernel for every linear.
+    cpu_kernels: str = AUTO_KERNELS
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default.
+    # A request's tokens do not depend on what else runs: each request's forward pass runs alone, its
+    # prefill chunks start where they would alone, and prefix caching is off. Costs a batched step's
+    # speed (one pass per request); see the proto's SamplingParams.seed.
+    batch_invariant: bool = False
+    # Speculative decoding by prompt lookup: tokens a decode step may propose and verify, for requests
+    # that do not say (GenerateRequest.speculative_tokens); 0 = off. See engine/step/core.py.
+    speculative_tokens: int = 0
+    # Steps with more running requests than this verify no proposals. Where a step's cost grows with
+    # its rows (computing rather than reading weights: a few rows on a CPU without bf16 FMAs), a
+    # verified row is worth it only if every proposed token is accepted, so speculation pays only in
+    # small batches. docs/PERFORMANCE.md has the measurement behind the default.
+    speculative_max_batch: int = 4
+    # Most requests in one step while a light caller (nothing waiting, at most this many running)
+    # shares the batch with heavy ones (requests waiting, or more running: a flood beside a
+    # neighbour): the neighbour's requests run every step, the flood's take turns for the rest, so
+    # the neighbour's tokens come at the pace of a narrow step.
+    # 0 = off; None = the backend's (8 on a CPU, where a step's time grows with its rows; off
+    # elsewhere). See SchedulerConfig.shared_step_seqs and docs/RELIABILITY.md.
+    shared_step_seqs: int | None = None
+    # LoRA adapters, as vLLM's --enable-lora: `max_loras` slots of rank up to `max_lora_rank`, filled
+    # at start from `loras` ((name, PEFT directory) pairs) and at run time (the LoadAdapter RPC). Each
+    # request names its adapter or none, and requests of every adapter share one batch (the CPU
+    # executor adds the deltas inside its fused layers: backends/cpu/lora.py).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    loras: tuple[tuple[str, Path], ...] = ()
+
+    @property
+    def max_rows_without_prompt(self) -> int:
+        """The most rows a step with no prompt positions holds: a row per running request, or, in a
+        step that verifies proposals (at most speculative_max_batch requests), each request's row and
+        its proposals. Larger steps are prefills (the CPU executor's dense quantized path)."""
+        return max(self.max_num_seqs, self.speculative_max_batch * (1 + MAX_SPECULATIVE_TOKENS))
+
+    @property
+    def kernel_options(self) -> KernelOptions:
+        """How the CPU executor chooses its kernels (backends/cpu/kernel_choice.py)."""
+        return KernelOptions(
+            kernels=self.cpu_kernels,
+            exact_rows=self.max_rows_without_prompt,
+            max_rows=self.max_num_batched_tokens,
+            prefill_kernels=not self.batch_invariant,
+            cache_dir=Path(self.model_dir),
+            int8_activations=self.quantized_activations == "int8",
+        )
+
+    def __post_init__(self) -> None:
+        if self.dtype not in COMPUTE_NAMES:
+            raise ConfigError("dtype", f"must be one of {COMPUTE_NAMES}, got {self.dtype!r}")
+        self._check_quantization()
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ConfigError("cpu_kernels", f"must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
+        backend = backends.resolve(self.device)
+        if backend.requires_static_shapes and not (self.static_shapes and self.compile):
+            raise ConfigError(
+                "device",
+                f"{backend.name} runs static shapes only: it needs static_shapes and compile "
+                "(--static-shapes true --compile true)",
+            )
+        (backend.attention or PagedAttention).check_block_size(self.block_size)
+        if self.compile and not self.static_shapes:
+            raise ConfigError("compile", "needs static_shapes (--static-shapes true): one graph per bucket")
+        if self.num_devices != 1 and not backend.is_spmd:
+            raise ConfigError(
+                "num_devices", f"must be 1 on {backend.name} (several ranks are processes: world_size)"
+            )
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queue",
+            "block_size",
+            "kv_cache_bytes",
+            "num_devices",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(
+                "num_kv_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}"
+            )
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                "speculative_tokens",
+                f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}",
+            )
+        if self.shared_step_seqs is not None and self.shared_step_seqs < 0:
+            raise ConfigError("shared_step_seqs", f"must be >= 0 (0: off), got {self.shared_step_seqs}")
+        if self.speculative_max_batch < 1:
+            raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        self._check_lora()
+        for name in ("token_buckets", "seq_buckets", "block_table_buckets"):
+            buckets = getattr(self, name)
+            if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
+                raise ConfigError(name, f"must be strictly increasing positive sizes, got {buckets}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if not 1 <= getattr(self, name) <= MAX_LORA_LIMITS[name]:
+                raise ConfigError(name, f"must be in [1, {MAX_LORA_LIMITS[name]}], got {getattr(self, name)}")
+        if not self.enable_lora:
+            if self.loras:
+                raise ConfigError("loras", "needs --enable-lora true")
+            return
+        if len(self.loras) > self.max_loras:
+            raise ConfigError("loras", f": {len(self.loras)} adapters, more than max_loras {self.max_loras}")
+        names = [name for name, _ in self.loras]
+        for name in names:
+            try:
+                check_adapter_name(name)
+            except InvalidArgument as error:
+                raise ConfigError("loras", f": adapter name {name!r}: {error.description}") from None
+            if names.count(name) > 1:
+                raise ConfigError("loras", f": adapter name {name!r} is given twice")
+        needs = {
+            "device": (self.device == "cpu", f"cpu (the LoRA slots are CPU tensors), got {self.device!r}"),
+            "compile": (not self.compile, "off (the compiled decode buckets take no adapters)"),
+        }
+        for name, (ok, what) in needs.items():
+            if not ok:
+                raise ConfigError("enable_lora", f"needs --{name.replace('_', '-')} {what}")
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        group = self.quantization_group_size
+        if group < QUANTIZATION_BLOCK or group % QUANTIZATION_BLOCK != 0:
+            raise ConfigError(
+                "quantization_group_size", f"must be a positive multiple of {QUANTIZATION_BLOCK}, got {group}"
+            )
+        if group != QUANTIZATION_BLOCK and self.quantization != "int4":
+            raise ConfigError(
+                "quantization_group_size", f"is only used by --quantization int4, not {self.quantization!r}"
+            )
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ConfigError(
+                "quantized_activations",
+                f"must be one of {QUANTIZED_ACTIVATIONS}, got {self.quantized_activations!r}",
+            )
+        if self.quantization == "none":
+            if self.quantized_activations != "none":
+                raise ConfigError(
+                    "quantized_activations",
+                    f"{self.quantized_activations} needs --quantization gguf, int8 or int4 (it rounds the "
+                    "inputs of quantized linears)",
+                )
+            return
+        needs = {
+            "device": (
+                self.device == "cpu",
+                f"cpu (the quantized kernels are CPU kernels), got {self.device!r}",
+            ),
+            "dtype": (
+                self.dtype in KERNEL_DTYPE_NAMES,
+                f"{' or '.join(KERNEL_DTYPE_NAMES)}, got {self.dtype!r}",
+            ),
+            "native_kernels": (self.native_kernels, "on: the quantized linears are C kernels"),
+            "static_shapes": (not self.static_shapes, "off (eager steps only)"),
+        }
+        for name, (ok, what) in needs.items():
+            if not ok:
+                raise ConfigError(
+                    "quantization", f"{self.quantization} needs --{name.replace('_', '-')} {what}"
+                )
+
+
+# The most LoRA slots and the highest rank a server may reserve (each slot holds a rank-`max_lora_rank`
+# copy of every projection's A and B: SmolLM2 at rank 16, 10 MB in bf16).
+MAX_LORA_LIMITS = {"max_loras": 256, "max_lora_rank": 512}
+
+# --quantization: "gguf" serves a GGUF file's own Q4_0 / Q4_1 / Q8_0 weights (others re-quantized once);
+# "int8" and "int4" round a dense checkpoint's (common/quantized_tensor.py's SCHEMES).
+QUANTIZATIONS = ("none", "gguf", *SCHEMES)
+# --quantized-activations: the quantized linears' inputs in --dtype, or rounded to int8 per 32.
+QUANTIZED_ACTIVATIONS = ("none", "int8")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The decoder service: its engine plus how it is served."""
+
+    engine: EngineConfig
+    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
+    model_name: str = ""  # name reported by GetModelInfo and in traces; "" = model directory name.
+    world_size: int = 1  # ranks the model runs on.
+    collective_timeout_s: float = 60.0  # several ranks: a collective or step broadcast waiting longer fails.
+    # Open Generate streams one connection may hold (api/stream_limit.py). Half the default batch:
+    # one caller can never occupy every running slot.
+    max_streams_per_connection: int = 32
+    # With bearer tokens on, open Generate streams one token may hold over all its connections (a
+    # token is one caller, api/caller.py): more connections do not buy more memory or slots.
+    max_streams_per_token: int = 256
+    # Encoder parts (api/encoder_parts.py): the encoder the decoder fetches their rows from (host:port,
+    # several separated by commas, balanced, or dns:///name:port); "" = none, and such parts are
+    # refused. Its rows of recent inputs are kept up to this many bytes (0: none).
+    encoder_address: str = ""
+    encoder_cache_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_streams_per_connection", "max_streams_per_token"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.encoder_cache_bytes < 0:
+            raise ConfigError(
+                "encoder_cache_bytes", f"must be >= 0 (0: none), got {self.encoder_cache_bytes}"
+            )
+        if self.encoder_address and not all(a.strip() for a in self.encoder_address.split(",")):
+            raise ConfigError(
+                "encoder_address",
+                f"expected host:port, several separated by commas, got {self.encoder_address!r}",
+            )
+        if self.world_size < 1:
+            raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s}")
+        backend = backends.resolve(self.engine.device)
+        if backend.is_spmd and self.engine.num_devices != self.world_size:
+            raise ConfigError(
+                "world_size",
+                f"is {self.world_size} but the engine spans {self.engine.num_devices} {backend.name} devices",
+            )
+        if self.world_size > 1 and not backend.is_spmd:
+            if backend.collective_backend is None:
+                raise ConfigError(
+                    "world_size",
+                    f"must be 1: device {backend.name} runs on one rank only, got {self.world_size}",
+                )
+            if self.engine.compile:
+                raise ConfigError(
+                    "world_size", f"must be 1: compile runs on one rank only, got {self.world_size}"
+                )
+            if self.engine.quantization != "none":
+                raise ConfigError(
+                    "world_size", f"must be 1: quantized weights run on one rank only, got {self.world_size}"
+                )
+            if self.engine.enable_lora:
+                raise ConfigError(
+                    "world_size", f"must be 1: LoRA adapters run on one rank only, got {self.world_size}"
+                )
+        for name, _ in self.engine.loras:
+            if name == self.model_name:
+                raise ConfigError("loras", f": adapter name {name!r} is the model's own name")

@@ -1,0 +1,137 @@
+"""The ranks of a multi-rank decoder: how a group starts, and the loop every rank but 0 runs.
+
+NOTE: the lifecycle. One command starts the group: without torchrun variables, rank 0 (the process
+the user started) picks a free loopback port and spawns ranks 1..N-1 on this machine; under torchrun
+every process is already a rank. Rank 0 then serves gRPC and runs the engine; the others load their
+shard and run `run_worker`: receive a batch, run the same forward, repeat. Nothing waits forever:
+every collective has the group timeout, rank 0 sends keepalives while idle, a worker whose rank 0
+vanished fails its next receive and exits non-zero, and rank 0 turns any collective failure into
+UNAVAILABLE for open streams, NOT_SERVING, and a non-zero exit (see `__main__.serve`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import sys
+from collections.abc import Mapping
+from multiprocessing.process import BaseProcess
+
+import torch
+
+from tandem.client.errors import ConfigError
+from tandem.decoder.backends import backend as backends
+from tandem.decoder.config import DecoderConfig, EngineConfig
+from tandem.decoder.distributed.parallel import (
+    ParallelContext,
+    RankInfo,
+    destroy_parallel,
+    free_port,
+    init_parallel,
+)
+from tandem.decoder.distributed.step_broadcast import receive_step
+from tandem.decoder.engine.step.runner import ModelRunner
+from tandem.decoder.engine.step.sizing import num_kv_blocks
+from tandem.decoder.models.loader import load_model
+
+log = logging.getLogger("tandem.decoder")
+
+
+def rank_info(config: DecoderConfig, environ: Mapping[str, str]) -> RankInfo | None:
+    """This process's place in the group: from torchrun's variables, else rank 0 of a local group.
+
+    None for a single rank (no process group at all). Raises ConfigError on a world-size mismatch.
+    """
+    if backends.resolve(config.engine.device).is_spmd:
+        return None  # its devices are one SPMD program in this process: no process group
+    info = RankInfo.from_torchrun(dict(environ))
+    if info is not None:
+        if config.world_size not in (1, info.world_size):
+            raise ConfigError(
+                "world_size", f"is {config.world_size} but torchrun's WORLD_SIZE is {info.world_size}"
+            )
+        return info if info.world_size > 1 else None
+    if config.world_size == 1:
+        return None
+    return RankInfo.local(0, config.world_size, free_port())
+
+
+def rank_config(config: DecoderConfig, info: RankInfo) -> DecoderConfig:
+    """The config as this rank runs it: the group's world size, and its own CUDA device."""
+    engine = config.engine
+    if engine.device.startswith("cuda") and ":" not in engine.device:
+        engine = dataclasses.replace(engine, device=f"cuda:{info.local_rank}")
+    return dataclasses.replace(config, engine=engine, world_size=info.world_size)
+
+
+def spawn_local_ranks(config: DecoderConfig, info: RankInfo) -> list[BaseProcess]:
+    """Rank 0 of a local group starts ranks 1..N-1 (fresh interpreters, so no torch state is shared)."""
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for rank in range(1, info.world_size):
+        worker_info = dataclasses.replace(info, rank=rank, local_rank=rank)  # same init_method
+        process = context.Process(
+            target=worker_main, args=(worker_info, config), name=f"tandem-rank-{rank}", daemon=True
+        )
+        process.start()
+        log.info("started rank %d (pid %d)", rank, process.pid)
+        processes.append(process)
+    return processes
+
+
+def join_local_ranks(processes: list[BaseProcess], timeout_s: float) -> bool:
+    """Waits for spawned ranks to exit, kills any still alive after `timeout_s`; True if all exited 0."""
+    ok = True
+    for process in processes:
+        process.join(timeout_s)
+        if process.is_alive():
+            log.error("rank %s did not exit in %.0f s; killing it", process.name, timeout_s)
+            process.kill()
+            process.join()
+        ok = ok and process.exitcode == 0
+    return ok
+
+
+def worker_main(info: RankInfo, config: DecoderConfig) -> None:
+    """Entry point of a spawned rank: run the worker loop, then leave without running finalizers."""
+    log_format = f"%(asctime)s decoder[{info.rank}] %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=log_format)
+    code = run_worker(info, rank_config(config, info))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a dead peer must not be able to hold this process in a group destructor
+
+
+def run_worker(info: RankInfo, config: DecoderConfig) -> int:
+    """Joins the group, then runs rank 0's steps until STOP (returns 0) or a failure (returns 1)."""
+    if config.engine.num_threads:
+        torch.set_num_threads(config.engine.num_threads)
+    try:
+        run_steps(init_parallel(info, config.engine.device, config.collective_timeout_s), config.engine)
+    except Exception:
+        log.exception("rank %d failed; exiting", info.rank)
+        return 1
+    destroy_parallel()
+    log.info("rank %d stopped", info.rank)
+    return 0
+
+
+def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
+    """Loads this rank's shard and runs every batch rank 0 sends until STOP; raises on a failure."""
+    loaded = load_model(config.model_dir, config.dtype, config.device, tp)
+    backend = backends.resolve(config.device)
+    executor = backends.prepare_model(
+        loaded.model, backend, config.compile, config.native_kernels, config.kernel_options
+    )
+    model_config = loaded.config
+    num_blocks = num_kv_blocks(config, model_config, tp.world_size)
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor)
+    log.info("rank %d of %d ready", tp.rank, tp.world_size)
+    with torch.inference_mode():
+        while (
+            batch := receive_step(tp.control, model_config.hidden_size, model_config.dtype, runner.device)
+        ) is not None:
+            runner.forward(batch)

@@ -1,0 +1,1 @@
+"""Admission: a generation checked and built into a Request, chat templates, a caller's budget."""

@@ -1,0 +1,288 @@
+"""Chat messages -> prompt parts, through the checkpoint's chat template.
+
+Rendering runs in Jinja2's immutable sandbox (no attribute or file escape, no mutation of the
+arguments), in a worker process with bounded time, memory and output (template_worker.py).
+
+How parts keep their boundaries and caller text stays text:
+- A token-ID or embedding part is rendered as a unique placeholder (a random nonce per render) and
+  spliced back as its own prompt part after rendering, so no tokenization crosses it.
+- A text part is rendered inline, so the whole string tokenizes exactly as transformers'
+  `apply_chat_template(..., tokenize=True)` does, unless it could take part in a special-token
+  literal (such as `<|im_start|>`): one inside it, or, at its ends (whitespace aside), the start of
+  one (`... <|im_`) or the end of one (`start|> ...`), which a neighbouring part or the template's
+  text could complete. Then it becomes a placeholder, spliced back as plain text (`is_plain`), which
+  tokenizes special-token literals as the text they spell. A literal spread over several parts has
+  a start in one and an end in another, so caller text can never forge a control token, however it
+  is split; the template's own control tokens stay.
+
+Images (a part with `is_image`: an `image` part's rows, or an `encoder` part of a picture, whose rows
+its fetch brings): on a vision-language checkpoint every message's content is passed to
+the template as a list of `{"type": "text", "text": ...}` and `{"type": "image"}` items, as
+transformers' processors pass it (SmolVLM's template reads nothing else), so the checkpoint's own
+template decides where each image goes; elsewhere a message holding an image is passed so too. Every
+image placeholder (`<image>`) the template writes then takes the next image's rows, in order; the
+template must place each image exactly once. Caller text that spells the placeholder stays text, as
+any special literal.
+
+The end-of-turn token is read off the template itself: the first special token it writes after an
+assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.common import vision_language
+from tandem.common.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
+from tandem.decoder.engine.admission.template_worker import TemplateFailed, TemplateWorkers
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # one of ROLES
+    content: Sequence[PromptPart]  # caller text in it is always plain (`TextPrompt.is_plain` unread)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat prompt as the engine takes it; protocol.py builds it from tandem.v1.ChatPrompt."""
+
+    messages: Sequence[ChatMessage]
+    add_generation_prompt: bool = True  # end with the assistant turn's opening
+    template: str | None = None  # a Jinja2 template replacing the model's
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+
+
+# A rendered prompt: each part with the field path its errors name. The template's own text is
+# `TextPrompt(text)` at "chat"; a caller's part keeps its path, `chat.messages[i].content[j]`.
+LocatedPart = tuple[str, PromptPart]
+
+
+class ChatTemplate:
+    """The checkpoint's template and what it needs: special token names and the end-of-turn ID."""
+
+    def __init__(
+        self,
+        source: str | None,
+        tokenizer: tokenizers.Tokenizer,
+        special: dict[str, str],
+        workers: TemplateWorkers | None = None,  # None: its own, stopped by close() or with it
+        image_placeholder: str | None = None,  # what the template writes for an image; None: no images
+    ) -> None:
+        self.source = source  # None: the checkpoint has no template
+        self.tokenizer = tokenizer
+        self.special = special  # bos_token / eos_token / ... names the templates refer to
+        self.image_placeholder = image_placeholder
+        # The same vocabulary with special-token literals split into plain text (for caller text).
+        self.literal_tokenizer = literal_tokenizer(tokenizer)
+        self.workers = workers or TemplateWorkers()
+        self._special_literals = [
+            t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content
+        ]
+        if image_placeholder and image_placeholder not in self._special_literals:
+            self._special_literals.append(image_placeholder)
+        # Every proper start and end of a literal ("<", "<|", ... and ">", "|>", ...), by length.
+        self._literal_starts = {
+            literal[:n] for literal in self._special_literals for n in range(1, len(literal))
+        }
+        self._literal_ends = {
+            literal[-n:] for literal in self._special_literals for n in range(1, len(literal))
+        }
+        self._longest_literal = max(map(len, self._special_literals), default=0)
+        self.end_of_turn_ids = self._find_end_of_turn() if source else ()
+
+    @classmethod
+    def load(cls, model_dir: Path, tokenizer: tokenizers.Tokenizer) -> ChatTemplate:
+        """From `chat_template.jinja`, else a processor's `chat_template.json`, else
+        `tokenizer_config.json`'s `chat_template` (None if absent). A vision-language checkpoint's
+        image token (config.json) is the image placeholder."""
+        config = _json_object(model_dir / "tokenizer_config.json")
+        source = config.get("chat_template")
+        if isinstance(source, list):  # the named-template form: take "default"
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        processor_template = _json_object(model_dir / "chat_template.json").get("chat_template")
+        if isinstance(processor_template, str):
+            source = processor_template
+        jinja_path = model_dir / "chat_template.jinja"
+        if jinja_path.is_file():
+            source = jinja_path.read_text()
+        special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        model_config = _json_object(model_dir / "config.json")
+        image_token_id = vision_language.image_token_id(model_config)
+        placeholder = None
+        if vision_language.is_vision_language(model_config) and image_token_id is not None:
+            placeholder = tokenizer.id_to_token(image_token_id)
+        return cls(
+            source if isinstance(source, str) else None, tokenizer, special, image_placeholder=placeholder
+        )
+
+    def render(self, chat: ChatRequest) -> list[LocatedPart]:
+        """The prompt parts for `chat`, in order. Raises InvalidArgument / FailedPrecondition."""
+        source = chat.template if chat.template is not None else self.source
+        if source is None:
+            raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+        nonce = secrets.token_hex(8)
+        spliced: dict[str, LocatedPart] = {}
+        images: list[LocatedPart] = []
+        messages = []
+        for i, message in enumerate(chat.messages):
+            pieces: list[str | None] = []  # None: an image, placed by the template
+            for j, part in enumerate(message.content):
+                if isinstance(part, EmbeddingPrompt | EncoderPrompt) and part.is_image:
+                    path = f"chat.messages[{i}].content[{j}]"
+                    if not self.image_placeholder:
+                        kind = "encoder" if isinstance(part, EncoderPrompt) else "image"
+                        raise FailedPrecondition(f"{path}.{kind}", "this model takes no images")
+                    images.append((path, part))
+                    pieces.append(None)
+                    continue
+                if isinstance(part, TextPrompt) and not self._could_form_special(part.text):
+                    pieces.append(part.text)
+                    continue
+                key = f"<<tandem-part-{nonce}-{i}-{j}>>"
+                as_given = TextPrompt(part.text, is_plain=True) if isinstance(part, TextPrompt) else part
+                spliced[key] = (f"chat.messages[{i}].content[{j}]", as_given)
+                pieces.append(key)
+            as_items = self.image_placeholder is not None
+            messages.append({"role": message.role, "content": _content(pieces, as_items)})
+        text = self._render_text(source, messages, chat)
+        parts = _splice(text, spliced, nonce)
+        return _place_images(parts, images, self.image_placeholder) if images else parts
+
+    def _render_text(self, source: str, messages: list[dict[str, Any]], chat: ChatRequest) -> str:
+        """Renders in a template worker: bounded in time, memory and output."""
+        variables = {**self.special, **chat.template_kwargs}
+        try:
+            return self.workers.render(source, messages, chat.add_generation_prompt, variables)
+        except TemplateFailed as e:
+            raise InvalidArgument(e.field, str(e)) from None
+
+    def close(self) -> None:
+        """Stops the template workers."""
+        self.workers.close()
+
+    def _could_form_special(self, text: str) -> bool:
+        """Whether `text` holds a special-token literal, or could complete one with its neighbours."""
+        if any(literal in text for literal in self._special_literals):
+            return True
+        end, start = text.rstrip(), text.lstrip()
+        return any(
+            end[-n:] in self._literal_starts or start[:n] in self._literal_ends
+            for n in range(1, self._longest_literal)
+        )
+
+    def _find_end_of_turn(self) -> tuple[int, ...]:
+        """The special token the template writes right after an assistant message's content."""
+        mark = f"tandem{secrets.token_hex(4)}"
+        as_items = self.image_placeholder is not None  # as render() passes content
+        conversation = [
+            {"role": "user", "content": _content(["x"], as_items)},
+            {"role": "assistant", "content": _content([mark], as_items)},
+        ]
+        try:
+            text = self._render_text(self.source or "", conversation, ChatRequest(messages=()))
+        except InvalidArgument:
+            return ()
+        if mark not in text:
+            return ()
+        after = text.split(mark, 1)[1]
+        specials = set(self._special_literals)
+        for token in self.tokenizer.encode(after, add_special_tokens=False).tokens:
+            if token in specials:
+                return (self.tokenizer.token_to_id(token),)
+        return ()
+
+
+def literal_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of `tokenizer` that tokenizes special-token literals as the plain text they spell."""
+    literal = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+    literal.encode_special_tokens = True
+    return literal
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text())
+    return value if isinstance(value, dict) else {}
+
+
+def _content(pieces: list[str | None], as_items: bool) -> str | list[dict[str, str]]:
+    """A message's content for the template: a string, or (with images, or `as_items`) transformers'
+    list of items."""
+    if None not in pieces and not as_items:
+        return "".join(piece for piece in pieces if piece is not None)
+    items: list[dict[str, str]] = []
+    for piece in pieces:
+        if piece is None:
+            items.append({"type": "image"})
+        elif items and items[-1]["type"] == "text":
+            items[-1]["text"] += piece
+        else:
+            items.append({"type": "text", "text": piece})
+    return items
+
+
+def _place_images(
+    parts: list[LocatedPart], images: list[LocatedPart], placeholder: str | None
+) -> list[LocatedPart]:
+    """Each placeholder the template wrote (in its own text, never in a caller's) takes the next
+    image's rows."""
+    assert placeholder
+    placed: list[LocatedPart] = []
+    remaining = iter(images)
+    count = 0
+    for path, part in parts:
+        if path != "chat" or not isinstance(part, TextPrompt) or placeholder not in part.text:
+            placed.append((path, part))
+            continue
+        pieces = part.text.split(placeholder)
+        for k, piece in enumerate(pieces):
+            if k:
+                count += 1
+                image = next(remaining, None)
+                if image is None:
+                    break
+                placed.append(image)
+            if piece:
+                placed.append(("chat", TextPrompt(piece)))
+    if count != len(images):
+        raise InvalidArgument(
+            "chat.chat_template",
+            f"the template wrote {count} image placeholders {placeholder!r} for {len(images)} images; "
+            "each image part must be placed exactly once",
+        )
+    return placed
+
+
+def _splice(text: str, spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:
+    """Splits the rendered text at the placeholders; each must appear exactly once."""
+    pattern = re.compile(rf"<<tandem-part-{nonce}-\d+-\d+>>")
+    parts: list[LocatedPart] = []
+    seen: set[str] = set()
+    position = 0
+    for match in pattern.finditer(text):
+        key = match.group(0)
+        if key in seen or key not in spliced:
+            raise InvalidArgument("chat.chat_template", "the template repeated a non-text message part")
+        seen.add(key)
+        if match.start() > position:
+            parts.append(("chat", TextPrompt(text[position : match.start()])))
+        parts.append(spliced[key])
+        position = match.end()
+    if position < len(text):
+        parts.append(("chat", TextPrompt(text[position:])))
+    if len(seen) != len(spliced):
+        raise InvalidArgument("chat.chat_template", "the template dropped a non-text message part")
+    return parts

@@ -1,0 +1,302 @@
+"""Chat templates rendered in worker processes with bounded time and memory.
+
+A chat template is code, the caller's own or a checkpoint's (a GGUF file's metadata is untrusted
+input too). Jinja2's sandbox stops it reaching attributes, files or the arguments, but not spending:
+issue 32 measured `{% set x = 'a' * 10**9 %}` taking a server from 1.6 to 5.4 GB, `'a'|center(10**9)`
+16.5 s of silence, and a looping template delaying every other caller's request by 7.6-57.7 s. In a
+process of its own a render can be bounded by what the operating system enforces, not by checks the
+template might find a way around:
+- memory: the worker's address space is capped (RLIMIT_AS, MEMORY_BYTES); past it the render fails
+  with MemoryError and the worker is replaced;
+- time: a render that has not answered within TIME_LIMIT_S is killed with its worker;
+- output: MAX_RENDERED_CHARS, counted while the template produces it.
+A bound exceeded is the request's INVALID_ARGUMENT naming `chat.chat_template` (chat.py).
+
+The workers are plain `python -m tandem.decoder.engine.admission.template_worker` processes that import only
+Jinja2 (no torch, about 20 MB each), spoken to with one JSON line each way, so a render costs a few
+hundred microseconds of pipe work. `TemplateWorkers` keeps WORKERS of them, started on first use and
+replaced when one is killed; two renders run at once, so one slow template does not hold up another
+caller's chat (and the request-building threads wait on a pipe, the GIL released). Each worker
+compiles a template once and keeps the last CACHED_TEMPLATES.
+
+This module is both sides: `main()` runs in the worker and imports nothing of Tandem's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+MAX_RENDERED_CHARS = 1 << 20  # 1 MiB of rendered text: far above any context this serves
+TIME_LIMIT_S = 1.0  # a real template renders in about a millisecond
+MEMORY_BYTES = 512 * 1024 * 1024  # the worker's whole address space, interpreter and Jinja2 included
+WORKERS = 2
+CACHED_TEMPLATES = 64
+
+
+class TemplateFailed(Exception):
+    """The template raised, or exceeded a bound; the message is one line for the caller, `field` the
+    request field at fault: the template, or the whole chat when the rendered prompt is too long
+    (which the messages' length can cause as well as the template)."""
+
+    def __init__(self, message: str, field: str = "chat.chat_template") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class TemplateWorkers:
+    """Renders templates in worker processes; safe to call from several threads."""
+
+    def __init__(
+        self, workers: int = WORKERS, time_limit_s: float = TIME_LIMIT_S, memory_bytes: int = MEMORY_BYTES
+    ) -> None:
+        self.time_limit_s = time_limit_s
+        self.memory_bytes = memory_bytes
+        self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
+        for _ in range(workers):
+            self._idle.put(None)  # a slot: its process starts on first use
+        self._all: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        weakref.finalize(self, _kill_all, self._all)  # workers of a dropped object end with it
+
+    def render(
+        self,
+        source: str,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        variables: dict[str, Any],
+    ) -> str:
+        """The rendered text. Raises TemplateFailed (a template error or a bound exceeded)."""
+        request = {
+            "source": source,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "variables": variables,
+        }
+        line = (json.dumps(request, ensure_ascii=False) + "\n").encode()
+        worker = self._idle.get()
+        try:
+            if worker is None or not worker.is_alive():
+                worker = self._start()
+            reply = worker.call(line, self.time_limit_s)
+            if reply.get("retiring"):
+                # It answered and is ending (out of memory): a render handed to it now would find
+                # its pipe closed, so the slot starts a fresh one. (Another caller's chat failed
+                # that way, "worker ended (exit 0)", right after an 'a' * 10**9 template.)
+                worker.kill()
+                worker = None
+        except _WorkerLost as lost:
+            worker = None  # killed, or it died: the slot starts a fresh one next time
+            raise TemplateFailed(str(lost)) from None
+        finally:
+            self._idle.put(worker)
+        if "error" in reply:
+            raise TemplateFailed(reply["error"], reply.get("field", "chat.chat_template"))
+        return reply["text"]
+
+    def _start(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise _WorkerLost("the template workers are shut down")
+            worker = _Worker(self.memory_bytes)
+            self._all[:] = [w for w in self._all if w.is_alive()] + [worker]
+            return worker
+
+    def close(self) -> None:
+        """Stops every worker (idempotent)."""
+        with self._lock:
+            self._closed = True
+            _kill_all(self._all)
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.kill()
+    workers.clear()
+
+
+class _WorkerLost(Exception):
+    pass
+
+
+class _Worker:
+    """One worker process and its pipes."""
+
+    def __init__(self, memory_bytes: int) -> None:
+        self.memory_bytes = memory_bytes
+        self.process = subprocess.Popen(
+            # -P: the server's working directory does not go on the worker's import path.
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "tandem.decoder.engine.admission.template_worker",
+                str(memory_bytes),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        )
+        self._buffer = b""
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def call(self, line: bytes, time_limit_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + time_limit_s
+        try:
+            assert self.process.stdin is not None
+            self.process.stdin.write(line)
+            self.process.stdin.flush()
+            return json.loads(self._read_line(deadline, time_limit_s))
+        except (OSError, ValueError) as error:  # a broken pipe, or a reply cut short by a crash
+            self.kill()
+            raise _WorkerLost(f"the template's worker failed ({error.__class__.__name__})") from None
+
+    def _read_line(self, deadline: float, time_limit_s: float) -> bytes:
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                self.kill()
+                raise _WorkerLost(f"the template ran longer than {time_limit_s:g} s")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                code = self.process.wait()
+                raise _WorkerLost(
+                    f"the template's worker ended (exit {code}): more than "
+                    f"{self.memory_bytes >> 20} MiB of memory, or a crash"
+                )
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+# -- the worker side ----------------------------------------------------------------------------
+
+
+def main() -> None:
+    import resource
+
+    memory_bytes = int(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    environment = sandbox()
+    templates: OrderedDict[str, Any] = OrderedDict()
+    for line in sys.stdin.buffer:
+        try:
+            request = json.loads(line)
+            reply = {"text": _render(environment, templates, request)}
+        except MemoryError:
+            error = f"the template needed more than {memory_bytes >> 20} MiB of memory"
+            _reply({"error": error, "retiring": True})
+            return  # a process that ran out of memory is not trusted again: the parent starts another
+        except _TooLong:
+            reply = {"error": f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters", "field": "chat"}
+        except Exception as error:  # the template is code: any error it raises is the caller's to see
+            reply = {"error": f"the template failed: {_one_line(error)}"}
+        _reply(reply)
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _render(environment: Any, templates: OrderedDict[str, Any], request: dict[str, Any]) -> str:
+    source = request["source"]
+    template = templates.pop(source, None) or environment.from_string(source)
+    templates[source] = template  # most recently used last
+    while len(templates) > CACHED_TEMPLATES:
+        templates.popitem(last=False)
+    chunks, size = [], 0
+    stream = template.generate(
+        messages=request["messages"],
+        add_generation_prompt=request["add_generation_prompt"],
+        **request["variables"],
+    )
+    for chunk in stream:
+        size += len(chunk)
+        if size > MAX_RENDERED_CHARS:
+            raise _TooLong
+        chunks.append(chunk)
+    return "".join(chunks)
+
+
+def _reply(reply: dict[str, Any]) -> None:
+    sys.stdout.buffer.write((json.dumps(reply, ensure_ascii=False) + "\n").encode())
+    sys.stdout.buffer.flush()
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:500] or type(error).__name__
+
+
+def sandbox() -> Any:
+    """Jinja2's immutable sandbox with transformers' settings, so templates written for it render the
+    same here, and nothing but text and values printed."""
+    from jinja2 import TemplateError, Undefined, nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    printable = (str, int, float, bool, type(None), list, tuple, dict, Undefined)
+
+    def finalize(value: Any) -> Any:
+        # Anything else (a function, a macro, a loop object) prints as its repr, which can hold a
+        # heap address that the caller would read back through the prompt's logprobs.
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if not isinstance(item, printable):
+                raise TemplateError(f"the template printed a {type(item).__name__}, not text or a value")
+            if isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+            elif isinstance(item, list | tuple):
+                pending.extend(item)
+        return value
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    class Generation(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's text for
+        training masks (LLaVA's templates use it): here it renders its body and nothing else."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, finalize=finalize, extensions=[Generation]
+    )
+    environment.globals["raise_exception"] = raise_exception
+    environment.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, indent=indent, ensure_ascii=False
+    )
+    return environment
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,475 @@
+"""The engine: a model, its KV pool and scheduler, stepped on a thread of its own (`loop.py`).
+
+Fronts: `generate()` for in-process use (a blocking iterator of events) and `stream()` for the
+asyncio servicer (an async iterator, `streaming.py`; cancelling it aborts the request). Sizes derived
+from the config and the model (context, KV blocks, buckets) are computed in `step/sizing.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from tandem.client.errors import Unavailable
+from tandem.common import text_bounds
+from tandem.decoder.backends import backend as backends
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.admission import template_worker
+from tandem.decoder.engine.admission.chat import ChatTemplate
+from tandem.decoder.engine.admission.prompt import GenerateSpec, build_request, has_encoder_parts
+from tandem.decoder.engine.admission.prompt_logprob_budget import PromptLogprobBudget, num_entries
+from tandem.decoder.engine.front.loop import EngineThread
+from tandem.decoder.engine.front.streaming import Mailboxes, stream_events
+from tandem.decoder.engine.outputs.backpressure import ReaderProgress, unread_weight
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, FinishReason, OutputState
+from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprobsBuffer
+from tandem.decoder.engine.request import Request
+from tandem.decoder.engine.sampling.structured import GrammarCompiler
+from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
+from tandem.decoder.engine.scheduling.kv_cache import BlockManager
+from tandem.decoder.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from tandem.decoder.engine.step import sizing
+from tandem.decoder.engine.step.core import EngineCore, EventCallback
+from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
+from tandem.decoder.engine.step.xla_buckets import XlaBuckets
+from tandem.decoder.models.loader import LoadedModel, load_model
+from tandem.decoder.models.lora import LoraTable
+from tandem.decoder.models.peft_adapter import LoraAdapter, read_adapter
+from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
+
+log = logging.getLogger(__name__)
+
+FETCHING_BUILDERS = 8  # requests built at once while they wait for their encoder parts' rows
+
+
+class RankGroup(ParallelGroup, Protocol):
+    """Rank 0's view of its group of ranks; the decoder passes `distributed.parallel.ParallelContext`."""
+
+    timeout_s: float  # a collective waiting longer fails, so idle rank 0 sends keepalives well within it
+
+    def step_sender(self) -> StepFeed: ...  # feeds every step to the other ranks' worker loops
+
+
+class Engine:
+    """With `tp` (several ranks) this is rank 0: it feeds every step to the others' worker loops."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        tp: RankGroup | None = None,
+        backend: backends.Backend | None = None,  # None: config.device's; tests may swap the compiler
+    ) -> None:
+        self.config = config
+        backend = backend or backends.check_available(config.device)
+        self._thread = EngineThread(config.num_threads or torch.get_num_threads())
+        try:
+            self.loaded = loaded or self._thread.run(
+                load_model,
+                config.model_dir,
+                config.dtype,
+                backends.start_device(config.device, config.num_devices),
+                tp,
+                config.quantization,
+                config.quantized_from,
+                config.quantization_group_size,
+            )
+        except BaseException:
+            self._thread.stop()
+            raise
+        # LoRA slots, every one empty until an adapter is loaded into it (models/lora.py).
+        self.lora: LoraTable | None = None
+        if config.enable_lora:
+            model = self.loaded.model
+            self.lora = self._thread.run(
+                LoraTable, model.config, config.max_loras, config.max_lora_rank, model.device
+            )
+        # A caller's model runs as given (tests compare against it); one this engine loaded runs on the
+        # backend's executor, its kernels chosen for this machine.
+        self.executor: backends.ModelStep = (
+            self.loaded.model
+            if loaded is not None
+            else self._thread.run(
+                backends.prepare_model,
+                self.loaded.model,
+                backend,
+                config.compile,
+                config.native_kernels,
+                config.kernel_options,
+                self.lora,
+            )
+        )
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        # The chat template (if any) and the tokenizer's plain-text twin, built once.
+        self.chat_template = ChatTemplate.load(Path(config.model_dir), self.tokenizer)
+        self._grammars: GrammarCompiler | None = None  # structured output, made on first use
+        self._grammars_lock = threading.Lock()
+        self.max_model_len = sizing.max_model_len(config, self.model_config)
+        self.prompt_logprob_budget = PromptLogprobBudget(self.max_model_len)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
+        self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
+        self.core = self._build_core(tp, backend)
+        # Adapters are read (files, checks) here, off the engine thread; their slots are written on it.
+        self._adapter_reader = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-adapters", initializer=_init_builder_thread
+        )
+        try:
+            for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
+                adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
+                installing = self.core.between_steps(partial(self._install, name, path, adapter))
+                self._thread.run(self.core.run_between_steps)
+                installing.result()
+        except BaseException:
+            self.shutdown()
+            raise
+        # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
+        self._keepalive_s = None if tp is None else tp.timeout_s / 4
+        self._keys = itertools.count()  # the engine's own request keys (see submit)
+        self._mailboxes = Mailboxes()
+        # Request building and tokenizing for the asyncio front run here, never on the event loop:
+        # a long text or a large embedding tensor would stall every stream and health probe for its
+        # duration. One thread, so that heavy requests queue behind each other, not beside the model.
+        self._builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-requests", initializer=_init_builder_thread
+        )
+        # Chat requests build beside it, as many at once as there are template workers: a render
+        # waits on its worker process (admission/template_worker.py, up to its time bound), and a
+        # slow template must hold up neither other callers' plain prompts nor, up to that many,
+        # their chats.
+        self._chat_builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=template_worker.WORKERS,
+            thread_name_prefix="tandem-chats",
+            initializer=_init_builder_thread,
+        )
+        # Requests with encoder parts build here: each waits for its encoder's rows (a vision tower's
+        # tens of milliseconds), which must hold up neither plain prompts nor chats; the threads only
+        # wait, so there can be several.
+        self._fetching_builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=FETCHING_BUILDERS,
+            thread_name_prefix="tandem-fetching",
+            initializer=_init_builder_thread,
+        )
+
+    def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
+        config = self.config
+        # Batch-invariant: a cached prefix was computed in another request's chunks, and a request's
+        # chunks are its own (max_num_batched_tokens each, the step's budget never cutting them).
+        invariant = config.batch_invariant
+        is_xla = backend.placement == "xla"  # its own buckets (engine/step/xla_buckets.py)
+        static = None if is_xla else sizing.static_shapes(config, self.max_model_len)
+        xla_buckets = (
+            XlaBuckets.from_config(config, self.max_model_len, config.num_devices) if is_xla else None
+        )
+        max_num_rows = None if static is None else max(config.max_num_seqs, static.seq_buckets[-1] - 1)
+        if xla_buckets is not None:  # a decode graph holds every row: decodes and verified proposals
+            max_num_rows = xla_buckets.decode_seqs[-1]
+        block_manager = BlockManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching and not invariant
+        )
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                * (config.max_num_seqs if invariant else 1),
+                max_waiting=config.max_queue,
+                max_tokens_per_request=config.max_num_batched_tokens if invariant else None,
+                # A verified proposed token is a sequence of its own, and padding needs a spare one.
+                max_num_rows=max_num_rows,
+                shared_step_seqs=(
+                    backend.shared_step_seqs if config.shared_step_seqs is None else config.shared_step_seqs
+                )
+                or None,
+            ),
+            block_manager,
+        )
+        if xla_buckets is not None:
+            from tandem.decoder.backends.xla.sharding import ShardingPlan
+            from tandem.decoder.engine.step.xla_runner import XlaRunner  # imports torch_xla's SPMD API
+
+            log.info("XLA buckets: %s", xla_buckets.describe())
+            runner: ModelRunner = self._thread.run(
+                XlaRunner,
+                self.loaded.model,
+                self.num_blocks,
+                config.block_size,
+                xla_buckets,
+                ShardingPlan(config.num_devices),
+                invariant,
+            )
+        else:
+            runner = self._thread.run(
+                ModelRunner,
+                self.loaded.model,
+                self.num_blocks,
+                config.block_size,
+                static,
+                None if tp is None else tp.step_sender(),
+                backend if config.compile else None,
+                invariant,
+                self.executor,
+                self.lora,
+            )
+        adapters = None if self.lora is None else AdapterSlots(config.max_loras)
+        return EngineCore(
+            scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch, adapters
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self.config.static_shapes:
+            self._thread.run(self.warmup)
+        self._thread.start(self.core, self._keepalive_s)
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests still open end with UNAVAILABLE."""
+        self._builder.shutdown(wait=False, cancel_futures=True)
+        self._chat_builder.shutdown(wait=False, cancel_futures=True)
+        self._fetching_builder.shutdown(wait=False, cancel_futures=True)
+        self._adapter_reader.shutdown(wait=False, cancel_futures=True)
+        self.chat_template.close()
+        self._thread.stop()
+        self.core.fail_all(Unavailable("the decoder is shutting down"))
+        self.core.close()
+        summary = self.core.runner.summary()
+        if summary is not None:
+            log.info("%s", summary)
+        if self.core.runner.peers is not None and self._thread.error is None:
+            try:
+                self.core.runner.peers.stop()  # the other ranks' worker loops end
+            except Exception:  # a rank already gone: it has nothing left to stop
+                log.exception("could not tell the other ranks to stop")
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_healthy
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def warmup(self) -> None:
+        """Static mode: every bucket (tokens, seqs, table width) runs once on dummy inputs, none later."""
+        runner = self.core.runner
+        runner.warm_up()
+        if runner.compiler is not None:
+            log.info(
+                "compiled %d decode buckets (%d graphs) in %.1f s",
+                len(runner.compiled_steps),
+                runner.compiler.num_graphs,
+                runner.compiler.compile_s,
+            )
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def submit(
+        self, spec: GenerateSpec, on_event: EventCallback, progress: ReaderProgress | None = None
+    ) -> str:
+        """Validate and admit; events go to `on_event` on the engine thread. Returns the engine's key
+        for the request, which `abort` takes.
+
+        NOTE: two names. The caller's `request_id` is a label, echoed in every event and never looked
+        up, so callers need not coordinate their IDs and one caller's ID never reaches another's
+        request. The engine keys a request by a name of its own, unique for the engine's life; an
+        empty caller ID gets a random one (a UUID), which says nothing about other requests.
+
+        With `progress`, the request pauses while the reader of `on_event`'s events is far behind,
+        and its prompt logprobs are held against its caller's budget
+        (admission/prompt_logprob_budget.py) until the stream closes `progress`.
+        """
+        if not self._thread.is_healthy:
+            raise Unavailable("the decoder engine is not running")
+        request = self.make_request(spec)
+        if progress is not None and request.sampling.prompt_logprobs is not None:
+            entries = num_entries(request.num_prompt_tokens, request.sampling.prompt_logprobs)
+            progress.hold(self.prompt_logprob_budget.reserve(request.caller, entries))
+        output = OutputState(
+            spec.request_id or uuid.uuid4().hex,
+            request.prompt_token_ids,
+            request.is_token_ids,
+            request.stopping,
+            spec.output,
+            self.tokenizer,
+            self._eos_token_ids(spec),
+            self.max_model_len,
+            request.arrival_time,
+            _prompt_logprobs_buffer(request),
+        )
+        self.core.add(request, output, on_event, spec.deadline, progress)
+        self._thread.wake()
+        return request.request_id
+
+    def abort(self, key: str) -> None:
+        """Abort the request `submit` returned `key` for (a no-op once it has ended)."""
+        self.core.abort(key)
+        self._thread.wake()
+
+    def _eos_token_ids(self, spec: GenerateSpec) -> frozenset[int]:
+        """A chat reply also ends at the template's end-of-turn token (left out of the text like EOS)."""
+        if spec.chat is None:
+            return self.eos_token_ids
+        return self.eos_token_ids | frozenset(self.chat_template.end_of_turn_ids)
+
+    def finish_all(self, reason: FinishReason) -> int:
+        """End every open request at the next step with `reason` (a drain out of time); how many."""
+        num_live = self.core.finish_all(reason)
+        self._thread.wake()
+        return num_live
+
+    def make_request(self, spec: GenerateSpec) -> Request:
+        """Flatten and validate a spec against this engine's model; raises InvalidArgument."""
+        return build_request(
+            spec,
+            f"#{next(self._keys)}",
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            self.config.enable_prompt_embeds,
+            self.chat_template,
+            max_token_chars=self.max_token_chars,
+            default_speculative_tokens=self.config.speculative_tokens,
+            grammars=self._grammar_compiler,
+        )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler, made by the first structured request (llguidance loads then)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+                )
+            return self._grammars
+
+    def generate(self, spec: GenerateSpec) -> Iterator[Event]:
+        """In-process API: yields Accepted, Delta*, then Finished or Failed. The request pauses while
+        the caller leaves Deltas untaken (outputs/backpressure.py) and resumes as it iterates on."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        progress = ReaderProgress(self._thread.wake)
+
+        def on_event(event: Event) -> None:
+            if isinstance(event, Delta):
+                progress.handed(unread_weight(event.token_ids, event.prompt_logprobs))
+            events.put(event)
+
+        try:
+            key = self.submit(spec, on_event, progress)
+        except BaseException:
+            progress.close()
+            raise
+        finished = False
+        try:
+            while True:
+                event = events.get()
+                if isinstance(event, Delta):
+                    progress.taken(unread_weight(event.token_ids, event.prompt_logprobs))
+                yield event
+                if isinstance(event, Finished | Failed):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(key)
+            progress.close()
+
+    def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
+        """asyncio front: the same events; leaving early (cancel, error) aborts the request. The
+        request is built (validated, tokenized, cast) on the request-building thread."""
+        progress = ReaderProgress(self._thread.wake)
+        return stream_events(
+            self._mailboxes,
+            lambda on_event: self.submit(spec, on_event, progress),
+            self.abort,
+            self._builder_for(spec),
+            progress,
+        )
+
+    def _builder_for(self, spec: GenerateSpec) -> concurrent.futures.Executor:
+        if has_encoder_parts(spec):
+            return self._fetching_builder
+        return self._builder if spec.chat is None else self._chat_builder
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        """Read the PEFT adapter in directory `path` and serve it as `name`; requests already running
+        go on undisturbed. Raises FailedPrecondition (LoRA off), InvalidArgument (the name, or an
+        adapter that does not fit: the file and field named), AlreadyExists, ResourceExhausted (every
+        slot taken). Nothing is loaded when it raises."""
+        if not self._thread.is_healthy:
+            raise Unavailable("the decoder engine is not running")
+        reading = self._adapter_reader.submit(self._read_adapter, name, path)
+        adapter = await asyncio.wrap_future(reading)
+        installing = self.core.between_steps(partial(self._install, name, path, adapter))
+        self._thread.wake()
+        return await asyncio.wrap_future(installing)
+
+    def _read_adapter(self, name: str, path: str | Path) -> LoraAdapter:
+        self.core.check_can_load(name)  # the cheap refusals before the files are read
+        assert self.lora is not None
+        return read_adapter(path, self.model_config, self.lora.max_rank)
+
+    def _install(self, name: str, path: str | Path, adapter: LoraAdapter) -> Adapter:
+        """On the engine thread between steps, under the core's lock: a free slot gets the weights,
+        then the name is published (a request can name it from then on)."""
+        assert self.lora is not None and self.core.adapters is not None
+        slots = self.core.adapters
+        slots.check_new(name)  # again: another load of the name or slot may have won the race since
+        slot = slots.free_slot()
+        start = time.perf_counter()
+        self.lora.write(slot, adapter)
+        loaded = slots.add(name, str(path), adapter.rank, adapter.targets, slot)
+        log.info(
+            "adapter %s (rank %d, %s) in slot %d: %.1f ms to write",
+            name,
+            adapter.rank,
+            "/".join(adapter.targets),
+            slot,
+            1000 * (time.perf_counter() - start),
+        )
+        return loaded
+
+    def unload_adapter(self, name: str) -> int:
+        """Stop serving adapter `name` (NotFound if not loaded); requests running with it finish with
+        it, and its slot is free once they have. Returns how many there still are."""
+        num_running = self.core.unload_adapter(name)
+        self._thread.wake()  # its slot may be free at the next step
+        return num_running
+
+    @property
+    def adapters(self) -> list[Adapter]:
+        """The loaded adapters, by name."""
+        return self.core.loaded_adapters()
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Token IDs of each text, computed on the request-building thread (the GIL released)."""
+        work = self._builder.submit(self.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in await asyncio.wrap_future(work)]
+
+
+def _init_builder_thread() -> None:
+    # One intra-op thread: a parallel op here would start a second OpenMP team, which slows the
+    # engine thread's own ops (see loop.py); casting one request's rows needs no team.
+    torch.set_num_threads(1)
+
+
+def _prompt_logprobs_buffer(request: Request) -> PromptLogprobsBuffer | None:
+    if request.sampling.prompt_logprobs is None:
+        return None
+    return PromptLogprobsBuffer(request.prompt_token_ids, request.is_token_ids)

@@ -1,0 +1,1 @@
+"""Which token comes next: the batched sampler, grammar constraints, speculative proposals."""

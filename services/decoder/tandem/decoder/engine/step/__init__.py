@@ -1,0 +1,1 @@
+"""One engine step: the core (schedule, run, sample, events) and its runners (plan -> model)."""

@@ -1,0 +1,57 @@
+"""How long a context, how many KV blocks and which buckets: derived from the config and the model.
+
+Computed once when the engine is built, on every rank alike, and never written back into the config.
+"""
+
+from __future__ import annotations
+
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.step.static_shapes import StaticShapes, power_of_two_buckets, width_buckets
+from tandem.decoder.models.config import ModelConfig
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The context cap: config.max_model_len, never past the checkpoint's max_position_embeddings."""
+    limit = model_config.max_position_embeddings
+    return min(config.max_model_len or limit, limit)
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: int) -> int:
+    """KV blocks in the pool: config.num_kv_blocks, or as many as fit in kv_cache_bytes on each rank.
+
+    Every rank computes the same count (each holds num_kv_heads / world_size heads of every block).
+    """
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    c = model_config
+    num_kv_heads = c.num_kv_heads // world_size
+    per_block = 2 * c.num_layers * config.block_size * num_kv_heads * c.head_dim * c.dtype.itemsize
+    return max(2, config.kv_cache_bytes // per_block + 1)  # + the reserved null block
+
+
+def static_shapes(config: EngineConfig, max_model_len: int) -> StaticShapes | None:
+    """Static-shape mode's buckets (None when it is off). Raises ValueError for buckets too small."""
+    if not config.static_shapes:
+        return None
+    # One spare sequence bucket: padding tokens need a padding sequence to live in, and each
+    # padding sequence holds at least one token on top of the real ones.
+    seq_buckets = config.seq_buckets or power_of_two_buckets(config.max_num_seqs + 1)
+    token_buckets = config.token_buckets or power_of_two_buckets(
+        config.max_num_batched_tokens + seq_buckets[-1]
+    )
+    if token_buckets[-1] < config.max_num_batched_tokens + seq_buckets[-1]:
+        raise ValueError(
+            "the largest token bucket must hold max_num_batched_tokens plus the largest seq bucket"
+        )
+    max_width = -(-max_model_len // config.block_size)  # blocks of the longest allowed sequence
+    block_table_widths = config.block_table_buckets or width_buckets(max_width)
+    if block_table_widths[-1] < max_width:
+        raise ValueError(
+            f"the largest block_table_bucket must hold max_model_len / block_size = {max_width} blocks, "
+            f"got {block_table_widths[-1]}"
+        )
+    return StaticShapes(
+        token_buckets=token_buckets,
+        seq_buckets=seq_buckets,
+        block_table_widths=block_table_widths,
+    )

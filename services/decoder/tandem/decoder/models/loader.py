@@ -1,0 +1,269 @@
+"""Loads a Hugging Face checkpoint directory into a decoder model and its tokenizer.
+
+The model is built on the meta device, so no memory is allocated until each weight is read from
+safetensors (memory-mapped), checked against the shape the model expects, cast, moved to the device
+and assigned in place of the meta tensor: every weight exists once, in its final dtype. Pickle-based
+files (`*.bin`, `torch.load`) are never read. With a ParallelGroup each rank reads only its shard of
+each tensor (safetensors `get_slice`), so no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from tandem.common import vision_language
+from tandem.common.checkpoint import read_json
+from tandem.common.dtypes import COMPUTE_NAMES
+from tandem.common.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
+from tandem.common.torch_dtypes import COMPUTE_DTYPES
+from tandem.decoder.models import quantized
+from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.gguf_weights import read_quantized
+from tandem.decoder.models.registry import MODEL_CLASSES
+from tandem.decoder.models.tensor_parallel import CheckpointPart, ParallelGroup, check_shardable
+from tandem.decoder.models.transformer import DecoderModel
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint directory that cannot be served; the message names the file or weight at fault."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: DecoderModel  # eval mode, no grad, on the requested device and dtype
+    tokenizer: Tokenizer
+    config: ModelConfig  # config.eos_token_ids are the generation EOS ids
+
+
+def check_checkpoint(model_dir: str | Path, dtype: str = "bfloat16") -> ModelConfig:
+    """Everything `load_model` checks before it reads a weight: the dtype, config.json and its
+    architecture, the tokenizer against the vocabulary, and that the weight files are there.
+
+    Cheap (no weight is read), so a service runs it before it listens. Raises ModelLoadError.
+    """
+    config, _, _ = _checked(Path(model_dir), dtype)
+    return config
+
+
+def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer]:
+    """The config, its architecture and the tokenizer, once everything but the weights checked out."""
+    if dtype not in COMPUTE_NAMES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: {', '.join(COMPUTE_NAMES)})")
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    config, architecture = _read_config(model_dir, dtype)
+    tokenizer = _read_tokenizer(model_dir, config)  # before the weights: a mismatch fails fast
+    _weight_files(model_dir)
+    return config, architecture, tokenizer
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str = "bfloat16",
+    device: str | torch.device = "cpu",
+    tp: ParallelGroup | None = None,
+    quantization: str = "none",
+    quantized_from: str | Path | None = None,
+    group_size: int = BLOCK,
+) -> LoadedModel:
+    """Reads config, generation config, tokenizer and weights from a checkpoint directory.
+
+    `dtype` is one of COMPUTE_NAMES; weights are cast to it whatever the file stores. With `tp`, the model is
+    this rank's shard. Weights come back unpacked; the engine packs them where its backend says to.
+    `quantization` (EngineConfig's): "gguf" serves the linears and the token table as `quantized_from`
+    (the GGUF file model_dir was imported from) stores them (models/gguf_weights.py); "int8" and
+    "int4" round them from the loaded weights (int4: one scale per `group_size` inputs); either way
+    the dense weights are released.
+    Every few seconds of reading, a progress line is logged. Raises ModelLoadError.
+    """
+    model_dir = Path(model_dir)
+    config, architecture, tokenizer = _checked(model_dir, dtype)
+    if tp is not None:
+        try:
+            check_shardable(config, tp.world_size)
+        except ValueError as e:
+            raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
+    with torch.device("meta"):
+        model = MODEL_CLASSES[architecture](config, tp)
+    model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
+    model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
+    model.train(False).requires_grad_(False)  # inference mode
+    if quantization != "none":
+        if tp is not None:
+            raise ModelLoadError("quantized weights run on one rank only")
+        quantized.apply(model, _quantized_weights(model, quantization, quantized_from, group_size))
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config)
+
+
+def _quantized_weights(
+    model: torch.nn.Module, quantization: str, quantized_from: str | Path | None, group_size: int
+) -> dict[str, QuantizedTensor]:
+    if quantization == "gguf":
+        if quantized_from is None:
+            raise ModelLoadError("--quantization gguf needs the GGUF file the checkpoint was imported from")
+        try:
+            return read_quantized(Path(quantized_from), model)
+        except ValueError as e:  # QuantizationError, or a tensor of another shape than config.json's
+            raise ModelLoadError(str(e)) from None
+    if quantization not in SCHEMES:
+        raise ModelLoadError(
+            f"--quantization must be none, gguf or one of {tuple(SCHEMES)}, got {quantization!r}"
+        )
+    try:
+        return quantized.rounded(model, quantization, group_size)
+    except ValueError as e:  # a group size that does not divide a row
+        raise ModelLoadError(f"--quantization-group-size {group_size}: {e}") from None
+
+
+def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:
+    """The model config (EOS ids from generation_config.json when present) and its architecture."""
+    hf_config = _read_json(model_dir / "config.json")
+    generation_path = model_dir / "generation_config.json"
+    generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    if vision_language.is_vision_language(hf_config):  # the decoder serves its language model
+        hf_config = vision_language.text_config(hf_config, ModelLoadError)
+    architectures = hf_config.get("architectures") or []
+    architecture = architectures[0] if architectures else None
+    if architecture not in MODEL_CLASSES:
+        supported = sorted([*MODEL_CLASSES, *vision_language.ARCHITECTURES])
+        raise ModelLoadError(
+            f"config.json: architecture {architecture!r} is not supported (supported: {', '.join(supported)})"
+        )
+    try:
+        return ModelConfig.from_hf(hf_config, generation_config, COMPUTE_DTYPES[dtype]), architecture
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return read_json(path, ModelLoadError)
+
+
+def _read_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"tokenizer.json not found in {model_dir}")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+        raise ModelLoadError(f"tokenizer.json in {model_dir} cannot be read: {e}") from None
+    if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer.json has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more than the "
+            f"model's vocab_size {config.vocab_size}"
+        )
+    return tokenizer
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        raise ModelLoadError(f"model.safetensors (or model.safetensors.index.json) not found in {model_dir}")
+    for path in files:
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{path.name}, listed in model.safetensors.index.json, not found in {model_dir}"
+            )
+    return files
+
+
+def _read_weights(
+    model: DecoderModel, model_dir: Path, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every parameter of `model`, read from the checkpoint, shape-checked, fused, cast and moved."""
+    state: dict[str, torch.Tensor] = {}
+    progress = _Progress(len(list(model.parameters())))
+    with ExitStack() as stack:
+        handles = [
+            stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for path in _weight_files(model_dir)
+        ]
+        file_of = {key: handle for handle in handles for key in handle.keys()}
+        layout = vision_language.weight_layout(_architecture(model_dir), file_of, ModelLoadError)
+        for name, _ in model.named_parameters():
+            parts = []
+            for part in model.checkpoint_parts(name):
+                key = layout.checkpoint_name(part.name)
+                if key not in file_of:
+                    raise ModelLoadError(f"weight {key} not found in the checkpoint in {model_dir}")
+                parts.append(_read_part(file_of[key], part, key, model))
+            fused = parts[0] if len(parts) == 1 else torch.cat(parts)
+            state[name] = fused.to(device=device, dtype=dtype)
+            progress.add(state[name])
+    progress.done()
+    return state
+
+
+PROGRESS_INTERVAL_S = 5.0  # a large checkpoint reports how far it got at most this often
+
+
+class _Progress:
+    """Log lines while weights load: one every PROGRESS_INTERVAL_S, and one when all are in."""
+
+    def __init__(self, num_weights: int) -> None:
+        self.num_weights = num_weights
+        self.num_done = 0
+        self.num_bytes = 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, weight: torch.Tensor) -> None:
+        self.num_done += 1
+        self.num_bytes += weight.numel() * weight.element_size()
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_INTERVAL_S and self.num_done < self.num_weights:
+            self.last = now
+            log.info(
+                "loading weights: %d/%d (%.0f%%, %.2f GB, %.0f s)",
+                self.num_done,
+                self.num_weights,
+                100 * self.num_done / self.num_weights,
+                self.num_bytes / 1e9,
+                now - self.start,
+            )
+
+    def done(self) -> None:
+        log.info(
+            "loaded %d weights (%.2f GB) in %.1f s",
+            self.num_done,
+            self.num_bytes / 1e9,
+            time.monotonic() - self.start,
+        )
+
+
+def _architecture(model_dir: Path) -> str:
+    """config.json's own architecture (a vision-language one for a LLaVA or SmolVLM directory)."""
+    return (_read_json(model_dir / "config.json").get("architectures") or [""])[0]
+
+
+def _read_part(handle: Any, part: CheckpointPart, key: str, model: DecoderModel) -> torch.Tensor:
+    """Checkpoint tensor `key`, shape-checked, or only this rank's slice of it along part.shard_dim."""
+    tp = model.tp
+    if tp is None or part.shard_dim is None:
+        tensor = handle.get_tensor(key)
+        shape = tuple(tensor.shape)
+    else:
+        lazy = handle.get_slice(key)  # memory-mapped: nothing is read until indexed
+        shape = tuple(lazy.get_shape())
+    if shape != part.shape:
+        raise ModelLoadError(f"weight {key} has shape {list(shape)}, expected {list(part.shape)}")
+    if tp is None or part.shard_dim is None:
+        return tensor
+    size = shape[part.shard_dim] // tp.world_size
+    window = (slice(None),) * part.shard_dim + (slice(tp.rank * size, (tp.rank + 1) * size),)
+    return lazy[window]

@@ -1,0 +1,117 @@
+"""`tandem serve encoder` / `python -m tandem.encoder`: serve one embedder until SIGTERM or SIGINT.
+
+Every flag can also come from a `TANDEM_ENCODER_<FLAG>` variable (`options.py`, on the one
+configuration layer in `tandem.common.flags`), read when the command runs, never at import time. The
+model and the port are checked first; then the server listens with health NOT_SERVING and turns
+SERVING once the embedder has loaded, so orchestrators can tell "starting" from "dead".
+Exit codes: 0 after a signal, 1 when the embedder cannot be loaded, 2 for a flag or variable that
+is wrong (a port in use included); every failure is one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from tandem.client.errors import ConfigError
+from tandem.client.telemetry import setup_telemetry
+from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
+from tandem.common.model_cache import resolve_model
+from tandem.common.server import check_port_free, start_server, stop_on_signals
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.embedder import EmbedderLoadError
+from tandem.encoder.loader import load_embedder
+from tandem.encoder.options import config_from_options, settings
+from tandem.encoder.servicer import EncoderServicer
+
+log = logging.getLogger("tandem.encoder")
+
+PROG = "tandem serve encoder"
+
+
+def command() -> click.Command:
+    return click.Command(
+        "encoder",
+        params=settings(),
+        callback=_start,
+        help="Serve tandem.v1.Encoder: text or token IDs in, embeddings in a decoder's hidden space out.",
+        context_settings=CONTEXT_SETTINGS,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(command(), argv, PROG)
+
+
+def config_from_args(argv: Sequence[str]) -> EncoderConfig:
+    """The config `tandem serve encoder ARGV` runs: flags, then TANDEM_ENCODER_* variables, then
+    defaults. Raises click.UsageError for a value that does not parse, ConfigError for one refused."""
+    with command().make_context(PROG, list(argv)) as ctx:
+        return config_from_options(ctx.params)
+
+
+def _start(**values: Any) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = click.get_current_context()
+    try:
+        config = config_from_options(values)
+        check_port_free(config.server.host, config.server.port)
+        # A GGUF file is imported once, before the port opens: a bad file is one line.
+        try:
+            model_dir = resolve_model(config.model_dir, config.dtype, say=log.info)
+        except ValueError as error:  # ModelNotFound, GGUFImportError
+            raise ConfigError("model_dir", f": {error}") from None
+        config = dataclasses.replace(config, model_dir=model_dir)
+    except ConfigError as error:
+        raise flag_error(ctx.command, error) from None
+    try:
+        asyncio.run(serve(config))
+    except ConfigError as error:  # the port, taken since it was checked
+        raise flag_error(ctx.command, error) from None
+    except (EmbedderLoadError, OSError) as error:
+        log.error("could not load the %s embedder: %s", config.embedder, error)
+        return 1
+    return 0
+
+
+async def serve(config: EncoderConfig) -> None:
+    """Listen, load the embedder off the loop, serve until a signal, then drain and stop."""
+    telemetry = setup_telemetry("tandem-encoder", os.environ)  # OTEL_*; off when nothing is configured
+    servicer = EncoderServicer(config, telemetry=telemetry)
+    interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
+    running = await start_server(
+        dataclasses.replace(config.server, interceptors=interceptors),
+        [servicer.service()],
+    )
+    stop_requested = stop_on_signals(config.server.grace_s, log)
+    loading = asyncio.ensure_future(servicer.on_worker(load_embedder, config))
+    stopping = asyncio.ensure_future(stop_requested.wait())
+    try:
+        log.info("loading the %s embedder for %s", config.embedder, config.model_dir)
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            embedder = loading.result()  # re-raises a load error
+            if embedder.info.image_placeholder:  # a vision-language checkpoint: name its image half
+                log.info("images: %s", embedder.describe())  # type: ignore[attr-defined]
+            servicer.attach(embedder)
+            await running.set_serving()
+            log.info("serving %s on port %d", config.served_model_name, running.port)
+            await stopping
+        else:
+            log.info("stopping before the embedder finished loading")
+    finally:
+        loading.cancel()
+        stopping.cancel()
+        await running.stop(config.server.grace_s)
+        servicer.close()
+        telemetry.shutdown()  # flushes spans and metrics still buffered
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

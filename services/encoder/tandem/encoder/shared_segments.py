@@ -1,0 +1,209 @@
+"""The encoder's shared-memory segments: an Embed reply's rows for a caller on this host.
+
+A call whose `shared_memory` offer proves it shares this host's /dev/shm and user
+(`tandem.common.shared_memory`) gets a `SharedTarget`; its batch writes the rows into a segment of
+the pool and answers with the handle instead of the bytes.
+
+NOTE: the pool. Segments are created once, their pages allocated and mapped for good, and used again
+and again: creating a segment's pages and freeing them cost 20-40 times copying the rows into pages
+already there (docs/PERFORMANCE.md). Each segment is free or leased to one call. A call leases the
+smallest free segment that holds its rows (or a new one, its size rounded up to a power of two so that
+rows of a like size find it again), under the name its offer asked for: a second name for the
+segment's file. The lease ends when the reader removes that name (it has copied the rows), or when its
+`lease_s` has run out since the reply was made (the writer then removes the name: a reply lost with a
+cancelled call). Only then is the segment written again. The pool is bounded in segments and bytes,
+leased or free: when a call finds no free segment and no room for a new one, even once the free
+segments that do not fit are given back, or when the name is taken, its reply carries bytes as usual,
+so sharing never fails or delays a call. A segment free for `idle_s` is given back; so is every one on
+`close`, and a new pool removes what one that died left (its segments are locked while it lives). A
+thread of its own ends leases and gives segments back, every quarter lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.common import shared_memory, tensors
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 60.0  # a free segment unused this long is given back: the pool shrinks when replies stop
+
+
+@dataclass(frozen=True)
+class SharedTarget:
+    """Where one call's rows go: the name its offer asked for, digested under its key."""
+
+    segments: SharedSegments
+    name: str  # "tandem-rows-<32 hex>", the offer's
+    key: bytes  # [KEY_BYTES] the offer's digest key
+
+    def write(self, rows: torch.Tensor, dtype: torch.dtype | None) -> tensor_pb2.SharedTensor | None:
+        """The handle of `rows` (cast to `dtype`) written into a segment; None: send bytes instead."""
+        return self.segments.write(self, rows, dtype)
+
+
+@dataclass
+class _Slot:
+    """One segment of the pool."""
+
+    segment: shared_memory.PooledSegment  # mapped for writing since it was created
+    lease: str | None = None  # the name of the call it is leased to; None: free
+    expires: float = math.inf  # time.monotonic() when the lease runs out; inf while being written
+    last_used: float = 0.0  # time.monotonic() when it was last freed
+
+
+class SharedSegments:
+    def __init__(
+        self, directory: Path, max_bytes: int, max_segments: int, lease_s: float, idle_s: float = IDLE_S
+    ) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.max_segments = max_segments
+        self.lease_s = lease_s
+        self.idle_s = idle_s
+        self._slots: list[_Slot] = []
+        self._lock = threading.Lock()  # the worker threads (tower, text) write, the sweeper sweeps
+        self.num_written = 0  # replies sent as segments (tests, the benchmark)
+        self.num_expired = 0  # leases that ran out unread
+        self.num_created = 0  # segments created: what the pool saves is num_written - num_created
+        # A pool left by an encoder that was killed would hold its pages until the host restarts.
+        self.num_abandoned = shared_memory.remove_abandoned(directory)
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(
+            target=self._sweep_until_stopped, name="encoder-segments", daemon=True
+        )
+        self._sweeper.start()
+
+    def target(self, offer: encoder_pb2.SharedMemoryOffer) -> SharedTarget | None:
+        """The offer's target when its proof holds; None (bytes in the reply) otherwise."""
+        if not shared_memory.is_name(offer.segment_name, shared_memory.SEGMENT_PREFIX):
+            return None
+        if len(offer.digest_key) != shared_memory.KEY_BYTES:
+            return None
+        if not shared_memory.probe_matches(self.directory, offer.probe_name, offer.probe_token):
+            return None
+        return SharedTarget(self, offer.segment_name, offer.digest_key)
+
+    def write(
+        self, target: SharedTarget, rows: torch.Tensor, dtype: torch.dtype | None
+    ) -> tensor_pb2.SharedTensor | None:
+        num_bytes = tensors.shared_num_bytes(rows, dtype)
+        with self._lock:
+            self._sweep()
+            slot = self._free_slot(num_bytes) or self._new_slot(num_bytes)
+            if slot is None:
+                return None
+            try:
+                slot.segment.link(target.name)
+            except OSError as error:  # the name taken: the bytes go in the reply
+                log.debug("no segment %s: %s", target.name, error)
+                return None
+            slot.lease, slot.expires = target.name, math.inf  # no sweep ends it while it is written
+        try:
+            handle = tensors.encode_shared(
+                rows, slot.segment.mapping, target.name, target.key, self.lease_s, dtype
+            )
+        except BaseException:
+            with self._lock:
+                shared_memory.remove(self.directory, target.name)
+                self._free(slot)
+            raise
+        with self._lock:
+            slot.expires = time.monotonic() + self.lease_s  # the lease counts from the reply
+            self.num_written += 1
+        return handle
+
+    @property
+    def num_leased(self) -> int:
+        """Segments leased now: written, and not yet released by their readers nor past their lease."""
+        with self._lock:
+            self._sweep()
+            return sum(slot.lease is not None for slot in self._slots)
+
+    @property
+    def num_segments(self) -> int:
+        """Segments in the pool now, leased or free."""
+        with self._lock:
+            self._sweep()
+            return len(self._slots)
+
+    def close(self) -> None:
+        """Stops the sweeper and removes every segment and every name leased."""
+        self._stop.set()
+        self._sweeper.join()
+        with self._lock:
+            for slot in list(self._slots):
+                if slot.lease is not None:
+                    shared_memory.remove(self.directory, slot.lease)
+                self._drop(slot)
+
+    def _free_slot(self, num_bytes: int) -> _Slot | None:
+        """Under the lock: the smallest free segment that holds `num_bytes`."""
+        fits = [slot for slot in self._slots if slot.lease is None and slot.segment.num_bytes >= num_bytes]
+        return min(fits, key=lambda slot: slot.segment.num_bytes, default=None)
+
+    def _new_slot(self, num_bytes: int) -> _Slot | None:
+        """Under the lock: a new segment for `num_bytes`, once free ones that do not fit are given back
+        to make room; None when the leased ones leave none."""
+        if num_bytes > self.max_bytes:
+            return None
+        size = max(num_bytes, min(1 << (num_bytes - 1).bit_length(), self.max_bytes))
+        free = sorted((slot for slot in self._slots if slot.lease is None), key=lambda slot: slot.last_used)
+        while len(self._slots) >= self.max_segments or self._num_bytes() + size > self.max_bytes:
+            if not free:
+                size = num_bytes  # the rounding is a wish, not a need
+                if len(self._slots) < self.max_segments and self._num_bytes() + size <= self.max_bytes:
+                    break
+                return None
+            self._drop(free.pop(0))
+        try:
+            segment = shared_memory.PooledSegment.create(self.directory, size)
+        except OSError as error:  # /dev/shm full: the bytes go in the reply
+            log.debug("no new segment of %d bytes: %s", size, error)
+            return None
+        slot = _Slot(segment, last_used=time.monotonic())
+        self._slots.append(slot)
+        self.num_created += 1
+        return slot
+
+    def _num_bytes(self) -> int:
+        return sum(slot.segment.num_bytes for slot in self._slots)
+
+    def _free(self, slot: _Slot) -> None:
+        slot.lease, slot.expires, slot.last_used = None, math.inf, time.monotonic()
+
+    def _drop(self, slot: _Slot) -> None:
+        """Under the lock: gives a segment's pages back."""
+        self._slots.remove(slot)
+        slot.segment.close()
+
+    def _sweep(self) -> None:
+        """Under the lock: frees what readers released, ends leases run out, gives idle segments back."""
+        now = time.monotonic()
+        for slot in list(self._slots):
+            if slot.lease is None:
+                if now - slot.last_used >= self.idle_s:
+                    self._drop(slot)
+                continue
+            if slot.expires == math.inf:  # being written: its name cannot free it yet
+                continue
+            if now >= slot.expires:
+                if shared_memory.remove(self.directory, slot.lease):
+                    self.num_expired += 1
+            elif shared_memory.exists(self.directory, slot.lease):
+                continue
+            self._free(slot)
+
+    def _sweep_until_stopped(self) -> None:
+        while not self._stop.wait(self.lease_s / 4):
+            with self._lock:
+                self._sweep()

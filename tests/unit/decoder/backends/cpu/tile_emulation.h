@@ -1,0 +1,125 @@
+/* AMX tiles in plain C, for testing csrc/linear_tiles.c on a CPU without them (test_linear_tiles.py
+ * builds the avx512bf16 level with `-DTANDEM_EMULATE_TILES -include tile_emulation.h`).
+ *
+ * Each thread has its 8 tile registers and its configuration, as the hardware keeps them; every
+ * instruction checks what the hardware would fault on (an unconfigured tile, a load past the
+ * configured shape, TDPBF16PS with shapes that do not agree: A's colsb / 4 == B's rows, C's rows ==
+ * A's rows, C's colsb == B's colsb), so a wrong tiling aborts here instead of on a Xeon. TDPBF16PS
+ * adds, for each K pair in order, the even product then the odd one into fp32 (the SDM's pseudocode);
+ * real hardware fixes its own order, the same for every row, which is all the kernel relies on.
+ *
+ * The kernel's source is left as it ships: this header claims the AMX macros its guard asks for and
+ * answers its permission request (syscall) with success, after the system headers that declare them.
+ */
+#ifndef TANDEM_TILE_EMULATION_H
+#define TANDEM_TILE_EMULATION_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define __AMX_TILE__ 1
+#define __AMX_BF16__ 1
+#define syscall(...) 0L
+
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbf16ps
+
+typedef struct {
+    uint8_t rows[8];
+    uint16_t colsb[8];
+    uint8_t data[8][16][64];
+    int configured;
+} EmulatedTiles;
+
+static __thread EmulatedTiles emulated_tiles;
+
+/* TDPBF16PS instructions run, over every thread (tests read it to see which calls tiled). */
+__attribute__((weak)) long tandem_emulated_tile_products;
+
+static inline void emulated_fault(const char *what, int tile) {
+    fprintf(stderr, "tile emulation: %s (tile %d)\n", what, tile);
+    abort();
+}
+
+static inline void emulated_loadconfig(const void *config) {
+    const uint8_t *c = config;
+    if (c[0] != 1) emulated_fault("palette is not 1", -1);
+    for (int t = 0; t < 8; t++) {
+        uint16_t colsb;
+        memcpy(&colsb, c + 16 + 2 * t, sizeof colsb);
+        emulated_tiles.rows[t] = c[48 + t];
+        emulated_tiles.colsb[t] = colsb;
+        if (colsb > 64 || emulated_tiles.rows[t] > 16 || colsb % 4) emulated_fault("shape past palette 1", t);
+    }
+    memset(emulated_tiles.data, 0, sizeof emulated_tiles.data);
+    emulated_tiles.configured = 1;
+}
+
+static inline void emulated_release(void) { memset(&emulated_tiles, 0, sizeof emulated_tiles); }
+
+static inline void emulated_check(int t) {
+    if (!emulated_tiles.configured || t < 0 || t > 7 || emulated_tiles.rows[t] == 0) emulated_fault("unconfigured", t);
+}
+
+static inline void emulated_loadd(int t, const void *base, long stride) {
+    emulated_check(t);
+    memset(emulated_tiles.data[t], 0, sizeof emulated_tiles.data[t]);
+    for (int r = 0; r < emulated_tiles.rows[t]; r++)
+        memcpy(emulated_tiles.data[t][r], (const uint8_t *)base + r * stride, emulated_tiles.colsb[t]);
+}
+
+static inline void emulated_stored(int t, void *base, long stride) {
+    emulated_check(t);
+    for (int r = 0; r < emulated_tiles.rows[t]; r++)
+        memcpy((uint8_t *)base + r * stride, emulated_tiles.data[t][r], emulated_tiles.colsb[t]);
+}
+
+static inline void emulated_zero(int t) {
+    emulated_check(t);
+    memset(emulated_tiles.data[t], 0, sizeof emulated_tiles.data[t]);
+}
+
+static inline float emulated_bf16(const uint8_t *at) {
+    uint16_t h;
+    memcpy(&h, at, sizeof h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void emulated_dpbf16ps(int c, int a, int b) {
+    emulated_check(c), emulated_check(a), emulated_check(b);
+    const int pairs = emulated_tiles.colsb[a] / 4, columns = emulated_tiles.colsb[c] / 4;
+    if (pairs != emulated_tiles.rows[b] || emulated_tiles.rows[c] != emulated_tiles.rows[a] ||
+        emulated_tiles.colsb[c] != emulated_tiles.colsb[b])
+        emulated_fault("TDPBF16PS shapes disagree", c);
+    __atomic_fetch_add(&tandem_emulated_tile_products, 1, __ATOMIC_RELAXED);
+    for (int m = 0; m < emulated_tiles.rows[c]; m++) {
+        float acc[16];
+        memcpy(acc, emulated_tiles.data[c][m], sizeof acc);
+        for (int k = 0; k < pairs; k++)
+            for (int n = 0; n < columns; n++) {
+                acc[n] += emulated_bf16(&emulated_tiles.data[a][m][4 * k]) * emulated_bf16(&emulated_tiles.data[b][k][4 * n]);
+                acc[n] += emulated_bf16(&emulated_tiles.data[a][m][4 * k + 2]) *
+                          emulated_bf16(&emulated_tiles.data[b][k][4 * n + 2]);
+            }
+        memcpy(emulated_tiles.data[c][m], acc, sizeof acc);
+    }
+}
+
+#define _tile_loadconfig(config) emulated_loadconfig(config)
+#define _tile_release() emulated_release()
+#define _tile_loadd(t, base, stride) emulated_loadd(t, base, stride)
+#define _tile_stored(t, base, stride) emulated_stored(t, base, stride)
+#define _tile_zero(t) emulated_zero(t)
+#define _tile_dpbf16ps(c, a, b) emulated_dpbf16ps(c, a, b)
+
+#endif

@@ -1,0 +1,31 @@
+"""PromptLogprobBudget: each caller's open streams hold at most its entries; ends give them back."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.client.errors import ResourceExhausted
+from tandem.decoder.engine.admission.prompt_logprob_budget import (
+    FULL_PROMPTS_PER_CALLER,
+    PromptLogprobBudget,
+    num_entries,
+)
+
+
+def test_a_caller_may_hold_four_full_context_prompts_at_the_most_alternatives() -> None:
+    budget = PromptLogprobBudget(max_model_len=1000)
+    assert budget.max_entries == FULL_PROMPTS_PER_CALLER * 1000 * 21 == 84_000
+    releases = [budget.reserve("a", num_entries(1000, 20)) for _ in range(FULL_PROMPTS_PER_CALLER)]
+    with pytest.raises(ResourceExhausted, match=r"output\.prompt_logprobs.*needs 1 more.*limit is 84000"):
+        budget.reserve("a", 1)
+    budget.reserve("b", num_entries(1000, 20))  # callers do not share a budget
+    releases[0]()
+    assert budget.held("a") == 3 * 21_000
+    budget.reserve("a", 21_000)
+
+
+def test_a_refused_reservation_holds_nothing() -> None:
+    budget = PromptLogprobBudget(max_model_len=10, max_entries=100)
+    with pytest.raises(ResourceExhausted):
+        budget.reserve("a", 101)
+    assert budget.held("a") == 0

@@ -1,0 +1,89 @@
+"""Static-shape padding: which bucket a step lands in, the block-table width included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.step import sizing
+from tandem.decoder.engine.step.batch import HostBatch
+from tandem.decoder.engine.step.static_shapes import (
+    StaticShapes,
+    pad_to_buckets,
+    padded_width,
+    warmup_shapes,
+    width_buckets,
+)
+
+BLOCK_SIZE = 4
+STATIC = StaticShapes(token_buckets=(1, 2, 4, 8, 16), seq_buckets=(1, 2, 4), block_table_widths=(2, 8, 32))
+
+
+def _host(query_lens: list[int], seq_lens: list[int]) -> HostBatch:
+    """A step of real sequences; each sampling its last position, tables as long as their context."""
+    host = HostBatch()
+    for query_len, seq_len in zip(query_lens, seq_lens, strict=True):
+        host.input_ids += [7] * query_len
+        host.positions += list(range(seq_len - query_len, seq_len))
+        host.slots += list(range(seq_len - query_len, seq_len))
+        host.is_token_ids += [True] * query_len
+        host.query_lens.append(query_len)
+        host.seq_lens.append(seq_len)
+        host.block_tables.append(tuple(range(1, -(-seq_len // BLOCK_SIZE) + 1)))
+        host.logits_rows.append(len(host.input_ids) - 1)
+    host.num_logits = len(host.logits_rows)
+    return host
+
+
+def test_default_widths_grow_fourfold_and_end_at_the_longest_context() -> None:
+    assert width_buckets(512) == (1, 4, 16, 64, 256, 512)
+    assert width_buckets(64) == (1, 4, 16, 64)
+    assert width_buckets(1) == (1,)
+
+
+def test_a_decode_step_pads_its_tables_to_the_narrowest_width_that_holds_its_longest_context() -> None:
+    host = _host([1, 1], [3, 8])  # 1 and 2 blocks of 4
+    pad_to_buckets(host, STATIC, BLOCK_SIZE)
+    assert padded_width(STATIC, host, BLOCK_SIZE) == 2
+    longer = _host([1, 1], [3, 9])  # 9 positions need 3 blocks
+    pad_to_buckets(longer, STATIC, BLOCK_SIZE)
+    assert padded_width(STATIC, longer, BLOCK_SIZE) == 8
+
+
+def test_a_prefill_chunk_that_fills_its_buckets_exactly_and_samples_nothing_still_pads_logits() -> None:
+    host = _host([16], [16])
+    host.logits_rows, host.num_logits = [], 0  # mid-prompt: its last position is not the prompt's
+    pad_to_buckets(host, STATIC, BLOCK_SIZE)
+    assert len(host.query_lens) == 1 and len(host.input_ids) == 16  # no padding sequence needed
+    assert len(host.logits_rows) == 1 and host.num_logits == 0
+
+
+def test_a_step_with_any_prefill_keeps_the_widest_table() -> None:
+    host = _host([1, 3], [3, 3])
+    pad_to_buckets(host, STATIC, BLOCK_SIZE)
+    assert padded_width(STATIC, host, BLOCK_SIZE) == 32
+
+
+def test_warmup_covers_every_width_of_the_decode_buckets_and_the_widest_of_the_others() -> None:
+    shapes = warmup_shapes(STATIC)
+    assert len(shapes) == len(set(shapes))
+    decode = {(t, s, w) for t, s, w in shapes if t == s}
+    assert decode == {(s, s, w) for s in (1, 2, 4) for w in (2, 8, 32)}
+    assert {w for t, s, w in shapes if t != s} == {32}
+    # Every padded step lands on a warmed shape.
+    for query_lens, seq_lens in (([1, 1, 1], [5, 9, 30]), ([2, 1], [2, 4]), ([5], [5])):
+        host = _host(query_lens, seq_lens)
+        pad_to_buckets(host, STATIC, BLOCK_SIZE)
+        shape = (len(host.input_ids), len(host.query_lens), padded_width(STATIC, host, BLOCK_SIZE))
+        assert shape in shapes
+
+
+def test_block_table_buckets_must_hold_the_longest_allowed_context(tmp_path: Path) -> None:
+    config = EngineConfig(model_dir=tmp_path, static_shapes=True, block_size=4, block_table_buckets=(2, 8))
+    with pytest.raises(ValueError, match="block_table_bucket must hold .* = 16 blocks, got 8"):
+        sizing.static_shapes(config, max_model_len=64)
+    assert sizing.static_shapes(config, max_model_len=32).block_table_widths == (2, 8)
+    with pytest.raises(ValueError, match="block_table_buckets must be strictly increasing"):
+        EngineConfig(model_dir=tmp_path, static_shapes=True, block_table_buckets=(8, 2))
