@@ -10,15 +10,17 @@ file of its own user holding exactly those bytes: both then see one /dev/shm (on
 namespace) as one user. It keeps a pool of segments, `tandem-pool-<32 hex>`, created once, their pages
 allocated and kept mapped (a fresh tmpfs page costs 20-40 times its copy: docs/PERFORMANCE.md); for a
 call it links a free one under the name asked for (a second name for the same file, O_EXCL-like:
-never over a file already there), writes the rows, and replies with a handle (`SharedTensor`)
-carrying their keyed digest. The reader opens only the name it asked for, checks the handle against
-the file, copies the bytes into its own memory (through its mapping of the file, kept for the next
-call given the same pool segment: `SegmentMaps`) and checks the digest of that copy under its own key,
-then removes the name: that releases the segment to the writer's pool, and a handle replayed later
-finds nothing. One pointing anywhere else is refused before anything is opened. The writer removes
-the name of a segment no reader released after its lease, and only then writes into it again: a
-reader that comes later still finds the name gone, and one that outlived the lease while reading
-sees its digest fail, never other rows.
+never over a file already there), writes the rows (its embedder straight into the mapping where it
+can, else a copy), and replies with a handle (`SharedTensor`) carrying their keyed digest, computed
+over the segment as written: nothing else writes a leased segment but the user both run as. The
+reader opens only the name it asked for, checks the handle against the file, copies the bytes into
+its own memory (through its mapping of the file, kept for the next call given the same pool segment:
+`SegmentMaps`) and checks the digest of that copy under its own key, then removes the name: that
+releases the segment to the writer's pool, and a handle replayed later finds nothing. One pointing
+anywhere else is refused before anything is opened. The writer removes the name of a segment no
+reader released after its lease, and only then writes into it again: a reader that comes later still
+finds the name gone, and one that outlived the lease while reading sees its digest fail, never other
+rows.
 
 Who can reach a segment: only the user both services run as (mode 0600 under /dev/shm, a sticky
 directory), and only by its name, 128 random bits that travel in the Embed call and its reply. That
@@ -28,7 +30,7 @@ handle to this call's key, but it is no defence against that user.
 
 The digest is AES-256-GMAC (GCM with nothing to encrypt: its tag over the rows as associated data)
 under the call's key, with a fixed nonce: each key is drawn for one call and tags one message, the
-rows the writer meant to write; the reader recomputes it over its own copy and keeps its result to
+rows the writer wrote; the reader recomputes it over its own copy and keeps its result to
 itself. Without the key a tag cannot be predicted, and two different byte strings of L 16-byte blocks
 share a tag under a random key with probability at most about L / 2^128. It runs from the
 `cryptography` wheel's OpenSSL at GHASH speed on carry-less multiplication (PCLMULQDQ, VPCLMULQDQ and

@@ -7,10 +7,11 @@ so a tiny message that claims a huge shape costs nothing, then wraps the bytes w
 callers that write to it must `.clone()` first; casting to the model dtype copies anyway.
 
 `tandem.v1.SharedTensor` is the same layout in a shared-memory segment (`shared_memory.py`): the
-writer copies a tensor into the segment and digests the tensor's own bytes; the reader checks the
-handle as it checks a Tensor, then its bounds against the segment, copies the bytes into memory of its
-own and checks the digest of that copy. One copy on each side, and the rows the reader keeps are the
-bytes it checked: a segment written again after its lease cannot change them.
+writer's rows are written into the segment (by its embedder straight into a `shared_view`, or copied
+there, cast on the way) and digested where they lie; the reader checks the handle as it checks a
+Tensor, then its bounds against the segment, copies the bytes into memory of its own and checks the
+digest of that copy. At most one copy on each side, and the rows the reader keeps are the bytes it
+checked: a segment written again after its lease cannot change them.
 """
 
 from __future__ import annotations
@@ -165,6 +166,40 @@ def shared_num_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> 
     return tensor.numel() * (dtype or tensor.dtype).itemsize
 
 
+def shared_view(segment: mmap.mmap, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """[*shape] of `dtype` over the segment's first bytes, writable: rows an embedder writes into it
+    are in the segment with no copy of their own (`seal_shared` then digests them). While it lives the
+    mapping cannot be closed (BufferError), so a view kept by mistake is an error, never a tensor over
+    unmapped memory (torch.frombuffer keeps no export; numpy's does)."""
+    assert _LITTLE_ENDIAN, "shared segments are only offered on little-endian hosts"
+    num_bytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.frombuffer(segment, dtype=np.uint8, count=num_bytes)).view(dtype).view(shape)
+
+
+def copy_into(target: torch.Tensor, rows: torch.Tensor) -> None:
+    """Writes `rows` into `target` (a segment's view, same shape), cast on the way: one pass."""
+    if rows.dtype != target.dtype:
+        target.copy_(rows)  # the cast writes into the segment itself: numpy has no bfloat16
+        return
+    source = rows.detach().to("cpu").contiguous()  # no copy when already so
+    # numpy's copy, on this thread: torch's copy_ splits it over its intra-op threads, which on a busy
+    # machine waited for each other (0.3 GB/s measured beside other work, numpy 3-9 GB/s).
+    np.copyto(_bytes_of(target), _bytes_of(source))
+
+
+def seal_shared(
+    segment: mmap.mmap, shape: list[int], dtype: torch.dtype, name: str, key: bytes, lease_s: float
+) -> tensor_pb2.SharedTensor:
+    """The handle of the rows at the segment's start, [*shape] of `dtype`, digested under `key` as they
+    lie there: what the writer wrote, since no one else writes its leased segment (shared_memory.py)."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    with memoryview(segment) as whole:
+        digest = keyed_digest(whole[:num_bytes], key)
+    return tensor_pb2.SharedTensor(
+        name=name, offset=0, dtype=to_wire_dtype(dtype), shape=shape, digest=digest, lease_s=lease_s
+    )
+
+
 def encode_shared(
     tensor: torch.Tensor,
     segment: mmap.mmap,  # writable, at least shared_num_bytes(tensor, dtype) bytes
@@ -174,21 +209,9 @@ def encode_shared(
     dtype: torch.dtype | None = None,
 ) -> tensor_pb2.SharedTensor:
     """Write `tensor` (cast to `dtype` first if it is another) at the segment's start, and its handle."""
-    assert _LITTLE_ENDIAN, "shared segments are only offered on little-endian hosts"
-    dtype = dtype or tensor.dtype
-    wire = to_wire_dtype(dtype)
-    shape = list(tensor.shape)
-    num_bytes = shared_num_bytes(tensor, dtype)
-    source = tensor.detach().to("cpu", dtype).contiguous()  # no copy when already so
-    raw = source.view(torch.int16) if source.dtype.itemsize == 2 else source  # numpy has no bfloat16
-    data = raw.numpy().reshape(-1).view(np.uint8)  # [num_bytes]
-    # numpy's copy, on this thread: torch's copy_ splits it over its intra-op threads, which on a busy
-    # machine waited for each other (0.3 GB/s measured beside other work, numpy 3-9 GB/s).
-    np.copyto(np.frombuffer(segment, dtype=np.uint8, count=num_bytes), data)
-    # The digest of the tensor's own bytes, not of the segment: what the reader checks is what was meant.
-    return tensor_pb2.SharedTensor(
-        name=name, offset=0, dtype=wire, shape=shape, digest=keyed_digest(data, key), lease_s=lease_s
-    )
+    shape, dtype = list(tensor.shape), dtype or tensor.dtype
+    copy_into(shared_view(segment, shape, dtype), tensor)
+    return seal_shared(segment, shape, dtype, name, key, lease_s)
 
 
 def decode_shared(
@@ -229,6 +252,11 @@ def decode_shared(
             "does not match the segment's bytes: the segment was changed, or the handle is not this call's",
         )
     return torch.from_numpy(copy).view(torch_dtype).view(shape)
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's bytes as numpy sees them (numpy has no bfloat16)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()  # [num_bytes]
 
 
 def _byteswapped(tensor: torch.Tensor) -> torch.Tensor:

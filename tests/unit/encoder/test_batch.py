@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from PIL import Image
 
 from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.common import shared_memory, tensors
 from tandem.encoder.batch import EmbedOutput, run_batch
 from tandem.encoder.embedder import EmbedderInfo, Pooling
 from tandem.encoder.request import EmbedJob, ImageJob
+from tandem.encoder.shared_segments import SharedSegments
 from tandem.encoder.vision.image_span import PreparedImage
 
 HIDDEN = 4
@@ -113,3 +118,47 @@ def test_a_span_or_reply_too_long_is_refused_from_the_header_before_decoding() -
     )
     assert isinstance(results[1], InvalidArgument) and "over max_message_bytes 100" in str(results[1])
     assert embedder.num_prepared == 0 and embedder.tower_calls == 0
+
+
+@dataclass
+class WritingEmbedder(FakeEmbedder):
+    """Its text rows are one per token ID, written where it is told."""
+
+    num_written_into: int = 0
+
+    def embed_into(self, token_ids: list[int], out: torch.Tensor) -> None:
+        self.num_written_into += 1
+        out.copy_(torch.arange(len(token_ids) * HIDDEN, dtype=torch.float32).view(-1, HIDDEN))
+
+
+def test_text_rows_go_straight_into_a_segment_only_when_they_are_one_per_id_in_the_embedders_dtype(
+    tmp_path: Path,
+) -> None:
+    probe, segments = shared_memory.Probe.create(tmp_path), SharedSegments(tmp_path, 1 << 20, 8, 5.0)
+    reader = shared_memory.SegmentMaps(tmp_path)
+    assert probe is not None
+    try:
+        keys, jobs = [], []
+        for pooling, dtype in ((Pooling.NONE, None), (Pooling.MEAN, None), (Pooling.NONE, torch.bfloat16)):
+            offer = encoder_pb2.SharedMemoryOffer(
+                probe_name=probe.name,
+                probe_token=probe.token,
+                segment_name=shared_memory.new_name(shared_memory.SEGMENT_PREFIX),
+                digest_key=os.urandom(shared_memory.KEY_BYTES),
+            )
+            keys.append(offer.digest_key)
+            jobs.append(EmbedJob("t", [1, 2, 3], pooling, dtype, shared=segments.target(offer)))
+        embedder = WritingEmbedder()
+        results = run_batch(embedder, jobs)  # type: ignore[arg-type]
+        assert embedder.num_written_into == 1  # the other two: embedded, then copied in (cast)
+        expected = [torch.arange(12.0).view(3, 4), torch.ones(3, HIDDEN), torch.ones(3, HIDDEN).bfloat16()]
+        for result, key, rows in zip(results, keys, expected, strict=True):
+            assert isinstance(result, EmbedOutput)
+            handle = result.embeddings
+            assert isinstance(handle, tensor_pb2.SharedTensor)
+            with reader.open(handle.name) as segment:
+                assert torch.equal(tensors.decode_shared(handle, segment, key), rows)
+    finally:
+        reader.close()
+        segments.close()
+        probe.close()

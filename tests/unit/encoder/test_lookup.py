@@ -28,6 +28,9 @@ def test_rows_equal_the_decoders_embed_tokens(tiny_model: Path, dtype: str) -> N
     expected = decoder.model.embed_tokens.weight[ids]
     assert rows.dtype == expected.dtype
     assert torch.equal(rows, expected)
+    written = torch.full_like(expected, float("nan"))  # a caller's memory (a shared-memory segment)
+    embedder.embed_into(ids, written)
+    assert torch.equal(written, expected)
 
 
 @pytest.mark.parametrize(("scheme", "group"), [("int8", 32), ("int4", 32), ("int4", 64)])

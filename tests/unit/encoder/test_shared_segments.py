@@ -104,6 +104,39 @@ def test_the_rows_written_are_the_rows_read_cast_as_asked(tmp_path: Path, probe,
     assert torch.equal(_read(reader, handle, offer.digest_key), rows.bfloat16())
 
 
+def test_rows_written_straight_into_a_segment_are_digested_where_they_lie(
+    tmp_path: Path, probe, segments, reader
+) -> None:
+    offer, rows = _offer(probe), torch.randn(3, 8)
+
+    def fill(out: torch.Tensor) -> None:
+        assert out.shape == (3, 8) and out.dtype == torch.float32
+        out.copy_(rows)
+
+    handle = segments.target(offer).write_with([3, 8], torch.float32, fill)
+    assert handle is not None and list(handle.shape) == [3, 8]
+    assert (tmp_path / handle.name).read_bytes()[: rows.numel() * 4] == rows.numpy().tobytes()
+    assert torch.equal(_read(reader, handle, offer.digest_key), rows)
+
+
+def test_a_fill_that_fails_gives_its_segment_and_name_back_and_the_pool_still_closes(
+    tmp_path: Path, probe, segments
+) -> None:
+    offer = _offer(probe)
+
+    def fill(out: torch.Tensor) -> None:
+        raise RuntimeError("the embedder failed")
+
+    with pytest.raises(RuntimeError, match="the embedder failed") as failed:
+        segments.target(offer).write_with([2, 8], torch.float32, fill)
+    assert not (tmp_path / offer.segment_name).exists() and segments.num_leased == 0
+    assert _written(segments, probe, torch.zeros(2, 8))[0] is not None and segments.num_created == 1
+    # The failure's traceback, alive here, held the view of the mapping: closing it raised BufferError.
+    segments.close()
+    assert failed.value.__traceback__ is not None
+    assert not list(tmp_path.glob(shared_memory.POOL_PREFIX + "*"))
+
+
 def test_beyond_its_bytes_or_segments_a_reply_carries_bytes(probe, segments: SharedSegments) -> None:
     assert segments.target(_offer(probe)).write(torch.zeros(1, 251), None) is None  # 1004 > 1000 bytes
     for _ in range(3):

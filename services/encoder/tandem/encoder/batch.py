@@ -17,7 +17,7 @@ import torch
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import tensor_pb2
 from tandem.common import tensors
-from tandem.encoder.embedder import Embedder, Pooling, mean_pool
+from tandem.encoder.embedder import Embedder, EmbedsInto, Pooling, mean_pool
 from tandem.encoder.request import EmbedJob, ImageJob, check_reply_size
 from tandem.encoder.vision.image_bytes import decode_image
 from tandem.encoder.vision.image_span import PreparedImage
@@ -38,8 +38,7 @@ def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[E
     for i, job in enumerate(jobs):
         try:
             if isinstance(job, EmbedJob):
-                rows = embedder.embed(job.token_ids, job.pooling)  # [num_rows, hidden_size]
-                results[i] = EmbedOutput(_pack(rows, job), job.token_ids, "")
+                results[i] = EmbedOutput(_embedded(embedder, job), job.token_ids, "")
             else:
                 images.append((i, _prepare(embedder, job)))
         except Exception as error:
@@ -63,6 +62,25 @@ def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[E
         results[i] = EmbedOutput(packed, prepared.token_ids, embedder.info.image_placeholder)
     assert all(result is not None for result in results)
     return results  # type: ignore[return-value]
+
+
+def _embedded(embedder: Embedder, job: EmbedJob) -> tensor_pb2.Tensor | tensor_pb2.SharedTensor:
+    """A text job's rows as the reply carries them: written by the embedder straight into the job's
+    shared-memory segment where it can (one row per token ID, in its own dtype), else embedded here and
+    packed."""
+    info = embedder.info
+    if (
+        job.shared is not None
+        and job.pooling is Pooling.NONE
+        and (job.output_dtype or info.dtype) == info.dtype
+        and isinstance(embedder, EmbedsInto)
+    ):
+        shape = [len(job.token_ids), info.hidden_size]
+        handle = job.shared.write_with(shape, info.dtype, lambda out: embedder.embed_into(job.token_ids, out))
+        if handle is not None:
+            return handle
+    rows = embedder.embed(job.token_ids, job.pooling)  # [num_rows, hidden_size]
+    return _pack(rows, job)
 
 
 def _pack(rows: torch.Tensor, job: EmbedJob | ImageJob) -> tensor_pb2.Tensor | tensor_pb2.SharedTensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -65,6 +65,17 @@ class Embedder(Protocol):
 
     def embed(self, token_ids: list[int], pooling: Pooling) -> torch.Tensor:
         """Rows for non-empty, in-vocabulary `token_ids`: [num_rows, hidden_size] in info.dtype."""
+        ...
+
+
+@runtime_checkable
+class EmbedsInto(Protocol):
+    """An embedder whose rows for Pooling.NONE are one per token ID, which it can write into memory the
+    caller gives (a shared-memory segment for a caller on this host): no copy of them of its own."""
+
+    def embed_into(self, token_ids: list[int], out: torch.Tensor) -> None:
+        """Writes the rows of non-empty, in-vocabulary `token_ids` into `out`:
+        [len(token_ids), hidden_size] in info.dtype."""
         ...
 
 

@@ -128,6 +128,10 @@ class LookupEmbedder:
         # index_select, not advanced indexing: one plain gather, 5-7 times faster on 576 x 4,096 bf16.
         return torch.index_select(self.table, 0, torch.tensor(token_ids, dtype=torch.long))
 
+    def embed_into(self, token_ids: list[int], out: torch.Tensor) -> None:
+        # out: [len(token_ids), hidden_size] in the table's dtype: the gather writes there, nowhere else.
+        torch.index_select(self.table, 0, torch.tensor(token_ids, dtype=torch.long), out=out)
+
     def embed(self, token_ids: list[int], pooling: Pooling) -> torch.Tensor:
         rows = self.rows(token_ids)  # [num_tokens, hidden_size]
         return mean_pool(rows) if pooling is Pooling.MEAN else rows

@@ -2,7 +2,9 @@
 
 A call whose `shared_memory` offer proves it shares this host's /dev/shm and user
 (`tandem.common.shared_memory`) gets a `SharedTarget`; its batch writes the rows into a segment of
-the pool and answers with the handle instead of the bytes.
+the pool and answers with the handle instead of the bytes. An embedder that can (`EmbedsInto`: a
+lookup's gather) writes them straight into the segment, given a view of it (`write_with`): the copy
+of rows made elsewhere first (`write`) is a pass over them of its own, a sixth of a 4.7 MB move.
 
 NOTE: the pool. Segments are created once, their pages allocated and mapped for good, and used again
 and again: creating a segment's pages and freeing them cost 20-40 times copying the rows into pages
@@ -25,6 +27,8 @@ import logging
 import math
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +51,17 @@ class SharedTarget:
     key: bytes  # [KEY_BYTES] the offer's digest key
 
     def write(self, rows: torch.Tensor, dtype: torch.dtype | None) -> tensor_pb2.SharedTensor | None:
-        """The handle of `rows` (cast to `dtype`) written into a segment; None: send bytes instead."""
-        return self.segments.write(self, rows, dtype)
+        """The handle of `rows` (cast to `dtype`) copied into a segment; None: send bytes instead."""
+        shape, dtype = list(rows.shape), dtype or rows.dtype
+        return self.write_with(shape, dtype, lambda out: tensors.copy_into(out, rows))
+
+    def write_with(
+        self, shape: list[int], dtype: torch.dtype, fill: Callable[[torch.Tensor], None]
+    ) -> tensor_pb2.SharedTensor | None:
+        """The handle of the rows `fill` writes straight into a segment, given a writable view of it
+        ([*shape] of `dtype`, to be dropped when it returns): no copy of the rows of its own. None:
+        no segment (`fill` not called), send bytes instead."""
+        return self.segments.write(self, shape, dtype, fill)
 
 
 @dataclass
@@ -94,9 +107,9 @@ class SharedSegments:
         return SharedTarget(self, offer.segment_name, offer.digest_key)
 
     def write(
-        self, target: SharedTarget, rows: torch.Tensor, dtype: torch.dtype | None
+        self, target: SharedTarget, shape: list[int], dtype: torch.dtype, fill: Callable[[torch.Tensor], None]
     ) -> tensor_pb2.SharedTensor | None:
-        num_bytes = tensors.shared_num_bytes(rows, dtype)
+        num_bytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             self._sweep()
             slot = self._free_slot(num_bytes) or self._new_slot(num_bytes)
@@ -108,11 +121,13 @@ class SharedSegments:
                 log.debug("no segment %s: %s", target.name, error)
                 return None
             slot.lease, slot.expires = target.name, math.inf  # no sweep ends it while it is written
+        mapping = slot.segment.mapping
         try:
-            handle = tensors.encode_shared(
-                rows, slot.segment.mapping, target.name, target.key, self.lease_s, dtype
-            )
-        except BaseException:
+            fill(tensors.shared_view(mapping, shape, dtype))
+            handle = tensors.seal_shared(mapping, shape, dtype, target.name, target.key, self.lease_s)
+        except BaseException as error:
+            # The view lives on in the traceback's frames, and an exported mapping cannot be closed.
+            traceback.clear_frames(error.__traceback__)
             with self._lock:
                 shared_memory.remove(self.directory, target.name)
                 self._free(slot)

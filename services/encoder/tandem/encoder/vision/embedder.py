@@ -104,6 +104,9 @@ class VisionLanguageEmbedder:
     def embed(self, token_ids: list[int], pooling: Pooling) -> torch.Tensor:
         return self.lookup.embed(token_ids, pooling)
 
+    def embed_into(self, token_ids: list[int], out: torch.Tensor) -> None:
+        self.lookup.embed_into(token_ids, out)  # out: [len(token_ids), hidden_size]
+
     def describe(self) -> str:
         """The image half it loaded, for the log (VisionModel.describe)."""
         return self.vision.describe()
