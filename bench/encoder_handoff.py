@@ -15,14 +15,16 @@ Two measures:
    4,096-wide table stands in for its tower: the tower's time is the same on every path) and
    SmolLM2's [n, 576] bf16 rows, n = 128 ... 8,190. For carried, the second leg goes to a sink
    server that parses the Generate request and decodes its rows as the decoder does. Beside it, the
-   move alone, tensor to tensor, each measure in a loop of its own: into a pooled segment and out of
-   it checked through the reader's mapping, back to back (the caches warm, as for rows just made by
-   the encoder's model) and each move after a 64 MiB pass that leaves none of its bytes cached
-   (cold); the first move, which creates the segment and the mapping; through a reply's bytes; one
-   keyed digest of the span (each side of a shared-memory move computes one); the shared-memory move
-   without its digests, warm and cold. Against the machine's copy bandwidth: numpy `copyto` of a
-   buffer of the same size (in cache) and of 256 MiB (memory), the latter again beside each span's
-   moves, since the load moves by the minute.
+   move alone, tensor to tensor, on one intra-op thread: into a pooled segment and out of it checked
+   through the reader's mapping, alternating in one loop with the move of rows a lookup's gather
+   wrote straight into the segment (text and token-ID calls; the gather left out, as the copied-in
+   move's rows are made before its clock starts), back to back (the caches warm, as for rows just
+   made by the encoder's model) and each move after a 64 MiB pass that leaves none of its bytes
+   cached (cold); the first move, which creates the segment and the mapping; through a reply's
+   bytes; one keyed digest of the span (each side of a shared-memory move computes one); the
+   shared-memory move without its digests, warm and cold. Against the machine's copy bandwidth:
+   numpy `copyto` of a buffer of the same size (in cache) and of 256 MiB (memory), the latter again
+   beside each span's moves, since the load moves by the minute.
 2. TTFT on SmolLM2 (bf16, prefix caching off, the embedding cache off, fresh token IDs each run):
    `Finished.time_to_first_token_s` is the decoder's; the client's wall time to the first token
    includes the carried path's Embed call. Prefill dominates as n grows: the paths part by the
@@ -43,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -55,7 +58,8 @@ from tandem.client.client import DecoderClient, EncoderClient, EncoderPart  # no
 from tandem.client.pb.tandem.v1 import (  # noqa: E402
     decoder_pb2,
     decoder_pb2_grpc,
-    encoder_pb2,  # noqa: E402
+    encoder_pb2,
+    tensor_pb2,
 )
 from tandem.common import shared_memory, tensors  # noqa: E402
 from tandem.common.model_cache import resolve_model  # noqa: E402
@@ -68,7 +72,7 @@ from tandem.decoder.engine.front.engine import Engine  # noqa: E402
 from tandem.encoder.config import EncoderConfig  # noqa: E402
 from tandem.encoder.lookup import LookupEmbedder  # noqa: E402
 from tandem.encoder.servicer import EncoderServicer  # noqa: E402
-from tandem.encoder.shared_segments import SharedSegments  # noqa: E402
+from tandem.encoder.shared_segments import SharedSegments, SharedTarget  # noqa: E402
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SPANS = [("llava-1.5 image span", 576, 4096), *((f"smollm2 n={n}", n, 576) for n in (128, 1024, 4096, 8190))]
@@ -103,11 +107,16 @@ class Evictor:
 
 
 def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, float]:
-    """The rows' move alone, tensor to tensor, median ms, each measure in a loop of its own:
-    - "shm": into a segment of the encoder's pool and out of it checked (what the encoder's batch and
-      the decoder's fetch do), moves back to back: the caches warm, as for rows just made by the
-      encoder's model; "shm_first": the first move, which creates the segment and the reader's mapping
-      of it, both reused by the others; "shm_cold": each move after `evict`, nothing cached;
+    """The rows' move alone, tensor to tensor, median ms:
+    - "shm": copied into a segment of the encoder's pool and out of it checked (what the encoder's
+      batch and the decoder's fetch do for rows made elsewhere: a vision tower's), and "shm_written":
+      the same with the rows written straight into the segment by a lookup's gather (what a text or
+      token-ID call's rows take), the gather's own time left out, as it is of "shm" (its rows are
+      made before the clock starts). The two alternate in one loop, moves back to back (the caches
+      warm, as for rows just made by the encoder's model), and again each after `evict`, nothing
+      cached ("shm_cold", "shm_written_cold"); "shm_first": the first move, which creates the segment
+      and the reader's mapping of it, both reused by the others; "gather": the gather into the
+      segment, "gather_fresh": the same into memory of its own (the copy's source in "shm");
     - "digest": one keyed digest of the rows, back to back (each side of a move computes one);
     - "bytes": through a reply's bytes (encode, serialize, parse, decode)."""
     probe = shared_memory.Probe.create()
@@ -115,27 +124,45 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
     segments = SharedSegments(shared_memory.SHM_DIR, 1 << 30, 16, 10.0)
     maps = shared_memory.SegmentMaps(shared_memory.SHM_DIR)  # the decoder's, kept as it keeps them
     raw = rows.view(torch.int16).numpy() if rows.dtype.itemsize == 2 else rows.numpy()
+    ids = torch.arange(rows.shape[0])  # the gather of every row of `rows`: the same bytes
     moves = 2 * repeats + 1
+    gathers: dict[str, list[float]] = {"gather": [], "gather_fresh": []}
 
-    def shm() -> float:
+    def move(write: Callable[[SharedTarget], tensor_pb2.SharedTensor | None], check: bool = False) -> float:
         offer = encoder_pb2.SharedMemoryOffer(
             probe_name=probe.name,
             probe_token=probe.token,
             segment_name=shared_memory.new_name(shared_memory.SEGMENT_PREFIX),
             digest_key=os.urandom(shared_memory.KEY_BYTES),
         )
+        gathered = len(gathers["gather"])
         start = time.perf_counter()
         target = segments.target(offer)
         assert target is not None
-        handle = target.write(rows, None)
+        handle = write(target)
         assert handle is not None
         segment = maps.open(handle.name)
         with segment:
             read = tensors.decode_shared(handle, segment, offer.digest_key, rank=2)
         shared_memory.remove(shared_memory.SHM_DIR, handle.name)  # released: the next move reuses it
-        elapsed = time.perf_counter() - start
-        assert read.shape == rows.shape
+        elapsed = time.perf_counter() - start - sum(gathers["gather"][gathered:])
+        # Only in the warm-up: reading both again would leave the next move's caches colder.
+        assert read.shape == rows.shape and (not check or torch.equal(read, rows))
         return elapsed
+
+    def gather_into(out: torch.Tensor) -> None:
+        start = time.perf_counter()
+        torch.index_select(rows, 0, ids, out=out)
+        gathers["gather"].append(time.perf_counter() - start)
+
+    def shm(check: bool = False) -> float:
+        start = time.perf_counter()
+        made = torch.index_select(rows, 0, ids)  # before the clock, as a tower's rows would be
+        gathers["gather_fresh"].append(time.perf_counter() - start)
+        return move(lambda target: target.write(made, None), check)
+
+    def written(check: bool = False) -> float:
+        return move(lambda target: target.write_with(list(rows.shape), rows.dtype, gather_into), check)
 
     def digest() -> float:
         start = time.perf_counter()
@@ -148,24 +175,29 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
         tensors.decode(encoder_pb2.EmbedResponse.FromString(data).embeddings, rank=2)
         return time.perf_counter() - start
 
-    def cold() -> float:
+    def cold(measure: Callable[[], float]) -> float:
         evict()
-        return shm()
+        return measure()
 
-    first = shm()
-    shm()
-    times = {
-        "shm": [shm() for _ in range(moves)],
-        "shm_cold": [cold() for _ in range(moves)],
-        "digest": [digest() for _ in range(moves)],
-        "bytes": [carried() for _ in range(repeats)],
+    first = shm(check=True)
+    shm(check=True), written(check=True)
+    times: dict[str, list[float]] = {
+        name: [] for name in ("shm", "shm_written", "shm_cold", "shm_written_cold")
     }
+    for _ in range(moves):
+        times["shm"].append(shm())
+        times["shm_written"].append(written())
+    for _ in range(moves):
+        times["shm_cold"].append(cold(shm))
+        times["shm_written_cold"].append(cold(written))
+    times["digest"] = [digest() for _ in range(moves)]
+    times["bytes"] = [carried() for _ in range(repeats)]
     assert segments.num_created == maps.num_mapped == 1, "every move after the first reused its segment"
     segments.close()
     maps.close()
     probe.close()
     return {"shm_first": first * 1e3} | {
-        path: statistics.median(values) * 1e3 for path, values in times.items()
+        path: statistics.median(values) * 1e3 for path, values in (times | gathers).items()
     }
 
 
@@ -308,8 +340,13 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
         num_bytes = num_rows * hidden * 2
         copy = copy_gbps(num_bytes)
         span_rows = torch.randn(num_rows, hidden).to(torch.bfloat16)
+        # One intra-op thread for the moves: the gathers' second thread, waited for on these shared cores
+        # (a 4.7 MB gather took 10 ms on two threads at load 4, 0.5 ms on one), would time the load.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         moved = transfer_ms(span_rows, args.repeats, evict)
         undigested, undigested_cold = undigested_ms(span_rows, args.repeats, evict)
+        torch.set_num_threads(threads)
         dram = copy_gbps(DRAM_COPY_BYTES, repeats=3)  # beside the moves: the load changes by the minute
         row = {
             "span": name,
@@ -322,17 +359,26 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
             **{f"{path}_grpc_mb": wire[path] / 1e6 for path in PATHS},
             "shm_transfer_ms": moved["shm"],
             "shm_cold_transfer_ms": moved["shm_cold"],
+            "shm_written_transfer_ms": moved["shm_written"],
+            "shm_written_cold_transfer_ms": moved["shm_written_cold"],
+            "gather_into_segment_ms": moved["gather"],
+            "gather_fresh_ms": moved["gather_fresh"],
             "shm_first_transfer_ms": moved["shm_first"],
             "bytes_transfer_ms": moved["bytes"],
             "digest_ms": moved["digest"],
             "shm_undigested_ms": undigested,
             "shm_cold_undigested_ms": undigested_cold,
         }
-        for key in ("shm_transfer", "shm_cold_transfer", "shm_undigested", "shm_cold_undigested"):
+        for key in (
+            *("shm_transfer", "shm_cold_transfer", "shm_written_transfer", "shm_written_cold_transfer"),
+            *("shm_undigested", "shm_cold_undigested"),
+        ):
             row[f"{key}_gbps"] = num_bytes / row[f"{key}_ms"] / 1e6
         row["shm_share_of_copy"] = row["shm_transfer_gbps"] / copy
         row["shm_share_of_dram_copy"] = row["shm_transfer_gbps"] / dram
         row["shm_cold_share_of_dram_copy"] = row["shm_cold_transfer_gbps"] / dram
+        row["shm_written_share_of_dram_copy"] = row["shm_written_transfer_gbps"] / dram
+        row["shm_written_cold_share_of_dram_copy"] = row["shm_written_cold_transfer_gbps"] / dram
         rows_out.append(row)
         print(
             f"{name:24s} {num_bytes / 1e6:7.2f} MB | carried {row['carried_ms']:7.2f} ms "
@@ -345,7 +391,11 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
             f"{moved['shm_cold']:6.2f} ms = {row['shm_cold_transfer_gbps']:5.2f} GB/s, "
             f"{100 * row['shm_cold_share_of_dram_copy']:3.0f} %; first {moved['shm_first']:6.2f} ms; "
             f"one digest {moved['digest']:5.2f} ms; without the digests {undigested:5.2f} ms = "
-            f"{row['shm_undigested_gbps']:5.2f} GB/s, cold {undigested_cold:5.2f} ms",
+            f"{row['shm_undigested_gbps']:5.2f} GB/s, cold {undigested_cold:5.2f} ms || written straight "
+            f"in: {moved['shm_written']:6.2f} ms = {row['shm_written_transfer_gbps']:5.2f} GB/s, "
+            f"{100 * row['shm_written_share_of_dram_copy']:3.0f} %; cold {moved['shm_written_cold']:6.2f} "
+            f"ms, {100 * row['shm_written_cold_share_of_dram_copy']:3.0f} %; its gather "
+            f"{moved['gather']:5.2f} ms (into memory of its own {moved['gather_fresh']:5.2f})",
             flush=True,
         )
         await client.close()
