@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.common.random_model import make_model
 from tandem.decoder.models.loader import LoadedModel, load_model
-from tandem.decoder.models.random_model import make_model
 
 # The Neuron backend's tests (tests/xla/) need torch_xla, which only .venv-xla has: `make test` runs
 # them there, after the rest of the suite here.

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from tandem.common.random_model import train_tokenizer
 from tandem.decoder.models.loader import load_model
-from tandem.decoder.models.random_model import train_tokenizer
 
 from .models.helpers import save_hf_checkpoint
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.decoder.models.loader import load_model
-from tandem.decoder.models.random_model import (
+from tandem.common.random_model import (
     CORPUS_PATH,
     EOS_TOKEN,
     SPECIAL_TOKENS,
@@ -18,6 +17,7 @@ from tandem.decoder.models.random_model import (
     make_model,
     train_tokenizer,
 )
+from tandem.decoder.models.loader import load_model
 
 from .helpers import PagedRun, greedy
 
