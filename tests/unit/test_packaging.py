@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import warnings
 from pathlib import Path
@@ -85,6 +86,43 @@ def test_an_install_without_the_kernels_goes_on(
     if warned is not None:
         assert warned in result.stderr
     assert ("building extension" in result.stderr) == (warned is not None)
+
+
+def test_the_decoder_units_sdist_carries_what_its_setup_py_builds_the_kernels_from(tmp_path: Path) -> None:
+    """An sdist of services/decoder (setup.py sdist, on a copy so nothing lands in the checkout) holds
+    kernel_setup.py and every C source, and its setup.py runs from the unpacked archive alone."""
+    unit = tmp_path / "decoder"
+    shutil.copytree(
+        REPO_ROOT / "services/decoder",
+        unit,
+        ignore=shutil.ignore_patterns("tests", "__pycache__", "_kernels_*", "*.egg-info", "build"),
+    )
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")],
+        cwd=unit,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    [archive] = (tmp_path / "dist").glob("tandem_decoder-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    [root] = (tmp_path / "unpacked").iterdir()
+    assert (root / "kernel_setup.py").is_file()
+    sources = sorted(p.name for p in (REPO_ROOT / KERNEL_SOURCES / "csrc").iterdir())
+    assert (
+        sorted(p.name for p in (root / KERNEL_SOURCES.relative_to("services/decoder") / "csrc").iterdir())
+        == sources
+    )
+    result = subprocess.run(  # the kernels themselves: test_an_install_without_the_kernels_goes_on, build.py
+        [sys.executable, "setup.py", "build_ext", "--build-lib", "out", "--build-temp", "temp"],
+        cwd=root,
+        env={**os.environ, "TANDEM_BUILD_KERNELS": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
 
 
 # Which of the design card's folders holds each part of the `tandem` namespace package.
