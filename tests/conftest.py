@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from common.tests.fixtures import environ, smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures, by name)
-from services.decoder.tests.conftest import tiny_fp32  # noqa: F401
+from services.decoder.tests.fixtures import tiny_fp32  # noqa: F401
 
 # The Neuron backend's tests (tests/xla/) need torch_xla, which only .venv-xla has: `make test` runs
 # them there, after the rest of the suite here.

@@ -291,3 +291,14 @@ def test_the_root_suite_runs_every_units_tests_and_each_test_extra_is_the_worksp
         assert {str(Requirement(line)) for line in extra} <= {str(Requirement(line)) for line in workspace}, (
             unit
         )
+
+
+def test_the_cross_service_conftest_loads_with_what_the_neuron_venv_installs() -> None:
+    """`make test` runs tests/xla in .venv-xla, which has the workspace and pytest but not the dev
+    extra: tests/conftest.py, which it loads first, must import without the dev extra's libraries."""
+    blocked = ("transformers", "peft", "scipy", "hypothesis", "accelerate")
+    code = f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); import tests.conftest"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr

@@ -2,8 +2,8 @@
 
 Each is saved once per session and loaded by our loader in float32; tests compare against the
 transformers model that wrote it. The shared ones (the tiny random model, the default model) come from
-common/tests/fixtures.py; tiny_fp32, the tiny model loaded by the decoder, is the cross-service
-tests' too (tests/conftest.py imports it from here).
+common/tests/fixtures.py; tiny_fp32, the tiny model loaded by the decoder, from fixtures.py here,
+which the cross-service tests import too.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from common.tests.fixtures import environ, smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures, by name)
+from services.decoder.tests.fixtures import tiny_fp32  # noqa: F401
 from tandem.common.random_model import train_tokenizer
-from tandem.decoder.models.loader import LoadedModel, load_model
+from tandem.decoder.models.loader import load_model
 
 from .models.helpers import save_hf_checkpoint
 
@@ -79,12 +80,6 @@ VARIANTS: dict[str, tuple[type, Any, tuple[str, ...]]] = {
         ("head_dim",),
     ),
 }
-
-
-@pytest.fixture(scope="session")
-def tiny_fp32(tiny_model_dir: Path) -> LoadedModel:  # noqa: F811  (the fixture imported above)
-    # float32 so "the same tokens alone and batched" is not at the mercy of bf16 rounding ties.
-    return load_model(tiny_model_dir, dtype="float32")
 
 
 @dataclass
