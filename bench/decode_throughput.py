@@ -38,12 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tandem.common.random_model import make_model  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec  # noqa: E402
 from tandem.decoder.engine.front.engine import Engine  # noqa: E402
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.models.random_model import make_model  # noqa: E402
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "bench-small"
 BLOCK_SIZE = 16

@@ -30,13 +30,13 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.encoder.tests.vision_checkpoints import make_llava  # noqa: E402
 from tandem.client.client import EncoderClient  # noqa: E402
 from tandem.common.server import ServerOptions, start_server  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.encoder.config import EncoderConfig  # noqa: E402
 from tandem.encoder.servicer import EncoderServicer  # noqa: E402
 from tandem.encoder.vision.embedder import VisionLanguageEmbedder  # noqa: E402
-from tests.vision_checkpoints import make_llava  # noqa: E402
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 

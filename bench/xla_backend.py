@@ -81,7 +81,7 @@ def run_one(device: str, num_devices: int, dtype: str, repeats: int) -> dict[str
             ttfts.append(done.time_to_first_token_s)
         result["prefill_512_ms"] = 1e3 * statistics.median(ttfts)
         for num_requests in (1, 8):
-            from tests.unit.decoder.engine.engine_helpers import run_concurrently
+            from services.decoder.tests.engine.engine_helpers import run_concurrently
 
             specs = [
                 GenerateSpec(

@@ -15,6 +15,11 @@ _FIND = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setup
 SOURCE_ROOTS: tuple[Path, ...] = tuple(REPO_ROOT / where for where in _FIND["where"])
 
 
+# The units, each a folder with its own pyproject.toml that installs and tests alone: its own tests are
+# in its tests/ folder (`pytest services/gateway`); the repository's tests/ holds the cross-service ones.
+UNITS: tuple[str, ...] = tuple(root.relative_to(REPO_ROOT).as_posix() for root in SOURCE_ROOTS)
+
+
 def package_dir(name: str) -> Path:
     """The one folder holding the dotted package `name` (`tandem.decoder.engine`), whichever root has it."""
     relative = Path(*name.split("."))

@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def make_model_command() -> click.Command:
     def make(dir: Path, shape: str, seed: int) -> int:
-        from tandem.decoder.models.random_model import make_model
+        from tandem.common.random_model import make_model
 
         try:
             click.echo(make_model(dir, shape=shape, seed=seed))

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from tandem.decoder.models.random_model import train_tokenizer
+from tandem.common.random_model import train_tokenizer
 
 
 @pytest.fixture(scope="session")
 def hf_checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """transformers-saved variants (see tests/unit/decoder/conftest.py): llama2-bias has biases
+    """transformers-saved variants (see services/decoder/tests/conftest.py): llama2-bias has biases
     on every projection and an untied head; llama3 has a single KV head."""
     # The unit tests' builder (the same checkpoints in both suites); imported here: it loads transformers.
-    from tests.unit.decoder.conftest import _build_checkpoint
+    from services.decoder.tests.conftest import _build_checkpoint
 
     tokenizer_file = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     train_tokenizer().save(str(tokenizer_file))

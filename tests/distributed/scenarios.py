@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from services.decoder.tests.models.helpers import PagedAllocator
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.distributed.parallel import ParallelContext
 from tandem.decoder.distributed.worker import run_steps
@@ -22,7 +23,6 @@ from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
 from tandem.decoder.models.loader import load_model
 from tandem.decoder.models.transformer import DecoderModel
-from tests.unit.decoder.models.helpers import PagedAllocator
 
 Chunk = tuple[str, list[int], torch.Tensor | None]  # sequence key, token ids, rows [n, hidden] or None
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.decoder.tests.models.helpers import PagedAllocator
 from tandem.decoder.engine.scheduling.kv_cache import NULL_BLOCK_ID
 from tandem.decoder.engine.step.batch import ForwardBatch
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
 from tandem.decoder.models.layers import merge_prompt_embeds
 from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.tensor_parallel import local_rows
-from tests.unit.decoder.models.helpers import PagedAllocator
 
 
 @dataclass(frozen=True)

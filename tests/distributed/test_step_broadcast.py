@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from services.decoder.tests.models.helpers import PagedAllocator
 from tandem.decoder.distributed.step_broadcast import StepSender, receive_step
 from tandem.decoder.engine.step.batch import ForwardBatch
-from tests.unit.decoder.models.helpers import PagedAllocator
 
 
 class Recorder:

@@ -38,6 +38,6 @@ def default_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def bench_small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """bench-small: Qwen3-shaped, 8 layers, 8 query over 4 KV heads of 64, random weights."""
-    from tandem.decoder.models.random_model import make_model
+    from tandem.common.random_model import make_model
 
     return make_model(tmp_path_factory.mktemp("bench-small"), shape="bench-small", seed=0)

@@ -12,6 +12,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
+from services.decoder.tests.models.helpers import PagedRun, greedy
 from tandem.common.gguf_import import import_gguf
 from tandem.common.model_cache import default_model_file
 from tandem.decoder.config import EngineConfig
@@ -21,7 +22,6 @@ from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.models.loader import LoadedModel, load_model
-from tests.unit.decoder.models.helpers import PagedRun, greedy
 
 PROMPTS = [
     "The capital of France is",

@@ -210,8 +210,13 @@ def distributions_imported(entry_points: Iterable[str], exempt: tuple[str, ...] 
         for name in imports(module)
         if name.split(".")[0] not in ("tandem", *exempt, *sys.stdlib_module_names)
     }
+    return distributions_of(third_party)
+
+
+def distributions_of(modules: Iterable[str]) -> set[str]:
+    """The (canonical) names of the installed distributions the third-party `modules` come from."""
     owners = _distribution_of_file()
-    return {owners[os.path.normpath(_module_file(name))] for name in third_party if _module_file(name)}
+    return {owners[os.path.normpath(_module_file(name))] for name in modules if _module_file(name)}
 
 
 @pytest.mark.parametrize("service", ["encoder", "decoder"])

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from tandem.client.client import DecoderClient
+from tandem.common.random_model import make_model
 from tandem.common.server import ServerOptions, Service, start_server
 from tandem.decoder.distributed.parallel import free_port
-from tandem.decoder.models.random_model import make_model
 
 PROMPT = [[1, 2, 3, 4]]
 

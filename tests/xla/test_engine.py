@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.decoder.tests.engine.engine_helpers import run_concurrently
 from tandem.client.errors import InvalidArgument
 from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart
 from tandem.decoder.backends.backend import RecompileError
@@ -17,7 +18,6 @@ from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.step.xla_runner import XlaRunner
-from tests.unit.decoder.engine.engine_helpers import run_concurrently
 from tests.xla.helpers import engine_on, greedy, settings, table_rows
 
 # 8 at once, prefill chunks of up to 32 positions, speculation's verify rows in decode graphs of 16.

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from services.decoder.tests.engine.engine_helpers import run_concurrently
 from tandem.common.prompt_parts import TextPrompt
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tests.unit.decoder.engine.engine_helpers import run_concurrently
 from tests.xla.helpers import engine_on
 
 QUESTIONS = [  # bench/fidelity.py's

@@ -17,6 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from services.decoder.tests.engine.engine_helpers import run_concurrently
 from tandem.client.client import DecoderClient, Segment
 from tandem.common import tensors
 from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
@@ -25,7 +26,6 @@ from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tests.unit.decoder.engine.engine_helpers import run_concurrently
 from tests.xla.helpers import engine_on, prompts_of_each_kind
 
 NUM_TOKENS = 32

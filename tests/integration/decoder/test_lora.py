@@ -15,9 +15,9 @@ import grpc
 import pytest
 import torch
 
+from services.decoder.tests.lora_adapters import SPECS, make_adapter, peft_greedy
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.decoder.models.random_model import make_model
-from tests.lora_adapters import SPECS, make_adapter, peft_greedy
+from tandem.common.random_model import make_model
 
 from .conftest import Served, serve, shutdown
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.encoder.tests.vision_checkpoints import make_llava
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
-from tests.vision_checkpoints import make_llava
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 30.0

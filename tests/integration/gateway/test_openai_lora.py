@@ -8,11 +8,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from services.decoder.tests.lora_adapters import SPECS, make_adapter
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.config import GatewayConfig
 from tests.integration.decoder.conftest import Served, serve, shutdown
 from tests.integration.gateway.conftest import start_gateway, stop_gateway
-from tests.lora_adapters import SPECS, make_adapter
 
 pytestmark = pytest.mark.asyncio
 PROMPT = "Once upon a time"

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.encoder.tests.vision_checkpoints import make_image, make_llava
 from tandem.client.client import EncoderClient
 from tandem.common.server import ServerOptions
 from tandem.decoder.models.loader import LoadedModel, load_model
@@ -18,7 +19,6 @@ from tandem.encoder.config import EncoderConfig
 from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 from tests.integration.decoder.conftest import Served, serve, shutdown
 from tests.integration.encoder.conftest import Encoder, start_encoder, stop_encoder
-from tests.vision_checkpoints import make_image, make_llava
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 

@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 
+from services.encoder.tests.vision_checkpoints import make_image
 from tandem.client.client import EncoderPart
 from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.models.loader import LoadedModel
@@ -21,7 +22,6 @@ from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 from tests.integration.decoder.conftest import Served, serve, shutdown
 from tests.integration.encoder.conftest import Encoder, start_encoder, stop_encoder
 from tests.integration.vision.conftest import MAX_MESSAGE_BYTES, Split, encoder_config
-from tests.vision_checkpoints import make_image
 
 QUESTION = "What is in the picture?"
 IMAGE_ROW_BYTES = 36 * 64 * 4  # tiny LLaVA: 36 rows of 64 float32 per picture

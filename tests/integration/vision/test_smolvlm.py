@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from services.encoder.tests.smolvlm_checkpoint import make_smolvlm
 from tandem.client.client import EncoderClient
 from tandem.common import tensors
 from tandem.decoder.models.loader import load_model
@@ -18,7 +19,6 @@ from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 from tests.integration.decoder.conftest import serve, shutdown
 from tests.integration.encoder.conftest import start_encoder, stop_encoder
 from tests.integration.vision.conftest import MAX_MESSAGE_BYTES, Split, encoder_config
-from tests.smolvlm_checkpoint import make_smolvlm
 
 QUESTION = "Describe this picture."
 

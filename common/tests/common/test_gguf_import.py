@@ -1,0 +1,253 @@
+"""GGUF import: small files written here (Llama and Qwen3), checked against the original weights; bad
+files get one-line errors. That the decoder generates from an imported file what transformers does,
+for each quantization type we can write, is the decoder's test (services/decoder/tests/models/
+test_imported_gguf.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from common.tests.common.gguf_files import small_model, write_gguf
+from tandem.common.gguf_import import GGUFImportError, import_gguf
+
+Q = gguf.GGMLQuantizationType
+REPO_ROOT = Path(__file__).resolve().parents[3]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def source(request: pytest.FixtureRequest, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory):
+    """(HF model, its GGUF file in F32, the imported checkpoint directory)."""
+    model = small_model(request.param, tokenizer.get_vocab_size())
+    tmp = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    path = write_gguf(tmp / "model.gguf", model, tokenizer, chat_template=TEMPLATE)
+    return model, path, import_gguf(path, tmp / "imported", dtype="float32")
+
+
+def test_imported_weights_equal_the_originals_with_the_llama_qk_permutation_undone(source) -> None:
+    model, _, out = source
+    weights = load_file(out / "model.safetensors")
+    expected = {
+        k: v
+        for k, v in model.state_dict().items()
+        if not (k == "lm_head.weight" and "lm_head.weight" not in weights)
+    }
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_config_tokenizer_and_template_files_describe_the_model(source, tokenizer: Tokenizer) -> None:
+    model, _, out = source
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [type(model).__name__]
+    assert config["num_key_value_heads"] == 2 and config["head_dim"] == model.config.head_dim
+    assert config["tie_word_embeddings"] == model.config.tie_word_embeddings
+    imported = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in ["Once upon a time, 123 cats", "  two  spaces\n\nand lines", "<|im_start|>user\nhi"]:
+        assert imported.encode(text).ids == tokenizer.encode(text).ids, text
+        assert imported.decode(imported.encode(text).ids, skip_special_tokens=False) == text
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == TEMPLATE == (out / "chat_template.jinja").read_text()
+    assert tokenizer_config["eos_token"] == "<|endoftext|>"
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [eos]
+
+
+def test_checkpoint_files_are_readable_by_other_users(source) -> None:
+    _, _, out = source
+    assert out.stat().st_mode & 0o777 == 0o755
+    for path in out.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o644, path.name
+
+
+def test_bfloat16_is_the_default_dtype_of_the_written_weights(source, tmp_path: Path) -> None:
+    _, path, _ = source
+    weights = load_file(import_gguf(path, tmp_path / "bf16") / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "import-gguf", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    # Progress overwrites one line with carriage returns (read back here as lines); then the error.
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("importing")]
+    assert len(lines) == 1 and lines[0].startswith("tandem import-gguf: "), result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_cli_imports_a_file_and_prints_the_directory(source, tmp_path: Path) -> None:
+    _, path, _ = source
+    result = _cli(str(path), str(tmp_path / "out"), "--dtype", "float16")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "out")
+    assert "tensors" in result.stderr  # the progress line
+    assert load_file(tmp_path / "out" / "model.safetensors")["model.norm.weight"].dtype == torch.float16
+
+
+def test_wrong_magic_is_one_line_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    _assert_one_line_error(_cli(str(tmp_path / "x.gguf"), str(tmp_path / "out")), "not a GGUF file", "magic")
+
+
+def test_truncated_file_is_one_line_exit_2(source, tmp_path: Path) -> None:
+    _, path, _ = source
+    data = path.read_bytes()
+    for cut in (len(data) - 1000, 200):  # inside the tensor data, then inside the header
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        _assert_one_line_error(_cli(str(tmp_path / "cut.gguf"), str(tmp_path / "out")), "truncated")
+
+
+def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    _assert_one_line_error(
+        _cli(str(tmp_path / "falcon.gguf"), str(tmp_path / "out")), "'falcon'", "llama", "qwen3"
+    )
+
+
+def test_a_type_gguf_cannot_dequantize_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    model = small_model("qwen3", tokenizer.get_vocab_size())
+    q8_1 = np.zeros(2 * 40, dtype=np.uint8)  # two Q8_1 blocks: the 64 values of the final norm
+    path = write_gguf(
+        tmp_path / "m.gguf", model, tokenizer, raw_tensors={"output_norm.weight": (q8_1, Q.Q8_1)}
+    )
+    _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), "output_norm.weight", "Q8_1")
+
+
+def test_an_unsupported_tokenizer_kind_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "m.gguf", small_model("qwen3", tokenizer.get_vocab_size()), tokenizer, pre="mystery"
+    )
+    _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), "tokenizer.ggml.pre", "'mystery'")
+
+
+@pytest.mark.parametrize(
+    ("arch", "metadata", "said"),
+    [
+        (
+            "qwen3",
+            {"qwen3.attention.head_count": 0},
+            "qwen3.attention.head_count must be an integer in [1, 1024], got 0",
+        ),
+        (
+            "llama",
+            {"llama.attention.head_count_kv": 3},
+            "head_count 4 is not a multiple of attention.head_count_kv 3",
+        ),
+        (
+            "llama",
+            {"llama.block_count": 10**9},
+            "llama.block_count must be an integer in [1, 1024], got 1000000000",
+        ),
+        ("llama", {"llama.block_count": 3}, "llama.block_count is 3, the tensors hold blocks 0-1"),
+        (
+            "qwen3",
+            {"qwen3.context_length": 2**40},
+            "qwen3.context_length must be an integer in [1, 16777216]",
+        ),
+        (
+            "qwen3",
+            {"qwen3.embedding_length": -5},
+            "qwen3.embedding_length must be an integer in [1, 131072], got -5",
+        ),
+        (
+            "llama",
+            {"tokenizer.ggml.bos_token_id": 10**6},
+            "tokenizer.ggml.bos_token_id must be an integer in [0, ",
+        ),
+        (
+            "llama",
+            {"tokenizer.ggml.eos_token_id": 2**33},
+            "tokenizer.ggml.eos_token_id must be an integer in [0, ",
+        ),
+        (
+            "llama",
+            {"llama.attention.layer_norm_rms_epsilon": "1e-5"},
+            "llama.attention.layer_norm_rms_epsilon must be a number in (0, 1], got '1e-5'",
+        ),
+        (
+            "qwen3",
+            {"qwen3.attention.layer_norm_rms_epsilon": -0.25},
+            "qwen3.attention.layer_norm_rms_epsilon must be a number in (0, 1], got -0.25",
+        ),
+        (
+            "qwen3",
+            {"qwen3.rope.freq_base": float("nan")},
+            "qwen3.rope.freq_base must be a number in (0, 1e+12], got nan",
+        ),
+        (
+            "qwen3",
+            {"tokenizer.chat_template": "{{ 'a' }}" * 8000},
+            "tokenizer.chat_template has 72000 characters",
+        ),
+    ],
+)
+def test_metadata_out_of_its_sane_range_is_one_line_exit_2_before_anything_is_sized(
+    tokenizer: Tokenizer, tmp_path: Path, arch: str, metadata: dict, said: str
+) -> None:
+    # An untrusted file: block_count 10^9 used to import, then grow `serve` past 6 GB; head_count 0 was
+    # a traceback; context_length 2^40 served, then failed every GetModelInfo.
+    path = write_gguf(
+        tmp_path / "m.gguf", small_model(arch, tokenizer.get_vocab_size()), tokenizer, metadata=metadata
+    )
+    with pytest.raises(GGUFImportError) as caught:  # the CLI prints it as one line, exit 2 (above)
+        import_gguf(path, tmp_path / "out")
+    assert said in str(caught.value) and "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_epsilon_stored_as_a_string_is_one_line_exit_2(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    # It used to end in a traceback (float() of the string) and exit 1.
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        small_model("llama", tokenizer.get_vocab_size()),
+        tokenizer,
+        metadata={"llama.attention.layer_norm_rms_epsilon": "0.00001"},
+    )
+    said = "llama.attention.layer_norm_rms_epsilon must be a number in (0, 1], got '0.00001'"
+    _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), said)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_vocabulary_entry_of_a_million_characters_is_refused(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    # The text bounds divide a text's length by the longest entry: one huge entry disabled them.
+    model = small_model("qwen3", tokenizer.get_vocab_size())
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    tokens += [f"[PAD{i}]" for i in range(model.config.vocab_size - len(tokens))]
+    tokens[-1] = "x" * 1_000_000
+    path = write_gguf(tmp_path / "m.gguf", model, tokenizer, metadata={"tokenizer.ggml.tokens": tokens})
+    said = f"tokenizer.ggml.tokens[{len(tokens) - 1}] has 1000000 characters, more than 1024"
+    _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), said)
+    assert not (tmp_path / "out").exists()

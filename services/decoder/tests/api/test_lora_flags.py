@@ -1,0 +1,73 @@
+"""`--lora`, `--enable-lora`: what cannot be served with adapters is one line naming the flag and exit
+2, before a port is opened; an adapter that does not fit fails the same way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.decoder.tests.lora_adapters import SPECS, make_adapter
+from tandem.decoder.api.main import config_from_args
+from tandem.decoder.api.main import main as decoder_main
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_adapter(tiny_model_dir, tmp_path_factory.mktemp("qv4"), SPECS["qv4"], seed=0)
+
+
+def test_lora_turns_adapters_on_and_names_each(environ, tiny_model_dir: Path, adapter: Path) -> None:
+    config = config_from_args(
+        ["--model", str(tiny_model_dir), "--lora", f"qv4={adapter}", "--max-loras", "2"]
+    )
+    assert config.engine.enable_lora and config.engine.loras == (("qv4", adapter),)
+    assert not config_from_args(["--model", str(tiny_model_dir)]).engine.enable_lora
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            ["--world-size", "2"],
+            "--world-size (TANDEM_WORLD_SIZE) must be 1: LoRA adapters run on one rank only, got 2",
+        ),
+        (
+            ["--static-shapes", "true", "--compile", "true"],
+            "--enable-lora (TANDEM_ENABLE_LORA) needs --compile off "
+            "(the compiled decode buckets take no adapters)",
+        ),
+        (["--enable-lora", "false"], "--lora (TANDEM_LORA) needs --enable-lora true"),
+        (["--max-loras", "0"], "--max-loras (TANDEM_MAX_LORAS) must be in [1, 256], got 0"),
+    ],
+)
+def test_settings_adapters_cannot_run_with_are_refused_in_one_line(
+    environ,
+    flags: list[str],
+    said: str,
+    tiny_model_dir: Path,
+    adapter: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--model", str(tiny_model_dir), "--port", "0", "--lora", f"qv4={adapter}", *flags]
+    assert decoder_main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [f"tandem serve decoder: {said}"]
+
+
+def test_an_adapter_that_does_not_fit_fails_before_listening(
+    environ, tiny_model_dir: Path, adapter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "adapter_config.json").write_text(json.dumps({"r": 64, "lora_alpha": 8}))
+    (big / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes())
+    for value, said in (
+        (
+            f"big={big}",
+            "adapter 'big': adapter_config.json:r: 64 is more than the server's --max-lora-rank 16",
+        ),
+        (str(adapter), f"must be NAME=PATH, got '{adapter}'"),
+    ):
+        assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", "--lora", value]) == 2
+        assert said in capsys.readouterr().err

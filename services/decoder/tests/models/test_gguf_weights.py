@@ -1,0 +1,94 @@
+"""A GGUF file's own quantized weights (`--quantization gguf`): small Llama and Qwen3 files written here
+in each served type, loaded quantized, against transformers reading the same file."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+
+from common.tests.common.gguf_files import small_model, write_gguf
+from tandem.common.gguf_import import import_gguf
+from tandem.decoder.backends.cpu.executor import CpuExecutor
+from tandem.decoder.backends.cpu.kernels import load_for_cpu
+from tandem.decoder.models.loader import ModelLoadError, load_model
+from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
+from tandem.decoder.models.tensor_parallel import checkpoint_parts
+
+from .helpers import greedy
+
+Q = gguf.GGMLQuantizationType
+PROMPT = [3, 44, 210, 7]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+def _quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear | QuantizedEmbedding)}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_served_types_keep_the_files_values_and_give_transformers_greedy_tokens(
+    arch: str, qtype: Q, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    path = write_gguf(tmp_path / "m.gguf", small_model(arch, tokenizer.get_vocab_size()), tokenizer, qtype)
+    imported = import_gguf(path, tmp_path / "out", dtype="float32")
+    loaded = load_model(imported, dtype="float32", quantization="gguf", quantized_from=path)
+    model = loaded.model
+    # Every linear and the token table quantized, nothing dense left of them.
+    quantized = _quantized_modules(model)
+    assert "embed_tokens" in quantized and all(
+        isinstance(layer.mlp.down_proj, QuantizedLinear) for layer in model.layers
+    )
+    assert not [n for n, p in model.named_parameters() if p.dim() == 2]
+    # The values are the file's: d q + m in fp32 is exactly what transformers' reader dequantizes.
+    dense = load_file(imported / "model.safetensors")
+    for name, module in quantized.items():
+        parts = [p.name for p in checkpoint_parts(model.config, f"{name}.weight", module.qweight.shape, 1)]
+        expected = torch.cat([dense[p] for p in parts])
+        assert torch.equal(module.qweight.dequantize(torch.float32), expected), name
+
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32)
+    reference = theirs.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    want = reference[0, len(PROMPT) :].tolist()
+    assert greedy(model, PROMPT, 8) == want  # the model's own forward
+    executor = CpuExecutor(model, load_for_cpu())  # the quantized kernels, never dequantizing
+    assert executor.choice.linears == "torch" and not executor.fused  # float32: layer by layer
+    assert greedy(model, PROMPT, 8, step=executor) == want
+
+
+def test_other_types_are_re_quantized_once_and_the_log_says_so(
+    tokenizer: Tokenizer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write_gguf(tmp_path / "m.gguf", small_model("llama", tokenizer.get_vocab_size()), tokenizer, Q.F16)
+    imported = import_gguf(path, tmp_path / "out", dtype="float32")
+    with caplog.at_level(logging.INFO, logger="tandem.decoder.models.gguf_weights"):
+        model = load_model(imported, dtype="float32", quantization="gguf", quantized_from=path).model
+    assert "re-quantized once" in caplog.text and "F16" in caplog.text
+    dense = load_file(imported / "model.safetensors")
+    q_proj = model.layers[0].self_attn.qkv_proj.qweight
+    assert q_proj.bits == 8
+    got = q_proj.dequantize(torch.float32)[: dense["model.layers.0.self_attn.q_proj.weight"].shape[0]]
+    want = dense["model.layers.0.self_attn.q_proj.weight"]
+    assert (got - want).abs().max() <= want.abs().max() / 127  # half a step of the row's largest scale
+
+
+def test_a_file_that_does_not_match_the_checkpoint_is_one_load_error(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    vocab = tokenizer.get_vocab_size()
+    first = write_gguf(tmp_path / "a.gguf", small_model("llama", vocab), tokenizer, Q.Q8_0)
+    other = write_gguf(tmp_path / "b.gguf", small_model("qwen3", vocab), tokenizer, Q.Q8_0)
+    imported = import_gguf(first, tmp_path / "out", dtype="float32")
+    with pytest.raises(ModelLoadError, match="has no tensor for|a quantized weight of"):
+        load_model(imported, dtype="float32", quantization="gguf", quantized_from=other)

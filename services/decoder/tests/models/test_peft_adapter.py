@@ -1,0 +1,112 @@
+"""Reading PEFT adapters without peft: what is kept, and every refusal naming its file and field."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from services.decoder.tests.lora_adapters import SPECS, make_adapter
+from tandem.decoder.models.loader import LoadedModel
+from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_adapter(tiny_model_dir, tmp_path_factory.mktemp("mlp8"), SPECS["mlp8"], seed=1)
+
+
+def copy_with(adapter_dir: Path, out: Path, **settings: object) -> Path:
+    out.mkdir()
+    config = json.loads((adapter_dir / "adapter_config.json").read_text()) | settings
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    (out / "adapter_model.safetensors").write_bytes((adapter_dir / "adapter_model.safetensors").read_bytes())
+    return out
+
+
+def test_an_adapter_keeps_peft_s_tensors_rank_targets_and_rslora_scale(
+    adapter_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    adapter = read_adapter(adapter_dir, tiny_fp32.config, max_rank=16)
+    assert adapter.rank == 8 and adapter.targets == ("k_proj", "o_proj", "up_proj", "down_proj")
+    assert adapter.scale == pytest.approx(16.0 / math.sqrt(8))  # use_rslora
+    assert len(adapter.weights) == 4 * tiny_fp32.config.num_layers
+    from safetensors import safe_open
+
+    with safe_open(adapter_dir / "adapter_model.safetensors", "pt") as f:
+        a = f.get_tensor("base_model.model.model.layers.2.mlp.up_proj.lora_A.weight")
+        b = f.get_tensor("base_model.model.model.layers.2.mlp.up_proj.lora_B.weight")
+    got_a, got_b = adapter.weights[(2, "up_proj")]
+    assert torch.equal(got_a, a) and torch.equal(got_b, b) and b.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "says"),
+    [
+        ({"r": 32}, "adapter_config.json:r", "more than the server's --max-lora-rank 16"),
+        ({"use_dora": True}, "adapter_config.json:use_dora", "DoRA"),
+        ({"bias": "all"}, "adapter_config.json:bias", "must be 'none'"),
+        ({"modules_to_save": ["lm_head"]}, "adapter_config.json:modules_to_save", "modules_to_save"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "adapter_config.json:target_modules", "'lm_head'"),
+        ({"peft_type": "IA3"}, "adapter_config.json:peft_type", "must be LORA"),
+    ],
+)
+def test_settings_the_server_cannot_honour_are_refused_naming_the_field(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, settings: dict, field: str, says: str
+) -> None:
+    with pytest.raises(AdapterError, match=says) as raised:
+        read_adapter(copy_with(adapter_dir, tmp_path / "a", **settings), tiny_fp32.config, max_rank=16)
+    assert raised.value.field == field
+
+
+def test_a_tensor_for_another_base_model_is_refused_naming_it(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    out = copy_with(adapter_dir, tmp_path / "a", r=4, target_modules=["q_proj"])
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    save_file(
+        {name.format("A"): torch.ones(4, 32), name.format("B"): torch.ones(64, 4)},
+        out / "adapter_model.safetensors",
+    )
+    with pytest.raises(AdapterError, match=r"has shape \[4, 32\], expected \[4, 64\]") as raised:
+        read_adapter(out, tiny_fp32.config, max_rank=16)
+    assert raised.value.field == f"adapter_model.safetensors:{name.format('A')}"
+
+
+@pytest.mark.parametrize(
+    ("tensors", "says"),
+    [
+        ({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 64)}, "no lora_B"),
+        ({"base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": torch.ones(4, 64)}, "layer 9"),
+        ({"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(4, 64)}, "is not a LoRA weight"),
+        (
+            {
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.full(
+                    (4, 64), math.nan
+                ),
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(64, 4),
+            },
+            "finite",
+        ),
+    ],
+)
+def test_tensors_that_do_not_make_an_adapter_are_refused(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, tensors: dict, says: str
+) -> None:
+    out = copy_with(adapter_dir, tmp_path / "a", r=4)
+    save_file(tensors, out / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=says):
+        read_adapter(out, tiny_fp32.config, max_rank=16)
+
+
+def test_a_pickled_adapter_is_never_read(adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path) -> None:
+    out = copy_with(adapter_dir, tmp_path / "a")
+    (out / "adapter_model.safetensors").rename(out / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="adapter_model.bin is a pickle, never read"):
+        read_adapter(out, tiny_fp32.config, max_rank=16)
+    with pytest.raises(AdapterError, match="adapter_config.json not found"):
+        read_adapter(tmp_path, tiny_fp32.config, max_rank=16)

@@ -1,0 +1,134 @@
+"""EncoderConfig validation and how flags and TANDEM_ENCODER_* variables become one."""
+
+from pathlib import Path
+
+import pytest
+
+from tandem.common.model_cache import default_model_file
+from tandem.encoder.__main__ import config_from_args, main
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.embedder import Pooling
+
+MODEL = Path("/models/tiny")
+
+
+def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
+    config = EncoderConfig(model_dir=MODEL)
+    assert (config.embedder, config.dtype, config.pooling) == ("lookup", "bfloat16", Pooling.NONE)
+    assert config.server.port == 50051
+    assert config.served_model_name == "tiny"
+    assert EncoderConfig(model_dir=MODEL, model_name="qwen").served_model_name == "qwen"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"embedder": "clip"}, "embedder must be one of"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"pooling": "max"}, "pooling must be one of"),
+        ({"max_input_tokens": 0}, "max_input_tokens must be >= 1"),
+        ({"embedder": "soft-prompt"}, "adapter_dir is required by embedder 'soft-prompt'"),
+        ({"embedder": "projector", "projector_path": Path("p")}, "encoder_model_dir is required"),
+        ({"embedder": "projector", "encoder_model_dir": Path("e")}, "projector_path is required"),
+        ({"adapter_dir": Path("a")}, "adapter_dir is only used by embedder 'soft-prompt', not 'lookup'"),
+        ({"embedder": "soft-prompt", "adapter_dir": Path("a"), "projector_path": Path("p")}, "only used"),
+        ({"quantization": "gguf"}, r"quantization must be one of \('none', 'int8', 'int4'\)"),
+        (
+            {
+                "quantization": "int8",
+                "embedder": "projector",
+                "projector_path": Path("p"),
+                "encoder_model_dir": Path("e"),
+            },
+            "not used by embedder 'projector'",
+        ),
+    ],
+)
+def test_invalid_configs_are_refused_when_built(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EncoderConfig(model_dir=MODEL, **kwargs)
+
+
+def test_flags_build_the_config(environ) -> None:
+    argv = [
+        "--model", "/m", "--embedder", "projector", "--encoder-model", "/e", "--projector", "/p.safetensors",
+        "--pooling", "mean", "--dtype", "float32", "--max-input-tokens", "256", "--model-name", "m1",
+        "--host", "0.0.0.0", "--port", "6000", "--max-message-bytes", "2048", "--grace-s", "0.5",
+    ]  # fmt: skip
+    config = config_from_args(argv)
+    assert config.model_dir == Path("/m") and config.model_name == "m1"
+    assert config.encoder_model_dir == Path("/e") and config.projector_path == Path("/p.safetensors")
+    assert (config.embedder, config.pooling, config.dtype, config.max_input_tokens) == (
+        "projector",
+        Pooling.MEAN,
+        "float32",
+        256,
+    )
+    server = config.server
+    assert (server.host, server.port, server.max_message_bytes) == ("0.0.0.0", 6000, 2048)
+    assert server.grace_s == 0.5
+
+
+def test_environment_fills_flags_not_given_and_flags_win(environ) -> None:
+    environ(
+        {
+            "TANDEM_ENCODER_MODEL": "/env-model",
+            "TANDEM_ENCODER_EMBEDDER": "soft-prompt",
+            "TANDEM_ENCODER_ADAPTER": "/adapter",
+            "TANDEM_ENCODER_PORT": "7000",
+            "TANDEM_ENCODER_MAX_INPUT_TOKENS": "99",
+        }
+    )
+    config = config_from_args(["--port", "7001"])
+    assert config.model_dir == Path("/env-model") and config.adapter_dir == Path("/adapter")
+    assert (config.embedder, config.max_input_tokens, config.server.port) == ("soft-prompt", 99, 7001)
+
+
+def test_without_a_model_the_encoder_serves_the_decoders_default_model(environ) -> None:
+    config = config_from_args([])
+    assert config.model_dir == default_model_file()
+    assert config.served_model_name == "SmolLM2-135M-Instruct"
+
+
+def test_bad_values_are_one_line_naming_the_flag_and_the_variable(environ, capsys) -> None:
+    environ({"TANDEM_ENCODER_PORT": "http"})
+    assert main(["--model", "/m"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --port (TANDEM_ENCODER_PORT): 'http' is not a valid integer.\n"
+    )
+    environ({"TANDEM_ENCODER_PORT": "50051", "TANDEM_ENCODER_MAX_INPUT_TOKENS": "0"})
+    assert main(["--model", "/m"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --max-input-tokens (TANDEM_ENCODER_MAX_INPUT_TOKENS) must be >= 1, got 0\n"
+    )
+    assert main(["--model", "/m", "--embedder", "clip"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem serve encoder: --embedder (TANDEM_ENCODER_EMBEDDER): 'clip' is not one of")
+    assert err.count("\n") == 1
+
+
+def test_an_unsupported_vision_language_checkpoint_is_one_line_naming_what_is_supported(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from tandem.encoder.embedder import EmbedderLoadError
+    from tandem.encoder.loader import load_embedder
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": {}})
+    )
+    with pytest.raises(EmbedderLoadError) as error:
+        load_embedder(EncoderConfig(model_dir=tmp_path))
+    message = str(error.value)
+    assert "'Qwen2VLForConditionalGeneration' is not supported" in message and "\n" not in message
+    assert "LlavaForConditionalGeneration" in message and "Idefics3ForConditionalGeneration" in message
+
+
+def test_the_lookup_embedder_on_a_llava_checkpoint_serves_its_images(tmp_path: Path) -> None:
+    from services.encoder.tests.vision_checkpoints import make_llava
+    from tandem.encoder.loader import load_embedder
+    from tandem.encoder.vision.embedder import VisionLanguageEmbedder
+
+    embedder = load_embedder(EncoderConfig(model_dir=make_llava(tmp_path / "llava")))
+    assert isinstance(embedder, VisionLanguageEmbedder) and embedder.info.image_placeholder == "<image>"

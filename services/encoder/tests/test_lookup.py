@@ -1,0 +1,100 @@
+"""The lookup embedder reads nothing but the token table (that its rows are the decoder's own is
+tests/integration/encoder/test_decoder_token_table.py's)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tandem.encoder import embedder
+from tandem.encoder.embedder import EmbedderLoadError, Pooling
+from tandem.encoder.lookup import EMBED_KEY, LookupEmbedder
+
+TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+def test_info_describes_the_checkpoint(tiny_model: Path) -> None:
+    config = json.loads((tiny_model / "config.json").read_text())
+    info = LookupEmbedder.load(tiny_model, torch.bfloat16).info
+    assert (info.kind, info.hidden_size) == ("lookup", config["hidden_size"])
+    assert info.vocab_size == config["vocab_size"]
+    assert info.dtype == torch.bfloat16
+    assert info.max_positions is None and info.num_virtual_tokens == 0
+
+
+def test_mean_pooling_gives_one_row(tiny_model: Path) -> None:
+    embedder = LookupEmbedder.load(tiny_model, torch.float32)
+    ids = [5, 17, 300]
+    pooled = embedder.embed(ids, Pooling.MEAN)  # [1, hidden_size]
+    assert pooled.shape == (1, embedder.info.hidden_size)
+    torch.testing.assert_close(pooled[0], embedder.table[ids].mean(dim=0))
+
+
+def _copy_without_weights(tiny_model: Path, out_dir: Path) -> None:
+    out_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(tiny_model / name, out_dir / name)
+
+
+def test_a_sharded_checkpoint_needs_only_the_shard_with_the_table(tiny_model: Path, tmp_path: Path) -> None:
+    # Shard 2 holds the table, shard 1 is listed but missing, and no layer weights exist at all.
+    sharded = tmp_path / "sharded"
+    _copy_without_weights(tiny_model, sharded)
+    with safe_open(tiny_model / "model.safetensors", framework="pt") as weights:
+        table = weights.get_tensor(EMBED_KEY)
+    save_file({EMBED_KEY: table}, str(sharded / "model-00002-of-00002.safetensors"))
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "model.norm.weight": "model-00001-of-00002.safetensors",
+            EMBED_KEY: "model-00002-of-00002.safetensors",
+        },
+    }
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    embedder = LookupEmbedder.load(sharded, torch.bfloat16)
+    reference = LookupEmbedder.load(tiny_model, torch.bfloat16)
+    assert torch.equal(embedder.table, reference.table)
+
+
+def test_reads_no_tensor_but_embed_tokens(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    read: list[str] = []
+    real_safe_open = embedder.safe_open  # the one reader every embedder goes through
+
+    class RecordingHandle:
+        def __init__(self, *args, **kwargs) -> None:
+            self.inner = real_safe_open(*args, **kwargs)
+
+        def __enter__(self) -> "RecordingHandle":
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.inner.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return self.inner.keys()
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            read.append(key)
+            return self.inner.get_tensor(key)
+
+    monkeypatch.setattr(embedder, "safe_open", RecordingHandle)
+    LookupEmbedder.load(tiny_model, torch.bfloat16)
+    assert read == [EMBED_KEY]
+
+
+def test_missing_table_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    _copy_without_weights(tiny_model, broken)
+    save_file({"model.norm.weight": torch.ones(4)}, str(broken / "model.safetensors"))
+    with pytest.raises(EmbedderLoadError, match="model.embed_tokens.weight not found"):
+        LookupEmbedder.load(broken, torch.bfloat16)
+
+
+def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(EmbedderLoadError, match="does not exist"):
+        LookupEmbedder.load(tmp_path / "nowhere", torch.bfloat16)

@@ -1,0 +1,149 @@
+"""The servicer's validation and delegation, called directly (no transport; errors raise)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.encoder.tests.helpers import write_prompt_adapter
+from tandem.client.errors import InvalidArgument, Unavailable
+from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.common import tensors
+from tandem.common.server import ServerOptions
+from tandem.encoder.__main__ import main
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.embedder import EmbedderInfo, Pooling
+from tandem.encoder.loader import load_embedder
+from tandem.encoder.lookup import LookupEmbedder
+from tandem.encoder.servicer import EncoderServicer
+
+
+def _servicer(config: EncoderConfig) -> EncoderServicer:
+    servicer = EncoderServicer(config)
+    servicer.attach(load_embedder(config))
+    return servicer
+
+
+async def test_rpcs_are_unavailable_until_an_embedder_is_attached(tiny_model: Path) -> None:
+    servicer = EncoderServicer(EncoderConfig(model_dir=tiny_model))
+    with pytest.raises(Unavailable):
+        await servicer.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), None)
+    servicer.close()
+
+
+async def test_soft_prompt_rows_precede_the_text_and_only_text_ids_are_listed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    prompt = write_prompt_adapter(tmp_path / "adapter", num_virtual_tokens=4, token_dim=64)
+    config = EncoderConfig(model_dir=tiny_model, embedder="soft-prompt", adapter_dir=tmp_path / "adapter")
+    servicer = _servicer(config)
+    try:
+        info = await servicer.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), None)
+        assert (info.embedder, info.num_virtual_tokens) == ("soft-prompt", 4)
+        request = encoder_pb2.EmbedRequest(text="hello", output_dtype=tensor_pb2.DATA_TYPE_FLOAT32)
+        reply = await servicer.Embed(request, None)
+        rows = tensors.decode(reply.embeddings)  # [4 + num_tokens, 64]
+        assert rows.shape[0] == 4 + len(reply.token_ids.ids) == 4 + reply.usage.input_tokens
+        assert torch.equal(rows[:4], prompt.to(torch.bfloat16).float())
+    finally:
+        servicer.close()
+
+
+async def test_configured_pooling_applies_when_the_request_leaves_it_unspecified(tiny_model: Path) -> None:
+    servicer = _servicer(EncoderConfig(model_dir=tiny_model, pooling=Pooling.MEAN))
+    try:
+        pooled = await servicer.Embed(encoder_pb2.EmbedRequest(text="a b c d"), None)
+        assert list(pooled.embeddings.shape) == [1, 64]
+        request = encoder_pb2.EmbedRequest(text="a b c d", pooling=encoder_pb2.POOLING_NONE)
+        per_token = await servicer.Embed(request, None)
+        assert per_token.embeddings.shape[0] == len(per_token.token_ids.ids) > 1
+    finally:
+        servicer.close()
+
+
+async def test_response_over_the_message_limit_is_refused_before_embedding(tiny_model: Path) -> None:
+    # 64 float32 columns = 256 bytes a row: 40 rows and their IDs overflow an 8 KiB message.
+    config = EncoderConfig(model_dir=tiny_model, server=ServerOptions(max_message_bytes=8192))
+    servicer = _servicer(config)
+    try:
+        request = encoder_pb2.EmbedRequest(
+            token_ids=tensor_pb2.TokenIds(ids=[1] * 40), output_dtype=tensor_pb2.DATA_TYPE_FLOAT32
+        )
+        with pytest.raises(InvalidArgument, match="over max_message_bytes 8192") as caught:
+            await servicer.Embed(request, None)
+        assert caught.value.field == "token_ids"
+    finally:
+        servicer.close()
+
+
+async def test_max_input_tokens_is_capped_by_the_embedder(tiny_model: Path) -> None:
+    class ShortLookup(LookupEmbedder):
+        """Reads at most 512 positions, like a BERT encoder."""
+
+        @property
+        def info(self) -> EmbedderInfo:
+            return replace(super().info, max_positions=512)
+
+    servicer = EncoderServicer(EncoderConfig(model_dir=tiny_model, max_input_tokens=1000))
+    servicer.attach(ShortLookup.load(tiny_model, torch.bfloat16))
+    try:
+        info = await servicer.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), None)
+        assert info.max_input_tokens == 512
+    finally:
+        servicer.close()
+
+
+def test_main_exits_2_with_one_line_naming_the_flag_when_the_model_does_not_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], environ
+) -> None:
+    assert main(["--model", str(tmp_path / "missing"), "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): model {tmp_path / 'missing'} does not exist "
+        "(a checkpoint directory or a .gguf file)\n"
+    )
+    assert main(["--model", str(tmp_path), "--port", "0"]) == 2  # a directory, but not a checkpoint
+    assert capsys.readouterr().err == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): model {tmp_path} is a directory without "
+        "config.json: not a checkpoint directory\n"
+    )
+
+
+def test_main_exits_1_with_one_line_when_the_model_cannot_be_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, environ
+) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory in name only
+    assert main(["--model", str(tmp_path), "--port", "0"]) == 1
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage().split(":")[0] for r in errors] == ["could not load the lookup embedder"]
+    assert all(r.exc_info is None for r in caplog.records)  # a line, not a traceback
+
+
+async def test_a_text_too_long_to_fit_is_refused_from_its_length_before_it_is_tokenized(
+    tiny_model: Path,
+) -> None:
+    # Tokenizing 30 MB of text held the encoder's event loop for 27 s (encode holds the GIL).
+    class CountingLookup(LookupEmbedder):
+        num_tokenized = 0
+
+        def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+            CountingLookup.num_tokenized += 1
+            return super().tokenize(text, add_special_tokens)
+
+    servicer = EncoderServicer(EncoderConfig(model_dir=tiny_model, max_input_tokens=64))
+    servicer.attach(CountingLookup.load(tiny_model, torch.bfloat16))
+    max_chars = servicer._require_embedder().info.max_token_chars
+    try:
+        with pytest.raises(InvalidArgument, match="at least 65 positions") as caught:
+            await servicer.Embed(encoder_pb2.EmbedRequest(text="a" * (64 * max_chars + 1)), None)
+        assert caught.value.field == "text"
+        with pytest.raises(InvalidArgument) as caught:
+            await servicer.Tokenize(
+                encoder_pb2.EncoderTokenizeRequest(texts=["a" * 64 * max_chars, "b"]), None
+            )
+        assert caught.value.field == "texts"
+        assert CountingLookup.num_tokenized == 0
+        reply = await servicer.Embed(encoder_pb2.EmbedRequest(text="the quiet harbour"), None)
+        assert reply.usage.input_tokens >= 1 and CountingLookup.num_tokenized == 1
+    finally:
+        servicer.close()
