@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -27,35 +26,32 @@ from tandem.decoder.models.lora import LayerLora, LoraStep
 NormKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
-class RopeCacheKernel(Protocol):
-    """Attention.rope_and_cache: the projected heads normed (Qwen3) and rotated, this step's keys and
-    values written to the cache. k may come back with no rows on a decode-only step (nothing reads it)."""
+# Attention.rope_and_cache: (qkv [num_tokens, q_size + 2 * kv_size], cos and sin [num_tokens, 1,
+# head_dim], attn, kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]) -> q, k, v [num_tokens,
+# heads, head_dim], the heads normed (Qwen3) and rotated, this step's keys and values written to the
+# cache. k may come back with no rows on a decode-only step (nothing reads it).
+RopeCacheKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
 
-    def __call__(
-        self,
-        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-        attn: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # q, k, v [num_tokens, heads, head_dim]
-
-
-class FusedLayerKernel(Protocol):
-    """A whole decoder layer but its attention call, which it makes through `attention`."""
-
-    def __call__(
-        self,
-        h: torch.Tensor,  # [num_tokens, hidden_size], the layer's input (may be updated in place)
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-        attn: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        attention: PagedAttention,  # the layer's own
-        scale: float,
-        lora_slots: torch.Tensor | None,  # int64 [num_tokens] each row's LoRA slot; None: no row adapted
-    ) -> torch.Tensor: ...  # [num_tokens, hidden_size], the layer's output
-
+# A whole decoder layer but its attention call, which it makes through the layer's own `attention`:
+# (h [num_tokens, hidden_size] the layer's input, which it may update in place; cos, sin; attn;
+# kv_cache; attention; scale; lora_slots int64 [num_tokens] or None: no row adapted) -> the layer's
+# output [num_tokens, hidden_size].
+FusedLayerKernel = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+        torch.Tensor,
+        PagedAttention,
+        float,
+        torch.Tensor | None,
+    ],
+    torch.Tensor,
+]
 
 # A layer's LoRA deltas on a backend's kernel, for a step's rows' slots (int64 [num_tokens]).
 LoraKernel = Callable[[torch.Tensor], LayerLora]
@@ -95,21 +91,23 @@ LayerLoop = Callable[
 ]
 
 
-class WalkKernel(Protocol):
-    """Every layer of a one-rank step: the model's loop (`loop`), called once or per part of the step with
-    the layers' kernels it chooses, or a kernel that runs every layer itself (a one-call decode stack)."""
-
-    def __call__(
-        self,
-        loop: LayerLoop,
-        h: torch.Tensor,  # [num_tokens, hidden_size], the first layer's input
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-        attn: AttentionMetadata,
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        lora: LoraStep | None,
-        layers: tuple[LayerKernels, ...],  # ModelKernels.layers
-    ) -> torch.Tensor: ...  # [num_tokens, hidden_size]
+# Every layer of a one-rank step: (loop, h, cos, sin, attn, kv_caches, lora, layers) -> the last
+# layer's output [num_tokens, hidden_size]. It calls the model's loop, once or per part of the step,
+# with the layers' kernels it chooses (`layers` is ModelKernels.layers), or runs every layer itself (a
+# one-call decode stack).
+WalkKernel = Callable[
+    [
+        LayerLoop,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+        list[torch.Tensor],
+        LoraStep | None,
+        tuple[LayerKernels, ...],
+    ],
+    torch.Tensor,
+]
 
 
 @dataclass(frozen=True)
