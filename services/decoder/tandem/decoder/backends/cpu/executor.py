@@ -62,7 +62,7 @@ from tandem.decoder.backends.cpu.walk import CpuWalk
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.kernels import LayerKernels, ModelKernels
 from tandem.decoder.models.layers import RMSNorm
-from tandem.decoder.models.linear import Projection
+from tandem.decoder.models.linear import Linear, Projection
 from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.transformer import DecoderLayer, DecoderModel
@@ -157,7 +157,7 @@ def _bind_linear(
     return TorchLinear(weight, bias)
 
 
-def _projections(layer: DecoderLayer) -> dict[str, torch.nn.Module]:
+def _projections(layer: DecoderLayer) -> dict[str, Linear | QuantizedLinear]:
     """The layer's four projections by their LayerKernels field."""
     a, mlp = layer.self_attn, layer.mlp
     return {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
