@@ -174,18 +174,18 @@ def profile_size(engine, n: int, args: argparse.Namespace) -> dict:
         for attr, key in (("_rms_norm", "C RMSNorm"), ("_qkv_rope_cache", "C q/k norm + RoPE + KV write"),
                           ("_decode_attention", "C decode attention")):  # fmt: skip
             undo.append(time_calls(kernels, attr, kernel_ms, key))
-        linears = [step_fn.head, *(getattr(layer, name) for layer in step_fn.layers
-                                   for name in ("qkv", "o", "gate_up", "down"))]  # fmt: skip
+        bound = step_fn.kernels
+        linears = [bound.head, *(getattr(layer, name) for layer in bound.layers
+                                 for name in ("qkv", "o", "gate_up", "down"))]  # fmt: skip
         for linear in linears:
             if isinstance(linear, CLinear):
                 undo.append(time_calls(linear, "_call", kernel_ms, "C bf16 linear"))
         for fused in step_fn.fused or []:
             undo.append(time_calls(fused, "_attention_in", kernel_ms, "C fused attention_in"))
             undo.append(time_calls(fused, "_mlp_block", kernel_ms, "C fused mlp_block"))
-        for layer in step_fn.layers:
+        for layer_lora in (step_fn.c_lora or []) if step_fn.fused is None else []:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                if layer.lora is not None:
-                    undo.append(time_calls(getattr(layer.lora, name), "_fn", kernel_ms, "C LoRA delta"))
+                undo.append(time_calls(getattr(layer_lora, name), "_fn", kernel_ms, "C LoRA delta"))
     head_ms: dict[str, float] = defaultdict(float)
     original_head = step_fn.compute_logits
     step_fn.compute_logits = lambda *a: _timed_head(original_head, head_ms, *a)  # type: ignore[method-assign]

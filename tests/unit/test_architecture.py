@@ -224,7 +224,8 @@ def test_every_decoder_package_says_what_it_owns_and_the_top_level_is_packages()
 
 def test_the_model_is_plain_torch_and_the_cpu_kernels_live_in_the_cpu_backend() -> None:
     # The model package holds no native code and no hook for it: the CPU executor binds kernels from
-    # outside (backends/cpu/), and the model's one forward is the reference it is tested against.
+    # outside (backends/cpu/) and passes them to the model's one forward (models/kernels.py), which
+    # without them is the reference it is tested against.
     models = package_dir(f"{DECODER}.models")
     assert not [p.name for p in models.iterdir() if p.suffix in (".c", ".h", ".so")]
     for module in (m for m in modules() if m.startswith(f"{DECODER}.models")):

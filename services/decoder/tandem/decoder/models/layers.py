@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.decoder.models.config import Llama3RopeScaling
-from tandem.decoder.models.linear import Linear
+from tandem.decoder.models.linear import Linear, Projection
 from tandem.decoder.models.lora import LayerLora
 from tandem.decoder.models.tensor_parallel import (
     ParallelGroup,
@@ -95,15 +95,21 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * local_size, bias=bias)
         self.down_proj = Linear(local_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, sp: bool = False, lora: LayerLora | None = None) -> torch.Tensor:
-        # x: [num_tokens, hidden_size], or this rank's [local_len, hidden_size] slice under SP
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size], or this rank's [local_len, hidden_size] under SP
+        sp: bool = False,
+        lora: LayerLora | None = None,
+        gate_up_proj: Projection | None = None,  # a kernel bound to gate_up_proj (models/kernels.py)
+        down_proj: Projection | None = None,  # a kernel bound to down_proj
+    ) -> torch.Tensor:
         x = gather_sequence(x, self.tp, sp)  # [num_tokens, hidden_size]
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * local_size]
+        gate_up = (gate_up_proj or self.gate_up_proj)(x)  # [num_tokens, 2 * local_size]
         if lora is not None:
             gate_up = lora.gate_up_proj(x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x [num_tokens, local_size]
         down_delta = None if lora is None else lora.down_proj
-        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp, sp, down_delta)
+        return row_parallel(down_proj or self.down_proj, F.silu(gate) * up, self.tp, sp, down_delta)
 
 
 def merge_prompt_embeds(

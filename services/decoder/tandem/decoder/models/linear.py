@@ -6,9 +6,20 @@ choice (backends/cpu/linear.py); the model's own forward is F.linear.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class Projection(Protocol):
+    """What runs a projection: the module below, or a kernel a backend bound to its weight
+    (models/kernels.py): [num_tokens, in_features] -> [num_tokens, out_features]."""
+
+    bias: torch.Tensor | None  # [out_features]: a row-parallel projection adds it once, after the sum
+
+    def __call__(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor: ...
 
 
 class Linear(nn.Linear):

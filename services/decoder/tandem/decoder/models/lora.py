@@ -150,7 +150,8 @@ class LoraStep:
             return None
         projections, slots, scales = self.table.layers[index], self.slots, self.table.scales
         return LayerLora(
-            *(LoraDelta(projections[name], slots, scales) for name in PARTS)  # PARTS' order: the fields'
+            *(LoraDelta(projections[name], slots, scales) for name in PARTS),  # PARTS' order: the fields'
+            slots,
         )
 
 
@@ -178,3 +179,6 @@ class LayerLora:
     o_proj: Delta
     gate_up_proj: Delta
     down_proj: Delta
+    # int64 [num_tokens] each row's slot (-1: base), for a kernel that adds all four deltas itself (a
+    # fused layer, models/kernels.py) instead of calling them.
+    slots: torch.Tensor

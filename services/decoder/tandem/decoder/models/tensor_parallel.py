@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.decoder.models.config import ModelConfig
-from tandem.decoder.models.linear import Linear
+from tandem.decoder.models.linear import Projection
 
 
 class ParallelGroup(Protocol):
@@ -95,7 +95,7 @@ def gather_sequence(x: torch.Tensor, tp: ParallelGroup | None, sp: bool) -> torc
 
 
 def row_parallel(
-    projection: Linear,
+    projection: Projection,
     x: torch.Tensor,
     tp: ParallelGroup | None,
     sp: bool,

@@ -20,6 +20,7 @@ from tandem.common import huge_pages
 from tandem.common.quantized_tensor import QuantizedTensor
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
 from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.kernels import PLAIN, LayerKernels, ModelKernels
 from tandem.decoder.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -75,15 +76,17 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (this rank's heads)
         sp: bool = False,  # sequence parallel: x is a slice, and so is the output
         lora: LayerLora | None = None,  # the step's adapters' deltas; None: no row is adapted
+        kernels: LayerKernels = PLAIN,  # what the backend bound (models/kernels.py); PLAIN: torch ops
     ) -> torch.Tensor:
         x = gather_sequence(x, self.tp, sp)  # [num_tokens, hidden_size]
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = (kernels.qkv or self.qkv_proj)(x)  # [num_tokens, q_size + 2 * kv_size]
         if lora is not None:
             qkv = lora.qkv_proj(x, qkv)
-        q, k, v = self.rope_and_cache(qkv, cos, sin, attn, kv_cache)
+        q, k, v = (kernels.rope_cache or self.rope_and_cache)(qkv, cos, sin, attn, kv_cache)
         out = self.attention(q, k, v, kv_cache, attn, self.scale)  # [num_tokens, num_heads * head_dim]
         o_delta = None if lora is None else lora.o_proj
-        return row_parallel(self.o_proj, out, self.tp, sp, o_delta)  # [num_tokens or local_len, hidden_size]
+        o_proj = kernels.o or self.o_proj
+        return row_parallel(o_proj, out, self.tp, sp, o_delta)  # [num_tokens or local_len, hidden_size]
 
     def rope_and_cache(
         self,
@@ -126,10 +129,24 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         sp: bool = False,
         lora: LayerLora | None = None,
+        kernels: LayerKernels = PLAIN,  # what the backend bound (models/kernels.py); PLAIN: torch ops
     ) -> torch.Tensor:
+        if kernels.fused is not None:
+            a = self.self_attn
+            slots = None if lora is None else lora.slots  # int64 [num_tokens]
+            return kernels.fused(h, cos, sin, attn, kv_cache, a.attention, a.scale, slots)
         # Norms and residual adds run on whatever rows this rank holds: its slice under SP.
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_cache, sp, lora)
-        return h + self.mlp(self.post_attention_layernorm(h), sp, lora)  # same rows as h
+        x = (kernels.input_norm or self.input_layernorm)(h)
+        h = h + self.self_attn(x, cos, sin, attn, kv_cache, sp, lora, kernels)
+        x = (kernels.post_norm or self.post_attention_layernorm)(h)
+        return h + self.mlp(x, sp, lora, kernels.gate_up, kernels.down)  # same rows as h
+
+
+def layer_lora(lora: LoraStep | None, index: int, kernels: LayerKernels) -> LayerLora | None:
+    """Layer `index`'s deltas for the step: on the kernel bound for them, else LoraStep.layer's."""
+    if lora is None or lora.slots is None:
+        return None
+    return lora.layer(index) if kernels.lora is None else kernels.lora(lora.slots)
 
 
 class DecoderModel(nn.Module):
@@ -163,14 +180,17 @@ class DecoderModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
         lora: LoraStep | None = None,  # each row's adapter (models/lora.py); None: no adapters loaded
+        kernels: ModelKernels | None = None,  # what a backend bound (models/kernels.py); None: torch ops
     ) -> torch.Tensor:
         """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices.
 
         With several ranks every rank returns the same logits. A step with any prefill runs
         sequence-parallel and needs its token count padded to a multiple of the world size.
         """
-        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora)
-        return self.compute_logits(h)  # [num_logits, vocab_size]
+        h = self.hidden_states(
+            input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora, kernels
+        )
+        return self.compute_logits(h, kernels)  # [num_logits, vocab_size]
 
     def hidden_states(
         self,
@@ -181,11 +201,14 @@ class DecoderModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
         lora: LoraStep | None = None,  # each row's adapter; None: no adapters loaded
+        kernels: ModelKernels | None = None,  # what a backend bound; None: torch ops
     ) -> torch.Tensor:
         """`forward` without the LM head: the final hidden rows [num_logits, hidden_size] at
         attn.logits_indices, for a caller that takes the logits of many rows a slice at a time."""
         sp = self.is_sequence_parallel(input_ids, attn)
-        h = self.layer_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, sp, lora)
+        h = self.layer_states(
+            input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, sp, lora, kernels
+        )
         return self.final_rows(h, attn, sp)  # [num_logits, hidden_size]
 
     def layer_states(
@@ -198,13 +221,33 @@ class DecoderModel(nn.Module):
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
         sp: bool = False,  # sequence parallel (is_sequence_parallel): this rank's slice in and out
         lora: LoraStep | None = None,  # each row's adapter; None: no adapters loaded
+        kernels: ModelKernels | None = None,  # what a backend bound; None: torch ops
     ) -> torch.Tensor:
         """The last layer's output at every position, before the final norm: [num_tokens, hidden_size],
         or this rank's [local_len, hidden_size] under SP."""
         h = self.embed(input_ids, inputs_embeds, is_token_ids, sp)
         cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
+        if kernels is None:
+            return self.run_layers(h, cos, sin, attn, kv_caches, lora, None, sp)
+        if kernels.walk is not None and not sp:
+            return kernels.walk(self.run_layers, h, cos, sin, attn, kv_caches, lora, kernels.layers)
+        return self.run_layers(h, cos, sin, attn, kv_caches, lora, kernels.layers, sp)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden_size], or this rank's [local_len, hidden_size] under SP
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        lora: LoraStep | None = None,  # each row's adapter; None: no adapters loaded
+        layers: tuple[LayerKernels, ...] | None = None,  # each layer's bound kernels; None: torch ops
+        sp: bool = False,
+    ) -> torch.Tensor:
+        """Every layer in order over h (the loop a walk kernel calls: models/kernels.py's LayerLoop)."""
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            h = layer(h, cos, sin, attn, kv_cache, sp, None if lora is None else lora.layer(i))
+            bound = PLAIN if layers is None else layers[i]
+            h = layer(h, cos, sin, attn, kv_cache, sp, layer_lora(lora, i, bound), bound)
         return h
 
     def is_sequence_parallel(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> bool:
@@ -248,11 +291,13 @@ class DecoderModel(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return head.qweight if isinstance(head, QuantizedLinear | QuantizedEmbedding) else head.weight
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor, kernels: ModelKernels | None = None) -> torch.Tensor:
         """float32 logits [num_rows, vocab_size] of final hidden rows h [num_rows, hidden_size].
 
         With several ranks a collective: every rank calls it with the same rows.
         """
+        if kernels is not None and kernels.head is not None:
+            return gather_vocab_logits(kernels.head(h), self.tp)
         weight = self.head_weight
         if isinstance(weight, QuantizedTensor):
             weight = weight.dequantize(h.dtype)

@@ -9,12 +9,14 @@ wherever the executor would choose oneDNN.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem.decoder.backends.cpu import linear as cpu_linear
-from tandem.decoder.backends.cpu.executor import CpuExecutor, OpsLayer
+from tandem.decoder.backends.cpu.executor import CpuExecutor, bind_projections
 from tandem.decoder.backends.cpu.linear import (
     CLinear,
     PackedLinear,
@@ -23,6 +25,8 @@ from tandem.decoder.backends.cpu.linear import (
     can_prepack,
     has_onednn_bf16,
 )
+from tandem.decoder.models.kernels import ModelKernels
+from tandem.decoder.models.linear import Projection
 from tandem.decoder.models.loader import load_model
 
 from ...conftest import Checkpoint
@@ -150,12 +154,16 @@ def test_an_executor_binds_every_bf16_linear_and_the_tied_head_to_the_c_kernel_w
     model = load_model(checkpoint.path, dtype="bfloat16").model
     executor = CpuExecutor(model, kernels)
     assert executor.choice.linears == "c" and executor.choice.fused_layers
-    assert isinstance(executor.head, CLinear)
-    assert executor.head.weight.data_ptr() == model.head_weight.data_ptr()  # the tied table, not a copy
+    head = executor.kernels.head
+    assert isinstance(head, CLinear)
+    assert head.weight.data_ptr() == model.head_weight.data_ptr()  # the tied table, not a copy
     # Per layer too, where the layers are not fused: every projection on the C kernel.
-    layers = [OpsLayer(layer, "c", kernels, None) for layer in model.layers]
-    bound = [linear for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    assert all(isinstance(linear, CLinear) for linear in bound)
+    bound = [
+        linear
+        for layer in model.layers
+        for linear in bind_projections(layer, "c", kernels, {}, False).values()
+    ]
+    assert len(bound) == 4 * len(model.layers) and all(isinstance(linear, CLinear) for linear in bound)
 
 
 def test_float32_models_keep_torch_linears(kernels, checkpoint: Checkpoint) -> None:
@@ -163,10 +171,12 @@ def test_float32_models_keep_torch_linears(kernels, checkpoint: Checkpoint) -> N
     for linears in (None, "c", "onednn"):
         executor = CpuExecutor(model, kernels, linears=linears)
         bound = [
-            linear for layer in executor.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            linear
+            for layer in executor.kernels.layers
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ]
         assert bound and all(type(linear) is TorchLinear for linear in bound)
-        assert type(executor.head) is TorchLinear
+        assert type(executor.kernels.head) is TorchLinear
     assert CpuExecutor(model, kernels).choice.linears == "torch"
 
 
@@ -179,11 +189,19 @@ def test_bf16_greedy_tokens_on_the_linear_kernel_match_the_torch_linears(
     expected = greedy(model, PROMPT, 16)
     # The linears alone, on torch ops for the rest; the other kernels are tested on their own.
     executor = CpuExecutor(model, None, linears="torch")
-    for layer in executor.layers:
-        for name in ("qkv", "o", "gate_up", "down"):
-            torch_linear = getattr(layer, name)
-            setattr(layer, name, CLinear(kernels, torch_linear.weight, torch_linear.bias))
-    executor.head = CLinear(kernels, model.head_weight, None)
+
+    def on_c(linear: Projection | None) -> CLinear:
+        assert isinstance(linear, TorchLinear)
+        return CLinear(kernels, linear.weight, linear.bias)
+
+    plain = executor.kernels
+    executor.kernels = ModelKernels(
+        tuple(
+            replace(k, qkv=on_c(k.qkv), o=on_c(k.o), gate_up=on_c(k.gate_up), down=on_c(k.down))
+            for k in plain.layers
+        ),
+        on_c(plain.head),
+    )
     run = PagedRun(model, step=executor)
     tokens = [int(run.step([("s", PROMPT)])[0].argmax())]
     while len(tokens) < 16:
@@ -214,4 +232,4 @@ def test_prepack_leaves_float32_on_the_plain_path(checkpoint: Checkpoint) -> Non
     assert not can_prepack(torch.zeros(4, 8))
     model = load_model(checkpoint.path, dtype="float32").model
     executor = CpuExecutor(model, None, linears="onednn")  # asked for oneDNN: float32 stays on F.linear
-    assert all(type(layer.qkv) is TorchLinear for layer in executor.layers)
+    assert all(type(layer.qkv) is TorchLinear for layer in executor.kernels.layers)

@@ -176,7 +176,7 @@ def test_the_per_op_path_adds_the_c_deltas_after_its_linears(
     loaded = load_model(tiny_model_dir, dtype="bfloat16")
     table = table_of(loaded, adapters)
     executor = CpuExecutor(loaded.model, kernels, linears="torch", lora=table)  # torch linears: per op
-    assert not executor.choice.fused_layers and executor.layers[0].lora is not None
+    assert not executor.choice.fused_layers and executor.kernels.layers[0].lora is not None
     got = generate(LoraRun(executor, loaded, table), "abcd", steps=2)
     want = generate(LoraRun(loaded.model, loaded, table), "abcd", steps=2)
     for g, w in zip(got, want, strict=True):

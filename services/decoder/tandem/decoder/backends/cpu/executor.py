@@ -1,15 +1,18 @@
 """The CPU step executor: binds a loaded model's weights to the fastest kernels once, then runs its steps.
 
-NOTE: the rule. The model (models/) is plain torch and stays the reference; everything that makes
-it fast on a CPU lives here and is chosen once, at bind time, from the CPU's flags and the model's
-dtype, then logged (`KernelChoice.describe`). Per step only the step's own kind is looked at:
+NOTE: the rule. The model (models/) is plain torch and stays the reference, and its forward is the
+only walk over the layers: what makes it fast on a CPU is a `ModelKernels` (models/kernels.py) the
+executor builds here, once, from the CPU's flags and the model's dtype, logs (`KernelChoice.describe`)
+and passes to every step; the model's modules call what is bound for them. Per step only the step's
+own kind is looked at:
 
-- a decode-only step, with every layer fused: the one-call decode stack (`stack.py`);
-- any other step, with every layer fused: per layer, the two fused C halves (`layer.py`) around the
-  attention call;
-- otherwise per layer in Python, each op on its chosen kernel: the linears bound once (`linear.py`:
-  oneDNN's packed bf16, the C kernel or F.linear), the norms and the q/k norm + RoPE + KV write as C
-  custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
+- a decode-only step, with every layer fused: the one-call decode stack (`stack.py`), the walk
+  kernel (`walk.py`);
+- any other step, with every layer fused: each layer's fused kernel, the two C halves (`layer.py`)
+  around the layer's attention call;
+- otherwise each module op by op on its chosen kernel (`layer_kernels.py`): the linears bound once
+  (`linear.py`: oneDNN's packed bf16, the C kernel or F.linear), the norms and the q/k norm + RoPE +
+  KV write as C custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
 
 Layers fuse when the linears are on the C kernel (an AVX512-BF16 CPU, or one whose oneDNN has no
 bf16 path: AVX2-only), there is one rank, and the weights are bf16. Attention is always
@@ -33,15 +36,15 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
 from tandem.common.quantized_tensor import QuantizedTensor
-from tandem.decoder.backends.cpu import kernel_choice, prefill_split
+from tandem.decoder.backends.cpu import kernel_choice
 from tandem.decoder.backends.cpu.attention import CpuPagedAttention
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernel_choice import KernelOptions, LinearPlan
 from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, Kernels, load_for_cpu
 from tandem.decoder.backends.cpu.layer import FusedLayer, LayerWeights
+from tandem.decoder.backends.cpu.layer_kernels import c_deltas, per_op
 from tandem.decoder.backends.cpu.limits import fits
 from tandem.decoder.backends.cpu.linear import (
     CLinear,
@@ -55,11 +58,13 @@ from tandem.decoder.backends.cpu.linear import (
 from tandem.decoder.backends.cpu.lora import LayerCLora, bind_table
 from tandem.decoder.backends.cpu.ops import register
 from tandem.decoder.backends.cpu.stack import DecodeStack
+from tandem.decoder.backends.cpu.walk import CpuWalk
 from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.kernels import LayerKernels, ModelKernels
 from tandem.decoder.models.layers import RMSNorm
-from tandem.decoder.models.lora import LayerLora, LoraStep, LoraTable
+from tandem.decoder.models.linear import Linear, Projection
+from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
-from tandem.decoder.models.tensor_parallel import gather_sequence, gather_vocab_logits, row_parallel
 from tandem.decoder.models.transformer import DecoderLayer, DecoderModel
 
 log = logging.getLogger(__name__)
@@ -152,85 +157,33 @@ def _bind_linear(
     return TorchLinear(weight, bias)
 
 
-class OpsLayer:
-    """One decoder layer op by op, each op on the kernel bound for it (the model's own collectives)."""
+def _projections(layer: DecoderLayer) -> dict[str, Linear | QuantizedLinear]:
+    """The layer's four projections by their LayerKernels field."""
+    a, mlp = layer.self_attn, layer.mlp
+    return {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
 
-    def __init__(
-        self,
-        layer: DecoderLayer,
-        kind: LinearKind,
-        kernels: Kernels | None,
-        ops: Any | None,
-        tile_rows: Mapping[Shape, int] | None = None,  # _bind_linear's
-        int8_activations: bool = False,  # _bind_linear's
-        lora: LayerCLora | None = None,  # the layer's LoRA slots on the C kernel; None: none or torch's
-    ) -> None:
-        a, mlp = layer.self_attn, layer.mlp
-        self.layer = layer
-        self.ops = ops  # torch.ops.tandem_<level>, or None: torch ops for norms and RoPE
-        dtype = layer.input_layernorm.weight.dtype
-        bound = dict(tile_rows=tile_rows, int8_activations=int8_activations)
-        self.qkv = _bind_linear(kind, kernels, _weight_of(a.qkv_proj), a.qkv_proj.bias, dtype, **bound)
-        self.o = _bind_linear(kind, kernels, _weight_of(a.o_proj), a.o_proj.bias, dtype, **bound)
-        self.gate_up = _bind_linear(
-            kind, kernels, _weight_of(mlp.gate_up_proj), mlp.gate_up_proj.bias, dtype, **bound
+
+def bind_projections(
+    layer: DecoderLayer,
+    kind: LinearKind,
+    kernels: Kernels | None,
+    tile_rows: Mapping[Shape, int],  # _bind_linear's
+    int8_activations: bool,  # _bind_linear's
+) -> dict[str, Projection]:
+    """Each of the layer's projections bound to the kernel `kind` names (_bind_linear)."""
+    dtype = layer.input_layernorm.weight.dtype
+    return {
+        name: _bind_linear(
+            kind,
+            kernels,
+            _weight_of(m),
+            m.bias,
+            dtype,
+            tile_rows=tile_rows,
+            int8_activations=int8_activations,
         )
-        self.down = _bind_linear(kind, kernels, _weight_of(mlp.down_proj), mlp.down_proj.bias, dtype, **bound)
-        # Qwen3's per-head norms for the C op (Llama: None, None; its epsilon then goes unread).
-        self.q_norm, self.k_norm = _weight(a.q_norm), _weight(a.k_norm)
-        self.qk_eps = a.q_norm.eps if a.q_norm is not None else 0.0
-        self.lora = lora
-
-    def deltas(self, step: LoraStep | None, index: int) -> LayerLora | None:
-        """The step's LoRA deltas for this layer (index `index`): on the C kernel where bound."""
-        if step is None or step.slots is None:
-            return None
-        c, slots = self.lora, step.slots
-        if c is None:
-            return step.layer(index)
-        return LayerLora(
-            partial(c.qkv_proj, slots=slots),
-            partial(c.o_proj, slots=slots),
-            partial(c.gate_up_proj, slots=slots),
-            partial(c.down_proj, slots=slots),
-        )
-
-    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return norm(x) if self.ops is None else self.ops.rms_norm(x, norm.weight, norm.eps)
-
-    def __call__(
-        self,
-        h: torch.Tensor,  # [num_tokens, hidden], or this rank's [local_len, hidden] under SP
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-        attn: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        sp: bool,
-        lora: LayerLora | None = None,  # this layer's deltas for the step (`deltas`)
-    ) -> torch.Tensor:
-        layer = self.layer
-        a, tp = layer.self_attn, layer.self_attn.tp
-        x = gather_sequence(self._norm(layer.input_layernorm, h), tp, sp)  # [num_tokens, hidden]
-        qkv = self.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
-        if lora is not None:
-            qkv = lora.qkv_proj(x, qkv)
-        if self.ops is None:
-            q, k, v = a.rope_and_cache(qkv, cos, sin, attn, kv_cache)
-        else:
-            q, k = self.ops.qkv_rope_cache(
-                qkv, cos, sin, self.q_norm, self.k_norm, self.qk_eps, kv_cache, attn.slot_mapping,
-                a.num_heads, not attn.is_decode_only,
-            )  # fmt: skip
-            v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
-        out = a.attention(q, k, v, kv_cache, attn, a.scale)  # [num_tokens, num_heads * head_dim]
-        h = h + row_parallel(self.o, out, tp, sp, None if lora is None else lora.o_proj)
-        x = gather_sequence(self._norm(layer.post_attention_layernorm, h), tp, sp)
-        gate_up = self.gate_up(x)  # [num_tokens, 2 * intermediate / world_size]
-        if lora is not None:
-            gate_up = lora.gate_up_proj(x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [num_tokens, intermediate / world_size]
-        down_delta = None if lora is None else lora.down_proj
-        return h + row_parallel(self.down, F.silu(gate) * up, tp, sp, down_delta)
+        for name, m in _projections(layer).items()
+    }
 
 
 def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
@@ -319,6 +272,7 @@ class CpuExecutor:
             model.use_attention(CpuPagedAttention(ops, kernels.limits, tiled))
         self.fused: list[FusedLayer] | None = None
         bound = bind_table(kernels, lora) if kernels is not None and lora is not None else None
+        self.c_lora = bound  # each layer's LoRA slots on the C kernel; None: none or the torch reference's
         # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
         if kernels is not None and c_ops and kind == "c" and model.tp is None:
             fused = [
@@ -330,27 +284,35 @@ class CpuExecutor:
             if all(f is not None for f in fused):
                 self.fused = [f for f in fused if f is not None]
         self.stack = self._bind_stack(kernels) if use_stack else None
-        self.layers = (
-            [
-                OpsLayer(
-                    layer, kind, kernels, ops, tiles, int8_activations, None if bound is None else bound[i]
+        if self.fused is not None:
+            layers = tuple(
+                LayerKernels(fused=f, lora=None if bound is None else partial(c_deltas, bound[i]))
+                for i, f in enumerate(self.fused)
+            )
+        else:
+            layers = tuple(
+                per_op(
+                    layer,
+                    ops,
+                    bind_projections(layer, kind, kernels, tiles, int8_activations),
+                    None if bound is None else bound[i],
                 )
                 for i, layer in enumerate(model.layers)
-            ]
-            if not self.fused
-            else []
-        )
-        self.head = _bind_linear(
-            kind, kernels, model.head_weight, None, config.dtype, dense_rows, tiles, int8_activations
-        )
+            )
         # Prefill chunks on kernels of their own: a step mixing them with decode rows runs in parts
         # (prefill_split.py); the chunks' layers op by op where oneDNN runs some of their linears.
         self.split_rows = (
             plan.prefill_rows if plan is not None and plan.splits_prefill and model.tp is None else 0
         )
         self.prefill_layers = (
-            self._prefill_layers(plan, kernels, ops) if self.split_rows and plan is not None else []
+            self._prefill_layers(plan, kernels, ops, layers) if self.split_rows and plan is not None else ()
         )
+        walk = CpuWalk(self.stack, self.split_rows, self.prefill_layers)
+        head = _bind_linear(
+            kind, kernels, model.head_weight, None, config.dtype, dense_rows, tiles, int8_activations
+        )
+        has_walk = self.stack is not None or self.split_rows > 0
+        self.kernels = ModelKernels(layers, head, walk if has_walk else None)
         # torch's argmax took 0.9 ms of a 24.5 ms step at 32 sequences; the C one takes 0.12.
         self._argmax = kernels.argmax if kernels is not None else None
         cpu = cpu or this_cpu()
@@ -373,30 +335,34 @@ class CpuExecutor:
             int8_activations=int8_activations,
         )
 
-    def _prefill_layers(self, plan: LinearPlan, kernels: Kernels | None, ops: Any | None) -> list[OpsLayer]:
+    def _prefill_layers(
+        self,
+        plan: LinearPlan,
+        kernels: Kernels | None,
+        ops: Any | None,
+        layers: tuple[LayerKernels, ...],  # the step's own
+    ) -> tuple[LayerKernels, ...]:
         """Each layer op by op for prompt chunks, where oneDNN runs the shapes the plan gives it and
-        every other linear is the exact path's own bound weight (no second copy); [] when no shape is
-        oneDNN's (the chunks then take the exact path, whose weights tile from prefill_rows rows)."""
+        every other linear is the exact path's own bound weight (no second copy); () when no shape is
+        oneDNN's (the chunks then take the exact path, whose weights tile from prefill_rows rows). Their
+        LoRA deltas are the torch reference's."""
         onednn = plan.onednn_shapes
         if not onednn:
-            return []
-        names = ("qkv", "o", "gate_up", "down")
-        layers = []
+            return ()
+        prefill = []
         for i, layer in enumerate(self.model.layers):
-            ops_layer = OpsLayer(layer, "torch", None, ops)  # torch linears hold references only
-            for name in names:
-                mine = getattr(ops_layer, name)
-                shape = (mine.weight.shape[0], mine.weight.shape[1])
-                if shape in onednn:
-                    setattr(ops_layer, name, PackedLinear(mine.weight, mine.bias))
+            linears: dict[str, Projection] = {}
+            for name, module in _projections(layer).items():
+                weight, bias = _weight_of(module), module.bias
+                exact = getattr(layers[i], name)
+                if (weight.shape[0], weight.shape[1]) in onednn and isinstance(weight, torch.Tensor):
+                    linears[name] = PackedLinear(weight, bias)
                 elif self.fused is not None and kernels is not None:
-                    setattr(
-                        ops_layer, name, KernelLinear(kernels, self.fused[i].kernel_weights[name], mine.bias)
-                    )
-                elif self.layers:
-                    setattr(ops_layer, name, getattr(self.layers[i], name))
-            layers.append(ops_layer)
-        return layers
+                    linears[name] = KernelLinear(kernels, self.fused[i].kernel_weights[name], bias)
+                else:
+                    linears[name] = exact
+            prefill.append(per_op(layer, ops, linears))
+        return tuple(prefill)
 
     def _bind_stack(self, kernels: Kernels | None) -> DecodeStack | None:
         """Every fused layer in one C call, when they share their sizes and the C decode attention takes
@@ -419,7 +385,7 @@ class CpuExecutor:
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
         lora: LoraStep | None = None,  # each row's adapter: the table this executor was bound to
     ) -> torch.Tensor:
-        """float32 logits [num_logits, vocab_size] at attn.logits_indices, as DecoderModel.forward."""
+        """float32 logits [num_logits, vocab_size] at attn.logits_indices: the model's forward."""
         h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora)
         return self.compute_logits(h)
 
@@ -433,67 +399,16 @@ class CpuExecutor:
         is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
         lora: LoraStep | None = None,  # each row's adapter
     ) -> torch.Tensor:
-        """The final hidden rows [num_logits, hidden_size], as DecoderModel.hidden_states."""
-        model = self.model
+        """The final hidden rows [num_logits, hidden_size]: the model's, on the bound kernels."""
         if lora is not None and lora.table is not self.lora:
             raise ValueError("a step's LoRA table must be the one the executor was bound to")
-        sp = model.is_sequence_parallel(input_ids, attn)
-        h = model.embed(input_ids, inputs_embeds, is_token_ids, sp)  # [num_tokens or local_len, hidden]
-        cos, sin = model.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each
-        parts = prefill_split.split_step(attn, h.shape[0], self.split_rows) if self.split_rows else None
-        if parts is not None:
-            h = prefill_split.run_parts(parts, h, cos, sin, kv_caches, self._part_layers, lora)
-        else:
-            h = self._layers(h, cos, sin, attn, kv_caches, sp, lora)
-        return model.final_rows(h, attn, sp)
-
-    def _part_layers(
-        self,
-        h: torch.Tensor,  # [num_rows, hidden]
-        cos: torch.Tensor,  # [num_rows, 1, head_dim]
-        sin: torch.Tensor,  # [num_rows, 1, head_dim]
-        attn: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
-        is_prefill: bool,
-        lora: LoraStep | None,  # this part's rows' adapters
-    ) -> torch.Tensor:
-        """One part of a split step (one rank): prompt chunks on the prefill layers, if any."""
-        if is_prefill and self.prefill_layers:
-            for i, (ops_layer, kv_cache) in enumerate(zip(self.prefill_layers, kv_caches, strict=True)):
-                h = ops_layer(h, cos, sin, attn, kv_cache, False, ops_layer.deltas(lora, i))
-            return h
-        return self._layers(h, cos, sin, attn, kv_caches, False, lora)
-
-    def _layers(
-        self,
-        h: torch.Tensor,  # [num_tokens or local_len, hidden]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-        attn: AttentionMetadata,
-        kv_caches: list[torch.Tensor],  # per layer
-        sp: bool,
-        lora: LoraStep | None,  # each row's adapter
-    ) -> torch.Tensor:
-        """Every layer over the step's rows, on the path its kind takes (stack, fused, op by op)."""
-        model = self.model
-        slots = None if lora is None else lora.slots  # int64 [num_rows]; None: no row is adapted
-        if self.stack is not None and attn.is_decode_only:
-            h = self.stack.run(h, cos, sin, attn, kv_caches, slots)  # every layer in one C call
-        elif self.fused is not None:
-            want_kv = not attn.is_decode_only
-            for fused, layer, kv_cache in zip(self.fused, model.layers, kv_caches, strict=True):
-                # Everything but attention in two C calls; h is this layer's own input, updated in place.
-                q, k, v = fused.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, want_kv, slots)
-                a = layer.self_attn
-                h = fused.mlp_block(h, a.attention(q, k, v, kv_cache, attn, a.scale), slots)
-        else:
-            for i, (ops_layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                h = ops_layer(h, cos, sin, attn, kv_cache, sp, ops_layer.deltas(lora, i))
-        return h
+        return self.model.hidden_states(
+            input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora, self.kernels
+        )
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, vocab_size] of final hidden rows [num_rows, hidden_size]."""
-        return gather_vocab_logits(self.head(h), self.model.tp)
+        return self.model.compute_logits(h, self.kernels)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [num_rows]: torch.argmax(logits, dim=-1), in C when the kernels are loaded."""

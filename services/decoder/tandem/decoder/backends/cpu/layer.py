@@ -2,9 +2,10 @@
 
 Two C calls do what the module path does in about twenty-five torch ops around attention (norms,
 projections, q/k norm + RoPE + cache write, residual adds, SwiGLU); attention itself stays the
-executor's attention call between them. Bound once by the executor (`executor.py`), with every weight
-checked then; a call checks only the per-step tensors and refuses (ValueError naming the argument)
-what the kernels cannot read in place. One rank only: tensor parallelism keeps the module path,
+layer's attention call between them, and the model's own loop calls the pair as the layer's fused
+kernel (models/kernels.py). Bound once by the executor (`executor.py`), with every weight checked
+then; a call checks only the per-step tensors and refuses (ValueError naming the argument) what the
+kernels cannot read in place. One rank only: tensor parallelism keeps the module path,
 whose collectives sit between the projections.
 
 With LoRA slots bound (`lora`), a step whose rows use adapters passes each row's slot and the halves
@@ -25,6 +26,7 @@ import torch
 from tandem.common.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelWeight, is_plain
 from tandem.decoder.backends.cpu.lora import LayerCLora, check_slots, functions
+from tandem.decoder.models.attention import AttentionMetadata, PagedAttention
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,22 @@ class FusedLayer:
             lora_fns = functions(kernels)
             self._attention_in_lora, self._mlp_block_lora = lora_fns.attention_in, lora_fns.mlp_block
             self._lora_ptrs = (ctypes.c_void_p * 4)(*lora.pointers)
+
+    def __call__(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden], the layer's input, updated in place and returned
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attention: PagedAttention,  # the layer's own, called between the halves
+        scale: float,
+        lora_slots: torch.Tensor | None = None,  # int64 [num_tokens], each row's LoRA slot; None: none
+    ) -> torch.Tensor:
+        """The whole layer (models/kernels.py's FusedLayerKernel): both halves around `attention`."""
+        want_kv = not attn.is_decode_only  # a prefill attends to this step's keys and values too
+        q, k, v = self.attention_in(h, cos, sin, attn.slot_mapping, kv_cache, want_kv, lora_slots)
+        return self.mlp_block(h, attention(q, k, v, kv_cache, attn, scale), lora_slots)
 
     def _accepts(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (
