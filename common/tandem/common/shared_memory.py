@@ -51,6 +51,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,11 @@ MAX_MAPS = 64  # a reader's mappings kept (`SegmentMaps`): each holds its file o
 MAX_MAPPED_BYTES = 1 << 31  # and their bytes, the pool's own pages: address space, no more memory
 SWEEP_S = 1.0  # how often a reader drops the mappings of files given back
 _NAME = re.compile(r"(tandem-probe-|tandem-rows-|tandem-pool-)[0-9a-f]{32}")
+
+# How a reader copies a segment's bytes and digests them: (source [n] uint8 read-only, out [n] uint8,
+# key) -> keyed_digest of the bytes written to `out`. `copy_then_digest` is two passes; the decoder
+# passes its fused kernel where its CPU has one (tandem.decoder.backends.cpu.copy_digest).
+CopyDigest = Callable[[np.ndarray, np.ndarray, bytes], bytes]
 
 
 def new_name(prefix: str) -> str:
@@ -240,6 +246,15 @@ class Segment:
         np.copyto(target, np.frombuffer(self._mapped.mapping, np.uint8, count=len(target), offset=offset))
         return True
 
+    def read_digested(self, offset: int, out: np.ndarray, key: bytes) -> bytes | None:
+        """Fills `out` ([n] uint8) with the bytes at `offset` and returns their keyed digest, by the
+        reader's CopyDigest; None (and `out` untouched) when the segment holds fewer."""
+        assert self._mapped is not None, "read after close"
+        if offset < 0 or offset + len(out) > self.num_bytes:
+            return None
+        source = np.frombuffer(self._mapped.mapping, np.uint8, count=len(out), offset=offset)  # [n]
+        return self._maps.copy_digest(source, out, key)
+
     def close(self) -> None:
         if self._mapped is not None:
             self._maps._release(self._mapped)
@@ -274,8 +289,10 @@ class SegmentMaps:
         max_maps: int = MAX_MAPS,
         max_bytes: int = MAX_MAPPED_BYTES,
         sweep_s: float = SWEEP_S,
+        copy_digest: CopyDigest | None = None,  # None: copy_then_digest
     ) -> None:
         self.directory = directory
+        self.copy_digest = copy_digest or copy_then_digest
         self.max_maps = max_maps
         self.max_bytes = max_bytes
         self.sweep_s = sweep_s
@@ -408,3 +425,9 @@ def keyed_digest(data: memoryview | bytes | np.ndarray, key: bytes) -> bytes:
         context.authenticate_additional_data(view[start : start + DIGEST_UPDATE_BYTES])
     context.finalize()
     return context.tag
+
+
+def copy_then_digest(source: np.ndarray, out: np.ndarray, key: bytes) -> bytes:
+    """The CopyDigest of any CPU: numpy's copy, then keyed_digest over the copy (two passes)."""
+    np.copyto(out, source)
+    return keyed_digest(out, key)
