@@ -15,7 +15,8 @@ can, else a copy), and replies with a handle (`SharedTensor`) carrying their key
 over the segment as written: nothing else writes a leased segment but the user both run as. The
 reader opens only the name it asked for, checks the handle against the file, copies the bytes into
 its own memory (through its mapping of the file, kept for the next call given the same pool segment:
-`SegmentMaps`) and checks the digest of that copy under its own key, then removes the name: that
+`SegmentMaps`) and checks the digest of that copy under its own key (the copy and the digest are one
+pass where the reader has a fused `CopyDigest`: the decoder's C kernel), then removes the name: that
 releases the segment to the writer's pool, and a handle replayed later finds nothing. One pointing
 anywhere else is refused before anything is opened. The writer removes the name of a segment no
 reader released after its lease, and only then writes into it again: a reader that comes later still
@@ -36,7 +37,10 @@ share a tag under a random key with probability at most about L / 2^128. It runs
 `cryptography` wheel's OpenSSL at GHASH speed on carry-less multiplication (PCLMULQDQ, VPCLMULQDQ and
 VAES on the Zen 4 machine measured: 23 GB/s, against 12.8 for Poly1305, 7.4 for the numpy universal
 hash it replaced, 1.8 for HMAC-SHA256 and 0.9 for keyed BLAKE2b; docs/PERFORMANCE.md). Both sides
-read every byte under the call's key, so the digest is half of a move's passes over the rows.
+read every byte under the call's key: the writer in a pass of its own over the segment; the reader,
+where its CPU has PCLMULQDQ, in the same pass as its copy (the decoder's `copy_digest` kernel computes
+GHASH in C from the bytes it copies, with H and E_K(J0) from OpenSSL: the same tag bit for bit),
+elsewhere in a second pass over its copy (`copy_then_digest`).
 """
 
 from __future__ import annotations
