@@ -22,7 +22,10 @@ Two measures:
    made by the encoder's model) and each move after a 64 MiB pass that leaves none of its bytes
    cached (cold); the first move, which creates the segment and the mapping; through a reply's
    bytes; one keyed digest of the span (each side of a shared-memory move computes one); the
-   shared-memory move without its digests, warm and cold. Against the machine's copy bandwidth:
+   shared-memory move without its digests, warm and cold. The decoder reads with its fused copy and
+   digest (`tandem.decoder.backends.cpu.copy_digest`) where the CPU has it; the gathered-in move is
+   also timed with the reader's two passes (numpy's copy, then the GMAC), alternating with it in the
+   same loop, and so is the read alone, memory to memory. Against the machine's copy bandwidth:
    numpy `copyto` of a buffer of the same size (in cache) and of 256 MiB (memory), the latter again
    beside each span's moves, since the load moves by the minute.
 2. TTFT on SmolLM2 (bf16, prefix caching off, the embedding cache off, fresh token IDs each run):
@@ -67,6 +70,7 @@ from tandem.common.prompt_parts import EncoderPrompt  # noqa: E402
 from tandem.common.server import ServerOptions, Service, start_server  # noqa: E402
 from tandem.decoder.api.encoder_parts import EncoderParts  # noqa: E402
 from tandem.decoder.api.servicer import DecoderServicer  # noqa: E402
+from tandem.decoder.backends.cpu import copy_digest  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.front.engine import Engine  # noqa: E402
 from tandem.encoder.config import EncoderConfig  # noqa: E402
@@ -122,13 +126,20 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
     probe = shared_memory.Probe.create()
     assert probe is not None
     segments = SharedSegments(shared_memory.SHM_DIR, 1 << 30, 16, 10.0)
-    maps = shared_memory.SegmentMaps(shared_memory.SHM_DIR)  # the decoder's, kept as it keeps them
+    # The decoder's, kept as it keeps them: reading with two passes (numpy's copy, then OpenSSL's
+    # GMAC: the reader before the fused kernel) and with the fused copy and digest where this CPU has it.
+    two_pass = shared_memory.SegmentMaps(shared_memory.SHM_DIR)
+    fused = shared_memory.SegmentMaps(shared_memory.SHM_DIR, copy_digest=copy_digest.for_cpu())
     raw = rows.view(torch.int16).numpy() if rows.dtype.itemsize == 2 else rows.numpy()
     ids = torch.arange(rows.shape[0])  # the gather of every row of `rows`: the same bytes
     moves = 2 * repeats + 1
     gathers: dict[str, list[float]] = {"gather": [], "gather_fresh": []}
 
-    def move(write: Callable[[SharedTarget], tensor_pb2.SharedTensor | None], check: bool = False) -> float:
+    def move(
+        write: Callable[[SharedTarget], tensor_pb2.SharedTensor | None],
+        check: bool = False,
+        maps: shared_memory.SegmentMaps = fused,
+    ) -> float:
         offer = encoder_pb2.SharedMemoryOffer(
             probe_name=probe.name,
             probe_token=probe.token,
@@ -155,19 +166,33 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
         torch.index_select(rows, 0, ids, out=out)
         gathers["gather"].append(time.perf_counter() - start)
 
-    def shm(check: bool = False) -> float:
+    def shm(check: bool = False, maps: shared_memory.SegmentMaps = fused) -> float:
         start = time.perf_counter()
         made = torch.index_select(rows, 0, ids)  # before the clock, as a tower's rows would be
         gathers["gather_fresh"].append(time.perf_counter() - start)
-        return move(lambda target: target.write(made, None), check)
+        return move(lambda target: target.write(made, None), check, maps)
 
-    def written(check: bool = False) -> float:
-        return move(lambda target: target.write_with(list(rows.shape), rows.dtype, gather_into), check)
+    def written(check: bool = False, maps: shared_memory.SegmentMaps = fused) -> float:
+        return move(lambda target: target.write_with(list(rows.shape), rows.dtype, gather_into), check, maps)
+
+    def written_two_pass() -> float:
+        return written(maps=two_pass)
 
     def digest() -> float:
         start = time.perf_counter()
         shared_memory.keyed_digest(raw, os.urandom(shared_memory.KEY_BYTES))
         return time.perf_counter() - start
+
+    source = raw.reshape(-1).view(np.uint8)  # [num_bytes]
+    read_out = np.empty_like(source)
+
+    def read(copy_and_digest: shared_memory.CopyDigest) -> Callable[[], float]:
+        def timed() -> float:
+            start = time.perf_counter()
+            copy_and_digest(source, read_out, os.urandom(shared_memory.KEY_BYTES))
+            return time.perf_counter() - start
+
+        return timed
 
     def carried() -> float:
         start = time.perf_counter()
@@ -180,21 +205,37 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
         return measure()
 
     first = shm(check=True)
-    shm(check=True), written(check=True)
+    shm(check=True), written(check=True), written(check=True, maps=two_pass)
     times: dict[str, list[float]] = {
-        name: [] for name in ("shm", "shm_written", "shm_cold", "shm_written_cold")
+        name: []
+        for name in (
+            *("shm", "shm_written", "shm_written_two_pass"),
+            *("shm_cold", "shm_written_cold", "shm_written_two_pass_cold"),
+        )
     }
     for _ in range(moves):
         times["shm"].append(shm())
         times["shm_written"].append(written())
+        times["shm_written_two_pass"].append(written_two_pass())
     for _ in range(moves):
         times["shm_cold"].append(cold(shm))
         times["shm_written_cold"].append(cold(written))
+        times["shm_written_two_pass_cold"].append(cold(written_two_pass))
     times["digest"] = [digest() for _ in range(moves)]
+    # The decoder's read alone, memory to memory, back to back: the two passes and the fused one.
+    reads = {"read_two_pass": read(shared_memory.copy_then_digest), "read_fused": read(fused.copy_digest)}
+    for name in reads:
+        times[name] = []
+    for _ in range(moves):
+        for name, timed in reads.items():
+            times[name].append(timed())
     times["bytes"] = [carried() for _ in range(repeats)]
-    assert segments.num_created == maps.num_mapped == 1, "every move after the first reused its segment"
+    assert segments.num_created == fused.num_mapped == two_pass.num_mapped == 1, (
+        "every move reused its segment"
+    )
     segments.close()
-    maps.close()
+    fused.close()
+    two_pass.close()
     probe.close()
     return {"shm_first": first * 1e3} | {
         path: statistics.median(values) * 1e3 for path, values in (times | gathers).items()
@@ -361,6 +402,10 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
             "shm_cold_transfer_ms": moved["shm_cold"],
             "shm_written_transfer_ms": moved["shm_written"],
             "shm_written_cold_transfer_ms": moved["shm_written_cold"],
+            "shm_written_two_pass_transfer_ms": moved["shm_written_two_pass"],
+            "shm_written_two_pass_cold_transfer_ms": moved["shm_written_two_pass_cold"],
+            "read_two_pass_ms": moved["read_two_pass"],
+            "read_fused_ms": moved["read_fused"],
             "gather_into_segment_ms": moved["gather"],
             "gather_fresh_ms": moved["gather_fresh"],
             "shm_first_transfer_ms": moved["shm_first"],
@@ -371,6 +416,7 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
         }
         for key in (
             *("shm_transfer", "shm_cold_transfer", "shm_written_transfer", "shm_written_cold_transfer"),
+            *("shm_written_two_pass_transfer", "shm_written_two_pass_cold_transfer"),
             *("shm_undigested", "shm_cold_undigested"),
         ):
             row[f"{key}_gbps"] = num_bytes / row[f"{key}_ms"] / 1e6
@@ -379,6 +425,7 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
         row["shm_cold_share_of_dram_copy"] = row["shm_cold_transfer_gbps"] / dram
         row["shm_written_share_of_dram_copy"] = row["shm_written_transfer_gbps"] / dram
         row["shm_written_cold_share_of_dram_copy"] = row["shm_written_cold_transfer_gbps"] / dram
+        row["shm_written_two_pass_share_of_dram_copy"] = row["shm_written_two_pass_transfer_gbps"] / dram
         rows_out.append(row)
         print(
             f"{name:24s} {num_bytes / 1e6:7.2f} MB | carried {row['carried_ms']:7.2f} ms "
@@ -395,7 +442,11 @@ async def handoff(args: argparse.Namespace, model_dir: Path) -> list[dict[str, o
             f"in: {moved['shm_written']:6.2f} ms = {row['shm_written_transfer_gbps']:5.2f} GB/s, "
             f"{100 * row['shm_written_share_of_dram_copy']:3.0f} %; cold {moved['shm_written_cold']:6.2f} "
             f"ms, {100 * row['shm_written_cold_share_of_dram_copy']:3.0f} %; its gather "
-            f"{moved['gather']:5.2f} ms (into memory of its own {moved['gather_fresh']:5.2f})",
+            f"{moved['gather']:5.2f} ms (into memory of its own {moved['gather_fresh']:5.2f}) || the "
+            f"reader's two passes before: {moved['shm_written_two_pass']:6.2f} ms, "
+            f"{100 * row['shm_written_two_pass_share_of_dram_copy']:3.0f} %; cold "
+            f"{moved['shm_written_two_pass_cold']:6.2f} ms | the read alone: two passes "
+            f"{moved['read_two_pass']:5.3f} ms, fused {moved['read_fused']:5.3f} ms",
             flush=True,
         )
         await client.close()

@@ -15,7 +15,8 @@ can, else a copy), and replies with a handle (`SharedTensor`) carrying their key
 over the segment as written: nothing else writes a leased segment but the user both run as. The
 reader opens only the name it asked for, checks the handle against the file, copies the bytes into
 its own memory (through its mapping of the file, kept for the next call given the same pool segment:
-`SegmentMaps`) and checks the digest of that copy under its own key, then removes the name: that
+`SegmentMaps`) and checks the digest of that copy under its own key (the copy and the digest are one
+pass where the reader has a fused `CopyDigest`: the decoder's C kernel), then removes the name: that
 releases the segment to the writer's pool, and a handle replayed later finds nothing. One pointing
 anywhere else is refused before anything is opened. The writer removes the name of a segment no
 reader released after its lease, and only then writes into it again: a reader that comes later still
@@ -36,7 +37,10 @@ share a tag under a random key with probability at most about L / 2^128. It runs
 `cryptography` wheel's OpenSSL at GHASH speed on carry-less multiplication (PCLMULQDQ, VPCLMULQDQ and
 VAES on the Zen 4 machine measured: 23 GB/s, against 12.8 for Poly1305, 7.4 for the numpy universal
 hash it replaced, 1.8 for HMAC-SHA256 and 0.9 for keyed BLAKE2b; docs/PERFORMANCE.md). Both sides
-read every byte under the call's key, so the digest is half of a move's passes over the rows.
+read every byte under the call's key: the writer in a pass of its own over the segment; the reader,
+where its CPU has PCLMULQDQ, in the same pass as its copy (the decoder's `copy_digest` kernel computes
+GHASH in C from the bytes it copies, with H and E_K(J0) from OpenSSL: the same tag bit for bit),
+elsewhere in a second pass over its copy (`copy_then_digest`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +76,11 @@ MAX_MAPS = 64  # a reader's mappings kept (`SegmentMaps`): each holds its file o
 MAX_MAPPED_BYTES = 1 << 31  # and their bytes, the pool's own pages: address space, no more memory
 SWEEP_S = 1.0  # how often a reader drops the mappings of files given back
 _NAME = re.compile(r"(tandem-probe-|tandem-rows-|tandem-pool-)[0-9a-f]{32}")
+
+# How a reader copies a segment's bytes and digests them: (source [n] uint8 read-only, out [n] uint8,
+# key) -> keyed_digest of the bytes written to `out`. `copy_then_digest` is two passes; the decoder
+# passes its fused kernel where its CPU has one (tandem.decoder.backends.cpu.copy_digest).
+CopyDigest = Callable[[np.ndarray, np.ndarray, bytes], bytes]
 
 
 def new_name(prefix: str) -> str:
@@ -240,6 +250,15 @@ class Segment:
         np.copyto(target, np.frombuffer(self._mapped.mapping, np.uint8, count=len(target), offset=offset))
         return True
 
+    def read_digested(self, offset: int, out: np.ndarray, key: bytes) -> bytes | None:
+        """Fills `out` ([n] uint8) with the bytes at `offset` and returns their keyed digest, by the
+        reader's CopyDigest; None (and `out` untouched) when the segment holds fewer."""
+        assert self._mapped is not None, "read after close"
+        if offset < 0 or offset + len(out) > self.num_bytes:
+            return None
+        source = np.frombuffer(self._mapped.mapping, np.uint8, count=len(out), offset=offset)  # [n]
+        return self._maps.copy_digest(source, out, key)
+
     def close(self) -> None:
         if self._mapped is not None:
             self._maps._release(self._mapped)
@@ -274,8 +293,10 @@ class SegmentMaps:
         max_maps: int = MAX_MAPS,
         max_bytes: int = MAX_MAPPED_BYTES,
         sweep_s: float = SWEEP_S,
+        copy_digest: CopyDigest | None = None,  # None: copy_then_digest
     ) -> None:
         self.directory = directory
+        self.copy_digest = copy_digest or copy_then_digest
         self.max_maps = max_maps
         self.max_bytes = max_bytes
         self.sweep_s = sweep_s
@@ -408,3 +429,9 @@ def keyed_digest(data: memoryview | bytes | np.ndarray, key: bytes) -> bytes:
         context.authenticate_additional_data(view[start : start + DIGEST_UPDATE_BYTES])
     context.finalize()
     return context.tag
+
+
+def copy_then_digest(source: np.ndarray, out: np.ndarray, key: bytes) -> bytes:
+    """The CopyDigest of any CPU: numpy's copy, then keyed_digest over the copy (two passes)."""
+    np.copyto(out, source)
+    return keyed_digest(out, key)

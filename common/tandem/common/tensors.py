@@ -244,9 +244,10 @@ def decode_shared(
     # numpy's allocation: a large torch.empty is fresh pages each time here (faulting cost 20 times the
     # copy measured), numpy's comes back from the heap.
     copy = np.empty(num_bytes, dtype=np.uint8)  # [num_bytes]
-    if not segment.read_into(offset, copy):
+    digest = segment.read_digested(offset, copy, key)
+    if digest is None:
         raise InvalidArgument(f"{field}.shape", f"the segment shrank below {offset + num_bytes} bytes")
-    if not hmac.compare_digest(keyed_digest(copy, key), message.digest):
+    if not hmac.compare_digest(digest, message.digest):
         raise InvalidArgument(
             f"{field}.digest",
             "does not match the segment's bytes: the segment was changed, or the handle is not this call's",

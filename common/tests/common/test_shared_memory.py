@@ -9,6 +9,7 @@ import stat
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -121,6 +122,29 @@ def reader(tmp_path: Path):
     made = shm.SegmentMaps(tmp_path)
     yield made
     made.close()
+
+
+def test_a_read_digested_is_the_copy_and_its_keyed_digest_by_the_readers_copy_digest(tmp_path: Path) -> None:
+    calls = []
+
+    def counted(source: np.ndarray, out: np.ndarray, key: bytes) -> bytes:
+        calls.append(len(source))
+        return shm.copy_then_digest(source, out, key)
+
+    maps = shm.SegmentMaps(tmp_path, copy_digest=counted)
+    segment, name = shm.PooledSegment.create(tmp_path, 100), shm.new_name(shm.SEGMENT_PREFIX)
+    segment.link(name)
+    segment.mapping[:] = os.urandom(100)
+    key = os.urandom(shm.KEY_BYTES)
+    with maps.open(name) as opened:
+        out = np.empty(40, dtype=np.uint8)
+        assert opened.read_digested(7, out, key) == shm.keyed_digest(segment.mapping[7:47], key)
+        assert out.tobytes() == segment.mapping[7:47]
+        before = out.copy()
+        assert opened.read_digested(61, out, key) is None and np.array_equal(out, before)  # past the end
+    assert calls == [40]
+    maps.close()
+    segment.close()
 
 
 def test_a_call_reads_a_pool_segment_by_its_own_name_until_it_removes_that_name(

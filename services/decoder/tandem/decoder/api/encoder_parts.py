@@ -19,7 +19,8 @@ A fetch, on the event loop:
    opened, checked (dtype, shape, bounds), its rows copied into this process (through this decoder's
    mapping of the encoder's pool segment, made the first time it is given one and kept:
    `shared_memory.SegmentMaps`) and their digest checked under this call's key
-   (`tensors.decode_shared`), and the name removed: that releases the segment to
+   (`tensors.decode_shared`; the copy and the digest are one pass in C where the CPU has carry-less
+   multiplication: `backends/cpu/copy_digest.py`), and the name removed: that releases the segment to
    the encoder's pool, which writes into it again, and a replay finds nothing. Bytes are decoded as
    any tensor (zero copy).
 Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
@@ -57,6 +58,7 @@ from tandem.common import shared_memory, tensors
 from tandem.common.dtypes import BY_WIRE
 from tandem.common.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
+from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.engine.admission.chat import ChatMessage
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 
@@ -82,8 +84,13 @@ class EncoderParts:
         self.cache = EmbeddingCache(cache_bytes)
         self.shm_dir = shm_dir
         self.probe = shared_memory.Probe.create(shm_dir)  # None: shared memory is never offered
-        # The encoder's pool segments, mapped once each and read through the mapping every later call.
-        self.maps = shared_memory.SegmentMaps(shm_dir) if self.probe is not None else None
+        # The encoder's pool segments, mapped once each and read through the mapping every later call,
+        # each read copied and digested in one pass where this CPU has the fused kernel.
+        self.maps = (
+            shared_memory.SegmentMaps(shm_dir, copy_digest=copy_digest.for_cpu())
+            if self.probe is not None
+            else None
+        )
         # An embedding tensor can never be larger than a message, as for the caller's own tensors.
         self.limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
         self._traces_itself = telemetry is not None and telemetry.is_tracing

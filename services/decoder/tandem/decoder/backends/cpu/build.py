@@ -27,6 +27,7 @@ SOURCES = (
     "argmax.c",
     "attention.c",
     "attention_tiles.c",
+    "copy_digest.c",
     "limits.c",
     "linear.c",
     "linear_int8.c",

@@ -87,6 +87,11 @@ class Kernels:
         self._packed_elements = library.tandem_packed_elements
         self._packed_elements.restype, self._packed_elements.argtypes = ctypes.c_int64, sizes * 2
         self._argmax_f32 = _bind(library.tandem_argmax_f32, pointers + sizes * 2 + pointers)
+        # The raw copy of a shared-memory segment fused with its digest's GHASH (copy_digest.c); call
+        # it through copy_digest.FusedCopyDigest, which checks the buffers and computes the AES blocks.
+        self.copy_ghash = _bind(
+            library.tandem_copy_ghash, pointers * 2 + sizes + pointers * 3 + [ctypes.c_int]
+        )
         # The raw fused layer halves (layer_kernels.c); call them through layer.FusedLayer.
         real = [ctypes.c_float]
         self.attention_in = _bind(
