@@ -22,7 +22,7 @@
  * it (8 lanes over the chunks, then the same lane reduction), so a row's result does not depend on
  * the rows beside it. Speculative decoding relies on that: a verification step of k + 1 rows gives
  * each row the bits a one-row step would, so greedy tokens are the same with and without it. A
- * faster tile must keep that order (tests/unit/decoder/backends/cpu/test_linear.py checks rows against rows alone).
+ * faster tile must keep that order (services/decoder/tests/backends/cpu/test_linear.py checks rows against rows alone).
  */
 #include <stdint.h>
 #include <stdlib.h>
