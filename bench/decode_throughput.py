@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.common.random_model import make_model  # noqa: E402
+from tandem.common.torch_part.random_model import make_model  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec  # noqa: E402
 from tandem.decoder.engine.front.engine import Engine  # noqa: E402

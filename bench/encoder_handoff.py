@@ -64,10 +64,10 @@ from tandem.client.pb.tandem.v1 import (  # noqa: E402
     encoder_pb2,
     tensor_pb2,
 )
-from tandem.common import shared_memory, tensors  # noqa: E402
-from tandem.common.model_cache import resolve_model  # noqa: E402
-from tandem.common.prompt_parts import EncoderPrompt  # noqa: E402
 from tandem.common.server import ServerOptions, Service, start_server  # noqa: E402
+from tandem.common.torch_part import shared_memory, tensors  # noqa: E402
+from tandem.common.torch_part.model_cache import resolve_model  # noqa: E402
+from tandem.common.torch_part.prompt_parts import EncoderPrompt  # noqa: E402
 from tandem.decoder.api.encoder_parts import EncoderParts  # noqa: E402
 from tandem.decoder.api.servicer import DecoderServicer  # noqa: E402
 from tandem.decoder.backends.cpu import copy_digest  # noqa: E402

@@ -60,7 +60,7 @@ from report import print_report, write_plot  # noqa: E402
 from subjects import Remote, TandemSubject, TransformersSubject  # noqa: E402
 from transport import transport_workload  # noqa: E402
 
-from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import default_model_file, resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.isa import best_level, this_cpu  # noqa: E402
 from tandem.decoder.backends.cpu.linear import can_prepack  # noqa: E402
 

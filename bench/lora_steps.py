@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lora_throughput import NUM_ADAPTERS, RANK, write_adapter  # noqa: E402
-from tandem.common.model_cache import resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.executor import CpuExecutor  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.backends.cpu.kernels import load_for_cpu  # noqa: E402

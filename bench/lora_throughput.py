@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_throughput import make_prompts  # noqa: E402
-from tandem.common.model_cache import resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402

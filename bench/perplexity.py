@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from passages import PARAGRAPHS, PASSAGES  # noqa: E402
 
-from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
-from tandem.common.prompt_parts import TextPrompt  # noqa: E402
+from tandem.common.torch_part.model_cache import default_model_file, resolve_model  # noqa: E402
+from tandem.common.torch_part.prompt_parts import TextPrompt  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402

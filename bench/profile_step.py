@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_throughput import StepTimer, build_engine, make_prompts  # noqa: E402
 from lora_throughput import RANK, write_adapter  # noqa: E402
 
-from tandem.common.model_cache import resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.build import this_machine_levels  # noqa: E402
 from tandem.decoder.backends.cpu.executor import CpuExecutor  # noqa: E402
 from tandem.decoder.backends.cpu.kernels import load  # noqa: E402

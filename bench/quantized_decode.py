@@ -33,7 +33,7 @@ from peer_runs import run_llama_cpp  # noqa: E402
 from report import activations_table, llama_table, quantized_table  # noqa: E402
 from subjects import Remote, TandemSubject  # noqa: E402
 
-from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import default_model_file, resolve_model  # noqa: E402
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.common.quantized_tensor import BLOCK, quantize
+from tandem.common.torch_part.quantized_tensor import BLOCK, quantize
 from tandem.decoder.backends.cpu.isa import this_cpu
 from tandem.decoder.backends.cpu.kernels import Kernels, load_for_cpu
 from tandem.decoder.backends.cpu.linear import CLinear, QuantLinear

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tandem.common.random_model import make_model  # noqa: E402
+from tandem.common.torch_part.random_model import make_model  # noqa: E402
 from tandem.decoder.distributed.parallel import ParallelContext, RankInfo, free_port, init_parallel  # noqa: E402
 from tandem.decoder.engine.step.batch import ForwardBatch  # noqa: E402
 from tandem.decoder.engine.step.runner import ModelRunner  # noqa: E402

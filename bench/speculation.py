@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_throughput import make_prompts  # noqa: E402
 from bench.passages import PARAGRAPHS, PASSAGES  # noqa: E402
-from tandem.common.model_cache import resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import resolve_model  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest  # noqa: E402
 from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt  # noqa: E402

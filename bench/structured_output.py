@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import default_model_file, resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt  # noqa: E402

@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.client import telemetry as otel  # noqa: E402
 from tandem.client.client import DecoderClient  # noqa: E402
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc  # noqa: E402
-from tandem.common.random_model import make_model  # noqa: E402
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server  # noqa: E402
+from tandem.common.torch_part.random_model import make_model  # noqa: E402
 from tandem.decoder.api.servicer import DecoderServicer  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.front.engine import Engine  # noqa: E402

@@ -1,8 +1,9 @@
 """Embedding transport: how fast [n, hidden] bf16 rows move as `tandem.v1.Tensor` messages.
 
 Two measures, per row count (`TRANSPORT_ROWS`, hidden 512 for bench-small, so 0.13 to 8.4 MB):
-- the codec alone: `tandem.common.tensors.encode` (tensor -> message, one copy), protobuf serialize + parse
-  (the bytes a channel carries), `tandem.common.tensors.decode` (validation and a zero-copy view);
+- the codec alone: `tandem.common.torch_part.tensors.encode` (tensor -> message, one copy), protobuf
+  serialize + parse (the bytes a channel carries), `tandem.common.torch_part.tensors.decode` (validation
+  and a zero-copy view);
 - the encoder's Embed RPC over loopback gRPC against a `python -m tandem.encoder` subprocess: token
   IDs in, [n, hidden] rows out, so the lookup, the server's encode and the client's parse are included.
 MB/s is 1e6 bytes of bf16 payload over the median time.
@@ -27,14 +28,15 @@ from decode_throughput import make_prompts  # noqa: E402
 from grpc_throughput import _free_port, wait_serving  # noqa: E402
 
 from tandem.client.client import EncoderClient  # noqa: E402
-from tandem.common import tensors  # noqa: E402
+from tandem.common.torch_part import tensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRANSPORT_ROWS = (128, 1024, 4096, 8192)
 
 
 def codec_rates(hidden_size: int, repeats: int) -> dict[int, dict[str, float]]:
-    """MB/s of `tandem.common.tensors` encode, protobuf serialize + parse, and decode, per row count."""
+    """MB/s of `tandem.common.torch_part.tensors` encode, protobuf serialize + parse, and decode, per row
+    count."""
     out = {}
     for rows in TRANSPORT_ROWS:
         x = torch.randn(rows, hidden_size).to(torch.bfloat16)  # [rows, hidden_size]

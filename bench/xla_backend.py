@@ -36,7 +36,7 @@ BUCKETS = dict(seq_buckets=(1, 8), token_buckets=(PROMPT_TOKENS,), block_table_b
 
 def run_one(device: str, num_devices: int, dtype: str, repeats: int) -> dict[str, object]:
     """One configuration in this process."""
-    from tandem.common.model_cache import resolve_model
+    from tandem.common.torch_part.model_cache import resolve_model
     from tandem.decoder.backends.cpu.isa import this_cpu
     from tandem.decoder.config import EngineConfig
     from tandem.decoder.engine.admission.prompt import GenerateSpec

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_throughput import make_prompts  # noqa: E402
-from tandem.common.model_cache import default_model_file, resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import default_model_file, resolve_model  # noqa: E402
 from tandem.decoder.config import EngineConfig  # noqa: E402
 from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402
 from tandem.decoder.engine.front.engine import Engine  # noqa: E402

@@ -30,7 +30,7 @@ done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .device/wheels "${pins[@]}"
 
-gguf=$("$PY" -c "from tandem.common.model_cache import default_model_file; print(default_model_file())")
+gguf=$("$PY" -c "from tandem.common.torch_part.model_cache import default_model_file; print(default_model_file())")
 sha256sum "$gguf" | cut -d' ' -f1 >.device/model-2/SHA256
 split -n 2 -d -a 1 "$gguf" .device/part-
 mv .device/part-0 .device/model-1/default-model.gguf.0

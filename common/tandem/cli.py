@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def make_model_command() -> click.Command:
     def make(dir: Path, shape: str, seed: int) -> int:
-        from tandem.common.random_model import make_model
+        from tandem.common.torch_part.random_model import make_model
 
         try:
             click.echo(make_model(dir, shape=shape, seed=seed))
@@ -124,7 +124,7 @@ def import_gguf_command() -> click.Command:
 
 
 def _import_gguf(file: Path, dir: Path, dtype: str) -> int:
-    from tandem.common.gguf_import import GGUFImportError, ImportProgress, import_gguf
+    from tandem.common.torch_part.gguf_import import GGUFImportError, ImportProgress, import_gguf
 
     def progress(p: ImportProgress) -> None:
         print(f"\rimporting {file.name}: {p.num_done}/{p.num_tensors} tensors", end="", file=sys.stderr)

@@ -25,7 +25,7 @@ from opentelemetry import trace
 from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.client.telemetry import Telemetry, setup_telemetry
-from tandem.common.model_cache import resolve_model
+from tandem.common.torch_part.model_cache import resolve_model
 
 
 def _free_port() -> int:

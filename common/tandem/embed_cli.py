@@ -129,7 +129,7 @@ async def _call(
     from tandem.cli_errors import CallFlags, failure
     from tandem.client.client import EncoderClient
     from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-    from tandem.common import tensors
+    from tandem.common.torch_part import tensors
 
     dtype = tensor_pb2.DATA_TYPE_UNSPECIFIED
     if values["dtype"] is not None:

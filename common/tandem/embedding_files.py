@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tandem.common.torch_dtypes import FLOAT_TORCH_DTYPES
+from tandem.common.torch_part.torch_dtypes import FLOAT_TORCH_DTYPES
 
 SUFFIXES = (".npy", ".safetensors")
 EMBEDDINGS_KEY = "embeddings"

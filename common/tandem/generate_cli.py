@@ -229,7 +229,7 @@ async def _prompt(
     from tandem.cli_errors import CallFlags, failure
     from tandem.client.client import EncoderClient
     from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-    from tandem.common import tensors
+    from tandem.common.torch_part import tensors
     from tandem.embedding_files import read_embeddings
 
     segments = []

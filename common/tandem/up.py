@@ -44,8 +44,8 @@ from tandem.common.flags import (
     run,
     server_security_settings,
 )
-from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
+from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.decoder.config import QUANTIZATIONS
 
 SERVICES = ("encoder", "decoder")
@@ -289,7 +289,7 @@ def import_once(config: UpConfig) -> Path:
     Both services would otherwise convert it at the same moment; they then find it in the cache.
     Raises ValueError (ModelNotFound, GGUFImportError) with one line.
     """
-    from tandem.common.model_cache import resolve_model
+    from tandem.common.torch_part.model_cache import resolve_model
 
     return resolve_model(config.model_dir, config.dtype or DEFAULT_DTYPE, say=_say)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.common.gguf_import import import_gguf
-from tandem.common.model_cache import default_model_file
-from tandem.common.random_model import make_model
+from tandem.common.torch_part.gguf_import import import_gguf
+from tandem.common.torch_part.model_cache import default_model_file
+from tandem.common.torch_part.random_model import make_model
 
 
 @pytest.fixture(scope="session")

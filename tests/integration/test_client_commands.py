@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tandem import cli
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.decoder.models.loader import LoadedModel
 from tests.integration.reliability.harness import Services
 

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from services.decoder.tests.models.helpers import PagedRun, greedy
-from tandem.common.gguf_import import import_gguf
-from tandem.common.model_cache import default_model_file
+from tandem.common.torch_part.gguf_import import import_gguf
+from tandem.common.torch_part.model_cache import default_model_file
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt

@@ -22,9 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.client.auth import load_tokens
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from tandem.common import tensors
-from tandem.common.random_model import make_model
 from tandem.common.server import TlsOptions
+from tandem.common.torch_part import tensors
+from tandem.common.torch_part.random_model import make_model
 from tandem.decoder.models.loader import LoadedModel
 from tests.integration.package_index import install
 from tests.integration.reliability.harness import Services

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem import cli
 from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from tandem.common.random_model import make_model
+from tandem.common.torch_part.random_model import make_model
 from tandem.up import UpConfig, serve_command
 from tests.integration.test_images import dockerfile_healthcheck_command
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart
+from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, PromptPart
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine

@@ -11,7 +11,7 @@ import torch
 
 from services.decoder.tests.engine.engine_helpers import run_concurrently
 from tandem.client.errors import InvalidArgument
-from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart
+from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, PromptPart
 from tandem.decoder.backends.backend import RecompileError
 from tandem.decoder.backends.xla import runtime
 from tandem.decoder.engine.admission.prompt import GenerateSpec

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.decoder.tests.engine.engine_helpers import run_concurrently
-from tandem.common.prompt_parts import TextPrompt
+from tandem.common.torch_part.prompt_parts import TextPrompt
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2
 
 from services.decoder.tests.engine.engine_helpers import run_concurrently
 from tandem.client.client import DecoderClient, Segment
-from tandem.common import tensors
-from tandem.common.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
+from tandem.common.torch_part import tensors
+from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
 from tandem.decoder.distributed.parallel import free_port
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec

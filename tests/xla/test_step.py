@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.common.prompt_parts import PromptPart
+from tandem.common.torch_part.prompt_parts import PromptPart
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.params import StoppingParams

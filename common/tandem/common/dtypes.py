@@ -1,7 +1,7 @@
 """The one table of Tandem's dtypes: each one's name, its wire enum and its size. Torch-free.
 
 Every other list of dtypes is derived from this table: the wire codec's torch dtypes
-(`torch_dtypes.py`, the one place a name becomes a `torch.dtype`), the `--dtype` choices of the
+(`torch_part/torch_dtypes.py`, the one place a name becomes a `torch.dtype`), the `--dtype` choices of the
 services, the CLI and the GGUF import, the gateway's JSON dtypes and the encoder's output dtypes.
 The gateway and the torch-free parts of the contract read it without importing torch.
 """

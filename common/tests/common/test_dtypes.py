@@ -6,7 +6,7 @@ import torch
 
 from tandem.client.pb.tandem.v1 import tensor_pb2
 from tandem.common import dtypes
-from tandem.common.torch_dtypes import BY_TORCH, COMPUTE_DTYPES, FLOAT_TORCH_DTYPES, TORCH_DTYPES
+from tandem.common.torch_part.torch_dtypes import BY_TORCH, COMPUTE_DTYPES, FLOAT_TORCH_DTYPES, TORCH_DTYPES
 
 
 def test_every_wire_dtype_of_the_proto_is_in_the_table_under_its_enum_name() -> None:

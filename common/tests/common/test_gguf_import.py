@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from common.tests.common.gguf_files import small_model, write_gguf
-from tandem.common.gguf_import import GGUFImportError, import_gguf
+from tandem.common.torch_part.gguf_import import GGUFImportError, import_gguf
 
 Q = gguf.GGMLQuantizationType
 REPO_ROOT = Path(__file__).resolve().parents[3]

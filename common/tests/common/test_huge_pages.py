@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.common import huge_pages
-from tandem.common.huge_pages import HUGE_PAGE
+from tandem.common.torch_part import huge_pages
+from tandem.common.torch_part.huge_pages import HUGE_PAGE
 
 
 def _vm_flags(address: int) -> set[str]:

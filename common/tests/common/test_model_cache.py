@@ -9,8 +9,13 @@ from tokenizers import Tokenizer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from common.tests.common.gguf_files import write_gguf
-from tandem.common import model_cache
-from tandem.common.model_cache import ModelNotFound, default_model_file, model_display_name, resolve_model
+from tandem.common.torch_part import model_cache
+from tandem.common.torch_part.model_cache import (
+    ModelNotFound,
+    default_model_file,
+    model_display_name,
+    resolve_model,
+)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import torch
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.client.pb.tandem.v1 import tensor_pb2
-from tandem.common.prompt_parts import (
+from tandem.common.torch_part.prompt_parts import (
     EmbeddingPrompt,
     TextPrompt,
     check_part,

@@ -1,4 +1,4 @@
-"""Quantized weights' form (common/quantized_tensor.py): the storage layout the CPU kernels read,
+"""Quantized weights' form (common/torch_part/quantized_tensor.py): the storage layout the CPU kernels read,
 lookups of rows, and rounding a dense weight per block, per group or per output channel."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.common.quantized_tensor import (
+from tandem.common.torch_part.quantized_tensor import (
     BLOCK,
     SCHEMES,
     cat_rows,

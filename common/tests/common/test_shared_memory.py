@@ -14,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tandem.common import shared_memory as shm
+from tandem.common.torch_part import shared_memory as shm
 
 
 def _gf_multiply(x: int, y: int) -> int:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import tensor_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -152,7 +152,7 @@ def test_random_garbage_either_decodes_consistently_or_raises_invalid_argument(d
 @pytest.fixture
 def reader(tmp_path):
     """The reader's mappings of the segments it is given."""
-    from tandem.common import shared_memory as shm
+    from tandem.common.torch_part import shared_memory as shm
 
     made = shm.SegmentMaps(tmp_path)
     yield made
@@ -164,7 +164,7 @@ def _shared(tmp_path, reader, rows: torch.Tensor, dtype: torch.dtype | None = No
     the handle, the reader's open segment, the key and the writer's mapping."""
     import os
 
-    from tandem.common import shared_memory as shm
+    from tandem.common.torch_part import shared_memory as shm
 
     name, key = shm.new_name(shm.SEGMENT_PREFIX), os.urandom(32)
     segment = shm.PooledSegment.create(tmp_path, tensors.shared_num_bytes(rows, dtype) + spare)

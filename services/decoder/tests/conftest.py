@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from common.tests.fixtures import environ, smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures, by name)
 from services.decoder.tests.fixtures import tiny_fp32  # noqa: F401
-from tandem.common.random_model import train_tokenizer
+from tandem.common.torch_part.random_model import train_tokenizer
 from tandem.decoder.models.loader import load_model
 
 from .models.helpers import save_hf_checkpoint

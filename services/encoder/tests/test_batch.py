@@ -12,7 +12,7 @@ from PIL import Image
 
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, tensors
 from tandem.encoder.batch import EmbedOutput, run_batch
 from tandem.encoder.embedder import EmbedderInfo, Pooling
 from tandem.encoder.request import EmbedJob, ImageJob

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.common.model_cache import default_model_file
+from tandem.common.torch_part.model_cache import default_model_file
 from tandem.encoder.__main__ import config_from_args, main
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import Pooling

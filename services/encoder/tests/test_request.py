@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.client.errors import InvalidArgument
-from tandem.common.prompt_parts import TextPrompt
+from tandem.common.torch_part.prompt_parts import TextPrompt
 from tandem.encoder.embedder import EmbedderInfo, Pooling
 from tandem.encoder.request import RESPONSE_OVERHEAD_BYTES, EmbedSpec, build_job
 

@@ -9,8 +9,8 @@ import torch
 from services.encoder.tests.helpers import write_prompt_adapter
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common import tensors
 from tandem.common.server import ServerOptions
+from tandem.common.torch_part import tensors
 from tandem.encoder.__main__ import main
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderInfo, Pooling

@@ -13,7 +13,7 @@ import torch
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, tensors
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.loader import load_embedder
 from tandem.encoder.servicer import EncoderServicer

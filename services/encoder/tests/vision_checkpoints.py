@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from tandem.common.random_model import EOS_TOKEN, train_tokenizer
+from tandem.common.torch_part.random_model import EOS_TOKEN, train_tokenizer
 
 IMAGE_TOKEN = "<image>"
 # llava-1.5-hf's template: images first, then text (`generation` marks text for training masks).

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tests.integration.decoder.conftest import Served, serve, shutdown
 

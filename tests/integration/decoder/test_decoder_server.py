@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams

@@ -20,8 +20,8 @@ import torch
 
 from tandem.client.client import EncoderPart
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
-from tandem.common import shared_memory
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.common.torch_part import shared_memory
 from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.shared_segments import SharedSegments

@@ -17,7 +17,7 @@ import torch
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter, peft_greedy
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.common.random_model import make_model
+from tandem.common.torch_part.random_model import make_model
 
 from .conftest import Served, serve, shutdown
 

@@ -16,7 +16,7 @@ import torch
 
 from tandem.client.client import structured_output
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tests.integration.decoder.conftest import Served
 
 S = {"type": "string", "maxLength": 8}

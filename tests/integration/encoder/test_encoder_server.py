@@ -9,7 +9,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.encoder.embedder import Pooling
 from tandem.encoder.lookup import LookupEmbedder
 from tests.integration.encoder.conftest import (

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.embedding_files import read_embeddings
 from tests.integration.package_index import install
 from tests.integration.vision.conftest import Split

@@ -12,7 +12,7 @@ from PIL import Image
 
 from tandem.client.client import ImageRows
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tests.integration.vision.conftest import Split
 
 QUESTION = "What is in the picture?"

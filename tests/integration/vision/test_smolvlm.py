@@ -13,7 +13,7 @@ from PIL import Image
 
 from services.encoder.tests.smolvlm_checkpoint import make_smolvlm
 from tandem.client.client import EncoderClient
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.decoder.models.loader import load_model
 from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 from tests.integration.decoder.conftest import serve, shutdown

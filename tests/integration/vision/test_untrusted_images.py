@@ -18,7 +18,7 @@ from PIL import Image, ImageFile
 
 from tandem.client.client import EncoderClient
 from tandem.client.pb.tandem.v1 import encoder_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 from tests.integration.encoder.conftest import Encoder, start_encoder, stop_encoder
 from tests.integration.vision.conftest import MAX_MESSAGE_BYTES, encoder_config

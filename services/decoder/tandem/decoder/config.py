@@ -14,10 +14,10 @@ from pathlib import Path
 from tandem.client.errors import ConfigError, InvalidArgument
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.model_name import check_adapter_name
-from tandem.common.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
-from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import ServerOptions
-from tandem.common.torch_dtypes import BY_TORCH
+from tandem.common.torch_part.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
+from tandem.common.torch_part.quantized_tensor import SCHEMES
+from tandem.common.torch_part.torch_dtypes import BY_TORCH
 from tandem.decoder.backends import backend as backends
 from tandem.decoder.backends.cpu.kernel_choice import AUTO as AUTO_KERNELS
 from tandem.decoder.backends.cpu.kernel_choice import CPU_KERNELS, KernelOptions
@@ -43,7 +43,8 @@ class EngineConfig:
     # "gguf": the linears and the token table served as the GGUF file `quantized_from` stores them
     # (models/gguf_weights.py); "int8" / "int4": rounded from model_dir's weights at load, int8 with
     # one scale per output channel, int4 with a scale and an offset per `quantization_group_size`
-    # inputs (common/quantized_tensor.py); "none": model_dir's dense weights. Activations stay `dtype`.
+    # inputs (common/torch_part/quantized_tensor.py); "none": model_dir's dense weights. Activations
+    # stay `dtype`.
     quantization: str = "none"
     quantized_from: Path | None = None
     quantization_group_size: int = QUANTIZATION_BLOCK  # int4 only: a multiple of 32
@@ -254,7 +255,7 @@ class EngineConfig:
 MAX_LORA_LIMITS = {"max_loras": 256, "max_lora_rank": 512}
 
 # --quantization: "gguf" serves a GGUF file's own Q4_0 / Q4_1 / Q8_0 weights (others re-quantized once);
-# "int8" and "int4" round a dense checkpoint's (common/quantized_tensor.py's SCHEMES).
+# "int8" and "int4" round a dense checkpoint's (common/torch_part/quantized_tensor.py's SCHEMES).
 QUANTIZATIONS = ("none", "gguf", *SCHEMES)
 # --quantized-activations: the quantized linears' inputs in --dtype, or rounded to int8 per 32.
 QUANTIZED_ACTIVATIONS = ("none", "int8")

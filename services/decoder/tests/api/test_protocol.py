@@ -7,7 +7,7 @@ import pytest
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.decoder.api.protocol import event_to_pb, spec_from_pb
 from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
@@ -70,7 +70,7 @@ def test_a_chat_parts_tensor_errors_name_the_part_not_a_prompt_segment() -> None
 
 def test_an_encoder_part_is_converted_unfetched_and_an_empty_one_names_its_field() -> None:
     from tandem.client.pb.tandem.v1 import encoder_pb2
-    from tandem.common.prompt_parts import EncoderPrompt
+    from tandem.common.torch_part.prompt_parts import EncoderPrompt
 
     request = decoder_pb2.GenerateRequest(
         prompt=[

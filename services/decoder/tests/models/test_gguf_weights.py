@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from common.tests.common.gguf_files import small_model, write_gguf
-from tandem.common.gguf_import import import_gguf
+from tandem.common.torch_part.gguf_import import import_gguf
 from tandem.decoder.backends.cpu.executor import CpuExecutor
 from tandem.decoder.backends.cpu.kernels import load_for_cpu
 from tandem.decoder.models.loader import ModelLoadError, load_model

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from common.tests.common.gguf_files import WRITABLE_TYPES, Q, small_model, write_gguf
-from tandem.common.gguf_import import import_gguf
+from tandem.common.torch_part.gguf_import import import_gguf
 from tandem.decoder.models.loader import load_model
 
 from .helpers import greedy

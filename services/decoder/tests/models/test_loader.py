@@ -74,7 +74,7 @@ def test_kv_cache_is_allocated_per_layer_in_the_model_dtype(checkpoints: dict[st
     assert all(
         t.shape == (2, 10, 16, c.num_kv_heads, c.head_dim) and t.dtype == torch.bfloat16 for t in caches
     )
-    # On the CPU the layers are contiguous views of one zeroed pool (common/huge_pages.py): a write
+    # On the CPU the layers are contiguous views of one zeroed pool (common/torch_part/huge_pages.py): a write
     # to one layer's cache is not seen by another's.
     assert all(t.is_contiguous() and t.count_nonzero() == 0 for t in caches)
     caches[0].fill_(1.0)

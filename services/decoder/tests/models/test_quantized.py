@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.tests.common.test_quantized_tensor import q4
-from tandem.common.quantized_tensor import pack, quantize_scheme, quantize_table
+from tandem.common.torch_part.quantized_tensor import pack, quantize_scheme, quantize_table
 from tandem.decoder.models import quantized
 from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear

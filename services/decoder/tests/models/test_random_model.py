@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.common.random_model import (
+from tandem.common.torch_part.random_model import (
     CORPUS_PATH,
     EOS_TOKEN,
     SPECIAL_TOKENS,

@@ -22,8 +22,8 @@ import click
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
-from tandem.common.model_cache import resolve_model
 from tandem.common.server import check_port_free, start_server, stop_on_signals
+from tandem.common.torch_part.model_cache import resolve_model
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderLoadError
 from tandem.encoder.loader import load_embedder

@@ -16,7 +16,7 @@ import torch
 
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import tensor_pb2
-from tandem.common import tensors
+from tandem.common.torch_part import tensors
 from tandem.encoder.embedder import Embedder, EmbedsInto, Pooling, mean_pool
 from tandem.encoder.request import EmbedJob, ImageJob, check_reply_size
 from tandem.encoder.vision.image_bytes import decode_image

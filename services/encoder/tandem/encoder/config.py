@@ -14,10 +14,10 @@ import torch
 
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.quantized_tensor import SCHEMES
 from tandem.common.server import ServerOptions
-from tandem.common.shared_memory import SHM_DIR
-from tandem.common.torch_dtypes import COMPUTE_DTYPES
+from tandem.common.torch_part.quantized_tensor import SCHEMES
+from tandem.common.torch_part.shared_memory import SHM_DIR
+from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 from tandem.encoder.embedder import Pooling
 
 EMBEDDERS = ("lookup", "soft-prompt", "projector")

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tandem.common import checkpoint, text_bounds
-from tandem.common.quantized_tensor import quantize_table
+from tandem.common.torch_part.quantized_tensor import quantize_table
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, read_tensor
 
 EMBED_KEY = "model.embed_tokens.weight"

@@ -12,7 +12,7 @@ import click
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.flags import PATH, Setting, default_of, server_options, server_settings
-from tandem.common.model_cache import default_model_file, model_display_name
+from tandem.common.torch_part.model_cache import default_model_file, model_display_name
 from tandem.encoder.config import DEFAULT_PORT, EMBEDDERS, QUANTIZATIONS, EncoderConfig
 from tandem.encoder.embedder import Pooling
 

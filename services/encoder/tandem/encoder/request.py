@@ -5,7 +5,8 @@ cannot map). `build_job` checks every rule, once, cheapest first, with errors th
 field: the request id; an input set and not empty; text that cannot fit refused from its length
 before it is tokenized (tokenizing 30 MB took 27 s and 4 GB it never gave back); then the
 positions against max_input_tokens, the IDs against the vocabulary and the reply's size against
-max_message_bytes. The rules on the input are `tandem.common.prompt_parts`'s, the decoder's as well.
+max_message_bytes. The rules on the input are `tandem.common.torch_part.prompt_parts`'s, the decoder's as
+well.
 An image is only checked for what costs nothing here (images accepted, its byte count): it is decoded
 in its batch (`batch.py`), off the event loop, once every rule on its size (pixels, the resize, the
 span) has passed on its header.
@@ -20,8 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
-from tandem.common.prompt_parts import TextPrompt, check_part, check_token_ids, num_positions_at_least
 from tandem.common.text_bounds import check_fits
+from tandem.common.torch_part.prompt_parts import (
+    TextPrompt,
+    check_part,
+    check_token_ids,
+    num_positions_at_least,
+)
 from tandem.common.wire_limits import check_request_id
 from tandem.encoder.embedder import Embedder, Pooling
 from tandem.encoder.shared_segments import SharedTarget

@@ -32,11 +32,11 @@ import torch
 from tandem.client import telemetry as otel
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
-from tandem.common import tensors
 from tandem.common.dtypes import FLOAT_DATA_TYPES
 from tandem.common.model_name import check_model
-from tandem.common.prompt_parts import TextPrompt
 from tandem.common.server import Service
+from tandem.common.torch_part import tensors
+from tandem.common.torch_part.prompt_parts import TextPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.encoder.batch import EmbedOutput, run_batch
 from tandem.encoder.batcher import Batcher

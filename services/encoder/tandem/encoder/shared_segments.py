@@ -1,7 +1,7 @@
 """The encoder's shared-memory segments: an Embed reply's rows for a caller on this host.
 
 A call whose `shared_memory` offer proves it shares this host's /dev/shm and user
-(`tandem.common.shared_memory`) gets a `SharedTarget`; its batch writes the rows into a segment of
+(`tandem.common.torch_part.shared_memory`) gets a `SharedTarget`; its batch writes the rows into a segment of
 the pool and answers with the handle instead of the bytes. An embedder that can (`EmbedsInto`: a
 lookup's gather) writes them straight into the segment, given a view of it (`write_with`): the copy
 of rows made elsewhere first (`write`) is a pass over them of its own, a sixth of a 4.7 MB move.
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, tensors
 
 log = logging.getLogger(__name__)
 

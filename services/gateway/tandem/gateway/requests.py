@@ -5,7 +5,7 @@ is refused here exactly as over gRPC, with the services' field paths translated 
 Tandem's extension, in a prompt or a message's content: a part
 `{"type": "tandem_embeddings", "embeddings": {"dtype": "bfloat16" | "float16" | "float32",
 "shape": [n, hidden], "data": "<base64 of the raw little-endian bytes>"}}` becomes an embeddings part,
-checked by the decoder exactly as a gRPC Tensor is (`tandem.common.tensors`); nothing is ever
+checked by the decoder exactly as a gRPC Tensor is (`tandem.common.torch_part.tensors`); nothing is ever
 unpickled or `torch.load`ed. `{"type": "tandem_image_embeddings", ...}` is the same rows as an image part
 (the encoder's output for an image; the template places it). OpenAI's own image part, `image_url`
 with a data: URL, is sent to the encoder first and its rows placed the same way; or, when the decoder

@@ -12,9 +12,10 @@ A fetch, on the event loop:
 2. An Embed call with the caller's deadline (at most MAX_FETCH_S), bearer token and trace context
    (the telemetry's interceptor carries the decoder's span; without it the caller's own
    `traceparent` is passed on), asking for the model's dtype, so the rows need no cast here. Where this
-   decoder could make its probe file, the call offers shared memory (`tandem.common.shared_memory`):
-   an encoder on the same host writes the rows into the segment the offer named, and any other
-   encoder ignores the offer and sends bytes. Negotiated per call, never configured.
+   decoder could make its probe file, the call offers shared memory
+   (`tandem.common.torch_part.shared_memory`): an encoder on the same host writes the rows into the
+   segment the offer named, and any other encoder ignores the offer and sends bytes. Negotiated per
+   call, never configured.
 3. The reply: a handle is read only if it names the segment this call asked for; the segment is
    opened, checked (dtype, shape, bounds), its rows copied into this process (through this decoder's
    mapping of the encoder's pool segment, made the first time it is given one and kept:
@@ -54,9 +55,9 @@ from tandem.client.errors import (
     Unavailable,
 )
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common import shared_memory, tensors
 from tandem.common.dtypes import BY_WIRE
-from tandem.common.prompt_parts import EncoderPrompt, PromptPart
+from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
 from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.engine.admission.chat import ChatMessage

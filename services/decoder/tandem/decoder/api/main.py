@@ -29,8 +29,8 @@ from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
-from tandem.common.model_cache import is_gguf_file, resolve_model
 from tandem.common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
+from tandem.common.torch_part.model_cache import is_gguf_file, resolve_model
 from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.api.options import config_from_options, settings
 from tandem.decoder.api.servicer import DecoderServicer

@@ -15,7 +15,7 @@ import click
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.flags import BOOL, PATH, SIZES, Setting, default_of, server_options, server_settings
-from tandem.common.model_cache import default_model_file, model_display_name
+from tandem.common.torch_part.model_cache import default_model_file, model_display_name
 from tandem.decoder.backends.backend import resolve
 from tandem.decoder.backends.cpu.kernel_choice import CPU_KERNELS
 from tandem.decoder.config import (

@@ -3,7 +3,7 @@
 Every request rule is checked once, by the engine's request building (`engine/admission/prompt.py`), so the
 in-process API rejects exactly what the wire rejects. What fails here is only what cannot be
 converted: a segment with nothing set, or an embedding tensor whose bytes do not match its dtype and
-shape (`tandem.common.tensors`). An `encoder` part becomes an EncoderPrompt whose rows are not
+shape (`tandem.common.torch_part.tensors`). An `encoder` part becomes an EncoderPrompt whose rows are not
 fetched yet (`encoder_parts.py` starts the fetch; a decoder without an encoder refuses it). Errors
 name the field the way the proto does, e.g. `prompt[2].embeddings`.
 """
@@ -17,8 +17,8 @@ from google.protobuf import json_format
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
-from tandem.common import tensors
-from tandem.common.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
+from tandem.common.torch_part import tensors
+from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.outputs.outputs import (

@@ -19,9 +19,9 @@ import grpc
 from tandem.client import telemetry as otel
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
-from tandem.common import tensors
 from tandem.common.model_name import check_adapter_name, check_model
-from tandem.common.prompt_parts import EmbeddingPrompt
+from tandem.common.torch_part import tensors
+from tandem.common.torch_part.prompt_parts import EmbeddingPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.decoder.api import protocol
 from tandem.decoder.api.caller import caller_of

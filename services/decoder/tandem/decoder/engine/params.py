@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from tandem.client.errors import InvalidArgument
-from tandem.common.prompt_parts import check_token_id, check_token_ids
+from tandem.common.torch_part.prompt_parts import check_token_id, check_token_ids
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256

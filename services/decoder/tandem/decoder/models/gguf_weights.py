@@ -1,6 +1,6 @@
 """A GGUF file's own quantized weights, for `--quantization gguf`: every linear and the token table.
 
-The checkpoint directory imported from the file (common/gguf_import.py) gives the model its config,
+The checkpoint directory imported from the file (common/torch_part/gguf_import.py) gives the model its config,
 tokenizer, norms and dense weights; this reads the file's linear weights again, as stored:
 - Q4_0 (d (q - 8)), Q4_1 (d q + m) and Q8_0 (d q) blocks are served as they are (models/quantized.py's
   form: the same codes and fp16 scales, every value computed as GGUF computes it);
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.common.gguf_import import gguf_name, unpermute_rows
-from tandem.common.quantized_tensor import BLOCK, QuantizedTensor, cat_rows, pack, quantize
+from tandem.common.torch_part.gguf_import import gguf_name, unpermute_rows
+from tandem.common.torch_part.quantized_tensor import BLOCK, QuantizedTensor, cat_rows, pack, quantize
 from tandem.decoder.models.quantized import quantizable
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from tokenizers import Tokenizer
 from tandem.common import vision_language
 from tandem.common.checkpoint import read_json
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
-from tandem.common.torch_dtypes import COMPUTE_DTYPES
+from tandem.common.torch_part.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
+from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 from tandem.decoder.models import quantized
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.gguf_weights import read_quantized

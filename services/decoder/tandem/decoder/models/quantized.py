@@ -1,5 +1,5 @@
 """The modules that replace a model's linears and token table when its weights are quantized, and
-`apply`, which swaps them in. The weights' form is common/quantized_tensor.py's.
+`apply`, which swaps them in. The weights' form is common/torch_part/quantized_tensor.py's.
 
 `QuantizedLinear`'s forward (the reference the CPU kernels are tested against) and
 `QuantizedEmbedding`'s lookup rebuild the values they need per call, in fp32, rounded to the model's
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.common.quantized_tensor import QuantizedTensor, quantize_scheme, quantize_table
+from tandem.common.torch_part.quantized_tensor import QuantizedTensor, quantize_scheme, quantize_table
 from tandem.decoder.models.config import ModelConfig
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.common import huge_pages
-from tandem.common.quantized_tensor import QuantizedTensor
+from tandem.common.torch_part import huge_pages
+from tandem.common.torch_part.quantized_tensor import QuantizedTensor
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.kernels import PLAIN, LayerKernels, ModelKernels
@@ -328,7 +328,7 @@ class DecoderModel(nn.Module):
         shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)
         device = self.device
         if device.type == "cpu":
-            # One pool in 2 MiB pages (common/huge_pages.py: a step's scattered block reads), each
+            # One pool in 2 MiB pages (common/torch_part/huge_pages.py: a step's scattered block reads), each
             # layer's cache a contiguous view of it.
             pool = huge_pages.empty(c.num_layers * math.prod(shape), c.dtype).zero_()
             layers = pool.view(c.num_layers, *shape)

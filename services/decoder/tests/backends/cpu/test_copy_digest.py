@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.client.errors import InvalidArgument
-from tandem.common import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, tensors
 from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernels import Kernels

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.common.model_cache import resolve_model
-from tandem.common.quantized_tensor import quantize
+from tandem.common.torch_part.model_cache import resolve_model
+from tandem.common.torch_part.quantized_tensor import quantize
 from tandem.decoder.backends.cpu.executor import CpuExecutor, choose_linears
 from tandem.decoder.backends.cpu.linear import has_onednn_bf16
 from tandem.decoder.config import EngineConfig

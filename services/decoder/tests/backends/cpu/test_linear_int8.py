@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.decoder.tests.backends.cpu.test_linear_quant import KINDS
-from tandem.common.quantized_tensor import BLOCK, QuantizedTensor
+from tandem.common.torch_part.quantized_tensor import BLOCK, QuantizedTensor
 from tandem.decoder.backends.cpu import isa
 from tandem.decoder.backends.cpu.kernels import Kernels, load
 from tandem.decoder.backends.cpu.linear import QuantLinear

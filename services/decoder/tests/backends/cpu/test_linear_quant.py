@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.common.quantized_tensor import BLOCK as QUANT_BLOCK
-from tandem.common.quantized_tensor import pack
+from tandem.common.torch_part.quantized_tensor import BLOCK as QUANT_BLOCK
+from tandem.common.torch_part.quantized_tensor import pack
 from tandem.decoder.backends.cpu.kernels import Kernels
 from tandem.decoder.backends.cpu.linear import CLinear, QuantLinear
 

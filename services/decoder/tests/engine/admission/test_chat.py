@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
-from tandem.common.prompt_parts import EmbeddingPrompt, TextPrompt
+from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, TextPrompt
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, ChatTemplate
 
 # A second template family with other control tokens (Llama 3's layout).

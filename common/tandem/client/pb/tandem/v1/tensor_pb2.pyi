@@ -119,7 +119,7 @@ class SharedTensor(_message.Message):
     digest: _builtins.bytes
     """16 bytes: the keyed digest of the prod(shape) * itemsize bytes at `offset`, under the caller's
     SharedMemoryOffer.digest_key: AES-256-GMAC with a nonce of 12 zero bytes (the key is never reused;
-    common/tandem/common/shared_memory.py).
+    common/tandem/common/torch_part/shared_memory.py).
     """
     lease_s: _builtins.float
     """Seconds the segment is kept for its reader after the reply was made; the encoder then removes the

@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from tandem.common import shared_memory
+from tandem.common.torch_part import shared_memory
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernels import Kernels, load_for_cpu
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-from tandem.common.quantized_tensor import QuantizedTensor
+from tandem.common.torch_part.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu import kernel_choice
 from tandem.decoder.backends.cpu.attention import CpuPagedAttention
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu

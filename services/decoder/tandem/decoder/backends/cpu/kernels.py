@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from tandem.common import huge_pages
-from tandem.common.quantized_tensor import QuantizedTensor
+from tandem.common.torch_part import huge_pages
+from tandem.common.torch_part.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu.build import Level, build_id, module_name
 from tandem.decoder.backends.cpu.isa import CpuInfo, best_level, this_cpu
 from tandem.decoder.backends.cpu.limits import Limits, fits

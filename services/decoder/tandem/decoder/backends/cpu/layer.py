@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tandem.common.quantized_tensor import QuantizedTensor
+from tandem.common.torch_part.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelWeight, is_plain
 from tandem.decoder.backends.cpu.lora import LayerCLora, check_slots, functions
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention

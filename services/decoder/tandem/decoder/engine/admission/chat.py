@@ -42,7 +42,7 @@ import tokenizers
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common import vision_language
-from tandem.common.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
+from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.admission.template_worker import TemplateFailed, TemplateWorkers
 
 ROLES = ("system", "user", "assistant", "tool")

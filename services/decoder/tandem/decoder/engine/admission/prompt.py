@@ -4,7 +4,7 @@ The servicer converts protos into a GenerateSpec (conversion only); `build_reque
 request rule against the model, once, with errors that name the request field, tokenizes text, casts
 embedding rows to the model dtype and digests them for prefix caching. The gRPC and the in-process
 fronts therefore reject exactly the same requests. The rules on one piece of prompt are
-`tandem.common.prompt_parts`'s, shared by `prompt` segments, chat messages and the encoder.
+`tandem.common.torch_part.prompt_parts`'s, shared by `prompt` segments, chat messages and the encoder.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import tokenizers
 import torch
 
 from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from tandem.common import tensors
 from tandem.common.model_name import check_adapter_name
-from tandem.common.prompt_parts import (
+from tandem.common.text_bounds import check_fits
+from tandem.common.torch_part import tensors
+from tandem.common.torch_part.prompt_parts import (
     EmbeddingPrompt,
     EncoderPrompt,
     PromptPart,
@@ -33,7 +34,6 @@ from tandem.common.prompt_parts import (
     field_of,
     num_positions_at_least,
 )
-from tandem.common.text_bounds import check_fits
 from tandem.common.wire_limits import check_request_id
 from tandem.decoder.config import MAX_SPECULATIVE_TOKENS
 from tandem.decoder.engine.admission.chat import ROLES as CHAT_ROLES
@@ -45,7 +45,8 @@ from tandem.decoder.engine.sampling import structured
 from tandem.decoder.engine.sampling.structured import GrammarCompiler
 from tandem.decoder.models.config import ModelConfig
 
-# The prompt-part types are tandem.common.prompt_parts's; callers of the engine take them from here.
+# The prompt-part types are tandem.common.torch_part.prompt_parts's; callers of the engine take them
+# from here.
 __all__ = [
     "EmbeddingPrompt",
     "EncoderPrompt",

