@@ -298,3 +298,57 @@ def test_no_gateway_module_imports_torch_or_numpy_even_lazily() -> None:
         offenders += [f"{module}: {n}" for n in imports(module) if n.split(".")[0] in ("torch", "numpy")]
         pending.extend(project_imports(module))
     assert offenders == []
+
+
+# The contract's part that needs torch or numpy (common/pyproject.toml's `tensors` extra); everything
+# else of tandem.common and tandem.client is what the gateway and a torch-free install load.
+TORCH_PART = "tandem.common.torch_part"
+TENSORS_EXTRA = ("torch", "numpy", "safetensors", "gguf", "cryptography")
+TORCH_FREE_CONTRACT = tuple(
+    sorted(
+        m
+        for m in modules()
+        if m.split(".")[:2] in (["tandem", "common"], ["tandem", "client"])
+        and m != TORCH_PART
+        and not m.startswith(f"{TORCH_PART}.")
+    )
+)
+# Any import of a blocked package fails, as it would where the `tensors` extra is not installed.
+_IMPORT_BLOCKED = """
+import importlib, sys
+blocked = set(sys.argv[1].split(","))
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ImportError(f"{name} is blocked")
+sys.meta_path.insert(0, Blocked())
+for name in sys.argv[2:]:
+    importlib.import_module(name)
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & blocked)))
+"""
+
+
+def test_the_contract_outside_its_torch_part_imports_no_tensor_library_even_lazily() -> None:
+    # Read from the source, so that an import inside a function counts; importing the torch part
+    # would bring the same libraries in, so it counts too.
+    offenders = []
+    for module in TORCH_FREE_CONTRACT:
+        offenders += [f"{module}: {n}" for n in imports(module) if n.split(".")[0] in TENSORS_EXTRA]
+        offenders += [f"{module}: {n}" for n in project_imports(module) if n.startswith(TORCH_PART)]
+    assert TORCH_FREE_CONTRACT  # the list is read from the tree: an empty one would check nothing
+    assert offenders == []
+
+
+def test_every_module_of_the_contract_outside_its_torch_part_loads_with_the_tensor_libraries_blocked() -> (
+    None
+):
+    # In a fresh interpreter (nothing pytest loaded can hide an import), and by sys.modules, which
+    # also sees a third-party library that pulls one of them in.
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_BLOCKED, ",".join(TENSORS_EXTRA), *TORCH_FREE_CONTRACT],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == []
