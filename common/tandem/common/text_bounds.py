@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from typing import Any
-
-import tokenizers
+from typing import TYPE_CHECKING, Any
 
 from tandem.client.errors import InvalidArgument
+
+if TYPE_CHECKING:  # the tokenizer is the caller's: the contract needs no tokenizers wheel to load
+    import tokenizers
 
 
 def max_token_chars(tokenizer: tokenizers.Tokenizer) -> int:
