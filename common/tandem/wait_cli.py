@@ -53,5 +53,8 @@ def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:
         said = "; ".join(f"{target}: {reason}" for target, reason in waiting.items())
         print(f"{PROG}: not serving after {timeout_s:g} s: {said}", file=sys.stderr)
         return 1
-    print(f"serving: {', '.join(probe.targets)}")
+    # One write for the whole line: `tandem up &` prints to the same terminal or pipe at this moment,
+    # and print()'s separate write of the newline (stdout unbuffered) let its line land inside ours.
+    sys.stdout.write(f"serving: {', '.join(probe.targets)}\n")
+    sys.stdout.flush()
     return 0
