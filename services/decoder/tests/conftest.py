@@ -100,7 +100,7 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _build_checkpoint(name: str, out_dir: Path, tokenizer_file: Path, **save_kwargs: Any) -> Checkpoint:
     hf_class, config, drop_keys = VARIANTS[name]
     torch.manual_seed(0)
-    hf_model = hf_class(config).eval()
+    hf_model = hf_class(config).train(False)
     with torch.no_grad():
         for n, p in hf_model.named_parameters():
             # transformers starts biases at 0 and norm weights at 1; random values show ours are used.

@@ -80,7 +80,7 @@ def make_smolvlm(
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         scale_factor=SCALE_FACTOR,
     )
-    model = Idefics3ForConditionalGeneration(config).eval()
+    model = Idefics3ForConditionalGeneration(config).train(False)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     image_processor = Idefics3ImageProcessorPil(

@@ -55,7 +55,7 @@ class Checkpoint:
         self.processor = transformers.AutoProcessor.from_pretrained(model_dir)
         self.model = transformers.Idefics3ForConditionalGeneration.from_pretrained(
             model_dir, dtype=torch.float32
-        ).eval()
+        ).train(False)
 
     def reference(self, image: Image.Image) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """transformers' pixels [tiles, 3, side, side], the span's token IDs, and its rows of the

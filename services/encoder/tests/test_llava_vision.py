@@ -32,7 +32,7 @@ def test_image_rows_are_transformers_image_features(name: str, tmp_path: Path) -
     ours = VisionLanguageEmbedder.load(model_dir, torch.float32)
     prepared = ours.prepare_image(picture)
     rows = ours.embed_images([prepared])[0]
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).train(False)
     with torch.no_grad():
         features = model.get_image_features(pixel_values=prepared.pixels)
     features = getattr(features, "pooler_output", features)

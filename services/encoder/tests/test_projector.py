@@ -95,7 +95,7 @@ def test_hidden_states_match_transformers(embedder: ProjectorEmbedder, minilm_di
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(minilm_dir), local_files_only=True)
-    model = AutoModel.from_pretrained(str(minilm_dir), local_files_only=True).eval()
+    model = AutoModel.from_pretrained(str(minilm_dir), local_files_only=True).train(False)
     batch = tokenizer(TEXT, return_tensors="pt")
     with torch.no_grad():
         expected = model(**batch).last_hidden_state[0]  # [num_tokens, 384]

@@ -105,7 +105,7 @@ def make_llava(
         multimodal_projector_bias=projector_bias,
         image_seq_length=(side // patch) ** 2,
     )
-    model = LlavaForConditionalGeneration(config).eval()
+    model = LlavaForConditionalGeneration(config).train(False)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     LlavaProcessor(

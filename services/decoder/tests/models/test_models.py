@@ -34,7 +34,7 @@ def test_greedy_decoding_through_the_paged_cache_matches_transformers_generate(
 def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(checkpoint: Checkpoint) -> None:
     model = load_model(checkpoint.path, dtype="bfloat16").model
     assert model.embed_tokens.weight.dtype == torch.bfloat16
-    hf_bf16 = type(checkpoint.hf_model)(checkpoint.hf_model.config).eval()
+    hf_bf16 = type(checkpoint.hf_model)(checkpoint.hf_model.config).train(False)
     hf_bf16.load_state_dict(checkpoint.hf_model.state_dict())
     assert greedy(model, PROMPT, 8) == hf_greedy(hf_bf16.to(torch.bfloat16), PROMPT, 8)
 

@@ -36,7 +36,7 @@ def test_transformers_loads_the_tiny_checkpoint_with_no_missing_or_unexpected_ke
 
 
 def test_our_logits_agree_with_transformers_on_the_tiny_checkpoint(tiny_dir: Path) -> None:
-    hf_model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).train(False)
     loaded = load_model(tiny_dir, dtype="float32")
     ids = loaded.tokenizer.encode(TEXT).ids
     logits = PagedRun(loaded.model).step([("s", ids)], all_logits=True)

@@ -108,7 +108,7 @@ def test_a_model_past_the_c_kernels_limits_runs_per_op_on_torch_and_matches_the_
         eos_token_ids=(1,), dtype=torch.bfloat16,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).train(False)
     executor = CpuExecutor(model, kernels, linears="c")
     assert executor.fused is None and executor.stack is None and not executor.choice.c_ops
     steps = [[("a", [3, 4, 5, 6]), ("b", [7, 8])], [("a", [9]), ("b", [10])]]

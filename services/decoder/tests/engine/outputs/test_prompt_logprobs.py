@@ -178,7 +178,7 @@ def test_the_buffer_marks_position_0_keeps_the_first_result_and_is_complete_only
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train(False)
 
 
 def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:
