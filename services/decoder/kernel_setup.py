@@ -5,8 +5,9 @@ One shared library per ISA level this machine's architecture has
 (tandem/decoder/backends/cpu/build.py), each an optional extension: without a C compiler, or if a level
 fails to build, pip says so and the install goes on; the decoder then logs one line and runs on torch
 ops. The libraries are plain C loaded with ctypes, not Python modules: the compile command is
-build.py's own, the one the tests run with -Werror. TANDEM_BUILD_KERNELS=0 builds none (the encoder's
-and the gateway's images, which have no compiler and never load them).
+build.py's own, the one the tests run with -Werror. TANDEM_BUILD_KERNELS=0 builds none (an install
+that never loads them; the encoder's and the gateway's images need not ask: they do not install
+this unit).
 
 Loaded by path, never imported: it sits outside the package, and importing the package would run the
 decoder's __init__ modules in pip's isolated build environment, which has no torch (build.py and this

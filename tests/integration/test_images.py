@@ -1,4 +1,4 @@
-"""The three images' Dockerfiles (deploy/docker/), checked without a Docker engine.
+"""The three images' Dockerfiles (services/<service>/Dockerfile), checked without a Docker engine.
 
 Each service has an image of its own: the decoder's builds the CPU kernels in a stage with a C
 compiler and runs without one; the encoder's has no compiler and no kernels; the gateway's has no
@@ -41,7 +41,7 @@ GATEWAY_UNITS = (
 
 
 def dockerfile(service: str) -> Path:
-    return DOCKER_DIR / f"{service}.Dockerfile"
+    return REPO_ROOT / "services" / service / "Dockerfile"  # each service's image beside its code
 
 
 def dockerfile_instructions(service: str) -> list[tuple[str, str]]:
@@ -97,26 +97,35 @@ def test_service_images_install_cpu_torch_pinned_like_the_makefile_before_the_pr
     # Local wheels (deploy/docker/wheels/, empty in the repository) are offered only to the builder.
     assert "--find-links /tmp/wheels" in torch_install
     assert not any("wheels" in args for _, args in stages(service)[-1])
-    # torch comes before the project, so the project's `torch` requirement is already met.
-    assert runs.index(torch_install) < next(i for i, run in enumerate(runs) if "pip install -e ." in run)
+    # torch comes before the units, so their `torch` requirement is already met.
+    assert runs.index(torch_install) < next(i for i, run in enumerate(runs) if "pip install -e " in run)
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_image_copies_and_installs_its_own_units_only(service: str) -> None:
+    """Each service is a unit shipped alone: its image holds common/ and its own folder, installed from
+    their pyproject.toml files, and no other service's code (nor the workspace's setup.py)."""
+    units = ("common", f"services/{service}")
+    copied = [args for name, args in stages(service)[0] if name == "COPY" and "wheels" not in args]
+    assert copied == [f"{unit} ./{unit}" for unit in units]
+    [install] = [args for name, args in stages(service)[0] if name == "RUN" and "pip install -e " in args]
+    # The encoder and the decoder also take common's torch part (its `tensors` extra); the gateway not.
+    common = "./common" if service == "gateway" else '"./common[tensors]"'
+    assert install.startswith(f"pip install -e {common} -e ./services/{service}")
 
 
 def test_only_the_decoder_image_builds_the_kernels_and_no_runtime_image_has_a_compiler() -> None:
-    # The decoder's builder compiles the CPU kernels when it installs the project (setup.py); the image
-    # that runs copies the result. The encoder and the gateway ask setup.py for no kernels at all.
+    # The decoder's builder compiles the CPU kernels when it installs its unit (services/decoder/setup.py);
+    # the image that runs copies the result. The encoder's and the gateway's units have no setup.py.
     decoder_builder, decoder_runtime = stages("decoder")
     assert any(name == "RUN" and "gcc" in args for name, args in decoder_builder)
     assert any(
-        name == "RUN" and "pip install -e ." in args and "_kernels_" in args for name, args in decoder_builder
+        name == "RUN" and "-e ./services/decoder" in args and "_kernels_" in args for name, args in decoder_builder
     )
     copied = [args for name, args in decoder_runtime if name == "COPY"]
     assert "--from=builder /usr/local /usr/local" in copied and "--from=builder /app /app" in copied
-    installs = [
-        args for name, args in dockerfile_instructions("encoder") if "pip install" in args and "-e ." in args
-    ]
-    assert installs and all(args.startswith("TANDEM_BUILD_KERNELS=0 ") for args in installs)
-    # The gateway's units have no setup.py: nothing there could build a kernel.
-    assert not any("setup.py" in args for name, args in dockerfile_instructions("gateway") if name == "COPY")
+    for service in ("encoder", "gateway"):
+        assert not (REPO_ROOT / "services" / service / "setup.py").exists()
     for service in SERVICES:
         runs = [args for name, args in dockerfile_instructions(service) if name == "RUN"]
         if service != "decoder":

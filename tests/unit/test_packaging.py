@@ -61,7 +61,7 @@ SETUP_FILES = (
     ("environment", "warned"),
     [
         ({"CC": "/nonexistent/cc"}, "no C compiler '/nonexistent/cc' on PATH"),  # a machine without one
-        ({"TANDEM_BUILD_KERNELS": "0"}, None),  # the encoder's and the gateway's images: none asked for
+        ({"TANDEM_BUILD_KERNELS": "0"}, None),  # an install that asks for none (a pure-Python tree)
     ],
 )
 def test_an_install_without_the_kernels_goes_on(
