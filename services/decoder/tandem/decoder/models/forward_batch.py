@@ -27,7 +27,7 @@ class ForwardBatch:
     # [num_tokens, hidden_size] in the model dtype, zeros at token positions; None when every position
     # is a token ID (a token-only dynamic step, an XLA decode graph).
     inputs_embeds: torch.Tensor | None = None
-    is_token_ids: torch.Tensor | None = None  # bool [num_tokens], True = token path; None: every one
+    is_token_ids: torch.Tensor | None = None  # bool [num_tokens], True = token ID; None: all are
     # Each row's adapter (models/lora.py: the runner's table and the rows' slots); None: LoRA off.
     lora: LoraStep | None = None
 
