@@ -32,6 +32,7 @@ from tandem.decoder.backends.cpu.executor import CpuExecutor  # noqa: E402
 from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.backends.cpu.kernels import load_for_cpu  # noqa: E402
 from tandem.decoder.models.attention import AttentionMetadata  # noqa: E402
+from tandem.decoder.models.forward_batch import ForwardBatch  # noqa: E402
 from tandem.decoder.models.loader import load_model  # noqa: E402
 from tandem.decoder.models.lora import LoraStep, LoraTable  # noqa: E402
 from tandem.decoder.models.peft_adapter import read_adapter  # noqa: E402
@@ -101,11 +102,11 @@ def main() -> None:
                 for arm in list(arms)[r % 3 :] + list(arms)[: r % 3]:
                     executor, prefill_lora, decode_lora = arms[arm]
                     start = clock()
-                    executor(*prefill, caches, lora=prefill_lora)
+                    executor(ForwardBatch(*prefill, lora=prefill_lora), caches)
                     times[arm]["prefill"].append(clock() - start)
                     start = clock()
                     for _ in range(DECODE_STEPS):  # the same step again: its KV rows rewritten
-                        executor(*decode, caches, lora=decode_lora)
+                        executor(ForwardBatch(*decode, lora=decode_lora), caches)
                     times[arm]["decode"].append((clock() - start) / DECODE_STEPS)
         base = {kind: statistics.median(v) for kind, v in times["base"].items()}
         for arm in arms:

@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tandem.common.torch_part.random_model import make_model  # noqa: E402
 from tandem.decoder.distributed.parallel import ParallelContext, RankInfo, free_port, init_parallel  # noqa: E402
-from tandem.decoder.engine.step.batch import ForwardBatch  # noqa: E402
+from tandem.decoder.engine.step.batch import StepBatch  # noqa: E402
 from tandem.decoder.engine.step.runner import ModelRunner  # noqa: E402
 from tandem.decoder.models.attention import AttentionMetadata  # noqa: E402
+from tandem.decoder.models.forward_batch import ForwardBatch  # noqa: E402
 from tandem.decoder.models.loader import load_model  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -65,7 +66,7 @@ class CountingContext(ParallelContext):
         return torch.cat(stacked.unbind(0), dim=-1)
 
 
-def prefill_batch(num_tokens: int, vocab_size: int) -> ForwardBatch:
+def prefill_batch(num_tokens: int, vocab_size: int) -> StepBatch:
     """One sequence of `num_tokens` random token IDs in blocks 1, 2, ... (block 0 is the null block)."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = -(-num_tokens // BLOCK_SIZE)
@@ -77,14 +78,8 @@ def prefill_batch(num_tokens: int, vocab_size: int) -> ForwardBatch:
         block_tables=torch.arange(1, num_blocks + 1, dtype=torch.int32)[None, :],
         logits_indices=torch.tensor([num_tokens - 1]),
     )
-    return ForwardBatch(
-        input_ids=torch.randint(0, vocab_size, (num_tokens,), generator=gen, dtype=torch.int32),
-        positions=torch.arange(num_tokens),
-        is_token_ids=None,
-        inputs_embeds=None,
-        attn=attn,
-        num_logits=1,
-    )
+    ids = torch.randint(0, vocab_size, (num_tokens,), generator=gen, dtype=torch.int32)
+    return StepBatch(ForwardBatch(ids, torch.arange(num_tokens), attn), num_logits=1)
 
 
 def time_prefill(model, num_tokens: int, repeats: int, tp: ParallelContext | None = None) -> list[float]:

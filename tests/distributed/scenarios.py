@@ -18,9 +18,10 @@ from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Failed, Finished, OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
-from tandem.decoder.engine.step.batch import ForwardBatch
+from tandem.decoder.engine.step.batch import StepBatch
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import load_model
 from tandem.decoder.models.transformer import DecoderModel
 
@@ -63,14 +64,14 @@ def _batch(alloc: PagedAllocator, chunks: list[tuple[str, list[int], torch.Tenso
                 inputs_embeds[offset : offset + rows.shape[0]] = rows
                 is_token_ids[offset : offset + rows.shape[0]] = False
             offset += len(ids)
-    return ForwardBatch(
+    inputs = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int32),
         positions=torch.tensor(positions, dtype=torch.int64),
-        is_token_ids=is_token_ids,
-        inputs_embeds=inputs_embeds,
         attn=attn,
-        num_logits=len(chunks),
+        inputs_embeds=inputs_embeds,
+        is_token_ids=is_token_ids,
     )
+    return StepBatch(inputs, num_logits=len(chunks))
 
 
 def scripted_logits(model: DecoderModel, world_size: int, num_decode_steps: int = 3) -> list[torch.Tensor]:

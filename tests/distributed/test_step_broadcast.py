@@ -6,7 +6,8 @@ import torch
 
 from services.decoder.tests.models.helpers import PagedAllocator
 from tandem.decoder.distributed.step_broadcast import StepSender, receive_step
-from tandem.decoder.engine.step.batch import ForwardBatch
+from tandem.decoder.engine.step.batch import StepBatch
+from tandem.decoder.models.forward_batch import ForwardBatch
 
 
 class Recorder:
@@ -30,23 +31,24 @@ class Replayer:
         return x.copy_(message)
 
 
-def _batch(with_embeds: bool) -> ForwardBatch:
+def _batch(with_embeds: bool) -> StepBatch:
     attn = PagedAllocator(num_blocks=32, block_size=4).metadata([("a", 5), ("b", 2)])
     inputs_embeds = is_token_ids = None
     if with_embeds:
         is_token_ids = torch.tensor([True, False, False, True, True, True, False])
         inputs_embeds = torch.randn(7, 8, dtype=torch.bfloat16) * (~is_token_ids)[:, None]
-    return ForwardBatch(
+    inputs = ForwardBatch(
         input_ids=torch.tensor([4, 0, 0, 7, 8, 9, 0], dtype=torch.int32),
         positions=torch.tensor([0, 1, 2, 3, 4, 0, 1]),
-        is_token_ids=is_token_ids,
-        inputs_embeds=inputs_embeds,
         attn=attn,
-        num_logits=2,
+        inputs_embeds=inputs_embeds,
+        is_token_ids=is_token_ids,
     )
+    return StepBatch(inputs, num_logits=2)
 
 
-def _assert_same(got: ForwardBatch, want: ForwardBatch) -> None:
+def _assert_same(got_step: StepBatch, want_step: StepBatch) -> None:
+    got, want = got_step.inputs, want_step.inputs
     for name in ("input_ids", "positions", "is_token_ids", "inputs_embeds"):
         a, b = getattr(got, name), getattr(want, name)
         assert (a is None) == (b is None), name
@@ -56,7 +58,8 @@ def _assert_same(got: ForwardBatch, want: ForwardBatch) -> None:
         a, b = getattr(got.attn, name), getattr(want.attn, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert got.attn.query_lens == want.attn.query_lens and got.attn.seq_lens == want.attn.seq_lens
-    assert got.num_logits == want.num_logits
+    assert got.lora is None and got_step.scored_spans == ()
+    assert got_step.num_logits == want_step.num_logits
 
 
 def test_worker_rebuilds_token_and_embedding_batches_between_keepalives_and_stops_on_stop() -> None:

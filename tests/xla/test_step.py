@@ -45,14 +45,7 @@ def _cpu_logits(engine: Engine, host: HostBatch) -> torch.Tensor:
     batch = tensors.batch(host, len(host.block_tables[0]), has_embeds=bool(host.embed_pieces))
     runner = engine.core.runner
     with torch.inference_mode():
-        logits = runner.executor(
-            batch.input_ids,
-            batch.positions,
-            batch.attn,
-            runner.kv_caches,
-            batch.inputs_embeds,
-            batch.is_token_ids,
-        )
+        logits = runner.executor(batch.inputs, runner.kv_caches)
     return logits[1:]
 
 
@@ -64,14 +57,7 @@ def _xla_logits(engine: Engine, host: HostBatch) -> torch.Tensor:
     _pad_positions(host, bucket.num_tokens)
     batch = runner.tensors.batch(host, bucket.width, has_embeds=True)
     with torch.no_grad():
-        h = runner.step.hidden_states(
-            batch.input_ids,
-            batch.positions,
-            batch.attn,
-            runner.kv_caches,
-            batch.inputs_embeds,
-            batch.is_token_ids,
-        )
+        h = runner.step.hidden_states(batch.inputs, runner.kv_caches)
         return runner.step.compute_logits(h[1:])
 
 

@@ -9,6 +9,7 @@ import torch
 
 from services.encoder.tests.vision_checkpoints import make_llava
 from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import load_model
 from tandem.encoder.embedder import Pooling
 from tandem.encoder.lookup import LookupEmbedder
@@ -67,14 +68,15 @@ def test_rows_sent_as_embeddings_reproduce_the_token_path(tiny_model_dir: Path) 
             logits_indices=torch.arange(num_tokens),
         )
         input_ids = torch.tensor(ids if is_token_ids else [0] * num_tokens, dtype=torch.int32)
-        return decoder.model(
+        batch = ForwardBatch(
             input_ids,
             torch.arange(num_tokens, dtype=torch.int32),
             attn,
-            decoder.model.allocate_kv_cache(num_blocks=2, block_size=block_size),
             inputs_embeds=None if is_token_ids else rows,
             is_token_ids=torch.full((num_tokens,), is_token_ids),
-        )  # [num_tokens, vocab_size]
+        )
+        kv_caches = decoder.model.allocate_kv_cache(num_blocks=2, block_size=block_size)
+        return decoder.model(batch, kv_caches)  # [num_tokens, vocab_size]
 
     assert torch.equal(logits(is_token_ids=False), logits(is_token_ids=True))
 

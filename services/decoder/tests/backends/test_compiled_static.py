@@ -20,6 +20,7 @@ from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import LoadedModel
 
 AOT_EAGER: Backend = dataclasses.replace(BACKENDS["cpu"], compiler="aot_eager")
@@ -112,7 +113,7 @@ def test_a_changed_guard_after_warmup_raises_instead_of_recompiling(
     is_token = torch.ones(4, dtype=torch.bool)
     # A warmed-up bucket's shapes, but int32 positions instead of int64: dynamo's guards fail.
     with pytest.raises(Exception, match="recompil"), torch.inference_mode():
-        step(ids, torch.zeros(4, dtype=torch.int32), attn, runner.kv_caches, embeds, is_token)
+        step(ForwardBatch(ids, torch.zeros(4, dtype=torch.int32), attn, embeds, is_token), runner.kv_caches)
     assert runner.compiler.num_graphs == 3 * 2
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.transformer import DecoderModel
 
 
@@ -94,14 +95,9 @@ class PagedRun:
         ]
         attn = self.allocator.metadata([(key, len(ids)) for key, ids in chunks], all_logits)
         input_ids = torch.tensor([t for _, ids in chunks for t in ids], dtype=torch.int32)
-        return self.model(
-            input_ids,
-            torch.tensor(positions, dtype=torch.int32),
-            attn,
-            self.kv_caches,
-            inputs_embeds,
-            is_token_ids,
-        )
+        positions_t = torch.tensor(positions, dtype=torch.int32)
+        batch = ForwardBatch(input_ids, positions_t, attn, inputs_embeds, is_token_ids)
+        return self.model(batch, self.kv_caches)
 
 
 def greedy(

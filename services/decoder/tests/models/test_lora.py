@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.peft_adapter import read_adapter
@@ -44,7 +45,7 @@ def logits(loaded: LoadedModel, prompts: list[list[int]], slots: list[int], tabl
     row_slots = torch.tensor([s for p, s in zip(prompts, slots, strict=True) for _ in p])
     lora = None if table is None else LoraStep(table, row_slots)
     with torch.inference_mode():
-        return model(ids, positions, attn, model.allocate_kv_cache(64, 4), lora=lora)
+        return model(ForwardBatch(ids, positions, attn, lora=lora), model.allocate_kv_cache(64, 4))
 
 
 def test_each_rows_logits_are_peft_s_for_its_own_adapter_in_one_step(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import load_model
 
 from ..conftest import Checkpoint
@@ -83,6 +84,6 @@ def test_int64_positions_give_the_same_logits_as_int32(qwen3_fp32: torch.nn.Modu
     attn64 = run64.allocator.metadata([("s", len(PROMPT))])
     ids = torch.tensor(PROMPT, dtype=torch.int32)
     positions = torch.arange(len(PROMPT))
-    logits32 = qwen3_fp32(ids, positions.int(), attn32, run32.kv_caches)
-    logits64 = qwen3_fp32(ids, positions, attn64, run64.kv_caches)
+    logits32 = qwen3_fp32(ForwardBatch(ids, positions.int(), attn32), run32.kv_caches)
+    logits64 = qwen3_fp32(ForwardBatch(ids, positions, attn64), run64.kv_caches)
     assert torch.equal(logits32, logits64)

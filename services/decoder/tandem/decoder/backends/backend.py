@@ -36,8 +36,9 @@ from tandem.decoder.backends.cpu.kernel_choice import KernelOptions
 from tandem.decoder.backends.cuda_attention import CudaPagedAttention
 from tandem.decoder.backends.xla import runtime as xla_runtime
 from tandem.decoder.backends.xla.attention import XlaPagedAttention
-from tandem.decoder.models.attention import AttentionMetadata, PagedAttention
-from tandem.decoder.models.lora import LoraStep, LoraTable
+from tandem.decoder.models.attention import PagedAttention
+from tandem.decoder.models.forward_batch import ForwardBatch
+from tandem.decoder.models.lora import LoraTable
 from tandem.decoder.models.transformer import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -177,24 +178,12 @@ class ModelStep(Protocol):
 
     def __call__(
         self,
-        input_ids: torch.Tensor,  # int32 [num_tokens]
-        positions: torch.Tensor,  # int32 or int64 [num_tokens]
-        attn: AttentionMetadata,
+        batch: ForwardBatch,  # the step's packed inputs, its rows' LoRA adapters included
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
-        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
-        lora: LoraStep | None = None,  # each row's LoRA adapter; None: LoRA off
     ) -> torch.Tensor: ...  # float32 logits [num_logits, vocab_size]
 
     def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
-        inputs_embeds: torch.Tensor | None = None,
-        is_token_ids: torch.Tensor | None = None,
-        lora: LoraStep | None = None,
+        self, batch: ForwardBatch, kv_caches: list[torch.Tensor]
     ) -> torch.Tensor: ...  # [num_logits, hidden_size]
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor: ...  # float32 [num_rows, vocab_size]
@@ -238,8 +227,8 @@ def bind_rank_device(device: str) -> None:
 
 # -- compiled decode buckets (torch_compile.py) --
 
-# A decode step as the runner calls it: (input_ids, positions, attn, kv_caches, inputs_embeds,
-# is_token_ids) -> float32 logits [num_seqs, vocab]. The model itself is one.
+# A decode step as the runner calls it: (batch: ForwardBatch, kv_caches) -> float32 logits
+# [num_seqs, vocab]. The model itself is one.
 StepFn = Callable[..., torch.Tensor]
 
 

@@ -1,4 +1,4 @@
-"""Rank 0 -> other ranks: each step's ForwardBatch as a fixed header and packed payloads, no pickles.
+"""Rank 0 -> other ranks: each step's batch (StepBatch) as a fixed header and packed payloads, no pickles.
 
 NOTE: the message. Every message starts with an int32 header of HEADER_LEN fields (`kind` first).
 A STEP is followed by one int32 payload holding, in order: input_ids [T], positions [T],
@@ -17,8 +17,9 @@ from typing import Protocol
 
 import torch
 
-from tandem.decoder.engine.step.batch import ForwardBatch
+from tandem.decoder.engine.step.batch import StepBatch
 from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.forward_batch import ForwardBatch
 
 
 class ControlChannel(Protocol):
@@ -45,9 +46,10 @@ class StepSender:
     def __init__(self, control: ControlChannel) -> None:
         self.control = control
 
-    def send(self, batch: ForwardBatch) -> None:
+    def send(self, step: StepBatch) -> None:
+        batch = step.inputs
         attn = batch.attn
-        num_tokens = batch.input_ids.shape[0]
+        num_tokens = batch.num_tokens
         num_seqs, width = attn.block_tables.shape
         is_embedding = torch.zeros(num_tokens, dtype=torch.bool, device=batch.input_ids.device)
         if batch.is_token_ids is not None:
@@ -61,7 +63,7 @@ class StepSender:
             attn.logits_indices.shape[0],
             embed_offsets.shape[0],
             int(batch.inputs_embeds is not None),
-            batch.num_logits,
+            step.num_logits,
         )
         payload = torch.cat(
             [
@@ -95,7 +97,7 @@ class StepSender:
 
 def receive_step(
     control: ControlChannel, hidden_size: int, dtype: torch.dtype, device: torch.device
-) -> ForwardBatch | None:
+) -> StepBatch | None:
     """A worker's side: the next step's batch, or None when rank 0 says STOP (keepalives skipped)."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int32)
     while True:
@@ -128,11 +130,11 @@ def receive_step(
         block_tables=tables.view(s, width).to(device),
         logits_indices=logits_indices.to(device, torch.int64),
     )
-    return ForwardBatch(
+    inputs = ForwardBatch(
         input_ids=input_ids.to(device),
         positions=positions.to(device, torch.int64),
-        is_token_ids=None if is_token_ids is None else is_token_ids.to(device),
-        inputs_embeds=None if inputs_embeds is None else inputs_embeds.to(device),
         attn=attn,
-        num_logits=num_logits,
+        inputs_embeds=None if inputs_embeds is None else inputs_embeds.to(device),
+        is_token_ids=None if is_token_ids is None else is_token_ids.to(device),
     )
+    return StepBatch(inputs, num_logits=num_logits)

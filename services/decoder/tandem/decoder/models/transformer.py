@@ -20,6 +20,7 @@ from tandem.common.torch_part import huge_pages
 from tandem.common.torch_part.quantized_tensor import QuantizedTensor
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, write_kv_cache
 from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.kernels import PLAIN, LayerKernels, ModelKernels
 from tandem.decoder.models.layers import (
     RMSNorm,
@@ -173,13 +174,8 @@ class DecoderModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
-        positions: torch.Tensor,  # int32 or int64 [num_tokens]
-        attn: AttentionMetadata,
+        batch: ForwardBatch,  # the step's packed inputs (models/forward_batch.py)
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
-        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
-        lora: LoraStep | None = None,  # each row's adapter (models/lora.py); None: no adapters loaded
         kernels: ModelKernels | None = None,  # what a backend bound (models/kernels.py); None: torch ops
     ) -> torch.Tensor:
         """Runs one step and returns float32 logits [num_logits, vocab_size] at attn.logits_indices.
@@ -187,46 +183,33 @@ class DecoderModel(nn.Module):
         With several ranks every rank returns the same logits. A step with any prefill runs
         sequence-parallel and needs its token count padded to a multiple of the world size.
         """
-        h = self.hidden_states(
-            input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora, kernels
-        )
+        h = self.hidden_states(batch, kv_caches, kernels)
         return self.compute_logits(h, kernels)  # [num_logits, vocab_size]
 
     def hidden_states(
         self,
-        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
-        positions: torch.Tensor,  # int32 or int64 [num_tokens]
-        attn: AttentionMetadata,
+        batch: ForwardBatch,
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
-        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
-        lora: LoraStep | None = None,  # each row's adapter; None: no adapters loaded
         kernels: ModelKernels | None = None,  # what a backend bound; None: torch ops
     ) -> torch.Tensor:
         """`forward` without the LM head: the final hidden rows [num_logits, hidden_size] at
         attn.logits_indices, for a caller that takes the logits of many rows a slice at a time."""
-        sp = self.is_sequence_parallel(input_ids, attn)
-        h = self.layer_states(
-            input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, sp, lora, kernels
-        )
-        return self.final_rows(h, attn, sp)  # [num_logits, hidden_size]
+        sp = self.is_sequence_parallel(batch)
+        h = self.layer_states(batch, kv_caches, sp, kernels)
+        return self.final_rows(h, batch.attn, sp)  # [num_logits, hidden_size]
 
     def layer_states(
         self,
-        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
-        positions: torch.Tensor,  # int32 or int64 [num_tokens]
-        attn: AttentionMetadata,
+        batch: ForwardBatch,
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
-        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
         sp: bool = False,  # sequence parallel (is_sequence_parallel): this rank's slice in and out
-        lora: LoraStep | None = None,  # each row's adapter; None: no adapters loaded
         kernels: ModelKernels | None = None,  # what a backend bound; None: torch ops
     ) -> torch.Tensor:
         """The last layer's output at every position, before the final norm: [num_tokens, hidden_size],
         or this rank's [local_len, hidden_size] under SP."""
-        h = self.embed(input_ids, inputs_embeds, is_token_ids, sp)
-        cos, sin = self.rotary(positions, h.dtype)  # [num_tokens, 1, head_dim] each, shared by all layers
+        h = self.embed(batch, sp)
+        cos, sin = self.rotary(batch.positions, h.dtype)  # [num_tokens, 1, head_dim] each, for all layers
+        attn, lora = batch.attn, batch.lora
         if kernels is None:
             return self.run_layers(h, cos, sin, attn, kv_caches, lora, None, sp)
         if kernels.walk is not None and not sp:
@@ -250,32 +233,27 @@ class DecoderModel(nn.Module):
             h = layer(h, cos, sin, attn, kv_cache, sp, layer_lora(lora, i, bound), bound)
         return h
 
-    def is_sequence_parallel(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> bool:
+    def is_sequence_parallel(self, batch: ForwardBatch) -> bool:
         """Whether this step runs sequence-parallel: several ranks and any prefill.
 
         Raises ValueError when such a step's token count is not padded to a multiple of the world size.
         """
         tp = self.tp
-        sp = tp is not None and not attn.is_decode_only
-        if sp and input_ids.shape[0] % tp.world_size:
+        sp = tp is not None and not batch.attn.is_decode_only
+        if sp and batch.num_tokens % tp.world_size:
             raise ValueError(
-                f"a sequence-parallel step needs num_tokens ({input_ids.shape[0]}) padded to a multiple "
+                f"a sequence-parallel step needs num_tokens ({batch.num_tokens}) padded to a multiple "
                 f"of the world size ({tp.world_size})"
             )
         return sp
 
-    def embed(
-        self,
-        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
-        inputs_embeds: torch.Tensor | None,  # [num_tokens, hidden_size] in the model dtype
-        is_token_ids: torch.Tensor | None,  # bool [num_tokens], True = token path
-        sp: bool,
-    ) -> torch.Tensor:
+    def embed(self, batch: ForwardBatch, sp: bool) -> torch.Tensor:
         """The first hidden rows: [num_tokens, hidden_size], or this rank's [local_len, ...] under SP."""
-        h = self.embed_tokens(input_ids, sp)
+        h = self.embed_tokens(batch.input_ids, sp)
         # Every rank cuts the same window out of the per-position inputs, then merges on its slice.
         tp = self.tp
-        return merge_prompt_embeds(h, local_rows(inputs_embeds, tp, sp), local_rows(is_token_ids, tp, sp))
+        embeds, is_token_ids = local_rows(batch.inputs_embeds, tp, sp), local_rows(batch.is_token_ids, tp, sp)
+        return merge_prompt_embeds(h, embeds, is_token_ids)
 
     def final_rows(self, h: torch.Tensor, attn: AttentionMetadata, sp: bool) -> torch.Tensor:
         """The last layer's rows whose logits are wanted, normed: [num_logits, hidden_size].

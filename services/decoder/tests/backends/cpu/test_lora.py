@@ -18,6 +18,7 @@ from tandem.decoder.backends.cpu.executor import CpuExecutor
 from tandem.decoder.backends.cpu.kernel_choice import LinearPlan
 from tandem.decoder.backends.cpu.linear import has_onednn_bf16
 from tandem.decoder.backends.cpu.lora import CLora, bind_table
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.lora import PARTS, LoraStep, LoraTable, ProjectionLora
 from tandem.decoder.models.peft_adapter import read_adapter
@@ -130,7 +131,8 @@ class LoraRun:
         )
         slots = torch.tensor([slot for _, tokens, slot in chunks for _ in tokens])
         with torch.inference_mode():
-            return self.run(ids, positions, attn, self.kv_caches, lora=LoraStep(self.table, slots))
+            batch = ForwardBatch(ids, positions, attn, lora=LoraStep(self.table, slots))
+            return self.run(batch, self.kv_caches)
 
 
 SEQUENCES = {"a": (PROMPT, 0), "b": (PROMPT[:6], 1), "c": (PROMPT[2:], 2), "d": (PROMPT, -1)}  # prompt, slot
@@ -166,7 +168,11 @@ def test_steps_with_adapters_keep_the_fused_layers_and_the_stack_with_the_models
         alone = generate(LoraRun(executor, loaded, table), name)
         assert all(torch.equal(g[0], w[i]) for g, w in zip(alone, together, strict=True)), name
     plain = CpuExecutor(loaded.model, kernels, linears="c")
-    without = generate(LoraRun(lambda *a, lora: plain(*a), loaded, table), "d")
+
+    def lora_off(batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        return plain(dataclasses.replace(batch, lora=None), kv_caches)
+
+    without = generate(LoraRun(lora_off, loaded, table), "d")
     assert all(torch.equal(g[0], w[3]) for g, w in zip(without, together, strict=True))
 
 

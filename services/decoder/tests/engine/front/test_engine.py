@@ -350,7 +350,7 @@ def test_token_only_steps_carry_no_embedding_buffer_and_static_steps_always_do(
 
 def _recording(forward, seen: list[bool]):
     def wrapped(batch):
-        seen.append(batch.inputs_embeds is not None)
+        seen.append(batch.inputs.inputs_embeds is not None)
         return forward(batch)
 
     return wrapped

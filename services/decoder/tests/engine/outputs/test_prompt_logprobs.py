@@ -88,7 +88,7 @@ def test_requests_without_the_option_add_no_logits_rows() -> None:
     host = pack(_plan(_item(plain, 0, 8)), block_size=4)
     assert host.logits_rows == [] and host.scored_rows == []
     batch = BatchTensors(torch.device("cpu"), 8, torch.float32).batch(host, 4, has_embeds=False)
-    assert batch.attn.logits_indices.shape == (0,)
+    assert batch.inputs.attn.logits_indices.shape == (0,)
 
 
 def test_scored_rows_come_after_the_sampled_rows_static_padding_included() -> None:
@@ -99,7 +99,8 @@ def test_scored_rows_come_after_the_sampled_rows_static_padding_included() -> No
     pad_to_buckets(host, static, block_size=4)
     batch = BatchTensors(torch.device("cpu"), 8, torch.float32).batch(host, 4, has_embeds=True)
     num_seqs = len(host.query_lens)
-    assert batch.attn.logits_indices.tolist()[num_seqs:] == [0, 1]  # after num_seqs padded sampling rows
+    rows = batch.inputs.attn.logits_indices.tolist()
+    assert rows[num_seqs:] == [0, 1]  # after num_seqs padded sampling rows
     assert batch.num_logits == 2 and batch.num_scored_rows == 2
 
 

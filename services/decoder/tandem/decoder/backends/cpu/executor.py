@@ -59,11 +59,11 @@ from tandem.decoder.backends.cpu.lora import LayerCLora, bind_table
 from tandem.decoder.backends.cpu.ops import register
 from tandem.decoder.backends.cpu.stack import DecodeStack
 from tandem.decoder.backends.cpu.walk import CpuWalk
-from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.kernels import LayerKernels, ModelKernels
 from tandem.decoder.models.layers import RMSNorm
 from tandem.decoder.models.linear import Linear, Projection
-from tandem.decoder.models.lora import LoraStep, LoraTable
+from tandem.decoder.models.lora import LoraTable
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.transformer import DecoderLayer, DecoderModel
 
@@ -377,34 +377,17 @@ class CpuExecutor:
 
     def __call__(
         self,
-        input_ids: torch.Tensor,  # int32 [num_tokens], 0 at embedding positions
-        positions: torch.Tensor,  # int32 or int64 [num_tokens]
-        attn: AttentionMetadata,
+        batch: ForwardBatch,  # its lora, if any, on the table this executor was bound to
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] in the model dtype
-        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], True = token path
-        lora: LoraStep | None = None,  # each row's adapter: the table this executor was bound to
     ) -> torch.Tensor:
         """float32 logits [num_logits, vocab_size] at attn.logits_indices: the model's forward."""
-        h = self.hidden_states(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora)
-        return self.compute_logits(h)
+        return self.compute_logits(self.hidden_states(batch, kv_caches))
 
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,  # int32 [num_tokens]
-        positions: torch.Tensor,  # int32 or int64 [num_tokens]
-        attn: AttentionMetadata,
-        kv_caches: list[torch.Tensor],  # per layer
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
-        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens]
-        lora: LoraStep | None = None,  # each row's adapter
-    ) -> torch.Tensor:
+    def hidden_states(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """The final hidden rows [num_logits, hidden_size]: the model's, on the bound kernels."""
-        if lora is not None and lora.table is not self.lora:
+        if batch.lora is not None and batch.lora.table is not self.lora:
             raise ValueError("a step's LoRA table must be the one the executor was bound to")
-        return self.model.hidden_states(
-            input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids, lora, self.kernels
-        )
+        return self.model.hidden_states(batch, kv_caches, self.kernels)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, vocab_size] of final hidden rows [num_rows, hidden_size]."""

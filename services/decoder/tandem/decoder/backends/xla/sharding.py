@@ -25,7 +25,6 @@ up to the order of summation across devices (the tests compare against the CPU e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from tandem.decoder.backends.xla.attention import XlaPagedAttention
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.linear import Linear
 from tandem.decoder.models.transformer import Attention, DecoderLayer, DecoderModel
 
@@ -41,16 +41,6 @@ Spec = tuple[str | None, ...]
 REPLICATED_ROWS: Spec = (None, None)
 SEQUENCE_ROWS: Spec = (AXIS, None)  # [num_tokens, hidden]: each device a window of positions
 FEATURE_COLUMNS: Spec = (None, AXIS)  # [num_tokens, features]: each device a slice of the features
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One step's tensors on the device, before the model runs."""
-
-    input_ids: torch.Tensor  # int32 [num_tokens]
-    positions: torch.Tensor  # int64 [num_tokens]
-    is_token_ids: torch.Tensor | None  # bool [num_tokens]; None in a decode graph (all token IDs)
-    inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]; None in a decode graph
 
 
 class ShardingPlan:
@@ -97,7 +87,7 @@ class ShardingPlan:
             self._mark(cache, kv_spec)
         model.use_attention(XlaPagedAttention(self))
 
-    def step(self, inputs: StepInputs, is_prefill: bool) -> None:
+    def step(self, inputs: ForwardBatch, is_prefill: bool) -> None:
         """Annotates this step's inputs; the hooks then annotate its activations for `is_prefill`."""
         self.is_prefill = is_prefill
         if self.mesh is None or not is_prefill:

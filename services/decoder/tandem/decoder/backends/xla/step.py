@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem.decoder.backends.xla import runtime
-from tandem.decoder.backends.xla.sharding import ShardingPlan, StepInputs
+from tandem.decoder.backends.xla.sharding import ShardingPlan
 from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.transformer import DecoderModel
 
 HEAD_ROWS = 32  # rows per call of the LM-head graph that scores prompt positions
@@ -64,34 +65,24 @@ class XlaStep:
 
     def __call__(
         self,
-        input_ids: torch.Tensor,  # int32 [num_tokens], host
-        positions: torch.Tensor,  # int64 [num_tokens], host
-        attn: AttentionMetadata,  # host tensors; logits_indices starts with one row per sequence
+        batch: ForwardBatch,  # host tensors; attn.logits_indices starts with one row per sequence
         kv_caches: list[torch.Tensor],  # the device caches this step was built with
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size], host
-        is_token_ids: torch.Tensor | None = None,  # bool [num_tokens], host
     ) -> torch.Tensor:  # float32 [num_seqs, vocab_size], host
         before = runtime.transferred_bytes()
-        logits, _ = self._run(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids)
+        logits, _ = self._run(batch, kv_caches)
         logits = logits.cpu()
         after = runtime.transferred_bytes()
-        transfers = self.decode if input_ids.shape[0] == len(attn.query_lens) else self.prefill
+        transfers = self.decode if batch.num_tokens == len(batch.attn.query_lens) else self.prefill
         transfers.num_steps += 1
         transfers.bytes_to_device += after[0] - before[0]
         transfers.bytes_from_device += after[1] - before[1]
         return logits
 
     def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
-        inputs_embeds: torch.Tensor | None = None,
-        is_token_ids: torch.Tensor | None = None,
+        self, batch: ForwardBatch, kv_caches: list[torch.Tensor]
     ) -> torch.Tensor:  # [len(attn.logits_indices), hidden_size], host: the final (normed) rows
-        _, final = self._run(input_ids, positions, attn, kv_caches, inputs_embeds, is_token_ids)
-        return final.cpu().index_select(0, attn.logits_indices)
+        _, final = self._run(batch, kv_caches)
+        return final.cpu().index_select(0, batch.attn.logits_indices)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, vocab_size] on the host of final rows h [num_rows, hidden], host."""
@@ -109,27 +100,19 @@ class XlaStep:
     def argmax(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
-        inputs_embeds: torch.Tensor | None,
-        is_token_ids: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs the step's graph: logits [num_seqs, vocab] and final rows [num_tokens, hidden], on device."""
+        attn = batch.attn
         num_seqs = len(attn.query_lens)
-        is_prefill = input_ids.shape[0] != num_seqs  # a decode graph has one position per sequence
-        if is_prefill and (inputs_embeds is None or is_token_ids is None):
+        is_prefill = batch.num_tokens != num_seqs  # a decode graph has one position per sequence
+        if is_prefill and (batch.inputs_embeds is None or batch.is_token_ids is None):
             raise ValueError("an XLA prefill step always takes inputs_embeds and is_token_ids (its shape)")
+        if batch.lora is not None:
+            raise ValueError("an XLA step takes no LoRA adapters")
         device = self.device
-        inputs = StepInputs(
-            input_ids=input_ids.to(device),
-            positions=positions.to(device),
-            is_token_ids=None if is_token_ids is None else is_token_ids.to(device),
-            inputs_embeds=None if inputs_embeds is None else inputs_embeds.to(device),
-        )
+        input_ids, positions = batch.input_ids.to(device), batch.positions.to(device)
+        is_token_ids = None if batch.is_token_ids is None else batch.is_token_ids.to(device)
+        inputs_embeds = None if batch.inputs_embeds is None else batch.inputs_embeds.to(device)
         assert attn.query_start_loc is not None
         meta = AttentionMetadata(
             query_lens=attn.query_lens,
@@ -140,11 +123,10 @@ class XlaStep:
             logits_indices=attn.logits_indices[:num_seqs].to(device),
             query_start_loc=attn.query_start_loc.to(device),
         )
+        inputs = ForwardBatch(input_ids, positions, meta, inputs_embeds, is_token_ids)
         self.sharding.step(inputs, is_prefill)
         model = self.model
-        h = model.layer_states(
-            inputs.input_ids, inputs.positions, meta, kv_caches, inputs.inputs_embeds, inputs.is_token_ids
-        )  # [num_tokens, hidden]
+        h = model.layer_states(inputs, kv_caches)  # [num_tokens, hidden]
         final = model.norm(h)  # [num_tokens, hidden]: every position, for a step that scores its prompt
         rows = self.sharding.whole(final.index_select(0, meta.logits_indices))  # [num_seqs, hidden]
         logits = self.sharding.vocab_logits(model.compute_logits(rows))  # [num_seqs, vocab]

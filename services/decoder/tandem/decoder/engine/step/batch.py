@@ -1,4 +1,4 @@
-"""Dynamic preparation: one StepPlan packed along the token dimension into a ForwardBatch.
+"""Dynamic preparation: one StepPlan packed along the token dimension into a StepBatch.
 
 NOTE: the activation check. `inputs_embeds` and `is_token_ids` are built only when a scheduled
 position still comes from an embedding row: token-only steps (every decode step, most prefills)
@@ -21,23 +21,18 @@ from tandem.decoder.engine.outputs.prompt_logprobs import ScoredSpan, positions_
 from tandem.decoder.engine.scheduling.kv_cache import NULL_BLOCK_ID
 from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
 from tandem.decoder.models.attention import AttentionMetadata
+from tandem.decoder.models.forward_batch import ForwardBatch
+from tandem.decoder.models.lora import LoraStep, LoraTable
 
 
 @dataclass(frozen=True)
-class ForwardBatch:
-    """One forward pass's inputs, packed along the token dimension."""
+class StepBatch:
+    """One step as the runner runs it: the forward's inputs, and what only the engine reads of it."""
 
-    input_ids: torch.Tensor  # int32 [num_tokens]; 0 at embedding and padding positions
-    positions: torch.Tensor  # int64 [num_tokens]
-    is_token_ids: torch.Tensor | None  # bool [num_tokens]; None on token-only dynamic steps
-    inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]; None on token-only dynamic steps
-    attn: AttentionMetadata
+    inputs: ForwardBatch  # what the model, the executor and the other ranks take
     num_logits: int  # leading rows of the returned logits that belong to real sequences
-    # int64 [num_tokens]: each position's LoRA slot (its request's adapter), -1 = the base model;
-    # None when no position of the step uses an adapter.
-    lora_slots: torch.Tensor | None = None
     # Prompt positions scored this step, in order: their rows are the last num_scored_rows entries of
-    # attn.logits_indices.
+    # inputs.attn.logits_indices.
     scored_spans: tuple[ScoredSpan, ...] = ()
 
     @property
@@ -139,25 +134,36 @@ def _add_scored_rows(host: HostBatch, item: ScheduledRequest, offset: int) -> No
 class BatchTensors:
     """Turns host lists into tensors on the model's device."""
 
-    def __init__(self, device: torch.device, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        hidden_size: int,
+        dtype: torch.dtype,
+        lora: LoraTable | None = None,  # the runner's LoRA slots; None: LoRA off (no batch carries any)
+    ) -> None:
         self.device = device
         self.hidden_size = hidden_size
         self.dtype = dtype  # of the inputs_embeds buffer: the model's
+        self.lora = lora
 
-    def batch(self, host: HostBatch, block_table_width: int, has_embeds: bool) -> ForwardBatch:
+    def batch(self, host: HostBatch, block_table_width: int, has_embeds: bool) -> StepBatch:
         """`has_embeds` False: no `inputs_embeds` / `is_token_ids` at all (a token-only dynamic step)."""
-        return ForwardBatch(
+        inputs = ForwardBatch(
             input_ids=self.tensor(host.input_ids, torch.int32),
             positions=self.tensor(host.positions, torch.int64),
-            is_token_ids=self.tensor(host.is_token_ids, torch.bool) if has_embeds else None,
-            inputs_embeds=self.embeds(len(host.input_ids), host.embed_pieces) if has_embeds else None,
             attn=self.metadata(host, block_table_width),
-            num_logits=host.num_logits,
-            scored_spans=tuple(host.scored_spans),
-            lora_slots=(
-                self.tensor(host.lora_slots, torch.int64) if max(host.lora_slots, default=-1) >= 0 else None
-            ),
+            inputs_embeds=self.embeds(len(host.input_ids), host.embed_pieces) if has_embeds else None,
+            is_token_ids=self.tensor(host.is_token_ids, torch.bool) if has_embeds else None,
+            lora=self.lora_step(host.lora_slots),
         )
+        return StepBatch(inputs, num_logits=host.num_logits, scored_spans=tuple(host.scored_spans))
+
+    def lora_step(self, slots: list[int]) -> LoraStep | None:
+        """The rows' adapters: no slots tensor when no row uses one (its rows run the plain calls)."""
+        if self.lora is None:
+            return None
+        adapted = max(slots, default=-1) >= 0
+        return LoraStep(self.lora, self.tensor(slots, torch.int64) if adapted else None)
 
     def metadata(self, host: HostBatch, width: int) -> AttentionMetadata:
         padded = [list(t[:width]) + [NULL_BLOCK_ID] * (width - len(t)) for t in host.block_tables]

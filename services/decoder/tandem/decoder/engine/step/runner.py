@@ -1,4 +1,4 @@
-"""StepPlan -> ForwardBatch tensors -> model -> logits of the positions that sample.
+"""StepPlan -> StepBatch tensors -> model -> logits of the positions that sample.
 
 Preparing a batch is three steps, one file each: packing the plan (`batch.py`, the dynamic shape),
 padding to buckets in static-shape mode (`static_shapes.py`), padding for sequence parallelism with
@@ -29,7 +29,7 @@ from tandem.decoder.backends.backend import Backend, ModelStep, RecompileError, 
 from tandem.decoder.backends.torch_compile import TorchCompileBuckets
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprobsChunk, score
 from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
-from tandem.decoder.engine.step.batch import BatchTensors, ForwardBatch, pack
+from tandem.decoder.engine.step.batch import BatchTensors, StepBatch, pack
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
 from tandem.decoder.engine.step.static_shapes import (
     StaticShapes,
@@ -38,7 +38,7 @@ from tandem.decoder.engine.step.static_shapes import (
     padding_batch,
     warmup_shapes,
 )
-from tandem.decoder.models.lora import LoraStep, LoraTable
+from tandem.decoder.models.lora import LoraTable
 from tandem.decoder.models.tensor_parallel import world_size_of
 from tandem.decoder.models.transformer import DecoderModel
 
@@ -64,7 +64,7 @@ class StepOutput:
 class StepFeed(Protocol):
     """Where rank 0 sends each batch before running it (the other ranks run the same one)."""
 
-    def send(self, batch: ForwardBatch) -> None: ...
+    def send(self, batch: StepBatch) -> None: ...
 
     def keepalive(self) -> None: ...
 
@@ -93,7 +93,8 @@ class ModelRunner:
         self.peers = peers  # rank 0 of several: the other ranks' feed; None otherwise
         self.world_size = world_size_of(model.tp)
         self.device = model.device
-        self.tensors = BatchTensors(self.device, model.config.hidden_size, model.config.dtype)
+        # lora: every batch carries its rows' adapters on this table (the executor's, when it has one).
+        self.tensors = BatchTensors(self.device, model.config.hidden_size, model.config.dtype, lora)
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.signatures: set[Signature] = set()  # distinct input signatures seen so far
         self.compiler = None
@@ -103,7 +104,6 @@ class ModelRunner:
             self.compiler = TorchCompileBuckets(compile_with, model, self.kv_caches, len(static.seq_buckets))
         self.compiled_steps: dict[Signature, StepFn] = {}  # decode buckets compiled so far
         self.batch_invariant = batch_invariant
-        self.lora = lora
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -135,45 +135,29 @@ class ModelRunner:
         chunks = score(lambda rows: scored[rows], batch.scored_spans, logits.device)
         return StepOutput(logits[: batch.num_logits], tuple(chunks))
 
-    def _execute_scoring(self, batch: ForwardBatch) -> StepOutput:
+    def _execute_scoring(self, batch: StepBatch) -> StepOutput:
         """One rank: the hidden rows of the whole step, then the head over a slice of the scored rows
         at a time, so the step holds [SLICE_ROWS, vocab] logits rather than one row per position."""
         self._announce(batch)
-        args = (batch.input_ids, batch.positions, batch.attn, self.kv_caches)
-        h = self.executor.hidden_states(
-            *args, batch.inputs_embeds, batch.is_token_ids, **self._lora_of(batch)
-        )  # [rows, hidden]
+        h = self.executor.hidden_states(batch.inputs, self.kv_caches)  # [rows, hidden]
         scored = h[h.shape[0] - batch.num_scored_rows :]  # [num_scored_rows, hidden]
         logits_of = self.executor.compute_logits
         chunks = score(lambda rows: logits_of(scored[rows]), batch.scored_spans, h.device)
         return StepOutput(logits_of(h[: batch.num_logits]), tuple(chunks))
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits float32 [num_logits_rows, vocab] at the batch's logits_indices (every rank calls it)."""
         signature = self._announce(batch)
         # Every rank tells a step that scores prompt positions from its batch alone, by its logits count.
-        is_scoring = batch.attn.logits_indices.shape[0] != signature.num_seqs
+        is_scoring = batch.inputs.attn.logits_indices.shape[0] != signature.num_seqs
         step = self.executor if is_scoring else self._step_for(signature)
-        return step(
-            batch.input_ids,
-            batch.positions,
-            batch.attn,
-            self.kv_caches,
-            batch.inputs_embeds,
-            batch.is_token_ids,
-            **self._lora_of(batch),
-        )
+        return step(batch.inputs, self.kv_caches)
 
-    def _lora_of(self, batch: ForwardBatch) -> dict[str, LoraStep]:
-        """The step's adapters as a keyword for the step function; none when LoRA is off (compiled
-        buckets, which never run with it, take no such argument)."""
-        return {} if self.lora is None else {"lora": LoraStep(self.lora, batch.lora_slots)}
-
-    def _announce(self, batch: ForwardBatch) -> Signature:
+    def _announce(self, batch: StepBatch) -> Signature:
         """Record the batch's signature and, on rank 0 of several, send the batch to the other ranks."""
-        attn = batch.attn
+        attn = batch.inputs.attn
         signature = Signature(
-            num_tokens=batch.input_ids.shape[0],
+            num_tokens=batch.inputs.num_tokens,
             num_seqs=len(attn.query_lens),
             block_table_width=attn.block_tables.shape[1],
             is_decode_only=attn.is_decode_only,
@@ -202,7 +186,7 @@ class ModelRunner:
             step = self.compiled_steps[signature] = self.compiler.bucket()
         return step
 
-    def prepare(self, plan: StepPlan) -> ForwardBatch:
+    def prepare(self, plan: StepPlan) -> StepBatch:
         host = pack(plan, self.block_size)
         if self.static is None:
             width = max(len(t) for t in host.block_tables)

@@ -12,28 +12,32 @@ import dataclasses
 import torch
 
 from tandem.decoder.engine.scheduling.kv_cache import NULL_BLOCK_ID
-from tandem.decoder.engine.step.batch import ForwardBatch
+from tandem.decoder.engine.step.batch import StepBatch
 
 
-def pad_for_sequence_parallel(batch: ForwardBatch, world_size: int) -> ForwardBatch:
+def pad_for_sequence_parallel(batch: StepBatch, world_size: int) -> StepBatch:
     """Pads a step with any prefill to a multiple of `world_size` tokens; decode-only steps as they are.
 
     Padding tokens sit past every sequence: token 0 at position 0, KV slot 0 (the null block).
     """
-    num_tokens = batch.input_ids.shape[0]
-    num_pad = -num_tokens % world_size
-    if batch.attn.is_decode_only or num_pad == 0:
+    inputs = batch.inputs
+    num_pad = -inputs.num_tokens % world_size
+    if inputs.attn.is_decode_only or num_pad == 0:
         return batch
 
     def pad(x: torch.Tensor, value: float | bool) -> torch.Tensor:  # [num_tokens, ...] -> [+ num_pad, ...]
         return torch.cat((x, x.new_full((num_pad, *x.shape[1:]), value)))
 
-    return dataclasses.replace(
-        batch,
-        input_ids=pad(batch.input_ids, 0),
-        positions=pad(batch.positions, 0),
-        is_token_ids=None if batch.is_token_ids is None else pad(batch.is_token_ids, True),
-        inputs_embeds=None if batch.inputs_embeds is None else pad(batch.inputs_embeds, 0),
-        attn=dataclasses.replace(batch.attn, slot_mapping=pad(batch.attn.slot_mapping, NULL_BLOCK_ID)),
-        lora_slots=None if batch.lora_slots is None else pad(batch.lora_slots, -1),
+    lora = inputs.lora
+    if lora is not None and lora.slots is not None:
+        lora = dataclasses.replace(lora, slots=pad(lora.slots, -1))
+    padded = dataclasses.replace(
+        inputs,
+        input_ids=pad(inputs.input_ids, 0),
+        positions=pad(inputs.positions, 0),
+        is_token_ids=None if inputs.is_token_ids is None else pad(inputs.is_token_ids, True),
+        inputs_embeds=None if inputs.inputs_embeds is None else pad(inputs.inputs_embeds, 0),
+        attn=dataclasses.replace(inputs.attn, slot_mapping=pad(inputs.attn.slot_mapping, NULL_BLOCK_ID)),
+        lora=lora,
     )
+    return dataclasses.replace(batch, inputs=padded)

@@ -27,7 +27,7 @@ from tandem.decoder.backends.xla import runtime
 from tandem.decoder.backends.xla.sharding import ShardingPlan
 from tandem.decoder.backends.xla.step import Transfers, XlaStep
 from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
-from tandem.decoder.engine.step.batch import BatchTensors, ForwardBatch, HostBatch, pack
+from tandem.decoder.engine.step.batch import BatchTensors, HostBatch, StepBatch, pack
 from tandem.decoder.engine.step.runner import ModelRunner, Signature, StepOutput
 from tandem.decoder.engine.step.static_shapes import append_padding
 from tandem.decoder.engine.step.xla_buckets import Bucket, XlaBuckets
@@ -73,7 +73,7 @@ class XlaRunner(ModelRunner):
             log.warning("XLA compiled a graph after warmup (%d so far)", self._num_compiles_reported)
         return outputs[0] if len(parts) == 1 else _in_plan_order(plan, parts, outputs)
 
-    def prepare(self, plan: StepPlan) -> ForwardBatch:
+    def prepare(self, plan: StepPlan) -> StepBatch:
         host = pack(plan, self.block_size)
         max_seq_len = max(host.seq_lens)
         if all(_has_one_query_per_row(item) for item in plan.scheduled):
@@ -91,7 +91,7 @@ class XlaRunner(ModelRunner):
         _pad_positions(host, bucket.num_tokens)
         return self.tensors.batch(host, bucket.width, has_embeds=True)
 
-    def _announce(self, batch: ForwardBatch) -> Signature:
+    def _announce(self, batch: StepBatch) -> Signature:
         """Every step passes here before its graph is traced (plain and prompt-scoring steps alike)."""
         bucket = _bucket_of(batch)
         if self.is_sealed and bucket not in self.warmed:
@@ -113,14 +113,7 @@ class XlaRunner(ModelRunner):
                 )
                 _pad_positions(host, bucket.num_tokens)
             batch = self.tensors.batch(host, bucket.width, has_embeds=not bucket.is_decode)
-            self.step(
-                batch.input_ids,
-                batch.positions,
-                batch.attn,
-                self.kv_caches,
-                batch.inputs_embeds,
-                batch.is_token_ids,
-            )
+            self.step(batch.inputs, self.kv_caches)
             self.warmed.add(_bucket_of(batch))
         self.step.compute_logits(torch.zeros(1, self.model.config.hidden_size, dtype=self.model.config.dtype))
         self.compile_s = time.perf_counter() - start
@@ -150,8 +143,8 @@ class XlaRunner(ModelRunner):
         return runtime.num_compiles() - self.num_compiles_at_seal if self.is_sealed else 0
 
 
-def _bucket_of(batch: ForwardBatch) -> Bucket:
-    num_tokens, (num_seqs, width) = batch.input_ids.shape[0], batch.attn.block_tables.shape
+def _bucket_of(batch: StepBatch) -> Bucket:
+    num_tokens, (num_seqs, width) = batch.inputs.num_tokens, batch.inputs.attn.block_tables.shape
     return Bucket(num_tokens, num_seqs, width, is_decode=num_tokens == num_seqs)
 
 
