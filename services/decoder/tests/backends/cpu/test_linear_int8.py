@@ -94,12 +94,15 @@ def test_with_a_bias_and_float32_inputs(kernels: Kernels, dtype: torch.dtype, ki
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("kind", list(KINDS))
+# 13 groups of 16 (sets of 3, a remainder, a partial group): past 8 rows the threads share the rows'
+# rounding; 65 groups: each thread rounds every row itself (16 groups a thread or more)
+@pytest.mark.parametrize("n", [200, 1040])
 def test_a_rows_bits_do_not_depend_on_the_rows_or_threads_beside_it(
-    kernels: Kernels, kind: str, threads: int
+    kernels: Kernels, kind: str, threads: int, n: int
 ) -> None:
     # Speculative decoding's exactness within the mode: a verification step's rows get the bits
     # single steps give them.
-    n, k = 200, 128  # 13 groups of 16: sets of 3, a remainder, a partial group
+    k = 128
     linear = int8_linear(kernels, KINDS[kind](n, k, seed=1), None, torch.bfloat16)
     x = torch.randn(21, k).to(torch.bfloat16)
     before = torch.get_num_threads()

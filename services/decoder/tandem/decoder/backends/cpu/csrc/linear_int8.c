@@ -63,7 +63,10 @@
  * 33.9 and 37.4. */
 #define SET 3
 #define TILE_ROWS 4
-#define ALONE_ROWS 8 /* up to this many rows each thread rounds them all (tandem_linear_int8) */
+/* Each thread rounds all the rows itself (tandem_linear_int8) up to ALONE_ROWS rows, or when the call
+ * has at least ALONE_GROUPS groups a thread. */
+#define ALONE_ROWS 8
+#define ALONE_GROUPS 16
 
 /* A call's activations as the kernels read them (quantize_row), rows one after another. */
 typedef struct {
@@ -393,11 +396,16 @@ int tandem_linear_int8(const void *x, const TandemWeight *w, const void *bias, v
 #else
     const int32_t off = w->format == TANDEM_WEIGHT_Q4 && w->mins == NULL ? 8 : 0; /* row_portable's codes */
 #endif
-    /* Up to ALONE_ROWS rows every thread rounds all of them into its own buffer, which costs less than
-     * the barrier a shared copy needs (a row of 1,536 inputs: about 50 vector operations); more rows
-     * are split over the team, into the calling thread's buffer, and wait for each other once. The
-     * same operations either way: the same codes. */
-    const int alone = m <= ALONE_ROWS;
+    /* Every thread rounds all the rows into its own buffer (a row of 1,536 inputs: about 50 vector
+     * operations) up to ALONE_ROWS rows, and whenever each thread has ALONE_GROUPS groups or more, so
+     * that rounding every row costs it little against its products; otherwise the rows are split over
+     * the team, into the calling thread's buffer, and the threads wait for each other once. At 2
+     * threads the split saved no CPU time (each thread writes lines the other holds, then reads the
+     * other's rows from its cache: half of 32 rows of 576 inputs took it as long as all of them) and
+     * cost a wait, on a loaded VM often for a descheduled partner (docs/PERFORMANCE.md, issue 48).
+     * With many threads the split keeps the rounding from growing with the team. The same operations
+     * either way: the same codes. */
+    const int alone = m <= ALONE_ROWS || groups >= (int64_t)ALONE_GROUPS * team_size();
     const Activations shared = alone ? (Activations){NULL, NULL, NULL, NULL} : activations_room(&activation_buffer, m, k);
     if (!alone && shared.q == NULL) return -1;
     int failed = 0;

@@ -21,4 +21,14 @@ static inline void team_share(int64_t total, int64_t *begin, int64_t *end) {
     *end = total * (me + 1) / threads;
 }
 
+/* How many threads the next parallel region runs with (1 without OpenMP): a cost choice may use it,
+ * never a sum's order (the team that runs may be smaller). */
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
 #endif
