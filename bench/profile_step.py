@@ -18,7 +18,8 @@ Run: `.venv/bin/python bench/profile_step.py` (SmolLM2-135M-Instruct bf16, N = 1
 `--model-dir DIR`, `--path modules` (the executor without its one-call decode stack) or `--path torch`
 (the layers op by op, linears on torch: the state before the C linears and fused layers), or
 `--lora K` (an engine with --enable-lora holding K adapters of rank 16 on all seven projections,
-request i on adapter i % K; `--lora K --base-rows`: the same engine, every request on the base model).
+request i on adapter i % K; `--lora K --base-rows`: the same engine, every request on the base model),
+or `--quantization gguf [--quantized-activations int8]` (the default model file's own quantized weights).
 The prefill of the N prompts is timed too (wall time of its steps).
 """
 
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_throughput import StepTimer, build_engine, make_prompts  # noqa: E402
 from lora_throughput import RANK, write_adapter  # noqa: E402
 
-from tandem.common.torch_part.model_cache import resolve_model  # noqa: E402
+from tandem.common.torch_part.model_cache import default_model_file, resolve_model  # noqa: E402
 from tandem.decoder.backends.cpu.build import this_machine_levels  # noqa: E402
 from tandem.decoder.backends.cpu.executor import CpuExecutor  # noqa: E402
 from tandem.decoder.backends.cpu.kernels import load  # noqa: E402
@@ -72,6 +73,10 @@ def parse_args() -> argparse.Namespace:
                    help="fused layers; op by op with C linears; op by op with torch linears")  # fmt: skip
     p.add_argument("--lora", type=int, default=0, help="adapters loaded (rank 16, all projections); 0: off")
     p.add_argument("--base-rows", action="store_true", help="with --lora: every request on the base model")
+    p.add_argument("--quantization", choices=("none", "gguf"), default="none",
+                   help="gguf: the default model's GGUF file's own quantized weights (--quantization gguf)")  # fmt: skip
+    p.add_argument("--quantized-activations", choices=("none", "int8"), default="none",
+                   help="with --quantization gguf: every linear's inputs rounded to int8 per 32")  # fmt: skip
     return p.parse_args()
 
 
@@ -255,7 +260,10 @@ def main() -> None:
             paths = [write_adapter(Path(tmp) / f"a{i}", config, seed=i) for i in range(args.lora)]
             lora = dict(enable_lora=True, max_loras=args.lora, max_lora_rank=RANK,
                         loras=tuple((f"a{i}", path) for i, path in enumerate(paths)))  # fmt: skip
-        engine = build_engine(model_dir, workload, max(sizes), start=False, **lora)
+        quantized = {}
+        if args.quantization == "gguf":
+            quantized = dict(quantized_from=default_model_file(), quantized_activations=args.quantized_activations)
+        engine = build_engine(model_dir, workload, max(sizes), start=False, **lora, **quantized)
     profile(engine, args, model_dir, sizes)
 
 
