@@ -74,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora", type=int, default=0, help="adapters loaded (rank 16, all projections); 0: off")
     p.add_argument("--base-rows", action="store_true", help="with --lora: every request on the base model")
     p.add_argument("--quantization", choices=("none", "gguf"), default="none",
-                   help="gguf: the default model's GGUF file's own quantized weights (--quantization gguf)")  # fmt: skip
+                   help="gguf: the default model file's own quantized weights")  # fmt: skip
     p.add_argument("--quantized-activations", choices=("none", "int8"), default="none",
                    help="with --quantization gguf: every linear's inputs rounded to int8 per 32")  # fmt: skip
     return p.parse_args()
@@ -262,7 +262,8 @@ def main() -> None:
                         loras=tuple((f"a{i}", path) for i, path in enumerate(paths)))  # fmt: skip
         quantized = {}
         if args.quantization == "gguf":
-            quantized = dict(quantized_from=default_model_file(), quantized_activations=args.quantized_activations)
+            activations = args.quantized_activations
+            quantized = dict(quantized_from=default_model_file(), quantized_activations=activations)
         engine = build_engine(model_dir, workload, max(sizes), start=False, **lora, **quantized)
     profile(engine, args, model_dir, sizes)
 
