@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import shutil
 import signal
 import socket
@@ -68,6 +69,10 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_model_dir: 
             assert responses[-1].HasField("finished")
             assert responses[-1].finished.usage.output_tokens == 600
         assert process.wait(timeout=90) == 0
+        output = process.stdout.read().decode(errors="replace")
+        # Start-up's heap left the collector's full passes before it served (tandem.common.startup_heap).
+        frozen = re.search(r"start-up heap frozen: (\d+) objects", output)
+        assert frozen is not None and int(frozen.group(1)) > 10_000, output
     finally:
         if process.poll() is None:
             process.kill()

@@ -1,6 +1,7 @@
 """`python -m tandem.encoder` as a process: starts, turns SERVING, embeds, exits 0 on SIGTERM."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -68,6 +69,9 @@ def _serve_embed_and_stop(model_dir: Path) -> str:
 def test_module_serves_until_sigterm_and_exits_0(tiny_model: Path) -> None:
     output = _serve_embed_and_stop(tiny_model)
     assert "images:" not in output
+    # Start-up's heap left the collector's full passes before it served (tandem.common.startup_heap).
+    frozen = re.search(r"start-up heap frozen: (\d+) objects", output)
+    assert frozen is not None and int(frozen.group(1)) > 10_000, output
 
 
 def test_a_llava_checkpoints_log_names_the_vision_tower_it_loaded(tmp_path: Path) -> None:

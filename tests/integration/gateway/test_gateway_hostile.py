@@ -158,6 +158,8 @@ async def test_wide_bodies_and_amplified_embeddings_are_refused_naming_the_field
         assert probe.num_answered > 0 and probe.num_unanswered == 0, probe.longest_silence_s
         assert gateway.rss_mb() - start_mb < 100  # back within 100 MB of where the attacks began
     assert "Traceback" not in gateway.log.read_text()
+    # Its start-up heap was frozen out of the collector's full passes (tandem.common.startup_heap).
+    assert "start-up heap frozen" in gateway.log.read_text()
 
 
 async def test_an_embeddings_answer_under_the_bound_is_the_encoders_rows_written_piece_by_piece(

@@ -23,6 +23,7 @@ from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
 from tandem.common.server import check_port_free, start_server, stop_on_signals
+from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import resolve_model
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderLoadError
@@ -100,6 +101,7 @@ async def serve(config: EncoderConfig) -> None:
             if embedder.info.image_placeholder:  # a vision-language checkpoint: name its image half
                 log.info("images: %s", embedder.describe())  # type: ignore[attr-defined]
             servicer.attach(embedder)
+            freeze_startup_heap()
             await running.set_serving()
             log.info("serving %s on port %d", config.served_model_name, running.port)
             await stopping
@@ -110,6 +112,7 @@ async def serve(config: EncoderConfig) -> None:
         stopping.cancel()
         await running.stop(config.server.grace_s)
         servicer.close()
+        thaw_startup_heap()
         telemetry.shutdown()  # flushes spans and metrics still buffered
 
 

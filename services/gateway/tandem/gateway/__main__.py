@@ -29,6 +29,7 @@ from tandem.common.flags import (
     run,
 )
 from tandem.common.server import DEFAULT_GRACE_S, check_port_free, stop_on_signals
+from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
@@ -206,11 +207,13 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         log.info("serving the OpenAI API on %s:%d (decoder %s)", config.host, port, config.decoder_address)
         if ready is not None:
             ready.set_result(port)
-        if ready is None:
+        if ready is None:  # a process of its own: its start-up heap out of the collector's full passes
+            freeze_startup_heap()
             await stop_on_signals(DEFAULT_GRACE_S, log).wait()
         else:
             await asyncio.Event().wait()  # until cancelled (tests)
     finally:
+        thaw_startup_heap()
         listener.close()
         await runner.cleanup()
         await callers.close()

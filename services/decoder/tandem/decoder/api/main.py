@@ -30,6 +30,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
 from tandem.common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
+from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import is_gguf_file, resolve_model
 from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.api.options import config_from_options, settings
@@ -238,6 +239,7 @@ async def serve(
         )
         log.info("encoder parts are fetched from %s", config.encoder_address)
     servicer.engine = engine
+    freeze_startup_heap()
     await running.set_serving()
     log.info("serving %s on port %d", config.model_name, running.port)
     if ready is not None:
@@ -249,6 +251,7 @@ async def serve(
     watchdog.cancel()
     await drain(running, engine, config.server.grace_s)
     engine.shutdown()
+    thaw_startup_heap()
     if servicer.encoder_parts is not None:
         await servicer.encoder_parts.close()
     telemetry.shutdown()  # flushes spans and metrics still buffered

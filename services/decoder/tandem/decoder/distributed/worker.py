@@ -22,6 +22,7 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from tandem.client.errors import ConfigError
+from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.decoder.backends import backend as backends
 from tandem.decoder.config import DecoderConfig, EngineConfig
 from tandem.decoder.distributed.parallel import (
@@ -129,9 +130,13 @@ def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
     model_config = loaded.config
     num_blocks = num_kv_blocks(config, model_config, tp.world_size)
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor)
+    freeze_startup_heap()  # a full collection here would stall every rank's step (they wait for each other)
     log.info("rank %d of %d ready", tp.rank, tp.world_size)
-    with torch.inference_mode():
-        while (
-            batch := receive_step(tp.control, model_config.hidden_size, model_config.dtype, runner.device)
-        ) is not None:
-            runner.forward(batch)
+    try:
+        with torch.inference_mode():
+            while (
+                batch := receive_step(tp.control, model_config.hidden_size, model_config.dtype, runner.device)
+            ) is not None:
+                runner.forward(batch)
+    finally:
+        thaw_startup_heap()
