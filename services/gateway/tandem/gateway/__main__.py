@@ -200,6 +200,9 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     await runner.setup()
     assert runner.server is not None
     gateway.guard = ConnectionGuard(runner.server, config.max_connections, config.header_timeout_s)
+    own_process = ready is None  # (tests run it on their loop, in their process)
+    if own_process:  # its start-up heap out of the collector's full passes, before anything is served
+        freeze_startup_heap()
     listener = await asyncio.get_running_loop().create_server(gateway.guard, config.host, config.port)
     port = listener.sockets[0].getsockname()[1]
     try:
@@ -207,13 +210,13 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         log.info("serving the OpenAI API on %s:%d (decoder %s)", config.host, port, config.decoder_address)
         if ready is not None:
             ready.set_result(port)
-        if ready is None:  # a process of its own: its start-up heap out of the collector's full passes
-            freeze_startup_heap()
+        if own_process:
             await stop_on_signals(DEFAULT_GRACE_S, log).wait()
         else:
             await asyncio.Event().wait()  # until cancelled (tests)
     finally:
-        thaw_startup_heap()
+        if own_process:
+            thaw_startup_heap()
         listener.close()
         await runner.cleanup()
         await callers.close()
