@@ -47,6 +47,7 @@ def test_start_up_garbage_is_collected_rather_than_frozen(thawed: None) -> None:
 
 
 def test_what_serving_allocates_is_collected_as_usual(thawed: None) -> None:
+    # Freezing is not disabling the collector: cycles made after it are still freed.
     freeze_startup_heap()
     a, b = _Node(), _Node()
     a.other, b.other = b, a
