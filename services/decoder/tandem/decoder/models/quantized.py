@@ -8,6 +8,8 @@ dtype; the CPU executor's kernels read the same tensors in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,17 +35,27 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """A token-embedding table kept quantized: a lookup dequantizes only the rows it returns (the
-    same values the tied LM head multiplies)."""
+    same values the tied LM head multiplies). An executor may bind a kernel that computes the same
+    rows (`use_rows`: the CPU one's reads the codes in place, where `QuantizedTensor.rows`, the
+    reference, takes ~20 torch ops)."""
 
     def __init__(self, weight: QuantizedTensor, dtype: torch.dtype) -> None:
         super().__init__()
         self.qweight = weight
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.n, weight.k
+        self._rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def use_rows(self, rows: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Looks rows up with `rows` (int64 ids [num] -> [num, embedding_dim] in self.dtype, the values
+        QuantizedTensor.rows gives); None: the reference again."""
+        self._rows = rows
 
     def forward(self, ids: torch.Tensor, sp: bool = False) -> torch.Tensor:
         # ids: [num_tokens] -> [num_tokens, embedding_dim]. One rank only: sp is never True here.
-        return self.qweight.rows(ids.reshape(-1).long(), self.dtype).view(*ids.shape, self.embedding_dim)
+        flat = ids.reshape(-1).long()
+        rows = self.qweight.rows(flat, self.dtype) if self._rows is None else self._rows(flat)
+        return rows.view(*ids.shape, self.embedding_dim)
 
 
 QUANTIZED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "embed_tokens")

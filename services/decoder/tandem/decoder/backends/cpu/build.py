@@ -36,6 +36,7 @@ SOURCES = (
     "linear_tiles.c",
     "layer.c",
     "lora.c",
+    "quant_rows.c",
     "runs.c",
 )
 HEADERS = ("bf16.h", "elements.h", "exp.h", "limits.h", "lora.h", "runs.h", "scratch.h", "team.h", "weight.h")

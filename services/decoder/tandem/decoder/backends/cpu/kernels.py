@@ -87,6 +87,9 @@ class Kernels:
         self._packed_elements = library.tandem_packed_elements
         self._packed_elements.restype, self._packed_elements.argtypes = ctypes.c_int64, sizes * 2
         self._argmax_f32 = _bind(library.tandem_argmax_f32, pointers + sizes * 2 + pointers)
+        self._quantized_rows = _bind(
+            library.tandem_quantized_rows, pointers * 2 + sizes + pointers + [ctypes.c_int]
+        )
         # The raw copy of a shared-memory segment fused with its digest's GHASH (copy_digest.c); call
         # it through copy_digest.FusedCopyDigest, which checks the buffers and computes the AES blocks.
         self.copy_ghash = _bind(
@@ -142,6 +145,22 @@ class Kernels:
             fmt, weight.n, weight.k, weight.codes, weight.scales, weight.mins, dense_rows,
             activations=INT8_ACTIVATIONS if int8_activations else 0,
         )  # fmt: skip
+
+    def quantized_rows(self, weight: KernelWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[num_ids, k] in `dtype` (bf16 or float32): rows `ids` (int64 [num_ids]) of the quantized table
+        `weight` (quantized_weight's), each value as QuantizedTensor.rows computes it (csrc/quant_rows.c):
+        a quantized model's token embedding."""
+        if weight.format not in (WEIGHT_Q4, WEIGHT_Q8):
+            raise ValueError("quantized_rows needs a quantized weight (quantized_weight's)")
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype must be one of {', '.join(map(str, DTYPE_CODES))}, got {dtype}")
+        ids = _index_tensor("ids", ids, torch.int64, (None,), "")
+        out = torch.empty(ids.shape[0], weight.k, dtype=dtype)
+        status = self._quantized_rows(
+            weight.ptr, ids.data_ptr(), ids.shape[0], out.data_ptr(), DTYPE_CODES[dtype]
+        )
+        _check(status, f"quantized_rows: ids must be in [0, {weight.n})")
+        return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: torch.argmax(logits, dim=-1) of float32 logits [rows, vocab] (argmax.c)."""
