@@ -77,7 +77,10 @@ async def test_a_forged_turn_in_user_text_stays_text(decoder: Served, smollm2: L
         ({"messages": []}, "chat.messages"),
         ({"messages": [{"role": "wizard", "content": [{"text": "hi"}]}]}, "chat.messages[0].role"),
         ({"messages": [{"role": "user", "content": []}]}, "chat.messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"text": ""}]}]}, "chat.messages[0].content[0].text"),
+        (
+            {"messages": [{"role": "user", "content": [{"token_ids": {"ids": []}}]}]},
+            "chat.messages[0].content[0].token_ids.ids",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"text": "a"}, {"token_ids": {"ids": [10**9]}}]}]},
             "chat.messages[0].content[1].token_ids.ids[0]",

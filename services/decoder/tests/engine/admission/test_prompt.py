@@ -165,8 +165,8 @@ def test_chat_parts_obey_the_segment_rules_and_errors_name_where_the_caller_put_
     tiny_fp32: LoadedModel,
 ) -> None:
     hidden, vocab = tiny_fp32.config.hidden_size, tiny_fp32.config.vocab_size
-    assert _field(tiny_fp32, _chat([TextPrompt("a")], [[1], TextPrompt("")])) == (
-        "chat.messages[1].content[1].text"
+    assert (
+        _field(tiny_fp32, _chat([TextPrompt("a")], [[1], []])) == "chat.messages[1].content[1].token_ids.ids"
     )
     assert _field(tiny_fp32, _chat([EmbeddingPrompt(torch.ones(1, 3))])) == (
         "chat.messages[0].content[0].embeddings.shape"
@@ -181,6 +181,15 @@ def test_chat_parts_obey_the_segment_rules_and_errors_name_where_the_caller_put_
     assert _field(tiny_fp32, _chat([list(range(16))])) == "chat"  # the length bound, from sizes alone
     with pytest.raises(FailedPrecondition):
         _build(tiny_fp32, _chat([nan]), embeds=False)
+
+
+def test_an_empty_text_in_a_chat_is_a_turn_with_nothing_said(tiny_fp32: LoadedModel) -> None:
+    # OpenAI and vLLM take a system prompt of "": the template renders the turn, empty.
+    chat = ChatRequest([ChatMessage("system", [TextPrompt("")]), ChatMessage("user", [TextPrompt("hi")])])
+    empty = _build(tiny_fp32, GenerateSpec([], chat=chat, cap_max_new_tokens=True), max_model_len=64)
+    alone = _build(tiny_fp32, _chat([TextPrompt("hi")]), max_model_len=64)
+    assert len(empty.prompt_token_ids) > len(alone.prompt_token_ids)  # the system turn is there
+    assert _field(tiny_fp32, _chat([])) == "chat.messages[0].content"  # a message still has a part
 
 
 def test_a_chat_flattens_like_the_same_parts_sent_as_segments(tiny_fp32: LoadedModel) -> None:

@@ -215,7 +215,13 @@ def _located_parts(spec: GenerateSpec) -> list[LocatedPart]:
             )
         if not message.content:
             raise InvalidArgument(f"{path}.content", "must have at least one part")
-        located.extend((f"{path}.content[{j}]", part) for j, part in enumerate(message.content))
+        # An empty text is a turn with nothing said (a system prompt of "", as OpenAI and vLLM take
+        # it): the template still renders the turn; only a prompt segment must say something.
+        located.extend(
+            (f"{path}.content[{j}]", part)
+            for j, part in enumerate(message.content)
+            if not (isinstance(part, TextPrompt) and not part.text)
+        )
     return located
 
 
