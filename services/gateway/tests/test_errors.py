@@ -3,9 +3,12 @@ caller used to ask for it."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 
-from tandem.gateway.errors import body_field
+from tandem.gateway.errors import body_field, from_grpc
 
 
 @pytest.mark.parametrize(
@@ -29,3 +32,28 @@ def test_a_service_path_is_named_as_the_body_names_it(
     path: str, structured_field: str | None, expected: str
 ) -> None:
     assert body_field(path, structured_field) == expected
+
+
+def _rpc_error(code: grpc.StatusCode, message: str, field: str | None = None) -> grpc.aio.AioRpcError:
+    """What a service sends: the status, and its field as a BadRequest detail (google.rpc)."""
+    detail = any_pb2.Any()
+    bad = error_details_pb2.BadRequest()
+    if field is not None:
+        bad.field_violations.add(field=field, description=message)
+    detail.Pack(bad)
+    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    trailing = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=message)
+
+
+def test_a_chat_too_long_names_the_messages_and_an_unknown_adapter_is_openais_unknown_model() -> None:
+    too_long = from_grpc(
+        _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "chat: 9031 positions leave no room", "chat")
+    )
+    assert too_long.param == "messages" and too_long.status == 400
+    assert too_long.message.startswith("chat: ")  # the words are the decoder's
+    unknown = from_grpc(_rpc_error(grpc.StatusCode.NOT_FOUND, "adapter 'gpt-4o' is not loaded: no LoRA"))
+    assert unknown.status == 404
+    assert unknown.body()["error"] | {"message": ""} == {
+        "message": "", "type": "not_found_error", "param": "model", "code": "model_not_found"
+    }  # fmt: skip

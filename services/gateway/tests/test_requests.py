@@ -65,6 +65,16 @@ HOSTILE_CHAT = {
     "1025 logit_bias entries": ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     "1025 choices": ({"guided_choice": ["x"] * 1025}, "guided_choice"),
     "guided_choice of numbers": ({"guided_choice": [1]}, "guided_choice"),
+    # OpenAI and vLLM refuse these rather than answer something else than what was asked
+    "stream a string": ({"stream": "true"}, "stream"),
+    "stream 1": ({"stream": 1}, "stream"),
+    "stream_options without stream": ({"stream_options": {"include_usage": True}}, "stream_options"),
+    "stream_options a string": ({"stream": True, "stream_options": "x"}, "stream_options"),
+    "include_usage a string": (
+        {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"
+    ),
+    "top_logprobs without logprobs": ({"top_logprobs": 5}, "top_logprobs"),
+    "top_logprobs with logprobs false": ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
 }  # fmt: skip
 
 
@@ -88,6 +98,8 @@ def test_a_hostile_chat_body_is_invalid_argument_naming_the_field(name: str) -> 
         (["a"] * 257, "prompt"),
         ([[1] * 200, [1] * 57], "prompt"),
         ([[1] * 257], "prompt"),
+        (["a", "b"], "prompt"),  # OpenAI's batch of two prompts, not one prompt of two segments
+        ([[1, 2], [3]], "prompt"),
     ],
 )
 def test_hostile_completion_prompts_are_invalid_argument(prompt: object, field: str) -> None:
@@ -175,3 +187,21 @@ def test_what_the_answer_needs_of_the_body_is_kept() -> None:
 
 def test_vllms_top_k_minus_one_means_off() -> None:
     assert requests.chat_request(CHAT | {"top_k": -1}, LIMITS).request.sampling.top_k == 0
+
+
+def test_a_completion_refuses_what_it_would_otherwise_ignore() -> None:
+    with pytest.raises(InvalidArgument, match="suffix: is not supported"):
+        requests.completion_request({"prompt": "a", "suffix": "b"}, LIMITS)
+    with pytest.raises(InvalidArgument, match="send 3 requests"):
+        requests.completion_request({"prompt": ["a", "b", "c"]}, LIMITS)
+
+
+def test_prompt_segments_still_mix_kinds_and_a_batch_of_one_is_its_prompt() -> None:
+    mixed = requests.completion_request({"prompt": ["a", [5, 6], "b"]}, LIMITS).request
+    assert [segment.WhichOneof("segment") for segment in mixed.prompt] == ["text", "token_ids", "text"]
+    assert requests.completion_request({"prompt": ["a"]}, LIMITS).request.prompt[0].text == "a"
+    streamed = requests.chat_request(
+        CHAT | {"stream": True, "stream_options": {"include_usage": True}}, LIMITS
+    )
+    assert streamed.is_stream and streamed.include_usage
+    assert not requests.chat_request(CHAT | {"stream": False, "stream_options": None}, LIMITS).is_stream

@@ -103,6 +103,14 @@ async def test_a_body_over_the_limit_is_413_and_malformed_json_is_400(
                 url, data=b"{not json", headers={"Content-Type": "application/json"}
             ) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == "body"
+            for encoding in ("gzip", "deflate"):  # bytes that do not decompress: the caller's, a 400
+                headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+                async with session.post(url, data=b'{"prompt": "hi"}', headers=headers) as r:
+                    error = (await r.json())["error"]
+                    assert r.status == 400 and error["param"] == "body", error
+                    assert f"Content-Encoding: {encoding}" in error["message"]
+            async with session.get(url) as r:  # RFC 9110: a 405 names the methods allowed
+                assert r.status == 405 and r.headers["Allow"] == "POST"
             async with session.post(url, json={"model": "", "prompt": "hi", "max_tokens": 2}) as response:
                 assert response.status == 200  # and it keeps serving
     finally:

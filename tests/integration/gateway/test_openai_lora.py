@@ -54,10 +54,12 @@ async def test_the_sdk_chats_with_an_adapter_by_model_name_and_lists_it(
             )
             assert reply.model == model
             replies[model] = reply.choices[0].message.content
-        with pytest.raises(openai.NotFoundError, match="adapter 'other' is not loaded"):
+        with pytest.raises(openai.NotFoundError, match="adapter 'other' is not loaded") as unknown:
             await client.chat.completions.create(
                 model="other", messages=[{"role": "user", "content": PROMPT}], max_tokens=2
             )
+        assert (await client.models.retrieve("qv4")).parent == base  # type: ignore[attr-defined]
+    assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
     assert [m.id for m in models.data] == [base, "qv4"]
     assert replies["qv4"] == await grpc_reply(decoder, "qv4") != replies[base]
     assert replies[base] == await grpc_reply(decoder, "")

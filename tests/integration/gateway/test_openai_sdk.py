@@ -29,7 +29,12 @@ async def _grpc_tokens(live: Live, request: decoder_pb2.GenerateRequest) -> tupl
 async def test_models_lists_the_served_model(live: Live) -> None:
     async with _client(live) as client:
         models = await client.models.list()
-    assert [m.id for m in models.data] == [(await live.decoder.client.model_info()).model]
+        served = (await live.decoder.client.model_info()).model
+        assert [m.id for m in models.data] == [served]
+        assert (await client.models.retrieve(served)).id == served
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.models.retrieve("gpt-4o")
+    assert missing.value.code == "model_not_found" and missing.value.param == "model"
 
 
 async def test_a_chat_answer_is_the_decoders_own(live: Live) -> None:

@@ -24,6 +24,8 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
@@ -87,6 +89,7 @@ class Gateway:
         )
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # names may hold a "/"
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
@@ -101,7 +104,10 @@ class Gateway:
         try:
             return await handler(request)
         except Refused as refused:
-            return error_response(refused.error)
+            response = error_response(refused.error)
+            if request.content.exception() is not None:  # a body that cannot be read cannot be drained
+                response.force_close()  # either: aiohttp's drain after the answer would raise again
+            return response
         except InvalidArgument as error:
             return error_response(from_invalid(error))
         except Unavailable as error:
@@ -109,7 +115,10 @@ class Gateway:
         except grpc.aio.AioRpcError as error:
             return error_response(from_grpc(error, request.get(STRUCTURED_FIELD)))
         except web.HTTPException as error:  # 404 / 405 from routing
-            return error_response(HttpError(error.status, "invalid_request_error", error.reason))
+            response = error_response(HttpError(error.status, "invalid_request_error", error.reason))
+            if isinstance(error, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 says what is allowed
+                response.headers["Allow"] = ", ".join(sorted(error.allowed_methods))
+            return response
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the caller left: nothing to answer
         except Exception:  # a bug: an OpenAI-shaped 500, the traceback in our log only
@@ -157,6 +166,20 @@ class Gateway:
         )
 
     async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": await self._model_cards(request)})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: one card (the SDK's models.retrieve), or OpenAI's model_not_found."""
+        name = request.match_info["model"]
+        for card in await self._model_cards(request):
+            if card["id"] == name:
+                return web.json_response(card)
+        message = f"the model {name[:256]!r} does not exist: GET /v1/models lists this server's"
+        return error_response(
+            HttpError(404, "invalid_request_error", message, "model", code="model_not_found")
+        )
+
+    async def _model_cards(self, request: web.Request) -> list[dict[str, Any]]:
         # Asked each time, not cached: adapters load and unload while the gateway runs.
         info = await self.decoder.stub.GetModelInfo(
             decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
@@ -174,7 +197,7 @@ class Gateway:
             }  # fmt: skip
             for a in info.adapters
         ]
-        return web.json_response({"object": "list", "data": [card, *adapters]})
+        return [card, *adapters]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
@@ -254,6 +277,12 @@ class Gateway:
                 f"{len(body)} bytes came"
             )
             raise Refused(HttpError(408, "invalid_request_error", message, "body")) from None
+        except (RequestPayloadError, HttpProcessingError) as error:  # the caller's bytes, not our bug: a 400
+            reason = getattr(error, "message", "") or str(error)
+            encoding = request.headers.get("Content-Encoding")
+            sent = f" (Content-Encoding: {encoding[:32]})" if encoding else ""
+            message = f"the body could not be read as sent{sent}: {' '.join(str(reason).split())[:200]}"
+            raise Refused(HttpError(400, "invalid_request_error", message, "body")) from None
         return body
 
     def _take_large_body(self, request: web.Request) -> None:

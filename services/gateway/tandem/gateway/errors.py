@@ -37,9 +37,10 @@ class HttpError:
     message: str
     param: str | None = None
     retry_after_s: float | None = None
+    code: str | None = None  # OpenAI's code where it has its own (model_not_found); else from the type
 
     def body(self) -> dict:
-        code = self.type if self.status != 429 else "rate_limit_exceeded"
+        code = self.code or (self.type if self.status != 429 else "rate_limit_exceeded")
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": code}}
 
     def headers(self) -> dict[str, str]:
@@ -85,7 +86,13 @@ def from_grpc(error: grpc.aio.AioRpcError, structured_field: str | None = None) 
         return HttpError(413, "invalid_request_error", message)
     if status == 429 and retry_after is None:
         retry_after = 1.0
-    return HttpError(status, kind, body_field(message, structured_field), param, retry_after)
+    if param == "chat":  # the rendered prompt as a whole (its length): the body's messages
+        param = "messages"
+    code = None
+    if error.code() == grpc.StatusCode.NOT_FOUND and message.startswith("adapter "):
+        # The body's model names the adapter (the gateway sends it as one): OpenAI's unknown model.
+        param, code = "model", "model_not_found"
+    return HttpError(status, kind, body_field(message, structured_field), param, retry_after, code)
 
 
 # A service's field path -> the body's (first matching prefix).

@@ -242,11 +242,13 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
         turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))
     structured_field = _common(body, request, max_tokens=("max_completion_tokens", "max_tokens"))
+    top = _uint(body, "top_logprobs", 0, 20)  # OpenAI's bound
     if _field(body, "logprobs", bool):
         request.output.logprobs = True
-        top = _uint(body, "top_logprobs", 0, 20)  # OpenAI's bound
         if top:
             request.output.top_logprobs = top
+    elif top is not None:  # as OpenAI and vLLM answer it, rather than dropping the field
+        raise InvalidArgument("top_logprobs", "needs logprobs: true")
     return _call(body, request, tuple(images), structured_field)
 
 
@@ -261,6 +263,17 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
     elif (ids := _token_ids(prompt, "prompt", max_ids)) is not None:
         request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=ids))
     elif isinstance(prompt, list) and prompt:
+        if len(prompt) > 1 and (
+            all(isinstance(part, str) for part in prompt) or all(isinstance(part, list) for part in prompt)
+        ):
+            # OpenAI's and vLLM's meaning of these forms is a batch, one choice per prompt; joining
+            # them into one prompt (as the segments below would) answers a different question.
+            raise InvalidArgument(
+                "prompt",
+                f"a list of {len(prompt)} strings or of {len(prompt)} token-ID lists is a batch of prompts, "
+                f"which this server does not take: send {len(prompt)} requests (segments of one prompt mix "
+                "kinds or carry a tandem_embeddings part)",
+            )
         at_most("prompt", len(prompt), max_ids, f"parts {context}")
         num_ids = sum(len(part) for part in prompt if isinstance(part, list))
         at_most("prompt", num_ids, max_ids, f"token IDs in all {context}")
@@ -283,6 +296,8 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
         request.output.top_logprobs = logprobs
     if _field(body, "echo", bool):
         raise InvalidArgument("echo", "is not supported")
+    if _field(body, "suffix", str):  # insertion: not a decoder-only prompt's shape (vLLM refuses it too)
+        raise InvalidArgument("suffix", "is not supported")
     return _call(body, request, (), structured_field)
 
 
@@ -292,13 +307,17 @@ def _call(
     images: tuple[ImagePart, ...],
     structured_field: str | None,
 ) -> GenerateCall:
-    options = body.get("stream_options")
+    is_stream = _field(body, "stream", bool) is True
+    options = _field(body, "stream_options", dict)
+    if options is not None and not is_stream:  # vLLM's rule: the options of a stream only
+        raise InvalidArgument("stream_options", "needs stream: true")
+    include_usage = _field(options or {}, "include_usage", bool, "stream_options.") is True
     return GenerateCall(
         request=request,
         images=images,
         model=request.model,
-        is_stream=body.get("stream") is True,
-        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        is_stream=is_stream,
+        include_usage=include_usage,
         structured_field=structured_field,
     )
 
