@@ -121,6 +121,19 @@ async def test_embeddings_come_from_the_encoder(live: Live) -> None:
     np.testing.assert_array_equal(as_floats, expected)
 
 
+async def test_an_embeddings_error_names_the_input_that_failed(live: Live) -> None:
+    async with _client(live) as client:
+        for body_input, param in (
+            (["fine text", ""], "input[1]"),
+            ([[1], [2], [99_999_999]], "input[2][0]"),
+            ("", "input"),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.embeddings.create(model="", input=body_input)  # type: ignore[arg-type]
+            assert refused.value.param == param, refused.value.message
+            assert refused.value.message.startswith(f"Error code: 400 - {param}")
+
+
 async def test_an_embedding_part_answers_as_its_tokens_do(live: Live, tiny_fp32) -> None:
     ids = tiny_fp32.tokenizer.encode(PROMPT).ids
     rows = tiny_fp32.model.embed_tokens.weight[torch.tensor(ids)].detach().float().numpy()

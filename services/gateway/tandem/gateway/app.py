@@ -228,7 +228,14 @@ class Gateway:
         if bound >= self.config.large_body_bytes and LARGE_BODY not in request:
             self._take_large_body(request)  # the replies and the answer are large too
         metadata = self._metadata(request)
-        replies = await _all([self.encoder.stub.Embed(c, metadata=metadata) for c in call.requests])
+
+        async def embed(i: int, embed_request: encoder_pb2.EmbedRequest) -> encoder_pb2.EmbedResponse:
+            try:
+                return await self.encoder.stub.Embed(embed_request, metadata=metadata)
+            except grpc.aio.AioRpcError as error:  # named as the body names the input that failed
+                raise Refused(from_grpc(error).for_input(call.input_field, i)) from None
+
+        replies = await _all([embed(i, c) for i, c in enumerate(call.requests)])
         return await embeddings.write_answer(request, call, replies, call.model or info.model)
 
     # -- bodies -----------------------------------------------------------------------------------------

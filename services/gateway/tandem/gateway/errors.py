@@ -5,8 +5,10 @@ RESOURCE_EXHAUSTED's RetryInfo becomes `Retry-After`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -42,6 +44,17 @@ class HttpError:
     def body(self) -> dict:
         code = self.code or (self.type if self.status != 429 else "rate_limit_exceeded")
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": code}}
+
+    def for_input(self, input_field: Callable[[int, str], str], i: int) -> HttpError:
+        """This error of the encoder's call for an embeddings body's input i, its field (the encoder's
+        `text`, `token_ids.ids[j]`, `image`) as the body names it, in the message too."""
+        if self.param is None:
+            return self
+        param = input_field(i, self.param)
+        message = (
+            param + self.message[len(self.param) :] if self.message.startswith(self.param) else self.message
+        )
+        return dataclasses.replace(self, param=param, message=message)
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:

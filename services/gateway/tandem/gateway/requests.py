@@ -71,6 +71,17 @@ class EmbedCall:
     requests: tuple[encoder_pb2.EmbedRequest, ...]
     model: str
     is_base64: bool  # encoding_format "base64" (else JSON floats)
+    is_list: bool = False  # the body's input was a list: an error names input[i], else input
+
+    def input_field(self, i: int, service_field: str) -> str:
+        """The body's field for request i's `service_field` (the encoder's: text, token_ids.ids[j],
+        image...): input[i] (input[i][j] for an ID), or input alone when the body gave one input."""
+        where = f"input[{i}]" if self.is_list else "input"
+        if service_field.startswith("token_ids.ids"):
+            return where + service_field.removeprefix("token_ids.ids")
+        if service_field.startswith("image"):
+            return f"{where}.data"
+        return where
 
 
 def _field(body: dict[str, Any], name: str, types: type | tuple[type, ...], path: str = "") -> Any:
@@ -442,7 +453,8 @@ def embed_request(body: dict[str, Any], limits: BodyLimits) -> EmbedCall:
     """POST /v1/embeddings -> one Embed call per input (mean-pooled unless `tandem_pooling` is "none")."""
     max_ids = limits.max_positions
     items = body.get("input")
-    if isinstance(items, str) or _token_ids(items, "input", max_ids) is not None:
+    is_list = not (isinstance(items, str) or _token_ids(items, "input", max_ids) is not None)
+    if not is_list:
         items = [items]
     if not isinstance(items, list) or not items:
         raise InvalidArgument("input", "must be a string, a list of strings, or token IDs")
@@ -482,4 +494,4 @@ def embed_request(body: dict[str, Any], limits: BodyLimits) -> EmbedCall:
         else:
             raise InvalidArgument(f"input[{i}]", "must be a string, token IDs or a tandem_image part")
         requests.append(request)
-    return EmbedCall(tuple(requests), model, encoding == "base64")
+    return EmbedCall(tuple(requests), model, encoding == "base64", is_list)
