@@ -61,9 +61,11 @@ def check(spec: StructuredOutput) -> None:
 class Constraint:
     """One request's grammar state. Not thread-safe: the engine thread alone uses it after building."""
 
-    def __init__(self, matcher: object, vocab_size: int) -> None:
+    def __init__(self, matcher: object, vocab_size: int, field: str = "structured") -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.field = field  # the request's field that asked for it (structured.regex, ...)
+        self.num_accepted = 0
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar accepts next."""
@@ -75,6 +77,7 @@ class Constraint:
 
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # type: ignore[attr-defined]
+        self.num_accepted += 1
 
     def valid_prefix(self, token_ids: list[int]) -> int:
         """How many of `token_ids` the grammar accepts in order from here (a proposal is cut there)."""
@@ -96,6 +99,17 @@ class Constraint:
     @property
     def is_error(self) -> bool:
         return bool(self._matcher.is_error())  # type: ignore[attr-defined]
+
+    def error(self) -> InvalidArgument | None:
+        """Why the grammar cannot go on, or None. A grammar that compiles and begins can still exceed
+        the parser's limits on the way (a regex of nested counts: `a{1000}{1000}`); its matcher then
+        allows only EOS, which must not pass for an answer that parses."""
+        if not self.is_error:
+            return None
+        reason = _short(self._matcher.get_error())  # type: ignore[attr-defined]
+        return InvalidArgument(
+            self.field, f"the grammar failed after {self.num_accepted} tokens of the answer: {reason}"
+        )
 
 
 class GrammarCompiler:
@@ -130,7 +144,7 @@ class GrammarCompiler:
             raise InvalidArgument(
                 spec.field, f"admits no answer: no text can begin it ({_short(matcher.get_error())})"
             )
-        return Constraint(matcher, self.vocab_size)
+        return Constraint(matcher, self.vocab_size, spec.field)
 
     def _grammar(self, spec: StructuredOutput) -> str:
         with self._lock:

@@ -304,14 +304,19 @@ class EngineCore:
         allowed = masks.result() if masks is not None else None
         sampled = self._sample(logits, rows, allowed) if rows else None
         kept = self._verify(items, sampled.token_ids.tolist() if sampled is not None else [])
+        broken: list[tuple[ScheduledRequest, TandemError]] = []
         for item, tokens in zip(items, kept, strict=True):  # the grammar takes what was sampled
             if item.request.constraint is not None:
                 for token_id in tokens:
                     item.request.constraint.accept(token_id)
+                if (error := item.request.constraint.error()) is not None:
+                    broken.append((item, error))
         with self.lock:
             self.scheduler.update(plan, {item.request_id: t for item, t in zip(items, kept, strict=True)})
         self.num_steps += 1
-        self._emit(items, kept, sampled, time.monotonic())
+        self._emit(items, kept, sampled, time.monotonic(), skip={item.request_id for item, _ in broken})
+        for item, error in broken:
+            self._fail(item.request_id, error)
 
     def _masks(self) -> ThreadPoolExecutor:
         if self._mask_pool is None:  # made by the first constrained step
@@ -421,6 +426,7 @@ class EngineCore:
         kept: list[list[int]],
         sampled: SamplerOutput | None,
         now: float,
+        skip: set[str] | frozenset[str] = frozenset(),  # requests failed instead (_fail)
     ) -> None:
         logprobs = sampled.logprobs.tolist() if sampled is not None and sampled.logprobs is not None else None
         top_ids = top_lp = None
@@ -428,6 +434,9 @@ class EngineCore:
             top_ids, top_lp = sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist()
         first_row = 0
         for item, tokens in zip(items, kept, strict=True):
+            if item.request_id in skip:
+                first_row += 1 + item.num_draft_tokens
+                continue
             tracked = self._live[item.request_id]
             params = tracked.request.sampling
             step: list[SampledToken] = []
@@ -447,6 +456,16 @@ class EngineCore:
                 tracked.on_event(event)
             if not is_finished and tracked.progress is not None and tracked.progress.is_far_behind:
                 self._pause(tracked, now)
+
+    def _fail(self, request_id: str, error: TandemError) -> None:
+        """End one live request with `error` (its grammar broke) and free its blocks; its step's
+        tokens are not sent: the answer so far ends in an error, never in an EOS it did not earn."""
+        with self.lock:
+            tracked = self._live.pop(request_id, None)
+            if tracked is None:
+                return
+            self.scheduler.abort(request_id)
+        tracked.on_event(Failed(tracked.output.request_id, error))
 
     def _retire(self, tracked: _Tracked, reason: FinishReason) -> None:
         status = (
