@@ -321,3 +321,25 @@ async def test_an_engine_fault_ends_open_streams_with_unavailable_and_never_hang
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await shutdown(served)
+
+
+async def test_the_context_is_what_the_kv_pool_holds_and_a_default_length_fits_it(
+    tiny_model_dir, tiny_fp32
+) -> None:
+    # 40 blocks of 4, one reserved: 156 positions, far below the checkpoint's 4,096. The pool's bound
+    # is the context that GetModelInfo says and that a default max_new_tokens is capped to; a request
+    # that set no length was refused for max_new_tokens, a field it never sent.
+    served = await serve(tiny_model_dir, tiny_fp32, num_kv_blocks=40)
+    try:
+        assert (await served.client.model_info()).max_context_tokens == 39 * 4
+        prompt = list(range(1, 151))
+        request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(token_ids={"ids": prompt})])
+        request.stopping.ignore_eos = True
+        text, finished = await served.client._collect(served.client.generate(request))
+        assert finished.usage.output_tokens == 156 - 150  # the default 256, capped to the pool
+        request.prompt[0].token_ids.ids.extend(range(1, 7))  # 156 positions: none left to generate
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await served.client._collect(served.client.generate(request))
+        assert "exceed the 155 a prompt may take (max_model_len 156" in error.value.details()
+    finally:
+        await shutdown(served)

@@ -117,11 +117,18 @@ class Engine:
         self.chat_template = ChatTemplate.load(Path(config.model_dir), self.tokenizer)
         self._grammars: GrammarCompiler | None = None  # structured output, made on first use
         self._grammars_lock = threading.Lock()
-        self.max_model_len = sizing.max_model_len(config, self.model_config)
+        self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
+        self.max_model_len = sizing.max_model_len(config, self.model_config, self.num_blocks)
+        if self.max_model_len < sizing.max_model_len(config, self.model_config):
+            log.warning(
+                "the KV pool (%d blocks of %d positions, one reserved) holds %d positions: the context "
+                "is capped there, not at %d (raise --kv-cache-bytes or --num-kv-blocks for more)",
+                self.num_blocks, config.block_size, self.max_model_len,
+                sizing.max_model_len(config, self.model_config),
+            )  # fmt: skip
         self.prompt_logprob_budget = PromptLogprobBudget(self.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
-        self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
         self.core = self._build_core(tp, backend)
         # Adapters are read (files, checks) here, off the engine thread; their slots are written on it.
         self._adapter_reader = concurrent.futures.ThreadPoolExecutor(

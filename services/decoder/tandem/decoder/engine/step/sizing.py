@@ -10,10 +10,19 @@ from tandem.decoder.engine.step.static_shapes import StaticShapes, power_of_two_
 from tandem.decoder.models.config import ModelConfig
 
 
-def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The context cap: config.max_model_len, never past the checkpoint's max_position_embeddings."""
+def max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int | None = None) -> int:
+    """The context cap: config.max_model_len, never past the checkpoint's max_position_embeddings, nor
+    past what the KV pool of `num_blocks` (one of them the reserved null block) holds for one sequence.
+
+    Without the pool's bound a default max_new_tokens was capped to a context the pool could never
+    hold, and a request that set nothing was refused for a field it never sent (SmolLM2 at 40
+    blocks: 8,192 advertised, 624 held). vLLM refuses to start instead; a pool sized on purpose
+    (--num-kv-blocks, --kv-cache-bytes) is a choice, so here it shortens the context, and says so."""
     limit = model_config.max_position_embeddings
-    return min(config.max_model_len or limit, limit)
+    cap = min(config.max_model_len or limit, limit)
+    if num_blocks is not None:
+        cap = min(cap, max(1, num_blocks - 1) * config.block_size)
+    return cap
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: int) -> int:
