@@ -116,6 +116,18 @@ def test_non_finite_values_are_refused_when_asked(bad: float) -> None:
     assert "[2, 1]" in error.description
 
 
+@pytest.mark.parametrize(("dtype", "largest", "overflow"), [(torch.bfloat16, "3.38953e+38", "3.39618e+38"), (torch.float16, "65504", "65520")])  # fmt: skip
+def test_the_refusal_says_where_values_round_to_inf_and_that_is_where_they_do(
+    dtype: torch.dtype, largest: str, overflow: str
+) -> None:
+    below, at = float(overflow) * (1 - 2**-12), float(overflow)
+    assert torch.isfinite(torch.tensor(below).to(dtype)) and torch.isinf(torch.tensor(at).to(dtype))
+    with pytest.raises(InvalidArgument) as error:
+        tensors.require_finite(torch.tensor([0.0, at]).to(dtype), "rows")
+    assert error.value.field == "rows.data"
+    assert f"largest is +-{largest} (magnitudes from {overflow} round to Inf)" in error.value.description
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),

@@ -139,10 +139,13 @@ def require_finite(tensor: torch.Tensor, field: str) -> None:
     first = int((~torch.isfinite(tensor.reshape(-1))).nonzero()[0, 0])
     index = [int(i) for i in np.unravel_index(first, tuple(tensor.shape))]
     dtype = str(tensor.dtype).removeprefix("torch.")
+    # Round to nearest: a magnitude below max + half its last step rounds to max, from there to Inf.
+    info = torch.finfo(tensor.dtype)
+    overflow = info.max + info.max / (2 - info.eps) * info.eps / 2
     raise InvalidArgument(
         f"{field}.data",
-        f"contains NaN or Inf as {dtype} (first at index {index}); values must be finite and within "
-        f"+-{torch.finfo(tensor.dtype).max:.6g}",
+        f"contains NaN or Inf as {dtype} (first at index {index}); values must be finite as {dtype}, "
+        f"whose largest is +-{info.max:.6g} (magnitudes from {overflow:.6g} round to Inf)",
     )
 
 
