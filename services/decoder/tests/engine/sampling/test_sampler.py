@@ -232,6 +232,21 @@ def test_top_logprobs_are_the_n_largest_sorted_descending(temperature: float) ->
     assert math.isfinite(float(out.logprobs.sum()))
 
 
+def test_equal_logprobs_are_listed_lowest_id_first_so_a_greedy_token_leads_its_equals() -> None:
+    # argmax takes the first maximum; topk ordered and picked among equals its own way, so a greedy
+    # answer's token came after an equally likely one in its own top list, or was missing from a top 1.
+    logits = torch.full((2, VOCAB), -5.0)
+    logits[0, [20, 7, 30]] = 3.0  # three equals on top
+    logits[1, [15, 25]] = 3.0
+    logits[1, [9, 29, 12]] = 1.0  # equals at the cut of a top 4: the lowest ids get in
+    params = [SamplingParams(temperature=0.0, top_logprobs=n) for n in (1, 4)]
+    out = Sampler()(logits, make_batch(params), [[]] * 2)
+    assert out.token_ids.tolist() == [7, 15]
+    assert out.top_token_ids[1].tolist() == [15, 25, 9, 12]
+    assert out.top_token_ids[0, :3].tolist() == [7, 20, 30]  # (the row asked for 1: the rest is the batch's)
+    assert out.top_token_ids[0, 0] == out.token_ids[0]
+
+
 def test_all_greedy_batch_without_logprobs_returns_no_logprobs() -> None:
     out = Sampler()(torch.randn(2, VOCAB), make_batch([SamplingParams(temperature=0.0)] * 2), [[], []])
     assert out.logprobs is None and out.top_token_ids is None and out.top_logprobs is None

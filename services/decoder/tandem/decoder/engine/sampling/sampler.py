@@ -290,5 +290,27 @@ class Sampler:
         sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [batch]
         if batch.num_top_logprobs == 0:
             return SamplerOutput(token_ids, sampled, None, None)
-        top_logprobs, top_token_ids = logprobs.topk(batch.num_top_logprobs, dim=-1)  # sorted, descending
+        top_logprobs, top_token_ids = _top(logprobs, batch.num_top_logprobs)
         return SamplerOutput(token_ids, sampled, top_token_ids, top_logprobs)
+
+
+def _top(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row of logprobs [batch, vocab]: ([batch, k] logprobs, [batch, k]
+    int64 ids), most likely first, equals by lowest id, as argmax breaks ties (first maximum): a greedy
+    token leads the tokens as likely as it. topk alone orders and picks among equals as it likes."""
+    wide = min(k + 1, logprobs.shape[-1])
+    values, ids = logprobs.topk(wide, dim=-1)  # [batch, k + 1]: the one after the cut too
+    # A row whose k-th value equals the next one left equals out, maybe lower ids: take the row's
+    # lowest (rare with real logits; a greedy tie of two at the top of a top 1 is one).
+    tied = (values[:, k - 1] == values[:, -1]).nonzero().flatten().tolist() if wide > k else []
+    values, ids = values[:, :k].clone(), ids[:, :k].clone()
+    for row in tied:
+        threshold = values[row, -1]
+        above = (logprobs[row] > threshold).nonzero().flatten()
+        at = (logprobs[row] == threshold).nonzero().flatten()[: k - len(above)]
+        ids[row] = torch.cat((above, at))
+        values[row] = logprobs[row, ids[row]]
+    by_id = ids.argsort(dim=-1)  # ids ascending, then a stable sort by value: equals in id order
+    ids, values = ids.gather(1, by_id), values.gather(1, by_id)
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    return values.gather(1, order), ids.gather(1, order)
