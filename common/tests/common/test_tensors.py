@@ -116,7 +116,10 @@ def test_non_finite_values_are_refused_when_asked(bad: float) -> None:
     assert "[2, 1]" in error.description
 
 
-@pytest.mark.parametrize(("dtype", "largest", "overflow"), [(torch.bfloat16, "3.38953e+38", "3.39618e+38"), (torch.float16, "65504", "65520")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "largest", "overflow"),
+    [(torch.bfloat16, "3.38953e+38", "3.39618e+38"), (torch.float16, "65504", "65520")],
+)
 def test_the_refusal_says_where_values_round_to_inf_and_that_is_where_they_do(
     dtype: torch.dtype, largest: str, overflow: str
 ) -> None:
