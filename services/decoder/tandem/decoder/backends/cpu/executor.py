@@ -315,8 +315,8 @@ class CpuExecutor:
         self.kernels = ModelKernels(layers, head, walk if has_walk else None)
         # torch's argmax took 0.9 ms of a 24.5 ms step at 32 sequences; the C one takes 0.12.
         self._argmax = kernels.argmax if kernels is not None else None
-        # A quantized token table's rows: ~20 torch ops took 190 us for one token (~4 % of a
-        # one-sequence int8 step, Zen 4); the C lookup the same bits in a few microseconds.
+        # A quantized token table's rows: ~20 torch ops took 79-88 us for one token (~1.4 % of a
+        # one-sequence int8 step, Zen 4); the C lookup gives the same bits in 7.
         table = model.embed_tokens
         if kernels is not None and isinstance(table, QuantizedEmbedding) and table.dtype in DTYPE_CODES:
             table.use_rows(
