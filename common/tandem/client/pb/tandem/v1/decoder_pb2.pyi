@@ -587,7 +587,8 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 class StructuredOutput(_message.Message):
     """A grammar the answer must follow: each step samples only tokens the grammar accepts next, and the
     model's EOS only where the grammar may end. An answer that ends with FINISH_REASON_EOS parses; one
-    cut by max_new_tokens (FINISH_REASON_LENGTH) may not. Not combined with ignore_eos. Speculation
+    cut by max_new_tokens (FINISH_REASON_LENGTH) may not; one whose grammar outgrows the parser's limits
+    on the way ends with INVALID_ARGUMENT on `structured.<kind>`. Not combined with ignore_eos. Speculation
     composes: proposals are cut at the grammar's first refusal and verified under its masks. Compiled
     with llguidance, cached by content.
     """
