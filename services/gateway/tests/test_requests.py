@@ -75,6 +75,8 @@ HOSTILE_CHAT = {
     ),
     "top_logprobs without logprobs": ({"top_logprobs": 5}, "top_logprobs"),
     "top_logprobs with logprobs false": ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    "a text part without its text": (_user({"type": "text"}), "messages[0].content[0].text"),
+    "a text part of a number": (_user({"type": "text", "text": 5}), "messages[0].content[0].text"),
 }  # fmt: skip
 
 

@@ -198,7 +198,11 @@ def _content_parts(
     for j, part in enumerate(content):
         where = f"{path}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise InvalidArgument(
+                    f"{where}.text", f"must be a string, got {type(part.get('text')).__name__}"
+                )
             parts.append(decoder_pb2.ChatContentPart(text=part["text"]))
         elif kind == "tandem_embeddings":
             parts.append(
