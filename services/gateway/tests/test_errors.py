@@ -57,3 +57,9 @@ def test_a_chat_too_long_names_the_messages_and_an_unknown_adapter_is_openais_un
     assert unknown.body()["error"] | {"message": ""} == {
         "message": "", "type": "not_found_error", "param": "model", "code": "model_not_found"
     }  # fmt: skip
+
+
+def test_a_service_that_is_down_is_a_503_worth_a_retry() -> None:
+    down = from_grpc(_rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"))
+    assert down.status == 503 and down.headers() == {"Retry-After": "1"}
+    assert from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "x: bad", "x")).headers() == {}

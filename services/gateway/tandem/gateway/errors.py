@@ -97,7 +97,7 @@ def from_grpc(error: grpc.aio.AioRpcError, structured_field: str | None = None) 
     message = error.details() or error.code().name
     if status == 429 and "larger than max" in message:  # the transport's size limit: not retryable
         return HttpError(413, "invalid_request_error", message)
-    if status == 429 and retry_after is None:
+    if status in (429, 503) and retry_after is None:  # busy, or a service down: both worth a retry
         retry_after = 1.0
     if param == "chat":  # the rendered prompt as a whole (its length): the body's messages
         param = "messages"
