@@ -207,3 +207,4 @@ def test_prompt_segments_still_mix_kinds_and_a_batch_of_one_is_its_prompt() -> N
     )
     assert streamed.is_stream and streamed.include_usage
     assert not requests.chat_request(CHAT | {"stream": False, "stream_options": None}, LIMITS).is_stream
+    assert not requests.chat_request(CHAT | {"stream_options": {}}, LIMITS).include_usage  # vLLM lets {} pass

@@ -324,7 +324,7 @@ def _call(
 ) -> GenerateCall:
     is_stream = _field(body, "stream", bool) is True
     options = _field(body, "stream_options", dict)
-    if options is not None and not is_stream:  # vLLM's rule: the options of a stream only
+    if options and not is_stream:  # vLLM's rule: the options of a stream only (an empty {} passes)
         raise InvalidArgument("stream_options", "needs stream: true")
     include_usage = _field(options or {}, "include_usage", bool, "stream_options.") is True
     return GenerateCall(
