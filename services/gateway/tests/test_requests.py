@@ -208,3 +208,14 @@ def test_prompt_segments_still_mix_kinds_and_a_batch_of_one_is_its_prompt() -> N
     assert streamed.is_stream and streamed.include_usage
     assert not requests.chat_request(CHAT | {"stream": False, "stream_options": None}, LIMITS).is_stream
     assert not requests.chat_request(CHAT | {"stream_options": {}}, LIMITS).include_usage  # vLLM lets {} pass
+
+
+def test_an_embeddings_error_is_named_after_the_input_that_failed() -> None:
+    several = requests.embed_request(
+        {"input": ["a", [1, 2], {"type": "tandem_image", "data": "AA=="}]}, EMBED_LIMITS
+    )
+    assert several.input_field(0, "text") == "input[0]"
+    assert several.input_field(1, "token_ids.ids[1]") == "input[1][1]"
+    assert several.input_field(2, "image") == "input[2].data"
+    assert several.input_field(2, "model") == "model"  # not an input's field
+    assert requests.embed_request({"input": "a"}, EMBED_LIMITS).input_field(0, "text") == "input"

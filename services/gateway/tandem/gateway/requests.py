@@ -81,7 +81,9 @@ class EmbedCall:
             return where + service_field.removeprefix("token_ids.ids")
         if service_field.startswith("image"):
             return f"{where}.data"
-        return where
+        if service_field == "text" or service_field == "token_ids":
+            return where
+        return service_field  # the body's own (model): not the input's
 
 
 def _field(body: dict[str, Any], name: str, types: type | tuple[type, ...], path: str = "") -> Any:
