@@ -96,13 +96,15 @@ async def test_a_1_by_33_million_png_is_refused_for_its_resize_from_its_header_w
     assert 33_000_000 <= config.max_image_pixels
     running = await start_encoder(config, llava_images)  # type: ignore[arg-type]
     try:
-        thin = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_png_claiming(1, 33_000_000)))
+        thin = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_png_claiming(1, 60_000)))
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await running.stub.Embed(thin)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert error.value.details().startswith(
-            "image.data: 1 x 33000000 would be resized to 36 x 1188000000"
-        )
+        assert error.value.details().startswith("image.data: 1 x 60000 would be resized to 36 x 2160000")
+        thinner = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_png_claiming(1, 33_000_000)))
+        with pytest.raises(grpc.aio.AioRpcError) as error:  # a side PIL's resize could not bear
+            await running.stub.Embed(thinner)
+        assert error.value.details().startswith("image.data: 1 x 33000000: a side over 65535 pixels")
         assert decoded == []
         good = await running.stub.Embed(
             encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=_encoded("PNG", (50, 40))))

@@ -5,7 +5,8 @@ signature (PNG, JPEG or WebP only: no decoder for anything else is ever reached)
 counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny scans took 4 s to
 decode, and 20 MiB holds 277,000); the size, from the header alone (PIL reads no pixel data when it
 opens a file), against max_image_pixels, so a small file that claims 100,000 x 100,000 pixels (a
-decompression bomb) is refused before a byte of it is inflated; then the caller's rules on that size
+decompression bomb) is refused before a byte of it is inflated, and so is a side over JPEG's 65,535
+pixels (MAX_IMAGE_SIDE says why); then the caller's rules on that size
 (`check_size`: the resize the model's processor implies, the span's length), so a 1 x 33,000,000
 PNG that the resize would blow up costs nothing either; then the decode, whose every failure is
 INVALID_ARGUMENT naming the field. An animated file gives its first frame.
@@ -25,6 +26,11 @@ from tandem.client.errors import InvalidArgument
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 MAX_JPEG_SCANS = 32
+# The longest side taken, JPEG's own limit. PIL's resize keeps a table of filter weights of about 6
+# doubles per pixel of the side it shrinks: a 4 KB PNG of 33,554,432 x 1 (within max_image_pixels)
+# made that table 1.6 GB and held the GIL 4.75 s (SmolVLM's longest-edge resize), stalling every call
+# of the encoder; at this bound the table is 3 MB.
+MAX_IMAGE_SIDE = 65_535
 _BOUND = threading.Lock()  # PIL's pixel bound is a module global: one opener at a time sets it
 _PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
 
@@ -72,6 +78,10 @@ def decode_image(
                     field,
                     f"{width} x {height} = {width * height} pixels exceed max_image_pixels {max_pixels}",
                 )
+            if max(width, height) > MAX_IMAGE_SIDE:
+                raise InvalidArgument(
+                    field, f"{width} x {height}: a side over {MAX_IMAGE_SIDE} pixels (JPEG's own limit)"
+                )
             check_size(width, height)
             image.load()
     except InvalidArgument:
@@ -82,7 +92,9 @@ def decode_image(
         raise InvalidArgument(
             field, f"its header claims {pixels}, over max_image_pixels {max_pixels}"
         ) from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Warning) as e:
+    except UnidentifiedImageError:  # PIL's words name its buffer's address: the same words each time
+        raise InvalidArgument(field, f"cannot be decoded as {image_format}: its header is not one") from None
+    except (OSError, SyntaxError, ValueError, EOFError, Warning) as e:
         raise InvalidArgument(field, f"cannot be decoded as {image_format}: {e}") from None
     return image
 
