@@ -183,6 +183,24 @@ def test_chat_parts_obey_the_segment_rules_and_errors_name_where_the_caller_put_
         _build(tiny_fp32, _chat([nan]), embeds=False)
 
 
+def test_an_images_rows_that_overflow_are_named_as_the_image_part(tiny_fp32: LoadedModel) -> None:
+    # Its shape errors said image; its values' said embeddings, a part the caller never sent.
+    template = ChatTemplate(
+        "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<img>{% else %}"
+        "{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}",
+        tiny_fp32.tokenizer, {}, image_placeholder="<img>",
+    )  # fmt: skip
+    nan = EmbeddingPrompt(torch.full((2, tiny_fp32.config.hidden_size), float("nan")), is_image=True)
+    spec = GenerateSpec(
+        [], chat=ChatRequest([ChatMessage("user", [TextPrompt("a"), nan])]), cap_max_new_tokens=True
+    )
+    with pytest.raises(InvalidArgument) as error:
+        build_request(
+            spec, "r", tiny_fp32.tokenizer, tiny_fp32.config, 64, True, template, max_token_chars=64
+        )
+    assert error.value.field == "chat.messages[0].content[1].image.data"
+
+
 def test_an_empty_text_in_a_chat_is_a_turn_with_nothing_said(tiny_fp32: LoadedModel) -> None:
     # OpenAI and vLLM take a system prompt of "": the template renders the turn, empty.
     chat = ChatRequest([ChatMessage("system", [TextPrompt("")]), ChatMessage("user", [TextPrompt("hi")])])

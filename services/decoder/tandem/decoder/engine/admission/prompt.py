@@ -164,7 +164,10 @@ def build_request(
         TokenSegment(p)
         if isinstance(p, list)
         else _embedding_segment(
-            field_of(path, "encoder" if isinstance(part, EncoderPrompt) else "embeddings"),
+            field_of(
+                path,
+                "encoder" if isinstance(part, EncoderPrompt) else "image" if part.is_image else "embeddings",
+            ),
             p,
             model_config.dtype,
         )
