@@ -220,6 +220,8 @@ async def test_a_bad_grammar_is_invalid_argument_naming_the_field(
 async def test_a_grammar_that_breaks_on_the_way_is_an_error_never_an_eos(decoder: Served) -> None:
     # It compiles and begins, then its lexer exceeds llguidance's limits a token in, after which the
     # matcher allows only EOS: that ended `stop` with an answer the regex does not match.
+    blocks = decoder.engine.core.block_manager
+    initial = blocks.num_free_blocks
     free = decoder.client.generate_text(["Once upon a time"], max_new_tokens=12, temperature=0.0)
     alone, _ = await decoder.client.generate_text(["Once upon a time"], max_new_tokens=12, temperature=0.0)
     broken = _answer(decoder, structured_output(regex="a{1000}{1000}"), max_new_tokens=30)
@@ -230,6 +232,7 @@ async def test_a_grammar_that_breaks_on_the_way_is_an_error_never_an_eos(decoder
     assert not isinstance(results[0], BaseException) and results[0][0] == alone  # its neighbour: unchanged
     text, _ = await _answer(decoder, structured_output(regex="a{5}{3}"))  # and it keeps serving
     assert text == "a" * 15
+    assert decoder.engine.core.num_live() == 0 and blocks.num_free_blocks == initial  # nothing held
 
 
 async def test_batch_invariant_serving_keeps_the_grammar(tiny_model_dir, tiny_fp32) -> None:

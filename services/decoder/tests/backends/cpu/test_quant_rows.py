@@ -42,7 +42,8 @@ def test_rows_are_the_references_bits(kernels: Kernels, kind: str, dtype: torch.
 
 
 def test_extreme_scales_round_as_the_reference(kernels: Kernels) -> None:
-    # Large scales overflow bf16's rounding to inf and tiny ones are fp16 subnormals: the same bits.
+    # fp16's largest scale and offset (values near 1e6, far from fp32's rounding) and a subnormal
+    # scale (exact in fp32, its products below bf16's normal range): the same bits.
     codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     d = torch.tensor([[65504.0, 6e-8]] * 32).half()  # fp16's largest normal, a subnormal
     m = torch.tensor([[-65504.0, 0.0]] * 32).half()
