@@ -14,7 +14,7 @@ from tandem.gateway.bodies import BodyWorkers, LargeBodies, convert
 from tandem.gateway.body_limits import BodyLimits
 from tandem.gateway.errors import Refused
 
-LIMITS = BodyLimits.for_chat(256)
+LIMITS = BodyLimits.for_chat(256, 16)
 ROWS = {"dtype": "float32", "shape": [2, 4], "data": base64.b64encode(bytes(range(32))).decode()}
 EMBEDDINGS = {"type": "tandem_embeddings", "embeddings": ROWS}
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAEC"}}
@@ -56,7 +56,7 @@ async def test_a_worker_that_dies_is_replaced_and_its_body_answered_unavailable(
         with pytest.raises(Unavailable):
             await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
         call = await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
-        assert call.structured_field == "guided_regex"
+        assert call.names.structured == "guided_regex"
     finally:
         workers.close()
 

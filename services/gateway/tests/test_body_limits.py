@@ -10,7 +10,7 @@ import pytest
 from tandem.client.errors import InvalidArgument
 from tandem.gateway.body_limits import COUNTED_BYTES, BodyLimits, count_values
 
-LIMITS = BodyLimits.for_chat(256)
+LIMITS = BodyLimits.for_chat(256, 16)
 
 
 def _values(value: object) -> int:

@@ -8,7 +8,7 @@ import pytest
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from tandem.gateway.errors import body_field, from_grpc
+from tandem.gateway.errors import BodyNames, body_field, from_grpc
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ from tandem.gateway.errors import body_field, from_grpc
 def test_a_service_path_is_named_as_the_body_names_it(
     path: str, structured_field: str | None, expected: str
 ) -> None:
-    assert body_field(path, structured_field) == expected
+    assert body_field(path, BodyNames(structured=structured_field)) == expected
 
 
 def _rpc_error(code: grpc.StatusCode, message: str, field: str | None = None) -> grpc.aio.AioRpcError:
@@ -63,3 +63,34 @@ def test_a_service_that_is_down_is_a_503_worth_a_retry() -> None:
     down = from_grpc(_rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"))
     assert down.status == 503 and down.headers() == {"Retry-After": "1"}
     assert from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "x: bad", "x")).headers() == {}
+
+
+def test_max_new_tokens_is_named_as_the_caller_spelled_it() -> None:
+    path = "stopping.max_new_tokens: prompt (9) + max_new_tokens (99) exceeds max_model_len 64"
+    assert body_field(path).startswith("max_tokens: ")
+    assert body_field(path, BodyNames(max_tokens="max_completion_tokens")).startswith(
+        "max_completion_tokens: "
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "expected"),
+    [
+        ("prompt", "prompt[2]"),  # the prompt too long
+        ("prompt[0]", "prompt[2]"),
+        ("prompt[0].text", "prompt[2]"),
+        ("prompt[0].token_ids.ids[3]", "prompt[2][3]"),
+        ("prompt[0].token_ids", "prompt[2]"),
+    ],
+)
+def test_a_batch_prompts_error_names_it_as_the_body_does(field: str, expected: str) -> None:
+    error = from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: bad", field)).for_prompt(2)
+    assert (error.param, error.message) == (expected, f"{expected}: bad")
+
+
+def test_a_batch_prompts_error_on_another_field_keeps_it_and_says_which_prompt() -> None:
+    error = from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "top_k: bad", "sampling.top_k"))
+    assert (error.for_prompt(1).param, error.for_prompt(1).message) == (
+        "top_k",
+        "top_k: bad (prompt[1] of the batch)",
+    )

@@ -9,7 +9,7 @@ from tandem.client.errors import InvalidArgument
 from tandem.gateway import requests
 from tandem.gateway.body_limits import BodyLimits
 
-LIMITS = BodyLimits.for_chat(256)
+LIMITS = BodyLimits.for_chat(256, 16)
 EMBED_LIMITS = BodyLimits.for_embeddings(64)
 
 CHAT = {"model": "", "messages": [{"role": "user", "content": "hi"}]}
@@ -48,8 +48,12 @@ HOSTILE_CHAT = {
     "logit_bias key a superscript digit": ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
     "logit_bias value true": ({"logit_bias": {"5": True}}, "logit_bias"),
     "logit_bias value NaN": ({"logit_bias": {"5": float("nan")}}, "logit_bias"),
-    "n 3": ({"n": 3}, "n"),
+    "n 17, over the choices a request may ask": ({"n": 17}, "n"),
     "n 0": ({"n": 0}, "n"),
+    "n 1.5": ({"n": 1.5}, "n"),
+    "best_of below n": ({"n": 3, "best_of": 2}, "best_of"),
+    "best_of above n: candidates ranked": ({"n": 2, "best_of": 4}, "best_of"),
+    "max_completion_tokens a string": ({"max_completion_tokens": "9"}, "max_completion_tokens"),
     "stop a number": ({"stop": 5}, "stop"),
     "stop of 17": ({"stop": ["x"] * 17}, "stop"),
     "rows with a bool dimension": (_user(_rows(shape=[True, 4])), "messages[0].content[0].embeddings.shape"),
@@ -98,10 +102,13 @@ def test_a_hostile_chat_body_is_invalid_argument_naming_the_field(name: str) -> 
         (5, "prompt"),
         ([1] * 257, "prompt"),
         (["a"] * 257, "prompt"),
-        ([[1] * 200, [1] * 57], "prompt"),
         ([[1] * 257], "prompt"),
-        (["a", "b"], "prompt"),  # OpenAI's batch of two prompts, not one prompt of two segments
-        ([[1, 2], [3]], "prompt"),
+        (["a", [1] * 200, [1] * 57], "prompt"),  # segments of one prompt: their IDs in all
+        (["a"] * 17, "prompt"),  # a batch of more prompts than choices a request may ask
+        ([[1, 2], []], "prompt[1]"),
+        ([[1], [2**32]], "prompt[1]"),
+        ([[1] * 257, [1]], "prompt[0]"),  # each prompt of a batch is bounded by the context
+        ([[1], [True]], "prompt[1]"),
     ],
 )
 def test_hostile_completion_prompts_are_invalid_argument(prompt: object, field: str) -> None:
@@ -157,7 +164,7 @@ def test_an_image_url_part_becomes_an_empty_image_part_with_its_file_kept_in_ord
     }
     call = requests.chat_request(body, LIMITS)
     assert call.images == (requests.ImagePart(1, 1, b"\x00\x01\x02"),)
-    part = call.request.chat.messages[1].content[1]
+    part = call.requests[0].chat.messages[1].content[1]
     assert part.WhichOneof("part") == "image" and part.image.ByteSize() == 0
 
 
@@ -166,7 +173,7 @@ def test_for_a_decoder_with_an_encoder_an_image_url_part_becomes_an_encoder_part
     content = [image, {"type": "text", "text": "b"}, image]
     call = requests.chat_request({"messages": [{"role": "user", "content": content}]}, LIMITS)
     requests.as_encoder_parts(call)
-    parts = call.request.chat.messages[0].content
+    parts = call.requests[0].chat.messages[0].content
     assert [part.WhichOneof("part") for part in parts] == ["encoder", "text", "encoder"]
     assert [parts[0].encoder.image.data, parts[2].encoder.image.data] == [b"\x00\x01\x02"] * 2
 
@@ -177,31 +184,36 @@ def test_what_the_answer_needs_of_the_body_is_kept() -> None:
         | {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "guided_regex": "a+"},
         LIMITS,
     )
-    assert (call.model, call.is_stream, call.include_usage, call.structured_field) == (
+    assert (call.model, call.is_stream, call.include_usage, call.names.structured) == (
         "m",
         True,
         True,
         "guided_regex",
     )
     plain = requests.completion_request({"prompt": "hi"}, LIMITS)
-    assert (plain.is_stream, plain.include_usage, plain.structured_field) == (False, False, None)
+    assert (plain.is_stream, plain.include_usage, plain.names.structured) == (False, False, None)
 
 
 def test_vllms_top_k_minus_one_means_off() -> None:
-    assert requests.chat_request(CHAT | {"top_k": -1}, LIMITS).request.sampling.top_k == 0
+    assert requests.chat_request(CHAT | {"top_k": -1}, LIMITS).requests[0].sampling.top_k == 0
 
 
 def test_a_completion_refuses_what_it_would_otherwise_ignore() -> None:
     with pytest.raises(InvalidArgument, match="suffix: is not supported"):
         requests.completion_request({"prompt": "a", "suffix": "b"}, LIMITS)
-    with pytest.raises(InvalidArgument, match="send 3 requests"):
-        requests.completion_request({"prompt": ["a", "b", "c"]}, LIMITS)
+    with pytest.raises(InvalidArgument, match="echo: is not supported"):
+        requests.completion_request({"prompt": "a", "echo": True}, LIMITS)
 
 
 def test_prompt_segments_still_mix_kinds_and_a_batch_of_one_is_its_prompt() -> None:
-    mixed = requests.completion_request({"prompt": ["a", [5, 6], "b"]}, LIMITS).request
-    assert [segment.WhichOneof("segment") for segment in mixed.prompt] == ["text", "token_ids", "text"]
-    assert requests.completion_request({"prompt": ["a"]}, LIMITS).request.prompt[0].text == "a"
+    mixed = requests.completion_request({"prompt": ["a", [5, 6], "b"]}, LIMITS)
+    assert not mixed.is_batch and len(mixed.requests) == 1
+    assert [s.WhichOneof("segment") for s in mixed.requests[0].prompt] == ["text", "token_ids", "text"]
+    rows = requests.completion_request({"prompt": ["a", _rows()]}, LIMITS)
+    assert [s.WhichOneof("segment") for s in rows.requests[0].prompt] == ["text", "embeddings"]
+    assert not rows.is_batch and len(rows.requests) == 1
+    one = requests.completion_request({"prompt": ["a"]}, LIMITS)
+    assert not one.is_batch and [s.text for s in one.requests[0].prompt] == ["a"]
     streamed = requests.chat_request(
         CHAT | {"stream": True, "stream_options": {"include_usage": True}}, LIMITS
     )

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.responses import Completion
+from tandem.gateway.responses import Completion, answer
 
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
@@ -24,7 +24,7 @@ def test_finish_reasons_and_usage() -> None:
     completion.add(decoder_pb2.TokenDelta(text="hi"), False)
     completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_STOP_SEQUENCE)
     completion.finished.usage.input_tokens, completion.finished.usage.output_tokens = 5, 1
-    whole = completion.whole(False)
+    whole = answer([completion], False)
     message = {"role": "assistant", "content": "hi"}
     assert whole["choices"][0] == {"index": 0, "finish_reason": "stop", "message": message, "logprobs": None}
     assert whole["usage"]["total_tokens"] == 6 and whole["object"] == "chat.completion"

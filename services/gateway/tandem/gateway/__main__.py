@@ -71,7 +71,12 @@ def settings() -> list[click.Option]:
         _setting("--max-body-bytes", "largest request body (embedding rows travel as base64)", type=int),
         _setting(
             "--max-streams-per-caller",
-            "open completions per caller (its bearer token, else its IP address)",
+            "open completion streams per caller (its bearer token, else its IP address), one per choice",
+            type=int,
+        ),
+        _setting(
+            "--max-choices",
+            "choices of one completion request: its prompts x n, each a Generate stream (400 beyond)",
             type=int,
         ),
         _setting("--max-message-bytes", "the services' --max-message-bytes", type=int),
@@ -154,6 +159,7 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
         upstream=upstream,
         max_body_bytes=values["max_body_bytes"],
         max_streams_per_caller=values["max_streams_per_caller"],
+        max_choices=values["max_choices"],
         max_message_bytes=values["max_message_bytes"],
         max_embeddings_bytes=values["max_embeddings_bytes"],
         max_large_bodies=values["max_large_bodies"],

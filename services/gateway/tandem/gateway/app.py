@@ -1,22 +1,24 @@
 """The OpenAI-compatible HTTP front: aiohttp handlers that translate to the services' gRPC calls.
 
-Thin by design: a body is read, bounded and converted (`bodies.py`, `requests.py`), the call goes to
-the decoder or the encoder over the Python client's channels (balancing, TLS, retries), and its
-events come back as OpenAI objects or server-sent events (`responses.py`, `embeddings.py`); every
-limit on content is the services' own. What the gateway itself guards, each bound answered with an
-OpenAI error naming it: the bearer token (the services' token file; a caller's token travels on with
-its calls), the body's size and the time it takes to arrive, large bodies at once, the size of an
-embeddings answer, open completions per caller (its token, else its address), and a caller that
-disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels the gRPC call,
-which frees the request's KV blocks. Each caller reaches the decoder over a connection of its own
-(`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP callers one by one.
+Thin by design: a body is read, bounded and converted (`bodies.py`, `requests.py`), the calls go to
+the decoder (a Generate call per choice: `choices.py`, `choice_streams.py`) or the encoder over the
+Python client's channels (balancing, TLS, retries), and their events come back as OpenAI objects or
+server-sent events (`answers.py`, `responses.py`, `embeddings.py`); every limit on content is the
+services' own. What the gateway itself guards, each bound answered with an OpenAI error naming it:
+the bearer token (the services' token file; a caller's token travels on with its calls), the body's
+size and the time it takes to arrive, large bodies at once, the size of an embeddings answer, the
+choices of a request, open completion streams per caller (its token, else its address), and a
+caller that disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels
+every gRPC call of its request, which frees their KV blocks. Each caller reaches the decoder over a
+connection of its own (`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP
+callers one by one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -31,25 +33,26 @@ from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
-from tandem.gateway import embeddings, requests
+from tandem.gateway import answers, embeddings, requests, responses
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import CallerChannels, caller_of
+from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
+from tandem.gateway.choices import choices_of
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import ConnectionGuard
-from tandem.gateway.errors import HttpError, Refused, from_grpc, from_invalid
+from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
 from tandem.gateway.requests import EmbedCall, GenerateCall, ImagePart
 from tandem.gateway.responses import Completion
+from tandem.gateway.tasks import all_or_cancel
 
 log = logging.getLogger("tandem.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 UNAUTHENTICATED_PATHS = ("/health",)
-# FINISH_REASON_ABORTED: the decoder drained (SIGTERM) before the answer ended; OpenAI has no such reason.
-ABORTED = HttpError(503, "service_unavailable", "the server stopped before the answer ended; retry")
 LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
 WAS_LARGE = web.RequestKey("was_large", bool)  # it held one: give the heap back when it ends
-STRUCTURED_FIELD = web.RequestKey("structured_field", str)  # the body field naming structured output
+BODY_NAMES = web.RequestKey("body_names", BodyNames)  # the body's names for fields an error may name
 
 
 def error_response(error: HttpError) -> web.Response:
@@ -113,7 +116,7 @@ class Gateway:
         except Unavailable as error:
             return error_response(HttpError(503, "service_unavailable", str(error), retry_after_s=1.0))
         except grpc.aio.AioRpcError as error:
-            return error_response(from_grpc(error, request.get(STRUCTURED_FIELD)))
+            return error_response(from_grpc(error, request.get(BODY_NAMES) or BodyNames()))
         except web.HTTPException as error:  # 404 / 405 from routing
             response = error_response(HttpError(error.status, "invalid_request_error", error.reason))
             if isinstance(error, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 says what is allowed
@@ -201,9 +204,8 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
-        call = await self._convert(
-            request, requests.chat_request, BodyLimits.for_chat(info.max_context_tokens)
-        )
+        limits = BodyLimits.for_chat(info.max_context_tokens, self._max_choices)
+        call = await self._convert(request, requests.chat_request, limits)
         assert isinstance(call, GenerateCall)
         if info.accepts_encoder_parts:
             requests.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
@@ -212,7 +214,8 @@ class Gateway:
         return await self._complete(request, call, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        limits = BodyLimits.for_completions((await self._decoder(request)).max_context_tokens)
+        info = await self._decoder(request)
+        limits = BodyLimits.for_completions(info.max_context_tokens, self._max_choices)
         call = await self._convert(request, requests.completion_request, limits)
         assert isinstance(call, GenerateCall)
         return await self._complete(request, call, "text")
@@ -235,7 +238,7 @@ class Gateway:
             except grpc.aio.AioRpcError as error:  # named as the body names the input that failed
                 raise Refused(from_grpc(error).for_input(call.input_field, i)) from None
 
-        replies = await _all([embed(i, c) for i, c in enumerate(call.requests)])
+        replies = await all_or_cancel([embed(i, c) for i, c in enumerate(call.requests)])
         return await embeddings.write_answer(request, call, replies, call.model or info.model)
 
     # -- bodies -----------------------------------------------------------------------------------------
@@ -249,8 +252,8 @@ class Gateway:
             call = convert(to_call, raw, limits)
         else:
             call = await self.workers.convert(to_call, raw, limits)
-        if isinstance(call, GenerateCall) and call.structured_field is not None:
-            request[STRUCTURED_FIELD] = call.structured_field
+        if isinstance(call, GenerateCall):
+            request[BODY_NAMES] = call.names
         return call
 
     async def _read(self, request: web.Request, limits: BodyLimits) -> bytearray:
@@ -311,114 +314,91 @@ class Gateway:
                 raise
             return image, reply.embeddings
 
-        for image, embedded in await _all([rows(image) for image in call.images]):
-            call.request.chat.messages[image.message].content[image.part].image.CopyFrom(embedded)
+        for image, embedded in await all_or_cancel([rows(image) for image in call.images]):
+            call.requests[0].chat.messages[image.message].content[image.part].image.CopyFrom(embedded)
 
     # -- completions --------------------------------------------------------------------------------------
 
     async def _complete(self, request: web.Request, call: GenerateCall, kind: str) -> web.StreamResponse:
         base = (await self._decoder(request)).model
         model = call.model or base
-        generate = call.request
-        if generate.model and generate.model != base:  # as in vLLM: a LoRA adapter, by its name
-            generate.adapter, generate.model = generate.model, ""
+        for generate in call.requests:
+            if generate.model and generate.model != base:  # as in vLLM: a LoRA adapter, by its name
+                generate.adapter, generate.model = generate.model, ""
         caller = caller_of(
             request.headers.get("Authorization", ""), request.remote, self.config.auth_tokens is not None
         )
-        if self._streams[caller] >= self.config.max_streams_per_caller:
+        # Each choice is a Generate stream on the caller's connection, as the decoder counts them.
+        num_choices = call.num_choices
+        if self._streams[caller] + num_choices > self.config.max_streams_per_caller:
             limit = self.config.max_streams_per_caller
-            message = f"{limit} completions of this caller are open (--max-streams-per-caller)"
-            return error_response(HttpError(429, "rate_limit_error", message, retry_after_s=1.0))
-        generate.request_id = uuid.uuid4().hex
-        if generate.ByteSize() > self.config.max_message_bytes:
-            field = "messages" if kind == "chat" else "prompt"  # what makes a request this large
             message = (
-                f"{field}: the request is {generate.ByteSize()} bytes as a Generate call, over the "
-                f"services' max_message_bytes {self.config.max_message_bytes}"
+                f"{self._streams[caller]} completion streams of this caller are open and this request "
+                f"asks {num_choices} more, over {limit} (--max-streams-per-caller; a stream a choice)"
             )
-            return error_response(HttpError(413, "invalid_request_error", message, field))
-        with_logprobs = generate.output.logprobs
-        completion = Completion(kind, generate.request_id, model)
-        self._streams[caller] += 1
+            return error_response(HttpError(429, "rate_limit_error", message, retry_after_s=1.0))
+        if (too_large := self._too_large(call, kind)) is not None:
+            return error_response(too_large)
+        request_id = uuid.uuid4().hex
+        choices = choices_of(call, request_id)
+        with_logprobs = call.requests[0].output.logprobs
+        created = int(time.time())
+        completions = [Completion(kind, request_id, model, c.index, c.prompt_index, created) for c in choices]
+        self._streams[caller] += num_choices
         try:
             async with self.callers.stub(caller) as stub:
-                grpc_call = stub.Generate(generate, metadata=self._metadata(request))
+                streams = ChoiceStreams(stub, choices, self._metadata(request))
                 try:
-                    events = grpc_call.__aiter__()
-                    first = await events.__anext__()  # a refusal arrives here, before any byte is written
+                    try:
+                        await streams.start()  # a refusal arrives here, before any byte is written
+                    except ChoiceFailed as failed:
+                        raise Refused(failed.http_error(call.names, call.is_batch)) from None
                     if (held := request.get(LARGE_BODY)) is not None:
-                        held.release()  # the request went out: its bytes are the decoder's now
-                    if not call.is_stream:
-                        await self._collect(first, events, completion, with_logprobs)
-                        if completion.aborted:
-                            return error_response(ABORTED)
-                        return web.json_response(completion.whole(with_logprobs))
-                    return await self._stream(
-                        request, first, events, completion, with_logprobs, call.include_usage
-                    )
+                        held.release()  # the requests went out: their bytes are the decoder's now
+                    if call.is_stream:
+                        return await answers.stream(request, call, streams, completions, with_logprobs)
+                    try:
+                        await answers.collect(streams, completions, with_logprobs)
+                    except ChoiceFailed as failed:
+                        raise Refused(failed.http_error(call.names, call.is_batch)) from None
+                    if any(c.aborted for c in completions):
+                        return error_response(answers.ABORTED)
+                    return web.json_response(responses.answer(completions, with_logprobs))
                 finally:
-                    grpc_call.cancel()  # a no-op once the stream ended; frees the request if the caller left
+                    streams.close()  # no-ops for calls that ended; frees the rest (a failure, a caller gone)
         finally:
-            self._streams[caller] -= 1
+            self._streams[caller] -= num_choices
             if not self._streams[caller]:
                 del self._streams[caller]
 
-    @staticmethod
-    async def _collect(
-        first: decoder_pb2.GenerateResponse, events: Any, completion: Completion, with_logprobs: bool
-    ) -> None:
-        response: decoder_pb2.GenerateResponse | None = first
-        while response is not None:
-            if response.HasField("delta"):
-                completion.add(response.delta, with_logprobs)
-            elif response.HasField("finished"):
-                completion.finished = response.finished
-            response = await anext(events, None)
+    def _too_large(self, call: GenerateCall, kind: str) -> HttpError | None:
+        """A 413 when a Generate call of `call` is over the services' max_message_bytes, or all of
+        them together are: n choices of a prompt of embedding rows are n times its bytes, held by the
+        gateway as they go out. Reckoned before any copy is made."""
+        limit = self.config.max_message_bytes
+        sizes = [generate.ByteSize() for generate in call.requests]
+        field = "messages" if kind == "chat" else "prompt"  # what makes a request this large
+        for i, size in enumerate(sizes):
+            if size > limit:
+                where = f"prompt[{i}]" if call.is_batch else field
+                message = (
+                    f"{where}: the request is {size} bytes as a Generate call, over the services' "
+                    f"max_message_bytes {limit}"
+                )
+                return HttpError(413, "invalid_request_error", message, where)
+        if sum(sizes) * call.n > limit:
+            where = "n" if call.n > 1 else field
+            message = (
+                f"{where}: the request's {call.num_choices} Generate calls are {sum(sizes) * call.n} bytes "
+                f"together, over the services' max_message_bytes {limit}"
+            )
+            return HttpError(413, "invalid_request_error", message, where)
+        return None
 
-    async def _stream(
-        self,
-        request: web.Request,
-        first: decoder_pb2.GenerateResponse,
-        events: Any,
-        completion: Completion,
-        with_logprobs: bool,
-        include_usage: bool,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-
-        async def send(payload: dict[str, Any] | str) -> None:
-            text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-            await response.write(f"data: {text}\n\n".encode())
-
-        if completion.kind == "chat":
-            await send(completion.chunk(None, False, first=True) | {"choices": [_opening(completion)]})
-        event: decoder_pb2.GenerateResponse | None = first
-        try:
-            while event is not None:
-                if event.HasField("delta") and with_logprobs:
-                    await send(completion.chunk(event.delta, with_logprobs))
-                elif event.HasField("delta") and event.delta.text:
-                    await send(completion.text_chunk(event.delta.text))
-                elif event.HasField("finished"):
-                    completion.finished = event.finished
-                event = await anext(events, None)
-        except grpc.aio.AioRpcError as error:  # after the headers: the error goes in the stream
-            await send(from_grpc(error, request.get(STRUCTURED_FIELD)).body())
-        else:
-            if completion.aborted:
-                await send(ABORTED.body())
-                await send("[DONE]")
-                await response.write_eof()
-                return response
-            await send(completion.chunk(None, with_logprobs))
-            if include_usage and completion.finished is not None:
-                await send(completion.usage_chunk())
-        await send("[DONE]")
-        await response.write_eof()
-        return response
+    @property
+    def _max_choices(self) -> int:
+        """Choices a request may ask: never more than a caller may have streams open."""
+        return min(self.config.max_choices, self.config.max_streams_per_caller)
 
     def _metadata(self, request: web.Request) -> tuple[tuple[str, str], ...] | None:
         """The caller's token, passed on when the gateway checks tokens (the services accept the same),
@@ -444,28 +424,7 @@ class Gateway:
         return self._encoder_info
 
 
-async def _all(awaitables: list[Any]) -> list[Any]:
-    """Every result, in order; the first failure cancels the rest (no work left running for nobody)
-    and is raised as it is (gRPC errors keep their status)."""
-    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
-
-
 def _too_large(limit: int) -> HttpError:
     return HttpError(
         413, "invalid_request_error", f"the request body is over {limit} bytes (--max-body-bytes)", "body"
     )
-
-
-def _opening(completion: Completion) -> dict[str, Any]:
-    return {
-        "index": 0,
-        "delta": {"role": "assistant", "content": ""},
-        "logprobs": None,
-        "finish_reason": None,
-    }

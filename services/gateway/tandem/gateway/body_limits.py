@@ -13,7 +13,7 @@ Python objects. So the gateway bounds each stage before it runs:
   before it filled the budget), else `body`;
 - after parsing, before building, the count of each repeated field (`len()` of a list or an object)
   against the services' own limits: messages, content parts, token IDs, inputs, stop strings,
-  logit-bias entries, choices, images.
+  logit-bias entries, guided choices, images; and the choices (prompts x n) against the gateway's.
 The services still check everything; these are only the bounds that must come first.
 """
 
@@ -27,7 +27,7 @@ from tandem.client.errors import InvalidArgument
 # `engine/sampling/structured.py`), counted here before the gateway builds anything from a body.
 MAX_STOP = 16  # stop strings (OpenAI allows 4; vLLM more)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
-MAX_CHOICES = 1024  # guided_choice strings
+MAX_GUIDED_CHOICES = 1024  # guided_choice strings
 MAX_INPUTS = 64  # /v1/embeddings inputs: each is an Embed call
 MAX_IMAGES = 16  # image_url parts per chat request: each is an encoder call
 # Values of a body beyond those its positions account for: top-level fields, a JSON schema, the
@@ -50,16 +50,22 @@ class BodyLimits:
     max_values: int
     # The endpoint's repeated fields, which a body too wide is most likely wide in (its error names one).
     wide_fields: tuple[str, ...]
+    # Choices of one request (prompts x n, each a Generate stream): the gateway's --max-choices, or
+    # its --max-streams-per-caller where that is lower (a request beyond it could never be served).
+    # 1 for embeddings, which have no choices.
+    max_choices: int = 1
 
     @classmethod
-    def for_chat(cls, max_context_tokens: int) -> BodyLimits:
+    def for_chat(cls, max_context_tokens: int, max_choices: int) -> BodyLimits:
         fields = ("messages", "logit_bias", "stop", "guided_choice", "response_format", "tools")
-        return cls(max_context_tokens, _completion_values(max_context_tokens), fields)
+        return cls(max_context_tokens, _completion_values(max_context_tokens), fields, max_choices)
 
     @classmethod
-    def for_completions(cls, max_context_tokens: int) -> BodyLimits:
+    def for_completions(cls, max_context_tokens: int, max_choices: int) -> BodyLimits:
+        # A batch holds up to max_choices prompts, each of up to a context's positions.
         fields = ("prompt", "logit_bias", "stop", "guided_choice", "response_format")
-        return cls(max_context_tokens, _completion_values(max_context_tokens), fields)
+        values = _completion_values(max_context_tokens * max_choices)
+        return cls(max_context_tokens, values, fields, max_choices)
 
     @classmethod
     def for_embeddings(cls, max_input_tokens: int) -> BodyLimits:
@@ -67,8 +73,8 @@ class BodyLimits:
         return cls(max_input_tokens, 2 * MAX_INPUTS * max_input_tokens + VALUES_BESIDE_POSITIONS, ("input",))
 
 
-def _completion_values(max_context_tokens: int) -> int:
-    return VALUES_PER_POSITION * max_context_tokens + VALUES_BESIDE_POSITIONS
+def _completion_values(max_positions: int) -> int:
+    return VALUES_PER_POSITION * max_positions + VALUES_BESIDE_POSITIONS
 
 
 COUNTED_BYTES = 1024 * 1024  # counted a slice at a time, so the place where the bound passes is known

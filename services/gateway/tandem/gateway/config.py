@@ -23,9 +23,16 @@ class GatewayConfig:
     upstream: ChannelSecurity = field(default=PLAINTEXT)  # TLS and token towards the services
     # A request body's bytes (a prompt of embedding rows travels as base64: 4/3 of its bytes).
     max_body_bytes: int = 96 * MIB
-    # Open completions per caller (its bearer token with tokens on, else its IP address); 429 beyond it.
+    # Open completion streams per caller, one per choice (its bearer token with tokens on, else its IP
+    # address); 429 beyond it.
     # HTTP/1.1 carries one request a connection, so a connection bound would bound nothing.
     max_streams_per_caller: int = 32
+    # Choices of one completion request: its prompts x `n`, each a Generate stream of its own. 16 keeps a
+    # full request within half of the decoder's default --max-streams-per-connection (32) and of
+    # `max_streams_per_caller`, so one caller's widest request never takes its whole share; a request
+    # beyond it (or beyond `max_streams_per_caller`, which it could never fit) is a 400 naming `n` or
+    # `prompt`. OpenAI's own bound on `n` is 128; vLLM sets none.
+    max_choices: int = 16
     max_message_bytes: int = 64 * MIB  # the services' --max-message-bytes
     # The largest /v1/embeddings answer, reckoned before any work from rows x width x inputs (413 beyond).
     max_embeddings_bytes: int = 64 * MIB
@@ -51,6 +58,7 @@ class GatewayConfig:
         for name in (
             "max_body_bytes",
             "max_streams_per_caller",
+            "max_choices",
             "max_message_bytes",
             "max_embeddings_bytes",
             "large_body_bytes",

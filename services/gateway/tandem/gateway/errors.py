@@ -56,6 +56,19 @@ class HttpError:
         )
         return dataclasses.replace(self, param=param, message=message)
 
+    def for_prompt(self, i: int) -> HttpError:
+        """This error of the Generate call for a batch's prompt i, its prompt named as the body names
+        it: the decoder's `prompt` (a prompt too long), `prompt[0]` (its one segment) or
+        `prompt[0].token_ids.ids[j]` is `prompt[i]` or `prompt[i][j]`, in the message too. An error on
+        another field (max_tokens) keeps it and says which prompt it was."""
+        if self.param is None or PROMPT.match(self.param) is None:
+            return dataclasses.replace(self, message=f"{self.message} (prompt[{i}] of the batch)")
+        param = PROMPT.sub(f"prompt[{i}]", self.param, count=1)
+        message = (
+            param + self.message[len(self.param) :] if self.message.startswith(self.param) else self.message
+        )
+        return dataclasses.replace(self, param=param, message=message)
+
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
             return {}
@@ -71,13 +84,29 @@ class Refused(Exception):
         self.error = error
 
 
+@dataclass(frozen=True)
+class BodyNames:
+    """How one body names the fields a service's error may name, where the body had a choice."""
+
+    structured: str | None = None  # the field that asked for structured output (guided_regex, ...)
+    max_tokens: str = "max_tokens"  # or max_completion_tokens: the one the caller sent
+
+
+# A batch prompt's Generate call has one segment: the decoder's paths into it, up to what follows the
+# body's `prompt[i]` (`[j]` of its token IDs).
+PROMPT = re.compile(
+    r"^prompt(?:\[0\]\.token_ids\.ids(?=\[)|\[0\](?:\.token_ids(?:\.ids)?|\.text)?(?![\w\[])|(?![\w\[]))"
+)
+
+
 def from_invalid(error: InvalidArgument) -> HttpError:
     return HttpError(400, "invalid_request_error", str(error), error.field)
 
 
-def from_grpc(error: grpc.aio.AioRpcError, structured_field: str | None = None) -> HttpError:
-    """`error` in OpenAI's shape; `structured_field`: the body field that asked for structured output,
-    which the decoder's `structured.*` paths are named after."""
+def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> HttpError:
+    """`error` in OpenAI's shape, its fields named as the body named them (`names`: the field that
+    asked for structured output, which the decoder's `structured.*` paths are named after, and the
+    caller's spelling of max_tokens)."""
     status, kind = STATUSES.get(error.code(), (500, "server_error"))
     param, retry_after = None, None
     try:
@@ -89,7 +118,7 @@ def from_grpc(error: grpc.aio.AioRpcError, structured_field: str | None = None) 
             violation = error_details_pb2.BadRequest()
             detail.Unpack(violation)
             if violation.field_violations:
-                param = body_field(violation.field_violations[0].field, structured_field)
+                param = body_field(violation.field_violations[0].field, names)
         elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
@@ -105,14 +134,13 @@ def from_grpc(error: grpc.aio.AioRpcError, structured_field: str | None = None) 
     if error.code() == grpc.StatusCode.NOT_FOUND and message.startswith("adapter "):
         # The body's model names the adapter (the gateway sends it as one): OpenAI's unknown model.
         param, code = "model", "model_not_found"
-    return HttpError(status, kind, body_field(message, structured_field), param, retry_after, code)
+    return HttpError(status, kind, body_field(message, names), param, retry_after, code)
 
 
 # A service's field path -> the body's (first matching prefix).
 BODY_FIELDS = (
     ("chat.messages", "messages"),
     ("].encoder", "].image_url"),  # the gateway sends only image_url parts as encoder parts
-    ("stopping.max_new_tokens", "max_tokens"),
     ("stopping.min_new_tokens", "min_tokens"),
     ("stopping.stop_sequences", "stop"),
     ("stopping.ignore_eos", "ignore_eos"),
@@ -126,12 +154,15 @@ RESPONSE_FORMAT_FIELDS = {".json_schema": "response_format.json_schema.schema", 
 STRUCTURED = re.compile(r"\bstructured(\.[a-z_]+|(?=:|$))")
 
 
-def body_field(path: str, structured_field: str | None = None) -> str:
+def body_field(path: str, names: BodyNames = BodyNames()) -> str:
     """A service's field path (or a message holding one) as the OpenAI body spells it. The decoder's
     `structured.<kind>` is the body field that asked for it: `response_format.json_schema.schema`,
-    or vLLM's own (`guided_regex`, `guided_grammar`, `guided_json`, `guided_choice`)."""
+    or vLLM's own (`guided_regex`, `guided_grammar`, `guided_json`, `guided_choice`);
+    `stopping.max_new_tokens` is max_tokens or max_completion_tokens, whichever the caller sent."""
+    path = path.replace("stopping.max_new_tokens", names.max_tokens)
     for service, body in BODY_FIELDS:
         path = path.replace(service, body)
+    structured_field = names.structured
     if structured_field is not None and structured_field != "response_format":
         return STRUCTURED.sub(structured_field, path)
     return STRUCTURED.sub(lambda m: RESPONSE_FORMAT_FIELDS.get(m[1] or "", "response_format"), path)

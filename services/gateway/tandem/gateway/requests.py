@@ -29,7 +29,7 @@ from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
 from tandem.common.dtypes import BY_NAME, FLOAT_NAMES
 from tandem.gateway.body_limits import (
-    MAX_CHOICES,
+    MAX_GUIDED_CHOICES,
     MAX_IMAGES,
     MAX_INPUTS,
     MAX_LOGIT_BIAS,
@@ -37,6 +37,7 @@ from tandem.gateway.body_limits import (
     BodyLimits,
     at_most,
 )
+from tandem.gateway.errors import BodyNames
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -52,16 +53,26 @@ class ImagePart:
 
 @dataclass(frozen=True)
 class GenerateCall:
-    """A completion body, converted: the Generate request and what the answer needs of the body."""
+    """A completion body, converted: a Generate request per prompt and what the answer needs of the body.
+    Each prompt is asked `n` times, each choice a Generate call of its own (`choices.py`)."""
 
-    request: decoder_pb2.GenerateRequest  # image parts hold an empty Tensor until `images` are embedded
+    # One per prompt, in the body's order: one for a chat and for a completion of one prompt, several
+    # for a completion's batch (a list of strings or of token-ID lists). Image parts hold an empty
+    # Tensor until `images` are embedded.
+    requests: tuple[decoder_pb2.GenerateRequest, ...]
+    n: int  # choices per prompt (the body's `n`)
+    is_batch: bool  # the body's prompt was a list of prompts: an error of prompt i names prompt[i]
     images: tuple[ImagePart, ...]  # chat only: the image_url parts, in order
     model: str  # the body's `model` ("" when absent)
     is_stream: bool  # server-sent events
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
-    # The body field that asked for structured output (`response_format`, `guided_regex`, ...), so an
-    # error about it names the caller's own field.
-    structured_field: str | None
+    # The body's names for fields the decoder's errors may name: the field that asked for structured
+    # output (`response_format`, `guided_regex`, ...) and its spelling of max_tokens.
+    names: BodyNames
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests) * self.n
 
 
 @dataclass(frozen=True)
@@ -232,7 +243,7 @@ def as_encoder_parts(call: GenerateCall) -> None:
     """Each image_url part of `call` as an encoder part of its file, for a decoder that fetches the
     rows from its encoder itself: they never pass through the gateway."""
     for image in call.images:
-        part = call.request.chat.messages[image.message].content[image.part]
+        part = call.requests[0].chat.messages[image.message].content[image.part]
         part.encoder.CopyFrom(encoder_pb2.EncoderInput(image=encoder_pb2.Image(data=image.data)))
 
 
@@ -258,7 +269,7 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
         turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))
-    structured_field = _common(body, request, max_tokens=("max_completion_tokens", "max_tokens"))
+    names = _common(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))
     top = _uint(body, "top_logprobs", 0, 20)  # OpenAI's bound
     if _field(body, "logprobs", bool):
         request.output.logprobs = True
@@ -266,15 +277,16 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             request.output.top_logprobs = top
     elif top is not None:  # as OpenAI and vLLM answer it, rather than dropping the field
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
-    return _call(body, request, tuple(images), structured_field)
+    return _call(body, (request,), False, tuple(images), names)
 
 
 def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
-    """POST /v1/completions -> a Generate request of prompt segments."""
+    """POST /v1/completions -> a Generate request of prompt segments, or one per prompt of a batch."""
     prompt = body.get("prompt")
     request = decoder_pb2.GenerateRequest(plain_text=True)
     max_ids = limits.max_positions
     context = f"(the decoder's context of {max_ids} positions)"
+    batch: list[Any] = []
     if isinstance(prompt, str):
         request.prompt.add(text=prompt)
     elif (ids := _token_ids(prompt, "prompt", max_ids)) is not None:
@@ -283,30 +295,15 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
         if len(prompt) > 1 and (
             all(isinstance(part, str) for part in prompt) or all(isinstance(part, list) for part in prompt)
         ):
-            # OpenAI's and vLLM's meaning of these forms is a batch, one choice per prompt; joining
-            # them into one prompt (as the segments below would) answers a different question.
-            raise InvalidArgument(
-                "prompt",
-                f"a list of {len(prompt)} strings or of {len(prompt)} token-ID lists is a batch of prompts, "
-                f"which this server does not take: send {len(prompt)} requests (segments of one prompt mix "
-                "kinds or carry a tandem_embeddings part)",
-            )
-        at_most("prompt", len(prompt), max_ids, f"parts {context}")
-        num_ids = sum(len(part) for part in prompt if isinstance(part, list))
-        at_most("prompt", num_ids, max_ids, f"token IDs in all {context}")
-        for j, part in enumerate(prompt):
-            where = f"prompt[{j}]"
-            if isinstance(part, str):
-                request.prompt.add(text=part)
-            elif isinstance(part, dict) and part.get("type") == "tandem_embeddings":
-                request.prompt.add(embeddings=tensor(part.get("embeddings"), f"{where}.embeddings"))
-            elif (ids := _token_ids(part, where, max_ids)) is not None:
-                request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=ids))
-            else:
-                raise InvalidArgument(where, "must be text, a list of token IDs or a tandem_embeddings part")
+            # OpenAI's and vLLM's meaning of these forms: a batch, one choice per prompt (times n).
+            # Segments of one prompt mix kinds or carry a tandem_embeddings part.
+            at_most("prompt", len(prompt), limits.max_choices, f"prompts {_CHOICES_BOUND}")
+            batch = prompt
+        else:
+            _segments(prompt, request, max_ids, context)
     else:
         raise InvalidArgument("prompt", "must be a string, a list of token IDs, or a list of parts")
-    structured_field = _common(body, request, max_tokens=("max_tokens",))
+    names = _common(body, request, limits, max(len(batch), 1), max_tokens=("max_tokens",))
     logprobs = _uint(body, "logprobs", 0, 20)
     if logprobs is not None:
         request.output.logprobs = True
@@ -315,14 +312,50 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
         raise InvalidArgument("echo", "is not supported")
     if _field(body, "suffix", str):  # insertion: not a decoder-only prompt's shape (vLLM refuses it too)
         raise InvalidArgument("suffix", "is not supported")
-    return _call(body, request, (), structured_field)
+    prompts = tuple(_batch_request(request, p, f"prompt[{i}]", max_ids) for i, p in enumerate(batch))
+    return _call(body, prompts or (request,), bool(batch), (), names)
+
+
+def _segments(prompt: list[Any], request: decoder_pb2.GenerateRequest, max_ids: int, context: str) -> None:
+    """A list of segments of one prompt (text as plain text, token IDs, tandem_embeddings parts)."""
+    at_most("prompt", len(prompt), max_ids, f"parts {context}")
+    num_ids = sum(len(part) for part in prompt if isinstance(part, list))
+    at_most("prompt", num_ids, max_ids, f"token IDs in all {context}")
+    for j, part in enumerate(prompt):
+        where = f"prompt[{j}]"
+        if isinstance(part, str):
+            request.prompt.add(text=part)
+        elif isinstance(part, dict) and part.get("type") == "tandem_embeddings":
+            request.prompt.add(embeddings=tensor(part.get("embeddings"), f"{where}.embeddings"))
+        elif (ids := _token_ids(part, where, max_ids)) is not None:
+            request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=ids))
+        else:
+            raise InvalidArgument(where, "must be text, a list of token IDs or a tandem_embeddings part")
+
+
+def _batch_request(
+    parameters: decoder_pb2.GenerateRequest, prompt: str | list[Any], where: str, max_ids: int
+) -> decoder_pb2.GenerateRequest:
+    """The Generate request of one prompt of a batch: `parameters` (no prompt yet) and its one segment."""
+    request = decoder_pb2.GenerateRequest()
+    request.CopyFrom(parameters)
+    if isinstance(prompt, str):
+        request.prompt.add(text=prompt)
+    elif (ids := _token_ids(prompt, where, max_ids)) is not None:
+        request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=ids))
+    else:
+        raise InvalidArgument(
+            where, "must be a non-empty list of token IDs, as the batch's other prompts are"
+        )
+    return request
 
 
 def _call(
     body: dict[str, Any],
-    request: decoder_pb2.GenerateRequest,
+    prompts: tuple[decoder_pb2.GenerateRequest, ...],
+    is_batch: bool,
     images: tuple[ImagePart, ...],
-    structured_field: str | None,
+    names: BodyNames,
 ) -> GenerateCall:
     is_stream = _field(body, "stream", bool) is True
     options = _field(body, "stream_options", dict)
@@ -330,30 +363,53 @@ def _call(
         raise InvalidArgument("stream_options", "needs stream: true")
     include_usage = _field(options or {}, "include_usage", bool, "stream_options.") is True
     return GenerateCall(
-        request=request,
+        requests=prompts,
+        n=_uint(body, "n", 1) or 1,
+        is_batch=is_batch,
         images=images,
-        model=request.model,
+        model=prompts[0].model,
         is_stream=is_stream,
         include_usage=include_usage,
-        structured_field=structured_field,
+        names=names,
     )
 
 
+# Why a request's choices are bounded, and by what, in the words of its refusal.
+_CHOICES_BOUND = (
+    "(prompts x n, each a Generate stream: the gateway's --max-choices or --max-streams-per-caller)"
+)
+
+
 def _common(
-    body: dict[str, Any], request: decoder_pb2.GenerateRequest, max_tokens: tuple[str, ...]
-) -> str | None:
-    """The sampling and stopping parameters both endpoints share; returns the body field that asked
-    for structured output, if one did."""
+    body: dict[str, Any],
+    request: decoder_pb2.GenerateRequest,
+    limits: BodyLimits,
+    num_prompts: int,
+    max_tokens: tuple[str, ...],
+) -> BodyNames:
+    """The sampling and stopping parameters both endpoints share, and `n` against the bound on a
+    request's choices (`num_prompts` x n); returns the body's names for the fields errors may name."""
     request.model = _field(body, "model", str) or ""
-    n = _uint(body, "n", 1)
-    if n is not None and n != 1:
-        raise InvalidArgument("n", f"only 1 choice per request is supported, got {n}; send {n} requests")
-    if _uint(body, "best_of", 1) not in (None, 1):
-        raise InvalidArgument("best_of", "only 1 is supported")
+    n = _uint(body, "n", 1) or 1
+    at_most("n", n, limits.max_choices, f"choices {_CHOICES_BOUND}")
+    if num_prompts * n > limits.max_choices:
+        raise InvalidArgument(
+            "prompt",
+            f"{num_prompts} prompts x n {n} = {num_prompts * n} choices exceed the limit of "
+            f"{limits.max_choices} {_CHOICES_BOUND}",
+        )
+    best_of = _uint(body, "best_of", 1)
+    if best_of is not None and best_of < n:
+        raise InvalidArgument("best_of", f"must be at least n ({n}), got {best_of}")
+    if best_of is not None and best_of != n:
+        # Ranking candidates by their likelihood is gone from vLLM V1 as well; best_of = n is plain n.
+        raise InvalidArgument("best_of", f"only best_of equal to n ({n}) is supported, got {best_of}")
+    max_tokens_field = max_tokens[-1]
     for name in max_tokens:
         value = _uint(body, name, 1)
         if value is not None:
             request.stopping.max_new_tokens = value
+            max_tokens_field = name
             break
     for name, target in (
         ("temperature", "temperature"),
@@ -403,7 +459,7 @@ def _common(
     for name in ("tools", "functions"):
         if body.get(name):
             raise InvalidArgument(name, "tool calling is not supported")
-    return structured_field
+    return BodyNames(structured_field, max_tokens_field)
 
 
 def _structured(body: dict[str, Any], request: decoder_pb2.GenerateRequest) -> str | None:
@@ -441,7 +497,7 @@ def _structured(body: dict[str, Any], request: decoder_pb2.GenerateRequest) -> s
     if guided_choice is not None:
         if not isinstance(guided_choice, list):
             raise InvalidArgument("guided_choice", "must be a list of strings")
-        at_most("guided_choice", len(guided_choice), MAX_CHOICES, "choices")
+        at_most("guided_choice", len(guided_choice), MAX_GUIDED_CHOICES, "choices")
         if not all(isinstance(c, str) for c in guided_choice):
             raise InvalidArgument("guided_choice", "must be a list of strings")
         choices = decoder_pb2.StructuredChoices(choices=guided_choice)

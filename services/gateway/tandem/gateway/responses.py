@@ -1,5 +1,10 @@
 """Tandem's Generate events -> OpenAI's response objects and stream chunks (chat and completions).
 
+A `Completion` is one choice's answer, its chunks carrying its `index`; `answer` and `usage_chunk`
+are the request's, over all of its choices. Usage counts as vLLM counts it: the completion tokens of
+every choice, the prompt tokens once per prompt (n choices of one prompt read it once, in OpenAI's
+accounting too).
+
 Token strings for logprobs: the gateway holds no tokenizer, so a sampled token's text is its delta's
 text (one token a delta, the decoder's default), and an alternative is spelled `token_id:N`, as vLLM's
 `return_tokens_as_token_ids` spells them.
@@ -27,13 +32,25 @@ def _logprob(value: float) -> float:
     return value if value > LOWEST_LOGPROB else LOWEST_LOGPROB  # NaN, too: never valid JSON
 
 
-def usage(finished: decoder_pb2.Finished) -> dict[str, Any]:
-    prompt, completion = finished.usage.input_tokens, finished.usage.output_tokens
+def usage(completions: list[Completion]) -> dict[str, Any] | None:
+    """OpenAI's usage of a request's choices (None while one has not finished): each prompt's tokens
+    once (its first choice's count: every choice of a prompt reads the same), every choice's output."""
+    if any(c.finished is None for c in completions):
+        return None
+    prompt = cached = completion = 0
+    counted: set[int] = set()
+    for c in completions:
+        assert c.finished is not None
+        completion += c.finished.usage.output_tokens
+        if c.prompt_index not in counted:
+            counted.add(c.prompt_index)
+            prompt += c.finished.usage.input_tokens
+            cached += c.finished.usage.cached_input_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": finished.usage.cached_input_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -60,13 +77,23 @@ def chat_logprobs(delta: decoder_pb2.TokenDelta) -> list[dict[str, Any]]:
 
 
 class Completion:
-    """Accumulates one request's events into OpenAI objects; `chunk` renders a stream event."""
+    """Accumulates one choice's events into OpenAI objects; `chunk` renders a stream event."""
 
-    def __init__(self, kind: str, request_id: str, model: str) -> None:
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        index: int = 0,
+        prompt_index: int = 0,
+        created: int | None = None,
+    ) -> None:
         self.kind = kind  # "chat" or "text"
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id  # the request's: every choice's
         self.model = model
-        self.created = int(time.time())
+        self.index = index  # OpenAI's choice index
+        self.prompt_index = prompt_index  # which prompt of the body it answers
+        self.created = int(time.time()) if created is None else created
         self.text: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
         self.finished: decoder_pb2.Finished | None = None
@@ -89,21 +116,17 @@ class Completion:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.finished.reason) if self.finished is not None else None
 
-    def whole(self, with_logprobs: bool) -> dict[str, Any]:
-        """The non-streamed response."""
+    def choice(self, with_logprobs: bool) -> dict[str, Any]:
+        """This choice in the non-streamed response."""
         text = "".join(self.text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason()}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason()}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = {"content": self.logprobs} if with_logprobs else None
         else:
             choice["text"] = text
             choice["logprobs"] = text_logprobs(self.logprobs) if with_logprobs else None
-        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
-        body["choices"] = [choice]
-        if self.finished is not None:
-            body["usage"] = usage(self.finished)
-        return body
+        return choice
 
     def chunk(
         self, delta: decoder_pb2.TokenDelta | None, with_logprobs: bool, first: bool = False
@@ -111,7 +134,7 @@ class Completion:
         """A stream chunk: a delta's text, or (`delta` None) the closing one with the finish reason."""
         text = delta.text if delta is not None else ""
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "finish_reason": None if delta is not None else self.finish_reason(),
         }
         logprobs = chat_logprobs(delta) if delta is not None and with_logprobs else None
@@ -145,17 +168,36 @@ class Completion:
         before, after = self._text_chunk
         return before + json.dumps(text) + after
 
-    def usage_chunk(self) -> dict[str, Any]:
-        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        assert self.finished is not None
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage(self.finished),
+    def opening_chunk(self) -> dict[str, Any]:
+        """A chat choice's first chunk: the assistant's role, before any text."""
+        opening = {"index": self.index, "delta": {"role": "assistant", "content": ""}}
+        return self.chunk(None, False, first=True) | {
+            "choices": [opening | {"logprobs": None, "finish_reason": None}]
         }
+
+
+def answer(completions: list[Completion], with_logprobs: bool) -> dict[str, Any]:
+    """The non-streamed response of a request's choices (`completions`, in index order)."""
+    first = completions[0]
+    body = {"id": first.id, "object": first.object, "created": first.created, "model": first.model}
+    body["choices"] = [c.choice(with_logprobs) for c in completions]
+    if (counted := usage(completions)) is not None:
+        body["usage"] = counted
+    return body
+
+
+def usage_chunk(completions: list[Completion]) -> dict[str, Any]:
+    """A stream's last chunk (stream_options.include_usage): the usage of every choice, no choices."""
+    first = completions[0]
+    kind = "chat.completion.chunk" if first.kind == "chat" else "text_completion"
+    return {
+        "id": first.id,
+        "object": kind,
+        "created": first.created,
+        "model": first.model,
+        "choices": [],
+        "usage": usage(completions),
+    }
 
 
 def text_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:

@@ -1,0 +1,79 @@
+"""A completion request's answer from its choices' events: one OpenAI object (`collect`, then
+`responses.answer`), or server-sent events as they come (`stream`).
+
+A stream carries each choice's chunks with its index, interleaved as the choices advance: chat opens
+with each choice's role chunk, a choice's closing chunk (its finish_reason) follows its last token at
+once, the usage of every choice comes last (stream_options.include_usage), then `[DONE]`, once. An
+error after the stream began (a choice failed: its neighbours are cancelled) is one `data: {"error":
+...}` event before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from aiohttp import web
+
+from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
+from tandem.gateway.errors import HttpError
+from tandem.gateway.requests import GenerateCall
+from tandem.gateway.responses import Completion, usage_chunk
+
+# FINISH_REASON_ABORTED: the decoder drained (SIGTERM) before the answer ended; OpenAI has no such reason.
+ABORTED = HttpError(503, "service_unavailable", "the server stopped before the answer ended; retry")
+
+
+async def collect(streams: ChoiceStreams, completions: list[Completion], with_logprobs: bool) -> None:
+    """Every choice's events into its Completion (`completions`, in index order); ChoiceFailed for the
+    first choice that fails."""
+    async with contextlib.aclosing(streams.events()) as events:
+        async for choice, event in events:
+            completion = completions[choice.index]
+            if event.HasField("delta"):
+                completion.add(event.delta, with_logprobs)
+            elif event.HasField("finished"):
+                completion.finished = event.finished
+
+
+async def stream(
+    request: web.Request,
+    call: GenerateCall,
+    streams: ChoiceStreams,
+    completions: list[Completion],
+    with_logprobs: bool,
+) -> web.StreamResponse:
+    """The choices' events as server-sent events, once every choice was accepted (`streams.start`)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(payload: dict[str, Any] | str) -> None:
+        text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+        await response.write(f"data: {text}\n\n".encode())
+
+    if completions[0].kind == "chat":
+        for completion in completions:
+            await send(completion.opening_chunk())
+    try:
+        async with contextlib.aclosing(streams.events()) as events:
+            async for choice, event in events:
+                completion = completions[choice.index]
+                if event.HasField("delta") and with_logprobs:
+                    await send(completion.chunk(event.delta, with_logprobs))
+                elif event.HasField("delta") and event.delta.text:
+                    await send(completion.text_chunk(event.delta.text))
+                elif event.HasField("finished"):
+                    completion.finished = event.finished
+                    if completion.aborted:
+                        await send(ABORTED.body())
+                        break
+                    await send(completion.chunk(None, with_logprobs))
+            else:
+                if call.include_usage and all(c.finished is not None for c in completions):
+                    await send(usage_chunk(completions))
+    except ChoiceFailed as failed:  # after the headers: the error goes in the stream
+        await send(failed.http_error(call.names, call.is_batch).body())
+    await send("[DONE]")
+    await response.write_eof()
+    return response

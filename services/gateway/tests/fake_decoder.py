@@ -1,0 +1,136 @@
+"""A decoder for the gateway's tests: the Decoder service over gRPC on a free loopback port, answering
+from the request alone, so a test can tell which prompt and which seed each answer came from, and
+keeping count of the streams it holds open and of those the gateway cancelled.
+
+Its answer to a prompt P (the text of its segments, token IDs as `ids:1,2`, or a chat's last
+message) with seed S: the deltas `<P>` then ` seed=S` (`seed=none` unseeded), then ` x` up to
+max_tokens (2 unless set), finished LENGTH with P's characters as prompt tokens. A prompt holding
+`refuse` is refused as too long (field `prompt`), an ID over 999 as out of the vocabulary (field
+`prompt[0].token_ids.ids[k]`), a max_new_tokens over 50 as over the context (`stopping.max_new_tokens`);
+one holding `hang` streams ` .` until cancelled; `break` fails after its deltas; `drain` ends ABORTED;
+`slow` waits a fifth of a second first (so that its neighbours are accepted before it is refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from tandem.client.status import end_with
+
+MODEL = "fake-model"
+CONTEXT = 4096
+VOCAB = 1000
+MAX_NEW_TOKENS = 50
+
+
+def prompt_text(request: decoder_pb2.GenerateRequest) -> str:
+    if request.HasField("chat"):
+        return "".join(part.text for part in request.chat.messages[-1].content)
+    return "".join(
+        s.text if s.WhichOneof("segment") == "text" else "ids:" + ",".join(map(str, s.token_ids.ids))
+        for s in request.prompt
+    )
+
+
+@dataclass
+class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
+    requests: list[decoder_pb2.GenerateRequest] = field(default_factory=list)  # every Generate, in order
+    cancelled: list[str] = field(default_factory=list)  # request IDs of streams cancelled by the caller
+    num_open: int = 0  # streams accepted and not yet ended
+
+    async def GetModelInfo(
+        self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> decoder_pb2.DecoderGetModelInfoResponse:
+        return decoder_pb2.DecoderGetModelInfoResponse(
+            model=MODEL, max_context_tokens=CONTEXT, vocab_size=VOCAB
+        )
+
+    async def Generate(
+        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        self.requests.append(request)
+        prompt = prompt_text(request)
+        if "slow" in prompt:
+            await asyncio.sleep(0.2)
+        if (refusal := _refusal(request, prompt)) is not None:
+            end_with(context, refusal)
+            return
+        self.num_open += 1
+        try:
+            yield decoder_pb2.GenerateResponse(
+                request_id=request.request_id, accepted=decoder_pb2.PromptAccepted(prompt_tokens=len(prompt))
+            )
+            while "hang" in prompt:
+                yield _delta(request, " .", 0)
+                await asyncio.sleep(0.01)
+            seed = request.sampling.seed if request.sampling.HasField("seed") else "none"
+            num_tokens = request.stopping.max_new_tokens or 2
+            texts = [f"<{prompt}>", f" seed={seed}", *[" x"] * (num_tokens - 2)][:num_tokens]
+            for k, text in enumerate(texts):
+                yield _delta(request, text, k)
+            if "break" in prompt:
+                end_with(context, InvalidArgument("prompt", "broke after its tokens"))
+                return
+            reason = (
+                decoder_pb2.FINISH_REASON_ABORTED if "drain" in prompt else decoder_pb2.FINISH_REASON_LENGTH
+            )
+            finished = decoder_pb2.Finished(reason=reason)
+            finished.usage.input_tokens, finished.usage.output_tokens = len(prompt), len(texts)
+            yield decoder_pb2.GenerateResponse(request_id=request.request_id, finished=finished)
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        finally:
+            self.num_open -= 1
+
+    async def wait_until_none_open(self, timeout_s: float = 5.0) -> None:
+        """Until every accepted stream has ended (a cancellation reaches the server a moment later)."""
+        async with asyncio.timeout(timeout_s):
+            while self.num_open:
+                await asyncio.sleep(0.01)
+
+
+def _refusal(request: decoder_pb2.GenerateRequest, prompt: str) -> InvalidArgument | None:
+    if "refuse" in prompt:
+        return InvalidArgument("prompt", f"{len(prompt)} positions leave no room to generate")
+    for segment in request.prompt:
+        for k, token_id in enumerate(segment.token_ids.ids):
+            if token_id >= VOCAB:
+                return InvalidArgument(f"prompt[0].token_ids.ids[{k}]", f"{token_id} is not below {VOCAB}")
+    if request.stopping.max_new_tokens > MAX_NEW_TOKENS:
+        return InvalidArgument(
+            "stopping.max_new_tokens",
+            f"prompt + max_new_tokens ({request.stopping.max_new_tokens}) exceeds 52",
+        )
+    return None
+
+
+def _delta(request: decoder_pb2.GenerateRequest, text: str, k: int) -> decoder_pb2.GenerateResponse:
+    delta = decoder_pb2.TokenDelta(text=text, token_ids=[k])
+    if request.output.logprobs:
+        delta.logprobs.append(-0.5 * (k + 1))
+        top = delta.top_logprobs.add()
+        top.token_ids.extend(range(request.output.top_logprobs))
+        top.logprobs.extend([-1.0] * request.output.top_logprobs)
+    return decoder_pb2.GenerateResponse(request_id=request.request_id, delta=delta)
+
+
+@contextlib.asynccontextmanager
+async def fake_decoder() -> AsyncIterator[tuple[FakeDecoder, str]]:
+    """The fake serving on a free loopback port: itself and its address; stopped afterwards."""
+    decoder = FakeDecoder()
+    server = grpc.aio.server()
+    decoder_pb2_grpc.add_DecoderServicer_to_server(decoder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield decoder, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)

@@ -1,0 +1,43 @@
+"""The gateway's app served on a free loopback port in front of a decoder (the tests' fake), as
+`tandem serve openai` serves it (handler cancellation on), without body worker processes: the
+bodies of these tests are small. Always shut down."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from tandem.client.client import DecoderClient, EncoderClient
+from tandem.gateway.app import Gateway
+from tandem.gateway.bodies import BodyWorkers
+from tandem.gateway.callers import decoder_channels
+from tandem.gateway.config import GatewayConfig
+
+
+@contextlib.asynccontextmanager
+async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[str]:
+    """The gateway's base URL (http://127.0.0.1:PORT/v1), with `settings` over GatewayConfig's defaults."""
+    config = GatewayConfig(decoder_address=decoder_address, encoder_address="127.0.0.1:9", port=0, **settings)
+    decoder = DecoderClient(config.decoder_address, config.max_message_bytes, None, config.upstream)
+    encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
+    callers = decoder_channels(config)
+    workers = BodyWorkers(1)  # never started: no body here reaches large_body_bytes
+    runner = web.AppRunner(
+        Gateway(config, decoder, encoder, callers, workers).app(), handler_cancellation=True
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    assert runner.addresses
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+        await callers.close()
+        workers.close()
+        await decoder.close()
+        await encoder.close()

@@ -1,0 +1,232 @@
+"""Choices through the gateway, as users of vLLM's OpenAI server expect them: `n` choices and a
+completion's batch of prompts, numbered prompt_index * n + j; streamed with each chunk's index, a
+finish chunk per choice and one [DONE]; usage over every choice, each prompt counted once; one
+failing choice fails the request, naming its prompt, and cancels the rest, as a caller that leaves
+does. The decoder is the tests' fake (`fake_decoder.py`), whose answer spells its prompt and seed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from .fake_decoder import fake_decoder, prompt_text
+from .live_gateway import live_gateway
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        text = await response.text()
+        if body.get("stream") and response.status == 200:
+            assert text.endswith("\n\n")
+            return response.status, [json.loads(e.removeprefix("data: ")) if e != "data: [DONE]" else "[DONE]"
+                                     for e in text.strip().split("\n\n")]  # fmt: skip
+        return response.status, json.loads(text)
+
+
+async def test_n_gives_n_distinct_choices_indexed_in_order_and_reproducible_with_a_seed() -> None:
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        status, answer = await _post(f"{url}/chat/completions", CHAT | {"n": 3, "seed": 7})
+        _, again = await _post(f"{url}/chat/completions", CHAT | {"n": 3, "seed": 7})
+    assert status == 200
+    texts = [c["message"]["content"] for c in answer["choices"]]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert texts == ["<hi> seed=7", "<hi> seed=8", "<hi> seed=9"]  # seed + j: distinct
+    assert [c["message"]["content"] for c in again["choices"]] == texts
+    assert len({r.request_id for r in decoder.requests}) == 6  # every choice its own Generate call
+    # The prompt is counted once, as vLLM and OpenAI count it; every choice's tokens are.
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (2, 6, 8)
+
+
+async def test_a_batch_of_two_prompts_times_n_two_is_numbered_prompt_by_prompt() -> None:
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        for prompt, shown in ((["one", "two"], ["one", "two"]), ([[1, 2], [3]], ["ids:1,2", "ids:3"])):
+            status, answer = await _post(f"{url}/completions", {"prompt": prompt, "n": 2, "seed": 0})
+            assert status == 200, answer
+            assert [(c["index"], c["text"]) for c in answer["choices"]] == [
+                (0, f"<{shown[0]}> seed=0"),
+                (1, f"<{shown[0]}> seed=1"),
+                (2, f"<{shown[1]}> seed=0"),
+                (3, f"<{shown[1]}> seed=1"),
+            ]
+            prompt_tokens = len(shown[0]) + len(shown[1])  # each prompt once, not once per choice
+            assert answer["usage"]["prompt_tokens"] == prompt_tokens
+            assert answer["usage"]["completion_tokens"] == 8
+
+
+async def test_a_list_that_is_one_prompt_is_still_one_prompt() -> None:
+    rows = {"dtype": "float32", "shape": [1, 4], "data": "AAAAAAAAAAAAAAAAAAAAAA=="}
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        for prompt in (["a", [5, 6], "b"], ["a", {"type": "tandem_embeddings", "embeddings": rows}], ["a"]):
+            status, answer = await _post(f"{url}/completions", {"prompt": prompt})
+            assert status == 200, answer
+            assert len(answer["choices"]) == 1 and answer["choices"][0]["index"] == 0
+    assert [len(r.prompt) for r in decoder.requests] == [3, 2, 1]
+    assert prompt_text(decoder.requests[0]) == "aids:5,6b"
+
+
+async def test_a_stream_carries_each_choices_index_its_own_finish_and_one_done() -> None:
+    body = {"prompt": ["p", "q"], "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        status, events = await _post(f"{url}/completions", body | {"max_tokens": 3})
+    assert status == 200
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    *chunks, usage = events[:-1]
+    text: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        assert choice["index"] not in finishes  # nothing of a choice after its finish
+        text[choice["index"]] = text.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"] is not None:
+            finishes[choice["index"]] = [choice["finish_reason"]]
+    assert text == {0: "<p> seed=none x", 1: "<p> seed=none x", 2: "<q> seed=none x", 3: "<q> seed=none x"}
+    assert finishes == {i: ["length"] for i in range(4)}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert usage["usage"]["prompt_tokens"] == 2
+
+
+async def test_a_chat_stream_opens_every_choice_and_gives_each_its_logprobs() -> None:
+    body = CHAT | {"n": 2, "stream": True, "logprobs": True, "top_logprobs": 2}
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        status, events = await _post(f"{url}/chat/completions", body)
+        _, whole = await _post(
+            f"{url}/chat/completions", CHAT | {"n": 2, "logprobs": True, "top_logprobs": 2}
+        )
+    assert status == 200
+    openings = [c["choices"][0] for c in events[:2]]
+    assert [(o["index"], o["delta"]) for o in openings] == [
+        (i, {"role": "assistant", "content": ""}) for i in (0, 1)
+    ]
+    for index in (0, 1):
+        entries = [
+            entry
+            for chunk in events[2:-1]
+            for choice in chunk["choices"]
+            if choice["index"] == index and choice["logprobs"] is not None
+            for entry in choice["logprobs"]["content"]
+        ]
+        assert [e["token"] for e in entries] == ["<hi>", " seed=none"]
+        assert all(len(e["top_logprobs"]) == 2 for e in entries)
+        assert [e["token"] for e in whole["choices"][index]["logprobs"]["content"]] == ["<hi>", " seed=none"]
+
+
+async def test_a_completion_streams_text_offsets_per_choice() -> None:
+    body = {"prompt": "ab", "n": 2, "stream": True, "logprobs": 1}
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        _, events = await _post(f"{url}/completions", body)
+    for index in (0, 1):
+        offsets = [
+            offset
+            for chunk in events[:-1]
+            for choice in chunk["choices"]
+            if choice["index"] == index and choice["logprobs"] is not None
+            for offset in choice["logprobs"]["text_offset"]
+        ]
+        assert offsets == [0, len("<ab>")]  # each choice's text counted from its own start
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "limit"),
+    [
+        ("/chat/completions", CHAT | {"n": 5}, "n", "4"),
+        ("/completions", {"prompt": "a", "n": 5}, "n", "4"),
+        ("/completions", {"prompt": ["a", "b", "c"], "n": 2}, "prompt", "4"),
+        ("/completions", {"prompt": ["a"] * 5}, "prompt", "4"),
+        ("/completions", {"prompt": ["a", "b"], "n": 2, "best_of": 3}, "best_of", "2"),
+    ],
+)
+async def test_a_request_over_the_choices_limit_is_a_400_naming_the_field_and_the_limit(
+    path: str, body: dict[str, Any], param: str, limit: str
+) -> None:
+    async with fake_decoder() as (decoder, address), live_gateway(address, max_choices=4) as url:
+        status, answer = await _post(url + path, body)
+    assert status == 400
+    assert answer["error"]["param"] == param and limit in answer["error"]["message"], answer
+    assert decoder.requests == []  # refused before any call
+
+
+async def test_the_choices_limit_is_never_over_a_callers_streams() -> None:
+    async with fake_decoder() as (decoder, address), live_gateway(address, max_streams_per_caller=3) as url:
+        status, answer = await _post(f"{url}/chat/completions", CHAT | {"n": 4})
+        assert (status, answer["error"]["param"]) == (400, "n")
+        assert "3" in answer["error"]["message"] and "--max-streams-per-caller" in answer["error"]["message"]
+        async with aiohttp.ClientSession() as session:
+            hanging = CHAT | {"messages": [{"role": "user", "content": "hang"}], "n": 2, "stream": True}
+            async with session.post(f"{url}/chat/completions", json=hanging) as open_stream:
+                assert open_stream.status == 200
+                await open_stream.content.readline()
+                # 2 streams open: a request of 2 more would be 4, over 3; one more fits.
+                status, answer = await _post(f"{url}/chat/completions", CHAT | {"n": 2})
+                assert status == 429 and "--max-streams-per-caller" in answer["error"]["message"]
+                status, _ = await _post(f"{url}/chat/completions", CHAT)
+                assert status == 200
+        await decoder.wait_until_none_open()
+
+
+async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others() -> None:
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        status, answer = await _post(f"{url}/completions", {"prompt": ["a hang", "b hang", "slow refuse"]})
+        assert status == 400
+        assert answer["error"]["param"] == "prompt[2]" and answer["error"]["message"].startswith(
+            "prompt[2]: "
+        )
+        await decoder.wait_until_none_open()
+        assert len(decoder.cancelled) == 2  # both hanging prompts' streams, cancelled by the gateway
+        status, answer = await _post(f"{url}/completions", {"prompt": [[1], [2, 3, 1000]], "stream": True})
+        assert (status, answer["error"]["param"]) == (400, "prompt[1][2]")  # before the stream began
+
+
+async def test_a_choice_failing_mid_stream_ends_the_stream_with_its_error_and_cancels_the_others() -> None:
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        status, events = await _post(f"{url}/completions", {"prompt": ["hang", "break"], "stream": True})
+        await decoder.wait_until_none_open()
+    assert status == 200
+    assert events[-2]["error"]["param"] == "prompt[1]" and events[-1] == "[DONE]"
+    assert len(decoder.cancelled) == 1
+
+
+async def test_a_caller_that_disconnects_mid_stream_cancels_every_choice() -> None:
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        body = {"prompt": "hang", "n": 3, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{url}/completions", json=body)
+            assert response.status == 200
+            await response.content.readline()
+            assert decoder.num_open == 3
+            response.close()  # the connection goes: the gateway's handler is cancelled
+        await decoder.wait_until_none_open()
+        assert len(decoder.cancelled) == 3
+
+
+async def test_a_drained_choice_answers_503() -> None:
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        status, answer = await _post(f"{url}/completions", {"prompt": ["a", "drain"]})
+    assert status == 503 and answer["error"]["type"] == "service_unavailable"
+
+
+async def test_an_error_on_max_completion_tokens_names_max_completion_tokens() -> None:
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        status, sent = await _post(f"{url}/chat/completions", CHAT | {"max_completion_tokens": 60})
+        _, legacy = await _post(f"{url}/chat/completions", CHAT | {"max_tokens": 60})
+        _, batch = await _post(f"{url}/completions", {"prompt": ["a", "b"], "max_tokens": 60})
+    assert status == 400
+    assert sent["error"]["param"] == "max_completion_tokens"
+    assert sent["error"]["message"].startswith("max_completion_tokens: ")
+    assert legacy["error"]["param"] == "max_tokens"
+    assert batch["error"]["param"] == "max_tokens" and "prompt[0]" in batch["error"]["message"]
+
+
+async def test_n_copies_of_a_large_prompt_are_bounded_together_naming_n() -> None:
+    prompt = "a" * 600  # one Generate call of about 600 bytes: within 1,000, but not three of them
+    async with fake_decoder() as (decoder, address), live_gateway(address, max_message_bytes=1000) as url:
+        status, answer = await _post(f"{url}/completions", {"prompt": prompt, "n": 3})
+        assert (status, answer["error"]["param"]) == (413, "n"), answer
+        assert decoder.requests == []
+        status, _ = await _post(f"{url}/completions", {"prompt": prompt})
+        assert status == 200

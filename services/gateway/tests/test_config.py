@@ -1,0 +1,28 @@
+"""The gateway's settings: --max-choices reaches the config from its flag and its variable, and a
+bound below 1 is refused naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.client.errors import ConfigError
+from tandem.gateway.__main__ import command, config_from_options
+from tandem.gateway.config import GatewayConfig
+
+
+def _config(args: list[str]) -> GatewayConfig:
+    with command().make_context("openai", args) as ctx:
+        return config_from_options(ctx.params)
+
+
+def test_max_choices_comes_from_its_flag_or_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _config([]).max_choices == GatewayConfig().max_choices == 16
+    assert _config(["--max-choices", "4"]).max_choices == 4
+    monkeypatch.setenv("TANDEM_OPENAI_MAX_CHOICES", "8")
+    assert _config([]).max_choices == 8
+
+
+def test_a_choices_bound_below_one_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(max_choices=0)
+    assert error.value.field == "max_choices"
