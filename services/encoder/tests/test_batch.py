@@ -1,4 +1,5 @@
-"""One batch on the worker thread: every call's outcome is its own, whatever fails."""
+"""One batch on the worker thread: every call's outcome is its own, whatever fails; a call whose caller
+has left is skipped, and nobody else's rows change."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from services.encoder.tests.vision_checkpoints import make_image
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.common.torch_part import shared_memory, tensors
 from tandem.encoder.batch import EmbedOutput, run_batch
+from tandem.encoder.batcher import CallerGone
 from tandem.encoder.embedder import EmbedderInfo, Pooling
 from tandem.encoder.request import EmbedJob, ImageJob
 from tandem.encoder.shared_segments import SharedSegments
+from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 from tandem.encoder.vision.image_span import PreparedImage
 
 HIDDEN = 4
@@ -162,3 +166,46 @@ def test_text_rows_go_straight_into_a_segment_only_when_they_are_one_per_id_in_t
         reader.close()
         segments.close()
         probe.close()
+
+
+class CountingVisionEmbedder(VisionLanguageEmbedder):
+    """A real tiny LLaVA that counts the images it prepares."""
+
+    num_prepared = 0
+
+    def prepare_image(self, image: Image.Image) -> PreparedImage:
+        self.num_prepared += 1
+        return super().prepare_image(image)
+
+
+def test_an_image_whose_caller_left_after_its_batch_started_is_skipped_and_its_neighbours_rows_are_unchanged(
+    tiny_llava: Path, tmp_path: Path
+) -> None:
+    embedder = CountingVisionEmbedder.load(tiny_llava, torch.float32)
+    landscape = make_image(tmp_path / "landscape.png", (53, 41), seed=1).read_bytes()
+    portrait = make_image(tmp_path / "portrait.png", (30, 70), seed=2).read_bytes()
+    jobs = [_image(landscape), _image(portrait), EmbedJob("t", [1, 2], Pooling.NONE, None), _image(landscape)]
+    everyone = run_batch(embedder, jobs)  # type: ignore[arg-type]
+    assert embedder.num_prepared == 3
+    # The caller of jobs[1] leaves once the first image is prepared, as the batch runs.
+    embedder.num_prepared = 0
+    without_one = run_batch(embedder, jobs, lambda i: i == 1 and embedder.num_prepared >= 1)  # type: ignore[arg-type]
+    assert embedder.num_prepared == 2  # its image was never decoded nor preprocessed
+    assert isinstance(without_one[1], CallerGone)
+    for i in (0, 2, 3):
+        kept, reference = without_one[i], everyone[i]
+        assert isinstance(kept, EmbedOutput) and isinstance(reference, EmbedOutput)
+        assert kept.token_ids == reference.token_ids
+        assert torch.equal(tensors.decode(kept.embeddings), tensors.decode(reference.embeddings))
+
+
+def test_an_image_whose_caller_left_while_later_ones_were_prepared_stays_out_of_the_tower_pass() -> None:
+    embedder = FakeEmbedder()
+    towered: list[int] = []
+    embed_images = embedder.embed_images
+    embedder.embed_images = lambda images: towered.append(len(images)) or embed_images(images)  # type: ignore[method-assign]
+    jobs = [_image(_png((5, 5), v)) for v in (1, 2, 3)]
+    results = run_batch(embedder, jobs, lambda i: i == 0 and embedder.num_prepared == 3)  # type: ignore[arg-type]
+    assert embedder.num_prepared == 3 and towered == [2]
+    assert isinstance(results[0], CallerGone)
+    assert [tensors.decode(r.embeddings)[0, 0].item() for r in results[1:]] == [2.0, 3.0]  # type: ignore[union-attr]

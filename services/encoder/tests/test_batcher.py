@@ -1,15 +1,18 @@
 """Concurrent calls gathered into batches: a bounded wait for company, a bounded batch size, each
-call's outcome its own, and a caller that gives up left out."""
+call's outcome its own, a caller that gives up left out (or marked gone for the worker once its batch
+runs), and close ending every call with its error."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tandem.client.errors import Unavailable
 from tandem.encoder.batcher import Batcher
 
 
@@ -18,7 +21,7 @@ class Recorder:
         self.batches: list[list[int]] = []
         self.delay_s = delay_s
 
-    def __call__(self, jobs: Sequence[int]) -> list[int | BaseException]:
+    def __call__(self, jobs: Sequence[int], is_gone: object = None) -> list[int | BaseException]:
         self.batches.append(list(jobs))
         time.sleep(self.delay_s)
         return [ValueError(f"job {j} is negative") if j < 0 else j * 10 for j in jobs]
@@ -35,7 +38,7 @@ async def test_calls_arriving_together_run_as_one_batch(executor: ThreadPoolExec
     batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=lambda job: 0.05)
     assert await asyncio.gather(*(batcher.submit(i) for i in range(5))) == [0, 10, 20, 30, 40]
     assert run.batches == [[0, 1, 2, 3, 4]]
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
 async def test_a_batch_never_exceeds_its_size_and_keeps_arrival_order(executor: ThreadPoolExecutor) -> None:
@@ -43,7 +46,7 @@ async def test_a_batch_never_exceeds_its_size_and_keeps_arrival_order(executor: 
     batcher = Batcher(executor, run, max_batch_size=3, max_wait_s=lambda job: 0.05)
     assert await asyncio.gather(*(batcher.submit(i) for i in range(7))) == [i * 10 for i in range(7)]
     assert run.batches == [[0, 1, 2], [3, 4, 5], [6]]
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
 async def test_a_lone_call_waits_no_longer_than_the_bound(executor: ThreadPoolExecutor) -> None:
@@ -56,7 +59,7 @@ async def test_a_lone_call_waits_no_longer_than_the_bound(executor: ThreadPoolEx
     await asyncio.sleep(0.2)
     assert await asyncio.gather(first, batcher.submit(3)) == [10, 30]
     assert run.batches == [[1], [3]]
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
 async def test_calls_that_arrive_during_a_batch_form_the_next_one(executor: ThreadPoolExecutor) -> None:
@@ -67,7 +70,7 @@ async def test_calls_that_arrive_during_a_batch_form_the_next_one(executor: Thre
     rest = await asyncio.gather(*(batcher.submit(i) for i in range(1, 4)))
     assert await first == 0 and rest == [10, 20, 30]
     assert run.batches == [[0], [1, 2, 3]]
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
 async def test_one_calls_failure_is_its_own(executor: ThreadPoolExecutor) -> None:
@@ -77,7 +80,7 @@ async def test_one_calls_failure_is_its_own(executor: ThreadPoolExecutor) -> Non
     )
     assert results[0] == 10 and results[2] == 20
     assert isinstance(results[1], ValueError) and "job -1" in str(results[1])
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
 async def test_a_worker_that_fails_fails_its_batch_and_the_next_batch_runs(
@@ -85,7 +88,7 @@ async def test_a_worker_that_fails_fails_its_batch_and_the_next_batch_runs(
 ) -> None:
     calls = []
 
-    def run(jobs: Sequence[int]) -> list[int]:
+    def run(jobs: Sequence[int], is_gone: object) -> list[int]:
         calls.append(list(jobs))
         if len(calls) == 1:
             raise RuntimeError("out of memory")
@@ -95,7 +98,7 @@ async def test_a_worker_that_fails_fails_its_batch_and_the_next_batch_runs(
     with pytest.raises(RuntimeError, match="out of memory"):
         await batcher.submit(1)
     assert await batcher.submit(2) == 2
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
 async def test_a_caller_that_gives_up_before_its_batch_is_left_out(executor: ThreadPoolExecutor) -> None:
@@ -109,17 +112,57 @@ async def test_a_caller_that_gives_up_before_its_batch_is_left_out(executor: Thr
     gone.cancel()
     assert await first == 0 and await kept == 20
     assert run.batches == [[0], [2]]
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
-async def test_close_cancels_the_running_batch_as_well_as_the_queue(executor: ThreadPoolExecutor) -> None:
-    batcher = Batcher(executor, Recorder(delay_s=0.2), max_batch_size=1, max_wait_s=lambda job: 0.0)
+async def test_a_caller_that_gives_up_while_its_batch_runs_is_gone_for_the_worker(
+    executor: ThreadPoolExecutor,
+) -> None:
+    started, proceed = threading.Event(), threading.Event()
+    seen: list[list[bool]] = []
+
+    def run(jobs: Sequence[int], is_gone: Callable[[int], bool]) -> list[int]:
+        started.set()
+        proceed.wait(5)
+        seen.append([is_gone(i) for i in range(len(jobs))])
+        return [j * 10 for j in jobs]
+
+    batcher = Batcher(executor, run, max_batch_size=8, max_wait_s=lambda job: 0.05)
+    calls = [asyncio.ensure_future(batcher.submit(i)) for i in range(3)]
+    assert await asyncio.to_thread(started.wait, 5)
+    calls[1].cancel()
+    await asyncio.sleep(0.01)  # the cancelled future's done callback runs on the loop
+    proceed.set()
+    assert await calls[0] == 0 and await calls[2] == 20
+    assert seen == [[False, True, False]]
+    batcher.close(lambda: Unavailable("closed"))
+
+
+async def test_close_ends_the_running_batch_and_the_queue_with_its_error_and_refuses_later_calls(
+    executor: ThreadPoolExecutor,
+) -> None:
+    started, proceed = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def run(jobs: Sequence[int], is_gone: Callable[[int], bool]) -> list[int]:
+        started.set()
+        proceed.wait(5)
+        seen.append(is_gone(0))
+        return list(jobs)
+
+    batcher = Batcher(executor, run, max_batch_size=1, max_wait_s=lambda job: 0.0)
     running = asyncio.ensure_future(batcher.submit(0))
     queued = asyncio.ensure_future(batcher.submit(1))
-    await asyncio.sleep(0.05)  # the first is on the worker, the second waits
-    batcher.close()
+    assert await asyncio.to_thread(started.wait, 5)  # the first is on the worker, the second waits
+    assert batcher.close(lambda: Unavailable("shutting down")) == 2
     results = await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), 1)
-    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    assert [type(r) for r in results] == [Unavailable, Unavailable]
+    assert results[0] is not results[1]  # one exception each: a raised one collects its caller's frames
+    with pytest.raises(Unavailable, match="shutting down"):
+        await batcher.submit(2)
+    proceed.set()
+    await asyncio.to_thread(executor.shutdown)
+    assert seen == [True]  # the worker, still running, sees its caller gone
 
 
 async def test_a_run_that_miscounts_fails_its_batch_and_the_next_call_is_served(
@@ -127,7 +170,7 @@ async def test_a_run_that_miscounts_fails_its_batch_and_the_next_call_is_served(
 ) -> None:
     calls = []
 
-    def run(jobs: Sequence[int]) -> list[int]:
+    def run(jobs: Sequence[int], is_gone: object) -> list[int]:
         calls.append(list(jobs))
         return [] if len(calls) == 1 else list(jobs)
 
@@ -135,7 +178,7 @@ async def test_a_run_that_miscounts_fails_its_batch_and_the_next_call_is_served(
     with pytest.raises(RuntimeError, match="gave 0 outcomes"):
         await asyncio.wait_for(batcher.submit(1), 1)
     assert await asyncio.wait_for(batcher.submit(2), 1) == 2
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
 async def test_a_serving_task_that_died_is_started_again(executor: ThreadPoolExecutor) -> None:
@@ -145,7 +188,7 @@ async def test_a_serving_task_that_died_is_started_again(executor: ThreadPoolExe
     batcher._task.cancel()  # as if it had died
     await asyncio.sleep(0)
     assert await asyncio.wait_for(batcher.submit(2), 1) == 20
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))
 
 
 async def test_a_job_worth_no_wait_runs_at_once_and_one_worth_waiting_gathers_company(
@@ -161,4 +204,4 @@ async def test_a_job_worth_no_wait_runs_at_once_and_one_worth_waiting_gathers_co
     await asyncio.sleep(0)  # the image is gathering company
     assert await asyncio.gather(lone_image, batcher.submit(3)) == [10, 30]  # the batch is full: it runs
     assert run.batches == [[2], [1, 3]]
-    batcher.close()
+    batcher.close(lambda: Unavailable("closed"))

@@ -1,12 +1,16 @@
 """The servicer's validation and delegation, called directly (no transport; errors raise)."""
 
+import asyncio
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from services.encoder.tests.helpers import write_prompt_adapter
+from services.encoder.tests.vision_checkpoints import make_image
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.common.server import ServerOptions
@@ -17,6 +21,8 @@ from tandem.encoder.embedder import EmbedderInfo, Pooling
 from tandem.encoder.loader import load_embedder
 from tandem.encoder.lookup import LookupEmbedder
 from tandem.encoder.servicer import EncoderServicer
+from tandem.encoder.vision.embedder import VisionLanguageEmbedder
+from tandem.encoder.vision.image_span import PreparedImage
 
 
 def _servicer(config: EncoderConfig) -> EncoderServicer:
@@ -145,5 +151,56 @@ async def test_a_text_too_long_to_fit_is_refused_from_its_length_before_it_is_to
         assert CountingLookup.num_tokenized == 0
         reply = await servicer.Embed(encoder_pb2.EmbedRequest(text="the quiet harbour"), None)
         assert reply.usage.input_tokens >= 1 and CountingLookup.num_tokenized == 1
+    finally:
+        servicer.close()
+
+
+class GatedVisionEmbedder(VisionLanguageEmbedder):
+    """A real tiny LLaVA whose first image's preprocessing waits for the test; counts what it prepares."""
+
+    num_prepared = 0
+    first_started: threading.Event
+    first_may_finish: threading.Event
+
+    def prepare_image(self, image: Image.Image) -> PreparedImage:
+        self.num_prepared += 1
+        if self.num_prepared == 1:
+            self.first_started.set()
+            self.first_may_finish.wait(5)
+        return super().prepare_image(image)
+
+
+def _gated(model_dir: Path) -> GatedVisionEmbedder:
+    embedder = GatedVisionEmbedder.load(model_dir, torch.float32)
+    embedder.first_started, embedder.first_may_finish = threading.Event(), threading.Event()
+    return embedder
+
+
+def _image_request(path: Path) -> encoder_pb2.EmbedRequest:
+    return encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=path.read_bytes()))
+
+
+async def test_an_image_whose_call_is_cancelled_while_its_batch_runs_is_never_preprocessed(
+    tiny_llava: Path, tmp_path: Path
+) -> None:
+    servicer = EncoderServicer(EncoderConfig(model_dir=tiny_llava, dtype="float32", max_batch_wait_ms=500))
+    embedder = _gated(tiny_llava)
+    servicer.attach(embedder)
+    requests = [
+        _image_request(make_image(tmp_path / f"{i}.png", (30 + 10 * i, 41), seed=i)) for i in range(3)
+    ]
+    try:
+        calls = [asyncio.ensure_future(servicer.Embed(request, None)) for request in requests]
+        assert await asyncio.to_thread(embedder.first_started.wait, 5)  # the batch of three runs
+        calls[1].cancel()  # as gRPC does when its caller cancels or its deadline passes
+        await asyncio.sleep(0.01)
+        embedder.first_may_finish.set()
+        batched = [await calls[0], await calls[2]]
+        with pytest.raises(asyncio.CancelledError):
+            await calls[1]
+        assert embedder.num_prepared == 2 and servicer._batcher.batch_sizes == [3]  # type: ignore[union-attr]
+        alone = [await servicer.Embed(requests[i], None) for i in (0, 2)]
+        for reply, reference in zip(batched, alone, strict=True):
+            assert torch.equal(tensors.decode(reply.embeddings), tensors.decode(reference.embeddings))
     finally:
         servicer.close()

@@ -5,11 +5,15 @@ Each call's outcome is its own: an image that cannot be decoded, or whose span i
 that call alone (its exception in its slot), and the rest of the batch is answered. So does anything
 unexpected (a bug, memory): a failure while preparing one call stays in its slot, and when the
 batched tower pass fails, each image is run again alone, so only the one that fails alone fails.
+
+A call whose caller is gone (`is_gone`, asked before each call's own work: an image's decoding and
+preprocessing take up to seconds each) is skipped, and left out of the tower pass. The others' rows do
+not change: each image's rows depend on its own tiles alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +21,7 @@ import torch
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import tensor_pb2
 from tandem.common.torch_part import tensors
+from tandem.encoder.batcher import CallerGone
 from tandem.encoder.embedder import Embedder, EmbedsInto, Pooling, mean_pool
 from tandem.encoder.request import EmbedJob, ImageJob, check_reply_size
 from tandem.encoder.vision.image_bytes import decode_image
@@ -31,11 +36,19 @@ class EmbedOutput:
     placeholder: str  # an image's: what its rows replace in the chat template; "" for text
 
 
-def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[EmbedOutput | Exception]:
-    """The outcome of each job, in order: its output, or the exception that failed it alone."""
+def run_batch(
+    embedder: Embedder,
+    jobs: Sequence[EmbedJob | ImageJob],
+    is_gone: Callable[[int], bool] = lambda i: False,  # whether the caller of jobs[i] stopped waiting
+) -> list[EmbedOutput | Exception]:
+    """The outcome of each job, in order: its output, or the exception that failed it alone
+    (CallerGone for one skipped)."""
     results: list[EmbedOutput | Exception | None] = [None] * len(jobs)
     images: list[tuple[int, PreparedImage]] = []
     for i, job in enumerate(jobs):
+        if is_gone(i):
+            results[i] = CallerGone()
+            continue
         try:
             if isinstance(job, EmbedJob):
                 results[i] = EmbedOutput(_embedded(embedder, job), job.token_ids, "")
@@ -43,10 +56,14 @@ def run_batch(embedder: Embedder, jobs: Sequence[EmbedJob | ImageJob]) -> list[E
                 images.append((i, _prepare(embedder, job)))
         except Exception as error:
             results[i] = error
+    for i, _ in images:  # gone while the images after theirs were prepared: out of the tower pass too
+        if is_gone(i):
+            results[i] = CallerGone()
+    images = [(i, prepared) for i, prepared in images if results[i] is None]
     try:
         spans: list = embedder.embed_images([prepared for _, prepared in images]) if images else []  # type: ignore[attr-defined]
     except Exception:
-        spans = [_alone(embedder, prepared) for _, prepared in images]
+        spans = [CallerGone() if is_gone(i) else _alone(embedder, prepared) for i, prepared in images]
     for (i, prepared), rows in zip(images, spans, strict=True):
         if isinstance(rows, Exception):
             results[i] = rows

@@ -3,23 +3,35 @@
 A call joins the queue; the first call of a batch waits at most `max_wait_s(its job)` for others
 (less when `max_batch_size` calls are already there; a job worth no wait runs at once), then the batch
 runs on the worker thread while new calls queue for the next one. Under load that alone batches:
-everything that arrived during a batch goes into the next. A caller that gives up (its RPC cancelled)
-before its batch starts is left out of it. No caller is ever left waiting: whatever fails while a
-batch is delivered fails that batch's calls, a serving task that died is started again by the next
-call, and `close` cancels queued and running calls alike.
+everything that arrived during a batch goes into the next. A caller that gives up (its RPC cancelled,
+its deadline passed) before its batch starts is left out of it; one that gives up while its batch
+runs is marked gone, and `run` asks `is_gone(i)` between jobs to skip the work nobody waits for.
+No caller is ever left waiting: whatever fails while a batch is delivered fails that batch's calls,
+a serving task that died is started again by the next call, and `close(error)` ends queued and
+running calls alike with `error()` (and every later call), marking them gone so that the batch on
+the worker stops at its next check.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 J = TypeVar("J")
 R = TypeVar("R")
+
+# `run(jobs, is_gone)`: one outcome per job, in order. `is_gone(i)` says, from the worker thread, whether
+# the caller of jobs[i] has stopped waiting; that job's outcome is then never delivered.
+Run = Callable[[Sequence[J], Callable[[int], bool]], Sequence[R | BaseException]]
+
+
+class CallerGone(Exception):
+    """The outcome a run gives a job it skipped because its caller was gone; never delivered."""
 
 
 @dataclass
@@ -27,13 +39,16 @@ class _Waiting(Generic[J, R]):
     job: J
     future: asyncio.Future[R]
     arrived: float  # time.monotonic()
+    # Set once the future is done, whoever finished it: the caller going away, close(), or the batch's
+    # own outcome. An Event because the worker thread reads it while the loop sets it.
+    gone: threading.Event = field(default_factory=threading.Event)
 
 
 class Batcher(Generic[J, R]):
     def __init__(
         self,
         executor: Executor,
-        run: Callable[[Sequence[J]], Sequence[R | BaseException]],  # one outcome per job, in order
+        run: Run[J, R],
         max_batch_size: int,
         max_wait_s: Callable[[J], float],  # how long a batch led by this job may wait for company
     ) -> None:
@@ -45,22 +60,37 @@ class Batcher(Generic[J, R]):
         self._running: list[_Waiting[J, R]] = []  # the batch on the worker thread now
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closed_with: Callable[[], BaseException] | None = None  # set by close(): later calls' error
         self.batch_sizes: list[int] = []  # every batch's size, for the benchmark and the tests
 
     async def submit(self, job: J) -> R:
         """The job's outcome (its exception raised) once its batch has run."""
+        if self._closed_with is not None:
+            raise self._closed_with()
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Waiting(job, future, time.monotonic()))
+        waiting = _Waiting(job, future, time.monotonic())
+        future.add_done_callback(lambda _: waiting.gone.set())
+        self._queue.append(waiting)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._serve())
         self._arrival.set()
         return await future
 
-    def close(self) -> None:
+    def close(self, error: Callable[[], BaseException]) -> int:
+        """Ends every queued and running call with `error()` (one each: a raised exception collects its
+        caller's frames), and refuses later ones alike; the batch on the worker skips what is left of it.
+        Returns how many calls it ended."""
+        self._closed_with = error
         if self._task is not None:
             self._task.cancel()
+        num_ended = 0
         for waiting in [*self._queue, *self._running]:
-            waiting.future.cancel()
+            waiting.gone.set()  # now, not when the loop gets to the done callback
+            if not waiting.future.done():
+                waiting.future.set_exception(error())
+                num_ended += 1
+        self._queue.clear()
+        return num_ended
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -75,8 +105,13 @@ class Batcher(Generic[J, R]):
                 continue
             self.batch_sizes.append(len(batch))
             self._running = batch
+            jobs = [w.job for w in batch]
+
+            def is_gone(i: int, batch: list[_Waiting[J, R]] = batch) -> bool:
+                return batch[i].gone.is_set()
+
             try:
-                outcomes = await loop.run_in_executor(self._executor, self._run, [w.job for w in batch])
+                outcomes = await loop.run_in_executor(self._executor, self._run, jobs, is_gone)
                 if len(outcomes) != len(batch):
                     raise RuntimeError(f"a batch of {len(batch)} calls gave {len(outcomes)} outcomes")
             except Exception as error:  # the worker itself failed: every caller of the batch hears it
