@@ -204,3 +204,26 @@ async def test_an_image_whose_call_is_cancelled_while_its_batch_runs_is_never_pr
             assert torch.equal(tensors.decode(reply.embeddings), tensors.decode(reference.embeddings))
     finally:
         servicer.close()
+
+
+async def test_end_calls_answers_every_call_in_flight_unavailable_and_the_batch_prepares_no_further_image(
+    tiny_llava: Path, tmp_path: Path
+) -> None:
+    servicer = EncoderServicer(EncoderConfig(model_dir=tiny_llava, dtype="float32", max_batch_size=2))
+    embedder = _gated(tiny_llava)
+    servicer.attach(embedder)
+    requests = [_image_request(make_image(tmp_path / f"{i}.png", (36, 36), seed=i)) for i in range(3)]
+    try:
+        calls = [asyncio.ensure_future(servicer.Embed(request, None)) for request in requests]
+        assert await asyncio.to_thread(embedder.first_started.wait, 5)  # a batch of two runs, one waits
+        assert servicer.end_calls() == 3
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, Unavailable) and "shutting down" in str(r) for r in results)
+        with pytest.raises(Unavailable, match="shutting down"):
+            await servicer.Embed(requests[0], None)
+        embedder.first_may_finish.set()
+        await asyncio.to_thread(servicer._executor.shutdown)  # the batch on the worker ends
+        assert embedder.num_prepared == 1  # the image it was preparing; not its neighbour's
+    finally:
+        embedder.first_may_finish.set()
+        servicer.close()

@@ -6,6 +6,12 @@ model and the port are checked first; then the server listens with health NOT_SE
 SERVING once the embedder has loaded, so orchestrators can tell "starting" from "dead".
 Exit codes: 0 after a signal, 1 when the embedder cannot be loaded, 2 for a flag or variable that
 is wrong (a port in use included); every failure is one line.
+
+Stopping (SIGTERM or SIGINT): health NOT_SERVING, no new calls, and calls in flight get --grace-s to
+finish. Any still queued or in a batch then end UNAVAILABLE ("the encoder is shutting down"), and the
+batch on the worker thread skips the images it has not prepared, so the process exits within the
+grace period plus the step the worker is in (one image's decoding and preprocessing, or one tower
+pass), not after every batch in flight has run.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import click
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
-from tandem.common.server import check_port_free, start_server, stop_on_signals
+from tandem.common.server import RunningServer, check_port_free, start_server, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import resolve_model
 from tandem.encoder.config import EncoderConfig
@@ -34,6 +40,7 @@ from tandem.encoder.servicer import EncoderServicer
 log = logging.getLogger("tandem.encoder")
 
 PROG = "tandem serve encoder"
+CUT_S = 1.0  # after the grace period: how long calls ended UNAVAILABLE get to say so before gRPC cancels
 
 
 def command() -> click.Command:
@@ -110,10 +117,26 @@ async def serve(config: EncoderConfig) -> None:
     finally:
         loading.cancel()
         stopping.cancel()
-        await running.stop(config.server.grace_s)
+        await drain(running, servicer, config.server.grace_s)
         servicer.close()
         thaw_startup_heap()
         telemetry.shutdown()  # flushes spans and metrics still buffered
+        log.info("stopped")
+
+
+async def drain(running: RunningServer, servicer: EncoderServicer, grace_s: float) -> None:
+    """No new calls; calls in flight get `grace_s` to finish, then end UNAVAILABLE.
+
+    gRPC itself would cancel what is left at its deadline, leaving each cancelled call's handler to log
+    a CancelledError traceback, so its deadline is CUT_S later: by then every call ended here has sent
+    its status, and the server stops as soon as none is left.
+    """
+    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S))
+    done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+    if not done:
+        num_ended = servicer.end_calls()
+        log.info("grace period over: %d calls in flight end UNAVAILABLE", num_ended)
+    await stopping
 
 
 if __name__ == "__main__":
