@@ -295,9 +295,9 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
         if len(prompt) > 1 and (
             all(isinstance(part, str) for part in prompt) or all(isinstance(part, list) for part in prompt)
         ):
-            # OpenAI's and vLLM's meaning of these forms: a batch, one choice per prompt (times n).
-            # Segments of one prompt mix kinds or carry a tandem_embeddings part.
-            at_most("prompt", len(prompt), limits.max_choices, f"prompts {_CHOICES_BOUND}")
+            # OpenAI's and vLLM's meaning of these forms: a batch, one choice per prompt (times n),
+            # its length bounded with n (`_common`). Segments of one prompt mix kinds or carry a
+            # tandem_embeddings part.
             batch = prompt
         else:
             _segments(prompt, request, max_ids, context)
@@ -374,12 +374,6 @@ def _call(
     )
 
 
-# Why a request's choices are bounded, and by what, in the words of its refusal.
-_CHOICES_BOUND = (
-    "(prompts x n, each a Generate stream: the gateway's --max-choices or --max-streams-per-caller)"
-)
-
-
 def _common(
     body: dict[str, Any],
     request: decoder_pb2.GenerateRequest,
@@ -391,13 +385,7 @@ def _common(
     request's choices (`num_prompts` x n); returns the body's names for the fields errors may name."""
     request.model = _field(body, "model", str) or ""
     n = _uint(body, "n", 1) or 1
-    at_most("n", n, limits.max_choices, f"choices {_CHOICES_BOUND}")
-    if num_prompts * n > limits.max_choices:
-        raise InvalidArgument(
-            "prompt",
-            f"{num_prompts} prompts x n {n} = {num_prompts * n} choices exceed the limit of "
-            f"{limits.max_choices} {_CHOICES_BOUND}",
-        )
+    _bound_choices(num_prompts, n, limits.max_choices)
     best_of = _uint(body, "best_of", 1)
     if best_of is not None and best_of < n:
         raise InvalidArgument("best_of", f"must be at least n ({n}), got {best_of}")
@@ -460,6 +448,23 @@ def _common(
         if body.get(name):
             raise InvalidArgument(name, "tool calling is not supported")
     return BodyNames(structured_field, max_tokens_field)
+
+
+def _bound_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    """A request's choices, its prompts x n, each a Generate stream, within `max_choices`; the error
+    names `n`, or `prompt` where it is the batch that passes the limit."""
+    if num_prompts * n <= max_choices:
+        return
+    bound = (
+        f"the limit of {max_choices} choices a request (prompts x n, each a Generate stream: the "
+        "gateway's --max-choices, never above its --max-streams-per-caller)"
+    )
+    if n > max_choices:
+        raise InvalidArgument("n", f"{n} choices exceed {bound}")
+    asked = (
+        f"{num_prompts} prompts" if n == 1 else f"{num_prompts} prompts x n {n} = {num_prompts * n} choices"
+    )
+    raise InvalidArgument("prompt", f"{asked} exceed {bound}")
 
 
 def _structured(body: dict[str, Any], request: decoder_pb2.GenerateRequest) -> str | None:
