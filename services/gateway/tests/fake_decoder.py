@@ -8,7 +8,7 @@ max_tokens (2 unless set), finished LENGTH with P's characters as prompt tokens.
 `refuse` is refused as too long (field `prompt`), an ID over 999 as out of the vocabulary (field
 `prompt[0].token_ids.ids[k]`), a max_new_tokens over 50 as over the context (`stopping.max_new_tokens`);
 one holding `hang` streams ` .` until cancelled; `break` fails after its deltas; `drain` ends ABORTED;
-`slow` waits a fifth of a second first (so that its neighbours are accepted before it is refused).
+`after2` waits until two other streams are open (so that its neighbours are accepted before it is refused).
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
     ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
         self.requests.append(request)
         prompt = prompt_text(request)
-        if "slow" in prompt:
-            await asyncio.sleep(0.2)
+        if "after2" in prompt:
+            async with asyncio.timeout(5):
+                while self.num_open < 2:
+                    await asyncio.sleep(0.005)
         if (refusal := _refusal(request, prompt)) is not None:
             end_with(context, refusal)
             return

@@ -171,7 +171,7 @@ async def test_the_choices_limit_is_never_over_a_callers_streams() -> None:
 
 async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others() -> None:
     async with fake_decoder() as (decoder, address), live_gateway(address) as url:
-        status, answer = await _post(f"{url}/completions", {"prompt": ["a hang", "b hang", "slow refuse"]})
+        status, answer = await _post(f"{url}/completions", {"prompt": ["a hang", "b hang", "after2 refuse"]})
         assert status == 400
         assert answer["error"]["param"] == "prompt[2]" and answer["error"]["message"].startswith(
             "prompt[2]: "

@@ -55,7 +55,7 @@ async def test_every_choices_events_arrive_each_ending_with_its_finish() -> None
 
 
 async def test_a_refused_choice_fails_the_start_and_closing_cancels_its_accepted_neighbours() -> None:
-    async with _streams({"prompt": ["x hang", "y hang", "slow refuse"]}) as (streams, decoder):
+    async with _streams({"prompt": ["x hang", "y hang", "after2 refuse"]}) as (streams, decoder):
         with pytest.raises(ChoiceFailed) as failed:
             await streams.start()
         assert failed.value.choice.prompt_index == 2
