@@ -269,7 +269,7 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
         turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))
-    names = _common(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))
+    names, n = _common(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))
     top = _uint(body, "top_logprobs", 0, 20)  # OpenAI's bound
     if _field(body, "logprobs", bool):
         request.output.logprobs = True
@@ -277,7 +277,7 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             request.output.top_logprobs = top
     elif top is not None:  # as OpenAI and vLLM answer it, rather than dropping the field
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
-    return _call(body, (request,), False, tuple(images), names)
+    return _call(body, (request,), n, False, tuple(images), names)
 
 
 def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
@@ -303,7 +303,7 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
             _segments(prompt, request, max_ids, context)
     else:
         raise InvalidArgument("prompt", "must be a string, a list of token IDs, or a list of parts")
-    names = _common(body, request, limits, max(len(batch), 1), max_tokens=("max_tokens",))
+    names, n = _common(body, request, limits, max(len(batch), 1), max_tokens=("max_tokens",))
     logprobs = _uint(body, "logprobs", 0, 20)
     if logprobs is not None:
         request.output.logprobs = True
@@ -313,7 +313,7 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
     if _field(body, "suffix", str):  # insertion: not a decoder-only prompt's shape (vLLM refuses it too)
         raise InvalidArgument("suffix", "is not supported")
     prompts = tuple(_batch_request(request, p, f"prompt[{i}]", max_ids) for i, p in enumerate(batch))
-    return _call(body, prompts or (request,), bool(batch), (), names)
+    return _call(body, prompts or (request,), n, bool(batch), (), names)
 
 
 def _segments(prompt: list[Any], request: decoder_pb2.GenerateRequest, max_ids: int, context: str) -> None:
@@ -353,6 +353,7 @@ def _batch_request(
 def _call(
     body: dict[str, Any],
     prompts: tuple[decoder_pb2.GenerateRequest, ...],
+    n: int,
     is_batch: bool,
     images: tuple[ImagePart, ...],
     names: BodyNames,
@@ -364,7 +365,7 @@ def _call(
     include_usage = _field(options or {}, "include_usage", bool, "stream_options.") is True
     return GenerateCall(
         requests=prompts,
-        n=_uint(body, "n", 1) or 1,
+        n=n,
         is_batch=is_batch,
         images=images,
         model=prompts[0].model,
@@ -380,9 +381,10 @@ def _common(
     limits: BodyLimits,
     num_prompts: int,
     max_tokens: tuple[str, ...],
-) -> BodyNames:
+) -> tuple[BodyNames, int]:
     """The sampling and stopping parameters both endpoints share, and `n` against the bound on a
-    request's choices (`num_prompts` x n); returns the body's names for the fields errors may name."""
+    request's choices (`num_prompts` x n); returns the body's names for the fields errors may name,
+    and n."""
     request.model = _field(body, "model", str) or ""
     n = _uint(body, "n", 1) or 1
     _bound_choices(num_prompts, n, limits.max_choices)
@@ -447,7 +449,7 @@ def _common(
     for name in ("tools", "functions"):
         if body.get(name):
             raise InvalidArgument(name, "tool calling is not supported")
-    return BodyNames(structured_field, max_tokens_field)
+    return BodyNames(structured_field, max_tokens_field), n
 
 
 def _bound_choices(num_prompts: int, n: int, max_choices: int) -> None:
