@@ -298,15 +298,24 @@ def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
     """What the decoder would refuse of `up`'s own flags (the dtype, the quantization and its group,
     the world size against the checkpoint), said before anything starts. Raises ConfigError."""
     from tandem.decoder.api.main import check_fits
+    from tandem.decoder.backends import backend as backends
     from tandem.decoder.config import EngineConfig
 
     group_size = config.quantization_group_size or default_of(EngineConfig, "quantization_group_size")
-    check_fits(
-        model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, config.world_size or 1
-    )
+    world_size = config.world_size or 1
+    if config.device is not None and backends.resolve(config.device).is_spmd:
+        # Neuron's devices are one SPMD program in one process, which shards only what divides (a
+        # model whose heads do not runs its attention whole): the decoder checks it as one rank too.
+        world_size = 1
+    check_fits(model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, world_size)
 
 
 _output_lock = threading.Lock()
+
+
+def _label(service: str) -> str:
+    """A child as `up`'s own lines name it ("the openai stopped" read as a typo)."""
+    return "OpenAI gateway" if service == "openai" else service
 
 
 def _say(message: str) -> None:
@@ -393,9 +402,11 @@ def run_services(config: UpConfig) -> int:
                 break
             wake.wait(0.2)
         if died is not None and not stop_signal:
-            _say(f"the {died.name} exited on its own (code {died.process.returncode}): stopping the rest")
+            code = died.process.returncode
+            _say(f"the {_label(died.name)} exited on its own (code {code}): stopping the rest")
         else:
-            _say(f"received {stop_signal[0].name}: stopping both (streams get {config.grace_s:g} s)")
+            which = "both" if len(children) == 2 else f"all {len(children)}"
+            _say(f"received {stop_signal[0].name}: stopping {which} (streams get {config.grace_s:g} s)")
         stopping.set()
         return _stop_all(children, config.kill_after_s, failed=died is not None and not stop_signal)
     finally:
@@ -450,12 +461,12 @@ def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:
         try:
             code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _say(f"the {child.name} did not stop within {kill_after_s:g} s: killing it")
+            _say(f"the {_label(child.name)} did not stop within {kill_after_s:g} s: killing it")
             child.process.kill()
             code = child.process.wait()
             is_clean = False
         child.finish_relay()
-        _say(f"the {child.name} stopped (exit {code})")
+        _say(f"the {_label(child.name)} stopped (exit {code})")
     return 0 if is_clean else 1
 
 

@@ -18,7 +18,7 @@ from tandem import cli
 from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.torch_part.random_model import make_model
-from tandem.up import UpConfig, serve_command
+from tandem.up import UpConfig, check_decoder_fits, serve_command
 from tests.integration.test_images import dockerfile_healthcheck_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -322,6 +322,19 @@ def test_a_world_size_the_model_cannot_shard_is_one_line_about_ups_own_flag_befo
     assert out == "" and err.startswith(
         "tandem up: --quantization-group-size (TANDEM_UP_QUANTIZATION_GROUP_SIZE) int4 cannot quantize"
     ), err
+
+
+def test_on_neuron_a_world_size_that_does_not_divide_the_heads_passes_ups_check_as_the_decoder_takes_it(
+    model_dir: Path,
+) -> None:
+    # Neuron's devices are one SPMD program that runs attention whole when the heads do not divide
+    # (SmolLM2's 9 on 2 devices): the README's `up --device neuron --world-size 2` was refused here.
+    ports = {"encoder_port": 1, "decoder_port": 2}
+    on_neuron = UpConfig(model_dir, "127.0.0.1", **ports, dtype="float32", world_size=3, device="neuron")
+    check_decoder_fits(on_neuron, model_dir)
+    on_cpu = UpConfig(model_dir, "127.0.0.1", **ports, dtype="float32", world_size=3, device="cpu")
+    with pytest.raises(ConfigError, match=r"num_heads \(4\) must be divisible by the world size \(3\)"):
+        check_decoder_fits(on_cpu, model_dir)
 
 
 def test_openai_port_adds_the_gateway_in_front_of_both_services() -> None:
