@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tandem.demo:command", "start both services on the default model, ask it a question, stop"),
     "generate": ("tandem.generate_cli:command", "stream a generation from a running decoder"),
     "chat": ("tandem.chat_cli:command", "chat with a running decoder through the model's chat template"),
-    "embed": ("tandem.embed_cli:command", "text or token IDs -> embeddings from a running encoder"),
+    "embed": ("tandem.embed_cli:command", "text, token IDs or an image -> embeddings from a running encoder"),
     "import-gguf": ("tandem.cli:import_gguf_command", "convert a GGUF file into a checkpoint directory"),
     "make-model": ("tandem.cli:make_model_command", "write a random-weight checkpoint (tests, benchmarks)"),
     "bench": ("tandem.cli:bench_command", "run the benchmark harness of a source checkout"),
@@ -36,7 +36,7 @@ SERVICES: dict[str, tuple[str, str]] = {
     "decoder": ("tandem.decoder.api.main:command", "tandem.v1.Decoder: prompts in, streamed tokens out"),
     "encoder": (
         "tandem.encoder.__main__:command",
-        "tandem.v1.Encoder: text or token IDs in, embeddings out",
+        "tandem.v1.Encoder: text, token IDs or images in, embeddings out",
     ),
     "openai": ("tandem.gateway.__main__:command", "the OpenAI HTTP API in front of a decoder and an encoder"),
 }

@@ -74,7 +74,7 @@ def test_neuron_without_torch_xla_fails_at_start_saying_what_to_install(
         backends.check_available("neuron")
     assert main(["--device", "neuron", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "make .venv-xla" in err and "torch-xla 2.9.0" in err and "pip.repos.neuron.amazonaws.com" in err
+    assert "make setup-xla" in err and "torch-xla 2.9.0" in err and "pip.repos.neuron.amazonaws.com" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")

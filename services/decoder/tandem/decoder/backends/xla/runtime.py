@@ -23,7 +23,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 XLA_INSTALL = (
-    "torch_xla is not installed in this environment: `make .venv-xla` builds a virtual environment with "
+    "torch_xla is not installed in this environment: `make setup-xla` builds a virtual environment with "
     "torch 2.9.0 + torch-xla 2.9.0 and Tandem (then run .venv-xla/bin/tandem); on a Trn/Inf instance add "
     "the Neuron SDK's PJRT plugin: `pip install torch-neuronx neuronx-cc --extra-index-url "
     "https://pip.repos.neuron.amazonaws.com`"
