@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from tandem.common.server import ServerOptions
 from tandem.common.torch_part.model_cache import default_model_file
 from tandem.encoder.__main__ import config_from_args, main
-from tandem.encoder.config import EncoderConfig
+from tandem.encoder.config import SMALL_FIELDS_BYTES, EncoderConfig
 from tandem.encoder.embedder import Pooling
 
 MODEL = Path("/models/tiny")
@@ -105,6 +106,40 @@ def test_bad_values_are_one_line_naming_the_flag_and_the_variable(environ, capsy
     err = capsys.readouterr().err
     assert err.startswith("tandem serve encoder: --embedder (TANDEM_ENCODER_EMBEDDER): 'clip' is not one of")
     assert err.count("\n") == 1
+
+
+def test_the_image_bound_defaults_to_20_mib_or_to_what_a_message_carries_beside_the_other_fields() -> None:
+    assert EncoderConfig(model_dir=MODEL).image_bytes_limit == 20 * 1024 * 1024
+    small = EncoderConfig(model_dir=MODEL, server=ServerOptions(max_message_bytes=1024 * 1024))
+    assert small.image_bytes_limit == 1024 * 1024 - SMALL_FIELDS_BYTES
+    assert EncoderConfig(model_dir=MODEL, max_image_bytes=1000).image_bytes_limit == 1000
+
+
+def test_an_image_bound_no_message_could_carry_is_refused_at_start_up_naming_both_flags(
+    environ, capsys
+) -> None:
+    # An image between the two bounds got gRPC's own RESOURCE_EXHAUSTED, naming no field or flag.
+    argv = [
+        "--model",
+        "/m",
+        "--max-image-bytes",
+        str(2 * 1024 * 1024),
+        "--max-message-bytes",
+        str(1024 * 1024),
+    ]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --max-image-bytes (TANDEM_ENCODER_MAX_IMAGE_BYTES) 2097152 cannot travel "
+        "within --max-message-bytes 1048576 (an Embed request carries up to 65536 bytes of other fields): "
+        "raise --max-message-bytes to 2162688 or lower --max-image-bytes to 983040\n"
+    )
+    fits = 1024 * 1024 - SMALL_FIELDS_BYTES
+    config = config_from_args(
+        ["--model", "/m", "--max-image-bytes", str(fits), "--max-message-bytes", "1048576"]
+    )
+    assert config.image_bytes_limit == fits
+    with pytest.raises(ValueError, match="max_image_bytes must be >= 1, got 0"):
+        EncoderConfig(model_dir=MODEL, max_image_bytes=0)
 
 
 def test_an_unsupported_vision_language_checkpoint_is_one_line_naming_what_is_supported(

@@ -21,6 +21,10 @@ from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 from tandem.encoder.embedder import Pooling
 
 EMBEDDERS = ("lookup", "soft-prompt", "projector")
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# An Embed request's fields beside its input (request_id, model, the enums, a shared-memory offer, with
+# their tags), and then some: an image of max_image_bytes travels in max_image_bytes plus this.
+SMALL_FIELDS_BYTES = 64 * 1024
 QUANTIZATIONS = ("none", *SCHEMES)
 DEFAULT_PORT = 50051
 
@@ -45,7 +49,10 @@ class EncoderConfig:
     # Images (a LLaVA or SmolVLM checkpoint): the bytes of one, and its pixels, read from its header
     # before it is decoded (PIL holds RGB in 4 bytes a pixel, and compositing an alpha channel onto
     # white takes a few copies: 32 Mpx is 128 MB to about 0.5 GB while it is preprocessed).
-    max_image_bytes: int = 20 * 1024 * 1024
+    # The bytes must travel in a request within server.max_message_bytes (else gRPC refuses the
+    # message before the encoder sees it, naming no field): None is DEFAULT_MAX_IMAGE_BYTES, or what
+    # such a request carries when that is less (`image_bytes_limit`); a value it cannot carry is refused.
+    max_image_bytes: int | None = None
     max_image_pixels: int = 32 * 1024 * 1024
     # Concurrent Embed calls run together: at most this many, a batch led by an image waiting at most
     # this long for company (text never waits: a 2 ms wait took a lone text Embed on SmolLM2 from 0.73
@@ -74,13 +81,13 @@ class EncoderConfig:
         self._check_quantization()
         for name in (
             "max_input_tokens",
-            "max_image_bytes",
             "max_image_pixels",
             "max_batch_size",
             "shared_memory_segments",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        self._check_max_image_bytes()
         if self.shared_memory_bytes < 0:
             raise ConfigError(
                 "shared_memory_bytes", f"must be >= 0 (0: never), got {self.shared_memory_bytes}"
@@ -104,6 +111,21 @@ class EncoderConfig:
                 if self.embedder != kind and is_set:
                     raise ConfigError(name, f"is only used by embedder {kind!r}, not {self.embedder!r}")
 
+    def _check_max_image_bytes(self) -> None:
+        if self.max_image_bytes is None:
+            return
+        if self.max_image_bytes < 1:
+            raise ConfigError("max_image_bytes", f"must be >= 1, got {self.max_image_bytes}")
+        max_message_bytes = self.server.max_message_bytes
+        if self.max_image_bytes + SMALL_FIELDS_BYTES > max_message_bytes:
+            raise ConfigError(
+                "max_image_bytes",
+                f"{self.max_image_bytes} cannot travel within --max-message-bytes {max_message_bytes} "
+                f"(an Embed request carries up to {SMALL_FIELDS_BYTES} bytes of other fields): raise "
+                f"--max-message-bytes to {self.max_image_bytes + SMALL_FIELDS_BYTES} or lower "
+                f"--max-image-bytes to {max(max_message_bytes - SMALL_FIELDS_BYTES, 0)}",
+            )
+
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
@@ -115,6 +137,14 @@ class EncoderConfig:
     @property
     def served_model_name(self) -> str:
         return self.model_name or self.model_dir.name
+
+    @property
+    def image_bytes_limit(self) -> int:
+        """The most bytes of one image: max_image_bytes, or its default within max_message_bytes (0
+        when the messages are too small to carry any image beside the other fields)."""
+        if self.max_image_bytes is not None:
+            return self.max_image_bytes
+        return max(0, min(DEFAULT_MAX_IMAGE_BYTES, self.server.max_message_bytes - SMALL_FIELDS_BYTES))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -72,7 +72,12 @@ def settings() -> list[Setting]:
             type=click.Choice(QUANTIZATIONS),
         ),
         _config("--max-input-tokens", "most positions per Embed call", type=int),
-        _config("--max-image-bytes", "images: most bytes of one encoded image", type=int),
+        _config(
+            "--max-image-bytes",
+            "images: most bytes of one encoded image; it must travel within --max-message-bytes",
+            type=int,
+            show_default="20 MiB, or what --max-message-bytes carries beside 64 KiB of other fields",
+        ),
         _config(
             "--max-image-pixels",
             "images: most pixels (width x height, read from the header before decoding)",

@@ -41,7 +41,7 @@ from tandem.common.torch_part.prompt_parts import TextPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.encoder.batch import EmbedOutput, run_batch
 from tandem.encoder.batcher import Batcher
-from tandem.encoder.config import EncoderConfig
+from tandem.encoder.config import SMALL_FIELDS_BYTES, EncoderConfig
 from tandem.encoder.embedder import Embedder, Pooling
 from tandem.encoder.request import (
     EmbedJob,
@@ -57,7 +57,6 @@ from tandem.encoder.shared_segments import SharedSegments
 T = TypeVar("T")
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "tandem.v1.Encoder"
-SMALL_FIELDS_BYTES = 64 * 1024  # request_id, model and the enums, with their tags, and then some
 
 _POOLINGS = {encoder_pb2.POOLING_NONE: Pooling.NONE, encoder_pb2.POOLING_MEAN: Pooling.MEAN}
 
@@ -75,7 +74,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         # text shares the one worker (a projector's network runs fastest where it was loaded).
         self._text_executor = self._executor
         self._text_batcher: Batcher[EmbedJob | ImageJob, EmbedOutput] | None = None  # once attached
-        self._image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
+        self._image_limits = ImageLimits(config.image_bytes_limit, config.max_image_pixels)
         self.segments = (
             SharedSegments(
                 config.shared_memory_dir,
@@ -137,7 +136,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         per_position = max(5, 4 * self._embedder.info.max_token_chars)
         longest = self._max_input_tokens * per_position
         if self._embedder.info.image_placeholder:
-            longest = max(longest, self.config.max_image_bytes)
+            longest = max(longest, self.config.image_bytes_limit)
         return longest + SMALL_FIELDS_BYTES
 
     def service(self) -> Service:
@@ -245,7 +244,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             num_virtual_tokens=info.num_virtual_tokens,
             accepts_images=bool(info.image_placeholder),
             image_placeholder=info.image_placeholder,
-            max_image_bytes=self.config.max_image_bytes if info.image_placeholder else 0,
+            max_image_bytes=self.config.image_bytes_limit if info.image_placeholder else 0,
             max_image_pixels=self.config.max_image_pixels if info.image_placeholder else 0,
             max_batch_size=self.config.max_batch_size,
             max_batch_wait_s=self.config.max_batch_wait_ms / 1000,
