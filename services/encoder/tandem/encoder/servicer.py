@@ -52,6 +52,7 @@ from tandem.encoder.request import (
     build_image_job,
     build_job,
 )
+from tandem.encoder.request_size import parse_embed_request
 from tandem.encoder.shared_segments import SharedSegments
 
 T = TypeVar("T")
@@ -140,13 +141,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         return longest + SMALL_FIELDS_BYTES
 
     def service(self) -> Service:
-        """This servicer as the server mounts it."""
-        return Service(
-            SERVICE_NAME,
-            self,
-            encoder_pb2_grpc.add_EncoderServicer_to_server,
-            max_request_bytes={"Embed": self.max_embed_request_bytes},
-        )
+        """This servicer as the server mounts it: Embed's requests parsed by `parse_embed`, which refuses
+        one over max_embed_request_bytes unparsed (the interceptor's own bound would name an image's
+        field `image`, not the `image.data` of the limit it broke)."""
+        return Service(SERVICE_NAME, self, _add_to_server)
+
+    def parse_embed(self, raw: bytes) -> encoder_pb2.EmbedRequest:
+        """An Embed request from its bytes, on the event loop as gRPC reads it (request_size.py)."""
+        return parse_embed_request(raw, self.max_embed_request_bytes(), self.config.image_bytes_limit)
 
     async def Embed(
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
@@ -264,6 +266,29 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
 async def _on(executor: Executor, fn: Callable[..., T], *args: object) -> T:
     return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+def _add_to_server(servicer: EncoderServicer, server: grpc.aio.Server) -> None:
+    """As `encoder_pb2_grpc.add_EncoderServicer_to_server`, but with Embed's own parser."""
+    handlers = {
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            servicer.Embed,
+            request_deserializer=servicer.parse_embed,
+            response_serializer=encoder_pb2.EmbedResponse.SerializeToString,
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize,
+            request_deserializer=encoder_pb2.EncoderTokenizeRequest.FromString,
+            response_serializer=encoder_pb2.EncoderTokenizeResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo,
+            request_deserializer=encoder_pb2.EncoderGetModelInfoRequest.FromString,
+            response_serializer=encoder_pb2.EncoderGetModelInfoResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def _shutting_down() -> Unavailable:

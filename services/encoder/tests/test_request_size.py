@@ -1,0 +1,95 @@
+"""An Embed request too large to be of use is refused unparsed, an image's naming `image.data` and
+max_image_bytes as the check on a parsed image does; through a live server, every method still
+served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.encoder.tests.vision_checkpoints import make_image
+from tandem.client.channel import channel_options
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
+from tandem.client.status import field_violation
+from tandem.common.server import ServerOptions, start_server
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.loader import load_embedder
+from tandem.encoder.request_size import parse_embed_request
+from tandem.encoder.servicer import EncoderServicer
+
+MAX_MESSAGE_BYTES = 1024 * 1024
+MAX_IMAGE_BYTES = 64 * 1024
+
+
+def _image_request(num_bytes: int) -> bytes:
+    return encoder_pb2.EmbedRequest(
+        image=encoder_pb2.Image(data=b"\x89PNG" + bytes(num_bytes))
+    ).SerializeToString()
+
+
+def test_an_image_over_the_request_bound_names_image_data_and_max_image_bytes() -> None:
+    raw = _image_request(200_000)
+    with pytest.raises(InvalidArgument) as caught:
+        parse_embed_request(raw, 100_000, MAX_IMAGE_BYTES)
+    assert caught.value.field == "image.data"
+    assert caught.value.description == (
+        f"the request is {len(raw)} bytes, its image over max_image_bytes 65536; it was not parsed"
+    )
+
+
+def test_other_inputs_over_the_bound_keep_their_own_field_and_a_request_within_it_is_parsed() -> None:
+    ids = encoder_pb2.EmbedRequest(token_ids=tensor_pb2.TokenIds(ids=[7] * 50_000)).SerializeToString()
+    with pytest.raises(InvalidArgument) as caught:
+        parse_embed_request(ids, 10_000, MAX_IMAGE_BYTES)
+    assert caught.value.field == "token_ids" and "its longest useful input" in caught.value.description
+    assert len(parse_embed_request(ids, None, MAX_IMAGE_BYTES).token_ids.ids) == 50_000  # not attached yet
+    assert parse_embed_request(_image_request(10), 100_000, MAX_IMAGE_BYTES).image.data.startswith(b"\x89PNG")
+
+
+async def test_a_live_encoder_names_image_data_and_its_limit_for_an_image_too_large_to_parse(
+    tiny_llava: Path, tmp_path: Path
+) -> None:
+    config = EncoderConfig(
+        model_dir=tiny_llava,
+        dtype="float32",
+        max_image_bytes=MAX_IMAGE_BYTES,
+        max_input_tokens=64,  # the text bound under the image's
+        server=ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+    )
+    servicer = EncoderServicer(config)
+    server = await start_server(config.server, [servicer.service()])
+    servicer.attach(load_embedder(config))
+    channel = grpc.aio.insecure_channel(server.address, options=channel_options(2 * MAX_MESSAGE_BYTES))
+    stub = encoder_pb2_grpc.EncoderStub(channel)
+    try:
+        bound = servicer.max_embed_request_bytes()
+        assert bound is not None and bound < 200_000 < MAX_MESSAGE_BYTES
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=bytes(200_000))))
+        # It said "image: the request is 200008 bytes; this method can use at most ... (its longest useful
+        # input)": another field's name, and no limit a caller could look up.
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith("image.data: the request is 200008 bytes, its image over ")
+        assert field_violation(error.value) == (
+            "image.data",
+            "the request is 200008 bytes, its image over max_image_bytes 65536; it was not parsed",
+        )
+        # Past max_message_bytes gRPC refuses the message before any of the encoder's code sees it.
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=bytes(MAX_MESSAGE_BYTES))))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Every method is still served, Embed of an image within the bound included.
+        picture = make_image(tmp_path / "square.png", (36, 36)).read_bytes()
+        reply = await stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=picture)))
+        assert list(reply.embeddings.shape) == [36, 64]
+        tokens = await stub.Tokenize(encoder_pb2.EncoderTokenizeRequest(texts=["a picture"]))
+        assert len(tokens.tokens) == 1 and tokens.tokens[0].ids
+        info = await stub.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest())
+        assert (info.accepts_images, info.max_image_bytes) == (True, MAX_IMAGE_BYTES)
+    finally:
+        await channel.close()
+        await server.stop(0)
+        servicer.close()
