@@ -110,7 +110,8 @@ class ProjectorEmbedder:
             from transformers import AutoModel, AutoTokenizer
         except ImportError as e:
             raise EmbedderLoadError(
-                f"the projector embedder needs transformers (pip install 'transformers>=4.51', or this checkout's extra: pip install -e '.[projector]'): {e}"
+                "the projector embedder needs transformers (pip install 'transformers>=4.51', or this "
+                f"checkout's extra: pip install -e '.[projector]'): {e}"
             ) from e
 
         try:
