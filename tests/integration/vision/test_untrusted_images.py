@@ -121,7 +121,8 @@ async def test_a_request_far_over_the_image_bound_is_refused_from_its_size_unpar
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await encoder.stub.Embed(huge)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.value.details().startswith("image:"), error.value.details()
+    details = error.value.details()
+    assert details.startswith("image.data:") and "max_image_bytes 65536" in details, details
 
 
 async def test_bad_images_in_a_batch_fail_alone_and_the_good_ones_are_answered(
