@@ -22,9 +22,9 @@ from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 GRACE_S = 1.0
 NUM_CALLS = 32
 # Past the grace period: the worker's step in hand (one of the images below: ~0.5 s on 2 idle cores)
-# and the interpreter's exit (~1 s with torch loaded): 1.7-2.5 s measured, with room here for a loaded
-# machine. The process used to run its batches to their end first: the 32 images take ~16 s (with 16,
-# it exited 8.8 s after the signal; 43 s in the adversarial pass's larger case).
+# and the interpreter's exit (~1 s with torch loaded): 1.0-2.5 s measured, with room here for a loaded
+# machine. The process used to run its batches to their end first: it exited 16.3 s after the signal
+# with these 32 images (43 s in the adversarial pass's larger case).
 MAX_EXIT_AFTER_GRACE_S = 6.0
 
 
