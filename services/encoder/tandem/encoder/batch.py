@@ -8,7 +8,8 @@ batched tower pass fails, each image is run again alone, so only the one that fa
 
 A call whose caller is gone (`is_gone`, asked before each call's own work: an image's decoding and
 preprocessing take up to seconds each) is skipped, and left out of the tower pass. The others' rows do
-not change: each image's rows depend on its own tiles alone.
+not change: the tower reads each image's tiles apart from its neighbours' (test_batch.py compares them
+with the full batch's).
 """
 
 from __future__ import annotations
