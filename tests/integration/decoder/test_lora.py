@@ -218,3 +218,40 @@ async def test_a_server_without_lora_refuses_adapters(
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await tokens_of(decoder, request("qv4"))
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_an_install_whose_caller_gave_up_is_skipped_and_the_engine_and_its_streams_go_on(
+    llama: tuple[Path, dict[str, Path]], references: dict[str, list[int]]
+) -> None:
+    # A LoadAdapter whose deadline passed while its install waited for a step boundary cancels the
+    # install's future; the engine thread then ran it and set its result, raising InvalidStateError:
+    # the engine failed and every open stream ended UNAVAILABLE (from an adversarial pass).
+    model_dir, adapters = llama
+    served = await serve(model_dir, None, enable_lora=True, loras=(("qv4", adapters["qv4"]),), max_loras=2)
+    try:
+        core = served.engine.core
+        running = asyncio.ensure_future(tokens_of(served, request("qv4", max_new_tokens=LONG)))
+        while not core.num_live():
+            await asyncio.sleep(0.001)
+        ran: list[int] = []
+        installing = core.between_steps(lambda: ran.append(1))
+        if installing.cancel():  # else the engine thread took it first: nothing to test this time
+            assert (await tokens_of(served, request("qv4")))[0] == references["qv4"]  # steps ran since
+            assert ran == []
+        assert (await running)[0] == peft_greedy(model_dir, adapters["qv4"], PROMPT, LONG)
+        loaded = await served.client.load_adapter("mlp8", str(adapters["mlp8"]))
+        assert loaded.name == "mlp8" and served.engine.is_healthy
+    finally:
+        await shutdown(served)
+
+
+async def test_work_for_between_steps_after_the_engine_stopped_fails_at_once(
+    llama: tuple[Path, dict[str, Path]],
+) -> None:
+    # A LoadAdapter whose file read ended after the engine stopped queued its install where no thread
+    # would run it, and waited for its deadline (forever without one).
+    model_dir, adapters = llama
+    served = await serve(model_dir, None, enable_lora=True, max_loras=2)
+    await shutdown(served)
+    late = served.engine.core.between_steps(lambda: None)
+    assert late.done() and "shutting down" in str(late.exception())

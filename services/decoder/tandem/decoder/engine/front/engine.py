@@ -418,7 +418,8 @@ class Engine:
         """Read the PEFT adapter in directory `path` and serve it as `name`; requests already running
         go on undisturbed. Raises FailedPrecondition (LoRA off), InvalidArgument (the name, or an
         adapter that does not fit: the file and field named), AlreadyExists, ResourceExhausted (every
-        slot taken). Nothing is loaded when it raises."""
+        slot taken). Nothing is loaded when it raises, nor when its caller leaves before the install
+        starts (the install is skipped); one that leaves later finds the adapter loaded."""
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
         reading = self._adapter_reader.submit(self._read_adapter, name, path)

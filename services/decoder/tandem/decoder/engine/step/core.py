@@ -128,6 +128,7 @@ class EngineCore:
         self._finish_all_reason: FinishReason | None = None  # set by finish_all, applied at the next step
         # Work for the engine thread between two steps (loading an adapter's weights into its slot).
         self._between_steps: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._failed: TandemError | None = None  # fail_all's error: nothing queued would ever run
         self._batch_key: tuple[str, ...] = ()
         self._batch: SamplingBatch | None = None
         self.num_steps = 0
@@ -177,10 +178,15 @@ class EngineCore:
         request.cache_salt = adapter.cache_salt
 
     def between_steps(self, fn: Callable[[], T]) -> Future[T]:
-        """Run `fn` on the engine thread before the next step, holding `lock` (any thread may ask)."""
+        """Run `fn` on the engine thread before the next step, holding `lock` (any thread may ask).
+        The caller may cancel the future until `fn` starts (its caller gave up): `fn` then never runs.
+        After `fail_all` the future fails at once, with its error."""
         future: Future[T] = Future()
         with self.lock:
-            self._between_steps.append((fn, future))
+            if self._failed is not None:
+                future.set_exception(self._failed)
+            else:
+                self._between_steps.append((fn, future))
         return future
 
     def run_between_steps(self) -> None:
@@ -191,6 +197,10 @@ class EngineCore:
     def _run_queued(self) -> None:
         work, self._between_steps = self._between_steps, []
         for fn, future in work:
+            # A cancelled future (a LoadAdapter whose caller left) would refuse its result with
+            # InvalidStateError, raised on the engine thread: its work is skipped instead.
+            if not future.set_running_or_notify_cancel():
+                continue
             try:
                 future.set_result(fn())
             except Exception as error:  # the caller's to report; the engine goes on
@@ -336,8 +346,10 @@ class EngineCore:
             for tracked in live:
                 self.scheduler.abort(tracked.request.request_id)
             work, self._between_steps = self._between_steps, []
+            self._failed = error
         for _, future in work:
-            future.set_exception(error)
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
         for tracked in live:
             tracked.on_event(Failed(tracked.output.request_id, error))
 
