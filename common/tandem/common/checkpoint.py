@@ -16,6 +16,13 @@ def read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
     if not path.is_file():
         raise error(f"{path.name} not found in {path.parent}")
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise error(f"{path} is not valid JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not UTF-8 text: {e}") from None
+    except RecursionError:  # json's C parser recurses once per level: 100,000 nested lists reach it
+        raise error(f"{path} nests too deeply to read") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value

@@ -7,6 +7,8 @@ instead of the NOT_FOUND the caller should see.
 
 from __future__ import annotations
 
+import unicodedata
+
 from tandem.client.errors import InvalidArgument, NotFound
 
 MAX_MODEL_NAME_BYTES = 256  # the longest `model` a request may carry
@@ -35,3 +37,9 @@ def check_adapter_name(name: str, field: str = "name") -> None:
     size = len(name.encode())
     if not 1 <= size <= MAX_MODEL_NAME_BYTES:
         raise InvalidArgument(field, f"must be 1 to {MAX_MODEL_NAME_BYTES} bytes, got {size}")
+    # Names are logged and stand for an OpenAI `model`: a control character would forge a log line,
+    # and "qv4 " beside "qv4" is two adapters nobody can tell apart.
+    if any(unicodedata.category(c) == "Cc" for c in name):
+        raise InvalidArgument(field, f"must not hold control characters, got {echo(name)}")
+    if name != name.strip():
+        raise InvalidArgument(field, f"must not begin or end with white space, got {echo(name)}")

@@ -3,7 +3,13 @@
 import pytest
 
 from tandem.client.errors import InvalidArgument, NotFound
-from tandem.common.model_name import MAX_ECHO_CHARS, MAX_MODEL_NAME_BYTES, check_model, echo
+from tandem.common.model_name import (
+    MAX_ECHO_CHARS,
+    MAX_MODEL_NAME_BYTES,
+    check_adapter_name,
+    check_model,
+    echo,
+)
 
 
 def test_empty_or_the_served_name_passes() -> None:
@@ -34,3 +40,16 @@ def test_a_name_over_the_bound_is_invalid_argument_naming_the_field() -> None:
 
 def test_echo_keeps_short_text_whole() -> None:
     assert echo("abc") == "'abc'"
+
+
+@pytest.mark.parametrize("name", ["qv4\nINFO forged line", "a\x00b", " ", "qv4 ", " qv4", "\tqv4"])
+def test_an_adapter_name_with_control_characters_or_outer_white_space_is_refused(name: str) -> None:
+    # Names are logged as they are and stand for an OpenAI model: "qv4 " beside "qv4" is a second
+    # adapter nobody can tell from the first.
+    with pytest.raises(InvalidArgument) as caught:
+        check_adapter_name(name, "name")
+    assert caught.value.field == "name"
+
+
+def test_an_adapter_name_may_hold_inner_spaces_and_any_letters() -> None:
+    check_adapter_name("my adapter/v2-é")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -110,3 +111,76 @@ def test_a_pickled_adapter_is_never_read(adapter_dir: Path, tiny_fp32: LoadedMod
         read_adapter(out, tiny_fp32.config, max_rank=16)
     with pytest.raises(AdapterError, match="adapter_config.json not found"):
         read_adapter(tmp_path, tiny_fp32.config, max_rank=16)
+
+
+def _config_file_holding(adapter_dir: Path, out: Path, content: bytes) -> Path:
+    copy_with(adapter_dir, out)
+    (out / "adapter_config.json").write_bytes(content)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"[]", "must hold a JSON object, got list"),
+        (b"null", "must hold a JSON object, got NoneType"),
+        (b'{"r": "\xff"}', "is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, "nests too deeply to read"),
+    ],
+)
+def test_a_config_file_that_is_no_json_object_is_refused_naming_it(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, content: bytes, says: str
+) -> None:
+    # Each was an AttributeError, UnicodeDecodeError or RecursionError: INTERNAL to a LoadAdapter call.
+    out = _config_file_holding(adapter_dir, tmp_path / "a", content)
+    with pytest.raises(AdapterError, match=says) as raised:
+        read_adapter(out, tiny_fp32.config, max_rank=16)
+    assert raised.value.field == "adapter_config.json"
+
+
+def test_values_that_overflow_once_cast_are_refused_before_any_slot_holds_them(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    # Finite in the file, Inf in float32 (or in a float16 model's slots): every request on the adapter
+    # sampled token 0 from NaN logits, and a scale over float32 failed on the engine thread mid-install.
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    wide = copy_with(adapter_dir, tmp_path / "wide", r=4, target_modules=["q_proj"])
+    save_file(
+        {
+            name.format("A"): torch.ones(4, 64),
+            name.format("B"): torch.full((64, 4), 1e300, dtype=torch.float64),
+        },
+        wide / "adapter_model.safetensors",
+    )
+    with pytest.raises(AdapterError, match="beyond float32's or the model's float32 range") as raised:
+        read_adapter(wide, tiny_fp32.config, max_rank=16)
+    assert raised.value.field == f"adapter_model.safetensors:{name.format('B')}"
+    half = copy_with(adapter_dir, tmp_path / "half", r=4, target_modules=["q_proj"])
+    save_file(
+        {name.format("A"): torch.ones(4, 64), name.format("B"): torch.full((64, 4), 1e30)},
+        half / "adapter_model.safetensors",
+    )
+    read_adapter(half, tiny_fp32.config, max_rank=16)  # float32 holds 1e30
+    fp16 = dataclasses.replace(tiny_fp32.config, dtype=torch.float16)
+    with pytest.raises(AdapterError, match="the model's float16 range"):
+        read_adapter(half, fp16, max_rank=16)
+    loud = copy_with(adapter_dir, tmp_path / "loud", lora_alpha=1e300)
+    with pytest.raises(AdapterError, match="over float32's range") as raised:
+        read_adapter(loud, tiny_fp32.config, max_rank=16)
+    assert raised.value.field == "adapter_config.json:lora_alpha"
+
+
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("", "must not be empty"),
+        ("/tmp/" + "d" * 300, "cannot be read: File name too long"),
+        ("/" + "d/" * 2100, "must be at most 4096 bytes, got 4201"),
+    ],
+)
+def test_a_path_that_names_no_readable_directory_is_refused_naming_path(
+    tiny_fp32: LoadedModel, path: str, says: str
+) -> None:
+    with pytest.raises(AdapterError, match=says) as raised:
+        read_adapter(path, tiny_fp32.config, max_rank=16)
+    assert raised.value.field == "path" and len(raised.value.description) < 200

@@ -27,6 +27,7 @@ from tandem.common.checkpoint import read_json
 from tandem.decoder.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: no longer path names a file
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # The checkpoint modules an adapter may target (models/lora.py: the fused projection each is part of).
@@ -74,17 +75,27 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
     """The adapter in directory `path`, checked against a base model of `config`. Raises AdapterError."""
+    if not str(path):
+        raise AdapterError("path", "must not be empty (it would name the server's working directory)")
+    if len(str(path).encode()) > MAX_PATH_BYTES:
+        raise AdapterError("path", f"must be at most {MAX_PATH_BYTES} bytes, got {len(str(path).encode())}")
     path = Path(path)
-    if not path.is_dir():
-        raise AdapterError("path", f"{path} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
-    settings = read_json(path / CONFIG_FILE, _ConfigFileError)
+    try:
+        if not path.is_dir():
+            raise AdapterError("path", f"{path} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+        settings = read_json(path / CONFIG_FILE, _ConfigFileError)
+    except OSError as error:  # a name over NAME_MAX, a directory that cannot be listed...
+        raise AdapterError("path", f"cannot be read: {error.strerror}") from None
     rank, scale = _check_config(settings, max_rank)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         pickle = (path / "adapter_model.bin").exists()
         hint = " (adapter_model.bin is a pickle, never read: save it as safetensors)" if pickle else ""
         raise AdapterError(WEIGHTS_FILE, f"not found in {path}{hint}")
-    weights = _read_weights(weights_path, config, rank)
+    try:
+        weights = _read_weights(weights_path, config, rank)
+    except OSError as error:
+        raise AdapterError(WEIGHTS_FILE, f"cannot be read: {error.strerror}") from None
     targets = tuple(t for t in TARGETS if any(module == t for _, module in weights))
     return LoraAdapter(rank=rank, scale=scale, targets=targets, weights=weights)
 
@@ -129,7 +140,10 @@ def _check_config(settings: dict[str, Any], max_rank: int) -> tuple[int, float]:
     if isinstance(targets, list) and (unknown := sorted(set(targets) - set(TARGETS))):
         raise refuse("target_modules", f"{unknown[0]!r} is not one of {', '.join(TARGETS)}")
     use_rslora = bool(settings.get("use_rslora", False))
-    return rank, float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+    scale = float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+    if not abs(scale) <= torch.finfo(torch.float32).max:  # the slots keep scales in float32
+        raise refuse("lora_alpha", f"{alpha!r} gives a scale (lora_alpha / r) over float32's range")
+    return rank, scale
 
 
 def _read_weights(
@@ -166,6 +180,13 @@ def _read_weights(
             tensor = handle.get_tensor(name)
             if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
                 raise AdapterError(f"{WEIGHTS_FILE}:{name}", "must hold finite floating-point values")
+            # Finite in the file's float64 may be Inf once in float32, or in the slots' dtype
+            # (float16 ends at 65504): every request on the adapter would then sample from NaN.
+            if not (torch.isfinite(tensor.float()).all() and torch.isfinite(tensor.to(config.dtype)).all()):
+                dtype = str(config.dtype).removeprefix("torch.")
+                raise AdapterError(
+                    f"{WEIGHTS_FILE}:{name}", f"holds values beyond float32's or the model's {dtype} range"
+                )
             halves.setdefault((layer, module), {})[half] = tensor.float()
     weights = {}
     for (layer, module), pair in sorted(halves.items()):

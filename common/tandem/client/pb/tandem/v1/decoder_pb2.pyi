@@ -1122,9 +1122,11 @@ class LoadAdapterRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """The name requests will use, 1-256 bytes, not taken by a loaded adapter."""
+    """The name requests will use, 1-256 bytes, not taken by a loaded adapter; no control characters,
+    no white space at either end.
+    """
     path: _builtins.str
-    """The adapter's directory, on the server's file system."""
+    """The adapter's directory, on the server's file system; 1-4096 bytes."""
     def __init__(
         self,
         *,
