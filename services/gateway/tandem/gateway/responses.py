@@ -104,6 +104,11 @@ class Completion:
     def object(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
 
+    def head(self, streamed: bool) -> dict[str, Any]:
+        """The fields every response and chunk of the request opens with."""
+        kind = "chat.completion.chunk" if streamed and self.kind == "chat" else self.object
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
     def add(self, delta: decoder_pb2.TokenDelta, with_logprobs: bool) -> None:
         self.text.append(delta.text)
         if with_logprobs:
@@ -147,14 +152,7 @@ class Completion:
             choice["text"] = text
             choice["logprobs"] = text_logprobs(logprobs, self._text_offset) if logprobs is not None else None
             self._text_offset += len(text)
-        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        return self.head(streamed=True) | {"choices": [choice]}
 
     def text_chunk(self, text: str) -> str:
         """`chunk` of a delta without logprobs, serialized: all of it but the text is the same for every
@@ -178,8 +176,7 @@ class Completion:
 
 def answer(completions: list[Completion], with_logprobs: bool) -> dict[str, Any]:
     """The non-streamed response of a request's choices (`completions`, in index order)."""
-    first = completions[0]
-    body = {"id": first.id, "object": first.object, "created": first.created, "model": first.model}
+    body = completions[0].head(streamed=False)
     body["choices"] = [c.choice(with_logprobs) for c in completions]
     if (counted := usage(completions)) is not None:
         body["usage"] = counted
@@ -188,16 +185,7 @@ def answer(completions: list[Completion], with_logprobs: bool) -> dict[str, Any]
 
 def usage_chunk(completions: list[Completion]) -> dict[str, Any]:
     """A stream's last chunk (stream_options.include_usage): the usage of every choice, no choices."""
-    first = completions[0]
-    kind = "chat.completion.chunk" if first.kind == "chat" else "text_completion"
-    return {
-        "id": first.id,
-        "object": kind,
-        "created": first.created,
-        "model": first.model,
-        "choices": [],
-        "usage": usage(completions),
-    }
+    return completions[0].head(streamed=True) | {"choices": [], "usage": usage(completions)}
 
 
 def text_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
