@@ -29,5 +29,5 @@ def test_the_users_own_device_and_device_count_are_kept() -> None:
 
 @pytest.mark.skipif(runtime.is_installed(), reason="torch_xla is installed here")
 def test_without_torch_xla_starting_says_what_to_install() -> None:
-    with pytest.raises(runtime.XlaUnavailable, match=r"make \.venv-xla"):
+    with pytest.raises(runtime.XlaUnavailable, match=r"make setup-xla"):
         runtime.start(1, {"PJRT_DEVICE": "CPU"})
