@@ -29,6 +29,7 @@ from typing import TypeVar
 
 import grpc
 import torch
+from google.protobuf import message_factory
 
 from tandem.client import telemetry as otel
 from tandem.client.errors import InvalidArgument, Unavailable
@@ -269,24 +270,18 @@ async def _on(executor: Executor, fn: Callable[..., T], *args: object) -> T:
 
 
 def _add_to_server(servicer: EncoderServicer, server: grpc.aio.Server) -> None:
-    """As `encoder_pb2_grpc.add_EncoderServicer_to_server`, but with Embed's own parser."""
-    handlers = {
-        "Embed": grpc.unary_unary_rpc_method_handler(
-            servicer.Embed,
-            request_deserializer=servicer.parse_embed,
-            response_serializer=encoder_pb2.EmbedResponse.SerializeToString,
-        ),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            servicer.Tokenize,
-            request_deserializer=encoder_pb2.EncoderTokenizeRequest.FromString,
-            response_serializer=encoder_pb2.EncoderTokenizeResponse.SerializeToString,
-        ),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo,
-            request_deserializer=encoder_pb2.EncoderGetModelInfoRequest.FromString,
-            response_serializer=encoder_pb2.EncoderGetModelInfoResponse.SerializeToString,
-        ),
-    }
+    """As `encoder_pb2_grpc.add_EncoderServicer_to_server`, but with Embed's own parser. The handlers
+    come from the service's descriptor, so an RPC added to encoder.proto is mounted here too."""
+    handlers = {}
+    for method in encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].methods:
+        assert not (method.client_streaming or method.server_streaming), f"{method.name} streams"
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=servicer.parse_embed if method.name == "Embed" else request.FromString,
+            response_serializer=response.SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
