@@ -142,6 +142,48 @@ def test_an_image_bound_no_message_could_carry_is_refused_at_start_up_naming_bot
         EncoderConfig(model_dir=MODEL, max_image_bytes=0)
 
 
+def test_messages_with_no_room_for_an_image_are_refused_at_start_up_for_a_checkpoint_that_takes_images(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The default bound, min(20 MiB, max_message_bytes - 64 KiB), was 0 here: every image was refused.
+    llava = tmp_path / "llava"
+    llava.mkdir()
+    (llava / "config.json").write_text('{"architectures": ["LlavaForConditionalGeneration"]}')
+    argv = ["--model", str(llava), "--port", "0", "--max-message-bytes", str(SMALL_FIELDS_BYTES)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --max-message-bytes (TANDEM_ENCODER_MAX_MESSAGE_BYTES) 65536 leaves no room "
+        "for an image (this checkpoint takes images, and an Embed request carries up to 65536 bytes of "
+        "other fields beside one): raise --max-message-bytes above 65536, to 21037056 for the default "
+        "--max-image-bytes of 20971520\n"
+    )
+    one_byte = EncoderConfig(model_dir=llava, server=ServerOptions(max_message_bytes=SMALL_FIELDS_BYTES + 1))
+    one_byte.check_room_for_images()
+    assert one_byte.image_bytes_limit == 1
+
+
+def test_a_text_checkpoint_keeps_messages_of_64_kib_or_less(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    # Past the start-up checks: the load itself fails (there are no weights), exit 1, not 2.
+    assert main(["--model", str(text), "--port", "0", "--max-message-bytes", "4096"]) == 1
+    assert "could not load the lookup embedder" in caplog.text
+
+
+def test_an_explicit_image_bound_with_messages_too_small_for_any_image_says_only_what_can_fit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--model", "/m", "--max-image-bytes", "1", "--max-message-bytes", "4096"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --max-image-bytes (TANDEM_ENCODER_MAX_IMAGE_BYTES) 1 cannot travel within "
+        "--max-message-bytes 4096 (an Embed request carries up to 65536 bytes of other fields): raise "
+        "--max-message-bytes to 65537\n"
+    )
+
+
 def test_an_unsupported_vision_language_checkpoint_is_one_line_naming_what_is_supported(
     tmp_path: Path,
 ) -> None:

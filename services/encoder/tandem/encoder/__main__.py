@@ -21,16 +21,19 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import click
 
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
+from tandem.common.checkpoint import read_json
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
 from tandem.common.server import RunningServer, check_port_free, start_server, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import resolve_model
+from tandem.common.vision_language import is_vision_language
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderLoadError
 from tandem.encoder.loader import load_embedder
@@ -76,6 +79,8 @@ def _start(**values: Any) -> int:
         except ValueError as error:  # ModelNotFound, GGUFImportError
             raise ConfigError("model_dir", f": {error}") from None
         config = dataclasses.replace(config, model_dir=model_dir)
+        if _takes_images(model_dir):
+            config.check_room_for_images()
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
     try:
@@ -86,6 +91,15 @@ def _start(**values: Any) -> int:
         log.error("could not load the %s embedder: %s", config.embedder, error)
         return 1
     return 0
+
+
+def _takes_images(model_dir: Path) -> bool:
+    """Whether the checkpoint is a vision-language one, from its config.json alone (a file that cannot
+    be read is the load's to report, in its own words)."""
+    try:
+        return is_vision_language(read_json(model_dir / "config.json", ValueError))
+    except (ValueError, OSError, LookupError, TypeError):  # unreadable, or `architectures` no list
+        return False
 
 
 async def serve(config: EncoderConfig) -> None:

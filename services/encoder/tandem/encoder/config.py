@@ -122,9 +122,31 @@ class EncoderConfig:
                 "max_image_bytes",
                 f"{self.max_image_bytes} cannot travel within --max-message-bytes {max_message_bytes} "
                 f"(an Embed request carries up to {SMALL_FIELDS_BYTES} bytes of other fields): raise "
-                f"--max-message-bytes to {self.max_image_bytes + SMALL_FIELDS_BYTES} or lower "
-                f"--max-image-bytes to {max(max_message_bytes - SMALL_FIELDS_BYTES, 0)}",
+                f"--max-message-bytes to {self.max_image_bytes + SMALL_FIELDS_BYTES}"
+                + (
+                    f" or lower --max-image-bytes to {max_message_bytes - SMALL_FIELDS_BYTES}"
+                    if max_message_bytes > SMALL_FIELDS_BYTES
+                    else ""
+                ),
             )
+
+    def check_room_for_images(self) -> None:
+        """For a checkpoint that takes images: a message has room for one beside the other fields.
+
+        Not checked when built, since only the checkpoint says whether images are served: a text
+        deployment may keep messages of 64 KiB or less, where the default bound would be 0 bytes and
+        every image refused as too large. Raises ConfigError naming both flags."""
+        if self.image_bytes_limit >= 1:
+            return
+        max_message_bytes = self.server.max_message_bytes
+        default_fits = SMALL_FIELDS_BYTES + DEFAULT_MAX_IMAGE_BYTES
+        raise ConfigError(
+            "max_message_bytes",
+            f"{max_message_bytes} leaves no room for an image (this checkpoint takes images, and an "
+            f"Embed request carries up to {SMALL_FIELDS_BYTES} bytes of other fields beside one): raise "
+            f"--max-message-bytes above {SMALL_FIELDS_BYTES}, to {default_fits} "
+            f"for the default --max-image-bytes of {DEFAULT_MAX_IMAGE_BYTES}",
+        )
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -141,7 +163,8 @@ class EncoderConfig:
     @property
     def image_bytes_limit(self) -> int:
         """The most bytes of one image: max_image_bytes, or its default within max_message_bytes (0
-        when the messages are too small to carry any image beside the other fields)."""
+        when the messages are too small to carry any image beside the other fields, which a checkpoint
+        that takes images refuses at start: `check_room_for_images`)."""
         if self.max_image_bytes is not None:
             return self.max_image_bytes
         return max(0, min(DEFAULT_MAX_IMAGE_BYTES, self.server.max_message_bytes - SMALL_FIELDS_BYTES))
