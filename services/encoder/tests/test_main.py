@@ -1,19 +1,24 @@
 """`python -m tandem.encoder` stopping: within --grace-s (plus the worker's step in hand), whatever
-its batches hold, every caller answered and nothing logged as an error."""
+its batches hold, every caller answered and nothing logged as an error; and at once while the embedder
+still loads."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
@@ -103,4 +108,66 @@ async def test_sigterm_during_a_long_image_batch_ends_every_call_and_the_process
         code is grpc.StatusCode.UNAVAILABLE for code, _, _ in outcomes
     )  # the batch outlasted the grace
     assert f"grace period over: {NUM_CALLS} calls in flight end UNAVAILABLE" in log, log
+    assert " ERROR " not in log and "Traceback" not in log, log
+
+
+# A signal while the embedder loads: the process used to wait for the load to end (the worker thread
+# cannot be interrupted, and the interpreter's exit joins it). Now it exits within this, with no
+# calls to wait for: 0.03-0.06 s measured on 2 busy cores, where it exited 7.8-9.3 s after the signal.
+MAX_EXIT_WHILE_LOADING_S = 2.0
+
+
+def _slow_checkpoint(tiny_model: Path, out_dir: Path) -> Path:
+    """The tiny model's tokenizer over a float32 token table of 128 Mi elements (512 MiB), written as
+    a sparse file: made at once, it takes seconds to load under --quantization int8 (read, cast to
+    bfloat16, rounded per row) on one thread."""
+    vocab_size, hidden_size = 65536, 2048
+    out_dir.mkdir()
+    shutil.copy(tiny_model / "tokenizer.json", out_dir / "tokenizer.json")
+    config = json.loads((tiny_model / "config.json").read_text())
+    config.update(vocab_size=vocab_size, hidden_size=hidden_size)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    num_bytes = vocab_size * hidden_size * 4
+    entry = {"dtype": "F32", "shape": [vocab_size, hidden_size], "data_offsets": [0, num_bytes]}
+    header = json.dumps({"model.embed_tokens.weight": entry}).encode()
+    header += b" " * (-len(header) % 8)
+    with (out_dir / "model.safetensors").open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + num_bytes)
+    return out_dir
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_embedder_loads_ends_the_process_at_once(
+    tiny_model: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
+    model_dir = _slow_checkpoint(tiny_model, tmp_path / "slow")
+    command = [
+        *(sys.executable, "-m", "tandem.encoder", "--model", str(model_dir), "--quantization", "int8"),
+        *("--port", str(_free_port()), "--grace-s", "30"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_ENCODER_")}
+    env["OMP_NUM_THREADS"] = "1"
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list[str] = []
+    try:
+        assert process.stdout is not None
+        while not lines or "loading the lookup embedder" not in lines[-1]:
+            line = process.stdout.readline().decode(errors="replace")
+            assert line, f"the encoder exited before it loaded: {''.join(lines)}"
+            lines.append(line)
+        time.sleep(0.5)  # well into the load
+        signalled = time.monotonic()
+        process.send_signal(sig)
+        output, _ = process.communicate(timeout=60)
+        exited_after_s = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    log = "".join(lines) + output.decode(errors="replace")
+    assert exited_after_s < MAX_EXIT_WHILE_LOADING_S, (exited_after_s, log)
+    assert process.returncode == 0, log
+    assert "stopping before the embedder finished loading" in log, log
+    assert log.rstrip().endswith("stopped"), log
     assert " ERROR " not in log and "Traceback" not in log, log

@@ -11,7 +11,8 @@ Stopping (SIGTERM or SIGINT): health NOT_SERVING, no new calls, and calls in fli
 finish. Any still queued or in a batch then end UNAVAILABLE ("the encoder is shutting down"), and the
 batch on the worker thread skips the images it has not prepared, so the process exits within the
 grace period plus the step the worker is in (one image's decoding and preprocessing, or one tower
-pass), not after every batch in flight has run.
+pass), not after every batch in flight has run. A signal while the embedder still loads ends the
+process at once (exit 0), the load abandoned rather than waited for.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import asyncio
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -84,13 +86,26 @@ def _start(**values: Any) -> int:
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
     try:
-        asyncio.run(serve(config))
+        loaded = asyncio.run(serve(config))
     except ConfigError as error:  # the port, taken since it was checked
         raise flag_error(ctx.command, error) from None
     except (EmbedderLoadError, OSError) as error:
         log.error("could not load the %s embedder: %s", config.embedder, error)
         return 1
+    if not loaded:
+        _exit_leaving_the_load()
     return 0
+
+
+def _exit_leaving_the_load() -> NoReturn:
+    """Exit 0 now, with the embedder still loading. Its thread cannot be interrupted (it is inside
+    safetensors, torch or a tokenizer) and the interpreter's exit would join it, so a signal during a
+    load of minutes would take minutes to act on. Everything else is closed by now: the server, the
+    shared-memory pool, the telemetry."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _takes_images(model_dir: Path) -> bool:
@@ -102,8 +117,11 @@ def _takes_images(model_dir: Path) -> bool:
         return False
 
 
-async def serve(config: EncoderConfig) -> None:
-    """Listen, load the embedder off the loop, serve until a signal, then drain and stop."""
+async def serve(config: EncoderConfig) -> bool:
+    """Listen, load the embedder off the loop, serve until a signal, then drain and stop.
+
+    False when a signal came before the embedder had loaded: all is closed but the thread loading it,
+    which is left to finish (or to the process's end) rather than waited for."""
     telemetry = setup_telemetry("tandem-encoder", os.environ)  # OTEL_*; off when nothing is configured
     servicer = EncoderServicer(config, telemetry=telemetry)
     interceptors = (*config.server.interceptors, *telemetry.server_interceptors())
@@ -129,13 +147,15 @@ async def serve(config: EncoderConfig) -> None:
         else:
             log.info("stopping before the embedder finished loading")
     finally:
+        loaded = loading.done()
         loading.cancel()
         stopping.cancel()
         await drain(running, servicer, config.server.grace_s)
-        servicer.close()
+        servicer.close(wait=loaded)
         thaw_startup_heap()
         telemetry.shutdown()  # flushes spans and metrics still buffered
         log.info("stopped")
+    return loaded
 
 
 async def drain(running: RunningServer, servicer: EncoderServicer, grace_s: float) -> None:

@@ -115,10 +115,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 _no_wait,
             )
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Ends the calls left and stops the worker threads; `wait` False leaves a step still running
+        (an embedder's load, which nothing can interrupt) to end with the process."""
         self.end_calls()
-        self._text_executor.shutdown(wait=True)
-        self._executor.shutdown(wait=True)
+        self._text_executor.shutdown(wait=wait)
+        self._executor.shutdown(wait=wait)
         if self.segments is not None:
             self.segments.close()
 
