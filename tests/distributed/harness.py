@@ -14,6 +14,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,3 +66,15 @@ def _rank_main(fn: RankFn, info: RankInfo, args: tuple, results: multiprocessing
     results.close()
     results.join_thread()  # the result is in the pipe; the interpreter's slow teardown is not needed
     os._exit(0)
+
+
+@dataclass(frozen=True)
+class FakeRank:
+    """One rank as the model's slicing reads it (the rank, also as a tensor); no process group behind it."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def rank_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.rank)

@@ -5,6 +5,8 @@ Kept apart from the test modules so spawned ranks import only this (no pytest, n
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -181,5 +183,68 @@ def rank_engine_outputs(tp: ParallelContext, model_dir: Path):
     engine = Engine(config, tp=tp).start()
     try:
         return engine_outputs(engine)
+    finally:
+        engine.shutdown()
+
+
+def greedy_tokens(engine: Engine, specs: dict[str, GenerateSpec]) -> dict[str, list[int]]:
+    """Each spec's tokens, all in flight together; a failed request fails the caller."""
+    events: dict[str, list] = {name: [] for name in specs}
+    done = threading.Semaphore(0)
+    for name, spec in specs.items():
+
+        def sink(event, name=name) -> None:
+            events[name].append(event)
+            if isinstance(event, Finished | Failed):
+                done.release()
+
+        engine.submit(spec, sink)
+    for _ in specs:
+        assert done.acquire(timeout=60)
+    failed = [e for evs in events.values() for e in evs if isinstance(e, Failed)]
+    assert not failed, failed
+    return {
+        name: [t for e in evs if isinstance(e, Delta) for t in e.token_ids] for name, evs in events.items()
+    }
+
+
+def rank_lora_tokens(
+    tp: ParallelContext, model_dir: Path, adapters: dict[str, Path], prompt: list[int], num_tokens: int
+):
+    """Rank 0: the base model's and every adapter's greedy tokens, all in one running batch, twice: the
+    first adapter loaded at start (--lora), the second and third by LoadAdapter while the engine runs;
+    then the second unloaded and the last loaded into its slot. The other ranks run their worker loop."""
+    names = list(adapters)
+    config = dataclasses.replace(
+        engine_config(model_dir),
+        enable_lora=True,
+        loras=((names[0], adapters[names[0]]),),
+        max_loras=len(names) - 1,
+        max_lora_rank=16,
+    )
+    if tp.rank != 0:
+        run_steps(tp, config)
+        return None
+    engine = Engine(config, tp=tp).start()
+
+    def run(served: list[str]) -> dict[str, list[int]]:
+        spec = GenerateSpec(
+            prompt=[prompt],
+            sampling=SamplingParams(temperature=0.0),
+            stopping=StoppingParams(max_new_tokens=num_tokens, ignore_eos=True),
+            output=OutputOptions(include_text=False),
+        )
+        return greedy_tokens(
+            engine, {name: dataclasses.replace(spec, adapter=name) for name in ["", *served]}
+        )
+
+    try:
+        for name in names[1:-1]:
+            asyncio.run(engine.load_adapter(name, str(adapters[name])))
+        first = run(names[:-1])
+        engine.unload_adapter(names[1])
+        asyncio.run(engine.load_adapter(names[-1], str(adapters[names[-1]])))  # into the freed slot
+        slots = {adapter.name: adapter.slot for adapter in engine.core.adapters.adapters}
+        return first, run([names[0], *names[2:]]), slots
     finally:
         engine.shutdown()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,7 @@ from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.tensor_parallel import local_rows
 
-
-@dataclass(frozen=True)
-class FakeRank:
-    """What the slicing reads (the rank, also as a tensor); no process group behind it."""
-
-    rank: int
-    world_size: int
-
-    @property
-    def rank_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.rank)
+from .harness import FakeRank
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

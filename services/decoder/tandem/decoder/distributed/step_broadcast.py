@@ -2,12 +2,17 @@
 
 NOTE: the message. Every message starts with an int32 header of HEADER_LEN fields (`kind` first).
 A STEP is followed by one int32 payload holding, in order: input_ids [T], positions [T],
-slot_mapping [T], query_lens [S], seq_lens [S], block_tables [S * W], logits_indices [L] and the
-batch offsets of embedding positions [E]; then, if E > 0, the embedding rows [E, hidden] as raw
-tensor bytes in the model dtype. Workers rebuild exactly the batch rank 0 runs (the flags are True
+slot_mapping [T], query_lens [S], seq_lens [S], block_tables [S * W], logits_indices [L], the
+batch offsets of embedding positions [E] and, when a row of the step uses a LoRA adapter, each
+row's slot [T] (-1: the base model); then, if E > 0, the embedding rows [E, hidden] as raw tensor
+bytes in the model dtype. Workers rebuild exactly the batch rank 0 runs (the flags are True
 everywhere but at the E offsets, the other rows of inputs_embeds are zeros), so every rank executes
-the same forward. KEEPALIVE messages flow while rank 0 is idle, so a worker's receive never waits
-longer than the group timeout unless rank 0 is gone; STOP ends the worker loop.
+the same forward. An ADAPTER message (between steps, before any step names its slot) carries a
+loaded adapter whole: an int32 payload of (layer, module) pairs in TARGETS' numbering [2P], then
+one float32 payload of its scale and every pair's A [rank, in] and B [out, rank] in that order;
+each worker writes its own shard into the slot (models/lora.py). KEEPALIVE messages flow while
+rank 0 is idle, so a worker's receive never waits longer than the group timeout unless rank 0 is
+gone; STOP ends the worker loop.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 from tandem.decoder.engine.step.batch import StepBatch
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.forward_batch import ForwardBatch
+from tandem.decoder.models.lora import LoraStep, LoraTable
+from tandem.decoder.models.peft_adapter import TARGETS, LoraAdapter, module_shapes
 
 
 class ControlChannel(Protocol):
@@ -33,11 +40,12 @@ class Kind(enum.IntEnum):
     STEP = 1
     KEEPALIVE = 2
     STOP = 3
+    ADAPTER = 4
 
 
-# kind, num_tokens, num_seqs, table_width, num_logits_indices, num_embed_rows, has_inputs_embeds,
-# num_logits
-HEADER_LEN = 8
+# STEP: kind, num_tokens, num_seqs, table_width, num_logits_indices, num_embed_rows, has_inputs_embeds,
+# num_logits, has_lora_slots. ADAPTER: kind, slot, rank, num_pairs.
+HEADER_LEN = 9
 
 
 class StepSender:
@@ -55,6 +63,7 @@ class StepSender:
         if batch.is_token_ids is not None:
             is_embedding = ~batch.is_token_ids
         embed_offsets = is_embedding.nonzero().flatten()  # [E]
+        lora_slots = None if batch.lora is None else batch.lora.slots  # int64 [T], or None: no adapter
         self._header(
             Kind.STEP,
             num_tokens,
@@ -64,23 +73,37 @@ class StepSender:
             embed_offsets.shape[0],
             int(batch.inputs_embeds is not None),
             step.num_logits,
+            int(lora_slots is not None),
         )
-        payload = torch.cat(
-            [
-                batch.input_ids.int(),
-                batch.positions.int(),
-                attn.slot_mapping.int(),
-                torch.tensor(attn.query_lens, dtype=torch.int32, device=batch.input_ids.device),
-                attn.seq_lens_t.int(),
-                attn.block_tables.int().flatten(),
-                attn.logits_indices.int(),
-                embed_offsets.int(),
-            ]
-        ).cpu()  # int32 [3T + 2S + S*W + L + E]
+        parts = [
+            batch.input_ids.int(),
+            batch.positions.int(),
+            attn.slot_mapping.int(),
+            torch.tensor(attn.query_lens, dtype=torch.int32, device=batch.input_ids.device),
+            attn.seq_lens_t.int(),
+            attn.block_tables.int().flatten(),
+            attn.logits_indices.int(),
+            embed_offsets.int(),
+        ]
+        if lora_slots is not None:
+            parts.append(lora_slots.int())
+        payload = torch.cat(parts).cpu()  # int32 [3T + 2S + S*W + L + E (+ T)]
         self.control.broadcast(payload)
         if embed_offsets.shape[0]:
             assert batch.inputs_embeds is not None
             self.control.broadcast(batch.inputs_embeds.index_select(0, embed_offsets).cpu().contiguous())
+
+    def install_adapter(self, slot: int, adapter: LoraAdapter) -> None:
+        """Every worker writes its shard of `adapter` into `slot` (between steps, as rank 0 does)."""
+        pairs = sorted(adapter.weights, key=lambda pair: (pair[0], TARGETS.index(pair[1])))
+        self._header(Kind.ADAPTER, slot, adapter.rank, len(pairs))
+        keys = [value for layer, module in pairs for value in (layer, TARGETS.index(module))]
+        self.control.broadcast(torch.tensor(keys, dtype=torch.int32))  # [2P]
+        values = [torch.tensor([adapter.scale], dtype=torch.float32)]
+        for pair in pairs:
+            a, b = adapter.weights[pair]
+            values += [a.float().flatten(), b.float().flatten()]
+        self.control.broadcast(torch.cat(values))  # float32 [1 + sum of A's and B's sizes]
 
     def keepalive(self) -> None:
         self._header(Kind.KEEPALIVE)
@@ -96,23 +119,30 @@ class StepSender:
 
 
 def receive_step(
-    control: ControlChannel, hidden_size: int, dtype: torch.dtype, device: torch.device
+    control: ControlChannel,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    lora: LoraTable | None = None,  # this rank's LoRA slots (its shard); None: LoRA is off
 ) -> StepBatch | None:
-    """A worker's side: the next step's batch, or None when rank 0 says STOP (keepalives skipped)."""
+    """A worker's side: the next step's batch, or None when rank 0 says STOP (keepalives skipped,
+    adapters written into `lora` as they come)."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int32)
     while True:
-        kind, num_tokens, num_seqs, width, num_indices, num_embeds, has_embeds, num_logits = (
-            control.broadcast(header).tolist()
-        )
+        kind, *fields = control.broadcast(header).tolist()
         if kind == Kind.STOP:
             return None
+        if kind == Kind.ADAPTER:
+            _receive_adapter(control, lora, *fields[:3])
         if kind == Kind.STEP:
             break
+    num_tokens, num_seqs, width, num_indices, num_embeds, has_embeds, num_logits, has_lora_slots = fields
     t, s = num_tokens, num_seqs
-    payload = torch.empty(3 * t + 2 * s + s * width + num_indices + num_embeds, dtype=torch.int32)
+    num_slots = t if has_lora_slots else 0
+    payload = torch.empty(3 * t + 2 * s + s * width + num_indices + num_embeds + num_slots, dtype=torch.int32)
     control.broadcast(payload)
-    input_ids, positions, slots, query_lens, seq_lens, tables, logits_indices, offsets = payload.split(
-        [t, t, t, s, s, s * width, num_indices, num_embeds]
+    input_ids, positions, slots, query_lens, seq_lens, tables, logits_indices, offsets, lora_slots = (
+        payload.split([t, t, t, s, s, s * width, num_indices, num_embeds, num_slots])
     )
     inputs_embeds = is_token_ids = None
     if has_embeds:
@@ -136,5 +166,28 @@ def receive_step(
         attn=attn,
         inputs_embeds=None if inputs_embeds is None else inputs_embeds.to(device),
         is_token_ids=None if is_token_ids is None else is_token_ids.to(device),
+        # As rank 0's: a step on the table whenever LoRA is on, its slots only when a row is adapted.
+        lora=None if lora is None else LoraStep(lora, lora_slots.long() if has_lora_slots else None),
     )
     return StepBatch(inputs, num_logits=num_logits)
+
+
+def _receive_adapter(
+    control: ControlChannel, lora: LoraTable | None, slot: int, rank: int, num_pairs: int
+) -> None:
+    """Receives an ADAPTER message's payloads and writes this rank's shard of it into `slot`."""
+    keys = control.broadcast(torch.empty(2 * num_pairs, dtype=torch.int32)).view(num_pairs, 2).tolist()
+    if lora is None:
+        raise RuntimeError("rank 0 sent a LoRA adapter to a rank whose LoRA is off")
+    shapes = module_shapes(lora.config)
+    pairs = [(layer, TARGETS[module]) for layer, module in keys]
+    sizes = [n for _, module in pairs for n in (rank * shapes[module][1], shapes[module][0] * rank)]
+    values = control.broadcast(torch.empty(1 + sum(sizes), dtype=torch.float32))
+    scale, *tensors = values.split([1, *sizes])
+    weights = {}
+    for i, (layer, module) in enumerate(pairs):
+        out_features, in_features = shapes[module]
+        a, b = tensors[2 * i].view(rank, in_features), tensors[2 * i + 1].view(out_features, rank)
+        weights[(layer, module)] = (a, b)
+    targets = tuple(t for t in TARGETS if any(module == t for _, module in pairs))
+    lora.write(slot, LoraAdapter(rank=rank, scale=scale.item(), targets=targets, weights=weights))

@@ -36,6 +36,7 @@ from tandem.decoder.distributed.step_broadcast import receive_step
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sizing import num_kv_blocks
 from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.lora import LoraTable
 
 log = logging.getLogger("tandem.decoder")
 
@@ -123,19 +124,27 @@ def run_worker(info: RankInfo, config: DecoderConfig) -> int:
 def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
     """Loads this rank's shard and runs every batch rank 0 sends until STOP; raises on a failure."""
     loaded = load_model(config.model_dir, config.dtype, config.device, tp)
+    model_config = loaded.config
+    # This rank's shard of every LoRA slot, empty until rank 0 sends an adapter (step_broadcast.py).
+    lora = (
+        LoraTable(model_config, config.max_loras, config.max_lora_rank, loaded.model.device, tp)
+        if config.enable_lora
+        else None
+    )
     backend = backends.resolve(config.device)
     executor = backends.prepare_model(
-        loaded.model, backend, config.compile, config.native_kernels, config.kernel_options
+        loaded.model, backend, config.compile, config.native_kernels, config.kernel_options, lora
     )
-    model_config = loaded.config
     num_blocks = num_kv_blocks(config, model_config, tp.world_size)
-    runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor)
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor, lora=lora)
     freeze_startup_heap()  # a full collection here would stall every rank's step (they wait for each other)
     log.info("rank %d of %d ready", tp.rank, tp.world_size)
     try:
         with torch.inference_mode():
             while (
-                batch := receive_step(tp.control, model_config.hidden_size, model_config.dtype, runner.device)
+                batch := receive_step(
+                    tp.control, model_config.hidden_size, model_config.dtype, runner.device, lora
+                )
             ) is not None:
                 runner.forward(batch)
     finally:

@@ -29,6 +29,7 @@ import torch
 
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.peft_adapter import LoraAdapter, module_shapes
+from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
 
 # Each projection of the model and the checkpoint modules it fuses, in output order.
 PARTS = {
@@ -37,6 +38,7 @@ PARTS = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+ROW_PARALLEL = ("o_proj", "down_proj")  # input features sharded over the ranks; the rest: outputs
 _ROWS_PER_CHUNK = 64  # add_delta gathers weights for this many rows at a time
 
 
@@ -44,14 +46,23 @@ class ProjectionLora:
     """One layer's projection: its slots' stacked weights (see the NOTE on the layout)."""
 
     def __init__(
-        self, config: ModelConfig, name: str, max_loras: int, max_rank: int, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        name: str,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        tp: ParallelGroup | None = None,  # this rank's shard (see the NOTE); None: the whole projection
     ) -> None:
         shapes = module_shapes(config)
+        world_size = world_size_of(tp)
         self.parts = PARTS[name]
-        self.in_features = shapes[self.parts[0]][1]
+        self.rank = 0 if tp is None else tp.rank
+        self.row_parallel = name in ROW_PARALLEL
+        self.in_features = shapes[self.parts[0]][1] // (world_size if self.row_parallel else 1)
         ends, end = [], 0
         for part in self.parts:
-            end += shapes[part][0]
+            end += shapes[part][0] // (1 if self.row_parallel else world_size)
             ends.append(end)
         self.part_ends = tuple(ends)  # each part's last output column + 1
         self.out_features = end
@@ -70,7 +81,11 @@ class ProjectionLora:
             pair = adapter.weights.get((layer, part))
             end = self.part_ends[p]
             if pair is not None:
-                a, b = pair  # [rank, in_features], [part's out_features, rank]
+                a, b = pair  # the whole checkpoint module's: [rank, in_features], [out_features, rank]
+                if self.row_parallel:  # this rank's input columns of A
+                    a = a[:, self.rank * self.in_features : (self.rank + 1) * self.in_features]
+                else:  # this rank's output rows of the part's B
+                    b = b[self.rank * (end - start) : (self.rank + 1) * (end - start)]
                 rows = p * self.max_rank
                 self.a[slot, rows : rows + adapter.rank] = a
                 self.bt[slot, : adapter.rank, start:end] = b.t()
@@ -110,14 +125,22 @@ class ProjectionLora:
 class LoraTable:
     """`max_loras` slots of rank up to `max_rank` for every projection of every layer."""
 
-    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        tp: ParallelGroup | None = None,  # the rank whose shard the slots hold; None: one rank
+    ) -> None:
         if device.type != "cpu":
             raise ValueError(f"LoRA slots live on the CPU, not {device}")
+        self.config = config  # the whole model's, as an adapter's checkpoint modules are
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.scales = torch.zeros(max_loras, dtype=torch.float32)  # [max_loras]
         self.layers = [
-            {name: ProjectionLora(config, name, max_loras, max_rank, config.dtype) for name in PARTS}
+            {name: ProjectionLora(config, name, max_loras, max_rank, config.dtype, tp) for name in PARTS}
             for _ in range(config.num_layers)
         ]
 

@@ -94,7 +94,7 @@ class Engine:
         if config.enable_lora:
             model = self.loaded.model
             self.lora = self._thread.run(
-                LoraTable, model.config, config.max_loras, config.max_lora_rank, model.device
+                LoraTable, model.config, config.max_loras, config.max_lora_rank, model.device, tp
             )
         # A caller's model runs as given (tests compare against it); one this engine loaded runs on the
         # backend's executor, its kernels chosen for this machine.
@@ -129,6 +129,8 @@ class Engine:
         self.prompt_logprob_budget = PromptLogprobBudget(self.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
+        # Rank 0 of several: the other ranks' feed, which runs every step and adapter install there too.
+        self._peers = None if tp is None else tp.step_sender()
         self.core = self._build_core(tp, backend)
         # Adapters are read (files, checks) here, off the engine thread; their slots are written on it.
         self._adapter_reader = concurrent.futures.ThreadPoolExecutor(
@@ -224,7 +226,7 @@ class Engine:
                 self.num_blocks,
                 config.block_size,
                 static,
-                None if tp is None else tp.step_sender(),
+                self._peers,
                 backend if config.compile else None,
                 invariant,
                 self.executor,
@@ -442,6 +444,8 @@ class Engine:
         slot = slots.free_slot()
         start = time.perf_counter()
         self.lora.write(slot, adapter)
+        if self._peers is not None:  # every rank writes its shard before a step can name the slot
+            self._peers.install_adapter(slot, adapter)
         loaded = slots.add(name, str(path), adapter.rank, adapter.targets, slot)
         log.info(
             "adapter %s (rank %d, %s) in slot %d: %.1f ms to write",

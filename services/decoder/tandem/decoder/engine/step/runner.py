@@ -39,6 +39,7 @@ from tandem.decoder.engine.step.static_shapes import (
     warmup_shapes,
 )
 from tandem.decoder.models.lora import LoraTable
+from tandem.decoder.models.peft_adapter import LoraAdapter
 from tandem.decoder.models.tensor_parallel import world_size_of
 from tandem.decoder.models.transformer import DecoderModel
 
@@ -65,6 +66,9 @@ class StepFeed(Protocol):
     """Where rank 0 sends each batch before running it (the other ranks run the same one)."""
 
     def send(self, batch: StepBatch) -> None: ...
+
+    # Between steps: every rank writes its shard of `adapter` into LoRA slot `slot`.
+    def install_adapter(self, slot: int, adapter: LoraAdapter) -> None: ...
 
     def keepalive(self) -> None: ...
 
