@@ -2,13 +2,19 @@
 from the request alone, so a test can tell which prompt and which seed each answer came from, and
 keeping count of the streams it holds open and of those the gateway cancelled.
 
-Its answer to a prompt P (the text of its segments, token IDs as `ids:1,2`, or a chat's last
-message) with seed S: the deltas `<P>` then ` seed=S` (`seed=none` unseeded), then ` x` up to
-max_tokens (2 unless set), finished LENGTH with P's characters as prompt tokens. A prompt holding
+Its answer to a prompt P (the text of its segments, token IDs as `ids:1,2`, or a chat's messages, a
+picture's rows as `[image <their first 4 bytes in hex>]`) with seed S: the deltas `<P>` then
+` seed=S` (`seed=none` unseeded), then ` x` up to max_tokens (2 unless set), finished LENGTH with
+P's characters as prompt tokens. A prompt holding
 `refuse` is refused as too long (field `prompt`), an ID over 999 as out of the vocabulary (field
 `prompt[0].token_ids.ids[k]`), a max_new_tokens over 50 as over the context (`stopping.max_new_tokens`);
 one holding `hang` streams ` .` until cancelled; `break` fails after its deltas; `drain` ends ABORTED;
 `after2` waits until two other streams are open (so that its neighbours are accepted before it is refused).
+
+Started with an encoder (`fake_decoder(encoder_address)`), it is a decoder started with `--encoder`:
+it takes `encoder` parts and, as the real one does (`tandem.decoder.api.encoder_parts`), fetches their
+rows from that encoder before it accepts the call, every part of a call at once, each looked up first
+among the rows it fetched before (its `--encoder-cache-bytes`), which a fetch fills once it returns.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem.client.errors import InvalidArgument
-from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tandem.client.status import end_with
 
 MODEL = "fake-model"
@@ -30,13 +36,23 @@ VOCAB = 1000
 MAX_NEW_TOKENS = 50
 
 
-def prompt_text(request: decoder_pb2.GenerateRequest) -> str:
+def prompt_text(request: decoder_pb2.GenerateRequest, fetched: dict[bytes, bytes] | None = None) -> str:
+    """The prompt as the fake reads it; `fetched`: the rows of the call's encoder parts, by picture."""
     if request.HasField("chat"):
-        return "".join(part.text for part in request.chat.messages[-1].content)
+        return "".join(_part_text(part, fetched or {}) for m in request.chat.messages for part in m.content)
     return "".join(
         s.text if s.WhichOneof("segment") == "text" else "ids:" + ",".join(map(str, s.token_ids.ids))
         for s in request.prompt
     )
+
+
+def _part_text(part: decoder_pb2.ChatContentPart, fetched: dict[bytes, bytes]) -> str:
+    kind = part.WhichOneof("part")
+    if kind == "image":
+        return f"[image {part.image.data[:4].hex()}]"
+    if kind == "encoder":
+        return f"[image {fetched[part.encoder.image.data][:4].hex()}]"
+    return part.text
 
 
 @dataclass
@@ -44,19 +60,28 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
     requests: list[decoder_pb2.GenerateRequest] = field(default_factory=list)  # every Generate, in order
     cancelled: list[str] = field(default_factory=list)  # request IDs of streams cancelled by the caller
     num_open: int = 0  # streams accepted and not yet ended
+    # What happened, in order: ("arrived", request_id) as a call comes, ("accepted", request_id) as its
+    # first event goes out.
+    log: list[tuple[str, str]] = field(default_factory=list)
+    encoder: encoder_pb2_grpc.EncoderStub | None = None  # None: `encoder` parts are not accepted
+    cached_rows: dict[bytes, bytes] = field(default_factory=dict)  # fetched rows, by picture
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.DecoderGetModelInfoResponse:
         return decoder_pb2.DecoderGetModelInfoResponse(
-            model=MODEL, max_context_tokens=CONTEXT, vocab_size=VOCAB
+            model=MODEL,
+            max_context_tokens=CONTEXT,
+            vocab_size=VOCAB,
+            accepts_encoder_parts=self.encoder is not None,
         )
 
     async def Generate(
         self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
         self.requests.append(request)
-        prompt = prompt_text(request)
+        self.log.append(("arrived", request.request_id))
+        prompt = prompt_text(request, await self._fetch_rows(request))
         if "after2" in prompt:
             async with asyncio.timeout(5):
                 while self.num_open < 2:
@@ -66,6 +91,7 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             return
         self.num_open += 1
         try:
+            self.log.append(("accepted", request.request_id))
             yield decoder_pb2.GenerateResponse(
                 request_id=request.request_id, accepted=decoder_pb2.PromptAccepted(prompt_tokens=len(prompt))
             )
@@ -91,6 +117,26 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             raise
         finally:
             self.num_open -= 1
+
+    async def _fetch_rows(self, request: decoder_pb2.GenerateRequest) -> dict[bytes, bytes]:
+        """The rows of the call's encoder parts (pictures), by picture: cached, or fetched at once."""
+        pictures = [
+            part.encoder.image.data
+            for message in request.chat.messages
+            for part in message.content
+            if part.WhichOneof("part") == "encoder"
+        ]
+        if pictures and self.encoder is None:
+            raise AssertionError("an encoder part sent to a decoder without an encoder")
+
+        async def rows(picture: bytes) -> bytes:
+            if picture not in self.cached_rows:
+                assert self.encoder is not None
+                embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=picture))
+                self.cached_rows[picture] = (await self.encoder.Embed(embed)).embeddings.data
+            return self.cached_rows[picture]
+
+        return dict(zip(pictures, await asyncio.gather(*(rows(p) for p in pictures)), strict=True))
 
     async def wait_until_none_open(self, timeout_s: float = 5.0) -> None:
         """Until every accepted stream has ended (a cancellation reaches the server a moment later)."""
@@ -125,14 +171,19 @@ def _delta(request: decoder_pb2.GenerateRequest, text: str, k: int) -> decoder_p
 
 
 @contextlib.asynccontextmanager
-async def fake_decoder() -> AsyncIterator[tuple[FakeDecoder, str]]:
-    """The fake serving on a free loopback port: itself and its address; stopped afterwards."""
-    decoder = FakeDecoder()
-    server = grpc.aio.server()
-    decoder_pb2_grpc.add_DecoderServicer_to_server(decoder, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield decoder, f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
+async def fake_decoder(encoder_address: str | None = None) -> AsyncIterator[tuple[FakeDecoder, str]]:
+    """The fake serving on a free loopback port: itself and its address; stopped afterwards. With
+    `encoder_address`, it fetches the rows of encoder parts from that encoder."""
+    async with contextlib.AsyncExitStack() as stack:
+        decoder = FakeDecoder()
+        if encoder_address is not None:
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(encoder_address))
+            decoder.encoder = encoder_pb2_grpc.EncoderStub(channel)
+        server = grpc.aio.server()
+        decoder_pb2_grpc.add_DecoderServicer_to_server(decoder, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            yield decoder, f"127.0.0.1:{port}"
+        finally:
+            await server.stop(0)

@@ -19,8 +19,10 @@ from tandem.gateway.config import GatewayConfig
 
 @contextlib.asynccontextmanager
 async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[str]:
-    """The gateway's base URL (http://127.0.0.1:PORT/v1), with `settings` over GatewayConfig's defaults."""
-    config = GatewayConfig(decoder_address=decoder_address, encoder_address="127.0.0.1:9", port=0, **settings)
+    """The gateway's base URL (http://127.0.0.1:PORT/v1), with `settings` over GatewayConfig's defaults
+    (its encoder an address where none listens, unless `settings` name one)."""
+    settings = {"encoder_address": "127.0.0.1:9"} | settings
+    config = GatewayConfig(decoder_address=decoder_address, port=0, **settings)
     decoder = DecoderClient(config.decoder_address, config.max_message_bytes, None, config.upstream)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
     callers = decoder_channels(config)

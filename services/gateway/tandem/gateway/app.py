@@ -1,17 +1,17 @@
 """The OpenAI-compatible HTTP front: aiohttp handlers that translate to the services' gRPC calls.
 
-Thin by design: a body is read, bounded and converted (`bodies.py`, `requests.py`), the calls go to
-the decoder (a Generate call per choice: `choices.py`, `choice_streams.py`) or the encoder over the
-Python client's channels (balancing, TLS, retries), and their events come back as OpenAI objects or
-server-sent events (`answers.py`, `responses.py`, `embeddings.py`); every limit on content is the
-services' own. What the gateway itself guards, each bound answered with an OpenAI error naming it:
-the bearer token (the services' token file; a caller's token travels on with its calls), the body's
-size and the time it takes to arrive, large bodies at once, the size of an embeddings answer, the
-choices of a request, open completion streams per caller (its token, else its address), and a
-caller that disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels
-every gRPC call of its request, which frees their KV blocks. Each caller reaches the decoder over a
-connection of its own (`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP
-callers one by one.
+Thin by design: a body is read, bounded and converted (`bodies.py`, `requests.py`), the calls go to the
+decoder (a Generate call per choice: `choices.py`, `choice_streams.py`; a chat's pictures embedded once
+each: `images.py`) or the encoder over the Python client's channels (balancing, TLS, retries), and their
+events come back as OpenAI objects or server-sent events (`answers.py`, `responses.py`,
+`embeddings.py`); every limit on content is the services' own. What the gateway itself guards, each
+bound answered with an OpenAI error naming it: the bearer token (the services' token file; a caller's
+token travels on with its calls), the body's size and the time it takes to arrive, large bodies at once,
+the size of an embeddings answer, the choices of a request, open completion streams per caller (its
+token, else its address), and a caller that disconnects: its handler is cancelled (aiohttp's handler
+cancellation), which cancels every gRPC call of its request, which frees their KV blocks. Each caller
+reaches the decoder over a connection of its own (`callers.py`), so the decoder's per-caller bounds and
+fair sharing see HTTP callers one by one.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
-from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
-from tandem.gateway import answers, embeddings, requests, responses
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
+from tandem.gateway import answers, embeddings, images, requests, responses
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import CallerChannels, caller_of
@@ -42,7 +42,7 @@ from tandem.gateway.choices import choices_of
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import ConnectionGuard
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
-from tandem.gateway.requests import EmbedCall, GenerateCall, ImagePart
+from tandem.gateway.requests import EmbedCall, GenerateCall
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
 
@@ -210,8 +210,8 @@ class Gateway:
         if info.accepts_encoder_parts:
             requests.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
         else:
-            await self._embed_images(request, call)
-        return await self._complete(request, call, "chat")
+            await images.embed_images(self.encoder.stub, call, self._metadata(request))
+        return await self._complete(request, call, "chat", images.is_led(call, info.accepts_encoder_parts))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
@@ -299,27 +299,11 @@ class Gateway:
         request[LARGE_BODY] = self.large_bodies.take()
         request[WAS_LARGE] = True
 
-    async def _embed_images(self, request: web.Request, call: GenerateCall) -> None:
-        """The encoder's rows in place of each image_url part, embedded concurrently (the encoder batches)."""
-        metadata = self._metadata(request)
-
-        async def rows(image: ImagePart) -> tuple[ImagePart, tensor_pb2.Tensor]:
-            embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=image.data))
-            try:
-                reply = await self.encoder.stub.Embed(embed, metadata=metadata)
-            except grpc.aio.AioRpcError as error:
-                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                    where = f"messages[{image.message}].content[{image.part}].image_url"
-                    raise InvalidArgument(where, error.details()) from None
-                raise
-            return image, reply.embeddings
-
-        for image, embedded in await all_or_cancel([rows(image) for image in call.images]):
-            call.requests[0].chat.messages[image.message].content[image.part].image.CopyFrom(embedded)
-
     # -- completions --------------------------------------------------------------------------------------
 
-    async def _complete(self, request: web.Request, call: GenerateCall, kind: str) -> web.StreamResponse:
+    async def _complete(
+        self, request: web.Request, call: GenerateCall, kind: str, is_led: bool = False
+    ) -> web.StreamResponse:
         base = (await self._decoder(request)).model
         model = call.model or base
         for generate in call.requests:
@@ -347,7 +331,7 @@ class Gateway:
         self._streams[caller] += num_choices
         try:
             async with self.callers.stub(caller) as stub:
-                streams = ChoiceStreams(stub, choices, self._metadata(request))
+                streams = ChoiceStreams(stub, choices, self._metadata(request), is_led)
                 try:
                     try:
                         await streams.start()  # a refusal arrives here, before any byte is written

@@ -1,0 +1,57 @@
+"""A chat's pictures (its image_url parts): each distinct picture of a request embedded once, whatever
+its `n`.
+
+NOTE: who embeds, and how often. A decoder without an encoder of its own takes a picture's rows: the
+gateway embeds each distinct file through its encoder (`embed_images`), once however often the chat
+repeats it, and every choice's Generate call is a copy of the one prompt holding those rows. A decoder
+with an encoder (`accepts_encoder_parts`) takes the file as an `encoder` part and fetches the rows
+itself, the rows never passing through the gateway (whose own encoder may not even be reachable);
+each Generate call fetches its parts, and its cache (`--encoder-cache-bytes`) has a picture only once
+a fetch has returned. So n choices sent at once were n concurrent misses, n encodes of each picture;
+such a request's first choice now goes alone, and the others follow once it is accepted
+(`ChoiceStreams`' leader), by which time the decoder holds its rows. What the gateway cannot share:
+one picture twice in one call, and choices that reach different decoder replicas, are each fetched.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
+from tandem.gateway.requests import GenerateCall, ImagePart
+from tandem.gateway.tasks import all_or_cancel
+
+
+async def embed_images(
+    stub: encoder_pb2_grpc.EncoderStub, call: GenerateCall, metadata: tuple[tuple[str, str], ...] | None
+) -> None:
+    """The encoder's rows in place of each image_url part of `call`: each distinct file embedded once,
+    all of them concurrently (the encoder batches them). The encoder's refusal names the file's first
+    part."""
+    by_file: dict[bytes, list[ImagePart]] = {}
+    for image in call.images:
+        by_file.setdefault(image.data, []).append(image)
+
+    async def rows(data: bytes, first: ImagePart) -> tuple[bytes, tensor_pb2.Tensor]:
+        embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=data))
+        try:
+            reply = await stub.Embed(embed, metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                where = f"messages[{first.message}].content[{first.part}].image_url"
+                raise InvalidArgument(where, error.details()) from None
+            raise
+        return data, reply.embeddings
+
+    embedded = await all_or_cancel([rows(data, parts[0]) for data, parts in by_file.items()])
+    for data, tensor in embedded:
+        for image in by_file[data]:
+            call.requests[0].chat.messages[image.message].content[image.part].image.CopyFrom(tensor)
+
+
+def is_led(call: GenerateCall, accepts_encoder_parts: bool) -> bool:
+    """Whether `call`'s first choice goes alone, the others once it is accepted: its pictures go as
+    encoder parts, whose rows the decoder caches once the first fetch returns, and it has other
+    choices to fetch them again."""
+    return accepts_encoder_parts and bool(call.images) and call.num_choices > 1

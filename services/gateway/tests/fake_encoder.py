@@ -1,0 +1,61 @@
+"""An encoder for the gateway's tests: the Encoder service over gRPC on a free loopback port, whose rows
+for a picture are a digest of its file (so an answer can tell which picture it saw), and which keeps
+every picture it was asked to embed, so a test can count the embeds.
+
+An Embed takes EMBED_S, as a vision tower takes its time: calls asking for one picture at once overlap,
+as they would on a real encoder, rather than each finding the previous one's rows already cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
+
+EMBED_S = 0.25
+ROWS, HIDDEN_SIZE = 2, 4  # a picture's rows: [2, 4] float32, the 32 bytes of its digest
+
+
+def rows_of(image: bytes) -> bytes:
+    """The fake's rows for `image`, as raw bytes."""
+    return hashlib.blake2b(image, digest_size=ROWS * HIDDEN_SIZE * 4).digest()
+
+
+@dataclass
+class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
+    embedded: list[bytes] = field(default_factory=list)  # the picture of every Embed call, in order
+
+    async def GetModelInfo(
+        self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EncoderGetModelInfoResponse:
+        return encoder_pb2.EncoderGetModelInfoResponse(model="fake-encoder", hidden_size=HIDDEN_SIZE)
+
+    async def Embed(
+        self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EmbedResponse:
+        self.embedded.append(request.image.data)
+        await asyncio.sleep(EMBED_S)
+        rows = tensor_pb2.Tensor(
+            dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[ROWS, HIDDEN_SIZE], data=rows_of(request.image.data)
+        )
+        return encoder_pb2.EmbedResponse(embeddings=rows, placeholder="<image>")
+
+
+@contextlib.asynccontextmanager
+async def fake_encoder() -> AsyncIterator[tuple[FakeEncoder, str]]:
+    """The fake serving on a free loopback port: itself and its address; stopped afterwards."""
+    encoder = FakeEncoder()
+    server = grpc.aio.server()
+    encoder_pb2_grpc.add_EncoderServicer_to_server(encoder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield encoder, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
