@@ -187,6 +187,15 @@ def rank_engine_outputs(tp: ParallelContext, model_dir: Path):
         engine.shutdown()
 
 
+def greedy_spec(prompt: list[int], num_tokens: int) -> GenerateSpec:
+    return GenerateSpec(
+        prompt=[prompt],
+        sampling=SamplingParams(temperature=0.0),
+        stopping=StoppingParams(max_new_tokens=num_tokens, ignore_eos=True),
+        output=OutputOptions(include_text=False),
+    )
+
+
 def greedy_tokens(engine: Engine, specs: dict[str, GenerateSpec]) -> dict[str, list[int]]:
     """Each spec's tokens, all in flight together; a failed request fails the caller."""
     events: dict[str, list] = {name: [] for name in specs}
@@ -228,12 +237,7 @@ def rank_lora_tokens(
     engine = Engine(config, tp=tp).start()
 
     def run(served: list[str]) -> dict[str, list[int]]:
-        spec = GenerateSpec(
-            prompt=[prompt],
-            sampling=SamplingParams(temperature=0.0),
-            stopping=StoppingParams(max_new_tokens=num_tokens, ignore_eos=True),
-            output=OutputOptions(include_text=False),
-        )
+        spec = greedy_spec(prompt, num_tokens)
         return greedy_tokens(
             engine, {name: dataclasses.replace(spec, adapter=name) for name in ["", *served]}
         )

@@ -24,6 +24,7 @@ import torch
 
 from tandem.client.errors import Unavailable
 from tandem.common import text_bounds
+from tandem.common.model_name import echo
 from tandem.decoder.backends import backend as backends
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission import template_worker
@@ -41,7 +42,7 @@ from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from tandem.decoder.engine.step import sizing
-from tandem.decoder.engine.step.core import EngineCore, EventCallback
+from tandem.decoder.engine.step.core import EngineCore, EngineFault, EventCallback
 from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.step.xla_buckets import XlaBuckets
 from tandem.decoder.models.loader import LoadedModel, load_model
@@ -445,7 +446,10 @@ class Engine:
         start = time.perf_counter()
         self.lora.write(slot, adapter)
         if self._peers is not None:  # every rank writes its shard before a step can name the slot
-            self._peers.install_adapter(slot, adapter)
+            try:
+                self._peers.install_adapter(slot, adapter)
+            except Exception as error:  # they would run the slot with other weights from now on
+                raise EngineFault(f"the other ranks missed adapter {echo(name)}: {error}") from error
         loaded = slots.add(name, str(path), adapter.rank, adapter.targets, slot)
         log.info(
             "adapter %s (rank %d, %s) in slot %d: %.1f ms to write",

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.client.errors import DeadlineExceeded, FailedPrecondition, NotFound, TandemError
+from tandem.client.errors import DeadlineExceeded, FailedPrecondition, NotFound, TandemError, Unavailable
 from tandem.common.model_name import echo
 from tandem.decoder.engine.outputs.backpressure import ReaderProgress
 from tandem.decoder.engine.outputs.outputs import (
@@ -56,6 +56,13 @@ from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, Schedul
 from tandem.decoder.engine.step.runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+
+class EngineFault(Exception):
+    """Raised by work between steps after which the engine cannot go on (the other ranks missed an
+    adapter install, so they would run its slot with other weights): its caller gets UNAVAILABLE,
+    and the step loop fails every open request, as after a failed step."""
+
 
 EventCallback = Callable[[Event], None]  # receives one request's events, on the engine thread
 T = TypeVar("T")
@@ -196,13 +203,17 @@ class EngineCore:
 
     def _run_queued(self) -> None:
         work, self._between_steps = self._between_steps, []
-        for fn, future in work:
+        for i, (fn, future) in enumerate(work):
             # A cancelled future (a LoadAdapter whose caller left) would refuse its result with
             # InvalidStateError, raised on the engine thread: its work is skipped instead.
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(fn())
+            except EngineFault as fault:  # the step loop's to handle: fail_all answers the rest
+                future.set_exception(Unavailable(f"the decoder engine failed: {fault}"))
+                self._between_steps[:0] = work[i + 1 :]
+                raise
             except Exception as error:  # the caller's to report; the engine goes on
                 future.set_exception(error)
 
