@@ -9,9 +9,10 @@ import json
 import pytest
 
 from tandem.client.errors import InvalidArgument, Unavailable
-from tandem.gateway import requests
 from tandem.gateway.bodies import BodyWorkers, LargeBodies, convert
 from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.calls import GenerateCall
+from tandem.gateway.chat_request import chat_request
 from tandem.gateway.errors import Refused
 
 LIMITS = BodyLimits.for_chat(256, 16)
@@ -35,12 +36,10 @@ async def test_a_worker_converts_a_body_exactly_as_the_gateway_would_and_refuses
     workers = BodyWorkers(1)
     try:
         raw = bytearray(json.dumps(BODY).encode())
-        assert await workers.convert(requests.chat_request, raw, LIMITS) == convert(
-            requests.chat_request, raw, LIMITS
-        )
+        assert await workers.convert(chat_request, raw, LIMITS) == convert(chat_request, raw, LIMITS)
         wide = bytearray(json.dumps(BODY | {"stop": ["x"] * 17}).encode())
         with pytest.raises(InvalidArgument) as error:
-            await workers.convert(requests.chat_request, wide, LIMITS)
+            await workers.convert(chat_request, wide, LIMITS)
         assert error.value.field == "stop"
     finally:
         workers.close()
@@ -54,14 +53,14 @@ async def test_a_worker_that_dies_is_replaced_and_its_body_answered_unavailable(
         worker._process.kill()
         worker._process.join(5)
         with pytest.raises(Unavailable):
-            await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
-        call = await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
+            await workers.convert(chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
+        call = await workers.convert(chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
         assert call.names.structured == "guided_regex"
     finally:
         workers.close()
 
 
-def _broken(body: dict, limits: BodyLimits) -> requests.GenerateCall:
+def _broken(body: dict, limits: BodyLimits) -> GenerateCall:
     """A conversion with a bug in it."""
     raise KeyError("a bug")
 
@@ -71,7 +70,7 @@ async def test_a_bug_in_a_worker_is_an_error_of_its_own_and_the_worker_serves_on
     try:
         with pytest.raises(RuntimeError, match="KeyError: 'a bug'"):  # a 500 with the worker's traceback
             await workers.convert(_broken, bytearray(b"{}"), LIMITS)
-        call = await workers.convert(requests.chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
+        call = await workers.convert(chat_request, bytearray(json.dumps(BODY).encode()), LIMITS)
         assert call.model == "m"
     finally:
         workers.close()

@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from tandem.gateway import requests
 from tandem.gateway.body_limits import BodyLimits
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
 from tandem.gateway.choices import choices_of
+from tandem.gateway.completion_request import completion_request
 from tandem.gateway.errors import BodyNames
 
 from .fake_decoder import FakeDecoder, fake_decoder
@@ -27,7 +27,7 @@ LIMITS = BodyLimits.for_completions(256, 16)
 async def _streams(body: dict, is_led: bool = False) -> AsyncIterator[tuple[ChoiceStreams, FakeDecoder]]:
     """`body`'s choices on the fake decoder, closed afterwards as the gateway always closes them."""
     async with fake_decoder() as (decoder, address), grpc.aio.insecure_channel(address) as channel:
-        choices = choices_of(requests.completion_request(body, LIMITS), "r")
+        choices = choices_of(completion_request(body, LIMITS), "r")
         streams = ChoiceStreams(decoder_pb2_grpc.DecoderStub(channel), choices, None, is_led)
         try:
             yield streams, decoder

@@ -3,15 +3,15 @@ so the choices differ and the same body gives them again; a lone choice is its r
 
 from __future__ import annotations
 
-from tandem.gateway import requests
 from tandem.gateway.body_limits import BodyLimits
 from tandem.gateway.choices import choices_of
+from tandem.gateway.completion_request import completion_request
 
 LIMITS = BodyLimits.for_completions(256, 16)
 
 
 def _choices(body: dict) -> list:
-    return choices_of(requests.completion_request(body, LIMITS), "r")
+    return choices_of(completion_request(body, LIMITS), "r")
 
 
 def test_a_batchs_choices_are_numbered_prompt_by_prompt_as_openai_numbers_them() -> None:
@@ -34,7 +34,7 @@ def test_seeds_wrap_at_the_protos_uint64_and_unseeded_choices_stay_unseeded() ->
 
 
 def test_a_lone_choice_is_its_request_with_the_requests_id() -> None:
-    call = requests.completion_request({"prompt": "a", "seed": 5}, LIMITS)
+    call = completion_request({"prompt": "a", "seed": 5}, LIMITS)
     (choice,) = choices_of(call, "r")
     assert choice.request is call.requests[0]  # no copy of a prompt that may be megabytes of rows
     assert (choice.index, choice.request.request_id, choice.request.sampling.seed) == (0, "r", 5)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from tandem.client.pb.tandem.v1 import encoder_pb2
-from tandem.gateway import requests
 from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.calls import EmbedCall
+from tandem.gateway.embed_request import embed_request
 from tandem.gateway.embeddings import answer_bound, check_answer_size, float32_values
 from tandem.gateway.errors import Refused
 
@@ -19,7 +20,7 @@ INFO = encoder_pb2.EncoderGetModelInfoResponse(hidden_size=64, max_input_tokens=
 LIMITS = BodyLimits.for_embeddings(100)
 
 
-def _answer_bytes(call: requests.EmbedCall, rows_per_input: list[int]) -> int:
+def _answer_bytes(call: EmbedCall, rows_per_input: list[int]) -> int:
     """The answer's real size, for inputs that took these many rows (the JSON write_answer writes)."""
     data = []
     for i, num_rows in enumerate(rows_per_input):
@@ -39,12 +40,12 @@ def _answer_bytes(call: requests.EmbedCall, rows_per_input: list[int]) -> int:
     ],
 )
 def test_the_bound_is_never_below_the_answer(body: dict, rows_per_input: list[int]) -> None:
-    call = requests.embed_request(body | {"model": "m"}, LIMITS)
+    call = embed_request(body | {"model": "m"}, LIMITS)
     assert answer_bound(call, INFO) >= _answer_bytes(call, rows_per_input)
 
 
 def test_an_answer_over_the_limit_is_413_naming_input() -> None:
-    call = requests.embed_request(
+    call = embed_request(
         {"input": [[5] * 100] * 4, "tandem_pooling": "none", "encoding_format": "base64"}, LIMITS
     )
     check_answer_size(call, INFO, answer_bound(call, INFO))  # at the bound: served

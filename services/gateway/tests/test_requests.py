@@ -6,8 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tandem.client.errors import InvalidArgument
-from tandem.gateway import requests
 from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.calls import ImagePart
+from tandem.gateway.chat_request import chat_request
+from tandem.gateway.completion_request import completion_request
+from tandem.gateway.embed_request import embed_request
+from tandem.gateway.images import as_encoder_parts
 
 LIMITS = BodyLimits.for_chat(256, 16)
 EMBED_LIMITS = BodyLimits.for_embeddings(64)
@@ -88,7 +92,7 @@ HOSTILE_CHAT = {
 def test_a_hostile_chat_body_is_invalid_argument_naming_the_field(name: str) -> None:
     extra, field = HOSTILE_CHAT[name]
     with pytest.raises(InvalidArgument) as error:
-        requests.chat_request(CHAT | extra, LIMITS)
+        chat_request(CHAT | extra, LIMITS)
     assert error.value.field == field, str(error.value)
 
 
@@ -113,7 +117,7 @@ def test_a_hostile_chat_body_is_invalid_argument_naming_the_field(name: str) -> 
 )
 def test_hostile_completion_prompts_are_invalid_argument(prompt: object, field: str) -> None:
     with pytest.raises(InvalidArgument) as error:
-        requests.completion_request({"prompt": prompt}, LIMITS)
+        completion_request({"prompt": prompt}, LIMITS)
     assert error.value.field == field
 
 
@@ -131,7 +135,7 @@ def test_hostile_completion_prompts_are_invalid_argument(prompt: object, field: 
 )
 def test_hostile_embedding_inputs_are_invalid_argument(body: dict, field: str) -> None:
     with pytest.raises(InvalidArgument) as error:
-        requests.embed_request(body, EMBED_LIMITS)
+        embed_request(body, EMBED_LIMITS)
     assert error.value.field == field
 
 
@@ -144,11 +148,11 @@ def test_a_wide_list_is_refused_from_its_length_before_any_element_is_read() -> 
 
     wide = Unreadable([0] * 10_000)
     for convert, body, limits in (
-        (requests.completion_request, {"prompt": wide}, LIMITS),
-        (requests.embed_request, {"input": wide}, EMBED_LIMITS),
-        (requests.chat_request, {"messages": wide}, LIMITS),
-        (requests.chat_request, CHAT | {"stop": wide}, LIMITS),
-        (requests.chat_request, CHAT | {"guided_choice": wide}, LIMITS),
+        (completion_request, {"prompt": wide}, LIMITS),
+        (embed_request, {"input": wide}, EMBED_LIMITS),
+        (chat_request, {"messages": wide}, LIMITS),
+        (chat_request, CHAT | {"stop": wide}, LIMITS),
+        (chat_request, CHAT | {"guided_choice": wide}, LIMITS),
     ):
         with pytest.raises(InvalidArgument, match="exceed the limit|at most"):
             convert(body, limits)
@@ -162,8 +166,8 @@ def test_an_image_url_part_becomes_an_empty_image_part_with_its_file_kept_in_ord
             {"role": "user", "content": [{"type": "text", "text": "b"}, image]},
         ]
     }
-    call = requests.chat_request(body, LIMITS)
-    assert call.images == (requests.ImagePart(1, 1, b"\x00\x01\x02"),)
+    call = chat_request(body, LIMITS)
+    assert call.images == (ImagePart(1, 1, b"\x00\x01\x02"),)
     part = call.requests[0].chat.messages[1].content[1]
     assert part.WhichOneof("part") == "image" and part.image.ByteSize() == 0
 
@@ -171,15 +175,15 @@ def test_an_image_url_part_becomes_an_empty_image_part_with_its_file_kept_in_ord
 def test_for_a_decoder_with_an_encoder_an_image_url_part_becomes_an_encoder_part_of_its_file() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAEC"}}
     content = [image, {"type": "text", "text": "b"}, image]
-    call = requests.chat_request({"messages": [{"role": "user", "content": content}]}, LIMITS)
-    requests.as_encoder_parts(call)
+    call = chat_request({"messages": [{"role": "user", "content": content}]}, LIMITS)
+    as_encoder_parts(call)
     parts = call.requests[0].chat.messages[0].content
     assert [part.WhichOneof("part") for part in parts] == ["encoder", "text", "encoder"]
     assert [parts[0].encoder.image.data, parts[2].encoder.image.data] == [b"\x00\x01\x02"] * 2
 
 
 def test_what_the_answer_needs_of_the_body_is_kept() -> None:
-    call = requests.chat_request(
+    call = chat_request(
         CHAT
         | {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "guided_regex": "a+"},
         LIMITS,
@@ -190,44 +194,40 @@ def test_what_the_answer_needs_of_the_body_is_kept() -> None:
         True,
         "guided_regex",
     )
-    plain = requests.completion_request({"prompt": "hi"}, LIMITS)
+    plain = completion_request({"prompt": "hi"}, LIMITS)
     assert (plain.is_stream, plain.include_usage, plain.names.structured) == (False, False, None)
 
 
 def test_vllms_top_k_minus_one_means_off() -> None:
-    assert requests.chat_request(CHAT | {"top_k": -1}, LIMITS).requests[0].sampling.top_k == 0
+    assert chat_request(CHAT | {"top_k": -1}, LIMITS).requests[0].sampling.top_k == 0
 
 
 def test_a_completion_refuses_what_it_would_otherwise_ignore() -> None:
     with pytest.raises(InvalidArgument, match="suffix: is not supported"):
-        requests.completion_request({"prompt": "a", "suffix": "b"}, LIMITS)
+        completion_request({"prompt": "a", "suffix": "b"}, LIMITS)
     with pytest.raises(InvalidArgument, match="echo: is not supported"):
-        requests.completion_request({"prompt": "a", "echo": True}, LIMITS)
+        completion_request({"prompt": "a", "echo": True}, LIMITS)
 
 
 def test_prompt_segments_still_mix_kinds_and_a_batch_of_one_is_its_prompt() -> None:
-    mixed = requests.completion_request({"prompt": ["a", [5, 6], "b"]}, LIMITS)
+    mixed = completion_request({"prompt": ["a", [5, 6], "b"]}, LIMITS)
     assert not mixed.is_batch and len(mixed.requests) == 1
     assert [s.WhichOneof("segment") for s in mixed.requests[0].prompt] == ["text", "token_ids", "text"]
-    rows = requests.completion_request({"prompt": ["a", _rows()]}, LIMITS)
+    rows = completion_request({"prompt": ["a", _rows()]}, LIMITS)
     assert [s.WhichOneof("segment") for s in rows.requests[0].prompt] == ["text", "embeddings"]
     assert not rows.is_batch and len(rows.requests) == 1
-    one = requests.completion_request({"prompt": ["a"]}, LIMITS)
+    one = completion_request({"prompt": ["a"]}, LIMITS)
     assert not one.is_batch and [s.text for s in one.requests[0].prompt] == ["a"]
-    streamed = requests.chat_request(
-        CHAT | {"stream": True, "stream_options": {"include_usage": True}}, LIMITS
-    )
+    streamed = chat_request(CHAT | {"stream": True, "stream_options": {"include_usage": True}}, LIMITS)
     assert streamed.is_stream and streamed.include_usage
-    assert not requests.chat_request(CHAT | {"stream": False, "stream_options": None}, LIMITS).is_stream
-    assert not requests.chat_request(CHAT | {"stream_options": {}}, LIMITS).include_usage  # vLLM lets {} pass
+    assert not chat_request(CHAT | {"stream": False, "stream_options": None}, LIMITS).is_stream
+    assert not chat_request(CHAT | {"stream_options": {}}, LIMITS).include_usage  # vLLM lets {} pass
 
 
 def test_an_embeddings_error_is_named_after_the_input_that_failed() -> None:
-    several = requests.embed_request(
-        {"input": ["a", [1, 2], {"type": "tandem_image", "data": "AA=="}]}, EMBED_LIMITS
-    )
+    several = embed_request({"input": ["a", [1, 2], {"type": "tandem_image", "data": "AA=="}]}, EMBED_LIMITS)
     assert several.input_field(0, "text") == "input[0]"
     assert several.input_field(1, "token_ids.ids[1]") == "input[1][1]"
     assert several.input_field(2, "image") == "input[2].data"
     assert several.input_field(2, "model") == "model"  # not an input's field
-    assert requests.embed_request({"input": "a"}, EMBED_LIMITS).input_field(0, "text") == "input"
+    assert embed_request({"input": "a"}, EMBED_LIMITS).input_field(0, "text") == "input"

@@ -16,9 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
+from tandem.gateway.calls import GenerateCall
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
 from tandem.gateway.errors import HttpError
-from tandem.gateway.requests import GenerateCall
 from tandem.gateway.responses import Completion, usage_chunk
 
 # FINISH_REASON_ABORTED: the decoder drained (SIGTERM) before the answer ended; OpenAI has no such reason.

@@ -1,17 +1,17 @@
 """The OpenAI-compatible HTTP front: aiohttp handlers that translate to the services' gRPC calls.
 
-Thin by design: a body is read, bounded and converted (`bodies.py`, `requests.py`), the calls go to the
-decoder (a Generate call per choice: `choices.py`, `choice_streams.py`; a chat's pictures embedded once
-each: `images.py`) or the encoder over the Python client's channels (balancing, TLS, retries), and their
-events come back as OpenAI objects or server-sent events (`answers.py`, `responses.py`,
-`embeddings.py`); every limit on content is the services' own. What the gateway itself guards, each
-bound answered with an OpenAI error naming it: the bearer token (the services' token file; a caller's
-token travels on with its calls), the body's size and the time it takes to arrive, large bodies at once,
-the size of an embeddings answer, the choices of a request, open completion streams per caller (its
-token, else its address), and a caller that disconnects: its handler is cancelled (aiohttp's handler
-cancellation), which cancels every gRPC call of its request, which frees their KV blocks. Each caller
-reaches the decoder over a connection of its own (`callers.py`), so the decoder's per-caller bounds and
-fair sharing see HTTP callers one by one.
+Thin by design: a body is read, bounded and converted (`bodies.py`; `chat_request.py`,
+`completion_request.py`, `embed_request.py`), the calls go to the decoder (a Generate call per choice:
+`choices.py`, `choice_streams.py`; a chat's pictures embedded once each: `images.py`) or the encoder
+over the Python client's channels (balancing, TLS, retries), and their events come back as OpenAI
+objects or server-sent events (`answers.py`, `responses.py`, `embeddings.py`); every limit on content is
+the services' own. What the gateway itself guards, each bound answered with an OpenAI error naming it:
+the bearer token (the services' token file; a caller's token travels on with its calls), the body's size
+and the time it takes to arrive, large bodies at once, the size of an embeddings answer, the choices of
+a request, open completion streams per caller (its token, else its address), and a caller that
+disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels every gRPC call of
+its request, which frees their KV blocks. Each caller reaches the decoder over a connection of its own
+(`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP callers one by one.
 """
 
 from __future__ import annotations
@@ -33,16 +33,19 @@ from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
-from tandem.gateway import answers, embeddings, images, requests, responses
+from tandem.gateway import answers, embeddings, images, responses
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import CallerChannels, caller_of
+from tandem.gateway.calls import EmbedCall, GenerateCall
+from tandem.gateway.chat_request import chat_request
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
 from tandem.gateway.choices import choices_of
+from tandem.gateway.completion_request import completion_request
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import ConnectionGuard
+from tandem.gateway.embed_request import embed_request
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
-from tandem.gateway.requests import EmbedCall, GenerateCall
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
 
@@ -205,10 +208,10 @@ class Gateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
         limits = BodyLimits.for_chat(info.max_context_tokens, self._max_choices)
-        call = await self._convert(request, requests.chat_request, limits)
+        call = await self._convert(request, chat_request, limits)
         assert isinstance(call, GenerateCall)
         if info.accepts_encoder_parts:
-            requests.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
+            images.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
         else:
             await images.embed_images(self.encoder.stub, call, self._metadata(request))
         return await self._complete(request, call, "chat", images.is_led(call, info.accepts_encoder_parts))
@@ -216,15 +219,13 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
         limits = BodyLimits.for_completions(info.max_context_tokens, self._max_choices)
-        call = await self._convert(request, requests.completion_request, limits)
+        call = await self._convert(request, completion_request, limits)
         assert isinstance(call, GenerateCall)
         return await self._complete(request, call, "text")
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         info = await self._encoder(request)
-        call = await self._convert(
-            request, requests.embed_request, BodyLimits.for_embeddings(info.max_input_tokens)
-        )
+        call = await self._convert(request, embed_request, BodyLimits.for_embeddings(info.max_input_tokens))
         assert isinstance(call, EmbedCall)
         bound = embeddings.answer_bound(call, info)
         embeddings.check_answer_size(call, info, self.config.max_embeddings_bytes)  # before any call

@@ -27,8 +27,8 @@ from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
 from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.calls import EmbedCall, GenerateCall
 from tandem.gateway.errors import HttpError, Refused
-from tandem.gateway.requests import EmbedCall, GenerateCall
 
 Convert = Callable[[dict[str, Any], BodyLimits], GenerateCall | EmbedCall]
 

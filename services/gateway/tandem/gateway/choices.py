@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.requests import GenerateCall
+from tandem.gateway.calls import GenerateCall
 
 SEEDS = 2**64  # the proto's uint64 seed
 

@@ -20,8 +20,8 @@ import sys
 from aiohttp import web
 
 from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.gateway.calls import EmbedCall
 from tandem.gateway.errors import HttpError, Refused
-from tandem.gateway.requests import EmbedCall
 
 # Base64 is written in slices of this many bytes of rows (a multiple of 3, so the pieces join up).
 PIECE_BYTES = 3 * 256 * 1024

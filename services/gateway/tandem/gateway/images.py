@@ -1,5 +1,6 @@
-"""A chat's pictures (its image_url parts): each distinct picture of a request embedded once, whatever
-its `n`.
+"""A chat's pictures: OpenAI's image part, `{"type": "image_url", "image_url": {"url": "data:..."}}`, its
+file taken from the data: URL only (`image_file`), and each distinct picture of a request embedded
+once, whatever its `n`.
 
 NOTE: who embeds, and how often. A decoder without an encoder of its own takes a picture's rows: the
 gateway embeds each distinct file through its encoder (`embed_images`), once however often the chat
@@ -15,12 +16,43 @@ one picture twice in one call, and choices that reach different decoder replicas
 
 from __future__ import annotations
 
+import base64
+import binascii
+from typing import Any
+
 import grpc
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
-from tandem.gateway.requests import GenerateCall, ImagePart
+from tandem.gateway.calls import GenerateCall, ImagePart
 from tandem.gateway.tasks import all_or_cancel
+
+
+def image_file(part: dict[str, Any], where: str) -> bytes:
+    """An OpenAI image part's file: `{"type": "image_url", "image_url": {"url": "data:...;base64,..."}}`.
+    Only data URLs: the gateway fetches nothing (a URL it would fetch is a server-side request forgery
+    waiting to happen)."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise InvalidArgument(
+            where, "must be a data: URL (data:image/png;base64,...); the gateway fetches no URL"
+        )
+    header, _, data = url.partition(",")
+    if not header.endswith(";base64"):
+        raise InvalidArgument(where, "must be base64 (data:image/...;base64,...)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(where, "is not valid base64") from None
+
+
+def as_encoder_parts(call: GenerateCall) -> None:
+    """Each image_url part of `call` as an encoder part of its file, for a decoder that fetches the
+    rows from its encoder itself: they never pass through the gateway."""
+    for image in call.images:
+        part = call.requests[0].chat.messages[image.message].content[image.part]
+        part.encoder.CopyFrom(encoder_pb2.EncoderInput(image=encoder_pb2.Image(data=image.data)))
 
 
 async def embed_images(

@@ -1,0 +1,70 @@
+"""A body's fields read as the type they must be (never a bool for a number), within the proto's
+range, or InvalidArgument naming them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tandem.client.errors import InvalidArgument
+from tandem.gateway.body_limits import at_most
+
+# The proto's unsigned ranges.
+UINT32 = 2**32 - 1
+UINT64 = 2**64 - 1
+
+
+def field(body: dict[str, Any], name: str, types: type | tuple[type, ...], path: str = "") -> Any:
+    """`body[name]`, None when absent or null, else of `types` (a bool only where bool is one of them:
+    JSON's true is no 1); InvalidArgument naming `path` + `name` otherwise."""
+    value = body.get(name)
+    if value is not None and (
+        not isinstance(value, types) or isinstance(value, bool) and bool not in _as_tuple(types)
+    ):
+        expected = " or ".join(t.__name__ for t in _as_tuple(types))
+        raise InvalidArgument(f"{path}{name}", f"must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def uint(body: dict[str, Any], name: str, low: int = 0, high: int = UINT32) -> int | None:
+    """An integer field (never a bool) within [low, high]: the proto's unsigned range at most."""
+    value = field(body, name, int)
+    if value is not None and not low <= value <= high:
+        raise InvalidArgument(name, f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+def number(body: dict[str, Any], name: str) -> float | None:
+    """A finite number (JSON has no NaN or Infinity; Python's parser accepts them, this does not)."""
+    value = field(body, name, (int, float))
+    if value is None:
+        return None
+    try:
+        converted = float(value)
+    except OverflowError:
+        raise InvalidArgument(name, "is too large") from None
+    if not math.isfinite(converted):
+        raise InvalidArgument(name, f"must be a finite number, got {value}")
+    return converted
+
+
+def token_ids(value: Any, path: str, max_ids: int) -> list[int] | None:
+    """A non-empty list of token IDs (ints in the proto's range, no bools), or None if it is not one.
+    Counted against `max_ids` before any element is looked at."""
+    if (
+        not isinstance(value, list)
+        or not value
+        or not isinstance(value[0], int)
+        or isinstance(value[0], bool)
+    ):
+        return None
+    at_most(path, len(value), max_ids, "token IDs")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    if min(value) < 0 or max(value) > UINT32:
+        raise InvalidArgument(path, f"token IDs must be in [0, {UINT32}]")
+    return value

@@ -1,0 +1,135 @@
+"""The parameters a chat and a completion body share beside their prompt: sampling, stopping, `n`
+within the bound on a request's choices, structured output, and the stream's options."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.gateway.body_limits import MAX_LOGIT_BIAS, MAX_STOP, BodyLimits, at_most
+from tandem.gateway.calls import GenerateCall, ImagePart
+from tandem.gateway.errors import BodyNames
+from tandem.gateway.fields import UINT32, UINT64, field, number, uint
+from tandem.gateway.structured import structured_output
+
+
+def common_parameters(
+    body: dict[str, Any],
+    request: decoder_pb2.GenerateRequest,
+    limits: BodyLimits,
+    num_prompts: int,
+    max_tokens: tuple[str, ...],
+) -> tuple[BodyNames, int]:
+    """The sampling and stopping parameters both endpoints share, and `n` against the bound on a
+    request's choices (`num_prompts` x n); returns the body's names for the fields errors may name,
+    and n."""
+    request.model = field(body, "model", str) or ""
+    n = uint(body, "n", 1) or 1
+    _bound_choices(num_prompts, n, limits.max_choices)
+    best_of = uint(body, "best_of", 1)
+    if best_of is not None and best_of < n:
+        raise InvalidArgument("best_of", f"must be at least n ({n}), got {best_of}")
+    if best_of is not None and best_of != n:
+        # Ranking candidates by their likelihood is gone from vLLM V1 as well; best_of = n is plain n.
+        raise InvalidArgument("best_of", f"only best_of equal to n ({n}) is supported, got {best_of}")
+    max_tokens_field = max_tokens[-1]
+    for name in max_tokens:
+        value = uint(body, name, 1)
+        if value is not None:
+            request.stopping.max_new_tokens = value
+            max_tokens_field = name
+            break
+    for name, target in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("presence_penalty", "presence_penalty"),
+    ):
+        value = number(body, name)
+        if value is not None:
+            setattr(request.sampling, target, value)
+    # vLLM's extra parameters (the openai SDK sends them with extra_body), where Tandem has them.
+    top_k = field(body, "top_k", int)
+    if top_k is not None:
+        if not -1 <= top_k <= UINT32:
+            raise InvalidArgument(
+                "top_k", f"must be -1 (off, as vLLM spells it) or in [0, {UINT32}], got {top_k}"
+            )
+        request.sampling.top_k = max(top_k, 0)
+    for name in ("min_p", "repetition_penalty"):
+        value = number(body, name)
+        if value is not None:
+            setattr(request.sampling, name, value)
+    if field(body, "ignore_eos", bool):
+        request.stopping.ignore_eos = True
+    min_tokens = uint(body, "min_tokens")
+    if min_tokens is not None:
+        request.stopping.min_new_tokens = min_tokens
+    seed = uint(body, "seed", 0, UINT64)
+    if seed is not None:
+        request.sampling.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+            raise InvalidArgument("stop", f"must be a string or a list of at most {MAX_STOP} strings")
+        request.stopping.stop_sequences.extend(stop)
+    logit_bias = field(body, "logit_bias", dict) or {}
+    at_most("logit_bias", len(logit_bias), MAX_LOGIT_BIAS, "entries")
+    for key, value in logit_bias.items():
+        is_id = key.isascii() and key.isdigit() and int(key) <= UINT32
+        is_number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not is_id or not is_number or not math.isfinite(value):
+            raise InvalidArgument("logit_bias", f"maps token IDs to finite numbers; got {key!r}: {value!r}")
+        request.sampling.logit_bias[int(key)] = float(value)
+    structured_field = structured_output(body, request)
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise InvalidArgument(name, "tool calling is not supported")
+    return BodyNames(structured_field, max_tokens_field), n
+
+
+def _bound_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    """A request's choices, its prompts x n, each a Generate stream, within `max_choices`; the error
+    names `n`, or `prompt` where it is the batch that passes the limit."""
+    if num_prompts * n <= max_choices:
+        return
+    bound = (
+        f"the limit of {max_choices} choices a request (prompts x n, each a Generate stream: the "
+        "gateway's --max-choices, never above its --max-streams-per-caller)"
+    )
+    if n > max_choices:
+        raise InvalidArgument("n", f"{n} choices exceed {bound}")
+    asked = (
+        f"{num_prompts} prompts" if n == 1 else f"{num_prompts} prompts x n {n} = {num_prompts * n} choices"
+    )
+    raise InvalidArgument("prompt", f"{asked} exceed {bound}")
+
+
+def generate_call(
+    body: dict[str, Any],
+    prompts: tuple[decoder_pb2.GenerateRequest, ...],
+    n: int,
+    is_batch: bool,
+    images: tuple[ImagePart, ...],
+    names: BodyNames,
+) -> GenerateCall:
+    """The call of `prompts`, with what the answer needs of the body: its stream options among it."""
+    is_stream = field(body, "stream", bool) is True
+    options = field(body, "stream_options", dict)
+    if options and not is_stream:  # vLLM's rule: the options of a stream only (an empty {} passes)
+        raise InvalidArgument("stream_options", "needs stream: true")
+    include_usage = field(options or {}, "include_usage", bool, "stream_options.") is True
+    return GenerateCall(
+        requests=prompts,
+        n=n,
+        is_batch=is_batch,
+        images=images,
+        model=prompts[0].model,
+        is_stream=is_stream,
+        include_usage=include_usage,
+        names=names,
+    )
