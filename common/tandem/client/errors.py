@@ -61,6 +61,11 @@ class AlreadyExists(TandemError):
     """A named resource (e.g. a LoRA adapter) exists already; remove it first."""
 
 
+class ModelFault(TandemError):
+    """The model failed at this one request (its logits held NaN or infinity): INTERNAL, since no
+    change to the request is known to help; the server and the other requests go on."""
+
+
 class ConfigError(ValueError):
     """A configuration value a service refuses at start (never sent to a client).
 

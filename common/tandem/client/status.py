@@ -33,6 +33,7 @@ _CODES: list[tuple[type[errors.TandemError], int]] = [
     (errors.DeadlineExceeded, code_pb2.DEADLINE_EXCEEDED),
     (errors.NotFound, code_pb2.NOT_FOUND),
     (errors.AlreadyExists, code_pb2.ALREADY_EXISTS),
+    (errors.ModelFault, code_pb2.INTERNAL),
 ]
 
 

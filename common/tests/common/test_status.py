@@ -30,6 +30,8 @@ def test_each_domain_error_has_its_code() -> None:
     assert to_status_proto(errors.DeadlineExceeded("late")).code == code_pb2.DEADLINE_EXCEEDED
     assert to_status_proto(errors.NotFound("model x")).code == code_pb2.NOT_FOUND
     assert to_status_proto(errors.FailedPrecondition("f", "off")).code == code_pb2.FAILED_PRECONDITION
+    fault = to_status_proto(errors.ModelFault("the model produced non-finite logits at output position 3"))
+    assert fault.code == code_pb2.INTERNAL and fault.message.endswith("output position 3")
 
 
 def test_a_message_quoting_a_long_input_is_cut_to_fit_the_trailing_metadata() -> None:

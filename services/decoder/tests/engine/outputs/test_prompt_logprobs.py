@@ -159,6 +159,20 @@ def test_score_reduces_in_slices_with_the_same_result(monkeypatch: pytest.Monkey
     assert asked == [slice(0, 7), slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_score_names_a_spans_first_non_finite_position_and_leaves_the_other_spans_alone(bad: float) -> None:
+    logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(2))
+    spans = [ScoredSpan("a", 1, (1, 2, 3), (True,) * 3, 2), ScoredSpan("b", 5, (4, 5, 6), (True,) * 3, 2)]
+    healthy_a, healthy_b = score(lambda rows: logits[rows], spans, logits.device)
+    faulty = logits.clone()
+    faulty[4, 9] = bad  # b's second row: the logits scoring its position 6
+    faulty[5] = float("-inf")  # and its third, all -inf
+    a, b = score(lambda rows: faulty[rows], spans, logits.device)
+    assert (healthy_a.first_non_finite, healthy_b.first_non_finite) == (None, None)
+    assert a == healthy_a
+    assert b.first_non_finite == 6
+
+
 def test_the_buffer_marks_position_0_keeps_the_first_result_and_is_complete_only_when_whole() -> None:
     buffer = PromptLogprobsBuffer([0, 11, 12], [False, True, True])  # an embedding row, then tokens
     buffer.add(PromptLogprobsChunk("r", 1, (-1.0,), ((11,),), ((-1.0,),)))

@@ -359,3 +359,51 @@ def test_is_token_ids_must_cover_every_prompt_position() -> None:
         SamplingBatch.build(params, [None], [[1, 5]], [[True]], VOCAB)
     with pytest.raises(ValueError, match="one entry per row"):
         SamplingBatch.build(params, [None], [[1, 5]], [], VOCAB)
+
+
+def _non_finite_rows() -> torch.Tensor:
+    """Rows a faulty model gives: one NaN, one +inf, all -inf, all NaN. [4, VOCAB]."""
+    rows = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5))
+    rows[0, 7] = float("nan")
+    rows[1, 3] = float("inf")
+    rows[2] = float("-inf")
+    rows[3] = float("nan")
+    return rows
+
+
+@pytest.mark.parametrize(
+    "params, kwargs",
+    [
+        ([SamplingParams(temperature=0.0)] * 2, {}),  # the greedy fast path: no copy, no softmax
+        ([SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)] * 2, {}),
+        ([SamplingParams(temperature=0.8, top_p=0.9, seed=3), SamplingParams(temperature=0.0)], {}),
+        (
+            [SamplingParams(temperature=0.7, top_k=5, seed=4, repetition_penalty=1.2)] * 2,
+            {"allowed": [torch.arange(VOCAB) % 2 == 0] * 2},  # a grammar allowing even tokens
+        ),
+    ],
+)
+def test_a_row_of_non_finite_logits_is_flagged_and_its_neighbours_tokens_stay_the_same(
+    params: list[SamplingParams], kwargs: dict
+) -> None:
+    """Each faulty row beside a healthy one: the faulty row is flagged, the healthy one's token and
+    logprobs are those it gets beside another healthy row; a row of -inf entries among finite ones
+    (a model that rules tokens out) is healthy."""
+    healthy = distinct_logits(2, seed=9)
+    healthy[1, :4] = float("-inf")
+
+    def run(logits: torch.Tensor) -> SamplerOutput:
+        generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        batch = make_batch(params, generators, prompts=[[1, 2], [2, 3]])
+        allowed = kwargs.get("allowed")
+        return Sampler(torch.Generator().manual_seed(0))(logits, batch, [[4], [5]], allowed=allowed)
+
+    reference = run(healthy)
+    assert reference.is_finite.tolist() == [True, True]
+    for faulty in _non_finite_rows():
+        out = run(torch.stack([faulty, healthy[1]]))
+        assert out.is_finite.tolist() == [False, True]
+        assert out.token_ids[1] == reference.token_ids[1]
+        if reference.logprobs is not None:
+            assert out.logprobs[1] == reference.logprobs[1]
+            assert torch.equal(out.top_token_ids[1], reference.top_token_ids[1])

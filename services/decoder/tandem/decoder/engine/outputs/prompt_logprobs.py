@@ -11,6 +11,10 @@ Every position must run: a request scoring its prompt takes no prefix-cache hit
 whole, and go out with the first sampled token, which is sampled in the step that runs position
 P - 1; a recompute of a position already scored (a preemption mid-prompt) finds its entry filled
 and changes nothing, so no position is sent twice.
+
+A row of logits holding NaN or infinity (a model fault, step/non_finite.py) would score its position
+NaN, which no answer can carry: its chunk names the first such position instead (`first_non_finite`,
+from each row's max, which NaN and +inf reach), and the engine ends that request.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class PromptLogprobsChunk:
     logprobs: tuple[float | None, ...]  # [num_rows] of each position's token; None at embedding rows
     top_token_ids: tuple[tuple[int, ...], ...]  # [num_rows][num_top]
     top_logprobs: tuple[tuple[float, ...], ...]  # [num_rows][num_top]
+    # The first position whose logits row held NaN or +inf or was -inf throughout (its entries are
+    # NaN and must not be sent); None when every row was finite.
+    first_non_finite: int | None = None
 
 
 def positions_to_score(item: ScheduledRequest) -> range:
@@ -102,17 +109,22 @@ def score(
     token_logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)  # [num_rows]
     top_logprobs = torch.empty(num_rows, num_top, dtype=torch.float32, device=device)  # [num_rows, num_top]
     top_ids = torch.empty(num_rows, num_top, dtype=torch.int64, device=device)  # [num_rows, num_top]
+    is_finite = torch.empty(num_rows, dtype=torch.bool, device=device)  # [num_rows]
     for lo in range(0, num_rows, SLICE_ROWS):
         rows = slice(lo, min(lo + SLICE_ROWS, num_rows))
-        logprobs = torch.log_softmax(logits_of(rows).float(), dim=-1)  # [slice, vocab]
+        logits = logits_of(rows).float()  # [slice, vocab]
+        is_finite[rows] = torch.isfinite(logits.amax(dim=-1))
+        logprobs = torch.log_softmax(logits, dim=-1)  # [slice, vocab]
         token_logprobs[rows] = logprobs.gather(1, targets[rows, None]).squeeze(1)
         if num_top:
             top_logprobs[rows], top_ids[rows] = logprobs.topk(num_top, dim=-1)
     # One device-to-host copy each, then plain lists.
     token_list, top_lp_list, top_id_list = token_logprobs.tolist(), top_logprobs.tolist(), top_ids.tolist()
+    finite_list = is_finite.tolist()
     chunks, lo = [], 0
     for span in spans:
         hi, n = lo + span.num_rows, span.num_top
+        bad = next((k for k, ok in enumerate(finite_list[lo:hi]) if not ok), None)
         chunks.append(
             PromptLogprobsChunk(
                 request_id=span.request_id,
@@ -123,6 +135,7 @@ def score(
                 ),
                 top_token_ids=tuple(tuple(ids[:n]) for ids in top_id_list[lo:hi]),
                 top_logprobs=tuple(tuple(lps[:n]) for lps in top_lp_list[lo:hi]),
+                first_non_finite=None if bad is None else span.start + bad,
             )
         )
         lo = hi

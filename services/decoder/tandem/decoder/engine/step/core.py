@@ -53,6 +53,7 @@ from tandem.decoder.engine.sampling.sampler import Sampler, SamplerOutput, Sampl
 from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, Scheduler, StepPlan
+from tandem.decoder.engine.step import non_finite
 from tandem.decoder.engine.step.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -317,25 +318,51 @@ class EngineCore:
         masks = self._masks().submit(_grammar_masks, plan) if _has_constraint(plan) else None
         output = self.runner.execute(plan)
         logits = output.logits  # [num_sampled_positions, vocab]
-        self._add_prompt_logprobs(output.prompt_logprobs)
+        # Requests the model failed this step (step/non_finite.py), by engine key: they end after it.
+        faults = self._add_prompt_logprobs(output.prompt_logprobs)
         items = [item for item in plan.scheduled if item.needs_logits]
         rows = [
             _Row(self._live[item.request_id], j) for item in items for j in range(1 + item.num_draft_tokens)
         ]
         allowed = masks.result() if masks is not None else None
         sampled = self._sample(logits, rows, allowed) if rows else None
-        kept = self._verify(items, sampled.token_ids.tolist() if sampled is not None else [])
+        samples = []
+        if sampled is not None:
+            samples = non_finite.mark_non_finite(sampled.token_ids.tolist(), sampled.is_finite.tolist())
+        kept = self._verify(items, samples)
+        for i, item in enumerate(items):  # a failed request keeps the tokens before its fault, if any
+            kept[i], ahead = non_finite.cut_at_non_finite(kept[i])
+            if item.request_id in faults:  # its prompt's scoring failed: an earlier position
+                kept[i] = []
+            elif ahead is not None:
+                faults[item.request_id] = non_finite.at_output(item.request.num_output_tokens + ahead)
         broken: list[tuple[ScheduledRequest, TandemError]] = []
         for item, tokens in zip(items, kept, strict=True):  # the grammar takes what was sampled
             if item.request.constraint is not None:
                 for token_id in tokens:
                     item.request.constraint.accept(token_id)
-                if (error := item.request.constraint.error()) is not None:
+                if item.request_id not in faults and (error := item.request.constraint.error()) is not None:
                     broken.append((item, error))
         with self.lock:
-            self.scheduler.update(plan, {item.request_id: t for item, t in zip(items, kept, strict=True)})
+            for request_id in faults:  # out before the update, which skips it: no token, no cached block
+                self.scheduler.abort(request_id)
+            self.scheduler.update(
+                plan,
+                {
+                    item.request_id: t
+                    for item, t in zip(items, kept, strict=True)
+                    if item.request_id not in faults
+                },
+            )
         self.num_steps += 1
-        self._emit(items, kept, sampled, time.monotonic(), skip={item.request_id for item, _ in broken})
+        skip = {item.request_id for item, _ in broken}
+        skip.update(item.request_id for item, tokens in zip(items, kept, strict=True) if not tokens)
+        self._emit(items, kept, sampled, time.monotonic(), skip=skip)
+        for request_id, fault in faults.items():
+            tracked = self._live.get(request_id)
+            if tracked is not None:  # the tokens before its fault did not finish it
+                log.warning("request %r failed: %s", tracked.output.request_id, fault.message)
+                self._fail(request_id, fault)
         for item, error in broken:
             self._fail(item.request_id, error)
 
@@ -364,10 +391,16 @@ class EngineCore:
         for tracked in live:
             tracked.on_event(Failed(tracked.output.request_id, error))
 
-    def _add_prompt_logprobs(self, chunks: tuple[PromptLogprobsChunk, ...]) -> None:
-        """Hand each request the prompt positions this step scored; they go out with its first token."""
+    def _add_prompt_logprobs(self, chunks: tuple[PromptLogprobsChunk, ...]) -> dict[str, TandemError]:
+        """Hand each request the prompt positions this step scored; they go out with its first token.
+        Returns the requests whose scored logits were not finite, by engine key, with their error."""
+        faults: dict[str, TandemError] = {}
         for chunk in chunks:
-            self._live[chunk.request_id].output.add_prompt_logprobs(chunk)
+            if chunk.first_non_finite is not None:
+                faults.setdefault(chunk.request_id, non_finite.at_prompt(chunk.first_non_finite))
+            elif chunk.request_id not in faults:
+                self._live[chunk.request_id].output.add_prompt_logprobs(chunk)
+        return faults
 
     def _propose(self) -> None:
         """Under `lock`: each decoding request that speculates proposes its next tokens, while the
