@@ -3,13 +3,13 @@ from the request alone, so a test can tell which prompt and which seed each answ
 keeping count of the streams it holds open and of those the gateway cancelled.
 
 Its answer to a prompt P (the text of its segments, token IDs as `ids:1,2`, or a chat's messages, a
-picture's rows as `[image <their first 4 bytes in hex>]`) with seed S: the deltas `<P>` then
-` seed=S` (`seed=none` unseeded), then ` x` up to max_tokens (2 unless set), finished LENGTH with
-P's characters as prompt tokens. A prompt holding
-`refuse` is refused as too long (field `prompt`), an ID over 999 as out of the vocabulary (field
-`prompt[0].token_ids.ids[k]`), a max_new_tokens over 50 as over the context (`stopping.max_new_tokens`);
-one holding `hang` streams ` .` until cancelled; `break` fails after its deltas; `drain` ends ABORTED;
-`after2` waits until two other streams are open (so that its neighbours are accepted before it is refused).
+picture's rows as `[image <their first 4 bytes in hex>]`) with seed S: the deltas `<P>` then ` seed=S`
+(`seed=none` unseeded), then ` x` up to max_tokens (2 unless set), finished LENGTH with P's characters
+as prompt tokens. A prompt holding `refuse` is refused as too long (field `prompt`), an ID over 999 as
+out of the vocabulary (field `prompt[j].token_ids.ids[k]`, ID k of segment j), a max_new_tokens over 50
+as over the context (`stopping.max_new_tokens`); one holding `hang` streams ` .` until cancelled;
+`break` fails after its deltas; `drain` ends ABORTED; `after2` waits until two other streams are open
+(so that its neighbours are accepted before it is refused).
 
 Started with an encoder (`fake_decoder(encoder_address)`), it is a decoder started with `--encoder`:
 it takes `encoder` parts and, as the real one does (`tandem.decoder.api.encoder_parts`), fetches their
@@ -148,10 +148,10 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
 def _refusal(request: decoder_pb2.GenerateRequest, prompt: str) -> InvalidArgument | None:
     if "refuse" in prompt:
         return InvalidArgument("prompt", f"{len(prompt)} positions leave no room to generate")
-    for segment in request.prompt:
+    for j, segment in enumerate(request.prompt):
         for k, token_id in enumerate(segment.token_ids.ids):
             if token_id >= VOCAB:
-                return InvalidArgument(f"prompt[0].token_ids.ids[{k}]", f"{token_id} is not below {VOCAB}")
+                return InvalidArgument(f"prompt[{j}].token_ids.ids[{k}]", f"{token_id} is not below {VOCAB}")
     if request.stopping.max_new_tokens > MAX_NEW_TOKENS:
         return InvalidArgument(
             "stopping.max_new_tokens",

@@ -182,6 +182,19 @@ async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others
         assert (status, answer["error"]["param"]) == (400, "prompt[1][2]")  # before the stream began
 
 
+async def test_a_single_prompts_bad_token_id_is_named_as_the_body_gave_it() -> None:
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        for prompt, param in (
+            ([1, 2, 1000], "prompt[2]"),  # a list of IDs: ID 2 of the prompt
+            (["a", [5, 1000]], "prompt[1][1]"),  # a list of parts: ID 1 of part 1
+            ([[5, 6, 1000]], "prompt[0][2]"),  # a list of one part
+        ):
+            for stream in (False, True):
+                status, answer = await _post(f"{url}/completions", {"prompt": prompt, "stream": stream})
+                assert (status, answer["error"]["param"]) == (400, param), (prompt, answer)
+                assert answer["error"]["message"].startswith(f"{param}: ")
+
+
 async def test_a_choice_failing_mid_stream_ends_the_stream_with_its_error_and_cancels_the_others() -> None:
     async with fake_decoder() as (decoder, address), live_gateway(address) as url:
         status, events = await _post(f"{url}/completions", {"prompt": ["hang", "break"], "stream": True})

@@ -8,7 +8,7 @@ import pytest
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from tandem.gateway.errors import BodyNames, body_field, from_grpc
+from tandem.gateway.errors import BodyNames, PromptShape, body_field, from_grpc
 
 
 @pytest.mark.parametrize(
@@ -94,3 +94,26 @@ def test_a_batch_prompts_error_on_another_field_keeps_it_and_says_which_prompt()
         "top_k",
         "top_k: bad (prompt[1] of the batch)",
     )
+
+
+@pytest.mark.parametrize(
+    ("shape", "path", "expected"),
+    [
+        (PromptShape.TOKEN_IDS, "prompt[0].token_ids.ids[3]: token id 5000 outside [0, 1000)",
+         "prompt[3]: token id 5000 outside [0, 1000)"),
+        (PromptShape.TOKEN_IDS, "prompt[0].token_ids", "prompt"),
+        (PromptShape.TOKEN_IDS, "prompt: 9031 positions, no room", "prompt: 9031 positions, no room"),
+        (PromptShape.TEXT, "prompt[0].text: must not be empty", "prompt: must not be empty"),
+        (PromptShape.TEXT, "prompt[0]", "prompt"),
+        (PromptShape.SEGMENTS, "prompt[1].token_ids.ids[2]", "prompt[1][2]"),
+        (PromptShape.SEGMENTS, "prompt[12].token_ids.ids", "prompt[12]"),
+        (PromptShape.SEGMENTS, "prompt[0].text", "prompt[0]"),
+        (PromptShape.SEGMENTS, "prompt[1].embeddings.shape", "prompt[1].embeddings.shape"),  # the body's own
+        (PromptShape.SEGMENTS, "prompt", "prompt"),
+        (None, "prompt[0].token_ids.ids[3]", "prompt[0].token_ids.ids[3]"),  # a batch's: for_prompt names it
+    ],
+)  # fmt: skip
+def test_a_single_prompts_segment_is_named_as_the_body_gave_the_prompt(
+    shape: PromptShape | None, path: str, expected: str
+) -> None:
+    assert body_field(path, BodyNames(prompt=shape)) == expected

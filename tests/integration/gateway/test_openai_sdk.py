@@ -134,6 +134,20 @@ async def test_an_embeddings_error_names_the_input_that_failed(live: Live) -> No
             assert refused.value.message.startswith(f"Error code: 400 - {param}")
 
 
+async def test_a_completions_bad_token_id_names_it_as_the_body_gave_the_prompt(live: Live) -> None:
+    async with _client(live) as client:
+        for prompt, param in (
+            ([1, 2, 99_999_999], "prompt[2]"),
+            (["fine text", [3, 99_999_999]], "prompt[1][1]"),
+            ([[5, 99_999_999]], "prompt[0][1]"),
+            ([[1], [2, 99_999_999]], "prompt[1][1]"),  # a batch, as before
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.completions.create(model="", prompt=prompt, max_tokens=4)  # type: ignore[arg-type]
+            assert refused.value.param == param, refused.value.message
+            assert refused.value.message.startswith(f"Error code: 400 - {param}")
+
+
 async def test_an_embedding_part_answers_as_its_tokens_do(live: Live, tiny_fp32) -> None:
     ids = tiny_fp32.tokenizer.encode(PROMPT).ids
     rows = tiny_fp32.model.embed_tokens.weight[torch.tensor(ids)].detach().float().numpy()

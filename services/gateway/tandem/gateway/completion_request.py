@@ -3,12 +3,14 @@ batch. Every repeated field is counted (`body_limits.py`) before its first eleme
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.gateway.body_limits import BodyLimits, at_most
 from tandem.gateway.calls import GenerateCall
+from tandem.gateway.errors import PromptShape
 from tandem.gateway.fields import field, token_ids, uint
 from tandem.gateway.parameters import common_parameters, generate_call
 from tandem.gateway.tensors import tensor
@@ -21,10 +23,13 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
     max_ids = limits.max_positions
     context = f"(the decoder's context of {max_ids} positions)"
     batch: list[Any] = []
+    shape = None  # how the body gave its one prompt (None: a batch): how an error names it
     if isinstance(prompt, str):
         request.prompt.add(text=prompt)
+        shape = PromptShape.TEXT
     elif (ids := token_ids(prompt, "prompt", max_ids)) is not None:
         request.prompt.add(token_ids=tensor_pb2.TokenIds(ids=ids))
+        shape = PromptShape.TOKEN_IDS
     elif isinstance(prompt, list) and prompt:
         if len(prompt) > 1 and (
             all(isinstance(part, str) for part in prompt) or all(isinstance(part, list) for part in prompt)
@@ -35,9 +40,11 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
             batch = prompt
         else:
             _segments(prompt, request, max_ids, context)
+            shape = PromptShape.SEGMENTS
     else:
         raise InvalidArgument("prompt", "must be a string, a list of token IDs, or a list of parts")
     names, n = common_parameters(body, request, limits, max(len(batch), 1), max_tokens=("max_tokens",))
+    names = dataclasses.replace(names, prompt=shape)
     logprobs = uint(body, "logprobs", 0, 20)
     if logprobs is not None:
         request.output.logprobs = True

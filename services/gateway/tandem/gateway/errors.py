@@ -6,6 +6,7 @@ RESOURCE_EXHAUSTED's RetryInfo becomes `Retry-After`."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 from collections.abc import Callable
@@ -84,12 +85,24 @@ class Refused(Exception):
         self.error = error
 
 
+class PromptShape(enum.Enum):
+    """How a completion body gave its one prompt, the decoder's segments of it: which of the body's
+    fields the decoder's `prompt[j]...` paths are."""
+
+    TEXT = "text"  # a string: the one segment is the body's `prompt`
+    TOKEN_IDS = "token_ids"  # a list of IDs: the one segment is `prompt`, its ID k `prompt[k]`
+    SEGMENTS = "segments"  # a list of parts: segment j is `prompt[j]`, its ID k `prompt[j][k]`
+
+
 @dataclass(frozen=True)
 class BodyNames:
     """How one body names the fields a service's error may name, where the body had a choice."""
 
     structured: str | None = None  # the field that asked for structured output (guided_regex, ...)
     max_tokens: str = "max_tokens"  # or max_completion_tokens: the one the caller sent
+    # A completion's one prompt; None for a chat, and for a batch, whose prompt i each call names
+    # (`HttpError.for_prompt`).
+    prompt: PromptShape | None = None
 
 
 # A batch prompt's Generate call has one segment: the decoder's paths into it, up to what follows the
@@ -97,6 +110,9 @@ class BodyNames:
 PROMPT = re.compile(
     r"^prompt(?:\[0\]\.token_ids\.ids(?=\[)|\[0\](?:\.token_ids(?:\.ids)?|\.text)?(?![\w\[])|(?![\w\[]))"
 )
+# Segment j of a prompt given as a list of parts, up to what follows the body's `prompt[j]` (`[k]` of
+# its token IDs); an embeddings part's own fields (`prompt[j].embeddings.shape`) are the body's already.
+SEGMENT = re.compile(r"^prompt(\[\d+\])(?:\.token_ids\.ids(?=\[)|(?:\.token_ids(?:\.ids)?|\.text)(?![\w\[]))")
 
 
 def from_invalid(error: InvalidArgument) -> HttpError:
@@ -158,8 +174,14 @@ def body_field(path: str, names: BodyNames = BodyNames()) -> str:
     """A service's field path (or a message holding one) as the OpenAI body spells it. The decoder's
     `structured.<kind>` is the body field that asked for it: `response_format.json_schema.schema`,
     or vLLM's own (`guided_regex`, `guided_grammar`, `guided_json`, `guided_choice`);
-    `stopping.max_new_tokens` is max_tokens or max_completion_tokens, whichever the caller sent."""
+    `stopping.max_new_tokens` is max_tokens or max_completion_tokens, whichever the caller sent; a
+    completion's segment `prompt[j]` is the body's prompt as it gave it (`names.prompt`):
+    `prompt[0].token_ids.ids[k]` is `prompt[k]` of a list of IDs and `prompt[j][k]` of a list of parts."""
     path = path.replace("stopping.max_new_tokens", names.max_tokens)
+    if names.prompt is PromptShape.SEGMENTS:
+        path = SEGMENT.sub(r"prompt\1", path, count=1)
+    elif names.prompt is not None:  # the prompt is its one segment
+        path = PROMPT.sub("prompt", path, count=1)
     for service, body in BODY_FIELDS:
         path = path.replace(service, body)
     structured_field = names.structured
