@@ -37,9 +37,20 @@ def check_adapter_name(name: str, field: str = "name") -> None:
     size = len(name.encode())
     if not 1 <= size <= MAX_MODEL_NAME_BYTES:
         raise InvalidArgument(field, f"must be 1 to {MAX_MODEL_NAME_BYTES} bytes, got {size}")
-    # Names are logged and stand for an OpenAI `model`: a control character would forge a log line,
-    # and "qv4 " beside "qv4" is two adapters nobody can tell apart.
-    if any(unicodedata.category(c) == "Cc" for c in name):
-        raise InvalidArgument(field, f"must not hold control characters, got {echo(name)}")
-    if name != name.strip():
-        raise InvalidArgument(field, f"must not begin or end with white space, got {echo(name)}")
+    check_label(name, field)
+
+
+# Control characters (newline, carriage return, escape, DEL, ...) and the two Unicode line separators,
+# which str.splitlines and many log viewers also break lines at.
+_LINE_FORGING = frozenset({"Cc", "Zl", "Zp"})
+
+
+def check_label(text: str, field: str) -> None:
+    """A name a caller gives that the server logs and echoes (an adapter's name, a request ID): no
+    control characters or line separators, which would forge a log line, and no white space at either
+    end, which makes two names nobody can tell apart ("qv4 " beside "qv4"). Raises InvalidArgument
+    naming `field`."""
+    if any(unicodedata.category(c) in _LINE_FORGING for c in text):
+        raise InvalidArgument(field, f"must not hold control characters or line separators, got {echo(text)}")
+    if text != text.strip():
+        raise InvalidArgument(field, f"must not begin or end with white space, got {echo(text)}")

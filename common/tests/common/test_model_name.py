@@ -7,6 +7,7 @@ from tandem.common.model_name import (
     MAX_ECHO_CHARS,
     MAX_MODEL_NAME_BYTES,
     check_adapter_name,
+    check_label,
     check_model,
     echo,
 )
@@ -42,7 +43,10 @@ def test_echo_keeps_short_text_whole() -> None:
     assert echo("abc") == "'abc'"
 
 
-@pytest.mark.parametrize("name", ["qv4\nINFO forged line", "a\x00b", " ", "qv4 ", " qv4", "\tqv4"])
+@pytest.mark.parametrize(
+    "name",
+    ["qv4\nINFO forged line", "a\x00b", "a\x7fb", "a\u2028b", "a\u2029b", " ", "qv4 ", " qv4", "\tqv4"],
+)
 def test_an_adapter_name_with_control_characters_or_outer_white_space_is_refused(name: str) -> None:
     # Names are logged as they are and stand for an OpenAI model: "qv4 " beside "qv4" is a second
     # adapter nobody can tell from the first.
@@ -53,3 +57,27 @@ def test_an_adapter_name_with_control_characters_or_outer_white_space_is_refused
 
 def test_an_adapter_name_may_hold_inner_spaces_and_any_letters() -> None:
     check_adapter_name("my adapter/v2-é")
+
+
+@pytest.mark.parametrize(
+    "label, rule",
+    [
+        ("r1\nINFO forged line", "control characters"),
+        ("r1\x1b[2J", "control characters"),
+        ("r1\u2028INFO forged line", "line separators"),  # str.splitlines breaks here too
+        ("r1 ", "white space"),
+        ("\u3000r1", "white space"),  # an ideographic space
+    ],
+)
+def test_a_label_that_could_forge_a_log_line_or_hide_a_twin_is_refused_naming_its_field(
+    label: str, rule: str
+) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        check_label(label, "request_id")
+    assert caught.value.field == "request_id" and rule in caught.value.description
+    assert "\n" not in caught.value.message and "\u2028" not in caught.value.message  # echoed escaped
+
+
+def test_a_label_may_be_empty_hold_inner_spaces_and_any_letters() -> None:
+    for label in ("", "cmpl-7 retry 2", "é-ü/日本"):
+        check_label(label, "request_id")

@@ -173,6 +173,14 @@ def _bad_requests(hidden: int, vocab: int, max_len: int) -> list[tuple[str, deco
             "speculative_tokens",
             decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text="hi")], speculative_tokens=17),
         ),
+        # A request ID is logged as sent: no forged line, no twin that differs in white space, bounded.
+        *(
+            (
+                "request_id",
+                decoder_pb2.GenerateRequest(request_id=rid, prompt=[decoder_pb2.PromptSegment(text="hi")]),
+            )
+            for rid in ("r1\nINFO forged line", "r1\rx", "r1\x1b[2J", "r1\u2028x", "r1 ", " r1", "é" * 65)
+        ),
     ]
 
 

@@ -503,9 +503,11 @@ class GenerateRequest(_message.Message):
     STRUCTURED_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Caller-chosen ID echoed in every response and in traces, at most 128 bytes. A label only: the
-    server never looks a request up by it, so it need not be unique, and reusing one (even right
-    after cancelling its stream) affects no other request. Empty = a random one (a UUID).
+    """Caller-chosen ID echoed in every response and in traces, at most 128 bytes; no control
+    characters or line separators (U+2028, U+2029), no white space at either end: it is logged as
+    sent. A label only: the server never looks a request up by it, so it need not be unique, and
+    reusing one (even right after cancelling its stream) affects no other request. Empty = a random
+    one (a UUID).
     """
     model: _builtins.str
     """Model name to check against the loaded one, at most 256 bytes; empty = the loaded model."""
@@ -1122,8 +1124,8 @@ class LoadAdapterRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """The name requests will use, 1-256 bytes, not taken by a loaded adapter; no control characters,
-    no white space at either end.
+    """The name requests will use, 1-256 bytes, not taken by a loaded adapter; no control characters
+    or line separators (U+2028, U+2029), no white space at either end.
     """
     path: _builtins.str
     """The adapter's directory, on the server's file system; 1-4096 bytes."""
