@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -255,3 +256,41 @@ async def test_work_for_between_steps_after_the_engine_stopped_fails_at_once(
     await shutdown(served)
     late = served.engine.core.between_steps(lambda: None)
     assert late.done() and "shutting down" in str(late.exception())
+
+
+async def test_a_load_whose_caller_leaves_after_its_install_began_stays_and_its_retry_is_already_exists(
+    llama: tuple[Path, dict[str, Path]], references: dict[str, list[int]]
+) -> None:
+    """The install runs on the engine thread and is not undone: the adapter serves, ListAdapters shows
+    its path, and a retry is ALREADY_EXISTS (the weights served are the first load's, whatever the
+    files hold now), as vLLM's /v1/load_lora_adapter answers a retry 400 "has already been loaded"."""
+    model_dir, adapters = llama
+    served = await serve(model_dir, None, enable_lora=True, max_loras=2)
+    try:
+        lora = served.engine.lora
+        write, began, release = lora.write, threading.Event(), threading.Event()
+
+        def slow_write(slot, adapter) -> None:  # on the engine thread, the install under way
+            began.set()
+            release.wait(30)
+            write(slot, adapter)
+
+        lora.write = slow_write
+        loading = asyncio.ensure_future(served.client.load_adapter("qv4", str(adapters["qv4"])))
+        assert await asyncio.to_thread(began.wait, 30)
+        loading.cancel()  # the caller leaves
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        release.set()
+        while not await served.client.list_adapters():
+            await asyncio.sleep(0.01)
+        assert [(a.name, a.path) for a in await served.client.list_adapters()] == [
+            ("qv4", str(adapters["qv4"]))
+        ]
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await served.client.load_adapter("qv4", str(adapters["qv4"]))
+        assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert (await tokens_of(served, request("qv4")))[0] == references["qv4"]
+    finally:
+        release.set()
+        await shutdown(served)
