@@ -10,6 +10,7 @@ from grpc_status import rpc_status
 
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.common.torch_part import tensors
+from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.encoder.embedder import Pooling
 from tandem.encoder.lookup import LookupEmbedder
 from tests.integration.encoder.conftest import (
@@ -158,6 +159,11 @@ async def test_get_model_info_describes_the_embedder(encoder: Encoder, lookup: L
     assert info.dtype == tensor_pb2.DATA_TYPE_BFLOAT16
     assert (info.max_input_tokens, info.max_message_bytes) == (MAX_INPUT_TOKENS, MAX_MESSAGE_BYTES)
     assert info.num_virtual_tokens == 0
+    # Which model, beyond its shape: its token table's sample, as the checkpoint's files store it.
+    sample = read_table_sample(encoder.servicer.config.model_dir, ValueError)
+    reported = info.token_table_sample
+    assert (reported.vocab_size, reported.hidden_size) == (lookup.info.vocab_size, lookup.info.hidden_size)
+    assert tuple(reported.values) == sample.values
 
 
 async def test_unavailable_and_not_serving_while_loading(tiny_model) -> None:

@@ -38,12 +38,13 @@ from tandem.common.dtypes import FLOAT_DATA_TYPES
 from tandem.common.model_name import check_model
 from tandem.common.server import Service
 from tandem.common.torch_part import tensors
+from tandem.common.torch_part.model_identity import TableSample, read_table_sample
 from tandem.common.torch_part.prompt_parts import TextPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.encoder.batch import EmbedOutput, run_batch
 from tandem.encoder.batcher import Batcher
 from tandem.encoder.config import SMALL_FIELDS_BYTES, EncoderConfig
-from tandem.encoder.embedder import Embedder, Pooling
+from tandem.encoder.embedder import Embedder, EmbedderLoadError, Pooling
 from tandem.encoder.request import (
     EmbedJob,
     EmbedSpec,
@@ -69,6 +70,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def __init__(self, config: EncoderConfig, telemetry: otel.Telemetry | None = None) -> None:
         self.config = config
         self._embedder: Embedder | None = None
+        self._table_sample: TableSample | None = None  # model_dir's token table, once attached
         self._max_input_tokens = config.max_input_tokens  # min(config, embedder limit) once attached
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
         self._batcher: Batcher[EmbedJob | ImageJob, EmbedOutput] | None = None  # once attached
@@ -93,6 +95,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._metrics = otel.ServerMetrics(telemetry.meter) if self._telemetry is not None else None
 
     def attach(self, embedder: Embedder) -> None:
+        """Serve `embedder`, loaded from config.model_dir. Raises EmbedderLoadError when that checkpoint
+        has no token table to sample (GetModelInfo reports the sample: a decoder checks it)."""
+        self._table_sample = read_table_sample(self.config.model_dir, EmbedderLoadError)
         self._embedder = embedder
         limit = embedder.info.max_positions
         self._max_input_tokens = min(self.config.max_input_tokens, limit or self.config.max_input_tokens)
@@ -253,6 +258,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             max_image_pixels=self.config.max_image_pixels if info.image_placeholder else 0,
             max_batch_size=self.config.max_batch_size,
             max_batch_wait_s=self.config.max_batch_wait_ms / 1000,
+            token_table_sample=_sample_to_pb(self._table_sample),
         )
 
     def _require_embedder(self) -> Embedder:
@@ -336,3 +342,11 @@ def _output_dtype(dtype: int) -> torch.dtype | None:
         *others, last = (tensor_pb2.DataType.Name(d) for d in sorted(FLOAT_DATA_TYPES))
         raise InvalidArgument("output_dtype", f"{name} is not supported; use {', '.join(others)} or {last}")
     return tensors.to_torch_dtype(dtype, "output_dtype")
+
+
+def _sample_to_pb(sample: TableSample | None) -> encoder_pb2.TokenTableSample | None:
+    if sample is None:
+        return None
+    return encoder_pb2.TokenTableSample(
+        vocab_size=sample.vocab_size, hidden_size=sample.hidden_size, values=sample.values
+    )

@@ -366,6 +366,7 @@ class EncoderGetModelInfoResponse(_message.Message):
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _builtins.int
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     MAX_BATCH_WAIT_S_FIELD_NUMBER: _builtins.int
+    TOKEN_TABLE_SAMPLE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Name of the decoder checkpoint whose hidden space the embeddings live in."""
     embedder: _builtins.str
@@ -394,6 +395,13 @@ class EncoderGetModelInfoResponse(_message.Message):
     """Most calls run together in one batch."""
     max_batch_wait_s: _builtins.float
     """The longest the first call of a batch waits for others to join it, in seconds."""
+    @_builtins.property
+    def token_table_sample(self) -> Global___TokenTableSample:
+        """Which model the embeddings are for, beyond its shape: a sample of the token table of the decoder
+        checkpoint named by `model`, read from its files. A decoder started with --encoder compares it with
+        its own checkpoint's and refuses an encoder that serves another model of the same hidden size.
+        """
+
     def __init__(
         self,
         *,
@@ -411,11 +419,48 @@ class EncoderGetModelInfoResponse(_message.Message):
         max_image_pixels: _builtins.int = ...,
         max_batch_size: _builtins.int = ...,
         max_batch_wait_s: _builtins.float = ...,
+        token_table_sample: Global___TokenTableSample | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token_table_sample", b"token_table_sample"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_images", b"accepts_images", "dtype", b"dtype", "embedder", b"embedder", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_batch_size", b"max_batch_size", "max_batch_wait_s", b"max_batch_wait_s", "max_image_bytes", b"max_image_bytes", "max_image_pixels", b"max_image_pixels", "max_input_tokens", b"max_input_tokens", "max_message_bytes", b"max_message_bytes", "model", b"model", "num_virtual_tokens", b"num_virtual_tokens", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_images", b"accepts_images", "dtype", b"dtype", "embedder", b"embedder", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_batch_size", b"max_batch_size", "max_batch_wait_s", b"max_batch_wait_s", "max_image_bytes", b"max_image_bytes", "max_image_pixels", b"max_image_pixels", "max_input_tokens", b"max_input_tokens", "max_message_bytes", b"max_message_bytes", "model", b"model", "num_virtual_tokens", b"num_virtual_tokens", "token_table_sample", b"token_table_sample", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EncoderGetModelInfoResponse: _TypeAlias = EncoderGetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class TokenTableSample(_message.Message):
+    """Values of a checkpoint's token table (model.embed_tokens.weight, or a vision-language checkpoint's
+    language model's) at positions fixed by its shape: rows (2i + 1) * vocab_size / 32 for i < 16 and
+    columns (2j + 1) * hidden_size / 16 for j < 8, rounded down. Two samples are of the same model when
+    their shapes match and every value agrees within 2^-7 relative (storage dtypes round differently).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    vocab_size: _builtins.int
+    """The table's rows: the checkpoint's vocabulary size."""
+    hidden_size: _builtins.int
+    """The table's columns: the checkpoint's hidden size."""
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """128 values as float32, row by row."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: _builtins.int = ...,
+        hidden_size: _builtins.int = ...,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_size", b"hidden_size", "values", b"values", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenTableSample: _TypeAlias = TokenTableSample  # noqa: Y015

@@ -1,0 +1,91 @@
+"""Which model a checkpoint is, as far as its embeddings go: what a decoder and its encoder compare.
+
+Both services load one checkpoint each (`--model`), and an encoder's rows are only right for a decoder
+of the same model: another model of the same hidden size and dtype takes them without complaint and
+answers from the wrong space. Names cannot tell (`--model-name` is free, directories get renamed or
+copied), nor can config.json (two fine-tunes of one base share it). The token table can: a sample of
+it, NUM_ROWS rows by NUM_COLUMNS columns at positions fixed by its shape, read from the files as stored
+(a few rows, whatever the checkpoint's size).
+
+The samples are compared within a tolerance, not bit for bit, since one model reaches the two
+services in different storage dtypes: a GGUF file imported for an encoder in bfloat16 and for a
+decoder in float32 holds the same values rounded differently (at most 2^-9 apart, relatively, in
+bfloat16; less in float16). Rounding at load (--quantization int8, int4, gguf) never touches the
+files, so a quantized decoder and its encoder compare the same sample. Two checkpoints trained (or
+drawn) apart differ far beyond that in almost every value: the 128 would all have to agree. A checkpoint
+that differs from another only after its token table (a fine-tune that froze it) shares its sample, and
+its lookup rows are indeed the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from tandem.common.checkpoint import read_json
+from tandem.common.vision_language import weight_layout
+
+NUM_ROWS = 16
+NUM_COLUMNS = 8
+REL_TOLERANCE = 2.0**-7  # bfloat16's rounding (2^-9 relative) with room for a second rounding
+ABS_TOLERANCE = 1e-6  # float16's subnormals, below 6e-5, lose relative precision
+TABLE_NAME = "model.embed_tokens.weight"  # a causal LM's name; a vision-language one's via its layout
+
+
+@dataclass(frozen=True)
+class TableSample:
+    """Values of a checkpoint's token table at the positions `sample_positions` gives for its shape."""
+
+    vocab_size: int
+    hidden_size: int
+    values: tuple[float, ...]  # [NUM_ROWS * NUM_COLUMNS], row by row, as float32
+
+    def is_same_model(self, other: TableSample) -> bool:
+        if (self.vocab_size, self.hidden_size) != (other.vocab_size, other.hidden_size):
+            return False
+        if len(self.values) != len(other.values):
+            return False
+        return all(
+            math.isclose(a, b, rel_tol=REL_TOLERANCE, abs_tol=ABS_TOLERANCE)
+            for a, b in zip(self.values, other.values, strict=True)
+        )
+
+
+def sample_positions(vocab_size: int, hidden_size: int) -> tuple[list[int], list[int]]:
+    """Rows and columns spread evenly over the table, the first and last of each left out (a padding
+    or special token's row is often zeros)."""
+    rows = [(2 * i + 1) * vocab_size // (2 * NUM_ROWS) for i in range(NUM_ROWS)]
+    columns = [(2 * j + 1) * hidden_size // (2 * NUM_COLUMNS) for j in range(NUM_COLUMNS)]
+    return rows, columns
+
+
+def read_table_sample(model_dir: Path, error: Callable[[str], Exception]) -> TableSample:
+    """The token table's sample, read from the checkpoint in `model_dir` (model.safetensors, or the
+    shard its index names). Raises `error` naming what is missing."""
+    hf_config = read_json(model_dir / "config.json", error)
+    architecture = (hf_config.get("architectures") or [""])[0]
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        files = {name: model_dir / file for name, file in read_json(index_path, error)["weight_map"].items()}
+    else:
+        path = model_dir / "model.safetensors"
+        if not path.is_file():
+            raise error(f"model.safetensors (or model.safetensors.index.json) not found in {model_dir}")
+        with safe_open(path, framework="pt", device="cpu") as weights:
+            files = dict.fromkeys(weights.keys(), path)
+    name = weight_layout(architecture, files, error).checkpoint_name(TABLE_NAME)
+    if name not in files:
+        raise error(f"{name} not found in {model_dir}")
+    with safe_open(files[name], framework="pt", device="cpu") as weights:
+        table = weights.get_slice(name)  # read row by row below: nothing else is mapped in
+        shape = table.get_shape()
+        if len(shape) != 2 or min(shape) < 1:
+            raise error(f"{name} in {model_dir} has shape {shape}, not [vocab_size, hidden_size]")
+        vocab_size, hidden_size = shape
+        rows, columns = sample_positions(vocab_size, hidden_size)
+        values = [table[row : row + 1].float()[0, columns].tolist() for row in rows]
+    return TableSample(vocab_size, hidden_size, tuple(v for row in values for v in row))

@@ -1,0 +1,79 @@
+"""A checkpoint's token-table sample: the same model in any storage dtype, and never another model of the
+same shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem.common.torch_part.model_identity import NUM_COLUMNS, NUM_ROWS, read_table_sample
+from tandem.common.torch_part.random_model import make_model
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two tiny checkpoints of one shape (and one config and tokenizer), with different weights."""
+    root = tmp_path_factory.mktemp("identity")
+    return make_model(root / "a", seed=0), make_model(root / "b", seed=1)
+
+
+def _table_checkpoint(out_dir: Path, table: torch.Tensor) -> Path:
+    """A checkpoint of a token table alone (all the sample reads)."""
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    save_file({"model.embed_tokens.weight": table}, out_dir / "model.safetensors")
+    return out_dir
+
+
+def test_two_checkpoints_of_one_shape_are_told_apart(two_models: tuple[Path, Path]) -> None:
+    a, b = (read_table_sample(m, ValueError) for m in two_models)
+    assert (a.vocab_size, a.hidden_size) == (b.vocab_size, b.hidden_size)
+    assert len(a.values) == NUM_ROWS * NUM_COLUMNS
+    assert not a.is_same_model(b) and not b.is_same_model(a)
+    assert a.is_same_model(read_table_sample(two_models[0], ValueError))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_model_stored_in_another_dtype_is_the_same_model(tmp_path: Path, dtype: torch.dtype) -> None:
+    # As a GGUF file imported in float32 for one service and in bfloat16 or float16 for the other.
+    generator = torch.Generator().manual_seed(0)
+    exact = torch.randn(1024, 64, generator=generator) * 0.02
+    another = torch.randn(1024, 64, generator=generator) * 0.02
+    original = read_table_sample(_table_checkpoint(tmp_path / "exact", exact), ValueError)
+    rounded = read_table_sample(_table_checkpoint(tmp_path / "rounded", exact.to(dtype)), ValueError)
+    assert all(a != b for a, b in zip(rounded.values, original.values, strict=True))  # all rounded
+    assert rounded.is_same_model(original) and original.is_same_model(rounded)
+    other = read_table_sample(_table_checkpoint(tmp_path / "other", another.to(dtype)), ValueError)
+    assert not other.is_same_model(original)
+
+
+def test_the_sample_is_read_from_the_shard_an_index_names(
+    two_models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "sharded"
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model_dir / name).write_bytes((two_models[0] / name).read_bytes())
+    weights = load_file(two_models[0] / "model.safetensors")
+    table = {"model.embed_tokens.weight": weights.pop("model.embed_tokens.weight")}
+    save_file(weights, model_dir / "model-00001-of-00002.safetensors")
+    save_file(table, model_dir / "model-00002-of-00002.safetensors")
+    weight_map = dict.fromkeys(weights, "model-00001-of-00002.safetensors")
+    weight_map["model.embed_tokens.weight"] = "model-00002-of-00002.safetensors"
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert read_table_sample(model_dir, ValueError) == read_table_sample(two_models[0], ValueError)
+
+
+def test_a_checkpoint_without_a_token_table_is_an_error_naming_it(
+    two_models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "headless"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_bytes((two_models[0] / "config.json").read_bytes())
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight not found in .*headless"):
+        read_table_sample(model_dir, ValueError)
