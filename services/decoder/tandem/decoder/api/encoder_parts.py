@@ -24,6 +24,12 @@ A fetch, on the event loop:
    multiplication: `backends/cpu/copy_digest.py`), and the name removed: that releases the segment to
    the encoder's pool, which writes into it again, and a replay finds nothing. Bytes are decoded as
    any tensor (zero copy).
+Which model the encoder serves is checked against this decoder's own, by a sample of each one's token
+table (`tandem.common.torch_part.model_identity`; GetModelInfo reports the encoder's): once loaded,
+the decoder asks (`check_model`, waiting a while for an encoder still loading) and refuses to start
+beside another model of the same shape, whose rows it would read in the wrong hidden space. An encoder
+that did not answer then is checked when first asked for rows, and its parts are refused
+(FAILED_PRECONDITION, naming both models) if it serves another model.
 Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
 on `prompt[i].encoder`; an encoder that cannot be reached is UNAVAILABLE naming its address, within
 the retries of its channel, so the request never waits for it past its deadline.
@@ -57,16 +63,22 @@ from tandem.client.errors import (
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.common.dtypes import BY_WIRE
 from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part.model_identity import TableSample, read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
 from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.engine.admission.chat import ChatMessage
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 
+CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading its model
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # segments this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 TRACE_METADATA = ("traceparent", "tracestate")  # passed on when this decoder does not trace itself
+
+
+class EncoderMismatch(Exception):
+    """The encoder serves another model than this decoder's; the message names both."""
 
 
 class EncoderParts:
@@ -78,9 +90,17 @@ class EncoderParts:
         cache_bytes: int,
         telemetry: otel.Telemetry | None = None,
         shm_dir: Path = shared_memory.SHM_DIR,
+        # This decoder's checkpoint, and the name it serves it under: an encoder of another model is
+        # refused. None: not checked (tests and benchmarks that build an encoder and a decoder of one
+        # model by hand).
+        model_dir: Path | None = None,
+        model_name: str = "",
     ) -> None:
         self.address = address
         self.dtype = dtype
+        self.model_dir = model_dir
+        self.model_name = model_name
+        self._table_sample = read_table_sample(model_dir, ValueError) if model_dir is not None else None
         self.client = EncoderClient(address, max_message_bytes, telemetry)
         self.cache = EmbeddingCache(cache_bytes)
         self.shm_dir = shm_dir
@@ -96,6 +116,7 @@ class EncoderParts:
         self.limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
         self._traces_itself = telemetry is not None and telemetry.is_tracing
         self._model: str | None = None  # the encoder's model name, asked once: part of every cache key
+        self._mismatch: str | None = None  # why the encoder's model is not this decoder's, once asked
         self._model_lock = asyncio.Lock()
         self.num_shared = 0  # replies read from shared memory
         self.num_bytes = 0  # replies that carried their rows as bytes
@@ -173,7 +194,8 @@ class EncoderParts:
         self, part: EncoderPrompt, field: str, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> torch.Tensor:
         """[n, hidden_size] in the model's dtype: cached, or fetched (and then cached)."""
-        key = cache_key(await self._encoder_model(timeout_s, metadata), part.kind, part.content, self.dtype)
+        model = await self._encoder_model(field, timeout_s, metadata)
+        key = cache_key(model, part.kind, part.content, self.dtype)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
@@ -238,8 +260,48 @@ class EncoderParts:
             digest_key=secrets.token_bytes(shared_memory.KEY_BYTES),
         )
 
-    async def _encoder_model(self, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]) -> str:
-        """The encoder's model name, asked once (every cache key holds it)."""
+    async def check_model(self, wait_s: float) -> str:
+        """Asks the encoder which model it serves, for at most `wait_s` (it may still be loading), and
+        compares it with this decoder's. Returns a line for the log saying what was found; raises
+        EncoderMismatch naming both models."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (remaining_s := deadline - loop.time()) > 0:
+            try:
+                info = await self.client.stub.GetModelInfo(
+                    encoder_pb2.EncoderGetModelInfoRequest(), timeout=remaining_s, wait_for_ready=True
+                )
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE:  # loading, or not listening yet
+                    await asyncio.sleep(min(CHECK_RETRY_S, max(0.0, deadline - loop.time())))
+                    continue
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    break
+                # e.g. UNAUTHENTICATED: the encoder wants a token, which only a caller's call carries
+                return (
+                    f"encoder {self.address} did not say which model it serves ({error.code().name}: "
+                    f"{error.details()}): checked at its first encoder part"
+                )
+            async with self._model_lock:
+                self._learn(info)
+            if self._mismatch is not None:
+                raise EncoderMismatch(self._mismatch)
+            if not info.HasField("token_table_sample") or self._table_sample is None:
+                return (
+                    f"encoder {self.address} serves {info.model!r} and reports no token table sample (a "
+                    "version before it did): which model it serves is not checked"
+                )
+            return f"encoder {self.address} serves {info.model!r}, this decoder's model"
+        return (
+            f"encoder {self.address} did not answer within {wait_s:g} s: which model it serves is "
+            "checked at its first encoder part"
+        )
+
+    async def _encoder_model(
+        self, field: str, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
+    ) -> str:
+        """The encoder's model name, asked once (every cache key holds it), unless `check_model` had
+        it. Raises FailedPrecondition on `field` when that model is not this decoder's."""
         async with self._model_lock:
             if self._model is None:
                 try:
@@ -248,8 +310,35 @@ class EncoderParts:
                     )
                 except grpc.aio.AioRpcError as error:
                     raise self._error(error, "encoder") from None
-                self._model = info.model
-            return self._model
+                self._learn(info)
+            assert self._model is not None
+        if self._mismatch is not None:
+            raise FailedPrecondition(field, self._mismatch)
+        return self._model
+
+    def _learn(self, info: encoder_pb2.EncoderGetModelInfoResponse) -> None:
+        """Keeps the encoder's model name and whether it is this decoder's model."""
+        self._model = info.model
+        self._mismatch = None
+        if self._table_sample is None or not info.HasField("token_table_sample"):
+            return  # nothing to compare: built by hand, or an encoder from before the sample
+        reported = info.token_table_sample
+        theirs = TableSample(reported.vocab_size, reported.hidden_size, tuple(reported.values))
+        if theirs.is_same_model(self._table_sample):
+            return
+        ours = self._table_sample
+        name = self.model_name or (self.model_dir.name if self.model_dir is not None else "")
+        shapes = (
+            f"token table [{theirs.vocab_size}, {theirs.hidden_size}] against [{ours.vocab_size}, "
+            f"{ours.hidden_size}]"
+            if (theirs.vocab_size, theirs.hidden_size) != (ours.vocab_size, ours.hidden_size)
+            else f"same token table shape [{ours.vocab_size}, {ours.hidden_size}], different values"
+        )
+        self._mismatch = (
+            f"encoder {self.address} serves model {info.model!r}, not this decoder's {name!r} "
+            f"({self.model_dir}): {shapes}, so its rows would be read in the wrong model's hidden space; "
+            "start the encoder with this decoder's --model"
+        )
 
     def _error(self, error: grpc.aio.AioRpcError, field: str) -> TandemError:
         """The encoder's status as this call's: about the input, or about the encoder."""

@@ -1,10 +1,12 @@
 """`tandem serve decoder` / `python -m tandem.decoder`: load the model, serve until SIGTERM.
 
 Start-up, in order, each failure one line and an exit code (2: a flag or variable is wrong, a port
-in use included; 1: the weights could not be loaded): the flags and `TANDEM_*` variables
-(`options.py`), the device, the port, the model (a GGUF file is imported once), the checkpoint's
-files and whether the world size shards it. Only then does the server listen, health NOT_SERVING,
-while the weights load; SERVING once loaded.
+in use included; 1: the weights could not be loaded, or --encoder serves another model): the flags
+and `TANDEM_*` variables (`options.py`), the device, the port, the model (a GGUF file is imported
+once), the checkpoint's files and whether the world size shards it. Only then does the server listen,
+health NOT_SERVING, while the weights load; SERVING once loaded and, with --encoder, once the encoder
+says it serves the same model (`encoder_parts.py`: another one is refused), or it has not answered
+within ENCODER_CHECK_S.
 
 Stopping (SIGTERM or SIGINT; a second signal only says it is already draining): health NOT_SERVING,
 no new calls, and open streams get --grace-s to finish. Any still open then end with
@@ -32,7 +34,7 @@ from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
 from tandem.common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import is_gguf_file, resolve_model
-from tandem.decoder.api.encoder_parts import EncoderParts
+from tandem.decoder.api.encoder_parts import EncoderMismatch, EncoderParts
 from tandem.decoder.api.options import config_from_options, settings
 from tandem.decoder.api.servicer import DecoderServicer
 from tandem.decoder.backends.backend import BackendUnavailable, check_available, resolve
@@ -59,6 +61,10 @@ log = logging.getLogger("tandem.decoder")
 
 PROG = "tandem serve decoder"
 CUT_S = 5.0  # after the grace period: how long aborted streams get to send `finished` before gRPC cancels
+# Once loaded, how long the decoder waits for its --encoder to say which model it serves (under `tandem
+# up` both start together, and a larger encoder may still be loading); past it, it serves, and the
+# encoder's model is checked at its first encoder part.
+ENCODER_CHECK_S = 30.0
 
 
 def command() -> click.Command:
@@ -236,8 +242,19 @@ async def serve(
             config.server.max_message_bytes,
             config.encoder_cache_bytes,
             telemetry,
+            model_dir=Path(config.engine.model_dir),
+            model_name=config.model_name,
         )
         log.info("encoder parts are fetched from %s", config.encoder_address)
+        try:
+            log.info("%s", await servicer.encoder_parts.check_model(ENCODER_CHECK_S))
+        except EncoderMismatch as error:
+            log.error("refusing --encoder: %s", error)
+            engine.shutdown()
+            await servicer.encoder_parts.close()
+            await running.stop(0)
+            telemetry.shutdown()
+            return False
     servicer.engine = engine
     freeze_startup_heap()
     await running.set_serving()
