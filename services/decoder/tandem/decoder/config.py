@@ -198,9 +198,17 @@ class EngineConfig:
                 raise ConfigError("loras", f": adapter name {name!r}: {error.description}") from None
             if names.count(name) > 1:
                 raise ConfigError("loras", f": adapter name {name!r} is given twice")
+        is_xla = backends.resolve(self.device).placement == "xla"
         needs = {
-            "device": (self.device == "cpu", f"cpu (the LoRA slots are CPU tensors), got {self.device!r}"),
-            "compile": (not self.compile, "off (the compiled decode buckets take no adapters)"),
+            "device": (
+                self.device == "cpu" or is_xla,
+                "cpu or an XLA device such as neuron (its graphs add every slot's delta), "
+                f"got {self.device!r}",
+            ),
+            "compile": (
+                not self.compile or is_xla,
+                "off on the CPU (the compiled decode buckets take no adapters)",
+            ),
         }
         for name, (ok, what) in needs.items():
             if not ok:

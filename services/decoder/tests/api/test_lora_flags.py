@@ -36,8 +36,13 @@ def test_lora_turns_adapters_on_and_names_each(environ, tiny_model_dir: Path, ad
     [
         (
             ["--static-shapes", "true", "--compile", "true"],
-            "--enable-lora (TANDEM_ENABLE_LORA) needs --compile off "
+            "--enable-lora (TANDEM_ENABLE_LORA) needs --compile off on the CPU "
             "(the compiled decode buckets take no adapters)",
+        ),
+        (
+            ["--device", "cuda"],
+            "--enable-lora (TANDEM_ENABLE_LORA) needs --device cpu or an XLA device such as neuron "
+            "(its graphs add every slot's delta), got 'cuda'",
         ),
         (["--enable-lora", "false"], "--lora (TANDEM_LORA) needs --enable-lora true"),
         (["--max-loras", "0"], "--max-loras (TANDEM_MAX_LORAS) must be in [1, 256], got 0"),

@@ -22,8 +22,9 @@ CPU executor runs the same sums in a C kernel (backends/cpu/lora.py), reading th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -160,11 +161,29 @@ class LoraTable:
         self.scales[slot] = adapter.scale
 
 
+class SlotProjection(Protocol):
+    """A projection's slots as a step adds their delta: ProjectionLora, or a device's copy of it."""
+
+    def add_delta(
+        self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class SlotTable(Protocol):
+    """What a step reads of a table of slots: LoraTable, or a device's copy (backends/xla/lora.py)."""
+
+    @property
+    def layers(self) -> Sequence[Mapping[str, SlotProjection]]: ...  # per layer, by PARTS' names
+
+    @property
+    def scales(self) -> torch.Tensor: ...  # float32 [max_loras]
+
+
 @dataclass(frozen=True)
 class LoraStep:
     """The adapters of one step: the table, and each row's slot."""
 
-    table: LoraTable
+    table: SlotTable
     slots: torch.Tensor | None  # int64 [num_tokens], -1 = base; None: no row of the step uses one
 
     def layer(self, index: int) -> LayerLora | None:
@@ -182,7 +201,7 @@ class LoraStep:
 class LoraDelta:
     """One projection's delta for one step, called as `delta(x, y) -> y` after the base projection."""
 
-    projection: ProjectionLora
+    projection: SlotProjection
     slots: torch.Tensor  # int64 [num_tokens]
     scales: torch.Tensor  # float32 [max_loras]
 

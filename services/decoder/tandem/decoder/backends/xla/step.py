@@ -3,7 +3,8 @@
 NOTE: what crosses. The weights and the paged KV cache live on the device for the engine's life; a
 step sends only its int32 token IDs, positions, slot mapping, block tables and, in a prefill graph,
 `is_token_ids` and the embedding rows of its embedding positions (zeros elsewhere, the static shape;
-a decode graph's positions are all token IDs, so it takes neither), and brings back the float32
+a decode graph's positions are all token IDs, so it takes neither) and, with LoRA on, each position's
+adapter slot, and brings back the float32
 logits of the rows it samples. The KV cache is written in place inside the graph: torch_xla
 aliases an input buffer that the graph updates in place to its output (XLA's input/output aliasing),
 so it never leaves the device.
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from tandem.decoder.backends.xla import runtime
+from tandem.decoder.backends.xla.lora import XlaLoraTable
 from tandem.decoder.backends.xla.sharding import ShardingPlan
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.forward_batch import ForwardBatch
+from tandem.decoder.models.lora import LoraStep, LoraTable
 from tandem.decoder.models.transformer import DecoderModel
 
 HEAD_ROWS = 32  # rows per call of the LM-head graph that scores prompt positions
@@ -54,12 +57,21 @@ class Transfers:
 class XlaStep:
     """The XLA backend's `ModelStep` (backends/backend.py): host tensors in, host tensors out."""
 
-    def __init__(self, model: DecoderModel, kv_caches: list[torch.Tensor], sharding: ShardingPlan) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_caches: list[torch.Tensor],
+        sharding: ShardingPlan,
+        lora: LoraTable | None = None,  # the host's LoRA slots, copied to the device; None: LoRA off
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches  # on the device, sharded with the model
         self.sharding = sharding
         self.device = model.device
         sharding.shard_model(model, kv_caches)
+        # With LoRA on, every graph adds every row's delta (zeros for base rows: lora.py), so that
+        # whether a step has adapted rows never makes another graph.
+        self.lora = None if lora is None else XlaLoraTable(lora, self.device)
         self.decode = Transfers()  # decode graphs' traffic (the runner restarts the count after warmup)
         self.prefill = Transfers()  # prefill graphs' traffic (the logits' trip back included)
 
@@ -107,9 +119,15 @@ class XlaStep:
         is_prefill = batch.num_tokens != num_seqs  # a decode graph has one position per sequence
         if is_prefill and (batch.inputs_embeds is None or batch.is_token_ids is None):
             raise ValueError("an XLA prefill step always takes inputs_embeds and is_token_ids (its shape)")
-        if batch.lora is not None:
-            raise ValueError("an XLA step takes no LoRA adapters")
         device = self.device
+        lora = None
+        if self.lora is not None:
+            slots = None if batch.lora is None else batch.lora.slots
+            if slots is None:  # no row adapted: the same graph, every row the base model's
+                slots = torch.full((batch.num_tokens,), -1, dtype=torch.int64)
+            lora = LoraStep(self.lora, slots.to(device))
+        elif batch.lora is not None and batch.lora.slots is not None:
+            raise ValueError("an XLA step built without LoRA slots takes no adapted rows")
         input_ids, positions = batch.input_ids.to(device), batch.positions.to(device)
         is_token_ids = None if batch.is_token_ids is None else batch.is_token_ids.to(device)
         inputs_embeds = None if batch.inputs_embeds is None else batch.inputs_embeds.to(device)
@@ -123,7 +141,7 @@ class XlaStep:
             logits_indices=attn.logits_indices[:num_seqs].to(device),
             query_start_loc=attn.query_start_loc.to(device),
         )
-        inputs = ForwardBatch(input_ids, positions, meta, inputs_embeds, is_token_ids)
+        inputs = ForwardBatch(input_ids, positions, meta, inputs_embeds, is_token_ids, lora)
         self.sharding.step(inputs, is_prefill)
         model = self.model
         h = model.layer_states(inputs, kv_caches)  # [num_tokens, hidden]

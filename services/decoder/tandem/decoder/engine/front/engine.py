@@ -94,8 +94,9 @@ class Engine:
         self.lora: LoraTable | None = None
         if config.enable_lora:
             model = self.loaded.model
+            # On the host, where adapters are written; an XLA step keeps a device copy (backends/xla/lora.py).
             self.lora = self._thread.run(
-                LoraTable, model.config, config.max_loras, config.max_lora_rank, model.device, tp
+                LoraTable, model.config, config.max_loras, config.max_lora_rank, torch.device("cpu"), tp
             )
         # A caller's model runs as given (tests compare against it); one this engine loaded runs on the
         # backend's executor, its kernels chosen for this machine.
@@ -219,6 +220,7 @@ class Engine:
                 xla_buckets,
                 ShardingPlan(config.num_devices),
                 invariant,
+                self.lora,
             )
         else:
             runner = self._thread.run(
@@ -445,6 +447,7 @@ class Engine:
         slot = slots.free_slot()
         start = time.perf_counter()
         self.lora.write(slot, adapter)
+        self.core.runner.slots_written()
         if self._peers is not None:  # every rank writes its shard before a step can name the slot
             try:
                 self._peers.install_adapter(slot, adapter)

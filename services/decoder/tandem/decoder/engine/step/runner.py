@@ -109,6 +109,10 @@ class ModelRunner:
         self.compiled_steps: dict[Signature, StepFn] = {}  # decode buckets compiled so far
         self.batch_invariant = batch_invariant
 
+    def slots_written(self) -> None:
+        """The LoRA table changed (an adapter was written into a slot). The host's slots are what this
+        runner's steps read: nothing to do here; a runner with a device copy uploads it again."""
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """Logits for the plan's requests with needs_logits, and the prompt positions scored this step.

@@ -31,6 +31,7 @@ from tandem.decoder.engine.step.batch import BatchTensors, HostBatch, StepBatch,
 from tandem.decoder.engine.step.runner import ModelRunner, Signature, StepOutput
 from tandem.decoder.engine.step.static_shapes import append_padding
 from tandem.decoder.engine.step.xla_buckets import Bucket, XlaBuckets
+from tandem.decoder.models.lora import LoraTable
 from tandem.decoder.models.transformer import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -49,15 +50,16 @@ class XlaRunner(ModelRunner):
         buckets: XlaBuckets,
         sharding: ShardingPlan,
         batch_invariant: bool = False,
+        lora: LoraTable | None = None,  # the LoRA slots, on the host (the step keeps a device copy)
     ) -> None:
         super().__init__(model, num_blocks, block_size, batch_invariant=batch_invariant)
         runtime.sync()  # the zeroed KV cache, materialized on the device before it is sharded
         runtime.wait()  # and the weights' transfers done
         self.buckets = buckets
-        self.executor = self.step = XlaStep(model, self.kv_caches, sharding)
+        self.executor = self.step = XlaStep(model, self.kv_caches, sharding, lora)
         # Batches, sampling and prompt scoring happen on the host; only the step crosses to the device.
         self.device = HOST
-        self.tensors = BatchTensors(HOST, model.config.hidden_size, model.config.dtype)
+        self.tensors = BatchTensors(HOST, model.config.hidden_size, model.config.dtype, lora)
         self.warmed: set[Bucket] = set()
         self.is_sealed = False
         self.num_compiles_at_seal = 0
@@ -90,6 +92,11 @@ class XlaRunner(ModelRunner):
         bucket = self.buckets.prefill(len(host.input_ids), max_seq_len)
         _pad_positions(host, bucket.num_tokens)
         return self.tensors.batch(host, bucket.width, has_embeds=True)
+
+    def slots_written(self) -> None:
+        """The host's LoRA slots changed (an adapter was written into one): upload them again."""
+        if self.step.lora is not None:
+            self.step.lora.refresh()
 
     def _announce(self, batch: StepBatch) -> Signature:
         """Every step passes here before its graph is traced (plain and prompt-scoring steps alike)."""
@@ -157,6 +164,7 @@ def _pad_positions(host: HostBatch, num_tokens: int) -> None:
     host.positions.extend([0] * pad)
     host.slots.extend([0] * pad)
     host.is_token_ids.extend([True] * pad)
+    host.lora_slots.extend([-1] * pad)
     if not host.logits_rows:
         host.logits_rows.append(0)
 
