@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common.tests.common.test_vision_language import LLAVA_15
@@ -18,3 +19,102 @@ def test_the_decoder_builds_its_model_config_from_the_text_config() -> None:
         32064,
     )
     assert config.num_kv_heads == 32 and config.rms_norm_eps == 1e-5
+
+
+QWEN3: dict = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": True,
+    "eos_token_id": 1000,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+NAN, INF = float("nan"), float("inf")  # what Python's json reads NaN and Infinity as
+
+
+def test_a_valid_config_builds() -> None:
+    config = ModelConfig.from_hf(QWEN3, None, torch.float32)
+    assert (config.num_layers, config.head_dim, config.eos_token_ids, config.tie_word_embeddings) == (
+        2,
+        16,
+        (1000,),
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_hidden_layers": 0}, r"num_hidden_layers must be an integer in \[1, 1024\], got 0"),
+        ({"num_hidden_layers": -1}, r"num_hidden_layers must be an integer in \[1, 1024\], got -1"),
+        ({"num_hidden_layers": 10**12}, r"num_hidden_layers must be an integer in \[1, 1024\], got 10{12}"),
+        ({"num_hidden_layers": True}, r"num_hidden_layers must be an integer .* got True"),  # True == 1
+        ({"num_hidden_layers": 2.0}, r"num_hidden_layers must be an integer .* got 2\.0"),
+        ({"hidden_size": 1 << 40}, r"hidden_size must be an integer in \[1, 131072\]"),
+        ({"vocab_size": 1 << 40}, r"vocab_size must be an integer in \[1, 4194304\]"),
+        (
+            {"max_position_embeddings": 1 << 50},
+            r"max_position_embeddings must be an integer in \[1, 16777216\]",
+        ),
+        ({"num_key_value_heads": 0}, r"num_key_value_heads must be an integer in \[1, 1024\], got 0"),
+        (
+            {"num_key_value_heads": 3},
+            r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)",
+        ),
+        (
+            {"head_dim": None, "hidden_size": 66},
+            r"hidden_size \(66\) is not a multiple of num_attention_heads",
+        ),
+        ({"rope_theta": 0}, r"rope_theta must be a number in \(0, 1e\+12\], got 0"),
+        ({"rope_theta": -1e4}, r"rope_theta must be a number in \(0, 1e\+12\], got -10000\.0"),
+        ({"rope_theta": NAN}, r"rope_theta must be a number in \(0, 1e\+12\], got nan"),
+        ({"rope_theta": INF}, r"rope_theta must be a number .* got inf"),
+        ({"rope_theta": "1e6"}, r"rope_theta must be a number .* got '1e6'"),
+        ({"rms_norm_eps": NAN}, r"rms_norm_eps must be a number in \(0, 1\], got nan"),
+        ({"rms_norm_eps": -1e-6}, r"rms_norm_eps must be a number in \(0, 1\], got -1e-06"),
+        ({"tie_word_embeddings": "false"}, r"tie_word_embeddings must be true or false, got 'false'"),
+        ({"attention_bias": 1}, r"attention_bias must be true or false, got 1"),
+        ({"eos_token_id": 1024}, r"eos_token_id must be an integer in \[0, 1023\], got 1024"),
+        ({"eos_token_id": -1}, r"eos_token_id must be an integer in \[0, 1023\], got -1"),
+        ({"eos_token_id": ["</s>"]}, r"eos_token_id must be an integer in \[0, 1023\], got '</s>'"),
+        ({"rope_parameters": [1, 2]}, r"rope_parameters must be an object, got list"),
+        (
+            {"rope_scaling": LLAMA3_ROPE | {"factor": 0}},
+            r"rope_scaling\.factor must be a number in \(0, 1024\]",
+        ),
+        (
+            {"rope_scaling": LLAMA3_ROPE | {"high_freq_factor": 1.0}},
+            r"high_freq_factor \(1\.0\) must exceed low_freq_factor \(1\.0\)",
+        ),
+        (
+            {"rope_scaling": LLAMA3_ROPE | {"original_max_position_embeddings": 0}},
+            r"rope_scaling\.original_max_position_embeddings must be an integer in \[1, 16777216\], got 0",
+        ),
+    ],
+)
+def test_a_value_out_of_its_range_or_type_is_refused_naming_the_key_and_the_limit(
+    changes: dict, message: str
+) -> None:
+    """Each of these was accepted: a trillion layers hung the build, NaN RoPE or norms served noise,
+    "false" tied the head, True meant one layer, an EOS id past the vocabulary never stopped."""
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(QWEN3 | changes, None, torch.float32)
+
+
+def test_an_eos_id_from_generation_config_is_named_by_its_file() -> None:
+    with pytest.raises(ValueError, match=r"generation_config.json's eos_token_id must be .* got 10{30}"):
+        ModelConfig.from_hf(QWEN3, {"eos_token_id": 10**30}, torch.float32)

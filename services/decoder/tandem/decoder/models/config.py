@@ -13,6 +13,20 @@ from typing import Any
 
 import torch
 
+from tandem.common.model_limits import (
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN_SIZE,
+    MAX_INTERMEDIATE_SIZE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_RMS_NORM_EPS,
+    MAX_ROPE_THETA,
+    MAX_VOCAB,
+)
+
+MAX_ROPE_FACTOR = 1024.0  # Llama 3.x's RoPE scaling factors: 1 to 32 in use
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -22,6 +36,14 @@ class Llama3RopeScaling:
     low_freq_factor: float  # wavelengths above original_max / low_freq_factor are fully scaled
     high_freq_factor: float  # wavelengths below original_max / high_freq_factor are left alone
     original_max_position_embeddings: int  # context length the model was pre-trained with
+
+    def __post_init__(self) -> None:
+        # The band between the two factors is blended by dividing by their difference.
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"RoPE scaling's high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                f"({self.low_freq_factor})"
+            )
 
 
 @dataclass(frozen=True)
@@ -47,25 +69,19 @@ class ModelConfig:
     mlp_bias: bool = False  # biases on the gate/up/down projections
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, (key, high) in _INT_FIELDS.items():
+            _check_int(key, getattr(self, name), 1, high)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        _check_real("rms_norm_eps", self.rms_norm_eps, MAX_RMS_NORM_EPS)
+        _check_real("rope_theta", self.rope_theta, MAX_ROPE_THETA)
+        for token_id in self.eos_token_ids:
+            _check_int("eos_token_id", token_id, 0, self.vocab_size - 1)
 
     @classmethod
     def from_hf(
@@ -77,34 +93,91 @@ class ModelConfig:
         """
         if hf_config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf_config['hidden_act']!r} is not supported (only 'silu')")
-        if hf_config.get("use_sliding_window"):
+        if _flag(hf_config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=true is not supported")
-        num_heads = _require(hf_config, "num_attention_heads")
-        hidden_size = _require(hf_config, "hidden_size")
+        ints = {
+            key: _check_int(key, _require(hf_config, key), 1, high)
+            for key, high in _INT_FIELDS.values()
+            if key not in _OPTIONAL
+        }
+        num_heads, hidden_size = ints["num_attention_heads"], ints["hidden_size"]
+        head_dim = hf_config.get("head_dim")
+        if head_dim is None:  # Llama 2 checkpoints leave it out; every Qwen3 checkpoint states it
+            if hidden_size % num_heads:
+                raise ValueError(
+                    f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({num_heads}) "
+                    "and there is no head_dim to say the heads' width"
+                )
+            head_dim = hidden_size // num_heads
+        num_kv_heads = hf_config.get("num_key_value_heads")
         rope_theta, rope_scaling = _parse_rope(hf_config)
-        eos = (generation_config or {}).get("eos_token_id")
+        eos, eos_key = (generation_config or {}).get("eos_token_id"), "generation_config.json's eos_token_id"
         if eos is None:
-            eos = hf_config.get("eos_token_id")
+            eos, eos_key = hf_config.get("eos_token_id"), "eos_token_id"
+        for token_id in _as_ids(eos):  # named by its file here; __post_init__ cannot tell which
+            _check_int(eos_key, token_id, 0, ints["vocab_size"] - 1)
         return cls(
             architecture=_require(hf_config, "architectures")[0],
-            vocab_size=_require(hf_config, "vocab_size"),
+            vocab_size=ints["vocab_size"],
             hidden_size=hidden_size,
-            intermediate_size=_require(hf_config, "intermediate_size"),
-            num_layers=_require(hf_config, "num_hidden_layers"),
+            intermediate_size=ints["intermediate_size"],
+            num_layers=ints["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
-            # Llama 2 checkpoints leave head_dim out; every Qwen3 checkpoint states it.
-            head_dim=hf_config.get("head_dim") or hidden_size // num_heads,
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_real(hf_config, "rms_norm_eps", 1e-6, MAX_RMS_NORM_EPS),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-            max_position_embeddings=_require(hf_config, "max_position_embeddings"),
+            tie_word_embeddings=_flag(hf_config, "tie_word_embeddings", False),
+            max_position_embeddings=ints["max_position_embeddings"],
             eos_token_ids=_as_ids(eos),
             dtype=dtype,
-            attention_bias=bool(hf_config.get("attention_bias", False)),
-            mlp_bias=bool(hf_config.get("mlp_bias", False)),
+            attention_bias=_flag(hf_config, "attention_bias", False),
+            mlp_bias=_flag(hf_config, "mlp_bias", False),
         )
+
+
+# ModelConfig field -> (config.json key, largest value): errors name the key a reader can look up.
+_INT_FIELDS = {
+    "vocab_size": ("vocab_size", MAX_VOCAB),
+    "hidden_size": ("hidden_size", MAX_HIDDEN_SIZE),
+    "intermediate_size": ("intermediate_size", MAX_INTERMEDIATE_SIZE),
+    "num_layers": ("num_hidden_layers", MAX_LAYERS),
+    "num_heads": ("num_attention_heads", MAX_HEADS),
+    "num_kv_heads": ("num_key_value_heads", MAX_HEADS),
+    "head_dim": ("head_dim", MAX_HEAD_DIM),
+    "max_position_embeddings": ("max_position_embeddings", MAX_POSITIONS),
+}
+_OPTIONAL = ("num_key_value_heads", "head_dim")  # defaulted from the others when config.json omits them
+
+
+def _check_int(key: str, value: Any, low: int, high: int) -> int:
+    """`value`, an integer in [low, high]; a bool (true is 1 to Python) or a float is refused."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _check_real(key: str, value: Any, high: float) -> float:
+    """`value`, a number in (0, high]: NaN, Infinity (which Python's json reads), a string are refused."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= high:
+        raise ValueError(f"{key} must be a number in (0, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _real(config: dict[str, Any], key: str, default: float, high: float) -> float:
+    value = config.get(key)
+    return _check_real(key, default if value is None else value, high)
+
+
+def _flag(config: dict[str, Any], key: str, default: bool) -> bool:
+    """A JSON boolean; the string "false" is refused rather than read as true."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def _require(hf_config: dict[str, Any], key: str) -> Any:
@@ -114,25 +187,38 @@ def _require(hf_config: dict[str, Any], key: str) -> Any:
     return value
 
 
-def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+def _as_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(value)
+    if isinstance(value, list):
+        return tuple(value)
+    return (value,)
 
 
 def _parse_rope(hf_config: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    key = "rope_parameters" if hf_config.get("rope_parameters") else "rope_scaling"
+    rope = hf_config.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{key} must be an object, got {type(rope).__name__}")
+    theta = rope.get("rope_theta", hf_config.get("rope_theta"))
+    theta = _check_real("rope_theta", 10000.0 if theta is None else theta, MAX_ROPE_THETA)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type == "llama3":
         return theta, Llama3RopeScaling(
-            factor=float(_require(rope, "factor")),
-            low_freq_factor=float(_require(rope, "low_freq_factor")),
-            high_freq_factor=float(_require(rope, "high_freq_factor")),
-            original_max_position_embeddings=int(_require(rope, "original_max_position_embeddings")),
+            factor=_check_real(f"{key}.factor", _require(rope, "factor"), MAX_ROPE_FACTOR),
+            low_freq_factor=_check_real(
+                f"{key}.low_freq_factor", _require(rope, "low_freq_factor"), MAX_ROPE_FACTOR
+            ),
+            high_freq_factor=_check_real(
+                f"{key}.high_freq_factor", _require(rope, "high_freq_factor"), MAX_ROPE_FACTOR
+            ),
+            original_max_position_embeddings=_check_int(
+                f"{key}.original_max_position_embeddings",
+                _require(rope, "original_max_position_embeddings"),
+                1,
+                MAX_POSITIONS,
+            ),
         )
     raise ValueError(f"rope type {rope_type!r} is not supported (supported: 'default', 'llama3')")
