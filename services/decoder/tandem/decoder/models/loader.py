@@ -10,6 +10,8 @@ each tensor (safetensors `get_slice`), so no rank ever holds the whole model.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from tandem.common import vision_language
@@ -37,6 +39,11 @@ log = logging.getLogger(__name__)
 
 class ModelLoadError(ValueError):
     """A checkpoint directory that cannot be served; the message names the file or weight at fault."""
+
+
+# The types a weight may be stored in. Integer and 8-bit-or-narrower float tensors are quantized data
+# (GPTQ's packed int32, FP8's e4m3 beside a scale) that a cast would silently turn into other numbers.
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer]:
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     config, architecture = _read_config(model_dir, dtype)
     tokenizer = _read_tokenizer(model_dir, config)  # before the weights: a mismatch fails fast
-    _weight_files(model_dir)
+    with ExitStack() as stack:  # the headers only: nothing is read past them
+        _open_weights(stack, model_dir, config)
     return config, architecture, tokenizer
 
 
@@ -134,6 +142,8 @@ def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:
     if vision_language.is_vision_language(hf_config):  # the decoder serves its language model
         hf_config = vision_language.text_config(hf_config, ModelLoadError)
     architectures = hf_config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ModelLoadError(f"config.json in {model_dir}: architectures must be a list of class names")
     architecture = architectures[0] if architectures else None
     if architecture not in MODEL_CLASSES:
         supported = sorted([*MODEL_CLASSES, *vision_language.ARCHITECTURES])
@@ -170,7 +180,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.is_file():
         weight_map = _read_json(index_path).get("weight_map", {})
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ModelLoadError(f"{index_path}: weight_map must map weight names to file names")
+        files = [_shard_path(model_dir, name) for name in sorted(set(weight_map.values()))]
     elif (model_dir / "model.safetensors").is_file():
         files = [model_dir / "model.safetensors"]
     else:
@@ -183,6 +195,48 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _shard_path(model_dir: Path, name: str) -> Path:
+    """A file the index names, which must lie inside the checkpoint directory: an index naming
+    /etc/passwd or ../other/model.safetensors would have been opened as a weight file."""
+    path = model_dir / name
+    if Path(name).is_absolute() or not path.resolve().is_relative_to(model_dir.resolve()):
+        raise ModelLoadError(
+            f"model.safetensors.index.json in {model_dir}: file {name!r} lies outside the checkpoint "
+            "directory"
+        )
+    return path
+
+
+def _open_weights(stack: ExitStack, model_dir: Path, config: ModelConfig) -> dict[str, Any]:
+    """Each weight name -> the open safetensors file that holds it, once every file's header parsed
+    (safetensors checks its length, JSON, dtypes and that offsets tile the file) and no name is in two
+    files or belongs to a layer past config.json's num_hidden_layers (a config that does not match
+    its weights, which would otherwise serve the first layers alone). Only headers are read."""
+    file_of: dict[str, Any] = {}
+    path_of: dict[str, Path] = {}
+    for path in _weight_files(model_dir):
+        try:
+            handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+        except (SafetensorError, OSError) as e:  # SafetensorError is a bare Exception
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from None
+        for key in handle.keys():
+            if key in path_of:
+                raise ModelLoadError(
+                    f"weight {key} is in both {path_of[key].name} and {path.name} in {model_dir}"
+                )
+            file_of[key], path_of[key] = handle, path
+    layout = vision_language.weight_layout(_architecture(model_dir), file_of, ModelLoadError)
+    layer = re.compile(re.escape(layout.model_prefix) + r"layers\.(\d+)\.")
+    for key, path in path_of.items():
+        match = layer.match(key)
+        if match and int(match.group(1)) >= config.num_layers:
+            raise ModelLoadError(
+                f"{path}: weight {key} is of layer {match.group(1)}, but config.json's num_hidden_layers "
+                f"is {config.num_layers}"
+            )
+    return file_of
+
+
 def _read_weights(
     model: DecoderModel, model_dir: Path, dtype: torch.dtype, device: torch.device
 ) -> dict[str, torch.Tensor]:
@@ -190,21 +244,19 @@ def _read_weights(
     state: dict[str, torch.Tensor] = {}
     progress = _Progress(len(list(model.parameters())))
     with ExitStack() as stack:
-        handles = [
-            stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-            for path in _weight_files(model_dir)
-        ]
-        file_of = {key: handle for handle in handles for key in handle.keys()}
+        file_of = _open_weights(stack, model_dir, model.config)
         layout = vision_language.weight_layout(_architecture(model_dir), file_of, ModelLoadError)
         for name, _ in model.named_parameters():
-            parts = []
+            parts, keys = [], []
             for part in model.checkpoint_parts(name):
                 key = layout.checkpoint_name(part.name)
                 if key not in file_of:
                     raise ModelLoadError(f"weight {key} not found in the checkpoint in {model_dir}")
                 parts.append(_read_part(file_of[key], part, key, model))
+                keys.append(key)
             fused = parts[0] if len(parts) == 1 else torch.cat(parts)
             state[name] = fused.to(device=device, dtype=dtype)
+            _check_finite(state[name], fused, keys, [len(p) for p in parts])
             progress.add(state[name])
     progress.done()
     return state
@@ -252,18 +304,37 @@ def _architecture(model_dir: Path) -> str:
 
 
 def _read_part(handle: Any, part: CheckpointPart, key: str, model: DecoderModel) -> torch.Tensor:
-    """Checkpoint tensor `key`, shape-checked, or only this rank's slice of it along part.shard_dim."""
-    tp = model.tp
-    if tp is None or part.shard_dim is None:
-        tensor = handle.get_tensor(key)
-        shape = tuple(tensor.shape)
-    else:
-        lazy = handle.get_slice(key)  # memory-mapped: nothing is read until indexed
-        shape = tuple(lazy.get_shape())
+    """Checkpoint tensor `key`, shape- and type-checked, or only this rank's slice of it along
+    part.shard_dim."""
+    lazy = handle.get_slice(key)  # memory-mapped: nothing is read until indexed
+    shape, stored = tuple(lazy.get_shape()), lazy.get_dtype()
+    if stored not in WEIGHT_DTYPES:
+        raise ModelLoadError(
+            f"weight {key} is stored as {stored}, not a type a weight is read from "
+            f"(supported: {', '.join(WEIGHT_DTYPES)})"
+        )
     if shape != part.shape:
         raise ModelLoadError(f"weight {key} has shape {list(shape)}, expected {list(part.shape)}")
+    tp = model.tp
     if tp is None or part.shard_dim is None:
-        return tensor
+        return handle.get_tensor(key)
     size = shape[part.shard_dim] // tp.world_size
     window = (slice(None),) * part.shard_dim + (slice(tp.rank * size, (tp.rank + 1) * size),)
     return lazy[window]
+
+
+def _check_finite(weight: torch.Tensor, read: torch.Tensor, keys: list[str], num_rows: list[int]) -> None:
+    """Refuses a weight with a NaN or an infinity, in the file or once cast (3e38 is finite in float32
+    and inf in float16), naming the checkpoint tensor and the first such element. Served, one such
+    value turns every logit to NaN and every request samples token 0; vLLM loads them regardless.
+    `weight` is `read` (the `keys` tensors, `num_rows` rows each, stacked) cast to the model's dtype."""
+    if bool(torch.isfinite(weight).all()):
+        return
+    index = [int(i) for i in (~torch.isfinite(weight)).nonzero()[0]]
+    value, stored = weight[tuple(index)].item(), read[tuple(index)].item()
+    part = 0
+    while index[0] >= num_rows[part]:  # rows of a fused weight back to its checkpoint tensor's
+        index[0] -= num_rows[part]
+        part += 1
+    cast = f" ({stored:g} in the file)" if math.isfinite(stored) else ""
+    raise ModelLoadError(f"weight {keys[part]} holds {value} at {index} in {weight.dtype}{cast}")
