@@ -29,6 +29,18 @@ from typing import Any
 import numpy as np
 
 from tandem.common.dtypes import COMPUTE_NAMES
+from tandem.common.model_limits import (
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN_SIZE,
+    MAX_INTERMEDIATE_SIZE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_RMS_NORM_EPS,
+    MAX_ROPE_THETA,
+    MAX_VOCAB,
+)
+from tandem.common.torch_part.gguf_header import GGUFHeaderError, check_header
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -143,19 +155,13 @@ def _open(path: Path) -> Any:
     if magic != b"GGUF":
         raise GGUFImportError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path)
+        check_header(path)  # the reader trusts every length it reads: an array of 2^62 values hung it
+    except GGUFHeaderError as e:
+        raise GGUFImportError(f"{path}: {e}") from None
+    try:
+        return gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError, OSError, TypeError) as e:
-        raise GGUFImportError(
-            f"{path}: unreadable GGUF header ({_one_line(e)}); is the file truncated?"
-        ) from e
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        if int(tensor.data_offset) + int(tensor.n_bytes) > size:
-            raise GGUFImportError(
-                f"{path}: truncated: tensor {tensor.name} ends at byte "
-                f"{int(tensor.data_offset) + int(tensor.n_bytes):,}, the file has {size:,}"
-            )
-    return reader
+        raise GGUFImportError(f"{path}: unreadable GGUF header ({_one_line(e)})") from e
 
 
 class _Metadata:
@@ -193,23 +199,19 @@ class _Metadata:
         return value
 
 
-# Sane ranges for what a file's metadata says, checked before anything is sized from it: a file is
-# untrusted input (block_count 10^9 imported, then grew a server past 6 GB; context_length 2^40 made
-# every GetModelInfo fail). Far above any real model: Llama 3 405B has 126 layers, 128 heads, 16,384
-# hidden, 53,248 intermediate, a 128K context and a vocabulary of 128K tokens of at most a few
-# hundred characters.
+# What a file's metadata says is checked against these before anything is sized from it (a file is
+# untrusted input: block_count 10^9 imported, then grew a server past 6 GB); config.json's keys
+# have the same ranges (common/model_limits.py).
 _RANGES = {
-    "block_count": 1024,
-    "attention.head_count": 1024,
-    "attention.head_count_kv": 1024,
-    "embedding_length": 1 << 17,
-    "feed_forward_length": 1 << 20,
-    "attention.key_length": 4096,
-    "context_length": 1 << 24,
+    "block_count": MAX_LAYERS,
+    "attention.head_count": MAX_HEADS,
+    "attention.head_count_kv": MAX_HEADS,
+    "embedding_length": MAX_HIDDEN_SIZE,
+    "feed_forward_length": MAX_INTERMEDIATE_SIZE,
+    "attention.key_length": MAX_HEAD_DIM,
+    "context_length": MAX_POSITIONS,
 }
-# The real-valued fields: an epsilon is far below 1; RoPE bases run from 10^4 to 10^8 in use.
-_REAL_RANGES = {"attention.layer_norm_rms_epsilon": 1.0, "rope.freq_base": 1e12}
-MAX_VOCAB = 1 << 22  # token IDs travel as uint32; 4M entries is 30x the largest vocabulary in use
+_REAL_RANGES = {"attention.layer_norm_rms_epsilon": MAX_RMS_NORM_EPS, "rope.freq_base": MAX_ROPE_THETA}
 MAX_TOKEN_CHARS = 1024  # one vocabulary entry; the text bounds divide by the longest (text_bounds.py)
 
 

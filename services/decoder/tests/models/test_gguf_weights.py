@@ -92,3 +92,19 @@ def test_a_file_that_does_not_match_the_checkpoint_is_one_load_error(
     imported = import_gguf(first, tmp_path / "out", dtype="float32")
     with pytest.raises(ModelLoadError, match="has no tensor for|a quantized weight of"):
         load_model(imported, dtype="float32", quantization="gguf", quantized_from=other)
+
+
+def test_a_hostile_gguf_header_is_one_load_error_naming_the_file(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The gguf reader recursed once per nested array (RecursionError, a traceback at start-up); the
+    bounded header walk refuses it first."""
+    key = b"x.a"
+    nested = len(key).to_bytes(8, "little") + key + (9).to_bytes(4, "little")
+    nested += ((9).to_bytes(4, "little") + (1).to_bytes(8, "little")) * 100_000
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(
+        b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little") + nested
+    )
+    with pytest.raises(ModelLoadError, match=rf"--quantization gguf: {path} cannot be read: .*nests arrays"):
+        load_model(tiny_model_dir, dtype="float32", quantization="gguf", quantized_from=path)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandem.common.torch_part.gguf_header import check_header
 from tandem.common.torch_part.gguf_import import gguf_name, unpermute_rows
 from tandem.common.torch_part.quantized_tensor import BLOCK, QuantizedTensor, cat_rows, pack, quantize
 from tandem.decoder.models.quantized import quantizable
@@ -42,8 +43,9 @@ def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, Quantiz
     import gguf
 
     try:
+        check_header(gguf_path)  # bounds every length before the reader trusts it
         reader = gguf.GGUFReader(str(gguf_path))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # GGUFHeaderError is a ValueError
         raise QuantizationError(f"--quantization gguf: {gguf_path} cannot be read: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
     field = reader.fields.get("general.architecture")
