@@ -251,3 +251,21 @@ def test_a_vocabulary_entry_of_a_million_characters_is_refused(tokenizer: Tokeni
     said = f"tokenizer.ggml.tokens[{len(tokens) - 1}] has 1000000 characters, more than 1024"
     _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), said)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_llama_q_projection_of_rows_no_heads_divide_is_one_line_exit_2(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """Undoing llama.cpp's permutation reshapes the rows by head: numpy's ValueError was a traceback."""
+    q_proj = np.zeros((62, 64), dtype=np.float32)  # 4 heads of 16 rows take 64
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        small_model("llama", tokenizer.get_vocab_size()),
+        tokenizer,
+        raw_tensors={"blk.0.attn_q.weight": (q_proj, Q.F32)},
+    )
+    _assert_one_line_error(
+        _cli(str(path), str(tmp_path / "out")),
+        "blk.0.attn_q.weight has 62 rows",
+        "4 heads (num_attention_heads)",
+    )

@@ -69,6 +69,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
+_QK_NAMES = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")  # permuted in Llama files
 
 # GGUF token types (llama.cpp's llama_token_type).
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -448,10 +449,14 @@ def _weights(
             ) from e
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest-first
         array = np.array(array, dtype=np.float32).reshape(shape)  # a writable copy, off the memory map
-        if meta.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, hf_config["num_attention_heads"])
-        elif meta.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, hf_config["num_key_value_heads"])
+        if meta.architecture == "llama" and name.endswith(_QK_NAMES):
+            heads = "num_attention_heads" if "q_proj" in name else "num_key_value_heads"
+            if array.shape[0] % (2 * hf_config[heads]):  # numpy's reshape error named nothing
+                raise GGUFImportError(
+                    f"{meta.path}: tensor {tensor.name} has {array.shape[0]} rows, not a whole number of "
+                    f"{hf_config[heads]} heads ({heads}) of even width"
+                )
+            array = _unpermute(array, hf_config[heads])
         if name.endswith("bias") and "self_attn" in name:
             hf_config["attention_bias"] = True
         yield name, torch.from_numpy(array).to(torch_dtype)
