@@ -9,6 +9,13 @@ caller: an image's bytes come in, its rows go from the encoder to the decoder di
 A fetch, on the event loop:
 1. The embedding cache (`embedding_cache.py`): an input seen recently, for the same encoder model and
    dtype, is not embedded again.
+   An input already being fetched is not embedded again either: the cache is filled only when a fetch
+   returns, so n calls asking for one picture at once (a chat with n choices, or one prompt holding it
+   twice) would each miss it. A fetch for a key in flight joins that fetch (`_Flight`) and is handed its
+   rows, or its error named on the joiner's own field. Keyed with the caller's bearer token too: a
+   refusal of one caller's token is never handed to another caller. A joiner leaving does not cancel
+   the others' fetch; the Embed call is cancelled only when every one waiting for it has left. A fetch
+   that ran out of its first caller's deadline is fetched again by a joiner that still has time.
 2. An Embed call with the caller's deadline (at most MAX_FETCH_S), bearer token and trace context
    (the telemetry's interceptor carries the decoder's span; without it the caller's own
    `traceparent` is passed on), asking for the model's dtype, so the rows need no cast here. Where this
@@ -43,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +87,16 @@ TRACE_METADATA = ("traceparent", "tracestate")  # passed on when this decoder do
 
 class EncoderMismatch(Exception):
     """The encoder serves another model than this decoder's; the message names both."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    """One Embed call and the fetches waiting for it."""
+
+    key: tuple[bytes, tuple[str | bytes, ...]]  # the cache key and the caller's bearer token, if any
+    task: asyncio.Task[torch.Tensor]  # the call: settles with the rows, or the error about them
+    deadline: float  # loop time at which the call's timeout (its first caller's) runs out
+    num_waiting: int = 0  # fetches awaiting it; the last one to leave before it ends cancels it
 
 
 class EncoderParts:
@@ -118,6 +136,10 @@ class EncoderParts:
         self._model: str | None = None  # the encoder's model name, asked once: part of every cache key
         self._mismatch: str | None = None  # why the encoder's model is not this decoder's, once asked
         self._model_lock = asyncio.Lock()
+        # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
+        self._flights: dict[tuple[bytes, tuple[str | bytes, ...]], _Flight] = {}
+        self.num_embeds = 0  # Embed calls answered
+        self.num_joined = 0  # fetches that joined one already running instead of calling Embed
         self.num_shared = 0  # replies read from shared memory
         self.num_bytes = 0  # replies that carried their rows as bytes
 
@@ -193,12 +215,52 @@ class EncoderParts:
     async def _rows(
         self, part: EncoderPrompt, field: str, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> torch.Tensor:
-        """[n, hidden_size] in the model's dtype: cached, or fetched (and then cached)."""
+        """[n, hidden_size] in the model's dtype: cached, or fetched (and then cached), the fetch shared
+        with every other one of the same input and token running meanwhile."""
         model = await self._encoder_model(field, timeout_s, metadata)
         key = cache_key(model, part.kind, part.content, self.dtype)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        flight_key = (key, tuple(value for name, value in metadata if name in FORWARDED_METADATA))
+        while True:
+            flight = self._flights.get(flight_key)
+            if flight is None or flight.task.done():
+                task = asyncio.ensure_future(self._embed(part, key, timeout_s, metadata))
+                flight = self._flights[flight_key] = _Flight(flight_key, task, deadline)
+                task.add_done_callback(functools.partial(self._forget, flight))
+            else:
+                self.num_joined += 1
+            flight.num_waiting += 1
+            try:
+                return await asyncio.shield(flight.task)
+            except grpc.aio.AioRpcError as error:
+                # The shared call ran out of its first caller's time; this caller has more of its own.
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and flight.deadline < deadline:
+                    if (timeout_s := deadline - loop.time()) > 0:
+                        continue
+                raise self._error(error, field) from None
+            except (InvalidArgument, FailedPrecondition) as error:
+                raise type(error)(field + error.field, error.description) from None
+            finally:
+                flight.num_waiting -= 1
+                if flight.num_waiting == 0 and not flight.task.done():
+                    self._forget(flight)  # nobody waits for it: a fetch from now on starts afresh
+                    flight.task.cancel()
+
+    def _forget(self, flight: _Flight, _ended: object = None) -> None:
+        """Forgets a fetch that ended (its rows, if any, are in the cache now) or that all left."""
+        if self._flights.get(flight.key) is flight:
+            del self._flights[flight.key]
+
+    async def _embed(
+        self, part: EncoderPrompt, key: bytes, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
+    ) -> torch.Tensor:
+        """The Embed call of one fetch, shared by everyone waiting for it: the rows, put in the cache.
+        Raises the encoder's AioRpcError as it came, and errors about the reply on fields relative to the
+        part (`.shared_embeddings.name`), which each waiter names on its own field."""
         request = encoder_pb2.EmbedRequest(output_dtype=tensors.to_wire_dtype(self.dtype))
         if part.kind == "text":
             request.text = part.content  # type: ignore[assignment]
@@ -209,31 +271,27 @@ class EncoderParts:
         offer = self._offer()
         if offer is not None:
             request.shared_memory.CopyFrom(offer)
-        try:
-            reply = await self.client.stub.Embed(request, timeout=timeout_s, metadata=metadata)
-        except grpc.aio.AioRpcError as error:
-            raise self._error(error, field) from None
+        reply = await self.client.stub.Embed(request, timeout=timeout_s, metadata=metadata)
+        self.num_embeds += 1
         if reply.HasField("shared_embeddings"):
             handle = reply.shared_embeddings
             if offer is None or handle.name != offer.segment_name:
-                raise InvalidArgument(
-                    f"{field}.shared_embeddings.name", "names a segment this call did not ask for"
-                )
+                raise InvalidArgument(".shared_embeddings.name", "names a segment this call did not ask for")
             if _claimed_bytes(handle) > READ_ON_A_THREAD_BYTES:
-                result = await asyncio.to_thread(self._read_segment, handle, offer.digest_key, field)
+                result = await asyncio.to_thread(self._read_segment, handle, offer.digest_key)
             else:
-                result = self._read_segment(handle, offer.digest_key, field)
+                result = self._read_segment(handle, offer.digest_key)
             self.num_shared += 1
         else:
-            result = tensors.decode(reply.embeddings, f"{field}.embeddings", rank=2, limits=self.limits)
+            result = tensors.decode(reply.embeddings, ".embeddings", rank=2, limits=self.limits)
             self.num_bytes += 1
         self.cache.put(key, result)
         return result
 
-    def _read_segment(self, handle: tensor_pb2.SharedTensor, key: bytes, field: str) -> torch.Tensor:
+    def _read_segment(self, handle: tensor_pb2.SharedTensor, key: bytes) -> torch.Tensor:
         """The rows of the segment a reply names, checked and copied into this process, and the name
-        removed: read once, and the segment released to the encoder's pool."""
-        where = f"{field}.shared_embeddings"
+        removed: read once, and the segment released to the encoder's pool. Fields are the part's own."""
+        where = ".shared_embeddings"
         assert self.maps is not None, "a handle is read only for a call that offered shared memory"
         try:
             segment = self.maps.open(handle.name)

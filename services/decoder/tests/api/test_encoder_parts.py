@@ -1,0 +1,248 @@
+"""Fetches of one input running at once share one Embed call: n calls asking for one picture (or one
+call holding it twice) cost one encode, each gets the rows or the error named on its own field, a
+caller leaving does not end the others' fetch, and only the last one leaving cancels the call. A
+caller with another bearer token fetches on its own, and a fetch that ran out of its first caller's
+deadline is fetched again by a caller with time left. The encoder is a stand-in on 127.0.0.1 that
+counts its Embed calls and answers when a test opens its gate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+import torch
+
+from tandem.client.errors import DeadlineExceeded, InvalidArgument
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.common.torch_part import tensors
+from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart, TextPrompt
+from tandem.decoder.api.encoder_parts import EncoderParts
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+
+HIDDEN_SIZE = 8
+PICTURE = b"\x89PNG a picture"
+SETTLE_S = 0.2  # long enough for every fetch started to have reached the encoder, were it to
+
+
+class StandIn(encoder_pb2_grpc.EncoderServicer):
+    """Embeds an input into rows that depend on its bytes, once `gate` is open."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.num_embeds = 0  # Embed calls received
+        self.num_running = 0
+        self.max_running = 0  # the most Embed calls running at once
+        self.num_cancelled = 0  # Embed calls their caller cancelled
+        self.refused_token = ""  # a bearer token whose calls are refused
+        self.is_refusing_all = False
+        self.is_malformed = False  # replies with rows of rank 1
+
+    async def GetModelInfo(self, request, context) -> encoder_pb2.EncoderGetModelInfoResponse:
+        return encoder_pb2.EncoderGetModelInfoResponse(model="stand-in", hidden_size=HIDDEN_SIZE)
+
+    async def Embed(self, request, context) -> encoder_pb2.EmbedResponse:
+        self.num_embeds += 1
+        self.num_running += 1
+        self.max_running = max(self.max_running, self.num_running)
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
+        finally:
+            self.num_running -= 1
+        token = dict(context.invocation_metadata()).get("authorization", "")
+        if self.is_refusing_all or (self.refused_token and token == self.refused_token):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a picture")
+        rows = _rows_of(request.image.data)
+        return encoder_pb2.EmbedResponse(embeddings=tensors.encode(rows[0] if self.is_malformed else rows))
+
+
+def _rows_of(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data[:3]), dtype=torch.float32)[:, None].expand(3, HIDDEN_SIZE).contiguous()
+
+
+@pytest.fixture
+async def stand_in() -> AsyncIterator[tuple[StandIn, RunningServer]]:
+    servicer = StandIn()
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0),
+        [Service("tandem.v1.Encoder", servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
+    )
+    await server.set_serving()
+    try:
+        yield servicer, server
+    finally:
+        await server.stop(0)
+
+
+@pytest.fixture
+def encoder(stand_in: tuple[StandIn, RunningServer]) -> StandIn:
+    return stand_in[0]
+
+
+@pytest.fixture
+async def parts(stand_in: tuple[StandIn, RunningServer], tmp_path) -> AsyncIterator[EncoderParts]:
+    parts = EncoderParts(stand_in[1].address, torch.float32, 1 << 20, cache_bytes=1 << 20, shm_dir=tmp_path)
+    try:
+        yield parts
+    finally:
+        await parts.close()
+
+
+def _start(
+    parts: EncoderParts,
+    prompt: Sequence[PromptPart],
+    token: str = "",
+    time_remaining_s: float | None = None,
+) -> tuple[list[EncoderPrompt], list[asyncio.Task]]:
+    """The call's encoder parts, each with its rows fetching, and the fetches."""
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    spec, fetches = parts.start(GenerateSpec(prompt=prompt), metadata, time_remaining_s)
+    return [part for part in spec.prompt if isinstance(part, EncoderPrompt)], fetches
+
+
+async def _rows(part: EncoderPrompt) -> torch.Tensor:
+    assert part.rows is not None
+    return await asyncio.wait_for(asyncio.wrap_future(part.rows), 10)
+
+
+def _picture() -> EncoderPrompt:
+    return EncoderPrompt("image", PICTURE)
+
+
+async def test_two_calls_asking_for_one_picture_at_once_cost_one_embed(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    [first], _ = _start(parts, [_picture(), TextPrompt("what is it?")])
+    [second], _ = _start(parts, [TextPrompt("and this?"), _picture()])
+    await asyncio.sleep(SETTLE_S)
+    encoder.gate.set()
+    rows = [await _rows(first), await _rows(second)]
+    assert encoder.num_embeds == 1
+    assert torch.equal(rows[0], _rows_of(PICTURE)) and torch.equal(rows[1], rows[0])
+    [again], _ = _start(parts, [_picture()])
+    assert torch.equal(await _rows(again), rows[0]) and encoder.num_embeds == 1  # cached since
+
+
+async def test_one_call_holding_a_picture_twice_costs_one_embed(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    [first, second], _ = _start(parts, [_picture(), TextPrompt("the same as"), _picture()])
+    await asyncio.sleep(SETTLE_S)
+    encoder.gate.set()
+    assert torch.equal(await _rows(first), await _rows(second))
+    assert encoder.num_embeds == 1
+
+
+async def test_a_caller_leaving_leaves_the_others_fetch_running_to_its_end(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    [staying], _ = _start(parts, [_picture()])
+    [leaving], fetches = _start(parts, [_picture()])
+    await asyncio.sleep(SETTLE_S)
+    for fetch in fetches:
+        fetch.cancel()
+    await asyncio.sleep(SETTLE_S)
+    assert leaving.rows is not None and leaving.rows.cancelled()
+    encoder.gate.set()
+    assert torch.equal(await _rows(staying), _rows_of(PICTURE))
+    assert encoder.num_embeds == 1 and encoder.num_cancelled == 0
+
+
+async def test_the_first_caller_leaving_leaves_its_fetch_to_the_one_still_waiting(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    [leaving], fetches = _start(parts, [_picture()])
+    await asyncio.sleep(SETTLE_S)  # the first caller's Embed call is running
+    [staying], _ = _start(parts, [_picture()])
+    await asyncio.sleep(SETTLE_S)
+    for fetch in fetches:
+        fetch.cancel()
+    await asyncio.sleep(SETTLE_S)
+    encoder.gate.set()
+    assert torch.equal(await _rows(staying), _rows_of(PICTURE))
+    assert encoder.num_embeds == 1 and encoder.num_cancelled == 0
+
+
+async def test_the_embed_call_is_cancelled_once_every_caller_has_left(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    fetches = [fetch for _ in range(2) for fetch in _start(parts, [_picture()])[1]]
+    await asyncio.sleep(SETTLE_S)
+    for fetch in fetches:
+        fetch.cancel()
+    for _ in range(50):
+        if encoder.num_cancelled:
+            break
+        await asyncio.sleep(0.05)
+    assert encoder.num_embeds == 1 and encoder.num_cancelled == 1 and encoder.num_running == 0
+    [later], _ = _start(parts, [_picture()])  # the abandoned fetch is not joined: a new one starts
+    encoder.gate.set()
+    assert torch.equal(await _rows(later), _rows_of(PICTURE)) and encoder.num_embeds == 2
+
+
+async def test_the_encoders_refusal_reaches_every_caller_on_its_own_field(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    encoder.is_refusing_all = True
+    first, _ = _start(parts, [_picture(), TextPrompt("and"), _picture()])
+    second, _ = _start(parts, [TextPrompt("look:"), _picture()])
+    await asyncio.sleep(SETTLE_S)
+    encoder.gate.set()
+    fields = []
+    for part in [*first, *second]:
+        with pytest.raises(InvalidArgument) as error:
+            await _rows(part)
+        assert error.value.description == "the encoder refused it: not a picture"
+        fields.append(error.value.field)
+    assert fields == ["prompt[0].encoder", "prompt[2].encoder", "prompt[1].encoder"]
+    assert encoder.num_embeds == 1
+
+
+async def test_a_malformed_reply_is_refused_to_every_caller_on_its_own_field(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    encoder.is_malformed = True
+    [first], _ = _start(parts, [_picture()])
+    [second], _ = _start(parts, [TextPrompt("look:"), _picture()])
+    await asyncio.sleep(SETTLE_S)
+    encoder.gate.set()
+    for part, field in [(first, "prompt[0]"), (second, "prompt[1]")]:
+        with pytest.raises(InvalidArgument) as error:
+            await _rows(part)
+        assert error.value.field == f"{field}.encoder.embeddings.shape"
+        assert "expected rank 2" in error.value.description
+    assert encoder.num_embeds == 1
+
+
+async def test_callers_with_other_tokens_fetch_apart_and_get_only_their_own_refusal(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    encoder.refused_token = "Bearer mallory"
+    [alice], _ = _start(parts, [_picture()], token="alice")
+    [again], _ = _start(parts, [_picture()], token="alice")
+    [mallory], _ = _start(parts, [_picture()], token="mallory")
+    await asyncio.sleep(SETTLE_S)
+    encoder.gate.set()
+    assert torch.equal(await _rows(alice), await _rows(again))
+    with pytest.raises(InvalidArgument, match="not a picture"):
+        await _rows(mallory)
+    assert encoder.num_embeds == 2
+
+
+async def test_a_fetch_past_its_first_callers_deadline_is_fetched_again_by_one_with_time_left(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    [hurried], _ = _start(parts, [_picture()], time_remaining_s=0.5)
+    await asyncio.sleep(SETTLE_S)
+    [patient], _ = _start(parts, [_picture()], time_remaining_s=30)
+    with pytest.raises(DeadlineExceeded, match=r"^prompt\[0\]\.encoder: the deadline passed"):
+        await _rows(hurried)
+    await asyncio.sleep(SETTLE_S)
+    encoder.gate.set()
+    assert torch.equal(await _rows(patient), _rows_of(PICTURE))
+    assert encoder.num_embeds == 2 and encoder.max_running == 1  # the second only once the first ended
