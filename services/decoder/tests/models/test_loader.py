@@ -327,8 +327,8 @@ def test_a_weight_that_is_not_finite_in_the_model_dtype_is_named(
     dtype: str,
     message: str,
 ) -> None:
-    """One NaN or Inf weight makes every logit NaN (each request then samples token 0); a finite
-    float32 value past float16's range is Inf once cast."""
+    """One NaN or Inf weight can make every logit NaN (each request then ends INTERNAL from a server
+    that said it was ready); a finite float32 value past float16's range is Inf once cast."""
     model_dir = copy_of(checkpoints["llama3"], tmp_path)
 
     def poison(weights: dict[str, torch.Tensor]) -> None:

