@@ -10,11 +10,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+# A config or generation config is kilobytes, a shard index of tens of thousands of tensors a few MB.
+# Parsed, JSON takes more than its size in memory (a 600 MB config.json: 1.5 GB), so a file past this
+# is refused from its size.
+MAX_JSON_BYTES = 64 << 20
+
 
 def read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
-    """The file's JSON object; raises `error` naming the file when it is missing or malformed."""
+    """The file's JSON object; raises `error` naming the file when it is missing, larger than
+    MAX_JSON_BYTES or malformed."""
     if not path.is_file():
         raise error(f"{path.name} not found in {path.parent}")
+    if (size := path.stat().st_size) > MAX_JSON_BYTES:
+        raise error(
+            f"{path} has {size:,} bytes, more than the {MAX_JSON_BYTES:,} a JSON file of a checkpoint may"
+        )
     try:
         value = json.loads(path.read_text())
     except json.JSONDecodeError as e:

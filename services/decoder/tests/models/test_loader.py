@@ -350,3 +350,14 @@ def test_architectures_that_are_not_a_list_of_names_are_refused(
     edit_json(model_dir / "config.json", architectures=architectures)
     with pytest.raises(ModelLoadError, match=message):
         loader.check_checkpoint(model_dir)
+
+
+def test_a_tokenizer_file_larger_than_the_limit_is_refused_from_its_size(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1 GB tokenizer.json took 1.25 GB to parse before it was found wanting."""
+    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
+    size = (model_dir / "tokenizer.json").stat().st_size
+    monkeypatch.setattr(loader, "MAX_TOKENIZER_BYTES", size - 1)
+    with pytest.raises(ModelLoadError, match=rf"tokenizer.json has {size:,} bytes, more than the limit of"):
+        loader.check_checkpoint(model_dir)

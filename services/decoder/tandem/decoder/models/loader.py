@@ -44,6 +44,7 @@ class ModelLoadError(ValueError):
 # The types a weight may be stored in. Integer and 8-bit-or-narrower float tensors are quantized data
 # (GPTQ's packed int32, FP8's e4m3 beside a scale) that a cast would silently turn into other numbers.
 WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+MAX_TOKENIZER_BYTES = 256 << 20  # the largest in use are about 35 MB (Gemma 3's 262K entries)
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,8 @@ def _read_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ModelLoadError(f"tokenizer.json not found in {model_dir}")
+    if (size := path.stat().st_size) > MAX_TOKENIZER_BYTES:  # parsed, it takes more than its size
+        raise ModelLoadError(f"{path} has {size:,} bytes, more than the limit of {MAX_TOKENIZER_BYTES:,}")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
