@@ -361,3 +361,19 @@ def test_a_tokenizer_file_larger_than_the_limit_is_refused_from_its_size(
     monkeypatch.setattr(loader, "MAX_TOKENIZER_BYTES", size - 1)
     with pytest.raises(ModelLoadError, match=rf"tokenizer.json has {size:,} bytes, more than the limit of"):
         loader.check_checkpoint(model_dir)
+
+
+def test_a_tokenizer_id_past_the_vocabulary_is_refused_though_the_count_fits(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """1,024 entries, one of them id 5000: a text holding it indexed the embedding table past its end."""
+    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    token = next(t for t, i in vocab.items() if i == 300)
+    vocab[token] = 5000
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(
+        ModelLoadError, match=rf"maps {re.escape(repr(token))} to id 5000, past the model's vocab_size 1024"
+    ):
+        loader.check_checkpoint(model_dir)

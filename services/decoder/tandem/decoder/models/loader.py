@@ -176,6 +176,13 @@ def _read_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
             f"tokenizer.json has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more than the "
             f"model's vocab_size {config.vocab_size}"
         )
+    # A count within the vocabulary may still hold an id past it (ids need not be dense): a text
+    # holding that token would index the embedding table past its end.
+    token, token_id = max(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    if token_id >= config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer.json maps {token!r} to id {token_id}, past the model's vocab_size {config.vocab_size}"
+        )
     return tokenizer
 
 
