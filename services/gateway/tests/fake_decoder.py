@@ -14,7 +14,9 @@ as over the context (`stopping.max_new_tokens`); one holding `hang` streams ` .`
 Started with an encoder (`fake_decoder(encoder_address)`), it is a decoder started with `--encoder`:
 it takes `encoder` parts and, as the real one does (`tandem.decoder.api.encoder_parts`), fetches their
 rows from that encoder before it accepts the call, every part of a call at once, each looked up first
-among the rows it fetched before (its `--encoder-cache-bytes`), which a fetch fills once it returns.
+among the rows it fetched before (its `--encoder-cache-bytes`), which a fetch fills once it returns,
+then among the fetches running: a picture being fetched for another call (or twice in one call) is
+awaited, not fetched again.
 """
 
 from __future__ import annotations
@@ -60,11 +62,9 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
     requests: list[decoder_pb2.GenerateRequest] = field(default_factory=list)  # every Generate, in order
     cancelled: list[str] = field(default_factory=list)  # request IDs of streams cancelled by the caller
     num_open: int = 0  # streams accepted and not yet ended
-    # What happened, in order: ("arrived", request_id) as a call comes, ("accepted", request_id) as its
-    # first event goes out.
-    log: list[tuple[str, str]] = field(default_factory=list)
     encoder: encoder_pb2_grpc.EncoderStub | None = None  # None: `encoder` parts are not accepted
     cached_rows: dict[bytes, bytes] = field(default_factory=dict)  # fetched rows, by picture
+    fetching: dict[bytes, asyncio.Task[bytes]] = field(default_factory=dict)  # fetches running, by picture
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -80,7 +80,6 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
         self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
         self.requests.append(request)
-        self.log.append(("arrived", request.request_id))
         prompt = prompt_text(request, await self._fetch_rows(request))
         if "after2" in prompt:
             async with asyncio.timeout(5):
@@ -91,7 +90,6 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             return
         self.num_open += 1
         try:
-            self.log.append(("accepted", request.request_id))
             yield decoder_pb2.GenerateResponse(
                 request_id=request.request_id, accepted=decoder_pb2.PromptAccepted(prompt_tokens=len(prompt))
             )
@@ -119,7 +117,8 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             self.num_open -= 1
 
     async def _fetch_rows(self, request: decoder_pb2.GenerateRequest) -> dict[bytes, bytes]:
-        """The rows of the call's encoder parts (pictures), by picture: cached, or fetched at once."""
+        """The rows of the call's encoder parts (pictures), by picture: cached, being fetched, or fetched
+        at once."""
         pictures = [
             part.encoder.image.data
             for message in request.chat.messages
@@ -129,12 +128,21 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
         if pictures and self.encoder is None:
             raise AssertionError("an encoder part sent to a decoder without an encoder")
 
-        async def rows(picture: bytes) -> bytes:
-            if picture not in self.cached_rows:
-                assert self.encoder is not None
-                embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=picture))
+        async def fetch(picture: bytes) -> bytes:
+            assert self.encoder is not None
+            embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=picture))
+            try:
                 self.cached_rows[picture] = (await self.encoder.Embed(embed)).embeddings.data
+            finally:
+                del self.fetching[picture]
             return self.cached_rows[picture]
+
+        async def rows(picture: bytes) -> bytes:
+            if picture in self.cached_rows:
+                return self.cached_rows[picture]
+            if picture not in self.fetching:
+                self.fetching[picture] = asyncio.ensure_future(fetch(picture))
+            return await asyncio.shield(self.fetching[picture])
 
         return dict(zip(pictures, await asyncio.gather(*(rows(p) for p in pictures)), strict=True))
 

@@ -1,7 +1,6 @@
 """A request's Generate streams as one, against a decoder over gRPC: every choice's events arrive,
 the first failure (a refusal before any event, or an error later) names its choice, and closing
-cancels every call still open, so no decoder stream outlives its request. Led, the first choice is
-accepted before the others are sent."""
+cancels every call still open, so no decoder stream outlives its request."""
 
 from __future__ import annotations
 
@@ -24,11 +23,11 @@ LIMITS = BodyLimits.for_completions(256, 16)
 
 
 @contextlib.asynccontextmanager
-async def _streams(body: dict, is_led: bool = False) -> AsyncIterator[tuple[ChoiceStreams, FakeDecoder]]:
+async def _streams(body: dict) -> AsyncIterator[tuple[ChoiceStreams, FakeDecoder]]:
     """`body`'s choices on the fake decoder, closed afterwards as the gateway always closes them."""
     async with fake_decoder() as (decoder, address), grpc.aio.insecure_channel(address) as channel:
         choices = choices_of(completion_request(body, LIMITS), "r")
-        streams = ChoiceStreams(decoder_pb2_grpc.DecoderStub(channel), choices, None, is_led)
+        streams = ChoiceStreams(decoder_pb2_grpc.DecoderStub(channel), choices, None)
         try:
             yield streams, decoder
         finally:
@@ -95,24 +94,3 @@ async def test_closing_mid_stream_cancels_every_call() -> None:
         streams.close()
         await decoder.wait_until_none_open()
         assert sorted(decoder.cancelled) == ["r-0", "r-1", "r-2"]
-
-
-async def test_led_the_other_choices_are_sent_once_the_first_is_accepted() -> None:
-    async with _streams({"prompt": "a", "n": 3, "seed": 1}, is_led=True) as (streams, decoder):
-        await streams.start()
-        assert decoder.log[:2] == [("arrived", "r-0"), ("accepted", "r-0")]
-        assert sorted(decoder.log[2:]) == sorted(
-            (e, f"r-{k}") for e in ("arrived", "accepted") for k in (1, 2)
-        )
-        texts = {choice.index: "" for choice in streams.choices}
-        for index, event in await _events(streams):
-            texts[index] += event.delta.text
-    assert texts == {0: "<a> seed=1", 1: "<a> seed=2", 2: "<a> seed=3"}
-
-
-async def test_led_a_refused_first_choice_fails_the_start_and_the_others_are_never_sent() -> None:
-    async with _streams({"prompt": "refuse", "n": 3}, is_led=True) as (streams, decoder):
-        with pytest.raises(ChoiceFailed) as failed:
-            await streams.start()
-        assert failed.value.choice.index == 0
-        assert [r.request_id for r in decoder.requests] == ["r-0"]

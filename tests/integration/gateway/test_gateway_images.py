@@ -50,7 +50,7 @@ async def test_n_sampled_choices_of_a_picture_encode_it_once_and_each_is_its_see
     try:
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none") as client:
             together = await client.chat.completions.create(**body, **sampling, n=3, seed=11)  # type: ignore[call-overload]
-            assert encoder.servicer.num_embeds == 1  # one fetch; the other choices found its rows cached
+            assert encoder.servicer.num_embeds == 1  # one fetch, which the choices sent with it shared
             alone = [
                 await client.chat.completions.create(**body, **sampling, seed=11 + j)  # type: ignore[call-overload]
                 for j in range(3)

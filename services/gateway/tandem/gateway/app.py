@@ -214,7 +214,7 @@ class Gateway:
             images.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
         else:
             await images.embed_images(self.encoder.stub, call, self._metadata(request))
-        return await self._complete(request, call, "chat", images.is_led(call, info.accepts_encoder_parts))
+        return await self._complete(request, call, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
@@ -302,9 +302,7 @@ class Gateway:
 
     # -- completions --------------------------------------------------------------------------------------
 
-    async def _complete(
-        self, request: web.Request, call: GenerateCall, kind: str, is_led: bool = False
-    ) -> web.StreamResponse:
+    async def _complete(self, request: web.Request, call: GenerateCall, kind: str) -> web.StreamResponse:
         base = (await self._decoder(request)).model
         model = call.model or base
         for generate in call.requests:
@@ -332,7 +330,7 @@ class Gateway:
         self._streams[caller] += num_choices
         try:
             async with self.callers.stub(caller) as stub:
-                streams = ChoiceStreams(stub, choices, self._metadata(request), is_led)
+                streams = ChoiceStreams(stub, choices, self._metadata(request))
                 try:
                     try:
                         await streams.start()  # a refusal arrives here, before any byte is written

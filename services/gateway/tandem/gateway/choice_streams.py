@@ -1,6 +1,5 @@
-"""A request's Generate streams, one per choice, as one: every call started at once (or, led, the first
-alone and the rest once it is accepted: `images.py` says why), each one's first event awaited before
-the answer begins, then their events merged in the order they arrive.
+"""A request's Generate streams, one per choice, as one: every call started at once, each one's first
+event awaited before the answer begins, then their events merged in the order they arrive.
 
 NOTE: whole or nothing. The decoder refuses a request (a prompt too long, a token ID out of range)
 before its first event, so awaiting every choice's first event (`start`) lets one refused choice
@@ -43,34 +42,22 @@ class ChoiceFailed(Exception):
 
 
 class ChoiceStreams:
-    """The Generate calls of `choices` on `stub`, started when built; `is_led`: the first one alone,
-    the others once it is accepted (`images.py`: they then find its pictures' rows in the decoder's
-    cache). Event-loop thread only."""
+    """The Generate calls of `choices` on `stub`, started when built. Event-loop thread only."""
 
     def __init__(
         self,
         stub: decoder_pb2_grpc.DecoderStub,
         choices: Sequence[Choice],
         metadata: tuple[tuple[str, str], ...] | None,
-        is_led: bool = False,
     ) -> None:
         self.choices = choices
-        self.is_led = is_led and len(choices) > 1
-        self._stub, self._metadata = stub, metadata
-        self._calls: list[grpc.aio.UnaryStreamCall] = []
-        self._iterators: list[AsyncIterator[decoder_pb2.GenerateResponse]] = []
+        self._calls = [stub.Generate(choice.request, metadata=metadata) for choice in choices]
+        self._iterators = [call.__aiter__() for call in self._calls]
         self._firsts: list[decoder_pb2.GenerateResponse | None] = []  # each call's first event
         self._readers: list[asyncio.Task[None]] = []
-        self._call(choices[:1] if self.is_led else choices)
-
-    def _call(self, choices: Sequence[Choice]) -> None:
-        for choice in choices:
-            self._calls.append(self._stub.Generate(choice.request, metadata=self._metadata))
-            self._iterators.append(self._calls[-1].__aiter__())
 
     async def start(self) -> None:
-        """Every call's first event (the decoder's `accepted`); ChoiceFailed for the first refusal. Led,
-        the first choice's comes before the other calls are made."""
+        """Every call's first event (the decoder's `accepted`); ChoiceFailed for the first refusal."""
 
         async def first(k: int) -> decoder_pb2.GenerateResponse | None:
             try:
@@ -78,12 +65,7 @@ class ChoiceStreams:
             except grpc.aio.AioRpcError as error:
                 raise ChoiceFailed(self.choices[k], error) from None
 
-        if self.is_led:
-            self._firsts = [await first(0)]
-            self._call(self.choices[1:])
-            self._firsts += await all_or_cancel([first(k) for k in range(1, len(self._calls))])
-        else:
-            self._firsts = await all_or_cancel([first(k) for k in range(len(self._calls))])
+        self._firsts = await all_or_cancel([first(k) for k in range(len(self._calls))])
 
     async def events(self) -> AsyncIterator[tuple[Choice, decoder_pb2.GenerateResponse]]:
         """Every event after `start`, with its choice, as they arrive; ChoiceFailed for the first

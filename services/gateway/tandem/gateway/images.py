@@ -7,11 +7,9 @@ gateway embeds each distinct file through its encoder (`embed_images`), once how
 repeats it, and every choice's Generate call is a copy of the one prompt holding those rows. A decoder
 with an encoder (`accepts_encoder_parts`) takes the file as an `encoder` part and fetches the rows
 itself, the rows never passing through the gateway (whose own encoder may not even be reachable);
-each Generate call fetches its parts, and its cache (`--encoder-cache-bytes`) has a picture only once
-a fetch has returned. So n choices sent at once were n concurrent misses, n encodes of each picture;
-such a request's first choice now goes alone, and the others follow once it is accepted
-(`ChoiceStreams`' leader), by which time the decoder holds its rows. What the gateway cannot share:
-one picture twice in one call, and choices that reach different decoder replicas, are each fetched.
+each Generate call fetches its parts, and the decoder shares one fetch among the calls asking for a
+picture at once (`tandem.decoder.api.encoder_parts`), so the n choices go at once and each picture is
+still encoded once. Choices that reach different decoder replicas are fetched by each replica.
 """
 
 from __future__ import annotations
@@ -80,10 +78,3 @@ async def embed_images(
     for data, tensor in embedded:
         for image in by_file[data]:
             call.requests[0].chat.messages[image.message].content[image.part].image.CopyFrom(tensor)
-
-
-def is_led(call: GenerateCall, accepts_encoder_parts: bool) -> bool:
-    """Whether `call`'s first choice goes alone, the others once it is accepted: its pictures go as
-    encoder parts, whose rows the decoder caches once the first fetch returns, and it has other
-    choices to fetch them again."""
-    return accepts_encoder_parts and bool(call.images) and call.num_choices > 1
