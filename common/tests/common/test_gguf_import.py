@@ -269,3 +269,53 @@ def test_a_llama_q_projection_of_rows_no_heads_divide_is_one_line_exit_2(
         "blk.0.attn_q.weight has 62 rows",
         "4 heads (num_attention_heads)",
     )
+
+
+def _vocabulary(tokenizer: Tokenizer, size: int) -> list[str]:
+    """The entries write_gguf writes: the tokenizer's by id, then padding up to `size`."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    return tokens + [f"[PAD{i}]" for i in range(size - len(tokens))]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        # AttributeError and TypeError tracebacks before.
+        ("tokenizer.ggml.merges", [7, 8], "metadata tokenizer.ggml.merges[0] must be a string, got 7"),
+        ("tokenizer.ggml.tokens", "ints", "metadata tokenizer.ggml.tokens[0] must be a string, got 0"),
+        # Each token then counted as a normal one: the special tokens were lost.
+        ("tokenizer.ggml.token_type", "strings", "metadata tokenizer.ggml.token_type[0] must be an integer"),
+        # Imported, then refused at load as an unreadable tokenizer.json of the cache directory.
+        (
+            "tokenizer.ggml.merges",
+            ["a b", "abc"],
+            "tokenizer.ggml.merges[1] 'abc' is not two tokens and a space",
+        ),
+        ("tokenizer.ggml.tokens", "repeat", "tokenizer.ggml.tokens[1] '!' repeats entry 0"),
+        # "yes" was read as true.
+        (
+            "tokenizer.ggml.add_bos_token",
+            "yes",
+            "metadata tokenizer.ggml.add_bos_token must be a boolean, got 'yes'",
+        ),
+    ],
+)
+def test_tokenizer_metadata_of_the_wrong_kind_is_one_line_naming_the_entry(
+    tokenizer: Tokenizer, tmp_path: Path, key: str, value: object, said: str
+) -> None:
+    model = small_model("qwen3", tokenizer.get_vocab_size())
+    size = model.config.vocab_size
+    value = (
+        {
+            "ints": list(range(size)),
+            "strings": ["normal"] * size,
+            "repeat": [_vocabulary(tokenizer, size)[0], *_vocabulary(tokenizer, size)[:-1]],
+        }.get(value, value)
+        if isinstance(value, str)
+        else value
+    )
+    path = write_gguf(tmp_path / "m.gguf", model, tokenizer, metadata={key: value})
+    with pytest.raises(GGUFImportError) as caught:
+        import_gguf(path, tmp_path / "out")
+    assert said in str(caught.value) and "\n" not in str(caught.value)

@@ -313,9 +313,9 @@ def _tokenizer_files(
             f"{meta.path}: tokenizer.ggml.pre {pre!r} is not supported "
             f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
         )
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    merges: list[str] = meta.get("tokenizer.ggml.merges") or []
+    tokens: list[str] = _list_of(meta, "tokenizer.ggml.tokens", str)
+    types: list[int] = _list_of(meta, "tokenizer.ggml.token_type", int) or [_NORMAL] * len(tokens)
+    merges: list[str] = _list_of(meta, "tokenizer.ggml.merges", str)
     if not tokens or len(types) != len(tokens):
         raise GGUFImportError(f"{meta.path}: tokenizer.ggml.tokens / token_type missing or inconsistent")
     longest = max(range(len(tokens)), key=lambda i: len(tokens[i]))
@@ -324,6 +324,17 @@ def _tokenizer_files(
             f"{meta.path}: tokenizer.ggml.tokens[{longest}] has {len(tokens[longest])} characters, "
             f"more than {MAX_TOKEN_CHARS}"
         )
+    first = {}
+    for i, entry in enumerate(tokens):  # a repeat left a vocabulary the tokenizers library refused at load
+        if first.setdefault(entry, i) != i:
+            raise GGUFImportError(
+                f"{meta.path}: tokenizer.ggml.tokens[{i}] {entry!r} repeats entry {first[entry]}"
+            )
+    for i, merge in enumerate(merges):
+        if " " not in merge:
+            raise GGUFImportError(
+                f"{meta.path}: tokenizer.ggml.merges[{i}] {merge!r} is not two tokens and a space"
+            )
     for key in ("bos", "eos", "eot", "unknown", "padding"):
         index = meta.get(f"tokenizer.ggml.{key}_token_id")
         if index is not None:
@@ -391,8 +402,8 @@ def _tokenizer_files(
         "eos_token": token("eos"),
         "unk_token": token("unknown"),
         "pad_token": token("padding"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": _flag(meta, "tokenizer.ggml.add_bos_token"),
+        "add_eos_token": _flag(meta, "tokenizer.ggml.add_eos_token"),
         "clean_up_tokenization_spaces": False,
         "model_max_length": hf_config["max_position_embeddings"],
         "chat_template": meta.get_str("tokenizer.chat_template"),
@@ -403,10 +414,32 @@ def _tokenizer_files(
     return tokenizer_json, tokenizer_config, generation_config
 
 
+def _list_of(meta: _Metadata, key: str, kind: type) -> list[Any]:
+    """The array under `key` ([] when absent); an entry of another type (a merge stored as an integer
+    raised AttributeError, a token type stored as a string made every token a normal one) is named."""
+    values = meta.get(key) or []
+    if not isinstance(values, list):
+        raise GGUFImportError(f"{meta.path}: metadata {key} must be an array, got {values!r:.40}")
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise GGUFImportError(
+                f"{meta.path}: metadata {key}[{i}] must be {'a string' if kind is str else 'an integer'}, "
+                f"got {value!r:.40}"
+            )
+    return values
+
+
+def _flag(meta: _Metadata, key: str) -> bool:
+    value = meta.get(key, False)
+    if not isinstance(value, bool):  # "yes" read as true before
+        raise GGUFImportError(f"{meta.path}: metadata {key} must be a boolean, got {value!r:.40}")
+    return value
+
+
 def _post_processor(meta: _Metadata, tokens: list[str]) -> dict[str, Any] | None:
     """Prepends BOS when the file says the tokenizer adds it (Llama 3 does; SmolLM2 does not)."""
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    if not meta.get("tokenizer.ggml.add_bos_token", False) or not isinstance(bos, int):
+    if not _flag(meta, "tokenizer.ggml.add_bos_token") or not isinstance(bos, int):
         return None
     name = tokens[bos]
     return {
