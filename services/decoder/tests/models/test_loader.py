@@ -377,3 +377,17 @@ def test_a_tokenizer_id_past_the_vocabulary_is_refused_though_the_count_fits(
         ModelLoadError, match=rf"maps {re.escape(repr(token))} to id 5000, past the model's vocab_size 1024"
     ):
         loader.check_checkpoint(model_dir)
+
+
+def test_shards_that_are_links_out_of_the_directory_load_as_in_a_hugging_face_cache(
+    hf_checkpoint_factory: Any, tmp_path: Path
+) -> None:
+    """A hub snapshot's files are symbolic links into ../../blobs: the index's names are judged as
+    written, so the files they lead to load."""
+    sharded = hf_checkpoint_factory("qwen3", max_shard_size="100KB")
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for shard in sharded.path.glob("model-*.safetensors"):
+        shard.rename(blobs / shard.name)
+        shard.symlink_to(blobs / shard.name)
+    assert load_model(sharded.path, dtype="float32").config.num_layers == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import time
 from contextlib import ExitStack
@@ -207,9 +208,12 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def _shard_path(model_dir: Path, name: str) -> Path:
     """A file the index names, which must lie inside the checkpoint directory: an index naming
-    /etc/passwd or ../other/model.safetensors would have been opened as a weight file."""
+    /etc/passwd or ../other/model.safetensors would have been opened as a weight file. The name is
+    judged as written, not where symbolic links lead: a Hugging Face cache snapshot's files are
+    links into its blobs directory, outside the snapshot, put there by whoever made the directory."""
     path = model_dir / name
-    if Path(name).is_absolute() or not path.resolve().is_relative_to(model_dir.resolve()):
+    normal = os.path.normpath(name)
+    if os.path.isabs(normal) or normal == ".." or normal.startswith(".." + os.sep):
         raise ModelLoadError(
             f"model.safetensors.index.json in {model_dir}: file {name!r} lies outside the checkpoint "
             "directory"
