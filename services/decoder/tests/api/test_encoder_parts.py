@@ -8,7 +8,7 @@ counts its Embed calls and answers when a test opens its gate."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import pytest
@@ -110,6 +110,12 @@ async def _rows(part: EncoderPrompt) -> torch.Tensor:
     return await asyncio.wait_for(asyncio.wrap_future(part.rows), 10)
 
 
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
 def _picture() -> EncoderPrompt:
     return EncoderPrompt("image", PICTURE)
 
@@ -122,7 +128,7 @@ async def test_two_calls_asking_for_one_picture_at_once_cost_one_embed(
     await asyncio.sleep(SETTLE_S)
     encoder.gate.set()
     rows = [await _rows(first), await _rows(second)]
-    assert encoder.num_embeds == 1
+    assert encoder.num_embeds == 1 and parts.num_embeds == 1 and parts.num_joined == 1
     assert torch.equal(rows[0], _rows_of(PICTURE)) and torch.equal(rows[1], rows[0])
     [again], _ = _start(parts, [_picture()])
     assert torch.equal(await _rows(again), rows[0]) and encoder.num_embeds == 1  # cached since
@@ -135,7 +141,7 @@ async def test_one_call_holding_a_picture_twice_costs_one_embed(
     await asyncio.sleep(SETTLE_S)
     encoder.gate.set()
     assert torch.equal(await _rows(first), await _rows(second))
-    assert encoder.num_embeds == 1
+    assert encoder.num_embeds == 1 and parts.num_joined == 1
 
 
 async def test_a_caller_leaving_leaves_the_others_fetch_running_to_its_end(
@@ -172,13 +178,11 @@ async def test_the_embed_call_is_cancelled_once_every_caller_has_left(
     encoder: StandIn, parts: EncoderParts
 ) -> None:
     fetches = [fetch for _ in range(2) for fetch in _start(parts, [_picture()])[1]]
+    await _until(lambda: encoder.num_embeds == 1)
     await asyncio.sleep(SETTLE_S)
     for fetch in fetches:
         fetch.cancel()
-    for _ in range(50):
-        if encoder.num_cancelled:
-            break
-        await asyncio.sleep(0.05)
+    await _until(lambda: encoder.num_cancelled > 0)
     assert encoder.num_embeds == 1 and encoder.num_cancelled == 1 and encoder.num_running == 0
     [later], _ = _start(parts, [_picture()])  # the abandoned fetch is not joined: a new one starts
     encoder.gate.set()
