@@ -391,3 +391,39 @@ def test_shards_that_are_links_out_of_the_directory_load_as_in_a_hugging_face_ca
         shard.rename(blobs / shard.name)
         shard.symlink_to(blobs / shard.name)
     assert load_model(sharded.path, dtype="float32").config.num_layers == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        # json's message named no file; the start-up then ended after the server had listened.
+        ("tokenizer_config.json", b"{", r"tokenizer_config\.json is not valid JSON"),
+        # An AttributeError traceback from the chat template's loader.
+        (
+            "tokenizer_config.json",
+            b'{"chat_template": [1, 2]}',
+            r"chat_template must be a string or a list of",
+        ),
+        ("chat_template.json", b"[]", r"chat_template\.json must hold a JSON object"),
+        ("chat_template.jinja", b"\xff\xfe{{ x }}", r"chat_template\.jinja is not UTF-8 text"),
+        (
+            "chat_template.jinja",
+            b"x" * (64 * 1024 + 1),
+            r"chat_template\.jinja has 65,537 characters, more than 65,536",
+        ),
+    ],
+)
+def test_a_broken_chat_template_file_is_named_before_the_server_listens(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
+    (model_dir / name).write_bytes(content)
+    with pytest.raises(ModelLoadError, match=message):
+        loader.check_checkpoint(model_dir)
+
+
+def test_a_named_chat_template_list_is_accepted(checkpoints: dict[str, Checkpoint], tmp_path: Path) -> None:
+    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
+    templates = [{"name": "default", "template": "{{ messages }}"}, {"name": "tool_use", "template": "x"}]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    loader.check_checkpoint(model_dir)

@@ -28,6 +28,7 @@ from tandem.common.checkpoint import read_json
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.torch_part.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
 from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
+from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 from tandem.decoder.models import quantized
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.gguf_weights import read_quantized
@@ -73,6 +74,7 @@ def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer]:
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     config, architecture = _read_config(model_dir, dtype)
     tokenizer = _read_tokenizer(model_dir, config)  # before the weights: a mismatch fails fast
+    _check_chat_template(model_dir)
     with ExitStack() as stack:  # the headers only: nothing is read past them
         _open_weights(stack, model_dir, config)
     return config, architecture, tokenizer
@@ -185,6 +187,39 @@ def _read_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
             f"tokenizer.json maps {token!r} to id {token_id}, past the model's vocab_size {config.vocab_size}"
         )
     return tokenizer
+
+
+def _check_chat_template(model_dir: Path) -> None:
+    """The files the chat template comes from (engine/admission/chat.py reads them once the weights
+    are in) are what it expects, so a broken one is named before the server listens: a malformed
+    tokenizer_config.json ended the start-up with json's message naming no file, a chat_template of
+    numbers with an AttributeError traceback, a chat_template.jinja not in UTF-8 with the codec's."""
+    config_path = model_dir / "tokenizer_config.json"
+    template = _read_json(config_path).get("chat_template") if config_path.is_file() else None
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        for t in template
+    )
+    if template is not None and not isinstance(template, str) and not named:
+        raise ModelLoadError(
+            f"{config_path}: chat_template must be a string or a list of {{name, template}} objects"
+        )
+    if (model_dir / "chat_template.json").is_file():
+        _read_json(model_dir / "chat_template.json")
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        if (size := jinja_path.stat().st_size) > 4 * MAX_TEMPLATE_CHARS:  # UTF-8: 4 bytes a character at most
+            raise ModelLoadError(
+                f"{jinja_path} has {size:,} bytes, more than {MAX_TEMPLATE_CHARS:,} characters take"
+            )
+        try:
+            text = jinja_path.read_text()
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{jinja_path} is not UTF-8 text: {e}") from None
+        if len(text) > MAX_TEMPLATE_CHARS:
+            raise ModelLoadError(
+                f"{jinja_path} has {len(text):,} characters, more than {MAX_TEMPLATE_CHARS:,}"
+            )
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
