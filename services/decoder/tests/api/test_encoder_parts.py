@@ -128,7 +128,7 @@ async def test_two_calls_asking_for_one_picture_at_once_cost_one_embed(
     await asyncio.sleep(SETTLE_S)
     encoder.gate.set()
     rows = [await _rows(first), await _rows(second)]
-    assert encoder.num_embeds == 1 and parts.num_embeds == 1 and parts.num_joined == 1
+    assert encoder.num_embeds == 1 and parts.fetches.num_started == 1 and parts.fetches.num_joined == 1
     assert torch.equal(rows[0], _rows_of(PICTURE)) and torch.equal(rows[1], rows[0])
     [again], _ = _start(parts, [_picture()])
     assert torch.equal(await _rows(again), rows[0]) and encoder.num_embeds == 1  # cached since
@@ -141,7 +141,7 @@ async def test_one_call_holding_a_picture_twice_costs_one_embed(
     await asyncio.sleep(SETTLE_S)
     encoder.gate.set()
     assert torch.equal(await _rows(first), await _rows(second))
-    assert encoder.num_embeds == 1 and parts.num_joined == 1
+    assert encoder.num_embeds == 1 and parts.fetches.num_joined == 1
 
 
 async def test_a_caller_leaving_leaves_the_others_fetch_running_to_its_end(

@@ -11,11 +11,11 @@ A fetch, on the event loop:
    dtype, is not embedded again.
    An input already being fetched is not embedded again either: the cache is filled only when a fetch
    returns, so n calls asking for one picture at once (a chat with n choices, or one prompt holding it
-   twice) would each miss it. A fetch for a key in flight joins that fetch (`_Flight`) and is handed its
-   rows, or its error named on the joiner's own field. Keyed with the caller's bearer token too: a
-   refusal of one caller's token is never handed to another caller. A joiner leaving does not cancel
-   the others' fetch; the Embed call is cancelled only when every one waiting for it has left. A fetch
-   that ran out of its first caller's deadline is fetched again by a joiner that still has time.
+   twice) would each miss it. A fetch for a key in flight joins that fetch (`shared_fetches.py`) and is
+   handed its rows, or its error named on the joiner's own field. Keyed with the caller's bearer token
+   too: a refusal of one caller's token is never handed to another caller. A joiner leaving does not
+   cancel the others' fetch; the Embed call is cancelled only when every one waiting for it has left.
+   A fetch that ran out of its first caller's deadline is fetched again by a joiner that still has time.
 2. An Embed call with the caller's deadline (at most MAX_FETCH_S), bearer token and trace context
    (the telemetry's interceptor carries the decoder's span; without it the caller's own
    `traceparent` is passed on), asking for the model's dtype, so the rows need no cast here. Where this
@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -74,6 +73,7 @@ from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import TableSample, read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
+from tandem.decoder.api.shared_fetches import SharedFetches
 from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.engine.admission.chat import ChatMessage
 from tandem.decoder.engine.admission.prompt import GenerateSpec
@@ -87,16 +87,6 @@ TRACE_METADATA = ("traceparent", "tracestate")  # passed on when this decoder do
 
 class EncoderMismatch(Exception):
     """The encoder serves another model than this decoder's; the message names both."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Flight:
-    """One Embed call and the fetches waiting for it."""
-
-    key: tuple[bytes, tuple[str | bytes, ...]]  # the cache key and the caller's bearer token, if any
-    task: asyncio.Task[torch.Tensor]  # the call: settles with the rows, or the error about them
-    deadline: float  # loop time at which the call's timeout (its first caller's) runs out
-    num_waiting: int = 0  # fetches awaiting it; the last one to leave before it ends cancels it
 
 
 class EncoderParts:
@@ -137,9 +127,7 @@ class EncoderParts:
         self._mismatch: str | None = None  # why the encoder's model is not this decoder's, once asked
         self._model_lock = asyncio.Lock()
         # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
-        self._flights: dict[tuple[bytes, tuple[str | bytes, ...]], _Flight] = {}
-        self.num_embeds = 0  # Embed calls answered
-        self.num_joined = 0  # fetches that joined one already running instead of calling Embed
+        self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
         self.num_shared = 0  # replies read from shared memory
         self.num_bytes = 0  # replies that carried their rows as bytes
 
@@ -216,44 +204,22 @@ class EncoderParts:
         self, part: EncoderPrompt, field: str, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> torch.Tensor:
         """[n, hidden_size] in the model's dtype: cached, or fetched (and then cached), the fetch shared
-        with every other one of the same input and token running meanwhile."""
+        with every other one of the same input and bearer token running meanwhile (`shared_fetches.py`),
+        its errors named on `field`."""
         model = await self._encoder_model(field, timeout_s, metadata)
         key = cache_key(model, part.kind, part.content, self.dtype)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        flight_key = (key, tuple(value for name, value in metadata if name in FORWARDED_METADATA))
-        while True:
-            flight = self._flights.get(flight_key)
-            if flight is None or flight.task.done():
-                task = asyncio.ensure_future(self._embed(part, key, timeout_s, metadata))
-                flight = self._flights[flight_key] = _Flight(flight_key, task, deadline)
-                task.add_done_callback(functools.partial(self._forget, flight))
-            else:
-                self.num_joined += 1
-            flight.num_waiting += 1
-            try:
-                return await asyncio.shield(flight.task)
-            except grpc.aio.AioRpcError as error:
-                # The shared call ran out of its first caller's time; this caller has more of its own.
-                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and flight.deadline < deadline:
-                    if (timeout_s := deadline - loop.time()) > 0:
-                        continue
-                raise self._error(error, field) from None
-            except (InvalidArgument, FailedPrecondition) as error:
-                raise type(error)(field + error.field, error.description) from None
-            finally:
-                flight.num_waiting -= 1
-                if flight.num_waiting == 0 and not flight.task.done():
-                    self._forget(flight)  # nobody waits for it: a fetch from now on starts afresh
-                    flight.task.cancel()
-
-    def _forget(self, flight: _Flight, _ended: object = None) -> None:
-        """Forgets a fetch that ended (its rows, if any, are in the cache now) or that all left."""
-        if self._flights.get(flight.key) is flight:
-            del self._flights[flight.key]
+        token = tuple(value for name, value in metadata if name in FORWARDED_METADATA)
+        try:
+            return await self.fetches.fetch(
+                (key, token), timeout_s, lambda time_s: self._embed(part, key, time_s, metadata), _ran_out
+            )
+        except grpc.aio.AioRpcError as error:
+            raise self._error(error, field) from None
+        except (InvalidArgument, FailedPrecondition) as error:
+            raise type(error)(field + error.field, error.description) from None
 
     async def _embed(
         self, part: EncoderPrompt, key: bytes, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
@@ -272,7 +238,6 @@ class EncoderParts:
         if offer is not None:
             request.shared_memory.CopyFrom(offer)
         reply = await self.client.stub.Embed(request, timeout=timeout_s, metadata=metadata)
-        self.num_embeds += 1
         if reply.HasField("shared_embeddings"):
             handle = reply.shared_embeddings
             if offer is None or handle.name != offer.segment_name:
@@ -419,3 +384,8 @@ def _claimed_bytes(handle: tensor_pb2.SharedTensor) -> int:
         num_elements *= max(0, dim)
     dtype = BY_WIRE.get(handle.dtype)
     return num_elements * dtype.itemsize if dtype else 0  # an unknown dtype is refused at once, inline
+
+
+def _ran_out(error: BaseException) -> bool:
+    """Whether an Embed call failed for want of time: a caller with more of its own fetches again."""
+    return isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
