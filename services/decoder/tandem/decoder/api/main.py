@@ -10,18 +10,25 @@ within ENCODER_CHECK_S.
 
 Stopping (SIGTERM or SIGINT; a second signal only says it is already draining): health NOT_SERVING,
 no new calls, and open streams get --grace-s to finish. Any still open then end with
-FINISH_REASON_ABORTED, so every stream gets its `finished` event and its span is exported.
+FINISH_REASON_ABORTED, so every stream gets its `finished` event and its span is exported. A signal
+while the model still loads (weights, kernel choice, warm-up) ends the process at once (exit 0), the
+load abandoned rather than waited for and the ranks this process spawned ended with it; one while
+the --encoder's model is checked stops without waiting for its answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import enum
 import logging
 import os
+import sys
 from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import torch
@@ -29,7 +36,7 @@ import torch
 from tandem.client.channel import channel_target
 from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
-from tandem.client.telemetry import setup_telemetry
+from tandem.client.telemetry import Telemetry, setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
 from tandem.common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
@@ -65,6 +72,20 @@ CUT_S = 5.0  # after the grace period: how long aborted streams get to send `fin
 # up` both start together, and a larger encoder may still be loading); past it, it serves, and the
 # encoder's model is checked at its first encoder part.
 ENCODER_CHECK_S = 30.0
+# Spawned ranks still loading when a signal abandons the load: how long each gets to die of SIGTERM
+# before it is killed.
+RANK_EXIT_S = 5.0
+
+
+class Outcome(enum.Enum):
+    """How `serve` ended, which decides how the process exits."""
+
+    STOPPED = "stopped"  # served (or stopped before serving), everything joined: exit 0
+    FAILED = "failed"  # the load, the --encoder check or the group failed: exit 1
+    # A signal came while the model loaded: all is closed but the thread loading it, which nothing
+    # can interrupt (it is inside safetensors, torch or a kernel's warm-up), so the process exits 0
+    # without joining it.
+    ABANDONED = "abandoned"
 
 
 def command() -> click.Command:
@@ -193,20 +214,50 @@ def check_fits(
 
 def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
     if rank is None:
-        return 0 if asyncio.run(serve(config)) else 1
-    config = rank_config(config, rank)
-    if rank.rank != 0:
-        return run_worker(rank, config)
-    workers = [] if rank.is_torchrun else spawn_local_ranks(config, rank)
-    healthy = asyncio.run(serve(config, rank=rank))
-    healthy = join_local_ranks(workers, config.collective_timeout_s) and healthy
-    return 0 if healthy else 1
+        outcome = asyncio.run(serve(config))
+    else:
+        config = rank_config(config, rank)
+        if rank.rank != 0:
+            return run_worker(rank, config)
+        workers = [] if rank.is_torchrun else spawn_local_ranks(config, rank)
+        outcome = asyncio.run(serve(config, rank=rank))
+        if outcome is Outcome.ABANDONED:
+            _end_loading_ranks(workers)
+        elif not join_local_ranks(workers, config.collective_timeout_s):
+            outcome = Outcome.FAILED
+    if outcome is Outcome.ABANDONED:
+        _exit_leaving_the_load()
+    return 0 if outcome is Outcome.STOPPED else 1
+
+
+def _end_loading_ranks(processes: list[BaseProcess]) -> None:
+    """Ends the ranks this process spawned while they load. Nothing can tell them to stop (the step
+    feed that carries STOP exists once the engine is built), and a rank left behind would hold its
+    memory until the group's timeout failed it; they keep Python's default action for SIGTERM."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(RANK_EXIT_S)
+        if process.is_alive():
+            log.error("rank %s did not exit in %.0f s of SIGTERM; killing it", process.name, RANK_EXIT_S)
+            process.kill()
+            process.join()
+
+
+def _exit_leaving_the_load() -> NoReturn:
+    """Exit 0 now, with the model still loading. Its thread cannot be interrupted and the interpreter's
+    exit would join it (and the engine thread it waits on), so a signal during a load of minutes would
+    take minutes to act on. Everything else is closed by now: the server, the telemetry, the ranks."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 async def serve(
     config: DecoderConfig, ready: asyncio.Event | None = None, rank: RankInfo | None = None
-) -> bool:
-    """Serves until SIGTERM; with `rank` (several ranks) also until the group fails. False on failure."""
+) -> Outcome:
+    """Serves until SIGTERM; with `rank` (several ranks) also until the group fails."""
     telemetry = setup_telemetry("tandem-decoder", os.environ)  # OTEL_*; off when nothing is configured
     servicer = DecoderServicer(
         config.model_name,
@@ -224,14 +275,25 @@ async def serve(
     )
     stop = stop_on_signals(config.server.grace_s, log)
     log.info("loading %s (health NOT_SERVING until ready)", config.engine.model_dir)
+    # Its own thread, not the loop's default executor, which asyncio.run would join on the way out.
+    loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-load")
+    loading = asyncio.get_running_loop().run_in_executor(loader, _load_engine, config, rank)
+    is_loaded = await _unless_stopped(loading, stop)
+    loader.shutdown(wait=False)
+    if not is_loaded:
+        log.info("stopping before the model finished loading")
+        await running.stop(0)  # nothing is served before the load: no call to drain
+        telemetry.shutdown()
+        log.info("stopped")
+        return Outcome.ABANDONED
     try:
-        engine = await asyncio.to_thread(_load_engine, config, rank)
+        engine = loading.result()
     except (ModelLoadError, BackendUnavailable, OSError, RuntimeError, ValueError) as error:
         log.error("could not load %s: %s", config.engine.model_dir, error)
         log.debug("the load failed here", exc_info=True)
         await running.stop(0)
         telemetry.shutdown()
-        return False
+        return Outcome.FAILED
     # This thread only converts requests (small tensor ops): one intra-op thread, so it never holds
     # an OpenMP team that would slow the engine thread's steps.
     torch.set_num_threads(1)
@@ -246,15 +308,20 @@ async def serve(
             model_name=config.model_name,
         )
         log.info("encoder parts are fetched from %s", config.encoder_address)
+        checking = asyncio.ensure_future(servicer.encoder_parts.check_model(ENCODER_CHECK_S))
+        if not await _unless_stopped(checking, stop):  # the encoder may still be loading: not waited for
+            checking.cancel()
+            await asyncio.wait({checking})
+            log.info("stopping before the encoder's model was checked")
+            return await _stop_unserved(engine, servicer, running, telemetry, Outcome.STOPPED)
         try:
-            log.info("%s", await servicer.encoder_parts.check_model(ENCODER_CHECK_S))
+            log.info("%s", checking.result())
         except EncoderMismatch as error:
             log.error("refusing --encoder: %s", error)
-            engine.shutdown()
-            await servicer.encoder_parts.close()
-            await running.stop(0)
-            telemetry.shutdown()
-            return False
+            return await _stop_unserved(engine, servicer, running, telemetry, Outcome.FAILED)
+    if stop.is_set():  # the signal came as the load ended: stop without serving a moment
+        log.info("stopping before serving")
+        return await _stop_unserved(engine, servicer, running, telemetry, Outcome.STOPPED)
     servicer.engine = engine
     freeze_startup_heap()
     await running.set_serving()
@@ -273,7 +340,28 @@ async def serve(
         await servicer.encoder_parts.close()
     telemetry.shutdown()  # flushes spans and metrics still buffered
     log.info("stopped")
-    return healthy
+    return Outcome.STOPPED if healthy else Outcome.FAILED
+
+
+async def _unless_stopped(work: asyncio.Future[Any], stop: asyncio.Event) -> bool:
+    """Waits for `work` until `stop` is set; True when `work` is done (it is left running if not)."""
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    return work.done()
+
+
+async def _stop_unserved(
+    engine: Engine, servicer: DecoderServicer, running: RunningServer, telemetry: Telemetry, outcome: Outcome
+) -> Outcome:
+    """Closes a loaded engine that never served (no call reached it): nothing to drain."""
+    engine.shutdown()
+    if servicer.encoder_parts is not None:
+        await servicer.encoder_parts.close()
+    await running.stop(0)
+    telemetry.shutdown()
+    log.info("stopped")
+    return outcome
 
 
 async def drain(running: RunningServer, engine: Engine, grace_s: float) -> None:
