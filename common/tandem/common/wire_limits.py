@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.client.errors import InvalidArgument
+from tandem.common.model_name import check_label
 from tandem.common.text_bounds import check_fits, min_positions
 
 MAX_REQUEST_ID_BYTES = 128  # `request_id`, UTF-8: a label echoed in every event, never looked up
@@ -16,9 +17,13 @@ MAX_TEMPLATE_CHARS = 64 * 1024
 
 
 def check_request_id(request_id: str) -> None:
+    """At most MAX_REQUEST_ID_BYTES, and a label (model_name.check_label): both services log and trace
+    the ID as the caller sent it, so a line break in it would forge a log line. Raises InvalidArgument
+    naming request_id."""
     num_bytes = len(request_id.encode())
     if num_bytes > MAX_REQUEST_ID_BYTES:
         raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {num_bytes}")
+    check_label(request_id, "request_id")
 
 
 def check_tokenize_texts(

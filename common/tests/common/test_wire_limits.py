@@ -21,6 +21,13 @@ def test_a_request_id_is_bounded_in_utf8_bytes_not_characters() -> None:
     assert f"at most {MAX_REQUEST_ID_BYTES} bytes" in info.value.description
 
 
+@pytest.mark.parametrize("request_id", ["r1\nINFO forged line", "r1\u2029", " r1"])
+def test_a_request_id_is_a_label_of_either_service_with_no_line_break_or_outer_space(request_id: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check_request_id(request_id)
+    assert info.value.field == "request_id"
+
+
 def test_a_tokenize_call_may_hold_one_context_of_text_and_no_more() -> None:
     check_tokenize_texts(["a" * 40, "b" * 40], max_chars_per_token=10, max_positions=8, limit="max_model_len")
     with pytest.raises(InvalidArgument) as info:

@@ -105,9 +105,13 @@ def _ids(*ids: int) -> tensor_pb2.TokenIds:
         ({"text": "hi", "output_dtype": tensor_pb2.DATA_TYPE_INT32}, "output_dtype"),
         ({"text": "hi", "pooling": 7}, "pooling"),
         ({"text": "hi", "request_id": "x" * 129}, "request_id"),
+        ({"text": "hi", "request_id": "r1\nINFO forged line"}, "request_id"),  # logged as sent
+        ({"text": "hi", "request_id": "r1\u2028"}, "request_id"),
+        ({"text": "hi", "request_id": "r1 "}, "request_id"),
     ],
     ids=["no-input", "empty-text", "empty-ids", "id-out-of-vocab", "too-many-ids", "too-long-text",
-         "int32-output", "unknown-pooling", "long-request-id"],
+         "int32-output", "unknown-pooling", "long-request-id", "request-id-with-a-newline",
+         "request-id-with-a-line-separator", "request-id-with-outer-space"],
 )  # fmt: skip
 async def test_invalid_requests_name_the_field(encoder: Encoder, request_kwargs: dict, field: str) -> None:
     call = encoder.stub.Embed(encoder_pb2.EmbedRequest(**request_kwargs), timeout=5)

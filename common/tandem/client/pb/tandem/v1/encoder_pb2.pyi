@@ -60,7 +60,10 @@ class EmbedRequest(_message.Message):
     POOLING_FIELD_NUMBER: _builtins.int
     SHARED_MEMORY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Caller-chosen ID echoed in the response; the server assigns one when empty. At most 128 bytes."""
+    """Caller-chosen ID echoed in the response; the server assigns one when empty. At most 128 bytes;
+    no control characters or line separators (U+2028, U+2029), no white space at either end: it is
+    logged as sent, as the decoder's GenerateRequest.request_id is.
+    """
     model: _builtins.str
     """Model name to check against the loaded one, at most 256 bytes; empty = the loaded model."""
     text: _builtins.str

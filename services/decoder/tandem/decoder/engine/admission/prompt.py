@@ -20,7 +20,7 @@ import tokenizers
 import torch
 
 from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from tandem.common.model_name import check_adapter_name, check_label
+from tandem.common.model_name import check_adapter_name
 from tandem.common.text_bounds import check_fits
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.prompt_parts import (
@@ -108,7 +108,6 @@ def build_request(
     or FailedPrecondition when embeddings are off or the model has no chat template.
     """
     check_request_id(spec.request_id)
-    check_label(spec.request_id, "request_id")  # it is logged and traced as the caller sent it
     if spec.adapter:  # which adapters are loaded is the core's to say, at admission
         check_adapter_name(spec.adapter, "adapter")
     vocab = model_config.vocab_size
