@@ -29,11 +29,11 @@ from tokenizers import Tokenizer
 
 from services.encoder.tests.smolvlm_checkpoint import GLOBAL_TOKEN, make_smolvlm
 from services.encoder.tests.vision_checkpoints import make_image, read_config
+from tandem.common.torch_part.weight_files import weight_names
 from tandem.encoder.embedder import EmbedderLoadError
 from tandem.encoder.lookup import read_tokenizer
 from tandem.encoder.vision.embedder import VisionLanguageEmbedder, processor_config
 from tandem.encoder.vision.idefics3 import Idefics3Vision, bucket_positions
-from tandem.encoder.vision.weights import weight_names
 
 transformers = pytest.importorskip("transformers")
 

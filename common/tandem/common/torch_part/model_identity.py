@@ -27,6 +27,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from tandem.common.checkpoint import read_json
+from tandem.common.torch_part.weight_files import weight_names
 from tandem.common.vision_language import weight_layout
 
 NUM_ROWS = 16
@@ -68,15 +69,7 @@ def read_table_sample(model_dir: Path, error: Callable[[str], Exception]) -> Tab
     shard its index names). Raises `error` naming what is missing."""
     hf_config = read_json(model_dir / "config.json", error)
     architecture = (hf_config.get("architectures") or [""])[0]
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.is_file():
-        files = {name: model_dir / file for name, file in read_json(index_path, error)["weight_map"].items()}
-    else:
-        path = model_dir / "model.safetensors"
-        if not path.is_file():
-            raise error(f"model.safetensors (or model.safetensors.index.json) not found in {model_dir}")
-        with safe_open(path, framework="pt", device="cpu") as weights:
-            files = dict.fromkeys(weights.keys(), path)
+    files = weight_names(model_dir, error)
     name = weight_layout(architecture, files, error).checkpoint_name(TABLE_NAME)
     if name not in files:
         raise error(f"{name} not found in {model_dir}")

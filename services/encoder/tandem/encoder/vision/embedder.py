@@ -17,11 +17,12 @@ import torch
 from PIL import Image
 
 from tandem.common import vision_language
+from tandem.common.torch_part.weight_files import weight_names
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling
 from tandem.encoder.lookup import LookupEmbedder, as_decoder_has_it, read_json, read_tokenizer
 from tandem.encoder.vision.image_span import PreparedImage, VisionModel
 from tandem.encoder.vision.llava import LlavaVision
-from tandem.encoder.vision.weights import read_weights, weight_names
+from tandem.encoder.vision.weights import read_weights
 
 
 def processor_config(model_dir: Path) -> dict[str, Any]:

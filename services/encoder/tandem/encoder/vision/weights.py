@@ -1,4 +1,5 @@
-"""Reading one part of a checkpoint: the tensors under a name prefix, from whichever shards hold them.
+"""Reading one part of a checkpoint: the tensors under a name prefix, from whichever shards hold them
+(which file holds which name is tandem.common.torch_part.weight_files').
 
 The encoder loads a vision-language checkpoint's tower and projector and never its language model's
 layers: only the names asked for are read (safetensors files are memory-mapped).
@@ -13,24 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tandem.common.checkpoint import read_json
-
-
-def weight_names(model_dir: Path, error: Callable[[str], Exception]) -> dict[str, Path]:
-    """Every weight name in the checkpoint -> the file that holds it."""
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.is_file():
-        weight_map = read_json(index_path, error).get("weight_map", {})
-        return {name: model_dir / file for name, file in weight_map.items()}
-    path = model_dir / "model.safetensors"
-    if not path.is_file():
-        raise error(f"model.safetensors (or model.safetensors.index.json) not found in {model_dir}")
-    with safe_open(path, framework="pt", device="cpu") as weights:
-        return dict.fromkeys(weights.keys(), path)
-
 
 def read_weights(files: dict[str, Path], names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The named tensors (each must be in `files`, as weight_names returns it)."""
+    """The named tensors (each must be in `files`, as tandem.common.torch_part.weight_files.weight_names
+    returns it)."""
     wanted: dict[Path, list[str]] = {}
     for name in names:
         wanted.setdefault(files[name], []).append(name)
