@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -19,9 +18,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
+from common.tests.signalled_process import signal_after_line
+from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 GRACE_S = 1.0
@@ -127,13 +129,10 @@ def _slow_checkpoint(tiny_model: Path, out_dir: Path) -> Path:
     config = json.loads((tiny_model / "config.json").read_text())
     config.update(vocab_size=vocab_size, hidden_size=hidden_size)
     (out_dir / "config.json").write_text(json.dumps(config))
-    num_bytes = vocab_size * hidden_size * 4
-    entry = {"dtype": "F32", "shape": [vocab_size, hidden_size], "data_offsets": [0, num_bytes]}
-    header = json.dumps({"model.embed_tokens.weight": entry}).encode()
-    header += b" " * (-len(header) % 8)
-    with (out_dir / "model.safetensors").open("wb") as f:
-        f.write(struct.pack("<Q", len(header)) + header)
-        f.truncate(8 + len(header) + num_bytes)
+    table_shape = (vocab_size, hidden_size)
+    write_sparse_table(
+        out_dir / "model.safetensors", {}, "model.embed_tokens.weight", table_shape, torch.float32
+    )
     return out_dir
 
 
@@ -148,26 +147,10 @@ def test_a_signal_while_the_embedder_loads_ends_the_process_at_once(
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_ENCODER_")}
     env["OMP_NUM_THREADS"] = "1"
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    try:
-        assert process.stdout is not None
-        while not lines or "loading the lookup embedder" not in lines[-1]:
-            line = process.stdout.readline().decode(errors="replace")
-            assert line, f"the encoder exited before it loaded: {''.join(lines)}"
-            lines.append(line)
-        time.sleep(0.5)  # well into the load
-        signalled = time.monotonic()
-        process.send_signal(sig)
-        output, _ = process.communicate(timeout=60)
-        exited_after_s = time.monotonic() - signalled
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    log = "".join(lines) + output.decode(errors="replace")
-    assert exited_after_s < MAX_EXIT_WHILE_LOADING_S, (exited_after_s, log)
-    assert process.returncode == 0, log
+    exited = signal_after_line(command, sig, "loading the lookup embedder", env)
+    log = exited.log
+    assert exited.after_s < MAX_EXIT_WHILE_LOADING_S, (exited.after_s, log)
+    assert exited.status == 0, log
     assert "stopping before the embedder finished loading" in log, log
     assert log.rstrip().endswith("stopped"), log
     assert " ERROR " not in log and "Traceback" not in log, log

@@ -11,18 +11,18 @@ import re
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from safetensors import safe_open
+from safetensors.torch import load_file
 
+from common.tests.signalled_process import Exited, signal_after_line
+from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.client import DecoderClient
 from tandem.decoder.api.main import main
 
@@ -144,7 +144,6 @@ def test_weights_that_do_not_load_are_one_error_line_and_exit_1(
 # for a moment before it stopped. Now it exits within this: 0.03-0.05 s measured on 2 busy cores,
 # where it exited 4.3-6.1 s after the signal.
 MAX_EXIT_WHILE_LOADING_S = 2.0
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _slow_checkpoint(tiny_model_dir: Path, out_dir: Path, vocab_size: int = 1 << 21) -> Path:
@@ -155,65 +154,36 @@ def _slow_checkpoint(tiny_model_dir: Path, out_dir: Path, vocab_size: int = 1 <<
     config = json.loads((out_dir / "config.json").read_text())
     config["vocab_size"] = vocab_size
     (out_dir / "config.json").write_text(json.dumps(config))
-    entries: dict[str, dict] = {}
-    blobs: list[bytes] = []
-    offset = 0
-    with safe_open(tiny_model_dir / "model.safetensors", "pt") as f:
-        for name in f.keys():
-            if name == "model.embed_tokens.weight":
-                hidden_size = f.get_slice(name).get_shape()[1]
-                continue
-            tensor = f.get_tensor(name).contiguous()
-            blob = tensor.view(torch.uint8).numpy().tobytes()
-            dtype = SAFETENSORS_DTYPES[tensor.dtype]
-            entries[name] = {
-                "dtype": dtype,
-                "shape": list(tensor.shape),
-                "data_offsets": [offset, offset + len(blob)],
-            }
-            blobs.append(blob)
-            offset += len(blob)
-    num_bytes = vocab_size * hidden_size * 2
-    entries["model.embed_tokens.weight"] = {
-        "dtype": "BF16", "shape": [vocab_size, hidden_size], "data_offsets": [offset, offset + num_bytes]
-    }  # fmt: skip
-    header = json.dumps(entries).encode()
-    header += b" " * (-len(header) % 8)
-    with (out_dir / "model.safetensors").open("wb") as f:
-        f.write(struct.pack("<Q", len(header)) + header + b"".join(blobs))
-        f.truncate(8 + len(header) + offset + num_bytes)
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    hidden_size = weights.pop("model.embed_tokens.weight").shape[1]
+    table_shape = (vocab_size, hidden_size)
+    write_sparse_table(
+        out_dir / "model.safetensors", weights, "model.embed_tokens.weight", table_shape, torch.bfloat16
+    )
     return out_dir
 
 
-def _signal_while_loading(
+def _signal_while_starting(
     model_dir: Path, sig: signal.Signals, *flags: str, after: str = "health NOT_SERVING until ready"
-) -> tuple[float, int, str]:
-    """Starts the decoder, sends `sig` 0.5 s after the log line that says `after`; (seconds to exit
-    after the signal, status, log)."""
+) -> Exited:
+    """Starts the decoder and sends it `sig` once it logs `after` (the load's start by default)."""
     command = [
         *(sys.executable, "-m", "tandem.decoder", "--model", str(model_dir), "--num-threads", "1"),
         *("--port", str(_free_port()), "--grace-s", "30", *flags),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["OMP_NUM_THREADS"] = "1"
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    try:
-        assert process.stdout is not None
-        while not lines or after not in lines[-1]:
-            line = process.stdout.readline().decode(errors="replace")
-            assert line, f"the decoder exited before it loaded: {''.join(lines)}"
-            lines.append(line)
-        time.sleep(0.5)  # well into the load
-        signalled = time.monotonic()
-        process.send_signal(sig)
-        output, _ = process.communicate(timeout=120)
-        exited_after_s = time.monotonic() - signalled
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    return exited_after_s, process.returncode, "".join(lines) + output.decode(errors="replace")
+    return signal_after_line(command, sig, after, env)
+
+
+def _assert_stopped_at_once(exited: Exited, said: str) -> None:
+    """Exit 0 within MAX_EXIT_WHILE_LOADING_S of the signal, having said why, without serving a
+    moment, and with nothing logged as an error."""
+    assert exited.after_s < MAX_EXIT_WHILE_LOADING_S, (exited.after_s, exited.log)
+    assert exited.status == 0, exited.log
+    assert said in exited.log, exited.log
+    assert "serving" not in exited.log.replace("NOT_SERVING", ""), exited.log
+    assert " ERROR " not in exited.log and "Traceback" not in exited.log, exited.log
 
 
 def _is_running(pid: int) -> bool:
@@ -229,39 +199,26 @@ def test_a_signal_while_the_model_loads_ends_the_process_at_once(
     tiny_model_dir: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
     model_dir = _slow_checkpoint(tiny_model_dir, tmp_path / "slow")
-    exited_after_s, status, log = _signal_while_loading(model_dir, sig, "--quantization", "int8")
-    assert exited_after_s < MAX_EXIT_WHILE_LOADING_S, (exited_after_s, log)
-    assert status == 0, log
-    assert "stopping before the model finished loading" in log, log
-    assert "serving" not in log.replace("NOT_SERVING", ""), log
-    assert log.rstrip().endswith("stopped"), log
-    assert " ERROR " not in log and "Traceback" not in log, log
+    exited = _signal_while_starting(model_dir, sig, "--quantization", "int8")
+    _assert_stopped_at_once(exited, "stopping before the model finished loading")
+    assert exited.log.rstrip().endswith("stopped"), exited.log
 
 
 def test_a_signal_while_the_ranks_load_ends_every_rank_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
     model_dir = _slow_checkpoint(tiny_model_dir, tmp_path / "slow")
-    exited_after_s, status, log = _signal_while_loading(
-        model_dir, signal.SIGTERM, "--world-size", "2", "--dtype", "float32"
-    )
-    assert exited_after_s < MAX_EXIT_WHILE_LOADING_S, (exited_after_s, log)
-    assert status == 0, log
-    rank_pid = re.search(r"started rank 1 \(pid (\d+)\)", log)
-    assert rank_pid is not None, log
-    assert not _is_running(int(rank_pid.group(1))), log  # ended and reaped, not left loading alone
-    assert "stopping before the model finished loading" in log, log
-    assert " ERROR " not in log and "Traceback" not in log, log
+    exited = _signal_while_starting(model_dir, signal.SIGTERM, "--world-size", "2", "--dtype", "float32")
+    _assert_stopped_at_once(exited, "stopping before the model finished loading")
+    rank_pid = re.search(r"started rank 1 \(pid (\d+)\)", exited.log)
+    assert rank_pid is not None, exited.log
+    assert not _is_running(int(rank_pid.group(1))), exited.log  # ended and reaped, not left loading
 
 
 def test_a_signal_while_the_encoder_is_asked_for_its_model_stops_without_its_answer(
     tiny_model_dir: Path,
 ) -> None:
     silent = f"127.0.0.1:{_free_port()}"  # nothing listens: the check would wait ENCODER_CHECK_S (30 s)
-    exited_after_s, status, log = _signal_while_loading(
+    exited = _signal_while_starting(
         tiny_model_dir, signal.SIGTERM, "--dtype", "float32", "--encoder", silent, after=silent
     )
-    assert exited_after_s < MAX_EXIT_WHILE_LOADING_S, (exited_after_s, log)
-    assert status == 0, log
-    assert "stopping before the encoder's model was checked" in log, log
-    assert "serving" not in log.replace("NOT_SERVING", ""), log
-    assert log.rstrip().endswith("stopped"), log
-    assert " ERROR " not in log and "Traceback" not in log, log
+    _assert_stopped_at_once(exited, "stopping before the encoder's model was checked")
+    assert exited.log.rstrip().endswith("stopped"), exited.log

@@ -236,12 +236,7 @@ def _end_loading_ranks(processes: list[BaseProcess]) -> None:
     memory until the group's timeout failed it; they keep Python's default action for SIGTERM."""
     for process in processes:
         process.terminate()
-    for process in processes:
-        process.join(RANK_EXIT_S)
-        if process.is_alive():
-            log.error("rank %s did not exit in %.0f s of SIGTERM; killing it", process.name, RANK_EXIT_S)
-            process.kill()
-            process.join()
+    join_local_ranks(processes, RANK_EXIT_S)  # reaps them; kills one SIGTERM did not end
 
 
 def _exit_leaving_the_load() -> NoReturn:
