@@ -3,6 +3,7 @@ tests of both services: how long after the signal it exited, with what status, h
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -21,11 +22,15 @@ class Exited:
 
 
 def signal_after_line(
-    command: Sequence[str], sig: signal.Signals, after: str, env: Mapping[str, str]
+    command: Sequence[str], sig: signal.Signals, after: str, env: Mapping[str, str], to_group: bool = False
 ) -> Exited:
     """Runs `command`, sends it `sig` SETTLE_S after it logs a line holding `after`, and waits for it
-    (and for whatever holds its output open, a child left behind included) to end."""
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    (and for whatever holds its output open, a child left behind included) to end. `to_group`: the
+    signal goes to every process of its group, children included, as a terminal's Ctrl-C does (the
+    command then leads a session of its own)."""
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=to_group
+    )
     lines: list[str] = []
     try:
         assert process.stdout is not None
@@ -35,7 +40,10 @@ def signal_after_line(
             lines.append(line)
         time.sleep(SETTLE_S)
         signalled = time.monotonic()
-        process.send_signal(sig)
+        if to_group:
+            os.killpg(process.pid, sig)
+        else:
+            process.send_signal(sig)
         output, _ = process.communicate(timeout=MAX_WAIT_S)
         after_s = time.monotonic() - signalled
     finally:

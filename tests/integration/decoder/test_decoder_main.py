@@ -164,16 +164,21 @@ def _slow_checkpoint(tiny_model_dir: Path, out_dir: Path, vocab_size: int = 1 <<
 
 
 def _signal_while_starting(
-    model_dir: Path, sig: signal.Signals, *flags: str, after: str = "health NOT_SERVING until ready"
+    model_dir: Path,
+    sig: signal.Signals,
+    *flags: str,
+    after: str = "health NOT_SERVING until ready",
+    to_group: bool = False,
 ) -> Exited:
-    """Starts the decoder and sends it `sig` once it logs `after` (the load's start by default)."""
+    """Starts the decoder and sends it (`to_group`: its ranks too) `sig` once it logs `after` (the
+    load's start by default)."""
     command = [
         *(sys.executable, "-m", "tandem.decoder", "--model", str(model_dir), "--num-threads", "1"),
         *("--port", str(_free_port()), "--grace-s", "30", *flags),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["OMP_NUM_THREADS"] = "1"
-    return signal_after_line(command, sig, after, env)
+    return signal_after_line(command, sig, after, env, to_group)
 
 
 def _assert_stopped_at_once(exited: Exited, said: str) -> None:
@@ -204,9 +209,15 @@ def test_a_signal_while_the_model_loads_ends_the_process_at_once(
     assert exited.log.rstrip().endswith("stopped"), exited.log
 
 
-def test_a_signal_while_the_ranks_load_ends_every_rank_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+# SIGTERM to rank 0 (an orchestrator's stop), or Ctrl-C in a terminal, which signals every rank: rank 1
+# died of its KeyboardInterrupt with a traceback, and the group exited 1.
+@pytest.mark.parametrize(("sig", "to_group"), [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_a_signal_while_the_ranks_load_ends_every_rank_at_once(
+    tiny_model_dir: Path, tmp_path: Path, sig: signal.Signals, to_group: bool
+) -> None:
     model_dir = _slow_checkpoint(tiny_model_dir, tmp_path / "slow")
-    exited = _signal_while_starting(model_dir, signal.SIGTERM, "--world-size", "2", "--dtype", "float32")
+    flags = ("--world-size", "2", "--dtype", "float32")
+    exited = _signal_while_starting(model_dir, sig, *flags, to_group=to_group)
     _assert_stopped_at_once(exited, "stopping before the model finished loading")
     rank_pid = re.search(r"started rank 1 \(pid (\d+)\)", exited.log)
     assert rank_pid is not None, exited.log
@@ -222,3 +233,12 @@ def test_a_signal_while_the_encoder_is_asked_for_its_model_stops_without_its_ans
     )
     _assert_stopped_at_once(exited, "stopping before the encoder's model was checked")
     assert exited.log.rstrip().endswith("stopped"), exited.log
+
+
+def test_ctrl_c_in_a_terminal_drains_a_serving_group_and_stops_every_rank(tiny_model_dir: Path) -> None:
+    # Every rank gets the terminal's SIGINT; rank 0 alone acts on it, and stops the others.
+    flags = ("--world-size", "2", "--dtype", "float32")
+    exited = _signal_while_starting(tiny_model_dir, signal.SIGINT, *flags, after="serving", to_group=True)
+    assert exited.status == 0, exited.log
+    assert "rank 1 stopped" in exited.log, exited.log
+    assert " ERROR " not in exited.log and "Traceback" not in exited.log, exited.log

@@ -13,7 +13,8 @@ no new calls, and open streams get --grace-s to finish. Any still open then end 
 FINISH_REASON_ABORTED, so every stream gets its `finished` event and its span is exported. A signal
 while the model still loads (weights, kernel choice, warm-up) ends the process at once (exit 0), the
 load abandoned rather than waited for and the ranks this process spawned ended with it; one while
-the --encoder's model is checked stops without waiting for its answer.
+the --encoder's model is checked stops without waiting for its answer. Spawned ranks ignore SIGINT,
+so a terminal's Ctrl-C, which reaches them all, is rank 0's alone to act on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import dataclasses
 import enum
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
@@ -219,7 +221,7 @@ def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
         config = rank_config(config, rank)
         if rank.rank != 0:
             return run_worker(rank, config)
-        workers = [] if rank.is_torchrun else spawn_local_ranks(config, rank)
+        workers = [] if rank.is_torchrun else _spawn_ranks(config, rank)
         outcome = asyncio.run(serve(config, rank=rank))
         if outcome is Outcome.ABANDONED:
             _end_loading_ranks(workers)
@@ -228,6 +230,20 @@ def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
     if outcome is Outcome.ABANDONED:
         _exit_leaving_the_load()
     return 0 if outcome is Outcome.STOPPED else 1
+
+
+def _spawn_ranks(config: DecoderConfig, rank: RankInfo) -> list[BaseProcess]:
+    """Ranks 1..N-1, started with SIGINT ignored, a disposition their fresh interpreters keep (Python
+    installs KeyboardInterrupt only over the default one). A terminal's Ctrl-C reaches every process
+    of its group: each rank died of it mid-load or mid-step, a traceback each, and the group exited 1
+    where rank 0 alone should act on it, draining its streams and then stopping the ranks (or, while
+    they load, ending them). SIGTERM still ends a rank. A Ctrl-C during the spawn itself (milliseconds)
+    is lost."""
+    default = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return spawn_local_ranks(config, rank)
+    finally:
+        signal.signal(signal.SIGINT, default)
 
 
 def _end_loading_ranks(processes: list[BaseProcess]) -> None:
