@@ -95,6 +95,20 @@ def test_missing_table_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> Non
         LookupEmbedder.load(broken, torch.bfloat16)
 
 
+def test_an_index_placing_the_table_outside_the_checkpoint_is_refused(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The token table's file would have been read from anywhere the index says (another model's)."""
+    broken = tmp_path / "broken"
+    _copy_without_weights(tiny_model, broken)
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.copy(tiny_model / "model.safetensors", elsewhere)
+    index = {"weight_map": {EMBED_KEY: "../elsewhere.safetensors"}}
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(EmbedderLoadError, match="'../elsewhere.safetensors' lies outside the checkpoint"):
+        LookupEmbedder.load(broken, torch.bfloat16)
+
+
 def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EmbedderLoadError, match="does not exist"):
         LookupEmbedder.load(tmp_path / "nowhere", torch.bfloat16)

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from tandem.common import checkpoint, text_bounds
 from tandem.common.torch_part.quantized_tensor import quantize_table
+from tandem.common.torch_part.weight_files import INDEX_NAME, index_files
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, read_tensor
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -50,12 +51,11 @@ def read_model_shape(model_dir: Path) -> ModelShape:
 
 def read_embedding_table(model_dir: Path) -> torch.Tensor:
     """`model.embed_tokens.weight` alone, from model.safetensors or the shard that holds it."""
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.is_file():
-        shard = read_json(index_path).get("weight_map", {}).get(EMBED_KEY)
-        if shard is None:
-            raise EmbedderLoadError(f"{EMBED_KEY} is not listed in {index_path}")
-        path = model_dir / shard
+    shards = index_files(model_dir, EmbedderLoadError)
+    if shards is not None:
+        path = shards.get(EMBED_KEY)
+        if path is None:
+            raise EmbedderLoadError(f"{EMBED_KEY} is not listed in {model_dir / INDEX_NAME}")
     else:
         path = model_dir / "model.safetensors"
     return read_tensor(path, EMBED_KEY)  # [vocab_size, hidden_size]

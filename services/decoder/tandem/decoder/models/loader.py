@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import time
 from contextlib import ExitStack
@@ -28,6 +27,7 @@ from tandem.common.checkpoint import read_json
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.torch_part.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
 from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
+from tandem.common.torch_part.weight_files import index_files
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 from tandem.decoder.models import quantized
 from tandem.decoder.models.config import ModelConfig
@@ -223,12 +223,9 @@ def _check_chat_template(model_dir: Path) -> None:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map", {})
-        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
-            raise ModelLoadError(f"{index_path}: weight_map must map weight names to file names")
-        files = [_shard_path(model_dir, name) for name in sorted(set(weight_map.values()))]
+    shards = index_files(model_dir, ModelLoadError)
+    if shards is not None:
+        files = sorted(set(shards.values()))
     elif (model_dir / "model.safetensors").is_file():
         files = [model_dir / "model.safetensors"]
     else:
@@ -239,21 +236,6 @@ def _weight_files(model_dir: Path) -> list[Path]:
                 f"{path.name}, listed in model.safetensors.index.json, not found in {model_dir}"
             )
     return files
-
-
-def _shard_path(model_dir: Path, name: str) -> Path:
-    """A file the index names, which must lie inside the checkpoint directory: an index naming
-    /etc/passwd or ../other/model.safetensors would have been opened as a weight file. The name is
-    judged as written, not where symbolic links lead: a Hugging Face cache snapshot's files are
-    links into its blobs directory, outside the snapshot, put there by whoever made the directory."""
-    path = model_dir / name
-    normal = os.path.normpath(name)
-    if os.path.isabs(normal) or normal == ".." or normal.startswith(".." + os.sep):
-        raise ModelLoadError(
-            f"model.safetensors.index.json in {model_dir}: file {name!r} lies outside the checkpoint "
-            "directory"
-        )
-    return path
 
 
 def _open_weights(stack: ExitStack, model_dir: Path, config: ModelConfig) -> dict[str, Any]:
