@@ -30,7 +30,10 @@ def thawed() -> Iterator[None]:
 def test_live_objects_leave_every_collection_pass_and_come_back_when_thawed(thawed: None) -> None:
     live = _Node()
     assert _tracked(live)
-    assert freeze_startup_heap() == gc.get_freeze_count() > 0
+    frozen = freeze_startup_heap()
+    # Not equal to a second read: a frozen object another thread frees leaves the permanent generation
+    # (3 of 592,651 did once, in the whole suite's process).
+    assert 0 < gc.get_freeze_count() <= frozen
     assert not _tracked(live)
     thaw_startup_heap()
     assert gc.get_freeze_count() == 0

@@ -45,7 +45,11 @@ from tandem.encoder.servicer import EncoderServicer
 log = logging.getLogger("tandem.encoder")
 
 PROG = "tandem serve encoder"
-CUT_S = 1.0  # after the grace period: how long calls ended UNAVAILABLE get to say so before gRPC cancels
+# After the grace period: how long calls ended UNAVAILABLE get to say so before gRPC cancels them. The
+# server stops as soon as none is left, so this is only ever waited out by a handler that cannot run:
+# 1 s was too little once, for one of 32 ended calls, with the whole test suite on 2 cores (it got
+# gRPC's GOAWAY instead of the reason).
+CUT_S = 3.0
 
 
 def command() -> click.Command:
