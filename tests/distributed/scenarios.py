@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 from pathlib import Path
 
 import torch
 
+from services.decoder.tests.engine.engine_helpers import run_concurrently
 from services.decoder.tests.models.helpers import PagedAllocator
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.distributed.parallel import ParallelContext
 from tandem.decoder.distributed.worker import run_steps
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 from tandem.decoder.engine.front.engine import Engine
-from tandem.decoder.engine.outputs.outputs import Delta, Failed, Finished, OutputOptions
+from tandem.decoder.engine.outputs.outputs import Delta, Failed, OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.step.batch import StepBatch
 from tandem.decoder.engine.step.runner import ModelRunner
@@ -145,18 +145,7 @@ def engine_outputs(engine: Engine) -> list[tuple[list[int], list[float], list[li
     """Each spec's tokens, their logprobs, top-5 logprobs and its prompt's logprobs (each position's own
     where it has a token, then its top 3), all requests in flight together."""
     specs = engine_specs(engine.model_config.hidden_size)
-    events: list[list] = [[] for _ in specs]
-    done = threading.Semaphore(0)
-    for i, spec in enumerate(specs):
-
-        def sink(event, i=i) -> None:
-            events[i].append(event)
-            if isinstance(event, Finished | Failed):
-                done.release()
-
-        engine.submit(spec, sink)
-    for _ in specs:
-        assert done.acquire(timeout=60)
+    events = run_concurrently(engine, specs)
     results = []
     for evs in events:
         deltas = [e for e in evs if isinstance(e, Delta)]
@@ -198,18 +187,7 @@ def greedy_spec(prompt: list[int], num_tokens: int) -> GenerateSpec:
 
 def greedy_tokens(engine: Engine, specs: dict[str, GenerateSpec]) -> dict[str, list[int]]:
     """Each spec's tokens, all in flight together; a failed request fails the caller."""
-    events: dict[str, list] = {name: [] for name in specs}
-    done = threading.Semaphore(0)
-    for name, spec in specs.items():
-
-        def sink(event, name=name) -> None:
-            events[name].append(event)
-            if isinstance(event, Finished | Failed):
-                done.release()
-
-        engine.submit(spec, sink)
-    for _ in specs:
-        assert done.acquire(timeout=60)
+    events = dict(zip(specs, run_concurrently(engine, list(specs.values())), strict=True))
     failed = [e for evs in events.values() for e in evs if isinstance(e, Failed)]
     assert not failed, failed
     return {
