@@ -19,11 +19,12 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common.tests.signalled_process import Exited, signal_after_line
 from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.client import DecoderClient
+from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
 
 
@@ -126,13 +127,66 @@ def test_a_port_in_use_is_one_line_naming_the_flag(
     )
 
 
+# tiny_model_dir's config.json changes -> what the one line says after "<file>: weight ".
+DISAGREEMENTS = {
+    "num_attention_heads": (
+        {"num_attention_heads": 2},
+        "model.layers.0.self_attn.q_proj.weight has shape [64, 64] in the file, but config.json implies "
+        "[32, 64] (num_attention_heads 2 x head_dim 16, hidden_size 64)",
+    ),
+    "num_key_value_heads": (
+        {"num_key_value_heads": 4},
+        "model.layers.0.self_attn.k_proj.weight has shape [32, 64] in the file, but config.json implies "
+        "[64, 64] (num_key_value_heads 4 x head_dim 16, hidden_size 64)",
+    ),
+    "head_dim": (
+        {"head_dim": 8},
+        "model.layers.0.self_attn.q_proj.weight has shape [64, 64] in the file, but config.json implies "
+        "[32, 64] (num_attention_heads 4 x head_dim 8, hidden_size 64)",
+    ),
+    "vocab_size": (
+        {"vocab_size": 2048},
+        "model.embed_tokens.weight has shape [1024, 64] in the file, but config.json implies [2048, 64] "
+        "(vocab_size 2048, hidden_size 64)",
+    ),
+    "intermediate_size": (
+        {"intermediate_size": 200},
+        "model.layers.0.mlp.gate_proj.weight has shape [192, 64] in the file, but config.json implies "
+        "[200, 64] (intermediate_size 200, hidden_size 64)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(DISAGREEMENTS))
+def test_a_config_that_disagrees_with_its_weights_is_one_line_and_exit_2_before_anything_listens(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    environ,
+    kind: str,
+) -> None:
+    """It was refused by the load, after the server listened (exit 1)."""
+    changes, said = DISAGREEMENTS[kind]
+    broken = Path(shutil.copytree(tiny_model_dir, tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(config | changes))
+    servers: list[object] = []
+    monkeypatch.setattr(decoder_main, "start_server", lambda *args: servers.append(args))
+    assert main(["--model", str(broken), "--port", "0", "--dtype", "float32"]) == 2
+    assert _one_line(capsys.readouterr().err) == (
+        f"tandem serve decoder: --model (TANDEM_MODEL): {broken / 'model.safetensors'}: weight {said}"
+    )
+    assert servers == []  # no port was bound
+
+
 def test_weights_that_do_not_load_are_one_error_line_and_exit_1(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, environ
 ) -> None:
     broken = Path(shutil.copytree(tiny_model_dir, tmp_path / "broken"))
-    config = json.loads((broken / "config.json").read_text())
-    config["intermediate_size"] += 8  # the files pass every check but the weights' shapes
-    (broken / "config.json").write_text(json.dumps(config))
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"][3] = float("nan")  # the files pass every check but the values'
+    save_file(weights, broken / "model.safetensors")
     assert main(["--model", str(broken), "--port", "0", "--dtype", "float32"]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and errors[0].startswith(f"could not load {broken}: weight "), errors

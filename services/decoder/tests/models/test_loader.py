@@ -155,14 +155,125 @@ def test_missing_weight_is_named(checkpoints: dict[str, Checkpoint], tmp_path: P
         load_model(model_dir)
 
 
-def test_misshaped_weight_is_named_with_expected_and_actual_shapes(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
+# variant, config.json changes, weight replaced (name, shape) or None, what the one line says after
+# "<file>: weight ". Each was refused only by the load, after the server listened.
+DISAGREEMENTS = {
+    "num_attention_heads": (
+        "qwen3",
+        {"num_attention_heads": 2},
+        None,
+        "model.layers.0.self_attn.q_proj.weight has shape [128, 64] in the file, but config.json implies "
+        "[64, 64] (num_attention_heads 2 x head_dim 32, hidden_size 64)",
+    ),
+    "num_key_value_heads": (
+        "llama3",
+        {"num_key_value_heads": 2},
+        None,
+        "model.layers.0.self_attn.k_proj.weight has shape [16, 64] in the file, but config.json implies "
+        "[32, 64] (num_key_value_heads 2 x head_dim 16, hidden_size 64)",
+    ),
+    "head_dim": (
+        "qwen3",
+        {"head_dim": 16},
+        None,
+        "model.layers.0.self_attn.q_proj.weight has shape [128, 64] in the file, but config.json implies "
+        "[64, 64] (num_attention_heads 4 x head_dim 16, hidden_size 64)",
+    ),
+    "vocab_size": (
+        "qwen3",
+        {"vocab_size": 2048},
+        None,
+        "model.embed_tokens.weight has shape [1024, 64] in the file, but config.json implies [2048, 64] "
+        "(vocab_size 2048, hidden_size 64)",
+    ),
+    "intermediate_size": (
+        "llama3",
+        {"intermediate_size": 192},
+        None,
+        "model.layers.0.mlp.gate_proj.weight has shape [128, 64] in the file, but config.json implies "
+        "[192, 64] (intermediate_size 192, hidden_size 64)",
+    ),
+    "hidden_size": (
+        "llama3",
+        {"hidden_size": 128, "head_dim": 16},
+        None,
+        "model.embed_tokens.weight has shape [1024, 64] in the file, but config.json implies [1024, 128] "
+        "(vocab_size 1024, hidden_size 128)",
+    ),
+    "a projection": (
+        "llama3",
+        {},
+        ("model.layers.1.self_attn.v_proj.weight", (8, 64)),
+        "model.layers.1.self_attn.v_proj.weight has shape [8, 64] in the file, but config.json implies "
+        "[16, 64] (num_key_value_heads 1 x head_dim 16, hidden_size 64)",
+    ),
+    "a norm": (
+        "llama3",
+        {},
+        ("model.norm.weight", (32,)),
+        "model.norm.weight has shape [32] in the file, but config.json implies [64] (hidden_size 64)",
+    ),
+    "qwen3's k_norm": (
+        "qwen3",
+        {},
+        ("model.layers.0.self_attn.k_norm.weight", (16,)),
+        "model.layers.0.self_attn.k_norm.weight has shape [16] in the file, but config.json implies [32] "
+        "(head_dim 32)",
+    ),
+    "an attention bias": (
+        "llama2-bias",
+        {},
+        ("model.layers.0.self_attn.o_proj.bias", (32,)),
+        "model.layers.0.self_attn.o_proj.bias has shape [32] in the file, but config.json implies [64] "
+        "(hidden_size 64)",
+    ),
+    "an untied head": (
+        "llama3",
+        {},
+        ("lm_head.weight", (1000, 64)),
+        "lm_head.weight has shape [1000, 64] in the file, but config.json implies [1024, 64] "
+        "(vocab_size 1024, hidden_size 64)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(DISAGREEMENTS))
+def test_a_config_that_disagrees_with_a_weight_shape_is_refused_before_the_server_listens(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, kind: str
 ) -> None:
-    model_dir = copy_of(checkpoints["llama3"], tmp_path)
-    name = "model.layers.0.self_attn.k_proj.weight"
-    edit_weights(model_dir, lambda w: w.update({name: torch.zeros(8, 64)}))
-    with pytest.raises(ModelLoadError, match=rf"{name} has shape \[8, 64\], expected \[16, 64\]"):
-        load_model(model_dir)
+    """check_checkpoint (run before listening) compares every header shape with what config.json
+    implies; no model is built and no tensor read."""
+    variant, changes, replaced, said = DISAGREEMENTS[kind]
+    model_dir = copy_of(checkpoints[variant], tmp_path)
+    edit_json(model_dir / "config.json", **changes)
+    if replaced is not None:
+        edit_weights(model_dir, lambda w: w.update({replaced[0]: torch.zeros(replaced[1])}))
+    with pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir)
+    assert str(raised.value) == f"{model_dir / 'model.safetensors'}: weight {said}"
+
+
+@pytest.mark.parametrize(
+    ("variant", "changes", "name"),
+    [
+        ("qwen3", {"tie_word_embeddings": False}, "lm_head.weight"),
+        ("llama3", {"attention_bias": True}, "model.layers.0.self_attn.q_proj.bias"),
+        ("llama3", {"mlp_bias": True}, "model.layers.0.mlp.gate_proj.bias"),
+    ],
+)
+def test_a_weight_the_config_implies_and_the_file_lacks_is_refused_before_the_server_listens(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, variant: str, changes: dict, name: str
+) -> None:
+    model_dir = copy_of(checkpoints[variant], tmp_path)
+    edit_json(model_dir / "config.json", **changes)
+    with pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir)
+    assert str(raised.value) == f"weight {name} not found in the checkpoint in {model_dir}"
+
+
+def test_the_default_model_passes_the_check(smollm2_dir: Path) -> None:
+    config = loader.check_checkpoint(smollm2_dir)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (9, 3, 64, 49152)
 
 
 def test_unsupported_dtype_lists_the_supported_ones(checkpoints: dict[str, Checkpoint]) -> None:

@@ -30,6 +30,7 @@ from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 from tandem.common.torch_part.weight_files import index_files
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 from tandem.decoder.models import quantized
+from tandem.decoder.models.checkpoint_shapes import check_shapes
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.gguf_weights import read_quantized
 from tandem.decoder.models.registry import MODEL_CLASSES
@@ -265,6 +266,8 @@ def _open_weights(stack: ExitStack, model_dir: Path, config: ModelConfig) -> dic
                 f"{path}: weight {key} is of layer {match.group(1)}, but config.json's num_hidden_layers "
                 f"is {config.num_layers}"
             )
+    if (refusal := check_shapes(file_of, path_of, layout, config, model_dir)) is not None:
+        raise ModelLoadError(refusal)
     return file_of
 
 
