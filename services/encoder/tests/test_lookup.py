@@ -4,6 +4,7 @@ tests/integration/encoder/test_decoder_token_table.py's)."""
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from safetensors.torch import save_file
 
 from tandem.encoder import embedder
 from tandem.encoder.embedder import EmbedderLoadError, Pooling
-from tandem.encoder.lookup import EMBED_KEY, LookupEmbedder
+from tandem.encoder.lookup import EMBED_KEY, LookupEmbedder, TableShapeError
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 
@@ -78,6 +79,9 @@ def test_reads_no_tensor_but_embed_tokens(tiny_model: Path, monkeypatch: pytest.
         def keys(self) -> list[str]:
             return self.inner.keys()
 
+        def get_slice(self, key: str) -> Any:  # the table's shape is read from the header, no data
+            return self.inner.get_slice(key)
+
         def get_tensor(self, key: str) -> torch.Tensor:
             read.append(key)
             return self.inner.get_tensor(key)
@@ -92,6 +96,17 @@ def test_missing_table_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> Non
     _copy_without_weights(tiny_model, broken)
     save_file({"model.norm.weight": torch.ones(4)}, str(broken / "model.safetensors"))
     with pytest.raises(EmbedderLoadError, match="model.embed_tokens.weight not found"):
+        LookupEmbedder.load(broken, torch.bfloat16)
+
+
+def test_a_table_of_another_shape_than_config_json_says_is_refused_from_its_header(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """What the __main__ checks before listening, checked again by the load (the files may change)."""
+    broken = Path(shutil.copytree(tiny_model, tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(config | {"vocab_size": config["vocab_size"] + 64}))
+    with pytest.raises(TableShapeError, match=r"has shape \[1024, 64\] in the file, but config.json implies"):
         LookupEmbedder.load(broken, torch.bfloat16)
 
 

@@ -1,6 +1,9 @@
 """The servicer's validation and delegation, called directly (no transport; errors raise)."""
 
 import asyncio
+import json
+import re
+import shutil
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +18,7 @@ from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.common.server import ServerOptions
 from tandem.common.torch_part import tensors
+from tandem.encoder import __main__ as encoder_main
 from tandem.encoder.__main__ import main
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderInfo, Pooling
@@ -113,6 +117,62 @@ def test_main_exits_2_with_one_line_naming_the_flag_when_the_model_does_not_exis
         f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): model {tmp_path} is a directory without "
         "config.json: not a checkpoint directory\n"
     )
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "hidden_size"])
+def test_main_exits_2_before_listening_when_config_json_disagrees_with_the_token_table(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    environ,
+    key: str,
+) -> None:
+    """The table's shape comes from its file's header, before the port opens; it was refused by the
+    load, after the server listened (exit 1)."""
+    broken = Path(shutil.copytree(tiny_model, tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    stored = [config["vocab_size"], config["hidden_size"]]
+    config[key] += 64
+    (broken / "config.json").write_text(json.dumps(config))
+    servers: list[object] = []
+    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
+    assert main(["--model", str(broken), "--port", "0"]) == 2
+    vocab_size, hidden_size = config["vocab_size"], config["hidden_size"]
+    assert capsys.readouterr().err == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {broken / 'model.safetensors'}: weight "
+        f"model.embed_tokens.weight has shape {stored} in the file, but config.json implies "
+        f"[{vocab_size}, {hidden_size}] (vocab_size {vocab_size}, hidden_size {hidden_size})\n"
+    )
+    assert servers == []  # no port was bound
+
+
+def test_main_exits_2_before_listening_when_a_llava_text_config_disagrees_with_its_token_table(
+    tiny_llava: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    environ,
+) -> None:
+    broken = Path(shutil.copytree(tiny_llava, tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    vocab_size = config["text_config"]["vocab_size"]
+    config["text_config"]["vocab_size"] = vocab_size + 64
+    (broken / "config.json").write_text(json.dumps(config))
+    servers: list[object] = []
+    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
+    assert main(["--model", str(broken), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {broken}")
+        and err.count("\n") == 1
+    )
+    assert re.search(
+        rf"weight \S*embed_tokens\.weight has shape \[{vocab_size}, 64\] in the file, but config\.json "
+        rf"implies \[{vocab_size + 64}, 64\] \(vocab_size {vocab_size + 64}, hidden_size 64\)\n$",
+        err,
+    ), err
+    assert servers == []
 
 
 def test_main_exits_1_with_one_line_when_the_model_cannot_be_loaded(

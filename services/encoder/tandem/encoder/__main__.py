@@ -5,7 +5,8 @@ configuration layer in `tandem.common.flags`), read when the command runs, never
 model and the port are checked first; then the server listens with health NOT_SERVING and turns
 SERVING once the embedder has loaded, so orchestrators can tell "starting" from "dead".
 Exit codes: 0 after a signal, 1 when the embedder cannot be loaded, 2 for a flag or variable that
-is wrong (a port in use included); every failure is one line.
+is wrong (a port in use included, or a --model whose token table is not the shape its config.json
+says, read from the weight file's header); every failure is one line.
 
 Stopping (SIGTERM or SIGINT): health NOT_SERVING, no new calls, and calls in flight get --grace-s to
 finish. Any still queued or in a batch then end UNAVAILABLE ("the encoder is shutting down"), and the
@@ -39,12 +40,15 @@ from tandem.common.vision_language import is_vision_language
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderLoadError
 from tandem.encoder.loader import load_embedder
+from tandem.encoder.lookup import TableShapeError, check_table_shape
 from tandem.encoder.options import config_from_options, settings
 from tandem.encoder.servicer import EncoderServicer
 
 log = logging.getLogger("tandem.encoder")
 
 PROG = "tandem serve encoder"
+# The embedders that serve rows of --model's own token table (the projector reads only its shape).
+TABLE_EMBEDDERS = ("lookup", "soft-prompt")
 # After the grace period: how long calls ended UNAVAILABLE get to say so before gRPC cancels them. The
 # server stops as soon as none is left, so this is only ever waited out by a handler that cannot run:
 # 1 s was too little once, for one of 32 ended calls, with the whole test suite on 2 cores (it got
@@ -85,6 +89,8 @@ def _start(**values: Any) -> int:
         except ValueError as error:  # ModelNotFound, GGUFImportError
             raise ConfigError("model_dir", f": {error}") from None
         config = dataclasses.replace(config, model_dir=model_dir)
+        if config.embedder in TABLE_EMBEDDERS:
+            _check_token_table(model_dir)
         if _takes_images(model_dir):
             config.check_room_for_images()
     except ConfigError as error:
@@ -110,6 +116,18 @@ def _exit_leaving_the_load() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _check_token_table(model_dir: Path) -> None:
+    """The token table the embedder will serve has the shape config.json implies, from the weight
+    file's header: a disagreement was refused only by the load, after the server listened (exit 1).
+    Raises ConfigError; a file that cannot be read is the load's to report, in its own words."""
+    try:
+        check_table_shape(model_dir)
+    except TableShapeError as error:
+        raise ConfigError("model_dir", f": {error}") from None
+    except (EmbedderLoadError, OSError, LookupError, TypeError):  # unreadable, or a config of odd types
+        pass
 
 
 def _takes_images(model_dir: Path) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 class Pooling(enum.StrEnum):
@@ -39,6 +39,22 @@ def read_tensor(path: Path, key: str) -> torch.Tensor:
         if key not in weights.keys():
             raise EmbedderLoadError(f"{key} not found in {path} (keys: {sorted(weights.keys())})")
         return weights.get_tensor(key)
+
+
+def read_shape(path: Path, key: str) -> tuple[int, ...]:
+    """Tensor `key`'s shape from the safetensors header at `path` (none of its data is read).
+
+    Raises EmbedderLoadError naming the file when it is missing, unreadable or lacks the key.
+    """
+    if not path.is_file():
+        raise EmbedderLoadError(f"{path.name} (holding {key}) not found in {path.parent}")
+    try:
+        with safe_open(path, framework="pt", device="cpu") as weights:
+            if key not in weights.keys():
+                raise EmbedderLoadError(f"{key} not found in {path}")
+            return tuple(weights.get_slice(key).get_shape())
+    except (SafetensorError, OSError) as e:  # SafetensorError is a bare Exception
+        raise EmbedderLoadError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 @dataclass(frozen=True)

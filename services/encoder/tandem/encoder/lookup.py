@@ -15,10 +15,18 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from tandem.common import checkpoint, text_bounds
+from tandem.common import checkpoint, text_bounds, vision_language
 from tandem.common.torch_part.quantized_tensor import quantize_table
-from tandem.common.torch_part.weight_files import INDEX_NAME, index_files
-from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, read_tensor
+from tandem.common.torch_part.weight_files import INDEX_NAME, index_files, weight_names
+from tandem.common.weight_shapes import mismatch, token_table
+from tandem.encoder.embedder import (
+    EmbedderInfo,
+    EmbedderLoadError,
+    Pooling,
+    mean_pool,
+    read_shape,
+    read_tensor,
+)
 
 EMBED_KEY = "model.embed_tokens.weight"
 
@@ -61,6 +69,40 @@ def read_embedding_table(model_dir: Path) -> torch.Tensor:
     return read_tensor(path, EMBED_KEY)  # [vocab_size, hidden_size]
 
 
+class TableShapeError(EmbedderLoadError):
+    """The token table's shape in its file is not the one config.json implies."""
+
+
+def check_table_shape(model_dir: Path) -> None:
+    """The token table (`model.embed_tokens.weight`, or a vision-language checkpoint's language model's)
+    is [vocab_size, hidden_size] as config.json (its text_config) states them, judged from the
+    safetensors header alone: nothing of the table is read, so a service runs it before it listens.
+    Raises TableShapeError for a disagreement, EmbedderLoadError for a file that cannot be read."""
+    hf_config = read_json(model_dir / "config.json")
+    if vision_language.is_vision_language(hf_config):
+        text = vision_language.text_config(hf_config, EmbedderLoadError)
+        hidden_size, vocab_size = text.get("hidden_size"), text.get("vocab_size")
+        if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
+            raise EmbedderLoadError(
+                f"config.json in {model_dir}: text_config needs hidden_size and vocab_size"
+            )
+        files = weight_names(model_dir, EmbedderLoadError)
+        architecture = hf_config["architectures"][0]
+        name = vision_language.weight_layout(architecture, files, EmbedderLoadError).checkpoint_name(
+            EMBED_KEY
+        )
+        path = files.get(name)
+    else:
+        hidden_size, vocab_size = (shape := read_model_shape(model_dir)).hidden_size, shape.vocab_size
+        name, shards = EMBED_KEY, index_files(model_dir, EmbedderLoadError)
+        path = model_dir / "model.safetensors" if shards is None else shards.get(name)
+    if path is None:
+        raise EmbedderLoadError(f"{name} is not listed in {model_dir / INDEX_NAME}")
+    refusal = mismatch(name, read_shape(path, name), token_table(vocab_size, hidden_size), "config.json")
+    if refusal is not None:
+        raise TableShapeError(f"{path}: {refusal}")
+
+
 def read_tokenizer(model_dir: Path) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -100,12 +142,8 @@ class LookupEmbedder:
         if not model_dir.is_dir():
             raise EmbedderLoadError(f"model directory {model_dir} does not exist")
         shape = read_model_shape(model_dir)
+        check_table_shape(model_dir)  # the __main__ checked it before listening; the files may have changed
         table = read_embedding_table(model_dir)
-        if tuple(table.shape) != (shape.vocab_size, shape.hidden_size):
-            raise EmbedderLoadError(
-                f"{EMBED_KEY} has shape {list(table.shape)}, but config.json says "
-                f"[vocab_size, hidden_size] = [{shape.vocab_size}, {shape.hidden_size}]"
-            )
         tokenizer = read_tokenizer(model_dir)
         num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
         if num_tokens > shape.vocab_size:

@@ -19,7 +19,13 @@ from PIL import Image
 from tandem.common import vision_language
 from tandem.common.torch_part.weight_files import weight_names
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling
-from tandem.encoder.lookup import LookupEmbedder, as_decoder_has_it, read_json, read_tokenizer
+from tandem.encoder.lookup import (
+    LookupEmbedder,
+    as_decoder_has_it,
+    check_table_shape,
+    read_json,
+    read_tokenizer,
+)
 from tandem.encoder.vision.image_span import PreparedImage, VisionModel
 from tandem.encoder.vision.llava import LlavaVision
 from tandem.encoder.vision.weights import read_weights
@@ -67,12 +73,8 @@ class VisionLanguageEmbedder:
         files = weight_names(model_dir, EmbedderLoadError)
         layout = vision_language.weight_layout(architecture, files, EmbedderLoadError)
         table_name = layout.checkpoint_name("model.embed_tokens.weight")
+        check_table_shape(model_dir)  # as the __main__ did before listening: the files may have changed
         table = read_weights(files, [table_name])[table_name]  # [vocab_size, hidden_size]
-        if tuple(table.shape) != (vocab_size, hidden_size):
-            raise EmbedderLoadError(
-                f"{table_name} has shape {list(table.shape)}, "
-                f"but text_config says {[vocab_size, hidden_size]}"
-            )
         tokenizer = read_tokenizer(model_dir)
         image_token_id = vision_language.image_token_id(hf_config)
         placeholder = tokenizer.id_to_token(image_token_id) if image_token_id is not None else None
