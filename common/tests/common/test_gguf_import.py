@@ -256,7 +256,8 @@ def test_a_vocabulary_entry_of_a_million_characters_is_refused(tokenizer: Tokeni
 def test_a_llama_q_projection_of_rows_no_heads_divide_is_one_line_exit_2(
     tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
-    """Undoing llama.cpp's permutation reshapes the rows by head: numpy's ValueError was a traceback."""
+    """Undoing llama.cpp's permutation reshapes the rows by head: numpy's ValueError was a traceback.
+    The rows are now refused against the metadata's heads before anything is dequantized."""
     q_proj = np.zeros((62, 64), dtype=np.float32)  # 4 heads of 16 rows take 64
     path = write_gguf(
         tmp_path / "m.gguf",
@@ -266,9 +267,64 @@ def test_a_llama_q_projection_of_rows_no_heads_divide_is_one_line_exit_2(
     )
     _assert_one_line_error(
         _cli(str(path), str(tmp_path / "out")),
-        "blk.0.attn_q.weight has 62 rows",
-        "4 heads (num_attention_heads)",
+        "weight blk.0.attn_q.weight has shape [62, 64] in the file",
+        "the metadata implies [64, 64] (llama.attention.head_count 4 x llama.attention.key_length 16",
     )
+
+
+@pytest.mark.parametrize(
+    ("arch", "metadata", "said"),
+    [
+        (
+            "llama",
+            {"llama.attention.head_count": 2},
+            "blk.0.attn_q.weight has shape [64, 64] in the file, but the metadata implies [32, 64] "
+            "(llama.attention.head_count 2 x llama.attention.key_length 16, llama.embedding_length 64)",
+        ),
+        (
+            "llama",
+            {"llama.attention.head_count_kv": 4},
+            "blk.0.attn_k.weight has shape [32, 64] in the file, but the metadata implies [64, 64] "
+            "(llama.attention.head_count_kv 4 x llama.attention.key_length 16, llama.embedding_length 64)",
+        ),
+        (
+            "qwen3",
+            {"qwen3.attention.key_length": 64},
+            "blk.0.attn_q.weight has shape [512, 64] in the file, but the metadata implies [256, 64] "
+            "(qwen3.attention.head_count 4 x qwen3.attention.key_length 64, qwen3.embedding_length 64)",
+        ),
+        (
+            "qwen3",
+            {"qwen3.vocab_size": 2048},
+            "token_embd.weight has shape [1024, 64] in the file, but the metadata implies [2048, 64] "
+            "(qwen3.vocab_size 2048, qwen3.embedding_length 64)",
+        ),
+        (
+            "llama",
+            {"llama.feed_forward_length": 96},
+            "blk.0.ffn_gate.weight has shape [128, 64] in the file, but the metadata implies [96, 64] "
+            "(llama.feed_forward_length 96, llama.embedding_length 64)",
+        ),
+        (
+            "llama",
+            {"llama.embedding_length": 128},
+            "token_embd.weight has shape [1024, 64] in the file, but the metadata implies [1024, 128] "
+            "(llama.vocab_size 1024, llama.embedding_length 128)",
+        ),
+    ],
+)
+def test_metadata_that_disagrees_with_a_tensor_shape_is_refused_before_anything_is_imported(
+    tokenizer: Tokenizer, tmp_path: Path, arch: str, metadata: dict, said: str
+) -> None:
+    """Such a file was imported whole, then refused by the decoder's load after it listened, naming
+    the imported copy's tensor. The tensor infos are compared with the metadata before any is read."""
+    path = write_gguf(
+        tmp_path / "m.gguf", small_model(arch, tokenizer.get_vocab_size()), tokenizer, metadata=metadata
+    )
+    with pytest.raises(GGUFImportError) as caught:
+        import_gguf(path, tmp_path / "out")
+    assert str(caught.value) == f"{path}: weight {said}"
+    assert not (tmp_path / "out").exists()
 
 
 def _vocabulary(tokenizer: Tokenizer, size: int) -> list[str]:

@@ -41,6 +41,7 @@ from tandem.common.model_limits import (
     MAX_VOCAB,
 )
 from tandem.common.torch_part.gguf_header import GGUFHeaderError, check_header
+from tandem.common.weight_shapes import TextModelShape, expected_weights, mismatch
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -121,6 +122,7 @@ def import_gguf(
     meta = _Metadata(reader, gguf_path)
     hf_config = _hf_config(meta)
     _check_blocks(reader, meta, hf_config["num_hidden_layers"])
+    _check_shapes(reader, meta, hf_config)
     tokenizer_json, tokenizer_config, generation_config = _tokenizer_files(meta, hf_config)
 
     out_dir = Path(out_dir)
@@ -452,6 +454,47 @@ def _post_processor(meta: _Metadata, tokens: list[str]) -> dict[str, Any] | None
         ],
         "special_tokens": {name: {"id": name, "ids": [bos], "tokens": [name]}},
     }
+
+
+def _check_shapes(reader: Any, meta: _Metadata, hf_config: dict[str, Any]) -> None:
+    """Every tensor the model reads is in the file, of the shape the metadata implies, from the tensor
+    infos alone (nothing dequantized). A file whose metadata disagrees with its tensors was imported
+    whole, then refused at load, after the server listened, naming the imported copy's tensor."""
+    stored = {_hf_name(t.name, meta.path): t for t in reader.tensors if t.name != "rope_freqs.weight"}
+    shape = TextModelShape(
+        vocab_size=hf_config["vocab_size"],
+        hidden_size=hf_config["hidden_size"],
+        intermediate_size=hf_config["intermediate_size"],
+        num_layers=hf_config["num_hidden_layers"],
+        num_heads=hf_config["num_attention_heads"],
+        num_kv_heads=hf_config["num_key_value_heads"],
+        head_dim=hf_config["head_dim"],
+        has_qk_norm=meta.architecture == "qwen3",
+        is_tied="lm_head.weight" not in stored,  # as the import ties it
+        has_attention_bias=any(n.endswith("bias") and "self_attn" in n for n in stored),  # as it reads it
+        has_mlp_bias=False,  # a GGUF file names no MLP bias (_BLOCK_NAMES)
+    )
+    arch = meta.architecture
+    keys = {
+        "vocab_size": f"{arch}.vocab_size"
+        if meta.arch("vocab_size") is not None
+        else "tokenizer.ggml.tokens",
+        "hidden_size": f"{arch}.embedding_length",
+        "intermediate_size": f"{arch}.feed_forward_length",
+        "num_heads": f"{arch}.attention.head_count",
+        "num_kv_heads": f"{arch}.attention.head_count_kv",
+        "head_dim": f"{arch}.attention.key_length"
+        if meta.arch("attention.key_length") is not None
+        else f"head_dim ({arch}.embedding_length / {arch}.attention.head_count)",
+    }
+    for name, expected in expected_weights(shape, keys).items():
+        tensor = stored.get(name)
+        if tensor is None:
+            raise GGUFImportError(f"{meta.path}: tensor {gguf_name(name)} ({name}) is missing")
+        dims = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest-first
+        refusal = mismatch(tensor.name, dims, expected, "the metadata")
+        if refusal is not None:
+            raise GGUFImportError(f"{meta.path}: {refusal}")
 
 
 def _weights(
