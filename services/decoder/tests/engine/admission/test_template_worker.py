@@ -82,8 +82,29 @@ def test_a_template_error_is_one_line_for_the_caller(workers: TemplateWorkers) -
     with pytest.raises(TemplateFailed, match="the template failed: no way") as caught:
         _render(workers, "{{ raise_exception('no\nway') }}")
     assert caught.value.field == "chat.chat_template"
-    with pytest.raises(TemplateFailed, match="the template failed: Expected an expression"):
+    with pytest.raises(TemplateFailed, match="the template does not compile: line 1: Expected an expression"):
         _render(workers, "{% if %}")
+
+
+def test_compile_compiles_and_renders_nothing(workers: TemplateWorkers) -> None:
+    workers.compile(CHATML)
+    workers.compile("{{ raise_exception('rendered') }}")  # raises only when rendered
+    with pytest.raises(TemplateFailed, match=r"^the template does not compile: line 2: unexpected '\)'$"):
+        workers.compile("{% for m in messages %}\n{{ m['content'] ) }}\n{% endfor %}")
+    with pytest.raises(
+        TemplateFailed, match="^the template does not compile: line 1: No filter named 'nope'"
+    ):
+        workers.compile("{{ messages | nope }}")
+    assert _render(workers, CHATML).startswith("<|im_start|>user")  # the worker serves on
+
+
+def test_compiling_is_bounded_as_rendering_is(workers: TemplateWorkers) -> None:
+    # Jinja folds constant expressions while compiling.
+    with pytest.raises(TemplateFailed, match="the template ran longer than 1 s"):
+        workers.compile("{{ 10 ** (10 ** 8) }}")
+    with pytest.raises(TemplateFailed, match="the template ran longer than 1 s"):
+        _render(workers, "{{ 10 ** (10 ** 8) }}")
+    assert _render(workers, CHATML).startswith("<|im_start|>user")
 
 
 def test_a_slow_template_does_not_hold_up_another_render(workers: TemplateWorkers) -> None:

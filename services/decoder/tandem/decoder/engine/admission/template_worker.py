@@ -17,7 +17,10 @@ Jinja2 (no torch, about 20 MB each), spoken to with one JSON line each way, so a
 hundred microseconds of pipe work. `TemplateWorkers` keeps WORKERS of them, started on first use and
 replaced when one is killed; two renders run at once, so one slow template does not hold up another
 caller's chat (and the request-building threads wait on a pipe, the GIL released). Each worker
-compiles a template once and keeps the last CACHED_TEMPLATES.
+compiles a template once and keeps the last CACHED_TEMPLATES. `compile` compiles and renders nothing:
+the decoder asks it of the checkpoint's template before it listens (template_source.py). Compiling
+is bounded as rendering is, for it runs some of the template: Jinja folds constant expressions while
+compiling (`{{ 'a' * 10**8 }}` allocates its 100 MB then, `{{ 10 ** (10 ** 7) }}` takes 9 s).
 
 This module is both sides: `main()` runs in the worker and imports nothing of Tandem's.
 """
@@ -83,6 +86,16 @@ class TemplateWorkers:
             "add_generation_prompt": add_generation_prompt,
             "variables": variables,
         }
+        return self._call(request)["text"]
+
+    def compile(self, source: str) -> None:
+        """Compiles `source` and renders nothing, so that a template no chat could use is found before
+        one is asked for. Raises TemplateFailed: Jinja's message and line ("the template does not
+        compile: line 3: ..."), or a bound exceeded (Jinja folds constant expressions while
+        compiling)."""
+        self._call({"source": source})
+
+    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         line = (json.dumps(request, ensure_ascii=False) + "\n").encode()
         worker = self._idle.get()
         try:
@@ -102,7 +115,7 @@ class TemplateWorkers:
             self._idle.put(worker)
         if "error" in reply:
             raise TemplateFailed(reply["error"], reply.get("field", "chat.chat_template"))
-        return reply["text"]
+        return reply
 
     def _start(self) -> _Worker:
         with self._lock:
@@ -205,13 +218,16 @@ def main() -> None:
     for line in sys.stdin.buffer:
         try:
             request = json.loads(line)
-            reply = {"text": _render(environment, templates, request)}
+            template = _compiled(environment, templates, request["source"])
+            reply = {"text": _render(template, request)} if "messages" in request else {}
         except MemoryError:
             error = f"the template needed more than {memory_bytes >> 20} MiB of memory"
             _reply({"error": error, "retiring": True})
             return  # a process that ran out of memory is not trusted again: the parent starts another
         except _TooLong:
             reply = {"error": f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters", "field": "chat"}
+        except _DoesNotCompile as error:
+            reply = {"error": f"the template does not compile: {error}"}
         except Exception as error:  # the template is code: any error it raises is the caller's to see
             reply = {"error": f"the template failed: {_one_line(error)}"}
         _reply(reply)
@@ -221,12 +237,26 @@ class _TooLong(Exception):
     pass
 
 
-def _render(environment: Any, templates: OrderedDict[str, Any], request: dict[str, Any]) -> str:
-    source = request["source"]
-    template = templates.pop(source, None) or environment.from_string(source)
+class _DoesNotCompile(Exception):
+    """Jinja's syntax error, as "line N: message"."""
+
+
+def _compiled(environment: Any, templates: OrderedDict[str, Any], source: str) -> Any:
+    from jinja2 import TemplateSyntaxError
+
+    template = templates.pop(source, None)
+    if template is None:
+        try:
+            template = environment.from_string(source)
+        except TemplateSyntaxError as error:  # TemplateAssertionError too: an unknown filter or test
+            raise _DoesNotCompile(f"line {error.lineno}: {_one_line(error)}") from None
     templates[source] = template  # most recently used last
     while len(templates) > CACHED_TEMPLATES:
         templates.popitem(last=False)
+    return template
+
+
+def _render(template: Any, request: dict[str, Any]) -> str:
     chunks, size = [], 0
     stream = template.generate(
         messages=request["messages"],
