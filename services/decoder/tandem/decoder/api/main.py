@@ -58,6 +58,7 @@ from tandem.decoder.distributed.worker import (
     run_worker,
     spawn_local_ranks,
 )
+from tandem.decoder.engine.admission.template_source import TemplateRefused, check_template
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import FinishReason
 from tandem.decoder.models.config import ModelConfig
@@ -193,12 +194,13 @@ def check_model(config: DecoderConfig, world_size: int) -> None:
 def check_fits(
     model_dir: str | Path, dtype: str, quantization: str, quantization_group_size: int, world_size: int
 ) -> ModelConfig:
-    """The checkpoint in `model_dir` loads in `dtype`, `quantization` rounds it and `world_size`
-    shards it; no weight is read (`tandem up` asks before it starts the decoder). Returns the model's
-    config; raises ConfigError naming the field at fault."""
+    """The checkpoint in `model_dir` loads in `dtype`, its chat template compiles, `quantization`
+    rounds it and `world_size` shards it; no weight is read (`tandem up` asks before it starts the
+    decoder). Returns the model's config; raises ConfigError naming the field at fault."""
     try:
         model_config = check_checkpoint(model_dir, dtype)
-    except ModelLoadError as error:
+        check_template(Path(model_dir))  # in a template worker: compiling runs some of the template
+    except (ModelLoadError, TemplateRefused) as error:
         raise ConfigError("model_dir", f": {error}") from None
     if quantization != "none":
         try:

@@ -43,6 +43,7 @@ import tokenizers
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
+from tandem.decoder.engine.admission.template_source import read_template_source
 from tandem.decoder.engine.admission.template_worker import TemplateFailed, TemplateWorkers
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -104,28 +105,18 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, model_dir: Path, tokenizer: tokenizers.Tokenizer) -> ChatTemplate:
-        """From `chat_template.jinja`, else a processor's `chat_template.json`, else
-        `tokenizer_config.json`'s `chat_template` (None if absent). A vision-language checkpoint's
-        image token (config.json) is the image placeholder."""
+        """The template from the file template_source.py finds it in (None if none has one). A
+        vision-language checkpoint's image token (config.json) is the image placeholder."""
+        source = read_template_source(model_dir)
         config = _json_object(model_dir / "tokenizer_config.json")
-        source = config.get("chat_template")
-        if isinstance(source, list):  # the named-template form: take "default"
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        processor_template = _json_object(model_dir / "chat_template.json").get("chat_template")
-        if isinstance(processor_template, str):
-            source = processor_template
-        jinja_path = model_dir / "chat_template.jinja"
-        if jinja_path.is_file():
-            source = jinja_path.read_text()
         special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
         model_config = _json_object(model_dir / "config.json")
         image_token_id = vision_language.image_token_id(model_config)
         placeholder = None
         if vision_language.is_vision_language(model_config) and image_token_id is not None:
             placeholder = tokenizer.id_to_token(image_token_id)
-        return cls(
-            source if isinstance(source, str) else None, tokenizer, special, image_placeholder=placeholder
-        )
+        text = source.text if source is not None else None
+        return cls(text, tokenizer, special, image_placeholder=placeholder)
 
     def render(self, chat: ChatRequest) -> list[LocatedPart]:
         """The prompt parts for `chat`, in order. Raises InvalidArgument / FailedPrecondition."""

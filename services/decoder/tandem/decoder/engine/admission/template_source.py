@@ -1,0 +1,88 @@
+"""Which file of a checkpoint the chat template comes from, and the check at start that it compiles.
+
+A checkpoint may hold its template in three places; the first that has one is used, as transformers
+reads them: `chat_template.jinja`, a processor's `chat_template.json` (its `chat_template`), and
+`tokenizer_config.json`'s `chat_template` (a string, or in the named form the template named
+"default"; a GGUF import writes both the .jinja file and this). models/loader.py has checked each
+file's shape before the decoder looks here.
+
+A template with a Jinja syntax error (or a filter or test Jinja does not have, or a block defined
+twice: errors Jinja raises while compiling) fails every chat, naming `chat.chat_template` though the
+caller sent none. So the decoder compiles the template before it listens and refuses to start over
+one that does not compile, naming where it was read, Jinja's message and line. It compiles it in a
+template worker, as every render does, and not in this process: Jinja folds constant expressions
+while compiling, which runs some of the template (template_worker.py), and the worker bounds that as
+it bounds a render. `Environment.parse` alone evaluates nothing and would be safe here, but it finds
+only the parser's errors, not an unknown filter, which then failed every chat as before.
+
+A template that compiles but raises for some conversation (`raise_exception`, a missing key) is
+served: it fails that request alone, INVALID_ARGUMENT on `chat.chat_template`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.decoder.engine.admission.template_worker import TemplateFailed, TemplateWorkers
+
+# The start check's whole time, the worker's start included: ten times what a render gets
+# (template_worker.TIME_LIMIT_S), because a start-up on a busy machine must not be refused for being
+# slow. Compiling a 64 KiB template takes about 0.35 s (2 busy cores), a real one's (4-10 KB) 50 ms.
+CHECK_TIME_LIMIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class TemplateSource:
+    text: str  # the Jinja2 source
+    # Where it was read, as a start-up error names it: "<dir>/chat_template.jinja",
+    # "<dir>/tokenizer_config.json: chat_template".
+    origin: str
+
+
+class TemplateRefused(ValueError):
+    """The checkpoint's template cannot serve a chat; the message is one line naming its origin."""
+
+
+def read_template_source(model_dir: Path) -> TemplateSource | None:
+    """The template the checkpoint in `model_dir` serves chats with; None if it has none."""
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        return TemplateSource(jinja_path.read_text(), str(jinja_path))
+    processor_path = model_dir / "chat_template.json"
+    processor_template = _json_object(processor_path).get("chat_template")
+    if isinstance(processor_template, str):
+        return TemplateSource(processor_template, f"{processor_path}: chat_template")
+    config_path = model_dir / "tokenizer_config.json"
+    template = _json_object(config_path).get("chat_template")
+    if isinstance(template, str):
+        return TemplateSource(template, f"{config_path}: chat_template")
+    if isinstance(template, list):  # the named form: the one named "default" serves chats
+        for i, named in enumerate(template):
+            if named.get("name") == "default":
+                return TemplateSource(named["template"], f"{config_path}: chat_template[{i}] ('default')")
+    return None
+
+
+def check_template(model_dir: Path, time_limit_s: float = CHECK_TIME_LIMIT_S) -> None:
+    """The checkpoint's template compiles (in a template worker, within its bounds); a checkpoint
+    without one passes. Raises TemplateRefused."""
+    source = read_template_source(model_dir)
+    if source is None:
+        return
+    workers = TemplateWorkers(workers=1, time_limit_s=time_limit_s)
+    try:
+        workers.compile(source.text)
+    except TemplateFailed as error:
+        raise TemplateRefused(f"{source.origin}: {error}") from None
+    finally:
+        workers.close()
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text())
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,134 @@
+"""Where a checkpoint's chat template comes from, and the start-up check: a template that does not compile
+is refused naming its file and field, Jinja's message and line; one that compiles but raises for some
+conversation passes (it fails that request alone); compiling is bounded in the template's worker."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.decoder.engine.admission.template_source import (
+    TemplateRefused,
+    TemplateSource,
+    check_template,
+    read_template_source,
+)
+
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# A syntax error on line 2: the `)` closes nothing.
+BROKEN = "{% for m in messages %}\n{{ m['content'] ) }}\n{% endfor %}"
+
+
+def _write(model_dir: Path, place: str, template: str) -> str:
+    """Writes `template` where `place` says; returns the origin a refusal names."""
+    if place == "chat_template.jinja":
+        (model_dir / place).write_text(template)
+        return str(model_dir / place)
+    if place == "chat_template.json":
+        (model_dir / place).write_text(json.dumps({"chat_template": template}))
+        return f"{model_dir / place}: chat_template"
+    config = model_dir / "tokenizer_config.json"
+    if place == "tokenizer_config.json":
+        config.write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
+        return f"{config}: chat_template"
+    assert place == "tokenizer_config.json, named"
+    named = [{"name": "tool_use", "template": CHATML}, {"name": "default", "template": template}]
+    config.write_text(json.dumps({"chat_template": named}))
+    return f"{config}: chat_template[1] ('default')"
+
+
+PLACES = [
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer_config.json",
+    "tokenizer_config.json, named",
+]
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_a_template_is_read_with_where_it_came_from(tmp_path: Path, place: str) -> None:
+    origin = _write(tmp_path, place, CHATML)
+    assert read_template_source(tmp_path) == TemplateSource(CHATML, origin)
+
+
+def test_the_first_file_that_has_a_template_is_the_one_served(tmp_path: Path) -> None:
+    _write(tmp_path, "tokenizer_config.json", "from the tokenizer config")
+    assert read_template_source(tmp_path).text == "from the tokenizer config"
+    _write(tmp_path, "chat_template.json", "from the processor")
+    assert read_template_source(tmp_path).text == "from the processor"
+    _write(tmp_path, "chat_template.jinja", "from the .jinja file")
+    assert read_template_source(tmp_path).text == "from the .jinja file"
+
+
+def test_a_checkpoint_without_a_template_has_none_and_passes(tmp_path: Path) -> None:
+    assert read_template_source(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "x", "template": ""}]})
+    )
+    assert read_template_source(tmp_path) is None  # the named form without a "default"
+    check_template(tmp_path)
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_a_syntax_error_is_refused_naming_the_place_jinjas_message_and_line(
+    tmp_path: Path, place: str
+) -> None:
+    origin = _write(tmp_path, place, BROKEN)
+    with pytest.raises(TemplateRefused) as refused:
+        check_template(tmp_path)
+    assert str(refused.value) == f"{origin}: the template does not compile: line 2: unexpected ')'"
+
+
+@pytest.mark.parametrize(
+    ("template", "said"),
+    [
+        ("a\nb\n{{ messages | no_such_filter }}", "line 3: No filter named 'no_such_filter'."),
+        ("{{ messages is no_such_test }}", "line 1: No test named 'no_such_test'."),
+        ("{% for m in messages %}", "line 1: Unexpected end of template."),
+    ],
+)
+def test_what_jinja_finds_only_while_compiling_is_refused_too(
+    tmp_path: Path, template: str, said: str
+) -> None:
+    # An unknown filter or test parses; Jinja raises it when it compiles the template, which every
+    # render does first, so it failed every chat as a syntax error did.
+    _write(tmp_path, "chat_template.jinja", template)
+    with pytest.raises(TemplateRefused, match=f"does not compile: {said}"):
+        check_template(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('boom') }}{% endif %}" + CHATML,
+        "{{ messages[5]['content'] | trim }}",  # fails for a conversation shorter than six messages
+    ],
+)
+def test_a_template_that_compiles_but_raises_for_some_chats_passes(tmp_path: Path, template: str) -> None:
+    _write(tmp_path, "tokenizer_config.json", template)
+    check_template(tmp_path)
+
+
+def test_a_broken_template_in_a_file_that_is_not_served_passes(tmp_path: Path) -> None:
+    _write(tmp_path, "tokenizer_config.json", BROKEN)
+    _write(tmp_path, "chat_template.jinja", CHATML)
+    check_template(tmp_path)
+
+
+def test_compiling_is_bounded_by_the_worker_not_run_in_this_process(tmp_path: Path) -> None:
+    # Jinja folds constants while compiling: 10 ** (10 ** 7) took 9 s of this process, and this is
+    # ten times the exponent. (Jinja's ** is left-associative: 10 ** 10 ** 8 is (10 ** 10) ** 8.)
+    _write(tmp_path, "chat_template.jinja", "{{ 10 ** (10 ** 8) }}")
+    start = time.monotonic()
+    with pytest.raises(TemplateRefused, match=r"chat_template\.jinja: the template ran longer than 1 s"):
+        check_template(tmp_path, time_limit_s=1.0)
+    assert time.monotonic() - start < 5
+
+
+def test_the_default_models_template_is_its_imported_jinja_file_and_passes(smollm2_dir: Path) -> None:
+    source = read_template_source(smollm2_dir)
+    assert source is not None and source.origin == str(smollm2_dir / "chat_template.jinja")
+    check_template(smollm2_dir)

@@ -1,0 +1,121 @@
+"""The checkpoint's chat template at start-up: one that does not compile is one line naming where it was
+read, Jinja's message and line, and exit 2, before anything listens, wherever the checkpoint keeps it;
+one that compiles serves, and if it raises for some conversation, that chat alone fails."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tandem.client.client import DecoderClient
+from tandem.decoder.api import main as decoder_main
+from tandem.decoder.api.main import main
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BROKEN = "{% for m in messages %}\n{{ m['content'] ) }}\n{% endfor %}"  # line 2: `)` closes nothing
+PREFIX = "tandem serve decoder: --model (TANDEM_MODEL): "
+
+
+def _with_template(tiny_model_dir: Path, out_dir: Path, place: str, template: str) -> str:
+    """A copy of the tiny checkpoint serving `template` from `place`; returns the origin a refusal names."""
+    shutil.copytree(tiny_model_dir, out_dir)
+    if place in ("chat_template.jinja", "chat_template.json"):
+        path = out_dir / place
+        path.write_text(template if place.endswith(".jinja") else json.dumps({"chat_template": template}))
+        return str(path) if place.endswith(".jinja") else f"{path}: chat_template"
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if place == "tokenizer_config.json":
+        config["chat_template"] = template
+        origin = f"{config_path}: chat_template"
+    else:
+        config["chat_template"] = [{"name": "default", "template": template}]
+        origin = f"{config_path}: chat_template[0] ('default')"
+    config_path.write_text(json.dumps(config))
+    return origin
+
+
+def _must_not_listen(*args: object) -> None:
+    raise AssertionError("the decoder listened")
+
+
+@pytest.mark.parametrize(
+    "place",
+    ["chat_template.jinja", "chat_template.json", "tokenizer_config.json", "tokenizer_config.json named"],
+)
+def test_a_template_that_does_not_compile_is_one_line_and_exit_2_before_anything_listens(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    environ,
+    place: str,
+) -> None:
+    """It served, and every chat then failed naming `chat.chat_template`."""
+    origin = _with_template(tiny_model_dir, tmp_path / "model", place, BROKEN)
+    monkeypatch.setattr(decoder_main, "start_server", _must_not_listen)
+    assert main(["--model", str(tmp_path / "model"), "--port", "0", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"{PREFIX}{origin}: the template does not compile: line 2: unexpected ')'\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _until_serving(client: DecoderClient) -> None:
+    for _ in range(600):
+        try:
+            if await client.health(timeout=1) == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("the decoder never became SERVING")
+
+
+async def test_a_template_that_raises_for_one_chat_serves_and_fails_that_chat_alone(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    raising = "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
+    _with_template(tiny_model_dir, tmp_path / "model", "chat_template.jinja", raising + CHATML)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tandem.decoder", "--model", str(tmp_path / "model")]
+    command += ["--port", str(port), "--dtype", "float32", "--num-threads", "1"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        async with DecoderClient(f"127.0.0.1:{port}") as client:
+            await _until_serving(client)
+            failing = client.chat_text([{"role": "user", "content": "boom"}], max_new_tokens=4)
+            neighbour = client.chat_text(
+                [{"role": "user", "content": "hi"}], max_new_tokens=4, ignore_eos=True
+            )
+            error, (_, finished) = await asyncio.gather(failing, neighbour, return_exceptions=True)
+            assert isinstance(error, grpc.aio.AioRpcError)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "chat.chat_template" in error.details() and "no boom here" in error.details()
+            assert finished.usage.output_tokens == 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        output = process.communicate()[0].decode(errors="replace")
+    assert f"serving model on port {port}" in output, output
