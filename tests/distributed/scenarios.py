@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,10 +116,16 @@ def rank_load_error(tp: ParallelContext, model_dir: Path) -> str:
     return ""
 
 
-def engine_config(model_dir: Path) -> EngineConfig:
+def engine_config(model_dir: Path, options: dict[str, Any] | None = None) -> EngineConfig:
+    """`options`: other EngineConfig fields (a quantization, say), the same on every rank."""
     # A 16-token budget chunks the longer prompts and mixes prefill chunks with decodes.
     return EngineConfig(
-        model_dir=model_dir, dtype="float32", num_kv_blocks=256, block_size=4, max_num_batched_tokens=16
+        model_dir=model_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        block_size=4,
+        max_num_batched_tokens=16,
+        **(options or {}),
     )
 
 
@@ -164,8 +171,8 @@ def engine_outputs(engine: Engine) -> list[tuple[list[int], list[float], list[li
     return results
 
 
-def rank_engine_outputs(tp: ParallelContext, model_dir: Path):
-    config = engine_config(model_dir)
+def rank_engine_outputs(tp: ParallelContext, model_dir: Path, options: dict[str, Any] | None = None):
+    config = engine_config(model_dir, options)
     if tp.rank != 0:
         run_steps(tp, config)
         return None
@@ -196,20 +203,26 @@ def greedy_tokens(engine: Engine, specs: dict[str, GenerateSpec]) -> dict[str, l
 
 
 def rank_lora_tokens(
-    tp: ParallelContext, model_dir: Path, adapters: dict[str, Path], prompt: list[int], num_tokens: int
+    tp: ParallelContext | None,
+    model_dir: Path,
+    adapters: dict[str, Path],
+    prompt: list[int],
+    num_tokens: int,
+    options: dict[str, Any] | None = None,
 ):
     """Rank 0: the base model's and every adapter's greedy tokens, all in one running batch, twice: the
     first adapter loaded at start (--lora), the second and third by LoadAdapter while the engine runs;
-    then the second unloaded and the last loaded into its slot. The other ranks run their worker loop."""
+    then the second unloaded and the last loaded into its slot. The other ranks run their worker loop.
+    With tp None, the same on one rank: the reference."""
     names = list(adapters)
     config = dataclasses.replace(
-        engine_config(model_dir),
+        engine_config(model_dir, options),
         enable_lora=True,
         loras=((names[0], adapters[names[0]]),),
         max_loras=len(names) - 1,
         max_lora_rank=16,
     )
-    if tp.rank != 0:
+    if tp is not None and tp.rank != 0:
         run_steps(tp, config)
         return None
     engine = Engine(config, tp=tp).start()

@@ -323,10 +323,6 @@ class DecoderConfig:
                 raise ConfigError(
                     "world_size", f"must be 1: compile runs on one rank only, got {self.world_size}"
                 )
-            if self.engine.quantization != "none":
-                raise ConfigError(
-                    "world_size", f"must be 1: quantized weights run on one rank only, got {self.world_size}"
-                )
         for name, _ in self.engine.loras:
             if name == self.model_name:
                 raise ConfigError("loras", f": adapter name {name!r} is the model's own name")

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tandem.decoder.api.main import check_fits
 from tandem.decoder.api.main import main as decoder_main
+from tandem.decoder.config import DecoderConfig, EngineConfig
 
 PREFIX = "tandem serve decoder: --quantization (TANDEM_QUANTIZATION)"
 
@@ -105,3 +107,26 @@ def test_an_unknown_activation_kind_names_the_ones_there_are(capsys: pytest.Capt
         and "--quantized-activations" in err
         and "'int4' is not one of 'none', 'int8'" in err
     )
+
+
+WORLD_SIZE = "tandem serve decoder: --world-size (TANDEM_WORLD_SIZE)"
+
+
+def test_ranks_whose_share_of_a_row_parallel_projection_is_not_whole_blocks_are_one_line_and_exit_2(
+    checkpoints, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Quantized weights are cut on whole blocks of 32 inputs: llama2-bias's o_proj takes 64 (4 heads of
+    16), 16 a rank over 4 ranks. Dense, the same model shards over 4 (a cut falls anywhere)."""
+    model_dir = str(checkpoints["llama2-bias"].path)
+    argv = ["--model", model_dir, "--port", "0", "--world-size", "4", "--quantization", "int8"]
+    assert decoder_main(argv) == 2
+    said = (
+        ": int8 weights cannot be sharded: o_proj (num_heads * head_dim) takes 64 inputs, 16 per rank over "
+        "4 ranks: quantized weights are cut on whole blocks of 32 inputs, so each rank's share must be a "
+        "multiple of 32"
+    )
+    assert capsys.readouterr().err == f"{WORLD_SIZE}{said}\n"
+    check_fits(model_dir, "float32", "none", 32, 4)
+    check_fits(model_dir, "float32", "int8", 32, 2)  # 32 inputs a rank: one block
+    engine = EngineConfig(model_dir=Path(model_dir), dtype="float32", quantization="int8")
+    assert DecoderConfig(engine, world_size=2).world_size == 2  # quantized weights shard

@@ -65,6 +65,7 @@ from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
 from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
 from tandem.decoder.models.quantized import check_group
+from tandem.decoder.models.quantized_shards import check_cuttable
 from tandem.decoder.models.tensor_parallel import check_shardable
 
 log = logging.getLogger("tandem.decoder")
@@ -213,6 +214,13 @@ def check_fits(
             check_shardable(model_config, world_size)
         except ValueError as error:
             raise ConfigError("world_size", f": {error}") from None
+        if quantization != "none":
+            try:
+                check_cuttable(model_config, world_size)
+            except ValueError as error:
+                raise ConfigError(
+                    "world_size", f": {quantization} weights cannot be sharded: {error}"
+                ) from None
     return model_config
 
 

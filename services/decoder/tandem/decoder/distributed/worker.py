@@ -123,7 +123,15 @@ def run_worker(info: RankInfo, config: DecoderConfig) -> int:
 
 def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
     """Loads this rank's shard and runs every batch rank 0 sends until STOP; raises on a failure."""
-    loaded = load_model(config.model_dir, config.dtype, config.device, tp)
+    loaded = load_model(
+        config.model_dir,
+        config.dtype,
+        config.device,
+        tp,
+        config.quantization,
+        config.quantized_from,
+        config.quantization_group_size,
+    )
     model_config = loaded.config
     # This rank's shard of every LoRA slot, empty until rank 0 sends an adapter (step_broadcast.py).
     lora = (

@@ -25,6 +25,7 @@ from tandem.common.torch_part.gguf_header import check_header
 from tandem.common.torch_part.gguf_import import gguf_name, unpermute_rows
 from tandem.common.torch_part.quantized_tensor import BLOCK, QuantizedTensor, cat_rows, pack, quantize
 from tandem.decoder.models.quantized import quantizable
+from tandem.decoder.models.quantized_shards import cut
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class QuantizationError(ValueError):
 
 def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, QuantizedTensor]:
     """The quantized form of every linear weight and of the token table of `model` (parameter name ->
-    weight), from the GGUF file it was imported from."""
+    weight), from the GGUF file it was imported from; with several ranks, this rank's cut of each."""
     import gguf
 
     try:
@@ -51,6 +52,7 @@ def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, Quantiz
     field = reader.fields.get("general.architecture")
     architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
     heads = {"num_attention_heads": model.config.num_heads, "num_key_value_heads": model.config.num_kv_heads}
+    tp = model.tp  # several ranks: each part read whole, then cut (quantized_shards.py)
     out: dict[str, QuantizedTensor] = {}
     requantized: Counter[str] = Counter()
     for param in quantizable(model):
@@ -59,7 +61,8 @@ def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, Quantiz
             key = gguf_name(part.name)
             if key is None or key not in tensors:
                 raise QuantizationError(f"--quantization gguf: {gguf_path} has no tensor for {part.name}")
-            parts.append(_read(tensors[key], part.name, architecture, heads, requantized))
+            whole = _read(tensors[key], part.name, architecture, heads, requantized)
+            parts.append(whole if tp is None else cut(whole, part.shard_dim, tp.rank, tp.world_size))
         out[param] = parts[0] if len(parts) == 1 else cat_rows(parts)
     if requantized:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(requantized.items()))

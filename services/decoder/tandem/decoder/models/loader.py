@@ -4,15 +4,19 @@ The model is built on the meta device, so no memory is allocated until each weig
 safetensors (memory-mapped), checked against the shape the model expects, cast, moved to the device
 and assigned in place of the meta tensor: every weight exists once, in its final dtype. Pickle-based
 files (`*.bin`, `torch.load`) are never read. With a ParallelGroup each rank reads only its shard of
-each tensor (safetensors `get_slice`), so no rank ever holds the whole model.
+each tensor (safetensors `get_slice`), so no rank ever holds the whole model. Quantized weights are
+cut from the one-rank model's (quantized_shards.py): a rank reads a projection cut by its inputs (and
+under gguf every quantized tensor) whole, one at a time, and keeps its cut.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,7 @@ from tandem.decoder.models import quantized
 from tandem.decoder.models.checkpoint_shapes import check_shapes
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.gguf_weights import read_quantized
+from tandem.decoder.models.quantized_shards import check_cuttable
 from tandem.decoder.models.registry import MODEL_CLASSES
 from tandem.decoder.models.tensor_parallel import CheckpointPart, ParallelGroup, check_shardable
 from tandem.decoder.models.transformer import DecoderModel
@@ -97,7 +102,7 @@ def load_model(
     `quantization` (EngineConfig's): "gguf" serves the linears and the token table as `quantized_from`
     (the GGUF file model_dir was imported from) stores them (models/gguf_weights.py); "int8" and
     "int4" round them from the loaded weights (int4: one scale per `group_size` inputs); either way
-    the dense weights are released.
+    the dense weights are released, and with `tp` each rank holds its cut of the one-rank model's.
     Every few seconds of reading, a progress line is logged. Raises ModelLoadError.
     """
     model_dir = Path(model_dir)
@@ -105,6 +110,8 @@ def load_model(
     if tp is not None:
         try:
             check_shardable(config, tp.world_size)
+            if quantization != "none":
+                check_cuttable(config, tp.world_size)
         except ValueError as e:
             raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
     with torch.device("meta"):
@@ -113,14 +120,16 @@ def load_model(
     model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
     model.train(False).requires_grad_(False)  # inference mode
     if quantization != "none":
-        if tp is not None:
-            raise ModelLoadError("quantized weights run on one rank only")
-        quantized.apply(model, _quantized_weights(model, quantization, quantized_from, group_size))
+        quantized.apply(model, _quantized_weights(model, model_dir, quantization, quantized_from, group_size))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config)
 
 
 def _quantized_weights(
-    model: torch.nn.Module, quantization: str, quantized_from: str | Path | None, group_size: int
+    model: DecoderModel,
+    model_dir: Path,
+    quantization: str,
+    quantized_from: str | Path | None,
+    group_size: int,
 ) -> dict[str, QuantizedTensor]:
     if quantization == "gguf":
         if quantized_from is None:
@@ -133,10 +142,30 @@ def _quantized_weights(
         raise ModelLoadError(
             f"--quantization must be none, gguf or one of {tuple(SCHEMES)}, got {quantization!r}"
         )
-    try:
-        return quantized.rounded(model, quantization, group_size)
-    except ValueError as e:  # a group size that does not divide a row
-        raise ModelLoadError(f"--quantization-group-size {group_size}: {e}") from None
+    with ExitStack() as stack:
+        read_whole = None if model.tp is None else _whole_reader(stack, model, model_dir)
+        try:
+            return quantized.rounded(model, quantization, group_size, read_whole)
+        except ModelLoadError:
+            raise
+        except ValueError as e:  # a group size that does not divide a row
+            raise ModelLoadError(f"--quantization-group-size {group_size}: {e}") from None
+
+
+def _whole_reader(
+    stack: ExitStack, model: DecoderModel, model_dir: Path
+) -> Callable[[CheckpointPart], torch.Tensor]:
+    """Reads a checkpoint tensor whole, in the model's dtype, whatever shard of it this rank holds:
+    a weight cut by its inputs is rounded whole, then cut (quantized_shards.py)."""
+    file_of = _open_weights(stack, model_dir, model.config)
+    layout = vision_language.weight_layout(_architecture(model_dir), file_of, ModelLoadError)
+
+    def read_whole(part: CheckpointPart) -> torch.Tensor:
+        key = layout.checkpoint_name(part.name)
+        whole = dataclasses.replace(part, shard_dim=None)
+        return _read_part(file_of[key], whole, key, model).to(model.config.dtype)
+
+    return read_whole
 
 
 def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:

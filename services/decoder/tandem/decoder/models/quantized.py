@@ -16,6 +16,8 @@ from torch import nn
 
 from tandem.common.torch_part.quantized_tensor import QuantizedTensor, quantize_scheme, quantize_table
 from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.quantized_shards import cut
+from tandem.decoder.models.tensor_parallel import CheckpointPart, ParallelGroup, vocab_parallel_rows
 
 
 class QuantizedLinear(nn.Module):
@@ -39,11 +41,13 @@ class QuantizedEmbedding(nn.Module):
     rows (`use_rows`: the CPU one's reads the codes in place, where `QuantizedTensor.rows`, the
     reference, takes ~20 torch ops)."""
 
-    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype, tp: ParallelGroup | None = None) -> None:
         super().__init__()
-        self.qweight = weight
+        self.qweight = weight  # [vocab_size / world_size, hidden_size]: this rank's rows
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.n, weight.k
+        self.tp = tp  # None: one rank, the whole table here
+        self.vocab_start = 0 if tp is None else tp.rank * weight.n  # first vocabulary id held here
         self._rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def use_rows(self, rows: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
@@ -52,10 +56,16 @@ class QuantizedEmbedding(nn.Module):
         self._rows = rows
 
     def forward(self, ids: torch.Tensor, sp: bool = False) -> torch.Tensor:
-        # ids: [num_tokens] -> [num_tokens, embedding_dim]. One rank only: sp is never True here.
-        flat = ids.reshape(-1).long()
-        rows = self.qweight.rows(flat, self.dtype) if self._rows is None else self._rows(flat)
-        return rows.view(*ids.shape, self.embedding_dim)
+        # ids: [num_tokens] -> [num_tokens, embedding_dim]; with several ranks summed over them, as
+        # VocabParallelEmbedding: [local_len under SP, else num_tokens, embedding_dim].
+        if self.tp is not None:
+            return vocab_parallel_rows(self._lookup, ids, self.vocab_start, self.num_embeddings, self.tp, sp)
+        return self._lookup(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: int [num] in [0, num_embeddings) -> [num, embedding_dim] in self.dtype
+        flat = ids.long()
+        return self.qweight.rows(flat, self.dtype) if self._rows is None else self._rows(flat)
 
 
 QUANTIZED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "embed_tokens")
@@ -88,16 +98,37 @@ def check_group(config: ModelConfig, group_size: int) -> None:
             raise ValueError(f"{width}, the input width of {what}, is not a multiple of {group_size}")
 
 
-def rounded(model: nn.Module, scheme: str, group_size: int) -> dict[str, QuantizedTensor]:
+def rounded(
+    model: nn.Module,
+    scheme: str,
+    group_size: int,
+    read_whole: Callable[[CheckpointPart], torch.Tensor] | None = None,
+) -> dict[str, QuantizedTensor]:
     """--quantization int8 / int4: each of the model's quantizable weights rounded from its dense
     values (in the model's dtype), for `apply`: the linears as `scheme` says, the token table and the
-    LM head 8-bit per row under either."""
+    LM head 8-bit per row under either.
+
+    With several ranks each weight is this rank's cut of the one-rank model's (quantized_shards.py):
+    a weight cut by rows is its rank's rows rounded (each row rounds alone), one cut by inputs is
+    rounded whole, as `read_whole` reads its checkpoint tensor (in the model's dtype), then cut."""
+    tp = getattr(model, "tp", None)
     out = {}
     for name in quantizable(model):
-        weight = model.get_parameter(name)
         is_table = name.removesuffix(".weight").rpartition(".")[2] in ("embed_tokens", "lm_head")
-        out[name] = quantize_table(weight) if is_table else quantize_scheme(weight, scheme, group_size)
+        parts = [] if tp is None else model.checkpoint_parts(name)
+        by_inputs = next((part for part in parts if part.shard_dim == 1), None)
+        if by_inputs is None:
+            out[name] = _round(model.get_parameter(name), is_table, scheme, group_size)
+        elif read_whole is None:
+            raise ValueError(f"{name} is cut by its inputs: it is rounded whole, and needs read_whole")
+        else:
+            whole = _round(read_whole(by_inputs), is_table, scheme, group_size)
+            out[name] = cut(whole, 1, tp.rank, tp.world_size)
     return out
+
+
+def _round(weight: torch.Tensor, is_table: bool, scheme: str, group_size: int) -> QuantizedTensor:
+    return quantize_table(weight) if is_table else quantize_scheme(weight, scheme, group_size)
 
 
 def apply(model: nn.Module, weights: dict[str, QuantizedTensor]) -> None:
@@ -115,6 +146,6 @@ def apply(model: nn.Module, weights: dict[str, QuantizedTensor]) -> None:
                 f"{name}: a quantized weight of {list(weight.shape)} for {list(old.weight.shape)}"
             )
         if attr == "embed_tokens":
-            setattr(parent, attr, QuantizedEmbedding(weight, dtype))
+            setattr(parent, attr, QuantizedEmbedding(weight, dtype, getattr(old, "tp", None)))
         else:
             setattr(parent, attr, QuantizedLinear(weight, getattr(old, "bias", None)))

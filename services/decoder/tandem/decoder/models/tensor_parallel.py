@@ -14,6 +14,7 @@ Every helper is the identity (or the plain layer) when `tp` is None, so one rank
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -152,14 +153,29 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor, sp: bool = False) -> torch.Tensor:
         """input_ids: int [num_tokens] -> [local_len under SP, else num_tokens, hidden]."""
-        tp = self.tp
-        if tp is None:
+        if self.tp is None:
             return super().forward(input_ids)
-        local_ids = input_ids - self.vocab_start  # [num_tokens]
-        is_mine = (local_ids >= 0) & (local_ids < self.num_embeddings)
-        partial = F.embedding(local_ids.masked_fill(~is_mine, 0), self.weight)  # [num_tokens, hidden]
-        partial = partial.masked_fill(~is_mine[:, None], 0)
-        return tp.reduce_scatter_seq(partial) if sp else tp.all_reduce(partial)
+        lookup = functools.partial(F.embedding, weight=self.weight)
+        return vocab_parallel_rows(lookup, input_ids, self.vocab_start, self.num_embeddings, self.tp, sp)
+
+
+def vocab_parallel_rows(
+    lookup: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    vocab_start: int,
+    num_local: int,
+    tp: ParallelGroup,
+    sp: bool,
+) -> torch.Tensor:
+    """The rows of input_ids (int [num_tokens]) from a table cut by vocabulary: this rank holds ids
+    [vocab_start, vocab_start + num_local), which `lookup` (local ids [num_tokens] -> [num_tokens,
+    hidden]) reads. Each rank gives zeros for the ids it lacks, so the sum over ranks is exact:
+    [local_len under SP, else num_tokens, hidden]."""
+    local_ids = input_ids - vocab_start  # [num_tokens]
+    is_mine = (local_ids >= 0) & (local_ids < num_local)
+    rows = lookup(local_ids.masked_fill(~is_mine, 0))  # [num_tokens, hidden]
+    rows = rows.masked_fill(~is_mine[:, None], 0)
+    return tp.reduce_scatter_seq(rows) if sp else tp.all_reduce(rows)
 
 
 def checkpoint_parts(
