@@ -6,14 +6,19 @@ tested there too; each level's torch custom ops live in their own namespace (`op
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tandem.decoder.backends.cpu import isa
 from tandem.decoder.backends.cpu import ops as cpu_ops
-from tandem.decoder.backends.cpu.build import Level
+from tandem.decoder.backends.cpu.build import X86_64_LEVELS, Level, compile_level
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load
+
+TILE_EMULATION = Path(__file__).with_name("tile_emulation.h")
 
 
 @pytest.fixture(
@@ -34,3 +39,27 @@ def kernels(request: pytest.FixtureRequest) -> Kernels:
 def ops(kernels: Kernels) -> Any:
     """That build's custom ops, `torch.ops.tandem_<level>`."""
     return cpu_ops.register(kernels)
+
+
+@pytest.fixture(scope="session")
+def emulated_tiles(tmp_path_factory: pytest.TempPathFactory) -> Kernels:
+    """The avx512bf16 level built with `tile_emulation.h`: the amx build's tile code (bf16 and int8),
+    each tile instruction done in C and every shape the hardware would fault on checked, on any
+    AVX512-BF16 CPU. Built once for the session (about 20 s)."""
+    if "avx512_bf16" not in isa.this_cpu().flags or shutil.which("cc") is None:
+        pytest.skip("the emulated tiles build on the avx512bf16 level: needs avx512_bf16 and a C compiler")
+    level = next(level for level in X86_64_LEVELS if level.name == "avx512bf16")
+    output = tmp_path_factory.mktemp("tiles") / "emulated_tiles.so"
+    compile_level("cc", level, output, extra=("-O1", "-include", str(TILE_EMULATION)))
+    kernels = Kernels(ctypes.CDLL(str(output)), level, output)
+    assert kernels.tiles  # the emulation grants the tile state as a kernel would
+    return kernels
+
+
+def emulated_tile_products(kernels: Kernels) -> int | None:
+    """The emulated build's count of tile products (TDPBF16PS and TDPBSUD) run so far; None on the
+    hardware."""
+    try:
+        return ctypes.c_long.in_dll(ctypes.CDLL(str(kernels.path)), "tandem_emulated_tile_products").value
+    except ValueError:
+        return None

@@ -10,21 +10,17 @@ tails are tested on every AVX512-BF16 machine, the hardware's own sums on an AMX
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
-from tandem.decoder.backends.cpu.build import X86_64_LEVELS, compile_level
+from tandem.decoder.backends.cpu.build import X86_64_LEVELS
 from tandem.decoder.backends.cpu.isa import this_cpu
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load
 from tandem.decoder.backends.cpu.linear import CLinear
 
+from .conftest import emulated_tile_products
 from .test_linear import rounded_once
 
-EMULATION = Path(__file__).with_name("tile_emulation.h")
 LEVELS = {level.name: level for level in X86_64_LEVELS}
 
 
@@ -55,21 +51,10 @@ def _amx_kernels() -> Kernels:
     return kernels
 
 
-def _emulated_kernels(tmp_path_factory: pytest.TempPathFactory) -> Kernels:
-    if "avx512_bf16" not in this_cpu().flags or shutil.which("cc") is None:
-        pytest.skip("the emulated tiles build on the avx512bf16 level: needs avx512_bf16 and a C compiler")
-    level = LEVELS["avx512bf16"]
-    output = tmp_path_factory.mktemp("tiles") / "emulated_tiles.so"
-    compile_level("cc", level, output, extra=("-O1", "-include", str(EMULATION)))
-    kernels = Kernels(ctypes.CDLL(str(output)), level, output)
-    assert kernels.tiles  # the emulation grants the tile state as a kernel would
-    return kernels
-
-
 @pytest.fixture(scope="module", params=["amx", "emulated"])
-def tiles(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Kernels:
+def tiles(request: pytest.FixtureRequest) -> Kernels:
     """A build whose packed bf16 weights can run on tiles."""
-    return _amx_kernels() if request.param == "amx" else _emulated_kernels(tmp_path_factory)
+    return _amx_kernels() if request.param == "amx" else request.getfixturevalue("emulated_tiles")
 
 
 # Rows: one short row tile, one whole, whole + short, several. Shapes: a whole group of 96 features
@@ -118,19 +103,11 @@ def test_calls_below_tile_rows_keep_the_packed_kernel(tiles: Kernels) -> None:
     never, always, from_four = (CLinear(tiles, weight, bias, tile_rows=n) for n in (0, 1, 4))
     for rows in (1, 3, 4, 9):
         x = torch.randn(rows, 600).to(torch.bfloat16)
-        before = _tile_products(tiles)
+        before = emulated_tile_products(tiles)
         result = from_four(x)
         if before is not None:
-            assert (_tile_products(tiles) > before) == (rows >= 4), rows
+            assert (emulated_tile_products(tiles) > before) == (rows >= 4), rows
         assert torch.equal(result, (always if rows >= 4 else never)(x)), rows
-
-
-def _tile_products(kernels: Kernels) -> int | None:
-    """The emulated build's count of TDPBF16PS run so far; None on the hardware."""
-    try:
-        return ctypes.c_long.in_dll(ctypes.CDLL(str(kernels.path)), "tandem_emulated_tile_products").value
-    except ValueError:
-        return None
 
 
 def test_tile_rows_are_refused_where_the_build_has_no_tiles(kernels: Kernels) -> None:

@@ -1,12 +1,15 @@
-/* AMX tiles in plain C, for testing csrc/linear_tiles.c on a CPU without them (test_linear_tiles.py
- * builds the avx512bf16 level with `-DTANDEM_EMULATE_TILES -include tile_emulation.h`).
+/* AMX tiles in plain C, for testing csrc/linear_tiles.c and linear_int8.c's tiles on a CPU without
+ * them (test_linear_tiles.py and test_linear_int8.py build the avx512bf16 level with
+ * `-include tile_emulation.h`).
  *
  * Each thread has its 8 tile registers and its configuration, as the hardware keeps them; every
  * instruction checks what the hardware would fault on (an unconfigured tile, a load past the
- * configured shape, TDPBF16PS with shapes that do not agree: A's colsb / 4 == B's rows, C's rows ==
+ * configured shape, a product whose shapes do not agree: A's colsb / 4 == B's rows, C's rows ==
  * A's rows, C's colsb == B's colsb), so a wrong tiling aborts here instead of on a Xeon. TDPBF16PS
  * adds, for each K pair in order, the even product then the odd one into fp32 (the SDM's pseudocode);
  * real hardware fixes its own order, the same for every row, which is all the kernel relies on.
+ * TDPBSUD adds, for each output dword, the four products of A's signed bytes with B's unsigned ones
+ * into int32 (exact: any order gives the same sum).
  *
  * The kernel's source is left as it ships: this header claims the AMX macros its guard asks for and
  * answers its permission request (syscall) with success, after the system headers that declare them.
@@ -24,12 +27,14 @@
 
 #define __AMX_TILE__ 1
 #define __AMX_BF16__ 1
+#define __AMX_INT8__ 1
 #define syscall(...) 0L
 
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
+#undef _tile_dpbsud
 
 typedef struct {
     uint8_t rows[8];
@@ -40,7 +45,7 @@ typedef struct {
 
 static __thread EmulatedTiles emulated_tiles;
 
-/* TDPBF16PS instructions run, over every thread (tests read it to see which calls tiled). */
+/* TDPBF16PS and TDPBSUD instructions run, over every thread (tests read it to see which calls tiled). */
 __attribute__((weak)) long tandem_emulated_tile_products;
 
 static inline void emulated_fault(const char *what, int tile) {
@@ -95,12 +100,18 @@ static inline float emulated_bf16(const uint8_t *at) {
     return f;
 }
 
-static inline void emulated_dpbf16ps(int c, int a, int b) {
+/* The shapes a tile product needs (the hardware's #UD otherwise): A's dwords are B's rows, C has A's
+ * rows and B's width. */
+static inline void emulated_check_product(int c, int a, int b, const char *name) {
     emulated_check(c), emulated_check(a), emulated_check(b);
-    const int pairs = emulated_tiles.colsb[a] / 4, columns = emulated_tiles.colsb[c] / 4;
-    if (pairs != emulated_tiles.rows[b] || emulated_tiles.rows[c] != emulated_tiles.rows[a] ||
+    if (emulated_tiles.colsb[a] / 4 != emulated_tiles.rows[b] || emulated_tiles.rows[c] != emulated_tiles.rows[a] ||
         emulated_tiles.colsb[c] != emulated_tiles.colsb[b])
-        emulated_fault("TDPBF16PS shapes disagree", c);
+        emulated_fault(name, c);
+}
+
+static inline void emulated_dpbf16ps(int c, int a, int b) {
+    emulated_check_product(c, a, b, "TDPBF16PS shapes disagree");
+    const int pairs = emulated_tiles.colsb[a] / 4, columns = emulated_tiles.colsb[c] / 4;
     __atomic_fetch_add(&tandem_emulated_tile_products, 1, __ATOMIC_RELAXED);
     for (int m = 0; m < emulated_tiles.rows[c]; m++) {
         float acc[16];
@@ -115,11 +126,28 @@ static inline void emulated_dpbf16ps(int c, int a, int b) {
     }
 }
 
+static inline void emulated_dpbsud(int c, int a, int b) {
+    emulated_check_product(c, a, b, "TDPBSUD shapes disagree");
+    const int quads = emulated_tiles.colsb[a] / 4, columns = emulated_tiles.colsb[c] / 4;
+    __atomic_fetch_add(&tandem_emulated_tile_products, 1, __ATOMIC_RELAXED);
+    for (int m = 0; m < emulated_tiles.rows[c]; m++) {
+        int32_t acc[16];
+        memcpy(acc, emulated_tiles.data[c][m], sizeof acc);
+        for (int k = 0; k < quads; k++)
+            for (int n = 0; n < columns; n++)
+                for (int i = 0; i < 4; i++)
+                    acc[n] += (int32_t)(int8_t)emulated_tiles.data[a][m][4 * k + i] *
+                              (int32_t)emulated_tiles.data[b][k][4 * n + i];
+        memcpy(emulated_tiles.data[c][m], acc, sizeof acc);
+    }
+}
+
 #define _tile_loadconfig(config) emulated_loadconfig(config)
 #define _tile_release() emulated_release()
 #define _tile_loadd(t, base, stride) emulated_loadd(t, base, stride)
 #define _tile_stored(t, base, stride) emulated_stored(t, base, stride)
 #define _tile_zero(t) emulated_zero(t)
 #define _tile_dpbf16ps(c, a, b) emulated_dpbf16ps(c, a, b)
+#define _tile_dpbsud(c, a, b) emulated_dpbsud(c, a, b)
 
 #endif

@@ -129,9 +129,12 @@ class Kernels:
         _check(self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k), f"pack_weight: [{n}, {k}]")
         return KernelWeight(WEIGHT_BF16, n, k, packed, tile_rows=tile_rows)
 
-    @staticmethod
     def quantized_weight(
-        weight: QuantizedTensor, dense_rows: int = 0, int8_activations: bool = False
+        self,
+        weight: QuantizedTensor,
+        dense_rows: int = 0,
+        int8_activations: bool = False,
+        tile_rows: int = 0,
     ) -> KernelWeight:
         """A quantized weight as the kernels read it: its own tensors, in place (models/quantized.py's
         layout is the one csrc/linear_quant.c reads). From `dense_rows` rows on (0: never), a bf16 call
@@ -139,10 +142,16 @@ class Kernels:
         the dense checkpoint's speed and bits for a prefill, where the exact per-block sums cost 1.3x.
         With `int8_activations` (--quantized-activations int8) every call instead rounds each row's
         inputs to int8 per block of 32 and multiplies them as integers (csrc/linear_int8.c): lossy,
-        faster than either at any row count."""
+        faster than either at any row count; calls of `tile_rows` rows on (0: never) do those integer
+        sums on AMX-INT8 tiles (the same bits), which only a build with `tiles` has."""
+        _check_count("tile_rows", tile_rows, low=0)
+        if tile_rows and not int8_activations:
+            raise ValueError("tile_rows of a quantized weight needs int8_activations (tiles multiply codes)")
+        if tile_rows and not self.tiles:
+            raise ValueError(f"tile_rows needs AMX tiles, which the {self.level.name} build here has not")
         fmt = WEIGHT_Q4 if weight.bits == 4 else WEIGHT_Q8
         return KernelWeight(
-            fmt, weight.n, weight.k, weight.codes, weight.scales, weight.mins, dense_rows,
+            fmt, weight.n, weight.k, weight.codes, weight.scales, weight.mins, dense_rows, tile_rows,
             activations=INT8_ACTIVATIONS if int8_activations else 0,
         )  # fmt: skip
 
@@ -334,7 +343,7 @@ class KernelWeight:
         scales: torch.Tensor | None = None,
         mins: torch.Tensor | None = None,
         dense_rows: int = 0,
-        tile_rows: int = 0,  # bf16, packed: calls of this many rows on run on AMX tiles (0: never)
+        tile_rows: int = 0,  # packed bf16 or int8 activations: calls of this many rows on tile (0: never)
         activations: int = 0,  # quantized: INT8_ACTIVATIONS, or 0 (inputs in the call's dtype)
     ) -> None:
         self.format, self.n, self.k = fmt, n, k

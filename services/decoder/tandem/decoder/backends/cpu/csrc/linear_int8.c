@@ -51,6 +51,13 @@
 #else
 #define HAVE_VNNI 0
 #endif
+#if HAVE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define HAVE_INT8_TILES 1
+#else
+#define HAVE_INT8_TILES 0
+#endif
+
+int tandem_tiles_available(void); /* linear_tiles.c: whether the kernel granted this process the tile state */
 
 #define QB TANDEM_QUANT_BLOCK /* inputs per block: 32 */
 #define QP (QB / 2)           /* pairs per block: 16 */
@@ -364,6 +371,123 @@ static void part_vnni(const Activations *a, const TandemWeight *w, __m512i *pre,
     for (; g < g1; g++) rows_of_set(a, w, pre, bias, out, m, n, k, nb, g, g + 1 < g1 ? g + 2 : g1, 1, FORMAT, dtype);
 }
 
+#if HAVE_INT8_TILES
+
+/* AMX-INT8 (the amx build, for the weights whose descriptor's tile_rows the call reaches): TDPBSUD does
+ * a 16-row x 16-output x 32-input block's integer sums in one instruction, where VPDPBUSD does one
+ * row's 16 outputs x 4 inputs. Each block still needs its own scaling (per row and output), so a
+ * block's C tile is stored and scaled by the vector code above's operations: the same integers, the
+ * same fp32 operations in the same order, so the same bits as part_vnni for every row (the integer
+ * sums are exact in any grouping). Tiles (palette 1): 0 and 1 C (16 rows x 16 int32, two blocks in
+ * flight), 2 and 3 A (16 rows x 32 codes), 4 and 5 B (8 quads x 16 outputs: quad_u8's vectors as they
+ * lie, 64 bytes apart). Rows come in whole tiles of 16; the padding rows' codes, scales and sums are
+ * zero (their outputs are never stored), so no tile is re-blocked by the row count. */
+
+#define TILE_M 16 /* rows a tile */
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static TileConfig int8_tile_config(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 2; t++) {
+        cfg.rows[t] = TILE_M, cfg.colsb[t] = QG * 4;         /* C: 16 rows x 16 int32 */
+        cfg.rows[2 + t] = TILE_M, cfg.colsb[2 + t] = QB;     /* A: 16 rows x 32 codes */
+        cfg.rows[4 + t] = QQ, cfg.colsb[4 + t] = QG * 4;     /* B: 8 quads x 16 outputs */
+    }
+    return cfg;
+}
+
+/* Block b's scaling, C's 16 rows x 16 outputs at `sums`, into the rows' running sums: tile()'s
+ * operations, row by row. */
+static inline __attribute__((always_inline)) void scale_block(const Activations *a, const TandemWeight *w,
+                                                              const int32_t *sums, __m512 acc[TILE_M], int64_t r,
+                                                              int64_t nb, int64_t g, int64_t b, const int FORMAT) {
+    const int64_t at = (g * nb + b) * QG;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + at)));
+    const __m512 mw = FORMAT == TANDEM_WEIGHT_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + at)))
+                                                 : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int i = 0; i < TILE_M; i++) {
+        const int64_t rb = (r + i) * nb + b;
+        __m512i sum = _mm512_load_si512(sums + i * QG);
+        if (FORMAT != TANDEM_WEIGHT_Q4) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(a->c[rb]));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[rb]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[i]);
+        if (FORMAT == TANDEM_WEIGHT_Q4) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[rb]), acc[i]);
+    }
+}
+
+/* Block b's products of rows [r, r + 16) and one group's quads (`quads`: [nb][8], 64 bytes each) into
+ * C tile `C`, A tile `A`, B tile `B` (immediates: one call site per tile pair). */
+#define BLOCK_PRODUCT(C, A, B, b)                                                                                   \
+    do {                                                                                                            \
+        _tile_loadd(A, a->q + r * k + (b) * QB, k);                                                                 \
+        _tile_loadd(B, quads + (b) * QQ, 64);                                                                       \
+        _tile_zero(C);                                                                                              \
+        _tile_dpbsud(C, A, B);                                                                                      \
+    } while (0)
+
+/* One group's outputs for rows [r, r + 16) (`rows` of them real): block b + 1's product runs on the tile
+ * unit while block b is scaled. */
+static inline __attribute__((always_inline)) void group_rows(const Activations *a, const TandemWeight *w,
+                                                             const __m512i *quads, const void *bias, void *out,
+                                                             int64_t r, int64_t rows, int64_t n, int64_t k,
+                                                             int64_t nb, int64_t g, const Prefetch *pf,
+                                                             const int FORMAT, int dtype) {
+    int32_t sums[TILE_M * QG] __attribute__((aligned(64)));
+    __m512 acc[TILE_M];
+#pragma GCC unroll 16
+    for (int i = 0; i < TILE_M; i++) acc[i] = _mm512_setzero_ps();
+    BLOCK_PRODUCT(0, 2, 4, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        prefetch_part(pf, pf->part0 + b);
+        if (b + 1 < nb) BLOCK_PRODUCT(1, 3, 5, b + 1);
+        _tile_stored(0, sums, QG * 4);
+        scale_block(a, w, sums, acc, r, nb, g, b, FORMAT);
+        if (b + 1 >= nb) break;
+        prefetch_part(pf, pf->part0 + b + 1);
+        if (b + 2 < nb) BLOCK_PRODUCT(0, 2, 4, b + 2);
+        _tile_stored(1, sums, QG * 4);
+        scale_block(a, w, sums, acc, r, nb, g, b + 1, FORMAT);
+    }
+    if (g * QG >= n) return;
+    for (int64_t i = 0; i < rows; i++)
+        store16((char *)out + (r + i) * n * (dtype == 1 ? 2 : 4), acc[i], bias, n, g * QG, dtype);
+}
+
+/* One thread's groups [g0, g1) against all m rows (a's rows padded to whole tiles): each group's quads
+ * made once into `quads` ([nb][8]), then every row tile over them, while the next group's codes come
+ * into L2. */
+static void part_tiles(const Activations *a, const TandemWeight *w, __m512i *quads, const void *bias, void *out,
+                       int64_t m, int64_t n, int64_t k, int64_t g0, int64_t g1, const int FORMAT, int dtype) {
+    const int64_t nb = k / QB, pair_bytes = FORMAT == TANDEM_WEIGHT_Q8 ? 2 * QG : QG;
+    const int64_t row_tiles = (m + TILE_M - 1) / TILE_M;
+    for (int64_t g = g0; g < g1; g++) {
+        for (int64_t b = 0; b < nb; b++)
+            for (int qd = 0; qd < QQ; qd++)
+                _mm512_store_si512(quads + b * QQ + qd, quad_u8((const uint8_t *)w->data +
+                                                                    ((g * nb + b) * QP + 2 * qd) * pair_bytes,
+                                                                FORMAT));
+        Prefetch pf = prefetch_groups(w, nb, g + 1, g + 1 < g1 ? g + 2 : g1, 0, row_tiles * nb, FORMAT);
+        for (int64_t t = 0; t < row_tiles; t++, pf.part0 += nb) {
+            const int64_t r = t * TILE_M, rows = m - r < TILE_M ? m - r : TILE_M;
+            group_rows(a, w, quads, bias, out, r, rows, n, k, nb, g, &pf, FORMAT, dtype);
+        }
+    }
+}
+
+#undef BLOCK_PRODUCT
+
+#endif /* HAVE_INT8_TILES */
+
 #endif
 
 /* Room for m rows of k inputs as `Activations` in `buffer` (grown as needed): the codes, then the
@@ -379,11 +503,62 @@ static Activations activations_room(ThreadBuffer *buffer, int64_t m, int64_t k) 
                          (const float *)(base + code_bytes + 2 * block_bytes)};
 }
 
+/* activations_room for `rows` rows (m, or m padded to whole row tiles), the padding rows' codes, scales
+ * and sums zero: a tile's rows past m add nothing, and their outputs are never stored. */
+static Activations padded_room(ThreadBuffer *buffer, int64_t m, int64_t rows, int64_t k) {
+    const Activations a = activations_room(buffer, rows, k);
+    if (a.q != NULL && rows > m) {
+        const int64_t nb = k / QB, pad = rows - m;
+        memset((int8_t *)a.q + m * k, 0, (size_t)(pad * k));
+        memset((float *)a.d + m * nb, 0, (size_t)(pad * nb) * sizeof(float));
+        memset((int32_t *)a.c + m * nb, 0, (size_t)(pad * nb) * sizeof(int32_t));
+        memset((float *)a.s + m * nb, 0, (size_t)(pad * nb) * sizeof(float));
+    }
+    return a;
+}
+
 static void quantize_rows(const void *x, int64_t r0, int64_t r1, int64_t k, int dtype, int32_t off,
                           const Activations *a) {
     for (int64_t r = r0; r < r1; r++)
         quantize_row(x, r, k, dtype, off, (int8_t *)a->q, (float *)a->d, (int32_t *)a->c, (float *)a->s);
 }
+
+/* The calling thread's groups [g0, g1) of every row, on the vector kernels: 0, or 1 without scratch. */
+static int products(const Activations *a, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
+                    int64_t k, int64_t g0, int64_t g1, int dtype) {
+#if HAVE_VNNI
+    __m512i *pre = m > TILE_ROWS ? quad_scratch(k / 4 * SET) : NULL;
+    if (m > TILE_ROWS && pre == NULL) return 1;
+    if (w->format == TANDEM_WEIGHT_Q8)
+        part_vnni(a, w, pre, bias, out, m, n, k, g0, g1, TANDEM_WEIGHT_Q8, dtype);
+    else if (w->mins != NULL)
+        part_vnni(a, w, pre, bias, out, m, n, k, g0, g1, TANDEM_WEIGHT_Q4, dtype);
+    else
+        part_vnni(a, w, pre, bias, out, m, n, k, g0, g1, FORMAT_Q4_0, dtype);
+#else
+    for (int64_t r = 0; r < m; r++) row_portable(a, w, bias, out, r, n, k, g0, g1, dtype);
+#endif
+    return 0;
+}
+
+#if HAVE_INT8_TILES
+/* products() on AMX-INT8 tiles (a's rows padded to whole tiles): the same bits. */
+static int products_tiles(const Activations *a, const TandemWeight *w, const void *bias, void *out, int64_t m,
+                          int64_t n, int64_t k, int64_t g0, int64_t g1, int dtype) {
+    __m512i *quads = quad_scratch(k / 4);
+    if (quads == NULL) return 1;
+    const TileConfig cfg = int8_tile_config();
+    _tile_loadconfig(&cfg); /* per thread: the configuration is thread state */
+    if (w->format == TANDEM_WEIGHT_Q8)
+        part_tiles(a, w, quads, bias, out, m, n, k, g0, g1, TANDEM_WEIGHT_Q8, dtype);
+    else if (w->mins != NULL)
+        part_tiles(a, w, quads, bias, out, m, n, k, g0, g1, TANDEM_WEIGHT_Q4, dtype);
+    else
+        part_tiles(a, w, quads, bias, out, m, n, k, g0, g1, FORMAT_Q4_0, dtype);
+    _tile_release();
+    return 0;
+}
+#endif
 
 int tandem_linear_int8(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
                        int64_t k, int dtype) {
@@ -406,14 +581,22 @@ int tandem_linear_int8(const void *x, const TandemWeight *w, const void *bias, v
      * With many threads the split keeps the rounding from growing with the team. The same operations
      * either way: the same codes. */
     const int alone = m <= ALONE_ROWS || groups >= (int64_t)ALONE_GROUPS * team_size();
-    const Activations shared = alone ? (Activations){NULL, NULL, NULL, NULL} : activations_room(&activation_buffer, m, k);
+#if HAVE_INT8_TILES
+    /* AMX-INT8 from the descriptor's tile_rows on (the measured choice's; the same bits either way) */
+    const int tiles = w->tile_rows > 0 && m >= w->tile_rows && tandem_tiles_available();
+    const int64_t rows = tiles ? (m + TILE_M - 1) / TILE_M * TILE_M : m; /* whole row tiles */
+#else
+    const int64_t rows = m;
+#endif
+    const Activations shared =
+        alone ? (Activations){NULL, NULL, NULL, NULL} : padded_room(&activation_buffer, m, rows, k);
     if (!alone && shared.q == NULL) return -1;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
         Activations a = shared;
         if (alone) {
-            a = activations_room(&activation_buffer, m, k); /* this thread's */
+            a = padded_room(&activation_buffer, m, rows, k); /* this thread's */
             if (a.q != NULL) quantize_rows(x, 0, m, k, dtype, off, &a);
         } else {
             int64_t r0, r1;
@@ -423,23 +606,15 @@ int tandem_linear_int8(const void *x, const TandemWeight *w, const void *bias, v
         }
         int64_t g0, g1;
         team_share(groups, &g0, &g1);
-        if (a.q == NULL) {
+        if (a.q == NULL)
             failed = 1;
-        } else if (g0 < g1) {
-#if HAVE_VNNI
-            __m512i *pre = m > TILE_ROWS ? quad_scratch(k / 4 * SET) : NULL;
-            if (m > TILE_ROWS && pre == NULL)
-                failed = 1;
-            else if (w->format == TANDEM_WEIGHT_Q8)
-                part_vnni(&a, w, pre, bias, out, m, n, k, g0, g1, TANDEM_WEIGHT_Q8, dtype);
-            else if (w->mins != NULL)
-                part_vnni(&a, w, pre, bias, out, m, n, k, g0, g1, TANDEM_WEIGHT_Q4, dtype);
-            else
-                part_vnni(&a, w, pre, bias, out, m, n, k, g0, g1, FORMAT_Q4_0, dtype);
+        else if (g0 < g1)
+#if HAVE_INT8_TILES
+            failed = tiles ? products_tiles(&a, w, bias, out, m, n, k, g0, g1, dtype)
+                           : products(&a, w, bias, out, m, n, k, g0, g1, dtype);
 #else
-            for (int64_t r = 0; r < m; r++) row_portable(&a, w, bias, out, r, n, k, g0, g1, dtype);
+            failed = products(&a, w, bias, out, m, n, k, g0, g1, dtype);
 #endif
-        }
     }
     return failed ? -1 : 0;
 }

@@ -29,7 +29,9 @@ typedef struct {
                                rounding (linear_quant.c); 0: never */
     int64_t tile_rows;      /* bf16, packed: from this many rows on, AMX tiles (linear_tiles.c) instead of
                                VDPBF16PS; 0: never. 1 or more than any step without prompt rows, so a
-                               decode or verify row's sums keep one order (kernel_choice.py sets it) */
+                               decode or verify row's sums keep one order (kernel_choice.py sets it).
+                               Quantized with activations 8: from this many rows on, AMX-INT8 tiles
+                               (linear_int8.c), the same bits as VPDPBUSD, so any row count will do */
     int64_t activations;    /* quantized: 8 = each row's inputs rounded to int8 per block of 32, every call
                                (linear_int8.c, --quantized-activations int8; dense_rows unused); 0 = in the
                                call's dtype */
