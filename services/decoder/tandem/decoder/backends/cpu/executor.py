@@ -41,7 +41,7 @@ from tandem.common.torch_part.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu import kernel_choice
 from tandem.decoder.backends.cpu.attention import CpuPagedAttention
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
-from tandem.decoder.backends.cpu.kernel_choice import KernelOptions, LinearPlan
+from tandem.decoder.backends.cpu.kernel_choice import Int8TilePlan, KernelOptions, LinearPlan
 from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, Kernels, load_for_cpu
 from tandem.decoder.backends.cpu.layer import FusedLayer, LayerWeights
 from tandem.decoder.backends.cpu.layer_kernels import c_deltas, per_op
@@ -141,14 +141,16 @@ def _bind_linear(
     bias: torch.Tensor | None,
     dtype: torch.dtype,  # the model's: a quantized weight's inputs and outputs
     dense_rows: int = 0,  # quantized: Kernels.quantized_weight's
-    tile_rows: Mapping[Shape, int] | None = None,  # bf16 on the C kernel, by shape: Kernels.pack_weight's
+    # by shape: Kernels.pack_weight's (bf16 on the C kernel) or quantized_weight's (int8 activations)
+    tile_rows: Mapping[Shape, int] | None = None,
     int8_activations: bool = False,  # quantized: Kernels.quantized_weight's
 ) -> BoundLinear:
     if isinstance(weight, QuantizedTensor):
         if kernels is None:
             raise ValueError("quantized weights need the C kernels (this CPU has no build loaded)")
+        tiled = (tile_rows or {}).get((weight.n, weight.k), 0) if int8_activations else 0
         return QuantLinear(
-            kernels, kernels.quantized_weight(weight, dense_rows, int8_activations), bias, dtype
+            kernels, kernels.quantized_weight(weight, dense_rows, int8_activations, tiled), bias, dtype
         )
     if kind == "c" and kernels is not None and can_bind(weight, bias):
         return CLinear(kernels, weight, bias, (tile_rows or {}).get((weight.shape[0], weight.shape[1]), 0))
@@ -243,6 +245,8 @@ class CpuExecutor:
         dense_rows: int = 0,
         # The measured kernels of the bf16 linears (kernel_choice.py), for this build: None, the flags'.
         plan: LinearPlan | None = None,
+        # With int8 activations on the amx build: which quantized shapes tile from which row count.
+        int8_plan: Int8TilePlan | None = None,
         # Quantized weights: every row's inputs rounded to int8 per block of 32, prefill chunks too
         # (--quantized-activations int8, csrc/linear_int8.c); lossy, and still one order per row.
         int8_activations: bool = False,
@@ -257,6 +261,8 @@ class CpuExecutor:
             "c" if plan is not None and kernels is not None else choose_linears(model, kernels)
         )
         tiles = {} if plan is None else {shape: plan.tile_rows(shape) for shape, _ in plan.exact}
+        if int8_plan is not None:  # quantized shapes, none a bf16 linear's (kernel_choice.quantized_weights)
+            tiles |= int8_plan.as_map()
         c_ops = (
             kernels is not None
             and config.dtype in DTYPE_CODES
@@ -338,7 +344,7 @@ class CpuExecutor:
             dense_rows=dense_rows
             if kernels is not None and kernels.weight_layout != 0 and config.dtype == torch.bfloat16
             else 0,
-            kernels="" if plan is None else plan.describe(),
+            kernels="; ".join(p.describe() for p in (plan, int8_plan) if p is not None),
             int8_activations=int8_activations,
         )
 
@@ -422,6 +428,7 @@ def bind(
             kernels,
             dense_rows=options.prefill_rows,
             plan=plan,
+            int8_plan=kernel_choice.int8_tiles(model, kernels, options),
             int8_activations=options.int8_activations,
             lora=lora,
         )

@@ -27,6 +27,12 @@ machine a few percent is noise, and a switch must pay for itself. The choice is 
 beside the model, keyed by the CPU's model name, the builds' ids, the shapes, the row buckets and the
 thread count, so a second start measures nothing.
 `--cpu-kernels <build>` skips the measurement and runs that build's kernel for every call.
+
+Quantized weights with int8 activations (--quantized-activations int8) have a choice of their own on
+the amx build: VPDPBUSD or AMX-INT8 tiles (csrc/linear_int8.c). Both give the same bits (exact
+integer sums, then the same fp32 scaling), so no row count constrains it: per shape, tiles from the
+smallest timed row count at which they, and at every larger one, beat VPDPBUSD by MARGIN
+(`int8_tiles`, cached beside the bf16 choice).
 """
 
 from __future__ import annotations
@@ -41,15 +47,16 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from tandem.client.errors import ConfigError
+from tandem.common.torch_part.quantized_tensor import QuantizedTensor
 from tandem.decoder.backends.cpu.build import Level, build_id, levels_for
 from tandem.decoder.backends.cpu.isa import CpuInfo, runnable_levels, this_cpu
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load, load_for_cpu
-from tandem.decoder.backends.cpu.linear import CLinear, PackedLinear, has_onednn_bf16
+from tandem.decoder.backends.cpu.linear import CLinear, PackedLinear, QuantLinear, has_onednn_bf16
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,8 @@ ROUNDS = 5  # samples per (candidate, shape, rows), interleaved; the best is kep
 # step's linears take tens of microseconds on any kernel, and the measurement would cost more than it
 # could ever save (the tests' tiny checkpoints are such models).
 MIN_MEASURED_BYTES = 16 << 20
+INT8_VECTOR = "vpdpbusd"  # int8 activations: linear_int8.c's vector kernel (every build with VNNI)
+INT8_TILES = "amx-int8"  # int8 activations: its AMX-INT8 tiles (the amx build, tiles granted)
 CACHE_FILE = "cpu-kernels.json"
 CACHE_VERSION = 1
 
@@ -109,6 +118,15 @@ class KernelOptions:
             return ()
         short = max(self.prefill_rows, 128)
         return tuple(sorted({min(short, self.max_rows), min(max(short, 512), self.max_rows)}))
+
+    @property
+    def int8_buckets(self) -> tuple[int, ...]:
+        """The row counts the int8 kernels are timed at: the exact buckets and the prefill chunks',
+        these whether or not prefill chunks may take a kernel of their own (both int8 kernels are
+        exact)."""
+        short = max(self.prefill_rows, 128)
+        chunks = {min(short, self.max_rows), min(max(short, 512), self.max_rows)}
+        return tuple(sorted({*self.exact_buckets, *(c for c in chunks if c > self.exact_rows)}))
 
 
 @dataclass(frozen=True)
@@ -284,12 +302,12 @@ def _pick(candidates: Sequence[_T], cost: Callable[[_T], float], margin: float =
 # -- measuring ----------------------------------------------------------------------------------------
 
 Bound = Callable[[torch.Tensor], torch.Tensor]  # a linear bound to one weight: x [rows, k] -> [rows, n]
-Binder = Callable[[torch.Tensor], Bound]  # a candidate: binds a weight [n, k] bf16
+Binder = Callable[[Any], Bound]  # a candidate: binds a weight [n, k] (bf16, or a QuantizedTensor)
 
 
 def measure(
     binders: Mapping[str, Binder],
-    weights: Mapping[Shape, torch.Tensor],  # one real weight of each shape [n, k] bf16
+    weights: Mapping[Shape, Any],  # one real weight of each shape [n, k] (bf16, or a QuantizedTensor)
     buckets: Mapping[Shape, Sequence[int]],  # the row counts each shape is timed at
     prefill_only: Iterable[str],  # candidates timed only past exact_rows
     exact_rows: int,
@@ -413,6 +431,160 @@ def choose(
     return next(k for k in loaded if k.level.name == plan.level), plan
 
 
+# -- int8 activations: VPDPBUSD or AMX-INT8 tiles -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Int8TilePlan:
+    """From which row count each quantized weight shape's int8-activation calls tile (absent: never)."""
+
+    tile_rows: tuple[tuple[Shape, int], ...]
+    source: str = field(compare=False)  # "measured", "cached" or "--cpu-kernels"
+    timings: tuple[Timing, ...] = field(default=(), compare=False)
+
+    def as_map(self) -> dict[Shape, int]:
+        return dict(self.tile_rows)
+
+    def describe(self) -> str:
+        if not self.tile_rows:
+            return f"int8 activations on {INT8_VECTOR} ({self.source})"
+        by_rows: dict[int, list[str]] = {}
+        for shape, rows in self.tile_rows:
+            by_rows.setdefault(rows, []).append(_name(shape))
+        tiles = ", ".join(
+            f"from {rows} rows ({' '.join(shapes)})" for rows, shapes in sorted(by_rows.items())
+        )
+        return f"int8 activations on {INT8_TILES} tiles {tiles}, else {INT8_VECTOR} ({self.source})"
+
+
+def decide_int8_tiles(
+    timings: Sequence[Timing], shapes: Iterable[Shape], source: str = "measured"
+) -> Int8TilePlan:
+    """Per shape, the smallest timed row count from which the tiles beat the vector kernel by MARGIN at
+    that count and every larger one (pure: the tests give it made-up times). A cell either kernel lacks
+    counts against the tiles."""
+    best = {(t.shape, t.rows, t.kernel): t.seconds for t in timings}
+    chosen = []
+    for shape in sorted(set(shapes)):
+        buckets = sorted({t.rows for t in timings if t.shape == shape})
+        wins = [
+            best.get((shape, rows, INT8_TILES), math.inf) * MARGIN < best.get((shape, rows, INT8_VECTOR), 0.0)
+            for rows in buckets
+        ]
+        start = next((i for i in range(len(buckets)) if all(wins[i:])), None)
+        if start is not None:
+            chosen.append((shape, buckets[start]))
+    return Int8TilePlan(tuple(chosen), source, tuple(timings))
+
+
+def quantized_weights(model: torch.nn.Module) -> tuple[dict[Shape, int], dict[Shape, QuantizedTensor]]:
+    """The quantized linears one step calls, by shape: how many, and one real weight of each. A shape
+    some bf16 linear also has is left out: the executor's per-shape tile_rows reaches both, and a bf16
+    weight must never take a row count measured for int8 (its tiles are exact only from 1 row or
+    past every step without prompt rows)."""
+    counts: dict[Shape, int] = {}
+    weights: dict[Shape, QuantizedTensor] = {}
+    projections = [
+        linear
+        for layer in model.layers
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+    for weight in [getattr(linear, "qweight", None) for linear in projections] + [model.head_weight]:
+        if isinstance(weight, QuantizedTensor):
+            shape = (weight.n, weight.k)
+            counts[shape] = counts.get(shape, 0) + 1
+            weights.setdefault(shape, weight)
+    bf16, _, _ = linear_weights(model)
+    return {s: n for s, n in counts.items() if s not in bf16}, {
+        s: w for s, w in weights.items() if s not in bf16
+    }
+
+
+def int8_tiles(
+    model: torch.nn.Module, kernels: Kernels | None, options: KernelOptions, cpu: CpuInfo | None = None
+) -> Int8TilePlan | None:
+    """Where a model's quantized linears run their int8 activations on AMX-INT8 tiles: None when the
+    question does not arise (no int8 activations, no quantized weight, a build without the tiles or a
+    CPU without amx_int8); else measured (bf16 models whose quantized weights hold 16 MiB or more),
+    cached, or by --cpu-kernels (amx: tiles for every call; another build has none)."""
+    cpu = cpu or this_cpu()
+    if not options.int8_activations or kernels is None or not kernels.tiles or "amx_int8" not in cpu.flags:
+        return None
+    counts, weights = quantized_weights(model)
+    if not counts:
+        return None
+    if options.kernels != AUTO:
+        return Int8TilePlan(tuple((s, 1) for s in sorted(counts)), "--cpu-kernels")
+    if model.config.dtype != torch.bfloat16:
+        return Int8TilePlan((), "not measured: float32 activations")
+    if sum(
+        n * w.n * w.k * w.bits // 8 for (s, n), w in zip(counts.items(), weights.values(), strict=True)
+    ) < (MIN_MEASURED_BYTES):
+        return Int8TilePlan((), "not measured: a small model")
+    buckets = {s: options.int8_buckets for s in counts}
+    facts = {
+        "int8": [INT8_VECTOR, INT8_TILES],
+        "cpu": cpu.model_name,
+        "isa": cpu.isa_summary,
+        "build": [build_id(kernels.level), kernels.tiles],
+        "shapes": sorted([*s, counts[s], weights[s].bits, *buckets[s]] for s in counts),
+        "threads": torch.get_num_threads(),
+        "version": CACHE_VERSION,
+    }
+    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
+    entry = _read_entry(options.cache_dir, key)
+    try:
+        if entry is not None:
+            plan = Int8TilePlan(
+                tuple(((n, k), rows) for n, k, rows in entry["tile_rows"]),
+                "cached",
+                tuple(Timing(kernel, (n, k), rows, s) for kernel, n, k, rows, s in entry["timings"]),
+            )
+            log.info(
+                "CPU kernels for %s: %s, cached in %s", cpu.model_name, plan.describe(), options.cache_dir
+            )
+            return plan
+    except (ValueError, KeyError, TypeError):
+        pass  # unreadable: measured again and rewritten
+    started = time.perf_counter()
+
+    def binder(tile_rows: int) -> Binder:
+        return lambda w: QuantLinear(
+            kernels, kernels.quantized_weight(w, 0, True, tile_rows), None, torch.bfloat16
+        )
+
+    binders = {INT8_VECTOR: binder(0), INT8_TILES: binder(1)}
+    timings = measure(binders, weights, buckets, (), options.exact_rows, (INT8_VECTOR,))
+    plan = decide_int8_tiles(timings, counts)
+    log.info("CPU kernels for %s [%s], %d threads, int8 activations measured in %.1f s: %s\n%s",
+             cpu.model_name, cpu.isa_summary, torch.get_num_threads(), time.perf_counter() - started,
+             plan.describe(), _int8_table(plan))  # fmt: skip
+    _write_entry(
+        options.cache_dir,
+        key,
+        {"tile_rows": [[*s, rows] for s, rows in plan.tile_rows], "timings": _timings_json(plan.timings)},
+    )
+    return plan
+
+
+def _int8_table(plan: Int8TilePlan) -> str:
+    chosen = plan.as_map()
+    lines = []
+    for (shape, rows), timings in _grouped(plan.timings).items():
+        pick = INT8_TILES if shape in chosen and rows >= chosen[shape] else INT8_VECTOR
+        cells = ", ".join(
+            f"{t.kernel}{'*' if t.kernel == pick else ''} {t.seconds * 1e3:.3f}"
+            for t in sorted(timings, key=lambda t: t.seconds)
+        )
+        lines.append(f"  {_name(shape):>11} x {rows:>4} rows: {cells} ms")
+    return "\n".join(lines)
+
+
 def _override(model: torch.nn.Module, options: KernelOptions, cpu: CpuInfo) -> tuple[Kernels, LinearPlan]:
     kernels = check_kernels(options.kernels, cpu)
     counts, _, _ = linear_weights(model)
@@ -503,11 +675,22 @@ def _cache_key(
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _read_cache(directory: Path | None, key: str, options: KernelOptions) -> LinearPlan | None:
+def _read_entry(directory: Path | None, key: str) -> dict | None:
+    """The cache's entry under `key`, or None (no cache, none yet, or unreadable)."""
     if directory is None:
         return None
     try:
         entry = json.loads((directory / CACHE_FILE).read_text())["entries"][key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _read_cache(directory: Path | None, key: str, options: KernelOptions) -> LinearPlan | None:
+    entry = _read_entry(directory, key)
+    if entry is None:
+        return None
+    try:
         return LinearPlan(
             level=entry["level"],
             exact=tuple(((n, k), kernel) for n, k, kernel in entry["exact"]),
@@ -521,6 +704,25 @@ def _read_cache(directory: Path | None, key: str, options: KernelOptions) -> Lin
 
 
 def _write_cache(directory: Path | None, key: str, plan: LinearPlan) -> None:
+    _write_entry(
+        directory,
+        key,
+        {
+            "level": plan.level,
+            "exact": [[*s, k] for s, k in plan.exact],
+            "prefill": [[*s, k] for s, k in plan.prefill],
+            "timings": _timings_json(plan.timings),
+        },
+    )
+
+
+def _timings_json(timings: Iterable[Timing]) -> list[list]:
+    return [[t.kernel, *t.shape, t.rows, t.seconds] for t in timings]
+
+
+def _write_entry(directory: Path | None, key: str, entry: dict) -> None:
+    """The cache file with `entry` under `key`, beside the others (a file that is not ours is
+    replaced)."""
     if directory is None:
         return
     path = directory / CACHE_FILE
@@ -528,12 +730,9 @@ def _write_cache(directory: Path | None, key: str, plan: LinearPlan) -> None:
         entries = json.loads(path.read_text()).get("entries", {}) if path.exists() else {}
     except (OSError, ValueError, AttributeError):
         entries = {}
-    entries[key] = {
-        "level": plan.level,
-        "exact": [[*s, k] for s, k in plan.exact],
-        "prefill": [[*s, k] for s, k in plan.prefill],
-        "timings": [[t.kernel, *t.shape, t.rows, t.seconds] for t in plan.timings],
-    }
+    if not isinstance(entries, dict):
+        entries = {}
+    entries[key] = entry
     temporary = path.with_name(f".{CACHE_FILE}.{os.getpid()}")
     try:
         temporary.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1))

@@ -65,7 +65,8 @@ def _kernel_weight(
     int8_activations: bool,
 ) -> KernelWeight:
     if isinstance(weight, QuantizedTensor):
-        return kernels.quantized_weight(weight, dense_rows, int8_activations)
+        tiled = tile_rows.get((weight.n, weight.k), 0) if int8_activations else 0
+        return kernels.quantized_weight(weight, dense_rows, int8_activations, tiled)
     return kernels.pack_weight(weight, tile_rows=tile_rows.get((weight.shape[0], weight.shape[1]), 0))
 
 
@@ -84,7 +85,8 @@ class FusedLayer:
         num_kv_heads: int,
         eps: float,
         dense_rows: int = 0,  # quantized projections: Kernels.quantized_weight's
-        tile_rows: Mapping[Shape, int] | None = None,  # bf16 projections by shape: Kernels.pack_weight's
+        # by shape: Kernels.pack_weight's (bf16) or quantized_weight's (int8 activations)
+        tile_rows: Mapping[Shape, int] | None = None,
         int8_activations: bool = False,  # quantized projections: Kernels.quantized_weight's
         lora: LayerCLora | None = None,  # the layer's LoRA slots (bf16); None: no adapters
     ) -> None:
