@@ -162,3 +162,26 @@ def test_quantized_weights_run_on_the_quantized_kernels_with_the_models_own_toke
             got = PagedRun(model, step=dense_from).step([("s", PROMPT)], all_logits=True)
             want = PagedRun(same, step=CpuExecutor(same, kernels)).step([("s", PROMPT)], all_logits=True)
             assert torch.equal(got, want)
+
+
+def test_layers_bound_op_by_op_read_quantized_weights_as_the_fused_ones_do(
+    kernels, checkpoints: dict[str, Checkpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Several ranks (or a layer the fused halves cannot take) bind each projection on its own: from
+    # dense_rows rows on a bf16 call still reads each quantized weight as its bf16 rounding, so a
+    # prompt's logits are the dense model's bit for bit, as with fused layers.
+    if kernels.weight_layout == 0:
+        pytest.skip("only the packed bf16 kernel's builds have the dense path")
+    monkeypatch.setattr("tandem.decoder.backends.cpu.executor._fuse", lambda *args: None)
+    model = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
+    same = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
+    dense = {name: p for name, p in model.named_parameters() if p.dim() == 2}
+    quantized.apply(model, {name: quantize(p, 4) for name, p in dense.items()})
+    for name, p in same.named_parameters():
+        if name in dense:
+            p.copy_(model.get_submodule(name.removesuffix(".weight")).qweight.dequantize(torch.bfloat16))
+    per_op = CpuExecutor(model, kernels, dense_rows=len(PROMPT))
+    assert per_op.fused is None
+    got = PagedRun(model, step=per_op).step([("s", PROMPT)], all_logits=True)
+    want = PagedRun(same, step=CpuExecutor(same, kernels)).step([("s", PROMPT)], all_logits=True)
+    assert torch.equal(got, want)

@@ -171,6 +171,7 @@ def bind_projections(
     kernels: Kernels | None,
     tile_rows: Mapping[Shape, int],  # _bind_linear's
     int8_activations: bool,  # _bind_linear's
+    dense_rows: int = 0,  # _bind_linear's: as the fused layers read quantized weights
 ) -> dict[str, Projection]:
     """Each of the layer's projections bound to the kernel `kind` names (_bind_linear)."""
     dtype = layer.input_layernorm.weight.dtype
@@ -181,6 +182,7 @@ def bind_projections(
             _weight_of(m),
             m.bias,
             dtype,
+            dense_rows,
             tile_rows=tile_rows,
             int8_activations=int8_activations,
         )
@@ -300,7 +302,8 @@ class CpuExecutor:
                 per_op(
                     layer,
                     ops,
-                    bind_projections(layer, kind, kernels, tiles, int8_activations),
+                    # several ranks, or a layer the fused halves cannot take: the same kernels
+                    bind_projections(layer, kind, kernels, tiles, int8_activations, dense_rows),
                     None if bound is None else bound[i],
                 )
                 for i, layer in enumerate(model.layers)
