@@ -79,7 +79,7 @@ class QuantizedTensor:
         groups, blocks = -(-self.n // GROUP), self.k // BLOCK
         g, c = ids // GROUP, ids % GROUP
         lanes = self._lanes(self.codes.view(groups, blocks, BLOCK // 2, -1)[g])  # [ids, b, pair, 16, 2]
-        codes = lanes[torch.arange(len(ids)), :, :, c].reshape(-1, self.k)
+        codes = lanes[torch.arange(len(ids), device=ids.device), :, :, c].reshape(-1, self.k)
         d = self.scales.view(groups, blocks, GROUP)[g, :, c]  # [ids, block]
         m = None if self.mins is None else self.mins.view(groups, blocks, GROUP)[g, :, c]
         return _values(self.bits, codes, d, m).to(dtype)

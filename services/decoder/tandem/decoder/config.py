@@ -239,10 +239,27 @@ class EngineConfig:
                     "inputs of quantized linears)",
                 )
             return
+        if backends.resolve(self.device).placement == "xla":
+            # An XLA device dequantizes each weight inside the step's graph (models/quantized.py's
+            # reference forward): no C kernels, any dtype, static shapes as every XLA graph.
+            if self.num_devices != 1:
+                raise ConfigError(
+                    "quantization",
+                    f"{self.quantization} on {self.device} needs one device (--world-size 1): quantized "
+                    f"weights are not sharded over XLA devices, got {self.num_devices}",
+                )
+            if self.quantized_activations != "none":
+                raise ConfigError(
+                    "quantized_activations",
+                    f"{self.quantized_activations} needs --device cpu (it rounds inputs in a CPU kernel), "
+                    f"got {self.device!r}",
+                )
+            return
         needs = {
             "device": (
                 self.device == "cpu",
-                f"cpu (the quantized kernels are CPU kernels), got {self.device!r}",
+                f"cpu or an XLA device such as neuron (the quantized kernels are CPU kernels), "
+                f"got {self.device!r}",
             ),
             "dtype": (
                 self.dtype in KERNEL_DTYPE_NAMES,

@@ -18,7 +18,11 @@ PREFIX = "tandem serve decoder: --quantization (TANDEM_QUANTIZATION)"
     ("flags", "said"),
     [
         (["--dtype", "float16"], "gguf needs --dtype bfloat16 or float32, got 'float16'"),
-        (["--device", "cuda"], "gguf needs --device cpu (the quantized kernels are CPU kernels), got 'cuda'"),
+        (
+            ["--device", "cuda"],
+            "gguf needs --device cpu or an XLA device such as neuron (the quantized kernels are CPU "
+            "kernels), got 'cuda'",
+        ),
         (
             ["--native-kernels", "false"],
             "gguf needs --native-kernels on: the quantized linears are C kernels",
@@ -31,6 +35,30 @@ def test_settings_the_quantized_kernels_cannot_run_are_refused(
     argv = ["--model", str(tiny_model_dir), "--port", "0", "--quantization", "gguf", *flags]
     assert decoder_main(argv) == 2
     assert capsys.readouterr().err == f"{PREFIX} {said}\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            ["--world-size", "2"],
+            "--quantization (TANDEM_QUANTIZATION) int8 on neuron needs one device (--world-size 1): "
+            "quantized weights are not sharded over XLA devices, got 2",
+        ),
+        (
+            ["--quantized-activations", "int8"],
+            "--quantized-activations (TANDEM_QUANTIZED_ACTIVATIONS) int8 needs --device cpu (it rounds "
+            "inputs in a CPU kernel), got 'neuron'",
+        ),
+    ],
+)
+def test_an_xla_device_serves_quantized_weights_on_one_device_without_int8_activations(
+    flags: list[str], said: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The XLA device dequantizes each weight in its graphs (tests/xla/test_quantized.py serves it).
+    argv = ["--model", str(tiny_model_dir), "--port", "0", "--device", "neuron", "--quantization", "int8"]
+    assert decoder_main([*argv, *flags]) == 2
+    assert capsys.readouterr().err == f"tandem serve decoder: {said}\n"
 
 
 def test_gguf_needs_a_gguf_file_not_a_checkpoint_directory(

@@ -116,11 +116,16 @@ def load_model(
             raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
     with torch.device("meta"):
         model = MODEL_CLASSES[architecture](config, tp)
-    model.load_state_dict(_read_weights(model, model_dir, config.dtype, torch.device(device)), assign=True)
-    model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
+    # Quantized weights are rounded on the host whatever the device (an XLA device then holds the very
+    # codes the CPU engine serves), and moved after.
+    read_to = torch.device("cpu") if quantization != "none" else torch.device(device)
+    model.load_state_dict(_read_weights(model, model_dir, config.dtype, read_to), assign=True)
     model.train(False).requires_grad_(False)  # inference mode
     if quantization != "none":
         quantized.apply(model, _quantized_weights(model, model_dir, quantization, quantized_from, group_size))
+    model.to(device)  # moves the non-persistent buffers (RoPE frequencies) built on the host
+    if quantization != "none":
+        quantized.move(model, torch.device(device))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config)
 
 

@@ -8,6 +8,7 @@ dtype; the CPU executor's kernels read the same tensors in place.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -149,3 +150,17 @@ def apply(model: nn.Module, weights: dict[str, QuantizedTensor]) -> None:
             setattr(parent, attr, QuantizedEmbedding(weight, dtype, getattr(old, "tp", None)))
         else:
             setattr(parent, attr, QuantizedLinear(weight, getattr(old, "bias", None)))
+
+
+def move(model: nn.Module, device: torch.device) -> None:
+    """Every quantized weight's tensors onto `device` (model.to moves parameters and buffers only): an
+    XLA device then dequantizes each weight inside the step's graph, its reference forward."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear | QuantizedEmbedding):
+            w = module.qweight
+            module.qweight = dataclasses.replace(
+                w,
+                codes=w.codes.to(device),
+                scales=w.scales.to(device),
+                mins=None if w.mins is None else w.mins.to(device),
+            )
