@@ -4,6 +4,7 @@ text never becomes a control token, and a template cannot escape its sandbox or 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from transformers import AutoTokenizer
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, TextPrompt
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, ChatTemplate
+from tandem.decoder.engine.admission.template_source import read_template_source
+from tandem.decoder.engine.admission.template_worker import TemplateWorkers
 
 # A second template family with other control tokens (Llama 3's layout).
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -97,6 +100,88 @@ def test_the_end_of_turn_token_is_read_off_the_template(smollm2_dir: Path, llama
     assert [smollm2.tokenizer.id_to_token(i) for i in smollm2.end_of_turn_ids] == ["<|im_end|>"]
     llama3 = _template(llama3_style_dir)
     assert [llama3.tokenizer.id_to_token(i) for i in llama3.end_of_turn_ids] == ["<|eot_id|>"]
+
+
+def _with_workers(model_dir: Path, workers: TemplateWorkers, **kwargs: Any) -> ChatTemplate:
+    """`model_dir`'s template (as ChatTemplate.load reads it) rendering in `workers`."""
+    source = read_template_source(model_dir)
+    assert source is not None
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return ChatTemplate(source.text, tokenizer, special, workers, origin=source.origin, **kwargs)
+
+
+def test_the_end_of_turn_is_found_at_start_where_no_render_answers_within_a_requests_limit(
+    smollm2_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A busy machine: the probe's render, its worker's start included, took past the 1 s a request
+    # gets, and SmolLM2's chats then went on past <|im_end|>, silently. The probe gets the start-up
+    # check's limit; here a request's is 0 s, which no render meets.
+    workers = TemplateWorkers(time_limit_s=0.0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            template = _with_workers(smollm2_dir, workers)
+        assert [template.tokenizer.id_to_token(i) for i in template.end_of_turn_ids] == ["<|im_end|>"]
+        assert caplog.records == []
+        with pytest.raises(InvalidArgument, match="the template ran longer than 0 s"):
+            template.render(_chat([{"role": "user", "content": "hi"}]))  # a request keeps its own limit
+    finally:
+        workers.close()
+
+
+def test_an_end_of_turn_probe_that_fails_at_start_says_so_and_what_chats_stop_at(
+    smollm2_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    workers = TemplateWorkers()
+    try:
+        with caplog.at_level(logging.WARNING):
+            template = _with_workers(smollm2_dir, workers, start_time_limit_s=0.0)
+        assert template.end_of_turn_ids == ()
+        [record] = caplog.records
+        assert record.levelno == logging.WARNING
+        assert record.getMessage() == (
+            f"{smollm2_dir / 'chat_template.jinja'}: its end-of-turn token could not be derived "
+            "(rendering a user and an assistant message: the template ran longer than 0 s); chats stop "
+            "only at the model's EOS IDs (generation_config.json or config.json eos_token_id), not at "
+            "the end of the assistant's turn"
+        )
+        assert template.render(_chat([{"role": "user", "content": "hi"}]))  # it still serves
+    finally:
+        workers.close()
+
+
+def test_a_template_that_raises_for_the_probe_serves_and_says_so(
+    smollm2_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Served as a template raising for any other conversation is; the probe's failure was silent.
+    shutil.copytree(smollm2_dir, tmp_path / "model")
+    jinja = tmp_path / "model" / "chat_template.jinja"
+    raising = "{% if messages[-1]['role'] == 'assistant' %}{{ raise_exception('no prefill') }}{% endif %}"
+    jinja.write_text(raising + jinja.read_text())
+    with caplog.at_level(logging.WARNING):
+        template = _template(tmp_path / "model")
+    assert template.end_of_turn_ids == ()
+    [record] = caplog.records
+    assert record.getMessage().startswith(
+        f"{jinja}: its end-of-turn token could not be derived (rendering a user and an assistant message: "
+        "the template failed: no prefill); chats stop only at the model's EOS IDs"
+    )
+    assert template.render(_chat([{"role": "user", "content": "hi"}]))
+
+
+def test_a_template_without_an_end_of_turn_serves_and_warns_of_nothing(
+    smollm2_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As vLLM and transformers serve any template: a chat then stops at the model's EOS IDs.
+    shutil.copytree(smollm2_dir, tmp_path / "model")
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "model" / "chat_template.jinja").write_text(plain)
+    with caplog.at_level(logging.WARNING):
+        template = _template(tmp_path / "model")
+    assert template.end_of_turn_ids == ()
+    assert caplog.records == []
+    assert template.render(_chat([{"role": "user", "content": "hi"}])) == [("chat", TextPrompt("user: hi\n"))]
 
 
 def test_a_special_token_literal_in_caller_text_stays_plain_text(smollm2_dir: Path) -> None:

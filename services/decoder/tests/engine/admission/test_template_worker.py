@@ -72,6 +72,18 @@ def test_a_template_that_runs_too_long_is_killed_and_its_worker_replaced(workers
     assert _render(workers, CHATML).startswith("<|im_start|>user")
 
 
+def test_a_render_given_its_own_time_limit_gets_it_in_place_of_the_workers() -> None:
+    # chat.py's end-of-turn probe at start: its first render also waits for a worker to start.
+    nothing_answers = TemplateWorkers(workers=1, time_limit_s=0.0)
+    try:
+        with pytest.raises(TemplateFailed, match="the template ran longer than 0 s"):
+            _render(nothing_answers, CHATML)
+        text = nothing_answers.render(CHATML, MESSAGES, True, {}, time_limit_s=10.0)
+        assert text == "<|im_start|>user\nhi<|im_end|>\n"
+    finally:
+        nothing_answers.close()
+
+
 def test_output_past_the_bound_fails_while_it_is_produced(workers: TemplateWorkers) -> None:
     with pytest.raises(TemplateFailed, match=f"exceeds {MAX_RENDERED_CHARS} characters") as caught:
         _render(workers, "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}")

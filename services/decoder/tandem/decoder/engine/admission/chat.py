@@ -25,12 +25,21 @@ template must place each image exactly once. Caller text that spells the placeho
 any special literal.
 
 The end-of-turn token is read off the template itself: the first special token it writes after an
-assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3).
+assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3). A chat's generation
+stops there as well as at the model's EOS IDs. It is derived once, at start, by a render given what
+the start-up compile check gets (template_source.START_TIME_LIMIT_S), not a request's 1 s: that
+first render also waits for its worker to start, and a busy machine's slow start must not decide for
+good whether chats stop at the end of the assistant's turn. A template that writes no special token
+there has none and serves, stopping at the EOS IDs alone, as vLLM and transformers stop every chat
+(neither reads a stop token off the template). A probe that fails (the template raises for it, or a
+bound is exceeded even so) serves the same way, since either would serve such a template, but never
+silently: a warning names the template, why, and what chats then stop at.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from collections.abc import Sequence
@@ -43,10 +52,12 @@ import tokenizers
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
-from tandem.decoder.engine.admission.template_source import read_template_source
+from tandem.decoder.engine.admission.template_source import START_TIME_LIMIT_S, read_template_source
 from tandem.decoder.engine.admission.template_worker import TemplateFailed, TemplateWorkers
 
 ROLES = ("system", "user", "assistant", "tool")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,11 @@ class ChatTemplate:
         special: dict[str, str],
         workers: TemplateWorkers | None = None,  # None: its own, stopped by close() or with it
         image_placeholder: str | None = None,  # what the template writes for an image; None: no images
+        origin: str = "the chat template",  # where `source` was read, as a start-up warning names it
+        start_time_limit_s: float = START_TIME_LIMIT_S,  # the end-of-turn probe's render, at start
     ) -> None:
         self.source = source  # None: the checkpoint has no template
+        self.origin = origin
         self.tokenizer = tokenizer
         self.special = special  # bos_token / eos_token / ... names the templates refer to
         self.image_placeholder = image_placeholder
@@ -101,7 +115,7 @@ class ChatTemplate:
             literal[-n:] for literal in self._special_literals for n in range(1, len(literal))
         }
         self._longest_literal = max(map(len, self._special_literals), default=0)
-        self.end_of_turn_ids = self._find_end_of_turn() if source else ()
+        self.end_of_turn_ids = self._find_end_of_turn(start_time_limit_s) if source else ()
 
     @classmethod
     def load(cls, model_dir: Path, tokenizer: tokenizers.Tokenizer) -> ChatTemplate:
@@ -115,8 +129,9 @@ class ChatTemplate:
         placeholder = None
         if vision_language.is_vision_language(model_config) and image_token_id is not None:
             placeholder = tokenizer.id_to_token(image_token_id)
-        text = source.text if source is not None else None
-        return cls(text, tokenizer, special, image_placeholder=placeholder)
+        if source is None:
+            return cls(None, tokenizer, special, image_placeholder=placeholder)
+        return cls(source.text, tokenizer, special, image_placeholder=placeholder, origin=source.origin)
 
     def render(self, chat: ChatRequest) -> list[LocatedPart]:
         """The prompt parts for `chat`, in order. Raises InvalidArgument / FailedPrecondition."""
@@ -173,8 +188,9 @@ class ChatTemplate:
             for n in range(1, self._longest_literal)
         )
 
-    def _find_end_of_turn(self) -> tuple[int, ...]:
-        """The special token the template writes right after an assistant message's content."""
+    def _find_end_of_turn(self, time_limit_s: float) -> tuple[int, ...]:
+        """The special token the template writes right after an assistant message's content; () if
+        it writes none there, or (with a warning) if the probe's render fails."""
         mark = f"tandem{secrets.token_hex(4)}"
         as_items = self.image_placeholder is not None  # as render() passes content
         conversation = [
@@ -182,8 +198,14 @@ class ChatTemplate:
             {"role": "assistant", "content": _content([mark], as_items)},
         ]
         try:
-            text = self._render_text(self.source or "", conversation, ChatRequest(messages=()))
-        except InvalidArgument:
+            text = self.workers.render(self.source or "", conversation, True, self.special, time_limit_s)
+        except TemplateFailed as error:
+            log.warning(
+                "%s: its end-of-turn token could not be derived (rendering a user and an assistant "
+                "message: %s); chats stop only at the model's EOS IDs (generation_config.json or "
+                "config.json eos_token_id), not at the end of the assistant's turn",
+                self.origin, error,
+            )  # fmt: skip
             return ()
         if mark not in text:
             return ()

@@ -28,10 +28,11 @@ from typing import Any
 
 from tandem.decoder.engine.admission.template_worker import TemplateFailed, TemplateWorkers
 
-# The start check's whole time, the worker's start included: ten times what a render gets
-# (template_worker.TIME_LIMIT_S), because a start-up on a busy machine must not be refused for being
-# slow. Compiling a 64 KiB template takes about 0.35 s (2 busy cores), a real one's (4-10 KB) 50 ms.
-CHECK_TIME_LIMIT_S = 10.0
+# What the start check and each render at start (chat.py's end-of-turn probe) get, the worker's start
+# included: ten times what a request's render gets (template_worker.TIME_LIMIT_S), because a start-up
+# on a busy machine must not be refused, nor its chats changed, for being slow. Compiling a 64 KiB
+# template takes about 0.35 s (2 busy cores), a real one's (4-10 KB) 50 ms.
+START_TIME_LIMIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def read_template_source(model_dir: Path) -> TemplateSource | None:
     return None
 
 
-def check_template(model_dir: Path, time_limit_s: float = CHECK_TIME_LIMIT_S) -> None:
+def check_template(model_dir: Path, time_limit_s: float = START_TIME_LIMIT_S) -> None:
     """The checkpoint's template compiles (in a template worker, within its bounds); a checkpoint
     without one passes. Raises TemplateRefused."""
     source = read_template_source(model_dir)

@@ -78,15 +78,20 @@ class TemplateWorkers:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         variables: dict[str, Any],
+        time_limit_s: float | None = None,  # None: the workers' limit, what a request's render gets
     ) -> str:
-        """The rendered text. Raises TemplateFailed (a template error or a bound exceeded)."""
+        """The rendered text. Raises TemplateFailed (a template error or a bound exceeded).
+
+        A render at start (chat.py's end-of-turn probe) passes a longer `time_limit_s`: the first
+        render also waits for its worker's interpreter to start, which can take a second on a busy
+        machine, and what it derives holds for every chat after."""
         request = {
             "source": source,
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
             "variables": variables,
         }
-        return self._call(request)["text"]
+        return self._call(request, time_limit_s)["text"]
 
     def compile(self, source: str) -> None:
         """Compiles `source` and renders nothing, so that a template no chat could use is found before
@@ -95,13 +100,13 @@ class TemplateWorkers:
         compiling)."""
         self._call({"source": source})
 
-    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, request: dict[str, Any], time_limit_s: float | None = None) -> dict[str, Any]:
         line = (json.dumps(request, ensure_ascii=False) + "\n").encode()
         worker = self._idle.get()
         try:
             if worker is None or not worker.is_alive():
                 worker = self._start()
-            reply = worker.call(line, self.time_limit_s)
+            reply = worker.call(line, self.time_limit_s if time_limit_s is None else time_limit_s)
             if reply.get("retiring"):
                 # It answered and is ending (out of memory): a render handed to it now would find
                 # its pipe closed, so the slot starts a fresh one. (Another caller's chat failed
