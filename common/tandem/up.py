@@ -297,6 +297,7 @@ def import_once(config: UpConfig) -> Path:
 def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
     """What the decoder would refuse of `up`'s own flags (the dtype, the quantization and its group,
     the world size against the checkpoint), said before anything starts. Raises ConfigError."""
+    from tandem.common.torch_part.model_cache import default_model_file
     from tandem.decoder.api.main import check_fits
     from tandem.decoder.backends import backend as backends
     from tandem.decoder.config import EngineConfig
@@ -307,7 +308,11 @@ def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
         # Neuron's devices are one SPMD program in one process, which shards only what divides (a
         # model whose heads do not runs its attention whole): the decoder checks it as one rank too.
         world_size = 1
-    check_fits(model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, world_size)
+    model = Path(config.model_dir) if config.model_dir is not None else default_model_file()
+    gguf_file = None if model.is_dir() else model  # what a refusal of model_dir's template names
+    check_fits(
+        model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, world_size, gguf_file
+    )
 
 
 _output_lock = threading.Lock()

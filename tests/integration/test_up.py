@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -335,6 +337,21 @@ def test_on_neuron_a_world_size_that_does_not_divide_the_heads_passes_ups_check_
     on_cpu = UpConfig(model_dir, "127.0.0.1", **ports, dtype="float32", world_size=3, device="cpu")
     with pytest.raises(ConfigError, match=r"num_heads \(4\) must be divisible by the world size \(3\)"):
         check_decoder_fits(on_cpu, model_dir)
+
+
+def test_a_gguf_files_template_that_does_not_compile_is_named_as_the_files_field(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # up checks the import in the model cache; the operator named the GGUF file, whose
+    # tokenizer.chat_template the import wrote to that directory's chat_template.jinja.
+    imported = tmp_path / "imported"
+    shutil.copytree(model_dir, imported)
+    (imported / "chat_template.jinja").write_text("{{ messages | no_such_filter }}")
+    gguf_file = tmp_path / "Model.Q4_1.gguf"
+    config = UpConfig(gguf_file, "127.0.0.1", 1, 2, dtype="float32", world_size=None)
+    said = f"{gguf_file}: tokenizer.chat_template: the template does not compile: line 1: No filter"
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        check_decoder_fits(config, imported)
 
 
 def test_openai_port_adds_the_gateway_in_front_of_both_services() -> None:

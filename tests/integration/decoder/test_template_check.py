@@ -17,7 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from tokenizers import Tokenizer
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from common.tests.common.gguf_files import write_gguf
 from tandem.client.client import DecoderClient
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
@@ -71,6 +74,37 @@ def test_a_template_that_does_not_compile_is_one_line_and_exit_2_before_anything
     assert main(["--model", str(tmp_path / "model"), "--port", "0", "--dtype", "float32"]) == 2
     err = capsys.readouterr().err
     assert err == f"{PREFIX}{origin}: the template does not compile: line 2: unexpected ')'\n"
+
+
+def test_a_gguf_files_template_that_does_not_compile_is_named_as_the_files_field(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    environ,
+) -> None:
+    """It named the chat_template.jinja the import wrote in the model cache, a file the operator never
+    named; the template is the GGUF file's tokenizer.chat_template."""
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    config = Qwen3Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    gguf_file = write_gguf(
+        tmp_path / "Tiny.Q8_0.gguf", Qwen3ForCausalLM(config), tokenizer, chat_template=BROKEN
+    )
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the import's model cache
+    monkeypatch.setattr(decoder_main, "start_server", _must_not_listen)
+    assert main(["--model", str(gguf_file), "--port", "0", "--dtype", "float32"]) == 2
+    refusal = capsys.readouterr().err.splitlines()[-1]  # after the import's progress lines
+    said = "tokenizer.chat_template: the template does not compile: line 2: unexpected ')'"
+    assert refusal == f"{PREFIX}{gguf_file}: {said}"
 
 
 def _free_port() -> int:

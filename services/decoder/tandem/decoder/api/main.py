@@ -137,8 +137,9 @@ def _checked_config(values: dict[str, Any]) -> tuple[DecoderConfig, RankInfo | N
     rank = rank_info(config, os.environ)  # None: one rank, no process group
     if rank is None or rank.rank == 0:  # only rank 0 listens (under torchrun every rank starts here)
         check_port_free(config.server.host, config.server.port)
+    model = Path(config.engine.model_dir)
     config = with_checkpoint_dir(config)
-    check_model(config, 1 if rank is None else rank.world_size)
+    check_model(config, 1 if rank is None else rank.world_size, gguf_file=None if model.is_dir() else model)
     if config.encoder_address:
         try:
             channel_target(config.encoder_address)
@@ -179,11 +180,17 @@ def with_checkpoint_dir(config: DecoderConfig) -> DecoderConfig:
     return dataclasses.replace(config, engine=engine)
 
 
-def check_model(config: DecoderConfig, world_size: int) -> None:
-    """The checkpoint has what loading needs and `world_size` shards it; no weight is read."""
+def check_model(config: DecoderConfig, world_size: int, gguf_file: Path | None = None) -> None:
+    """The checkpoint has what loading needs and `world_size` shards it; no weight is read.
+    `gguf_file`: the file --model named, which `config`'s model_dir was imported from."""
     engine = config.engine
     model_config = check_fits(
-        engine.model_dir, engine.dtype, engine.quantization, engine.quantization_group_size, world_size
+        engine.model_dir,
+        engine.dtype,
+        engine.quantization,
+        engine.quantization_group_size,
+        world_size,
+        gguf_file=gguf_file,
     )
     for name, path in engine.loras:  # read once here too, so a bad adapter fails before listening
         try:
@@ -193,14 +200,22 @@ def check_model(config: DecoderConfig, world_size: int) -> None:
 
 
 def check_fits(
-    model_dir: str | Path, dtype: str, quantization: str, quantization_group_size: int, world_size: int
+    model_dir: str | Path,
+    dtype: str,
+    quantization: str,
+    quantization_group_size: int,
+    world_size: int,
+    gguf_file: Path | None = None,
 ) -> ModelConfig:
     """The checkpoint in `model_dir` loads in `dtype`, its chat template compiles, `quantization`
     rounds it and `world_size` shards it; no weight is read (`tandem up` asks before it starts the
-    decoder). Returns the model's config; raises ConfigError naming the field at fault."""
+    decoder). `gguf_file`: the GGUF file `model_dir` was imported from, which a refusal of its
+    template names (its `tokenizer.chat_template`) rather than the import's copy in the model cache.
+    Returns the model's config; raises ConfigError naming the field at fault."""
     try:
         model_config = check_checkpoint(model_dir, dtype)
-        check_template(Path(model_dir))  # in a template worker: compiling runs some of the template
+        # In a template worker: compiling runs some of the template.
+        check_template(Path(model_dir), gguf_file=gguf_file)
     except (ModelLoadError, TemplateRefused) as error:
         raise ConfigError("model_dir", f": {error}") from None
     if quantization != "none":

@@ -132,3 +132,20 @@ def test_the_default_models_template_is_its_imported_jinja_file_and_passes(smoll
     source = read_template_source(smollm2_dir)
     assert source is not None and source.origin == str(smollm2_dir / "chat_template.jinja")
     check_template(smollm2_dir)
+
+
+@pytest.mark.parametrize("place", ["chat_template.jinja", "tokenizer_config.json"])
+def test_a_template_imported_from_a_gguf_file_is_named_as_that_files_field(
+    tmp_path: Path, place: str
+) -> None:
+    # The import writes the file's tokenizer.chat_template to both; the operator named the file, and
+    # a refusal named the import's copy in ~/.cache/tandem/models instead.
+    _write(tmp_path, place, BROKEN)
+    gguf_file = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    origin = f"{gguf_file}: tokenizer.chat_template"
+    assert read_template_source(tmp_path, gguf_file) == TemplateSource(BROKEN, origin)
+    with pytest.raises(TemplateRefused) as refused:
+        check_template(tmp_path, gguf_file=gguf_file)
+    assert str(refused.value) == f"{origin}: the template does not compile: line 2: unexpected ')'"
+    (tmp_path / "no-template").mkdir()  # a GGUF file without tokenizer.chat_template
+    assert read_template_source(tmp_path / "no-template", gguf_file) is None

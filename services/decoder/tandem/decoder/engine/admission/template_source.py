@@ -17,6 +17,10 @@ only the parser's errors, not an unknown filter, which then failed every chat as
 
 A template that compiles but raises for some conversation (`raise_exception`, a missing key) is
 served: it fails that request alone, INVALID_ARGUMENT on `chat.chat_template`.
+
+A checkpoint imported from a GGUF file (common/torch_part/gguf_import.py) holds the file's
+`tokenizer.chat_template` as its chat_template.jinja, in a cache directory the operator never named;
+given the file (`gguf_file`), an error names it and that field instead.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ START_TIME_LIMIT_S = 10.0
 class TemplateSource:
     text: str  # the Jinja2 source
     # Where it was read, as a start-up error names it: "<dir>/chat_template.jinja",
-    # "<dir>/tokenizer_config.json: chat_template".
+    # "<dir>/tokenizer_config.json: chat_template", "<file>.gguf: tokenizer.chat_template".
     origin: str
 
 
@@ -47,8 +51,17 @@ class TemplateRefused(ValueError):
     """The checkpoint's template cannot serve a chat; the message is one line naming its origin."""
 
 
-def read_template_source(model_dir: Path) -> TemplateSource | None:
-    """The template the checkpoint in `model_dir` serves chats with; None if it has none."""
+def read_template_source(model_dir: Path, gguf_file: Path | None = None) -> TemplateSource | None:
+    """The template the checkpoint in `model_dir` serves chats with; None if it has none.
+    `gguf_file`: the GGUF file `model_dir` was imported from, which the origin then names."""
+    source = _read_template_source(model_dir)
+    if source is None or gguf_file is None:
+        return source
+    # The import writes that one field to both of the directory's files that can hold a template.
+    return TemplateSource(source.text, f"{gguf_file}: tokenizer.chat_template")
+
+
+def _read_template_source(model_dir: Path) -> TemplateSource | None:
     jinja_path = model_dir / "chat_template.jinja"
     if jinja_path.is_file():
         return TemplateSource(jinja_path.read_text(), str(jinja_path))
@@ -67,10 +80,13 @@ def read_template_source(model_dir: Path) -> TemplateSource | None:
     return None
 
 
-def check_template(model_dir: Path, time_limit_s: float = START_TIME_LIMIT_S) -> None:
+def check_template(
+    model_dir: Path, time_limit_s: float = START_TIME_LIMIT_S, gguf_file: Path | None = None
+) -> None:
     """The checkpoint's template compiles (in a template worker, within its bounds); a checkpoint
-    without one passes. Raises TemplateRefused."""
-    source = read_template_source(model_dir)
+    without one passes. `gguf_file`: the GGUF file `model_dir` was imported from. Raises
+    TemplateRefused."""
+    source = read_template_source(model_dir, gguf_file)
     if source is None:
         return
     workers = TemplateWorkers(workers=1, time_limit_s=time_limit_s)
