@@ -27,7 +27,7 @@ def _assert_same_logits(tp_logits: list[torch.Tensor], reference: list[torch.Ten
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"greedy tokens differ at step {step}"
 
 
-@pytest.mark.parametrize("checkpoint", ["tiny", "llama2-bias"])
+@pytest.mark.parametrize("checkpoint", ["tiny", "llama2-bias", "qwen2"])
 def test_two_ranks_match_one_rank_logits_for_every_step(
     checkpoint: str, tiny_model_dir: Path, hf_checkpoint_dirs: dict[str, Path]
 ) -> None:

@@ -1,4 +1,4 @@
-"""The shape of every weight of a Llama or Qwen3 language model, from its hyper-parameters alone.
+"""The shape of every weight of a Llama, Mistral or Qwen language model, from its hyper-parameters.
 
 A checkpoint whose config disagrees with its weights (num_attention_heads 5 beside a q_proj holding 9
 heads' rows, a vocab_size that is not embed_tokens' row count) used to be refused only once the model
@@ -29,8 +29,8 @@ CONFIG_KEYS: Mapping[str, str] = {
 
 @dataclass(frozen=True)
 class TextModelShape:
-    """What sizes a Llama or Qwen3 language model's weights. Validated by whoever read it (ModelConfig,
-    the GGUF importer's ranges): every size here is a positive integer."""
+    """What sizes a Llama, Mistral, Qwen2 or Qwen3 language model's weights. Validated by whoever read
+    it (ModelConfig, the GGUF importer's ranges): every size here is a positive integer."""
 
     vocab_size: int  # rows of embed_tokens and of lm_head
     hidden_size: int
@@ -41,7 +41,8 @@ class TextModelShape:
     head_dim: int  # each head's width (stated, or hidden_size / num_heads)
     has_qk_norm: bool  # Qwen3: q_norm and k_norm of head_dim each
     is_tied: bool  # no lm_head.weight: the head reads embed_tokens.weight
-    has_attention_bias: bool  # q/k/v/o_proj.bias
+    has_qkv_bias: bool  # q/k/v_proj.bias (Llama's attention_bias, always Qwen2's)
+    has_o_bias: bool  # o_proj.bias (Llama's attention_bias, never Qwen2's)
     has_mlp_bias: bool  # gate/up/down_proj.bias
 
 
@@ -73,13 +74,14 @@ def expected_weights(
         "self_attn.v_proj.weight": (kv_rows, hidden),
         "self_attn.o_proj.weight": (hidden, q_rows),
     }
-    if shape.has_attention_bias:
+    if shape.has_qkv_bias:
         layer |= {
             "self_attn.q_proj.bias": (q_rows,),
             "self_attn.k_proj.bias": (kv_rows,),
             "self_attn.v_proj.bias": (kv_rows,),
-            "self_attn.o_proj.bias": (hidden,),
         }
+    if shape.has_o_bias:
+        layer["self_attn.o_proj.bias"] = (hidden,)
     if shape.has_qk_norm:
         layer |= {
             "self_attn.q_norm.weight": (dim("head_dim"),),

@@ -1,4 +1,4 @@
-"""The weights a Llama or Qwen3 config implies, and the one line refusing a weight that disagrees.
+"""The weights a Llama, Mistral or Qwen config implies, and the one line refusing a weight that disagrees.
 That they are the weights the decoder's model reads is services/decoder/tests/models/test_loader.py's."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ SMOLLM2 = TextModelShape(
     head_dim=64,
     has_qk_norm=False,
     is_tied=True,
-    has_attention_bias=False,
+    has_qkv_bias=False,
+    has_o_bias=False,
     has_mlp_bias=False,
 )
 
@@ -44,7 +45,13 @@ def test_a_llama_layer_has_its_projections_sized_by_heads_and_head_dim() -> None
 
 def test_qk_norms_biases_and_an_untied_head_are_expected_when_the_config_has_them() -> None:
     shape = dataclasses.replace(
-        SMOLLM2, num_layers=1, has_qk_norm=True, is_tied=False, has_attention_bias=True, has_mlp_bias=True
+        SMOLLM2,
+        num_layers=1,
+        has_qk_norm=True,
+        is_tied=False,
+        has_qkv_bias=True,
+        has_o_bias=True,
+        has_mlp_bias=True,
     )
     shapes = {name: w.shape for name, w in expected_weights(shape).items()}
     assert shapes["model.layers.0.self_attn.q_norm.weight"] == (64,)
@@ -55,6 +62,18 @@ def test_qk_norms_biases_and_an_untied_head_are_expected_when_the_config_has_the
     assert shapes["model.layers.0.mlp.gate_proj.bias"] == (1536,)
     assert shapes["model.layers.0.mlp.down_proj.bias"] == (576,)
     assert shapes["lm_head.weight"] == (49152, 576)
+
+
+def test_qwen2s_q_k_v_biases_come_without_an_o_proj_bias() -> None:
+    """Qwen2 biases q/k/v_proj and not o_proj, where Llama's attention_bias biases all four: the file
+    of a Qwen2 has no o_proj.bias, and one expected would refuse every Qwen2 checkpoint."""
+    shape = dataclasses.replace(SMOLLM2, num_layers=1, has_qkv_bias=True)
+    biases = {n: w.shape for n, w in expected_weights(shape).items() if n.endswith(".bias")}
+    assert biases == {
+        "model.layers.0.self_attn.q_proj.bias": (576,),
+        "model.layers.0.self_attn.k_proj.bias": (192,),
+        "model.layers.0.self_attn.v_proj.bias": (192,),
+    }
 
 
 def test_a_disagreeing_weight_is_one_line_naming_both_shapes_and_the_keys_behind_each_dimension() -> None:

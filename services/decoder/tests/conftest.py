@@ -14,7 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from common.tests.fixtures import environ, smollm2_dir, tiny_model_dir  # noqa: F401  (fixtures, by name)
 from services.decoder.tests.fixtures import tiny_fp32  # noqa: F401
@@ -78,6 +87,24 @@ VARIANTS: dict[str, tuple[type, Any, tuple[str, ...]]] = {
             tie_word_embeddings=False,
         ),
         ("head_dim",),
+    ),
+    # Qwen2 / Qwen2.5 (0.5B, 1.5B): GQA, tied head, biases on q/k/v_proj but none on o_proj.
+    "qwen2": (
+        Qwen2ForCausalLM,
+        Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+        (),
+    ),
+    # Mistral v0.3: GQA, untied head, no biases, sliding_window null (the whole context).
+    "mistral": (
+        MistralForCausalLM,
+        MistralConfig(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=None,
+        ),
+        (),
     ),
 }
 

@@ -461,6 +461,8 @@ def _check_shapes(reader: Any, meta: _Metadata, hf_config: dict[str, Any]) -> No
     infos alone (nothing dequantized). A file whose metadata disagrees with its tensors was imported
     whole, then refused at load, after the server listened, naming the imported copy's tensor."""
     stored = {_hf_name(t.name, meta.path): t for t in reader.tensors if t.name != "rope_freqs.weight"}
+    # attention_bias, set as the import reads it: all four, when the file has any
+    has_attention_bias = any(n.endswith("bias") and "self_attn" in n for n in stored)
     shape = TextModelShape(
         vocab_size=hf_config["vocab_size"],
         hidden_size=hf_config["hidden_size"],
@@ -471,7 +473,8 @@ def _check_shapes(reader: Any, meta: _Metadata, hf_config: dict[str, Any]) -> No
         head_dim=hf_config["head_dim"],
         has_qk_norm=meta.architecture == "qwen3",
         is_tied="lm_head.weight" not in stored,  # as the import ties it
-        has_attention_bias=any(n.endswith("bias") and "self_attn" in n for n in stored),  # as it reads it
+        has_qkv_bias=has_attention_bias,
+        has_o_bias=has_attention_bias,
         has_mlp_bias=False,  # a GGUF file names no MLP bias (_BLOCK_NAMES)
     )
     arch = meta.architecture

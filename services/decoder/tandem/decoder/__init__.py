@@ -7,5 +7,5 @@ Packages, each importing only those below it (tests/unit/test_architecture.py ch
     engine/       requests -> validated, scheduled steps on the model -> sampled tokens and events
     config.py     EngineConfig and DecoderConfig: one frozen object each, validated when built
     backends/     what differs between CPU, CUDA and Neuron, and how decode buckets are compiled
-    models/       Qwen3 and Llama, layers, attention, checkpoint loading; a leaf over tandem.common
+    models/       Qwen3, Qwen2, Llama, Mistral: layers, attention, checkpoint loading; a leaf over common
 """

@@ -118,3 +118,81 @@ def test_a_value_out_of_its_range_or_type_is_refused_naming_the_key_and_the_limi
 def test_an_eos_id_from_generation_config_is_named_by_its_file() -> None:
     with pytest.raises(ValueError, match=r"generation_config.json's eos_token_id must be .* got 10{30}"):
         ModelConfig.from_hf(QWEN3, {"eos_token_id": 10**30}, torch.float32)
+
+
+QWEN2 = QWEN3 | {"architectures": ["Qwen2ForCausalLM"]}
+MISTRAL = QWEN3 | {"architectures": ["MistralForCausalLM"], "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "biases"),
+    [
+        (QWEN3 | {"architectures": ["LlamaForCausalLM"], "attention_bias": True}, (True, True)),
+        (QWEN3 | {"attention_bias": True}, (True, True)),
+        (QWEN2, (True, False)),  # transformers' Qwen2Attention: bias=True on q/k/v, False on o_proj
+        (QWEN2 | {"attention_bias": False}, (True, False)),  # a key Qwen2 does not read
+        (MISTRAL | {"attention_bias": True}, (False, False)),  # nor does Mistral
+    ],
+)
+def test_each_family_biases_the_projections_transformers_builds_with_a_bias(
+    hf_config: dict, biases: tuple[bool, bool]
+) -> None:
+    config = ModelConfig.from_hf(hf_config, None, torch.float32)
+    assert (config.qkv_bias, config.o_bias) == biases
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "window"),
+    [
+        (MISTRAL | {"sliding_window": None}, None),  # v0.3
+        (MISTRAL, None),  # no key at all: no window
+        (MISTRAL | {"sliding_window": 4096}, (4096, "sliding_window 4096")),  # v0.1
+        (QWEN2 | {"use_sliding_window": False, "sliding_window": 4096}, None),  # every released Qwen2
+        (
+            QWEN2 | {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+            (64, "use_sliding_window true, sliding_window 64 (from layer max_window_layers 1 on, of 2)"),
+        ),
+        # max_window_layers past the last layer: transformers makes no layer slide.
+        (QWEN2 | {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 28}, None),
+        (
+            QWEN3 | {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]},
+            (
+                4096,
+                "use_sliding_window true, sliding_window 4096 "
+                "(layer_types marks 1 of 2 layers sliding_attention)",
+            ),
+        ),
+        (QWEN2 | {"use_sliding_window": True, "sliding_window": None}, None),
+        (  # what transformers 5 saves: layer_types, written when the window was off, says none slides
+            QWEN2 | {"use_sliding_window": True, "layer_types": ["full_attention", "full_attention"]},
+            None,
+        ),
+        (QWEN3 | {"architectures": ["LlamaForCausalLM"], "sliding_window": 16}, None),  # not Llama's key
+    ],
+)
+def test_a_sliding_window_is_read_where_transformers_applies_one(
+    hf_config: dict, window: tuple[int, str] | None
+) -> None:
+    config = ModelConfig.from_hf(hf_config, None, torch.float32)
+    said = config.sliding_window
+    assert (None if said is None else (said.size, said.said)) == window
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "message"),
+    [
+        (MISTRAL | {"sliding_window": 0}, r"sliding_window must be null or a positive integer, got 0"),
+        (MISTRAL | {"sliding_window": "4096"}, r"sliding_window must be null .* got '4096'"),
+        (
+            QWEN2 | {"use_sliding_window": "true"},
+            r"use_sliding_window must be true or false, got 'true'",
+        ),
+        (
+            QWEN2 | {"use_sliding_window": True, "layer_types": ["sliding_attention"]},
+            r"layer_types must be a list of 2 layer kinds",
+        ),
+    ],
+)
+def test_a_sliding_window_of_the_wrong_type_is_refused_naming_the_key(hf_config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(hf_config, None, torch.float32)

@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tandem.common.weight_shapes import expected_weights
 from tandem.decoder.models import loader
+from tandem.decoder.models.checkpoint_shapes import text_model_shape
 from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.registry import MODEL_CLASSES
 
@@ -63,7 +65,7 @@ def test_head_dim_absent_from_config_defaults_to_hidden_over_heads(
     checkpoints: dict[str, Checkpoint],
 ) -> None:
     config = load_model(checkpoints["llama2-bias"].path, dtype="float32").config
-    assert config.head_dim == 16 and config.attention_bias and config.mlp_bias
+    assert config.head_dim == 16 and config.qkv_bias and config.o_bias and config.mlp_bias
 
 
 def test_kv_cache_is_allocated_per_layer_in_the_model_dtype(checkpoints: dict[str, Checkpoint]) -> None:
@@ -227,6 +229,20 @@ DISAGREEMENTS = {
         "model.layers.0.self_attn.o_proj.bias has shape [32] in the file, but config.json implies [64] "
         "(hidden_size 64)",
     ),
+    "qwen2's k_proj bias": (
+        "qwen2",
+        {},
+        ("model.layers.1.self_attn.k_proj.bias", (16,)),
+        "model.layers.1.self_attn.k_proj.bias has shape [16] in the file, but config.json implies [32] "
+        "(num_key_value_heads 2 x head_dim 16)",
+    ),
+    "mistral's key heads": (
+        "mistral",
+        {"num_key_value_heads": 4},
+        None,
+        "model.layers.0.self_attn.k_proj.weight has shape [32, 64] in the file, but config.json implies "
+        "[64, 64] (num_key_value_heads 4 x head_dim 16, hidden_size 64)",
+    ),
     "an untied head": (
         "llama3",
         {},
@@ -269,6 +285,31 @@ def test_a_weight_the_config_implies_and_the_file_lacks_is_refused_before_the_se
     with pytest.raises(ModelLoadError) as raised:
         loader.check_checkpoint(model_dir)
     assert str(raised.value) == f"weight {name} not found in the checkpoint in {model_dir}"
+
+
+def test_a_qwen2_without_its_q_proj_bias_is_refused_before_the_server_listens(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """Qwen2's config.json says nothing of biases: its architecture has them on q/k/v_proj."""
+    model_dir = copy_of(checkpoints["qwen2"], tmp_path)
+    edit_weights(model_dir, lambda w: w.pop("model.layers.0.self_attn.q_proj.bias"))
+    with pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir)
+    assert str(raised.value) == (
+        f"weight model.layers.0.self_attn.q_proj.bias not found in the checkpoint in {model_dir}"
+    )
+
+
+def test_qwen2_and_mistral_files_hold_exactly_the_weights_their_configs_imply(
+    checkpoints: dict[str, Checkpoint],
+) -> None:
+    """No o_proj bias is expected of a Qwen2 (Llama's attention_bias would ask for one), none at all of
+    a Mistral: what transformers saved is what the check asks for, no weight left unread."""
+    for variant in ("qwen2", "mistral"):
+        path = checkpoints[variant].path
+        config = loader.check_checkpoint(path)
+        expected = expected_weights(text_model_shape(config))
+        assert expected.keys() == load_file(path / "model.safetensors").keys()
 
 
 def test_the_default_model_passes_the_check(smollm2_dir: Path) -> None:

@@ -61,6 +61,7 @@ from tandem.decoder.distributed.worker import (
 from tandem.decoder.engine.admission.template_source import TemplateRefused, check_template
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import FinishReason
+from tandem.decoder.engine.step.sizing import check_sliding_window
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
 from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
@@ -192,6 +193,7 @@ def check_model(config: DecoderConfig, world_size: int, gguf_file: Path | None =
         world_size,
         gguf_file=gguf_file,
     )
+    check_sliding_window(engine, model_config)  # a window narrower than --max-model-len is refused
     for name, path in engine.loras:  # read once here too, so a bad adapter fails before listening
         try:
             read_adapter(path, model_config, engine.max_lora_rank)

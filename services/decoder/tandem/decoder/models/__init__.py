@@ -1,1 +1,1 @@
-"""The models (Qwen3, Llama), their layers and attention, and the checkpoint loader: a leaf package."""
+"""The models (Qwen3, Qwen2, Llama, Mistral), their layers, attention and loader: a leaf package."""

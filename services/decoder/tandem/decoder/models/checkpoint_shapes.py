@@ -30,7 +30,8 @@ def text_model_shape(config: ModelConfig) -> TextModelShape:
         head_dim=config.head_dim,
         has_qk_norm=MODEL_CLASSES[config.architecture].use_qk_norm,
         is_tied=config.tie_word_embeddings,
-        has_attention_bias=config.attention_bias,
+        has_qkv_bias=config.qkv_bias,
+        has_o_bias=config.o_bias,
         has_mlp_bias=config.mlp_bias,
     )
 

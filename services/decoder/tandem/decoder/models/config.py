@@ -4,6 +4,12 @@
 (KV block counts, bucket sizes) live with the engine. Two layouts of `config.json` are accepted:
 older files with top-level `rope_theta` and `rope_scaling`, and the `rope_parameters` dict that
 transformers 5 writes.
+
+The families share one layer and differ in what their config.json keys mean, read here as
+transformers' own modelling code reads them: Llama's `attention_bias` puts a bias on q/k/v and o_proj
+alike (Qwen3's too); Qwen2 always has q/k/v biases and never an o_proj one, whatever its config says;
+Mistral has none. A sliding attention window (Mistral's `sliding_window`, Qwen's `use_sliding_window`)
+is recorded, not implemented: the engine refuses a context wider than it (engine/step/sizing.py).
 """
 
 from __future__ import annotations
@@ -47,6 +53,15 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class SlidingWindow:
+    """A window of keys some layer attends to instead of the whole context (transformers masks the
+    rest out): the model is served only where no sequence can grow past it."""
+
+    size: int  # keys a query sees, itself included
+    said: str  # the config.json keys that set it, for a refusal: "sliding_window 4096"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of one decoder checkpoint. Validated when built."""
 
@@ -65,8 +80,10 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]  # generation EOS ids (generation_config.json, else config.json)
     dtype: torch.dtype  # weights, activations and KV cache
-    attention_bias: bool = False  # biases on the q/k/v/o projections
+    qkv_bias: bool = False  # biases on the q/k/v projections
+    o_bias: bool = False  # a bias on o_proj (Llama's attention_bias; never Qwen2's)
     mlp_bias: bool = False  # biases on the gate/up/down projections
+    sliding_window: SlidingWindow | None = None  # None: every layer attends to the whole context
 
     def __post_init__(self) -> None:
         for name, (key, high) in _INT_FIELDS.items():
@@ -93,8 +110,6 @@ class ModelConfig:
         """
         if hf_config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf_config['hidden_act']!r} is not supported (only 'silu')")
-        if _flag(hf_config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=true is not supported")
         ints = {
             key: _check_int(key, _require(hf_config, key), 1, high)
             for key, high in _INT_FIELDS.values()
@@ -116,8 +131,10 @@ class ModelConfig:
             eos, eos_key = hf_config.get("eos_token_id"), "eos_token_id"
         for token_id in _as_ids(eos):  # named by its file here; __post_init__ cannot tell which
             _check_int(eos_key, token_id, 0, ints["vocab_size"] - 1)
+        architecture = _require(hf_config, "architectures")[0]
+        qkv_bias, o_bias, mlp_bias = _biases(architecture, hf_config)
         return cls(
-            architecture=_require(hf_config, "architectures")[0],
+            architecture=architecture,
             vocab_size=ints["vocab_size"],
             hidden_size=hidden_size,
             intermediate_size=ints["intermediate_size"],
@@ -132,8 +149,10 @@ class ModelConfig:
             max_position_embeddings=ints["max_position_embeddings"],
             eos_token_ids=_as_ids(eos),
             dtype=dtype,
-            attention_bias=_flag(hf_config, "attention_bias", False),
-            mlp_bias=_flag(hf_config, "mlp_bias", False),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            sliding_window=_sliding_window(architecture, hf_config, ints["num_hidden_layers"]),
         )
 
 
@@ -149,6 +168,62 @@ _INT_FIELDS = {
     "max_position_embeddings": ("max_position_embeddings", MAX_POSITIONS),
 }
 _OPTIONAL = ("num_key_value_heads", "head_dim")  # defaulted from the others when config.json omits them
+
+
+def _biases(architecture: str, hf_config: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(q/k/v biases, an o_proj bias, MLP biases) as transformers builds the family's layer."""
+    if architecture == "Qwen2ForCausalLM":  # Qwen2Attention: bias=True on q/k/v, False on o_proj
+        return True, False, False
+    if architecture == "MistralForCausalLM":  # no bias anywhere, whatever the file says
+        return False, False, False
+    attention_bias = _flag(hf_config, "attention_bias", False)
+    return attention_bias, attention_bias, _flag(hf_config, "mlp_bias", False)
+
+
+def _sliding_window(architecture: str, hf_config: dict[str, Any], num_layers: int) -> SlidingWindow | None:
+    """The window some layer attends to, as transformers masks it; None: every layer sees it all.
+
+    Mistral applies `sliding_window` (null in v0.3, 4096 in v0.1) to every layer. Qwen2 and Qwen3 apply
+    it only with `use_sliding_window` true (false in every released model), to the layers `layer_types`
+    marks "sliding_attention", or without it to those from `max_window_layers` on (28 by default).
+    Llama has no window.
+    """
+    if architecture == "MistralForCausalLM":
+        size = _window_size(hf_config)
+        return None if size is None else SlidingWindow(size, f"sliding_window {size}")
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return None
+    if not _flag(hf_config, "use_sliding_window", False):
+        return None
+    size = _window_size(hf_config, default=4096)  # Qwen2Config's and Qwen3Config's default
+    if size is None:
+        return None
+    layer_types = hf_config.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ValueError(
+                f"layer_types must be a list of {num_layers} layer kinds, got {layer_types!r:.80}"
+            )
+        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        where = f"layer_types marks {len(sliding)} of {num_layers} layers sliding_attention"
+    else:
+        first = hf_config.get("max_window_layers", 28)
+        _check_int("max_window_layers", first, 0, MAX_LAYERS)
+        sliding = list(range(first, num_layers))
+        where = f"from layer max_window_layers {first} on, of {num_layers}"
+    if not sliding:
+        return None
+    return SlidingWindow(size, f"use_sliding_window true, sliding_window {size} ({where})")
+
+
+def _window_size(hf_config: dict[str, Any], default: int | None = None) -> int | None:
+    """config.json's `sliding_window`: None when null (or absent without a default)."""
+    value = hf_config.get("sliding_window", default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"sliding_window must be null or a positive integer, got {value!r}")
+    return value
 
 
 def _check_int(key: str, value: Any, low: int, high: int) -> int:

@@ -1,4 +1,4 @@
-"""The decoder stack shared by Qwen3 and Llama; each family's file states only what differs.
+"""The decoder stack of Qwen3, Qwen2, Llama and Mistral; each family's file states only what differs.
 
 Parameter names follow the Hugging Face checkpoints (minus the leading "model."), except that
 q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj`: one GEMM each instead of three and
@@ -59,9 +59,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        bias = config.attention_bias
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        # Qwen2 biases q/k/v but not o_proj; Llama's attention_bias biases all four (models/config.py).
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         # Qwen3 normalises each query and key head before RoPE; Llama does not.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if use_qk_norm else None

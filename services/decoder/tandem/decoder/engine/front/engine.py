@@ -119,6 +119,7 @@ class Engine:
         self.chat_template = ChatTemplate.load(Path(config.model_dir), self.tokenizer)
         self._grammars: GrammarCompiler | None = None  # structured output, made on first use
         self._grammars_lock = threading.Lock()
+        sizing.check_sliding_window(config, self.model_config)  # main refused it before listening too
         self.num_blocks = sizing.num_kv_blocks(config, self.model_config, world_size_of(tp))
         self.max_model_len = sizing.max_model_len(config, self.model_config, self.num_blocks)
         if self.max_model_len < sizing.max_model_len(config, self.model_config):

@@ -5,6 +5,7 @@ Computed once when the engine is built, on every rank alike, and never written b
 
 from __future__ import annotations
 
+from tandem.client.errors import ConfigError
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.step.static_shapes import StaticShapes, power_of_two_buckets, width_buckets
 from tandem.decoder.models.config import ModelConfig
@@ -23,6 +24,29 @@ def max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: i
     if num_blocks is not None:
         cap = min(cap, max(1, num_blocks - 1) * config.block_size)
     return cap
+
+
+def check_sliding_window(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Refuses a checkpoint some layer of which attends to a window narrower than the context served.
+
+    Sliding-window attention is not implemented: every layer here attends to the whole context, which
+    is what the window gives only while no sequence outgrows it (a query at position p sees keys
+    p - size + 1 .. p in transformers' mask). Mistral v0.1's window is 4,096 beside a 32,768-position
+    context: served as is it would answer long prompts wrongly, and silently. The context served is
+    --max-model-len, else max_position_embeddings, so the flag makes such a checkpoint fit. Raises
+    ConfigError naming max_model_len."""
+    window = model_config.sliding_window
+    context = max_model_len(config, model_config)
+    if window is None or context <= window.size:
+        return
+    is_flag = config.max_model_len is not None and config.max_model_len <= context
+    got = f"{context}" if is_flag else f"{context} (config.json's max_position_embeddings)"
+    raise ConfigError(
+        "max_model_len",
+        f"must be at most {window.size} to serve this checkpoint, got {got}: config.json's "
+        f"{window.said} narrows what each query attends to, and this decoder attends to the whole "
+        "context (sliding-window attention is not implemented)",
+    )
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: int) -> int:
