@@ -118,8 +118,8 @@ def import_gguf_command() -> click.Command:
             ),
         ],
         callback=_import_gguf,
-        help="Convert FILE, a GGUF file (Llama or Qwen3, any type gguf dequantizes), into the checkpoint "
-        "directory DIR.",
+        help="Convert FILE, a GGUF file (Llama, Qwen2 or Qwen3, any type gguf dequantizes), into the "
+        "checkpoint directory DIR.",
     )
 
 

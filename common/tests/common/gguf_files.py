@@ -14,7 +14,14 @@ import gguf
 import numpy as np
 import torch
 from tokenizers import Tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 Q = gguf.GGMLQuantizationType
 # Every type the gguf package can both write (quantize) and read; the K- and IQ-quants it only reads go
@@ -28,6 +35,9 @@ _BLOCK = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -68,13 +78,14 @@ def write_gguf(
     raw_tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """`hf_model` (LlamaForCausalLM or Qwen3ForCausalLM) as a GGUF file; 2-D weights in `qtype`.
+    """`hf_model` (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM) as a GGUF file; 2-D weights
+    in `qtype`, biases and norms in F32 (as llama.cpp writes 1-D tensors).
 
     `raw_tensors` replaces tensors (by GGUF name) with given bytes of a given type; `metadata`
     replaces the values written under its keys (e.g. "llama.block_count": 10**9: a hostile file).
     """
     config = hf_model.config
-    arch = {"llama": "llama", "qwen3": "qwen3"}[config.model_type]
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     written: set[str] = set()
     if metadata:
@@ -97,9 +108,10 @@ def write_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads  # Qwen2 states none
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -155,8 +167,8 @@ def _encode(array: np.ndarray, qtype: gguf.GGMLQuantizationType | None) -> tuple
 
 
 def small_model(arch: str, vocab_size: int) -> torch.nn.Module:
-    """A 2-layer Llama or Qwen3 of `vocab_size` from transformers, random weights far enough from its
-    initial ones that a misplaced tensor shows."""
+    """A 2-layer Llama, Qwen2 or Qwen3 of `vocab_size` from transformers, random weights far enough from
+    its initial ones that a misplaced tensor shows (Qwen2's q/k/v biases too)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -165,18 +177,20 @@ def small_model(arch: str, vocab_size: int) -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         # transformers' GGUF reader leaves Qwen3's head_dim at its default, 128 (as in the real models)
-        head_dim=16 if arch == "llama" else 128,
+        head_dim=128 if arch == "qwen3" else 16,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
-        tie_word_embeddings=arch == "qwen3",
+        tie_word_embeddings=arch != "llama",
     )
     torch.manual_seed(0)
-    model = (
-        LlamaForCausalLM(LlamaConfig(**common))
-        if arch == "llama"
-        else Qwen3ForCausalLM(Qwen3Config(**common))
-    )
+    classes = {
+        "llama": (LlamaForCausalLM, LlamaConfig),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config),
+    }
+    model_class, config_class = classes[arch]
+    model = model_class(config_class(**common))
     with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -31,7 +31,7 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def source(request: pytest.FixtureRequest, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory):
     """(HF model, its GGUF file in F32, the imported checkpoint directory)."""
     model = small_model(request.param, tokenizer.get_vocab_size())
@@ -324,6 +324,23 @@ def test_metadata_that_disagrees_with_a_tensor_shape_is_refused_before_anything_
     with pytest.raises(GGUFImportError) as caught:
         import_gguf(path, tmp_path / "out")
     assert str(caught.value) == f"{path}: weight {said}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen2_file_without_its_attention_biases_is_refused_before_anything_is_imported(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """Qwen2's layer has q/k/v biases whatever the file holds: without them the import would write a
+    checkpoint the decoder refuses."""
+    model = small_model("qwen2", tokenizer.get_vocab_size())
+    model.model.layers[1].self_attn.k_proj.bias = None  # left out of the state dict, so of the file
+    path = write_gguf(tmp_path / "m.gguf", model, tokenizer)
+    with pytest.raises(GGUFImportError) as caught:
+        import_gguf(path, tmp_path / "out")
+    assert (
+        str(caught.value)
+        == f"{path}: tensor blk.1.attn_k.bias (model.layers.1.self_attn.k_proj.bias) is missing"
+    )
     assert not (tmp_path / "out").exists()
 
 

@@ -8,7 +8,7 @@ is then nothing special: it is imported once and loaded like any checkpoint.
 Two facts of the format matter for correctness:
 - llama.cpp's converter permutes the rows of Llama's Q and K projections into its own RoPE layout
   (pairs interleaved instead of halves). `_unpermute` undoes it; without it the model still produces
-  fluent-looking text that is wrong. Qwen3 files are written unpermuted.
+  fluent-looking text that is wrong. Qwen2 and Qwen3 files are written unpermuted.
 - GGUF lists a tensor's dimensions fastest-first, the reverse of PyTorch's order.
 
 The reader is the `gguf` package that llama.cpp maintains; every quantization type it can dequantize
@@ -44,7 +44,8 @@ from tandem.common.torch_part.gguf_header import GGUFHeaderError, check_header
 from tandem.common.weight_shapes import TextModelShape, expected_weights, mismatch
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp writes Mistral as "llama" (its Q/K rows permuted alike); a "qwen2" file is Qwen2 or Qwen2.5.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # GGUF tensor names (per block, then global) -> Hugging Face names.
 _BLOCK_NAMES = {
@@ -279,7 +280,7 @@ def _hf_config(meta: _Metadata) -> dict[str, Any]:
     scaling = meta.arch("rope.scaling.type")
     if scaling not in (None, "none"):
         raise GGUFImportError(f"{meta.path}: rope scaling {scaling!r} is not supported")
-    if meta.architecture == "qwen3":
+    if meta.architecture in ("qwen2", "qwen3"):  # llama.cpp attends to the whole context
         config |= {"use_sliding_window": False, "sliding_window": None}
     return config
 
@@ -461,8 +462,10 @@ def _check_shapes(reader: Any, meta: _Metadata, hf_config: dict[str, Any]) -> No
     infos alone (nothing dequantized). A file whose metadata disagrees with its tensors was imported
     whole, then refused at load, after the server listened, naming the imported copy's tensor."""
     stored = {_hf_name(t.name, meta.path): t for t in reader.tensors if t.name != "rope_freqs.weight"}
-    # attention_bias, set as the import reads it: all four, when the file has any
-    has_attention_bias = any(n.endswith("bias") and "self_attn" in n for n in stored)
+    if meta.architecture == "qwen2":  # Qwen2's layer: q/k/v biases always, never an o_proj bias
+        has_qkv_bias, has_o_bias = True, False
+    else:  # attention_bias, set as the import reads it: all four, when the file has any
+        has_qkv_bias = has_o_bias = any(n.endswith("bias") and "self_attn" in n for n in stored)
     shape = TextModelShape(
         vocab_size=hf_config["vocab_size"],
         hidden_size=hf_config["hidden_size"],
@@ -473,8 +476,8 @@ def _check_shapes(reader: Any, meta: _Metadata, hf_config: dict[str, Any]) -> No
         head_dim=hf_config["head_dim"],
         has_qk_norm=meta.architecture == "qwen3",
         is_tied="lm_head.weight" not in stored,  # as the import ties it
-        has_qkv_bias=has_attention_bias,
-        has_o_bias=has_attention_bias,
+        has_qkv_bias=has_qkv_bias,
+        has_o_bias=has_o_bias,
         has_mlp_bias=False,  # a GGUF file names no MLP bias (_BLOCK_NAMES)
     )
     arch = meta.architecture
@@ -536,8 +539,8 @@ def _weights(
                     f"{hf_config[heads]} heads ({heads}) of even width"
                 )
             array = _unpermute(array, hf_config[heads])
-        if name.endswith("bias") and "self_attn" in name:
-            hf_config["attention_bias"] = True
+        if name.endswith("bias") and "self_attn" in name and meta.architecture != "qwen2":
+            hf_config["attention_bias"] = True  # Qwen2's biases come with its architecture
         yield name, torch.from_numpy(array).to(torch_dtype)
         if on_progress is not None:
             on_progress(ImportProgress(num_done=done, num_tensors=len(tensors)))

@@ -23,7 +23,7 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_imported_checkpoint_generates_what_the_original_model_generates(
     arch: str, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
@@ -38,7 +38,7 @@ def test_imported_checkpoint_generates_what_the_original_model_generates(
 
 
 @pytest.mark.parametrize("qtype", WRITABLE_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_each_quantization_type_matches_transformers_reading_the_same_file(
     arch: str, qtype: Q, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
