@@ -37,7 +37,7 @@ def _quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_served_types_keep_the_files_values_and_give_transformers_greedy_tokens(
     arch: str, qtype: Q, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
