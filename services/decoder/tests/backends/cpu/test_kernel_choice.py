@@ -354,7 +354,7 @@ def tiles_from_16(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     def fake(binders, weights, buckets, prefill_only, exact_rows, keep=(), clock=None):
         count[0] += 1
-        assert set(binders) == {VECTOR, TILES} and keep == (VECTOR,)
+        assert set(binders) == {VECTOR, TILES} and set(keep) == {VECTOR, TILES}  # neither pruned
         return [
             Timing(kernel, shape, rows, rows / (2.0 if kernel == TILES and rows >= 16 else 1.0))
             for shape, rs in buckets.items()
@@ -377,11 +377,19 @@ def test_int8_tiles_are_measured_once_then_cached_and_cpu_kernels_amx_tiles_ever
     assert first.as_map() == dict.fromkeys(shapes, 16)
     second = kernel_choice.int8_tiles(int8_model, emulated_tiles, options, amx_cpu())
     assert count[0] == 1 and second == first and second.source == "cached"
+    # An entry this code did not write (a row count of 0) is measured again and rewritten.
+    cache = tmp_path / kernel_choice.CACHE_FILE
+    written = json.loads(cache.read_text())
+    for entry in written["entries"].values():
+        entry["tile_rows"] = [[n, k, 0] for n, k, _ in entry["tile_rows"]]
+    cache.write_text(json.dumps(written))
+    third = kernel_choice.int8_tiles(int8_model, emulated_tiles, options, amx_cpu())
+    assert count[0] == 2 and third == first and third.source == "measured"
     named = replace(options, kernels="amx")
     assert kernel_choice.int8_tiles(int8_model, emulated_tiles, named, amx_cpu()).as_map() == dict.fromkeys(
         shapes, 1
     )
-    assert count[0] == 1
+    assert count[0] == 2  # the override times nothing
 
 
 def test_no_int8_tile_choice_without_the_mode_the_tiles_or_amx_int8(
@@ -428,7 +436,7 @@ def test_int8_tiles_in_the_executor_give_the_vector_kernels_bits(int8_model, emu
     assert tiled.fused is not None and tiled.kernels.head.kernel_weight.tile_rows == 1
     assert all(w.tile_rows == 1 for layer in tiled.fused for w in layer.kernel_weights.values())
     before = emulated_tile_products(kernels)
-    prompt = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
+    prompt = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88, 7, 19, 23, 29, 31]  # a whole tile
     got = PagedRun(int8_model, step=tiled).step([("s", prompt)], all_logits=True)
     assert emulated_tile_products(kernels) > before
     want = PagedRun(int8_model, step=vector).step([("s", prompt)], all_logits=True)

@@ -1,7 +1,8 @@
-"""Int8 activations on AMX-INT8 tiles (csrc/linear_int8.c's tile path, the amx build): TDPBSUD does a
-block's integer sums for 16 rows at once, and each block is then scaled by the vector kernel's own
-fp32 operations, so a call on tiles gives exactly the VPDPBUSD kernel's bits, row for row, whatever
-rows and threads share it; the descriptor's tile_rows decides which calls tile.
+"""Int8 activations on AMX-INT8 tiles (csrc/linear_int8.c's tile path, the amx build): one tile product
+(TDPBSSD, or TDPBSUD for Q4_1) does a block's integer sums for 16 rows at once, and each block is
+then scaled by the vector kernel's own fp32 operations, so a call on tiles gives exactly the VPDPBUSD
+kernel's bits, row for row, whatever rows and threads share it; the descriptor's tile_rows decides
+which calls tile, and a call's whole tiles of 16 rows run on them (its last rows on VPDPBUSD).
 
 Two builds run these tests, as for the bf16 tiles (test_linear_tiles.py): the amx level on a CPU with
 `amx_tile` and `amx_int8` whose kernel grants the tile state (elsewhere it skips, saying which is
@@ -67,8 +68,8 @@ def test_tiles_give_the_vector_kernels_bits(tiles: Kernels, kind: str, n: int, k
         x = (torch.randn(rows, k) * torch.rand(rows, k) * 4).to(torch.bfloat16)
         before = emulated_tile_products(tiles)
         out = tiled(x)
-        if before is not None:
-            assert emulated_tile_products(tiles) > before  # the tiles ran
+        if before is not None:  # the tiles ran for every whole tile of 16 rows
+            assert (emulated_tile_products(tiles) > before) == (rows >= 16), rows
         assert torch.equal(out, vector(x)), (rows, kind)
         assert_is_the_product_of_the_rounded_inputs(out, x, weight, bias)
 
@@ -104,14 +105,17 @@ def test_a_rows_bits_do_not_depend_on_the_rows_or_threads_beside_it(tiles: Kerne
 
 def test_calls_below_tile_rows_keep_the_vector_kernel(tiles: Kernels) -> None:
     """tile_rows is where tiles start: fewer rows run VPDPBUSD (the same bits, so the emulation's count
-    of tile products tells which ran)."""
-    from_eight = int8_linear(tiles, "q8_0", 48, 64, None, torch.bfloat16, tile_rows=8)
-    for rows in (1, 7, 8, 20):
+    of tile products tells which ran), and so does any call of fewer than 16 rows."""
+    from_twenty = int8_linear(tiles, "q8_0", 48, 64, None, torch.bfloat16, tile_rows=20)
+    from_one = int8_linear(tiles, "q8_0", 48, 64, None, torch.bfloat16, tile_rows=1)
+    cases = [(from_twenty, 16, False), (from_twenty, 19, False), (from_twenty, 20, True)]
+    cases += [(from_twenty, 40, True), (from_one, 15, False), (from_one, 16, True)]
+    for linear, rows, tiled in cases:
         x = torch.randn(rows, 64).to(torch.bfloat16)
         before = emulated_tile_products(tiles)
-        from_eight(x)
+        linear(x)
         if before is not None:
-            assert (emulated_tile_products(tiles) > before) == (rows >= 8), rows
+            assert (emulated_tile_products(tiles) > before) == tiled, rows
 
 
 def test_tile_rows_are_refused_without_int8_activations_or_tiles(kernels: Kernels) -> None:

@@ -8,8 +8,11 @@
  * A's rows, C's colsb == B's colsb), so a wrong tiling aborts here instead of on a Xeon. TDPBF16PS
  * adds, for each K pair in order, the even product then the odd one into fp32 (the SDM's pseudocode);
  * real hardware fixes its own order, the same for every row, which is all the kernel relies on.
- * TDPBSUD adds, for each output dword, the four products of A's signed bytes with B's unsigned ones
- * into int32 (exact: any order gives the same sum).
+ * TDPBSUD and TDPBSSD add, for each output dword, the four products of A's signed bytes with B's
+ * unsigned (TDPBSUD) or signed (TDPBSSD) ones into int32 (exact: any order gives the same sum). The
+ * configuration is checked as LDTILECFG checks it (palette 1, start_row 0, reserved bytes zero, a
+ * tile's rows and colsb both zero or both not), and a product's three tiles must be distinct (the
+ * assembler refuses the instruction otherwise).
  *
  * The kernel's source is left as it ships: this header claims the AMX macros its guard asks for and
  * answers its permission request (syscall) with success, after the system headers that declare them.
@@ -35,6 +38,7 @@
 #undef _tile_zero
 #undef _tile_dpbf16ps
 #undef _tile_dpbsud
+#undef _tile_dpbssd
 
 typedef struct {
     uint8_t rows[8];
@@ -45,7 +49,7 @@ typedef struct {
 
 static __thread EmulatedTiles emulated_tiles;
 
-/* TDPBF16PS and TDPBSUD instructions run, over every thread (tests read it to see which calls tiled). */
+/* Tile products run (TDPBF16PS, TDPBSUD, TDPBSSD), over every thread (tests read it to see which calls tiled). */
 __attribute__((weak)) long tandem_emulated_tile_products;
 
 static inline void emulated_fault(const char *what, int tile) {
@@ -56,12 +60,16 @@ static inline void emulated_fault(const char *what, int tile) {
 static inline void emulated_loadconfig(const void *config) {
     const uint8_t *c = config;
     if (c[0] != 1) emulated_fault("palette is not 1", -1);
+    if (c[1] != 0) emulated_fault("start_row is not 0", -1);
+    for (int i = 2; i < 64; i++)
+        if ((i < 16 || (i >= 32 && i < 48) || i >= 56) && c[i] != 0) emulated_fault("a reserved byte is not 0", i);
     for (int t = 0; t < 8; t++) {
         uint16_t colsb;
         memcpy(&colsb, c + 16 + 2 * t, sizeof colsb);
         emulated_tiles.rows[t] = c[48 + t];
         emulated_tiles.colsb[t] = colsb;
         if (colsb > 64 || emulated_tiles.rows[t] > 16 || colsb % 4) emulated_fault("shape past palette 1", t);
+        if ((colsb == 0) != (emulated_tiles.rows[t] == 0)) emulated_fault("rows and colsb: one of them 0", t);
     }
     memset(emulated_tiles.data, 0, sizeof emulated_tiles.data);
     emulated_tiles.configured = 1;
@@ -104,6 +112,7 @@ static inline float emulated_bf16(const uint8_t *at) {
  * rows and B's width. */
 static inline void emulated_check_product(int c, int a, int b, const char *name) {
     emulated_check(c), emulated_check(a), emulated_check(b);
+    if (c == a || c == b || a == b) emulated_fault("a product's tiles are not distinct", c);
     if (emulated_tiles.colsb[a] / 4 != emulated_tiles.rows[b] || emulated_tiles.rows[c] != emulated_tiles.rows[a] ||
         emulated_tiles.colsb[c] != emulated_tiles.colsb[b])
         emulated_fault(name, c);
@@ -126,8 +135,9 @@ static inline void emulated_dpbf16ps(int c, int a, int b) {
     }
 }
 
-static inline void emulated_dpbsud(int c, int a, int b) {
-    emulated_check_product(c, a, b, "TDPBSUD shapes disagree");
+/* TDPBSUD (B unsigned) and TDPBSSD (B signed). */
+static inline void emulated_dpbsxd(int c, int a, int b, int b_signed) {
+    emulated_check_product(c, a, b, "TDPBSUD / TDPBSSD shapes disagree");
     const int quads = emulated_tiles.colsb[a] / 4, columns = emulated_tiles.colsb[c] / 4;
     __atomic_fetch_add(&tandem_emulated_tile_products, 1, __ATOMIC_RELAXED);
     for (int m = 0; m < emulated_tiles.rows[c]; m++) {
@@ -137,7 +147,8 @@ static inline void emulated_dpbsud(int c, int a, int b) {
             for (int n = 0; n < columns; n++)
                 for (int i = 0; i < 4; i++)
                     acc[n] += (int32_t)(int8_t)emulated_tiles.data[a][m][4 * k + i] *
-                              (int32_t)emulated_tiles.data[b][k][4 * n + i];
+                              (b_signed ? (int32_t)(int8_t)emulated_tiles.data[b][k][4 * n + i]
+                                        : (int32_t)emulated_tiles.data[b][k][4 * n + i]);
         memcpy(emulated_tiles.data[c][m], acc, sizeof acc);
     }
 }
@@ -148,6 +159,7 @@ static inline void emulated_dpbsud(int c, int a, int b) {
 #define _tile_stored(t, base, stride) emulated_stored(t, base, stride)
 #define _tile_zero(t) emulated_zero(t)
 #define _tile_dpbf16ps(c, a, b) emulated_dpbf16ps(c, a, b)
-#define _tile_dpbsud(c, a, b) emulated_dpbsud(c, a, b)
+#define _tile_dpbsud(c, a, b) emulated_dpbsxd(c, a, b, 0)
+#define _tile_dpbssd(c, a, b) emulated_dpbsxd(c, a, b, 1)
 
 #endif

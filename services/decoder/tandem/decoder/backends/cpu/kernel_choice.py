@@ -532,25 +532,15 @@ def int8_tiles(
         "cpu": cpu.model_name,
         "isa": cpu.isa_summary,
         "build": [build_id(kernels.level), kernels.tiles],
-        "shapes": sorted([*s, counts[s], weights[s].bits, *buckets[s]] for s in counts),
+        "shapes": sorted([*s, counts[s], _format(weights[s]), *buckets[s]] for s in counts),
         "threads": torch.get_num_threads(),
         "version": CACHE_VERSION,
     }
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
-    entry = _read_entry(options.cache_dir, key)
-    try:
-        if entry is not None:
-            plan = Int8TilePlan(
-                tuple(((n, k), rows) for n, k, rows in entry["tile_rows"]),
-                "cached",
-                tuple(Timing(kernel, (n, k), rows, s) for kernel, n, k, rows, s in entry["timings"]),
-            )
-            log.info(
-                "CPU kernels for %s: %s, cached in %s", cpu.model_name, plan.describe(), options.cache_dir
-            )
-            return plan
-    except (ValueError, KeyError, TypeError):
-        pass  # unreadable: measured again and rewritten
+    cached = _read_int8_plan(_read_entry(options.cache_dir, key), set(counts))
+    if cached is not None:
+        log.info("CPU kernels for %s: %s, cached in %s", cpu.model_name, cached.describe(), options.cache_dir)
+        return cached
     started = time.perf_counter()
 
     def binder(tile_rows: int) -> Binder:
@@ -559,7 +549,9 @@ def int8_tiles(
         )
 
     binders = {INT8_VECTOR: binder(0), INT8_TILES: binder(1)}
-    timings = measure(binders, weights, buckets, (), options.exact_rows, (INT8_VECTOR,))
+    # Both kept at every row count: the tiles run whole tiles of 16 rows only (fewer rows are the
+    # vector kernel's work), so they cannot be judged by their smallest calls.
+    timings = measure(binders, weights, buckets, (), options.exact_rows, (INT8_VECTOR, INT8_TILES))
     plan = decide_int8_tiles(timings, counts)
     log.info("CPU kernels for %s [%s], %d threads, int8 activations measured in %.1f s: %s\n%s",
              cpu.model_name, cpu.isa_summary, torch.get_num_threads(), time.perf_counter() - started,
@@ -570,6 +562,25 @@ def int8_tiles(
         {"tile_rows": [[*s, rows] for s, rows in plan.tile_rows], "timings": _timings_json(plan.timings)},
     )
     return plan
+
+
+def _format(weight: QuantizedTensor) -> str:
+    """What the tiles' cost depends on beside the shape: Q4 with offsets adds a multiply-add a block."""
+    return "q8" if weight.bits == 8 else ("q4_1" if weight.mins is not None else "q4_0")
+
+
+def _read_int8_plan(entry: dict | None, shapes: set[Shape]) -> Int8TilePlan | None:
+    """A cached int8 plan, or None (none, or not one this code wrote: measured again and rewritten)."""
+    if entry is None:
+        return None
+    try:
+        tile_rows = tuple(((int(n), int(k)), rows) for n, k, rows in entry["tile_rows"])
+        timings = tuple(Timing(kernel, (n, k), rows, s) for kernel, n, k, rows, s in entry["timings"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if any(type(rows) is not int or rows < 1 or shape not in shapes for shape, rows in tile_rows):
+        return None
+    return Int8TilePlan(tile_rows, "cached", timings)
 
 
 def _int8_table(plan: Int8TilePlan) -> str:

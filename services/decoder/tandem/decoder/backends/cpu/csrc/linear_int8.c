@@ -373,15 +373,20 @@ static void part_vnni(const Activations *a, const TandemWeight *w, __m512i *pre,
 
 #if HAVE_INT8_TILES
 
-/* AMX-INT8 (the amx build, for the weights whose descriptor's tile_rows the call reaches): TDPBSUD does
- * a 16-row x 16-output x 32-input block's integer sums in one instruction, where VPDPBUSD does one
- * row's 16 outputs x 4 inputs. Each block still needs its own scaling (per row and output), so a
- * block's C tile is stored and scaled by the vector code above's operations: the same integers, the
- * same fp32 operations in the same order, so the same bits as part_vnni for every row (the integer
- * sums are exact in any grouping). Tiles (palette 1): 0 and 1 C (16 rows x 16 int32, two blocks in
- * flight), 2 and 3 A (16 rows x 32 codes), 4 and 5 B (8 quads x 16 outputs: quad_u8's vectors as they
- * lie, 64 bytes apart). Rows come in whole tiles of 16; the padding rows' codes, scales and sums are
- * zero (their outputs are never stored), so no tile is re-blocked by the row count. */
+/* AMX-INT8 (the amx build, for the weights whose descriptor's tile_rows the call reaches): one tile
+ * product does a 16-row x 16-output x 32-input block's integer sums, where VPDPBUSD does one row's 16
+ * outputs x 4 inputs. Each block still needs its own scaling (per row and output), so a block's C
+ * tile is stored and scaled by tile()'s fp32 operations in tile()'s order: the same integers, so the
+ * same bits as the vector kernel for every row (integer sums are exact in any grouping). The weights
+ * go in signed where their values are (TDPBSSD: Q8_0's q, Q4_0's q - 8), so the block's integer is
+ * the weight's own product with nothing to take back; Q4_1's codes go in unsigned as stored
+ * (TDPBSUD) and its offsets are added apart, as tile() does.
+ *
+ * Tiles (palette 1): 0 and 1 C (16 rows x 16 int32: block b + 1's product runs on the tile unit
+ * while block b is scaled), 2 and 3 A (16 rows x 32 codes), 4 and 5 B (8 quads x 16 outputs, each
+ * quad a 64-byte row, dword c output c's 4 inputs: quad_u8's vectors as they lie). Only whole tiles
+ * of 16 rows run here; a call's last m % 16 rows run tile() (the same bits), so no row is padded and
+ * nothing is re-blocked by the row count. */
 
 #define TILE_M 16 /* rows a tile */
 
@@ -398,15 +403,28 @@ static TileConfig int8_tile_config(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 2; t++) {
-        cfg.rows[t] = TILE_M, cfg.colsb[t] = QG * 4;         /* C: 16 rows x 16 int32 */
-        cfg.rows[2 + t] = TILE_M, cfg.colsb[2 + t] = QB;     /* A: 16 rows x 32 codes */
-        cfg.rows[4 + t] = QQ, cfg.colsb[4 + t] = QG * 4;     /* B: 8 quads x 16 outputs */
+        cfg.rows[t] = TILE_M, cfg.colsb[t] = QG * 4;     /* C: 16 rows x 16 int32 */
+        cfg.rows[2 + t] = TILE_M, cfg.colsb[2 + t] = QB; /* A: 16 rows x 32 codes */
+        cfg.rows[4 + t] = QQ, cfg.colsb[4 + t] = QG * 4; /* B: 8 quads x 16 outputs */
     }
     return cfg;
 }
 
+/* GCC's tile intrinsics are asm statements that name no memory: without this, stores only a tile
+ * instruction reads (the quads, the configuration's 64 bytes) could be moved past it. */
+#define TILE_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+
+/* Quad j of a group's block as the tile product reads it: signed values for Q8_0 (q) and Q4_0 (q - 8),
+ * Q4_1's unsigned codes as stored. */
+static inline __attribute__((always_inline)) __m512i quad_tile(const uint8_t *pairs, const int FORMAT) {
+    const __m512i u = quad_u8(pairs, FORMAT);
+    if (FORMAT == TANDEM_WEIGHT_Q8) return _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80));
+    if (FORMAT == FORMAT_Q4_0) return _mm512_sub_epi8(u, _mm512_set1_epi8(8));
+    return u;
+}
+
 /* Block b's scaling, C's 16 rows x 16 outputs at `sums`, into the rows' running sums: tile()'s
- * operations, row by row. */
+ * operations, row by row (the integers need nothing taken back: see quad_tile). */
 static inline __attribute__((always_inline)) void scale_block(const Activations *a, const TandemWeight *w,
                                                               const int32_t *sums, __m512 acc[TILE_M], int64_t r,
                                                               int64_t nb, int64_t g, int64_t b, const int FORMAT) {
@@ -417,31 +435,31 @@ static inline __attribute__((always_inline)) void scale_block(const Activations 
 #pragma GCC unroll 16
     for (int i = 0; i < TILE_M; i++) {
         const int64_t rb = (r + i) * nb + b;
-        __m512i sum = _mm512_load_si512(sums + i * QG);
-        if (FORMAT != TANDEM_WEIGHT_Q4) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(a->c[rb]));
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[rb]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + i * QG)), scale, acc[i]);
         if (FORMAT == TANDEM_WEIGHT_Q4) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[rb]), acc[i]);
     }
 }
 
 /* Block b's products of rows [r, r + 16) and one group's quads (`quads`: [nb][8], 64 bytes each) into
- * C tile `C`, A tile `A`, B tile `B` (immediates: one call site per tile pair). */
+ * C tile `C`, A tile `A`, B tile `B` (immediates: one call site per tile triple). */
 #define BLOCK_PRODUCT(C, A, B, b)                                                                                   \
     do {                                                                                                            \
         _tile_loadd(A, a->q + r * k + (b) * QB, k);                                                                 \
         _tile_loadd(B, quads + (b) * QQ, 64);                                                                       \
         _tile_zero(C);                                                                                              \
-        _tile_dpbsud(C, A, B);                                                                                      \
+        if (FORMAT == TANDEM_WEIGHT_Q4)                                                                             \
+            _tile_dpbsud(C, A, B);                                                                                  \
+        else                                                                                                        \
+            _tile_dpbssd(C, A, B);                                                                                  \
     } while (0)
 
-/* One group's outputs for rows [r, r + 16) (`rows` of them real): block b + 1's product runs on the tile
- * unit while block b is scaled. */
+/* One group's outputs for the 16 rows [r, r + 16): block b + 1's product runs on the tile unit while
+ * block b is scaled; the running sums stay in 16 registers. */
 static inline __attribute__((always_inline)) void group_rows(const Activations *a, const TandemWeight *w,
                                                              const __m512i *quads, const void *bias, void *out,
-                                                             int64_t r, int64_t rows, int64_t n, int64_t k,
-                                                             int64_t nb, int64_t g, const Prefetch *pf,
-                                                             const int FORMAT, int dtype) {
+                                                             int64_t r, int64_t n, int64_t k, int64_t nb, int64_t g,
+                                                             const Prefetch *pf, const int FORMAT, int dtype) {
     int32_t sums[TILE_M * QG] __attribute__((aligned(64)));
     __m512 acc[TILE_M];
 #pragma GCC unroll 16
@@ -459,27 +477,36 @@ static inline __attribute__((always_inline)) void group_rows(const Activations *
         scale_block(a, w, sums, acc, r, nb, g, b + 1, FORMAT);
     }
     if (g * QG >= n) return;
-    for (int64_t i = 0; i < rows; i++)
+#pragma GCC unroll 16
+    for (int i = 0; i < TILE_M; i++) /* a constant index: the sums never leave their registers */
         store16((char *)out + (r + i) * n * (dtype == 1 ? 2 : 4), acc[i], bias, n, g * QG, dtype);
 }
 
-/* One thread's groups [g0, g1) against all m rows (a's rows padded to whole tiles): each group's quads
- * made once into `quads` ([nb][8]), then every row tile over them, while the next group's codes come
- * into L2. */
+/* One thread's groups [g0, g1) against all m rows: each group's quads made once into `quads`
+ * ([nb][8]), every whole tile of 16 rows over them while the next group's codes come into L2, then
+ * the last m % 16 rows on tile() (the same bits). */
 static void part_tiles(const Activations *a, const TandemWeight *w, __m512i *quads, const void *bias, void *out,
                        int64_t m, int64_t n, int64_t k, int64_t g0, int64_t g1, const int FORMAT, int dtype) {
     const int64_t nb = k / QB, pair_bytes = FORMAT == TANDEM_WEIGHT_Q8 ? 2 * QG : QG;
-    const int64_t row_tiles = (m + TILE_M - 1) / TILE_M;
+    const int64_t row_tiles = m / TILE_M;
+    const Prefetch none = {{NULL, NULL, NULL}, {0, 0, 0}, {0, 0, 0}, 0};
     for (int64_t g = g0; g < g1; g++) {
         for (int64_t b = 0; b < nb; b++)
             for (int qd = 0; qd < QQ; qd++)
-                _mm512_store_si512(quads + b * QQ + qd, quad_u8((const uint8_t *)w->data +
-                                                                    ((g * nb + b) * QP + 2 * qd) * pair_bytes,
-                                                                FORMAT));
+                _mm512_store_si512(quads + b * QQ + qd,
+                                   quad_tile((const uint8_t *)w->data + ((g * nb + b) * QP + 2 * qd) * pair_bytes,
+                                             FORMAT));
+        TILE_MEMORY_BARRIER(); /* the quads are stored before a tile load reads them */
         Prefetch pf = prefetch_groups(w, nb, g + 1, g + 1 < g1 ? g + 2 : g1, 0, row_tiles * nb, FORMAT);
-        for (int64_t t = 0; t < row_tiles; t++, pf.part0 += nb) {
-            const int64_t r = t * TILE_M, rows = m - r < TILE_M ? m - r : TILE_M;
-            group_rows(a, w, quads, bias, out, r, rows, n, k, nb, g, &pf, FORMAT, dtype);
+        for (int64_t t = 0; t < row_tiles; t++, pf.part0 += nb)
+            group_rows(a, w, quads, bias, out, t * TILE_M, n, k, nb, g, &pf, FORMAT, dtype);
+        for (int64_t r = row_tiles * TILE_M; r < m; r += TILE_ROWS) {
+            switch (m - r < TILE_ROWS ? m - r : TILE_ROWS) {
+            case 1: tile(a, w, NULL, NULL, bias, out, r, n, k, nb, g, &none, 1, 1, FORMAT, dtype); break;
+            case 2: tile(a, w, NULL, NULL, bias, out, r, n, k, nb, g, &none, 2, 1, FORMAT, dtype); break;
+            case 3: tile(a, w, NULL, NULL, bias, out, r, n, k, nb, g, &none, 3, 1, FORMAT, dtype); break;
+            default: tile(a, w, NULL, NULL, bias, out, r, n, k, nb, g, &none, 4, 1, FORMAT, dtype); break;
+            }
         }
     }
 }
@@ -501,20 +528,6 @@ static Activations activations_room(ThreadBuffer *buffer, int64_t m, int64_t k) 
     return (Activations){(const int8_t *)base, (const float *)(base + code_bytes),
                          (const int32_t *)(base + code_bytes + block_bytes),
                          (const float *)(base + code_bytes + 2 * block_bytes)};
-}
-
-/* activations_room for `rows` rows (m, or m padded to whole row tiles), the padding rows' codes, scales
- * and sums zero: a tile's rows past m add nothing, and their outputs are never stored. */
-static Activations padded_room(ThreadBuffer *buffer, int64_t m, int64_t rows, int64_t k) {
-    const Activations a = activations_room(buffer, rows, k);
-    if (a.q != NULL && rows > m) {
-        const int64_t nb = k / QB, pad = rows - m;
-        memset((int8_t *)a.q + m * k, 0, (size_t)(pad * k));
-        memset((float *)a.d + m * nb, 0, (size_t)(pad * nb) * sizeof(float));
-        memset((int32_t *)a.c + m * nb, 0, (size_t)(pad * nb) * sizeof(int32_t));
-        memset((float *)a.s + m * nb, 0, (size_t)(pad * nb) * sizeof(float));
-    }
-    return a;
 }
 
 static void quantize_rows(const void *x, int64_t r0, int64_t r1, int64_t k, int dtype, int32_t off,
@@ -542,12 +555,13 @@ static int products(const Activations *a, const TandemWeight *w, const void *bia
 }
 
 #if HAVE_INT8_TILES
-/* products() on AMX-INT8 tiles (a's rows padded to whole tiles): the same bits. */
+/* products() on AMX-INT8 tiles (m >= 16): the same bits. */
 static int products_tiles(const Activations *a, const TandemWeight *w, const void *bias, void *out, int64_t m,
                           int64_t n, int64_t k, int64_t g0, int64_t g1, int dtype) {
     __m512i *quads = quad_scratch(k / 4);
     if (quads == NULL) return 1;
     const TileConfig cfg = int8_tile_config();
+    TILE_MEMORY_BARRIER(); /* the configuration's 64 bytes are stored before LDTILECFG reads them */
     _tile_loadconfig(&cfg); /* per thread: the configuration is thread state */
     if (w->format == TANDEM_WEIGHT_Q8)
         part_tiles(a, w, quads, bias, out, m, n, k, g0, g1, TANDEM_WEIGHT_Q8, dtype);
@@ -562,7 +576,7 @@ static int products_tiles(const Activations *a, const TandemWeight *w, const voi
 
 int tandem_linear_int8(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
                        int64_t k, int dtype) {
-    if (k % QB != 0 || w->scales == NULL || (w->format != TANDEM_WEIGHT_Q4 && w->format != TANDEM_WEIGHT_Q8))
+    if (k < 1 || k % QB != 0 || w->scales == NULL || (w->format != TANDEM_WEIGHT_Q4 && w->format != TANDEM_WEIGHT_Q8))
         return -1;
     if (m == 0 || n == 0) return 0;
     const int64_t groups = (n + QG - 1) / QG;
@@ -582,21 +596,18 @@ int tandem_linear_int8(const void *x, const TandemWeight *w, const void *bias, v
      * either way: the same codes. */
     const int alone = m <= ALONE_ROWS || groups >= (int64_t)ALONE_GROUPS * team_size();
 #if HAVE_INT8_TILES
-    /* AMX-INT8 from the descriptor's tile_rows on (the measured choice's; the same bits either way) */
-    const int tiles = w->tile_rows > 0 && m >= w->tile_rows && tandem_tiles_available();
-    const int64_t rows = tiles ? (m + TILE_M - 1) / TILE_M * TILE_M : m; /* whole row tiles */
-#else
-    const int64_t rows = m;
+    /* AMX-INT8 from the descriptor's tile_rows on (the measured choice's; the same bits either way),
+     * for calls with a whole tile of rows */
+    const int tiles = w->tile_rows > 0 && m >= w->tile_rows && m >= TILE_M && tandem_tiles_available();
 #endif
-    const Activations shared =
-        alone ? (Activations){NULL, NULL, NULL, NULL} : padded_room(&activation_buffer, m, rows, k);
+    const Activations shared = alone ? (Activations){NULL, NULL, NULL, NULL} : activations_room(&activation_buffer, m, k);
     if (!alone && shared.q == NULL) return -1;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
         Activations a = shared;
         if (alone) {
-            a = padded_room(&activation_buffer, m, rows, k); /* this thread's */
+            a = activations_room(&activation_buffer, m, k); /* this thread's */
             if (a.q != NULL) quantize_rows(x, 0, m, k, dtype, off, &a);
         } else {
             int64_t r0, r1;

@@ -174,6 +174,9 @@ int tandem_linear_tiles_bf16(const uint16_t *x, const uint16_t *wp, const uint16
         int64_t g_begin, g_end;
         team_share(groups, &g_begin, &g_end);
         if (g_begin < g_end) {
+            /* GCC's tile intrinsics name no memory: the configuration's bytes and the rows copied
+             * above must be stored before LDTILECFG and the tile loads read them */
+            __asm__ volatile("" ::: "memory");
             _tile_loadconfig(&cfg); /* per thread: the configuration is thread state */
             /* Group outer: its 110-300 KB stay in L2 while every row tile goes over them. */
             for (int64_t g = g_begin; g < g_end; g++)
