@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer
 
-from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, TextPrompt
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, ChatTemplate
 from tandem.decoder.engine.admission.template_source import read_template_source
@@ -147,6 +149,32 @@ def test_an_end_of_turn_probe_that_fails_at_start_says_so_and_what_chats_stop_at
             "the end of the assistant's turn"
         )
         assert template.render(_chat([{"role": "user", "content": "hi"}]))  # it still serves
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_cannot_start_fails_a_chat_unavailable_not_naming_the_template(
+    smollm2_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A start slower than its limit is the machine's doing: the chat may be retried, and the
+    # template is not to blame (INVALID_ARGUMENT on chat.chat_template says it is).
+    def never_ready(memory_bytes: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(30)"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+
+    workers = TemplateWorkers(workers=1, start_limit_s=0.2, spawn=never_ready)
+    try:
+        with caplog.at_level(logging.WARNING):
+            template = _with_workers(smollm2_dir, workers)
+        assert template.end_of_turn_ids == ()
+        [record] = caplog.records
+        assert "the template worker did not start within 0.2 s" in record.getMessage()
+        with pytest.raises(Unavailable, match="the template worker did not start within 0.2 s"):
+            template.render(_chat([{"role": "user", "content": "hi"}]))
     finally:
         workers.close()
 

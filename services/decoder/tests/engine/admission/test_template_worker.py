@@ -1,23 +1,32 @@
 """Template workers: a chat template renders in a process of its own, bounded in memory, time and
-output; a template past a bound fails alone, its worker is replaced, and others keep rendering."""
+output; a template past a bound fails alone, its worker is replaced, and others keep rendering. A
+render is judged by its template's time alone, never by a worker's start."""
 
 from __future__ import annotations
 
+import select
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
+import psutil
 import pytest
 
 from tandem.decoder.engine.admission.template_worker import (
     MAX_RENDERED_CHARS,
     TemplateFailed,
     TemplateWorkers,
+    TemplateWorkerUnavailable,
+    spawn_worker,
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 # Runs 10^10 empty iterations: nothing printed, so only a time bound ends it.
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+OUT_OF_MEMORY = "{% set x = 'a' * 10**9 %}{{ x | length }}"
 
 
 @pytest.fixture
@@ -146,3 +155,126 @@ def test_close_ends_every_worker(workers: TemplateWorkers) -> None:
     assert all(p.poll() is not None for p in processes)
     with pytest.raises(TemplateFailed, match="shut down"):
         _render(workers, CHATML)
+
+
+Spawn = Callable[[int], subprocess.Popen[bytes]]
+
+
+def _recorded(started: list[subprocess.Popen[bytes]], start_delay_s: float = 0.0) -> Spawn:
+    """Starts workers as the pool does, each `start_delay_s` slower to say it is ready (a busy
+    machine's start), and records their processes in `started`."""
+
+    def spawn(memory_bytes: int) -> subprocess.Popen[bytes]:
+        if start_delay_s:
+            main = "from tandem.decoder.engine.admission.template_worker import main"
+            process = subprocess.Popen(
+                [sys.executable, "-P", "-c", f"import time; time.sleep({start_delay_s}); {main}; main()"]
+                + [str(memory_bytes)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
+        else:
+            process = spawn_worker(memory_bytes)
+        started.append(process)
+        return process
+
+    return spawn
+
+
+def _has_said_something(process: subprocess.Popen[bytes], within_s: float) -> bool:
+    """Whether the worker wrote a line (its ready line) within `within_s`, none of it read."""
+    assert process.stdout is not None
+    return bool(select.select([process.stdout.fileno()], [], [], within_s)[0])
+
+
+def test_workers_slow_to_start_do_not_fail_the_first_concurrent_renders() -> None:
+    # Before: a render's 1 s counted its worker's start too, so on a busy machine (each start here
+    # 1.5 s) the first chats, or the first after a worker was replaced, failed naming the template.
+    started: list[subprocess.Popen[bytes]] = []
+    workers = TemplateWorkers(time_limit_s=1.0, spawn=_recorded(started, start_delay_s=1.5))
+    texts: list[str] = []
+    failed: list[Exception] = []
+
+    def chat() -> None:
+        try:
+            texts.append(_render(workers, CHATML))
+        except Exception as error:
+            failed.append(error)
+
+    threads = [threading.Thread(target=chat) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert failed == []
+        assert texts == ["<|im_start|>user\nhi<|im_end|>\n"] * 2
+        assert len(started) == 2  # both cold workers served, none replaced
+    finally:
+        workers.close()
+
+
+@pytest.mark.parametrize(("source", "why"), [(LOOP, "ran longer than 1 s"), (OUT_OF_MEMORY, "MiB of memory")])
+def test_a_killed_workers_successor_starts_at_once_and_is_ready_before_the_next_request(
+    source: str, why: str
+) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+    workers = TemplateWorkers(workers=1, time_limit_s=1.0, spawn=_recorded(started))
+    try:
+        with pytest.raises(TemplateFailed, match=why):
+            _render(workers, source)
+        first, successor = started  # started when the first ended, no request asking for it
+        assert first.poll() is not None
+        assert _has_said_something(successor, within_s=10.0)  # ready, no request asking
+        assert _render(workers, CHATML).startswith("<|im_start|>user")
+        assert started == [first, successor] and successor.poll() is None  # it took the render
+    finally:
+        workers.close()
+
+
+def test_a_hostile_template_is_still_cut_at_its_limit_once_its_worker_has_started() -> None:
+    started: list[subprocess.Popen[bytes]] = []
+    workers = TemplateWorkers(workers=1, time_limit_s=1.0, spawn=_recorded(started, start_delay_s=1.5))
+    try:
+        assert _render(workers, CHATML).startswith("<|im_start|>user")  # waits for the start
+        begun = time.monotonic()
+        with pytest.raises(TemplateFailed, match="the template ran longer than 1 s"):
+            _render(workers, LOOP)
+        assert 1.0 <= time.monotonic() - begun < 1.8
+        # On a worker still starting the wait is its start and then the limit, never more.
+        begun = time.monotonic()
+        with pytest.raises(TemplateFailed, match="the template ran longer than 1 s"):
+            _render(workers, LOOP)
+        assert 1.0 <= time.monotonic() - begun < workers.start_limit_s + workers.time_limit_s
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_does_not_start_in_time_is_unavailable_not_the_templates_fault() -> None:
+    started: list[subprocess.Popen[bytes]] = []
+    workers = TemplateWorkers(
+        workers=1, time_limit_s=1.0, start_limit_s=0.3, spawn=_recorded(started, start_delay_s=30)
+    )
+    try:
+        begun = time.monotonic()
+        with pytest.raises(TemplateWorkerUnavailable, match="did not start within 0.3 s"):
+            _render(workers, CHATML)
+        assert time.monotonic() - begun < 1.5
+        first, successor = started
+        assert first.poll() is not None and successor.poll() is None  # killed, and replaced at once
+    finally:
+        workers.close()
+
+
+def test_close_leaves_no_child_process_or_thread() -> None:
+    threads = threading.active_count()
+    started: list[subprocess.Popen[bytes]] = []
+    workers = TemplateWorkers(time_limit_s=1.0, spawn=_recorded(started, start_delay_s=0.5))
+    with pytest.raises(TemplateFailed, match="ran longer"):
+        _render(workers, LOOP)  # its worker killed and a successor starting: three in all
+    workers.close()
+    assert len(started) == 3 and all(p.returncode is not None for p in started)  # each reaped
+    children = {child.pid for child in psutil.Process().children(recursive=True)}
+    assert children.isdisjoint(p.pid for p in started)
+    assert threading.active_count() == threads

@@ -28,12 +28,13 @@ The end-of-turn token is read off the template itself: the first special token i
 assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3). A chat's generation
 stops there as well as at the model's EOS IDs. It is derived once, at start, by a render given what
 the start-up compile check gets (template_source.START_TIME_LIMIT_S), not a request's 1 s: that
-first render also waits for its worker to start, and a busy machine's slow start must not decide for
-good whether chats stop at the end of the assistant's turn. A template that writes no special token
-there has none and serves, stopping at the EOS IDs alone, as vLLM and transformers stop every chat
-(neither reads a stop token off the template). A probe that fails (the template raises for it, or a
-bound is exceeded even so) serves the same way, since either would serve such a template, but never
-silently: a warning names the template, why, and what chats then stop at.
+render is the template's first compile, on a machine busy loading the model, and a slow moment then
+must not decide for good whether chats stop at the end of the assistant's turn. (No render, the
+probe's or a request's, counts its worker's start: template_worker.py.) A template that writes no
+special token there has none and serves, stopping at the EOS IDs alone, as vLLM and transformers
+stop every chat (neither reads a stop token off the template). A probe that fails (the template
+raises for it, or a bound is exceeded even so) serves the same way, since either would serve such a
+template, but never silently: a warning names the template, why, and what chats then stop at.
 """
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ from typing import Any
 
 import tokenizers
 
-from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.admission.template_source import START_TIME_LIMIT_S, read_template_source
-from tandem.decoder.engine.admission.template_worker import TemplateFailed, TemplateWorkers
+from tandem.decoder.engine.admission.template_worker import (
+    TemplateFailed,
+    TemplateWorkers,
+    TemplateWorkerUnavailable,
+)
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -171,6 +176,8 @@ class ChatTemplate:
         variables = {**self.special, **chat.template_kwargs}
         try:
             return self.workers.render(source, messages, chat.add_generation_prompt, variables)
+        except TemplateWorkerUnavailable as e:  # the machine's doing, not the template's: retry
+            raise Unavailable(str(e)) from None
         except TemplateFailed as e:
             raise InvalidArgument(e.field, str(e)) from None
 
@@ -199,7 +206,7 @@ class ChatTemplate:
         ]
         try:
             text = self.workers.render(self.source or "", conversation, True, self.special, time_limit_s)
-        except TemplateFailed as error:
+        except TemplateFailed as error:  # TemplateWorkerUnavailable too
             log.warning(
                 "%s: its end-of-turn token could not be derived (rendering a user and an assistant "
                 "message: %s); chats stop only at the model's EOS IDs (generation_config.json or "
