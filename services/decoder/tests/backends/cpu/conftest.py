@@ -63,3 +63,19 @@ def emulated_tile_products(kernels: Kernels) -> int | None:
         return ctypes.c_long.in_dll(ctypes.CDLL(str(kernels.path)), "tandem_emulated_tile_products").value
     except ValueError:
         return None
+
+
+def amx_kernels(flags: set[str]) -> Kernels:
+    """The amx build on a CPU whose /proc/cpuinfo has `flags` and whose kernel grants the tile state;
+    elsewhere the test skips, saying what is missing."""
+    missing = sorted(flags - isa.this_cpu().flags)
+    if missing:
+        pytest.skip(f"no {' or '.join(missing)} in /proc/cpuinfo: AMX tiles cannot run on this CPU")
+    level = next(level for level in X86_64_LEVELS if level.name == "amx")
+    try:
+        kernels = load(level)
+    except KernelsUnavailable as error:
+        pytest.fail(f"the amx build must load on a CPU with AMX: {error}")
+    if not kernels.tiles:
+        pytest.skip("the kernel refused this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+    return kernels

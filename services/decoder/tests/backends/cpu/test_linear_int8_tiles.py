@@ -18,32 +18,20 @@ import torch
 from services.decoder.tests.backends.cpu.test_linear_int8 import assert_is_the_product_of_the_rounded_inputs
 from services.decoder.tests.backends.cpu.test_linear_quant import KINDS
 from tandem.decoder.backends.cpu.build import X86_64_LEVELS
-from tandem.decoder.backends.cpu.isa import this_cpu
-from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load
+from tandem.decoder.backends.cpu.kernels import Kernels
 from tandem.decoder.backends.cpu.linear import QuantLinear
 
-from .conftest import emulated_tile_products
+from .conftest import amx_kernels, emulated_tile_products
 
 LEVELS = {level.name: level for level in X86_64_LEVELS}
-
-
-def _amx_kernels() -> Kernels:
-    missing = sorted({"amx_tile", "amx_int8", "avx512_vnni"} - this_cpu().flags)
-    if missing:
-        pytest.skip(f"no {' or '.join(missing)} in /proc/cpuinfo: AMX-INT8 tiles cannot run on this CPU")
-    try:
-        kernels = load(LEVELS["amx"])
-    except KernelsUnavailable as error:
-        pytest.fail(f"the amx build must load on a CPU with AMX: {error}")
-    if not kernels.tiles:
-        pytest.skip("the kernel refused this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
-    return kernels
 
 
 @pytest.fixture(scope="module", params=["amx", "emulated"])
 def tiles(request: pytest.FixtureRequest) -> Kernels:
     """A build whose int8-activation linears can run on tiles."""
-    return _amx_kernels() if request.param == "amx" else request.getfixturevalue("emulated_tiles")
+    if request.param == "amx":
+        return amx_kernels({"amx_tile", "amx_int8", "avx512_vnni"})
+    return request.getfixturevalue("emulated_tiles")
 
 
 def int8_linear(

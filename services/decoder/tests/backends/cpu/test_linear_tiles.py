@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from tandem.decoder.backends.cpu.build import X86_64_LEVELS
-from tandem.decoder.backends.cpu.isa import this_cpu
-from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load
+from tandem.decoder.backends.cpu.kernels import Kernels
 from tandem.decoder.backends.cpu.linear import CLinear
 
-from .conftest import emulated_tile_products
+from .conftest import amx_kernels, emulated_tile_products
 from .test_linear import rounded_once
 
 LEVELS = {level.name: level for level in X86_64_LEVELS}
@@ -37,24 +36,12 @@ def assert_within_fp32_sums(
     assert ((actual.double() - expected).abs() <= bound).all()
 
 
-def _amx_kernels() -> Kernels:
-    flags = this_cpu().flags
-    missing = sorted({"amx_tile", "amx_bf16", "avx512_bf16"} - flags)
-    if missing:
-        pytest.skip(f"no {' or '.join(missing)} in /proc/cpuinfo: AMX tiles cannot run on this CPU")
-    try:
-        kernels = load(LEVELS["amx"])
-    except KernelsUnavailable as error:
-        pytest.fail(f"the amx build must load on a CPU with AMX: {error}")
-    if not kernels.tiles:
-        pytest.skip("the kernel refused this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
-    return kernels
-
-
 @pytest.fixture(scope="module", params=["amx", "emulated"])
 def tiles(request: pytest.FixtureRequest) -> Kernels:
     """A build whose packed bf16 weights can run on tiles."""
-    return _amx_kernels() if request.param == "amx" else request.getfixturevalue("emulated_tiles")
+    if request.param == "amx":
+        return amx_kernels({"amx_tile", "amx_bf16", "avx512_bf16"})
+    return request.getfixturevalue("emulated_tiles")
 
 
 # Rows: one short row tile, one whole, whole + short, several. Shapes: a whole group of 96 features

@@ -39,7 +39,10 @@ SOURCES = (
     "quant_rows.c",
     "runs.c",
 )
-HEADERS = ("bf16.h", "elements.h", "exp.h", "limits.h", "lora.h", "runs.h", "scratch.h", "team.h", "weight.h")
+HEADERS = (
+    "bf16.h", "elements.h", "exp.h", "limits.h", "lora.h", "runs.h", "scratch.h", "team.h", "tiles.h",
+    "weight.h",
+)  # fmt: skip
 PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as extension modules
 
 # -fopenmp: the library's parallel loops join torch's OpenMP runtime (torch/lib/libgomp.so.1, already

@@ -52,6 +52,7 @@
 #define HAVE_VNNI 0
 #endif
 #if HAVE_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include "tiles.h"
 #define HAVE_INT8_TILES 1
 #else
 #define HAVE_INT8_TILES 0
@@ -390,14 +391,6 @@ static void part_vnni(const Activations *a, const TandemWeight *w, __m512i *pre,
 
 #define TILE_M 16 /* rows a tile */
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 static TileConfig int8_tile_config(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -409,10 +402,6 @@ static TileConfig int8_tile_config(void) {
     }
     return cfg;
 }
-
-/* GCC's tile intrinsics are asm statements that name no memory: without this, stores only a tile
- * instruction reads (the quads, the configuration's 64 bytes) could be moved past it. */
-#define TILE_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
 
 /* Quad j of a group's block as the tile product reads it: signed values for Q8_0 (q) and Q4_0 (q - 8),
  * Q4_1's unsigned codes as stored. */

@@ -41,6 +41,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "tiles.h"
 #define HAVE_TILES 1
 #else
 #define HAVE_TILES 0
@@ -59,15 +61,6 @@ int tandem_linear_tiles_bf16(const uint16_t *x, const uint16_t *wp, const uint16
 #define TILE_PAIRS 16  /* input pairs per K step (32 bf16: one A tile row) */
 #define TILE_N 16      /* features per C and B tile */
 #define C_TILES 3      /* C tiles a pass: half a group */
-
-/* LDTILECFG's 64 bytes. */
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* 0 not asked yet, 1 granted, -1 refused; asked from Python at load (one thread). */
 static int tiles_state;
@@ -174,9 +167,7 @@ int tandem_linear_tiles_bf16(const uint16_t *x, const uint16_t *wp, const uint16
         int64_t g_begin, g_end;
         team_share(groups, &g_begin, &g_end);
         if (g_begin < g_end) {
-            /* GCC's tile intrinsics name no memory: the configuration's bytes and the rows copied
-             * above must be stored before LDTILECFG and the tile loads read them */
-            __asm__ volatile("" ::: "memory");
+            TILE_MEMORY_BARRIER(); /* the configuration and the rows copied above, stored first */
             _tile_loadconfig(&cfg); /* per thread: the configuration is thread state */
             /* Group outer: its 110-300 KB stay in L2 while every row tile goes over them. */
             for (int64_t g = g_begin; g < g_end; g++)
