@@ -254,7 +254,8 @@ def test_decode_rows_beside_a_prefill_chunk_on_onednn_keep_their_bits_alone(bf16
     two parts: the decode row gets the bits it gets alone, the chunk the model's tokens."""
     kernels = load_for_cpu()
     assert kernels is not None
-    shapes: list[Shape] = sorted({(w.shape[0], w.shape[1]) for w in _layer_weights(bf16_model)})
+    weights = [linear.weight for linear in kernel_choice.projections(bf16_model)]
+    shapes: list[Shape] = sorted({(w.shape[0], w.shape[1]) for w in weights})
     exact = tuple((s, kernels.level.name) for s in shapes)
     plan = LinearPlan(kernels.level.name, exact, tuple((s, "onednn") for s in shapes), 9, "test")
     executor = CpuExecutor(bf16_model, kernels, dense_rows=9, plan=plan)
@@ -268,19 +269,6 @@ def test_decode_rows_beside_a_prefill_chunk_on_onednn_keep_their_bits_alone(bf16
     assert torch.equal(mixed[0], alone.step([("a", [42])])[0])
     reference = PagedRun(bf16_model).step([("b", chunk)])[0]
     assert int(mixed[1].argmax()) == int(reference.argmax())
-
-
-def _layer_weights(model) -> list[torch.Tensor]:
-    return [
-        linear.weight
-        for layer in model.layers
-        for linear in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
 
 
 def test_a_model_too_small_to_pay_for_a_measurement_keeps_the_flags_choice(

@@ -382,12 +382,24 @@ def linear_weights(
         weights.setdefault(shape, weight.detach().contiguous())
         return shape
 
-    for layer in model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            add(getattr(linear, "weight", None))
+    for linear in projections(model):
+        add(getattr(linear, "weight", None))
     head = add(model.head_weight)
     return counts, weights, head
+
+
+def projections(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every layer's four projections (qkv, o, gate_up, down), layer by layer."""
+    return [
+        linear
+        for layer in model.layers
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
 
 
 def choose(
@@ -484,17 +496,7 @@ def quantized_weights(model: torch.nn.Module) -> tuple[dict[Shape, int], dict[Sh
     past every step without prompt rows)."""
     counts: dict[Shape, int] = {}
     weights: dict[Shape, QuantizedTensor] = {}
-    projections = [
-        linear
-        for layer in model.layers
-        for linear in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
-    for weight in [getattr(linear, "qweight", None) for linear in projections] + [model.head_weight]:
+    for weight in [getattr(linear, "qweight", None) for linear in projections(model)] + [model.head_weight]:
         if isinstance(weight, QuantizedTensor):
             shape = (weight.n, weight.k)
             counts[shape] = counts.get(shape, 0) + 1
