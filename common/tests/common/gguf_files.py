@@ -7,6 +7,7 @@ and with transformers' own GGUF loader, an independent reader of the same bytes.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,38 @@ _GLOBAL = {
 }
 
 
+@dataclass(frozen=True)
+class SentencePieceFields:
+    """The tokenizer fields llama.cpp's converter writes for a SentencePiece model (Llama 2, Mistral)."""
+
+    tokens: list[str]  # [vocab_size] pieces, "▁" for a space
+    scores: list[float]  # [vocab_size]
+    types: list[int]  # [vocab_size] 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    bos_id: int
+    eos_id: int
+    unknown_id: int
+    add_bos: bool | None = True  # None: the field left out, as older files do
+    merges: list[str] | None = None  # most files list none: the scores rank the merges
+    add_space_prefix: bool | None = None  # None: the field left out (llama.cpp's default: true)
+
+
+def sentencepiece_fields() -> SentencePieceFields:
+    """A small Llama-2-like vocabulary: <unk> <s> </s>, the 256 byte pieces, joined pieces whose scores
+    fall with their rank, single characters below them, one user-defined and one unused piece. No
+    newline, CJK or most punctuation pieces: those take the byte fallback."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [2, 3, 3, *[6] * 256]
+    joined = "▁t er in ▁a en on ▁th es ▁the ▁s ll he ▁he llo ▁hello ▁w or ▁wor ld ▁world ▁▁ ▁▁▁▁ ▁H ▁Hello"
+    characters = list("▁etaoinshrdlucmfwypvbgkqjxzETAOINSHRDLUCMFWYPVBGKQJXZ0123456789,.!?'[]/-é")
+    pieces = [*joined.split(), "ing", "▁in", *characters]
+    tokens += pieces
+    types += [1] * len(pieces)
+    tokens += ["<tool>", "<unused0>"]
+    types += [4, 5]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    return SentencePieceFields(tokens, scores, types, bos_id=1, eos_id=2, unknown_id=0)
+
+
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to Llama's Q and K rows (written independently)."""
     rows = weight.shape[0]
@@ -71,7 +104,7 @@ def gguf_name(hf_name: str) -> str:
 def write_gguf(
     path: Path,
     hf_model: Any,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | SentencePieceFields,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     chat_template: str | None = None,
     pre: str = "gpt2",
@@ -117,20 +150,10 @@ def write_gguf(
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(int(qtype))
 
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
-    model_json = json.loads(tokenizer.to_str())["model"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    padded = tokens + [f"[PAD{i}]" for i in range(config.vocab_size - len(tokens))]
-    writer.add_token_list(padded)
-    writer.add_token_types([3 if t in specials else (5 if t.startswith("[PAD") else 1) for t in padded])
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model_json["merges"]])
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    writer.add_eos_token_id(eos)
-    writer.add_bos_token_id(eos)
-    writer.add_add_bos_token(False)
+    if isinstance(tokenizer, SentencePieceFields):
+        _write_sentencepiece(writer, tokenizer)
+    else:
+        _write_byte_level(writer, tokenizer, pre, config.vocab_size)
     if chat_template:
         writer.add_chat_template(chat_template)
     for key, value in (metadata or {}).items():  # keys this file would not have had
@@ -155,6 +178,41 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_byte_level(writer: gguf.GGUFWriter, tokenizer: Tokenizer, pre: str, vocab_size: int) -> None:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    model_json = json.loads(tokenizer.to_str())["model"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    padded = tokens + [f"[PAD{i}]" for i in range(vocab_size - len(tokens))]
+    writer.add_token_list(padded)
+    writer.add_token_types([3 if t in specials else (5 if t.startswith("[PAD") else 1) for t in padded])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model_json["merges"]])
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    writer.add_eos_token_id(eos)
+    writer.add_bos_token_id(eos)
+    writer.add_add_bos_token(False)
+
+
+def _write_sentencepiece(writer: gguf.GGUFWriter, fields: SentencePieceFields) -> None:
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(fields.tokens)
+    writer.add_token_scores(fields.scores)
+    writer.add_token_types(fields.types)
+    if fields.merges is not None:
+        writer.add_token_merges(fields.merges)
+    writer.add_bos_token_id(fields.bos_id)
+    writer.add_eos_token_id(fields.eos_id)
+    writer.add_unk_token_id(fields.unknown_id)
+    if fields.add_bos is not None:
+        writer.add_add_bos_token(fields.add_bos)
+    writer.add_add_eos_token(False)
+    if fields.add_space_prefix is not None:
+        writer.add_add_space_prefix(fields.add_space_prefix)
 
 
 def _encode(array: np.ndarray, qtype: gguf.GGMLQuantizationType | None) -> tuple[np.ndarray, dict]:

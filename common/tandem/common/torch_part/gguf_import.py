@@ -41,6 +41,13 @@ from tandem.common.model_limits import (
     MAX_VOCAB,
 )
 from tandem.common.torch_part.gguf_header import GGUFHeaderError, check_header
+from tandem.common.torch_part.gguf_sentencepiece import (
+    SentencePieceError,
+    SentencePieceVocab,
+    check_vocab,
+    special_ids,
+    tokenizer_parts,
+)
 from tandem.common.weight_shapes import TextModelShape, expected_weights, mismatch
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 
@@ -304,14 +311,16 @@ def _check_blocks(reader: Any, meta: _Metadata, num_layers: int) -> None:
 def _tokenizer_files(
     meta: _Metadata, hf_config: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """tokenizer.json (byte-level BPE), tokenizer_config.json and generation_config.json."""
+    """tokenizer.json (byte-level BPE, or SentencePiece's pieces and scores: gguf_sentencepiece.py),
+    tokenizer_config.json and generation_config.json."""
     kind = meta.get_str("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise GGUFImportError(
-            f"{meta.path}: tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', byte-level BPE)"
+            f"{meta.path}: tokenizer.ggml.model {kind!r} is not supported "
+            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece)"
         )
     pre = meta.get_str("tokenizer.ggml.pre") or "default"
-    if pre not in _PRE_TOKENIZERS:
+    if kind == "gpt2" and pre not in _PRE_TOKENIZERS:
         raise GGUFImportError(
             f"{meta.path}: tokenizer.ggml.pre {pre!r} is not supported "
             f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
@@ -348,46 +357,35 @@ def _tokenizer_files(
             f"{meta.path}: tokenizer.chat_template has {len(template)} characters, "
             f"more than {MAX_TEMPLATE_CHARS}"
         )
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = _flag(meta, "tokenizer.ggml.add_bos_token", default=kind == "llama")
+    add_eos = _flag(meta, "tokenizer.ggml.add_eos_token")
+    if kind == "llama":
+        parts, whole = _sentencepiece_parts(meta, tokens, types, merges)
+    else:
+        parts, whole = (
+            _byte_level_parts(pre, tokens, merges),
+            [i for i, kind_ in enumerate(types) if kind_ in (_CONTROL, _USER_DEFINED)],
+        )
     added = [
         {
             "id": i,
-            "content": token,
+            "content": tokens[i],
             "single_word": False,
             "lstrip": False,
             "rstrip": False,
             "normalized": False,
-            "special": kind_ == _CONTROL,
+            "special": types[i] != _USER_DEFINED,
         }
-        for i, (token, kind_) in enumerate(zip(tokens, types, strict=True))
-        if kind_ in (_CONTROL, _USER_DEFINED)
+        for i in whole
     ]
-    splits = [
-        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
-        for regex in _PRE_TOKENIZERS[pre]
-    ]
-    # The splits above already did the regex's work; ByteLevel only maps bytes to its alphabet.
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     tokenizer_json = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*splits, byte_level]},
-        "post_processor": _post_processor(meta, tokens),
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {token: i for i, token in enumerate(tokens)},
-            "merges": [merge.split(" ", 1) for merge in merges],
-        },
+        "post_processor": _post_processor(meta, tokens, add_bos, add_eos),
+        **parts,
     }
 
     def token(key: str) -> str | None:
@@ -405,8 +403,8 @@ def _tokenizer_files(
         "eos_token": token("eos"),
         "unk_token": token("unknown"),
         "pad_token": token("padding"),
-        "add_bos_token": _flag(meta, "tokenizer.ggml.add_bos_token"),
-        "add_eos_token": _flag(meta, "tokenizer.ggml.add_eos_token"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": hf_config["max_position_embeddings"],
         "chat_template": meta.get_str("tokenizer.chat_template"),
@@ -432,28 +430,99 @@ def _list_of(meta: _Metadata, key: str, kind: type) -> list[Any]:
     return values
 
 
-def _flag(meta: _Metadata, key: str) -> bool:
-    value = meta.get(key, False)
+def _flag(meta: _Metadata, key: str, default: bool = False) -> bool:
+    value = meta.get(key, default)
     if not isinstance(value, bool):  # "yes" read as true before
         raise GGUFImportError(f"{meta.path}: metadata {key} must be a boolean, got {value!r:.40}")
     return value
 
 
-def _post_processor(meta: _Metadata, tokens: list[str]) -> dict[str, Any] | None:
-    """Prepends BOS when the file says the tokenizer adds it (Llama 3 does; SmolLM2 does not)."""
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if not _flag(meta, "tokenizer.ggml.add_bos_token") or not isinstance(bos, int):
+def _byte_level_parts(pre: str, tokens: list[str], merges: list[str]) -> dict[str, Any]:
+    """tokenizer.json's normalizer, pre_tokenizer, decoder and model for byte-level BPE."""
+    splits = [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+        for regex in _PRE_TOKENIZERS[pre]
+    ]
+    # The splits above already did the regex's work; ByteLevel only maps bytes to its alphabet.
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    return {
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*splits, byte_level]},
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {token: i for i, token in enumerate(tokens)},
+            "merges": [merge.split(" ", 1) for merge in merges],
+        },
+    }
+
+
+def _sentencepiece_parts(
+    meta: _Metadata, tokens: list[str], types: list[int], merges: list[str]
+) -> tuple[dict[str, Any], list[int]]:
+    """The SentencePiece vocabulary's tokenizer.json parts and the ids matched whole in a text."""
+    scores = meta.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list):
+        raise GGUFImportError(
+            f"{meta.path}: metadata tokenizer.ggml.scores must be an array, got {scores!r:.40}"
+        )
+    for i, score in enumerate(scores):
+        if isinstance(score, bool) or not isinstance(score, int | float):
+            raise GGUFImportError(
+                f"{meta.path}: metadata tokenizer.ggml.scores[{i}] must be a number, got {score!r:.40}"
+            )
+    unknown = meta.get("tokenizer.ggml.unknown_token_id")
+    vocab = SentencePieceVocab(
+        tokens=tokens,
+        scores=[float(score) for score in scores],
+        types=types,
+        merges=merges if meta.get("tokenizer.ggml.merges") is not None else None,
+        unknown_id=unknown if isinstance(unknown, int) else None,
+        add_space_prefix=_flag(meta, "tokenizer.ggml.add_space_prefix", default=True),
+    )
+    try:
+        check_vocab(vocab)
+    except SentencePieceError as e:
+        raise GGUFImportError(f"{meta.path}: {e}") from None
+    return tokenizer_parts(vocab), special_ids(vocab)
+
+
+def _post_processor(
+    meta: _Metadata, tokens: list[str], add_bos: bool, add_eos: bool
+) -> dict[str, Any] | None:
+    """BOS before and EOS after a text where the file says the tokenizer adds them (Llama 3 and Llama 2
+    add BOS; SmolLM2 adds neither)."""
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    before = [(tokens[bos], bos)] if add_bos and isinstance(bos, int) else []
+    after = [(tokens[eos], eos)] if add_eos and isinstance(eos, int) else []
+    if not before and not after:
         return None
-    name = tokens[bos]
+
+    def special(name: str, type_id: int) -> dict[str, Any]:
+        return {"SpecialToken": {"id": name, "type_id": type_id}}
+
+    def sequence(name: str, type_id: int) -> dict[str, Any]:
+        return {"Sequence": {"id": name, "type_id": type_id}}
+
     return {
         "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "single": [*(special(n, 0) for n, _ in before), sequence("A", 0), *(special(n, 0) for n, _ in after)],
         "pair": [
-            {"SpecialToken": {"id": name, "type_id": 0}},
-            {"Sequence": {"id": "A", "type_id": 0}},
-            {"Sequence": {"id": "B", "type_id": 1}},
+            *(special(n, 0) for n, _ in before),
+            sequence("A", 0),
+            *(special(n, 0) for n, _ in after),
+            *(special(n, 1) for n, _ in before),
+            sequence("B", 1),
+            *(special(n, 1) for n, _ in after),
         ],
-        "special_tokens": {name: {"id": name, "ids": [bos], "tokens": [name]}},
+        "special_tokens": {name: {"id": name, "ids": [i], "tokens": [name]} for name, i in before + after},
     }
 
 
