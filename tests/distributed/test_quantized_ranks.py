@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from common.tests.common.gguf_files import small_model, write_gguf
+from common.tests.common.gguf_files import mixed_types, small_model, write_gguf
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
 from tandem.common.torch_part.gguf_import import import_gguf
 from tandem.common.torch_part.quantized_tensor import BLOCK, QuantizedTensor
@@ -44,6 +44,30 @@ def gguf_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     root = tmp_path_factory.mktemp("gguf-ranks")
     tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     path = write_gguf(root / "m.gguf", small_model("llama", tokenizer.get_vocab_size()), tokenizer, Q.Q4_0)
+    return import_gguf(path, root / "imported", dtype="float32"), path
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same Llama as gguf_model's, each fused projection of tensors in different types (q and k
+    Q4_0 beside a Q8_0 v: 8 bits; a Q4_1 gate beside a Q4_0 up: offsets; a Q4_1 q beside Q8_0 k and v:
+    rounded to 8 bits), F16 down_proj and F32 o_proj tensors (8 bits) and a Q8_0 table."""
+    root = tmp_path_factory.mktemp("gguf-mixed-ranks")
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    hf_model = small_model("llama", tokenizer.get_vocab_size())
+    layer = "model.layers.{}.{}.weight"
+    types = {
+        layer.format(0, "self_attn.v_proj"): Q.Q8_0,
+        layer.format(0, "mlp.gate_proj"): Q.Q4_1,
+        layer.format(1, "self_attn.q_proj"): Q.Q4_1,
+        layer.format(1, "self_attn.k_proj"): Q.Q8_0,
+        layer.format(1, "self_attn.v_proj"): Q.Q8_0,
+        layer.format(0, "mlp.down_proj"): Q.F16,
+        layer.format(1, "self_attn.o_proj"): Q.F32,
+        "model.embed_tokens.weight": Q.Q8_0,
+    }
+    raw = mixed_types(hf_model, types)
+    path = write_gguf(root / "m.gguf", hf_model, tokenizer, Q.Q4_0, raw_tensors=raw)
     return import_gguf(path, root / "imported", dtype="float32"), path
 
 
@@ -131,12 +155,16 @@ def _assert_same_outputs(got: list, want: list) -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["int8", "int4", "gguf", "gguf-int8-activations"], ids=lambda case: case.replace("-", " ")
+    "case",
+    ["int8", "int4", "gguf", "gguf-int8-activations", "gguf-mixed-types"],
+    ids=lambda case: case.replace("-", " "),
 )
 def test_two_quantized_ranks_generate_what_the_one_rank_quantized_engine_does(
-    case: str, tiny_model_dir: Path, gguf_model: tuple[Path, Path]
+    case: str, tiny_model_dir: Path, gguf_model: tuple[Path, Path], mixed_gguf_model: tuple[Path, Path]
 ) -> None:
-    if case.startswith("gguf"):
+    if case == "gguf-mixed-types":
+        model_dir, options = mixed_gguf_model[0], _options("gguf", mixed_gguf_model[1])
+    elif case.startswith("gguf"):
         model_dir = gguf_model[0]
         activations = "int8" if case.endswith("activations") else "none"
         options = _options("gguf", gguf_model[1], quantized_activations=activations)

@@ -180,6 +180,22 @@ def write_gguf(
     return path
 
 
+def mixed_types(
+    model: torch.nn.Module, types: dict[str, gguf.GGMLQuantizationType]
+) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
+    """raw_tensors for write_gguf: the Llama `model`'s tensors named in `types` (Hugging Face names) in
+    those types, Q and K rows in llama.cpp's order as the writer puts them."""
+    heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+    raw = {}
+    for name, qtype in types.items():
+        array = model.state_dict()[name].float().numpy()
+        projection = name.rsplit(".", 2)[-2]
+        if projection in heads:
+            array = llama_cpp_permute(array, heads[projection])
+        raw[gguf_name(name)] = (gguf.quants.quantize(array, qtype), qtype)
+    return raw
+
+
 def _write_byte_level(writer: gguf.GGUFWriter, tokenizer: Tokenizer, pre: str, vocab_size: int) -> None:
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]

@@ -13,10 +13,12 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from common.tests.common.gguf_files import small_model, write_gguf
+from common.tests.common.gguf_files import mixed_types, small_model, write_gguf
 from tandem.common.torch_part.gguf_import import import_gguf
+from tandem.common.torch_part.quantized_tensor import quantize
 from tandem.decoder.backends.cpu.executor import CpuExecutor
 from tandem.decoder.backends.cpu.kernels import load_for_cpu
+from tandem.decoder.models import gguf_weights
 from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.tensor_parallel import checkpoint_parts
@@ -81,6 +83,67 @@ def test_other_types_are_re_quantized_once_and_the_log_says_so(
     got = q_proj.dequantize(torch.float32)[: dense["model.layers.0.self_attn.q_proj.weight"].shape[0]]
     want = dense["model.layers.0.self_attn.q_proj.weight"]
     assert (got - want).abs().max() <= want.abs().max() / 127  # half a step of the row's largest scale
+
+
+def test_tensors_of_different_types_fused_into_one_projection_keep_the_files_values(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """q, k, v (gate, up) fuse into one weight of one form: a Q4_0 tensor beside Q8_0 ones takes 8-bit
+    codes q - 8, beside Q4_1 ones offsets -8 d, both exact (a Q4_K_M file keeps attn_v in Q6_K beside
+    Q4_K q and k). The load said "weights fused into one must share their quantization", after listening."""
+    hf_model = small_model("llama", tokenizer.get_vocab_size())
+    layer = "model.layers.{}.{}.weight"
+    types = {
+        layer.format(0, "self_attn.v_proj"): Q.Q8_0,  # beside Q4_0 q and k: 8 bits
+        layer.format(0, "mlp.gate_proj"): Q.Q4_1,  # beside a Q4_0 up: offsets
+        layer.format(1, "self_attn.k_proj"): Q.Q4_1,
+    }
+    raw = mixed_types(hf_model, types)
+    path = write_gguf(tmp_path / "m.gguf", hf_model, tokenizer, Q.Q4_0, raw_tensors=raw)
+    imported = import_gguf(path, tmp_path / "out", dtype="float32")
+    model = load_model(imported, dtype="float32", quantization="gguf", quantized_from=path).model
+    fused = (
+        model.layers[0].self_attn.qkv_proj.qweight,
+        model.layers[0].mlp.gate_up_proj.qweight,
+        model.layers[1].self_attn.qkv_proj.qweight,
+    )
+    forms = [(w.bits, w.mins is not None) for w in fused]
+    assert forms == [(8, False), (4, True), (4, True)]
+    dense = load_file(imported / "model.safetensors")
+    for name, module in _quantized_modules(model).items():
+        parts = [p.name for p in checkpoint_parts(model.config, f"{name}.weight", module.qweight.shape, 1)]
+        expected = torch.cat([dense[p] for p in parts])
+        assert torch.equal(module.qweight.dequantize(torch.float32), expected), name
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32)
+    reference = theirs.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    assert (
+        greedy(model, PROMPT, 8, step=CpuExecutor(model, load_for_cpu()))
+        == reference[0, len(PROMPT) :].tolist()
+    )
+
+
+@pytest.mark.parametrize("q_type", [Q.Q4_1, Q.Q5_0], ids=["Q4_1", "a type re-quantized to 4 bits"])
+def test_a_4_bit_tensor_with_offsets_beside_8_bit_ones_is_rounded_once_to_8_bits(
+    q_type: Q, tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 bits have no offset: a Q4_1 q beside a Q8_0 v is its file's values rounded to 8 bits per block
+    of 32, and so is a type re-quantized to 4 bits alone (Q4_K beside Q6_K; here Q5_0, taken for one),
+    rounded once from the file's values, not from its 4-bit rounding."""
+    monkeypatch.setattr(gguf_weights, "_TO_4_BITS", (*gguf_weights._TO_4_BITS, "Q5_0"))
+    hf_model = small_model("llama", tokenizer.get_vocab_size())
+    q_name, v_name = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"
+    raw = mixed_types(hf_model, {q_name: q_type, v_name: Q.Q8_0})
+    path = write_gguf(tmp_path / "m.gguf", hf_model, tokenizer, Q.Q4_0, raw_tensors=raw)
+    imported = import_gguf(path, tmp_path / "out", dtype="float32")
+    model = load_model(imported, dtype="float32", quantization="gguf", quantized_from=path).model
+    qkv = model.layers[0].self_attn.qkv_proj.qweight
+    assert qkv.bits == 8
+    dense = load_file(imported / "model.safetensors")  # in float32: the file's values
+    num_q = dense[q_name].shape[0]
+    got = qkv.dequantize(torch.float32)
+    assert torch.equal(got[:num_q], quantize(dense[q_name], 8).dequantize(torch.float32))
+    k_and_v = torch.cat([dense[q_name.replace("q_proj", "k_proj")], dense[v_name]])
+    assert torch.equal(got[num_q:], k_and_v)  # Q4_0 k as 8-bit codes q - 8, Q8_0 v: the file's values
 
 
 def test_a_file_that_does_not_match_the_checkpoint_is_one_load_error(

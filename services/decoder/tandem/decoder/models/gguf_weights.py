@@ -9,6 +9,11 @@ tokenizer, norms and dense weights; this reads the file's linear weights again, 
   which the log says.
 Llama files store the Q and K rows in llama.cpp's RoPE order; they are put back, codes and scales
 alike (a permutation of output rows moves whole blocks).
+The tensors fused into one projection (q, k, v; gate, up) may be stored in different types (a Q4_K_M
+file keeps attn_v in Q6_K beside Q4_K q and k): they are then held in one form (`_one_form`), exactly
+where it exists (Q4_0's d (q - 8) is Q8_0's d q with codes q - 8, and Q4_1's d q + m with m = -8 d), and
+as 8 bits, rounded once per block of 32 from the file's values, for a Q4_1 tensor, or one re-quantized
+to 4 bits, beside 8-bit ones.
 """
 
 from __future__ import annotations
@@ -56,14 +61,19 @@ def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, Quantiz
     out: dict[str, QuantizedTensor] = {}
     requantized: Counter[str] = Counter()
     for param in quantizable(model):
-        parts = []
-        for part in model.checkpoint_parts(param):
-            key = gguf_name(part.name)
+        checkpoint_parts = model.checkpoint_parts(param)
+        keys = [gguf_name(part.name) for part in checkpoint_parts]
+        for part, key in zip(checkpoint_parts, keys, strict=True):
             if key is None or key not in tensors:
                 raise QuantizationError(f"--quantization gguf: {gguf_path} has no tensor for {part.name}")
-            whole = _read(tensors[key], part.name, architecture, heads, requantized)
+        # A re-quantized part fused beside 8-bit ones is rounded once, to 8 bits (_one_form).
+        types = {tensors[key].tensor_type.name for key in keys}
+        eight_bits = len(types) > 1 and any(t not in ("Q4_0", "Q4_1", *_TO_4_BITS) for t in types)
+        parts = []
+        for part, key in zip(checkpoint_parts, keys, strict=True):
+            whole = _read(tensors[key], part.name, architecture, heads, requantized, eight_bits)
             parts.append(whole if tp is None else cut(whole, part.shard_dim, tp.rank, tp.world_size))
-        out[param] = parts[0] if len(parts) == 1 else cat_rows(parts)
+        out[param] = parts[0] if len(parts) == 1 else cat_rows(_one_form(parts, param, requantized))
     if requantized:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(requantized.items()))
         log.info("--quantization gguf: re-quantized once (not a type served as stored): %s", kinds)
@@ -71,9 +81,15 @@ def read_quantized(gguf_path: Path, model: torch.nn.Module) -> dict[str, Quantiz
 
 
 def _read(
-    tensor: Any, hf_name: str, architecture: str, heads: dict[str, int], requantized: Counter[str]
+    tensor: Any,
+    hf_name: str,
+    architecture: str,
+    heads: dict[str, int],
+    requantized: Counter[str],
+    eight_bits: bool = False,
 ) -> QuantizedTensor:
-    """One GGUF tensor as a QuantizedTensor in Hugging Face's row order."""
+    """One GGUF tensor as a QuantizedTensor in Hugging Face's row order; a type not served as stored
+    re-quantized to 8 bits with `eight_bits`, else as its own bits say."""
     import gguf
 
     kind = tensor.tensor_type.name
@@ -100,7 +116,39 @@ def _read(
     if architecture == "llama":
         dense = unpermute_rows(hf_name, dense, heads)
     requantized[kind] += 1
-    return quantize(torch.from_numpy(np.ascontiguousarray(dense)), 4 if kind in _TO_4_BITS else 8)
+    bits = 4 if kind in _TO_4_BITS and not eight_bits else 8
+    return quantize(torch.from_numpy(np.ascontiguousarray(dense)), bits)
+
+
+def _one_form(parts: list[QuantizedTensor], param: str, requantized: Counter[str]) -> list[QuantizedTensor]:
+    """The parts of one fused projection in the form all of them can take, which cat_rows needs: 8 bits
+    beside any 8-bit part, else 4 bits with offsets beside any part that has them."""
+    if len({(p.bits, p.mins is None) for p in parts}) == 1:
+        return parts
+    if all(p.bits == 4 for p in parts):
+        with_offsets = [p if p.mins is not None else _with_offsets(p) for p in parts]
+        if all(p is not None for p in with_offsets):
+            return [p for p in with_offsets if p is not None]
+    held = []
+    for p in parts:
+        if p.bits == 4 and p.mins is not None:  # 8 bits have no offset: the values rounded to 8 bits
+            requantized[f"4-bit with offsets beside other types in {param}"] += 1
+            p = quantize(p.dequantize(torch.float32), 8)
+        elif p.bits == 4:
+            codes, d, _ = p.unpack()
+            p = pack((codes.to(torch.int16) - 8).to(torch.int8), d)
+        held.append(p)
+    return held
+
+
+def _with_offsets(part: QuantizedTensor) -> QuantizedTensor | None:
+    """A Q4_0 weight (d (q - 8)) as 4 bits with offsets (d q + m, m = -8 d: exact in fp16); None where
+    an offset would pass fp16's range."""
+    codes, d, _ = part.unpack()
+    m = d * -8
+    if bool((torch.isinf(m) & torch.isfinite(d)).any()):
+        return None
+    return pack(codes, d, m)
 
 
 def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
