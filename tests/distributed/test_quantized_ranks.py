@@ -18,9 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.tests.common.gguf_files import mixed_types, small_model, write_gguf
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
+from services.decoder.tests.models.helpers import save_hf_checkpoint
 from tandem.common.torch_part.gguf_import import import_gguf
 from tandem.common.torch_part.quantized_tensor import BLOCK, QuantizedTensor
 from tandem.decoder.engine.front.engine import Engine
@@ -202,6 +204,53 @@ def test_lora_adapters_on_quantized_ranks_give_the_one_rank_quantized_tokens(
     )
     assert rank1 is None
     assert rank0 == want
+
+
+@pytest.fixture(scope="module")
+def three_rank_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama 2 with biases on every projection and an untied head, sized for three ranks: 342 rows of
+    its 1026-row vocabulary a rank (not whole groups of 16 outputs: each rank's cut is padded), 2 of its
+    6 heads and 1 of its 3 KV heads, 64 of o_proj's 192 inputs and 128 of down_proj's 384."""
+    config = LlamaConfig(
+        vocab_size=1026,
+        hidden_size=192,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=32,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # logits far apart: no near-ties for greedy
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # transformers starts them at 0
+                p.normal_(std=0.1)
+    out = tmp_path_factory.mktemp("three-ranks")
+    return save_hf_checkpoint(model, out, tiny_model_dir / "tokenizer.json")
+
+
+def test_three_quantized_ranks_with_biases_and_groups_across_ranks_generate_the_one_rank_tokens(
+    three_rank_model: Path,
+) -> None:
+    """int4 groups of 192 inputs: one group is o_proj's whole row, held by three ranks, and down_proj's
+    groups straddle ranks; the biases of o_proj and down_proj are added once, after the sum."""
+    options = {"quantization": "int4", "quantization_group_size": 192}
+    engine = Engine(scenarios.engine_config(three_rank_model, options)).start()
+    try:
+        reference = scenarios.engine_outputs(engine)
+    finally:
+        engine.shutdown()
+    outputs = run_ranks(scenarios.rank_engine_outputs, 3, three_rank_model, options, timeout_s=120)
+    assert outputs[1:] == [None, None]
+    _assert_same_outputs(outputs[0], reference)
 
 
 def _narrow_mlp(source: Path, out: Path, intermediate_size: int) -> Path:
