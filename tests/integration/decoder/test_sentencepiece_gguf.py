@@ -1,0 +1,119 @@
+"""A Llama GGUF file with a SentencePiece tokenizer (Llama 2's and Mistral's kind) served by
+`python -m tandem.decoder --model FILE.gguf`: the chat template's text tokenizes as one text, the
+file's EOS ends a turn, and the tokens and text streamed are transformers' greedy ones on that file."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+
+from common.tests.common.gguf_files import sentencepiece_fields, small_model, write_gguf
+from tandem.client.client import DecoderClient
+
+# Llama 2's template, shortened: BOS as a literal, [INST] as plain text, EOS after each answer.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+MESSAGES = [
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "the world"},
+    {"role": "user", "content": "日本 and\nthe rest"},
+]
+RENDERED = "<s>[INST] hello there [/INST] the world</s>[INST] 日本 and\nthe rest [/INST]"
+NUM_NEW_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _until_serving(client: DecoderClient) -> None:
+    for _ in range(900):
+        try:
+            if await client.health(timeout=1) == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("the decoder never became SERVING")
+
+
+async def _chat(client: DecoderClient) -> tuple[list[int], str, object]:
+    ids, text, finished = [], [], None
+    async for response in client.chat(
+        MESSAGES, max_new_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True
+    ):
+        if response.HasField("delta"):
+            ids += response.delta.token_ids
+            text.append(response.delta.text)
+        elif response.HasField("finished"):
+            finished = response.finished
+    return ids, "".join(text), finished
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    fields = sentencepiece_fields()
+    model = small_model("llama", len(fields.tokens))
+    with torch.no_grad():  # a random model's bytes rarely make UTF-8: its text then depends on the window
+        model.lm_head.weight[3:259] = 0  # the byte pieces' logits 0, below the best piece's
+    return write_gguf(
+        tmp_path_factory.mktemp("spm") / "tiny-llama2.gguf", model, fields, chat_template=TEMPLATE
+    )
+
+
+async def test_a_sentencepiece_gguf_file_serves_chats_as_transformers_reads_it(
+    gguf_file: Path, tmp_path: Path
+) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env |= {"OMP_NUM_THREADS": "1", "HOME": str(tmp_path / "home")}  # HOME: the import's model cache
+    command = [sys.executable, "-m", "tandem.decoder", "--model", str(gguf_file), "--port", str(port)]
+    command += ["--dtype", "float32", "--num-threads", "1"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        async with DecoderClient(f"127.0.0.1:{port}") as client:
+            await _until_serving(client)
+            info = await client.model_info()
+            ids, text, finished = await _chat(client)
+            tokenized = await client.tokenize(["hello world"])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        output = process.communicate()[0].decode(errors="replace")
+    assert f"serving tiny-llama2 on port {port}" in output, output
+
+    (imported,) = (tmp_path / "home").rglob("tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(imported))
+    assert list(info.eos_token_ids) == [2]  # </s>
+    assert tokenizer.decode(tokenized[0], skip_special_tokens=False) == "hello world"
+    prompt = tokenizer.encode(RENDERED, add_special_tokens=False).ids
+    assert prompt[0] == 1 and prompt.count(1) == 1  # the template's BOS literal, and no second one
+    assert finished.usage.input_tokens == len(prompt)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+    )
+    expected = reference.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS
+    )[0, len(prompt) :].tolist()
+    assert ids == expected
+    # The text streamed is what the whole sequence gains over the prompt, spaces ("▁") and bytes decoded.
+    whole, before = tokenizer.decode(prompt + ids), tokenizer.decode(prompt)
+    assert whole.startswith(before) and text == whole[len(before) :]
