@@ -53,6 +53,7 @@ import tokenizers
 from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
+from tandem.decoder.engine.admission.prefix_space import prefix_free
 from tandem.decoder.engine.admission.template_source import START_TIME_LIMIT_S, read_template_source
 from tandem.decoder.engine.admission.template_worker import (
     TemplateFailed,
@@ -106,6 +107,9 @@ class ChatTemplate:
         self.image_placeholder = image_placeholder
         # The same vocabulary with special-token literals split into plain text (for caller text).
         self.literal_tokenizer = literal_tokenizer(tokenizer)
+        # Twins of both without SentencePiece's prefix space, for parts that continue a run (None: the
+        # tokenizer adds none, as byte-level BPE).
+        self.prefix_free = prefix_free(tokenizer, self.literal_tokenizer)
         self.workers = workers or TemplateWorkers()
         self._special_literals = [
             t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content

@@ -38,6 +38,7 @@ from tandem.common.wire_limits import check_request_id
 from tandem.decoder.config import MAX_SPECULATIVE_TOKENS
 from tandem.decoder.engine.admission.chat import ROLES as CHAT_ROLES
 from tandem.decoder.engine.admission.chat import ChatRequest, ChatTemplate, LocatedPart, literal_tokenizer
+from tandem.decoder.engine.admission.prefix_space import PrefixFree
 from tandem.decoder.engine.outputs.outputs import OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.request import EmbeddingSegment, Request, TokenSegment
@@ -153,6 +154,8 @@ def build_request(
         None if isinstance(part, EncoderPrompt) else _positions(path, part, tokenizer, literal, vocab)
         for path, part in located
     ]
+    if spec.chat is not None and chat_template is not None and chat_template.prefix_free is not None:
+        _join_runs(located, positions, chat_template.prefix_free)
     for i, (path, part) in enumerate(located):
         if isinstance(part, EncoderPrompt):
             positions[i] = _fetched_rows(
@@ -250,6 +253,22 @@ def _positions(
         return part.rows
     check_token_ids(part, field_of(path, "token_ids.ids"), vocab_size)
     return list(part)
+
+
+def _join_runs(
+    located: list[LocatedPart], positions: list[list[int] | torch.Tensor | None], twins: PrefixFree
+) -> None:
+    """A chat's text parts tokenized again where they continue the previous text part's run, without
+    the prefix space each gained alone (prefix_space.py): the ids of the text the chat renders."""
+    for i in range(1, len(located)):
+        (_, before), (_, part) = located[i - 1], located[i]
+        previous = positions[i - 1]
+        if not (
+            isinstance(before, TextPrompt) and isinstance(part, TextPrompt) and isinstance(previous, list)
+        ):
+            continue
+        if part.text and not twins.ends_run(previous, before.is_plain):
+            positions[i] = twins.encode_continuing(part.text, part.is_plain)
 
 
 def _fit_context(
