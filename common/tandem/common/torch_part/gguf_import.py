@@ -41,18 +41,15 @@ from tandem.common.model_limits import (
     MAX_VOCAB,
 )
 from tandem.common.torch_part.gguf_header import GGUFHeaderError, check_header
-from tandem.common.torch_part.gguf_sentencepiece import (
-    SentencePieceError,
-    SentencePieceVocab,
-    check_vocab,
-    special_ids,
-    tokenizer_parts,
+from tandem.common.torch_part.gguf_metadata import (
+    ARCHITECTURES,
+    GGUFImportError,
+    GGUFMetadata,
+    int_in_range,
+    one_line,
 )
+from tandem.common.torch_part.gguf_tokenizer import tokenizer_files
 from tandem.common.weight_shapes import TextModelShape, expected_weights, mismatch
-from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
-
-# llama.cpp writes Mistral as "llama" (its Q/K rows permuted alike); a "qwen2" file is Qwen2 or Qwen2.5.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # GGUF tensor names (per block, then global) -> Hugging Face names.
 _BLOCK_NAMES = {
@@ -80,29 +77,6 @@ _GLOBAL_NAMES = {
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
 _QK_NAMES = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")  # permuted in Llama files
 
-# GGUF token types (llama.cpp's llama_token_type).
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
-# Byte-level BPE pre-tokenizer split patterns, by `tokenizer.ggml.pre` (llama.cpp's llama-vocab.cpp).
-# Each entry is the list of regexes applied in turn before the byte-level mapping.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_PRE_TOKENIZERS: dict[str, list[str]] = {
-    "default": [_GPT2_SPLIT],
-    "gpt2": [_GPT2_SPLIT],
-    "smollm": [r"\p{N}", _GPT2_SPLIT],  # digits one by one, then GPT-2's rule
-    "qwen2": [
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-    ],
-    "llama-bpe": [
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-    ],
-}
-
-
-class GGUFImportError(ValueError):
-    """A GGUF file that cannot be converted; the message is one line naming the problem."""
-
 
 @dataclass(frozen=True)
 class ImportProgress:
@@ -127,11 +101,11 @@ def import_gguf(
         raise GGUFImportError(f"--dtype {dtype!r} is not supported (supported: {', '.join(COMPUTE_NAMES)})")
     gguf_path = Path(gguf_path)
     reader = _open(gguf_path)
-    meta = _Metadata(reader, gguf_path)
+    meta = GGUFMetadata(reader, gguf_path)
     hf_config = _hf_config(meta)
     _check_blocks(reader, meta, hf_config["num_hidden_layers"])
     _check_shapes(reader, meta, hf_config)
-    tokenizer_json, tokenizer_config, generation_config = _tokenizer_files(meta, hf_config)
+    tokenizer_json, tokenizer_config, generation_config = tokenizer_files(meta, hf_config)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,42 +146,7 @@ def _open(path: Path) -> Any:
     try:
         return gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError, OSError, TypeError) as e:
-        raise GGUFImportError(f"{path}: unreadable GGUF header ({_one_line(e)})") from e
-
-
-class _Metadata:
-    """Typed access to the GGUF key-value fields, with errors that name the key."""
-
-    def __init__(self, reader: Any, path: Path) -> None:
-        self.reader, self.path = reader, path
-        self.architecture = self.get_str("general.architecture")
-        if self.architecture not in ARCHITECTURES:
-            raise GGUFImportError(
-                f"{path}: architecture {self.architecture!r} is not supported "
-                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
-            )
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.get_field(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except (ValueError, IndexError, TypeError) as e:
-            raise GGUFImportError(f"{self.path}: metadata {key} unreadable ({_one_line(e)})") from e
-
-    def get_str(self, key: str) -> str | None:
-        value = self.get(key)
-        return value if isinstance(value, str) else None
-
-    def arch(self, key: str, default: Any = None) -> Any:
-        return self.get(f"{self.architecture}.{key}", default)
-
-    def require(self, key: str) -> Any:
-        value = self.arch(key)
-        if value is None:
-            raise GGUFImportError(f"{self.path}: metadata {self.architecture}.{key} is missing")
-        return value
+        raise GGUFImportError(f"{path}: unreadable GGUF header ({one_line(e)})") from e
 
 
 # What a file's metadata says is checked against these before anything is sized from it (a file is
@@ -223,28 +162,19 @@ _RANGES = {
     "context_length": MAX_POSITIONS,
 }
 _REAL_RANGES = {"attention.layer_norm_rms_epsilon": MAX_RMS_NORM_EPS, "rope.freq_base": MAX_ROPE_THETA}
-MAX_TOKEN_CHARS = 1024  # one vocabulary entry; the text bounds divide by the longest (text_bounds.py)
 
 
-def _int_in_range(meta: _Metadata, key: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise GGUFImportError(
-            f"{meta.path}: metadata {key} must be an integer in [{low}, {high}], got {value!r}"
-        )
-    return value
-
-
-def _real_in_range(meta: _Metadata, key: str, value: Any, high: float) -> float:
+def _real_in_range(meta: GGUFMetadata, key: str, value: Any, high: float) -> float:
     """A number in (0, high]: a string, a boolean or a NaN where a number belongs is refused by name."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= high:
         raise GGUFImportError(f"{meta.path}: metadata {key} must be a number in (0, {high:g}], got {value!r}")
     return float(value)
 
 
-def _hf_config(meta: _Metadata) -> dict[str, Any]:
+def _hf_config(meta: GGUFMetadata) -> dict[str, Any]:
     def arch_int(key: str, default: Any = None) -> int:
         value = meta.arch(key, default) if default is not None else meta.require(key)
-        return _int_in_range(meta, f"{meta.architecture}.{key}", value, 1, _RANGES[key])
+        return int_in_range(meta, f"{meta.architecture}.{key}", value, 1, _RANGES[key])
 
     def arch_real(key: str, default: float | None) -> float:
         value = meta.arch(key, default) if default is not None else meta.require(key)
@@ -262,7 +192,7 @@ def _hf_config(meta: _Metadata) -> dict[str, Any]:
         )
     vocab = meta.get("tokenizer.ggml.tokens") or []
     vocab_size = meta.arch("vocab_size", len(vocab))
-    _int_in_range(meta, f"{meta.architecture}.vocab_size", vocab_size, max(1, len(vocab)), MAX_VOCAB)
+    int_in_range(meta, f"{meta.architecture}.vocab_size", vocab_size, max(1, len(vocab)), MAX_VOCAB)
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[meta.architecture]],
         "model_type": meta.architecture,
@@ -292,7 +222,7 @@ def _hf_config(meta: _Metadata) -> dict[str, Any]:
     return config
 
 
-def _check_blocks(reader: Any, meta: _Metadata, num_layers: int) -> None:
+def _check_blocks(reader: Any, meta: GGUFMetadata, num_layers: int) -> None:
     """The file's tensors are blocks 0 .. block_count - 1, no more and no fewer."""
     blocks = {int(t.name.split(".")[1]) for t in reader.tensors if re.match(r"blk\.\d+\.", t.name)}
     if blocks != set(range(num_layers)):
@@ -308,225 +238,7 @@ def _check_blocks(reader: Any, meta: _Metadata, num_layers: int) -> None:
         )
 
 
-def _tokenizer_files(
-    meta: _Metadata, hf_config: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """tokenizer.json (byte-level BPE, or SentencePiece's pieces and scores: gguf_sentencepiece.py),
-    tokenizer_config.json and generation_config.json."""
-    kind = meta.get_str("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
-        raise GGUFImportError(
-            f"{meta.path}: tokenizer.ggml.model {kind!r} is not supported "
-            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece)"
-        )
-    pre = meta.get_str("tokenizer.ggml.pre") or "default"
-    if kind == "gpt2" and pre not in _PRE_TOKENIZERS:
-        raise GGUFImportError(
-            f"{meta.path}: tokenizer.ggml.pre {pre!r} is not supported "
-            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
-        )
-    tokens: list[str] = _list_of(meta, "tokenizer.ggml.tokens", str)
-    types: list[int] = _list_of(meta, "tokenizer.ggml.token_type", int) or [_NORMAL] * len(tokens)
-    merges: list[str] = _list_of(meta, "tokenizer.ggml.merges", str)
-    if not tokens or len(types) != len(tokens):
-        raise GGUFImportError(f"{meta.path}: tokenizer.ggml.tokens / token_type missing or inconsistent")
-    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]))
-    if len(tokens[longest]) > MAX_TOKEN_CHARS:
-        raise GGUFImportError(
-            f"{meta.path}: tokenizer.ggml.tokens[{longest}] has {len(tokens[longest])} characters, "
-            f"more than {MAX_TOKEN_CHARS}"
-        )
-    first = {}
-    for i, entry in enumerate(tokens):  # a repeat left a vocabulary the tokenizers library refused at load
-        if first.setdefault(entry, i) != i:
-            raise GGUFImportError(
-                f"{meta.path}: tokenizer.ggml.tokens[{i}] {entry!r} repeats entry {first[entry]}"
-            )
-    for i, merge in enumerate(merges):
-        if " " not in merge:
-            raise GGUFImportError(
-                f"{meta.path}: tokenizer.ggml.merges[{i}] {merge!r} is not two tokens and a space"
-            )
-    for key in ("bos", "eos", "eot", "unknown", "padding"):
-        index = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if index is not None:
-            _int_in_range(meta, f"tokenizer.ggml.{key}_token_id", index, 0, len(tokens) - 1)
-    template = meta.get_str("tokenizer.chat_template") or ""
-    if len(template) > MAX_TEMPLATE_CHARS:
-        raise GGUFImportError(
-            f"{meta.path}: tokenizer.chat_template has {len(template)} characters, "
-            f"more than {MAX_TEMPLATE_CHARS}"
-        )
-    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
-    add_bos = _flag(meta, "tokenizer.ggml.add_bos_token", default=kind == "llama")
-    add_eos = _flag(meta, "tokenizer.ggml.add_eos_token")
-    if kind == "llama":
-        parts, whole = _sentencepiece_parts(meta, tokens, types, merges)
-    else:
-        parts, whole = (
-            _byte_level_parts(pre, tokens, merges),
-            [i for i, kind_ in enumerate(types) if kind_ in (_CONTROL, _USER_DEFINED)],
-        )
-    added = [
-        {
-            "id": i,
-            "content": tokens[i],
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": types[i] != _USER_DEFINED,
-        }
-        for i in whole
-    ]
-    tokenizer_json = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "post_processor": _post_processor(meta, tokens, add_bos, add_eos),
-        **parts,
-    }
-
-    def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
-
-    eos_ids = [
-        i
-        for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
-        if isinstance(i, int)
-    ]
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos"),
-        "eos_token": token("eos"),
-        "unk_token": token("unknown"),
-        "pad_token": token("padding"),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": hf_config["max_position_embeddings"],
-        "chat_template": meta.get_str("tokenizer.chat_template"),
-    }
-    generation_config = {"eos_token_id": list(dict.fromkeys(eos_ids)) or None}
-    if isinstance(meta.get("tokenizer.ggml.bos_token_id"), int):
-        generation_config["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
-    return tokenizer_json, tokenizer_config, generation_config
-
-
-def _list_of(meta: _Metadata, key: str, kind: type) -> list[Any]:
-    """The array under `key` ([] when absent); an entry of another type (a merge stored as an integer
-    raised AttributeError, a token type stored as a string made every token a normal one) is named."""
-    values = meta.get(key) or []
-    if not isinstance(values, list):
-        raise GGUFImportError(f"{meta.path}: metadata {key} must be an array, got {values!r:.40}")
-    for i, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise GGUFImportError(
-                f"{meta.path}: metadata {key}[{i}] must be {'a string' if kind is str else 'an integer'}, "
-                f"got {value!r:.40}"
-            )
-    return values
-
-
-def _flag(meta: _Metadata, key: str, default: bool = False) -> bool:
-    value = meta.get(key, default)
-    if not isinstance(value, bool):  # "yes" read as true before
-        raise GGUFImportError(f"{meta.path}: metadata {key} must be a boolean, got {value!r:.40}")
-    return value
-
-
-def _byte_level_parts(pre: str, tokens: list[str], merges: list[str]) -> dict[str, Any]:
-    """tokenizer.json's normalizer, pre_tokenizer, decoder and model for byte-level BPE."""
-    splits = [
-        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
-        for regex in _PRE_TOKENIZERS[pre]
-    ]
-    # The splits above already did the regex's work; ByteLevel only maps bytes to its alphabet.
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    return {
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*splits, byte_level]},
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {token: i for i, token in enumerate(tokens)},
-            "merges": [merge.split(" ", 1) for merge in merges],
-        },
-    }
-
-
-def _sentencepiece_parts(
-    meta: _Metadata, tokens: list[str], types: list[int], merges: list[str]
-) -> tuple[dict[str, Any], list[int]]:
-    """The SentencePiece vocabulary's tokenizer.json parts and the ids matched whole in a text."""
-    scores = meta.get("tokenizer.ggml.scores")
-    if not isinstance(scores, list):
-        raise GGUFImportError(
-            f"{meta.path}: metadata tokenizer.ggml.scores must be an array, got {scores!r:.40}"
-        )
-    for i, score in enumerate(scores):
-        if isinstance(score, bool) or not isinstance(score, int | float):
-            raise GGUFImportError(
-                f"{meta.path}: metadata tokenizer.ggml.scores[{i}] must be a number, got {score!r:.40}"
-            )
-    unknown = meta.get("tokenizer.ggml.unknown_token_id")
-    vocab = SentencePieceVocab(
-        tokens=tokens,
-        scores=[float(score) for score in scores],
-        types=types,
-        merges=merges if meta.get("tokenizer.ggml.merges") is not None else None,
-        unknown_id=unknown if isinstance(unknown, int) else None,
-        add_space_prefix=_flag(meta, "tokenizer.ggml.add_space_prefix", default=True),
-    )
-    try:
-        check_vocab(vocab)
-    except SentencePieceError as e:
-        raise GGUFImportError(f"{meta.path}: {e}") from None
-    return tokenizer_parts(vocab), special_ids(vocab)
-
-
-def _post_processor(
-    meta: _Metadata, tokens: list[str], add_bos: bool, add_eos: bool
-) -> dict[str, Any] | None:
-    """BOS before and EOS after a text where the file says the tokenizer adds them (Llama 3 and Llama 2
-    add BOS; SmolLM2 adds neither)."""
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    before = [(tokens[bos], bos)] if add_bos and isinstance(bos, int) else []
-    after = [(tokens[eos], eos)] if add_eos and isinstance(eos, int) else []
-    if not before and not after:
-        return None
-
-    def special(name: str, type_id: int) -> dict[str, Any]:
-        return {"SpecialToken": {"id": name, "type_id": type_id}}
-
-    def sequence(name: str, type_id: int) -> dict[str, Any]:
-        return {"Sequence": {"id": name, "type_id": type_id}}
-
-    return {
-        "type": "TemplateProcessing",
-        "single": [*(special(n, 0) for n, _ in before), sequence("A", 0), *(special(n, 0) for n, _ in after)],
-        "pair": [
-            *(special(n, 0) for n, _ in before),
-            sequence("A", 0),
-            *(special(n, 0) for n, _ in after),
-            *(special(n, 1) for n, _ in before),
-            sequence("B", 1),
-            *(special(n, 1) for n, _ in after),
-        ],
-        "special_tokens": {name: {"id": name, "ids": [i], "tokens": [name]} for name, i in before + after},
-    }
-
-
-def _check_shapes(reader: Any, meta: _Metadata, hf_config: dict[str, Any]) -> None:
+def _check_shapes(reader: Any, meta: GGUFMetadata, hf_config: dict[str, Any]) -> None:
     """Every tensor the model reads is in the file, of the shape the metadata implies, from the tensor
     infos alone (nothing dequantized). A file whose metadata disagrees with its tensors was imported
     whole, then refused at load, after the server listened, naming the imported copy's tensor."""
@@ -574,7 +286,7 @@ def _check_shapes(reader: Any, meta: _Metadata, hf_config: dict[str, Any]) -> No
 
 def _weights(
     reader: Any,
-    meta: _Metadata,
+    meta: GGUFMetadata,
     hf_config: dict[str, Any],
     dtype: str,
     on_progress: Callable[[ImportProgress], None] | None,
@@ -666,7 +378,3 @@ def _save_weights(weights: dict[str, Any], path: Path) -> None:
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
