@@ -6,14 +6,17 @@ differs from llama.cpp (and from Llama 2's and Mistral's own tokenizer.json, a P
 two places: llama.cpp puts the prefix before every run of text after a special token, not only the
 first, and before a text that already starts with a space. There the reference is transformers'
 tokenization of each run alone, given one space more where the run starts with one, joined with the
-special tokens' ids: llama.cpp's rule with transformers' merges.
+special tokens' ids: llama.cpp's rule with transformers' merges. Where the benchmark peer
+llama-cpp-python is installed, llama.cpp's own tokenizer reading the file is the reference too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,9 @@ from common.tests.common.gguf_files import SentencePieceFields, sentencepiece_fi
 from tandem.common.torch_part.gguf_import import GGUFImportError, import_gguf
 from tandem.common.torch_part.gguf_sentencepiece import merges_from_scores
 
+REPO_ROOT = Path(__file__).resolve().parents[3]
+# llama-cpp-python, llama.cpp's own tokenizer: a benchmark peer in its own venv (bench/peers/llama_cpp.sh).
+LLAMA_CPP_PYTHON = REPO_ROOT / "bench" / "peers" / ".venv-llama-cpp" / "bin" / "python"
 TEMPLATE = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
 TEXTS = [
     "hello world",
@@ -245,3 +251,39 @@ def test_a_nan_score_is_refused(tmp_path: Path) -> None:
     scores = [*fields.scores[:-1], float("nan")]
     said = _refusal(tmp_path, fields, {"tokenizer.ggml.scores": scores})
     assert said == f"tokenizer.ggml.scores[{len(scores) - 1}] must be a finite number, got nan"
+
+
+_LLAMA_CPP_TOKENIZE = """
+import json, sys
+import llama_cpp
+vocab = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+texts = json.load(sys.stdin)
+def ids(text, parsed):
+    return vocab.tokenize(text.encode(), add_bos=parsed, special=parsed)
+print(json.dumps([[ids(t, True), ids(t, False)] for t in texts]))
+"""
+
+
+@pytest.mark.skipif(not LLAMA_CPP_PYTHON.exists(), reason="no llama.cpp peer (bench/peers/llama_cpp.sh)")
+def test_ids_equal_llama_cpps_own_tokenizer_reading_the_file(imported) -> None:
+    """llama.cpp tokenizes the same file: specials parsed (a chat template's text), and as plain text (a
+    caller's, through the decoder's literal twin), on the texts above and a thousand random ones."""
+    path, out = imported
+    rng = random.Random(0)
+    alphabet = [*"helowrdtain \n<s>/[]é日▁", "<s>", "</s>", "<unk>", "<tool>", "  "]
+    texts = TEXTS + LITERAL_TEXTS
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(1000)]
+    result = subprocess.run(
+        [str(LLAMA_CPP_PYTHON), "-c", _LLAMA_CPP_TOKENIZE, str(path)],
+        input=json.dumps(texts),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    literal = Tokenizer.from_file(str(out / "tokenizer.json"))
+    literal.encode_special_tokens = True
+    for text, (with_specials, plain) in zip(texts, json.loads(result.stdout), strict=True):
+        assert tokenizer.encode(text).ids == with_specials, text
+        assert literal.encode(text, add_special_tokens=False).ids == plain, text
