@@ -10,11 +10,15 @@ tails are tested on every AVX512-BF16 machine, the hardware's own sums on an AMX
 
 from __future__ import annotations
 
+import ctypes
+import logging
+
 import pytest
 import torch
 
 from tandem.decoder.backends.cpu.build import X86_64_LEVELS
-from tandem.decoder.backends.cpu.kernels import Kernels
+from tandem.decoder.backends.cpu.isa import this_cpu
+from tandem.decoder.backends.cpu.kernels import Kernels, load
 from tandem.decoder.backends.cpu.linear import CLinear
 
 from .conftest import amx_kernels, emulated_tile_products
@@ -102,3 +106,16 @@ def test_tile_rows_are_refused_where_the_build_has_no_tiles(kernels: Kernels) ->
         pytest.skip("this build runs tiles")
     with pytest.raises(ValueError, match=f"^tile_rows needs AMX tiles, which the {kernels.level.name} build"):
         CLinear(kernels, torch.randn(8, 16).to(torch.bfloat16), None, tile_rows=1)
+
+
+def test_an_amx_build_without_the_tile_state_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel that refuses the tile state (a small sigaltstack, a kernel without AMX support) leaves
+    the amx build on its vector kernels: one warning says so, where it was silent. Here the avx512bf16
+    library, which has no tiles to grant, stands in for such an amx build."""
+    if "avx512_bf16" not in this_cpu().flags:
+        pytest.skip("needs a CPU that runs the avx512bf16 build")
+    library = load(LEVELS["avx512bf16"])
+    with caplog.at_level(logging.WARNING):
+        refused = Kernels(ctypes.CDLL(str(library.path)), LEVELS["amx"], library.path)
+    assert not refused.tiles
+    assert "refused this process the AMX tile state" in caplog.text

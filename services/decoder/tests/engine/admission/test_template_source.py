@@ -4,12 +4,16 @@ conversation passes (it fails that request alone); compiling is bounded in the t
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tandem.decoder.engine.admission import template_source
 from tandem.decoder.engine.admission.template_source import (
     TemplateRefused,
     TemplateSource,
@@ -149,3 +153,22 @@ def test_a_template_imported_from_a_gguf_file_is_named_as_that_files_field(
     assert str(refused.value) == f"{origin}: the template does not compile: line 2: unexpected ')'"
     (tmp_path / "no-template").mkdir()  # a GGUF file without tokenizer.chat_template
     assert read_template_source(tmp_path / "no-template", gguf_file) is None
+
+
+def test_a_worker_that_never_starts_is_said_to_be_the_machines_fault_not_the_templates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    origin = _write(tmp_path, "chat_template.jinja", CHATML)
+
+    def never_ready(memory_bytes: int) -> subprocess.Popen[bytes]:
+        sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+        return subprocess.Popen(sleep, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    slow = functools.partial(template_source.TemplateWorkers, start_limit_s=0.3, spawn=never_ready)
+    monkeypatch.setattr(template_source, "TemplateWorkers", slow)
+    with pytest.raises(TemplateRefused) as refused:
+        check_template(tmp_path)
+    assert (
+        str(refused.value)
+        == f"{origin} could not be checked: the template worker did not start within 0.3 s (a busy machine)"
+    )

@@ -76,9 +76,15 @@ class Kernels:
         # (at most limits.max_head_dim) through the tiled kernel (attention_tiles.c), fast at any
         # context length.
         self.tiled_attention = bool(_bind(library.tandem_attention_tiles_available, [])())
-        # Whether packed bf16 weights may run on AMX tiles (csrc/linear_tiles.c): the amx build, on a
-        # CPU whose kernel granted this process the tile state (asked here, once).
+        # Whether packed bf16 weights, and int8 activations, may run on AMX tiles (csrc/linear_tiles.c,
+        # linear_int8.c): the amx build, on a CPU whose kernel granted this process the tile state
+        # (asked here, once).
         self.tiles = bool(_bind(library.tandem_tiles_available, [])())
+        if level.name == "amx" and not self.tiles:
+            # Linux refuses the tile state to a process with a sigaltstack too small for its signal
+            # frame, or a kernel built without it: every call then stays on the vector kernels.
+            log.warning("CPU kernels: the kernel refused this process the AMX tile state (arch_prctl "
+                        "ARCH_REQ_XCOMP_PERM): the amx build runs VDPBF16PS and VPDPBUSD only")  # fmt: skip
         self._pack_bf16 = _bind(library.tandem_pack_bf16, pointers * 2 + sizes * 2)
         # Packed weights side by side in huge pages, in the order a model binds them (its layers'):
         # a step of one sequence streams them at memory speed, and 4 KiB pages cost it 3-5 % (SmolLM2

@@ -30,7 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.decoder.engine.admission.template_worker import TemplateFailed, TemplateWorkers
+from tandem.decoder.engine.admission.template_worker import (
+    TemplateFailed,
+    TemplateWorkers,
+    TemplateWorkerUnavailable,
+)
 
 # What the start check and each render at start (chat.py's end-of-turn probe) get, the worker's start
 # included: ten times what a request's render gets (template_worker.TIME_LIMIT_S), because a start-up
@@ -92,6 +96,8 @@ def check_template(
     workers = TemplateWorkers(workers=1, time_limit_s=time_limit_s)
     try:
         workers.compile(source.text)
+    except TemplateWorkerUnavailable as error:  # the machine's fault, not the template's: said so
+        raise TemplateRefused(f"{source.origin} could not be checked: {error}") from None
     except TemplateFailed as error:
         raise TemplateRefused(f"{source.origin}: {error}") from None
     finally:
