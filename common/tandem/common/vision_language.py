@@ -1,9 +1,10 @@
 """Vision-language checkpoints split in two: what the decoder and the encoder each read of one directory.
 
 A LLaVA (`LlavaForConditionalGeneration`) or SmolVLM (`Idefics3ForConditionalGeneration`) checkpoint
-holds a vision tower, a projector (LLaVA) or connector (Idefics3), and a Llama-architecture language
-model. The decoder serves the language model alone: its config is `text_config`, its weights are the
-language model's under the prefix this checkpoint uses. The encoder serves the tower and the projector
+holds a vision tower, a projector (LLaVA) or connector (Idefics3), and a Llama, Qwen2 or Mistral
+language model (llava-interleave-qwen's is a Qwen2). The decoder serves the language model alone: its
+config is `text_config`, named as that family's causal LM, its weights are the language model's under
+the prefix this checkpoint uses. The encoder serves the tower and the projector
 alone, plus the language model's token table for text. Neither reads the other's weights.
 
 transformers has written two layouts of LLaVA's language model over the years (`language_model.model.*`
@@ -20,10 +21,17 @@ from typing import Any
 LLAVA = "LlavaForConditionalGeneration"
 IDEFICS3 = "Idefics3ForConditionalGeneration"
 ARCHITECTURES = (LLAVA, IDEFICS3)
-TEXT_MODEL_TYPES = ("llama",)  # the decoder's LlamaForCausalLM serves these
+# text_config's model_type -> the decoder's causal LM that serves it.
+TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+TEXT_MODEL_TYPES = tuple(TEXT_ARCHITECTURES)
 
-# What transformers' config classes assume for a key a config.json leaves out. The Hub's llava-hf
-# checkpoints rely on them: llava-1.5-7b-hf's text_config names little more than its vocabulary.
+# What transformers' config classes assume for a key a config.json leaves out, for the keys the decoder
+# reads (models/config.py; the rest it defaults as transformers does). The Hub's llava-hf checkpoints
+# rely on them: llava-1.5-7b-hf's text_config names little more than its vocabulary.
 LLAMA_DEFAULTS: dict[str, Any] = {
     "vocab_size": 32000,
     "hidden_size": 4096,
@@ -33,6 +41,29 @@ LLAMA_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,
 }
+QWEN2_DEFAULTS: dict[str, Any] = {  # use_sliding_window false and max_window_layers 28 are the decoder's too
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+}
+MISTRAL_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    # Not num_attention_heads, as the decoder assumes for a key left out: MistralConfig says 8.
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    # Left out, MistralConfig's window is v0.1's; the decoder would read none (only null says none).
+    "sliding_window": 4096,
+}
+TEXT_DEFAULTS = {"llama": LLAMA_DEFAULTS, "qwen2": QWEN2_DEFAULTS, "mistral": MISTRAL_DEFAULTS}
 VISION_DEFAULTS: dict[str, dict[str, Any]] = {
     "clip_vision_model": {
         "hidden_size": 768,
@@ -112,9 +143,10 @@ def is_vision_language(hf_config: dict[str, Any]) -> bool:
 
 
 def text_config(hf_config: dict[str, Any], error: Callable[[str], Exception]) -> dict[str, Any]:
-    """The language model's config.json as a causal LM's: `text_config` with transformers' defaults for
-    what it leaves out, named LlamaForCausalLM. Its head is tied as transformers ties it, and the EOS
-    comes from the outer config when the text config has none. Raises `error(message)`."""
+    """The language model's config.json as a causal LM's: `text_config` with its family's transformers
+    defaults for what it leaves out, named as that family's causal LM (TEXT_ARCHITECTURES). Its head is
+    tied as transformers ties it, and the EOS comes from the outer config when the text config has none.
+    Raises `error(message)`."""
     architecture = hf_config["architectures"][0]
     text = hf_config.get("text_config", ABSENT_TEXT[architecture])
     if not isinstance(text, dict):
@@ -125,7 +157,7 @@ def text_config(hf_config: dict[str, Any], error: Callable[[str], Exception]) ->
             f"config.json: {architecture} with a {model_type!r} language model is not supported "
             f"(supported: {', '.join(TEXT_MODEL_TYPES)})"
         )
-    merged = {**LLAMA_DEFAULTS, **text, "architectures": ["LlamaForCausalLM"]}
+    merged = {**TEXT_DEFAULTS[model_type], **text, "architectures": [TEXT_ARCHITECTURES[model_type]]}
     # transformers ties by the outer config; LlavaConfig copies a tied text config's flag up first.
     tied = bool(hf_config.get("tie_word_embeddings"))
     if architecture == LLAVA:

@@ -102,10 +102,59 @@ def test_the_text_and_vision_configs_are_what_transformers_reads(name: str) -> N
     assert vision_language.image_token_id(CONFIGS[name]) == theirs.image_token_id
 
 
-def test_a_language_model_other_than_llama_is_refused_by_name() -> None:
-    config = {"architectures": [LLAVA], "text_config": {"model_type": "qwen2"}}
-    with pytest.raises(ValueError, match="'qwen2' language model is not supported"):
+@pytest.mark.parametrize(
+    ("model_type", "architecture"),
+    [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("mistral", "MistralForCausalLM")],
+)
+@pytest.mark.parametrize("outer", [LLAVA, IDEFICS3])
+def test_each_language_model_family_is_its_causal_lm_with_that_familys_defaults(
+    model_type: str, architecture: str, outer: str
+) -> None:
+    """A text_config naming only its family reads as transformers' config class for that family does,
+    for every key the decoder reads (a key absent from ours is one the decoder defaults as transformers
+    does: num_key_value_heads to num_attention_heads, no sliding window)."""
+    config = {"architectures": [outer], "text_config": {"model_type": model_type}}
+    ours = text_config(config, ValueError)
+    theirs = _transformers_config(config).text_config
+    assert ours["architectures"] == [architecture]
+    for key in TEXT_KEYS:
+        assert ours[key] == getattr(theirs, key), key
+    assert ours.get("num_key_value_heads", ours["num_attention_heads"]) == theirs.num_key_value_heads
+    assert ours.get("sliding_window") == getattr(theirs, "sliding_window", None)
+    assert bool(ours.get("use_sliding_window")) == bool(getattr(theirs, "use_sliding_window", False))
+
+
+def test_what_the_text_config_states_wins_over_its_familys_defaults() -> None:
+    # llava-interleave-qwen-0.5b-hf's text model, in the keys that differ from Qwen2Config's.
+    stated = {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 152000,
+    }
+    ours = text_config({"architectures": [LLAVA], "text_config": stated}, ValueError)
+    assert {key: ours[key] for key in stated} == stated
+    assert ours["max_position_embeddings"] == 32768  # Qwen2Config's, not Llama's 2048
+
+
+def test_a_mistral_text_config_with_a_null_window_keeps_it_null() -> None:
+    config = {"architectures": [LLAVA], "text_config": {"model_type": "mistral", "sliding_window": None}}
+    assert text_config(config, ValueError)["sliding_window"] is None
+
+
+def test_a_language_model_of_another_family_is_refused_naming_it_and_the_supported_ones() -> None:
+    config = {"architectures": [LLAVA], "text_config": {"model_type": "gemma"}}
+    with pytest.raises(ValueError) as refused:
         text_config(config, ValueError)
+    assert str(refused.value) == (
+        f"config.json: {LLAVA} with a 'gemma' language model is not supported "
+        "(supported: llama, qwen2, mistral)"
+    )
 
 
 def test_a_vision_tower_we_do_not_implement_is_refused_by_name() -> None:
