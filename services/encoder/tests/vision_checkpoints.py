@@ -47,11 +47,13 @@ def make_llava(
     projector_bias: bool = True,
     vision_sizes: dict[str, int] | None = None,
     text_sizes: dict[str, int] | None = None,
+    text_model: str = "llama",
 ) -> Path:
     """A LlavaForConditionalGeneration with a `tower` ("clip" or "siglip"), by default of 36 x 36 pixels in
     6 x 6 patches over a 64-wide language model (`vision_sizes` / `text_sizes` override: the benchmark's
-    SigLIP-B/16). `strategy` (vision_feature_select_strategy) defaults to llava-1.5's "default" for CLIP,
-    "full" for SigLIP (which has no class row to drop)."""
+    SigLIP-B/16) of the family `text_model` names ("llama", "qwen2" as llava-interleave-qwen's, "mistral").
+    `strategy` (vision_feature_select_strategy) defaults to llava-1.5's "default" for CLIP, "full" for
+    SigLIP (which has no class row to drop)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -59,6 +61,8 @@ def make_llava(
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
+        MistralConfig,
+        Qwen2Config,
         SiglipImageProcessorPil,
         SiglipVisionConfig,
     )
@@ -89,7 +93,8 @@ def make_llava(
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    text = LlamaConfig(
+    text_config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[text_model]
+    text = text_config_class(
         **text_sizes,
         vocab_size=vocab_size,
         max_position_embeddings=1024,
@@ -106,6 +111,10 @@ def make_llava(
         image_seq_length=(side // patch) ** 2,
     )
     model = LlavaForConditionalGeneration(config).train(False)
+    with torch.no_grad():  # transformers starts biases at zero: a reader that dropped Qwen2's would pass
+        for name, bias in model.named_parameters():
+            if "language_model" in name and name.endswith("_proj.bias"):
+                bias.normal_(0.0, 0.5)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     LlavaProcessor(
