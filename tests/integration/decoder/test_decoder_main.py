@@ -3,7 +3,6 @@ while it loads; a start-up that cannot succeed is one line and an exit code."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -18,7 +17,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file, save_file
 
 from common.tests.signalled_process import Exited, signal_after_line
@@ -26,16 +24,11 @@ from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.client import DecoderClient
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.integration.decoder.serving import free_port, until_serving
 
 
 async def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_model_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [
             sys.executable,
@@ -57,15 +50,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_model_dir: 
     )
     try:
         async with DecoderClient(f"127.0.0.1:{port}") as client:
-            for _ in range(300):
-                try:
-                    if await client.health(timeout=1) == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("the decoder never became SERVING")
+            await until_serving(client, within_s=30)
             stream = client.generate([[1, 2, 3]], max_new_tokens=600, ignore_eos=True, stream_interval=1)
             assert (await stream.read()).HasField("accepted")
             process.send_signal(signal.SIGTERM)
@@ -228,7 +213,7 @@ def _signal_while_starting(
     load's start by default)."""
     command = [
         *(sys.executable, "-m", "tandem.decoder", "--model", str(model_dir), "--num-threads", "1"),
-        *("--port", str(_free_port()), "--grace-s", "30", *flags),
+        *("--port", str(free_port()), "--grace-s", "30", *flags),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -281,7 +266,7 @@ def test_a_signal_while_the_ranks_load_ends_every_rank_at_once(
 def test_a_signal_while_the_encoder_is_asked_for_its_model_stops_without_its_answer(
     tiny_model_dir: Path,
 ) -> None:
-    silent = f"127.0.0.1:{_free_port()}"  # nothing listens: the check would wait ENCODER_CHECK_S (30 s)
+    silent = f"127.0.0.1:{free_port()}"  # nothing listens: the check would wait ENCODER_CHECK_S (30 s)
     exited = _signal_while_starting(
         tiny_model_dir, signal.SIGTERM, "--dtype", "float32", "--encoder", silent, after=silent
     )

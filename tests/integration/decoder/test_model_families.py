@@ -4,17 +4,13 @@ exit 2 before anything listens, naming the window and the flag that makes it fit
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2
 from transformers import AutoModelForCausalLM
 
 from services.decoder.tests.conftest import _build_checkpoint
@@ -23,6 +19,7 @@ from tandem.client.client import DecoderClient
 from tandem.common.torch_part.random_model import train_tokenizer
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
+from tests.integration.decoder.serving import free_port, until_serving
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 NUM_NEW = 24
@@ -44,15 +41,9 @@ def _checkpoint(variant: str, out_dir: Path, tokenizer_file: Path, **config_chan
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _served_greedy(model_dir: Path, *flags: str) -> list[int]:
     """NUM_NEW greedy tokens after PROMPT from a decoder process serving model_dir, which then stops."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "tandem.decoder", "--model", str(model_dir), "--port", str(port)]
     process = subprocess.Popen(
         [*command, "--dtype", "float32", "--num-threads", "1", *flags],
@@ -61,17 +52,7 @@ async def _served_greedy(model_dir: Path, *flags: str) -> list[int]:
     )
     try:
         async with DecoderClient(f"127.0.0.1:{port}") as client:
-            for _ in range(600):
-                try:
-                    if await client.health(timeout=1) == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                if process.poll() is not None:
-                    raise AssertionError(process.stdout.read().decode(errors="replace"))
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("the decoder never became SERVING")
+            await until_serving(client, process, within_s=60)
             stream = client.generate([PROMPT], max_new_tokens=NUM_NEW, ignore_eos=True, temperature=0.0)
             tokens = [t async for r in stream if r.HasField("delta") for t in r.delta.token_ids]
         process.terminate()

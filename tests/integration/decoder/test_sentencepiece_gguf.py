@@ -4,23 +4,20 @@ file's EOS ends a turn, and the tokens and text streamed are transformers' greed
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from common.tests.common.gguf_files import sentencepiece_fields, small_model, write_gguf
 from tandem.client.client import DecoderClient
+from tests.integration.decoder.serving import free_port, until_serving
 
 # Llama 2's template, shortened: BOS as a literal, [INST] as plain text, EOS after each answer.
 TEMPLATE = (
@@ -34,23 +31,6 @@ MESSAGES = [
 ]
 RENDERED = "<s>[INST] hello there [/INST] the world</s>[INST] 日本 and\nthe rest [/INST]"
 NUM_NEW_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _until_serving(client: DecoderClient) -> None:
-    for _ in range(900):
-        try:
-            if await client.health(timeout=1) == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError("the decoder never became SERVING")
 
 
 async def _chat(client: DecoderClient) -> tuple[list[int], str, object]:
@@ -80,7 +60,7 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_a_sentencepiece_gguf_file_serves_chats_as_transformers_reads_it(
     gguf_file: Path, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env |= {"OMP_NUM_THREADS": "1", "HOME": str(tmp_path / "home")}  # HOME: the import's model cache
     command = [sys.executable, "-m", "tandem.decoder", "--model", str(gguf_file), "--port", str(port)]
@@ -88,7 +68,7 @@ async def test_a_sentencepiece_gguf_file_serves_chats_as_transformers_reads_it(
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         async with DecoderClient(f"127.0.0.1:{port}") as client:
-            await _until_serving(client)
+            await until_serving(client)
             info = await client.model_info()
             ids, text, finished = await _chat(client)
             tokenized = await client.tokenize(["hello world"])

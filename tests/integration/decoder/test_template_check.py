@@ -9,14 +9,12 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
 from tokenizers import Tokenizer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -24,6 +22,7 @@ from common.tests.common.gguf_files import write_gguf
 from tandem.client.client import DecoderClient
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
+from tests.integration.decoder.serving import free_port, until_serving
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -107,36 +106,19 @@ def test_a_gguf_files_template_that_does_not_compile_is_named_as_the_files_field
     assert refusal == f"{PREFIX}{gguf_file}: {said}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _until_serving(client: DecoderClient) -> None:
-    for _ in range(600):
-        try:
-            if await client.health(timeout=1) == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError("the decoder never became SERVING")
-
-
 async def test_a_template_that_raises_for_one_chat_serves_and_fails_that_chat_alone(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     raising = "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
     _with_template(tiny_model_dir, tmp_path / "model", "chat_template.jinja", raising + CHATML)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "tandem.decoder", "--model", str(tmp_path / "model")]
     command += ["--port", str(port), "--dtype", "float32", "--num-threads", "1"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         async with DecoderClient(f"127.0.0.1:{port}") as client:
-            await _until_serving(client)
+            await until_serving(client, within_s=60)
             failing = client.chat_text([{"role": "user", "content": "boom"}], max_new_tokens=4)
             neighbour = client.chat_text(
                 [{"role": "user", "content": "hi"}], max_new_tokens=4, ignore_eos=True
