@@ -38,6 +38,7 @@ from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     PATH,
+    FlagError,
     Setting,
     default_of,
     flag_error,
@@ -296,11 +297,15 @@ def import_once(config: UpConfig) -> Path:
 
 def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
     """What the decoder would refuse of `up`'s own flags (the dtype, the quantization and its group,
-    the world size against the checkpoint), said before anything starts. Raises ConfigError."""
+    the world size against the checkpoint) and of the context it serves (a sliding window narrower
+    than it), said before anything starts. Raises ConfigError; one about a field `up` has no flag for
+    (max_model_len) is the decoder's, which `_decoder_flag_error` names."""
     from tandem.common.torch_part.model_cache import default_model_file
     from tandem.decoder.api.main import check_fits
+    from tandem.decoder.api.main import config_from_args as decoder_config
     from tandem.decoder.backends import backend as backends
     from tandem.decoder.config import EngineConfig
+    from tandem.decoder.engine.step.sizing import check_sliding_window
 
     group_size = config.quantization_group_size or default_of(EngineConfig, "quantization_group_size")
     world_size = config.world_size or 1
@@ -310,9 +315,22 @@ def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
         world_size = 1
     model = Path(config.model_dir) if config.model_dir is not None else default_model_file()
     gguf_file = None if model.is_dir() else model  # what a refusal of model_dir's template names
-    check_fits(
+    model_config = check_fits(
         model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, world_size, gguf_file
     )
+    # The context served is the decoder's own setting (TANDEM_MAX_MODEL_LEN, a device's cap): its
+    # config as the child will build it from the same flags and the same environment.
+    check_sliding_window(decoder_config(serve_command("decoder", config)[2:]).engine, model_config)
+
+
+def _decoder_flag_error(up: click.Command, error: ConfigError) -> FlagError:
+    """`error` as one line about `up`'s own flag for its field, else about the decoder's flag and
+    variable, which `up` leaves to the decoder: `the decoder's --max-model-len (TANDEM_MAX_MODEL_LEN)`."""
+    if any(isinstance(p, Setting) and error.field in (p.field, p.name) for p in up.params):
+        return flag_error(up, error)
+    from tandem.decoder.api.main import command as decoder_command
+
+    return FlagError(f"the decoder's {flag_error(decoder_command(), error).message}")
 
 
 _output_lock = threading.Lock()
@@ -493,7 +511,7 @@ def _start(**values: Any) -> int:
     try:
         check_decoder_fits(config, model_dir)
     except ConfigError as error:
-        raise flag_error(ctx.command, error) from None
+        raise _decoder_flag_error(ctx.command, error) from None
     return run_services(config)
 
 

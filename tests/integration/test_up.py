@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,10 +17,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.decoder.tests.conftest import _build_checkpoint
 from tandem import cli
 from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from tandem.common.torch_part.random_model import make_model
+from tandem.common.torch_part.random_model import make_model, train_tokenizer
 from tandem.up import UpConfig, check_decoder_fits, serve_command
 from tests.integration.test_images import dockerfile_healthcheck_command
 
@@ -352,6 +354,33 @@ def test_a_gguf_files_template_that_does_not_compile_is_named_as_the_files_field
     said = f"{gguf_file}: tokenizer.chat_template: the template does not compile: line 1: No filter"
     with pytest.raises(ConfigError, match=re.escape(said)):
         check_decoder_fits(config, imported)
+
+
+def test_a_window_narrower_than_the_context_is_one_line_naming_the_decoders_flag_before_any_service_starts(
+    tmp_path: Path, environ, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It used to start both services, then relay the decoder's refusal (exit 2) and exit 1 itself.
+    train_tokenizer().save(str(tokenizer_file := tmp_path / "tokenizer.json"))
+    model_dir = _build_checkpoint("mistral", tmp_path / "mistral", tokenizer_file).path
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"sliding_window": 64}))  # of 512 positions
+    capsys.readouterr()  # transformers' output while it saved
+    ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
+    assert cli.main(["up", "--model", str(model_dir), *ports]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "tandem up: the decoder's --max-model-len (TANDEM_MAX_MODEL_LEN) must be at most 64 to serve this "
+        "checkpoint, got 512 (config.json's max_position_embeddings): config.json's sliding_window 64 "
+        "narrows what each query attends to, and this decoder attends to the whole context "
+        "(sliding-window attention is not implemented)\n",
+    )
+    # The decoder's own variable, which `up` leaves to it, decides: as wide as the window it is served.
+    up_config = UpConfig(model_dir, "127.0.0.1", 1, 2, dtype="float32", world_size=None)
+    environ({"TANDEM_MAX_MODEL_LEN": "65"})
+    with pytest.raises(ConfigError, match=r"must be at most 64 to serve this checkpoint, got 65:"):
+        check_decoder_fits(up_config, model_dir)
+    environ({"TANDEM_MAX_MODEL_LEN": "64"})
+    check_decoder_fits(up_config, model_dir)
 
 
 def test_openai_port_adds_the_gateway_in_front_of_both_services() -> None:
