@@ -69,6 +69,29 @@ def read_embedding_table(model_dir: Path) -> torch.Tensor:
     return read_tensor(path, EMBED_KEY)  # [vocab_size, hidden_size]
 
 
+@dataclass(frozen=True)
+class LanguageModelTable:
+    """Where a vision-language checkpoint keeps its language model's token table."""
+
+    name: str  # the table's tensor name in the files: EMBED_KEY under the architecture's prefix
+    shape: ModelShape  # [vocab_size, hidden_size] as config.json's text_config states them
+    files: dict[str, Path]  # every tensor's name -> the safetensors file that holds it
+
+
+def language_model_table(model_dir: Path, hf_config: dict[str, Any]) -> LanguageModelTable:
+    """The token table of the vision-language checkpoint in `model_dir` (`hf_config`: its config.json):
+    its name, its shape and the files, from config.json and the safetensors headers; nothing of the
+    table is read. Raises EmbedderLoadError."""
+    text = vision_language.text_config(hf_config, EmbedderLoadError)
+    hidden_size, vocab_size = text.get("hidden_size"), text.get("vocab_size")
+    if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
+        raise EmbedderLoadError(f"config.json in {model_dir}: text_config needs hidden_size and vocab_size")
+    files = weight_names(model_dir, EmbedderLoadError)
+    layout = vision_language.weight_layout(hf_config["architectures"][0], files, EmbedderLoadError)
+    shape = ModelShape(hidden_size=hidden_size, vocab_size=vocab_size)
+    return LanguageModelTable(name=layout.checkpoint_name(EMBED_KEY), shape=shape, files=files)
+
+
 class TableShapeError(EmbedderLoadError):
     """The token table's shape in its file is not the one config.json implies."""
 
@@ -80,25 +103,16 @@ def check_table_shape(model_dir: Path) -> None:
     Raises TableShapeError for a disagreement, EmbedderLoadError for a file that cannot be read."""
     hf_config = read_json(model_dir / "config.json")
     if vision_language.is_vision_language(hf_config):
-        text = vision_language.text_config(hf_config, EmbedderLoadError)
-        hidden_size, vocab_size = text.get("hidden_size"), text.get("vocab_size")
-        if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
-            raise EmbedderLoadError(
-                f"config.json in {model_dir}: text_config needs hidden_size and vocab_size"
-            )
-        files = weight_names(model_dir, EmbedderLoadError)
-        architecture = hf_config["architectures"][0]
-        name = vision_language.weight_layout(architecture, files, EmbedderLoadError).checkpoint_name(
-            EMBED_KEY
-        )
-        path = files.get(name)
+        table = language_model_table(model_dir, hf_config)
+        name, shape, path = table.name, table.shape, table.files.get(table.name)
     else:
-        hidden_size, vocab_size = (shape := read_model_shape(model_dir)).hidden_size, shape.vocab_size
+        shape = read_model_shape(model_dir)
         name, shards = EMBED_KEY, index_files(model_dir, EmbedderLoadError)
         path = model_dir / "model.safetensors" if shards is None else shards.get(name)
     if path is None:
         raise EmbedderLoadError(f"{name} is not listed in {model_dir / INDEX_NAME}")
-    refusal = mismatch(name, read_shape(path, name), token_table(vocab_size, hidden_size), "config.json")
+    expected = token_table(shape.vocab_size, shape.hidden_size)
+    refusal = mismatch(name, read_shape(path, name), expected, "config.json")
     if refusal is not None:
         raise TableShapeError(f"{path}: {refusal}")
 

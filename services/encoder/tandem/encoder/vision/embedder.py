@@ -17,12 +17,12 @@ import torch
 from PIL import Image
 
 from tandem.common import vision_language
-from tandem.common.torch_part.weight_files import weight_names
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling
 from tandem.encoder.lookup import (
     LookupEmbedder,
     as_decoder_has_it,
     check_table_shape,
+    language_model_table,
     read_json,
     read_tokenizer,
 )
@@ -64,15 +64,9 @@ class VisionLanguageEmbedder:
         follow (as LookupEmbedder's do); the tower and projector are never rounded."""
         hf_config = read_json(model_dir / "config.json")
         architecture = (hf_config.get("architectures") or [""])[0]
-        text = vision_language.text_config(hf_config, EmbedderLoadError)
-        hidden_size, vocab_size = text.get("hidden_size"), text.get("vocab_size")
-        if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
-            raise EmbedderLoadError(
-                f"config.json in {model_dir}: text_config needs hidden_size and vocab_size"
-            )
-        files = weight_names(model_dir, EmbedderLoadError)
-        layout = vision_language.weight_layout(architecture, files, EmbedderLoadError)
-        table_name = layout.checkpoint_name("model.embed_tokens.weight")
+        language_model = language_model_table(model_dir, hf_config)
+        files, table_name = language_model.files, language_model.name
+        hidden_size = language_model.shape.hidden_size
         check_table_shape(model_dir)  # as the __main__ did before listening: the files may have changed
         table = read_weights(files, [table_name])[table_name]  # [vocab_size, hidden_size]
         tokenizer = read_tokenizer(model_dir)
