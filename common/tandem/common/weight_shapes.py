@@ -12,6 +12,7 @@ disagrees, in the terms of whatever file stated them (config.json's keys, or GGU
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -108,6 +109,24 @@ def expected_weights(
     return {
         name: ExpectedWeight(tuple(v for v, _ in d), ", ".join(m for _, m in d)) for name, d in dims.items()
     }
+
+
+# TextModelShape's flags: each adds or removes weights of the same architecture's layer or head.
+FLAGS = ("has_qk_norm", "is_tied", "has_qkv_bias", "has_o_bias", "has_mlp_bias")
+
+
+def flagged_weights(shape: TextModelShape) -> dict[str, str]:
+    """The weights the model would read were one of its flags the other way, by Hugging Face name ->
+    that flag (a FLAGS field): q_proj.bias under attention_bias false, lm_head.weight under a tied head.
+
+    A checkpoint holding one was written for another config, and a model built from this one would
+    serve without it: a dropped bias gives other outputs and no sign of why."""
+    expected = expected_weights(shape)
+    flagged: dict[str, str] = {}
+    for flag in FLAGS:
+        other = dataclasses.replace(shape, **{flag: not getattr(shape, flag)})
+        flagged |= {name: flag for name in expected_weights(other) if name not in expected}
+    return flagged
 
 
 def token_table(vocab_size: int, hidden_size: int, keys: Mapping[str, str] = CONFIG_KEYS) -> ExpectedWeight:

@@ -1,11 +1,18 @@
-"""The weights a Llama, Mistral or Qwen config implies, and the one line refusing a weight that disagrees.
-That they are the weights the decoder's model reads is services/decoder/tests/models/test_loader.py's."""
+"""The weights a Llama, Mistral or Qwen config implies, those it would imply were a flag the other way,
+and the one line refusing a weight that disagrees. That they are the weights the decoder's model reads
+is services/decoder/tests/models/test_loader.py's and test_checkpoint_shapes.py's."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from tandem.common.weight_shapes import TextModelShape, expected_weights, mismatch, token_table
+from tandem.common.weight_shapes import (
+    TextModelShape,
+    expected_weights,
+    flagged_weights,
+    mismatch,
+    token_table,
+)
 
 # SmolLM2-135M's shape: 9 query heads of 64 over 3 KV heads, tied head, no biases.
 SMOLLM2 = TextModelShape(
@@ -94,3 +101,32 @@ def test_the_keys_may_be_another_files_names() -> None:
     table = token_table(100, 8, keys)
     assert table.shape == (100, 8) and table.meaning == "llama.vocab_size 100, llama.embedding_length 8"
     assert token_table(49152, 576) == expected_weights(SMOLLM2)["model.embed_tokens.weight"]
+
+
+def test_the_weights_a_flag_turns_off_are_flagged_with_that_flag() -> None:
+    """SmolLM2's config turns every bias, the q/k norms and a separate head off: each of those weights,
+    in every layer, is named with the flag that would turn it on, and nothing the model reads is."""
+    shape = dataclasses.replace(SMOLLM2, num_layers=2)
+    flagged = flagged_weights(shape)
+    assert not flagged.keys() & expected_weights(shape).keys()
+    layer = {n.removeprefix("model.layers.1."): f for n, f in flagged.items() if ".layers.1." in n}
+    assert layer == {
+        "self_attn.q_norm.weight": "has_qk_norm",
+        "self_attn.k_norm.weight": "has_qk_norm",
+        "self_attn.q_proj.bias": "has_qkv_bias",
+        "self_attn.k_proj.bias": "has_qkv_bias",
+        "self_attn.v_proj.bias": "has_qkv_bias",
+        "self_attn.o_proj.bias": "has_o_bias",
+        "mlp.gate_proj.bias": "has_mlp_bias",
+        "mlp.up_proj.bias": "has_mlp_bias",
+        "mlp.down_proj.bias": "has_mlp_bias",
+    }
+    assert flagged["lm_head.weight"] == "is_tied" and len(flagged) == 1 + 2 * 9
+
+
+def test_a_shape_with_every_flag_on_but_the_tie_flags_nothing() -> None:
+    """A flag that is on adds weights; turned off it only takes them away, so nothing is flagged."""
+    shape = dataclasses.replace(
+        SMOLLM2, is_tied=False, has_qk_norm=True, has_qkv_bias=True, has_o_bias=True, has_mlp_bias=True
+    )
+    assert flagged_weights(shape) == {}

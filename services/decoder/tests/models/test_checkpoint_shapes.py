@@ -1,13 +1,24 @@
-"""The shapes a config implies are the ones the built model reads. What a checkpoint that disagrees
-gets is test_loader.py's (check_checkpoint, before the server listens)."""
+"""The shapes a config implies are the ones the built model reads. What a checkpoint whose shapes
+disagree gets is test_loader.py's (check_checkpoint, before the server listens); what one holding
+weights the model does not read gets is here."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tandem.common.weight_shapes import expected_weights
 from tandem.decoder.models import loader
-from tandem.decoder.models.checkpoint_shapes import text_model_shape
+from tandem.decoder.models.checkpoint_shapes import MAX_NAMED_UNREAD, text_model_shape
+from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.registry import MODEL_CLASSES
 
 from ..conftest import Checkpoint
@@ -24,3 +35,162 @@ def test_the_shapes_checked_are_those_the_built_model_reads(checkpoint: Checkpoi
         part.name: part.shape for name, _ in model.named_parameters() for part in model.checkpoint_parts(name)
     }
     assert {name: w.shape for name, w in expected_weights(text_model_shape(config)).items()} == read
+
+
+def copy_with(checkpoint: Checkpoint, tmp_path: Path, added: dict[str, torch.Tensor], **config: Any) -> Path:
+    """A copy of `checkpoint` whose file also holds `added` and whose config.json has `config` changed."""
+    model_dir = Path(shutil.copytree(checkpoint.path, tmp_path / "model"))
+    path = model_dir / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    weights = load_file(model_dir / "model.safetensors")
+    save_file(weights | added, model_dir / "model.safetensors")
+    return model_dir
+
+
+# A tensor the architecture would read were a config.json setting the other way -> (variant, what is
+# added, config.json changes, what the refusal says after "weight <name> is in the file, but ").
+FLAGGED = {
+    "a q_proj bias beside attention_bias false": (
+        "llama3",
+        {"model.layers.0.self_attn.q_proj.bias": torch.ones(64)},
+        {},
+        "config.json says attention_bias false: the model would serve without it",
+    ),
+    "an o_proj bias beside attention_bias false": (
+        "llama3",
+        {"model.layers.1.self_attn.o_proj.bias": torch.ones(64)},
+        {},
+        "config.json says attention_bias false: the model would serve without it",
+    ),
+    "a down_proj bias beside mlp_bias false": (
+        "llama3",
+        {"model.layers.1.mlp.down_proj.bias": torch.ones(64)},
+        {},
+        "config.json says mlp_bias false: the model would serve without it",
+    ),
+    "an o_proj bias in a Qwen2, which has none": (
+        "qwen2",
+        {"model.layers.0.self_attn.o_proj.bias": torch.ones(64)},
+        {},
+        "config.json says architectures Qwen2ForCausalLM, which has no such weight: the model would serve "
+        "without it",
+    ),
+    "a bias in a Mistral, which has none": (
+        "mistral",
+        {"model.layers.0.self_attn.k_proj.bias": torch.ones(32)},
+        {},
+        "config.json says architectures MistralForCausalLM, which has no such weight: the model would "
+        "serve without it",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(FLAGGED))
+def test_a_weight_the_config_turns_off_is_refused_before_the_server_listens(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, kind: str
+) -> None:
+    """transformers loads such a file, reports the tensor UNEXPECTED and serves without it (vLLM drops
+    it in silence): other outputs than the checkpoint's, with no sign of why."""
+    variant, added, config, said = FLAGGED[kind]
+    model_dir = copy_with(checkpoints[variant], tmp_path, added, **config)
+    with pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir, "float32")
+    (name,) = added
+    assert str(raised.value) == f"{model_dir / 'model.safetensors'}: weight {name} is in the file, but {said}"
+
+
+def test_a_qwen2_checkpoint_named_a_llama_is_refused_at_its_first_bias(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """Qwen2's layer is Llama's with q/k/v biases: named LlamaForCausalLM (attention_bias left out, so
+    false), every shape checks and the biases alone say the config is wrong."""
+    model_dir = copy_with(
+        checkpoints["qwen2"], tmp_path, {}, architectures=["LlamaForCausalLM"], model_type="llama"
+    )
+    with pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir, "float32")
+    assert str(raised.value) == (
+        f"{model_dir / 'model.safetensors'}: weight model.layers.0.self_attn.q_proj.bias is in the file, but "
+        "config.json says attention_bias false: the model would serve without it"
+    )
+
+
+def test_a_qwen3_checkpoint_named_a_llama_is_refused_at_its_q_norm(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    model_dir = copy_with(
+        checkpoints["qwen3"], tmp_path, {}, architectures=["LlamaForCausalLM"], model_type="llama"
+    )
+    with pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir, "float32")
+    assert str(raised.value) == (
+        f"{model_dir / 'model.safetensors'}: weight model.layers.0.self_attn.q_norm.weight is in the file, "
+        "but config.json says architectures LlamaForCausalLM, which has no such weight: the model would "
+        "serve without it"
+    )
+
+
+def test_a_head_of_its_own_beside_a_tied_config_is_refused(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """transformers 5 then unties the head and reads the file's (warning that the config should say
+    tie_word_embeddings false), vLLM ties it and ignores the file's: served tied, the outputs would be
+    neither the checkpoint author's nor transformers'."""
+    qwen3 = checkpoints["qwen3"]
+    head = torch.randn(qwen3.hf_model.config.vocab_size, qwen3.hf_model.config.hidden_size)
+    model_dir = copy_with(qwen3, tmp_path, {"lm_head.weight": head})
+    with pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir, "float32")
+    assert str(raised.value) == (
+        f"{model_dir / 'model.safetensors'}: weight lm_head.weight differs from model.embed_tokens.weight, "
+        "but config.json says tie_word_embeddings true: the head would read the token table, not this weight"
+    )
+
+
+def test_a_head_equal_to_the_token_table_beside_a_tied_config_is_named_and_loads_tied(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Some exports save the tied table twice; transformers ties them in silence, with the same outputs."""
+    qwen3 = checkpoints["qwen3"]
+    table = load_file(qwen3.path / "model.safetensors")["model.embed_tokens.weight"]
+    model_dir = copy_with(qwen3, tmp_path, {"lm_head.weight": table.clone()})
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        loader.check_checkpoint(model_dir, "float32")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{model_dir / 'model.safetensors'}: weight lm_head.weight is not read: config.json says "
+        "tie_word_embeddings true, and it equals model.embed_tokens.weight, which the head reads"
+    ]
+    assert load_model(model_dir, dtype="float32").model.lm_head is None
+
+
+def test_weights_no_config_would_read_are_one_warning_line_and_the_model_loads(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Older Llama files hold each layer's rotary_emb.inv_freq, which transformers ignores too."""
+    llama3 = checkpoints["llama3"]
+    added = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)}
+    added |= {"model.extra.weight": torch.ones(2), "rotary_emb.inv_freq": torch.ones(8)}
+    model_dir = copy_with(llama3, tmp_path, added)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        loader.check_checkpoint(model_dir, "float32")
+    (warning,) = [r.getMessage() for r in caplog.records]
+    match = re.fullmatch(
+        r"4 weights in the checkpoint are not read by LlamaForCausalLM: (.*), \.\.\.", warning
+    )
+    assert match is not None, warning
+    named = match.group(1).split(", ")
+    assert len(named) == MAX_NAMED_UNREAD and set(named) < set(added)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):  # said once, before listening
+        model = load_model(model_dir, dtype="float32").model
+    assert caplog.records == []
+    reference = load_model(llama3.path, dtype="float32").model
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_a_checkpoint_holding_just_what_its_config_reads_gets_no_warning(
+    checkpoint: Checkpoint, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        loader.check_checkpoint(checkpoint.path, "float32")
+    assert caplog.records == []

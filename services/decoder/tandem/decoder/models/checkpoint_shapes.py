@@ -5,15 +5,26 @@ vocab_size that is not embed_tokens' row count, an intermediate_size that is not
 refused only by the load, once the model was built and each weight read: after the server listened,
 exit 1. Every shape the model will read is implied by the config alone (common/weight_shapes.py), and
 the loader has parsed every header before listening, so the two are compared there, reading no tensor.
+
+The weights the model does not read are looked at too (`check_unread`). One that the architecture
+would read were a config flag the other way (a q_proj.bias beside attention_bias false, Qwen2's biases
+under a LlamaForCausalLM config) was dropped in silence and the model served other outputs: it is
+refused, naming the key. A separate lm_head beside tie_word_embeddings true is refused where it differs
+from the token table (transformers then unties the head and warns; vLLM ties it: the config is wrong
+either way) and only named where it equals it (both tie it, the outputs are the same). Any other
+(older Llama files' rotary_emb.inv_freq, which transformers ignores too) is named in one warning.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.common.vision_language import WeightLayout
-from tandem.common.weight_shapes import TextModelShape, expected_weights, mismatch
+import torch
+
+from tandem.common.vision_language import PLAIN, TEXT_ARCHITECTURES, WeightLayout
+from tandem.common.weight_shapes import TextModelShape, expected_weights, flagged_weights, mismatch
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.registry import MODEL_CLASSES
 
@@ -53,3 +64,92 @@ def check_shapes(
         if refusal is not None:
             return f"{path_of[key]}: {refusal}"
     return None
+
+
+MAX_NAMED_UNREAD = 3  # the warning on weights the model does not read names this many, then counts
+_HEAD_ROWS_PER_READ = 4096  # the tied head's comparison reads this many rows of each table at a time
+
+
+def check_unread(
+    file_of: dict[str, Any],  # checkpoint name -> the open safetensors file holding it
+    path_of: dict[str, Path],  # checkpoint name -> that file's path
+    layout: WeightLayout,
+    config: ModelConfig,
+    error: Callable[[str], Exception],
+) -> list[str]:
+    """The warnings (at most two lines) on the language model's weights that the model does not read;
+    raises `error(message)` for one the config's architecture would read were a flag the other way.
+    A vision-language checkpoint's tower and projector are the encoder's, not looked at here."""
+    shape = text_model_shape(config)
+    expected = {layout.checkpoint_name(name) for name in expected_weights(shape)}
+    flagged = {layout.checkpoint_name(name): flag for name, flag in flagged_weights(shape).items()}
+    warnings = []
+    for key, flag in flagged.items():
+        if key not in file_of:
+            continue
+        if flag != "is_tied":
+            raise error(
+                f"{path_of[key]}: weight {key} is in the file, but {_source(layout)} says "
+                f"{_setting(flag, config, layout)}: the model would serve without it"
+            )
+        table = layout.checkpoint_name("model.embed_tokens.weight")
+        if not _same_table(file_of[key], key, file_of[table], table):
+            raise error(
+                f"{path_of[key]}: weight {key} differs from {table}, but config.json says "
+                "tie_word_embeddings true: the head would read the token table, not this weight"
+            )
+        warnings.append(
+            f"{path_of[key]}: weight {key} is not read: config.json says tie_word_embeddings true, and it "
+            f"equals {table}, which the head reads"
+        )
+    unread = [
+        key
+        for key in file_of
+        if key not in expected and key not in flagged and _is_language_model(key, layout)
+    ]
+    if unread:
+        named = ", ".join(unread[:MAX_NAMED_UNREAD]) + (", ..." if len(unread) > MAX_NAMED_UNREAD else "")
+        count = (
+            "1 weight in the checkpoint is"
+            if len(unread) == 1
+            else f"{len(unread)} weights in the checkpoint are"
+        )
+        warnings.append(f"{count} not read by {config.architecture}: {named}")
+    return warnings
+
+
+def _is_language_model(key: str, layout: WeightLayout) -> bool:
+    """Whether checkpoint weight `key` is the language model's: a plain causal LM's are all its own."""
+    return layout == PLAIN or key.startswith(layout.model_prefix) or key == layout.head_name
+
+
+def _source(layout: WeightLayout) -> str:
+    """Where the keys the decoder reads are: a vision-language config.json nests its language model's."""
+    return "config.json" if layout == PLAIN else "config.json's text_config"
+
+
+def _setting(flag: str, config: ModelConfig, layout: WeightLayout) -> str:
+    """The config.json setting that leaves the weights of TextModelShape field `flag` out of the model."""
+    key = {"has_qkv_bias": "attention_bias", "has_o_bias": "attention_bias", "has_mlp_bias": "mlp_bias"}
+    # Llama's and Qwen3's biases follow their keys (models/config.py); Qwen2's and Mistral's, and whether
+    # the layer has q_norm and k_norm, follow the architecture alone.
+    if flag in key and config.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        return f"{key[flag]} false"
+    if layout == PLAIN:
+        return f"architectures {config.architecture}, which has no such weight"
+    model_type = {arch: name for name, arch in TEXT_ARCHITECTURES.items()}[config.architecture]
+    return f"model_type {model_type}, whose {config.architecture} has no such weight"
+
+
+def _same_table(head: Any, head_key: str, table: Any, table_key: str) -> bool:
+    """Whether two tensors of the open safetensors files hold the same values, read a block of rows at a
+    time (the tables are the checkpoint's largest), stopping at the first that differs."""
+    head_rows, table_rows = head.get_slice(head_key), table.get_slice(table_key)
+    shape = head_rows.get_shape()
+    if shape != table_rows.get_shape():
+        return False
+    for start in range(0, shape[0], _HEAD_ROWS_PER_READ):
+        rows = slice(start, start + _HEAD_ROWS_PER_READ)
+        if not torch.equal(head_rows[rows].float(), table_rows[rows].float()):
+            return False
+    return True

@@ -34,7 +34,7 @@ from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 from tandem.common.torch_part.weight_files import index_files
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 from tandem.decoder.models import quantized
-from tandem.decoder.models.checkpoint_shapes import check_shapes
+from tandem.decoder.models.checkpoint_shapes import check_shapes, check_unread
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.gguf_weights import read_quantized
 from tandem.decoder.models.quantized_shards import check_cuttable
@@ -64,16 +64,22 @@ class LoadedModel:
 
 def check_checkpoint(model_dir: str | Path, dtype: str = "bfloat16") -> ModelConfig:
     """Everything `load_model` checks before it reads a weight: the dtype, config.json and its
-    architecture, the tokenizer against the vocabulary, and that the weight files are there.
+    architecture, the tokenizer against the vocabulary, that the weight files are there, each of the
+    shape config.json implies, and none the model would read under another config.json.
 
-    Cheap (no weight is read), so a service runs it before it listens. Raises ModelLoadError.
+    Cheap (no weight is read, but a separate head beside tie_word_embeddings true, compared with the
+    token table), so a service runs it before it listens; it logs the warnings on weights the model
+    does not read (checkpoint_shapes.check_unread). Raises ModelLoadError.
     """
-    config, _, _ = _checked(Path(model_dir), dtype)
+    config, _, _, warnings = _checked(Path(model_dir), dtype)
+    for warning in warnings:  # here alone: load_model, on each rank, runs the same checks again
+        log.warning("%s", warning)
     return config
 
 
-def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer]:
-    """The config, its architecture and the tokenizer, once everything but the weights checked out."""
+def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer, list[str]]:
+    """The config, its architecture, the tokenizer and the warnings on weights the model does not read
+    (checkpoint_shapes.check_unread), once everything but the weights' values checked out."""
     if dtype not in COMPUTE_NAMES:
         raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: {', '.join(COMPUTE_NAMES)})")
     if not model_dir.is_dir():
@@ -81,9 +87,10 @@ def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer]:
     config, architecture = _read_config(model_dir, dtype)
     tokenizer = _read_tokenizer(model_dir, config)  # before the weights: a mismatch fails fast
     _check_chat_template(model_dir)
-    with ExitStack() as stack:  # the headers only: nothing is read past them
-        _open_weights(stack, model_dir, config)
-    return config, architecture, tokenizer
+    with ExitStack() as stack:  # the headers only, and a tied head's values where the file has one
+        file_of, path_of, layout = _index_weights(stack, model_dir, config)
+        warnings = check_unread(file_of, path_of, layout, config, ModelLoadError)
+    return config, architecture, tokenizer, warnings
 
 
 def load_model(
@@ -106,7 +113,7 @@ def load_model(
     Every few seconds of reading, a progress line is logged. Raises ModelLoadError.
     """
     model_dir = Path(model_dir)
-    config, architecture, tokenizer = _checked(model_dir, dtype)
+    config, architecture, tokenizer, _ = _checked(model_dir, dtype)
     if tp is not None:
         try:
             check_shardable(config, tp.world_size)
@@ -274,10 +281,19 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _open_weights(stack: ExitStack, model_dir: Path, config: ModelConfig) -> dict[str, Any]:
-    """Each weight name -> the open safetensors file that holds it, once every file's header parsed
-    (safetensors checks its length, JSON, dtypes and that offsets tile the file) and no name is in two
-    files or belongs to a layer past config.json's num_hidden_layers (a config that does not match
-    its weights, which would otherwise serve the first layers alone). Only headers are read."""
+    """Each weight name -> the open safetensors file that holds it (_index_weights)."""
+    file_of, _, _ = _index_weights(stack, model_dir, config)
+    return file_of
+
+
+def _index_weights(
+    stack: ExitStack, model_dir: Path, config: ModelConfig
+) -> tuple[dict[str, Any], dict[str, Path], vision_language.WeightLayout]:
+    """Each weight name -> the open safetensors file that holds it, and -> that file's path, and where
+    the language model's weights sit; once every file's header parsed (safetensors checks its length,
+    JSON, dtypes and that offsets tile the file), no name is in two files or belongs to a layer past
+    config.json's num_hidden_layers (a config that does not match its weights, which would otherwise
+    serve the first layers alone), and every shape is config.json's. Only headers are read."""
     file_of: dict[str, Any] = {}
     path_of: dict[str, Path] = {}
     for path in _weight_files(model_dir):
@@ -302,7 +318,7 @@ def _open_weights(stack: ExitStack, model_dir: Path, config: ModelConfig) -> dic
             )
     if (refusal := check_shapes(file_of, path_of, layout, config, model_dir)) is not None:
         raise ModelLoadError(refusal)
-    return file_of
+    return file_of, path_of, layout
 
 
 def _read_weights(
