@@ -1,5 +1,5 @@
-"""The gateway's settings: --max-choices reaches the config from its flag and its variable, and a
-bound below 1 is refused naming it."""
+"""The gateway's settings: --max-choices and --body-idle-timeout-s reach the config from their flags
+(and variables), and a bound out of range is refused naming it."""
 
 from __future__ import annotations
 
@@ -26,3 +26,11 @@ def test_a_choices_bound_below_one_is_a_config_error_naming_it() -> None:
     with pytest.raises(ConfigError) as error:
         GatewayConfig(max_choices=0)
     assert error.value.field == "max_choices"
+
+
+def test_the_body_idle_bound_comes_from_its_flag_and_is_refused_unless_positive() -> None:
+    assert _config([]).body_idle_timeout_s == GatewayConfig().body_idle_timeout_s == 10.0
+    assert _config(["--body-idle-timeout-s", "2.5"]).body_idle_timeout_s == 2.5
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(body_idle_timeout_s=0)
+    assert error.value.field == "body_idle_timeout_s"

@@ -100,6 +100,11 @@ def settings() -> list[click.Option]:
             "a keep-alive connection idle (or trickling its next head) this long is closed",
             type=float,
         ),
+        _setting(
+            "--body-idle-timeout-s",
+            "a request body sending nothing this long is cut (408, the connection closed)",
+            type=float,
+        ),
         _setting("--body-timeout-s", "a request body must arrive whole within (408 beyond)", type=float),
         *(
             Setting(
@@ -167,6 +172,7 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
         max_connections=values["max_connections"],
         header_timeout_s=values["header_timeout_s"],
         idle_timeout_s=values["idle_timeout_s"],
+        body_idle_timeout_s=values["body_idle_timeout_s"],
         body_timeout_s=values["body_timeout_s"],
     )
 

@@ -111,8 +111,8 @@ class Gateway:
             return await handler(request)
         except Refused as refused:
             response = error_response(refused.error)
-            if request.content.exception() is not None:  # a body that cannot be read cannot be drained
-                response.force_close()  # either: aiohttp's drain after the answer would raise again
+            if refused.close or request.content.exception() is not None:  # a body not worth draining
+                await _answer_and_close(request, response)
             return response
         except InvalidArgument as error:
             return error_response(from_invalid(error))
@@ -273,8 +273,12 @@ class Gateway:
         if declared is not None and declared >= self.config.large_body_bytes:
             self._take_large_body(request)
         body, num_values = bytearray(), 0
+        # Two bounds on one timer: the next bytes within --body-idle-timeout-s, all of them by the
+        # --body-timeout-s deadline.
+        loop = asyncio.get_running_loop()
+        idle_s, deadline = self.config.body_idle_timeout_s, loop.time() + self.config.body_timeout_s
         try:
-            async with asyncio.timeout(self.config.body_timeout_s):
+            async with asyncio.timeout_at(min(deadline, loop.time() + idle_s)) as timer:
                 while chunk := await request.content.readany():
                     if len(body) + len(chunk) > limit:
                         raise Refused(_too_large(limit))
@@ -282,18 +286,21 @@ class Gateway:
                     num_values = count_values(body, limits, len(body) - len(chunk), num_values)
                     if len(body) >= self.config.large_body_bytes and LARGE_BODY not in request:
                         self._take_large_body(request)
+                    timer.reschedule(min(deadline, loop.time() + idle_s))
         except TimeoutError:
-            message = (
-                f"the body did not arrive within {self.config.body_timeout_s:g} s (--body-timeout-s); "
-                f"{len(body)} bytes came"
-            )
-            raise Refused(HttpError(408, "invalid_request_error", message, "body")) from None
+            came = f"{len(body)} bytes" + (f" of {declared}" if declared is not None else "") + " came"
+            if loop.time() >= deadline:
+                bound = f"was not whole within {self.config.body_timeout_s:g} s (--body-timeout-s)"
+            else:
+                bound = f"sent nothing for {idle_s:g} s (--body-idle-timeout-s)"
+            message = f"the body {bound}; {came}"
+            raise Refused(HttpError(408, "invalid_request_error", message, "body"), close=True) from None
         except (RequestPayloadError, HttpProcessingError) as error:  # the caller's bytes, not our bug: a 400
             reason = getattr(error, "message", "") or str(error)
             encoding = request.headers.get("Content-Encoding")
             sent = f" (Content-Encoding: {encoding[:32]})" if encoding else ""
             message = f"the body could not be read as sent{sent}: {' '.join(str(reason).split())[:200]}"
-            raise Refused(HttpError(400, "invalid_request_error", message, "body")) from None
+            raise Refused(HttpError(400, "invalid_request_error", message, "body"), close=True) from None
         return body
 
     def _take_large_body(self, request: web.Request) -> None:
@@ -405,6 +412,18 @@ class Gateway:
                 encoder_pb2.EncoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
             )
         return self._encoder_info
+
+
+async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
+    """`response` written, then the connection closed at once, for a body that stalled, trickled or
+    cannot be read. aiohttp would otherwise linger (its lingering_time: read and drop what is left of
+    the body) on a connection the caller is holding open on purpose, and for a body it cannot decode,
+    read it again and log the caller's error as its own "Unhandled exception" with a traceback. nginx
+    closes a connection whose body timed out the same way."""
+    await response.prepare(request)
+    await response.write_eof()
+    if request.protocol is not None:
+        request.protocol.force_close()
 
 
 def _too_large(limit: int) -> HttpError:

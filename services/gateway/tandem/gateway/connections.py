@@ -7,7 +7,8 @@ byte at a time stayed open 40 s (and would have for 3,630), so at a 1,024-descri
 closed as soon as it is accepted, and one whose first request head has not arrived within
 `header_timeout_s` is closed. After a response, aiohttp's own keep-alive timeout (the gateway's
 `idle_timeout_s`) closes a connection that stays idle, or trickles its next head, that long; a body
-that does not arrive within `body_timeout_s` is the handler's 408 (app.py).
+that stalls for `body_idle_timeout_s`, or is not whole within `body_timeout_s`, is the handler's 408,
+its connection closed with the answer (app.py).
 """
 
 from __future__ import annotations

@@ -78,11 +78,13 @@ class HttpError:
 
 class Refused(Exception):
     """The gateway's own refusal of a request (a body too large or too slow, the gateway too busy),
-    answered as `error`."""
+    answered as `error`; with `close`, the connection is closed once the answer is written (a body that
+    stalled or cannot be read: what is left of it is not worth waiting for)."""
 
-    def __init__(self, error: HttpError) -> None:
+    def __init__(self, error: HttpError, close: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
+        self.close = close
 
 
 class PromptShape(enum.Enum):

@@ -1,0 +1,140 @@
+"""Bodies that never finish arriving, over a raw socket: a chunk size that never comes, a body that
+stops mid-way on an open connection, a body trickled a byte at a time, a body that cannot be decoded.
+Each is answered (408 naming --body-idle-timeout-s or --body-timeout-s, or 400) as soon as its bound
+passes, its connection closed right after the answer, before any call reaches the decoder; a body
+that pauses for less than the idle bound is served, and the gateway serves on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from .fake_decoder import FakeDecoder, fake_decoder
+from .live_gateway import live_gateway
+
+IDLE_S = 0.5  # --body-idle-timeout-s of these tests
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+CHUNKED = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+BODY = b'{"prompt": "hi", "max_tokens": 1}'
+
+
+async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def _answer(reader: asyncio.StreamReader, within_s: float) -> tuple[int, dict, float]:
+    """The status and JSON of the answer, and the seconds until the server closed the connection."""
+    started = time.monotonic()
+    async with asyncio.timeout(within_s):
+        sent = await reader.read()  # to EOF: the server must close
+    head, _, body = sent.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body), time.monotonic() - started
+
+
+async def _serves(url: str) -> None:
+    """A whole body on a new connection is answered 200."""
+    reader, writer = await _connect(url)
+    writer.write(HEAD + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    status, answer, _ = await _answer(reader, 5)
+    writer.close()
+    assert status == 200 and answer["choices"][0]["text"] == "<hi>"
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[tuple[FakeDecoder, str]]:
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, body_idle_timeout_s=IDLE_S, body_timeout_s=30.0) as url,
+    ):
+        yield decoder, url
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        pytest.param(CHUNKED, id="a chunk size that never comes"),
+        pytest.param(CHUNKED + b'40\r\n{"prompt": ', id="a chunk that stops mid-way"),
+        pytest.param(CHUNKED + b"4\r\n" + BODY[:4] + b"\r\n", id="chunks without their last"),
+        pytest.param(HEAD + b"Content-Length: 100\r\n\r\n" + BODY[:10], id="fewer bytes than Content-Length"),
+    ],
+)
+async def test_a_body_that_stalls_is_408_after_the_idle_bound_and_its_connection_closed(
+    gateway: tuple[FakeDecoder, str], sent: bytes
+) -> None:
+    decoder, url = gateway
+    reader, writer = await _connect(url)
+    writer.write(sent)
+    status, answer, took_s = await _answer(reader, IDLE_S + 5)  # the whole-body bound is 30 s
+    writer.close()
+    assert status == 408 and answer["error"]["param"] == "body"
+    assert "sent nothing for 0.5 s (--body-idle-timeout-s)" in answer["error"]["message"]
+    assert IDLE_S <= took_s < IDLE_S + 2
+    assert decoder.requests == [] and decoder.num_open == 0  # no Generate call was made
+    await _serves(url)
+
+
+async def test_a_trickled_body_is_cut_at_the_whole_body_bound_and_closed_at_once() -> None:
+    """Bytes every 0.1 s keep the idle bound from passing; the whole-body bound cuts the body, and the
+    connection closes with the answer rather than after aiohttp's lingering (10 s here) on the trickle."""
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, body_idle_timeout_s=IDLE_S, body_timeout_s=1.0) as url,
+    ):
+        reader, writer = await _connect(url)
+        writer.write(CHUNKED)
+
+        async def trickle() -> None:
+            while True:
+                await asyncio.sleep(0.1)
+                writer.write(b"1\r\n \r\n")
+
+        trickling = asyncio.ensure_future(trickle())
+        try:
+            status, answer, took_s = await _answer(reader, 5)
+        finally:
+            trickling.cancel()
+            writer.close()
+        assert status == 408 and answer["error"]["param"] == "body"
+        assert "was not whole within 1 s (--body-timeout-s)" in answer["error"]["message"]
+        assert 1.0 <= took_s < 3
+        assert decoder.requests == []
+        await _serves(url)
+
+
+async def test_a_body_pausing_for_less_than_the_idle_bound_is_served(
+    gateway: tuple[FakeDecoder, str],
+) -> None:
+    _, url = gateway
+    reader, writer = await _connect(url)
+    writer.write(CHUNKED)
+    for i in range(0, len(BODY), 12):  # 3 pauses of 0.3 s: 0.9 s in all, past the idle bound
+        piece = BODY[i : i + 12]
+        writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        await asyncio.sleep(0.3)
+    writer.write(b"0\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 200")
+
+
+async def test_a_body_that_cannot_be_decoded_is_400_closed_and_logs_no_traceback(
+    gateway: tuple[FakeDecoder, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not gzip, though it says so: the caller's fault, answered as such, not logged as the server's."""
+    decoder, url = gateway
+    reader, writer = await _connect(url)
+    with caplog.at_level(logging.ERROR):
+        writer.write(HEAD + b"Content-Encoding: gzip\r\nContent-Length: 5\r\n\r\nabcde")
+        status, answer, took_s = await _answer(reader, 5)
+        writer.close()
+        await _serves(url)
+    assert status == 400 and answer["error"]["param"] == "body"
+    assert "Content-Encoding: gzip" in answer["error"]["message"] and took_s < 1
+    assert decoder.requests[0].prompt[0].text == "hi" and len(decoder.requests) == 1  # _serves' only
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
