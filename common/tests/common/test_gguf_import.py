@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from common.tests.common.gguf_files import small_model, write_gguf
-from tandem.common.torch_part.gguf_import import GGUFImportError, import_gguf
+from tandem.common.torch_part.gguf_import import GGUFImportError, import_gguf, readable_types
 
 Q = gguf.GGMLQuantizationType
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -143,6 +143,28 @@ def test_a_type_gguf_cannot_dequantize_is_named(tokenizer: Tokenizer, tmp_path: 
         tmp_path / "m.gguf", model, tokenizer, raw_tensors={"output_norm.weight": (q8_1, Q.Q8_1)}
     )
     _assert_one_line_error(_cli(str(path), str(tmp_path / "out")), "output_norm.weight", "Q8_1")
+
+
+def test_a_type_gguf_cannot_dequantize_is_refused_before_anything_is_imported(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """It was refused once every tensor before it was dequantized (minutes of a large file), the output
+    directory made; the tensor infos name each type, so it is refused first, with the readable ones."""
+    model = small_model("llama", tokenizer.get_vocab_size())
+    q8_1 = np.zeros((128, 2 * 40), dtype=np.uint8)  # up_proj's 128 rows of two Q8_1 blocks of 32 values
+    path = write_gguf(
+        tmp_path / "m.gguf", model, tokenizer, Q.Q8_0, raw_tensors={"blk.1.ffn_up.weight": (q8_1, Q.Q8_1)}
+    )
+    with pytest.raises(GGUFImportError) as caught:
+        import_gguf(path, tmp_path / "out")
+    readable = readable_types()
+    assert str(caught.value) == (
+        f"{path}: tensor blk.1.ffn_up.weight is of GGML type Q8_1, which the gguf package cannot dequantize "
+        f"(readable: {', '.join(readable)})"
+    )
+    assert not (tmp_path / "out").exists()
+    assert {"F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"} <= set(readable)
+    assert not {"Q8_1", "Q8_K", "I8", "I32", "F64"} & set(readable)
 
 
 def test_an_unsupported_tokenizer_kind_is_named(tokenizer: Tokenizer, tmp_path: Path) -> None:

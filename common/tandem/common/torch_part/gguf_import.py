@@ -105,6 +105,7 @@ def import_gguf(
     hf_config = _hf_config(meta)
     _check_blocks(reader, meta, hf_config["num_hidden_layers"])
     _check_shapes(reader, meta, hf_config)
+    _check_types(reader, meta)
     tokenizer_json, tokenizer_config, generation_config = tokenizer_files(meta, hf_config)
 
     out_dir = Path(out_dir)
@@ -284,6 +285,35 @@ def _check_shapes(reader: Any, meta: GGUFMetadata, hf_config: dict[str, Any]) ->
             raise GGUFImportError(f"{meta.path}: {refusal}")
 
 
+def readable_types() -> tuple[str, ...]:
+    """The GGML types the gguf package dequantizes, which the import reads every tensor through: each
+    probed on one block of zeros, as which it reads grows with its version (0.19 reads neither Q8_1
+    and Q8_K, llama.cpp's activation types, nor I8-I64 and F64)."""
+    import gguf
+
+    readable = []
+    for qtype in gguf.GGMLQuantizationType:
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        readable.append(qtype.name)
+    return tuple(readable)
+
+
+def _check_types(reader: Any, meta: GGUFMetadata) -> None:
+    """Every tensor is of a type the gguf package dequantizes, from the tensor infos alone: a file with
+    one that is not was dequantized tensor by tensor up to it (minutes of a large file) before refused."""
+    readable = readable_types()
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in readable and tensor.name != "rope_freqs.weight":  # never read
+            raise GGUFImportError(
+                f"{meta.path}: tensor {tensor.name} is of GGML type {tensor.tensor_type.name}, which the "
+                f"gguf package cannot dequantize (readable: {', '.join(readable)})"
+            )
+
+
 def _weights(
     reader: Any,
     meta: GGUFMetadata,
@@ -303,13 +333,7 @@ def _weights(
         raise GGUFImportError(f"{meta.path}: rope_freqs (Llama 3.1 RoPE scaling) is not supported")
     for done, tensor in enumerate(tensors, start=1):
         name = _hf_name(tensor.name, meta.path)
-        try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as e:
-            raise GGUFImportError(
-                f"{meta.path}: tensor {tensor.name}: quantization type {tensor.tensor_type.name} "
-                "cannot be dequantized by the gguf package"
-            ) from e
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # a readable type: _check_types
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest-first
         array = np.array(array, dtype=np.float32).reshape(shape)  # a writable copy, off the memory map
         if meta.architecture == "llama" and name.endswith(_QK_NAMES):

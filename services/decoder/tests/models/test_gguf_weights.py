@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,7 +15,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from common.tests.common.gguf_files import mixed_types, small_model, write_gguf
-from tandem.common.torch_part.gguf_import import import_gguf
+from tandem.common.torch_part.gguf_import import import_gguf, readable_types
 from tandem.common.torch_part.quantized_tensor import quantize
 from tandem.decoder.backends.cpu.executor import CpuExecutor
 from tandem.decoder.backends.cpu.kernels import load_for_cpu
@@ -171,3 +172,22 @@ def test_a_hostile_gguf_header_is_one_load_error_naming_the_file(
     )
     with pytest.raises(ModelLoadError, match=rf"--quantization gguf: {path} cannot be read: .*nests arrays"):
         load_model(tiny_model_dir, dtype="float32", quantization="gguf", quantized_from=path)
+
+
+def test_a_type_gguf_cannot_dequantize_is_named_with_the_readable_ones(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """The import refuses such a file first (before the decoder listens); load_model may be given
+    another file than the one imported, which says the same of it."""
+    model = small_model("llama", tokenizer.get_vocab_size())
+    imported = import_gguf(write_gguf(tmp_path / "a.gguf", model, tokenizer, Q.Q8_0), tmp_path / "out")
+    q8_1 = np.zeros((128, 2 * 40), dtype=np.uint8)  # up_proj's 128 rows of two Q8_1 blocks of 32 values
+    other = write_gguf(
+        tmp_path / "b.gguf", model, tokenizer, Q.Q8_0, raw_tensors={"blk.1.ffn_up.weight": (q8_1, Q.Q8_1)}
+    )
+    with pytest.raises(ModelLoadError) as raised:
+        load_model(imported, dtype="float32", quantization="gguf", quantized_from=other)
+    assert str(raised.value) == (
+        "--quantization gguf: blk.1.ffn_up.weight (model.layers.1.mlp.up_proj.weight) is of GGML type Q8_1, "
+        f"which the gguf package cannot dequantize (readable: {', '.join(readable_types())})"
+    )

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from tandem.common.torch_part.gguf_header import check_header
-from tandem.common.torch_part.gguf_import import gguf_name, unpermute_rows
+from tandem.common.torch_part.gguf_import import gguf_name, readable_types, unpermute_rows
 from tandem.common.torch_part.quantized_tensor import BLOCK, QuantizedTensor, cat_rows, pack, quantize
 from tandem.decoder.models.quantized import quantizable
 from tandem.decoder.models.quantized_shards import cut
@@ -108,7 +108,10 @@ def _read(
         dense = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         dense = np.array(dense, dtype=np.float32).reshape(n, k)
     except NotImplementedError as e:
-        raise QuantizationError(f"--quantization gguf: {hf_name}: type {kind} cannot be read") from e
+        raise QuantizationError(  # the import refuses the file first; this, a file given to load_model
+            f"--quantization gguf: {tensor.name} ({hf_name}) is of GGML type {kind}, which the gguf package "
+            f"cannot dequantize (readable: {', '.join(readable_types())})"
+        ) from e
     if k % BLOCK != 0:
         raise QuantizationError(
             f"--quantization gguf: {hf_name} has rows of {k}, not a whole number of blocks of {BLOCK}"
