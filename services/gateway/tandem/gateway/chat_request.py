@@ -9,7 +9,7 @@ from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.gateway.body_limits import MAX_IMAGES, BodyLimits, at_most
 from tandem.gateway.calls import GenerateCall, ImagePart
-from tandem.gateway.fields import field, uint
+from tandem.gateway.fields import field, shown, uint
 from tandem.gateway.images import image_file
 from tandem.gateway.parameters import common_parameters, generate_call
 from tandem.gateway.tensors import tensor
@@ -52,8 +52,8 @@ def _content_parts(
         else:
             raise InvalidArgument(
                 where,
-                f"part type {kind!r} is not supported: text, image_url (a data: URL), tandem_embeddings or "
-                "tandem_image_embeddings",
+                f"part type {shown(kind)} is not supported: text, image_url (a data: URL), "
+                "tandem_embeddings or tandem_image_embeddings",
             )
     return parts
 
@@ -77,7 +77,9 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             raise InvalidArgument(f"messages[{i}]", "must be an object {role, content}")
         role = message.get("role")
         if role not in ROLES:
-            raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+            raise InvalidArgument(
+                f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {shown(role)}"
+            )
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
         turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))
     names, n = common_parameters(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))

@@ -11,7 +11,7 @@ from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.gateway.body_limits import MAX_INPUTS, BodyLimits, at_most
 from tandem.gateway.calls import EmbedCall
-from tandem.gateway.fields import field, token_ids
+from tandem.gateway.fields import field, shown, token_ids
 
 
 def embed_request(body: dict[str, Any], limits: BodyLimits) -> EmbedCall:
@@ -26,12 +26,12 @@ def embed_request(body: dict[str, Any], limits: BodyLimits) -> EmbedCall:
     at_most("input", len(items), MAX_INPUTS, "inputs")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
-        raise InvalidArgument("encoding_format", f"must be float or base64, got {encoding!r}")
+        raise InvalidArgument("encoding_format", f"must be float or base64, got {shown(encoding)}")
     if body.get("dimensions") is not None:
         raise InvalidArgument("dimensions", "is not supported: rows have the decoder's hidden size")
     pooling = body.get("tandem_pooling", "mean")
     if pooling not in ("mean", "none"):
-        raise InvalidArgument("tandem_pooling", f"must be mean or none, got {pooling!r}")
+        raise InvalidArgument("tandem_pooling", f"must be mean or none, got {shown(pooling)}")
     if pooling == "none" and encoding != "base64":
         # Every row as JSON floats is about 20 bytes a value: 64 inputs of rows could make gigabytes.
         raise InvalidArgument("encoding_format", 'must be "base64" with "tandem_pooling": "none"')

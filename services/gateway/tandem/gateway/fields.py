@@ -4,6 +4,7 @@ range, or InvalidArgument naming them."""
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
@@ -24,6 +25,22 @@ def field(body: dict[str, Any], name: str, types: type | tuple[type, ...], path:
         expected = " or ".join(t.__name__ for t in _as_tuple(types))
         raise InvalidArgument(f"{path}{name}", f"must be {expected}, got {type(value).__name__}")
     return value
+
+
+# A refused value as an error shows it: its start, never all of it. Echoed whole, a 90 MB string in a
+# field that must be a word came back as a message up to 3 times the body (repr, then JSON's escapes of
+# every non-ASCII character), and a list nested 1,000 deep overflowed repr's recursion. reprlib bounds
+# each piece and the nesting; the whole is cut to MAX_SHOWN characters.
+MAX_SHOWN = 80
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = MAX_SHOWN
+_SHOWN.maxlevel = 3
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message shows it: its repr, cut to MAX_SHOWN characters and 3 levels."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
 
 
 def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:

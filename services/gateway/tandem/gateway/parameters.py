@@ -11,7 +11,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.body_limits import MAX_LOGIT_BIAS, MAX_STOP, BodyLimits, at_most
 from tandem.gateway.calls import GenerateCall, ImagePart
 from tandem.gateway.errors import BodyNames
-from tandem.gateway.fields import UINT32, UINT64, field, number, uint
+from tandem.gateway.fields import UINT32, UINT64, field, number, shown, uint
 from tandem.gateway.structured import structured_output
 
 
@@ -83,7 +83,9 @@ def common_parameters(
         is_id = key.isascii() and key.isdigit() and int(key) <= UINT32
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
         if not is_id or not is_number or not math.isfinite(value):
-            raise InvalidArgument("logit_bias", f"maps token IDs to finite numbers; got {key!r}: {value!r}")
+            raise InvalidArgument(
+                "logit_bias", f"maps token IDs to finite numbers; got {shown(key)}: {shown(value)}"
+            )
         request.sampling.logit_bias[int(key)] = float(value)
     structured_field = structured_output(body, request)
     for name in ("tools", "functions"):

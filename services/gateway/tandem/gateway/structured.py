@@ -9,6 +9,7 @@ from typing import Any
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.body_limits import MAX_GUIDED_CHOICES, at_most
+from tandem.gateway.fields import shown
 
 
 def structured_output(body: dict[str, Any], request: decoder_pb2.GenerateRequest) -> str | None:
@@ -23,18 +24,19 @@ def structured_output(body: dict[str, Any], request: decoder_pb2.GenerateRequest
             schema = inner.get("schema") if isinstance(inner, dict) else None
             if not isinstance(schema, dict | bool):
                 raise InvalidArgument("response_format.json_schema.schema", "must be a JSON schema object")
-            chosen.append(("response_format", decoder_pb2.StructuredOutput(json_schema=json.dumps(schema))))
+            text = _schema_text(schema, "response_format.json_schema.schema")
+            chosen.append(("response_format", decoder_pb2.StructuredOutput(json_schema=text)))
         elif kind == "json_object":
             chosen.append(("response_format", decoder_pb2.StructuredOutput(json_object=True)))
         elif kind != "text":
             raise InvalidArgument(
-                "response_format.type", f"must be text, json_object or json_schema, got {kind!r}"
+                "response_format.type", f"must be text, json_object or json_schema, got {shown(kind)}"
             )
     guided_json = body.get("guided_json")
     if guided_json is not None:
         if not isinstance(guided_json, dict | str):
             raise InvalidArgument("guided_json", "must be a JSON schema (an object, or its text)")
-        text = guided_json if isinstance(guided_json, str) else json.dumps(guided_json)
+        text = guided_json if isinstance(guided_json, str) else _schema_text(guided_json, "guided_json")
         chosen.append(("guided_json", decoder_pb2.StructuredOutput(json_schema=text)))
     for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
         value = body.get(name)
@@ -58,3 +60,13 @@ def structured_output(body: dict[str, Any], request: decoder_pb2.GenerateRequest
         return None
     request.structured.CopyFrom(chosen[0][1])
     return chosen[0][0]
+
+
+def _schema_text(schema: dict[str, Any] | bool, where: str) -> str:
+    """A parsed schema as the JSON text the decoder compiles. Written out again, a schema nested just
+    under the depth Python's parser stops at passes it (the parser ran on a shallower stack) and then
+    overflows the writer's recursion: refused as the body's nesting is."""
+    try:
+        return json.dumps(schema)
+    except RecursionError:
+        raise InvalidArgument(where, "nests too deep") from None

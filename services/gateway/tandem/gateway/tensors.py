@@ -15,6 +15,7 @@ from typing import Any
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import tensor_pb2
 from tandem.common.dtypes import BY_NAME, FLOAT_NAMES
+from tandem.gateway.fields import shown
 
 
 def tensor(value: Any, path: str) -> tensor_pb2.Tensor:
@@ -23,14 +24,14 @@ def tensor(value: Any, path: str) -> tensor_pb2.Tensor:
         raise InvalidArgument(path, "must be an object {dtype, shape, data}")
     dtype = value.get("dtype")
     if not isinstance(dtype, str) or dtype not in FLOAT_NAMES:
-        raise InvalidArgument(f"{path}.dtype", f"must be one of {', '.join(FLOAT_NAMES)}, got {dtype!r}")
+        raise InvalidArgument(f"{path}.dtype", f"must be one of {', '.join(FLOAT_NAMES)}, got {shown(dtype)}")
     shape = value.get("shape")
     if (
         not isinstance(shape, list)
         or len(shape) != 2
         or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)
     ):
-        raise InvalidArgument(f"{path}.shape", f"must be [n, hidden_size], got {shape!r}")
+        raise InvalidArgument(f"{path}.shape", f"must be [n, hidden_size], got {shown(shape)}")
     data = value.get("data")
     if not isinstance(data, str):
         raise InvalidArgument(f"{path}.data", "must be a base64 string of the raw little-endian bytes")
