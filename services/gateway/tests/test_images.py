@@ -12,6 +12,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tandem.client.errors import InvalidArgument
+from tandem.gateway.images import image_file
+
 from .fake_decoder import fake_decoder
 from .fake_encoder import fake_encoder, rows_of
 from .live_gateway import live_gateway
@@ -84,3 +87,28 @@ async def test_a_picture_repeated_in_a_chat_is_embedded_once_by_the_gateway() ->
     assert sorted(encoder.embedded) == sorted([PICTURE_A, PICTURE_B])
     shown = f"{_shown(PICTURE_A)}{_shown(PICTURE_B)}{_shown(PICTURE_A)}"
     assert _texts(answer) == [f"<{shown}> seed=none"] * 2
+
+
+@pytest.mark.parametrize(
+    ("url", "refusal"),
+    [
+        (
+            "data:text/plain;base64,iVBORw0K",
+            "must be a picture (data:image/...;base64,...), got 'text/plain'",
+        ),
+        ("data:;base64,iVBORw0K", "got ''"),  # RFC 2397: no media type is text/plain
+        ("data:image/png;base64,", "holds no picture: its base64 is empty"),
+        ("data:image/png;base64,iVBORw0K!", "is not valid base64"),
+        ("data:image/png,iVBORw0K", "must be base64"),
+    ],
+)
+def test_an_image_url_that_is_no_picture_is_refused_naming_its_part(url: str, refusal: str) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        image_file({"type": "image_url", "image_url": {"url": url}}, "messages[0].content[1].image_url")
+    assert error.value.field == "messages[0].content[1].image_url" and refusal in str(error.value)
+
+
+def test_an_image_url_of_any_picture_type_is_its_file() -> None:
+    for media_type in ("image/png", "IMAGE/JPEG", "image/webp;name=x.webp"):
+        url = f"data:{media_type};base64," + base64.b64encode(PICTURE_A).decode()
+        assert image_file({"type": "image_url", "image_url": {"url": url}}, "x") == PICTURE_A

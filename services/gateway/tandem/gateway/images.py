@@ -23,6 +23,7 @@ import grpc
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from tandem.gateway.calls import GenerateCall, ImagePart
+from tandem.gateway.fields import shown
 from tandem.gateway.tasks import all_or_cancel
 
 
@@ -39,10 +40,20 @@ def image_file(part: dict[str, Any], where: str) -> bytes:
     header, _, data = url.partition(",")
     if not header.endswith(";base64"):
         raise InvalidArgument(where, "must be base64 (data:image/...;base64,...)")
+    # The encoder reads any file by its bytes, so the media type decides nothing there; a caller who
+    # says text/plain (or nothing: RFC 2397's default) has sent something else than a picture.
+    media_type = header.removeprefix("data:").split(";", 1)[0].strip().lower()
+    if not media_type.startswith("image/"):
+        raise InvalidArgument(
+            where, f"must be a picture (data:image/...;base64,...), got {shown(media_type)}"
+        )
     try:
-        return base64.b64decode(data, validate=True)
+        file = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidArgument(where, "is not valid base64") from None
+    if not file:
+        raise InvalidArgument(where, "holds no picture: its base64 is empty")
+    return file
 
 
 def as_encoder_parts(call: GenerateCall) -> None:
