@@ -8,6 +8,7 @@ import reprlib
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
+from tandem.common.model_name import echo
 from tandem.gateway.body_limits import at_most
 
 # The proto's unsigned ranges.
@@ -29,9 +30,10 @@ def field(body: dict[str, Any], name: str, types: type | tuple[type, ...], path:
 
 # A refused value as an error shows it: its start, never all of it. Echoed whole, a 90 MB string in a
 # field that must be a word came back as a message up to 3 times the body (repr, then JSON's escapes of
-# every non-ASCII character), and a list nested 1,000 deep overflowed repr's recursion. reprlib bounds
-# each piece and the nesting; the whole is cut to MAX_SHOWN characters.
-MAX_SHOWN = 80
+# every non-ASCII character), and a list nested 1,000 deep overflowed repr's recursion. A string is
+# cut as the services cut theirs (`echo`: its start and its length); any other value by reprlib, which
+# bounds each piece and the nesting, the whole cut to MAX_SHOWN characters.
+MAX_SHOWN = 100
 _SHOWN = reprlib.Repr()
 _SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = MAX_SHOWN
 _SHOWN.maxlevel = 3
@@ -39,6 +41,8 @@ _SHOWN.maxlevel = 3
 
 def shown(value: Any) -> str:
     """`value` as an error message shows it: its repr, cut to MAX_SHOWN characters and 3 levels."""
+    if isinstance(value, str):
+        return echo(value)
     text = _SHOWN.repr(value)
     return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
 
