@@ -24,6 +24,7 @@ from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, PromptPart, T
 from tandem.decoder.distributed.parallel import free_port
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tests.xla.helpers import engine_on, prompts_of_each_kind
@@ -101,13 +102,22 @@ async def _greedy_over_grpc(client: DecoderClient, prompts: list[list[PromptPart
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def _cpu_tokens(model_dir: Path, prompts: list[list[PromptPart]]) -> list[list[int]]:
+def _cpu_tokens(model_dir: Path, prompts: list[list[PromptPart]], **settings: object) -> list[list[int]]:
+    """The CPU engine's greedy tokens for `prompts`, all at once, with `settings` (quantization="int8")."""
+    with engine_on(
+        "cpu", model_dir=model_dir, dtype="float32", num_kv_blocks=96, **LIMITS, **settings
+    ) as cpu:
+        return greedy_at_once(cpu, prompts)
+
+
+def greedy_at_once(engine: Engine, prompts: list[list[PromptPart]]) -> list[list[int]]:
+    """`engine`'s NUM_TOKENS greedy tokens for each of `prompts`, every prompt submitted at once (one
+    decode batch, as a server's concurrent streams)."""
     specs = [
         GenerateSpec(p, SamplingParams(temperature=0.0), StoppingParams(NUM_TOKENS, ignore_eos=True))
         for p in prompts
     ]
-    with engine_on("cpu", model_dir=model_dir, dtype="float32", num_kv_blocks=96, **LIMITS) as cpu:
-        events = run_concurrently(cpu, specs)
+    events = run_concurrently(engine, specs)
     return [[t for e in es if isinstance(e, Delta) for t in e.token_ids] for es in events]
 
 

@@ -241,13 +241,8 @@ class EngineConfig:
             return
         if backends.resolve(self.device).placement == "xla":
             # An XLA device dequantizes each weight inside the step's graph (models/quantized.py's
-            # reference forward): no C kernels, any dtype, static shapes as every XLA graph.
-            if self.num_devices != 1:
-                raise ConfigError(
-                    "quantization",
-                    f"{self.quantization} on {self.device} needs one device (--world-size 1): quantized "
-                    f"weights are not sharded over XLA devices, got {self.num_devices}",
-                )
+            # reference forward): no C kernels, any dtype, static shapes as every XLA graph; several
+            # devices split the codes as the dense weights (backends/xla/sharding.py).
             if self.quantized_activations != "none":
                 raise ConfigError(
                     "quantized_activations",

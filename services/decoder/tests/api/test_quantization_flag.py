@@ -37,28 +37,33 @@ def test_settings_the_quantized_kernels_cannot_run_are_refused(
     assert capsys.readouterr().err == f"{PREFIX} {said}\n"
 
 
-@pytest.mark.parametrize(
-    ("flags", "said"),
-    [
-        (
-            ["--world-size", "2"],
-            "--quantization (TANDEM_QUANTIZATION) int8 on neuron needs one device (--world-size 1): "
-            "quantized weights are not sharded over XLA devices, got 2",
-        ),
-        (
-            ["--quantized-activations", "int8"],
-            "--quantized-activations (TANDEM_QUANTIZED_ACTIVATIONS) int8 needs --device cpu (it rounds "
-            "inputs in a CPU kernel), got 'neuron'",
-        ),
-    ],
-)
-def test_an_xla_device_serves_quantized_weights_on_one_device_without_int8_activations(
-    flags: list[str], said: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+def test_an_xla_device_refuses_int8_activations(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The XLA device dequantizes each weight in its graphs (tests/xla/test_quantized.py serves it).
+    # The XLA device dequantizes each weight in its graphs, on one device or several
+    # (tests/xla/test_quantized.py and test_quantized_devices.py serve it); int8 activations are a CPU kernel.
     argv = ["--model", str(tiny_model_dir), "--port", "0", "--device", "neuron", "--quantization", "int8"]
-    assert decoder_main([*argv, *flags]) == 2
-    assert capsys.readouterr().err == f"tandem serve decoder: {said}\n"
+    assert decoder_main([*argv, "--world-size", "2", "--quantized-activations", "int8"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve decoder: --quantized-activations (TANDEM_QUANTIZED_ACTIVATIONS) int8 needs --device "
+        "cpu (it rounds inputs in a CPU kernel), got 'neuron'\n"
+    )
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_on_two_xla_devices_pass_every_check_before_listening(
+    quantization: str, tiny_model_dir: Path
+) -> None:
+    # They were refused naming --world-size: the devices now split the codes as the dense weights.
+    EngineConfig(
+        model_dir=tiny_model_dir,
+        device="neuron",
+        num_devices=2,
+        static_shapes=True,
+        compile=True,
+        quantization=quantization,
+    )
+    check_fits(tiny_model_dir, "float32", quantization, 32, world_size=2)
 
 
 def test_gguf_needs_a_gguf_file_not_a_checkpoint_directory(

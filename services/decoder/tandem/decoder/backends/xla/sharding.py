@@ -9,6 +9,12 @@ program over the mesh's devices, and the partitioner inserts the collectives:
   the row-parallel ones (`o_proj`, `down_proj`) their input columns, the token table (and a separate
   LM head) its vocabulary rows; norms are replicated. The KV cache splits its KV heads when they
   divide evenly (else each device holds it whole).
+- quantized weights (`--quantization`): split as the dense ones, in the units their codes, scales and
+  offsets are stored in (common/torch_part/quantized_tensor.py): output rows in whole groups of 16,
+  inputs in whole blocks of 32. Each is held viewed [groups, blocks, bytes], so either cut is one
+  tensor dimension; a device's part is then what models/quantized_shards.py's `cut` gives a rank, and
+  the weight's values, dequantized inside the graph, are the one-device model's. A weight whose groups
+  or blocks do not divide evenly over the devices is held whole on each.
 - prefill (any step with a prompt chunk): the residual stream lives in sequence slices. The step's
   per-position inputs (`input_ids`, `positions`, `is_token_ids`, `inputs_embeds`) arrive split along
   the sequence, so the token embedding, the prompt-embedding merge (`torch.where` on `is_token_ids`)
@@ -25,15 +31,17 @@ up to the order of summation across devices (the tests compare against the CPU e
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from tandem.common.torch_part.quantized_tensor import BLOCK, GROUP, QuantizedTensor
 from tandem.decoder.backends.xla.attention import XlaPagedAttention
 from tandem.decoder.models.forward_batch import ForwardBatch
-from tandem.decoder.models.linear import Linear
+from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.transformer import Attention, DecoderLayer, DecoderModel
 
 AXIS = "x"  # the mesh's one axis: every device holds one slice of the sequence and of the features
@@ -65,17 +73,19 @@ class ShardingPlan:
         if self.mesh is None:
             return
         head = model.embed_tokens if model.lm_head is None else model.lm_head
-        for table in {model.embed_tokens.weight, head.weight}:
-            self._mark(table, (AXIS, None) if table.shape[0] % self.num_devices == 0 else (None, None))
+        for table in {model.embed_tokens, head}:
+            self._shard_weight(table, 0, is_table=True)
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             attention: Attention = layer.self_attn
             for column in (attention.qkv_proj, layer.mlp.gate_up_proj):
-                self._shard_linear(column, (AXIS, None))
+                self._shard_weight(column, 0)
+                if column.bias is not None:
+                    self._mark(column.bias, (AXIS,))  # a row-parallel bias is added once, whole
                 column.register_forward_pre_hook(self._whole_input)
                 column.register_forward_hook(self._feature_output)
             for row in (attention.o_proj, layer.mlp.down_proj):
-                self._shard_linear(row, (None, AXIS))
+                self._shard_weight(row, 1)
                 row.register_forward_hook(self._summed_output)
             layer.register_forward_pre_hook(self._residual_input)
         config = model.config
@@ -121,10 +131,37 @@ class ShardingPlan:
             self._mark(tensor, (None,) * tensor.dim())
         return tensor
 
-    def _shard_linear(self, linear: Linear, weight_spec: Spec) -> None:
-        self._mark(linear.weight, weight_spec)
-        if linear.bias is not None and weight_spec[0] == AXIS:  # a row-parallel bias is added once, whole
-            self._mark(linear.bias, (AXIS,))
+    def _shard_weight(self, module: nn.Module, dim: int, is_table: bool = False) -> None:
+        """Splits `module`'s weight [n, k] along `dim` (0: output rows, 1: inputs). A table (token
+        embedding, LM head) or a quantized weight that does not divide evenly is held whole on every
+        device; a dense projection is split all the same (XLA pads the last device's part)."""
+        if isinstance(module, QuantizedLinear | QuantizedEmbedding):
+            module.qweight = self._shard_quantized(module.qweight, dim)
+            return
+        weight = module.weight
+        split = not is_table or weight.shape[dim] % self.num_devices == 0
+        self._mark(weight, tuple(AXIS if split and d == dim else None for d in range(2)))
+
+    def _shard_quantized(self, weight: QuantizedTensor, dim: int) -> QuantizedTensor:
+        """`weight` with its codes, scales and offsets viewed [groups, blocks, bytes] and split along
+        its groups of 16 output rows (dim 0) or its blocks of 32 inputs (dim 1), where they divide
+        evenly. The view is made on the host: a view of device data is an op in every graph, its
+        base held whole on each device."""
+        units = (-(-weight.n // GROUP), weight.k // BLOCK)  # [groups, blocks]
+        split = units[dim] % self.num_devices == 0
+        spec: Spec = tuple(AXIS if split and d == dim else None for d in range(3))
+
+        def placed(tensor: torch.Tensor) -> torch.Tensor:
+            held = tensor.cpu().view(*units, -1).to(tensor.device)
+            self._mark(held, spec)
+            return held
+
+        return dataclasses.replace(
+            weight,
+            codes=placed(weight.codes),
+            scales=placed(weight.scales),
+            mins=None if weight.mins is None else placed(weight.mins),
+        )
 
     def _mark(self, tensor: torch.Tensor, spec: Spec) -> None:
         self._xs.mark_sharding(tensor, self.mesh, spec)
