@@ -17,6 +17,7 @@ from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 from tests.integration.decoder.conftest import serve, shutdown
 from tests.integration.encoder.conftest import start_encoder, stop_encoder
 from tests.integration.vision.conftest import MAX_MESSAGE_BYTES, Split, encoder_config
+from tests.integration.vision.test_language_model_weights import assert_no_weight_named
 from tests.integration.vision.test_llava import QUESTION, _chat_tokens, _reference_greedy
 
 PROMPT = "Once upon a time there was"
@@ -34,6 +35,12 @@ def reference(llava_qwen2_dir: Path) -> Any:
     model = LlavaForConditionalGeneration.from_pretrained(llava_qwen2_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # 16 tokens, as ignore_eos gives
     return model, AutoProcessor.from_pretrained(llava_qwen2_dir)
+
+
+def test_the_start_up_check_takes_its_q_k_v_biases_as_qwen2s_and_names_no_weight(
+    llava_qwen2_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert_no_weight_named(llava_qwen2_dir, caplog)
 
 
 async def test_the_decoder_serves_a_qwen2_language_model_with_transformers_greedy_tokens(

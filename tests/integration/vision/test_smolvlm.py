@@ -19,6 +19,7 @@ from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 from tests.integration.decoder.conftest import serve, shutdown
 from tests.integration.encoder.conftest import start_encoder, stop_encoder
 from tests.integration.vision.conftest import MAX_MESSAGE_BYTES, Split, encoder_config
+from tests.integration.vision.test_language_model_weights import assert_no_weight_named
 
 QUESTION = "Describe this picture."
 
@@ -26,6 +27,12 @@ QUESTION = "Describe this picture."
 @pytest.fixture(scope="module")
 def smolvlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_smolvlm(tmp_path_factory.mktemp("smolvlm") / "tiny-smolvlm", splitting=True)
+
+
+def test_the_start_up_check_names_no_weight_of_the_tower_or_the_connector(
+    smolvlm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert_no_weight_named(smolvlm_dir, caplog)
 
 
 @pytest.fixture(scope="module")
