@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.common.weight_shapes import expected_weights
-from tandem.decoder.models import loader
+from tandem.decoder.models import checkpoint_shapes, loader
 from tandem.decoder.models.checkpoint_shapes import MAX_NAMED_UNREAD, text_model_shape
 from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.registry import MODEL_CLASSES
@@ -194,3 +194,22 @@ def test_a_checkpoint_holding_just_what_its_config_reads_gets_no_warning(
     with caplog.at_level(logging.WARNING, logger=loader.__name__):
         loader.check_checkpoint(checkpoint.path, "float32")
     assert caplog.records == []
+
+
+def test_the_heads_comparison_reads_every_block_of_rows_and_compares_values_across_dtypes(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head that differs in its last row alone is refused, read 100 rows at a time; a table stored
+    in bfloat16 beside a head holding the same values in float32 is the same table."""
+    monkeypatch.setattr(checkpoint_shapes, "_HEAD_ROWS_PER_READ", 100)
+    qwen3 = checkpoints["qwen3"]
+    table = load_file(qwen3.path / "model.safetensors")["model.embed_tokens.weight"].to(torch.bfloat16)
+    head = table.float()
+    model_dir = copy_with(qwen3, tmp_path, {"model.embed_tokens.weight": table, "lm_head.weight": head})
+    loader.check_checkpoint(model_dir, "float32")
+    head[-1, -1] += 1
+    save_file(
+        load_file(model_dir / "model.safetensors") | {"lm_head.weight": head}, model_dir / "model.safetensors"
+    )
+    with pytest.raises(ModelLoadError, match="weight lm_head.weight differs from model.embed_tokens.weight"):
+        loader.check_checkpoint(model_dir, "float32")

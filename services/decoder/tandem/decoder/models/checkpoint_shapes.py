@@ -149,7 +149,7 @@ def _same_table(head: Any, head_key: str, table: Any, table_key: str) -> bool:
     if shape != table_rows.get_shape():
         return False
     # One dtype: the bytes, so a NaN equals itself (it is refused while loading, naming its element); two
-    # dtypes: the values, as float32 holds every value of the others.
+    # dtypes: the values, as float64 holds every value of the others.
     same_dtype = head_rows.get_dtype() == table_rows.get_dtype()
     for start in range(0, shape[0], _HEAD_ROWS_PER_READ):
         rows = slice(start, start + _HEAD_ROWS_PER_READ)
@@ -157,7 +157,7 @@ def _same_table(head: Any, head_key: str, table: Any, table_key: str) -> bool:
         if same_dtype:
             head_block, table_block = head_block.view(torch.uint8), table_block.view(torch.uint8)
         else:
-            head_block, table_block = head_block.float(), table_block.float()
+            head_block, table_block = head_block.double(), table_block.double()
         if not torch.equal(head_block, table_block):
             return False
     return True
