@@ -1,6 +1,7 @@
 """An encoder for the gateway's tests: the Encoder service over gRPC on a free loopback port, whose rows
 for a picture are a digest of its file (so an answer can tell which picture it saw), and which keeps
-every picture it was asked to embed, so a test can count the embeds.
+every picture it was asked to embed, so a test can count the embeds, and the embeds its caller
+cancelled.
 
 An Embed takes EMBED_S, as a vision tower takes its time: calls asking for one picture at once overlap,
 as they would on a real encoder, rather than each finding the previous one's rows already cached.
@@ -30,6 +31,7 @@ def rows_of(image: bytes) -> bytes:
 @dataclass
 class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     embedded: list[bytes] = field(default_factory=list)  # the picture of every Embed call, in order
+    num_cancelled: int = 0  # Embed calls the caller cancelled before they answered
 
     async def GetModelInfo(
         self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -40,7 +42,11 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EmbedResponse:
         self.embedded.append(request.image.data)
-        await asyncio.sleep(EMBED_S)
+        try:
+            await asyncio.sleep(EMBED_S)
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
         rows = tensor_pb2.Tensor(
             dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[ROWS, HIDDEN_SIZE], data=rows_of(request.image.data)
         )
