@@ -15,14 +15,6 @@ import gguf
 import numpy as np
 import torch
 from tokenizers import Tokenizer
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 Q = gguf.GGMLQuantizationType
 # Every type the gguf package can both write (quantize) and read; the K- and IQ-quants it only reads go
@@ -257,6 +249,17 @@ def small_model(arch: str, vocab_size: int) -> torch.nn.Module:
         rope_theta=10000.0,
         tie_word_embeddings=arch != "llama",
     )
+    # Here, not at the top: .venv-xla has no transformers, and its tests write files from checkpoints
+    # on disk (tests/xla/test_quantized.py).
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
     torch.manual_seed(0)
     classes = {
         "llama": (LlamaForCausalLM, LlamaConfig),
