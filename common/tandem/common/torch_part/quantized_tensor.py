@@ -39,9 +39,11 @@ class QuantizedTensor:
     bits: int  # 4 or 8
     n: int
     k: int
-    codes: torch.Tensor  # uint8 (4-bit: two codes a byte) or int8, 1-D
-    scales: torch.Tensor  # float16, 1-D: d
-    mins: torch.Tensor | None  # float16, 1-D: m; 4-bit with offsets only
+    # 1-D as `pack` stores them; several XLA devices hold the same bytes viewed [groups, blocks, -1]
+    # (decoder/backends/xla/sharding.py), which every method below reads alike.
+    codes: torch.Tensor  # uint8 (4-bit: two codes a byte) or int8
+    scales: torch.Tensor  # float16: d
+    mins: torch.Tensor | None  # float16: m; 4-bit with offsets only
 
     @property
     def shape(self) -> tuple[int, int]:
