@@ -296,6 +296,8 @@ async def test_a_hostile_grammar_costs_its_caller_an_error_while_health_answers(
         structured_output(regex="(a|aa|aaa|aaaa)*(b|bb|bbb){1000}[a-z]{1000}"),
         structured_output(json_schema={"anyOf": [{"type": "string", "pattern": f"^a{{{i}}}b+$"} for i in range(400)]}),  # noqa: E501
         structured_output(grammar="start: " + " | ".join(f'"t{i}" start' for i in range(5000))),
+        # 3,500 rules each naming the next (58 KB): llguidance's recursion overflowed an 8 MiB stack
+        structured_output(grammar="start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3500)) + '\nr3500: "a"'),  # noqa: E501
     ]  # fmt: skip
     worst = 0.0
     for structured in hostile:

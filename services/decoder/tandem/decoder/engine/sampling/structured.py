@@ -9,7 +9,8 @@ our tokenizer's JSON and bounds its work with parser limits, and needs no torch 
 by content; each request gets its own `Constraint` (a matcher: the grammar's state after the tokens
 sampled so far). Compiling and the first matcher run in the request builder's thread, before the
 request is queued, under llguidance's parser limits, so a hostile schema costs its caller an
-INVALID_ARGUMENT and nothing else. Each step the constraint's allowed tokens mask the request's logits
+INVALID_ARGUMENT and nothing else. They run on a thread of their own with a deep stack
+(COMPILE_STACK_BYTES says why). Each step the constraint's allowed tokens mask the request's logits
 (the model's EOS only where the grammar may end); after the step it takes the sampled token.
 
 Speculation composes: a proposal is cut at its first token the grammar refuses, and each verifying
@@ -25,6 +26,9 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 import numpy as np
 import tokenizers
@@ -37,6 +41,15 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE_CHARS = 64 * 1024  # a schema, regex or grammar: its text
 MAX_CHOICES = 1024
 CACHE_SIZE = 256  # compiled grammars kept, by content
+# llguidance compiles and validates a grammar recursively, about 3 KB of stack per level of rules
+# that name the next: within MAX_SOURCE_CHARS a Lark chain (`b: "a" c`) reaches 5,580 levels and a
+# JSON schema's $ref chain 1,716, and either overflowed a thread's default 8 MiB stack, which killed
+# the whole decoder with SIGSEGV. Compiling runs on a thread of this stack, about 4 times what the
+# deepest 64 KiB source needs; only the pages it touches take memory.
+COMPILE_STACK_BYTES = 64 * 1024 * 1024
+_STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one setter at a time
+
+T = TypeVar("T")
 
 
 def check(spec: StructuredOutput) -> None:
@@ -132,6 +145,9 @@ class GrammarCompiler:
     def constraint(self, spec: StructuredOutput) -> Constraint:
         """A fresh matcher for `spec`. Raises InvalidArgument naming the field for what does not compile."""
         check(spec)
+        return on_deep_stack(lambda: self._constraint(spec))
+
+    def _constraint(self, spec: StructuredOutput) -> Constraint:
         grammar = self._grammar(spec)
         matcher = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
@@ -185,6 +201,28 @@ class GrammarCompiler:
         if spec.kind == "choice":
             return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.source))
         return matcher.grammar_from_lark(spec.source)  # type: ignore[arg-type]
+
+
+def on_deep_stack(work: Callable[[], T]) -> T:
+    """`work()` run on a fresh thread of COMPILE_STACK_BYTES stack, its result or exception returned
+    or raised here. The thread ends with it: none is kept between compilations."""
+    result: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            result.set_result(work())
+        except BaseException as e:  # handed to the caller, which raises it
+            result.set_exception(e)
+
+    with _STACK_SIZE:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="tandem-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    return result.result()
 
 
 def _short(message: str) -> str:
