@@ -1,6 +1,6 @@
 """The gateway's app served on a free loopback port in front of a decoder (the tests' fake), as
-`tandem serve openai` serves it (handler cancellation on), without body worker processes: the
-bodies of these tests are small. Always shut down."""
+`tandem serve openai` serves it (handler cancellation and its server log on), without body worker
+processes: the bodies of these tests are small. Always shut down."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.connections import ServerLog
 
 
 @contextlib.asynccontextmanager
@@ -28,7 +29,9 @@ async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[s
     callers = decoder_channels(config)
     workers = BodyWorkers(1)  # never started: no body here reaches large_body_bytes
     runner = web.AppRunner(
-        Gateway(config, decoder, encoder, callers, workers).app(), handler_cancellation=True
+        Gateway(config, decoder, encoder, callers, workers).app(),
+        handler_cancellation=True,
+        logger=ServerLog(),
     )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

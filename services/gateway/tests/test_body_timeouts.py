@@ -7,8 +7,10 @@ that pauses for less than the idle bound is served, and the gateway serves on.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -23,26 +25,46 @@ CHUNKED = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
 BODY = b'{"prompt": "hi", "max_tokens": 1}'
 
 
-async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    return await asyncio.open_connection("127.0.0.1", port)
+async def _connect(url: str) -> socket.socket:
+    """A raw connection: what the server sent stays readable after it resets the connection (a closed
+    socket with the trickle's bytes unread sends a reset), where a StreamReader would raise instead."""
+    sock = socket.socket()
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(
+        sock, ("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0]))
+    )
+    return sock
 
 
-async def _answer(reader: asyncio.StreamReader, within_s: float) -> tuple[int, dict, float]:
+async def _send(sock: socket.socket, data: bytes) -> None:
+    await asyncio.get_running_loop().sock_sendall(sock, data)
+
+
+async def _read_to_close(sock: socket.socket, within_s: float) -> bytes:
+    """What the server sends until it closes the connection (or resets it)."""
+    sent = b""
+    async with asyncio.timeout(within_s):
+        try:
+            while chunk := await asyncio.get_running_loop().sock_recv(sock, 65536):
+                sent += chunk
+        except ConnectionResetError:
+            pass
+    return sent
+
+
+async def _answer(sock: socket.socket, within_s: float) -> tuple[int, dict, float]:
     """The status and JSON of the answer, and the seconds until the server closed the connection."""
     started = time.monotonic()
-    async with asyncio.timeout(within_s):
-        sent = await reader.read()  # to EOF: the server must close
-    head, _, body = sent.partition(b"\r\n\r\n")
+    head, _, body = (await _read_to_close(sock, within_s)).partition(b"\r\n\r\n")
+    sock.close()
     return int(head.split()[1]), json.loads(body), time.monotonic() - started
 
 
 async def _serves(url: str) -> None:
     """A whole body on a new connection is answered 200."""
-    reader, writer = await _connect(url)
-    writer.write(HEAD + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
-    status, answer, _ = await _answer(reader, 5)
-    writer.close()
+    sock = await _connect(url)
+    await _send(sock, HEAD + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    status, answer, _ = await _answer(sock, 5)
     assert status == 200 and answer["choices"][0]["text"] == "<hi>"
 
 
@@ -68,10 +90,9 @@ async def test_a_body_that_stalls_is_408_after_the_idle_bound_and_its_connection
     gateway: tuple[FakeDecoder, str], sent: bytes
 ) -> None:
     decoder, url = gateway
-    reader, writer = await _connect(url)
-    writer.write(sent)
-    status, answer, took_s = await _answer(reader, IDLE_S + 5)  # the whole-body bound is 30 s
-    writer.close()
+    sock = await _connect(url)
+    await _send(sock, sent)
+    status, answer, took_s = await _answer(sock, IDLE_S + 5)  # the whole-body bound is 30 s
     assert status == 408 and answer["error"]["param"] == "body"
     assert "sent nothing for 0.5 s (--body-idle-timeout-s)" in answer["error"]["message"]
     assert IDLE_S <= took_s < IDLE_S + 2
@@ -86,20 +107,20 @@ async def test_a_trickled_body_is_cut_at_the_whole_body_bound_and_closed_at_once
         fake_decoder() as (decoder, address),
         live_gateway(address, body_idle_timeout_s=IDLE_S, body_timeout_s=1.0) as url,
     ):
-        reader, writer = await _connect(url)
-        writer.write(CHUNKED)
+        sock = await _connect(url)
+        await _send(sock, CHUNKED)
 
         async def trickle() -> None:
-            while True:
-                await asyncio.sleep(0.1)
-                writer.write(b"1\r\n \r\n")
+            with contextlib.suppress(OSError):  # until the gateway closes the connection
+                while True:
+                    await asyncio.sleep(0.1)
+                    await _send(sock, b"1\r\n \r\n")
 
         trickling = asyncio.ensure_future(trickle())
         try:
-            status, answer, took_s = await _answer(reader, 5)
+            status, answer, took_s = await _answer(sock, 5)
         finally:
             trickling.cancel()
-            writer.close()
         assert status == 408 and answer["error"]["param"] == "body"
         assert "was not whole within 1 s (--body-timeout-s)" in answer["error"]["message"]
         assert 1.0 <= took_s < 3
@@ -111,16 +132,15 @@ async def test_a_body_pausing_for_less_than_the_idle_bound_is_served(
     gateway: tuple[FakeDecoder, str],
 ) -> None:
     _, url = gateway
-    reader, writer = await _connect(url)
-    writer.write(CHUNKED)
+    sock = await _connect(url)
+    await _send(sock, CHUNKED.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n"))
     for i in range(0, len(BODY), 12):  # 3 pauses of 0.3 s: 0.9 s in all, past the idle bound
         piece = BODY[i : i + 12]
-        writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        await _send(sock, b"%x\r\n%s\r\n" % (len(piece), piece))
         await asyncio.sleep(0.3)
-    writer.write(b"0\r\n\r\n")
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    writer.close()
-    assert head.startswith(b"HTTP/1.1 200")
+    await _send(sock, b"0\r\n\r\n")
+    status, answer, _ = await _answer(sock, 5)
+    assert status == 200 and answer["choices"][0]["text"] == "<hi>"
 
 
 async def test_a_body_that_cannot_be_decoded_is_400_closed_and_logs_no_traceback(
@@ -128,13 +148,36 @@ async def test_a_body_that_cannot_be_decoded_is_400_closed_and_logs_no_traceback
 ) -> None:
     """Not gzip, though it says so: the caller's fault, answered as such, not logged as the server's."""
     decoder, url = gateway
-    reader, writer = await _connect(url)
+    sock = await _connect(url)
     with caplog.at_level(logging.ERROR):
-        writer.write(HEAD + b"Content-Encoding: gzip\r\nContent-Length: 5\r\n\r\nabcde")
-        status, answer, took_s = await _answer(reader, 5)
-        writer.close()
+        await _send(sock, HEAD + b"Content-Encoding: gzip\r\nContent-Length: 5\r\n\r\nabcde")
+        status, answer, took_s = await _answer(sock, 5)
         await _serves(url)
     assert status == 400 and answer["error"]["param"] == "body"
     assert "Content-Encoding: gzip" in answer["error"]["message"] and took_s < 1
     assert decoder.requests[0].prompt[0].text == "hi" and len(decoder.requests) == 1  # _serves' only
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        pytest.param(CHUNKED + b"zz\r\nabc\r\n", id="a chunk size that is not hex"),
+        pytest.param(HEAD + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", id="both lengths"),
+        pytest.param(HEAD + b"Content-Length: -5\r\n\r\n", id="a negative length"),
+    ],
+)
+async def test_a_request_that_is_not_http_is_400_and_one_log_line_without_a_traceback(
+    gateway: tuple[FakeDecoder, str], sent: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, url = gateway
+    sock = await _connect(url)
+    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+        await _send(sock, sent)
+        answer = await _read_to_close(sock, 5)
+        sock.close()
+    assert answer.split()[1] == b"400"
+    logged = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [(r.levelno, r.exc_info) for r in logged] == [(logging.INFO, None)]
+    assert logged[0].getMessage().startswith("Error handling request from 127.0.0.1: ")
+    await _serves(url)

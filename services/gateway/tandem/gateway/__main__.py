@@ -34,7 +34,7 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
-from tandem.gateway.connections import ConnectionGuard, ensure_descriptors
+from tandem.gateway.connections import ConnectionGuard, ServerLog, ensure_descriptors
 
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
@@ -208,6 +208,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         shutdown_timeout=DEFAULT_GRACE_S,
         keepalive_timeout=config.idle_timeout_s,
         lingering_time=1.0,
+        logger=ServerLog(),
     )
     await runner.setup()
     assert runner.server is not None
