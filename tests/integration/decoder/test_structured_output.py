@@ -235,6 +235,25 @@ async def test_a_grammar_that_breaks_on_the_way_is_an_error_never_an_eos(decoder
     assert decoder.engine.core.num_live() == 0 and blocks.num_free_blocks == initial  # nothing held
 
 
+async def test_a_grammar_naming_the_eos_token_as_text_is_an_error_never_an_eos_answer(
+    decoder: Served,
+) -> None:
+    # `<[eos]>` is the only token the grammar allows first; sampled, the model's EOS ended the request
+    # with FINISH_REASON_EOS and an empty answer, which the grammar (it wants "a" after) does not match.
+    (eos,) = decoder.engine.model_config.eos_token_ids
+    blocks = decoder.engine.core.block_manager
+    initial = blocks.num_free_blocks
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _answer(decoder, structured_output(grammar=f'start: <[{eos}]> "a"'), temperature=0.0)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith(
+        f"structured.grammar: the grammar takes the model's end-of-sequence token {eos} as text"
+    ), error.value.details()
+    text, finished = await _answer(decoder, structured_output(regex="ok"))  # the EOS that ends one still does
+    assert (text, finished.reason) == ("ok", decoder_pb2.FINISH_REASON_EOS)
+    assert decoder.engine.core.num_live() == 0 and blocks.num_free_blocks == initial  # nothing held
+
+
 async def test_batch_invariant_serving_keeps_the_grammar(tiny_model_dir, tiny_fp32) -> None:
     from tests.integration.decoder.conftest import serve, shutdown
 

@@ -19,7 +19,14 @@ from tandem.decoder.engine.sampling.structured import MAX_SOURCE_CHARS, GrammarC
 @pytest.fixture(scope="module")
 def compiler(tiny_model_dir: Path) -> GrammarCompiler:
     tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    return GrammarCompiler(tokenizer, tokenizer.get_vocab_size(), eos_token_ids=(0,))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    return GrammarCompiler(tokenizer, tokenizer.get_vocab_size(), eos_token_ids=(eos,))
+
+
+@pytest.fixture(scope="module")
+def eos(compiler: GrammarCompiler) -> int:
+    (token_id,) = compiler.constraint(StructuredOutput("grammar", 'start: "a"')).eos_token_ids
+    return token_id
 
 
 def _names() -> list[str]:
@@ -66,3 +73,27 @@ def test_a_refusal_on_the_compiling_thread_reaches_the_caller_naming_the_field(
     with pytest.raises(InvalidArgument) as error:
         compiler.constraint(StructuredOutput("regex", "(a)\\1"))
     assert error.value.field == "structured.regex" and "backreferences" in str(error.value)
+
+
+def test_the_eos_token_sampled_where_the_grammar_takes_it_as_text_is_an_error_never_an_answer(
+    compiler: GrammarCompiler, eos: int
+) -> None:
+    # The grammar allows EOS here as text, so the mask lets it through; sampled, it ends the answer
+    # with FINISH_REASON_EOS, which then would not parse (it had ended as an empty answer).
+    constraint = compiler.constraint(StructuredOutput("grammar", f'start: <[{eos}]> "a"'))
+    assert constraint.allowed()[eos]
+    constraint.accept(eos)
+    error = constraint.error()
+    assert error is not None and error.field == "structured.grammar"
+    assert f"end-of-sequence token {eos} as text, after 0 tokens" in error.description
+
+
+def test_the_eos_token_where_the_grammar_ends_is_its_end_and_no_error(
+    compiler: GrammarCompiler, eos: int
+) -> None:
+    constraint = compiler.constraint(StructuredOutput("regex", "a"))
+    (a,) = [t for t in range(compiler.vocab_size) if constraint.allowed()[t]]
+    constraint.accept(a)
+    assert constraint.allowed()[eos]
+    constraint.accept(eos)
+    assert constraint.error() is None

@@ -74,11 +74,19 @@ def check(spec: StructuredOutput) -> None:
 class Constraint:
     """One request's grammar state. Not thread-safe: the engine thread alone uses it after building."""
 
-    def __init__(self, matcher: object, vocab_size: int, field: str = "structured") -> None:
+    def __init__(
+        self,
+        matcher: object,
+        vocab_size: int,
+        field: str = "structured",
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.field = field  # the request's field that asked for it (structured.regex, ...)
+        self.eos_token_ids = eos_token_ids  # the model's: sampled, one always ends the answer
         self.num_accepted = 0
+        self._eos_inside: int | None = None  # an EOS ID the grammar took as text, not as its end
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar accepts next."""
@@ -91,6 +99,8 @@ class Constraint:
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # type: ignore[attr-defined]
         self.num_accepted += 1
+        if token_id in self.eos_token_ids and not self._matcher.is_stopped():  # type: ignore[attr-defined]
+            self._eos_inside = token_id
 
     def valid_prefix(self, token_ids: list[int]) -> int:
         """How many of `token_ids` the grammar accepts in order from here (a proposal is cut there)."""
@@ -116,7 +126,16 @@ class Constraint:
     def error(self) -> InvalidArgument | None:
         """Why the grammar cannot go on, or None. A grammar that compiles and begins can still exceed
         the parser's limits on the way (a regex of nested counts: `a{1000}{1000}`); its matcher then
-        allows only EOS, which must not pass for an answer that parses."""
+        allows only EOS, which must not pass for an answer that parses. So must a grammar that names
+        the model's EOS token as text (`<[id]>`, `<|endoftext|>`): sampled there, it ended the answer
+        with FINISH_REASON_EOS where the grammar goes on."""
+        if self._eos_inside is not None:
+            return InvalidArgument(
+                self.field,
+                f"the grammar takes the model's end-of-sequence token {self._eos_inside} as text, "
+                f"after {self.num_accepted - 1} tokens of the answer, but that token always ends "
+                "the answer: a grammar must not name it",
+            )
         if not self.is_error:
             return None
         reason = _short(self._matcher.get_error())  # type: ignore[attr-defined]
@@ -139,6 +158,7 @@ class GrammarCompiler:
             tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._cache: OrderedDict[StructuredOutput, str] = OrderedDict()
         self._lock = threading.Lock()  # request builders may compile concurrently
 
@@ -160,7 +180,7 @@ class GrammarCompiler:
             raise InvalidArgument(
                 spec.field, f"admits no answer: no text can begin it ({_short(matcher.get_error())})"
             )
-        return Constraint(matcher, self.vocab_size, spec.field)
+        return Constraint(matcher, self.vocab_size, spec.field, self._eos_token_ids)
 
     def _grammar(self, spec: StructuredOutput) -> str:
         with self._lock:
