@@ -111,8 +111,13 @@ class Gateway:
             return await handler(request)
         except Refused as refused:
             response = error_response(refused.error)
-            if refused.close or request.content.exception() is not None:  # a body not worth draining
+            if refused.close:
                 await _answer_and_close(request, response)
+            elif request.content.exception() is not None:  # a body that cannot be read cannot be drained
+                response.force_close()
+                # aiohttp's drain after the answer would read the failure again and log it as its own
+                # "Unhandled exception", with a traceback.
+                request.content.feed_eof()
             return response
         except InvalidArgument as error:
             return error_response(from_invalid(error))
@@ -300,7 +305,7 @@ class Gateway:
             encoding = request.headers.get("Content-Encoding")
             sent = f" (Content-Encoding: {encoding[:32]})" if encoding else ""
             message = f"the body could not be read as sent{sent}: {' '.join(str(reason).split())[:200]}"
-            raise Refused(HttpError(400, "invalid_request_error", message, "body"), close=True) from None
+            raise Refused(HttpError(400, "invalid_request_error", message, "body")) from None
         return body
 
     def _take_large_body(self, request: web.Request) -> None:
@@ -415,11 +420,10 @@ class Gateway:
 
 
 async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
-    """`response` written, then the connection closed at once, for a body that stalled, trickled or
-    cannot be read. aiohttp would otherwise linger (its lingering_time: read and drop what is left of
-    the body) on a connection the caller is holding open on purpose, and for a body it cannot decode,
-    read it again and log the caller's error as its own "Unhandled exception" with a traceback. nginx
-    closes a connection whose body timed out the same way."""
+    """`response` written, then the connection closed at once, for a body that stalled or trickled:
+    aiohttp would otherwise linger (its lingering_time: read and drop what is left of the body) on a
+    connection the caller is holding open on purpose. nginx closes a connection whose body timed out
+    the same way."""
     await response.prepare(request)
     await response.write_eof()
     if request.protocol is not None:

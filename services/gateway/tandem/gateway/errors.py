@@ -79,7 +79,7 @@ class HttpError:
 class Refused(Exception):
     """The gateway's own refusal of a request (a body too large or too slow, the gateway too busy),
     answered as `error`; with `close`, the connection is closed once the answer is written (a body that
-    stalled or cannot be read: what is left of it is not worth waiting for)."""
+    stalled: what is left of it is not worth waiting for)."""
 
     def __init__(self, error: HttpError, close: bool = False) -> None:
         super().__init__(error.message)
