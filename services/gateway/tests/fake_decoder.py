@@ -110,7 +110,9 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             finished = decoder_pb2.Finished(reason=reason)
             finished.usage.input_tokens, finished.usage.output_tokens = len(prompt), len(texts)
             yield decoder_pb2.GenerateResponse(request_id=request.request_id, finished=finished)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancellation that lands while the stream is parked at a yield (not in the sleep) reaches
+            # the generator as aclose()'s GeneratorExit: counted too, as num_open's finally counts it.
             self.cancelled.append(request.request_id)
             raise
         finally:
