@@ -39,6 +39,7 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         self.refused_token = ""  # a bearer token whose calls are refused
         self.is_refusing_all = False
         self.is_malformed = False  # replies with rows of rank 1
+        self.trace_headers: list[dict[str, str]] = []  # each Embed call's traceparent and tracestate
 
     async def GetModelInfo(self, request, context) -> encoder_pb2.EncoderGetModelInfoResponse:
         return encoder_pb2.EncoderGetModelInfoResponse(model="stand-in", hidden_size=HIDDEN_SIZE)
@@ -54,7 +55,9 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
             raise
         finally:
             self.num_running -= 1
-        token = dict(context.invocation_metadata()).get("authorization", "")
+        metadata = dict(context.invocation_metadata())
+        self.trace_headers.append({k: v for k, v in metadata.items() if k in ("traceparent", "tracestate")})
+        token = metadata.get("authorization", "")
         if self.is_refusing_all or (self.refused_token and token == self.refused_token):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a picture")
         rows = _rows_of(request.image.data)
@@ -250,3 +253,23 @@ async def test_a_fetch_past_its_first_callers_deadline_is_fetched_again_by_one_w
     encoder.gate.set()
     assert torch.equal(await _rows(patient), _rows_of(PICTURE))
     assert encoder.num_embeds == 2 and encoder.max_running == 1  # the second only once the first ended
+
+
+async def test_the_callers_trace_context_reaches_the_encoder_only_when_well_formed(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    encoder.gate.set()
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    cases = [
+        ([("traceparent", parent), ("tracestate", "a=1")], {"traceparent": parent, "tracestate": "a=1"}),
+        # 17 KB, over gRPC's hard 16 KiB metadata bound: passed on, the fetch failed as 'encoder is full'
+        ([("traceparent", parent), ("tracestate", "k=" + "v" * 17_000)], {"traceparent": parent}),
+        ([("traceparent", "00-" + "a" * 7000), ("tracestate", "a=1")], {}),  # malformed: neither
+    ]
+    for i, (metadata, seen) in enumerate(cases):
+        picture = EncoderPrompt("image", PICTURE + bytes([i]))  # a new one each: none comes from the cache
+        spec, _ = parts.start(GenerateSpec(prompt=[picture]), metadata, None)
+        (part,) = spec.prompt
+        assert isinstance(part, EncoderPrompt)
+        assert (await _rows(part)).shape == (3, HIDDEN_SIZE)
+        assert encoder.trace_headers[-1] == seen

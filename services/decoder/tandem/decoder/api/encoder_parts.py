@@ -18,8 +18,8 @@ A fetch, on the event loop:
    A fetch that ran out of its first caller's deadline is fetched again by a joiner that still has time.
 2. An Embed call with the caller's deadline (at most MAX_FETCH_S), bearer token and trace context
    (the telemetry's interceptor carries the decoder's span; without it the caller's own
-   `traceparent` is passed on), asking for the model's dtype, so the rows need no cast here. Where this
-   decoder could make its probe file, the call offers shared memory
+   `traceparent` is passed on, when well formed: trace_context.py), asking for the model's dtype, so
+   the rows need no cast here. Where this decoder could make its probe file, the call offers shared memory
    (`tandem.common.torch_part.shared_memory`): an encoder on the same host writes the rows into the
    segment the offer named, and any other encoder ignores the offer and sends bytes. Negotiated per
    call, never configured.
@@ -74,6 +74,7 @@ from tandem.common.torch_part.model_identity import TableSample, read_table_samp
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
 from tandem.decoder.api.shared_fetches import SharedFetches
+from tandem.decoder.api.trace_context import trace_context
 from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.engine.admission.chat import ChatMessage
 from tandem.decoder.engine.admission.prompt import GenerateSpec
@@ -82,7 +83,6 @@ CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading i
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # segments this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
-TRACE_METADATA = ("traceparent", "tracestate")  # passed on when this decoder does not trace itself
 
 
 class EncoderMismatch(Exception):
@@ -177,8 +177,8 @@ class EncoderParts:
         return (dataclasses.replace(spec, prompt=prompt, chat=chat) if tasks else spec), tasks
 
     def _forwarded(self, metadata: Sequence[tuple[str, str | bytes]]) -> tuple[tuple[str, str | bytes], ...]:
-        names = FORWARDED_METADATA if self._traces_itself else FORWARDED_METADATA + TRACE_METADATA
-        return tuple((key, value) for key, value in metadata if key in names)
+        forwarded = tuple((key, value) for key, value in metadata if key in FORWARDED_METADATA)
+        return forwarded if self._traces_itself else forwarded + trace_context(metadata)
 
     async def _fetch(
         self,
