@@ -360,12 +360,24 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+# The services' own variables for the model: `up` passes --model only when it was given, and without it
+# serves the default model, which its pre-checks read; a TANDEM_MODEL left in the environment would have
+# the decoder load another model than the one checked (and than the encoder's).
+MODEL_VARIABLES = ("TANDEM_MODEL", "TANDEM_ENCODER_MODEL")
+
+
+def service_environment() -> dict[str, str]:
+    """The environment each service starts with: `up`'s own, less the variables for settings `up`
+    decides (the model: docs/CONFIGURATION.md), output unbuffered for the relays."""
+    env = {k: v for k, v in os.environ.items() if k not in MODEL_VARIABLES}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
 class _Child:
     """One service process and the two threads relaying its output."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -413,8 +425,8 @@ def run_services(config: UpConfig) -> int:
     try:
         for name in services(config):
             argv = [sys.executable, "-m", "tandem.cli", *serve_command(name, config)]
-            _say(f"starting the {name}: tandem {' '.join(serve_command(name, config))}")
-            children.append(_Child(name, argv))
+            _say(f"starting the {_label(name)}: tandem {' '.join(serve_command(name, config))}")
+            children.append(_Child(name, argv, service_environment()))
         threading.Thread(
             target=_announce_ready, args=(config, stopping), name="up-ready", daemon=True
         ).start()

@@ -187,8 +187,14 @@ def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_p
     encoder_port, decoder_port = _free_port(), _free_port()
     log = tmp_path / "up.log"
     # A fresh HOME: `up` imports the default model's GGUF file there first, once for both services.
+    # The services' own model variables are not theirs to read under `up` (docs/CONFIGURATION.md): left
+    # in the environment they would have each service load another model than the one `up` checked.
+    elsewhere = str(tmp_path / "no-such-model")
     up = _start_up(
-        ["--encoder-port", str(encoder_port), "--decoder-port", str(decoder_port)], log, home=tmp_path
+        ["--encoder-port", str(encoder_port), "--decoder-port", str(decoder_port)],
+        log,
+        home=tmp_path,
+        env={"TANDEM_MODEL": elsewhere, "TANDEM_ENCODER_MODEL": elsewhere},
     )
     try:
         _wait_serving(up, [encoder_port, decoder_port], log)
