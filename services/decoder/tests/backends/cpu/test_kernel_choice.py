@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -187,17 +188,23 @@ def counted_measure(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_a_second_start_reads_the_cached_choice_and_times_nothing(
-    bf16_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bf16_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     count = counted_measure(monkeypatch)
     options = KernelOptions(exact_rows=16, max_rows=256, cache_dir=tmp_path)
-    kernels, first = kernel_choice.choose(bf16_model, options)
+    with caplog.at_level(logging.INFO, logger=kernel_choice.log.name):
+        kernels, first = kernel_choice.choose(bf16_model, options)
     assert count[0] == 1 and first is not None and first.source == "measured"
     assert kernels is not None and kernels.level.name == first.level == load_for_cpu().level.name
     assert len(json.loads((tmp_path / kernel_choice.CACHE_FILE).read_text())["entries"]) == 1
-    _, second = kernel_choice.choose(bf16_model, options)
+    assert first.table() in caplog.text  # the measured table, logged once
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=kernel_choice.log.name):
+        _, second = kernel_choice.choose(bf16_model, options)
     assert count[0] == 1 and second == first and second.source == "cached"
-    assert second.timings == first.timings  # the table logged again comes from the file
+    assert second.timings == first.timings  # the table in the file is the one measured
+    # A start that measures nothing says its choice in one line; the table is in the file.
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0]
 
 
 @pytest.mark.parametrize("change", ["cpu", "build", "shapes"])

@@ -427,8 +427,10 @@ def choose(
     cached = _read_cache(options.cache_dir, key, options)
     if cached is not None:
         plan = cached
-        log.info("CPU kernels for %s: %s, cached in %s\n%s", cpu.model_name, plan.describe(),
-                 options.cache_dir, plan.table())  # fmt: skip
+        # The table was logged when it was measured and is in the cache file: a start that measures
+        # nothing says its choice in one line (30 lines a start were noise), the table at debug.
+        log.info("CPU kernels for %s: %s, cached in %s", cpu.model_name, plan.describe(), options.cache_dir)
+        log.debug("CPU kernels, the cached timings:\n%s", plan.table())
     else:
         started = time.perf_counter()
         binders = _binders(loaded, families)
