@@ -1,6 +1,6 @@
 """The gateway's app served on a free loopback port in front of a decoder (the tests' fake), as
-`tandem serve openai` serves it (handler cancellation and its server log on), without body worker
-processes: the bodies of these tests are small. Always shut down."""
+`tandem serve openai` serves it (handler cancellation and its server log on), with one body worker
+process, started only by a body over large_body_bytes. Always shut down."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[s
     decoder = DecoderClient(config.decoder_address, config.max_message_bytes, None, config.upstream)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
     callers = decoder_channels(config)
-    workers = BodyWorkers(1)  # never started: no body here reaches large_body_bytes
+    workers = BodyWorkers(1)  # started by the first body over large_body_bytes, if any (a second)
     runner = web.AppRunner(
         Gateway(config, decoder, encoder, callers, workers).app(),
         handler_cancellation=True,

@@ -1,5 +1,6 @@
 """Bodies converted in a worker process give what the same conversion gives in process; a worker that
-dies is replaced and its body answered 503 (Unavailable); large bodies at once are bounded."""
+dies is replaced and its body answered 503 (Unavailable); large bodies at once are bounded, and
+those of one caller."""
 
 from __future__ import annotations
 
@@ -77,13 +78,28 @@ async def test_a_bug_in_a_worker_is_an_error_of_its_own_and_the_worker_serves_on
 
 
 def test_large_bodies_beyond_the_bound_are_503_until_one_is_released() -> None:
-    bodies = LargeBodies(2)
-    first, _ = bodies.take(), bodies.take()
+    bodies = LargeBodies(2, 2)
+    first, _ = bodies.take("peer:a"), bodies.take("peer:b")
     with pytest.raises(Refused) as refused:
-        bodies.take()
+        bodies.take("peer:c")
     assert refused.value.error.status == 503 and refused.value.error.retry_after_s == 1.0
     assert "--max-large-bodies" in refused.value.error.message
     first.release()
     first.release()  # idempotent: a place is given back once
-    bodies.take()
+    bodies.take("peer:c")
     assert bodies.num_held == 2
+
+
+def test_a_caller_beyond_its_share_is_429_while_another_caller_still_takes_a_place() -> None:
+    bodies = LargeBodies(4, 2)
+    first, _ = bodies.take("peer:a"), bodies.take("peer:a")
+    with pytest.raises(Refused) as refused:
+        bodies.take("peer:a")
+    error = refused.value.error
+    assert (error.status, error.type, error.retry_after_s) == (429, "rate_limit_error", 1.0)
+    assert "--max-large-bodies-per-caller" in error.message
+    bodies.take("peer:b")  # the places a's share leaves are the others'
+    first.release()
+    first.release()  # a's place given back once
+    bodies.take("peer:a")
+    assert bodies.num_held == 3

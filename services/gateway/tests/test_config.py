@@ -1,5 +1,5 @@
-"""The gateway's settings: --max-choices and --body-idle-timeout-s reach the config from their flags
-(and variables), and a bound out of range is refused naming it."""
+"""The gateway's settings: --max-choices, --body-idle-timeout-s and --max-large-bodies-per-caller reach
+the config from their flags (and variables), and a bound out of range is refused naming it."""
 
 from __future__ import annotations
 
@@ -34,3 +34,15 @@ def test_the_body_idle_bound_comes_from_its_flag_and_is_refused_unless_positive(
     with pytest.raises(ConfigError) as error:
         GatewayConfig(body_idle_timeout_s=0)
     assert error.value.field == "body_idle_timeout_s"
+
+
+def test_the_large_bodies_of_one_caller_come_from_their_flag_or_variable_and_are_at_least_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _config([]).max_large_bodies_per_caller == GatewayConfig().max_large_bodies_per_caller == 2
+    assert _config(["--max-large-bodies-per-caller", "3"]).max_large_bodies_per_caller == 3
+    monkeypatch.setenv("TANDEM_OPENAI_MAX_LARGE_BODIES_PER_CALLER", "1")
+    assert _config([]).max_large_bodies_per_caller == 1
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(max_large_bodies_per_caller=0)
+    assert error.value.field == "max_large_bodies_per_caller"

@@ -90,6 +90,11 @@ def settings() -> list[click.Option]:
             "bodies over 1 MiB read, converted or answered at once (503 beyond)",
             type=int,
         ),
+        _setting(
+            "--max-large-bodies-per-caller",
+            "of those, one caller's (its bearer token, else its IP address; 429 beyond)",
+            type=int,
+        ),
         _setting("--body-workers", "processes that parse and convert bodies over 1 MiB", type=int),
         _setting("--max-connections", "open HTTP connections (a new one beyond: 503, closed)", type=int),
         _setting(
@@ -168,6 +173,7 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
         max_message_bytes=values["max_message_bytes"],
         max_embeddings_bytes=values["max_embeddings_bytes"],
         max_large_bodies=values["max_large_bodies"],
+        max_large_bodies_per_caller=values["max_large_bodies_per_caller"],
         body_workers=values["body_workers"],
         max_connections=values["max_connections"],
         header_timeout_s=values["header_timeout_s"],

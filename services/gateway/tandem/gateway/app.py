@@ -7,10 +7,10 @@ over the Python client's channels (balancing, TLS, retries), and their events co
 objects or server-sent events (`answers.py`, `responses.py`, `embeddings.py`); every limit on content is
 the services' own. What the gateway itself guards, each bound answered with an OpenAI error naming it:
 the bearer token (the services' token file; a caller's token travels on with its calls), the body's size
-and the time it takes to arrive, large bodies at once, the size of an embeddings answer, the choices of
-a request, open completion streams per caller (its token, else its address), and a caller that
-disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels every gRPC call of
-its request, which frees their KV blocks. Each caller reaches the decoder over a connection of its own
+and the time it takes to arrive, large bodies at once and per caller, the size of an embeddings answer,
+the choices of a request, open completion streams per caller (its token, else its address), and a caller
+that disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels every gRPC call
+of its request, which frees their KV blocks. Each caller reaches the decoder over a connection of its own
 (`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP callers one by one.
 """
 
@@ -83,7 +83,7 @@ class Gateway:
         self.workers = workers
         self.guard = guard  # told of each request head (the first one ends a connection's header timer)
         self.tracer = tracer  # an OpenTelemetry tracer when tracing is on: one span per HTTP request
-        self.large_bodies = LargeBodies(config.max_large_bodies)
+        self.large_bodies = LargeBodies(config.max_large_bodies, config.max_large_bodies_per_caller)
         self._streams: Counter[str] = Counter()  # open completions per caller
         self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
         self._encoder_info: encoder_pb2.EncoderGetModelInfoResponse | None = None
@@ -265,8 +265,9 @@ class Gateway:
     async def _read(self, request: web.Request, limits: BodyLimits) -> bytearray:
         """The body's bytes: at most --max-body-bytes (413), within --body-timeout-s (408), its JSON
         values counted as they come (`count_values`: 400 naming the field before the rest is read); a
-        large one holds a place among --max-large-bodies from the moment its size says so (503 when
-        none is free).
+        large one holds a place among --max-large-bodies (503 when none is free), and among its
+        caller's --max-large-bodies-per-caller (429), from its first bytes: a head alone, however large
+        the length it declares, holds none (`_take_large_body`).
 
         Read into one buffer, each chunk copied in as it arrives: holding the chunks and joining them
         left the heap grown by the body's size after it was freed (glibc keeps a freed heap's middle),
@@ -275,8 +276,7 @@ class Gateway:
         declared = request.content_length
         if declared is not None and declared > limit:
             raise Refused(_too_large(limit))
-        if declared is not None and declared >= self.config.large_body_bytes:
-            self._take_large_body(request)
+        is_large = declared is not None and declared >= self.config.large_body_bytes
         body, num_values = bytearray(), 0
         # Two bounds on one timer: the next bytes within --body-idle-timeout-s, all of them by the
         # --body-timeout-s deadline.
@@ -287,10 +287,12 @@ class Gateway:
                 while chunk := await request.content.readany():
                     if len(body) + len(chunk) > limit:
                         raise Refused(_too_large(limit))
+                    if LARGE_BODY not in request and (
+                        is_large or len(body) + len(chunk) >= self.config.large_body_bytes
+                    ):
+                        self._take_large_body(request)
                     body += chunk
                     num_values = count_values(body, limits, len(body) - len(chunk), num_values)
-                    if len(body) >= self.config.large_body_bytes and LARGE_BODY not in request:
-                        self._take_large_body(request)
                     timer.reschedule(min(deadline, loop.time() + idle_s))
         except TimeoutError:
             came = f"{len(body)} bytes" + (f" of {declared}" if declared is not None else "") + " came"
@@ -309,8 +311,25 @@ class Gateway:
         return body
 
     def _take_large_body(self, request: web.Request) -> None:
-        request[LARGE_BODY] = self.large_bodies.take()
+        """A place among the large bodies for `request`, its caller's.
+
+        NOTE: why a body's place is taken with its first bytes, not with its head. The place bounds the
+        memory of bodies being read, and a head holds none: taken with the head, a caller sending heads
+        alone (each declaring 1 MiB) held every place for --body-idle-timeout-s, at the cost of a few
+        hundred bytes. Its first bytes still come before any memory worth bounding does. A caller that
+        trickles its bodies holds its places until --body-timeout-s, so each caller's places are bounded
+        too (--max-large-bodies-per-caller): what one caller holds, the others still have. No minimum
+        rate (Apache's mod_reqtimeout MinRate): any floor that an honest picture over a slow uplink
+        passes, a trickle passes too, holding its place to --body-timeout-s all the same; only the share
+        keeps it from the others."""
+        request[LARGE_BODY] = self.large_bodies.take(self._caller(request))
         request[WAS_LARGE] = True
+
+    def _caller(self, request: web.Request) -> str:
+        """Who sends `request`: its checked bearer token, else its address (`callers.caller_of`)."""
+        return caller_of(
+            request.headers.get("Authorization", ""), request.remote, self.config.auth_tokens is not None
+        )
 
     # -- completions --------------------------------------------------------------------------------------
 
@@ -320,9 +339,7 @@ class Gateway:
         for generate in call.requests:
             if generate.model and generate.model != base:  # as in vLLM: a LoRA adapter, by its name
                 generate.adapter, generate.model = generate.model, ""
-        caller = caller_of(
-            request.headers.get("Authorization", ""), request.remote, self.config.auth_tokens is not None
-        )
+        caller = self._caller(request)
         # Each choice is a Generate stream on the caller's connection, as the decoder counts them.
         num_choices = call.num_choices
         if self._streams[caller] + num_choices > self.config.max_streams_per_caller:

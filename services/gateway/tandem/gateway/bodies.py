@@ -6,8 +6,9 @@ whole of a call, so a thread frees nothing: a 90 MB body of 3 million chat messa
 loop" still kept /health silent for its 2.3 s. A worker process takes the body's bytes through a
 pipe (written from the gateway's buffer, no copy) and gives back the converted call, its protobufs
 serialized; what the parse and conversion cost stays in that process, which gives its heap back
-after every body. At most `max_large_bodies` bodies are read or converted at once (`LargeBodies`
-below), so the workers' queue is bounded by that too.
+after every body. At most `max_large_bodies` bodies are read or converted at once, at most
+`max_large_bodies_per_caller` of them one caller's (`LargeBodies` below), so the workers' queue is
+bounded by that too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -198,28 +200,47 @@ copyreg.pickle(encoder_pb2.EmbedRequest, lambda m: (_embed_request, (m.Serialize
 
 class LargeBodies:
     """At most `max_bodies` large bodies read, converted or answered at once: their bytes are the
-    gateway's memory. Event-loop thread only."""
+    gateway's memory; and at most `max_per_caller` of them one caller's (`callers.caller_of`), so that
+    one caller holding its share (bodies it never finishes sending) leaves the rest to the others, as
+    nginx's limit_conn per key does. Event-loop thread only."""
 
-    def __init__(self, max_bodies: int) -> None:
+    def __init__(self, max_bodies: int, max_per_caller: int) -> None:
         self.max_bodies = max_bodies
+        self.max_per_caller = max_per_caller
         self.num_held = 0
+        self._held: Counter[str] = Counter()  # places per caller; callers holding none are not kept
 
-    def take(self) -> LargeBody:
-        """A place for one large body; Refused (503 with Retry-After) when none is free."""
+    def take(self, caller: str) -> LargeBody:
+        """A place for one large body of `caller`: Refused with 429 when the caller holds its share,
+        503 when no place is free (both with Retry-After)."""
+        if self._held[caller] >= self.max_per_caller:
+            message = (
+                f"this caller has {self._held[caller]} large bodies being read, converted or answered, its "
+                "share of them (--max-large-bodies-per-caller); retry once one has ended"
+            )
+            raise Refused(HttpError(429, "rate_limit_error", message, retry_after_s=1.0))
         if self.num_held >= self.max_bodies:
             message = f"the gateway is handling {self.max_bodies} large bodies (--max-large-bodies); retry"
             raise Refused(HttpError(503, "service_unavailable", message, retry_after_s=1.0))
         self.num_held += 1
-        return LargeBody(self)
+        self._held[caller] += 1
+        return LargeBody(self, caller)
+
+    def _release(self, caller: str) -> None:
+        self.num_held -= 1
+        self._held[caller] -= 1
+        if not self._held[caller]:
+            del self._held[caller]
 
 
 class LargeBody:
     """One large body's place, held until `release` (idempotent)."""
 
-    def __init__(self, owner: LargeBodies) -> None:
+    def __init__(self, owner: LargeBodies, caller: str) -> None:
         self._owner: LargeBodies | None = owner
+        self._caller = caller
 
     def release(self) -> None:
         if self._owner is not None:
-            self._owner.num_held -= 1
+            self._owner._release(self._caller)
             self._owner = None

@@ -37,9 +37,14 @@ class GatewayConfig:
     # The largest /v1/embeddings answer, reckoned before any work from rows x width x inputs (413 beyond).
     max_embeddings_bytes: int = 64 * MIB
     # Bodies over `large_body_bytes` are parsed and converted in worker processes (`body_workers.py`),
-    # at most `max_large_bodies` at once (read, queued or converting; 503 with Retry-After beyond).
+    # at most `max_large_bodies` at once (read, queued or converting; 503 with Retry-After beyond), and
+    # at most `max_large_bodies_per_caller` of them one caller's (as `max_streams_per_caller`, its token
+    # else its address; 429 with Retry-After beyond). Half of the places: one caller holding its share
+    # open (a body it never finishes) leaves the other half to everyone else. A place is taken with a
+    # body's first bytes, not its head: a head alone holds nothing.
     large_body_bytes: int = 1 * MIB
     max_large_bodies: int = 4
+    max_large_bodies_per_caller: int = 2
     body_workers: int = 2
     # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
     max_connections: int = 512
@@ -70,6 +75,7 @@ class GatewayConfig:
             "max_embeddings_bytes",
             "large_body_bytes",
             "max_large_bodies",
+            "max_large_bodies_per_caller",
             "body_workers",
             "max_connections",
         ):
