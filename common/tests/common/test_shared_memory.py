@@ -4,8 +4,12 @@ specification worked in plain integers, a published tag and the library's own on
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -281,3 +285,164 @@ def test_a_segment_name_that_is_a_link_or_not_a_file_is_refused(
     with pytest.raises(PermissionError):
         reader.open(empty)
     assert reader.num_mapped == 0
+
+
+def _age(path: Path, seconds: float = 3600.0) -> None:
+    """Makes `path` (not a link it may be) look modified `seconds` ago: past any grace period."""
+    then = time.time() - seconds
+    os.utime(path, (then, then), follow_symlinks=False)
+
+
+# What a reader or a writer that is then killed leaves: its files, made by the module's own code, and
+# their names on stdout once made.
+_CHILD = """
+import sys, time
+from pathlib import Path
+from tandem.common.torch_part import shared_memory as shm
+directory = Path(sys.argv[1])
+if sys.argv[2] == "probe":
+    print(shm.Probe.create(directory).name, flush=True)
+else:
+    segment, name = shm.PooledSegment.create(directory, 4096), shm.new_name(shm.SEGMENT_PREFIX)
+    segment.link(name)  # leased to a call when the writer died
+    print(segment.name, name, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def spawn(tmp_path: Path):
+    """Starts processes making files in tmp_path; returns (process, names made). Every one is killed."""
+    started: list[subprocess.Popen] = []
+
+    def start(kind: str) -> subprocess.Popen:
+        started.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(tmp_path), kind], stdout=subprocess.PIPE, text=True
+            )
+        )
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+
+
+def _made(process: subprocess.Popen) -> list[str]:
+    return process.stdout.readline().split()
+
+
+def _kill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)  # no handler, no `close`: what the OOM killer does
+    process.wait()
+
+
+def test_a_killed_readers_probe_is_removed_by_the_next_probe_and_a_live_ones_never(
+    tmp_path: Path, spawn
+) -> None:
+    killed, alive = spawn("probe"), spawn("probe")
+    (killed_probe,), (live_probe,) = _made(killed), _made(alive)
+    own = shm.Probe.create(tmp_path)  # a live probe of this process
+    _kill(killed)
+    for name in (killed_probe, live_probe, own.name):
+        _age(tmp_path / name)  # all past the grace period: only the lock tells them apart
+    new = shm.Probe.create(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live_probe, own.name, new.name])
+    assert shm.probe_matches(tmp_path, own.name, own.token) and shm.probe_matches(
+        tmp_path, new.name, new.token
+    )
+    _kill(alive)
+    shm.Probe.create(tmp_path).close()  # the next one finds it abandoned too
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([own.name, new.name])
+    own.close()
+    new.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_probe_sweep_touches_nothing_but_old_unlocked_probe_files_of_this_user(tmp_path: Path) -> None:
+    abandoned = tmp_path / shm.new_name(shm.PROBE_PREFIX)
+    abandoned.write_bytes(bytes(shm.TOKEN_BYTES))
+    young = tmp_path / shm.new_name(shm.PROBE_PREFIX)  # unlocked, but maybe between creation and lock
+    young.write_bytes(bytes(shm.TOKEN_BYTES))
+    kept = [young]
+    for name in (
+        "other",
+        "tandem-probe-" + "0" * 31,
+        "tandem-probe-" + "A" * 32,
+        "tandem-probe-x" + "0" * 32,
+    ):
+        (tmp_path / name).write_bytes(bytes(shm.TOKEN_BYTES))
+        kept.append(tmp_path / name)
+    target = tmp_path / "target"  # an unlocked file, reached through a link named like a probe
+    target.write_bytes(bytes(shm.TOKEN_BYTES))
+    link = tmp_path / shm.new_name(shm.PROBE_PREFIX)
+    link.symlink_to(target)
+    folder = tmp_path / shm.new_name(shm.PROBE_PREFIX)
+    folder.mkdir()
+    fifo = tmp_path / shm.new_name(shm.PROBE_PREFIX)
+    os.mkfifo(fifo)
+    kept += [target, link, folder, fifo]
+    if os.geteuid() == 0:  # root may own files of another user: one named like a probe stays
+        foreign = tmp_path / shm.new_name(shm.PROBE_PREFIX)
+        foreign.write_bytes(bytes(shm.TOKEN_BYTES))
+        os.chown(foreign, 65534, 65534)
+        kept.append(foreign)
+    for path in [abandoned] + kept:
+        if path != young:
+            _age(path)
+    probe = shm.Probe.create(tmp_path)
+    assert not os.path.lexists(abandoned)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([probe.name] + [p.name for p in kept])
+    assert link.is_symlink() and target.read_bytes() == bytes(shm.TOKEN_BYTES)
+    probe.close()
+
+
+def test_a_killed_writers_pool_segments_and_the_call_names_linked_to_them_are_removed(
+    tmp_path: Path, spawn
+) -> None:
+    killed = spawn("pool")
+    dead_pool, dead_call = _made(killed)
+    _kill(killed)
+    live, live_call = shm.PooledSegment.create(tmp_path, 4096), shm.new_name(shm.SEGMENT_PREFIX)
+    live.link(live_call)  # a live writer's lease: locked through its pool's file
+    assert {dead_pool, dead_call} <= {p.name for p in tmp_path.iterdir()}
+    assert shm.remove_abandoned(tmp_path) == 2  # the call name held the dead pool's pages as well
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, live_call])
+    shm.remove(tmp_path, live_call)
+    live.close()
+
+
+def test_a_probe_swept_before_its_lock_is_made_again_under_a_new_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two readers starting at once: one's sweep finds the other's new file not yet locked."""
+    flock, swept = shm.fcntl.flock, []
+
+    def sweep_first(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_SH and not swept:
+            swept.append(os.readlink(f"/proc/self/fd/{fd}"))
+            assert shm.remove_abandoned(tmp_path, (shm.PROBE_PREFIX,), 0.0) == 1  # the other's sweep
+        flock(fd, operation)
+
+    monkeypatch.setattr(shm.fcntl, "flock", sweep_first)
+    probe = shm.Probe.create(tmp_path)
+    assert probe is not None and len(swept) == 1 and not swept[0].endswith(probe.name)
+    assert [p.name for p in tmp_path.iterdir()] == [probe.name]
+    assert shm.probe_matches(tmp_path, probe.name, probe.token)
+    assert shm.remove_abandoned(tmp_path, (shm.PROBE_PREFIX,), 0.0) == 0  # locked now
+    probe.close()
+
+
+def test_a_forked_child_keeps_its_parents_probe_locked_and_never_removes_it(tmp_path: Path) -> None:
+    probe = shm.Probe.create(tmp_path)
+    child = os.fork()
+    if child == 0:  # the child's copy closed, as its exit or its own cleanup would
+        probe.close()
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    assert shm.probe_matches(tmp_path, probe.name, probe.token)
+    assert shm.remove_abandoned(tmp_path, (shm.PROBE_PREFIX,), 0.0) == 0  # its creator lives: locked
+    probe.close()
+    assert not list(tmp_path.iterdir())

@@ -23,6 +23,19 @@ reader released after its lease, and only then writes into it again: a reader th
 finds the name gone, and one that outlived the lease while reading sees its digest fail, never other
 rows.
 
+Files left by a process that was killed (SIGKILL, the OOM killer, a test's timeout) would hold a tmpfs
+inode and its pages until the host restarts, so every file is locked (flock) by the process that made
+it for as long as it lives: the reader's probe shared (LOCK_SH, its fd kept open), the writer's pool
+segments exclusively, and a segment's call name is a second name for a locked pool file. A new
+`Probe` removes the probe files, and a new pool the pool segments and call names, that no live process
+holds locked (`remove_abandoned`: LOCK_EX | LOCK_NB succeeds), only names `is_name` accepts, only
+regular files of this user, opened without following a link; a probe younger than PROBE_GRACE_S is
+left alone. A creator that finds its file gone once it holds the lock (swept in the instant between
+its creation and its lock) makes another under a new name, and an encoder checking a probe being
+swept finds no file, or one no live decoder offers: either way bytes, as any doubt. A forked child
+shares its parent's locks (one open file description): a probe lives while either process does, and
+only its creator's `close` removes it.
+
 Who can reach a segment: only the user both services run as (mode 0600 under /dev/shm, a sticky
 directory), and only by its name, 128 random bits that travel in the Embed call and its reply. That
 user can read or change a segment, as it can read or change either process's memory: the digest
@@ -75,6 +88,10 @@ DIGEST_UPDATE_BYTES = 1 << 30  # fed to the MAC in parts of at most this: its on
 MAX_MAPS = 64  # a reader's mappings kept (`SegmentMaps`): each holds its file open
 MAX_MAPPED_BYTES = 1 << 31  # and their bytes, the pool's own pages: address space, no more memory
 SWEEP_S = 1.0  # how often a reader drops the mappings of files given back
+# A probe file this recent is never swept, locked or not: its creator locks it within microseconds of
+# creating it, and a stall between the two (a stopped process) must not cost it its probe.
+PROBE_GRACE_S = 10.0
+CREATE_TRIES = 3  # names tried by a creator whose new file a concurrent sweep removed before its lock
 _NAME = re.compile(r"(tandem-probe-|tandem-rows-|tandem-pool-)[0-9a-f]{32}")
 
 # How a reader copies a segment's bytes and digests them: (source [n] uint8 read-only, out [n] uint8,
@@ -99,31 +116,51 @@ def is_supported(directory: Path = SHM_DIR) -> bool:
 
 
 class Probe:
-    """The reader's proof file: created once, removed by `close` (or with the process's /dev/shm)."""
+    """The reader's proof file: created once, locked (shared) while its creator lives, removed by `close`
+    (or, once its creator is gone, by the next `create` in that directory)."""
 
-    def __init__(self, directory: Path, name: str, token: bytes) -> None:
+    def __init__(self, directory: Path, name: str, token: bytes, fd: int = -1) -> None:
         self.directory = directory
         self.name = name  # "tandem-probe-<32 hex>"
         self.token = token  # [TOKEN_BYTES] the file's content
+        self.fd = fd  # kept open until `close`: it holds the lock; -1: none
+        self.pid = os.getpid()  # its creator: a forked child's copy never removes its parent's file
 
     @classmethod
     def create(cls, directory: Path = SHM_DIR) -> Probe | None:
-        """A new probe file, or None where segments cannot be shared (no such directory, no room)."""
+        """A new probe file, once the probes of readers that died are removed; None where segments
+        cannot be shared (no such directory, no room)."""
         if not is_supported(directory):
             return None
-        name, token = new_name(PROBE_PREFIX), secrets.token_bytes(TOKEN_BYTES)
-        try:
-            fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except OSError:
-            return None
-        try:
-            os.write(fd, token)
-        finally:
-            os.close(fd)
-        return cls(directory, name, token)
+        remove_abandoned(directory, (PROBE_PREFIX,), PROBE_GRACE_S)
+        for _ in range(CREATE_TRIES):
+            name, token = new_name(PROBE_PREFIX), secrets.token_bytes(TOKEN_BYTES)
+            try:
+                fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except OSError:
+                return None
+            try:
+                if not _lock_own(directory, name, fd, fcntl.LOCK_SH):
+                    os.close(fd)  # swept in the instant before its lock: another name
+                    continue
+                if os.write(fd, token) != TOKEN_BYTES:
+                    raise OSError("a short write: no room")
+            except BaseException as error:
+                _remove_own(directory, name, fd)
+                os.close(fd)
+                if isinstance(error, OSError):
+                    return None
+                raise
+            return cls(directory, name, token, fd)
+        return None
 
     def close(self) -> None:
-        remove(self.directory, self.name)
+        """Removes the file (in the process that created it) and lets go of its lock."""
+        if os.getpid() == self.pid:
+            remove(self.directory, self.name)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def probe_matches(directory: Path, name: str, token: bytes) -> bool:
@@ -151,8 +188,9 @@ class PooledSegment:
     """A segment of a writer's pool, `tandem-pool-<32 hex>`: its pages allocated when it is created and
     mapped for writing until `close`, so writes into it never fault (and a full /dev/shm is an OSError
     at creation rather than a SIGBUS on a write). Its file is locked (flock) while this process holds
-    it: a writer that starts later tells a live pool's segments from those of one that died
-    (`remove_abandoned`). A reader reaches it only by a call's name linked to it."""
+    it: a writer that starts later tells a live pool's segments, and the call names linked to them,
+    from those of one that died (`remove_abandoned`). A reader reaches it only by a call's name linked
+    to it."""
 
     def __init__(self, directory: Path, name: str, fd: int, mapping: mmap.mmap, num_bytes: int) -> None:
         self.directory = directory
@@ -165,17 +203,21 @@ class PooledSegment:
     def create(cls, directory: Path, num_bytes: int) -> PooledSegment:
         """A new segment of `num_bytes` (>= 1). Raises OSError and removes what it made on failure."""
         assert num_bytes >= 1
-        name = new_name(POOL_PREFIX)
-        fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.posix_fallocate(fd, 0, num_bytes)
-            mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
-        except BaseException:
-            remove(directory, name)
-            os.close(fd)
-            raise
-        return cls(directory, name, fd, mapping, num_bytes)
+        for _ in range(CREATE_TRIES):
+            name = new_name(POOL_PREFIX)
+            fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                if not _lock_own(directory, name, fd, fcntl.LOCK_EX):
+                    os.close(fd)  # another writer starting swept it in the instant before its lock
+                    continue
+                os.posix_fallocate(fd, 0, num_bytes)
+                mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+            except BaseException:
+                _remove_own(directory, name, fd)
+                os.close(fd)
+                raise
+            return cls(directory, name, fd, mapping, num_bytes)
+        raise OSError(f"no pool segment in {directory}: each new file was swept before it was locked")
 
     def link(self, name: str) -> None:
         """Gives the segment a call's `name` as well. Raises OSError (FileExistsError for a name already
@@ -190,30 +232,76 @@ class PooledSegment:
         os.close(self.fd)
 
 
-def remove_abandoned(directory: Path) -> int:
-    """Removes the pool segments of writers that died (a SIGKILL, an OOM kill): files of this user
-    named `tandem-pool-<32 hex>` that no live process holds locked. Returns how many it removed."""
-    if not directory.is_dir():
+def remove_abandoned(
+    directory: Path, prefixes: tuple[str, ...] = (POOL_PREFIX, SEGMENT_PREFIX), min_age_s: float = 0.0
+) -> int:
+    """Removes the files of processes that died (a SIGKILL, an OOM kill): files of this user named
+    `<prefix><32 hex>` for one of `prefixes` that no live process holds locked, last modified at least
+    `min_age_s` ago; by default a writer's pool segments and the call names linked to them (a live
+    writer's are locked through its pool's file). Nothing else is opened, a symbolic link is never
+    followed, and any doubt leaves a file where it is. Returns how many it removed."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
         return 0
-    removed = 0
-    for name in os.listdir(directory):
-        if not is_name(name, POOL_PREFIX):
-            continue
-        try:
-            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its writer is alive
-            removed += remove(directory, name)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    return removed
+    try:
+        names = [name for name in os.listdir(dir_fd) if any(is_name(name, prefix) for prefix in prefixes)]
+        return sum(_remove_if_abandoned(dir_fd, name, min_age_s) for name in names)
+    finally:
+        os.close(dir_fd)
+
+
+def _remove_if_abandoned(dir_fd: int, name: str, min_age_s: float) -> bool:
+    try:
+        if not _is_own_file(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
+            return False  # never opened: a link, a directory, a FIFO, another user's file
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if not _is_own_file(info) or time.time() - info.st_mtime < min_age_s:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its process is alive
+        if not _same_file(os.stat(name, dir_fd=dir_fd, follow_symlinks=False), info):
+            return False  # the name is another file's by now
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _is_own_file(info: os.stat_result) -> bool:
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _lock_own(directory: Path, name: str, fd: int, operation: int) -> bool:
+    """Locks the file just created as `name` (fd); False when a sweep removed it before the lock (it
+    found it unlocked, and holds or held it exclusively): the caller then tries another name. Once
+    locked, no sweep removes it."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        return _same_file(os.stat(directory / name, follow_symlinks=False), os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
+def _remove_own(directory: Path, name: str, fd: int) -> None:
+    """Removes `name` if it is still the file open as `fd`."""
+    try:
+        if _same_file(os.stat(directory / name, follow_symlinks=False), os.fstat(fd)):
+            os.unlink(directory / name)
+    except OSError:
+        pass
 
 
 @dataclass(eq=False)
