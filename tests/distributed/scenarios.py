@@ -108,6 +108,12 @@ def rank_scripted_logits(tp: ParallelContext, model_dir: Path) -> list[torch.Ten
     return scripted_logits(model, tp.world_size)
 
 
+def rank_scripted_logits_each(tp: ParallelContext, model_dirs: list[Path]) -> list[list[torch.Tensor]]:
+    """rank_scripted_logits for each model in turn, in one group: spawning the ranks (a fresh
+    interpreter importing torch each) costs more than a tiny model's script."""
+    return [rank_scripted_logits(tp, model_dir) for model_dir in model_dirs]
+
+
 def rank_load_error(tp: ParallelContext, model_dir: Path) -> str:
     try:
         load_model(model_dir, dtype="float32", tp=tp)
@@ -181,6 +187,12 @@ def rank_engine_outputs(tp: ParallelContext, model_dir: Path, options: dict[str,
         return engine_outputs(engine)
     finally:
         engine.shutdown()
+
+
+def rank_engine_outputs_each(tp: ParallelContext, runs: list[tuple[Path, dict[str, Any] | None]]) -> list:
+    """rank_engine_outputs for each (model, options) in turn, in one group: an engine and its workers
+    start, serve the specs and stop for each, as a decoder process would; one spawn of the ranks for all."""
+    return [rank_engine_outputs(tp, model_dir, options) for model_dir, options in runs]
 
 
 def greedy_spec(prompt: list[int], num_tokens: int) -> GenerateSpec:

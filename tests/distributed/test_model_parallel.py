@@ -27,14 +27,29 @@ def _assert_same_logits(tp_logits: list[torch.Tensor], reference: list[torch.Ten
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"greedy tokens differ at step {step}"
 
 
-@pytest.mark.parametrize("checkpoint", ["tiny", "llama2-bias", "qwen2"])
+CHECKPOINTS = ("tiny", "llama2-bias", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dir: Path, hf_checkpoint_dirs: dict[str, Path]) -> dict[str, Path]:
+    return {name: tiny_model_dir if name == "tiny" else hf_checkpoint_dirs[name] for name in CHECKPOINTS}
+
+
+@pytest.fixture(scope="module")
+def two_rank_logits(model_dirs: dict[str, Path]) -> dict[str, list[list[torch.Tensor]]]:
+    """Each checkpoint's script on two ranks, one checkpoint after another in one group: spawning the
+    ranks costs more than the script. checkpoint -> each rank's logits."""
+    per_rank = run_ranks(scenarios.rank_scripted_logits_each, 2, list(model_dirs.values()))
+    return {name: [logits[i] for logits in per_rank] for i, name in enumerate(model_dirs)}
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_two_ranks_match_one_rank_logits_for_every_step(
-    checkpoint: str, tiny_model_dir: Path, hf_checkpoint_dirs: dict[str, Path]
+    checkpoint: str, model_dirs: dict[str, Path], two_rank_logits: dict[str, list[list[torch.Tensor]]]
 ) -> None:
-    model_dir = tiny_model_dir if checkpoint == "tiny" else hf_checkpoint_dirs[checkpoint]
-    reference = scenarios.scripted_logits(load_model(model_dir, dtype="float32").model, world_size=1)
-    per_rank = run_ranks(scenarios.rank_scripted_logits, 2, model_dir)
-    for logits in per_rank:  # every rank ends with the full logits
+    model = load_model(model_dirs[checkpoint], dtype="float32").model
+    reference = scenarios.scripted_logits(model, world_size=1)
+    for logits in two_rank_logits[checkpoint]:  # every rank ends with the full logits
         _assert_same_logits(logits, reference)
 
 

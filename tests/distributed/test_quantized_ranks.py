@@ -156,28 +156,45 @@ def _assert_same_outputs(got: list, want: list) -> None:
             torch.testing.assert_close(torch.tensor(values), torch.tensor(reference), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["int8", "int4", "gguf", "gguf-int8-activations", "gguf-mixed-types"],
-    ids=lambda case: case.replace("-", " "),
-)
+ENGINE_CASES = ("int8", "int4", "gguf", "gguf-int8-activations", "gguf-mixed-types")
+
+
+@pytest.fixture(scope="module")
+def engine_runs(
+    tiny_model_dir: Path, gguf_model: tuple[Path, Path], mixed_gguf_model: tuple[Path, Path]
+) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """case -> the checkpoint and engine options it serves."""
+    gguf_dir, gguf_path = gguf_model
+    runs = {case: (tiny_model_dir, CASES[case]) for case in CASES}
+    runs["gguf"] = gguf_dir, _options("gguf", gguf_path)
+    runs["gguf-int8-activations"] = gguf_dir, _options("gguf", gguf_path, quantized_activations="int8")
+    runs["gguf-mixed-types"] = mixed_gguf_model[0], _options("gguf", mixed_gguf_model[1])
+    assert tuple(runs) == ENGINE_CASES
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_rank_outputs(engine_runs: dict[str, tuple[Path, dict[str, Any]]]) -> dict[str, tuple[Any, Any]]:
+    """Each case's engine on two ranks, one case after another in one group (spawning the ranks costs
+    more than a tiny model's engine). case -> (rank 0's outputs, rank 1's result)."""
+    rank0, rank1 = run_ranks(
+        scenarios.rank_engine_outputs_each, 2, list(engine_runs.values()), timeout_s=120 * len(engine_runs)
+    )
+    return {case: (rank0[i], rank1[i]) for i, case in enumerate(engine_runs)}
+
+
+@pytest.mark.parametrize("case", ENGINE_CASES, ids=lambda case: case.replace("-", " "))
 def test_two_quantized_ranks_generate_what_the_one_rank_quantized_engine_does(
-    case: str, tiny_model_dir: Path, gguf_model: tuple[Path, Path], mixed_gguf_model: tuple[Path, Path]
+    case: str,
+    engine_runs: dict[str, tuple[Path, dict[str, Any]]],
+    two_rank_outputs: dict[str, tuple[Any, Any]],
 ) -> None:
-    if case == "gguf-mixed-types":
-        model_dir, options = mixed_gguf_model[0], _options("gguf", mixed_gguf_model[1])
-    elif case.startswith("gguf"):
-        model_dir = gguf_model[0]
-        activations = "int8" if case.endswith("activations") else "none"
-        options = _options("gguf", gguf_model[1], quantized_activations=activations)
-    else:
-        model_dir, options = tiny_model_dir, CASES[case]
-    engine = Engine(scenarios.engine_config(model_dir, options)).start()
+    engine = Engine(scenarios.engine_config(*engine_runs[case])).start()
     try:
         reference = scenarios.engine_outputs(engine)
     finally:
         engine.shutdown()
-    rank0, rank1 = run_ranks(scenarios.rank_engine_outputs, 2, model_dir, options, timeout_s=120)
+    rank0, rank1 = two_rank_outputs[case]
     assert rank1 is None  # the worker ran until rank 0's STOP
     _assert_same_outputs(rank0, reference)
 
