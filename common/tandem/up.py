@@ -19,13 +19,14 @@ stopped the same way and `up` exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -320,7 +321,9 @@ def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
     )
     # The context served is the decoder's own setting (TANDEM_MAX_MODEL_LEN, a device's cap): its
     # config as the child will build it from the same flags and the same environment.
-    check_sliding_window(decoder_config(serve_command("decoder", config)[2:]).engine, model_config)
+    with _service_environment():
+        served = decoder_config(serve_command("decoder", config)[2:]).engine
+    check_sliding_window(served, model_config)
 
 
 def _decoder_flag_error(up: click.Command, error: ConfigError) -> FlagError:
@@ -360,17 +363,33 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-# The services' own variables for the model: `up` passes --model only when it was given, and without it
-# serves the default model, which its pre-checks read; a TANDEM_MODEL left in the environment would have
-# the decoder load another model than the one checked (and than the encoder's).
-MODEL_VARIABLES = ("TANDEM_MODEL", "TANDEM_ENCODER_MODEL")
+# The services' own variables for what `up` decides for both (docs/CONFIGURATION.md): the model, its
+# dtype, device, ranks and rounding. `up` passes each only when given, and its pre-checks read its own
+# values (defaults otherwise): a TANDEM_MODEL or TANDEM_QUANTIZATION left in the environment would have
+# the decoder run another model, or round it otherwise, than what was checked and than the encoder.
+DECODER_OWNED = ("MODEL", "DTYPE", "DEVICE", "WORLD_SIZE", "QUANTIZATION", "QUANTIZATION_GROUP_SIZE")
+ENCODER_OWNED = ("MODEL", "DTYPE", "QUANTIZATION")  # the encoder has no device, ranks or group size
+OWNED_VARIABLES = (*(f"TANDEM_{n}" for n in DECODER_OWNED), *(f"TANDEM_ENCODER_{n}" for n in ENCODER_OWNED))
 
 
 def service_environment() -> dict[str, str]:
     """The environment each service starts with: `up`'s own, less the variables for settings `up`
-    decides (the model: docs/CONFIGURATION.md), output unbuffered for the relays."""
-    env = {k: v for k, v in os.environ.items() if k not in MODEL_VARIABLES}
+    decides, output unbuffered for the relays."""
+    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES}
     return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+@contextlib.contextmanager
+def _service_environment() -> Iterator[None]:
+    """os.environ as a service will see it, for parsing its config here (before any thread starts)."""
+    saved, service = dict(os.environ), service_environment()
+    os.environ.clear()
+    os.environ.update(service)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 class _Child:

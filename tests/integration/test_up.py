@@ -187,14 +187,17 @@ def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_p
     encoder_port, decoder_port = _free_port(), _free_port()
     log = tmp_path / "up.log"
     # A fresh HOME: `up` imports the default model's GGUF file there first, once for both services.
-    # The services' own model variables are not theirs to read under `up` (docs/CONFIGURATION.md): left
-    # in the environment they would have each service load another model than the one `up` checked.
+    # The services' own variables for what `up` decides are not theirs to read under `up`
+    # (docs/CONFIGURATION.md): left in the environment they would have a service load another model, or
+    # round it otherwise, than what `up` checked (each of these values would stop a service).
     elsewhere = str(tmp_path / "no-such-model")
+    owned = {"TANDEM_MODEL": elsewhere, "TANDEM_ENCODER_MODEL": elsewhere, "TANDEM_QUANTIZATION": "int4"}
+    owned |= {"TANDEM_QUANTIZATION_GROUP_SIZE": "7", "TANDEM_DTYPE": "fp3", "TANDEM_ENCODER_DTYPE": "fp3"}
     up = _start_up(
         ["--encoder-port", str(encoder_port), "--decoder-port", str(decoder_port)],
         log,
         home=tmp_path,
-        env={"TANDEM_MODEL": elsewhere, "TANDEM_ENCODER_MODEL": elsewhere},
+        env=owned,
     )
     try:
         _wait_serving(up, [encoder_port, decoder_port], log)
