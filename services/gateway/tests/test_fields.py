@@ -58,6 +58,11 @@ ECHOED = {
     "encoding_format": (embed_request, {"input": "a", "encoding_format": HUGE}, "encoding_format"),
     "tandem_pooling": (embed_request, {"input": "a", "tandem_pooling": DEEP}, "tandem_pooling"),
     "a chat part's type nested deep": (chat_request, _user({"type": DEEP}), "messages[0].content[0]"),
+    # JSON's integers have no bound: Python's parser takes 4,300 digits.
+    "max_tokens, an integer of 4,001 digits": (chat_request, CHAT | {"max_tokens": 10**4000}, "max_tokens"),
+    "n, an integer of 4,001 digits": (chat_request, CHAT | {"n": 10**4000}, "n"),
+    "top_k, an integer of 4,001 digits": (chat_request, CHAT | {"top_k": -(10**4000)}, "top_k"),
+    "temperature, 4,001 digits": (chat_request, CHAT | {"temperature": 10**4000}, "temperature"),
 }  # fmt: skip
 
 

@@ -55,7 +55,7 @@ def uint(body: dict[str, Any], name: str, low: int = 0, high: int = UINT32) -> i
     """An integer field (never a bool) within [low, high]: the proto's unsigned range at most."""
     value = field(body, name, int)
     if value is not None and not low <= value <= high:
-        raise InvalidArgument(name, f"must be in [{low}, {high}], got {value}")
+        raise InvalidArgument(name, f"must be in [{low}, {high}], got {shown(value)}")
     return value
 
 
@@ -69,7 +69,7 @@ def number(body: dict[str, Any], name: str) -> float | None:
     except OverflowError:
         raise InvalidArgument(name, "is too large") from None
     if not math.isfinite(converted):
-        raise InvalidArgument(name, f"must be a finite number, got {value}")
+        raise InvalidArgument(name, f"must be a finite number, got {shown(value)}")
     return converted
 
 

@@ -30,10 +30,10 @@ def common_parameters(
     _bound_choices(num_prompts, n, limits.max_choices)
     best_of = uint(body, "best_of", 1)
     if best_of is not None and best_of < n:
-        raise InvalidArgument("best_of", f"must be at least n ({n}), got {best_of}")
+        raise InvalidArgument("best_of", f"must be at least n ({n}), got {shown(best_of)}")
     if best_of is not None and best_of != n:
         # Ranking candidates by their likelihood is gone from vLLM V1 as well; best_of = n is plain n.
-        raise InvalidArgument("best_of", f"only best_of equal to n ({n}) is supported, got {best_of}")
+        raise InvalidArgument("best_of", f"only best_of equal to n ({n}) is supported, got {shown(best_of)}")
     max_tokens_field = max_tokens[-1]
     for name in max_tokens:
         value = uint(body, name, 1)
@@ -55,7 +55,7 @@ def common_parameters(
     if top_k is not None:
         if not -1 <= top_k <= UINT32:
             raise InvalidArgument(
-                "top_k", f"must be -1 (off, as vLLM spells it) or in [0, {UINT32}], got {top_k}"
+                "top_k", f"must be -1 (off, as vLLM spells it) or in [0, {UINT32}], got {shown(top_k)}"
             )
         request.sampling.top_k = max(top_k, 0)
     for name in ("min_p", "repetition_penalty"):
