@@ -213,3 +213,17 @@ def test_the_heads_comparison_reads_every_block_of_rows_and_compares_values_acro
     )
     with pytest.raises(ModelLoadError, match="weight lm_head.weight differs from model.embed_tokens.weight"):
         loader.check_checkpoint(model_dir, "float32")
+
+
+def test_a_head_differing_from_the_table_only_in_the_sign_of_a_zero_is_the_same_table(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """-0.0 and 0.0 are one value (every product with them is): the same dtype's bytes differ, the
+    values do not, so the checkpoint loads tied as it does across dtypes."""
+    qwen3 = checkpoints["qwen3"]
+    table = load_file(qwen3.path / "model.safetensors")["model.embed_tokens.weight"].to(torch.bfloat16)
+    table[0, 0] = 0.0
+    head = table.clone()
+    head[0, 0] = -0.0
+    model_dir = copy_with(qwen3, tmp_path, {"model.embed_tokens.weight": table, "lm_head.weight": head})
+    loader.check_checkpoint(model_dir, "float32")

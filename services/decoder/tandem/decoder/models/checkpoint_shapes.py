@@ -148,16 +148,15 @@ def _same_table(head: Any, head_key: str, table: Any, table_key: str) -> bool:
     shape = head_rows.get_shape()
     if shape != table_rows.get_shape():
         return False
-    # One dtype: the bytes, so a NaN equals itself (it is refused while loading, naming its element); two
-    # dtypes: the values, as float64 holds every value of the others.
+    # One dtype: the bytes first (a NaN equals itself: it is refused while loading, naming its element),
+    # then, for a block whose bytes differ, the values (-0.0 and 0.0 are one value, as they are across
+    # dtypes); two dtypes: the values, as float64 holds every value of the others.
     same_dtype = head_rows.get_dtype() == table_rows.get_dtype()
     for start in range(0, shape[0], _HEAD_ROWS_PER_READ):
         rows = slice(start, start + _HEAD_ROWS_PER_READ)
         head_block, table_block = head_rows[rows], table_rows[rows]
-        if same_dtype:
-            head_block, table_block = head_block.view(torch.uint8), table_block.view(torch.uint8)
-        else:
-            head_block, table_block = head_block.double(), table_block.double()
-        if not torch.equal(head_block, table_block):
+        if same_dtype and torch.equal(head_block.view(torch.uint8), table_block.view(torch.uint8)):
+            continue
+        if not torch.equal(head_block.double(), table_block.double()):
             return False
     return True
