@@ -133,8 +133,9 @@ class Constraint:
             return InvalidArgument(
                 self.field,
                 f"the grammar takes the model's end-of-sequence token {self._eos_inside} as text, "
-                f"after {self.num_accepted - 1} tokens of the answer, but that token always ends "
-                "the answer: a grammar must not name it",
+                f"after {self.num_accepted - 1} tokens of the answer, where the grammar is not "
+                "complete, but that token always ends the answer: a grammar must not admit it as text "
+                "(by naming it, or where the tokenizer does not mark it special)",
             )
         if not self.is_error:
             return None
