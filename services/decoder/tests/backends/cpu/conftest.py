@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from tandem.decoder.backends.cpu import isa
 from tandem.decoder.backends.cpu import ops as cpu_ops
-from tandem.decoder.backends.cpu.build import X86_64_LEVELS, Level, compile_level
+from tandem.decoder.backends.cpu.build import SOURCES, X86_64_LEVELS, Level, compile_command
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load
 
 TILE_EMULATION = Path(__file__).with_name("tile_emulation.h")
@@ -45,12 +46,26 @@ def ops(kernels: Kernels) -> Any:
 def emulated_tiles(tmp_path_factory: pytest.TempPathFactory) -> Kernels:
     """The avx512bf16 level built with `tile_emulation.h`: the amx build's tile code (bf16 and int8),
     each tile instruction done in C and every shape the hardware would fault on checked, on any
-    AVX512-BF16 CPU. Built once for the session (about 20 s)."""
+    AVX512-BF16 CPU. Built once for the session."""
     if "avx512_bf16" not in isa.this_cpu().flags or shutil.which("cc") is None:
         pytest.skip("the emulated tiles build on the avx512bf16 level: needs avx512_bf16 and a C compiler")
     level = next(level for level in X86_64_LEVELS if level.name == "avx512bf16")
-    output = tmp_path_factory.mktemp("tiles") / "emulated_tiles.so"
-    compile_level("cc", level, output, extra=("-O1", "-include", str(TILE_EMULATION)))
+    folder = tmp_path_factory.mktemp("tiles")
+    output = folder / "emulated_tiles.so"
+    # Each source compiled alone (-c), all at once, then linked: one compiler process over every source
+    # left every core but one idle. The library is the same, as no build links with link-time optimisation.
+    extra = ("-O1", "-include", str(TILE_EMULATION), "-c")
+    objects = {source: folder / f"{source}.o" for source in SOURCES}
+    compiles = [
+        subprocess.Popen(compile_command("cc", level, out, extra, (source,)), stderr=subprocess.PIPE)
+        for source, out in objects.items()
+    ]
+    for process in compiles:
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr.decode()
+    link = ["cc", "-shared", "-fopenmp", "-o", str(output), *(str(out) for out in objects.values())]
+    linked = subprocess.run(link, capture_output=True, text=True, timeout=60)
+    assert linked.returncode == 0, linked.stderr
     kernels = Kernels(ctypes.CDLL(str(output)), level, output)
     assert kernels.tiles  # the emulation grants the tile state as a kernel would
     return kernels
