@@ -17,6 +17,8 @@ rows from that encoder before it accepts the call, every part of a call at once,
 among the rows it fetched before (its `--encoder-cache-bytes`), which a fetch fills once it returns,
 then among the fetches running: a picture being fetched for another call (or twice in one call) is
 awaited, not fetched again.
+
+Its gRPC health says SERVING (the whole server's, "") until a test sets another status on `health`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
@@ -65,6 +69,7 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
     encoder: encoder_pb2_grpc.EncoderStub | None = None  # None: `encoder` parts are not accepted
     cached_rows: dict[bytes, bytes] = field(default_factory=dict)  # fetched rows, by picture
     fetching: dict[bytes, asyncio.Task[bytes]] = field(default_factory=dict)  # fetches running, by picture
+    health: HealthServicer = field(default_factory=HealthServicer)  # "": SERVING
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -191,6 +196,7 @@ async def fake_decoder(encoder_address: str | None = None) -> AsyncIterator[tupl
             decoder.encoder = encoder_pb2_grpc.EncoderStub(channel)
         server = grpc.aio.server()
         decoder_pb2_grpc.add_DecoderServicer_to_server(decoder, server)
+        health_pb2_grpc.add_HealthServicer_to_server(decoder.health, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:

@@ -1,6 +1,6 @@
 """The gateway's app served on a free loopback port in front of a decoder (the tests' fake), as
-`tandem serve openai` serves it (handler cancellation and its server log on), with one body worker
-process, started only by a body over large_body_bytes. Always shut down."""
+`tandem serve openai` serves it (handler cancellation, its server log and its access log on), with one
+body worker process, started only by a body over large_body_bytes. Always shut down."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from tandem.client.client import DecoderClient, EncoderClient
+from tandem.gateway.access_log import AccessLog
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
@@ -32,6 +33,7 @@ async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[s
         Gateway(config, decoder, encoder, callers, workers).app(),
         handler_cancellation=True,
         logger=ServerLog(),
+        access_log_class=AccessLog,
     )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -30,6 +30,7 @@ from tandem.common.flags import (
 )
 from tandem.common.server import DEFAULT_GRACE_S, check_port_free, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
+from tandem.gateway.access_log import AccessLog
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
@@ -206,7 +207,8 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     tracer = telemetry.tracer if telemetry.is_tracing else None
     # Open streams get the services' grace period on SIGTERM (aiohttp's default is 60 s; compose and
     # Kubernetes kill 15 s after the grace period). aiohttp's keep-alive timeout is the idle timeout;
-    # lingering (reading what is left of a refused body before closing) is cut to a second.
+    # lingering (reading what is left of a refused body before closing) is cut to a second. The access
+    # log leaves out the health probes that succeed (access_log.py).
     gateway = Gateway(config, decoder, encoder, callers, workers, tracer=tracer)
     runner = web.AppRunner(
         gateway.app(),
@@ -215,6 +217,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         keepalive_timeout=config.idle_timeout_s,
         lingering_time=1.0,
         logger=ServerLog(),
+        access_log_class=AccessLog,
     )
     await runner.setup()
     assert runner.server is not None
@@ -226,7 +229,13 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     port = listener.sockets[0].getsockname()[1]
     try:
         await workers.start()
-        log.info("serving the OpenAI API on %s:%d (decoder %s)", config.host, port, config.decoder_address)
+        log.info(
+            "serving the OpenAI API on %s:%d (decoder %s, encoder %s)",
+            config.host,
+            port,
+            config.decoder_address,
+            config.encoder_address,
+        )
         if ready is not None:
             ready.set_result(port)
         if own_process:

@@ -52,7 +52,8 @@ from tandem.gateway.tasks import all_or_cancel
 log = logging.getLogger("tandem.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-UNAUTHENTICATED_PATHS = ("/health",)
+HEALTH_PATH = "/health"  # probed by `tandem up`, `tandem wait`, compose and Kubernetes
+UNAUTHENTICATED_PATHS = (HEALTH_PATH,)
 LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
 WAS_LARGE = web.RequestKey("was_large", bool)  # it held one: give the heap back when it ends
 BODY_NAMES = web.RequestKey("body_names", BodyNames)  # the body's names for fields an error may name
@@ -93,7 +94,7 @@ class Gateway:
             client_max_size=self.config.max_body_bytes,
             middlewares=[self._errors, self._authenticate, self._trace],
         )
-        app.router.add_get("/health", self.health)
+        app.router.add_get(HEALTH_PATH, self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)  # names may hold a "/"
         app.router.add_post("/v1/chat/completions", self.chat)

@@ -1,0 +1,31 @@
+"""The gateway's access log: a line for each request, in aiohttp's format on its `aiohttp.access`
+logger, except a health probe that succeeds.
+
+NOTE: why a probe that succeeds is quiet. `tandem up --openai-port` and `tandem wait` probe /health
+every 0.2 s while they wait (`tandem.readiness.PROBE_INTERVAL_S`: about 125 lines in a 25 s start), and
+compose and Kubernetes probe it for as long as the gateway runs, so the requests that matter were lost
+among them. uvicorn (vLLM's and SGLang's server) logs every probe and its users filter them out
+themselves; here a 2xx on the health path is left out at the source. A failing probe (503: the decoder
+does not serve) is still logged, as is every other request, whatever its answer.
+"""
+
+from __future__ import annotations
+
+from aiohttp.web_log import AccessLogger
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
+
+from tandem.gateway.app import HEALTH_PATH
+
+
+def is_quiet(request: BaseRequest, response: StreamResponse) -> bool:
+    """Whether the request is a health probe that succeeded (GET or HEAD; any query string)."""
+    return request.path == HEALTH_PATH and 200 <= response.status < 300
+
+
+class AccessLog(AccessLogger):
+    """aiohttp's access logger (`web.AppRunner(access_log_class=AccessLog)`), less successful probes."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        if not is_quiet(request, response):
+            super().log(request, response, time)

@@ -1,0 +1,75 @@
+"""What `tandem serve openai` logs: its start line names the decoder and the encoder it serves in front
+of, and its access log has a line for each request except a health probe that succeeds (the probes of
+`tandem up`, `tandem wait`, compose and Kubernetes); a probe that fails is logged."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tandem.gateway.__main__ import serve
+from tandem.gateway.config import GatewayConfig
+
+from .fake_decoder import FakeDecoder, fake_decoder
+
+ENCODER = "127.0.0.1:9"  # no encoder listens: these requests never reach one
+
+
+@contextlib.asynccontextmanager
+async def served(decoder_address: str) -> AsyncIterator[str]:
+    """The gateway as `tandem serve openai` serves it (its `serve`), on this loop: its base URL. Once
+    this ends, the gateway has stopped, every request's access line written."""
+    config = GatewayConfig(decoder_address=decoder_address, encoder_address=ENCODER, port=0, body_workers=1)
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(serve(config, ready))
+    try:
+        yield f"http://127.0.0.1:{await asyncio.wait_for(ready, 30)}"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
+
+
+async def test_the_start_line_names_the_decoder_and_the_encoder(caplog: pytest.LogCaptureFixture) -> None:
+    async with fake_decoder() as (_, address):
+        with caplog.at_level(logging.INFO, logger="tandem.gateway"):
+            async with served(address):
+                pass
+    [start] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving the OpenAI API")]
+    assert f"(decoder {address}, encoder {ENCODER})" in start
+
+
+async def test_health_probes_that_succeed_write_no_access_line_and_every_other_request_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    decoder: FakeDecoder
+    async with fake_decoder() as (decoder, address):
+        with caplog.at_level(logging.INFO, logger="aiohttp.access"):
+            async with served(address) as url, aiohttp.ClientSession() as http:
+                statuses = []
+                for method, path in [("GET", "/health"), ("HEAD", "/health"), ("GET", "/health?probe=1")]:
+                    async with http.request(method, url + path) as response:
+                        statuses.append(response.status)
+                async with http.get(url + "/v1/models") as response:
+                    statuses.append(response.status)
+                async with http.get(url + "/nowhere") as response:
+                    statuses.append(response.status)
+                await decoder.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                async with http.get(url + "/health") as response:
+                    statuses.append(response.status)
+    assert statuses == [200, 200, 200, 200, 404, 503]
+    lines = access_lines(caplog)
+    assert len(lines) == 3, lines
+    assert '"GET /v1/models HTTP/1.1" 200' in lines[0]
+    assert '"GET /nowhere HTTP/1.1" 404' in lines[1]
+    assert '"GET /health HTTP/1.1" 503' in lines[2]
