@@ -488,7 +488,7 @@ def ready_targets(config: UpConfig) -> dict[str, str]:
 def _announce_ready(config: UpConfig, stopping: threading.Event) -> None:
     """Says once, when every service serves, that they do, where, and how to stop them. With TLS the
     probe would need the client's side of it, which `up` does not hold: it says how to wait instead."""
-    from tandem.readiness import Probe
+    from tandem.readiness import Probe, is_http
 
     targets = ready_targets(config)
     if config.tls_cert is not None:
@@ -496,12 +496,17 @@ def _announce_ready(config: UpConfig, stopping: threading.Event) -> None:
             f"with TLS, readiness is not probed here: `tandem wait --tls-ca CA {' '.join(targets.values())}`"
         )
         return
-    probe = Probe(list(targets.values()))
-    try:
-        if probe.wait(None, stopping):
-            return  # stopping before both served
-    finally:
-        probe.close()
+    # The gateway's /health answers 503 until the decoder serves, and the gateway logs each probe that
+    # fails (tandem.gateway.access_log): a line every 0.2 s of a start. It is asked once both serve.
+    grpc_targets = [target for target in targets.values() if not is_http(target)]
+    http_targets = [target for target in targets.values() if is_http(target)]
+    for stage in (grpc_targets, http_targets):
+        probe = Probe(stage)
+        try:
+            if probe.wait(None, stopping):
+                return  # stopping before every one served
+        finally:
+            probe.close()
     where = ", ".join(f"{name} on {target.replace('/health', '/v1')}" for name, target in targets.items())
     _say(f"ready: {where}. Ctrl-C stops them (in the background: kill {os.getpid()})")
 
