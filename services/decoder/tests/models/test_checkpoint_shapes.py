@@ -99,35 +99,32 @@ def test_a_weight_the_config_turns_off_is_refused_before_the_server_listens(
     assert str(raised.value) == f"{model_dir / 'model.safetensors'}: weight {name} is in the file, but {said}"
 
 
-def test_a_qwen2_checkpoint_named_a_llama_is_refused_at_its_first_bias(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
+# Checkpoints named a Llama whose every shape checks: their own weights alone say the config is wrong.
+MISNAMED = {
+    # Qwen2's layer is Llama's with q/k/v biases (attention_bias left out, so false).
+    "qwen2": (
+        "model.layers.0.self_attn.q_proj.bias",
+        "config.json says attention_bias false: the model would serve without it",
+    ),
+    "qwen3": (
+        "model.layers.0.self_attn.q_norm.weight",
+        "config.json says architectures LlamaForCausalLM, which has no such weight: the model would "
+        "serve without it",
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", list(MISNAMED))
+def test_a_checkpoint_named_a_llama_is_refused_at_its_first_weight_a_llama_has_not(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, variant: str
 ) -> None:
-    """Qwen2's layer is Llama's with q/k/v biases: named LlamaForCausalLM (attention_bias left out, so
-    false), every shape checks and the biases alone say the config is wrong."""
     model_dir = copy_with(
-        checkpoints["qwen2"], tmp_path, {}, architectures=["LlamaForCausalLM"], model_type="llama"
+        checkpoints[variant], tmp_path, {}, architectures=["LlamaForCausalLM"], model_type="llama"
     )
     with pytest.raises(ModelLoadError) as raised:
         loader.check_checkpoint(model_dir, "float32")
-    assert str(raised.value) == (
-        f"{model_dir / 'model.safetensors'}: weight model.layers.0.self_attn.q_proj.bias is in the file, but "
-        "config.json says attention_bias false: the model would serve without it"
-    )
-
-
-def test_a_qwen3_checkpoint_named_a_llama_is_refused_at_its_q_norm(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
-) -> None:
-    model_dir = copy_with(
-        checkpoints["qwen3"], tmp_path, {}, architectures=["LlamaForCausalLM"], model_type="llama"
-    )
-    with pytest.raises(ModelLoadError) as raised:
-        loader.check_checkpoint(model_dir, "float32")
-    assert str(raised.value) == (
-        f"{model_dir / 'model.safetensors'}: weight model.layers.0.self_attn.q_norm.weight is in the file, "
-        "but config.json says architectures LlamaForCausalLM, which has no such weight: the model would "
-        "serve without it"
-    )
+    name, said = MISNAMED[variant]
+    assert str(raised.value) == f"{model_dir / 'model.safetensors'}: weight {name} is in the file, but {said}"
 
 
 def test_a_head_of_its_own_beside_a_tied_config_is_refused(
