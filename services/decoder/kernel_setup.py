@@ -36,6 +36,14 @@ _SPEC.loader.exec_module(build)
 class BuildKernels(build_ext):
     """Each level with build.py's command (and CC, when set), written where setuptools expects it."""
 
+    def finalize_options(self) -> None:
+        # The levels are independent compiler runs, each one process: setuptools' parallel build_ext
+        # runs them on a thread each, up to the CPU count, where they ran one after another (an
+        # install's longest step), unless `build_ext -j N` says otherwise.
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
+        super().finalize_options()
+
     def build_extension(self, ext: Extension) -> None:
         levels = build.this_machine_levels()
         level = next(level for level in levels if ext.name.endswith(build.module_name(level)))
