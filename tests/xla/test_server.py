@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -128,16 +128,30 @@ def _demo_answer_on_cpu(model_dir: Path) -> list[int]:
         return [t for e in cpu.generate(spec) if isinstance(e, Delta) for t in e.token_ids]
 
 
+@pytest.fixture(scope="module")
+def cpu_reference() -> Callable[[Path, int], tuple[dict[str, list[list[PromptPart]]], list[list[int]]]]:
+    """A model's prompts of each kind and the CPU engine's greedy tokens for them, computed once for
+    every device count (the prompts are a function of the model alone)."""
+    computed: dict[Path, tuple[dict[str, list[list[PromptPart]]], list[list[int]]]] = {}
+
+    def reference(model_dir: Path, vocab_size: int) -> tuple[dict, list[list[int]]]:
+        if model_dir not in computed:
+            kinds = prompts_of_each_kind(model_dir, vocab_size, count=5)
+            computed[model_dir] = kinds, _cpu_tokens(model_dir, [p for kind in kinds.values() for p in kind])
+        return computed[model_dir]
+
+    return reference
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 async def test_token_embedding_and_mixed_prompts_stream_the_cpu_engines_tokens_on_n_devices(
-    model: str, world_size: int, tiny_model_dir: Path, smollm2_dir: Path
+    model: str, world_size: int, tiny_model_dir: Path, smollm2_dir: Path, cpu_reference
 ) -> None:
     model_dir = tiny_model_dir if model == "tiny" else smollm2_dir
     vocab_size = 1024 if model == "tiny" else 49152
-    kinds = prompts_of_each_kind(model_dir, vocab_size, count=5)
+    kinds, want = cpu_reference(model_dir, vocab_size)
     prompts = [p for kind in kinds.values() for p in kind]  # 15: 5 of each kind, 3 to 19 positions
-    want = _cpu_tokens(model_dir, prompts)
     demo = _demo_answer_on_cpu(model_dir) if model == "smollm2" and world_size == 2 else None
     with serve_decoder(model_dir, world_size) as (address, process):
         async with DecoderClient(address) as client:
