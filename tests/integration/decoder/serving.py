@@ -1,10 +1,17 @@
-"""What the decoder's process tests share: a free local port, and waiting until a decoder serves."""
+"""What the decoder's process tests share: a free local port, a decoder process that is always
+stopped, and waiting until a decoder serves."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -17,6 +24,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass
+class DecoderRun:
+    process: subprocess.Popen[bytes]
+    output: str = ""  # its stdout and stderr together, once it stopped
+
+
+@contextmanager
+def decoder_process(args: list[str], env: dict[str, str] | None = None) -> Iterator[DecoderRun]:
+    """`python -m tandem.decoder ARGS` on one thread, without the developer's TANDEM_* variables (`env`
+    added). Leaving the block stops it with SIGTERM, and its exit status must then be 0; a block that
+    raised kills it instead. Its output is in `.output` after the block."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    environment |= {"OMP_NUM_THREADS": "1", **(env or {})}
+    command = [sys.executable, "-m", "tandem.decoder", *args, "--num-threads", "1"]
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    run = DecoderRun(process)
+    code = None
+    try:
+        yield run
+        run.process.send_signal(signal.SIGTERM)
+        code = run.process.wait(timeout=90)
+    finally:
+        if run.process.poll() is None:
+            run.process.kill()
+        run.output = run.process.communicate()[0].decode(errors="replace")
+    assert code == 0, run.output
 
 
 async def until_serving(

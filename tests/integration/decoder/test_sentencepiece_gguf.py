@@ -4,10 +4,6 @@ file's EOS ends a turn, and the tokens and text streamed are transformers' greed
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from common.tests.common.gguf_files import sentencepiece_fields, small_model, write_gguf
 from tandem.client.client import DecoderClient
-from tests.integration.decoder.serving import free_port, until_serving
+from tests.integration.decoder.serving import decoder_process, free_port, until_serving
 
 # Llama 2's template, shortened: BOS as a literal, [INST] as plain text, EOS after each answer.
 TEMPLATE = (
@@ -61,24 +57,14 @@ async def test_a_sentencepiece_gguf_file_serves_chats_as_transformers_reads_it(
     gguf_file: Path, tmp_path: Path
 ) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env |= {"OMP_NUM_THREADS": "1", "HOME": str(tmp_path / "home")}  # HOME: the import's model cache
-    command = [sys.executable, "-m", "tandem.decoder", "--model", str(gguf_file), "--port", str(port)]
-    command += ["--dtype", "float32", "--num-threads", "1"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
+    args = ["--model", str(gguf_file), "--port", str(port), "--dtype", "float32"]
+    with decoder_process(args, env={"HOME": str(tmp_path / "home")}) as run:  # HOME: the import's cache
         async with DecoderClient(f"127.0.0.1:{port}") as client:
             await until_serving(client)
             info = await client.model_info()
             ids, text, finished = await _chat(client)
             tokenized = await client.tokenize(["hello world"])
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=90) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-        output = process.communicate()[0].decode(errors="replace")
-    assert f"serving tiny-llama2 on port {port}" in output, output
+    assert f"serving tiny-llama2 on port {port}" in run.output, run.output
 
     (imported,) = (tmp_path / "home").rglob("tokenizer.json")
     tokenizer = Tokenizer.from_file(str(imported))

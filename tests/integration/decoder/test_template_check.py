@@ -6,23 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 from tokenizers import Tokenizer
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from common.tests.common.gguf_files import write_gguf
+from common.tests.common.gguf_files import small_model, write_gguf
 from tandem.client.client import DecoderClient
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
-from tests.integration.decoder.serving import free_port, until_serving
+from tests.integration.decoder.serving import decoder_process, free_port, until_serving
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -85,19 +80,8 @@ def test_a_gguf_files_template_that_does_not_compile_is_named_as_the_files_field
     """It named the chat_template.jinja the import wrote in the model cache, a file the operator never
     named; the template is the GGUF file's tokenizer.chat_template."""
     tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    config = Qwen3Config(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-    )
-    gguf_file = write_gguf(
-        tmp_path / "Tiny.Q8_0.gguf", Qwen3ForCausalLM(config), tokenizer, chat_template=BROKEN
-    )
+    model = small_model("qwen3", tokenizer.get_vocab_size())
+    gguf_file = write_gguf(tmp_path / "Tiny.Q8_0.gguf", model, tokenizer, chat_template=BROKEN)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the import's model cache
     monkeypatch.setattr(decoder_main, "start_server", _must_not_listen)
     assert main(["--model", str(gguf_file), "--port", "0", "--dtype", "float32"]) == 2
@@ -112,11 +96,8 @@ async def test_a_template_that_raises_for_one_chat_serves_and_fails_that_chat_al
     raising = "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
     _with_template(tiny_model_dir, tmp_path / "model", "chat_template.jinja", raising + CHATML)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "tandem.decoder", "--model", str(tmp_path / "model")]
-    command += ["--port", str(port), "--dtype", "float32", "--num-threads", "1"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
+    args = ["--model", str(tmp_path / "model"), "--port", str(port), "--dtype", "float32"]
+    with decoder_process(args) as run:
         async with DecoderClient(f"127.0.0.1:{port}") as client:
             await until_serving(client, within_s=60)
             failing = client.chat_text([{"role": "user", "content": "boom"}], max_new_tokens=4)
@@ -128,10 +109,4 @@ async def test_a_template_that_raises_for_one_chat_serves_and_fails_that_chat_al
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "chat.chat_template" in error.details() and "no boom here" in error.details()
             assert finished.usage.output_tokens == 4
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=90) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-        output = process.communicate()[0].decode(errors="replace")
-    assert f"serving model on port {port}" in output, output
+    assert f"serving model on port {port}" in run.output, run.output
