@@ -18,6 +18,7 @@ either way) and only named where it equals it (both tie it, the outputs are the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,10 @@ def check_unread(
                 f"{_setting(flag, config, layout)}: the model would serve without it"
             )
         table = layout.checkpoint_name("model.embed_tokens.weight")
-        if not _same_table(file_of[key], key, file_of[table], table):
+        verdict = (_FileStamp.of(path_of[key]), key, _FileStamp.of(path_of[table]), table)
+        if verdict not in _same_tables:
+            _same_tables[verdict] = _same_table(file_of[key], key, file_of[table], table)
+        if not _same_tables[verdict]:
             raise error(
                 f"{path_of[key]}: weight {key} differs from {table}, but config.json says "
                 "tie_word_embeddings true: the head would read the token table, not this weight"
@@ -139,6 +143,31 @@ def _setting(flag: str, config: ModelConfig, layout: WeightLayout) -> str:
         return f"architectures {config.architecture}, which has no such weight"
     model_type = {arch: name for name, arch in TEXT_ARCHITECTURES.items()}[config.architecture]
     return f"model_type {model_type}, whose {config.architecture} has no such weight"
+
+
+@dataclass(frozen=True)
+class _FileStamp:
+    """A file as it is now: the same path written anew is another stamp (its size, its times or, where
+    it was replaced, its inode differ)."""
+
+    path: Path  # resolved
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @staticmethod
+    def of(path: Path) -> _FileStamp:
+        st = path.stat()
+        return _FileStamp(path.resolve(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# Whether a tied head equals its token table, by (head's file, head's key, table's file, table's key).
+# A decoder compares before it listens (check_checkpoint) and its load checks the same files again, as
+# each rank's does (0.69 s each for Qwen2.5-0.5B's 151,936 x 896 bf16 pair); the verdict depends on the
+# files' bytes alone, so a process compares a given pair once and a file written since, again.
+_same_tables: dict[tuple[_FileStamp, str, _FileStamp, str], bool] = {}
 
 
 def _same_table(head: Any, head_key: str, table: Any, table_key: str) -> bool:
