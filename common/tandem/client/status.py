@@ -37,15 +37,20 @@ _CODES: list[tuple[type[errors.TandemError], int]] = [
 ]
 
 
-# A status travels in trailing metadata, whose hard limit (16 KiB by default) would turn a long
-# message into RESOURCE_EXHAUSTED; messages that quote a caller's input are cut well below it.
-MAX_MESSAGE_CHARS = 1024
+# A status travels in trailing metadata, which a grpc client refuses past 8 KiB (its soft limit: some
+# calls, then every one past 16 KiB) as RESOURCE_EXHAUSTED "Stream removed", in place of the status.
+# The message goes twice (grpc-message, each byte outside printable ASCII percent-encoded as three;
+# and grpc-status-details-bin, in base64 beside the field and description), so the bound is in UTF-8
+# bytes: 1024 characters of a path or a name in another script than Latin filled 15-20 KiB.
+MAX_MESSAGE_BYTES = 1024
 
 
 def _bounded(text: str) -> str:
-    if len(text) <= MAX_MESSAGE_CHARS:
+    encoded = text.encode()
+    if len(encoded) <= MAX_MESSAGE_BYTES:
         return text
-    return f"{text[:MAX_MESSAGE_CHARS]}... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
+    kept = encoded[:MAX_MESSAGE_BYTES].decode(errors="ignore")  # never half a character
+    return f"{kept}... ({len(text) - len(kept)} more characters)"
 
 
 def to_status_proto(error: errors.TandemError) -> status_pb2.Status:

@@ -28,6 +28,9 @@ class Faulty:
     async def BadInput(self, request: bytes, context) -> bytes:
         raise errors.InvalidArgument("prompt[0].text", "must not be empty")
 
+    async def Quoting(self, request: bytes, context) -> bytes:  # as "path: <the caller's path> is not..."
+        raise errors.InvalidArgument("path", f"{request.decode()} is not a directory")
+
     async def Bug(self, request: bytes, context) -> bytes:
         raise RuntimeError("secret internal detail")
 
@@ -50,7 +53,7 @@ class Faulty:
 
 
 def _add_faulty(servicer: Faulty, server: grpc.aio.Server) -> None:
-    unary = {"BadInput": servicer.BadInput, "Bug": servicer.Bug}
+    unary = {"BadInput": servicer.BadInput, "Quoting": servicer.Quoting, "Bug": servicer.Bug}
     stream = {"Stream": servicer.Stream, "Slow": servicer.Slow}
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(fn, _identity, _identity) for name, fn in unary.items()
@@ -107,6 +110,28 @@ async def test_domain_error_becomes_status_with_field_violation(running: Running
     bad_request = error_details_pb2.BadRequest()
     assert status.details[0].Unpack(bad_request)
     assert bad_request.field_violations[0].field == "prompt[0].text"
+
+
+@pytest.mark.parametrize(
+    "character", ["a", "%", "\u8a9e", "\U0001f600"], ids=["ascii", "percent", "cjk", "emoji"]
+)
+async def test_a_status_quoting_a_long_input_in_any_script_reaches_the_client_as_itself(
+    running: RunningServer, character: str
+) -> None:
+    # A client refuses trailing metadata past 8 KiB (grpc's soft limit: at random up to 16 KiB, then
+    # always) as RESOURCE_EXHAUSTED "Stream removed": 4 KB of a CJK path filled 15 KiB. The channel
+    # here refuses all past 8 KiB, so that a status at risk fails every time, not at random.
+    options = [("grpc.max_metadata_size", 8192), ("grpc.absolute_max_metadata_size", 8192)]
+    async with grpc.aio.insecure_channel(running.address, options=options) as channel:
+        call = channel.unary_unary("/test.Faulty/Quoting")((character * 4000).encode(), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+        assert caught.value.details().startswith(f"path: {character * 100}")
+        status = await rpc_status.aio.from_call(call)
+    bad_request = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad_request)
+    assert bad_request.field_violations[0].field == "path"
 
 
 async def test_unexpected_exception_is_internal_without_leaking_details(running: RunningServer) -> None:

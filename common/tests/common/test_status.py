@@ -1,9 +1,10 @@
 """Domain errors become gRPC statuses with standard google.rpc details."""
 
+import pytest
 from google.rpc import code_pb2, error_details_pb2
 
 from tandem.client import errors
-from tandem.client.status import MAX_MESSAGE_CHARS, to_status_proto
+from tandem.client.status import MAX_MESSAGE_BYTES, to_status_proto
 
 
 def test_invalid_argument_carries_a_field_violation() -> None:
@@ -41,5 +42,16 @@ def test_a_message_quoting_a_long_input_is_cut_to_fit_the_trailing_metadata() ->
     assert status.details[0].Unpack(bad_request)
     description = bad_request.field_violations[0].description
     assert description.startswith("bad xxx") and description.endswith("more characters)")
-    assert len(status.SerializeToString()) < 4 * MAX_MESSAGE_CHARS
-    assert len(to_status_proto(errors.NotFound(long)).message) < MAX_MESSAGE_CHARS + 40
+    assert len(status.SerializeToString()) < 4 * MAX_MESSAGE_BYTES
+    assert len(to_status_proto(errors.NotFound(long)).message) < MAX_MESSAGE_BYTES + 40
+
+
+@pytest.mark.parametrize("character", ["\u8a9e", "\U0001f600", "%"], ids=["cjk", "emoji", "percent"])
+def test_a_message_is_bounded_in_utf8_bytes_never_cutting_a_character(character: str) -> None:
+    status = to_status_proto(errors.InvalidArgument("path", f"{character * 5000} is not a directory"))
+    bad_request = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad_request)
+    for text in (status.message, bad_request.field_violations[0].description):
+        kept, _, rest = text.partition("... (")
+        assert set(kept) <= {character, *"path: "} and len(kept.encode()) <= MAX_MESSAGE_BYTES
+        assert rest.endswith("more characters)")

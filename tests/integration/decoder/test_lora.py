@@ -195,6 +195,10 @@ async def test_bad_adapter_calls_get_their_status_and_load_nothing(
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "adapter_config.json:r" in details
     code, details = await status_of(client.load_adapter("again", str(tmp_path / "missing")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "is not a directory" in details
+    # A path of 4 KB in another script than Latin, quoted: its status went over the client's metadata
+    # limit, RESOURCE_EXHAUSTED "Stream removed" in place of the refusal (common/.../status.py).
+    code, details = await status_of(client.load_adapter("again", "/missing/" + "\u8a9e" * 1360))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("path: /missing/\u8a9e")
     code, _ = await status_of(client.load_adapter("qv4", str(adapters["qv4"])))
     assert code == grpc.StatusCode.ALREADY_EXISTS
     await client.load_adapter("fourth", str(adapters["qv4"]))
