@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from tandem.common.weight_shapes import expected_weights
 from tandem.decoder.models import checkpoint_shapes, loader
@@ -163,10 +164,10 @@ def test_a_head_equal_to_the_token_table_beside_a_tied_config_is_named_and_loads
 def test_weights_no_config_would_read_are_one_warning_line_and_the_model_loads(
     checkpoints: dict[str, Checkpoint], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Older Llama files hold each layer's rotary_emb.inv_freq, which transformers ignores too."""
+    """transformers reports such weights unexpected and serves without them; the warning counts them and
+    names the first few."""
     llama3 = checkpoints["llama3"]
-    added = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)}
-    added |= {"model.extra.weight": torch.ones(2), "rotary_emb.inv_freq": torch.ones(8)}
+    added = {f"model.extra.{i}.weight": torch.ones(2) for i in range(4)}
     model_dir = copy_with(llama3, tmp_path, added)
     with caplog.at_level(logging.WARNING, logger=loader.__name__):
         loader.check_checkpoint(model_dir, "float32")
@@ -183,6 +184,25 @@ def test_weights_no_config_would_read_are_one_warning_line_and_the_model_loads(
     assert caplog.records == []
     reference = load_model(llama3.path, dtype="float32").model
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("variant", ["llama3", "qwen2", "qwen3", "mistral"])
+def test_the_weights_warned_of_are_those_transformers_reports_unexpected(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, caplog: pytest.LogCaptureFixture, variant: str
+) -> None:
+    """Older files hold each layer's rotary_emb.inv_freq (and some the model's), a buffer recomputed at
+    load: transformers passes them over in silence, so a warning naming them alarmed for nothing."""
+    added = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)}
+    added |= {"model.rotary_emb.inv_freq": torch.ones(8), "model.extra.weight": torch.ones(2)}
+    model_dir = copy_with(checkpoints[variant], tmp_path, added)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        config = loader.check_checkpoint(model_dir, "float32")
+    warnings = [r.getMessage() for r in caplog.records]
+    _, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert sorted(info["unexpected_keys"]) == ["model.extra.weight"]
+    assert warnings == [
+        f"1 weight in the checkpoint is not read by {config.architecture}: model.extra.weight"
+    ]
 
 
 def test_a_checkpoint_holding_just_what_its_config_reads_gets_no_warning(

@@ -11,12 +11,14 @@ would read were a config flag the other way (a q_proj.bias beside attention_bias
 under a LlamaForCausalLM config) was dropped in silence and the model served other outputs: it is
 refused, naming the key. A separate lm_head beside tie_word_embeddings true is refused where it differs
 from the token table (transformers then unties the head and warns; vLLM ties it: the config is wrong
-either way) and only named where it equals it (both tie it, the outputs are the same). Any other
-(older Llama files' rotary_emb.inv_freq, which transformers ignores too) is named in one warning.
+either way) and only named where it equals it (both tie it, the outputs are the same). Older files'
+rotary_emb.inv_freq buffers are passed over in silence, as transformers passes them over; any other is
+named in one warning.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,12 @@ def check_shapes(
     return None
 
 
+# The weights transformers loads these architectures without and never reports: older files hold each
+# RoPE's inverse frequencies (model.layers.N.self_attn.rotary_emb.inv_freq), a buffer every version
+# recomputes. transformers 5.25 drops any key this pattern finds in a model with such a buffer
+# (PreTrainedModel._adjust_missing_and_unexpected_keys; Llama, Qwen2, Qwen3 and Mistral hold
+# model.rotary_emb.inv_freq and set no _keys_to_ignore_on_load_unexpected of their own).
+IGNORED_UNREAD = re.compile(r"rotary_emb\.inv_freq")
 MAX_NAMED_UNREAD = 3  # the warning on weights the model does not read names this many, then counts
 _HEAD_ROWS_PER_READ = 4096  # the tied head's comparison reads this many rows of each table at a time
 
@@ -109,7 +117,10 @@ def check_unread(
     unread = [
         key
         for key in file_of
-        if key not in expected and key not in flagged and _is_language_model(key, layout)
+        if key not in expected
+        and key not in flagged
+        and _is_language_model(key, layout)
+        and IGNORED_UNREAD.search(key) is None
     ]
     if unread:
         named = ", ".join(unread[:MAX_NAMED_UNREAD]) + (", ..." if len(unread) > MAX_NAMED_UNREAD else "")
