@@ -7,7 +7,8 @@ picture's rows as `[image <their first 4 bytes in hex>]`) with seed S: the delta
 (`seed=none` unseeded), then ` x` up to max_tokens (2 unless set), finished LENGTH with P's characters
 as prompt tokens. A prompt holding `refuse` is refused as too long (field `prompt`), an ID over 999 as
 out of the vocabulary (field `prompt[j].token_ids.ids[k]`, ID k of segment j), a max_new_tokens over 50
-as over the context (`stopping.max_new_tokens`); one holding `hang` streams ` .` until cancelled;
+as over the context (`stopping.max_new_tokens`); one holding `hang` streams ` .` until cancelled,
+`flood` deltas of FLOOD_BYTES as fast as they are taken until cancelled;
 `break` fails after its deltas; `drain` ends ABORTED; `after2` waits until two other streams are open
 (so that its neighbours are accepted before it is refused).
 
@@ -40,6 +41,7 @@ MODEL = "fake-model"
 CONTEXT = 4096
 VOCAB = 1000
 MAX_NEW_TOKENS = 50
+FLOOD_BYTES = 4096  # the text of a `flood` delta: it fills a caller's buffers in a moment
 
 
 def prompt_text(request: decoder_pb2.GenerateRequest, fetched: dict[bytes, bytes] | None = None) -> str:
@@ -98,6 +100,8 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             yield decoder_pb2.GenerateResponse(
                 request_id=request.request_id, accepted=decoder_pb2.PromptAccepted(prompt_tokens=len(prompt))
             )
+            while "flood" in prompt:
+                yield _delta(request, " " * FLOOD_BYTES, 0)
             while "hang" in prompt:
                 yield _delta(request, " .", 0)
                 await asyncio.sleep(0.01)

@@ -1,9 +1,11 @@
 """The gateway's app served on a free loopback port in front of a decoder (the tests' fake), as
-`tandem serve openai` serves it (handler cancellation, its server log and its access log on), with one
-body worker process, started only by a body over large_body_bytes. Always shut down."""
+`tandem serve openai` serves it (handler cancellation, its server log and its access log on, its
+connections through the ConnectionGuard), with one body worker process, started only by a body over
+large_body_bytes. Always shut down."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +18,7 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.connections import ServerLog
+from tandem.gateway.connections import ConnectionGuard, ServerLog
 
 
 @contextlib.asynccontextmanager
@@ -29,20 +31,21 @@ async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[s
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
     callers = decoder_channels(config)
     workers = BodyWorkers(1)  # started by the first body over large_body_bytes, if any (a second)
+    gateway = Gateway(config, decoder, encoder, callers, workers)
     runner = web.AppRunner(
-        Gateway(config, decoder, encoder, callers, workers).app(),
-        handler_cancellation=True,
-        logger=ServerLog(),
-        access_log_class=AccessLog,
+        gateway.app(), handler_cancellation=True, logger=ServerLog(), access_log_class=AccessLog
     )
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    assert runner.addresses
-    port = runner.addresses[0][1]
+    assert runner.server is not None
+    gateway.guard = ConnectionGuard(
+        runner.server, config.max_connections, config.header_timeout_s, config.write_timeout_s
+    )
+    listener = await asyncio.get_running_loop().create_server(gateway.guard, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
+        listener.close()
         await runner.cleanup()
         await callers.close()
         workers.close()

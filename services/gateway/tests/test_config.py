@@ -1,5 +1,6 @@
-"""The gateway's settings: --max-choices, --body-idle-timeout-s and --max-large-bodies-per-caller reach
-the config from their flags (and variables), and a bound out of range is refused naming it."""
+"""The gateway's settings: --max-choices, --body-idle-timeout-s, --write-timeout-s and
+--max-large-bodies-per-caller reach the config from their flags (and variables), and a bound out of
+range is refused naming it."""
 
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def test_the_body_idle_bound_comes_from_its_flag_and_is_refused_unless_positive(
     with pytest.raises(ConfigError) as error:
         GatewayConfig(body_idle_timeout_s=0)
     assert error.value.field == "body_idle_timeout_s"
+
+
+def test_the_write_bound_comes_from_its_flag_or_variable_and_is_refused_unless_positive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _config([]).write_timeout_s == GatewayConfig().write_timeout_s == 60.0
+    assert _config(["--write-timeout-s", "5"]).write_timeout_s == 5.0
+    monkeypatch.setenv("TANDEM_OPENAI_WRITE_TIMEOUT_S", "0.5")
+    assert _config([]).write_timeout_s == 0.5
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(write_timeout_s=0)
+    assert error.value.field == "write_timeout_s"
 
 
 def test_the_large_bodies_of_one_caller_come_from_their_flag_or_variable_and_are_at_least_one(

@@ -112,6 +112,11 @@ def settings() -> list[click.Option]:
             type=float,
         ),
         _setting("--body-timeout-s", "a request body must arrive whole within (408 beyond)", type=float),
+        _setting(
+            "--write-timeout-s",
+            "a caller taking none of its answer this long is closed, its decoder calls cancelled",
+            type=float,
+        ),
         *(
             Setting(
                 ENV_PREFIX,
@@ -181,6 +186,7 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
         idle_timeout_s=values["idle_timeout_s"],
         body_idle_timeout_s=values["body_idle_timeout_s"],
         body_timeout_s=values["body_timeout_s"],
+        write_timeout_s=values["write_timeout_s"],
     )
 
 
@@ -221,7 +227,9 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     )
     await runner.setup()
     assert runner.server is not None
-    gateway.guard = ConnectionGuard(runner.server, config.max_connections, config.header_timeout_s)
+    gateway.guard = ConnectionGuard(
+        runner.server, config.max_connections, config.header_timeout_s, config.write_timeout_s
+    )
     own_process = ready is None  # (tests run it on their loop, in their process)
     if own_process:  # its start-up heap out of the collector's full passes, before anything is served
         freeze_startup_heap()

@@ -131,7 +131,12 @@ class Gateway:
             if isinstance(error, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 says what is allowed
                 response.headers["Allow"] = ", ".join(sorted(error.allowed_methods))
             return response
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
+            # A write to a connection closed before aiohttp has seen it close (the caller reset it, or it
+            # took nothing for --write-timeout-s): the handler ends as aiohttp ends one whose caller left,
+            # where aiohttp would log this as the server's error, with a traceback.
+            raise asyncio.CancelledError from None
+        except asyncio.CancelledError:
             raise  # the caller left: nothing to answer
         except Exception:  # a bug: an OpenAI-shaped 500, the traceback in our log only
             log.exception("%s %s failed", request.method, request.path)

@@ -61,6 +61,13 @@ class GatewayConfig:
     idle_timeout_s: float = 30.0
     body_idle_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    # A caller that takes none of its answer (reads nothing while its connection stays open) for this
+    # long has its connection closed and its request's decoder calls cancelled (connections.py). nginx's
+    # send_timeout is 60 s between two writes that take anything; uvicorn (vLLM's, SGLang's server) and
+    # aiohttp have no bound, so such a stream ran on to max_tokens, and TCP never times out a peer that
+    # acknowledges but does not read. 60 s, as nginx: a client pausing between chunks to do its own work
+    # keeps its answer.
+    write_timeout_s: float = 60.0
     # Idle per-caller channels to the decoder kept for reuse (`callers.py`).
     max_idle_channels: int = 64
 
@@ -83,6 +90,12 @@ class GatewayConfig:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_idle_channels < 0:
             raise ConfigError("max_idle_channels", f"must be >= 0, got {self.max_idle_channels}")
-        for name in ("header_timeout_s", "idle_timeout_s", "body_idle_timeout_s", "body_timeout_s"):
+        for name in (
+            "header_timeout_s",
+            "idle_timeout_s",
+            "body_idle_timeout_s",
+            "body_timeout_s",
+            "write_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")

@@ -9,6 +9,18 @@ closed as soon as it is accepted, and one whose first request head has not arriv
 `idle_timeout_s`) closes a connection that stays idle, or trickles its next head, that long; a body
 that stalls for `body_idle_timeout_s`, or is not whole within `body_timeout_s`, is the handler's 408,
 its connection closed with the answer (app.py).
+
+NOTE: a caller that stops reading its answer. Writing waits on the socket's back-pressure alone
+(aiohttp's writer awaits the transport's drain), and a peer that keeps its connection open but reads
+nothing is never timed out by TCP: its handler, and a streamed answer's decoder calls, lived on until
+max_tokens, holding their KV blocks and a stream of the caller's share, and a finished one held its
+handler and its answer. While aiohttp's transport holds more than its high-water mark unsent (its
+`pause_writing`), the connection's unsent bytes are looked at every quarter of `write_timeout_s`; once
+they have not gone down at four looks in a row, the connection is aborted, which cancels its handler
+and with it every gRPC call of its request (aiohttp's handler cancellation). As with nginx's
+send_timeout (60 s between two writes that take anything), a caller taking bytes is not cut: only
+until aiohttp's writer waits on its drain (after its next 64 KiB, or one larger write) can a look see
+more added than was taken.
 """
 
 from __future__ import annotations
@@ -23,6 +35,8 @@ from typing import Any
 from aiohttp.http_exceptions import HttpProcessingError
 
 from tandem.client.errors import ConfigError
+
+log = logging.getLogger("tandem.gateway")
 
 REFUSAL_BODY = json.dumps(
     {
@@ -39,6 +53,9 @@ REFUSAL = (
     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(REFUSAL_BODY)
 ) + REFUSAL_BODY
 
+
+# Looks at a paused connection's unsent bytes within one `write_timeout_s`.
+NUM_WRITE_LOOKS = 4
 
 # Descriptors beside the connections and their decoder channels: the listener, the services'
 # channels, the body workers' pipes, logs, imports.
@@ -65,14 +82,20 @@ def ensure_descriptors(max_connections: int, max_idle_channels: int) -> int:
 
 class ConnectionGuard:
     """A protocol factory for `loop.create_server` around aiohttp's: counts the open connections and
-    refuses those beyond the bound; closes one without a request head in time. Event-loop thread only."""
+    refuses those beyond the bound; closes one without a request head in time, and aborts one whose
+    caller takes none of its answer for `write_timeout_s`. Event-loop thread only."""
 
     def __init__(
-        self, protocol: Callable[[], asyncio.Protocol], max_connections: int, header_timeout_s: float
+        self,
+        protocol: Callable[[], asyncio.Protocol],
+        max_connections: int,
+        header_timeout_s: float,
+        write_timeout_s: float,
     ) -> None:
         self._protocol = protocol  # aiohttp's: one RequestHandler per connection
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.num_open = 0
         self.num_refused = 0
         self.num_timed_out = 0
@@ -105,6 +128,16 @@ class ConnectionGuard:
             self.num_timed_out += 1
             transport.close()
 
+    def _write_stalled(self, transport: asyncio.WriteTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        caller = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "a caller"
+        log.info(
+            "closed the connection of %s: it took none of its answer for %g s (--write-timeout-s)",
+            caller,
+            self.write_timeout_s,
+        )
+        transport.abort()  # close() would wait for the unsent bytes to go, which they never will
+
     def _closed(self, transport: asyncio.BaseTransport) -> None:
         self.num_open -= 1
         timer = self._waiting.pop(transport, None)
@@ -120,6 +153,7 @@ class _Guarded(asyncio.Protocol):
         self._guard = guard
         self._inner: asyncio.Protocol | None = None  # None: refused
         self._transport: asyncio.BaseTransport | None = None
+        self._stall: _WriteStall | None = None  # while aiohttp's transport has paused our writing
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
@@ -130,6 +164,8 @@ class _Guarded(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._inner is not None and self._transport is not None:
             self._guard._closed(self._transport)
+            if self._stall is not None:
+                self._stall.cancel()
             self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -141,11 +177,48 @@ class _Guarded(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._inner is not None:
+            assert isinstance(self._transport, asyncio.WriteTransport)
+            self._stall = _WriteStall(
+                self._transport, self._guard.write_timeout_s, self._guard._write_stalled
+            )
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
         if self._inner is not None:
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
             self._inner.resume_writing()
+
+
+class _WriteStall:
+    """A paused connection's unsent bytes, looked at NUM_WRITE_LOOKS times a `timeout_s`: `on_stall`
+    once they have not gone down at any of that many looks in a row."""
+
+    def __init__(
+        self,
+        transport: asyncio.WriteTransport,
+        timeout_s: float,
+        on_stall: Callable[[asyncio.WriteTransport], None],
+    ) -> None:
+        self._transport = transport
+        self._on_stall = on_stall
+        self._every_s = timeout_s / NUM_WRITE_LOOKS
+        self._unsent = transport.get_write_buffer_size()
+        self._num_still = 0  # looks in a row that saw nothing taken
+        self._timer = asyncio.get_running_loop().call_later(self._every_s, self._look)
+
+    def _look(self) -> None:
+        unsent = self._transport.get_write_buffer_size()
+        self._num_still = 0 if unsent < self._unsent else self._num_still + 1
+        self._unsent = unsent
+        if self._num_still >= NUM_WRITE_LOOKS:
+            self._on_stall(self._transport)
+        else:
+            self._timer = asyncio.get_running_loop().call_later(self._every_s, self._look)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 class ServerLog(logging.LoggerAdapter):

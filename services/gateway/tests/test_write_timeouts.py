@@ -1,0 +1,86 @@
+"""A caller that stops reading its answer while its connection stays open, over a raw socket with a
+small receive buffer: once it has taken nothing for --write-timeout-s, its connection is closed, its
+request's decoder calls are cancelled and one line names the flag; a neighbour streams on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from .fake_decoder import fake_decoder
+from .live_gateway import live_gateway
+
+WRITE_TIMEOUT_S = 0.5  # --write-timeout-s of these tests
+NUM_CHOICES = 4  # the unread stream's choices: each a decoder call streaming until it is cancelled
+
+
+async def _unread_stream(url: str) -> socket.socket:
+    """A connection that asks for a stream of `flood` choices and then reads nothing: a receive buffer
+    of a few KiB, so the gateway's writes back up at once."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0])))
+    body = json.dumps({"prompt": "flood", "n": NUM_CHOICES, "stream": True}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    await loop.sock_sendall(sock, head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+async def _read_to_close(sock: socket.socket, within_s: float) -> None:
+    """Reads what the gateway left unread until it closed the connection (or reset it)."""
+    async with asyncio.timeout(within_s):
+        try:
+            while await asyncio.get_running_loop().sock_recv(sock, 65536):
+                pass
+        except ConnectionResetError:
+            pass
+
+
+async def _next_event(response: aiohttp.ClientResponse) -> bytes:
+    while not (line := await response.content.readline()).startswith(b"data: "):
+        assert line == b"\n", line
+    return line
+
+
+async def test_a_caller_that_stops_reading_is_closed_its_decoder_calls_cancelled_and_a_neighbour_streams_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, write_timeout_s=WRITE_TIMEOUT_S) as url,
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/completions", json={"prompt": "hang neighbour", "stream": True}) as neighbour,
+    ):
+        await _next_event(neighbour)  # the neighbour streams
+        with caplog.at_level(logging.INFO):
+            sock = await _unread_stream(url)
+            try:
+                async with asyncio.timeout(5):
+                    while decoder.num_open < 1 + NUM_CHOICES:
+                        await asyncio.sleep(0.01)
+                started = time.monotonic()
+                async with asyncio.timeout(10):  # the buffers fill, then --write-timeout-s passes
+                    while decoder.num_open > 1:
+                        await asyncio.sleep(0.01)
+                took_s = time.monotonic() - started
+                await _read_to_close(sock, 5)
+            finally:
+                sock.close()
+        unread = [r.request_id for r in decoder.requests if "neighbour" not in r.prompt[0].text]
+        assert sorted(decoder.cancelled) == sorted(unread) and len(unread) == NUM_CHOICES
+        assert WRITE_TIMEOUT_S <= took_s < 5, took_s
+        [line] = [r.getMessage() for r in caplog.records if "--write-timeout-s" in r.getMessage()]
+        assert "took none of its answer for 0.5 s (--write-timeout-s)" in line and "127.0.0.1:" in line
+        gateway_errors = [r for r in caplog.records if r.name.startswith(("aiohttp", "tandem"))]
+        assert [r.getMessage() for r in gateway_errors if r.levelno >= logging.WARNING] == []
+        for _ in range(20):  # the neighbour's stream goes on, its call open
+            assert (await _next_event(neighbour)).startswith(b"data: {")
+        assert decoder.num_open == 1 and len(decoder.cancelled) == NUM_CHOICES
