@@ -205,6 +205,27 @@ def test_the_weights_warned_of_are_those_transformers_reports_unexpected(
     ]
 
 
+def test_an_fp8_checkpoint_is_refused_in_one_line_before_its_scales_are_warned_of(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An FP8 checkpoint stores each projection as float8_e4m3fn beside its scales, which the model
+    does not read: the start-up warned of the scales, listened, then refused the first projection."""
+    llama3 = checkpoints["llama3"]
+    weights = load_file(llama3.path / "model.safetensors")
+    projections = [name for name in weights if name.endswith("_proj.weight")]
+    added = {name: weights[name].to(torch.float8_e4m3fn) for name in projections}
+    added |= {name.replace(".weight", ".weight_scale"): torch.ones(1) for name in projections}
+    added |= {name.replace(".weight", ".input_scale"): torch.ones(1) for name in projections}
+    model_dir = copy_with(llama3, tmp_path, added)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__), pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir, "float32")
+    assert caplog.records == []
+    assert str(raised.value) == (
+        f"{model_dir / 'model.safetensors'}: weight model.layers.0.self_attn.q_proj.weight is stored as "
+        "F8_E4M3, not a type a weight is read from (supported: BF16, F16, F32, F64)"
+    )
+
+
 def test_a_checkpoint_holding_just_what_its_config_reads_gets_no_warning(
     checkpoint: Checkpoint, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,7 +4,8 @@ A config that disagrees with its weights (num_attention_heads 5 beside a q_proj 
 vocab_size that is not embed_tokens' row count, an intermediate_size that is not gate_proj's) was
 refused only by the load, once the model was built and each weight read: after the server listened,
 exit 1. Every shape the model will read is implied by the config alone (common/weight_shapes.py), and
-the loader has parsed every header before listening, so the two are compared there, reading no tensor.
+the loader has parsed every header before listening, so the two are compared there, reading no tensor;
+so is each one's type (an FP8 checkpoint is refused there, before its scales are warned of below).
 
 The weights the model does not read are looked at too (`check_unread`). One that the architecture
 would read were a config flag the other way (a q_proj.bias beside attention_bias false, Qwen2's biases
@@ -50,6 +51,11 @@ def text_model_shape(config: ModelConfig) -> TextModelShape:
     )
 
 
+# The types a weight may be stored in. Integer and 8-bit-or-narrower float tensors are quantized data
+# (GPTQ's packed int32, FP8's e4m3 beside a scale) that a cast would silently turn into other numbers.
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
 def check_shapes(
     file_of: dict[str, Any],  # checkpoint name -> the open safetensors file holding it
     path_of: dict[str, Path],  # checkpoint name -> that file's path
@@ -58,14 +64,21 @@ def check_shapes(
     model_dir: Path,
 ) -> str | None:
     """The refusal of the first weight the model reads that the files lack, or hold in another shape
-    than config.json implies; None when all agree. get_slice reads a header's shape, no data."""
+    than config.json implies or in a type not in WEIGHT_DTYPES; None when all agree. get_slice reads a
+    header's shape and type, no data."""
     for name, expected in expected_weights(text_model_shape(config)).items():
         key = layout.checkpoint_name(name)
         if key not in file_of:
             return f"weight {key} not found in the checkpoint in {model_dir}"
-        refusal = mismatch(key, tuple(file_of[key].get_slice(key).get_shape()), expected, "config.json")
+        stored = file_of[key].get_slice(key)
+        refusal = mismatch(key, tuple(stored.get_shape()), expected, "config.json")
         if refusal is not None:
             return f"{path_of[key]}: {refusal}"
+        if stored.get_dtype() not in WEIGHT_DTYPES:
+            return (
+                f"{path_of[key]}: weight {key} is stored as {stored.get_dtype()}, not a type a weight is "
+                f"read from (supported: {', '.join(WEIGHT_DTYPES)})"
+            )
     return None
 
 

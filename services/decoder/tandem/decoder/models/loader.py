@@ -49,9 +49,6 @@ class ModelLoadError(ValueError):
     """A checkpoint directory that cannot be served; the message names the file or weight at fault."""
 
 
-# The types a weight may be stored in. Integer and 8-bit-or-narrower float tensors are quantized data
-# (GPTQ's packed int32, FP8's e4m3 beside a scale) that a cast would silently turn into other numbers.
-WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
 MAX_TOKENIZER_BYTES = 256 << 20  # the largest in use are about 35 MB (Gemma 3's 262K entries)
 
 
@@ -65,7 +62,8 @@ class LoadedModel:
 def check_checkpoint(model_dir: str | Path, dtype: str = "bfloat16") -> ModelConfig:
     """Everything `load_model` checks before it reads a weight: the dtype, config.json and its
     architecture, the tokenizer against the vocabulary, that the weight files are there, each of the
-    shape config.json implies, and none the model would read under another config.json.
+    shape config.json implies and stored in a type a weight is read from, and none the model would read
+    under another config.json.
 
     Cheap (no weight is read, but a separate head beside tie_word_embeddings true, compared with the
     token table), so a service runs it before it listens; it logs the warnings on weights the model
@@ -293,7 +291,8 @@ def _index_weights(
     the language model's weights sit; once every file's header parsed (safetensors checks its length,
     JSON, dtypes and that offsets tile the file), no name is in two files or belongs to a layer past
     config.json's num_hidden_layers (a config that does not match its weights, which would otherwise
-    serve the first layers alone), and every shape is config.json's. Only headers are read."""
+    serve the first layers alone), and every shape is config.json's, every type one a weight is read
+    from. Only headers are read."""
     file_of: dict[str, Any] = {}
     path_of: dict[str, Path] = {}
     for path in _weight_files(model_dir):
@@ -390,15 +389,10 @@ def _architecture(model_dir: Path) -> str:
 
 
 def _read_part(handle: Any, part: CheckpointPart, key: str, model: DecoderModel) -> torch.Tensor:
-    """Checkpoint tensor `key`, shape- and type-checked, or only this rank's slice of it along
-    part.shard_dim."""
+    """Checkpoint tensor `key`, shape-checked, or only this rank's slice of it along part.shard_dim. Its
+    type was checked with the headers (checkpoint_shapes.check_shapes)."""
     lazy = handle.get_slice(key)  # memory-mapped: nothing is read until indexed
-    shape, stored = tuple(lazy.get_shape()), lazy.get_dtype()
-    if stored not in WEIGHT_DTYPES:
-        raise ModelLoadError(
-            f"weight {key} is stored as {stored}, not a type a weight is read from "
-            f"(supported: {', '.join(WEIGHT_DTYPES)})"
-        )
+    shape = tuple(lazy.get_shape())
     if shape != part.shape:
         raise ModelLoadError(f"weight {key} has shape {list(shape)}, expected {list(part.shape)}")
     tp = model.tp
