@@ -84,6 +84,29 @@ def test_a_tensor_for_another_base_model_is_refused_naming_it(
         ({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 64)}, "no lora_B"),
         ({"base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": torch.ones(4, 64)}, "layer 9"),
         ({"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(4, 64)}, "is not a LoRA weight"),
+        # Names no module of the base model has, which PEFT would not load: "layers.00." was read as
+        # layer 0 (the later of the two tensors served), "self_attn.up_proj" as mlp.up_proj, and a
+        # layer of 5,000 digits failed int() (INTERNAL).
+        (
+            {
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 64),
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(64, 4),
+                "base_model.model.model.layers.00.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+                "base_model.model.model.layers.00.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
+            },
+            "layers.00.self_attn.q_proj.lora_A.weight: is not a LoRA weight",
+        ),
+        (
+            {
+                "base_model.model.model.layers.0.self_attn.up_proj.lora_A.weight": torch.ones(4, 64),
+                "base_model.model.model.layers.0.self_attn.up_proj.lora_B.weight": torch.ones(192, 4),
+            },
+            "self_attn.up_proj.lora_A.weight: is not a LoRA weight",
+        ),
+        (
+            {f"base_model.model.model.layers.{'9' * 5000}.self_attn.q_proj.lora_A.weight": torch.ones(4, 64)},
+            "is not a LoRA weight",
+        ),
         (
             {
                 "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.full(

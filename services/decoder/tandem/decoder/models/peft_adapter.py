@@ -33,9 +33,13 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # The checkpoint modules an adapter may target (models/lora.py: the fused projection each is part of).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT strips the adapter's name).
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT strips the adapter's name): the
+# names of modules the base model has, and nothing else, as PEFT loads only those. A layer index with a
+# leading zero ("layers.00.") names no module, and read as a number it was layer 0 again, the later of
+# the two tensors kept; "self_attn.up_proj" names none either; and 5,000 digits failed int() (INTERNAL).
 _TENSOR_NAME = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
+    r"base_model\.model\.model\.layers\.(0|[1-9]\d{0,8})\."
+    r"(?:self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))\.lora_(A|B)\.weight"
 )
 
 
@@ -158,12 +162,13 @@ def _read_weights(
     with handle:
         for name in handle.keys():
             match = _TENSOR_NAME.fullmatch(name)
-            if match is None or match.group(2) not in TARGETS:
+            if match is None:
                 raise AdapterError(
                     f"{WEIGHTS_FILE}:{name}",
-                    f"is not a LoRA weight of a decoder layer's {', '.join(TARGETS)}",
+                    "is not a LoRA weight of a decoder layer's self_attn.q_proj, k_proj, v_proj, o_proj or "
+                    "mlp.gate_proj, up_proj, down_proj",
                 )
-            layer, module, half = int(match.group(1)), match.group(2), match.group(3)
+            layer, module, half = int(match.group(1)), match.group(2) or match.group(3), match.group(4)
             if layer >= config.num_layers:
                 raise AdapterError(
                     f"{WEIGHTS_FILE}:{name}", f"names layer {layer}; the base model has {config.num_layers}"
