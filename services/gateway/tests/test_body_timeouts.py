@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import time
@@ -18,52 +17,26 @@ import pytest
 
 from .fake_decoder import FakeDecoder, fake_decoder
 from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, connect, parse_answer, read_to_close, send
 
 IDLE_S = 0.5  # --body-idle-timeout-s of these tests
-HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+HEAD = COMPLETIONS_HEAD
 CHUNKED = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
 BODY = b'{"prompt": "hi", "max_tokens": 1}'
-
-
-async def _connect(url: str) -> socket.socket:
-    """A raw connection: what the server sent stays readable after it resets the connection (a closed
-    socket with the trickle's bytes unread sends a reset), where a StreamReader would raise instead."""
-    sock = socket.socket()
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(
-        sock, ("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0]))
-    )
-    return sock
-
-
-async def _send(sock: socket.socket, data: bytes) -> None:
-    await asyncio.get_running_loop().sock_sendall(sock, data)
-
-
-async def _read_to_close(sock: socket.socket, within_s: float) -> bytes:
-    """What the server sends until it closes the connection (or resets it)."""
-    sent = b""
-    async with asyncio.timeout(within_s):
-        try:
-            while chunk := await asyncio.get_running_loop().sock_recv(sock, 65536):
-                sent += chunk
-        except ConnectionResetError:
-            pass
-    return sent
 
 
 async def _answer(sock: socket.socket, within_s: float) -> tuple[int, dict, float]:
     """The status and JSON of the answer, and the seconds until the server closed the connection."""
     started = time.monotonic()
-    head, _, body = (await _read_to_close(sock, within_s)).partition(b"\r\n\r\n")
+    status, answer = parse_answer(await read_to_close(sock, within_s))
     sock.close()
-    return int(head.split()[1]), json.loads(body), time.monotonic() - started
+    return status, answer, time.monotonic() - started
 
 
 async def _serves(url: str) -> None:
     """A whole body on a new connection is answered 200."""
-    sock = await _connect(url)
-    await _send(sock, HEAD + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    sock = await connect(url)
+    await send(sock, HEAD + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
     status, answer, _ = await _answer(sock, 5)
     assert status == 200 and answer["choices"][0]["text"] == "<hi>"
 
@@ -90,8 +63,8 @@ async def test_a_body_that_stalls_is_408_after_the_idle_bound_and_its_connection
     gateway: tuple[FakeDecoder, str], sent: bytes
 ) -> None:
     decoder, url = gateway
-    sock = await _connect(url)
-    await _send(sock, sent)
+    sock = await connect(url)
+    await send(sock, sent)
     status, answer, took_s = await _answer(sock, IDLE_S + 5)  # the whole-body bound is 30 s
     assert status == 408 and answer["error"]["param"] == "body"
     assert "sent nothing for 0.5 s (--body-idle-timeout-s)" in answer["error"]["message"]
@@ -107,14 +80,14 @@ async def test_a_trickled_body_is_cut_at_the_whole_body_bound_and_closed_at_once
         fake_decoder() as (decoder, address),
         live_gateway(address, body_idle_timeout_s=IDLE_S, body_timeout_s=1.0) as url,
     ):
-        sock = await _connect(url)
-        await _send(sock, CHUNKED)
+        sock = await connect(url)
+        await send(sock, CHUNKED)
 
         async def trickle() -> None:
             with contextlib.suppress(OSError):  # until the gateway closes the connection
                 while True:
                     await asyncio.sleep(0.1)
-                    await _send(sock, b"1\r\n \r\n")
+                    await send(sock, b"1\r\n \r\n")
 
         trickling = asyncio.ensure_future(trickle())
         try:
@@ -132,13 +105,13 @@ async def test_a_body_pausing_for_less_than_the_idle_bound_is_served(
     gateway: tuple[FakeDecoder, str],
 ) -> None:
     _, url = gateway
-    sock = await _connect(url)
-    await _send(sock, CHUNKED.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n"))
+    sock = await connect(url)
+    await send(sock, CHUNKED.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n"))
     for i in range(0, len(BODY), 12):  # 3 pauses of 0.3 s: 0.9 s in all, past the idle bound
         piece = BODY[i : i + 12]
-        await _send(sock, b"%x\r\n%s\r\n" % (len(piece), piece))
+        await send(sock, b"%x\r\n%s\r\n" % (len(piece), piece))
         await asyncio.sleep(0.3)
-    await _send(sock, b"0\r\n\r\n")
+    await send(sock, b"0\r\n\r\n")
     status, answer, _ = await _answer(sock, 5)
     assert status == 200 and answer["choices"][0]["text"] == "<hi>"
 
@@ -148,9 +121,9 @@ async def test_a_body_that_cannot_be_decoded_is_400_closed_and_logs_no_traceback
 ) -> None:
     """Not gzip, though it says so: the caller's fault, answered as such, not logged as the server's."""
     decoder, url = gateway
-    sock = await _connect(url)
+    sock = await connect(url)
     with caplog.at_level(logging.ERROR):
-        await _send(sock, HEAD + b"Content-Encoding: gzip\r\nContent-Length: 5\r\n\r\nabcde")
+        await send(sock, HEAD + b"Content-Encoding: gzip\r\nContent-Length: 5\r\n\r\nabcde")
         status, answer, took_s = await _answer(sock, 5)
         await _serves(url)
     assert status == 400 and answer["error"]["param"] == "body"
@@ -171,10 +144,10 @@ async def test_a_request_that_is_not_http_is_400_and_one_log_line_without_a_trac
     gateway: tuple[FakeDecoder, str], sent: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     _, url = gateway
-    sock = await _connect(url)
+    sock = await connect(url)
     with caplog.at_level(logging.INFO, logger="aiohttp.server"):
-        await _send(sock, sent)
-        answer = await _read_to_close(sock, 5)
+        await send(sock, sent)
+        answer = await read_to_close(sock, 5)
         sock.close()
     assert answer.split()[1] == b"400"
     logged = [r for r in caplog.records if r.name == "aiohttp.server"]

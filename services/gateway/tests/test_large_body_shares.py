@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -16,6 +15,7 @@ import pytest
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, connect, read_answer, send
 
 LARGE = 1024  # --large-body-bytes of these tests
 IDLE_S = 5.0  # --body-idle-timeout-s: a held body outlives each test unless its connection closes
@@ -23,47 +23,21 @@ BODY = json.dumps({"prompt": "x" * 2 * LARGE, "max_tokens": 1}).encode()  # a la
 
 
 def _head(token: str, length: int, close: bool = False) -> bytes:
-    return (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Authorization: Bearer %s\r\nContent-Length: %d\r\n%s\r\n"
-        % (token.encode(), length, b"Connection: close\r\n" if close else b"")
+    closing = b"Connection: close\r\n" if close else b""
+    return COMPLETIONS_HEAD + b"Authorization: Bearer %s\r\nContent-Length: %d\r\n%s\r\n" % (
+        token.encode(),
+        length,
+        closing,
     )
-
-
-async def _connect(url: str) -> socket.socket:
-    sock = socket.socket()
-    sock.setblocking(False)
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    return sock
-
-
-async def _send(sock: socket.socket, data: bytes) -> None:
-    await asyncio.get_running_loop().sock_sendall(sock, data)
-
-
-async def _answer(sock: socket.socket, within_s: float) -> tuple[int, dict]:
-    """The status and JSON of the server's answer, read to its Content-Length (the server may go on
-    reading the rest of a refused body before it closes)."""
-    loop, sent = asyncio.get_running_loop(), b""
-    async with asyncio.timeout(within_s):
-        while b"\r\n\r\n" not in sent:
-            sent += await loop.sock_recv(sock, 65536)
-        head, _, body = sent.partition(b"\r\n\r\n")
-        lines = head.lower().split(b"\r\n")
-        length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length:"))
-        while len(body) < length:
-            body += await loop.sock_recv(sock, 65536)
-    return int(head.split()[1]), json.loads(body)
 
 
 async def _large_body(url: str, token: str) -> tuple[int, dict, float]:
     """A whole large body of `token`'s on a new connection: its answer and the seconds it took."""
     started = time.monotonic()
-    sock = await _connect(url)
+    sock = await connect(url)
     try:
-        await _send(sock, _head(token, len(BODY), close=True) + BODY)
-        status, answer = await _answer(sock, 10)
+        await send(sock, _head(token, len(BODY), close=True) + BODY)
+        status, answer = await read_answer(sock, 10)
     finally:
         sock.close()
     return status, answer, time.monotonic() - started
@@ -98,10 +72,10 @@ async def url() -> AsyncIterator[str]:
 
 
 async def test_heads_alone_hold_no_place_however_large_the_length_they_declare(url: str) -> None:
-    held = [await _connect(url) for _ in range(3)]  # more heads than places, each declaring a large body
+    held = [await connect(url) for _ in range(3)]  # more heads than places, each declaring a large body
     try:
         for sock in held:
-            await _send(sock, _head("a", 10 * LARGE))
+            await send(sock, _head("a", 10 * LARGE))
         await asyncio.sleep(0.2)  # the gateway has read the heads and waits on their bodies
         for token in ("a", "b"):  # the heads' own caller, and another, are both served at once
             await _served_at_once(url, token)
@@ -114,13 +88,13 @@ async def test_a_caller_holding_its_share_leaves_another_callers_large_body_serv
     """Caller a starts as many large bodies as there are places and sends only their first bytes: the
     first holds a's one place, the second is refused 429 naming the flag, and b's large body is served
     while a's stays held."""
-    held = [await _connect(url) for _ in range(2)]
+    held = [await connect(url) for _ in range(2)]
     try:
         for sock in held:
-            await _send(sock, _head("a", len(BODY)) + BODY[:100])
+            await send(sock, _head("a", len(BODY)) + BODY[:100])
         await asyncio.sleep(0.2)  # the gateway has read their first bytes
         await _served_at_once(url, "b")
-        status, answer = await _answer(held[1], 1)
+        status, answer = await read_answer(held[1], 1)
         assert status == 429 and answer["error"]["type"] == "rate_limit_error"
         assert "--max-large-bodies-per-caller" in answer["error"]["message"]
         status, answer, _ = await _large_body(url, "a")  # a is still at its share
@@ -131,8 +105,8 @@ async def test_a_caller_holding_its_share_leaves_another_callers_large_body_serv
 
 
 async def test_a_callers_places_come_back_when_its_connections_close(url: str) -> None:
-    sock = await _connect(url)
-    await _send(sock, _head("a", len(BODY)) + BODY[:100])
+    sock = await connect(url)
+    await send(sock, _head("a", len(BODY)) + BODY[:100])
     await asyncio.sleep(0.2)
     assert (await _large_body(url, "a"))[0] == 429
     sock.close()  # the handler is cancelled, its place given back

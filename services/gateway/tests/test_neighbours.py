@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ import aiohttp
 from .fake_decoder import FakeDecoder, fake_decoder, prompt_text
 from .fake_encoder import fake_encoder
 from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, connect, read_to_close, send
 
 NUM_GOOD = 12
 COLLECTED = {"prompt": "hang collect", "n": 2}  # answered once all its choices end: never
@@ -55,12 +55,10 @@ def _num_streams(decoder: FakeDecoder, word: str) -> int:
 
 
 async def _stall_body(url: str) -> None:
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-    with contextlib.suppress(ConnectionResetError):
-        await reader.read()  # the gateway's 408, then its close
-    writer.close()
+    sock = await connect(url)
+    await send(sock, COMPLETIONS_HEAD + b"Content-Length: 100\r\n\r\n{")
+    await read_to_close(sock, 5)  # the gateway's 408, then its close
+    sock.close()
 
 
 async def _status(session: aiohttp.ClientSession, url: str, **post: object) -> int:

@@ -15,6 +15,7 @@ import pytest
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, connect, read_to_close, send
 
 WRITE_TIMEOUT_S = 0.5  # --write-timeout-s of these tests
 NUM_CHOICES = 4  # the unread stream's choices: each a decoder call streaming until it is cancelled
@@ -23,25 +24,10 @@ NUM_CHOICES = 4  # the unread stream's choices: each a decoder call streaming un
 async def _unread_stream(url: str) -> socket.socket:
     """A connection that asks for a stream of `flood` choices and then reads nothing: a receive buffer
     of a few KiB, so the gateway's writes back up at once."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, ("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0])))
+    sock = await connect(url, receive_buffer_bytes=4096)
     body = json.dumps({"prompt": "flood", "n": NUM_CHOICES, "stream": True}).encode()
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    await loop.sock_sendall(sock, head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await send(sock, COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     return sock
-
-
-async def _read_to_close(sock: socket.socket, within_s: float) -> None:
-    """Reads what the gateway left unread until it closed the connection (or reset it)."""
-    async with asyncio.timeout(within_s):
-        try:
-            while await asyncio.get_running_loop().sock_recv(sock, 65536):
-                pass
-        except ConnectionResetError:
-            pass
 
 
 async def _next_event(response: aiohttp.ClientResponse) -> bytes:
@@ -71,7 +57,7 @@ async def test_a_caller_that_stops_reading_is_closed_its_decoder_calls_cancelled
                     while decoder.num_open > 1:
                         await asyncio.sleep(0.01)
                 took_s = time.monotonic() - started
-                await _read_to_close(sock, 5)
+                await read_to_close(sock, 5)  # the gateway closed it
             finally:
                 sock.close()
         unread = [r.request_id for r in decoder.requests if "neighbour" not in r.prompt[0].text]
