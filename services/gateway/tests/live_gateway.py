@@ -1,12 +1,13 @@
 """The gateway's app served on a free loopback port in front of a decoder (the tests' fake), as
 `tandem serve openai` serves it (handler cancellation, its server log and its access log on, its
-connections through the ConnectionGuard), with one body worker process, started only by a body over
-large_body_bytes. Always shut down."""
+connections through the ConnectionGuard, aiohttp's own answers in OpenAI's shape), with one body
+worker process, started only by a body over large_body_bytes. Always shut down."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.connections import ConnectionGuard, ServerLog
+from tandem.gateway.connections import ConnectionGuard, OpenAIRequestHandler, ServerLog
 
 
 @contextlib.asynccontextmanager
@@ -32,15 +33,16 @@ async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[s
     callers = decoder_channels(config)
     workers = BodyWorkers(1)  # started by the first body over large_body_bytes, if any (a second)
     gateway = Gateway(config, decoder, encoder, callers, workers)
-    runner = web.AppRunner(
-        gateway.app(), handler_cancellation=True, logger=ServerLog(), access_log_class=AccessLog
-    )
+    handler_settings: dict[str, Any] = {"logger": ServerLog(), "access_log_class": AccessLog}
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, **handler_settings)
     await runner.setup()
     assert runner.server is not None
+    loop = asyncio.get_running_loop()
+    handlers = functools.partial(OpenAIRequestHandler, runner.server, loop=loop, **handler_settings)
     gateway.guard = ConnectionGuard(
-        runner.server, config.max_connections, config.header_timeout_s, config.write_timeout_s
+        handlers, config.max_connections, config.header_timeout_s, config.write_timeout_s
     )
-    listener = await asyncio.get_running_loop().create_server(gateway.guard, "127.0.0.1", 0)
+    listener = await loop.create_server(gateway.guard, "127.0.0.1", 0)
     port = listener.sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}/v1"

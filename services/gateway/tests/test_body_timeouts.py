@@ -130,27 +130,3 @@ async def test_a_body_that_cannot_be_decoded_is_400_closed_and_logs_no_traceback
     assert "Content-Encoding: gzip" in answer["error"]["message"] and took_s < 1
     assert decoder.requests[0].prompt[0].text == "hi" and len(decoder.requests) == 1  # _serves' only
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
-
-
-@pytest.mark.parametrize(
-    "sent",
-    [
-        pytest.param(CHUNKED + b"zz\r\nabc\r\n", id="a chunk size that is not hex"),
-        pytest.param(HEAD + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", id="both lengths"),
-        pytest.param(HEAD + b"Content-Length: -5\r\n\r\n", id="a negative length"),
-    ],
-)
-async def test_a_request_that_is_not_http_is_400_and_one_log_line_without_a_traceback(
-    gateway: tuple[FakeDecoder, str], sent: bytes, caplog: pytest.LogCaptureFixture
-) -> None:
-    _, url = gateway
-    sock = await connect(url)
-    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
-        await send(sock, sent)
-        answer = await read_to_close(sock, 5)
-        sock.close()
-    assert answer.split()[1] == b"400"
-    logged = [r for r in caplog.records if r.name == "aiohttp.server"]
-    assert [(r.levelno, r.exc_info) for r in logged] == [(logging.INFO, None)]
-    assert logged[0].getMessage().startswith("Error handling request from 127.0.0.1: ")
-    await _serves(url)

@@ -1,14 +1,25 @@
 """The gateway raises its open-files limit to what --max-connections needs, or refuses to start
-naming the flag: a gateway out of descriptors would refuse every caller, not just the extra ones."""
+naming the flag: a gateway out of descriptors would refuse every caller, not just the extra ones. A
+request that is not HTTP as it must be is answered 400 in OpenAI's error shape, one log line without a
+traceback, and the gateway serves on."""
 
 from __future__ import annotations
 
+import json
+import logging
 import resource
+from collections.abc import AsyncIterator
 
 import pytest
 
 from tandem.client.errors import ConfigError
 from tandem.gateway.connections import SPARE_DESCRIPTORS, ensure_descriptors
+
+from .fake_decoder import fake_decoder
+from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, connect, read_to_close, send
+
+CHUNKED = COMPLETIONS_HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
 
 
 @pytest.fixture
@@ -36,3 +47,49 @@ def test_a_hard_limit_too_low_is_a_config_error_naming_max_connections(limits: t
         ensure_descriptors(hard, 0)  # two descriptors a connection: twice the limit
     assert error.value.field == "max_connections" and str(hard) in str(error.value)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == limits  # nothing changed
+
+
+@pytest.fixture
+async def url() -> AsyncIterator[str]:
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        yield url
+
+
+async def _sent_back(url: str, sent: bytes) -> tuple[bytes, dict]:
+    """The head and the JSON body the gateway answers `sent` with, on a connection of its own."""
+    sock = await connect(url)
+    try:
+        await send(sock, sent)
+        head, _, body = (await read_to_close(sock, 5)).partition(b"\r\n\r\n")
+    finally:
+        sock.close()
+    return head, json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        pytest.param(b"GET /v1/models HTTP/9.9\r\n\r\n", id="an HTTP version that is none"),
+        pytest.param(b"GET /v1/mo dels HTTP/1.1\r\n\r\n", id="a request line of four words"),
+        pytest.param(b"GET /v1/models HTTP/1.1\r\nHost x\r\n\r\n", id="a header without a colon"),
+        pytest.param(CHUNKED + b"zz\r\nabc\r\n", id="a chunk size that is not hex"),
+        pytest.param(
+            COMPLETIONS_HEAD + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", id="both lengths"
+        ),
+        pytest.param(COMPLETIONS_HEAD + b"Content-Length: -5\r\n\r\n", id="a negative length"),
+    ],
+)
+async def test_a_request_that_is_not_http_is_an_openai_400_and_one_log_line_without_a_traceback(
+    url: str, sent: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+        head, answer = await _sent_back(url, sent)
+    assert head.split()[1] == b"400" and b"content-type: application/json" in head.lower()
+    assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] is None
+    assert answer["error"]["message"].startswith("the request is not HTTP as it must be: ")
+    logged = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [(r.levelno, r.exc_info) for r in logged] == [(logging.INFO, None)]
+    assert logged[0].getMessage().startswith("Error handling request from 127.0.0.1: ")
+    head, answer = await _sent_back(url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert head.split()[1] == b"200" and answer["data"][0]["id"] == "fake-model"  # the gateway serves on

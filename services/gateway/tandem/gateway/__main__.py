@@ -8,6 +8,7 @@ SIGINT, 2 for a flag or variable that is wrong (a port in use included); every f
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from typing import Any
@@ -35,7 +36,7 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
-from tandem.gateway.connections import ConnectionGuard, ServerLog, ensure_descriptors
+from tandem.gateway.connections import ConnectionGuard, OpenAIRequestHandler, ServerLog, ensure_descriptors
 
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
@@ -215,25 +216,28 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     # Kubernetes kill 15 s after the grace period). aiohttp's keep-alive timeout is the idle timeout;
     # lingering (reading what is left of a refused body before closing) is cut to a second. The access
     # log leaves out the health probes that succeed (access_log.py).
+    # aiohttp's own answers (a request it cannot parse) are in OpenAI's error shape (OpenAIRequestHandler).
     gateway = Gateway(config, decoder, encoder, callers, workers, tracer=tracer)
+    handler_settings: dict[str, Any] = {
+        "keepalive_timeout": config.idle_timeout_s,
+        "lingering_time": 1.0,
+        "logger": ServerLog(),
+        "access_log_class": AccessLog,
+    }
     runner = web.AppRunner(
-        gateway.app(),
-        handler_cancellation=True,
-        shutdown_timeout=DEFAULT_GRACE_S,
-        keepalive_timeout=config.idle_timeout_s,
-        lingering_time=1.0,
-        logger=ServerLog(),
-        access_log_class=AccessLog,
+        gateway.app(), handler_cancellation=True, shutdown_timeout=DEFAULT_GRACE_S, **handler_settings
     )
     await runner.setup()
     assert runner.server is not None
+    loop = asyncio.get_running_loop()
+    handlers = functools.partial(OpenAIRequestHandler, runner.server, loop=loop, **handler_settings)
     gateway.guard = ConnectionGuard(
-        runner.server, config.max_connections, config.header_timeout_s, config.write_timeout_s
+        handlers, config.max_connections, config.header_timeout_s, config.write_timeout_s
     )
     own_process = ready is None  # (tests run it on their loop, in their process)
     if own_process:  # its start-up heap out of the collector's full passes, before anything is served
         freeze_startup_heap()
-    listener = await asyncio.get_running_loop().create_server(gateway.guard, config.host, config.port)
+    listener = await loop.create_server(gateway.guard, config.host, config.port)
     port = listener.sockets[0].getsockname()[1]
     try:
         await workers.start()

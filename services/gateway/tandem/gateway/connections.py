@@ -32,9 +32,11 @@ import resource
 from collections.abc import Callable
 from typing import Any
 
+from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from tandem.client.errors import ConfigError
+from tandem.gateway.errors import HttpError
 
 log = logging.getLogger("tandem.gateway")
 
@@ -221,11 +223,40 @@ class _WriteStall:
         self._timer.cancel()
 
 
+class OpenAIRequestHandler(web.RequestHandler):
+    """aiohttp's protocol for one connection, its own answers in OpenAI's error shape: a request it
+    cannot parse (a request line or a header that is not HTTP, a chunk size not hex, Content-Length
+    beside Transfer-Encoding) got aiohttp's plain-text 400, which an OpenAI client reports as an
+    unparsable body rather than the error. `handle_error` is the one method aiohttp answers all of these
+    with, a public one of aiohttp.web's RequestHandler (no private state is touched); aiohttp's own
+    still runs first, so it still logs (ServerLog) and still refuses to answer after bytes were sent."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)
+        if plain.status < 500:
+            reason = " ".join(str(message or plain.reason).split())[:200]
+            error = HttpError(
+                plain.status, "invalid_request_error", f"the request is not HTTP as it must be: {reason}"
+            )
+        else:  # a handler's failure the middlewares did not answer (they answer every one but a cancel)
+            error = HttpError(plain.status, "server_error", "the gateway failed on this request")
+        response = web.json_response(error.body(), status=error.status)
+        response.force_close()  # as aiohttp's: what follows on the connection cannot be trusted
+        return response
+
+
 class ServerLog(logging.LoggerAdapter):
     """aiohttp's server log (its `logger`), where a request that is not HTTP as it must be (a chunk size
     that is not hex, Content-Length beside Transfer-Encoding, a header line too long) is one INFO line
     naming the caller and the reason: aiohttp logs each as an ERROR with its parser's traceback, about
-    twenty lines a caller can have written for every 100 bytes it sends. The caller gets aiohttp's 400."""
+    twenty lines a caller can have written for every 100 bytes it sends. The caller gets a 400 in OpenAI's
+    shape (OpenAIRequestHandler)."""
 
     def __init__(self) -> None:
         super().__init__(logging.getLogger("aiohttp.server"), {})
