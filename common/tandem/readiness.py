@@ -23,6 +23,10 @@ PROBE_TIMEOUT_S = 1.0  # one probe's deadline: a server that takes longer to ans
 PROBE_INTERVAL_S = 0.2
 # A channel that failed to connect tries again after at most this long (gRPC's default grows to 120 s).
 _RECONNECT_MS = 500
+# What an HTTP probe calls itself (User-Agent), as Kubernetes' kubelet sends `kube-probe/<version>`: the
+# gateway writes no access line for the 503s it answers one while the decoder loads (a line every 0.2 s
+# of a start), since the prober says itself what it was told (tandem.gateway.access_log).
+PROBE_USER_AGENT = "tandem-readiness"
 
 
 def is_http(target: str) -> bool:
@@ -40,7 +44,8 @@ class Probe:
         """None when `target` serves; else why not, in a few words."""
         if is_http(target):
             try:
-                with urllib.request.urlopen(target, timeout=PROBE_TIMEOUT_S) as response:
+                request = urllib.request.Request(target, headers={"User-Agent": PROBE_USER_AGENT})
+                with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT_S) as response:
                     return None if response.status == 200 else f"HTTP {response.status}"
             except urllib.error.HTTPError as error:
                 return f"HTTP {error.code}"

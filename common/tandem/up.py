@@ -496,8 +496,8 @@ def _announce_ready(config: UpConfig, stopping: threading.Event) -> None:
             f"with TLS, readiness is not probed here: `tandem wait --tls-ca CA {' '.join(targets.values())}`"
         )
         return
-    # The gateway's /health answers 503 until the decoder serves, and the gateway logs each probe that
-    # fails (tandem.gateway.access_log): a line every 0.2 s of a start. It is asked once both serve.
+    # The gateway's /health answers 503 until the decoder serves: it is asked once both serve, not
+    # every 0.2 s of a start to be told so.
     grpc_targets = [target for target in targets.values() if not is_http(target)]
     http_targets = [target for target in targets.values() if is_http(target)]
     for stage in (grpc_targets, http_targets):

@@ -1,6 +1,7 @@
 """What `tandem serve openai` logs: its start line names the decoder and the encoder it serves in front
 of, and its access log has a line for each request except a health probe that succeeds (the probes of
-`tandem up`, `tandem wait`, compose and Kubernetes); a probe that fails is logged."""
+`tandem up`, `tandem wait`, compose and Kubernetes); a probe that fails is logged, unless it is Tandem's
+own readiness probe, which says itself what it was told."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from grpc_health.v1 import health_pb2
 
 from tandem.gateway.__main__ import serve
 from tandem.gateway.config import GatewayConfig
+from tandem.readiness import Probe
 
 from .fake_decoder import FakeDecoder, fake_decoder
 
@@ -73,3 +75,20 @@ async def test_health_probes_that_succeed_write_no_access_line_and_every_other_r
     assert '"GET /v1/models HTTP/1.1" 200' in lines[0]
     assert '"GET /nowhere HTTP/1.1" 404' in lines[1]
     assert '"GET /health HTTP/1.1" 503' in lines[2]
+
+
+async def test_the_503s_that_tandem_waits_own_probe_is_told_while_the_decoder_loads_write_no_access_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    decoder: FakeDecoder
+    async with fake_decoder() as (decoder, address):
+        await decoder.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # still loading
+        with caplog.at_level(logging.INFO, logger="aiohttp.access"):
+            async with served(address) as url, aiohttp.ClientSession() as http:
+                probe = Probe([url + "/health"])  # what `tandem wait` and `tandem up` ask with
+                said = [await asyncio.to_thread(probe.not_serving, url + "/health") for _ in range(3)]
+                async with http.get(url + "/health") as response:  # any other prober
+                    other = response.status
+    assert said == ["HTTP 503"] * 3 and other == 503
+    [line] = access_lines(caplog)
+    assert '"GET /health HTTP/1.1" 503' in line and "tandem-readiness" not in line

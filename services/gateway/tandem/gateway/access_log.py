@@ -1,12 +1,16 @@
 """The gateway's access log: a line for each request, in aiohttp's format on its `aiohttp.access`
-logger, except a health probe that succeeds.
+logger, except a health probe that succeeds and Tandem's own readiness probe.
 
-NOTE: why a probe that succeeds is quiet. `tandem up --openai-port` and `tandem wait` probe /health
-every 0.2 s while they wait (`tandem.readiness.PROBE_INTERVAL_S`: about 125 lines in a 25 s start), and
-compose and Kubernetes probe it for as long as the gateway runs, so the requests that matter were lost
-among them. uvicorn (vLLM's and SGLang's server) logs every probe and its users filter them out
-themselves; here a 2xx on the health path is left out at the source. A failing probe (503: the decoder
-does not serve) is still logged, as is every other request, whatever its answer.
+NOTE: why those probes are quiet. `tandem up --openai-port` and `tandem wait` probe /health every 0.2 s
+while they wait (`tandem.readiness.PROBE_INTERVAL_S`: about 125 lines in a 25 s start), and compose and
+Kubernetes probe it for as long as the gateway runs, so the requests that matter were lost among them.
+uvicorn (vLLM's and SGLang's server) logs every probe and its users filter them out themselves; here a
+2xx on the health path is left out at the source. A failing probe (503: the decoder does not serve) is
+still logged, as is every other request, whatever its answer, except when Tandem's own readiness
+probe (its User-Agent, `tandem.readiness.PROBE_USER_AGENT`) is told 503: `tandem wait` and `tandem up`
+ask while the decoder loads, where a 503 is the expected answer, and they say themselves what they were
+told (`tandem wait` names the target and its last answer when it gives up). vLLM and TGI open their
+port only once the model has loaded, so their probes meet a refused connection then, which logs nothing.
 """
 
 from __future__ import annotations
@@ -16,15 +20,19 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
 from tandem.gateway.app import HEALTH_PATH
+from tandem.readiness import PROBE_USER_AGENT
 
 
 def is_quiet(request: BaseRequest, response: StreamResponse) -> bool:
-    """Whether the request is a health probe that succeeded (GET or HEAD; any query string)."""
-    return request.path == HEALTH_PATH and 200 <= response.status < 300
+    """Whether the request is a health probe (GET or HEAD; any query string) that succeeded or that
+    Tandem's readiness probe sent."""
+    if request.path != HEALTH_PATH:
+        return False
+    return 200 <= response.status < 300 or request.headers.get("User-Agent") == PROBE_USER_AGENT
 
 
 class AccessLog(AccessLogger):
-    """aiohttp's access logger (`web.AppRunner(access_log_class=AccessLog)`), less successful probes."""
+    """aiohttp's access logger (`web.AppRunner(access_log_class=AccessLog)`), less the quiet probes."""
 
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
         if not is_quiet(request, response):
