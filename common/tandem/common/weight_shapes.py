@@ -135,6 +135,23 @@ def token_table(vocab_size: int, hidden_size: int, keys: Mapping[str, str] = CON
     return ExpectedWeight((vocab_size, hidden_size), meaning)
 
 
+# The types a weight may be stored in (safetensors' names). Integer and 8-bit-or-narrower float tensors
+# are quantized data (GPTQ's packed int32, FP8's e4m3 beside a scale) that a cast would silently turn
+# into other numbers.
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def type_refusal(name: str, stored: str) -> str | None:
+    """The refusal of weight `name` stored as safetensors type `stored` where it is no WEIGHT_DTYPES
+    one; None when a weight may be read from it."""
+    if stored in WEIGHT_DTYPES:
+        return None
+    return (
+        f"weight {name} is stored as {stored}, not a type a weight is read from "
+        f"(supported: {', '.join(WEIGHT_DTYPES)})"
+    )
+
+
 def mismatch(name: str, stored: tuple[int, ...], expected: ExpectedWeight, source: str) -> str | None:
     """The refusal of weight `name` stored as `stored` where `source` (e.g. "config.json") sizes it as
     `expected`; None when they agree."""

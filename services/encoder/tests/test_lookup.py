@@ -110,6 +110,21 @@ def test_a_table_of_another_shape_than_config_json_says_is_refused_from_its_head
         LookupEmbedder.load(broken, torch.bfloat16)
 
 
+@pytest.mark.parametrize("stored", [torch.int32, torch.float8_e4m3fn, torch.uint8])
+def test_a_table_stored_as_integer_or_fp8_data_is_refused_from_its_header(
+    tiny_model: Path, tmp_path: Path, stored: torch.dtype
+) -> None:
+    """Quantized data (GPTQ's packed int32, FP8 beside a scale) cast to the serving dtype would be other
+    numbers than the decoder's rows, which refuses such a checkpoint; the encoder alone served them."""
+    broken = tmp_path / "broken"
+    _copy_without_weights(tiny_model, broken)
+    with safe_open(tiny_model / "model.safetensors", framework="pt") as weights:
+        table = weights.get_tensor(EMBED_KEY)  # [vocab_size, hidden_size]
+    save_file({EMBED_KEY: table.to(stored)}, str(broken / "model.safetensors"))
+    with pytest.raises(TableShapeError, match=rf"weight {EMBED_KEY} is stored as \w+, not a type a weight"):
+        LookupEmbedder.load(broken, torch.bfloat16)
+
+
 def test_an_index_placing_the_table_outside_the_checkpoint_is_refused(
     tiny_model: Path, tmp_path: Path
 ) -> None:

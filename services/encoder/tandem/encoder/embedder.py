@@ -41,8 +41,9 @@ def read_tensor(path: Path, key: str) -> torch.Tensor:
         return weights.get_tensor(key)
 
 
-def read_shape(path: Path, key: str) -> tuple[int, ...]:
-    """Tensor `key`'s shape from the safetensors header at `path` (none of its data is read).
+def read_header(path: Path, key: str) -> tuple[tuple[int, ...], str]:
+    """Tensor `key`'s shape and safetensors type name ("BF16", "I32", ...) from the header at `path`
+    (none of its data is read).
 
     Raises EmbedderLoadError naming the file when it is missing, unreadable or lacks the key.
     """
@@ -52,7 +53,8 @@ def read_shape(path: Path, key: str) -> tuple[int, ...]:
         with safe_open(path, framework="pt", device="cpu") as weights:
             if key not in weights.keys():
                 raise EmbedderLoadError(f"{key} not found in {path}")
-            return tuple(weights.get_slice(key).get_shape())
+            stored = weights.get_slice(key)
+            return tuple(stored.get_shape()), stored.get_dtype()
     except (SafetensorError, OSError) as e:  # SafetensorError is a bare Exception
         raise EmbedderLoadError(f"{path} is not a readable safetensors file: {e}") from None
 

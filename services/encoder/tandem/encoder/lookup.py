@@ -18,13 +18,13 @@ from tokenizers import Tokenizer
 from tandem.common import checkpoint, text_bounds, vision_language
 from tandem.common.torch_part.quantized_tensor import quantize_table
 from tandem.common.torch_part.weight_files import INDEX_NAME, index_files, weight_names
-from tandem.common.weight_shapes import mismatch, token_table
+from tandem.common.weight_shapes import mismatch, token_table, type_refusal
 from tandem.encoder.embedder import (
     EmbedderInfo,
     EmbedderLoadError,
     Pooling,
     mean_pool,
-    read_shape,
+    read_header,
     read_tensor,
 )
 
@@ -93,14 +93,16 @@ def language_model_table(model_dir: Path, hf_config: dict[str, Any]) -> Language
 
 
 class TableShapeError(EmbedderLoadError):
-    """The token table's shape in its file is not the one config.json implies."""
+    """The token table's shape in its file is not the one config.json implies, or its type is not one a
+    weight is read from (quantized data: a cast would serve other numbers than the decoder's)."""
 
 
 def check_table_shape(model_dir: Path) -> None:
     """The token table (`model.embed_tokens.weight`, or a vision-language checkpoint's language model's)
-    is [vocab_size, hidden_size] as config.json (its text_config) states them, judged from the
-    safetensors header alone: nothing of the table is read, so a service runs it before it listens.
-    Raises TableShapeError for a disagreement, EmbedderLoadError for a file that cannot be read."""
+    is [vocab_size, hidden_size] as config.json (its text_config) states them, stored in a float type
+    the decoder reads too (weight_shapes.WEIGHT_DTYPES), judged from the safetensors header alone:
+    nothing of the table is read, so a service runs it before it listens. Raises TableShapeError for a
+    disagreement, EmbedderLoadError for a file that cannot be read."""
     hf_config = read_json(model_dir / "config.json")
     if vision_language.is_vision_language(hf_config):
         table = language_model_table(model_dir, hf_config)
@@ -112,7 +114,8 @@ def check_table_shape(model_dir: Path) -> None:
     if path is None:
         raise EmbedderLoadError(f"{name} is not listed in {model_dir / INDEX_NAME}")
     expected = token_table(shape.vocab_size, shape.hidden_size)
-    refusal = mismatch(name, read_shape(path, name), expected, "config.json")
+    stored, stored_type = read_header(path, name)
+    refusal = mismatch(name, stored, expected, "config.json") or type_refusal(name, stored_type)
     if refusal is not None:
         raise TableShapeError(f"{path}: {refusal}")
 

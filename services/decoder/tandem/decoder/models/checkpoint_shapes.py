@@ -28,7 +28,13 @@ from typing import Any
 import torch
 
 from tandem.common.vision_language import PLAIN, TEXT_ARCHITECTURES, WeightLayout
-from tandem.common.weight_shapes import TextModelShape, expected_weights, flagged_weights, mismatch
+from tandem.common.weight_shapes import (
+    TextModelShape,
+    expected_weights,
+    flagged_weights,
+    mismatch,
+    type_refusal,
+)
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.registry import MODEL_CLASSES
 
@@ -51,11 +57,6 @@ def text_model_shape(config: ModelConfig) -> TextModelShape:
     )
 
 
-# The types a weight may be stored in. Integer and 8-bit-or-narrower float tensors are quantized data
-# (GPTQ's packed int32, FP8's e4m3 beside a scale) that a cast would silently turn into other numbers.
-WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
-
-
 def check_shapes(
     file_of: dict[str, Any],  # checkpoint name -> the open safetensors file holding it
     path_of: dict[str, Path],  # checkpoint name -> that file's path
@@ -74,11 +75,9 @@ def check_shapes(
         refusal = mismatch(key, tuple(stored.get_shape()), expected, "config.json")
         if refusal is not None:
             return f"{path_of[key]}: {refusal}"
-        if stored.get_dtype() not in WEIGHT_DTYPES:
-            return (
-                f"{path_of[key]}: weight {key} is stored as {stored.get_dtype()}, not a type a weight is "
-                f"read from (supported: {', '.join(WEIGHT_DTYPES)})"
-            )
+        refusal = type_refusal(key, stored.get_dtype())
+        if refusal is not None:
+            return f"{path_of[key]}: {refusal}"
     return None
 
 
