@@ -264,6 +264,25 @@ def test_an_encoder_parts_rows_must_be_the_models_width_and_finite(tiny_fp32: Lo
     assert _field(tiny_fp32, _spec(_fetched(bad))) == "prompt[0].encoder.data"
 
 
+def test_rows_that_leave_no_room_end_the_request_without_waiting_for_the_other_fetches(
+    tiny_fp32: LoadedModel,
+) -> None:
+    # The call's end cancels the fetches still running: one request of many pictures no longer has
+    # every one through the encoder's tower before the context refuses it.
+    never = _fetched(None)
+    full = _spec(
+        _fetched(torch.randn(15, tiny_fp32.config.hidden_size)), never, deadline=time.monotonic() + 5
+    )
+    with pytest.raises(InvalidArgument, match=r"^prompt: at least 16 positions \(1 encoder parts not yet"):
+        _build(tiny_fp32, full)
+    assert not never.rows.done()
+    fits = _spec(
+        _fetched(torch.randn(14, tiny_fp32.config.hidden_size)),
+        _fetched(torch.randn(1, tiny_fp32.config.hidden_size)),
+    )
+    assert _build(tiny_fp32, fits).num_prompt_tokens == 15
+
+
 def test_a_failed_fetch_is_the_requests_error_waited_for_only_after_the_cheaper_rules(
     tiny_fp32: LoadedModel,
 ) -> None:

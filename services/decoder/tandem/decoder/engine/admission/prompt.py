@@ -156,11 +156,23 @@ def build_request(
     ]
     if spec.chat is not None and chat_template is not None and chat_template.prefix_free is not None:
         _join_runs(located, positions, chat_template.prefix_free)
+    # The rows as they come, each fetch counted at one position until it settles: once those known
+    # leave no room, the request ends here, and with its call the fetches still running (a prompt of a
+    # thousand pictures had each through the encoder's tower before the context refused it).
+    num_known = sum(len(p) if isinstance(p, list) else p.shape[0] for p in positions if p is not None)  # type: ignore[union-attr]
+    num_pending = sum(p is None for p in positions)
     for i, (path, part) in enumerate(located):
         if isinstance(part, EncoderPrompt):
-            positions[i] = _fetched_rows(
-                field_of(path, "encoder"), part, model_config.hidden_size, spec.deadline
-            )
+            rows = _fetched_rows(field_of(path, "encoder"), part, model_config.hidden_size, spec.deadline)
+            positions[i] = rows
+            num_known, num_pending = num_known + rows.shape[0], num_pending - 1
+            if num_pending and num_known + num_pending >= max_model_len:
+                raise InvalidArgument(
+                    field_name,
+                    f"at least {num_known + num_pending} positions ({num_pending} encoder parts not yet "
+                    f"fetched counted at one each) leave no room to generate within max_model_len "
+                    f"{max_model_len}",
+                )
     num_positions = sum(len(p) if isinstance(p, list) else p.shape[0] for p in positions)  # type: ignore[union-attr]
     stopping = _fit_context(spec, num_positions, max_model_len, field_name)
     segments = [
