@@ -19,7 +19,7 @@ from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart, TextPrompt
-from tandem.decoder.api.encoder_parts import EncoderParts
+from tandem.decoder.api.encoder_parts import MAX_EMBEDS_IN_FLIGHT, EncoderParts
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 
 HIDDEN_SIZE = 8
@@ -253,6 +253,25 @@ async def test_a_fetch_past_its_first_callers_deadline_is_fetched_again_by_one_w
     encoder.gate.set()
     assert torch.equal(await _rows(patient), _rows_of(PICTURE))
     assert encoder.num_embeds == 2 and encoder.max_running == 1  # the second only once the first ended
+
+
+async def test_embed_calls_in_flight_are_bounded_and_the_rest_wait_their_turn_within_their_deadline(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    # A gRPC server cancels at random the calls past the first 1,000 it has not taken up yet: one
+    # request of 2,000 encoder parts failed UNAVAILABLE "CANCELLED" from a healthy encoder.
+    pictures = [EncoderPrompt("image", PICTURE + bytes([i])) for i in range(MAX_EMBEDS_IN_FLIGHT + 8)]
+    waiting, _ = _start(parts, pictures)
+    await _until(lambda: encoder.num_running >= MAX_EMBEDS_IN_FLIGHT)
+    await asyncio.sleep(SETTLE_S)
+    assert encoder.num_running == encoder.max_running == MAX_EMBEDS_IN_FLIGHT
+    [hurried], _ = _start(parts, [EncoderPrompt("image", b"another")], time_remaining_s=0.2)
+    with pytest.raises(DeadlineExceeded, match=r"^prompt\[0\]\.encoder: the deadline passed"):
+        await _rows(hurried)  # never got a place: every one is held by a call the encoder holds
+    encoder.gate.set()
+    for part in waiting:
+        assert torch.equal(await _rows(part), _rows_of(part.content))  # type: ignore[arg-type]
+    assert encoder.num_embeds == len(pictures) and encoder.max_running == MAX_EMBEDS_IN_FLIGHT
 
 
 async def test_the_callers_trace_context_reaches_the_encoder_only_when_well_formed(

@@ -22,7 +22,10 @@ A fetch, on the event loop:
    the rows need no cast here. Where this decoder could make its probe file, the call offers shared memory
    (`tandem.common.torch_part.shared_memory`): an encoder on the same host writes the rows into the
    segment the offer named, and any other encoder ignores the offer and sends bytes. Negotiated per
-   call, never configured.
+   call, never configured. At most MAX_EMBEDS_IN_FLIGHT calls run at once, the others wait their turn
+   within their deadline: a gRPC server cancels at random the calls past the first 1,000 it has not
+   yet taken up (grpc.server.max_pending_requests), so one request of 2,000 encoder parts failed
+   UNAVAILABLE "CANCELLED", blaming a healthy encoder, and the encoder runs batches of 8 anyway.
 3. The reply: a handle is read only if it names the segment this call asked for; the segment is
    opened, checked (dtype, shape, bounds), its rows copied into this process (through this decoder's
    mapping of the encoder's pool segment, made the first time it is given one and kept:
@@ -81,6 +84,7 @@ from tandem.decoder.engine.admission.prompt import GenerateSpec
 
 CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading its model
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
+MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together (see step 2)
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # segments this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 
@@ -128,6 +132,7 @@ class EncoderParts:
         self._model_lock = asyncio.Lock()
         # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
         self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
+        self._in_flight = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # Embed calls running (step 2)
         self.num_shared = 0  # replies read from shared memory
         self.num_bytes = 0  # replies that carried their rows as bytes
 
@@ -237,7 +242,24 @@ class EncoderParts:
         offer = self._offer()
         if offer is not None:
             request.shared_memory.CopyFrom(offer)
-        reply = await self.client.stub.Embed(request, timeout=timeout_s, metadata=metadata)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._in_flight.acquire()
+        except TimeoutError:  # as the call's own deadline would end it: each waiter's DeadlineExceeded
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                f"waited for one of the {MAX_EMBEDS_IN_FLIGHT} Embed calls in flight",
+            ) from None
+        try:
+            reply = await self.client.stub.Embed(
+                request, timeout=max(0.0, deadline - loop.time()), metadata=metadata
+            )
+        finally:
+            self._in_flight.release()
         if reply.HasField("shared_embeddings"):
             handle = reply.shared_embeddings
             if offer is None or handle.name != offer.segment_name:
