@@ -1,13 +1,15 @@
 """The gateway's app served on a free loopback port in front of a decoder (the tests' fake), as
 `tandem serve openai` serves it (handler cancellation, its server log and its access log on, its
-connections through the ConnectionGuard, aiohttp's own answers in OpenAI's shape), with one body
-worker process, started only by a body over large_body_bytes. Always shut down."""
+connections through the ConnectionGuard, aiohttp's own answers in OpenAI's shape, its keep-alive
+timeout the idle timeout), with one body worker process, started only by a body over large_body_bytes.
+Always shut down."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,9 +25,14 @@ from tandem.gateway.connections import ConnectionGuard, OpenAIRequestHandler, Se
 
 
 @contextlib.asynccontextmanager
-async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[str]:
+async def live_gateway(
+    decoder_address: str, send_buffer_bytes: int | None = None, **settings: Any
+) -> AsyncIterator[str]:
     """The gateway's base URL (http://127.0.0.1:PORT/v1), with `settings` over GatewayConfig's defaults
-    (its encoder an address where none listens, unless `settings` name one)."""
+    (its encoder an address where none listens, unless `settings` name one). With `send_buffer_bytes`,
+    each connection's kernel send buffer is that small and stays so (Linux: an accepted socket takes
+    its listener's), as over a slow network: loopback grows it to MiBs, which an unread answer of a few
+    tens of KiB never fills."""
     settings = {"encoder_address": "127.0.0.1:9"} | settings
     config = GatewayConfig(decoder_address=decoder_address, port=0, **settings)
     decoder = DecoderClient(config.decoder_address, config.max_message_bytes, None, config.upstream)
@@ -33,7 +40,11 @@ async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[s
     callers = decoder_channels(config)
     workers = BodyWorkers(1)  # started by the first body over large_body_bytes, if any (a second)
     gateway = Gateway(config, decoder, encoder, callers, workers)
-    handler_settings: dict[str, Any] = {"logger": ServerLog(), "access_log_class": AccessLog}
+    handler_settings: dict[str, Any] = {
+        "keepalive_timeout": config.idle_timeout_s,
+        "logger": ServerLog(),
+        "access_log_class": AccessLog,
+    }
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, **handler_settings)
     await runner.setup()
     assert runner.server is not None
@@ -43,6 +54,8 @@ async def live_gateway(decoder_address: str, **settings: Any) -> AsyncIterator[s
         handlers, config.max_connections, config.header_timeout_s, config.write_timeout_s
     )
     listener = await loop.create_server(gateway.guard, "127.0.0.1", 0)
+    if send_buffer_bytes is not None:
+        listener.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     port = listener.sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}/v1"

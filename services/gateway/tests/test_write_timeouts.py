@@ -70,3 +70,58 @@ async def test_a_caller_that_stops_reading_is_closed_its_decoder_calls_cancelled
         for _ in range(20):  # the neighbour's stream goes on, its call open
             assert (await _next_event(neighbour)).startswith(b"data: {")
         assert decoder.num_open == 1 and len(decoder.cancelled) == NUM_CHOICES
+
+
+ANSWER_PROMPT_CHARS = 40_000  # an answer of ~40 KiB: past the kernel's ~8 KiB, under aiohttp's 64 KiB
+
+
+async def _unread_answer(url: str, close: bool) -> socket.socket:
+    """A connection that asks for a whole answer of ~40 KiB (the fake echoes its prompt) and then reads
+    nothing; with `close`, a Connection: close request, else a keep-alive one."""
+    sock = await connect(url, receive_buffer_bytes=2048)
+    body = json.dumps({"prompt": "a" * ANSWER_PROMPT_CHARS, "max_tokens": 2}).encode()
+    head = COMPLETIONS_HEAD + (b"Connection: close\r\n" if close else b"")
+    await send(sock, head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+async def test_an_unread_answer_under_the_high_water_mark_frees_its_connection_after_the_write_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The answer's handler ends with ~32 KiB unsent, under the mark at which aiohttp pauses writing;
+    # aiohttp's close (Connection: close, or the keep-alive timeout) then waited for them for ever, both
+    # connections held: every other caller was refused 503 (--max-connections 2).
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(
+            address,
+            send_buffer_bytes=4096,
+            write_timeout_s=WRITE_TIMEOUT_S,
+            idle_timeout_s=WRITE_TIMEOUT_S,
+            max_connections=2,
+        ) as url,
+        aiohttp.ClientSession() as session,
+    ):
+        with caplog.at_level(logging.INFO):
+            socks = [await _unread_answer(url, close=True), await _unread_answer(url, close=False)]
+            try:
+                async with asyncio.timeout(5):
+                    while len(decoder.requests) < 2:
+                        await asyncio.sleep(0.01)
+                started = time.monotonic()
+                statuses = []
+                async with asyncio.timeout(5):  # a neighbour retries until a connection is free
+                    while not statuses or statuses[-1] == 503:
+                        async with session.get(f"{url}/models") as neighbour:
+                            statuses.append(neighbour.status)
+                        await asyncio.sleep(0.05)
+                took_s = time.monotonic() - started
+                sent = [await read_to_close(sock, 5) for sock in socks]  # the gateway closed them
+            finally:
+                for sock in socks:
+                    sock.close()
+        assert statuses[0] == 503 and statuses[-1] == 200, statuses
+        assert WRITE_TIMEOUT_S <= took_s < 5, took_s
+        assert all(0 < len(s) < ANSWER_PROMPT_CHARS for s in sent), [len(s) for s in sent]
+        lines = [r.getMessage() for r in caplog.records if "--write-timeout-s" in r.getMessage()]
+        assert len(lines) == 2 and all("took none of its answer for 0.5 s" in line for line in lines)

@@ -14,13 +14,20 @@ NOTE: a caller that stops reading its answer. Writing waits on the socket's back
 (aiohttp's writer awaits the transport's drain), and a peer that keeps its connection open but reads
 nothing is never timed out by TCP: its handler, and a streamed answer's decoder calls, lived on until
 max_tokens, holding their KV blocks and a stream of the caller's share, and a finished one held its
-handler and its answer. While aiohttp's transport holds more than its high-water mark unsent (its
-`pause_writing`), the connection's unsent bytes are looked at every quarter of `write_timeout_s`; once
-they have not gone down at four looks in a row, the connection is aborted, which cancels its handler
-and with it every gRPC call of its request (aiohttp's handler cancellation). As with nginx's
-send_timeout (60 s between two writes that take anything), a caller taking bytes is not cut: only
-until aiohttp's writer waits on its drain (after its next 64 KiB, or one larger write) can a look see
-more added than was taken.
+handler and its answer. An answer that ends with bytes still unsent, under aiohttp's 64 KiB high-water
+mark (a 40 KiB answer through a 4 KiB send buffer; or a larger one read until writing resumed below
+the 16 KiB low-water mark), never paused writing at all: its handler ended, and aiohttp's close (on
+Connection: close, or its keep-alive timeout) waits for the unsent bytes to go, so the connection held
+its descriptor and its place in `max_connections` for ever, a few KiB of unread answer each. So every
+open connection's unsent bytes are looked at every quarter of `write_timeout_s`, paused or not; once a
+connection has had bytes unsent and none taken at four looks in a row, it is aborted, which cancels its
+handler and with it every gRPC call of its request (aiohttp's handler cancellation); it is aborted
+within a quarter more than the bound after its caller's last byte taken. A look sees nothing taken when
+the unsent bytes are as many as at the last look, or more with writing paused since then (aiohttp's
+writer waits on the drain then, after at most its next 64 KiB); writing resumed (under the low-water
+mark) is bytes taken, and more unsent while writing was not paused means the handler is writing, which
+its own bounds (max_tokens) end: the count starts again. As with
+nginx's send_timeout (60 s between two writes that take anything), a caller taking bytes is not cut.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ REFUSAL = (
 ) + REFUSAL_BODY
 
 
-# Looks at a paused connection's unsent bytes within one `write_timeout_s`.
+# Looks at each connection's unsent bytes within one `write_timeout_s`.
 NUM_WRITE_LOOKS = 4
 
 # Descriptors beside the connections and their decoder channels: the listener, the services'
@@ -102,6 +109,8 @@ class ConnectionGuard:
         self.num_refused = 0
         self.num_timed_out = 0
         self._waiting: dict[asyncio.BaseTransport, asyncio.TimerHandle] = {}  # no request head yet
+        self._writes: dict[asyncio.BaseTransport, _Writes] = {}  # every open connection's
+        self._looks: asyncio.TimerHandle | None = None  # the next look at them, while any is open
 
     def __call__(self) -> asyncio.Protocol:
         return _Guarded(self)
@@ -123,7 +132,22 @@ class ConnectionGuard:
         self.num_open += 1
         loop = asyncio.get_running_loop()
         self._waiting[transport] = loop.call_later(self.header_timeout_s, self._no_head, transport)
+        assert isinstance(transport, asyncio.WriteTransport)
+        self._writes[transport] = _Writes(transport)
+        if self._looks is None:
+            self._looks = loop.call_later(self.write_timeout_s / NUM_WRITE_LOOKS, self._look)
         return self._protocol()
+
+    def _look(self) -> None:
+        for transport, writes in list(self._writes.items()):
+            if writes.look():
+                del self._writes[transport]  # aborted: looked at no more
+                self._write_stalled(writes.transport)
+        self._looks = None
+        if self._writes:
+            self._looks = asyncio.get_running_loop().call_later(
+                self.write_timeout_s / NUM_WRITE_LOOKS, self._look
+            )
 
     def _no_head(self, transport: asyncio.BaseTransport) -> None:
         if self._waiting.pop(transport, None) is not None:
@@ -145,6 +169,10 @@ class ConnectionGuard:
         timer = self._waiting.pop(transport, None)
         if timer is not None:
             timer.cancel()
+        self._writes.pop(transport, None)
+        if not self._writes and self._looks is not None:
+            self._looks.cancel()
+            self._looks = None
 
 
 class _Guarded(asyncio.Protocol):
@@ -155,19 +183,18 @@ class _Guarded(asyncio.Protocol):
         self._guard = guard
         self._inner: asyncio.Protocol | None = None  # None: refused
         self._transport: asyncio.BaseTransport | None = None
-        self._stall: _WriteStall | None = None  # while aiohttp's transport has paused our writing
+        self._writes: _Writes | None = None  # the guard's look at its unsent bytes, once let in
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
         self._inner = self._guard._open(transport)
         if self._inner is not None:
+            self._writes = self._guard._writes[transport]
             self._inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._inner is not None and self._transport is not None:
             self._guard._closed(self._transport)
-            if self._stall is not None:
-                self._stall.cancel()
             self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -178,49 +205,42 @@ class _Guarded(asyncio.Protocol):
         return self._inner.eof_received() if self._inner is not None else None
 
     def pause_writing(self) -> None:
-        if self._inner is not None:
-            assert isinstance(self._transport, asyncio.WriteTransport)
-            self._stall = _WriteStall(
-                self._transport, self._guard.write_timeout_s, self._guard._write_stalled
-            )
+        if self._inner is not None and self._writes is not None:
+            self._writes.pause()
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self._inner is not None:
-            if self._stall is not None:
-                self._stall.cancel()
-                self._stall = None
+        if self._inner is not None and self._writes is not None:
+            self._writes.resume()
             self._inner.resume_writing()
 
 
-class _WriteStall:
-    """A paused connection's unsent bytes, looked at NUM_WRITE_LOOKS times a `timeout_s`: `on_stall`
-    once they have not gone down at any of that many looks in a row."""
+class _Writes:
+    """One connection's unsent bytes as the guard last looked at them: `look` says when no byte has
+    been taken at NUM_WRITE_LOOKS looks in a row while some were unsent (the module's NOTE)."""
 
-    def __init__(
-        self,
-        transport: asyncio.WriteTransport,
-        timeout_s: float,
-        on_stall: Callable[[asyncio.WriteTransport], None],
-    ) -> None:
-        self._transport = transport
-        self._on_stall = on_stall
-        self._every_s = timeout_s / NUM_WRITE_LOOKS
-        self._unsent = transport.get_write_buffer_size()
+    def __init__(self, transport: asyncio.WriteTransport) -> None:
+        self.transport = transport
+        self._paused = False  # aiohttp's transport has paused writing (over its high-water mark)
+        self._resumed = False  # writing was resumed since the last look: the caller took bytes
+        self._paused_at_look = False
+        self._unsent = 0
         self._num_still = 0  # looks in a row that saw nothing taken
-        self._timer = asyncio.get_running_loop().call_later(self._every_s, self._look)
 
-    def _look(self) -> None:
-        unsent = self._transport.get_write_buffer_size()
-        self._num_still = 0 if unsent < self._unsent else self._num_still + 1
-        self._unsent = unsent
-        if self._num_still >= NUM_WRITE_LOOKS:
-            self._on_stall(self._transport)
-        else:
-            self._timer = asyncio.get_running_loop().call_later(self._every_s, self._look)
+    def pause(self) -> None:
+        self._paused = True
 
-    def cancel(self) -> None:
-        self._timer.cancel()
+    def resume(self) -> None:
+        self._paused, self._resumed = False, True
+
+    def look(self) -> bool:
+        unsent = self.transport.get_write_buffer_size()
+        # Paused since the last look, the handler's writes wait on the drain: more unsent is none taken.
+        paused_throughout = self._paused and self._paused_at_look and not self._resumed
+        still = unsent > 0 and (unsent == self._unsent or (paused_throughout and unsent > self._unsent))
+        self._num_still = self._num_still + 1 if still and not self._resumed else 0
+        self._unsent, self._paused_at_look, self._resumed = unsent, self._paused, False
+        return self._num_still >= NUM_WRITE_LOOKS
 
 
 class OpenAIRequestHandler(web.RequestHandler):
