@@ -125,3 +125,27 @@ async def test_an_unread_answer_under_the_high_water_mark_frees_its_connection_a
         assert all(0 < len(s) < ANSWER_PROMPT_CHARS for s in sent), [len(s) for s in sent]
         lines = [r.getMessage() for r in caplog.records if "--write-timeout-s" in r.getMessage()]
         assert len(lines) == 2 and all("took none of its answer for 0.5 s" in line for line in lines)
+
+
+async def test_a_caller_reading_slowly_is_never_cut() -> None:
+    # It takes 4 KiB every 0.1 s of a stream that writes as fast as it may, for three times the bound:
+    # bytes stay unsent at every look, and some are taken between any two.
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, send_buffer_bytes=4096, write_timeout_s=WRITE_TIMEOUT_S) as url,
+    ):
+        sock = await connect(url, receive_buffer_bytes=4096)
+        try:
+            body = json.dumps({"prompt": "flood", "stream": True}).encode()
+            await send(sock, COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            loop, received = asyncio.get_running_loop(), 0
+            until = time.monotonic() + 3 * WRITE_TIMEOUT_S
+            while time.monotonic() < until:
+                async with asyncio.timeout(5):
+                    chunk = await loop.sock_recv(sock, 4096)
+                assert chunk, f"closed after {received} bytes"
+                received += len(chunk)
+                await asyncio.sleep(0.1)
+            assert decoder.num_open == 1 and decoder.cancelled == []
+        finally:
+            sock.close()
