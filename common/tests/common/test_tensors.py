@@ -1,6 +1,7 @@
 """The tensor codec: round trips are exact and every malformed message names its field."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -98,6 +99,19 @@ def test_huge_declared_shape_is_refused_before_allocating() -> None:
     error = _error(_message(shape=(2**31, 2**31), data=b"\0" * 8), limits=limits)
     assert error.field == "prompt[1].embeddings.shape"
     assert "limit" in error.description
+
+
+def test_a_shape_of_many_huge_dimensions_is_refused_at_once_naming_the_limit() -> None:
+    # 40,000 dimensions of 2^62 (360 KB): their whole product took 4.9 s, growing with the square of
+    # the count, and then could not be printed (a ValueError: INTERNAL).
+    started = time.perf_counter()
+    error = _error(_message(shape=[2**62] * 40_000, data=b""))
+    assert error.field == "prompt[1].embeddings.shape"
+    assert error.description == f"more than {1 << 26} elements exceed the limit of {1 << 26}"
+    assert time.perf_counter() - started < 1.0
+    assert _error(_message(shape=(2**13, 2**13, 2))).description == (
+        f"{1 << 27} elements exceed the limit of {1 << 26}"  # the whole count, where it is known
+    )
 
 
 def test_huge_shape_under_the_cap_but_short_data_is_a_length_error() -> None:
