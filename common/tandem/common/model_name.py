@@ -43,14 +43,28 @@ def check_adapter_name(name: str, field: str = "name") -> None:
 # Control characters (newline, carriage return, escape, DEL, ...) and the two Unicode line separators,
 # which str.splitlines and many log viewers also break lines at.
 _LINE_FORGING = frozenset({"Cc", "Zl", "Zp"})
+# Format characters: zero-width ones (U+200B, U+2060, U+FEFF) and the bidirectional overrides and
+# isolates (U+202A-U+202E, U+2066-U+2069, the "Trojan Source" characters), which print as nothing or
+# reorder what follows them: "qv4\u200b" shows as "qv4" in a log line, /v1/models or a trace, a twin of
+# another name nobody can tell apart.
+_INVISIBLE = "Cf"
 
 
 def check_label(text: str, field: str) -> None:
     """A name a caller gives that the server logs and echoes (an adapter's name, a request ID): no
     control characters or line separators, which would forge a log line, and no white space at either
     end, which makes two names nobody can tell apart ("qv4 " beside "qv4"). Raises InvalidArgument
-    naming `field`."""
-    if any(unicodedata.category(c) in _LINE_FORGING for c in text):
+    naming `field`. Nor invisible format characters (zero-width, bidirectional controls), which make
+    the same kind of twin ("qv4\u200b" beside "qv4") or reorder a log line as it is shown."""
+    categories = {unicodedata.category(c) for c in text}
+    if categories & _LINE_FORGING:
         raise InvalidArgument(field, f"must not hold control characters or line separators, got {echo(text)}")
+    if _INVISIBLE in categories:
+        invisible = next(c for c in text if unicodedata.category(c) == _INVISIBLE)
+        raise InvalidArgument(
+            field,
+            f"must not hold invisible format characters (U+{ord(invisible):04X}: zero-width or "
+            f"bidirectional controls), got {echo(text)}",
+        )
     if text != text.strip():
         raise InvalidArgument(field, f"must not begin or end with white space, got {echo(text)}")

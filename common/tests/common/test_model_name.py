@@ -65,6 +65,9 @@ def test_an_adapter_name_may_hold_inner_spaces_and_any_letters() -> None:
         ("r1\nINFO forged line", "control characters"),
         ("r1\x1b[2J", "control characters"),
         ("r1\u2028INFO forged line", "line separators"),  # str.splitlines breaks here too
+        ("qv4\u200b", "U+200B: zero-width"),  # shows as "qv4"
+        ("r1\u202eexe.txt", "U+202E: zero-width or bidirectional"),  # shows reversed after it
+        ("\ufeffr1", "invisible format characters"),
         ("r1 ", "white space"),
         ("\u3000r1", "white space"),  # an ideographic space
     ],
