@@ -45,6 +45,7 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         self.refused_token = ""  # a bearer token whose calls are refused
         self.is_refusing_all = False
         self.is_malformed = False  # replies with rows of rank 1
+        self.is_non_finite = False  # replies with a NaN in its rows
         self.trace_headers: list[dict[str, str]] = []  # each Embed call's traceparent and tracestate
 
     async def GetModelInfo(self, request, context) -> encoder_pb2.EncoderGetModelInfoResponse:
@@ -67,6 +68,8 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         if self.is_refusing_all or (self.refused_token and token == self.refused_token):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a picture")
         rows = _rows_of(request.image.data)
+        if self.is_non_finite:
+            rows[1, 2] = float("nan")
         return encoder_pb2.EmbedResponse(embeddings=tensors.encode(rows[0] if self.is_malformed else rows))
 
 
@@ -230,6 +233,23 @@ async def test_a_malformed_reply_is_refused_to_every_caller_on_its_own_field(
         assert error.value.field == f"{field}.encoder.embeddings.shape"
         assert "expected rank 2" in error.value.description
     assert encoder.num_embeds == 1
+
+
+async def test_rows_holding_nan_are_refused_and_not_cached_so_the_next_call_fetches_them_again(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    """An encoder's fault (a NaN in one reply) lives as long as that call, not on in the cache."""
+    encoder.is_non_finite = True
+    encoder.gate.set()
+    [first], _ = _start(parts, [_picture()])
+    with pytest.raises(InvalidArgument) as error:
+        await _rows(first)
+    assert error.value.field == "prompt[0].encoder.embeddings.data"
+    assert "NaN or Inf" in error.value.description and "index [1, 2]" in error.value.description
+    encoder.is_non_finite = False
+    [again], _ = _start(parts, [_picture()])
+    assert torch.equal(await _rows(again), _rows_of(PICTURE))
+    assert encoder.num_embeds == 2
 
 
 async def test_callers_with_other_tokens_fetch_apart_and_get_only_their_own_refusal(

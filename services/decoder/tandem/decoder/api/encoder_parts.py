@@ -272,6 +272,12 @@ class EncoderParts:
         else:
             result = tensors.decode(reply.embeddings, ".embeddings", rank=2, limits=self.limits)
             self.num_bytes += 1
+        # Checked in the model's dtype before it is cached, as admission checks every call's rows again:
+        # rows holding NaN or Inf, kept, refused every later call of the same input until evicted, the
+        # encoder's fault outliving the encoder's fix. A fetch's cost alone, not a cache hit's.
+        result = result.to(self.dtype)
+        reply_field = ".shared_embeddings" if reply.HasField("shared_embeddings") else ".embeddings"
+        tensors.require_finite(result, reply_field)
         self.cache.put(key, result)
         return result
 
