@@ -3,6 +3,8 @@ while it loads; a start-up that cannot succeed is one line and an exit code."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -12,11 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file, save_file
 
 from common.tests.signalled_process import Exited, signal_after_line
@@ -246,6 +250,55 @@ def test_a_signal_while_the_model_loads_ends_the_process_at_once(
     exited = _signal_while_starting(model_dir, sig, "--quantization", "int8")
     _assert_stopped_at_once(exited, "stopping before the model finished loading")
     assert exited.log.rstrip().endswith("stopped"), exited.log
+
+
+class _HeldHealthChecks(grpc.aio.ServerInterceptor):
+    """Holds each health Check until `release` is set: a Check the loop has not answered yet."""
+
+    def __init__(self) -> None:
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def intercept_service(self, continuation, details):
+        if details.method == "/grpc.health.v1.Health/Check":
+            self.held.set()
+            await self.release.wait()
+        return await continuation(details)
+
+
+async def test_a_health_check_in_flight_when_a_loading_decoder_stops_is_answered_not_cancelled(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stop(0) cancelled it: UNAVAILABLE "Cancelling all calls" to the prober, and a GOAWAY with an error
+    # to every connected client, whose gRPC core printed "Got goaway [2]" (under `tandem wait`).
+    is_loading, end_load = threading.Event(), threading.Event()
+
+    def load_until_the_test_ends(*_: object) -> None:
+        is_loading.set()
+        end_load.wait(60)
+
+    stop = asyncio.Event()
+    monkeypatch.setattr(decoder_main, "_load_engine", load_until_the_test_ends)
+    monkeypatch.setattr(decoder_main, "stop_on_signals", lambda *_: stop)
+    port = free_port()
+    config = decoder_main.config_from_args(["--model", str(tiny_model_dir), "--port", str(port)])
+    checks = _HeldHealthChecks()
+    config = dataclasses.replace(config, server=dataclasses.replace(config.server, interceptors=(checks,)))
+    serving = asyncio.ensure_future(decoder_main.serve(config))
+    try:
+        assert await asyncio.to_thread(is_loading.wait, 30)
+        async with DecoderClient(f"127.0.0.1:{port}") as client:
+            check = asyncio.ensure_future(client.health(timeout=10))
+            await asyncio.wait_for(checks.held.wait(), 10)
+            stop.set()  # a SIGTERM while the model loads
+            await asyncio.sleep(0.2)  # the server's stop has begun (well within UNSERVED_GRACE_S)
+            checks.release.set()
+            assert await check == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await asyncio.wait_for(serving, 10) is decoder_main.Outcome.ABANDONED
+    finally:
+        end_load.set()
+        if not serving.done():
+            serving.cancel()
 
 
 # SIGTERM to rank 0 (an orchestrator's stop), or Ctrl-C in a terminal, which signals every rank: rank 1

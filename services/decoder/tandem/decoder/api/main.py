@@ -73,6 +73,13 @@ log = logging.getLogger("tandem.decoder")
 
 PROG = "tandem serve decoder"
 CUT_S = 5.0  # after the grace period: how long aborted streams get to send `finished` before gRPC cancels
+# A decoder that stops before it serves has no stream to drain, but a client may have a health call in
+# flight: a probe's Check (`tandem wait`, `tandem up`, a kubelet) that the loop, busy beside the load,
+# has not answered yet. stop(0) cancels it, and gRPC tells each connected client so with a GOAWAY that
+# carries an error, which every client's gRPC core prints on its terminal ("Got goaway [2] ...
+# Cancelling all calls"). A graceful stop answers it (NOT_SERVING) and sends a plain GOAWAY; with
+# nothing in flight it returns at once, and a health Watch, which never ends by itself, is cut after it.
+UNSERVED_GRACE_S = 1.0
 # Once loaded, how long the decoder waits for its --encoder to say which model it serves (under `tandem
 # up` both start together, and a larger encoder may still be loading); past it, it serves, and the
 # encoder's model is checked at its first encoder part.
@@ -320,7 +327,7 @@ async def serve(
     loader.shutdown(wait=False)
     if not is_loaded:
         log.info("stopping before the model finished loading")
-        await running.stop(0)  # nothing is served before the load: no call to drain
+        await running.stop(UNSERVED_GRACE_S)
         telemetry.shutdown()
         log.info("stopped")
         return Outcome.ABANDONED
@@ -329,7 +336,7 @@ async def serve(
     except (ModelLoadError, BackendUnavailable, OSError, RuntimeError, ValueError) as error:
         log.error("could not load %s: %s", config.engine.model_dir, error)
         log.debug("the load failed here", exc_info=True)
-        await running.stop(0)
+        await running.stop(UNSERVED_GRACE_S)
         telemetry.shutdown()
         return Outcome.FAILED
     # This thread only converts requests (small tensor ops): one intra-op thread, so it never holds
@@ -396,7 +403,7 @@ async def _stop_unserved(
     engine.shutdown()
     if servicer.encoder_parts is not None:
         await servicer.encoder_parts.close()
-    await running.stop(0)
+    await running.stop(UNSERVED_GRACE_S)
     telemetry.shutdown()
     log.info("stopped")
     return outcome
