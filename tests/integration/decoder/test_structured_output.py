@@ -235,6 +235,40 @@ async def test_a_grammar_that_breaks_on_the_way_is_an_error_never_an_eos(decoder
     assert decoder.engine.core.num_live() == 0 and blocks.num_free_blocks == initial  # nothing held
 
 
+async def test_a_grammar_over_the_cpu_limit_per_token_is_an_error_while_its_neighbour_streams(
+    decoder: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An ambiguous grammar's parse costs more with every token (sampling/structured.py: with SmolLM2's
+    # vocabulary up to 0.5 s of CPU a mask), and every step of the batch waits for its masks. The
+    # served limit (50 ms) takes hundreds of tokens to reach with the tiny model's vocabulary, so
+    # here any work is over it: the first mask, or the proposal checked, fails the request.
+    from tandem.decoder.engine.sampling import structured
+
+    monkeypatch.setattr(structured, "MAX_TOKEN_CPU_SECONDS", 1e-6)
+    blocks = decoder.engine.core.block_manager
+    initial = blocks.num_free_blocks
+    alone, _ = await decoder.client.generate_text(["Once upon a time"], max_new_tokens=12, temperature=0.0)
+    for speculative_tokens in (0, 4):
+        free = decoder.client.generate_text(["Once upon a time"], max_new_tokens=12, temperature=0.0)
+        slow = decoder.client.generate_text(
+            ["a a a a a a a a"], structured=structured_output(grammar='start: s\ns: s s s | s s | "a"'),
+            max_new_tokens=64, speculative_tokens=speculative_tokens,
+        )  # fmt: skip
+        results = await asyncio.gather(free, slow, return_exceptions=True)
+        assert isinstance(results[1], grpc.aio.AioRpcError), results[1]
+        assert results[1].code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = results[1].details()
+        assert details.startswith("structured.grammar: the grammar's work took"), details
+        assert "over the limit of 0.001 ms" in details, details
+        assert (
+            not isinstance(results[0], BaseException) and results[0][0] == alone
+        )  # its neighbour: unchanged
+    monkeypatch.undo()
+    text, _ = await _answer(decoder, structured_output(regex="a{5}{3}"))  # and it keeps serving
+    assert text == "a" * 15
+    assert decoder.engine.core.num_live() == 0 and blocks.num_free_blocks == initial  # nothing held
+
+
 async def test_a_grammar_naming_the_eos_token_as_text_is_an_error_never_an_eos_answer(
     decoder: Served,
 ) -> None:

@@ -6,6 +6,7 @@ import itertools
 import json
 import string
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import tokenizers
 
 from tandem.client.errors import InvalidArgument
 from tandem.decoder.engine.params import StructuredOutput
-from tandem.decoder.engine.sampling.structured import MAX_SOURCE_CHARS, GrammarCompiler
+from tandem.decoder.engine.sampling import structured
+from tandem.decoder.engine.sampling.structured import MAX_SOURCE_CHARS, MAX_TOKEN_CPU_SECONDS, GrammarCompiler
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,119 @@ def test_the_eos_token_where_the_grammar_ends_is_its_end_and_no_error(
     assert constraint.allowed()[eos]
     constraint.accept(eos)
     assert constraint.error() is None
+
+
+AMBIGUOUS = 'start: s\ns: s s s | s s | "a"'  # every split of "aaa..." is a parse: Earley keeps them all
+
+
+def _a(tiny_model_dir: Path) -> int:
+    return tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).token_to_id("a")
+
+
+@pytest.mark.parametrize("num_proposed", [0, 4], ids=["plain", "speculating"])
+def test_an_ambiguous_grammar_fails_the_request_once_one_token_costs_more_cpu_than_the_limit(
+    compiler: GrammarCompiler, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, num_proposed: int
+) -> None:
+    # The parse of this grammar's answer costs more with every token (with SmolLM2's vocabulary a
+    # mask took 5 ms at 100 tokens and over a second at 900), and each mask holds up the whole batch's
+    # step. A limit of 2 ms, not the served 50 ms, so the growth passes it within a second here.
+    monkeypatch.setattr(structured, "MAX_TOKEN_CPU_SECONDS", 0.002)
+    a = _a(tiny_model_dir)
+    constraint = compiler.constraint(StructuredOutput("grammar", AMBIGUOUS))
+    while constraint.error() is None and constraint.num_accepted < 400:
+        if num_proposed:  # as a speculating step: the proposal checked, each verifying row masked
+            assert constraint.valid_prefix([a] * num_proposed) == num_proposed
+            assert all(mask[a] for mask in constraint.masks_along([a] * num_proposed))
+        else:
+            assert constraint.allowed()[a]
+        constraint.accept(a)
+    error = constraint.error()
+    assert error is not None and error.field == "structured.grammar", error
+    assert (
+        "ms of CPU per token (a mask, and taking the token) on average over its last 8 masks"
+        in error.description
+    )
+    assert "over the limit of 2 ms" in error.description
+    # Long before llguidance's own limit on the parse (2,000 items in a row, at about 400 tokens)
+    assert 20 < constraint.num_accepted < 300, error.description
+
+
+def test_a_long_unambiguous_answer_stays_far_below_the_limit_per_token(
+    compiler: GrammarCompiler, tiny_model_dir: Path
+) -> None:
+    # The ambiguous grammar's language with one parse per answer: 2,000 tokens, none near the served
+    # limit (0.3-0.4 ms of CPU at most, with this vocabulary and SmolLM2's). Left-recursive: a
+    # right-recursive rule's Earley rows grow by an item a token, to llguidance's 2,000 at 1,997.
+    a = _a(tiny_model_dir)
+    constraint = compiler.constraint(StructuredOutput("grammar", 'start: s\ns: s "a" | "a"'))
+    for _ in range(2000):
+        assert constraint.allowed()[a]
+        constraint.accept(a)
+    assert constraint.error() is None and constraint.max_token_cpu_seconds == MAX_TOKEN_CPU_SECONDS
+
+
+def test_matching_thousands_of_nesting_levels_needs_no_deep_stack(
+    compiler: GrammarCompiler, tiny_model_dir: Path
+) -> None:
+    # Compiling recurses per rule (COMPILE_STACK_BYTES), matching does not per level of the answer:
+    # 3,000 open brackets and 600 nested JSON objects on a 1 MiB stack, an eighth of the default 8 MiB
+    # that the engine's mask thread and the engine thread run with (a recursion would die of SIGSEGV).
+    tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    nested = [
+        (StructuredOutput("grammar", 'start: a\na: "(" a ")" | "x"'), "(" * 3000),
+        (StructuredOutput("json_object", ""), '{"a":' * 600),
+    ]
+    constraints = [compiler.constraint(spec) for spec, _ in nested]
+
+    def answer() -> None:
+        for constraint, (_, text) in zip(constraints, nested, strict=True):
+            for token_id in tokenizer.encode(text).ids:
+                assert constraint.allowed()[token_id]
+                constraint.accept(token_id)
+            assert constraint.error() is None and constraint.allowed().any()
+
+    structured.on_deep_stack(answer, stack_bytes=1024 * 1024)
+
+
+class _BurningMatcher:
+    """A matcher whose masks burn the CPU time a test asks for, one after another."""
+
+    def __init__(self, mask_seconds: list[float]) -> None:
+        self.mask_seconds = mask_seconds
+
+    def compute_bitmask(self) -> bytes:
+        end = time.thread_time() + self.mask_seconds.pop(0)
+        while time.thread_time() < end:
+            pass
+        return bytes(4)
+
+    def consume_token(self, token_id: int) -> None:
+        pass
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def is_error(self) -> bool:
+        return False
+
+
+def _answer(mask_seconds: list[float]) -> structured.Constraint:
+    """A constraint (limit: 5 ms on average) after one mask and one token per entry, or its error."""
+    constraint = structured.Constraint(
+        _BurningMatcher(list(mask_seconds)), 32, "structured.grammar", max_token_cpu_seconds=0.005
+    )
+    while constraint.error() is None and constraint.num_accepted < len(mask_seconds):
+        constraint.allowed()
+        constraint.accept(1)
+    return constraint
+
+
+def test_one_dear_mask_passes_and_dear_masks_that_stay_fail_the_request() -> None:
+    # llguidance's lexer may spend its fuel (about 150 ms) once on a legitimate grammar's new state,
+    # where an ambiguous grammar's cost stays: one mask of 4 times the limit among cheap ones passes,
+    # masks of 1.6 times it, one after another, fail the request within the average's 8 masks.
+    assert _answer([0.02] + [0.0] * 15).error() is None
+    stays = _answer([0.008] * 16)
+    error = stays.error()
+    assert error is not None and "over the limit of 5 ms" in error.description
+    assert stays.num_accepted <= 6  # 6 masks of 8 ms pass 8 x 5 ms

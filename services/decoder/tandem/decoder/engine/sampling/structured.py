@@ -13,6 +13,20 @@ INVALID_ARGUMENT and nothing else. They run on a thread of their own with a deep
 (COMPILE_STACK_BYTES says why). Each step the constraint's allowed tokens mask the request's logits
 (the model's EOS only where the grammar may end); after the step it takes the sampled token.
 
+NOTE: the grammar's work per token is bounded by CPU time, not only by llguidance's limits. Its
+Earley parser pays, per token, for every parse of the answer so far still open, so an ambiguous
+grammar's (`s: s s | "a"`) grows with the answer: with SmolLM2's vocabulary a mask took 5 ms at 100
+tokens, 0.1 s at 600 and 0.5 s of CPU at 933 (1.8 s of wall time on a busy machine), 137 s of CPU in
+all before llguidance's 2,000 items in a row stopped it at 999 tokens, and every step of the batch
+waits for each mask. llguidance's per-step limits count the items it creates, not the rows each
+completion scans, so they did not trip. Where the grammar's work for its last NUM_MASKS_AVERAGED
+masks (each mask, and taking or checking the token after it) cost over MAX_TOKEN_CPU_SECONDS each on
+average, the request fails after that step, naming its field and the limit. An average, because
+llguidance's lexer may spend up to its fuel (about 150 ms of CPU here) once, on a new state of a
+legitimate grammar, where an ambiguous grammar's cost stays and grows. Matching does not recurse
+per level of nesting (3,000 open brackets match on a 1 MiB stack): only compiling needs the deep
+stack.
+
 Speculation composes: a proposal is cut at its first token the grammar refuses, and each verifying
 row is masked by the grammar's state after the proposed tokens before it (`masks_along`, rolled back
 after), so verification samples exactly what plain constrained steps would. The masks of a step are
@@ -25,9 +39,11 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -47,6 +63,14 @@ CACHE_SIZE = 256  # compiled grammars kept, by content
 # the whole decoder with SIGSEGV. Compiling runs on a thread of this stack, about 4 times what the
 # deepest 64 KiB source needs; only the pages it touches take memory.
 COMPILE_STACK_BYTES = 64 * 1024 * 1024
+# The CPU time the grammar's work per token (a mask, and taking or checking the token after it) may
+# cost on average over the last NUM_MASKS_AVERAGED masks; read when a request's constraint is made.
+# With SmolLM2's vocabulary legitimate grammars stay far below it: 6,000 tokens of nested JSON
+# objects 0.3 ms at most, the deepest 64 KiB Lark chain 2.5 ms, a right-recursive rule 25 ms at the
+# 1,997 tokens where llguidance's row limit stops it. It bounds what one request adds to every step
+# of its batch. CPU time, not wall time, so a busy machine fails no request for its neighbours' load.
+MAX_TOKEN_CPU_SECONDS = 0.05
+NUM_MASKS_AVERAGED = 8
 _STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one setter at a time
 
 T = TypeVar("T")
@@ -80,6 +104,7 @@ class Constraint:
         vocab_size: int,
         field: str = "structured",
         eos_token_ids: frozenset[int] = frozenset(),
+        max_token_cpu_seconds: float = MAX_TOKEN_CPU_SECONDS,
     ) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
@@ -87,17 +112,21 @@ class Constraint:
         self.eos_token_ids = eos_token_ids  # the model's: sampled, one always ends the answer
         self.num_accepted = 0
         self._eos_inside: int | None = None  # an EOS ID the grammar took as text, not as its end
+        self.max_token_cpu_seconds = max_token_cpu_seconds
+        self._recent_seconds: deque[float] = deque(maxlen=NUM_MASKS_AVERAGED)  # CPU per mask and token
+        self._too_slow: _TooSlow | None = None  # where the average first passed max_token_cpu_seconds
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar accepts next."""
-        words = np.frombuffer(self._matcher.compute_bitmask(), dtype="<u4")  # type: ignore[attr-defined]
+        bitmask = self._timed(self._matcher.compute_bitmask, is_mask=True)  # type: ignore[attr-defined]
+        words = np.frombuffer(bitmask, dtype="<u4")
         bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
         mask = np.zeros(self.vocab_size, dtype=bool)
         mask[: bits.shape[0]] = bits.astype(bool)
         return torch.from_numpy(mask)
 
     def accept(self, token_id: int) -> None:
-        self._matcher.consume_token(token_id)  # type: ignore[attr-defined]
+        self._consume(token_id)
         self.num_accepted += 1
         if token_id in self.eos_token_ids and not self._matcher.is_stopped():  # type: ignore[attr-defined]
             self._eos_inside = token_id
@@ -106,14 +135,15 @@ class Constraint:
         """How many of `token_ids` the grammar accepts in order from here (a proposal is cut there)."""
         if not token_ids:
             return 0
-        return int(self._matcher.validate_tokens(token_ids))  # type: ignore[attr-defined]
+        validate = self._matcher.validate_tokens  # type: ignore[attr-defined]
+        return int(self._timed(lambda: validate(token_ids), num_tokens=len(token_ids)))
 
     def masks_along(self, token_ids: list[int]) -> list[torch.Tensor]:
         """The allowed tokens here and after each of `token_ids` (a proposal the grammar accepts):
         1 + len(token_ids) masks, one per row verifying it. The state is left where it was."""
         masks = [self.allowed()]
         for token_id in token_ids:
-            self._matcher.consume_token(token_id)  # type: ignore[attr-defined]
+            self._consume(token_id)
             masks.append(self.allowed())
         if token_ids:
             self._matcher.rollback(len(token_ids))  # type: ignore[attr-defined]
@@ -128,7 +158,8 @@ class Constraint:
         the parser's limits on the way (a regex of nested counts: `a{1000}{1000}`); its matcher then
         allows only EOS, which must not pass for an answer that parses. So must a grammar that names
         the model's EOS token as text (`<[id]>`, `<|endoftext|>`): sampled there, it ended the answer
-        with FINISH_REASON_EOS where the grammar goes on."""
+        with FINISH_REASON_EOS where the grammar goes on. And a grammar whose work per token passed
+        max_token_cpu_seconds on average (the module's NOTE) fails rather than hold up the batch."""
         if self._eos_inside is not None:
             return InvalidArgument(
                 self.field,
@@ -137,12 +168,49 @@ class Constraint:
                 "complete, but that token always ends the answer: a grammar must not admit it as text "
                 "(by naming it, or where the tokenizer does not mark it special)",
             )
-        if not self.is_error:
+        if self.is_error:  # llguidance's own limits first: its reason says more
+            reason = _short(self._matcher.get_error())  # type: ignore[attr-defined]
+            return InvalidArgument(
+                self.field, f"the grammar failed after {self.num_accepted} tokens of the answer: {reason}"
+            )
+        if self._too_slow is None:
             return None
-        reason = _short(self._matcher.get_error())  # type: ignore[attr-defined]
+        slow = self._too_slow
         return InvalidArgument(
-            self.field, f"the grammar failed after {self.num_accepted} tokens of the answer: {reason}"
+            self.field,
+            f"the grammar's work took {slow.seconds * 1000:.1f} ms of CPU per token (a mask, and taking "
+            f"the token) on average over its last {NUM_MASKS_AVERAGED} masks, after {slow.num_accepted} "
+            f"tokens of the answer, over the limit of {self.max_token_cpu_seconds * 1000:g} ms "
+            "(an ambiguous grammar's parsing grows with its answer)",
         )
+
+    def _consume(self, token_id: int) -> None:
+        consume = self._matcher.consume_token  # type: ignore[attr-defined]
+        self._timed(lambda: consume(token_id))
+
+    def _timed(self, run: Callable[[], T], is_mask: bool = False, num_tokens: int = 1) -> T:
+        """run()'s result. Its CPU time (per token) opens a mask's entry or joins the last one; where
+        the recent average passes the limit is kept for error(). This thread's CPU time: llguidance
+        works on the calling thread (the GIL released)."""
+        start = time.thread_time()
+        result = run()
+        seconds = (time.thread_time() - start) / num_tokens
+        if is_mask or not self._recent_seconds:
+            self._recent_seconds.append(seconds)
+        else:
+            self._recent_seconds[-1] += seconds
+        average = sum(self._recent_seconds) / NUM_MASKS_AVERAGED  # a short start counts as cheap masks
+        if average > self.max_token_cpu_seconds and self._too_slow is None:
+            self._too_slow = _TooSlow(average, self.num_accepted)
+        return result
+
+
+@dataclass(frozen=True)
+class _TooSlow:
+    """Where the grammar's recent work first cost more than its constraint allows."""
+
+    seconds: float  # CPU time per token, the average over the last NUM_MASKS_AVERAGED masks
+    num_accepted: int  # tokens of the answer the grammar had taken by then
 
 
 class GrammarCompiler:
@@ -181,7 +249,7 @@ class GrammarCompiler:
             raise InvalidArgument(
                 spec.field, f"admits no answer: no text can begin it ({_short(matcher.get_error())})"
             )
-        return Constraint(matcher, self.vocab_size, spec.field, self._eos_token_ids)
+        return Constraint(matcher, self.vocab_size, spec.field, self._eos_token_ids, MAX_TOKEN_CPU_SECONDS)
 
     def _grammar(self, spec: StructuredOutput) -> str:
         with self._lock:
@@ -224,9 +292,9 @@ class GrammarCompiler:
         return matcher.grammar_from_lark(spec.source)  # type: ignore[arg-type]
 
 
-def on_deep_stack(work: Callable[[], T]) -> T:
-    """`work()` run on a fresh thread of COMPILE_STACK_BYTES stack, its result or exception returned
-    or raised here. The thread ends with it: none is kept between compilations."""
+def on_deep_stack(work: Callable[[], T], stack_bytes: int = COMPILE_STACK_BYTES) -> T:
+    """`work()` run on a fresh thread of `stack_bytes` stack, its result or exception returned or
+    raised here. The thread ends with it: none is kept between compilations."""
     result: Future[T] = Future()
 
     def run() -> None:
@@ -236,7 +304,7 @@ def on_deep_stack(work: Callable[[], T]) -> T:
             result.set_exception(e)
 
     with _STACK_SIZE:
-        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        previous = threading.stack_size(stack_bytes)
         try:
             thread = threading.Thread(target=run, name="tandem-grammar-compile", daemon=True)
             thread.start()
