@@ -22,12 +22,18 @@ its descriptor and its place in `max_connections` for ever, a few KiB of unread 
 open connection's unsent bytes are looked at every quarter of `write_timeout_s`, paused or not; once a
 connection has had bytes unsent and none taken at four looks in a row, it is aborted, which cancels its
 handler and with it every gRPC call of its request (aiohttp's handler cancellation); it is aborted
-within a quarter more than the bound after its caller's last byte taken. A look sees nothing taken when
-the unsent bytes are as many as at the last look, or more with writing paused since then (aiohttp's
-writer waits on the drain then, after at most its next 64 KiB); writing resumed (under the low-water
-mark) is bytes taken, and more unsent while writing was not paused means the handler is writing, which
-its own bounds (max_tokens) end: the count starts again. As with
-nginx's send_timeout (60 s between two writes that take anything), a caller taking bytes is not cut.
+within a quarter more than the bound after its caller's last byte taken. A look sees nothing taken when the
+peer's TCP has acknowledged no byte since the last (Linux's tcpi_bytes_acked: a peer that reads nothing
+acknowledges nothing once its receive buffer is full). The unsent bytes alone did not say: the kernel
+takes MiBs of a connection's answer (a loopback send buffer grows to 4 MiB) and the transport hands it
+more only once about half of them are gone, so a caller taking 640 KB/s of a stream was cut at a
+0.5 s bound. Where the system does not count acknowledged bytes, a look sees nothing taken when the
+unsent bytes are as many as at the last look, or more with writing paused since then (aiohttp's writer
+waits on the drain then, after at most its next 64 KiB); writing resumed (under the low-water mark)
+is bytes taken, and more unsent while writing was not paused means the handler is writing, which its
+own bounds (max_tokens) end: the count starts again. As with nginx's send_timeout (60 s between two
+writes that take anything), a caller taking bytes is not cut; an answer wholly in the kernel's buffer
+is not looked at (aiohttp's keep-alive timeout closes its connection, the kernel keeping the bytes).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import asyncio
 import json
 import logging
 import resource
+import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +73,10 @@ REFUSAL = (
 
 # Looks at each connection's unsent bytes within one `write_timeout_s`.
 NUM_WRITE_LOOKS = 4
+
+# Linux's struct tcp_info: tcpi_bytes_acked, the bytes of ours the peer has acknowledged (since 4.1).
+TCP_INFO = getattr(socket, "TCP_INFO", None)
+BYTES_ACKED_OFFSET = 120
 
 # Descriptors beside the connections and their decoder channels: the listener, the services'
 # channels, the body workers' pipes, logs, imports.
@@ -225,6 +237,7 @@ class _Writes:
         self._resumed = False  # writing was resumed since the last look: the caller took bytes
         self._paused_at_look = False
         self._unsent = 0
+        self._acked = _bytes_acked(transport)
         self._num_still = 0  # looks in a row that saw nothing taken
 
     def pause(self) -> None:
@@ -234,13 +247,31 @@ class _Writes:
         self._paused, self._resumed = False, True
 
     def look(self) -> bool:
-        unsent = self.transport.get_write_buffer_size()
-        # Paused since the last look, the handler's writes wait on the drain: more unsent is none taken.
-        paused_throughout = self._paused and self._paused_at_look and not self._resumed
-        still = unsent > 0 and (unsent == self._unsent or (paused_throughout and unsent > self._unsent))
-        self._num_still = self._num_still + 1 if still and not self._resumed else 0
-        self._unsent, self._paused_at_look, self._resumed = unsent, self._paused, False
+        unsent, acked = self.transport.get_write_buffer_size(), _bytes_acked(self.transport)
+        if acked is not None and self._acked is not None:
+            still = unsent > 0 and acked == self._acked
+        else:  # no count of bytes taken: as many unsent as at the last look, or more while paused
+            paused_throughout = self._paused and self._paused_at_look and not self._resumed
+            still = unsent > 0 and (unsent == self._unsent or (paused_throughout and unsent > self._unsent))
+            still = still and not self._resumed
+        self._num_still = self._num_still + 1 if still else 0
+        self._unsent, self._acked = unsent, acked
+        self._paused_at_look, self._resumed = self._paused, False
         return self._num_still >= NUM_WRITE_LOOKS
+
+
+def _bytes_acked(transport: asyncio.WriteTransport) -> int | None:
+    """The bytes of ours the peer's TCP has acknowledged, or None where the system does not say."""
+    sock = transport.get_extra_info("socket")
+    if TCP_INFO is None or sock is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO, BYTES_ACKED_OFFSET + 8)
+    except OSError:  # not TCP (a test's socket pair), or closed under us
+        return None
+    if len(info) < BYTES_ACKED_OFFSET + 8:  # a kernel before 4.1
+        return None
+    return struct.unpack_from("=Q", info, BYTES_ACKED_OFFSET)[0]
 
 
 class OpenAIRequestHandler(web.RequestHandler):
