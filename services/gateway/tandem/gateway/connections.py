@@ -44,6 +44,7 @@ import logging
 import resource
 import socket
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +76,8 @@ REFUSAL = (
 NUM_WRITE_LOOKS = 4
 
 # Linux's struct tcp_info: tcpi_bytes_acked, the bytes of ours the peer has acknowledged (since 4.1).
-TCP_INFO = getattr(socket, "TCP_INFO", None)
+# FreeBSD's TCP_INFO lays its struct out otherwise: read on Linux alone.
+TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform == "linux" else None
 BYTES_ACKED_OFFSET = 120
 
 # Descriptors beside the connections and their decoder channels: the listener, the services'
