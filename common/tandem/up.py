@@ -10,8 +10,8 @@ Once every service serves (health SERVING; the gateway's /health 200), `up` says
 with `tandem wait` (`tandem.readiness` is both).
 
 Stopping: SIGINT (Ctrl-C) or SIGTERM sends SIGTERM to both. `--grace-s` is one setting end to end:
-both services get it as their own `--grace-s` (streams still open after it end with
-FINISH_REASON_ABORTED), and `up` kills what is left only STOP_MARGIN_S after it. The children run in
+both services, and the gateway, get it as their own `--grace-s` (streams still open after it end
+with FINISH_REASON_ABORTED), and `up` kills what is left only STOP_MARGIN_S after it. The children run in
 a session of their own, so a Ctrl-C in the terminal reaches `up` alone and each service sees one
 SIGTERM. `up` exits 0 if both stopped in time; if either service exits on its own, the other is
 stopped the same way and `up` exits 1.
@@ -151,6 +151,8 @@ def _gateway_command(config: UpConfig) -> list[str]:
         f"{host}:{config.decoder_port}",
         "--encoder-address",
         f"{host}:{config.encoder_port}",
+        "--grace-s",
+        f"{config.grace_s:g}",
     ]
     if config.auth_token_file is not None:
         argv += ["--auth-token-file", str(config.auth_token_file)]

@@ -258,10 +258,11 @@ def test_ctrl_c_during_a_stream_ends_it_aborted_at_the_grace_with_its_span_and_n
     ports = [_free_port(), _free_port()]
     log = tmp_path / "up.log"
     args = ["--model", str(model_dir), "--encoder-port", str(ports[0]), "--decoder-port", str(ports[1])]
-    # One grace for everything: the services get up's, not their own default (30 s).
+    # One grace for everything: the services and the gateway get up's, not their own default (30 s).
+    args += ["--openai-port", str(_free_port())]
     up = _start_up([*args, "--grace-s", "2"], log, env={"OTEL_TRACES_EXPORTER": "console"})
     try:
-        _wait_serving(up, ports, log)
+        _wait_for_line(up, log, "[up] ready")  # the gateway's /health too
         with grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as channel:
             request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text="Once")])
             request.stopping.max_new_tokens = 4000
@@ -282,7 +283,7 @@ def test_ctrl_c_during_a_stream_ends_it_aborted_at_the_grace_with_its_span_and_n
     output = log.read_text()
     assert "Traceback" not in output and " ERROR " not in output and "CancelledError" not in output, output
     assert "Shutdown called, ignoring Span" not in output
-    for service in ("encoder", "decoder"):  # one signal each: up's SIGTERM, never the terminal's SIGINT
+    for service in ("encoder", "decoder", "openai"):  # one signal each: up's, never the terminal's SIGINT
         lines = [line for line in output.splitlines() if line.startswith(f"[{service}] ")]
         assert sum("received SIGTERM: draining for up to 2 s" in line for line in lines) == 1, output
         assert not any("SIGINT" in line for line in lines), output
@@ -399,7 +400,7 @@ def test_openai_port_adds_the_gateway_in_front_of_both_services() -> None:
     assert services(config) == ("encoder", "decoder", "openai")
     assert serve_command("openai", config) == [
         "serve", "openai", "--host", "0.0.0.0", "--port", "8000",
-        "--decoder-address", "127.0.0.1:50052", "--encoder-address", "127.0.0.1:50051",
+        "--decoder-address", "127.0.0.1:50052", "--encoder-address", "127.0.0.1:50051", "--grace-s", "30",
     ]  # fmt: skip
     assert services(UpConfig(None, "127.0.0.1", 50051, 50052, None, None)) == ("encoder", "decoder")
     with pytest.raises(ConfigError, match="must differ"):

@@ -1,4 +1,4 @@
-"""The gateway's settings: --max-choices, --body-idle-timeout-s, --write-timeout-s and
+"""The gateway's settings: --max-choices, --body-idle-timeout-s, --write-timeout-s, --grace-s and
 --max-large-bodies-per-caller reach the config from their flags (and variables), and a bound out of
 range is refused naming it."""
 
@@ -59,3 +59,16 @@ def test_the_large_bodies_of_one_caller_come_from_their_flag_or_variable_and_are
     with pytest.raises(ConfigError) as error:
         GatewayConfig(max_large_bodies_per_caller=0)
     assert error.value.field == "max_large_bodies_per_caller"
+
+
+def test_the_grace_comes_from_its_flag_or_variable_and_is_refused_below_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tandem up --grace-s` passes its grace to the gateway as to both services."""
+    assert _config([]).grace_s == GatewayConfig().grace_s == 30.0
+    assert _config(["--grace-s", "2"]).grace_s == 2.0
+    monkeypatch.setenv("TANDEM_OPENAI_GRACE_S", "0")
+    assert _config([]).grace_s == 0.0
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(grace_s=-1)
+    assert error.value.field == "grace_s"

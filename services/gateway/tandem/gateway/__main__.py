@@ -29,7 +29,7 @@ from tandem.common.flags import (
     flag_error,
     run,
 )
-from tandem.common.server import DEFAULT_GRACE_S, check_port_free, stop_on_signals
+from tandem.common.server import check_port_free, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.gateway.access_log import AccessLog
 from tandem.gateway.app import Gateway
@@ -118,6 +118,11 @@ def settings() -> list[click.Option]:
             "a caller taking none of its answer this long is closed, its decoder calls cancelled",
             type=float,
         ),
+        _setting(
+            "--grace-s",
+            "on SIGTERM, open streams get this long to finish (the services' --grace-s)",
+            type=float,
+        ),
         *(
             Setting(
                 ENV_PREFIX,
@@ -188,6 +193,7 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
         body_idle_timeout_s=values["body_idle_timeout_s"],
         body_timeout_s=values["body_timeout_s"],
         write_timeout_s=values["write_timeout_s"],
+        grace_s=values["grace_s"],
     )
 
 
@@ -225,7 +231,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         "access_log_class": AccessLog,
     }
     runner = web.AppRunner(
-        gateway.app(), handler_cancellation=True, shutdown_timeout=DEFAULT_GRACE_S, **handler_settings
+        gateway.app(), handler_cancellation=True, shutdown_timeout=config.grace_s, **handler_settings
     )
     await runner.setup()
     assert runner.server is not None
@@ -251,7 +257,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         if ready is not None:
             ready.set_result(port)
         if own_process:
-            await stop_on_signals(DEFAULT_GRACE_S, log).wait()
+            await stop_on_signals(config.grace_s, log).wait()
         else:
             await asyncio.Event().wait()  # until cancelled (tests)
     finally:

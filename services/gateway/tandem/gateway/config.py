@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tandem.client.channel import PLAINTEXT, ChannelSecurity
 from tandem.client.errors import ConfigError
+from tandem.common.server import DEFAULT_GRACE_S
 
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port
 MIB = 1024 * 1024
@@ -68,6 +69,9 @@ class GatewayConfig:
     # acknowledges but does not read. 60 s, as nginx: a client pausing between chunks to do its own work
     # keeps its answer.
     write_timeout_s: float = 60.0
+    # On SIGTERM, open streams get this long to finish before they are cut: the services' --grace-s,
+    # which `tandem up` passes to all three (it kills each --grace-s + 15 s after the signal).
+    grace_s: float = DEFAULT_GRACE_S
     # Idle per-caller channels to the decoder kept for reuse (`callers.py`).
     max_idle_channels: int = 64
 
@@ -88,6 +92,8 @@ class GatewayConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
         if self.max_idle_channels < 0:
             raise ConfigError("max_idle_channels", f"must be >= 0, got {self.max_idle_channels}")
         for name in (
