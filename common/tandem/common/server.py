@@ -8,6 +8,14 @@ ones get `grace_s` to finish (`DEFAULT_GRACE_S` unless configured: the same for 
 `tandem up`). What is still running then is cancelled; the decoder ends its streams first, with
 FINISH_REASON_ABORTED (`tandem.decoder.api.main`).
 
+Every server bounds the calls it holds (`max_concurrent_rpcs`): one past the bound is answered
+RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!" by grpc.aio when the server takes it up, a status
+that retry policies back off from. Before that, a call waits in gRPC core's queue of calls the server
+has not taken up yet (grpc.aio takes them one at a time on the event loop): core drops calls from
+that queue at random past 1,000 and all past 3,000, each CANCELLED, which its caller cannot tell from
+its own cancel (2,500 calls at once from 4 channels: 311 CANCELLED). That queue is sized here to hold
+at least as many calls as may run, so a burst is answered, by the service or by the bound.
+
 Start-up problems are found before anything listens, each as one ConfigError naming its field: a
 TLS key that does not match its certificate, a port already in use.
 
@@ -41,6 +49,10 @@ from tandem.client.status import ErrorInterceptor
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 30.0  # drain time on SIGTERM, of both services and of `tandem up`
+# Calls served at once, streams included. Above the decoder's own bounds (--max-queue waiting plus
+# the running batch), so that its RESOURCE_EXHAUSTED naming them answers first. A call costs about
+# 16 KB in gRPC core before it is taken up and about 20 KB once running, and no thread.
+DEFAULT_MAX_CONCURRENT_RPCS = 10_000
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,8 @@ class ServerOptions:
     interceptors: Sequence[grpc.aio.ServerInterceptor] = field(default_factory=tuple)  # e.g. tracing.
     tls: TlsOptions | None = None  # None: plaintext.
     auth_tokens: frozenset[str] = field(default=frozenset(), repr=False)  # accepted; empty: no auth.
+    # Calls served at once, streams and health checks included; one past it: RESOURCE_EXHAUSTED.
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -115,6 +129,8 @@ class ServerOptions:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         if self.grace_s < 0:
             raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+        if self.max_concurrent_rpcs < 1:
+            raise ConfigError("max_concurrent_rpcs", f"must be >= 1, got {self.max_concurrent_rpcs}")
 
 
 _TLS_FIELDS = {"cert_file": "tls_cert", "key_file": "tls_key", "client_ca_file": "tls_client_ca"}
@@ -142,10 +158,16 @@ def check_port_free(host: str, port: int) -> None:
             raise ConfigError("host", f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
-def _server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+def _server_options(options: ServerOptions) -> list[tuple[str, Any]]:
+    max_pending_rpcs = max(options.max_concurrent_rpcs, DEFAULT_MAX_CONCURRENT_RPCS)
     return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", options.max_message_bytes),
+        ("grpc.max_receive_message_length", options.max_message_bytes),
+        # Calls not yet taken up: none dropped (CANCELLED) below the bound, all above it; the two
+        # equal so that no call is dropped at random. Never fewer than may run: a burst the server
+        # would answer RESOURCE_EXHAUSTED must reach it.
+        ("grpc.server.max_pending_requests", max_pending_rpcs),
+        ("grpc.server.max_pending_requests_hard_limit", max_pending_rpcs),
         # Streams of a slow generation can be silent for a while: allow client pings every 10 s.
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
@@ -220,7 +242,8 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
     auth = [AuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
     server = grpc.aio.server(
         interceptors=[*auth, *options.interceptors, ErrorInterceptor(_max_request_bytes(services))],
-        options=_server_options(options.max_message_bytes),
+        options=_server_options(options),
+        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -2,6 +2,9 @@
 
 import asyncio
 import logging
+import threading
+import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -13,6 +16,7 @@ from grpc_status import rpc_status
 
 from tandem.client import errors, memory
 from tandem.client.channel import channel_options
+from tandem.client.errors import ConfigError
 from tandem.common.server import GRPC_LOGGER, RunningServer, ServerOptions, Service, start_server
 
 MAX_BYTES = 1024 * 1024
@@ -30,6 +34,9 @@ class Faulty:
 
     async def Quoting(self, request: bytes, context) -> bytes:  # as "path: <the caller's path> is not..."
         raise errors.InvalidArgument("path", f"{request.decode()} is not a directory")
+
+    async def Echo(self, request: bytes, context) -> bytes:
+        return request
 
     async def Bug(self, request: bytes, context) -> bytes:
         raise RuntimeError("secret internal detail")
@@ -53,7 +60,12 @@ class Faulty:
 
 
 def _add_faulty(servicer: Faulty, server: grpc.aio.Server) -> None:
-    unary = {"BadInput": servicer.BadInput, "Quoting": servicer.Quoting, "Bug": servicer.Bug}
+    unary = {
+        "BadInput": servicer.BadInput,
+        "Quoting": servicer.Quoting,
+        "Echo": servicer.Echo,
+        "Bug": servicer.Bug,
+    }
     stream = {"Stream": servicer.Stream, "Slow": servicer.Slow}
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(fn, _identity, _identity) for name, fn in unary.items()
@@ -252,3 +264,58 @@ async def test_a_send_that_fails_on_a_call_already_over_logs_no_traceback(
     assert not errors, caplog.text
     logging.getLogger(GRPC_LOGGER).error("any other error")  # still logged
     assert "any other error" in caplog.text
+
+
+def test_max_concurrent_rpcs_must_be_at_least_one() -> None:
+    with pytest.raises(ConfigError, match="max_concurrent_rpcs must be >= 1, got 0"):
+        ServerOptions(max_concurrent_rpcs=0)
+
+
+async def test_a_burst_the_server_has_not_taken_up_yet_is_served_not_cancelled(
+    running: RunningServer,
+) -> None:
+    # 1,500 calls arrive while the event loop is busy (it takes calls up one at a time): gRPC core
+    # holds them until it is free. Its default queue of such calls dropped them at random past 1,000,
+    # each CANCELLED as if its caller had cancelled it (about 60 of these).
+    num_calls = 1500
+    sent = threading.Event()
+    codes: Counter[grpc.StatusCode] = Counter()
+
+    def burst() -> None:
+        with grpc.insecure_channel(running.address) as channel:
+            echo = channel.unary_unary("/test.Faulty/Echo")
+            calls = [echo.future(b"x", timeout=30) for _ in range(num_calls)]
+            sent.set()
+            codes.update(call.code() for call in calls)
+
+    client = threading.Thread(target=burst)
+    client.start()
+    assert sent.wait(timeout=30)
+    time.sleep(0.5)  # the event loop held, on purpose: the calls reach the server and wait there
+    await asyncio.to_thread(client.join)
+    assert codes == {grpc.StatusCode.OK: num_calls}
+
+
+async def test_calls_past_max_concurrent_rpcs_are_resource_exhausted_and_running_streams_go_on() -> None:
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_BYTES, max_concurrent_rpcs=3),
+        [Service("test.Faulty", Faulty(), _add_faulty)],
+    )
+    try:
+        async with _channel(server) as channel:
+            streams = [channel.unary_stream("/test.Faulty/Slow")(b"", timeout=5) for _ in range(3)]
+            for stream in streams:
+                assert await stream.read() == b"tick"
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await channel.unary_unary("/test.Faulty/Echo")(b"x", timeout=5)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert caught.value.details() == "Concurrent RPC limit exceeded!"
+            for stream in streams:
+                assert [await stream.read() for _ in range(9)] == [b"tick"] * 9
+                assert await stream.read() is grpc.aio.EOF
+                assert await stream.code() == grpc.StatusCode.OK
+            # Ended streams give their places back.
+            replies = [channel.unary_unary("/test.Faulty/Echo")(b"x", timeout=5) for _ in range(3)]
+            assert await asyncio.gather(*replies) == [b"x"] * 3
+    finally:
+        await server.stop(0)
