@@ -43,28 +43,31 @@ def check_adapter_name(name: str, field: str = "name") -> None:
 # Control characters (newline, carriage return, escape, DEL, ...) and the two Unicode line separators,
 # which str.splitlines and many log viewers also break lines at.
 _LINE_FORGING = frozenset({"Cc", "Zl", "Zp"})
-# Format characters: zero-width ones (U+200B, U+2060, U+FEFF) and the bidirectional overrides and
-# isolates (U+202A-U+202E, U+2066-U+2069, the "Trojan Source" characters), which print as nothing or
-# reorder what follows them: "qv4\u200b" shows as "qv4" in a log line, /v1/models or a trace, a twin of
-# another name nobody can tell apart.
-_INVISIBLE = "Cf"
+# Invisible characters that make a twin of another name or reorder a line as it is shown: the
+# zero-width space and word joiner, the byte-order mark, the left-to-right / right-to-left and Arabic
+# letter marks, and the bidirectional embeddings, overrides and isolates (the "Trojan Source"
+# characters): "qv4\u200b" shows as "qv4" in a log line, /v1/models or a trace. A list, not Unicode's
+# whole format category (Cf), which also holds what real words and emoji need: the zero-width
+# (non-)joiner of Persian and Indic spellings and of emoji sequences, the soft hyphen, flag tags.
+_INVISIBLE = frozenset(
+    "\u200b\u200e\u200f\u061c\u2060\ufeff\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+)
 
 
 def check_label(text: str, field: str) -> None:
     """A name a caller gives that the server logs and echoes (an adapter's name, a request ID): no
     control characters or line separators, which would forge a log line, and no white space at either
     end, which makes two names nobody can tell apart ("qv4 " beside "qv4"). Raises InvalidArgument
-    naming `field`. Nor invisible format characters (zero-width, bidirectional controls), which make
+    naming `field`. Nor invisible characters (zero-width spaces, bidirectional controls), which make
     the same kind of twin ("qv4\u200b" beside "qv4") or reorder a log line as it is shown."""
-    categories = {unicodedata.category(c) for c in text}
-    if categories & _LINE_FORGING:
+    if any(unicodedata.category(c) in _LINE_FORGING for c in text):
         raise InvalidArgument(field, f"must not hold control characters or line separators, got {echo(text)}")
-    if _INVISIBLE in categories:
-        invisible = next(c for c in text if unicodedata.category(c) == _INVISIBLE)
+    invisible = next((c for c in text if c in _INVISIBLE), None)
+    if invisible is not None:
         raise InvalidArgument(
             field,
-            f"must not hold invisible format characters (U+{ord(invisible):04X}: zero-width or "
-            f"bidirectional controls), got {echo(text)}",
+            f"must not hold invisible characters (U+{ord(invisible):04X}: zero-width spaces, byte-order "
+            f"marks, direction marks and bidirectional controls), got {echo(text)}",
         )
     if text != text.strip():
         raise InvalidArgument(field, f"must not begin or end with white space, got {echo(text)}")

@@ -66,8 +66,9 @@ def test_an_adapter_name_may_hold_inner_spaces_and_any_letters() -> None:
         ("r1\x1b[2J", "control characters"),
         ("r1\u2028INFO forged line", "line separators"),  # str.splitlines breaks here too
         ("qv4\u200b", "U+200B: zero-width"),  # shows as "qv4"
-        ("r1\u202eexe.txt", "U+202E: zero-width or bidirectional"),  # shows reversed after it
-        ("\ufeffr1", "invisible format characters"),
+        ("r1\u202eexe.txt", "U+202E: zero-width spaces"),  # shows reversed after it
+        ("\ufeffr1", "invisible characters"),
+        ("r1\u2066x", "U+2066"),
         ("r1 ", "white space"),
         ("\u3000r1", "white space"),  # an ideographic space
     ],
@@ -82,5 +83,7 @@ def test_a_label_that_could_forge_a_log_line_or_hide_a_twin_is_refused_naming_it
 
 
 def test_a_label_may_be_empty_hold_inner_spaces_and_any_letters() -> None:
-    for label in ("", "cmpl-7 retry 2", "é-ü/日本"):
+    # The zero-width non-joiner of a Persian word, the joiners of an emoji sequence, a soft hyphen: format
+    # characters that words need, unlike the invisible ones refused above.
+    for label in ("", "cmpl-7 retry 2", "é-ü/日本", "می\u200cخواهم", "👨\u200d👩\u200d👧", "co\u00adop"):
         check_label(label, "request_id")
