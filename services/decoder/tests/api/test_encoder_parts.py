@@ -8,6 +8,7 @@ counts its Embed calls and answers when a test opens its gate."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -46,6 +47,7 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         self.is_refusing_all = False
         self.is_malformed = False  # replies with rows of rank 1
         self.is_non_finite = False  # replies with a NaN in its rows
+        self.rows: torch.Tensor | None = None  # replies with these rows, not ones made from the input
         self.trace_headers: list[dict[str, str]] = []  # each Embed call's traceparent and tracestate
 
     async def GetModelInfo(self, request, context) -> encoder_pb2.EncoderGetModelInfoResponse:
@@ -67,7 +69,7 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         token = metadata.get("authorization", "")
         if self.is_refusing_all or (self.refused_token and token == self.refused_token):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a picture")
-        rows = _rows_of(request.image.data)
+        rows = _rows_of(request.image.data) if self.rows is None else self.rows
         if self.is_non_finite:
             rows[1, 2] = float("nan")
         return encoder_pb2.EmbedResponse(embeddings=tensors.encode(rows[0] if self.is_malformed else rows))
@@ -250,6 +252,33 @@ async def test_rows_holding_nan_are_refused_and_not_cached_so_the_next_call_fetc
     [again], _ = _start(parts, [_picture()])
     assert torch.equal(await _rows(again), _rows_of(PICTURE))
     assert encoder.num_embeds == 2
+
+
+async def test_rows_over_a_mebibyte_are_checked_off_the_event_loop(
+    encoder: StandIn, stand_in: tuple[StandIn, RunningServer], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cast and the finiteness check of large rows (163 ms for 8,192 x 4,096 bf16 rows) would hold
+    every stream and health check of the decoder while they ran on its loop."""
+    checked_on: list[bool] = []  # whether each check ran on the event loop's thread
+    check = EncoderParts._checked
+
+    def recording(self: EncoderParts, rows: torch.Tensor, where: str) -> torch.Tensor:
+        checked_on.append(threading.current_thread() is threading.main_thread())
+        return check(self, rows, where)
+
+    monkeypatch.setattr(EncoderParts, "_checked", recording)
+    parts = EncoderParts(stand_in[1].address, torch.float32, 4 << 20, cache_bytes=8 << 20, shm_dir=tmp_path)
+    try:
+        encoder.gate.set()
+        encoder.rows = torch.ones(READ_ON_A_THREAD_BYTES // (4 * HIDDEN_SIZE) + 1, HIDDEN_SIZE)
+        [large], _ = _start(parts, [_picture()])
+        assert torch.equal(await _rows(large), encoder.rows)
+        encoder.rows = torch.ones(4, HIDDEN_SIZE)
+        [small], _ = _start(parts, [EncoderPrompt("image", b"another picture")])
+        assert torch.equal(await _rows(small), encoder.rows)
+    finally:
+        await parts.close()
+    assert checked_on == [False, True]
 
 
 async def test_callers_with_other_tokens_fetch_apart_and_get_only_their_own_refusal(
