@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 
 from tandem.gateway.__main__ import serve
 from tandem.gateway.config import GatewayConfig
-from tandem.readiness import Probe
+from tandem.readiness import PROBE_USER_AGENT, Probe
 
 from .fake_decoder import FakeDecoder, fake_decoder
 
@@ -89,6 +89,11 @@ async def test_the_503s_that_tandem_waits_own_probe_is_told_while_the_decoder_lo
                 said = [await asyncio.to_thread(probe.not_serving, url + "/health") for _ in range(3)]
                 async with http.get(url + "/health") as response:  # any other prober
                     other = response.status
-    assert said == ["HTTP 503"] * 3 and other == 503
-    [line] = access_lines(caplog)
+                # The User-Agent is the caller's to choose: it quiets a 503 to a GET, nothing else.
+                as_probe = {"User-Agent": PROBE_USER_AGENT}
+                async with http.post(url + "/health", headers=as_probe) as response:
+                    posted = response.status
+    assert said == ["HTTP 503"] * 3 and other == 503 and posted == 405
+    [line, post] = access_lines(caplog)
     assert '"GET /health HTTP/1.1" 503' in line and "tandem-readiness" not in line
+    assert '"POST /health HTTP/1.1" 405' in post

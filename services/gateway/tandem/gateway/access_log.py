@@ -24,11 +24,14 @@ from tandem.readiness import PROBE_USER_AGENT
 
 
 def is_quiet(request: BaseRequest, response: StreamResponse) -> bool:
-    """Whether the request is a health probe (GET or HEAD; any query string) that succeeded or that
-    Tandem's readiness probe sent."""
-    if request.path != HEALTH_PATH:
+    """Whether the request is a health probe (GET or HEAD; any query string) that succeeded, or
+    Tandem's readiness probe told 503 (the decoder does not serve yet). Anything else on the path (a
+    POST, a 404 or 405, a 500) is logged whoever sends it: the User-Agent is the caller's to choose."""
+    if request.path != HEALTH_PATH or request.method not in ("GET", "HEAD"):
         return False
-    return 200 <= response.status < 300 or request.headers.get("User-Agent") == PROBE_USER_AGENT
+    if 200 <= response.status < 300:
+        return True
+    return response.status == 503 and request.headers.get("User-Agent") == PROBE_USER_AGENT
 
 
 class AccessLog(AccessLogger):
