@@ -23,6 +23,7 @@ from tandem.common.torch_part import tensors
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.api.encoder_parts import (
     MAX_EMBEDS_IN_FLIGHT,
+    MAX_FETCHES_PER_CALL,
     READ_ON_A_THREAD_BYTES,
     EncoderParts,
     _claimed_bytes,
@@ -316,7 +317,9 @@ async def test_embed_calls_in_flight_are_bounded_and_the_rest_wait_their_turn_wi
     # A gRPC server cancels at random the calls past the first 1,000 it has not taken up yet: one
     # request of 2,000 encoder parts failed UNAVAILABLE "CANCELLED" from a healthy encoder.
     pictures = [EncoderPrompt("image", PICTURE + bytes([i])) for i in range(MAX_EMBEDS_IN_FLIGHT + 8)]
-    waiting, _ = _start(parts, pictures)
+    waiting = []  # the pictures over calls of MAX_FETCHES_PER_CALL parts, each held to its share
+    for first in range(0, len(pictures), MAX_FETCHES_PER_CALL):
+        waiting += _start(parts, pictures[first : first + MAX_FETCHES_PER_CALL])[0]
     await _until(lambda: encoder.num_running >= MAX_EMBEDS_IN_FLIGHT)
     await asyncio.sleep(SETTLE_S)
     assert encoder.num_running == encoder.max_running == MAX_EMBEDS_IN_FLIGHT
@@ -327,6 +330,35 @@ async def test_embed_calls_in_flight_are_bounded_and_the_rest_wait_their_turn_wi
     for part in waiting:
         assert torch.equal(await _rows(part), _rows_of(part.content))  # type: ignore[arg-type]
     assert encoder.num_embeds == len(pictures) and encoder.max_running == MAX_EMBEDS_IN_FLIGHT
+
+
+async def test_one_call_fetches_its_share_of_parts_at_once_so_a_small_call_behind_it_is_not_starved(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    """The calls in flight are handed out first come, first served: one call of hundreds of pictures
+    held all of them and queued the rest ahead of a one-picture call, which waited or ran out of time."""
+    pictures = [EncoderPrompt("image", PICTURE + bytes([i])) for i in range(MAX_EMBEDS_IN_FLIGHT * 2)]
+    many, _ = _start(parts, pictures)
+    await _until(lambda: encoder.num_running >= MAX_FETCHES_PER_CALL)
+    await asyncio.sleep(SETTLE_S)
+    assert encoder.num_running == MAX_FETCHES_PER_CALL  # the call's others wait, holding nothing
+    [small], _ = _start(parts, [EncoderPrompt("image", b"another")], time_remaining_s=5)
+    await _until(lambda: encoder.num_running == MAX_FETCHES_PER_CALL + 1)  # taken up at once
+    encoder.gate.set()
+    assert torch.equal(await _rows(small), _rows_of(b"another"))
+    for part in many:
+        assert torch.equal(await _rows(part), _rows_of(part.content))  # type: ignore[arg-type]
+    assert encoder.max_running == MAX_FETCHES_PER_CALL + 1 and encoder.num_embeds == len(pictures) + 1
+
+
+async def test_a_part_waiting_for_its_calls_share_past_the_deadline_gets_deadline_exceeded(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    pictures = [EncoderPrompt("image", PICTURE + bytes([i])) for i in range(MAX_FETCHES_PER_CALL + 1)]
+    waiting, _ = _start(parts, pictures, time_remaining_s=0.3)
+    with pytest.raises(DeadlineExceeded, match=r"other encoder parts were fetched \(16 at a time\)"):
+        await _rows(waiting[-1])
+    assert encoder.max_running == MAX_FETCHES_PER_CALL
 
 
 def test_a_handles_claimed_size_is_counted_only_as_far_as_where_to_read_it_is_decided() -> None:

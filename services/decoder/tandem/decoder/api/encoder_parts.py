@@ -26,6 +26,10 @@ A fetch, on the event loop:
    within their deadline: a gRPC server cancels at random the calls past the first 1,000 it has not
    yet taken up (grpc.server.max_pending_requests), so one request of 2,000 encoder parts failed
    UNAVAILABLE "CANCELLED", blaming a healthy encoder, and the encoder runs batches of 8 anyway.
+   At most MAX_FETCHES_PER_CALL of one Generate call's parts fetch at once (its others wait, within
+   its deadline, holding nothing): the calls in flight are handed out first come, first served, so
+   one call of hundreds of pictures queued all of them ahead of everyone, and a one-picture call
+   behind it waited for all of them, or ran out of its deadline.
 3. The reply: a handle is read only if it names the segment this call asked for; the segment is
    opened, checked (dtype, shape, bounds), its rows copied into this process (through this decoder's
    mapping of the encoder's pool segment, made the first time it is given one and kept:
@@ -85,6 +89,7 @@ from tandem.decoder.engine.admission.prompt import GenerateSpec
 CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading its model
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
 MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together (see step 2)
+MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # segments this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 
@@ -154,12 +159,15 @@ class EncoderParts:
         timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, time_remaining_s)
         forwarded = self._forwarded(metadata or ())
         tasks: list[asyncio.Task] = []
+        share = asyncio.Semaphore(MAX_FETCHES_PER_CALL)  # this call's parts fetching at once
 
         def started(part: PromptPart, field: str) -> PromptPart:
             if not isinstance(part, EncoderPrompt):
                 return part
             rows: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
-            task = asyncio.ensure_future(self._fetch(part, f"{field}.encoder", rows, timeout_s, forwarded))
+            task = asyncio.ensure_future(
+                self._fetch(part, f"{field}.encoder", rows, timeout_s, forwarded, share)
+            )
             # A task cancelled before it ran never enters _fetch: its rows settle here all the same.
             task.add_done_callback(lambda done: rows.cancel() if done.cancelled() else None)
             tasks.append(task)
@@ -192,9 +200,23 @@ class EncoderParts:
         rows: concurrent.futures.Future[torch.Tensor],
         timeout_s: float,
         metadata: tuple[tuple[str, str | bytes], ...],
+        share: asyncio.Semaphore,
     ) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         try:
-            result = await self._rows(part, field, timeout_s, metadata)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await share.acquire()
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"{field}: the deadline passed while the call's other encoder parts were fetched "
+                    f"({MAX_FETCHES_PER_CALL} at a time)"
+                ) from None
+            try:
+                result = await self._rows(part, field, max(0.0, deadline - loop.time()), metadata)
+            finally:
+                share.release()
         except asyncio.CancelledError:
             rows.cancel()
             raise
