@@ -310,7 +310,18 @@ async def test_calls_past_max_concurrent_rpcs_are_resource_exhausted_and_running
                 await channel.unary_unary("/test.Faulty/Echo")(b"x", timeout=5)
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert caught.value.details() == "Concurrent RPC limit exceeded!"
-            for stream in streams:
+            # A cancelled stream gives its place back, once the server has seen the cancel.
+            streams[0].cancel()
+            for _ in range(100):
+                try:
+                    assert await channel.unary_unary("/test.Faulty/Echo")(b"x", timeout=5) == b"x"
+                    break
+                except grpc.aio.AioRpcError as error:
+                    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the cancelled stream's place never came back")
+            for stream in streams[1:]:
                 assert [await stream.read() for _ in range(9)] == [b"tick"] * 9
                 assert await stream.read() is grpc.aio.EOF
                 assert await stream.code() == grpc.StatusCode.OK
