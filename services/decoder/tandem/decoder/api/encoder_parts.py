@@ -23,9 +23,10 @@ A fetch, on the event loop:
    (`tandem.common.torch_part.shared_memory`): an encoder on the same host writes the rows into the
    segment the offer named, and any other encoder ignores the offer and sends bytes. Negotiated per
    call, never configured. At most MAX_EMBEDS_IN_FLIGHT calls run at once, the others wait their turn
-   within their deadline: a gRPC server cancels at random the calls past the first 1,000 it has not
-   yet taken up (grpc.server.max_pending_requests), so one request of 2,000 encoder parts failed
-   UNAVAILABLE "CANCELLED", blaming a healthy encoder, and the encoder runs batches of 8 anyway.
+   within their deadline: a gRPC server at its defaults cancels at random the calls past the first
+   1,000 it has not yet taken up (grpc.server.max_pending_requests; Tandem's encoder now holds
+   10,000, tandem.common.server), so one request of 2,000 encoder parts failed UNAVAILABLE
+   "CANCELLED", blaming a healthy encoder, and the encoder runs batches of 8 anyway.
    At most MAX_FETCHES_PER_CALL of one Generate call's parts fetch at once (its others wait, within
    its deadline, holding nothing): the calls in flight are handed out first come, first served, so
    one call of hundreds of pictures queued all of them ahead of everyone, and a one-picture call
