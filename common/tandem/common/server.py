@@ -38,13 +38,13 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tandem.client.auth import AuthInterceptor
 from tandem.client.channel import DEFAULT_MAX_MESSAGE_BYTES
 from tandem.client.errors import ConfigError
 from tandem.client.status import ErrorInterceptor
+from tandem.common.health import BoundedHealth
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class Service:
 class RunningServer:
     """A started server. Health starts NOT_SERVING for every mounted service."""
 
-    def __init__(self, server: grpc.aio.Server, health: HealthServicer, port: int, names: list[str]):
+    def __init__(self, server: grpc.aio.Server, health: BoundedHealth, port: int, names: list[str]):
         self.server = server
         self.health = health
         self.port = port
@@ -245,7 +245,7 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
         options=_server_options(options),
         maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )
-    health = HealthServicer()
+    health = BoundedHealth()  # its Watch streams bounded: health needs no token
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [s.name for s in services]
     for service in services:
