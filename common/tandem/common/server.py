@@ -44,7 +44,7 @@ from tandem.client.auth import AuthInterceptor
 from tandem.client.channel import DEFAULT_MAX_MESSAGE_BYTES
 from tandem.client.errors import ConfigError
 from tandem.client.status import ErrorInterceptor
-from tandem.common.health import BoundedHealth
+from tandem.common.health import BoundedHealth, max_watches
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
         options=_server_options(options),
         maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )
-    health = BoundedHealth()  # its Watch streams bounded: health needs no token
+    health = BoundedHealth(max_watches(options.max_concurrent_rpcs))  # health needs no token
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [s.name for s in services]
     for service in services:

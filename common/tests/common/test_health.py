@@ -1,7 +1,8 @@
-"""Health needs no token, so its Watch streams, which never end on their own, are bounded: at most
-MAX_WATCHES at once and MAX_WATCHES_PER_PEER from one address, one past either RESOURCE_EXHAUSTED
-naming the bound. Without it one caller with no token could hold every place the server counts
-(max_concurrent_rpcs) and every Generate, Embed and kubelet Check was answered RESOURCE_EXHAUSTED."""
+"""Health needs no token, so its Watch streams, which never end on their own, hold at most half of
+the places a server has for calls (max_concurrent_rpcs), one past it RESOURCE_EXHAUSTED naming the
+bound: without it one caller with no token could hold every place and every Generate, Embed and
+kubelet Check was answered RESOURCE_EXHAUSTED. There is no share per address: a gateway watches
+each decoder from every caller's channel, all from its one address."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.common import health
-from tandem.common.health import _address
+from tandem.client.channel import open_channel
+from tandem.common.health import max_watches
 from tandem.common.server import RunningServer, ServerOptions, start_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -48,33 +49,13 @@ async def _refused(stub: health_pb2_grpc.HealthStub) -> str:
     return caught.value.details() or ""
 
 
-async def test_one_address_holds_at_most_its_share_of_watches_and_checks_go_on(
-    server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(health, "MAX_WATCHES_PER_PEER", 3)
-    async with grpc.aio.insecure_channel(server.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        streams = [await _watch(stub) for _ in range(3)]
-        assert await _refused(stub) == (
-            "at most 3 health Watch streams at once from one address; Check answers at once"
-        )
-        assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == SERVING
-        streams[0].cancel()  # a stream that ends gives its place back
-        for _ in range(100):
-            if server.health.num_watches == 2:
-                break
-            await asyncio.sleep(0.01)
-        streams.append(await _watch(stub))
-        for stream in streams:
-            stream.cancel()
+def test_watches_hold_half_of_the_places_a_server_has_for_calls() -> None:
+    assert [max_watches(n) for n in (1, 2, 8, 10_000)] == [1, 1, 4, 5_000]
 
 
-async def test_watches_past_the_bound_leave_the_servers_places_to_its_calls(
-    server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """8 places in all: 4 watches at most, so a caller with no token cannot take the places of the
-    calls that need one (without the bound the 9th call of any kind was RESOURCE_EXHAUSTED)."""
-    monkeypatch.setattr(health, "MAX_WATCHES", 4)
+async def test_watches_past_the_bound_leave_the_servers_places_to_its_calls(server: RunningServer) -> None:
+    """8 places in all, 4 watches at most: a caller with no token cannot take the places of the calls
+    (without the bound the 9th call of any kind was RESOURCE_EXHAUSTED)."""
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         streams = [await _watch(stub) for _ in range(4)]
@@ -83,11 +64,31 @@ async def test_watches_past_the_bound_leave_the_servers_places_to_its_calls(
         checks = [stub.Check(health_pb2.HealthCheckRequest(), timeout=5) for _ in range(3)]
         assert [reply.status for reply in await asyncio.gather(*checks)] == [SERVING] * 3
         assert server.health.num_watches == 4
+        streams[0].cancel()  # a stream that ends gives its place back
+        for _ in range(100):
+            if server.health.num_watches == 3:
+                break
+            await asyncio.sleep(0.01)
+        streams.append(await _watch(stub))
         for stream in streams:
             stream.cancel()
 
 
-def test_a_peer_is_its_address_without_the_port() -> None:
-    assert _address("ipv4:10.0.0.7:53422") == "ipv4:10.0.0.7"
-    assert _address("ipv6:[::1]:53422") == "ipv6:[::1]"
-    assert _address("unix:/tmp/socket") == "unix:/tmp/socket"
+async def test_a_gateways_balanced_channel_for_each_of_600_callers_is_served() -> None:
+    """A gateway opens a channel of its own per caller (up to --max-connections 512 plus 64 idle), each
+    watching the decoders it balances over, all from one address: a bound of 256 watches an address
+    failed the 257th caller's calls UNAVAILABLE ("health check call failed")."""
+    running = await start_server(ServerOptions(host="127.0.0.1", port=0), [])
+    await running.set_serving()
+    channels = [
+        open_channel(f"dns:///{running.address}", service="", own_connection=True) for _ in range(600)
+    ]
+    try:
+        checks = [
+            health_pb2_grpc.HealthStub(c).Check(health_pb2.HealthCheckRequest(), timeout=30) for c in channels
+        ]
+        assert [reply.status for reply in await asyncio.gather(*checks)] == [SERVING] * 600
+        assert running.health.num_watches == 600
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+        await running.stop(0)
