@@ -7,6 +7,7 @@ instead of the NOT_FOUND the caller should see.
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 from tandem.client.errors import InvalidArgument, NotFound
@@ -43,31 +44,71 @@ def check_adapter_name(name: str, field: str = "name") -> None:
 # Control characters (newline, carriage return, escape, DEL, ...) and the two Unicode line separators,
 # which str.splitlines and many log viewers also break lines at.
 _LINE_FORGING = frozenset({"Cc", "Zl", "Zp"})
-# Invisible characters that make a twin of another name or reorder a line as it is shown: the
-# zero-width space and word joiner, the byte-order mark, the left-to-right / right-to-left and Arabic
-# letter marks, and the bidirectional embeddings, overrides and isolates (the "Trojan Source"
-# characters): "qv4\u200b" shows as "qv4" in a log line, /v1/models or a trace. A list, not Unicode's
-# whole format category (Cf), which also holds what real words and emoji need: the zero-width
-# (non-)joiner of Persian and Indic spellings and of emoji sequences, the soft hyphen, flag tags.
-_INVISIBLE = frozenset(
-    "\u200b\u200e\u200f\u061c\u2060\ufeff\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
-)
+# Unicode's default-ignorable code points (DerivedCoreProperties.txt, Default_Ignorable_Code_Point),
+# which a font shows as nothing where it has no use for them: the zero-width spaces and joiners, the
+# direction marks and bidirectional controls (the "Trojan Source" characters, which reorder what
+# follows them), invisible operators and separators, fillers, variation selectors, tags, the soft
+# hyphen, the byte-order mark: "qv4\u200b", "q\u2063v4" and "qv4\ufe0f" all show as "qv4" in a log
+# line, /v1/models or a trace.
+_IGNORABLE = (
+    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+)  # fmt: skip
+_JOINERS = "\u200c\u200d"  # zero-width non-joiner and joiner
+_PRESENTATION = "\ufe0e\ufe0f"  # text and emoji presentation selectors
+_BLACK_FLAG, _TAGS = "\U0001f3f4", (0xE0020, 0xE007F)  # a subdivision flag: the black flag, then tags
+
+
+_IGNORABLE_RE = re.compile("[" + "".join(f"{chr(low)}-{chr(high)}" for low, high in _IGNORABLE) + "]")
+
+
+def _is_ignorable(c: str) -> bool:
+    return _IGNORABLE_RE.match(c) is not None
+
+
+def _is_shown(c: str) -> bool:
+    """A character that shows itself, outside ASCII (where a joiner or a selector has work to do)."""
+    return ord(c) > 0x7F and not _is_ignorable(c) and not c.isspace()
+
+
+def _hidden(text: str) -> str | None:
+    """The first default-ignorable character of `text` that has no visible work where it stands, or
+    None. The exceptions are those words and emoji need, as IDNA's contextual rules allow them: a
+    joiner between two shown characters outside ASCII (the zero-width non-joiner of a Persian or Indic
+    word, the joiner of an emoji sequence), a presentation selector after one, tags after the black
+    flag (a subdivision's flag). Anywhere else, next to ASCII or at either end, it makes a twin."""
+    for found in _IGNORABLE_RE.finditer(text):  # one pass in C; the loop only where one stands
+        i, c = found.start(), found.group()
+        before, after = text[i - 1 : i], text[i + 1 : i + 2]
+        if c in _JOINERS and before and after and _is_shown(before) and _is_shown(after):
+            continue
+        if c in _PRESENTATION and before and _is_shown(before):
+            continue
+        if _TAGS[0] <= ord(c) <= _TAGS[1] and (
+            before == _BLACK_FLAG or (before and _TAGS[0] <= ord(before) <= _TAGS[1])
+        ):
+            continue
+        return c
+    return None
 
 
 def check_label(text: str, field: str) -> None:
     """A name a caller gives that the server logs and echoes (an adapter's name, a request ID): no
     control characters or line separators, which would forge a log line, and no white space at either
     end, which makes two names nobody can tell apart ("qv4 " beside "qv4"). Raises InvalidArgument
-    naming `field`. Nor invisible characters (zero-width spaces, bidirectional controls), which make
-    the same kind of twin ("qv4\u200b" beside "qv4") or reorder a log line as it is shown."""
+    naming `field`. Nor invisible characters (zero-width spaces, bidirectional controls: `_hidden`),
+    which make the same kind of twin ("qv4\u200b" beside "qv4") or reorder a log line as it is shown."""
     if any(unicodedata.category(c) in _LINE_FORGING for c in text):
         raise InvalidArgument(field, f"must not hold control characters or line separators, got {echo(text)}")
-    invisible = next((c for c in text if c in _INVISIBLE), None)
+    invisible = _hidden(text)
     if invisible is not None:
         raise InvalidArgument(
             field,
-            f"must not hold invisible characters (U+{ord(invisible):04X}: zero-width spaces, byte-order "
-            f"marks, direction marks and bidirectional controls), got {echo(text)}",
+            f"must not hold invisible characters (U+{ord(invisible):04X}: zero-width spaces and joiners, "
+            f"direction marks, bidirectional controls, selectors outside a word or emoji), "
+            f"got {echo(text)}",
         )
     if text != text.strip():
         raise InvalidArgument(field, f"must not begin or end with white space, got {echo(text)}")

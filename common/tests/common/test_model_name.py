@@ -69,6 +69,19 @@ def test_an_adapter_name_may_hold_inner_spaces_and_any_letters() -> None:
         ("r1\u202eexe.txt", "U+202E: zero-width spaces"),  # shows reversed after it
         ("\ufeffr1", "invisible characters"),
         ("r1\u2066x", "U+2066"),
+        # What the second reviewer found passing the first list: each shows as "qv4".
+        ("qv4\u00ad", "U+00AD"),  # a soft hyphen
+        ("q\u00adv4", "U+00AD"),
+        ("qv4\u200c", "U+200C"),  # a joiner with nothing to join
+        ("qv4\u200d", "U+200D"),
+        ("q\u2063v4", "U+2063"),  # an invisible separator
+        ("qv4\u2064", "U+2064"),
+        ("qv4\u206a", "U+206A"),
+        ("qv4\u180e", "U+180E"),
+        ("qv4\U000e0041", "U+E0041"),  # a tag not after the black flag
+        ("qv4\u034f", "U+034F"),
+        ("qv4\ufe0f", "U+FE0F"),  # a presentation selector after ASCII
+        ("qv4\u3164", "U+3164"),  # a Hangul filler
         ("r1 ", "white space"),
         ("\u3000r1", "white space"),  # an ideographic space
     ],
@@ -83,7 +96,16 @@ def test_a_label_that_could_forge_a_log_line_or_hide_a_twin_is_refused_naming_it
 
 
 def test_a_label_may_be_empty_hold_inner_spaces_and_any_letters() -> None:
-    # The zero-width non-joiner of a Persian word, the joiners of an emoji sequence, a soft hyphen: format
-    # characters that words need, unlike the invisible ones refused above.
-    for label in ("", "cmpl-7 retry 2", "é-ü/日本", "می\u200cخواهم", "👨\u200d👩\u200d👧", "co\u00adop"):
+    # The zero-width non-joiner of a Persian word, the joiners of an emoji sequence, an emoji's
+    # presentation selector, England's flag (tags after the black flag): invisible characters with work
+    # to do where they stand, unlike those refused above.
+    for label in (
+        "",
+        "cmpl-7 retry 2",
+        "é-ü/日本",
+        "می\u200cخواهم",
+        "👨\u200d👩\u200d👧",
+        "❤\ufe0f",
+        "\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",
+    ):
         check_label(label, "request_id")
