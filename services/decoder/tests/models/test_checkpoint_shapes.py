@@ -293,3 +293,30 @@ def test_a_process_compares_a_tied_head_with_its_table_once_per_file(
     with pytest.raises(ModelLoadError, match="weight lm_head.weight differs from model.embed_tokens.weight"):
         loader.check_checkpoint(model_dir, "float32")
     assert compared == ["lm_head.weight", "lm_head.weight"]
+
+
+def test_a_file_replaced_while_its_tables_are_compared_is_compared_again(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The open file's bytes are compared, which a file replaced after the open no longer holds: its
+    verdict was filed under the new file's stamp, so the new file, whose head differs, was served tied
+    on the old one's verdict."""
+    qwen3 = checkpoints["qwen3"]
+    table = load_file(qwen3.path / "model.safetensors")["model.embed_tokens.weight"]
+    model_dir = copy_with(qwen3, tmp_path, {"lm_head.weight": table.clone()})
+    path = model_dir / "model.safetensors"
+    differing = tmp_path / "differing.safetensors"
+    save_file(load_file(path) | {"lm_head.weight": table + 1}, differing)
+    safe_open = loader.safe_open
+
+    def replaced_once_open(*args: Any, **kwargs: Any) -> Any:
+        handle = safe_open(*args, **kwargs)
+        if differing.exists():
+            differing.replace(path)  # a new file (another inode) at the path the open one came from
+        return handle
+
+    monkeypatch.setattr(loader, "safe_open", replaced_once_open)
+    loader.check_checkpoint(model_dir, "float32")  # the open file's head equals its table
+    monkeypatch.setattr(loader, "safe_open", safe_open)
+    with pytest.raises(ModelLoadError, match="weight lm_head.weight differs from model.embed_tokens.weight"):
+        loader.check_checkpoint(model_dir, "float32")

@@ -94,6 +94,7 @@ _HEAD_ROWS_PER_READ = 4096  # the tied head's comparison reads this many rows of
 def check_unread(
     file_of: dict[str, Any],  # checkpoint name -> the open safetensors file holding it
     path_of: dict[str, Path],  # checkpoint name -> that file's path
+    stamp_of: dict[Path, FileStamp],  # each file's path -> its stamp read just before it was opened
     layout: WeightLayout,
     config: ModelConfig,
     error: Callable[[str], Exception],
@@ -114,10 +115,7 @@ def check_unread(
                 f"{_setting(flag, config, layout)}: the model would serve without it"
             )
         table = layout.checkpoint_name("model.embed_tokens.weight")
-        verdict = (_FileStamp.of(path_of[key]), key, _FileStamp.of(path_of[table]), table)
-        if verdict not in _same_tables:
-            _same_tables[verdict] = _same_table(file_of[key], key, file_of[table], table)
-        if not _same_tables[verdict]:
+        if not _is_same_table(file_of, path_of, stamp_of, key, table):
             raise error(
                 f"{path_of[key]}: weight {key} differs from {table}, but config.json says "
                 "tie_word_embeddings true: the head would read the token table, not this weight"
@@ -169,7 +167,7 @@ def _setting(flag: str, config: ModelConfig, layout: WeightLayout) -> str:
 
 
 @dataclass(frozen=True)
-class _FileStamp:
+class FileStamp:
     """A file as it is now: the same path written anew is another stamp (its size, its times or, where
     it was replaced, its inode differ)."""
 
@@ -181,16 +179,48 @@ class _FileStamp:
     ctime_ns: int
 
     @staticmethod
-    def of(path: Path) -> _FileStamp:
+    def of(path: Path) -> FileStamp:
         st = path.stat()
-        return _FileStamp(path.resolve(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return FileStamp(path.resolve(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 # Whether a tied head equals its token table, by (head's file, head's key, table's file, table's key).
 # A decoder compares before it listens (check_checkpoint) and its load checks the same files again, as
 # each rank's does (0.69 s each for Qwen2.5-0.5B's 151,936 x 896 bf16 pair); the verdict depends on the
 # files' bytes alone, so a process compares a given pair once and a file written since, again.
-_same_tables: dict[tuple[_FileStamp, str, _FileStamp, str], bool] = {}
+_same_tables: dict[tuple[FileStamp, str, FileStamp, str], bool] = {}
+
+
+def _is_same_table(
+    file_of: dict[str, Any],
+    path_of: dict[str, Path],
+    stamp_of: dict[Path, FileStamp],
+    key: str,
+    table: str,
+) -> bool:
+    """Whether head `key` equals token table `table`, compared once per process and pair of files.
+
+    NOTE: a verdict is about the bytes of the files open in `file_of`, which need not be what their
+    paths hold now: a file replaced (or written in place) after it was opened leaves the open file's
+    bytes under a path that stats as the new one. So a verdict is filed under the stamps read before
+    the files were opened, and only where each path stats the same after the comparison (no change
+    from before the open to the end of the comparison: the bytes compared are that stamp's); a verdict
+    on file is used only where the same holds now, else the open files are compared again."""
+    paths = (path_of[key], path_of[table])
+    memo = (stamp_of[paths[0]], key, stamp_of[paths[1]], table)
+
+    def unchanged() -> bool:
+        try:
+            return all(FileStamp.of(path) == stamp_of[path] for path in paths)
+        except OSError:  # removed since it was opened: the open file is still compared, not filed
+            return False
+
+    if memo in _same_tables and unchanged():
+        return _same_tables[memo]
+    same = _same_table(file_of[key], key, file_of[table], table)
+    if unchanged():
+        _same_tables[memo] = same
+    return same
 
 
 def _same_table(head: Any, head_key: str, table: Any, table_key: str) -> bool:

@@ -34,7 +34,7 @@ from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 from tandem.common.torch_part.weight_files import index_files
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 from tandem.decoder.models import quantized
-from tandem.decoder.models.checkpoint_shapes import check_shapes, check_unread
+from tandem.decoder.models.checkpoint_shapes import FileStamp, check_shapes, check_unread
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.gguf_weights import read_quantized
 from tandem.decoder.models.quantized_shards import check_cuttable
@@ -86,8 +86,8 @@ def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer, 
     tokenizer = _read_tokenizer(model_dir, config)  # before the weights: a mismatch fails fast
     _check_chat_template(model_dir)
     with ExitStack() as stack:  # the headers only, and a tied head's values where the file has one
-        file_of, path_of, layout = _index_weights(stack, model_dir, config)
-        warnings = check_unread(file_of, path_of, layout, config, ModelLoadError)
+        file_of, path_of, stamp_of, layout = _index_weights(stack, model_dir, config)
+        warnings = check_unread(file_of, path_of, stamp_of, layout, config, ModelLoadError)
     return config, architecture, tokenizer, warnings
 
 
@@ -280,23 +280,25 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def _open_weights(stack: ExitStack, model_dir: Path, config: ModelConfig) -> dict[str, Any]:
     """Each weight name -> the open safetensors file that holds it (_index_weights)."""
-    file_of, _, _ = _index_weights(stack, model_dir, config)
+    file_of, _, _, _ = _index_weights(stack, model_dir, config)
     return file_of
 
 
 def _index_weights(
     stack: ExitStack, model_dir: Path, config: ModelConfig
-) -> tuple[dict[str, Any], dict[str, Path], vision_language.WeightLayout]:
-    """Each weight name -> the open safetensors file that holds it, and -> that file's path, and where
-    the language model's weights sit; once every file's header parsed (safetensors checks its length,
-    JSON, dtypes and that offsets tile the file), no name is in two files or belongs to a layer past
-    config.json's num_hidden_layers (a config that does not match its weights, which would otherwise
-    serve the first layers alone), and every shape is config.json's, every type one a weight is read
-    from. Only headers are read."""
+) -> tuple[dict[str, Any], dict[str, Path], dict[Path, FileStamp], vision_language.WeightLayout]:
+    """Each weight name -> the open safetensors file that holds it, and -> that file's path, each path
+    -> its stamp read just before it was opened, and where the language model's weights sit; once
+    every file's header parsed (safetensors checks its length, JSON, dtypes and that offsets tile the
+    file), no name is in two files or belongs to a layer past config.json's num_hidden_layers (a
+    config that does not match its weights, which would otherwise serve the first layers alone), and
+    every shape is config.json's, every type one a weight is read from. Only headers are read."""
     file_of: dict[str, Any] = {}
     path_of: dict[str, Path] = {}
+    stamp_of: dict[Path, FileStamp] = {}
     for path in _weight_files(model_dir):
         try:
+            stamp_of[path] = FileStamp.of(path)  # before the open: what was opened is this stamp's, or newer
             handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
         except (SafetensorError, OSError) as e:  # SafetensorError is a bare Exception
             raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from None
@@ -317,7 +319,7 @@ def _index_weights(
             )
     if (refusal := check_shapes(file_of, path_of, layout, config, model_dir)) is not None:
         raise ModelLoadError(refusal)
-    return file_of, path_of, layout
+    return file_of, path_of, stamp_of, layout
 
 
 def _read_weights(
