@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -106,6 +107,24 @@ async def test_an_honest_reply_is_read_and_its_segment_released_for_the_next(rig
     assert rig.stand_in.segments.num_leased == 0
     assert rig.stand_in.segments.num_created == 1  # the second call's rows went into the first's segment
     assert rig.parts.maps.num_mapped == 1  # which the decoder read through the mapping it kept
+
+
+async def test_a_handle_of_a_few_rows_is_opened_off_the_event_loop(rig: Rig) -> None:
+    """Opening a pool segment the decoder has not seen maps all of it (MAP_POPULATE: 60-94 ms for the
+    encoder's largest, 1 GiB), whatever the handle's rows; on the loop, every stream and health check
+    of the decoder waited for it."""
+    loop_thread = threading.get_ident()
+    opened_on: list[int] = []  # the thread of each open
+    open_segment = rig.parts.maps.open
+
+    def recording(name: str) -> shared_memory.Segment | None:
+        opened_on.append(threading.get_ident())
+        return open_segment(name)
+
+    rig.parts.maps.open = recording  # type: ignore[method-assign]
+    assert len(await _generate(rig.decoder)) == 2
+    assert rig.stand_in.handles[0].shape == [3, 64]  # 768 bytes of rows
+    assert len(opened_on) == 1 and opened_on[0] != loop_thread
 
 
 async def test_a_reply_naming_a_segment_this_call_did_not_ask_for_is_refused(rig: Rig) -> None:

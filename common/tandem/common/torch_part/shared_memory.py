@@ -389,7 +389,7 @@ class SegmentMaps:
         self.max_bytes = max_bytes
         self.sweep_s = sweep_s
         self._kept: dict[tuple[int, int], _Mapping] = {}
-        self._lock = threading.Lock()  # opened on the event loop and on reading threads
+        self._lock = threading.Lock()  # opened on reading threads, swept on one of its own
         self.num_mapped = 0  # files mapped (tests, the benchmark): what keeping saves is reads - this
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_until_stopped, name="segment-maps", daemon=True)

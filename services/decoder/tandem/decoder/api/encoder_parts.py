@@ -34,7 +34,8 @@ A fetch, on the event loop:
 3. The reply: a handle is read only if it names the segment this call asked for; the segment is
    opened, checked (dtype, shape, bounds), its rows copied into this process (through this decoder's
    mapping of the encoder's pool segment, made the first time it is given one and kept:
-   `shared_memory.SegmentMaps`) and their digest checked under this call's key
+   `shared_memory.SegmentMaps`; all of it on a thread, whatever the rows' size, since the mapping's
+   cost is the whole pool segment's) and their digest checked under this call's key
    (`tensors.decode_shared`; the copy and the digest are one pass in C where the CPU has carry-less
    multiplication: `backends/cpu/copy_digest.py`), and the name removed: that releases the segment to
    the encoder's pool, which writes into it again, and a replay finds nothing. Bytes are decoded as
@@ -76,7 +77,6 @@ from tandem.client.errors import (
     Unavailable,
 )
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common.dtypes import BY_WIRE
 from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import TableSample, read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
@@ -91,7 +91,7 @@ CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading i
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
 MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together (see step 2)
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
-READ_ON_A_THREAD_BYTES = 1024 * 1024  # segments this large are checked off the event loop
+READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 
 
@@ -287,10 +287,11 @@ class EncoderParts:
             handle = reply.shared_embeddings
             if offer is None or handle.name != offer.segment_name:
                 raise InvalidArgument(".shared_embeddings.name", "names a segment this call did not ask for")
-            if _claimed_bytes(handle) > READ_ON_A_THREAD_BYTES:
-                result = await asyncio.to_thread(self._read_segment, handle, offer.digest_key)
-            else:
-                result = self._read_segment(handle, offer.digest_key)
+            # On a thread whatever the rows' size: the first handle of a pool segment maps the whole
+            # segment (MAP_POPULATE fills its page tables), which the encoder makes up to
+            # --shared-memory-bytes (1 GiB): 60-94 ms for 1 GiB, 3-6 ms for 64 MiB, here, and a
+            # 768-byte reply may be given a large free segment. On the loop it held every stream.
+            result = await asyncio.to_thread(self._read_segment, handle, offer.digest_key)
             self.num_shared += 1
         else:
             rows = tensors.decode(reply.embeddings, ".embeddings", rank=2, limits=self.limits)
@@ -435,21 +436,6 @@ class EncoderParts:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(f"{field}: encoder {self.address} is full: {details}")
         return Unavailable(f"{field}: encoder {self.address} is unavailable ({code.name}: {details})")
-
-
-def _claimed_bytes(handle: tensor_pb2.SharedTensor) -> int:
-    """The bytes a handle claims, before anything checks it (only to choose where to read it), counted
-    no further than past READ_ON_A_THREAD_BYTES: the whole product of 20,000 dimensions of 2^62 took
-    1.8 s on the event loop, with the square of their number (decode_shared then refuses the rank)."""
-    dtype = BY_WIRE.get(handle.dtype)
-    if dtype is None:
-        return 0  # an unknown dtype is refused at once, inline
-    num_bytes = dtype.itemsize
-    for dim in handle.shape:
-        num_bytes *= max(0, dim)
-        if num_bytes > READ_ON_A_THREAD_BYTES:
-            break
-    return num_bytes
 
 
 def _ran_out(error: BaseException) -> bool:
