@@ -125,6 +125,27 @@ def test_a_table_stored_as_integer_or_fp8_data_is_refused_from_its_header(
         LookupEmbedder.load(broken, torch.bfloat16)
 
 
+@pytest.mark.parametrize("method", ["fp8", "bitsandbytes"])
+def test_a_checkpoint_whose_config_names_a_quantization_is_refused_as_the_decoder_refuses_it(
+    tiny_model: Path, tmp_path: Path, method: str
+) -> None:
+    """A quantized checkpoint's table is often left in bf16 (the decoder then refuses its projections),
+    and a bitsandbytes one holds float weights its loader quantizes: the encoder served such a table
+    beside a decoder that refused the checkpoint. Its words are the decoder's."""
+    quantized = Path(shutil.copytree(tiny_model, tmp_path / "quantized"))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TableShapeError) as raised:
+        LookupEmbedder.load(quantized, torch.bfloat16)
+    assert str(raised.value) == (
+        f"{quantized / 'config.json'}: quantization_config.quant_method is {method!r}: the weights are "
+        "stored for that quantization's own loader, which Tandem has not. Serve the bf16, fp16 or fp32 "
+        "checkpoint it was quantized from, with --quantization int8 or int4 to quantize at load, or a "
+        "GGUF file with --quantization gguf (docs/DEPLOYMENT.md)"
+    )
+
+
 def test_an_index_placing_the_table_outside_the_checkpoint_is_refused(
     tiny_model: Path, tmp_path: Path
 ) -> None:

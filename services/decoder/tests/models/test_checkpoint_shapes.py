@@ -226,6 +226,43 @@ def test_an_fp8_checkpoint_is_refused_in_one_line_before_its_scales_are_warned_o
     )
 
 
+def test_an_fp8_checkpoint_is_refused_naming_its_quantization_config_s_method(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its config.json says which quantization wrote it: the refusal names that, and what Tandem
+    serves instead, where it named the first e4m3 tensor."""
+    llama3 = checkpoints["llama3"]
+    weights = load_file(llama3.path / "model.safetensors")
+    projections = [name for name in weights if name.endswith("_proj.weight")]
+    added = {name: weights[name].to(torch.float8_e4m3fn) for name in projections}
+    added |= {name.replace(".weight", ".weight_scale"): torch.ones(1) for name in projections}
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    model_dir = copy_with(llama3, tmp_path, added, quantization_config=fp8)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__), pytest.raises(ModelLoadError) as raised:
+        loader.check_checkpoint(model_dir, "float32")
+    assert caplog.records == []
+    assert str(raised.value) == (
+        f"{model_dir / 'config.json'}: quantization_config.quant_method is 'fp8': the weights are stored "
+        "for that quantization's own loader, which Tandem has not. Serve the bf16, fp16 or fp32 checkpoint "
+        "it was quantized from, with --quantization int8 or int4 to quantize at load, or a GGUF file with "
+        "--quantization gguf (docs/DEPLOYMENT.md)"
+    )
+
+
+def test_float_weights_beside_a_quantization_config_are_refused_naming_the_field(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """bitsandbytes quantizes float weights as its loader reads them: every header passes, and the
+    checkpoint loaded as another model than its config describes."""
+    quantization = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    model_dir = copy_with(checkpoints["qwen3"], tmp_path, {}, quantization_config=quantization)
+    said = r"config\.json: quantization_config\.quant_method is 'bitsandbytes': the weights are stored"
+    with pytest.raises(ModelLoadError, match=said):
+        loader.check_checkpoint(model_dir, "float32")
+    with pytest.raises(ModelLoadError, match=said):
+        load_model(model_dir, dtype="float32")
+
+
 def test_a_checkpoint_holding_just_what_its_config_reads_gets_no_warning(
     checkpoint: Checkpoint, caplog: pytest.LogCaptureFixture
 ) -> None:

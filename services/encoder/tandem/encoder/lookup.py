@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from tandem.common import checkpoint, text_bounds, vision_language
 from tandem.common.torch_part.quantized_tensor import quantize_table
 from tandem.common.torch_part.weight_files import INDEX_NAME, index_files, weight_names
-from tandem.common.weight_shapes import mismatch, token_table, type_refusal
+from tandem.common.weight_shapes import mismatch, quantization_refusal, token_table, type_refusal
 from tandem.encoder.embedder import (
     EmbedderInfo,
     EmbedderLoadError,
@@ -94,16 +94,20 @@ def language_model_table(model_dir: Path, hf_config: dict[str, Any]) -> Language
 
 class TableShapeError(EmbedderLoadError):
     """The token table's shape in its file is not the one config.json implies, or its type is not one a
-    weight is read from (quantized data: a cast would serve other numbers than the decoder's)."""
+    weight is read from, or config.json has a quantization_config (quantized data: a cast would serve
+    other numbers than the decoder's, which refuses such a checkpoint too)."""
 
 
 def check_table_shape(model_dir: Path) -> None:
     """The token table (`model.embed_tokens.weight`, or a vision-language checkpoint's language model's)
     is [vocab_size, hidden_size] as config.json (its text_config) states them, stored in a float type
     the decoder reads too (weight_shapes.WEIGHT_DTYPES), judged from the safetensors header alone:
-    nothing of the table is read, so a service runs it before it listens. Raises TableShapeError for a
-    disagreement, EmbedderLoadError for a file that cannot be read."""
+    nothing of the table is read, so a service runs it before it listens, and config.json names no
+    quantization method (weight_shapes.quantization_refusal, as the decoder's check). Raises
+    TableShapeError for a disagreement, EmbedderLoadError for a file that cannot be read."""
     hf_config = read_json(model_dir / "config.json")
+    if (refusal := quantization_refusal(hf_config)) is not None:
+        raise TableShapeError(f"{model_dir / 'config.json'}: {refusal}")
     if vision_language.is_vision_language(hf_config):
         table = language_model_table(model_dir, hf_config)
         name, shape, path = table.name, table.shape, table.files.get(table.name)

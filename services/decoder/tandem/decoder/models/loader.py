@@ -32,6 +32,7 @@ from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.torch_part.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
 from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 from tandem.common.torch_part.weight_files import index_files
+from tandem.common.weight_shapes import quantization_refusal
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 from tandem.decoder.models import quantized
 from tandem.decoder.models.checkpoint_shapes import FileStamp, check_shapes, check_unread
@@ -183,6 +184,9 @@ def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:
     hf_config = _read_json(model_dir / "config.json")
     generation_path = model_dir / "generation_config.json"
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    # Before the weights' types: an FP8 checkpoint is named by its method, not by its first e4m3 tensor.
+    if (refusal := quantization_refusal(hf_config)) is not None:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: {refusal}")
     if vision_language.is_vision_language(hf_config):  # the decoder serves its language model
         hf_config = vision_language.text_config(hf_config, ModelLoadError)
     architectures = hf_config.get("architectures") or []
