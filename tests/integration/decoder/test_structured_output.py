@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import grpc
 import jiter
@@ -17,7 +18,8 @@ import torch
 from tandem.client.client import structured_output
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.common.torch_part import tensors
-from tests.integration.decoder.conftest import Served
+from tandem.decoder.models.loader import LoadedModel
+from tests.integration.decoder.conftest import Served, serve, shutdown
 
 S = {"type": "string", "maxLength": 8}
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
@@ -236,15 +238,21 @@ async def test_a_grammar_that_breaks_on_the_way_is_an_error_never_an_eos(decoder
 
 
 async def test_a_grammar_over_the_cpu_limit_per_token_is_an_error_while_its_neighbour_streams(
-    decoder: Served, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
 ) -> None:
     # An ambiguous grammar's parse costs more with every token (sampling/structured.py: with SmolLM2's
     # vocabulary up to 0.5 s of CPU a mask), and every step of the batch waits for its masks. The
     # served limit (50 ms) takes hundreds of tokens to reach with the tiny model's vocabulary, so
-    # here any work is over it: the first mask, or the proposal checked, fails the request.
-    from tandem.decoder.engine.sampling import structured
+    # this decoder's (--max-grammar-cpu-ms-per-token 0.001) is below any work: the first mask, or the
+    # proposal checked, fails the request.
+    decoder = await serve(tiny_model_dir, tiny_fp32, max_grammar_cpu_ms_per_token=0.001)
+    try:
+        await _fail_the_grammar_over_the_limit(decoder)
+    finally:
+        await shutdown(decoder)
 
-    monkeypatch.setattr(structured, "MAX_TOKEN_CPU_SECONDS", 1e-6)
+
+async def _fail_the_grammar_over_the_limit(decoder: Served) -> None:
     blocks = decoder.engine.core.block_manager
     initial = blocks.num_free_blocks
     alone, _ = await decoder.client.generate_text(["Once upon a time"], max_new_tokens=12, temperature=0.0)
@@ -263,9 +271,8 @@ async def test_a_grammar_over_the_cpu_limit_per_token_is_an_error_while_its_neig
         assert (
             not isinstance(results[0], BaseException) and results[0][0] == alone
         )  # its neighbour: unchanged
-    monkeypatch.undo()
-    text, _ = await _answer(decoder, structured_output(regex="a{5}{3}"))  # and it keeps serving
-    assert text == "a" * 15
+    again, _ = await decoder.client.generate_text(["Once upon a time"], max_new_tokens=12, temperature=0.0)
+    assert again == alone  # and it keeps serving
     assert decoder.engine.core.num_live() == 0 and blocks.num_free_blocks == initial  # nothing held
 
 

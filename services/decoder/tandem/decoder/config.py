@@ -58,6 +58,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
     max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
     max_queue: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED).
+    # Structured output: the CPU time, in ms, a request's grammar work per token (a mask, and taking or
+    # checking the token after it) may cost on average over its last few masks before the request fails
+    # (engine/sampling/structured.py's NOTE). It bounds what one request adds to every step of its
+    # batch. With SmolLM2's vocabulary legitimate grammars stay far below 50: 6,000 tokens of nested
+    # JSON objects 0.3 ms at most, the deepest 64 KiB Lark chain 2.5 ms, a right-recursive rule 25 ms
+    # at the 1,997 tokens where llguidance's row limit stops it. CPU time, not wall time, so a busy
+    # machine fails no request for its neighbours' load.
+    max_grammar_cpu_ms_per_token: float = 50.0
     block_size: int = 16  # positions per KV block.
     kv_cache_bytes: int = 512 * 1024 * 1024  # KV pool size; the block count is derived from it.
     num_kv_blocks: int | None = None  # exact block count instead of kv_cache_bytes (tests).
@@ -170,6 +178,10 @@ class EngineConfig:
             )
         if self.shared_step_seqs is not None and self.shared_step_seqs < 0:
             raise ConfigError("shared_step_seqs", f"must be >= 0 (0: off), got {self.shared_step_seqs}")
+        if not self.max_grammar_cpu_ms_per_token > 0:  # NaN too: it would fail no grammar
+            raise ConfigError(
+                "max_grammar_cpu_ms_per_token", f"must be > 0, got {self.max_grammar_cpu_ms_per_token}"
+            )
         if self.speculative_max_batch < 1:
             raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -107,6 +107,12 @@ def settings() -> list[Setting]:
             show_default="the model's context, at most 2048 on neuron",
         ),
         _engine_setting("--max-queue", "most waiting requests; beyond it RESOURCE_EXHAUSTED", type=int),
+        _engine_setting(
+            "--max-grammar-cpu-ms-per-token",
+            "structured output: a request whose grammar work per token averages more CPU than this (ms) "
+            "fails INVALID_ARGUMENT instead of holding up its batch",
+            type=float,
+        ),
         _engine_setting("--block-size", "positions per KV cache block", type=int),
         _engine_setting("--kv-cache-bytes", "KV cache pool size in bytes", type=int),
         _engine_setting(
@@ -268,6 +274,7 @@ _ENGINE_FIELDS = (
     "max_num_batched_tokens",
     "max_model_len",
     "max_queue",
+    "max_grammar_cpu_ms_per_token",
     "block_size",
     "kv_cache_bytes",
     "num_kv_blocks",

@@ -13,16 +13,21 @@ import pytest
 import tokenizers
 
 from tandem.client.errors import InvalidArgument
+from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.params import StructuredOutput
 from tandem.decoder.engine.sampling import structured
-from tandem.decoder.engine.sampling.structured import MAX_SOURCE_CHARS, MAX_TOKEN_CPU_SECONDS, GrammarCompiler
+from tandem.decoder.engine.sampling.structured import MAX_SOURCE_CHARS, GrammarCompiler
+
+SERVED_LIMIT_S = EngineConfig.max_grammar_cpu_ms_per_token / 1000  # the flag's default, in seconds
 
 
 @pytest.fixture(scope="module")
 def compiler(tiny_model_dir: Path) -> GrammarCompiler:
     tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     eos = tokenizer.token_to_id("<|endoftext|>")
-    return GrammarCompiler(tokenizer, tokenizer.get_vocab_size(), eos_token_ids=(eos,))
+    return GrammarCompiler(
+        tokenizer, tokenizer.get_vocab_size(), eos_token_ids=(eos,), max_token_cpu_seconds=SERVED_LIMIT_S
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +120,7 @@ def test_an_ambiguous_grammar_fails_the_request_once_one_token_costs_more_cpu_th
     # The parse of this grammar's answer costs more with every token (with SmolLM2's vocabulary a
     # mask took 5 ms at 100 tokens and over a second at 900), and each mask holds up the whole batch's
     # step. A limit of 2 ms, not the served 50 ms, so the growth passes it within a second here.
-    monkeypatch.setattr(structured, "MAX_TOKEN_CPU_SECONDS", 0.002)
+    monkeypatch.setattr(compiler, "max_token_cpu_seconds", 0.002)
     a = _a(tiny_model_dir)
     constraint = compiler.constraint(StructuredOutput("grammar", AMBIGUOUS))
     while constraint.error() is None and constraint.num_accepted < 400:
@@ -147,7 +152,7 @@ def test_a_long_unambiguous_answer_stays_far_below_the_limit_per_token(
     for _ in range(2000):
         assert constraint.allowed()[a]
         constraint.accept(a)
-    assert constraint.error() is None and constraint.max_token_cpu_seconds == MAX_TOKEN_CPU_SECONDS
+    assert constraint.error() is None and constraint.max_token_cpu_seconds == SERVED_LIMIT_S
 
 
 def test_matching_thousands_of_nesting_levels_needs_no_deep_stack(

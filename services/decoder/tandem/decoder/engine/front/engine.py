@@ -366,7 +366,10 @@ class Engine:
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(
-                    self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+                    self.tokenizer,
+                    self.model_config.vocab_size,
+                    self.model_config.eos_token_ids,
+                    max_token_cpu_seconds=self.config.max_grammar_cpu_ms_per_token / 1000,
                 )
             return self._grammars
 

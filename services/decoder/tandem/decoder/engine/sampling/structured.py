@@ -20,8 +20,9 @@ tokens, 0.1 s at 600 and 0.5 s of CPU at 933 (1.8 s of wall time on a busy machi
 all before llguidance's 2,000 items in a row stopped it at 999 tokens, and every step of the batch
 waits for each mask. llguidance's per-step limits count the items it creates, not the rows each
 completion scans, so they did not trip. Where the grammar's work for its last NUM_MASKS_AVERAGED
-masks (each mask, and taking or checking the token after it) cost over MAX_TOKEN_CPU_SECONDS each on
-average, the request fails after that step, naming its field and the limit. An average, because
+masks (each mask, and taking or checking the token after it) cost over the engine's limit each on
+average (`max_token_cpu_seconds`, from --max-grammar-cpu-ms-per-token: 50 ms unless configured), the
+request fails after that step, naming its field and the limit. An average, because
 llguidance's lexer may spend up to its fuel (about 150 ms of CPU here) once, on a new state of a
 legitimate grammar, where an ambiguous grammar's cost stays and grows. Matching does not recurse
 per level of nesting (3,000 open brackets match on a 1 MiB stack): only compiling needs the deep
@@ -63,14 +64,7 @@ CACHE_SIZE = 256  # compiled grammars kept, by content
 # the whole decoder with SIGSEGV. Compiling runs on a thread of this stack, about 4 times what the
 # deepest 64 KiB source needs; only the pages it touches take memory.
 COMPILE_STACK_BYTES = 64 * 1024 * 1024
-# The CPU time the grammar's work per token (a mask, and taking or checking the token after it) may
-# cost on average over the last NUM_MASKS_AVERAGED masks; read when a request's constraint is made.
-# With SmolLM2's vocabulary legitimate grammars stay far below it: 6,000 tokens of nested JSON
-# objects 0.3 ms at most, the deepest 64 KiB Lark chain 2.5 ms, a right-recursive rule 25 ms at the
-# 1,997 tokens where llguidance's row limit stops it. It bounds what one request adds to every step
-# of its batch. CPU time, not wall time, so a busy machine fails no request for its neighbours' load.
-MAX_TOKEN_CPU_SECONDS = 0.05
-NUM_MASKS_AVERAGED = 8
+NUM_MASKS_AVERAGED = 8  # masks whose CPU time per token is averaged against the limit (the NOTE)
 _STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one setter at a time
 
 T = TypeVar("T")
@@ -104,7 +98,8 @@ class Constraint:
         vocab_size: int,
         field: str = "structured",
         eos_token_ids: frozenset[int] = frozenset(),
-        max_token_cpu_seconds: float = MAX_TOKEN_CPU_SECONDS,
+        *,
+        max_token_cpu_seconds: float,  # the grammar's work per token, on average (the NOTE)
     ) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
@@ -217,7 +212,12 @@ class GrammarCompiler:
     """The engine's llguidance tokenizer and compiled-grammar cache."""
 
     def __init__(
-        self, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        *,
+        max_token_cpu_seconds: float,  # each request's constraint's limit (EngineConfig's, in seconds)
     ) -> None:
         import llguidance  # on first structured request: a text-only server never loads it
 
@@ -228,6 +228,7 @@ class GrammarCompiler:
         )
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._eos_token_ids = frozenset(eos_token_ids)
+        self.max_token_cpu_seconds = max_token_cpu_seconds
         self._cache: OrderedDict[StructuredOutput, str] = OrderedDict()
         self._lock = threading.Lock()  # request builders may compile concurrently
 
@@ -249,7 +250,13 @@ class GrammarCompiler:
             raise InvalidArgument(
                 spec.field, f"admits no answer: no text can begin it ({_short(matcher.get_error())})"
             )
-        return Constraint(matcher, self.vocab_size, spec.field, self._eos_token_ids, MAX_TOKEN_CPU_SECONDS)
+        return Constraint(
+            matcher,
+            self.vocab_size,
+            spec.field,
+            self._eos_token_ids,
+            max_token_cpu_seconds=self.max_token_cpu_seconds,
+        )
 
     def _grammar(self, spec: StructuredOutput) -> str:
         with self._lock:
