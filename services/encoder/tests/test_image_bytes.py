@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import warnings
 import zlib
 
 import pytest
@@ -157,3 +158,30 @@ def test_the_callers_size_rules_run_on_the_header_before_any_pixel_is_decoded(mo
     assert seen == [(60_000, 1)] and decoded == []
     decode_image(_encoded("PNG"), MAX_BYTES, MAX_PIXELS, check_size=lambda w, h: seen.append((w, h)))
     assert seen[-1] == (20, 10) and set(decoded) == {(20, 10)}  # a size it takes: then decoded
+
+
+def _jpeg_with_broken_exif(num_entries: int) -> bytes:
+    """A JPEG with no JFIF segment (so PIL reads its EXIF for the resolution when it opens it), whose
+    EXIF names `num_entries` tags each claiming more data than the segment holds."""
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(out, "JPEG")
+    jpeg = out.getvalue()
+    assert jpeg[2:4] == b"\xff\xe0"  # JFIF's APP0, dropped
+    jpeg = jpeg[:2] + jpeg[4 + int.from_bytes(jpeg[4:6], "big") :]
+    entries = b"".join(struct.pack("<HHII", tag, 7, 60_000, 0) for tag in range(1, num_entries + 1))
+    tiff = b"II*\x00" + struct.pack("<I", 8) + struct.pack("<H", num_entries) + entries + bytes(4)
+    segment = b"Exif\x00\x00" + tiff
+    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(segment) + 2) + segment + jpeg[2:]
+
+
+def test_broken_metadata_neither_refuses_the_picture_nor_writes_to_the_log() -> None:
+    # PIL warned once for every entry it skipped, in words of its own each time: 870 KB (8,798
+    # lines) on the encoder's stderr for each call of a 60 KB JPEG.
+    data = _jpeg_with_broken_exif(5000)
+    assert len(data) < 64 * 1024
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert decode_image(data, MAX_BYTES, MAX_PIXELS).size == (8, 8)
+    assert warned == []
+    with pytest.raises(InvalidArgument, match="claims 1100000 pixels"):  # PIL's bomb warning still refuses
+        decode_image(_png_claiming(1100, 1000), MAX_BYTES, MAX_PIXELS)

@@ -68,6 +68,10 @@ def decode_image(
         raise InvalidArgument(field, f"a JPEG of {scans} scans; at most {MAX_JPEG_SCANS} are decoded")
     try:
         with warnings.catch_warnings():
+            # PIL warns once for each broken metadata entry it skips, each in words of its own, and
+            # catch_warnings lets every call warn again: a 60 KB JPEG's EXIF wrote 870 KB (8,798 lines)
+            # to the log on each call. None of them is a reason to refuse.
+            warnings.simplefilter("ignore")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = _open_header(data, image_format, max_pixels)
             width, height = image.size
