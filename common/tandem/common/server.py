@@ -49,9 +49,10 @@ from tandem.common.health import BoundedHealth, max_watches
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 30.0  # drain time on SIGTERM, of both services and of `tandem up`
-# Calls served at once, streams included. Above the decoder's own bounds (--max-queue waiting plus
-# the running batch), so that its RESOURCE_EXHAUSTED naming them answers first. A call costs about
-# 16 KB in gRPC core before it is taken up and about 20 KB once running, and no thread.
+# Calls served at once, streams included, unless a service asks for more: the decoder holds twice its
+# streams waiting and running (tandem.decoder.config.max_calls), so that its RESOURCE_EXHAUSTED naming
+# --max-queue answers first. A call costs about 16 KB in gRPC core before it is taken up and about
+# 20 KB once running, and no thread.
 DEFAULT_MAX_CONCURRENT_RPCS = 10_000
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from tandem.client.errors import ConfigError, InvalidArgument
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.model_name import check_adapter_name
-from tandem.common.server import ServerOptions
+from tandem.common.server import DEFAULT_MAX_CONCURRENT_RPCS, ServerOptions
 from tandem.common.torch_part.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
 from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.common.torch_part.torch_dtypes import BY_TORCH
@@ -29,6 +29,12 @@ DEFAULT_PORT = 50052
 # the server default. A verification costs about one step while the step reads weights rather than
 # computes; far past that it computes, and a long guess is rarely right to the end.
 MAX_SPECULATIVE_TOKENS = 16
+# Calls the decoder's server holds beside its Generate streams running and waiting (max_calls): health
+# checks, Tokenize, GetModelInfo, adapter calls, reflection, and streams still being built, not queued.
+NUM_SPARE_CALLS = 1024
+# --max-queue at most. The server then holds 2 x (100,000 + --max-num-seqs + NUM_SPARE_CALLS) calls
+# (max_calls), about 20 KB each in gRPC core while running: some 4 GB at worst beside the requests.
+MAX_QUEUE_LIMIT = 100_000
 # What the C kernels compute in, by name: a quantized linear has no torch path to fall back on.
 KERNEL_DTYPE_NAMES = tuple(sorted(BY_TORCH[dtype].name for dtype in DTYPE_CODES))
 
@@ -165,6 +171,12 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_queue > MAX_QUEUE_LIMIT:
+            raise ConfigError(
+                "max_queue",
+                f"must be at most {MAX_QUEUE_LIMIT:,} (the server holds twice the streams waiting and "
+                f"running as calls, ~20 KB each), got {self.max_queue:,}",
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -315,6 +327,13 @@ class DecoderConfig:
     encoder_cache_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        if self.server.max_concurrent_rpcs < max_calls(self.engine):
+            raise ConfigError(
+                "max_queue",
+                f"{self.engine.max_queue:,} waiting and {self.engine.max_num_seqs:,} running streams need "
+                f"a server holding {max_calls(self.engine):,} calls at once (max_calls), which holds "
+                f"{self.server.max_concurrent_rpcs:,} (max_concurrent_rpcs)",
+            )
         for name in ("max_streams_per_connection", "max_streams_per_token"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
@@ -350,3 +369,12 @@ class DecoderConfig:
         for name, _ in self.engine.loras:
             if name == self.model_name:
                 raise ConfigError("loras", f": adapter name {name!r} is the model's own name")
+
+
+def max_calls(engine: EngineConfig) -> int:
+    """The calls the decoder's server holds at once (its ServerOptions.max_concurrent_rpcs), so that
+    the engine's own bounds answer first, naming their flags (RESOURCE_EXHAUSTED "waiting queue is
+    full", with RetryInfo), where gRPC's "Concurrent RPC limit exceeded!" names no number: the streams
+    running and waiting and NUM_SPARE_CALLS more, twice over, since health's Watch streams may take
+    half of a server's places (tandem.common.health.max_watches). Never under every server's default."""
+    return max(DEFAULT_MAX_CONCURRENT_RPCS, 2 * (engine.max_queue + engine.max_num_seqs + NUM_SPARE_CALLS))

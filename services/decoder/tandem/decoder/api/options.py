@@ -6,6 +6,7 @@ Defaults are the config dataclasses' own (`default_of`); a flag whose default de
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from tandem.decoder.config import (
     QUANTIZED_ACTIVATIONS,
     DecoderConfig,
     EngineConfig,
+    max_calls,
 )
 
 ENV_PREFIX = "TANDEM_"
@@ -106,7 +108,12 @@ def settings() -> list[Setting]:
             type=int,
             show_default="the model's context, at most 2048 on neuron",
         ),
-        _engine_setting("--max-queue", "most waiting requests; beyond it RESOURCE_EXHAUSTED", type=int),
+        _engine_setting(
+            "--max-queue",
+            "most waiting requests, up to 100,000; beyond it RESOURCE_EXHAUSTED (the server holds "
+            "2 x (this + --max-num-seqs + 1,024) calls at once, at least 10,000)",
+            type=int,
+        ),
         _engine_setting(
             "--max-grammar-cpu-ms-per-token",
             "structured output: a request whose grammar work per token averages more CPU than this (ms) "
@@ -324,9 +331,11 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
             engine[name] = default_of(EngineConfig, name)
     if backend.is_spmd:  # several devices of one process, not several ranks
         engine["num_devices"] = values["world_size"]
+    engine_config = EngineConfig(model_dir=Path(model), **engine)
+    server = dataclasses.replace(server_options(values), max_concurrent_rpcs=max_calls(engine_config))
     return DecoderConfig(
-        engine=EngineConfig(model_dir=Path(model), **engine),
-        server=server_options(values),
+        engine=engine_config,
+        server=server,
         model_name=values["model_name"] or model_display_name(Path(model)),
         world_size=values["world_size"],
         collective_timeout_s=values["collective_timeout_s"],

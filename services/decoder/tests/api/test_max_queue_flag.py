@@ -1,0 +1,46 @@
+"""`--max-queue` and the calls the decoder's server holds: the server's bound on calls at once
+(max_concurrent_rpcs) follows from the queue and the batch, so the queue's own RESOURCE_EXHAUSTED,
+naming it, answers before gRPC's "Concurrent RPC limit exceeded!", which names no number; a queue
+past MAX_QUEUE_LIMIT is one line naming the flag and exit 2, before any weight is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.client.errors import ConfigError
+from tandem.common.health import max_watches
+from tandem.common.server import DEFAULT_MAX_CONCURRENT_RPCS, ServerOptions
+from tandem.decoder.api.main import config_from_args
+from tandem.decoder.api.main import main as decoder_main
+from tandem.decoder.config import MAX_QUEUE_LIMIT, NUM_SPARE_CALLS, DecoderConfig, EngineConfig, max_calls
+
+PREFIX = "tandem serve decoder: --max-queue (TANDEM_MAX_QUEUE)"
+
+
+@pytest.mark.parametrize("max_queue", [1, 1024, 10_000, 50_000, MAX_QUEUE_LIMIT])
+def test_the_server_holds_every_stream_waiting_and_running_beside_all_health_watches(max_queue: int) -> None:
+    config = config_from_args(["--max-queue", str(max_queue), "--max-num-seqs", "64"])
+    bound = config.server.max_concurrent_rpcs
+    assert bound == max_calls(config.engine) >= DEFAULT_MAX_CONCURRENT_RPCS
+    # Health's Watch streams may hold their share of the places; the streams and the spare calls fit
+    # in what is left, so the queue refuses first, naming its flag.
+    assert bound - max_watches(bound) >= max_queue + 64 + NUM_SPARE_CALLS
+
+
+def test_at_the_defaults_the_server_holds_what_every_server_holds() -> None:
+    assert config_from_args([]).server.max_concurrent_rpcs == DEFAULT_MAX_CONCURRENT_RPCS
+
+
+def test_a_queue_past_the_limit_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert decoder_main(["--max-queue", str(MAX_QUEUE_LIMIT + 1), "--port", "0"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"{PREFIX} must be at most 100,000 (") and said.endswith(", got 100,001\n")
+
+
+def test_a_config_whose_server_cannot_hold_its_queue_is_refused_naming_both_numbers(tmp_path) -> None:
+    engine = EngineConfig(model_dir=tmp_path, max_queue=20_000, max_num_seqs=64)
+    with pytest.raises(ConfigError) as error:
+        DecoderConfig(engine, server=ServerOptions(max_concurrent_rpcs=DEFAULT_MAX_CONCURRENT_RPCS))
+    assert error.value.field == "max_queue"
+    assert "need a server holding 42,176 calls at once (max_calls), which holds 10,000" in str(error.value)
+    assert DecoderConfig(engine, server=ServerOptions(max_concurrent_rpcs=42_176)).engine.max_queue == 20_000
