@@ -8,7 +8,7 @@ import warnings
 import zlib
 
 import pytest
-from PIL import Image, ImageFile
+from PIL import ExifTags, Image, ImageFile, ImageOps
 
 from tandem.client.errors import InvalidArgument
 from tandem.encoder.vision.image_bytes import decode_image, sniff_format
@@ -158,6 +158,32 @@ def test_the_callers_size_rules_run_on_the_header_before_any_pixel_is_decoded(mo
     assert seen == [(60_000, 1)] and decoded == []
     decode_image(_encoded("PNG"), MAX_BYTES, MAX_PIXELS, check_size=lambda w, h: seen.append((w, h)))
     assert seen[-1] == (20, 10) and set(decoded) == {(20, 10)}  # a size it takes: then decoded
+
+
+def _with_orientation(image_format: str, orientation: int) -> bytes:
+    """A 30 x 20 picture of distinct pixels tagged with an EXIF orientation (1 to 8)."""
+    pixels = Image.effect_noise((30, 20), 64).convert("RGB")
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = orientation
+    out = io.BytesIO()
+    pixels.save(out, image_format, exif=exif, **({"lossless": True} if image_format == "WEBP" else {}))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("image_format", ["JPEG", "PNG", "WEBP"])
+def test_a_picture_is_taken_upright_as_its_exif_orientation_shows_it(
+    image_format: str, orientation: int
+) -> None:
+    # A phone stores a portrait photo sideways and tags it "rotate 90": browsers, transformers'
+    # load_image and vLLM show it upright (PIL's exif_transpose is the reference), and the size rules
+    # see that shown size.
+    data = _with_orientation(image_format, orientation)
+    seen: list[tuple[int, int]] = []
+    image = decode_image(data, MAX_BYTES, MAX_PIXELS, check_size=lambda w, h: seen.append((w, h)))
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    assert image.size == upright.size == seen[0] == ((20, 30) if orientation >= 5 else (30, 20))
+    assert image.tobytes() == upright.convert(image.mode).tobytes()
 
 
 def _jpeg_with_broken_exif(num_entries: int) -> bytes:

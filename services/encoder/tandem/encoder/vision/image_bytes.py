@@ -10,6 +10,10 @@ pixels (MAX_IMAGE_SIDE says why); then the caller's rules on that size
 (`check_size`: the resize the model's processor implies, the span's length), so a 1 x 33,000,000
 PNG that the resize would blow up costs nothing either; then the decode, whose every failure is
 INVALID_ARGUMENT naming the field. An animated file gives its first frame.
+
+A picture is taken as it is shown: its EXIF orientation (a phone's portrait photo is stored sideways,
+tagged "rotate 90") is read from the header with its size and applied once decoded, as browsers,
+transformers' `load_image` and vLLM do; every size rule sees the shown size.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import threading
 import warnings
 from collections.abc import Callable
 
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, UnidentifiedImageError
 
 from tandem.client.errors import InvalidArgument
 
@@ -33,6 +37,17 @@ MAX_JPEG_SCANS = 32
 MAX_IMAGE_SIDE = 65_535
 _BOUND = threading.Lock()  # PIL's pixel bound is a module global: one opener at a time sets it
 _PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
+# EXIF orientation -> the transposition that shows the picture upright (PIL's ImageOps.exif_transpose).
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+_SWAPS_SIDES = (5, 6, 7, 8)
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -70,11 +85,12 @@ def decode_image(
         with warnings.catch_warnings():
             # PIL warns once for each broken metadata entry it skips, each in words of its own, and
             # catch_warnings lets every call warn again: a 60 KB JPEG's EXIF wrote 870 KB (8,798 lines)
-            # to the log on each call. None of them is a reason to refuse.
+            # to the log on each call, an 800 KB WebP's 11 MB. None of them is a reason to refuse.
             warnings.simplefilter("ignore")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = _open_header(data, image_format, max_pixels)
-            width, height = image.size
+            orientation = _orientation(image)
+            width, height = image.size[::-1] if orientation in _SWAPS_SIDES else image.size
             if width < 1 or height < 1:
                 raise InvalidArgument(field, f"has no pixels ({width} x {height})")
             if width * height > max_pixels:
@@ -88,6 +104,8 @@ def decode_image(
                 )
             check_size(width, height)
             image.load()
+            if orientation in _UPRIGHT:
+                image = image.transpose(_UPRIGHT[orientation])
     except InvalidArgument:
         raise
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
@@ -114,6 +132,18 @@ def _open_header(data: bytes, image_format: str, max_pixels: int) -> Image.Image
             return Image.open(io.BytesIO(data), formats=[image_format])
         finally:
             Image.MAX_IMAGE_PIXELS = bound
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF (or XMP) orientation its header gives, 1 to 8; 1 where it gives none. Read with the base
+    class's getexif: PNG's own decodes the whole file first when no eXIf chunk came before the pixels
+    (one after them, against the PNG spec, is not read). Metadata too broken to read is no orientation,
+    as a browser shows such a file: the pixels decode as they did."""
+    try:
+        orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
+        return orientation if orientation in _UPRIGHT else 1
+    except Exception:
+        return 1
 
 
 def jpeg_scans(data: bytes) -> int:
