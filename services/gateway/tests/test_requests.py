@@ -81,6 +81,11 @@ HOSTILE_CHAT = {
     "include_usage a string": (
         {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"
     ),
+    "tool_choice required": ({"tool_choice": "required"}, "tool_choice"),
+    "tool_choice a function": (
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"
+    ),
+    "function_call a function": ({"function_call": {"name": "f"}}, "function_call"),
     "top_logprobs without logprobs": ({"top_logprobs": 5}, "top_logprobs"),
     "top_logprobs with logprobs false": ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
     "a text part without its text": (_user({"type": "text"}), "messages[0].content[0].text"),
@@ -196,6 +201,11 @@ def test_what_the_answer_needs_of_the_body_is_kept() -> None:
     )
     plain = completion_request({"prompt": "hi"}, LIMITS)
     assert (plain.is_stream, plain.include_usage, plain.names.structured) == (False, False, None)
+
+
+def test_a_tool_choice_that_asks_for_text_is_answered_with_text() -> None:
+    for choice in ("none", "auto"):
+        assert chat_request(CHAT | {"tool_choice": choice, "function_call": choice}, LIMITS).requests
 
 
 def test_vllms_top_k_minus_one_means_off() -> None:

@@ -91,6 +91,14 @@ def common_parameters(
     for name in ("tools", "functions"):
         if body.get(name):
             raise InvalidArgument(name, "tool calling is not supported")
+    # With no tools, "none" and "auto" ask for text, which is what comes; "required" or a named
+    # function asks for a call the answer would not hold (OpenAI and vLLM refuse a tool_choice
+    # without tools, and Codex sends "auto" on plain turns, so that one passes).
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise InvalidArgument(
+                name, f"tool calling is not supported: only 'none' or 'auto', got {shown(body[name])}"
+            )
     return BodyNames(structured_field, max_tokens_field), n
 
 
