@@ -17,7 +17,9 @@ Replicas: an address that names several servers (`host:port,host:port`, a list, 
 `dns:///name:port`, e.g. a Kubernetes headless Service) is balanced by gRPC itself: the
 `round_robin` policy over every server, with client-side health checking (`grpc.health.v1` Watch on
 each connection), so a replica that stops, drains or is NOT_SERVING gets no new calls. A plain
-`host:port` keeps gRPC's default, one connection to one server.
+`host:port` keeps gRPC's default, one connection to one server. A channel opened with
+`is_health_checked=False` balances without watching: its opener knows which servers serve (the
+gateway, `tandem.gateway.replicas`), and round_robin still skips a server it cannot connect to.
 """
 
 from __future__ import annotations
@@ -65,13 +67,15 @@ _RETRY_CONFIG = {
 }
 
 
-def service_config(health_service: str | None = None) -> str:
-    """The channel's service config: the retry policy; with `health_service`, also round-robin over
-    every resolved server, each one used only while its health for that service is SERVING."""
+def service_config(is_balanced: bool = False, health_service: str | None = None) -> str:
+    """The channel's service config: the retry policy; `is_balanced`, also round-robin over every
+    resolved server, with `health_service` each one used only while its health for that service is
+    SERVING (a Watch stream per server)."""
     config: dict[str, Any] = dict(_RETRY_CONFIG)
-    if health_service is not None:
+    if is_balanced:
         config["loadBalancingConfig"] = [{"round_robin": {}}]
-        config["healthCheckConfig"] = {"serviceName": health_service}
+        if health_service is not None:
+            config["healthCheckConfig"] = {"serviceName": health_service}
     return json.dumps(config)
 
 
@@ -160,13 +164,13 @@ PLAINTEXT = ChannelSecurity()
 
 
 def client_channel_options(
-    max_message_bytes: int, health_service: str | None = None
+    max_message_bytes: int, is_balanced: bool = False, health_service: str | None = None
 ) -> list[tuple[str, Any]]:
     """`channel_options` plus the retry policy for idempotent calls (and balancing, see service_config)."""
     return [
         *channel_options(max_message_bytes),
         ("grpc.enable_retries", 1),
-        ("grpc.service_config", service_config(health_service)),
+        ("grpc.service_config", service_config(is_balanced, health_service)),
         # While a server is down the channel waits longer and longer between reconnects (gRPC's
         # default grows to 120 s); a restarted server is found again within 5 s.
         ("grpc.max_reconnect_backoff_ms", 5_000),
@@ -180,17 +184,24 @@ def open_channel(
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     service: str = "",
     own_connection: bool = False,
+    is_health_checked: bool = True,
+    authority: str | None = None,
 ) -> grpc.aio.Channel:
     """A channel to one of our services (`service`, e.g. "tandem.v1.Decoder", names its health
-    status): size limits, keepalive, retries, TLS and token as asked; balanced over several servers.
+    status): size limits, keepalive, retries, TLS and token as asked; balanced over several servers,
+    watching each one's health unless not `is_health_checked`.
     `own_connection`: never share a connection with another channel to the same target (gRPC shares
     them by default), so the server sees this channel's calls as one caller of their own.
+    `authority`: the name the servers go by (their TLS certificates' name) where `address` holds
+    their IP addresses, looked up from it by the caller.
 
     Raises ValueError for an address it cannot use."""
     target, is_balanced = channel_target(address)
-    options = client_channel_options(max_message_bytes, service if is_balanced else None)
+    options = client_channel_options(max_message_bytes, is_balanced, service if is_health_checked else None)
     if own_connection:
         options.append(("grpc.use_local_subchannel_pool", 1))
+    if authority is not None:
+        options.append(("grpc.default_authority", authority))
     chain = [*interceptors, *(bearer_token_interceptors(security.token) if security.token else [])] or None
     if not security.uses_tls:
         return grpc.aio.insecure_channel(target, options=options, interceptors=chain)

@@ -1,0 +1,82 @@
+"""A balanced channel that watches no health (`is_health_checked=False`, the gateway's per-caller
+channels) still gets its Generate calls served while a replica answers UNAVAILABLE before taking the
+call (as a loading, draining or failed decoder does) or stops: gRPC retries a Generate no server
+began on the next replica, and round_robin skips a replica it cannot connect to."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem.client.channel import open_channel, service_config
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+
+
+class Replica(decoder_pb2_grpc.DecoderServicer):
+    """Accepts every Generate, naming itself in `request_id`; while `is_loading`, answers UNAVAILABLE
+    before taking it, as the decoder does while it loads (`DecoderServicer._healthy_engine`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.is_loading = False
+        self.num_refused = 0
+
+    async def Generate(
+        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        if self.is_loading:
+            self.num_refused += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decoder is loading; retry later")
+        yield decoder_pb2.GenerateResponse(request_id=self.name, accepted=decoder_pb2.PromptAccepted())
+
+
+async def _start(replica: Replica) -> RunningServer:
+    service = Service("tandem.v1.Decoder", replica, decoder_pb2_grpc.add_DecoderServicer_to_server)
+    running = await start_server(ServerOptions(port=0), [service])
+    await running.set_serving()
+    return running
+
+
+async def _served_by(channel: grpc.aio.Channel, num_calls: int) -> collections.Counter[str]:
+    stub = decoder_pb2_grpc.DecoderStub(channel)
+
+    async def one() -> str:
+        stream = stub.Generate(decoder_pb2.GenerateRequest(), timeout=10)
+        return (await stream.read()).request_id
+
+    return collections.Counter([await one() for _ in range(num_calls)])
+
+
+def test_a_balanced_channel_watches_health_unless_told_not_to() -> None:
+    watched = json.loads(service_config(is_balanced=True, health_service="tandem.v1.Decoder"))
+    unwatched = json.loads(service_config(is_balanced=True))
+    assert watched["healthCheckConfig"] == {"serviceName": "tandem.v1.Decoder"}
+    assert unwatched["loadBalancingConfig"] == watched["loadBalancingConfig"] == [{"round_robin": {}}]
+    assert "healthCheckConfig" not in unwatched
+
+
+async def test_an_unwatched_balanced_channel_retries_a_refused_generate_and_skips_a_stopped_replica() -> None:
+    replicas = [Replica("a"), Replica("b")]
+    servers = [await _start(replica) for replica in replicas]
+    channel = open_channel(
+        [s.address for s in servers],
+        service="tandem.v1.Decoder",
+        own_connection=True,
+        is_health_checked=False,
+    )
+    try:
+        assert set(await _served_by(channel, 8)) == {"a", "b"}  # round-robin over both
+        replicas[1].is_loading = True
+        assert await _served_by(channel, 8) == {"a": 8}  # each refusal retried on the other
+        assert replicas[1].num_refused >= 3
+        replicas[1].is_loading = False
+        await servers[1].stop(0)  # its connection and listener closed, as a killed or drained one's
+        assert await _served_by(channel, 8) == {"a": 8}
+    finally:
+        await channel.close()
+        await asyncio.gather(*(s.stop(0) for s in servers))
