@@ -59,6 +59,15 @@ def test_a_chat_too_long_names_the_messages_and_an_unknown_adapter_is_openais_un
     }  # fmt: skip
 
 
+def test_a_bad_adapter_name_is_the_bodys_model_that_named_it() -> None:
+    # The gateway sends a model other than the base model as the adapter to run: the caller wrote
+    # `model`, and was told about an `adapter` it never sent.
+    long = from_grpc(
+        _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "adapter: must be 1 to 256 bytes, got 300", "adapter")
+    )
+    assert (long.param, long.message) == ("model", "model: must be 1 to 256 bytes, got 300")
+
+
 def test_a_service_that_is_down_is_a_503_worth_a_retry() -> None:
     down = from_grpc(_rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"))
     assert down.status == 503 and down.headers() == {"Retry-After": "1"}

@@ -148,6 +148,8 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
         retry_after = 1.0
     if param == "chat":  # the rendered prompt as a whole (its length): the body's messages
         param = "messages"
+    if param == "adapter":  # the body's model other than the base model, sent as the adapter to run
+        param, message = "model", "model" + message.removeprefix("adapter")
     code = None
     if error.code() == grpc.StatusCode.NOT_FOUND and message.startswith("adapter "):
         # The body's model names the adapter (the gateway sends it as one): OpenAI's unknown model.
