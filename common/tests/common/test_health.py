@@ -1,8 +1,9 @@
 """Health needs no token, so its Watch streams, which never end on their own, hold at most half of
-the places a server has for calls (max_concurrent_rpcs), one past it RESOURCE_EXHAUSTED naming the
-bound: without it one caller with no token could hold every place and every Generate, Embed and
-kubelet Check was answered RESOURCE_EXHAUSTED. There is no share per address: a gateway watches
-each decoder from every caller's channel, all from its one address."""
+the places a server has for calls (max_concurrent_rpcs), and one address at most 256 of them; one
+past either is RESOURCE_EXHAUSTED naming the bound. Without them one caller with no token could hold
+every place (every Generate, Embed and kubelet Check was then answered RESOURCE_EXHAUSTED), or every
+Watch place (every client channel opened after it, which watches before it calls, failed). A gateway
+watches each decoder once for all its callers (services/gateway/tests/test_replicas.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.channel import open_channel
-from tandem.common.health import max_watches
+from tandem.common.health import MAX_WATCHES_PER_ADDRESS, max_watches, watcher_of
 from tandem.common.server import RunningServer, ServerOptions, start_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -58,7 +59,7 @@ async def test_watches_past_the_bound_leave_the_servers_places_to_its_calls(serv
     (without the bound the 9th call of any kind was RESOURCE_EXHAUSTED)."""
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        streams = [await _watch(stub) for _ in range(4)]
+        streams = [await _watch(stub) for _ in range(4)]  # all from one address, within its share
         refusals = [await _refused(stub) for _ in range(6)]
         assert set(refusals) == {"at most 4 health Watch streams at once; Check answers at once"}
         checks = [stub.Check(health_pb2.HealthCheckRequest(), timeout=5) for _ in range(3)]
@@ -74,21 +75,52 @@ async def test_watches_past_the_bound_leave_the_servers_places_to_its_calls(serv
             stream.cancel()
 
 
-async def test_a_gateways_balanced_channel_for_each_of_600_callers_is_served() -> None:
-    """A gateway opens a channel of its own per caller (up to --max-connections 512 plus 64 idle), each
-    watching the decoders it balances over, all from one address: a bound of 256 watches an address
-    failed the 257th caller's calls UNAVAILABLE ("health check call failed")."""
-    running = await start_server(ServerOptions(host="127.0.0.1", port=0), [])
+def test_a_watch_counts_against_its_ipv4_address_or_its_ipv6_slash_64() -> None:
+    assert watcher_of("ipv4:10.0.0.7:50123") == watcher_of("ipv4:10.0.0.7:41000") == "10.0.0.7"
+    assert watcher_of("ipv6:[2001:db8::1]:5000") == watcher_of("ipv6:%5B2001:db8::ffff:1%5D:6000")
+    assert watcher_of("ipv6:[2001:db8::1]:5000") == "2001:db8::/64"
+    assert watcher_of("ipv6:[2001:db8:0:1::1]:5000") == "2001:db8:0:1::/64"
+    assert watcher_of("ipv6:[::ffff:10.0.0.7]:5000") == "10.0.0.7"  # an IPv4 peer of a dual-stack server
+    assert watcher_of("unix:/run/tandem.sock") == "unix:/run/tandem.sock"
+
+
+@pytest.fixture
+async def dual_stack_server() -> AsyncIterator[RunningServer]:
+    """600 places for calls, 300 for watches; on loopback's 127.0.0.1 and ::1, two addresses."""
+    running = await start_server(ServerOptions(host="localhost", port=0, max_concurrent_rpcs=600), [])
     await running.set_serving()
-    channels = [
-        open_channel(f"dns:///{running.address}", service="", own_connection=True) for _ in range(600)
-    ]
     try:
-        checks = [
-            health_pb2_grpc.HealthStub(c).Check(health_pb2.HealthCheckRequest(), timeout=30) for c in channels
-        ]
-        assert [reply.status for reply in await asyncio.gather(*checks)] == [SERVING] * 600
-        assert running.health.num_watches == 600
+        yield running
     finally:
-        await asyncio.gather(*(c.close() for c in channels))
         await running.stop(0)
+
+
+async def test_one_address_holds_its_share_of_watches_and_a_balanced_channel_from_another_is_served(
+    dual_stack_server: RunningServer,
+) -> None:
+    """A caller with no token asks every Watch place (300) from 127.0.0.1: it gets 256, and a balanced
+    channel opened after it from ::1 still watches and calls (without the share it failed UNAVAILABLE
+    "health check call failed")."""
+    port = dual_stack_server.port
+    assert MAX_WATCHES_PER_ADDRESS == 256
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as attacker:
+        stub = health_pb2_grpc.HealthStub(attacker)
+        asked = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(300)]
+        outcomes = await asyncio.gather(*(stream.read() for stream in asked), return_exceptions=True)
+        refusals = {o.details() for o in outcomes if isinstance(o, grpc.aio.AioRpcError)}
+        assert sum(not isinstance(o, BaseException) for o in outcomes) == 256
+        assert refusals == {
+            "at most 256 health Watch streams at once from one address (127.0.0.1); Check answers at once"
+        }
+        balanced = open_channel(f"dns:///[::1]:{port}", service="")
+        try:
+            reply = await health_pb2_grpc.HealthStub(balanced).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+            assert reply.status == SERVING
+            assert dual_stack_server.health.num_watches == 257
+            assert dual_stack_server.health.num_watches_of(f"ipv6:[::1]:{port}") == 1
+        finally:
+            await balanced.close()
+        for stream in asked:
+            stream.cancel()

@@ -24,7 +24,7 @@ class FakeChannel:
 def _channels(max_idle: int) -> tuple[CallerChannels, list[FakeChannel]]:
     opened: list[FakeChannel] = []
 
-    def open_channel() -> FakeChannel:
+    def open_channel(targets: tuple[str, ...]) -> FakeChannel:
         opened.append(FakeChannel(len(opened)))
         return opened[-1]
 

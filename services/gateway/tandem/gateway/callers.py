@@ -15,6 +15,12 @@ Channels live while their caller has a call open; `max_idle` idle ones are kept 
 recently used first out), the rest closed. Open ones are bounded by the gateway's connections
 (each open call holds an HTTP connection), so the decoder sees at most `--max-connections` +
 `max_idle` connections from a gateway.
+
+Several decoder replicas: a caller's channel balances over the replicas that serve when it opens
+(`replicas.py`, which watches each replica's health once for every caller), and watches none itself,
+so a gateway holds a few health Watch streams on a replica however many callers it has. When that
+set changes, a caller's channel over an older one takes no new calls: an idle one is closed, a busy
+one once its calls end, and the caller's next call opens a channel over the new set.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from tandem.client.channel import open_channel
+from tandem.client.channel import channel_target, open_channel
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.replicas import Replicas, name_of
+
+DECODER_SERVICE = "tandem.v1.Decoder"  # its health status is what the replicas are watched for
 
 
 def caller_of(authorization: str, peer: str | None, tokens_checked: bool) -> str:
@@ -46,62 +55,111 @@ def caller_of(authorization: str, peer: str | None, tokens_checked: bool) -> str
 class _Channel:
     channel: grpc.aio.Channel
     stub: decoder_pb2_grpc.DecoderStub
+    targets: tuple[str, ...]  # the replicas it balances over (`Replicas.targets` when it opened)
     num_calls: int = 0  # calls open on it
+    is_retired: bool = False  # takes no new calls: closed once its last call ends
 
 
 class CallerChannels:
     """A channel to the decoder per caller; event-loop thread only."""
 
-    def __init__(self, open_channel: Callable[[], grpc.aio.Channel], max_idle: int) -> None:
-        self._open_channel = open_channel  # a new channel on a connection of its own
+    def __init__(
+        self,
+        open_channel: Callable[[tuple[str, ...]], grpc.aio.Channel],
+        max_idle: int,
+        replicas: Replicas | None = None,
+    ) -> None:
+        self._open_channel = open_channel  # a new channel over these targets, on connections of its own
         self.max_idle = max_idle
+        self.replicas = replicas  # None: one decoder, the same target always
         self._channels: OrderedDict[str, _Channel] = OrderedDict()  # least recently used first
         self._closing: set[asyncio.Task[None]] = set()
+        if replicas is not None:
+            replicas.on_change = self.retire_stale
+            replicas.start()
 
     @property
     def num_channels(self) -> int:
         return len(self._channels)
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return () if self.replicas is None else self.replicas.targets
+
     @contextlib.asynccontextmanager
     async def stub(self, caller: str) -> AsyncIterator[decoder_pb2_grpc.DecoderStub]:
         """The decoder stub of `caller`'s own channel, held for the body."""
+        targets = self.targets
         held = self._channels.get(caller)
+        if held is not None and held.targets != targets:
+            self._retire(caller)
+            held = None
         if held is None:
-            channel = self._open_channel()
-            held = self._channels[caller] = _Channel(channel, decoder_pb2_grpc.DecoderStub(channel))
+            channel = self._open_channel(targets)
+            held = _Channel(channel, decoder_pb2_grpc.DecoderStub(channel), targets)
+            self._channels[caller] = held
         self._channels.move_to_end(caller)
         held.num_calls += 1
         try:
             yield held.stub
         finally:
             held.num_calls -= 1
+            if held.is_retired and not held.num_calls:
+                self._close(held)
             self._close_idle_beyond_bound()
+
+    def retire_stale(self) -> None:
+        """Channels over other replicas than `targets` now take no new calls; idle ones are closed."""
+        for caller in [c for c, held in self._channels.items() if held.targets != self.targets]:
+            self._retire(caller)
+
+    def _retire(self, caller: str) -> None:
+        held = self._channels.pop(caller)
+        held.is_retired = True
+        if not held.num_calls:
+            self._close(held)
 
     def _close_idle_beyond_bound(self) -> None:
         idle = [caller for caller, held in self._channels.items() if held.num_calls == 0]
         for caller in idle[: max(0, len(idle) - self.max_idle)]:
-            task = asyncio.ensure_future(self._channels.pop(caller).channel.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close(self._channels.pop(caller))
+
+    def _close(self, held: _Channel) -> None:
+        task = asyncio.ensure_future(held.channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         channels = [held.channel for held in self._channels.values()]
         self._channels.clear()
+        if self.replicas is not None:
+            await self.replicas.close()
         await asyncio.gather(*(channel.close() for channel in channels), *self._closing)
 
 
 def decoder_channels(
     config: GatewayConfig, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
 ) -> CallerChannels:
-    """Each caller's channel to `config`'s decoder: its TLS and token, and `interceptors` (tracing)."""
-    return CallerChannels(
-        lambda: open_channel(
-            config.decoder_address,
+    """Each caller's channel to `config`'s decoder: its TLS and token, and `interceptors` (tracing).
+    Several replicas are watched by a `Replicas` started here: call from the event loop."""
+    address = config.decoder_address
+    _, is_balanced = channel_target(address)
+    authority = name_of(address)  # replicas found from a name still go by it (TLS)
+
+    def open_replica(replica: str) -> grpc.aio.Channel:
+        return open_channel(replica, config.max_message_bytes, config.upstream, authority=authority)
+
+    def open_caller_channel(targets: tuple[str, ...]) -> grpc.aio.Channel:
+        return open_channel(
+            list(targets) or address,
             config.max_message_bytes,
             config.upstream,
             interceptors,
-            "tandem.v1.Decoder",
+            DECODER_SERVICE,
             own_connection=True,
-        ),
-        config.max_idle_channels,
-    )
+            is_health_checked=False,  # `Replicas` watches for every caller
+            authority=None if targets == (address,) else authority,
+        )
+
+    replicas = Replicas(address, open_replica, DECODER_SERVICE) if is_balanced else None
+    return CallerChannels(open_caller_channel, config.max_idle_channels, replicas)

@@ -1,0 +1,178 @@
+"""The decoder replicas the gateway balances its callers over, and which of them serve: each watched once.
+
+NOTE: why the gateway watches for its callers. Each HTTP caller reaches the decoder over a channel of
+its own (`callers.py`). With gRPC's client-side health checking each of those channels held a health
+Watch stream on every replica, all from the gateway's one address: 576 at its defaults, more with
+--max-connections, past the share of Watch streams a server gives one address
+(`tandem.common.health`). So the gateway watches each replica once here, and each caller's channel is
+opened over the replicas that serve now (round_robin, watching nothing itself); when that set
+changes, channels over an older one take no new calls (`callers.py`).
+
+What the watch is for: a replica that listens but does not serve, loading or with its engine failed,
+answers every Generate UNAVAILABLE at once. Without it, each caller's channel would send its share
+of first attempts there, each retried on the next replica after a backoff, until the channel's retry
+throttling or a Generate over gRPC's 256 KiB retry buffer (a picture's rows) failed the caller. What
+gRPC still does in each caller's channel: a replica killed or draining closes its connections and
+its listener (a drain sends GOAWAY), so round_robin skips it as soon as the connection fails, and a
+Generate no server took is retried on the next replica (`tandem.client.channel`).
+
+Where no replica is known to serve (all loading, or none answered yet), callers are balanced over
+every replica, and a call gets the decoder's own answer; before a `dns:///` name resolves, over the
+name itself, as gRPC resolves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.client.channel import channel_target
+
+log = logging.getLogger(__name__)
+
+RESOLVE_INTERVAL_S = 5.0  # a dns:/// name is looked up again this often: replicas come and go
+# A Watch that ended or was refused is asked again after this, doubling up to the second; meanwhile
+# the replica's health is asked by Check (unbounded) each time.
+MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
+CHECK_TIMEOUT_S = 2.0
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def static_replicas(address: str) -> tuple[str, ...] | None:
+    """The replicas of a list of addresses, each "ip:port" (host names resolved once, as the clients
+    do); None for a `dns:///` name (`resolve_name`). Raises ValueError for an address it cannot use."""
+    target, _ = channel_target(address)
+    if target.startswith("dns:"):
+        return None
+    scheme, _, servers = target.partition(":")
+    return tuple(servers.split(",")) if scheme in ("ipv4", "ipv6") else (target,)
+
+
+def name_of(address: str) -> str | None:
+    """The `host:port` a `dns:///host:port` (or `dns://server/host:port`) names; None for another
+    address."""
+    if not address.startswith("dns:"):
+        return None
+    return address.removeprefix("dns:").removeprefix("//").partition("/")[2] or None
+
+
+async def resolve_name(name: str) -> tuple[str, ...]:
+    """Every server `name` ("host:port") resolves to, as "ip:port": IPv4 where it has any, as gRPC
+    balances one family. Raises OSError when it does not resolve."""
+    host, _, port = name.rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    found = {info[0]: [] for info in infos}
+    for family, *_, sockaddr in infos:
+        ip = sockaddr[0]
+        server = f"{ip}:{port}" if family == socket.AF_INET else f"[{ip}]:{port}"
+        if server not in found[family]:
+            found[family].append(server)
+    return tuple(found.get(socket.AF_INET) or found.get(socket.AF_INET6) or ())
+
+
+class Replicas:
+    """The decoder's replicas (`address`: several, or a `dns:///` name) and which of them serve for
+    `service`, each watched once over a channel of its own; event-loop thread only."""
+
+    def __init__(
+        self,
+        address: str,
+        open_channel: Callable[[str], grpc.aio.Channel],
+        service: str,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.address = address
+        self._open_channel = open_channel  # a plain channel to one replica ("ip:port")
+        self.service = service
+        self.on_change = on_change  # called when `targets` changes
+        self._static = static_replicas(address)
+        self._is_serving: dict[str, bool] = {}  # by replica, in the order found; False until known
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._resolver: asyncio.Task[None] | None = None
+        self.targets: tuple[str, ...] = (address,)  # what each caller's channel balances over now
+
+    def start(self) -> None:
+        """Starts finding and watching the replicas (on the running event loop)."""
+        if self._static is not None:
+            self._found(self._static)
+        else:
+            self._resolver = asyncio.ensure_future(self._resolve_forever())
+
+    @property
+    def serving(self) -> tuple[str, ...]:
+        return tuple(replica for replica, is_serving in self._is_serving.items() if is_serving)
+
+    async def close(self) -> None:
+        tasks = [*self._watchers.values(), *([self._resolver] if self._resolver is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watchers.clear()
+
+    async def _resolve_forever(self) -> None:
+        name = name_of(self.address)
+        assert name is not None  # not a list: a dns:/// name
+        while True:
+            try:
+                found = await resolve_name(name)
+            except (OSError, ValueError) as error:  # the last replicas found stay
+                log.warning("decoder address %s does not resolve: %s", self.address, error)
+            else:
+                if found:
+                    self._found(found)
+            await asyncio.sleep(RESOLVE_INTERVAL_S)
+
+    def _found(self, replicas: tuple[str, ...]) -> None:
+        for gone in set(self._watchers) - set(replicas):
+            self._watchers.pop(gone).cancel()
+            del self._is_serving[gone]
+        for replica in replicas:
+            if replica not in self._watchers:
+                self._is_serving[replica] = False
+                self._watchers[replica] = asyncio.ensure_future(self._watch(replica))
+        self._update()
+
+    def _set(self, replica: str, is_serving: bool) -> None:
+        if self._is_serving.get(replica, is_serving) != is_serving:
+            self._is_serving[replica] = is_serving
+            self._update()
+
+    def _update(self) -> None:
+        targets = self.serving or tuple(self._is_serving) or (self.address,)
+        if targets != self.targets:
+            self.targets = targets
+            self.on_change()
+
+    async def _watch(self, replica: str) -> None:
+        channel = self._open_channel(replica)
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=self.service)
+        retry_s = MIN_RETRY_S
+        try:
+            while True:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    async for reply in stub.Watch(request):
+                        self._set(replica, reply.status == SERVING)
+                        retry_s = MIN_RETRY_S
+                self._set(replica, await self._check(stub, request))
+                await asyncio.sleep(retry_s)
+                retry_s = min(2 * retry_s, MAX_RETRY_S)
+        finally:
+            await channel.close()
+
+    @staticmethod
+    async def _check(stub: health_pb2_grpc.HealthStub, request: health_pb2.HealthCheckRequest) -> bool:
+        """Whether the replica serves, by Check: a Watch refused (its address's share taken, by
+        others behind the gateway's address) or ended still leaves the replica's health known."""
+        try:
+            reply = await stub.Check(request, timeout=CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == SERVING
