@@ -24,7 +24,6 @@ name itself, as gRPC resolves it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Callable
@@ -37,8 +36,11 @@ from tandem.client.channel import channel_target
 log = logging.getLogger(__name__)
 
 RESOLVE_INTERVAL_S = 5.0  # a dns:/// name is looked up again this often: replicas come and go
-# A Watch that ended or was refused is asked again after this, doubling up to the second; meanwhile
-# the replica's health is asked by Check (unbounded) each time.
+# A Watch that ended, was refused or said the replica does not serve is asked again after this,
+# doubling up to the second while the replica does not serve. A refused one leaves the replica's
+# health to Check (unbounded). One that says NOT_SERVING is ended at once: a draining server's stop
+# waits for every stream it holds, a Watch too, so a gateway that kept watching held every decoder's
+# drain for its whole --grace-s (gRPC's own health checking lets go as the drain's GOAWAY comes).
 MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
 CHECK_TIMEOUT_S = 2.0
 
@@ -157,11 +159,17 @@ class Replicas:
         retry_s = MIN_RETRY_S
         try:
             while True:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    async for reply in stub.Watch(request):
+                watch = stub.Watch(request)
+                try:
+                    async for reply in watch:
                         self._set(replica, reply.status == SERVING)
+                        if reply.status != SERVING:
+                            break  # a drain waits for it: see MIN_RETRY_S
                         retry_s = MIN_RETRY_S
-                self._set(replica, await self._check(stub, request))
+                except grpc.aio.AioRpcError:
+                    self._set(replica, await self._check(stub, request))
+                finally:
+                    watch.cancel()
                 await asyncio.sleep(retry_s)
                 retry_s = min(2 * retry_s, MAX_RETRY_S)
         finally:
