@@ -12,12 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway.tests.fake_decoder import FakeDecoder
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.callers import CallerChannels, decoder_channels
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.replicas import name_of, static_replicas
+
+from .fake_decoder import FakeDecoder
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
