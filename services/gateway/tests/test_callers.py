@@ -61,3 +61,43 @@ def test_a_caller_is_its_checked_token_else_its_address() -> None:
     # An unchecked token says nothing: a caller could send a new one with each request.
     assert caller_of("Bearer t1", "10.0.0.1", False) == caller_of("Bearer t2", "10.0.0.1", False)
     assert "t1" not in caller_of("Bearer t1", "10.0.0.1", True)  # a digest, never the secret
+
+
+class FakeReplicas:
+    """The replicas that serve, as `tandem.gateway.replicas.Replicas` tells them to CallerChannels."""
+
+    def __init__(self, targets: tuple[str, ...]) -> None:
+        self.targets = targets
+        self.on_change = lambda: None
+
+    def start(self) -> None:
+        pass
+
+    def change(self, targets: tuple[str, ...]) -> None:
+        self.targets = targets
+        self.on_change()
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_when_the_serving_replicas_change_a_callers_next_call_opens_a_channel_over_them() -> None:
+    replicas = FakeReplicas(("a:1", "b:1"))
+    opened: list[tuple[tuple[str, ...], FakeChannel]] = []
+
+    def open_channel(targets: tuple[str, ...]) -> FakeChannel:
+        opened.append((targets, FakeChannel(len(opened))))
+        return opened[-1][1]
+
+    channels = CallerChannels(open_channel, 4, replicas)  # type: ignore[arg-type]
+    async with channels.stub("peer:busy"):
+        async with channels.stub("peer:idle"):
+            pass
+        replicas.change(("a:1",))  # b is loading, draining or failed
+        await asyncio.sleep(0)
+        assert [c.is_closed for _, c in opened] == [False, True]  # the idle one at once
+        async with channels.stub("peer:busy"):  # a new call: a new channel, the stream goes on
+            assert [targets for targets, _ in opened] == [("a:1", "b:1"), ("a:1", "b:1"), ("a:1",)]
+    await asyncio.sleep(0)
+    assert [c.is_closed for _, c in opened] == [True, True, False]  # the busy one once its calls ended
+    await channels.close()
