@@ -16,7 +16,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.callers import CallerChannels, decoder_channels
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.replicas import name_of, static_replicas
+from tandem.gateway.replicas import name_of, resolve_name, static_replicas
 
 from .fake_decoder import FakeDecoder
 
@@ -82,6 +82,22 @@ def test_replicas_are_a_list_resolved_once_or_a_name_resolved_as_it_goes() -> No
     assert name_of("dns:///decoder.tandem.svc:50052") == "decoder.tandem.svc:50052"
     assert name_of("dns://10.0.0.2/decoder:50052") == "decoder:50052"
     assert name_of("decoder:50052") is None
+
+
+async def test_a_dns_name_is_watched_at_each_address_it_resolves_to(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    (a, server_a), _ = replicas
+    assert await resolve_name(f"localhost:{server_a.port}") == (f"127.0.0.1:{server_a.port}",)  # IPv4 first
+    config = GatewayConfig(decoder_address=f"dns:///localhost:{server_a.port}")
+    channels = decoder_channels(config)
+    try:
+        assert channels.targets == (config.decoder_address,)  # the name itself, until it resolves
+        await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        await _call(channels, "peer:1")
+        assert a.num_infos == 1
+    finally:
+        await channels.close()
 
 
 async def test_callers_go_to_the_serving_replicas_only_and_to_one_that_turns_serving(
