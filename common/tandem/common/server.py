@@ -9,8 +9,9 @@ ones get `grace_s` to finish (`DEFAULT_GRACE_S` unless configured: the same for 
 FINISH_REASON_ABORTED (`tandem.decoder.api.main`).
 
 Every server bounds the calls it holds (`max_concurrent_rpcs`): one past the bound is answered
-RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!" by grpc.aio when the server takes it up, a status
-that retry policies back off from. Before that, a call waits in gRPC core's queue of calls the server
+RESOURCE_EXHAUSTED naming the bound when the server takes it up (`call_bound.py`: grpc.aio's own
+bound, a little above, says "Concurrent RPC limit exceeded!" and no number), a status that retry
+policies back off from. Before that, a call waits in gRPC core's queue of calls the server
 has not taken up yet (grpc.aio takes them one at a time on the event loop): core drops calls from
 that queue at random past 1,000 and all past 3,000, each CANCELLED, which its caller cannot tell from
 its own cancel (2,500 calls at once from 4 channels: 311 CANCELLED). That queue is sized here to hold
@@ -44,6 +45,7 @@ from tandem.client.auth import AuthInterceptor
 from tandem.client.channel import DEFAULT_MAX_MESSAGE_BYTES
 from tandem.client.errors import ConfigError
 from tandem.client.status import ErrorInterceptor
+from tandem.common.call_bound import CallBound, grpc_bound
 from tandem.common.health import BoundedHealth, max_watches
 
 log = logging.getLogger(__name__)
@@ -160,7 +162,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def _server_options(options: ServerOptions) -> list[tuple[str, Any]]:
-    max_pending_rpcs = max(options.max_concurrent_rpcs, DEFAULT_MAX_CONCURRENT_RPCS)
+    max_pending_rpcs = max(grpc_bound(options.max_concurrent_rpcs), DEFAULT_MAX_CONCURRENT_RPCS)
     return [
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.max_receive_message_length", options.max_message_bytes),
@@ -239,12 +241,14 @@ _CALL_OVER_FILTER = _CallOverFilter()
 
 async def start_server(options: ServerOptions, services: Sequence[Service]) -> RunningServer:
     logging.getLogger(GRPC_LOGGER).addFilter(_CALL_OVER_FILTER)  # added once: filters are a set
-    # Authentication comes first: a denied call reaches neither tracing nor the servicer.
+    # The bound on calls comes first (it counts every call, as grpc.aio does), then authentication: a
+    # denied call reaches neither tracing nor the servicer.
+    bound = CallBound(options.max_concurrent_rpcs)
     auth = [AuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
     server = grpc.aio.server(
-        interceptors=[*auth, *options.interceptors, ErrorInterceptor(_max_request_bytes(services))],
+        interceptors=[bound, *auth, *options.interceptors, ErrorInterceptor(_max_request_bytes(services))],
         options=_server_options(options),
-        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+        maximum_concurrent_rpcs=grpc_bound(options.max_concurrent_rpcs),
     )
     health = BoundedHealth(max_watches(options.max_concurrent_rpcs))  # health needs no token
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

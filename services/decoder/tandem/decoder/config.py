@@ -374,7 +374,7 @@ class DecoderConfig:
 def max_calls(engine: EngineConfig) -> int:
     """The calls the decoder's server holds at once (its ServerOptions.max_concurrent_rpcs), so that
     the engine's own bounds answer first, naming their flags (RESOURCE_EXHAUSTED "waiting queue is
-    full", with RetryInfo), where gRPC's "Concurrent RPC limit exceeded!" names no number: the streams
+    full", with RetryInfo), where the server's bound names a number and no flag: the streams
     running and waiting and NUM_SPARE_CALLS more, twice over, since health's Watch streams may take
     half of a server's places (tandem.common.health.max_watches). Never under every server's default."""
     return max(DEFAULT_MAX_CONCURRENT_RPCS, 2 * (engine.max_queue + engine.max_num_seqs + NUM_SPARE_CALLS))

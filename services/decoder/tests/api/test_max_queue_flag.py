@@ -1,6 +1,6 @@
 """`--max-queue` and the calls the decoder's server holds: the server's bound on calls at once
 (max_concurrent_rpcs) follows from the queue and the batch, so the queue's own RESOURCE_EXHAUSTED,
-naming it, answers before gRPC's "Concurrent RPC limit exceeded!", which names no number; a queue
+naming it, answers before the server's bound on calls, which names no flag; a queue
 past MAX_QUEUE_LIMIT is one line naming the flag and exit 2, before any weight is read."""
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""A server's bound on the calls it runs at once, answered with a status that names it.
+
+grpc.aio bounds a server's calls itself (`maximum_concurrent_rpcs`), and answers one past its bound
+RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!", which names no number, so a caller (or its
+operator) cannot tell which bound it met. `CallBound` counts the calls as grpc.aio does and answers
+first, naming the bound; grpc.aio's own bound stays above it (`grpc_bound`), the backstop for a burst
+of calls that gRPC has counted but whose handling has not reached the first interceptor yet.
+
+NOTE: how the count matches grpc.aio's. grpc.aio runs each call in a task of its own, counted from
+when the task is made until it is done; every interceptor runs in that task before the method's
+request is read. `CallBound` is the first interceptor: it counts the call when it sees it and lets
+go of it when the task is done (a done callback, as grpc.aio's own count), so a call whose request
+never comes, one cancelled before its handler ran, or one that fails keeps and then gives back its
+place exactly as in grpc.aio's count. No method's behaviour is wrapped: nothing is added per message.
+A call past the bound is answered by a handler that reads nothing and ends it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+
+def grpc_bound(max_calls: int) -> int:
+    """grpc.aio's bound for a server whose CallBound holds `max_calls`: a little above, so that ours
+    answers first. grpc.aio counts a call from when it makes its task, ours once the task runs: the
+    difference is the calls whose tasks the loop has made and not yet run, a burst's worth."""
+    return max_calls + max(64, max_calls // 16)
+
+
+class CallBound(grpc.aio.ServerInterceptor):
+    """At most `max_calls` calls at once, streams and health checks included; one past them is
+    RESOURCE_EXHAUSTED naming the bound."""
+
+    def __init__(self, max_calls: int) -> None:
+        self.max_calls = max_calls
+        self.num_calls = 0  # calls running now, counted as grpc.aio counts them (the NOTE)
+        self._refuse = grpc.stream_stream_rpc_method_handler(self._refused)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if self.num_calls >= self.max_calls:
+            return self._refuse
+        task = asyncio.current_task()
+        assert task is not None, "grpc.aio runs every call in a task"
+        self.num_calls += 1
+        task.add_done_callback(self._release)
+        return await continuation(handler_call_details)
+
+    def _release(self, _: asyncio.Task[Any]) -> None:
+        self.num_calls -= 1
+
+    async def _refused(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"this server runs at most {self.max_calls:,} calls at once (streams and health checks "
+            "included); retry later",
+        )
