@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 
 import pytest
 
 from tandem.client.errors import InvalidArgument, Unavailable
-from tandem.gateway.bodies import BodyWorkers, LargeBodies, convert
+from tandem.gateway.bodies import BodyWorkers, LargeBodies, convert, parse
 from tandem.gateway.body_limits import BodyLimits
 from tandem.gateway.calls import GenerateCall
 from tandem.gateway.chat_request import chat_request
@@ -103,3 +104,13 @@ def test_a_caller_beyond_its_share_is_429_while_another_caller_still_takes_a_pla
     first.release()  # a's place given back once
     bodies.take("peer:a")
     assert bodies.num_held == 3
+
+
+def test_an_integer_too_long_to_read_is_refused_in_the_callers_terms() -> None:
+    # Python's own words told the HTTP caller to call sys.set_int_max_str_digits().
+    with pytest.raises(InvalidArgument) as error:
+        parse(b'{"seed": ' + b"9" * 5000 + b"}")
+    assert (error.value.field, error.value.description) == (
+        "body",
+        f"holds an integer of 5000 digits, over the {sys.get_int_max_str_digits()} a number may have",
+    )

@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
+import re
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -35,11 +36,19 @@ from tandem.gateway.errors import HttpError, Refused
 Convert = Callable[[dict[str, Any], BodyLimits], GenerateCall | EmbedCall]
 
 
+# Python's refusal of an integer literal longer than sys.get_int_max_str_digits(), whose words end by
+# telling the reader to raise that limit in their own interpreter: no advice for an HTTP caller.
+_LONG_INTEGER = re.compile(r"\((\d+) digits\) for integer string conversion: value has (\d+) digits")
+
+
 def parse(raw: bytes | bytearray) -> dict[str, Any]:
     """The body as a JSON object."""
     try:
         body = json.loads(raw)
     except ValueError as error:  # not JSON, or not UTF-8
+        if (long := _LONG_INTEGER.search(str(error))) is not None:
+            message = f"holds an integer of {long[2]} digits, over the {long[1]} a number may have"
+            raise InvalidArgument("body", message) from None
         raise InvalidArgument("body", f"is not valid JSON: {error}") from None
     except RecursionError:  # '[' x 100,000
         raise InvalidArgument("body", "nests too deep") from None
