@@ -3,8 +3,9 @@
 In order, cheapest first: the byte count against max_image_bytes; the format, from the file's own
 signature (PNG, JPEG or WebP only: no decoder for anything else is ever reached); a JPEG's scans,
 counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny scans took 4 s to
-decode, and 20 MiB holds 277,000); the size, from the header alone (PIL reads no pixel data when it
-opens a file), against max_image_pixels, so a small file that claims 100,000 x 100,000 pixels (a
+decode, and 20 MiB holds 277,000), and a PNG's chunks or a JPEG's segments (MAX_CHUNKS says why);
+the size, from the header alone (PIL reads no pixel data when it opens a file), against
+max_image_pixels, so a small file that claims 100,000 x 100,000 pixels (a
 decompression bomb) is refused before a byte of it is inflated, and so is a side over JPEG's 65,535
 pixels (MAX_IMAGE_SIDE says why); then the caller's rules on that size
 (`check_size`: the resize the model's processor implies, the span's length), so a 1 x 33,000,000
@@ -30,6 +31,13 @@ from tandem.client.errors import InvalidArgument
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 MAX_JPEG_SCANS = 32
+# The chunks of a PNG and the segments of a JPEG (tables, metadata, comments): PIL reads each in
+# Python before any size rule, about 4 and 2 us apiece, so an 18 MiB PNG of 1.6 million empty
+# ancillary chunks took 6.2 s and +185 MB, a 19 MiB JPEG of 5 million empty APP5 segments 9.6 s and
+# +658 MB, each holding the image thread and the GIL. A real file has a few dozen; a PNG up to a few
+# thousand (libpng writes IDAT in 8 KiB chunks, 2,560 in 20 MiB; an APNG two a frame). The walk that
+# counts them stops past the bound.
+MAX_CHUNKS = 65_536
 # The longest side taken, JPEG's own limit. PIL's resize keeps a table of filter weights of about 6
 # doubles per pixel of the side it shrinks: a 4 KB PNG of 33,554,432 x 1 (within max_image_pixels)
 # made that table 1.6 GB and held the GIL 4.75 s (SmolVLM's longest-edge resize), stalling every call
@@ -37,6 +45,9 @@ MAX_JPEG_SCANS = 32
 MAX_IMAGE_SIDE = 65_535
 _BOUND = threading.Lock()  # PIL's pixel bound is a module global: one opener at a time sets it
 _PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
+# A JPEG marker that starts a segment: 0xFF (and any fill 0xFFs) then neither a stuffed 0x00 nor a
+# restart marker, found at C speed (a walk in Python spent 1.75 s on 9.5 MiB of restart markers).
+_JPEG_MARKER = re.compile(rb"\xff+[^\x00\xd0-\xd7\xff]")
 # EXIF orientation -> the transposition that shows the picture upright (PIL's ImageOps.exif_transpose).
 _UPRIGHT = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
@@ -79,8 +90,18 @@ def decode_image(
     image_format = sniff_format(data)
     if image_format is None:
         raise InvalidArgument(field, "is not a PNG, JPEG or WebP image (read from its first bytes)")
-    if image_format == "JPEG" and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
-        raise InvalidArgument(field, f"a JPEG of {scans} scans; at most {MAX_JPEG_SCANS} are decoded")
+    if image_format == "JPEG":
+        scans, segments = jpeg_segments(data)
+        if scans > MAX_JPEG_SCANS:
+            raise InvalidArgument(
+                field, f"a JPEG of over {MAX_JPEG_SCANS} scans; at most {MAX_JPEG_SCANS} are decoded"
+            )
+        if segments > MAX_CHUNKS:
+            raise InvalidArgument(
+                field, f"a JPEG of over {MAX_CHUNKS} segments; at most {MAX_CHUNKS} are read"
+            )
+    if image_format == "PNG" and png_chunks(data) > MAX_CHUNKS:
+        raise InvalidArgument(field, f"a PNG of over {MAX_CHUNKS} chunks; at most {MAX_CHUNKS} are read")
     try:
         with warnings.catch_warnings():
             # PIL warns once for each broken metadata entry it skips, each in words of its own, and
@@ -146,22 +167,35 @@ def _orientation(image: Image.Image) -> int:
         return 1
 
 
-def jpeg_scans(data: bytes) -> int:
-    """The SOS markers of a JPEG, found by walking its segments (each names its length) and skipping
-    entropy-coded data, where 0xFF is always followed by a stuffed 0x00 or a restart marker."""
-    scans, i = 0, 2
-    while True:
-        i = data.find(b"\xff", i)
-        if i < 0 or i + 1 >= len(data):
-            return scans
+def jpeg_segments(data: bytes) -> tuple[int, int]:
+    """(scans, segments) of a JPEG: its SOS markers and all its segments, found by walking them (each
+    names its length) and skipping entropy-coded data, where 0xFF is always followed by a stuffed 0x00
+    or a restart marker. The walk stops once either count passes its bound (MAX_JPEG_SCANS,
+    MAX_CHUNKS)."""
+    scans = segments = 0
+    i = 2
+    while scans <= MAX_JPEG_SCANS and segments <= MAX_CHUNKS:
+        found = _JPEG_MARKER.search(data, i)
+        if found is None:
+            break
+        i = found.end() - 2  # the 0xFF just before the marker
         marker = data[i + 1]
-        if marker == 0xFF or marker == 0x00 or 0xD0 <= marker <= 0xD7:  # fill, stuffing, restart
-            i += 1 if marker == 0xFF else 2
-            continue
-        if marker == 0xD9:  # end of image
-            return scans
-        if i + 4 > len(data):
-            return scans
+        if marker == 0xD9 or i + 4 > len(data):  # end of image, or a cut file
+            break
+        segments += 1
         if marker == 0xDA:
             scans += 1
         i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    return scans, segments
+
+
+def png_chunks(data: bytes) -> int:
+    """The chunks of a PNG up to IEND, found by walking them (each names its length); the walk stops
+    once the count passes MAX_CHUNKS."""
+    chunks, i = 0, 8
+    while chunks <= MAX_CHUNKS and i + 8 <= len(data):
+        chunks += 1
+        if data[i + 4 : i + 8] == b"IEND":
+            break
+        i += 12 + int.from_bytes(data[i : i + 4], "big")
+    return chunks
