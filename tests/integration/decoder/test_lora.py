@@ -18,6 +18,7 @@ import torch
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter, peft_greedy
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from tandem.common.model_name import echo
 from tandem.common.torch_part.random_model import make_model
 
 from .conftest import Served, serve, shutdown
@@ -30,6 +31,7 @@ LONG = 320  # the stream that runs while adapters come and go (the calls beside 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """The model and its adapters, side by side in one directory: the decoders' --lora-root."""
     root = tmp_path_factory.mktemp("lora")
     model_dir = make_model(root / "tiny-llama", shape="tiny-llama", seed=0)
     adapters = {
@@ -54,7 +56,13 @@ def references(llama: tuple[Path, dict[str, Path]]) -> dict[str, list[int]]:
 async def lora_decoder(llama: tuple[Path, dict[str, Path]]) -> AsyncIterator[Served]:
     model_dir, adapters = llama
     served = await serve(
-        model_dir, None, enable_lora=True, loras=tuple(adapters.items()), max_loras=4, max_lora_rank=16
+        model_dir,
+        None,
+        enable_lora=True,
+        loras=tuple(adapters.items()),
+        max_loras=4,
+        max_lora_rank=16,
+        lora_root=model_dir.parent,
     )
     yield served
     await shutdown(served)
@@ -131,8 +139,9 @@ async def test_three_adapters_and_the_base_in_one_running_batch_give_peft_s_toke
     assert sum(f.proposed_tokens for _, f in speculating) > 0  # the verify rows ran the adapters
 
     info = await lora_decoder.client.model_info()
-    assert [(a.name, a.rank, list(a.target_modules)) for a in info.adapters] == [
-        (name, SPECS[name].rank, list(SPECS[name].targets)) for name in sorted(SPECS)
+    assert [(a.name, a.path, a.rank, list(a.target_modules)) for a in info.adapters] == [
+        (name, name, SPECS[name].rank, list(SPECS[name].targets))  # path: relative to --lora-root
+        for name in sorted(SPECS)
     ]
     assert (info.max_loras, info.max_lora_rank) == (4, 16)
 
@@ -150,20 +159,27 @@ async def test_adapters_load_unload_and_reload_while_another_adapters_stream_run
 ) -> None:
     model_dir, adapters = llama
     long_reference = peft_greedy(model_dir, adapters["qv4"], PROMPT, LONG)
-    served = await serve(model_dir, None, enable_lora=True, loras=(("qv4", adapters["qv4"]),), max_loras=2)
+    served = await serve(
+        model_dir,
+        None,
+        enable_lora=True,
+        loras=(("qv4", adapters["qv4"]),),
+        max_loras=2,
+        lora_root=model_dir.parent,
+    )
     try:
         client = served.client
         running = asyncio.ensure_future(tokens_of(served, request("qv4", max_new_tokens=LONG)))
         while not served.engine.core.num_live():
             await asyncio.sleep(0.001)
-        loaded = await client.load_adapter("mlp8", str(adapters["mlp8"]))
-        assert (loaded.name, loaded.rank) == ("mlp8", 8)
+        loaded = await client.load_adapter("mlp8", str(adapters["mlp8"]))  # absolute, inside the root
+        assert (loaded.name, loaded.path, loaded.rank) == ("mlp8", "mlp8", 8)
         assert (await tokens_of(served, request("mlp8")))[0] == references["mlp8"]
         assert await client.unload_adapter("mlp8") == 0
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await tokens_of(served, request("mlp8"))
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "'mlp8'" in refused.value.details()
-        await client.load_adapter("mlp8", str(adapters["mlp8"]))
+        assert (await client.load_adapter("mlp8", "mlp8")).path == "mlp8"  # relative to the root
         assert (await tokens_of(served, request("mlp8")))[0] == references["mlp8"]
         assert not running.done(), "the long stream ended before the adapters changed: nothing was tested"
         assert await client.unload_adapter("qv4") == 1  # in use: it finishes with its adapter
@@ -187,18 +203,30 @@ async def test_bad_adapter_calls_get_their_status_and_load_nothing(
 
     code, details = await status_of(tokens_of(lora_decoder, request("nope")))
     assert code == grpc.StatusCode.NOT_FOUND and "adapter 'nope' is not loaded" in details
-    too_big = tmp_path / "r32"
-    shutil.copytree(adapters["all16"], too_big)
+    too_big = adapters["all16"].parent / "r32"  # inside --lora-root
+    shutil.copytree(adapters["all16"], too_big, dirs_exist_ok=True)
     config = json.loads((too_big / "adapter_config.json").read_text())
     (too_big / "adapter_config.json").write_text(json.dumps(config | {"r": 32}))
-    code, details = await status_of(client.load_adapter("big", str(too_big)))
+    code, details = await status_of(client.load_adapter("big", "r32"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "adapter_config.json:r" in details
-    code, details = await status_of(client.load_adapter("again", str(tmp_path / "missing")))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "is not a directory" in details
-    # A path of 4 KB in another script than Latin, quoted: its status went over the client's metadata
-    # limit, RESOURCE_EXHAUSTED "Stream removed" in place of the refusal (common/.../status.py).
+    (too_big / "adapter_config.json").unlink()  # named by the path the caller sent, not the server's
+    code, details = await status_of(client.load_adapter("big", "r32"))
+    assert details == "adapter_config.json: adapter_config.json not found in r32"
+    # Outside the root, whether there or not, through '..' or a symlink: one refusal, naming the flag.
+    shutil.copytree(adapters["qv4"], tmp_path / "outside")
+    (too_big / "link").symlink_to(tmp_path / "outside")
+    for path in (str(tmp_path / "outside"), str(tmp_path / "missing"), "../outside", "r32/link", "nope"):
+        code, details = await status_of(client.load_adapter("again", path))
+        assert (code, details) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "path: must name an adapter directory inside the server's --lora-root, relative to it and "
+            f"without '..', got {echo(path)}",
+        )
+    # A path of 4 KB in another script than Latin: its echo is cut short. Echoed whole, the status
+    # went over the client's metadata limit, RESOURCE_EXHAUSTED "Stream removed" in place of the
+    # refusal (common/.../status.py).
     code, details = await status_of(client.load_adapter("again", "/missing/" + "\u8a9e" * 1360))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("path: /missing/\u8a9e")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "got '/missing/\u8a9e" in details
     code, _ = await status_of(client.load_adapter("qv4", str(adapters["qv4"])))
     assert code == grpc.StatusCode.ALREADY_EXISTS
     await client.load_adapter("fourth", str(adapters["qv4"]))
@@ -225,6 +253,27 @@ async def test_a_server_without_lora_refuses_adapters(
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_server_without_lora_root_serves_its_start_up_adapters_and_loads_none_at_run_time(
+    llama: tuple[Path, dict[str, Path]],
+) -> None:
+    # vLLM loads no adapter at run time unless told to; a caller could make the server open any path.
+    model_dir, adapters = llama
+    served = await serve(model_dir, None, enable_lora=True, loras=(("qv4", adapters["qv4"]),), max_loras=2)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await served.client.load_adapter("mlp8", "mlp8")
+        assert (raised.value.code(), raised.value.details()) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "path: this server loads adapters at start only (--lora): start it with --lora-root DIR",
+        )
+        # The operator's own adapter, as the operator named it.
+        assert [(a.name, a.path) for a in await served.client.list_adapters()] == [
+            ("qv4", str(adapters["qv4"]))
+        ]
+    finally:
+        await shutdown(served)
+
+
 async def test_an_install_whose_caller_gave_up_is_skipped_and_the_engine_and_its_streams_go_on(
     llama: tuple[Path, dict[str, Path]], references: dict[str, list[int]]
 ) -> None:
@@ -232,7 +281,14 @@ async def test_an_install_whose_caller_gave_up_is_skipped_and_the_engine_and_its
     # install's future; the engine thread then ran it and set its result, raising InvalidStateError:
     # the engine failed and every open stream ended UNAVAILABLE (from an adversarial pass).
     model_dir, adapters = llama
-    served = await serve(model_dir, None, enable_lora=True, loras=(("qv4", adapters["qv4"]),), max_loras=2)
+    served = await serve(
+        model_dir,
+        None,
+        enable_lora=True,
+        loras=(("qv4", adapters["qv4"]),),
+        max_loras=2,
+        lora_root=model_dir.parent,
+    )
     try:
         core = served.engine.core
         running = asyncio.ensure_future(tokens_of(served, request("qv4", max_new_tokens=LONG)))
@@ -256,7 +312,7 @@ async def test_work_for_between_steps_after_the_engine_stopped_fails_at_once(
     # A LoadAdapter whose file read ended after the engine stopped queued its install where no thread
     # would run it, and waited for its deadline (forever without one).
     model_dir, adapters = llama
-    served = await serve(model_dir, None, enable_lora=True, max_loras=2)
+    served = await serve(model_dir, None, enable_lora=True, max_loras=2, lora_root=model_dir.parent)
     await shutdown(served)
     late = served.engine.core.between_steps(lambda: None)
     assert late.done() and "shutting down" in str(late.exception())
@@ -269,7 +325,7 @@ async def test_a_load_whose_caller_leaves_after_its_install_began_stays_and_its_
     its path, and a retry is ALREADY_EXISTS (the weights served are the first load's, whatever the
     files hold now), as vLLM's /v1/load_lora_adapter answers a retry 400 "has already been loaded"."""
     model_dir, adapters = llama
-    served = await serve(model_dir, None, enable_lora=True, max_loras=2)
+    served = await serve(model_dir, None, enable_lora=True, max_loras=2, lora_root=model_dir.parent)
     try:
         lora = served.engine.lora
         write, began, release = lora.write, threading.Event(), threading.Event()
@@ -288,9 +344,7 @@ async def test_a_load_whose_caller_leaves_after_its_install_began_stays_and_its_
         release.set()
         while not await served.client.list_adapters():
             await asyncio.sleep(0.01)
-        assert [(a.name, a.path) for a in await served.client.list_adapters()] == [
-            ("qv4", str(adapters["qv4"]))
-        ]
+        assert [(a.name, a.path) for a in await served.client.list_adapters()] == [("qv4", "qv4")]
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await served.client.load_adapter("qv4", str(adapters["qv4"]))
         assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS

@@ -121,6 +121,10 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     loras: tuple[tuple[str, Path], ...] = ()
+    # The directory LoadAdapter paths are taken in (models/adapter_root.py); None: LoadAdapter is refused
+    # and only `loras` are served, as vLLM loads none at run time unless told to. A caller's path is
+    # never opened outside it, and adapters are reported by their path relative to it.
+    lora_root: Path | None = None
 
     @property
     def max_rows_without_prompt(self) -> int:
@@ -209,9 +213,13 @@ class EngineConfig:
             if not 1 <= getattr(self, name) <= MAX_LORA_LIMITS[name]:
                 raise ConfigError(name, f"must be in [1, {MAX_LORA_LIMITS[name]}], got {getattr(self, name)}")
         if not self.enable_lora:
-            if self.loras:
-                raise ConfigError("loras", "needs --enable-lora true")
+            for name in ("loras", "lora_root"):
+                if getattr(self, name):
+                    raise ConfigError(name, "needs --enable-lora true")
             return
+        if self.lora_root is not None and not self.lora_root.is_dir():
+            why = "it is not a directory" if self.lora_root.exists() else "nothing is there"
+            raise ConfigError("lora_root", f"must be a directory, got {str(self.lora_root)!r} ({why})")
         if len(self.loras) > self.max_loras:
             raise ConfigError("loras", f": {len(self.loras)} adapters, more than max_loras {self.max_loras}")
         names = [name for name, _ in self.loras]

@@ -1,5 +1,5 @@
-"""`--lora`, `--enable-lora`: what cannot be served with adapters is one line naming the flag and exit
-2, before a port is opened; an adapter that does not fit fails the same way."""
+"""`--lora`, `--enable-lora`, `--lora-root`: what cannot be served with adapters is one line naming the
+flag and exit 2, before a port is opened; an adapter that does not fit fails the same way."""
 
 from __future__ import annotations
 
@@ -77,3 +77,43 @@ def test_an_adapter_that_does_not_fit_fails_before_listening(
     ):
         assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", "--lora", value]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_lora_root_is_set_by_the_flag_or_its_variable_and_turns_adapters_on(
+    environ, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    def engine_of(*argv: str):
+        return config_from_args(["--model", str(tiny_model_dir), *argv]).engine
+
+    assert engine_of().lora_root is None
+    assert engine_of("--lora-root", str(tmp_path)).lora_root == tmp_path
+    environ({"TANDEM_LORA_ROOT": str(tmp_path)})
+    engine = engine_of()
+    assert engine.lora_root == tmp_path and engine.enable_lora
+
+
+@pytest.mark.parametrize(
+    ("root", "flags", "said"),
+    [
+        ("missing", [], "must be a directory, got '{root}' (nothing is there)"),
+        ("file", [], "must be a directory, got '{root}' (it is not a directory)"),
+        ("dir", ["--enable-lora", "false"], "needs --enable-lora true"),
+    ],
+)
+def test_a_lora_root_that_is_no_directory_is_refused_naming_the_flag(
+    environ,
+    root: str,
+    flags: list[str],
+    said: str,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir").mkdir()
+    path = tmp_path / root
+    argv = ["--model", str(tiny_model_dir), "--port", "0", "--lora-root", str(path), *flags]
+    assert decoder_main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"tandem serve decoder: --lora-root (TANDEM_LORA_ROOT) {said.format(root=path)}"
+    ]

@@ -207,3 +207,24 @@ def test_a_path_that_names_no_readable_directory_is_refused_naming_path(
     with pytest.raises(AdapterError, match=says) as raised:
         read_adapter(path, tiny_fp32.config, max_rank=16)
     assert raised.value.field == "path" and len(raised.value.description) < 200
+
+
+def test_refusals_name_the_directory_as_shown_never_the_path_opened(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    # A LoadAdapter caller under --lora-root sees the path it named, relative to the root.
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "adapter_config.json").write_bytes((adapter_dir / "adapter_config.json").read_bytes())
+    (tmp_path / "not-json").mkdir()
+    (tmp_path / "not-json" / "adapter_config.json").write_text("{")
+    said = []
+    for directory in (tmp_path / "empty", config_only, tmp_path / "not-json"):
+        directory.mkdir(exist_ok=True)
+        with pytest.raises(AdapterError) as refused:
+            read_adapter(directory, tiny_fp32.config, max_rank=16, shown="team/x")
+        said.append(str(refused.value))
+    assert said[0] == "adapter_config.json: adapter_config.json not found in team/x"
+    assert said[1] == "adapter_model.safetensors: not found in team/x"
+    assert said[2].startswith("adapter_config.json: team/x/adapter_config.json is not valid JSON")
+    assert not any(str(tmp_path) in s for s in said)

@@ -207,7 +207,7 @@ def settings() -> list[Setting]:
             "every step then runs the per-op kernels",
             type=BOOL,
             default=None,
-            show_default="true when --lora is given",
+            show_default="true when --lora or --lora-root is given",
         ),
         Setting(
             ENV_PREFIX,
@@ -218,6 +218,14 @@ def settings() -> list[Setting]:
             default=(),
             show_default="none",
             field="loras",
+        ),
+        _engine_setting(
+            "--lora-root",
+            "LoRA: the directory LoadAdapter reads adapters from, its paths taken relative to it and "
+            "refused where they resolve outside it (symlinks followed); adapters are reported relative "
+            "to it",
+            type=PATH,
+            show_default="none: LoadAdapter is refused, only --lora adapters are served",
         ),
         _engine_setting("--max-loras", "LoRA: most adapters loaded at once (slots)", type=int),
         _engine_setting("--max-lora-rank", "LoRA: highest adapter rank (r) a slot holds", type=int),
@@ -301,6 +309,7 @@ _ENGINE_FIELDS = (
     "shared_step_seqs",
     "max_loras",
     "max_lora_rank",
+    "lora_root",
 )
 
 
@@ -315,7 +324,9 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
     backend = resolve(values["device"])
     engine = {name: values[name] for name in _ENGINE_FIELDS}
     engine["loras"] = _loras(values["lora"])
-    engine["enable_lora"] = bool(engine["loras"]) if values["enable_lora"] is None else values["enable_lora"]
+    if (enable_lora := values["enable_lora"]) is None:  # adapters named, or a place to load them from
+        enable_lora = bool(engine["loras"]) or engine["lora_root"] is not None
+    engine["enable_lora"] = enable_lora
     for name, backend_default in (
         ("dtype", backend.default_dtype),
         ("static_shapes", backend.requires_static_shapes),

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.client import telemetry as otel
-from tandem.client.errors import InvalidArgument, Unavailable
+from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from tandem.common.model_name import check_adapter_name, check_model
 from tandem.common.torch_part import tensors
@@ -32,6 +32,7 @@ from tandem.decoder.api.stream_limit import StreamLimit
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Accepted, Delta, Event, Failed, Finished
+from tandem.decoder.models.adapter_root import ROOT_FLAG
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
@@ -191,7 +192,17 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         check_adapter_name(request.name)
         if request.name == self.model_name:  # the OpenAI front's `model` could not tell them apart
             raise InvalidArgument("name", f"{request.name!r} is the base model's own name")
-        adapter = await engine.load_adapter(request.name, request.path)
+        root = engine.adapter_root
+        if root is None:
+            if not engine.config.enable_lora:
+                raise FailedPrecondition("name", "this server runs without LoRA: start it with --enable-lora")
+            # vLLM loads no adapter at run time unless told to: a path a caller names is opened only
+            # inside the directory the operator set aside for it.
+            raise FailedPrecondition(
+                "path", f"this server loads adapters at start only (--lora): start it with {ROOT_FLAG} DIR"
+            )
+        directory = await asyncio.to_thread(root.find, request.path)  # file system calls, off the loop
+        adapter = await engine.load_adapter(request.name, directory.path, directory.shown)
         return decoder_pb2.LoadAdapterResponse(adapter=protocol.adapter_to_pb(adapter))
 
     async def UnloadAdapter(

@@ -77,17 +77,24 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
-    """The adapter in directory `path`, checked against a base model of `config`. Raises AdapterError."""
+def read_adapter(
+    path: str | Path, config: ModelConfig, max_rank: int, shown: str | None = None
+) -> LoraAdapter:
+    """The adapter in directory `path`, checked against a base model of `config`. Raises AdapterError.
+    `shown`: the directory as refusals name it, `path` by default (a LoadAdapter caller under
+    --lora-root sees the path it named relative to the root, never the server's own)."""
     if not str(path):
         raise AdapterError("path", "must not be empty (it would name the server's working directory)")
     if len(str(path).encode()) > MAX_PATH_BYTES:
         raise AdapterError("path", f"must be at most {MAX_PATH_BYTES} bytes, got {len(str(path).encode())}")
     path = Path(path)
+    shown = str(path) if shown is None else shown
     try:
         if not path.is_dir():
-            raise AdapterError("path", f"{path} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+            raise AdapterError("path", f"{shown} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
         settings = read_json(path / CONFIG_FILE, _ConfigFileError)
+    except _ConfigFileError as error:  # read_json names the file by the path it opened
+        raise _ConfigFileError(error.description.replace(str(path), shown)) from None
     except OSError as error:  # a name over NAME_MAX, a directory that cannot be listed...
         raise AdapterError("path", f"cannot be read: {error.strerror}") from None
     rank, scale = _check_config(settings, max_rank)
@@ -95,7 +102,7 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAd
     if not weights_path.is_file():
         pickle = (path / "adapter_model.bin").exists()
         hint = " (adapter_model.bin is a pickle, never read: save it as safetensors)" if pickle else ""
-        raise AdapterError(WEIGHTS_FILE, f"not found in {path}{hint}")
+        raise AdapterError(WEIGHTS_FILE, f"not found in {shown}{hint}")
     try:
         weights = _read_weights(weights_path, config, rank)
     except OSError as error:

@@ -45,6 +45,7 @@ from tandem.decoder.engine.step import sizing
 from tandem.decoder.engine.step.core import EngineCore, EngineFault, EventCallback
 from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.step.xla_buckets import XlaBuckets
+from tandem.decoder.models.adapter_root import AdapterRoot
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.lora import LoraTable
 from tandem.decoder.models.peft_adapter import LoraAdapter, read_adapter
@@ -98,6 +99,10 @@ class Engine:
             self.lora = self._thread.run(
                 LoraTable, model.config, config.max_loras, config.max_lora_rank, torch.device("cpu"), tp
             )
+        # Where LoadAdapter's callers may read adapters from (--lora-root); None: nowhere.
+        self.adapter_root = None if config.lora_root is None else AdapterRoot(config.lora_root)
+        if self.adapter_root is not None:
+            log.info("LoadAdapter reads adapters inside %s only", self.adapter_root.root)
         # A caller's model runs as given (tests compare against it); one this engine loaded runs on the
         # backend's executor, its kernels chosen for this machine.
         self.executor: backends.ModelStep = (
@@ -142,7 +147,8 @@ class Engine:
         try:
             for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
                 adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
-                installing = self.core.between_steps(partial(self._install, name, path, adapter))
+                shown = str(path) if self.adapter_root is None else self.adapter_root.shown(path)
+                installing = self.core.between_steps(partial(self._install, name, shown, adapter))
                 self._thread.run(self.core.run_between_steps)
                 installing.result()
         except BaseException:
@@ -423,26 +429,29 @@ class Engine:
 
     # -- LoRA adapters ---------------------------------------------------------------------------
 
-    async def load_adapter(self, name: str, path: str) -> Adapter:
+    async def load_adapter(self, name: str, path: str | Path, shown: str | None = None) -> Adapter:
         """Read the PEFT adapter in directory `path` and serve it as `name`; requests already running
-        go on undisturbed. Raises FailedPrecondition (LoRA off), InvalidArgument (the name, or an
-        adapter that does not fit: the file and field named), AlreadyExists, ResourceExhausted (every
-        slot taken). Nothing is loaded when it raises, nor when its caller leaves before the install
-        starts (the install is skipped); one that leaves later finds the adapter loaded."""
+        go on undisturbed. `path` is opened as it is (the servicer binds a caller's to --lora-root
+        first); `shown` is how it is reported and named in refusals, `path` by default. Raises
+        FailedPrecondition (LoRA off), InvalidArgument (the name, or an adapter that does not fit: the
+        file and field named), AlreadyExists, ResourceExhausted (every slot taken). Nothing is loaded
+        when it raises, nor when its caller leaves before the install starts (the install is
+        skipped); one that leaves later finds the adapter loaded."""
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
-        reading = self._adapter_reader.submit(self._read_adapter, name, path)
+        shown = str(path) if shown is None else shown
+        reading = self._adapter_reader.submit(self._read_adapter, name, path, shown)
         adapter = await asyncio.wrap_future(reading)
-        installing = self.core.between_steps(partial(self._install, name, path, adapter))
+        installing = self.core.between_steps(partial(self._install, name, shown, adapter))
         self._thread.wake()
         return await asyncio.wrap_future(installing)
 
-    def _read_adapter(self, name: str, path: str | Path) -> LoraAdapter:
+    def _read_adapter(self, name: str, path: str | Path, shown: str | None = None) -> LoraAdapter:
         self.core.check_can_load(name)  # the cheap refusals before the files are read
         assert self.lora is not None
-        return read_adapter(path, self.model_config, self.lora.max_rank)
+        return read_adapter(path, self.model_config, self.lora.max_rank, shown)
 
-    def _install(self, name: str, path: str | Path, adapter: LoraAdapter) -> Adapter:
+    def _install(self, name: str, shown: str, adapter: LoraAdapter) -> Adapter:
         """On the engine thread between steps, under the core's lock: a free slot gets the weights,
         then the name is published (a request can name it from then on)."""
         assert self.lora is not None and self.core.adapters is not None
@@ -457,7 +466,7 @@ class Engine:
                 self._peers.install_adapter(slot, adapter)
             except Exception as error:  # they would run the slot with other weights from now on
                 raise EngineFault(f"the other ranks missed adapter {echo(name)}: {error}") from error
-        loaded = slots.add(name, str(path), adapter.rank, adapter.targets, slot)
+        loaded = slots.add(name, shown, adapter.rank, adapter.targets, slot)
         log.info(
             "adapter %s (rank %d, %s) in slot %d: %.1f ms to write",
             name,

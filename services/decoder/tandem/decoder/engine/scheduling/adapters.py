@@ -27,7 +27,7 @@ class Adapter:
     """A loaded adapter, as GetModelInfo and ListAdapters report it."""
 
     name: str
-    path: str  # the directory it was read from
+    path: str  # the directory it was read from, as reported: relative to --lora-root when inside it
     rank: int  # r
     targets: tuple[str, ...]  # the checkpoint modules it adapts (q_proj, ..., down_proj)
     slot: int  # in the LoRA table, [0, max_loras)

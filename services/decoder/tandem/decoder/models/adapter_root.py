@@ -1,0 +1,103 @@
+"""Where LoadAdapter may read adapters from: the directory the operator names with --lora-root.
+
+NOTE: what a caller can learn. A LoadAdapter path is taken relative to the root (or is an absolute path
+inside it), resolved with every symlink followed, and served only if it resolves to a directory inside
+the root whose adapter files resolve inside it too. Every other path, whatever the reason (a `..`
+component, an absolute path elsewhere, a symlink leading out, nothing there, a file, a directory
+that cannot be read), gets one refusal with one wording, naming the field and the flag and echoing
+only what the caller sent, so a caller learns nothing of the file system outside the root, nor even
+whether a path inside it is missing or leads out. The adapter is then read from the resolved
+directory, never from the caller's path again, and reported by its path relative to the root.
+
+The root's own contents are the operator's: whoever can write there can make a directory that a later
+LoadAdapter follows (a symlink swapped in between the check and the read included), so the root
+should be writable by the operator alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from tandem.client.errors import InvalidArgument
+from tandem.common.model_name import echo
+from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE
+
+ROOT_FLAG = "--lora-root"
+
+
+@dataclass(frozen=True)
+class AdapterDirectory:
+    """An adapter directory a caller named, found inside the root."""
+
+    path: Path  # absolute, every symlink resolved: what is read
+    shown: str  # relative to the root, as the caller named it (normalized): what AdapterInfo.path says
+
+
+class AdapterRoot:
+    """The directory LoadAdapter paths are taken in. Its own path is resolved once, at start."""
+
+    def __init__(self, root: Path) -> None:
+        self.given = Path(os.path.abspath(root))  # as the operator wrote it, for absolute caller paths
+        self.root = Path(os.path.realpath(root, strict=True))
+
+    def find(self, path: str) -> AdapterDirectory:
+        """The directory `path` names inside the root. Raises InvalidArgument("path") otherwise, with one
+        wording whatever is wrong, except for a NUL or an over-long path, which are refused by what
+        they are (nothing of the file system is asked about them)."""
+        if "\0" in path:
+            raise InvalidArgument("path", "must not hold a NUL character")
+        if (num_bytes := len(path.encode())) > MAX_PATH_BYTES:
+            raise InvalidArgument("path", f"must be at most {MAX_PATH_BYTES} bytes, got {num_bytes}")
+        relative = self._relative(PurePosixPath(path))
+        if relative is None or relative == PurePosixPath(".") or ".." in relative.parts:
+            raise self._refusal(path)
+        try:
+            directory = Path(os.path.realpath(self.root / relative, strict=True))
+            is_served = (
+                self._is_inside(directory) and directory.is_dir() and self._files_are_inside(directory)
+            )
+        except OSError:  # ENOENT, ELOOP, EACCES, ENAMETOOLONG...: all one answer
+            is_served = False
+        if not is_served:
+            raise self._refusal(path)
+        return AdapterDirectory(path=directory, shown=str(relative))
+
+    def shown(self, path: Path) -> str:
+        """How a start-up adapter (--lora, the operator's own, anywhere) is reported: relative to the root
+        when it lies inside it, else as the operator wrote it."""
+        try:
+            real = Path(os.path.realpath(path, strict=True))
+        except OSError:
+            return str(path)
+        return str(real.relative_to(self.root)) if self._is_inside(real) else str(path)
+
+    def _relative(self, path: PurePosixPath) -> PurePosixPath | None:
+        """`path` relative to the root: as it is, or, absolute, the part under the root as given or as
+        resolved; None for an absolute path under neither."""
+        if not path.is_absolute():
+            return path
+        for root in (self.given, self.root):
+            if path.is_relative_to(root):
+                return path.relative_to(root)
+        return None
+
+    def _is_inside(self, real: Path) -> bool:
+        return real != self.root and real.is_relative_to(self.root)
+
+    def _files_are_inside(self, directory: Path) -> bool:
+        """The adapter's files, where they exist, do not lead out of the root either (their absence is
+        read_adapter's to report, by the file's name)."""
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            file = directory / name
+            if os.path.lexists(file) and not self._is_inside(Path(os.path.realpath(file))):
+                return False
+        return True
+
+    def _refusal(self, path: str) -> InvalidArgument:
+        return InvalidArgument(
+            "path",
+            f"must name an adapter directory inside the server's {ROOT_FLAG}, relative to it and without "
+            f"'..', got {echo(path)}",
+        )

@@ -1,0 +1,122 @@
+"""--lora-root: a LoadAdapter path names a directory inside the root, relative to it (or absolute inside
+it), with symlinks followed; every path that does not is refused in one wording, so a caller cannot
+tell a missing directory from one outside, and an adapter is reported by its path relative to the
+root."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.client.errors import InvalidArgument
+from tandem.common.model_name import echo
+from tandem.decoder.models.adapter_root import AdapterRoot
+from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE
+
+
+def adapter_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / CONFIG_FILE).write_text("{}")
+    (path / WEIGHTS_FILE).write_bytes(b"")
+    return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    """A root holding adapters 'qv4' and 'team/mlp8', a directory beside it holding one too."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    adapter_dir(root / "qv4")
+    adapter_dir(root / "team" / "mlp8")
+    adapter_dir(outside / "secret")
+    (root / "README").write_text("not an adapter")
+    return {"root": root, "outside": outside}
+
+
+def refusal(root: AdapterRoot, path: str) -> str:
+    with pytest.raises(InvalidArgument) as refused:
+        root.find(path)
+    assert refused.value.field == "path"
+    return refused.value.description
+
+
+def test_a_path_relative_to_the_root_or_absolute_inside_it_is_found_and_shown_relative(
+    tree: dict[str, Path],
+) -> None:
+    root = AdapterRoot(tree["root"])
+    for path, shown in (
+        ("qv4", "qv4"),
+        ("./qv4/", "qv4"),
+        ("team//mlp8", "team/mlp8"),
+        (str(tree["root"] / "team" / "mlp8"), "team/mlp8"),
+    ):
+        found = root.find(path)
+        assert (found.path, found.shown) == ((tree["root"] / shown).resolve(), shown), path
+
+
+def test_symlinks_that_stay_inside_the_root_are_followed_and_the_root_may_be_one(
+    tree: dict[str, Path], tmp_path: Path
+) -> None:
+    (tree["root"] / "latest").symlink_to("team/mlp8")
+    (tmp_path / "link-to-root").symlink_to(tree["root"])
+    root = AdapterRoot(tmp_path / "link-to-root")
+    assert root.find("latest").path == (tree["root"] / "team" / "mlp8").resolve()
+    assert root.find("latest").shown == "latest"  # the name the caller uses to load it again
+    # An absolute path may name the root as the operator wrote it or as it resolves.
+    assert root.find(str(tmp_path / "link-to-root" / "qv4")).shown == "qv4"
+    assert root.find(str(tree["root"] / "qv4")).shown == "qv4"
+
+
+def test_every_path_not_inside_the_root_gets_one_refusal_whatever_is_there(
+    tree: dict[str, Path], tmp_path: Path
+) -> None:
+    root_dir, outside = tree["root"], tree["outside"]
+    (root_dir / "out").symlink_to(outside / "secret")  # a directory symlinked out
+    (root_dir / "up").symlink_to("..")
+    (root_dir / "dangling").symlink_to(tmp_path / "nothing")
+    (root_dir / "loop").symlink_to("loop")
+    adapter_dir(root_dir / "leaky")
+    (root_dir / "leaky" / CONFIG_FILE).unlink()
+    (root_dir / "leaky" / CONFIG_FILE).symlink_to(outside / "secret" / CONFIG_FILE)  # a file out
+    root = AdapterRoot(root_dir)
+    paths = [
+        "../outside/secret",  # exists, through '..'
+        "qv4/../team/mlp8",  # inside, but through '..' all the same
+        "../nothing",  # missing, through '..'
+        str(outside / "secret"),  # an absolute path elsewhere that exists
+        str(outside / "missing"),  # and one that does not
+        str(tmp_path),  # a directory above the root
+        "/",
+        "out",
+        "up/outside/secret",
+        "dangling",
+        "loop",
+        "leaky",
+        "missing",  # inside, nothing there
+        "qv4/adapter_config.json",  # a file, not a directory
+        "README",
+        "",  # the root itself
+        ".",
+        str(root_dir),
+    ]
+    said = {refusal(root, path).replace(echo(path), "<path>") for path in paths}
+    assert said == {
+        "must name an adapter directory inside the server's --lora-root, relative to it and without "
+        "'..', got <path>"
+    }
+    assert str(root_dir) not in refusal(root, "out") and str(outside) not in refusal(root, "out")
+
+
+def test_a_nul_or_an_over_long_path_is_refused_as_what_it_is(tree: dict[str, Path]) -> None:
+    root = AdapterRoot(tree["root"])
+    assert refusal(root, "qv4\0") == "must not hold a NUL character"
+    too_long = "a/" * (MAX_PATH_BYTES // 2) + "b"
+    assert refusal(root, too_long) == f"must be at most {MAX_PATH_BYTES} bytes, got {MAX_PATH_BYTES + 1}"
+
+
+def test_a_start_up_adapter_is_shown_relative_to_the_root_when_inside_it_else_as_the_operator_wrote_it(
+    tree: dict[str, Path],
+) -> None:
+    root = AdapterRoot(tree["root"])
+    assert root.shown(tree["root"] / "team" / "mlp8") == "team/mlp8"
+    assert root.shown(tree["outside"] / "secret") == str(tree["outside"] / "secret")
