@@ -1088,7 +1088,9 @@ class AdapterInfo(_message.Message):
     name: _builtins.str
     """The name requests use (GenerateRequest.adapter; the OpenAI front's `model`)."""
     path: _builtins.str
-    """The directory it was read from, on the server."""
+    """The directory it was read from: relative to the server's --lora-root when inside it; a --lora
+    adapter outside it as the operator named it.
+    """
     rank: _builtins.int
     """Its rank (r)."""
     @_builtins.property
@@ -1128,7 +1130,9 @@ class LoadAdapterRequest(_message.Message):
     or line separators (U+2028, U+2029), no white space at either end.
     """
     path: _builtins.str
-    """The adapter's directory, on the server's file system; 1-4096 bytes."""
+    """The adapter's directory, relative to the server's --lora-root (or absolute inside it), symlinks
+    followed; 1-4096 bytes. One refusal for any other: '..', elsewhere, leading out, or nothing there.
+    """
     def __init__(
         self,
         *,

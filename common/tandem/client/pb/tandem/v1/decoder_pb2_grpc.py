@@ -117,7 +117,9 @@ class DecoderServicer:
     def LoadAdapter(self, request, context):
         """Loads a LoRA adapter (PEFT's format) into a free slot, served under its name from then on;
         streams already running go on undisturbed. FAILED_PRECONDITION when the server runs without
-        --enable-lora; INVALID_ARGUMENT naming the file and field when the adapter does not fit the base
+        --enable-lora, or without --lora-root (it then serves its --lora adapters only); INVALID_ARGUMENT
+        naming `path` and --lora-root, in one wording, for every path that is not a directory inside the
+        root; INVALID_ARGUMENT naming the file and field when the adapter does not fit the base
         model or the server (rank over --max-lora-rank, a module other than q/k/v/o/gate/up/down, a
         tensor of another shape than the model's, DoRA, bias terms), with nothing loaded;
         ALREADY_EXISTS when the name is taken; RESOURCE_EXHAUSTED when all --max-loras slots are.
