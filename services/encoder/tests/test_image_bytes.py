@@ -141,7 +141,7 @@ def test_a_file_of_more_chunks_or_segments_than_any_picture_has_is_refused_befor
             decode_image(data, len(data), MAX_PIXELS)
         assert error.value.field == "image.data"
     fewer = png[:33] + _chunk(b"abCd", b"") * 1000 + png[33:]
-    assert png_chunks(fewer) == 1003 and jpeg_segments(_jpeg_with(b"\xff\xe5\x00\x02" * 1000))[1] > 1000
+    assert png_chunks(fewer) == (1003, 0) and jpeg_segments(_jpeg_with(b"\xff\xe5\x00\x02" * 1000))[1] > 1000
 
 
 def test_restart_markers_in_a_scan_are_skipped_at_c_speed() -> None:
@@ -258,3 +258,15 @@ def test_broken_metadata_neither_refuses_the_picture_nor_writes_to_the_log() -> 
     assert warned == []
     with pytest.raises(InvalidArgument, match="claims 1100000 pixels"):  # PIL's bomb warning still refuses
         decode_image(_png_claiming(1100, 1000), MAX_BYTES, MAX_PIXELS)
+
+
+def test_a_png_of_more_than_one_colour_profile_is_refused_before_pil_inflates_them() -> None:
+    # PIL inflated every iCCP chunk (up to 1 MB each) and kept the last: 19,000 chunks of a 1 KB
+    # zlib stream each, 18 MiB in all, took 42 s of the image thread. The PNG spec allows one.
+    profile = _chunk(b"iCCP", b"p\0\0" + zlib.compress(bytes(1_000_000), 9))
+    png = _encoded("PNG", (8, 8))
+    assert decode_image(png[:33] + profile + png[33:], MAX_BYTES, MAX_PIXELS).size == (8, 8)
+    start = time.perf_counter()
+    with pytest.raises(InvalidArgument, match="a PNG of 200 iCCP chunks; the PNG spec allows one"):
+        decode_image(png[:33] + profile * 200 + png[33:], MAX_BYTES, MAX_PIXELS)
+    assert time.perf_counter() - start < 0.1  # 200 inflated took 0.44 s
