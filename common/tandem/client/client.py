@@ -396,8 +396,8 @@ class DecoderClient(_Client):
         return await self.stub.GetModelInfo(decoder_pb2.DecoderGetModelInfoRequest(), timeout=timeout)
 
     async def load_adapter(self, name: str, path: str, timeout: float = 60.0) -> decoder_pb2.AdapterInfo:
-        """Load the PEFT adapter in the server's directory `path` as `name` (then generate(...,
-        adapter=name) uses it)."""
+        """Load the PEFT adapter at `path`, a directory inside the server's --lora-root and relative
+        to it, as `name` (then generate(..., adapter=name) uses it)."""
         request = decoder_pb2.LoadAdapterRequest(name=name, path=path)
         return (await self.stub.LoadAdapter(request, timeout=timeout)).adapter
 
