@@ -152,44 +152,6 @@ def type_refusal(name: str, stored: str) -> str | None:
     )
 
 
-# How much of a quant_method a refusal quotes: the value is the file's, of any length.
-MAX_SHOWN_METHOD = 64
-
-
-def quantization_refusal(hf_config: Mapping[str, object]) -> str | None:
-    """The refusal of a checkpoint whose config.json (`hf_config`, or its text_config) has a
-    quantization_config; None when it has none (or null).
-
-    quantization_config names the loader the weights were written for (transformers' quant_method:
-    "fp8", "compressed-tensors", "gptq", "awq", "bitsandbytes", ...), which Tandem has none of. Its
-    weights are that method's data, stored as integers or 8-bit floats beside scales (refused from the
-    headers by type_refusal, which names a tensor, not the method), or as floats that loader changes
-    while loading (a bitsandbytes config quantizes float weights as they load): read as plain
-    weights, those would serve, without a word, another model than the config describes. So the
-    config alone refuses it, naming the method, before any weight is looked at."""
-    for where, config in (("", hf_config), ("text_config.", hf_config.get("text_config"))):
-        if not isinstance(config, Mapping) or config.get("quantization_config") is None:
-            continue
-        quantization = config["quantization_config"]
-        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
-        said = (
-            f"{where}quantization_config.quant_method is {_shown(method)}"
-            if method is not None
-            else f"{where}quantization_config is present, naming no quant_method"
-        )
-        return (
-            f"{said}: the weights are stored for that quantization's own loader, which Tandem has not. "
-            "Serve the bf16, fp16 or fp32 checkpoint it was quantized from, with --quantization int8 or "
-            "int4 to quantize at load, or a GGUF file with --quantization gguf (docs/DEPLOYMENT.md)"
-        )
-    return None
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= MAX_SHOWN_METHOD else text[:MAX_SHOWN_METHOD] + "..."
-
-
 def mismatch(name: str, stored: tuple[int, ...], expected: ExpectedWeight, source: str) -> str | None:
     """The refusal of weight `name` stored as `stored` where `source` (e.g. "config.json") sizes it as
     `expected`; None when they agree."""

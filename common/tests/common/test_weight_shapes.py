@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from tandem.common.weight_shapes import (
-    MAX_SHOWN_METHOD,
     TextModelShape,
     expected_weights,
     flagged_weights,
     mismatch,
-    quantization_refusal,
     token_table,
 )
 
@@ -134,54 +130,3 @@ def test_a_shape_with_every_flag_on_but_the_tie_flags_nothing() -> None:
         SMOLLM2, is_tied=False, has_qk_norm=True, has_qkv_bias=True, has_o_bias=True, has_mlp_bias=True
     )
     assert flagged_weights(shape) == {}
-
-
-INSTEAD = (
-    ": the weights are stored for that quantization's own loader, which Tandem has not. Serve the bf16, "
-    "fp16 or fp32 checkpoint it was quantized from, with --quantization int8 or int4 to quantize at "
-    "load, or a GGUF file with --quantization gguf (docs/DEPLOYMENT.md)"
-)
-
-
-@pytest.mark.parametrize(
-    "quantization",
-    [
-        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-        {"quant_method": "compressed-tensors", "format": "float-quantized"},
-        {"quant_method": "gptq", "bits": 4, "group_size": 128},
-        {"quant_method": "awq", "bits": 4, "version": "gemm"},
-        {"quant_method": "bitsandbytes", "load_in_4bit": True},
-    ],
-)
-def test_a_quantization_config_is_refused_naming_its_method_and_what_serves_instead(
-    quantization: dict[str, object],
-) -> None:
-    config = {"hidden_size": 576, "quantization_config": quantization}
-    assert quantization_refusal(config) == (
-        f"quantization_config.quant_method is {quantization['quant_method']!r}{INSTEAD}"
-    )
-
-
-def test_a_vision_language_configs_language_model_may_carry_the_quantization() -> None:
-    config = {"text_config": {"quantization_config": {"quant_method": "awq"}}}
-    assert quantization_refusal(config) == f"text_config.quantization_config.quant_method is 'awq'{INSTEAD}"
-
-
-def test_a_quantization_config_naming_no_method_is_refused_all_the_same() -> None:
-    """Older bitsandbytes configs say load_in_8bit alone; transformers takes the method from it."""
-    refusal = f"quantization_config is present, naming no quant_method{INSTEAD}"
-    assert quantization_refusal({"quantization_config": {"load_in_8bit": True}}) == refusal
-    assert quantization_refusal({"quantization_config": "int8"}) == refusal
-
-
-def test_a_method_of_any_length_is_quoted_within_the_bound() -> None:
-    refusal = quantization_refusal({"quantization_config": {"quant_method": "q" * 100_000}})
-    assert refusal is not None
-    said = refusal.removeprefix("quantization_config.quant_method is ").removesuffix(INSTEAD)
-    assert said == repr("q" * 100_000)[:MAX_SHOWN_METHOD] + "..."
-
-
-def test_a_config_without_a_quantization_config_or_with_null_is_not_refused() -> None:
-    assert quantization_refusal({"hidden_size": 576}) is None
-    nulls = {"quantization_config": None, "text_config": {"quantization_config": None}}
-    assert quantization_refusal(nulls) is None

@@ -131,7 +131,8 @@ def test_a_checkpoint_whose_config_names_a_quantization_is_refused_as_the_decode
 ) -> None:
     """A quantized checkpoint's table is often left in bf16 (the decoder then refuses its projections),
     and a bitsandbytes one holds float weights its loader quantizes: the encoder served such a table
-    beside a decoder that refused the checkpoint. Its words are the decoder's."""
+    beside a decoder that refused the checkpoint. Its words are the decoder's, but for what serves
+    instead: the encoder's --quantization refuses gguf, so gguf is named as the decoder's flag."""
     quantized = Path(shutil.copytree(tiny_model, tmp_path / "quantized"))
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"] = {"quant_method": method}
@@ -141,8 +142,9 @@ def test_a_checkpoint_whose_config_names_a_quantization_is_refused_as_the_decode
     assert str(raised.value) == (
         f"{quantized / 'config.json'}: quantization_config.quant_method is {method!r}: the weights are "
         "stored for that quantization's own loader, which Tandem has not. Serve the bf16, fp16 or fp32 "
-        "checkpoint it was quantized from, with --quantization int8 or int4 to quantize at load, or a "
-        "GGUF file with --quantization gguf (docs/DEPLOYMENT.md)"
+        "checkpoint it was quantized from (with the decoder's --quantization int8 or int4 here too, to "
+        "round the table alike), or a GGUF file as --model, which the decoder serves with --quantization "
+        "gguf (docs/DEPLOYMENT.md)"
     )
 
 

@@ -16,9 +16,10 @@ import torch
 from tokenizers import Tokenizer
 
 from tandem.common import checkpoint, text_bounds, vision_language
+from tandem.common.quantization_config import quantization_refusal
 from tandem.common.torch_part.quantized_tensor import quantize_table
 from tandem.common.torch_part.weight_files import INDEX_NAME, index_files, weight_names
-from tandem.common.weight_shapes import mismatch, quantization_refusal, token_table, type_refusal
+from tandem.common.weight_shapes import mismatch, token_table, type_refusal
 from tandem.encoder.embedder import (
     EmbedderInfo,
     EmbedderLoadError,
@@ -29,6 +30,14 @@ from tandem.encoder.embedder import (
 )
 
 EMBED_KEY = "model.embed_tokens.weight"
+
+# What serves in place of a checkpoint quantized for another loader. The encoder's --quantization takes
+# int8 and int4 alone (a GGUF file's table needs no rounding here), so gguf is named as the decoder's.
+QUANTIZED_ELSEWHERE = (
+    "Serve the bf16, fp16 or fp32 checkpoint it was quantized from (with the decoder's --quantization "
+    "int8 or int4 here too, to round the table alike), or a GGUF file as --model, which the decoder "
+    "serves with --quantization gguf (docs/DEPLOYMENT.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -103,10 +112,10 @@ def check_table_shape(model_dir: Path) -> None:
     is [vocab_size, hidden_size] as config.json (its text_config) states them, stored in a float type
     the decoder reads too (weight_shapes.WEIGHT_DTYPES), judged from the safetensors header alone:
     nothing of the table is read, so a service runs it before it listens, and config.json names no
-    quantization method (weight_shapes.quantization_refusal, as the decoder's check). Raises
+    quantization method (quantization_config.quantization_refusal, as the decoder's check). Raises
     TableShapeError for a disagreement, EmbedderLoadError for a file that cannot be read."""
     hf_config = read_json(model_dir / "config.json")
-    if (refusal := quantization_refusal(hf_config)) is not None:
+    if (refusal := quantization_refusal(hf_config, QUANTIZED_ELSEWHERE)) is not None:
         raise TableShapeError(f"{model_dir / 'config.json'}: {refusal}")
     if vision_language.is_vision_language(hf_config):
         table = language_model_table(model_dir, hf_config)

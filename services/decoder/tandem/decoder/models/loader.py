@@ -29,10 +29,10 @@ from tokenizers import Tokenizer
 from tandem.common import vision_language
 from tandem.common.checkpoint import read_json
 from tandem.common.dtypes import COMPUTE_NAMES
+from tandem.common.quantization_config import quantization_refusal
 from tandem.common.torch_part.quantized_tensor import BLOCK, SCHEMES, QuantizedTensor
 from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
 from tandem.common.torch_part.weight_files import index_files
-from tandem.common.weight_shapes import quantization_refusal
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
 from tandem.decoder.models import quantized
 from tandem.decoder.models.checkpoint_shapes import FileStamp, check_shapes, check_unread
@@ -51,6 +51,12 @@ class ModelLoadError(ValueError):
 
 
 MAX_TOKENIZER_BYTES = 256 << 20  # the largest in use are about 35 MB (Gemma 3's 262K entries)
+
+# What serves in place of a checkpoint quantized for another loader, in the decoder's own flags.
+QUANTIZED_ELSEWHERE = (
+    "Serve the bf16, fp16 or fp32 checkpoint it was quantized from, with --quantization int8 or int4 to "
+    "quantize at load, or a GGUF file with --quantization gguf (docs/DEPLOYMENT.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -185,7 +191,7 @@ def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:
     generation_path = model_dir / "generation_config.json"
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
     # Before the weights' types: an FP8 checkpoint is named by its method, not by its first e4m3 tensor.
-    if (refusal := quantization_refusal(hf_config)) is not None:
+    if (refusal := quantization_refusal(hf_config, QUANTIZED_ELSEWHERE)) is not None:
         raise ModelLoadError(f"{model_dir / 'config.json'}: {refusal}")
     if vision_language.is_vision_language(hf_config):  # the decoder serves its language model
         hf_config = vision_language.text_config(hf_config, ModelLoadError)
