@@ -3,7 +3,8 @@
 In order, cheapest first: the byte count against max_image_bytes; the format, from the file's own
 signature (PNG, JPEG or WebP only: no decoder for anything else is ever reached); a JPEG's scans,
 counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny scans took 4 s to
-decode, and 20 MiB holds 277,000), and a PNG's chunks or a JPEG's segments (MAX_CHUNKS says why);
+decode, and 20 MiB holds 277,000), a PNG's chunks or a JPEG's segments (MAX_CHUNKS says why) and
+a PNG's colour profiles (one, as its spec says: PIL inflates each);
 the size, from the header alone (PIL reads no pixel data when it opens a file), against
 max_image_pixels, so a small file that claims 100,000 x 100,000 pixels (a
 decompression bomb) is refused before a byte of it is inflated, and so is a side over JPEG's 65,535
