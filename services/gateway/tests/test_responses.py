@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.responses import Completion, answer
+from tandem.gateway.responses import Completion, answer, answer_frame
 
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
@@ -50,3 +51,40 @@ def test_service_field_paths_read_as_the_body_spells_them() -> None:
         body_field("chat.messages[1].content[0].embeddings.shape")
         == "messages[1].content[0].embeddings.shape"
     )
+
+
+def _delta(token_id: int) -> decoder_pb2.TokenDelta:
+    """A token with 20 alternatives, as `top_logprobs: 20` asks."""
+    delta = decoder_pb2.TokenDelta(text=f" w{token_id}", token_ids=[token_id], logprobs=[-1.5])
+    delta.top_logprobs.add(token_ids=list(range(1000, 1020)), logprobs=[-2.0 - k / 10 for k in range(20)])
+    return delta
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_an_answer_serialized_a_choice_at_a_time_is_the_answers_json(kind: str) -> None:
+    model = "\x00tandem-choices\x00"  # the frame's own marker, as a model's name: still one answer
+    completions = [Completion(kind, "abc", model, index=i) for i in range(3)]
+    for i, completion in enumerate(completions):
+        for token_id in range(i + 2):
+            completion.add(_delta(token_id), True)
+        completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_LENGTH)
+        completion.finished.usage.input_tokens, completion.finished.usage.output_tokens = 4, i + 2
+    before, after = answer_frame(completions)
+    pieces = [json.dumps(c.choice(True)) for c in completions]
+    assert before + ", ".join(pieces) + after == json.dumps(answer(completions, True))
+    assert json.loads(before + after)["choices"] == []
+
+
+def test_a_choices_logprobs_are_kept_compact_until_the_answer_is_written() -> None:
+    # As OpenAI's entries (a dict for the token and each alternative) 4,096 tokens took 25 MB; 16
+    # choices of 8,192 tokens 816 MB in the gateway before the answer was even written.
+    completion = Completion("chat", "abc", "tiny")
+    tracemalloc.start()
+    try:
+        for token_id in range(4096):
+            completion.add(_delta(token_id), True)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * 2**20, held
+    assert len(completion.choice(True)["logprobs"]["content"]) == 4096

@@ -33,7 +33,7 @@ from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
-from tandem.gateway import answers, embeddings, images, responses
+from tandem.gateway import answers, embeddings, images
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import CallerChannels, caller_of
@@ -381,7 +381,7 @@ class Gateway:
                         raise Refused(failed.http_error(call.names, call.is_batch)) from None
                     if any(c.aborted for c in completions):
                         return error_response(answers.ABORTED)
-                    return web.json_response(responses.answer(completions, with_logprobs))
+                    return await answers.write(request, completions, with_logprobs)
                 finally:
                     streams.close()  # no-ops for calls that ended; frees the rest (a failure, a caller gone)
         finally:
