@@ -112,3 +112,12 @@ def test_an_image_url_of_any_picture_type_is_its_file() -> None:
     for media_type in ("image/png", "IMAGE/JPEG", "image/webp;name=x.webp"):
         url = f"data:{media_type};base64," + base64.b64encode(PICTURE_A).decode()
         assert image_file({"type": "image_url", "image_url": {"url": url}}, "x") == PICTURE_A
+
+
+@pytest.mark.parametrize(
+    "head", ["DATA:image/png;base64,", "Data:image/png;BASE64,", "data:IMAGE/PNG;Base64,"]
+)
+def test_a_data_url_is_read_whatever_the_case_of_its_scheme_and_base64_token(head: str) -> None:
+    # RFC 3986: a scheme is case-insensitive; RFC 2045/2397: so are the media type and its parameters.
+    url = head + base64.b64encode(PICTURE_A).decode()
+    assert image_file({"type": "image_url", "image_url": {"url": url}}, "x") == PICTURE_A

@@ -33,16 +33,19 @@ def image_file(part: dict[str, Any], where: str) -> bytes:
     waiting to happen)."""
     image_url = part.get("image_url")
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
-    if not isinstance(url, str) or not url.startswith("data:"):
+    # A URL's scheme is case-insensitive (RFC 3986), and so are a media type, its parameters and the
+    # base64 token (RFC 2045, 2397): `DATA:IMAGE/PNG;BASE64,` is the same URL, as vLLM takes it.
+    header, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
+    header = header.lower()
+    if not header.startswith("data:"):
         raise InvalidArgument(
             where, "must be a data: URL (data:image/png;base64,...); the gateway fetches no URL"
         )
-    header, _, data = url.partition(",")
     if not header.endswith(";base64"):
         raise InvalidArgument(where, "must be base64 (data:image/...;base64,...)")
     # The encoder reads any file by its bytes, so the media type decides nothing there; a caller who
     # says text/plain (or nothing: RFC 2397's default) has sent something else than a picture.
-    media_type = header.removeprefix("data:").split(";", 1)[0].strip().lower()
+    media_type = header.removeprefix("data:").split(";", 1)[0].strip()
     if not media_type.startswith("image/"):
         raise InvalidArgument(
             where, f"must be a picture (data:image/...;base64,...), got {shown(media_type)}"
