@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.client.errors import InvalidArgument
-from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.body_limits import MAX_IMAGES, BodyLimits
 from tandem.gateway.calls import ImagePart
 from tandem.gateway.chat_request import chat_request
 from tandem.gateway.completion_request import completion_request
@@ -185,6 +185,25 @@ def test_for_a_decoder_with_an_encoder_an_image_url_part_becomes_an_encoder_part
     parts = call.requests[0].chat.messages[0].content
     assert [part.WhichOneof("part") for part in parts] == ["encoder", "text", "encoder"]
     assert [parts[0].encoder.image.data, parts[2].encoder.image.data] == [b"\x00\x01\x02"] * 2
+
+
+def test_a_request_takes_as_many_pictures_whichever_endpoint_it_is_sent_to() -> None:
+    # Each picture holds the encoder's one image thread; 64 embedding inputs may be text, not pictures.
+    picture = "AAEC"
+    chat_image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{picture}"}}
+    embed_image = {"type": "tandem_image", "data": picture}
+    chat = {"messages": [{"role": "user", "content": [chat_image] * MAX_IMAGES}]}
+    embed = {"input": [embed_image] * MAX_IMAGES + ["text"] * 8}
+    assert len(chat_request(chat, LIMITS).images) == len(embed_request(embed, EMBED_LIMITS).requests) - 8
+    chat["messages"][0]["content"].append(chat_image)
+    embed["input"].append(embed_image)
+    for convert, body, limits, refusal in (
+        (chat_request, chat, LIMITS, f"at most {MAX_IMAGES} image_url parts"),
+        (embed_request, embed, EMBED_LIMITS, f"{MAX_IMAGES + 1} tandem_image inputs"),
+    ):
+        with pytest.raises(InvalidArgument, match=refusal) as error:
+            convert(body, limits)
+        assert str(MAX_IMAGES) in str(error.value)
 
 
 def test_what_the_answer_needs_of_the_body_is_kept() -> None:

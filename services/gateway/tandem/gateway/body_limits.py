@@ -29,7 +29,10 @@ MAX_STOP = 16  # stop strings (OpenAI allows 4; vLLM more)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_GUIDED_CHOICES = 1024  # guided_choice strings
 MAX_INPUTS = 64  # /v1/embeddings inputs: each is an Embed call
-MAX_IMAGES = 16  # image_url parts per chat request: each is an encoder call
+# Pictures of one request, a chat's image_url parts or an embeddings body's tandem_image inputs: each is
+# an encoder call whose decode holds the encoder's one image thread (about 0.5 s at 32 Mpx), so a
+# picture costs far more than a text input and one request may not queue 64 of them (~32 s).
+MAX_IMAGES = 16
 # Values of a body beyond those its positions account for: top-level fields, a JSON schema, the
 # logit_bias map, stop strings, the shape arrays of embedding parts.
 VALUES_BESIDE_POSITIONS = 64 * 1024

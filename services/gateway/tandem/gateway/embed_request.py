@@ -9,7 +9,7 @@ from typing import Any
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.gateway.body_limits import MAX_INPUTS, BodyLimits, at_most
+from tandem.gateway.body_limits import MAX_IMAGES, MAX_INPUTS, BodyLimits, at_most
 from tandem.gateway.calls import EmbedCall
 from tandem.gateway.fields import field, shown, token_ids
 
@@ -24,6 +24,8 @@ def embed_request(body: dict[str, Any], limits: BodyLimits) -> EmbedCall:
     if not isinstance(items, list) or not items:
         raise InvalidArgument("input", "must be a string, a list of strings, or token IDs")
     at_most("input", len(items), MAX_INPUTS, "inputs")
+    num_images = sum(isinstance(item, dict) and item.get("type") == "tandem_image" for item in items)
+    at_most("input", num_images, MAX_IMAGES, "tandem_image inputs (pictures, as a chat's image_url parts)")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise InvalidArgument("encoding_format", f"must be float or base64, got {shown(encoding)}")
