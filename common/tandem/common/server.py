@@ -51,11 +51,15 @@ from tandem.common.health import BoundedHealth, max_watches
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 30.0  # drain time on SIGTERM, of both services and of `tandem up`
-# Calls served at once, streams included, unless a service asks for more: the decoder holds twice its
-# streams waiting and running (tandem.decoder.config.max_calls), so that its RESOURCE_EXHAUSTED naming
+# Calls served at once, streams included, unless a service asks for more: the decoder holds twice what
+# its queue and batch hold (tandem.decoder.config.max_calls), so that its RESOURCE_EXHAUSTED naming
 # --max-queue answers first. A call costs about 16 KB in gRPC core before it is taken up and about
 # 20 KB once running, and no thread.
 DEFAULT_MAX_CONCURRENT_RPCS = 10_000
+# max_concurrent_rpcs at most: gRPC's channel arguments are C ints, which grpc.aio's bound and gRPC
+# core's queue (call_bound.grpc_bound, 1/16 above it) must fit (past 2**31 - 1 the server failed to
+# start with an OverflowError), and a million calls running already cost ~20 GB of gRPC's memory.
+MAX_CONCURRENT_RPCS_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,11 @@ class ServerOptions:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         if self.grace_s < 0:
             raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
-        if self.max_concurrent_rpcs < 1:
-            raise ConfigError("max_concurrent_rpcs", f"must be >= 1, got {self.max_concurrent_rpcs}")
+        if not 1 <= self.max_concurrent_rpcs <= MAX_CONCURRENT_RPCS_LIMIT:
+            raise ConfigError(
+                "max_concurrent_rpcs",
+                f"must be in [1, {MAX_CONCURRENT_RPCS_LIMIT:,}], got {self.max_concurrent_rpcs:,}",
+            )
 
 
 _TLS_FIELDS = {"cert_file": "tls_cert", "key_file": "tls_key", "client_ca_file": "tls_client_ca"}

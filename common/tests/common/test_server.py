@@ -17,7 +17,15 @@ from grpc_status import rpc_status
 from tandem.client import errors, memory
 from tandem.client.channel import channel_options
 from tandem.client.errors import ConfigError
-from tandem.common.server import GRPC_LOGGER, RunningServer, ServerOptions, Service, start_server
+from tandem.common.call_bound import grpc_bound
+from tandem.common.server import (
+    GRPC_LOGGER,
+    MAX_CONCURRENT_RPCS_LIMIT,
+    RunningServer,
+    ServerOptions,
+    Service,
+    start_server,
+)
 
 MAX_BYTES = 1024 * 1024
 
@@ -266,9 +274,14 @@ async def test_a_send_that_fails_on_a_call_already_over_logs_no_traceback(
     assert "any other error" in caplog.text
 
 
-def test_max_concurrent_rpcs_must_be_at_least_one() -> None:
-    with pytest.raises(ConfigError, match="max_concurrent_rpcs must be >= 1, got 0"):
+def test_max_concurrent_rpcs_must_be_at_least_one_and_at_most_what_grpc_s_arguments_hold() -> None:
+    with pytest.raises(ConfigError, match=r"max_concurrent_rpcs must be in \[1, 1,000,000\], got 0"):
         ServerOptions(max_concurrent_rpcs=0)
+    # gRPC's channel arguments are C ints: past them the server failed to start with an OverflowError.
+    assert grpc_bound(MAX_CONCURRENT_RPCS_LIMIT) <= 2**31 - 1
+    assert ServerOptions(max_concurrent_rpcs=MAX_CONCURRENT_RPCS_LIMIT).max_concurrent_rpcs == 1_000_000
+    with pytest.raises(ConfigError, match=r"must be in \[1, 1,000,000\], got 1,100,000,000"):
+        ServerOptions(max_concurrent_rpcs=1_100_000_000)
 
 
 async def test_a_burst_the_server_has_not_taken_up_yet_is_served_not_cancelled(

@@ -8,6 +8,7 @@ back here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +30,21 @@ DEFAULT_PORT = 50052
 # the server default. A verification costs about one step while the step reads weights rather than
 # computes; far past that it computes, and a long guess is rarely right to the end.
 MAX_SPECULATIVE_TOKENS = 16
-# Calls the decoder's server holds beside its Generate streams running and waiting (max_calls): health
-# checks, Tokenize, GetModelInfo, adapter calls, reflection, and streams still being built, not queued.
+# Calls the decoder's server holds beside its requests running, waiting and paused (max_calls), which
+# the engine's queue bounds. They are shared by every call the queue does not count: health checks
+# (Watch streams have half the places of their own), Tokenize, GetModelInfo, adapter calls,
+# reflection, Generate streams still being built (an encoder's parts are fetched for up to 60 s before
+# the request is queued) and finished ones still sending their last messages to a slow reader. Past
+# them a call meets the server's bound (RESOURCE_EXHAUSTED naming it) rather than the queue's.
 NUM_SPARE_CALLS = 1024
-# --max-queue at most. The server then holds 2 x (100,000 + --max-num-seqs + NUM_SPARE_CALLS) calls
-# (max_calls), about 20 KB each in gRPC core while running: some 4 GB at worst beside the requests.
+# --max-queue at most. At it (--max-num-seqs 64) the server holds 202,176 calls (max_calls), about 20 KB
+# each in gRPC core while running, and gRPC core up to 214,812 more (grpc.aio's bound) not yet taken
+# up, about 16 KB each: some 4.0 + 3.4 GB at worst beside what the requests themselves hold.
 MAX_QUEUE_LIMIT = 100_000
+# --max-num-seqs at most, as --max-queue: a running request is a stream the server holds as a waiting
+# one is, and no batch comes near it (vLLM's default is 256). At both limits the server holds 402,048
+# calls (~8.0 GB running, ~6.8 GB more not yet taken up), within server.MAX_CONCURRENT_RPCS_LIMIT.
+MAX_NUM_SEQS_LIMIT = 100_000
 # What the C kernels compute in, by name: a quantized linear has no torch path to fall back on.
 KERNEL_DTYPE_NAMES = tuple(sorted(BY_TORCH[dtype].name for dtype in DTYPE_CODES))
 
@@ -175,12 +185,13 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.max_queue > MAX_QUEUE_LIMIT:
-            raise ConfigError(
-                "max_queue",
-                f"must be at most {MAX_QUEUE_LIMIT:,} (the server holds twice the streams waiting and "
-                f"running as calls, ~20 KB each), got {self.max_queue:,}",
-            )
+        for name, limit in (("max_queue", MAX_QUEUE_LIMIT), ("max_num_seqs", MAX_NUM_SEQS_LIMIT)):
+            if getattr(self, name) > limit:
+                raise ConfigError(
+                    name,
+                    f"must be at most {limit:,} (the server holds twice the streams waiting and running "
+                    f"as calls, ~20 KB each), got {getattr(self, name):,}",
+                )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -194,9 +205,11 @@ class EngineConfig:
             )
         if self.shared_step_seqs is not None and self.shared_step_seqs < 0:
             raise ConfigError("shared_step_seqs", f"must be >= 0 (0: off), got {self.shared_step_seqs}")
-        if not self.max_grammar_cpu_ms_per_token > 0:  # NaN too: it would fail no grammar
+        # NaN and inf too: they would fail no grammar, switching the limit off.
+        if not 0 < self.max_grammar_cpu_ms_per_token < math.inf:
             raise ConfigError(
-                "max_grammar_cpu_ms_per_token", f"must be > 0, got {self.max_grammar_cpu_ms_per_token}"
+                "max_grammar_cpu_ms_per_token",
+                f"must be > 0 and finite, got {self.max_grammar_cpu_ms_per_token}",
             )
         if self.speculative_max_batch < 1:
             raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
@@ -382,7 +395,9 @@ class DecoderConfig:
 def max_calls(engine: EngineConfig) -> int:
     """The calls the decoder's server holds at once (its ServerOptions.max_concurrent_rpcs), so that
     the engine's own bounds answer first, naming their flags (RESOURCE_EXHAUSTED "waiting queue is
-    full", with RetryInfo), where the server's bound names a number and no flag: the streams
-    running and waiting and NUM_SPARE_CALLS more, twice over, since health's Watch streams may take
-    half of a server's places (tandem.common.health.max_watches). Never under every server's default."""
+    full", with RetryInfo), where the server's bound names a number and no flag: the requests
+    running (--max-num-seqs) and those waiting or paused for their readers (--max-queue counts both),
+    and NUM_SPARE_CALLS more for every other call (its comment), twice over, since health's Watch
+    streams may take half of a server's places (tandem.common.health.max_watches). Never under every
+    server's default."""
     return max(DEFAULT_MAX_CONCURRENT_RPCS, 2 * (engine.max_queue + engine.max_num_seqs + NUM_SPARE_CALLS))

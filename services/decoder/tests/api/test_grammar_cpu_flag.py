@@ -1,5 +1,5 @@
 """`--max-grammar-cpu-ms-per-token`: the structured-output limit on a grammar's CPU time per token is
-the decoder's to set (flag or variable), carried in its EngineConfig; 0, a negative or NaN is one line
+the decoder's to set (flag or variable), carried in its EngineConfig; 0, a negative, NaN or inf is one line
 naming the flag and exit 2, before any weight is read or a port is opened."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def test_the_limit_defaults_to_50_ms_and_is_set_by_the_flag_or_its_variable(
     assert limit() == 200
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
 def test_a_limit_that_would_fail_every_grammar_or_none_is_refused_naming_the_flag(
     value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert decoder_main(["--max-grammar-cpu-ms-per-token", value, "--port", "0"]) == 2
-    assert capsys.readouterr().err == f"{PREFIX} must be > 0, got {float(value)}\n"
+    assert capsys.readouterr().err == f"{PREFIX} must be > 0 and finite, got {float(value)}\n"

@@ -90,7 +90,7 @@ def settings() -> list[Setting]:
         ),
         _engine_setting(
             "--max-num-seqs",
-            "most requests in one batch",
+            "most requests in one batch, up to 100,000",
             type=int,
             default=None,
             show_default=f"{default_of(EngineConfig, 'max_num_seqs')}, 8 on neuron",
@@ -110,7 +110,8 @@ def settings() -> list[Setting]:
         ),
         _engine_setting(
             "--max-queue",
-            "most waiting requests, up to 100,000; beyond it RESOURCE_EXHAUSTED (the server holds "
+            "most requests waiting or paused for their readers, up to 100,000; beyond it "
+            "RESOURCE_EXHAUSTED (the server holds "
             "2 x (this + --max-num-seqs + 1,024) calls at once, at least 10,000)",
             type=int,
         ),
