@@ -8,6 +8,7 @@ field names; a `ParamError` names the field and the limit it broke.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 from tandem.client.errors import InvalidArgument
@@ -60,13 +61,14 @@ class SamplingParams:
     def validate(self, vocab_size: int, prefix: str = "sampling") -> None:
         _check_range(f"{prefix}.temperature", self.temperature, 0.0, 100.0)
         if not (0.0 < self.top_p <= 1.0) or math.isnan(self.top_p):
-            raise ParamError(f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
+            raise ParamError(f"{prefix}.top_p", f"must be in (0, 1], got {shown_float(self.top_p)}")
         if self.top_k < 0:
             raise ParamError(f"{prefix}.top_k", f"must be >= 0 (0 disables), got {self.top_k}")
         _check_range(f"{prefix}.min_p", self.min_p, 0.0, 1.0)
         if not (0.0 < self.repetition_penalty <= 10.0) or math.isnan(self.repetition_penalty):
             raise ParamError(
-                f"{prefix}.repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}"
+                f"{prefix}.repetition_penalty",
+                f"must be in (0, 10], got {shown_float(self.repetition_penalty)}",
             )
         _check_range(f"{prefix}.presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range(f"{prefix}.frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -123,7 +125,26 @@ class StoppingParams:
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:
     if math.isnan(value) or not low <= value <= high:
-        raise ParamError(name, f"must be in [{low}, {high}], got {value}")
+        raise ParamError(name, f"must be in [{low}, {high}], got {shown_float(value)}")
+
+
+def shown_float(value: float) -> str:
+    """`value` as its caller wrote it: the wire's float fields are float32, so -0.1 arrives as
+    -0.10000000149011612, and the shortest decimal that is the same float32 is what was sent. A value
+    no float32 holds exactly (the in-process API's doubles) is shown whole."""
+    try:
+        if _as_float32(value) == value:
+            for digits in range(1, 10):  # 9 significant digits tell any two float32s apart
+                shortest = float(f"{value:.{digits}g}")
+                if _as_float32(shortest) == value:
+                    return repr(shortest)
+    except OverflowError:  # a double beyond float32's range
+        pass
+    return repr(value)
+
+
+def _as_float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 @dataclass(frozen=True)
