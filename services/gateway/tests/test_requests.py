@@ -206,6 +206,16 @@ def test_a_request_takes_as_many_pictures_whichever_endpoint_it_is_sent_to() -> 
         assert str(MAX_IMAGES) in str(error.value)
 
 
+def test_two_logit_bias_keys_naming_one_token_are_refused_naming_both() -> None:
+    # OpenAI's keys are token ID strings; "05" and "5" are one ID, whose bias the later key took silently.
+    with pytest.raises(InvalidArgument) as error:
+        chat_request(CHAT | {"logit_bias": {"05": 1, "7": 3, "5": 2}}, LIMITS)
+    assert error.value.field == "logit_bias"
+    assert "keys '05' and '5' both name token 5" in str(error.value)
+    call = chat_request(CHAT | {"logit_bias": {"05": 1, "7": 3}}, LIMITS)
+    assert dict(call.requests[0].sampling.logit_bias) == {5: 1.0, 7: 3.0}
+
+
 def test_what_the_answer_needs_of_the_body_is_kept() -> None:
     call = chat_request(
         CHAT

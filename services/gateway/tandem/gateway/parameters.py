@@ -79,12 +79,18 @@ def common_parameters(
         request.stopping.stop_sequences.extend(stop)
     logit_bias = field(body, "logit_bias", dict) or {}
     at_most("logit_bias", len(logit_bias), MAX_LOGIT_BIAS, "entries")
+    keys: dict[int, str] = {}  # token ID -> the key that named it
     for key, value in logit_bias.items():
         is_id = key.isascii() and key.isdigit() and int(key) <= UINT32
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
         if not is_id or not is_number or not math.isfinite(value):
             raise InvalidArgument(
                 "logit_bias", f"maps token IDs to finite numbers; got {shown(key)}: {shown(value)}"
+            )
+        # "05" and "5" are one token: the later would silently win, so which bias was meant is asked.
+        if (earlier := keys.setdefault(int(key), key)) != key:
+            raise InvalidArgument(
+                "logit_bias", f"keys {shown(earlier)} and {shown(key)} both name token {int(key)}"
             )
         request.sampling.logit_bias[int(key)] = float(value)
     structured_field = structured_output(body, request)
