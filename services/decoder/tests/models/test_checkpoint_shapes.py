@@ -357,3 +357,87 @@ def test_a_file_replaced_while_its_tables_are_compared_is_compared_again(
     monkeypatch.setattr(loader, "safe_open", safe_open)
     with pytest.raises(ModelLoadError, match="weight lm_head.weight differs from model.embed_tokens.weight"):
         loader.check_checkpoint(model_dir, "float32")
+
+
+DIFFERS = "weight lm_head.weight differs from model.embed_tokens.weight"
+
+
+def _tied_and_differing(checkpoints: dict[str, Checkpoint], tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A checkpoint whose head equals its table, its file's path, and another file whose head differs."""
+    qwen3 = checkpoints["qwen3"]
+    table = load_file(qwen3.path / "model.safetensors")["model.embed_tokens.weight"]
+    model_dir = copy_with(qwen3, tmp_path, {"lm_head.weight": table.clone()})
+    path = model_dir / "model.safetensors"
+    differing = tmp_path / "differing.safetensors"
+    save_file(load_file(path) | {"lm_head.weight": table + 1}, differing)
+    return model_dir, path, differing
+
+
+def test_a_file_replaced_between_its_stamp_and_its_open_is_not_judged_by_the_verdict_on_file(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stamp read before the open names the old file, whose verdict is on file: the file opened is
+    the new one, compared again, since its path no longer stats as the stamp."""
+    model_dir, path, differing = _tied_and_differing(checkpoints, tmp_path)
+    loader.check_checkpoint(model_dir, "float32")  # the verdict "same" filed under the file's stamp
+    safe_open = loader.safe_open
+
+    def replaced_before_open(*args: Any, **kwargs: Any) -> Any:
+        if differing.exists():
+            differing.replace(path)  # after the stamp, before the open
+        return safe_open(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "safe_open", replaced_before_open)
+    with pytest.raises(ModelLoadError, match=DIFFERS):
+        loader.check_checkpoint(model_dir, "float32")
+
+
+def test_a_verdict_on_a_file_replaced_before_its_open_is_not_filed_under_the_old_stamp(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file opened is not the one stamped: its verdict ("same") says nothing of the stamped file,
+    whose head differs, and would pass that file were its stamp seen again."""
+    model_dir, path, differing = _tied_and_differing(checkpoints, tmp_path)
+    same = tmp_path / "same.safetensors"
+    path.replace(same)
+    differing.replace(path)
+    stamped = checkpoint_shapes.FileStamp.of(path)
+    safe_open = loader.safe_open
+
+    def replaced_before_open(*args: Any, **kwargs: Any) -> Any:
+        if same.exists():
+            same.replace(path)
+        return safe_open(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "safe_open", replaced_before_open)
+    loader.check_checkpoint(model_dir, "float32")  # the file opened, `same`, is judged
+    assert not [memo for memo in checkpoint_shapes._same_tables if stamped in (memo[0], memo[2])]
+
+
+def test_a_symlink_flipped_around_the_open_is_judged_by_the_file_its_stamp_names(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A symlinked file, as Hugging Face's cache holds them, pointing at a file whose head differs,
+    retargeted at a tied one before the open and back before the comparison's second stat: the path
+    stats as its stamp both times, so the tied file's verdict was filed under the differing one's
+    stamp, and passed it then and on every later check."""
+    model_dir, path, differing = _tied_and_differing(checkpoints, tmp_path)
+    same = tmp_path / "same.safetensors"
+    path.replace(same)
+    path.symlink_to(differing)
+    safe_open = loader.safe_open
+
+    def flipped_around_open(*args: Any, **kwargs: Any) -> Any:
+        path.unlink()
+        path.symlink_to(same)
+        handle = safe_open(*args, **kwargs)
+        path.unlink()
+        path.symlink_to(differing)
+        return handle
+
+    monkeypatch.setattr(loader, "safe_open", flipped_around_open)
+    with pytest.raises(ModelLoadError, match=DIFFERS):
+        loader.check_checkpoint(model_dir, "float32")
+    monkeypatch.setattr(loader, "safe_open", safe_open)
+    with pytest.raises(ModelLoadError, match=DIFFERS):
+        loader.check_checkpoint(model_dir, "float32")

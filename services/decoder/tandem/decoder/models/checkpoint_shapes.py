@@ -205,7 +205,9 @@ def _is_same_table(
     bytes under a path that stats as the new one. So a verdict is filed under the stamps read before
     the files were opened, and only where each path stats the same after the comparison (no change
     from before the open to the end of the comparison: the bytes compared are that stamp's); a verdict
-    on file is used only where the same holds now, else the open files are compared again."""
+    on file is used only where the same holds now, else the open files are compared again. Each file
+    is opened by the path its stamp resolved (FileStamp.path), so a symlinked path retargeted before
+    the open and back before the second stat cannot have another file judged under the stamp."""
     paths = (path_of[key], path_of[table])
     memo = (stamp_of[paths[0]], key, stamp_of[paths[1]], table)
 

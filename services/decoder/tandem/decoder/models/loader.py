@@ -309,7 +309,9 @@ def _index_weights(
     for path in _weight_files(model_dir):
         try:
             stamp_of[path] = FileStamp.of(path)  # before the open: what was opened is this stamp's, or newer
-            handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            # The file the stamp resolved, not `path`: a symlink (Hugging Face's cache holds them)
+            # retargeted before the open and back after it would have another file judged by its verdict.
+            handle = stack.enter_context(safe_open(stamp_of[path].path, framework="pt", device="cpu"))
         except (SafetensorError, OSError) as e:  # SafetensorError is a bare Exception
             raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from None
         for key in handle.keys():
