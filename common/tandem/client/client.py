@@ -243,10 +243,13 @@ class _Client:
         telemetry: Telemetry | None,
         security: ChannelSecurity,
         service: str,
+        is_health_checked: bool,
     ) -> None:
         telemetry = telemetry if telemetry is not None else telemetry_from_environ()
         interceptors = telemetry.client_interceptors() if telemetry is not None else []
-        self.channel = open_channel(address, max_message_bytes, security, interceptors, service)
+        self.channel = open_channel(
+            address, max_message_bytes, security, interceptors, service, is_health_checked=is_health_checked
+        )
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._metrics: ClientMetrics | None = None
         self._spans: ClientSpans | None = None
@@ -304,8 +307,13 @@ class DecoderClient(_Client):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         telemetry: Telemetry | None = None,
         security: ChannelSecurity = PLAINTEXT,
+        is_health_checked: bool = True,
     ):
-        super().__init__(address, max_message_bytes, telemetry, security, "tandem.v1.Decoder")
+        """`is_health_checked`: over several servers, each used only while its health Watch says
+        SERVING; False: balanced over all of them, watching none (see `open_channel`)."""
+        super().__init__(
+            address, max_message_bytes, telemetry, security, "tandem.v1.Decoder", is_health_checked
+        )
         self.stub = decoder_pb2_grpc.DecoderStub(self.channel)
 
     def generate(
@@ -418,8 +426,13 @@ class EncoderClient(_Client):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         telemetry: Telemetry | None = None,
         security: ChannelSecurity = PLAINTEXT,
+        is_health_checked: bool = True,
     ):
-        super().__init__(address, max_message_bytes, telemetry, security, "tandem.v1.Encoder")
+        """`is_health_checked`: over several servers, each used only while its health Watch says
+        SERVING; False: balanced over all of them, watching none (see `open_channel`)."""
+        super().__init__(
+            address, max_message_bytes, telemetry, security, "tandem.v1.Encoder", is_health_checked
+        )
         self.stub = encoder_pb2_grpc.EncoderStub(self.channel)
 
     async def embed(

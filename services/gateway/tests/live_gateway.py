@@ -15,11 +15,11 @@ from typing import Any
 
 from aiohttp import web
 
-from tandem.client.client import DecoderClient, EncoderClient
+from tandem.client.client import EncoderClient
 from tandem.gateway.access_log import AccessLog
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
-from tandem.gateway.callers import decoder_channels
+from tandem.gateway.callers import decoder_channels, decoder_client
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import ConnectionGuard, OpenAIRequestHandler, ServerLog
 
@@ -35,7 +35,7 @@ async def live_gateway(
     tens of KiB never fills."""
     settings = {"encoder_address": "127.0.0.1:9"} | settings
     config = GatewayConfig(decoder_address=decoder_address, port=0, **settings)
-    decoder = DecoderClient(config.decoder_address, config.max_message_bytes, None, config.upstream)
+    decoder = decoder_client(config)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
     callers = decoder_channels(config)
     workers = BodyWorkers(1)  # started by the first body over large_body_bytes, if any (a second)

@@ -1,24 +1,30 @@
 """The gateway watches each decoder replica's health once for all its callers, and each caller's own
 channel balances over the replicas that serve: a replica that is not serving gets none of their
 calls, one that turns SERVING gets its share, and however many callers there are, a replica sees one
-Watch stream from the gateway, so one address's share of Watch streams (256) never refuses them."""
+Watch stream from the gateway, so one address's share of Watch streams (256) never refuses them; a
+Watch refused there (others behind the gateway's address holding the share) leaves the replicas'
+health known by Check and the gateway's /health and model info served."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.callers import CallerChannels, decoder_channels
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.replicas import name_of, resolve_name, static_replicas
+from tandem.gateway.replicas import Replicas, name_of, resolve_name, static_replicas
 
 from .fake_decoder import FakeDecoder
+from .live_gateway import live_gateway
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -36,18 +42,25 @@ class CountingDecoder(FakeDecoder):
         return await super().GetModelInfo(request, context)
 
 
+async def _start_decoder(port: int = 0) -> tuple[CountingDecoder, RunningServer]:
+    """A decoder as `tandem serve decoder` serves it (bounded health, 600 places for calls, 300 for
+    Watch streams), SERVING, on 127.0.0.1 and ::1: two addresses on one machine."""
+    decoder = CountingDecoder()
+    service = Service("tandem.v1.Decoder", decoder, decoder_pb2_grpc.add_DecoderServicer_to_server)
+    running = await start_server(
+        ServerOptions(host="localhost", port=port, max_concurrent_rpcs=600), [service]
+    )
+    await running.set_serving()
+    return decoder, running
+
+
 @pytest.fixture
 async def replicas() -> AsyncIterator[list[tuple[CountingDecoder, RunningServer]]]:
-    """Two decoders as `tandem serve decoder` serves them (bounded health, 600 places for calls, 300
-    for Watch streams), SERVING, each on 127.0.0.1 and ::1: two addresses on one machine."""
+    """Two decoders (`_start_decoder`)."""
     started = []
     try:
         for _ in range(2):
-            decoder = CountingDecoder()
-            service = Service("tandem.v1.Decoder", decoder, decoder_pb2_grpc.add_DecoderServicer_to_server)
-            options = ServerOptions(host="localhost", port=0, max_concurrent_rpcs=600)
-            started.append((decoder, await start_server(options, [service])))
-            await started[-1][1].set_serving()
+            started.append(await _start_decoder())
         yield started
     finally:
         await asyncio.gather(*(running.stop(0) for _, running in started))
@@ -79,17 +92,67 @@ def test_replicas_are_a_list_resolved_once_or_a_name_resolved_as_it_goes() -> No
     assert static_replicas("127.0.0.1:1,localhost:2") == ("127.0.0.1:1", "127.0.0.1:2")
     assert static_replicas(["[::1]:1", "[::1]:2"]) == ("[::1]:1", "[::1]:2")  # type: ignore[arg-type]
     assert static_replicas("dns:///decoder.tandem.svc:50052") is None
-    assert name_of("dns:///decoder.tandem.svc:50052") == "decoder.tandem.svc:50052"
-    assert name_of("dns://10.0.0.2/decoder:50052") == "decoder:50052"
+    assert static_replicas("dns:decoder:50052") is None
     assert name_of("decoder:50052") is None
 
 
+def test_a_dns_name_is_read_in_every_form_grpc_reads() -> None:
+    assert name_of("dns:///decoder.tandem.svc:50052") == "decoder.tandem.svc:50052"
+    assert name_of("dns:decoder:50052") == "decoder:50052"
+    assert name_of("dns:/decoder:50052") == "decoder:50052"
+    assert name_of("dns:///[::1]:5") == "[::1]:5"
+    # No port: gRPC's, 443.
+    assert name_of("dns:///decoder") == name_of("dns:decoder") == "decoder:443"
+    assert name_of("dns:///[::1]") == name_of("dns:///::1") == "[::1]:443"
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("dns://8.8.8.8/decoder:50052", r"names a DNS server \(8\.8\.8\.8\).*write dns:///decoder:50052"),
+        ("dns:///decoder:http", "port 'http' is not a port"),
+        ("dns:///decoder:70000", "port '70000' is not a port"),
+        ("dns:///:50052", "names no host"),
+        ("dns:///[::1", "names no host"),
+    ],
+)
+def test_a_dns_name_the_gateway_cannot_watch_is_refused_at_start_naming_the_field(
+    address: str, why: str
+) -> None:
+    """Each of these left a resolver task that died unseen (an assert, for a name it could not read)
+    or logged a failure every 5 s for ever (no port), or watched other replicas than gRPC's own
+    channel would (a DNS server of its own, ignored)."""
+    with pytest.raises(ConfigError, match=why) as refused:
+        GatewayConfig(decoder_address=address)
+    assert refused.value.field == "decoder_address"
+
+
+async def test_a_watcher_that_fails_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A resolver or watcher task nobody awaits until the gateway stops: its failure is logged when
+    it fails, not lost with the task."""
+
+    def open_channel(replica: str) -> grpc.aio.Channel:
+        raise RuntimeError(f"no channel to {replica}")
+
+    replicas = Replicas("127.0.0.1:1,127.0.0.1:2", open_channel, "tandem.v1.Decoder")
+    with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
+        replicas.start()
+        await _eventually(lambda: len(caplog.records) == 2)
+    await replicas.close()
+    assert {record.exc_info[1].args[0] for record in caplog.records if record.exc_info} == {
+        "no channel to 127.0.0.1:1",
+        "no channel to 127.0.0.1:2",
+    }
+    assert all("127.0.0.1:1,127.0.0.1:2" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("form", ["dns:///localhost:{port}", "dns:localhost:{port}"])
 async def test_a_dns_name_is_watched_at_each_address_it_resolves_to(
-    replicas: list[tuple[CountingDecoder, RunningServer]],
+    replicas: list[tuple[CountingDecoder, RunningServer]], form: str
 ) -> None:
     (a, server_a), _ = replicas
     assert await resolve_name(f"localhost:{server_a.port}") == (f"127.0.0.1:{server_a.port}",)  # IPv4 first
-    config = GatewayConfig(decoder_address=f"dns:///localhost:{server_a.port}")
+    config = GatewayConfig(decoder_address=form.format(port=server_a.port))
     channels = decoder_channels(config)
     try:
         assert channels.targets == (config.decoder_address,)  # the name itself, until it resolves
@@ -170,3 +233,69 @@ async def test_an_attacker_holding_its_share_of_watches_leaves_600_gateway_calle
     finally:
         await channels.close()
         await asyncio.gather(*(attacker.close() for attacker in attackers))
+
+
+async def _hold_watch_share(running: RunningServer, address: str) -> grpc.aio.Channel:
+    """A caller with no token asks 300 Watch streams of `running` from `address` and holds the 256
+    it gets, one address's share; close the channel returned to let them go."""
+    attacker = grpc.aio.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(attacker)
+    asked = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(300)]
+    await asyncio.gather(*(stream.read() for stream in asked), return_exceptions=True)
+    assert running.health.num_watches == 256
+    return attacker
+
+
+async def test_an_attacker_on_the_gateways_own_address_leaves_its_health_and_models_served(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """A caller with no token holding the Watch share of the gateway's own address on both replicas
+    (behind the same NAT, on the same host or k8s node's /64, or a mesh's one source address). The
+    gateway's watch of each replica is refused, so it asks Check; its own decoder client watches
+    nothing. With that client health-checked, a freshly started gateway answered /health, /v1/models
+    and completions 503 "health check call failed" for as long as the attacker held on."""
+    attackers = [await _hold_watch_share(running, f"127.0.0.1:{running.port}") for _, running in replicas]
+    address = ",".join(f"127.0.0.1:{running.port}" for _, running in replicas)
+    try:
+        async with live_gateway(address) as url, aiohttp.ClientSession() as session:
+            base = url.removesuffix("/v1")
+
+            async def health_status() -> int:
+                async with session.get(base + "/health") as response:
+                    return response.status
+
+            async with asyncio.timeout(10):  # until the first Check of each replica is answered
+                while await health_status() != 200:
+                    await asyncio.sleep(0.05)
+            async with session.get(url + "/models") as response:
+                assert response.status == 200, await response.text()
+                assert [card["id"] for card in (await response.json())["data"]] == ["fake-model"]
+            body = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
+            async with session.post(url + "/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+        for _, running in replicas:  # the gateway's Watch was refused: no place of the attacker's taken
+            assert running.health.num_watches_of(f"ipv4:127.0.0.1:{running.port}") == 256
+    finally:
+        await asyncio.gather(*(attacker.close() for attacker in attackers))
+
+
+async def test_a_replica_killed_and_started_again_on_its_port_is_seen_serving_again(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    (_, server_a), (_, server_b) = replicas
+    channels = _gateway_channels([server_a, server_b])
+    replica_b = f"127.0.0.1:{server_b.port}"
+    restarted: RunningServer | None = None
+    try:
+        await _eventually(lambda: _num_serving(channels) == 2)
+        await server_b.stop(0)
+        await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        b, restarted = await _start_decoder(server_b.port)
+        await _eventually(lambda: _num_serving(channels) == 2, timeout_s=15)  # reconnect backoff: 5 s at most
+        assert replica_b in channels.targets
+        await asyncio.gather(*(_call(channels, f"peer:{caller}") for caller in range(8) for _ in range(2)))
+        assert b.num_infos >= 1
+    finally:
+        await channels.close()
+        if restarted is not None:
+            await restarted.stop(0)

@@ -17,7 +17,7 @@ import click
 from aiohttp import web
 
 from tandem.client.auth import load_tokens
-from tandem.client.client import DecoderClient, EncoderClient
+from tandem.client.client import EncoderClient
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import (
@@ -34,7 +34,7 @@ from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.gateway.access_log import AccessLog
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
-from tandem.gateway.callers import decoder_channels
+from tandem.gateway.callers import decoder_channels, decoder_client
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
 from tandem.gateway.connections import ConnectionGuard, OpenAIRequestHandler, ServerLog, ensure_descriptors
 
@@ -213,7 +213,7 @@ def _start(**values: Any) -> int:
 async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None) -> None:
     """Listen until a signal (or until cancelled); `ready` gets the port once listening."""
     telemetry = setup_telemetry("tandem-openai", os.environ)
-    decoder = DecoderClient(config.decoder_address, config.max_message_bytes, telemetry, config.upstream)
+    decoder = decoder_client(config, telemetry)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, telemetry, config.upstream)
     callers = decoder_channels(config, telemetry.client_interceptors())
     workers = BodyWorkers(config.body_workers)

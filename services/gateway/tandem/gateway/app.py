@@ -78,7 +78,7 @@ class Gateway:
         tracer: Any = None,
     ) -> None:
         self.config = config
-        self.decoder = decoder  # health and model info; completions go over `callers`
+        self.decoder = decoder  # model info, and a single decoder's health; completions go over `callers`
         self.encoder = encoder
         self.callers = callers
         self.workers = workers
@@ -174,10 +174,16 @@ class Gateway:
     # -- endpoints --------------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        try:
-            serving = await self.decoder.health(timeout=2.0) == 1
-        except grpc.aio.AioRpcError:
-            serving = False
+        """200 while a decoder replica serves: over several, as the gateway's watch of each has seen
+        (`replicas.py`), which its own decoder client, watching none, cannot tell; else by Check."""
+        replicas = self.callers.replicas
+        if replicas is not None:
+            serving = bool(replicas.serving)
+        else:
+            try:
+                serving = await self.decoder.health(timeout=2.0) == 1
+            except grpc.aio.AioRpcError:
+                serving = False
         return web.json_response(
             {"status": "ok" if serving else "unavailable"}, status=200 if serving else 503
         )

@@ -31,13 +31,18 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from tandem.client.channel import channel_target, open_channel
+from tandem.client.client import DecoderClient
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.replicas import Replicas, name_of
+
+if TYPE_CHECKING:  # OpenTelemetry is optional
+    from tandem.client.telemetry import Telemetry
 
 DECODER_SERVICE = "tandem.v1.Decoder"  # its health status is what the replicas are watched for
 
@@ -163,3 +168,14 @@ def decoder_channels(
 
     replicas = Replicas(address, open_replica, DECODER_SERVICE) if is_balanced else None
     return CallerChannels(open_caller_channel, config.max_idle_channels, replicas)
+
+
+def decoder_client(config: GatewayConfig, telemetry: Telemetry | None = None) -> DecoderClient:
+    """The gateway's own client of `config`'s decoder (model info; `/health` of a single decoder):
+    balanced over every replica, watching none. A channel that watched would hold a Watch on each
+    replica from the gateway's address, and one refused there (others behind that address holding
+    its share: a NAT, the node's /64, a mesh's one source address) failed every call it carried,
+    "health check call failed", /v1/models and completions 503; `Replicas` watches them for it."""
+    return DecoderClient(
+        config.decoder_address, config.max_message_bytes, telemetry, config.upstream, is_health_checked=False
+    )

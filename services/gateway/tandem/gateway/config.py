@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from tandem.client.channel import PLAINTEXT, ChannelSecurity
 from tandem.client.errors import ConfigError
 from tandem.common.server import DEFAULT_GRACE_S
+from tandem.gateway.replicas import name_of
 
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port
 MIB = 1024 * 1024
@@ -14,7 +15,7 @@ MIB = 1024 * 1024
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    decoder_address: str = "127.0.0.1:50052"  # host:port, several, or dns:/// (balanced, as the client)
+    decoder_address: str = "127.0.0.1:50052"  # host:port, several, or dns: (balanced, as the client)
     encoder_address: str = "127.0.0.1:50051"
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -76,6 +77,10 @@ class GatewayConfig:
     max_idle_channels: int = 64
 
     def __post_init__(self) -> None:
+        try:  # a dns: name the gateway cannot watch is refused here, not in a task at start
+            name_of(self.decoder_address)
+        except ValueError as error:
+            raise ConfigError("decoder_address", str(error)) from None
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in 0..65535, got {self.port}")
         for name in (

@@ -17,7 +17,7 @@ its listener (a drain sends GOAWAY), so round_robin skips it as soon as the conn
 Generate no server took is retried on the next replica (`tandem.client.channel`).
 
 Where no replica is known to serve (all loading, or none answered yet), callers are balanced over
-every replica, and a call gets the decoder's own answer; before a `dns:///` name resolves, over the
+every replica, and a call gets the decoder's own answer; before a `dns:` name resolves, over the
 name itself, as gRPC resolves it.
 """
 
@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,21 +36,24 @@ from tandem.client.channel import channel_target
 
 log = logging.getLogger(__name__)
 
-RESOLVE_INTERVAL_S = 5.0  # a dns:/// name is looked up again this often: replicas come and go
+RESOLVE_INTERVAL_S = 5.0  # a dns: name is looked up again this often: replicas come and go
 # A Watch that ended, was refused or said the replica does not serve is asked again after this,
-# doubling up to the second while the replica does not serve. A refused one leaves the replica's
+# doubling up to MAX_RETRY_S while the replica does not serve. A refused one leaves the replica's
 # health to Check (unbounded). One that says NOT_SERVING is ended at once: a draining server's stop
 # waits for every stream it holds, a Watch too, so a gateway that kept watching held every decoder's
 # drain for its whole --grace-s (gRPC's own health checking lets go as the drain's GOAWAY comes).
 MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
+# A Check is answered at once by a live server; one that has not answered in this long (a process
+# stopped or its loop held) is counted not serving until a later Watch or Check says it serves.
 CHECK_TIMEOUT_S = 2.0
+DEFAULT_PORT = 443  # a dns: name written without a port, as gRPC's resolver reads it
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def static_replicas(address: str) -> tuple[str, ...] | None:
     """The replicas of a list of addresses, each "ip:port" (host names resolved once, as the clients
-    do); None for a `dns:///` name (`resolve_name`). Raises ValueError for an address it cannot use."""
+    do); None for a `dns:` name (`name_of`). Raises ValueError for an address it cannot use."""
     target, _ = channel_target(address)
     if target.startswith("dns:"):
         return None
@@ -58,16 +62,46 @@ def static_replicas(address: str) -> tuple[str, ...] | None:
 
 
 def name_of(address: str) -> str | None:
-    """The `host:port` a `dns:///host:port` (or `dns://server/host:port`) names; None for another
-    address."""
+    """The "host:port" a `dns:` address names, read as gRPC reads it: `dns:host:port`,
+    `dns:///host:port`, the port 443 where none is written; None for another address. Raises
+    ValueError for `dns://server/host:port`, which names a DNS server to ask: the gateway looks
+    replicas up with the system's resolver, and would watch other replicas than the name's."""
     if not address.startswith("dns:"):
         return None
-    return address.removeprefix("dns:").removeprefix("//").partition("/")[2] or None
+    rest = address.removeprefix("dns:")
+    if rest.startswith("//"):
+        server, _, rest = rest[2:].partition("/")
+        if server:
+            raise ValueError(
+                f"address {address!r}: names a DNS server ({server}); the gateway resolves names with "
+                f"the system's resolver: write dns:///{rest}"
+            )
+    host, port = _split_host_port(rest.lstrip("/"))
+    if not host:
+        raise ValueError(f"address {address!r}: names no host; expected dns:///host:port")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {address!r}: port {port!r} is not a port (1..65535)")
+    return f"{host}:{port}"
+
+
+def _split_host_port(name: str) -> tuple[str, str]:
+    """`name`'s host (an IPv6 literal in brackets) and port (DEFAULT_PORT where none is written)."""
+    if name.startswith("["):
+        host, bracket, port = name.partition("]")
+        if not bracket or (port and not port.startswith(":")):
+            return "", ""
+        return host + bracket, port.removeprefix(":") or str(DEFAULT_PORT)
+    if name.count(":") > 1:  # an IPv6 literal without brackets, so without a port
+        return f"[{name}]", str(DEFAULT_PORT)
+    host, colon, port = name.partition(":")
+    return host, port if colon else str(DEFAULT_PORT)
 
 
 async def resolve_name(name: str) -> tuple[str, ...]:
-    """Every server `name` ("host:port") resolves to, as "ip:port": IPv4 where it has any, as gRPC
-    balances one family. Raises OSError when it does not resolve."""
+    """Every server `name` ("host:port") resolves to, as "ip:port": IPv4 where it has any, else IPv6.
+    One family because each caller's channel is opened over a static list, `ipv4:` or `ipv6:`
+    (`channel_target`), which holds one; gRPC's own dns resolver would balance over both.
+    Raises OSError when it does not resolve."""
     host, _, port = name.rpartition(":")
     infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     found = {info[0]: [] for info in infos}
@@ -80,8 +114,9 @@ async def resolve_name(name: str) -> tuple[str, ...]:
 
 
 class Replicas:
-    """The decoder's replicas (`address`: several, or a `dns:///` name) and which of them serve for
-    `service`, each watched once over a channel of its own; event-loop thread only."""
+    """The decoder's replicas (`address`: several, or a `dns:` name) and which of them serve for
+    `service`, each watched once over a channel of its own; event-loop thread only. Raises ValueError
+    for an address it cannot use (`static_replicas`, `name_of`)."""
 
     def __init__(
         self,
@@ -95,6 +130,7 @@ class Replicas:
         self.service = service
         self.on_change = on_change  # called when `targets` changes
         self._static = static_replicas(address)
+        self._name = None if self._static is not None else name_of(address)
         self._is_serving: dict[str, bool] = {}  # by replica, in the order found; False until known
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._resolver: asyncio.Task[None] | None = None
@@ -105,7 +141,7 @@ class Replicas:
         if self._static is not None:
             self._found(self._static)
         else:
-            self._resolver = asyncio.ensure_future(self._resolve_forever())
+            self._resolver = self._task(self._resolve_forever())
 
     @property
     def serving(self) -> tuple[str, ...]:
@@ -118,12 +154,22 @@ class Replicas:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._watchers.clear()
 
+    def _task(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """`coroutine` run as a task whose failure is logged: nobody awaits it until `close`, and a
+        resolver or watcher that died unseen left the callers balanced over replicas nobody watched."""
+        task = asyncio.ensure_future(coroutine)
+        task.add_done_callback(self._log_failure)
+        return task
+
+    def _log_failure(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("watching the decoder replicas of %s failed", self.address, exc_info=error)
+
     async def _resolve_forever(self) -> None:
-        name = name_of(self.address)
-        assert name is not None  # not a list: a dns:/// name
+        assert self._name is not None  # set wherever the address is not a list
         while True:
             try:
-                found = await resolve_name(name)
+                found = await resolve_name(self._name)
             except (OSError, ValueError) as error:  # the last replicas found stay
                 log.warning("decoder address %s does not resolve: %s", self.address, error)
             else:
@@ -138,7 +184,7 @@ class Replicas:
         for replica in replicas:
             if replica not in self._watchers:
                 self._is_serving[replica] = False
-                self._watchers[replica] = asyncio.ensure_future(self._watch(replica))
+                self._watchers[replica] = self._task(self._watch(replica))
         self._update()
 
     def _set(self, replica: str, is_serving: bool) -> None:
