@@ -7,14 +7,20 @@ Generate, Embed and kubelet Check RESOURCE_EXHAUSTED. At most half of those plac
 and one address at most MAX_WATCHES_PER_ADDRESS of them (one past either: RESOURCE_EXHAUSTED naming
 the bound), so a caller with no token holding all it can from one address leaves the other places to
 every other client's channels, which watch before they call. A balanced client channel watches each
-server once; the gateway watches each decoder once for all its callers (`tandem.gateway.replicas`),
-whose own channels do not watch, so neither comes near the share. An IPv6 caller is counted by its
-/64, which one host commonly holds whole. Check is unbounded: it answers at once.
+server once, and a process's channels with the same options share one connection and one Watch; the
+gateway watches each decoder once for all its callers (`tandem.gateway.replicas`), whose own
+channels do not watch, so neither comes near the share. Whoever is behind one address shares its
+count: a NAT's or a proxy's clients, a mesh's (Istio's sidecar sends from 127.0.0.6), and an IPv6
+caller's whole /64, which a host, or a Kubernetes node and all its pods, commonly holds. A refusal is
+logged (at most once a minute per address), as the refused client's gRPC keeps it to itself. Check is
+unbounded: it answers at once.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import time
 from collections import Counter
 from urllib.parse import unquote
 
@@ -22,8 +28,15 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
-# Watch streams one address holds at once: 256 balanced client channels, each watching a server once.
+# Watch streams one address holds at once: 256 client processes' balanced channels, each watching a
+# server once (channels of one process with the same options share one connection and one Watch).
 MAX_WATCHES_PER_ADDRESS = 256
+# A refused Watch is logged at most this often per address, with how many were refused since: gRPC's
+# client-side health checking keeps the refusal to itself ("health check call failed"), so the
+# server's log is where an operator can tell a refused channel from a dead server.
+REFUSAL_LOG_INTERVAL_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 def max_watches(max_concurrent_rpcs: int) -> int:
@@ -59,6 +72,9 @@ class BoundedHealth(HealthServicer):
         self.max_watches_per_address = max_watches_per_address
         self.num_watches = 0
         self._num_watches_of: Counter[str] = Counter()  # open Watch streams, by watcher_of
+        # By watcher_of: when its last refusal was logged, how many were refused since, and the bound
+        # the last of them met.
+        self._refusals: dict[str, tuple[float, int, str]] = {}
 
     def num_watches_of(self, peer: str) -> int:
         """Watch streams open from `peer`'s address (its share, `watcher_of`)."""
@@ -67,16 +83,10 @@ class BoundedHealth(HealthServicer):
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         watcher = watcher_of(context.peer())
         if self.num_watches >= self.max_watches:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"at most {self.max_watches} health Watch streams at once; Check answers at once",
-            )
+            await self._refuse(context, watcher, f"at most {self.max_watches} health Watch streams at once")
         if self._num_watches_of[watcher] >= self.max_watches_per_address:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"at most {self.max_watches_per_address} health Watch streams at once from one address "
-                f"({watcher}); Check answers at once",
-            )
+            bound = f"at most {self.max_watches_per_address} health Watch streams at once from one address"
+            await self._refuse(context, watcher, f"{bound} ({watcher})")
         self.num_watches += 1
         self._num_watches_of[watcher] += 1
         try:
@@ -86,3 +96,36 @@ class BoundedHealth(HealthServicer):
             self._num_watches_of[watcher] -= 1
             if not self._num_watches_of[watcher]:
                 del self._num_watches_of[watcher]
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, watcher: str, bound: str) -> None:
+        """Ends the Watch RESOURCE_EXHAUSTED naming `bound`; logged at most once a
+        REFUSAL_LOG_INTERVAL_S per watcher, counting the refusals since the last warning."""
+        now = time.monotonic()
+        logged_at, num_since, _ = self._refusals.get(watcher, (now - REFUSAL_LOG_INTERVAL_S, 0, bound))
+        if now - logged_at >= REFUSAL_LOG_INTERVAL_S:
+            self._log_refusals(watcher, num_since + 1, bound)
+            self._refusals.pop(watcher, None)
+            self._forget_refusals_before(now - REFUSAL_LOG_INTERVAL_S)
+            self._refusals[watcher] = (now, 0, bound)
+        else:
+            self._refusals[watcher] = (logged_at, num_since + 1, bound)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{bound}; Check answers at once")
+
+    def _forget_refusals_before(self, then: float) -> None:
+        """Drops the watchers last logged before `then`, logging the refusals counted since, so that
+        the watchers kept are those refused within an interval, not all ever refused."""
+        for watcher, (logged_at, num_since, bound) in list(self._refusals.items()):
+            if logged_at < then:
+                del self._refusals[watcher]
+                if num_since:
+                    self._log_refusals(watcher, num_since, bound)
+
+    @staticmethod
+    def _log_refusals(watcher: str, num_refused: int, bound: str) -> None:
+        log.warning(
+            "%d health Watch stream(s) from %s refused since the last such warning: %s "
+            "(a client's balanced channel so refused says 'health check call failed')",
+            num_refused,
+            watcher,
+            bound,
+        )

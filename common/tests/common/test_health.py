@@ -8,14 +8,17 @@ watches each decoder once for all its callers (services/gateway/tests/test_repli
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.channel import open_channel
-from tandem.common.health import MAX_WATCHES_PER_ADDRESS, max_watches, watcher_of
+from tandem.common import health
+from tandem.common.health import MAX_WATCHES_PER_ADDRESS, REFUSAL_LOG_INTERVAL_S, max_watches, watcher_of
 from tandem.common.server import RunningServer, ServerOptions, start_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -95,8 +98,36 @@ async def dual_stack_server() -> AsyncIterator[RunningServer]:
         await running.stop(0)
 
 
+async def test_refused_watches_are_logged_at_most_once_an_interval_per_address_with_their_count(
+    server: RunningServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's client-side health checking keeps a refusal to itself ("health check call failed"), so
+    without the server's warning a refused channel looked like a dead server to its operator."""
+    now = [1_000.0]
+    monkeypatch.setattr(health, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    caplog.set_level(logging.WARNING, logger="tandem.common.health")
+
+    def warnings() -> list[str]:
+        return [record.getMessage() for record in caplog.records if record.name == "tandem.common.health"]
+
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        streams = [await _watch(stub) for _ in range(4)]
+        for _ in range(6):
+            await _refused(stub)
+        assert warnings() == [
+            "1 health Watch stream(s) from 127.0.0.1 refused since the last such warning: at most 4 health "
+            "Watch streams at once (a client's balanced channel so refused says 'health check call failed')"
+        ]
+        now[0] += REFUSAL_LOG_INTERVAL_S
+        await _refused(stub)
+        assert len(warnings()) == 2 and warnings()[1].startswith("6 health Watch stream(s) from 127.0.0.1")
+        for stream in streams:
+            stream.cancel()
+
+
 async def test_one_address_holds_its_share_of_watches_and_a_balanced_channel_from_another_is_served(
-    dual_stack_server: RunningServer,
+    dual_stack_server: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A caller with no token asks every Watch place (300) from 127.0.0.1: it gets 256, and a balanced
     channel opened after it from ::1 still watches and calls (without the share it failed UNAVAILABLE
@@ -112,6 +143,8 @@ async def test_one_address_holds_its_share_of_watches_and_a_balanced_channel_fro
         assert refusals == {
             "at most 256 health Watch streams at once from one address (127.0.0.1); Check answers at once"
         }
+        logged = [r.getMessage() for r in caplog.records if r.name == "tandem.common.health"]
+        assert len(logged) == 1 and "from one address (127.0.0.1)" in logged[0]  # 44 refused, 1 warning
         balanced = open_channel(f"dns:///[::1]:{port}", service="")
         try:
             reply = await health_pb2_grpc.HealthStub(balanced).Check(
