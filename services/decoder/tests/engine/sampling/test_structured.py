@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+import torch
 
 from tandem.client.errors import InvalidArgument
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.params import StructuredOutput
 from tandem.decoder.engine.sampling import structured
-from tandem.decoder.engine.sampling.structured import MAX_SOURCE_CHARS, GrammarCompiler
+from tandem.decoder.engine.sampling.structured import MAX_SCHEMA_DEPTH, MAX_SOURCE_CHARS, GrammarCompiler
 
 SERVED_LIMIT_S = EngineConfig.max_grammar_cpu_ms_per_token / 1000  # the flag's default, in seconds
 
@@ -80,6 +81,64 @@ def test_a_refusal_on_the_compiling_thread_reaches_the_caller_naming_the_field(
     with pytest.raises(InvalidArgument) as error:
         compiler.constraint(StructuredOutput("regex", "(a)\\1"))
     assert error.value.field == "structured.regex" and "backreferences" in str(error.value)
+
+
+def test_a_schema_of_true_is_any_json_value_as_the_empty_schema_is(compiler: GrammarCompiler) -> None:
+    # JSON Schema's `true` accepts every value; llguidance refused it ("Expecting object schema").
+    anything = compiler.constraint(StructuredOutput("json_schema", "true"))
+    empty = compiler.constraint(StructuredOutput("json_schema", "{}"))
+    assert torch.equal(anything.allowed(), empty.allowed()) and anything.allowed().sum() > 1
+
+
+def test_a_schema_of_false_is_refused_in_our_words(compiler: GrammarCompiler) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        compiler.constraint(StructuredOutput("json_schema", "false"))
+    assert error.value.field == "structured.json_schema"
+    assert "false, a schema no JSON value satisfies" in str(error.value)
+
+
+def _nested(depth: int, shape: str) -> str:
+    """A schema whose objects and arrays nest `depth` levels: `items` one level each, `properties` two."""
+    schema: dict = {"type": "integer"}
+    levels = 1
+    while levels + (2 if shape == "properties" else 1) <= depth:
+        if shape == "properties":
+            schema, levels = {"type": "object", "properties": {"a": schema}}, levels + 2
+        else:
+            schema, levels = {"type": "array", "items": schema}, levels + 1
+    if levels < depth:  # an odd depth of properties: one array more
+        schema = {"type": "array", "items": schema}
+    return json.dumps(schema)
+
+
+@pytest.mark.parametrize("shape", ["items", "properties"])
+def test_a_schema_nested_past_the_bound_is_refused_naming_it_and_one_at_the_bound_compiles(
+    compiler: GrammarCompiler, shape: str
+) -> None:
+    deepest = compiler.constraint(StructuredOutput("json_schema", _nested(MAX_SCHEMA_DEPTH, shape)))
+    assert deepest.allowed().any()
+    with pytest.raises(InvalidArgument) as error:
+        compiler.constraint(StructuredOutput("json_schema", _nested(MAX_SCHEMA_DEPTH + 1, shape)))
+    assert error.value.field == "structured.json_schema"
+    assert f"nests {MAX_SCHEMA_DEPTH + 1} levels of objects and arrays, over the {MAX_SCHEMA_DEPTH}" in str(
+        error.value
+    )
+
+
+def test_the_nesting_bound_is_the_deepest_schema_llguidance_itself_reads(compiler: GrammarCompiler) -> None:
+    # The bound is honest: one level more fails inside llguidance, in words that name no limit. Should
+    # an upgrade read deeper, this fails and MAX_SCHEMA_DEPTH may rise.
+    import llguidance
+
+    def llguidance_reads(source: str) -> bool:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source)
+        except ValueError:
+            return False
+        return not llguidance.LLMatcher.validate_grammar_with_warnings(grammar, compiler._tokenizer)[0]
+
+    assert structured.on_deep_stack(lambda: llguidance_reads(_nested(MAX_SCHEMA_DEPTH, "items")))
+    assert not structured.on_deep_stack(lambda: llguidance_reads(_nested(MAX_SCHEMA_DEPTH + 1, "items")))
 
 
 def test_the_eos_token_sampled_where_the_grammar_takes_it_as_text_is_an_error_never_an_answer(

@@ -64,6 +64,12 @@ CACHE_SIZE = 256  # compiled grammars kept, by content
 # the whole decoder with SIGSEGV. Compiling runs on a thread of this stack, about 4 times what the
 # deepest 64 KiB source needs; only the pages it touches take memory.
 COMPILE_STACK_BYTES = 64 * 1024 * 1024
+# The deepest JSON schema llguidance reads, in nested objects and arrays: its JSON parser stops at 128
+# levels of recursion, 4 of them its own wrapping of the schema (measured with llguidance 1.9.1: 124
+# passes and 125 fails, whether the levels are properties, items, anyOf or an enum's arrays; about 62
+# levels of nested properties, two each). Past it llguidance said only "recursion limit exceeded at
+# line 1 column 2491", naming no limit.
+MAX_SCHEMA_DEPTH = 124
 NUM_MASKS_AVERAGED = 8  # masks whose CPU time per token is averaged against the limit (the NOTE)
 _STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one setter at a time
 
@@ -284,8 +290,22 @@ class GrammarCompiler:
                 raise InvalidArgument(spec.field, f"is not valid JSON: {_short(str(e))}") from None
             if not isinstance(schema, dict | bool):
                 raise InvalidArgument(spec.field, "must be a JSON schema object")
+            if schema is False:
+                raise InvalidArgument(
+                    spec.field, "is false, a schema no JSON value satisfies: no answer fits it"
+                )
+            depth = _nesting_depth(schema)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise InvalidArgument(
+                    spec.field,
+                    f"nests {depth} levels of objects and arrays, over the {MAX_SCHEMA_DEPTH} the grammar "
+                    "compiler reads",
+                )
+            # `true` is the schema every JSON value satisfies, as `{}` is; llguidance takes only the
+            # object form ("Expecting object schema").
+            source = "{}" if schema is True else spec.source
             try:
-                return matcher.grammar_from_json_schema(spec.source, defaults={"whitespace_flexible": False})
+                return matcher.grammar_from_json_schema(source, defaults={"whitespace_flexible": False})
             except (ValueError, TypeError) as e:
                 raise InvalidArgument(spec.field, f"is not a usable JSON schema: {_short(str(e))}") from None
         if spec.kind == "json_object":
@@ -319,6 +339,18 @@ def on_deep_stack(work: Callable[[], T], stack_bytes: int = COMPILE_STACK_BYTES)
             threading.stack_size(previous)
     thread.join()
     return result.result()
+
+
+def _nesting_depth(value: object) -> int:
+    """How deep `value`'s objects and arrays nest (a scalar 0, `{}` 1), walked without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _short(message: str) -> str:
