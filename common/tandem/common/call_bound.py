@@ -6,13 +6,21 @@ operator) cannot tell which bound it met. `CallBound` counts the calls as grpc.a
 first, naming the bound; grpc.aio's own bound stays above it (`grpc_bound`), the backstop for a burst
 of calls that gRPC has counted but whose handling has not reached the first interceptor yet.
 
-NOTE: how the count matches grpc.aio's. grpc.aio runs each call in a task of its own, counted from
-when the task is made until it is done; every interceptor runs in that task before the method's
-request is read. `CallBound` is the first interceptor: it counts the call when it sees it and lets
-go of it when the task is done (a done callback, as grpc.aio's own count), so a call whose request
-never comes, one cancelled before its handler ran, or one that fails keeps and then gives back its
-place exactly as in grpc.aio's count. No method's behaviour is wrapped: nothing is added per message.
-A call past the bound is answered by a handler that reads nothing and ends it at once.
+NOTE: how the count matches grpc.aio's. grpc.aio runs each call in two tasks: an outer one
+(`_schedule_rpc_coro`, which listens for the client's cancel), counted by its own bound from just
+before it is made until it is done, and an inner one the outer makes (`_handle_exceptions`), where
+every interceptor and then the handler run. `CallBound` is the first interceptor: it counts the call
+when the inner task reaches it and lets go when that task is done (a done callback, as grpc.aio's
+own count), so a call whose request never comes, one cancelled before its handler ran, or one that
+fails keeps and then gives back its place as in grpc.aio's count. The outer task awaits the inner
+one, so the two end in the same pass of the loop, the inner a callback first: a call that completes, one its
+client cancels, one whose handler ignores the cancel for a second, one past its deadline, one a
+server's stop ends, a stream whose client reads nothing, all measured so. Only a cancel of the outer
+task itself ends it first (nothing in grpc.aio cancels it; asyncio.run's teardown does, cancelling
+the inner as well), and ours then holds the place until the handler ends: stricter, never looser.
+Ours counts from later than grpc.aio's, the calls whose tasks are made and not yet run, hence
+`grpc_bound`'s margin. No method's behaviour is wrapped: nothing is added per message. A call past
+the bound is answered by a handler that reads nothing and ends it at once.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import grpc
 
 def grpc_bound(max_calls: int) -> int:
     """grpc.aio's bound for a server whose CallBound holds `max_calls`: a little above, so that ours
-    answers first. grpc.aio counts a call from when it makes its task, ours once the task runs: the
+    answers first. grpc.aio counts a call from when it makes its task, ours once the inner task runs: the
     difference is the calls whose tasks the loop has made and not yet run, a burst's worth."""
     return max_calls + max(64, max_calls // 16)
 
@@ -48,7 +56,7 @@ class CallBound(grpc.aio.ServerInterceptor):
         if self.num_calls >= self.max_calls:
             return self._refuse
         task = asyncio.current_task()
-        assert task is not None, "grpc.aio runs every call in a task"
+        assert task is not None, "grpc.aio runs every call in a task"  # the inner one (the NOTE)
         self.num_calls += 1
         task.add_done_callback(self._release)
         return await continuation(handler_call_details)
