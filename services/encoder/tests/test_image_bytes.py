@@ -15,6 +15,7 @@ from tandem.client.errors import InvalidArgument
 from tandem.encoder.vision.image_bytes import (
     MAX_CHUNKS,
     decode_image,
+    gif_blocks,
     jpeg_segments,
     png_chunks,
     sniff_format,
@@ -45,16 +46,18 @@ def _png_claiming(width: int, height: int) -> bytes:
     )
 
 
-@pytest.mark.parametrize(("image_format", "name"), [("PNG", "PNG"), ("JPEG", "JPEG"), ("WEBP", "WEBP")])
-def test_png_jpeg_and_webp_decode_and_are_told_by_their_signature(image_format: str, name: str) -> None:
+@pytest.mark.parametrize(
+    ("image_format", "name"), [("PNG", "PNG"), ("JPEG", "JPEG"), ("WEBP", "WEBP"), ("GIF", "GIF")]
+)
+def test_png_jpeg_webp_and_gif_decode_and_are_told_by_their_signature(image_format: str, name: str) -> None:
     data = _encoded(image_format)
     assert sniff_format(data) == name
     assert decode_image(data, MAX_BYTES, MAX_PIXELS).size == (20, 10)
 
 
-@pytest.mark.parametrize("image_format", ["GIF", "BMP", "TIFF"])
+@pytest.mark.parametrize("image_format", ["BMP", "TIFF", "ICO"])
 def test_other_formats_are_refused_from_their_first_bytes(image_format: str) -> None:
-    with pytest.raises(InvalidArgument, match="not a PNG, JPEG or WebP") as error:
+    with pytest.raises(InvalidArgument, match="not a PNG, JPEG, WebP or GIF") as error:
         decode_image(_encoded(image_format), MAX_BYTES, MAX_PIXELS)
     assert error.value.field == "image.data"
 
@@ -270,3 +273,61 @@ def test_a_png_of_more_than_one_colour_profile_is_refused_before_pil_inflates_th
     with pytest.raises(InvalidArgument, match="a PNG of 200 iCCP chunks; the PNG spec allows one"):
         decode_image(png[:33] + profile * 200 + png[33:], MAX_BYTES, MAX_PIXELS)
     assert time.perf_counter() - start < 0.1  # 200 inflated took 0.44 s
+
+
+def _gif(frames: list[str], size: tuple[int, int] = (4, 4)) -> bytes:
+    """A GIF of one frame per colour (an animation when several), its frames written whole."""
+    out = io.BytesIO()
+    images = [Image.new("RGB", size, colour) for colour in frames]
+    images[0].save(out, "GIF", save_all=len(images) > 1, append_images=images[1:], optimize=False)
+    return out.getvalue()
+
+
+def _gif_parts(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """(header and colour table, first frame from its descriptor, the rest) of a GIF of one frame."""
+    start = 13 + (3 << ((data[10] & 7) + 1) if data[10] & 0x80 else 0)
+    frame = data.index(b"\x2c", start)
+    return data[:start], data[frame:-1], data[-1:]
+
+
+def test_a_gif_gives_its_first_frame_as_an_animated_png_or_webp_does() -> None:
+    # OpenAI takes a non-animated GIF; an animated one is its first frame here, as PIL and vLLM read it.
+    still = decode_image(_gif(["red"]), MAX_BYTES, MAX_PIXELS)
+    animated = decode_image(_gif(["red", "blue", "green"]), MAX_BYTES, MAX_PIXELS)
+    assert still.size == animated.size == (4, 4)
+    assert still.convert("RGB").getpixel((1, 1)) == animated.convert("RGB").getpixel((1, 1)) == (255, 0, 0)
+
+
+def test_a_gif_of_many_frames_costs_its_first_frame_only() -> None:
+    header, frame, trailer = _gif_parts(_gif(["red"]))
+    many = header + frame * 200_001 + trailer  # 3.8 MB: PIL reads no frame after the first
+    start = time.perf_counter()
+    assert decode_image(many, len(many), MAX_PIXELS).size == (4, 4)
+    assert time.perf_counter() - start < 0.05
+
+
+def test_a_gif_bomb_is_refused_from_its_header_before_any_frame_is_inflated() -> None:
+    header, frame, trailer = _gif_parts(_gif(["red"]))
+    screen = bytearray(header + frame + trailer)
+    screen[6:10] = struct.pack("<HH", 65_535, 65_535)  # a huge logical screen in 40 bytes
+    beyond = bytearray(header + frame + trailer)
+    at = len(header)  # the first frame reaching far past its 4 x 4 screen
+    beyond[at + 5 : at + 9] = struct.pack("<HH", 60_000, 60_000)
+    out = io.BytesIO()
+    Image.new("P", (2048, 1024), 0).save(out, "GIF")  # LZW: 2 Mpx of one colour in a few KB
+    lzw = out.getvalue()
+    # PIL reads an extension's sub-blocks in Python (1 million: 0.3 s), all before any size rule.
+    extensions = header + b"\x21\xfe" + b"\x01x" * (MAX_CHUNKS + 1) + b"\x00" + frame + trailer
+    for data, refusal in (
+        (bytes(screen), "claims 4294836225 pixels, over max_image_pixels"),
+        (bytes(beyond), "claims 3600000000 pixels, over max_image_pixels"),
+        (lzw, "claims 2097152 pixels, over max_image_pixels 1048576"),
+        (extensions, f"a GIF of over {MAX_CHUNKS} blocks and sub-blocks before its first frame"),
+    ):
+        assert len(data) < 140_000
+        start = time.perf_counter()
+        with pytest.raises(InvalidArgument, match=refusal) as error:
+            decode_image(data, MAX_BYTES, MAX_PIXELS)
+        assert error.value.field == "image.data" and time.perf_counter() - start < 0.05
+    assert gif_blocks(_gif(["red", "blue"])) < 10
+    assert gif_blocks(header + b"\x21\xfe\x01x\x00" * 1000 + frame) == 2000

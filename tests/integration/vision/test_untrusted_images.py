@@ -53,8 +53,8 @@ async def encoder(llava_dir: Path, llava_images: VisionLanguageEmbedder) -> Asyn
 
 
 BAD_IMAGES = {
-    "a GIF": (_encoded("GIF", (40, 40)), "not a PNG, JPEG or WebP"),
-    "random bytes": (bytes(range(256)) * 4, "not a PNG, JPEG or WebP"),
+    "a BMP": (_encoded("BMP", (40, 40)), "not a PNG, JPEG, WebP or GIF"),
+    "random bytes": (bytes(range(256)) * 4, "not a PNG, JPEG, WebP or GIF"),
     "a truncated PNG": (_encoded("PNG", (300, 300))[:2000], "cannot be decoded as PNG"),
     "a 100,000 x 100,000 header in 100 bytes": (
         _png_claiming(100_000, 100_000),

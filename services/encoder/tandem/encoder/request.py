@@ -114,7 +114,7 @@ def build_image_job(
         )
     data = spec.input.data
     if not data:
-        raise InvalidArgument("image.data", "is empty; send PNG, JPEG or WebP bytes")
+        raise InvalidArgument("image.data", "is empty; send PNG, JPEG, WebP or GIF bytes")
     if len(data) > limits.max_image_bytes:
         raise InvalidArgument(
             "image.data", f"{len(data)} bytes exceed max_image_bytes {limits.max_image_bytes}"

@@ -1,17 +1,19 @@
 """Untrusted image bytes -> a decoded picture, refusing what could hurt the server before decoding it.
 
 In order, cheapest first: the byte count against max_image_bytes; the format, from the file's own
-signature (PNG, JPEG or WebP only: no decoder for anything else is ever reached); a JPEG's scans,
-counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny scans took 4 s to
-decode, and 20 MiB holds 277,000), a PNG's chunks or a JPEG's segments (MAX_CHUNKS says why) and
-a PNG's colour profiles (one, as its spec says: PIL inflates each);
+signature (PNG, JPEG, WebP or GIF only: no decoder for anything else is ever reached); a JPEG's
+scans, counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny scans took 4 s to
+decode, and 20 MiB holds 277,000), a PNG's chunks, a JPEG's segments or the blocks before a GIF's first
+frame (MAX_CHUNKS says why) and a PNG's colour profiles (one, as its spec says: PIL inflates each);
 the size, from the header alone (PIL reads no pixel data when it opens a file), against
 max_image_pixels, so a small file that claims 100,000 x 100,000 pixels (a
 decompression bomb) is refused before a byte of it is inflated, and so is a side over JPEG's 65,535
 pixels (MAX_IMAGE_SIDE says why); then the caller's rules on that size
 (`check_size`: the resize the model's processor implies, the span's length), so a 1 x 33,000,000
 PNG that the resize would blow up costs nothing either; then the decode, whose every failure is
-INVALID_ARGUMENT naming the field. An animated file gives its first frame.
+INVALID_ARGUMENT naming the field. An animated file gives its first frame: PIL reads no further (a GIF
+of 200,000 frames opens as fast as one of one), and telling an animated GIF from a still one would
+mean walking every frame's data, in sub-blocks of up to 255 bytes, in Python.
 
 A picture is taken as it is shown: its EXIF orientation (a phone's portrait photo is stored sideways,
 tagged "rotate 90") is read from the header with its size and applied once decoded, as browsers,
@@ -30,13 +32,15 @@ from PIL import ExifTags, Image, UnidentifiedImageError
 
 from tandem.client.errors import InvalidArgument
 
-FORMATS = ("PNG", "JPEG", "WEBP")
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_JPEG_SCANS = 32
 # The chunks of a PNG and the segments of a JPEG (tables, metadata, comments): PIL reads each in
 # Python before any size rule, about 4 and 2 us apiece, so an 18 MiB PNG of 1.6 million empty
 # ancillary chunks took 6.2 s and +185 MB, a 19 MiB JPEG of 5 million empty APP5 segments 9.6 s and
 # +658 MB, each holding the image thread and the GIL. A real file has a few dozen; a PNG up to a few
-# thousand (libpng writes IDAT in 8 KiB chunks, 2,560 in 20 MiB; an APNG two a frame). The walk that
+# thousand (libpng writes IDAT in 8 KiB chunks, 2,560 in 20 MiB; an APNG two a frame). A GIF's
+# extensions before its first frame are read the same way, a sub-block (1 to 255 bytes) at a time: 1
+# million of them took 0.3 s, and 20 MiB holds 10 million; a real GIF has a handful. The walk that
 # counts them stops past the bound.
 MAX_CHUNKS = 65_536
 # The longest side taken, JPEG's own limit. PIL's resize keeps a table of filter weights of about 6
@@ -63,13 +67,15 @@ _SWAPS_SIDES = (5, 6, 7, 8)
 
 
 def sniff_format(data: bytes) -> str | None:
-    """PNG, JPEG or WEBP from the file signature; None for anything else."""
+    """PNG, JPEG, WEBP or GIF from the file signature; None for anything else."""
     if data.startswith(b"\x89PNG\r\n\x1a\n"):
         return "PNG"
     if data.startswith(b"\xff\xd8\xff"):
         return "JPEG"
     if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WEBP"
+    if data.startswith((b"GIF87a", b"GIF89a")):
+        return "GIF"
     return None
 
 
@@ -85,12 +91,12 @@ def decode_image(
     resize a processor implies, the span's length) refuses there, at no cost. Raises InvalidArgument
     naming `field`."""
     if not data:
-        raise InvalidArgument(field, "is empty; send PNG, JPEG or WebP bytes")
+        raise InvalidArgument(field, "is empty; send PNG, JPEG, WebP or GIF bytes")
     if len(data) > max_bytes:
         raise InvalidArgument(field, f"{len(data)} bytes exceed max_image_bytes {max_bytes}")
     image_format = sniff_format(data)
     if image_format is None:
-        raise InvalidArgument(field, "is not a PNG, JPEG or WebP image (read from its first bytes)")
+        raise InvalidArgument(field, "is not a PNG, JPEG, WebP or GIF image (read from its first bytes)")
     if image_format == "JPEG":
         scans, segments = jpeg_segments(data)
         if scans > MAX_JPEG_SCANS:
@@ -109,6 +115,12 @@ def decode_image(
             # PIL inflates each (up to 1 MB) and keeps the last: 19,000 of 1 KB each, in 18 MiB,
             # took 42 s of the image thread.
             raise InvalidArgument(field, f"a PNG of {profiles} iCCP chunks; the PNG spec allows one")
+    if image_format == "GIF" and gif_blocks(data) > MAX_CHUNKS:
+        raise InvalidArgument(
+            field,
+            f"a GIF of over {MAX_CHUNKS} blocks and sub-blocks before its first frame; at most "
+            f"{MAX_CHUNKS} are read",
+        )
     try:
         with warnings.catch_warnings():
             # PIL warns once for each broken metadata entry it skips, each in words of its own, and
@@ -209,3 +221,22 @@ def png_chunks(data: bytes) -> tuple[int, int]:
         profiles += kind == b"iCCP"
         i += 12 + int.from_bytes(data[i : i + 4], "big")
     return chunks, profiles
+
+
+def gif_blocks(data: bytes) -> int:
+    """The extension blocks and their sub-blocks before a GIF's first image (each names its length):
+    what PIL reads in Python when it opens the file. The frame's own data PIL's decoder reads in C,
+    and no other frame is read. The walk stops once the count passes MAX_CHUNKS."""
+    if len(data) < 13:
+        return 0
+    packed = data[10]  # the logical screen's: a global colour table of 2^(n+1) colours follows
+    i = 13 + (3 << ((packed & 7) + 1) if packed & 0x80 else 0)
+    blocks = 0
+    while blocks <= MAX_CHUNKS and i < len(data) and data[i] == 0x21:  # an extension, not an image
+        blocks += 1
+        i += 2  # its introducer and label
+        while blocks <= MAX_CHUNKS and i < len(data) and data[i] != 0:
+            blocks += 1
+            i += 1 + data[i]
+        i += 1  # the terminating empty sub-block
+    return blocks
