@@ -70,7 +70,7 @@ def command() -> click.Command:
             option("--seed", "sampling seed", type=UINT64, default=None, show_default="none, random"),
             option(
                 "--image",
-                "a picture (PNG, JPEG, WebP) for the first turn, through the encoder (repeatable)",
+                "a picture (PNG, JPEG, WebP, GIF) for the first turn, through the encoder (repeatable)",
                 type=click.Path(exists=True, dir_okay=False),
                 multiple=True,
                 show_default="none",

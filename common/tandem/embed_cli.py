@@ -53,8 +53,8 @@ def command() -> click.Command:
             ),
             option(
                 "--image",
-                "a picture (PNG, JPEG or WebP) to embed instead: its span's rows, from a LLaVA or SmolVLM "
-                "checkpoint's encoder",
+                "a picture (PNG, JPEG, WebP or GIF) to embed instead: its span's rows, from a LLaVA or "
+                "SmolVLM checkpoint's encoder",
                 type=PATH,
                 default=None,
                 show_default="none",

@@ -2,7 +2,7 @@
 
 The prompt is text (`--prompt`) and any number of `--part`s, in order: text, token IDs, the
 encoder's embeddings of a text (`embed:TEXT`, from the encoder at --encoder-address), an image's
-rows from that encoder (`image:FILE`, a PNG, JPEG or WebP; the prompt's text around it is yours to
+rows from that encoder (`image:FILE`, a PNG, JPEG, WebP or GIF; the prompt's text around it is yours to
 write as the model's template would), or embedding rows from a file (`file:PATH`, `.npy` or
 `.safetensors`, as `tandem embed --out` writes them).
 """
@@ -87,7 +87,7 @@ def command() -> click.Command:
             option(
                 "--part",
                 "a part of the prompt after --prompt, in order: text:TEXT, ids:1,2,3, embed:TEXT (the "
-                "encoder's embeddings of TEXT), image:FILE (the encoder's rows of a PNG, JPEG or WebP) "
+                "encoder's embeddings of TEXT), image:FILE (the encoder's rows of a PNG, JPEG, WebP or GIF) "
                 "or file:PATH (.npy or .safetensors rows)",
                 type=_PartType(),
                 multiple=True,

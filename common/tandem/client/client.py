@@ -59,7 +59,7 @@ class EncoderPart:
     GetModelInfo.accepts_encoder_parts), so they never pass through the caller. Exactly one field is
     set; in a chat an image is placed by the model's template, as ImageRows are."""
 
-    image: bytes | None = None  # PNG, JPEG or WebP bytes
+    image: bytes | None = None  # PNG, JPEG, WebP or GIF bytes
     text: str | None = None
     token_ids: Sequence[int] | None = None
 
@@ -444,7 +444,7 @@ class EncoderClient(_Client):
         pooling: int = encoder_pb2.POOLING_UNSPECIFIED,
         image: bytes | None = None,
     ) -> encoder_pb2.EmbedResponse:
-        """Embeds one of `text`, `token_ids` or `image` (PNG, JPEG or WebP bytes)."""
+        """Embeds one of `text`, `token_ids` or `image` (PNG, JPEG, WebP or GIF bytes)."""
         request = encoder_pb2.EmbedRequest(output_dtype=output_dtype, pooling=pooling)
         if text is not None:
             request.text = text

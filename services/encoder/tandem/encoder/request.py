@@ -39,7 +39,7 @@ BYTES_PER_TOKEN_ID = 5
 
 @dataclass(frozen=True)
 class ImageBytes:
-    data: bytes  # an encoded picture as sent (PNG, JPEG or WebP, read from the bytes when decoded)
+    data: bytes  # an encoded picture as sent (PNG, JPEG, WebP or GIF, read from the bytes when decoded)
 
 
 @dataclass(frozen=True)

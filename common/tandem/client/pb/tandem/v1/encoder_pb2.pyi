@@ -206,7 +206,7 @@ class Image(_message.Message):
 
     DATA_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
-    """PNG, JPEG or WebP bytes; the format is read from them. At most max_image_bytes, and at most
+    """PNG, JPEG, WebP or GIF bytes; the format is read from them. At most max_image_bytes, and at most
     max_image_pixels (width x height, read from the header before anything is decoded).
     """
     def __init__(
