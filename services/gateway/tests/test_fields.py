@@ -4,6 +4,7 @@ larger), and a value nested deeper than repr can recurse is refused, not a 500."
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -100,3 +101,18 @@ def test_a_schema_nested_past_the_writers_recursion_is_refused_naming_it(field: 
         completion_request({"prompt": "a"} | extra, LIMITS)
     expected = "guided_json" if field == "guided_json" else "response_format.json_schema.schema"
     assert error.value.field == expected and "nests too deep" in str(error.value)
+
+
+@pytest.mark.parametrize("field", ["guided_json", "response_format"])
+def test_a_boolean_schema_is_a_schema_in_either_field(field: str) -> None:
+    """JSON Schema's `true` (any JSON value) and `false` (none) are schemas: guided_json refused them
+    as not an object while response_format's schema took them; the decoder then answers `true` and
+    refuses `false` in its own words (f397bc1)."""
+    for schema in (True, False):
+        extra = (
+            {"guided_json": schema}
+            if field == "guided_json"
+            else {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        )
+        request = completion_request({"prompt": "a"} | extra, LIMITS)
+        assert request.requests[0].structured.json_schema == json.dumps(schema)

@@ -34,8 +34,10 @@ def structured_output(body: dict[str, Any], request: decoder_pb2.GenerateRequest
             )
     guided_json = body.get("guided_json")
     if guided_json is not None:
-        if not isinstance(guided_json, dict | str):
-            raise InvalidArgument("guided_json", "must be a JSON schema (an object, or its text)")
+        if not isinstance(guided_json, dict | bool | str):  # true and false are schemas too
+            raise InvalidArgument(
+                "guided_json", "must be a JSON schema (an object, a boolean or its text)"
+            )
         text = guided_json if isinstance(guided_json, str) else _schema_text(guided_json, "guided_json")
         chosen.append(("guided_json", decoder_pb2.StructuredOutput(json_schema=text)))
     for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
