@@ -17,6 +17,7 @@ from tandem.gateway.responses import Completion
 
 from .fake_decoder import fake_decoder, prompt_text
 from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, connect, read_answer, send
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -170,6 +171,30 @@ async def test_the_choices_limit_is_never_over_a_callers_streams() -> None:
                 status, _ = await _post(f"{url}/chat/completions", CHAT)
                 assert status == 200
         await decoder.wait_until_none_open()
+
+
+async def test_an_answer_being_written_holds_none_of_its_callers_streams() -> None:
+    # Its n choices ended before its first byte: written while they still counted, an answer its caller
+    # took slowly (here not at all: a window of a few KiB) kept the caller's n places until it was read,
+    # and the caller's next request was refused 429 "streams are open" though the decoder had none.
+    body = json.dumps({"prompt": "p", "n": 8, "max_tokens": 50, "logprobs": 20}).encode()
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, send_buffer_bytes=4096, max_streams_per_caller=8) as url,
+    ):
+        sock = await connect(url, receive_buffer_bytes=4096)
+        try:
+            await send(sock, COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            async with asyncio.timeout(5):  # its head came: the answer is being written, its rest unread
+                assert await asyncio.get_running_loop().sock_recv(sock, 1) == b"H"
+            assert decoder.num_open == 0
+            status, answer = await _post(f"{url}/completions", {"prompt": "q", "n": 8})
+            assert status == 200 and len(answer["choices"]) == 8, answer
+            status, stalled = await read_answer(sock, 5)  # and the slow one is whole
+            assert status == 200 and len(json.dumps(stalled)) > 150_000  # twice the buffers between
+            assert [len(c["logprobs"]["tokens"]) for c in stalled["choices"]] == [50] * 8
+        finally:
+            sock.close()
 
 
 async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others() -> None:

@@ -387,13 +387,16 @@ class Gateway:
                         raise Refused(failed.http_error(call.names, call.is_batch)) from None
                     if any(c.aborted for c in completions):
                         return error_response(answers.ABORTED)
-                    return await answers.write(request, completions, with_logprobs)
                 finally:
                     streams.close()  # no-ops for calls that ended; frees the rest (a failure, a caller gone)
         finally:
             self._streams[caller] -= num_choices
             if not self._streams[caller]:
                 del self._streams[caller]
+        # Written once its streams are given back: its choices ended, and a caller reading it slowly (or
+        # not at all, until --write-timeout-s) held its places and its channel meanwhile, its next
+        # request refused 429 "streams are open" though the decoder had none of its.
+        return await answers.write(request, completions, with_logprobs)
 
     def _too_large(self, call: GenerateCall, kind: str) -> HttpError | None:
         """A 413 when a Generate call of `call` is over the services' max_message_bytes, or all of
