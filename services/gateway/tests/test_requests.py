@@ -52,6 +52,11 @@ HOSTILE_CHAT = {
     "logit_bias key a superscript digit": ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
     "logit_bias value true": ({"logit_bias": {"5": True}}, "logit_bias"),
     "logit_bias value NaN": ({"logit_bias": {"5": float("nan")}}, "logit_bias"),
+    "logit_bias value Infinity": ({"logit_bias": {"5": float("-inf")}}, "logit_bias"),
+    # Past what int() and float() take: a 500 with a traceback before
+    "logit_bias key of 5,000 digits": ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    "logit_bias value 10**400": ({"logit_bias": {"5": 10**400}}, "logit_bias"),
+    "logit_bias value -10**400": ({"logit_bias": {"5": -(10**400)}}, "logit_bias"),
     "n 17, over the choices a request may ask": ({"n": 17}, "n"),
     "n 0": ({"n": 0}, "n"),
     "n 1.5": ({"n": 1.5}, "n"),
@@ -214,6 +219,13 @@ def test_two_logit_bias_keys_naming_one_token_are_refused_naming_both() -> None:
     assert "keys '05' and '5' both name token 5" in str(error.value)
     call = chat_request(CHAT | {"logit_bias": {"05": 1, "7": 3}}, LIMITS)
     assert dict(call.requests[0].sampling.logit_bias) == {5: 1.0, 7: 3.0}
+
+
+def test_logit_bias_takes_any_uint32_key_however_padded_and_any_number_as_a_float() -> None:
+    # Its range ([-100, 100]) is the decoder's to check, against the vocabulary too.
+    biases = {"0" * 20 + "4294967295": 100, "7": -100.0, "8": 2**24}
+    call = chat_request(CHAT | {"logit_bias": biases}, LIMITS)
+    assert dict(call.requests[0].sampling.logit_bias) == {2**32 - 1: 100.0, 7: -100.0, 8: 2.0**24}
 
 
 def test_what_the_answer_needs_of_the_body_is_kept() -> None:

@@ -3,7 +3,7 @@ within the bound on a request's choices, structured output, and the stream's opt
 
 from __future__ import annotations
 
-import math
+import sys
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
@@ -81,9 +81,17 @@ def common_parameters(
     at_most("logit_bias", len(logit_bias), MAX_LOGIT_BIAS, "entries")
     keys: dict[int, str] = {}  # token ID -> the key that named it
     for key, value in logit_bias.items():
-        is_id = key.isascii() and key.isdigit() and int(key) <= UINT32
+        # The length first: int() of over 4,300 digits raises (Python's bound on a str's digits), and
+        # UINT32 has 10. A JSON integer has no bound, and one past the largest float overflows
+        # math.isfinite and float(): compared as it is, it and NaN and the infinities are all refused.
+        is_id = (
+            key.isascii()
+            and key.isdigit()
+            and len(key.lstrip("0")) <= len(str(UINT32))
+            and int(key) <= UINT32
+        )
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not is_id or not is_number or not math.isfinite(value):
+        if not is_id or not is_number or not abs(value) <= sys.float_info.max:
             raise InvalidArgument(
                 "logit_bias", f"maps token IDs to finite numbers; got {shown(key)}: {shown(value)}"
             )
