@@ -4,16 +4,33 @@ NOTE: why Watch is bounded, and how far. Health needs no token (kubelets and loa
 and a Watch stream never ends on its own, so any caller could hold as many as it liked, each a call
 the server counts against its `max_concurrent_rpcs` (server.py): 10,000 of them answered every
 Generate, Embed and kubelet Check RESOURCE_EXHAUSTED. At most half of those places hold Watch streams,
-and one address at most MAX_WATCHES_PER_ADDRESS of them (one past either: RESOURCE_EXHAUSTED naming
-the bound), so a caller with no token holding all it can from one address leaves the other places to
-every other client's channels, which watch before they call. A balanced client channel watches each
-server once, and a process's channels with the same options share one connection and one Watch; the
-gateway watches each decoder once for all its callers (`tandem.gateway.replicas`), whose own
-channels do not watch, so neither comes near the share. Whoever is behind one address shares its
-count: a NAT's or a proxy's clients, a mesh's (Istio's sidecar sends from 127.0.0.6), and an IPv6
-caller's whole /64, which a host, or a Kubernetes node and all its pods, commonly holds. A refusal is
-logged (at most once a minute per address), as the refused client's gRPC keeps it to itself. Check is
+and one address at most MAX_WATCHES_PER_ADDRESS of them, so a caller with no token holding all it can
+from one address leaves the other places to every other client's channels. A balanced client channel
+watches each server once, and a process's channels with the same options share one connection and
+one Watch; the gateway watches each decoder once for all its callers (`tandem.gateway.replicas`),
+whose own channels do not watch, so neither comes near the share. Whoever is behind one address shares
+its count: a NAT's or a proxy's clients, a mesh's (Istio's sidecar sends from 127.0.0.6), and an IPv6
+caller's whole /64, which a host, or a Kubernetes node and all its pods, commonly holds. Check is
 unbounded: it answers at once.
+
+NOTE: why a refused Watch is UNIMPLEMENTED while its service serves, and so fails open. gRPC's
+client-side health checking (a balanced channel's healthCheckConfig) takes a Watch that ends with any
+other status as "not serving" and asks again with backoff (1 s growing to 120 s), so the connection
+got no calls: whoever held the 256 places of an address (or 20 addresses' worth, all 5,000) failed
+every balanced channel opened after it from there, "health check call failed", with no token.
+UNIMPLEMENTED is gRFC A17's "this server does not watch": gRPC core (health_check_client.cc), grpc-go,
+grpc-java and our Node client (clients/node/health.js) then call the server unwatched, and log an
+error. The refused channel loses health-based routing on that connection until it reconnects: a
+draining server it still leaves as the connection closes, but a server that answers UNAVAILABLE before
+taking a call (a loading decoder; a one-process decoder whose engine failed stays up NOT_SERVING) gets
+its share of first attempts, each retried on the next server until the channel's retry throttling
+stops retries (11 refusals back to back; then about half its calls failed). So a Watch refused while
+its service does not serve (a replica loading, draining, failed; a service it does not know) is
+RESOURCE_EXHAUSTED: the connection stays out of rotation, where NOT_SERVING would have put it, and
+asks again with backoff, to be answered UNIMPLEMENTED once the service serves. A direct Watch caller
+(grpcurl; the gateway's watch, which turns to Check) sees either status with the bound in its message.
+A refusal is logged (at most once a minute per address), as the refused client's gRPC keeps its reason
+to itself.
 """
 
 from __future__ import annotations
@@ -32,9 +49,12 @@ from grpc_health.v1._async import HealthServicer
 # server once (channels of one process with the same options share one connection and one Watch).
 MAX_WATCHES_PER_ADDRESS = 256
 # A refused Watch is logged at most this often per address, with how many were refused since: gRPC's
-# client-side health checking keeps the refusal to itself ("health check call failed"), so the
-# server's log is where an operator can tell a refused channel from a dead server.
+# client-side health checking logs no reason on the client ("Watch method returned UNIMPLEMENTED",
+# "health check call failed"), so the server's log is where an operator sees a bound met, and whose.
 REFUSAL_LOG_INTERVAL_S = 60.0
+# What a refused Watch's caller is told beside the bound, as its service serves or does not.
+FAILS_OPEN = "refused UNIMPLEMENTED, so that client-side health checking calls the server unwatched"
+FAILS_CLOSED = "refused RESOURCE_EXHAUSTED while the service does not serve (UNIMPLEMENTED once it does)"
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +103,11 @@ class BoundedHealth(HealthServicer):
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         watcher = watcher_of(context.peer())
         if self.num_watches >= self.max_watches:
-            await self._refuse(context, watcher, f"at most {self.max_watches} health Watch streams at once")
+            bound = f"at most {self.max_watches} health Watch streams at once"
+            await self._refuse(context, watcher, bound, request.service)
         if self._num_watches_of[watcher] >= self.max_watches_per_address:
             bound = f"at most {self.max_watches_per_address} health Watch streams at once from one address"
-            await self._refuse(context, watcher, f"{bound} ({watcher})")
+            await self._refuse(context, watcher, f"{bound} ({watcher})", request.service)
         self.num_watches += 1
         self._num_watches_of[watcher] += 1
         try:
@@ -97,9 +118,12 @@ class BoundedHealth(HealthServicer):
             if not self._num_watches_of[watcher]:
                 del self._num_watches_of[watcher]
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, watcher: str, bound: str) -> None:
-        """Ends the Watch RESOURCE_EXHAUSTED naming `bound`; logged at most once a
-        REFUSAL_LOG_INTERVAL_S per watcher, counting the refusals since the last warning."""
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, watcher: str, bound: str, service: str
+    ) -> None:
+        """Ends the Watch naming `bound`: UNIMPLEMENTED while `service` serves, else RESOURCE_EXHAUSTED
+        (the module's note); logged at most once a REFUSAL_LOG_INTERVAL_S per watcher, counting the
+        refusals since the last warning."""
         now = time.monotonic()
         logged_at, num_since, _ = self._refusals.get(watcher, (now - REFUSAL_LOG_INTERVAL_S, 0, bound))
         if now - logged_at >= REFUSAL_LOG_INTERVAL_S:
@@ -109,7 +133,14 @@ class BoundedHealth(HealthServicer):
             self._refusals[watcher] = (now, 0, bound)
         else:
             self._refusals[watcher] = (logged_at, num_since + 1, bound)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{bound}; Check answers at once")
+        # grpc_health's own record of each service's status, the one Check and Watch answer from.
+        if self._server_status.get(service) == health_pb2.HealthCheckResponse.SERVING:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, f"{bound}; {FAILS_OPEN}; Check answers at once"
+            )
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{bound}; {FAILS_CLOSED}; Check answers at once"
+        )
 
     def _forget_refusals_before(self, then: float) -> None:
         """Drops the watchers last logged before `then`, logging the refusals counted since, so that
@@ -124,7 +155,7 @@ class BoundedHealth(HealthServicer):
     def _log_refusals(watcher: str, num_refused: int, bound: str) -> None:
         log.warning(
             "%d health Watch stream(s) from %s refused since the last such warning: %s "
-            "(a client's balanced channel so refused says 'health check call failed')",
+            "(while the service serves, a client's balanced channel so refused calls the server unwatched)",
             num_refused,
             watcher,
             bound,

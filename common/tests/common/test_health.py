@@ -1,8 +1,9 @@
 """Health needs no token, so its Watch streams, which never end on their own, hold at most half of
 the places a server has for calls (max_concurrent_rpcs), and one address at most 256 of them; one
-past either is RESOURCE_EXHAUSTED naming the bound. Without them one caller with no token could hold
-every place (every Generate, Embed and kubelet Check was then answered RESOURCE_EXHAUSTED), or every
-Watch place (every client channel opened after it, which watches before it calls, failed). A gateway
+past either is refused naming the bound: UNIMPLEMENTED while the service watched serves, so that a
+client's health checking calls the server unwatched (common/tests/client/test_refused_watch.py),
+RESOURCE_EXHAUSTED while it does not. Without the bounds one caller with no token could hold every
+place (every Generate, Embed and kubelet Check was then answered RESOURCE_EXHAUSTED). A gateway
 watches each decoder once for all its callers (services/gateway/tests/test_replicas.py)."""
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.channel import open_channel
 from tandem.common import health
-from tandem.common.health import MAX_WATCHES_PER_ADDRESS, REFUSAL_LOG_INTERVAL_S, max_watches, watcher_of
+from tandem.common.health import (
+    FAILS_CLOSED,
+    FAILS_OPEN,
+    MAX_WATCHES_PER_ADDRESS,
+    REFUSAL_LOG_INTERVAL_S,
+    max_watches,
+    watcher_of,
+)
 from tandem.common.server import RunningServer, ServerOptions, start_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -45,11 +53,14 @@ async def _watch(stub: health_pb2_grpc.HealthStub) -> grpc.aio.UnaryStreamCall:
     return stream
 
 
-async def _refused(stub: health_pb2_grpc.HealthStub) -> str:
-    stream = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+async def _refused(
+    stub: health_pb2_grpc.HealthStub, code: grpc.StatusCode = grpc.StatusCode.UNIMPLEMENTED, service: str = ""
+) -> str:
+    """The refusal of a Watch of `service`, which must end `code`."""
+    stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=10)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stream.read()
-    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.code() == code
     return caught.value.details() or ""
 
 
@@ -64,7 +75,9 @@ async def test_watches_past_the_bound_leave_the_servers_places_to_its_calls(serv
         stub = health_pb2_grpc.HealthStub(channel)
         streams = [await _watch(stub) for _ in range(4)]  # all from one address, within its share
         refusals = [await _refused(stub) for _ in range(6)]
-        assert set(refusals) == {"at most 4 health Watch streams at once; Check answers at once"}
+        assert set(refusals) == {
+            f"at most 4 health Watch streams at once; {FAILS_OPEN}; Check answers at once"
+        }
         checks = [stub.Check(health_pb2.HealthCheckRequest(), timeout=5) for _ in range(3)]
         assert [reply.status for reply in await asyncio.gather(*checks)] == [SERVING] * 3
         assert server.health.num_watches == 4
@@ -101,8 +114,9 @@ async def dual_stack_server() -> AsyncIterator[RunningServer]:
 async def test_refused_watches_are_logged_at_most_once_an_interval_per_address_with_their_count(
     server: RunningServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """gRPC's client-side health checking keeps a refusal to itself ("health check call failed"), so
-    without the server's warning a refused channel looked like a dead server to its operator."""
+    """gRPC's client-side health checking logs no reason for a refusal ("health check call failed",
+    "Watch method returned UNIMPLEMENTED"), so without the server's warning an operator could not tell
+    that a bound was met, or whose."""
     now = [1_000.0]
     monkeypatch.setattr(health, "time", SimpleNamespace(monotonic=lambda: now[0]))
     caplog.set_level(logging.WARNING, logger="tandem.common.health")
@@ -117,7 +131,8 @@ async def test_refused_watches_are_logged_at_most_once_an_interval_per_address_w
             await _refused(stub)
         assert warnings() == [
             "1 health Watch stream(s) from 127.0.0.1 refused since the last such warning: at most 4 health "
-            "Watch streams at once (a client's balanced channel so refused says 'health check call failed')"
+            "Watch streams at once (while the service serves, a client's balanced channel so refused calls "
+            "the server unwatched)"
         ]
         now[0] += REFUSAL_LOG_INTERVAL_S
         await _refused(stub)
@@ -130,8 +145,7 @@ async def test_one_address_holds_its_share_of_watches_and_a_balanced_channel_fro
     dual_stack_server: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A caller with no token asks every Watch place (300) from 127.0.0.1: it gets 256, and a balanced
-    channel opened after it from ::1 still watches and calls (without the share it failed UNAVAILABLE
-    "health check call failed")."""
+    channel opened after it from ::1 still watches and calls (without the share it was refused)."""
     port = dual_stack_server.port
     assert MAX_WATCHES_PER_ADDRESS == 256
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as attacker:
@@ -141,7 +155,8 @@ async def test_one_address_holds_its_share_of_watches_and_a_balanced_channel_fro
         refusals = {o.details() for o in outcomes if isinstance(o, grpc.aio.AioRpcError)}
         assert sum(not isinstance(o, BaseException) for o in outcomes) == 256
         assert refusals == {
-            "at most 256 health Watch streams at once from one address (127.0.0.1); Check answers at once"
+            f"at most 256 health Watch streams at once from one address (127.0.0.1); {FAILS_OPEN}; "
+            "Check answers at once"
         }
         logged = [r.getMessage() for r in caplog.records if r.name == "tandem.common.health"]
         assert len(logged) == 1 and "from one address (127.0.0.1)" in logged[0]  # 44 refused, 1 warning
@@ -156,4 +171,24 @@ async def test_one_address_holds_its_share_of_watches_and_a_balanced_channel_fro
         finally:
             await balanced.close()
         for stream in asked:
+            stream.cancel()
+
+
+async def test_a_watch_refused_while_its_service_does_not_serve_is_resource_exhausted(
+    server: RunningServer,
+) -> None:
+    """UNIMPLEMENTED would have a client's health checking call a server that does not serve (a
+    replica loading, draining or failed) for as long as its connection lasts; RESOURCE_EXHAUSTED keeps
+    the connection out of rotation, as NOT_SERVING would, and its Watch is asked again later."""
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        streams = [await _watch(stub) for _ in range(4)]
+        await server.set_serving(False)
+        closed = f"at most 4 health Watch streams at once; {FAILS_CLOSED}; Check answers at once"
+        assert await _refused(stub, grpc.StatusCode.RESOURCE_EXHAUSTED) == closed
+        assert await _refused(stub, grpc.StatusCode.RESOURCE_EXHAUSTED, service="tandem.v1.Unknown") == closed
+        await server.set_serving(True)
+        assert (await _refused(stub)).endswith(f"{FAILS_OPEN}; Check answers at once")
+        assert await _refused(stub, grpc.StatusCode.RESOURCE_EXHAUSTED, service="tandem.v1.Unknown") == closed
+        for stream in streams:
             stream.cancel()
