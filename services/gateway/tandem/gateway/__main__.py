@@ -61,7 +61,12 @@ def settings() -> list[click.Option]:
     return [
         _setting("--host", "listen address (0.0.0.0 in containers)"),
         _setting("--port", "listen port (0 = any free port)", type=int, default=DEFAULT_PORT),
-        _setting("--decoder-address", "the decoder: host:port, several host:port,... or dns:///name:port"),
+        _setting(
+            "--decoder-address",
+            "the decoder: host:port, several host:port,..., or a DNS name whose addresses are the "
+            "replicas, dns:///name:port or dns:name:port (no port: 443; dns://server/... is refused: "
+            "names are looked up with the system's resolver)",
+        ),
         _setting("--encoder-address", "the encoder, for /v1/embeddings"),
         _setting(
             "--auth-token-file",
