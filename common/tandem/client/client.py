@@ -235,6 +235,11 @@ def _telemetry_for(variables: tuple[tuple[str, str], ...]) -> Telemetry | None:
     return setup_telemetry("tandem-client", environ)
 
 
+# How a server answers a Watch past its bounds (common/health.py): UNIMPLEMENTED while it serves (so
+# that gRPC's own health checking assumes it healthy), RESOURCE_EXHAUSTED while it does not.
+_WATCH_REFUSED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 class _Client:
     def __init__(
         self,
@@ -286,9 +291,26 @@ class _Client:
                         stream.cancel()
                         return
             except grpc.aio.AioRpcError as error:
-                if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if error.code() in _WATCH_REFUSED:
+                    if await self._check_serving(deadline - time.monotonic()):
+                        return
+                elif error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    async def _check_serving(self, remaining: float) -> bool:
+        """Whether a Check says SERVING, for a server that refused this client's Watch (its places
+        held from this address: health.py). Check is never refused; a server without health at all
+        answers it UNIMPLEMENTED too, raised."""
+        try:
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=max(remaining, 0.001), wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
         await self.channel.close()

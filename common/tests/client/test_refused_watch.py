@@ -131,6 +131,26 @@ async def test_a_client_opened_when_every_watch_place_of_the_server_is_taken_is_
         await server.stop(0)
 
 
+async def test_wait_serving_asks_with_check_when_its_watch_is_refused(
+    replicas: tuple[list[Replica], list[RunningServer]],
+) -> None:
+    """wait_serving watches health; refused (UNIMPLEMENTED while serving, RESOURCE_EXHAUSTED while
+    not) it raised though the server served. It asks with Check instead, which is never refused: it
+    waits while the server loads and returns once it serves."""
+    _, servers = replicas
+    server = servers[0]
+    async with _watches_held([server], MAX_WATCHES_PER_ADDRESS), DecoderClient(server.address) as client:
+        await client.wait_serving(timeout=10)  # refused UNIMPLEMENTED: it serves
+        await server.set_serving(False)
+        with pytest.raises(TimeoutError):
+            await client.wait_serving(timeout=0.5)  # refused RESOURCE_EXHAUSTED, Check: NOT_SERVING
+        waiting = asyncio.ensure_future(client.wait_serving(timeout=10))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await server.set_serving()
+        await asyncio.wait_for(waiting, 10)
+
+
 async def test_a_refused_client_calls_a_loading_replica_only_once_it_serves(
     replicas: tuple[list[Replica], list[RunningServer]],
 ) -> None:

@@ -252,8 +252,9 @@ async def test_an_attacker_on_the_gateways_own_address_leaves_its_health_and_mod
     """A caller with no token holding the Watch share of the gateway's own address on both replicas
     (behind the same NAT, on the same host or k8s node's /64, or a mesh's one source address). The
     gateway's watch of each replica is refused, so it asks Check; its own decoder client watches
-    nothing. With that client health-checked, a freshly started gateway answered /health, /v1/models
-    and completions 503 "health check call failed" for as long as the attacker held on."""
+    nothing. With that client health-checked and a refusal RESOURCE_EXHAUSTED (before 5944202 and
+    55af4b9), a freshly started gateway answered /health, /v1/models and completions 503 "health check
+    call failed" for as long as the attacker held on."""
     attackers = [await _hold_watch_share(running, f"127.0.0.1:{running.port}") for _, running in replicas]
     address = ",".join(f"127.0.0.1:{running.port}" for _, running in replicas)
     try:
