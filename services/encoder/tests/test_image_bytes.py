@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 import time
 import warnings
 import zlib
@@ -107,11 +108,11 @@ def test_a_jpeg_of_many_scans_is_refused_before_decoding() -> None:
     from tandem.encoder.vision.image_bytes import MAX_JPEG_SCANS, jpeg_segments
 
     ordinary = _progressive_jpeg_with_scans(0)
-    assert 2 <= jpeg_segments(ordinary)[0] <= 12  # libjpeg's progression
+    assert 2 <= jpeg_segments(ordinary).num_scans <= 12  # libjpeg's progression
     assert decode_image(ordinary, MAX_BYTES, MAX_PIXELS).size == (64, 64)
-    assert jpeg_segments(_encoded("JPEG"))[0] == 1  # baseline
+    assert jpeg_segments(_encoded("JPEG")).num_scans == 1  # baseline
     many = _progressive_jpeg_with_scans(200)
-    assert jpeg_segments(many)[0] == MAX_JPEG_SCANS + 1  # the walk stops past the bound
+    assert jpeg_segments(many).num_scans == MAX_JPEG_SCANS + 1  # the walk stops past the bound
     with pytest.raises(
         InvalidArgument, match=f"over {MAX_JPEG_SCANS} scans; at most {MAX_JPEG_SCANS} are decoded"
     ):
@@ -138,13 +139,14 @@ def test_a_file_of_more_chunks_or_segments_than_any_picture_has_is_refused_befor
     many_segments = _jpeg_with(b"\xff\xe5\x00\x02" * (MAX_CHUNKS + 1))
     for data, refusal in (
         (many_chunks, f"a PNG of over {MAX_CHUNKS} chunks; at most {MAX_CHUNKS} are read"),
-        (many_segments, f"a JPEG of over {MAX_CHUNKS} segments; at most {MAX_CHUNKS} are read"),
+        (many_segments, f"a JPEG of over {MAX_CHUNKS} segments, .*; at most {MAX_CHUNKS} are read"),
     ):
         with pytest.raises(InvalidArgument, match=refusal) as error:
             decode_image(data, len(data), MAX_PIXELS)
         assert error.value.field == "image.data"
     fewer = png[:33] + _chunk(b"abCd", b"") * 1000 + png[33:]
-    assert png_chunks(fewer) == (1003, 0) and jpeg_segments(_jpeg_with(b"\xff\xe5\x00\x02" * 1000))[1] > 1000
+    assert (png_chunks(fewer).num_chunks, png_chunks(fewer).num_profiles) == (1003, 0)
+    assert jpeg_segments(_jpeg_with(b"\xff\xe5\x00\x02" * 1000)).num_segments > 1000
 
 
 def test_restart_markers_in_a_scan_are_skipped_at_c_speed() -> None:
@@ -152,8 +154,87 @@ def test_restart_markers_in_a_scan_are_skipped_at_c_speed() -> None:
     # for 9.5 MiB of them, on the image thread.
     data = _jpeg_with(b"", after_first_scan=b"\xff\xd0" * 2_000_000)
     start = time.perf_counter()
-    assert jpeg_segments(data)[0] == 1
+    assert jpeg_segments(data).num_scans == 1
     assert time.perf_counter() - start < 0.2
+
+
+def test_a_run_of_fill_bytes_with_no_marker_after_it_is_walked_once() -> None:
+    # The marker's pattern held the run (\xff+): where no marker followed, the search began again at
+    # each of its bytes, 22 s for 64 KiB of 0xFF closing a cut file (20 MiB: days).
+    cut = _jpeg_with(b"")[:-2] + b"\xff" * 65_536
+    start = time.perf_counter()
+    assert jpeg_segments(cut).num_scans == 1
+    assert time.perf_counter() - start < 0.2
+
+
+@pytest.mark.parametrize(
+    "filler",
+    [b"\xff\xd0", b"\xff\x00", b"\x00", b"\xff"],
+    ids=["restart markers", "stuffed 0xFF", "junk", "fill bytes"],
+)
+def test_bytes_between_a_jpegs_header_segments_are_counted_as_pil_reads_them_one_at_a_time(
+    filler: bytes,
+) -> None:
+    # PIL steps through whatever lies between the segments before the first scan in Python, a byte or a
+    # marker at a time, and the walk skipped them uncounted: 19 MiB of restart markers took 5.8 s of
+    # the image thread. An empty comment first: the signature is SOI and a marker.
+    comment = b"\xff\xfe\x00\x02"
+    assert jpeg_segments(_jpeg_with(comment + filler * 50)).num_stray_bytes == len(filler) * 50
+    assert decode_image(_jpeg_with(comment + filler * 50), MAX_BYTES, MAX_PIXELS).size == (8, 8)
+    data = _jpeg_with(comment + filler * (4 * 2**20 // len(filler)))
+    start = time.perf_counter()
+    with pytest.raises(InvalidArgument, match=f"stray header bytes .*; at most {MAX_CHUNKS} are read"):
+        decode_image(data, len(data), MAX_PIXELS)
+    assert time.perf_counter() - start < 0.1  # the search went no further than the bound
+
+
+def _photoshop_app13(num_blocks: int) -> bytes:
+    """An APP13 segment of `num_blocks` empty Photoshop resource blocks (IPTC's code, no name)."""
+    payload = b"Photoshop 3.0\x00" + (b"8BIM\x04\x04" + bytes(6)) * num_blocks
+    return b"\xff\xed" + struct.pack(">H", len(payload) + 2) + payload
+
+
+def test_the_photoshop_resource_blocks_of_a_jpegs_header_are_counted_as_pil_reads_each() -> None:
+    # 320 such segments of empty blocks, 20 MiB, took 1.3 s of the image thread to open, within the
+    # bound on segments.
+    per_segment = (65_535 - 2 - 14) // 12
+    data = _jpeg_with(_photoshop_app13(per_segment) * (MAX_CHUNKS // per_segment + 1))
+    assert jpeg_segments(data).num_resource_blocks > MAX_CHUNKS
+    with pytest.raises(InvalidArgument, match=f"Photoshop resource blocks .*; at most {MAX_CHUNKS} are read"):
+        decode_image(data, len(data), MAX_PIXELS)
+
+
+def _jpeg_saved(mode: str = "RGB", **options: object) -> bytes:
+    out = io.BytesIO()
+    Image.effect_noise((64, 48), 40).convert(mode).save(out, "JPEG", **options)
+    return out.getvalue()
+
+
+def _camera_exif() -> Image.Exif:
+    exif = Image.Exif()
+    exif[ExifTags.Base.Make], exif[ExifTags.Base.Model] = "Camera", "Model 1"
+    exif[ExifTags.Base.Orientation] = 1
+    exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.ExposureTime] = 0.01
+    return exif
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _jpeg_saved(progressive=True),
+        _jpeg_saved(restart_marker_rows=1),  # restart markers in the scan, after the header
+        _jpeg_saved(icc_profile=bytes(range(256)) * 600),  # a profile over three APP2 segments
+        _jpeg_saved("CMYK"),  # Adobe's APP14
+        _jpeg_saved(exif=_camera_exif()),
+        _jpeg_with(_photoshop_app13(3)),
+    ],
+    ids=["progressive", "restart markers", "ICC profile", "CMYK", "camera EXIF", "Photoshop APP13"],
+)
+def test_a_jpeg_as_encoders_write_it_has_no_stray_bytes_and_decodes_as_pil_decodes_it(data: bytes) -> None:
+    walk = jpeg_segments(data)
+    assert walk.num_stray_bytes == 0 and walk.num_reads < 30, walk
+    decoded = decode_image(data, MAX_BYTES, MAX_PIXELS)
+    assert decoded.tobytes() == Image.open(io.BytesIO(data)).tobytes()
 
 
 @pytest.mark.parametrize(
@@ -236,6 +317,32 @@ def test_a_picture_is_taken_upright_as_its_exif_orientation_shows_it(
     assert image.tobytes() == upright.convert(image.mode).tobytes()
 
 
+def _with_exif_after_pixels(data: bytes) -> bytes:
+    """A PNG with its eXIf chunk moved from before its pixels to after them, before IEND."""
+    start = data.index(b"eXIf") - 4
+    end = start + 12 + int.from_bytes(data[start : start + 4], "big")
+    rest = data[:start] + data[end:]
+    iend = rest.index(b"IEND") - 4
+    return rest[:iend] + data[start:end] + rest[iend:]
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 5, 6, 8])
+def test_a_pngs_exif_orientation_after_its_pixels_is_applied_as_transformers_and_vllm_apply_it(
+    orientation: int,
+) -> None:
+    # libpng's own pngtest.png has its eXIf there; PIL reads it only with the pixels, and transformers'
+    # load_image and vLLM apply it with exif_transpose after they load the picture. The size rules see
+    # the shown size all the same, and nothing is decoded before them.
+    data = _with_exif_after_pixels(_with_orientation("PNG", orientation))
+    assert data.index(b"eXIf") > data.index(b"IDAT")
+    assert png_chunks(data).exif is not None
+    seen: list[tuple[int, int]] = []
+    image = decode_image(data, MAX_BYTES, MAX_PIXELS, check_size=lambda w, h: seen.append((w, h)))
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    assert image.size == upright.size == seen[0] == ((20, 30) if orientation >= 5 else (30, 20))
+    assert image.tobytes() == upright.convert(image.mode).tobytes()
+
+
 def _jpeg_with_broken_exif(num_entries: int) -> bytes:
     """A JPEG with no JFIF segment (so PIL reads its EXIF for the resolution when it opens it), whose
     EXIF names `num_entries` tags each claiming more data than the segment holds."""
@@ -251,8 +358,8 @@ def _jpeg_with_broken_exif(num_entries: int) -> bytes:
 
 
 def test_broken_metadata_neither_refuses_the_picture_nor_writes_to_the_log() -> None:
-    # PIL warned once for every entry it skipped, in words of its own each time: 870 KB (8,798
-    # lines) on the encoder's stderr for each call of a 60 KB JPEG.
+    # PIL warned once for every entry it skipped, in words of its own each time: 989 KB (9,998 lines,
+    # 4,999 warnings) on the encoder's stderr for each call of a 60 KB JPEG.
     data = _jpeg_with_broken_exif(5000)
     assert len(data) < 64 * 1024
     with warnings.catch_warnings(record=True) as warned:
@@ -331,3 +438,33 @@ def test_a_gif_bomb_is_refused_from_its_header_before_any_frame_is_inflated() ->
         assert error.value.field == "image.data" and time.perf_counter() - start < 0.05
     assert gif_blocks(_gif(["red", "blue"])) < 10
     assert gif_blocks(header + b"\x21\xfe\x01x\x00" * 1000 + frame) == 2000
+
+
+class _NeighbourWarning(Warning):
+    """A warning of another thread than the decoding one: none of PIL's."""
+
+
+def test_a_decode_leaves_the_warnings_of_other_threads_alone() -> None:
+    # A catch_warnings around each decode swapped the process's one list of filters for "ignore" while
+    # it ran: another thread's warnings were dropped meanwhile.
+    data = _jpeg_with_broken_exif(5000)
+    done = threading.Event()
+
+    def decode_until_done() -> None:
+        while not done.is_set():
+            decode_image(data, MAX_BYTES, MAX_PIXELS)
+
+    decoding = threading.Thread(target=decode_until_done)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always", _NeighbourWarning)
+        decoding.start()
+        try:
+            for i in range(50):
+                warnings.warn(f"neighbour {i}", _NeighbourWarning, stacklevel=1)
+                time.sleep(0.001)
+        finally:
+            done.set()
+            decoding.join()
+    assert [str(w.message) for w in warned if w.category is _NeighbourWarning] == [
+        f"neighbour {i}" for i in range(50)
+    ]

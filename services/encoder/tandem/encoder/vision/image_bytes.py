@@ -3,8 +3,9 @@
 In order, cheapest first: the byte count against max_image_bytes; the format, from the file's own
 signature (PNG, JPEG, WebP or GIF only: no decoder for anything else is ever reached); a JPEG's
 scans, counted from its markers (a progressive JPEG has about 10; one of 2,000 tiny scans took 4 s to
-decode, and 20 MiB holds 277,000), a PNG's chunks, a JPEG's segments or the blocks before a GIF's first
-frame (MAX_CHUNKS says why) and a PNG's colour profiles (one, as its spec says: PIL inflates each);
+decode, and 20 MiB holds 277,000), a PNG's chunks, a JPEG's segments (in its header, with the bytes
+between them and its Photoshop resource blocks) or the blocks before a GIF's first frame (MAX_CHUNKS
+says why) and a PNG's colour profiles (one, as its spec says: PIL inflates each);
 the size, from the header alone (PIL reads no pixel data when it opens a file), against
 max_image_pixels, so a small file that claims 100,000 x 100,000 pixels (a
 decompression bomb) is refused before a byte of it is inflated, and so is a side over JPEG's 65,535
@@ -16,8 +17,9 @@ of 200,000 frames opens as fast as one of one), and telling an animated GIF from
 mean walking every frame's data, in sub-blocks of up to 255 bytes, in Python.
 
 A picture is taken as it is shown: its EXIF orientation (a phone's portrait photo is stored sideways,
-tagged "rotate 90") is read from the header with its size and applied once decoded, as browsers,
-transformers' `load_image` and vLLM do; every size rule sees the shown size.
+tagged "rotate 90") is read from the header with its size (a PNG's from its eXIf chunk, even one
+after the pixels) and applied once decoded, as browsers, transformers' `load_image` and vLLM do;
+every size rule sees the shown size.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from PIL import ExifTags, Image, UnidentifiedImageError
 
@@ -50,9 +53,16 @@ MAX_CHUNKS = 65_536
 MAX_IMAGE_SIDE = 65_535
 _BOUND = threading.Lock()  # PIL's pixel bound is a module global: one opener at a time sets it
 _PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
-# A JPEG marker that starts a segment: 0xFF (and any fill 0xFFs) then neither a stuffed 0x00 nor a
-# restart marker, found at C speed (a walk in Python spent 1.75 s on 9.5 MiB of restart markers).
-_JPEG_MARKER = re.compile(rb"\xff+[^\x00\xd0-\xd7\xff]")
+# The process's warning filters for PIL (`_filter_pil_warnings`), first to last.
+_PIL_FILTERS = [
+    ("error", None, Image.DecompressionBombWarning, None, 0),
+    ("ignore", None, UserWarning, re.compile(r"PIL\."), 0),
+]
+# A JPEG marker that starts a segment: the last 0xFF of a run (the others are fill) then neither a
+# stuffed 0x00 nor a restart marker, found at C speed (a walk in Python spent 1.75 s on 9.5 MiB of
+# restart markers). Two bytes, no repeat: with the run in the pattern (\xff+) a run with no marker
+# after it was matched again from each of its bytes, 22 s for 64 KiB of 0xFF closing a cut file.
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 # EXIF orientation -> the transposition that shows the picture upright (PIL's ImageOps.exif_transpose).
 _UPRIGHT = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
@@ -97,24 +107,29 @@ def decode_image(
     image_format = sniff_format(data)
     if image_format is None:
         raise InvalidArgument(field, "is not a PNG, JPEG, WebP or GIF image (read from its first bytes)")
+    late_exif = None  # a PNG's eXIf chunk after its pixels, which PIL reads only with them
     if image_format == "JPEG":
-        scans, segments = jpeg_segments(data)
-        if scans > MAX_JPEG_SCANS:
+        jpeg = jpeg_segments(data)
+        if jpeg.num_scans > MAX_JPEG_SCANS:
             raise InvalidArgument(
                 field, f"a JPEG of over {MAX_JPEG_SCANS} scans; at most {MAX_JPEG_SCANS} are decoded"
             )
-        if segments > MAX_CHUNKS:
+        if jpeg.num_reads > MAX_CHUNKS:
             raise InvalidArgument(
-                field, f"a JPEG of over {MAX_CHUNKS} segments; at most {MAX_CHUNKS} are read"
+                field,
+                f"a JPEG of over {MAX_CHUNKS} segments, Photoshop resource blocks and stray header bytes "
+                f"({jpeg.num_segments}, {jpeg.num_resource_blocks} and {jpeg.num_stray_bytes} when the "
+                f"count stopped); at most {MAX_CHUNKS} are read",
             )
     if image_format == "PNG":
-        chunks, profiles = png_chunks(data)
-        if chunks > MAX_CHUNKS:
+        png = png_chunks(data)
+        if png.num_chunks > MAX_CHUNKS:
             raise InvalidArgument(field, f"a PNG of over {MAX_CHUNKS} chunks; at most {MAX_CHUNKS} are read")
-        if profiles > 1:
+        if png.num_profiles > 1:
             # PIL inflates each (up to 1 MB) and keeps the last: 19,000 of 1 KB each, in 18 MiB,
             # took 42 s of the image thread.
-            raise InvalidArgument(field, f"a PNG of {profiles} iCCP chunks; the PNG spec allows one")
+            raise InvalidArgument(field, f"a PNG of {png.num_profiles} iCCP chunks; the PNG spec allows one")
+        late_exif = png.exif
     if image_format == "GIF" and gif_blocks(data) > MAX_CHUNKS:
         raise InvalidArgument(
             field,
@@ -122,30 +137,24 @@ def decode_image(
             f"{MAX_CHUNKS} are read",
         )
     try:
-        with warnings.catch_warnings():
-            # PIL warns once for each broken metadata entry it skips, each in words of its own, and
-            # catch_warnings lets every call warn again: a 60 KB JPEG's EXIF wrote 870 KB (8,798 lines)
-            # to the log on each call, an 800 KB WebP's 11 MB. None of them is a reason to refuse.
-            warnings.simplefilter("ignore")
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = _open_header(data, image_format, max_pixels)
-            orientation = _orientation(image)
-            width, height = image.size[::-1] if orientation in _SWAPS_SIDES else image.size
-            if width < 1 or height < 1:
-                raise InvalidArgument(field, f"has no pixels ({width} x {height})")
-            if width * height > max_pixels:
-                raise InvalidArgument(
-                    field,
-                    f"{width} x {height} = {width * height} pixels exceed max_image_pixels {max_pixels}",
-                )
-            if max(width, height) > MAX_IMAGE_SIDE:
-                raise InvalidArgument(
-                    field, f"{width} x {height}: a side over {MAX_IMAGE_SIDE} pixels (JPEG's own limit)"
-                )
-            check_size(width, height)
-            image.load()
-            if orientation in _UPRIGHT:
-                image = image.transpose(_UPRIGHT[orientation])
+        image = _open_header(data, image_format, max_pixels)
+        orientation = _orientation(image, late_exif)
+        width, height = image.size[::-1] if orientation in _SWAPS_SIDES else image.size
+        if width < 1 or height < 1:
+            raise InvalidArgument(field, f"has no pixels ({width} x {height})")
+        if width * height > max_pixels:
+            raise InvalidArgument(
+                field,
+                f"{width} x {height} = {width * height} pixels exceed max_image_pixels {max_pixels}",
+            )
+        if max(width, height) > MAX_IMAGE_SIDE:
+            raise InvalidArgument(
+                field, f"{width} x {height}: a side over {MAX_IMAGE_SIDE} pixels (JPEG's own limit)"
+            )
+        check_size(width, height)
+        image.load()
+        if orientation in _UPRIGHT:
+            image = image.transpose(_UPRIGHT[orientation])
     except InvalidArgument:
         raise
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
@@ -167,6 +176,7 @@ def _open_header(data: bytes, image_format: str, max_pixels: int) -> Image.Image
     16,384 x 16,384 reserved 2 GB of address space with the bound lifted). PIL warns past the bound
     (an error here) and refuses past twice it."""
     with _BOUND:
+        _filter_pil_warnings()
         bound, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, max_pixels
         try:
             return Image.open(io.BytesIO(data), formats=[image_format])
@@ -174,53 +184,121 @@ def _open_header(data: bytes, image_format: str, max_pixels: int) -> Image.Image
             Image.MAX_IMAGE_PIXELS = bound
 
 
-def _orientation(image: Image.Image) -> int:
-    """The EXIF (or XMP) orientation its header gives, 1 to 8; 1 where it gives none. Read with the base
-    class's getexif: PNG's own decodes the whole file first when no eXIf chunk came before the pixels
-    (one after them, against the PNG spec, is not read). Metadata too broken to read is no orientation,
-    as a browser shows such a file: the pixels decode as they did."""
+def _filter_pil_warnings() -> None:
+    """PIL's UserWarnings ignored and its bomb warning an error, for the whole process, from the first
+    file opened on: set where missing, never taken away.
+
+    NOTE: why filters of the process, and why set at each open. PIL warns once for each broken metadata
+    entry it skips, each in words of its own, so the warnings module's once-per-text rule lets every
+    call warn again: a 60 KB JPEG's EXIF wrote 989 KB (9,998 lines, 4,999 warnings) to the log on each
+    call, an 800 KB WebP's 11 MB. None of them is a reason to refuse. A catch_warnings around each
+    decode swapped the one global list of filters for its span, unsafe across threads: another thread's
+    warnings were dropped meanwhile. Set once at import, they were gone whenever the import ran inside
+    someone's catch_warnings (pytest's collection is one), so each open checks they lead the list, a
+    slice compared, and sets them again only if not (setting them clears every module's record of the
+    warnings it showed once). Past our bound PIL's bomb warning is how it refuses (`_open_header`)."""
+    if warnings.filters[: len(_PIL_FILTERS)] != _PIL_FILTERS:
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+        warnings.filterwarnings("error", category=Image.DecompressionBombWarning)
+
+
+def _orientation(image: Image.Image, late_exif: bytes | None) -> int:
+    """The EXIF (or XMP) orientation its header gives, else `late_exif`'s (a PNG's eXIf chunk after its
+    pixels), 1 to 8; 1 where neither gives one. Read with the base class's getexif: PNG's own decodes
+    the whole file first when no eXIf chunk came before the pixels, to read one after them, as
+    transformers' load_image and vLLM do when they apply it (libpng's own pngtest.png has one there);
+    `png_chunks` found it, and it is read with no decode. Metadata too broken to read is no
+    orientation, as a browser shows such a file: the pixels decode as they did."""
     try:
-        orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
+        orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation)
+        if orientation is None and late_exif is not None:
+            exif = Image.Exif()
+            exif.load(late_exif)
+            orientation = exif.get(ExifTags.Base.Orientation)
         return orientation if orientation in _UPRIGHT else 1
     except Exception:
         return 1
 
 
-def jpeg_segments(data: bytes) -> tuple[int, int]:
-    """(scans, segments) of a JPEG: its SOS markers and all its segments, found by walking them (each
-    names its length) and skipping entropy-coded data, where 0xFF is always followed by a stuffed 0x00
-    or a restart marker. The walk stops once either count passes its bound (MAX_JPEG_SCANS,
-    MAX_CHUNKS)."""
-    scans = segments = 0
+@dataclass(frozen=True)
+class JpegSegments:
+    """What of a JPEG is read a piece at a time before its pixels (`jpeg_segments`)."""
+
+    num_scans: int  # its SOS markers: libjpeg decodes the whole picture once a scan
+    num_segments: int  # its marker segments (tables, metadata, comments, scans)
+    num_resource_blocks: int  # "8BIM" resource blocks in its header's Photoshop APP13s, PIL's one each
+    num_stray_bytes: int  # bytes between its header's segments: restart markers, fill, stuffed 0xFF, junk
+
+    @property
+    def num_reads(self) -> int:
+        """What PIL steps through in Python when it opens the file (the segments after the first scan
+        are libjpeg's, in C, but counted as well)."""
+        return self.num_segments + self.num_resource_blocks + self.num_stray_bytes
+
+
+def jpeg_segments(data: bytes) -> JpegSegments:
+    """A JPEG's scans and segments, found by walking them (each names its length) and skipping
+    entropy-coded data, where 0xFF is always followed by a stuffed 0x00 or a restart marker.
+
+    NOTE: its header, up to the first scan, is what PIL reads in Python when it opens the file, a
+    segment at a time, and whatever lies between segments a byte (or a 2-byte marker) at a time: 19
+    MiB of restart markers there took 5.8 s of the image thread, and 320 APP13 segments of empty
+    Photoshop resource blocks (each block read on its own) 1.3 s. So in the header those bytes and
+    blocks count as well, and the search for the next segment looks no further than the bound leaves
+    (over 19 MiB of 0xFF the search itself takes 0.24 s). The walk stops once a count passes its
+    bound (MAX_JPEG_SCANS, MAX_CHUNKS for `num_reads`)."""
+    scans = segments = blocks = stray = 0
     i = 2
-    while scans <= MAX_JPEG_SCANS and segments <= MAX_CHUNKS:
-        found = _JPEG_MARKER.search(data, i)
+    while i < len(data) and scans <= MAX_JPEG_SCANS and segments + blocks + stray <= MAX_CHUNKS:
+        left = MAX_CHUNKS - (segments + blocks + stray)
+        end = len(data) if scans else min(len(data), i + left + 3)  # stray bytes up to left + 1 found
+        found = _JPEG_MARKER.search(data, i, end)
         if found is None:
+            stray += 0 if scans else end - i  # past the bound, or PIL steps to the end of the file
             break
-        i = found.end() - 2  # the 0xFF just before the marker
+        if not scans:
+            stray += found.start() - i
+        i = found.start()  # the 0xFF just before the marker
         marker = data[i + 1]
         if marker == 0xD9 or i + 4 > len(data):  # end of image, or a cut file
             break
         segments += 1
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
         if marker == 0xDA:
             scans += 1
-        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-    return scans, segments
+        elif marker == 0xED and not scans and data.startswith(b"Photoshop 3.0\x00", i + 4):
+            blocks += data.count(b"8BIM", i + 4, i + 2 + length)  # each block opens with it: never fewer
+        i += 2 + length
+    return JpegSegments(scans, segments, blocks, stray)
 
 
-def png_chunks(data: bytes) -> tuple[int, int]:
-    """(chunks, iCCP chunks) of a PNG up to IEND, found by walking them (each names its length); the
-    walk stops once the count passes MAX_CHUNKS."""
+@dataclass(frozen=True)
+class PngChunks:
+    """What of a PNG is read a chunk at a time, and what its chunks say before it is opened
+    (`png_chunks`)."""
+
+    num_chunks: int  # its chunks up to IEND
+    num_profiles: int  # its iCCP chunks, each a colour profile PIL inflates
+    exif: bytes | None  # its last eXIf chunk's payload (PIL keeps the last), None without one
+
+
+def png_chunks(data: bytes) -> PngChunks:
+    """A PNG's chunks up to IEND, found by walking them (each names its length); the walk stops once
+    the count passes MAX_CHUNKS."""
     chunks = profiles = 0
+    exif: tuple[int, int] | None = None  # where the last eXIf's payload starts and ends
     i = 8
     while chunks <= MAX_CHUNKS and i + 8 <= len(data):
         chunks += 1
         kind = data[i + 4 : i + 8]
         if kind == b"IEND":
             break
+        length = int.from_bytes(data[i : i + 4], "big")
         profiles += kind == b"iCCP"
-        i += 12 + int.from_bytes(data[i : i + 4], "big")
-    return chunks, profiles
+        if kind == b"eXIf":
+            exif = (i + 8, i + 8 + length)
+        i += 12 + length
+    return PngChunks(chunks, profiles, data[exif[0] : exif[1]] if exif is not None else None)
 
 
 def gif_blocks(data: bytes) -> int:
