@@ -348,20 +348,19 @@ def test_add_request_raises_queue_full_at_max_waiting() -> None:
     scheduler.add_request(make_request("c", [1]))
 
 
-def test_paused_requests_count_against_max_waiting_so_every_unfinished_request_is_bounded() -> None:
-    """A pause takes a request out of the batch, leaving its slot to admit the next: were paused
-    requests not counted, a caller whose readers all fall behind would be held without bound (each a
-    Generate stream of the server's)."""
-    scheduler, _ = make_scheduler(max_num_seqs=2, max_waiting=2)
-    for round in range(10):
-        with pytest.raises(QueueFullError, match=r"full \(2 requests waiting or paused for their readers\)"):
-            while True:
-                scheduler.add_request(make_request(f"{round}-{scheduler.num_waiting}", [1, 2, 3]))
+def test_requests_paused_for_their_readers_never_refuse_a_new_request() -> None:
+    """A paused request holds no slot and no KV block, and nothing but its client ends it: counted in
+    max_waiting, one connection's unread streams would refuse every caller while the engine idles."""
+    scheduler, _ = make_scheduler(max_num_seqs=4, max_waiting=4)
+    for attempt in range(3):  # unread streams admitted, run, then paused as their readers fall behind
+        for index in range(4):
+            scheduler.add_request(make_request(f"unread-{attempt}-{index}", [1, 2, 3]))
         scheduler.schedule()
-        for request in list(scheduler.running):  # their readers fall behind: the engine pauses them
+        for request in list(scheduler.running):
             scheduler.pause(request.request_id)
-    held = scheduler.num_waiting + scheduler.num_paused + scheduler.num_running
-    assert (held, scheduler.num_paused) == (2, 2)  # at most max_waiting + max_num_seqs
+    assert (scheduler.num_paused, scheduler.num_running, scheduler.num_waiting) == (12, 0, 0)
+    scheduler.add_request(make_request("neighbour", [5, 6]))
+    assert ids(scheduler.schedule()) == ["neighbour"]
 
 
 def test_request_needing_more_blocks_than_the_cache_is_rejected() -> None:

@@ -24,8 +24,7 @@ FAIR_TURN_TOKENS = 128
 
 
 class QueueFullError(ResourceExhausted):
-    """The waiting queue holds `max_waiting` requests, waiting or paused; the same request may succeed
-    later."""
+    """The waiting queue holds `max_waiting` requests; the same request may succeed later."""
 
 
 class RequestTooLongError(InvalidArgument, ValueError):
@@ -42,10 +41,7 @@ class RequestTooLongError(InvalidArgument, ValueError):
 class SchedulerConfig:
     max_num_seqs: int = 64  # requests in one step (running set size)
     max_num_batched_tokens: int = 2048  # token budget of one step, prefill and decode together
-    # Waiting-queue bound: requests waiting or paused (everything held and not running), so that
-    # max_waiting + max_num_seqs bound every unfinished request; add_request raises QueueFullError
-    # beyond it.
-    max_waiting: int = 256
+    max_waiting: int = 256  # waiting-queue bound; add_request raises QueueFullError beyond it
     # Most positions of one request per step; None = whatever is left of the step's budget. Set (with
     # a budget of max_num_seqs times it) a request's prefill chunks no longer depend on its neighbours.
     max_tokens_per_request: int | None = None
@@ -151,7 +147,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request (FCFS within its caller). Raises RequestTooLongError if it could never fit
-        in the KV pool, and QueueFullError when max_waiting requests wait or are paused. Request building
+        in the KV pool, and QueueFullError when the waiting queue is at max_waiting. Request building
         has checked it against the model's context already (`prompt.build_request`)."""
         if request.request_id in self._requests:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in use")
@@ -164,14 +160,12 @@ class Scheduler:
             too_long = self.block_manager.num_blocks_for_tokens(request.num_prompt_tokens) > num_total_blocks
             field = "prompt" if too_long else "stopping.max_new_tokens"
             raise RequestTooLongError(field, "the number of KV blocks", num_total_blocks, num_blocks)
-        # Paused requests count: each is a stream held as a waiting one is, and a pause takes a
-        # running request out of max_num_seqs, so without them a caller whose readers fall behind
-        # (each pause leaves a slot to admit the next) is held without bound.
-        if len(self.waiting) + len(self.paused) >= self.config.max_waiting:
-            raise QueueFullError(
-                f"waiting queue is full ({self.config.max_waiting} requests waiting or paused for "
-                "their readers)"
-            )
+        # Paused requests do not count: each holds no slot and no KV block, and only its client ends
+        # it, so counted, a connection's unread streams would refuse every caller while the engine
+        # idles. What bounds them is each connection's (and token's) stream bound and the server's
+        # bound on calls (RELIABILITY.md, "Limits").
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
