@@ -280,6 +280,33 @@ async def test_an_attacker_on_the_gateways_own_address_leaves_its_health_and_mod
         await asyncio.gather(*(attacker.close() for attacker in attackers))
 
 
+async def test_the_gateways_own_model_info_calls_go_to_the_replicas_seen_serving_only(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """/v1/models (asked each time) and the first model-info lookup of a completion go to the replicas
+    the gateway's watch has seen serve. Over the gateway's own decoder client, which watches none, a
+    loading or failed replica (its GetModelInfo UNAVAILABLE) got its share: 26 of 60 failed."""
+    (a, server_a), (b, server_b) = replicas
+    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)  # loading, or its engine failed
+    address = ",".join(f"127.0.0.1:{running.port}" for running in (server_a, server_b))
+    async with live_gateway(address) as url, aiohttp.ClientSession() as session:
+
+        async def health_status() -> int:
+            async with session.get(url.removesuffix("/v1") + "/health") as response:
+                return response.status
+
+        async with asyncio.timeout(10):  # until the gateway's watch has seen A serve
+            while await health_status() != 200:
+                await asyncio.sleep(0.05)
+        for _ in range(8):
+            async with session.get(url + "/models") as response:
+                assert response.status == 200, await response.text()
+        body = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
+        async with session.post(url + "/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+    assert b.num_infos == 0 and a.num_infos >= 9, (a.num_infos, b.num_infos)
+
+
 async def test_a_replica_killed_and_started_again_on_its_port_is_seen_serving_again(
     replicas: list[tuple[CountingDecoder, RunningServer]],
 ) -> None:

@@ -17,11 +17,12 @@ of its request, which frees their KV blocks. Each caller reaches the decoder ove
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -32,11 +33,11 @@ from aiohttp.web_protocol import RequestPayloadError
 from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
-from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
 from tandem.gateway import answers, embeddings, images
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
 from tandem.gateway.body_limits import BodyLimits, count_values
-from tandem.gateway.callers import CallerChannels, caller_of
+from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of
 from tandem.gateway.calls import EmbedCall, GenerateCall
 from tandem.gateway.chat_request import chat_request
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
@@ -78,7 +79,7 @@ class Gateway:
         tracer: Any = None,
     ) -> None:
         self.config = config
-        self.decoder = decoder  # model info, and a single decoder's health; completions go over `callers`
+        self.decoder = decoder  # one decoder's model info and health; completions go over `callers`
         self.encoder = encoder
         self.callers = callers
         self.workers = workers
@@ -204,9 +205,10 @@ class Gateway:
 
     async def _model_cards(self, request: web.Request) -> list[dict[str, Any]]:
         # Asked each time, not cached: adapters load and unload while the gateway runs.
-        info = await self.decoder.stub.GetModelInfo(
-            decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
-        )
+        async with self._decoder_stub() as stub:
+            info = await stub.GetModelInfo(
+                decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+            )
         card = {"id": info.model, "object": "model", "created": 0, "owned_by": "tandem"}
         # LoRA adapters as vLLM lists them: a model of their own, its parent the base model.
         adapters = [
@@ -437,10 +439,22 @@ class Gateway:
     async def _decoder(self, request: web.Request) -> decoder_pb2.DecoderGetModelInfoResponse:
         """The decoder's model info (its name, its context), asked once."""
         if self._decoder_info is None:
-            self._decoder_info = await self.decoder.stub.GetModelInfo(
-                decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
-            )
+            async with self._decoder_stub() as stub:
+                self._decoder_info = await stub.GetModelInfo(
+                    decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+                )
         return self._decoder_info
+
+    @contextlib.asynccontextmanager
+    async def _decoder_stub(self) -> AsyncIterator[decoder_pb2_grpc.DecoderStub]:
+        """The gateway's own decoder stub: over several replicas, a channel over those its watch has seen
+        serve, as a caller's is (`callers.py`); `self.decoder` balances over every replica, watching
+        none, so a loading or failed one got its share of model-info calls, each UNAVAILABLE."""
+        if self.callers.replicas is None:
+            yield self.decoder.stub
+        else:
+            async with self.callers.stub(GATEWAY_CALLER) as stub:
+                yield stub
 
     async def _encoder(self, request: web.Request) -> encoder_pb2.EncoderGetModelInfoResponse:
         """The encoder's model info (its width, its input bound), asked once."""

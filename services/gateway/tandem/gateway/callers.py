@@ -45,6 +45,8 @@ if TYPE_CHECKING:  # OpenTelemetry is optional
     from tandem.client.telemetry import Telemetry
 
 DECODER_SERVICE = "tandem.v1.Decoder"  # its health status is what the replicas are watched for
+# The gateway's own calls (model info) as a caller: no `caller_of` key has this form.
+GATEWAY_CALLER = "gateway"
 
 
 def caller_of(authorization: str, peer: str | None, tokens_checked: bool) -> str:
