@@ -17,6 +17,7 @@ from grpc_status import rpc_status
 from tandem.client import errors, memory
 from tandem.client.channel import channel_options
 from tandem.client.errors import ConfigError
+from tandem.common import server as server_module
 from tandem.common.call_bound import grpc_bound
 from tandem.common.server import (
     GRPC_LOGGER,
@@ -198,6 +199,42 @@ async def test_graceful_stop_finishes_in_flight_streams_and_refuses_new_ones(run
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await channel.unary_unary("/test.Faulty/BadInput")(b"", timeout=2)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_stopping_server_says_not_serving_and_still_takes_calls_during_its_drain_notice(
+    running: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notice, made long here so that nothing in the test races it: health is NOT_SERVING at once
+    and a new call is served, so a balanced client that has not heard yet loses nothing (gRPC's stop
+    at once cancelled the calls that reached it after its shutdown began: CANCELLED, never retried)."""
+    monkeypatch.setattr(server_module, "DRAIN_NOTICE_S", 60.0)
+    await running.set_serving()
+    stopping = asyncio.create_task(running.stop(grace_s=120.0))
+    try:
+        async with _channel(running) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service="test.Faulty"), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await channel.unary_unary("/test.Faulty/Echo")(b"late", timeout=5) == b"late"
+        assert not stopping.done()
+    finally:
+        stopping.cancel()  # the fixture's stop(0) ends the server: no notice at grace 0
+
+
+async def test_a_stops_drain_notice_counts_within_its_grace(
+    running: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop takes no longer than its grace, notice included: with a stream running, a grace
+    shorter than the notice ends the stop when it runs out, not after the notice (60 s here), so
+    `--grace-s` and the terminationGracePeriod set from it hold; grace 0 has no notice at all."""
+    monkeypatch.setattr(server_module, "DRAIN_NOTICE_S", 60.0)
+    await running.set_serving()
+    async with _channel(running) as channel:
+        call = channel.unary_stream("/test.Faulty/Slow")(b"", timeout=10)  # 0.5 s of ticks
+        assert await call.read() == b"tick"
+        await asyncio.wait_for(running.stop(grace_s=0.1), 10)
+        call.cancel()
+        await asyncio.wait_for(running.stop(grace_s=0), 10)
 
 
 async def test_bytes_that_do_not_parse_are_invalid_argument_not_internal(running: RunningServer) -> None:
