@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,13 @@ from safetensors.torch import save_file
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
 from tandem.decoder.models.loader import LoadedModel
-from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
+from tandem.decoder.models.peft_adapter import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterError,
+    max_weights_bytes,
+    read_adapter,
+)
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +237,129 @@ def test_refusals_name_the_directory_as_shown_never_the_path_opened(
     assert said[1] == "adapter_model.safetensors: not found in team/x"
     assert said[2].startswith("adapter_config.json: team/x/adapter_config.json is not valid JSON")
     assert not any(str(tmp_path) in s for s in said)
+
+
+def test_the_weights_file_is_never_memory_mapped(
+    adapter_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A mapped file that shrinks under the reader (`cp` over it truncates, then writes) is SIGBUS: the
+    # decoder and every stream on it dead. Whatever maps the file, it is mapped while tensors are checked.
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    weights = str((adapter_dir / WEIGHTS_FILE).resolve())
+    mapped_while_checked = []
+    isfinite = torch.isfinite
+
+    def checking(tensor: torch.Tensor) -> torch.Tensor:
+        mapped_while_checked.append(weights in maps.read_text())
+        return isfinite(tensor)
+
+    monkeypatch.setattr(torch, "isfinite", checking)
+    read_adapter(adapter_dir, tiny_fp32.config, max_rank=16)
+    assert mapped_while_checked and not any(mapped_while_checked)
+
+
+@pytest.mark.parametrize("change", ["cut short", "rewritten"])
+def test_a_weights_file_changed_while_read_is_refused(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    # What `cp` over an adapter does while a LoadAdapter reads it: truncate, then write.
+    out = copy_with(adapter_dir, tmp_path / "a")
+    weights = out / WEIGHTS_FILE
+    whole = weights.read_bytes()
+    inode, os_read = weights.stat().st_ino, os.read
+
+    def change_then_read(fd: int, size: int) -> bytes:  # after the reader's open and fstat
+        if os.fstat(fd).st_ino == inode and weights.stat().st_size == len(whole):
+            weights.write_bytes(whole[: len(whole) // 2])
+            if change == "rewritten":
+                time.sleep(0.01)  # a later mtime, whatever the file system's clock tick
+                weights.write_bytes(whole[: len(whole) // 2] + bytes(len(whole) - len(whole) // 2))
+        return os_read(fd, size)
+
+    monkeypatch.setattr(os, "read", change_then_read)
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(out, tiny_fp32.config, max_rank=16, shown="team/a")
+    assert str(refused.value) == (
+        "adapter_model.safetensors: changed while it was read (being written?): load team/a once it is whole"
+    )
+
+
+@pytest.mark.parametrize("name", [CONFIG_FILE, WEIGHTS_FILE])
+def test_a_fifo_swapped_in_for_a_file_is_refused_without_blocking(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # Swapped in after any check the reader makes (is_file stands for them): its open or read waited
+    # for a writer for ever, holding the one adapter-reader thread, every later load and the exit.
+    out = copy_with(adapter_dir, tmp_path / "a")
+    (out / name).unlink()
+    os.mkfifo(out / name)
+    monkeypatch.setattr(Path, "is_file", lambda self: True)
+    said: list[str] = []
+
+    def load() -> None:
+        try:
+            read_adapter(out, tiny_fp32.config, max_rank=16, shown="team/a")
+        except AdapterError as error:
+            said.append(str(error))
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=5)
+    if reader.is_alive():  # the old reader: give it its EOF, so nothing is left blocked
+        os.close(os.open(out / name, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=5)
+        pytest.fail(f"reading {name} blocked on a FIFO")
+    assert said == [f"{name}: must be a regular file in team/a"]
+
+
+def test_a_file_gone_after_the_checks_is_refused_without_the_server_s_path(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An operator's unlink-and-recreate during a load: safetensors' own error named the absolute path.
+    out = copy_with(adapter_dir, tmp_path / "a")
+    (out / WEIGHTS_FILE).unlink()
+    monkeypatch.setattr(Path, "is_file", lambda self: True)  # it was there when checked
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(out, tiny_fp32.config, max_rank=16, shown="team/a")
+    assert str(refused.value) == "adapter_model.safetensors: not found in team/a"
+
+
+def test_a_weights_file_larger_than_any_adapter_of_its_rank_is_refused_unread(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    # Read whole into memory, a file of any size would be the decoder's memory: bounded by r and the
+    # base model (float64 tensors for every module of every layer, and a header).
+    out = copy_with(adapter_dir, tmp_path / "a")
+    most = max_weights_bytes(tiny_fp32.config, rank=8)
+    os.truncate(out / WEIGHTS_FILE, most + 1)  # sparse: nothing written
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(out, tiny_fp32.config, max_rank=16)
+    assert refused.value.field == WEIGHTS_FILE
+    assert refused.value.description == (
+        f"has {most + 1:,} bytes, more than the {most:,} an adapter of r 8 for this base model can hold"
+    )
+
+
+def test_the_pickle_hint_says_the_same_whatever_its_name_leads_to(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    # A symlink named adapter_model.bin told whether the file it names, anywhere, exists.
+    said = []
+    for target in (tmp_path / "exists", tmp_path / "missing"):
+        out = copy_with(adapter_dir, tmp_path / f"to-{target.name}")
+        (out / WEIGHTS_FILE).unlink()
+        (tmp_path / "exists").write_text("")
+        (out / "adapter_model.bin").symlink_to(target)
+        with pytest.raises(AdapterError) as refused:
+            read_adapter(out, tiny_fp32.config, max_rank=16, shown="x")
+        said.append(str(refused.value))
+    assert (
+        said
+        == [
+            "adapter_model.safetensors: not found in x "
+            "(adapter_model.bin is a pickle, never read: save it as safetensors)"
+        ]
+        * 2
+    )

@@ -9,26 +9,49 @@ the base model's own projection has (so an adapter made for another base model, 
 or head counts differ, fails naming the first tensor that does not fit).
 
 Scaling is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`.
+
+NOTE: how the files are read. The directory is opened once and each file relative to it, without
+blocking (a FIFO swapped in after any check would hold the one adapter-reader thread, every later
+load and the server's exit for ever: the open is O_NONBLOCK and anything fstat does not call a regular
+file is refused), and read whole into memory from that descriptor, never memory-mapped: a mapped file
+that shrinks under the reader (`cp` over it truncates, then writes) kills the process with SIGBUS, and
+every stream on the server with it. The read is bounded by the file's size at open, and that size by
+what an adapter of its r for this base model can hold; a file whose size or mtime moved during the
+read is refused. No refusal formats an OS or library error that may hold the server's own path: a
+refusal names the directory as `shown`.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 
 from tandem.client.errors import InvalidArgument
-from tandem.common.checkpoint import read_json
+from tandem.common.checkpoint import MAX_JSON_BYTES
 from tandem.decoder.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: no longer path names a file
 WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+# A safetensors header past its 8-byte length: ~130 bytes a tensor, 14 tensors a layer (1 MiB is ~570
+# layers), and PEFT's metadata is {"format": "pt"}. What an adapter's file may hold beyond its tensors.
+MAX_HEADER_BYTES = 4 << 20
+# The widest floating-point dtype safetensors holds (F64): a tensor's most bytes per value.
+MAX_ITEM_BYTES = 8
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+_MAX_READ_BYTES = 1 << 30  # one read(2); Linux returns at most ~2 GiB a call
 
 # The checkpoint modules an adapter may target (models/lora.py: the fused projection each is part of).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -77,6 +100,15 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def max_weights_bytes(config: ModelConfig, rank: int) -> int:
+    """The largest adapter_model.safetensors an adapter of rank `rank` for this base model can be: every
+    target module of every layer, A and B, in float64, and its header."""
+    values_per_layer = sum(
+        rank * (out_features + in_features) for out_features, in_features in module_shapes(config).values()
+    )
+    return 8 + MAX_HEADER_BYTES + MAX_ITEM_BYTES * config.num_layers * values_per_layer
+
+
 def read_adapter(
     path: str | Path, config: ModelConfig, max_rank: int, shown: str | None = None
 ) -> LoraAdapter:
@@ -87,32 +119,91 @@ def read_adapter(
         raise AdapterError("path", "must not be empty (it would name the server's working directory)")
     if len(str(path).encode()) > MAX_PATH_BYTES:
         raise AdapterError("path", f"must be at most {MAX_PATH_BYTES} bytes, got {len(str(path).encode())}")
-    path = Path(path)
     shown = str(path) if shown is None else shown
     try:
-        if not path.is_dir():
-            raise AdapterError("path", f"{shown} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
-        settings = read_json(path / CONFIG_FILE, _ConfigFileError)
-    except _ConfigFileError as error:  # read_json names the file by the path it opened
-        raise _ConfigFileError(error.description.replace(str(path), shown)) from None
+        directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise AdapterError("path", f"{shown} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})") from None
     except OSError as error:  # a name over NAME_MAX, a directory that cannot be listed...
         raise AdapterError("path", f"cannot be read: {error.strerror}") from None
-    rank, scale = _check_config(settings, max_rank)
-    weights_path = path / WEIGHTS_FILE
-    if not weights_path.is_file():
-        pickle = (path / "adapter_model.bin").exists()
-        hint = " (adapter_model.bin is a pickle, never read: save it as safetensors)" if pickle else ""
-        raise AdapterError(WEIGHTS_FILE, f"not found in {shown}{hint}")
     try:
-        weights = _read_weights(weights_path, config, rank)
-    except OSError as error:
-        raise AdapterError(WEIGHTS_FILE, f"cannot be read: {error.strerror}") from None
+        return _read_directory(directory, config, max_rank, shown)
+    finally:
+        os.close(directory)
+
+
+def _read_directory(directory: int, config: ModelConfig, max_rank: int, shown: str) -> LoraAdapter:
+    """read_adapter's work, every file opened relative to the open `directory`."""
+    config_bytes = _read_file(
+        directory, CONFIG_FILE, shown, MAX_JSON_BYTES, "a JSON file of a checkpoint may"
+    )
+    if config_bytes is None:
+        raise _ConfigFileError(f"{CONFIG_FILE} not found in {shown}")
+    rank, scale = _check_config(_parse_config(config_bytes, f"{shown}/{CONFIG_FILE}"), max_rank)
+    max_bytes = max_weights_bytes(config, rank)
+    weights_bytes = _read_file(
+        directory, WEIGHTS_FILE, shown, max_bytes, f"an adapter of r {rank} for this base model can hold"
+    )
+    if weights_bytes is None:
+        try:  # the name itself, inside the directory: a symlink is not followed (it may lead anywhere)
+            os.stat(PICKLE_FILE, dir_fd=directory, follow_symlinks=False)
+            hint = f" ({PICKLE_FILE} is a pickle, never read: save it as safetensors)"
+        except OSError:
+            hint = ""
+        raise AdapterError(WEIGHTS_FILE, f"not found in {shown}{hint}")
+    weights = _read_weights(weights_bytes, config, rank)
     targets = tuple(t for t in TARGETS if any(module == t for _, module in weights))
     return LoraAdapter(rank=rank, scale=scale, targets=targets, weights=weights)
 
 
+def _read_file(directory: int, name: str, shown: str, max_bytes: int, limit: str) -> bytes | None:
+    """The whole of regular file `name` in `directory`, read from one descriptor; None where nothing is
+    there. Raises AdapterError naming the file: not a regular file, over `max_bytes` (`limit` says
+    whose bound it is), unreadable, or changed while it was read."""
+    try:
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=directory)
+    except FileNotFoundError:  # a dangling symlink too
+        return None
+    except OSError as error:  # strerror only: the exception's own text names the server's path
+        raise AdapterError(name, f"cannot be read: {error.strerror}") from None
+    try:
+        before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode):
+            raise AdapterError(name, f"must be a regular file in {shown}")
+        if before.st_size > max_bytes:
+            raise AdapterError(name, f"has {before.st_size:,} bytes, more than the {max_bytes:,} {limit}")
+        chunks = []
+        num_left = before.st_size
+        while num_left > 0 and (chunk := os.read(fd, min(num_left, _MAX_READ_BYTES))):
+            chunks.append(chunk)
+            num_left -= len(chunk)
+        after = os.fstat(fd)
+    except OSError as error:
+        raise AdapterError(name, f"cannot be read: {error.strerror}") from None
+    finally:
+        os.close(fd)
+    if num_left or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise AdapterError(name, f"changed while it was read (being written?): load {shown} once it is whole")
+    return b"".join(chunks)
+
+
+def _parse_config(data: bytes, shown_file: str) -> dict[str, Any]:
+    """adapter_config.json's object, refused as read_json refuses a checkpoint's JSON files."""
+    try:
+        value = json.loads(data.decode())
+    except UnicodeDecodeError as error:
+        raise _ConfigFileError(f"{shown_file} is not UTF-8 text: {error}") from None
+    except json.JSONDecodeError as error:
+        raise _ConfigFileError(f"{shown_file} is not valid JSON: {error}") from None
+    except RecursionError:  # json's C parser recurses once per level: 100,000 nested lists reach it
+        raise _ConfigFileError(f"{shown_file} nests too deeply to read") from None
+    if not isinstance(value, dict):
+        raise _ConfigFileError(f"{shown_file} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
 class _ConfigFileError(AdapterError):
-    """adapter_config.json missing or not JSON (read_json's message names the file's path)."""
+    """adapter_config.json missing or not a JSON object."""
 
     def __init__(self, message: str) -> None:
         super().__init__(CONFIG_FILE, message)
@@ -158,48 +249,47 @@ def _check_config(settings: dict[str, Any], max_rank: int) -> tuple[int, float]:
 
 
 def _read_weights(
-    path: Path, config: ModelConfig, rank: int
+    data: bytes, config: ModelConfig, rank: int
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     shapes = module_shapes(config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    try:
-        handle = safe_open(path, framework="pt", device="cpu")
-    except Exception as error:  # safetensors raises its own SafetensorError for a malformed header
-        raise AdapterError(WEIGHTS_FILE, f"cannot be read: {error}") from None
-    with handle:
-        for name in handle.keys():
-            match = _TENSOR_NAME.fullmatch(name)
-            if match is None:
-                raise AdapterError(
-                    f"{WEIGHTS_FILE}:{name}",
-                    "is not a LoRA weight of a decoder layer's self_attn.q_proj, k_proj, v_proj, o_proj or "
-                    "mlp.gate_proj, up_proj, down_proj",
-                )
-            layer, module, half = int(match.group(1)), match.group(2) or match.group(3), match.group(4)
-            if layer >= config.num_layers:
-                raise AdapterError(
-                    f"{WEIGHTS_FILE}:{name}", f"names layer {layer}; the base model has {config.num_layers}"
-                )
-            out_features, in_features = shapes[module]
-            want = (rank, in_features) if half == "A" else (out_features, rank)
-            shape = tuple(handle.get_slice(name).get_shape())
-            if shape != want:
-                raise AdapterError(
-                    f"{WEIGHTS_FILE}:{name}",
-                    f"has shape {list(shape)}, expected {list(want)} (r {rank} and the base model's "
-                    f"{module}: in {in_features}, out {out_features})",
-                )
-            tensor = handle.get_tensor(name)
-            if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
-                raise AdapterError(f"{WEIGHTS_FILE}:{name}", "must hold finite floating-point values")
-            # Finite in the file's float64 may be Inf once in float32, or in the slots' dtype
-            # (float16 ends at 65504): every request on the adapter would then sample from NaN.
-            if not (torch.isfinite(tensor.float()).all() and torch.isfinite(tensor.to(config.dtype)).all()):
-                dtype = str(config.dtype).removeprefix("torch.")
-                raise AdapterError(
-                    f"{WEIGHTS_FILE}:{name}", f"holds values beyond float32's or the model's {dtype} range"
-                )
-            halves.setdefault((layer, module), {})[half] = tensor.float()
+    try:  # safetensors checks the header (its length, offsets, dtypes) against the bytes read
+        tensors = load_safetensors(data)
+    except SafetensorError as error:  # parsed from memory: its message names no path
+        raise AdapterError(WEIGHTS_FILE, f"is not a safetensors file: {error}") from None
+    for name in sorted(tensors):
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None:
+            raise AdapterError(
+                f"{WEIGHTS_FILE}:{name}",
+                "is not a LoRA weight of a decoder layer's self_attn.q_proj, k_proj, v_proj, o_proj or "
+                "mlp.gate_proj, up_proj, down_proj",
+            )
+        layer, module, half = int(match.group(1)), match.group(2) or match.group(3), match.group(4)
+        if layer >= config.num_layers:
+            raise AdapterError(
+                f"{WEIGHTS_FILE}:{name}", f"names layer {layer}; the base model has {config.num_layers}"
+            )
+        out_features, in_features = shapes[module]
+        want = (rank, in_features) if half == "A" else (out_features, rank)
+        tensor = tensors[name]
+        shape = tuple(tensor.shape)
+        if shape != want:
+            raise AdapterError(
+                f"{WEIGHTS_FILE}:{name}",
+                f"has shape {list(shape)}, expected {list(want)} (r {rank} and the base model's "
+                f"{module}: in {in_features}, out {out_features})",
+            )
+        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+            raise AdapterError(f"{WEIGHTS_FILE}:{name}", "must hold finite floating-point values")
+        # Finite in the file's float64 may be Inf once in float32, or in the slots' dtype
+        # (float16 ends at 65504): every request on the adapter would then sample from NaN.
+        if not (torch.isfinite(tensor.float()).all() and torch.isfinite(tensor.to(config.dtype)).all()):
+            dtype = str(config.dtype).removeprefix("torch.")
+            raise AdapterError(
+                f"{WEIGHTS_FILE}:{name}", f"holds values beyond float32's or the model's {dtype} range"
+            )
+        halves.setdefault((layer, module), {})[half] = tensor.float()
     weights = {}
     for (layer, module), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
