@@ -424,12 +424,24 @@ def test_a_gif_bomb_is_refused_from_its_header_before_any_frame_is_inflated() ->
     Image.new("P", (2048, 1024), 0).save(out, "GIF")  # LZW: 2 Mpx of one colour in a few KB
     lzw = out.getvalue()
     # PIL reads an extension's sub-blocks in Python (1 million: 0.3 s), all before any size rule.
-    extensions = header + b"\x21\xfe" + b"\x01x" * (MAX_CHUNKS + 1) + b"\x00" + frame + trailer
+    sub_blocks = b"\x01x" * (MAX_CHUNKS + 1) + b"\x00"
+    extensions = header + b"\x21\xfe" + sub_blocks + frame + trailer
+    # A byte other than '!', ',' or ';' PIL skips, one read at a time (20 MB: 1.5 s); and after an
+    # extension's first sub-block, even the empty one ending it, PIL reads on to the next empty one
+    # (10 million sub-blocks past an empty graphic control extension: 1.3 s), as it does after an
+    # application extension's NETSCAPE2.0 block and its loop count's read. Each was counted as 0 or 1.
+    strays = header + b"\x01" * (MAX_CHUNKS + 1) + frame + trailer
+    past_empty = header + b"\x21\xf9\x00" + sub_blocks + frame + trailer
+    past_loop = header + b"\x21\xff\x0bNETSCAPE2.0\x00" + sub_blocks + frame + trailer
+    too_many = f"a GIF of over {MAX_CHUNKS} blocks and sub-blocks before its first frame"
     for data, refusal in (
         (bytes(screen), "claims 4294836225 pixels, over max_image_pixels"),
         (bytes(beyond), "claims 3600000000 pixels, over max_image_pixels"),
         (lzw, "claims 2097152 pixels, over max_image_pixels 1048576"),
-        (extensions, f"a GIF of over {MAX_CHUNKS} blocks and sub-blocks before its first frame"),
+        (extensions, too_many),
+        (strays, too_many),
+        (past_empty, too_many),
+        (past_loop, too_many),
     ):
         assert len(data) < 140_000
         start = time.perf_counter()
@@ -438,6 +450,7 @@ def test_a_gif_bomb_is_refused_from_its_header_before_any_frame_is_inflated() ->
         assert error.value.field == "image.data" and time.perf_counter() - start < 0.05
     assert gif_blocks(_gif(["red", "blue"])) < 10
     assert gif_blocks(header + b"\x21\xfe\x01x\x00" * 1000 + frame) == 2000
+    assert gif_blocks(header + b"\x21\xfe\x00" * 1000 + frame) == 1000  # an empty comment ends there
 
 
 class _NeighbourWarning(Warning):

@@ -43,8 +43,9 @@ MAX_JPEG_SCANS = 32
 # +658 MB, each holding the image thread and the GIL. A real file has a few dozen; a PNG up to a few
 # thousand (libpng writes IDAT in 8 KiB chunks, 2,560 in 20 MiB; an APNG two a frame). A GIF's
 # extensions before its first frame are read the same way, a sub-block (1 to 255 bytes) at a time: 1
-# million of them took 0.3 s, and 20 MiB holds 10 million; a real GIF has a handful. The walk that
-# counts them stops past the bound.
+# million of them took 0.3 s, and 20 MiB holds 10 million; a real GIF has a handful. So is each
+# stray byte between them, which PIL skips one read at a time (20 MB: 1.5 s). The walk that counts
+# them stops past the bound.
 MAX_CHUNKS = 65_536
 # The longest side taken, JPEG's own limit. PIL's resize keeps a table of filter weights of about 6
 # doubles per pixel of the side it shrinks: a 4 KB PNG of 33,554,432 x 1 (within max_image_pixels)
@@ -302,19 +303,36 @@ def png_chunks(data: bytes) -> PngChunks:
 
 
 def gif_blocks(data: bytes) -> int:
-    """The extension blocks and their sub-blocks before a GIF's first image (each names its length):
-    what PIL reads in Python when it opens the file. The frame's own data PIL's decoder reads in C,
-    and no other frame is read. The walk stops once the count passes MAX_CHUNKS."""
+    """What PIL reads in Python before a GIF's first image, one read at a time: each extension, each
+    sub-block (1 to 255 bytes) and each stray byte (any other than an extension's '!', an image's ','
+    or the trailer's ';', which PIL skips a byte at a time). The frame's own data PIL's decoder reads
+    in C, and no other frame is read. The walk follows GifImageFile._seek (PIL 13) read for read, so
+    it counts what PIL would read, not what a well-formed GIF holds, and stops once the count passes
+    MAX_CHUNKS."""
     if len(data) < 13:
         return 0
     packed = data[10]  # the logical screen's: a global colour table of 2^(n+1) colours follows
     i = 13 + (3 << ((packed & 7) + 1) if packed & 0x80 else 0)
     blocks = 0
-    while blocks <= MAX_CHUNKS and i < len(data) and data[i] == 0x21:  # an extension, not an image
+    while blocks <= MAX_CHUNKS and i < len(data) and data[i] not in (0x2C, 0x3B):  # an image; the end
         blocks += 1
-        i += 2  # its introducer and label
+        introducer, label = data[i], data[i + 1 : i + 2]
+        i += 1
+        if introducer != 0x21:  # a stray byte
+            continue
+        i += 1
+        first = data[i + 1 : i + 1 + data[i]] if i < len(data) else b""
+        i += 1 + len(first)  # PIL reads the first sub-block whatever the label
+        blocks += bool(first)
+        if label == b"\xfe" and not first:  # an empty comment ends there
+            continue
+        if label == b"\xff" and first.startswith(b"NETSCAPE2.0") and i < len(data):
+            blocks += data[i] != 0  # its loop count: one read more, empty or not
+            i += 1 + data[i]
+        # Then on to the next empty sub-block, even when the first read was the empty one ending the
+        # extension (PIL's `while self.data()` after it): the sub-blocks past it are read too.
         while blocks <= MAX_CHUNKS and i < len(data) and data[i] != 0:
             blocks += 1
             i += 1 + data[i]
-        i += 1  # the terminating empty sub-block
+        i += 1
     return blocks
