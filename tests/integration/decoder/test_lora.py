@@ -266,10 +266,8 @@ async def test_a_server_without_lora_root_serves_its_start_up_adapters_and_loads
             grpc.StatusCode.FAILED_PRECONDITION,
             "path: this server loads adapters at start only (--lora): start it with --lora-root DIR",
         )
-        # The operator's own adapter, as the operator named it.
-        assert [(a.name, a.path) for a in await served.client.list_adapters()] == [
-            ("qv4", str(adapters["qv4"]))
-        ]
+        # The operator's own adapter, by its directory's name: the server's path is no caller's business.
+        assert [(a.name, a.path) for a in await served.client.list_adapters()] == [("qv4", "qv4")]
     finally:
         await shutdown(served)
 

@@ -5,13 +5,14 @@ root."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.model_name import echo
-from tandem.decoder.models.adapter_root import AdapterRoot
+from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
 from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE
 
 
@@ -114,9 +115,29 @@ def test_a_nul_or_an_over_long_path_is_refused_as_what_it_is(tree: dict[str, Pat
     assert refusal(root, too_long) == f"must be at most {MAX_PATH_BYTES} bytes, got {MAX_PATH_BYTES + 1}"
 
 
-def test_a_start_up_adapter_is_shown_relative_to_the_root_when_inside_it_else_as_the_operator_wrote_it(
-    tree: dict[str, Path],
+def test_a_start_up_adapter_is_shown_relative_to_the_root_as_named_else_by_its_directory_s_name(
+    tree: dict[str, Path], tmp_path: Path
 ) -> None:
+    (tree["root"] / "latest").symlink_to("team/mlp8")
+    (tmp_path / "elsewhere").symlink_to(tree["root"] / "qv4")
     root = AdapterRoot(tree["root"])
     assert root.shown(tree["root"] / "team" / "mlp8") == "team/mlp8"
-    assert root.shown(tree["outside"] / "secret") == str(tree["outside"] / "secret")
+    # By the name it was given, as LoadAdapter reports a caller's "latest", not by its target.
+    assert root.shown(tree["root"] / "latest") == "latest"
+    assert root.shown(tmp_path / "elsewhere") == "qv4"  # named outside, inside once resolved
+    # Outside the root, or with no root at all: never the server's own path, which every caller sees.
+    assert root.shown(tree["outside"] / "secret") == "secret"
+    assert start_up_shown(tree["outside"] / "secret") == "secret"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and searches every directory")
+def test_a_directory_the_server_cannot_read_or_search_gets_the_one_refusal(tree: dict[str, Path]) -> None:
+    root = AdapterRoot(tree["root"])
+    said = set()
+    for mode in (0o000, 0o300, 0o500 & ~0o100):  # nothing; no read; no search
+        (tree["root"] / "qv4").chmod(mode)
+        try:
+            said.add(refusal(root, "qv4"))
+        finally:
+            (tree["root"] / "qv4").chmod(0o700)
+    assert said == {refusal(root, "missing").replace("'missing'", "'qv4'")}

@@ -2,16 +2,20 @@
 
 NOTE: what a caller can learn. A LoadAdapter path is taken relative to the root (or is an absolute path
 inside it), resolved with every symlink followed, and served only if it resolves to a directory inside
-the root whose adapter files resolve inside it too. Every other path, whatever the reason (a `..`
-component, an absolute path elsewhere, a symlink leading out, nothing there, a file, a directory
-that cannot be read), gets one refusal with one wording, naming the field and the flag and echoing
-only what the caller sent, so a caller learns nothing of the file system outside the root, nor even
-whether a path inside it is missing or leads out. The adapter is then read from the resolved
-directory, never from the caller's path again, and reported by its path relative to the root.
+the root, which the server may list and search, whose adapter files resolve inside it too. Every other
+path, whatever the reason (a `..` component, an absolute path elsewhere, a symlink leading out,
+nothing there, a file, a directory that cannot be read or searched), gets one refusal with one
+wording, naming the field and the flag and echoing only what the caller sent, so a caller learns
+nothing of the file system outside the root, nor even whether a path inside it is missing or leads
+out. The adapter is then read from the resolved directory, never from the caller's path again, and
+reported by its path relative to the root. What is inside a served directory is peft_adapter's to
+refuse, by the file's name (one that cannot be read, is no regular file, or changes while read).
 
-The root's own contents are the operator's: whoever can write there can make a directory that a later
-LoadAdapter follows (a symlink swapped in between the check and the read included), so the root
-should be writable by the operator alone.
+The root's own path is resolved once, at start: a root that is a symlink retargeted later still means
+the directory it named then (a restart takes the new one). Its contents are the operator's: whoever can
+write there can make a directory that a later LoadAdapter follows (a symlink swapped in between the
+check and the read included) or a hard link to any file they can reach, so the root should hold
+adapters only and be writable by the operator alone.
 """
 
 from __future__ import annotations
@@ -56,7 +60,10 @@ class AdapterRoot:
         try:
             directory = Path(os.path.realpath(self.root / relative, strict=True))
             is_served = (
-                self._is_inside(directory) and directory.is_dir() and self._files_are_inside(directory)
+                self._is_inside(directory)
+                and directory.is_dir()
+                and os.access(directory, os.R_OK | os.X_OK)  # else refused later in words of its own
+                and self._files_are_inside(directory)
             )
         except OSError:  # ENOENT, ELOOP, EACCES, ENAMETOOLONG...: all one answer
             is_served = False
@@ -65,13 +72,21 @@ class AdapterRoot:
         return AdapterDirectory(path=directory, shown=str(relative))
 
     def shown(self, path: Path) -> str:
-        """How a start-up adapter (--lora, the operator's own, anywhere) is reported: relative to the root
-        when it lies inside it, else as the operator wrote it."""
-        try:
-            real = Path(os.path.realpath(path, strict=True))
-        except OSError:
-            return str(path)
-        return str(real.relative_to(self.root)) if self._is_inside(real) else str(path)
+        """How a start-up adapter (--lora, the operator's own, anywhere) is reported to every caller:
+        relative to the root when it lies inside it, as the operator named it (a symlink inside the
+        root by its own name, as LoadAdapter reports the name its caller gave), or else where it
+        resolves inside; outside, by its directory's name alone, as the server's paths are no
+        caller's business."""
+        relative = self._relative(PurePosixPath(os.path.abspath(path)))
+        if relative is None or relative == PurePosixPath("."):
+            try:
+                real = Path(os.path.realpath(path, strict=True))
+            except OSError:
+                return start_up_shown(path)
+            if not self._is_inside(real):
+                return start_up_shown(path)
+            relative = PurePosixPath(real.relative_to(self.root))
+        return str(relative)
 
     def _relative(self, path: PurePosixPath) -> PurePosixPath | None:
         """`path` relative to the root: as it is, or, absolute, the part under the root as given or as
@@ -101,3 +116,9 @@ class AdapterRoot:
             f"must name an adapter directory inside the server's {ROOT_FLAG}, relative to it and without "
             f"'..', got {echo(path)}",
         )
+
+
+def start_up_shown(path: Path) -> str:
+    """How a start-up adapter outside any --lora-root is reported: its directory's name, never the
+    server's path to it."""
+    return Path(os.path.abspath(path)).name or str(path)

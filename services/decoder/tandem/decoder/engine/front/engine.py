@@ -45,7 +45,7 @@ from tandem.decoder.engine.step import sizing
 from tandem.decoder.engine.step.core import EngineCore, EngineFault, EventCallback
 from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.step.xla_buckets import XlaBuckets
-from tandem.decoder.models.adapter_root import AdapterRoot
+from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.lora import LoraTable
 from tandem.decoder.models.peft_adapter import LoraAdapter, read_adapter
@@ -147,7 +147,7 @@ class Engine:
         try:
             for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
                 adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
-                shown = str(path) if self.adapter_root is None else self.adapter_root.shown(path)
+                shown = start_up_shown(path) if self.adapter_root is None else self.adapter_root.shown(path)
                 installing = self.core.between_steps(partial(self._install, name, shown, adapter))
                 self._thread.run(self.core.run_between_steps)
                 installing.result()
