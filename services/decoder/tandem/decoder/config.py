@@ -233,6 +233,13 @@ class EngineConfig:
         if self.lora_root is not None and not self.lora_root.is_dir():
             why = "it is not a directory" if self.lora_root.exists() else "nothing is there"
             raise ConfigError("lora_root", f"must be a directory, got {str(self.lora_root)!r} ({why})")
+        if self.lora_root is not None and self.lora_root.resolve() == Path("/"):
+            # Every file of the server would be a LoadAdapter caller's to name.
+            raise ConfigError(
+                "lora_root",
+                f"must be a directory that holds adapters only, got {str(self.lora_root)!r}, the file "
+                "system's root",
+            )
         if len(self.loras) > self.max_loras:
             raise ConfigError("loras", f": {len(self.loras)} adapters, more than max_loras {self.max_loras}")
         names = [name for name, _ in self.loras]

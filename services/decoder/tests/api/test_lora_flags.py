@@ -90,6 +90,8 @@ def test_lora_root_is_set_by_the_flag_or_its_variable_and_turns_adapters_on(
     environ({"TANDEM_LORA_ROOT": str(tmp_path)})
     engine = engine_of()
     assert engine.lora_root == tmp_path and engine.enable_lora
+    environ({"TANDEM_LORA_ROOT": ""})
+    assert engine_of().lora_root is None
 
 
 @pytest.mark.parametrize(
@@ -98,6 +100,10 @@ def test_lora_root_is_set_by_the_flag_or_its_variable_and_turns_adapters_on(
         ("missing", [], "must be a directory, got '{root}' (nothing is there)"),
         ("file", [], "must be a directory, got '{root}' (it is not a directory)"),
         ("dir", ["--enable-lora", "false"], "needs --enable-lora true"),
+        # Path('') is the working directory, which no operator means as the root (an empty variable
+        # is unset, as every variable); "/" would make every file of the server a caller's to name.
+        ("", [], "must name a directory, got ''"),
+        ("/", [], "must be a directory that holds adapters only, got '/', the file system's root"),
     ],
 )
 def test_a_lora_root_that_is_no_directory_is_refused_naming_the_flag(
@@ -111,7 +117,7 @@ def test_a_lora_root_that_is_no_directory_is_refused_naming_the_flag(
 ) -> None:
     (tmp_path / "file").write_text("")
     (tmp_path / "dir").mkdir()
-    path = tmp_path / root
+    path = tmp_path / root if root not in ("", "/") else root
     argv = ["--model", str(tiny_model_dir), "--port", "0", "--lora-root", str(path), *flags]
     assert decoder_main(argv) == 2
     assert capsys.readouterr().err.splitlines() == [

@@ -225,7 +225,7 @@ def settings() -> list[Setting]:
             "LoRA: the directory LoadAdapter reads adapters from, its paths taken relative to it and "
             "refused where they resolve outside it (symlinks followed); adapters are reported relative "
             "to it",
-            type=PATH,
+            type=click.Path(),  # a str: an empty value is refused (as a Path it is the working directory)
             show_default="none: LoadAdapter is refused, only --lora adapters are served",
         ),
         _engine_setting("--max-loras", "LoRA: most adapters loaded at once (slots)", type=int),
@@ -325,6 +325,7 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
     backend = resolve(values["device"])
     engine = {name: values[name] for name in _ENGINE_FIELDS}
     engine["loras"] = _loras(values["lora"])
+    engine["lora_root"] = _lora_root(values["lora_root"])
     if (enable_lora := values["enable_lora"]) is None:  # adapters named, or a place to load them from
         enable_lora = bool(engine["loras"]) or engine["lora_root"] is not None
     engine["enable_lora"] = enable_lora
@@ -356,6 +357,14 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
         encoder_address=",".join(a.strip() for value in values["encoder"] for a in value.split(",")),
         encoder_cache_bytes=values["encoder_cache_bytes"],
     )
+
+
+def _lora_root(value: str | None) -> Path | None:
+    """--lora-root's directory. An empty variable is unset (click's rule for every variable), but an
+    empty flag would make the working directory the root, which no operator means: refused."""
+    if value == "":
+        raise ConfigError("lora_root", "must name a directory, got ''")
+    return None if value is None else Path(value)
 
 
 def _loras(values: tuple[str, ...]) -> tuple[tuple[str, Path], ...]:
