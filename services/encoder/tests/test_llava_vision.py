@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,34 @@ def test_the_span_size_is_known_from_a_header_and_an_extreme_aspect_ratio_refuse
     assert embedder.image_span_size(47, 29) == len(embedder.prepare_image(picture).token_ids)
     with pytest.raises(InvalidArgument, match="aspect ratio is too extreme"):
         embedder.image_span_size(33_000_000, 1)
+
+
+def _palette_picture(colours: int) -> Image.Image:
+    """A 47 x 29 picture of `colours` random palette entries: what a GIF can hold exactly."""
+    generator = torch.Generator().manual_seed(0)
+    indices = torch.randint(0, colours, (29, 47), generator=generator, dtype=torch.uint8)
+    picture = Image.fromarray(indices.numpy(), "P")
+    picture.putpalette(torch.randint(0, 256, (3 * colours,), generator=generator).tolist())
+    return picture
+
+
+@pytest.mark.parametrize(
+    ("colours", "options"),
+    [(256, {}), (256, {"transparency": 7}), (16, {}), (3, {})],
+    ids=["256 colours", "a transparent index", "16 colours", "3 colours (a table padded to 4)"],
+)
+def test_a_gif_gives_the_rows_of_the_same_picture_as_a_png(
+    colours: int, options: dict[str, int], tiny_llava: Path
+) -> None:
+    # GIF is taken since 741cd35: its palette and transparency must reach the tower as a PNG's do.
+    from tandem.encoder.vision.image_bytes import decode_image
+
+    picture = _palette_picture(colours)
+    embedder = VisionLanguageEmbedder.load(tiny_llava, torch.float32)
+    rows = {}
+    for image_format in ("GIF", "PNG"):
+        out = io.BytesIO()
+        picture.save(out, image_format, **options)
+        decoded = decode_image(out.getvalue(), 1 << 20, 1 << 20)
+        rows[image_format] = embedder.embed_images([embedder.prepare_image(decoded)])[0]
+    assert torch.equal(rows["GIF"], rows["PNG"])
