@@ -228,6 +228,19 @@ def test_logit_bias_takes_any_uint32_key_however_padded_and_any_number_as_a_floa
     assert dict(call.requests[0].sampling.logit_bias) == {2**32 - 1: 100.0, 7: -100.0, 8: 2.0**24}
 
 
+def test_a_logit_bias_key_padded_past_what_int_reads_is_still_its_token() -> None:
+    # int() of the whole key raised on its 5,000 zeros (Python's bound on a str's digits): a 500.
+    padded = "0" * 5000 + "5"
+    call = chat_request(CHAT | {"logit_bias": {padded: 1}}, LIMITS)
+    assert dict(call.requests[0].sampling.logit_bias) == {5: 1.0}
+    with pytest.raises(InvalidArgument, match="both name token 5") as error:
+        chat_request(CHAT | {"logit_bias": {padded: 1, "5": 2}}, LIMITS)
+    assert error.value.field == "logit_bias"
+    with pytest.raises(InvalidArgument) as error:
+        chat_request(CHAT | {"logit_bias": {"0" * 5000 + "4294967296": 1}}, LIMITS)
+    assert error.value.field == "logit_bias"
+
+
 def test_what_the_answer_needs_of_the_body_is_kept() -> None:
     call = chat_request(
         CHAT

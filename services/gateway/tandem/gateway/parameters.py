@@ -82,25 +82,24 @@ def common_parameters(
     keys: dict[int, str] = {}  # token ID -> the key that named it
     for key, value in logit_bias.items():
         # The length first: int() of over 4,300 digits raises (Python's bound on a str's digits), and
-        # UINT32 has 10. A JSON integer has no bound, and one past the largest float overflows
-        # math.isfinite and float(): compared as it is, it and NaN and the infinities are all refused.
-        is_id = (
-            key.isascii()
-            and key.isdigit()
-            and len(key.lstrip("0")) <= len(str(UINT32))
-            and int(key) <= UINT32
-        )
+        # UINT32 has 10. Its zeros padding a key are no digits of the ID, so int() reads the key without
+        # them too: of the whole key it raised on 5,000 zeros before a 5 (a 500). A JSON integer has no
+        # bound, and one past the largest float overflows math.isfinite and float(): compared as it
+        # is, it and NaN and the infinities are all refused.
+        digits = key.lstrip("0") or "0"
+        is_id = key.isascii() and key.isdigit() and len(digits) <= len(str(UINT32)) and int(digits) <= UINT32
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
         if not is_id or not is_number or not abs(value) <= sys.float_info.max:
             raise InvalidArgument(
                 "logit_bias", f"maps token IDs to finite numbers; got {shown(key)}: {shown(value)}"
             )
         # "05" and "5" are one token: the later would silently win, so which bias was meant is asked.
-        if (earlier := keys.setdefault(int(key), key)) != key:
+        token_id = int(digits)
+        if (earlier := keys.setdefault(token_id, key)) != key:
             raise InvalidArgument(
-                "logit_bias", f"keys {shown(earlier)} and {shown(key)} both name token {int(key)}"
+                "logit_bias", f"keys {shown(earlier)} and {shown(key)} both name token {token_id}"
             )
-        request.sampling.logit_bias[int(key)] = float(value)
+        request.sampling.logit_bias[token_id] = float(value)
     structured_field = structured_output(body, request)
     for name in ("tools", "functions"):
         if body.get(name):
