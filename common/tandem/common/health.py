@@ -29,8 +29,8 @@ its service does not serve (a replica loading, draining, failed; a service it do
 RESOURCE_EXHAUSTED: the connection stays out of rotation, where NOT_SERVING would have put it, and
 asks again with backoff, to be answered UNIMPLEMENTED once the service serves. A direct Watch caller
 (grpcurl; the gateway's watch, which turns to Check) sees either status with the bound in its message.
-A refusal is logged (at most once a minute per address), as the refused client's gRPC keeps its reason
-to itself.
+A refusal is logged (at most once a minute per address, `watch_refusals.py`), as the refused client's
+gRPC keeps its reason to itself.
 """
 
 from __future__ import annotations
@@ -45,13 +45,11 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
+from tandem.common.watch_refusals import WatchRefusals
+
 # Watch streams one address holds at once: 256 client processes' balanced channels, each watching a
 # server once (channels of one process with the same options share one connection and one Watch).
 MAX_WATCHES_PER_ADDRESS = 256
-# A refused Watch is logged at most this often per address, with how many were refused since: gRPC's
-# client-side health checking logs no reason on the client ("Watch method returned UNIMPLEMENTED",
-# "health check call failed"), so the server's log is where an operator sees a bound met, and whose.
-REFUSAL_LOG_INTERVAL_S = 60.0
 # What a refused Watch's caller is told beside the bound, as its service serves or does not.
 FAILS_OPEN = "refused UNIMPLEMENTED, so that client-side health checking calls the server unwatched"
 FAILS_CLOSED = "refused RESOURCE_EXHAUSTED while the service does not serve (UNIMPLEMENTED once it does)"
@@ -92,9 +90,10 @@ class BoundedHealth(HealthServicer):
         self.max_watches_per_address = max_watches_per_address
         self.num_watches = 0
         self._num_watches_of: Counter[str] = Counter()  # open Watch streams, by watcher_of
-        # By watcher_of: when its last refusal was logged, how many were refused since, and the bound
-        # the last of them met.
-        self._refusals: dict[str, tuple[float, int, str]] = {}
+        # gRPC's client-side health checking logs no reason on the client ("Watch method returned
+        # UNIMPLEMENTED", "health check call failed"), so the server's log is where an operator sees a
+        # bound met, and whose.
+        self.refusals = WatchRefusals(log)
 
     def num_watches_of(self, peer: str) -> int:
         """Watch streams open from `peer`'s address (its share, `watcher_of`)."""
@@ -122,17 +121,8 @@ class BoundedHealth(HealthServicer):
         self, context: grpc.aio.ServicerContext, watcher: str, bound: str, service: str
     ) -> None:
         """Ends the Watch naming `bound`: UNIMPLEMENTED while `service` serves, else RESOURCE_EXHAUSTED
-        (the module's note); logged at most once a REFUSAL_LOG_INTERVAL_S per watcher, counting the
-        refusals since the last warning."""
-        now = time.monotonic()
-        logged_at, num_since, _ = self._refusals.get(watcher, (now - REFUSAL_LOG_INTERVAL_S, 0, bound))
-        if now - logged_at >= REFUSAL_LOG_INTERVAL_S:
-            self._log_refusals(watcher, num_since + 1, bound)
-            self._refusals.pop(watcher, None)
-            self._forget_refusals_before(now - REFUSAL_LOG_INTERVAL_S)
-            self._refusals[watcher] = (now, 0, bound)
-        else:
-            self._refusals[watcher] = (logged_at, num_since + 1, bound)
+        (the module's note); logged at most once an interval per watcher (`WatchRefusals`)."""
+        self.refusals.refused(watcher, bound, time.monotonic())
         # grpc_health's own record of each service's status, the one Check and Watch answer from.
         if self._server_status.get(service) == health_pb2.HealthCheckResponse.SERVING:
             await context.abort(
@@ -140,23 +130,4 @@ class BoundedHealth(HealthServicer):
             )
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED, f"{bound}; {FAILS_CLOSED}; Check answers at once"
-        )
-
-    def _forget_refusals_before(self, then: float) -> None:
-        """Drops the watchers last logged before `then`, logging the refusals counted since, so that
-        the watchers kept are those refused within an interval, not all ever refused."""
-        for watcher, (logged_at, num_since, bound) in list(self._refusals.items()):
-            if logged_at < then:
-                del self._refusals[watcher]
-                if num_since:
-                    self._log_refusals(watcher, num_since, bound)
-
-    @staticmethod
-    def _log_refusals(watcher: str, num_refused: int, bound: str) -> None:
-        log.warning(
-            "%d health Watch stream(s) from %s refused since the last such warning: %s "
-            "(while the service serves, a client's balanced channel so refused calls the server unwatched)",
-            num_refused,
-            watcher,
-            bound,
         )

@@ -23,11 +23,11 @@ from tandem.common.health import (
     FAILS_CLOSED,
     FAILS_OPEN,
     MAX_WATCHES_PER_ADDRESS,
-    REFUSAL_LOG_INTERVAL_S,
     max_watches,
     watcher_of,
 )
 from tandem.common.server import RunningServer, ServerOptions, start_server
+from tandem.common.watch_refusals import REFUSAL_LOG_INTERVAL_S
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
