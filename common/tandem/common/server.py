@@ -226,10 +226,11 @@ class RunningServer:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
-    async def stop(self, grace_s: float | None) -> None:
+    async def stop(self, grace_s: float | None, notice_s: float = DRAIN_NOTICE_S) -> None:
         """Health NOT_SERVING, calls still taken for the drain notice, then new RPCs refused and
         in-flight ones cancelled once `grace_s` has passed since the call (None: never; 0: at once,
-        with no notice).
+        with no notice). The notice is `notice_s`, at most `grace_s`: a caller that ends its own
+        calls before gRPC's cut gives the notice within the time it ends them in.
 
         Calls that arrive during the notice are served, not refused UNAVAILABLE: a client that does
         not watch health would keep picking this server for each call and retrying it elsewhere,
@@ -237,7 +238,7 @@ class RunningServer:
         it learns of the stop only from gRPC's GOAWAY, which the notice does not move: refused so, an
         unwatching client lost 149 calls in 20 drains, served 4."""
         await self.health.enter_graceful_shutdown()
-        notice_s = DRAIN_NOTICE_S if grace_s is None else min(grace_s, DRAIN_NOTICE_S)
+        notice_s = notice_s if grace_s is None else min(grace_s, notice_s)
         if notice_s > 0:
             await asyncio.sleep(notice_s)
         await self.server.stop(None if grace_s is None else grace_s - notice_s)

@@ -40,7 +40,14 @@ from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import Telemetry, setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
-from tandem.common.server import RunningServer, Service, check_port_free, start_server, stop_on_signals
+from tandem.common.server import (
+    DRAIN_NOTICE_S,
+    RunningServer,
+    Service,
+    check_port_free,
+    start_server,
+    stop_on_signals,
+)
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import is_gguf_file, resolve_model
 from tandem.decoder.api.encoder_parts import EncoderMismatch, EncoderParts
@@ -415,7 +422,10 @@ async def drain(running: RunningServer, engine: Engine, grace_s: float) -> None:
     gRPC itself would cancel what is left at the deadline (callers see UNAVAILABLE and the spans are
     lost), so its deadline is CUT_S later: by then every aborted stream has sent its `finished`.
     """
-    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S))
+    # The notice within `grace_s`, not its cut: a Generate taken after `grace_s` would not be ended
+    # by finish_all below and would run until gRPC's cut.
+    notice_s = min(grace_s, DRAIN_NOTICE_S)
+    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S, notice_s=notice_s))
     done, _ = await asyncio.wait({stopping}, timeout=grace_s)
     if not done:
         num_aborted = engine.finish_all(FinishReason.ABORTED)
