@@ -441,3 +441,28 @@ def test_a_symlink_flipped_around_the_open_is_judged_by_the_file_its_stamp_names
     monkeypatch.setattr(loader, "safe_open", safe_open)
     with pytest.raises(ModelLoadError, match=DIFFERS):
         loader.check_checkpoint(model_dir, "float32")
+
+
+def test_a_stamp_names_the_file_its_numbers_are_of_when_a_symlink_is_retargeted_between_its_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stamp stats the file its path resolves to: stating the link, then resolving it, a link
+    retargeted between the two gave one file's path with the other's inode, size and times."""
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    first.write_bytes(b"first")
+    second.write_bytes(b"the second")
+    link = tmp_path / "model.safetensors"
+    link.symlink_to(first)
+    stat = Path.stat
+
+    def retargeted_after_the_first_stat(self: Path, **kwargs: Any) -> Any:
+        result = stat(self, **kwargs)
+        if link.readlink() == first:
+            link.unlink()
+            link.symlink_to(second)
+        return result
+
+    monkeypatch.setattr(Path, "stat", retargeted_after_the_first_stat)
+    stamp = checkpoint_shapes.FileStamp.of(link)
+    monkeypatch.setattr(Path, "stat", stat)
+    assert (stamp.inode, stamp.size) == (stamp.path.stat().st_ino, stamp.path.stat().st_size)

@@ -180,8 +180,11 @@ class FileStamp:
 
     @staticmethod
     def of(path: Path) -> FileStamp:
-        st = path.stat()
-        return FileStamp(path.resolve(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        # Resolved first and the file resolved to stated: stating `path` and resolving it apart, a
+        # symlink retargeted between the two gave one file's path with another's numbers.
+        resolved = path.resolve()
+        st = resolved.stat()
+        return FileStamp(resolved, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 # Whether a tied head equals its token table, by (head's file, head's key, table's file, table's key).
