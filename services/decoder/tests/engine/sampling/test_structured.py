@@ -125,6 +125,21 @@ def test_a_schema_nested_past_the_bound_is_refused_naming_it_and_one_at_the_boun
     )
 
 
+def test_a_duplicate_key_nested_past_the_bound_is_refused_whichever_of_its_values_comes_first(
+    compiler: GrammarCompiler,
+) -> None:
+    # json.loads keeps a duplicate key's last value, but llguidance's JSON parser counts the levels of
+    # every value it reads: measured on the last, a first one of 150 levels passed and llguidance
+    # refused it in its own words ("recursion limit exceeded at line 1 column 3430").
+    deep, shallow = _nested(150, "items"), '{"type": "integer"}'
+    for first, last in ((deep, shallow), (shallow, deep)):
+        source = f'{{"type": "array", "items": {first}, "items": {last}}}'
+        with pytest.raises(InvalidArgument) as error:
+            compiler.constraint(StructuredOutput("json_schema", source))
+        assert error.value.field == "structured.json_schema"
+        assert f"nests 151 levels of objects and arrays, over the {MAX_SCHEMA_DEPTH}" in str(error.value)
+
+
 def test_the_nesting_bound_is_the_deepest_schema_llguidance_itself_reads(compiler: GrammarCompiler) -> None:
     # The bound is honest: one level more fails inside llguidance, in words that name no limit. Should
     # an upgrade read deeper, this fails and MAX_SCHEMA_DEPTH may rise.

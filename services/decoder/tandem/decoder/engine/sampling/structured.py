@@ -285,10 +285,14 @@ class GrammarCompiler:
         matcher = self._llguidance.LLMatcher
         if spec.kind == "json_schema":
             try:
-                schema = json.loads(spec.source)  # type: ignore[arg-type]
+                # Every member kept. Of a duplicate key json.loads keeps the last value, as llguidance
+                # does, but llguidance's JSON parser counts its 128 levels in every value it reads, the
+                # dropped ones too: a first value nested past them passed a depth measured on the last,
+                # and llguidance refused it naming no limit. (One of 125 to 128 levels it would take.)
+                schema = json.loads(spec.source, object_pairs_hook=_Members)  # type: ignore[arg-type]
             except (ValueError, RecursionError) as e:
                 raise InvalidArgument(spec.field, f"is not valid JSON: {_short(str(e))}") from None
-            if not isinstance(schema, dict | bool):
+            if not isinstance(schema, _Members | bool):
                 raise InvalidArgument(spec.field, "must be a JSON schema object")
             if schema is False:
                 raise InvalidArgument(
@@ -341,12 +345,20 @@ def on_deep_stack(work: Callable[[], T], stack_bytes: int = COMPILE_STACK_BYTES)
     return result.result()
 
 
+class _Members(list[tuple[str, object]]):
+    """A JSON object as parsed, each of its (key, value) members kept, a duplicate key's too."""
+
+
 def _nesting_depth(value: object) -> int:
-    """How deep `value`'s objects and arrays nest (a scalar 0, `{}` 1), walked without recursion."""
+    """How deep `value`'s objects and arrays nest (a scalar 0, `{}` 1), walked without recursion. An
+    object counts the values of all its members, each of a duplicate key's."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         item, depth = todo.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if isinstance(item, _Members):
+            children: list | None = [member for _, member in item]
+        else:
+            children = item if isinstance(item, list) else None
         if children is not None:
             deepest = max(deepest, depth)
             todo.extend((child, depth + 1) for child in children)
