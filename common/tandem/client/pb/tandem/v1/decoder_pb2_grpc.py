@@ -92,9 +92,9 @@ class DecoderServicer:
     def Generate(self, request, context):
         """Streams one generation: exactly one `accepted`, then zero or more `delta`, then exactly one
         `finished`, then status OK. Cancelling the call aborts the request and frees its cache. Read the
-        stream: a request whose reader leaves 64 messages untaken (its HTTP/2 window full) pauses, holding
-        no cache, and resumes with the same tokens once the reader takes them. A call that sends no
-        request message is INVALID_ARGUMENT.
+        stream: a request whose reader leaves 64 tokens untaken (scored prompt positions count as tokens, a
+        message of neither as one) pauses, holding no cache, and resumes with the same tokens once the
+        reader takes them. A call that sends no request message is INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,9 +46,9 @@ class DecoderStub:
     Generate: _grpc.UnaryStreamMultiCallable[_decoder_pb2.GenerateRequest, _decoder_pb2.GenerateResponse]
     """Streams one generation: exactly one `accepted`, then zero or more `delta`, then exactly one
     `finished`, then status OK. Cancelling the call aborts the request and frees its cache. Read the
-    stream: a request whose reader leaves 64 messages untaken (its HTTP/2 window full) pauses, holding
-    no cache, and resumes with the same tokens once the reader takes them. A call that sends no
-    request message is INVALID_ARGUMENT.
+    stream: a request whose reader leaves 64 tokens untaken (scored prompt positions count as tokens, a
+    message of neither as one) pauses, holding no cache, and resumes with the same tokens once the
+    reader takes them. A call that sends no request message is INVALID_ARGUMENT.
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_decoder_pb2.DecoderTokenizeRequest, _decoder_pb2.DecoderTokenizeResponse]
     """Tokenizes texts with the model's tokenizer."""
@@ -89,9 +89,9 @@ class DecoderAsyncStub(DecoderStub):
     Generate: _aio.UnaryStreamMultiCallable[_decoder_pb2.GenerateRequest, _decoder_pb2.GenerateResponse]  # type: ignore[assignment]
     """Streams one generation: exactly one `accepted`, then zero or more `delta`, then exactly one
     `finished`, then status OK. Cancelling the call aborts the request and frees its cache. Read the
-    stream: a request whose reader leaves 64 messages untaken (its HTTP/2 window full) pauses, holding
-    no cache, and resumes with the same tokens once the reader takes them. A call that sends no
-    request message is INVALID_ARGUMENT.
+    stream: a request whose reader leaves 64 tokens untaken (scored prompt positions count as tokens, a
+    message of neither as one) pauses, holding no cache, and resumes with the same tokens once the
+    reader takes them. A call that sends no request message is INVALID_ARGUMENT.
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_decoder_pb2.DecoderTokenizeRequest, _decoder_pb2.DecoderTokenizeResponse]  # type: ignore[assignment]
     """Tokenizes texts with the model's tokenizer."""
@@ -135,9 +135,9 @@ class DecoderServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_decoder_pb2.GenerateResponse], _abc.AsyncIterator[_decoder_pb2.GenerateResponse]]:
         """Streams one generation: exactly one `accepted`, then zero or more `delta`, then exactly one
         `finished`, then status OK. Cancelling the call aborts the request and frees its cache. Read the
-        stream: a request whose reader leaves 64 messages untaken (its HTTP/2 window full) pauses, holding
-        no cache, and resumes with the same tokens once the reader takes them. A call that sends no
-        request message is INVALID_ARGUMENT.
+        stream: a request whose reader leaves 64 tokens untaken (scored prompt positions count as tokens, a
+        message of neither as one) pauses, holding no cache, and resumes with the same tokens once the
+        reader takes them. A call that sends no request message is INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod
