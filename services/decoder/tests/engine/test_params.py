@@ -36,7 +36,11 @@ def test_a_logit_bias_off_its_range_is_echoed_as_sent() -> None:
         SamplingParams(logit_bias={5: on_the_wire}).validate(vocab_size=100)
 
 
-@pytest.mark.parametrize("value", [-0.1, 1e-5, 3.4028235e38, 100.00001, 150.0, -2.5])
+# 2**90's nearest 8 digits (1.2379400e+27) are another float32, 1.2379401e+27 this one: its
+# neighbours are not equally far, as at any power of two.
+@pytest.mark.parametrize(
+    "value", [-0.1, 1e-5, 3.4028235e38, 100.00001, 150.0, -2.5, 1.2379401e27, 1.1754944e-38]
+)
 def test_the_echo_is_the_shortest_decimal_of_the_same_float32(value: float) -> None:
     float32 = decoder_pb2.SamplingParams(top_p=value).top_p
     assert shown_float(float32) == repr(value)

@@ -11,6 +11,8 @@ import math
 import struct
 from dataclasses import dataclass, field
 
+import numpy
+
 from tandem.client.errors import InvalidArgument
 from tandem.common.torch_part.prompt_parts import check_token_id, check_token_ids
 
@@ -134,10 +136,11 @@ def shown_float(value: float) -> str:
     no float32 holds exactly (the in-process API's doubles) is shown whole."""
     try:
         if _as_float32(value) == value:
-            for digits in range(1, 10):  # 9 significant digits tell any two float32s apart
-                shortest = float(f"{value:.{digits}g}")
-                if _as_float32(shortest) == value:
-                    return repr(shortest)
+            # numpy's float32 str is the shortest decimal that reads back as the same float32. Rounding
+            # to fewer digits until one reads back misses it where the float32's neighbours are not
+            # equally far (a power of two): 2**90 was 1.23794004e+27, as 1.23794e+27 is another float32
+            # but 1.2379401e+27 is not.
+            return repr(float(str(numpy.float32(value))))
     except OverflowError:  # a double beyond float32's range
         pass
     return repr(value)
