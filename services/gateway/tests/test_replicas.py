@@ -114,13 +114,20 @@ def test_a_dns_name_is_read_in_every_form_grpc_reads() -> None:
         ("dns:///decoder:70000", "port '70000' is not a port"),
         ("dns:///:50052", "names no host"),
         ("dns:///[::1", "names no host"),
+        # Digits of other scripts are digits to str.isdigit: '²' failed int(), '٨٠' was taken as 80.
+        ("dns:///decoder:²", "port '²' is not a port"),
+        ("dns:///decoder:٨٠", "port '٨٠' is not a port"),
+        # A list is resolved once at start (`channel_target`): an entry that does not resolve failed
+        # the start with a ValueError traceback.
+        ("127.0.0.1:1,nohost.invalid:2", "nohost.invalid does not resolve"),
+        ("127.0.0.1:1,[::1]:2", "mixes IPv4 and IPv6"),
     ],
 )
-def test_a_dns_name_the_gateway_cannot_watch_is_refused_at_start_naming_the_field(
+def test_an_address_the_gateway_cannot_use_is_refused_at_start_naming_the_field(
     address: str, why: str
 ) -> None:
-    """Each of these left a resolver task that died unseen (an assert, for a name it could not read)
-    or logged a failure every 5 s for ever (no port), or watched other replicas than gRPC's own
+    """Each dns: name here left a resolver task that died unseen (an assert, for a name it could not
+    read) or logged a failure every 5 s for ever (no port), or watched other replicas than gRPC's own
     channel would (a DNS server of its own, ignored)."""
     with pytest.raises(ConfigError, match=why) as refused:
         GatewayConfig(decoder_address=address)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.client.channel import PLAINTEXT, ChannelSecurity
+from tandem.client.channel import PLAINTEXT, ChannelSecurity, channel_target
 from tandem.client.errors import ConfigError
 from tandem.common.server import DEFAULT_GRACE_S
 from tandem.gateway.replicas import name_of
@@ -77,8 +77,12 @@ class GatewayConfig:
     max_idle_channels: int = 64
 
     def __post_init__(self) -> None:
-        try:  # a dns: name the gateway cannot watch is refused here, not in a task at start
-            name_of(self.decoder_address)
+        # An address the gateway cannot use is refused here, not at start: a dns: name it cannot watch
+        # (a task would fail on it), a list with an entry that does not resolve (resolved once at start,
+        # a ValueError traceback there).
+        try:
+            if name_of(self.decoder_address) is None:
+                channel_target(self.decoder_address)
         except ValueError as error:
             raise ConfigError("decoder_address", str(error)) from None
         if not 0 <= self.port <= 65535:

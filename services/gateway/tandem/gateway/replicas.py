@@ -79,7 +79,8 @@ def name_of(address: str) -> str | None:
     host, port = _split_host_port(rest.lstrip("/"))
     if not host:
         raise ValueError(f"address {address!r}: names no host; expected dns:///host:port")
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only: other scripts' are digits to isdigit ('²' failed int(), '٨٠' was read as 80).
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"address {address!r}: port {port!r} is not a port (1..65535)")
     return f"{host}:{port}"
 
