@@ -116,3 +116,28 @@ def test_a_boolean_schema_is_a_schema_in_either_field(field: str) -> None:
         )
         request = completion_request({"prompt": "a"} | extra, LIMITS)
         assert request.requests[0].structured.json_schema == json.dumps(schema)
+
+
+@pytest.mark.parametrize(
+    ("field", "schema", "takes"),
+    [
+        ("guided_json", 5, "(an object, a boolean or its text)"),
+        ("response_format", "{}", "(an object or a boolean)"),
+        ("response_format", None, "(an object or a boolean)"),
+    ],
+)
+def test_a_schema_of_another_type_is_refused_naming_what_each_field_takes(
+    field: str, schema: Any, takes: str
+) -> None:
+    # response_format's refusal said "a JSON schema object" though it takes true and false as well.
+    extra = (
+        {"guided_json": schema}
+        if field == "guided_json"
+        else {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    )
+    with pytest.raises(InvalidArgument) as error:
+        completion_request({"prompt": "a"} | extra, LIMITS)
+    assert error.value.field == (
+        "guided_json" if field == "guided_json" else "response_format.json_schema.schema"
+    )
+    assert f"must be a JSON schema {takes}" in str(error.value)

@@ -22,8 +22,10 @@ def structured_output(body: dict[str, Any], request: decoder_pb2.GenerateRequest
         if kind == "json_schema":
             inner = response_format.get("json_schema")
             schema = inner.get("schema") if isinstance(inner, dict) else None
-            if not isinstance(schema, dict | bool):
-                raise InvalidArgument("response_format.json_schema.schema", "must be a JSON schema object")
+            if not isinstance(schema, dict | bool):  # true and false are schemas, as for guided_json
+                raise InvalidArgument(
+                    "response_format.json_schema.schema", "must be a JSON schema (an object or a boolean)"
+                )
             text = _schema_text(schema, "response_format.json_schema.schema")
             chosen.append(("response_format", decoder_pb2.StructuredOutput(json_schema=text)))
         elif kind == "json_object":
@@ -35,9 +37,7 @@ def structured_output(body: dict[str, Any], request: decoder_pb2.GenerateRequest
     guided_json = body.get("guided_json")
     if guided_json is not None:
         if not isinstance(guided_json, dict | bool | str):  # true and false are schemas too
-            raise InvalidArgument(
-                "guided_json", "must be a JSON schema (an object, a boolean or its text)"
-            )
+            raise InvalidArgument("guided_json", "must be a JSON schema (an object, a boolean or its text)")
         text = guided_json if isinstance(guided_json, str) else _schema_text(guided_json, "guided_json")
         chosen.append(("guided_json", decoder_pb2.StructuredOutput(json_schema=text)))
     for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):

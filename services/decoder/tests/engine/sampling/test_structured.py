@@ -90,6 +90,16 @@ def test_a_schema_of_true_is_any_json_value_as_the_empty_schema_is(compiler: Gra
     assert torch.equal(anything.allowed(), empty.allowed()) and anything.allowed().sum() > 1
 
 
+def test_json_that_is_no_schema_is_refused_naming_what_a_schema_is(compiler: GrammarCompiler) -> None:
+    # It said "a JSON schema object", though true is taken as well.
+    for source in ("5", '"{}"', "[{}]", "null"):
+        with pytest.raises(
+            InvalidArgument, match=r"must be a JSON schema \(an object or a boolean\)"
+        ) as error:
+            compiler.constraint(StructuredOutput("json_schema", source))
+        assert error.value.field == "structured.json_schema"
+
+
 def test_a_schema_of_false_is_refused_in_our_words(compiler: GrammarCompiler) -> None:
     with pytest.raises(InvalidArgument) as error:
         compiler.constraint(StructuredOutput("json_schema", "false"))

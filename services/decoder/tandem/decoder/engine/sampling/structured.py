@@ -293,7 +293,7 @@ class GrammarCompiler:
             except (ValueError, RecursionError) as e:
                 raise InvalidArgument(spec.field, f"is not valid JSON: {_short(str(e))}") from None
             if not isinstance(schema, _Members | bool):
-                raise InvalidArgument(spec.field, "must be a JSON schema object")
+                raise InvalidArgument(spec.field, "must be a JSON schema (an object or a boolean)")
             if schema is False:
                 raise InvalidArgument(
                     spec.field, "is false, a schema no JSON value satisfies: no answer fits it"
