@@ -30,12 +30,15 @@ DEFAULT_PORT = 50052
 # the server default. A verification costs about one step while the step reads weights rather than
 # computes; far past that it computes, and a long guess is rarely right to the end.
 MAX_SPECULATIVE_TOKENS = 16
-# Calls the decoder's server holds beside its requests running, waiting and paused (max_calls), which
-# the engine's queue bounds. They are shared by every call the queue does not count: health checks
+# Calls the decoder's server holds beside its requests running and waiting (max_calls), which the
+# engine's batch and queue bound. They are shared by every call those do not count: health checks
 # (Watch streams have half the places of their own), Tokenize, GetModelInfo, adapter calls,
 # reflection, Generate streams still being built (an encoder's parts are fetched for up to 60 s before
-# the request is queued) and finished ones still sending their last messages to a slow reader. Past
-# them a call meets the server's bound (RESOURCE_EXHAUSTED naming it) rather than the queue's.
+# the request is queued), finished ones still sending their last messages to a slow reader, and
+# requests paused for their readers (no queue counts them: each holds no slot or KV block and only its
+# client ends it; one caller holds at most --max-streams-per-connection, or --max-streams-per-token,
+# of them). Past them a call meets the server's bound (RESOURCE_EXHAUSTED naming it) rather than the
+# queue's.
 NUM_SPARE_CALLS = 1024
 # --max-queue at most. At it (--max-num-seqs 64) the server holds 202,176 calls (max_calls), about 20 KB
 # each in gRPC core while running, and gRPC core up to 214,812 more (grpc.aio's bound) not yet taken
@@ -73,7 +76,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # most requests in one step's batch.
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes).
     max_model_len: int | None = None  # context cap; None = the checkpoint's max_position_embeddings.
-    max_queue: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED).
+    # Waiting requests beyond this are refused (RESOURCE_EXHAUSTED); those paused for their readers are
+    # not counted (NUM_SPARE_CALLS' comment says what bounds them).
+    max_queue: int = 1024
     # Structured output: the CPU time, in ms, a request's grammar work per token (a mask, and taking or
     # checking the token after it) may cost on average over its last few masks before the request fails
     # (engine/sampling/structured.py's NOTE). It bounds what one request adds to every step of its
@@ -403,8 +408,8 @@ def max_calls(engine: EngineConfig) -> int:
     """The calls the decoder's server holds at once (its ServerOptions.max_concurrent_rpcs), so that
     the engine's own bounds answer first, naming their flags (RESOURCE_EXHAUSTED "waiting queue is
     full", with RetryInfo), where the server's bound names a number and no flag: the requests
-    running (--max-num-seqs) and those waiting or paused for their readers (--max-queue counts both),
-    and NUM_SPARE_CALLS more for every other call (its comment), twice over, since health's Watch
+    running (--max-num-seqs) and those waiting (--max-queue), and NUM_SPARE_CALLS more for every other
+    call, requests paused for their readers among them (its comment), twice over, since health's Watch
     streams may take half of a server's places (tandem.common.health.max_watches). Never under every
     server's default."""
     return max(DEFAULT_MAX_CONCURRENT_RPCS, 2 * (engine.max_queue + engine.max_num_seqs + NUM_SPARE_CALLS))

@@ -110,7 +110,7 @@ def settings() -> list[Setting]:
         ),
         _engine_setting(
             "--max-queue",
-            "most requests waiting or paused for their readers, up to 100,000; beyond it "
+            "most requests waiting (not those paused for their readers), up to 100,000; beyond it "
             "RESOURCE_EXHAUSTED (the server holds "
             "2 x (this + --max-num-seqs + 1,024) calls at once, at least 10,000)",
             type=int,
