@@ -71,6 +71,12 @@ MAX_CONCURRENT_RPCS_LIMIT = 1_000_000
 DRAIN_NOTICE_S = 0.25
 
 
+def notice_within(grace_s: float) -> float:
+    """The drain notice of a stop whose own calls end at `grace_s` (before gRPC's cut): a call taken
+    after them would be ended by nothing but the cut."""
+    return min(grace_s, DRAIN_NOTICE_S)
+
+
 @dataclass(frozen=True)
 class TlsOptions:
     """PEM files of a TLS server; read when the server starts, so rotated files need a restart."""
@@ -226,11 +232,12 @@ class RunningServer:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
-    async def stop(self, grace_s: float | None, notice_s: float = DRAIN_NOTICE_S) -> None:
+    async def stop(self, grace_s: float | None, notice_s: float | None = None) -> None:
         """Health NOT_SERVING, calls still taken for the drain notice, then new RPCs refused and
         in-flight ones cancelled once `grace_s` has passed since the call (None: never; 0: at once,
-        with no notice). The notice is `notice_s`, at most `grace_s`: a caller that ends its own
-        calls before gRPC's cut gives the notice within the time it ends them in.
+        with no notice). The notice is `notice_s` (None: DRAIN_NOTICE_S), at most `grace_s`: a
+        caller that ends its own calls before gRPC's cut gives `notice_within` the time it ends
+        them in.
 
         Calls that arrive during the notice are served, not refused UNAVAILABLE: a client that does
         not watch health would keep picking this server for each call and retrying it elsewhere,
@@ -238,6 +245,7 @@ class RunningServer:
         it learns of the stop only from gRPC's GOAWAY, which the notice does not move: refused so, an
         unwatching client lost 149 calls in 20 drains, served 4."""
         await self.health.enter_graceful_shutdown()
+        notice_s = DRAIN_NOTICE_S if notice_s is None else notice_s
         notice_s = notice_s if grace_s is None else min(grace_s, notice_s)
         if notice_s > 0:
             await asyncio.sleep(notice_s)

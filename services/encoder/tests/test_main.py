@@ -25,6 +25,8 @@ from PIL import Image
 from common.tests.signalled_process import signal_after_line
 from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
+from tandem.common.server import DRAIN_NOTICE_S
+from tandem.encoder.__main__ import CUT_S, drain
 
 GRACE_S = 1.0
 NUM_CALLS = 32
@@ -154,3 +156,26 @@ def test_a_signal_while_the_embedder_loads_ends_the_process_at_once(
     assert "stopping before the embedder finished loading" in log, log
     assert log.rstrip().endswith("stopped"), log
     assert " ERROR " not in log and "Traceback" not in log, log
+
+
+class _StoppingServer:
+    def __init__(self) -> None:
+        self.stops: list[tuple[float | None, float | None]] = []
+
+    async def stop(self, grace_s: float | None, notice_s: float | None = None) -> None:
+        self.stops.append((grace_s, notice_s))
+
+
+class _Servicer:
+    def end_calls(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 0.1, 30.0])
+async def test_the_drain_notice_falls_within_the_grace_not_its_cut(grace_s: float) -> None:
+    """Calls taken after the grace are refused by end_calls (UNAVAILABLE): the server's drain notice,
+    while it still takes calls, must end by then, and a grace of 0 has none (it was 0.25 s at grace
+    0: 11 calls taken after the grace)."""
+    server = _StoppingServer()
+    await drain(server, _Servicer(), grace_s)  # type: ignore[arg-type]
+    assert server.stops == [(grace_s + CUT_S, min(grace_s, DRAIN_NOTICE_S))]

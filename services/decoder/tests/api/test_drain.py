@@ -13,7 +13,7 @@ class _Server:
     def __init__(self) -> None:
         self.stops: list[tuple[float | None, float]] = []
 
-    async def stop(self, grace_s: float | None, notice_s: float = DRAIN_NOTICE_S) -> None:
+    async def stop(self, grace_s: float | None, notice_s: float | None = None) -> None:
         self.stops.append((grace_s, notice_s))
 
 

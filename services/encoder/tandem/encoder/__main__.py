@@ -33,7 +33,7 @@ from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.checkpoint import read_json
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
-from tandem.common.server import RunningServer, check_port_free, start_server, stop_on_signals
+from tandem.common.server import RunningServer, check_port_free, notice_within, start_server, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import resolve_model
 from tandem.common.vision_language import is_vision_language
@@ -187,7 +187,8 @@ async def drain(running: RunningServer, servicer: EncoderServicer, grace_s: floa
     a CancelledError traceback, so its deadline is CUT_S later: by then every call ended here has sent
     its status, and the server stops as soon as none is left.
     """
-    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S))
+    # The notice within `grace_s`, not its cut: a call taken after end_calls would be refused.
+    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S, notice_s=notice_within(grace_s)))
     done, _ = await asyncio.wait({stopping}, timeout=grace_s)
     if not done:
         num_ended = servicer.end_calls()

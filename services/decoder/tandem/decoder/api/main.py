@@ -41,10 +41,10 @@ from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import Telemetry, setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
 from tandem.common.server import (
-    DRAIN_NOTICE_S,
     RunningServer,
     Service,
     check_port_free,
+    notice_within,
     start_server,
     stop_on_signals,
 )
@@ -424,8 +424,7 @@ async def drain(running: RunningServer, engine: Engine, grace_s: float) -> None:
     """
     # The notice within `grace_s`, not its cut: a Generate taken after `grace_s` would not be ended
     # by finish_all below and would run until gRPC's cut.
-    notice_s = min(grace_s, DRAIN_NOTICE_S)
-    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S, notice_s=notice_s))
+    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S, notice_s=notice_within(grace_s)))
     done, _ = await asyncio.wait({stopping}, timeout=grace_s)
     if not done:
         num_aborted = engine.finish_all(FinishReason.ABORTED)
