@@ -363,3 +363,20 @@ def test_the_pickle_hint_says_the_same_whatever_its_name_leads_to(
         ]
         * 2
     )
+
+
+def test_a_resolved_directory_swapped_for_a_symlink_is_refused_not_followed(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    # LoadAdapter's directory was resolved inside --lora-root: a symlink there at the read was swapped
+    # in since by a writer of the root, and followed it read whatever it leads to (1 load in 400).
+    (tmp_path / "racedir").symlink_to(adapter_dir)
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(
+            tmp_path / "racedir", tiny_fp32.config, max_rank=16, shown="racedir", follow_symlinks=False
+        )
+    assert (
+        str(refused.value)
+        == "path: racedir is not a directory (adapter_config.json + adapter_model.safetensors)"
+    )
+    read_adapter(tmp_path / "racedir", tiny_fp32.config, max_rank=16)  # an operator's --lora: followed

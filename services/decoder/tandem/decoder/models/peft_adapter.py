@@ -110,19 +110,26 @@ def max_weights_bytes(config: ModelConfig, rank: int) -> int:
 
 
 def read_adapter(
-    path: str | Path, config: ModelConfig, max_rank: int, shown: str | None = None
+    path: str | Path,
+    config: ModelConfig,
+    max_rank: int,
+    shown: str | None = None,
+    follow_symlinks: bool = True,
 ) -> LoraAdapter:
     """The adapter in directory `path`, checked against a base model of `config`. Raises AdapterError.
     `shown`: the directory as refusals name it, `path` by default (a LoadAdapter caller under
-    --lora-root sees the path it named relative to the root, never the server's own)."""
+    --lora-root sees the path it named relative to the root, never the server's own).
+    `follow_symlinks` False: `path` was resolved inside --lora-root, so a symlink there now was swapped
+    in since, and may lead out: refused, not followed."""
     if not str(path):
         raise AdapterError("path", "must not be empty (it would name the server's working directory)")
     if len(str(path).encode()) > MAX_PATH_BYTES:
         raise AdapterError("path", f"must be at most {MAX_PATH_BYTES} bytes, got {len(str(path).encode())}")
     shown = str(path) if shown is None else shown
     try:
-        directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
+        no_follow = 0 if follow_symlinks else os.O_NOFOLLOW
+        directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | no_follow)
+    except (FileNotFoundError, NotADirectoryError):  # ELOOP too: a symlink with follow_symlinks False
         raise AdapterError("path", f"{shown} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})") from None
     except OSError as error:  # a name over NAME_MAX, a directory that cannot be listed...
         raise AdapterError("path", f"cannot be read: {error.strerror}") from None

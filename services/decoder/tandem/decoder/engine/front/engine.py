@@ -429,10 +429,13 @@ class Engine:
 
     # -- LoRA adapters ---------------------------------------------------------------------------
 
-    async def load_adapter(self, name: str, path: str | Path, shown: str | None = None) -> Adapter:
+    async def load_adapter(
+        self, name: str, path: str | Path, shown: str | None = None, follow_symlinks: bool = True
+    ) -> Adapter:
         """Read the PEFT adapter in directory `path` and serve it as `name`; requests already running
         go on undisturbed. `path` is opened as it is (the servicer binds a caller's to --lora-root
-        first); `shown` is how it is reported and named in refusals, `path` by default. Raises
+        first); `shown` is how it is reported and named in refusals, `path` by default;
+        `follow_symlinks` False refuses `path` if it is a symlink (read_adapter). Raises
         FailedPrecondition (LoRA off), InvalidArgument (the name, or an adapter that does not fit: the
         file and field named), AlreadyExists, ResourceExhausted (every slot taken). Nothing is loaded
         when it raises, nor when its caller leaves before the install starts (the install is
@@ -440,16 +443,18 @@ class Engine:
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
         shown = str(path) if shown is None else shown
-        reading = self._adapter_reader.submit(self._read_adapter, name, path, shown)
+        reading = self._adapter_reader.submit(self._read_adapter, name, path, shown, follow_symlinks)
         adapter = await asyncio.wrap_future(reading)
         installing = self.core.between_steps(partial(self._install, name, shown, adapter))
         self._thread.wake()
         return await asyncio.wrap_future(installing)
 
-    def _read_adapter(self, name: str, path: str | Path, shown: str | None = None) -> LoraAdapter:
+    def _read_adapter(
+        self, name: str, path: str | Path, shown: str | None = None, follow_symlinks: bool = True
+    ) -> LoraAdapter:
         self.core.check_can_load(name)  # the cheap refusals before the files are read
         assert self.lora is not None
-        return read_adapter(path, self.model_config, self.lora.max_rank, shown)
+        return read_adapter(path, self.model_config, self.lora.max_rank, shown, follow_symlinks)
 
     def _install(self, name: str, shown: str, adapter: LoraAdapter) -> Adapter:
         """On the engine thread between steps, under the core's lock: a free slot gets the weights,
