@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import signal
 import socket
 import ssl
@@ -69,6 +70,10 @@ MAX_CONCURRENT_RPCS_LIMIT = 1_000_000
 # round trip; a quarter second covers one on a loaded host or across a region. It counts within the
 # grace: a stop never takes longer than asked.
 DRAIN_NOTICE_S = 0.25
+# Ten minutes: a reconnect (and a Watch asked again) costs a round trip or two, and a client refused
+# its Watch by someone who held the places for a moment gets health-based routing back within it.
+DEFAULT_MAX_CONNECTION_AGE_S = 600.0
+_INT32_MAX = 2**31 - 1  # gRPC's "never" for a duration in ms
 
 
 def notice_within(grace_s: float) -> float:
@@ -143,6 +148,11 @@ class ServerOptions:
     auth_tokens: frozenset[str] = field(default=frozenset(), repr=False)  # accepted; empty: no auth.
     # Calls served at once, streams and health checks included; one past it: RESOURCE_EXHAUSTED.
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
+    # A connection is asked to go (GOAWAY, its calls left to finish) after this long, give or take
+    # gRPC's 10 % jitter: its client reconnects and asks for its health Watch again. A Watch refused
+    # while the server served (health.py) turned the client's health checking off for the
+    # connection's life, so a replica failing later kept getting its share of calls for ever.
+    max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -151,6 +161,10 @@ class ServerOptions:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         if self.grace_s < 0:
             raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+        if not 0 < self.max_connection_age_s < math.inf:
+            raise ConfigError(
+                "max_connection_age_s", f"must be > 0 and finite, got {self.max_connection_age_s}"
+            )
         if not 1 <= self.max_concurrent_rpcs <= MAX_CONCURRENT_RPCS_LIMIT:
             raise ConfigError(
                 "max_concurrent_rpcs",
@@ -197,6 +211,8 @@ def _server_options(options: ServerOptions) -> list[tuple[str, Any]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_connection_age_ms", round(options.max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", _INT32_MAX),  # a stream running then ends when it ends
     ]
 
 

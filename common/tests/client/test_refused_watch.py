@@ -49,12 +49,19 @@ class Replica(decoder_pb2_grpc.DecoderServicer, encoder_pb2_grpc.EncoderServicer
         return encoder_pb2.EmbedResponse(request_id=self.name)
 
 
-async def _start(replica: Replica, max_concurrent_rpcs: int = 600) -> RunningServer:
+async def _start(
+    replica: Replica, max_concurrent_rpcs: int = 600, max_connection_age_s: float = 600.0
+) -> RunningServer:
     services = [
         Service("tandem.v1.Decoder", replica, decoder_pb2_grpc.add_DecoderServicer_to_server),
         Service("tandem.v1.Encoder", replica, encoder_pb2_grpc.add_EncoderServicer_to_server),
     ]
-    options = ServerOptions(host="127.0.0.1", port=0, max_concurrent_rpcs=max_concurrent_rpcs)
+    options = ServerOptions(
+        host="127.0.0.1",
+        port=0,
+        max_concurrent_rpcs=max_concurrent_rpcs,
+        max_connection_age_s=max_connection_age_s,
+    )
     running = await start_server(options, services)
     await running.set_serving()
     return running
@@ -237,3 +244,32 @@ async def _calling_through_a_drain(
     draining = asyncio.ensure_future(server.stop(grace_s))  # its grace ends a held Watch
     served = sum(await asyncio.gather(*callers), collections.Counter[str]())
     return served, failed
+
+
+async def test_a_client_refused_for_a_moment_watches_again_once_its_connection_ages_out() -> None:
+    """Refused once while the replicas served, a channel's health checking is off for its
+    connection's life: whoever held the places need not stay, and a replica failing afterwards
+    (NOT_SERVING, its Generate UNAVAILABLE) kept its share of first attempts for ever (95 of 200
+    calls failed once retry throttling ran out, 100 of 200 thirty seconds later). The server asks a
+    connection to go after max_connection_age_s (one second here); reconnected, the channel watches
+    again and leaves the failed replica."""
+    replica_list = [Replica("a"), Replica("b")]
+    servers = [await _start(replica, max_connection_age_s=1.0) for replica in replica_list]
+    try:
+        async with _watches_held(servers, MAX_WATCHES_PER_ADDRESS):
+            client = DecoderClient(_balanced(servers))
+            assert set(await _generated_by(client, 4)) == {"a", "b"}  # refused, served all the same
+        async with client:
+            replica_list[1].is_loading = True
+            await servers[1].set_serving(False)
+            async with asyncio.timeout(20):
+                while True:
+                    replica_list[1].num_refused = 0
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await _generated_by(client, 10)
+                    if replica_list[1].num_refused == 0:
+                        break
+                    await asyncio.sleep(0.2)
+            assert await _generated_by(client, 10) == {"a": 10}
+    finally:
+        await asyncio.gather(*(server.stop(0) for server in servers))

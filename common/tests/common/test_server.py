@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -382,3 +383,9 @@ async def test_calls_past_max_concurrent_rpcs_are_resource_exhausted_and_running
             assert await asyncio.gather(*replies) == [b"x"] * 3
     finally:
         await server.stop(0)
+
+
+@pytest.mark.parametrize("age", [0.0, -1.0, math.inf, math.nan])
+def test_a_connection_age_that_never_ends_or_ends_at_once_is_refused_naming_it(age: float) -> None:
+    with pytest.raises(ConfigError, match="max_connection_age_s"):
+        ServerOptions(max_connection_age_s=age)
