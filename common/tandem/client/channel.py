@@ -102,7 +102,7 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
 
 def _ip_address(address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):  # str.isdigit takes '²' and '٨٠' too
         raise ValueError(f"address {address!r}: expected host:port")
     host = host.strip("[]")
     try:

@@ -11,8 +11,9 @@ import json
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 
-from tandem.client.channel import open_channel, service_config
+from tandem.client.channel import channel_target, open_channel, service_config
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 
@@ -80,3 +81,10 @@ async def test_an_unwatched_balanced_channel_retries_a_refused_generate_and_skip
     finally:
         await channel.close()
         await asyncio.gather(*(s.stop(0) for s in servers))
+
+
+@pytest.mark.parametrize("port", ["\u0668\u0660", "\u00b2"])
+def test_a_port_of_digits_outside_ascii_is_not_a_port(port: str) -> None:
+    """'٨٠' was taken as port 80 and '²' failed in int() with its own words."""
+    with pytest.raises(ValueError, match="expected host:port"):
+        channel_target(f"127.0.0.1:1,127.0.0.1:{port}")
