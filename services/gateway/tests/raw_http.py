@@ -66,3 +66,25 @@ def parse_answer(sent: bytes) -> tuple[int, dict]:
     """The status and JSON of a whole answer as it was sent."""
     head, _, body = sent.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
+
+
+UNREAD_BODY = json.dumps({"prompt": "p", "n": 8, "max_tokens": 50, "logprobs": 20}).encode()  # ~200 KiB
+
+
+async def unread_answer(url: str) -> socket.socket:
+    """A connection whose answer of 8 choices (~200 KiB) is being written and read no further than its
+    status, left in the socket for `read_answer`: a window of a few KiB."""
+    sock = await connect(url, receive_buffer_bytes=4096)
+    await send(sock, COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(UNREAD_BODY), UNREAD_BODY))
+    async with asyncio.timeout(5):
+        while (status := _peek(sock, 12)) != b"HTTP/1.1 200":
+            assert b"HTTP/1.1 200".startswith(status), status
+            await asyncio.sleep(0.01)
+    return sock
+
+
+def _peek(sock: socket.socket, size: int) -> bytes:
+    try:
+        return sock.recv(size, socket.MSG_PEEK)
+    except BlockingIOError:
+        return b""

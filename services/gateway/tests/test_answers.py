@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 from typing import Any
 
 import aiohttp
@@ -17,7 +19,7 @@ from tandem.gateway.responses import Completion
 
 from .fake_decoder import fake_decoder, prompt_text
 from .live_gateway import live_gateway
-from .raw_http import COMPLETIONS_HEAD, connect, read_answer, send
+from .raw_http import COMPLETIONS_HEAD, connect, read_answer, send, unread_answer
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -195,6 +197,39 @@ async def test_an_answer_being_written_holds_none_of_its_callers_streams() -> No
             assert [len(c["logprobs"]["tokens"]) for c in stalled["choices"]] == [50] * 8
         finally:
             sock.close()
+
+
+async def test_a_callers_answers_left_unread_are_at_most_as_many_choices_as_its_streams() -> None:
+    # Written after its streams were given back, an answer no longer counted among them: a caller that
+    # never read held up to --max-connections answers, each until --write-timeout-s (40 of 40 here).
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, send_buffer_bytes=4096, max_streams_per_caller=8) as url,
+    ):
+        socks = [await unread_answer(url), await unread_answer(url)]  # 16 choices being written
+        try:
+            num_calls = len(decoder.requests)
+            status, answer = await _post(f"{url}/completions", {"prompt": "q"})
+            assert status == 429 and answer["error"]["type"] == "rate_limit_error", answer
+            message = answer["error"]["message"]
+            assert message.startswith("16 choices of this caller's answers are being written, unread, with 0")
+            assert "over 16 (twice --max-streams-per-caller" in message, message
+            assert len(decoder.requests) == num_calls  # refused before any call
+            # A reset gives its choices back: the next request is served once the gateway has seen it.
+            socks[1].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            socks.pop().close()
+            async with asyncio.timeout(5):
+                while (status := (await _post(f"{url}/completions", {"prompt": "q", "n": 8}))[0]) == 429:
+                    await asyncio.sleep(0.02)
+            assert status == 200
+            status, whole = await read_answer(socks[0], 5)  # and one read whole gives its choices back
+            assert status == 200 and len(whole["choices"]) == 8
+            socks.extend([await unread_answer(url)])  # 8 of 16 again, the read one's given back
+            status, _ = await _post(f"{url}/completions", {"prompt": "q", "n": 8})
+            assert status == 200
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others() -> None:

@@ -17,7 +17,7 @@ from tandem.gateway.connections import NUM_WRITE_LOOKS, _Writes
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
-from .raw_http import COMPLETIONS_HEAD, connect, read_to_close, send
+from .raw_http import COMPLETIONS_HEAD, connect, read_answer, read_to_close, send, unread_answer
 
 WRITE_TIMEOUT_S = 0.5  # --write-timeout-s of these tests
 NUM_CHOICES = 4  # the unread stream's choices: each a decoder call streaming until it is cancelled
@@ -152,6 +152,37 @@ async def test_a_caller_reading_slowly_is_never_cut() -> None:
             assert decoder.num_open == 1 and decoder.cancelled == []
         finally:
             sock.close()
+
+
+async def test_answers_cut_for_the_write_timeout_give_their_callers_choices_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A caller's answers being written are bounded (twice --max-streams-per-caller, in choices); each
+    # is given back when its connection is cut, or the caller that never read was refused for ever.
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, send_buffer_bytes=4096, max_streams_per_caller=8, write_timeout_s=0.5) as url,
+    ):
+        caplog.set_level(logging.INFO)
+        for round_ in range(2):  # the bound whole again after the first two were cut
+            socks = [await unread_answer(url), await unread_answer(url)]  # 16 choices being written
+            try:
+                body = json.dumps({"prompt": "q"}).encode()
+                sock = await connect(url)
+                await send(sock, COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                status, answer = await read_answer(sock, 5)
+                sock.close()
+                assert status == 429 and "twice --max-streams-per-caller" in answer["error"]["message"]
+                async with asyncio.timeout(5):  # the gateway cuts them (its FIN queued behind the answer)
+                    while len(_cuts(caplog)) < 2 * (1 + round_):
+                        await asyncio.sleep(0.05)
+            finally:
+                for sock in socks:
+                    sock.close()
+
+
+def _cuts(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "(--write-timeout-s)" in r.getMessage()]
 
 
 class _Unsent(asyncio.WriteTransport):

@@ -8,7 +8,8 @@ objects or server-sent events (`answers.py`, `responses.py`, `embeddings.py`); e
 the services' own. What the gateway itself guards, each bound answered with an OpenAI error naming it:
 the bearer token (the services' token file; a caller's token travels on with its calls), the body's size
 and the time it takes to arrive, large bodies at once and per caller, the size of an embeddings answer,
-the choices of a request, open completion streams per caller (its token, else its address), and a caller
+the choices of a request, open completion streams per caller (its token, else its address) and the choices
+of its non-streamed answers being written (as many again), and a caller
 that disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels every gRPC call
 of its request, which frees their KV blocks. Each caller reaches the decoder over a connection of its own
 (`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP callers one by one.
@@ -87,6 +88,7 @@ class Gateway:
         self.tracer = tracer  # an OpenTelemetry tracer when tracing is on: one span per HTTP request
         self.large_bodies = LargeBodies(config.max_large_bodies, config.max_large_bodies_per_caller)
         self._streams: Counter[str] = Counter()  # open completions per caller
+        self._writing: Counter[str] = Counter()  # choices of non-streamed answers being written, per caller
         self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
         self._encoder_info: encoder_pb2.EncoderGetModelInfoResponse | None = None
 
@@ -363,6 +365,8 @@ class Gateway:
                 f"asks {num_choices} more, over {limit} (--max-streams-per-caller; a stream a choice)"
             )
             return error_response(HttpError(429, "rate_limit_error", message, retry_after_s=1.0))
+        if (unread := self._unread_answers(caller, num_choices)) is not None:
+            return error_response(unread)
         if (too_large := self._too_large(call, kind)) is not None:
             return error_response(too_large)
         request_id = uuid.uuid4().hex
@@ -397,8 +401,40 @@ class Gateway:
                 del self._streams[caller]
         # Written once its streams are given back: its choices ended, and a caller reading it slowly (or
         # not at all, until --write-timeout-s) held its places and its channel meanwhile, its next
-        # request refused 429 "streams are open" though the decoder had none of its.
-        return await answers.write(request, completions, with_logprobs)
+        # request refused 429 "streams are open" though the decoder had none of its. Its choices count
+        # among the caller's answers being written instead, in the same step (no await between), until
+        # it is written or its connection ends (--write-timeout-s, a reset: the handler is cancelled).
+        self._writing[caller] += num_choices
+        try:
+            return await answers.write(request, completions, with_logprobs)
+        finally:
+            self._writing[caller] -= num_choices
+            if not self._writing[caller]:
+                del self._writing[caller]
+
+    def _unread_answers(self, caller: str, num_choices: int) -> HttpError | None:
+        """A 429 when `caller`'s open streams, its answers being written and `num_choices` more are over
+        twice --max-streams-per-caller, in choices.
+
+        NOTE: why a second bound, and why twice. An answer is written after its streams are given back
+        (a slow reader holds no decoder places), so the streams bound alone no longer bounds the answers
+        a caller leaves unread: one that never read held up to --max-connections of them, each until
+        --write-timeout-s, and one answer can be 191 MiB of JSON (`answers.write`). Counted in choices,
+        not answers, as an answer's size grows with its choices. Twice, so a caller may have as many
+        choices being written as it may have streams open: its next request starts while the last is
+        still being read, as a client reading an answer while it asks the next one does. An answer's
+        choices go from streams to being written in one step, so a caller holds at most twice the
+        flag's choices at any time, twice what it held when its answers were written within its streams."""
+        limit = self.config.max_streams_per_caller
+        writing, open_ = self._writing[caller], self._streams[caller]
+        if open_ + writing + num_choices <= 2 * limit:
+            return None
+        message = (
+            f"{writing} choices of this caller's answers are being written, unread, with {open_} completion "
+            f"streams open, and this request asks {num_choices} more, over {2 * limit} (twice "
+            f"--max-streams-per-caller: as many choices may wait to be read as streams may be open)"
+        )
+        return HttpError(429, "rate_limit_error", message, retry_after_s=1.0)
 
     def _too_large(self, call: GenerateCall, kind: str) -> HttpError | None:
         """A 413 when a Generate call of `call` is over the services' max_message_bytes, or all of
