@@ -102,8 +102,10 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
 
 def _ip_address(address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()):  # str.isdigit takes '²' and '٨٠' too
-        raise ValueError(f"address {address!r}: expected host:port")
+    # str.isdigit takes '²' and '٨٠' too; at most 5 digits before int(), which refuses 4,300 in words
+    # of its own
+    if not sep or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise ValueError(f"address {address!r}: expected host:port, a port in 1..65535")
     host = host.strip("[]")
     try:
         return ipaddress.ip_address(host), int(port)

@@ -83,8 +83,9 @@ async def test_an_unwatched_balanced_channel_retries_a_refused_generate_and_skip
         await asyncio.gather(*(s.stop(0) for s in servers))
 
 
-@pytest.mark.parametrize("port", ["\u0668\u0660", "\u00b2"])
+@pytest.mark.parametrize("port", ["\u0668\u0660", "\u00b2", "0", "70000", "9" * 5000])
 def test_a_port_of_digits_outside_ascii_is_not_a_port(port: str) -> None:
-    """'٨٠' was taken as port 80 and '²' failed in int() with its own words."""
+    """'٨٠' was taken as port 80, '²' and 5,000 digits failed in int() with its own words, 0 and
+    70000 were taken."""
     with pytest.raises(ValueError, match="expected host:port"):
         channel_target(f"127.0.0.1:1,127.0.0.1:{port}")
