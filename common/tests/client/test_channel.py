@@ -8,32 +8,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
+from common.tests.client.replica import Replica
 from tandem.client.channel import channel_target, open_channel, service_config
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
-
-
-class Replica(decoder_pb2_grpc.DecoderServicer):
-    """Accepts every Generate, naming itself in `request_id`; while `is_loading`, answers UNAVAILABLE
-    before taking it, as the decoder does while it loads (`DecoderServicer._healthy_engine`)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.is_loading = False
-        self.num_refused = 0
-
-    async def Generate(
-        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
-        if self.is_loading:
-            self.num_refused += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decoder is loading; retry later")
-        yield decoder_pb2.GenerateResponse(request_id=self.name, accepted=decoder_pb2.PromptAccepted())
 
 
 async def _start(replica: Replica) -> RunningServer:
