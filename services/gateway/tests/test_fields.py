@@ -85,6 +85,14 @@ def test_a_short_value_is_shown_whole_and_a_long_one_says_it_was_cut() -> None:
         assert len(text) <= MAX_SHOWN and "..." in text
 
 
+def _schema_in(field: str, schema: Any) -> dict[str, Any]:
+    """A body's fields asking for `schema` through `field`: vLLM's guided_json or OpenAI's
+    response_format."""
+    if field == "guided_json":
+        return {"guided_json": schema}
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
 @pytest.mark.parametrize("field", ["guided_json", "response_format"])
 def test_a_schema_nested_past_the_writers_recursion_is_refused_naming_it(field: str) -> None:
     """The parser takes a schema nested a little under its own limit; writing it back out for the
@@ -92,11 +100,7 @@ def test_a_schema_nested_past_the_writers_recursion_is_refused_naming_it(field: 
     schema: dict[str, Any] = {}
     for _ in range(5000):
         schema = {"a": schema}
-    extra = (
-        {"guided_json": schema}
-        if field == "guided_json"
-        else {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
-    )
+    extra = _schema_in(field, schema)
     with pytest.raises(InvalidArgument) as error:
         completion_request({"prompt": "a"} | extra, LIMITS)
     expected = "guided_json" if field == "guided_json" else "response_format.json_schema.schema"
@@ -109,11 +113,7 @@ def test_a_boolean_schema_is_a_schema_in_either_field(field: str) -> None:
     as not an object while response_format's schema took them; the decoder then answers `true` and
     refuses `false` in its own words (f397bc1)."""
     for schema in (True, False):
-        extra = (
-            {"guided_json": schema}
-            if field == "guided_json"
-            else {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
-        )
+        extra = _schema_in(field, schema)
         request = completion_request({"prompt": "a"} | extra, LIMITS)
         assert request.requests[0].structured.json_schema == json.dumps(schema)
 
@@ -130,11 +130,7 @@ def test_a_schema_of_another_type_is_refused_naming_what_each_field_takes(
     field: str, schema: Any, takes: str
 ) -> None:
     # response_format's refusal said "a JSON schema object" though it takes true and false as well.
-    extra = (
-        {"guided_json": schema}
-        if field == "guided_json"
-        else {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
-    )
+    extra = _schema_in(field, schema)
     with pytest.raises(InvalidArgument) as error:
         completion_request({"prompt": "a"} | extra, LIMITS)
     assert error.value.field == (
