@@ -31,10 +31,20 @@ asks again with backoff, to be answered UNIMPLEMENTED once the service serves. A
 (grpcurl; the gateway's watch, which turns to Check) sees either status with the bound in its message.
 A refusal is logged (at most once a minute per address, `watch_refusals.py`), as the refused client's
 gRPC keeps its reason to itself.
+
+NOTE: why a Watch at a bound waits a moment before it is refused. A server asks each connection to go
+after max_connection_age_s (server.py), and its client's new Watch, on the new connection, reaches the
+server before the server has ended the old connection's: at its address's bound, every such Watch was
+refused, and that channel went unwatched for its next connection's life (N channels, a bound of N, 1 s
+ages: 1 of them refused in 10 s; 16 clients at 0.5 s: 7 to 9). So a Watch that finds no place waits up
+to WATCH_PLACE_WAIT_S for one to be given back, and is refused only then. A waiting Watch holds one of
+the server's places for calls, so at most `max_waiting` wait at once (the address share or the Watch
+bound, the smaller); one more is refused at once, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import time
@@ -50,6 +60,9 @@ from tandem.common.watch_refusals import WatchRefusals
 # Watch streams one address holds at once: 256 client processes' balanced channels, each watching a
 # server once (channels of one process with the same options share one connection and one Watch).
 MAX_WATCHES_PER_ADDRESS = 256
+# How long a Watch that finds its bound met waits for a place before it is refused: a reconnected
+# client's old Watch ends within a round trip or two of its new one arriving (the module's note).
+WATCH_PLACE_WAIT_S = 1.0
 # What a refused Watch's caller is told beside the bound, as its service serves or does not.
 FAILS_OPEN = "refused UNIMPLEMENTED, so that client-side health checking calls the server unwatched"
 FAILS_CLOSED = "refused RESOURCE_EXHAUSTED while the service does not serve (UNIMPLEMENTED once it does)"
@@ -84,11 +97,20 @@ class BoundedHealth(HealthServicer):
     """grpc_health's servicer, less a Watch past `max_watches` at once or past
     `max_watches_per_address` from one address (`watcher_of`)."""
 
-    def __init__(self, max_watches: int, max_watches_per_address: int = MAX_WATCHES_PER_ADDRESS) -> None:
+    def __init__(
+        self,
+        max_watches: int,
+        max_watches_per_address: int = MAX_WATCHES_PER_ADDRESS,
+        max_wait_s: float = WATCH_PLACE_WAIT_S,
+    ) -> None:
         super().__init__()
         self.max_watches = max_watches
         self.max_watches_per_address = max_watches_per_address
+        self.max_wait_s = max_wait_s  # a Watch at a bound waits this long for a place
         self.num_watches = 0
+        self.num_waiting = 0  # Watch calls waiting for a place, at most max_waiting
+        # Set, and replaced by a fresh one, each time a Watch ends and gives its place back.
+        self._watch_ended = asyncio.Event()
         self._num_watches_of: Counter[str] = Counter()  # open Watch streams, by watcher_of
         # gRPC's client-side health checking logs no reason on the client ("Watch method returned
         # UNIMPLEMENTED", "health check call failed"), so the server's log is where an operator sees a
@@ -99,14 +121,19 @@ class BoundedHealth(HealthServicer):
         """Watch streams open from `peer`'s address (its share, `watcher_of`)."""
         return self._num_watches_of[watcher_of(peer)]
 
+    @property
+    def max_waiting(self) -> int:
+        """Watch calls that wait for a place at once; one more is refused at once."""
+        return min(self.max_watches, self.max_watches_per_address)
+
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         watcher = watcher_of(context.peer())
-        if self.num_watches >= self.max_watches:
-            bound = f"at most {self.max_watches} health Watch streams at once"
+        bound = self._bound_met(watcher)
+        if bound is not None:
+            bound = await self._wait_for_place(watcher)
+        if bound is not None:
             await self._refuse(context, watcher, bound, request.service)
-        if self._num_watches_of[watcher] >= self.max_watches_per_address:
-            bound = f"at most {self.max_watches_per_address} health Watch streams at once from one address"
-            await self._refuse(context, watcher, f"{bound} ({watcher})", request.service)
+        # No await since _bound_met found a place, so no other Watch has taken it.
         self.num_watches += 1
         self._num_watches_of[watcher] += 1
         try:
@@ -116,6 +143,32 @@ class BoundedHealth(HealthServicer):
             self._num_watches_of[watcher] -= 1
             if not self._num_watches_of[watcher]:
                 del self._num_watches_of[watcher]
+            self._watch_ended.set()
+            self._watch_ended = asyncio.Event()
+
+    def _bound_met(self, watcher: str) -> str | None:
+        """The bound a Watch from `watcher` would pass, if any."""
+        if self.num_watches >= self.max_watches:
+            return f"at most {self.max_watches} health Watch streams at once"
+        if self._num_watches_of[watcher] >= self.max_watches_per_address:
+            bound = f"at most {self.max_watches_per_address} health Watch streams at once from one address"
+            return f"{bound} ({watcher})"
+        return None
+
+    async def _wait_for_place(self, watcher: str) -> str | None:
+        """Waits up to max_wait_s for a Watch to end and leave `watcher` a place (the module's note);
+        the bound still met then, or at once where max_waiting already wait."""
+        if self.num_waiting < self.max_waiting:
+            self.num_waiting += 1
+            try:
+                async with asyncio.timeout(self.max_wait_s):
+                    while self._bound_met(watcher) is not None:
+                        await self._watch_ended.wait()
+            except TimeoutError:
+                pass
+            finally:
+                self.num_waiting -= 1
+        return self._bound_met(watcher)
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, watcher: str, bound: str, service: str

@@ -23,6 +23,7 @@ from tandem.common.health import (
     FAILS_CLOSED,
     FAILS_OPEN,
     MAX_WATCHES_PER_ADDRESS,
+    WATCH_PLACE_WAIT_S,
     max_watches,
     watcher_of,
 )
@@ -39,6 +40,7 @@ async def server() -> AsyncIterator[RunningServer]:
         host="127.0.0.1", port=0, auth_tokens=frozenset({"secret"}), max_concurrent_rpcs=8
     )
     running = await start_server(options, [])
+    running.health.max_wait_s = 0.05  # a refusal after a short wait, to keep the tests fast
     await running.set_serving()
     try:
         yield running
@@ -104,6 +106,7 @@ def test_a_watch_counts_against_its_ipv4_address_or_its_ipv6_slash_64() -> None:
 async def dual_stack_server() -> AsyncIterator[RunningServer]:
     """600 places for calls, 300 for watches; on loopback's 127.0.0.1 and ::1, two addresses."""
     running = await start_server(ServerOptions(host="localhost", port=0, max_concurrent_rpcs=600), [])
+    running.health.max_wait_s = 0.05
     await running.set_serving()
     try:
         yield running
@@ -192,3 +195,66 @@ async def test_a_watch_refused_while_its_service_does_not_serve_is_resource_exha
         assert await _refused(stub, grpc.StatusCode.RESOURCE_EXHAUSTED, service="tandem.v1.Unknown") == closed
         for stream in streams:
             stream.cancel()
+
+
+async def _ended(server: RunningServer, num_watches: int) -> None:
+    """Waits until the server holds `num_watches` Watch streams."""
+    async with asyncio.timeout(5):
+        while server.health.num_watches != num_watches:
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("bound", ["server", "address"])
+async def test_a_watch_at_the_bound_is_served_once_an_old_one_ends_within_the_wait(
+    server: RunningServer, bound: str
+) -> None:
+    """A client that reconnects (its connection aged out, server.py) asks its new Watch before the
+    server has ended its old one: at the bound, it was refused and the channel went unwatched for its
+    new connection's life. It now waits for the old one's place."""
+    server.health.max_wait_s = 2.0
+    num_held = 4 if bound == "server" else 2
+    server.health.max_watches_per_address = num_held
+    assert WATCH_PLACE_WAIT_S == 1.0
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        streams = [await _watch(stub) for _ in range(num_held)]
+        reconnected = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        first = asyncio.ensure_future(reconnected.read())
+        async with asyncio.timeout(5):
+            while server.health.num_waiting != 1 and not first.done():  # done: refused at once
+                await asyncio.sleep(0.01)
+        streams.pop(0).cancel()  # the old connection's Watch ends
+        assert (await first).status == SERVING
+        assert server.health.num_watches == num_held and server.health.num_waiting == 0
+        for stream in [*streams, reconnected]:
+            stream.cancel()
+        await _ended(server, 0)
+
+
+async def test_a_watch_that_finds_no_place_within_the_wait_is_refused_and_waiters_are_bounded(
+    server: RunningServer,
+) -> None:
+    """The wait holds one of the server's places for calls, so at most max_waiting wait at once (the
+    address share here, 2); past them a Watch is refused at once."""
+    server.health.max_watches_per_address = 2
+    server.health.max_wait_s = 0.5
+    assert server.health.max_waiting == 2
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        streams = [await _watch(stub) for _ in range(2)]
+        waiting = [asyncio.ensure_future(_refused(stub)) for _ in range(2)]
+        async with asyncio.timeout(5):
+            while server.health.num_waiting != 2:
+                await asyncio.sleep(0.01)
+        started = asyncio.get_running_loop().time()
+        at_once = await _refused(stub)
+        assert asyncio.get_running_loop().time() - started < 0.4
+        refusals = {at_once, *await asyncio.gather(*waiting)}
+        assert refusals == {
+            f"at most 2 health Watch streams at once from one address (127.0.0.1); {FAILS_OPEN}; "
+            "Check answers at once"
+        }
+        assert server.health.num_waiting == 0 and server.health.num_watches == 2
+        for stream in streams:
+            stream.cancel()
+        await _ended(server, 0)
