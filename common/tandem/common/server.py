@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import math
 import signal
 import socket
 import ssl
@@ -74,6 +73,9 @@ DRAIN_NOTICE_S = 0.25
 # its Watch by someone who held the places for a moment gets health-based routing back within it.
 DEFAULT_MAX_CONNECTION_AGE_S = 600.0
 _INT32_MAX = 2**31 - 1  # gRPC's "never" for a duration in ms
+# The connection ages gRPC can take: one millisecond to its int32 of milliseconds (about 24.8 days).
+MIN_CONNECTION_AGE_S = 0.001
+MAX_CONNECTION_AGE_S = _INT32_MAX / 1000
 
 
 def notice_within(grace_s: float) -> float:
@@ -161,9 +163,13 @@ class ServerOptions:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         if self.grace_s < 0:
             raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
-        if not 0 < self.max_connection_age_s < math.inf:
+        # gRPC takes it as an int32 of milliseconds: past that the start failed with an OverflowError,
+        # and under half a millisecond it rounded to 0 ms.
+        if not MIN_CONNECTION_AGE_S <= self.max_connection_age_s <= MAX_CONNECTION_AGE_S:
             raise ConfigError(
-                "max_connection_age_s", f"must be > 0 and finite, got {self.max_connection_age_s}"
+                "max_connection_age_s",
+                f"must be between {MIN_CONNECTION_AGE_S} and {MAX_CONNECTION_AGE_S} s (gRPC's int32 of "
+                f"milliseconds), got {self.max_connection_age_s}",
             )
         if not 1 <= self.max_concurrent_rpcs <= MAX_CONCURRENT_RPCS_LIMIT:
             raise ConfigError(

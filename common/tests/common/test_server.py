@@ -23,6 +23,8 @@ from tandem.common.call_bound import grpc_bound
 from tandem.common.server import (
     GRPC_LOGGER,
     MAX_CONCURRENT_RPCS_LIMIT,
+    MAX_CONNECTION_AGE_S,
+    MIN_CONNECTION_AGE_S,
     RunningServer,
     ServerOptions,
     Service,
@@ -385,7 +387,15 @@ async def test_calls_past_max_concurrent_rpcs_are_resource_exhausted_and_running
         await server.stop(0)
 
 
-@pytest.mark.parametrize("age", [0.0, -1.0, math.inf, math.nan])
-def test_a_connection_age_that_never_ends_or_ends_at_once_is_refused_naming_it(age: float) -> None:
-    with pytest.raises(ConfigError, match="max_connection_age_s"):
+@pytest.mark.parametrize("age", [0.0, -1.0, math.inf, math.nan, 0.0004, 1e7, MAX_CONNECTION_AGE_S + 0.001])
+def test_a_connection_age_outside_grpcs_int32_of_milliseconds_is_refused_naming_it(age: float) -> None:
+    """gRPC takes the age as an int32 of milliseconds: 1e7 s failed the start with an OverflowError,
+    0.0004 s was taken as 0 ms."""
+    with pytest.raises(ConfigError, match=r"max_connection_age_s must be between 0.001 and 2147483.647 s"):
         ServerOptions(max_connection_age_s=age)
+
+
+@pytest.mark.parametrize("age", [MIN_CONNECTION_AGE_S, MAX_CONNECTION_AGE_S])
+async def test_a_server_starts_with_the_connection_ages_at_either_end_of_the_range(age: float) -> None:
+    server = await start_server(ServerOptions(host="127.0.0.1", port=0, max_connection_age_s=age), [])
+    await server.stop(0)
