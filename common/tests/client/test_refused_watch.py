@@ -41,6 +41,7 @@ async def _start(
         max_connection_age_s=max_connection_age_s,
     )
     running = await start_server(options, services)
+    running.health.max_wait_s = 0.05  # a Watch past a bound is refused at once, as the tests hold it
     await running.set_serving()
     return running
 

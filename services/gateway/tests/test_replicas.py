@@ -50,6 +50,7 @@ async def _start_decoder(port: int = 0) -> tuple[CountingDecoder, RunningServer]
     running = await start_server(
         ServerOptions(host="localhost", port=port, max_concurrent_rpcs=600), [service]
     )
+    running.health.max_wait_s = 0.05  # a Watch past a bound is refused at once, as the tests hold it
     await running.set_serving()
     return decoder, running
 
