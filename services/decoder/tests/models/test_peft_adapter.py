@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
 from tandem.decoder.models.loader import LoadedModel
@@ -284,6 +284,40 @@ def test_a_weights_file_changed_while_read_is_refused(
     assert str(refused.value) == (
         "adapter_model.safetensors: changed while it was read (being written?): load team/a once it is whole"
     )
+
+
+def test_a_same_size_rewrite_that_sets_its_mtime_back_is_refused(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `cp -p` or `rsync --inplace -t` over an adapter being read: truncate, write another adapter of
+    # the same size, and set the source's mtime. Size and mtime read back as they were, and the reader
+    # kept half of each file's tensors; only the change time, which utime cannot set, tells.
+    out = copy_with(adapter_dir, tmp_path / "a")
+    weights = out / WEIGHTS_FILE
+    save_file({k: v * 2 for k, v in load_file(weights).items()}, tmp_path / "b", metadata={"format": "pt"})
+    other, first, os_read = (tmp_path / "b").read_bytes(), weights.stat(), os.read
+    assert len(other) == first.st_size
+    rewritten = []
+
+    def rewrite_half_way(fd: int, size: int) -> bytes:
+        if os.fstat(fd).st_ino != first.st_ino or rewritten:
+            return os_read(fd, size)
+        rewritten.append(True)
+        half = os_read(fd, size // 2)
+        weights.write_bytes(other)
+        os.utime(weights, ns=(first.st_atime_ns, first.st_mtime_ns))
+        while os.stat(weights).st_ctime_ns == first.st_ctime_ns:  # the clock's tick may not have passed
+            time.sleep(0.001)
+            os.utime(weights, ns=(first.st_atime_ns, first.st_mtime_ns))
+        return half
+
+    monkeypatch.setattr(os, "read", rewrite_half_way)
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(out, tiny_fp32.config, max_rank=16, shown="team/a")
+    assert str(refused.value) == (
+        "adapter_model.safetensors: changed while it was read (being written?): load team/a once it is whole"
+    )
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (first.st_size, first.st_mtime_ns)
 
 
 @pytest.mark.parametrize("name", [CONFIG_FILE, WEIGHTS_FILE])

@@ -16,9 +16,10 @@ load and the server's exit for ever: the open is O_NONBLOCK and anything fstat d
 file is refused), and read whole into memory from that descriptor, never memory-mapped: a mapped file
 that shrinks under the reader (`cp` over it truncates, then writes) kills the process with SIGBUS, and
 every stream on the server with it. The read is bounded by the file's size at open, and that size by
-what an adapter of its r for this base model can hold; a file whose size or mtime moved during the
-read is refused. No refusal formats an OS or library error that may hold the server's own path: a
-refusal names the directory as `shown`.
+what an adapter of its r for this base model can hold; a file whose size, mtime or change time moved
+during the read is refused (`cp -p` sets the mtime back over a same-size rewrite; no call sets the change
+time back). No refusal formats an OS or library error that may hold the server's own path: a refusal
+names the directory as `shown`.
 """
 
 from __future__ import annotations
@@ -189,9 +190,18 @@ def _read_file(directory: int, name: str, shown: str, max_bytes: int, limit: str
         raise AdapterError(name, f"cannot be read: {error.strerror}") from None
     finally:
         os.close(fd)
-    if num_left or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-        raise AdapterError(name, f"changed while it was read (being written?): load {shown} once it is whole")
+    if num_left or _version(after) != _version(before):
+        raise _changed(name, shown)
     return b"".join(chunks)
+
+
+def _version(status: os.stat_result) -> tuple[int, int, int]:
+    """What a write to the file moves. Not st_ino: one descriptor's file is the same inode throughout."""
+    return status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+
+def _changed(name: str, shown: str) -> AdapterError:
+    return AdapterError(name, f"changed while it was read (being written?): load {shown} once it is whole")
 
 
 def _parse_config(data: bytes, shown_file: str) -> dict[str, Any]:
