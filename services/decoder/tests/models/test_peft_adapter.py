@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -414,3 +415,24 @@ def test_a_resolved_directory_swapped_for_a_symlink_is_refused_not_followed(
         == "path: racedir is not a directory (adapter_config.json + adapter_model.safetensors)"
     )
     read_adapter(tmp_path / "racedir", tiny_fp32.config, max_rank=16)  # an operator's --lora: followed
+
+
+@pytest.mark.parametrize("code", [errno.ENOTDIR, errno.ELOOP, errno.EMLINK])
+def test_a_symlink_refused_by_the_directory_s_open_is_not_a_directory_on_every_system(
+    adapter_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    # O_DIRECTORY | O_NOFOLLOW on a symlink: ENOTDIR on Linux, ELOOP on macOS, EMLINK on FreeBSD.
+    os_open = os.open
+
+    def refusing(path: str | Path, flags: int, *args: object, **kwargs: object) -> int:
+        if flags & os.O_DIRECTORY:
+            raise OSError(code, os.strerror(code))
+        return os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(adapter_dir, tiny_fp32.config, max_rank=16, shown="racedir")
+    assert (
+        str(refused.value)
+        == "path: racedir is not a directory (adapter_config.json + adapter_model.safetensors)"
+    )

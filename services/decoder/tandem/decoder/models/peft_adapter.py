@@ -24,6 +24,7 @@ names the directory as `shown`.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -52,6 +53,9 @@ MAX_HEADER_BYTES = 4 << 20
 MAX_ITEM_BYTES = 8
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+# What open(2) of a directory with O_DIRECTORY | O_NOFOLLOW says of a symlink: ENOTDIR (Linux), ELOOP
+# (macOS), EMLINK (FreeBSD); and ENOENT of nothing there. All mean the path names no directory.
+_NOT_A_DIRECTORY = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EMLINK)
 _MAX_READ_BYTES = 1 << 30  # one read(2); Linux returns at most ~2 GiB a call
 
 # The checkpoint modules an adapter may target (models/lora.py: the fused projection each is part of).
@@ -130,9 +134,12 @@ def read_adapter(
     try:
         no_follow = 0 if follow_symlinks else os.O_NOFOLLOW
         directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | no_follow)
-    except (FileNotFoundError, NotADirectoryError):  # ELOOP too: a symlink with follow_symlinks False
-        raise AdapterError("path", f"{shown} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})") from None
-    except OSError as error:  # a name over NAME_MAX, a directory that cannot be listed...
+    except OSError as error:
+        if error.errno in _NOT_A_DIRECTORY:
+            raise AdapterError(
+                "path", f"{shown} is not a directory ({CONFIG_FILE} + {WEIGHTS_FILE})"
+            ) from None
+        # A name over NAME_MAX, a directory that cannot be listed...
         raise AdapterError("path", f"cannot be read: {error.strerror}") from None
     try:
         return _read_directory(directory, config, max_rank, shown)
