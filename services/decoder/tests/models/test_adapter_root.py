@@ -13,7 +13,7 @@ import pytest
 from tandem.client.errors import InvalidArgument
 from tandem.common.model_name import echo
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
-from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE
+from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE, FileIdentity
 
 
 def adapter_dir(path: Path) -> Path:
@@ -66,6 +66,24 @@ def test_symlinks_that_stay_inside_the_root_are_followed_and_the_root_may_be_one
     # An absolute path may name the root as the operator wrote it or as it resolves.
     assert root.find(str(tmp_path / "link-to-root" / "qv4")).shown == "qv4"
     assert root.find(str(tree["root"] / "qv4")).shown == "qv4"
+
+
+def test_find_records_the_file_each_adapter_name_resolves_to_inside_the_root(tree: dict[str, Path]) -> None:
+    # The read takes these files only: one swapped in since, a symlink leading out, is refused. The
+    # Hugging Face cache's layout (a snapshot's files symlinked into blobs/) records the blobs.
+    repo = tree["root"] / "models--team--qv4"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "c0ffee").write_text("{}")
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "snapshots" / "abc" / CONFIG_FILE).symlink_to("../../blobs/c0ffee")
+    (repo / "snapshots" / "abc" / WEIGHTS_FILE).symlink_to("../../blobs/missing")  # not fetched yet
+    root = AdapterRoot(tree["root"])
+    found = root.find("models--team--qv4/snapshots/abc")
+    assert found.files == {CONFIG_FILE: FileIdentity.of(os.stat(repo / "blobs" / "c0ffee"))}
+    plain = tree["root"] / "qv4"
+    assert root.find("qv4").files == {
+        name: FileIdentity.of(os.stat(plain / name)) for name in (CONFIG_FILE, WEIGHTS_FILE)
+    }
 
 
 def test_every_path_not_inside_the_root_gets_one_refusal_whatever_is_there(

@@ -16,11 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
+from tandem.decoder.models.adapter_root import AdapterRoot
 from tandem.decoder.models.loader import LoadedModel
 from tandem.decoder.models.peft_adapter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterError,
+    FileIdentity,
     max_weights_bytes,
     read_adapter,
 )
@@ -406,15 +408,59 @@ def test_a_resolved_directory_swapped_for_a_symlink_is_refused_not_followed(
     # LoadAdapter's directory was resolved inside --lora-root: a symlink there at the read was swapped
     # in since by a writer of the root, and followed it read whatever it leads to (1 load in 400).
     (tmp_path / "racedir").symlink_to(adapter_dir)
+    found = {name: FileIdentity.of(os.stat(adapter_dir / name)) for name in (CONFIG_FILE, WEIGHTS_FILE)}
     with pytest.raises(AdapterError) as refused:
-        read_adapter(
-            tmp_path / "racedir", tiny_fp32.config, max_rank=16, shown="racedir", follow_symlinks=False
-        )
+        read_adapter(tmp_path / "racedir", tiny_fp32.config, max_rank=16, shown="racedir", found=found)
     assert (
         str(refused.value)
         == "path: racedir is not a directory (adapter_config.json + adapter_model.safetensors)"
     )
     read_adapter(tmp_path / "racedir", tiny_fp32.config, max_rank=16)  # an operator's --lora: followed
+
+
+def hf_cache_root(adapter_dir: Path, root: Path) -> Path:
+    """A root holding the adapter as the Hugging Face cache lays it out: a snapshot's files are symlinks
+    into blobs/."""
+    repo = root / "models--team--mlp8"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    for blob, name in enumerate((CONFIG_FILE, WEIGHTS_FILE)):
+        (repo / "blobs" / str(blob)).write_bytes((adapter_dir / name).read_bytes())
+        (repo / "snapshots" / "abc" / name).symlink_to(f"../../blobs/{blob}")
+    return root
+
+
+@pytest.mark.parametrize("name", [CONFIG_FILE, WEIGHTS_FILE])
+def test_a_file_swapped_for_a_symlink_leading_out_after_find_is_refused_unread(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, name: str
+) -> None:
+    # A writer of --lora-root swaps a file for a symlink to one outside after find checked that every
+    # name resolves inside: followed, the reader read it and echoed its values ('r: must be a positive
+    # integer, got <the outside file's>'). The symlinks into blobs/ that find saw are still read.
+    root = hf_cache_root(adapter_dir, tmp_path / "root")
+    snapshot = "models--team--mlp8/snapshots/abc"
+    found = AdapterRoot(root).find(snapshot)
+    read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.files)
+    outside = copy_with(adapter_dir, tmp_path / "outside", r="SECRET")
+    (root / snapshot / name).unlink()
+    (root / snapshot / name).symlink_to(outside / name)
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.files)
+    assert str(refused.value) == (
+        f"{name}: changed while it was read (being written?): load {snapshot} once it is whole"
+    )
+
+
+def test_a_file_that_appeared_after_find_is_refused_unread(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    # find vouched for no file by that name: one there now was put there since, from anywhere.
+    found = {CONFIG_FILE: FileIdentity.of(os.stat(adapter_dir / CONFIG_FILE))}
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(adapter_dir, tiny_fp32.config, max_rank=16, shown="team/a", found=found)
+    assert str(refused.value) == (
+        f"{WEIGHTS_FILE}: changed while it was read (being written?): load team/a once it is whole"
+    )
 
 
 @pytest.mark.parametrize("code", [errno.ENOTDIR, errno.ELOOP, errno.EMLINK])

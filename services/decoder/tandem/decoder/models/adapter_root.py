@@ -8,25 +8,28 @@ nothing there, a file, a directory that cannot be read or searched), gets one re
 wording, naming the field and the flag and echoing only what the caller sent, so a caller learns
 nothing of the file system outside the root, nor even whether a path inside it is missing or leads
 out. The adapter is then read from the resolved directory, never from the caller's path again, and
-reported by its path relative to the root. What is inside a served directory is peft_adapter's to
-refuse, by the file's name (one that cannot be read, is no regular file, or changes while read).
+only from the files its names resolved to here (a symlink swapped in for one since is refused; one into
+an HF cache's blobs/ that was there is read), and reported by its path relative to the root. What is
+inside a served directory is peft_adapter's to refuse, by the file's name (one that cannot be read, is
+no regular file, or changes while read).
 
 The root's own path is resolved once, at start: a root that is a symlink retargeted later still means
 the directory it named then (a restart takes the new one). Its contents are the operator's: whoever can
-write there can make a directory that a later LoadAdapter follows (a symlink swapped in between the
-check and the read included) or a hard link to any file they can reach, so the root should hold
-adapters only and be writable by the operator alone.
+write there can make a directory that a later LoadAdapter follows (a symlink swapped in for a directory
+above the adapter's between the check and the read included) or a hard link to any file they can reach,
+so the root should hold adapters only and be writable by the operator alone.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.model_name import echo
-from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE
+from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE, FileIdentity
 
 ROOT_FLAG = "--lora-root"
 
@@ -37,6 +40,9 @@ class AdapterDirectory:
 
     path: Path  # absolute, every symlink resolved: what is read
     shown: str  # relative to the root, as the caller named it (normalized): what AdapterInfo.path says
+    # Each adapter file's name -> the file it resolved to inside the root; a name missing led nowhere.
+    # The read takes these files only (read_adapter's `found`).
+    files: Mapping[str, FileIdentity]
 
 
 class AdapterRoot:
@@ -63,13 +69,13 @@ class AdapterRoot:
                 self._is_inside(directory)
                 and directory.is_dir()
                 and os.access(directory, os.R_OK | os.X_OK)  # else refused later in words of its own
-                and self._files_are_inside(directory)
             )
+            files = self._files_inside(directory) if is_served else None
         except OSError:  # ENOENT, ELOOP, EACCES, ENAMETOOLONG...: all one answer
-            is_served = False
-        if not is_served:
+            files = None
+        if files is None:
             raise self._refusal(path)
-        return AdapterDirectory(path=directory, shown=str(relative))
+        return AdapterDirectory(path=directory, shown=str(relative), files=files)
 
     def shown(self, path: Path) -> str:
         """How a start-up adapter (--lora, the operator's own, anywhere) is reported to every caller:
@@ -101,14 +107,22 @@ class AdapterRoot:
     def _is_inside(self, real: Path) -> bool:
         return real != self.root and real.is_relative_to(self.root)
 
-    def _files_are_inside(self, directory: Path) -> bool:
-        """The adapter's files, where they exist, do not lead out of the root either (their absence is
-        read_adapter's to report, by the file's name)."""
+    def _files_inside(self, directory: Path) -> dict[str, FileIdentity] | None:
+        """The file each adapter file's name resolves to, or None where one leads out of the root. A
+        name that leads nowhere is left out: its absence is read_adapter's to report, by its name."""
+        files = {}
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             file = directory / name
-            if os.path.lexists(file) and not self._is_inside(Path(os.path.realpath(file))):
-                return False
-        return True
+            if not os.path.lexists(file):
+                continue
+            real = Path(os.path.realpath(file))
+            if not self._is_inside(real):
+                return None
+            try:  # the file resolved to, itself: a symlink there now was swapped in since and is refused
+                files[name] = FileIdentity.of(os.stat(real, follow_symlinks=False))
+            except OSError:  # a dangling symlink, a loop: read_adapter refuses the name as it finds it
+                continue
+        return files
 
     def _refusal(self, path: str) -> InvalidArgument:
         return InvalidArgument(

@@ -18,8 +18,11 @@ that shrinks under the reader (`cp` over it truncates, then writes) kills the pr
 every stream on the server with it. The read is bounded by the file's size at open, and that size by
 what an adapter of its r for this base model can hold; a file whose size, mtime or change time moved
 during the read is refused (`cp -p` sets the mtime back over a same-size rewrite; no call sets the change
-time back). No refusal formats an OS or library error that may hold the server's own path: a refusal
-names the directory as `shown`.
+time back). A directory AdapterRoot.find resolved inside --lora-root comes with the file each name led to
+then (`found`): the file opened must be that one, as a writer of the root may have swapped a symlink
+leading out in its place since (a symlink that was there, into an HF cache's blobs/, still reads). No
+refusal formats an OS or library error that may hold the server's own path: a refusal names the
+directory as `shown`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import math
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +80,18 @@ class AdapterError(InvalidArgument, ValueError):
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """Which file a name led to when it was checked: the same file wherever it is linked from."""
+
+    device: int  # st_dev
+    inode: int  # st_ino
+
+    @classmethod
+    def of(cls, status: os.stat_result) -> FileIdentity:
+        return cls(device=status.st_dev, inode=status.st_ino)
+
+
+@dataclass(frozen=True)
 class LoraAdapter:
     """An adapter's weights, checked against one base model; not yet in any slot."""
 
@@ -119,20 +135,22 @@ def read_adapter(
     config: ModelConfig,
     max_rank: int,
     shown: str | None = None,
-    follow_symlinks: bool = True,
+    found: Mapping[str, FileIdentity] | None = None,
 ) -> LoraAdapter:
     """The adapter in directory `path`, checked against a base model of `config`. Raises AdapterError.
     `shown`: the directory as refusals name it, `path` by default (a LoadAdapter caller under
     --lora-root sees the path it named relative to the root, never the server's own).
-    `follow_symlinks` False: `path` was resolved inside --lora-root, so a symlink there now was swapped
-    in since, and may lead out: refused, not followed."""
+    `found` None: `path` is the operator's (--lora), followed wherever it leads. Otherwise `path` was
+    resolved inside --lora-root, where each adapter file's name led to the file `found` maps it to (a
+    name missing: nothing was there): a symlink at `path` now, or a file other than the one found, was
+    swapped in since by a writer of the root and may lead out, so it is refused, never read."""
     if not str(path):
         raise AdapterError("path", "must not be empty (it would name the server's working directory)")
     if len(str(path).encode()) > MAX_PATH_BYTES:
         raise AdapterError("path", f"must be at most {MAX_PATH_BYTES} bytes, got {len(str(path).encode())}")
     shown = str(path) if shown is None else shown
     try:
-        no_follow = 0 if follow_symlinks else os.O_NOFOLLOW
+        no_follow = 0 if found is None else os.O_NOFOLLOW
         directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | no_follow)
     except OSError as error:
         if error.errno in _NOT_A_DIRECTORY:
@@ -142,22 +160,29 @@ def read_adapter(
         # A name over NAME_MAX, a directory that cannot be listed...
         raise AdapterError("path", f"cannot be read: {error.strerror}") from None
     try:
-        return _read_directory(directory, config, max_rank, shown)
+        return _read_directory(directory, config, max_rank, shown, found)
     finally:
         os.close(directory)
 
 
-def _read_directory(directory: int, config: ModelConfig, max_rank: int, shown: str) -> LoraAdapter:
+def _read_directory(
+    directory: int, config: ModelConfig, max_rank: int, shown: str, found: Mapping[str, FileIdentity] | None
+) -> LoraAdapter:
     """read_adapter's work, every file opened relative to the open `directory`."""
     config_bytes = _read_file(
-        directory, CONFIG_FILE, shown, MAX_JSON_BYTES, "a JSON file of a checkpoint may"
+        directory, CONFIG_FILE, shown, found, MAX_JSON_BYTES, "a JSON file of a checkpoint may"
     )
     if config_bytes is None:
         raise _ConfigFileError(f"{CONFIG_FILE} not found in {shown}")
     rank, scale = _check_config(_parse_config(config_bytes, f"{shown}/{CONFIG_FILE}"), max_rank)
     max_bytes = max_weights_bytes(config, rank)
     weights_bytes = _read_file(
-        directory, WEIGHTS_FILE, shown, max_bytes, f"an adapter of r {rank} for this base model can hold"
+        directory,
+        WEIGHTS_FILE,
+        shown,
+        found,
+        max_bytes,
+        f"an adapter of r {rank} for this base model can hold",
     )
     if weights_bytes is None:
         try:  # the name itself, inside the directory: a symlink is not followed (it may lead anywhere)
@@ -171,10 +196,18 @@ def _read_directory(directory: int, config: ModelConfig, max_rank: int, shown: s
     return LoraAdapter(rank=rank, scale=scale, targets=targets, weights=weights)
 
 
-def _read_file(directory: int, name: str, shown: str, max_bytes: int, limit: str) -> bytes | None:
+def _read_file(
+    directory: int,
+    name: str,
+    shown: str,
+    found: Mapping[str, FileIdentity] | None,
+    max_bytes: int,
+    limit: str,
+) -> bytes | None:
     """The whole of regular file `name` in `directory`, read from one descriptor; None where nothing is
-    there. Raises AdapterError naming the file: not a regular file, over `max_bytes` (`limit` says
-    whose bound it is), unreadable, or changed while it was read."""
+    there. Raises AdapterError naming the file: not the file `found` says the name led to (checked
+    before anything of it is told: its kind, size or bytes may be another's), not a regular file, over
+    `max_bytes` (`limit` says whose bound it is), unreadable, or changed while it was read."""
     try:
         fd = os.open(name, _OPEN_FLAGS, dir_fd=directory)
     except FileNotFoundError:  # a dangling symlink too
@@ -183,6 +216,8 @@ def _read_file(directory: int, name: str, shown: str, max_bytes: int, limit: str
         raise AdapterError(name, f"cannot be read: {error.strerror}") from None
     try:
         before = os.fstat(fd)
+        if found is not None and found.get(name) != FileIdentity.of(before):
+            raise _changed(name, shown)
         if not stat.S_ISREG(before.st_mode):
             raise AdapterError(name, f"must be a regular file in {shown}")
         if before.st_size > max_bytes:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -48,7 +48,7 @@ from tandem.decoder.engine.step.xla_buckets import XlaBuckets
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.lora import LoraTable
-from tandem.decoder.models.peft_adapter import LoraAdapter, read_adapter
+from tandem.decoder.models.peft_adapter import FileIdentity, LoraAdapter, read_adapter
 from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
 
 log = logging.getLogger(__name__)
@@ -430,31 +430,39 @@ class Engine:
     # -- LoRA adapters ---------------------------------------------------------------------------
 
     async def load_adapter(
-        self, name: str, path: str | Path, shown: str | None = None, follow_symlinks: bool = True
+        self,
+        name: str,
+        path: str | Path,
+        shown: str | None = None,
+        found: Mapping[str, FileIdentity] | None = None,
     ) -> Adapter:
         """Read the PEFT adapter in directory `path` and serve it as `name`; requests already running
         go on undisturbed. `path` is opened as it is (the servicer binds a caller's to --lora-root
         first); `shown` is how it is reported and named in refusals, `path` by default;
-        `follow_symlinks` False refuses `path` if it is a symlink (read_adapter). Raises
-        FailedPrecondition (LoRA off), InvalidArgument (the name, or an adapter that does not fit: the
-        file and field named), AlreadyExists, ResourceExhausted (every slot taken). Nothing is loaded
-        when it raises, nor when its caller leaves before the install starts (the install is
-        skipped); one that leaves later finds the adapter loaded."""
+        `found`, the files AdapterRoot.find resolved `path`'s names to, refuses a symlink at `path` and
+        any other file (read_adapter). Raises FailedPrecondition (LoRA off), InvalidArgument (the name,
+        or an adapter that does not fit: the file and field named), AlreadyExists, ResourceExhausted
+        (every slot taken). Nothing is loaded when it raises, nor when its caller leaves before the
+        install starts (the install is skipped); one that leaves later finds the adapter loaded."""
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
         shown = str(path) if shown is None else shown
-        reading = self._adapter_reader.submit(self._read_adapter, name, path, shown, follow_symlinks)
+        reading = self._adapter_reader.submit(self._read_adapter, name, path, shown, found)
         adapter = await asyncio.wrap_future(reading)
         installing = self.core.between_steps(partial(self._install, name, shown, adapter))
         self._thread.wake()
         return await asyncio.wrap_future(installing)
 
     def _read_adapter(
-        self, name: str, path: str | Path, shown: str | None = None, follow_symlinks: bool = True
+        self,
+        name: str,
+        path: str | Path,
+        shown: str | None = None,
+        found: Mapping[str, FileIdentity] | None = None,
     ) -> LoraAdapter:
         self.core.check_can_load(name)  # the cheap refusals before the files are read
         assert self.lora is not None
-        return read_adapter(path, self.model_config, self.lora.max_rank, shown, follow_symlinks)
+        return read_adapter(path, self.model_config, self.lora.max_rank, shown, found)
 
     def _install(self, name: str, shown: str, adapter: LoraAdapter) -> Adapter:
         """On the engine thread between steps, under the core's lock: a free slot gets the weights,
