@@ -25,14 +25,20 @@ def read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
         raise error(
             f"{path} has {size:,} bytes, more than the {MAX_JSON_BYTES:,} a JSON file of a checkpoint may"
         )
+    return json_object(path.read_bytes(), str(path), error)
+
+
+def json_object(data: bytes, shown: str, error: type[Exception]) -> dict[str, Any]:
+    """The JSON object of a file's bytes, read already (a LoRA adapter's config, read from its
+    descriptor); raises `error` naming the file `shown` when the bytes are not one."""
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(data.decode())
     except json.JSONDecodeError as e:
-        raise error(f"{path} is not valid JSON: {e}") from e
+        raise error(f"{shown} is not valid JSON: {e}") from e
     except UnicodeDecodeError as e:
-        raise error(f"{path} is not UTF-8 text: {e}") from None
+        raise error(f"{shown} is not UTF-8 text: {e}") from None
     except RecursionError:  # json's C parser recurses once per level: 100,000 nested lists reach it
-        raise error(f"{path} nests too deeply to read") from None
+        raise error(f"{shown} nests too deeply to read") from None
     if not isinstance(value, dict):
-        raise error(f"{path} must hold a JSON object, got {type(value).__name__}")
+        raise error(f"{shown} must hold a JSON object, got {type(value).__name__}")
     return value

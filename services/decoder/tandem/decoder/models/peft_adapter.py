@@ -28,7 +28,6 @@ directory as `shown`.
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import re
@@ -43,7 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from tandem.client.errors import InvalidArgument
-from tandem.common.checkpoint import MAX_JSON_BYTES
+from tandem.common.checkpoint import MAX_JSON_BYTES, json_object
 from tandem.decoder.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -174,7 +173,9 @@ def _read_directory(
     )
     if config_bytes is None:
         raise _ConfigFileError(f"{CONFIG_FILE} not found in {shown}")
-    rank, scale = _check_config(_parse_config(config_bytes, f"{shown}/{CONFIG_FILE}"), max_rank)
+    rank, scale = _check_config(
+        json_object(config_bytes, f"{shown}/{CONFIG_FILE}", _ConfigFileError), max_rank
+    )
     max_bytes = max_weights_bytes(config, rank)
     weights_bytes = _read_file(
         directory,
@@ -244,21 +245,6 @@ def _version(status: os.stat_result) -> tuple[int, int, int]:
 
 def _changed(name: str, shown: str) -> AdapterError:
     return AdapterError(name, f"changed while it was read (being written?): load {shown} once it is whole")
-
-
-def _parse_config(data: bytes, shown_file: str) -> dict[str, Any]:
-    """adapter_config.json's object, refused as read_json refuses a checkpoint's JSON files."""
-    try:
-        value = json.loads(data.decode())
-    except UnicodeDecodeError as error:
-        raise _ConfigFileError(f"{shown_file} is not UTF-8 text: {error}") from None
-    except json.JSONDecodeError as error:
-        raise _ConfigFileError(f"{shown_file} is not valid JSON: {error}") from None
-    except RecursionError:  # json's C parser recurses once per level: 100,000 nested lists reach it
-        raise _ConfigFileError(f"{shown_file} nests too deeply to read") from None
-    if not isinstance(value, dict):
-        raise _ConfigFileError(f"{shown_file} must hold a JSON object, got {type(value).__name__}")
-    return value
 
 
 class _ConfigFileError(AdapterError):
