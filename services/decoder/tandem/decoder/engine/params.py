@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
-
-import numpy
+from decimal import Decimal
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.torch_part.prompt_parts import check_token_id, check_token_ids
@@ -135,14 +134,29 @@ def shown_float(value: float) -> str:
     -0.10000000149011612, and the shortest decimal that is the same float32 is what was sent. A value
     no float32 holds exactly (the in-process API's doubles) is shown whole."""
     try:
-        if _as_float32(value) == value:
-            # numpy's float32 str is the shortest decimal that reads back as the same float32. Rounding
-            # to fewer digits until one reads back misses it where the float32's neighbours are not
-            # equally far (a power of two): 2**90 was 1.23794004e+27, as 1.23794e+27 is another float32
-            # but 1.2379401e+27 is not.
-            return repr(float(str(numpy.float32(value))))
+        if value != 0 and math.isfinite(value) and _as_float32(value) == value:
+            return _shortest_float32(value)
     except OverflowError:  # a double beyond float32's range
         pass
+    return repr(value)
+
+
+def _shortest_float32(value: float) -> str:
+    """The shortest decimal that reads back as the float32 `value`. At each length the nearest decimal
+    and its two neighbours in the last digit are tried: the nearest alone misses where the float32's
+    neighbours are not equally far (a power of two): 2**90 was 1.23794004e+27, as 1.2379400e+27 is
+    another float32 but 1.2379401e+27 is not. Pure Python: the engine's modules import no numpy."""
+    exact = Decimal(value)
+    for digits in range(1, 10):
+        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+        step = Decimal(1).scaleb(1 - digits)
+        found = [
+            Decimal(f"{m}e{exponent}")
+            for m in (Decimal(mantissa), Decimal(mantissa) - step, Decimal(mantissa) + step)
+            if _as_float32(float(f"{m}e{exponent}")) == value
+        ]
+        if found:
+            return repr(float(min(found, key=lambda d: abs(d - exact))))
     return repr(value)
 
 
