@@ -232,6 +232,49 @@ async def test_a_callers_answers_left_unread_are_at_most_as_many_choices_as_its_
                 sock.close()
 
 
+async def test_answers_held_over_the_gateways_bound_refuse_non_streamed_requests_until_given_back() -> None:
+    # Each caller's unread answers are bounded, but not how many callers leave theirs: every address is
+    # a caller, and one caller's worst is about 760 MiB of JSON. The gateway's own bound is in bytes.
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, send_buffer_bytes=4096, max_unread_answer_bytes=100_000) as url,
+    ):
+        socks = [await unread_answer(url)]  # 8 choices, about 200 KiB held: over 100,000
+        try:
+            num_calls = len(decoder.requests)
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{url}/completions", json={"prompt": "q"}) as response:
+                    refused, retry_after = await response.json(), response.headers.get("Retry-After")
+                assert (response.status, refused["error"]["type"], retry_after) == (
+                    503,
+                    "service_unavailable",
+                    "1",
+                )
+            message = refused["error"]["message"]
+            assert "over 100000 (--max-unread-answer-bytes, all callers together)" in message, message
+            assert len(decoder.requests) == num_calls  # refused before any call
+            status, events = await _post(f"{url}/completions", {"prompt": "q", "stream": True})
+            assert status == 200 and events[-1] == "[DONE]"  # a streamed neighbour holds none: served
+            # A reset gives its bytes back: the next request is served once the gateway has seen it.
+            socks[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            socks.pop().close()
+            async with asyncio.timeout(5):
+                while (status := (await _post(f"{url}/completions", {"prompt": "q"}))[0]) == 503:
+                    await asyncio.sleep(0.02)
+            assert status == 200
+            socks.append(await unread_answer(url))  # held again, then read whole: given back
+            assert (await _post(f"{url}/completions", {"prompt": "q"}))[0] == 503
+            status, whole = await read_answer(socks[0], 5)
+            assert status == 200 and len(whole["choices"]) == 8
+            async with asyncio.timeout(5):
+                while (status := (await _post(f"{url}/completions", {"prompt": "q"}))[0]) == 503:
+                    await asyncio.sleep(0.02)
+            assert status == 200
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others() -> None:
     async with fake_decoder() as (decoder, address), live_gateway(address) as url:
         status, answer = await _post(f"{url}/completions", {"prompt": ["a hang", "b hang", "after2 refuse"]})

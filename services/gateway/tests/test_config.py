@@ -1,6 +1,6 @@
-"""The gateway's settings: --max-choices, --body-idle-timeout-s, --write-timeout-s, --grace-s and
---max-large-bodies-per-caller reach the config from their flags (and variables), and a bound out of
-range is refused naming it."""
+"""The gateway's settings: --max-choices, --body-idle-timeout-s, --write-timeout-s, --grace-s,
+--max-large-bodies-per-caller and --max-unread-answer-bytes reach the config from their flags (and
+variables), and a bound out of range is refused naming it."""
 
 from __future__ import annotations
 
@@ -72,3 +72,16 @@ def test_the_grace_comes_from_its_flag_or_variable_and_is_refused_below_zero(
     with pytest.raises(ConfigError) as error:
         GatewayConfig(grace_s=-1)
     assert error.value.field == "grace_s"
+
+
+def test_the_answers_held_come_from_their_flag_or_variable_and_are_refused_out_of_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _config([]).max_unread_answer_bytes == GatewayConfig().max_unread_answer_bytes == 384 * 2**20
+    assert _config(["--max-unread-answer-bytes", "1000"]).max_unread_answer_bytes == 1000
+    monkeypatch.setenv("TANDEM_OPENAI_MAX_UNREAD_ANSWER_BYTES", "2000")
+    assert _config([]).max_unread_answer_bytes == 2000
+    for value in (0, -1, 2**40 + 1):  # none, or more than a host has: a bound that bounds nothing
+        with pytest.raises(ConfigError) as error:
+            GatewayConfig(max_unread_answer_bytes=value)
+        assert error.value.field == "max_unread_answer_bytes" and str(value) in str(error.value)

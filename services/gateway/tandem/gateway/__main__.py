@@ -102,6 +102,11 @@ def settings() -> list[click.Option]:
             "of those, one caller's (its bearer token, else its IP address; 429 beyond)",
             type=int,
         ),
+        _setting(
+            "--max-unread-answer-bytes",
+            "JSON of non-streamed answers being written, all callers together (503 beyond)",
+            type=int,
+        ),
         _setting("--body-workers", "processes that parse and convert bodies over 1 MiB", type=int),
         _setting("--max-connections", "open HTTP connections (a new one beyond: 503, closed)", type=int),
         _setting(
@@ -191,6 +196,7 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
         max_embeddings_bytes=values["max_embeddings_bytes"],
         max_large_bodies=values["max_large_bodies"],
         max_large_bodies_per_caller=values["max_large_bodies_per_caller"],
+        max_unread_answer_bytes=values["max_unread_answer_bytes"],
         body_workers=values["body_workers"],
         max_connections=values["max_connections"],
         header_timeout_s=values["header_timeout_s"],

@@ -1,5 +1,5 @@
 """A completion request's answer from its choices' events: one OpenAI object (`collect`, then
-`write`, which serializes it a choice at a time), or server-sent events as they come (`stream`).
+`write`, which serializes it a slice of a choice at a time), or server-sent events as they come (`stream`).
 
 A stream carries each choice's chunks with its index, interleaved as the choices advance: chat opens
 with each choice's role chunk, a choice's closing chunk (its finish_reason) follows its last token at
@@ -10,14 +10,15 @@ error after the stream began (a choice failed: its neighbours are cancelled) is 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from typing import Any
 
 from aiohttp import web
 
+from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.calls import GenerateCall
+from tandem.gateway.choice_json import choice_json
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
 from tandem.gateway.errors import HttpError
 from tandem.gateway.responses import Completion, answer_frame, usage_chunk
@@ -39,32 +40,43 @@ async def collect(streams: ChoiceStreams, completions: list[Completion], with_lo
 
 
 async def write(
-    request: web.Request, completions: list[Completion], with_logprobs: bool
+    request: web.Request, completions: list[Completion], with_logprobs: bool, held: AnswerBytes
 ) -> web.StreamResponse:
-    """The non-streamed answer (`responses.answer`'s JSON), each choice rendered and serialized in turn
-    with the event loop let go between them, then sent with its length. Rendered whole, 16 choices of
-    8,192 tokens with 20 alternatives each made 816 MB of Python objects and a 191 MiB JSON dump that
-    held the loop, every other caller's stream and /health, for 4 s.
+    """The non-streamed answer (`responses.answer`'s JSON), each choice rendered and serialized a slice
+    at a time with the event loop let go between slices (`choice_json`), then sent with its length.
+    Rendered whole, 16 choices of 8,192 tokens with 20 alternatives each made 816 MB of Python objects
+    and a 191 MiB JSON dump that held the loop, every other caller's stream and /health, for 4 s; a
+    choice at a time, one choice of 8,192 tokens still held it for 1 s.
 
     Its length comes first, so every choice's JSON is held before the first byte goes: that answer's
-    peak is its 191 MiB of JSON, its 31 MiB of serialized deltas and one choice's objects being
-    rendered, 281 MiB traced (about 1.2 GB rendered whole); 31 MiB is what it holds while decoding."""
-    choices = []
-    for completion in completions:
-        choices.append(json.dumps(completion.choice(with_logprobs)).encode())
-        await asyncio.sleep(0)
-    before, after = (part.encode() for part in answer_frame(completions))
-    response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
-    response.content_length = len(before) + sum(map(len, choices)) + 2 * (len(choices) - 1) + len(after)
-    await response.prepare(request)
-    await response.write(before)
-    for i, choice in enumerate(choices):
-        if i:
-            await response.write(b", ")
-        await response.write(choice)
-    await response.write(after)
-    await response.write_eof()
-    return response
+    peak is its 191 MiB of JSON, its 31 MiB of serialized deltas and one slice's objects being
+    rendered; 31 MiB is what it holds while decoding. Its bytes count in `held` (the gateway's, all
+    callers') from their serialization until the answer is written or its connection ends."""
+    num_held = 0
+
+    def hold(num_bytes: int) -> None:
+        nonlocal num_held
+        num_held += num_bytes
+        held.take(num_bytes)
+
+    try:
+        choices = [await choice_json(completion, with_logprobs, hold) for completion in completions]
+        before, after = (part.encode() for part in answer_frame(completions))
+        response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+        num_bytes = sum(len(piece) for pieces in choices for piece in pieces)
+        response.content_length = len(before) + num_bytes + 2 * (len(choices) - 1) + len(after)
+        await response.prepare(request)
+        await response.write(before)
+        for i, pieces in enumerate(choices):
+            if i:
+                await response.write(b", ")
+            for piece in pieces:
+                await response.write(piece)
+        await response.write(after)
+        await response.write_eof()
+        return response
+    finally:
+        held.give_back(num_held)
 
 
 async def stream(

@@ -9,7 +9,8 @@ the services' own. What the gateway itself guards, each bound answered with an O
 the bearer token (the services' token file; a caller's token travels on with its calls), the body's size
 and the time it takes to arrive, large bodies at once and per caller, the size of an embeddings answer,
 the choices of a request, open completion streams per caller (its token, else its address) and the choices
-of its non-streamed answers being written (as many again), and a caller
+of its non-streamed answers being written (as many again), the JSON of those answers all callers
+together (--max-unread-answer-bytes), and a caller
 that disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels every gRPC call
 of its request, which frees their KV blocks. Each caller reaches the decoder over a connection of its own
 (`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP callers one by one.
@@ -36,6 +37,7 @@ from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
 from tandem.gateway import answers, embeddings, images
+from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of
@@ -89,6 +91,7 @@ class Gateway:
         self.large_bodies = LargeBodies(config.max_large_bodies, config.max_large_bodies_per_caller)
         self._streams: Counter[str] = Counter()  # open completions per caller
         self._writing: Counter[str] = Counter()  # choices of non-streamed answers being written, per caller
+        self.answer_bytes = AnswerBytes(config.max_unread_answer_bytes)  # their JSON held, all callers'
         self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
         self._encoder_info: encoder_pb2.EncoderGetModelInfoResponse | None = None
 
@@ -367,6 +370,8 @@ class Gateway:
             return error_response(HttpError(429, "rate_limit_error", message, retry_after_s=1.0))
         if (unread := self._unread_answers(caller, num_choices)) is not None:
             return error_response(unread)
+        if not call.is_stream and (full := self.answer_bytes.refusal()) is not None:
+            return error_response(full)
         if (too_large := self._too_large(call, kind)) is not None:
             return error_response(too_large)
         request_id = uuid.uuid4().hex
@@ -406,7 +411,7 @@ class Gateway:
         # it is written or its connection ends (--write-timeout-s, a reset: the handler is cancelled).
         self._writing[caller] += num_choices
         try:
-            return await answers.write(request, completions, with_logprobs)
+            return await answers.write(request, completions, with_logprobs, self.answer_bytes)
         finally:
             self._writing[caller] -= num_choices
             if not self._writing[caller]:

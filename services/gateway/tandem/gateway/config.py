@@ -11,6 +11,7 @@ from tandem.gateway.replicas import name_of
 
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port
 MIB = 1024 * 1024
+MAX_UNREAD_ANSWER_BYTES = 1024 * 1024 * MIB  # more memory than any gateway host: a bound that bounds nothing
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class GatewayConfig:
     large_body_bytes: int = 1 * MIB
     max_large_bodies: int = 4
     max_large_bodies_per_caller: int = 2
+    # The JSON of non-streamed answers held (serialized, not yet all sent), all callers together: a
+    # non-streamed request is a 503 with Retry-After while the gateway holds this much (`answer_bytes`).
+    # As much as the large bodies may hold coming in (4 x 96 MiB): twice the largest answer (16 choices
+    # of 8,192 tokens with 20 alternatives, 191 MiB); a caller's own share (twice its streams, in
+    # choices) is up to 760 MiB of it, unbounded over many callers without this.
+    max_unread_answer_bytes: int = 384 * MIB
     body_workers: int = 2
     # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
     max_connections: int = 512
@@ -96,11 +103,17 @@ class GatewayConfig:
             "large_body_bytes",
             "max_large_bodies",
             "max_large_bodies_per_caller",
+            "max_unread_answer_bytes",
             "body_workers",
             "max_connections",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_unread_answer_bytes > MAX_UNREAD_ANSWER_BYTES:  # a count of KiB or MiB, mistyped
+            raise ConfigError(
+                "max_unread_answer_bytes",
+                f"must be at most {MAX_UNREAD_ANSWER_BYTES} (1 TiB), got {self.max_unread_answer_bytes}",
+            )
         if self.grace_s < 0:
             raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
         if self.max_idle_channels < 0:

@@ -213,10 +213,16 @@ def text_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, An
     offsets, position = [], start
     for entry in entries:
         offsets.append(position)
-        position += len(entry["token"]) if not entry["token"].startswith("token_id:") else 0
+        position += token_text_length(entry["token"])
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
         "text_offset": offsets,
     }
+
+
+def token_text_length(token: str) -> int:
+    """Characters of the completion's text a logprobs entry's token stands for: none for an alternative
+    spelled `token_id:N`, which is no text of it."""
+    return 0 if token.startswith("token_id:") else len(token)
