@@ -5,6 +5,7 @@ root."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -13,7 +14,13 @@ import pytest
 from tandem.client.errors import InvalidArgument
 from tandem.common.model_name import echo
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
-from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE, FileIdentity
+from tandem.decoder.models.peft_adapter import (
+    CONFIG_FILE,
+    MAX_PATH_BYTES,
+    WEIGHTS_FILE,
+    FileIdentity,
+    FoundFile,
+)
 
 
 def adapter_dir(path: Path) -> Path:
@@ -68,6 +75,24 @@ def test_symlinks_that_stay_inside_the_root_are_followed_and_the_root_may_be_one
     assert root.find(str(tree["root"] / "qv4")).shown == "qv4"
 
 
+def test_an_absolute_symlink_is_followed_where_it_names_the_root_by_either_path(
+    tree: dict[str, Path], tmp_path: Path
+) -> None:
+    # Walked again from the root's descriptor, never by the kernel: a target naming the root by another
+    # path (a symlink elsewhere that leads into it) is outside as far as the walk can tell.
+    (tmp_path / "link-to-root").symlink_to(tree["root"])
+    (tree["root"] / "by-real").symlink_to(tree["root"] / "team" / "mlp8")
+    (tree["root"] / "by-given").symlink_to(tmp_path / "link-to-root" / "qv4")
+    (tree["root"] / "team" / "back").symlink_to("../qv4")
+    (tree["root"] / "team" / "out").symlink_to("../../outside/secret")
+    root = AdapterRoot(tmp_path / "link-to-root")
+    assert root.find("by-real").found.directory == ("team", "mlp8")
+    assert root.find("by-given").found.directory == ("qv4",)
+    assert root.find("team/back").found.directory == ("qv4",)
+    assert "must name an adapter directory" in refusal(root, "team/out")
+    assert "must name an adapter directory" in refusal(AdapterRoot(tree["root"]), "by-given")
+
+
 def test_find_records_the_file_each_adapter_name_resolves_to_inside_the_root(tree: dict[str, Path]) -> None:
     # The read takes these files only: one swapped in since, a symlink leading out, is refused. The
     # Hugging Face cache's layout (a snapshot's files symlinked into blobs/) records the blobs.
@@ -78,11 +103,23 @@ def test_find_records_the_file_each_adapter_name_resolves_to_inside_the_root(tre
     (repo / "snapshots" / "abc" / CONFIG_FILE).symlink_to("../../blobs/c0ffee")
     (repo / "snapshots" / "abc" / WEIGHTS_FILE).symlink_to("../../blobs/missing")  # not fetched yet
     root = AdapterRoot(tree["root"])
-    found = root.find("models--team--qv4/snapshots/abc")
-    assert found.files == {CONFIG_FILE: FileIdentity.of(os.stat(repo / "blobs" / "c0ffee"))}
+    found = root.find("models--team--qv4/snapshots/abc").found
+    assert found.directory == ("models--team--qv4", "snapshots", "abc")
+    assert found.files == {
+        CONFIG_FILE: FoundFile(
+            link="../../blobs/c0ffee",
+            parts=("models--team--qv4", "blobs", "c0ffee"),
+            identity=FileIdentity.of(os.stat(repo / "blobs" / "c0ffee")),
+        )
+    }
     plain = tree["root"] / "qv4"
-    assert root.find("qv4").files == {
-        name: FileIdentity.of(os.stat(plain / name)) for name in (CONFIG_FILE, WEIGHTS_FILE)
+    assert root.find("qv4").found.files == {
+        name: FoundFile(
+            link=None,
+            parts=("qv4", name),
+            identity=FileIdentity.of(os.stat(plain / name)),
+        )
+        for name in (CONFIG_FILE, WEIGHTS_FILE)
     }
 
 
@@ -159,3 +196,28 @@ def test_a_directory_the_server_cannot_read_or_search_gets_the_one_refusal(tree:
         finally:
             (tree["root"] / "qv4").chmod(0o700)
     assert said == {refusal(root, "missing").replace("'missing'", "'qv4'")}
+
+
+@pytest.mark.parametrize("step", ["open", "search"])
+def test_a_directory_the_kernel_will_not_let_the_server_read_or_search_gets_the_one_refusal(
+    tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    # What the kernel answers a server that may not read (open) or search (stat a name in) the directory:
+    # EACCES, said here, as the test above needs a server that is not root and this one may run as root.
+    qv4 = os.stat(tree["root"] / "qv4").st_ino
+    os_open, os_stat = os.open, os.stat
+
+    def opening(path: str, flags: int, *args: object, dir_fd: int | None = None, **kwargs: object) -> int:
+        if step == "open" and path == "qv4" and dir_fd is not None:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return os_open(path, flags, *args, dir_fd=dir_fd, **kwargs)
+
+    def searching(path: str, *args: object, dir_fd: int | None = None, **kwargs: object) -> os.stat_result:
+        if step == "search" and dir_fd is not None and os.fstat(dir_fd).st_ino == qv4:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return os_stat(path, *args, dir_fd=dir_fd, **kwargs)
+
+    root = AdapterRoot(tree["root"])
+    monkeypatch.setattr(os, "open", opening)
+    monkeypatch.setattr(os, "stat", searching)
+    assert refusal(root, "qv4") == refusal(root, "missing").replace("'missing'", "'qv4'")

@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
+from tandem.client.errors import InvalidArgument
 from tandem.decoder.models.adapter_root import AdapterRoot
 from tandem.decoder.models.loader import LoadedModel
 from tandem.decoder.models.peft_adapter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterError,
-    FileIdentity,
     max_weights_bytes,
     read_adapter,
 )
@@ -407,15 +408,18 @@ def test_a_resolved_directory_swapped_for_a_symlink_is_refused_not_followed(
 ) -> None:
     # LoadAdapter's directory was resolved inside --lora-root: a symlink there at the read was swapped
     # in since by a writer of the root, and followed it read whatever it leads to (1 load in 400).
-    (tmp_path / "racedir").symlink_to(adapter_dir)
-    found = {name: FileIdentity.of(os.stat(adapter_dir / name)) for name in (CONFIG_FILE, WEIGHTS_FILE)}
+    root = tmp_path / "root"
+    root.mkdir()
+    found = AdapterRoot(root).find(copy_with(adapter_dir, root / "racedir").name)
+    (root / "racedir").rename(root / "aside")
+    (root / "racedir").symlink_to(adapter_dir)
     with pytest.raises(AdapterError) as refused:
-        read_adapter(tmp_path / "racedir", tiny_fp32.config, max_rank=16, shown="racedir", found=found)
+        read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.found)
     assert (
         str(refused.value)
         == "path: racedir is not a directory (adapter_config.json + adapter_model.safetensors)"
     )
-    read_adapter(tmp_path / "racedir", tiny_fp32.config, max_rank=16)  # an operator's --lora: followed
+    read_adapter(root / "racedir", tiny_fp32.config, max_rank=16)  # an operator's --lora: followed
 
 
 def hf_cache_root(adapter_dir: Path, root: Path) -> Path:
@@ -440,12 +444,12 @@ def test_a_file_swapped_for_a_symlink_leading_out_after_find_is_refused_unread(
     root = hf_cache_root(adapter_dir, tmp_path / "root")
     snapshot = "models--team--mlp8/snapshots/abc"
     found = AdapterRoot(root).find(snapshot)
-    read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.files)
+    read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.found)
     outside = copy_with(adapter_dir, tmp_path / "outside", r="SECRET")
     (root / snapshot / name).unlink()
     (root / snapshot / name).symlink_to(outside / name)
     with pytest.raises(AdapterError) as refused:
-        read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.files)
+        read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.found)
     assert str(refused.value) == (
         f"{name}: changed while it was read (being written?): load {snapshot} once it is whole"
     )
@@ -455,9 +459,14 @@ def test_a_file_that_appeared_after_find_is_refused_unread(
     adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
 ) -> None:
     # find vouched for no file by that name: one there now was put there since, from anywhere.
-    found = {CONFIG_FILE: FileIdentity.of(os.stat(adapter_dir / CONFIG_FILE))}
+    root = tmp_path / "root"
+    (root / "team").mkdir(parents=True)
+    copy_with(adapter_dir, root / "team" / "a")
+    (root / "team" / "a" / WEIGHTS_FILE).rename(tmp_path / WEIGHTS_FILE)
+    found = AdapterRoot(root).find("team/a")
+    (tmp_path / WEIGHTS_FILE).rename(root / "team" / "a" / WEIGHTS_FILE)
     with pytest.raises(AdapterError) as refused:
-        read_adapter(adapter_dir, tiny_fp32.config, max_rank=16, shown="team/a", found=found)
+        read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.found)
     assert str(refused.value) == (
         f"{WEIGHTS_FILE}: changed while it was read (being written?): load team/a once it is whole"
     )
@@ -482,3 +491,75 @@ def test_a_symlink_refused_by_the_directory_s_open_is_not_a_directory_on_every_s
         str(refused.value)
         == "path: racedir is not a directory (adapter_config.json + adapter_model.safetensors)"
     )
+
+
+# The calls by which find asks the file system about a path; the race test swaps a directory for a symlink
+# leading out during each of them in turn.
+_PATH_CALLS = [
+    (os, "open"),
+    (os, "stat"),
+    (os, "lstat"),
+    (os, "readlink"),
+    (os, "access"),
+    (os.path, "realpath"),
+]
+
+
+@pytest.mark.parametrize("swapped", ["team", "team/mlp8"])
+def test_a_directory_swapped_for_a_symlink_leading_out_during_find_then_before_the_read_is_never_followed(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swapped: str
+) -> None:
+    # A writer of --lora-root swaps the adapter's directory, or one above it, for a symlink to a copy
+    # outside whose config holds r "SECRET", for the length of one of find's steps (each in turn), and
+    # back, then again before the read. find resolved a file's path, then took its identity by that path,
+    # through the symlink: it vouched for the outside file, and the read, which opened the directory by
+    # its path, read it and echoed 'adapter_config.json:r: must be a positive integer, got 'SECRET''.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    copy_with(adapter_dir, outside / "mlp8", r="SECRET")
+    root = tmp_path / "root"
+    (root / "team").mkdir(parents=True)
+    copy_with(adapter_dir, root / "team" / "mlp8")
+    adapters = AdapterRoot(root)
+
+    def swap_out() -> None:
+        (root / swapped).rename(root / "aside")
+        (root / swapped).symlink_to(outside if swapped == "team" else outside / "mlp8")
+
+    def swap_back() -> None:
+        (root / swapped).unlink()
+        (root / "aside").rename(root / swapped)
+
+    def swapping_during(step: int, calls: list[int], real: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            calls[0] += 1
+            if calls[0] != step:
+                return real(*args, **kwargs)
+            swap_out()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                swap_back()
+
+        return call
+
+    said = set()
+    num_calls, step = 0, 0
+    while step <= num_calls:  # step 0 counts find's calls and swaps during none
+        calls = [0]  # find's calls so far, of every kind in _PATH_CALLS
+        try:
+            with monkeypatch.context() as patched:
+                for module, name in _PATH_CALLS:
+                    patched.setattr(module, name, swapping_during(step, calls, getattr(module, name)))
+                found = adapters.find("team/mlp8")
+            swap_out()
+            try:
+                read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.found)
+            finally:
+                swap_back()
+            said.add("loaded")
+        except InvalidArgument as refused:
+            said.add(str(refused))
+        num_calls = max(num_calls, calls[0])
+        step += 1
+    assert num_calls > 0 and not any("SECRET" in s for s in said), said

@@ -202,10 +202,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                 "path", f"this server loads adapters at start only (--lora): start it with {ROOT_FLAG} DIR"
             )
         directory = await asyncio.to_thread(root.find, request.path)  # file system calls, off the loop
-        # Resolved by find: a symlink there, or another file than it found, by the time it is read was
-        # swapped in since (it may lead out).
+        # Read from the root's descriptor along the path find resolved: a symlink on it, or another file
+        # than find found, by the time it is read was swapped in since (it may lead out).
         adapter = await engine.load_adapter(
-            request.name, directory.path, directory.shown, found=directory.files
+            request.name, directory.path, directory.shown, found=directory.found
         )
         return decoder_pb2.LoadAdapterResponse(adapter=protocol.adapter_to_pb(adapter))
 

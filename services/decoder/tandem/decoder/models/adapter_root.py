@@ -1,35 +1,48 @@
 """Where LoadAdapter may read adapters from: the directory the operator names with --lora-root.
 
 NOTE: what a caller can learn. A LoadAdapter path is taken relative to the root (or is an absolute path
-inside it), resolved with every symlink followed, and served only if it resolves to a directory inside
-the root, which the server may list and search, whose adapter files resolve inside it too. Every other
-path, whatever the reason (a `..` component, an absolute path elsewhere, a symlink leading out,
-nothing there, a file, a directory that cannot be read or searched), gets one refusal with one
-wording, naming the field and the flag and echoing only what the caller sent, so a caller learns
-nothing of the file system outside the root, nor even whether a path inside it is missing or leads
-out. The adapter is then read from the resolved directory, never from the caller's path again, and
-only from the files its names resolved to here (a symlink swapped in for one since is refused; one into
-an HF cache's blobs/ that was there is read), and reported by its path relative to the root. What is
-inside a served directory is peft_adapter's to refuse, by the file's name (one that cannot be read, is
-no regular file, or changes while read).
+inside it), resolved with every symlink followed as long as it stays inside, and served only if it leads
+to a directory inside the root, which the server may list and search, whose adapter files lead inside
+it too. Every other path, whatever the reason (a `..` component, an absolute path elsewhere, a symlink
+leading out, nothing there, a file, a directory that cannot be read or searched), gets one refusal
+with one wording, naming the field and the flag and echoing only what the caller sent, so a caller
+learns nothing of the file system outside the root, nor even whether a path inside it is missing or
+leads out. The adapter is reported by its path relative to the root. What is inside a served directory
+is peft_adapter's to refuse, by the file's name (one that cannot be read, is no regular file, or
+changes while read).
 
-The root's own path is resolved once, at start: a root that is a symlink retargeted later still means
-the directory it named then (a restart takes the new one). Its contents are the operator's: whoever can
-write there can make a directory that a later LoadAdapter follows (a symlink swapped in for a directory
-above the adapter's between the check and the read included) or a hard link to any file they can reach,
-so the root should hold adapters only and be writable by the operator alone.
+NOTE: how the root is walked. The root is opened once, at start, and every path below it is walked from
+that descriptor one component at a time with O_NOFOLLOW (beneath.py): a symlink inside the root is
+resolved by walking its target from the root again, never by the kernel, so one leading out is refused
+whether it was there or is swapped in for any directory on the way while find walks (or between find
+and the read: the read walks again from the root, along the path find resolved, which holds no
+symlink). find gives the read that path and the file each adapter name led to (`FoundAdapter`), and
+the read takes those files only (an HF cache's snapshot, its files symlinked into blobs/, reads the
+blobs). A root that is a symlink retargeted later still means the directory it named at start (a
+restart takes the new one); an absolute symlink inside it is followed where it names the root by
+either path. Its contents are the operator's: whoever can write there can plant a hard link to any
+file they can reach, which the server then reads as its own, so the root should hold adapters only
+and be writable by the operator alone.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.model_name import echo
-from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES, WEIGHTS_FILE, FileIdentity
+from tandem.decoder.models.beneath import LeadsOut, OpenDirectory, open_beneath, resolve
+from tandem.decoder.models.peft_adapter import (
+    CONFIG_FILE,
+    MAX_PATH_BYTES,
+    WEIGHTS_FILE,
+    FileIdentity,
+    FoundAdapter,
+    FoundFile,
+)
 
 ROOT_FLAG = "--lora-root"
 
@@ -38,11 +51,9 @@ ROOT_FLAG = "--lora-root"
 class AdapterDirectory:
     """An adapter directory a caller named, found inside the root."""
 
-    path: Path  # absolute, every symlink resolved: what is read
+    path: Path  # absolute, every symlink resolved: where it was found, for logs (never opened by it)
     shown: str  # relative to the root, as the caller named it (normalized): what AdapterInfo.path says
-    # Each adapter file's name -> the file it resolved to inside the root; a name missing led nowhere.
-    # The read takes these files only (read_adapter's `found`).
-    files: Mapping[str, FileIdentity]
+    found: FoundAdapter  # what the read opens: the directory and its files, from the root's descriptor
 
 
 class AdapterRoot:
@@ -51,6 +62,7 @@ class AdapterRoot:
     def __init__(self, root: Path) -> None:
         self.given = Path(os.path.abspath(root))  # as the operator wrote it, for absolute caller paths
         self.root = Path(os.path.realpath(root, strict=True))
+        self._root = OpenDirectory(self.root)  # every walk's start, whatever its path names later
 
     def find(self, path: str) -> AdapterDirectory:
         """The directory `path` names inside the root. Raises InvalidArgument("path") otherwise, with one
@@ -64,18 +76,18 @@ class AdapterRoot:
         if relative is None or relative == PurePosixPath(".") or ".." in relative.parts:
             raise self._refusal(path)
         try:
-            directory = Path(os.path.realpath(self.root / relative, strict=True))
-            is_served = (
-                self._is_inside(directory)
-                and directory.is_dir()
-                and os.access(directory, os.R_OK | os.X_OK)  # else refused later in words of its own
-            )
-            files = self._files_inside(directory) if is_served else None
-        except OSError:  # ENOENT, ELOOP, EACCES, ENAMETOOLONG...: all one answer
-            files = None
-        if files is None:
-            raise self._refusal(path)
-        return AdapterDirectory(path=directory, shown=str(relative), files=files)
+            parts = resolve(self._root.fd, relative, self._relative).parts
+            if not parts:  # the root itself
+                raise self._refusal(path)
+            directory = open_beneath(self._root.fd, parts, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                files = self._files_inside(parts, directory)
+            finally:
+                os.close(directory)
+        except (OSError, LeadsOut):  # ENOENT, ELOOP, EACCES, ENAMETOOLONG...: all one answer
+            raise self._refusal(path) from None
+        found = FoundAdapter(root=self._root, directory=parts, files=files)
+        return AdapterDirectory(path=self.root.joinpath(*parts), shown=str(relative), found=found)
 
     def shown(self, path: Path) -> str:
         """How a start-up adapter (--lora, the operator's own, anywhere) is reported to every caller:
@@ -107,21 +119,23 @@ class AdapterRoot:
     def _is_inside(self, real: Path) -> bool:
         return real != self.root and real.is_relative_to(self.root)
 
-    def _files_inside(self, directory: Path) -> dict[str, FileIdentity] | None:
-        """The file each adapter file's name resolves to, or None where one leads out of the root. A
-        name that leads nowhere is left out: its absence is read_adapter's to report, by its name."""
+    def _files_inside(self, parts: tuple[str, ...], directory: int) -> dict[str, FoundFile]:
+        """Where each adapter file's name in the directory open as `directory` (at `parts` below the root)
+        leads. Raises LeadsOut where one leads out of the root, OSError where the directory cannot be
+        searched. A name that leads nowhere is left out: its absence is read_adapter's to report, by its
+        name."""
         files = {}
         for name in (CONFIG_FILE, WEIGHTS_FILE):
-            file = directory / name
-            if not os.path.lexists(file):
+            try:
+                entry = os.stat(name, dir_fd=directory, follow_symlinks=False)
+                link = os.readlink(name, dir_fd=directory) if stat.S_ISLNK(entry.st_mode) else None
+            except FileNotFoundError:
                 continue
-            real = Path(os.path.realpath(file))
-            if not self._is_inside(real):
-                return None
-            try:  # the file resolved to, itself: a symlink there now was swapped in since and is refused
-                files[name] = FileIdentity.of(os.stat(real, follow_symlinks=False))
+            try:
+                file = resolve(self._root.fd, PurePosixPath(*parts, name), self._relative)
             except OSError:  # a dangling symlink, a loop: read_adapter refuses the name as it finds it
                 continue
+            files[name] = FoundFile(link=link, parts=file.parts, identity=FileIdentity.of(file.status))
         return files
 
     def _refusal(self, path: str) -> InvalidArgument:

@@ -18,11 +18,13 @@ that shrinks under the reader (`cp` over it truncates, then writes) kills the pr
 every stream on the server with it. The read is bounded by the file's size at open, and that size by
 what an adapter of its r for this base model can hold; a file whose size, mtime or change time moved
 during the read is refused (`cp -p` sets the mtime back over a same-size rewrite; no call sets the change
-time back). A directory AdapterRoot.find resolved inside --lora-root comes with the file each name led to
-then (`found`): the file opened must be that one, as a writer of the root may have swapped a symlink
-leading out in its place since (a symlink that was there, into an HF cache's blobs/, still reads). No
-refusal formats an OS or library error that may hold the server's own path: a refusal names the
-directory as `shown`.
+time back). A directory AdapterRoot.find resolved inside --lora-root (`found`) is never opened by its
+path: the read walks from the root's descriptor, one component at a time, along the path find resolved
+(beneath.py: no symlink is followed, so a directory swapped for one leading out since is refused), and
+opens each file where its name led then, which must still be the file find saw, reached by the same
+entry (a symlink swapped in for the name, or for any directory on the way, is refused; one that was
+there, into an HF cache's blobs/, still reads). No refusal formats an OS or library error that may hold
+the server's own path: a refusal names the directory as `shown`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from safetensors.torch import load as load_safetensors
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.checkpoint import MAX_JSON_BYTES, json_object
+from tandem.decoder.models.beneath import OpenDirectory, open_beneath
 from tandem.decoder.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -56,9 +59,11 @@ MAX_HEADER_BYTES = 4 << 20
 MAX_ITEM_BYTES = 8
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-# What open(2) of a directory with O_DIRECTORY | O_NOFOLLOW says of a symlink: ENOTDIR (Linux), ELOOP
-# (macOS), EMLINK (FreeBSD); and ENOENT of nothing there. All mean the path names no directory.
-_NOT_A_DIRECTORY = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EMLINK)
+# What open(2) with O_NOFOLLOW says of a symlink: ENOTDIR (Linux, with O_DIRECTORY), ELOOP (Linux,
+# macOS), EMLINK (FreeBSD): a symlink, or a file, stands where a directory or the file was.
+_SYMLINK_REFUSED = (errno.ENOTDIR, errno.ELOOP, errno.EMLINK)
+# And ENOENT of nothing there. All mean the path names no directory.
+_NOT_A_DIRECTORY = (errno.ENOENT, *_SYMLINK_REFUSED)
 _MAX_READ_BYTES = 1 << 30  # one read(2); Linux returns at most ~2 GiB a call
 
 # The checkpoint modules an adapter may target (models/lora.py: the fused projection each is part of).
@@ -88,6 +93,27 @@ class FileIdentity:
     @classmethod
     def of(cls, status: os.stat_result) -> FileIdentity:
         return cls(device=status.st_dev, inode=status.st_ino)
+
+
+@dataclass(frozen=True)
+class FoundFile:
+    """Where an adapter file's name led inside --lora-root when AdapterRoot.find walked it."""
+
+    # What the name's symlink said (an HF snapshot's, into blobs/); None: the name was the file itself.
+    # Not the symlink's inode: one unlinked and made again with another target often gets the same.
+    link: str | None
+    parts: tuple[str, ...]  # the file's path below the root, no symlink on it (beneath.resolve)
+    identity: FileIdentity  # the file there
+
+
+@dataclass(frozen=True)
+class FoundAdapter:
+    """An adapter directory AdapterRoot.find resolved inside --lora-root: all that its read may open."""
+
+    root: OpenDirectory  # the root, held open: every walk starts at its descriptor
+    directory: tuple[str, ...]  # the directory's path below the root, no symlink on it
+    # Each adapter file's name -> where it led; a name missing led nowhere (nothing, a dangling symlink).
+    files: Mapping[str, FoundFile]
 
 
 @dataclass(frozen=True)
@@ -134,23 +160,25 @@ def read_adapter(
     config: ModelConfig,
     max_rank: int,
     shown: str | None = None,
-    found: Mapping[str, FileIdentity] | None = None,
+    found: FoundAdapter | None = None,
 ) -> LoraAdapter:
     """The adapter in directory `path`, checked against a base model of `config`. Raises AdapterError.
     `shown`: the directory as refusals name it, `path` by default (a LoadAdapter caller under
     --lora-root sees the path it named relative to the root, never the server's own).
-    `found` None: `path` is the operator's (--lora), followed wherever it leads. Otherwise `path` was
-    resolved inside --lora-root, where each adapter file's name led to the file `found` maps it to (a
-    name missing: nothing was there): a symlink at `path` now, or a file other than the one found, was
-    swapped in since by a writer of the root and may lead out, so it is refused, never read."""
+    `found` None: `path` is the operator's (--lora), followed wherever it leads. Otherwise `path` (only
+    checked and logged) was resolved inside --lora-root as `found`, and the read opens what `found` says
+    from the root's descriptor: a symlink standing on its path now, or a file other than the one found,
+    was swapped in since by a writer of the root and may lead out, so it is refused, never followed."""
     if not str(path):
         raise AdapterError("path", "must not be empty (it would name the server's working directory)")
     if len(str(path).encode()) > MAX_PATH_BYTES:
         raise AdapterError("path", f"must be at most {MAX_PATH_BYTES} bytes, got {len(str(path).encode())}")
     shown = str(path) if shown is None else shown
     try:
-        no_follow = 0 if found is None else os.O_NOFOLLOW
-        directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | no_follow)
+        if found is None:
+            directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:
+            directory = open_beneath(found.root.fd, found.directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as error:
         if error.errno in _NOT_A_DIRECTORY:
             raise AdapterError(
@@ -165,7 +193,7 @@ def read_adapter(
 
 
 def _read_directory(
-    directory: int, config: ModelConfig, max_rank: int, shown: str, found: Mapping[str, FileIdentity] | None
+    directory: int, config: ModelConfig, max_rank: int, shown: str, found: FoundAdapter | None
 ) -> LoraAdapter:
     """read_adapter's work, every file opened relative to the open `directory`."""
     config_bytes = _read_file(
@@ -201,7 +229,7 @@ def _read_file(
     directory: int,
     name: str,
     shown: str,
-    found: Mapping[str, FileIdentity] | None,
+    found: FoundAdapter | None,
     max_bytes: int,
     limit: str,
 ) -> bytes | None:
@@ -209,15 +237,21 @@ def _read_file(
     there. Raises AdapterError naming the file: not the file `found` says the name led to (checked
     before anything of it is told: its kind, size or bytes may be another's), not a regular file, over
     `max_bytes` (`limit` says whose bound it is), unreadable, or changed while it was read."""
+    was = None if found is None else found.files.get(name)
     try:
-        fd = os.open(name, _OPEN_FLAGS, dir_fd=directory)
+        fd = _open_file(directory, name, shown, found, was)
     except FileNotFoundError:  # a dangling symlink too
         return None
-    except OSError as error:  # strerror only: the exception's own text names the server's path
+    except OSError as error:
+        if found is not None and error.errno in _SYMLINK_REFUSED:  # a symlink standing where it was not
+            if was is None:  # the name led nowhere at find: whatever stands there now is not followed
+                return None
+            raise _changed(name, shown) from None
+        # strerror only: the exception's own text names the server's path
         raise AdapterError(name, f"cannot be read: {error.strerror}") from None
     try:
         before = os.fstat(fd)
-        if found is not None and found.get(name) != FileIdentity.of(before):
+        if found is not None and (None if was is None else was.identity) != FileIdentity.of(before):
             raise _changed(name, shown)
         if not stat.S_ISREG(before.st_mode):
             raise AdapterError(name, f"must be a regular file in {shown}")
@@ -236,6 +270,28 @@ def _read_file(
     if num_left or _version(after) != _version(before):
         raise _changed(name, shown)
     return b"".join(chunks)
+
+
+def _open_file(
+    directory: int, name: str, shown: str, found: FoundAdapter | None, was: FoundFile | None
+) -> int:
+    """`name`'s descriptor: in `directory` as it leads (`found` None: the operator's), else where find saw
+    it lead, by the same symlink if it was one (another swapped in since is refused), with no symlink
+    followed; a name find saw lead nowhere, in `directory` as it is, never followed (refused unread)."""
+    if found is None:
+        return os.open(name, _OPEN_FLAGS, dir_fd=directory)
+    if was is None:
+        return os.open(name, _OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=directory)
+    if was.link is not None:
+        try:
+            link = os.readlink(name, dir_fd=directory)
+        except OSError as error:
+            if error.errno != errno.EINVAL:  # ENOENT: gone, as a file gone is
+                raise
+            link = None  # no symlink now: a file swapped in for it
+        if link != was.link:
+            raise _changed(name, shown)
+    return open_beneath(found.root.fd, was.parts, _OPEN_FLAGS)
 
 
 def _version(status: os.stat_result) -> tuple[int, int, int]:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -48,7 +48,7 @@ from tandem.decoder.engine.step.xla_buckets import XlaBuckets
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.lora import LoraTable
-from tandem.decoder.models.peft_adapter import FileIdentity, LoraAdapter, read_adapter
+from tandem.decoder.models.peft_adapter import FoundAdapter, LoraAdapter, read_adapter
 from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
 
 log = logging.getLogger(__name__)
@@ -434,14 +434,14 @@ class Engine:
         name: str,
         path: str | Path,
         shown: str | None = None,
-        found: Mapping[str, FileIdentity] | None = None,
+        found: FoundAdapter | None = None,
     ) -> Adapter:
         """Read the PEFT adapter in directory `path` and serve it as `name`; requests already running
-        go on undisturbed. `path` is opened as it is (the servicer binds a caller's to --lora-root
-        first); `shown` is how it is reported and named in refusals, `path` by default;
-        `found`, the files AdapterRoot.find resolved `path`'s names to, refuses a symlink at `path` and
-        any other file (read_adapter). Raises FailedPrecondition (LoRA off), InvalidArgument (the name,
-        or an adapter that does not fit: the file and field named), AlreadyExists, ResourceExhausted
+        go on undisturbed. `path` is opened as it is, unless `found` (a caller's, bound to --lora-root by
+        AdapterRoot.find) says what to open from the root's descriptor, refusing a symlink on the way
+        and any other file (read_adapter); `shown` is how it is reported and named in refusals, `path`
+        by default. Raises FailedPrecondition (LoRA off), InvalidArgument (the name, or an adapter
+        that does not fit: the file and field named), AlreadyExists, ResourceExhausted
         (every slot taken). Nothing is loaded when it raises, nor when its caller leaves before the
         install starts (the install is skipped); one that leaves later finds the adapter loaded."""
         if not self._thread.is_healthy:
@@ -458,7 +458,7 @@ class Engine:
         name: str,
         path: str | Path,
         shown: str | None = None,
-        found: Mapping[str, FileIdentity] | None = None,
+        found: FoundAdapter | None = None,
     ) -> LoraAdapter:
         self.core.check_can_load(name)  # the cheap refusals before the files are read
         assert self.lora is not None
