@@ -5,7 +5,8 @@ One shared library per ISA level this machine's architecture has
 (tandem/decoder/backends/cpu/build.py), each an optional extension: without a C compiler, or if a level
 fails to build, pip says so and the install goes on; the decoder then logs one line and runs on torch
 ops. The libraries are plain C loaded with ctypes, not Python modules: the compile command is
-build.py's own, the one the tests run with -Werror. TANDEM_BUILD_KERNELS=0 builds none (an install
+build.py's own, and each library gets build.py's record of the compiler's warnings beside it (which the
+tests require empty). TANDEM_BUILD_KERNELS=0 builds none (an install
 that never loads them; the encoder's and the gateway's images need not ask: they do not install
 this unit).
 
@@ -50,11 +51,20 @@ class BuildKernels(build_ext):
         output = Path(self.get_ext_fullpath(ext.name))
         output.parent.mkdir(parents=True, exist_ok=True)
         try:
-            build.compile_level(os.environ.get("CC") or "cc", level, output)
+            build.build_installed(os.environ.get("CC") or "cc", level, output)
         except RuntimeError as error:
             # The error setuptools skips an optional extension on (with a warning); any other stops
             # the whole install, which a missing compiler must not.
             raise CompileError(str(error)) from error
+
+    # Each library's record (build.record_path) goes where the library goes: an editable install builds
+    # in a build folder and copies only the libraries themselves into the source tree. (A wheel takes
+    # the whole build folder, records included.)
+    def copy_extensions_to_source(self) -> None:
+        super().copy_extensions_to_source()
+        for built, in_tree in self.get_output_mapping().items():
+            if build.record_path(Path(built)).is_file():
+                self.copy_file(str(build.record_path(Path(built))), str(build.record_path(Path(in_tree))))
 
 
 def kernel_setup_arguments(project_root: Path) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """How the C kernels are compiled: one shared library per ISA level, built when the project is installed.
 
 Standard library only: `setup.py` runs this at `pip install` time (in pip's isolated build
-environment, which has no torch), and the tests run the same commands to check every level builds
-warning-free. A service never compiles: it loads the build for its CPU's level (`kernels.py`).
+environment, which has no torch). A service never compiles: it loads the build for its CPU's level
+(`kernels.py`). Every build has -Wall -Wextra, never -Werror (a user's newer compiler with a new
+warning must not fail their install), and leaves what the compiler said in a record beside the library
+(`BuildRecord`): the tests check the installed levels warning-free from it, and compile again only a
+level whose record is missing or speaks for another build.
 
 Why several levels: `-march=native` bakes the build machine's CPU into the code, so one image could
 not serve another CPU, and a build for the lowest common level leaves AVX2 and AVX-512 unused. Each
@@ -14,10 +17,11 @@ level gets exactly the code its baseline allows.
 from __future__ import annotations
 
 import hashlib
+import json
 import platform
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
@@ -50,6 +54,9 @@ PACKAGE = "tandem.decoder.backends.cpu"  # where the libraries are installed, as
 # it would let the compiler reorder sums (each output row's summation order is a promise). -std=c11
 # keeps floating-point contraction off, so only the written-out FMAs fuse.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=c11")
+# They change no code, only what the compiler says; in the build id all the same, so that a record
+# made under fewer warnings is stale once more are asked for.
+WARNING_FLAGS = ("-Wall", "-Wextra")
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ def build_id(level: Level) -> str:
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes() + b"\0")
-    digest.update(" ".join((*COMMON_FLAGS, *level.machine_flags)).encode())
+    digest.update(" ".join((*COMMON_FLAGS, *WARNING_FLAGS, *level.machine_flags)).encode())
     return digest.hexdigest()[:16]
 
 
@@ -131,6 +138,7 @@ def compile_command(
     return [
         compiler,
         *COMMON_FLAGS,
+        *WARNING_FLAGS,
         *level.machine_flags,
         f'-DTANDEM_BUILD_ID="{build_id(level)}"',
         *extra,
@@ -140,14 +148,65 @@ def compile_command(
     ]
 
 
-def compile_level(compiler: str, level: Level, output: Path, extra: tuple[str, ...] = ()) -> None:
-    """Builds one level's library at `output`; RuntimeError with the compiler's output on failure."""
+def compile_level(compiler: str, level: Level, output: Path, extra: tuple[str, ...] = ()) -> str:
+    """Builds one level's library at `output` and returns the compiler's warnings ("" for none);
+    RuntimeError with the compiler's output on failure."""
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     command = compile_command(compiler, level, output, extra)
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+    return result.stderr
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """What the compiler said when it built one installed library, kept beside it (`record_path`). Its
+    other fields name exactly which build that was, so a record never speaks for another library."""
+
+    build_id: str  # the library's tandem_build_id(): its sources, headers and flags
+    compiler: str  # the first line of the compiler's `--version`: a newer one may warn where it did not
+    library_sha256: str  # the file it was built as: a library rebuilt without its record makes it stale
+    warnings: str  # the compiler's output, with WARNING_FLAGS: "" for a clean build
+
+    def describes(self, level: Level, compiler: str, library: Path) -> bool:
+        """Whether this is the record of `library`, built from these sources by this `compiler`."""
+        return (self.build_id, self.compiler, self.library_sha256) == (
+            build_id(level),
+            compiler_version(compiler),
+            file_sha256(library),
+        )
+
+
+def compiler_version(compiler: str) -> str:
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    return result.stdout.partition("\n")[0]
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def record_path(library: Path) -> Path:
+    return library.with_name(f"{library.name}.build.json")
+
+
+def build_installed(compiler: str, level: Level, output: Path) -> BuildRecord:
+    """Builds one level's library at `output` (the install's build) and writes its record beside it."""
+    record_path(output).unlink(missing_ok=True)  # a failed build leaves no record of an older one
+    warnings = compile_level(compiler, level, output)
+    record = BuildRecord(build_id(level), compiler_version(compiler), file_sha256(output), warnings)
+    record_path(output).write_text(json.dumps(asdict(record), indent=1) + "\n")
+    return record
+
+
+def read_record(library: Path) -> BuildRecord | None:
+    """The record beside `library`; None when there is none (built before records, or by hand)."""
+    try:
+        return BuildRecord(**json.loads(record_path(library).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def this_machine_levels() -> tuple[Level, ...]:
