@@ -19,11 +19,14 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
-async def connect(url: str, receive_buffer_bytes: int | None = None) -> socket.socket:
-    """A connection to the gateway at `url`; with `receive_buffer_bytes`, a receive buffer that small
-    (set before connecting: the window the socket offers), so an answer it does not read backs up at
-    once."""
+async def connect(
+    url: str, receive_buffer_bytes: int | None = None, host: str = "127.0.0.1"
+) -> socket.socket:
+    """A connection to the gateway at `url` from `host` (another loopback address: another caller);
+    with `receive_buffer_bytes`, a receive buffer that small (set before connecting: the window the
+    socket offers), so an answer it does not read backs up at once."""
     sock = socket.socket()
+    sock.bind((host, 0))
     if receive_buffer_bytes is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
     sock.setblocking(False)
@@ -71,10 +74,10 @@ def parse_answer(sent: bytes) -> tuple[int, dict]:
 UNREAD_BODY = json.dumps({"prompt": "p", "n": 8, "max_tokens": 50, "logprobs": 20}).encode()  # ~200 KiB
 
 
-async def unread_answer(url: str) -> socket.socket:
-    """A connection whose answer of 8 choices (~200 KiB) is being written and read no further than its
-    status, left in the socket for `read_answer`: a window of a few KiB."""
-    sock = await connect(url, receive_buffer_bytes=4096)
+async def unread_answer(url: str, host: str = "127.0.0.1") -> socket.socket:
+    """A connection (from `host`) whose answer of 8 choices (~200 KiB) is being written and read no
+    further than its status, left in the socket for `read_answer`: a window of a few KiB."""
+    sock = await connect(url, receive_buffer_bytes=4096, host=host)
     await send(sock, COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(UNREAD_BODY), UNREAD_BODY))
     async with asyncio.timeout(5):
         while (status := _peek(sock, 12)) != b"HTTP/1.1 200":

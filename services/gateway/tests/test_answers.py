@@ -10,11 +10,15 @@ import asyncio
 import json
 import socket
 import struct
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.gateway import answers, choice_json
+from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.responses import Completion
 
 from .fake_decoder import fake_decoder, prompt_text
@@ -232,47 +236,135 @@ async def test_a_callers_answers_left_unread_are_at_most_as_many_choices_as_its_
                 sock.close()
 
 
-async def test_answers_held_over_the_gateways_bound_refuse_non_streamed_requests_until_given_back() -> None:
-    # Each caller's unread answers are bounded, but not how many callers leave theirs: every address is
-    # a caller, and one caller's worst is about 760 MiB of JSON. The gateway's own bound is in bytes.
+async def _post_from(host: str, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """`_post` from `host`, another loopback address: another caller."""
+    connector = aiohttp.TCPConnector(local_addr=(host, 0))
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        session.post(url, json=body) as response,
+    ):
+        text = await response.text()
+        return response.status, text if body.get("stream") else json.loads(text)
+
+
+async def _given_back(url: str, host: str, body: dict[str, Any]) -> int:
+    """`body`'s status from `host` once the gateway has seen a connection end (a moment after)."""
+    async with asyncio.timeout(5):
+        while (status := (await _post_from(host, url, body))[0]) in (429, 503):
+            await asyncio.sleep(0.02)
+    return status
+
+
+# Bounds for `unread_answer`'s request: it reserves 778,972 bytes (`answer_bound`: 8 choices of 50 tokens
+# with 20 alternatives) and holds its JSON, 173,740 bytes, once serialized. A share of 800,000 fits one
+# such answer and its reservation no more; 1,000,000 fit two callers' and not three.
+SHARES = {"max_unread_answer_bytes": 1_000_000, "max_unread_answer_bytes_per_caller": 800_000}
+UNREAD = {"prompt": "p", "n": 8, "max_tokens": 50, "logprobs": 20}  # `unread_answer`'s body
+SMALL = {"prompt": "q", "max_tokens": 3}
+
+
+async def test_a_callers_unread_answers_are_capped_in_bytes_and_its_neighbours_are_served() -> None:
+    # One caller trickling its answers (never past --write-timeout-s) held the whole gateway-wide bound,
+    # and every other caller's non-streamed requests were 503s for as long as it liked.
     async with (
         fake_decoder() as (decoder, address),
-        live_gateway(address, send_buffer_bytes=4096, max_unread_answer_bytes=100_000) as url,
+        live_gateway(address, send_buffer_bytes=4096, **SHARES) as url,
     ):
-        socks = [await unread_answer(url)]  # 8 choices, about 200 KiB held: over 100,000
+        socks = [await unread_answer(url)]  # 173,740 bytes held by 127.0.0.1
         try:
             num_calls = len(decoder.requests)
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"{url}/completions", json={"prompt": "q"}) as response:
-                    refused, retry_after = await response.json(), response.headers.get("Retry-After")
-                assert (response.status, refused["error"]["type"], retry_after) == (
-                    503,
-                    "service_unavailable",
-                    "1",
-                )
+            status, refused = await _post_from("127.0.0.1", f"{url}/completions", UNREAD)
+            assert (status, refused["error"]["type"]) == (429, "rate_limit_error"), refused
             message = refused["error"]["message"]
-            assert "over 100000 (--max-unread-answer-bytes, all callers together)" in message, message
+            assert "this caller's non-streamed answers being written hold 173740 bytes" in message, message
+            assert "over 800000 (--max-unread-answer-bytes-per-caller)" in message, message
             assert len(decoder.requests) == num_calls  # refused before any call
-            status, events = await _post(f"{url}/completions", {"prompt": "q", "stream": True})
-            assert status == 200 and events[-1] == "[DONE]"  # a streamed neighbour holds none: served
-            # A reset gives its bytes back: the next request is served once the gateway has seen it.
-            socks[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            socks.pop().close()
-            async with asyncio.timeout(5):
-                while (status := (await _post(f"{url}/completions", {"prompt": "q"}))[0]) == 503:
-                    await asyncio.sleep(0.02)
-            assert status == 200
-            socks.append(await unread_answer(url))  # held again, then read whole: given back
-            assert (await _post(f"{url}/completions", {"prompt": "q"}))[0] == 503
-            status, whole = await read_answer(socks[0], 5)
-            assert status == 200 and len(whole["choices"]) == 8
-            async with asyncio.timeout(5):
-                while (status := (await _post(f"{url}/completions", {"prompt": "q"}))[0]) == 503:
-                    await asyncio.sleep(0.02)
-            assert status == 200
+            assert (await _post_from("127.0.0.1", f"{url}/completions", SMALL))[0] == 200  # within its share
+            socks.append(await unread_answer(url, host="127.0.0.2"))  # another caller: its own share
+            status, answer = await read_answer(socks[0], 5)  # read whole: the first caller's given back
+            assert status == 200 and len(answer["choices"]) == 8
+            assert await _given_back(f"{url}/completions", "127.0.0.1", UNREAD) == 200
         finally:
             for sock in socks:
                 sock.close()
+
+
+async def test_callers_share_the_gateways_bound_and_a_request_that_never_fits_is_a_413() -> None:
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, send_buffer_bytes=4096, max_message_bytes=1000, **SHARES) as url,
+    ):
+        socks = [await unread_answer(url), await unread_answer(url, host="127.0.0.2")]  # 347,480 held
+        try:
+            num_calls = len(decoder.requests)
+            status, refused = await _post_from("127.0.0.3", f"{url}/completions", UNREAD)  # 778,972 more
+            assert (status, refused["error"]["type"]) == (503, "service_unavailable"), refused
+            message = refused["error"]["message"]
+            assert "hold 347480 bytes and this request's may take 778972 more" in message, message
+            assert "over 1000000 (--max-unread-answer-bytes, all callers together)" in message, message
+            assert len(decoder.requests) == num_calls
+            assert (await _post_from("127.0.0.3", f"{url}/completions", SMALL))[0] == 200  # it fits
+            status, _ = await _post_from("127.0.0.3", f"{url}/completions", SMALL | {"stream": True})
+            assert status == 200  # a streamed answer reserves nothing
+            # Never to fit, whatever is held: a 413 now, not a 503 to retry forever.
+            status, refused = await _post_from("127.0.0.3", f"{url}/completions", {"prompt": "a" * 1200})
+            assert (status, refused["error"]["param"]) == (413, "prompt"), refused
+            status, refused = await _post_from("127.0.0.3", f"{url}/completions", UNREAD | {"n": 9})
+            assert (status, refused["error"]["param"]) == (413, "max_tokens"), refused
+            assert (
+                "over a caller's 800000 (--max-unread-answer-bytes-per-caller)" in refused["error"]["message"]
+            )
+            # A reset gives the first caller's bytes back: the third is served.
+            socks[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            socks.pop(0).close()
+            assert await _given_back(f"{url}/completions", "127.0.0.3", UNREAD) == 200
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+async def test_requests_admitted_together_hold_at_most_the_gateways_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Counted only once serialized, four answers admitted together (nothing held yet) held 6.9 times
+    # the bound. Reserved at admission, the bound holds whoever asks at once.
+    peak = 0
+    take = AnswerBytes._take
+
+    def counted(self: AnswerBytes, caller: str, num_bytes: int) -> None:
+        nonlocal peak
+        take(self, caller, num_bytes)
+        peak = max(peak, self.num_bytes)
+
+    monkeypatch.setattr(AnswerBytes, "_take", counted)
+    hosts = [f"127.0.0.{i}" for i in range(1, 5)]
+    async with fake_decoder() as (_, address), live_gateway(address, **SHARES) as url:
+        statuses = await asyncio.gather(*(_post_from(host, f"{url}/completions", UNREAD) for host in hosts))
+    assert 200 in [status for status, _ in statuses] and 0 < peak <= 1_000_000, (statuses, peak)
+
+
+async def test_a_non_streamed_answer_cancelled_while_serialized_gives_its_bytes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(choice_json, "SLICE_VALUES", 4)  # many slices: many awaits to be cancelled at
+    completions = []
+    for index in range(2):
+        completion = Completion("chat", "id", "model", index, created=1)
+        for k in range(200):
+            delta = decoder_pb2.TokenDelta(text="tok", token_ids=[k], logprobs=[-1.0])
+            delta.top_logprobs.add(token_ids=[1, 2], logprobs=[-2.0, -3.0])
+            completion.add(delta, with_logprobs=True)
+        completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_LENGTH)
+        completions.append(completion)
+    held = AnswerBytes(max_bytes=10**7, max_bytes_per_caller=10**7)
+    reservation = held.reserve("caller", 10**6)
+    writing = asyncio.ensure_future(answers.write(cast(web.Request, None), completions, True, reservation))
+    while not 0 < reservation.num_serialized:  # serializing: not yet settled, nothing prepared
+        await asyncio.sleep(0)
+    writing.cancel()  # the caller gone: aiohttp cancels the handler
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+    assert (held.num_bytes, held.per_caller) == (0, {})
 
 
 async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others() -> None:

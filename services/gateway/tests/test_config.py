@@ -1,6 +1,6 @@
 """The gateway's settings: --max-choices, --body-idle-timeout-s, --write-timeout-s, --grace-s,
---max-large-bodies-per-caller and --max-unread-answer-bytes reach the config from their flags (and
-variables), and a bound out of range is refused naming it."""
+--max-large-bodies-per-caller, --max-unread-answer-bytes and its share per caller reach the config from
+their flags (and variables), and a bound out of range is refused naming it."""
 
 from __future__ import annotations
 
@@ -85,3 +85,14 @@ def test_the_answers_held_come_from_their_flag_or_variable_and_are_refused_out_o
         with pytest.raises(ConfigError) as error:
             GatewayConfig(max_unread_answer_bytes=value)
         assert error.value.field == "max_unread_answer_bytes" and str(value) in str(error.value)
+
+
+def test_a_callers_share_of_the_answers_held_is_a_third_unless_set_and_never_over_the_whole() -> None:
+    assert _config([]).unread_answer_bytes_per_caller == 128 * 2**20
+    assert _config(["--max-unread-answer-bytes", "3000"]).unread_answer_bytes_per_caller == 1000
+    flags = ["--max-unread-answer-bytes-per-caller", "2000"]
+    assert _config(flags).unread_answer_bytes_per_caller == 2000
+    for value in (0, -1, 3001):  # none, or more than the gateway's own bound: a share that shares nothing
+        with pytest.raises(ConfigError) as error:
+            GatewayConfig(max_unread_answer_bytes=3000, max_unread_answer_bytes_per_caller=value)
+        assert error.value.field == "max_unread_answer_bytes_per_caller" and str(value) in str(error.value)

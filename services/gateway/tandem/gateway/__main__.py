@@ -107,6 +107,12 @@ def settings() -> list[click.Option]:
             "JSON of non-streamed answers being written, all callers together (503 beyond)",
             type=int,
         ),
+        _setting(
+            "--max-unread-answer-bytes-per-caller",
+            "of those, one caller's, reserved at admission (429 beyond; 413 for one answer over it)",
+            type=int,
+            show_default="a third of --max-unread-answer-bytes",
+        ),
         _setting("--body-workers", "processes that parse and convert bodies over 1 MiB", type=int),
         _setting("--max-connections", "open HTTP connections (a new one beyond: 503, closed)", type=int),
         _setting(
@@ -197,6 +203,7 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
         max_large_bodies=values["max_large_bodies"],
         max_large_bodies_per_caller=values["max_large_bodies_per_caller"],
         max_unread_answer_bytes=values["max_unread_answer_bytes"],
+        max_unread_answer_bytes_per_caller=values["max_unread_answer_bytes_per_caller"],
         body_workers=values["body_workers"],
         max_connections=values["max_connections"],
         header_timeout_s=values["header_timeout_s"],

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tandem.gateway.answer_bytes import AnswerBytes
+from tandem.gateway.answer_bytes import Reservation
 from tandem.gateway.calls import GenerateCall
 from tandem.gateway.choice_json import choice_json
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
@@ -40,7 +40,7 @@ async def collect(streams: ChoiceStreams, completions: list[Completion], with_lo
 
 
 async def write(
-    request: web.Request, completions: list[Completion], with_logprobs: bool, held: AnswerBytes
+    request: web.Request, completions: list[Completion], with_logprobs: bool, reservation: Reservation
 ) -> web.StreamResponse:
     """The non-streamed answer (`responses.answer`'s JSON), each choice rendered and serialized a slice
     at a time with the event loop let go between slices (`choice_json`), then sent with its length.
@@ -50,33 +50,32 @@ async def write(
 
     Its length comes first, so every choice's JSON is held before the first byte goes: that answer's
     peak is its 191 MiB of JSON, its 31 MiB of serialized deltas and one slice's objects being
-    rendered; 31 MiB is what it holds while decoding. Its bytes count in `held` (the gateway's, all
-    callers') from their serialization until the answer is written or its connection ends."""
-    num_held = 0
-
-    def hold(num_bytes: int) -> None:
-        nonlocal num_held
-        num_held += num_bytes
-        held.take(num_bytes)
-
+    rendered; 31 MiB is what it holds while decoding. Its bytes count in `reservation` (made when the
+    request was admitted) as they are serialized; once all are, the reservation is settled to them, and
+    they are given back when the answer is written or its connection ends (the handler is cancelled)."""
     try:
-        choices = [await choice_json(completion, with_logprobs, hold) for completion in completions]
+        choices = [
+            await choice_json(completion, with_logprobs, reservation.hold) for completion in completions
+        ]
         before, after = (part.encode() for part in answer_frame(completions))
+        separator = b", "
+        reservation.hold(len(before) + len(separator) * (len(choices) - 1) + len(after))
+        reservation.settle()
         response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
         num_bytes = sum(len(piece) for pieces in choices for piece in pieces)
-        response.content_length = len(before) + num_bytes + 2 * (len(choices) - 1) + len(after)
+        response.content_length = len(before) + num_bytes + len(separator) * (len(choices) - 1) + len(after)
         await response.prepare(request)
         await response.write(before)
         for i, pieces in enumerate(choices):
             if i:
-                await response.write(b", ")
+                await response.write(separator)
             for piece in pieces:
                 await response.write(piece)
         await response.write(after)
         await response.write_eof()
         return response
     finally:
-        held.give_back(num_held)
+        reservation.release()
 
 
 async def stream(

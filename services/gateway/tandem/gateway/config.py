@@ -48,12 +48,17 @@ class GatewayConfig:
     large_body_bytes: int = 1 * MIB
     max_large_bodies: int = 4
     max_large_bodies_per_caller: int = 2
-    # The JSON of non-streamed answers held (serialized, not yet all sent), all callers together: a
-    # non-streamed request is a 503 with Retry-After while the gateway holds this much (`answer_bytes`).
+    # The JSON of non-streamed answers held (reserved at admission, settled once serialized, until all
+    # sent), all callers together: a non-streamed request whose reservation would pass it is a 503 with
+    # Retry-After (`answer_bytes`).
     # As much as the large bodies may hold coming in (4 x 96 MiB): twice the largest answer (16 choices
     # of 8,192 tokens with 20 alternatives, 191 MiB); a caller's own share (twice its streams, in
     # choices) is up to 760 MiB of it, unbounded over many callers without this.
     max_unread_answer_bytes: int = 384 * MIB
+    # Of those, one caller's (a 429 beyond); None: a third of them (128 MiB by default), so one caller
+    # never holds what the others need. 128 MiB is what 8 choices of 8,192 tokens with 20 alternatives
+    # reserve (`answer_bound`, 121 MiB), or 16 choices of 131,072 tokens without logprobs (96 MiB).
+    max_unread_answer_bytes_per_caller: int | None = None
     body_workers: int = 2
     # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
     max_connections: int = 512
@@ -82,6 +87,13 @@ class GatewayConfig:
     grace_s: float = DEFAULT_GRACE_S
     # Idle per-caller channels to the decoder kept for reuse (`callers.py`).
     max_idle_channels: int = 64
+
+    @property
+    def unread_answer_bytes_per_caller(self) -> int:
+        """One caller's share of the answers held: its flag's, else a third of the gateway's."""
+        if self.max_unread_answer_bytes_per_caller is not None:
+            return self.max_unread_answer_bytes_per_caller
+        return max(self.max_unread_answer_bytes // 3, 1)
 
     def __post_init__(self) -> None:
         # An address the gateway cannot use is refused here, not at start: a dns: name it cannot watch
@@ -113,6 +125,13 @@ class GatewayConfig:
             raise ConfigError(
                 "max_unread_answer_bytes",
                 f"must be at most {MAX_UNREAD_ANSWER_BYTES} (1 TiB), got {self.max_unread_answer_bytes}",
+            )
+        per_caller = self.max_unread_answer_bytes_per_caller
+        if per_caller is not None and not 1 <= per_caller <= self.max_unread_answer_bytes:
+            raise ConfigError(
+                "max_unread_answer_bytes_per_caller",
+                f"must be >= 1 and at most max_unread_answer_bytes ({self.max_unread_answer_bytes}), got "
+                f"{per_caller}",
             )
         if self.grace_s < 0:
             raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
