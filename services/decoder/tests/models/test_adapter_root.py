@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
+import time
 from pathlib import Path
 
 import pytest
 
-from tandem.client.errors import InvalidArgument
+from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common.model_name import echo
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
 from tandem.decoder.models.peft_adapter import (
@@ -110,6 +112,7 @@ def test_find_records_the_file_each_adapter_name_resolves_to_inside_the_root(tre
             link="../../blobs/c0ffee",
             parts=("models--team--qv4", "blobs", "c0ffee"),
             identity=FileIdentity.of(os.stat(repo / "blobs" / "c0ffee")),
+            file_type=stat.S_IFREG,
         )
     }
     plain = tree["root"] / "qv4"
@@ -118,6 +121,7 @@ def test_find_records_the_file_each_adapter_name_resolves_to_inside_the_root(tre
             link=None,
             parts=("qv4", name),
             identity=FileIdentity.of(os.stat(plain / name)),
+            file_type=stat.S_IFREG,
         )
         for name in (CONFIG_FILE, WEIGHTS_FILE)
     }
@@ -221,3 +225,130 @@ def test_a_directory_the_kernel_will_not_let_the_server_read_or_search_gets_the_
     monkeypatch.setattr(os, "open", opening)
     monkeypatch.setattr(os, "stat", searching)
     assert refusal(root, "qv4") == refusal(root, "missing").replace("'missing'", "'qv4'")
+
+
+def deep_tree(top: Path, depth: int, name: str = "a", links: dict[int, str] | None = None) -> str:
+    """`depth` directories `name` one in another under `top`, made by descriptor (the path may be over
+    PATH_MAX), with an adapter at the bottom and symlink `l` -> `links[level]` at each level given:
+    their path below `top`. Not much deeper than 500: pytest removes its old temporary directories
+    recursively, a Python frame a level."""
+    links = links or {}
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for level in range(1, depth + 1):
+        os.mkdir(name, dir_fd=fd)
+        fd, parent = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(parent)
+        if level in links:
+            os.symlink(links[level], "l", dir_fd=fd)
+    for file_name, content in ((CONFIG_FILE, b"{}"), (WEIGHTS_FILE, b"")):
+        file = os.open(file_name, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(file, content)
+        os.close(file)
+    os.close(fd)
+    return "/".join([name] * depth)
+
+
+def test_a_deep_tree_is_walked_holding_a_few_descriptors_whatever_its_depth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One descriptor a level (what '..' climbed back through) held 2,007 for a 2,000-deep directory,
+    # and every other open in the server failed with EMFILE (soft limit 1,024) while one find ran.
+    root = tmp_path / "root"
+    root.mkdir()
+    deep = deep_tree(root, 300)
+    (root / "up").symlink_to(deep + "/../../" + "/".join(["a"] * 2))  # '..' climbs, then goes down again
+    num_open = [len(os.listdir("/proc/self/fd"))]
+    os_open = os.open
+
+    def counting_open(*args: object, **kwargs: object) -> int:
+        fd = os_open(*args, **kwargs)  # type: ignore[arg-type]
+        num_open.append(len(os.listdir("/proc/self/fd")))
+        return fd
+
+    adapter_root = AdapterRoot(root)
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "open", counting_open)
+    assert adapter_root.find(deep).found.directory == ("a",) * 300
+    assert adapter_root.find("up").found.directory == ("a",) * 300
+    monkeypatch.undo()
+    assert max(num_open) <= before + 3  # the walk's directory, its next, and listdir's own
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_path_whose_symlinks_walk_more_than_twice_the_longest_path_is_refused_fast(tmp_path: Path) -> None:
+    # 40 absolute symlinks each naming the bottom of a 2,000-deep tree walked ~80,000 components (0.5 s a
+    # walk, 3 walks a find). A walk takes at most 4,096: 9 re-walks of 500 are refused, 2 still load.
+    root = tmp_path / "root"
+    root.mkdir()
+    deep = deep_tree(root, 500)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        (root / deep / name).unlink()
+    for i in range(9):  # s{i} -> the bottom of the tree again, by its absolute path, then s{i + 1}
+        (root / deep / f"s{i}").symlink_to(f"{root}/{deep}/s{i + 1}")
+    adapter_dir(root / deep / "s9")
+    adapter_root = AdapterRoot(root)
+    assert adapter_root.find(f"{deep}/s7").found.directory == (*(["a"] * 500), "s9")
+    start = time.perf_counter()
+    assert refusal(adapter_root, f"{deep}/s0").startswith("must name an adapter directory inside")
+    assert time.perf_counter() - start < 0.5
+
+
+def test_a_resolved_path_over_path_max_below_the_root_is_refused(tmp_path: Path) -> None:
+    # No kernel path names it, and the read refused it anyway (read_adapter's 4,096 bytes): a short path
+    # whose symlinks lead 21 levels of 200 bytes down (4,220 bytes) is refused by find.
+    root = tmp_path / "root"
+    root.mkdir()
+    name = "d" * 199
+    deep_tree(root, 21, name, links={10: "/".join([name] * 11)})
+    (root / "short").symlink_to("/".join([name] * 10) + "/l")
+    assert refusal(AdapterRoot(root), "short").endswith("got 'short'")
+
+
+def test_a_directory_moved_out_of_the_root_while_walked_is_not_climbed_out_of(
+    tree: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # '..' reopens the parent of the directory the walk is in: one moved out of the root meanwhile has
+    # a parent outside, which is not the directory the walk came through, so it is refused.
+    root_dir = tree["root"]
+    (root_dir / "x" / "y" / "z").mkdir(parents=True)
+    (root_dir / "x" / "y" / "z" / "up").symlink_to("../../w")  # x/w, were y not moved
+    adapter_dir(root_dir / "x" / "w")
+    adapter_dir(tmp_path / "w")  # where y's '..' leads once y is moved to tmp_path
+    os_readlink = os.readlink
+
+    def moving_readlink(path: str, *, dir_fd: int | None = None) -> str:
+        if path == "up":
+            (root_dir / "x" / "y").rename(tmp_path / "y")
+        return os_readlink(path, dir_fd=dir_fd)
+
+    adapter_root = AdapterRoot(root_dir)
+    assert adapter_root.find("x/y/z/up").found.directory == ("x", "w")
+    monkeypatch.setattr(os, "readlink", moving_readlink)
+    assert refusal(adapter_root, "x/y/z/up").endswith("got 'x/y/z/up'")
+
+
+def test_a_root_removed_after_start_is_said_to_be_gone_naming_the_flag_and_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every load got the one refusal of a caller's path, and nothing told the operator why.
+    root_dir = tmp_path / "root"
+    root_dir.mkdir()
+    adapter_root = AdapterRoot(root_dir)
+    root_dir.rmdir()
+    for path in ("qv4", "team/mlp8"):
+        with pytest.raises(FailedPrecondition) as refused:
+            adapter_root.find(path)
+        assert str(refused.value) == (
+            "path: the server's --lora-root was removed after it started: it loads no adapter until restarted"
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--lora-root {root_dir} was removed after start: LoadAdapter refuses every path until a restart"
+    ]
+
+
+def test_a_root_renamed_after_start_is_still_served_where_it_now_lies(
+    tree: dict[str, Path], tmp_path: Path
+) -> None:
+    adapter_root = AdapterRoot(tree["root"])
+    tree["root"].rename(tmp_path / "renamed")
+    assert adapter_root.find("qv4").found.directory == ("qv4",)

@@ -563,3 +563,67 @@ def test_a_directory_swapped_for_a_symlink_leading_out_during_find_then_before_t
         num_calls = max(num_calls, calls[0])
         step += 1
     assert num_calls > 0 and not any("SECRET" in s for s in said), said
+
+
+def test_a_caller_s_path_loads_whatever_the_length_of_the_server_s_and_whatever_its_bytes(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    # The read checked the server's path, the root's and all, against PATH_MAX: a valid adapter under a
+    # long root was refused ('path: must be at most 4096 bytes, got 5145', telling the root's length),
+    # and a directory name in no encoding, reached by a symlink, failed to encode (INTERNAL).
+    root = tmp_path.joinpath(*["r" * 200] * 5)  # 1,000 bytes and more, the adapter's 3,200 below it
+    root.mkdir(parents=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(16):
+        os.mkdir("d" * 199, dir_fd=fd)
+        fd, parent = os.open("d" * 199, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(parent)
+    os.mkdir(b"\xff", dir_fd=fd)
+    for directory in (b"", b"\xff/"):  # the deep directory's own adapter, and one in a name not UTF-8
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            file = os.open(directory + name.encode(), os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+            os.write(file, (adapter_dir / name).read_bytes())
+            os.close(file)
+    os.close(fd)
+    deep = "/".join(["d" * 199] * 16)
+    os.symlink(f"{deep}/".encode() + b"\xff", os.path.join(os.fsencode(root), b"latest"))
+    for path in (deep, "latest"):
+        found = AdapterRoot(root).find(path)
+        adapter = read_adapter(
+            found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.found
+        )
+        assert adapter.rank == 8
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_an_adapter_file_find_saw_is_no_regular_file_is_refused_unopened(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # Opened to be checked, a device acts on its open (a tape rewinds, a terminal may become the
+    # server's own); what find saw stand there is refused by its type before any open, and every open
+    # is O_NOCTTY (a terminal swapped in meanwhile never becomes the server's).
+    root = tmp_path / "root"
+    root.mkdir()
+    out = copy_with(adapter_dir, root / "a")
+    (out / CONFIG_FILE).unlink()
+    os.mkfifo(out / CONFIG_FILE) if kind == "fifo" else (out / CONFIG_FILE).mkdir()
+    found = AdapterRoot(root).find("a")
+    opened: list[tuple[object, int]] = []
+    os_open = os.open
+
+    def recording_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        opened.append((path, flags))
+        return os_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", recording_open)
+    with pytest.raises(AdapterError) as refused:
+        read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.found)
+    assert str(refused.value) == f"{CONFIG_FILE}: must be a regular file in a"
+    assert [path for path, _ in opened] == ["a"]  # the directory only
+    (out / CONFIG_FILE).unlink() if kind == "fifo" else (out / CONFIG_FILE).rmdir()
+    (out / CONFIG_FILE).write_bytes((adapter_dir / CONFIG_FILE).read_bytes())
+    opened.clear()
+    found = AdapterRoot(root).find("a")
+    read_adapter(found.path, tiny_fp32.config, max_rank=16, shown=found.shown, found=found.found)
+    files = [flags for path, flags in opened if path in (CONFIG_FILE, WEIGHTS_FILE)]
+    assert len(files) == 2 and all(flags & os.O_NOCTTY for flags in files)

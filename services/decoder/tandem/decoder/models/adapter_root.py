@@ -16,23 +16,26 @@ that descriptor one component at a time with O_NOFOLLOW (beneath.py): a symlink 
 resolved by walking its target from the root again, never by the kernel, so one leading out is refused
 whether it was there or is swapped in for any directory on the way while find walks (or between find
 and the read: the read walks again from the root, along the path find resolved, which holds no
-symlink). find gives the read that path and the file each adapter name led to (`FoundAdapter`), and
-the read takes those files only (an HF cache's snapshot, its files symlinked into blobs/, reads the
-blobs). A root that is a symlink retargeted later still means the directory it named at start (a
-restart takes the new one); an absolute symlink inside it is followed where it names the root by
-either path. Its contents are the operator's: whoever can write there can plant a hard link to any
-file they can reach, which the server then reads as its own, so the root should hold adapters only
-and be writable by the operator alone.
+symlink). find gives the read that path and the file each adapter name led to (`FoundAdapter`), and the
+read takes those files only (an HF cache's snapshot, its files symlinked into blobs/, reads the blobs).
+A root that is a symlink retargeted later still means the directory it named at start (a restart takes
+the new one), as does a root renamed (served where it now lies) or removed (every load is refused as
+such, FAILED_PRECONDITION, until a restart); an absolute symlink inside it is followed where it names
+the root by either path. Its contents are the operator's: whoever can write there can plant a hard link
+to any file they can reach, which the server then reads as its own, so the root should hold adapters
+only and be writable by the operator alone.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from tandem.client.errors import InvalidArgument
+from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common.model_name import echo
 from tandem.decoder.models.beneath import LeadsOut, OpenDirectory, open_beneath, resolve
 from tandem.decoder.models.peft_adapter import (
@@ -45,6 +48,8 @@ from tandem.decoder.models.peft_adapter import (
 )
 
 ROOT_FLAG = "--lora-root"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class AdapterRoot:
         self.given = Path(os.path.abspath(root))  # as the operator wrote it, for absolute caller paths
         self.root = Path(os.path.realpath(root, strict=True))
         self._root = OpenDirectory(self.root)  # every walk's start, whatever its path names later
+        self._told_removed = threading.Lock()  # held for good once the root's removal is logged
 
     def find(self, path: str) -> AdapterDirectory:
         """The directory `path` names inside the root. Raises InvalidArgument("path") otherwise, with one
@@ -85,6 +91,7 @@ class AdapterRoot:
             finally:
                 os.close(directory)
         except (OSError, LeadsOut):  # ENOENT, ELOOP, EACCES, ENAMETOOLONG...: all one answer
+            self._check_not_removed()
             raise self._refusal(path) from None
         found = FoundAdapter(root=self._root, directory=parts, files=files)
         return AdapterDirectory(path=self.root.joinpath(*parts), shown=str(relative), found=found)
@@ -116,6 +123,25 @@ class AdapterRoot:
                 return path.relative_to(root)
         return None
 
+    def _check_not_removed(self) -> None:
+        """Raises FailedPrecondition where the root was removed after start: the directory held open is
+        empty for good and every path in it leads nowhere, which the one refusal would blame on the
+        caller's path. It names the flag, never the root's path (no caller's business); the operator is
+        told once, in the log, where the path is theirs. A root renamed since is still the directory
+        held open, and is served where it now lies."""
+        if os.fstat(self._root.fd).st_nlink != 0:
+            return
+        if self._told_removed.acquire(blocking=False):
+            log.error(
+                "%s %s was removed after start: LoadAdapter refuses every path until a restart",
+                ROOT_FLAG,
+                self.root,
+            )
+        raise FailedPrecondition(
+            "path",
+            f"the server's {ROOT_FLAG} was removed after it started: it loads no adapter until restarted",
+        )
+
     def _is_inside(self, real: Path) -> bool:
         return real != self.root and real.is_relative_to(self.root)
 
@@ -135,7 +161,12 @@ class AdapterRoot:
                 file = resolve(self._root.fd, PurePosixPath(*parts, name), self._relative)
             except OSError:  # a dangling symlink, a loop: read_adapter refuses the name as it finds it
                 continue
-            files[name] = FoundFile(link=link, parts=file.parts, identity=FileIdentity.of(file.status))
+            files[name] = FoundFile(
+                link=link,
+                parts=file.parts,
+                identity=FileIdentity.of(file.status),
+                file_type=stat.S_IFMT(file.status.st_mode),
+            )
         return files
 
     def _refusal(self, path: str) -> InvalidArgument:

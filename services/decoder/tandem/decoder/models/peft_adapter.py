@@ -11,20 +11,22 @@ or head counts differ, fails naming the first tensor that does not fit).
 Scaling is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`.
 
 NOTE: how the files are read. The directory is opened once and each file relative to it, without
-blocking (a FIFO swapped in after any check would hold the one adapter-reader thread, every later
-load and the server's exit for ever: the open is O_NONBLOCK and anything fstat does not call a regular
-file is refused), and read whole into memory from that descriptor, never memory-mapped: a mapped file
-that shrinks under the reader (`cp` over it truncates, then writes) kills the process with SIGBUS, and
-every stream on the server with it. The read is bounded by the file's size at open, and that size by
-what an adapter of its r for this base model can hold; a file whose size, mtime or change time moved
-during the read is refused (`cp -p` sets the mtime back over a same-size rewrite; no call sets the change
-time back). A directory AdapterRoot.find resolved inside --lora-root (`found`) is never opened by its
-path: the read walks from the root's descriptor, one component at a time, along the path find resolved
-(beneath.py: no symlink is followed, so a directory swapped for one leading out since is refused), and
-opens each file where its name led then, which must still be the file find saw, reached by the same
-entry (a symlink swapped in for the name, or for any directory on the way, is refused; one that was
-there, into an HF cache's blobs/, still reads). No refusal formats an OS or library error that may hold
-the server's own path: a refusal names the directory as `shown`.
+blocking (a FIFO swapped in after any check would hold the one adapter-reader thread, every later load
+and the server's exit for ever: the open is O_NONBLOCK and anything fstat does not call a regular file
+is refused; a name that led to no regular file when it was looked up, by find or just before, is refused
+unopened, as opening a device acts on it, and the open is O_NOCTTY), and read whole into memory from
+that descriptor, never memory-mapped: a mapped file that shrinks under the reader (`cp` over it
+truncates, then writes) kills the process with SIGBUS, and every stream on the server with it. The read
+is bounded by the file's size at open, and that size by what an adapter of its r for this base model can
+hold; a file whose size, mtime or change time moved during the read is refused (`cp -p` sets the mtime
+back over a same-size rewrite; no call sets the change time back). A directory AdapterRoot.find resolved
+inside --lora-root (`found`) is never opened by its path: the read walks from the root's descriptor, one
+component at a time, along the path find resolved (beneath.py: no symlink is followed, so a directory
+swapped for one leading out since is refused), and opens each file where its name led then, which must
+still be the file find saw, reached by the same entry (a symlink swapped in for the name, or for any
+directory on the way, is refused; one that was there, into an HF cache's blobs/, still reads). No
+refusal formats an OS or library error that may hold the server's own path: a refusal names the
+directory as `shown`.
 """
 
 from __future__ import annotations
@@ -45,11 +47,10 @@ from safetensors.torch import load as load_safetensors
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.checkpoint import MAX_JSON_BYTES, json_object
-from tandem.decoder.models.beneath import OpenDirectory, open_beneath
+from tandem.decoder.models.beneath import MAX_PATH_BYTES, OpenDirectory, open_beneath
 from tandem.decoder.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
-MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: no longer path names a file
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 # A safetensors header past its 8-byte length: ~130 bytes a tensor, 14 tensors a layer (1 MiB is ~570
@@ -58,7 +59,9 @@ MAX_HEADER_BYTES = 4 << 20
 # The widest floating-point dtype safetensors holds (F64): a tensor's most bytes per value.
 MAX_ITEM_BYTES = 8
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+# O_NOCTTY: a terminal device swapped in between the type's check and the open never becomes the
+# server's controlling terminal (the open is then refused as another file).
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 # What open(2) with O_NOFOLLOW says of a symlink: ENOTDIR (Linux, with O_DIRECTORY), ELOOP (Linux,
 # macOS), EMLINK (FreeBSD): a symlink, or a file, stands where a directory or the file was.
 _SYMLINK_REFUSED = (errno.ENOTDIR, errno.ELOOP, errno.EMLINK)
@@ -104,6 +107,13 @@ class FoundFile:
     link: str | None
     parts: tuple[str, ...]  # the file's path below the root, no symlink on it (beneath.resolve)
     identity: FileIdentity  # the file there
+    # Its stat.S_IFMT: anything but a regular file is refused before it is opened (opening a device
+    # may act on it: a tape rewinds, a modem hangs up).
+    file_type: int
+
+    @property
+    def is_regular(self) -> bool:
+        return self.file_type == stat.S_IFREG
 
 
 @dataclass(frozen=True)
@@ -171,8 +181,11 @@ def read_adapter(
     was swapped in since by a writer of the root and may lead out, so it is refused, never followed."""
     if not str(path):
         raise AdapterError("path", "must not be empty (it would name the server's working directory)")
-    if len(str(path).encode()) > MAX_PATH_BYTES:
-        raise AdapterError("path", f"must be at most {MAX_PATH_BYTES} bytes, got {len(str(path).encode())}")
+    # The operator's path only: a caller's was checked as it was sent (AdapterRoot.find), and the one it
+    # resolved to is opened by its parts, from the root's descriptor, whatever its length with the root's
+    # (which is no caller's business) and its bytes (a name in no encoding, as fsencode keeps it).
+    if found is None and (num_bytes := len(os.fsencode(path))) > MAX_PATH_BYTES:
+        raise AdapterError("path", f"must be at most {MAX_PATH_BYTES} bytes, got {num_bytes}")
     shown = str(path) if shown is None else shown
     try:
         if found is None:
@@ -239,13 +252,15 @@ def _read_file(
     `max_bytes` (`limit` says whose bound it is), unreadable, or changed while it was read."""
     was = None if found is None else found.files.get(name)
     try:
+        if found is not None and was is None:  # the name led nowhere at find: nothing there is opened
+            return _absent(directory, name, shown)
+        if was is not None and not was.is_regular:  # a device, a FIFO...: refused unopened
+            raise AdapterError(name, f"must be a regular file in {shown}")
         fd = _open_file(directory, name, shown, found, was)
     except FileNotFoundError:  # a dangling symlink too
         return None
     except OSError as error:
         if found is not None and error.errno in _SYMLINK_REFUSED:  # a symlink standing where it was not
-            if was is None:  # the name led nowhere at find: whatever stands there now is not followed
-                return None
             raise _changed(name, shown) from None
         # strerror only: the exception's own text names the server's path
         raise AdapterError(name, f"cannot be read: {error.strerror}") from None
@@ -279,9 +294,10 @@ def _open_file(
     it lead, by the same symlink if it was one (another swapped in since is refused), with no symlink
     followed; a name find saw lead nowhere, in `directory` as it is, never followed (refused unread)."""
     if found is None:
+        if not stat.S_ISREG(os.stat(name, dir_fd=directory).st_mode):  # refused unopened, as above
+            raise AdapterError(name, f"must be a regular file in {shown}")
         return os.open(name, _OPEN_FLAGS, dir_fd=directory)
-    if was is None:
-        return os.open(name, _OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=directory)
+    assert was is not None
     if was.link is not None:
         try:
             link = os.readlink(name, dir_fd=directory)
@@ -292,6 +308,18 @@ def _open_file(
         if link != was.link:
             raise _changed(name, shown)
     return open_beneath(found.root.fd, was.parts, _OPEN_FLAGS)
+
+
+def _absent(directory: int, name: str, shown: str) -> None:
+    """None where `name`, which led nowhere when find walked it, leads nowhere yet (nothing there, a
+    symlink: not followed); anything standing there now was put there since, and is refused unopened."""
+    try:
+        status = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(status.st_mode):
+        return None
+    raise _changed(name, shown)
 
 
 def _version(status: os.stat_result) -> tuple[int, int, int]:
