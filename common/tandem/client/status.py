@@ -160,7 +160,9 @@ def _tolerant(
 
 def _reject_malformed(request: Any, method: str) -> None:
     if isinstance(request, _Malformed):
-        if isinstance(request.error, errors.InvalidArgument):
+        # A parser's own refusal keeps its status: the encoder's refuses an image its model cannot take,
+        # unparsed, as FAILED_PRECONDITION, as it does a small one parsed.
+        if isinstance(request.error, errors.TandemError):
             raise request.error
         raise errors.InvalidArgument("request", f"not a valid request message for {method}: {request.error}")
 

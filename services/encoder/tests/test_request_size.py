@@ -11,7 +11,7 @@ import pytest
 
 from services.encoder.tests.vision_checkpoints import make_image
 from tandem.client.channel import channel_options
-from tandem.client.errors import InvalidArgument
+from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from tandem.client.status import field_violation
 from tandem.common.server import ServerOptions, start_server
@@ -37,6 +37,17 @@ def test_an_image_over_the_request_bound_names_image_data_and_max_image_bytes() 
     assert caught.value.field == "image.data"
     assert caught.value.description == (
         f"the request is {len(raw)} bytes, its image over max_image_bytes 65536; it was not parsed"
+    )
+
+
+def test_an_image_over_the_bound_of_a_model_that_takes_none_is_refused_as_no_image_it_could_take() -> None:
+    # It said "image.data: the request is 200012 bytes, its image over max_image_bytes ...": a limit that
+    # does not apply, where a 100-byte image is refused as one the model cannot take at all.
+    with pytest.raises(FailedPrecondition) as caught:
+        parse_embed_request(_image_request(200_000), 100_000, MAX_IMAGE_BYTES, takes_images=False)
+    assert (caught.value.field, caught.value.description) == (
+        "image",
+        "this encoder's model takes no images (serve a LLaVA or SmolVLM checkpoint)",
     )
 
 
@@ -89,6 +100,34 @@ async def test_a_live_encoder_names_image_data_and_its_limit_for_an_image_too_la
         assert len(tokens.tokens) == 1 and tokens.tokens[0].ids
         info = await stub.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest())
         assert (info.accepts_images, info.max_image_bytes) == (True, MAX_IMAGE_BYTES)
+    finally:
+        await channel.close()
+        await server.stop(0)
+        servicer.close()
+
+
+async def test_a_live_text_encoder_refuses_any_image_as_one_its_model_cannot_take(tiny_model: Path) -> None:
+    config = EncoderConfig(
+        model_dir=tiny_model,
+        dtype="float32",
+        max_input_tokens=64,
+        server=ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+    )
+    servicer = EncoderServicer(config)
+    server = await start_server(config.server, [servicer.service()])
+    servicer.attach(load_embedder(config))
+    channel = grpc.aio.insecure_channel(server.address, options=channel_options(2 * MAX_MESSAGE_BYTES))
+    stub = encoder_pb2_grpc.EncoderStub(channel)
+    try:
+        bound = servicer.max_embed_request_bytes()
+        assert bound is not None and bound < 200_000 < config.image_bytes_limit
+        for num_bytes in (100, 200_000):  # parsed, and refused from its size unparsed: one answer
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=bytes(num_bytes))))
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION, error.value.details()
+            assert error.value.details() == (
+                "image: this encoder's model takes no images (serve a LLaVA or SmolVLM checkpoint)"
+            )
     finally:
         await channel.close()
         await server.stop(0)

@@ -30,6 +30,7 @@ from tandem.common.torch_part.prompt_parts import (
 )
 from tandem.common.wire_limits import check_request_id
 from tandem.encoder.embedder import Embedder, Pooling
+from tandem.encoder.request_size import TAKES_NO_IMAGES
 from tandem.encoder.shared_segments import SharedTarget
 
 # Room in a response for everything but the tensor bytes: token IDs (up to 5 bytes each) and framing.
@@ -109,9 +110,7 @@ def build_image_job(
     assert isinstance(spec.input, ImageBytes)
     check_request_id(spec.request_id)
     if not embedder.info.image_placeholder:
-        raise FailedPrecondition(
-            "image", "this encoder's model takes no images (serve a LLaVA or SmolVLM checkpoint)"
-        )
+        raise FailedPrecondition("image", TAKES_NO_IMAGES)
     data = spec.input.data
     if not data:
         raise InvalidArgument("image.data", "is empty; send PNG, JPEG, WebP or GIF bytes")

@@ -156,7 +156,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def parse_embed(self, raw: bytes) -> encoder_pb2.EmbedRequest:
         """An Embed request from its bytes, on the event loop as gRPC reads it (request_size.py)."""
-        return parse_embed_request(raw, self.max_embed_request_bytes(), self.config.image_bytes_limit)
+        takes_images = self._embedder is None or bool(self._embedder.info.image_placeholder)
+        return parse_embed_request(
+            raw, self.max_embed_request_bytes(), self.config.image_bytes_limit, takes_images
+        )
 
     async def Embed(
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
