@@ -17,6 +17,8 @@ import pytest
 from tandem.decoder.backends.cpu import kernels as cpu_kernels
 from tandem.decoder.backends.cpu.build import (
     AARCH64_LEVELS,
+    CSRC,
+    HEADERS,
     SOURCES,
     WARNING_FLAGS,
     X86_64_LEVELS,
@@ -244,6 +246,13 @@ AVX2_FLAGS = frozenset(
     "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 bmi1 bmi2 f16c fma abm movbe xsave aes".split()
 )
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def test_the_build_id_covers_every_file_of_csrc() -> None:
+    # build_id digests SOURCES and HEADERS only: a file of csrc/ missing from them would change no id,
+    # so an edit to it alone would leave an old library loaded and its clean warnings record trusted.
+    on_disk = {path.name for path in CSRC.iterdir() if path.is_file()}
+    assert on_disk == set(SOURCES) | set(HEADERS)
 
 
 def test_parse_cpuinfo_of_x86_takes_the_first_processors_model_name_and_flags() -> None:
