@@ -250,6 +250,33 @@ def test_an_unread_lease_runs_out_its_name_removed_and_its_segment_freed(
         tensors.decode_shared(handle, late, key)
 
 
+def test_a_segment_whose_call_was_cancelled_is_freed_at_once_not_after_its_lease(
+    tmp_path: Path, probe, segments
+) -> None:
+    handle, _ = _written(segments, probe, torch.zeros(2, 2))  # written, the reply never sent
+    used = _file(tmp_path, handle)
+    segments.abandon(handle.name)
+    assert not shared_memory.exists(tmp_path, handle.name) and segments.num_leased == 0
+    assert segments.num_expired == 0  # not its lease: it had 0.4 s of it left
+    assert _file(tmp_path, _written(segments, probe, torch.ones(2, 2))[0]) == used  # free for the next call
+
+
+def test_a_call_cancelled_before_its_batch_wrote_it_is_never_linked(tmp_path: Path, probe, segments) -> None:
+    early, during = _offer(probe), _offer(probe)
+    segments.abandon(early.segment_name)  # cancelled while queued
+    target = segments.target(early)
+    assert target.write_with([2, 2], torch.float32, lambda out: None) is None
+    assert target.write(torch.zeros(2, 2), None) is None  # the batch's second try, rows copied, too
+    # Cancelled while its rows were being written: the write gives its segment back as it ends.
+    handle = segments.target(during).write_with(
+        [2, 2], torch.float32, lambda out: segments.abandon(during.segment_name)
+    )
+    assert handle is None
+    assert not shared_memory.exists(tmp_path, early.segment_name)
+    assert not shared_memory.exists(tmp_path, during.segment_name)
+    assert segments.num_leased == 0 and segments.num_written == 1
+
+
 def test_a_segment_free_for_its_idle_time_is_given_back(tmp_path: Path, probe) -> None:
     segments = SharedSegments(tmp_path, max_bytes=1000, max_segments=3, lease_s=0.4, idle_s=0.2)
     try:
@@ -306,5 +333,46 @@ async def test_an_embed_with_a_proven_offer_replies_with_a_handle_not_bytes(
             encoder_pb2.EmbedRequest(text="hello there", shared_memory=offer), None
         )
         assert unproven.embeddings == plain.embeddings and not unproven.HasField("shared_embeddings")
+    finally:
+        servicer.close()
+
+
+class _EndedCall:
+    """A served call's context, ended when the test says: its done callbacks run then."""
+
+    def __init__(self, cancelled: bool) -> None:
+        self.callbacks: list = []
+        self.was_cancelled = cancelled
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def cancelled(self) -> bool:
+        return self.was_cancelled
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+async def test_an_embed_cancelled_after_its_rows_were_written_gives_its_segment_back_at_once(
+    tiny_model: Path, tmp_path: Path, probe
+) -> None:
+    # The decoder removes the name it asked for when its call is cancelled, but the batch may link it
+    # after that: 40 cancelled Generates held 2 of 8 segments for the 10 s lease.
+    config = EncoderConfig(model_dir=tiny_model, shared_memory_dir=tmp_path)
+    servicer = EncoderServicer(config)
+    servicer.attach(load_embedder(config))
+    assert servicer.segments is not None
+    try:
+        names = {}
+        for was_cancelled in (False, True):
+            call = _EndedCall(was_cancelled)
+            request = encoder_pb2.EmbedRequest(text="hi", shared_memory=_offer(probe))
+            names[was_cancelled] = (await servicer.Embed(request, call)).shared_embeddings.name
+            call.end()
+        assert shared_memory.exists(tmp_path, names[False])  # a reply delivered: its reader's to release
+        assert not shared_memory.exists(tmp_path, names[True])
+        assert servicer.segments.num_leased == 1 and servicer.segments.num_expired == 0
     finally:
         servicer.close()

@@ -55,7 +55,7 @@ from tandem.encoder.request import (
     build_job,
 )
 from tandem.encoder.request_size import parse_embed_request
-from tandem.encoder.shared_segments import SharedSegments
+from tandem.encoder.shared_segments import SharedSegments, SharedTarget
 
 T = TypeVar("T")
 
@@ -165,12 +165,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EmbedResponse:
         if self._telemetry is None or self._metrics is None:
-            return await self._embed(request)
+            return await self._embed(request, context)
         op = otel.ServerOperation(
             self._telemetry, self._metrics, otel.OPERATION_EMBEDDINGS, self.config.served_model_name
         )
         try:
-            response = await self._embed(request)
+            response = await self._embed(request, context)
             op.set(
                 {
                     otel.GEN_AI_RESPONSE_ID: response.request_id,
@@ -185,12 +185,15 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         finally:
             op.end()
 
-    async def _embed(self, request: encoder_pb2.EmbedRequest) -> encoder_pb2.EmbedResponse:
+    async def _embed(
+        self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext | None
+    ) -> encoder_pb2.EmbedResponse:
         embedder = self._require_embedder()
         check_model(request.model, self.config.served_model_name)
         spec = _spec_from_pb(request)
         max_message_bytes = self.config.server.max_message_bytes
         job: EmbedJob | ImageJob
+        watch: _SegmentWatch | None = None
         if isinstance(spec.input, ImageBytes):
             job = build_image_job(
                 spec,
@@ -212,7 +215,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             )
         if request.HasField("shared_memory") and self.segments is not None:
             target = self.segments.target(request.shared_memory)
-            job = dataclasses.replace(job, shared=target) if target is not None else job
+            if target is not None:
+                job = dataclasses.replace(job, shared=target)
+                if context is not None:  # None: called directly, not served
+                    watch = _SegmentWatch(target)
+                    context.add_done_callback(watch.call_ended)
         batcher = self._batcher if isinstance(job, ImageJob) else self._text_batcher
         assert batcher is not None  # set with the embedder
         # Embedding, an image's decoding and packing (a copy of up to max_message_bytes, into the
@@ -220,6 +227,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         output = await batcher.submit(job)
         self.num_embeds += 1
         is_shared = isinstance(output.embeddings, tensor_pb2.SharedTensor)
+        if watch is not None:
+            watch.replied = True
         return encoder_pb2.EmbedResponse(
             request_id=job.request_id,
             token_ids=tensor_pb2.TokenIds(ids=output.token_ids),
@@ -353,3 +362,19 @@ def _sample_to_pb(sample: TableSample | None) -> encoder_pb2.TokenTableSample | 
     return encoder_pb2.TokenTableSample(
         vocab_size=sample.vocab_size, hidden_size=sample.hidden_size, values=sample.values
     )
+
+
+@dataclasses.dataclass
+class _SegmentWatch:
+    """The segment of one call offered shared memory, given back as soon as the call ends without its
+    reply (its caller cancelled it: the handler cancelled, written or not yet) or cancelled after it,
+    not when the lease runs out: else a caller cancelling its calls kept the pool leased, and others'
+    replies went as bytes (40 cancelled calls held 2 of 8 segments for the 10 s lease). The decoder
+    removes the name it asked for when its call is cancelled, but the batch may link it after that."""
+
+    target: SharedTarget
+    replied: bool = False  # the handler returned the reply naming it
+
+    def call_ended(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.replied or context.cancelled():
+            self.target.segments.abandon(self.target.name)

@@ -13,7 +13,9 @@ smallest free segment that holds its rows (or a new one, its size rounded up to 
 rows of a like size find it again), under the name its offer asked for: a second name for the
 segment's file. The lease ends when the reader removes that name (it has copied the rows), or when its
 `lease_s` has run out since the reply was made (the writer then removes the name: a reply lost with a
-cancelled call). Only then is the segment written again. The pool is bounded in segments and bytes,
+cancelled call), or when the call that asked for it ends before its reply is sent (`abandon`: the
+caller cancelled it; a name not linked yet is then never linked). Only then is the segment written
+again. The pool is bounded in segments and bytes,
 leased or free: when a call finds no free segment and no room for a new one, even once the free
 segments that do not fit are given back, or when the name is taken, its reply carries bytes as usual,
 so sharing never fails or delays a call. A segment free for `idle_s` is given back; so is every one on
@@ -88,6 +90,9 @@ class SharedSegments:
         self.num_written = 0  # replies sent as segments (tests, the benchmark)
         self.num_expired = 0  # leases that ran out unread
         self.num_created = 0  # segments created: what the pool saves is num_written - num_created
+        # Names whose calls ended before their rows were written, by time.monotonic() then: never linked.
+        # Kept a lease (a batch later than that is answered by the lease anyway).
+        self._abandoned: dict[str, float] = {}
         # A pool left by an encoder that was killed would hold its pages until the host restarts.
         self.num_abandoned = shared_memory.remove_abandoned(directory)
         self._stop = threading.Event()
@@ -112,6 +117,8 @@ class SharedSegments:
         num_bytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             self._sweep()
+            if target.name in self._abandoned:  # kept: a batch whose write_with is refused tries write
+                return None  # its call ended: no one will read it
             slot = self._free_slot(num_bytes) or self._new_slot(num_bytes)
             if slot is None:
                 return None
@@ -135,7 +142,23 @@ class SharedSegments:
         with self._lock:
             slot.expires = time.monotonic() + self.lease_s  # the lease counts from the reply
             self.num_written += 1
+            if target.name in self._abandoned:  # its call ended while it was written
+                shared_memory.remove(self.directory, target.name)
+                self._free(slot)
+                return None
         return handle
+
+    def abandon(self, name: str) -> None:
+        """The call that asked for `name` ended before its reply was sent (its caller cancelled it): its
+        segment is freed now, not when its lease runs out, or never written when the batch has not got
+        to it yet. Else a caller cancelling its calls kept the pool leased, and others got bytes."""
+        with self._lock:
+            slot = next((slot for slot in self._slots if slot.lease == name), None)
+            if slot is None or slot.expires == math.inf:  # not written yet, or being written
+                self._abandoned[name] = time.monotonic()
+                return
+            shared_memory.remove(self.directory, name)
+            self._free(slot)
 
     @property
     def num_leased(self) -> int:
@@ -204,6 +227,9 @@ class SharedSegments:
     def _sweep(self) -> None:
         """Under the lock: frees what readers released, ends leases run out, gives idle segments back."""
         now = time.monotonic()
+        for name, since in list(self._abandoned.items()):
+            if now - since >= self.lease_s:
+                del self._abandoned[name]
         for slot in list(self._slots):
             if slot.lease is None:
                 if now - slot.last_used >= self.idle_s:

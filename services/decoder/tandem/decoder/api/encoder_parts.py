@@ -39,7 +39,10 @@ A fetch, on the event loop:
    (`tensors.decode_shared`; the copy and the digest are one pass in C where the CPU has carry-less
    multiplication: `backends/cpu/copy_digest.py`), and the name removed: that releases the segment to
    the encoder's pool, which writes into it again, and a replay finds nothing. Bytes are decoded as
-   any tensor (zero copy).
+   any tensor (zero copy). A segment gone, or changed, before it was read (its lease,
+   --shared-memory-lease-s, ran out while this decoder was busy: this host's timing, not the caller's
+   input) is fetched once more without the offer, its rows by value; only if that fails too is the
+   part refused, UNAVAILABLE naming the encoder.
 Which model the encoder serves is checked against this decoder's own, by a sample of each one's token
 table (`tandem.common.torch_part.model_identity`; GetModelInfo reports the encoder's): once loaded,
 the decoder asks (`check_model`, waiting a while for an encoder still loading) and refuses to start
@@ -50,8 +53,10 @@ Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or
 on `prompt[i].encoder`; an encoder that cannot be reached is UNAVAILABLE naming its address, within
 the retries of its channel, so the request never waits for it past its deadline.
 A call that ends (cancelled, failed, finished) cancels its fetches still running; the request being
-built then fails, and the name of a segment written for a cancelled call is removed (the segment
-freed) by the encoder's lease.
+built then fails, and an Embed call cancelled (or failed) before its reply was read removes the name
+it asked for, as a read does, releasing the segment to the encoder's pool if the encoder wrote it: a
+caller cancelling its calls cannot keep the pool leased. (A name the encoder links after that, its
+batch still running when the cancel came, is freed by the encoder's lease.)
 """
 
 from __future__ import annotations
@@ -99,6 +104,11 @@ class EncoderMismatch(Exception):
     """The encoder serves another model than this decoder's; the message names both."""
 
 
+class _SegmentLost(Exception):
+    """The rows a reply put in shared memory were gone, or changed, before this decoder read them: its
+    lease ran out. The decoder's own timing, never the caller's input: fetched again by value."""
+
+
 class EncoderParts:
     def __init__(
         self,
@@ -141,6 +151,7 @@ class EncoderParts:
         self._in_flight = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # Embed calls running (step 2)
         self.num_shared = 0  # replies read from shared memory
         self.num_bytes = 0  # replies that carried their rows as bytes
+        self.num_refetched = 0  # fetched again by value: their segment was lost before it was read
 
     async def close(self) -> None:
         if self.probe is not None:
@@ -255,6 +266,40 @@ class EncoderParts:
         """The Embed call of one fetch, shared by everyone waiting for it: the rows, put in the cache.
         Raises the encoder's AioRpcError as it came, and errors about the reply on fields relative to the
         part (`.shared_embeddings.name`), which each waiter names on its own field."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        offer = self._offer()
+        reply = await self._call(part, offer, deadline, metadata)
+        try:
+            result = await self._read(reply, offer)
+        except _SegmentLost as lost:
+            # The encoder's lease ran out before this decoder read its rows (a busy decoder, a short
+            # --shared-memory-lease-s): this host's timing, not the caller's input. Once more, by value.
+            self.num_refetched += 1
+            try:
+                result = await self._read(await self._call(part, None, deadline, metadata), None)
+            except grpc.aio.AioRpcError as error:
+                if _ran_out(error):
+                    raise
+                raise _unavailable(
+                    f"{lost}; fetched again by value: {error.code().name}: {error.details()}"
+                ) from None
+            except (InvalidArgument, FailedPrecondition) as error:
+                raise _unavailable(f"{lost}; fetched again by value, its reply's {error}") from None
+        self.cache.put(key, result)
+        return result
+
+    async def _call(
+        self,
+        part: EncoderPrompt,
+        offer: encoder_pb2.SharedMemoryOffer | None,
+        deadline: float,
+        metadata: tuple[tuple[str, str | bytes], ...],
+    ) -> encoder_pb2.EmbedResponse:
+        """The Embed call for `part`, offering shared memory when `offer` is given. A call that does not
+        return its reply here (cancelled: its caller left; or failed) releases the segment it asked
+        for, as a read does, in case the encoder wrote it: else a caller cancelling its calls kept
+        the encoder's pool leased for --shared-memory-lease-s each (10 s), and others got bytes."""
         request = encoder_pb2.EmbedRequest(output_dtype=tensors.to_wire_dtype(self.dtype))
         if part.kind == "text":
             request.text = part.content  # type: ignore[assignment]
@@ -262,11 +307,9 @@ class EncoderParts:
             request.token_ids.ids.extend(part.content)  # type: ignore[arg-type]
         else:
             request.image.data = part.content  # type: ignore[assignment]
-        offer = self._offer()
         if offer is not None:
             request.shared_memory.CopyFrom(offer)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
         try:
             async with asyncio.timeout_at(deadline):
                 await self._in_flight.acquire()
@@ -278,11 +321,22 @@ class EncoderParts:
                 f"waited for one of the {MAX_EMBEDS_IN_FLIGHT} Embed calls in flight",
             ) from None
         try:
-            reply = await self.client.stub.Embed(
+            return await self.client.stub.Embed(
                 request, timeout=max(0.0, deadline - loop.time()), metadata=metadata
             )
+        except BaseException:
+            if offer is not None:
+                shared_memory.remove(self.shm_dir, offer.segment_name)
+            raise
         finally:
             self._in_flight.release()
+
+    async def _read(
+        self, reply: encoder_pb2.EmbedResponse, offer: encoder_pb2.SharedMemoryOffer | None
+    ) -> torch.Tensor:
+        """The rows of `reply`, from the segment `offer` asked for or from its bytes; errors on fields
+        relative to the part. Raises _SegmentLost when the segment is gone or no longer what was
+        written."""
         if reply.HasField("shared_embeddings"):
             handle = reply.shared_embeddings
             if offer is None or handle.name != offer.segment_name:
@@ -293,14 +347,13 @@ class EncoderParts:
             # 768-byte reply may be given a large free segment. On the loop it held every stream.
             result = await asyncio.to_thread(self._read_segment, handle, offer.digest_key)
             self.num_shared += 1
+            return result
+        rows = tensors.decode(reply.embeddings, ".embeddings", rank=2, limits=self.limits)
+        if rows.nbytes > READ_ON_A_THREAD_BYTES:
+            result = await asyncio.to_thread(self._checked, rows, ".embeddings")
         else:
-            rows = tensors.decode(reply.embeddings, ".embeddings", rank=2, limits=self.limits)
-            if rows.nbytes > READ_ON_A_THREAD_BYTES:
-                result = await asyncio.to_thread(self._checked, rows, ".embeddings")
-            else:
-                result = self._checked(rows, ".embeddings")
-            self.num_bytes += 1
-        self.cache.put(key, result)
+            result = self._checked(rows, ".embeddings")
+        self.num_bytes += 1
         return result
 
     def _checked(self, rows: torch.Tensor, where: str) -> torch.Tensor:
@@ -323,12 +376,15 @@ class EncoderParts:
         except OSError as error:
             raise InvalidArgument(f"{where}.name", f"cannot be read: {error}") from None
         if segment is None:
-            raise InvalidArgument(
-                f"{where}.name", "the segment is gone: read already, or its lease ran out before it was read"
-            )
+            raise _SegmentLost("its segment was gone before it was read (the encoder's lease ran out)")
         try:
             with segment:
                 rows = tensors.decode_shared(handle, segment, key, where, rank=2, limits=self.limits)
+        except InvalidArgument as error:
+            if error.field != f"{where}.digest":
+                raise
+            # The lease ran out while it was read and the encoder wrote the segment again.
+            raise _SegmentLost(f"its segment changed while it was read ({error.description})") from None
         finally:
             shared_memory.remove(self.shm_dir, handle.name)
         return self._checked(rows, where)
@@ -436,6 +492,13 @@ class EncoderParts:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(f"{field}: encoder {self.address} is full: {details}")
         return Unavailable(f"{field}: encoder {self.address} is unavailable ({code.name}: {details})")
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    """UNAVAILABLE as the encoder's call would raise it: each waiter names its own field and the encoder."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
 
 
 def _ran_out(error: BaseException) -> bool:
