@@ -1,41 +1,63 @@
-"""The most bytes a non-streamed answer takes, reckoned from its request: never under the JSON the
-gateway writes for tokens whose text averages up to 8 UTF-8 bytes (escaped, multi-byte, control
-characters; 10-digit token IDs; float32's longest logprobs), chat's and completions' shapes, with and
-without logprobs; its tokens max_tokens, else what the context leaves after the prompt's token IDs."""
+"""The most bytes a non-streamed answer's JSON takes, counted from its decoded tokens: never under the
+JSON the gateway writes, whatever the tokens' text (escaped, multi-byte, control characters, a long
+token repeated as logit_bias can force), 10-digit token IDs, float32's longest logprobs, missing or
+odd logprobs, chat's and completions' shapes, with and without logprobs."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.answer_bound import answer_bound, choice_bound
-from tandem.gateway.calls import GenerateCall
-from tandem.gateway.errors import BodyNames
-from tandem.gateway.responses import Completion, answer
+from tandem.gateway.answer_bound import CHOICE_FRAME_BYTES
+from tandem.gateway.responses import Completion, answer, answer_frame
 
 LONGEST_LOGPROB = -1.0649640863824063e-32  # float32's, 23 characters as JSON
-TEXTS = ("\x01\x02\x03\x04\x05\x06\x07\x08", 'é\n"\\ab', "🙂🙂", "日本", "        ", "")  # 8 bytes at most
+TEXTS = ("", "a", '"', "\\", "\n\t\x01\x1f", "é", "\U0001f600", "\u2028", "日本", "token_id:7", "], ")
+LOGPROBS = (0.0, -0.0, -1.5, -1e-320, float("nan"), float("-inf"), float("inf"), -9999.0, -1e308, 3.0)
+# Tokens logit_bias can force, repeated: the longest JSON a byte (control bytes) and a long run.
+FORCED = ("\x01" * 16, " " * 81, "\U0001f600" * 4)
 
 
-def _call(num_tokens: int | None, top: int | None, n: int = 1, prompt_ids: int = 0) -> GenerateCall:
-    generate = decoder_pb2.GenerateRequest()
-    if prompt_ids:
-        generate.prompt.add().token_ids.ids.extend(range(prompt_ids))
-    else:
-        generate.prompt.add().text = "p"
-    if num_tokens is not None:
-        generate.stopping.max_new_tokens = num_tokens
-    if top is not None:
-        generate.output.logprobs, generate.output.top_logprobs = True, top
-    return GenerateCall((generate,), n, False, (), "", False, False, BodyNames())
+def _json_bytes(completion: Completion, with_logprobs: bool) -> int:
+    return len(json.dumps(completion.choice(with_logprobs)).encode()) + len(", ")
 
 
-def _completion(kind: str, index: int, num_tokens: int, top: int | None) -> Completion:
-    completion = Completion(kind, "f" * 32, "model", index, 0, 2**31)
-    for k in range(num_tokens):
-        delta = decoder_pb2.TokenDelta(text=TEXTS[k % len(TEXTS)], token_ids=[2**32 - 1 - k])
+def _delta(rng: random.Random, top: int) -> decoder_pb2.TokenDelta:
+    num_tokens = rng.choice([0, 1, 1, 2, 5])
+    delta = decoder_pb2.TokenDelta(text="".join(rng.choices(TEXTS, k=rng.choice([1, 1, 3]))))
+    delta.token_ids.extend(rng.randrange(2**32) for _ in range(num_tokens))
+    delta.logprobs.extend(rng.choice(LOGPROBS + (rng.uniform(-30, 0),)) for _ in range(num_tokens))
+    for _ in range(rng.randrange(num_tokens + 1)):
+        alternatives = delta.top_logprobs.add()
+        num_top = rng.choice([top, rng.randrange(21)])
+        alternatives.token_ids.extend(rng.randrange(2**32) for _ in range(num_top))
+        alternatives.logprobs.extend(rng.uniform(-30, 0) for _ in range(num_top))
+    return delta
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_the_bound_is_never_under_the_json_of_random_tokens(kind: str) -> None:
+    rng = random.Random(kind)
+    for _ in range(200):
+        completion = Completion(kind, "rid", "m", rng.randrange(2**31), 0, 2**31)
+        top = rng.randrange(21)
+        for _ in range(rng.choice([0, 1, 10, 50])):
+            completion.add(_delta(rng, top), True)
+        completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_CONTEXT_LIMIT)
+        for with_logprobs in (True, False):  # added with logprobs, bounded for both shapes
+            assert completion.json_bound >= _json_bytes(completion, with_logprobs)
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("top", [None, 0, 20])
+@pytest.mark.parametrize("text", FORCED)
+def test_a_token_forced_again_and_again_stays_within_the_bound(kind: str, top: int | None, text: str) -> None:
+    completion = Completion(kind, "f" * 32, "model", 2**31, 0, 2**31)
+    for k in range(500):
+        delta = decoder_pb2.TokenDelta(text=text, token_ids=[2**32 - 1 - k])
         if top is not None:
             delta.logprobs.append(LONGEST_LOGPROB)
             alternatives = delta.top_logprobs.add()
@@ -43,30 +65,16 @@ def _completion(kind: str, index: int, num_tokens: int, top: int | None) -> Comp
             alternatives.logprobs.extend([LONGEST_LOGPROB] * top)
         completion.add(delta, top is not None)
     completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_CONTEXT_LIMIT)
-    completion.finished.usage.input_tokens = completion.finished.usage.output_tokens = 2**31
-    return completion
+    real = _json_bytes(completion, top is not None)
+    assert real <= completion.json_bound <= 3 * real  # an upper bound, and not a loose one
 
 
-@pytest.mark.parametrize("kind", ["chat", "text"])
-@pytest.mark.parametrize("top", [None, 0, 20])
-def test_the_bound_is_over_the_answer_of_tokens_of_up_to_8_bytes(kind: str, top: int | None) -> None:
-    num_tokens, n = 60, 3
-    completions = [_completion(kind, index, num_tokens, top) for index in range(n)]
-    written = len(json.dumps(answer(completions, top is not None)).encode())
-    bound = answer_bound(_call(num_tokens, top, n), "model", 4096)
-    assert written <= bound < 4 * written + 2000  # a bound, not a wild one
-
-
-def test_a_requests_tokens_are_its_max_tokens_else_what_the_context_leaves() -> None:
-    per_token = choice_bound(_call(2, None).requests[0], 4096) - choice_bound(
-        _call(1, None).requests[0], 4096
-    )
-    assert choice_bound(_call(10, None).requests[0], 4096) == choice_bound(
-        _call(0, None).requests[0], 4096
-    ) + (10 * per_token)
-    unset = choice_bound(_call(None, None).requests[0], 4096)
-    assert unset == choice_bound(_call(4095, None).requests[0], 4096)  # a text prompt: one position at least
-    ids = choice_bound(_call(None, None, prompt_ids=96).requests[0], 4096)
-    assert ids == choice_bound(_call(4000, None).requests[0], 4096)  # its 96 token IDs counted
-    assert choice_bound(_call(9000, None).requests[0], 4096) == unset  # never past the context
-    assert answer_bound(_call(5, 20, n=4), "m", 4096) > 4 * choice_bound(_call(5, 20).requests[0], 4096)
+def test_an_answers_bound_is_its_frame_and_its_choices_bounds() -> None:
+    completions = [Completion("chat", "rid", "m", i, 0, 1) for i in range(3)]
+    for completion in completions:
+        completion.add(decoder_pb2.TokenDelta(text="hi", token_ids=[1], logprobs=[-1.0]), True)
+        completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_EOS)
+    assert completions[0].json_bound == CHOICE_FRAME_BYTES + 2 + 105 + 2 + 5 * 2
+    before, after = answer_frame(completions)
+    bound = len(before) + len(after) + sum(c.json_bound for c in completions)
+    assert bound >= len(json.dumps(answer(completions, True)).encode())

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway import answers, choice_json
-from tandem.gateway.answer_bytes import AnswerBytes
+from tandem.gateway.answer_bytes import AnswerBytes, Reservation
 from tandem.gateway.responses import Completion
 
 from .fake_decoder import fake_decoder, prompt_text
@@ -255,17 +255,25 @@ async def _given_back(url: str, host: str, body: dict[str, Any]) -> int:
     return status
 
 
-# Bounds for `unread_answer`'s request: it reserves 778,972 bytes (`answer_bound`: 8 choices of 50 tokens
-# with 20 alternatives) and holds its JSON, 173,740 bytes, once serialized. A share of 800,000 fits one
-# such answer and its reservation no more; 1,000,000 fit two callers' and not three.
-SHARES = {"max_unread_answer_bytes": 1_000_000, "max_unread_answer_bytes_per_caller": 800_000}
+# `unread_answer`'s request (8 choices of 50 tokens with 20 alternatives) reserves 413,668 bytes once
+# decoded (`answer_bound`) and holds its JSON, 173,740 bytes, once serialized. A share of 500,000 holds
+# one such answer, not a second beside it; 700,000 all callers together hold two, not three.
+SHARES = {"max_unread_answer_bytes": 700_000, "max_unread_answer_bytes_per_caller": 500_000}
 UNREAD = {"prompt": "p", "n": 8, "max_tokens": 50, "logprobs": 20}  # `unread_answer`'s body
-SMALL = {"prompt": "q", "max_tokens": 3}
 
 
-async def test_a_callers_unread_answers_are_capped_in_bytes_and_its_neighbours_are_served() -> None:
-    # One caller trickling its answers (never past --write-timeout-s) held the whole gateway-wide bound,
-    # and every other caller's non-streamed requests were 503s for as long as it liked.
+async def _waits(asking: asyncio.Task[tuple[int, Any]], decoder: Any, num_calls: int) -> None:
+    """`asking` was decoded (its calls made) and waits for its answer's bytes, unanswered."""
+    async with asyncio.timeout(5):
+        while len(decoder.requests) < num_calls + 8 or decoder.num_open:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    assert not asking.done()
+
+
+async def test_a_caller_over_its_share_waits_and_is_written_once_its_earlier_answer_is_read() -> None:
+    # One caller trickling its answers (never past --write-timeout-s) held the whole gateway-wide bound;
+    # refused at admission instead, its next request lost its place. Now it is decoded and waits.
     async with (
         fake_decoder() as (decoder, address),
         live_gateway(address, send_buffer_bytes=4096, **SHARES) as url,
@@ -273,82 +281,90 @@ async def test_a_callers_unread_answers_are_capped_in_bytes_and_its_neighbours_a
         socks = [await unread_answer(url)]  # 173,740 bytes held by 127.0.0.1
         try:
             num_calls = len(decoder.requests)
-            status, refused = await _post_from("127.0.0.1", f"{url}/completions", UNREAD)
-            assert (status, refused["error"]["type"]) == (429, "rate_limit_error"), refused
-            message = refused["error"]["message"]
-            assert "this caller's non-streamed answers being written hold 173740 bytes" in message, message
-            assert "over 800000 (--max-unread-answer-bytes-per-caller)" in message, message
-            assert len(decoder.requests) == num_calls  # refused before any call
-            assert (await _post_from("127.0.0.1", f"{url}/completions", SMALL))[0] == 200  # within its share
-            socks.append(await unread_answer(url, host="127.0.0.2"))  # another caller: its own share
-            status, answer = await read_answer(socks[0], 5)  # read whole: the first caller's given back
+            asking = asyncio.ensure_future(_post_from("127.0.0.1", f"{url}/completions", UNREAD))
+            await _waits(asking, decoder, num_calls)
+            status, answer = await read_answer(socks[0], 5)  # read whole: its bytes given back
             assert status == 200 and len(answer["choices"]) == 8
-            assert await _given_back(f"{url}/completions", "127.0.0.1", UNREAD) == 200
+            status, answer = await asyncio.wait_for(asking, 5)
+            assert status == 200 and [len(c["logprobs"]["tokens"]) for c in answer["choices"]] == [50] * 8
         finally:
             for sock in socks:
                 sock.close()
 
 
-async def test_callers_share_the_gateways_bound_and_a_request_that_never_fits_is_a_413() -> None:
+async def test_a_neighbour_is_not_held_by_another_callers_unread_answers() -> None:
     async with (
         fake_decoder() as (decoder, address),
-        live_gateway(address, send_buffer_bytes=4096, max_message_bytes=1000, **SHARES) as url,
+        live_gateway(address, send_buffer_bytes=4096, **SHARES) as url,
+    ):
+        socks = [await unread_answer(url)]  # 127.0.0.1's share held
+        try:
+            num_calls = len(decoder.requests)
+            asking = asyncio.ensure_future(_post_from("127.0.0.1", f"{url}/completions", UNREAD))
+            await _waits(asking, decoder, num_calls)  # and its next answer waits
+            status, answer = await asyncio.wait_for(_post_from("127.0.0.2", f"{url}/completions", UNREAD), 5)
+            assert status == 200 and len(answer["choices"]) == 8  # another caller: served at once
+            assert not asking.done()
+            asking.cancel()
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+async def test_an_answer_over_the_gateways_bound_waits_for_another_callers_to_be_read() -> None:
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, send_buffer_bytes=4096, **SHARES) as url,
     ):
         socks = [await unread_answer(url), await unread_answer(url, host="127.0.0.2")]  # 347,480 held
         try:
             num_calls = len(decoder.requests)
-            status, refused = await _post_from("127.0.0.3", f"{url}/completions", UNREAD)  # 778,972 more
-            assert (status, refused["error"]["type"]) == (503, "service_unavailable"), refused
-            message = refused["error"]["message"]
-            assert "hold 347480 bytes and this request's may take 778972 more" in message, message
-            assert "over 1000000 (--max-unread-answer-bytes, all callers together)" in message, message
-            assert len(decoder.requests) == num_calls
-            assert (await _post_from("127.0.0.3", f"{url}/completions", SMALL))[0] == 200  # it fits
-            status, _ = await _post_from("127.0.0.3", f"{url}/completions", SMALL | {"stream": True})
-            assert status == 200  # a streamed answer reserves nothing
-            # Never to fit, whatever is held: a 413 now, not a 503 to retry forever.
-            status, refused = await _post_from("127.0.0.3", f"{url}/completions", {"prompt": "a" * 1200})
-            assert (status, refused["error"]["param"]) == (413, "prompt"), refused
-            status, refused = await _post_from("127.0.0.3", f"{url}/completions", UNREAD | {"n": 9})
-            assert (status, refused["error"]["param"]) == (413, "max_tokens"), refused
-            assert (
-                "over a caller's 800000 (--max-unread-answer-bytes-per-caller)" in refused["error"]["message"]
-            )
-            # A reset gives the first caller's bytes back: the third is served.
+            asking = asyncio.ensure_future(_post_from("127.0.0.3", f"{url}/completions", UNREAD))
+            await _waits(asking, decoder, num_calls)  # 347,480 + 413,668 over 700,000
+            status, _ = await _post_from("127.0.0.3", f"{url}/completions", {"prompt": "q", "stream": True})
+            assert status == 200  # a streamed answer holds none
             socks[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            socks.pop(0).close()
-            assert await _given_back(f"{url}/completions", "127.0.0.3", UNREAD) == 200
+            socks.pop(0).close()  # a reset gives the first caller's bytes back
+            status, answer = await asyncio.wait_for(asking, 5)
+            assert status == 200 and len(answer["choices"]) == 8
         finally:
             for sock in socks:
                 sock.close()
 
 
-async def test_requests_admitted_together_hold_at_most_the_gateways_bound(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Counted only once serialized, four answers admitted together (nothing held yet) held 6.9 times
-    # the bound. Reserved at admission, the bound holds whoever asks at once.
-    peak = 0
-    take = AnswerBytes._take
+async def test_long_context_requests_without_max_tokens_are_bounded_by_streams_alone() -> None:
+    # Reserved at admission from what the context leaves (max_tokens unset), a 128k-context gateway let
+    # 21 such requests decode a caller, 4 with logprobs, none with 20 alternatives (413).
+    body = {"prompt": "hang", "logprobs": 20}  # decodes until cancelled, no max_tokens
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, max_streams_per_caller=32, **SHARES) as url,
+    ):
+        asking = [asyncio.ensure_future(_post(f"{url}/completions", body)) for _ in range(32)]
+        try:
+            async with asyncio.timeout(5):
+                while decoder.num_open < 32:
+                    await asyncio.sleep(0.01)
+            status, refused = await _post(f"{url}/completions", body)
+            assert status == 429 and "--max-streams-per-caller" in refused["error"]["message"], refused
+        finally:
+            for task in asking:
+                task.cancel()
+        await decoder.wait_until_none_open()
 
-    def counted(self: AnswerBytes, caller: str, num_bytes: int) -> None:
-        nonlocal peak
-        take(self, caller, num_bytes)
-        peak = max(peak, self.num_bytes)
 
-    monkeypatch.setattr(AnswerBytes, "_take", counted)
-    hosts = [f"127.0.0.{i}" for i in range(1, 5)]
-    async with fake_decoder() as (_, address), live_gateway(address, **SHARES) as url:
-        statuses = await asyncio.gather(*(_post_from(host, f"{url}/completions", UNREAD) for host in hosts))
-    assert 200 in [status for status, _ in statuses] and 0 < peak <= 1_000_000, (statuses, peak)
+async def test_every_answers_bytes_are_given_back_once_it_is_written() -> None:
+    # Left held, a caller's bytes pile up answer after answer: its third waits, a 429 after 1 s.
+    bounds = {"max_unread_answer_bytes": 3000, "max_unread_answer_bytes_per_caller": 3000}
+    async with fake_decoder() as (_, address), live_gateway(address, write_timeout_s=1, **bounds) as url:
+        for _ in range(4):  # each reserves 2,426 bytes and holds 930: 3,356 if one were left held
+            status, answer = await asyncio.wait_for(_post(f"{url}/completions", {"prompt": "q", "n": 8}), 0.9)
+            assert status == 200 and len(answer["choices"]) == 8, answer
 
 
-async def test_a_non_streamed_answer_cancelled_while_serialized_gives_its_bytes_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(choice_json, "SLICE_VALUES", 4)  # many slices: many awaits to be cancelled at
+def _completions(num_choices: int) -> list[Completion]:
     completions = []
-    for index in range(2):
+    for index in range(num_choices):
         completion = Completion("chat", "id", "model", index, created=1)
         for k in range(200):
             delta = decoder_pb2.TokenDelta(text="tok", token_ids=[k], logprobs=[-1.0])
@@ -356,15 +372,37 @@ async def test_a_non_streamed_answer_cancelled_while_serialized_gives_its_bytes_
             completion.add(delta, with_logprobs=True)
         completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_LENGTH)
         completions.append(completion)
+    return completions
+
+
+async def test_a_non_streamed_answer_cancelled_while_serialized_gives_its_bytes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(choice_json, "SLICE_VALUES", 4)  # many slices: many awaits to be cancelled at
     held = AnswerBytes(max_bytes=10**7, max_bytes_per_caller=10**7)
-    reservation = held.reserve("caller", 10**6)
-    writing = asyncio.ensure_future(answers.write(cast(web.Request, None), completions, True, reservation))
-    while not 0 < reservation.num_serialized:  # serializing: not yet settled, nothing prepared
+    request = cast(web.Request, None)
+    writing = asyncio.ensure_future(answers.write(request, _completions(2), True, held, "caller", 5))
+    while not held.num_bytes:  # reserved, serializing: nothing prepared
         await asyncio.sleep(0)
+    await asyncio.sleep(0)
     writing.cancel()  # the caller gone: aiohttp cancels the handler
     with pytest.raises(asyncio.CancelledError):
         await writing
     assert (held.num_bytes, held.per_caller) == (0, {})
+
+
+async def test_a_non_streamed_answer_cancelled_while_waiting_holds_nothing_and_leaves_no_waiter() -> None:
+    held = AnswerBytes(max_bytes=2000, max_bytes_per_caller=2000)
+    other = Reservation(held, "other")
+    other.take(1500)
+    request = cast(web.Request, None)
+    writing = asyncio.ensure_future(answers.write(request, _completions(1), True, held, "caller", 5))
+    while not held.waiters:
+        await asyncio.sleep(0)
+    writing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+    assert (held.num_bytes, dict(held.per_caller), len(held.waiters)) == (1500, {"other": 1500}, 0)
 
 
 async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others() -> None:

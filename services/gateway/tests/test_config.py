@@ -78,10 +78,11 @@ def test_the_answers_held_come_from_their_flag_or_variable_and_are_refused_out_o
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert _config([]).max_unread_answer_bytes == GatewayConfig().max_unread_answer_bytes == 384 * 2**20
-    assert _config(["--max-unread-answer-bytes", "1000"]).max_unread_answer_bytes == 1000
-    monkeypatch.setenv("TANDEM_OPENAI_MAX_UNREAD_ANSWER_BYTES", "2000")
-    assert _config([]).max_unread_answer_bytes == 2000
-    for value in (0, -1, 2**40 + 1):  # none, or more than a host has: a bound that bounds nothing
+    assert _config(["--max-unread-answer-bytes", "10000"]).max_unread_answer_bytes == 10000
+    monkeypatch.setenv("TANDEM_OPENAI_MAX_UNREAD_ANSWER_BYTES", "20000")
+    assert _config([]).max_unread_answer_bytes == 20000
+    # Fewer than the smallest answer's JSON, or more than a host has: a bound that bounds nothing.
+    for value in (0, -1, 1023, 2**40 + 1):
         with pytest.raises(ConfigError) as error:
             GatewayConfig(max_unread_answer_bytes=value)
         assert error.value.field == "max_unread_answer_bytes" and str(value) in str(error.value)
@@ -89,10 +90,13 @@ def test_the_answers_held_come_from_their_flag_or_variable_and_are_refused_out_o
 
 def test_a_callers_share_of_the_answers_held_is_a_third_unless_set_and_never_over_the_whole() -> None:
     assert _config([]).unread_answer_bytes_per_caller == 128 * 2**20
-    assert _config(["--max-unread-answer-bytes", "3000"]).unread_answer_bytes_per_caller == 1000
+    assert _config(["--max-unread-answer-bytes", "30000"]).unread_answer_bytes_per_caller == 10000
+    assert _config(["--max-unread-answer-bytes", "2000"]).unread_answer_bytes_per_caller == 1024  # its least
     flags = ["--max-unread-answer-bytes-per-caller", "2000"]
     assert _config(flags).unread_answer_bytes_per_caller == 2000
-    for value in (0, -1, 3001):  # none, or more than the gateway's own bound: a share that shares nothing
+    # Under the smallest answer's JSON, or over the gateway's own bound: a share that shares nothing.
+    for value in (0, -1, 1023, 3001):
         with pytest.raises(ConfigError) as error:
             GatewayConfig(max_unread_answer_bytes=3000, max_unread_answer_bytes_per_caller=value)
         assert error.value.field == "max_unread_answer_bytes_per_caller" and str(value) in str(error.value)
+        assert "max_unread_answer_bytes (" not in str(error.value)  # the flag named, not the field

@@ -104,12 +104,12 @@ def settings() -> list[click.Option]:
         ),
         _setting(
             "--max-unread-answer-bytes",
-            "JSON of non-streamed answers being written, all callers together (503 beyond)",
+            "JSON of non-streamed answers being written, all callers together (waits, then 503)",
             type=int,
         ),
         _setting(
             "--max-unread-answer-bytes-per-caller",
-            "of those, one caller's, reserved at admission (429 beyond; 413 for one answer over it)",
+            "of those, one caller's (an answer beyond waits --write-timeout-s, then 429)",
             type=int,
             show_default="a third of --max-unread-answer-bytes",
         ),

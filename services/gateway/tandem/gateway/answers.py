@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tandem.gateway.answer_bytes import Reservation
+from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.calls import GenerateCall
 from tandem.gateway.choice_json import choice_json
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
@@ -40,7 +40,12 @@ async def collect(streams: ChoiceStreams, completions: list[Completion], with_lo
 
 
 async def write(
-    request: web.Request, completions: list[Completion], with_logprobs: bool, reservation: Reservation
+    request: web.Request,
+    completions: list[Completion],
+    with_logprobs: bool,
+    held: AnswerBytes,
+    caller: str,
+    timeout_s: float,
 ) -> web.StreamResponse:
     """The non-streamed answer (`responses.answer`'s JSON), each choice rendered and serialized a slice
     at a time with the event loop let go between slices (`choice_json`), then sent with its length.
@@ -50,20 +55,25 @@ async def write(
 
     Its length comes first, so every choice's JSON is held before the first byte goes: that answer's
     peak is its 191 MiB of JSON, its 31 MiB of serialized deltas and one slice's objects being
-    rendered; 31 MiB is what it holds while decoding. Its bytes count in `reservation` (made when the
-    request was admitted) as they are serialized; once all are, the reservation is settled to them, and
-    they are given back when the answer is written or its connection ends (the handler is cancelled)."""
+    rendered. Before any of it is made, the answer reserves its JSON's most bytes among those `held`
+    for `caller` (`Completion.json_bound`, from its decoded tokens), waiting up to `timeout_s` while
+    they do not fit (`AnswerBytes.reserve`); once serialized the reservation is settled to the real
+    JSON, and given back, in this one finally, when the answer is written, fails or its connection
+    ends (the handler is cancelled)."""
+    before, after = (part.encode() for part in answer_frame(completions))
+    separator = b", "
+    frame = len(before) + len(separator) * (len(completions) - 1) + len(after)
+    bound = frame + sum(completion.json_bound for completion in completions)
+    reservation = await held.reserve(caller, bound, timeout_s)
     try:
         choices = [
             await choice_json(completion, with_logprobs, reservation.hold) for completion in completions
         ]
-        before, after = (part.encode() for part in answer_frame(completions))
-        separator = b", "
-        reservation.hold(len(before) + len(separator) * (len(choices) - 1) + len(after))
+        reservation.hold(frame)
         reservation.settle()
         response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
         num_bytes = sum(len(piece) for pieces in choices for piece in pieces)
-        response.content_length = len(before) + num_bytes + len(separator) * (len(choices) - 1) + len(after)
+        response.content_length = frame + num_bytes
         await response.prepare(request)
         await response.write(before)
         for i, pieces in enumerate(choices):

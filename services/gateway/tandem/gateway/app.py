@@ -9,9 +9,9 @@ the services' own. What the gateway itself guards, each bound answered with an O
 the bearer token (the services' token file; a caller's token travels on with its calls), the body's size
 and the time it takes to arrive, large bodies at once and per caller, the size of an embeddings answer,
 the choices of a request, open completion streams per caller (its token, else its address) and the choices
-of its non-streamed answers being written (as many again), the JSON of those answers, reserved at
-admission, all callers together and each caller's (--max-unread-answer-bytes and its share per caller),
-and a caller
+of its non-streamed answers being written (as many again), the JSON of those answers, reserved once
+decoded (waiting while it does not fit), all callers together and each caller's
+(--max-unread-answer-bytes and its share per caller), and a caller
 that disconnects: its handler is cancelled (aiohttp's handler cancellation), which cancels every gRPC call
 of its request, which frees their KV blocks. Each caller reaches the decoder over a connection of its own
 (`callers.py`), so the decoder's per-caller bounds and fair sharing see HTTP callers one by one.
@@ -38,8 +38,7 @@ from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
 from tandem.gateway import answers, embeddings, images
-from tandem.gateway.answer_bound import answer_bound
-from tandem.gateway.answer_bytes import AnswerBytes, Reservation
+from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of
@@ -93,7 +92,7 @@ class Gateway:
         self.large_bodies = LargeBodies(config.max_large_bodies, config.max_large_bodies_per_caller)
         self._streams: Counter[str] = Counter()  # open completions per caller
         self._writing: Counter[str] = Counter()  # choices of non-streamed answers being written, per caller
-        # Their JSON held, reserved at admission: all callers' and each caller's.
+        # Their JSON held, reserved once decoded: all callers' and each caller's.
         self.answer_bytes = AnswerBytes(config.max_unread_answer_bytes, config.unread_answer_bytes_per_caller)
         self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
         self._encoder_info: encoder_pb2.EncoderGetModelInfoResponse | None = None
@@ -356,8 +355,7 @@ class Gateway:
     # -- completions --------------------------------------------------------------------------------------
 
     async def _complete(self, request: web.Request, call: GenerateCall, kind: str) -> web.StreamResponse:
-        info = await self._decoder(request)
-        base = info.model
+        base = (await self._decoder(request)).model
         model = call.model or base
         for generate in call.requests:
             if generate.model and generate.model != base:  # as in vLLM: a LoRA adapter, by its name
@@ -375,31 +373,13 @@ class Gateway:
         if (unread := self._unread_answers(caller, num_choices)) is not None:
             return error_response(unread)
         if (too_large := self._too_large(call, kind)) is not None:
-            return error_response(too_large)  # before the retryable refusals below: it never fits
-        reservation = None  # a non-streamed answer's bytes among the gateway's (`answer_bytes`)
-        if not call.is_stream:
-            num_bytes = answer_bound(call, model, info.max_context_tokens)
-            if (too_large := self._answer_too_large(call, num_bytes)) is not None:
-                return error_response(too_large)
-            if (full := self.answer_bytes.refusal(caller, num_bytes)) is not None:
-                return error_response(full)
-            reservation = self.answer_bytes.reserve(caller, num_bytes)
-        try:
-            return await self._generate(request, call, kind, caller, model, reservation)
-        finally:
-            if reservation is not None:
-                reservation.release()  # the answer written, failed, refused or its caller gone
+            return error_response(too_large)
+        return await self._generate(request, call, kind, caller, model)
 
     async def _generate(
-        self,
-        request: web.Request,
-        call: GenerateCall,
-        kind: str,
-        caller: str,
-        model: str,
-        reservation: Reservation | None,
+        self, request: web.Request, call: GenerateCall, kind: str, caller: str, model: str
     ) -> web.StreamResponse:
-        """`call`'s choices generated and answered, streamed or (with `reservation`) written whole."""
+        """`call`'s choices generated and answered, streamed or written whole."""
         num_choices = call.num_choices
         request_id = uuid.uuid4().hex
         choices = choices_of(call, request_id)
@@ -417,7 +397,7 @@ class Gateway:
                         raise Refused(failed.http_error(call.names, call.is_batch)) from None
                     if (held := request.get(LARGE_BODY)) is not None:
                         held.release()  # the requests went out: their bytes are the decoder's now
-                    if reservation is None:
+                    if call.is_stream:
                         return await answers.stream(request, call, streams, completions, with_logprobs)
                     try:
                         await answers.collect(streams, completions, with_logprobs)
@@ -436,10 +416,11 @@ class Gateway:
         # request refused 429 "streams are open" though the decoder had none of its. Its choices count
         # among the caller's answers being written instead, in the same step (no await between), until
         # it is written or its connection ends (--write-timeout-s, a reset: the handler is cancelled).
-        assert reservation is not None  # a non-streamed answer's, made at its admission
+        # Its JSON's bytes are reserved there, once decoded (`answer_bytes`): it may wait for them.
         self._writing[caller] += num_choices
         try:
-            return await answers.write(request, completions, with_logprobs, reservation)
+            held, timeout_s = self.answer_bytes, self.config.write_timeout_s
+            return await answers.write(request, completions, with_logprobs, held, caller, timeout_s)
         finally:
             self._writing[caller] -= num_choices
             if not self._writing[caller]:
@@ -468,21 +449,6 @@ class Gateway:
             f"--max-streams-per-caller: as many choices may wait to be read as streams may be open)"
         )
         return HttpError(429, "rate_limit_error", message, retry_after_s=1.0)
-
-    def _answer_too_large(self, call: GenerateCall, num_bytes: int) -> HttpError | None:
-        """A 413 when `call`'s non-streamed answer may take more bytes (`answer_bound`) than a caller's
-        share of the answers held: no wait would ever let it in."""
-        limit = self.config.unread_answer_bytes_per_caller
-        if num_bytes <= limit:
-            return None
-        field = call.names.max_tokens
-        message = (
-            f"{field}: the non-streamed answer of this request's {call.num_choices} choices may take "
-            f"{num_bytes} bytes of JSON, over a caller's {limit} (--max-unread-answer-bytes-per-caller); "
-            f"ask for fewer tokens ({field}), choices (n) or alternatives (top_logprobs), or for a "
-            f"streamed answer (stream: true), which holds none"
-        )
-        return HttpError(413, "invalid_request_error", message, field)
 
     def _too_large(self, call: GenerateCall, kind: str) -> HttpError | None:
         """A 413 when a Generate call of `call` is over the services' max_message_bytes, or all of

@@ -12,6 +12,9 @@ from tandem.gateway.replicas import name_of
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port
 MIB = 1024 * 1024
 MAX_UNREAD_ANSWER_BYTES = 1024 * 1024 * MIB  # more memory than any gateway host: a bound that bounds nothing
+# Fewer than the smallest answer's JSON (one empty choice: about 400 bytes, its model's name apart): a
+# bound every answer passes alone, so each would wait for the gateway to hold nothing.
+MIN_UNREAD_ANSWER_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -48,16 +51,19 @@ class GatewayConfig:
     large_body_bytes: int = 1 * MIB
     max_large_bodies: int = 4
     max_large_bodies_per_caller: int = 2
-    # The JSON of non-streamed answers held (reserved at admission, settled once serialized, until all
-    # sent), all callers together: a non-streamed request whose reservation would pass it is a 503 with
-    # Retry-After (`answer_bytes`).
-    # As much as the large bodies may hold coming in (4 x 96 MiB): twice the largest answer (16 choices
-    # of 8,192 tokens with 20 alternatives, 191 MiB); a caller's own share (twice its streams, in
-    # choices) is up to 760 MiB of it, unbounded over many callers without this.
+    # The JSON of non-streamed answers being written (reserved once decoded, from its tokens, settled
+    # once serialized, until all sent), all callers together: an answer that would pass it waits, then
+    # is a 503 with Retry-After after --write-timeout-s (`answer_bytes`). Answers being decoded hold
+    # none of it (their memory is bounded by --max-streams-per-caller).
+    # As much as the large bodies may hold coming in (4 x 96 MiB): the largest answer (16 choices of
+    # 8,192 tokens with 20 alternatives: about 200 MiB of JSON, 229 MiB reserved, SmolLM2's tokens of
+    # English) and as much again; a caller's own unread answers (twice its streams, in choices) are up
+    # to 760 MiB, unbounded over many callers without this.
     max_unread_answer_bytes: int = 384 * MIB
-    # Of those, one caller's (a 429 beyond); None: a third of them (128 MiB by default), so one caller
-    # never holds what the others need. 128 MiB is what 8 choices of 8,192 tokens with 20 alternatives
-    # reserve (`answer_bound`, 121 MiB), or 16 choices of 131,072 tokens without logprobs (96 MiB).
+    # Of those, one caller's (waits, then a 429); None: a third of them (128 MiB by default), so one
+    # caller never holds what the others need. An answer over it alone (that 16-choice one) is written
+    # when its caller holds nothing else and it fits the gateway's bound, so no answer is refused for
+    # its size: 128 MiB holds about 8 such choices, or 200 of 131,072 English tokens without logprobs.
     max_unread_answer_bytes_per_caller: int | None = None
     body_workers: int = 2
     # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
@@ -93,7 +99,7 @@ class GatewayConfig:
         """One caller's share of the answers held: its flag's, else a third of the gateway's."""
         if self.max_unread_answer_bytes_per_caller is not None:
             return self.max_unread_answer_bytes_per_caller
-        return max(self.max_unread_answer_bytes // 3, 1)
+        return max(self.max_unread_answer_bytes // 3, MIN_UNREAD_ANSWER_BYTES)
 
     def __post_init__(self) -> None:
         # An address the gateway cannot use is refused here, not at start: a dns: name it cannot watch
@@ -115,23 +121,23 @@ class GatewayConfig:
             "large_body_bytes",
             "max_large_bodies",
             "max_large_bodies_per_caller",
-            "max_unread_answer_bytes",
             "body_workers",
             "max_connections",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.max_unread_answer_bytes > MAX_UNREAD_ANSWER_BYTES:  # a count of KiB or MiB, mistyped
-            raise ConfigError(
+        if not MIN_UNREAD_ANSWER_BYTES <= self.max_unread_answer_bytes <= MAX_UNREAD_ANSWER_BYTES:
+            raise ConfigError(  # fewer than an answer's, or a count of KiB or MiB mistyped
                 "max_unread_answer_bytes",
-                f"must be at most {MAX_UNREAD_ANSWER_BYTES} (1 TiB), got {self.max_unread_answer_bytes}",
+                f"must be >= {MIN_UNREAD_ANSWER_BYTES} (the smallest answer's JSON) and at most "
+                f"{MAX_UNREAD_ANSWER_BYTES} (1 TiB), got {self.max_unread_answer_bytes}",
             )
-        per_caller = self.max_unread_answer_bytes_per_caller
-        if per_caller is not None and not 1 <= per_caller <= self.max_unread_answer_bytes:
+        per_caller, most = self.max_unread_answer_bytes_per_caller, self.max_unread_answer_bytes
+        if per_caller is not None and not MIN_UNREAD_ANSWER_BYTES <= per_caller <= most:
             raise ConfigError(
                 "max_unread_answer_bytes_per_caller",
-                f"must be >= 1 and at most max_unread_answer_bytes ({self.max_unread_answer_bytes}), got "
-                f"{per_caller}",
+                f"must be >= {MIN_UNREAD_ANSWER_BYTES} (the smallest answer's JSON) and at most "
+                f"--max-unread-answer-bytes ({self.max_unread_answer_bytes}), got {per_caller}",
             )
         if self.grace_s < 0:
             raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.gateway.answer_bound import CHOICE_FRAME_BYTES, delta_bound
 
 FINISH_REASONS = {
     decoder_pb2.FINISH_REASON_LENGTH: "length",
@@ -100,6 +101,8 @@ class Completion:
         # OpenAI's entries they took 6 KB a token, 816 MB for 16 choices of 8,192 tokens.
         self.deltas: list[bytes] = []
         self.finished: decoder_pb2.Finished | None = None
+        # The most bytes this choice's JSON takes, from its tokens so far (`answer_bound`).
+        self.json_bound = CHOICE_FRAME_BYTES
         self._text_chunk: tuple[str, str] | None = None  # a text chunk's JSON before and after its text
         self._text_offset = 0  # characters of text already streamed (completions' logprobs.text_offset)
 
@@ -114,6 +117,7 @@ class Completion:
 
     def add(self, delta: decoder_pb2.TokenDelta, with_logprobs: bool) -> None:
         self.text.append(delta.text)
+        self.json_bound += delta_bound(delta, self.kind, with_logprobs)
         if with_logprobs:
             self.deltas.append(delta.SerializeToString())
 
