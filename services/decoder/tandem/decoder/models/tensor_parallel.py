@@ -151,6 +151,13 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
         self.vocab_start = 0 if tp is None else tp.rank * num_local  # first vocabulary id held here
 
+    def reset_parameters(self) -> None:
+        # The loader builds the model on the meta device and assigns the checkpoint's table: there a
+        # random init has no values to write, yet nn.Embedding's normal_ runs through torch._refs,
+        # whose first call imports torch._dynamo (1.4-1.9 s of every decoder start on 2 cores).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, input_ids: torch.Tensor, sp: bool = False) -> torch.Tensor:
         """input_ids: int [num_tokens] -> [local_len under SP, else num_tokens, hidden]."""
         if self.tp is None:
