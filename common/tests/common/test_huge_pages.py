@@ -69,3 +69,37 @@ def test_an_arena_starts_a_chunk_when_one_is_full_and_gives_a_large_tensor_its_o
     large = arena.empty(quarter + 1, torch.uint8)
     assert large.data_ptr() % HUGE_PAGE == 0 and large.numel() == quarter + 1
     assert arena.empty(1, torch.uint8).data_ptr() == starts[4] + quarter  # the open chunk goes on
+
+
+def _rss_kb(address: int) -> int:
+    """The resident kB of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_zeros_is_a_large_tensor_of_zeros_on_a_huge_page_and_a_small_one_plain() -> None:
+    x = huge_pages.zeros(3 * HUGE_PAGE // 2 + 5, torch.bfloat16)
+    assert x.shape == (3 * HUGE_PAGE // 2 + 5,) and x.dtype == torch.bfloat16 and x.is_contiguous()
+    assert x.data_ptr() % HUGE_PAGE == 0
+    assert not x.any()
+    x[-1] = 1.0  # writable, its own memory
+    assert x.sum() == 1.0
+    small = huge_pages.zeros(1000, torch.float32)
+    assert small.shape == (1000,) and not small.any()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_zeros_makes_nothing_resident_until_touched() -> None:
+    # The KV pool: --kv-cache-bytes is not faulted in (and zero-filled twice) before serving.
+    x = huge_pages.zeros(64 * HUGE_PAGE, torch.uint8)  # 128 MiB
+    assert _rss_kb(x.data_ptr()) < 4 * HUGE_PAGE // 1024
+    x[: HUGE_PAGE // 2].fill_(1)
+    assert 0 < _rss_kb(x.data_ptr()) < 4 * HUGE_PAGE // 1024
+    assert int(x.sum()) == HUGE_PAGE // 2

@@ -308,7 +308,7 @@ class DecoderModel(nn.Module):
         if device.type == "cpu":
             # One pool in 2 MiB pages (common/torch_part/huge_pages.py: a step's scattered block reads), each
             # layer's cache a contiguous view of it.
-            pool = huge_pages.empty(c.num_layers * math.prod(shape), c.dtype).zero_()
+            pool = huge_pages.zeros(c.num_layers * math.prod(shape), c.dtype)
             layers = pool.view(c.num_layers, *shape)
             return [layers[i] for i in range(c.num_layers)]  # not unbind: its views refuse in-place writes
         return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
