@@ -94,7 +94,9 @@ class StoppingParams:
     """When a request ends. EOS ids come from the checkpoint, not from here."""
 
     max_new_tokens: int = 256  # hard cap on generated tokens, >= 1.
-    min_new_tokens: int = 0  # EOS and stop tokens are masked until this many were generated.
+    # EOS and stop tokens are masked (unless a grammar allows nothing else), and stop strings not looked
+    # for, until this many were generated.
+    min_new_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings; may span tokens. Text is held back until unambiguous.
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request.
     ignore_eos: bool = False  # keep going past the checkpoint's EOS ids.

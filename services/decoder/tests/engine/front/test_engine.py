@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -314,6 +315,23 @@ def test_min_new_tokens_suppresses_eos(tiny_model_dir, tiny_fp32) -> None:
         )
     assert (first.reason, first.output_tokens) == (FinishReason.EOS, 1)
     assert (held.reason, held.output_tokens) == (FinishReason.EOS, 6)
+
+
+def test_min_new_tokens_holds_back_stop_strings_as_vllms_min_tokens_does(tiny_model_dir, tiny_fp32) -> None:
+    greedy = SamplingParams(temperature=0.0)
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        free = _alone(
+            engine, GenerateSpec([[3, 4]], greedy, StoppingParams(max_new_tokens=9, ignore_eos=True))
+        )
+        second = next(e.text for e in free if isinstance(e, Delta) and e.text.strip())  # a first word
+        stop = StoppingParams(max_new_tokens=9, ignore_eos=True, stop=(second,))
+        early = _finished(_alone(engine, GenerateSpec([[3, 4]], greedy, stop)))
+        held = _alone(engine, GenerateSpec([[3, 4]], greedy, replace(stop, min_new_tokens=6)))
+    assert early.reason == FinishReason.STOP_SEQUENCE and early.output_tokens <= 6
+    assert _finished(held).output_tokens > 6
+    assert "".join(e.text for e in held if isinstance(e, Delta)).startswith(
+        "".join(e.text for e in free if isinstance(e, Delta))[:6]
+    )
 
 
 def test_token_only_steps_carry_no_embedding_buffer_and_static_steps_always_do(

@@ -186,6 +186,15 @@ def test_text_that_starts_a_stop_then_diverges_is_emitted() -> None:
     assert (step.new_text, step.matched_stop) == ("abx", None)
 
 
+def test_text_added_without_matching_stops_is_released_whole_and_never_matched_later() -> None:
+    # Within min_new_tokens (as vLLM's min_tokens): a stop string there ends nothing, held back no text.
+    detokenizer = IncrementalDetokenizer(BYTE_LEVEL, None, None, ("bc", "xy"), include_stop=False)
+    step = detokenizer.add(ids_of("say abc x"), match_stops=False)
+    assert (step.new_text, step.matched_stop) == ("say abc x", None)
+    step = detokenizer.add(ids_of("y bc tail"))  # "xy" spans the two: only "bc" after it matches
+    assert (step.new_text, step.matched_stop) == ("y ", "bc")
+
+
 def test_multiple_stop_strings_pick_the_earliest_match() -> None:
     chunks, matched_stop = stream(BYTE_LEVEL, ids_of("hello world"), ("world", "lo"))
     assert ("".join(chunks), matched_stop) == ("hel", "lo")

@@ -166,6 +166,19 @@ def test_min_tokens_mask_forbids_the_given_ids() -> None:
     assert sample(logits, params, min_tokens_mask_ids=[[], []]).tolist() == [5, 5]
 
 
+def test_where_the_grammar_allows_only_banned_ids_the_grammar_wins_in_that_row_alone() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 5] = 50.0  # an EOS the model is sure about, banned by min_new_tokens in every row
+    only_eos = torch.zeros(VOCAB, dtype=torch.bool)
+    only_eos[5] = True  # the grammar can only end here
+    eos_or_seven = only_eos.clone()
+    eos_or_seven[7] = True
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=1), SamplingParams()]
+    token_ids = sample(logits, params, min_tokens_mask_ids=[[5]] * 3, allowed=[only_eos, eos_or_seven, None])
+    assert token_ids[:2].tolist() == [5, 7]  # lifted where it was all the grammar had; kept beside 7
+    assert token_ids[2].item() != 5  # no grammar: the ban stands
+
+
 def run_seeded_request(row: int, neighbours: list[SamplingParams], num_steps: int = 30) -> list[int]:
     """Sample the seeded request at `row` among `neighbours`; its logits are the same at every step."""
     request = SamplingParams(temperature=1.3, top_p=0.9, seed=1234)

@@ -190,6 +190,43 @@ def test_the_eos_token_where_the_grammar_ends_is_its_end_and_no_error(
     assert constraint.error() is None
 
 
+def test_a_refused_token_fails_naming_the_field_the_token_and_the_tokens_before_it_in_our_words(
+    compiler: GrammarCompiler,
+) -> None:
+    constraint = compiler.constraint(StructuredOutput("regex", "ab"))
+    (ab,) = [t for t in range(compiler.vocab_size) if constraint.allowed()[t]]
+    constraint.accept(ab)
+    refused = next(t for t in range(compiler.vocab_size) if not constraint.allowed()[t])
+    constraint.accept(refused)
+    error = constraint.error()
+    assert error is not None and error.field == "structured.regex"
+    assert f"failed after 1 tokens of the answer: it refused the sampled token {refused}" in error.description
+    assert "<non-verbose/>" not in error.description and "no error message" not in error.description
+
+
+@pytest.mark.parametrize("source", ["ab", "a+"], ids=["ends-by-itself", "ends-at-eos"])
+def test_masks_along_a_proposal_past_the_grammars_end_leave_the_state_where_it_was(
+    compiler: GrammarCompiler, eos: int, source: str
+) -> None:
+    # A proposal may hold the answer's end and then EOS (prompt lookup copies a chat's end marker):
+    # llguidance records nothing taken after its grammar stopped, so rolling back by the proposal's
+    # length undid the answer's own tokens and the token verified next was refused.
+    constraint = compiler.constraint(StructuredOutput("regex", source))
+    (first,) = [t for t in range(compiler.vocab_size) if constraint.allowed()[t]][:1]
+    before = constraint.allowed()
+    masks = constraint.masks_along([first, eos, eos])
+    assert len(masks) == 4 and bool(masks[-1][eos])
+    assert torch.equal(constraint.allowed(), before)
+    constraint.accept(first)
+    assert constraint.error() is None
+
+
+def test_an_empty_choice_is_refused_naming_its_index(compiler: GrammarCompiler) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        compiler.constraint(StructuredOutput("choice", ("a", "b", "c", "")))
+    assert (refused.value.field, refused.value.description) == ("structured.choice[3]", "must not be empty")
+
+
 AMBIGUOUS = 'start: s\ns: s s s | s s | "a"'  # every split of "aaa..." is a parse: Earley keeps them all
 
 

@@ -394,7 +394,9 @@ class StoppingCriteria(_message.Message):
     a value set explicitly that does not fit is INVALID_ARGUMENT.
     """
     min_new_tokens: _builtins.int
-    """EOS and stop tokens are suppressed until this many tokens were generated, <= max_new_tokens.
+    """EOS and stop tokens are suppressed until this many tokens were generated, <= max_new_tokens,
+    and stop strings are looked for only in the text after them (as vLLM's min_tokens). Except with
+    `structured`: where the grammar allows nothing but EOS or stop tokens, its end comes first.
     Default 0.
     """
     ignore_eos: _builtins.bool
@@ -668,8 +670,9 @@ class PromptAccepted(_message.Message):
     prompt_tokens: _builtins.int
     """Positions in the prompt (tokens, text tokens and embedding rows)."""
     cached_tokens: _builtins.int
-    """Of those, how many came from the prefix cache. Known once the prompt is first scheduled, so
-    this may be 0 here and reported in `finished.usage` instead.
+    """Always 0: how many came from the prefix cache is known only once the prompt is first scheduled,
+    after this message is sent (the cache may change while it waits); `finished.usage`'s
+    cached_input_tokens reports it.
     """
     def __init__(
         self,

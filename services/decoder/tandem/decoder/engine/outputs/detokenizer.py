@@ -92,14 +92,20 @@ class IncrementalDetokenizer:
         self.held_text = ""  # decoded text not emitted yet: it may start a stop string
         self.is_finished = False
 
-    def add(self, token_ids: Sequence[int]) -> DetokenizerStep:
-        """Decode newly sampled ids; stops at the first stop string and ignores the ids after it."""
+    def add(self, token_ids: Sequence[int], match_stops: bool = True) -> DetokenizerStep:
+        """Decode newly sampled ids; stops at the first stop string and ignores the ids after it.
+        match_stops=False (within min_new_tokens): their text is released whole and never matched, so
+        a stop string is looked for only in the text of ids added with match_stops."""
         if self.is_finished:
             raise RuntimeError("add() after the detokenizer finished (stop string or flush)")
         emitted = []
         for i, token_id in enumerate(token_ids):
             self.token_ids.append(token_id)
             self.held_text += self._decode_new_text()
+            if not match_stops:
+                emitted.append(self.held_text)
+                self.held_text = ""
+                continue
             new_text, matched_stop = self._release(final=False)
             emitted.append(new_text)
             if matched_stop is not None:

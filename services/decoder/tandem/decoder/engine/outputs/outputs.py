@@ -226,7 +226,9 @@ class OutputState:
         if self._detokenizer is not None:
             # A stop token's own text is emitted only when include_stop_in_output asks for it.
             hide = finish is not None and not self.stopping.include_stop_in_output
-            step = self._detokenizer.add([] if hide else [token_id])
+            # Stop strings, as EOS and stop tokens, end nothing within min_new_tokens (as vLLM's).
+            within_min = self.num_output_tokens <= self.stopping.min_new_tokens
+            step = self._detokenizer.add([] if hide else [token_id], match_stops=not within_min)
             self._pending_text.append(step.new_text)
             if finish is None and step.matched_stop is not None:
                 finish = (FinishReason.STOP_SEQUENCE, step.matched_stop, None)
@@ -274,8 +276,8 @@ class OutputState:
         return events
 
     def _check_stop_token(self, token_id: int) -> tuple[FinishReason, str | None, int | None] | None:
-        if self.num_output_tokens <= self.stopping.min_new_tokens:
-            return None
+        # No min_new_tokens test here: the sampler masks EOS and stop tokens until then, except where a
+        # grammar allows nothing else (sampler.grammar_first), and then one ends the answer as usual.
         if token_id in self._stop_token_ids:
             return (FinishReason.STOP_TOKEN, None, token_id)
         if token_id in self._eos_token_ids:

@@ -84,10 +84,11 @@ def check(spec: StructuredOutput) -> None:
         choices = spec.source
         if not isinstance(choices, tuple) or not choices or len(choices) > MAX_CHOICES:
             raise InvalidArgument(spec.field, f"must hold 1 to {MAX_CHOICES} strings")
-        if any(not choice for choice in choices) or sum(map(len, choices)) > MAX_SOURCE_CHARS:
-            raise InvalidArgument(
-                spec.field, f"choices must be non-empty, {MAX_SOURCE_CHARS} characters in all"
-            )
+        for index, choice in enumerate(choices):
+            if not choice:  # structured.choice[3], as the gateway maps it to guided_choice[3]
+                raise InvalidArgument(f"{spec.field}[{index}]", "must not be empty")
+        if sum(map(len, choices)) > MAX_SOURCE_CHARS:
+            raise InvalidArgument(spec.field, f"choices must be {MAX_SOURCE_CHARS} characters in all at most")
         return
     if not isinstance(spec.source, str) or (spec.kind != "json_object" and not spec.source):
         raise InvalidArgument(spec.field, "must not be empty")
@@ -113,6 +114,7 @@ class Constraint:
         self.eos_token_ids = eos_token_ids  # the model's: sampled, one always ends the answer
         self.num_accepted = 0
         self._eos_inside: int | None = None  # an EOS ID the grammar took as text, not as its end
+        self._refused: tuple[int, int] | None = None  # (tokens taken before it, token) the grammar refused
         self.max_token_cpu_seconds = max_token_cpu_seconds
         self._recent_seconds: deque[float] = deque(maxlen=NUM_MASKS_AVERAGED)  # CPU per mask and token
         self._too_slow: _TooSlow | None = None  # where the average first passed max_token_cpu_seconds
@@ -127,7 +129,10 @@ class Constraint:
         return torch.from_numpy(mask)
 
     def accept(self, token_id: int) -> None:
+        was_error = self.is_error
         self._consume(token_id)
+        if not was_error and self._refused is None and self.is_error:
+            self._refused = (self.num_accepted, token_id)
         self.num_accepted += 1
         if token_id in self.eos_token_ids and not self._matcher.is_stopped():  # type: ignore[attr-defined]
             self._eos_inside = token_id
@@ -143,11 +148,16 @@ class Constraint:
         """The allowed tokens here and after each of `token_ids` (a proposal the grammar accepts):
         1 + len(token_ids) masks, one per row verifying it. The state is left where it was."""
         masks = [self.allowed()]
+        # llguidance records no token taken once the grammar has stopped (the EOS that a proposal
+        # holds after a complete answer): rolling back those too undid tokens of the answer itself,
+        # and the next token it took was refused (a request that failed only when speculating).
+        num_recorded = 0
         for token_id in token_ids:
+            num_recorded += not self._matcher.is_stopped()  # type: ignore[attr-defined]
             self._consume(token_id)
             masks.append(self.allowed())
-        if token_ids:
-            self._matcher.rollback(len(token_ids))  # type: ignore[attr-defined]
+        if num_recorded:
+            self._matcher.rollback(num_recorded)  # type: ignore[attr-defined]
         return masks
 
     @property
@@ -170,9 +180,16 @@ class Constraint:
                 "(by naming it, or where the tokenizer does not mark it special)",
             )
         if self.is_error:  # llguidance's own limits first: its reason says more
-            reason = _short(self._matcher.get_error())  # type: ignore[attr-defined]
+            # Counted: the tokens before the one it refused (those sent), not that token.
+            emitted, what = self.num_accepted, "stopped matching"
+            if self._refused is not None:
+                emitted, token_id = self._refused
+                what = f"refused the sampled token {token_id}"
+            detail = _llguidance_reason(self._matcher.get_error())  # type: ignore[attr-defined]
             return InvalidArgument(
-                self.field, f"the grammar failed after {self.num_accepted} tokens of the answer: {reason}"
+                self.field,
+                f"the grammar failed after {emitted} tokens of the answer: it {what}"
+                + (f" (the grammar engine said: {detail})" if detail else ""),
             )
         if self._too_slow is None:
             return None
@@ -363,6 +380,13 @@ def _nesting_depth(value: object) -> int:
             deepest = max(deepest, depth)
             todo.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def _llguidance_reason(message: str) -> str:
+    """llguidance's error, less its markers ('<non-verbose/>', under verbose_errors=False) and its
+    empty words ('no error message'): what is left, if anything, says something."""
+    text = _short(message.replace("<non-verbose/>", "").replace("no error message", ""))
+    return text.strip(" ;:,.")
 
 
 def _short(message: str) -> str:

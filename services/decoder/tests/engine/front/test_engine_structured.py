@@ -1,0 +1,99 @@
+"""Structured output meets the stopping rules in the engine: the grammar's end takes precedence over
+min_new_tokens, plain, batched and speculating alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+from services.decoder.tests.engine.engine_helpers import finished as _finished
+from services.decoder.tests.engine.engine_helpers import run_concurrently as _run_concurrently
+from services.decoder.tests.engine.engine_helpers import tokens as _tokens
+from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import Delta, FinishReason
+from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
+from tandem.decoder.engine.sampling import prompt_lookup
+from tandem.decoder.models.loader import LoadedModel
+
+PROMPT = [3, 4]
+
+
+def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:
+    settings = dict(model_dir=model_dir, dtype="float32", num_kv_blocks=512, block_size=4, max_num_seqs=16)
+    return Engine(EngineConfig(**(settings | overrides)), loaded)
+
+
+def test_a_grammar_that_can_only_end_ends_the_answer_before_min_new_tokens(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    """min_new_tokens holds EOS and stop tokens back, but where they are all the grammar allows, the
+    grammar's end wins: the answer ends as it says (with EOS, or the stop token), never with a token
+    the grammar refuses and a failure. Batched beside a plain request, the same tokens."""
+    eos = tiny_fp32.config.eos_token_ids[0]
+    y = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).token_to_id("y")
+    greedy = SamplingParams(temperature=0.0)
+    choice = GenerateSpec(
+        [PROMPT],
+        greedy,
+        StoppingParams(max_new_tokens=20, min_new_tokens=10),
+        structured=StructuredOutput("choice", ("yes", "no")),
+    )
+    # The tiny vocabulary begins "yyyyyy" only with "y": the stop token is the grammar's one option.
+    stop = GenerateSpec(
+        [PROMPT],
+        greedy,
+        StoppingParams(max_new_tokens=20, min_new_tokens=4, stop_token_ids=[y]),
+        structured=StructuredOutput("choice", ("yyyyyy",)),
+    )
+    plain = GenerateSpec([[5, 6]], greedy, StoppingParams(max_new_tokens=8, ignore_eos=True))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        alone = [list(engine.generate(spec)) for spec in (choice, stop)]
+        batched = _run_concurrently(engine, [choice, plain, stop])
+    ended = _finished(alone[0])
+    assert (ended.reason, _tokens(alone[0])[-1]) == (FinishReason.EOS, eos)
+    assert ended.output_tokens < 10
+    assert "".join(e.text for e in alone[0] if isinstance(e, Delta)) in ("yes", "no")
+    stopped = _finished(alone[1])
+    assert (stopped.reason, stopped.stop_token_id, _tokens(alone[1])) == (FinishReason.STOP_TOKEN, y, [y])
+    assert [_tokens(e) for e in (batched[0], batched[2])] == [_tokens(e) for e in alone]
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1)]
+)
+@pytest.mark.parametrize("min_new_tokens", [0, 8])
+def test_a_proposal_holding_the_grammars_end_and_eos_verifies_as_plain_steps_go(
+    tiny_model_dir: Path,
+    tiny_fp32: LoadedModel,
+    monkeypatch: pytest.MonkeyPatch,
+    sampling: SamplingParams,
+    min_new_tokens: int,
+) -> None:
+    """Proposed: the whole plain answer, its EOS included (prompt lookup copies a chat's end marker).
+    Each verifying row lifts min_new_tokens' ban as a plain step at its position would; and the
+    grammar's state after the masks along the proposal is where it was (it failed the request)."""
+    spec = GenerateSpec(
+        [PROMPT],
+        sampling,
+        StoppingParams(max_new_tokens=20, min_new_tokens=min_new_tokens),
+        structured=StructuredOutput("json_schema", '{"type": "boolean"}'),
+    )
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        plain = list(engine.generate(spec))
+    answer = _tokens(plain)
+    assert answer[-1] == tiny_fp32.config.eos_token_ids[0]
+
+    def propose(lookup: prompt_lookup.PromptLookup, max_tokens: int) -> list[int]:
+        done = len(lookup.history) - len(PROMPT)
+        return answer[done : done + max_tokens]
+
+    monkeypatch.setattr(prompt_lookup.PromptLookup, "propose", propose)
+    with _engine(tiny_model_dir, tiny_fp32, speculative_tokens=4, speculative_max_batch=64) as engine:
+        speculating = list(engine.generate(spec))
+    assert _tokens(speculating) == answer
+    assert _finished(speculating).reason == _finished(plain).reason == FinishReason.EOS
+    assert _finished(speculating).accepted_tokens > 0
