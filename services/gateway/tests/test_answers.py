@@ -332,6 +332,17 @@ async def test_an_answer_over_the_gateways_bound_waits_for_another_callers_to_be
                 sock.close()
 
 
+async def test_an_answer_over_the_gateways_bound_alone_is_413_at_once_and_its_caller_is_served_next() -> None:
+    # Queued, it could be written only when no caller held anything: every caller's answers waited
+    # behind it (a caller keeping its own answer unread made that --write-timeout-s).
+    bounds = {"max_unread_answer_bytes": 300_000, "max_unread_answer_bytes_per_caller": 100_000}
+    async with fake_decoder() as (_, address), live_gateway(address, write_timeout_s=30, **bounds) as url:
+        status, refused = await asyncio.wait_for(_post(f"{url}/completions", UNREAD), 5)  # 413,668 bytes
+        assert status == 413 and "over 300000 (--max-unread-answer-bytes," in refused["error"]["message"]
+        status, answer = await asyncio.wait_for(_post(f"{url}/completions", {"prompt": "q", "n": 2}), 5)
+        assert status == 200 and len(answer["choices"]) == 2
+
+
 async def test_long_context_requests_without_max_tokens_are_bounded_by_streams_alone() -> None:
     # Reserved at admission from what the context leaves (max_tokens unset), a 128k-context gateway let
     # 21 such requests decode a caller, 4 with logprobs, none with 20 alternatives (413).
@@ -392,17 +403,21 @@ async def test_a_non_streamed_answer_cancelled_while_serialized_gives_its_bytes_
 
 
 async def test_a_non_streamed_answer_cancelled_while_waiting_holds_nothing_and_leaves_no_waiter() -> None:
-    held = AnswerBytes(max_bytes=2000, max_bytes_per_caller=2000)
+    held = AnswerBytes(max_bytes=10**6, max_bytes_per_caller=10**6)  # the answer's bound (~60 KB) fits alone
     other = Reservation(held, "other")
-    other.take(1500)
+    other.take(10**6 - 1000)
     request = cast(web.Request, None)
     writing = asyncio.ensure_future(answers.write(request, _completions(1), True, held, "caller", 5))
-    while not held.waiters:
+    while not held.waiters and not writing.done():
         await asyncio.sleep(0)
     writing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await writing
-    assert (held.num_bytes, dict(held.per_caller), len(held.waiters)) == (1500, {"other": 1500}, 0)
+    assert (held.num_bytes, dict(held.per_caller), len(held.waiters)) == (
+        10**6 - 1000,
+        {"other": 10**6 - 1000},
+        0,
+    )
 
 
 async def test_a_refused_prompt_fails_the_batch_naming_it_and_cancels_the_others() -> None:

@@ -13,21 +13,36 @@ tokens, held a 128k-context request's (context - 1) tokens' worth for its whole 
 requests a caller, 63 the gateway, or none at all with top_logprobs 20.
 
 An answer that does not fit waits, its decoded work kept, first in, first out, woken as bytes are
-given back, for up to --write-timeout-s: then a 429 naming the caller's share (when that is what it
-waits on) or a 503 naming the gateway's bound, with Retry-After. A waiter held by its own caller's
-share holds no other caller's answers back; one held by the gateway's bound holds back those after it,
-so a large answer is not overtaken for ever by small ones. An answer larger than a caller's share alone
-is written when its caller holds nothing and it fits the gateway's bound; one larger than the gateway's
-bound alone when the gateway holds nothing: no answer is refused for its size alone.
+given back, for up to --write-timeout-s: then refused, naming what held it (`_Held`): its caller's
+share, or its caller's earlier answer waiting on it, a 429 naming --max-unread-answer-bytes-per-caller;
+the gateway's bound, or an earlier answer waiting on it, a 503 naming --max-unread-answer-bytes; both
+with Retry-After. The caller's share is checked first: a waiter it holds (whether or not the gateway's
+bound would take it now) holds back only its own caller's later answers; one that fits its caller's
+share but not the gateway's bound holds back every answer after it, so a large answer is not overtaken
+for ever by small ones. An answer larger than its caller's share alone is written when its caller holds
+nothing and it fits the gateway's bound. One larger than the gateway's bound alone is refused at once
+(413): queued, it could be written only when no caller held any bytes, and held every caller's answers
+behind it until then (a caller keeping its own answer unread kept it so for --write-timeout-s).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 from tandem.gateway.errors import HttpError, Refused
+
+
+class _Held(Enum):
+    """What keeps a waiter waiting, so its refusal names it."""
+
+    CALLER_SHARE = "its caller's share"  # its caller's answers being written, with it, are over the share
+    CALLER_QUEUE = "its caller's earlier waiter"  # behind its own caller's answer that waits
+    GATEWAY_BOUND = "the gateway's bound"  # all callers' answers being written, with it, are over the bound
+    GATEWAY_QUEUE = "an earlier waiter on the gateway's bound"  # behind one held by the gateway's bound
 
 
 @dataclass
@@ -51,12 +66,15 @@ class AnswerBytes:
         return held == 0 or held + num_bytes <= self.max_bytes_per_caller
 
     def fits_gateway(self, num_bytes: int) -> bool:
-        """Within the gateway's bound, or the gateway holds nothing (an answer over it alone)."""
-        return self.num_bytes == 0 or self.num_bytes + num_bytes <= self.max_bytes
+        """Within the gateway's bound (an answer over it alone is refused before it waits)."""
+        return self.num_bytes + num_bytes <= self.max_bytes
 
     async def reserve(self, caller: str, num_bytes: int, timeout_s: float) -> Reservation:
         """`num_bytes` held for `caller`'s answer, once they fit (see the note); Refused (429 or 503)
-        after `timeout_s` of waiting. Cancelled while waiting, it holds nothing and leaves no waiter."""
+        after `timeout_s` of waiting; a 413 at once when it is over the gateway's bound alone. Cancelled
+        while waiting, it holds nothing and leaves no waiter."""
+        if num_bytes > self.max_bytes:
+            raise Refused(self._too_large(num_bytes))
         waiter = _Waiter(caller, num_bytes, asyncio.get_running_loop().create_future())
         self.waiters.append(waiter)
         self._grant()  # taken at once when it fits and nothing before it waits on the same bound
@@ -64,51 +82,109 @@ class AnswerBytes:
             try:
                 async with asyncio.timeout(timeout_s):
                     await asyncio.shield(waiter.granted)
-            except BaseException as error:  # a timeout or a cancellation (the caller went)
-                if waiter.granted.done():  # granted as it ended: give the bytes back
+            except TimeoutError:
+                if not waiter.granted.done():  # else granted as its wait ended: written after all
+                    refusal = self._refusal(waiter, timeout_s)  # what holds it, while it is still queued
+                    self._leave(waiter)
+                    raise Refused(refusal) from None
+            except BaseException:  # cancelled: the caller went
+                if waiter.granted.done():  # granted as it went: the bytes back
                     self._take(caller, -num_bytes)
                 else:
-                    waiter.granted.cancel()
-                    self.waiters.remove(waiter)
-                self._grant()  # one held behind it may fit now
-                if isinstance(error, TimeoutError):
-                    raise Refused(self._refusal(caller, num_bytes, timeout_s)) from None
+                    self._leave(waiter)
                 raise
         return Reservation(self, caller, num_held=num_bytes)
 
+    def _leave(self, waiter: _Waiter) -> None:
+        """`waiter` stops waiting, holding nothing; one held behind it may fit now."""
+        waiter.granted.cancel()
+        self.waiters.remove(waiter)
+        self._grant()
+
     def _grant(self) -> None:
-        """Every waiter that fits now, in order, takes its bytes; one held by the gateway's bound holds
-        those after it, one held by its caller's share holds only its caller's after it."""
+        """Every waiter that fits now, in order, takes its bytes (see `_holds`)."""
+        for waiter, held_by in self._holds():
+            if held_by is None:
+                self.waiters.remove(waiter)
+                self._take(waiter.caller, waiter.num_bytes)
+                waiter.granted.set_result(None)
+
+    def _holds(self) -> Iterator[tuple[_Waiter, _Held | None]]:
+        """Each waiter, in order, with what holds it now (None: it fits), checked as each is reached, so
+        a grant made before the next step counts. Its caller's share first: a waiter it holds holds its
+        caller's later answers; one that fits its caller's share but not the gateway's bound, every
+        later answer."""
         held_callers: set[str] = set()
+        gateway_held = False
         for waiter in list(self.waiters):
             if waiter.caller in held_callers:
-                continue
-            if not self.fits_gateway(waiter.num_bytes):
-                return
-            if not self.fits_caller(waiter.caller, waiter.num_bytes):
+                yield waiter, _Held.CALLER_QUEUE
+            elif not self.fits_caller(waiter.caller, waiter.num_bytes):
                 held_callers.add(waiter.caller)
-                continue
-            self.waiters.remove(waiter)
-            self._take(waiter.caller, waiter.num_bytes)
-            waiter.granted.set_result(None)
+                yield waiter, _Held.CALLER_SHARE
+            elif gateway_held:
+                yield waiter, _Held.GATEWAY_QUEUE
+            elif not self.fits_gateway(waiter.num_bytes):
+                gateway_held = True
+                yield waiter, _Held.GATEWAY_BOUND
+            else:
+                yield waiter, None
 
-    def _refusal(self, caller: str, num_bytes: int, timeout_s: float) -> HttpError:
-        """A 429 when `caller`'s share is what the answer waited on, else a 503 (the gateway's bound)."""
-        if not self.fits_caller(caller, num_bytes):
+    def _refusal(self, waiter: _Waiter, timeout_s: float) -> HttpError:
+        """A 429 when `waiter`'s caller's share or queue holds it, else a 503 (the gateway's bound or
+        queue), its numbers those it waits on now."""
+        held_by = next((held_by for queued, held_by in self._holds() if queued is waiter), None)
+        caller, num_bytes = waiter.caller, waiter.num_bytes
+        waited = f"for {timeout_s:g} s (--write-timeout-s)"
+        if held_by in (_Held.CALLER_SHARE, _Held.CALLER_QUEUE):
+            if held_by is _Held.CALLER_QUEUE:
+                why = (
+                    f"this answer ({num_bytes} bytes) waited behind this caller's earlier answer, itself "
+                    f"waiting on this caller's share: its non-streamed answers being written hold "
+                    f"{self.per_caller[caller]} bytes of {self.max_bytes_per_caller}"
+                )
+            elif num_bytes > self.max_bytes_per_caller:
+                why = (
+                    f"this answer takes {num_bytes} bytes, over {self.max_bytes_per_caller} alone, so it is "
+                    f"written only when this caller's other answers being written (holding "
+                    f"{self.per_caller[caller]} bytes) are all read"
+                )
+            else:
+                why = (
+                    f"this caller's non-streamed answers being written hold {self.per_caller[caller]} bytes "
+                    f"and this answer takes {num_bytes} more, over {self.max_bytes_per_caller}"
+                )
             message = (
-                f"this caller's non-streamed answers being written hold {self.per_caller[caller]} bytes and "
-                f"this answer takes {num_bytes} more, over {self.max_bytes_per_caller} "
-                f"(--max-unread-answer-bytes-per-caller) for {timeout_s:g} s (--write-timeout-s); read "
-                f"them first, or ask for a streamed answer (stream: true), which holds none"
+                f"{why} (--max-unread-answer-bytes-per-caller) {waited}; read them first, or ask for a "
+                f"streamed answer (stream: true), which holds none"
             )
             return HttpError(429, "rate_limit_error", message, retry_after_s=1.0)
+        if held_by is _Held.GATEWAY_QUEUE:
+            why = (
+                f"this answer ({num_bytes} bytes) waited behind an earlier answer, itself waiting on the "
+                f"gateway's bound: the non-streamed answers being written hold {self.num_bytes} bytes of "
+                f"{self.max_bytes}"
+            )
+        else:
+            why = (
+                f"the gateway's non-streamed answers being written hold {self.num_bytes} bytes and this "
+                f"answer takes {num_bytes} more, over {self.max_bytes}"
+            )
         message = (
-            f"the gateway's non-streamed answers being written hold {self.num_bytes} bytes and this "
-            f"answer takes {num_bytes} more, over {self.max_bytes} (--max-unread-answer-bytes, all "
-            f"callers together) for {timeout_s:g} s (--write-timeout-s); retry, or ask for a streamed "
-            f"answer (stream: true), which holds none"
+            f"{why} (--max-unread-answer-bytes, all callers together) {waited}; retry, or ask for a "
+            f"streamed answer (stream: true), which holds none"
         )
         return HttpError(503, "service_unavailable", message, retry_after_s=1.0)
+
+    def _too_large(self, num_bytes: int) -> HttpError:
+        """A 413: an answer over the gateway's bound alone is never written."""
+        message = (
+            f"this non-streamed answer's JSON alone takes up to {num_bytes} bytes, over {self.max_bytes} "
+            f"(--max-unread-answer-bytes, all callers' answers being written together); ask for fewer "
+            f"choices (n), tokens (max_tokens) or alternatives (top_logprobs, logprobs), or a streamed "
+            f"answer (stream: true), which holds none"
+        )
+        return HttpError(413, "invalid_request_error", message)
 
     def _take(self, caller: str, num_bytes: int) -> None:
         self.num_bytes += num_bytes

@@ -53,7 +53,8 @@ class GatewayConfig:
     max_large_bodies_per_caller: int = 2
     # The JSON of non-streamed answers being written (reserved once decoded, from its tokens, settled
     # once serialized, until all sent), all callers together: an answer that would pass it waits, then
-    # is a 503 with Retry-After after --write-timeout-s (`answer_bytes`). Answers being decoded hold
+    # is a 503 with Retry-After after --write-timeout-s (`answer_bytes`); one over it alone is a 413 at
+    # once, never queued (it could wait only for no caller to hold any). Answers being decoded hold
     # none of it (their memory is bounded by --max-streams-per-caller).
     # As much as the large bodies may hold coming in (4 x 96 MiB): the largest answer (16 choices of
     # 8,192 tokens with 20 alternatives: about 200 MiB of JSON, 229 MiB reserved, SmolLM2's tokens of
@@ -62,8 +63,9 @@ class GatewayConfig:
     max_unread_answer_bytes: int = 384 * MIB
     # Of those, one caller's (waits, then a 429); None: a third of them (128 MiB by default), so one
     # caller never holds what the others need. An answer over it alone (that 16-choice one) is written
-    # when its caller holds nothing else and it fits the gateway's bound, so no answer is refused for
-    # its size: 128 MiB holds about 8 such choices, or 200 of 131,072 English tokens without logprobs.
+    # when its caller holds nothing else and it fits the gateway's bound, held meanwhile only within
+    # its caller's queue: 128 MiB holds about 8 such choices, or 200 of 131,072 English tokens without
+    # logprobs.
     max_unread_answer_bytes_per_caller: int | None = None
     body_workers: int = 2
     # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
