@@ -52,7 +52,15 @@ def test_every_path_gives_the_plain_models_greedy_tokens(
     want = greedy(model, PROMPT, 12)
     executor = CpuExecutor(model, kernels, linears=linears)  # type: ignore[arg-type]
     assert executor.choice.linears == linears
+    # Only the C kernel keeps a row's sums in one order at any row count (--batch-invariant verifies
+    # proposals row by row otherwise).
+    assert executor.rows_exact == (linears == "c")
     assert greedy_with(executor, model, PROMPT, 12) == want
+
+
+def test_float32_linears_are_torchs_so_rows_are_not_exact(kernels, checkpoint: Checkpoint) -> None:
+    executor = CpuExecutor(load_model(checkpoint.path, dtype="float32").model, kernels)
+    assert executor.choice.linears == "torch" and not executor.rows_exact
 
 
 def greedy_with(executor: CpuExecutor, model, prompt: list[int], max_new_tokens: int) -> list[int]:

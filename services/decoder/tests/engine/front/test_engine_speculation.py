@@ -94,6 +94,26 @@ def _spec(prompt: list, sampling: SamplingParams, max_new_tokens: int = 24, **kw
     return GenerateSpec(prompt=prompt, sampling=sampling, stopping=stopping, **kw)
 
 
+def test_under_batch_invariant_speculation_gives_the_logprobs_of_plain_steps_bit_for_bit(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, oracle: Oracle
+) -> None:
+    """float32 linears are torch's, whose sums MKL blocks by the row count (a verification's 5 rows
+    gave its first row a logprob 1 ULP off a one-row step's): --batch-invariant verifies row by row,
+    so a speculating request's logprobs are those without speculation, alone and beside others."""
+    prompt = _prompts(tiny_fp32)["tokens"]
+    sampling = SamplingParams(temperature=0.9, seed=11, logprobs=True)
+    with _engine(tiny_model_dir, tiny_fp32, batch_invariant=True) as engine:
+        plain = list(engine.generate(_spec(prompt, sampling)))
+        oracle.know(_history(tiny_fp32, prompt), _tokens(plain))
+        alone = list(engine.generate(_spec(prompt, sampling, speculative_tokens=4)))
+        others = [_spec([[7 + i, 8, 9]], sampling, max_new_tokens=8) for i in range(2)]
+        beside = _run_concurrently(engine, [_spec(prompt, sampling, speculative_tokens=4), *others])[0]
+    for events in (alone, beside):
+        assert _tokens(events) == _tokens(plain)
+        assert _logprobs(events) == _logprobs(plain)  # exactly
+        assert _finished(events).proposed_tokens > _finished(events).accepted_tokens > 0
+
+
 @pytest.mark.parametrize(
     "sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=11)]
 )

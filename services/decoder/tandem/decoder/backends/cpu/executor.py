@@ -320,6 +320,14 @@ class CpuExecutor:
         head = _bind_linear(
             kind, kernels, model.head_weight, None, config.dtype, dense_rows, tiles, int8_activations
         )
+        # A decode or verify row's bits are the same at any row count only when no linear is torch's
+        # (F.linear and oneDNN block a row's sums by the row count: MKL's float32 GEMM gives a row
+        # other bits among 5 rows than alone). Without it --batch-invariant verifies row by row.
+        per_op_linears = [getattr(lk, name) for lk in layers for name in ("qkv", "o", "gate_up", "down")]
+        exact_layers = self.fused is not None or all(
+            p is not None and not isinstance(p, TorchLinear) for p in per_op_linears
+        )
+        self.rows_exact = exact_layers and not isinstance(head, TorchLinear)
         has_walk = self.stack is not None or self.split_rows > 0
         self.kernels = ModelKernels(layers, head, walk if has_walk else None)
         # torch's argmax took 0.9 ms of a 24.5 ms step at 32 sequences; the C one takes 0.12.

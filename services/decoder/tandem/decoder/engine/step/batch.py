@@ -123,6 +123,28 @@ def _pack_verification(host: HostBatch, item: ScheduledRequest, block_size: int)
         host.block_tables.append(item.block_ids)
 
 
+def rows_apart(host: HostBatch) -> list[HostBatch]:
+    """A verification's packed rows (`_pack_verification`: each a sequence of query length 1, sampled,
+    no embedding or scored rows) as one-row batches, in order. Run one after another, row j's step
+    writes the KV row j + 1 reads, so each row gets the bits of a plain decode step at any linear's
+    blocking: what --batch-invariant promises where the linears order a row's sums by the row count."""
+    return [
+        HostBatch(
+            input_ids=[host.input_ids[i]],
+            positions=[host.positions[i]],
+            slots=[host.slots[i]],
+            is_token_ids=[host.is_token_ids[i]],
+            lora_slots=[host.lora_slots[i]],
+            query_lens=[1],
+            seq_lens=[host.seq_lens[i]],
+            block_tables=[host.block_tables[i]],
+            logits_rows=[0],
+            num_logits=1,
+        )
+        for i in range(len(host.input_ids))
+    ]
+
+
 def _add_scored_rows(host: HostBatch, item: ScheduledRequest, offset: int) -> None:
     """The rows scoring prompt positions of a request that asked for prompt logprobs; none otherwise."""
     positions = positions_to_score(item)

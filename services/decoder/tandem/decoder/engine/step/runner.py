@@ -29,7 +29,7 @@ from tandem.decoder.backends.backend import Backend, ModelStep, RecompileError, 
 from tandem.decoder.backends.torch_compile import TorchCompileBuckets
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprobsChunk, score
 from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
-from tandem.decoder.engine.step.batch import BatchTensors, StepBatch, pack
+from tandem.decoder.engine.step.batch import BatchTensors, HostBatch, StepBatch, pack, rows_apart
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
 from tandem.decoder.engine.step.static_shapes import (
     StaticShapes,
@@ -120,15 +120,28 @@ class ModelRunner:
         Batch-invariant: each request runs a forward pass of its own, with the shapes it would have
         alone. Matrix kernels pick their blocking by the number of rows (MKL's float32 GEMM gives a
         row other bits at 1 row than among 8; oneDNN's bf16 does the same), so no other guarantee
-        holds on every CPU and library; this one holds by construction.
+        holds on every CPU and library; this one holds by construction. A verification's rows are one
+        request's, yet several: unless the step's linears keep a row's order at any row count (the
+        executor's `rows_exact`), they run one at a time too, as the plain decode steps would.
         """
-        if self.batch_invariant and len(plan.scheduled) > 1:
-            outputs = [self._execute(_alone(plan, item)) for item in plan.scheduled]
+        splits = not getattr(self.executor, "rows_exact", False)
+        if self.batch_invariant and (
+            len(plan.scheduled) > 1 or (splits and any(i.num_draft_tokens for i in plan.scheduled))
+        ):
+            outputs = [out for item in plan.scheduled for out in self._execute_alone(plan, item, splits)]
             return StepOutput(
                 logits=torch.cat([o.logits for o in outputs]),
                 prompt_logprobs=tuple(chunk for o in outputs for chunk in o.prompt_logprobs),
             )
         return self._execute(plan)
+
+    def _execute_alone(self, plan: StepPlan, item: ScheduledRequest, splits: bool) -> list[StepOutput]:
+        """Batch-invariant: one request's step; a verification's rows one at a time when `splits`."""
+        alone = _alone(plan, item)
+        if not (splits and item.num_draft_tokens):
+            return [self._execute(alone)]
+        rows = rows_apart(pack(alone, self.block_size))
+        return [StepOutput(self.forward(self._tensors(row))[:1]) for row in rows]
 
     def _execute(self, plan: StepPlan) -> StepOutput:
         batch = self.prepare(plan)
@@ -195,7 +208,9 @@ class ModelRunner:
         return step
 
     def prepare(self, plan: StepPlan) -> StepBatch:
-        host = pack(plan, self.block_size)
+        return self._tensors(pack(plan, self.block_size))
+
+    def _tensors(self, host: HostBatch) -> StepBatch:
         if self.static is None:
             width = max(len(t) for t in host.block_tables)
             batch = self.tensors.batch(host, width, has_embeds=bool(host.embed_pieces))
