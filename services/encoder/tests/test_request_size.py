@@ -4,6 +4,8 @@ served."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
@@ -60,22 +62,36 @@ def test_other_inputs_over_the_bound_keep_their_own_field_and_a_request_within_i
     assert parse_embed_request(_image_request(10), 100_000, MAX_IMAGE_BYTES).image.data.startswith(b"\x89PNG")
 
 
-async def test_a_live_encoder_names_image_data_and_its_limit_for_an_image_too_large_to_parse(
-    tiny_llava: Path, tmp_path: Path
-) -> None:
+@asynccontextmanager
+async def _live_encoder(
+    model_dir: Path, **settings: object
+) -> AsyncIterator[tuple[EncoderServicer, encoder_pb2_grpc.EncoderStub]]:
+    """An encoder serving `model_dir` on a free port, its text bound 64 tokens, and a stub to it that
+    sends up to twice its max_message_bytes (so gRPC's own refusal can be seen)."""
     config = EncoderConfig(
-        model_dir=tiny_llava,
+        model_dir=model_dir,
         dtype="float32",
-        max_image_bytes=MAX_IMAGE_BYTES,
-        max_input_tokens=64,  # the text bound under the image's
+        max_input_tokens=64,
         server=ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+        **settings,  # type: ignore[arg-type]
     )
     servicer = EncoderServicer(config)
     server = await start_server(config.server, [servicer.service()])
     servicer.attach(load_embedder(config))
     channel = grpc.aio.insecure_channel(server.address, options=channel_options(2 * MAX_MESSAGE_BYTES))
-    stub = encoder_pb2_grpc.EncoderStub(channel)
     try:
+        yield servicer, encoder_pb2_grpc.EncoderStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(0)
+        servicer.close()
+
+
+async def test_a_live_encoder_names_image_data_and_its_limit_for_an_image_too_large_to_parse(
+    tiny_llava: Path, tmp_path: Path
+) -> None:
+    # max_input_tokens 64: the text bound under the image's
+    async with _live_encoder(tiny_llava, max_image_bytes=MAX_IMAGE_BYTES) as (servicer, stub):
         bound = servicer.max_embed_request_bytes()
         assert bound is not None and bound < 200_000 < MAX_MESSAGE_BYTES
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -100,27 +116,12 @@ async def test_a_live_encoder_names_image_data_and_its_limit_for_an_image_too_la
         assert len(tokens.tokens) == 1 and tokens.tokens[0].ids
         info = await stub.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest())
         assert (info.accepts_images, info.max_image_bytes) == (True, MAX_IMAGE_BYTES)
-    finally:
-        await channel.close()
-        await server.stop(0)
-        servicer.close()
 
 
 async def test_a_live_text_encoder_refuses_any_image_as_one_its_model_cannot_take(tiny_model: Path) -> None:
-    config = EncoderConfig(
-        model_dir=tiny_model,
-        dtype="float32",
-        max_input_tokens=64,
-        server=ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
-    )
-    servicer = EncoderServicer(config)
-    server = await start_server(config.server, [servicer.service()])
-    servicer.attach(load_embedder(config))
-    channel = grpc.aio.insecure_channel(server.address, options=channel_options(2 * MAX_MESSAGE_BYTES))
-    stub = encoder_pb2_grpc.EncoderStub(channel)
-    try:
+    async with _live_encoder(tiny_model) as (servicer, stub):
         bound = servicer.max_embed_request_bytes()
-        assert bound is not None and bound < 200_000 < config.image_bytes_limit
+        assert bound is not None and bound < 200_000 < servicer.config.image_bytes_limit
         for num_bytes in (100, 200_000):  # parsed, and refused from its size unparsed: one answer
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=bytes(num_bytes))))
@@ -128,7 +129,3 @@ async def test_a_live_text_encoder_refuses_any_image_as_one_its_model_cannot_tak
             assert error.value.details() == (
                 "image: this encoder's model takes no images (serve a LLaVA or SmolVLM checkpoint)"
             )
-    finally:
-        await channel.close()
-        await server.stop(0)
-        servicer.close()
