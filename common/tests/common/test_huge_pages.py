@@ -71,17 +71,28 @@ def test_an_arena_starts_a_chunk_when_one_is_full_and_gives_a_large_tensor_its_o
     assert arena.empty(1, torch.uint8).data_ptr() == starts[4] + quarter  # the open chunk goes on
 
 
-def _rss_kb(address: int) -> int:
-    """The resident kB of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
+def _smaps(address: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping that holds `address`: its fields, and its permissions
+    under "perms" (rw-p private, rw-s shared)."""
+    entry: dict[str, str] | None = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
+        head, *rest = line.split()
         if "-" in head and not head.endswith(":"):
             low, high = (int(part, 16) for part in head.split("-"))
-            inside = low <= address < high
-        elif inside and head == "Rss:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+            if entry is not None:
+                break
+            if low <= address < high:
+                entry = {"perms": rest[0]}
+        elif entry is not None:
+            entry[head.rstrip(":")] = rest[0] if rest else ""
+    if entry is None:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return entry
+
+
+def _rss_kb(address: int) -> int:
+    """The resident kB of this process's mapping that holds `address`."""
+    return int(_smaps(address)["Rss"])
 
 
 def test_zeros_is_a_large_tensor_of_zeros_on_a_huge_page_and_a_small_one_plain() -> None:
@@ -103,3 +114,16 @@ def test_zeros_makes_nothing_resident_until_touched() -> None:
     x[: HUGE_PAGE // 2].fill_(1)
     assert 0 < _rss_kb(x.data_ptr()) < 4 * HUGE_PAGE // 1024
     assert int(x.sum()) == HUGE_PAGE // 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_zeros_is_private_memory_that_takes_huge_pages_where_the_kernel_gives_them_on_advice() -> None:
+    # mmap's default MAP_SHARED made the pool shmem ("rw-s /dev/zero (deleted)"): no huge page though
+    # advised, where transparent huge pages are "madvise" or "always" for private memory.
+    x = huge_pages.zeros(4 * HUGE_PAGE, torch.uint8)
+    x.fill_(1)
+    entry = _smaps(x.data_ptr())
+    assert entry["perms"].endswith("p"), entry
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if enabled.exists() and "[never]" not in enabled.read_text():
+        assert int(entry["AnonHugePages"]) > 0, entry
