@@ -31,8 +31,9 @@ def test_a_grammar_that_can_only_end_ends_the_answer_before_min_new_tokens(
     tiny_model_dir: Path, tiny_fp32: LoadedModel
 ) -> None:
     """min_new_tokens holds EOS and stop tokens back, but where they are all the grammar allows, the
-    grammar's end wins: the answer ends as it says (with EOS, or the stop token), never with a token
-    the grammar refuses and a failure. Batched beside a plain request, the same tokens."""
+    grammar wins: EOS, its end, ends the answer; a stop token it needs as text is taken as text within
+    the minimum and ends the answer only after it; never a token the grammar refuses and a failure.
+    Batched beside a plain request, the same tokens."""
     eos = tiny_fp32.config.eos_token_ids[0]
     y = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).token_to_id("y")
     greedy = SamplingParams(temperature=0.0)
@@ -42,7 +43,7 @@ def test_a_grammar_that_can_only_end_ends_the_answer_before_min_new_tokens(
         StoppingParams(max_new_tokens=20, min_new_tokens=10),
         structured=StructuredOutput("choice", ("yes", "no")),
     )
-    # The tiny vocabulary begins "yyyyyy" only with "y": the stop token is the grammar's one option.
+    # The tiny vocabulary spells "yyyyyy" only with "y": the stop token is the grammar's one option.
     stop = GenerateSpec(
         [PROMPT],
         greedy,
@@ -58,7 +59,10 @@ def test_a_grammar_that_can_only_end_ends_the_answer_before_min_new_tokens(
     assert ended.output_tokens < 10
     assert "".join(e.text for e in alone[0] if isinstance(e, Delta)) in ("yes", "no")
     stopped = _finished(alone[1])
-    assert (stopped.reason, stopped.stop_token_id, _tokens(alone[1])) == (FinishReason.STOP_TOKEN, y, [y])
+    # Four y of text within min_new_tokens=4 (a 1-token answer ended by its stop token before), then
+    # the stop token ends it.
+    assert (stopped.reason, stopped.stop_token_id, _tokens(alone[1])) == (FinishReason.STOP_TOKEN, y, [y] * 5)
+    assert "".join(e.text for e in alone[1] if isinstance(e, Delta)) == "yyyy"
     assert [_tokens(e) for e in (batched[0], batched[2])] == [_tokens(e) for e in alone]
 
 

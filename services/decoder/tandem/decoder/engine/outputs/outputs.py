@@ -276,9 +276,12 @@ class OutputState:
         return events
 
     def _check_stop_token(self, token_id: int) -> tuple[FinishReason, str | None, int | None] | None:
-        # No min_new_tokens test here: the sampler masks EOS and stop tokens until then, except where a
-        # grammar allows nothing else (sampler.grammar_first), and then one ends the answer as usual.
-        if token_id in self._stop_token_ids:
+        # The sampler masks EOS and stop tokens until min_new_tokens, except where a grammar allows
+        # nothing else (sampler.grammar_first). There EOS is the grammar's end and ends the answer; a stop
+        # token is text the grammar needs (regex a+ with `a` a stop token), so within the minimum it ends
+        # nothing, as before the lift: ending there gave a 1-token answer of an 8-token minimum.
+        within_min = self.num_output_tokens <= self.stopping.min_new_tokens
+        if token_id in self._stop_token_ids and not within_min:
             return (FinishReason.STOP_TOKEN, None, token_id)
         if token_id in self._eos_token_ids:
             return (FinishReason.EOS, None, None)
