@@ -7,12 +7,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway import choice_json
 from tandem.gateway.responses import Completion
+
+
+@asynccontextmanager
+async def _ticking() -> AsyncIterator[list[int]]:
+    """A list that grows by one each time the event loop runs a task, while the block runs."""
+    ticks: list[int] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(1)
+            await asyncio.sleep(0)
+
+    ticking = asyncio.ensure_future(ticker())
+    try:
+        yield ticks
+    finally:
+        ticking.cancel()
 
 
 def _completion(kind: str, num_tokens: int, top: int, texts: tuple[str, ...] = (" tok",)) -> Completion:
@@ -48,40 +67,22 @@ async def test_the_loop_runs_between_the_slices_of_a_choice(monkeypatch: pytest.
     # json.dumps call, which no thread could have let go of).
     monkeypatch.setattr(choice_json, "SLICE_VALUES", 40)
     completion = _completion("chat", 100, top=19)  # 20 values a token: a slice every 2 tokens
-    ticks: list[int] = []
     slices: list[int] = []  # the loop's ticks as each slice is dumped
     dumps = json.dumps
-    monkeypatch.setattr(
-        choice_json.json, "dumps", lambda v: (isinstance(v, list) and slices.append(len(ticks))) or dumps(v)
-    )
-
-    async def ticker() -> None:
-        while True:
-            ticks.append(1)
-            await asyncio.sleep(0)
-
-    ticking = asyncio.ensure_future(ticker())
-    try:
+    async with _ticking() as ticks:
+        monkeypatch.setattr(
+            choice_json.json,
+            "dumps",
+            lambda v: (isinstance(v, list) and slices.append(len(ticks))) or dumps(v),
+        )
         await choice_json.choice_json(completion, True)
-    finally:
-        ticking.cancel()
     assert len(slices) == 50 and all(a < b for a, b in zip(slices, slices[1:], strict=False))
 
 
 async def test_the_loop_runs_after_a_choice_without_logprobs() -> None:
     # Its text is one dump, but 16 choices of 131,072 CJK characters each are 76 ms of them in a row.
-    ticks: list[int] = []
-
-    async def ticker() -> None:
-        while True:
-            ticks.append(1)
-            await asyncio.sleep(0)
-
-    ticking = asyncio.ensure_future(ticker())
-    try:
+    async with _ticking() as ticks:
         await asyncio.sleep(0)  # the ticker's first tick
         before = len(ticks)
         await choice_json.choice_json(_completion("chat", 3, top=0), False)
         assert len(ticks) > before
-    finally:
-        ticking.cancel()
