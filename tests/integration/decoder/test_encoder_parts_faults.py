@@ -1,13 +1,17 @@
 """What a decoder does when its encoder misbehaves: a reply naming a segment this call did not ask for
-(forged, or replayed from an earlier call) or past its segment is INVALID_ARGUMENT; a segment gone, or
-changed, before it was read (its lease ran out) is fetched again by value, and UNAVAILABLE only if
-that fails too; an encoder that is down is UNAVAILABLE naming it, in seconds; a call cancelled while
-its rows are fetched leaves no thread waiting and releases its segment at once. The encoder here is a stand-in
-that writes real segments (the encoder's own SharedSegments) and then says what each test needs."""
+(forged, or replayed from an earlier call), past its segment, or of a wrong dtype is UNAVAILABLE naming
+the encoder (never INVALID_ARGUMENT on the caller's field: callers pass no handles); a segment gone,
+changed, cut, or that cannot be opened, before it was read (its lease ran out) is fetched again by
+value, and UNAVAILABLE only if that fails too; an encoder that is down is UNAVAILABLE naming it, in
+seconds; a call cancelled while its rows are fetched leaves no thread waiting and releases its segment
+at once. The encoder here is a stand-in that writes real segments (the encoder's own SharedSegments)
+and then says what each test needs."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import socket
 import sys
 import threading
@@ -101,9 +105,24 @@ async def _generate(decoder: Served, text: str = "hello") -> list[int]:
 
 
 async def _refused(decoder: Served) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as error:
-        await _generate(decoder)
-    return error.value
+    """The error of one Generate call, on a channel that does not retry: the client's own retries
+    UNAVAILABLE (1.5 s of backoff here)."""
+    request = decoder_pb2.GenerateRequest()
+    request.prompt.add().encoder.text = "hello"
+    request.stopping.max_new_tokens = 2
+    async with grpc.aio.insecure_channel(decoder.server.address, options=[("grpc.enable_retries", 0)]) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [r async for r in decoder_pb2_grpc.DecoderStub(ch).Generate(request, timeout=10)]
+    return refused.value
+
+
+def _the_encoders_fault(rig: Rig, error: grpc.aio.AioRpcError) -> str:
+    """What the encoder's reply did wrong, from an error that names the encoder, never the caller's
+    input: it was INVALID_ARGUMENT on prompt[0].encoder.shared_embeddings.*, which no caller passes."""
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+    unavailable = f"prompt[0].encoder: encoder {rig.parts.address} is unavailable (UNAVAILABLE: its reply's "
+    assert error.details().startswith(unavailable), error.details()
+    return error.details().removeprefix(unavailable)
 
 
 async def test_an_honest_reply_is_read_and_its_segment_released_for_the_next(rig: Rig) -> None:
@@ -141,11 +160,8 @@ async def test_a_reply_naming_a_segment_this_call_did_not_ask_for_is_refused(rig
         return encoder_pb2.EmbedResponse(shared_embeddings=other)
 
     rig.stand_in.reply = forged
-    error = await _refused(rig.decoder)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.details() == (
-        "prompt[0].encoder.shared_embeddings.name: names a segment this call did not ask for"
-    )
+    fault = _the_encoders_fault(rig, await _refused(rig.decoder))
+    assert fault == ".shared_embeddings.name: names a segment this call did not ask for)"
     assert shared_memory.exists(rig.directory, rig.stand_in.handles[1].name)  # never opened, never removed
 
 
@@ -157,9 +173,8 @@ async def test_a_handle_replayed_from_an_earlier_call_is_refused(rig: Rig) -> No
         return encoder_pb2.EmbedResponse(shared_embeddings=first)
 
     rig.stand_in.reply = replayed
-    error = await _refused(rig.decoder)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "names a segment this call did not ask for" in error.details()
+    fault = _the_encoders_fault(rig, await _refused(rig.decoder))
+    assert "names a segment this call did not ask for" in fault
 
 
 @pytest.mark.parametrize(
@@ -167,30 +182,32 @@ async def test_a_handle_replayed_from_an_earlier_call_is_refused(rig: Rig) -> No
     [
         (
             lambda h, d: h.shape.__setitem__(0, _size(d / h.name) // 256 + 1),
-            "prompt[0].encoder.shared_embeddings.shape: ",
+            ".shared_embeddings.shape: ",
         ),
         (
             lambda h, d: setattr(h, "offset", _size(d / h.name) - 768 + 4),
-            "prompt[0].encoder.shared_embeddings.shape: 768 bytes",
+            ".shared_embeddings.shape: 768 bytes",
         ),
         (
             lambda h, d: setattr(h, "dtype", tensor_pb2.DATA_TYPE_INT32),
-            "prompt[0].encoder.shared_embeddings.dtype",
+            ".shared_embeddings.dtype",
         ),
     ],
     ids=["past-its-end", "shifted-past-its-end", "not-floats"],
 )
-async def test_a_handle_its_segment_does_not_bear_out_is_invalid_argument(rig: Rig, change, expected) -> None:
+async def test_a_handle_its_segment_does_not_bear_out_is_the_encoders_fault(
+    rig: Rig, change, expected
+) -> None:
     async def bent(request, context):
         handle = rig.stand_in.write(request)
         change(handle, rig.directory)
         return encoder_pb2.EmbedResponse(shared_embeddings=handle)
 
     rig.stand_in.reply = bent
-    error = await _refused(rig.decoder)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.details().startswith(expected), error.details()
-    assert "shape" not in expected or "run past the segment's" in error.details()
+    fault = _the_encoders_fault(rig, await _refused(rig.decoder))
+    assert fault.startswith(expected), fault
+    assert "shape" not in expected or "run past the segment's" in fault
+    assert rig.parts.num_refetched == 0  # wrong in itself: asked again, it would be wrong again
     assert not shared_memory.exists(rig.directory, rig.stand_in.handles[0].name)  # read once, or never there
     rig.stand_in.reply = rig.stand_in.honest
     assert len(await _generate(rig.decoder)) == 2  # the decoder serves on
@@ -218,6 +235,36 @@ async def test_a_segment_lost_before_it_was_read_is_fetched_again_by_value(rig: 
     assert len(await _generate(rig.decoder)) == 2
     assert (rig.parts.num_refetched, rig.parts.num_bytes, rig.parts.num_shared) == (1, 1, 0)
     assert not shared_memory.exists(rig.directory, rig.stand_in.handles[0].name)
+
+
+def _open_fails(parts: EncoderParts, monkeypatch: pytest.MonkeyPatch) -> None:
+    def too_many_files(name: str) -> None:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(parts.maps, "open", too_many_files)
+
+
+def _shrinks_while_read(parts: EncoderParts, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The bounded read's answer when the file was cut after its size was checked.
+    monkeypatch.setattr(shared_memory.Segment, "read_digested", lambda self, offset, into, key: None)
+
+
+@pytest.mark.parametrize("fault", [_open_fails, _shrinks_while_read], ids=["cannot-open", "shrank"])
+async def test_a_segment_that_cannot_be_opened_or_shrank_is_fetched_again_by_value(
+    rig: Rig, fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was INVALID_ARGUMENT on the caller's prompt[0].encoder.shared_embeddings.name ("cannot be
+    # read: ...") or .shape ("the segment shrank"): this host's, or a race with the encoder's pool.
+    async def offered_then_bytes(request, context):
+        if not request.HasField("shared_memory"):
+            return encoder_pb2.EmbedResponse(embeddings=tensors.encode(torch.randn(3, 64) * 0.1))
+        return encoder_pb2.EmbedResponse(shared_embeddings=rig.stand_in.write(request))
+
+    fault(rig.parts, monkeypatch)
+    rig.stand_in.reply = offered_then_bytes
+    assert len(await _generate(rig.decoder)) == 2
+    assert (rig.parts.num_refetched, rig.parts.num_bytes, rig.parts.num_shared) == (1, 1, 0)
+    assert not shared_memory.exists(rig.directory, rig.stand_in.handles[0].name)  # released at once
 
 
 async def test_a_refetch_that_fails_too_is_unavailable_never_the_callers_input(rig: Rig) -> None:

@@ -41,8 +41,10 @@ A fetch, on the event loop:
    the encoder's pool, which writes into it again, and a replay finds nothing. Bytes are decoded as
    any tensor (zero copy). A segment gone, or changed, before it was read (its lease,
    --shared-memory-lease-s, ran out while this decoder was busy: this host's timing, not the caller's
-   input) is fetched once more without the offer, its rows by value; only if that fails too is the
-   part refused, UNAVAILABLE naming the encoder.
+   input; or one that cannot be opened) is fetched once more without the offer, its rows by value;
+   only if that fails too is the part refused, UNAVAILABLE naming the encoder. A reply wrong in itself
+   (a segment not asked for, rows past their segment, a wrong dtype or shape, NaN) is UNAVAILABLE
+   naming the encoder and the fault: never INVALID_ARGUMENT on the caller's field, who passed no handle.
 Which model the encoder serves is checked against this decoder's own, by a sample of each one's token
 table (`tandem.common.torch_part.model_identity`; GetModelInfo reports the encoder's): once loaded,
 the decoder asks (`check_model`, waiting a while for an encoder still loading) and refuses to start
@@ -105,8 +107,9 @@ class EncoderMismatch(Exception):
 
 
 class _SegmentLost(Exception):
-    """The rows a reply put in shared memory were gone, or changed, before this decoder read them: its
-    lease ran out. The decoder's own timing, never the caller's input: fetched again by value."""
+    """The rows a reply put in shared memory were gone, changed, or could not be opened, before this
+    decoder read them: its lease ran out. The decoder's own timing, never the caller's input: fetched
+    again by value."""
 
 
 class EncoderParts:
@@ -286,6 +289,11 @@ class EncoderParts:
                 ) from None
             except (InvalidArgument, FailedPrecondition) as error:
                 raise _unavailable(f"{lost}; fetched again by value, its reply's {error}") from None
+        except InvalidArgument as error:
+            # A reply wrong in itself (a segment this call did not ask for, rows past their segment, a
+            # dtype or shape not the rows', NaN): the encoder's fault, never the caller's input (callers
+            # pass no handles). It was INVALID_ARGUMENT on the caller's prompt[i].encoder.*.
+            raise _unavailable(f"its reply's {error}") from None
         self.cache.put(key, result)
         return result
 
@@ -335,8 +343,8 @@ class EncoderParts:
         self, reply: encoder_pb2.EmbedResponse, offer: encoder_pb2.SharedMemoryOffer | None
     ) -> torch.Tensor:
         """The rows of `reply`, from the segment `offer` asked for or from its bytes; errors on fields
-        relative to the part. Raises _SegmentLost when the segment is gone or no longer what was
-        written."""
+        relative to the part (the reply's fault, which _embed reports as the encoder's). Raises
+        _SegmentLost when the segment is gone or no longer what was written."""
         if reply.HasField("shared_embeddings"):
             handle = reply.shared_embeddings
             if offer is None or handle.name != offer.segment_name:
@@ -373,18 +381,20 @@ class EncoderParts:
         assert self.maps is not None, "a handle is read only for a call that offered shared memory"
         try:
             segment = self.maps.open(handle.name)
-        except OSError as error:
-            raise InvalidArgument(f"{where}.name", f"cannot be read: {error}") from None
+        except OSError as error:  # this host's (a race with the encoder's pool, a limit): by value
+            shared_memory.remove(self.shm_dir, handle.name)  # released to the pool, as a read does
+            raise _SegmentLost(f"its segment could not be opened ({error})") from None
         if segment is None:
             raise _SegmentLost("its segment was gone before it was read (the encoder's lease ran out)")
         try:
             with segment:
                 rows = tensors.decode_shared(handle, segment, key, where, rank=2, limits=self.limits)
         except InvalidArgument as error:
-            if error.field != f"{where}.digest":
-                raise
-            # The lease ran out while it was read and the encoder wrote the segment again.
-            raise _SegmentLost(f"its segment changed while it was read ({error.description})") from None
+            # The lease ran out while it was read and the encoder wrote the segment again, or the file
+            # was cut meanwhile (decode_shared's bounded read found it shorter than when it was checked).
+            if error.field == f"{where}.digest" or error.description.startswith("the segment shrank"):
+                raise _SegmentLost(f"its segment changed while it was read ({error.description})") from None
+            raise
         finally:
             shared_memory.remove(self.shm_dir, handle.name)
         return self._checked(rows, where)
