@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -15,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import grpc
@@ -26,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from common.tests.signalled_process import Exited, signal_after_line
 from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.client import DecoderClient
+from tandem.common.torch_part import huge_pages
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
 from tests.integration.decoder.serving import free_port, until_serving
@@ -334,3 +338,38 @@ def test_ctrl_c_in_a_terminal_drains_a_serving_group_and_stops_every_rank(tiny_m
     assert exited.status == 0, exited.log
     assert "rank 1 stopped" in exited.log, exited.log
     assert " ERROR " not in exited.log and "Traceback" not in exited.log, exited.log
+
+
+def _mmap_refused(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            ["--kv-cache-bytes", str(64 << 20)],
+            "--kv-cache-bytes (TANDEM_KV_CACHE_BYTES): the KV pool it asks for",
+        ),
+        (["--num-kv-blocks", "4096"], "--num-kv-blocks (TANDEM_NUM_KV_BLOCKS): the KV pool it asks for"),
+    ],
+    ids=["kv-cache-bytes", "num-kv-blocks"],
+)
+def test_a_kv_pool_the_host_cannot_allocate_is_one_line_naming_the_flag_that_sized_it(
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    environ,
+    flags: list[str],
+    said: str,
+) -> None:
+    """It was a bare `OSError: [Errno 12] Cannot allocate memory` from the pool's mmap, after the load
+    (exit 1, 'could not load'), naming no flag and no size."""
+    refusing = types.SimpleNamespace(
+        mmap=_mmap_refused, MAP_PRIVATE=mmap.MAP_PRIVATE, MAP_ANONYMOUS=mmap.MAP_ANONYMOUS
+    )
+    monkeypatch.setattr(huge_pages, "mmap", refusing)  # the mapping's flags are huge_pages' own
+    assert main(["--model", str(tiny_model_dir), "--port", "0", "--dtype", "float32", *flags]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"tandem serve decoder: {said} ("), line
+    assert " bytes on this rank) could not be allocated ([Errno 12] Cannot allocate memory)" in line

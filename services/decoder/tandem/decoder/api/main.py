@@ -340,6 +340,10 @@ async def serve(
         return Outcome.ABANDONED
     try:
         engine = loading.result()
+    except ConfigError:  # e.g. a KV pool the host cannot hold: one line naming the flag, as before listening
+        await running.stop(UNSERVED_GRACE_S)
+        telemetry.shutdown()
+        raise
     except (ModelLoadError, BackendUnavailable, OSError, RuntimeError, ValueError) as error:
         log.error("could not load %s: %s", config.engine.model_dir, error)
         log.debug("the load failed here", exc_info=True)

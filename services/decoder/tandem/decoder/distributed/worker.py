@@ -34,7 +34,8 @@ from tandem.decoder.distributed.parallel import (
 )
 from tandem.decoder.distributed.step_broadcast import receive_step
 from tandem.decoder.engine.step.runner import ModelRunner
-from tandem.decoder.engine.step.sizing import num_kv_blocks
+from tandem.decoder.engine.step.sizing import num_kv_blocks, pool_refused
+from tandem.decoder.models.kv_pool import KvPoolUnallocated
 from tandem.decoder.models.loader import load_model
 from tandem.decoder.models.lora import LoraTable
 
@@ -144,7 +145,10 @@ def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
         loaded.model, backend, config.compile, config.native_kernels, config.kernel_options, lora
     )
     num_blocks = num_kv_blocks(config, model_config, tp.world_size)
-    runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor, lora=lora)
+    try:
+        runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor, lora=lora)
+    except KvPoolUnallocated as error:
+        raise pool_refused(config, error) from None
     freeze_startup_heap()  # a full collection here would stall every rank's step (they wait for each other)
     log.info("rank %d of %d ready", tp.rank, tp.world_size)
     try:

@@ -22,6 +22,7 @@ from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, w
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.kernels import PLAIN, LayerKernels, ModelKernels
+from tandem.decoder.models.kv_pool import KvPoolUnallocated
 from tandem.decoder.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -300,18 +301,25 @@ class DecoderModel(nn.Module):
         """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = keys).
 
         num_kv_heads is this rank's share. Zeroed, not empty, though attention never reads a slot
-        past a sequence's end (models/attention.py): no NaN bit patterns in a fresh pool.
+        past a sequence's end (models/attention.py): no NaN bit patterns in a fresh pool. Raises
+        KvPoolUnallocated (with the bytes asked) when the memory is not there.
         """
         c = self.config
         shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)
         device = self.device
-        if device.type == "cpu":
-            # One pool in 2 MiB pages (common/torch_part/huge_pages.py: a step's scattered block reads), each
-            # layer's cache a contiguous view of it.
-            pool = huge_pages.zeros(c.num_layers * math.prod(shape), c.dtype)
-            layers = pool.view(c.num_layers, *shape)
-            return [layers[i] for i in range(c.num_layers)]  # not unbind: its views refuse in-place writes
-        return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
+        try:
+            if device.type == "cpu":
+                # One pool in 2 MiB pages (common/torch_part/huge_pages.py: a step's scattered block reads),
+                # each layer's cache a contiguous view of it.
+                pool = huge_pages.zeros(c.num_layers * math.prod(shape), c.dtype)
+                layers = pool.view(c.num_layers, *shape)
+                return [
+                    layers[i] for i in range(c.num_layers)
+                ]  # not unbind: its views refuse in-place writes
+            return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
+        except (OSError, RuntimeError) as error:  # mmap's ENOMEM; torch's allocator (OutOfMemoryError)
+            num_bytes = c.num_layers * math.prod(shape) * c.dtype.itemsize
+            raise KvPoolUnallocated(num_blocks, num_bytes, error) from error
 
     def checkpoint_parts(self, name: str) -> list[CheckpointPart]:
         """The checkpoint tensors that make up parameter `name` on this rank, and the shard of each.

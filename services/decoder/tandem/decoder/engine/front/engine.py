@@ -46,6 +46,7 @@ from tandem.decoder.engine.step.core import EngineCore, EngineFault, EventCallba
 from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.step.xla_buckets import XlaBuckets
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
+from tandem.decoder.models.kv_pool import KvPoolUnallocated
 from tandem.decoder.models.loader import LoadedModel, load_model
 from tandem.decoder.models.lora import LoraTable
 from tandem.decoder.models.peft_adapter import FoundAdapter, LoraAdapter, read_adapter
@@ -214,34 +215,37 @@ class Engine:
             ),
             block_manager,
         )
-        if xla_buckets is not None:
-            from tandem.decoder.backends.xla.sharding import ShardingPlan
-            from tandem.decoder.engine.step.xla_runner import XlaRunner  # imports torch_xla's SPMD API
+        try:
+            if xla_buckets is not None:
+                from tandem.decoder.backends.xla.sharding import ShardingPlan
+                from tandem.decoder.engine.step.xla_runner import XlaRunner  # imports torch_xla's SPMD API
 
-            log.info("XLA buckets: %s", xla_buckets.describe())
-            runner: ModelRunner = self._thread.run(
-                XlaRunner,
-                self.loaded.model,
-                self.num_blocks,
-                config.block_size,
-                xla_buckets,
-                ShardingPlan(config.num_devices),
-                invariant,
-                self.lora,
-            )
-        else:
-            runner = self._thread.run(
-                ModelRunner,
-                self.loaded.model,
-                self.num_blocks,
-                config.block_size,
-                static,
-                self._peers,
-                backend if config.compile else None,
-                invariant,
-                self.executor,
-                self.lora,
-            )
+                log.info("XLA buckets: %s", xla_buckets.describe())
+                runner: ModelRunner = self._thread.run(
+                    XlaRunner,
+                    self.loaded.model,
+                    self.num_blocks,
+                    config.block_size,
+                    xla_buckets,
+                    ShardingPlan(config.num_devices),
+                    invariant,
+                    self.lora,
+                )
+            else:
+                runner = self._thread.run(
+                    ModelRunner,
+                    self.loaded.model,
+                    self.num_blocks,
+                    config.block_size,
+                    static,
+                    self._peers,
+                    backend if config.compile else None,
+                    invariant,
+                    self.executor,
+                    self.lora,
+                )
+        except KvPoolUnallocated as error:  # a bare OSError [Errno 12] before, naming no flag
+            raise sizing.pool_refused(config, error) from None
         adapters = None if self.lora is None else AdapterSlots(config.max_loras)
         return EngineCore(
             scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch, adapters

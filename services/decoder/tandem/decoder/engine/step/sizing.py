@@ -9,6 +9,7 @@ from tandem.client.errors import ConfigError
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.step.static_shapes import StaticShapes, power_of_two_buckets, width_buckets
 from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.kv_pool import KvPoolUnallocated
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int | None = None) -> int:
@@ -60,6 +61,21 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: i
     num_kv_heads = c.num_kv_heads // world_size
     per_block = 2 * c.num_layers * config.block_size * num_kv_heads * c.head_dim * c.dtype.itemsize
     return max(2, config.kv_cache_bytes // per_block + 1)  # + the reserved null block
+
+
+def pool_refused(config: EngineConfig, error: KvPoolUnallocated) -> ConfigError:
+    """A KV pool the host could not allocate as the start-up error of the flag that sized it."""
+    asked = f"{error.num_blocks:,} blocks, {error.num_bytes:,} bytes on this rank"
+    if config.num_kv_blocks:
+        return ConfigError(
+            "num_kv_blocks",
+            f": the KV pool it asks for ({asked}) could not be allocated ({error.cause}): ask for fewer "
+            "blocks, or leave it unset to size the pool by --kv-cache-bytes",
+        )
+    return ConfigError(
+        "kv_cache_bytes",
+        f": the KV pool it asks for ({asked}) could not be allocated ({error.cause}): give it fewer bytes",
+    )
 
 
 def static_shapes(config: EngineConfig, max_model_len: int) -> StaticShapes | None:
