@@ -112,6 +112,9 @@ def test_a_shape_of_many_huge_dimensions_is_refused_at_once_naming_the_limit() -
     assert _error(_message(shape=(2**13, 2**13, 2), data=b"")).description == (
         f"{1 << 27} elements exceed the limit of {1 << 26}"  # the whole count, where it is known
     )
+    # Its own kind of InvalidArgument: the size asked for, the asker's to change wherever the tensor
+    # came from (the decoder keeps it on the caller's field when an encoder's rows are over it).
+    assert isinstance(error, tensors.TooManyElements)
 
 
 def test_huge_shape_under_the_cap_but_short_data_is_a_length_error() -> None:

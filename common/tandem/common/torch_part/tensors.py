@@ -49,6 +49,11 @@ class TensorLimits:
 DEFAULT_LIMITS = TensorLimits()
 
 
+class TooManyElements(InvalidArgument):
+    """A shape over TensorLimits.max_elements: the size of what was asked for, so the asker's to
+    change, wherever the tensor came from (a service's reply to a caller's long input included)."""
+
+
 def to_torch_dtype(dtype: int, field: str = "dtype") -> torch.dtype:
     try:
         return _TORCH_DTYPES[dtype]
@@ -128,7 +133,7 @@ def _checked_header(
         num_elements *= dim
         if num_elements > limits.max_elements:
             counted = f"{num_elements}" if i == len(shape) - 1 else f"more than {limits.max_elements}"
-            raise InvalidArgument(
+            raise TooManyElements(
                 f"{field}.shape", f"{counted} elements exceed the limit of {limits.max_elements}"
             )
     return _TORCH_DTYPES[dtype], shape, num_elements

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import secrets
 from collections.abc import Sequence
@@ -289,6 +290,11 @@ class EncoderParts:
                 ) from None
             except (InvalidArgument, FailedPrecondition) as error:
                 raise _unavailable(f"{lost}; fetched again by value, its reply's {error}") from None
+        except tensors.TooManyElements:
+            # More rows than this decoder's --max-message-bytes holds (an encoder allowed larger
+            # messages, and shared memory passes gRPC's receive cap): the caller's input is too long,
+            # which no retry mends, so it stays INVALID_ARGUMENT on the caller's field.
+            raise
         except InvalidArgument as error:
             # A reply wrong in itself (a segment this call did not ask for, rows past their segment, a
             # dtype or shape not the rows', NaN): the encoder's fault, never the caller's input (callers
@@ -382,7 +388,10 @@ class EncoderParts:
         try:
             segment = self.maps.open(handle.name)
         except OSError as error:  # this host's (a race with the encoder's pool, a limit): by value
-            shared_memory.remove(self.shm_dir, handle.name)  # released to the pool, as a read does
+            # Released to the pool, as a read does; a name this process may not remove (EPERM, EISDIR:
+            # not the encoder's file) is left, its own error no reason to fail the call unclassified.
+            with contextlib.suppress(OSError):
+                shared_memory.remove(self.shm_dir, handle.name)
             raise _SegmentLost(f"its segment could not be opened ({error})") from None
         if segment is None:
             raise _SegmentLost("its segment was gone before it was read (the encoder's lease ran out)")

@@ -22,7 +22,7 @@ from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, w
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.kernels import PLAIN, LayerKernels, ModelKernels
-from tandem.decoder.models.kv_pool import KvPoolUnallocated
+from tandem.decoder.models.kv_pool import KvPoolUnallocated, out_of_memory
 from tandem.decoder.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -317,7 +317,12 @@ class DecoderModel(nn.Module):
                     layers[i] for i in range(c.num_layers)
                 ]  # not unbind: its views refuse in-place writes
             return [torch.zeros(shape, dtype=c.dtype, device=device) for _ in range(c.num_layers)]
-        except (OSError, RuntimeError) as error:  # mmap's ENOMEM; torch's allocator (OutOfMemoryError)
+        except (OSError, RuntimeError, MemoryError, OverflowError) as error:
+            # Only the allocation's own refusals: mmap's ENOMEM, or a size past what it maps at all;
+            # torch's allocators (OutOfMemoryError, the CPU allocator's RuntimeError). Anything else (a
+            # CUDA error left by an earlier kernel) is a fault of its own, not a size to give less.
+            if not out_of_memory(error):
+                raise
             num_bytes = c.num_layers * math.prod(shape) * c.dtype.itemsize
             raise KvPoolUnallocated(num_blocks, num_bytes, error) from error
 
