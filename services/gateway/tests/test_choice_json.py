@@ -53,7 +53,8 @@ async def test_a_choice_in_slices_is_the_json_of_the_choice_dumped_whole(
     kind: str, num_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(choice_json, "SLICE_VALUES", 16)  # 300 tokens of 4 values: 75 slices
-    texts = (" tok", 'é\n"', "", "\x00tandem-logprobs\x00", "🙂")  # escaped, empty (token_id:N), the marker
+    # escaped, empty (spelled token_id:N), the marker, a text that reads as the token_id:N spelling
+    texts = (" tok", 'é\n"', "", "\x00tandem-logprobs\x00", "🙂", "token_id:7")
     completion = _completion(kind, num_tokens, top=3, texts=texts)
     for with_logprobs in (True, False):
         counted: list[int] = []

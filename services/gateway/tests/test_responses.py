@@ -42,6 +42,26 @@ def test_streamed_completion_text_offsets_run_over_the_whole_completion() -> Non
     assert offsets == [0, 4, 9]
 
 
+def test_a_token_whose_text_reads_token_id_takes_its_characters_in_text_offset() -> None:
+    # A token is spelled `token_id:N` only when it has no text of its own (its `bytes` null); a token
+    # whose decoded text is "token_id:7" is 10 characters of the completion like any other.
+    deltas = [
+        decoder_pb2.TokenDelta(text="token_id:7", token_ids=[5], logprobs=[-1.0]),
+        decoder_pb2.TokenDelta(text="", token_ids=[6], logprobs=[-1.0]),  # no text: `token_id:6`, none
+        # Two tokens in one delta: its text is the first's, the second is spelled by its ID after it.
+        decoder_pb2.TokenDelta(text="token_id:8", token_ids=[7, 8], logprobs=[-1.0, -1.0]),
+        decoder_pb2.TokenDelta(text=" end", token_ids=[9], logprobs=[-1.0]),
+    ]
+    streamed, whole = Completion("text", "abc", "tiny"), Completion("text", "abc", "tiny")
+    offsets = []
+    for delta in deltas:
+        offsets += streamed.chunk(delta, True)["choices"][0]["logprobs"]["text_offset"]
+        whole.add(delta, True)
+    logprobs = whole.choice(True)["logprobs"]
+    assert logprobs["tokens"] == ["token_id:7", "token_id:6", "token_id:8", "token_id:8", " end"]
+    assert offsets == logprobs["text_offset"] == [0, 10, 10, 20, 20]
+
+
 def test_service_field_paths_read_as_the_body_spells_them() -> None:
     from tandem.gateway.errors import body_field
 

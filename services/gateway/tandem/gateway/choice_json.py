@@ -59,7 +59,7 @@ async def choice_json(
     async for entries in _slices(completion.deltas):
         lists = {"content": entries} if completion.kind == "chat" else text_logprobs(entries, position)
         if completion.kind == "text":
-            position += sum(token_text_length(e["token"]) for e in entries)
+            position += sum(token_text_length(e) for e in entries)
         for name in names:
             if lists[name]:
                 items[name].append(counted(json.dumps(lists[name])[1:-1].encode()))

@@ -217,7 +217,7 @@ def text_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, An
     offsets, position = [], start
     for entry in entries:
         offsets.append(position)
-        position += token_text_length(entry["token"])
+        position += token_text_length(entry)
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
@@ -226,7 +226,8 @@ def text_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, An
     }
 
 
-def token_text_length(token: str) -> int:
-    """Characters of the completion's text a logprobs entry's token stands for: none for an alternative
-    spelled `token_id:N`, which is no text of it."""
-    return 0 if token.startswith("token_id:") else len(token)
+def token_text_length(entry: dict[str, Any]) -> int:
+    """Characters of the completion's text a logprobs entry (`chat_logprobs`) stands for: none for a token
+    spelled `token_id:N`, which is no text of it. Its null `bytes` says so, not its spelling: a token
+    whose text is "token_id:7" is ten characters of the completion."""
+    return 0 if entry["bytes"] is None else len(entry["token"])
