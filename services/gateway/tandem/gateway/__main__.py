@@ -32,6 +32,7 @@ from tandem.common.flags import (
 from tandem.common.server import check_port_free, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.gateway.access_log import AccessLog
+from tandem.gateway.answer_metrics import observe_answer_bytes
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels, decoder_client
@@ -242,6 +243,8 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     # log leaves out the health probes that succeed (access_log.py).
     # aiohttp's own answers (a request it cannot parse) are in OpenAI's error shape (OpenAIRequestHandler).
     gateway = Gateway(config, decoder, encoder, callers, workers, tracer=tracer)
+    if telemetry.is_metrics:
+        observe_answer_bytes(telemetry.meter, gateway.answer_bytes)
     handler_settings: dict[str, Any] = {
         "keepalive_timeout": config.idle_timeout_s,
         "lingering_time": 1.0,

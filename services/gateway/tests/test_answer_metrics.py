@@ -1,0 +1,73 @@
+"""The gateway's unread answers as gauges: the bytes all callers hold, the largest caller's, and the
+answers waiting for room; `tandem serve openai` reports them when metrics are exported."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from tandem.client import telemetry as otel
+from tandem.gateway import __main__ as gateway_main
+from tandem.gateway.answer_bytes import AnswerBytes
+from tandem.gateway.answer_metrics import (
+    TANDEM_GATEWAY_UNREAD_ANSWER_BYTES,
+    TANDEM_GATEWAY_UNREAD_ANSWER_LARGEST_CALLER_BYTES,
+    TANDEM_GATEWAY_UNREAD_ANSWERS_WAITING,
+    observe_answer_bytes,
+)
+from tandem.gateway.config import GatewayConfig
+
+from .fake_decoder import fake_decoder
+
+NAMES = (
+    TANDEM_GATEWAY_UNREAD_ANSWER_BYTES,
+    TANDEM_GATEWAY_UNREAD_ANSWER_LARGEST_CALLER_BYTES,
+    TANDEM_GATEWAY_UNREAD_ANSWERS_WAITING,
+)
+
+
+def _readings(reader: InMemoryMetricReader) -> dict[str, float]:
+    """Each gauge's one reading, by name."""
+    data = reader.get_metrics_data()
+    return {
+        metric.name: point.value
+        for resource in (data.resource_metrics if data else [])
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        for point in metric.data.data_points
+    }
+
+
+async def test_the_gauges_read_the_bytes_held_the_largest_callers_and_the_answers_waiting() -> None:
+    reader = InMemoryMetricReader()
+    held = AnswerBytes(max_bytes=1000, max_bytes_per_caller=500)
+    observe_answer_bytes(otel.build_telemetry("tandem-openai", [], [reader]).meter, held)
+    assert _readings(reader) == dict.fromkeys(NAMES, 0)
+    a = await held.reserve("a", 450, 5)
+    await held.reserve("b", 300, 5)
+    waiting = [asyncio.create_task(held.reserve(c, n, 5)) for c, n in (("a", 100), ("c", 400))]
+    await asyncio.sleep(0)  # a's over its share, c's over the gateway's bound
+    assert _readings(reader) == dict(zip(NAMES, (750, 450, 2), strict=True))
+    a.release()  # both fit now
+    await asyncio.gather(*waiting)
+    assert _readings(reader) == dict(zip(NAMES, (800, 400, 0), strict=True))
+
+
+async def test_serve_reports_the_gauges_when_metrics_are_exported(monkeypatch: pytest.MonkeyPatch) -> None:
+    reader = InMemoryMetricReader()
+    exported = otel.build_telemetry("tandem-openai", [], [reader])  # as OTEL_METRICS_EXPORTER asks
+    monkeypatch.setattr(gateway_main, "setup_telemetry", lambda *_: exported)
+    async with fake_decoder() as (_, address):
+        config = GatewayConfig(decoder_address=address, encoder_address="127.0.0.1:9", port=0, body_workers=1)
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(gateway_main.serve(config, ready))
+        try:
+            await asyncio.wait_for(ready, 30)
+            assert _readings(reader) == dict.fromkeys(NAMES, 0)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
