@@ -145,7 +145,7 @@ async def _stream(
     import grpc
     from google.protobuf import json_format
 
-    from tandem.cli_errors import CallFlags, failure
+    from tandem.cli_errors import EXIT_FAILED, CallFlags, failure
     from tandem.client.client import DecoderClient
     from tandem.client.pb.tandem.v1 import decoder_pb2
 
@@ -166,6 +166,9 @@ async def _stream(
             setattr(request.sampling, name, values[name])
     flags = CallFlags(f"{describe_flag('address')} {values['address']}", _request_flags(parts))
     is_mid_line = False  # the streamed text ended without a newline: an error starts a line of its own
+    # A stream that closes OK without its `finished` event is a decoder that broke the contract (or a
+    # proxy that cut it short): the answer may be incomplete, so the command must not exit 0.
+    has_finished = False
     try:
         client = DecoderClient(values["address"], telemetry=telemetry, security=security)
     except ValueError as error:  # an address it cannot use
@@ -181,6 +184,7 @@ async def _stream(
                     if response.delta.text:
                         is_mid_line = not response.delta.text.endswith("\n")
                 elif response.HasField("finished"):
+                    has_finished = True
                     f = response.finished
                     reason = decoder_pb2.FinishReason.Name(f.reason)
                     print(
@@ -192,6 +196,11 @@ async def _stream(
             line, code = failure(error, flags)
             print(f"{PROG}: {line}", file=sys.stderr)
             return code
+    if not has_finished:
+        if is_mid_line:
+            print(flush=True)
+        print(f"{PROG}: {flags.address}: the stream ended without its finished event", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

@@ -7,15 +7,17 @@ import os
 import re
 import socket
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tandem import cli
-from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2
 from tandem.common.torch_part import tensors
 from tandem.decoder.models.loader import LoadedModel
 from tests.integration.reliability.harness import Services
@@ -243,3 +245,28 @@ def test_an_unreachable_collector_is_one_line_after_the_answer(services: Service
     failed = rf"tandem generate: telemetry: Failed to export (traces|metrics) to 127\.0\.0\.1:{closed}, "
     assert re.match(failed, err), err
     assert len(err.splitlines()) == 1, err
+
+
+class _CutShort(decoder_pb2_grpc.DecoderServicer):
+    """A decoder that streams some text, then closes the stream OK without its `finished` event."""
+
+    def Generate(self, request, context):  # noqa: N802 (the RPC's name)
+        yield decoder_pb2.GenerateResponse(delta=decoder_pb2.TokenDelta(text="Once upon"))
+
+
+def test_a_stream_closed_without_its_finished_event_is_a_failure_not_an_answer(capsys, environ) -> None:
+    # It exited 0 with the text and no summary line: a cut-short answer read as a whole one.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    decoder_pb2_grpc.add_DecoderServicer_to_server(_CutShort(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert cli.main(["generate", "--address", f"127.0.0.1:{port}", "--prompt", "hi"]) == 1
+    finally:
+        server.stop(0)
+    out, err = capsys.readouterr()
+    assert out == "Once upon\n", out  # the text so far, its line ended before the error
+    assert err == (
+        f"tandem generate: --address (TANDEM_GENERATE_ADDRESS) 127.0.0.1:{port}: "
+        "the stream ended without its finished event\n"
+    ), err
