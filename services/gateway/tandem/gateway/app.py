@@ -65,10 +65,7 @@ BODY_NAMES = web.RequestKey("body_names", BodyNames)  # the body's names for fie
 
 
 def error_response(error: HttpError) -> web.Response:
-    response = web.json_response(error.body(), status=error.status, headers=error.headers())
-    if error.status in (408, 413):  # the rest of the body may still be coming: not worth reading
-        response.force_close()
-    return response
+    return web.json_response(error.body(), status=error.status, headers=error.headers())
 
 
 class Gateway:
@@ -122,6 +119,11 @@ class Gateway:
             response = error_response(refused.error)
             if refused.close:
                 await _answer_and_close(request, response)
+            elif refused.error.status == 413 and not request.content.is_eof():
+                # The rest of a body over --max-body-bytes may still be coming: not worth reading (aiohttp
+                # would, for its lingering time). A 413 after the whole body was read (an answer or a
+                # call over its bound) keeps the connection: a client's next request reuses it.
+                response.force_close()
             elif request.content.exception() is not None:  # a body that cannot be read cannot be drained
                 response.force_close()
                 # aiohttp's drain after the answer would read the failure again and log it as its own

@@ -1,0 +1,78 @@
+"""Which refusals close their connection: a 413 for a body over --max-body-bytes does, answered at once
+with `Connection: close` without waiting for the rest (however it is sent: a Content-Length over the
+bound, or chunks past it; aiohttp drops what more comes for its lingering time, then closes); a 413 once the whole body was read (an answer over --max-unread-answer-bytes)
+keeps it, and the caller's next request is served on it, as a client's connection pool sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from .fake_decoder import fake_decoder
+from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, UNREAD_BODY, connect, send
+
+SMALL_BODY = json.dumps({"prompt": "q", "n": 2}).encode()
+
+
+def _request(body: bytes) -> bytes:
+    return COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def _answer(sock: socket.socket) -> tuple[int, bytes, dict]:
+    """The next answer's status, head (lower case) and JSON; ConnectionError when the connection ends
+    first (a closed socket reads b"" at once, without yielding to a timeout)."""
+    loop, sent = asyncio.get_running_loop(), b""
+    async with asyncio.timeout(5):
+        while b"\r\n\r\n" not in sent:
+            if not (chunk := await loop.sock_recv(sock, 65536)):
+                raise ConnectionError(f"closed after {sent[:200]!r}")
+            sent += chunk
+        head, _, body = sent.partition(b"\r\n\r\n")
+        head = head.lower()
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if b"content-length:" in line)
+        while len(body) < length:
+            if not (chunk := await loop.sock_recv(sock, 65536)):
+                raise ConnectionError(f"closed after {sent[:200]!r}")
+            body += chunk
+    return int(head.split()[1]), head, json.loads(body)
+
+
+async def test_an_answer_over_the_gateways_bound_is_413_on_a_connection_kept_for_the_next_request() -> None:
+    bounds = {"max_unread_answer_bytes": 300_000, "max_unread_answer_bytes_per_caller": 100_000}
+    async with fake_decoder() as (_, address), live_gateway(address, **bounds) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, _request(UNREAD_BODY))  # its answer reserves 413,668 bytes
+            status, head, refused = await _answer(sock)
+            assert status == 413 and "--max-unread-answer-bytes" in refused["error"]["message"]
+            assert b"connection: close" not in head
+            await send(sock, _request(SMALL_BODY))
+            status, _, answer = await _answer(sock)  # was: closed after the 413
+            assert status == 200 and len(answer["choices"]) == 2
+        finally:
+            sock.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        pytest.param(COMPLETIONS_HEAD + b"Content-Length: 100000\r\n\r\n", id="declared over the bound"),
+        pytest.param(COMPLETIONS_HEAD + b"Transfer-Encoding: chunked\r\n\r\n", id="chunks past the bound"),
+    ],
+)
+async def test_a_body_over_the_bound_is_413_at_once_and_closes_its_connection(head: bytes) -> None:
+    async with fake_decoder() as (decoder, address), live_gateway(address, max_body_bytes=4096) as url:
+        sock = await connect(url)
+        try:
+            sent = b'{"prompt": "' + b"x" * 8192
+            chunked = b"Transfer-Encoding: chunked" in head
+            await send(sock, head + (b"%x\r\n%s\r\n" % (len(sent), sent) if chunked else sent))
+            status, head, refused = await _answer(sock)  # the rest never sent
+            assert (status, refused["error"]["param"]) == (413, "body") and b"connection: close" in head
+            assert not decoder.requests
+        finally:
+            sock.close()
