@@ -54,14 +54,21 @@ async def read_answer(sock: socket.socket, within_s: float) -> tuple[int, dict]:
     """The status and JSON of the gateway's answer, read to its Content-Length (the gateway may go on
     reading the rest of a refused body before it closes)."""
     loop, sent = asyncio.get_running_loop(), b""
+
+    async def more() -> bytes:
+        # A closed socket answers b"" at once, without yielding: looping on it spun past the timeout.
+        if not (chunk := await loop.sock_recv(sock, 65536)):
+            raise ConnectionError("the gateway closed the connection before its whole answer was read")
+        return chunk
+
     async with asyncio.timeout(within_s):
         while b"\r\n\r\n" not in sent:
-            sent += await loop.sock_recv(sock, 65536)
+            sent += await more()
         head, _, body = sent.partition(b"\r\n\r\n")
         lines = head.lower().split(b"\r\n")
         length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length:"))
         while len(body) < length:
-            body += await loop.sock_recv(sock, 65536)
+            body += await more()
     return int(head.split()[1]), json.loads(body)
 
 
