@@ -26,9 +26,12 @@ BODY = b'{"prompt": "hi", "max_tokens": 1}'
 
 
 async def _answer(sock: socket.socket, within_s: float) -> tuple[int, dict, float]:
-    """The status and JSON of the answer, and the seconds until the server closed the connection."""
+    """The status and JSON of the answer, and the seconds until the server closed the connection, which
+    its head announced (`Connection: close`: a client that reused it would fail its next request)."""
     started = time.monotonic()
-    status, answer = parse_answer(await read_to_close(sock, within_s))
+    sent = await read_to_close(sock, within_s)
+    assert b"\r\nconnection: close\r\n" in sent.partition(b"\r\n\r\n")[0].lower() + b"\r\n", sent[:300]
+    status, answer = parse_answer(sent)
     sock.close()
     return status, answer, time.monotonic() - started
 

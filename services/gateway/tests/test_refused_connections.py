@@ -1,8 +1,9 @@
-"""Which refusals close their connection: a 413 for a body over --max-body-bytes does, answered at once
-with `Connection: close` without waiting for the rest (however it is sent: a Content-Length over the
-bound, or chunks past it; aiohttp drops what more comes for its lingering time, then closes); a 413
-once the whole body was read (an answer over --max-unread-answer-bytes) keeps it, and the caller's next
-request is served on it, as a client's connection pool sends it."""
+"""Which refusals close their connection: a 413 for a body over --max-body-bytes whose rest is still
+coming does, answered at once with `Connection: close` without waiting for the rest (however it is
+sent: a Content-Length over the bound, or chunks past it; aiohttp drops what more comes for its
+lingering time, then closes); a 413 once the whole body was read (an answer over
+--max-unread-answer-bytes, or a body over the bound that aiohttp had already read whole) keeps it, and
+the caller's next request is served on it, as a client's connection pool sends it."""
 
 from __future__ import annotations
 

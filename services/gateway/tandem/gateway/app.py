@@ -522,6 +522,7 @@ async def _answer_and_close(request: web.Request, response: web.StreamResponse) 
     aiohttp would otherwise linger (its lingering_time: read and drop what is left of the body) on a
     connection the caller is holding open on purpose. nginx closes a connection whose body timed out
     the same way."""
+    response.force_close()  # the head says `Connection: close`: a client must not reuse the connection
     await response.prepare(request)
     await response.write_eof()
     if request.protocol is not None:
