@@ -29,7 +29,7 @@ from ...models.helpers import PagedRun, greedy, greedy_batch
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 
 
-def test_linears_go_to_the_packed_c_kernel_on_avx512_bf16_then_onednn_then_the_c_kernel_and_float32_to_torch(
+def test_linears_go_to_the_packed_c_kernel_on_avx512_bf16_then_onednn_then_the_c_kernel_and_float32_to_c(
     kernels, checkpoints: dict[str, Checkpoint]
 ) -> None:
     bf16 = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
@@ -39,7 +39,8 @@ def test_linears_go_to_the_packed_c_kernel_on_avx512_bf16_then_onednn_then_the_c
         assert choose_linears(bf16, kernels) == ("onednn" if has_onednn_bf16() else "c")
     assert choose_linears(bf16, None) == ("onednn" if has_onednn_bf16() else "torch")
     fp32 = load_model(checkpoints["qwen3"].path, dtype="float32").model
-    assert choose_linears(fp32, kernels) == "torch"
+    assert choose_linears(fp32, kernels) == "c"  # csrc/linear_f32.c
+    assert choose_linears(fp32, None) == "torch"
 
 
 @pytest.mark.parametrize("linears", ["c", "onednn", "torch"])
@@ -58,9 +59,15 @@ def test_every_path_gives_the_plain_models_greedy_tokens(
     assert greedy_with(executor, model, PROMPT, 12) == want
 
 
-def test_float32_linears_are_torchs_so_rows_are_not_exact(kernels, checkpoint: Checkpoint) -> None:
-    executor = CpuExecutor(load_model(checkpoint.path, dtype="float32").model, kernels)
-    assert executor.choice.linears == "torch" and not executor.rows_exact
+def test_float32_linears_are_the_c_kernels_so_rows_are_exact_where_a_build_is_loaded(
+    kernels, checkpoint: Checkpoint
+) -> None:
+    model = load_model(checkpoint.path, dtype="float32").model
+    executor = CpuExecutor(model, kernels)
+    assert executor.choice.linears == "c" and executor.rows_exact
+    assert greedy_with(executor, model, PROMPT, 12) == greedy(model, PROMPT, 12)
+    without = CpuExecutor(model, None)  # no build: torch's linears, --batch-invariant verifies row by row
+    assert without.choice.linears == "torch" and not without.rows_exact
 
 
 def greedy_with(executor: CpuExecutor, model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -131,8 +131,8 @@ def test_inputs_the_kernel_cannot_read_are_refused_naming_the_argument(kernels) 
             ValueError, match=r"^x must be a contiguous bfloat16 CPU tensor of shape \[\*, 16\]"
         ):
             bound(bad)
-    with pytest.raises(ValueError, match="^weight must be a contiguous 2-D bfloat16"):
-        CLinear(kernels, weight.float(), None)
+    with pytest.raises(ValueError, match="^weight must be a contiguous 2-D bfloat16 or float32"):
+        CLinear(kernels, weight.double(), None)
     with pytest.raises(ValueError, match=r"^bias must be a contiguous bfloat16 CPU tensor of shape \[8\]"):
         CLinear(kernels, weight, torch.zeros(9, dtype=torch.bfloat16))
 
@@ -140,7 +140,9 @@ def test_inputs_the_kernel_cannot_read_are_refused_naming_the_argument(kernels) 
 def test_the_c_kernel_is_bound_only_to_weights_it_can_read_in_place() -> None:
     weight = torch.randn(8, 16).to(torch.bfloat16)
     assert can_bind(weight, None) and can_bind(weight, torch.zeros(8, dtype=torch.bfloat16))
-    assert not can_bind(weight.float(), None)  # float32
+    assert can_bind(weight.float(), torch.zeros(8))  # float32 (csrc/linear_f32.c), its bias too
+    assert not can_bind(weight.double(), None)  # float64
+    assert not can_bind(weight.float(), torch.zeros(8, dtype=torch.bfloat16))  # a bias of another dtype
     assert not can_bind(torch.randn(16, 8).to(torch.bfloat16).T, None)  # not contiguous
     assert not can_bind(torch.randn(2, 8, 16).to(torch.bfloat16), None)  # not 2-D
     assert not can_bind(torch.empty(8, 0, dtype=torch.bfloat16), None)  # no column
@@ -166,18 +168,24 @@ def test_an_executor_binds_every_bf16_linear_and_the_tied_head_to_the_c_kernel_w
     assert len(bound) == 4 * len(model.layers) and all(isinstance(linear, CLinear) for linear in bound)
 
 
-def test_float32_models_keep_torch_linears(kernels, checkpoint: Checkpoint) -> None:
+def test_float32_models_bind_the_c_float32_kernel_wherever_a_build_is_loaded(
+    kernels, checkpoint: Checkpoint
+) -> None:
+    """MKL's float32 GEMM orders a row's sums by the row count; csrc/linear_f32.c does not. Without a
+    build (or asked for torch's linears) they stay on F.linear."""
     model = load_model(checkpoint.path, dtype="float32").model
-    for linears in (None, "c", "onednn"):
-        executor = CpuExecutor(model, kernels, linears=linears)
-        bound = [
-            linear
-            for layer in executor.kernels.layers
-            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]
-        assert bound and all(type(linear) is TorchLinear for linear in bound)
-        assert type(executor.kernels.head) is TorchLinear
-    assert CpuExecutor(model, kernels).choice.linears == "torch"
+
+    def linears_of(executor: CpuExecutor) -> list[object]:
+        layers = executor.kernels.layers
+        return [p for k in layers for p in (k.qkv, k.o, k.gate_up, k.down)] + [executor.kernels.head]
+
+    executor = CpuExecutor(model, kernels)
+    assert executor.choice.linears == "c" and not executor.choice.fused_layers
+    bound = linears_of(executor)
+    assert all(type(linear) is CLinear and linear.weight.dtype == torch.float32 for linear in bound)
+    assert executor.kernels.head.weight.data_ptr() == model.head_weight.data_ptr()  # in place, no copy
+    for off in (CpuExecutor(model, None), CpuExecutor(model, kernels, linears="torch")):
+        assert all(type(linear) is TorchLinear for linear in linears_of(off))
 
 
 def test_bf16_greedy_tokens_on_the_linear_kernel_match_the_torch_linears(

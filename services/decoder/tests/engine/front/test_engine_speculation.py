@@ -26,10 +26,13 @@ from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Event
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.sampling import prompt_lookup
+from tandem.decoder.engine.step import runner
 from tandem.decoder.models.loader import LoadedModel
 
 
-def _engine(model_dir: Path, loaded: LoadedModel, **overrides) -> Engine:
+def _engine(model_dir: Path, loaded: LoadedModel | None, **overrides) -> Engine:
+    """An engine over `loaded` as given (torch ops), or, with None, over the model it loads itself: on
+    the CPU executor, the kernels a served model runs (the float32 linears csrc/linear_f32.c's)."""
     settings = dict(model_dir=model_dir, dtype="float32", num_kv_blocks=1024, block_size=4, max_num_seqs=16)
     # Every batch speculates unless a test says otherwise (the default stops above 4 requests).
     settings["speculative_max_batch"] = 64
@@ -95,14 +98,21 @@ def _spec(prompt: list, sampling: SamplingParams, max_new_tokens: int = 24, **kw
 
 
 def test_under_batch_invariant_speculation_gives_the_logprobs_of_plain_steps_bit_for_bit(
-    tiny_model_dir: Path, tiny_fp32: LoadedModel, oracle: Oracle
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, oracle: Oracle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """float32 linears are torch's, whose sums MKL blocks by the row count (a verification's 5 rows
-    gave its first row a logprob 1 ULP off a one-row step's): --batch-invariant verifies row by row,
-    so a speculating request's logprobs are those without speculation, alone and beside others."""
+    """float32 linears are the C kernel's (csrc/linear_f32.c), which keeps a row's sums in one order
+    at any row count, where MKL's blocked them by it (a verification's 5 rows gave its first row a
+    logprob 1 ULP off a one-row step's): a verification runs in one pass, not row by row, and a
+    speculating request's logprobs are those without speculation, alone and beside others."""
+
+    def row_by_row(host: object) -> None:
+        raise AssertionError("a verification ran row by row")
+
+    monkeypatch.setattr(runner, "rows_apart", row_by_row)
     prompt = _prompts(tiny_fp32)["tokens"]
     sampling = SamplingParams(temperature=0.9, seed=11, logprobs=True)
-    with _engine(tiny_model_dir, tiny_fp32, batch_invariant=True) as engine:
+    with _engine(tiny_model_dir, None, batch_invariant=True) as engine:
+        assert engine.executor.rows_exact
         plain = list(engine.generate(_spec(prompt, sampling)))
         oracle.know(_history(tiny_fp32, prompt), _tokens(plain))
         alone = list(engine.generate(_spec(prompt, sampling, speculative_tokens=4)))
@@ -121,15 +131,16 @@ def test_tokens_with_speculation_equal_those_without_alone_and_batched(
     tiny_model_dir: Path, tiny_fp32: LoadedModel, oracle: Oracle, sampling: SamplingParams
 ) -> None:
     """Greedy and seeded requests, token, embedding and mixed prompts, alone and in a batch where
-    some requests speculate and some do not: the same tokens, and logprobs of plain steps."""
+    some requests speculate and some do not: the same tokens, and the logprobs of plain steps bit for
+    bit (a row's linears sum in one order at any row count; MKL's float32 GEMM gave them 1 ULP off)."""
     prompts = _prompts(tiny_fp32)
     sampling = SamplingParams(**{**sampling.__dict__, "logprobs": True})
-    with _engine(tiny_model_dir, tiny_fp32) as engine:
+    with _engine(tiny_model_dir, None) as engine:
         plain = {kind: list(engine.generate(_spec(p, sampling))) for kind, p in prompts.items()}
     for kind, prompt in prompts.items():
         oracle.know(_history(tiny_fp32, prompt), _tokens(plain[kind]))
 
-    with _engine(tiny_model_dir, tiny_fp32, speculative_tokens=4) as engine:
+    with _engine(tiny_model_dir, None, speculative_tokens=4) as engine:
         alone = {kind: list(engine.generate(_spec(p, sampling))) for kind, p in prompts.items()}
         # Each prompt twice in one batch: once speculating, once with the request turning it off.
         specs = [_spec(p, sampling, speculative_tokens=k) for p in prompts.values() for k in (None, 0)]
@@ -137,12 +148,13 @@ def test_tokens_with_speculation_equal_those_without_alone_and_batched(
 
     for kind, events in alone.items():
         assert _tokens(events) == _tokens(plain[kind]), kind
-        assert _logprobs(events) == pytest.approx(_logprobs(plain[kind]), abs=1e-4), kind
+        assert _logprobs(events) == _logprobs(plain[kind]), kind  # exactly
         finished = _finished(events)
         assert finished.output_tokens == 24
         assert finished.proposed_tokens > finished.accepted_tokens > 0, kind
     for events, kind in zip(batched, [k for k in prompts for _ in (None, 0)], strict=True):
         assert _tokens(events) == _tokens(plain[kind]), kind
+        assert _logprobs(events) == _logprobs(plain[kind]), kind  # exactly
     assert [_finished(e).proposed_tokens > 0 for e in batched] == [True, False] * len(prompts)
 
 

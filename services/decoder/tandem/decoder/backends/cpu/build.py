@@ -34,6 +34,7 @@ SOURCES = (
     "copy_digest.c",
     "limits.c",
     "linear.c",
+    "linear_f32.c",
     "linear_int8.c",
     "linear_packed.c",
     "linear_quant.c",

@@ -113,12 +113,16 @@ class KernelChoice:
 
 def choose_linears(model: DecoderModel, kernels: Kernels | None) -> LinearKind:
     """For bf16: the C kernel on an AVX512-BF16 build (packed weights, VDPBF16PS), else oneDNN's packed
-    bf16 where oneDNN has a bf16 path (AVX-512 without BF16), else the C kernel (AVX2). F.linear for
-    anything else.
+    bf16 where oneDNN has a bf16 path (AVX-512 without BF16), else the C kernel (AVX2). For float32:
+    the C kernel wherever a build is loaded. F.linear for anything else.
 
-    Why the C kernel before oneDNN where both are fast: oneDNN orders a row's sums by the row count
-    (its blocking depends on it), so a row's bits change with its neighbours, and speculative
-    decoding and the prefix cache could change a request's tokens. The C kernels' order is fixed."""
+    Why the C kernel before oneDNN or MKL where both are fast: they order a row's sums by the row
+    count (their blocking depends on it), so a row's bits change with its neighbours, and speculative
+    decoding and the prefix cache could change a request's logprobs or tokens. The C kernels' order
+    is fixed. (float32 on SmolLM2's shapes, Zen 4, 2 threads: the C kernel is as fast as MKL from one
+    row to 512, docs/PERFORMANCE.md, so it needs no prefill kernel of its own.)"""
+    if model.config.dtype == torch.float32 and kernels is not None:
+        return "c"
     if model.config.dtype != torch.bfloat16:
         return "torch"
     if kernels is not None and kernels.weight_layout != 0:
@@ -153,7 +157,12 @@ def _bind_linear(
             kernels, kernels.quantized_weight(weight, dense_rows, int8_activations, tiled), bias, dtype
         )
     if kind == "c" and kernels is not None and can_bind(weight, bias):
-        return CLinear(kernels, weight, bias, (tile_rows or {}).get((weight.shape[0], weight.shape[1]), 0))
+        tiled = (
+            (tile_rows or {}).get((weight.shape[0], weight.shape[1]), 0)
+            if weight.dtype == torch.bfloat16
+            else 0
+        )
+        return CLinear(kernels, weight, bias, tiled)
     if kind == "onednn" and can_prepack(weight):
         return PackedLinear(weight, bias)
     return TorchLinear(weight, bias)
@@ -282,7 +291,14 @@ class CpuExecutor:
         bound = bind_table(kernels, lora) if kernels is not None and lora is not None else None
         self.c_lora = bound  # each layer's LoRA slots on the C kernel; None: none or the torch reference's
         # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
-        if kernels is not None and c_ops and kind == "c" and model.tp is None:
+        # bf16 only: a float32 model's layers run op by op, each linear on the C float32 kernel.
+        if (
+            kernels is not None
+            and c_ops
+            and kind == "c"
+            and model.tp is None
+            and config.dtype == torch.bfloat16
+        ):
             fused = [
                 _fuse(
                     kernels, layer, dense_rows, tiles, int8_activations, None if bound is None else bound[i]
@@ -322,7 +338,8 @@ class CpuExecutor:
         )
         # A decode or verify row's bits are the same at any row count only when no linear is torch's
         # (F.linear and oneDNN block a row's sums by the row count: MKL's float32 GEMM gives a row
-        # other bits among 5 rows than alone). Without it --batch-invariant verifies row by row.
+        # other bits among 5 rows than alone). Without it (oneDNN's bf16, or no build loaded)
+        # --batch-invariant verifies row by row.
         per_op_linears = [getattr(lk, name) for lk in layers for name in ("qkv", "o", "gate_up", "down")]
         exact_layers = self.fused is not None or all(
             p is not None and not isinstance(p, TorchLinear) for p in per_op_linears

@@ -68,7 +68,7 @@ class Kernels:
         # it hands over. Its weights are in weight_layout: 0 = [n, k] as stored, 16 = packed for
         # AVX512-BF16 (linear_packed.c), made once per weight by pack_weight.
         self.linear_bf16 = _bind(library.tandem_linear_bf16, pointers * 4 + sizes * 3)
-        # Any weight (weight.h's descriptor: bf16, or quantized_weight's); call it through
+        # Any weight (weight.h's descriptor: bf16, float32, or quantized_weight's); call it through
         # linear.CLinear or linear.QuantLinear, which check every tensor they hand over.
         self.linear = _bind(library.tandem_linear, pointers * 4 + sizes * 3 + [ctypes.c_int])
         self.weight_layout = int(_bind(library.tandem_weight_layout, [])())
@@ -134,6 +134,14 @@ class Kernels:
         packed = self._weights.empty(self._packed_elements(n, k), torch.bfloat16)
         _check(self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k), f"pack_weight: [{n}, {k}]")
         return KernelWeight(WEIGHT_BF16, n, k, packed, tile_rows=tile_rows)
+
+    def float_weight(self, weight: torch.Tensor) -> KernelWeight:
+        """A linear's weight [n, k] float32 as csrc/linear_f32.c reads it: the weight itself, in place
+        (the kernel reads it as nn.Linear stores it)."""
+        _check_tensor("weight", weight, torch.float32)
+        if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] < 1:
+            raise ValueError(f"weight must be [n, k] with n, k >= 1, got {_shape(weight)}")
+        return KernelWeight(WEIGHT_F32, weight.shape[0], weight.shape[1], weight)
 
     def quantized_weight(
         self,
@@ -318,7 +326,7 @@ class Kernels:
         return out
 
 
-WEIGHT_BF16, WEIGHT_Q4, WEIGHT_Q8 = 1, 2, 3  # csrc/weight.h's formats
+WEIGHT_BF16, WEIGHT_Q4, WEIGHT_Q8, WEIGHT_F32 = 1, 2, 3, 4  # csrc/weight.h's formats
 INT8_ACTIVATIONS = 8  # csrc/weight.h's activations: each row's inputs rounded to int8 per block of 32
 
 
@@ -338,7 +346,8 @@ class _WeightDescriptor(ctypes.Structure):
 
 class KernelWeight:
     """A linear's weight as the C kernels take it: weight.h's descriptor (at `ptr`) and the arrays it
-    points at, held for as long as this object lives. Built by Kernels.pack_weight / pack_quantized."""
+    points at, held for as long as this object lives. Built by Kernels.pack_weight, float_weight or
+    quantized_weight."""
 
     def __init__(
         self,

@@ -3,10 +3,12 @@
 - `CLinear`: bf16 through `tandem_linear_bf16` (csrc/linear.c; on AVX512-BF16 builds over a packed
   copy of the weight, csrc/linear_packed.c, or AMX tiles over that copy, csrc/linear_tiles.c).
   Chosen for bf16 wherever a build is loaded except a CPU with oneDNN bf16 and no AVX512-BF16
-  build: its sums keep one order whatever the row count.
+  build: its sums keep one order whatever the row count. float32 through `tandem_linear_f32`
+  (csrc/linear_f32.c), wherever a build is loaded, for the same reason: MKL's float32 GEMM gives a
+  row other bits among 2, 3 or 5 rows than alone.
 - `PackedLinear`: bf16 through oneDNN with the weight reordered into its blocked layout once, at
   bind time (F.linear would reorder it on every call); bit-identical to F.linear.
-- `TorchLinear`: F.linear, for everything else (float32, or kernels off).
+- `TorchLinear`: F.linear, for everything else (no build loaded: kernels off).
 - `QuantLinear`: a quantized weight (4- or 8-bit codes with fp16 scales per 32 inputs, csrc/
   linear_quant.c) against bf16 or float32 inputs, through `tandem_linear`.
 
@@ -20,16 +22,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, WEIGHT_BF16, Kernels, KernelWeight, is_plain
+from tandem.decoder.backends.cpu.kernels import (
+    DTYPE_CODES,
+    WEIGHT_Q4,
+    WEIGHT_Q8,
+    Kernels,
+    KernelWeight,
+    is_plain,
+)
+
+C_DTYPES = (torch.bfloat16, torch.float32)  # the dense weights CLinear takes
 
 
 def can_bind(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the C kernel takes this weight and bias: bf16, contiguous, on the CPU, at least one column."""
+    """Whether the C kernel takes this weight and bias: bf16 or float32 (the bias too), contiguous, on
+    the CPU, at least one column."""
     return (
-        is_plain(weight, torch.bfloat16)
+        weight.dtype in C_DTYPES
+        and is_plain(weight, weight.dtype)
         and weight.dim() == 2
         and weight.shape[1] >= 1
-        and (bias is None or is_plain(bias, torch.bfloat16))
+        and (bias is None or is_plain(bias, weight.dtype))
     )
 
 
@@ -67,10 +80,11 @@ class PackedLinear(TorchLinear):
 
 
 class CLinear:
-    """x [num_tokens, in_features] bf16 -> x @ weight.T (+ bias) [num_tokens, out_features] bf16.
+    """x [num_tokens, in_features] -> x @ weight.T (+ bias) [num_tokens, out_features], in the weight's
+    dtype (bf16 or float32).
 
-    fp32 accumulation and one rounding, like torch's bf16 linear; the sums run in another order, so
-    a result may differ from torch's in its last bit.
+    fp32 accumulation and, for bf16, one rounding, like torch's linear; the sums run in another order,
+    so a result may differ from torch's in its last bit.
     """
 
     def __init__(
@@ -78,24 +92,31 @@ class CLinear:
         kernels: Kernels,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        tile_rows: int = 0,  # calls of this many rows on run on AMX tiles (Kernels.pack_weight); 0: never
+        tile_rows: int = 0,  # bf16: calls of this many rows on run on AMX tiles (pack_weight); 0: never
     ) -> None:
         if not can_bind(weight, None):
             raise ValueError(
-                "weight must be a contiguous 2-D bfloat16 CPU tensor with at least one column, got "
-                f"{weight.dtype} {list(weight.shape)} on {weight.device}"
+                "weight must be a contiguous 2-D bfloat16 or float32 CPU tensor with at least one column, "
+                f"got {weight.dtype} {list(weight.shape)} on {weight.device}"
             )
         out_features, in_features = weight.shape
-        if bias is not None and not (is_plain(bias, torch.bfloat16) and tuple(bias.shape) == (out_features,)):
+        dtype = weight.dtype
+        if bias is not None and not (is_plain(bias, dtype) and tuple(bias.shape) == (out_features,)):
             raise ValueError(
-                f"bias must be a contiguous bfloat16 CPU tensor of shape [{out_features}] to match weight, "
-                f"got {bias.dtype} {list(bias.shape)} on {bias.device}"
+                f"bias must be a contiguous {str(dtype).removeprefix('torch.')} CPU tensor of shape "
+                f"[{out_features}] to match weight, got {bias.dtype} {list(bias.shape)} on {bias.device}"
             )
+        if dtype == torch.float32 and tile_rows:
+            raise ValueError("tile_rows needs a bf16 weight (the tiles multiply bf16)")
         # Held so the pointers below stay valid for as long as this object lives.
         self.weight = weight.detach()  # [out_features, in_features]
         self.bias = None if bias is None else bias.detach()  # [out_features]
-        self.kernel_weight = kernels.pack_weight(self.weight, tile_rows=tile_rows)  # as the kernel reads it
-        self._call = _KernelCall(kernels, self.kernel_weight, self.bias, torch.bfloat16)
+        self.kernel_weight = (  # as the kernel reads it
+            kernels.float_weight(self.weight)
+            if dtype == torch.float32
+            else kernels.pack_weight(self.weight, tile_rows=tile_rows)
+        )
+        self._call = _KernelCall(kernels, self.kernel_weight, self.bias, dtype)
 
     def __call__(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         return self._call(x, with_bias)
@@ -110,7 +131,7 @@ class QuantLinear:
     def __init__(
         self, kernels: Kernels, weight: KernelWeight, bias: torch.Tensor | None, dtype: torch.dtype
     ) -> None:
-        if weight.format == WEIGHT_BF16 or dtype not in DTYPE_CODES:
+        if weight.format not in (WEIGHT_Q4, WEIGHT_Q8) or dtype not in DTYPE_CODES:
             raise ValueError(f"QuantLinear takes a quantized weight and bf16 or float32 inputs, got {dtype}")
         if bias is not None and not (is_plain(bias, dtype) and tuple(bias.shape) == (weight.n,)):
             raise ValueError(

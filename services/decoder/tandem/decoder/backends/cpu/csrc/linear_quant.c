@@ -632,6 +632,8 @@ int tandem_linear(const void *x, const TandemWeight *w, const void *bias, void *
         if (w->tile_rows > 0 && m >= w->tile_rows) return tandem_linear_tiles_bf16(x, w->data, bias, out, m, n, k);
         return tandem_linear_bf16(x, w->data, bias, out, m, n, k);
     }
+    if (w->format == TANDEM_WEIGHT_F32)
+        return dtype == 0 ? tandem_linear_f32(x, w->data, bias, out, m, n, k) : -1;
     if (w->format == TANDEM_WEIGHT_Q4 || w->format == TANDEM_WEIGHT_Q8) return linear_quant(x, w, bias, out, m, n, k, dtype);
     return -1;
 }

@@ -8,6 +8,7 @@
  *   TANDEM_WEIGHT_Q4           w[f][i] = d * q + m, q in 0..15, d and m fp16 per 32 inputs (GGUF's Q4_0
  *                              and Q4_1; Q4_0's d * (q - 8) is m = -8 d).
  *   TANDEM_WEIGHT_Q8           w[f][i] = d * q, q in -128..127, d fp16 per 32 inputs (GGUF's Q8_0).
+ *   TANDEM_WEIGHT_F32          data: float32 [n, k] as stored (what tandem_linear_f32 takes).
  * Quantized weights are in linear_quant.c's packed layout (written by models/quantized.py).
  */
 #ifndef TANDEM_NATIVE_WEIGHT_H
@@ -15,7 +16,7 @@
 
 #include <stdint.h>
 
-enum { TANDEM_WEIGHT_BF16 = 1, TANDEM_WEIGHT_Q4 = 2, TANDEM_WEIGHT_Q8 = 3 };
+enum { TANDEM_WEIGHT_BF16 = 1, TANDEM_WEIGHT_Q4 = 2, TANDEM_WEIGHT_Q8 = 3, TANDEM_WEIGHT_F32 = 4 };
 
 #define TANDEM_QUANT_BLOCK 32 /* inputs per scale (and offset) */
 
@@ -37,10 +38,14 @@ typedef struct {
                                call's dtype */
 } TandemWeight;
 
-/* out [m, n] = x [m, k] @ w^T (+ bias [n]); x, bias and out bf16 (dtype 1) or, for quantized weights,
- * float32 (dtype 0). 0, or -1 for a bad size, a format this build cannot run, or no scratch memory. */
+/* out [m, n] = x [m, k] @ w^T (+ bias [n]); x, bias and out bf16 (dtype 1) or, for quantized and float32
+ * weights, float32 (dtype 0). 0, or -1 for a bad size, a format this build cannot run, or no scratch memory. */
 int tandem_linear(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
                   int64_t k, int dtype);
+
+/* tandem_linear of a float32 weight (linear_f32.c): x, w, bias and out float32. 0, or -1 for a bad size. */
+int tandem_linear_f32(const float *x, const float *w, const float *bias, float *out, int64_t m, int64_t n,
+                      int64_t k);
 
 /* tandem_linear of a quantized weight with int8 activations (linear_int8.c); the same contract. */
 int tandem_linear_int8(const void *x, const TandemWeight *w, const void *bias, void *out, int64_t m, int64_t n,
