@@ -14,6 +14,7 @@ import torch
 
 from services.decoder.tests.engine.engine_helpers import run_concurrently
 from services.decoder.tests.models.helpers import PagedAllocator
+from tandem.client.errors import ConfigError
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.distributed.parallel import ParallelContext
 from tandem.decoder.distributed.worker import run_steps
@@ -24,6 +25,7 @@ from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.step.batch import StepBatch
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
+from tandem.decoder.models import kv_pool
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import load_model
 from tandem.decoder.models.transformer import DecoderModel
@@ -193,6 +195,27 @@ def rank_engine_outputs_each(tp: ParallelContext, runs: list[tuple[Path, dict[st
     """rank_engine_outputs for each (model, options) in turn, in one group: an engine and its workers
     start, serve the specs and stop for each, as a decoder process would; one spawn of the ranks for all."""
     return [rank_engine_outputs(tp, model_dir, options) for model_dir, options in runs]
+
+
+def rank_pool_refusals(tp: ParallelContext, model_dir: Path, refusing_ranks: list[int]) -> list[str]:
+    """For each rank of `refusing_ranks` in turn, a start of the group in which that rank's KV pool is
+    refused (its host said to have 1 byte of memory): what each rank's start raised ("started" if none)."""
+    said = []
+    for refusing in refusing_ranks:
+        host_memory_bytes = kv_pool.host_memory_bytes
+        if tp.rank == refusing:
+            kv_pool.host_memory_bytes = lambda: 1
+        try:
+            if tp.rank == 0:
+                Engine(engine_config(model_dir), tp=tp).shutdown()
+            else:
+                run_steps(tp, engine_config(model_dir))
+            said.append("started")
+        except ConfigError as error:
+            said.append(str(error))
+        finally:
+            kv_pool.host_memory_bytes = host_memory_bytes
+    return said
 
 
 def greedy_spec(prompt: list[int], num_tokens: int) -> GenerateSpec:

@@ -48,6 +48,12 @@ MAX_QUEUE_LIMIT = 100_000
 # one is, and no batch comes near it (vLLM's default is 256). At both limits the server holds 402,048
 # calls (~8.0 GB running, ~6.8 GB more not yet taken up), within server.MAX_CONCURRENT_RPCS_LIMIT.
 MAX_NUM_SEQS_LIMIT = 100_000
+# KV slots (block id * block_size + offset) a pool may hold: the step broadcast carries slots to the
+# other ranks as int32 (distributed/step_broadcast.py) and block tables are int32 on every path
+# (engine/step/batch.py), so a pool past 2**31 slots is one the decoder cannot address. One limit for
+# every world size, so that a flag valid on one rank stays valid on several. --num-kv-blocks 10**12 set
+# up a BlockManager of 10**12 blocks (a Python object each) before its pool was asked for at all.
+MAX_KV_SLOTS = 2**31
 # What the C kernels compute in, by name: a quantized linear has no torch path to fall back on.
 KERNEL_DTYPE_NAMES = tuple(sorted(BY_TORCH[dtype].name for dtype in DTYPE_CODES))
 
@@ -149,6 +155,11 @@ class EngineConfig:
         return max(self.max_num_seqs, self.speculative_max_batch * (1 + MAX_SPECULATIVE_TOKENS))
 
     @property
+    def max_kv_blocks(self) -> int:
+        """The most KV blocks of block_size positions a pool may hold (MAX_KV_SLOTS says why)."""
+        return MAX_KV_SLOTS // self.block_size
+
+    @property
     def kernel_options(self) -> KernelOptions:
         """How the CPU executor chooses its kernels (backends/cpu/kernel_choice.py)."""
         return KernelOptions(
@@ -202,6 +213,12 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(
                 "num_kv_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks > self.max_kv_blocks:
+            raise ConfigError(
+                "num_kv_blocks",
+                f"must be at most {self.max_kv_blocks:,} ({MAX_KV_SLOTS:,} KV slots, int32's, of "
+                f"--block-size {self.block_size}), got {self.num_kv_blocks:,}",
             )
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(

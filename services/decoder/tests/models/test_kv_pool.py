@@ -1,14 +1,20 @@
 """The KV pool's allocation refused: only the allocation's own refusals become KvPoolUnallocated (the
-start error naming --kv-cache-bytes); any other error while allocating stays what it is."""
+start error naming --kv-cache-bytes); any other error while allocating stays what it is. A host pool
+larger than the host's memory is refused before it is mapped: mapped lazily, it would map where the
+kernel overcommits, and no step could ever hold it."""
 
 from __future__ import annotations
 
 import errno
+import sys
 
 import pytest
 import torch
 
-from tandem.decoder.models.kv_pool import out_of_memory
+from tandem.common.torch_part import huge_pages
+from tandem.decoder.models import kv_pool
+from tandem.decoder.models.kv_pool import KvPoolUnallocated, check_host_memory, out_of_memory
+from tandem.decoder.models.loader import LoadedModel
 
 
 @pytest.mark.parametrize(
@@ -41,3 +47,33 @@ def test_torchs_cpu_allocator_refusal_is_out_of_memory() -> None:
 )
 def test_other_errors_while_allocating_are_not(error: BaseException) -> None:
     assert not out_of_memory(error)
+
+
+def test_a_pool_as_large_as_the_hosts_memory_passes_and_a_byte_more_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kv_pool, "host_memory_bytes", lambda: 1 << 30)
+    check_host_memory(4, 1 << 30)
+    with pytest.raises(KvPoolUnallocated) as refused:
+        check_host_memory(4, (1 << 30) + 1)
+    assert (refused.value.num_blocks, refused.value.num_bytes, refused.value.rank) == (4, (1 << 30) + 1, None)
+    assert refused.value.cause == "more than this host's 1,073,741,824 bytes of memory"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sysconf's names are Linux's")
+def test_the_hosts_memory_is_known_on_linux() -> None:
+    assert kv_pool.host_memory_bytes() > 0
+
+
+def test_a_host_pool_past_the_hosts_memory_is_refused_before_anything_is_mapped(
+    tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(*_: object) -> torch.Tensor:
+        raise AssertionError("mapped")
+
+    monkeypatch.setattr(kv_pool, "host_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(huge_pages, "zeros", never)
+    with pytest.raises(KvPoolUnallocated) as refused:
+        tiny_fp32.model.allocate_kv_cache(1 << 20, 16)
+    assert refused.value.num_blocks == 1 << 20
+    assert refused.value.cause == "more than this host's 1,048,576 bytes of memory"

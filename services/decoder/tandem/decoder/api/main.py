@@ -68,7 +68,7 @@ from tandem.decoder.distributed.worker import (
 from tandem.decoder.engine.admission.template_source import TemplateRefused, check_template
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import FinishReason
-from tandem.decoder.engine.step.sizing import check_sliding_window
+from tandem.decoder.engine.step.sizing import check_sliding_window, num_kv_blocks
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
 from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
@@ -208,6 +208,7 @@ def check_model(config: DecoderConfig, world_size: int, gguf_file: Path | None =
         gguf_file=gguf_file,
     )
     check_sliding_window(engine, model_config)  # a window narrower than --max-model-len is refused
+    num_kv_blocks(engine, model_config, world_size)  # --kv-cache-bytes past what a pool may address
     for name, path in engine.loras:  # read once here too, so a bad adapter fails before listening
         try:
             read_adapter(path, model_config, engine.max_lora_rank)
@@ -263,7 +264,11 @@ def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
         if rank.rank != 0:
             return run_worker(rank, config)
         workers = [] if rank.is_torchrun else _spawn_ranks(config, rank)
-        outcome = asyncio.run(serve(config, rank=rank))
+        try:
+            outcome = asyncio.run(serve(config, rank=rank))
+        except ConfigError:  # a KV pool some rank could not allocate: every rank is stopping with it
+            join_local_ranks(workers, RANK_EXIT_S)
+            raise
         if outcome is Outcome.ABANDONED:
             _end_loading_ranks(workers)
         elif not join_local_ranks(workers, config.collective_timeout_s):

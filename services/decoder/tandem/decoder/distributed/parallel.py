@@ -73,6 +73,13 @@ class ControlGroup:
         dist.broadcast(x, src=0, group=self.group)
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` (the same shape and dtype on each) in rank order: [world_size, *x.shape]."""
+        world_size = dist.get_world_size(self.group)
+        out = x.new_empty(world_size * x.numel())  # gloo gathers along dim 0 only
+        _all_gather_single(out, x.contiguous().flatten(), group=self.group)
+        return out.view(world_size, *x.shape)
+
 
 class ParallelContext:
     """This rank's view of the data-plane group: sharding coordinates and the model's collectives.
@@ -96,6 +103,11 @@ class ParallelContext:
         self.group = group  # data plane; None = the default group
         self.control = control  # rank 0's step broadcasts
         self.timeout_s = timeout_s  # any collective waiting longer than this raises
+
+    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's host tensor `x`, stacked in rank order ([world_size, *x.shape]), on the control
+        group: what the ranks tell each other at start (kv_pool_agreement.py), never a step's data."""
+        return self.control.all_gather(x)
 
     def step_sender(self) -> StepSender:
         """Rank 0's feed of every step to the other ranks' worker loops, on the control group."""

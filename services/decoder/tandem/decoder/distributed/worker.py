@@ -33,6 +33,7 @@ from tandem.decoder.distributed.parallel import (
     init_parallel,
 )
 from tandem.decoder.distributed.step_broadcast import receive_step
+from tandem.decoder.engine.step.kv_pool_agreement import first_refusal
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sizing import num_kv_blocks, pool_refused
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
@@ -109,11 +110,17 @@ def worker_main(info: RankInfo, config: DecoderConfig) -> None:
 
 
 def run_worker(info: RankInfo, config: DecoderConfig) -> int:
-    """Joins the group, then runs rank 0's steps until STOP (returns 0) or a failure (returns 1)."""
+    """Joins the group, then runs rank 0's steps until STOP (returns 0) or a failure (returns 1; 2 for a
+    flag the group cannot start with)."""
     if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
     try:
         run_steps(init_parallel(info, config.engine.device, config.collective_timeout_s), config.engine)
+    except ConfigError as error:
+        # A flag the group cannot start with (a KV pool some rank could not allocate): rank 0 says it
+        # as the flag's one-line error and exits 2; a traceback here would bury that line.
+        log.info("rank %d stopped: %s", info.rank, error)
+        return 2
     except Exception:
         log.exception("rank %d failed; exiting", info.rank)
         return 1
@@ -147,8 +154,12 @@ def run_steps(tp: ParallelContext, config: EngineConfig) -> None:
     num_blocks = num_kv_blocks(config, model_config, tp.world_size)
     try:
         runner = ModelRunner(loaded.model, num_blocks, config.block_size, executor=executor, lora=lora)
+        refused = None
     except KvPoolUnallocated as error:
-        raise pool_refused(config, error) from None
+        refused = error
+    refused = first_refusal(tp, refused)  # rank 0 gathers the same (kv_pool_agreement.py)
+    if refused is not None:
+        raise pool_refused(config, refused) from None
     freeze_startup_heap()  # a full collection here would stall every rank's step (they wait for each other)
     log.info("rank %d of %d ready", tp.rank, tp.world_size)
     try:

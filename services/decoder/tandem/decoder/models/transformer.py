@@ -22,7 +22,7 @@ from tandem.decoder.models.attention import AttentionMetadata, PagedAttention, w
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.kernels import PLAIN, LayerKernels, ModelKernels
-from tandem.decoder.models.kv_pool import KvPoolUnallocated, out_of_memory
+from tandem.decoder.models.kv_pool import KvPoolUnallocated, check_host_memory, out_of_memory
 from tandem.decoder.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -302,11 +302,15 @@ class DecoderModel(nn.Module):
 
         num_kv_heads is this rank's share. Zeroed, not empty, though attention never reads a slot
         past a sequence's end (models/attention.py): no NaN bit patterns in a fresh pool. Raises
-        KvPoolUnallocated (with the bytes asked) when the memory is not there.
+        KvPoolUnallocated (with the bytes asked) when the memory is not there, or a host pool is
+        larger than the host's memory (kv_pool.check_host_memory).
         """
         c = self.config
         shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)
         device = self.device
+        num_bytes = c.num_layers * math.prod(shape) * c.dtype.itemsize
+        if device.type == "cpu":
+            check_host_memory(num_blocks, num_bytes)
         try:
             if device.type == "cpu":
                 # One pool in 2 MiB pages (common/torch_part/huge_pages.py: a step's scattered block reads),
@@ -323,8 +327,7 @@ class DecoderModel(nn.Module):
             # CUDA error left by an earlier kernel) is a fault of its own, not a size to give less.
             if not out_of_memory(error):
                 raise
-            num_bytes = c.num_layers * math.prod(shape) * c.dtype.itemsize
-            raise KvPoolUnallocated(num_blocks, num_bytes, error) from error
+            raise KvPoolUnallocated(num_blocks, num_bytes, str(error)) from error
 
     def checkpoint_parts(self, name: str) -> list[CheckpointPart]:
         """The checkpoint tensors that make up parameter `name` on this rank, and the shard of each.

@@ -43,6 +43,7 @@ from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from tandem.decoder.engine.step import sizing
 from tandem.decoder.engine.step.core import EngineCore, EngineFault, EventCallback
+from tandem.decoder.engine.step.kv_pool_agreement import first_refusal
 from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.step.xla_buckets import XlaBuckets
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
@@ -63,6 +64,9 @@ class RankGroup(ParallelGroup, Protocol):
     timeout_s: float  # a collective waiting longer fails, so idle rank 0 sends keepalives well within it
 
     def step_sender(self) -> StepFeed: ...  # feeds every step to the other ranks' worker loops
+
+    # Every rank's host tensor, stacked in rank order (start-up's agreements: kv_pool_agreement.py).
+    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Engine:
@@ -196,25 +200,8 @@ class Engine:
         max_num_rows = None if static is None else max(config.max_num_seqs, static.seq_buckets[-1] - 1)
         if xla_buckets is not None:  # a decode graph holds every row: decodes and verified proposals
             max_num_rows = xla_buckets.decode_seqs[-1]
-        block_manager = BlockManager(
-            self.num_blocks, config.block_size, config.enable_prefix_caching and not invariant
-        )
-        scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens
-                * (config.max_num_seqs if invariant else 1),
-                max_waiting=config.max_queue,
-                max_tokens_per_request=config.max_num_batched_tokens if invariant else None,
-                # A verified proposed token is a sequence of its own, and padding needs a spare one.
-                max_num_rows=max_num_rows,
-                shared_step_seqs=(
-                    backend.shared_step_seqs if config.shared_step_seqs is None else config.shared_step_seqs
-                )
-                or None,
-            ),
-            block_manager,
-        )
+        # The pool before the block table: the table costs a Python object per block (~170 bytes), so
+        # a pool the device cannot hold is refused before the table of it is built.
         try:
             if xla_buckets is not None:
                 from tandem.decoder.backends.xla.sharding import ShardingPlan
@@ -244,8 +231,32 @@ class Engine:
                     self.executor,
                     self.lora,
                 )
+            refused = None
         except KvPoolUnallocated as error:  # a bare OSError [Errno 12] before, naming no flag
-            raise sizing.pool_refused(config, error) from None
+            refused = error
+        if tp is not None:  # a refusal on any rank is the group's (kv_pool_agreement.py)
+            refused = self._thread.run(first_refusal, tp, refused)
+        if refused is not None:
+            raise sizing.pool_refused(config, refused) from None
+        block_manager = BlockManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching and not invariant
+        )
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                * (config.max_num_seqs if invariant else 1),
+                max_waiting=config.max_queue,
+                max_tokens_per_request=config.max_num_batched_tokens if invariant else None,
+                # A verified proposed token is a sequence of its own, and padding needs a spare one.
+                max_num_rows=max_num_rows,
+                shared_step_seqs=(
+                    backend.shared_step_seqs if config.shared_step_seqs is None else config.shared_step_seqs
+                )
+                or None,
+            ),
+            block_manager,
+        )
         adapters = None if self.lora is None else AdapterSlots(config.max_loras)
         return EngineCore(
             scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch, adapters

@@ -6,7 +6,7 @@ Computed once when the engine is built, on every rank alike, and never written b
 from __future__ import annotations
 
 from tandem.client.errors import ConfigError
-from tandem.decoder.config import EngineConfig
+from tandem.decoder.config import MAX_KV_SLOTS, EngineConfig
 from tandem.decoder.engine.step.static_shapes import StaticShapes, power_of_two_buckets, width_buckets
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
@@ -54,18 +54,30 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: i
     """KV blocks in the pool: config.num_kv_blocks, or as many as fit in kv_cache_bytes on each rank.
 
     Every rank computes the same count (each holds num_kv_heads / world_size heads of every block).
+    Raises ConfigError naming kv_cache_bytes when its blocks are more than a pool may hold
+    (config.max_kv_blocks, which the config checks --num-kv-blocks against itself).
     """
     if config.num_kv_blocks:
         return config.num_kv_blocks
     c = model_config
     num_kv_heads = c.num_kv_heads // world_size
     per_block = 2 * c.num_layers * config.block_size * num_kv_heads * c.head_dim * c.dtype.itemsize
-    return max(2, config.kv_cache_bytes // per_block + 1)  # + the reserved null block
+    num_blocks = max(2, config.kv_cache_bytes // per_block + 1)  # + the reserved null block
+    if num_blocks > config.max_kv_blocks:
+        max_bytes = (config.max_kv_blocks - 1) * per_block
+        raise ConfigError(
+            "kv_cache_bytes",
+            f"must be at most {max_bytes:,} for this model ({config.max_kv_blocks - 1:,} blocks of "
+            f"{per_block:,} bytes on each rank: {MAX_KV_SLOTS:,} KV slots, int32's, of --block-size "
+            f"{config.block_size}), got {config.kv_cache_bytes:,}",
+        )
+    return num_blocks
 
 
 def pool_refused(config: EngineConfig, error: KvPoolUnallocated) -> ConfigError:
     """A KV pool the host could not allocate as the start-up error of the flag that sized it."""
-    asked = f"{error.num_blocks:,} blocks, {error.num_bytes:,} bytes on this rank"
+    where = "this rank" if error.rank is None else f"rank {error.rank}"
+    asked = f"{error.num_blocks:,} blocks, {error.num_bytes:,} bytes on {where}"
     if config.num_kv_blocks:
         return ConfigError(
             "num_kv_blocks",

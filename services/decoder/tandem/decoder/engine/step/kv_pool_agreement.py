@@ -1,0 +1,60 @@
+"""Whether every rank of a group allocated its KV pool: a refusal on any rank is the group's start error.
+
+NOTE: why every rank says so. Each rank allocates its own share of the pool, and a rank but 0 that
+could not ended alone: a traceback and exit 1 of its own, while rank 0 learned of it only when its
+next collective failed ("could not load", exit 1), naming no flag and no size. Rank 0 speaks for the
+group (it is the process the user started), so every rank tells every other one, once, right after
+its pool's allocation: whether it was refused, the blocks and bytes asked and the allocator's words.
+Then every rank knows the same first refusal (the lowest rank's), rank 0 says it as the flag's error
+(exit 2) and the others stop without a traceback. Every rank gathers at the same point, before any
+step is sent on the control group, so the gather is matched on each; a rank that dies before it
+fails the others' gather instead, as any collective of a dead group does.
+
+The message: int64 [HEADER + MAX_CAUSE_BYTES] of is_refused, num_blocks, num_bytes, the cause's
+length, then the cause's UTF-8 bytes one per element. Plain integers, no pickles: the ranks' wire
+carries none (step_broadcast.py). Start-up's one message, so its 4 KiB cost nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tandem.decoder.models.kv_pool import KvPoolUnallocated
+
+# is_refused, num_blocks, num_bytes, the cause's length in bytes
+HEADER = 4
+# The cause's bytes carried, cut there: mmap's ENOMEM says 25, the host memory check ~60, CUDA's
+# out-of-memory message ~400 with its advice on the allocator's settings.
+MAX_CAUSE_BYTES = 512
+
+
+class ControlGather(Protocol):
+    """What the agreement needs of a rank's group: the decoder passes `parallel.ParallelContext`."""
+
+    rank: int  # this rank, 0-based
+
+    # Every rank's host tensor, stacked in rank order: [world_size, *x.shape].
+    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def first_refusal(group: ControlGather, refused: KvPoolUnallocated | None) -> KvPoolUnallocated | None:
+    """The lowest rank's refusal, the same on every rank, with its rank set; None if every rank's pool
+    was allocated. `refused`: this rank's own refusal, None if its pool was allocated."""
+    every = group.all_gather_control(_message(refused))  # [world_size, HEADER + MAX_CAUSE_BYTES]
+    for rank, (is_refused, num_blocks, num_bytes, num_cause_bytes, *cause) in enumerate(every.tolist()):
+        if is_refused:
+            said = bytes(cause[:num_cause_bytes]).decode(errors="replace")  # a cut may split a character
+            return KvPoolUnallocated(num_blocks, num_bytes, said, rank=rank)
+    return None
+
+
+def _message(refused: KvPoolUnallocated | None) -> torch.Tensor:
+    """int64 [HEADER + MAX_CAUSE_BYTES]: this rank's refusal as the module's NOTE lays it out."""
+    message = torch.zeros(HEADER + MAX_CAUSE_BYTES, dtype=torch.int64)
+    if refused is not None:
+        cause = refused.cause.encode()[:MAX_CAUSE_BYTES]
+        header = [1, refused.num_blocks, refused.num_bytes, len(cause)]
+        message[: HEADER + len(cause)] = torch.tensor(header + list(cause), dtype=torch.int64)
+    return message
