@@ -3,7 +3,8 @@ coming does, answered at once with `Connection: close` without waiting for the r
 sent: a Content-Length over the bound, or chunks past it; aiohttp drops what more comes for its
 lingering time, then closes); a 413 once the whole body was read (an answer over
 --max-unread-answer-bytes, or a body over the bound that aiohttp had already read whole) keeps it, and
-the caller's next request is served on it, as a client's connection pool sends it."""
+the caller's next request is served on it, as a client's connection pool sends it. A head asking
+`Expect: 100-continue` is refused before its body is asked for where the body would be refused unread."""
 
 from __future__ import annotations
 
@@ -76,5 +77,58 @@ async def test_a_body_over_the_bound_is_413_at_once_and_closes_its_connection(he
             status, head, refused = await _answer(sock)  # the rest never sent
             assert (status, refused["error"]["param"]) == (413, "body") and b"connection: close" in head
             assert not decoder.requests
+        finally:
+            sock.close()
+
+
+async def _interim_or_answer(sock: socket.socket) -> bytes:
+    """What the gateway sends first after a head: `100 Continue`, or an answer whole, until it closes."""
+    loop, sent = asyncio.get_running_loop(), b""
+    async with asyncio.timeout(5):
+        while not sent.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):
+            if not (chunk := await loop.sock_recv(sock, 65536)):
+                return sent
+            sent += chunk
+    return sent
+
+
+EXPECT = COMPLETIONS_HEAD + b"Expect: 100-continue\r\n"
+
+
+@pytest.mark.parametrize(
+    ("token", "status", "named"),
+    [
+        pytest.param(b"a", 413, "over 4096 bytes (--max-body-bytes)", id="over the bound"),
+        pytest.param(b"unknown", 401, "bearer token", id="no accepted token: the bound not told"),
+    ],
+)
+async def test_an_expected_body_over_the_bound_is_refused_before_it_is_sent(
+    token: bytes, status: int, named: str
+) -> None:
+    """`Expect: 100-continue` with a length over --max-body-bytes: refused at once, the body never asked
+    for (was `100 Continue`, then the 413 once 5,000 bytes were sent), in the normal path's order (the
+    token first), and the connection closed with the answer."""
+    settings = {"max_body_bytes": 4096, "auth_tokens": frozenset({"a"})}
+    async with fake_decoder() as (decoder, address), live_gateway(address, **settings) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, EXPECT + b"Authorization: Bearer %s\r\nContent-Length: 5000\r\n\r\n" % token)
+            sent = await _interim_or_answer(sock)
+            head, _, body = sent.partition(b"\r\n\r\n")
+            assert int(head.split()[1]) == status and b"connection: close" in head.lower()
+            assert named in json.loads(body)["error"]["message"] and not decoder.requests
+        finally:
+            sock.close()
+
+
+async def test_an_expected_body_within_the_bound_is_asked_for_and_served() -> None:
+    async with fake_decoder() as (_, address), live_gateway(address, max_body_bytes=4096) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, EXPECT + b"Content-Length: %d\r\n\r\n" % len(SMALL_BODY))
+            assert await _interim_or_answer(sock) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            await send(sock, SMALL_BODY)
+            status, head, answer = await _answer(sock)
+            assert status == 200 and len(answer["choices"]) == 2 and b"connection: close" not in head
         finally:
             sock.close()
