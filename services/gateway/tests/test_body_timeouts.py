@@ -133,3 +133,22 @@ async def test_a_body_that_cannot_be_decoded_is_400_closed_and_logs_no_traceback
     assert "Content-Encoding: gzip" in answer["error"]["message"] and took_s < 1
     assert decoder.requests[0].prompt[0].text == "hi" and len(decoder.requests) == 1  # _serves' only
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_a_chunk_size_that_is_not_hex_after_chunks_that_were_is_400_at_once_and_closed(
+    gateway: tuple[FakeDecoder, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp's C parser told its protocol, not the body being read: the handler waited for the idle
+    bound and answered 408."""
+    decoder, url = gateway
+    sock = await connect(url)
+    with caplog.at_level(logging.ERROR):
+        await send(sock, CHUNKED + b"%x\r\n%s\r\n" % (len(BODY), BODY))
+        await asyncio.sleep(0.1)  # the handler reads the body's first chunk and waits for more
+        await send(sock, b"zz\r\n")
+        status, answer, took_s = await _answer(sock, IDLE_S + 5)
+        await _serves(url)
+    assert status == 400 and answer["error"]["param"] == "body" and took_s < IDLE_S
+    assert "the body could not be read as sent: Invalid character in chunk size" in answer["error"]["message"]
+    assert len(decoder.requests) == 1  # _serves' only
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

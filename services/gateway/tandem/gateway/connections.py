@@ -282,7 +282,12 @@ class OpenAIRequestHandler(web.RequestHandler):
     beside Transfer-Encoding) got aiohttp's plain-text 400, which an OpenAI client reports as an
     unparsable body rather than the error. `handle_error` is the one method aiohttp answers all of these
     with, a public one of aiohttp.web's RequestHandler (no private state is touched); aiohttp's own
-    still runs first, so it still logs (ServerLog) and still refuses to answer after bytes were sent."""
+    still runs first, so it still logs (ServerLog) and still refuses to answer after bytes were sent.
+    Its parser tells a body being read that its framing failed (`_BodyFailures`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._parser = _BodyFailures(self._parser)
 
     def handle_error(
         self,
@@ -302,6 +307,38 @@ class OpenAIRequestHandler(web.RequestHandler):
         response = web.json_response(error.body(), status=error.status)
         response.force_close()  # as aiohttp's: what follows on the connection cannot be trusted
         return response
+
+
+class _BodyFailures:
+    """aiohttp's request parser, a failure of a body's framing (a chunk size that is not hex, after
+    chunks that were) given to that body, as the body's own failures are (a Content-Encoding that does
+    not decode).
+
+    NOTE: why a handler reading such a body waited. aiohttp's C parser (the one it uses where it is
+    built) raises the failure to its protocol and forgets the body, whose reader is told nothing: the
+    protocol queues a 400 to answer after the request being handled, whose handler waited for more of
+    its body until --body-idle-timeout-s and answered 408 (1.5 s there), the 400 never sent. Its pure
+    Python parser gives the failure to the body too; so does this, the handler answering 400 at once
+    (app.py). aiohttp keeps its parser in a private attribute: the one private name the gateway uses."""
+
+    def __init__(self, parser: Any) -> None:
+        self._parser = parser
+        self._body: Any = None  # the body of the last request head parsed, a StreamReader
+
+    def feed_data(self, data: bytes) -> Any:
+        try:
+            messages, upgraded, tail = self._parser.feed_data(data)
+        except HttpProcessingError as error:
+            body, self._body = self._body, None
+            if body is not None and not body.is_eof() and body.exception() is None:
+                body.set_exception(error)
+            raise
+        if messages:
+            self._body = messages[-1][1]
+        return messages, upgraded, tail
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
 
 
 class ServerLog(logging.LoggerAdapter):
