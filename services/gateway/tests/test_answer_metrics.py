@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from tandem.client import telemetry as otel
 from tandem.gateway import __main__ as gateway_main
-from tandem.gateway.answer_bytes import AnswerBytes
+from tandem.gateway.answer_bytes import AnswerBytes, Reservation
 from tandem.gateway.answer_metrics import (
     TANDEM_GATEWAY_UNREAD_ANSWER_BYTES,
     TANDEM_GATEWAY_UNREAD_ANSWER_LARGEST_CALLER_BYTES,
@@ -54,6 +55,36 @@ async def test_the_gauges_read_the_bytes_held_the_largest_callers_and_the_answer
     a.release()  # both fit now
     await asyncio.gather(*waiting)
     assert _readings(reader) == dict(zip(NAMES, (800, 400, 0), strict=True))
+
+
+class _ChangedBetweenReads(AnswerBytes):
+    """Bytes that change each time the gauges read them, as the event loop may change them between any
+    two reads of the collecting thread: caller a's 100 bytes taken, then given back, and so on."""
+
+    is_changing = False
+    reservation: Reservation | None = None  # caller a's
+
+    def __getattribute__(self, name: str) -> Any:
+        get = object.__getattribute__
+        if name in ("num_bytes", "per_caller", "waiters") and not get(self, "is_changing"):
+            self.is_changing = True
+            reservation = get(self, "reservation")
+            reservation.take(-100 if reservation.num_held else 100)
+            self.is_changing = False
+        return get(self, name)
+
+
+def test_one_collection_never_shows_the_largest_caller_over_all_callers_whatever_changes_between() -> None:
+    """Each gauge's callback reads at its own moment: read apart, a collection showed the largest
+    caller's bytes over all callers' (4 in 67,527 collections of a thread against the event loop)."""
+    reader = InMemoryMetricReader()
+    held = _ChangedBetweenReads(max_bytes=1000, max_bytes_per_caller=500)
+    held.reservation = Reservation(held, "a")
+    observe_answer_bytes(otel.build_telemetry("tandem-openai", [], [reader]).meter, held)
+    seen = [_readings(reader) for _ in range(6)]
+    bytes_, largest = TANDEM_GATEWAY_UNREAD_ANSWER_BYTES, TANDEM_GATEWAY_UNREAD_ANSWER_LARGEST_CALLER_BYTES
+    assert [r for r in seen if r[largest] > r[bytes_]] == []
+    assert {r[bytes_] for r in seen} <= {0, 100}  # each a state the bytes were in
 
 
 async def test_serve_reports_the_gauges_when_metrics_are_exported(monkeypatch: pytest.MonkeyPatch) -> None:
