@@ -21,12 +21,15 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels, decoder_client
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.connections import ConnectionGuard, OpenAIRequestHandler, ServerLog
+from tandem.gateway.connections import LINGERING_S, ConnectionGuard, OpenAIRequestHandler, ServerLog
 
 
 @contextlib.asynccontextmanager
 async def live_gateway(
-    decoder_address: str, send_buffer_bytes: int | None = None, **settings: Any
+    decoder_address: str,
+    send_buffer_bytes: int | None = None,
+    lingering_s: float = LINGERING_S,
+    **settings: Any,
 ) -> AsyncIterator[str]:
     """The gateway's base URL (http://127.0.0.1:PORT/v1), with `settings` over GatewayConfig's defaults
     (its encoder an address where none listens, unless `settings` name one). With `send_buffer_bytes`,
@@ -42,6 +45,7 @@ async def live_gateway(
     gateway = Gateway(config, decoder, encoder, callers, workers)
     handler_settings: dict[str, Any] = {
         "keepalive_timeout": config.idle_timeout_s,
+        "lingering_time": lingering_s,  # LINGERING_S as `tandem serve openai` (aiohttp's default is 10 s)
         "logger": ServerLog(),
         "access_log_class": AccessLog,
     }

@@ -78,10 +78,11 @@ async def test_a_body_that_stalls_is_408_after_the_idle_bound_and_its_connection
 
 async def test_a_trickled_body_is_cut_at_the_whole_body_bound_and_closed_at_once() -> None:
     """Bytes every 0.1 s keep the idle bound from passing; the whole-body bound cuts the body, and the
-    connection closes with the answer rather than after aiohttp's lingering (10 s here) on the trickle."""
+    connection closes with the answer rather than after aiohttp's lingering (10 s here, to tell them
+    apart) on the trickle."""
     async with (
         fake_decoder() as (decoder, address),
-        live_gateway(address, body_idle_timeout_s=IDLE_S, body_timeout_s=1.0) as url,
+        live_gateway(address, lingering_s=10.0, body_idle_timeout_s=IDLE_S, body_timeout_s=1.0) as url,
     ):
         sock = await connect(url)
         await send(sock, CHUNKED)

@@ -37,7 +37,13 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels, decoder_client
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
-from tandem.gateway.connections import ConnectionGuard, OpenAIRequestHandler, ServerLog, ensure_descriptors
+from tandem.gateway.connections import (
+    LINGERING_S,
+    ConnectionGuard,
+    OpenAIRequestHandler,
+    ServerLog,
+    ensure_descriptors,
+)
 
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
@@ -247,7 +253,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         observe_answer_bytes(telemetry.meter, gateway.answer_bytes)
     handler_settings: dict[str, Any] = {
         "keepalive_timeout": config.idle_timeout_s,
-        "lingering_time": 1.0,
+        "lingering_time": LINGERING_S,
         "logger": ServerLog(),
         "access_log_class": AccessLog,
     }

@@ -54,6 +54,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 from tandem.client.errors import ConfigError
 from tandem.gateway.errors import HttpError
 
+# aiohttp's lingering: what is left of a refused body read and dropped before its connection closes, so
+# a client sending it whole (as http.client does, not waiting for `100 Continue`) reads the answer
+# rather than a reset; cut from aiohttp's 10 s to a second, what a caller's slow upload may cost.
+LINGERING_S = 1.0
+
 log = logging.getLogger("tandem.gateway")
 
 REFUSAL_BODY = json.dumps(
