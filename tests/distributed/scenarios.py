@@ -14,7 +14,6 @@ import torch
 
 from services.decoder.tests.engine.engine_helpers import run_concurrently
 from services.decoder.tests.models.helpers import PagedAllocator
-from tandem.client.errors import ConfigError
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.distributed.parallel import ParallelContext
 from tandem.decoder.distributed.worker import run_steps
@@ -23,11 +22,13 @@ from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Failed, OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.step.batch import StepBatch
+from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
 from tandem.decoder.models import kv_pool
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import load_model
+from tandem.decoder.models.memory_limit import MemoryLimit
 from tandem.decoder.models.transformer import DecoderModel
 
 Chunk = tuple[str, list[int], torch.Tensor | None]  # sequence key, token ids, rows [n, hidden] or None
@@ -199,22 +200,23 @@ def rank_engine_outputs_each(tp: ParallelContext, runs: list[tuple[Path, dict[st
 
 def rank_pool_refusals(tp: ParallelContext, model_dir: Path, refusing_ranks: list[int]) -> list[str]:
     """For each rank of `refusing_ranks` in turn, a start of the group in which that rank's KV pool is
-    refused (its host said to have 1 byte of memory): what each rank's start raised ("started" if none)."""
+    refused (its host said to have 1 byte of memory): what each rank's start raised ("started" if none).
+    Any error but the agreed refusal (KvPoolRefused) is raised."""
     said = []
     for refusing in refusing_ranks:
-        host_memory_bytes = kv_pool.host_memory_bytes
+        memory_limit = kv_pool.memory_limit
         if tp.rank == refusing:
-            kv_pool.host_memory_bytes = lambda: 1
+            kv_pool.memory_limit = lambda: MemoryLimit(1, None)
         try:
             if tp.rank == 0:
                 Engine(engine_config(model_dir), tp=tp).shutdown()
             else:
                 run_steps(tp, engine_config(model_dir))
             said.append("started")
-        except ConfigError as error:
+        except KvPoolRefused as error:  # the agreed refusal, on which every rank exits quietly
             said.append(str(error))
         finally:
-            kv_pool.host_memory_bytes = host_memory_bytes
+            kv_pool.memory_limit = memory_limit
     return said
 
 

@@ -48,12 +48,19 @@ MAX_QUEUE_LIMIT = 100_000
 # one is, and no batch comes near it (vLLM's default is 256). At both limits the server holds 402,048
 # calls (~8.0 GB running, ~6.8 GB more not yet taken up), within server.MAX_CONCURRENT_RPCS_LIMIT.
 MAX_NUM_SEQS_LIMIT = 100_000
-# KV slots (block id * block_size + offset) a pool may hold: the step broadcast carries slots to the
-# other ranks as int32 (distributed/step_broadcast.py) and block tables are int32 on every path
-# (engine/step/batch.py), so a pool past 2**31 slots is one the decoder cannot address. One limit for
-# every world size, so that a flag valid on one rank stays valid on several. --num-kv-blocks 10**12 set
-# up a BlockManager of 10**12 blocks (a Python object each) before its pool was asked for at all.
+# KV slots (block id * block_size + offset) a pool may hold: the step broadcast carries a step's slots
+# to the other ranks as int32 (distributed/step_broadcast.py), so on a group a pool past 2**31 slots is
+# one the decoder cannot address. A decoder of one rank broadcasts nothing (its slots are int64) and
+# could address more, but the limit is the same for every world size by choice: a flag valid on one
+# rank stays valid on several. --num-kv-blocks 10**12 set up a BlockManager of 10**12 blocks (a Python
+# object each) before its pool was asked for at all.
 MAX_KV_SLOTS = 2**31
+# --block-size at most: two blocks (the reserved null block and one to hold positions) within
+# MAX_KV_SLOTS, so that the most blocks a pool may hold is a pool at all and every limit derived from it
+# (--num-kv-blocks', --kv-cache-bytes') is a positive count. --block-size 2**32 said "--num-kv-blocks
+# must be at most 0", and 3 * 10**9 a negative --kv-cache-bytes. Far past any block worth having, but
+# no tighter bound follows from the decoder itself, so none is imposed.
+MAX_BLOCK_SIZE = MAX_KV_SLOTS // 2
 # What the C kernels compute in, by name: a quantized linear has no torch path to fall back on.
 KERNEL_DTYPE_NAMES = tuple(sorted(BY_TORCH[dtype].name for dtype in DTYPE_CODES))
 
@@ -208,6 +215,12 @@ class EngineConfig:
                     f"must be at most {limit:,} (the server holds twice the streams waiting and running "
                     f"as calls, ~20 KB each), got {getattr(self, name):,}",
                 )
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ConfigError(
+                "block_size",
+                f"must be at most {MAX_BLOCK_SIZE:,} (two blocks, the reserved one and one to use, within "
+                f"{MAX_KV_SLOTS:,} KV slots, int32's), got {self.block_size:,}",
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -68,6 +68,7 @@ from tandem.decoder.distributed.worker import (
 from tandem.decoder.engine.admission.template_source import TemplateRefused, check_template
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import FinishReason
+from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused
 from tandem.decoder.engine.step.sizing import check_sliding_window, num_kv_blocks
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
@@ -266,8 +267,11 @@ def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
         workers = [] if rank.is_torchrun else _spawn_ranks(config, rank)
         try:
             outcome = asyncio.run(serve(config, rank=rank))
-        except ConfigError:  # a KV pool some rank could not allocate: every rank is stopping with it
+        except KvPoolRefused:  # every rank has agreed on it and is stopping by itself (kv_pool_agreement.py)
             join_local_ranks(workers, RANK_EXIT_S)
+            raise
+        except ConfigError:  # e.g. the port, taken since it was checked: rank 0's alone, the ranks still load
+            _end_loading_ranks(workers)
             raise
         if outcome is Outcome.ABANDONED:
             _end_loading_ranks(workers)

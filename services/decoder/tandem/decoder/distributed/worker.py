@@ -33,7 +33,7 @@ from tandem.decoder.distributed.parallel import (
     init_parallel,
 )
 from tandem.decoder.distributed.step_broadcast import receive_step
-from tandem.decoder.engine.step.kv_pool_agreement import first_refusal
+from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused, first_refusal
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sizing import num_kv_blocks, pool_refused
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
@@ -111,14 +111,15 @@ def worker_main(info: RankInfo, config: DecoderConfig) -> None:
 
 def run_worker(info: RankInfo, config: DecoderConfig) -> int:
     """Joins the group, then runs rank 0's steps until STOP (returns 0) or a failure (returns 1; 2 for a
-    flag the group cannot start with)."""
+    KV pool the group agreed it cannot start with: KvPoolRefused)."""
     if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
     try:
         run_steps(init_parallel(info, config.engine.device, config.collective_timeout_s), config.engine)
-    except ConfigError as error:
-        # A flag the group cannot start with (a KV pool some rank could not allocate): rank 0 says it
-        # as the flag's one-line error and exits 2; a traceback here would bury that line.
+    except KvPoolRefused as error:
+        # A KV pool some rank could not allocate, which every rank has agreed on: rank 0 says it as
+        # the flag's one-line error and exits 2; a traceback here would bury that line. Any other
+        # error (a ConfigError too) is this rank's alone, which only this rank's log can tell.
         log.info("rank %d stopped: %s", info.rank, error)
         return 2
     except Exception:

@@ -8,7 +8,8 @@ and no size; a device's, as torch's RuntimeError (OutOfMemoryError)."""
 from __future__ import annotations
 
 import errno
-import os
+
+from tandem.decoder.models.memory_limit import MemoryLimit, memory_limit
 
 
 class KvPoolUnallocated(MemoryError):
@@ -27,26 +28,30 @@ class KvPoolUnallocated(MemoryError):
         )
 
 
-def check_host_memory(num_blocks: int, num_bytes: int) -> None:
-    """Refuses a host pool larger than the host's physical memory, before it is mapped.
+def check_host_memory(num_blocks: int, num_bytes: int, rank: int | None = None) -> None:
+    """Refuses a host pool larger than the memory this process may take, before it is mapped.
 
     The pool is mapped lazily (common/torch_part/huge_pages.py), so where the kernel overcommits
     (vm.overcommit_memory 1, or swap) a pool far past the memory maps, and the start-up went on to
     build the scheduler's table of every block (~170 bytes of Python objects each) for a pool no step
-    could ever hold; the first steps to touch it then met the OOM killer. A pool that fits the
-    physical memory may still not fit beside the weights or a cgroup's limit: that one is the
-    allocator's, or the kernel's, to refuse."""
-    memory = host_memory_bytes()
-    if memory is not None and num_bytes > memory:
-        raise KvPoolUnallocated(num_blocks, num_bytes, f"more than this host's {memory:,} bytes of memory")
+    could ever hold; the first steps to touch it then met the OOM killer. The memory is the host's, or
+    its cgroup's limit where smaller (memory_limit.py), swap not counted; each rank checks its own
+    pool alone, so ranks sharing a host may together still ask for more than it has. A pool that fits
+    may still not fit beside the weights: that one is the allocator's, or the kernel's, to refuse.
+    `rank`: the rank whose pool it is, which the refusal names (rank 0 says it for the group); None
+    in a decoder of one rank."""
+    limit = memory_limit()
+    if limit is not None and num_bytes > limit.num_bytes:
+        raise KvPoolUnallocated(num_blocks, num_bytes, _more_than(limit, rank))
 
 
-def host_memory_bytes() -> int | None:
-    """The host's physical memory in bytes; None where the system does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
-        return None
+def _more_than(limit: MemoryLimit, rank: int | None) -> str:
+    """The refusal's cause: the limit, and whose it is."""
+    if limit.cgroup_file is None:
+        host = "this host" if rank is None else f"rank {rank}'s host"
+        return f"more than the {limit.num_bytes:,} bytes of memory of {host}"
+    cgroup = "this process's cgroup" if rank is None else f"rank {rank}'s cgroup"
+    return f"more than the {limit.num_bytes:,} bytes {cgroup} may hold ({limit.cgroup_file})"
 
 
 # torch's CPU allocator says so in a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory: you

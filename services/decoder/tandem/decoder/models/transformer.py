@@ -303,14 +303,14 @@ class DecoderModel(nn.Module):
         num_kv_heads is this rank's share. Zeroed, not empty, though attention never reads a slot
         past a sequence's end (models/attention.py): no NaN bit patterns in a fresh pool. Raises
         KvPoolUnallocated (with the bytes asked) when the memory is not there, or a host pool is
-        larger than the host's memory (kv_pool.check_host_memory).
+        larger than the memory this process may take (kv_pool.check_host_memory).
         """
         c = self.config
         shape = (2, num_blocks, block_size, c.num_kv_heads // world_size_of(self.tp), c.head_dim)
         device = self.device
         num_bytes = c.num_layers * math.prod(shape) * c.dtype.itemsize
         if device.type == "cpu":
-            check_host_memory(num_blocks, num_bytes)
+            check_host_memory(num_blocks, num_bytes, None if self.tp is None else self.tp.rank)
         try:
             if device.type == "cpu":
                 # One pool in 2 MiB pages (common/torch_part/huge_pages.py: a step's scattered block reads),

@@ -14,6 +14,7 @@ from tandem.decoder.engine.front import engine as engine_module
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.models import kv_pool
 from tandem.decoder.models.loader import LoadedModel
+from tandem.decoder.models.memory_limit import MemoryLimit
 
 
 def test_a_pool_the_host_cannot_hold_is_refused_before_its_block_table_is_built(
@@ -27,12 +28,13 @@ def test_a_pool_the_host_cannot_hold_is_refused_before_its_block_table_is_built(
             super().__init__(num_blocks, *args)
 
     monkeypatch.setattr(engine_module, "BlockManager", CountedBlockManager)
-    monkeypatch.setattr(kv_pool, "host_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(kv_pool, "memory_limit", lambda: MemoryLimit(1 << 20, None))
     config = EngineConfig(model_dir=tiny_model_dir, dtype="float32", num_kv_blocks=1 << 20)
     with pytest.raises(ConfigError) as refused:
         Engine(config, loaded=tiny_fp32)
     assert refused.value.field == "num_kv_blocks"
-    assert "bytes on this rank) could not be allocated (more than this host's 1,048,576 bytes" in str(
-        refused.value
+    assert (
+        "bytes on this rank) could not be allocated (more than the 1,048,576 bytes of memory of this host)"
+        in (str(refused.value))
     )
     assert built == []

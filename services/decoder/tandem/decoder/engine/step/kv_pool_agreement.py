@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from tandem.client.errors import ConfigError
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
 
 # is_refused, num_blocks, num_bytes, the cause's length in bytes
@@ -28,6 +29,17 @@ HEADER = 4
 # The cause's bytes carried, cut there: mmap's ENOMEM says 25, the host memory check ~60, CUDA's
 # out-of-memory message ~400 with its advice on the allocator's settings.
 MAX_CAUSE_BYTES = 512
+
+
+class KvPoolRefused(ConfigError):
+    """The start error of the flag that sized a KV pool some rank could not allocate (sizing.pool_refused).
+
+    Its own class because on a group it means more than any other flag's error: every rank has agreed
+    on it (first_refusal) and is stopping by itself, so rank 0 waits for the ranks it spawned to exit
+    and a rank but 0 exits 2 quietly, leaving the line to rank 0. Any other ConfigError met while the
+    ranks load (the port taken since it was checked, a fault on one rank) is one rank's alone: the
+    others still load, or wait in a collective, and must be ended, or end with the error in their log.
+    """
 
 
 class ControlGather(Protocol):

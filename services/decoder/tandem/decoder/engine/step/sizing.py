@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tandem.client.errors import ConfigError
 from tandem.decoder.config import MAX_KV_SLOTS, EngineConfig
+from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused
 from tandem.decoder.engine.step.static_shapes import StaticShapes, power_of_two_buckets, width_buckets
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
@@ -64,27 +65,30 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: i
     per_block = 2 * c.num_layers * config.block_size * num_kv_heads * c.head_dim * c.dtype.itemsize
     num_blocks = max(2, config.kv_cache_bytes // per_block + 1)  # + the reserved null block
     if num_blocks > config.max_kv_blocks:
-        max_bytes = (config.max_kv_blocks - 1) * per_block
+        # The bytes buy floor(bytes / per_block) blocks beside the reserved one: at most max_kv_blocks - 1
+        # of them while the bytes are less than max_kv_blocks whole blocks.
+        max_bytes = config.max_kv_blocks * per_block - 1
         raise ConfigError(
             "kv_cache_bytes",
-            f"must be at most {max_bytes:,} for this model ({config.max_kv_blocks - 1:,} blocks of "
-            f"{per_block:,} bytes on each rank: {MAX_KV_SLOTS:,} KV slots, int32's, of --block-size "
+            f"must be at most {max_bytes:,} for this model (a byte less than {config.max_kv_blocks:,} "
+            f"blocks of {per_block:,} bytes on each rank, which buys {config.max_kv_blocks - 1:,} blocks "
+            f"and the reserved one: {MAX_KV_SLOTS:,} KV slots, int32's, of --block-size "
             f"{config.block_size}), got {config.kv_cache_bytes:,}",
         )
     return num_blocks
 
 
-def pool_refused(config: EngineConfig, error: KvPoolUnallocated) -> ConfigError:
+def pool_refused(config: EngineConfig, error: KvPoolUnallocated) -> KvPoolRefused:
     """A KV pool the host could not allocate as the start-up error of the flag that sized it."""
     where = "this rank" if error.rank is None else f"rank {error.rank}"
     asked = f"{error.num_blocks:,} blocks, {error.num_bytes:,} bytes on {where}"
     if config.num_kv_blocks:
-        return ConfigError(
+        return KvPoolRefused(
             "num_kv_blocks",
             f": the KV pool it asks for ({asked}) could not be allocated ({error.cause}): ask for fewer "
             "blocks, or leave it unset to size the pool by --kv-cache-bytes",
         )
-    return ConfigError(
+    return KvPoolRefused(
         "kv_cache_bytes",
         f": the KV pool it asks for ({asked}) could not be allocated ({error.cause}): give it fewer bytes",
     )

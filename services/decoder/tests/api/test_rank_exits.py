@@ -1,0 +1,80 @@
+"""How rank 0 ends the ranks it spawned when its start fails with a flag's error. The KV pool refusal
+the group agreed on (KvPoolRefused) is every rank's: they stop by themselves and are only waited for.
+Any other ConfigError (the port taken since it was checked) is rank 0's alone, while the others still
+load: they are ended at once. Every ConfigError was taken for the agreed refusal: rank 0 waited 5 s
+for each loading rank and logged a false ERROR that it 'did not exit' before killing it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tandem.client.errors import ConfigError
+from tandem.decoder.api import main
+from tandem.decoder.config import DecoderConfig, EngineConfig
+from tandem.decoder.distributed.parallel import RankInfo
+from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused
+
+
+class SpawnedRank:
+    """A spawned rank as rank 0 sees it: one that stops by itself ends when joined; one still loading
+    runs until it is terminated (or killed)."""
+
+    name = "tandem-rank-1"
+
+    def __init__(self, stops_by_itself: bool) -> None:
+        self.stops_by_itself = stops_by_itself
+        self.exitcode: int | None = None
+        self.signals: list[str] = []
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.stops_by_itself:
+            self.exitcode = 2
+        elif self.signals:
+            self.exitcode = -15 if self.signals[0] == "terminate" else -9
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def terminate(self) -> None:
+        self.signals.append("terminate")
+
+    def kill(self) -> None:
+        self.signals.append("kill")
+
+
+def serve_ranks_failing(
+    error: ConfigError, rank: SpawnedRank, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 of two, whose serve raises `error`; the error must come out of _serve_ranks."""
+
+    async def serve(*_: object, **__: object) -> main.Outcome:
+        raise error
+
+    monkeypatch.setattr(main, "serve", serve)
+    monkeypatch.setattr(main, "_spawn_ranks", lambda *_: [rank])
+    config = DecoderConfig(engine=EngineConfig(model_dir=Path("m")), world_size=2)
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as raised:
+        main._serve_ranks(config, RankInfo.local(0, 2, 1))
+    assert raised.value is error
+
+
+def test_a_config_error_of_rank_0_alone_ends_the_loading_ranks_at_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    loading = SpawnedRank(stops_by_itself=False)
+    serve_ranks_failing(ConfigError("port", ": 127.0.0.1:1 is taken"), loading, monkeypatch, caplog)
+    assert loading.signals == ["terminate"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_the_agreed_pool_refusal_waits_for_the_ranks_stopping_by_themselves(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stopping = SpawnedRank(stops_by_itself=True)
+    refused = KvPoolRefused("num_kv_blocks", ": the KV pool it asks for (...) could not be allocated")
+    serve_ranks_failing(refused, stopping, monkeypatch, caplog)
+    assert (stopping.signals, stopping.exitcode) == ([], 2)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
