@@ -3,6 +3,8 @@ min_new_tokens, plain, batched and speculating alike."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from services.decoder.tests.engine.engine_helpers import tokens as _tokens
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
-from tandem.decoder.engine.outputs.outputs import Delta, FinishReason
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Finished, FinishReason
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.sampling import prompt_lookup
 from tandem.decoder.models.loader import LoadedModel
@@ -101,3 +103,40 @@ def test_a_proposal_holding_the_grammars_end_and_eos_verifies_as_plain_steps_go(
     assert _tokens(speculating) == answer
     assert _finished(speculating).reason == _finished(plain).reason == FinishReason.EOS
     assert _finished(speculating).accepted_tokens > 0
+
+
+def test_a_plain_prompt_is_not_built_behind_a_grammar_being_compiled(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    """Six hostile grammars, 2 s each to compile, on the one request-building thread held a plain
+    neighbour's first token back 16-20 s: grammars build on a thread of their own."""
+    stopping = StoppingParams(max_new_tokens=2)
+    grammar = GenerateSpec([PROMPT], stopping=stopping, structured=StructuredOutput("regex", "a+"))
+    plain = GenerateSpec([PROMPT], stopping=stopping)
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        compiling, release = threading.Event(), threading.Event()
+        make_request = engine.make_request
+
+        def slow_grammars(spec: GenerateSpec):
+            if spec.structured is not None:
+                compiling.set()
+                release.wait(5)
+            return make_request(spec)
+
+        engine.make_request = slow_grammars
+
+        async def collect(spec: GenerateSpec) -> list[Event]:
+            return [event async for event in engine.stream(spec)]
+
+        async def run() -> tuple[list[Event], list[Event]]:
+            constrained = asyncio.ensure_future(collect(grammar))
+            while not compiling.is_set():
+                await asyncio.sleep(0.01)
+            try:
+                beside = await asyncio.wait_for(collect(plain), 3)
+            finally:
+                release.set()
+            return beside, await constrained
+
+        beside, constrained = asyncio.run(run())
+    assert isinstance(beside[-1], Finished) and isinstance(constrained[-1], Finished)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import string
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -341,3 +343,87 @@ def test_one_dear_mask_passes_and_dear_masks_that_stay_fail_the_request() -> Non
     error = stays.error()
     assert error is not None and "over the limit of 5 ms" in error.description
     assert stays.num_accepted <= 6  # 6 masks of 8 ms pass 8 x 5 ms
+
+
+@pytest.mark.parametrize(
+    ("kind", "source"),
+    [
+        ("regex", "a{1000}{1000}"),
+        ("grammar", "start: /a{1000}{1000}/"),
+        ("json_schema", '{"type": "string", "pattern": "^a{1000}{1000}$"}'),
+    ],
+)
+def test_a_grammar_that_outruns_the_lexer_fuel_is_refused_when_built_naming_the_field_and_the_limit(
+    compiler: GrammarCompiler, kind: str, source: str
+) -> None:
+    # With llguidance's default fuel these 13 bytes cost 0.8-2.5 s to build, and the exhausted fuel
+    # showed only at the first sampled token: INVALID_ARGUMENT mid-stream, seconds later.
+    started = time.monotonic()
+    with pytest.raises(InvalidArgument) as refused:
+        compiler.constraint(StructuredOutput(kind, source))
+    assert refused.value.field == f"structured.{kind}"
+    assert f"more than the {structured.MAX_LEXER_FUEL:,} steps" in refused.value.description
+    assert "lexer fuel" in refused.value.description
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_self_requiring_property_is_refused_when_built_as_admitting_no_finite_answer(
+    compiler: GrammarCompiler,
+) -> None:
+    # It said "Too many items (limit 50000; ff_tokens)" after the first sampled token.
+    node = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+    with pytest.raises(InvalidArgument) as refused:
+        compiler.constraint(
+            StructuredOutput("json_schema", json.dumps({"$defs": {"n": node}, "$ref": "#/$defs/n"}))
+        )
+    assert refused.value.field == "structured.json_schema"
+    assert refused.value.description.startswith("admits no finite answer")
+
+
+def test_a_built_grammar_is_kept_and_each_request_takes_its_own_copy(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds: list[StructuredOutput] = []
+    build = compiler._built
+    monkeypatch.setattr(compiler, "_built", lambda spec: builds.append(spec) or build(spec))
+    spec = StructuredOutput("regex", "(ab|cd){1,40}")
+    first, second = compiler.constraint(spec), compiler.constraint(spec)
+    assert builds == [spec]  # the second request copied the first's matcher
+    (token,) = [t for t in range(compiler.vocab_size) if first.allowed()[t]][:1]
+    before = second.allowed()
+    first.accept(token)
+    assert torch.equal(second.allowed(), before) and first.error() is None
+
+
+def test_a_refusal_is_kept_so_a_repeated_hostile_grammar_costs_no_second_build(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds: list[StructuredOutput] = []
+    build = compiler._built
+    monkeypatch.setattr(compiler, "_built", lambda spec: builds.append(spec) or build(spec))
+    spec = StructuredOutput("regex", "b{1000}{1000}")
+    for _ in range(3):
+        with pytest.raises(InvalidArgument, match="lexer fuel"):
+            compiler.constraint(spec)
+    assert builds == [spec]
+
+
+def test_the_matchers_kept_are_bounded_by_the_build_time_they_save(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A built matcher holds its lexer's states (up to 0.4 MB per ms of its build): 256 of
+    # `a{300}{100+i}` kept were 5 GB.
+    monkeypatch.setattr(structured, "MAX_CACHED_BUILD_SECONDS", 0.25)
+    monkeypatch.setattr(compiler, "_cache", OrderedDict())
+    monkeypatch.setattr(compiler, "_cached_seconds", 0.0)
+    built = compiler._built(StructuredOutput("regex", "a"))
+    seconds = {"regex": 0.1, "grammar": 0.3}
+    monkeypatch.setattr(
+        compiler, "_built", lambda spec: dataclasses.replace(built, build_seconds=seconds[spec.kind])
+    )
+    specs = [StructuredOutput("regex", f"x{i}") for i in range(4)]
+    for spec in specs:
+        compiler.constraint(spec)
+    assert list(compiler._cache) == specs[2:]  # 0.2 s of the 0.25 s: the least recent went first
+    compiler.constraint(StructuredOutput("grammar", 'start: "dear"'))  # over the budget alone: not kept
+    assert list(compiler._cache) == specs[2:]

@@ -178,6 +178,13 @@ class Engine:
             thread_name_prefix="tandem-chats",
             initializer=_init_builder_thread,
         )
+        # Plain prompts with a grammar build here: compiling one costs up to a few hundred
+        # milliseconds (llguidance's bounds, sampling/structured.py), and 6 hostile ones queued on
+        # the plain builder held a neighbour's first token back 16-20 s. One thread: grammars queue
+        # behind each other, never in front of plain prompts.
+        self._structured_builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-grammars", initializer=_init_builder_thread
+        )
         # Requests with encoder parts build here: each waits for its encoder's rows (a vision tower's
         # tens of milliseconds), which must hold up neither plain prompts nor chats; the threads only
         # wait, so there can be several.
@@ -275,6 +282,7 @@ class Engine:
         self._builder.shutdown(wait=False, cancel_futures=True)
         self._chat_builder.shutdown(wait=False, cancel_futures=True)
         self._fetching_builder.shutdown(wait=False, cancel_futures=True)
+        self._structured_builder.shutdown(wait=False, cancel_futures=True)
         self._adapter_reader.shutdown(wait=False, cancel_futures=True)
         self.chat_template.close()
         self._thread.stop()
@@ -440,7 +448,9 @@ class Engine:
     def _builder_for(self, spec: GenerateSpec) -> concurrent.futures.Executor:
         if has_encoder_parts(spec):
             return self._fetching_builder
-        return self._builder if spec.chat is None else self._chat_builder
+        if spec.chat is not None:
+            return self._chat_builder
+        return self._builder if spec.structured is None else self._structured_builder
 
     # -- LoRA adapters ---------------------------------------------------------------------------
 

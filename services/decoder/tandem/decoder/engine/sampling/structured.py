@@ -5,13 +5,16 @@ strings is a regular expression of them). Chosen over xgrammar by measurement (P
 compile a schema in about a millisecond and mask in microseconds; llguidance builds its tokenizer from
 our tokenizer's JSON and bounds its work with parser limits, and needs no torch of its own. One
 `GrammarCompiler` per engine holds the tokenizer in llguidance's form (built once: about 0.3 s for a
-49k vocabulary) and a cache of compiled grammars
-by content; each request gets its own `Constraint` (a matcher: the grammar's state after the tokens
-sampled so far). Compiling and the first matcher run in the request builder's thread, before the
-request is queued, under llguidance's parser limits, so a hostile schema costs its caller an
-INVALID_ARGUMENT and nothing else. They run on a thread of their own with a deep stack
-(COMPILE_STACK_BYTES says why). Each step the constraint's allowed tokens mask the request's logits
-(the model's EOS only where the grammar may end); after the step it takes the sampled token.
+49k vocabulary) and a cache of built matchers by content
+(the grammar's state before any token, its first mask computed); each request gets its own
+`Constraint` (a copy of that matcher: the grammar's state after the tokens sampled so far). A copy
+costs microseconds where building cost up to MAX_LEXER_FUEL's bound, and a refusal is cached too.
+Compiling, the first mask and a first token taken on a copy (where llguidance reports what its first
+mask ran out of) run before the request is queued, under llguidance's parser limits, so a hostile
+grammar costs its caller an INVALID_ARGUMENT and nothing else. They run on a thread of their own with
+a deep stack (COMPILE_STACK_BYTES says why). Each step the constraint's allowed tokens mask the
+request's logits (the model's EOS only where the grammar may end); after the step it takes the sampled
+token.
 
 NOTE: the grammar's work per token is bounded by CPU time, not only by llguidance's limits. Its
 Earley parser pays, per token, for every parse of the answer so far still open, so an ambiguous
@@ -57,7 +60,12 @@ from tandem.decoder.engine.params import StructuredOutput
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE_CHARS = 64 * 1024  # a schema, regex or grammar: its text
 MAX_CHOICES = 1024
-CACHE_SIZE = 256  # compiled grammars kept, by content
+CACHE_SIZE = 256  # built grammars (or their refusals) kept, by content
+# A built matcher holds its lexer's states: measured with SmolLM2's vocabulary, up to 0.4 MB per
+# millisecond of CPU its build took (`a{300}{190}`: 18.5 MB for 50 ms; 2,000 properties 10 MB for
+# 0.3 s; a typical schema 0.03 MB for 1 ms). 256 kept as they were 5 GB; the matchers kept are bounded
+# by the build time they saved, in all, which bounds their memory to about 200 MB.
+MAX_CACHED_BUILD_SECONDS = 0.5
 # llguidance compiles and validates a grammar recursively, about 3 KB of stack per level of rules
 # that name the next: within MAX_SOURCE_CHARS a Lark chain (`b: "a" c`) reaches 5,580 levels and a
 # JSON schema's $ref chain 1,716, and either overflowed a thread's default 8 MiB stack, which killed
@@ -70,6 +78,15 @@ COMPILE_STACK_BYTES = 64 * 1024 * 1024
 # levels of nested properties, two each). Past it llguidance said only "recursion limit exceeded at
 # line 1 column 2491", naming no limit.
 MAX_SCHEMA_DEPTH = 124
+# The work llguidance's lexer may do to build a grammar's regular expressions before its first mask
+# (its initial_lexer_fuel; llguidance's default is 1,000,000). At the default the 13 bytes
+# `a{1000}{1000}` cost 0.8-2.5 s of CPU per request to build and take their first mask, and the
+# exhausted fuel showed only when the first token was taken, mid-stream. Measured with SmolLM2's
+# vocabulary on a busy 2-core machine: that regex fails in 94 ms at this bound (31 ms at 100,000);
+# JSON schemas (formats, 2,000 properties, 500 patterned anyOf), 1,024 choices, `\w{1,1000}` and
+# `a{300}{100}` (30,000 characters) need under 100,000, but the deepest $ref chain within
+# MAX_SOURCE_CHARS (1,716 levels) needs between 100,000 and 150,000.
+MAX_LEXER_FUEL = 200_000
 NUM_MASKS_AVERAGED = 8  # masks whose CPU time per token is averaged against the limit (the NOTE)
 _STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one setter at a time
 
@@ -186,10 +203,11 @@ class Constraint:
                 emitted, token_id = self._refused
                 what = f"refused the sampled token {token_id}"
             detail = _llguidance_reason(self._matcher.get_error())  # type: ignore[attr-defined]
+            ours = _in_our_words(detail)
             return InvalidArgument(
                 self.field,
                 f"the grammar failed after {emitted} tokens of the answer: it {what}"
-                + (f" (the grammar engine said: {detail})" if detail else ""),
+                + (f": it {ours}" if ours else f" (the grammar engine said: {detail})" if detail else ""),
             )
         if self._too_slow is None:
             return None
@@ -231,6 +249,15 @@ class _TooSlow:
     num_accepted: int  # tokens of the answer the grammar had taken by then
 
 
+@dataclass(frozen=True)
+class _Built:
+    """What building a grammar gave: a matcher before any token, or a refusal."""
+
+    matcher: object | None  # an llguidance LLMatcher, its first mask computed; requests take copies
+    refusal: InvalidArgument | None  # why the grammar is refused, every time it is asked for
+    build_seconds: float  # CPU time the build took (0 for a refusal): what keeping it saves
+
+
 class GrammarCompiler:
     """The engine's llguidance tokenizer and compiled-grammar cache."""
 
@@ -249,30 +276,27 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
-        self._limits = llguidance.LLParserLimits(verbose_errors=False)
+        self._limits = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=MAX_LEXER_FUEL)
         self._eos_token_ids = frozenset(eos_token_ids)
         self.max_token_cpu_seconds = max_token_cpu_seconds
-        self._cache: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutput, _Built] = OrderedDict()  # by content, least recent first
+        self._cached_seconds = 0.0  # the build_seconds of the matchers in _cache, in all
         self._lock = threading.Lock()  # request builders may compile concurrently
 
     def constraint(self, spec: StructuredOutput) -> Constraint:
         """A fresh matcher for `spec`. Raises InvalidArgument naming the field for what does not compile."""
         check(spec)
-        return on_deep_stack(lambda: self._constraint(spec))
-
-    def _constraint(self, spec: StructuredOutput) -> Constraint:
-        grammar = self._grammar(spec)
-        matcher = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
-        if matcher.is_error():
-            raise InvalidArgument(spec.field, f"does not compile: {_short(matcher.get_error())}")
-        # The first mask, here rather than at the first step: a grammar no text can begin (a schema
-        # that is only a reference to itself) fails only when it is asked for a token, and would
-        # otherwise allow just EOS and end `stop` with an empty answer, which is no JSON at all.
-        matcher.compute_bitmask()
-        if matcher.is_error():
-            raise InvalidArgument(
-                spec.field, f"admits no answer: no text can begin it ({_short(matcher.get_error())})"
-            )
+        with self._lock:
+            built = self._cache.get(spec)
+            if built is not None:
+                self._cache.move_to_end(spec)
+        if built is None:
+            built = on_deep_stack(lambda: self._built(spec))
+            self._keep(spec, built)
+        if built.refusal is not None:  # a fresh one: a raised one keeps its traceback
+            raise InvalidArgument(built.refusal.field, built.refusal.description)
+        with self._lock:  # the built matcher is only ever copied, never advanced
+            matcher = built.matcher.deep_copy()  # type: ignore[attr-defined]
         return Constraint(
             matcher,
             self.vocab_size,
@@ -281,21 +305,73 @@ class GrammarCompiler:
             max_token_cpu_seconds=self.max_token_cpu_seconds,
         )
 
-    def _grammar(self, spec: StructuredOutput) -> str:
+    def _keep(self, spec: StructuredOutput, built: _Built) -> None:
+        """Cache `built`, least recently used out first, within CACHE_SIZE and MAX_CACHED_BUILD_SECONDS."""
+        if built.build_seconds > MAX_CACHED_BUILD_SECONDS:
+            return
         with self._lock:
-            if spec in self._cache:
-                self._cache.move_to_end(spec)
-                return self._cache[spec]
+            if spec in self._cache:  # built beside another request for it
+                return
+            self._cache[spec] = built
+            self._cached_seconds += built.build_seconds
+            while len(self._cache) > CACHE_SIZE or self._cached_seconds > MAX_CACHED_BUILD_SECONDS:
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_seconds -= evicted.build_seconds
+
+    def _built(self, spec: StructuredOutput) -> _Built:
+        start = time.thread_time()  # this thread's alone: llguidance builds on it
+        outcome = self._build(spec)
+        if isinstance(outcome, InvalidArgument):  # a refusal holds no matcher: it weighs nothing
+            return _Built(None, outcome, 0.0)
+        return _Built(outcome, None, time.thread_time() - start)
+
+    def _build(self, spec: StructuredOutput) -> object | InvalidArgument:
+        """A matcher for `spec` with its first mask computed (kept, never advanced: requests take
+        copies), or the refusal that `spec` earns every time it is asked for."""
+        try:
+            grammar = self._grammar(spec)
+        except InvalidArgument as e:
+            return e
+        matcher = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            return InvalidArgument(spec.field, f"does not compile: {_short(matcher.get_error())}")
+        # The first mask, here rather than at the first step: a grammar no text can begin (a schema
+        # that is only a reference to itself) fails only when it is asked for a token, and would
+        # otherwise allow just EOS and end `stop` with an empty answer, which is no JSON at all.
+        bitmask = matcher.compute_bitmask()
+        if matcher.is_error():
+            return InvalidArgument(
+                spec.field, f"admits no answer: no text can begin it ({_short(matcher.get_error())})"
+            )
+        # llguidance keeps what its first mask ran out of (the lexer's fuel, the parser's items) until
+        # a token is taken: the attacker's `a{1000}{1000}` failed mid-stream after seconds. One token
+        # the mask allows, taken on a copy, tells it here.
+        failure = self._first_token_failure(matcher, bitmask)
+        if failure is not None:
+            return InvalidArgument(spec.field, failure)
+        return matcher
+
+    def _first_token_failure(self, matcher: object, bitmask: bytes) -> str | None:
+        """Why the grammar fails at the first token its first mask allows (EOS aside), or None."""
+        bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[: self.vocab_size]
+        allowed = np.flatnonzero(bits)
+        first = next((int(t) for t in allowed if int(t) not in self._eos_token_ids), None)
+        if first is None:
+            return None
+        trial = matcher.deep_copy()  # type: ignore[attr-defined]
+        trial.consume_token(first)
+        if not trial.is_error():
+            return None
+        reason = _llguidance_reason(trial.get_error())
+        return _in_our_words(reason) or f"fails at the first token it allows ({first}): {reason}"
+
+    def _grammar(self, spec: StructuredOutput) -> str:
         grammar = self._compile(spec)
         is_error, messages = self._llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self._tokenizer
         )
         if is_error:
             raise InvalidArgument(spec.field, f"does not compile: {_short(messages[0] if messages else '')}")
-        with self._lock:
-            self._cache[spec] = grammar
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
         return grammar
 
     def _compile(self, spec: StructuredOutput) -> str:
@@ -387,6 +463,28 @@ def _llguidance_reason(message: str) -> str:
     empty words ('no error message'): what is left, if anything, says something."""
     text = _short(message.replace("<non-verbose/>", "").replace("no error message", ""))
     return text.strip(" ;:,.")
+
+
+def _in_our_words(reason: str) -> str | None:
+    """llguidance's reason for a limit it hit, said as what it means for the grammar, or None."""
+    if "too many expressions constructed" in reason:
+        return (
+            f"is too complex: building its regular expressions takes more than the {MAX_LEXER_FUEL:,} "
+            "steps the grammar compiler allows (its lexer fuel; nested counts such as a{1000}{1000} "
+            "spell out a million characters)"
+        )
+    if "too many states" in reason:
+        return f"is too complex: its regular expressions need more lexer states than allowed ({reason})"
+    if "Too many items" in reason and "ff_tokens" in reason:
+        # Text the grammar forces, token by token, ran past the parser's items: a rule that requires
+        # itself (a required property whose schema is its own) forces text that never ends.
+        return (
+            "admits no finite answer: the text it forces never ends (a rule that requires itself, "
+            f"such as a required property whose schema is its own) ({reason})"
+        )
+    if "Current row has" in reason:
+        return f"offers more alternatives at one point than the parser follows ({reason})"
+    return None
 
 
 def _short(message: str) -> str:
