@@ -66,7 +66,7 @@ def test_served_types_keep_the_files_values_and_give_transformers_greedy_tokens(
     want = reference[0, len(PROMPT) :].tolist()
     assert greedy(model, PROMPT, 8) == want  # the model's own forward
     executor = CpuExecutor(model, load_for_cpu())  # the quantized kernels, never dequantizing
-    assert executor.choice.linears == "torch" and not executor.fused  # float32: layer by layer
+    assert executor.choice.linears == "c" and not executor.fused  # float32: layer by layer
     assert greedy(model, PROMPT, 8, step=executor) == want
 
 
