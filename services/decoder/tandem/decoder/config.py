@@ -100,6 +100,11 @@ class EngineConfig:
     # at the 1,997 tokens where llguidance's row limit stops it. CPU time, not wall time, so a busy
     # machine fails no request for its neighbours' load.
     max_grammar_cpu_ms_per_token: float = 50.0
+    # Structured output: the CPU time, in ms, all of one step's grammar work (every constrained
+    # request's masks, and taking its tokens) may cost before the dearest of those requests fail,
+    # RESOURCE_EXHAUSTED, until the rest fit (engine/step/grammar_budget.py). The per-token limit
+    # bounds one request, not many: 16 just under it cost 700 ms a step with SmolLM2's vocabulary.
+    max_grammar_cpu_ms_per_step: float = 250.0
     block_size: int = 16  # positions per KV block.
     kv_cache_bytes: int = 512 * 1024 * 1024  # KV pool size; the block count is derived from it.
     num_kv_blocks: int | None = None  # exact block count instead of kv_cache_bytes (tests).
@@ -245,6 +250,11 @@ class EngineConfig:
             raise ConfigError(
                 "max_grammar_cpu_ms_per_token",
                 f"must be > 0 and finite, got {self.max_grammar_cpu_ms_per_token}",
+            )
+        if not 0 < self.max_grammar_cpu_ms_per_step < math.inf:
+            raise ConfigError(
+                "max_grammar_cpu_ms_per_step",
+                f"must be > 0 and finite, got {self.max_grammar_cpu_ms_per_step}",
             )
         if self.speculative_max_batch < 1:
             raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")

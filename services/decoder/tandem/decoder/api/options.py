@@ -121,6 +121,12 @@ def settings() -> list[Setting]:
             "fails INVALID_ARGUMENT instead of holding up its batch",
             type=float,
         ),
+        _engine_setting(
+            "--max-grammar-cpu-ms-per-step",
+            "structured output: where one step's grammar work costs more CPU than this (ms), its dearest "
+            "requests fail RESOURCE_EXHAUSTED until the rest fit",
+            type=float,
+        ),
         _engine_setting("--block-size", "positions per KV cache block", type=int),
         _engine_setting("--kv-cache-bytes", "KV cache pool size in bytes", type=int),
         _engine_setting(
@@ -291,6 +297,7 @@ _ENGINE_FIELDS = (
     "max_model_len",
     "max_queue",
     "max_grammar_cpu_ms_per_token",
+    "max_grammar_cpu_ms_per_step",
     "block_size",
     "kv_cache_bytes",
     "num_kv_blocks",
