@@ -13,10 +13,11 @@ import tokenizers
 from services.decoder.tests.engine.engine_helpers import finished as _finished
 from services.decoder.tests.engine.engine_helpers import run_concurrently as _run_concurrently
 from services.decoder.tests.engine.engine_helpers import tokens as _tokens
+from tandem.client.errors import ResourceExhausted
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
-from tandem.decoder.engine.outputs.outputs import Delta, Event, Finished, FinishReason
+from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, FinishReason
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.sampling import prompt_lookup
 from tandem.decoder.models.loader import LoadedModel
@@ -140,3 +141,28 @@ def test_a_plain_prompt_is_not_built_behind_a_grammar_being_compiled(
 
         beside, constrained = asyncio.run(run())
     assert isinstance(beside[-1], Finished) and isinstance(constrained[-1], Finished)
+
+
+def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_neighbour_goes_on(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    """One thread computes every mask of a step: 16 grammars each under their own per-token limit
+    cost 700 ms a step. Over --max-grammar-cpu-ms-per-step (here below any work), the grammars fail
+    RESOURCE_EXHAUSTED naming their field and the limit; the plain request beside them is unchanged."""
+    greedy = SamplingParams(temperature=0.0)
+    plain = GenerateSpec([[5, 6]], greedy, StoppingParams(max_new_tokens=8, ignore_eos=True))
+    grammars = [
+        GenerateSpec(
+            [PROMPT], greedy, StoppingParams(max_new_tokens=8), structured=StructuredOutput("regex", "a+")
+        )
+        for _ in range(3)
+    ]
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        alone = _tokens(engine.generate(plain))
+    with _engine(tiny_model_dir, tiny_fp32, max_grammar_cpu_ms_per_step=1e-6) as engine:
+        events = _run_concurrently(engine, [plain, *grammars])
+    assert _tokens(events[0]) == alone and isinstance(events[0][-1], Finished)
+    for failed in events[1:]:
+        assert isinstance(failed[-1], Failed) and isinstance(failed[-1].error, ResourceExhausted)
+        assert str(failed[-1].error).startswith("structured.regex: the grammar's work took")
+        assert "over the limit of 1e-06 ms per step (--max-grammar-cpu-ms-per-step)" in str(failed[-1].error)

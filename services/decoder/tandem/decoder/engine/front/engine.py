@@ -266,7 +266,12 @@ class Engine:
         )
         adapters = None if self.lora is None else AdapterSlots(config.max_loras)
         return EngineCore(
-            scheduler, runner, self.model_config.vocab_size, config.speculative_max_batch, adapters
+            scheduler,
+            runner,
+            self.model_config.vocab_size,
+            config.speculative_max_batch,
+            adapters,
+            max_grammar_seconds_per_step=config.max_grammar_cpu_ms_per_step / 1000,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, Scheduler, StepPlan
 from tandem.decoder.engine.step import non_finite
+from tandem.decoder.engine.step.grammar_budget import over_budget, over_budget_error
 from tandem.decoder.engine.step.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -99,10 +101,12 @@ def _has_constraint(plan: StepPlan) -> bool:
     return any(item.needs_logits and item.request.constraint is not None for item in plan.scheduled)
 
 
-def _grammar_masks(plan: StepPlan) -> list[torch.Tensor | None]:
+def _grammar_masks(plan: StepPlan) -> tuple[list[torch.Tensor | None], dict[str, float]]:
     """One entry per sampled row of `plan`, in the order `step` builds its rows: the grammar's allowed
-    tokens for a constrained request's row (after the proposed tokens before it), None otherwise."""
+    tokens for a constrained request's row (after the proposed tokens before it), None otherwise; and
+    the CPU time each constrained request's masks took, by request key (grammar_budget.py)."""
     masks: list[torch.Tensor | None] = []
+    seconds: dict[str, float] = {}
     for item in plan.scheduled:
         if not item.needs_logits:
             continue
@@ -110,8 +114,10 @@ def _grammar_masks(plan: StepPlan) -> list[torch.Tensor | None]:
         if constraint is None:
             masks.extend([None] * (1 + item.num_draft_tokens))
         else:
+            start = time.thread_time()  # this thread's: llguidance masks on it
             masks.extend(constraint.masks_along(item.request.draft_token_ids[: item.num_draft_tokens]))
-    return masks
+            seconds[item.request_id] = time.thread_time() - start
+    return masks, seconds
 
 
 class EngineCore:
@@ -122,8 +128,10 @@ class EngineCore:
         vocab_size: int,
         speculative_max_batch: int | None = None,  # more running requests: no proposals; None = any
         adapters: AdapterSlots | None = None,  # the LoRA slots' names; None: LoRA off
+        max_grammar_seconds_per_step: float = math.inf,  # all of a step's grammar work (grammar_budget.py)
     ) -> None:
         self.scheduler = scheduler
+        self.max_grammar_seconds_per_step = max_grammar_seconds_per_step
         self.adapters = adapters
         self.runner = runner
         self.vocab_size = vocab_size
@@ -324,7 +332,7 @@ class EngineCore:
         rows = [
             _Row(self._live[item.request_id], j) for item in items for j in range(1 + item.num_draft_tokens)
         ]
-        allowed = masks.result() if masks is not None else None
+        allowed, grammar_seconds = masks.result() if masks is not None else (None, {})
         sampled = self._sample(logits, rows, allowed) if rows else None
         samples = []
         if sampled is not None:
@@ -339,10 +347,15 @@ class EngineCore:
         broken: list[tuple[ScheduledRequest, TandemError]] = []
         for item, tokens in zip(items, kept, strict=True):  # the grammar takes what was sampled
             if item.request.constraint is not None:
+                start = time.thread_time()
                 for token_id in tokens:
                     item.request.constraint.accept(token_id)
+                grammar_seconds[item.request_id] = grammar_seconds.get(item.request_id, 0.0) + (
+                    time.thread_time() - start
+                )
                 if item.request_id not in faults and (error := item.request.constraint.error()) is not None:
                     broken.append((item, error))
+        broken.extend(self._over_grammar_budget(items, grammar_seconds, faults, broken))
         with self.lock:
             for request_id in faults:  # out before the update, which skips it: no token, no cached block
                 self.scheduler.abort(request_id)
@@ -365,6 +378,32 @@ class EngineCore:
                 self._fail(request_id, fault)
         for item, error in broken:
             self._fail(item.request_id, error)
+
+    def _over_grammar_budget(
+        self,
+        items: list[ScheduledRequest],
+        grammar_seconds: dict[str, float],
+        faults: dict[str, TandemError],
+        broken: list[tuple[ScheduledRequest, TandemError]],
+    ) -> list[tuple[ScheduledRequest, TandemError]]:
+        """The requests whose grammar work this step fails for the step's budget (grammar_budget.py),
+        with their errors; those failing already for their own reasons are not counted twice."""
+        gone = set(faults) | {item.request_id for item, _ in broken}
+        step_seconds = sum(grammar_seconds.values())
+        by_key = {item.request_id: item for item in items}
+        return [
+            (
+                by_key[key],
+                over_budget_error(
+                    by_key[key].request.constraint.field,  # type: ignore[union-attr]
+                    grammar_seconds[key],
+                    step_seconds,
+                    self.max_grammar_seconds_per_step,
+                ),
+            )
+            for key in over_budget(grammar_seconds, self.max_grammar_seconds_per_step)
+            if key not in gone
+        ]
 
     def _masks(self) -> ThreadPoolExecutor:
         if self._mask_pool is None:  # made by the first constrained step
