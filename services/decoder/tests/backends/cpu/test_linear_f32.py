@@ -30,8 +30,11 @@ def assert_within_float32_error(actual: torch.Tensor, x: torch.Tensor, weight: t
 # left over (5, 9: verifications of k = 4 and 8), 300 rows of 1,000 columns several row blocks (a
 # sample of 300 rows is compared alone).
 # Output features: a whole block of 24 weight rows, a partial one, several with a partial last, and
-# more than one thread's share. Columns: whole chunks of 16 (and of 8), a tail, fewer than one chunk.
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 37), (7, 1000), (25, 5), (131, 48)])
+# more than one thread's share. Columns: whole chunks of 16 (and of 8), a tail, fewer than one chunk;
+# 8,192 (a 1B model's down projection) is wide enough that row blocks are their floor of 64 rows.
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(96, 64), (50, 37), (7, 1000), (25, 5), (131, 48), (40, 8192)]
+)
 def test_each_row_is_the_product_and_the_same_bits_as_the_row_alone(
     kernels, out_features: int, in_features: int
 ) -> None:
