@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import string
@@ -380,15 +379,16 @@ def test_a_self_requiring_property_is_refused_when_built_as_admitting_no_finite_
     assert refused.value.description.startswith("admits no finite answer")
 
 
-def test_a_built_grammar_is_kept_and_each_request_takes_its_own_copy(
+def test_a_grammar_is_judged_once_and_each_request_builds_its_own_matcher(
     compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    builds: list[StructuredOutput] = []
-    build = compiler._built
-    monkeypatch.setattr(compiler, "_built", lambda spec: builds.append(spec) or build(spec))
+    judged: list[StructuredOutput] = []
+    judge = compiler._judged
+    monkeypatch.setattr(compiler, "_judged", lambda spec: judged.append(spec) or judge(spec))
     spec = StructuredOutput("regex", "(ab|cd){1,40}")
     first, second = compiler.constraint(spec), compiler.constraint(spec)
-    assert builds == [spec]  # the second request copied the first's matcher
+    assert judged == [spec]  # the second request was not judged again
+    assert first._matcher is not second._matcher
     (token,) = [t for t in range(compiler.vocab_size) if first.allowed()[t]][:1]
     before = second.allowed()
     first.accept(token)
@@ -398,32 +398,46 @@ def test_a_built_grammar_is_kept_and_each_request_takes_its_own_copy(
 def test_a_refusal_is_kept_so_a_repeated_hostile_grammar_costs_no_second_build(
     compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    builds: list[StructuredOutput] = []
-    build = compiler._built
-    monkeypatch.setattr(compiler, "_built", lambda spec: builds.append(spec) or build(spec))
+    judged: list[StructuredOutput] = []
+    judge = compiler._judged
+    monkeypatch.setattr(compiler, "_judged", lambda spec: judged.append(spec) or judge(spec))
     spec = StructuredOutput("regex", "b{1000}{1000}")
     for _ in range(3):
         with pytest.raises(InvalidArgument, match="lexer fuel"):
             compiler.constraint(spec)
-    assert builds == [spec]
+    assert judged == [spec]
 
 
-def test_the_matchers_kept_are_bounded_by_the_build_time_they_save(
-    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+def test_a_request_that_exhausts_its_lexer_states_does_not_fail_the_next_of_its_grammar(
+    compiler: GrammarCompiler, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A built matcher holds its lexer's states (up to 0.4 MB per ms of its build): 256 of
-    # `a{300}{100+i}` kept were 5 GB.
-    monkeypatch.setattr(structured, "MAX_CACHED_BUILD_SECONDS", 0.25)
-    monkeypatch.setattr(compiler, "_cache", OrderedDict())
-    monkeypatch.setattr(compiler, "_cached_seconds", 0.0)
-    built = compiler._built(StructuredOutput("regex", "a"))
-    seconds = {"regex": 0.1, "grammar": 0.3}
+    # llguidance's deep_copy shares the lexer: copies of one cached matcher pooled their states, and
+    # once one request exhausted them every later request of that grammar failed at its first token.
+    # A pool of 1,000 states (250,000 served) is exhausted by this regex within 8 letters.
+    import llguidance
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    letters = [tokenizer.token_to_id(letter) for letter in string.ascii_lowercase]
+    regex = r"[a-z]*(a[a-z]{9}b|c[a-z]{9}d|e[a-z]{9}f|g[a-z]{9}h|i[a-z]{9}j)[a-z]*"
+
     monkeypatch.setattr(
-        compiler, "_built", lambda spec: dataclasses.replace(built, build_seconds=seconds[spec.kind])
+        compiler,
+        "_limits",
+        llguidance.LLParserLimits(
+            verbose_errors=False, initial_lexer_fuel=structured.MAX_LEXER_FUEL, max_lexer_states=1000
+        ),
     )
-    specs = [StructuredOutput("regex", f"x{i}") for i in range(4)]
-    for spec in specs:
-        compiler.constraint(spec)
-    assert list(compiler._cache) == specs[2:]  # 0.2 s of the 0.25 s: the least recent went first
-    compiler.constraint(StructuredOutput("grammar", 'start: "dear"'))  # over the budget alone: not kept
-    assert list(compiler._cache) == specs[2:]
+    monkeypatch.setattr(compiler, "_cache", OrderedDict())
+    spec = StructuredOutput("regex", regex)
+    exhausted = compiler.constraint(spec)
+    for token_id in itertools.islice(itertools.cycle(letters), 100):
+        exhausted.allowed()
+        exhausted.accept(token_id)
+        if exhausted.error() is not None:
+            break
+    assert "lexer states" in exhausted.error().description  # type: ignore[union-attr]
+    for _ in range(3):
+        after = compiler.constraint(spec)
+        after.allowed()
+        after.accept(letters[0])
+        assert after.error() is None

@@ -5,13 +5,17 @@ strings is a regular expression of them). Chosen over xgrammar by measurement (P
 compile a schema in about a millisecond and mask in microseconds; llguidance builds its tokenizer from
 our tokenizer's JSON and bounds its work with parser limits, and needs no torch of its own. One
 `GrammarCompiler` per engine holds the tokenizer in llguidance's form (built once: about 0.3 s for a
-49k vocabulary) and a cache of built matchers by content
-(the grammar's state before any token, its first mask computed); each request gets its own
-`Constraint` (a copy of that matcher: the grammar's state after the tokens sampled so far). A copy
-costs microseconds where building cost up to MAX_LEXER_FUEL's bound, and a refusal is cached too.
-Compiling, the first mask and a first token taken on a copy (where llguidance reports what its first
-mask ran out of) run before the request is queued, under llguidance's parser limits, so a hostile
-grammar costs its caller an INVALID_ARGUMENT and nothing else. They run on a thread of their own with
+49k vocabulary) and a cache of verdicts by content: a grammar's compiled text where it was accepted,
+its refusal where not, so a repeated hostile grammar is refused without a second build. Each request
+gets its own `Constraint` on a matcher built for it alone (the grammar's state after the tokens
+sampled so far). Not a copy of a cached matcher: llguidance's `deep_copy` shares the lexer, so every
+request of one grammar added its lexer states to one pool, the first to exhaust it ("needs more lexer
+states than allowed") failed every later request of that grammar at its first token until restart,
+and each cached regex kept up to about 97 MB of states. A build costs up to MAX_LEXER_FUEL's bound
+(0.1-0.3 s at worst, about a millisecond for a typical schema). Compiling, the first mask and a first
+token taken on a matcher of its own (where llguidance reports what its first mask ran out of) run
+before the request is queued, under llguidance's parser limits, so a hostile grammar costs its caller
+an INVALID_ARGUMENT and nothing else. They run on a thread of their own with
 a deep stack (COMPILE_STACK_BYTES says why). Each step the constraint's allowed tokens mask the
 request's logits (the model's EOS only where the grammar may end); after the step it takes the sampled
 token.
@@ -60,12 +64,9 @@ from tandem.decoder.engine.params import StructuredOutput
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE_CHARS = 64 * 1024  # a schema, regex or grammar: its text
 MAX_CHOICES = 1024
-CACHE_SIZE = 256  # built grammars (or their refusals) kept, by content
-# A built matcher holds its lexer's states: measured with SmolLM2's vocabulary, up to 0.4 MB per
-# millisecond of CPU its build took (`a{300}{190}`: 18.5 MB for 50 ms; 2,000 properties 10 MB for
-# 0.3 s; a typical schema 0.03 MB for 1 ms). 256 kept as they were 5 GB; the matchers kept are bounded
-# by the build time they saved, in all, which bounds their memory to about 200 MB.
-MAX_CACHED_BUILD_SECONDS = 0.5
+# Verdicts kept, by content: no matcher, only a grammar's compiled text (about its source's size, at
+# most MAX_SOURCE_CHARS and llguidance's wrapping) or its refusal, so at most tens of MB in all.
+CACHE_SIZE = 256
 # llguidance compiles and validates a grammar recursively, about 3 KB of stack per level of rules
 # that name the next: within MAX_SOURCE_CHARS a Lark chain (`b: "a" c`) reaches 5,580 levels and a
 # JSON schema's $ref chain 1,716, and either overflowed a thread's default 8 MiB stack, which killed
@@ -250,12 +251,11 @@ class _TooSlow:
 
 
 @dataclass(frozen=True)
-class _Built:
-    """What building a grammar gave: a matcher before any token, or a refusal."""
+class _Verdict:
+    """What building a grammar once said of its text: accepted (its compiled grammar), or refused."""
 
-    matcher: object | None  # an llguidance LLMatcher, its first mask computed; requests take copies
+    grammar: str | None  # llguidance's grammar text, from which each request's matcher is built
     refusal: InvalidArgument | None  # why the grammar is refused, every time it is asked for
-    build_seconds: float  # CPU time the build took (0 for a refusal): what keeping it saves
 
 
 class GrammarCompiler:
@@ -279,24 +279,24 @@ class GrammarCompiler:
         self._limits = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=MAX_LEXER_FUEL)
         self._eos_token_ids = frozenset(eos_token_ids)
         self.max_token_cpu_seconds = max_token_cpu_seconds
-        self._cache: OrderedDict[StructuredOutput, _Built] = OrderedDict()  # by content, least recent first
-        self._cached_seconds = 0.0  # the build_seconds of the matchers in _cache, in all
+        self._cache: OrderedDict[StructuredOutput, _Verdict] = OrderedDict()  # by content, least recent first
         self._lock = threading.Lock()  # request builders may compile concurrently
 
     def constraint(self, spec: StructuredOutput) -> Constraint:
-        """A fresh matcher for `spec`. Raises InvalidArgument naming the field for what does not compile."""
+        """A fresh matcher for `spec`, the request's alone. Raises InvalidArgument naming the field for
+        what does not compile."""
         check(spec)
         with self._lock:
-            built = self._cache.get(spec)
-            if built is not None:
+            verdict = self._cache.get(spec)
+            if verdict is not None:
                 self._cache.move_to_end(spec)
-        if built is None:
-            built = on_deep_stack(lambda: self._built(spec))
-            self._keep(spec, built)
-        if built.refusal is not None:  # a fresh one: a raised one keeps its traceback
-            raise InvalidArgument(built.refusal.field, built.refusal.description)
-        with self._lock:  # the built matcher is only ever copied, never advanced
-            matcher = built.matcher.deep_copy()  # type: ignore[attr-defined]
+        if verdict is None:
+            verdict, matcher = on_deep_stack(lambda: self._judged(spec))
+            self._keep(spec, verdict)
+        else:  # accepted before: the same text builds the same way, its first mask and token passed
+            matcher = None if verdict.refusal is not None else on_deep_stack(lambda: self._matcher(verdict))
+        if verdict.refusal is not None:  # a fresh one: a raised one keeps its traceback
+            raise InvalidArgument(verdict.refusal.field, verdict.refusal.description)
         return Constraint(
             matcher,
             self.vocab_size,
@@ -305,64 +305,59 @@ class GrammarCompiler:
             max_token_cpu_seconds=self.max_token_cpu_seconds,
         )
 
-    def _keep(self, spec: StructuredOutput, built: _Built) -> None:
-        """Cache `built`, least recently used out first, within CACHE_SIZE and MAX_CACHED_BUILD_SECONDS."""
-        if built.build_seconds > MAX_CACHED_BUILD_SECONDS:
-            return
+    def _keep(self, spec: StructuredOutput, verdict: _Verdict) -> None:
+        """Cache `verdict`, least recently used out first, within CACHE_SIZE."""
         with self._lock:
-            if spec in self._cache:  # built beside another request for it
-                return
-            self._cache[spec] = built
-            self._cached_seconds += built.build_seconds
-            while len(self._cache) > CACHE_SIZE or self._cached_seconds > MAX_CACHED_BUILD_SECONDS:
-                _, evicted = self._cache.popitem(last=False)
-                self._cached_seconds -= evicted.build_seconds
+            self._cache[spec] = verdict
+            self._cache.move_to_end(spec)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
 
-    def _built(self, spec: StructuredOutput) -> _Built:
-        start = time.thread_time()  # this thread's alone: llguidance builds on it
-        outcome = self._build(spec)
-        if isinstance(outcome, InvalidArgument):  # a refusal holds no matcher: it weighs nothing
-            return _Built(None, outcome, 0.0)
-        return _Built(outcome, None, time.thread_time() - start)
+    def _matcher(self, verdict: _Verdict) -> object:
+        return self._llguidance.LLMatcher(self._tokenizer, verdict.grammar, log_level=0, limits=self._limits)
 
-    def _build(self, spec: StructuredOutput) -> object | InvalidArgument:
-        """A matcher for `spec` with its first mask computed (kept, never advanced: requests take
-        copies), or the refusal that `spec` earns every time it is asked for."""
+    def _judged(self, spec: StructuredOutput) -> tuple[_Verdict, object | None]:
+        """`spec`'s verdict, and where accepted the request's matcher, its first mask computed."""
         try:
             grammar = self._grammar(spec)
         except InvalidArgument as e:
-            return e
-        matcher = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
-        if matcher.is_error():
-            return InvalidArgument(spec.field, f"does not compile: {_short(matcher.get_error())}")
+            return _Verdict(None, e), None
+        verdict = _Verdict(grammar, None)
+        matcher = self._matcher(verdict)
+        if matcher.is_error():  # type: ignore[attr-defined]
+            error = InvalidArgument(spec.field, f"does not compile: {_short(matcher.get_error())}")  # type: ignore[attr-defined]
+            return _Verdict(None, error), None
         # The first mask, here rather than at the first step: a grammar no text can begin (a schema
         # that is only a reference to itself) fails only when it is asked for a token, and would
         # otherwise allow just EOS and end `stop` with an empty answer, which is no JSON at all.
-        bitmask = matcher.compute_bitmask()
-        if matcher.is_error():
-            return InvalidArgument(
-                spec.field, f"admits no answer: no text can begin it ({_short(matcher.get_error())})"
-            )
+        bitmask = matcher.compute_bitmask()  # type: ignore[attr-defined]
+        if matcher.is_error():  # type: ignore[attr-defined]
+            reason = _short(matcher.get_error())  # type: ignore[attr-defined]
+            return _Verdict(
+                None, InvalidArgument(spec.field, f"admits no answer: no text can begin it ({reason})")
+            ), None
         # llguidance keeps what its first mask ran out of (the lexer's fuel, the parser's items) until
         # a token is taken: the attacker's `a{1000}{1000}` failed mid-stream after seconds. One token
-        # the mask allows, taken on a copy, tells it here.
-        failure = self._first_token_failure(matcher, bitmask)
+        # the mask allows, taken on a matcher of its own, tells it here.
+        failure = self._first_token_failure(verdict, bitmask)
         if failure is not None:
-            return InvalidArgument(spec.field, failure)
-        return matcher
+            return _Verdict(None, InvalidArgument(spec.field, failure)), None
+        return verdict, matcher
 
-    def _first_token_failure(self, matcher: object, bitmask: bytes) -> str | None:
-        """Why the grammar fails at the first token its first mask allows (EOS aside), or None."""
+    def _first_token_failure(self, verdict: _Verdict, bitmask: bytes) -> str | None:
+        """Why the grammar fails at the first token its first mask allows (EOS aside), or None. Taken
+        on a matcher built for the trial: no request's state, and no lexer a request shares."""
         bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[: self.vocab_size]
         allowed = np.flatnonzero(bits)
         first = next((int(t) for t in allowed if int(t) not in self._eos_token_ids), None)
         if first is None:
             return None
-        trial = matcher.deep_copy()  # type: ignore[attr-defined]
-        trial.consume_token(first)
-        if not trial.is_error():
+        trial = self._matcher(verdict)
+        trial.compute_bitmask()  # type: ignore[attr-defined]
+        trial.consume_token(first)  # type: ignore[attr-defined]
+        if not trial.is_error():  # type: ignore[attr-defined]
             return None
-        reason = _llguidance_reason(trial.get_error())
+        reason = _llguidance_reason(trial.get_error())  # type: ignore[attr-defined]
         return _in_our_words(reason) or f"fails at the first token it allows ({first}): {reason}"
 
     def _grammar(self, spec: StructuredOutput) -> str:
