@@ -20,6 +20,7 @@ from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, FinishReason
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.sampling import prompt_lookup
+from tandem.decoder.engine.step import grammar_budget
 from tandem.decoder.models.loader import LoadedModel
 
 PROMPT = [3, 4]
@@ -144,11 +145,13 @@ def test_a_plain_prompt_is_not_built_behind_a_grammar_being_compiled(
 
 
 def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_neighbour_goes_on(
-    tiny_model_dir: Path, tiny_fp32: LoadedModel
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One thread computes every mask of a step: 16 grammars each under their own per-token limit
     cost 700 ms a step. Over --max-grammar-cpu-ms-per-step (here below any work), the grammars fail
-    RESOURCE_EXHAUSTED naming their field and the limit; the plain request beside them is unchanged."""
+    RESOURCE_EXHAUSTED naming their field and the limit; the plain request beside them is unchanged.
+    (Every grammar counted heavy here: the cheap ones of this test are not otherwise.)"""
+    monkeypatch.setattr(grammar_budget, "HEAVY_MASK_SECONDS", -1.0)
     greedy = SamplingParams(temperature=0.0)
     plain = GenerateSpec([[5, 6]], greedy, StoppingParams(max_new_tokens=8, ignore_eos=True))
     grammars = [
@@ -166,3 +169,37 @@ def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_nei
         assert isinstance(failed[-1], Failed) and isinstance(failed[-1].error, ResourceExhausted)
         assert str(failed[-1].error).startswith("structured.regex: the grammar's work took")
         assert "over the limit of 1e-06 ms per step (--max-grammar-cpu-ms-per-step)" in str(failed[-1].error)
+
+
+def test_ordinary_grammars_are_not_failed_by_the_step_budget_however_many(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    """Only a request whose own masks are heavy (grammar_budget.HEAVY_MASK_SECONDS on average) fails
+    for the step's budget: 64 cold bounded regexes at 3-4 ms a mask each passed 250 ms a step with
+    Qwen3's vocabulary, and 41 failed. Here a budget below any work fails none of 8 cheap ones."""
+    greedy = SamplingParams(temperature=0.0)
+    grammars = [
+        GenerateSpec(
+            [PROMPT], greedy, StoppingParams(max_new_tokens=4), structured=StructuredOutput("regex", "a+")
+        )
+        for _ in range(8)
+    ]
+    with _engine(tiny_model_dir, tiny_fp32, max_grammar_cpu_ms_per_step=1e-6) as engine:
+        events = _run_concurrently(engine, grammars)
+    assert all(isinstance(each[-1], Finished) for each in events)
+
+
+def test_a_request_that_finishes_in_the_step_is_not_failed_for_the_steps_budget(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request ended by its step (here max_new_tokens=1) costs no later step: it finishes, whatever
+    the step's grammar work cost; its neighbour that goes on fails for the budget."""
+    monkeypatch.setattr(grammar_budget, "HEAVY_MASK_SECONDS", -1.0)  # every grammar counted heavy
+    greedy = SamplingParams(temperature=0.0)
+    regex = StructuredOutput("regex", "a+")
+    ending = GenerateSpec([PROMPT], greedy, StoppingParams(max_new_tokens=1), structured=regex)
+    going_on = GenerateSpec([PROMPT], greedy, StoppingParams(max_new_tokens=8), structured=regex)
+    with _engine(tiny_model_dir, tiny_fp32, max_grammar_cpu_ms_per_step=1e-6) as engine:
+        ended, failed = _run_concurrently(engine, [ending, going_on])
+    assert isinstance(ended[-1], Finished) and ended[-1].reason is FinishReason.LENGTH
+    assert isinstance(failed[-1], Failed) and isinstance(failed[-1].error, ResourceExhausted)

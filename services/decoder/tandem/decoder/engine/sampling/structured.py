@@ -179,6 +179,12 @@ class Constraint:
         return masks
 
     @property
+    def mask_seconds(self) -> float:
+        """CPU time per mask (and taking its token) on average over the last NUM_MASKS_AVERAGED, a
+        short start counted as cheap masks: the per-token limit's average."""
+        return sum(self._recent_seconds) / NUM_MASKS_AVERAGED
+
+    @property
     def is_error(self) -> bool:
         return bool(self._matcher.is_error())  # type: ignore[attr-defined]
 
@@ -236,7 +242,7 @@ class Constraint:
             self._recent_seconds.append(seconds)
         else:
             self._recent_seconds[-1] += seconds
-        average = sum(self._recent_seconds) / NUM_MASKS_AVERAGED  # a short start counts as cheap masks
+        average = self.mask_seconds  # a short start counts as cheap masks
         if average > self.max_token_cpu_seconds and self._too_slow is None:
             self._too_slow = _TooSlow(average, self.num_accepted)
         return result

@@ -54,7 +54,7 @@ from tandem.decoder.engine.sampling.sampler import Sampler, SamplerOutput, Sampl
 from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, Scheduler, StepPlan
-from tandem.decoder.engine.step import non_finite
+from tandem.decoder.engine.step import grammar_budget, non_finite
 from tandem.decoder.engine.step.grammar_budget import over_budget, over_budget_error
 from tandem.decoder.engine.step.runner import ModelRunner
 
@@ -118,6 +118,16 @@ def _grammar_masks(plan: StepPlan) -> tuple[list[torch.Tensor | None], dict[str,
             masks.extend(constraint.masks_along(item.request.draft_token_ids[: item.num_draft_tokens]))
             seconds[item.request_id] = time.thread_time() - start
     return masks, seconds
+
+
+@dataclass
+class _StepOutput:
+    """One request's events for its tokens of a step, computed before they are delivered."""
+
+    tracked: _Tracked
+    events: list[Event]  # its OutputState's events, in order
+    is_finished: bool  # the last of them is Finished
+    now: float  # the step's time
 
 
 class EngineCore:
@@ -355,7 +365,6 @@ class EngineCore:
                 )
                 if item.request_id not in faults and (error := item.request.constraint.error()) is not None:
                     broken.append((item, error))
-        broken.extend(self._over_grammar_budget(items, grammar_seconds, faults, broken))
         with self.lock:
             for request_id in faults:  # out before the update, which skips it: no token, no cached block
                 self.scheduler.abort(request_id)
@@ -370,7 +379,14 @@ class EngineCore:
         self.num_steps += 1
         skip = {item.request_id for item, _ in broken}
         skip.update(item.request_id for item, tokens in zip(items, kept, strict=True) if not tokens)
-        self._emit(items, kept, sampled, time.monotonic(), skip=skip)
+        outputs = self._outputs(items, kept, sampled, time.monotonic(), skip=skip)
+        # The step's grammar budget, once the step's finished requests are known: they cost no later
+        # step, so they neither fail for it nor count in it.
+        done = {item.request_id for item, _ in broken} | set(faults)
+        done.update(output.tracked.request.request_id for output in outputs if output.is_finished)
+        over = self._over_grammar_budget(items, grammar_seconds, done)
+        self._deliver(outputs, failing={item.request_id for item, _ in over})
+        broken.extend(over)
         for request_id, fault in faults.items():
             tracked = self._live.get(request_id)
             if tracked is not None:  # the tokens before its fault did not finish it
@@ -380,29 +396,30 @@ class EngineCore:
             self._fail(item.request_id, error)
 
     def _over_grammar_budget(
-        self,
-        items: list[ScheduledRequest],
-        grammar_seconds: dict[str, float],
-        faults: dict[str, TandemError],
-        broken: list[tuple[ScheduledRequest, TandemError]],
+        self, items: list[ScheduledRequest], grammar_seconds: dict[str, float], done: set[str]
     ) -> list[tuple[ScheduledRequest, TandemError]]:
         """The requests whose grammar work this step fails for the step's budget (grammar_budget.py),
-        with their errors; those failing already for their own reasons are not counted twice."""
-        gone = set(faults) | {item.request_id for item, _ in broken}
-        step_seconds = sum(grammar_seconds.values())
+        with their errors: only heavy ones, and none of `done` (finished, or failing for their own
+        reasons), which neither fail nor count."""
+        seconds = {key: cost for key, cost in grammar_seconds.items() if key not in done}
         by_key = {item.request_id: item for item in items}
+        heavy = {
+            key
+            for key in seconds
+            if by_key[key].request.constraint.mask_seconds > grammar_budget.HEAVY_MASK_SECONDS  # type: ignore[union-attr]
+        }
+        step_seconds = sum(seconds.values())
         return [
             (
                 by_key[key],
                 over_budget_error(
                     by_key[key].request.constraint.field,  # type: ignore[union-attr]
-                    grammar_seconds[key],
+                    seconds[key],
                     step_seconds,
                     self.max_grammar_seconds_per_step,
                 ),
             )
-            for key in over_budget(grammar_seconds, self.max_grammar_seconds_per_step)
-            if key not in gone
+            for key in over_budget(seconds, self.max_grammar_seconds_per_step, heavy)
         ]
 
     def _masks(self) -> ThreadPoolExecutor:
@@ -515,18 +532,20 @@ class EngineCore:
                 self.num_accepted_tokens += num_accepted
         return kept
 
-    def _emit(
+    def _outputs(
         self,
         items: list[ScheduledRequest],
         kept: list[list[int]],
         sampled: SamplerOutput | None,
         now: float,
         skip: set[str] | frozenset[str] = frozenset(),  # requests failed instead (_fail)
-    ) -> None:
+    ) -> list[_StepOutput]:
+        """Each request's events for its tokens of the step, not yet delivered (_deliver)."""
         logprobs = sampled.logprobs.tolist() if sampled is not None and sampled.logprobs is not None else None
         top_ids = top_lp = None
         if sampled is not None and sampled.top_token_ids is not None and sampled.top_logprobs is not None:
             top_ids, top_lp = sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist()
+        outputs: list[_StepOutput] = []
         first_row = 0
         for item, tokens in zip(items, kept, strict=True):
             if item.request_id in skip:
@@ -544,13 +563,24 @@ class EngineCore:
                 step.append(SampledToken(token_id, logprob, top))
             first_row += 1 + item.num_draft_tokens
             events = tracked.output.on_tokens(step, now)
-            is_finished = bool(events) and isinstance(events[-1], Finished)
-            if is_finished:
-                self._retire(tracked, events[-1].reason)
-            for event in events:
+            outputs.append(
+                _StepOutput(tracked, events, bool(events) and isinstance(events[-1], Finished), now)
+            )
+        return outputs
+
+    def _deliver(self, outputs: list[_StepOutput], failing: set[str] | frozenset[str] = frozenset()) -> None:
+        """Send each request's events, retiring those that finished; those `failing` send nothing
+        (they end in _fail: an answer so far ends in an error, never in tokens it did not keep)."""
+        for output in outputs:
+            tracked = output.tracked
+            if tracked.request.request_id in failing:
+                continue
+            if output.is_finished:
+                self._retire(tracked, output.events[-1].reason)  # type: ignore[union-attr]
+            for event in output.events:
                 tracked.on_event(event)
-            if not is_finished and tracked.progress is not None and tracked.progress.is_far_behind:
-                self._pause(tracked, now)
+            if not output.is_finished and tracked.progress is not None and tracked.progress.is_far_behind:
+                self._pause(tracked, output.now)
 
     def _fail(self, request_id: str, error: TandemError) -> None:
         """End one live request with `error` (its grammar broke) and free its blocks; its step's

@@ -1,4 +1,4 @@
-"""A step's grammar budget: the CPU time all of one step's grammar work (the masks, and taking the
+r"""A step's grammar budget: the CPU time all of one step's grammar work (the masks, and taking the
 sampled tokens) may cost before the requests that cost most fail.
 
 NOTE: each request's own limit (sampling/structured.py's NOTE, --max-grammar-cpu-ms-per-token on
@@ -8,28 +8,44 @@ every mask of a step, one after another, and the step waits for the last. 16 req
 SmolLM2's vocabulary (64 would be 2.9 s), and a plain neighbour's median inter-token gap went from
 228 to 608 ms. Where a step's grammar work passes `max_seconds`, its dearest requests fail, the dearest
 first, until what the others cost fits; the others go on, and so does every request without a grammar.
+
+Only a request heavy in itself may fail: one whose masks cost over HEAVY_MASK_SECONDS each, on
+average over its last 8 (the per-token limit's average, a short start counted as cheap masks). Many
+ordinary grammars can pass the step's budget together: 64 cold bounded regexes (`[\w .]{1,1000}`)
+with Qwen3's 152k vocabulary cost 140-800 ms a step at 3-4 ms a mask each, and 41 of the 64 failed
+mid-stream before this floor. A request that finished in the step costs no later step: it neither
+fails nor counts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import TypeVar
 
 from tandem.client.errors import ResourceExhausted
 
 K = TypeVar("K", bound=Hashable)
 
+# The mask cost, on average, past which a request is heavy enough to fail for the step's budget.
+# Measured with Qwen3's 152k vocabulary: ordinary JSON schemas cost 14 ms a mask at most, bounded
+# regexes 3-4 ms, and the ambiguous attack (`s: s s | "a"`, each request kept under its own 50 ms
+# limit) about 43 ms. 20 ms sits between, and above what one cold mask of llguidance's lexer (up to
+# about 150 ms) adds alone to an average over 8 (19 ms).
+HEAVY_MASK_SECONDS = 0.020
 
-def over_budget(seconds: dict[K, float], max_seconds: float) -> list[K]:
+
+def over_budget(seconds: dict[K, float], max_seconds: float, heavy: Collection[K]) -> list[K]:
     """The keys of `seconds` (each request's grammar CPU time this step) to fail, dearest first, so the
-    rest cost at most `max_seconds`; none where they all fit."""
+    rest cost at most `max_seconds`; only those in `heavy` may fail, so fewer where they are not enough.
+    None where they all fit."""
     total = sum(seconds.values())
     failed: list[K] = []
     for key, cost in sorted(seconds.items(), key=lambda item: item[1], reverse=True):
         if total <= max_seconds:
             break
-        failed.append(key)
-        total -= cost
+        if key in heavy:
+            failed.append(key)
+            total -= cost
     return failed
 
 
