@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -72,6 +73,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
     async def Generate(
         self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        received = time.monotonic()  # its metrics count from here: building may queue (a grammar's)
         op = None
         if self._telemetry is not None and self._metrics is not None:
             op = otel.ServerOperation(
@@ -86,7 +88,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                 check_model(request.model, self.model_name)
                 check_width(request, engine.max_model_len)  # counts only: nothing converted yet
                 spec = protocol.spec_from_pb(request, self.tensor_limits, context.time_remaining())
-                spec = dataclasses.replace(spec, caller=caller)
+                spec = dataclasses.replace(spec, caller=caller, arrival_time=received)
                 if self.encoder_parts is not None:
                     spec, fetches = self.encoder_parts.start(
                         spec, context.invocation_metadata(), context.time_remaining()

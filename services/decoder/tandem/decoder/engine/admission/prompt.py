@@ -77,6 +77,10 @@ class GenerateSpec:
     caller: str = ""  # who sent it (api/caller.py): callers share the batch fairly; "" = anonymous
     structured: StructuredOutput | None = None  # a grammar the answer must follow (sampling/structured.py)
     adapter: str = ""  # the LoRA adapter to run with (its name); "" = the base model
+    # time.monotonic() when the call arrived (the servicer's receipt, or Engine.stream's), so that
+    # queue-time and TTFT metrics count the wait for a request-building thread (a grammar's compile
+    # queue: a client's 1.56 s first token read 0.02 s on the server); None = when built.
+    arrival_time: float | None = None
 
 
 def build_request(
@@ -188,7 +192,8 @@ def build_request(
         )
         for (path, part), p in zip(located, positions, strict=True)
     ]
-    request = Request.from_segments(request_id, segments, spec.sampling, stopping, time.monotonic())
+    arrival = time.monotonic() if spec.arrival_time is None else spec.arrival_time
+    request = Request.from_segments(request_id, segments, spec.sampling, stopping, arrival)
     request.num_speculative_tokens = speculative_tokens
     request.caller = spec.caller
     request.adapter = spec.adapter

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import queue
@@ -440,7 +441,10 @@ class Engine:
 
     def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
         """asyncio front: the same events; leaving early (cancel, error) aborts the request. The
-        request is built (validated, tokenized, cast) on the request-building thread."""
+        request is built (validated, tokenized, cast) on the request-building thread; it arrived now,
+        where its caller did not say, so its metrics count its wait for that thread."""
+        if spec.arrival_time is None:
+            spec = dataclasses.replace(spec, arrival_time=time.monotonic())
         progress = ReaderProgress(self._thread.wake)
         return stream_events(
             self._mailboxes,
