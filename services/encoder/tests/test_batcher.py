@@ -205,3 +205,34 @@ async def test_a_job_worth_no_wait_runs_at_once_and_one_worth_waiting_gathers_co
     assert await asyncio.gather(lone_image, batcher.submit(3)) == [10, 30]  # the batch is full: it runs
     assert run.batches == [[2], [1, 3]]
     batcher.close(lambda: Unavailable("closed"))
+
+
+async def test_cheap_calls_go_before_expensive_ones_queued_earlier(executor: ThreadPoolExecutor) -> None:
+    # Each job costs itself in seconds: four of 1 s queue behind a running one, then a free one arrives.
+    # It runs next, not after the four, and no batch adds up to more than max_batch_cost (1.5 s: the free
+    # one and one more).
+    run = Recorder(delay_s=0.05)
+    batcher = Batcher(
+        executor, run, max_batch_size=8, max_wait_s=lambda job: 0.0, cost=float, max_batch_cost=1.5
+    )
+    expensive = [asyncio.ensure_future(batcher.submit(1)) for _ in range(5)]
+    await asyncio.sleep(0.01)  # the first batch (one job: two would cost 2 s) is running
+    assert await batcher.submit(0) == 0
+    await asyncio.gather(*expensive)
+    assert run.batches == [[1], [0, 1], [1], [1], [1]]
+    batcher.close(lambda: Unavailable("closed"))
+
+
+async def test_an_expensive_call_is_not_starved_by_cheaper_ones_arriving_long_after_it(
+    executor: ThreadPoolExecutor,
+) -> None:
+    # A job costing 2 ms goes ahead of free ones arriving over LINE_FACTOR x 2 ms = 20 ms after it.
+    run = Recorder(delay_s=0.05)
+    batcher = Batcher(executor, run, max_batch_size=1, max_wait_s=lambda job: 0.0, cost=lambda j: j / 1000)
+    first = asyncio.ensure_future(batcher.submit(0))
+    await asyncio.sleep(0.01)  # running
+    costly = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0.03)
+    assert await asyncio.gather(first, costly, batcher.submit(0)) == [0, 20, 0]
+    assert run.batches == [[0], [2], [0]]
+    batcher.close(lambda: Unavailable("closed"))

@@ -10,11 +10,21 @@ No caller is ever left waiting: whatever fails while a batch is delivered fails 
 a serving task that died is started again by the next call, and `close(error)` ends queued and
 running calls alike with `error()` (and every later call), marking them gone so that the batch on
 the worker stops at its next check.
+
+Calls are served cheapest first, not in arrival order, where `cost(job)` says what a job will take
+(an image's declared pixels, in expected seconds of decoding): a call's place in line is its arrival
+plus LINE_FACTOR times its cost, and a batch takes calls, in that order, only while their costs add up
+to `max_batch_cost` (always at least one). So a caller's pile of expensive pictures no longer holds a
+neighbour's cheap one behind all of them: 16 tiny WebPs each declaring 5,792 x 5,792 (2 KB of chat)
+held an ordinary picture sent a second later for 17.3 s when they went in arrival order, 8 to a batch;
+now it waits for the one being decoded. An expensive call is never starved: a call arriving over
+LINE_FACTOR times its cost after it goes after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +38,10 @@ R = TypeVar("R")
 # `run(jobs, is_gone)`: one outcome per job, in order. `is_gone(i)` says, from the worker thread, whether
 # the caller of jobs[i] has stopped waiting; that job's outcome is then never delivered.
 Run = Callable[[Sequence[J], Callable[[int], bool]], Sequence[R | BaseException]]
+
+# How far back in line a call's cost puts it, per second of that cost: a picture expected to take 1 s
+# to decode lets the calls arriving in the next 10 s go first, cheaper ones among them first.
+LINE_FACTOR = 10.0
 
 
 class CallerGone(Exception):
@@ -51,11 +65,15 @@ class Batcher(Generic[J, R]):
         run: Run[J, R],
         max_batch_size: int,
         max_wait_s: Callable[[J], float],  # how long a batch led by this job may wait for company
+        cost: Callable[[J], float] = lambda job: 0.0,  # a job's expected work, seconds: its place in line
+        max_batch_cost: float = math.inf,  # what a batch's jobs may cost together (one always runs)
     ) -> None:
         self._executor = executor
         self._run = run
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
+        self.cost = cost
+        self.max_batch_cost = max_batch_cost
         self._queue: list[_Waiting[J, R]] = []
         self._running: list[_Waiting[J, R]] = []  # the batch on the worker thread now
         self._arrival = asyncio.Event()
@@ -99,8 +117,7 @@ class Batcher(Generic[J, R]):
                 self._arrival.clear()
                 await self._arrival.wait()
             await self._gather()
-            batch = [w for w in self._queue[: self.max_batch_size] if not w.future.done()]
-            del self._queue[: self.max_batch_size]
+            batch = self._take_batch()
             if not batch:
                 continue
             self.batch_sizes.append(len(batch))
@@ -120,6 +137,23 @@ class Batcher(Generic[J, R]):
                 self._running = []
             for waiting, outcome in zip(batch, outcomes, strict=True):
                 _deliver(waiting.future, outcome)
+
+    def _take_batch(self) -> list[_Waiting[J, R]]:
+        """The next batch out of the queue (callers gone are dropped): in order of place in line, while
+        it has room and its costs fit max_batch_cost."""
+        self._queue = [w for w in self._queue if not w.future.done()]
+        costs = {id(w): self.cost(w.job) for w in self._queue}
+        line = sorted(self._queue, key=lambda w: w.arrived + LINE_FACTOR * costs[id(w)])  # stable
+        batch: list[_Waiting[J, R]] = []
+        total = 0.0
+        for waiting in line[: self.max_batch_size]:
+            if batch and total + costs[id(waiting)] > self.max_batch_cost:
+                break
+            batch.append(waiting)
+            total += costs[id(waiting)]
+        taken = {id(w) for w in batch}
+        self._queue = [w for w in self._queue if id(w) not in taken]
+        return batch
 
     async def _gather(self) -> None:
         """Until the batch is full or its first call has waited max_wait_s."""

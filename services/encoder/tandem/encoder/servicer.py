@@ -61,6 +61,10 @@ T = TypeVar("T")
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "tandem.v1.Encoder"
 
+# The decoding an image batch takes on at most (estimated from the headers, `ImageJob.expected_s`),
+# whatever max_batch_size allows: eight pictures of 1 Mpx, or one of 8 Mpx or more.
+MAX_BATCH_DECODE_S = 0.25
+
 _POOLINGS = {encoder_pb2.POOLING_NONE: Pooling.NONE, encoder_pb2.POOLING_MEAN: Pooling.MEAN}
 
 
@@ -109,6 +113,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             # An image (tens of ms in the tower) waits for company; text (a lookup, well under a
             # millisecond) never does: a 2 ms wait took a lone text Embed from 0.73 to 2.9 ms.
             lambda job: wait_s if isinstance(job, ImageJob) else 0.0,
+            # Cheapest first, and no more than MAX_BATCH_DECODE_S of decoding a batch (`batcher.py`):
+            # one caller's large pictures do not hold another's small one for the length of them all.
+            cost=lambda job: job.expected_s if isinstance(job, ImageJob) else 0.0,
+            max_batch_cost=MAX_BATCH_DECODE_S,
         )
         self._text_batcher = self._batcher
         if embedder.info.image_placeholder:
