@@ -481,3 +481,28 @@ def test_a_decode_leaves_the_warnings_of_other_threads_alone() -> None:
     assert [str(w.message) for w in warned if w.category is _NeighbourWarning] == [
         f"neighbour {i}" for i in range(50)
     ]
+
+
+def test_a_png_of_no_pixels_is_told_as_one_not_as_no_png() -> None:
+    for width, height in ((0, 10), (10, 0)):
+        with pytest.raises(InvalidArgument, match=rf"has no pixels \({width} x {height}\)"):
+            decode_image(_png_claiming(width, height), 1 << 20, 1 << 20)
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        _chunk(b"zTXt", b"Comment\0\0" + zlib.compress(bytes(2_000_000), 9)),
+        _chunk(b"iTXt", b"Comment\0\1\0\0\0" + zlib.compress(bytes(2_000_000), 9)),
+        _chunk(b"iCCP", b"p\0\0" + zlib.compress(bytes(2_000_000), 9)),
+    ],
+)
+def test_compressed_metadata_inflating_past_pils_bound_does_not_refuse_the_picture(metadata: bytes) -> None:
+    # PIL refuses the whole file when one inflates past PngImagePlugin.MAX_TEXT_CHUNK (1 MB), even after
+    # the pixels; the chunks are cut out unread, before and after the pixels alike.
+    png = _encoded("PNG", (6, 4))
+    iend = png.rindex(b"IEND") - 4
+    first = png.index(b"IDAT") - 4
+    for data in (png[:iend] + metadata + png[iend:], png[:first] + metadata + png[first:]):
+        image = decode_image(data, 1 << 22, 1 << 20)
+        assert image.size == (6, 4) and image.getpixel((0, 0)) == (255, 0, 0)

@@ -131,6 +131,10 @@ def decode_image(
             # took 42 s of the image thread.
             raise InvalidArgument(field, f"a PNG of {png.num_profiles} iCCP chunks; the PNG spec allows one")
         late_exif = png.exif
+        if png.size is not None and 0 in png.size:  # PIL refuses it as "not a PNG": say what it is
+            raise InvalidArgument(field, f"has no pixels ({png.size[0]} x {png.size[1]})")
+        if png.metadata:
+            data = _without(data, png.metadata)
     if image_format == "GIF" and gif_blocks(data) > MAX_CHUNKS:
         raise InvalidArgument(
             field,
@@ -169,6 +173,16 @@ def decode_image(
     except (OSError, SyntaxError, ValueError, EOFError, Warning) as e:
         raise InvalidArgument(field, f"cannot be decoded as {image_format}: {e}") from None
     return image
+
+
+def _without(data: bytes, spans: tuple[tuple[int, int], ...]) -> bytes:
+    """`data` with the byte ranges `spans` (in order, apart) cut out."""
+    pieces, start = [], 0
+    for begin, end in spans:
+        pieces.append(data[start:begin])
+        start = end
+    pieces.append(data[start:])
+    return b"".join(pieces)
 
 
 def _open_header(data: bytes, image_format: str, max_pixels: int) -> Image.Image:
@@ -281,6 +295,12 @@ class PngChunks:
     num_chunks: int  # its chunks up to IEND
     num_profiles: int  # its iCCP chunks, each a colour profile PIL inflates
     exif: bytes | None  # its last eXIf chunk's payload (PIL keeps the last), None without one
+    size: tuple[int, int] | None  # (width, height) its IHDR declares; None without one first
+    # Where its compressed metadata chunks lie (zTXt, iTXt, iCCP), to be cut out before PIL reads the
+    # file: nothing here reads text or applies a colour profile (nor do transformers' processors), and
+    # PIL refuses the whole picture when one inflates past its MAX_TEXT_CHUNK (1 MB), even one after
+    # the pixels; cut, none is inflated at all.
+    metadata: tuple[tuple[int, int], ...] = ()
 
 
 def png_chunks(data: bytes) -> PngChunks:
@@ -288,6 +308,10 @@ def png_chunks(data: bytes) -> PngChunks:
     the count passes MAX_CHUNKS."""
     chunks = profiles = 0
     exif: tuple[int, int] | None = None  # where the last eXIf's payload starts and ends
+    metadata: list[tuple[int, int]] = []
+    size = None
+    if data[12:16] == b"IHDR" and len(data) >= 24:
+        size = (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"))
     i = 8
     while chunks <= MAX_CHUNKS and i + 8 <= len(data):
         chunks += 1
@@ -298,8 +322,12 @@ def png_chunks(data: bytes) -> PngChunks:
         profiles += kind == b"iCCP"
         if kind == b"eXIf":
             exif = (i + 8, i + 8 + length)
+        if kind in (b"zTXt", b"iTXt", b"iCCP") and i + 12 + length <= len(data):
+            metadata.append((i, i + 12 + length))
         i += 12 + length
-    return PngChunks(chunks, profiles, data[exif[0] : exif[1]] if exif is not None else None)
+    return PngChunks(
+        chunks, profiles, data[exif[0] : exif[1]] if exif is not None else None, size, tuple(metadata)
+    )
 
 
 def gif_blocks(data: bytes) -> int:
