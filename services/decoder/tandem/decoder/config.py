@@ -104,7 +104,8 @@ class EngineConfig:
     # request's masks, and taking its tokens) may cost before the dearest of those requests fail,
     # RESOURCE_EXHAUSTED, until the rest fit (engine/step/grammar_budget.py). The per-token limit
     # bounds one request, not many: 16 just under it cost 700 ms a step with SmolLM2's vocabulary.
-    # Only requests heavy in themselves fail for it (over grammar_budget.HEAVY_MASK_SECONDS a mask).
+    # Only requests heavy in themselves fail for it (over grammar_budget.heavy_mask_seconds a mask: 20 ms,
+    # or half the per-token limit where that is less).
     max_grammar_cpu_ms_per_step: float = 250.0
     block_size: int = 16  # positions per KV block.
     kv_cache_bytes: int = 512 * 1024 * 1024  # KV pool size; the block count is derived from it.

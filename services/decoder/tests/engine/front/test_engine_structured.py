@@ -152,7 +152,6 @@ def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_nei
     cost 700 ms a step. Over --max-grammar-cpu-ms-per-step (here below any work), the grammars fail
     RESOURCE_EXHAUSTED naming their field and the limit; the plain request beside them is unchanged.
     (Every grammar counted heavy here: the cheap ones of this test are not otherwise.)"""
-    monkeypatch.setattr(grammar_budget, "HEAVY_MASK_SECONDS", -1.0)
     greedy = SamplingParams(temperature=0.0)
     plain = GenerateSpec([[5, 6]], greedy, StoppingParams(max_new_tokens=8, ignore_eos=True))
     grammars = [
@@ -164,6 +163,7 @@ def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_nei
     with _engine(tiny_model_dir, tiny_fp32) as engine:
         alone = _tokens(engine.generate(plain))
     with _engine(tiny_model_dir, tiny_fp32, max_grammar_cpu_ms_per_step=1e-6) as engine:
+        monkeypatch.setattr(engine.core, "heavy_mask_seconds", -1.0)
         events = _run_concurrently(engine, [plain, *grammars])
     assert _tokens(events[0]) == alone and isinstance(events[0][-1], Finished)
     for failed in events[1:]:
@@ -175,7 +175,7 @@ def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_nei
 def test_ordinary_grammars_are_not_failed_by_the_step_budget_however_many(
     tiny_model_dir: Path, tiny_fp32: LoadedModel
 ) -> None:
-    """Only a request whose own masks are heavy (grammar_budget.HEAVY_MASK_SECONDS on average) fails
+    """Only a request whose own masks are heavy (grammar_budget.heavy_mask_seconds on average) fails
     for the step's budget: 64 cold bounded regexes at 3-4 ms a mask each passed 250 ms a step with
     Qwen3's vocabulary, and 41 failed. Here a budget below any work fails none of 8 cheap ones."""
     greedy = SamplingParams(temperature=0.0)
@@ -190,17 +190,28 @@ def test_ordinary_grammars_are_not_failed_by_the_step_budget_however_many(
     assert all(isinstance(each[-1], Finished) for each in events)
 
 
+def test_the_heavy_floor_is_half_the_per_token_limit_where_that_is_under_20_ms(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    """A fixed 20 ms floor under --max-grammar-cpu-ms-per-token of 20 ms or less made the step's cap
+    never fire: a request heavy enough for it had failed for its own limit first."""
+    with _engine(tiny_model_dir, tiny_fp32, max_grammar_cpu_ms_per_token=10.0) as engine:
+        assert engine.core.heavy_mask_seconds == 0.005
+    with _engine(tiny_model_dir, tiny_fp32) as engine:  # the served 50 ms: the floor stays 20 ms
+        assert engine.core.heavy_mask_seconds == grammar_budget.HEAVY_MASK_SECONDS == 0.020
+
+
 def test_a_request_that_finishes_in_the_step_is_not_failed_for_the_steps_budget(
     tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request ended by its step (here max_new_tokens=1) costs no later step: it finishes, whatever
     the step's grammar work cost; its neighbour that goes on fails for the budget."""
-    monkeypatch.setattr(grammar_budget, "HEAVY_MASK_SECONDS", -1.0)  # every grammar counted heavy
     greedy = SamplingParams(temperature=0.0)
     regex = StructuredOutput("regex", "a+")
     ending = GenerateSpec([PROMPT], greedy, StoppingParams(max_new_tokens=1), structured=regex)
     going_on = GenerateSpec([PROMPT], greedy, StoppingParams(max_new_tokens=8), structured=regex)
     with _engine(tiny_model_dir, tiny_fp32, max_grammar_cpu_ms_per_step=1e-6) as engine:
+        monkeypatch.setattr(engine.core, "heavy_mask_seconds", -1.0)  # every grammar counted heavy
         ended, failed = _run_concurrently(engine, [ending, going_on])
     assert isinstance(ended[-1], Finished) and ended[-1].reason is FinishReason.LENGTH
     assert isinstance(failed[-1], Failed) and isinstance(failed[-1].error, ResourceExhausted)

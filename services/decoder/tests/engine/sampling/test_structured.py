@@ -344,6 +344,57 @@ def test_one_dear_mask_passes_and_dear_masks_that_stay_fail_the_request() -> Non
     assert stays.num_accepted <= 6  # 6 masks of 8 ms pass 8 x 5 ms
 
 
+def test_the_step_budget_weighs_a_requests_masks_past_its_first() -> None:
+    # The first mask warms llguidance's lexer (up to about 150 ms, bounded by the build's fuel): with a
+    # bounded regex's 3.5 ms masks after it (Qwen3) it averaged 23 ms over 8, over the heavy floor's
+    # 20 ms, and marked a legitimate request heavy for 7 steps. Left out, 3 ms.
+    cold = [0.150] + [0.0035] * 7
+    constraint = structured.Constraint(_BurningMatcher(list(cold)), 32, max_token_cpu_seconds=0.05)
+    for _ in cold:
+        constraint.allowed()
+        constraint.accept(1)
+    assert constraint.mask_seconds > 0.020  # the per-token limit's average still counts it
+    assert 0.003 <= constraint.steady_mask_seconds < 0.005
+    # Once out of the last 8, the first mask is out of both averages alike.
+    constraint._matcher.mask_seconds.append(0.0)  # type: ignore[attr-defined]
+    constraint.allowed()
+    assert constraint.steady_mask_seconds == constraint.mask_seconds < 0.005
+
+
+def test_a_repeated_grammar_computes_its_first_mask_on_the_building_thread(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh matcher's lexer is cold: on a verdict's cache hit its first mask ran in the engine's
+    # step (a{300}{100}: 20-28 ms; 64 requests of [\w .]{1,1000} took Qwen3's first step from 4 to
+    # 95 ms). As on a first build, it is computed before the request is queued, off the engine thread.
+    threads: list[str] = []
+    build = compiler._matcher
+
+    def recorded(verdict: object) -> object:
+        return _RecordingMatcher(build(verdict), threads)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compiler, "_matcher", recorded)
+    spec = StructuredOutput("regex", "[a-z]{1,7} repeated")
+    compiler.constraint(spec)  # judged and cached: the verdict
+    threads.clear()
+    compiler.constraint(spec)  # a hit: a fresh matcher of its own
+    assert threads == ["tandem-grammar-compile"]
+
+
+class _RecordingMatcher:
+    """An llguidance matcher that records on which thread each mask is computed."""
+
+    def __init__(self, matcher: object, threads: list[str]) -> None:
+        self._matcher, self._threads = matcher, threads
+
+    def compute_bitmask(self) -> bytes:
+        self._threads.append(threading.current_thread().name)
+        return self._matcher.compute_bitmask()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._matcher, name)
+
+
 @pytest.mark.parametrize(
     ("kind", "source"),
     [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.client.errors import ResourceExhausted
-from tandem.decoder.engine.step.grammar_budget import over_budget, over_budget_error
+from tandem.decoder.engine.step.grammar_budget import heavy_mask_seconds, over_budget, over_budget_error
 
 
 def test_a_step_within_its_budget_fails_nobody() -> None:
@@ -27,6 +27,14 @@ def test_only_heavy_requests_fail_however_many_light_ones_pass_the_budget() -> N
     # Beside them, the heavy fail, dearest first, even where they are not enough to fit the budget.
     seconds = light | {"dear": 0.05, "dearer": 0.06}
     assert over_budget(seconds, max_seconds=0.25, heavy={"dear", "dearer"}) == ["dearer", "dear"]
+
+
+def test_the_heavy_floor_is_20_ms_or_half_the_per_token_limit_where_that_is_less() -> None:
+    # A floor at or over the per-token limit: every request that heavy had failed for its own limit,
+    # and the step's cap never fired.
+    assert heavy_mask_seconds(0.050) == 0.020  # the served 50 ms
+    assert heavy_mask_seconds(0.020) == 0.010
+    assert heavy_mask_seconds(0.004) == 0.002
 
 
 def test_its_error_names_the_field_and_the_limit() -> None:

@@ -42,7 +42,7 @@ from tandem.decoder.engine.sampling.structured import GrammarCompiler
 from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import Scheduler, SchedulerConfig
-from tandem.decoder.engine.step import sizing
+from tandem.decoder.engine.step import grammar_budget, sizing
 from tandem.decoder.engine.step.core import EngineCore, EngineFault, EventCallback
 from tandem.decoder.engine.step.kv_pool_agreement import first_refusal
 from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
@@ -273,6 +273,7 @@ class Engine:
             config.speculative_max_batch,
             adapters,
             max_grammar_seconds_per_step=config.max_grammar_cpu_ms_per_step / 1000,
+            heavy_mask_seconds=grammar_budget.heavy_mask_seconds(config.max_grammar_cpu_ms_per_token / 1000),
         )
 
     # -- lifecycle -------------------------------------------------------------------------------

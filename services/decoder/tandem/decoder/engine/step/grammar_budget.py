@@ -9,8 +9,9 @@ SmolLM2's vocabulary (64 would be 2.9 s), and a plain neighbour's median inter-t
 228 to 608 ms. Where a step's grammar work passes `max_seconds`, its dearest requests fail, the dearest
 first, until what the others cost fits; the others go on, and so does every request without a grammar.
 
-Only a request heavy in itself may fail: one whose masks cost over HEAVY_MASK_SECONDS each, on
-average over its last 8 (the per-token limit's average, a short start counted as cheap masks). Many
+Only a request heavy in itself may fail: one whose masks cost over its heavy floor each, on average
+over its last 8 (the per-token limit's average, a short start counted as cheap masks), its first mask
+left out (`Constraint.steady_mask_seconds`: the lexer's warm-up, bounded by the build's fuel). Many
 ordinary grammars can pass the step's budget together: 64 cold bounded regexes (`[\w .]{1,1000}`)
 with Qwen3's 152k vocabulary cost 140-800 ms a step at 3-4 ms a mask each, and 41 of the 64 failed
 mid-stream before this floor. A request that finished in the step costs no later step: it neither
@@ -32,6 +33,13 @@ K = TypeVar("K", bound=Hashable)
 # limit) about 43 ms. 20 ms sits between, and above what one cold mask of llguidance's lexer (up to
 # about 150 ms) adds alone to an average over 8 (19 ms).
 HEAVY_MASK_SECONDS = 0.020
+
+
+def heavy_mask_seconds(max_token_cpu_seconds: float) -> float:
+    """The heavy floor under a per-token limit (--max-grammar-cpu-ms-per-token, in seconds): at most
+    half of it. A fixed 20 ms under a limit of 20 ms or less made the step's cap never fire: every
+    request at or over the floor had already failed for its own limit."""
+    return min(HEAVY_MASK_SECONDS, max_token_cpu_seconds / 2)
 
 
 def over_budget(seconds: dict[K, float], max_seconds: float, heavy: Collection[K]) -> list[K]:
