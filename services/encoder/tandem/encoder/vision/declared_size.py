@@ -1,6 +1,6 @@
 """The width and height an image file's header declares, read from fixed places in its first bytes,
 for the event loop to weigh a call before it queues (`Batcher`'s cost): no PIL, no decoding, at most
-a few dozen JPEG segment headers stepped over (microseconds).
+a few dozen JPEG segment headers or a few hundred GIF blocks stepped over (microseconds).
 
 An estimate, not a rule: a file that lies or is cut gets what its bytes say, or None, and its decode
 (`image_bytes.decode_image`) still checks everything on the image thread.
@@ -13,14 +13,23 @@ from __future__ import annotations
 MAX_JPEG_SEGMENTS = 64
 # Start-of-frame markers: every SOFn but DHT (C4), JPG (C8) and DAC (CC).
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# The other markers a length follows, to be stepped over: DHT, JPG, DAC, DQT, DNL, DRI, DHP, EXP, APPn,
+# JPGn and COM. Any other (a restart marker, TEM, SOI, a scan) has no length: reading one there would
+# land the walk inside a segment, where a crafted APP1 could hold a fake frame header.
+_SKIPPED = frozenset({0xC4, 0xC8, 0xCC, *range(0xDB, 0xFF)})
+# Fill bytes (0xFF) allowed before a JPEG marker: PIL skips them; more, and the file is weighed as unknown.
+MAX_JPEG_FILL_BYTES = 64
+# The GIF blocks (extensions' sub-blocks included) stepped over looking for the first frame's image
+# descriptor; past this the file is weighed as unknown.
+MAX_GIF_BLOCKS = 256
 
 
 def declared_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) as the header of a PNG, GIF, WebP or JPEG declares it; None where it says none."""
     if data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR" and len(data) >= 24:
         return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    if data.startswith((b"GIF87a", b"GIF89a")) and len(data) >= 10:
-        return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    if data.startswith((b"GIF87a", b"GIF89a")) and len(data) >= 13:
+        return _gif_size(data)
     if len(data) >= 30 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return _webp_size(data)
     if data.startswith(b"\xff\xd8"):
@@ -40,19 +49,53 @@ def _webp_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+def _gif_size(data: bytes) -> tuple[int, int] | None:
+    """The larger of the logical screen and the first frame's extent: PIL enlarges the picture to a
+    frame past the screen, so a screen of 1 x 1 may hold a frame of 5,792 x 5,792."""
+    width, height = int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    flags = data[10]
+    i = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # past the global colour table
+    in_extension = False
+    for _ in range(MAX_GIF_BLOCKS):
+        if i >= len(data):
+            return None
+        if in_extension:  # sub-blocks, each its length then its bytes, up to a zero length
+            in_extension = data[i] != 0
+            i += 1 + data[i]
+        elif data[i] == 0x21:  # an extension: its label, then its sub-blocks
+            in_extension = True
+            i += 2
+        elif data[i] == 0x2C and i + 9 <= len(data):  # the first frame's image descriptor
+            left, top, frame_w, frame_h = (
+                int.from_bytes(data[j : j + 2], "little") for j in range(i + 1, i + 9, 2)
+            )
+            return max(width, left + frame_w), max(height, top + frame_h)
+        else:  # the trailer, a cut file or a stray byte before any frame
+            return None
+    return None
+
+
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     i = 2
     for _ in range(MAX_JPEG_SEGMENTS):
-        while i < len(data) and data[i] == 0xFF and i + 1 < len(data) and data[i + 1] == 0xFF:
-            i += 1  # fill bytes
-        if i + 4 > len(data) or data[i] != 0xFF:
+        if data[i : i + 1] != b"\xff":  # a stray byte where a marker belongs
+            return None
+        fill = data[i + 1 : i + 1 + MAX_JPEG_FILL_BYTES]
+        num_fill = len(fill) - len(fill.lstrip(b"\xff"))
+        if num_fill == MAX_JPEG_FILL_BYTES:
+            return None
+        i += num_fill
+        if i + 4 > len(data):
             return None
         marker = data[i + 1]
         if marker in _SOF:
             if i + 9 > len(data):
                 return None
             return int.from_bytes(data[i + 7 : i + 9], "big"), int.from_bytes(data[i + 5 : i + 7], "big")
-        if marker == 0xDA or marker == 0xD9:  # a scan or the end before any frame header
+        if marker not in _SKIPPED:  # no length follows (or a scan, or the end, before any frame header)
             return None
-        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if length < 2:  # a length counts its own two bytes
+            return None
+        i += 2 + length
     return None
