@@ -7,8 +7,9 @@ import torch
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.torch_part.prompt_parts import TextPrompt
+from tandem.encoder import request
 from tandem.encoder.embedder import EmbedderInfo, Pooling
-from tandem.encoder.request import RESPONSE_OVERHEAD_BYTES, EmbedSpec, build_job
+from tandem.encoder.request import DECODE_S_PER_PIXEL, RESPONSE_OVERHEAD_BYTES, EmbedSpec, ImageJob, build_job
 
 INFO = EmbedderInfo(kind="fake", hidden_size=4, vocab_size=100, dtype=torch.float32, max_token_chars=5)
 
@@ -74,3 +75,17 @@ def test_a_valid_call_gets_its_ids_a_request_id_and_the_default_pooling() -> Non
         Pooling.MEAN,
         torch.float16,
     )
+
+
+def test_an_image_calls_expected_decoding_reads_its_header_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The batcher weighs a call as it arrives; the header is not walked again on a later look.
+    walks: list[bytes] = []
+
+    def declared_size(data: bytes) -> tuple[int, int]:
+        walks.append(data)
+        return 2000, 2000
+
+    monkeypatch.setattr(request, "declared_size", declared_size)
+    job = ImageJob("r", b"png", Pooling.NONE, None, 1 << 20, 64, 1 << 20)
+    assert job.expected_s == job.expected_s == (1 << 20) * DECODE_S_PER_PIXEL  # at most the bound
+    assert walks == [b"png"]

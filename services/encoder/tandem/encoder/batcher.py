@@ -24,6 +24,7 @@ LINE_FACTOR times its cost after it goes after it.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import threading
 import time
@@ -53,6 +54,10 @@ class _Waiting(Generic[J, R]):
     job: J
     future: asyncio.Future[R]
     arrived: float  # time.monotonic()
+    # `cost(job)` and the place in line it gives, weighed once as the call arrives: weighing the whole
+    # queue again for every batch held the loop 0.23 s a batch with 10,000 image calls queued.
+    cost: float = 0.0
+    place: float = 0.0
     # Set once the future is done, whoever finished it: the caller going away, close(), or the batch's
     # own outcome. An Event because the worker thread reads it while the loop sets it.
     gone: threading.Event = field(default_factory=threading.Event)
@@ -86,7 +91,9 @@ class Batcher(Generic[J, R]):
         if self._closed_with is not None:
             raise self._closed_with()
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        waiting = _Waiting(job, future, time.monotonic())
+        arrived = time.monotonic()
+        cost = self.cost(job)
+        waiting = _Waiting(job, future, arrived, cost, arrived + LINE_FACTOR * cost)
         future.add_done_callback(lambda _: waiting.gone.set())
         self._queue.append(waiting)
         if self._task is None or self._task.done():
@@ -142,15 +149,15 @@ class Batcher(Generic[J, R]):
         """The next batch out of the queue (callers gone are dropped): in order of place in line, while
         it has room and its costs fit max_batch_cost."""
         self._queue = [w for w in self._queue if not w.future.done()]
-        costs = {id(w): self.cost(w.job) for w in self._queue}
-        line = sorted(self._queue, key=lambda w: w.arrived + LINE_FACTOR * costs[id(w)])  # stable
+        # The first max_batch_size in line, as a stable sort would give them, without sorting the rest.
+        line = heapq.nsmallest(self.max_batch_size, self._queue, key=lambda w: w.place)
         batch: list[_Waiting[J, R]] = []
         total = 0.0
-        for waiting in line[: self.max_batch_size]:
-            if batch and total + costs[id(waiting)] > self.max_batch_cost:
+        for waiting in line:
+            if batch and total + waiting.cost > self.max_batch_cost:
                 break
             batch.append(waiting)
-            total += costs[id(waiting)]
+            total += waiting.cost
         taken = {id(w) for w in batch}
         self._queue = [w for w in self._queue if id(w) not in taken]
         return batch

@@ -14,6 +14,7 @@ span) has passed on its header.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,11 +84,11 @@ class ImageJob:
     max_message_bytes: int
     shared: SharedTarget | None = None  # the rows go to shared memory when they can (shared_segments.py)
 
-    @property
+    @functools.cached_property
     def expected_s(self) -> float:
         """The image thread's time its decoding should take, from the pixels its header declares (at
         most max_image_pixels: more is refused before decoding); a header that says no size is weighed
-        at the bound, so that hiding it buys no place in line."""
+        at the bound, so that hiding it buys no place in line. Read once: the header is not walked again."""
         size = declared_size(self.data)
         pixels = self.max_image_pixels if size is None else min(size[0] * size[1], self.max_image_pixels)
         return pixels * DECODE_S_PER_PIXEL
