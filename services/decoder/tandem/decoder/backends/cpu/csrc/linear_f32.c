@@ -22,9 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "team.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -178,15 +176,12 @@ int tandem_linear_f32(const float *x, const float *w, const float *bias, float *
     block = block < MIN_BLOCK ? MIN_BLOCK : block - block % MAX_MR;
 #pragma omp parallel
     {
-        int threads = 1, me = 0;
-#ifdef _OPENMP
-        threads = omp_get_num_threads();
-        me = omp_get_thread_num();
-#endif
-        /* Output features split evenly, in whole blocks of NB (whole tiles of every NR). */
-        const int64_t chunks = (n + NB - 1) / NB;
-        const int64_t n_begin = NB * (chunks * me / threads);
-        const int64_t n_end = me + 1 == threads ? n : NB * (chunks * (me + 1) / threads);
+        /* Output features split evenly, in whole blocks of NB (whole tiles of every NR); only the last
+         * thread's share can reach past n. */
+        int64_t first, last;
+        team_share((n + NB - 1) / NB, &first, &last);
+        const int64_t n_begin = NB * first;
+        const int64_t n_end = NB * last < n ? NB * last : n;
         for (int64_t m0 = 0; m0 < m && n_begin < n_end; m0 += block) {
             const int64_t rows = m - m0 < block ? m - m0 : block;
             block_rows(x + m0 * k, rows, w, bias, out + m0 * n, n, k, n_begin, n_end);
