@@ -67,13 +67,27 @@ def test_a_gif_declares_its_first_frame_where_that_outgrows_its_screen() -> None
     assert declared_size(_with_screen(_file((37, 21), "GIF"), 50, 9)) == (50, 21)  # the larger, each side
 
 
+def test_a_gif_frame_is_the_one_pil_reads_not_a_descriptor_hidden_in_sub_blocks_it_reads_past() -> None:
+    # An extension whose first sub-block is empty: PIL reads on past that zero to the next one, so a
+    # ',' there is a sub-block's length to PIL. A walker that stopped at the zero read it as the frame
+    # (0 x 0), ranking a 300 x 200 frame behind it as the 1 x 1 screen.
+    gif = _with_screen(_file((300, 200), "GIF"), 1, 1)
+    frame = 13 + 3 * 2 ** ((gif[10] & 7) + 1)  # past the global colour table: the blocks start there
+    hidden = b"\x2c" + bytes(8) + b"\x01" * 36 + b"\x00"  # 44 bytes after the ',': one sub-block to PIL
+    for extension in (b"\x21\xf9\x00", b"\x21\x01\x00", b"\x21\xff\x0bNETSCAPE2.0\x00"):
+        crafted = gif[:frame] + extension + hidden + gif[frame:]
+        assert declared_size(crafted) == Image.open(io.BytesIO(crafted)).size == (300, 200), extension
+
+
 def test_a_gif_whose_first_frame_is_not_found_soon_declares_none() -> None:
     gif = _file((8, 8), "GIF")
     comments = b"\x21\xfe" + b"\x01c" * MAX_GIF_BLOCKS + b"\x00"  # the frame past the walk
-    # The header alone, a cut extension, a trailer before any frame, a stray byte.
-    for data in (gif[:13], gif[:13] + b"\x21\xfe\x05ab", gif[:13] + b"\x3b", gif[:13] + b"\x00" + gif[13:]):
+    # The header alone, a cut extension, a trailer before any frame.
+    for data in (gif[:13], gif[:13] + b"\x21\xfe\x05ab", gif[:13] + b"\x3b"):
         assert declared_size(data) is None
     assert declared_size(gif[:13] + comments + gif[13:]) is None
+    stray = gif[:13] + b"\x00" + gif[13:]  # PIL skips a stray byte and reads on: so does the walk
+    assert declared_size(stray) == Image.open(io.BytesIO(stray)).size == (8, 8)
 
 
 def test_jpeg_markers_with_no_length_or_stray_bytes_declare_none() -> None:

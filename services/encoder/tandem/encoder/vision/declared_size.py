@@ -8,6 +8,8 @@ An estimate, not a rule: a file that lies or is cut gets what its bytes say, or 
 
 from __future__ import annotations
 
+from tandem.encoder.vision.gif_walk import walk_to_first_image
+
 # The JPEG segments stepped over looking for the frame header (SOFn): a camera's header has a dozen
 # (APPn metadata, tables); past this the file is weighed as unknown.
 MAX_JPEG_SEGMENTS = 64
@@ -51,28 +53,14 @@ def _webp_size(data: bytes) -> tuple[int, int] | None:
 
 def _gif_size(data: bytes) -> tuple[int, int] | None:
     """The larger of the logical screen and the first frame's extent: PIL enlarges the picture to a
-    frame past the screen, so a screen of 1 x 1 may hold a frame of 5,792 x 5,792."""
+    frame past the screen, so a screen of 1 x 1 may hold a frame of 5,792 x 5,792. The frame is the one
+    PIL finds, walking as it reads (`gif_walk`)."""
     width, height = int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
-    flags = data[10]
-    i = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # past the global colour table
-    in_extension = False
-    for _ in range(MAX_GIF_BLOCKS):
-        if i >= len(data):
-            return None
-        if in_extension:  # sub-blocks, each its length then its bytes, up to a zero length
-            in_extension = data[i] != 0
-            i += 1 + data[i]
-        elif data[i] == 0x21:  # an extension: its label, then its sub-blocks
-            in_extension = True
-            i += 2
-        elif data[i] == 0x2C and i + 9 <= len(data):  # the first frame's image descriptor
-            left, top, frame_w, frame_h = (
-                int.from_bytes(data[j : j + 2], "little") for j in range(i + 1, i + 9, 2)
-            )
-            return max(width, left + frame_w), max(height, top + frame_h)
-        else:  # the trailer, a cut file or a stray byte before any frame
-            return None
-    return None
+    blocks, i = walk_to_first_image(data, MAX_GIF_BLOCKS)
+    if blocks > MAX_GIF_BLOCKS or i + 9 > len(data) or data[i] != 0x2C:  # too far, cut, or no image
+        return None
+    left, top, frame_w, frame_h = (int.from_bytes(data[j : j + 2], "little") for j in range(i + 1, i + 9, 2))
+    return max(width, left + frame_w), max(height, top + frame_h)
 
 
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:

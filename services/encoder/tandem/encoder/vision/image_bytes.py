@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from PIL import ExifTags, Image, UnidentifiedImageError
 
 from tandem.client.errors import InvalidArgument
+from tandem.encoder.vision.gif_walk import walk_to_first_image
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_JPEG_SCANS = 32
@@ -331,36 +332,6 @@ def png_chunks(data: bytes) -> PngChunks:
 
 
 def gif_blocks(data: bytes) -> int:
-    """What PIL reads in Python before a GIF's first image, one read at a time: each extension, each
-    sub-block (1 to 255 bytes) and each stray byte (any other than an extension's '!', an image's ','
-    or the trailer's ';', which PIL skips a byte at a time). The frame's own data PIL's decoder reads
-    in C, and no other frame is read. The walk follows GifImageFile._seek (PIL 13) read for read, so
-    it counts what PIL would read, not what a well-formed GIF holds, and stops once the count passes
-    MAX_CHUNKS."""
-    if len(data) < 13:
-        return 0
-    packed = data[10]  # the logical screen's: a global colour table of 2^(n+1) colours follows
-    i = 13 + (3 << ((packed & 7) + 1) if packed & 0x80 else 0)
-    blocks = 0
-    while blocks <= MAX_CHUNKS and i < len(data) and data[i] not in (0x2C, 0x3B):  # an image; the end
-        blocks += 1
-        introducer, label = data[i], data[i + 1 : i + 2]
-        i += 1
-        if introducer != 0x21:  # a stray byte
-            continue
-        i += 1
-        first = data[i + 1 : i + 1 + data[i]] if i < len(data) else b""
-        i += 1 + len(first)  # PIL reads the first sub-block whatever the label
-        blocks += bool(first)
-        if label == b"\xfe" and not first:  # an empty comment ends there
-            continue
-        if label == b"\xff" and first.startswith(b"NETSCAPE2.0") and i < len(data):
-            blocks += data[i] != 0  # its loop count: one read more, empty or not
-            i += 1 + data[i]
-        # Then on to the next empty sub-block, even when the first read was the empty one ending the
-        # extension (PIL's `while self.data()` after it): the sub-blocks past it are read too.
-        while blocks <= MAX_CHUNKS and i < len(data) and data[i] != 0:
-            blocks += 1
-            i += 1 + data[i]
-        i += 1
-    return blocks
+    """What PIL reads in Python before a GIF's first image, one read at a time (`gif_walk`): it counts
+    what PIL would read, not what a well-formed GIF holds, and stops once the count passes MAX_CHUNKS."""
+    return walk_to_first_image(data, MAX_CHUNKS)[0]
