@@ -92,7 +92,7 @@ async def test_sigterm_during_a_long_image_batch_ends_every_call_and_the_process
                     return error.code(), error.details() or "", time.monotonic()
 
             calls = [asyncio.ensure_future(call()) for _ in range(NUM_CALLS)]
-            await asyncio.sleep(1.5)  # the 500 ms wait for company is over: the batch runs
+            await asyncio.sleep(1.5)  # the 500 ms wait for company is over: the images decode, one a batch
             signalled = time.monotonic()
             process.send_signal(signal.SIGTERM)
             outcomes = await asyncio.gather(*calls)

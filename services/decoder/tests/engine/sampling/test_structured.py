@@ -346,7 +346,7 @@ def test_one_dear_mask_passes_and_dear_masks_that_stay_fail_the_request() -> Non
 
 def test_the_step_budget_weighs_a_requests_masks_past_its_first() -> None:
     # The first mask warms llguidance's lexer (up to about 150 ms, bounded by the build's fuel): with a
-    # bounded regex's 3.5 ms masks after it (Qwen3) it averaged 23 ms over 8, over the heavy floor's
+    # bounded regex's 3.5 ms masks after it (Qwen3) it averaged 21.8 ms over 8, over the heavy floor's
     # 20 ms, and marked a legitimate request heavy for 7 steps. Left out, 3 ms.
     cold = [0.150] + [0.0035] * 7
     constraint = structured.Constraint(_BurningMatcher(list(cold)), 32, max_token_cpu_seconds=0.05)
