@@ -87,3 +87,15 @@ def test_a_block_size_past_two_blocks_of_the_slots_is_one_line_naming_the_flag_a
             "blocks, the reserved one and one to use, within 2,147,483,648 KV slots, int32's), "
             f"got {block_size:,}\n"
         )
+
+
+def test_a_block_size_the_backends_attention_cannot_tile_is_one_line_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """FlexAttention (cuda) tiles keys by the cache's block: a size it cannot take was a ValueError's
+    traceback at start; it is the flag's one line, exit 2, before a device or weight is touched."""
+    assert decoder_main(["--device", "cuda", "--block-size", "8", "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve decoder: --block-size (TANDEM_BLOCK_SIZE) must be a power of two >= 16 for "
+        "FlexAttention (cuda), got 8\n"
+    )

@@ -82,7 +82,8 @@ class PagedAttention(ABC):
 
     @classmethod
     def check_block_size(cls, block_size: int) -> None:
-        """Raises ValueError naming the limit when this implementation cannot take KV blocks this size."""
+        """Raises ConfigError on block_size, naming the limit, when this implementation cannot take KV
+        blocks this size: the command line says it as one line naming --block-size, exit 2."""
         return None  # torch ops take any size
 
     def __call__(

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from tandem.client.errors import ConfigError
 from tandem.decoder.models.attention import AttentionMetadata, PagedAttention
 from tandem.decoder.models.flex_block_mask import (
     Q_BLOCK_SIZE,
@@ -64,7 +65,9 @@ class FlexPagedAttention(PagedAttention):
     def check_block_size(cls, block_size: int) -> None:
         # The Triton kernels tile keys by the mask's KV block, which is the cache's block.
         if block_size < 16 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 16 for FlexAttention, got {block_size}")
+            raise ConfigError(
+                "block_size", f"must be a power of two >= 16 for FlexAttention (cuda), got {block_size}"
+            )
 
     def decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float
