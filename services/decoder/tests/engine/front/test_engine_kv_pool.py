@@ -4,8 +4,11 @@ before a table of it is built, however many blocks it asks for."""
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tandem.client.errors import ConfigError
@@ -15,6 +18,7 @@ from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.models import kv_pool
 from tandem.decoder.models.loader import LoadedModel
 from tandem.decoder.models.memory_limit import MemoryLimit
+from tandem.decoder.models.peft_adapter import AdapterError
 
 
 def test_a_pool_the_host_cannot_hold_is_refused_before_its_block_table_is_built(
@@ -38,3 +42,35 @@ def test_a_pool_the_host_cannot_hold_is_refused_before_its_block_table_is_built(
         in (str(refused.value))
     )
     assert built == []
+
+
+def _held() -> tuple[set[threading.Thread], set[int]]:
+    """This process's threads and child processes (the chat template's workers)."""
+    return set(threading.enumerate()), {child.pid for child in psutil.Process().children()}
+
+
+def test_a_set_up_that_fails_after_the_load_raises_its_own_error_and_leaves_nothing_running(
+    tiny_fp32: LoadedModel, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine thread was stopped only when the load failed: a refused pool (or anything later) left
+    it waiting, and the chat template's workers running; a --lora adapter that could not be read called
+    shutdown() on builder threads not made yet, so its own error came out as an AttributeError."""
+    before = _held()
+    monkeypatch.setattr(kv_pool, "memory_limit", lambda: MemoryLimit(1 << 20, None))
+    with pytest.raises(ConfigError, match="could not be allocated"):
+        Engine(
+            EngineConfig(model_dir=tiny_model_dir, dtype="float32", num_kv_blocks=1 << 20), loaded=tiny_fp32
+        )
+    assert _held() == before
+    monkeypatch.undo()
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 64, "lora_alpha": 8}))
+    config = EngineConfig(
+        model_dir=tiny_model_dir,
+        dtype="float32",
+        num_kv_blocks=64,
+        enable_lora=True,
+        loras=(("big", tmp_path),),
+    )
+    with pytest.raises(AdapterError, match="more than the server.s --max-lora-rank 16"):
+        Engine(config, loaded=tiny_fp32)
+    assert _held() == before

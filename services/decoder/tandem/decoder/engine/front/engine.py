@@ -83,20 +83,67 @@ class Engine:
         self.config = config
         backend = backend or backends.check_available(config.device)
         self._thread = EngineThread(config.num_threads or torch.get_num_threads())
+        # Adapters are read (files, checks) here, off the engine thread; their slots are written on it.
+        self._adapter_reader = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-adapters", initializer=_init_builder_thread
+        )
+        # Request building and tokenizing for the asyncio front run here, never on the event loop:
+        # a long text or a large embedding tensor would stall every stream and health probe for its
+        # duration. One thread, so that heavy requests queue behind each other, not beside the model.
+        self._builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-requests", initializer=_init_builder_thread
+        )
+        # Chat requests build beside it, as many at once as there are template workers: a render
+        # waits on its worker process (admission/template_worker.py, up to its time bound), and a
+        # slow template must hold up neither other callers' plain prompts nor, up to that many,
+        # their chats.
+        self._chat_builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=template_worker.WORKERS,
+            thread_name_prefix="tandem-chats",
+            initializer=_init_builder_thread,
+        )
+        # Plain prompts with a grammar build here: compiling one costs up to a few hundred
+        # milliseconds (llguidance's bounds, sampling/structured.py), and 6 hostile ones queued on
+        # the plain builder held a neighbour's first token back 16-20 s. One thread: grammars queue
+        # behind each other, never in front of plain prompts.
+        self._structured_builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-grammars", initializer=_init_builder_thread
+        )
+        # Requests with encoder parts build here: each waits for its encoder's rows (a vision tower's
+        # tens of milliseconds), which must hold up neither plain prompts nor chats; the threads only
+        # wait, so there can be several.
+        self._fetching_builder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=FETCHING_BUILDERS,
+            thread_name_prefix="tandem-fetching",
+            initializer=_init_builder_thread,
+        )
+        # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
+        self._keepalive_s = None if tp is None else tp.timeout_s / 4
+        self._keys = itertools.count()  # the engine's own request keys (see submit)
+        self._mailboxes = Mailboxes()
+        # The rest holds memory, the threads above and the chat template's worker processes: a set-up
+        # that fails part way releases what it made (a refused KV pool left the engine thread waiting
+        # and the template's workers running in the caller's process; a --lora that could not be read
+        # called shutdown() on builder threads not made yet, an AttributeError in its error's place).
         try:
-            self.loaded = loaded or self._thread.run(
-                load_model,
-                config.model_dir,
-                config.dtype,
-                backends.start_device(config.device, config.num_devices),
-                tp,
-                config.quantization,
-                config.quantized_from,
-                config.quantization_group_size,
-            )
+            self._set_up(loaded, tp, backend)
         except BaseException:
-            self._thread.stop()
+            self.shutdown()
             raise
+
+    def _set_up(self, loaded: LoadedModel | None, tp: RankGroup | None, backend: backends.Backend) -> None:
+        """The model, its executor, the chat template, the KV pool and the core; then --lora's adapters."""
+        config = self.config
+        self.loaded = loaded or self._thread.run(
+            load_model,
+            config.model_dir,
+            config.dtype,
+            backends.start_device(config.device, config.num_devices),
+            tp,
+            config.quantization,
+            config.quantized_from,
+            config.quantization_group_size,
+        )
         # LoRA slots, every one empty until an adapter is loaded into it (models/lora.py).
         self.lora: LoraTable | None = None
         if config.enable_lora:
@@ -146,54 +193,12 @@ class Engine:
         # Rank 0 of several: the other ranks' feed, which runs every step and adapter install there too.
         self._peers = None if tp is None else tp.step_sender()
         self.core = self._build_core(tp, backend)
-        # Adapters are read (files, checks) here, off the engine thread; their slots are written on it.
-        self._adapter_reader = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tandem-adapters", initializer=_init_builder_thread
-        )
-        try:
-            for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
-                adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
-                shown = start_up_shown(path) if self.adapter_root is None else self.adapter_root.shown(path)
-                installing = self.core.between_steps(partial(self._install, name, shown, adapter))
-                self._thread.run(self.core.run_between_steps)
-                installing.result()
-        except BaseException:
-            self.shutdown()
-            raise
-        # Idle rank 0 sends keepalives well within the group timeout; one rank just sleeps.
-        self._keepalive_s = None if tp is None else tp.timeout_s / 4
-        self._keys = itertools.count()  # the engine's own request keys (see submit)
-        self._mailboxes = Mailboxes()
-        # Request building and tokenizing for the asyncio front run here, never on the event loop:
-        # a long text or a large embedding tensor would stall every stream and health probe for its
-        # duration. One thread, so that heavy requests queue behind each other, not beside the model.
-        self._builder = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tandem-requests", initializer=_init_builder_thread
-        )
-        # Chat requests build beside it, as many at once as there are template workers: a render
-        # waits on its worker process (admission/template_worker.py, up to its time bound), and a
-        # slow template must hold up neither other callers' plain prompts nor, up to that many,
-        # their chats.
-        self._chat_builder = concurrent.futures.ThreadPoolExecutor(
-            max_workers=template_worker.WORKERS,
-            thread_name_prefix="tandem-chats",
-            initializer=_init_builder_thread,
-        )
-        # Plain prompts with a grammar build here: compiling one costs up to a few hundred
-        # milliseconds (llguidance's bounds, sampling/structured.py), and 6 hostile ones queued on
-        # the plain builder held a neighbour's first token back 16-20 s. One thread: grammars queue
-        # behind each other, never in front of plain prompts.
-        self._structured_builder = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tandem-grammars", initializer=_init_builder_thread
-        )
-        # Requests with encoder parts build here: each waits for its encoder's rows (a vision tower's
-        # tens of milliseconds), which must hold up neither plain prompts nor chats; the threads only
-        # wait, so there can be several.
-        self._fetching_builder = concurrent.futures.ThreadPoolExecutor(
-            max_workers=FETCHING_BUILDERS,
-            thread_name_prefix="tandem-fetching",
-            initializer=_init_builder_thread,
-        )
+        for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
+            adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
+            shown = start_up_shown(path) if self.adapter_root is None else self.adapter_root.shown(path)
+            installing = self.core.between_steps(partial(self._install, name, shown, adapter))
+            self._thread.run(self.core.run_between_steps)
+            installing.result()
 
     def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
         config = self.config
@@ -291,16 +296,21 @@ class Engine:
         self._fetching_builder.shutdown(wait=False, cancel_futures=True)
         self._structured_builder.shutdown(wait=False, cancel_futures=True)
         self._adapter_reader.shutdown(wait=False, cancel_futures=True)
-        self.chat_template.close()
+        chat_template = getattr(self, "chat_template", None)  # None: a set-up that failed before it
+        if chat_template is not None:
+            chat_template.close()
         self._thread.stop()
-        self.core.fail_all(Unavailable("the decoder is shutting down"))
-        self.core.close()
-        summary = self.core.runner.summary()
+        core = getattr(self, "core", None)  # None: a set-up that failed before the core was built
+        if core is None:
+            return
+        core.fail_all(Unavailable("the decoder is shutting down"))
+        core.close()
+        summary = core.runner.summary()
         if summary is not None:
             log.info("%s", summary)
-        if self.core.runner.peers is not None and self._thread.error is None:
+        if core.runner.peers is not None and self._thread.error is None:
             try:
-                self.core.runner.peers.stop()  # the other ranks' worker loops end
+                core.runner.peers.stop()  # the other ranks' worker loops end
             except Exception:  # a rank already gone: it has nothing left to stop
                 log.exception("could not tell the other ranks to stop")
 
