@@ -17,6 +17,8 @@ from tandem.decoder.backends.xla import runtime
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
+from tandem.decoder.engine.scheduling.scheduler import StepPlan
+from tandem.decoder.engine.step.runner import StepOutput
 from tandem.decoder.engine.step.xla_runner import XlaRunner
 from tests.xla.helpers import engine_on, greedy, settings, table_rows
 
@@ -141,3 +143,48 @@ def test_a_bucket_not_warmed_up_fails_the_step_loudly_before_anything_compiles(t
         assert isinstance(xla._thread.error, RecompileError)
         assert "was not compiled at warmup" in str(xla._thread.error)
         assert runtime.num_compiles() == compiled
+
+
+def _token_logprobs(events: list[Event]) -> list[tuple[int, str]]:
+    deltas = [e for e in events if isinstance(e, Delta)]
+    return [(t, repr(lp)) for d in deltas for t, lp in zip(d.token_ids, d.logprobs, strict=True)]
+
+
+def test_batch_invariant_runs_each_request_alone_so_neighbours_and_speculation_change_no_bit(
+    tiny_model_dir: Path,
+) -> None:
+    """--batch-invariant on XLA runs each request in graphs of its own (XLA's kernels block as they
+    choose; on XLA's CPU device they happen not to, so the bits alone do not tell the modes apart,
+    and each graph's requests are counted too): in bf16, a request's logprobs are the same bits alone,
+    beside neighbours being prefilled in chunks and decoding, and speculating (its verify rows in a
+    decode graph of 4) or not."""
+    values = settings(tiny_model_dir, dtype="bfloat16", batch_invariant=True, speculative_max_batch=4)
+    requests_per_graph: list[int] = []
+
+    def spec(ids: list[int], max_new_tokens: int = 10, speculative_tokens: int = 0) -> GenerateSpec:
+        sampling = SamplingParams(temperature=0.0, logprobs=True)
+        stopping = StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        return GenerateSpec([ids], sampling, stopping, speculative_tokens=speculative_tokens)
+
+    target = [7 * (j % 5) + 1 for j in range(20)]  # repeating: prompt lookup has proposals
+    neighbours = [spec([(3 * j + i) % 400 + 2 for j in range(5 + 13 * i)], 3 + i) for i in range(3)]
+    with engine_on("neuron", **values) as xla:
+        runner = xla.core.runner
+        execute = runner._execute
+
+        def counted(plan: StepPlan) -> StepOutput:
+            requests_per_graph.append(len(plan.scheduled))
+            return execute(plan)
+
+        runner._execute = counted  # type: ignore[method-assign]
+        alone = _token_logprobs(run_concurrently(xla, [spec(target)])[0])
+        beside = _token_logprobs(run_concurrently(xla, [spec(target), *neighbours])[0])
+        speculating = [
+            _token_logprobs(run_concurrently(xla, [spec(target, speculative_tokens=3), *others])[0])
+            for others in ([], neighbours)
+        ]
+        assert xla.core.num_proposed_tokens > 0
+    assert len(alone) == 10
+    assert beside == alone
+    assert speculating == [alone, alone]
+    assert set(requests_per_graph) == {1}
