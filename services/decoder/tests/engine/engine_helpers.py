@@ -1,4 +1,5 @@
-"""Running an in-process engine in tests: concurrent submission and reading its events."""
+"""Running an in-process engine in tests: concurrent submission, reading its events, and where its
+grammars' masks are computed."""
 
 from __future__ import annotations
 
@@ -42,3 +43,18 @@ def run_concurrently(engine: Engine, specs: list[GenerateSpec]) -> list[list[Eve
     for _ in specs:
         assert done.acquire(timeout=120)
     return results
+
+
+class RecordingMatcher:
+    """An llguidance matcher that records on which thread each of its masks is computed."""
+
+    def __init__(self, matcher: object) -> None:
+        self._matcher = matcher
+        self.threads: list[str] = []
+
+    def compute_bitmask(self) -> bytes:
+        self.threads.append(threading.current_thread().name)
+        return self._matcher.compute_bitmask()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._matcher, name)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+from services.decoder.tests.engine.engine_helpers import RecordingMatcher
 from services.decoder.tests.engine.engine_helpers import finished as _finished
 from services.decoder.tests.engine.engine_helpers import run_concurrently as _run_concurrently
 from services.decoder.tests.engine.engine_helpers import tokens as _tokens
@@ -20,7 +21,7 @@ from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, FinishReason
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
-from tandem.decoder.engine.sampling import prompt_lookup
+from tandem.decoder.engine.sampling import prompt_lookup, structured
 from tandem.decoder.engine.step import grammar_budget
 from tandem.decoder.models.loader import LoadedModel
 
@@ -106,6 +107,43 @@ def test_a_proposal_holding_the_grammars_end_and_eos_verifies_as_plain_steps_go(
     assert _tokens(speculating) == answer
     assert _finished(speculating).reason == _finished(plain).reason == FinishReason.EOS
     assert _finished(speculating).accepted_tokens > 0
+
+
+@pytest.mark.parametrize("speculative_tokens", [0, 4])
+def test_a_requests_first_step_takes_the_first_mask_its_grammar_was_built_with(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch, speculative_tokens: int
+) -> None:
+    """The grammar's building thread computes the request's first mask, and its first step computed
+    it again (a{300}{100}: 4-6 ms of the step's CPU with this tokenizer). Now one mask per token, the
+    first on the building thread; the same tokens as where the step computes it, plain and speculating."""
+    spec = GenerateSpec(
+        [PROMPT],
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_new_tokens=6),
+        structured=StructuredOutput("regex", "[a-z ]{100}"),  # no end within 6 tokens
+    )
+    settings = dict(speculative_tokens=speculative_tokens, speculative_max_batch=64)
+    constraint = structured.Constraint
+    with monkeypatch.context() as patched:  # the reference: each constraint computes its first mask
+        patched.setattr(
+            structured, "Constraint", lambda *args, first_bitmask=None, **kw: constraint(*args, **kw)
+        )
+        with _engine(tiny_model_dir, tiny_fp32, **settings) as engine:
+            reference = _tokens(engine.generate(spec))
+    matchers: list[RecordingMatcher] = []
+    build = structured.GrammarCompiler._matcher
+    monkeypatch.setattr(
+        structured.GrammarCompiler,
+        "_matcher",
+        lambda self, verdict: matchers.append(RecordingMatcher(build(self, verdict))) or matchers[-1],
+    )
+    with _engine(tiny_model_dir, tiny_fp32, **settings) as engine:
+        answer = _tokens(engine.generate(spec))
+    assert answer == reference and len(answer) == 6
+    request, _trial = matchers  # built for the request, and for its trial first token
+    assert request.threads[0] == "tandem-grammar-compile"
+    if not speculative_tokens:  # a verifying row's mask is one more (a proposal's, rolled back)
+        assert len(request.threads) == len(answer)
 
 
 def test_a_plain_prompt_is_not_built_behind_a_grammar_being_compiled(

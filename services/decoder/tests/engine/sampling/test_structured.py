@@ -14,6 +14,7 @@ import pytest
 import tokenizers
 import torch
 
+from services.decoder.tests.engine.engine_helpers import RecordingMatcher
 from tandem.client.errors import InvalidArgument
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.params import StructuredOutput
@@ -344,55 +345,57 @@ def test_one_dear_mask_passes_and_dear_masks_that_stay_fail_the_request() -> Non
     assert stays.num_accepted <= 6  # 6 masks of 8 ms pass 8 x 5 ms
 
 
-def test_the_step_budget_weighs_a_requests_masks_past_its_first() -> None:
-    # The first mask warms llguidance's lexer (up to about 150 ms, bounded by the build's fuel): with a
-    # bounded regex's 3.5 ms masks after it (Qwen3) it averaged 21.8 ms over 8, over the heavy floor's
-    # 20 ms, and marked a legitimate request heavy for 7 steps. Left out, 3 ms.
-    cold = [0.150] + [0.0035] * 7
-    constraint = structured.Constraint(_BurningMatcher(list(cold)), 32, max_token_cpu_seconds=0.05)
-    for _ in cold:
+def test_a_given_first_mask_costs_the_averages_nothing_and_every_mask_computed_after_it_counts() -> None:
+    # The first mask, the lexer's warm-up (up to about 150 ms), is computed where the grammar is built
+    # and handed to the constraint: it opens its entry at what the engine pays for it, nothing. The
+    # step's budget left the first entry out of its average as that warm-up; now it is the engine's
+    # cheap work (the mask given, the first token taken), and every mask computed after it counts.
+    computed = [0.004] * 7
+    constraint = structured.Constraint(
+        _BurningMatcher(list(computed)), 32, max_token_cpu_seconds=0.05, first_bitmask=bytes(4)
+    )
+    for _ in range(1 + len(computed)):
         constraint.allowed()
         constraint.accept(1)
-    assert constraint.mask_seconds > 0.020  # the per-token limit's average still counts it
-    assert 0.003 <= constraint.steady_mask_seconds < 0.005
-    # Once out of the last 8, the first mask is out of both averages alike.
-    constraint._matcher.mask_seconds.append(0.0)  # type: ignore[attr-defined]
-    constraint.allowed()
-    assert constraint.steady_mask_seconds == constraint.mask_seconds < 0.005
+    assert constraint._matcher.mask_seconds == []  # type: ignore[attr-defined]  # 7 masks computed, not 8
+    assert constraint._recent_seconds[0] < 0.001  # the given one
+    assert constraint.mask_seconds >= sum(computed) / structured.NUM_MASKS_AVERAGED
 
 
-def test_a_repeated_grammar_computes_its_first_mask_on_the_building_thread(
-    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("is_cached", [False, True], ids=["first-build", "cache-hit"])
+def test_a_requests_first_mask_is_computed_once_on_its_building_thread_and_its_first_step_takes_it(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch, is_cached: bool
 ) -> None:
-    # A fresh matcher's lexer is cold: on a verdict's cache hit its first mask ran in the engine's
-    # step (a{300}{100}: 20-28 ms; 64 requests of [\w .]{1,1000} took Qwen3's first step from 4 to
-    # 95 ms). As on a first build, it is computed before the request is queued, off the engine thread.
-    threads: list[str] = []
+    # A fresh matcher's lexer is cold: its first mask in the engine's step held up the batch
+    # (a{300}{100}: 20-28 ms; 64 requests of [\w .]{1,1000} took Qwen3's first step from 4 to 95 ms),
+    # so it is computed before the request is queued, off the engine thread, on a first build and on
+    # a verdict's cache hit alike. Nothing is taken between, so the first step takes that mask: it
+    # computed it again (a{300}{100}: 4-6 ms of the step's grammar CPU with this tokenizer).
+    matchers: list[RecordingMatcher] = []
     build = compiler._matcher
-
-    def recorded(verdict: object) -> object:
-        return _RecordingMatcher(build(verdict), threads)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(compiler, "_matcher", recorded)
-    spec = StructuredOutput("regex", "[a-z]{1,7} repeated")
-    compiler.constraint(spec)  # judged and cached: the verdict
-    threads.clear()
-    compiler.constraint(spec)  # a hit: a fresh matcher of its own
-    assert threads == ["tandem-grammar-compile"]
-
-
-class _RecordingMatcher:
-    """An llguidance matcher that records on which thread each mask is computed."""
-
-    def __init__(self, matcher: object, threads: list[str]) -> None:
-        self._matcher, self._threads = matcher, threads
-
-    def compute_bitmask(self) -> bytes:
-        self._threads.append(threading.current_thread().name)
-        return self._matcher.compute_bitmask()  # type: ignore[attr-defined]
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._matcher, name)
+    monkeypatch.setattr(
+        compiler,
+        "_matcher",
+        lambda verdict: matchers.append(RecordingMatcher(build(verdict))) or matchers[-1],
+    )
+    spec = StructuredOutput("regex", f"[a-z]{{1,7}} {'repeated' if is_cached else 'once'}")
+    if is_cached:
+        compiler.constraint(spec)  # judged and cached: the verdict
+    constraint = compiler.constraint(spec)
+    matcher = constraint._matcher
+    assert isinstance(matcher, RecordingMatcher) and matcher.threads == ["tandem-grammar-compile"]
+    first = constraint.allowed()
+    assert matcher.threads == ["tandem-grammar-compile"]  # taken, not computed
+    # The mask the matcher itself computes in that state.
+    assert torch.equal(
+        first,
+        structured.Constraint(
+            matcher._matcher, compiler.vocab_size, max_token_cpu_seconds=SERVED_LIMIT_S
+        ).allowed(),
+    )
+    constraint.accept(int(first.nonzero()[0]))
+    constraint.allowed()  # the next state's: computed here
+    assert matcher.threads == ["tandem-grammar-compile", threading.current_thread().name]
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ and each cached regex kept up to about 97 MB of states. A build costs up to MAX_
 (0.1-0.3 s at worst, about a millisecond for a typical schema). Compiling, the first mask and a first
 token taken on a matcher of its own (where llguidance reports what its first mask ran out of) run
 before the request is queued, under llguidance's parser limits, so a hostile grammar costs its caller
-an INVALID_ARGUMENT and nothing else. They run on a thread of their own with
-a deep stack (COMPILE_STACK_BYTES says why). Each step the constraint's allowed tokens mask the
-request's logits (the model's EOS only where the grammar may end); after the step it takes the sampled
-token.
+an INVALID_ARGUMENT and nothing else; the request's first step takes that first mask rather than
+computing it again (nothing is taken between). They run on a thread of their own with a deep stack
+(COMPILE_STACK_BYTES says why). Each step the constraint's allowed tokens mask the request's logits
+(the model's EOS only where the grammar may end); after the step it takes the sampled token.
 
 NOTE: the grammar's work per token is bounded by CPU time, not only by llguidance's limits. Its
 Earley parser pays, per token, for every parse of the answer so far still open, so an ambiguous
@@ -125,8 +125,12 @@ class Constraint:
         eos_token_ids: frozenset[int] = frozenset(),
         *,
         max_token_cpu_seconds: float,  # the grammar's work per token, on average (the NOTE)
+        # The matcher's first mask (llguidance's packed bits), computed where it was built: the first
+        # allowed() takes it, the matcher's state the same. None: the first allowed() computes it.
+        first_bitmask: bytes | None = None,
     ) -> None:
         self._matcher = matcher
+        self._first_bitmask = first_bitmask
         self.vocab_size = vocab_size
         self.field = field  # the request's field that asked for it (structured.regex, ...)
         self.eos_token_ids = eos_token_ids  # the model's: sampled, one always ends the answer
@@ -135,12 +139,15 @@ class Constraint:
         self._refused: tuple[int, int] | None = None  # (tokens taken before it, token) the grammar refused
         self.max_token_cpu_seconds = max_token_cpu_seconds
         self._recent_seconds: deque[float] = deque(maxlen=NUM_MASKS_AVERAGED)  # CPU per mask and token
-        self._num_entries = 0  # entries ever opened in _recent_seconds: the first is the first mask's
         self._too_slow: _TooSlow | None = None  # where the average first passed max_token_cpu_seconds
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar accepts next."""
-        bitmask = self._timed(self._matcher.compute_bitmask, is_mask=True)  # type: ignore[attr-defined]
+        # The first mask, given, opens its entry at what it costs here (nothing): the averages weigh
+        # the grammar work the engine does.
+        first, self._first_bitmask = self._first_bitmask, None
+        compute = self._matcher.compute_bitmask if first is None else lambda: first  # type: ignore[attr-defined]
+        bitmask = self._timed(compute, is_mask=True)
         words = np.frombuffer(bitmask, dtype="<u4")
         bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
         mask = np.zeros(self.vocab_size, dtype=bool)
@@ -182,17 +189,9 @@ class Constraint:
     @property
     def mask_seconds(self) -> float:
         """CPU time per mask (and taking its token) on average over the last NUM_MASKS_AVERAGED, a
-        short start counted as cheap masks: the per-token limit's average."""
+        short start counted as cheap masks: the per-token limit's average, and the one the step's
+        budget weighs (step/grammar_budget.py)."""
         return sum(self._recent_seconds) / NUM_MASKS_AVERAGED
-
-    @property
-    def steady_mask_seconds(self) -> float:
-        """mask_seconds with the first mask (and its token) left out: what the step's budget weighs
-        (step/grammar_budget.py). The first is the lexer's warm-up, bounded by the build's fuel: one
-        cold mask of about 150 ms among a bounded regex's 3.5 ms masks averaged 21.8 ms over 8, past the
-        heavy floor's 20 ms, and marked a legitimate request heavy for 7 steps."""
-        first = self._recent_seconds[0] if 0 < self._num_entries <= NUM_MASKS_AVERAGED else 0.0
-        return (sum(self._recent_seconds) - first) / NUM_MASKS_AVERAGED
 
     @property
     def is_error(self) -> bool:
@@ -238,6 +237,7 @@ class Constraint:
         )
 
     def _consume(self, token_id: int) -> None:
+        self._first_bitmask = None  # the state it was the mask of is gone
         consume = self._matcher.consume_token  # type: ignore[attr-defined]
         self._timed(lambda: consume(token_id))
 
@@ -250,7 +250,6 @@ class Constraint:
         seconds = (time.thread_time() - start) / num_tokens
         if is_mask or not self._recent_seconds:
             self._recent_seconds.append(seconds)
-            self._num_entries += 1
         else:
             self._recent_seconds[-1] += seconds
         average = self.mask_seconds  # a short start counts as cheap masks
@@ -273,6 +272,14 @@ class _Verdict:
 
     grammar: str | None  # llguidance's grammar text, from which each request's matcher is built
     refusal: InvalidArgument | None  # why the grammar is refused, every time it is asked for
+
+
+@dataclass(frozen=True)
+class _Started:
+    """A request's matcher as built for it, its first mask computed on the building thread."""
+
+    matcher: object  # llguidance's LLMatcher, the request's alone: no token taken yet
+    first_bitmask: bytes  # its first mask, which the request's first step takes instead of computing
 
 
 class GrammarCompiler:
@@ -308,18 +315,20 @@ class GrammarCompiler:
             if verdict is not None:
                 self._cache.move_to_end(spec)
         if verdict is None:
-            verdict, matcher = on_deep_stack(lambda: self._judged(spec))
+            verdict, started = on_deep_stack(lambda: self._judged(spec))
             self._keep(spec, verdict)
         else:  # accepted before: the same text builds the same way, its first mask and token passed
-            matcher = None if verdict.refusal is not None else on_deep_stack(lambda: self._warm(verdict))
+            started = None if verdict.refusal is not None else on_deep_stack(lambda: self._warm(verdict))
         if verdict.refusal is not None:  # a fresh one: a raised one keeps its traceback
             raise InvalidArgument(verdict.refusal.field, verdict.refusal.description)
+        assert started is not None  # an accepted verdict comes with its request's matcher
         return Constraint(
-            matcher,
+            started.matcher,
             self.vocab_size,
             spec.field,
             self._eos_token_ids,
             max_token_cpu_seconds=self.max_token_cpu_seconds,
+            first_bitmask=started.first_bitmask,
         )
 
     def _keep(self, spec: StructuredOutput, verdict: _Verdict) -> None:
@@ -333,17 +342,17 @@ class GrammarCompiler:
     def _matcher(self, verdict: _Verdict) -> object:
         return self._llguidance.LLMatcher(self._tokenizer, verdict.grammar, log_level=0, limits=self._limits)
 
-    def _warm(self, verdict: _Verdict) -> object:
+    def _warm(self, verdict: _Verdict) -> _Started:
         """A request's matcher for an accepted verdict, its first mask computed, as a first build's is:
         here, on the building thread. A fresh matcher's lexer is cold, and its first mask in the engine
         step held up the batch (`a{300}{100}` 20-28 ms; 64 requests of `[\\w .]{1,1000}` took Qwen3's
-        first step from 4 to 95 ms). Computed here, the step's first mask (SmolLM2) was 6.6 ms, its steady
-        cost (was 20.2), and `[\\w .]`'s 0.08 ms (was 0.62). The mask itself is computed again there."""
+        first step from 4 to 95 ms). Computed here and handed to the request's constraint, it costs the
+        step nothing: the first step's grammar CPU with SmolLM2, `a{300}{100}`, went from 20.2 ms (cold)
+        to 6.2 (computed again, warm) to 0.1."""
         matcher = self._matcher(verdict)
-        matcher.compute_bitmask()  # type: ignore[attr-defined]
-        return matcher
+        return _Started(matcher, matcher.compute_bitmask())  # type: ignore[attr-defined]
 
-    def _judged(self, spec: StructuredOutput) -> tuple[_Verdict, object | None]:
+    def _judged(self, spec: StructuredOutput) -> tuple[_Verdict, _Started | None]:
         """`spec`'s verdict, and where accepted the request's matcher, its first mask computed."""
         try:
             grammar = self._grammar(spec)
@@ -369,7 +378,7 @@ class GrammarCompiler:
         failure = self._first_token_failure(verdict, bitmask)
         if failure is not None:
             return _Verdict(None, InvalidArgument(spec.field, failure)), None
-        return verdict, matcher
+        return verdict, _Started(matcher, bitmask)
 
     def _first_token_failure(self, verdict: _Verdict, bitmask: bytes) -> str | None:
         """Why the grammar fails at the first token its first mask allows (EOS aside), or None. Taken

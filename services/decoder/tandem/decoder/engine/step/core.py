@@ -139,7 +139,7 @@ class EngineCore:
         speculative_max_batch: int | None = None,  # more running requests: no proposals; None = any
         adapters: AdapterSlots | None = None,  # the LoRA slots' names; None: LoRA off
         max_grammar_seconds_per_step: float = math.inf,  # all of a step's grammar work (grammar_budget.py)
-        # A request's masks past its first, on average, over which it may fail for that budget.
+        # A request's grammar work per mask, on average, over which it may fail for that budget.
         heavy_mask_seconds: float = grammar_budget.HEAVY_MASK_SECONDS,
     ) -> None:
         self.scheduler = scheduler
@@ -409,7 +409,7 @@ class EngineCore:
         heavy = {
             key
             for key in seconds
-            if by_key[key].request.constraint.steady_mask_seconds > self.heavy_mask_seconds  # type: ignore[union-attr]
+            if by_key[key].request.constraint.mask_seconds > self.heavy_mask_seconds  # type: ignore[union-attr]
         }
         step_seconds = sum(seconds.values())
         return [

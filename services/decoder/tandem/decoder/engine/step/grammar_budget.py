@@ -10,12 +10,13 @@ SmolLM2's vocabulary (64 would be 2.9 s), and a plain neighbour's median inter-t
 first, until what the others cost fits; the others go on, and so does every request without a grammar.
 
 Only a request heavy in itself may fail: one whose masks cost over its heavy floor each, on average
-over its last 8 (the per-token limit's average, a short start counted as cheap masks), its first mask
-left out (`Constraint.steady_mask_seconds`: the lexer's warm-up, bounded by the build's fuel). Many
-ordinary grammars can pass the step's budget together: 64 cold bounded regexes (`[\w .]{1,1000}`)
-with Qwen3's 152k vocabulary cost 140-800 ms a step at 3-4 ms a mask each, and 41 of the 64 failed
-mid-stream before this floor. A request that finished in the step costs no later step: it neither
-fails nor counts.
+over its last 8 (`Constraint.mask_seconds`, the per-token limit's average, a short start counted as
+cheap masks). Its first mask, the lexer's warm-up (up to about 150 ms, bounded by the build's fuel),
+costs the engine nothing: the grammar's building thread computes it and the first step takes it, so
+the average leaves no mask out. Many ordinary grammars can pass the step's budget together: 64 cold
+bounded regexes (`[\w .]{1,1000}`) with Qwen3's 152k vocabulary cost 140-800 ms a step at 3-4 ms a
+mask each, and 41 of the 64 failed mid-stream before this floor. A request that finished in the step
+costs no later step: it neither fails nor counts.
 """
 
 from __future__ import annotations
