@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -354,8 +355,6 @@ async def test_tandem_generate_takes_a_json_schema_file_and_a_choice(decoder: Se
 async def test_a_hostile_grammar_costs_its_caller_an_error_while_health_answers(decoder: Served) -> None:
     """Sources built to explode a compiler: llguidance's parser limits refuse them, in the request
     builder's thread, while the server's health keeps answering within a second."""
-    import time
-
     hostile = [
         structured_output(regex="(" * 2000 + "a" + ")*" * 2000),
         structured_output(regex="(a|aa|aaa|aaaa)*(b|bb|bbb){1000}[a-z]{1000}"),
@@ -382,6 +381,15 @@ async def test_a_hostile_grammar_costs_its_caller_an_error_while_health_answers(
 
 async def test_a_grammar_requests_time_to_first_token_counts_its_wait_to_be_built(decoder: Served) -> None:
     # Grammars build one at a time: stamped when built, a client's 1.56 s first token read 0.02 s.
-    decoder.engine._structured_builder.submit(time.sleep, 0.3)  # another grammar's compile, in front
-    _, finished = await _answer(decoder, structured_output(regex="a+"), max_new_tokens=2)
+    builder = decoder.engine._structured_builder
+    in_front = threading.Event()
+    builder.submit(in_front.wait, 10)  # another grammar's compile, in front
+    answer = asyncio.ensure_future(_answer(decoder, structured_output(regex="a+"), max_new_tokens=2))
+    # Released 0.3 s after the request has queued behind it (a sleep of 0.3 s begun before the call
+    # arrived read 0.295 s under load): the request's arrival was stamped before it queued.
+    while builder._work_queue.qsize() == 0:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.3)
+    in_front.set()
+    _, finished = await answer
     assert finished.time_to_first_token_s >= 0.3 and finished.queue_time_s >= 0.3
