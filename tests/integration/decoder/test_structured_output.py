@@ -383,11 +383,11 @@ async def test_a_grammar_requests_time_to_first_token_counts_its_wait_to_be_buil
     # Grammars build one at a time: stamped when built, a client's 1.56 s first token read 0.02 s.
     builder = decoder.engine._structured_builder
     in_front = threading.Event()
-    builder.submit(in_front.wait, 10)  # another grammar's compile, in front
+    builder.submit("another caller", in_front.wait, 10)  # another caller's grammar, in front
     answer = asyncio.ensure_future(_answer(decoder, structured_output(regex="a+"), max_new_tokens=2))
     # Released 0.3 s after the request has queued behind it (a sleep of 0.3 s begun before the call
     # arrived read 0.295 s under load): the request's arrival was stamped before it queued.
-    while builder._work_queue.qsize() == 0:
+    while builder.num_waiting() == 0:
         await asyncio.sleep(0.005)
     await asyncio.sleep(0.3)
     in_front.set()

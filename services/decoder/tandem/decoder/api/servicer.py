@@ -159,7 +159,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         engine = self._healthy_engine()
         texts = list(request.texts)
         check_tokenize_texts(texts, engine.max_token_chars, engine.max_model_len, "max_model_len")
-        token_ids = await engine.tokenize(texts, request.add_special_tokens)
+        caller = caller_of(context.peer(), context.invocation_metadata(), self.identify_by_token)
+        token_ids = await engine.tokenize(texts, request.add_special_tokens, caller)
         return decoder_pb2.DecoderTokenizeResponse(tokens=[tensor_pb2.TokenIds(ids=ids) for ids in token_ids])
 
     async def GetModelInfo(

@@ -269,7 +269,7 @@ def test_a_grammar_request_counts_its_wait_for_its_building_thread_in_its_metric
         structured=StructuredOutput("regex", "a+"),
     )
     with _engine(tiny_model_dir, tiny_fp32) as engine:
-        engine._structured_builder.submit(time.sleep, 0.3)  # another grammar's compile, in front
+        engine._structured_builder.submit("another caller", time.sleep, 0.3)  # another grammar's, in front
 
         async def collect() -> list[Event]:
             return [event async for event in engine.stream(spec)]

@@ -32,6 +32,7 @@ from tandem.decoder.engine.admission import template_worker
 from tandem.decoder.engine.admission.chat import ChatTemplate
 from tandem.decoder.engine.admission.prompt import GenerateSpec, build_request, has_encoder_parts
 from tandem.decoder.engine.admission.prompt_logprob_budget import PromptLogprobBudget, num_entries
+from tandem.decoder.engine.front.fair_builder import FairBuilder
 from tandem.decoder.engine.front.loop import EngineThread
 from tandem.decoder.engine.front.streaming import Mailboxes, stream_events
 from tandem.decoder.engine.outputs.backpressure import ReaderProgress, unread_weight
@@ -90,25 +91,19 @@ class Engine:
         # Request building and tokenizing for the asyncio front run here, never on the event loop:
         # a long text or a large embedding tensor would stall every stream and health probe for its
         # duration. One thread, so that heavy requests queue behind each other, not beside the model.
-        self._builder = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tandem-requests", initializer=_init_builder_thread
-        )
+        # These builders take the callers in turn (fair_builder.py): one caller's burst of dear
+        # builds holds another's request back by at most one build per caller.
+        self._builder = FairBuilder(1, "tandem-requests", _init_builder_thread)
         # Chat requests build beside it, as many at once as there are template workers: a render
         # waits on its worker process (admission/template_worker.py, up to its time bound), and a
         # slow template must hold up neither other callers' plain prompts nor, up to that many,
         # their chats.
-        self._chat_builder = concurrent.futures.ThreadPoolExecutor(
-            max_workers=template_worker.WORKERS,
-            thread_name_prefix="tandem-chats",
-            initializer=_init_builder_thread,
-        )
+        self._chat_builder = FairBuilder(template_worker.WORKERS, "tandem-chats", _init_builder_thread)
         # Plain prompts with a grammar build here: compiling one costs up to a few hundred
         # milliseconds (llguidance's bounds, sampling/structured.py), and 6 hostile ones queued on
         # the plain builder held a neighbour's first token back 16-20 s. One thread: grammars queue
         # behind each other, never in front of plain prompts.
-        self._structured_builder = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tandem-grammars", initializer=_init_builder_thread
-        )
+        self._structured_builder = FairBuilder(1, "tandem-grammars", _init_builder_thread)
         # Requests with encoder parts build here: each waits for its encoder's rows (a vision tower's
         # tens of milliseconds), which must hold up neither plain prompts nor chats; the threads only
         # wait, so there can be several.
@@ -467,10 +462,12 @@ class Engine:
 
     def _builder_for(self, spec: GenerateSpec) -> concurrent.futures.Executor:
         if has_encoder_parts(spec):
-            return self._fetching_builder
+            return self._fetching_builder  # its threads only wait (on the encoder): no turns needed
         if spec.chat is not None:
-            return self._chat_builder
-        return self._builder if spec.structured is None else self._structured_builder
+            return self._chat_builder.for_caller(spec.caller)
+        return (self._builder if spec.structured is None else self._structured_builder).for_caller(
+            spec.caller
+        )
 
     # -- LoRA adapters ---------------------------------------------------------------------------
 
@@ -547,9 +544,12 @@ class Engine:
         """The loaded adapters, by name."""
         return self.core.loaded_adapters()
 
-    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        """Token IDs of each text, computed on the request-building thread (the GIL released)."""
-        work = self._builder.submit(self.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+    async def tokenize(self, texts: list[str], add_special_tokens: bool, caller: str = "") -> list[list[int]]:
+        """Token IDs of each text, computed on the request-building thread (the GIL released), in
+        `caller`'s turn (api/caller.py)."""
+        work = self._builder.submit(
+            caller, self.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens
+        )
         return [encoding.ids for encoding in await asyncio.wrap_future(work)]
 
 
