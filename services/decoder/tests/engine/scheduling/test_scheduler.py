@@ -342,7 +342,7 @@ def test_add_request_raises_queue_full_at_max_waiting() -> None:
     scheduler, _ = make_scheduler(max_waiting=2)
     scheduler.add_request(make_request("a", [1]))
     scheduler.add_request(make_request("b", [1]))
-    with pytest.raises(QueueFullError):
+    with pytest.raises(QueueFullError, match=r"waiting queue is full \(2 requests, --max-queue\)"):
         scheduler.add_request(make_request("c", [1]))
     scheduler.schedule()  # a and b start running: the queue has room again
     scheduler.add_request(make_request("c", [1]))

@@ -165,7 +165,7 @@ class Scheduler:
         # idles. What bounds them is each connection's (and token's) stream bound and the server's
         # bound on calls (RELIABILITY.md, "Limits").
         if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests, --max-queue)")
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
