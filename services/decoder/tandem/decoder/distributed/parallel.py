@@ -114,9 +114,26 @@ class ParallelContext:
         return StepSender(self.control)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place. x: any shape, the same on every rank."""
-        dist.all_reduce(x, group=self.group)
-        return x
+        """Sum over ranks, in place. x: any shape, the same on every rank.
+
+        NOTE: one order of addition per element, whatever the call holds. Two ranks' sum is a + b,
+        the same bits in either order. From three, gloo's ring cuts the buffer into chunks by its
+        size, so where an element's chunk starts, and so its order of addition, depends on how many
+        rows share the call (3 ranks, a row alone or among 4: 137 of its 576 float32 elements
+        differed): speculation's 1 + K verify rows summed other bits than plain decoding's one row.
+        There each rank's share is gathered and summed here in rank order (in float32 for narrower
+        dtypes, rounded once), at world_size times the bytes moved.
+        """
+        if self.world_size <= 2:
+            dist.all_reduce(x, group=self.group)
+            return x
+        shares = x.new_empty((self.world_size * x.numel(),))  # gloo gathers along one flat dim
+        _all_gather_single(shares, x.contiguous().flatten(), group=self.group)
+        shares = shares.view(self.world_size, *x.shape)  # [world_size, *x.shape], rank order
+        total = shares[0].to(torch.promote_types(x.dtype, torch.float32))
+        for share in shares[1:]:
+            total += share
+        return x.copy_(total)
 
     def all_gather_seq(self, x: torch.Tensor) -> torch.Tensor:
         """[local_len, ...] -> [local_len * world_size, ...], rank order along dim 0."""

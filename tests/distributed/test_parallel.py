@@ -1,0 +1,31 @@
+"""The ranks' sum (ParallelContext.all_reduce) adds each element in one order whatever the call holds:
+a row's bits alone equal its bits among other rows, at 2 ranks (a + b) and from 3 (gathered, summed in
+rank order), which speculation's exactness on several ranks rests on (its verify rows share a call)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.decoder.distributed.parallel import ParallelContext
+from tests.distributed.harness import run_ranks
+
+
+def _row_alone_and_among_others(tp: ParallelContext, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    rows = torch.randn(6, 576, generator=torch.Generator().manual_seed(tp.rank)).to(dtype)  # this rank's
+    alone, among = rows[:1].clone(), rows.clone()
+    tp.all_reduce(alone)
+    tp.all_reduce(among)
+    shares = [torch.randn(6, 576, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(3)]
+    in_rank_order = shares[0][:1].float()
+    for share in shares[1 : tp.world_size]:
+        in_rank_order += share[:1]
+    return alone, among[:1], in_rank_order.to(dtype)
+
+
+@pytest.mark.parametrize("world_size", [3])  # 2 ranks: a + b, which gloo adds as is
+def test_a_rows_sum_has_the_same_bits_alone_and_among_other_rows(world_size: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        for alone, among, in_rank_order in run_ranks(_row_alone_and_among_others, world_size, dtype):
+            assert torch.equal(alone, among), dtype
+            assert torch.equal(alone, in_rank_order), dtype
