@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tandem.client.client import EncoderPart
+from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import (
     decoder_pb2,
     decoder_pb2_grpc,
@@ -34,7 +35,9 @@ from tandem.client.pb.tandem.v1 import (
 )
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part.prompt_parts import EncoderPrompt
 from tandem.decoder.api.encoder_parts import EncoderParts
+from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.shared_segments import SharedSegments
 from tests.integration.decoder.conftest import MAX_MESSAGE_BYTES, Served, serve, shutdown
@@ -265,6 +268,35 @@ async def test_a_segment_that_cannot_be_opened_or_shrank_is_fetched_again_by_val
     assert len(await _generate(rig.decoder)) == 2
     assert (rig.parts.num_refetched, rig.parts.num_bytes, rig.parts.num_shared) == (1, 1, 0)
     assert not shared_memory.exists(rig.directory, rig.stand_in.handles[0].name)  # released at once
+
+
+async def test_a_handle_of_rows_over_the_decoders_message_cap_is_the_callers_input_naming_the_flag(
+    rig: Rig,
+) -> None:
+    """Rows too large for this decoder's --max-message-bytes are the caller's long input, whichever way
+    they came: INVALID_ARGUMENT on the caller's field, as rows sent as bytes over gRPC's cap are. It
+    named prompt[0].encoder.shared_embeddings.shape, a field no caller passes, and not the flag."""
+
+    async def large(request, context):
+        return encoder_pb2.EmbedResponse(shared_embeddings=rig.stand_in.write(request, num_rows=40))
+
+    rig.stand_in.reply = large
+    parts = EncoderParts(rig.parts.address, torch.float32, 4096, cache_bytes=0, shm_dir=rig.directory)
+    try:
+        spec, _ = parts.start(GenerateSpec(prompt=[EncoderPrompt("text", "hello")]), None, 10)
+        (part,) = spec.prompt
+        assert isinstance(part, EncoderPrompt) and part.rows is not None
+        with pytest.raises(InvalidArgument) as error:
+            await asyncio.wait_for(asyncio.wrap_future(part.rows), 10)
+    finally:
+        await parts.close()
+    assert error.value.field == "prompt[0].encoder"
+    assert error.value.description == (
+        "the encoder's rows are larger than this decoder's --max-message-bytes 4096 allows (2560 elements "
+        "exceed the limit of 2048): send a shorter input, or start the decoder with a larger "
+        "--max-message-bytes"
+    )
+    assert not shared_memory.exists(rig.directory, rig.stand_in.handles[0].name)  # released all the same
 
 
 async def test_a_refetch_that_fails_too_is_unavailable_never_the_callers_input(rig: Rig) -> None:

@@ -1,10 +1,11 @@
 """A decoder started with --encoder checks that the encoder serves its own model, not merely one of the
 same hidden size: two tiny checkpoints of one shape and different weights are told apart at start (the
-decoder refuses to serve), and at the first encoder part when the encoder did not answer at start
-(every part refused, naming both models).
+decoder refuses to serve), at the first encoder part when the encoder did not answer at start
+(every part refused, naming both models), and in every reply: of two encoders balanced, the one of
+another model has each of its parts refused while the other's are served.
 
 Before, a decoder beside an encoder of another model took its rows and answered from the wrong model's
-hidden space as if nothing were amiss.
+hidden space as if nothing were amiss; and once checked (asking one of its encoders), never again.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ import pytest
 import torch
 
 from tandem.client.client import EncoderPart
+from tandem.client.errors import FailedPrecondition
 from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.common.server import ServerOptions
+from tandem.common.torch_part import tensors
+from tandem.common.torch_part.prompt_parts import EncoderPrompt
 from tandem.common.torch_part.random_model import make_model
 from tandem.decoder.api.encoder_parts import EncoderMismatch, EncoderParts
+from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.lookup import LookupEmbedder
@@ -132,6 +137,44 @@ async def test_an_encoder_absent_at_start_is_checked_at_its_first_part_and_every
         await shutdown(decoder)
         await parts.close()
         await stop_encoder(other)
+
+
+async def test_of_two_encoders_balanced_every_part_the_wrong_one_embeds_is_refused_and_never_served(
+    tiny_model: Path, other_encoder: Encoder, encoder: Encoder
+) -> None:
+    """`--encoder good,wrong`: the start-up check asked one of the two, after which half the parts were
+    the wrong model's rows, served OK (10 of 20 texts in the attacker's run)."""
+    parts = _parts(f"{encoder.server.address},{other_encoder.server.address}", tiny_model)
+    served: list[tuple[str, torch.Tensor]] = []
+    refused: list[FailedPrecondition] = []
+    try:
+        # Until each encoder has embedded some: the channel balances over those it has connected to.
+        for round_ in range(10):
+            if encoder.servicer.num_embeds and other_encoder.servicer.num_embeds:
+                break
+            texts = [f"sentence {round_}.{i} about foxes" for i in range(4)]
+            spec, _ = parts.start(GenerateSpec(prompt=[EncoderPrompt("text", t) for t in texts]), None, 10)
+            fetched = [asyncio.wrap_future(p.rows) for p in spec.prompt if isinstance(p, EncoderPrompt)]
+            for i, (text, rows) in enumerate(
+                zip(texts, await asyncio.gather(*fetched, return_exceptions=True), strict=True)
+            ):
+                if isinstance(rows, FailedPrecondition):
+                    assert rows.field == f"prompt[{i}].encoder"
+                    refused.append(rows)
+                else:
+                    assert isinstance(rows, torch.Tensor), rows
+                    served.append((text, rows))
+    finally:
+        await parts.close()
+    num_right, num_wrong = encoder.servicer.num_embeds, other_encoder.servicer.num_embeds
+    assert num_right >= 1 and num_wrong >= 1
+    assert len(served) == num_right  # served: every part the right encoder embedded, and no other
+    assert len(refused) >= num_wrong  # refused: every one the wrong one did (and any it told its model)
+    for text, rows in served:
+        right = await encoder.stub.Embed(encoder_pb2.EmbedRequest(text=text))
+        assert torch.equal(rows, tensors.decode(right.embeddings).float())
+    refusal = _refusal(parts.address, "tiny", tiny_model, await _shape(other_encoder))
+    assert all(error.description == refusal for error in refused)
 
 
 async def _decoder_process(model_dir: Path, encoder_address: str) -> asyncio.subprocess.Process:

@@ -170,6 +170,16 @@ async def test_get_model_info_describes_the_embedder(encoder: Encoder, lookup: L
     assert tuple(reported.values) == sample.values
 
 
+async def test_every_embed_reply_names_its_model_and_its_token_table_sample(encoder: Encoder) -> None:
+    """A decoder checks each reply's model before it uses the rows: one of several balanced encoders,
+    or one restarted on the same port, may serve another model of the same shape."""
+    info = await encoder.stub.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), timeout=5)
+    for text in ("a", "b"):
+        reply = await encoder.stub.Embed(encoder_pb2.EmbedRequest(text=text), timeout=5)
+        assert reply.model == MODEL_NAME
+        assert reply.token_table_sample == info.token_table_sample
+
+
 async def test_unavailable_and_not_serving_while_loading(tiny_model) -> None:
     loading = await start_encoder(encoder_config(tiny_model), embedder=None)
     try:

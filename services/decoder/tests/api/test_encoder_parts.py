@@ -20,6 +20,7 @@ from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart, TextPrompt
+from tandem.decoder.api import encoder_parts
 from tandem.decoder.api.encoder_parts import (
     MAX_EMBEDS_IN_FLIGHT,
     MAX_FETCHES_PER_CALL,
@@ -280,6 +281,47 @@ async def test_rows_over_a_mebibyte_are_checked_off_the_event_loop(
     finally:
         await parts.close()
     assert checked_on == [False, True]
+
+
+async def test_rows_over_the_decoders_message_cap_sent_as_bytes_are_the_callers_invalid_argument(
+    encoder: StandIn, stand_in: tuple[StandIn, RunningServer], tmp_path
+) -> None:
+    """gRPC refuses a reply over this decoder's --max-message-bytes as RESOURCE_EXHAUSTED, which read
+    "encoder ... is full" with a RetryInfo: no retry mends a long input. Through shared memory the same
+    rows were already INVALID_ARGUMENT on the caller's field."""
+    parts = EncoderParts(stand_in[1].address, torch.float32, 64 * 1024, cache_bytes=0, shm_dir=tmp_path)
+    try:
+        encoder.gate.set()
+        encoder.rows = torch.ones(4096, HIDDEN_SIZE)  # 128 KiB of rows
+        [part], _ = _start(parts, [TextPrompt("look:"), _picture()])
+        with pytest.raises(InvalidArgument) as error:
+            await _rows(part)
+    finally:
+        await parts.close()
+    assert error.value.field == "prompt[1].encoder"
+    assert error.value.description == (
+        "the encoder's rows are larger than this decoder's --max-message-bytes 65536 allows (a reply of "
+        "131087 bytes): send a shorter input, or start the decoder with a larger --max-message-bytes"
+    )
+
+
+async def test_an_encoder_silent_past_the_decoders_own_cap_is_unavailable_not_the_callers_deadline(
+    encoder: StandIn, parts: EncoderParts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung encoder held a caller of a 120 s deadline until the decoder's 60 s cap, then answered
+    DEADLINE_EXCEEDED as if the caller's time were spent: UNAVAILABLE says another replica may serve."""
+    monkeypatch.setattr(encoder_parts, "MAX_FETCH_S", 0.3)
+    [patient], _ = _start(parts, [_picture()], time_remaining_s=120)
+    [unbounded], _ = _start(parts, [EncoderPrompt("image", b"another")])
+    [hurried], _ = _start(parts, [EncoderPrompt("image", b"a third")], time_remaining_s=0.2)
+    for part in (patient, unbounded):
+        with pytest.raises(Unavailable) as unavailable:
+            await _rows(part)
+        assert str(unavailable.value) == (
+            f"prompt[0].encoder: encoder {parts.address} did not answer within 0.3 s"
+        )
+    with pytest.raises(DeadlineExceeded, match=r"^prompt\[0\]\.encoder: the deadline passed"):
+        await _rows(hurried)  # the caller's own deadline: still DEADLINE_EXCEEDED
 
 
 async def test_callers_with_other_tokens_fetch_apart_and_get_only_their_own_refusal(

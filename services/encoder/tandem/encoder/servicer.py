@@ -75,6 +75,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.config = config
         self._embedder: Embedder | None = None
         self._table_sample: TableSample | None = None  # model_dir's token table, once attached
+        # The same, as every Embed reply carries it (a decoder checks each reply's model): built once.
+        self._table_sample_pb: encoder_pb2.TokenTableSample | None = None
         self._max_input_tokens = config.max_input_tokens  # min(config, embedder limit) once attached
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder")
         self._batcher: Batcher[EmbedJob | ImageJob, EmbedOutput] | None = None  # once attached
@@ -102,6 +104,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         """Serve `embedder`, loaded from config.model_dir. Raises EmbedderLoadError when that checkpoint
         has no token table to sample (GetModelInfo reports the sample: a decoder checks it)."""
         self._table_sample = read_table_sample(self.config.model_dir, EmbedderLoadError)
+        self._table_sample_pb = _sample_to_pb(self._table_sample)
         self._embedder = embedder
         limit = embedder.info.max_positions
         self._max_input_tokens = min(self.config.max_input_tokens, limit or self.config.max_input_tokens)
@@ -242,6 +245,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             token_ids=tensor_pb2.TokenIds(ids=output.token_ids),
             usage=tensor_pb2.Usage(input_tokens=len(output.token_ids)),
             placeholder=output.placeholder,
+            model=self.config.served_model_name,
+            token_table_sample=self._table_sample_pb,
             **{"shared_embeddings" if is_shared else "embeddings": output.embeddings},  # type: ignore[arg-type]
         )
 
@@ -278,7 +283,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             max_image_pixels=self.config.max_image_pixels if info.image_placeholder else 0,
             max_batch_size=self.config.max_batch_size,
             max_batch_wait_s=self.config.max_batch_wait_ms / 1000,
-            token_table_sample=_sample_to_pb(self._table_sample),
+            token_table_sample=self._table_sample_pb,
         )
 
     def _require_embedder(self) -> Embedder:

@@ -46,14 +46,21 @@ A fetch, on the event loop:
    (a segment not asked for, rows past their segment, a wrong dtype or shape, NaN) is UNAVAILABLE
    naming the encoder and the fault: never INVALID_ARGUMENT on the caller's field, who passed no handle.
 Which model the encoder serves is checked against this decoder's own, by a sample of each one's token
-table (`tandem.common.torch_part.model_identity`; GetModelInfo reports the encoder's): once loaded,
-the decoder asks (`check_model`, waiting a while for an encoder still loading) and refuses to start
-beside another model of the same shape, whose rows it would read in the wrong hidden space. An encoder
-that did not answer then is checked when first asked for rows, and its parts are refused
-(FAILED_PRECONDITION, naming both models) if it serves another model.
+table (`tandem.common.torch_part.model_identity`), whose rows it would otherwise read in the wrong hidden
+space: once loaded, the decoder asks (GetModelInfo: `check_model`, waiting a while for an encoder
+still loading) and refuses to start beside another model of the same shape; and every Embed reply
+carries its model's sample, checked before its rows are read or cached (`_check_model`). Once was not
+enough: `--encoder good,wrong` is balanced, and the start-up check asked one of the two, after which
+half the parts were the other's rows, served OK; an encoder restarted on its port with another
+checkpoint was never noticed. A reply of another model is FAILED_PRECONDITION on the part, naming both
+models, and its rows are never used. An encoder that did not answer at start is asked its model's name
+(part of every cache key) when first asked for rows, and the part refused if it serves another model.
 Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
-on `prompt[i].encoder`; an encoder that cannot be reached is UNAVAILABLE naming its address, within
-the retries of its channel, so the request never waits for it past its deadline.
+on `prompt[i].encoder`, as are rows larger than this decoder's --max-message-bytes, whether they came
+as bytes (over gRPC's receive cap) or through shared memory; an encoder that cannot be reached is
+UNAVAILABLE naming its address, within the retries of its channel, so the request never waits for it
+past its deadline, and so is one that did not answer within MAX_FETCH_S when the caller's own deadline
+was later (another replica may serve it; DEADLINE_EXCEEDED is for the caller's deadline).
 A call that ends (cancelled, failed, finished) cancels its fetches still running; the request being
 built then fails, and an Embed call cancelled (or failed) before its reply was read removes the name
 it asked for, as a read does, releasing the segment to the encoder's pool if the encoder wrote it: a
@@ -67,6 +74,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,6 +109,10 @@ MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together 
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
+MAX_SAME_SAMPLES = 8  # token table samples remembered as this decoder's model (one per dtype, or so)
+# gRPC's status for a message over a receive cap, "(size vs. cap)", within its own words ("Stream removed
+# (CLIENT: ...)").
+RECEIVE_CAP_DETAILS = re.compile(r"Received message larger than max \((\d+) vs\. (\d+)\)")
 
 
 class EncoderMismatch(Exception):
@@ -130,6 +142,7 @@ class EncoderParts:
     ) -> None:
         self.address = address
         self.dtype = dtype
+        self.max_message_bytes = max_message_bytes
         self.model_dir = model_dir
         self.model_name = model_name
         self._table_sample = read_table_sample(model_dir, ValueError) if model_dir is not None else None
@@ -147,9 +160,14 @@ class EncoderParts:
         # An embedding tensor can never be larger than a message, as for the caller's own tensors.
         self.limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
         self._traces_itself = telemetry is not None and telemetry.is_tracing
-        self._model: str | None = None  # the encoder's model name, asked once: part of every cache key
-        self._mismatch: str | None = None  # why the encoder's model is not this decoder's, once asked
+        # The encoder's model name, part of every cache key: asked until an encoder of this decoder's
+        # model answers, then kept (each reply's own model is checked all the same: `_check_model`).
+        self._model: str | None = None
         self._model_lock = asyncio.Lock()
+        # Token table samples that replies carried and that were found this decoder's model, as their
+        # bytes: compared once each, then matched exactly (0.4 us for its 520 bytes, where reading the
+        # 128 floats out of the reply took 4 us and comparing them 20 us).
+        self._same_samples: set[bytes] = set()
         # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
         self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
         self._in_flight = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # Embed calls running (step 2)
@@ -173,6 +191,9 @@ class EncoderParts:
         """`spec` with a fetch started for each encoder part (its `rows` settle with it), and the
         fetches, which the caller cancels when its call ends."""
         timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, time_remaining_s)
+        # Whether the fetch ends at this decoder's cap rather than the caller's deadline: running out
+        # then is the encoder's silence, not the caller's time (see `_error`).
+        is_capped = time_remaining_s is None or time_remaining_s > MAX_FETCH_S
         forwarded = self._forwarded(metadata or ())
         tasks: list[asyncio.Task] = []
         share = asyncio.Semaphore(MAX_FETCHES_PER_CALL)  # this call's parts fetching at once
@@ -182,7 +203,7 @@ class EncoderParts:
                 return part
             rows: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
             task = asyncio.ensure_future(
-                self._fetch(part, f"{field}.encoder", rows, timeout_s, forwarded, share)
+                self._fetch(part, f"{field}.encoder", rows, timeout_s, is_capped, forwarded, share)
             )
             # A task cancelled before it ran never enters _fetch: its rows settle here all the same.
             task.add_done_callback(lambda done: rows.cancel() if done.cancelled() else None)
@@ -215,6 +236,7 @@ class EncoderParts:
         field: str,
         rows: concurrent.futures.Future[torch.Tensor],
         timeout_s: float,
+        is_capped: bool,
         metadata: tuple[tuple[str, str | bytes], ...],
         share: asyncio.Semaphore,
     ) -> None:
@@ -230,7 +252,7 @@ class EncoderParts:
                     f"({MAX_FETCHES_PER_CALL} at a time)"
                 ) from None
             try:
-                result = await self._rows(part, field, max(0.0, deadline - loop.time()), metadata)
+                result = await self._rows(part, field, max(0.0, deadline - loop.time()), is_capped, metadata)
             finally:
                 share.release()
         except asyncio.CancelledError:
@@ -244,12 +266,17 @@ class EncoderParts:
                 rows.set_result(result)
 
     async def _rows(
-        self, part: EncoderPrompt, field: str, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
+        self,
+        part: EncoderPrompt,
+        field: str,
+        timeout_s: float,
+        is_capped: bool,
+        metadata: tuple[tuple[str, str | bytes], ...],
     ) -> torch.Tensor:
         """[n, hidden_size] in the model's dtype: cached, or fetched (and then cached), the fetch shared
         with every other one of the same input and bearer token running meanwhile (`shared_fetches.py`),
         its errors named on `field`."""
-        model = await self._encoder_model(field, timeout_s, metadata)
+        model = await self._encoder_model(field, timeout_s, is_capped, metadata)
         key = cache_key(model, part.kind, part.content, self.dtype)
         cached = self.cache.get(key)
         if cached is not None:
@@ -260,7 +287,9 @@ class EncoderParts:
                 (key, token), timeout_s, lambda time_s: self._embed(part, key, time_s, metadata), _ran_out
             )
         except grpc.aio.AioRpcError as error:
-            raise self._error(error, field) from None
+            raise self._error(error, field, is_capped) from None
+        except EncoderMismatch as error:
+            raise FailedPrecondition(field, str(error)) from None
         except (InvalidArgument, FailedPrecondition) as error:
             raise type(error)(field + error.field, error.description) from None
 
@@ -274,6 +303,7 @@ class EncoderParts:
         deadline = loop.time() + timeout_s
         offer = self._offer()
         reply = await self._call(part, offer, deadline, metadata)
+        self._check_model(reply, offer)
         try:
             result = await self._read(reply, offer)
         except _SegmentLost as lost:
@@ -281,20 +311,25 @@ class EncoderParts:
             # --shared-memory-lease-s): this host's timing, not the caller's input. Once more, by value.
             self.num_refetched += 1
             try:
-                result = await self._read(await self._call(part, None, deadline, metadata), None)
+                again = await self._call(part, None, deadline, metadata)
+                self._check_model(again, None)
+                result = await self._read(again, None)
+            except tensors.TooManyElements as error:
+                raise InvalidArgument("", self._too_large(error.description)) from None
             except grpc.aio.AioRpcError as error:
-                if _ran_out(error):
+                if _ran_out(error) or _over_receive_cap(error, self.max_message_bytes) is not None:
                     raise
                 raise _unavailable(
                     f"{lost}; fetched again by value: {error.code().name}: {error.details()}"
                 ) from None
             except (InvalidArgument, FailedPrecondition) as error:
                 raise _unavailable(f"{lost}; fetched again by value, its reply's {error}") from None
-        except tensors.TooManyElements:
+        except tensors.TooManyElements as error:
             # More rows than this decoder's --max-message-bytes holds (an encoder allowed larger
             # messages, and shared memory passes gRPC's receive cap): the caller's input is too long,
-            # which no retry mends, so it stays INVALID_ARGUMENT on the caller's field.
-            raise
+            # which no retry mends, so INVALID_ARGUMENT on the caller's field, as rows sent as bytes
+            # over that cap are (`_error`).
+            raise InvalidArgument("", self._too_large(error.description)) from None
         except InvalidArgument as error:
             # A reply wrong in itself (a segment this call did not ask for, rows past their segment, a
             # dtype or shape not the rows', NaN): the encoder's fault, never the caller's input (callers
@@ -441,10 +476,13 @@ class EncoderParts:
                     f"encoder {self.address} did not say which model it serves ({error.code().name}: "
                     f"{error.details()}): checked at its first encoder part"
                 )
+            mismatch = self._mismatch(
+                info.model, info.token_table_sample if info.HasField("token_table_sample") else None
+            )
+            if mismatch is not None:
+                raise EncoderMismatch(mismatch)
             async with self._model_lock:
-                self._learn(info)
-            if self._mismatch is not None:
-                raise EncoderMismatch(self._mismatch)
+                self._model = info.model
             if not info.HasField("token_table_sample") or self._table_sample is None:
                 return (
                     f"encoder {self.address} serves {info.model!r} and reports no token table sample (a "
@@ -457,34 +495,60 @@ class EncoderParts:
         )
 
     async def _encoder_model(
-        self, field: str, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
+        self, field: str, timeout_s: float, is_capped: bool, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> str:
-        """The encoder's model name, asked once (every cache key holds it), unless `check_model` had
-        it. Raises FailedPrecondition on `field` when that model is not this decoder's."""
+        """The encoder's model name (every cache key holds it), asked until one of this decoder's model
+        answers, unless `check_model` had it. Raises FailedPrecondition on `field` when the encoder
+        that answered serves another model: the next part asks again, since with several encoders
+        balanced the next answer may be another's (each reply is checked all the same)."""
         async with self._model_lock:
-            if self._model is None:
-                try:
-                    info = await self.client.stub.GetModelInfo(
-                        encoder_pb2.EncoderGetModelInfoRequest(), timeout=timeout_s, metadata=metadata
-                    )
-                except grpc.aio.AioRpcError as error:
-                    raise self._error(error, "encoder") from None
-                self._learn(info)
-            assert self._model is not None
-        if self._mismatch is not None:
-            raise FailedPrecondition(field, self._mismatch)
-        return self._model
+            if self._model is not None:
+                return self._model
+            try:
+                info = await self.client.stub.GetModelInfo(
+                    encoder_pb2.EncoderGetModelInfoRequest(), timeout=timeout_s, metadata=metadata
+                )
+            except grpc.aio.AioRpcError as error:
+                raise self._error(error, field, is_capped) from None
+            sample = info.token_table_sample if info.HasField("token_table_sample") else None
+            mismatch = self._mismatch(info.model, sample)
+            if mismatch is not None:
+                raise FailedPrecondition(field, mismatch)
+            self._model = info.model
+            return self._model
 
-    def _learn(self, info: encoder_pb2.EncoderGetModelInfoResponse) -> None:
-        """Keeps the encoder's model name and whether it is this decoder's model."""
-        self._model = info.model
-        self._mismatch = None
-        if self._table_sample is None or not info.HasField("token_table_sample"):
-            return  # nothing to compare: built by hand, or an encoder from before the sample
-        reported = info.token_table_sample
+    def _check_model(
+        self, reply: encoder_pb2.EmbedResponse, offer: encoder_pb2.SharedMemoryOffer | None
+    ) -> None:
+        """Raises EncoderMismatch, naming both models, when `reply` is of another model than this
+        decoder's, releasing the segment it may have written (as a read would): its rows are never read.
+        A reply without a sample (an encoder from before replies carried one) passes: that encoder's
+        model was checked once, by GetModelInfo (`check_model`, `_encoder_model`), and never again."""
+        if self._table_sample is None or not reply.HasField("token_table_sample"):
+            return
+        reported = reply.token_table_sample
+        key = reported.SerializeToString()
+        if key in self._same_samples:
+            return
+        mismatch = self._mismatch(reply.model, reported)
+        if mismatch is None:
+            if len(self._same_samples) < MAX_SAME_SAMPLES:
+                self._same_samples.add(key)
+            return
+        if offer is not None:
+            with contextlib.suppress(OSError):  # not this decoder's to remove: the refusal stands
+                shared_memory.remove(self.shm_dir, offer.segment_name)
+        raise EncoderMismatch(mismatch)
+
+    def _mismatch(self, model: str, reported: encoder_pb2.TokenTableSample | None) -> str | None:
+        """Why an encoder serving `model`, whose token table sample is `reported`, is not of this
+        decoder's model; None when it is, or when there is nothing to compare (a decoder built by hand,
+        an encoder from before the sample)."""
+        if self._table_sample is None or reported is None:
+            return None
         theirs = TableSample(reported.vocab_size, reported.hidden_size, tuple(reported.values))
         if theirs.is_same_model(self._table_sample):
-            return
+            return None
         ours = self._table_sample
         name = self.model_name or (self.model_dir.name if self.model_dir is not None else "")
         shapes = (
@@ -493,21 +557,40 @@ class EncoderParts:
             if (theirs.vocab_size, theirs.hidden_size) != (ours.vocab_size, ours.hidden_size)
             else f"same token table shape [{ours.vocab_size}, {ours.hidden_size}], different values"
         )
-        self._mismatch = (
-            f"encoder {self.address} serves model {info.model!r}, not this decoder's {name!r} "
+        return (
+            f"encoder {self.address} serves model {model!r}, not this decoder's {name!r} "
             f"({self.model_dir}): {shapes}, so its rows would be read in the wrong model's hidden space; "
             "start the encoder with this decoder's --model"
         )
 
-    def _error(self, error: grpc.aio.AioRpcError, field: str) -> TandemError:
-        """The encoder's status as this call's: about the input, or about the encoder."""
+    def _too_large(self, detail: str) -> str:
+        """Why rows over this decoder's --max-message-bytes are refused, whichever way they came."""
+        return (
+            f"the encoder's rows are larger than this decoder's --max-message-bytes {self.max_message_bytes} "
+            f"allows ({detail}): send a shorter input, or start the decoder with a larger --max-message-bytes"
+        )
+
+    def _error(self, error: grpc.aio.AioRpcError, field: str, is_capped: bool) -> TandemError:
+        """The encoder's status as this call's: about the input, or about the encoder. `is_capped`: the
+        call's time was this decoder's MAX_FETCH_S, not the caller's deadline."""
         code, details = error.code(), error.details() or ""
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidArgument(field, f"the encoder refused it: {details}")
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             return FailedPrecondition(field, f"the encoder refused it: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if is_capped:
+                # The caller would have waited longer: an encoder silent this long (hung, stopped) is
+                # unavailable, and another replica may serve the retry. It was DEADLINE_EXCEEDED at
+                # 60 s on a call whose own deadline was 120 s.
+                return Unavailable(f"{field}: encoder {self.address} did not answer within {MAX_FETCH_S:g} s")
             return DeadlineExceeded(f"{field}: the deadline passed while encoder {self.address} embedded it")
+        if (size := _over_receive_cap(error, self.max_message_bytes)) is not None:
+            # The reply's rows over this channel's receive cap, this decoder's --max-message-bytes:
+            # the caller's input is too long, and no retry mends that. It was RESOURCE_EXHAUSTED
+            # "encoder ... is full", with a RetryInfo, where the same rows through shared memory were
+            # INVALID_ARGUMENT.
+            return InvalidArgument(field, self._too_large(f"a reply of {size} bytes"))
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(f"{field}: encoder {self.address} is full: {details}")
         return Unavailable(f"{field}: encoder {self.address} is unavailable ({code.name}: {details})")
@@ -518,6 +601,15 @@ def _unavailable(details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(
         grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
     )
+
+
+def _over_receive_cap(error: BaseException, max_message_bytes: int) -> int | None:
+    """The size of the reply an Embed call failed for, larger than this channel receives; None when it
+    failed otherwise (an encoder's own cap refusing a request reads the same but for the cap it names)."""
+    if not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    match = RECEIVE_CAP_DETAILS.search(error.details() or "")
+    return int(match.group(1)) if match is not None and int(match.group(2)) == max_message_bytes else None
 
 
 def _ran_out(error: BaseException) -> bool:

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as tandem_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/encoder.proto\x12\ttandem.v1\x1a\x16tandem/v1/tensor.proto\"\xb8\x02\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12!\n\x05image\x18\x08 \x01(\x0b\x32\x10.tandem.v1.ImageH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08\x12)\n\x0coutput_dtype\x18\x06 \x01(\x0e\x32\x13.tandem.v1.DataType\x12#\n\x07pooling\x18\x07 \x01(\x0e\x32\x12.tandem.v1.Pooling\x12\x33\n\rshared_memory\x18\t \x01(\x0b\x32\x1c.tandem.v1.SharedMemoryOfferB\x07\n\x05input\"f\n\x11SharedMemoryOffer\x12\x12\n\nprobe_name\x18\x01 \x01(\t\x12\x13\n\x0bprobe_token\x18\x02 \x01(\x0c\x12\x14\n\x0csegment_name\x18\x03 \x01(\t\x12\x12\n\ndigest_key\x18\x04 \x01(\x0c\"t\n\x0c\x45ncoderInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12!\n\x05image\x18\x03 \x01(\x0b\x32\x10.tandem.v1.ImageH\x00\x42\x07\n\x05input\"\x15\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xdc\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\nembeddings\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIds\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x13\n\x0bplaceholder\x18\x05 \x01(\t\x12\x32\n\x11shared_embeddings\x18\x06 \x01(\x0b\x32\x17.tandem.v1.SharedTensor\"C\n\x16\x45ncoderTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\">\n\x17\x45ncoderTokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.tandem.v1.TokenIds\"\x1c\n\x1a\x45ncoderGetModelInfoRequest\"\xad\x03\n\x1b\x45ncoderGetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08\x65mbedder\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x06 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12num_virtual_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x61\x63\x63\x65pts_images\x18\t \x01(\x08\x12\x19\n\x11image_placeholder\x18\n \x01(\t\x12\x17\n\x0fmax_image_bytes\x18\x0b \x01(\x04\x12\x18\n\x10max_image_pixels\x18\x0c \x01(\x04\x12\x16\n\x0emax_batch_size\x18\r \x01(\r\x12\x18\n\x10max_batch_wait_s\x18\x0e \x01(\x01\x12\x37\n\x12token_table_sample\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.TokenTableSample\"K\n\x10TokenTableSample\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x03(\x02*F\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x10\n\x0cPOOLING_NONE\x10\x01\x12\x10\n\x0cPOOLING_MEAN\x10\x02\x32\xf7\x01\n\x07\x45ncoder\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12Q\n\x08Tokenize\x12!.tandem.v1.EncoderTokenizeRequest\x1a\".tandem.v1.EncoderTokenizeResponse\x12]\n\x0cGetModelInfo\x12%.tandem.v1.EncoderGetModelInfoRequest\x1a&.tandem.v1.EncoderGetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/encoder.proto\x12\ttandem.v1\x1a\x16tandem/v1/tensor.proto\"\xb8\x02\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12!\n\x05image\x18\x08 \x01(\x0b\x32\x10.tandem.v1.ImageH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08\x12)\n\x0coutput_dtype\x18\x06 \x01(\x0e\x32\x13.tandem.v1.DataType\x12#\n\x07pooling\x18\x07 \x01(\x0e\x32\x12.tandem.v1.Pooling\x12\x33\n\rshared_memory\x18\t \x01(\x0b\x32\x1c.tandem.v1.SharedMemoryOfferB\x07\n\x05input\"f\n\x11SharedMemoryOffer\x12\x12\n\nprobe_name\x18\x01 \x01(\t\x12\x13\n\x0bprobe_token\x18\x02 \x01(\x0c\x12\x14\n\x0csegment_name\x18\x03 \x01(\t\x12\x12\n\ndigest_key\x18\x04 \x01(\x0c\"t\n\x0c\x45ncoderInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12!\n\x05image\x18\x03 \x01(\x0b\x32\x10.tandem.v1.ImageH\x00\x42\x07\n\x05input\"\x15\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xa4\x02\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\nembeddings\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIds\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x13\n\x0bplaceholder\x18\x05 \x01(\t\x12\x32\n\x11shared_embeddings\x18\x06 \x01(\x0b\x32\x17.tandem.v1.SharedTensor\x12\r\n\x05model\x18\x07 \x01(\t\x12\x37\n\x12token_table_sample\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.TokenTableSample\"C\n\x16\x45ncoderTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\">\n\x17\x45ncoderTokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.tandem.v1.TokenIds\"\x1c\n\x1a\x45ncoderGetModelInfoRequest\"\xad\x03\n\x1b\x45ncoderGetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08\x65mbedder\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x06 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12num_virtual_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x61\x63\x63\x65pts_images\x18\t \x01(\x08\x12\x19\n\x11image_placeholder\x18\n \x01(\t\x12\x17\n\x0fmax_image_bytes\x18\x0b \x01(\x04\x12\x18\n\x10max_image_pixels\x18\x0c \x01(\x04\x12\x16\n\x0emax_batch_size\x18\r \x01(\r\x12\x18\n\x10max_batch_wait_s\x18\x0e \x01(\x01\x12\x37\n\x12token_table_sample\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.TokenTableSample\"K\n\x10TokenTableSample\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x03(\x02*F\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x10\n\x0cPOOLING_NONE\x10\x01\x12\x10\n\x0cPOOLING_MEAN\x10\x02\x32\xf7\x01\n\x07\x45ncoder\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12Q\n\x08Tokenize\x12!.tandem.v1.EncoderTokenizeRequest\x1a\".tandem.v1.EncoderTokenizeResponse\x12]\n\x0cGetModelInfo\x12%.tandem.v1.EncoderGetModelInfoRequest\x1a&.tandem.v1.EncoderGetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POOLING']._serialized_start=1517
-  _globals['_POOLING']._serialized_end=1587
+  _globals['_POOLING']._serialized_start=1589
+  _globals['_POOLING']._serialized_end=1659
   _globals['_EMBEDREQUEST']._serialized_start=63
   _globals['_EMBEDREQUEST']._serialized_end=375
   _globals['_SHAREDMEMORYOFFER']._serialized_start=377
@@ -43,17 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGE']._serialized_start=599
   _globals['_IMAGE']._serialized_end=620
   _globals['_EMBEDRESPONSE']._serialized_start=623
-  _globals['_EMBEDRESPONSE']._serialized_end=843
-  _globals['_ENCODERTOKENIZEREQUEST']._serialized_start=845
-  _globals['_ENCODERTOKENIZEREQUEST']._serialized_end=912
-  _globals['_ENCODERTOKENIZERESPONSE']._serialized_start=914
-  _globals['_ENCODERTOKENIZERESPONSE']._serialized_end=976
-  _globals['_ENCODERGETMODELINFOREQUEST']._serialized_start=978
-  _globals['_ENCODERGETMODELINFOREQUEST']._serialized_end=1006
-  _globals['_ENCODERGETMODELINFORESPONSE']._serialized_start=1009
-  _globals['_ENCODERGETMODELINFORESPONSE']._serialized_end=1438
-  _globals['_TOKENTABLESAMPLE']._serialized_start=1440
-  _globals['_TOKENTABLESAMPLE']._serialized_end=1515
-  _globals['_ENCODER']._serialized_start=1590
-  _globals['_ENCODER']._serialized_end=1837
+  _globals['_EMBEDRESPONSE']._serialized_end=915
+  _globals['_ENCODERTOKENIZEREQUEST']._serialized_start=917
+  _globals['_ENCODERTOKENIZEREQUEST']._serialized_end=984
+  _globals['_ENCODERTOKENIZERESPONSE']._serialized_start=986
+  _globals['_ENCODERTOKENIZERESPONSE']._serialized_end=1048
+  _globals['_ENCODERGETMODELINFOREQUEST']._serialized_start=1050
+  _globals['_ENCODERGETMODELINFOREQUEST']._serialized_end=1078
+  _globals['_ENCODERGETMODELINFORESPONSE']._serialized_start=1081
+  _globals['_ENCODERGETMODELINFORESPONSE']._serialized_end=1510
+  _globals['_TOKENTABLESAMPLE']._serialized_start=1512
+  _globals['_TOKENTABLESAMPLE']._serialized_end=1587
+  _globals['_ENCODER']._serialized_start=1662
+  _globals['_ENCODER']._serialized_end=1909
 # @@protoc_insertion_point(module_scope)

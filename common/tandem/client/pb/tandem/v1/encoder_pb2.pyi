@@ -234,11 +234,20 @@ class EmbedResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     PLACEHOLDER_FIELD_NUMBER: _builtins.int
     SHARED_EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOKEN_TABLE_SAMPLE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's ID (the caller's, or one assigned by the server)."""
     placeholder: _builtins.str
     """For an image: the text the model's chat template writes where an image goes (LLaVA's and
     SmolVLM's "<image>"); the rows stand in its place. Empty for text and token IDs.
+    """
+    model: _builtins.str
+    """The model the rows are of: the name it is served under (GetModelInfo's `model`) and its token
+    table's sample (GetModelInfo's `token_table_sample`). A decoder fetching its `encoder` parts
+    checks every reply against its own model before it uses or caches the rows: one of several
+    balanced encoders, or one restarted on the same address, may serve another model of the same
+    shape. Unset from an encoder of an earlier version.
     """
     @_builtins.property
     def embeddings(self) -> _tensor_pb2.Tensor:
@@ -260,6 +269,8 @@ class EmbedResponse(_message.Message):
         shared-memory segment on this host.
         """
 
+    @_builtins.property
+    def token_table_sample(self) -> Global___TokenTableSample: ...
     def __init__(
         self,
         *,
@@ -269,10 +280,12 @@ class EmbedResponse(_message.Message):
         usage: _tensor_pb2.Usage | None = ...,
         placeholder: _builtins.str = ...,
         shared_embeddings: _tensor_pb2.SharedTensor | None = ...,
+        model: _builtins.str = ...,
+        token_table_sample: Global___TokenTableSample | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "shared_embeddings", b"shared_embeddings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "shared_embeddings", b"shared_embeddings", "token_ids", b"token_ids", "token_table_sample", b"token_table_sample", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "placeholder", b"placeholder", "request_id", b"request_id", "shared_embeddings", b"shared_embeddings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "model", b"model", "placeholder", b"placeholder", "request_id", b"request_id", "shared_embeddings", b"shared_embeddings", "token_ids", b"token_ids", "token_table_sample", b"token_table_sample", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
