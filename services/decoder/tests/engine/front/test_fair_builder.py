@@ -4,6 +4,8 @@ while it waits never runs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -89,3 +91,58 @@ def test_every_thread_runs_the_initializer_and_several_take_jobs_at_once() -> No
     finally:
         builder.shutdown(wait=True)
     assert sorted(initialized) == ["test-pair_0", "test-pair_1"]
+
+
+def test_cancelled_jobs_leave_their_line_at_once_and_cost_their_caller_no_turn(builder: FairBuilder) -> None:
+    """A caller whose clients cancel (deadlines, clients gone) spent a turn per dead job: 321 of them
+    held its next live request behind every other caller's builds, and its line grew without bound."""
+    ran: list[str] = []
+    gate = _blocked(builder)
+    dead = [builder.submit("a", ran.append, f"dead{i}") for i in range(100)]
+    others = [builder.submit("b", ran.append, f"b{i}") for i in range(3)]
+    for future in dead:
+        assert future.cancel()
+    assert builder.num_waiting() == 3
+    live = builder.submit("a", ran.append, "a-live")
+    gate.set()
+    for future in [*others, live]:
+        future.result(10)
+    assert ran == ["b0", "a-live", "b1", "b2"]
+
+
+def test_a_thread_that_cannot_start_is_started_with_a_later_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marked started before it was, a builder whose start failed once served nothing ever after."""
+    start = threading.Thread.start
+    failures = iter([RuntimeError("can't start new thread")])
+
+    def start_or_fail(thread: threading.Thread) -> None:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_fail)
+    builder = FairBuilder(1, "test-builder")
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        builder.submit("a", str, 1)
+    assert builder.num_waiting() == 0  # refused, not queued for no thread
+    try:
+        assert builder.submit("a", str, 2).result(10) == "2"
+    finally:
+        builder.shutdown(wait=True)
+
+
+def test_at_interpreter_exit_a_running_job_finishes_and_queued_ones_are_dropped() -> None:
+    """Daemon threads were killed mid-job at exit (inside a torch op, the process aborted)."""
+    script = """
+import threading, time
+from tandem.decoder.engine.front.fair_builder import FairBuilder
+builder = FairBuilder(1, "exit-test")
+started = threading.Event()
+builder.submit("a", lambda: (started.set(), time.sleep(0.3), print("finished", flush=True)))
+builder.submit("a", print, "queued job ran")
+started.wait(10)
+builder.shutdown(wait=False)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "finished\n", "")

@@ -17,13 +17,31 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_Job = tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+@dataclass(eq=False)  # found in its line by identity
+class _Job:
+    future: concurrent.futures.Future[Any]
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():  # cancelled as a thread took it
+            return
+        try:
+            result = self.fn(*self.args, **self.kwargs)
+        except BaseException as error:  # the caller's to see, as ThreadPoolExecutor hands it over
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
 
 
 class FairBuilder:
@@ -35,12 +53,11 @@ class FairBuilder:
         self._lines: OrderedDict[str, deque[_Job]] = OrderedDict()  # callers in turn order, oldest first
         self._ready = threading.Condition()
         self._is_shut_down = False
+        self._num_threads = num_threads
+        self._thread_name_prefix = thread_name_prefix
         self._initializer = initializer
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{thread_name_prefix}_{i}", daemon=True)
-            for i in range(num_threads)
-        ]
-        self._started = False
+        self._threads: list[threading.Thread] = []  # started ones: they start with the first jobs
+        _LIVE.add(self)
 
     def for_caller(self, caller: str) -> concurrent.futures.Executor:
         """An executor whose `submit` queues in `caller`'s line."""
@@ -50,18 +67,19 @@ class FairBuilder:
         self, caller: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any
     ) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        job = _Job(future, fn, args, kwargs)
         with self._ready:
             if self._is_shut_down:
                 raise RuntimeError("cannot build requests after shutdown")
-            if not self._started:  # threads start with the first job, as ThreadPoolExecutor's do
-                self._started = True
-                for thread in self._threads:
-                    thread.start()
+            self._start_threads()
             line = self._lines.get(caller)
             if line is None:  # a caller with nothing queued joins at the back of the turn order
                 line = self._lines[caller] = deque()
-            line.append((future, fn, args, kwargs))
+            line.append(job)
             self._ready.notify()
+        # A job cancelled while it waits leaves its line at once: kept, a caller that cancels (a
+        # deadline, a client gone) spent a turn per dead job, and its queue grew past any stream bound.
+        future.add_done_callback(lambda done: self._forget(caller, job) if done.cancelled() else None)
         return future
 
     def num_waiting(self) -> int:
@@ -73,15 +91,42 @@ class FairBuilder:
         """No more jobs; `cancel_futures` cancels those not started; `wait` joins the threads."""
         with self._ready:
             self._is_shut_down = True
+            waiting = [job for line in self._lines.values() for job in line] if cancel_futures else []
             if cancel_futures:
-                for line in self._lines.values():
-                    for future, *_ in line:
-                        future.cancel()
                 self._lines.clear()
             self._ready.notify_all()
-        if wait and self._started:
+        for job in waiting:
+            job.future.cancel()
+        if wait:
             for thread in self._threads:
                 thread.join()
+
+    def _start_threads(self) -> None:
+        """Starts the threads not yet running (under the lock). One that cannot start now is tried again
+        at the next job; the job is refused only when no thread runs at all, as ThreadPoolExecutor does."""
+        while len(self._threads) < self._num_threads:
+            thread = threading.Thread(
+                target=self._work, name=f"{self._thread_name_prefix}_{len(self._threads)}"
+            )
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread": out of threads or memory, for now
+                if not self._threads:
+                    raise
+                return
+            self._threads.append(thread)
+
+    def _forget(self, caller: str, job: _Job) -> None:
+        with self._ready:
+            line = self._lines.get(caller)
+            if line is None:
+                return
+            for i, queued in enumerate(line):
+                if queued is job:
+                    del line[i]
+                    break
+            if not line:
+                del self._lines[caller]
 
     def _next(self) -> _Job | None:
         """The oldest-turn caller's first job; that caller's turn moves to the back. None at shutdown
@@ -103,16 +148,8 @@ class FairBuilder:
         if self._initializer is not None:
             self._initializer()
         while (job := self._next()) is not None:
-            future, fn, args, kwargs = job
-            if not future.set_running_or_notify_cancel():  # cancelled while it waited
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as error:  # the caller's to see, as ThreadPoolExecutor hands it over
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-            del job, future, fn, args, kwargs  # the request's state is not held until the next job
+            job.run()
+            del job  # the request's state and result are not held until the next job
 
 
 class _CallerView(concurrent.futures.Executor):
@@ -124,3 +161,17 @@ class _CallerView(concurrent.futures.Executor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         return self._builder.submit(self._caller, fn, *args, **kwargs)
+
+
+# At interpreter exit, before non-daemon threads are joined (as concurrent.futures does): jobs still
+# queued are cancelled, running ones finish, the threads end. Daemon threads instead were killed
+# mid-job, and one inside a torch op aborted the process (SIGABRT, 3 of 3 tries).
+_LIVE: weakref.WeakSet[FairBuilder] = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    for builder in list(_LIVE):
+        builder.shutdown(wait=True, cancel_futures=True)
+
+
+threading._register_atexit(_at_exit)  # type: ignore[attr-defined]  # concurrent.futures' own hook
