@@ -6,12 +6,19 @@ to end against the torch path on the real default model.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from tandem.common.torch_part.model_cache import resolve_model
 from tandem.common.torch_part.quantized_tensor import quantize
+from tandem.decoder.backends.cpu import executor as cpu_executor
+from tandem.decoder.backends.cpu import kernel_choice
+from tandem.decoder.backends.cpu import kernels as cpu_kernels
 from tandem.decoder.backends.cpu.executor import CpuExecutor, choose_linears
+from tandem.decoder.backends.cpu.isa import CpuInfo, runnable_levels, this_cpu
+from tandem.decoder.backends.cpu.kernel_choice import KernelOptions
 from tandem.decoder.backends.cpu.linear import has_onednn_bf16
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.prompt import GenerateSpec
@@ -29,14 +36,13 @@ from ...models.helpers import PagedRun, greedy, greedy_batch
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 
 
-def test_linears_go_to_the_packed_c_kernel_on_avx512_bf16_then_onednn_then_the_c_kernel_and_float32_to_c(
+def test_without_a_measured_plan_linears_go_to_every_builds_c_kernel_and_to_onednn_only_without_one(
     kernels, checkpoints: dict[str, Checkpoint]
 ) -> None:
+    # The C kernels keep a row's sums in one order at any row count, oneDNN's and MKL's do not: every
+    # build's, bf16 (packed for VDPBF16PS, or read in place) and float32 alike.
     bf16 = load_model(checkpoints["qwen3"].path, dtype="bfloat16").model
-    if kernels.weight_layout != 0:  # an AVX512-BF16 build: its sums keep one order, oneDNN's do not
-        assert choose_linears(bf16, kernels) == "c"
-    else:
-        assert choose_linears(bf16, kernels) == ("onednn" if has_onednn_bf16() else "c")
+    assert choose_linears(bf16, kernels) == "c"
     assert choose_linears(bf16, None) == ("onednn" if has_onednn_bf16() else "torch")
     fp32 = load_model(checkpoints["qwen3"].path, dtype="float32").model
     assert choose_linears(fp32, kernels) == "c"  # csrc/linear_f32.c
@@ -68,6 +74,48 @@ def test_float32_linears_are_the_c_kernels_so_rows_are_exact_where_a_build_is_lo
     assert greedy_with(executor, model, PROMPT, 12) == greedy(model, PROMPT, 12)
     without = CpuExecutor(model, None)  # no build: torch's linears, --batch-invariant verifies row by row
     assert without.choice.linears == "torch" and not without.rows_exact
+
+
+@pytest.fixture
+def without_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> CpuInfo:
+    """This CPU's flags less avx512_bf16 and AMX, as every kernel choice reads them: an AVX-512 server
+    CPU before Cooper Lake (Skylake-SP, Cascade Lake, Ice Lake), whose highest build, avx512, reads
+    bf16 weights in place and whose oneDNN has a bf16 path."""
+    cpu = this_cpu()
+    emulated = replace(cpu, flags=frozenset(f for f in cpu.flags if f != "avx512_bf16" and "amx" not in f))
+    if runnable_levels(emulated)[-1].name != "avx512" or not has_onednn_bf16():
+        pytest.skip("emulates an AVX-512 CPU without AVX512-BF16: needs one with AVX-512 and oneDNN's bf16")
+    for module in (kernel_choice, cpu_kernels, cpu_executor):
+        monkeypatch.setattr(module, "this_cpu", lambda: emulated)
+    return emulated
+
+
+def test_without_avx512_bf16_and_no_measured_plan_a_verification_gives_plain_decodings_bits(
+    without_avx512_bf16: CpuInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No plan is measured for a small model (nor for several ranks or quantized weights): the flags'
+    # choice must still keep decode and verify rows on an exact kernel. oneDNN's bf16 linear gave a
+    # verification's rows other bits than one-row steps (its blocking follows the row count), so
+    # speculation changed the logprobs of plain decoding in the default mode.
+    config = ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=1024, hidden_size=576, intermediate_size=1536,
+        num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, tie_word_embeddings=False, max_position_embeddings=512, eos_token_ids=(1,),
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).train(False)
+    monkeypatch.setattr(kernel_choice, "MIN_MEASURED_BYTES", 1 << 62)  # never measured: no plan
+    executor = cpu_executor.bind(model, KernelOptions(exact_rows=8, max_rows=256))
+    assert executor.choice.build == "avx512" and executor.rows_exact
+    verified, plain = PagedRun(model, step=executor), PagedRun(model, step=executor)
+    for run in (verified, plain):
+        run.step([("s", PROMPT)])
+    # A verification's rows, as many as a step without prompt rows holds: the last token and 7 proposed.
+    proposal = [5, 60, 7, 31, 88, 2, 40, 13]
+    got = verified.step([("s", proposal)], all_logits=True)  # [8, vocab]
+    want = torch.cat([plain.step([("s", [token])]) for token in proposal])
+    assert torch.equal(got, want)
 
 
 def greedy_with(executor: CpuExecutor, model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -14,8 +14,8 @@ own kind is looked at:
   (`linear.py`: oneDNN's packed bf16, the C kernel or F.linear), the norms and the q/k norm + RoPE +
   KV write as C custom ops (`ops.py`) when a build is loaded, torch ops otherwise.
 
-Layers fuse when the linears are on the C kernel (an AVX512-BF16 CPU, or one whose oneDNN has no
-bf16 path: AVX2-only), there is one rank, and the weights are bf16. Attention is always
+Layers fuse when the linears are on the C kernel (wherever a build is loaded, measured plan or
+not), there is one rank, and the weights are bf16. Attention is always
 `CpuPagedAttention` when a build is loaded (the C decode kernel in front of torch ops; the tiled
 kernel at any context length on AVX512-BF16 builds), plugged in through the model's PagedAttention
 interface so the plain model's forward uses it too. Every path keeps each row's sums in one order
@@ -112,26 +112,24 @@ class KernelChoice:
 
 
 def choose_linears(model: DecoderModel, kernels: Kernels | None) -> LinearKind:
-    """For bf16: the C kernel on an AVX512-BF16 build (packed weights, VDPBF16PS), else oneDNN's packed
-    bf16 where oneDNN has a bf16 path (AVX-512 without BF16), else the C kernel (AVX2). For float32:
-    the C kernel wherever a build is loaded. F.linear for anything else.
+    """Without a measured plan (kernel_choice.py measures none for several ranks, quantized weights or
+    a small model): bf16 and float32 linears on the C kernel of the loaded build, whichever it is
+    (VDPBF16PS on packed weights, or the weights read in place on AVX-512 without BF16 and on AVX2);
+    oneDNN's packed bf16 only where no build is loaded; F.linear for anything else.
 
-    Why the C kernel before oneDNN or MKL where both are fast: they order a row's sums by the row
-    count (their blocking depends on it), so a row's bits change with its neighbours, and speculative
-    decoding and the prefix cache could change a request's logprobs or tokens. The C kernels' order
-    is fixed. (float32, SmolLM2's step of linears on a Zen 4, 2 threads: the C kernel is 2.5x MKL's
-    speed at one row, 1.7x at 32, within 7 % at a 512-row prefill chunk, docs/PERFORMANCE.md: no
-    prefill kernel of its own pays for a split step.)"""
-    if model.config.dtype == torch.float32 and kernels is not None:
-        return "c"
-    if model.config.dtype != torch.bfloat16:
-        return "torch"
-    if kernels is not None and kernels.weight_layout != 0:
+    Why the C kernel before oneDNN or MKL: they order a row's sums by the row count (their blocking
+    depends on it), so a row's bits change with its neighbours, and speculative decoding would change
+    plain decoding's logprobs and tokens in the default mode. The C kernels' order is fixed. Only a
+    measured plan gives prefill chunks, never a decode or verify row, another kernel (and splits the
+    steps that mix them). It costs nothing here: on an AVX-512 CPU without AVX512-BF16 (Skylake-SP to
+    Ice Lake, emulated on a Zen 4: oneDNN held to AVX512_CORE_VNNI), SmolLM2's projections on the
+    avx512 build's kernel took 0.36-0.54x oneDNN's time at 1 to 512 rows (2 threads). (float32, the
+    same step on a Zen 4: the C kernel is 2.5x MKL's speed at one row, 1.7x at 32, within 7 % at a
+    512-row prefill chunk, docs/PERFORMANCE.md.)"""
+    if model.config.dtype in (torch.float32, torch.bfloat16) and kernels is not None:
         return "c"
     if can_prepack(model.norm.weight):  # a bf16 CPU tensor like every weight: where oneDNN has bf16
         return "onednn"
-    if kernels is not None:
-        return "c"
     return "torch"
 
 
@@ -339,8 +337,8 @@ class CpuExecutor:
         )
         # A decode or verify row's bits are the same at any row count only when no linear is torch's
         # (F.linear and oneDNN block a row's sums by the row count: MKL's float32 GEMM gives a row
-        # other bits among 5 rows than alone). Without it (oneDNN's bf16, or no build loaded)
-        # --batch-invariant verifies row by row.
+        # other bits among 5 rows than alone). Without it (no build loaded, or a test forcing
+        # oneDNN or torch) --batch-invariant verifies row by row.
         per_op_linears = [getattr(lk, name) for lk in layers for name in ("qkv", "o", "gate_up", "down")]
         exact_layers = self.fused is not None or all(
             p is not None and not isinstance(p, TorchLinear) for p in per_op_linears
