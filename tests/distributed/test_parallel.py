@@ -20,6 +20,9 @@ def _row_alone_and_among_others(tp: ParallelContext, dtype: torch.dtype) -> tupl
     in_rank_order = shares[0][:1].float()
     for share in shares[1 : tp.world_size]:
         in_rank_order += share[:1]
+    counts = torch.tensor([2**25 + 1])  # integers stay integers: float32 would round this sum
+    tp.all_reduce(counts)
+    assert counts.tolist() == [(2**25 + 1) * tp.world_size]
     return alone, among[:1], in_rank_order.to(dtype)
 
 

@@ -130,7 +130,8 @@ class ParallelContext:
         shares = x.new_empty((self.world_size * x.numel(),))  # gloo gathers along one flat dim
         _all_gather_single(shares, x.contiguous().flatten(), group=self.group)
         shares = shares.view(self.world_size, *x.shape)  # [world_size, *x.shape], rank order
-        total = shares[0].to(torch.promote_types(x.dtype, torch.float32))
+        wide = torch.promote_types(x.dtype, torch.float32) if x.dtype.is_floating_point else x.dtype
+        total = shares[0].to(wide)  # integers summed as integers (float32 rounded 2**25 + 1)
         for share in shares[1:]:
             total += share
         return x.copy_(total)

@@ -4,9 +4,11 @@ while it waits never runs."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
 
@@ -146,3 +148,36 @@ builder.shutdown(wait=False)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, "finished\n", "")
+
+
+class _Rows:
+    """Stands for a request's rows: something whose lifetime the test can watch."""
+
+
+def test_a_finished_jobs_arguments_and_result_are_freed_with_its_future(builder: FairBuilder) -> None:
+    """A done callback that held the job made job -> future -> callback -> job a cycle: each finished
+    request's rows stayed until the cycle collector ran (14 of 40 16 MiB arguments, 224 MiB)."""
+    gc.disable()
+    try:
+        rows = _Rows()
+        argument = weakref.ref(rows)
+        future = builder.submit("a", lambda given: _Rows(), rows)
+        result = weakref.ref(future.result(10))
+        del rows, future
+        builder.submit("a", int).result(10)  # the thread has moved past the job
+        assert argument() is None and result() is None
+    finally:
+        gc.enable()
+
+
+def test_a_builder_dropped_without_shutdown_ends_its_threads() -> None:
+    builder = FairBuilder(2, "test-dropped")
+    threads_before = set(threading.enumerate())
+    builder.submit("a", int).result(10)
+    started = set(threading.enumerate()) - threads_before
+    assert len(started) == 2
+    del builder
+    gc.collect()
+    for thread in started:
+        thread.join(10)
+        assert not thread.is_alive()

@@ -16,6 +16,7 @@ callers) is one caller like any other.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -26,7 +27,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-@dataclass(eq=False)  # found in its line by identity
+@dataclass(eq=False)
 class _Job:
     future: concurrent.futures.Future[Any]
     fn: Callable[..., Any]
@@ -44,20 +45,82 @@ class _Job:
             self.future.set_result(result)
 
 
+class _Lines:
+    """The callers' lines and the threads' wake-ups: what the threads hold, never the builder itself,
+    so that a builder dropped without shutdown() is collected and its threads end (as
+    ThreadPoolExecutor's do)."""
+
+    def __init__(self) -> None:
+        self.lines: OrderedDict[str, deque[_Job]] = OrderedDict()  # callers in turn order, oldest first
+        self.ready = threading.Condition()
+        self.is_closed = False
+
+    def put(self, caller: str, job: _Job) -> None:
+        """Under `ready`: a caller with nothing queued joins at the back of the turn order."""
+        line = self.lines.get(caller)
+        if line is None:
+            line = self.lines[caller] = deque()
+        line.append(job)
+        self.ready.notify()
+
+    def forget(self, caller: str, done: concurrent.futures.Future[Any]) -> None:
+        """`done`'s job leaves `caller`'s line if it was cancelled there. A cancelled job kept in line
+        cost its caller a turn per dead job (deadlines, clients gone), and the line grew past any
+        stream bound."""
+        if not done.cancelled():
+            return
+        with self.ready:
+            line = self.lines.get(caller)
+            if line is None:
+                return
+            for i, queued in enumerate(line):
+                if queued.future is done:
+                    del line[i]
+                    break
+            if not line:
+                del self.lines[caller]
+
+    def take(self) -> _Job | None:
+        """The oldest-turn caller's first job, waiting for one; that caller's turn moves to the back.
+        None once closed with nothing left."""
+        with self.ready:
+            while not self.lines:
+                if self.is_closed:
+                    return None
+                self.ready.wait()
+            caller, line = next(iter(self.lines.items()))
+            job = line.popleft()
+            if line:
+                self.lines.move_to_end(caller)
+            else:
+                del self.lines[caller]
+            return job
+
+    def close(self, cancel_waiting: bool = True) -> None:
+        """No more jobs; the threads end once the lines are empty. `cancel_waiting` empties them."""
+        with self.ready:
+            self.is_closed = True
+            waiting = [job for line in self.lines.values() for job in line] if cancel_waiting else []
+            if cancel_waiting:
+                self.lines.clear()
+            self.ready.notify_all()
+        for job in waiting:  # outside the lock: each cancel runs its done callbacks (forget)
+            job.future.cancel()
+
+
 class FairBuilder:
     """`num_threads` threads serving per-caller lines in turn (the module's NOTE)."""
 
     def __init__(
         self, num_threads: int, thread_name_prefix: str, initializer: Callable[[], None] | None = None
     ) -> None:
-        self._lines: OrderedDict[str, deque[_Job]] = OrderedDict()  # callers in turn order, oldest first
-        self._ready = threading.Condition()
-        self._is_shut_down = False
+        self._lines = _Lines()
         self._num_threads = num_threads
         self._thread_name_prefix = thread_name_prefix
         self._initializer = initializer
         self._threads: list[threading.Thread] = []  # started ones: they start with the first jobs
-        _LIVE.add(self)
+        weakref.finalize(self, self._lines.close)  # dropped without shutdown(): its threads end
+        _OPEN.add(self._lines)
 
     def for_caller(self, caller: str) -> concurrent.futures.Executor:
         """An executor whose `submit` queues in `caller`'s line."""
@@ -67,36 +130,24 @@ class FairBuilder:
         self, caller: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any
     ) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        job = _Job(future, fn, args, kwargs)
-        with self._ready:
-            if self._is_shut_down:
+        with self._lines.ready:
+            if self._lines.is_closed:
                 raise RuntimeError("cannot build requests after shutdown")
             self._start_threads()
-            line = self._lines.get(caller)
-            if line is None:  # a caller with nothing queued joins at the back of the turn order
-                line = self._lines[caller] = deque()
-            line.append(job)
-            self._ready.notify()
-        # A job cancelled while it waits leaves its line at once: kept, a caller that cancels (a
-        # deadline, a client gone) spent a turn per dead job, and its queue grew past any stream bound.
-        future.add_done_callback(lambda done: self._forget(caller, job) if done.cancelled() else None)
+            self._lines.put(caller, _Job(future, fn, args, kwargs))
+        # The callback holds no job: job -> future -> callback -> job was a cycle that kept every
+        # finished job's arguments and result (a request's rows) until the cycle collector ran.
+        future.add_done_callback(functools.partial(self._lines.forget, caller))
         return future
 
     def num_waiting(self) -> int:
         """Jobs queued and not yet taken by a thread."""
-        with self._ready:
-            return sum(len(line) for line in self._lines.values())
+        with self._lines.ready:
+            return sum(len(line) for line in self._lines.lines.values())
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         """No more jobs; `cancel_futures` cancels those not started; `wait` joins the threads."""
-        with self._ready:
-            self._is_shut_down = True
-            waiting = [job for line in self._lines.values() for job in line] if cancel_futures else []
-            if cancel_futures:
-                self._lines.clear()
-            self._ready.notify_all()
-        for job in waiting:
-            job.future.cancel()
+        self._lines.close(cancel_futures)
         if wait:
             for thread in self._threads:
                 thread.join()
@@ -106,7 +157,9 @@ class FairBuilder:
         at the next job; the job is refused only when no thread runs at all, as ThreadPoolExecutor does."""
         while len(self._threads) < self._num_threads:
             thread = threading.Thread(
-                target=self._work, name=f"{self._thread_name_prefix}_{len(self._threads)}"
+                target=_work,
+                args=(self._lines, self._initializer),
+                name=f"{self._thread_name_prefix}_{len(self._threads)}",
             )
             try:
                 thread.start()
@@ -116,40 +169,13 @@ class FairBuilder:
                 return
             self._threads.append(thread)
 
-    def _forget(self, caller: str, job: _Job) -> None:
-        with self._ready:
-            line = self._lines.get(caller)
-            if line is None:
-                return
-            for i, queued in enumerate(line):
-                if queued is job:
-                    del line[i]
-                    break
-            if not line:
-                del self._lines[caller]
 
-    def _next(self) -> _Job | None:
-        """The oldest-turn caller's first job; that caller's turn moves to the back. None at shutdown
-        with nothing left."""
-        with self._ready:
-            while not self._lines:
-                if self._is_shut_down:
-                    return None
-                self._ready.wait()
-            caller, line = next(iter(self._lines.items()))
-            job = line.popleft()
-            if line:
-                self._lines.move_to_end(caller)
-            else:
-                del self._lines[caller]
-            return job
-
-    def _work(self) -> None:
-        if self._initializer is not None:
-            self._initializer()
-        while (job := self._next()) is not None:
-            job.run()
-            del job  # the request's state and result are not held until the next job
+def _work(lines: _Lines, initializer: Callable[[], None] | None) -> None:
+    if initializer is not None:
+        initializer()
+    while (job := lines.take()) is not None:
+        job.run()
+        del job  # the request's state and result are not held until the next job
 
 
 class _CallerView(concurrent.futures.Executor):
@@ -165,13 +191,14 @@ class _CallerView(concurrent.futures.Executor):
 
 # At interpreter exit, before non-daemon threads are joined (as concurrent.futures does): jobs still
 # queued are cancelled, running ones finish, the threads end. Daemon threads instead were killed
-# mid-job, and one inside a torch op aborted the process (SIGABRT, 3 of 3 tries).
-_LIVE: weakref.WeakSet[FairBuilder] = weakref.WeakSet()
+# mid-job, and one inside a torch op aborted the process (SIGABRT, 3 of 3 tries). Weak: the lines of
+# a builder whose threads have ended are gone from here.
+_OPEN: weakref.WeakSet[_Lines] = weakref.WeakSet()
 
 
 def _at_exit() -> None:
-    for builder in list(_LIVE):
-        builder.shutdown(wait=True, cancel_futures=True)
+    for lines in list(_OPEN):
+        lines.close()
 
 
 threading._register_atexit(_at_exit)  # type: ignore[attr-defined]  # concurrent.futures' own hook
