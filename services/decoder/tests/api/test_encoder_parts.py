@@ -2,12 +2,15 @@
 call holding it twice) cost one encode, each gets the rows or the error named on its own field, a
 caller leaving does not end the others' fetch, and only the last one leaving cancels the call. A
 caller with another bearer token fetches on its own, and a fetch that ran out of its first caller's
-deadline is fetched again by a caller with time left. The encoder is a stand-in on 127.0.0.1 that
+deadline is fetched again by a caller with time left. Parts asking the model's name at once share one
+GetModelInfo call, each answered at its own time. A message over either side's --max-message-bytes
+is the caller's INVALID_ARGUMENT naming whose. The encoder is a stand-in on 127.0.0.1 that
 counts its Embed calls and answers when a test opens its gate."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -49,8 +52,18 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         self.is_non_finite = False  # replies with a NaN in its rows
         self.rows: torch.Tensor | None = None  # replies with these rows, not ones made from the input
         self.trace_headers: list[dict[str, str]] = []  # each Embed call's traceparent and tracestate
+        self.is_info_hung = False  # GetModelInfo never answers
+        self.num_infos = 0  # GetModelInfo calls received
+        self.num_infos_cancelled = 0  # GetModelInfo calls their caller cancelled
 
     async def GetModelInfo(self, request, context) -> encoder_pb2.EncoderGetModelInfoResponse:
+        self.num_infos += 1
+        if self.is_info_hung:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.num_infos_cancelled += 1
+                raise
         return encoder_pb2.EncoderGetModelInfoResponse(model="stand-in", hidden_size=HIDDEN_SIZE)
 
     async def Embed(self, request, context) -> encoder_pb2.EmbedResponse:
@@ -305,6 +318,74 @@ async def test_rows_over_the_decoders_message_cap_sent_as_bytes_are_the_callers_
     )
 
 
+async def test_an_embed_request_over_the_decoders_message_cap_is_the_callers_invalid_argument(
+    encoder: StandIn, stand_in: tuple[StandIn, RunningServer], tmp_path
+) -> None:
+    """A picture just under --max-message-bytes fits its Generate call, and its Embed call, a few
+    hundred bytes larger, does not: gRPC refused it as RESOURCE_EXHAUSTED "encoder ... is full"."""
+    parts = EncoderParts(stand_in[1].address, torch.float32, 64 * 1024, cache_bytes=0, shm_dir=tmp_path)
+    try:
+        [part], _ = _start(parts, [EncoderPrompt("image", b"p" * (64 * 1024 - 40))])
+        with pytest.raises(InvalidArgument) as error:
+            await _rows(part)
+    finally:
+        await parts.close()
+    assert error.value.field == "prompt[0].encoder"
+    assert re.fullmatch(
+        r"its Embed request of \d+ bytes \(the input and the call's own fields\) is larger than this "
+        r"decoder's --max-message-bytes 65536 allows: send a smaller input, or start the decoder with a "
+        r"larger --max-message-bytes",
+        error.value.description,
+    )
+    assert encoder.num_embeds == 0
+
+
+@pytest.mark.parametrize(
+    ("picture", "rows", "description"),
+    [
+        (
+            b"p" * 40_000,
+            None,
+            r"its Embed request of \d+ bytes is larger than the encoder's --max-message-bytes 32768 allows",
+        ),
+        (
+            PICTURE,
+            torch.ones(1200, HIDDEN_SIZE),  # 37.5 KiB of rows
+            r"its rows are larger than the encoder's own --max-message-bytes 32768 allows \(a reply of "
+            r"\d+ bytes\)",
+        ),
+    ],
+    ids=["request", "reply"],
+)
+async def test_a_message_over_the_encoders_own_cap_is_the_callers_invalid_argument_naming_the_encoders(
+    picture: bytes, rows: torch.Tensor | None, description: str, tmp_path
+) -> None:
+    """An encoder with a smaller --max-message-bytes than the decoder's: gRPC refuses the request or
+    the reply at the encoder, RESOURCE_EXHAUSTED "SERVER: ... message larger than max", which read
+    "encoder ... is full" (a reply grew past it with an encoder's --model-name of 3.5 KB)."""
+    servicer = StandIn()
+    servicer.gate.set()
+    servicer.rows = rows
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0, max_message_bytes=32 * 1024),
+        [Service("tandem.v1.Encoder", servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
+    )
+    await server.set_serving()
+    parts = EncoderParts(server.address, torch.float32, 64 * 1024, cache_bytes=0, shm_dir=tmp_path)
+    try:
+        [part], _ = _start(parts, [EncoderPrompt("image", picture)])
+        with pytest.raises(InvalidArgument) as error:
+            await _rows(part)
+    finally:
+        await parts.close()
+        await server.stop(0)
+    assert error.value.field == "prompt[0].encoder"
+    assert re.fullmatch(
+        description + ": send a smaller input, or start the encoder with a larger --max-message-bytes",
+        error.value.description,
+    )
+
+
 async def test_an_encoder_silent_past_the_decoders_own_cap_is_unavailable_not_the_callers_deadline(
     encoder: StandIn, parts: EncoderParts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -322,6 +403,36 @@ async def test_an_encoder_silent_past_the_decoders_own_cap_is_unavailable_not_th
         )
     with pytest.raises(DeadlineExceeded, match=r"^prompt\[0\]\.encoder: the deadline passed"):
         await _rows(hurried)  # the caller's own deadline: still DEADLINE_EXCEEDED
+
+
+async def test_parts_asking_a_silent_encoder_its_model_share_one_call_and_each_answers_at_its_own_time(
+    encoder: StandIn, parts: EncoderParts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An encoder that did not answer at start-up is asked its model's name at the first part. Each
+    part asked in turn under a lock held for the whole call, with its time counted from before it
+    waited: with a hung encoder the k-th of 4 parts answered at 4 times the cap (60 s each)."""
+    monkeypatch.setattr(encoder_parts, "MAX_FETCH_S", 0.3)
+    encoder.is_info_hung = True
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    unbounded = [_start(parts, [EncoderPrompt("image", bytes([i]))])[0][0] for i in range(4)]
+    [hurried], _ = _start(parts, [EncoderPrompt("image", b"hurried")], time_remaining_s=0.1)
+
+    async def answered(part: EncoderPrompt) -> tuple[str, float]:
+        with pytest.raises((Unavailable, DeadlineExceeded)) as error:
+            await _rows(part)
+        return str(error.value), loop.time() - started
+
+    *silent, (hurried_error, hurried_s) = await asyncio.gather(*map(answered, [*unbounded, hurried]))
+    assert hurried_error == (
+        f"prompt[0].encoder: the deadline passed while encoder {parts.address} asked which model it serves"
+    )
+    assert hurried_s < 0.25
+    for error, answered_s in silent:
+        assert error == f"prompt[0].encoder: encoder {parts.address} did not answer within 0.3 s"
+        assert answered_s < 0.55
+    assert encoder.num_infos == 1
+    await _until(lambda: encoder.num_infos_cancelled == 1)  # nobody waits for it: not left running
 
 
 async def test_callers_with_other_tokens_fetch_apart_and_get_only_their_own_refusal(
@@ -354,7 +465,7 @@ async def test_a_fetch_past_its_first_callers_deadline_is_fetched_again_by_one_w
 
 
 async def test_embed_calls_in_flight_are_bounded_and_the_rest_wait_their_turn_within_their_deadline(
-    encoder: StandIn, parts: EncoderParts
+    encoder: StandIn, parts: EncoderParts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A gRPC server cancels at random the calls past the first 1,000 it has not taken up yet: one
     # request of 2,000 encoder parts failed UNAVAILABLE "CANCELLED" from a healthy encoder.
@@ -365,9 +476,18 @@ async def test_embed_calls_in_flight_are_bounded_and_the_rest_wait_their_turn_wi
     await _until(lambda: encoder.num_running >= MAX_EMBEDS_IN_FLIGHT)
     await asyncio.sleep(SETTLE_S)
     assert encoder.num_running == encoder.max_running == MAX_EMBEDS_IN_FLIGHT
+    # Never sent: every place is held by a call the encoder holds. It read "encoder ... did not answer".
+    limit = f"this decoder's limit of {MAX_EMBEDS_IN_FLIGHT} Embed calls in flight"
+    held = f"encoder {parts.address} holds them all, so this part's was never sent"
     [hurried], _ = _start(parts, [EncoderPrompt("image", b"another")], time_remaining_s=0.2)
-    with pytest.raises(DeadlineExceeded, match=r"^prompt\[0\]\.encoder: the deadline passed"):
-        await _rows(hurried)  # never got a place: every one is held by a call the encoder holds
+    with pytest.raises(DeadlineExceeded) as deadline:
+        await _rows(hurried)
+    assert str(deadline.value) == f"prompt[0].encoder: the deadline passed while {limit} was full ({held})"
+    monkeypatch.setattr(encoder_parts, "MAX_FETCH_S", 0.2)
+    [unbounded], _ = _start(parts, [EncoderPrompt("image", b"a third")])
+    with pytest.raises(Unavailable) as unavailable:
+        await _rows(unbounded)
+    assert str(unavailable.value) == f"prompt[0].encoder: {limit} was full for 0.2 s ({held})"
     encoder.gate.set()
     for part in waiting:
         assert torch.equal(await _rows(part), _rows_of(part.content))  # type: ignore[arg-type]

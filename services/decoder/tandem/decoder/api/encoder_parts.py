@@ -54,10 +54,12 @@ enough: `--encoder good,wrong` is balanced, and the start-up check asked one of 
 half the parts were the other's rows, served OK; an encoder restarted on its port with another
 checkpoint was never noticed. A reply of another model is FAILED_PRECONDITION on the part, naming both
 models, and its rows are never used. An encoder that did not answer at start is asked its model's name
-(part of every cache key) when first asked for rows, and the part refused if it serves another model.
+(part of every cache key) when first asked for rows (parts asking meanwhile share one call, each
+waiting at most its own time), and the part refused if it serves another model.
 Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
 on `prompt[i].encoder`, as are rows larger than this decoder's --max-message-bytes, whether they came
-as bytes (over gRPC's receive cap) or through shared memory; an encoder that cannot be reached is
+as bytes (over gRPC's receive cap) or through shared memory, and any Embed request or reply over the
+--max-message-bytes of either side (named); an encoder that cannot be reached is
 UNAVAILABLE naming its address, within the retries of its channel, so the request never waits for it
 past its deadline, and so is one that did not answer within MAX_FETCH_S when the caller's own deadline
 was later (another replica may serve it; DEADLINE_EXCEEDED is for the caller's deadline).
@@ -110,13 +112,30 @@ MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 MAX_SAME_SAMPLES = 8  # token table samples remembered as this decoder's model (one per dtype, or so)
-# gRPC's status for a message over a receive cap, "(size vs. cap)", within its own words ("Stream removed
-# (CLIENT: ...)").
-RECEIVE_CAP_DETAILS = re.compile(r"Received message larger than max \((\d+) vs\. (\d+)\)")
+# gRPC's status for a message over a cap: the side whose cap it is, which way, "(size vs. cap)", within its
+# own words ("Stream removed (CLIENT: ...)").
+OVER_CAP_DETAILS = re.compile(
+    r"(CLIENT|SERVER): (Sent|Received) message larger than max \((\d+) vs\. (\d+)\)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OverCap:
+    """A message gRPC refused for its size: the caller's input too long, which no retry mends."""
+
+    is_ours: bool  # this decoder's cap (--max-message-bytes) refused it, not the encoder's own
+    is_reply: bool  # the reply carrying the rows, not the request carrying the input
+    num_bytes: int
+    max_bytes: int
 
 
 class EncoderMismatch(Exception):
     """The encoder serves another model than this decoder's; the message names both."""
+
+
+class _NoPlace(Exception):
+    """An Embed call never made: its fetch's time ran out while every one of the MAX_EMBEDS_IN_FLIGHT
+    places was taken. This decoder's own limit, not the encoder's silence."""
 
 
 class _SegmentLost(Exception):
@@ -163,7 +182,10 @@ class EncoderParts:
         # The encoder's model name, part of every cache key: asked until an encoder of this decoder's
         # model answers, then kept (each reply's own model is checked all the same: `_check_model`).
         self._model: str | None = None
-        self._model_lock = asyncio.Lock()
+        # The GetModelInfo calls running until then, by the caller's bearer token: parts asking meanwhile
+        # share one, each waiting at most its own time. Under a lock held for the whole call, the k-th
+        # of k parts waited k calls' time (a hung encoder: 60 s each), far past its own deadline.
+        self._model_infos: SharedFetches[encoder_pb2.EncoderGetModelInfoResponse] = SharedFetches()
         # Token table samples that replies carried and that were found this decoder's model, as their
         # bytes: compared once each, then matched exactly (0.4 us for its 520 bytes, where reading the
         # 128 floats out of the reply took 4 us and comparing them 20 us).
@@ -276,7 +298,10 @@ class EncoderParts:
         """[n, hidden_size] in the model's dtype: cached, or fetched (and then cached), the fetch shared
         with every other one of the same input and bearer token running meanwhile (`shared_fetches.py`),
         its errors named on `field`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         model = await self._encoder_model(field, timeout_s, is_capped, metadata)
+        timeout_s = max(0.0, deadline - loop.time())  # the model's name may have taken some of it
         key = cache_key(model, part.kind, part.content, self.dtype)
         cached = self.cache.get(key)
         if cached is not None:
@@ -288,6 +313,8 @@ class EncoderParts:
             )
         except grpc.aio.AioRpcError as error:
             raise self._error(error, field, is_capped) from None
+        except _NoPlace:
+            raise self._no_place(field, is_capped) from None
         except EncoderMismatch as error:
             raise FailedPrecondition(field, str(error)) from None
         except (InvalidArgument, FailedPrecondition) as error:
@@ -317,7 +344,7 @@ class EncoderParts:
             except tensors.TooManyElements as error:
                 raise InvalidArgument("", self._too_large(error.description)) from None
             except grpc.aio.AioRpcError as error:
-                if _ran_out(error) or _over_receive_cap(error, self.max_message_bytes) is not None:
+                if _ran_out(error) or _over_cap(error) is not None:
                     raise
                 raise _unavailable(
                     f"{lost}; fetched again by value: {error.code().name}: {error.details()}"
@@ -362,13 +389,8 @@ class EncoderParts:
         try:
             async with asyncio.timeout_at(deadline):
                 await self._in_flight.acquire()
-        except TimeoutError:  # as the call's own deadline would end it: each waiter's DeadlineExceeded
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                f"waited for one of the {MAX_EMBEDS_IN_FLIGHT} Embed calls in flight",
-            ) from None
+        except TimeoutError:
+            raise _NoPlace from None
         try:
             return await self.client.stub.Embed(
                 request, timeout=max(0.0, deadline - loop.time()), metadata=metadata
@@ -481,8 +503,7 @@ class EncoderParts:
             )
             if mismatch is not None:
                 raise EncoderMismatch(mismatch)
-            async with self._model_lock:
-                self._model = info.model
+            self._model = info.model
             if not info.HasField("token_table_sample") or self._table_sample is None:
                 return (
                     f"encoder {self.address} serves {info.model!r} and reports no token table sample (a "
@@ -498,24 +519,36 @@ class EncoderParts:
         self, field: str, timeout_s: float, is_capped: bool, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> str:
         """The encoder's model name (every cache key holds it), asked until one of this decoder's model
-        answers, unless `check_model` had it. Raises FailedPrecondition on `field` when the encoder
-        that answered serves another model: the next part asks again, since with several encoders
-        balanced the next answer may be another's (each reply is checked all the same)."""
-        async with self._model_lock:
-            if self._model is not None:
-                return self._model
-            try:
-                info = await self.client.stub.GetModelInfo(
-                    encoder_pb2.EncoderGetModelInfoRequest(), timeout=timeout_s, metadata=metadata
-                )
-            except grpc.aio.AioRpcError as error:
-                raise self._error(error, field, is_capped) from None
-            sample = info.token_table_sample if info.HasField("token_table_sample") else None
-            mismatch = self._mismatch(info.model, sample)
-            if mismatch is not None:
-                raise FailedPrecondition(field, mismatch)
-            self._model = info.model
+        answers, unless `check_model` had it; within `timeout_s` whoever else is asking. Raises
+        FailedPrecondition on `field` when the encoder that answered serves another model: the next
+        part asks again, since with several encoders balanced the next answer may be another's (each
+        reply is checked all the same)."""
+        if self._model is not None:
             return self._model
+        token = tuple(value for name, value in metadata if name in FORWARDED_METADATA)
+        try:
+            # Its own bound: a part joining a call that a part with more time started leaves at its own.
+            async with asyncio.timeout(timeout_s):
+                info = await self._model_infos.fetch(
+                    token,
+                    timeout_s,
+                    lambda time_s: self.client.stub.GetModelInfo(
+                        encoder_pb2.EncoderGetModelInfoRequest(), timeout=time_s, metadata=metadata
+                    ),
+                    _ran_out,
+                )
+        except TimeoutError:  # this part's own time, the call perhaps running on for another's
+            raise self._out_of_time(field, is_capped, "asked which model it serves") from None
+        except grpc.aio.AioRpcError as error:
+            if _ran_out(error):
+                raise self._out_of_time(field, is_capped, "asked which model it serves") from None
+            raise self._error(error, field, is_capped) from None
+        sample = info.token_table_sample if info.HasField("token_table_sample") else None
+        mismatch = self._mismatch(info.model, sample)
+        if mismatch is not None:
+            raise FailedPrecondition(field, mismatch)
+        self._model = info.model
+        return self._model
 
     def _check_model(
         self, reply: encoder_pb2.EmbedResponse, offer: encoder_pb2.SharedMemoryOffer | None
@@ -570,6 +603,44 @@ class EncoderParts:
             f"allows ({detail}): send a shorter input, or start the decoder with a larger --max-message-bytes"
         )
 
+    def _over_cap_description(self, over: _OverCap) -> str:
+        """Which message was over whose --max-message-bytes, and what mends it."""
+        if over.is_ours and over.is_reply:
+            return self._too_large(f"a reply of {over.num_bytes} bytes")
+        if over.is_ours:
+            # An image just under the cap in the Generate call: its Embed call adds a few hundred bytes.
+            return (
+                f"its Embed request of {over.num_bytes} bytes (the input and the call's own fields) is "
+                f"larger than this decoder's --max-message-bytes {over.max_bytes} allows: send a smaller "
+                "input, or start the decoder with a larger --max-message-bytes"
+            )
+        what = (
+            f"its rows are larger than the encoder's own --max-message-bytes {over.max_bytes} allows "
+            f"(a reply of {over.num_bytes} bytes)"
+            if over.is_reply
+            else f"its Embed request of {over.num_bytes} bytes is larger than the encoder's "
+            f"--max-message-bytes {over.max_bytes} allows"
+        )
+        return f"{what}: send a smaller input, or start the encoder with a larger --max-message-bytes"
+
+    def _out_of_time(self, field: str, is_capped: bool, doing: str) -> TandemError:
+        """A call to the encoder that ran out of time while the encoder was `doing` something."""
+        if is_capped:
+            # The caller would have waited longer: an encoder silent this long (hung, stopped) is
+            # unavailable, and another replica may serve the retry. It was DEADLINE_EXCEEDED at
+            # 60 s on a call whose own deadline was 120 s.
+            return Unavailable(f"{field}: encoder {self.address} did not answer within {MAX_FETCH_S:g} s")
+        return DeadlineExceeded(f"{field}: the deadline passed while encoder {self.address} {doing}")
+
+    def _no_place(self, field: str, is_capped: bool) -> TandemError:
+        """A part whose Embed call never got one of the MAX_EMBEDS_IN_FLIGHT places within its time.
+        It read "encoder ... did not answer within 60 s", of an encoder never called."""
+        limit = f"this decoder's limit of {MAX_EMBEDS_IN_FLIGHT} Embed calls in flight"
+        held = f"encoder {self.address} holds them all, so this part's was never sent"
+        if is_capped:  # as the encoder's silence (`_out_of_time`): another replica may serve the retry
+            return Unavailable(f"{field}: {limit} was full for {MAX_FETCH_S:g} s ({held})")
+        return DeadlineExceeded(f"{field}: the deadline passed while {limit} was full ({held})")
+
     def _error(self, error: grpc.aio.AioRpcError, field: str, is_capped: bool) -> TandemError:
         """The encoder's status as this call's: about the input, or about the encoder. `is_capped`: the
         call's time was this decoder's MAX_FETCH_S, not the caller's deadline."""
@@ -579,18 +650,12 @@ class EncoderParts:
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             return FailedPrecondition(field, f"the encoder refused it: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            if is_capped:
-                # The caller would have waited longer: an encoder silent this long (hung, stopped) is
-                # unavailable, and another replica may serve the retry. It was DEADLINE_EXCEEDED at
-                # 60 s on a call whose own deadline was 120 s.
-                return Unavailable(f"{field}: encoder {self.address} did not answer within {MAX_FETCH_S:g} s")
-            return DeadlineExceeded(f"{field}: the deadline passed while encoder {self.address} embedded it")
-        if (size := _over_receive_cap(error, self.max_message_bytes)) is not None:
-            # The reply's rows over this channel's receive cap, this decoder's --max-message-bytes:
-            # the caller's input is too long, and no retry mends that. It was RESOURCE_EXHAUSTED
+            return self._out_of_time(field, is_capped, "embedded it")
+        if (over := _over_cap(error)) is not None:
+            # The caller's input is too long, and no retry mends that. It was RESOURCE_EXHAUSTED
             # "encoder ... is full", with a RetryInfo, where the same rows through shared memory were
             # INVALID_ARGUMENT.
-            return InvalidArgument(field, self._too_large(f"a reply of {size} bytes"))
+            return InvalidArgument(field, self._over_cap_description(over))
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(f"{field}: encoder {self.address} is full: {details}")
         return Unavailable(f"{field}: encoder {self.address} is unavailable ({code.name}: {details})")
@@ -603,15 +668,22 @@ def _unavailable(details: str) -> grpc.aio.AioRpcError:
     )
 
 
-def _over_receive_cap(error: BaseException, max_message_bytes: int) -> int | None:
-    """The size of the reply an Embed call failed for, larger than this channel receives; None when it
-    failed otherwise (an encoder's own cap refusing a request reads the same but for the cap it names)."""
+def _over_cap(error: BaseException) -> _OverCap | None:
+    """The message a call failed for, larger than a cap; None when it failed otherwise. CLIENT is this
+    decoder's channel (its --max-message-bytes), SERVER the encoder's: "SERVER: Received" is the request
+    over the encoder's cap, "CLIENT: Received" the reply over this decoder's."""
     if not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return None
-    match = RECEIVE_CAP_DETAILS.search(error.details() or "")
-    return int(match.group(1)) if match is not None and int(match.group(2)) == max_message_bytes else None
+    match = OVER_CAP_DETAILS.search(error.details() or "")
+    if match is None:
+        return None
+    side, way, num_bytes, max_bytes = match.groups()
+    is_ours = side == "CLIENT"
+    return _OverCap(is_ours, is_ours == (way == "Received"), int(num_bytes), int(max_bytes))
 
 
 def _ran_out(error: BaseException) -> bool:
-    """Whether an Embed call failed for want of time: a caller with more of its own fetches again."""
+    """Whether a call failed for want of time: a caller with more of its own fetches again."""
+    if isinstance(error, _NoPlace):
+        return True
     return isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
