@@ -34,6 +34,8 @@ def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
         ({"adapter_dir": Path("a")}, "adapter_dir is only used by embedder 'soft-prompt', not 'lookup'"),
         ({"embedder": "soft-prompt", "adapter_dir": Path("a"), "projector_path": Path("p")}, "only used"),
         ({"quantization": "gguf"}, r"quantization must be one of \('none', 'int8', 'int4'\)"),
+        # Every Embed reply carries it, in room kept for at most this much (request.py)
+        ({"model_name": "é" * 129}, "model_name must be at most 256 bytes of UTF-8 .* got 258"),
         (
             {
                 "quantization": "int8",
@@ -96,6 +98,12 @@ def test_bad_values_are_one_line_naming_the_flag_and_the_variable(environ, capsy
     assert main(["--model", "/m"]) == 2
     assert capsys.readouterr().err == (
         "tandem serve encoder: --port (TANDEM_ENCODER_PORT): 'http' is not a valid integer.\n"
+    )
+    environ({"TANDEM_ENCODER_PORT": "50051"})
+    assert main(["--model", "/m", "--model-name", "n" * 3500]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --model-name (TANDEM_ENCODER_MODEL_NAME) must be at most 256 bytes of UTF-8 "
+        "(the longest `model` a request may name), got 3500\n"
     )
     environ({"TANDEM_ENCODER_PORT": "50051", "TANDEM_ENCODER_MAX_INPUT_TOKENS": "0"})
     assert main(["--model", "/m"]) == 2
