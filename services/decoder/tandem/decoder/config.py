@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tandem.client.errors import ConfigError, InvalidArgument
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.model_name import check_adapter_name
+from tandem.common.model_name import MAX_MODEL_NAME_BYTES, check_adapter_name
 from tandem.common.server import DEFAULT_MAX_CONCURRENT_RPCS, ServerOptions
 from tandem.common.torch_part.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
 from tandem.common.torch_part.quantized_tensor import SCHEMES
@@ -408,6 +408,13 @@ class DecoderConfig:
                 f"{self.engine.max_queue:,} waiting and {self.engine.max_num_seqs:,} running streams need "
                 f"a server holding {max_calls(self.engine):,} calls at once (max_calls), which holds "
                 f"{self.server.max_concurrent_rpcs:,} (max_concurrent_rpcs)",
+            )
+        # As the encoder's: no request could name a longer model (model_name.check_model).
+        if (num_bytes := len(self.model_name.encode())) > MAX_MODEL_NAME_BYTES:
+            raise ConfigError(
+                "model_name",
+                f"must be at most {MAX_MODEL_NAME_BYTES} bytes of UTF-8 (the longest `model` a request may "
+                f"name), got {num_bytes}",
             )
         for name in ("max_streams_per_connection", "max_streams_per_token"):
             if getattr(self, name) < 1:
