@@ -372,3 +372,27 @@ def test_with_int8_activations_speculation_and_batching_keep_each_requests_token
     for events, kind in zip(batched, [k for k in prompts for _ in (None, 0)], strict=True):
         assert _tokens(events) == _tokens(plain[kind]), kind
         assert _logprobs(events) == _logprobs(plain[kind]), kind
+
+
+def test_beside_a_long_prompt_prefilling_in_chunks_speculation_gives_the_logprobs_of_plain_steps(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, oracle: Oracle
+) -> None:
+    """A neighbour's prompt chunks past the C kernel's prefill context (640) attend on SDPA; a decode
+    or verification row sharing their step stays on the decode kernel (backends/cpu/attention.py), so
+    a request's rows get the same bits whichever steps they land in: speculating beside the chunks,
+    plain beside them and plain alone give one set of logprobs (on SDPA a row's were 1 ULP off)."""
+    prompt = _prompts(tiny_fp32)["tokens"]
+    sampling = SamplingParams(temperature=0.0, logprobs=True)
+    long_prompt = torch.randint(5, 1000, (700,), generator=torch.Generator().manual_seed(5)).tolist()
+    neighbour = _spec([long_prompt], SamplingParams(temperature=0.0), max_new_tokens=1)
+    with _engine(tiny_model_dir, None, max_num_batched_tokens=64, enable_prefix_caching=False) as engine:
+        alone = list(engine.generate(_spec(prompt, sampling)))
+        oracle.know(prompt[0], _tokens(alone))
+        beside = {
+            k: _run_concurrently(engine, [_spec(prompt, sampling, speculative_tokens=k), neighbour])[0]
+            for k in (0, 4)
+        }
+    assert _finished(beside[4]).accepted_tokens > 0
+    for events in beside.values():
+        assert _tokens(events) == _tokens(alone)
+        assert _logprobs(events) == _logprobs(alone)  # exactly
