@@ -1,6 +1,8 @@
-"""The ranks' sum (ParallelContext.all_reduce) adds each element in one order whatever the call holds:
-a row's bits alone equal its bits among other rows, at 2 ranks (a + b) and from 3 (gathered, summed in
-rank order), which speculation's exactness on several ranks rests on (its verify rows share a call)."""
+"""The ranks' sum (ParallelContext.all_reduce, and reduce_scatter_seq in sequence-parallel steps) adds
+each element in one order whatever the call holds: a row's bits alone equal its bits among other rows
+and in a sequence-parallel step, at 2 ranks (a + b) and from 3 (summed in rank order), which
+speculation's exactness on several ranks rests on (its verify rows share a call, and land in steps
+with or without a neighbour's prompt chunk)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,12 @@ def _row_alone_and_among_others(tp: ParallelContext, dtype: torch.dtype) -> tupl
     in_rank_order = shares[0][:1].float()
     for share in shares[1 : tp.world_size]:
         in_rank_order += share[:1]
+    # A sequence-parallel step's rows (reduce-scatter, a step with a prompt chunk) have the bits they
+    # have summed whole (a decode-only step's all-reduce).
+    window = rows.shape[0] // tp.world_size
+    scattered = tp.reduce_scatter_seq(rows.clone())
+    whole = tp.all_reduce(rows.clone())
+    assert torch.equal(scattered, whole[tp.rank * window : (tp.rank + 1) * window]), dtype
     counts = torch.tensor([2**25 + 1])  # integers stay integers: float32 would round this sum
     tp.all_reduce(counts)
     assert counts.tolist() == [(2**25 + 1) * tp.world_size]

@@ -129,12 +129,7 @@ class ParallelContext:
             return x
         shares = x.new_empty((self.world_size * x.numel(),))  # gloo gathers along one flat dim
         _all_gather_single(shares, x.contiguous().flatten(), group=self.group)
-        shares = shares.view(self.world_size, *x.shape)  # [world_size, *x.shape], rank order
-        wide = torch.promote_types(x.dtype, torch.float32) if x.dtype.is_floating_point else x.dtype
-        total = shares[0].to(wide)  # integers summed as integers (float32 rounded 2**25 + 1)
-        for share in shares[1:]:
-            total += share
-        return x.copy_(total)
+        return x.copy_(_in_rank_order(shares.view(self.world_size, *x.shape)))
 
     def all_gather_seq(self, x: torch.Tensor) -> torch.Tensor:
         """[local_len, ...] -> [local_len * world_size, ...], rank order along dim 0."""
@@ -143,15 +138,38 @@ class ParallelContext:
         return out
 
     def reduce_scatter_seq(self, x: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, ...] partial sums -> this rank's window [num_tokens / world_size, ...] of the sum."""
-        out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
-        _reduce_scatter_single(out, x.contiguous(), group=self.group)
-        return out
+        """[num_tokens, ...] partial sums -> this rank's window [num_tokens / world_size, ...] of the sum.
+
+        From three ranks, the sum all_reduce makes (its NOTE): each rank is sent its window of every
+        rank's partials and adds them in rank order, so a decode row in a sequence-parallel step (one
+        with a prompt chunk) has the bits it has in a decode-only step; gloo's reduce-scatter added
+        them in its own order (3 ranks: 170 of 576 float32 elements of a row differed), and default-mode
+        speculation left plain decoding beside a neighbour's prefill. The same bytes move.
+        """
+        local_len = x.shape[0] // self.world_size
+        if self.world_size <= 2:
+            out = x.new_empty((local_len, *x.shape[1:]))
+            _reduce_scatter_single(out, x.contiguous(), group=self.group)
+            return out
+        shares = torch.empty_like(x)  # [world_size * local_len, ...]: rank r's partials of my window
+        dist.all_to_all_single(shares, x.contiguous(), group=self.group)
+        return _in_rank_order(shares.view(self.world_size, local_len, *x.shape[1:]))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] -> [..., n * world_size], rank order along the last dim (vocab-parallel logits)."""
         stacked = self.all_gather_seq(x).view(self.world_size, *x.shape)  # [world_size, ..., n]
         return torch.cat(stacked.unbind(0), dim=-1)
+
+
+def _in_rank_order(shares: torch.Tensor) -> torch.Tensor:
+    """[world_size, ...] -> their sum, added in rank order: in float32 for narrower floating dtypes
+    (rounded once), integers as integers (float32 rounded 2**25 + 1)."""
+    dtype = shares.dtype
+    wide = torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+    total = shares[0].to(wide, copy=True)
+    for share in shares[1:]:
+        total += share
+    return total.to(dtype)
 
 
 def init_parallel(info: RankInfo, device: str, timeout_s: float) -> ParallelContext:
