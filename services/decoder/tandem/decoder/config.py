@@ -410,7 +410,11 @@ class DecoderConfig:
                 f"{self.server.max_concurrent_rpcs:,} (max_concurrent_rpcs)",
             )
         # As the encoder's: no request could name a longer model (model_name.check_model).
-        if (num_bytes := len(self.model_name.encode())) > MAX_MODEL_NAME_BYTES:
+        try:
+            num_bytes = len(self.model_name.encode())
+        except UnicodeEncodeError:  # a flag or variable of bytes no UTF-8 reads (surrogate escapes)
+            raise ConfigError("model_name", "must be valid UTF-8") from None
+        if num_bytes > MAX_MODEL_NAME_BYTES:
             raise ConfigError(
                 "model_name",
                 f"must be at most {MAX_MODEL_NAME_BYTES} bytes of UTF-8 (the longest `model` a request may "

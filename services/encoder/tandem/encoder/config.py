@@ -93,7 +93,11 @@ class EncoderConfig:
         # (RESPONSE_OVERHEAD_BYTES): a name of 3.5 KB took a reply near --max-message-bytes past it,
         # which gRPC refused as RESOURCE_EXHAUSTED ("SERVER: Sent message larger than max"). No request
         # could name a longer one anyway (`model`, checked by model_name.check_model).
-        if (num_bytes := len(self.model_name.encode())) > MAX_MODEL_NAME_BYTES:
+        try:
+            num_bytes = len(self.model_name.encode())
+        except UnicodeEncodeError:  # a flag or variable of bytes no UTF-8 reads (surrogate escapes)
+            raise ConfigError("model_name", "must be valid UTF-8") from None
+        if num_bytes > MAX_MODEL_NAME_BYTES:
             raise ConfigError(
                 "model_name",
                 f"must be at most {MAX_MODEL_NAME_BYTES} bytes of UTF-8 (the longest `model` a request may "
