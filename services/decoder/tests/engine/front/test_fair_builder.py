@@ -170,14 +170,17 @@ def test_a_finished_jobs_arguments_and_result_are_freed_with_its_future(builder:
         gc.enable()
 
 
-def test_a_builder_dropped_without_shutdown_ends_its_threads() -> None:
-    builder = FairBuilder(2, "test-dropped")
+def test_a_builder_dropped_without_shutdown_runs_what_it_queued_then_ends_its_threads() -> None:
+    builder = FairBuilder(1, "test-dropped")
     threads_before = set(threading.enumerate())
-    builder.submit("a", int).result(10)
+    gate = _blocked(builder)
+    queued = builder.submit("a", int, "7")
     started = set(threading.enumerate()) - threads_before
-    assert len(started) == 2
+    assert len(started) == 1
     del builder
     gc.collect()
+    gate.set()
+    assert queued.result(10) == 7  # as ThreadPoolExecutor's queue: run, not cancelled
     for thread in started:
         thread.join(10)
         assert not thread.is_alive()

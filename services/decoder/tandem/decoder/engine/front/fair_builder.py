@@ -119,7 +119,9 @@ class FairBuilder:
         self._thread_name_prefix = thread_name_prefix
         self._initializer = initializer
         self._threads: list[threading.Thread] = []  # started ones: they start with the first jobs
-        weakref.finalize(self, self._lines.close)  # dropped without shutdown(): its threads end
+        # Dropped without shutdown(): the jobs queued still run (as ThreadPoolExecutor's), then the
+        # threads end.
+        weakref.finalize(self, self._lines.close, False)
         _OPEN.add(self._lines)
 
     def for_caller(self, caller: str) -> concurrent.futures.Executor:
