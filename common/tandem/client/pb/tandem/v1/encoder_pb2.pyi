@@ -243,11 +243,11 @@ class EmbedResponse(_message.Message):
     SmolVLM's "<image>"); the rows stand in its place. Empty for text and token IDs.
     """
     model: _builtins.str
-    """The model the rows are of: the name it is served under (GetModelInfo's `model`) and its token
-    table's sample (GetModelInfo's `token_table_sample`). A decoder fetching its `encoder` parts
-    checks every reply against its own model before it uses or caches the rows: one of several
-    balanced encoders, or one restarted on the same address, may serve another model of the same
-    shape. Unset from an encoder of an earlier version.
+    """The model the rows are of, the name it is served under (GetModelInfo's `model`). A decoder
+    fetching its `encoder` parts checks every reply against its own model (with the sample below)
+    before it uses or caches the rows: one of several balanced encoders, or one restarted on the
+    same address, may serve another model of the same shape. Unset from an encoder of an earlier
+    version.
     """
     @_builtins.property
     def embeddings(self) -> _tensor_pb2.Tensor:
@@ -270,7 +270,11 @@ class EmbedResponse(_message.Message):
         """
 
     @_builtins.property
-    def token_table_sample(self) -> Global___TokenTableSample: ...
+    def token_table_sample(self) -> Global___TokenTableSample:
+        """The model's token table sample (GetModelInfo's `token_table_sample`), what the decoder compares
+        with its own. Unset from an encoder of an earlier version: the decoder then checks once.
+        """
+
     def __init__(
         self,
         *,
