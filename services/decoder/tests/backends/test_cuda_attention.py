@@ -66,7 +66,9 @@ def _tokens(engine: Engine) -> list[list[int]]:
 def test_the_cuda_backend_attends_through_flexattention_and_checks_its_block_size(tmp_path: Path) -> None:
     assert BACKENDS["cuda"].attention is CudaPagedAttention
     assert issubclass(CudaPagedAttention, FlexPagedAttention)
-    with pytest.raises(ValueError, match="block_size must be a power of two >= 16 for FlexAttention, got 8"):
+    with pytest.raises(
+        ValueError, match=r"block_size must be a power of two >= 16 for FlexAttention \(cuda\), got 8"
+    ):
         EngineConfig(model_dir=tmp_path, device="cuda", block_size=8)
     assert EngineConfig(model_dir=tmp_path, device="cpu", block_size=8).block_size == 8  # torch ops: any
 
