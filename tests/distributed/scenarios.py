@@ -117,6 +117,15 @@ def rank_scripted_logits_each(tp: ParallelContext, model_dirs: list[Path]) -> li
     return [rank_scripted_logits(tp, model_dir) for model_dir in model_dirs]
 
 
+def rank_weights_held(tp: ParallelContext, model_dir: Path, dtype: str) -> list[tuple[str, bool, int, int]]:
+    """Each parameter this rank loaded: (name, contiguous, bytes of its storage, bytes of its values)."""
+    model = load_model(model_dir, dtype=dtype, tp=tp).model
+    return [
+        (name, p.is_contiguous(), p.untyped_storage().nbytes(), p.numel() * p.element_size())
+        for name, p in model.named_parameters()
+    ]
+
+
 def rank_load_error(tp: ParallelContext, model_dir: Path) -> str:
     try:
         load_model(model_dir, dtype="float32", tp=tp)

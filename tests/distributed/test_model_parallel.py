@@ -7,6 +7,7 @@ a chunked prefill sharing steps with decodes, and decode-only steps (see scenari
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,17 @@ def test_two_ranks_match_one_rank_logits_for_every_step(
     reference = scenarios.scripted_logits(model, world_size=1)
     for logits in two_rank_logits[checkpoint]:  # every rank ends with the full logits
         _assert_same_logits(logits, reference)
+
+
+def test_each_rank_holds_its_own_slice_of_every_weight_contiguous(tiny_model_dir: Path) -> None:
+    """o_proj's and down_proj's slices (cut by input columns) were strided views of the whole tensor:
+    each rank held the whole weight, and the C kernel refused them, so those linears ran on F.linear,
+    whose sums follow the row count (3 ranks: a decode row beside a prompt chunk got other bits)."""
+    # In the file's own dtype: a cast copies, which hid it.
+    stored = json.loads((tiny_model_dir / "config.json").read_text()).get("torch_dtype", "float32")
+    for held in run_ranks(scenarios.rank_weights_held, 2, tiny_model_dir, stored):
+        assert [name for name, contiguous, _, _ in held if not contiguous] == []
+        assert [name for name, _, storage, values in held if storage != values] == []
 
 
 def test_two_rank_engine_generates_what_the_one_rank_engine_does(tiny_model_dir: Path) -> None:

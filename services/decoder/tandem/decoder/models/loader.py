@@ -414,7 +414,12 @@ def _read_part(handle: Any, part: CheckpointPart, key: str, model: DecoderModel)
         return handle.get_tensor(key)
     size = shape[part.shard_dim] // tp.world_size
     window = (slice(None),) * part.shard_dim + (slice(tp.rank * size, (tp.rank + 1) * size),)
-    return lazy[window]
+    # The window is a view of the whole tensor as read (a window of columns, o_proj's and down_proj's
+    # cut by inputs, a strided one): kept where the model's dtype is the file's, each rank held the
+    # whole weight (the token table too), and the C kernel refused the strided ones, so those linears
+    # ran on F.linear, whose sums follow the row count (3 ranks: a decode row beside a prompt chunk
+    # got other bits). A copy of its own.
+    return lazy[window].clone(memory_format=torch.contiguous_format)
 
 
 def _check_finite(weight: torch.Tensor, read: torch.Tensor, keys: list[str], num_rows: list[int]) -> None:
