@@ -3,8 +3,9 @@
 NOTE: why. A request is built (validated, tokenized, its grammar compiled, its chat rendered) on a few
 threads before the scheduler sees it, and the scheduler's fairness (scheduling/admission_order.py)
 starts only there. On a first-come-first-served pool, one caller's burst of dear builds held every
-other caller's request behind it all: 32 grammars refused by llguidance's fuel (~0.1 s each on
-SmolLM2's vocabulary) on one connection made a neighbour's plain grammar wait ~3 s for its turn. Here
+other caller's request behind it all: 16 regexes refused by llguidance's fuel (~0.22 s each on
+SmolLM2's vocabulary, a 2-core Zen 4 under load) on one connection held a neighbour's grammar request
+3.6-3.9 s, 0.44-0.49 s taking turns. Here
 each caller has its own line, and a free thread takes the next job of the caller whose turn is the
 oldest: a burst costs a neighbour at most one job per other caller in front of it, while one caller
 alone is still served in arrival order.
