@@ -26,6 +26,9 @@ def _row_alone_and_among_others(tp: ParallelContext, dtype: torch.dtype) -> tupl
     # have summed whole (a decode-only step's all-reduce).
     window = rows.shape[0] // tp.world_size
     scattered = tp.reduce_scatter_seq(rows.clone())
+    # Any layout: a transposed copy of the same values (gloo wrote the shares row-major into a buffer
+    # laid out as x was, and the sum read the wrong elements).
+    assert torch.equal(tp.reduce_scatter_seq(rows.t().contiguous().t()), scattered), dtype
     whole = tp.all_reduce(rows.clone())
     assert torch.equal(scattered, whole[tp.rank * window : (tp.rank + 1) * window]), dtype
     counts = torch.tensor([2**25 + 1])  # integers stay integers: float32 would round this sum

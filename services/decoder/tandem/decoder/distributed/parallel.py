@@ -151,8 +151,9 @@ class ParallelContext:
             out = x.new_empty((local_len, *x.shape[1:]))
             _reduce_scatter_single(out, x.contiguous(), group=self.group)
             return out
+        x = x.contiguous()  # gloo writes the shares row-major whatever x's layout: so is the buffer
         shares = torch.empty_like(x)  # [world_size * local_len, ...]: rank r's partials of my window
-        dist.all_to_all_single(shares, x.contiguous(), group=self.group)
+        dist.all_to_all_single(shares, x, group=self.group)
         return _in_rank_order(shares.view(self.world_size, local_len, *x.shape[1:]))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
