@@ -412,8 +412,10 @@ class DecoderConfig:
         # As the encoder's: no request could name a longer model (model_name.check_model).
         try:
             num_bytes = len(self.model_name.encode())
-        except UnicodeEncodeError:  # a flag or variable of bytes no UTF-8 reads (surrogate escapes)
-            raise ConfigError("model_name", "must be valid UTF-8") from None
+        except UnicodeEncodeError:  # bytes no UTF-8 reads (surrogate escapes)
+            raise ConfigError(
+                "model_name", "must be valid UTF-8 (unset, it is the model directory's or file's name)"
+            ) from None
         if num_bytes > MAX_MODEL_NAME_BYTES:
             raise ConfigError(
                 "model_name",

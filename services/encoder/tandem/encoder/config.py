@@ -94,9 +94,11 @@ class EncoderConfig:
         # which gRPC refused as RESOURCE_EXHAUSTED ("SERVER: Sent message larger than max"). No request
         # could name a longer one anyway (`model`, checked by model_name.check_model).
         try:
-            num_bytes = len(self.model_name.encode())
-        except UnicodeEncodeError:  # a flag or variable of bytes no UTF-8 reads (surrogate escapes)
-            raise ConfigError("model_name", "must be valid UTF-8") from None
+            num_bytes = len(self.served_model_name.encode())
+        except UnicodeEncodeError:  # bytes no UTF-8 reads (surrogate escapes): every reply failed
+            raise ConfigError(
+                "model_name", "must be valid UTF-8 (unset, it is the model directory's or file's name)"
+            ) from None
         if num_bytes > MAX_MODEL_NAME_BYTES:
             raise ConfigError(
                 "model_name",
