@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from tandem.client.errors import InvalidArgument, NotFound
+from tandem.client.errors import ConfigError, InvalidArgument, NotFound
 
 MAX_MODEL_NAME_BYTES = 256  # the longest `model` a request may carry
 MAX_ECHO_CHARS = 64  # the most of a caller's string an error message repeats
@@ -30,6 +30,25 @@ def check_model(requested: str, served: str) -> None:
         raise InvalidArgument("model", f"at most {MAX_MODEL_NAME_BYTES} bytes, got {len(requested.encode())}")
     if requested and requested != served:
         raise NotFound(f"model {echo(requested)} is not served here (this server serves {served!r})")
+
+
+def check_served_name(name: str) -> None:
+    """The name a service serves under (its --model-name, or the model directory's or file's name):
+    one a request can name. Raises ConfigError on model_name naming the limit. A name that is not
+    UTF-8 (surrogate-escaped bytes) failed every reply that carries it; a longer one pushed the
+    encoder's replies past their room for it (request.py's RESPONSE_OVERHEAD_BYTES)."""
+    try:
+        num_bytes = len(name.encode())
+    except UnicodeEncodeError:
+        raise ConfigError(
+            "model_name", "must be valid UTF-8 (unset, it is the model directory's or file's name)"
+        ) from None
+    if num_bytes > MAX_MODEL_NAME_BYTES:
+        raise ConfigError(
+            "model_name",
+            f"must be at most {MAX_MODEL_NAME_BYTES} bytes of UTF-8 (the longest `model` a request may "
+            f"name), got {num_bytes}",
+        )
 
 
 def check_adapter_name(name: str, field: str = "name") -> None:

@@ -2,13 +2,14 @@
 
 import pytest
 
-from tandem.client.errors import InvalidArgument, NotFound
+from tandem.client.errors import ConfigError, InvalidArgument, NotFound
 from tandem.common.model_name import (
     MAX_ECHO_CHARS,
     MAX_MODEL_NAME_BYTES,
     check_adapter_name,
     check_label,
     check_model,
+    check_served_name,
     echo,
 )
 
@@ -109,3 +110,15 @@ def test_a_label_may_be_empty_hold_inner_spaces_and_any_letters() -> None:
         "\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",
     ):
         check_label(label, "request_id")
+
+
+def test_a_served_name_is_one_a_request_can_name() -> None:
+    check_served_name("n" * 256)
+    check_served_name("é" * 128)  # 256 bytes of UTF-8
+    for name, said in (
+        ("n" * 257, "must be at most 256 bytes of UTF-8 (the longest `model` a request may name), got 257"),
+        ("n\udcff", "must be valid UTF-8 (unset, it is the model directory's or file's name)"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            check_served_name(name)
+        assert (refused.value.field, refused.value.reason) == ("model_name", said)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tandem.client.errors import ConfigError, InvalidArgument
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.model_name import MAX_MODEL_NAME_BYTES, check_adapter_name
+from tandem.common.model_name import check_adapter_name, check_served_name
 from tandem.common.server import DEFAULT_MAX_CONCURRENT_RPCS, ServerOptions
 from tandem.common.torch_part.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
 from tandem.common.torch_part.quantized_tensor import SCHEMES
@@ -409,19 +409,7 @@ class DecoderConfig:
                 f"a server holding {max_calls(self.engine):,} calls at once (max_calls), which holds "
                 f"{self.server.max_concurrent_rpcs:,} (max_concurrent_rpcs)",
             )
-        # As the encoder's: no request could name a longer model (model_name.check_model).
-        try:
-            num_bytes = len(self.model_name.encode())
-        except UnicodeEncodeError:  # bytes no UTF-8 reads (surrogate escapes)
-            raise ConfigError(
-                "model_name", "must be valid UTF-8 (unset, it is the model directory's or file's name)"
-            ) from None
-        if num_bytes > MAX_MODEL_NAME_BYTES:
-            raise ConfigError(
-                "model_name",
-                f"must be at most {MAX_MODEL_NAME_BYTES} bytes of UTF-8 (the longest `model` a request may "
-                f"name), got {num_bytes}",
-            )
+        check_served_name(self.model_name)  # one a request can name, as the encoder's
         for name in ("max_streams_per_connection", "max_streams_per_token"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")

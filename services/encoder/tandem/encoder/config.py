@@ -14,7 +14,7 @@ import torch
 
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.model_name import MAX_MODEL_NAME_BYTES
+from tandem.common.model_name import check_served_name
 from tandem.common.server import ServerOptions
 from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.common.torch_part.shared_memory import SHM_DIR
@@ -89,22 +89,8 @@ class EncoderConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         self._check_max_image_bytes()
-        # Every Embed reply carries the name, within the room request.py keeps beside the rows
-        # (RESPONSE_OVERHEAD_BYTES): a name of 3.5 KB took a reply near --max-message-bytes past it,
-        # which gRPC refused as RESOURCE_EXHAUSTED ("SERVER: Sent message larger than max"). No request
-        # could name a longer one anyway (`model`, checked by model_name.check_model).
-        try:
-            num_bytes = len(self.served_model_name.encode())
-        except UnicodeEncodeError:  # bytes no UTF-8 reads (surrogate escapes): every reply failed
-            raise ConfigError(
-                "model_name", "must be valid UTF-8 (unset, it is the model directory's or file's name)"
-            ) from None
-        if num_bytes > MAX_MODEL_NAME_BYTES:
-            raise ConfigError(
-                "model_name",
-                f"must be at most {MAX_MODEL_NAME_BYTES} bytes of UTF-8 (the longest `model` a request may "
-                f"name), got {num_bytes}",
-            )
+        # Every Embed reply carries the name, within the room request.py keeps beside the rows.
+        check_served_name(self.served_model_name)
         if self.shared_memory_bytes < 0:
             raise ConfigError(
                 "shared_memory_bytes", f"must be >= 0 (0: never), got {self.shared_memory_bytes}"
