@@ -59,7 +59,7 @@ waiting at most its own time), and the part refused if it serves another model.
 Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
 on `prompt[i].encoder`, as are rows larger than this decoder's --max-message-bytes, whether they came
 as bytes (over gRPC's receive cap) or through shared memory, and any Embed request or reply over the
---max-message-bytes of either side (named); an encoder that cannot be reached is
+--max-message-bytes of either side (named: `encoder_over_cap.py`); an encoder that cannot be reached is
 UNAVAILABLE naming its address, within the retries of its channel, so the request never waits for it
 past its deadline, and so is one that did not answer within MAX_FETCH_S when the caller's own deadline
 was later (another replica may serve it; DEADLINE_EXCEEDED is for the caller's deadline).
@@ -76,7 +76,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,6 +98,7 @@ from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import TableSample, read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
+from tandem.decoder.api.encoder_over_cap import over_cap, rows_too_large
 from tandem.decoder.api.shared_fetches import SharedFetches
 from tandem.decoder.api.trace_context import trace_context
 from tandem.decoder.backends.cpu import copy_digest
@@ -112,21 +112,6 @@ MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 MAX_SAME_SAMPLES = 8  # token table samples remembered as this decoder's model (one per dtype, or so)
-# gRPC's status for a message over a cap: the side whose cap it is, which way, "(size vs. cap)", within its
-# own words ("Stream removed (CLIENT: ...)").
-OVER_CAP_DETAILS = re.compile(
-    r"(CLIENT|SERVER): (Sent|Received) message larger than max \((\d+) vs\. (\d+)\)"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class _OverCap:
-    """A message gRPC refused for its size: the caller's input too long, which no retry mends."""
-
-    is_ours: bool  # this decoder's cap (--max-message-bytes) refused it, not the encoder's own
-    is_reply: bool  # the reply carrying the rows, not the request carrying the input
-    num_bytes: int
-    max_bytes: int
 
 
 class EncoderMismatch(Exception):
@@ -342,9 +327,9 @@ class EncoderParts:
                 self._check_model(again, None)
                 result = await self._read(again, None)
             except tensors.TooManyElements as error:
-                raise InvalidArgument("", self._too_large(error.description)) from None
+                raise InvalidArgument("", rows_too_large(self.max_message_bytes, error.description)) from None
             except grpc.aio.AioRpcError as error:
-                if _ran_out(error) or _over_cap(error) is not None:
+                if _ran_out(error) or over_cap(error) is not None:
                     raise
                 raise _unavailable(
                     f"{lost}; fetched again by value: {error.code().name}: {error.details()}"
@@ -356,7 +341,7 @@ class EncoderParts:
             # messages, and shared memory passes gRPC's receive cap): the caller's input is too long,
             # which no retry mends, so INVALID_ARGUMENT on the caller's field, as rows sent as bytes
             # over that cap are (`_error`).
-            raise InvalidArgument("", self._too_large(error.description)) from None
+            raise InvalidArgument("", rows_too_large(self.max_message_bytes, error.description)) from None
         except InvalidArgument as error:
             # A reply wrong in itself (a segment this call did not ask for, rows past their segment, a
             # dtype or shape not the rows', NaN): the encoder's fault, never the caller's input (callers
@@ -596,33 +581,6 @@ class EncoderParts:
             "start the encoder with this decoder's --model"
         )
 
-    def _too_large(self, detail: str) -> str:
-        """Why rows over this decoder's --max-message-bytes are refused, whichever way they came."""
-        return (
-            f"the encoder's rows are larger than this decoder's --max-message-bytes {self.max_message_bytes} "
-            f"allows ({detail}): send a shorter input, or start the decoder with a larger --max-message-bytes"
-        )
-
-    def _over_cap_description(self, over: _OverCap) -> str:
-        """Which message was over whose --max-message-bytes, and what mends it."""
-        if over.is_ours and over.is_reply:
-            return self._too_large(f"a reply of {over.num_bytes} bytes")
-        if over.is_ours:
-            # An image just under the cap in the Generate call: its Embed call adds a few hundred bytes.
-            return (
-                f"its Embed request of {over.num_bytes} bytes (the input and the call's own fields) is "
-                f"larger than this decoder's --max-message-bytes {over.max_bytes} allows: send a smaller "
-                "input, or start the decoder with a larger --max-message-bytes"
-            )
-        what = (
-            f"its rows are larger than the encoder's own --max-message-bytes {over.max_bytes} allows "
-            f"(a reply of {over.num_bytes} bytes)"
-            if over.is_reply
-            else f"its Embed request of {over.num_bytes} bytes is larger than the encoder's "
-            f"--max-message-bytes {over.max_bytes} allows"
-        )
-        return f"{what}: send a smaller input, or start the encoder with a larger --max-message-bytes"
-
     def _out_of_time(self, field: str, is_capped: bool, doing: str) -> TandemError:
         """A call to the encoder that ran out of time while the encoder was `doing` something."""
         if is_capped:
@@ -651,11 +609,11 @@ class EncoderParts:
             return FailedPrecondition(field, f"the encoder refused it: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return self._out_of_time(field, is_capped, "embedded it")
-        if (over := _over_cap(error)) is not None:
+        if (over := over_cap(error)) is not None:
             # The caller's input is too long, and no retry mends that. It was RESOURCE_EXHAUSTED
             # "encoder ... is full", with a RetryInfo, where the same rows through shared memory were
             # INVALID_ARGUMENT.
-            return InvalidArgument(field, self._over_cap_description(over))
+            return InvalidArgument(field, over.description(self.max_message_bytes))
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(f"{field}: encoder {self.address} is full: {details}")
         return Unavailable(f"{field}: encoder {self.address} is unavailable ({code.name}: {details})")
@@ -666,20 +624,6 @@ def _unavailable(details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(
         grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
     )
-
-
-def _over_cap(error: BaseException) -> _OverCap | None:
-    """The message a call failed for, larger than a cap; None when it failed otherwise. CLIENT is this
-    decoder's channel (its --max-message-bytes), SERVER the encoder's: "SERVER: Received" is the request
-    over the encoder's cap, "CLIENT: Received" the reply over this decoder's."""
-    if not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return None
-    match = OVER_CAP_DETAILS.search(error.details() or "")
-    if match is None:
-        return None
-    side, way, num_bytes, max_bytes = match.groups()
-    is_ours = side == "CLIENT"
-    return _OverCap(is_ours, is_ours == (way == "Received"), int(num_bytes), int(max_bytes))
 
 
 def _ran_out(error: BaseException) -> bool:
