@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from services.encoder.tests.vision_checkpoints import make_image, make_llava
+from services.encoder.tests.vision_checkpoints import IMAGE_TOKEN, make_image, make_llava
+from tandem.encoder.embedder import MAX_IMAGE_PLACEHOLDER_BYTES, EmbedderLoadError
 from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 
 VARIANTS = {
@@ -84,3 +86,30 @@ def test_a_gif_gives_the_rows_of_the_same_picture_as_a_png(
         decoded = decode_image(out.getvalue(), 1 << 20, 1 << 20)
         rows[image_format] = embedder.embed_images([embedder.prepare_image(decoded)])[0]
     assert torch.equal(rows["GIF"], rows["PNG"])
+
+
+def test_a_checkpoint_whose_image_placeholder_is_over_its_bound_is_refused_at_load_naming_it(
+    tiny_llava: Path, tmp_path: Path
+) -> None:
+    """Every Embed reply of an image carries the placeholder within RESPONSE_OVERHEAD_BYTES, so one of
+    any length from tokenizer.json could take replies near --max-message-bytes past gRPC's cap."""
+    model_dir = tmp_path / "long-placeholder"
+    model_dir.mkdir()
+    for path in tiny_llava.iterdir():
+        (model_dir / path.name).symlink_to(path)
+    tokenizer = json.loads((tiny_llava / "tokenizer.json").read_text())
+    [added] = [token for token in tokenizer["added_tokens"] if token["content"] == IMAGE_TOKEN]
+    added["content"] = "<" + "i" * (MAX_IMAGE_PLACEHOLDER_BYTES - 1) + ">"  # one byte over
+    (model_dir / "tokenizer.json").unlink()
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(EmbedderLoadError) as error:
+        VisionLanguageEmbedder.load(model_dir, torch.float32)
+    assert str(error.value) == (
+        f"tokenizer.json in {model_dir}: the image placeholder, token {added['id']} (config.json's "
+        f"image_token_index), is {MAX_IMAGE_PLACEHOLDER_BYTES + 1} bytes, over the "
+        f"{MAX_IMAGE_PLACEHOLDER_BYTES} an image placeholder may take (every Embed reply of an image "
+        "carries it)"
+    )
+    added["content"] = "<" + "i" * (MAX_IMAGE_PLACEHOLDER_BYTES - 2) + ">"  # at the bound: loads
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert VisionLanguageEmbedder.load(model_dir, torch.float32).info.image_placeholder == added["content"]

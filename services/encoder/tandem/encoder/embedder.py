@@ -59,6 +59,12 @@ def read_header(path: Path, key: str) -> tuple[tuple[int, ...], str]:
         raise EmbedderLoadError(f"{path} is not a readable safetensors file: {e}") from None
 
 
+# The longest image placeholder a checkpoint may name, in UTF-8 bytes, checked at load: every Embed reply
+# of an image carries it within request.py's RESPONSE_OVERHEAD_BYTES (4,096), which holds no more. LLaVA's
+# and SmolVLM's are "<image>", 7 bytes.
+MAX_IMAGE_PLACEHOLDER_BYTES = 256
+
+
 @dataclass(frozen=True)
 class EmbedderInfo:
     """Static description of a loaded embedder, reported by GetModelInfo and used for validation."""

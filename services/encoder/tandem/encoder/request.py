@@ -37,7 +37,8 @@ from tandem.encoder.vision.declared_size import declared_size
 
 # Room in a response for everything but the tensor bytes and token IDs (up to 5 bytes each): the request
 # ID (at most 128 bytes), the model's name (at most 256: config.py) and token table sample (about 530
-# bytes: a decoder checks each reply's model), a shared-memory handle, usage and framing.
+# bytes: a decoder checks each reply's model), an image's placeholder (at most 256, from the checkpoint:
+# MAX_IMAGE_PLACEHOLDER_BYTES, checked at load), a shared-memory handle, usage and framing.
 RESPONSE_OVERHEAD_BYTES = 4096
 BYTES_PER_TOKEN_ID = 5
 # Seconds of the image thread a decoded pixel costs, decoding and preprocessing it: a lossless WebP of
