@@ -46,16 +46,16 @@ A fetch, on the event loop:
    (a segment not asked for, rows past their segment, a wrong dtype or shape, NaN) is UNAVAILABLE
    naming the encoder and the fault: never INVALID_ARGUMENT on the caller's field, who passed no handle.
 Which model the encoder serves is checked against this decoder's own, by a sample of each one's token
-table (`tandem.common.torch_part.model_identity`), whose rows it would otherwise read in the wrong hidden
-space: once loaded, the decoder asks (GetModelInfo: `check_model`, waiting a while for an encoder
-still loading) and refuses to start beside another model of the same shape; and every Embed reply
-carries its model's sample, checked before its rows are read or cached (`_check_model`). Once was not
-enough: `--encoder good,wrong` is balanced, and the start-up check asked one of the two, after which
-half the parts were the other's rows, served OK; an encoder restarted on its port with another
-checkpoint was never noticed. A reply of another model is FAILED_PRECONDITION on the part, naming both
-models, and its rows are never used. An encoder that did not answer at start is asked its model's name
-(part of every cache key) when first asked for rows (parts asking meanwhile share one call, each
-waiting at most its own time), and the part refused if it serves another model.
+table (`tandem.common.torch_part.model_identity`; compared in `encoder_model_check.py`), whose rows it
+would otherwise read in the wrong hidden space: once loaded, the decoder asks (GetModelInfo:
+`check_model`, waiting a while for an encoder still loading) and refuses to start beside another model
+of the same shape; and every Embed reply carries its model's sample, checked before its rows are read or
+cached (`_check_model`). Once was not enough: `--encoder good,wrong` is balanced, and the start-up check
+asked one of the two, after which half the parts were the other's rows, served OK; an encoder restarted
+on its port with another checkpoint was never noticed. A reply of another model is FAILED_PRECONDITION
+on the part, naming both models, and its rows are never used. An encoder that did not answer at start is
+asked its model's name (part of every cache key) when first asked for rows (parts asking meanwhile share
+one call, each waiting at most its own time), and the part refused if it serves another model.
 Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or FAILED_PRECONDITION)
 on `prompt[i].encoder`, as are rows larger than this decoder's --max-message-bytes, whether they came
 as bytes (over gRPC's receive cap) or through shared memory, and any Embed request or reply over the
@@ -95,9 +95,10 @@ from tandem.client.errors import (
 )
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.common.torch_part import shared_memory, tensors
-from tandem.common.torch_part.model_identity import TableSample, read_table_sample
+from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
+from tandem.decoder.api.encoder_model_check import EncoderModelCheck
 from tandem.decoder.api.encoder_over_cap import over_cap, rows_too_large
 from tandem.decoder.api.shared_fetches import SharedFetches
 from tandem.decoder.api.trace_context import trace_context
@@ -111,7 +112,6 @@ MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together 
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
-MAX_SAME_SAMPLES = 8  # token table samples remembered as this decoder's model (one per dtype, or so)
 
 
 class EncoderMismatch(Exception):
@@ -147,9 +147,12 @@ class EncoderParts:
         self.address = address
         self.dtype = dtype
         self.max_message_bytes = max_message_bytes
-        self.model_dir = model_dir
-        self.model_name = model_name
-        self._table_sample = read_table_sample(model_dir, ValueError) if model_dir is not None else None
+        self.model_check = EncoderModelCheck(
+            address,
+            read_table_sample(model_dir, ValueError) if model_dir is not None else None,
+            model_dir,
+            model_name,
+        )
         self.client = EncoderClient(address, max_message_bytes, telemetry)
         self.cache = EmbeddingCache(cache_bytes)
         self.shm_dir = shm_dir
@@ -171,10 +174,6 @@ class EncoderParts:
         # share one, each waiting at most its own time. Under a lock held for the whole call, the k-th
         # of k parts waited k calls' time (a hung encoder: 60 s each), far past its own deadline.
         self._model_infos: SharedFetches[encoder_pb2.EncoderGetModelInfoResponse] = SharedFetches()
-        # Token table samples that replies carried and that were found this decoder's model, as their
-        # bytes: compared once each, then matched exactly (0.4 us for its 520 bytes, where reading the
-        # 128 floats out of the reply took 4 us and comparing them 20 us).
-        self._same_samples: set[bytes] = set()
         # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
         self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
         self._in_flight = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # Embed calls running (step 2)
@@ -483,13 +482,11 @@ class EncoderParts:
                     f"encoder {self.address} did not say which model it serves ({error.code().name}: "
                     f"{error.details()}): checked at its first encoder part"
                 )
-            mismatch = self._mismatch(
-                info.model, info.token_table_sample if info.HasField("token_table_sample") else None
-            )
+            mismatch = self.model_check.info_mismatch(info)
             if mismatch is not None:
                 raise EncoderMismatch(mismatch)
             self._model = info.model
-            if not info.HasField("token_table_sample") or self._table_sample is None:
+            if not info.HasField("token_table_sample") or self.model_check.table_sample is None:
                 return (
                     f"encoder {self.address} serves {info.model!r} and reports no token table sample (a "
                     "version before it did): which model it serves is not checked"
@@ -528,8 +525,7 @@ class EncoderParts:
             if _ran_out(error):
                 raise self._out_of_time(field, is_capped, "asked which model it serves") from None
             raise self._error(error, field, is_capped) from None
-        sample = info.token_table_sample if info.HasField("token_table_sample") else None
-        mismatch = self._mismatch(info.model, sample)
+        mismatch = self.model_check.info_mismatch(info)
         if mismatch is not None:
             raise FailedPrecondition(field, mismatch)
         self._model = info.model
@@ -542,44 +538,13 @@ class EncoderParts:
         decoder's, releasing the segment it may have written (as a read would): its rows are never read.
         A reply without a sample (an encoder from before replies carried one) passes: that encoder's
         model was checked once, by GetModelInfo (`check_model`, `_encoder_model`), and never again."""
-        if self._table_sample is None or not reply.HasField("token_table_sample"):
-            return
-        reported = reply.token_table_sample
-        key = reported.SerializeToString()
-        if key in self._same_samples:
-            return
-        mismatch = self._mismatch(reply.model, reported)
+        mismatch = self.model_check.reply_mismatch(reply)
         if mismatch is None:
-            if len(self._same_samples) < MAX_SAME_SAMPLES:
-                self._same_samples.add(key)
             return
         if offer is not None:
             with contextlib.suppress(OSError):  # not this decoder's to remove: the refusal stands
                 shared_memory.remove(self.shm_dir, offer.segment_name)
         raise EncoderMismatch(mismatch)
-
-    def _mismatch(self, model: str, reported: encoder_pb2.TokenTableSample | None) -> str | None:
-        """Why an encoder serving `model`, whose token table sample is `reported`, is not of this
-        decoder's model; None when it is, or when there is nothing to compare (a decoder built by hand,
-        an encoder from before the sample)."""
-        if self._table_sample is None or reported is None:
-            return None
-        theirs = TableSample(reported.vocab_size, reported.hidden_size, tuple(reported.values))
-        if theirs.is_same_model(self._table_sample):
-            return None
-        ours = self._table_sample
-        name = self.model_name or (self.model_dir.name if self.model_dir is not None else "")
-        shapes = (
-            f"token table [{theirs.vocab_size}, {theirs.hidden_size}] against [{ours.vocab_size}, "
-            f"{ours.hidden_size}]"
-            if (theirs.vocab_size, theirs.hidden_size) != (ours.vocab_size, ours.hidden_size)
-            else f"same token table shape [{ours.vocab_size}, {ours.hidden_size}], different values"
-        )
-        return (
-            f"encoder {self.address} serves model {model!r}, not this decoder's {name!r} "
-            f"({self.model_dir}): {shapes}, so its rows would be read in the wrong model's hidden space; "
-            "start the encoder with this decoder's --model"
-        )
 
     def _out_of_time(self, field: str, is_capped: bool, doing: str) -> TandemError:
         """A call to the encoder that ran out of time while the encoder was `doing` something."""

@@ -1,0 +1,84 @@
+"""Whether an encoder serves this decoder's model: the token table sample it reports against this
+decoder's own (`tandem.common.torch_part.model_identity`), and the words of a refusal naming both.
+
+Its own module, apart from the fetching in `encoder_parts.py`, which asks (GetModelInfo: at start, or at
+a first encoder part) and reads every Embed reply's sample: this is the comparison all three share, with
+no call, no channel and no shared memory in it. An encoder of another model of the same hidden size
+would have its rows read in the wrong model's hidden space and served OK; the name and the shape cannot
+tell two such models apart, a sample of the token table can.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.common.torch_part.model_identity import TableSample
+
+MAX_SAME_SAMPLES = 8  # token table samples remembered as this decoder's model (one per dtype, or so)
+
+
+class EncoderModelCheck:
+    """This decoder's model, as an encoder at `address` reports its own. Without a sample of its own (a
+    decoder built by hand, with no model directory: tests and benchmarks) nothing is compared."""
+
+    def __init__(
+        self,
+        address: str,  # the encoder's, as --encoder names it: the refusal names it
+        table_sample: TableSample | None,  # this decoder's token table's; None: nothing is compared
+        model_dir: Path | None,  # this decoder's checkpoint, named in the refusal
+        model_name: str,  # the name this decoder serves it under; "": the directory's name
+    ) -> None:
+        self.address = address
+        self.table_sample = table_sample
+        self.model_dir = model_dir
+        self.model_name = model_name
+        # Samples that replies carried and that were found this decoder's model, as their bytes: compared
+        # once each, then matched exactly (0.4 us for its 520 bytes, where reading the 128 floats out of
+        # the reply took 4 us and comparing them 20 us).
+        self._same_samples: set[bytes] = set()
+
+    def info_mismatch(self, info: encoder_pb2.EncoderGetModelInfoResponse) -> str | None:
+        """Why the encoder that answered GetModelInfo with `info` is not of this decoder's model; None
+        when it is, or when there is nothing to compare."""
+        return self.mismatch(
+            info.model, info.token_table_sample if info.HasField("token_table_sample") else None
+        )
+
+    def reply_mismatch(self, reply: encoder_pb2.EmbedResponse) -> str | None:
+        """Why `reply` is of another model than this decoder's; None when it is, or when it carries no
+        sample (an encoder from before replies carried one: its model was checked once, by GetModelInfo,
+        and never again)."""
+        if self.table_sample is None or not reply.HasField("token_table_sample"):
+            return None
+        reported = reply.token_table_sample
+        key = reported.SerializeToString()
+        if key in self._same_samples:
+            return None
+        mismatch = self.mismatch(reply.model, reported)
+        if mismatch is None and len(self._same_samples) < MAX_SAME_SAMPLES:
+            self._same_samples.add(key)
+        return mismatch
+
+    def mismatch(self, model: str, reported: encoder_pb2.TokenTableSample | None) -> str | None:
+        """Why an encoder serving `model`, whose token table sample is `reported`, is not of this
+        decoder's model; None when it is, or when there is nothing to compare (a decoder built by hand,
+        an encoder from before the sample)."""
+        if self.table_sample is None or reported is None:
+            return None
+        theirs = TableSample(reported.vocab_size, reported.hidden_size, tuple(reported.values))
+        if theirs.is_same_model(self.table_sample):
+            return None
+        ours = self.table_sample
+        name = self.model_name or (self.model_dir.name if self.model_dir is not None else "")
+        shapes = (
+            f"token table [{theirs.vocab_size}, {theirs.hidden_size}] against [{ours.vocab_size}, "
+            f"{ours.hidden_size}]"
+            if (theirs.vocab_size, theirs.hidden_size) != (ours.vocab_size, ours.hidden_size)
+            else f"same token table shape [{ours.vocab_size}, {ours.hidden_size}], different values"
+        )
+        return (
+            f"encoder {self.address} serves model {model!r}, not this decoder's {name!r} "
+            f"({self.model_dir}): {shapes}, so its rows would be read in the wrong model's hidden space; "
+            "start the encoder with this decoder's --model"
+        )
