@@ -90,6 +90,9 @@ class LoneRank:
     def stop(self) -> None:
         pass
 
+    def abort(self) -> None:
+        pass
+
 
 def test_an_adapter_install_the_other_ranks_miss_fails_the_group_not_only_the_load(
     tiny_model_dir: Path, adapters: dict[str, Path]

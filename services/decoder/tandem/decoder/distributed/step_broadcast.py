@@ -12,7 +12,9 @@ loaded adapter whole: an int32 payload of (layer, module) pairs in TARGETS' numb
 one float32 payload of its scale and every pair's A [rank, in] and B [out, rank] in that order;
 each worker writes its own shard into the slot (models/lora.py). KEEPALIVE messages flow while
 rank 0 is idle, so a worker's receive never waits longer than the group timeout unless rank 0 is
-gone; STOP ends the worker loop.
+gone; STOP ends the worker loop. ABORT ends it too, as rank 0's failure (set-up after the ranks agreed
+on the KV pool, warmup, or a step's fault): a worker it reaches exits non-zero at once instead of
+waiting out the group timeout for a rank 0 that is alive but will send nothing more.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class Kind(enum.IntEnum):
     KEEPALIVE = 2
     STOP = 3
     ADAPTER = 4
+    ABORT = 5
+
+
+class RankZeroFailed(Exception):
+    """Rank 0 sent ABORT: it failed, and its log says why; this rank stops and exits non-zero."""
 
 
 # STEP: kind, num_tokens, num_seqs, table_width, num_logits_indices, num_embed_rows, has_inputs_embeds,
@@ -111,6 +118,9 @@ class StepSender:
     def stop(self) -> None:
         self._header(Kind.STOP)
 
+    def abort(self) -> None:
+        self._header(Kind.ABORT)
+
     def _header(self, kind: Kind, *fields: int) -> None:
         header = torch.zeros(HEADER_LEN, dtype=torch.int32)
         header[0] = kind
@@ -126,12 +136,14 @@ def receive_step(
     lora: LoraTable | None = None,  # this rank's LoRA slots (its shard); None: LoRA is off
 ) -> StepBatch | None:
     """A worker's side: the next step's batch, or None when rank 0 says STOP (keepalives skipped,
-    adapters written into `lora` as they come)."""
+    adapters written into `lora` as they come). Raises RankZeroFailed when rank 0 says ABORT."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int32)
     while True:
         kind, *fields = control.broadcast(header).tolist()
         if kind == Kind.STOP:
             return None
+        if kind == Kind.ABORT:
+            raise RankZeroFailed("rank 0 failed")
         if kind == Kind.ADAPTER:
             _receive_adapter(control, lora, *fields[:3])
         if kind == Kind.STEP:

@@ -5,8 +5,9 @@ the user started) picks a free loopback port and spawns ranks 1..N-1 on this mac
 every process is already a rank. Rank 0 then serves gRPC and runs the engine; the others load their
 shard and run `run_worker`: receive a batch, run the same forward, repeat. Nothing waits forever:
 every collective has the group timeout, rank 0 sends keepalives while idle, a worker whose rank 0
-vanished fails its next receive and exits non-zero, and rank 0 turns any collective failure into
-UNAVAILABLE for open streams, NOT_SERVING, and a non-zero exit (see `__main__.serve`).
+vanished fails its next receive and exits non-zero, one whose rank 0 failed is sent ABORT and exits
+non-zero at once (step_broadcast.py), and rank 0 turns any collective failure into UNAVAILABLE for
+open streams, NOT_SERVING, and a non-zero exit (see `__main__.serve`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tandem.decoder.distributed.parallel import (
     free_port,
     init_parallel,
 )
-from tandem.decoder.distributed.step_broadcast import receive_step
+from tandem.decoder.distributed.step_broadcast import RankZeroFailed, receive_step
 from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused, first_refusal
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sizing import num_kv_blocks, pool_refused
@@ -110,8 +111,8 @@ def worker_main(info: RankInfo, config: DecoderConfig) -> None:
 
 
 def run_worker(info: RankInfo, config: DecoderConfig) -> int:
-    """Joins the group, then runs rank 0's steps until STOP (returns 0) or a failure (returns 1; 2 for a
-    KV pool the group agreed it cannot start with: KvPoolRefused)."""
+    """Joins the group, then runs rank 0's steps until STOP (returns 0) or a failure (returns 1, rank 0's
+    ABORT too; 2 for a KV pool the group agreed it cannot start with: KvPoolRefused)."""
     if config.engine.num_threads:
         torch.set_num_threads(config.engine.num_threads)
     try:
@@ -122,6 +123,9 @@ def run_worker(info: RankInfo, config: DecoderConfig) -> int:
         # error (a ConfigError too) is this rank's alone, which only this rank's log can tell.
         log.info("rank %d stopped: %s", info.rank, error)
         return 2
+    except RankZeroFailed:  # said with its traceback in rank 0's log: one line here
+        log.error("rank %d stopping: rank 0 failed (its log says why)", info.rank)
+        return 1
     except Exception:
         log.exception("rank %d failed; exiting", info.rank)
         return 1

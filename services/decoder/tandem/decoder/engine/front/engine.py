@@ -116,6 +116,10 @@ class Engine:
         self._keepalive_s = None if tp is None else tp.timeout_s / 4
         self._keys = itertools.count()  # the engine's own request keys (see submit)
         self._mailboxes = Mailboxes()
+        # Rank 0 of several: the other ranks' feed, which runs every step and adapter install there too;
+        # it can reach them from the KV pool's agreement on (before it they load, or wait in that gather).
+        self._peers: StepFeed | None = None if tp is None else tp.step_sender()
+        self._peers_listening = False  # in their step loops, waiting for our next message
         # The rest holds memory, the threads above and the chat template's worker processes: a set-up
         # that fails part way releases what it made (a refused KV pool left the engine thread waiting
         # and the template's workers running in the caller's process; a --lora that could not be read
@@ -123,7 +127,7 @@ class Engine:
         try:
             self._set_up(loaded, tp, backend)
         except BaseException:
-            self.shutdown()
+            self._close(failed=True)
             raise
 
     def _set_up(self, loaded: LoadedModel | None, tp: RankGroup | None, backend: backends.Backend) -> None:
@@ -185,8 +189,6 @@ class Engine:
         self.prompt_logprob_budget = PromptLogprobBudget(self.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
-        # Rank 0 of several: the other ranks' feed, which runs every step and adapter install there too.
-        self._peers = None if tp is None else tp.step_sender()
         self.core = self._build_core(tp, backend)
         for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
             adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
@@ -246,6 +248,7 @@ class Engine:
             refused = self._thread.run(first_refusal, tp, refused)
         if refused is not None:
             raise sizing.pool_refused(config, refused) from None
+        self._peers_listening = tp is not None
         block_manager = BlockManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching and not invariant
         )
@@ -279,13 +282,21 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> Engine:
-        if self.config.static_shapes:
-            self._thread.run(self.warmup)
+        try:
+            if self.config.static_shapes:
+                self._thread.run(self.warmup)
+        except BaseException:
+            self._close(failed=True)
+            raise
         self._thread.start(self.core, self._keepalive_s)
         return self
 
     def shutdown(self) -> None:
         """Stop the loop; requests still open end with UNAVAILABLE."""
+        self._close(failed=self._thread.error is not None)
+
+    def _close(self, failed: bool) -> None:
+        """Release everything; `failed`: set-up, warmup or a step failed, which the other ranks are told."""
         self._builder.shutdown(wait=False, cancel_futures=True)
         self._chat_builder.shutdown(wait=False, cancel_futures=True)
         self._fetching_builder.shutdown(wait=False, cancel_futures=True)
@@ -296,18 +307,30 @@ class Engine:
             chat_template.close()
         self._thread.stop()
         core = getattr(self, "core", None)  # None: a set-up that failed before the core was built
-        if core is None:
-            return
-        core.fail_all(Unavailable("the decoder is shutting down"))
-        core.close()
-        summary = core.runner.summary()
-        if summary is not None:
-            log.info("%s", summary)
-        if core.runner.peers is not None and self._thread.error is None:
-            try:
-                core.runner.peers.stop()  # the other ranks' worker loops end
-            except Exception:  # a rank already gone: it has nothing left to stop
+        if core is not None:
+            core.fail_all(Unavailable("the decoder is shutting down"))
+            core.close()
+            summary = core.runner.summary()
+            if summary is not None:
+                log.info("%s", summary)
+        if self._peers_listening:
+            self._stop_peers(failed)
+
+    def _stop_peers(self, failed: bool) -> None:
+        """The other ranks' worker loops end: STOP, or ABORT when this rank failed (they exit non-zero at
+        once; without it they waited out the group timeout). Sent once: a second shutdown sends nothing."""
+        assert self._peers is not None
+        self._peers_listening = False
+        try:
+            if failed:
+                self._peers.abort()
+            else:
+                self._peers.stop()
+        except Exception as error:  # a rank already gone (or the fault was the group's): nothing to tell
+            if not failed:
                 log.exception("could not tell the other ranks to stop")
+            else:
+                log.warning("could not tell the other ranks that this one failed: %s", error)
 
     @property
     def is_healthy(self) -> bool:

@@ -74,6 +74,8 @@ class StepFeed(Protocol):
 
     def stop(self) -> None: ...
 
+    def abort(self) -> None: ...  # rank 0 failed: the other ranks stop, non-zero
+
 
 class ModelRunner:
     """Owns the model and its KV cache (this rank's shard of both); turns plans into logits."""

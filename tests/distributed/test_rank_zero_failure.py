@@ -1,0 +1,129 @@
+"""Rank 0 failing once the other ranks wait on its steps (after the KV pool agreement: building its
+step core, warmup in start(), a step's fault) sends them ABORT: they stop at once, exit 1, and say in
+one line that rank 0 failed. (They were sent nothing and waited out the group timeout, 60 s by
+default, with rank 0 waiting as long for them.) A clean shutdown still sends one STOP, however often
+it is called; before the agreement nothing is sent, as the others are loading or in its gather."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.decoder.config import DecoderConfig, EngineConfig
+from tandem.decoder.distributed import worker
+from tandem.decoder.distributed.parallel import RankInfo
+from tandem.decoder.distributed.step_broadcast import RankZeroFailed
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.step import sizing
+
+from . import scenarios
+from .harness import run_ranks
+
+
+def test_the_other_ranks_stop_at_once_when_rank_0_fails_after_the_pool_agreement(
+    tiny_model_dir: Path,
+) -> None:
+    """Two real ranks; the harness's group timeout is 30 s, which a rank told nothing waits out."""
+    rank0, rank1 = run_ranks(
+        scenarios.rank_zero_failures, 2, tiny_model_dir, ["core", "warmup"], timeout_s=25
+    )
+    assert [said for said, _ in rank0] == [
+        "RuntimeError: injected at core",
+        "RuntimeError: injected at warmup",
+        "started",
+        "[0, 1]",
+    ]
+    assert [said for said, _ in rank1] == [
+        "RankZeroFailed: rank 0 failed",
+        "RankZeroFailed: rank 0 failed",
+        "started",  # the normal STOP
+        "[0, 1]",  # and no second one: the control group is still in step
+    ]
+    assert all(seconds < 10 for _, seconds in rank1[:2]), rank1  # ~1 s: rank 0's set-up up to its failure
+
+
+class Feed:
+    """A group of one (identity collectives) whose feed to the other ranks records what it is told."""
+
+    rank, world_size, timeout_s = 0, 1, 60.0
+    rank_tensor = torch.tensor(0)
+
+    def __init__(self, failing_step: bool = False) -> None:
+        self.said: list[str] = []
+        self.failing_step = failing_step
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    all_gather_seq = reduce_scatter_seq = all_gather_last = all_reduce
+
+    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0)
+
+    def step_sender(self) -> Feed:
+        return self
+
+    def send(self, batch) -> None:
+        if self.failing_step:
+            raise RuntimeError("a step fault")
+
+    def install_adapter(self, slot: int, adapter) -> None:
+        pass
+
+    def keepalive(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.said.append("stop")
+
+    def abort(self) -> None:
+        self.said.append("abort")
+
+
+def refuse(*_: object, **__: object) -> None:
+    raise RuntimeError("injected")
+
+
+def test_a_step_fault_sends_abort_at_shutdown(tiny_model_dir: Path) -> None:
+    feed = Feed(failing_step=True)
+    engine = Engine(scenarios.engine_config(tiny_model_dir), tp=feed).start()  # type: ignore[arg-type]
+    engine.submit(scenarios.greedy_spec([1, 2, 3], 2), lambda _: None)
+    deadline = time.monotonic() + 10
+    while engine.is_healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.shutdown()
+    assert feed.said == ["abort"]
+
+
+def test_a_set_up_failing_before_the_agreement_sends_nothing(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message there would meet the other ranks' agreement gather, not their step loop."""
+    monkeypatch.setattr(sizing, "check_sliding_window", refuse)
+    feed = Feed()
+    with pytest.raises(RuntimeError, match="injected"):
+        Engine(scenarios.engine_config(tiny_model_dir), tp=feed)  # type: ignore[arg-type]
+    assert feed.said == []
+
+
+def test_a_worker_told_rank_0_failed_exits_1_with_one_line_and_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Rank 0's log has the failure and its traceback; this rank's says only that it stops for it."""
+
+    def told(*_: object) -> None:
+        raise RankZeroFailed("rank 0 failed")
+
+    monkeypatch.setattr(worker, "init_parallel", lambda *_: None)
+    monkeypatch.setattr(worker, "run_steps", told)
+    config = DecoderConfig(engine=EngineConfig(model_dir=tmp_path), world_size=2)
+    with caplog.at_level(logging.INFO, logger="tandem.decoder"):
+        assert worker.run_worker(RankInfo.local(1, 2, 1), config) == 1
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.ERROR, "rank 1 stopping: rank 0 failed (its log says why)")
+    ]
+    assert not any(r.exc_info for r in caplog.records)
