@@ -18,16 +18,16 @@ import torch
 from services.decoder.tests.engine.engine_helpers import run_concurrently
 from services.decoder.tests.models.helpers import PagedAllocator
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.distributed import worker as worker_module
 from tandem.decoder.distributed.parallel import ParallelContext
 from tandem.decoder.distributed.worker import run_steps
+from tandem.decoder.engine.admission.chat import ChatTemplate
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 from tandem.decoder.engine.front import engine as engine_module
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Failed, OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.step.batch import StepBatch
-from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused, first_refusal
+from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
 from tandem.decoder.models import kv_pool
@@ -297,11 +297,11 @@ def rank_lora_tokens(
 
 
 def rank_zero_failures(tp: ParallelContext, model_dir: Path, points: list[str]) -> list[tuple[str, float]]:
-    """For each point of `points` in turn, a start of the group in which rank 0 fails there, after the
-    ranks agreed on the KV pool ("core": building its step core; "warmup": in start()), then a start that
-    succeeds and is shut down twice. Each rank's outcome of each start ("started", or what it raised)
-    with the seconds it took; rank 1 counts from its pool's agreement, when it begins to wait on rank 0.
-    Last, every rank's rank gathered on the control group, where a stray second STOP would be read."""
+    """For each point of `points` in turn, a start of the group in which rank 0 fails there ("template":
+    loading its chat template, before the KV pool's agreement; "core": building its step core, after
+    it; "warmup": in start()), then a start that succeeds and is shut down twice. Each rank's outcome of
+    each start ("started", or what it raised) with its seconds; then every rank's rank gathered on the
+    control group, where a stray second STOP would be read."""
     outcomes: list[tuple[str, float]] = []
     for point in [*points, "none"]:
         options = {"static_shapes": True} if point == "warmup" else {}
@@ -314,9 +314,7 @@ def rank_zero_failures(tp: ParallelContext, model_dir: Path, points: list[str]) 
                 engine.shutdown()
                 engine.shutdown()  # says nothing more: the other ranks have stopped
             else:
-                with _timed_from_agreement() as agreed:
-                    run_steps(tp, config)
-                start = agreed.at
+                run_steps(tp, config)
             outcomes.append(("started", time.monotonic() - start))
         except Exception as error:
             outcomes.append((f"{type(error).__name__}: {error}", time.monotonic() - start))
@@ -331,7 +329,9 @@ def _rank_zero_failing_at(point: str) -> Iterator[None]:
     def refuse(*_: object, **__: object) -> None:
         raise RuntimeError(f"injected at {point}")
 
-    saved = (engine_module.EngineCore, ModelRunner.warm_up)
+    saved = (ChatTemplate.__dict__["load"], engine_module.EngineCore, ModelRunner.warm_up)
+    if point == "template":
+        ChatTemplate.load = refuse  # type: ignore[method-assign,assignment]
     if point == "core":
         engine_module.EngineCore = refuse  # type: ignore[assignment,misc]
     if point == "warmup":
@@ -339,26 +339,4 @@ def _rank_zero_failing_at(point: str) -> Iterator[None]:
     try:
         yield
     finally:
-        engine_module.EngineCore, ModelRunner.warm_up = saved  # type: ignore[method-assign,misc]
-
-
-@dataclasses.dataclass
-class _Agreed:
-    at: float = 0.0  # monotonic time this rank's KV pool agreement returned
-
-
-@contextlib.contextmanager
-def _timed_from_agreement() -> Iterator[_Agreed]:
-    """Records when the worker's KV pool agreement returns (from then on it waits on rank 0's steps)."""
-    agreed = _Agreed()
-
-    def timed(*args: Any) -> Any:
-        refused = first_refusal(*args)
-        agreed.at = time.monotonic()
-        return refused
-
-    worker_module.first_refusal = timed  # type: ignore[assignment]
-    try:
-        yield agreed
-    finally:
-        worker_module.first_refusal = first_refusal  # type: ignore[assignment]
+        ChatTemplate.load, engine_module.EngineCore, ModelRunner.warm_up = saved  # type: ignore[misc]

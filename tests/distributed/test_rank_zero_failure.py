@@ -1,8 +1,9 @@
-"""Rank 0 failing once the other ranks wait on its steps (after the KV pool agreement: building its
-step core, warmup in start(), a step's fault) sends them ABORT: they stop at once, exit 1, and say in
-one line that rank 0 failed. (They were sent nothing and waited out the group timeout, 60 s by
-default, with rank 0 waiting as long for them.) A clean shutdown still sends one STOP, however often
-it is called; before the agreement nothing is sent, as the others are loading or in its gather."""
+"""Rank 0 failing while the other ranks wait on it tells them where they wait: in the KV pool's
+agreement before it (its set-up failed: loading, its chat template), by ABORT on the step feed after it
+(building its step core, warmup in start(), a step's fault). They stop at once, exit 1, and say in one
+line that rank 0 failed. (They were told nothing and waited out the group timeout, 60 s by default,
+with a local rank 0 waiting as long for them.) A clean shutdown still sends one STOP, however often it
+is called."""
 
 from __future__ import annotations
 
@@ -16,34 +17,33 @@ import torch
 from tandem.decoder.config import DecoderConfig, EngineConfig
 from tandem.decoder.distributed import worker
 from tandem.decoder.distributed.parallel import RankInfo
-from tandem.decoder.distributed.step_broadcast import RankZeroFailed
 from tandem.decoder.engine.front.engine import Engine
-from tandem.decoder.engine.step import sizing
+from tandem.decoder.engine.step import kv_pool_agreement, sizing
+from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 
 from . import scenarios
 from .harness import run_ranks
 
 
-def test_the_other_ranks_stop_at_once_when_rank_0_fails_after_the_pool_agreement(
+def test_the_other_ranks_stop_at_once_when_rank_0_fails_before_or_after_the_pool_agreement(
     tiny_model_dir: Path,
 ) -> None:
     """Two real ranks; the harness's group timeout is 30 s, which a rank told nothing waits out."""
-    rank0, rank1 = run_ranks(
-        scenarios.rank_zero_failures, 2, tiny_model_dir, ["core", "warmup"], timeout_s=25
-    )
+    points = ["template", "core", "warmup"]
+    rank0, rank1 = run_ranks(scenarios.rank_zero_failures, 2, tiny_model_dir, points, timeout_s=25)
     assert [said for said, _ in rank0] == [
-        "RuntimeError: injected at core",
-        "RuntimeError: injected at warmup",
+        *(f"RuntimeError: injected at {point}" for point in points),
         "started",
         "[0, 1]",
     ]
     assert [said for said, _ in rank1] == [
-        "RankZeroFailed: rank 0 failed",
+        "RankZeroFailed: rank 0 failed before the KV pool's agreement",
+        "RankZeroFailed: rank 0 failed",  # ABORT
         "RankZeroFailed: rank 0 failed",
         "started",  # the normal STOP
         "[0, 1]",  # and no second one: the control group is still in step
     ]
-    assert all(seconds < 10 for _, seconds in rank1[:2]), rank1  # ~1 s: rank 0's set-up up to its failure
+    assert all(seconds < 10 for _, seconds in rank1[:3]), rank1  # ~1 s: a load, then rank 0's word
 
 
 class Feed:
@@ -62,6 +62,8 @@ class Feed:
     all_gather_seq = reduce_scatter_seq = all_gather_last = all_reduce
 
     def all_gather_control(self, x: torch.Tensor) -> torch.Tensor:
+        if x[0] == kv_pool_agreement.FAILED:
+            self.said.append("agreement: failed")
         return x.unsqueeze(0)
 
     def step_sender(self) -> Feed:
@@ -99,15 +101,15 @@ def test_a_step_fault_sends_abort_at_shutdown(tiny_model_dir: Path) -> None:
     assert feed.said == ["abort"]
 
 
-def test_a_set_up_failing_before_the_agreement_sends_nothing(
+def test_a_set_up_failing_before_the_agreement_says_so_there_and_sends_nothing_on_the_feed(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A message there would meet the other ranks' agreement gather, not their step loop."""
+    """The others wait in the agreement's gather, not yet in their step loops."""
     monkeypatch.setattr(sizing, "check_sliding_window", refuse)
     feed = Feed()
     with pytest.raises(RuntimeError, match="injected"):
         Engine(scenarios.engine_config(tiny_model_dir), tp=feed)  # type: ignore[arg-type]
-    assert feed.said == []
+    assert feed.said == ["agreement: failed"]
 
 
 def test_a_worker_told_rank_0_failed_exits_1_with_one_line_and_no_traceback(

@@ -12,9 +12,8 @@ loaded adapter whole: an int32 payload of (layer, module) pairs in TARGETS' numb
 one float32 payload of its scale and every pair's A [rank, in] and B [out, rank] in that order;
 each worker writes its own shard into the slot (models/lora.py). KEEPALIVE messages flow while
 rank 0 is idle, so a worker's receive never waits longer than the group timeout unless rank 0 is
-gone; STOP ends the worker loop. ABORT ends it too, as rank 0's failure (set-up after the ranks agreed
-on the KV pool, warmup, or a step's fault): a worker it reaches exits non-zero at once instead of
-waiting out the group timeout for a rank 0 that is alive but will send nothing more.
+gone; STOP ends the worker loop. ABORT ends it as rank 0's failure (its set-up after the KV pool's
+agreement, its warmup, a step's fault): the worker exits non-zero at once (rank_zero_failed.py).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Protocol
 import torch
 
 from tandem.decoder.engine.step.batch import StepBatch
+from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.lora import LoraStep, LoraTable
@@ -44,10 +44,6 @@ class Kind(enum.IntEnum):
     STOP = 3
     ADAPTER = 4
     ABORT = 5
-
-
-class RankZeroFailed(Exception):
-    """Rank 0 sent ABORT: it failed, and its log says why; this rank stops and exits non-zero."""
 
 
 # STEP: kind, num_tokens, num_seqs, table_width, num_logits_indices, num_embed_rows, has_inputs_embeds,

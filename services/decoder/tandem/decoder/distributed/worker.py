@@ -6,7 +6,7 @@ every process is already a rank. Rank 0 then serves gRPC and runs the engine; th
 shard and run `run_worker`: receive a batch, run the same forward, repeat. Nothing waits forever:
 every collective has the group timeout, rank 0 sends keepalives while idle, a worker whose rank 0
 vanished fails its next receive and exits non-zero, one whose rank 0 failed is sent ABORT and exits
-non-zero at once (step_broadcast.py), and rank 0 turns any collective failure into UNAVAILABLE for
+non-zero at once (rank_zero_failed.py), and rank 0 turns any collective failure into UNAVAILABLE for
 open streams, NOT_SERVING, and a non-zero exit (see `__main__.serve`).
 """
 
@@ -33,8 +33,9 @@ from tandem.decoder.distributed.parallel import (
     free_port,
     init_parallel,
 )
-from tandem.decoder.distributed.step_broadcast import RankZeroFailed, receive_step
+from tandem.decoder.distributed.step_broadcast import receive_step
 from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused, first_refusal
+from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 from tandem.decoder.engine.step.runner import ModelRunner
 from tandem.decoder.engine.step.sizing import num_kv_blocks, pool_refused
 from tandem.decoder.models.kv_pool import KvPoolUnallocated

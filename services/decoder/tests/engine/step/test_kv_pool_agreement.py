@@ -1,15 +1,17 @@
 """Every rank says whether its KV pool was allocated: a refusal on any rank is every rank's, the lowest
 rank's first, with its blocks, bytes and the allocator's words; a group whose pools all fit agrees on
-none."""
+none; rank 0 whose set-up failed before its pool says so there, and every other rank stops."""
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
-from tandem.decoder.engine.step.kv_pool_agreement import MAX_CAUSE_BYTES, first_refusal
+from tandem.decoder.engine.step.kv_pool_agreement import MAX_CAUSE_BYTES, first_refusal, say_failed
+from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
 
 
@@ -76,3 +78,17 @@ def test_a_long_cause_is_cut_at_max_cause_bytes_even_inside_a_character() -> Non
     assert answer is not None
     assert answer.cause.startswith("CUDA out of memory. éé")
     assert len(answer.cause.encode()) <= MAX_CAUSE_BYTES + 2  # the split character's replacement
+
+
+def test_rank_0_failing_before_its_pool_stops_every_other_rank_at_the_agreement() -> None:
+    """Rank 0's set-up failed (say_failed): the others raise RankZeroFailed there, before any step,
+    even a rank whose own pool was refused (rank 0 reports nothing of it: it has failed)."""
+    group = ThreadRanks(3)
+    refused = KvPoolUnallocated(4096, 2**40, "[Errno 12] Cannot allocate memory")
+    with ThreadPoolExecutor(3) as ranks:
+        failing = ranks.submit(say_failed, group.rank(0))
+        others = [ranks.submit(first_refusal, group.rank(r), own) for r, own in ((1, None), (2, refused))]
+        failing.result()
+        for other in others:
+            with pytest.raises(RankZeroFailed, match="rank 0 failed before the KV pool's agreement"):
+                other.result()

@@ -45,7 +45,7 @@ from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from tandem.decoder.engine.step import grammar_budget, sizing
 from tandem.decoder.engine.step.core import EngineCore, EngineFault, EventCallback
-from tandem.decoder.engine.step.kv_pool_agreement import first_refusal
+from tandem.decoder.engine.step.kv_pool_agreement import first_refusal, say_failed
 from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.step.xla_buckets import XlaBuckets
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
@@ -116,10 +116,12 @@ class Engine:
         self._keepalive_s = None if tp is None else tp.timeout_s / 4
         self._keys = itertools.count()  # the engine's own request keys (see submit)
         self._mailboxes = Mailboxes()
-        # Rank 0 of several: the other ranks' feed, which runs every step and adapter install there too;
-        # it can reach them from the KV pool's agreement on (before it they load, or wait in that gather).
+        # Rank 0 of several: the other ranks' feed, which runs every step and adapter install there too.
+        # Where they wait on this rank (rank_zero_failed.py): loading, then in the KV pool's agreement,
+        # then in their step loops, where the feed reaches them.
         self._peers: StepFeed | None = None if tp is None else tp.step_sender()
-        self._peers_listening = False  # in their step loops, waiting for our next message
+        self._peers_at_agreement = tp is not None
+        self._peers_listening = False
         # The rest holds memory, the threads above and the chat template's worker processes: a set-up
         # that fails part way releases what it made (a refused KV pool left the engine thread waiting
         # and the template's workers running in the caller's process; a --lora that could not be read
@@ -127,6 +129,9 @@ class Engine:
         try:
             self._set_up(loaded, tp, backend)
         except BaseException:
+            if self._peers_at_agreement:
+                assert tp is not None
+                self._say_failed(tp)
             self._close(failed=True)
             raise
 
@@ -245,6 +250,7 @@ class Engine:
         except KvPoolUnallocated as error:  # a bare OSError [Errno 12] before, naming no flag
             refused = error
         if tp is not None:  # a refusal on any rank is the group's (kv_pool_agreement.py)
+            self._peers_at_agreement = False  # met there now, failing or not: never a second gather
             refused = self._thread.run(first_refusal, tp, refused)
         if refused is not None:
             raise sizing.pool_refused(config, refused) from None
@@ -315,6 +321,13 @@ class Engine:
                 log.info("%s", summary)
         if self._peers_listening:
             self._stop_peers(failed)
+
+    def _say_failed(self, tp: RankGroup) -> None:
+        """The other ranks, loading or waiting in the KV pool's agreement, stop there."""
+        try:
+            self._thread.run(say_failed, tp)
+        except Exception as error:  # a rank already gone: nothing to tell
+            log.warning("could not tell the other ranks that this one failed: %s", error)
 
     def _stop_peers(self, failed: bool) -> None:
         """The other ranks' worker loops end: STOP, or ABORT when this rank failed (they exit non-zero at

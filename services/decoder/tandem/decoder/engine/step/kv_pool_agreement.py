@@ -8,11 +8,14 @@ its pool's allocation: whether it was refused, the blocks and bytes asked and th
 Then every rank knows the same first refusal (the lowest rank's), rank 0 says it as the flag's error
 (exit 2) and the others stop without a traceback. Every rank gathers at the same point, before any
 step is sent on the control group, so the gather is matched on each; a rank that dies before it
-fails the others' gather instead, as any collective of a dead group does.
+fails the others' gather instead, as any collective of a dead group does. Rank 0 failing before it
+(loading, its chat template, anything of its set-up) still takes part, saying so (say_failed): the
+others stop there (RankZeroFailed) instead of waiting out the group timeout (rank_zero_failed.py).
 
-The message: int64 [HEADER + MAX_CAUSE_BYTES] of is_refused, num_blocks, num_bytes, the cause's
-length, then the cause's UTF-8 bytes one per element. Plain integers, no pickles: the ranks' wire
-carries none (step_broadcast.py). Start-up's one message, so its 4 KiB cost nothing.
+The message: int64 [HEADER + MAX_CAUSE_BYTES] of the status (ALLOCATED, REFUSED, FAILED), num_blocks,
+num_bytes, the cause's length, then the cause's UTF-8 bytes one per element. Plain integers, no
+pickles: the ranks' wire carries none (step_broadcast.py). Start-up's one message, so its 4 KiB cost
+nothing.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ from typing import Protocol
 import torch
 
 from tandem.client.errors import ConfigError
+from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
 
-# is_refused, num_blocks, num_bytes, the cause's length in bytes
+# status, num_blocks, num_bytes, the cause's length in bytes
 HEADER = 4
+# The status: this rank's pool allocated; refused (the other fields say how); this rank failed before
+# its pool (rank 0 only: another rank that fails exits, which fails the gather).
+ALLOCATED, REFUSED, FAILED = 0, 1, 2
 # The cause's bytes carried, cut there: mmap's ENOMEM says 25, the host memory check ~60, CUDA's
 # out-of-memory message ~400 with its advice on the allocator's settings.
 MAX_CAUSE_BYTES = 512
@@ -53,20 +60,30 @@ class ControlGather(Protocol):
 
 def first_refusal(group: ControlGather, refused: KvPoolUnallocated | None) -> KvPoolUnallocated | None:
     """The lowest rank's refusal, the same on every rank, with its rank set; None if every rank's pool
-    was allocated. `refused`: this rank's own refusal, None if its pool was allocated."""
+    was allocated. `refused`: this rank's own refusal, None if its pool was allocated. Raises
+    RankZeroFailed when rank 0 failed before its pool (say_failed)."""
     every = group.all_gather_control(_message(refused))  # [world_size, HEADER + MAX_CAUSE_BYTES]
-    for rank, (is_refused, num_blocks, num_bytes, num_cause_bytes, *cause) in enumerate(every.tolist()):
-        if is_refused:
+    if every[0, 0] == FAILED:
+        raise RankZeroFailed("rank 0 failed before the KV pool's agreement")
+    for rank, (status, num_blocks, num_bytes, num_cause_bytes, *cause) in enumerate(every.tolist()):
+        if status == REFUSED:
             said = bytes(cause[:num_cause_bytes]).decode(errors="replace")  # a cut may split a character
             return KvPoolUnallocated(num_blocks, num_bytes, said, rank=rank)
     return None
 
 
+def say_failed(group: ControlGather) -> None:
+    """Rank 0's part in the agreement when its set-up failed before it: the others stop there."""
+    message = _message(None)
+    message[0] = FAILED
+    group.all_gather_control(message)
+
+
 def _message(refused: KvPoolUnallocated | None) -> torch.Tensor:
     """int64 [HEADER + MAX_CAUSE_BYTES]: this rank's refusal as the module's NOTE lays it out."""
-    message = torch.zeros(HEADER + MAX_CAUSE_BYTES, dtype=torch.int64)
+    message = torch.zeros(HEADER + MAX_CAUSE_BYTES, dtype=torch.int64)  # ALLOCATED
     if refused is not None:
         cause = refused.cause.encode()[:MAX_CAUSE_BYTES]
-        header = [1, refused.num_blocks, refused.num_bytes, len(cause)]
+        header = [REFUSED, refused.num_blocks, refused.num_bytes, len(cause)]
         message[: HEADER + len(cause)] = torch.tensor(header + list(cause), dtype=torch.int64)
     return message
