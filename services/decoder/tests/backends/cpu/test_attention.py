@@ -125,6 +125,25 @@ def test_a_short_chunk_keeps_its_kernel_bits_beside_a_long_decode_row(
     assert torch.equal(out[row], attention(q[row], None, None, kv_cache, decode, SCALE))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_chunks_keep_their_kernel_bits_beside_a_long_chunk(
+    kernels: Kernels, ops: Any, dtype: torch.dtype
+) -> None:
+    # Each chunk's own context chooses its path: a neighbour's chunk past the prefill context goes to
+    # SDPA without the others, so a prompt's logprobs do not depend on which prompts share its step.
+    # The short chunks sit on either side of the long one: their kernel rows are not one run.
+    attention = short_limited(kernels, ops)
+    attn, q, k, v, kv_cache = step_over_a_cache(
+        dtype, [("cached", 3), ("long", 12)], [("cached", 10), ("long", 24), ("fresh", 8)]
+    )
+    assert attn.seq_lens == [13, 36, 8]
+    out = attention(q, k, v, kv_cache, attn, SCALE)
+    for seq in range(3):
+        alone, rows = only(attn, [seq])
+        expected = attention(q[rows], k[rows], v[rows], kv_cache, alone, SCALE)
+        assert torch.equal(out[rows], expected), f"sequence {seq}"
+
+
 def test_chunks_on_sdpa_on_either_side_of_a_decode_row_each_get_their_bits_alone(
     kernels: Kernels, ops: Any
 ) -> None:
