@@ -38,7 +38,8 @@ from tandem.common.flags import (
     CONTEXT_SETTINGS,
     UINT32,
     UINT64,
-    client_security,
+    FlagError,
+    checked_client_security,
     client_security_options,
     describe_flag,
     option,
@@ -120,9 +121,9 @@ async def run_chat(
 ) -> int:
     """The chat; its exit code. `connect(address, security)` makes the decoder's client."""
     try:
-        security = client_security(vars(args))
-    except (OSError, ValueError) as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
+        security = checked_client_security(vars(args))
+    except FlagError as error:
+        print(f"{PROG}: {error.message}", file=sys.stderr)
         return 2
     opening = [{"role": "system", "content": args.system}] if args.system else []
     try:

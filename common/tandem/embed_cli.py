@@ -21,7 +21,7 @@ from tandem.common.dtypes import BY_NAME, FLOAT_NAMES
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     PATH,
-    client_security,
+    checked_client_security,
     client_security_options,
     describe_flag,
     is_token_ids,
@@ -113,11 +113,7 @@ async def _embed(values: dict[str, Any]) -> int:
             image = Path(values["image"]).read_bytes()
         except OSError as error:
             raise click.BadParameter(f"{values['image']}: {error.strerror}", param_hint="'--image'") from None
-    try:
-        security = client_security(values)
-    except (OSError, ValueError) as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
-        return 2
+    security = checked_client_security(values)  # FlagError naming the flag of a file it cannot use
     return await run_traced(PROG, values["trace"], lambda t: _call(values, image, security, t))
 
 

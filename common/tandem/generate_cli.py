@@ -23,7 +23,7 @@ from tandem.common.flags import (
     CONTEXT_SETTINGS,
     UINT32,
     UINT64,
-    client_security,
+    checked_client_security,
     client_security_options,
     describe_flag,
     is_token_ids,
@@ -131,11 +131,7 @@ async def _generate(values: dict[str, Any]) -> int:
     if values["prompt"] is None and not values["part"]:
         raise click.UsageError("give --prompt, one --part or more, or both")
     structured = structured_choice(values)  # click.UsageError for two at once, BadParameter for a file
-    try:
-        security = client_security(values)
-    except (OSError, ValueError) as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
-        return 2
+    security = checked_client_security(values)  # FlagError naming the flag of a file it cannot use
     return await run_traced(PROG, values["trace"], lambda t: _stream(values, structured, security, t))
 
 

@@ -9,11 +9,19 @@ OpenAI gateway's `http://127.0.0.1:8000/health` (`tandem.readiness`).
 from __future__ import annotations
 
 import sys
+import urllib.parse
 from typing import Any
 
 import click
 
-from tandem.common.flags import CONTEXT_SETTINGS, client_security, client_security_options, option
+from tandem.common.flags import (
+    CONTEXT_SETTINGS,
+    SECONDS,
+    FlagError,
+    checked_client_security,
+    client_security_options,
+    option,
+)
 
 PROG = "tandem wait"
 DEFAULT_TARGETS = ("127.0.0.1:50051", "127.0.0.1:50052")  # `tandem up`'s encoder and decoder
@@ -24,9 +32,7 @@ def command() -> click.Command:
         "wait",
         params=[
             click.Argument(["targets"], nargs=-1),
-            option(
-                "--timeout-s", "give up after this many seconds", type=click.FloatRange(min=0), default=120.0
-            ),
+            option("--timeout-s", "give up after this many seconds", type=SECONDS, default=120.0),
             *client_security_options(),
         ],
         callback=_wait,
@@ -39,11 +45,11 @@ def command() -> click.Command:
 def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:
     from tandem.readiness import Probe
 
-    try:
-        security = client_security(values)
-    except (OSError, ValueError) as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
-        return 2
+    for target in targets:
+        problem = target_problem(target)
+        if problem is not None:  # else probed until --timeout-s, each probe failing the same way
+            raise FlagError(f"TARGET {target!r}: {problem}")
+    security = checked_client_security(values)  # FlagError naming the flag of a file it cannot use
     probe = Probe(targets or DEFAULT_TARGETS, security)
     try:
         waiting = probe.wait(timeout_s)
@@ -58,3 +64,26 @@ def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:
     sys.stdout.write(f"serving: {', '.join(probe.targets)}\n")
     sys.stdout.flush()
     return 0
+
+
+def target_problem(target: str) -> str | None:
+    """Why `target` is not one to probe (None when it is): a gRPC host:port (or dns:///name:port), or an
+    http(s):// URL with a host and a port in range."""
+    from tandem.readiness import is_http
+
+    if is_http(target):
+        try:
+            url = urllib.parse.urlsplit(target)
+            url.port  # noqa: B018 (raises ValueError for a port out of range)
+        except ValueError as error:
+            return str(error)
+        return None if url.hostname else "an http:// URL needs a host, e.g. http://127.0.0.1:8000/health"
+    from tandem.client.channel import channel_target
+
+    if "," in target:
+        return "one server per TARGET (give each its own)"
+    try:
+        channel_target(target)
+    except ValueError as error:
+        return str(error)
+    return None

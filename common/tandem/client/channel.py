@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,7 +91,10 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
     if not addresses or not all(addresses):
         raise ValueError(f"address {address!r}: expected host:port, several separated by commas, or dns:///")
     if len(addresses) == 1:
-        return addresses[0], addresses[0].startswith("dns:")
+        if addresses[0].startswith("dns:"):
+            return addresses[0], True
+        _host_port(addresses[0])  # gRPC took port 116328 as 50792 (mod 65536), and "::::" as a name
+        return addresses[0], False
     resolved = [_ip_address(a) for a in addresses]
     families = {ip.version for ip, _ in resolved}
     if len(families) > 1:
@@ -100,23 +104,45 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
     return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved), True
 
 
-def _ip_address(address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+# A host name as gRPC's resolver takes it (ASCII: an internationalised name goes in its xn-- form), or
+# an IPv4 address; an IPv6 address goes in brackets.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """The host (an IPv6 address without its brackets) and the port of "host:port", unresolved: a
+    name that resolves only later (a Kubernetes Service not yet created) is still an address. Raises
+    ValueError."""
     host, sep, port = address.rpartition(":")
     # str.isdigit takes '²' and '٨٠' too; at most 5 digits before int(), which refuses 4,300 in words
     # of its own
     if not sep or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
         raise ValueError(f"address {address!r}: expected host:port, a port in 1..65535")
-    host = host.strip("[]")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1])), int(port)
+        except ValueError:
+            raise ValueError(f"address {address!r}: {host} is not an IPv6 address in brackets") from None
+    if not _HOST_NAME.fullmatch(host):
+        raise ValueError(
+            f"address {address!r}: expected host:port, the host a name or an IP address (IPv6 in "
+            "brackets: [::1]:50051)"
+        )
+    return host, int(port)
+
+
+def _ip_address(address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    host, port = _host_port(address)
     try:
-        return ipaddress.ip_address(host), int(port)
+        return ipaddress.ip_address(host), port
     except ValueError:
         pass
     try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as error:
         raise ValueError(f"address {address!r}: {host} does not resolve ({error.strerror})") from None
     infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first: `localhost` is both
-    return ipaddress.ip_address(infos[0][4][0]), int(port)
+    return ipaddress.ip_address(infos[0][4][0]), port
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ jsonargparse does, at the price of a much larger dependency for the same result.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 
 import click
 
-from tandem.client.auth import load_tokens
+from tandem.client.auth import load_tokens, read_token
 from tandem.client.channel import ChannelSecurity
 from tandem.client.errors import ConfigError
 from tandem.common.server import DEFAULT_GRACE_S, ServerOptions, TlsOptions
@@ -81,6 +82,25 @@ class _Sizes(click.ParamType):
 
 
 SIZES = _Sizes()
+
+
+class _Seconds(click.ParamType):
+    """A finite number of seconds, 0 or more: float() takes "nan" (every `< 0` check passes it, and
+    a wait for NaN seconds never ends) and "inf"."""
+
+    name = "SECONDS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not (math.isfinite(seconds) and seconds >= 0):
+            self.fail(f"must be a finite number of seconds, 0 or more, got {value!r}", param, ctx)
+        return seconds
+
+
+SECONDS = _Seconds()
 # The help of every command: `[env var: ...; default: ...]` after each option, up to 100 columns wide.
 CONTEXT_SETTINGS: dict[str, Any] = {"max_content_width": 100, "help_option_names": ["-h", "--help"]}
 
@@ -281,14 +301,41 @@ def client_security_options() -> list[click.Option]:
 
 
 def client_security(values: Mapping[str, Any]) -> ChannelSecurity:
-    """The channel security `client_security_options` ask for. Raises OSError or ValueError."""
-    return ChannelSecurity.from_files(
-        values["tls_ca"],
-        values["tls_cert"],
-        values["tls_key"],
-        values["auth_token_file"],
-        is_tls=values["tls"],
-    )
+    """The channel security `client_security_options` ask for. Raises ConfigError naming the value's
+    key (`tls_ca`, ...) for a file that cannot be read or holds no token, or half a client pair."""
+
+    def read(name: str) -> bytes | None:
+        path = values[name]
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as error:
+            raise ConfigError(name, f": {path}: {error.strerror}") from None
+
+    files = {"root_certificates": "tls_ca", "certificate_chain": "tls_cert", "private_key": "tls_key"}
+    pem = {field: read(name) for field, name in files.items()}
+    if (pem["certificate_chain"] is None) != (pem["private_key"] is None):
+        missing = "tls_key" if pem["private_key"] is None else "tls_cert"
+        raise ConfigError(missing, ": --tls-cert and --tls-key go together (mutual TLS)")
+    token = None
+    if values["auth_token_file"] is not None:
+        try:
+            token = read_token(values["auth_token_file"])
+        except ValueError as error:
+            raise ConfigError("auth_token_file", f": {error}") from None
+    return ChannelSecurity(is_tls=values["tls"], token=token, **pem)
+
+
+def checked_client_security(values: Mapping[str, Any]) -> ChannelSecurity:
+    """`client_security` for the running client command: a refusal is a FlagError naming its flag
+    (`--tls-ca (TANDEM_GENERATE_TLS_CA): /x: No such file or directory`), which exits 2."""
+    try:
+        return client_security(values)
+    except ConfigError as error:
+        is_command = click.get_current_context(silent=True) is not None
+        flag = describe_flag(error.field) if is_command else "--" + error.field.replace("_", "-")
+        raise FlagError(error.said_of(flag)) from None
 
 
 # -- structured output, for the client commands ----------------------------------------------------

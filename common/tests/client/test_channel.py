@@ -71,3 +71,20 @@ def test_a_port_of_digits_outside_ascii_is_not_a_port(port: str) -> None:
     70000 were taken."""
     with pytest.raises(ValueError, match="expected host:port"):
         channel_target(f"127.0.0.1:1,127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["127.0.0.1:116328", "127.0.0.1:0", "127.0.0.1", "::::", "::1:50051", "[nope]:1", "http://x:80"],
+)
+def test_a_single_address_is_checked_as_a_list_s_are(address: str) -> None:
+    """One address went to gRPC unchecked: port 116328 reached the server on 50792 (mod 65536), and
+    "::::" waited out its deadline as a name that does not resolve."""
+    with pytest.raises(ValueError, match=r"address .*: (expected host:port|\[nope\] is not)"):
+        channel_target(address)
+
+
+@pytest.mark.parametrize("address", ["decoder:50052", "127.0.0.1:1", "[::1]:65535", "no.such.invalid:1"])
+def test_a_single_address_is_not_resolved(address: str) -> None:
+    """A name that resolves only later (a Service not created yet) is still an address."""
+    assert channel_target(address) == (address, False)

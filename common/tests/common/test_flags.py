@@ -19,3 +19,24 @@ def test_anything_else_is_not_token_ids(text: str) -> None:
     """'²' raised int()'s ValueError (a traceback from tandem generate and embed), '٣' was taken as
     3, 5,000 digits raised int()'s limit on digits."""
     assert not is_token_ids(text)
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "named", "said"),
+    [
+        ("--tls-ca", "/nonexistent", "--tls-ca", "/nonexistent: No such file or directory"),
+        ("--tls-ca", "/", "--tls-ca", "/: Is a directory"),
+        ("--auth-token-file", "/dev/null", "--auth-token-file", "holds no token"),
+        ("--tls-key", "/etc/hostname", "--tls-cert", "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_a_client_file_it_cannot_use_names_the_flag(
+    flag: str, path: str, named: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They said "tandem generate: [Errno 2] No such file or directory: '/nonexistent'", no flag."""
+    from tandem import cli
+
+    assert cli.main(["generate", "--address", "127.0.0.1:1", "--prompt", "hi", flag, path]) == 2
+    variable = "TANDEM_GENERATE_" + named.removeprefix("--").replace("-", "_").upper()
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem generate: {named} ({variable}): ") and said in err, err
