@@ -32,11 +32,14 @@ def rows_of(image: bytes) -> bytes:
 class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     embedded: list[bytes] = field(default_factory=list)  # the picture of every Embed call, in order
     num_cancelled: int = 0  # Embed calls the caller cancelled before they answered
+    max_image_bytes: int = 0  # what its GetModelInfo says (0: no bound said)
 
     async def GetModelInfo(
         self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EncoderGetModelInfoResponse:
-        return encoder_pb2.EncoderGetModelInfoResponse(model="fake-encoder", hidden_size=HIDDEN_SIZE)
+        return encoder_pb2.EncoderGetModelInfoResponse(
+            model="fake-encoder", hidden_size=HIDDEN_SIZE, max_image_bytes=self.max_image_bytes
+        )
 
     async def Embed(
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
@@ -54,10 +57,14 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
 
 
 @contextlib.asynccontextmanager
-async def fake_encoder() -> AsyncIterator[tuple[FakeEncoder, str]]:
-    """The fake serving on a free loopback port: itself and its address; stopped afterwards."""
-    encoder = FakeEncoder()
-    server = grpc.aio.server()
+async def fake_encoder(
+    max_image_bytes: int = 0, max_message_bytes: int | None = None
+) -> AsyncIterator[tuple[FakeEncoder, str]]:
+    """The fake serving on a free loopback port: itself and its address; stopped afterwards. Its
+    GetModelInfo says `max_image_bytes`; with `max_message_bytes`, gRPC refuses a larger request."""
+    encoder = FakeEncoder(max_image_bytes=max_image_bytes)
+    options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
+    server = grpc.aio.server(options=options)
     encoder_pb2_grpc.add_EncoderServicer_to_server(encoder, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

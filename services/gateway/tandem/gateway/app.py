@@ -51,6 +51,7 @@ from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import ConnectionGuard
 from tandem.gateway.embed_request import embed_request
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
+from tandem.gateway.image_bytes import ImageBound, over_cap
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
 
@@ -278,8 +279,9 @@ class Gateway:
         assert isinstance(call, GenerateCall)
         if info.accepts_encoder_parts:
             images.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
-        else:
-            await images.embed_images(self.encoder.stub, call, self._metadata(request))
+        elif call.images:
+            bound = ImageBound((await self._encoder(request)).max_image_bytes, self.config.max_message_bytes)
+            await images.embed_images(self.encoder.stub, call, bound, self._metadata(request))
         return await self._complete(request, call, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -295,6 +297,11 @@ class Gateway:
         assert isinstance(call, EmbedCall)
         bound = embeddings.answer_bound(call, info)
         embeddings.check_answer_size(call, info, self.config.max_embeddings_bytes)  # before any call
+        pictures = ImageBound(info.max_image_bytes, self.config.max_message_bytes)
+        for i, input_request in enumerate(call.requests):
+            where = call.input_field(i, "image")
+            if input_request.HasField("image") and (too_large := pictures.refusal(input_request, where)):
+                raise Refused(too_large)
         if bound >= self.config.large_body_bytes and LARGE_BODY not in request:
             self._take_large_body(request)  # the replies and the answer are large too
         metadata = self._metadata(request)
@@ -303,6 +310,9 @@ class Gateway:
             try:
                 return await self.encoder.stub.Embed(embed_request, metadata=metadata)
             except grpc.aio.AioRpcError as error:  # named as the body names the input that failed
+                where = call.input_field(i, "image" if embed_request.HasField("image") else "text")
+                if (too_large := over_cap(error, where)) is not None:
+                    raise Refused(too_large) from None
                 raise Refused(from_grpc(error).for_input(call.input_field, i)) from None
 
         replies = await all_or_cancel([embed(i, c) for i, c in enumerate(call.requests)])

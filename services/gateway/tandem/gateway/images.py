@@ -23,7 +23,9 @@ import grpc
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from tandem.gateway.calls import GenerateCall, ImagePart
+from tandem.gateway.errors import Refused
 from tandem.gateway.fields import shown
+from tandem.gateway.image_bytes import ImageBound, over_cap
 from tandem.gateway.tasks import all_or_cancel
 
 
@@ -68,27 +70,37 @@ def as_encoder_parts(call: GenerateCall) -> None:
 
 
 async def embed_images(
-    stub: encoder_pb2_grpc.EncoderStub, call: GenerateCall, metadata: tuple[tuple[str, str], ...] | None
+    stub: encoder_pb2_grpc.EncoderStub,
+    call: GenerateCall,
+    bound: ImageBound,
+    metadata: tuple[tuple[str, str], ...] | None,
 ) -> None:
     """The encoder's rows in place of each image_url part of `call`: each distinct file embedded once,
-    all of them concurrently (the encoder batches them). The encoder's refusal names the file's first
-    part."""
+    all of them concurrently (the encoder batches them). A file over `bound` is a 413 before any call;
+    the encoder's refusal names the file's first part."""
     by_file: dict[bytes, list[ImagePart]] = {}
     for image in call.images:
         by_file.setdefault(image.data, []).append(image)
-
-    async def rows(data: bytes, first: ImagePart) -> tuple[bytes, tensor_pb2.Tensor]:
+    embeds = []  # each file's Embed request and where the body first gave it, all checked before any call
+    for data, parts in by_file.items():
         embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=data))
+        where = f"messages[{parts[0].message}].content[{parts[0].part}].image_url"
+        if (too_large := bound.refusal(embed, where)) is not None:
+            raise Refused(too_large)
+        embeds.append((embed, where))
+
+    async def rows(embed: encoder_pb2.EmbedRequest, where: str) -> tuple[bytes, tensor_pb2.Tensor]:
         try:
             reply = await stub.Embed(embed, metadata=metadata)
         except grpc.aio.AioRpcError as error:
             if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                where = f"messages[{first.message}].content[{first.part}].image_url"
                 raise InvalidArgument(where, error.details()) from None
+            if (too_large := over_cap(error, where)) is not None:
+                raise Refused(too_large) from None
             raise
-        return data, reply.embeddings
+        return embed.image.data, reply.embeddings
 
-    embedded = await all_or_cancel([rows(data, parts[0]) for data, parts in by_file.items()])
+    embedded = await all_or_cancel([rows(embed, where) for embed, where in embeds])
     for data, tensor in embedded:
         for image in by_file[data]:
             call.requests[0].chat.messages[image.message].content[image.part].image.CopyFrom(tensor)

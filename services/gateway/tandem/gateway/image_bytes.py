@@ -1,0 +1,55 @@
+"""A picture's bytes against the bounds its Embed call must pass: the encoder's max_image_bytes (its
+--max-image-bytes, or what its --max-message-bytes carries) and the services' --max-message-bytes the
+gateway's channels are opened with.
+
+Checked before the call, so the 413 names the body's part and the flag: passed on, gRPC's own refusal
+("CLIENT: Sent message larger than max (17301514 vs. 16777216)") named neither. An encoder whose cap
+is below what the gateway was told still refuses over gRPC; that refusal is named the same way
+(`over_cap`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.gateway.errors import HttpError
+
+
+@dataclass(frozen=True)
+class ImageBound:
+    """The bounds an Embed call of one picture must pass."""
+
+    max_image_bytes: int  # the encoder's (its GetModelInfo); 0 where it says none
+    max_message_bytes: int  # the services' --max-message-bytes, as the gateway was told (its channels')
+
+    def refusal(self, request: encoder_pb2.EmbedRequest, where: str) -> HttpError | None:
+        """A 413 naming `where` (the body's part) and the flag when `request`'s picture is over a bound."""
+        num_bytes = len(request.image.data)
+        if 0 < self.max_image_bytes < num_bytes:
+            message = (
+                f"{where}: the picture is {num_bytes} bytes, over the encoder's max_image_bytes "
+                f"{self.max_image_bytes} (its --max-image-bytes, or what its --max-message-bytes carries)"
+            )
+            return HttpError(413, "invalid_request_error", message, where)
+        if (size := request.ByteSize()) > self.max_message_bytes:
+            message = (
+                f"{where}: the picture is {num_bytes} bytes, an Embed call of {size} bytes, over the "
+                f"services' max_message_bytes {self.max_message_bytes} (--max-message-bytes)"
+            )
+            return HttpError(413, "invalid_request_error", message, where)
+        return None
+
+
+def over_cap(error: grpc.aio.AioRpcError, where: str) -> HttpError | None:
+    """gRPC's refusal of an Embed call over a side's message cap as a 413 naming `where`: the encoder's
+    --max-message-bytes below the gateway's (its server refused), or a picture the check above let by."""
+    details = error.details() or ""
+    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "larger than max" not in details:
+        return None
+    message = (
+        f"{where}: the picture's Embed call is over the services' --max-message-bytes (the encoder's, "
+        f"or the gateway's): {details}"
+    )
+    return HttpError(413, "invalid_request_error", message, where)

@@ -1,0 +1,96 @@
+"""A picture over what its Embed call may carry is a 413 naming the body's part (a chat's
+`messages[i].content[j].image_url`, an embeddings body's `input[i].data`) and the flag that bounds it:
+the encoder's max_image_bytes, the services' --max-message-bytes the gateway was told, or, where the
+encoder's own cap is lower than that, gRPC's refusal named the same way. The encoder is the tests'
+fake; no picture over a bound the gateway knows reaches it."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from .fake_decoder import fake_decoder
+from .fake_encoder import fake_encoder
+from .live_gateway import live_gateway
+
+BOUND = 64 * 1024
+PICTURE = b"\x89PNG" + b"\0" * (BOUND + 1)  # over BOUND alone, as a file
+
+
+def _chat(picture: bytes) -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(picture).decode()
+    image = {"type": "image_url", "image_url": {"url": url}}
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]}
+
+
+def _embeddings(picture: bytes) -> dict[str, Any]:
+    image = {"type": "tandem_image", "data": base64.b64encode(picture).decode()}
+    return {"input": ["a", image], "tandem_pooling": "none", "encoding_format": "base64"}
+
+
+async def _refusal(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        return response.status, json.loads(await response.text())["error"]
+
+
+BODIES = [
+    ("chat/completions", _chat, "messages[0].content[1].image_url"),
+    ("embeddings", _embeddings, "input[1].data"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "part"), BODIES, ids=["chat", "embeddings"])
+async def test_a_picture_over_the_encoders_max_image_bytes_is_413_naming_its_part(
+    path: str, body: Any, part: str
+) -> None:
+    async with (
+        fake_encoder(max_image_bytes=BOUND) as (encoder, encoder_address),
+        fake_decoder() as (_, decoder_address),
+        live_gateway(decoder_address, encoder_address=encoder_address) as url,
+    ):
+        status, error = await _refusal(f"{url}/{path}", body(PICTURE))
+    assert (status, error["param"]) == (413, part)
+    assert error["message"] == (
+        f"{part}: the picture is {len(PICTURE)} bytes, over the encoder's max_image_bytes {BOUND} "
+        "(its --max-image-bytes, or what its --max-message-bytes carries)"
+    )
+    assert encoder.embedded == []
+
+
+@pytest.mark.parametrize(("path", "body", "part"), BODIES, ids=["chat", "embeddings"])
+async def test_a_picture_over_the_services_max_message_bytes_is_413_naming_its_part_and_the_flag(
+    path: str, body: Any, part: str
+) -> None:
+    # It was `413 "CLIENT: Sent message larger than max (...)"` with no param: gRPC's own words.
+    async with (
+        fake_encoder() as (encoder, encoder_address),
+        fake_decoder() as (_, decoder_address),
+        live_gateway(decoder_address, encoder_address=encoder_address, max_message_bytes=BOUND) as url,
+    ):
+        status, error = await _refusal(f"{url}/{path}", body(PICTURE))
+    assert (status, error["param"]) == (413, part)
+    assert error["message"].startswith(f"{part}: the picture is {len(PICTURE)} bytes, an Embed call of ")
+    assert error["message"].endswith(f"over the services' max_message_bytes {BOUND} (--max-message-bytes)")
+    assert encoder.embedded == []
+
+
+@pytest.mark.parametrize(("path", "body", "part"), BODIES, ids=["chat", "embeddings"])
+async def test_an_encoder_whose_cap_is_below_the_gateways_refusal_names_the_part_and_the_flag(
+    path: str, body: Any, part: str
+) -> None:
+    async with (
+        fake_encoder(max_message_bytes=BOUND) as (_, encoder_address),
+        fake_decoder() as (_, decoder_address),
+        live_gateway(decoder_address, encoder_address=encoder_address) as url,
+    ):
+        status, error = await _refusal(f"{url}/{path}", body(PICTURE))
+    assert (status, error["param"]) == (413, part)
+    assert error["message"].startswith(
+        f"{part}: the picture's Embed call is over the services' --max-message-bytes (the encoder's, or the "
+        "gateway's): "
+    )
+    assert "larger than max" in error["message"]
