@@ -8,7 +8,11 @@ import pytest
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from tandem.gateway.body_limits import BodyLimits
+from tandem.gateway.chat_request import chat_request
 from tandem.gateway.errors import BodyNames, PromptShape, body_field, from_grpc
+
+LIMITS = BodyLimits.for_chat(4096, 16)
 
 
 @pytest.mark.parametrize(
@@ -23,7 +27,7 @@ from tandem.gateway.errors import BodyNames, PromptShape, body_field, from_grpc
         ("structured", None, "response_format"),
         ("structured output is not available on this server", "guided_regex",
          "structured output is not available on this server"),  # the words, not a field
-        ("chat.messages[2].content[0].image", "guided_regex", "messages[2].content[0].image"),
+        ("chat.messages[2].content[0].image", "guided_regex", "messages[2].content[0].embeddings"),
         ("stopping.stop_sequences[0]", None, "stop[0]"),
         ("sampling.top_k", None, "top_k"),
     ],
@@ -79,6 +83,39 @@ def test_max_new_tokens_is_named_as_the_caller_spelled_it() -> None:
     assert body_field(path).startswith("max_tokens: ")
     assert body_field(path, BodyNames(max_tokens="max_completion_tokens")).startswith(
         "max_completion_tokens: "
+    )
+
+
+def test_min_tokens_over_max_tokens_states_the_bound_as_the_caller_spelled_it() -> None:
+    # It said "must be in [0, max_new_tokens=4]": the decoder's name, which no body field has.
+    message = "stopping.min_new_tokens: must be in [0, max_new_tokens=4], got 10"
+    error = from_grpc(
+        _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, message, "stopping.min_new_tokens"),
+        BodyNames(max_tokens="max_completion_tokens"),
+    )
+    assert (error.param, error.message) == (
+        "min_tokens",
+        "min_tokens: must be in [0, max_completion_tokens=4], got 10",
+    )
+
+
+def test_a_chats_image_part_is_named_as_the_body_gave_it() -> None:
+    # An image_url part's rows are the encoder's of its file: the body's field is the URL. Any other image
+    # part was a tandem_image_embeddings part, whose rows are its `embeddings`. Both were `.image`.
+    content = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {
+            "type": "tandem_image_embeddings",
+            "embeddings": {"dtype": "float32", "shape": [1, 2], "data": "AAAAAAAAAAA="},
+        },
+    ]
+    names = chat_request({"messages": [{"role": "user", "content": content}]}, LIMITS).names
+    refused = "chat.messages[0].content[0].image: this model takes no images"
+    assert body_field(refused, names) == "messages[0].content[0].image_url: this model takes no images"
+    shape = "chat.messages[0].content[1].image.shape: expected [n >= 1, 64], got [1, 2]"
+    assert (
+        body_field(shape, names)
+        == "messages[0].content[1].embeddings.shape: expected [n >= 1, 64], got [1, 2]"
     )
 
 

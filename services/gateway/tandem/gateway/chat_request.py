@@ -3,6 +3,7 @@ counted (`body_limits.py`) before its first element is converted."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
@@ -90,4 +91,5 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             request.output.top_logprobs = top
     elif top is not None:  # as OpenAI and vLLM answer it, rather than dropping the field
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
+    names = dataclasses.replace(names, image_urls=frozenset((image.message, image.part) for image in images))
     return generate_call(body, (request,), n, False, tuple(images), names)

@@ -105,6 +105,10 @@ class BodyNames:
     # A completion's one prompt; None for a chat, and for a batch, whose prompt i each call names
     # (`HttpError.for_prompt`).
     prompt: PromptShape | None = None
+    # A chat's image_url parts, (message, part): the decoder's image part there is the body's
+    # `image_url` (the encoder's rows of its file); any other image part is a tandem_image_embeddings
+    # part, whose rows are the body's `embeddings`.
+    image_urls: frozenset[tuple[int, int]] = frozenset()
 
 
 # A batch prompt's Generate call has one segment: the decoder's paths into it, up to what follows the
@@ -172,6 +176,10 @@ BODY_FIELDS = (
 RESPONSE_FORMAT_FIELDS = {".json_schema": "response_format.json_schema.schema", "": "response_format"}
 # `structured.<kind>`, or `structured` as a whole field (not the word in "structured output").
 STRUCTURED = re.compile(r"\bstructured(\.[a-z_]+|(?=:|$))")
+# The decoder's limit on new tokens, as a path or as a bound a message states (`max_new_tokens=4`).
+MAX_NEW_TOKENS = re.compile(r"\b(?:stopping\.)?max_new_tokens\b")
+# A chat part's image rows (`messages[i].content[j].image`, and what follows: `.shape`), body-named.
+IMAGE_PART = re.compile(r"\bmessages\[(\d+)\]\.content\[(\d+)\]\.image\b((?:\.[a-z_]+|\[\d+\])*)")
 
 
 def body_field(path: str, names: BodyNames = BodyNames()) -> str:
@@ -181,14 +189,24 @@ def body_field(path: str, names: BodyNames = BodyNames()) -> str:
     `stopping.max_new_tokens` is max_tokens or max_completion_tokens, whichever the caller sent; a
     completion's segment `prompt[j]` is the body's prompt as it gave it (`names.prompt`):
     `prompt[0].token_ids.ids[k]` is `prompt[k]` of a list of IDs and `prompt[j][k]` of a list of parts."""
-    path = path.replace("stopping.max_new_tokens", names.max_tokens)
+    path = MAX_NEW_TOKENS.sub(names.max_tokens, path)
     if names.prompt is PromptShape.SEGMENTS:
         path = SEGMENT.sub(r"prompt\1", path, count=1)
     elif names.prompt is not None:  # the prompt is its one segment
         path = PROMPT.sub("prompt", path, count=1)
     for service, body in BODY_FIELDS:
         path = path.replace(service, body)
+    path = IMAGE_PART.sub(lambda m: _image_part(m, names.image_urls), path)
     structured_field = names.structured
     if structured_field is not None and structured_field != "response_format":
         return STRUCTURED.sub(structured_field, path)
     return STRUCTURED.sub(lambda m: RESPONSE_FORMAT_FIELDS.get(m[1] or "", "response_format"), path)
+
+
+def _image_part(match: re.Match[str], image_urls: frozenset[tuple[int, int]]) -> str:
+    """A chat's image part as its body gave it: an image_url part (whose rows, shape and all, are the
+    encoder's of its file: the body's field is the URL), or a tandem_image_embeddings part's rows."""
+    message, part, rest = match[1], match[2], match[3]
+    if (int(message), int(part)) in image_urls:
+        return f"messages[{message}].content[{part}].image_url"
+    return f"messages[{message}].content[{part}].embeddings{rest}"
