@@ -99,7 +99,10 @@ def test_a_checkpoint_whose_image_placeholder_is_over_its_bound_is_refused_at_lo
         (model_dir / path.name).symlink_to(path)
     tokenizer = json.loads((tiny_llava / "tokenizer.json").read_text())
     [added] = [token for token in tokenizer["added_tokens"] if token["content"] == IMAGE_TOKEN]
-    added["content"] = "<" + "i" * (MAX_IMAGE_PLACEHOLDER_BYTES - 1) + ">"  # one byte over
+    # Bytes, not characters: a 3-byte character, so the string is far shorter than the bytes it takes.
+    wide = (MAX_IMAGE_PLACEHOLDER_BYTES - 1) // 3
+    added["content"] = "<" + "\u56f3" * wide + "i" * (MAX_IMAGE_PLACEHOLDER_BYTES - 1 - 3 * wide) + ">"
+    assert len(added["content"].encode()) == MAX_IMAGE_PLACEHOLDER_BYTES + 1  # one byte over
     (model_dir / "tokenizer.json").unlink()
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(EmbedderLoadError) as error:
@@ -110,6 +113,8 @@ def test_a_checkpoint_whose_image_placeholder_is_over_its_bound_is_refused_at_lo
         f"{MAX_IMAGE_PLACEHOLDER_BYTES} an image placeholder may take (every Embed reply of an image "
         "carries it)"
     )
-    added["content"] = "<" + "i" * (MAX_IMAGE_PLACEHOLDER_BYTES - 2) + ">"  # at the bound: loads
+    at_bound = "\u56f3" * (wide - 1)
+    added["content"] = "<" + at_bound + "i" * (MAX_IMAGE_PLACEHOLDER_BYTES - 2 - len(at_bound.encode())) + ">"
+    assert len(added["content"].encode()) == MAX_IMAGE_PLACEHOLDER_BYTES
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
     assert VisionLanguageEmbedder.load(model_dir, torch.float32).info.image_placeholder == added["content"]

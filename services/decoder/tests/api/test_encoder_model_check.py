@@ -105,3 +105,34 @@ def test_a_replys_sample_found_this_decoders_is_compared_once_for_at_most_max_sa
         assert [check.reply_mismatch(reply) for reply in replies] == [None] * len(replies)
         assert check.reply_mismatch(other) is not None
     assert compared == [reply.model for reply in replies] + ["other", f"s{MAX_SAME_SAMPLES}", "other"]
+
+
+def test_a_model_under_a_remembered_models_name_is_still_compared_and_refused() -> None:
+    # An encoder restarted on its port with another checkpoint keeps its --model-name: only the sample
+    # may decide, so the name of a sample once found the same remembers nothing.
+    check = _check()
+    good = encoder_pb2.EmbedResponse(model="same-name", token_table_sample=_pb(OURS))
+    wrong = encoder_pb2.EmbedResponse(
+        model="same-name", token_table_sample=_pb(TableSample(1024, 64, tuple(-v for v in OURS.values)))
+    )
+    assert check.reply_mismatch(good) is None
+    assert [check.reply_mismatch(wrong) is not None for _ in range(3)] == [True, True, True]
+
+
+def test_a_mismatching_sample_is_never_remembered_even_with_room_to_remember_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check = _check()
+    compared: list[str] = []
+    mismatch = check.mismatch
+
+    def counted(model: str, reported: encoder_pb2.TokenTableSample | None) -> str | None:
+        compared.append(model)
+        return mismatch(model, reported)
+
+    monkeypatch.setattr(check, "mismatch", counted)
+    other = encoder_pb2.EmbedResponse(
+        model="other", token_table_sample=_pb(TableSample(1024, 64, tuple(-v for v in OURS.values)))
+    )
+    assert [check.reply_mismatch(other) is not None for _ in range(2)] == [True, True]
+    assert compared == ["other", "other"]
