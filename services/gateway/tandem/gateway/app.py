@@ -40,6 +40,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb
 from tandem.gateway import answers, embeddings, images
 from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
+from tandem.gateway.body_codings import coding_refusal
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of
 from tandem.gateway.calls import EmbedCall, GenerateCall
@@ -111,7 +112,7 @@ class Gateway:
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """A request head asking `Expect: 100-continue`: refused before its body is sent where the
         normal path refuses it unread, in the same order (401 without an accepted token, then 413 for a
-        declared length over --max-body-bytes), the answer saying `Connection: close`; else
+        declared length over --max-body-bytes, then a coding the gateway does not decode), the answer saying `Connection: close`; else
         `100 Continue`. aiohttp runs this before the middlewares, and its own handler sent
         `100 Continue` to every head: a client uploaded a whole body (5,000 bytes over a 4,096 bound)
         only to be answered 413."""
@@ -127,6 +128,8 @@ class Gateway:
             declared = request.content_length
             if declared is not None and declared > self.config.max_body_bytes:
                 refusal = _too_large(self.config.max_body_bytes)
+            else:
+                refusal = coding_refusal(request.headers)
         if refusal is not None:
             # Answered by aiohttp, which then lingers (LINGERING_S) reading what comes of the body before
             # it closes: a client may send the body without waiting for `100 Continue` (RFC 9110 10.1.1;
@@ -347,6 +350,8 @@ class Gateway:
         declared = request.content_length
         if declared is not None and declared > limit:
             raise Refused(_too_large(limit))
+        if (refusal := coding_refusal(request.headers)) is not None:
+            raise Refused(refusal)
         is_large = declared is not None and declared >= self.config.large_body_bytes
         body, num_values = bytearray(), 0
         # Two bounds on one timer: the next bytes within --body-idle-timeout-s, all of them by the

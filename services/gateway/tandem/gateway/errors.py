@@ -41,6 +41,8 @@ class HttpError:
     param: str | None = None
     retry_after_s: float | None = None
     code: str | None = None  # OpenAI's code where it has its own (model_not_found); else from the type
+    # What else the answer's head says (a 415's Accept-Encoding).
+    more_headers: tuple[tuple[str, str], ...] = ()
 
     def body(self) -> dict:
         code = self.code or (self.type if self.status != 429 else "rate_limit_exceeded")
@@ -71,9 +73,10 @@ class HttpError:
         return dataclasses.replace(self, param=param, message=message)
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        headers = dict(self.more_headers)
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return headers
 
 
 class Refused(Exception):

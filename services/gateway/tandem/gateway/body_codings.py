@@ -1,0 +1,54 @@
+"""The codings a request body may come in: the content codings aiohttp decodes (gzip, deflate; br and
+zstd where their libraries are installed), identity, or none, one at most; and the chunked transfer
+coding alone.
+
+NOTE: why a body's coding is checked before it is read. aiohttp decodes a Content-Encoding only when
+the whole header is one coding it knows, and reads any other body as plain bytes: `Content-Encoding:
+foo` over plain JSON was answered 200, `x-gzip` or `gzip, gzip` over gzip "body is not valid JSON";
+it drops every transfer coding but the last chunked, so `Transfer-Encoding: gzip, chunked` was read as
+its compressed bytes. A coding the gateway does not decode is refused instead: 415 naming
+Content-Encoding, with Accept-Encoding saying what is (RFC 9110 15.5.16), or 400 naming
+Transfer-Encoding (RFC 9112 6.1 suggests 501; OpenAI's clients retry a 5xx, and no retry mends this).
+"""
+
+from __future__ import annotations
+
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from multidict import CIMultiDictProxy
+
+from tandem.gateway.errors import HttpError
+
+# The content codings aiohttp's request parser decodes here, as it spells them (any case).
+CONTENT_CODINGS = ("gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + (("zstd",) if HAS_ZSTD else ())
+
+
+def coding_refusal(headers: CIMultiDictProxy[str]) -> HttpError | None:
+    """The refusal of a body sent in a coding the gateway does not decode, or None."""
+    content = _codings(headers.getall("Content-Encoding", ()))
+    if len(content) > 1 or (content and content[0] not in ("identity", *CONTENT_CODINGS)):
+        accepted = ", ".join(CONTENT_CODINGS)
+        message = (
+            f"Content-Encoding: {_shown(content)} is not a coding the gateway decodes: one of {accepted}, "
+            "or identity"
+        )
+        return HttpError(
+            415,
+            "invalid_request_error",
+            message,
+            "Content-Encoding",
+            more_headers=(("Accept-Encoding", accepted),),
+        )
+    transfer = _codings(headers.getall("Transfer-Encoding", ()))
+    if transfer and transfer != ["chunked"]:
+        message = f"Transfer-Encoding: {_shown(transfer)} is not one the gateway reads: chunked alone"
+        return HttpError(400, "invalid_request_error", message, "Transfer-Encoding")
+    return None
+
+
+def _codings(values: list[str]) -> list[str]:
+    """The codings of a header's lines, in order (RFC 9110 5.3: lines are a comma-separated list)."""
+    return [c.strip(" \t").lower() for value in values for c in value.split(",") if c.strip(" \t")]
+
+
+def _shown(codings: list[str]) -> str:
+    return ", ".join(codings)[:64] or "(empty)"

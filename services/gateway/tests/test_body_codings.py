@@ -1,0 +1,82 @@
+"""A body comes in a coding the gateway decodes (Content-Encoding gzip or deflate, any case; identity or
+none; chunked alone), or it is refused before it is read: 415 naming Content-Encoding with
+Accept-Encoding saying which are decoded, 400 naming Transfer-Encoding. aiohttp read every other coding
+as plain bytes: `Content-Encoding: foo` over plain JSON was answered 200, and `x-gzip` or `gzip, gzip`
+over gzip "the body is not valid JSON"."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+
+import aiohttp
+import pytest
+
+from tandem.gateway.body_codings import CONTENT_CODINGS
+
+from .fake_decoder import fake_decoder
+from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, connect, read_answer, send
+
+BODY = json.dumps({"model": "", "prompt": "hi", "max_tokens": 2}).encode()
+
+
+async def _post(url: str, encoding: str, data: bytes) -> tuple[int, dict, str | None]:
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/completions", data=data, headers=headers) as response,
+    ):
+        return response.status, json.loads(await response.text()), response.headers.get("Accept-Encoding")
+
+
+@pytest.mark.parametrize(
+    ("encoding", "data"),
+    [
+        ("foo", BODY),  # was read as plain JSON: 200
+        ("x-gzip", gzip.compress(BODY)),  # was "the body is not valid JSON"
+        ("gzip, gzip", gzip.compress(gzip.compress(BODY))),  # was decoded once: not valid JSON
+        ("gzip, identity", gzip.compress(BODY)),
+    ],
+    ids=["foo", "x-gzip", "gzip twice", "gzip then identity"],
+)
+async def test_a_content_coding_the_gateway_does_not_decode_is_415_saying_which_it_does(
+    encoding: str, data: bytes
+) -> None:
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        status, answer, accepted = await _post(url, encoding, data)
+    error = answer["error"]
+    assert (status, error["param"], accepted) == (415, "Content-Encoding", ", ".join(CONTENT_CODINGS))
+    assert error["message"] == (
+        f"Content-Encoding: {encoding} is not a coding the gateway decodes: one of "
+        f"{', '.join(CONTENT_CODINGS)}, or identity"
+    )
+    assert decoder.requests == []
+
+
+async def test_the_codings_the_gateway_decodes_are_read_in_any_case() -> None:
+    cases = [("gzip", gzip.compress(BODY)), ("GZip", gzip.compress(BODY)), ("deflate", zlib.compress(BODY))]
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        for encoding, data in [*cases, ("identity", BODY), ("", BODY)]:
+            status, answer, _ = await _post(url, encoding, data)
+            assert (status, answer["choices"][0]["text"]) == (200, "<hi> seed=none"), encoding
+    assert len(decoder.requests) == 5
+
+
+async def test_a_transfer_coding_besides_chunked_is_400_naming_transfer_encoding() -> None:
+    # aiohttp took the last coding, chunked, and read the gzip bytes as the body.
+    data = gzip.compress(BODY)
+    chunked = b"%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n"
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, COMPLETIONS_HEAD + b"Transfer-Encoding: gzip, chunked\r\n\r\n" + chunked)
+            status, answer = await read_answer(sock, 5)
+        finally:
+            sock.close()
+    assert (status, answer["error"]["param"]) == (400, "Transfer-Encoding")
+    assert answer["error"]["message"] == (
+        "Transfer-Encoding: gzip, chunked is not one the gateway reads: chunked alone"
+    )
+    assert decoder.requests == []
