@@ -173,6 +173,7 @@ async def _stream(
     async with client:
         try:
             async for response in client.generate(request):
+                has_finished = has_finished or response.HasField("finished")
                 if values["json"]:
                     print(json.dumps(json_format.MessageToDict(response)), flush=True)
                 elif response.HasField("delta"):
@@ -180,7 +181,6 @@ async def _stream(
                     if response.delta.text:
                         is_mid_line = not response.delta.text.endswith("\n")
                 elif response.HasField("finished"):
-                    has_finished = True
                     f = response.finished
                     reason = decoder_pb2.FinishReason.Name(f.reason)
                     print(
