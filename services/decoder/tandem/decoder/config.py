@@ -61,6 +61,14 @@ MAX_KV_SLOTS = 2**31
 # must be at most 0", and 3 * 10**9 a negative --kv-cache-bytes. Far past any block worth having, but
 # no tighter bound follows from the decoder itself, so none is imposed.
 MAX_BLOCK_SIZE = MAX_KV_SLOTS // 2
+# --world-size at most on an SPMD device (neuron): the most NeuronCores one instance has (trn2.48xlarge:
+# 16 Trainium2 chips of 8). On XLA's CPU device each is a virtual device holding its share of the model
+# and the KV pool (backends/xla/host_pool.py checks the pool's copies against the host's memory);
+# --world-size 100000 asked the runtime for as many, and the host ran out of memory.
+MAX_NUM_DEVICES = 128
+# --collective-timeout-s at most: a collective (or a rank's exit) waited for longer than a day is a
+# group that hangs, not one that is slow; far past it torch's timedelta overflows (NaN: a traceback).
+MAX_COLLECTIVE_TIMEOUT_S = 86_400.0
 # What the C kernels compute in, by name: a quantized linear has no torch path to fall back on.
 KERNEL_DTYPE_NAMES = tuple(sorted(BY_TORCH[dtype].name for dtype in DTYPE_CODES))
 
@@ -119,7 +127,8 @@ class EngineConfig:
     # the blocks of max_model_len. Gathering decode paths cost what the width holds, not the context.
     block_table_buckets: tuple[int, ...] = ()
     compile: bool = False  # static mode: decode buckets are graphs compiled at warmup (Neuron: every step).
-    # neuron: XLA devices the model spans, as one SPMD program in this process (DecoderConfig.world_size).
+    # neuron: XLA devices the model spans, as one SPMD program in this process (DecoderConfig.world_size:
+    # the options say its refusals as --world-size's).
     num_devices: int = 1
     # CPU, eager: steps run through the CPU executor and its C kernels (backends/cpu/, built when the
     # project is installed, chosen from the CPU's flags); False runs the plain model on torch ops.
@@ -204,6 +213,12 @@ class EngineConfig:
         if self.num_devices != 1 and not backend.is_spmd:
             raise ConfigError(
                 "num_devices", f"must be 1 on {backend.name} (several ranks are processes: world_size)"
+            )
+        if self.num_devices > MAX_NUM_DEVICES:
+            raise ConfigError(
+                "num_devices",
+                f"must be at most {MAX_NUM_DEVICES} (the most NeuronCores one instance has: trn2.48xlarge's "
+                f"16 Trainium2 chips of 8), got {self.num_devices:,}",
             )
         for name in (
             "max_num_seqs",
@@ -424,8 +439,13 @@ class DecoderConfig:
             )
         if self.world_size < 1:
             raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
-        if self.collective_timeout_s <= 0:
-            raise ConfigError("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s}")
+        # NaN too: it passed a `<= 0` check, and timedelta refused it in a traceback once ranks started.
+        if not 0 < self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S:
+            raise ConfigError(
+                "collective_timeout_s",
+                f"must be > 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:,.0f} (a day), "
+                f"got {self.collective_timeout_s}",
+            )
         backend = backends.resolve(self.engine.device)
         if backend.is_spmd and self.engine.num_devices != self.world_size:
             raise ConfigError(

@@ -56,6 +56,8 @@ from tandem.decoder.api.servicer import DecoderServicer
 from tandem.decoder.backends.backend import BackendUnavailable, check_available, resolve
 from tandem.decoder.backends.cpu.kernel_choice import AUTO as AUTO_KERNELS
 from tandem.decoder.backends.cpu.kernel_choice import check_kernels
+from tandem.decoder.backends.xla.host_pool import check_host_pool
+from tandem.decoder.backends.xla.runtime import check_device_count
 from tandem.decoder.config import DecoderConfig
 from tandem.decoder.distributed.parallel import RankInfo, init_parallel
 from tandem.decoder.distributed.worker import (
@@ -69,8 +71,16 @@ from tandem.decoder.engine.admission.template_source import TemplateRefused, che
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import FinishReason
 from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused
-from tandem.decoder.engine.step.sizing import check_sliding_window, num_kv_blocks
+from tandem.decoder.engine.step.sizing import (
+    check_sliding_window,
+    max_model_len,
+    num_kv_blocks,
+    pool_refused,
+    static_shapes,
+)
+from tandem.decoder.engine.step.xla_buckets import XlaBuckets
 from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.kv_pool import KvPoolUnallocated
 from tandem.decoder.models.loader import ModelLoadError, check_checkpoint
 from tandem.decoder.models.peft_adapter import AdapterError, read_adapter
 from tandem.decoder.models.quantized import check_group
@@ -209,7 +219,20 @@ def check_model(config: DecoderConfig, world_size: int, gguf_file: Path | None =
         gguf_file=gguf_file,
     )
     check_sliding_window(engine, model_config)  # a window narrower than --max-model-len is refused
-    num_kv_blocks(engine, model_config, world_size)  # --kv-cache-bytes past what a pool may address
+    num_blocks = num_kv_blocks(engine, model_config, world_size)  # past what a pool may address
+    is_xla = resolve(engine.device).placement == "xla"
+    if is_xla:
+        check_device_count(engine.num_devices)  # the user's CPU_NUM_DEVICES, another count
+        try:  # the pool's copies on XLA's CPU device, past the host's memory
+            check_host_pool(model_config, num_blocks, engine.block_size, engine.num_devices, os.environ)
+        except KvPoolUnallocated as error:
+            raise pool_refused(engine, error) from None
+    # The buckets the engine will build, for the context it will serve: too small, or past every step.
+    context = max_model_len(engine, model_config, num_blocks)
+    if is_xla:
+        XlaBuckets.from_config(engine, context, engine.num_devices)
+    else:
+        static_shapes(engine, context)
     for name, path in engine.loras:  # read once here too, so a bad adapter fails before listening
         try:
             read_adapter(path, model_config, engine.max_lora_rank)

@@ -351,7 +351,12 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
             engine[name] = default_of(EngineConfig, name)
     if backend.is_spmd:  # several devices of one process, not several ranks
         engine["num_devices"] = values["world_size"]
-    engine_config = EngineConfig(model_dir=Path(model), **engine)
+    try:
+        engine_config = EngineConfig(model_dir=Path(model), **engine)
+    except ConfigError as error:
+        if error.field != "num_devices":
+            raise
+        raise ConfigError("world_size", error.reason) from None  # the devices are --world-size's
     server = dataclasses.replace(server_options(values), max_concurrent_rpcs=max_calls(engine_config))
     return DecoderConfig(
         engine=engine_config,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.client.errors import ConfigError
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.step import sizing
 from tandem.decoder.engine.step.batch import HostBatch
@@ -82,8 +83,35 @@ def test_warmup_covers_every_width_of_the_decode_buckets_and_the_widest_of_the_o
 
 def test_block_table_buckets_must_hold_the_longest_allowed_context(tmp_path: Path) -> None:
     config = EngineConfig(model_dir=tmp_path, static_shapes=True, block_size=4, block_table_buckets=(2, 8))
-    with pytest.raises(ValueError, match="block_table_bucket must hold .* = 16 blocks, got 8"):
+    with pytest.raises(ConfigError, match=r"^block_table_buckets: the largest must hold .* \(16\), got 8$"):
         sizing.static_shapes(config, max_model_len=64)
     assert sizing.static_shapes(config, max_model_len=32).block_table_widths == (2, 8)
     with pytest.raises(ValueError, match="block_table_buckets must be strictly increasing"):
         EngineConfig(model_dir=tmp_path, static_shapes=True, block_table_buckets=(8, 2))
+
+
+def test_buckets_too_small_or_past_what_a_step_holds_are_refused_naming_the_flag(tmp_path: Path) -> None:
+    """--token-buckets 1,2 and --block-table-buckets 1 failed at load (exit 1) after the port listened;
+    a bucket past every step is padding alone, warmed all the same."""
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=32, speculative_max_batch=1, block_size=16)
+    cases = [
+        (dict(token_buckets=(1, 2)), "token_buckets: the largest must hold max_num_batched_tokens 32 plus "),
+        (dict(block_table_buckets=(1,)), "block_table_buckets: the largest must hold the blocks of "),
+        (dict(seq_buckets=(4, 10**6)), "seq_buckets must be at most 32 (the rows a decode step holds: "),
+        (dict(token_buckets=(64, 10**8)), "token_buckets must be at most 64 (max_num_batched_tokens 32 "),
+        (dict(block_table_buckets=(4, 10**8)), "block_table_buckets must be at most 4 (the blocks of "),
+    ]
+    for overrides, said in cases:
+        config = EngineConfig(model_dir=tmp_path, static_shapes=True, **limits, **overrides)
+        with pytest.raises(ConfigError) as refused:
+            sizing.static_shapes(config, max_model_len=64)
+        assert str(refused.value).startswith(said), str(refused.value)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 5, 64, 100])
+def test_the_default_buckets_are_within_the_bounds(tmp_path: Path, max_num_seqs: int) -> None:
+    config = EngineConfig(
+        model_dir=tmp_path, static_shapes=True, max_num_seqs=max_num_seqs, speculative_max_batch=1
+    )
+    static = sizing.static_shapes(config, max_model_len=1000)
+    assert static is not None and static.seq_buckets[-1] > max_num_seqs

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.client.errors import ConfigError
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.step.xla_buckets import Bucket, XlaBuckets, fourfold
 
@@ -52,13 +53,55 @@ def test_prefill_buckets_split_evenly_over_the_devices() -> None:
     assert buckets.prefill_tokens == (12, 32, 128)
 
 
-def test_buckets_too_small_for_the_limits_are_refused_naming_the_limit() -> None:
-    with pytest.raises(ValueError, match=r"max_num_seqs \(8\)"):
-        XlaBuckets.from_config(_config(max_num_seqs=8, seq_buckets=(1, 4)), 2048, 1)
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(128\)"):
-        XlaBuckets.from_config(_config(max_num_batched_tokens=128, token_buckets=(64,)), 2048, 1)
-    with pytest.raises(ValueError, match="max_model_len / block_size = 128 blocks"):
-        XlaBuckets.from_config(_config(max_num_seqs=8, block_table_buckets=(4, 64)), 2048, 1)
+def test_buckets_too_small_for_the_limits_are_refused_naming_the_flag_and_the_limit() -> None:
+    cases = [
+        (
+            dict(max_num_seqs=8, seq_buckets=(1, 4)),
+            "seq_buckets: the largest must hold max_num_seqs (8), got 4",
+        ),
+        (
+            dict(token_buckets=(64,)),
+            "token_buckets: the largest must hold max_num_batched_tokens (128), got 64",
+        ),
+        (dict(token_buckets=(1, 128)), "token_buckets must hold at least 2 positions each, got 1"),
+        (
+            dict(max_num_seqs=8, block_table_buckets=(4, 64)),
+            "block_table_buckets: the largest must hold the blocks of max_model_len 2048 / block_size 16 "
+            "(128), got 64",
+        ),
+    ]
+    for overrides, said in cases:
+        with pytest.raises(ConfigError) as refused:
+            XlaBuckets.from_config(_config(**{"max_num_batched_tokens": 128, **overrides}), 2048, 1)
+        assert str(refused.value) == said
+
+
+def test_buckets_past_what_a_step_holds_are_refused_naming_the_flag_and_the_limit() -> None:
+    """--seq-buckets 4,1000000 beside --max-num-seqs 4 asked for 32.9 GB at warmup, naming no flag."""
+    config = dict(max_num_seqs=4, max_num_batched_tokens=30, speculative_max_batch=2)
+    cases = [
+        (dict(seq_buckets=(4, 1_000_000)), "seq_buckets must be at most 34 (the rows a decode step holds"),
+        (dict(token_buckets=(32, 10**8)), "token_buckets must be at most 32 (the positions of a prefill"),
+        (dict(block_table_buckets=(4, 10**8)), "block_table_buckets must be at most 4 (the blocks of"),
+    ]
+    for overrides, said in cases:
+        with pytest.raises(ConfigError) as refused:
+            XlaBuckets.from_config(_config(**config, **overrides), 64, 4)  # 30 positions: 32 on 4 devices
+        assert str(refused.value).startswith(said), str(refused.value)
+    reaching = _config(**config, seq_buckets=(4, 34), token_buckets=(16, 32), block_table_buckets=(4,))
+    assert XlaBuckets.from_config(reaching, 64, 4).decode_seqs == (4, 34)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 5, 8, 100])
+@pytest.mark.parametrize("num_devices", [1, 3])
+def test_the_default_buckets_reach_what_a_step_holds_and_no_further(
+    max_num_seqs: int, num_devices: int
+) -> None:
+    config = _config(max_num_seqs=max_num_seqs, max_num_batched_tokens=100, speculative_max_batch=1)
+    buckets = XlaBuckets.from_config(config, 1000, num_devices)
+    assert buckets.decode_seqs[-1] >= max_num_seqs
+    assert buckets.prefill_tokens[-1] == -(-100 // num_devices) * num_devices
+    assert buckets.widths[-1] == -(-1000 // 16)
 
 
 def test_fourfold_steps_end_at_the_limit() -> None:

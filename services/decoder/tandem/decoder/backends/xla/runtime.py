@@ -16,9 +16,11 @@ import importlib
 import importlib.util
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
+
+from tandem.client.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +49,47 @@ def is_installed() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
+def pjrt_device(environ: Mapping[str, str] = os.environ) -> str:
+    """The PJRT device the runtime will start on: the user's PJRT_DEVICE, else NEURON where the Neuron
+    SDK is installed, else CPU (the host: XLA's CPU device). Sets nothing."""
+    if "PJRT_DEVICE" in environ:
+        return environ["PJRT_DEVICE"]
+    return "NEURON" if importlib.util.find_spec("torch_neuronx") is not None else "CPU"
+
+
 def configure(num_devices: int, environ: MutableMapping[str, str] = os.environ) -> str:
     """Sets the PJRT environment for `num_devices` devices, unless the user set it. Returns the device.
 
     No PJRT_DEVICE: NEURON where the Neuron SDK is installed, else CPU (logged: nothing runs on
     Neuron hardware then). On CPU, `CPU_NUM_DEVICES` virtual devices; on Neuron, as many NeuronCores.
     """
-    if "PJRT_DEVICE" not in environ:
-        has_neuron = importlib.util.find_spec("torch_neuronx") is not None
-        environ["PJRT_DEVICE"] = "NEURON" if has_neuron else "CPU"
-        if not has_neuron:
-            log.info(
-                "--device neuron without the Neuron SDK: its XLA graphs run on XLA's CPU device "
-                "(PJRT_DEVICE=CPU, %d virtual devices)",
-                num_devices,
-            )
-    pjrt = environ["PJRT_DEVICE"]
+    is_chosen = "PJRT_DEVICE" not in environ
+    pjrt = environ["PJRT_DEVICE"] = pjrt_device(environ)
     if pjrt == "CPU":
         environ.setdefault("CPU_NUM_DEVICES", str(num_devices))
     elif pjrt == "NEURON":
         environ.setdefault("NEURON_RT_NUM_CORES", str(num_devices))
+    if is_chosen and pjrt == "CPU":
+        log.info(
+            "--device neuron without the Neuron SDK: its XLA graphs run on XLA's CPU device "
+            "(PJRT_DEVICE=CPU, %s virtual devices)",
+            environ["CPU_NUM_DEVICES"],  # the user's, where set: start() refuses one that is not ours
+        )
     return pjrt
+
+
+def check_device_count(num_devices: int, environ: Mapping[str, str] = os.environ) -> None:
+    """Refuses `num_devices` on XLA's CPU device where the user's own CPU_NUM_DEVICES gives it another
+    count, before the runtime starts: `start` refuses it too, but only once the server listens. (On
+    NeuronCores `start` counts what the runtime found, before anything is allocated: which cores a
+    process gets is the Neuron runtime's to say.) Raises ConfigError naming world_size."""
+    said = environ.get("CPU_NUM_DEVICES")
+    if pjrt_device(environ) == "CPU" and said is not None and said != str(num_devices):
+        raise ConfigError(
+            "world_size",
+            f"is {num_devices}, but CPU_NUM_DEVICES={said} gives XLA's CPU device that many virtual "
+            "devices: set it to the world size, or unset it",
+        )
 
 
 def start(num_devices: int, environ: MutableMapping[str, str] = os.environ) -> XlaRuntime:

@@ -40,6 +40,7 @@ from torch import nn
 
 from tandem.common.torch_part.quantized_tensor import BLOCK, GROUP, QuantizedTensor
 from tandem.decoder.backends.xla.attention import XlaPagedAttention
+from tandem.decoder.backends.xla.host_pool import splits_heads
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tandem.decoder.models.transformer import Attention, DecoderLayer, DecoderModel
@@ -88,10 +89,7 @@ class ShardingPlan:
                 self._shard_weight(row, 1)
                 row.register_forward_hook(self._summed_output)
             layer.register_forward_pre_hook(self._residual_input)
-        config = model.config
-        self.splits_heads = (
-            config.num_heads % self.num_devices == 0 and config.num_kv_heads % self.num_devices == 0
-        )
+        self.splits_heads = splits_heads(model.config, self.num_devices)
         kv_spec: Spec = (None, None, None, AXIS if self.splits_heads else None, None)
         for cache in kv_caches:
             self._mark(cache, kv_spec)
