@@ -1,7 +1,8 @@
 """The most bytes a non-streamed answer's JSON takes, counted from its decoded tokens: never under the
 JSON the gateway writes, whatever the tokens' text (escaped, multi-byte, control characters, a long
 token repeated as logit_bias can force), 10-digit token IDs, float32's longest logprobs, missing or
-odd logprobs, chat's and completions' shapes, with and without logprobs."""
+odd logprobs, chat's and completions' shapes, with and without logprobs, tokens spelled by their own
+bytes (part of a character, control bytes, invalid UTF-8) or, from an older decoder, by ID."""
 
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ TEXTS = ("", "a", '"', "\\", "\n\t\x01\x1f", "é", "\U0001f600", "\u2028", "日�
 LOGPROBS = (0.0, -0.0, -1.5, -1e-320, float("nan"), float("-inf"), float("inf"), -9999.0, -1e308, 3.0)
 # Tokens logit_bias can force, repeated: the longest JSON a byte (control bytes) and a long run.
 FORCED = ("\x01" * 16, " " * 81, "\U0001f600" * 4)
+# A token's own bytes: each JSON escape, a character's first and last bytes alone, bytes no UTF-8 holds.
+TOKEN_BYTES = (
+    b"",
+    b"a",
+    b'"\\',
+    b"\x01\x1f\n",
+    "é".encode(),
+    b"\xf0\x9f",
+    b"\x98\x80",
+    b"\xff" * 4,
+    "\u2028日".encode(),
+)
 
 
 def _json_bytes(completion: Completion, with_logprobs: bool) -> int:
@@ -30,11 +43,16 @@ def _delta(rng: random.Random, top: int) -> decoder_pb2.TokenDelta:
     delta = decoder_pb2.TokenDelta(text="".join(rng.choices(TEXTS, k=rng.choice([1, 1, 3]))))
     delta.token_ids.extend(rng.randrange(2**32) for _ in range(num_tokens))
     delta.logprobs.extend(rng.choice(LOGPROBS + (rng.uniform(-30, 0),)) for _ in range(num_tokens))
+    is_spelled = rng.random() < 0.5  # else an older decoder's, without bytes
+    if is_spelled:
+        delta.token_bytes.extend(rng.choice(TOKEN_BYTES) * rng.choice([1, 1, 8]) for _ in range(num_tokens))
     for _ in range(rng.randrange(num_tokens + 1)):
         alternatives = delta.top_logprobs.add()
         num_top = rng.choice([top, rng.randrange(21)])
         alternatives.token_ids.extend(rng.randrange(2**32) for _ in range(num_top))
         alternatives.logprobs.extend(rng.uniform(-30, 0) for _ in range(num_top))
+        if is_spelled:
+            alternatives.token_bytes.extend(rng.choice(TOKEN_BYTES) for _ in range(num_top))
     return delta
 
 

@@ -102,6 +102,11 @@ async def test_logprobs_are_the_decoders(live: Live) -> None:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the best one
+        # Each token and alternative spelled by its own bytes, never `token_id:N`.
+        assert (entry.token, entry.bytes) == (entry.top_logprobs[0].token, entry.top_logprobs[0].bytes)
+        assert entry.token == bytes(entry.bytes).decode(errors="replace")
+    joined = bytes(byte for entry in content for byte in entry.bytes or [])
+    assert joined.decode(errors="replace") == reply.choices[0].message.content
 
 
 async def test_embeddings_come_from_the_encoder(live: Live) -> None:

@@ -1,5 +1,5 @@
-"""Proto <-> engine conversion: prompt logprobs (the option in, the entries out, unset fields as marks) and
-the field paths of what cannot be converted."""
+"""Proto <-> engine conversion: prompt logprobs (the option in, the entries out, unset fields as marks),
+each token's own bytes with logprobs, and the field paths of what cannot be converted."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.common.torch_part import tensors
 from tandem.decoder.api.protocol import event_to_pb, spec_from_pb
-from tandem.decoder.engine.outputs.outputs import Delta
+from tandem.decoder.engine.outputs.outputs import Delta, TopLogprobs
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
+from tandem.decoder.engine.outputs.token_bytes import token_bytes_table
+
+from ..engine.outputs.test_detokenizer import BYTE_LEVEL, EOS
 
 
 def _request(**output: int) -> decoder_pb2.GenerateRequest:
@@ -53,6 +56,34 @@ def test_entries_leave_unset_what_a_position_lacks() -> None:
 
 def test_a_delta_without_them_sends_none() -> None:
     assert not event_to_pb(Delta("r", (9,), "x", (), ())).delta.prompt_logprobs
+
+
+def _delta(text: str, with_logprobs: bool = True) -> Delta:
+    """A delta of `text`'s tokens (BYTE_LEVEL's), each with logprobs and two alternatives when asked."""
+    ids = tuple(BYTE_LEVEL.encode(text).ids)
+    if not with_logprobs:
+        return Delta("r", ids, text, (), ())
+    top = tuple(TopLogprobs((i, BYTE_LEVEL.token_to_id(EOS)), (-0.5, -2.0)) for i in ids)
+    return Delta("r", ids, text, tuple(-0.5 for _ in ids), top)
+
+
+def test_a_merged_delta_carries_each_tokens_own_bytes_which_join_to_its_text() -> None:
+    # A reader behind gets its queued deltas as one (engine/front/streaming.py): one entry per token
+    # still, not the whole text on the first.
+    merged = _delta("hello world").followed_by(_delta(", hello again"))
+    message = event_to_pb(merged, token_bytes_table(BYTE_LEVEL)).delta
+    assert len(message.token_ids) > 2 and len(message.token_bytes) == len(message.token_ids)
+    assert b"".join(message.token_bytes) == b"hello world, hello again" == message.text.encode()
+    for k, top in enumerate(message.top_logprobs):  # each alternative spelled too
+        assert top.token_bytes == [message.token_bytes[k], EOS.encode()]
+
+
+def test_a_delta_without_logprobs_or_a_table_carries_no_bytes() -> None:
+    assert not event_to_pb(
+        _delta("hello", with_logprobs=False), token_bytes_table(BYTE_LEVEL)
+    ).delta.token_bytes
+    message = event_to_pb(_delta("hello")).delta
+    assert not message.token_bytes and not message.top_logprobs[0].token_bytes
 
 
 def test_a_chat_parts_tensor_errors_name_the_part_not_a_prompt_segment() -> None:

@@ -4,15 +4,15 @@ before it is serialized.
 
 NOTE: why an upper bound, not the JSON's size. The size is known only once the JSON is made, and the
 reservation must come first (the answer waits when it does not fit). Each part is bounded by what was
-decoded: a token's text is exactly its JSON string's characters (json.dumps escapes character by
-character, so a choice's text is its deltas' texts' JSON together), in the choice's text and, with
-logprobs, once more as its entry's token, chat's entry adding its "bytes" list (at most "255, " a
-UTF-8 byte); a token's entry is at most `ENTRY_BYTES` apart from its text (spelled `token_id:N` with N
-of 10 digits, a logprob of float32's longest repr, 23 characters) and each alternative at most
-`ALTERNATIVE_BYTES` (the completions endpoint's older shape: `TEXT_ENTRY_BYTES`, `TEXT_ALTERNATIVE_BYTES`,
-its lists' separators counted in each). From the
-real texts, so no text (a long run of spaces, or a token forced again and again by logit_bias) passes
-it; the reservation is settled to the real JSON once serialized.
+decoded: a text is exactly its JSON string's characters (json.dumps escapes character by character,
+so a choice's text is its deltas' texts' JSON together), in the choice's text and, with logprobs, each
+token's and alternative's own text (`logprob_entries`) as its entry's token, chat's entry adding its
+"bytes" list (at most "255, " a byte); a token's entry is at most `ENTRY_BYTES` apart from its text
+(spelled `token_id:N` with N of 10 digits, a logprob of float32's longest repr, 23 characters) and each
+alternative at most `ALTERNATIVE_BYTES` (the completions endpoint's older shape: `TEXT_ENTRY_BYTES`,
+`TEXT_ALTERNATIVE_BYTES`, its lists' separators counted in each). From the real texts, so no text (a
+long run of spaces, or a token forced again and again by logit_bias) passes it; the reservation is
+settled to the real JSON once serialized.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 from json.encoder import encode_basestring_ascii  # json.dumps's own escaping of a string, in C
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.gateway.logprob_entries import token_text
 
 # {"token": "token_id:4294967295", "logprob": -1.0649640863824063e-32, "bytes": null, "top_logprobs": []}
 # and its separator: a sampled token's chat entry, its text apart.
@@ -31,6 +32,8 @@ ALTERNATIVE_BYTES = 85
 TEXT_ENTRY_BYTES = 23 + 25 + 4 + 12
 TEXT_ALTERNATIVE_BYTES = 48  # "token_id:4294967295": -1.0649640863824063e-32, in its token's object
 BYTE_LIST_BYTES = 5  # "255, ": one byte in an entry's "bytes" list, at most
+# A token spelled by its bytes has no "token_id:4294967295" in its entry: its text's JSON stands there.
+SPELLED_SAVING = len("token_id:4294967295")
 # A choice's keys, index, finish reason and quotes around its text and logprobs lists, and its separator.
 CHOICE_FRAME_BYTES = 256
 
@@ -38,14 +41,25 @@ CHOICE_FRAME_BYTES = 256
 def delta_bound(delta: decoder_pb2.TokenDelta, kind: str, with_logprobs: bool) -> int:
     """The most bytes `delta` adds to its choice's JSON (`kind`: "chat" or "text")."""
     text = delta.text
-    num_escaped = len(encode_basestring_ascii(text)) - 2 if text else 0  # its quotes apart
+    num_escaped = _num_escaped(text)
     num_bytes = num_escaped  # the choice's text (message.content, or text)
-    if with_logprobs:  # each token's entry and alternatives; the first token's text again
+    if with_logprobs:  # each token's entry and alternatives
         num_alternatives = sum(len(top.token_ids) for top in delta.top_logprobs)
-        num_bytes += num_escaped
-        if kind == "chat":  # and its "bytes" list
+        if kind == "chat":
             num_bytes += ENTRY_BYTES * len(delta.token_ids) + ALTERNATIVE_BYTES * num_alternatives
-            num_bytes += BYTE_LIST_BYTES * (len(text) if text.isascii() else len(text.encode()))
         else:
             num_bytes += TEXT_ENTRY_BYTES * len(delta.token_ids) + TEXT_ALTERNATIVE_BYTES * num_alternatives
+        # Each spelled token's text (and in chat its "bytes" list) on top of its entry; an older
+        # decoder's delta spells its first token with the delta's text and the rest by ID.
+        per_byte = BYTE_LIST_BYTES if kind == "chat" else 0
+        spelled = [*delta.token_bytes, *(own for top in delta.top_logprobs for own in top.token_bytes)]
+        num_bytes += sum(_num_escaped(token_text(own)) + per_byte * len(own) for own in spelled)
+        num_bytes -= SPELLED_SAVING * len(spelled)
+        if not delta.token_bytes:
+            num_bytes += num_escaped + per_byte * len(text.encode())
     return num_bytes
+
+
+def _num_escaped(text: str) -> int:
+    """Characters of `text`'s JSON string, its quotes apart."""
+    return len(encode_basestring_ascii(text)) - 2 if text else 0

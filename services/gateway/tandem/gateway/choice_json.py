@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.responses import Completion, chat_logprobs, text_logprobs, token_text_length
+from tandem.gateway.logprob_entries import TextOffsets, chat_logprobs, text_logprobs
+from tandem.gateway.responses import Completion
 
 # Logprob values (a token's own and each of its alternatives') rendered and dumped between two yields:
 # about 6 ms of the loop at 6 us a value; a yield costs about 10 us.
@@ -55,11 +56,9 @@ async def choice_json(
     names = LISTS[completion.kind]
     frame = json.dumps(dict.fromkeys(names, MARKER)).split(json.dumps(MARKER))  # one part more than lists
     items: dict[str, list[bytes]] = {name: [] for name in names}  # each list's slices, dumped
-    position = 0  # characters of text before the slice (text_offset)
+    offsets = TextOffsets()  # carried from slice to slice (text_offset)
     async for entries in _slices(completion.deltas):
-        lists = {"content": entries} if completion.kind == "chat" else text_logprobs(entries, position)
-        if completion.kind == "text":
-            position += sum(token_text_length(e) for e in entries)
+        lists = {"content": entries} if completion.kind == "chat" else text_logprobs(entries, offsets)
         for name in names:
             if lists[name]:
                 items[name].append(counted(json.dumps(lists[name])[1:-1].encode()))

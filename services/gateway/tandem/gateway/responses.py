@@ -5,9 +5,8 @@ are the request's, over all of its choices. Usage counts as vLLM counts it: the 
 every choice, the prompt tokens once per prompt (n choices of one prompt read it once, in OpenAI's
 accounting too).
 
-Token strings for logprobs: the gateway holds no tokenizer, so a sampled token's text is its delta's
-text (one token a delta, the decoder's default), and an alternative is spelled `token_id:N`, as vLLM's
-`return_tokens_as_token_ids` spells them.
+Logprobs entries come from `logprob_entries`: each token spelled from its own bytes, as the decoder
+sends them.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.answer_bound import CHOICE_FRAME_BYTES, delta_bound
+from tandem.gateway.logprob_entries import TextOffsets, chat_logprobs, text_logprobs
 
 FINISH_REASONS = {
     decoder_pb2.FINISH_REASON_LENGTH: "length",
@@ -26,11 +26,6 @@ FINISH_REASONS = {
     decoder_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
     decoder_pb2.FINISH_REASON_STOP_TOKEN: "stop",
 }  # FINISH_REASON_ABORTED (the server drained) is no OpenAI reason: it is answered as a 503 (`aborted`)
-LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity: a token the model rules out gets this, as vLLM does
-
-
-def _logprob(value: float) -> float:
-    return value if value > LOWEST_LOGPROB else LOWEST_LOGPROB  # NaN, too: never valid JSON
 
 
 def usage(completions: list[Completion]) -> dict[str, Any] | None:
@@ -53,28 +48,6 @@ def usage(completions: list[Completion]) -> dict[str, Any] | None:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-
-
-def chat_logprobs(delta: decoder_pb2.TokenDelta) -> list[dict[str, Any]]:
-    """OpenAI's `logprobs.content` entries of one delta."""
-    entries = []
-    for k, (token_id, logprob) in enumerate(zip(delta.token_ids, delta.logprobs, strict=False)):
-        text = delta.text if k == 0 else ""
-        top = delta.top_logprobs[k] if k < len(delta.top_logprobs) else None
-        entries.append(
-            {
-                "token": text if text else f"token_id:{token_id}",
-                "logprob": _logprob(logprob),
-                "bytes": list(text.encode()) if text else None,
-                "top_logprobs": [
-                    {"token": f"token_id:{t}", "logprob": _logprob(lp), "bytes": None}
-                    for t, lp in zip(top.token_ids, top.logprobs, strict=False)
-                ]
-                if top is not None
-                else [],
-            }
-        )
-    return entries
 
 
 class Completion:
@@ -104,7 +77,7 @@ class Completion:
         # The most bytes this choice's JSON takes, from its tokens so far (`answer_bound`).
         self.json_bound = CHOICE_FRAME_BYTES
         self._text_chunk: tuple[str, str] | None = None  # a text chunk's JSON before and after its text
-        self._text_offset = 0  # characters of text already streamed (completions' logprobs.text_offset)
+        self._offsets = TextOffsets()  # the streamed tokens' (completions' logprobs.text_offset)
 
     @property
     def object(self) -> str:
@@ -143,7 +116,7 @@ class Completion:
             choice["logprobs"] = {"content": self.logprobs()} if with_logprobs else None
         else:
             choice["text"] = text
-            choice["logprobs"] = text_logprobs(self.logprobs()) if with_logprobs else None
+            choice["logprobs"] = text_logprobs(self.logprobs(), TextOffsets()) if with_logprobs else None
         return choice
 
     def chunk(
@@ -163,8 +136,7 @@ class Completion:
             choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
         else:
             choice["text"] = text
-            choice["logprobs"] = text_logprobs(logprobs, self._text_offset) if logprobs is not None else None
-            self._text_offset += len(text)
+            choice["logprobs"] = text_logprobs(logprobs, self._offsets) if logprobs is not None else None
         return self.head(streamed=True) | {"choices": [choice]}
 
     def text_chunk(self, text: str) -> str:
@@ -210,24 +182,3 @@ def answer_frame(completions: list[Completion]) -> tuple[str, str]:
 def usage_chunk(completions: list[Completion]) -> dict[str, Any]:
     """A stream's last chunk (stream_options.include_usage): the usage of every choice, no choices."""
     return completions[0].head(streamed=True) | {"choices": [], "usage": usage(completions)}
-
-
-def text_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
-    """The completions endpoint's older logprobs shape; `start`: characters of the completion before."""
-    offsets, position = [], start
-    for entry in entries:
-        offsets.append(position)
-        position += token_text_length(entry)
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def token_text_length(entry: dict[str, Any]) -> int:
-    """Characters of the completion's text a logprobs entry (`chat_logprobs`) stands for: none for a token
-    spelled `token_id:N`, which is no text of it. Its null `bytes` says so, not its spelling: a token
-    whose text is "token_id:7" is ten characters of the completion."""
-    return 0 if entry["bytes"] is None else len(entry["token"])

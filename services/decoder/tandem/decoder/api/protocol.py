@@ -11,6 +11,7 @@ name the field the way the proto does, e.g. `prompt[2].embeddings`.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 from google.protobuf import json_format
@@ -30,6 +31,7 @@ from tandem.decoder.engine.outputs.outputs import (
     OutputOptions,
 )
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
+from tandem.decoder.engine.outputs.token_bytes import TokenBytes
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.sampling.structured import MAX_CHOICES
 from tandem.decoder.engine.scheduling.adapters import Adapter
@@ -173,8 +175,11 @@ def _stopping_from_pb(s: decoder_pb2.StoppingCriteria) -> tuple[StoppingParams, 
     )
 
 
-def event_to_pb(event: Event) -> decoder_pb2.GenerateResponse:
+def event_to_pb(event: Event, token_bytes: TokenBytes | None = None) -> decoder_pb2.GenerateResponse:
+    """`event`'s wire form; `token_bytes` spells each token of a delta with logprobs (its token_bytes)."""
     if isinstance(event, Delta):
+        # Each token's own bytes, only where logprobs were asked for: the table is read, never decoded.
+        spell = token_bytes.of if token_bytes is not None else _unspelled
         return decoder_pb2.GenerateResponse(
             request_id=event.request_id,
             delta=decoder_pb2.TokenDelta(
@@ -182,10 +187,15 @@ def event_to_pb(event: Event) -> decoder_pb2.GenerateResponse:
                 text=event.text,
                 logprobs=event.logprobs,
                 top_logprobs=[
-                    decoder_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+                    decoder_pb2.TopLogprobs(
+                        token_ids=t.token_ids,
+                        logprobs=t.logprobs,
+                        token_bytes=spell(t.token_ids),
+                    )
                     for t in event.top_logprobs
                 ],
                 prompt_logprobs=[_prompt_logprob_to_pb(entry) for entry in event.prompt_logprobs],
+                token_bytes=spell(event.token_ids) if event.logprobs or event.top_logprobs else (),
             ),
         )
     if isinstance(event, Accepted):
@@ -213,6 +223,11 @@ def event_to_pb(event: Event) -> decoder_pb2.GenerateResponse:
             finished.stop_token_id = event.stop_token_id
         return decoder_pb2.GenerateResponse(request_id=event.request_id, finished=finished)
     raise TypeError(f"no wire form for {type(event).__name__}")
+
+
+def _unspelled(token_ids: Sequence[int]) -> list[bytes]:
+    """No bytes for any token: the caller has no table (tests, tools)."""
+    return []
 
 
 def _prompt_logprob_to_pb(entry: PromptLogprob) -> decoder_pb2.PromptLogprob:

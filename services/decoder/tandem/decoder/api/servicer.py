@@ -103,7 +103,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                     if op is not None and not isinstance(event, Delta):
                         self._observe(op, event, num_embedding_positions)
                     is_finished = isinstance(event, Finished)
-                    yield protocol.event_to_pb(event)
+                    yield protocol.event_to_pb(event, engine.token_bytes)
         except BaseException as exc:
             # A cancel after Finished went out (the client leaving as the stream ends) is no failure.
             if op is not None and not is_finished:

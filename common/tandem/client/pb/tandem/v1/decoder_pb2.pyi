@@ -696,6 +696,7 @@ class TopLogprobs(_message.Message):
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token IDs, most likely first."""
@@ -704,15 +705,23 @@ class TopLogprobs(_message.Message):
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Their natural-log probabilities, same order."""
 
+    @_builtins.property
+    def token_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """On a delta's entries: each alternative's own text as UTF-8 bytes, same order (a token may hold part
+        of a character: its bytes are raw, not always valid UTF-8). Empty on prompt_logprobs' entries and
+        from decoders older than this field.
+        """
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        token_bytes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_bytes", b"token_bytes", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -776,6 +785,7 @@ class TokenDelta(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text that became final since the previous delta (UTF-8 safe; text that may be part of a stop
     string is held back). Empty when omit_text is set.
@@ -798,6 +808,14 @@ class TokenDelta(_message.Message):
         prompt position, in order (the same count as accepted.prompt_tokens). Empty otherwise.
         """
 
+    @_builtins.property
+    def token_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """One per token when logprobs or top_logprobs was asked for: each token's own text as UTF-8 bytes,
+        the vocabulary entry alone (not `text` split up: a delta may carry several tokens, and a token may
+        hold part of a character, so an entry need not be valid UTF-8). Empty otherwise, and from
+        decoders older than this field.
+        """
+
     def __init__(
         self,
         *,
@@ -806,10 +824,11 @@ class TokenDelta(_message.Message):
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         prompt_logprobs: _abc.Iterable[Global___PromptLogprob] | None = ...,
+        token_bytes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_bytes", b"token_bytes", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -38,6 +38,7 @@ from tandem.decoder.engine.front.streaming import Mailboxes, stream_events
 from tandem.decoder.engine.outputs.backpressure import ReaderProgress, unread_weight
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, FinishReason, OutputState
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprobsBuffer
+from tandem.decoder.engine.outputs.token_bytes import token_bytes_table
 from tandem.decoder.engine.request import Request
 from tandem.decoder.engine.sampling.structured import GrammarCompiler
 from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
@@ -194,6 +195,8 @@ class Engine:
         self.prompt_logprob_budget = PromptLogprobBudget(self.max_model_len)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
+        # Each token's own bytes for logprobs (`Delta`s carry IDs; the servicer spells them): once, here.
+        self.token_bytes = token_bytes_table(self.tokenizer)
         self.core = self._build_core(tp, backend)
         for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
             adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()

@@ -1,0 +1,70 @@
+"""Logprobs entries from a TokenDelta: each token and alternative spelled by its own bytes, however many
+tokens a delta carries (a reader behind gets merged deltas; speculation verifies several a step)."""
+
+from __future__ import annotations
+
+from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.gateway.logprob_entries import TextOffsets, chat_logprobs, text_logprobs
+from tandem.gateway.responses import Completion
+
+SMILE = "🙂".encode()  # 4 bytes: split over two tokens below
+
+
+def _delta(parts: list[bytes], first_id: int = 10) -> decoder_pb2.TokenDelta:
+    """One delta of `parts`' tokens, each with one alternative (token ID 99, spelled "x")."""
+    delta = decoder_pb2.TokenDelta(
+        token_ids=range(first_id, first_id + len(parts)),
+        text=b"".join(parts).decode(errors="ignore"),
+        logprobs=[-0.5] * len(parts),
+        token_bytes=parts,
+    )
+    for _ in parts:
+        delta.top_logprobs.add(token_ids=[99], logprobs=[-3.0], token_bytes=[b"x"])
+    return delta
+
+
+def test_each_token_of_a_merged_delta_gets_its_own_text_and_bytes() -> None:
+    entries = chat_logprobs(_delta([b"Once", b" upon", b" a"]))
+    assert [e["token"] for e in entries] == ["Once", " upon", " a"]
+    assert [e["bytes"] for e in entries] == [list(b"Once"), list(b" upon"), list(b" a")]
+    assert all(e["top_logprobs"] == [{"token": "x", "logprob": -3.0, "bytes": [120]}] for e in entries)
+
+
+def test_entries_are_the_same_however_the_tokens_are_grouped_into_deltas() -> None:
+    parts = [b"Once", b" upon", SMILE[:2], SMILE[2:], b" a"]
+    one_by_one = [e for k, part in enumerate(parts) for e in chat_logprobs(_delta([part], 10 + k))]
+    assert chat_logprobs(_delta(parts)) == one_by_one
+
+
+def test_part_of_a_character_is_its_raw_bytes_and_replacement_text() -> None:
+    first, second = chat_logprobs(_delta([SMILE[:2], SMILE[2:]]))
+    assert (first["token"], second["token"]) == ("\ufffd", "\ufffd\ufffd")  # as vLLM's text for it
+    assert bytes(first["bytes"] + second["bytes"]) == SMILE  # as OpenAI's: the client joins them
+
+
+def test_completions_tokens_and_offsets_are_per_token_and_a_split_character_counts_once() -> None:
+    entries = chat_logprobs(_delta([b"Once", SMILE[:2], SMILE[2:], b" a"]))
+    logprobs = text_logprobs(entries, TextOffsets())
+    assert logprobs["tokens"] == ["Once", "\ufffd", "\ufffd\ufffd", " a"]
+    assert logprobs["top_logprobs"] == [{"x": -3.0}] * 4
+    # Offsets into the completion's text "Once🙂 a": the smile is one character, where it ends.
+    assert logprobs["text_offset"] == [0, 4, 4, 5]
+
+
+def test_streamed_and_whole_completions_give_the_same_offsets() -> None:
+    deltas = [_delta([b"Once", SMILE[:2]]), _delta([SMILE[2:], b" a"], 12), _delta([b" b"], 14)]
+    streamed, whole = Completion("text", "abc", "tiny"), Completion("text", "abc", "tiny")
+    offsets = []
+    for delta in deltas:
+        offsets += streamed.chunk(delta, True)["choices"][0]["logprobs"]["text_offset"]
+        whole.add(delta, True)
+    assert offsets == whole.choice(True)["logprobs"]["text_offset"] == [0, 4, 4, 5, 7]
+
+
+def test_an_older_decoders_delta_without_bytes_is_spelled_by_id_past_its_first_token() -> None:
+    delta = decoder_pb2.TokenDelta(token_ids=[5, 6], text="ab", logprobs=[-1.0, -1.0])
+    delta.top_logprobs.add(token_ids=[7], logprobs=[-2.0])
+    first, second = chat_logprobs(delta)
+    assert (first["token"], first["bytes"]) == ("ab", [97, 98])
+    assert (second["token"], second["bytes"]) == ("token_id:6", None)
+    assert first["top_logprobs"] == [{"token": "token_id:7", "logprob": -2.0, "bytes": None}]
