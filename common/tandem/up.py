@@ -20,6 +20,7 @@ stopped the same way and `up` exits 1.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -46,7 +47,7 @@ from tandem.common.flags import (
     run,
     server_security_settings,
 )
-from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free
+from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free, listen_host
 from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.decoder.config import QUANTIZATIONS
 
@@ -97,8 +98,9 @@ class UpConfig:
             raise ConfigError(
                 "decoder_port", f"must differ from --encoder-port, both are {self.decoder_port}"
             )
-        if self.grace_s < 0:
-            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+        # NaN passed `< 0`: the services refused it only once started, and `up` then killed them at once.
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ConfigError("grace_s", f"must be a finite number of seconds, 0 or more, got {self.grace_s}")
 
     @property
     def kill_after_s(self) -> float:
@@ -160,8 +162,8 @@ def _gateway_command(config: UpConfig) -> list[str]:
 
 
 def _local(host: str) -> str:
-    """Where a service listening on `host` is reached from this host."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    """Where a service listening on `host` is reached from this host (an IPv6 address in brackets)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else listen_host(host)
 
 
 def command() -> click.Command:
@@ -299,10 +301,11 @@ def import_once(config: UpConfig) -> Path:
 
 
 def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
-    """What the decoder would refuse of `up`'s own flags (the dtype, the quantization and its group,
-    the world size against the checkpoint) and of the context it serves (a sliding window narrower
-    than it), said before anything starts. Raises ConfigError; one about a field `up` has no flag for
-    (max_model_len) is the decoder's, which `_decoder_flag_error` names."""
+    """What the decoder would refuse of `up`'s own flags (gguf of a checkpoint directory, the dtype,
+    the quantization and its group, the world size against the checkpoint) and of the context it
+    serves (a sliding window narrower than it), said before anything starts. Raises ConfigError; one
+    about a field `up` has no flag for (max_model_len) is the decoder's, which `_service_flag_error`
+    names."""
     from tandem.common.torch_part.model_cache import default_model_file
     from tandem.decoder.api.main import check_fits
     from tandem.decoder.api.main import config_from_args as decoder_config
@@ -310,13 +313,16 @@ def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
     from tandem.decoder.config import EngineConfig
     from tandem.decoder.engine.step.sizing import check_sliding_window
 
+    model = Path(config.model_dir) if config.model_dir is not None else default_model_file()
+    if config.quantization == "gguf" and model.is_dir():
+        raise ConfigError("quantization", f"gguf needs --model to be a GGUF file, got the directory {model}")
+
     group_size = config.quantization_group_size or default_of(EngineConfig, "quantization_group_size")
     world_size = config.world_size or 1
     if config.device is not None and backends.resolve(config.device).is_spmd:
         # Neuron's devices are one SPMD program in one process, which shards only what divides (a
         # model whose heads do not runs its attention whole): the decoder checks it as one rank too.
         world_size = 1
-    model = Path(config.model_dir) if config.model_dir is not None else default_model_file()
     gguf_file = None if model.is_dir() else model  # what a refusal of model_dir's template names
     model_config = check_fits(
         model_dir, config.dtype or DEFAULT_DTYPE, config.quantization, group_size, world_size, gguf_file
@@ -328,14 +334,40 @@ def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
     check_sliding_window(served, model_config)
 
 
-def _decoder_flag_error(up: click.Command, error: ConfigError) -> FlagError:
-    """`error` as one line about `up`'s own flag for its field, else about the decoder's flag and
-    variable, which `up` leaves to the decoder: `the decoder's --max-model-len (TANDEM_MAX_MODEL_LEN)`."""
+def check_device(config: UpConfig) -> None:
+    """The decoder's --device runs in this environment (a CUDA build of torch and a device for cuda,
+    torch_xla for neuron): else both services start and `up` ends with the decoder's exit 2. Raises
+    ConfigError."""
+    if config.device is None:
+        return  # the decoder's default, the CPU
+    from tandem.decoder.backends.backend import BackendUnavailable, check_available
+
+    try:
+        check_available(config.device)
+    except BackendUnavailable as error:
+        raise ConfigError("device", f": {str(error).removeprefix(f'--device {config.device}: ')}") from None
+
+
+def check_encoder_config(config: UpConfig) -> None:
+    """What the encoder would refuse of its config as the child will build it, from `up`'s flags and
+    its own TANDEM_ENCODER_* variables (TANDEM_ENCODER_MAX_BATCH_SIZE=0): else both services start and
+    `up` ends with the encoder's exit. Raises ConfigError, named by `_service_flag_error`."""
+    from tandem.encoder.__main__ import config_from_args as encoder_config
+
+    with _service_environment():
+        encoder_config(serve_command("encoder", config)[2:])
+
+
+def _service_flag_error(up: click.Command, error: ConfigError, service: str) -> FlagError:
+    """`error` as one line about `up`'s own flag for its field, else about the service's flag and
+    variable, which `up` leaves to it: `the decoder's --max-model-len (TANDEM_MAX_MODEL_LEN)`."""
     if any(isinstance(p, Setting) and error.field in (p.field, p.name) for p in up.params):
         return flag_error(up, error)
-    from tandem.decoder.api.main import command as decoder_command
-
-    return FlagError(f"the decoder's {flag_error(decoder_command(), error).message}")
+    if service == "encoder":
+        from tandem.encoder.__main__ import command as service_command
+    else:
+        from tandem.decoder.api.main import command as service_command
+    return FlagError(f"the {service}'s {flag_error(service_command(), error).message}")
 
 
 _output_lock = threading.Lock()
@@ -547,9 +579,14 @@ def _start(**values: Any) -> int:
     except ValueError as error:  # ModelNotFound, GGUFImportError
         raise flag_error(ctx.command, ConfigError("model_dir", f": {error}")) from None
     try:
+        check_device(config)
         check_decoder_fits(config, model_dir)
     except ConfigError as error:
-        raise _decoder_flag_error(ctx.command, error) from None
+        raise _service_flag_error(ctx.command, error, "decoder") from None
+    try:
+        check_encoder_config(config)
+    except ConfigError as error:
+        raise _service_flag_error(ctx.command, error, "encoder") from None
     return run_services(config)
 
 

@@ -84,7 +84,10 @@ def test_the_encoder_usage_line_says_tandem_serve_encoder(capsys: pytest.Capture
             {"TANDEM_DEVICE": "tpu"},
             "--device (TANDEM_DEVICE) must be one of cpu, cuda, neuron (or cuda:N), got 'tpu'",
         ),
-        ({"TANDEM_GRACE_S": "-1"}, "--grace-s (TANDEM_GRACE_S) must be >= 0, got -1.0"),
+        (
+            {"TANDEM_GRACE_S": "-1"},
+            "--grace-s (TANDEM_GRACE_S) must be a finite number of seconds, 0 or more, got -1.0",
+        ),
     ],
 )
 def test_a_bad_variable_is_one_line_naming_the_flag_and_the_variable(

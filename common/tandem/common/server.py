@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import logging
+import math
 import signal
 import socket
 import ssl
@@ -98,12 +100,17 @@ class TlsOptions:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(field_name, f"{path} is not a readable file")
+        try:  # else load_cert_chain below blames the key, "(None)", for a file that holds no certificate
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(self.cert_file)
+        except (ssl.SSLError, UnicodeDecodeError):
+            raise ConfigError("tls_cert", f": {self.cert_file} is not a PEM certificate") from None
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
             context.load_cert_chain(self.cert_file, self.key_file)
         except ssl.SSLError as error:
+            why = f" ({error.reason})" if error.reason else ""
             raise ConfigError(
-                "tls_key", f"{self.key_file} is not the private key of {self.cert_file} ({error.reason})"
+                "tls_key", f"{self.key_file} is not the private key of {self.cert_file}{why}"
             ) from None
         if self.client_ca_file is not None:
             try:
@@ -159,10 +166,15 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in 0..65535, got {self.port}")
-        if self.max_message_bytes < 1024:
-            raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
-        if self.grace_s < 0:
-            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+        # gRPC takes it as a C int: past 2**31 - 1 the start failed with an OverflowError.
+        if not 1024 <= self.max_message_bytes <= _INT32_MAX:
+            raise ConfigError(
+                "max_message_bytes",
+                f"must be in 1024..{_INT32_MAX} (gRPC's int), got {self.max_message_bytes}",
+            )
+        # NaN passed `< 0`, and then meant no grace at all.
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ConfigError("grace_s", f"must be a finite number of seconds, 0 or more, got {self.grace_s}")
         # gRPC takes it as an int32 of milliseconds: past that the start failed with an OverflowError,
         # and under half a millisecond it rounded to 0 ms.
         if not MIN_CONNECTION_AGE_S <= self.max_connection_age_s <= MAX_CONNECTION_AGE_S:
@@ -183,13 +195,14 @@ _TLS_FIELDS = {"cert_file": "tls_cert", "key_file": "tls_key", "client_ca_file":
 
 def check_port_free(host: str, port: int) -> None:
     """Raises ConfigError("port") when another process listens on host:port (gRPC would print a
-    traceback). Port 0 is always free. Binds the way gRPC does: SO_REUSEADDR, no SO_REUSEPORT."""
-    if port == 0:
-        return
+    traceback), ConfigError("host") when `host` does not resolve. Port 0 is always free. Binds the way
+    gRPC does: SO_REUSEADDR, no SO_REUSEPORT."""
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as error:
         raise ConfigError("host", f"{host!r} does not resolve: {error.strerror}") from None
+    if port == 0:
+        return
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -201,6 +214,16 @@ def check_port_free(host: str, port: int) -> None:
                     "port", f"{port} is in use on {host}: another process listens there"
                 ) from None
             raise ConfigError("host", f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
+def listen_host(host: str) -> str:
+    """`host` as gRPC's "host:port" takes it: an IPv6 address in brackets ("::" read as "::50052",
+    no address at all)."""
+    try:
+        is_v6 = ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return host
+    return f"[{host}]" if is_v6 else host
 
 
 def _server_options(options: ServerOptions) -> list[tuple[str, Any]]:
@@ -316,17 +339,17 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address = f"{options.host}:{options.port}"
+    address = f"{listen_host(options.host)}:{options.port}"
     check_port_free(options.host, options.port)  # a one-line error instead of gRPC's traceback
     try:
         if options.tls is not None:
             port = server.add_secure_port(address, options.tls.server_credentials())
         else:
             port = server.add_insecure_port(address)
-    except RuntimeError as error:  # gRPC's "Failed to bind": taken in the moment since the check
-        raise ConfigError("port", f"{options.port}: cannot listen on {address} ({error})") from None
+    except RuntimeError as error:  # gRPC's "Failed to bind": the port was free, the host is the cause
+        raise ConfigError("host", f": cannot listen on {address} ({error})") from None
     if port == 0:
-        raise ConfigError("port", f"{options.port}: cannot listen on {address}")
+        raise ConfigError("host", f": cannot listen on {address}")
     running = RunningServer(server, health, port, names)
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

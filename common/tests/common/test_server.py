@@ -399,3 +399,51 @@ def test_a_connection_age_outside_grpcs_int32_of_milliseconds_is_refused_naming_
 async def test_a_server_starts_with_the_connection_ages_at_either_end_of_the_range(age: float) -> None:
     server = await start_server(ServerOptions(host="127.0.0.1", port=0, max_connection_age_s=age), [])
     await server.stop(0)
+
+
+@pytest.mark.parametrize("size", [1023, 2**31])
+def test_a_message_cap_outside_grpcs_int_is_refused_naming_it(size: int) -> None:
+    """2**31 passed the `>= 1024` check and failed the start with an OverflowError."""
+    with pytest.raises(ConfigError, match=r"max_message_bytes must be in 1024..2147483647 \(gRPC's int\)"):
+        ServerOptions(max_message_bytes=size)
+
+
+async def test_a_server_starts_with_the_largest_message_cap_grpc_takes() -> None:
+    server = await start_server(ServerOptions(port=0, max_message_bytes=2**31 - 1), [])
+    await server.stop(0)
+
+
+@pytest.mark.parametrize("grace", [math.nan, math.inf, -1.0])
+def test_a_grace_that_is_not_a_finite_number_of_seconds_is_refused(grace: float) -> None:
+    """NaN passed `< 0` and then meant no grace at all."""
+    with pytest.raises(ConfigError, match="grace_s must be a finite number of seconds, 0 or more"):
+        ServerOptions(grace_s=grace)
+
+
+@pytest.mark.parametrize("host", ["::1", "::"])
+async def test_a_server_listens_on_an_ipv6_host(host: str) -> None:
+    """gRPC read "::1:50778" as no address: the start failed, naming --port."""
+    server = await start_server(ServerOptions(host=host, port=0), [])
+    try:
+        async with grpc.aio.insecure_channel(f"[::1]:{server.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        await server.stop(0)
+
+
+async def test_a_host_that_does_not_resolve_is_named_even_on_port_0() -> None:
+    """Port 0 skipped the check, and gRPC's failure to bind was said of --port."""
+    with pytest.raises(ConfigError, match=r"^host 'no.such.invalid' does not resolve") as caught:
+        await start_server(ServerOptions(host="no.such.invalid", port=0), [])
+    assert caught.value.field == "host"
+
+
+def test_a_tls_certificate_file_that_holds_no_certificate_is_named(tmp_path) -> None:
+    """It said "key.pem is not the private key of cert.pem (None)"."""
+    from tandem.common.server import TlsOptions
+
+    not_pem = tmp_path / "cert.pem"
+    not_pem.write_text("my-hostname\n")
+    with pytest.raises(ConfigError, match=r"^tls_cert: .*cert.pem is not a PEM certificate$"):
+        TlsOptions(not_pem, not_pem)
