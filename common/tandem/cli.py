@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from tandem.common.flags import CONTEXT_SETTINGS, option, run
+from tandem.common.flags import CONTEXT_SETTINGS, UINT64, FlagError, option, run
 
 # name -> ("module:factory" of its click command, the line `tandem --help` shows)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -82,12 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def make_model_command() -> click.Command:
     def make(dir: Path, shape: str, seed: int) -> int:
-        from tandem.common.torch_part.random_model import make_model
+        from tandem.common.torch_part.random_model import SHAPES, make_model
 
+        if shape not in SHAPES:
+            raise click.BadParameter(f"{shape!r} is not one of {', '.join(SHAPES)}", param_hint="'--shape'")
+        _check_out_dir(dir)
         try:
             click.echo(make_model(dir, shape=shape, seed=seed))
-        except ValueError as error:  # an unknown shape, named with the known ones
-            raise click.BadParameter(str(error), param_hint="'--shape'") from None
+        except OSError as error:  # a folder it may not write
+            raise FlagError(f"DIR {dir}: {error.strerror}") from None
         return 0
 
     return click.Command(
@@ -95,7 +98,7 @@ def make_model_command() -> click.Command:
         params=[
             click.Argument(["dir"], type=click.Path(path_type=Path)),
             option("--shape", "tiny-random, bench-small or qwen3-0.6b", default="tiny-random"),
-            option("--seed", "seed of the random weights", type=int, default=0),
+            option("--seed", "seed of the random weights", type=UINT64, default=0),  # torch's seed
         ],
         callback=make,
         help="Write a random-weight checkpoint to DIR: for tests and benchmark shapes, its output is noise.",
@@ -129,14 +132,25 @@ def _import_gguf(file: Path, dir: Path, dtype: str) -> int:
     def progress(p: ImportProgress) -> None:
         print(f"\rimporting {file.name}: {p.num_done}/{p.num_tensors} tensors", end="", file=sys.stderr)
 
+    _check_out_dir(dir)
     try:
         import_gguf(file, dir, dtype, on_progress=progress)
     except GGUFImportError as error:
         print(f"\ntandem import-gguf: {error}", file=sys.stderr)  # after the progress line
         return 2
+    except OSError as error:  # writing DIR: a folder it may not write, a full disk
+        print(f"\ntandem import-gguf: DIR {dir}: {error.strerror}", file=sys.stderr)
+        return 2
     print(file=sys.stderr)
     print(dir)
     return 0
+
+
+def _check_out_dir(dir: Path) -> None:
+    """DIR, which a tool creates, is a directory or nothing yet: else mkdir failed with a traceback.
+    Raises FlagError."""
+    if dir.exists() and not dir.is_dir():
+        raise FlagError(f"DIR {dir}: a file, not a directory")
 
 
 def bench_command() -> click.Command:

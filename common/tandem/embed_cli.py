@@ -170,7 +170,10 @@ async def _call(
         return 0
     from tandem.embedding_files import write_embeddings
 
-    stored = write_embeddings(Path(values["out"]), rows, token_ids)
+    try:
+        stored = write_embeddings(Path(values["out"]), rows, token_ids)
+    except OSError as error:  # a folder that does not exist, a file it may not write
+        raise click.BadParameter(f"{values['out']}: {error.strerror}", param_hint="'--out'") from None
     print(
         f"wrote {values['out']}: embeddings {list(stored.shape)} {str(stored.dtype).removeprefix('torch.')}"
     )

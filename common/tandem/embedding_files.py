@@ -39,6 +39,8 @@ def write_embeddings(path: Path, embeddings: torch.Tensor, token_ids: Sequence[i
 def read_embeddings(path: Path) -> torch.Tensor:
     """The rows [n, hidden_size] in `path` (a `.npy` array, or the `embeddings` tensor of a
     `.safetensors` file, or its only tensor). Raises ValueError naming the file."""
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory, not a file")
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     if path.suffix == ".npy":

@@ -21,6 +21,7 @@ import click
 from tandem.cli_telemetry import run_traced
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
+    TEXT,
     UINT32,
     UINT64,
     checked_client_security,
@@ -67,6 +68,8 @@ class _PartType(click.ParamType):
         kind, sep, rest = str(value).partition(":")
         if not sep or kind not in PART_KINDS:
             self.fail(f"{value!r} is not KIND:VALUE with KIND one of {', '.join(PART_KINDS)}", param, ctx)
+        if kind in ("text", "embed"):  # a path (file:, image:) may be any bytes the file system takes
+            rest = TEXT.convert(rest, param, ctx)
         if kind == "ids" and not is_token_ids(rest):
             self.fail(
                 f"{value!r}: token IDs are comma-separated integers below 2^32, e.g. ids:1,2,3", param, ctx

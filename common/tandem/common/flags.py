@@ -63,6 +63,39 @@ class _Bool(click.ParamType):
 BOOL = _Bool()
 
 
+class _Text(click.ParamType):
+    """Text, refused when not UTF-8: a shell passes $'\\xff' as bytes that Python holds as surrogate
+    escapes, which failed only when sent (a protobuf string, a gRPC host) with a UnicodeEncodeError
+    traceback. Every text flag's type unless it names another."""
+
+    name = "TEXT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            self.fail("is not UTF-8 text", param, ctx)
+        return text
+
+
+TEXT = _Text()
+
+
+def _text_unless_typed(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with TEXT as the type of an option that names none and holds text (click would take a
+    str, or the type of a default that is not)."""
+    default = kwargs.get("default")
+    is_text = (
+        default is None
+        or isinstance(default, str)
+        or (isinstance(default, tuple) and all(isinstance(d, str) for d in default))
+    )
+    if "type" not in kwargs and not kwargs.get("is_flag") and is_text:
+        kwargs["type"] = TEXT
+    return kwargs
+
+
 class _Sizes(click.ParamType):
     """A comma-separated list of positive integers ("16,64,128"); the config checks their order."""
 
@@ -117,7 +150,7 @@ class Setting(click.Option):
             envvar=prefix + name.upper(),
             show_envvar=True,
             allow_from_autoenv=False,  # the variable above, never a second one from the command path
-            **kwargs,
+            **_text_unless_typed(kwargs),
         )
         self.field = field or name  # the config field it fills: what a ConfigError names
 
@@ -125,7 +158,7 @@ class Setting(click.Option):
 def option(flag: str, help: str, **kwargs: Any) -> click.Option:
     """A client command's option: its default and its automatic `TANDEM_<COMMAND>_<FLAG>` in --help."""
     kwargs.setdefault("show_default", "off" if kwargs.get("is_flag") else True)
-    return click.Option([flag], help=help, show_envvar=True, **kwargs)
+    return click.Option([flag], help=help, show_envvar=True, **_text_unless_typed(kwargs))
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -181,7 +214,7 @@ def flag_error(command: click.Command, error: ConfigError) -> FlagError:
 
 def error_line(error: click.ClickException) -> str:
     """One line for any click error: a bad value names its flag and variable, the rest as click says."""
-    if isinstance(error, click.BadParameter):
+    if isinstance(error, click.BadParameter) and not isinstance(error, click.MissingParameter):
         param = error.param
         if param is None and error.ctx is not None and isinstance(error.param_hint, str):
             hint = error.param_hint.strip("'")  # raised by a command's own check, naming its flag

@@ -40,3 +40,27 @@ def test_a_client_file_it_cannot_use_names_the_flag(
     variable = "TANDEM_GENERATE_" + named.removeprefix("--").replace("-", "_").upper()
     err = capsys.readouterr().err
     assert err.startswith(f"tandem generate: {named} ({variable}): ") and said in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["generate", "--prompt", "\udcff"], "--prompt (TANDEM_GENERATE_PROMPT)"),
+        (["generate", "--prompt", "hi", "--stop", "\udcff"], "--stop (TANDEM_GENERATE_STOP)"),
+        (["generate", "--part", "text:\udcff"], "--part (TANDEM_GENERATE_PART)"),
+        (["generate", "--address", "\udcff", "--prompt", "hi"], "--address (TANDEM_GENERATE_ADDRESS)"),
+        (["embed", "--text", "\udcff"], "--text (TANDEM_EMBED_TEXT)"),
+        (["serve", "decoder", "--host", "\udcff"], "--host (TANDEM_HOST)"),
+    ],
+)
+def test_a_text_flag_that_is_not_utf8_is_refused_naming_it(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bytes that are not UTF-8 (a shell's $'\\xff', held as surrogate escapes) failed when sent, with a
+    UnicodeEncodeError traceback."""
+    from tandem import cli
+
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith(
+        f"tandem {' '.join(argv[: 2 if argv[0] == 'serve' else 1])}: {flag}: "
+    )

@@ -414,3 +414,9 @@ def test_tokenizer_metadata_of_the_wrong_kind_is_one_line_naming_the_entry(
     with pytest.raises(GGUFImportError) as caught:
         import_gguf(path, tmp_path / "out")
     assert said in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_directory_is_said_to_be_one(tmp_path: Path) -> None:
+    """It said "no such file" of a directory that exists."""
+    with pytest.raises(GGUFImportError, match="a directory, not a GGUF file"):
+        import_gguf(tmp_path, tmp_path / "out")

@@ -134,10 +134,15 @@ def make_world_readable(directory: Path) -> None:
 def _open(path: Path) -> Any:
     import gguf
 
+    if path.is_dir():
+        raise GGUFImportError(f"{path}: a directory, not a GGUF file")
     if not path.is_file():
         raise GGUFImportError(f"{path}: no such file")
-    with path.open("rb") as f:
-        magic = f.read(4)
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GGUFImportError(f"{path}: {e.strerror}") from None
     if magic != b"GGUF":
         raise GGUFImportError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
