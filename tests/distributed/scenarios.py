@@ -296,47 +296,55 @@ def rank_lora_tokens(
         engine.shutdown()
 
 
-def rank_zero_failures(tp: ParallelContext, model_dir: Path, points: list[str]) -> list[tuple[str, float]]:
+def rank_zero_failures(
+    tp: ParallelContext, model_dir: Path, points: list[str], late_s: float
+) -> list[tuple[str, float]]:
     """For each point of `points` in turn, a start of the group in which rank 0 fails there ("template":
     loading its chat template, before the KV pool's agreement; "core": building its step core, after
-    it; "warmup": in start()), then a start that succeeds and is shut down twice. Each rank's outcome of
-    each start ("started", or what it raised) with its seconds; then every rank's rank gathered on the
-    control group, where a stray second STOP would be read."""
+    it), rank 1 starting each `late_s` late (a slower load). Each rank's outcome of each start (what
+    it raised) with its seconds; then rank 0's word sent within 0.1 s to rank 1 taking it `late_s`
+    late: what each got, with rank 0's seconds; then every rank's rank gathered on the control group,
+    where a stray message would be read."""
     outcomes: list[tuple[str, float]] = []
-    for point in [*points, "none"]:
-        options = {"static_shapes": True} if point == "warmup" else {}
-        config = engine_config(model_dir, options)
+    for point in points:
+        config = engine_config(model_dir)
         start = time.monotonic()
         try:
             if tp.rank == 0:
                 with _rank_zero_failing_at(point):
-                    engine = Engine(config, tp=tp).start()
-                engine.shutdown()
-                engine.shutdown()  # says nothing more: the other ranks have stopped
+                    Engine(config, tp=tp)
             else:
+                time.sleep(late_s)
                 run_steps(tp, config)
             outcomes.append(("started", time.monotonic() - start))
         except Exception as error:
             outcomes.append((f"{type(error).__name__}: {error}", time.monotonic() - start))
+    word = torch.tensor([7 if tp.rank == 0 else 0])
+    start = time.monotonic()
+    try:
+        if tp.rank != 0:
+            time.sleep(late_s)
+        said = str(tp.control.broadcast(word, within_s=0.1).tolist())
+    except TimeoutError as error:
+        said = f"TimeoutError: {error}"
+    outcomes.append((said, time.monotonic() - start))
     ranks = tp.all_gather_control(torch.tensor([tp.rank])).flatten().tolist()
     return [*outcomes, (str(ranks), 0.0)]
 
 
 @contextlib.contextmanager
 def _rank_zero_failing_at(point: str) -> Iterator[None]:
-    """Rank 0's set-up raises at `point` ("none": nowhere)."""
+    """Rank 0's set-up raises at `point`."""
 
     def refuse(*_: object, **__: object) -> None:
         raise RuntimeError(f"injected at {point}")
 
-    saved = (ChatTemplate.__dict__["load"], engine_module.EngineCore, ModelRunner.warm_up)
+    saved = (ChatTemplate.__dict__["load"], engine_module.EngineCore)
     if point == "template":
         ChatTemplate.load = refuse  # type: ignore[method-assign,assignment]
     if point == "core":
         engine_module.EngineCore = refuse  # type: ignore[assignment,misc]
-    if point == "warmup":
-        ModelRunner.warm_up = refuse  # type: ignore[method-assign]
     try:
         yield
     finally:
-        ChatTemplate.load, engine_module.EngineCore, ModelRunner.warm_up = saved  # type: ignore[misc]
+        ChatTemplate.load, engine_module.EngineCore = saved  # type: ignore[misc]

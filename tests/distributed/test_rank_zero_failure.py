@@ -2,8 +2,10 @@
 agreement before it (its set-up failed: loading, its chat template), by ABORT on the step feed after it
 (building its step core, warmup in start(), a step's fault). They stop at once, exit 1, and say in one
 line that rank 0 failed. (They were told nothing and waited out the group timeout, 60 s by default,
-with a local rank 0 waiting as long for them.) A clean shutdown still sends one STOP, however often it
-is called."""
+with a local rank 0 waiting as long for them.) Telling them never holds rank 0 up: while the others run
+a step they wait in its collectives, where nothing reaches them, so nothing is sent (an ABORT then held
+rank 0's shutdown for a whole group timeout); a word not taken at once is left queued. A clean shutdown
+still sends one STOP, however often it is called."""
 
 from __future__ import annotations
 
@@ -20,48 +22,55 @@ from tandem.decoder.distributed.parallel import RankInfo
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.step import kv_pool_agreement, sizing
 from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
+from tandem.decoder.engine.step.runner import ModelRunner
 
 from . import scenarios
 from .harness import run_ranks
+
+LATE_S = 1.5  # a slower load of rank 1, longer than rank 0 waits to say it failed (SAY_FAILED_WAIT_S)
 
 
 def test_the_other_ranks_stop_at_once_when_rank_0_fails_before_or_after_the_pool_agreement(
     tiny_model_dir: Path,
 ) -> None:
     """Two real ranks; the harness's group timeout is 30 s, which a rank told nothing waits out."""
-    points = ["template", "core", "warmup"]
-    rank0, rank1 = run_ranks(scenarios.rank_zero_failures, 2, tiny_model_dir, points, timeout_s=25)
+    assert LATE_S > kv_pool_agreement.SAY_FAILED_WAIT_S
+    points = ["template", "core"]
+    rank0, rank1 = run_ranks(scenarios.rank_zero_failures, 2, tiny_model_dir, points, LATE_S, timeout_s=25)
     assert [said for said, _ in rank0] == [
-        *(f"RuntimeError: injected at {point}" for point in points),
-        "started",
+        *(f"RuntimeError: injected at {p}" for p in points),
+        "TimeoutError: not every rank took it within 0.1 s",
         "[0, 1]",
     ]
     assert [said for said, _ in rank1] == [
-        "RankZeroFailed: rank 0 failed before the KV pool's agreement",
+        "RankZeroFailed: rank 0 failed before the KV pool's agreement",  # though it came late
         "RankZeroFailed: rank 0 failed",  # ABORT
-        "RankZeroFailed: rank 0 failed",
-        "started",  # the normal STOP
-        "[0, 1]",  # and no second one: the control group is still in step
+        "[7]",  # a word rank 0 stopped waiting for is still taken
+        "[0, 1]",  # the control group is still in step
     ]
-    assert all(seconds < 10 for _, seconds in rank1[:3]), rank1  # ~1 s: a load, then rank 0's word
+    assert rank0[0][1] < LATE_S and rank0[2][1] < LATE_S, rank0  # neither waited for the slower rank
+    assert all(seconds < 10 for _, seconds in rank1[:2]), rank1  # a load, then rank 0's word
 
 
 class Feed:
-    """A group of one (identity collectives) whose feed to the other ranks records what it is told."""
+    """A group of one (identity collectives) whose feed to the other ranks records what it is told.
+    `is_broken`: its collectives raise, as a group's do when a rank hangs or dies inside a step."""
 
     rank, world_size, timeout_s = 0, 1, 60.0
     rank_tensor = torch.tensor(0)
 
-    def __init__(self, failing_step: bool = False) -> None:
+    def __init__(self, is_broken: bool = False) -> None:
         self.said: list[str] = []
-        self.failing_step = failing_step
+        self.is_broken = is_broken
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_broken:
+            raise RuntimeError("Timed out waiting 60000ms for recv operation to complete")
         return x
 
     all_gather_seq = reduce_scatter_seq = all_gather_last = all_reduce
 
-    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather_control(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor:
         if x[0] == kv_pool_agreement.FAILED:
             self.said.append("agreement: failed")
         return x.unsqueeze(0)
@@ -70,8 +79,7 @@ class Feed:
         return self
 
     def send(self, batch) -> None:
-        if self.failing_step:
-            raise RuntimeError("a step fault")
+        self.said.append("step")
 
     def install_adapter(self, slot: int, adapter) -> None:
         pass
@@ -90,15 +98,75 @@ def refuse(*_: object, **__: object) -> None:
     raise RuntimeError("injected")
 
 
-def test_a_step_fault_sends_abort_at_shutdown(tiny_model_dir: Path) -> None:
-    feed = Feed(failing_step=True)
-    engine = Engine(scenarios.engine_config(tiny_model_dir), tp=feed).start()  # type: ignore[arg-type]
+def run_until_it_fails(feed: Feed, model_dir: Path) -> None:
+    """An engine on `feed` given a request, shut down once its loop has failed."""
+    engine = Engine(scenarios.engine_config(model_dir), tp=feed).start()  # type: ignore[arg-type]
     engine.submit(scenarios.greedy_spec([1, 2, 3], 2), lambda _: None)
     deadline = time.monotonic() + 10
     while engine.is_healthy and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert not engine.is_healthy
     engine.shutdown()
+
+
+def test_a_step_failing_inside_its_forward_sends_nothing_the_others_could_not_take(
+    tiny_model_dir: Path,
+) -> None:
+    """Its collective failed (a rank hung or died in it) or rank 0 failed before it: either way the
+    others wait in the forward's collectives, not on the feed."""
+    feed = Feed(is_broken=True)
+    run_until_it_fails(feed, tiny_model_dir)
+    assert feed.said == ["step"]
+
+
+def test_a_step_failing_after_its_forward_sends_abort_at_shutdown(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The others finished the forward with this rank and wait on the feed for the next step."""
+    forward = ModelRunner.forward
+
+    def failing_after(self: ModelRunner, batch: object) -> torch.Tensor:
+        forward(self, batch)  # type: ignore[arg-type]
+        raise RuntimeError("injected after the forward")
+
+    monkeypatch.setattr(ModelRunner, "forward", failing_after)
+    feed = Feed()
+    run_until_it_fails(feed, tiny_model_dir)
+    assert feed.said == ["step", "abort"]
+
+
+def static_config(model_dir: Path) -> EngineConfig:
+    return scenarios.engine_config(model_dir, {"static_shapes": True})  # start() warms every bucket up
+
+
+def test_a_warmup_failing_inside_its_forward_sends_nothing_and_start_raises_at_once(
+    tiny_model_dir: Path,
+) -> None:
+    feed = Feed(is_broken=True)
+    engine = Engine(static_config(tiny_model_dir), tp=feed)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="Timed out"):
+        engine.start()
+    assert feed.said == ["step"]
+
+
+def test_a_warmup_failing_between_its_forwards_sends_abort(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ModelRunner, "warm_up", refuse)
+    feed = Feed()
+    engine = Engine(static_config(tiny_model_dir), tp=feed)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.start()
     assert feed.said == ["abort"]
+
+
+def test_a_clean_shutdown_sends_stop_once_however_often_it_is_called(tiny_model_dir: Path) -> None:
+    """A second STOP would be read by no worker: the control group would be out of step."""
+    feed = Feed()
+    engine = Engine(scenarios.engine_config(tiny_model_dir), tp=feed).start()  # type: ignore[arg-type]
+    engine.shutdown()
+    engine.shutdown()
+    assert feed.said == ["stop"]
 
 
 def test_a_set_up_failing_before_the_agreement_says_so_there_and_sends_nothing_on_the_feed(

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from services.decoder.tests.models.helpers import PagedAllocator
-from tandem.decoder.distributed.step_broadcast import StepSender, receive_step
+from tandem.decoder.distributed.step_broadcast import ABORT_WAIT_S, StepSender, receive_step
 from tandem.decoder.engine.step.batch import StepBatch
+from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import load_model
@@ -26,9 +27,11 @@ class Recorder:
 
     def __init__(self) -> None:
         self.sent: list[torch.Tensor] = []
+        self.within_s: list[float | None] = []  # how long rank 0 waits for each message at most
 
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+    def broadcast(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor:
         self.sent.append(x.clone())
+        self.within_s.append(within_s)
         return x
 
 
@@ -89,6 +92,18 @@ def test_worker_rebuilds_token_and_embedding_batches_between_keepalives_and_stop
         _assert_same(got, want)
     assert receive_step(replay, 8, torch.bfloat16, torch.device("cpu")) is None  # type: ignore[arg-type]
     assert not replay.pending
+
+
+def test_a_worker_told_abort_raises_rank_zero_failed_which_rank_0_waits_for_a_bounded_time() -> None:
+    """A worker not on the feed (hung, gone) would hold rank 0's failed shutdown for the group
+    timeout; STOP and steps, which every worker takes, wait as any collective does."""
+    control = Recorder()
+    sender = StepSender(control)  # type: ignore[arg-type]
+    sender.keepalive()
+    sender.abort()
+    assert control.within_s == [None, ABORT_WAIT_S]
+    with pytest.raises(RankZeroFailed, match="rank 0 failed"):
+        receive_step(Replayer(control.sent), 8, torch.bfloat16, torch.device("cpu"))  # type: ignore[arg-type]
 
 
 def test_only_embedding_rows_cross_as_floats() -> None:

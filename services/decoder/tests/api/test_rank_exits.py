@@ -78,3 +78,30 @@ def test_the_agreed_pool_refusal_waits_for_the_ranks_stopping_by_themselves(
     serve_ranks_failing(refused, stopping, monkeypatch, caplog)
     assert (stopping.signals, stopping.exitcode) == ([], 2)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def serve_ranks_failed(rank: SpawnedRank, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Rank 0 of two, whose serve ends FAILED (a step's fault, a load that failed); its exit code."""
+
+    async def serve(*_: object, **__: object) -> main.Outcome:
+        return main.Outcome.FAILED
+
+    monkeypatch.setattr(main, "serve", serve)
+    monkeypatch.setattr(main, "_spawn_ranks", lambda *_: [rank])
+    config = DecoderConfig(engine=EngineConfig(model_dir=Path("m")), world_size=2)
+    return main._serve_ranks(config, RankInfo.local(0, 2, 1))
+
+
+def test_a_failed_rank_0_ends_a_rank_no_word_reaches_rather_than_wait_out_the_group_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside a step's collectives (or still loading) it would fail only at the group's timeout."""
+    stuck = SpawnedRank(stops_by_itself=False)
+    assert serve_ranks_failed(stuck, monkeypatch) == 1
+    assert stuck.signals == ["terminate"]
+
+
+def test_a_failed_rank_0_lets_a_rank_told_abort_exit_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    told = SpawnedRank(stops_by_itself=True)
+    assert serve_ranks_failed(told, monkeypatch) == 1
+    assert told.signals == []

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -105,6 +106,9 @@ ENCODER_CHECK_S = 30.0
 # Spawned ranks still loading when a signal abandons the load: how long each gets to die of SIGTERM
 # before it is killed.
 RANK_EXIT_S = 5.0
+# Rank 0 failed: how long its spawned ranks get to exit by themselves (one told ABORT does within
+# milliseconds) before the rest are ended.
+FAILED_RANK_EXIT_S = 1.0
 
 
 class Outcome(enum.Enum):
@@ -298,6 +302,8 @@ def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
             raise
         if outcome is Outcome.ABANDONED:
             _end_loading_ranks(workers)
+        elif outcome is Outcome.FAILED:
+            _end_failed_ranks(workers)
         elif not join_local_ranks(workers, config.collective_timeout_s):
             outcome = Outcome.FAILED
     if outcome is Outcome.ABANDONED:
@@ -325,6 +331,19 @@ def _end_loading_ranks(processes: list[BaseProcess]) -> None:
     memory until the group's timeout failed it; they keep Python's default action for SIGTERM."""
     for process in processes:
         process.terminate()
+    join_local_ranks(processes, RANK_EXIT_S)  # reaps them; kills one SIGTERM did not end
+
+
+def _end_failed_ranks(processes: list[BaseProcess]) -> None:
+    """Ends the ranks this process spawned once it failed. One told ABORT exits by itself at once;
+    one that no word reaches (inside a step's collectives, still loading) would fail only at the
+    group's timeout, and joining it for that long held this exit up to 2 timeouts after its failure."""
+    deadline = time.monotonic() + FAILED_RANK_EXIT_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
     join_local_ranks(processes, RANK_EXIT_S)  # reaps them; kills one SIGTERM did not end
 
 

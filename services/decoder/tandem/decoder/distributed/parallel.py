@@ -68,17 +68,38 @@ class ControlGroup:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0 sends `x`; the others receive into it (same shape and dtype) and get it back."""
-        dist.broadcast(x, src=0, group=self.group)
+    def broadcast(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor:
+        """Rank 0 sends `x`; the others receive into it (same shape and dtype) and get it back.
+        `within_s`: rank 0 waits that long at most (_wait_within)."""
+        work = dist.broadcast(x, src=0, group=self.group, async_op=within_s is not None)
+        if within_s is not None:
+            _wait_within(work, within_s)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x` (the same shape and dtype on each) in rank order: [world_size, *x.shape]."""
+    def all_gather(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor:
+        """Every rank's `x` (the same shape and dtype on each) in rank order: [world_size, *x.shape].
+        `within_s`: this rank waits that long at most (_wait_within), the result then unread."""
         world_size = dist.get_world_size(self.group)
         out = x.new_empty(world_size * x.numel())  # gloo gathers along dim 0 only
-        _all_gather_single(out, x.contiguous().flatten(), group=self.group)
+        work = _all_gather_single(
+            out, x.contiguous().flatten(), group=self.group, async_op=within_s is not None
+        )
+        if within_s is not None:
+            _wait_within(work, within_s)
         return out.view(world_size, *x.shape)
+
+
+def _wait_within(work: dist.Work, within_s: float) -> None:
+    """Rank 0's word that it failed, which must not hold its exit for the group timeout when a rank
+    cannot take it now (still loading, inside a step's collective, hung): raises TimeoutError after
+    `within_s`. The operation stays queued, so a rank that reaches it later, while this process lives,
+    still gets the word; one gone fails it (the RuntimeError raised at once)."""
+    try:
+        work.wait(timedelta(seconds=within_s))
+    except RuntimeError:
+        if work.is_completed():  # failed, not late: a rank gone
+            raise
+        raise TimeoutError(f"not every rank took it within {within_s:g} s") from None
 
 
 class ParallelContext:
@@ -104,10 +125,11 @@ class ParallelContext:
         self.control = control  # rank 0's step broadcasts
         self.timeout_s = timeout_s  # any collective waiting longer than this raises
 
-    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather_control(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor:
         """Every rank's host tensor `x`, stacked in rank order ([world_size, *x.shape]), on the control
-        group: what the ranks tell each other at start (kv_pool_agreement.py), never a step's data."""
-        return self.control.all_gather(x)
+        group: what the ranks tell each other at start (kv_pool_agreement.py), never a step's data.
+        `within_s`: this rank waits that long at most (ControlGroup.all_gather)."""
+        return self.control.all_gather(x, within_s)
 
     def step_sender(self) -> StepSender:
         """Rank 0's feed of every step to the other ranks' worker loops, on the control group."""

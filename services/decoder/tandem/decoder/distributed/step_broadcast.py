@@ -13,7 +13,9 @@ one float32 payload of its scale and every pair's A [rank, in] and B [out, rank]
 each worker writes its own shard into the slot (models/lora.py). KEEPALIVE messages flow while
 rank 0 is idle, so a worker's receive never waits longer than the group timeout unless rank 0 is
 gone; STOP ends the worker loop. ABORT ends it as rank 0's failure (its set-up after the KV pool's
-agreement, its warmup, a step's fault): the worker exits non-zero at once (rank_zero_failed.py).
+agreement, its warmup, a step's fault): the worker exits non-zero at once (rank_zero_failed.py). A
+worker inside a step's forward cannot take it (it waits in the model's collectives, not here), so rank
+0 sends none then, and waits ABORT_WAIT_S at most for any other that does not come.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from tandem.decoder.models.peft_adapter import TARGETS, LoraAdapter, module_shap
 class ControlChannel(Protocol):
     """The control group's one operation; `parallel.ControlGroup` is the real one, tests replay a list."""
 
-    # Rank 0 sends `x`; the others receive into it (same shape and dtype) and get it back.
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor: ...
+    # Rank 0 sends `x`; the others receive into it (same shape and dtype) and get it back. `within_s`:
+    # rank 0 raises TimeoutError if some rank has not taken it in that long (the send stays queued).
+    def broadcast(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor: ...
 
 
 class Kind(enum.IntEnum):
@@ -49,6 +52,10 @@ class Kind(enum.IntEnum):
 # STEP: kind, num_tokens, num_seqs, table_width, num_logits_indices, num_embed_rows, has_inputs_embeds,
 # num_logits, has_lora_slots. ADAPTER: kind, slot, rank, num_pairs.
 HEADER_LEN = 9
+# How long rank 0 waits for its ABORT to be taken: a worker in its step loop takes it at once; one that
+# is not there (hung, or gone) must not hold rank 0's shutdown for the group timeout, which it never did
+# before ABORT existed (the worker then stops at its own collective's timeout, as it did untold).
+ABORT_WAIT_S = 1.0
 
 
 class StepSender:
@@ -115,13 +122,18 @@ class StepSender:
         self._header(Kind.STOP)
 
     def abort(self) -> None:
-        self._header(Kind.ABORT)
+        """Raises TimeoutError when some worker has not taken it within ABORT_WAIT_S."""
+        self.control.broadcast(_header(Kind.ABORT), within_s=ABORT_WAIT_S)
 
     def _header(self, kind: Kind, *fields: int) -> None:
-        header = torch.zeros(HEADER_LEN, dtype=torch.int32)
-        header[0] = kind
-        header[1 : 1 + len(fields)] = torch.tensor(fields, dtype=torch.int32)
-        self.control.broadcast(header)
+        self.control.broadcast(_header(kind, *fields))
+
+
+def _header(kind: Kind, *fields: int) -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int32)
+    header[0] = kind
+    header[1 : 1 + len(fields)] = torch.tensor(fields, dtype=torch.int32)
+    return header
 
 
 def receive_step(

@@ -10,7 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tandem.decoder.engine.step.kv_pool_agreement import MAX_CAUSE_BYTES, first_refusal, say_failed
+from tandem.decoder.engine.step.kv_pool_agreement import (
+    MAX_CAUSE_BYTES,
+    SAY_FAILED_WAIT_S,
+    first_refusal,
+    say_failed,
+)
 from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
 
@@ -31,7 +36,7 @@ class _Rank:
         self.group = group
         self.rank = rank
 
-    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather_control(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor:
         self.group.given[self.rank] = x.clone()
         self.group.barrier.wait()  # every rank has given its own
         return torch.stack(self.group.given)  # type: ignore[arg-type]
@@ -92,3 +97,19 @@ def test_rank_0_failing_before_its_pool_stops_every_other_rank_at_the_agreement(
         for other in others:
             with pytest.raises(RankZeroFailed, match="rank 0 failed before the KV pool's agreement"):
                 other.result()
+
+
+def test_rank_0_saying_it_failed_waits_a_bounded_time_for_ranks_still_loading() -> None:
+    """A large model loads for minutes, which rank 0's error, and a local group's end, waited out."""
+
+    class Recording:
+        rank = 0
+        within: list[float | None] = []
+
+        def all_gather_control(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor:
+            self.within.append(within_s)
+            return x.unsqueeze(0)
+
+    group = Recording()
+    say_failed(group)
+    assert group.within == [SAY_FAILED_WAIT_S]

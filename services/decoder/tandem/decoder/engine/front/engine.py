@@ -69,7 +69,8 @@ class RankGroup(ParallelGroup, Protocol):
     def step_sender(self) -> StepFeed: ...  # feeds every step to the other ranks' worker loops
 
     # Every rank's host tensor, stacked in rank order (start-up's agreements: kv_pool_agreement.py).
-    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor: ...
+    # `within_s`: this rank waits that long at most, raising TimeoutError (kv_pool_agreement.say_failed).
+    def all_gather_control(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor: ...
 
 
 class Engine:
@@ -329,24 +330,32 @@ class Engine:
         """The other ranks, loading or waiting in the KV pool's agreement, stop there."""
         try:
             self._thread.run(say_failed, tp)
+        except TimeoutError:  # still loading: they stop there if they reach it while this process lives
+            log.info("the other ranks have not reached the KV pool's agreement yet; not waiting for them")
         except Exception as error:  # a rank already gone: nothing to tell
-            log.warning("could not tell the other ranks that this one failed: %s", error)
+            log.warning("could not tell the other ranks to stop at the KV pool's agreement: %s", error)
 
     def _stop_peers(self, failed: bool) -> None:
         """The other ranks' worker loops end: STOP, or ABORT when this rank failed (they exit non-zero at
-        once; without it they waited out the group timeout). Sent once: a second shutdown sends nothing."""
+        once; without it they waited out the group timeout). Sent once: a second shutdown sends nothing.
+        None while they run a step: they wait in its collectives, which fail them at the group timeout as
+        before ABORT existed, and an ABORT sent then held this shutdown for a whole group timeout."""
         assert self._peers is not None
         self._peers_listening = False
+        core = getattr(self, "core", None)
+        if failed and core is not None and core.runner.is_peers_in_step:
+            log.info("the other ranks stop when the step they run times out: nothing reaches them inside it")
+            return
         try:
             if failed:
                 self._peers.abort()
             else:
                 self._peers.stop()
-        except Exception as error:  # a rank already gone (or the fault was the group's): nothing to tell
+        except Exception as error:  # a rank hung or gone (or the fault was the group's): nothing to tell
             if not failed:
                 log.exception("could not tell the other ranks to stop")
             else:
-                log.warning("could not tell the other ranks that this one failed: %s", error)
+                log.warning("could not send the other ranks ABORT (one hung or gone?): %s", error)
 
     @property
     def is_healthy(self) -> bool:

@@ -36,6 +36,9 @@ ALLOCATED, REFUSED, FAILED = 0, 1, 2
 # The cause's bytes carried, cut there: mmap's ENOMEM says 25, the host memory check ~60, CUDA's
 # out-of-memory message ~400 with its advice on the allocator's settings.
 MAX_CAUSE_BYTES = 512
+# How long rank 0 whose set-up failed waits for the others to reach the agreement: they may load for
+# minutes (a large model), which its error, and a local group's end, waited out.
+SAY_FAILED_WAIT_S = 1.0
 
 
 class KvPoolRefused(ConfigError):
@@ -54,8 +57,9 @@ class ControlGather(Protocol):
 
     rank: int  # this rank, 0-based
 
-    # Every rank's host tensor, stacked in rank order: [world_size, *x.shape].
-    def all_gather_control(self, x: torch.Tensor) -> torch.Tensor: ...
+    # Every rank's host tensor, stacked in rank order: [world_size, *x.shape]. `within_s`: this rank
+    # waits that long at most, raising TimeoutError (the gather stays queued).
+    def all_gather_control(self, x: torch.Tensor, within_s: float | None = None) -> torch.Tensor: ...
 
 
 def first_refusal(group: ControlGather, refused: KvPoolUnallocated | None) -> KvPoolUnallocated | None:
@@ -73,10 +77,12 @@ def first_refusal(group: ControlGather, refused: KvPoolUnallocated | None) -> Kv
 
 
 def say_failed(group: ControlGather) -> None:
-    """Rank 0's part in the agreement when its set-up failed before it: the others stop there."""
+    """Rank 0's part in the agreement when its set-up failed before it: the others stop there. Raises
+    TimeoutError when some rank has not reached it within SAY_FAILED_WAIT_S; a rank that reaches it
+    while rank 0 lives (a local group's rank 0 waits for its ranks, or ends them) is still told."""
     message = _message(None)
     message[0] = FAILED
-    group.all_gather_control(message)
+    group.all_gather_control(message, within_s=SAY_FAILED_WAIT_S)
 
 
 def _message(refused: KvPoolUnallocated | None) -> torch.Tensor:
