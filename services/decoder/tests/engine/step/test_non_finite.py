@@ -37,3 +37,9 @@ def test_a_non_finite_row_after_a_rejection_is_never_reached() -> None:
 def test_the_errors_are_internal_and_name_the_position() -> None:
     assert isinstance(at_output(3), ModelFault) and "output position 3" in at_output(3).message
     assert "prompt position 7" in at_prompt(7).message and "prompt_logprobs" in at_prompt(7).message
+
+
+def test_the_errors_name_the_adapter_a_request_ran_on_as_the_likelier_cause() -> None:
+    assert "with LoRA adapter 'big' (its update may overflow" in at_output(3, "big").message
+    assert "with LoRA adapter 'big'" in at_prompt(7, "big").message
+    assert "adapter" not in at_output(3).message + at_prompt(7, "").message

@@ -356,7 +356,9 @@ class EngineCore:
             if item.request_id in faults:  # its prompt's scoring failed: an earlier position
                 kept[i] = []
             elif ahead is not None:
-                faults[item.request_id] = non_finite.at_output(item.request.num_output_tokens + ahead)
+                faults[item.request_id] = non_finite.at_output(
+                    item.request.num_output_tokens + ahead, item.request.adapter
+                )
         broken: list[tuple[ScheduledRequest, TandemError]] = []
         for item, tokens in zip(items, kept, strict=True):  # the grammar takes what was sampled
             if item.request.constraint is not None:
@@ -456,7 +458,8 @@ class EngineCore:
         faults: dict[str, TandemError] = {}
         for chunk in chunks:
             if chunk.first_non_finite is not None:
-                faults.setdefault(chunk.request_id, non_finite.at_prompt(chunk.first_non_finite))
+                adapter = self._live[chunk.request_id].request.adapter
+                faults.setdefault(chunk.request_id, non_finite.at_prompt(chunk.first_non_finite, adapter))
             elif chunk.request_id not in faults:
                 self._live[chunk.request_id].output.add_prompt_logprobs(chunk)
         return faults

@@ -37,17 +37,26 @@ def cut_at_non_finite(tokens: list[int]) -> tuple[list[int], int | None]:
     return tokens, None
 
 
-def at_output(position: int) -> ModelFault:
-    """The error of a request whose logits for output token `position` (0 = the first) were not finite."""
+def at_output(position: int, adapter: str = "") -> ModelFault:
+    """The error of a request whose logits for output token `position` (0 = the first) were not finite.
+    `adapter`: the LoRA adapter the request ran on, if any: the likelier cause, named."""
     return ModelFault(
-        f"the model produced non-finite logits (NaN or infinity) at output position {position}; "
-        "the request was ended there"
+        f"the model produced non-finite logits (NaN or infinity) at output position {position}"
+        f"{_on(adapter)}; the request was ended there"
     )
 
 
-def at_prompt(position: int) -> ModelFault:
+def at_prompt(position: int, adapter: str = "") -> ModelFault:
     """The error of a request whose logits scoring prompt position `position` were not finite."""
     return ModelFault(
         f"the model produced non-finite logits (NaN or infinity) scoring prompt position {position} "
-        "(prompt_logprobs); the request was ended there"
+        f"(prompt_logprobs){_on(adapter)}; the request was ended there"
     )
+
+
+def _on(adapter: str) -> str:
+    # The base model serves every other request, so an adapter's update (its weights or lora_alpha
+    # overflowing the activations) is the likelier cause; the caller can try the request without it.
+    if not adapter:
+        return ""
+    return f" with LoRA adapter {adapter!r} (its update may overflow the model's activations)"
