@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
 from tandem.decoder.api.main import config_from_args
@@ -123,3 +124,42 @@ def test_a_lora_root_that_is_no_directory_is_refused_naming_the_flag(
     assert capsys.readouterr().err.splitlines() == [
         f"tandem serve decoder: --lora-root (TANDEM_LORA_ROOT) {said.format(root=path)}"
     ]
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            "alpha",
+            "adapter 'bad': adapter_config.json:lora_alpha: 100000000000000000...0000000000000000000 "
+            "gives a scale",
+        ),
+        ("targets", "adapter 'bad': adapter_config.json:target_modules: must be a list of module names"),
+        ("float8", "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: is stored as float8"),
+    ],
+)
+def test_a_malformed_adapter_fails_in_one_line_naming_the_field(
+    environ,
+    tiny_model_dir: Path,
+    adapter: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    edit: str,
+    said: str,
+) -> None:
+    # Each was a traceback and exit 1 (OverflowError, TypeError, NotImplementedError from torch).
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    text = json.dumps(config | ({"target_modules": [["q_proj"]]} if edit == "targets" else {}))
+    if edit == "alpha":  # 401 digits: json reads it, no float holds it
+        text = text.replace(f'"lora_alpha": {config["lora_alpha"]}', '"lora_alpha": 1' + "0" * 400)
+    (bad / "adapter_config.json").write_text(text)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    if edit == "float8":
+        tensors = {k: v.to(torch.float8_e4m3fn) for k, v in tensors.items()}
+    save_file(tensors, bad / "adapter_model.safetensors")
+    assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", "--lora", f"bad={bad}"]) == 2
+    assert said in capsys.readouterr().err

@@ -67,6 +67,9 @@ def test_an_adapter_keeps_peft_s_tensors_rank_targets_and_rslora_scale(
         ({"modules_to_save": ["lm_head"]}, "adapter_config.json:modules_to_save", "modules_to_save"),
         ({"target_modules": ["q_proj", "lm_head"]}, "adapter_config.json:target_modules", "'lm_head'"),
         ({"peft_type": "IA3"}, "adapter_config.json:peft_type", "must be LORA"),
+        ({"alora_invocation_tokens": [17, 402]}, "adapter_config.json:alora_invocation_tokens", "aLoRA"),
+        ({"layer_replication": [[0, 1], [0, 1]]}, "adapter_config.json:layer_replication", "not supported"),
+        ({"target_modules": r".*\.q_proj"}, "adapter_config.json:target_modules", "regular expression"),
     ],
 )
 def test_settings_the_server_cannot_honour_are_refused_naming_the_field(
@@ -134,10 +137,87 @@ def test_a_tensor_for_another_base_model_is_refused_naming_it(
 def test_tensors_that_do_not_make_an_adapter_are_refused(
     adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, tensors: dict, says: str
 ) -> None:
-    out = copy_with(adapter_dir, tmp_path / "a", r=4)
+    out = copy_with(adapter_dir, tmp_path / "a", r=4, target_modules="all-linear")
     save_file(tensors, out / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match=says):
         read_adapter(out, tiny_fp32.config, max_rank=16)
+
+
+@pytest.mark.parametrize(
+    ("settings", "tensor", "says"),
+    [
+        # peft builds layers only for the modules these name, and loads no other tensor: the decoder
+        # served the file's every tensor, other tokens than peft's with no error.
+        ({"target_modules": ["k_proj", "o_proj", "up_proj"]}, "0.mlp.down_proj.lora_A", "target_modules"),
+        ({"exclude_modules": ["o_proj"]}, "0.self_attn.o_proj.lora_A", "exclude_modules"),
+        ({"layers_to_transform": [1]}, "0.mlp.down_proj.lora_A", "layers_to_transform"),
+    ],
+)
+def test_a_tensor_peft_would_not_load_is_refused_naming_it_and_the_setting(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, settings: dict, tensor: str, says: str
+) -> None:
+    with pytest.raises(AdapterError, match=f"adapter_config.json:{says} ") as raised:
+        read_adapter(copy_with(adapter_dir, tmp_path / "a", **settings), tiny_fp32.config, max_rank=16)
+    assert raised.value.field == f"adapter_model.safetensors:base_model.model.model.layers.{tensor}.weight"
+
+
+def test_all_linear_and_dotted_names_adapt_what_the_file_holds(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    listed = read_adapter(adapter_dir, tiny_fp32.config, max_rank=16)
+    for i, targets in enumerate(["all-linear", ["self_attn.k_proj", "o_proj", "mlp.up_proj", "down_proj"]]):
+        got = read_adapter(
+            copy_with(adapter_dir, tmp_path / str(i), target_modules=targets), tiny_fp32.config, 16
+        )
+        assert got.targets == listed.targets and got.weights.keys() == listed.weights.keys()
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "says"),
+    [
+        # Each was INTERNAL at LoadAdapter and a traceback (exit 1) at start.
+        ("config", "adapter_config.json:lora_alpha", "over float32's range"),
+        ("targets", "adapter_config.json:target_modules", "must be a list of module names"),
+        (
+            "float8",
+            "adapter_model.safetensors:{}",
+            "is stored as float8_e4m3fn: must be F16, BF16, F32 or F64",
+        ),
+        ("int32", "adapter_model.safetensors:{}", "is stored as int32"),
+    ],
+)
+def test_malformed_values_are_refused_naming_the_file_and_field(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, edit: str, field: str, says: str
+) -> None:
+    out = copy_with(
+        adapter_dir, tmp_path / "a", **({"target_modules": [["k_proj"]]} if edit == "targets" else {})
+    )
+    if edit == "config":  # an integer of 401 digits: json reads it, no float holds it
+        text = (out / "adapter_config.json").read_text()
+        (out / "adapter_config.json").write_text(
+            text.replace('"lora_alpha": 16.0', '"lora_alpha": 1' + "0" * 400)
+        )
+    tensors = load_file(out / "adapter_model.safetensors")
+    if edit in ("float8", "int32"):
+        dtype = torch.float8_e4m3fn if edit == "float8" else torch.int32
+        save_file({k: v.to(dtype) for k, v in tensors.items()}, out / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=says) as raised:
+        read_adapter(out, tiny_fp32.config, max_rank=16)
+    assert raised.value.field == field.format(sorted(tensors)[0])
+
+
+def test_an_update_whose_gain_is_past_the_bound_is_refused_naming_its_tensor(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
+) -> None:
+    # lora_alpha 1e30: a finite scale and finite weights, but the hidden states overflowed and every
+    # request on the adapter emitted token 0 at logprob -ln(vocab) for ever, with no error.
+    loud = copy_with(adapter_dir, tmp_path / "loud", lora_alpha=1e30)
+    with pytest.raises(AdapterError, match=r"multiply an input by .* over the 1e\+06") as raised:
+        read_adapter(loud, tiny_fp32.config, max_rank=16)
+    assert raised.value.field.endswith(".lora_B.weight") and "lora_alpha" in str(raised.value)
+    adapter = read_adapter(adapter_dir, tiny_fp32.config, max_rank=16)  # peft's random one: far below
+    gain = max(adapter.scale * a.norm() * b.norm() for a, b in adapter.weights.values())
+    assert gain < 1e3
 
 
 def test_a_pickled_adapter_is_never_read(adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path) -> None:
@@ -196,7 +276,10 @@ def test_values_that_overflow_once_cast_are_refused_before_any_slot_holds_them(
         {name.format("A"): torch.ones(4, 64), name.format("B"): torch.full((64, 4), 1e30)},
         half / "adapter_model.safetensors",
     )
-    read_adapter(half, tiny_fp32.config, max_rank=16)  # float32 holds 1e30
+    # float32 holds 1e30 (the gain bound then refuses it, naming the same tensor)
+    with pytest.raises(AdapterError, match="multiply an input by") as raised:
+        read_adapter(half, tiny_fp32.config, max_rank=16)
+    assert raised.value.field == f"adapter_model.safetensors:{name.format('B')}"
     fp16 = dataclasses.replace(tiny_fp32.config, dtype=torch.float16)
     with pytest.raises(AdapterError, match="the model's float16 range"):
         read_adapter(half, fp16, max_rank=16)

@@ -8,7 +8,9 @@ projections (q/k/v/o, gate/up/down), rank at most --max-lora-rank, and every ten
 the base model's own projection has (so an adapter made for another base model, whose hidden size
 or head counts differ, fails naming the first tensor that does not fit).
 
-Scaling is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`.
+Scaling is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`. Which settings of
+adapter_config.json are honoured, and which tensors peft would load by them: peft_config.py. A tensor
+peft would not load is refused, as is an update whose gain (scale x |A| x |B|) is past MAX_LORA_GAIN.
 
 NOTE: how the files are read. The directory is opened once and each file relative to it, without
 blocking (a FIFO swapped in after any check would hold the one adapter-reader thread, every later load
@@ -32,25 +34,23 @@ directory as `shown`.
 from __future__ import annotations
 
 import errno
-import math
 import os
 import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from tandem.client.errors import InvalidArgument
 from tandem.common.checkpoint import MAX_JSON_BYTES, json_object
+from tandem.decoder.models.adapter_error import AdapterError
 from tandem.decoder.models.beneath import MAX_PATH_BYTES, OpenDirectory, open_beneath
 from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.peft_config import CONFIG_FILE, TARGETS, AdapterSettings, check_config
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 # A safetensors header past its 8-byte length: ~130 bytes a tensor, 14 tensors a layer (1 MiB is ~570
@@ -69,8 +69,15 @@ _SYMLINK_REFUSED = (errno.ENOTDIR, errno.ELOOP, errno.EMLINK)
 _NOT_A_DIRECTORY = (errno.ENOENT, *_SYMLINK_REFUSED)
 _MAX_READ_BYTES = 1 << 30  # one read(2); Linux returns at most ~2 GiB a call
 
-# The checkpoint modules an adapter may target (models/lora.py: the fused projection each is part of).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# What a LoRA weight may be stored as: the floating-point dtypes whose values torch checks and casts.
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The largest gain (scale x |A| x |B|, Frobenius norms: an upper bound of the update's spectral norm) an
+# adapter's update may have. Trained ones sit near 1 to 10 (scale 0.5 to 4, |A| ~ sqrt(r / 3) from its
+# init, |B| below 1); random ones are larger: ~100 for bench/lora_throughput.py's (std 0.02, r 16, scale 2)
+# at Llama-3-8B's 4,096 x 14,336, below 100 for the tests' peft-made ones. At 1e6 an input of unit norm
+# leaves the update past float16's range (65,504) 15 times over, a millionfold the base projection's own
+# (norm near 1): no fine-tune does that, only overflow, where the output was garbage with no error.
+MAX_LORA_GAIN = 1e6
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT strips the adapter's name): the
 # names of modules the base model has, and nothing else, as PEFT loads only those. A layer index with a
@@ -80,10 +87,6 @@ _TENSOR_NAME = re.compile(
     r"base_model\.model\.model\.layers\.(0|[1-9]\d{0,8})\."
     r"(?:self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))\.lora_(A|B)\.weight"
 )
-
-
-class AdapterError(InvalidArgument, ValueError):
-    """An adapter that cannot be served here; `field` names the file and its entry."""
 
 
 @dataclass(frozen=True)
@@ -214,9 +217,10 @@ def _read_directory(
     )
     if config_bytes is None:
         raise _ConfigFileError(f"{CONFIG_FILE} not found in {shown}")
-    rank, scale = _check_config(
-        json_object(config_bytes, f"{shown}/{CONFIG_FILE}", _ConfigFileError), max_rank
+    settings = check_config(
+        json_object(config_bytes, f"{shown}/{CONFIG_FILE}", _ConfigFileError), max_rank, config.num_layers
     )
+    rank = settings.rank
     max_bytes = max_weights_bytes(config, rank)
     weights_bytes = _read_file(
         directory,
@@ -233,9 +237,9 @@ def _read_directory(
         except OSError:
             hint = ""
         raise AdapterError(WEIGHTS_FILE, f"not found in {shown}{hint}")
-    weights = _read_weights(weights_bytes, config, rank)
+    weights = _read_weights(weights_bytes, config, settings)
     targets = tuple(t for t in TARGETS if any(module == t for _, module in weights))
-    return LoraAdapter(rank=rank, scale=scale, targets=targets, weights=weights)
+    return LoraAdapter(rank=rank, scale=settings.scale, targets=targets, weights=weights)
 
 
 def _read_file(
@@ -338,50 +342,12 @@ class _ConfigFileError(AdapterError):
         super().__init__(CONFIG_FILE, message)
 
 
-def _check_config(settings: dict[str, Any], max_rank: int) -> tuple[int, float]:
-    """r and the scale, once every setting the serving side cannot honour is ruled out."""
-
-    def refuse(key: str, why: str) -> AdapterError:
-        return AdapterError(f"{CONFIG_FILE}:{key}", why)
-
-    if settings.get("peft_type", "LORA") != "LORA":
-        raise refuse("peft_type", f"must be LORA, got {settings['peft_type']!r}")
-    rank = settings.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise refuse("r", f"must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise refuse("r", f"{rank} is more than the server's --max-lora-rank {max_rank}")
-    alpha = settings.get("lora_alpha", rank)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise refuse("lora_alpha", f"must be a finite number, got {alpha!r}")
-    unsupported = {
-        "use_dora": "DoRA is not supported",
-        "fan_in_fan_out": "fan_in_fan_out weights (Conv1D models) are not supported",
-        "lora_bias": "LoRA bias terms are not supported",
-        "modules_to_save": "fully trained modules (modules_to_save) are not supported",
-        "rank_pattern": "per-module ranks are not supported",
-        "alpha_pattern": "per-module alphas are not supported",
-    }
-    for key, why in unsupported.items():
-        if settings.get(key):
-            raise refuse(key, why)
-    if settings.get("bias", "none") != "none":
-        raise refuse("bias", f"must be 'none' (bias terms are not supported), got {settings['bias']!r}")
-    targets = settings.get("target_modules")
-    if isinstance(targets, list) and (unknown := sorted(set(targets) - set(TARGETS))):
-        raise refuse("target_modules", f"{unknown[0]!r} is not one of {', '.join(TARGETS)}")
-    use_rslora = bool(settings.get("use_rslora", False))
-    scale = float(alpha) / (math.sqrt(rank) if use_rslora else rank)
-    if not abs(scale) <= torch.finfo(torch.float32).max:  # the slots keep scales in float32
-        raise refuse("lora_alpha", f"{alpha!r} gives a scale (lora_alpha / r) over float32's range")
-    return rank, scale
-
-
 def _read_weights(
-    data: bytes, config: ModelConfig, rank: int
+    data: bytes, config: ModelConfig, settings: AdapterSettings
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    shapes = module_shapes(config)
+    shapes, rank = module_shapes(config), settings.rank
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, str], str] = {}  # (layer, module) -> its lora_B tensor's name
     try:  # safetensors checks the header (its length, offsets, dtypes) against the bytes read
         tensors = load_safetensors(data)
     except SafetensorError as error:  # parsed from memory: its message names no path
@@ -399,6 +365,9 @@ def _read_weights(
             raise AdapterError(
                 f"{WEIGHTS_FILE}:{name}", f"names layer {layer}; the base model has {config.num_layers}"
             )
+        # Refused, not dropped: a tensor peft would not load says the file and its config disagree.
+        if (why := settings.why_not_adapted(layer, module)) is not None:
+            raise AdapterError(f"{WEIGHTS_FILE}:{name}", why)
         out_features, in_features = shapes[module]
         want = (rank, in_features) if half == "A" else (out_features, rank)
         tensor = tensors[name]
@@ -409,7 +378,14 @@ def _read_weights(
                 f"has shape {list(shape)}, expected {list(want)} (r {rank} and the base model's "
                 f"{module}: in {in_features}, out {out_features})",
             )
-        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+        # Before any arithmetic on it: float8 has no isfinite (INTERNAL), an integer no NaN to find.
+        if tensor.dtype not in _WEIGHT_DTYPES:
+            stored = str(tensor.dtype).removeprefix("torch.")
+            raise AdapterError(
+                f"{WEIGHTS_FILE}:{name}",
+                f"is stored as {stored}: must be F16, BF16, F32 or F64 (floating point)",
+            )
+        if not torch.isfinite(tensor).all():
             raise AdapterError(f"{WEIGHTS_FILE}:{name}", "must hold finite floating-point values")
         # Finite in the file's float64 may be Inf once in float32, or in the slots' dtype
         # (float16 ends at 65504): every request on the adapter would then sample from NaN.
@@ -419,11 +395,24 @@ def _read_weights(
                 f"{WEIGHTS_FILE}:{name}", f"holds values beyond float32's or the model's {dtype} range"
             )
         halves.setdefault((layer, module), {})[half] = tensor.float()
+        names[(layer, module)] = name.replace(".lora_A.", ".lora_B.")
     weights = {}
     for (layer, module), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
             raise AdapterError(WEIGHTS_FILE, f"layer {layer} {module} has no {missing} weight")
+        # scale * |A| * |B| (Frobenius norms, in float64) bounds the update's gain, |scale * B @ A| for
+        # any input. Past MAX_LORA_GAIN every request on the adapter emits garbage with no error: with
+        # lora_alpha 1e30 the hidden states overflow, and the logits came out finite but flat (token 0,
+        # logprob -ln(vocab) for ever), so the sampler's non-finite check never saw them.
+        gain = settings.scale * pair["A"].double().norm().item() * pair["B"].double().norm().item()
+        if not abs(gain) <= MAX_LORA_GAIN:
+            raise AdapterError(
+                f"{WEIGHTS_FILE}:{names[(layer, module)]}",
+                f"with lora_alpha / r = {settings.scale:.3g} this update can multiply an input by "
+                f"{abs(gain):.3g} (scale x |A| x |B|), over the {MAX_LORA_GAIN:.0e} past which no model's "
+                f"activations stay meaningful (from {CONFIG_FILE}:lora_alpha or the weights)",
+            )
         weights[(layer, module)] = (pair["A"], pair["B"])
     if not weights:
         raise AdapterError(WEIGHTS_FILE, "holds no LoRA weights")

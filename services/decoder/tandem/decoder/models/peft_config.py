@@ -1,0 +1,264 @@
+"""What an adapter's `adapter_config.json` may say, and which modules it then has peft adapt.
+
+NOTE: every setting of peft's LoraConfig that changes what peft computes is either honoured exactly or
+refused, never ignored: an ignored one served other tokens than peft with no error. Honoured: r,
+lora_alpha, use_rslora, and which modules peft adapts (target_modules as a list or "all-linear",
+exclude_modules as a list, layers_to_transform with the default or a plain layers_pattern), matched as
+peft's check_target_module_exists matches them; a tensor of a module peft would not adapt is refused
+naming it and the setting. Accepted whatever their value: the few in _IGNORED, which change nothing at
+inference. Any other key (one peft added since, too) must be unset (null, false, {} or []).
+Refused as this server cannot match peft surely, or at all: a regular expression for target_modules or
+exclude_modules (peft's re.fullmatch: an adapter's own pattern could also hold the one reader thread for
+ever), null target_modules (peft picks its own per model type), and initialisations that change the
+base model's weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import reprlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.decoder.models.adapter_error import AdapterError
+
+CONFIG_FILE = "adapter_config.json"
+
+# The checkpoint modules an adapter may target (models/lora.py: the fused projection each is part of).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
+# peft's shorthand (case-insensitive) for every linear layer but the output one: for these models, TARGETS.
+_ALL_LINEAR = "all-linear"
+
+# Settings read here, each below.
+_HANDLED = frozenset(
+    (
+        "peft_type",
+        "r",
+        "lora_alpha",
+        "use_rslora",
+        "bias",
+        "init_lora_weights",
+        "target_modules",
+        "exclude_modules",
+        "layers_to_transform",
+        "layers_pattern",
+    )
+)
+# Settings that change nothing peft computes from saved weights at inference: metadata, training-only
+# knobs (dropout is off at inference), and knobs read only with a setting refused here unless unset
+# (megatron_core with megatron_config, qalora_group_size with use_qalora, loftq_config with
+# init_lora_weights "loftq"; ensure_weight_tying ties embeddings and lm_head, never adapted here;
+# runtime_config's ephemeral_gpu_offload only moves DoRA's set-up).
+_IGNORED = frozenset(
+    (
+        "task_type",
+        "auto_mapping",
+        "peft_version",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "lora_dropout",
+        "runtime_config",
+        "megatron_core",
+        "qalora_group_size",
+        "loftq_config",
+        "ensure_weight_tying",
+    )
+)
+# Why each known setting that changes the computation cannot be served; any other key set says so too.
+_UNSUPPORTED = {
+    "use_dora": "DoRA is not supported",
+    "fan_in_fan_out": "fan_in_fan_out weights (Conv1D models) are not supported",
+    "lora_bias": "LoRA bias terms are not supported",
+    "modules_to_save": "fully trained modules (modules_to_save) are not supported",
+    "rank_pattern": "per-module ranks are not supported",
+    "alpha_pattern": "per-module alphas are not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA: the adapter acts only after its invocation tokens) "
+    "is not supported",
+    "layer_replication": "layer_replication (base layers stacked again) is not supported",
+    "trainable_token_indices": "trained token embeddings (trainable_token_indices) are not supported",
+    "target_parameters": "LoRA on parameters (target_parameters) is not supported",
+    "use_qalora": "QA-LoRA (pooled inputs) is not supported",
+    "megatron_config": "Megatron parallel LoRA layers are not supported",
+}
+# init_lora_weights known to leave the base model's weights as they are (PiSSA, OLoRA, LoftQ, CorDA...
+# replace them with a residual the adapter was trained against).
+_PLAIN_INITS = (True, False, "gaussian")
+# A layers_pattern peft's regex reads as the literal name it is.
+_PLAIN_NAME = re.compile(r"[A-Za-z_]\w*")
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 60
+_short.maxlong = 40
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """adapter_config.json once checked: the scale and which modules peft adapts."""
+
+    rank: int  # r
+    scale: float  # lora_alpha / r (rsLoRA: / sqrt(r)), finite in float32
+    target_modules: frozenset[str]  # a module's name or one of its dotted suffixes ("all-linear": TARGETS)
+    exclude_modules: frozenset[str]  # as target_modules; wins over it
+    # layers_to_transform: the layers a suffix in target_modules adapts; None: every layer. Empty where
+    # layers_pattern finds no layer index in these models' names (peft then adapts no such module).
+    layers: frozenset[int] | None
+
+    def why_not_adapted(self, layer: int, module: str) -> str | None:
+        """None where peft adapts `module` of `layer`; else why not, naming the setting."""
+        key = module_key(layer, module)
+        suffixes = _dotted_suffixes(key)
+        if key in self.exclude_modules or suffixes & self.exclude_modules:
+            return f"{CONFIG_FILE}:exclude_modules excludes {key}: peft would not load it"
+        if key in self.target_modules:  # named whole, peft skips the layer check
+            return None
+        if not suffixes & self.target_modules:
+            return f"{CONFIG_FILE}:target_modules does not name {key}: peft would not load it"
+        if self.layers is not None and layer not in self.layers:
+            return f"{CONFIG_FILE}:layers_to_transform leaves out layer {layer}: peft would not load it"
+        return None
+
+
+def module_key(layer: int, module: str) -> str:
+    """The module's name in the base model, as peft matches target_modules against it."""
+    return f"model.layers.{layer}.{'self_attn' if module in _ATTENTION else 'mlp'}.{module}"
+
+
+def _dotted_suffixes(key: str) -> frozenset[str]:
+    """The entries `key.endswith("." + entry)` holds for: "q_proj", "self_attn.q_proj", ... up to
+    "layers.0.self_attn.q_proj"."""
+    parts = key.split(".")
+    return frozenset(".".join(parts[i:]) for i in range(1, len(parts)))
+
+
+def check_config(settings: dict[str, Any], max_rank: int, num_layers: int) -> AdapterSettings:
+    """The settings, once every one the serving side cannot honour is ruled out. Raises AdapterError."""
+
+    def refuse(key: str, why: str) -> AdapterError:
+        return AdapterError(f"{CONFIG_FILE}:{key}", why)
+
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise refuse("peft_type", f"must be LORA, got {_short.repr(settings['peft_type'])}")
+    rank = settings.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise refuse("r", f"must be a positive integer, got {_short.repr(rank)}")
+    if rank > max_rank:
+        raise refuse("r", f"{_short.repr(rank)} is more than the server's --max-lora-rank {max_rank}")
+    alpha = settings.get("lora_alpha", rank)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise refuse("lora_alpha", f"must be a finite number, got {_short.repr(alpha)}")
+    try:  # an integer of 400 digits is past any float (OverflowError)
+        alpha_value = float(alpha)
+    except OverflowError:
+        alpha_value = math.inf
+    if math.isnan(alpha_value):
+        raise refuse("lora_alpha", f"must be a finite number, got {_short.repr(alpha)}")
+    use_rslora = settings.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):  # peft reads "false" as true
+        raise refuse("use_rslora", f"must be true or false, got {_short.repr(use_rslora)}")
+    scale = alpha_value / (math.sqrt(rank) if use_rslora else rank)
+    if not abs(scale) <= torch.finfo(torch.float32).max:  # the slots keep scales in float32
+        raise refuse(
+            "lora_alpha", f"{_short.repr(alpha)} gives a scale (lora_alpha / r) over float32's range"
+        )
+    for key, value in settings.items():
+        if key in _HANDLED or key in _IGNORED or _is_unset(value):
+            continue
+        why = _UNSUPPORTED.get(key, "is not a setting this server knows to leave peft's computation as it is")
+        raise refuse(key, f"{why}, got {_short.repr(value)}")
+    if settings.get("bias", "none") != "none":
+        raise refuse(
+            "bias", f"must be 'none' (bias terms are not supported), got {_short.repr(settings['bias'])}"
+        )
+    init = settings.get("init_lora_weights", True)
+    if not any(init is plain or (isinstance(plain, str) and init == plain) for plain in _PLAIN_INITS):
+        raise refuse(
+            "init_lora_weights",
+            "must be true, false or 'gaussian' (others change the base model's weights), "
+            f"got {_short.repr(init)}",
+        )
+    return AdapterSettings(
+        rank=rank,
+        scale=scale,
+        target_modules=_target_modules(settings.get("target_modules"), num_layers, refuse),
+        exclude_modules=_module_names(settings.get("exclude_modules"), "exclude_modules", refuse),
+        layers=_layers(settings.get("layers_to_transform"), settings.get("layers_pattern"), refuse),
+    )
+
+
+def _is_unset(value: object) -> bool:
+    """peft's defaults for settings that add something: null, false, {} or [] (not 0: a number is set)."""
+    return value is None or value is False or (isinstance(value, dict | list) and not value)
+
+
+def _module_names(value: object, key: str, refuse: Any) -> frozenset[str]:
+    """A list of module names (empty where unset); a string is peft's regular expression, refused."""
+    if value is None or value == "" or value == []:
+        return frozenset()
+    if isinstance(value, str):
+        raise refuse(
+            key, f"a regular expression is not matched here: list the module names, got {_short.repr(value)}"
+        )
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise refuse(key, f"must be a list of module names, got {_short.repr(value)}")
+    return frozenset(value)
+
+
+def _target_modules(value: object, num_layers: int, refuse: Any) -> frozenset[str]:
+    if value is None:
+        raise refuse(
+            "target_modules", "must list the modules adapted (null: peft picks its own per model type)"
+        )
+    if isinstance(value, str) and value.lower() == _ALL_LINEAR:
+        return frozenset(TARGETS)
+    names = _module_names(value, "target_modules", refuse)
+    for name in sorted(names):
+        if not _names_a_module(name, num_layers):  # peft adapts some other module, or finds none
+            raise refuse("target_modules", f"{_short.repr(name)} is not one of {', '.join(TARGETS)}")
+    if not names:
+        raise refuse("target_modules", "must list the modules adapted, got []")
+    return names
+
+
+def _names_a_module(name: str, num_layers: int) -> bool:
+    """Whether `name` is module_key(layer, module) of some layer and target module, or a dotted suffix."""
+    *path, module = name.split(".")
+    if module not in TARGETS:
+        return False
+    expected = ["model", "layers", None, "self_attn" if module in _ATTENTION else "mlp"]
+    if len(path) > len(expected):
+        return False
+    for part, want in zip(path, expected[len(expected) - len(path) :], strict=True):
+        if want is None:
+            if not re.fullmatch(r"0|[1-9]\d{0,8}", part) or int(part) >= num_layers:
+                return False
+        elif part != want:
+            return False
+    return True
+
+
+def _layers(value: object, pattern: object, refuse: Any) -> frozenset[int] | None:
+    """layers_to_transform as peft reads it for these models' module names, layers_pattern with it."""
+    if value is None or value == []:  # peft: every layer
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        layers = frozenset((value,))
+    elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        layers = frozenset(value)
+    else:
+        raise refuse(
+            "layers_to_transform", f"must be a layer index or a list of them, got {_short.repr(value)}"
+        )
+    if pattern is None or pattern == "" or pattern == []:  # peft's default finds model.layers.<i>.
+        return layers
+    patterns = [pattern] if isinstance(pattern, str) else pattern
+    if not isinstance(patterns, list) or not all(
+        isinstance(p, str) and _PLAIN_NAME.fullmatch(p) for p in patterns
+    ):
+        raise refuse("layers_pattern", f"must be a name or a list of names, got {_short.repr(pattern)}")
+    # peft's (?:^|.*?\.)<name>\.(\d+)\. finds an index in model.layers.<i>.… only for the name "layers".
+    return layers if "layers" in patterns else frozenset()

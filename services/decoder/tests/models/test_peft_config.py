@@ -1,0 +1,125 @@
+"""adapter_config.json's settings: which modules peft adapts by them (peft's own matcher the reference),
+which settings are accepted as harmless, and every other one refused naming its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.decoder.models.adapter_error import AdapterError
+from tandem.decoder.models.peft_config import TARGETS, AdapterSettings, check_config, module_key
+
+NUM_LAYERS = 4
+BASE = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def settings_of(**changes: object) -> AdapterSettings:
+    return check_config(BASE | changes, max_rank=16, num_layers=NUM_LAYERS)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"target_modules": ["q_proj", "down_proj"]},
+        {"target_modules": "all-linear"},
+        {"target_modules": "ALL-LINEAR"},
+        {"target_modules": ["self_attn.q_proj", "layers.1.mlp.up_proj", "model.layers.2.self_attn.o_proj"]},
+        {
+            "target_modules": ["q_proj", "v_proj", "k_proj"],
+            "exclude_modules": ["k_proj", "layers.0.self_attn.q_proj"],
+        },
+        {"exclude_modules": ["lm_head"]},  # excludes nothing adapted here
+        {"layers_to_transform": [0, 2]},
+        {"layers_to_transform": 3},
+        {"layers_to_transform": [1], "layers_pattern": "layers"},
+        {"layers_to_transform": [1], "layers_pattern": ["h", "layers"]},
+        {"layers_to_transform": [1], "layers_pattern": "h"},  # finds no index: adapts nothing
+        # Named whole, a module is adapted whatever layers_to_transform says (peft skips the check).
+        {"target_modules": ["model.layers.3.self_attn.q_proj", "v_proj"], "layers_to_transform": [0]},
+    ],
+)
+def test_the_modules_adapted_are_those_peft_s_own_matcher_finds(changes: dict) -> None:
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    peft_config = LoraConfig(**{k: v for k, v in (BASE | changes).items() if k != "peft_type"})
+    if isinstance(peft_config.target_modules, str) and peft_config.target_modules.lower() == "all-linear":
+        peft_config.target_modules = set(TARGETS)  # what peft's inject_adapter makes of it for these models
+    settings = settings_of(**changes)
+    for layer in range(NUM_LAYERS):
+        for module in TARGETS:
+            key = module_key(layer, module)
+            peft_adapts = bool(check_target_module_exists(peft_config, key))  # an exclusion is falsy
+            assert (settings.why_not_adapted(layer, module) is None) == peft_adapts, key
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "says"),
+    [
+        ({"exclude_modules": ["v_proj"]}, "exclude_modules", "excludes model.layers.0.self_attn.v_proj"),
+        ({"target_modules": ["q_proj"]}, "target_modules", "does not name model.layers.0.self_attn.v_proj"),
+        ({"layers_to_transform": [1, 2, 3]}, "layers_to_transform", "leaves out layer 0"),
+        ({"layers_to_transform": [0], "layers_pattern": "h"}, "layers_to_transform", "leaves out layer 0"),
+    ],
+)
+def test_why_a_module_is_not_adapted_names_the_setting(changes: dict, field: str, says: str) -> None:
+    why = settings_of(**changes).why_not_adapted(0, "v_proj")
+    assert why is not None and f"adapter_config.json:{field} " in why and says in why
+
+
+def test_peft_s_own_saved_settings_and_harmless_ones_are_accepted() -> None:
+    from peft import LoraConfig
+
+    saved = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]).to_dict()
+    saved = {k: sorted(v) if isinstance(v, set) else v for k, v in saved.items()}
+    saved["runtime_config"] = {"ephemeral_gpu_offload": False}
+    harmless = {
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M",
+        "revision": "main",
+        "inference_mode": True,
+        "lora_dropout": 0.1,
+        "init_lora_weights": "gaussian",
+        "peft_version": "0.21.2",
+        "auto_mapping": {"base_model_class": "LlamaForCausalLM"},
+        "a_setting_peft_adds_later": None,
+        "another_one": False,
+    }
+    for settings in (saved, saved | harmless):
+        assert check_config(settings, max_rank=16, num_layers=NUM_LAYERS).scale == 2.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "says"),
+    [
+        ({"alora_invocation_tokens": [17, 402]}, "alora_invocation_tokens", "aLoRA"),
+        ({"layer_replication": [[0, 1], [0, 1]]}, "layer_replication", "not supported"),
+        ({"trainable_token_indices": [5]}, "trainable_token_indices", "not supported"),
+        ({"target_parameters": ["mlp.experts"]}, "target_parameters", "not supported"),
+        ({"use_qalora": True}, "use_qalora", "not supported"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out", "not supported"),
+        ({"a_setting_peft_adds_later": 3}, "a_setting_peft_adds_later", "not a setting this server knows"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights", "change the base model's weights"),
+        ({"target_modules": r".*\.q_proj"}, "target_modules", "regular expression"),
+        ({"target_modules": None}, "target_modules", "peft picks its own"),
+        ({"target_modules": []}, "target_modules", "must list"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "target_modules", "'lm_head' is not one of"),
+        ({"target_modules": ["layers.4.self_attn.q_proj"]}, "target_modules", "is not one of"),
+        ({"target_modules": ["mlp.q_proj"]}, "target_modules", "is not one of"),
+        ({"exclude_modules": r".*\.q_proj"}, "exclude_modules", "regular expression"),
+        ({"layers_to_transform": "0"}, "layers_to_transform", "a layer index or a list"),
+        ({"layers_to_transform": [0], "layers_pattern": "layers|h"}, "layers_pattern", "a name or a list"),
+        # Malformed values: each was INTERNAL at LoadAdapter and a traceback at start.
+        ({"target_modules": [1, "q_proj"]}, "target_modules", "must be a list of module names"),
+        ({"target_modules": [["q_proj"]]}, "target_modules", "must be a list of module names"),
+        ({"exclude_modules": [{}]}, "exclude_modules", "must be a list of module names"),
+        ({"lora_alpha": 10**400}, "lora_alpha", "over float32's range"),
+        ({"use_rslora": "false"}, "use_rslora", "must be true or false"),
+    ],
+)
+def test_settings_the_server_cannot_honour_are_refused_naming_the_field(
+    changes: dict, field: str, says: str
+) -> None:
+    with pytest.raises(AdapterError, match=says) as raised:
+        settings_of(**changes)
+    assert raised.value.field == f"adapter_config.json:{field}"
+    assert len(str(raised.value)) < 400  # a value's repr is cut short: 400 digits are not sent back
