@@ -487,8 +487,8 @@ async def test_an_error_on_max_completion_tokens_names_max_completion_tokens() -
 
 
 async def test_n_copies_of_a_large_prompt_are_bounded_together_naming_n() -> None:
-    prompt = "a" * 600  # one Generate call of about 600 bytes: within 1,000, but not three of them
-    async with fake_decoder() as (decoder, address), live_gateway(address, max_message_bytes=1000) as url:
+    prompt = "a" * 600  # one Generate call of about 600 bytes: within 1,024, but not three of them
+    async with fake_decoder() as (decoder, address), live_gateway(address, max_message_bytes=1024) as url:
         status, answer = await _post(f"{url}/completions", {"prompt": prompt, "n": 3})
         assert (status, answer["error"]["param"]) == (413, "n"), answer
         assert decoder.requests == []

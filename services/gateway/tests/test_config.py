@@ -1,6 +1,7 @@
 """The gateway's settings: --max-choices, --body-idle-timeout-s, --write-timeout-s, --grace-s,
 --max-large-bodies-per-caller, --max-unread-answer-bytes and its share per caller reach the config from
-their flags (and variables), and a bound out of range is refused naming it."""
+their flags (and variables), and a bound out of range, an address or host it cannot use, is refused
+naming it."""
 
 from __future__ import annotations
 
@@ -100,3 +101,93 @@ def test_a_callers_share_of_the_answers_held_is_a_third_unless_set_and_never_ove
             GatewayConfig(max_unread_answer_bytes=3000, max_unread_answer_bytes_per_caller=value)
         assert error.value.field == "max_unread_answer_bytes_per_caller" and str(value) in str(error.value)
         assert "max_unread_answer_bytes (" not in str(error.value)  # the flag named, not the field
+
+
+@pytest.mark.parametrize("name", ["decoder_address", "encoder_address"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1:99999",  # gRPC took it as port 34463 (mod 65536)
+        "127.0.0.1:0",
+        "::::",  # waited as a name
+        "",  # the encoder's: a ValueError traceback at start
+        "dns:///replicas:99999",
+    ],
+)
+def test_an_address_with_a_port_past_65535_or_no_host_is_refused_naming_its_flag(
+    name: str, address: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        _config([f"--{name.replace('_', '-')}", address])
+    assert error.value.field == name and repr(address) in str(error.value)
+
+
+def test_the_encoder_may_name_a_dns_server_of_its_own_but_not_a_port_past_65535() -> None:
+    """Its channel resolves the name itself; the decoder's replicas are watched with the system's
+    resolver, which a DNS server named in the address would not be."""
+    assert GatewayConfig(encoder_address="dns://10.0.0.2/encoder:50051").encoder_address
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(encoder_address="dns://10.0.0.2/encoder:99999")
+    assert error.value.field == "encoder_address" and "'dns://10.0.0.2/encoder:99999'" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(decoder_address="dns://10.0.0.2/decoder:50052")
+    assert error.value.field == "decoder_address"
+
+
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_host_is_refused_not_heard_as_every_interface(host: str) -> None:
+    # It listened on 0.0.0.0 and [::], on two different ports for --port 0, and logged one.
+    with pytest.raises(ConfigError) as error:
+        _config(["--host", host])
+    assert error.value.field == "host"
+
+
+def test_the_message_bound_is_the_services_own_range() -> None:
+    """1 KiB as the decoder and encoder refuse below, and gRPC's C int above (2**31 was an
+    OverflowError traceback as the channels opened)."""
+    assert GatewayConfig(max_message_bytes=1024).max_message_bytes == 1024
+    assert GatewayConfig(max_message_bytes=2**31 - 1).max_message_bytes == 2**31 - 1
+    for value in (1, 1023, 2**31, 2**63):
+        with pytest.raises(ConfigError) as error:
+            _config(["--max-message-bytes", str(value)])
+        assert error.value.field == "max_message_bytes" and f"got {value}" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "grace_s",
+        "header_timeout_s",
+        "idle_timeout_s",
+        "body_idle_timeout_s",
+        "body_timeout_s",
+        "write_timeout_s",
+    ],
+)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_seconds_that_are_not_finite_are_refused_naming_the_flag(name: str, value: str) -> None:
+    # NaN passed `grace_s < 0` (no grace at all), and inf every bound: it never cut anything.
+    with pytest.raises(ConfigError) as error:
+        _config([f"--{name.replace('_', '-')}", value])
+    assert error.value.field == name and "finite" in str(error.value)
+
+
+def test_body_workers_are_no_more_than_the_large_bodies_converted_at_once_nor_the_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each is a process started with the gateway: 16 held 629 MiB, idle beyond --max-large-bodies."""
+    monkeypatch.setattr("tandem.gateway.config.available_cpus", lambda: 8)
+    assert _config(["--body-workers", "4"]).body_workers == 4
+    for args, most in (
+        (["--body-workers", "5"], 4),  # --max-large-bodies' default
+        (["--body-workers", "16", "--max-large-bodies", "16"], 8),
+    ):
+        with pytest.raises(ConfigError) as error:
+            _config(args)
+        assert error.value.field == "body_workers" and f"must be in 1..{most}" in str(error.value)
+    monkeypatch.setattr("tandem.gateway.config.available_cpus", lambda: 1)
+    assert GatewayConfig().body_workers == 2  # the default, even on one CPU
+    with pytest.raises(ConfigError):
+        GatewayConfig(body_workers=3)
+    with pytest.raises(ConfigError):
+        GatewayConfig(body_workers=2, max_large_bodies=1)

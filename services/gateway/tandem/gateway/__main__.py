@@ -2,12 +2,14 @@
 
 Every flag can also come from a `TANDEM_OPENAI_<FLAG>` variable. The gateway holds no model: it
 starts at once, and its /health answers 503 until the decoder serves. Exit codes: 0 after SIGTERM or
-SIGINT, 2 for a flag or variable that is wrong (a port in use included); every failure is one line.
+SIGINT, 2 for a flag or variable that is wrong (a port in use included, or a host the listen refuses);
+every failure is one line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -17,6 +19,7 @@ import click
 from aiohttp import web
 
 from tandem.client.auth import load_tokens
+from tandem.client.channel import ChannelSecurity
 from tandem.client.client import EncoderClient
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
@@ -48,6 +51,8 @@ from tandem.gateway.connections import (
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
 ENV_PREFIX = "TANDEM_OPENAI_"
+# The --upstream-* flags, by their keys without the prefix (those of `client_security`).
+UPSTREAM_KEYS = ("tls", "tls_ca", "tls_cert", "tls_key", "auth_token_file")
 
 
 def _setting(flag: str, help: str, **kwargs: Any) -> Setting:
@@ -183,25 +188,13 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
             tokens = load_tokens(values["auth_token_file"])
         except ValueError as error:
             raise ConfigError("auth_token_file", f": {error}") from None
-    try:
-        upstream = client_security(
-            {
-                "tls": values["upstream_tls"],
-                "tls_ca": values["upstream_tls_ca"],
-                "tls_cert": values["upstream_tls_cert"],
-                "tls_key": values["upstream_tls_key"],
-                "auth_token_file": values["upstream_auth_token_file"],
-            }
-        )
-    except (OSError, ValueError) as error:
-        raise ConfigError("upstream_tls_ca", f": {error}") from None
     return GatewayConfig(
         decoder_address=values["decoder_address"],
         encoder_address=values["encoder_address"],
         host=values["host"],
         port=values["port"],
         auth_tokens=tokens,
-        upstream=upstream,
+        upstream=upstream_security(values),
         max_body_bytes=values["max_body_bytes"],
         max_streams_per_caller=values["max_streams_per_caller"],
         max_choices=values["max_choices"],
@@ -222,6 +215,22 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
     )
 
 
+def upstream_security(values: dict[str, Any]) -> ChannelSecurity:
+    """The TLS and token towards the services. Raises ConfigError naming the --upstream-* flag at fault:
+    every refusal was once said of --upstream-tls-ca, a token file not found and a certificate without
+    its key included."""
+    cert, key = values["upstream_tls_cert"], values["upstream_tls_key"]
+    if (cert is None) != (key is None):
+        raise ConfigError(
+            "upstream_tls_key" if key is None else "upstream_tls_cert",
+            ": --upstream-tls-cert and --upstream-tls-key go together (mutual TLS)",
+        )
+    try:
+        return client_security({name: values[f"upstream_{name}"] for name in UPSTREAM_KEYS})
+    except ConfigError as error:  # named by its key in `client_security_options`: tls_ca, ...
+        raise ConfigError(f"upstream_{error.field}", error.reason) from None
+
+
 def _start(**values: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = click.get_current_context()
@@ -231,7 +240,10 @@ def _start(**values: Any) -> int:
         ensure_descriptors(config.max_connections, config.max_idle_channels)
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except ConfigError as error:  # the host and port, refused by the listen itself
+        raise flag_error(ctx.command, error) from None
     return 0
 
 
@@ -270,9 +282,10 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     own_process = ready is None  # (tests run it on their loop, in their process)
     if own_process:  # its start-up heap out of the collector's full passes, before anything is served
         freeze_startup_heap()
-    listener = await loop.create_server(gateway.guard, config.host, config.port)
-    port = listener.sockets[0].getsockname()[1]
+    listener: asyncio.Server | None = None
     try:
+        listener = await listen(gateway.guard, config.host, config.port)
+        port = listener.sockets[0].getsockname()[1]
         await workers.start()
         log.info(
             "serving the OpenAI API on %s:%d (decoder %s, encoder %s)",
@@ -290,13 +303,25 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     finally:
         if own_process:
             thaw_startup_heap()
-        listener.close()
+        if listener is not None:
+            listener.close()
         await runner.cleanup()
         await callers.close()
         workers.close()
         await decoder.close()
         await encoder.close()
         telemetry.shutdown()
+
+
+async def listen(guard: ConnectionGuard, host: str, port: int) -> asyncio.Server:
+    """The listening socket. Raises ConfigError naming the port (taken since `check_port_free` saw it
+    free) or the host: the check cannot see all the bind refuses (a name that stopped resolving, an
+    address of another host with --port 0), which was an OSError traceback after the flags passed."""
+    try:
+        return await asyncio.get_running_loop().create_server(guard, host, port)
+    except OSError as error:
+        field = "port" if error.errno == errno.EADDRINUSE else "host"
+        raise ConfigError(field, f": cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
 if __name__ == "__main__":

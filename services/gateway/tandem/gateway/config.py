@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 
 from tandem.client.channel import PLAINTEXT, ChannelSecurity, channel_target
@@ -11,10 +13,15 @@ from tandem.gateway.replicas import name_of
 
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port
 MIB = 1024 * 1024
+DEFAULT_BODY_WORKERS = 2
 MAX_UNREAD_ANSWER_BYTES = 1024 * 1024 * MIB  # more memory than any gateway host: a bound that bounds nothing
 # Fewer than the smallest answer's JSON (one empty choice: about 400 bytes, its model's name apart): a
 # bound every answer passes alone, so each would wait for the gateway to hold nothing.
 MIN_UNREAD_ANSWER_BYTES = 1024
+# The services' own bounds on --max-message-bytes: gRPC takes it as a C int (2**31 raised an OverflowError
+# as the gateway's channels opened), and the decoder and encoder refuse under 1 KiB.
+MIN_MESSAGE_BYTES = 1024
+MAX_MESSAGE_BYTES = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ class GatewayConfig:
     # its caller's queue: 128 MiB holds about 8 such choices, or 200 of 131,072 English tokens without
     # logprobs.
     max_unread_answer_bytes_per_caller: int | None = None
-    body_workers: int = 2
+    body_workers: int = DEFAULT_BODY_WORKERS
     # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
     max_connections: int = 512
     # Slow clients: a new connection's first request head must arrive within `header_timeout_s`; a
@@ -104,30 +111,26 @@ class GatewayConfig:
         return max(self.max_unread_answer_bytes // 3, MIN_UNREAD_ANSWER_BYTES)
 
     def __post_init__(self) -> None:
-        # An address the gateway cannot use is refused here, not at start: a dns: name it cannot watch
-        # (a task would fail on it), a list with an entry that does not resolve (resolved once at start,
-        # a ValueError traceback there).
-        try:
-            if name_of(self.decoder_address) is None:
-                channel_target(self.decoder_address)
-        except ValueError as error:
-            raise ConfigError("decoder_address", str(error)) from None
-        if not 0 <= self.port <= 65535:
-            raise ConfigError("port", f"must be in 0..65535, got {self.port}")
+        self._check_addresses()
         for name in (
             "max_body_bytes",
             "max_streams_per_caller",
             "max_choices",
-            "max_message_bytes",
             "max_embeddings_bytes",
             "large_body_bytes",
             "max_large_bodies",
             "max_large_bodies_per_caller",
-            "body_workers",
             "max_connections",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ConfigError(
+                "max_message_bytes",
+                f"must be in {MIN_MESSAGE_BYTES}..{MAX_MESSAGE_BYTES} (the services' bounds; gRPC's int), "
+                f"got {self.max_message_bytes}",
+            )
+        self._check_body_workers()
         if not MIN_UNREAD_ANSWER_BYTES <= self.max_unread_answer_bytes <= MAX_UNREAD_ANSWER_BYTES:
             raise ConfigError(  # fewer than an answer's, or a count of KiB or MiB mistyped
                 "max_unread_answer_bytes",
@@ -141,8 +144,10 @@ class GatewayConfig:
                 f"must be >= {MIN_UNREAD_ANSWER_BYTES} (the smallest answer's JSON) and at most "
                 f"--max-unread-answer-bytes ({self.max_unread_answer_bytes}), got {per_caller}",
             )
-        if self.grace_s < 0:
-            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
+        # NaN fails every comparison, so `< 0` let it through (then no grace at all), and inf never
+        # cut a stream, nor a slow client.
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ConfigError("grace_s", f"must be a finite number of seconds, 0 or more, got {self.grace_s}")
         if self.max_idle_channels < 0:
             raise ConfigError("max_idle_channels", f"must be >= 0, got {self.max_idle_channels}")
         for name in (
@@ -152,5 +157,50 @@ class GatewayConfig:
             "body_timeout_s",
             "write_timeout_s",
         ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+            seconds = getattr(self, name)
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ConfigError(name, f"must be a finite number of seconds, more than 0, got {seconds}")
+
+    def _check_addresses(self) -> None:
+        """An address the gateway cannot use is refused here, not at start: a dns: name it cannot watch
+        (a task would fail on it), a list with an entry that does not resolve (resolved once at start,
+        a ValueError traceback there), a port past 65535 (gRPC took 99999 as 34463, mod 65536), a host
+        that is no name ('::::'). The listening host must name an address: an empty one listened on
+        every interface of both families, on two different ports for --port 0, one of them logged."""
+        for name in ("decoder_address", "encoder_address"):
+            given = address = getattr(self, name)
+            if name == "encoder_address" and address.startswith("dns://"):
+                # Its channel resolves the name itself, and may ask a DNS server of its own: only the
+                # decoder's replicas are watched with the system's resolver.
+                address = "dns:///" + address.removeprefix("dns://").partition("/")[2]
+            try:
+                name_of(address)
+                channel_target(address)
+            except ValueError as error:
+                raise ConfigError(name, ": " + str(error).replace(repr(address), repr(given))) from None
+        if not self.host.strip():
+            raise ConfigError("host", f"must name an address (0.0.0.0: every IPv4 one), got {self.host!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be in 0..65535, got {self.port}")
+
+    def _check_body_workers(self) -> None:
+        """Each worker is a Python process started with the gateway (16 of them and their resource
+        tracker held 629 MiB) converting one body at a time: one beyond --max-large-bodies (the bodies
+        taken at once) never gets a body, one beyond the CPUs converts none faster. The default is
+        allowed on a single CPU."""
+        num_cpus = available_cpus()
+        most = min(self.max_large_bodies, max(num_cpus, DEFAULT_BODY_WORKERS))
+        if not 1 <= self.body_workers <= most:
+            raise ConfigError(
+                "body_workers",
+                f"must be in 1..{most} (--max-large-bodies {self.max_large_bodies} bodies are converted "
+                f"at once, on {num_cpus} CPUs), got {self.body_workers}",
+            )
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's cpuset), else all of the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,53 @@
+"""`tandem serve openai` refuses what it cannot use as one line naming the flag, exit 2: each
+--upstream-* file by its own flag, and a host the listen itself refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.client.errors import ConfigError
+from tandem.gateway.__main__ import command, config_from_options, main
+from tandem.gateway.config import GatewayConfig
+
+
+def _config(args: list[str]) -> GatewayConfig:
+    with command().make_context("openai", args) as ctx:
+        return config_from_options(ctx.params)
+
+
+def test_each_upstream_file_refused_is_named_by_its_own_flag(tmp_path: Path) -> None:
+    """Every refusal was said of --upstream-tls-ca: a token file not found, a certificate without its key."""
+    pem = tmp_path / "client.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    missing = str(tmp_path / "missing")
+    for args, field in (
+        (["--upstream-tls-cert", str(pem)], "upstream_tls_key"),
+        (["--upstream-tls-key", str(pem)], "upstream_tls_cert"),
+        (["--upstream-auth-token-file", missing], "upstream_auth_token_file"),
+        (["--upstream-tls-ca", missing], "upstream_tls_ca"),
+        (["--upstream-tls-cert", missing, "--upstream-tls-key", str(pem)], "upstream_tls_cert"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            _config(args)
+        assert error.value.field == field, args
+
+
+def test_a_certificate_without_its_key_names_the_upstream_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--upstream-tls-cert", "/etc/hostname"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve openai: --upstream-tls-key (TANDEM_OPENAI_UPSTREAM_TLS_KEY): --upstream-tls-cert and "
+        "--upstream-tls-key go together (mutual TLS)\n"
+    )
+
+
+def test_a_host_the_listen_refuses_is_a_flag_error_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Port 0 is never probed beforehand: an address of another host (TEST-NET-1, RFC 5737) was an
+    # OSError traceback, exit 1, after the flags had passed.
+    assert main(["--host", "192.0.2.1", "--port", "0", "--body-workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem serve openai: --host (TANDEM_OPENAI_HOST): cannot listen on 192.0.2.1:0: ")
+    assert err.count("\n") == 1
