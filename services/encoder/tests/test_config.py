@@ -224,3 +224,35 @@ def test_the_lookup_embedder_on_a_llava_checkpoint_serves_its_images(tmp_path: P
 
     embedder = load_embedder(EncoderConfig(model_dir=make_llava(tmp_path / "llava")))
     assert isinstance(embedder, VisionLanguageEmbedder) and embedder.info.image_placeholder == "<image>"
+
+
+def test_an_embedders_path_missing_or_of_the_wrong_kind_is_refused_before_listening_naming_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found only by the load, after the server listened (exit 1), a file given for the adapter's
+    # directory said not to exist.
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    a_file, missing = text / "config.json", tmp_path / "missing"
+    start = ["--model", str(text), "--port", "0"]
+    for argv, said in (
+        (
+            ["--embedder", "soft-prompt", "--adapter", str(a_file)],
+            f"--adapter (TANDEM_ENCODER_ADAPTER): {a_file} is not a directory",
+        ),
+        (
+            ["--embedder", "soft-prompt", "--adapter", str(missing)],
+            f"--adapter (TANDEM_ENCODER_ADAPTER): {missing} does not exist",
+        ),
+        (
+            ["--embedder", "projector", "--encoder-model", str(missing), "--projector", str(a_file)],
+            f"--encoder-model (TANDEM_ENCODER_ENCODER_MODEL): {missing} does not exist",
+        ),
+        (
+            ["--embedder", "projector", "--encoder-model", str(text), "--projector", str(text)],
+            f"--projector (TANDEM_ENCODER_PROJECTOR): {text} is not a file",
+        ),
+    ):
+        assert main(start + argv) == 2, argv
+        assert capsys.readouterr().err == f"tandem serve encoder: {said}\n"

@@ -165,3 +165,23 @@ def test_an_index_placing_the_table_outside_the_checkpoint_is_refused(
 def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EmbedderLoadError, match="does not exist"):
         LookupEmbedder.load(tmp_path / "nowhere", torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text.replace('"', '"\\ud800', 1).encode(),  # a lone surrogate in a JSON string
+        lambda text: b"\xff" + text.encode(),  # no UTF-8
+    ],
+    ids=["lone-surrogate", "not-utf8"],
+)
+def test_a_tokenizer_file_the_library_cannot_read_is_a_load_error_naming_it(
+    tiny_model: Path, tmp_path: Path, damage: Any
+) -> None:
+    # The tokenizers library raises a plain Exception: a traceback at start, the file unnamed.
+    broken = Path(shutil.copytree(tiny_model, tmp_path / "broken"))
+    path = broken / "tokenizer.json"
+    path.write_bytes(damage(path.read_text()))
+    with pytest.raises(EmbedderLoadError) as raised:
+        LookupEmbedder.load(broken, torch.bfloat16)
+    assert str(raised.value).startswith(f"{path}: not a tokenizer the tokenizers library reads: ")

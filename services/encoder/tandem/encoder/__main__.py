@@ -5,7 +5,8 @@ configuration layer in `tandem.common.flags`), read when the command runs, never
 model and the port are checked first; then the server listens with health NOT_SERVING and turns
 SERVING once the embedder has loaded, so orchestrators can tell "starting" from "dead".
 Exit codes: 0 after a signal, 1 when the embedder cannot be loaded, 2 for a flag or variable that
-is wrong (a port in use included, or a --model whose token table is not the shape its config.json
+is wrong (a port in use included, an --adapter, --encoder-model or --projector that is missing or
+not a directory or file as it must be, or a --model whose token table is not the shape its config.json
 says, read from the weight file's header); every failure is one line.
 
 Stopping (SIGTERM or SIGINT): health NOT_SERVING, no new calls, and calls in flight get --grace-s to
@@ -89,6 +90,7 @@ def _start(**values: Any) -> int:
         except ValueError as error:  # ModelNotFound, GGUFImportError
             raise ConfigError("model_dir", f": {error}") from None
         config = dataclasses.replace(config, model_dir=model_dir)
+        config.check_embedder_paths()
         if config.embedder in TABLE_EMBEDDERS:
             _check_token_table(model_dir)
         if _takes_images(model_dir):

@@ -19,7 +19,7 @@ from tandem.common.server import ServerOptions
 from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.common.torch_part.shared_memory import SHM_DIR
 from tandem.common.torch_part.torch_dtypes import COMPUTE_DTYPES
-from tandem.encoder.embedder import Pooling
+from tandem.encoder.embedder import Pooling, path_refusal
 
 EMBEDDERS = ("lookup", "soft-prompt", "projector")
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
@@ -150,6 +150,16 @@ class EncoderConfig:
             f"--max-message-bytes above {SMALL_FIELDS_BYTES}, to {default_fits} "
             f"for the default --max-image-bytes of {DEFAULT_MAX_IMAGE_BYTES}",
         )
+
+    def check_embedder_paths(self) -> None:
+        """The adapter, encoder model and projector the embedder will load exist, and are directories or
+        a file as each must be. Not checked when built (a config names paths of another host, or of
+        tests); checked at start before the port opens: the load found them missing only after the
+        server listened (exit 1). Raises ConfigError naming the path's field."""
+        for name, is_dir in (("adapter_dir", True), ("encoder_model_dir", True), ("projector_path", False)):
+            path = getattr(self, name)
+            if path is not None and (refusal := path_refusal(path, is_dir)) is not None:
+                raise ConfigError(name, f": {refusal}")
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:

@@ -28,6 +28,16 @@ class EmbedderLoadError(ValueError):
     """A model, adapter or projector that cannot be served; the message names the file at fault."""
 
 
+def path_refusal(path: Path, is_dir: bool) -> str | None:
+    """Why `path` cannot be the directory (`is_dir`) or file asked for, naming it; None when it can.
+    A file given for a directory is said to be one (it was said not to exist)."""
+    if path.is_dir() if is_dir else path.is_file():
+        return None
+    if not path.exists():
+        return f"{path} does not exist"
+    return f"{path} is not a directory" if is_dir else f"{path} is not a file"
+
+
 def read_tensor(path: Path, key: str) -> torch.Tensor:
     """Tensor `key` alone from the safetensors file at `path` (nothing else is read).
 

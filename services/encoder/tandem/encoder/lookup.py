@@ -137,7 +137,11 @@ def read_tokenizer(model_dir: Path) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise EmbedderLoadError(f"tokenizer.json not found in {model_dir}")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # the tokenizers library raises Exception itself (a lone surrogate: a
+        # traceback at start), and never a narrower one
+        raise EmbedderLoadError(f"{path}: not a tokenizer the tokenizers library reads: {error}") from None
 
 
 def as_decoder_has_it(table: torch.Tensor, dtype: torch.dtype, quantization: str, name: str) -> torch.Tensor:

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tandem.common import text_bounds
-from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool
+from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, path_refusal
 from tandem.encoder.lookup import read_model_shape
 
 LLAVA_PREFIX = "model.mm_projector."
@@ -33,8 +33,8 @@ MLP_KEYS = frozenset({"0.weight", "0.bias", "2.weight", "2.bias"})
 
 def load_projector(path: Path) -> nn.Module:
     """The projector in `path`: nn.Linear or nn.Sequential(Linear, GELU, Linear), in eval mode."""
-    if not path.is_file():
-        raise EmbedderLoadError(f"projector file {path} does not exist")
+    if (refusal := path_refusal(path, is_dir=False)) is not None:
+        raise EmbedderLoadError(f"projector file {refusal}")
     with safe_open(path, framework="pt", device="cpu") as weights:
         state = {key: weights.get_tensor(key) for key in weights.keys()}
     if state and all(key.startswith(LLAVA_PREFIX) for key in state):
@@ -104,8 +104,8 @@ class ProjectorEmbedder:
         cls, model_dir: Path, encoder_model_dir: Path, projector_path: Path, dtype: torch.dtype
     ) -> ProjectorEmbedder:
         shape = read_model_shape(model_dir)
-        if not encoder_model_dir.is_dir():
-            raise EmbedderLoadError(f"encoder model directory {encoder_model_dir} does not exist")
+        if (refusal := path_refusal(encoder_model_dir, is_dir=True)) is not None:
+            raise EmbedderLoadError(f"encoder model directory {refusal}")
         try:
             from transformers import AutoModel, AutoTokenizer
         except ImportError as e:

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, read_tensor
+from tandem.encoder.embedder import (
+    EmbedderInfo,
+    EmbedderLoadError,
+    Pooling,
+    mean_pool,
+    path_refusal,
+    read_tensor,
+)
 from tandem.encoder.lookup import LookupEmbedder, read_json
 
 PROMPT_KEY = "prompt_embeddings"
@@ -20,8 +27,8 @@ PROMPT_KEY = "prompt_embeddings"
 
 def read_prompt(adapter_dir: Path, hidden_size: int) -> torch.Tensor:
     """The adapter's virtual rows, [num_virtual_tokens, hidden_size], checked against its config."""
-    if not adapter_dir.is_dir():
-        raise EmbedderLoadError(f"adapter directory {adapter_dir} does not exist")
+    if (refusal := path_refusal(adapter_dir, is_dir=True)) is not None:
+        raise EmbedderLoadError(f"adapter directory {refusal}")
     config = read_json(adapter_dir / "adapter_config.json")
     if config.get("peft_type") != "PROMPT_TUNING":
         raise EmbedderLoadError(
