@@ -125,7 +125,11 @@ def settings() -> list[click.Option]:
             type=int,
             show_default="a third of --max-unread-answer-bytes",
         ),
-        _setting("--body-workers", "processes that parse and convert bodies over 1 MiB", type=int),
+        _setting(
+            "--body-workers",
+            "processes that parse and convert bodies over 1 MiB (at most --max-large-bodies, and the CPUs)",
+            type=int,
+        ),
         _setting("--max-connections", "open HTTP connections (a new one beyond: 503, closed)", type=int),
         _setting(
             "--header-timeout-s", "a new connection's first request head must arrive within", type=float
