@@ -54,13 +54,17 @@ def test_a_chat_too_long_names_the_messages_and_an_unknown_adapter_is_openais_un
     too_long = from_grpc(
         _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "chat: 9031 positions leave no room", "chat")
     )
-    assert too_long.param == "messages" and too_long.status == 400
-    assert too_long.message.startswith("chat: ")  # the words are the decoder's
+    # The message named the decoder's `chat` and the adapter the caller never sent: both are the body's.
+    assert (too_long.status, too_long.param) == (400, "messages")
+    assert too_long.message == "messages: 9031 positions leave no room"
     unknown = from_grpc(_rpc_error(grpc.StatusCode.NOT_FOUND, "adapter 'gpt-4o' is not loaded: no LoRA"))
     assert unknown.status == 404
-    assert unknown.body()["error"] | {"message": ""} == {
-        "message": "", "type": "not_found_error", "param": "model", "code": "model_not_found"
-    }  # fmt: skip
+    assert unknown.body()["error"] == {
+        "message": "model 'gpt-4o' is not loaded: no LoRA",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 def test_a_bad_adapter_name_is_the_bodys_model_that_named_it() -> None:

@@ -54,7 +54,7 @@ async def test_the_sdk_chats_with_an_adapter_by_model_name_and_lists_it(
             )
             assert reply.model == model
             replies[model] = reply.choices[0].message.content
-        with pytest.raises(openai.NotFoundError, match="adapter 'other' is not loaded") as unknown:
+        with pytest.raises(openai.NotFoundError, match="model 'other' is not loaded") as unknown:
             await client.chat.completions.create(
                 model="other", messages=[{"role": "user", "content": PROMPT}], max_tokens=2
             )

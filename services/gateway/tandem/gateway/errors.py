@@ -154,14 +154,20 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
     if status in (429, 503) and retry_after is None:  # busy, or a service down: both worth a retry
         retry_after = 1.0
     if param == "chat":  # the rendered prompt as a whole (its length): the body's messages
-        param = "messages"
+        param, message = "messages", _renamed(message, "chat:", "messages:")
     if param == "adapter":  # the body's model other than the base model, sent as the adapter to run
         param, message = "model", "model" + message.removeprefix("adapter")
     code = None
     if error.code() == grpc.StatusCode.NOT_FOUND and message.startswith("adapter "):
-        # The body's model names the adapter (the gateway sends it as one): OpenAI's unknown model.
-        param, code = "model", "model_not_found"
+        # The body's model names the adapter (the gateway sends it as one): OpenAI's unknown model,
+        # named as the caller wrote it, not as the decoder's field it never sent.
+        param, code, message = "model", "model_not_found", "model" + message.removeprefix("adapter")
     return HttpError(status, kind, body_field(message, names), param, retry_after, code)
+
+
+def _renamed(message: str, service: str, body: str) -> str:
+    """`message` with its leading `service` (the field it is about) spelled as the body spells it."""
+    return body + message[len(service) :] if message.startswith(service) else message
 
 
 # A service's field path -> the body's (first matching prefix).
