@@ -97,7 +97,7 @@ def make_model_command() -> click.Command:
         "make-model",
         params=[
             click.Argument(["dir"], type=click.Path(path_type=Path)),
-            option("--shape", "tiny-random, bench-small or qwen3-0.6b", default="tiny-random"),
+            option("--shape", "tiny-random, tiny-llama, bench-small or qwen3-0.6b", default="tiny-random"),
             option("--seed", "seed of the random weights", type=UINT64, default=0),  # torch's seed
         ],
         callback=make,

@@ -23,6 +23,5 @@ def test_a_model_name_of_bytes_no_utf_8_reads_is_one_line_naming_the_flag(
 ) -> None:
     assert decoder_main(["--model-name", "n\udcff", "--port", "0"]) == 2  # a byte 0xff, surrogate-escaped
     assert capsys.readouterr().err == (
-        "tandem serve decoder: --model-name (TANDEM_MODEL_NAME) must be valid UTF-8 (unset, it is the "
-        "model directory's or file's name)\n"
+        "tandem serve decoder: --model-name (TANDEM_MODEL_NAME): is not UTF-8 text\n"
     )
