@@ -5,7 +5,7 @@ most multi-byte characters are split across tokens."""
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from tandem.decoder.engine.outputs.token_bytes import token_bytes_table
 
@@ -65,6 +65,24 @@ def test_a_decoder_it_does_not_know_falls_back_to_decoding_each_token() -> None:
     assert token_bytes_table(tokenizer).table == tuple(
         tokenizer.decode([i], skip_special_tokens=False).encode() for i in range(3)
     )
+
+
+@pytest.mark.parametrize("content", ["łódź", "café au lait", "Ġx y", "Ōsaka"])
+def test_an_added_token_with_any_character_outside_the_byte_alphabet_is_its_own_utf8(content: str) -> None:
+    # "ó", "é" and "Ġ" are in the byte alphabet, "ł", " " and "Ō" are not: the library's ByteLevel
+    # decoder maps an entry back only when all of its characters are in it.
+    tokenizer = Tokenizer.from_str(BYTE_LEVEL.to_str())
+    tokenizer.add_tokens([AddedToken(content, normalized=False)])
+    token_id = tokenizer.token_to_id(content)
+    assert token_bytes_table(tokenizer).of([token_id]) == [content.encode()]
+    assert tokenizer.decode([token_id], skip_special_tokens=False) == content
+
+
+def test_a_replace_of_a_regex_falls_back_to_decoding_each_token() -> None:
+    vocab = {"<unk>": 0, "▁hello": 1, "__x": 2}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(Regex("_+"), " "), decoders.Replace("▁", " ")])
+    assert token_bytes_table(tokenizer).table == (b"<unk>", b" hello", b" x")
 
 
 def _is_utf8(data: bytes) -> bool:

@@ -11,7 +11,7 @@ a few microseconds of Rust each and loses a partial character's bytes to U+FFFD;
 an index, on the servicer's thread, only for deltas that carry logprobs (32 rows with top_logprobs 20:
 about 80 us more a step than without bytes; nothing without logprobs). Building it reads each entry
 once (SmolLM2's 49,152 entries: 80-170 ms on a busy 2-core machine, 2 MB). A decoder this module does
-not know (WordPiece's "##", say) falls back to decoding each entry alone, once, at load.
+not know (WordPiece's "##", a Replace of a regex, say) falls back to decoding each entry alone, once, at load.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any
 import tokenizers
 
 # Decoders whose per-entry effect is a character mapping this module applies itself. Fuse joins tokens
-# and Strip trims the start of a whole text: neither changes a token's own bytes.
+# and Strip trims the start of a whole text: neither changes a token's own bytes. Replace is known only
+# with a plain string pattern (`_is_known`): a regex's matches this module does not reproduce.
 KNOWN_DECODERS = frozenset({"ByteLevel", "ByteFallback", "Replace", "Metaspace", "Fuse", "Strip"})
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -48,7 +49,7 @@ def token_bytes_table(tokenizer: tokenizers.Tokenizer) -> TokenBytes:
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     spec = json.loads(tokenizer.decoder.__getstate__()) if tokenizer.decoder is not None else {}
     parts = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec] if spec else []
-    if any(part.get("type") not in KNOWN_DECODERS for part in parts):
+    if not all(_is_known(part) for part in parts):
         return TokenBytes(
             tuple(tokenizer.decode([i], skip_special_tokens=False).encode() for i in range(size))
         )
@@ -71,6 +72,13 @@ def token_bytes_table(tokenizer: tokenizers.Tokenizer) -> TokenBytes:
     return TokenBytes(tuple(table))
 
 
+def _is_known(part: dict[str, Any]) -> bool:
+    """Whether this module spells `part`'s effect itself; a Replace of a Regex pattern is not."""
+    if part.get("type") == "Replace":
+        return "String" in part.get("pattern", {})
+    return part.get("type") in KNOWN_DECODERS
+
+
 def _replacements(parts: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """The (old, new) strings of the decoders' Replace and Metaspace steps, in order."""
     pairs = []
@@ -83,10 +91,13 @@ def _replacements(parts: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def _byte_level(entry: str) -> bytes:
-    """A byte-level BPE entry's bytes; a character outside the byte alphabet (an added token's) is its
-    own UTF-8, as the tokenizers library's ByteLevel decoder keeps it."""
+    """A byte-level BPE entry's bytes. The tokenizers library's ByteLevel decoder maps an entry back
+    only when every character is in the byte alphabet; one with any other character (an added token's
+    "łódź": "ł" is outside it, "ó" inside) is kept whole as its own UTF-8, as here."""
     alphabet = _byte_alphabet()
-    return b"".join(alphabet.get(char) or char.encode() for char in entry)
+    if all(char in alphabet for char in entry):
+        return b"".join(alphabet[char] for char in entry)
+    return entry.encode()
 
 
 @cache
