@@ -12,6 +12,7 @@ import zlib
 
 import aiohttp
 import pytest
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 
 from tandem.gateway.body_codings import CONTENT_CODINGS
 
@@ -52,6 +53,56 @@ async def test_a_content_coding_the_gateway_does_not_decode_is_415_saying_which_
         f"Content-Encoding: {encoding} is not a coding the gateway decodes: one of "
         f"{', '.join(CONTENT_CODINGS)}, or identity"
     )
+    assert decoder.requests == []
+
+
+async def _raw_post(url: str, head_lines: bytes, data: bytes) -> tuple[int, dict]:
+    sock = await connect(url)
+    try:
+        await send(sock, COMPLETIONS_HEAD + head_lines + b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        return await read_answer(sock, 5)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    ("head_lines", "shown"),
+    [
+        (b"Content-Encoding: ,gzip\r\n", ",gzip"),
+        (b"Content-Encoding: gzip,\r\n", "gzip,"),
+        (b"Content-Encoding: , gzip, \r\n", ", gzip,"),
+        (b"Content-Encoding: gzip\r\nContent-Encoding: \r\n", "2 header lines"),
+        (b"Content-Encoding: \r\nContent-Encoding: gzip\r\n", "2 header lines"),
+    ],
+    ids=["comma before", "comma after", "commas around", "gzip then empty line", "empty line then gzip"],
+)
+async def test_a_content_coding_aiohttp_would_not_decode_as_spelled_is_415(
+    head_lines: bytes, shown: str
+) -> None:
+    # One coding by RFC 9110's list rule, but aiohttp compares the whole line (the last line, with two):
+    # the first four were read as their gzip bytes, "body: is not valid JSON ... byte 0x8b".
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        status, answer = await _raw_post(url, head_lines, gzip.compress(BODY))
+    assert (status, answer["error"]["param"]) == (415, "Content-Encoding")
+    assert answer["error"]["message"].startswith(f"Content-Encoding: {shown} is not a coding the gateway ")
+    assert decoder.requests == []
+
+
+@pytest.mark.skipif(HAS_BROTLI and HAS_ZSTD, reason="aiohttp decodes both here")
+async def test_a_content_coding_aiohttp_knows_but_cannot_decode_here_is_415_not_its_parsers_400() -> None:
+    # aiohttp refuses it in its parser, before any handler: 400 "Can not decode content-encoding: brotli
+    # (br). Please install `Brotli`", no param, no Accept-Encoding; the same with Expect: 100-continue.
+    missing = "br" if not HAS_BROTLI else "zstd"
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        for expect in (b"", b"Expect: 100-continue\r\n"):
+            status, answer = await _raw_post(
+                url, b"Content-Encoding: %s\r\n" % missing.encode() + expect, BODY
+            )
+            assert (status, answer["error"]["param"]) == (415, "Content-Encoding")
+            assert answer["error"]["message"] == (
+                f"Content-Encoding: {missing} is not a coding the gateway decodes: one of "
+                f"{', '.join(CONTENT_CODINGS)}, or identity"
+            )
     assert decoder.requests == []
 
 

@@ -6,7 +6,9 @@ NOTE: why a body's coding is checked before it is read. aiohttp decodes a Conten
 the whole header is one coding it knows, and reads any other body as plain bytes: `Content-Encoding:
 foo` over plain JSON was answered 200, `x-gzip` or `gzip, gzip` over gzip "body is not valid JSON";
 it drops every transfer coding but the last chunked, so `Transfer-Encoding: gzip, chunked` was read as
-its compressed bytes. A coding the gateway does not decode is refused instead: 415 naming
+its compressed bytes. So a Content-Encoding is taken only as aiohttp reads it, one line holding one
+coding and nothing else: `gzip,`, `, gzip` or a second, empty line after `gzip` over gzip were "body is
+not valid JSON". A coding the gateway does not decode is refused instead: 415 naming
 Content-Encoding, with Accept-Encoding saying what is (RFC 9110 15.5.16), or 400 naming
 Transfer-Encoding (RFC 9112 6.1 suggests 501; OpenAI's clients retry a 5xx, and no retry mends this).
 """
@@ -14,35 +16,61 @@ Transfer-Encoding (RFC 9112 6.1 suggests 501; OpenAI's clients retry a 5xx, and 
 from __future__ import annotations
 
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from aiohttp.http_exceptions import ContentEncodingError
 from multidict import CIMultiDictProxy
 
 from tandem.gateway.errors import HttpError
 
-# The content codings aiohttp's request parser decodes here, as it spells them (any case).
+# The content codings aiohttp's request parser knows, and those it decodes here, as it spells them (any
+# case): br and zstd only where their libraries are installed.
+PARSED_CODINGS = ("gzip", "deflate", "br", "zstd")
 CONTENT_CODINGS = ("gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + (("zstd",) if HAS_ZSTD else ())
 
 
 def coding_refusal(headers: CIMultiDictProxy[str]) -> HttpError | None:
     """The refusal of a body sent in a coding the gateway does not decode, or None."""
-    content = _codings(headers.getall("Content-Encoding", ()))
-    if len(content) > 1 or (content and content[0] not in ("identity", *CONTENT_CODINGS)):
-        accepted = ", ".join(CONTENT_CODINGS)
-        message = (
-            f"Content-Encoding: {_shown(content)} is not a coding the gateway decodes: one of {accepted}, "
-            "or identity"
-        )
-        return HttpError(
-            415,
-            "invalid_request_error",
-            message,
-            "Content-Encoding",
-            more_headers=(("Accept-Encoding", accepted),),
-        )
+    content = headers.getall("Content-Encoding", ())
+    if len(content) > 1 or (content and not _is_decoded(content[0])):
+        return _content_refusal(f"{len(content)} header lines" if len(content) > 1 else content[0])
     transfer = _codings(headers.getall("Transfer-Encoding", ()))
     if transfer and transfer != ["chunked"]:
         message = f"Transfer-Encoding: {_shown(transfer)} is not one the gateway reads: chunked alone"
         return HttpError(400, "invalid_request_error", message, "Transfer-Encoding")
     return None
+
+
+def parser_refusal(error: ContentEncodingError) -> HttpError | None:
+    """The refusal of a coding aiohttp knows but cannot decode here (br without Brotli, zstd without its
+    library), or None. Its parser raises it at the request's head, before any handler sees the request
+    and with the head dropped (a 400 "Can not decode content-encoding: brotli (br). Please install
+    `Brotli`", no param): the coding is read from those words."""
+    for coding in PARSED_CODINGS:
+        if coding not in CONTENT_CODINGS and f"({coding})" in str(error.message):
+            return _content_refusal(coding)
+    return None
+
+
+def _content_refusal(shown: str) -> HttpError:
+    accepted = ", ".join(CONTENT_CODINGS)
+    coding = shown.strip(" \t")[:64]
+    message = (
+        f"Content-Encoding: {coding} is not a coding the gateway decodes: one of {accepted}, or identity"
+    )
+    return HttpError(
+        415,
+        "invalid_request_error",
+        message,
+        "Content-Encoding",
+        more_headers=(("Accept-Encoding", accepted),),
+    )
+
+
+def _is_decoded(value: str) -> bool:
+    """Whether aiohttp decodes a body whose one Content-Encoding line is `value`, or reads it as it is
+    where it should: aiohttp compares the whole line, so `gzip,` or `, gzip` (one coding by RFC 9110)
+    is read as its compressed bytes."""
+    coding = value.strip(" \t")
+    return coding.isascii() and coding.lower() in ("", "identity", *CONTENT_CODINGS)
 
 
 def _codings(values: list[str]) -> list[str]:

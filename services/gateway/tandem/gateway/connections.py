@@ -49,9 +49,10 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 
 from tandem.client.errors import ConfigError
+from tandem.gateway.body_codings import parser_refusal
 from tandem.gateway.errors import HttpError
 
 # aiohttp's lingering: what is left of a refused body read and dropped before its connection closes, so
@@ -306,14 +307,16 @@ class OpenAIRequestHandler(web.RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         plain = super().handle_error(request, status, exc, message)
-        if plain.status < 500:
+        if isinstance(exc, ContentEncodingError) and (refusal := parser_refusal(exc)) is not None:
+            error = refusal  # the 415 a handler gives a coding not decoded here, not a parser's 400
+        elif plain.status < 500:
             reason = " ".join(str(message or plain.reason).split())[:200]
             error = HttpError(
                 plain.status, "invalid_request_error", f"the request is not HTTP as it must be: {reason}"
             )
         else:  # a handler's failure the middlewares did not answer (they answer every one but a cancel)
             error = HttpError(plain.status, "server_error", "the gateway failed on this request")
-        response = web.json_response(error.body(), status=error.status)
+        response = web.json_response(error.body(), status=error.status, headers=error.headers())
         response.force_close()  # as aiohttp's: what follows on the connection cannot be trusted
         return response
 
