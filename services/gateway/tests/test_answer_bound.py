@@ -87,6 +87,20 @@ def test_a_token_forced_again_and_again_stays_within_the_bound(kind: str, top: i
     assert real <= completion.json_bound <= 3 * real  # an upper bound, and not a loose one
 
 
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_tokens_that_are_parts_of_characters_stay_within_the_bound(kind: str) -> None:
+    # The completions shape spells each "bytes:\\xf0\\x9f\\x98" (21 characters), chat "\\ufffd" (6).
+    completion = Completion(kind, "f" * 32, "model", 2**31, 0, 2**31)
+    for k in range(500):
+        delta = decoder_pb2.TokenDelta(text="", token_ids=[k], logprobs=[LONGEST_LOGPROB])
+        delta.token_bytes.append(b"\xf0\x9f\x98")
+        alternatives = delta.top_logprobs.add(token_ids=[1, 2], logprobs=[LONGEST_LOGPROB] * 2)
+        alternatives.token_bytes.extend([b"\xf0\x9f\x98", b"\xe6\x88"])
+        completion.add(delta, True)
+    completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_CONTEXT_LIMIT)
+    assert completion.json_bound >= _json_bytes(completion, True)
+
+
 def test_an_answers_bound_is_its_frame_and_its_choices_bounds() -> None:
     completions = [Completion("chat", "rid", "m", i, 0, 1) for i in range(3)]
     for completion in completions:

@@ -63,6 +63,16 @@ async def test_a_choice_in_slices_is_the_json_of_the_choice_dumped_whole(
         assert sum(counted) == sum(map(len, pieces))  # every byte held is counted
 
 
+async def test_a_choice_in_slices_counts_offsets_into_its_text_as_the_choice_does() -> None:
+    # A SentencePiece first token whose space the decoder's text dropped: b" Hello" of text "Hello".
+    completion = Completion("text", "id", "model", index=0, created=1)
+    for text, own in (("Hello", b" Hello"), (" world", b" world")):
+        delta = decoder_pb2.TokenDelta(text=text, token_ids=[1], logprobs=[-0.5], token_bytes=[own])
+        completion.add(delta, with_logprobs=True)
+    pieces = await choice_json.choice_json(completion, True)
+    assert json.loads(b"".join(pieces))["logprobs"]["text_offset"] == [0, 5]
+
+
 async def test_the_loop_runs_between_the_slices_of_a_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     # A choice of 8,192 tokens with 20 alternatives dumped whole held the loop for 1 s (0.43 s of it one
     # json.dumps call, which no thread could have let go of).

@@ -45,10 +45,44 @@ def test_part_of_a_character_is_its_raw_bytes_and_replacement_text() -> None:
 def test_completions_tokens_and_offsets_are_per_token_and_a_split_character_counts_once() -> None:
     entries = chat_logprobs(_delta([b"Once", SMILE[:2], SMILE[2:], b" a"]))
     logprobs = text_logprobs(entries, TextOffsets())
-    assert logprobs["tokens"] == ["Once", "\ufffd", "\ufffd\ufffd", " a"]
+    # OpenAI's legacy spelling of bytes that are no text on their own
+    assert logprobs["tokens"] == ["Once", "bytes:\\xf0\\x9f", "bytes:\\x99\\x82", " a"]
     assert logprobs["top_logprobs"] == [{"x": -3.0}] * 4
     # Offsets into the completion's text "Once🙂 a": the smile is one character, where it ends.
     assert logprobs["text_offset"] == [0, 4, 4, 5]
+
+
+def test_completions_alternatives_that_are_parts_of_characters_keep_a_key_each() -> None:
+    delta = _delta([SMILE[:2]])
+    del delta.top_logprobs[:]
+    alternatives = ["我".encode()[:2], "你".encode()[:2], "我".encode()[:2], b"ok", b"ok"]
+    delta.top_logprobs.add(
+        token_ids=range(5), logprobs=[-1.0, -2.0, -3.0, -4.0, -5.0], token_bytes=alternatives
+    )
+    (keyed,) = text_logprobs(chat_logprobs(delta), TextOffsets())["top_logprobs"]
+    # Spelled alike still (two tokenizer entries of the same bytes): the first, the likelier, stays.
+    assert keyed == {"bytes:\\xe6\\x88": -1.0, "bytes:\\xe4\\xbd": -2.0, "ok": -4.0}
+
+
+def test_chat_spells_parts_of_characters_as_replacement_text_with_their_bytes() -> None:
+    (entry,) = chat_logprobs(_delta([SMILE[:2]]))
+    assert (entry["token"], entry["bytes"]) == ("\ufffd", list(SMILE[:2]))
+
+
+def test_offsets_index_the_text_when_the_detokenizer_dropped_the_first_tokens_space() -> None:
+    # SentencePiece after a control token: tokens b" Hello" b" world", text "Hello world".
+    for text, expected in (("Hello world", [0, 5, 11]), (" Hello world", [0, 6, 12])):
+        delta = _delta([b" Hello", b" world", b"!"])
+        delta.text = text + "!"
+        streamed, whole = Completion("text", "abc", "tiny"), Completion("text", "abc", "tiny")
+        assert streamed.chunk(delta, True)["choices"][0]["logprobs"]["text_offset"] == expected
+        whole.add(delta, True)
+        logprobs = whole.choice(True)["logprobs"]
+        assert logprobs["text_offset"] == expected
+        ends = [*expected[1:], len(delta.text)]
+        pieces = [delta.text[o:end] for o, end in zip(expected, ends, strict=True)]
+        assert pieces == [text.removesuffix(" world"), " world", "!"]
+        assert logprobs["tokens"] == [" Hello", " world", "!"]  # each token's own bytes still
 
 
 def test_streamed_and_whole_completions_give_the_same_offsets() -> None:

@@ -6,11 +6,12 @@ NOTE: why an upper bound, not the JSON's size. The size is known only once the J
 reservation must come first (the answer waits when it does not fit). Each part is bounded by what was
 decoded: a text is exactly its JSON string's characters (json.dumps escapes character by character,
 so a choice's text is its deltas' texts' JSON together), in the choice's text and, with logprobs, each
-token's and alternative's own text (`logprob_entries`) as its entry's token, chat's entry adding its
-"bytes" list (at most "255, " a byte); a token's entry is at most `ENTRY_BYTES` apart from its text
-(spelled `token_id:N` with N of 10 digits, a logprob of float32's longest repr, 23 characters) and each
-alternative at most `ALTERNATIVE_BYTES` (the completions endpoint's older shape: `TEXT_ENTRY_BYTES`,
-`TEXT_ALTERNATIVE_BYTES`, its lists' separators counted in each). From the real texts, so no text (a
+token's and alternative's own text (`logprob_entries`; the completions shape's legacy spelling) as its
+entry's token, chat's entry adding its "bytes" list (at most "255, " a byte); a token's entry is at
+most `ENTRY_BYTES` apart from its text (spelled `token_id:N` with N of 10 digits, a logprob of
+float32's longest repr, 23 characters) and each alternative at most `ALTERNATIVE_BYTES` (the
+completions endpoint's older shape: `TEXT_ENTRY_BYTES`, `TEXT_ALTERNATIVE_BYTES`, its lists'
+separators counted in each). From the real texts, so no text (a
 long run of spaces, or a token forced again and again by logit_bias) passes it; the reservation is
 settled to the real JSON once serialized.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 from json.encoder import encode_basestring_ascii  # json.dumps's own escaping of a string, in C
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.logprob_entries import token_text
+from tandem.gateway.logprob_entries import legacy_text, token_text
 
 # {"token": "token_id:4294967295", "logprob": -1.0649640863824063e-32, "bytes": null, "top_logprobs": []}
 # and its separator: a sampled token's chat entry, its text apart.
@@ -51,9 +52,11 @@ def delta_bound(delta: decoder_pb2.TokenDelta, kind: str, with_logprobs: bool) -
             num_bytes += TEXT_ENTRY_BYTES * len(delta.token_ids) + TEXT_ALTERNATIVE_BYTES * num_alternatives
         # Each spelled token's text (and in chat its "bytes" list) on top of its entry; an older
         # decoder's delta spells its first token with the delta's text and the rest by ID.
+        # The completions shape spells a token that is part of a character `bytes:\\xNN...`.
         per_byte = BYTE_LIST_BYTES if kind == "chat" else 0
+        spell = token_text if kind == "chat" else legacy_text
         spelled = [*delta.token_bytes, *(own for top in delta.top_logprobs for own in top.token_bytes)]
-        num_bytes += sum(_num_escaped(token_text(own)) + per_byte * len(own) for own in spelled)
+        num_bytes += sum(_num_escaped(spell(own)) + per_byte * len(own) for own in spelled)
         num_bytes -= SPELLED_SAVING * len(spelled)
         if not delta.token_bytes:
             num_bytes += num_escaped + per_byte * len(text.encode())

@@ -57,6 +57,7 @@ async def choice_json(
     frame = json.dumps(dict.fromkeys(names, MARKER)).split(json.dumps(MARKER))  # one part more than lists
     items: dict[str, list[bytes]] = {name: [] for name in names}  # each list's slices, dumped
     offsets = TextOffsets()  # carried from slice to slice (text_offset)
+    offsets.see("".join(completion.text))
     async for entries in _slices(completion.deltas):
         lists = {"content": entries} if completion.kind == "chat" else text_logprobs(entries, offsets)
         for name in names:

@@ -12,6 +12,13 @@ A decoder older than token_bytes sends none: then a sampled token's text is its 
 delta's first token (one token a delta, the decoder's default) and every other token and alternative is
 spelled `token_id:N` with null `bytes`, as vLLM's `return_tokens_as_token_ids` spells them.
 
+The completions endpoint's `tokens` and `top_logprobs` keys are spelled as OpenAI's legacy API spells
+them (`legacy_token`): a token whose bytes are not UTF-8 on their own (part of a character) is
+`bytes:\\xe6\\x88`, each byte as \\xNN, so the alternatives that are parts of different characters keep
+different keys; they were all U+FFFD and collapsed into one (SmolLM2 on a Chinese prompt, `logprobs` 5:
+39 of 40 positions had fewer than 5). Two alternatives that still spell the same key keep the first,
+the likelier. Chat's `token` stays the replacement-decoded text (vLLM's), its `bytes` the raw bytes.
+
 `text_offset` counts the characters of the completion before each token: the characters its earlier
 tokens' bytes complete, so a character split over tokens counts once, where it ends (`TextOffsets`).
 """
@@ -68,28 +75,74 @@ def _alternatives(top: decoder_pb2.TopLogprobs) -> list[dict[str, Any]]:
     ]
 
 
+def legacy_token(entry: dict[str, Any]) -> str:
+    """A completions `tokens` entry or `top_logprobs` key: the token's text, or `bytes:` and each of its
+    bytes as \\xNN where they are not UTF-8 on their own (OpenAI's legacy spelling)."""
+    if entry["bytes"] is None:  # spelled `token_id:N`, or an older decoder's text
+        return str(entry["token"])
+    return legacy_text(bytes(entry["bytes"]))
+
+
+def legacy_text(own: bytes) -> str:
+    """`legacy_token` of a token of bytes `own`."""
+    try:
+        return own.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in own)
+
+
 class TextOffsets:
-    """A choice's `text_offset`s, token after token: the characters of the completion before each."""
+    """A choice's `text_offset`s, token after token: the characters of the completion before each.
+
+    NOTE: counted from the tokens' bytes, and two things the emitted text does otherwise:
+    - SentencePiece's detokenizer drops the leading space of the text's first token when nothing comes
+      before it (after a control token, `<s>` alone): text "Hello world" of tokens b" Hello" b" world".
+      The first token's space is not counted when the completion's text (`see`) does not start with
+      one, so offsets index the text; its `bytes` stay the token's own.
+    - bytes that are no character: Python's decoder counts one U+FFFD for each invalid run, the
+      tokenizers library's ByteFallback one for each byte, so past such a run in a SentencePiece
+      model's text the offsets fall short by the run's bytes less one. Left so: a model rarely emits
+      them, and counting from the text would need the text's own split into tokens.
+    """
 
     def __init__(self) -> None:
         self.position = 0  # characters completed so far
         # Bytes of a character not finished yet wait here for the token that ends it.
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text_start = ""  # the completion's first character, once its text has one
+        self._is_first = True  # no token with bytes counted yet
+
+    def see(self, text: str) -> None:
+        """The completion's text that comes with the next entries (the whole text, or a chunk's)."""
+        if not self._text_start:
+            self._text_start = text[:1]
 
     def advance(self, entry: dict[str, Any]) -> int:
         """The offset of `entry` (a `chat_logprobs` entry); counts the characters it completes."""
         offset = self.position
         if entry["bytes"] is not None:  # a token spelled `token_id:N` is no text of the completion
-            self.position += len(self._decoder.decode(bytes(entry["bytes"])))
+            own = bytes(entry["bytes"])
+            if self._is_first and own.startswith(b" ") and self._text_start not in ("", " "):
+                own = own[1:]  # the detokenizer dropped it (the class's NOTE)
+            self._is_first = False
+            self.position += len(self._decoder.decode(own))
         return offset
 
 
 def text_logprobs(entries: list[dict[str, Any]], offsets: TextOffsets) -> dict[str, Any]:
     """The completions endpoint's older logprobs shape of `entries`; `offsets` carries on from the
-    choice's entries before them."""
+    choice's entries before them, and has seen the text that comes with them."""
     return {
-        "tokens": [e["token"] for e in entries],
+        "tokens": [legacy_token(e) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [_keyed(e["top_logprobs"]) for e in entries],
         "text_offset": [offsets.advance(e) for e in entries],
     }
+
+
+def _keyed(alternatives: list[dict[str, Any]]) -> dict[str, float]:
+    """`top_logprobs` as the completions endpoint's dict; of two spelled alike, the first (likelier)."""
+    keyed: dict[str, float] = {}
+    for alternative in alternatives:
+        keyed.setdefault(legacy_token(alternative), alternative["logprob"])
+    return keyed

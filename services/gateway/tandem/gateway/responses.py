@@ -116,7 +116,7 @@ class Completion:
             choice["logprobs"] = {"content": self.logprobs()} if with_logprobs else None
         else:
             choice["text"] = text
-            choice["logprobs"] = text_logprobs(self.logprobs(), TextOffsets()) if with_logprobs else None
+            choice["logprobs"] = text_logprobs(self.logprobs(), _offsets_of(text)) if with_logprobs else None
         return choice
 
     def chunk(
@@ -136,6 +136,7 @@ class Completion:
             choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
         else:
             choice["text"] = text
+            self._offsets.see(text)
             choice["logprobs"] = text_logprobs(logprobs, self._offsets) if logprobs is not None else None
         return self.head(streamed=True) | {"choices": [choice]}
 
@@ -182,3 +183,10 @@ def answer_frame(completions: list[Completion]) -> tuple[str, str]:
 def usage_chunk(completions: list[Completion]) -> dict[str, Any]:
     """A stream's last chunk (stream_options.include_usage): the usage of every choice, no choices."""
     return completions[0].head(streamed=True) | {"choices": [], "usage": usage(completions)}
+
+
+def _offsets_of(text: str) -> TextOffsets:
+    """Offsets that count into `text`, the whole completion's."""
+    offsets = TextOffsets()
+    offsets.see(text)
+    return offsets
