@@ -32,11 +32,15 @@ def rows_of(image: bytes) -> bytes:
 class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     embedded: list[bytes] = field(default_factory=list)  # the picture of every Embed call, in order
     num_cancelled: int = 0  # Embed calls the caller cancelled before they answered
-    max_image_bytes: int = 0  # what its GetModelInfo says (0: no bound said)
+    max_image_bytes: int = 0  # what its GetModelInfo says (0: no bound said); a test may change it
+    num_model_infos: int = 0  # GetModelInfo calls answered
+    model_info_s: float = 0.0  # how long a GetModelInfo takes
 
     async def GetModelInfo(
         self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EncoderGetModelInfoResponse:
+        await asyncio.sleep(self.model_info_s)
+        self.num_model_infos += 1
         return encoder_pb2.EncoderGetModelInfoResponse(
             model="fake-encoder", hidden_size=HIDDEN_SIZE, max_image_bytes=self.max_image_bytes
         )

@@ -2,10 +2,13 @@
 `messages[i].content[j].image_url`, an embeddings body's `input[i].data`) and the flag that bounds it:
 the encoder's max_image_bytes, the services' --max-message-bytes the gateway was told, or, where the
 encoder's own cap is lower than that, gRPC's refusal named the same way. The encoder is the tests'
-fake; no picture over a bound the gateway knows reaches it."""
+fake; no picture over a bound the gateway knows reaches it. An encoder that says a higher
+max_image_bytes since (restarted with a higher --max-image-bytes) is asked again before a picture over
+the bound it said before is refused."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from typing import Any
@@ -58,6 +61,45 @@ async def test_a_picture_over_the_encoders_max_image_bytes_is_413_naming_its_par
         f"{part}: the picture is {len(PICTURE)} bytes, over the encoder's max_image_bytes {BOUND} "
         "(its --max-image-bytes, or what its --max-message-bytes carries)"
     )
+    assert encoder.embedded == []
+
+
+@pytest.mark.parametrize(("path", "body", "part"), BODIES, ids=["chat", "embeddings"])
+async def test_an_encoder_restarted_with_a_higher_max_image_bytes_takes_the_pictures_under_it(
+    path: str, body: Any, part: str
+) -> None:
+    # The gateway asked once for its life: the picture stayed 413, over the 64 KiB said before.
+    async with (
+        fake_encoder(max_image_bytes=BOUND) as (encoder, encoder_address),
+        fake_decoder() as (_, decoder_address),
+        live_gateway(decoder_address, encoder_address=encoder_address) as url,
+        aiohttp.ClientSession() as session,
+    ):
+        status, _ = await _refusal(f"{url}/{path}", body(PICTURE))
+        assert (status, encoder.embedded) == (413, [])
+        encoder.max_image_bytes = 4 * BOUND
+        async with session.post(f"{url}/{path}", json=body(PICTURE)) as response:
+            assert response.status == 200
+        assert PICTURE in encoder.embedded
+        num_model_infos = encoder.num_model_infos
+        async with session.post(f"{url}/{path}", json=body(PICTURE)) as response:
+            assert response.status == 200  # under the bound now held: not asked again
+        assert encoder.num_model_infos == num_model_infos
+
+
+async def test_pictures_refused_at_once_share_one_call_asking_the_encoder_again() -> None:
+    async with (
+        fake_encoder(max_image_bytes=BOUND) as (encoder, encoder_address),
+        fake_decoder() as (_, decoder_address),
+        live_gateway(decoder_address, encoder_address=encoder_address) as url,
+    ):
+        status, _ = await _refusal(f"{url}/embeddings", _embeddings(PICTURE))  # the info asked, held
+        num_model_infos, encoder.model_info_s = encoder.num_model_infos, 0.5
+        refusals = await asyncio.gather(
+            *(_refusal(f"{url}/embeddings", _embeddings(PICTURE)) for _ in range(8))
+        )
+    assert [status for status, _ in refusals] == [413] * 8  # the bound still holds
+    assert encoder.num_model_infos - num_model_infos == 1
     assert encoder.embedded == []
 
 

@@ -51,8 +51,9 @@ from tandem.gateway.completion_request import completion_request
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import ConnectionGuard
 from tandem.gateway.embed_request import embed_request
+from tandem.gateway.encoder_info import EncoderInfo
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
-from tandem.gateway.image_bytes import ImageBound, over_cap
+from tandem.gateway.image_bytes import over_cap, refusal_asking_again
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
 
@@ -94,7 +95,7 @@ class Gateway:
         # Their JSON held, reserved once decoded: all callers' and each caller's.
         self.answer_bytes = AnswerBytes(config.max_unread_answer_bytes, config.unread_answer_bytes_per_caller)
         self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
-        self._encoder_info: encoder_pb2.EncoderGetModelInfoResponse | None = None
+        self.encoder_info = EncoderInfo(encoder.stub)  # asked again when a picture is over its bound
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -112,10 +113,10 @@ class Gateway:
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """A request head asking `Expect: 100-continue`: refused before its body is sent where the
         normal path refuses it unread, in the same order (401 without an accepted token, then 413 for a
-        declared length over --max-body-bytes, then a coding the gateway does not decode), the answer saying `Connection: close`; else
-        `100 Continue`. aiohttp runs this before the middlewares, and its own handler sent
-        `100 Continue` to every head: a client uploaded a whole body (5,000 bytes over a 4,096 bound)
-        only to be answered 413."""
+        declared length over --max-body-bytes, then a coding the gateway does not decode), the answer
+        saying `Connection: close`; else `100 Continue`. aiohttp runs this before the middlewares, and
+        its own handler sent `100 Continue` to every head: a client uploaded a whole body (5,000 bytes
+        over a 4,096 bound) only to be answered 413."""
         if self.guard is not None:
             self.guard.head_received(request.transport)  # as the middleware would: it runs after, or never
         if request.version != HttpVersion11:  # HTTP/1.0 has no interim answers: its expectation ignored
@@ -283,8 +284,8 @@ class Gateway:
         if info.accepts_encoder_parts:
             images.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
         elif call.images:
-            bound = ImageBound((await self._encoder(request)).max_image_bytes, self.config.max_message_bytes)
-            await images.embed_images(self.encoder.stub, call, bound, self._metadata(request))
+            max_message_bytes, metadata = self.config.max_message_bytes, self._metadata(request)
+            await images.embed_images(self.encoder.stub, call, self.encoder_info, max_message_bytes, metadata)
         return await self._complete(request, call, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -295,19 +296,23 @@ class Gateway:
         return await self._complete(request, call, "text")
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        info = await self._encoder(request)
+        metadata = self._metadata(request)
+        info = await self.encoder_info.get(metadata)
         call = await self._convert(request, embed_request, BodyLimits.for_embeddings(info.max_input_tokens))
         assert isinstance(call, EmbedCall)
         bound = embeddings.answer_bound(call, info)
         embeddings.check_answer_size(call, info, self.config.max_embeddings_bytes)  # before any call
-        pictures = ImageBound(info.max_image_bytes, self.config.max_message_bytes)
+        max_message_bytes = self.config.max_message_bytes
         for i, input_request in enumerate(call.requests):
             where = call.input_field(i, "image")
-            if input_request.HasField("image") and (too_large := pictures.refusal(input_request, where)):
+            if input_request.HasField("image") and (
+                too_large := await refusal_asking_again(
+                    self.encoder_info, max_message_bytes, input_request, where, metadata
+                )
+            ):
                 raise Refused(too_large)
         if bound >= self.config.large_body_bytes and LARGE_BODY not in request:
             self._take_large_body(request)  # the replies and the answer are large too
-        metadata = self._metadata(request)
 
         async def embed(i: int, embed_request: encoder_pb2.EmbedRequest) -> encoder_pb2.EmbedResponse:
             try:
@@ -560,14 +565,6 @@ class Gateway:
         else:
             async with self.callers.stub(GATEWAY_CALLER) as stub:
                 yield stub
-
-    async def _encoder(self, request: web.Request) -> encoder_pb2.EncoderGetModelInfoResponse:
-        """The encoder's model info (its width, its input bound), asked once."""
-        if self._encoder_info is None:
-            self._encoder_info = await self.encoder.stub.GetModelInfo(
-                encoder_pb2.EncoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
-            )
-        return self._encoder_info
 
 
 async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:

@@ -5,7 +5,8 @@ gateway's channels are opened with.
 Checked before the call, so the 413 names the body's part and the flag: passed on, gRPC's own refusal
 ("CLIENT: Sent message larger than max (17301514 vs. 16777216)") named neither. An encoder whose cap
 is below what the gateway was told still refuses over gRPC; that refusal is named the same way
-(`over_cap`)."""
+(`over_cap`). One over the encoder's max_image_bytes is refused only once the encoder, asked again,
+still says so (`refusal_asking_again`, `encoder_info.py`): it may have restarted with a higher one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.gateway.encoder_info import EncoderInfo, Metadata
 from tandem.gateway.errors import HttpError
 
 
@@ -27,7 +29,7 @@ class ImageBound:
     def refusal(self, request: encoder_pb2.EmbedRequest, where: str) -> HttpError | None:
         """A 413 naming `where` (the body's part) and the flag when `request`'s picture is over a bound."""
         num_bytes = len(request.image.data)
-        if 0 < self.max_image_bytes < num_bytes:
+        if self.is_over_max_image_bytes(request):
             message = (
                 f"{where}: the picture is {num_bytes} bytes, over the encoder's max_image_bytes "
                 f"{self.max_image_bytes} (its --max-image-bytes, or what its --max-message-bytes carries)"
@@ -40,6 +42,25 @@ class ImageBound:
             )
             return HttpError(413, "invalid_request_error", message, where)
         return None
+
+    def is_over_max_image_bytes(self, request: encoder_pb2.EmbedRequest) -> bool:
+        return 0 < self.max_image_bytes < len(request.image.data)
+
+
+async def refusal_asking_again(
+    info: EncoderInfo,
+    max_message_bytes: int,
+    request: encoder_pb2.EmbedRequest,
+    where: str,
+    metadata: Metadata,
+) -> HttpError | None:
+    """`ImageBound.refusal` of `request` under the bounds the encoder said (`info`) and the services'
+    `max_message_bytes`; a picture over the encoder's max_image_bytes is asked about again first, and
+    refused under what the encoder says now (what it said before, where it does not answer)."""
+    bound = ImageBound((await info.get(metadata)).max_image_bytes, max_message_bytes)
+    if bound.is_over_max_image_bytes(request) and (now := await info.asked_again(metadata)) is not None:
+        bound = ImageBound(now.max_image_bytes, max_message_bytes)
+    return bound.refusal(request, where)
 
 
 def over_cap(error: grpc.aio.AioRpcError, where: str) -> HttpError | None:

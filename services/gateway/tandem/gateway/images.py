@@ -23,9 +23,10 @@ import grpc
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from tandem.gateway.calls import GenerateCall, ImagePart
+from tandem.gateway.encoder_info import EncoderInfo, Metadata
 from tandem.gateway.errors import Refused
 from tandem.gateway.fields import shown
-from tandem.gateway.image_bytes import ImageBound, over_cap
+from tandem.gateway.image_bytes import over_cap, refusal_asking_again
 from tandem.gateway.tasks import all_or_cancel
 
 
@@ -72,12 +73,14 @@ def as_encoder_parts(call: GenerateCall) -> None:
 async def embed_images(
     stub: encoder_pb2_grpc.EncoderStub,
     call: GenerateCall,
-    bound: ImageBound,
-    metadata: tuple[tuple[str, str], ...] | None,
+    info: EncoderInfo,
+    max_message_bytes: int,
+    metadata: Metadata,
 ) -> None:
     """The encoder's rows in place of each image_url part of `call`: each distinct file embedded once,
-    all of them concurrently (the encoder batches them). A file over `bound` is a 413 before any call;
-    the encoder's refusal names the file's first part."""
+    all of them concurrently (the encoder batches them). A file over a bound (the encoder's, as `info`
+    says, or the services' `max_message_bytes`) is a 413 before any call; the encoder's refusal names
+    the file's first part."""
     by_file: dict[bytes, list[ImagePart]] = {}
     for image in call.images:
         by_file.setdefault(image.data, []).append(image)
@@ -85,7 +88,9 @@ async def embed_images(
     for data, parts in by_file.items():
         embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=data))
         where = f"messages[{parts[0].message}].content[{parts[0].part}].image_url"
-        if (too_large := bound.refusal(embed, where)) is not None:
+        if (
+            too_large := await refusal_asking_again(info, max_message_bytes, embed, where, metadata)
+        ) is not None:
             raise Refused(too_large)
         embeds.append((embed, where))
 

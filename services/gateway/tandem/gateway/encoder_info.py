@@ -1,0 +1,66 @@
+"""The encoder's model info (its width, its input bound, its max_image_bytes): asked once, and asked
+again when a picture is over the max_image_bytes it said.
+
+NOTE: why a refusal asks again. The info was asked once for the gateway's life, so an encoder restarted
+with a higher --max-image-bytes still had pictures under its new bound refused 413 by the gateway, until
+the gateway restarted too. Asking again on every picture would cost a call each; asking on a refusal
+costs one only where the answer may change it. A lowered bound needs nothing: the encoder refuses the
+picture itself, named the same way (`image_bytes.over_cap`). Callers asking while a call is out share
+it, so a flood of pictures over the bound makes one call at a time, each bounded by REASK_TIMEOUT_S."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
+
+# The longest a refusal waits on the encoder's word before it stands on what the encoder said before.
+REASK_TIMEOUT_S = 2.0
+# The first call's bound: nothing can be answered without it.
+ASK_TIMEOUT_S = 10.0
+
+Metadata = tuple[tuple[str, str], ...] | None
+
+
+class EncoderInfo:
+    """The encoder's GetModelInfo, held; one call at a time, shared by those who ask meanwhile."""
+
+    def __init__(self, stub: encoder_pb2_grpc.EncoderStub) -> None:
+        self._stub = stub
+        self._info: encoder_pb2.EncoderGetModelInfoResponse | None = None
+        self._asking: asyncio.Future[encoder_pb2.EncoderGetModelInfoResponse] | None = None
+
+    async def get(self, metadata: Metadata) -> encoder_pb2.EncoderGetModelInfoResponse:
+        """What the encoder said last, asked the first time."""
+        if self._info is None:
+            return await self._ask(metadata, ASK_TIMEOUT_S)
+        return self._info
+
+    async def asked_again(self, metadata: Metadata) -> encoder_pb2.EncoderGetModelInfoResponse | None:
+        """What the encoder says now, or None where it does not answer (down, or restarting) within
+        REASK_TIMEOUT_S: the caller keeps what it said before."""
+        try:
+            return await self._ask(metadata, REASK_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return None
+
+    async def _ask(self, metadata: Metadata, timeout_s: float) -> encoder_pb2.EncoderGetModelInfoResponse:
+        if self._asking is None:
+            self._asking = asyncio.ensure_future(self._call(metadata, timeout_s))
+            self._asking.add_done_callback(self._asked)
+        # Shielded: a caller that goes away (its client hung up) does not cancel the others' call.
+        return await asyncio.shield(self._asking)
+
+    async def _call(self, metadata: Metadata, timeout_s: float) -> encoder_pb2.EncoderGetModelInfoResponse:
+        self._info = await self._stub.GetModelInfo(
+            encoder_pb2.EncoderGetModelInfoRequest(), metadata=metadata, timeout=timeout_s
+        )
+        return self._info
+
+    def _asked(self, asking: asyncio.Future[encoder_pb2.EncoderGetModelInfoResponse]) -> None:
+        if self._asking is asking:
+            self._asking = None
+        if not asking.cancelled():
+            asking.exception()  # seen, where every caller went away before it failed: not logged as lost
