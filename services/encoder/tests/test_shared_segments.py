@@ -253,9 +253,10 @@ def test_an_unread_lease_runs_out_its_name_removed_and_its_segment_freed(
 def test_a_segment_whose_call_was_cancelled_is_freed_at_once_not_after_its_lease(
     tmp_path: Path, probe, segments
 ) -> None:
-    handle, _ = _written(segments, probe, torch.zeros(2, 2))  # written, the reply never sent
+    target = segments.target(_offer(probe))
+    handle = target.write(torch.zeros(2, 2), None)  # written, the reply never sent
     used = _file(tmp_path, handle)
-    segments.abandon(handle.name)
+    segments.abandon(target)
     assert not shared_memory.exists(tmp_path, handle.name) and segments.num_leased == 0
     assert segments.num_expired == 0  # not its lease: it had 0.4 s of it left
     assert _file(tmp_path, _written(segments, probe, torch.ones(2, 2))[0]) == used  # free for the next call
@@ -263,18 +264,39 @@ def test_a_segment_whose_call_was_cancelled_is_freed_at_once_not_after_its_lease
 
 def test_a_call_cancelled_before_its_batch_wrote_it_is_never_linked(tmp_path: Path, probe, segments) -> None:
     early, during = _offer(probe), _offer(probe)
-    segments.abandon(early.segment_name)  # cancelled while queued
     target = segments.target(early)
+    segments.abandon(target)  # cancelled while queued
     assert target.write_with([2, 2], torch.float32, lambda out: None) is None
     assert target.write(torch.zeros(2, 2), None) is None  # the batch's second try, rows copied, too
     # Cancelled while its rows were being written: the write gives its segment back as it ends.
-    handle = segments.target(during).write_with(
-        [2, 2], torch.float32, lambda out: segments.abandon(during.segment_name)
-    )
+    during_target = segments.target(during)
+    handle = during_target.write_with([2, 2], torch.float32, lambda out: segments.abandon(during_target))
     assert handle is None
     assert not shared_memory.exists(tmp_path, early.segment_name)
     assert not shared_memory.exists(tmp_path, during.segment_name)
     assert segments.num_leased == 0 and segments.num_written == 1
+
+
+def test_a_cancelled_call_that_offered_another_calls_name_frees_nothing_of_that_call(
+    tmp_path: Path, probe, segments, reader
+) -> None:
+    rows = torch.randn(2, 2)
+    victim = _offer(probe)
+    replay = _offer(probe)
+    replay.segment_name = victim.segment_name  # a name seen in /dev/shm, with its own valid proof
+    # Cancelled before the victim's batch wrote it: the victim's call is still linked.
+    segments.abandon(segments.target(replay))
+    handle = segments.target(victim).write(rows, None)
+    assert handle is not None
+    # Cancelled after it, its own link of the name refused (the bytes went in its reply), even with the
+    # victim's key too: the victim's lease holds, its rows unread in it.
+    for key in (replay.digest_key, victim.digest_key):
+        replay.digest_key = key
+        target = segments.target(replay)
+        assert target.write(torch.zeros(2, 2), None) is None
+        segments.abandon(target)
+    assert shared_memory.exists(tmp_path, handle.name) and segments.num_leased == 1
+    assert torch.equal(_read(reader, handle, victim.digest_key), rows)
 
 
 def test_a_segment_free_for_its_idle_time_is_given_back(tmp_path: Path, probe) -> None:

@@ -390,4 +390,4 @@ class _SegmentWatch:
 
     def call_ended(self, context: grpc.aio.ServicerContext) -> None:
         if not self.replied or context.cancelled():
-            self.target.segments.abandon(self.target.name)
+            self.target.segments.abandon(self.target)

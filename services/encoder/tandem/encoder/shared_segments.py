@@ -15,12 +15,14 @@ segment's file. The lease ends when the reader removes that name (it has copied 
 `lease_s` has run out since the reply was made (the writer then removes the name: a reply lost with a
 cancelled call), or when the call that asked for it ends before its reply is sent (`abandon`: the
 caller cancelled it; a name not linked yet is then never linked). Only then is the segment written
-again. The pool is bounded in segments and bytes,
-leased or free: when a call finds no free segment and no room for a new one, even once the free
-segments that do not fit are given back, or when the name is taken, its reply carries bytes as usual,
-so sharing never fails or delays a call. A segment free for `idle_s` is given back; so is every one on
-`close`, and a new pool removes what one that died left (its segments are locked while it lives). A
-thread of its own ends leases and gives segments back, every quarter lease.
+again. The lease is the call's own `SharedTarget`, not its name: another caller may offer the
+same name (it sees the names in /dev/shm), and its call, whose link of it fails, must not end this
+one's lease. The pool is bounded in segments and bytes, leased or free: when a call finds no free
+segment and no room for a new one, even once the free segments that do not fit are given back, or when
+the name is taken, its reply carries bytes as usual, so sharing never fails or delays a call. A
+segment free for `idle_s` is given back; so is every one on `close`, and a new pool removes what one
+that died left (its segments are locked while it lives). A thread of its own ends leases and gives
+segments back, every quarter lease.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ log = logging.getLogger(__name__)
 IDLE_S = 60.0  # a free segment unused this long is given back: the pool shrinks when replies stop
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SharedTarget:
-    """Where one call's rows go: the name its offer asked for, digested under its key."""
+    """Where one call's rows go: the name its offer asked for, digested under its key. Equal only to
+    itself (eq=False): two calls that offered the same name and key are still two calls, and one's
+    `abandon` ends only its own lease."""
 
     segments: SharedSegments
     name: str  # "tandem-rows-<32 hex>", the offer's
@@ -71,7 +75,7 @@ class _Slot:
     """One segment of the pool."""
 
     segment: shared_memory.PooledSegment  # mapped for writing since it was created
-    lease: str | None = None  # the name of the call it is leased to; None: free
+    lease: SharedTarget | None = None  # the call it is leased to, its name linked to it; None: free
     expires: float = math.inf  # time.monotonic() when the lease runs out; inf while being written
     last_used: float = 0.0  # time.monotonic() when it was last freed
 
@@ -90,9 +94,9 @@ class SharedSegments:
         self.num_written = 0  # replies sent as segments (tests, the benchmark)
         self.num_expired = 0  # leases that ran out unread
         self.num_created = 0  # segments created: what the pool saves is num_written - num_created
-        # Names whose calls ended before their rows were written, by time.monotonic() then: never linked.
-        # Kept a lease (a batch later than that is answered by the lease anyway).
-        self._abandoned: dict[str, float] = {}
+        # Calls that ended before their rows were written, by time.monotonic() then: never linked. Kept a
+        # lease (a batch later than that is answered by the lease anyway).
+        self._abandoned: dict[SharedTarget, float] = {}
         # A pool left by an encoder that was killed would hold its pages until the host restarts.
         self.num_abandoned = shared_memory.remove_abandoned(directory)
         self._stop = threading.Event()
@@ -117,7 +121,7 @@ class SharedSegments:
         num_bytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             self._sweep()
-            if target.name in self._abandoned:  # kept: a batch whose write_with is refused tries write
+            if target in self._abandoned:  # kept: a batch whose write_with is refused tries write
                 return None  # its call ended: no one will read it
             slot = self._free_slot(num_bytes) or self._new_slot(num_bytes)
             if slot is None:
@@ -127,7 +131,7 @@ class SharedSegments:
             except OSError as error:  # the name taken: the bytes go in the reply
                 log.debug("no segment %s: %s", target.name, error)
                 return None
-            slot.lease, slot.expires = target.name, math.inf  # no sweep ends it while it is written
+            slot.lease, slot.expires = target, math.inf  # no sweep ends it while it is written
         mapping = slot.segment.mapping
         try:
             fill(tensors.shared_view(mapping, shape, dtype))
@@ -142,22 +146,24 @@ class SharedSegments:
         with self._lock:
             slot.expires = time.monotonic() + self.lease_s  # the lease counts from the reply
             self.num_written += 1
-            if target.name in self._abandoned:  # its call ended while it was written
+            if target in self._abandoned:  # its call ended while it was written
                 shared_memory.remove(self.directory, target.name)
                 self._free(slot)
                 return None
         return handle
 
-    def abandon(self, name: str) -> None:
-        """The call that asked for `name` ended before its reply was sent (its caller cancelled it): its
-        segment is freed now, not when its lease runs out, or never written when the batch has not got
-        to it yet. Else a caller cancelling its calls kept the pool leased, and others got bytes."""
+    def abandon(self, target: SharedTarget) -> None:
+        """The call of `target` ended before its reply was sent (its caller cancelled it): its segment
+        is freed now, not when its lease runs out, or never written when the batch has not got to it
+        yet. Else a caller cancelling its calls kept the pool leased, and others got bytes. A call that
+        holds no segment (its name was taken: its reply went as bytes) frees none, not even one leased
+        under that name to another call."""
         with self._lock:
-            slot = next((slot for slot in self._slots if slot.lease == name), None)
+            slot = next((slot for slot in self._slots if slot.lease is target), None)
             if slot is None or slot.expires == math.inf:  # not written yet, or being written
-                self._abandoned[name] = time.monotonic()
+                self._abandoned[target] = time.monotonic()
                 return
-            shared_memory.remove(self.directory, name)
+            shared_memory.remove(self.directory, target.name)
             self._free(slot)
 
     @property
@@ -181,7 +187,7 @@ class SharedSegments:
         with self._lock:
             for slot in list(self._slots):
                 if slot.lease is not None:
-                    shared_memory.remove(self.directory, slot.lease)
+                    shared_memory.remove(self.directory, slot.lease.name)
                 self._drop(slot)
 
     def _free_slot(self, num_bytes: int) -> _Slot | None:
@@ -227,9 +233,9 @@ class SharedSegments:
     def _sweep(self) -> None:
         """Under the lock: frees what readers released, ends leases run out, gives idle segments back."""
         now = time.monotonic()
-        for name, since in list(self._abandoned.items()):
+        for target, since in list(self._abandoned.items()):
             if now - since >= self.lease_s:
-                del self._abandoned[name]
+                del self._abandoned[target]
         for slot in list(self._slots):
             if slot.lease is None:
                 if now - slot.last_used >= self.idle_s:
@@ -238,9 +244,9 @@ class SharedSegments:
             if slot.expires == math.inf:  # being written: its name cannot free it yet
                 continue
             if now >= slot.expires:
-                if shared_memory.remove(self.directory, slot.lease):
+                if shared_memory.remove(self.directory, slot.lease.name):
                     self.num_expired += 1
-            elif shared_memory.exists(self.directory, slot.lease):
+            elif shared_memory.exists(self.directory, slot.lease.name):
                 continue
             self._free(slot)
 
