@@ -299,6 +299,17 @@ def test_a_cancelled_call_that_offered_another_calls_name_frees_nothing_of_that_
     assert torch.equal(_read(reader, handle, victim.digest_key), rows)
 
 
+def test_a_segment_written_again_holds_nothing_of_the_longer_rows_before_past_its_own(
+    tmp_path: Path, probe, segments
+) -> None:
+    first, _ = _written(segments, probe, torch.randn(2, 32) + 10)  # 256 bytes, none of them zero
+    _release(tmp_path, first)
+    second, _ = _written(segments, probe, torch.ones(1, 2))  # 8 bytes, in the same 256-byte segment
+    lying = (tmp_path / second.name).read_bytes()  # all a reader of the name can map
+    assert len(lying) == 256 and lying[8:] == bytes(248)
+    assert lying[:8] == torch.ones(2).numpy().tobytes()
+
+
 def test_a_segment_free_for_its_idle_time_is_given_back(tmp_path: Path, probe) -> None:
     segments = SharedSegments(tmp_path, max_bytes=1000, max_segments=3, lease_s=0.4, idle_s=0.2)
     try:

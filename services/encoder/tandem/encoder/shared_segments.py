@@ -15,7 +15,9 @@ segment's file. The lease ends when the reader removes that name (it has copied 
 `lease_s` has run out since the reply was made (the writer then removes the name: a reply lost with a
 cancelled call), or when the call that asked for it ends before its reply is sent (`abandon`: the
 caller cancelled it; a name not linked yet is then never linked). Only then is the segment written
-again. The lease is the call's own `SharedTarget`, not its name: another caller may offer the
+again, and the bytes a longer reply left past the new rows are zeroed first: a reader maps the whole
+segment, and one caller's rows must not reach another (a memset: 14 µs for 1 MiB, half a copy of as
+many rows). The lease is the call's own `SharedTarget`, not its name: another caller may offer the
 same name (it sees the names in /dev/shm), and its call, whose link of it fails, must not end this
 one's lease. The pool is bounded in segments and bytes, leased or free: when a call finds no free
 segment and no room for a new one, even once the free segments that do not fit are given back, or when
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import threading
 import time
 import traceback
@@ -36,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
@@ -78,6 +82,8 @@ class _Slot:
     lease: SharedTarget | None = None  # the call it is leased to, its name linked to it; None: free
     expires: float = math.inf  # time.monotonic() when the lease runs out; inf while being written
     last_used: float = 0.0  # time.monotonic() when it was last freed
+    # Bytes from the start that may hold a call's rows: what the next, shorter, reply zeroes past its own.
+    high_water: int = 0
 
 
 class SharedSegments:
@@ -132,8 +138,11 @@ class SharedSegments:
                 log.debug("no segment %s: %s", target.name, error)
                 return None
             slot.lease, slot.expires = target, math.inf  # no sweep ends it while it is written
+            stale = slot.high_water  # the previous call's rows end there
+            slot.high_water = max(stale, num_bytes)  # until the tail is zeroed and the rows written
         mapping = slot.segment.mapping
         try:
+            _zero(mapping, num_bytes, stale)
             fill(tensors.shared_view(mapping, shape, dtype))
             handle = tensors.seal_shared(mapping, shape, dtype, target.name, target.key, self.lease_s)
         except BaseException as error:
@@ -145,6 +154,7 @@ class SharedSegments:
             raise
         with self._lock:
             slot.expires = time.monotonic() + self.lease_s  # the lease counts from the reply
+            slot.high_water = num_bytes
             self.num_written += 1
             if target in self._abandoned:  # its call ended while it was written
                 shared_memory.remove(self.directory, target.name)
@@ -254,3 +264,9 @@ class SharedSegments:
         while not self._stop.wait(self.lease_s / 4):
             with self._lock:
                 self._sweep()
+
+
+def _zero(mapping: mmap.mmap, start: int, stop: int) -> None:
+    """Zeroes the segment's bytes [start, stop), none when stop <= start; no view of it outlives this."""
+    if stop > start:
+        np.frombuffer(mapping, dtype=np.uint8, count=stop - start, offset=start).fill(0)
