@@ -69,7 +69,7 @@ def test_an_adapter_keeps_peft_s_tensors_rank_targets_and_rslora_scale(
         ({"peft_type": "IA3"}, "adapter_config.json:peft_type", "must be LORA"),
         ({"alora_invocation_tokens": [17, 402]}, "adapter_config.json:alora_invocation_tokens", "aLoRA"),
         ({"layer_replication": [[0, 1], [0, 1]]}, "adapter_config.json:layer_replication", "not supported"),
-        ({"target_modules": r".*\.q_proj"}, "adapter_config.json:target_modules", "regular expression"),
+        ({"target_modules": r".*_(proj|head)"}, "adapter_config.json:target_modules", "names lm_head"),
     ],
 )
 def test_settings_the_server_cannot_honour_are_refused_naming_the_field(
@@ -151,6 +151,12 @@ def test_tensors_that_do_not_make_an_adapter_are_refused(
         ({"target_modules": ["k_proj", "o_proj", "up_proj"]}, "0.mlp.down_proj.lora_A", "target_modules"),
         ({"exclude_modules": ["o_proj"]}, "0.self_attn.o_proj.lora_A", "exclude_modules"),
         ({"layers_to_transform": [1]}, "0.mlp.down_proj.lora_A", "layers_to_transform"),
+        ({"target_modules": r".*\.(k_proj|o_proj|up_proj)"}, "0.mlp.down_proj.lora_A", "target_modules"),
+        (
+            {"exclude_modules": r"model\.layers\.0\.self_attn\..*"},
+            "0.self_attn.k_proj.lora_A",
+            "exclude_modules",
+        ),
     ],
 )
 def test_a_tensor_peft_would_not_load_is_refused_naming_it_and_the_setting(
@@ -161,11 +167,18 @@ def test_a_tensor_peft_would_not_load_is_refused_naming_it_and_the_setting(
     assert raised.value.field == f"adapter_model.safetensors:base_model.model.model.layers.{tensor}.weight"
 
 
-def test_all_linear_and_dotted_names_adapt_what_the_file_holds(
+def test_all_linear_dotted_names_patterns_and_lists_for_other_models_adapt_what_the_file_holds(
     adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path
 ) -> None:
     listed = read_adapter(adapter_dir, tiny_fp32.config, max_rank=16)
-    for i, targets in enumerate(["all-linear", ["self_attn.k_proj", "o_proj", "mlp.up_proj", "down_proj"]]):
+    for i, targets in enumerate(
+        [
+            "all-linear",
+            ["self_attn.k_proj", "o_proj", "mlp.up_proj", "down_proj"],
+            r"model\.layers\.\d+\.(self_attn|mlp)\.(k|o|up|down)_proj",
+            ["k_proj", "o_proj", "up_proj", "down_proj", "W_pack", "query_key_value", "c_attn"],
+        ]
+    ):
         got = read_adapter(
             copy_with(adapter_dir, tmp_path / str(i), target_modules=targets), tiny_fp32.config, 16
         )

@@ -35,6 +35,13 @@ def settings_of(**changes: object) -> AdapterSettings:
         {"layers_to_transform": [1], "layers_pattern": "h"},  # finds no index: adapts nothing
         # Named whole, a module is adapted whatever layers_to_transform says (peft skips the check).
         {"target_modules": ["model.layers.3.self_attn.q_proj", "v_proj"], "layers_to_transform": [0]},
+        # A string is peft's regular expression, fullmatched against the module's whole name (unsloth and
+        # the peft docs write these).
+        {"target_modules": r".*\.(q_proj|v_proj|o_proj)$"},
+        {"target_modules": r"(?:.*?(?:language|text).*?)?model\.layers\.[0-2]\..*?(?:q_proj|down_proj)"},
+        {"target_modules": "all-linear", "exclude_modules": r".*\.layers\.[13]\.mlp\..*"},
+        # Names of other model types' modules match nothing here, as in peft.
+        {"target_modules": ["q_proj", "v_proj", "W_pack", "query_key_value", "layers.4.self_attn.q_proj"]},
     ],
 )
 def test_the_modules_adapted_are_those_peft_s_own_matcher_finds(changes: dict) -> None:
@@ -89,6 +96,28 @@ def test_peft_s_own_saved_settings_and_harmless_ones_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(
+    "changes",
+    [
+        # Initialisations that leave the base model's weights as they are: the saved A and B replace them.
+        {"init_lora_weights": "orthogonal"},
+        {"init_lora_weights": "eva", "eva_config": {"rho": 2.0, "tau": 0.99, "whiten": False}},
+        # null is peft's default for these (it reads `if use_rslora`, and initialises nothing for null).
+        {"use_rslora": None},
+        {"init_lora_weights": None},
+    ],
+)
+def test_settings_that_leave_the_computation_as_peft_s_default_are_accepted(changes: dict) -> None:
+    assert settings_of(**changes).scale == 2.0
+
+
+def test_without_lora_alpha_the_scale_is_peft_s_default_alpha_over_r() -> None:
+    from peft import LoraConfig
+
+    no_alpha = {k: v for k, v in BASE.items() if k != "lora_alpha"} | {"r": 16}
+    assert check_config(no_alpha, max_rank=16, num_layers=NUM_LAYERS).scale == LoraConfig().lora_alpha / 16
+
+
+@pytest.mark.parametrize(
     ("changes", "field", "says"),
     [
         ({"alora_invocation_tokens": [17, 402]}, "alora_invocation_tokens", "aLoRA"),
@@ -99,13 +128,20 @@ def test_peft_s_own_saved_settings_and_harmless_ones_are_accepted() -> None:
         ({"fan_in_fan_out": True}, "fan_in_fan_out", "not supported"),
         ({"a_setting_peft_adds_later": 3}, "a_setting_peft_adds_later", "not a setting this server knows"),
         ({"init_lora_weights": "pissa"}, "init_lora_weights", "change the base model's weights"),
-        ({"target_modules": r".*\.q_proj"}, "target_modules", "regular expression"),
+        ({"init_lora_weights": "orthogonal", "r": 3}, "init_lora_weights", "needs an even r"),
+        ({"rank_pattern": {"q_proj": 8}, "init_lora_weights": "eva"}, "rank_pattern", "not supported"),
         ({"target_modules": None}, "target_modules", "peft picks its own"),
         ({"target_modules": []}, "target_modules", "must list"),
-        ({"target_modules": ["q_proj", "lm_head"]}, "target_modules", "'lm_head' is not one of"),
-        ({"target_modules": ["layers.4.self_attn.q_proj"]}, "target_modules", "is not one of"),
-        ({"target_modules": ["mlp.q_proj"]}, "target_modules", "is not one of"),
-        ({"exclude_modules": r".*\.q_proj"}, "exclude_modules", "regular expression"),
+        ({"target_modules": ""}, "target_modules", "must list"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "target_modules", "'lm_head' names lm_head, which"),
+        ({"target_modules": ["q_proj", "mlp"]}, "target_modules", "names model.layers.0.mlp, which"),
+        ({"target_modules": r".*(proj|head)"}, "target_modules", "'lm_head' names lm_head, which"),
+        ({"target_modules": ["layers.4.self_attn.q_proj"]}, "target_modules", "names none of"),
+        ({"target_modules": ["mlp.q_proj", "W_pack"]}, "target_modules", "names none of"),
+        ({"target_modules": r".*\.c_attn"}, "target_modules", "names none of"),
+        ({"target_modules": "q_proj"}, "target_modules", "names none of"),  # fullmatches no whole name
+        ({"target_modules": "(q_proj"}, "target_modules", "not a regular expression Python's re compiles"),
+        ({"exclude_modules": "[q"}, "exclude_modules", "not a regular expression Python's re compiles"),
         ({"layers_to_transform": "0"}, "layers_to_transform", "a layer index or a list"),
         ({"layers_to_transform": [0], "layers_pattern": "layers|h"}, "layers_pattern", "a name or a list"),
         # Malformed values: each was INTERNAL at LoadAdapter and a traceback at start.

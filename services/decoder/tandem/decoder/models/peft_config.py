@@ -2,15 +2,19 @@
 
 NOTE: every setting of peft's LoraConfig that changes what peft computes is either honoured exactly or
 refused, never ignored: an ignored one served other tokens than peft with no error. Honoured: r,
-lora_alpha, use_rslora, and which modules peft adapts (target_modules as a list or "all-linear",
-exclude_modules as a list, layers_to_transform with the default or a plain layers_pattern), matched as
-peft's check_target_module_exists matches them; a tensor of a module peft would not adapt is refused
-naming it and the setting. Accepted whatever their value: the few in _IGNORED, which change nothing at
-inference. Any other key (one peft added since, too) must be unset (null, false, {} or []).
-Refused as this server cannot match peft surely, or at all: a regular expression for target_modules or
-exclude_modules (peft's re.fullmatch: an adapter's own pattern could also hold the one reader thread for
-ever), null target_modules (peft picks its own per model type), and initialisations that change the
-base model's weights.
+lora_alpha, use_rslora, and which modules peft adapts (target_modules as a list, "all-linear" or a
+regular expression, exclude_modules as a list or a regular expression, layers_to_transform with the
+default or a plain layers_pattern), matched as peft's check_target_module_exists matches them; a tensor
+of a module peft would not adapt is refused naming it and the setting. A name in a list that is no
+module of the base model matches nothing, as in peft and vLLM (lists written for several model types
+name W_pack, query_key_value...); one that names a module this server does not adapt (lm_head,
+embed_tokens, a norm, a whole layer) is refused, as is a list or pattern that names none it does: peft
+would adapt or fail on the one, and find nothing to adapt in the other. A pattern is matched by
+module_pattern.py, in a worker with a deadline. Accepted whatever their value: the few in _IGNORED,
+which change nothing at inference. Any other key (one peft added since, too) must be unset (null, false,
+{} or []); null is the default for use_rslora and init_lora_weights too, as peft reads it.
+Refused as this server cannot match peft surely, or at all: null target_modules (peft picks its own per
+model type), and initialisations that change the base model's weights.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from tandem.decoder.models.adapter_error import AdapterError
+from tandem.decoder.models.module_pattern import PatternError, fullmatches
 
 CONFIG_FILE = "adapter_config.json"
 
@@ -32,6 +37,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 _ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
 # peft's shorthand (case-insensitive) for every linear layer but the output one: for these models, TARGETS.
 _ALL_LINEAR = "all-linear"
+# peft's LoraConfig default where adapter_config.json has no lora_alpha (not r: alpha 8 over r 16 is 0.5).
+_DEFAULT_ALPHA = 8
 
 # Settings read here, each below.
 _HANDLED = frozenset(
@@ -67,6 +74,7 @@ _IGNORED = frozenset(
         "qalora_group_size",
         "loftq_config",
         "ensure_weight_tying",
+        "eva_config",  # read only while training, to find EVA's initial A
     )
 )
 # Why each known setting that changes the computation cannot be served; any other key set says so too.
@@ -86,8 +94,10 @@ _UNSUPPORTED = {
     "megatron_config": "Megatron parallel LoRA layers are not supported",
 }
 # init_lora_weights known to leave the base model's weights as they are (PiSSA, OLoRA, LoftQ, CorDA...
-# replace them with a residual the adapter was trained against).
-_PLAIN_INITS = (True, False, "gaussian")
+# replace them with a residual the adapter was trained against): "eva" only zeroes B, "orthogonal" sets A
+# and B (peft's lora/layer.py update_layer); the saved A and B replace them all. None: peft initialises
+# nothing.
+_PLAIN_INITS = (True, False, None, "gaussian", "eva", "orthogonal")
 # A layers_pattern peft's regex reads as the literal name it is.
 _PLAIN_NAME = re.compile(r"[A-Za-z_]\w*")
 
@@ -102,7 +112,9 @@ class AdapterSettings:
 
     rank: int  # r
     scale: float  # lora_alpha / r (rsLoRA: / sqrt(r)), finite in float32
-    target_modules: frozenset[str]  # a module's name or one of its dotted suffixes ("all-linear": TARGETS)
+    # A module's name or one of its dotted suffixes ("all-linear": TARGETS; a regular expression: the full
+    # names it fullmatches, which peft adapts whatever layers_to_transform says, as a name given whole).
+    target_modules: frozenset[str]
     exclude_modules: frozenset[str]  # as target_modules; wins over it
     # layers_to_transform: the layers a suffix in target_modules adapts; None: every layer. Empty where
     # layers_pattern finds no layer index in these models' names (peft then adapts no such module).
@@ -148,7 +160,7 @@ def check_config(settings: dict[str, Any], max_rank: int, num_layers: int) -> Ad
         raise refuse("r", f"must be a positive integer, got {_short.repr(rank)}")
     if rank > max_rank:
         raise refuse("r", f"{_short.repr(rank)} is more than the server's --max-lora-rank {max_rank}")
-    alpha = settings.get("lora_alpha", rank)
+    alpha = settings.get("lora_alpha", _DEFAULT_ALPHA)
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise refuse("lora_alpha", f"must be a finite number, got {_short.repr(alpha)}")
     try:  # an integer of 400 digits is past any float (OverflowError)
@@ -157,7 +169,7 @@ def check_config(settings: dict[str, Any], max_rank: int, num_layers: int) -> Ad
         alpha_value = math.inf
     if math.isnan(alpha_value):
         raise refuse("lora_alpha", f"must be a finite number, got {_short.repr(alpha)}")
-    use_rslora = settings.get("use_rslora", False)
+    use_rslora = settings.get("use_rslora") or False  # peft: `if use_rslora`, so null is false
     if not isinstance(use_rslora, bool):  # peft reads "false" as true
         raise refuse("use_rslora", f"must be true or false, got {_short.repr(use_rslora)}")
     scale = alpha_value / (math.sqrt(rank) if use_rslora else rank)
@@ -178,14 +190,17 @@ def check_config(settings: dict[str, Any], max_rank: int, num_layers: int) -> Ad
     if not any(init is plain or (isinstance(plain, str) and init == plain) for plain in _PLAIN_INITS):
         raise refuse(
             "init_lora_weights",
-            "must be true, false or 'gaussian' (others change the base model's weights), "
-            f"got {_short.repr(init)}",
+            "must be true, false, 'gaussian', 'eva' or 'orthogonal' (others change the base model's "
+            f"weights), got {_short.repr(init)}",
         )
+    if init == "orthogonal" and rank % 2:
+        raise refuse("init_lora_weights", f"'orthogonal' needs an even r (peft's own check), got r {rank}")
+    exclude_modules = _module_names(settings.get("exclude_modules"), "exclude_modules", num_layers, refuse)
     return AdapterSettings(
         rank=rank,
         scale=scale,
-        target_modules=_target_modules(settings.get("target_modules"), num_layers, refuse),
-        exclude_modules=_module_names(settings.get("exclude_modules"), "exclude_modules", refuse),
+        target_modules=_target_modules(settings.get("target_modules"), exclude_modules, num_layers, refuse),
+        exclude_modules=exclude_modules,
         layers=_layers(settings.get("layers_to_transform"), settings.get("layers_pattern"), refuse),
     )
 
@@ -195,33 +210,63 @@ def _is_unset(value: object) -> bool:
     return value is None or value is False or (isinstance(value, dict | list) and not value)
 
 
-def _module_names(value: object, key: str, refuse: Any) -> frozenset[str]:
-    """A list of module names (empty where unset); a string is peft's regular expression, refused."""
+def _module_names(value: object, key: str, num_layers: int, refuse: Any) -> frozenset[str]:
+    """A list of module names (empty where unset); a string is peft's regular expression, read as the
+    full names of the modules it fullmatches, served or not (which peft treats as a name given whole)."""
     if value is None or value == "" or value == []:
         return frozenset()
     if isinstance(value, str):
-        raise refuse(
-            key, f"a regular expression is not matched here: list the module names, got {_short.repr(value)}"
-        )
+        try:
+            return fullmatches(value, _served_keys(num_layers) + _unserved_keys(num_layers))
+        except PatternError as error:
+            raise refuse(key, f"{error}, got {_short.repr(value)}") from None
     if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
         raise refuse(key, f"must be a list of module names, got {_short.repr(value)}")
     return frozenset(value)
 
 
-def _target_modules(value: object, num_layers: int, refuse: Any) -> frozenset[str]:
+def _target_modules(
+    value: object, exclude_modules: frozenset[str], num_layers: int, refuse: Any
+) -> frozenset[str]:
     if value is None:
         raise refuse(
             "target_modules", "must list the modules adapted (null: peft picks its own per model type)"
         )
     if isinstance(value, str) and value.lower() == _ALL_LINEAR:
         return frozenset(TARGETS)
-    names = _module_names(value, "target_modules", refuse)
-    for name in sorted(names):
-        if not _names_a_module(name, num_layers):  # peft adapts some other module, or finds none
-            raise refuse("target_modules", f"{_short.repr(name)} is not one of {', '.join(TARGETS)}")
-    if not names:
-        raise refuse("target_modules", "must list the modules adapted, got []")
+    names = _module_names(value, "target_modules", num_layers, refuse)
+    if value == "" or value == []:
+        raise refuse("target_modules", f"must list the modules adapted, got {_short.repr(value)}")
+    for key in _unserved_keys(num_layers):
+        suffixes = _dotted_suffixes(key)
+        if key in exclude_modules or suffixes & exclude_modules:  # excluded wins: peft leaves it be
+            continue
+        if key in names or suffixes & names:
+            name = key if key in names else min(suffixes & names, key=len)
+            raise refuse(
+                "target_modules",
+                f"{_short.repr(name)} names {key}, which this server does not adapt (only "
+                f"{', '.join(TARGETS)}): peft would adapt it or fail, got {_short.repr(value)}",
+            )
+    if not any(_names_a_module(name, num_layers) for name in names):
+        raise refuse(
+            "target_modules",
+            f"names none of the base model's {', '.join(TARGETS)} (peft would find no module to adapt), "
+            f"got {_short.repr(value)}",
+        )
     return names
+
+
+def _served_keys(num_layers: int) -> list[str]:
+    return [module_key(layer, module) for layer in range(num_layers) for module in TARGETS]
+
+
+def _unserved_keys(num_layers: int) -> list[str]:
+    """The modules every base model served here has beside TARGETS (Llama's names): peft would adapt
+    lm_head or embed_tokens, and refuse a norm or a container."""
+    per_layer = ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")
+    layers = [f"model.layers.{layer}{part}" for layer in range(num_layers) for part in per_layer]
+    return ["model", "model.embed_tokens", "model.layers", *layers, "model.norm", "lm_head"]
 
 
 def _names_a_module(name: str, num_layers: int) -> bool:
