@@ -35,11 +35,15 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     max_image_bytes: int = 0  # what its GetModelInfo says (0: no bound said); a test may change it
     num_model_infos: int = 0  # GetModelInfo calls answered
     model_info_s: float = 0.0  # how long a GetModelInfo takes
+    token: str | None = None  # where set, a GetModelInfo with another bearer token is UNAUTHENTICATED
 
     async def GetModelInfo(
         self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EncoderGetModelInfoResponse:
         await asyncio.sleep(self.model_info_s)
+        if self.token is not None:
+            if dict(context.invocation_metadata()).get("authorization") != f"Bearer {self.token}":
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a token this encoder takes")
         self.num_model_infos += 1
         return encoder_pb2.EncoderGetModelInfoResponse(
             model="fake-encoder", hidden_size=HIDDEN_SIZE, max_image_bytes=self.max_image_bytes
@@ -49,6 +53,9 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EmbedResponse:
         self.embedded.append(request.image.data)
+        if 0 < self.max_image_bytes < (num_bytes := len(request.image.data)):  # as the real one words it
+            message = f"image.data: {num_bytes} bytes exceed max_image_bytes {self.max_image_bytes}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         try:
             await asyncio.sleep(EMBED_S)
         except asyncio.CancelledError:
@@ -62,11 +69,12 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
 
 @contextlib.asynccontextmanager
 async def fake_encoder(
-    max_image_bytes: int = 0, max_message_bytes: int | None = None
+    max_image_bytes: int = 0, max_message_bytes: int | None = None, token: str | None = None
 ) -> AsyncIterator[tuple[FakeEncoder, str]]:
     """The fake serving on a free loopback port: itself and its address; stopped afterwards. Its
-    GetModelInfo says `max_image_bytes`; with `max_message_bytes`, gRPC refuses a larger request."""
-    encoder = FakeEncoder(max_image_bytes=max_image_bytes)
+    GetModelInfo says `max_image_bytes` (its Embed refuses a larger picture, as the real one does), to
+    callers with `token` where one is given; with `max_message_bytes`, gRPC refuses a larger request."""
+    encoder = FakeEncoder(max_image_bytes=max_image_bytes, token=token)
     options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
     server = grpc.aio.server(options=options)
     encoder_pb2_grpc.add_EncoderServicer_to_server(encoder, server)

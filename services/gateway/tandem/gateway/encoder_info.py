@@ -6,7 +6,13 @@ with a higher --max-image-bytes still had pictures under its new bound refused 4
 the gateway restarted too. Asking again on every picture would cost a call each; asking on a refusal
 costs one only where the answer may change it. A lowered bound needs nothing: the encoder refuses the
 picture itself, named the same way (`image_bytes.over_cap`). Callers asking while a call is out share
-it, so a flood of pictures over the bound makes one call at a time, each bounded by REASK_TIMEOUT_S."""
+it, so a flood of pictures over the bound makes one call at a time, each bounded by REASK_TIMEOUT_S.
+
+NOTE: why a call is shared only by callers with the same metadata (their Authorization). The encoder
+answers a call as its token allows: shared with the first caller's token, a bad token's UNAUTHENTICATED
+reached a good-token caller asking meanwhile, and a bad token's failed re-ask left a good caller with
+the old bound's 413. A token's callers still share one call; a flood of bad tokens costs a call each
+(each answered UNAUTHENTICATED by the encoder, as any of their calls would be)."""
 
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ class EncoderInfo:
     def __init__(self, stub: encoder_pb2_grpc.EncoderStub) -> None:
         self._stub = stub
         self._info: encoder_pb2.EncoderGetModelInfoResponse | None = None
-        self._asking: asyncio.Future[encoder_pb2.EncoderGetModelInfoResponse] | None = None
+        # The call out for each metadata (the callers' token, `app.py` `_metadata`).
+        self._asking: dict[Metadata, asyncio.Future[encoder_pb2.EncoderGetModelInfoResponse]] = {}
 
     async def get(self, metadata: Metadata) -> encoder_pb2.EncoderGetModelInfoResponse:
         """What the encoder said last, asked the first time."""
@@ -47,11 +54,11 @@ class EncoderInfo:
             return None
 
     async def _ask(self, metadata: Metadata, timeout_s: float) -> encoder_pb2.EncoderGetModelInfoResponse:
-        if self._asking is None:
-            self._asking = asyncio.ensure_future(self._call(metadata, timeout_s))
-            self._asking.add_done_callback(self._asked)
+        if (asking := self._asking.get(metadata)) is None:
+            asking = self._asking[metadata] = asyncio.ensure_future(self._call(metadata, timeout_s))
+            asking.add_done_callback(lambda done: self._asked(metadata, done))
         # Shielded: a caller that goes away (its client hung up) does not cancel the others' call.
-        return await asyncio.shield(self._asking)
+        return await asyncio.shield(asking)
 
     async def _call(self, metadata: Metadata, timeout_s: float) -> encoder_pb2.EncoderGetModelInfoResponse:
         self._info = await self._stub.GetModelInfo(
@@ -59,8 +66,10 @@ class EncoderInfo:
         )
         return self._info
 
-    def _asked(self, asking: asyncio.Future[encoder_pb2.EncoderGetModelInfoResponse]) -> None:
-        if self._asking is asking:
-            self._asking = None
+    def _asked(
+        self, metadata: Metadata, asking: asyncio.Future[encoder_pb2.EncoderGetModelInfoResponse]
+    ) -> None:
+        if self._asking.get(metadata) is asking:
+            del self._asking[metadata]
         if not asking.cancelled():
             asking.exception()  # seen, where every caller went away before it failed: not logged as lost
