@@ -93,7 +93,11 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
     if len(addresses) == 1:
         if addresses[0].startswith("dns:"):
             return addresses[0], True
-        _host_port(addresses[0])  # gRPC took port 116328 as 50792 (mod 65536), and "::::" as a name
+        scheme = next((s for s in _GRPC_SCHEMES if addresses[0].startswith(s)), None)
+        if scheme is None:
+            _host_port(addresses[0])  # gRPC took port 116328 as 50792 (mod 65536), and "::::" as a name
+        elif scheme in ("ipv4:", "ipv6:"):
+            _host_port(addresses[0].removeprefix(scheme))  # the same wrap happens behind these
         return addresses[0], False
     resolved = [_ip_address(a) for a in addresses]
     families = {ip.version for ip, _ in resolved}
@@ -103,6 +107,10 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
         return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in resolved), True
     return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved), True
 
+
+# gRPC's own target schemes other than dns: (its naming doc), passed to gRPC as written: one server
+# each here (a comma splits the address above); ipv4:/ipv6: still get the port check.
+_GRPC_SCHEMES = ("ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
 
 # A host name as gRPC's resolver takes it (ASCII: an internationalised name goes in its xn-- form), or
 # an IPv4 address; an IPv6 address goes in brackets.

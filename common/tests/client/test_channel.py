@@ -84,6 +84,19 @@ def test_a_single_address_is_checked_as_a_list_s_are(address: str) -> None:
         channel_target(address)
 
 
+@pytest.mark.parametrize(
+    "address", ["ipv4:127.0.0.1:50051", "ipv6:[::1]:50051", "unix:/run/tandem.sock", "unix-abstract:tandem"]
+)
+def test_grpcs_own_target_schemes_pass_as_written(address: str) -> None:
+    """gRPC's naming schemes reached the server before single addresses were checked, and still do."""
+    assert channel_target(address) == (address, False)
+
+
+def test_an_ipv4_target_still_has_its_port_checked() -> None:
+    with pytest.raises(ValueError, match="a port in 1..65535"):
+        channel_target("ipv4:127.0.0.1:116328")
+
+
 @pytest.mark.parametrize("address", ["decoder:50052", "127.0.0.1:1", "[::1]:65535", "no.such.invalid:1"])
 def test_a_single_address_is_not_resolved(address: str) -> None:
     """A name that resolves only later (a Service not created yet) is still an address."""
