@@ -87,6 +87,31 @@ async def test_an_encoder_restarted_with_a_higher_max_image_bytes_takes_the_pict
         assert encoder.num_model_infos == num_model_infos
 
 
+@pytest.mark.parametrize(("path", "body", "part"), BODIES, ids=["chat", "embeddings"])
+async def test_an_encoder_restarted_with_a_lower_max_image_bytes_is_413_naming_the_part_and_held(
+    path: str, body: Any, part: str
+) -> None:
+    # The encoder's own refusal (INVALID_ARGUMENT) was a 400 naming no part (embeddings: param None).
+    async with (
+        fake_encoder(max_image_bytes=4 * BOUND) as (encoder, encoder_address),
+        fake_decoder() as (_, decoder_address),
+        live_gateway(decoder_address, encoder_address=encoder_address) as url,
+        aiohttp.ClientSession() as session,
+    ):
+        async with session.post(f"{url}/{path}", json=body(PICTURE)) as response:
+            assert response.status == 200  # the gateway holds 4 * BOUND
+        encoder.max_image_bytes = BOUND // 2
+        status, error = await _refusal(f"{url}/{path}", body(PICTURE))
+        assert (status, error["param"]) == (413, part)
+        assert error["message"] == (
+            f"{part}: the picture is {len(PICTURE)} bytes, over the encoder's max_image_bytes {BOUND // 2} "
+            "(its --max-image-bytes, or what its --max-message-bytes carries)"
+        )
+        num_embedded = len(encoder.embedded)
+        status, _ = await _refusal(f"{url}/{path}", body(PICTURE))
+    assert (status, len(encoder.embedded)) == (413, num_embedded)  # the lower bound held: refused before
+
+
 async def test_pictures_refused_at_once_share_one_call_asking_the_encoder_again() -> None:
     async with (
         fake_encoder(max_image_bytes=BOUND) as (encoder, encoder_address),

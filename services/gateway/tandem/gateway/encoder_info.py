@@ -4,9 +4,10 @@ again when a picture is over the max_image_bytes it said.
 NOTE: why a refusal asks again. The info was asked once for the gateway's life, so an encoder restarted
 with a higher --max-image-bytes still had pictures under its new bound refused 413 by the gateway, until
 the gateway restarted too. Asking again on every picture would cost a call each; asking on a refusal
-costs one only where the answer may change it. A lowered bound needs nothing: the encoder refuses the
-picture itself, named the same way (`image_bytes.over_cap`). Callers asking while a call is out share
-it, so a flood of pictures over the bound makes one call at a time, each bounded by REASK_TIMEOUT_S.
+costs one only where the answer may change it. A lowered bound costs no call: the encoder refuses the
+picture itself, named the same way (`image_bytes.over_cap`), and the bound it names is held
+(`lowered`). Callers asking while a call is out share it, so a flood of pictures over the bound makes
+one call at a time, each bounded by REASK_TIMEOUT_S.
 
 NOTE: why a call is shared only by callers with the same metadata (their Authorization). The encoder
 answers a call as its token allows: shared with the first caller's token, a bad token's UNAUTHENTICATED
@@ -52,6 +53,15 @@ class EncoderInfo:
             return await self._ask(metadata, REASK_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return None
+
+    def lowered(self, max_image_bytes: int) -> None:
+        """The encoder refused a picture over `max_image_bytes`, below what it said (it restarted with a
+        lower one): held, so the next picture over it is refused before any call."""
+        if self._info is not None and not 0 < self._info.max_image_bytes <= max_image_bytes:
+            info = encoder_pb2.EncoderGetModelInfoResponse()
+            info.CopyFrom(self._info)
+            info.max_image_bytes = max_image_bytes
+            self._info = info
 
     async def _ask(self, metadata: Metadata, timeout_s: float) -> encoder_pb2.EncoderGetModelInfoResponse:
         if (asking := self._asking.get(metadata)) is None:

@@ -6,10 +6,18 @@ Checked before the call, so the 413 names the body's part and the flag: passed o
 ("CLIENT: Sent message larger than max (17301514 vs. 16777216)") named neither. An encoder whose cap
 is below what the gateway was told still refuses over gRPC; that refusal is named the same way
 (`over_cap`). One over the encoder's max_image_bytes is refused only once the encoder, asked again,
-still says so (`refusal_asking_again`, `encoder_info.py`): it may have restarted with a higher one."""
+still says so (`refusal_asking_again`, `encoder_info.py`): it may have restarted with a higher one.
+
+NOTE: why the encoder's own refusal over its max_image_bytes is a 413 too. An encoder restarted with a
+lower --max-image-bytes takes the gateway's check by (it holds the higher bound said before) and
+refuses the picture itself, INVALID_ARGUMENT "image.data: N bytes exceed max_image_bytes M": passed
+on, that was a 400 naming no part of the body, where the gateway's own check gives a 413 naming it.
+It is now the same 413 (`over_cap`), and the lower bound is held (`EncoderInfo.lowered`), so the next
+picture over it is refused before any call."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +25,17 @@ import grpc
 from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.gateway.encoder_info import EncoderInfo, Metadata
 from tandem.gateway.errors import HttpError
+
+# The encoder's refusal of a picture over its max_image_bytes (`vision/image_bytes.py`, `read_image`).
+OVER_MAX_IMAGE_BYTES = re.compile(r"(\d+) bytes exceed max_image_bytes (\d+)")
+
+
+def over_max_image_bytes(num_bytes: int, max_image_bytes: int, where: str) -> HttpError:
+    message = (
+        f"{where}: the picture is {num_bytes} bytes, over the encoder's max_image_bytes "
+        f"{max_image_bytes} (its --max-image-bytes, or what its --max-message-bytes carries)"
+    )
+    return HttpError(413, "invalid_request_error", message, where)
 
 
 @dataclass(frozen=True)
@@ -30,11 +49,7 @@ class ImageBound:
         """A 413 naming `where` (the body's part) and the flag when `request`'s picture is over a bound."""
         num_bytes = len(request.image.data)
         if self.is_over_max_image_bytes(request):
-            message = (
-                f"{where}: the picture is {num_bytes} bytes, over the encoder's max_image_bytes "
-                f"{self.max_image_bytes} (its --max-image-bytes, or what its --max-message-bytes carries)"
-            )
-            return HttpError(413, "invalid_request_error", message, where)
+            return over_max_image_bytes(num_bytes, self.max_image_bytes, where)
         if (size := request.ByteSize()) > self.max_message_bytes:
             message = (
                 f"{where}: the picture is {num_bytes} bytes, an Embed call of {size} bytes, over the "
@@ -63,10 +78,15 @@ async def refusal_asking_again(
     return bound.refusal(request, where)
 
 
-def over_cap(error: grpc.aio.AioRpcError, where: str) -> HttpError | None:
+def over_cap(error: grpc.aio.AioRpcError, where: str, info: EncoderInfo) -> HttpError | None:
     """gRPC's refusal of an Embed call over a side's message cap as a 413 naming `where`: the encoder's
-    --max-message-bytes below the gateway's (its server refused), or a picture the check above let by."""
+    --max-message-bytes below the gateway's (its server refused), or a picture the check above let by;
+    and the encoder's refusal of a picture over a max_image_bytes lower than `info` held (then held)."""
     details = error.details() or ""
+    if error.code() == grpc.StatusCode.INVALID_ARGUMENT and (said := OVER_MAX_IMAGE_BYTES.search(details)):
+        num_bytes, max_image_bytes = int(said[1]), int(said[2])
+        info.lowered(max_image_bytes)
+        return over_max_image_bytes(num_bytes, max_image_bytes, where)
     if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "larger than max" not in details:
         return None
     message = (
