@@ -95,6 +95,29 @@ def test_streamed_and_whole_completions_give_the_same_offsets() -> None:
     assert offsets == whole.choice(True)["logprobs"]["text_offset"] == [0, 4, 4, 5, 7]
 
 
+def test_a_stream_holds_entries_back_until_the_text_they_index_starts() -> None:
+    # A stop string's prefix held back: the first chunk has b" Hello" and no text yet. Streamed, its
+    # space was counted (text_offset [0, 6]), though the text "Hello world" dropped it.
+    first, second = _delta([b" Hello"]), _delta([b" world"], 11)
+    first.text, second.text = "", "Hello world"
+    streamed, whole = Completion("text", "abc", "tiny"), Completion("text", "abc", "tiny")
+    chunks = [streamed.chunk(first, True), streamed.chunk(second, True), streamed.chunk(None, True)]
+    lists = [chunk["choices"][0]["logprobs"] for chunk in chunks]
+    assert (lists[0]["tokens"], lists[1]["tokens"], lists[2]) == ([], [" Hello", " world"], None)
+    for delta in (first, second):
+        whole.add(delta, True)
+    assert lists[1]["text_offset"] == whole.choice(True)["logprobs"]["text_offset"] == [0, 5]
+
+
+def test_a_stream_with_no_text_sends_its_held_entries_with_the_closing_chunk() -> None:
+    streamed = Completion("text", "abc", "tiny")
+    delta = _delta([b" Hello"])
+    delta.text = ""
+    assert streamed.chunk(delta, True)["choices"][0]["logprobs"]["tokens"] == []
+    closing = streamed.chunk(None, True)["choices"][0]["logprobs"]
+    assert (closing["tokens"], closing["text_offset"]) == ([" Hello"], [0])
+
+
 def test_an_older_decoders_delta_without_bytes_is_spelled_by_id_past_its_first_token() -> None:
     delta = decoder_pb2.TokenDelta(token_ids=[5, 6], text="ab", logprobs=[-1.0, -1.0])
     delta.top_logprobs.add(token_ids=[7], logprobs=[-2.0])

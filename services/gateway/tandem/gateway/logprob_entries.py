@@ -98,7 +98,9 @@ class TextOffsets:
     - SentencePiece's detokenizer drops the leading space of the text's first token when nothing comes
       before it (after a control token, `<s>` alone): text "Hello world" of tokens b" Hello" b" world".
       The first token's space is not counted when the completion's text (`see`) does not start with
-      one, so offsets index the text; its `bytes` stay the token's own.
+      one, so offsets index the text; its `bytes` stay the token's own. Until the text has a first
+      character that cannot be told: a stream holds a chunk's entries back while its text is still
+      empty (a stop string's prefix held back), and sends them with the text they index (`responses`).
     - bytes that are no character: Python's decoder counts one U+FFFD for each invalid run, the
       tokenizers library's ByteFallback one for each byte, so past such a run in a SentencePiece
       model's text the offsets fall short by the run's bytes less one. Left so: a model rarely emits
@@ -116,6 +118,11 @@ class TextOffsets:
         """The completion's text that comes with the next entries (the whole text, or a chunk's)."""
         if not self._text_start:
             self._text_start = text[:1]
+
+    @property
+    def has_text(self) -> bool:
+        """Whether the completion's first character is known (the first token's offsets can be told)."""
+        return bool(self._text_start)
 
     def advance(self, entry: dict[str, Any]) -> int:
         """The offset of `entry` (a `chat_logprobs` entry); counts the characters it completes."""

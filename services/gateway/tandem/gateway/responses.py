@@ -78,6 +78,9 @@ class Completion:
         self.json_bound = CHOICE_FRAME_BYTES
         self._text_chunk: tuple[str, str] | None = None  # a text chunk's JSON before and after its text
         self._offsets = TextOffsets()  # the streamed tokens' (completions' logprobs.text_offset)
+        # A completions stream's entries sent before its text starts, held until it does (TextOffsets' NOTE):
+        # counted then, "Hello world" of b" Hello" b" world" streamed text_offset [0, 6], whole [0, 5].
+        self._held: list[dict[str, Any]] = []
 
     @property
     def object(self) -> str:
@@ -137,7 +140,11 @@ class Completion:
         else:
             choice["text"] = text
             self._offsets.see(text)
-            choice["logprobs"] = text_logprobs(logprobs, self._offsets) if logprobs is not None else None
+            held, self._held = self._held, []
+            entries = held + logprobs if logprobs is not None else held or None
+            if delta is not None and entries and not self._offsets.has_text:
+                self._held, entries = entries, []  # sent with the text they index, or the closing chunk
+            choice["logprobs"] = text_logprobs(entries, self._offsets) if entries is not None else None
         return self.head(streamed=True) | {"choices": [choice]}
 
     def text_chunk(self, text: str) -> str:
