@@ -93,3 +93,22 @@ async def test_a_request_that_is_not_http_is_an_openai_400_and_one_log_line_with
     assert logged[0].getMessage().startswith("Error handling request from 127.0.0.1: ")
     head, answer = await _sent_back(url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert head.split()[1] == b"200" and answer["data"][0]["id"] == "fake-model"  # the gateway serves on
+
+
+async def test_a_body_that_fails_while_drained_after_a_401_is_one_log_line_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Plain JSON labelled gzip, from a caller with no token: answered 401 unread, then aiohttp's drain
+    # failed decoding it and logged "Unhandled exception" with three chained tracebacks.
+    body = b'{"prompt": "hi"}'
+    sent = COMPLETIONS_HEAD + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with (
+        fake_decoder() as (_, address),
+        live_gateway(address, auth_tokens=frozenset({"sekret"})) as url,
+    ):
+        with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+            head, answer = await _sent_back(url, sent)  # read to the close: the drain has run
+    assert head.split()[1] == b"401" and answer["error"]["type"] == "authentication_error"
+    logged = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [(r.levelno, r.exc_info) for r in logged] == [(logging.INFO, None)]
+    assert logged[0].getMessage().startswith("a body drained after its answer failed: ")

@@ -50,6 +50,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from tandem.client.errors import ConfigError
 from tandem.gateway.body_codings import parser_refusal
@@ -358,14 +359,24 @@ class ServerLog(logging.LoggerAdapter):
     that is not hex, Content-Length beside Transfer-Encoding, a header line too long) is one INFO line
     naming the caller and the reason: aiohttp logs each as an ERROR with its parser's traceback, about
     twenty lines a caller can have written for every 100 bytes it sends. The caller gets a 400 in OpenAI's
-    shape (OpenAIRequestHandler)."""
+    shape (OpenAIRequestHandler).
+
+    NOTE: a body that fails while aiohttp drains it after the answer (its lingering read) is one such
+    line too. A caller with no token that labels a plain body `Content-Encoding: gzip` is answered 401
+    unread; aiohttp's drain then met the failed decoding and logged "Unhandled exception" with three
+    chained tracebacks (about 25 lines a request, for a caller who needs no token to send it). aiohttp
+    closes that connection itself: only the log line changes."""
 
     def __init__(self) -> None:
         super().__init__(logging.getLogger("aiohttp.server"), {})
 
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         error = kwargs.get("exc_info")
-        if level >= logging.ERROR and isinstance(error, HttpProcessingError) and error.code < 500:
+        if level >= logging.ERROR and isinstance(error, RequestPayloadError):  # the drain's (NOTE)
+            reason = " ".join(str(error).split())[:200]
+            level, msg, args = logging.INFO, "a body drained after its answer failed: %s", (reason,)
+            kwargs["exc_info"] = None
+        elif level >= logging.ERROR and isinstance(error, HttpProcessingError) and error.code < 500:
             reason = " ".join(str(error.message).split())[:200]
             level, msg, args = logging.INFO, f"{msg}: %s", (*args, reason)
             kwargs["exc_info"] = None
