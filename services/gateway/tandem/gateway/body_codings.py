@@ -43,7 +43,13 @@ def parser_refusal(error: ContentEncodingError) -> HttpError | None:
     """The refusal of a coding aiohttp knows but cannot decode here (br without Brotli, zstd without its
     library), or None. Its parser raises it at the request's head, before any handler sees the request
     and with the head dropped (a 400 "Can not decode content-encoding: brotli (br). Please install
-    `Brotli`", no param): the coding is read from those words."""
+    `Brotli`", no param): the coding is read from those words.
+
+    NOTE: why it comes before the 401 of a caller with no accepted token (every other refusal comes
+    after it). The head is dropped before the gateway sees it, so no token can be read: the choice was
+    this 415 to every caller or aiohttp's 400 to every caller, a token or not. The 415 says only which
+    codings the gateway decodes (what its Accept-Encoding tells any caller), costs no work, and the
+    connection is closed unread; the 400 would leave a caller with a good token not knowing why."""
     for coding in PARSED_CODINGS:
         if coding not in CONTENT_CODINGS and f"({coding})" in str(error.message):
             return _content_refusal(coding)
