@@ -101,6 +101,22 @@ def test_tokens_that_are_parts_of_characters_stay_within_the_bound(kind: str) ->
     assert completion.json_bound >= _json_bytes(completion, True)
 
 
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_a_delta_with_fewer_byte_strings_than_tokens_stays_within_the_bound(kind: str) -> None:
+    # Spelled as an older decoder's (its first token by the delta's text, the rest by ID): the bound
+    # counted its bytes instead (chat: bound 153,856, JSON 244,376).
+    completion = Completion(kind, "f" * 32, "model", 2**31, 0, 2**31)
+    for _ in range(50):
+        delta = decoder_pb2.TokenDelta(text="\x01" * 200, token_ids=[2**32 - 1, 2**32 - 2])
+        delta.logprobs.extend([LONGEST_LOGPROB] * 2)
+        delta.token_bytes.append(b"")
+        alternatives = delta.top_logprobs.add(token_ids=[2**32 - 1] * 20, logprobs=[LONGEST_LOGPROB] * 20)
+        alternatives.token_bytes.append(b"")
+        completion.add(delta, True)
+    completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_CONTEXT_LIMIT)
+    assert completion.json_bound >= _json_bytes(completion, True)
+
+
 def test_an_answers_bound_is_its_frame_and_its_choices_bounds() -> None:
     completions = [Completion("chat", "rid", "m", i, 0, 1) for i in range(3)]
     for completion in completions:

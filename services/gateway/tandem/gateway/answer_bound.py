@@ -55,10 +55,22 @@ def delta_bound(delta: decoder_pb2.TokenDelta, kind: str, with_logprobs: bool) -
         # The completions shape spells a token that is part of a character `bytes:\\xNN...`.
         per_byte = BYTE_LIST_BYTES if kind == "chat" else 0
         spell = token_text if kind == "chat" else legacy_text
-        spelled = [*delta.token_bytes, *(own for top in delta.top_logprobs for own in top.token_bytes)]
+        # Bytes are a token's spelling only where there is one for each (`chat_logprobs`'s is_spelled):
+        # counted otherwise, a delta of 2 tokens and 1 byte string took the saving of a spelled token
+        # and not its text (50 such deltas: chat bound 153,856 bytes, its JSON 244,376).
+        is_spelled = len(delta.token_bytes) == len(delta.token_ids)
+        spelled = [
+            *(delta.token_bytes if is_spelled else ()),
+            *(
+                own
+                for top in delta.top_logprobs
+                if len(top.token_bytes) == len(top.token_ids)
+                for own in top.token_bytes
+            ),
+        ]
         num_bytes += sum(_num_escaped(spell(own)) + per_byte * len(own) for own in spelled)
         num_bytes -= SPELLED_SAVING * len(spelled)
-        if not delta.token_bytes:
+        if not is_spelled:
             num_bytes += num_escaped + per_byte * len(text.encode())
     return num_bytes
 
