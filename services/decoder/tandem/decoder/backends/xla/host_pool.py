@@ -4,10 +4,13 @@ NOTE: why the devices count. Without the Neuron SDK the XLA device is the CPU (r
 pool is host memory, and the host check of a CPU pool (kv_pool.check_host_memory) never saw it: the
 pool was mapped as the runtime asked, and the OOM killer ended the decoder. Each virtual device holds
 its own share: the KV heads split over the devices where they divide (sharding.py), else every device
-holds the pool whole. Measured with a model of 2 KV heads and a 1 GiB pool: peak RSS 2.00 GB at
---world-size 1, 5.19 GB at 4 (the runtime's own ~0.9 GB beside 1 and 4 pools); at --world-size 64 the
-default 512 MiB pool took the host's 25 GB. On NeuronCores the pool is device memory, which the
-runtime refuses itself.
+holds the pool whole. Measured with a model of 2 KV heads and a 1 GiB pool: peak RSS 1.97 GB at
+--world-size 1, 1.98 GB at 2 (split; 3.05 GB with 2 GiB), 5.17 GB at 4 (whole on each): the runtime's
+own ~0.9 GB beside 1, 1 and 4 pools. A split pool peaks at one pool only because the runner marks the
+caches' sharding before it materializes them (xla_runner.py); materialized first, each device held it
+whole until it was resharded (3.72 GB at 2, 6.61 GB with 2 GiB). At --world-size 64 the default
+512 MiB pool took the host's 25 GB. On NeuronCores the pool is device memory, which the runtime
+refuses itself.
 """
 
 from __future__ import annotations
