@@ -33,9 +33,6 @@ from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa:
 
 PROMPT_LEN, NEW_TOKENS = 128, 64
 MAX_MODEL_LEN = 256  # prompt + new tokens fit: one block-table width of 16 blocks
-# graphs mode: a decode bucket per benchmarked size, and a spare sequence bucket that prefill padding
-# needs (129 is no token bucket, so it adds no decode graph).
-SEQ_BUCKETS = (1, 8, 32, 128, 129)
 
 
 @dataclass(frozen=True)
@@ -145,13 +142,21 @@ def run(engine: Engine, num_requests: int, seed: int) -> tuple[float, float, flo
     return statistics.median(gaps) * 1e3, num_requests * NEW_TOKENS / wall, ttft * 1e3
 
 
-def build_engine(model_dir: Path, mode: str, max_num_seqs: int) -> Engine:
-    graphs = dict(static_shapes=True, compile=True, seq_buckets=SEQ_BUCKETS, block_table_buckets=(16,))
+def seq_buckets(sizes: list[int]) -> tuple[int, ...]:
+    """graphs mode: a decode bucket per benchmarked size, and the spare sequence bucket that prefill
+    padding needs past the largest (sizing.static_shapes refuses buckets without it). Derived from
+    --sizes: a fixed (1, 8, 32, 128, 129) was refused for --sizes 1,8 (past what 8 sequences need)."""
+    return (*sorted(set(sizes)), max(sizes) + 1)
+
+
+def build_engine(model_dir: Path, mode: str, sizes: list[int]) -> Engine:
+    buckets = seq_buckets(sizes)
+    graphs = dict(static_shapes=True, compile=True, seq_buckets=buckets, block_table_buckets=(16,))
     config = EngineConfig(
         model_dir=model_dir,
         device="cuda",
         dtype="bfloat16",
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=max(sizes),
         max_num_batched_tokens=4096,
         max_model_len=MAX_MODEL_LEN,
         kv_cache_bytes=2 * 1024**3,
@@ -193,7 +198,7 @@ def main() -> int:
         "ceilings": asdict(ceilings),
     }
     for mode in args.modes.split(","):
-        with build_engine(model_dir, mode, max(sizes)) as engine:
+        with build_engine(model_dir, mode, sizes) as engine:
             run(engine, 2, seed=0)  # first steps: allocator, flex compiles of the eager path
             for n in sizes:
                 step_ms, e2e, ttft = run(engine, n, seed=n)

@@ -122,12 +122,42 @@ def test_cpu_static_shapes_buckets_too_small_are_one_line_naming_the_flag_before
     said = capsys.readouterr().err
     assert said.startswith(
         "tandem serve decoder: --block-table-buckets (TANDEM_BLOCK_TABLE_BUCKETS): the largest must hold the "
-        "blocks of max_model_len "
+        "blocks of a "
     ), said
     assert decoder_main([*flags, "--token-buckets", "1,2"]) == 2
     assert capsys.readouterr().err.startswith(
         "tandem serve decoder: --token-buckets (TANDEM_TOKEN_BUCKETS): "
     )
+
+
+def test_cpu_static_shapes_refuse_seq_buckets_without_the_padding_sequence_before_listening(
+    tiny_model_dir: Path, environ
+) -> None:
+    """--seq-buckets 1 beside --max-num-seqs 4 was accepted; the engine then failed every request."""
+    flags = ["--model", str(tiny_model_dir), "--static-shapes", "true", "--max-num-seqs", "4"]
+    with pytest.raises(ConfigError) as refused:
+        check_model(config_from_args([*flags, "--seq-buckets", "1"]), world_size=1)
+    assert refused.value.field == "seq_buckets"
+    check_model(config_from_args([*flags, "--seq-buckets", "1,5"]), world_size=1)
+
+
+def test_block_table_buckets_are_bounded_by_the_context_configured_not_the_pools_cap(
+    tiny_model_dir: Path, environ
+) -> None:
+    """A 4-block pool holds 48 positions of --max-model-len 80: --block-table-buckets 5 ran before the
+    bound, and was then refused naming "max_model_len 48"."""
+    flags = ["--model", str(tiny_model_dir), "--static-shapes", "true", "--max-model-len", "80"]
+    flags += ["--num-kv-blocks", "4", "--block-size", "16"]
+    check_model(config_from_args([*flags, "--block-table-buckets", "5"]), world_size=1)
+
+
+def test_a_budget_too_small_for_the_default_prefill_buckets_names_its_own_flag(
+    tiny_model_dir: Path, host_cpu: None
+) -> None:
+    """It named --token-buckets, which the user never gave."""
+    with pytest.raises(ConfigError) as refused:
+        _check(tiny_model_dir, "--max-num-seqs", "1", "--max-num-batched-tokens", "1")
+    assert refused.value.field == "max_num_batched_tokens"
 
 
 @pytest.mark.parametrize("timeout", ["nan", "inf", "1e300", "0"])

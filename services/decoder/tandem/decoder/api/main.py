@@ -233,10 +233,11 @@ def check_model(config: DecoderConfig, world_size: int, gguf_file: Path | None =
             raise pool_refused(engine, error) from None
     # The buckets the engine will build, for the context it will serve: too small, or past every step.
     context = max_model_len(engine, model_config, num_blocks)
+    configured = max_model_len(engine, model_config)  # before the pool's cap: what widths may reach
     if is_xla:
-        XlaBuckets.from_config(engine, context, engine.num_devices)
+        XlaBuckets.from_config(engine, context, engine.num_devices, configured)
     else:
-        static_shapes(engine, context)
+        static_shapes(engine, context, configured)
     for name, path in engine.loras:  # read once here too, so a bad adapter fails before listening
         try:
             read_adapter(path, model_config, engine.max_lora_rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from tandem.decoder.engine.step.batch import HostBatch
 from tandem.decoder.engine.step.static_shapes import (
     StaticShapes,
     pad_to_buckets,
+    padded_sizes,
     padded_width,
     warmup_shapes,
     width_buckets,
@@ -95,11 +97,17 @@ def test_buckets_too_small_or_past_what_a_step_holds_are_refused_naming_the_flag
     a bucket past every step is padding alone, warmed all the same."""
     limits = dict(max_num_seqs=4, max_num_batched_tokens=32, speculative_max_batch=1, block_size=16)
     cases = [
-        (dict(token_buckets=(1, 2)), "token_buckets: the largest must hold max_num_batched_tokens 32 plus "),
+        (
+            dict(token_buckets=(1, 2)),
+            "token_buckets: the largest must hold --max-num-batched-tokens 32 plus ",
+        ),
         (dict(block_table_buckets=(1,)), "block_table_buckets: the largest must hold the blocks of "),
         (dict(seq_buckets=(4, 10**6)), "seq_buckets must be at most 32 (the rows a decode step holds: "),
-        (dict(token_buckets=(64, 10**8)), "token_buckets must be at most 64 (max_num_batched_tokens 32 "),
+        (dict(token_buckets=(64, 10**8)), "token_buckets must be at most 64 (--max-num-batched-tokens 32 "),
         (dict(block_table_buckets=(4, 10**8)), "block_table_buckets must be at most 4 (the blocks of "),
+        # A step of 4 sequences pads into a fifth: the engine failed every request, "5 exceeds the
+        # largest bucket 4".
+        (dict(seq_buckets=(1, 2, 4)), "seq_buckets: the largest must hold --max-num-seqs 4 and a padding "),
     ]
     for overrides, said in cases:
         config = EngineConfig(model_dir=tmp_path, static_shapes=True, **limits, **overrides)
@@ -115,3 +123,32 @@ def test_the_default_buckets_are_within_the_bounds(tmp_path: Path, max_num_seqs:
     )
     static = sizing.static_shapes(config, max_model_len=1000)
     assert static is not None and static.seq_buckets[-1] > max_num_seqs
+
+
+def test_the_seq_buckets_need_reach_one_padding_sequence_past_max_num_seqs(tmp_path: Path) -> None:
+    config = EngineConfig(model_dir=tmp_path, static_shapes=True, max_num_seqs=4, seq_buckets=(1, 2, 5))
+    static = sizing.static_shapes(config, max_model_len=64)
+    assert static is not None and padded_sizes(static, 4, 7) == (5, 8)  # 7 positions: 1 in a fifth
+
+
+def test_block_table_buckets_may_reach_the_configured_context_past_the_pools_cap(tmp_path: Path) -> None:
+    """--max-model-len 80 --block-table-buckets 5 ran, until a 4-block pool (48 positions a sequence)
+    refused it naming "max_model_len 48"; the refusals name the context the user gave."""
+    config = EngineConfig(
+        model_dir=tmp_path, static_shapes=True, max_model_len=80, block_size=16, block_table_buckets=(5,)
+    )
+    static = sizing.static_shapes(config, max_model_len=48, configured_len=80)
+    assert static is not None and static.block_table_widths == (5,)
+    wider = dataclasses.replace(config, block_table_buckets=(6,))
+    with pytest.raises(ConfigError) as refused:
+        sizing.static_shapes(wider, max_model_len=48, configured_len=80)
+    assert str(refused.value) == (
+        "block_table_buckets must be at most 5 (the blocks of --max-model-len 80 at --block-size 16), got 6"
+    )
+    narrower = dataclasses.replace(config, block_table_buckets=(2,))
+    with pytest.raises(ConfigError) as refused:
+        sizing.static_shapes(narrower, max_model_len=48, configured_len=80)
+    assert str(refused.value) == (
+        "block_table_buckets: the largest must hold the blocks of the 48 positions the KV pool holds for "
+        "one sequence (below --max-model-len 80) at --block-size 16 (3), got 2"
+    )

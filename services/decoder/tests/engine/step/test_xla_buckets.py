@@ -57,17 +57,22 @@ def test_buckets_too_small_for_the_limits_are_refused_naming_the_flag_and_the_li
     cases = [
         (
             dict(max_num_seqs=8, seq_buckets=(1, 4)),
-            "seq_buckets: the largest must hold max_num_seqs (8), got 4",
+            "seq_buckets: the largest must hold --max-num-seqs (8), got 4",
         ),
         (
             dict(token_buckets=(64,)),
-            "token_buckets: the largest must hold max_num_batched_tokens (128), got 64",
+            "token_buckets: the largest must hold --max-num-batched-tokens (128), got 64",
         ),
         (dict(token_buckets=(1, 128)), "token_buckets must hold at least 2 positions each, got 1"),
+        (  # no --token-buckets: the default ones end at the budget, the flag to change
+            dict(max_num_seqs=1, max_num_batched_tokens=1),
+            "max_num_batched_tokens must be at least 2 with --device neuron (a prefill chunk's graph "
+            "holds 2 positions at least), got 1",
+        ),
         (
             dict(max_num_seqs=8, block_table_buckets=(4, 64)),
-            "block_table_buckets: the largest must hold the blocks of max_model_len 2048 / block_size 16 "
-            "(128), got 64",
+            "block_table_buckets: the largest must hold the blocks of a 2,048-position context at "
+            "--block-size 16 (128), got 64",
         ),
     ]
     for overrides, said in cases:

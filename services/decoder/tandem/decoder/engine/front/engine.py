@@ -212,9 +212,12 @@ class Engine:
         # chunks are its own (max_num_batched_tokens each, the step's budget never cutting them).
         invariant = config.batch_invariant
         is_xla = backend.placement == "xla"  # its own buckets (engine/step/xla_buckets.py)
-        static = None if is_xla else sizing.static_shapes(config, self.max_model_len)
+        configured = sizing.max_model_len(config, self.model_config)  # before the KV pool's cap
+        static = None if is_xla else sizing.static_shapes(config, self.max_model_len, configured)
         xla_buckets = (
-            XlaBuckets.from_config(config, self.max_model_len, config.num_devices) if is_xla else None
+            XlaBuckets.from_config(config, self.max_model_len, config.num_devices, configured)
+            if is_xla
+            else None
         )
         max_num_rows = None if static is None else max(config.max_num_seqs, static.seq_buckets[-1] - 1)
         if xla_buckets is not None:  # a decode graph holds every row: decodes and verified proposals
@@ -316,6 +319,8 @@ class Engine:
         if chat_template is not None:
             chat_template.close()
         self._thread.stop()
+        # A step running when asked to stop (a drain) may fail only now, at the group timeout of a hung peer.
+        failed = failed or self._thread.error is not None
         core = getattr(self, "core", None)  # None: a set-up that failed before the core was built
         if core is not None:
             core.fail_all(Unavailable("the decoder is shutting down"))
@@ -338,24 +343,20 @@ class Engine:
     def _stop_peers(self, failed: bool) -> None:
         """The other ranks' worker loops end: STOP, or ABORT when this rank failed (they exit non-zero at
         once; without it they waited out the group timeout). Sent once: a second shutdown sends nothing.
-        None while they run a step: they wait in its collectives, which fail them at the group timeout as
-        before ABORT existed, and an ABORT sent then held this shutdown for a whole group timeout."""
+        Either waits 1 s at most (step_broadcast.END_WAIT_S): a rank still inside a step's collectives
+        takes it once they end, or fails at the group timeout; a hung one no longer holds this shutdown."""
         assert self._peers is not None
         self._peers_listening = False
-        core = getattr(self, "core", None)
-        if failed and core is not None and core.runner.is_peers_in_step:
-            log.info("the other ranks stop when the step they run times out: nothing reaches them inside it")
-            return
+        word = "ABORT" if failed else "STOP"
         try:
             if failed:
                 self._peers.abort()
             else:
                 self._peers.stop()
-        except Exception as error:  # a rank hung or gone (or the fault was the group's): nothing to tell
-            if not failed:
-                log.exception("could not tell the other ranks to stop")
-            else:
-                log.warning("could not send the other ranks ABORT (one hung or gone?): %s", error)
+        except TimeoutError as error:  # left queued: taken later (inside a step), or the rank times out
+            log.warning("the other ranks did not take %s at once (inside a step, or hung): %s", word, error)
+        except Exception as error:  # a rank gone (or the fault was the group's): nothing to tell
+            log.warning("could not send the other ranks %s (one gone?): %s", word, error)
 
     @property
     def is_healthy(self) -> bool:

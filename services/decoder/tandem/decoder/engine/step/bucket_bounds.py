@@ -15,10 +15,39 @@ from tandem.decoder.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 def rows(config: EngineConfig) -> str:
     """What bounds a decode step's rows, as a refusal says it (EngineConfig.max_rows_without_prompt)."""
     return (
-        f"the rows a decode step holds: max_num_seqs {config.max_num_seqs} requests, or "
-        f"speculative_max_batch {config.speculative_max_batch} each verifying {MAX_SPECULATIVE_TOKENS} "
+        f"the rows a decode step holds: --max-num-seqs {config.max_num_seqs} requests, or "
+        f"--speculative-max-batch {config.speculative_max_batch} each verifying {MAX_SPECULATIVE_TOKENS} "
         "proposals"
     )
+
+
+def check_widths(config: EngineConfig, widths: tuple[int, ...], served_len: int, configured_len: int) -> None:
+    """Refuses block-table widths (--block-table-buckets) that cannot hold a sequence of the context
+    served, `served_len` positions, or that reach past the blocks of the context configured,
+    `configured_len` (--max-model-len, or the checkpoint's), before the KV pool capped it.
+
+    Why the configured context bounds them: a width past the pool's cap ran before the cap was
+    checked (its tables padded with the null block), so it is refused only past what this
+    configuration could ever serve; and a refusal names the context the user gave, not one the pool
+    made (--max-model-len 80 --block-table-buckets 5 with a 4-block pool said "max_model_len 48")."""
+    block_size = config.block_size
+    configured_len = max(configured_len, served_len)
+    configured = _context(config, configured_len)
+    served = configured
+    if served_len < configured_len:
+        served = f"the {served_len:,} positions the KV pool holds for one sequence (below {configured})"
+    each = f" at --block-size {block_size}"
+    check_reach("block_table_buckets", widths, -(-served_len // block_size), f"the blocks of {served}{each}")
+    check_most(
+        "block_table_buckets", widths, -(-configured_len // block_size), f"the blocks of {configured}{each}"
+    )
+
+
+def _context(config: EngineConfig, max_model_len: int) -> str:
+    """A context length as the user gave it: the flag, or (its default) the length alone."""
+    if config.max_model_len == max_model_len:
+        return f"--max-model-len {max_model_len:,}"
+    return f"a {max_model_len:,}-position context"
 
 
 def check_reach(name: str, buckets: tuple[int, ...], need: int, what: str) -> None:

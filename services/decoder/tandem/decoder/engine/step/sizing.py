@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tandem.client.errors import ConfigError
 from tandem.decoder.config import MAX_KV_SLOTS, EngineConfig
-from tandem.decoder.engine.step.bucket_bounds import check_most, check_reach, rows
+from tandem.decoder.engine.step.bucket_bounds import check_most, check_reach, check_widths, rows
 from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused
 from tandem.decoder.engine.step.static_shapes import StaticShapes, power_of_two_buckets, width_buckets
 from tandem.decoder.models.config import ModelConfig
@@ -95,28 +95,34 @@ def pool_refused(config: EngineConfig, error: KvPoolUnallocated) -> KvPoolRefuse
     )
 
 
-def static_shapes(config: EngineConfig, max_model_len: int) -> StaticShapes | None:
-    """Static-shape mode's buckets (None when it is off). Raises ConfigError naming the flag whose
-    buckets cannot hold what a step holds, or reach past the default buckets' largest (a larger one is
-    padding alone: its steps compute and its graph compiles all the same). The decoder checks them
-    before it listens (api/main.py's check_model)."""
+def static_shapes(
+    config: EngineConfig, max_model_len: int, configured_len: int | None = None
+) -> StaticShapes | None:
+    """Static-shape mode's buckets (None when it is off), for a context of `max_model_len` positions
+    served; `configured_len` is the context before the KV pool capped it (None: not capped). Raises
+    ConfigError naming the flag whose buckets cannot hold what a step holds, or reach past the default
+    buckets' largest (a larger one is padding alone: its steps compute and its graph compiles all the
+    same). The decoder checks them before it listens (api/main.py's check_model)."""
     if not config.static_shapes:
         return None
     # One spare sequence bucket: padding tokens need a padding sequence to live in, and each
     # padding sequence holds at least one token on top of the real ones.
     default_seqs = power_of_two_buckets(config.max_rows_without_prompt + 1)
     seq_buckets = config.seq_buckets or power_of_two_buckets(config.max_num_seqs + 1)
+    # A step of --max-num-seqs sequences whose positions fill no token bucket exactly pads them into
+    # one more sequence (static_shapes.padded_sizes): with --max-num-seqs 4 and --seq-buckets 1,2,4
+    # the engine failed every request, "5 exceeds the largest bucket 4".
+    padded = f"--max-num-seqs {config.max_num_seqs} and a padding sequence"
+    check_reach("seq_buckets", seq_buckets, config.max_num_seqs + 1, padded)
     check_most("seq_buckets", seq_buckets, default_seqs[-1], f"{rows(config)}, and a padding one")
     tokens = config.max_num_batched_tokens + seq_buckets[-1]
     token_buckets = config.token_buckets or power_of_two_buckets(tokens)
-    what = f"max_num_batched_tokens {config.max_num_batched_tokens} plus the largest seq bucket"
+    what = f"--max-num-batched-tokens {config.max_num_batched_tokens} plus the largest seq bucket"
     check_reach("token_buckets", token_buckets, tokens, what)
     check_most("token_buckets", token_buckets, power_of_two_buckets(tokens)[-1], f"{what}, to a power of two")
     max_width = -(-max_model_len // config.block_size)  # blocks of the longest allowed sequence
     block_table_widths = config.block_table_buckets or width_buckets(max_width)
-    blocks = f"the blocks of max_model_len {max_model_len} / block_size {config.block_size}"
-    check_reach("block_table_buckets", block_table_widths, max_width, blocks)
-    check_most("block_table_buckets", block_table_widths, max_width, blocks)
+    check_widths(config, block_table_widths, max_model_len, configured_len or max_model_len)
     return StaticShapes(
         token_buckets=token_buckets,
         seq_buckets=seq_buckets,

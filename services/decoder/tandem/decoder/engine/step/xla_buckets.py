@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tandem.client.errors import ConfigError
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.step.bucket_bounds import check_most, check_reach, rows
+from tandem.decoder.engine.step.bucket_bounds import check_most, check_reach, check_widths, rows
 from tandem.decoder.engine.step.static_shapes import power_of_two_buckets
 
 MIN_PREFILL_TOKENS = 16  # the smallest prefill bucket (before rounding to the device count)
@@ -40,8 +40,11 @@ class XlaBuckets:
     block_size: int
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_model_len: int, num_devices: int) -> XlaBuckets:
-        """From the engine's limits, or its explicit seq / token / block-table buckets.
+    def from_config(
+        cls, config: EngineConfig, max_model_len: int, num_devices: int, configured_len: int | None = None
+    ) -> XlaBuckets:
+        """From the engine's limits, or its explicit seq / token / block-table buckets, for a context of
+        `max_model_len` positions served (`configured_len`: before the KV pool capped it; None: not).
 
         Raises ConfigError naming the flag whose buckets cannot hold what a step holds, or reach past
         it: a bucket larger than any step is padding alone, and its graph is compiled and its tensors
@@ -49,33 +52,37 @@ class XlaBuckets:
         The decoder checks them before it listens (api/main.py's check_model)."""
         default_seqs = power_of_two_buckets(config.max_num_seqs)
         decode_seqs = config.seq_buckets or default_seqs
-        check_reach("seq_buckets", decode_seqs, config.max_num_seqs, "max_num_seqs")
+        check_reach("seq_buckets", decode_seqs, config.max_num_seqs, "--max-num-seqs")
         check_most(
             "seq_buckets", decode_seqs, max(config.max_rows_without_prompt, default_seqs[-1]), rows(config)
         )
         budget = config.max_num_batched_tokens
         prefill_tokens = config.token_buckets or fourfold(MIN_PREFILL_TOKENS, budget)
         if prefill_tokens[0] < 2:  # one position per sequence is a decode graph's shape
+            if not config.token_buckets:  # the default buckets end at the budget: it is the flag
+                raise ConfigError(
+                    "max_num_batched_tokens",
+                    f"must be at least 2 with --device neuron (a prefill chunk's graph holds 2 positions "
+                    f"at least), got {budget}",
+                )
             raise ConfigError(
                 "token_buckets", f"must hold at least 2 positions each, got {prefill_tokens[0]}"
             )
-        check_reach("token_buckets", prefill_tokens, budget, "max_num_batched_tokens")
+        check_reach("token_buckets", prefill_tokens, budget, "--max-num-batched-tokens")
         # Sequence parallelism gives each device the same number of positions.
         most_tokens = -(-budget // num_devices) * num_devices
         check_most(
             "token_buckets",
             prefill_tokens,
             most_tokens,
-            f"the positions of a prefill chunk: max_num_batched_tokens {budget}"
+            f"the positions of a prefill chunk: --max-num-batched-tokens {budget}"
             + ("" if num_devices == 1 else f", to a multiple of the {num_devices} devices"),
         )
         if any(n % num_devices for n in prefill_tokens):
             prefill_tokens = tuple(sorted({-(-n // num_devices) * num_devices for n in prefill_tokens}))
         max_width = -(-max_model_len // config.block_size)
         widths = config.block_table_buckets or fourfold(MIN_WIDTH, max_width)
-        blocks = f"the blocks of max_model_len {max_model_len} / block_size {config.block_size}"
-        check_reach("block_table_buckets", widths, max_width, blocks)
-        check_most("block_table_buckets", widths, max_width, blocks)
+        check_widths(config, widths, max_model_len, configured_len or max_model_len)
         return cls(tuple(decode_seqs), tuple(prefill_tokens), tuple(widths), config.block_size)
 
     def all(self) -> list[Bucket]:
