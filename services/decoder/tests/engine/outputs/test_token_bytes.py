@@ -85,6 +85,34 @@ def test_a_replace_of_a_regex_falls_back_to_decoding_each_token() -> None:
     assert token_bytes_table(tokenizer).table == (b"<unk>", b" hello", b" x")
 
 
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        # After ByteLevel, on the decoded text: it was ignored ("a" stayed b"a").
+        (
+            [decoders.ByteLevel(), decoders.Replace("a", "b")],
+            [b"b", " bé".encode(), b"\xc3"],
+        ),
+        # Before it, on the entry's characters: "Ġ" was read as the space it stands for.
+        (
+            [decoders.Replace("Ġ", "a"), decoders.ByteLevel()],
+            [b"a", "aaé".encode(), b"\xc3"],
+        ),
+    ],
+    ids=["after", "before"],
+)
+def test_a_string_replace_beside_byte_level_applies_on_its_side(
+    steps: list[decoders.Decoder], expected: list[bytes]
+) -> None:
+    # Entries "a", "ĠaÃ©" (" aé" in the byte alphabet) and "Ã" (part of "é"), IDs 0, 1, 2.
+    tokenizer = Tokenizer(models.BPE({"a": 0, "ĠaÃ©": 1, "Ã": 2}, []))
+    tokenizer.decoder = decoders.Sequence(steps)
+    table = token_bytes_table(tokenizer)
+    assert table.of([0, 1, 2]) == expected
+    for token_id, own in enumerate(expected):  # the library's decode, but where bytes are no text
+        assert tokenizer.decode([token_id]) == own.decode(errors="replace")
+
+
 def _is_utf8(data: bytes) -> bool:
     try:
         data.decode()

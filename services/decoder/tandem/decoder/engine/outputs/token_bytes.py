@@ -53,16 +53,26 @@ def token_bytes_table(tokenizer: tokenizers.Tokenizer) -> TokenBytes:
         return TokenBytes(
             tuple(tokenizer.decode([i], skip_special_tokens=False).encode() for i in range(size))
         )
-    is_byte_level = any(part.get("type") == "ByteLevel" for part in parts)
-    has_byte_fallback = any(part.get("type") == "ByteFallback" for part in parts)
+    kinds = [part.get("type") for part in parts]
+    is_byte_level = "ByteLevel" in kinds
+    has_byte_fallback = "ByteFallback" in kinds
     replacements = _replacements(parts)
+    # With ByteLevel, a Replace before it changes the entry's characters and one after it the decoded
+    # text: each applied on its side (one after it was ignored: Replace("a", "b") left entry "a" b"a").
+    split = kinds.index("ByteLevel") if is_byte_level else 0
+    before, after = _replacements(parts[:split]), _replacements(parts[split:])
     table = []
     for i in range(size):
         entry = tokenizer.id_to_token(i)
         if entry is None:
             table.append(b"")
         elif is_byte_level:
-            table.append(_byte_level(entry))
+            for old, new in before:
+                entry = entry.replace(old, new)
+            own = _byte_level(entry)
+            for old, new in after:  # on bytes: UTF-8's characters never match inside another's bytes
+                own = own.replace(old.encode(), new.encode())
+            table.append(own)
         elif has_byte_fallback and (piece := _BYTE_PIECE.fullmatch(entry)) is not None:
             table.append(bytes([int(piece.group(1), 16)]))
         else:
