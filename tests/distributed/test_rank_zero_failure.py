@@ -2,14 +2,16 @@
 agreement before it (its set-up failed: loading, its chat template), by ABORT on the step feed after it
 (building its step core, warmup in start(), a step's fault). They stop at once, exit 1, and say in one
 line that rank 0 failed. (They were told nothing and waited out the group timeout, 60 s by default,
-with a local rank 0 waiting as long for them.) Telling them never holds rank 0 up: while the others run
-a step they wait in its collectives, where nothing reaches them, so nothing is sent (an ABORT then held
-rank 0's shutdown for a whole group timeout); a word not taken at once is left queued. A clean shutdown
-still sends one STOP, however often it is called."""
+with a local rank 0 waiting as long for them.) Telling them never holds rank 0 up: its last word (ABORT,
+STOP) waits 1 s at most, then is left queued, so a rank still inside a step's collectives takes it once
+they end (or fails at their timeout) and a hung one never holds rank 0's shutdown. A clean shutdown
+still sends one STOP, however often it is called; one asked while a step runs that then fails sends
+ABORT."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -54,7 +56,8 @@ def test_the_other_ranks_stop_at_once_when_rank_0_fails_before_or_after_the_pool
 
 class Feed:
     """A group of one (identity collectives) whose feed to the other ranks records what it is told.
-    `is_broken`: its collectives raise, as a group's do when a rank hangs or dies inside a step."""
+    `is_broken`: its collectives raise, as a group's do when a rank hangs or dies inside a step, and
+    the last word (STOP, ABORT) is not taken within its bound (StepSender's TimeoutError)."""
 
     rank, world_size, timeout_s = 0, 1, 60.0
     rank_tensor = torch.tensor(0)
@@ -88,10 +91,15 @@ class Feed:
         pass
 
     def stop(self) -> None:
-        self.said.append("stop")
+        self._last_word("stop")
 
     def abort(self) -> None:
-        self.said.append("abort")
+        self._last_word("abort")
+
+    def _last_word(self, word: str) -> None:
+        self.said.append(word)
+        if self.is_broken:
+            raise TimeoutError("not every rank took it within 1 s")
 
 
 def refuse(*_: object, **__: object) -> None:
@@ -109,14 +117,16 @@ def run_until_it_fails(feed: Feed, model_dir: Path) -> None:
     engine.shutdown()
 
 
-def test_a_step_failing_inside_its_forward_sends_nothing_the_others_could_not_take(
-    tiny_model_dir: Path,
+def test_a_step_failing_inside_its_forward_still_sends_abort_and_shutdown_returns(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Its collective failed (a rank hung or died in it) or rank 0 failed before it: either way the
-    others wait in the forward's collectives, not on the feed."""
+    """Its collective failed (a rank hung or died in it) or rank 0 failed before or after the step's
+    collectives: the others may be inside them, or back on the feed waiting for the next step (told
+    nothing, they waited as long as rank 0 lived). ABORT waits 1 s at most for them."""
     feed = Feed(is_broken=True)
     run_until_it_fails(feed, tiny_model_dir)
-    assert feed.said == ["step"]
+    assert feed.said == ["step", "abort"]
+    assert "did not take ABORT at once" in caplog.text
 
 
 def test_a_step_failing_after_its_forward_sends_abort_at_shutdown(
@@ -139,14 +149,14 @@ def static_config(model_dir: Path) -> EngineConfig:
     return scenarios.engine_config(model_dir, {"static_shapes": True})  # start() warms every bucket up
 
 
-def test_a_warmup_failing_inside_its_forward_sends_nothing_and_start_raises_at_once(
+def test_a_warmup_failing_inside_its_forward_sends_abort_and_start_raises_its_fault(
     tiny_model_dir: Path,
 ) -> None:
     feed = Feed(is_broken=True)
     engine = Engine(static_config(tiny_model_dir), tp=feed)  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="Timed out"):
+    with pytest.raises(RuntimeError, match="Timed out"):  # the step's, not the ABORT's bound
         engine.start()
-    assert feed.said == ["step"]
+    assert feed.said == ["step", "abort"]
 
 
 def test_a_warmup_failing_between_its_forwards_sends_abort(
@@ -167,6 +177,30 @@ def test_a_clean_shutdown_sends_stop_once_however_often_it_is_called(tiny_model_
     engine.shutdown()
     engine.shutdown()
     assert feed.said == ["stop"]
+
+
+def test_a_shutdown_asked_while_a_step_runs_that_then_fails_sends_abort_not_stop(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drain while a peer hangs in the step: the step fails at the group timeout after the drain
+    began; STOP then went to the hung rank and waited out a second timeout."""
+    forward = ModelRunner.forward
+    running, release = threading.Event(), threading.Event()
+
+    def hung_peer(self: ModelRunner, batch: object) -> torch.Tensor:
+        forward(self, batch)  # type: ignore[arg-type]
+        running.set()
+        release.wait(10)
+        raise RuntimeError("Timed out waiting 60000ms for recv operation to complete")
+
+    monkeypatch.setattr(ModelRunner, "forward", hung_peer)
+    feed = Feed()
+    engine = Engine(scenarios.engine_config(tiny_model_dir), tp=feed).start()  # type: ignore[arg-type]
+    engine.submit(scenarios.greedy_spec([1, 2, 3], 2), lambda _: None)
+    assert running.wait(10)
+    threading.Timer(0.05, release.set).start()  # the timeout, once shutdown waits for the step
+    engine.shutdown()
+    assert feed.said == ["step", "abort"]
 
 
 def test_a_set_up_failing_before_the_agreement_says_so_there_and_sends_nothing_on_the_feed(

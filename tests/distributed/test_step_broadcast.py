@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.decoder.tests.models.helpers import PagedAllocator
-from tandem.decoder.distributed.step_broadcast import ABORT_WAIT_S, StepSender, receive_step
+from tandem.decoder.distributed.step_broadcast import END_WAIT_S, StepSender, receive_step
 from tandem.decoder.engine.step.batch import StepBatch
 from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 from tandem.decoder.models.config import ModelConfig
@@ -94,14 +94,16 @@ def test_worker_rebuilds_token_and_embedding_batches_between_keepalives_and_stop
     assert not replay.pending
 
 
-def test_a_worker_told_abort_raises_rank_zero_failed_which_rank_0_waits_for_a_bounded_time() -> None:
-    """A worker not on the feed (hung, gone) would hold rank 0's failed shutdown for the group
-    timeout; STOP and steps, which every worker takes, wait as any collective does."""
+def test_rank_0s_last_word_waits_a_bounded_time_and_abort_raises_rank_zero_failed() -> None:
+    """A worker not on the feed (hung, inside a step, gone) would hold rank 0's shutdown for the group
+    timeout, STOP's as ABORT's; steps, which every worker takes, wait as any collective does."""
     control = Recorder()
     sender = StepSender(control)  # type: ignore[arg-type]
     sender.keepalive()
+    sender.stop()
     sender.abort()
-    assert control.within_s == [None, ABORT_WAIT_S]
+    assert control.within_s == [None, END_WAIT_S, END_WAIT_S]
+    control.sent.pop(1)  # the STOP, which would end the worker here
     with pytest.raises(RankZeroFailed, match="rank 0 failed"):
         receive_step(Replayer(control.sent), 8, torch.bfloat16, torch.device("cpu"))  # type: ignore[arg-type]
 

@@ -81,27 +81,38 @@ def test_the_agreed_pool_refusal_waits_for_the_ranks_stopping_by_themselves(
 
 
 def serve_ranks_failed(rank: SpawnedRank, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Rank 0 of two, whose serve ends FAILED (a step's fault, a load that failed); its exit code."""
+    """Rank 0 of two, whose serve ends FAILED (a step's fault, a load that failed); its exit code. It
+    leaves by os._exit: a word to a hung rank still queued held the interpreter's exit up to the group
+    timeout."""
 
     async def serve(*_: object, **__: object) -> main.Outcome:
         return main.Outcome.FAILED
 
+    exited: list[str] = []
     monkeypatch.setattr(main, "serve", serve)
     monkeypatch.setattr(main, "_spawn_ranks", lambda *_: [rank])
+    monkeypatch.setattr(main, "_exit_failed", lambda: exited.append("os._exit(1)"))
     config = DecoderConfig(engine=EngineConfig(model_dir=Path("m")), world_size=2)
-    return main._serve_ranks(config, RankInfo.local(0, 2, 1))
+    code = main._serve_ranks(config, RankInfo.local(0, 2, 1))
+    assert exited == ["os._exit(1)"]
+    return code
 
 
 def test_a_failed_rank_0_ends_a_rank_no_word_reaches_rather_than_wait_out_the_group_timeout(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Inside a step's collectives (or still loading) it would fail only at the group's timeout."""
+    """Inside a step's collectives (or still loading) it would fail only at the group's timeout. Its
+    own log ends without a word, so rank 0's names it."""
     stuck = SpawnedRank(stops_by_itself=False)
     assert serve_ranks_failed(stuck, monkeypatch) == 1
     assert stuck.signals == ["terminate"]
+    assert "ending tandem-rank-1: still running 1 s after rank 0 failed" in caplog.text
 
 
-def test_a_failed_rank_0_lets_a_rank_told_abort_exit_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_rank_0_lets_a_rank_told_abort_exit_by_itself(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     told = SpawnedRank(stops_by_itself=True)
     assert serve_ranks_failed(told, monkeypatch) == 1
     assert told.signals == []
+    assert "ending" not in caplog.text

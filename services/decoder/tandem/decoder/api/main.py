@@ -309,6 +309,8 @@ def _serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
             outcome = Outcome.FAILED
     if outcome is Outcome.ABANDONED:
         _exit_leaving_the_load()
+    if outcome is Outcome.FAILED and rank is not None:
+        _exit_failed()
     return 0 if outcome is Outcome.STOPPED else 1
 
 
@@ -342,10 +344,25 @@ def _end_failed_ranks(processes: list[BaseProcess]) -> None:
     deadline = time.monotonic() + FAILED_RANK_EXIT_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
+    stuck = [process for process in processes if process.is_alive()]
+    if stuck:  # their own logs end without a word: this says why they stopped
+        names = ", ".join(process.name for process in stuck)
+        log.warning("ending %s: still running %.0f s after rank 0 failed", names, FAILED_RANK_EXIT_S)
+    for process in stuck:
+        process.terminate()
     join_local_ranks(processes, RANK_EXIT_S)  # reaps them; kills one SIGTERM did not end
+
+
+def _exit_failed() -> NoReturn:
+    """Exit 1 now, rank 0 of a group that failed. Its last word to the other ranks may still be queued
+    (a rank hung, or inside a step, did not take it within step_broadcast.END_WAIT_S): the interpreter's
+    exit then waited for it in the process group's teardown, up to the group timeout (under torchrun,
+    whose ranks this process does not end). Everything else is closed by now: the server, the telemetry,
+    the engine, the ranks it spawned."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _exit_leaving_the_load() -> NoReturn:

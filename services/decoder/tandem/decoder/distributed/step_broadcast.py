@@ -13,9 +13,9 @@ one float32 payload of its scale and every pair's A [rank, in] and B [out, rank]
 each worker writes its own shard into the slot (models/lora.py). KEEPALIVE messages flow while
 rank 0 is idle, so a worker's receive never waits longer than the group timeout unless rank 0 is
 gone; STOP ends the worker loop. ABORT ends it as rank 0's failure (its set-up after the KV pool's
-agreement, its warmup, a step's fault): the worker exits non-zero at once (rank_zero_failed.py). A
-worker inside a step's forward cannot take it (it waits in the model's collectives, not here), so rank
-0 sends none then, and waits ABORT_WAIT_S at most for any other that does not come.
+agreement, its warmup, a step's fault): the worker exits non-zero at once (rank_zero_failed.py). Rank 0
+waits END_WAIT_S at most for STOP or ABORT to be taken: a worker still inside a step's forward (it
+waits in the model's collectives, not here) takes it once that ends, or fails at the group timeout.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ class Kind(enum.IntEnum):
 # STEP: kind, num_tokens, num_seqs, table_width, num_logits_indices, num_embed_rows, has_inputs_embeds,
 # num_logits, has_lora_slots. ADAPTER: kind, slot, rank, num_pairs.
 HEADER_LEN = 9
-# How long rank 0 waits for its ABORT to be taken: a worker in its step loop takes it at once; one that
-# is not there (hung, or gone) must not hold rank 0's shutdown for the group timeout, which it never did
-# before ABORT existed (the worker then stops at its own collective's timeout, as it did untold).
-ABORT_WAIT_S = 1.0
+# How long rank 0 waits for its last word (STOP, ABORT) to be taken: a worker in its step loop takes it at
+# once; one that is not there (hung in a step, or gone) must not hold rank 0's shutdown for the group
+# timeout (a STOP to a hung rank held a drain ~2 timeouts). The word stays queued: a worker arriving
+# later while rank 0 lives still takes it; otherwise it stops at its own collective's timeout.
+END_WAIT_S = 1.0
 
 
 class StepSender:
@@ -119,11 +120,12 @@ class StepSender:
         self._header(Kind.KEEPALIVE)
 
     def stop(self) -> None:
-        self._header(Kind.STOP)
+        """Raises TimeoutError when some worker has not taken it within END_WAIT_S."""
+        self.control.broadcast(_header(Kind.STOP), within_s=END_WAIT_S)
 
     def abort(self) -> None:
-        """Raises TimeoutError when some worker has not taken it within ABORT_WAIT_S."""
-        self.control.broadcast(_header(Kind.ABORT), within_s=ABORT_WAIT_S)
+        """Raises TimeoutError when some worker has not taken it within END_WAIT_S."""
+        self.control.broadcast(_header(Kind.ABORT), within_s=END_WAIT_S)
 
     def _header(self, kind: Kind, *fields: int) -> None:
         self.control.broadcast(_header(kind, *fields))

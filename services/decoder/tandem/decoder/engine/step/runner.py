@@ -72,9 +72,11 @@ class StepFeed(Protocol):
 
     def keepalive(self) -> None: ...
 
+    # The last word (STOP; ABORT: rank 0 failed, the other ranks stop non-zero): TimeoutError when some rank
+    # has not taken it within a bound (step_broadcast.END_WAIT_S), the word left queued.
     def stop(self) -> None: ...
 
-    def abort(self) -> None: ...  # rank 0 failed: the other ranks stop, non-zero
+    def abort(self) -> None: ...
 
 
 class ModelRunner:
@@ -97,9 +99,6 @@ class ModelRunner:
         self.block_size = block_size
         self.static = static
         self.peers = peers  # rank 0 of several: the other ranks' feed; None otherwise
-        # The other ranks run a step this rank sent them, from the send until this rank's forward of it
-        # returns: they wait in its collectives, where no word on the feed (ABORT) reaches them.
-        self.is_peers_in_step = False
         self.world_size = world_size_of(model.tp)
         self.device = model.device
         # lora: every batch carries its rows' adapters on this table (the executor's, when it has one).
@@ -169,9 +168,7 @@ class ModelRunner:
         scored = h[h.shape[0] - batch.num_scored_rows :]  # [num_scored_rows, hidden]
         logits_of = self.executor.compute_logits
         chunks = score(lambda rows: logits_of(scored[rows]), batch.scored_spans, h.device)
-        logits = logits_of(h[: batch.num_logits])
-        self.is_peers_in_step = False
-        return StepOutput(logits, tuple(chunks))
+        return StepOutput(logits_of(h[: batch.num_logits]), tuple(chunks))
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits float32 [num_logits_rows, vocab] at the batch's logits_indices (every rank calls it)."""
@@ -179,9 +176,7 @@ class ModelRunner:
         # Every rank tells a step that scores prompt positions from its batch alone, by its logits count.
         is_scoring = batch.inputs.attn.logits_indices.shape[0] != signature.num_seqs
         step = self.executor if is_scoring else self._step_for(signature)
-        logits = step(batch.inputs, self.kv_caches)
-        self.is_peers_in_step = False
-        return logits
+        return step(batch.inputs, self.kv_caches)
 
     def _announce(self, batch: StepBatch) -> Signature:
         """Record the batch's signature and, on rank 0 of several, send the batch to the other ranks."""
@@ -194,7 +189,6 @@ class ModelRunner:
         )
         self.signatures.add(signature)
         if self.peers is not None:
-            self.is_peers_in_step = True  # before the send: one failing part way leaves them mid-message
             self.peers.send(batch)
         return signature
 
