@@ -1,68 +1,102 @@
 """peft's regular-expression target_modules and exclude_modules: the module names a pattern fullmatches,
-found in a worker process with bounded time and memory.
+found in a worker process with bounded CPU time and memory.
 
 peft takes a string (other than "all-linear") as a pattern and adapts the modules whose full name
 `re.fullmatch`es it, so matching must be Python's own `re` to adapt the same modules. But `re` cannot be
 interrupted: an adapter's pattern may backtrack catastrophically even on these short names
 (`(.*)*x` tries ~2^n ways to split a name of n characters), and it would hold the one adapter-reader
 thread, every later load and the server's exit, for ever. So the match runs in a process of its own,
-`python -I -S` running this file (stdlib only, no Tandem import): killed past TIME_LIMIT_S, its address
-space capped at MEMORY_BYTES (a pattern's backtracking stack grows too). A real pattern matches the few
-hundred names in microseconds; the worker's start is ~30 ms, paid only by an adapter that has a pattern.
+`python -I -S` running this file (stdlib only, no Tandem import), bounded by what it uses, not by the
+clock: CPU_LIMIT_S of CPU time (RLIMIT_CPU; a wall-clock limit counted the interpreter's start, so on a
+loaded host valid patterns were refused: 8 of 10 runs beside 24 busy processes) and MEMORY_BYTES of
+address space (a pattern's backtracking stack grows too). It dies with the decoder (PR_SET_PDEATHSIG), so
+a SIGKILLed decoder leaves no worker behind. A real pattern matches the few hundred names in
+microseconds; the worker's start is ~30 ms, paid once per pattern and set of names (answers, refusals
+too, are cached: 50 adapters with one bad pattern cost one CPU limit, not 50).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import signal
 import subprocess
 import sys
 
-TIME_LIMIT_S = 2.0  # the worker's whole life: start, compile and every match
+CPU_LIMIT_S = 2  # the worker's CPU time, start-up included (RLIMIT_CPU counts whole seconds)
+WALL_LIMIT_S = 30.0  # a backstop only: a worker stopped (SIGSTOP) or starved spends no CPU
 MEMORY_BYTES = 256 * 1024 * 1024
 MAX_PATTERN_CHARS = 4096  # unsloth's longest, for vision-language models, is under 400
+_CACHED = 256  # (pattern, names) answers kept: a server sees few distinct patterns
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class PatternError(Exception):
     """The pattern cannot be matched: it does not compile, or exceeded a bound. One line for the caller."""
 
 
-def fullmatches(pattern: str, names: list[str], time_limit_s: float | None = None) -> frozenset[str]:
+def fullmatches(pattern: str, names: list[str], cpu_limit_s: int = CPU_LIMIT_S) -> frozenset[str]:
     """The names `re.fullmatch(pattern, name)` holds for, as peft finds them. Raises PatternError."""
-    time_limit_s = TIME_LIMIT_S if time_limit_s is None else time_limit_s
     if len(pattern) > MAX_PATTERN_CHARS:
         raise PatternError(f"a regular expression of {len(pattern)} characters: at most {MAX_PATTERN_CHARS}")
+    answer = _match(pattern, tuple(names), cpu_limit_s)
+    if isinstance(answer, str):
+        raise PatternError(answer)
+    return answer
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _match(pattern: str, names: tuple[str, ...], cpu_limit_s: int) -> frozenset[str] | str:
+    """The names matched, or why not (a string, so that a refusal is cached as well as an answer)."""
     job = json.dumps({"pattern": pattern, "names": names, "memory_bytes": MEMORY_BYTES})
+    command = [sys.executable, "-I", "-S", __file__, str(os.getpid()), str(cpu_limit_s)]
     try:
         # -I: no environment variable, user site or working directory reaches the worker; -S: no site.
         done = subprocess.run(
-            [sys.executable, "-I", "-S", __file__],
-            input=job.encode(),
-            capture_output=True,
-            timeout=time_limit_s,
-            check=False,
+            command, input=job.encode(), capture_output=True, timeout=WALL_LIMIT_S, check=False
         )
     except subprocess.TimeoutExpired:  # run() killed the worker
-        raise PatternError(
-            f"the regular expression did not finish matching {len(names)} module names within "
-            f"{time_limit_s:g} s (catastrophic backtracking)"
-        ) from None
+        return f"the regular expression did not finish matching {len(names)} names within {WALL_LIMIT_S:g} s"
+    except OSError as error:  # no interpreter at sys.executable, fork refused (EAGAIN)...
+        return f"the worker that matches the regular expression could not start ({error})"
     try:
         answer = json.loads(done.stdout)
-    except ValueError:  # killed at the memory cap (MemoryError), or the interpreter failed to start
-        raise PatternError(
-            f"the regular expression could not be matched within {MEMORY_BYTES >> 20} MiB "
-            f"(worker exit status {done.returncode})"
-        ) from None
+    except ValueError:
+        return _no_answer(done, len(names), cpu_limit_s)
     if "error" in answer:
-        raise PatternError(f"is not a regular expression Python's re compiles: {answer['error']}")
+        return f"is not a regular expression Python's re compiles: {answer['error']}"
     return frozenset(answer["matched"])
 
 
-def _worker() -> None:
+def _no_answer(done: subprocess.CompletedProcess[bytes], count: int, cpu_limit_s: int) -> str:
+    """Why the worker gave no answer, from how it ended."""
+    worker = "the worker matching the regular expression"
+    if done.returncode == -signal.SIGXCPU:  # RLIMIT_CPU's soft limit
+        return (
+            f"the regular expression did not finish matching {count} names within {cpu_limit_s} CPU seconds"
+        )
+    if done.returncode < 0:
+        return f"{worker} was killed by {signal.Signals(-done.returncode).name}"
+    last = (done.stderr.decode(errors="replace").strip().splitlines() or [""])[-1][:120]
+    if "MemoryError" in last:  # RLIMIT_AS
+        return f"the regular expression could not be matched within {MEMORY_BYTES >> 20} MiB"
+    return f"{worker} exited with status {done.returncode} ({last or 'no output'})"
+
+
+def _worker(parent: int, cpu_limit_s: int) -> None:
     """The worker: one JSON job on stdin, one JSON answer on stdout."""
+    import ctypes
     import re
     import resource
 
+    if sys.platform == "linux":  # die with the decoder; if it died before this call, exit now
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            sys.exit(1)
+    # SIGXCPU at the soft limit says why; SIGKILL a second later if it was caught or ignored.
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit_s, cpu_limit_s + 1))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU's default action dumps core
     job = json.load(sys.stdin)
     resource.setrlimit(resource.RLIMIT_AS, (job["memory_bytes"], job["memory_bytes"]))
     try:
@@ -74,4 +108,4 @@ def _worker() -> None:
 
 
 if __name__ == "__main__":
-    _worker()
+    _worker(int(sys.argv[1]), int(sys.argv[2]))
