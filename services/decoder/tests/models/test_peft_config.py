@@ -144,6 +144,17 @@ def test_without_lora_alpha_the_scale_is_peft_s_default_alpha_over_r() -> None:
         ({"exclude_modules": "[q"}, "exclude_modules", "not a regular expression Python's re compiles"),
         ({"layers_to_transform": "0"}, "layers_to_transform", "a layer index or a list"),
         ({"layers_to_transform": [0], "layers_pattern": "layers|h"}, "layers_pattern", "a name or a list"),
+        # Qwen3's norms, rotary embeddings and activations: peft refuses them ("Target module Qwen3RMSNorm ...
+        # is not supported"), whether named by a list or a pattern.
+        ({"target_modules": ["q_proj", "k_norm"]}, "target_modules", "names model.layers.0.self_attn.k_norm"),
+        ({"target_modules": r".*\.(q_proj|q_norm)"}, "target_modules", "self_attn.q_norm, which"),
+        ({"target_modules": ["q_proj", "rotary_emb"]}, "target_modules", "names model.rotary_emb, which"),
+        ({"target_modules": r".*\.(q_proj|act_fn)"}, "target_modules", "mlp.act_fn, which"),
+        # A string target_modules with a layer setting: peft's LoraConfig refuses it, even [].
+        ({"target_modules": r".*\.q_proj", "layers_to_transform": [0]}, "layers_to_transform", "is a string"),
+        ({"target_modules": r".*\.q_proj", "layers_to_transform": []}, "layers_to_transform", "is a string"),
+        ({"target_modules": "all-linear", "layers_to_transform": 1}, "layers_to_transform", "is a string"),
+        ({"target_modules": r".*\.q_proj", "layers_pattern": "layers"}, "layers_pattern", "is a string"),
         # Malformed values: each was INTERNAL at LoadAdapter and a traceback at start.
         ({"target_modules": [1, "q_proj"]}, "target_modules", "must be a list of module names"),
         ({"target_modules": [["q_proj"]]}, "target_modules", "must be a list of module names"),

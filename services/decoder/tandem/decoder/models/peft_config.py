@@ -4,17 +4,18 @@ NOTE: every setting of peft's LoraConfig that changes what peft computes is eith
 refused, never ignored: an ignored one served other tokens than peft with no error. Honoured: r,
 lora_alpha, use_rslora, and which modules peft adapts (target_modules as a list, "all-linear" or a
 regular expression, exclude_modules as a list or a regular expression, layers_to_transform with the
-default or a plain layers_pattern), matched as peft's check_target_module_exists matches them; a tensor
-of a module peft would not adapt is refused naming it and the setting. A name in a list that is no
-module of the base model matches nothing, as in peft and vLLM (lists written for several model types
-name W_pack, query_key_value...); one that names a module this server does not adapt (lm_head,
-embed_tokens, a norm, a whole layer) is refused, as is a list or pattern that names none it does: peft
-would adapt or fail on the one, and find nothing to adapt in the other. A pattern is matched by
-module_pattern.py, in a worker with a deadline. Accepted whatever their value: the few in _IGNORED,
-which change nothing at inference. Any other key (one peft added since, too) must be unset (null, false,
-{} or []); null is the default for use_rslora and init_lora_weights too, as peft reads it.
-Refused as this server cannot match peft surely, or at all: null target_modules (peft picks its own per
-model type), and initialisations that change the base model's weights.
+default or a plain layers_pattern, neither beside a string target_modules, as in peft), matched as
+peft's check_target_module_exists matches them; a tensor of a module peft would not adapt is refused
+naming it and the setting. A name in a list that is no module of the base model matches nothing, as in
+peft and vLLM (lists written for several model types name W_pack, query_key_value...); one that names a
+module this server does not adapt (lm_head, embed_tokens, a norm, rotary_emb, act_fn, a whole layer) is
+refused, as is a list or pattern that names none it does: peft would adapt or fail on the one, and find
+nothing to adapt in the other. A pattern is matched by module_pattern.py, in a worker with a CPU time
+limit. Accepted whatever their value: the few in _IGNORED, which change nothing at inference. Any other
+key (one peft added since, too) must be unset (null, false, {} or []); null is the default for
+use_rslora and init_lora_weights too, as peft reads it. Refused as this server cannot match peft surely,
+or at all: null target_modules (peft picks its own per model type), and initialisations that change the
+base model's weights.
 """
 
 from __future__ import annotations
@@ -195,6 +196,13 @@ def check_config(settings: dict[str, Any], max_rank: int, num_layers: int) -> Ad
         )
     if init == "orthogonal" and rank % 2:
         raise refuse("init_lora_weights", f"'orthogonal' needs an even r (peft's own check), got r {rank}")
+    for key in ("layers_to_transform", "layers_pattern"):  # peft's LoraConfig refuses these (even [])
+        if isinstance(settings.get("target_modules"), str) and settings.get(key) is not None:
+            raise refuse(
+                key,
+                "cannot be used when target_modules is a string (a regular expression or 'all-linear'), "
+                f"as in peft, got {_short.repr(settings[key])}",
+            )
     exclude_modules = _module_names(settings.get("exclude_modules"), "exclude_modules", num_layers, refuse)
     return AdapterSettings(
         rank=rank,
@@ -262,11 +270,30 @@ def _served_keys(num_layers: int) -> list[str]:
 
 
 def _unserved_keys(num_layers: int) -> list[str]:
-    """The modules every base model served here has beside TARGETS (Llama's names): peft would adapt
-    lm_head or embed_tokens, and refuse a norm or a container."""
-    per_layer = ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")
+    """The modules the base models served here have beside TARGETS (Llama's and Qwen3's names, q_norm and
+    k_norm Qwen3's only): peft would adapt lm_head or embed_tokens, and refuse a norm, a rotary embedding,
+    an activation or a container."""
+    per_layer = (
+        "",
+        ".self_attn",
+        ".self_attn.q_norm",
+        ".self_attn.k_norm",
+        ".self_attn.rotary_emb",
+        ".mlp",
+        ".mlp.act_fn",
+        ".input_layernorm",
+        ".post_attention_layernorm",
+    )
     layers = [f"model.layers.{layer}{part}" for layer in range(num_layers) for part in per_layer]
-    return ["model", "model.embed_tokens", "model.layers", *layers, "model.norm", "lm_head"]
+    return [
+        "model",
+        "model.embed_tokens",
+        "model.rotary_emb",
+        "model.layers",
+        *layers,
+        "model.norm",
+        "lm_head",
+    ]
 
 
 def _names_a_module(name: str, num_layers: int) -> bool:
