@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -217,3 +218,38 @@ def test_exports_are_bounded_by_the_otlp_timeout_variable() -> None:
     )
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TIMEOUT='soon': expected seconds"):
         otel.TelemetrySettings.from_environ("x", {"OTEL_EXPORTER_OTLP_TIMEOUT": "soon"})
+
+
+def test_a_services_shutdown_waits_the_export_timeout_or_five_seconds_whichever_is_less() -> None:
+    # Unbounded, a hung collector held an idle encoder's exit 31.7 s, past the 15 s deploy/ allows.
+    for timeout, expected in (("30", otel.MAX_SERVICE_SHUTDOWN_S), ("2", 2.0)):
+        environ = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": timeout,
+        }
+        telemetry = otel.setup_telemetry("tandem-encoder", environ)
+        try:
+            assert telemetry.shutdown_timeout_s == expected
+        finally:
+            telemetry.shutdown()
+
+
+def test_string_attributes_are_cut_to_max_attribute_chars() -> None:
+    # A refused request's 16 stop strings of 1 MB made a 16 MB span; the collector took 4 MiB a batch.
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-decoder", [SimpleSpanProcessor(exporter)])
+    with telemetry.tracer.start_as_current_span("generate") as span:
+        span.set_attribute("one", "x" * 1_000_000)
+        span.set_attribute("many", ["y" * 1_000_000] * 16)
+    (finished,) = exporter.get_finished_spans()
+    assert len(finished.attributes["one"]) == otel.MAX_ATTRIBUTE_CHARS
+    assert [len(s) for s in finished.attributes["many"]] == [otel.MAX_ATTRIBUTE_CHARS] * 16
+
+
+def test_loggers_that_echo_a_callers_header_keep_only_errors() -> None:
+    # An invalid tracestate was logged whole at WARNING, once per request (up to 8 KB a line).
+    telemetry = otel.setup_telemetry("tandem-gateway", {"OTEL_TRACES_EXPORTER": "console"})
+    telemetry.shutdown()
+    for name in ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext"):
+        assert not logging.getLogger(name).isEnabledFor(logging.WARNING)

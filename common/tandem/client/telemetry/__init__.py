@@ -6,6 +6,7 @@ unless asked for (`settings.py` says how each `OTEL_*` variable is read).
 
 - `settings.py`: what `OTEL_*` asks for, parsed and checked.
 - `providers.py`: the process's tracer and meter providers and the gRPC interceptors (`Telemetry`).
+- `propagation.py`: how a caller's W3C trace context is read (`BoundedTraceContext`).
 - `tracing.py`: one served gen_ai operation's span and duration point (`ServerOperation`).
 - `metrics.py`: the server's and the client's instruments.
 - names (GenAI semantic conventions and Tandem's own) live in `tandem.client.semconv`, so a client can use
@@ -23,11 +24,19 @@ Everything is re-exported here: `from tandem.client import telemetry as otel` th
 from ..semconv import *  # noqa: F403 (the names, as otel.GEN_AI_*)
 from ..status import error_type
 from .metrics import ClientMetrics, ServerMetrics
-from .providers import Telemetry, build_telemetry, setup_telemetry
+from .providers import (
+    MAX_ATTRIBUTE_CHARS,
+    MAX_SERVICE_SHUTDOWN_S,
+    Telemetry,
+    build_telemetry,
+    setup_telemetry,
+)
 from .settings import TelemetrySettings
 from .tracing import ServerOperation, epoch_ns
 
 __all__ = [
+    "MAX_ATTRIBUTE_CHARS",
+    "MAX_SERVICE_SHUTDOWN_S",
     "ClientMetrics",
     "ServerMetrics",
     "ServerOperation",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -9,21 +10,35 @@ from typing import Any
 
 import grpc
 from opentelemetry import metrics, trace
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc import __version__ as _grpc_instrumentation_version
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate
 from opentelemetry.instrumentation.grpc.filters import service_name as grpc_service
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from .propagation import ServerInterceptor, install_propagator
 from .settings import TelemetrySettings
 
 _INSTRUMENTATION_SCOPE = "tandem"
 # The exporter retries the codes it is given (an empty set means its default ones); a failed export
 # never ends OK, so with this set nothing is retried.
 _NO_RETRIES = (grpc.StatusCode.OK,)
+# Every string attribute (and each string of a list) is cut to this many characters. Attributes hold
+# what callers sent (stop strings, tool names, paths); a 16 MB span, one request's stop strings, had
+# put the exporter's batch past the collector's 4 MiB and lost its neighbours' spans, and spans queued
+# for a hung collector are bounded by count, not bytes (RSS 306 -> 684 MB for 20 such requests).
+MAX_ATTRIBUTE_CHARS = 1024
+# A service's exports at exit, all together, wait at most this long (or the export timeout, if
+# shorter): deploy/ and docker-compose allow 15 s past --grace-s before the kill, and a hung collector
+# had held an idle encoder's exit 31.7 s, the gateway's 20.5 s.
+MAX_SERVICE_SHUTDOWN_S = 5.0
+# Loggers that echo a caller's header at WARNING, once per request (an invalid tracestate, up to 8 KB
+# a line): the header is dropped as the spec says, and the log keeps only errors.
+_CALLER_ECHOING_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
 
 
 class Telemetry:
@@ -73,7 +88,13 @@ class Telemetry:
         """The gRPC server span (W3C context extracted from metadata); [] with tracing off."""
         if not self.is_tracing:
             return []
-        return [aio_server_interceptor(tracer_provider=self.tracer_provider, filter_=self.rpc_filter)]
+        tracer = trace.get_tracer(
+            "opentelemetry.instrumentation.grpc",
+            _grpc_instrumentation_version,
+            self.tracer_provider,
+            schema_url="https://opentelemetry.io/schemas/1.11.0",
+        )
+        return [ServerInterceptor(tracer, filter_=self.rpc_filter)]
 
     def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
         """gRPC client spans that inject W3C `traceparent` into metadata; [] with tracing off."""
@@ -126,7 +147,12 @@ def build_telemetry(
     processors = list(span_processors)
     tracer_provider = None
     if processors or always_trace:
-        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=shutdown_on_exit)
+        tracer_provider = TracerProvider(
+            resource=resource,
+            shutdown_on_exit=shutdown_on_exit,
+            span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS),
+        )
+        install_propagator()
         for processor in processors:
             tracer_provider.add_span_processor(processor)
     meter_provider = (
@@ -157,9 +183,12 @@ def setup_telemetry(
     once, not retried with backoff (a collector that refused a moment ago will not take the spans a
     second later, and a command would wait for it), each bounded by OTEL_EXPORTER_OTLP_TIMEOUT, and
     `shutdown` bounds them all together by that timeout: an unreachable collector costs it the
-    timeout once, not 16 s of retries. It then shuts its providers down itself.
+    timeout once, not 16 s of retries. It then shuts its providers down itself. A service's `shutdown`
+    is bounded too, by the timeout or MAX_SERVICE_SHUTDOWN_S, whichever is shorter.
     """
     settings = TelemetrySettings.from_environ(default_service_name, environ)
+    for name in _CALLER_ECHOING_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     otlp: dict[str, Any] = {"timeout": settings.export_timeout_s}
     if is_one_shot:
         otlp["retryable_error_codes"] = _NO_RETRIES
@@ -193,5 +222,9 @@ def setup_telemetry(
         excluded_grpc_services=settings.excluded_grpc_services,
         always_trace=always_trace,
         shutdown_on_exit=not is_one_shot,
-        shutdown_timeout_s=settings.export_timeout_s if is_one_shot else None,
+        shutdown_timeout_s=(
+            settings.export_timeout_s
+            if is_one_shot
+            else min(settings.export_timeout_s, MAX_SERVICE_SHUTDOWN_S)
+        ),
     )

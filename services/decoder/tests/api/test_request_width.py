@@ -9,7 +9,7 @@ from google.protobuf import struct_pb2
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.decoder.api.request_width import MAX_TEMPLATE_CHARS, MAX_TEMPLATE_FIELDS, check_width
-from tandem.decoder.engine.params import MAX_LOGIT_BIAS
+from tandem.decoder.engine.params import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS
 
 CONTEXT = 64
 EACH = "each is at least one position"
@@ -103,3 +103,11 @@ def test_stop_strings_stop_ids_and_logit_bias_use_the_engines_own_limits() -> No
     request = decoder_pb2.GenerateRequest(prompt=[_text()])
     request.stopping.stop_token_ids.extend([1] * 65)
     assert _refused(request).field == "stopping.stop_token_ids"
+
+
+def test_a_stop_strings_length_is_checked_before_the_request_is_recorded() -> None:
+    request = decoder_pb2.GenerateRequest(prompt=[_text()])
+    request.stopping.stop_sequences.extend(["s" * MAX_STOP_STRING_CHARS, "s" * (MAX_STOP_STRING_CHARS + 1)])
+    error = _refused(request)
+    assert error.field == "stopping.stop_sequences[1]"
+    assert f"limit of {MAX_STOP_STRING_CHARS} characters" in error.description

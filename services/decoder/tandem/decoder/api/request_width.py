@@ -9,7 +9,9 @@ milliseconds, INVALID_ARGUMENT naming the field and the limit:
 - every prompt segment and chat part holds at least one position (empty ones are refused later), so
   there are at most max_model_len of them, and of messages (each renders at least its turn's markers);
 - token IDs, summed over the request, are positions too;
-- stop strings, stop token IDs and logit-bias entries: the engine's own limits (engine/params.py);
+- stop strings, stop token IDs and logit-bias entries: the engine's own limits (engine/params.py),
+  each stop string's length too: the request's span records them, and 16 stop strings of 1 MB, refused
+  only by the engine, had made a 16 MB span that lost its neighbours' spans at the collector;
 - a caller's chat template and its template_kwargs: MAX_TEMPLATE_CHARS and MAX_TEMPLATE_FIELDS.
 Everything the engine checks still is; these bounds are only the ones that must come first.
 """
@@ -21,7 +23,12 @@ from google.protobuf import struct_pb2
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.common.wire_limits import MAX_TEMPLATE_CHARS
-from tandem.decoder.engine.params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from tandem.decoder.engine.params import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 # Fields of template_kwargs, nested ones included: templates read a handful of flags.
 MAX_TEMPLATE_FIELDS = 256
@@ -56,6 +63,8 @@ def check_width(request: decoder_pb2.GenerateRequest, max_positions: int) -> Non
             )
     _at_most("prompt", positions, max_positions, f"token IDs in all ({context})")
     _at_most("stopping.stop_sequences", len(request.stopping.stop_sequences), MAX_STOP_STRINGS, "strings")
+    for i, stop in enumerate(request.stopping.stop_sequences):
+        _at_most(f"stopping.stop_sequences[{i}]", len(stop), MAX_STOP_STRING_CHARS, "characters")
     _at_most("stopping.stop_token_ids", len(request.stopping.stop_token_ids), MAX_STOP_TOKEN_IDS, "IDs")
     _at_most("sampling.logit_bias", len(request.sampling.logit_bias), MAX_LOGIT_BIAS, "entries")
 

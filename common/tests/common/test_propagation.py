@@ -1,0 +1,80 @@
+"""A tracing service reads a caller's W3C trace context by the rules the decoder passes it on by
+(services/decoder/.../trace_context.py): one traceparent, and a tracestate of at most 512 characters."""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tandem.client import telemetry as otel
+from tandem.client.telemetry.propagation import MAX_TRACESTATE_CHARS, BoundedTraceContext, ServerInterceptor
+
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+OTHER_PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4737-00f067aa0ba902b8-01"
+
+
+def _state(num_chars: int) -> str:
+    """A valid tracestate of exactly `num_chars` (a member's value may have at most 256)."""
+    members: list[str] = []
+    used = 0  # characters of the members so far, each with its comma
+    while num_chars - used > 130:
+        key = f"k{len(members)}="
+        members.append(key + "v" * (64 - len(key)))
+        used += 65
+    key = f"z{len(members)}="
+    members.append(key + "v" * (num_chars - used - len(key)))
+    return ",".join(members)
+
+
+def _extracted(carrier: dict[str, list[str]]) -> trace.SpanContext:
+    return trace.get_current_span(BoundedTraceContext().extract(carrier)).get_span_context()
+
+
+def test_a_tracestate_within_512_characters_is_kept() -> None:
+    context = _extracted({"traceparent": [PARENT], "tracestate": [_state(MAX_TRACESTATE_CHARS)]})
+    assert context.is_valid and context.trace_state.to_header() == _state(MAX_TRACESTATE_CHARS)
+
+
+def test_a_tracestate_past_512_characters_is_dropped_and_the_traceparent_kept() -> None:
+    # Kept up to the SDK's 8192 and injected onward, it put the encoder's metadata past its bound.
+    context = _extracted({"traceparent": [PARENT], "tracestate": [_state(MAX_TRACESTATE_CHARS + 1)]})
+    assert context.is_valid and context.trace_id == int(PARENT.split("-")[1], 16)
+    assert len(context.trace_state) == 0
+
+
+def test_repeated_tracestate_headers_are_joined_and_bounded_together() -> None:
+    context = _extracted({"traceparent": [PARENT], "tracestate": ["a=1", "b=2"]})
+    assert context.trace_state.to_header() == "a=1,b=2"
+    context = _extracted({"traceparent": [PARENT], "tracestate": [_state(300), "b=" + "2" * 300]})
+    assert len(context.trace_state) == 0
+
+
+def test_a_repeated_traceparent_is_no_context() -> None:
+    assert not _extracted({"traceparent": [PARENT, OTHER_PARENT]}).is_valid
+    assert not _extracted({"traceparent": [PARENT, PARENT]}).is_valid
+
+
+class _ServicerContext:
+    def __init__(self, metadata: list[tuple[str, str | bytes]]) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
+        return self.metadata
+
+
+def _server_side(metadata: list[tuple[str, str | bytes]]) -> trace.SpanContext:
+    telemetry = otel.build_telemetry("tandem-encoder", [SimpleSpanProcessor(InMemorySpanExporter())])
+    (interceptor,) = telemetry.server_interceptors()
+    assert isinstance(interceptor, ServerInterceptor)
+    with interceptor._set_remote_context(_ServicerContext(metadata)):
+        return trace.get_current_span().get_span_context()
+
+
+def test_the_server_interceptor_sees_every_value_of_a_repeated_header() -> None:
+    # The instrumentation's own kept the last value of each key: a repeated traceparent was taken.
+    assert not _server_side([("traceparent", PARENT), ("traceparent", OTHER_PARENT)]).is_valid
+    joined = _server_side([("traceparent", PARENT), ("tracestate", "a=1"), ("tracestate", "b=2")])
+    assert joined.trace_state.to_header() == "a=1,b=2"
+    long = _server_side([("traceparent", PARENT), ("tracestate", _state(7000)), ("x-bin", b"\x00")])
+    assert long.is_valid and len(long.trace_state) == 0
