@@ -1,9 +1,11 @@
 """peft's regular-expression target_modules matched in a worker: Python's re.fullmatch exactly, and a
 pattern that does not compile, is too long, or backtracks past its CPU time refused in one line; answers
-and refusals are cached, and the worker dies with the process that started it."""
+and the pattern's own refusals are cached, the host's failures are not, and the worker dies with the
+process that started it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -77,6 +79,34 @@ def test_a_worker_that_cannot_start_or_answer_is_a_pattern_error(
     monkeypatch.setattr(module_pattern.sys, "executable", executable)
     with pytest.raises(PatternError, match=says):
         fullmatches(r".*q_proj", NAMES)
+
+
+@pytest.mark.parametrize(
+    ("failure", "says"),
+    [
+        (BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable"), "could not start"),
+        (subprocess.TimeoutExpired("python", module_pattern.WALL_LIMIT_S), "within 30 s"),
+        (subprocess.CompletedProcess("python", -signal.SIGKILL, b"", b""), "killed by SIGKILL"),
+        (subprocess.CompletedProcess("python", 1, b"", b""), "exited with status 1"),
+    ],
+)
+def test_a_failure_of_the_host_is_not_cached_so_the_next_load_matches(
+    monkeypatch: pytest.MonkeyPatch, failure: BaseException | subprocess.CompletedProcess[bytes], says: str
+) -> None:
+    # A fork refused once, or a worker the OOM killer took, says nothing about the pattern: a cached
+    # refusal would refuse every later load of it until a restart.
+    real_run = subprocess.run
+
+    def fails_once(*args: object, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
+        monkeypatch.setattr(module_pattern.subprocess, "run", real_run)
+        if isinstance(failure, BaseException):
+            raise failure
+        return failure
+
+    monkeypatch.setattr(module_pattern.subprocess, "run", fails_once)
+    with pytest.raises(PatternError, match=says):
+        fullmatches(r".*q_proj", NAMES)
+    assert fullmatches(r".*q_proj", NAMES) == {name for name in NAMES if name.endswith("q_proj")}
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")

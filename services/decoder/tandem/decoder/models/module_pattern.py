@@ -36,11 +36,17 @@ class PatternError(Exception):
     """The pattern cannot be matched: it does not compile, or exceeded a bound. One line for the caller."""
 
 
+class HostError(PatternError):
+    """The host, not the pattern, kept the worker from answering (fork refused, worker killed, stopped):
+    raised inside the cached function, so it is not cached (lru_cache keeps no exceptions) and the
+    next load of the same pattern tries again instead of being refused until a restart."""
+
+
 def fullmatches(pattern: str, names: list[str], cpu_limit_s: int = CPU_LIMIT_S) -> frozenset[str]:
     """The names `re.fullmatch(pattern, name)` holds for, as peft finds them. Raises PatternError."""
     if len(pattern) > MAX_PATTERN_CHARS:
         raise PatternError(f"a regular expression of {len(pattern)} characters: at most {MAX_PATTERN_CHARS}")
-    answer = _match(pattern, tuple(names), cpu_limit_s)
+    answer = _match(pattern, tuple(names), cpu_limit_s)  # HostError passes through, uncached
     if isinstance(answer, str):
         raise PatternError(answer)
     return answer
@@ -48,7 +54,8 @@ def fullmatches(pattern: str, names: list[str], cpu_limit_s: int = CPU_LIMIT_S) 
 
 @functools.lru_cache(maxsize=_CACHED)
 def _match(pattern: str, names: tuple[str, ...], cpu_limit_s: int) -> frozenset[str] | str:
-    """The names matched, or why not (a string, so that a refusal is cached as well as an answer)."""
+    """The names matched, or why the pattern cannot be (a string, so that such a refusal is cached as well
+    as an answer). Raises HostError where the host, not the pattern, is why there is no answer."""
     job = json.dumps({"pattern": pattern, "names": names, "memory_bytes": MEMORY_BYTES})
     command = [sys.executable, "-I", "-S", __file__, str(os.getpid()), str(cpu_limit_s)]
     try:
@@ -56,10 +63,16 @@ def _match(pattern: str, names: tuple[str, ...], cpu_limit_s: int) -> frozenset[
         done = subprocess.run(
             command, input=job.encode(), capture_output=True, timeout=WALL_LIMIT_S, check=False
         )
-    except subprocess.TimeoutExpired:  # run() killed the worker
-        return f"the regular expression did not finish matching {len(names)} names within {WALL_LIMIT_S:g} s"
+    except (
+        subprocess.TimeoutExpired
+    ) as error:  # run() killed the worker: stopped or starved, not the CPU bound
+        raise HostError(
+            f"the regular expression did not finish matching {len(names)} names within {WALL_LIMIT_S:g} s"
+        ) from error
     except OSError as error:  # no interpreter at sys.executable, fork refused (EAGAIN)...
-        return f"the worker that matches the regular expression could not start ({error})"
+        raise HostError(
+            f"the worker that matches the regular expression could not start ({error})"
+        ) from error
     try:
         answer = json.loads(done.stdout)
     except ValueError:
@@ -70,18 +83,19 @@ def _match(pattern: str, names: tuple[str, ...], cpu_limit_s: int) -> frozenset[
 
 
 def _no_answer(done: subprocess.CompletedProcess[bytes], count: int, cpu_limit_s: int) -> str:
-    """Why the worker gave no answer, from how it ended."""
+    """Why the worker gave no answer, from how it ended: the pattern's bounds (CPU, memory) are returned to be
+    cached; anything else (another signal, an exit with no answer) is the host's and raises HostError."""
     worker = "the worker matching the regular expression"
     if done.returncode == -signal.SIGXCPU:  # RLIMIT_CPU's soft limit
         return (
             f"the regular expression did not finish matching {count} names within {cpu_limit_s} CPU seconds"
         )
-    if done.returncode < 0:
-        return f"{worker} was killed by {signal.Signals(-done.returncode).name}"
+    if done.returncode < 0:  # the OOM killer, an operator: a later try may succeed
+        raise HostError(f"{worker} was killed by {signal.Signals(-done.returncode).name}")
     last = (done.stderr.decode(errors="replace").strip().splitlines() or [""])[-1][:120]
     if "MemoryError" in last:  # RLIMIT_AS
         return f"the regular expression could not be matched within {MEMORY_BYTES >> 20} MiB"
-    return f"{worker} exited with status {done.returncode} ({last or 'no output'})"
+    raise HostError(f"{worker} exited with status {done.returncode} ({last or 'no output'})")
 
 
 def _worker(parent: int, cpu_limit_s: int) -> None:
