@@ -65,6 +65,8 @@ UNAUTHENTICATED_PATHS = (HEALTH_PATH,)
 LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
 WAS_LARGE = web.RequestKey("was_large", bool)  # it held one: give the heap back when it ends
 BODY_NAMES = web.RequestKey("body_names", BodyNames)  # the body's names for fields an error may name
+# The W3C headers a caller's trace context comes in (tandem.client.telemetry.propagation reads them).
+_PROPAGATED_HEADERS = ("traceparent", "tracestate", "baggage")
 
 
 def error_response(error: HttpError) -> web.Response:
@@ -100,7 +102,7 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.config.max_body_bytes,
-            middlewares=[self._errors, self._authenticate, self._trace],
+            middlewares=[self._trace, self._errors, self._authenticate],
         )
         app.router.add_get(HEALTH_PATH, self.health)
         app.router.add_get("/v1/models", self.models)
@@ -213,15 +215,27 @@ class Gateway:
 
     @web.middleware
     async def _trace(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.tracer is None:
+        """The request's server span, outside `_errors` so that it sees the status the caller gets, and
+        inside `_authenticate`, so that a request without a token makes none. Named by the route, not
+        the path (every unknown path had its own name, a 7 KB path a 7 KB name); ERROR only for a 5xx,
+        the server's failure (a 400 or 404 was ERROR, as the exception behind it passed through)."""
+        if self.tracer is None or self._unauthenticated(request) is not None:
             return await handler(request)
         from opentelemetry import propagate, trace
 
-        context = propagate.extract(dict(request.headers))
-        name = f"{request.method} {request.path}"
+        # Every value of a repeated header: the propagator treats a repeated traceparent as invalid.
+        carrier = {name: request.headers.getall(name, []) for name in _PROPAGATED_HEADERS}
+        context = propagate.extract(carrier)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else None
+        name = request.method if route is None else f"{request.method} {route}"
         with self.tracer.start_as_current_span(name, context=context, kind=trace.SpanKind.SERVER) as span:
+            if route is not None:
+                span.set_attribute("http.route", route)
             response = await handler(request)
             span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:
+                span.set_status(trace.StatusCode.ERROR)
             return response
 
     # -- endpoints --------------------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""The gateway's server span: named by the route (the method alone for a path no route matches),
+carrying the status the caller got, ERROR only for a 5xx, and the caller's trace context read by the
+services' rules (a repeated traceparent is none)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from tandem.client import telemetry as otel
+from tandem.client.client import EncoderClient
+from tandem.gateway.app import Gateway
+from tandem.gateway.bodies import BodyWorkers
+from tandem.gateway.callers import decoder_channels, decoder_client
+from tandem.gateway.config import GatewayConfig
+
+NOWHERE = "127.0.0.1:9"  # nothing listens: the decoder's health is 503
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.fixture
+async def traced() -> AsyncIterator[tuple[TestClient, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-openai", [SimpleSpanProcessor(exporter)])
+    config = GatewayConfig(decoder_address=NOWHERE, encoder_address=NOWHERE, port=0)
+    decoder = decoder_client(config)
+    encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
+    callers = decoder_channels(config)
+    workers = BodyWorkers(1)
+    gateway = Gateway(config, decoder, encoder, callers, workers, tracer=telemetry.tracer)
+    client = TestClient(TestServer(gateway.app()))
+    await client.start_server()
+    try:
+        yield client, exporter
+    finally:
+        await client.close()
+        await callers.close()
+        workers.close()
+        await decoder.close()
+        await encoder.close()
+
+
+def _only(exporter: InMemorySpanExporter) -> ReadableSpan:
+    (span,) = exporter.get_finished_spans()
+    exporter.clear()
+    return span
+
+
+async def test_a_span_is_named_by_the_route_not_the_path_and_a_5xx_is_an_error(traced) -> None:
+    client, exporter = traced
+    response = await client.get("/v1/models/" + "m" * 7000)
+    assert response.status == 503  # no decoder to ask
+    span = _only(exporter)
+    assert span.name == "GET /v1/models/{model}" and span.attributes["http.route"] == "/v1/models/{model}"
+    assert span.attributes["http.response.status_code"] == 503
+    assert span.status.status_code is StatusCode.ERROR
+
+
+async def test_a_path_no_route_matches_is_named_by_its_method_alone_and_a_4xx_is_no_error(traced) -> None:
+    # Each unknown path had its own span name (a 7 KB path, a 7 KB name), and a 404 or 405 was ERROR.
+    client, exporter = traced
+    for path, status in (("/" + "x" * 7000, 404), ("/v1/chat/completions", 405)):
+        response = await client.get(path)
+        assert response.status == status
+        span = _only(exporter)
+        assert span.name == "GET" and "http.route" not in span.attributes
+        assert span.attributes["http.response.status_code"] == status
+        assert span.status.status_code is StatusCode.UNSET
+
+
+async def test_a_repeated_traceparent_is_no_parent(traced) -> None:
+    client, exporter = traced
+    await client.get("/nowhere", headers=[("traceparent", TRACEPARENT)])
+    assert _only(exporter).parent.trace_id == int(TRACEPARENT.split("-")[1], 16)
+    other = TRACEPARENT.replace("4736", "4737")
+    await client.get("/nowhere", headers=[("traceparent", TRACEPARENT), ("traceparent", other)])
+    assert _only(exporter).parent is None
