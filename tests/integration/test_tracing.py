@@ -300,6 +300,21 @@ async def test_cancelling_a_traced_stream_aborts_the_request(traced: Traced, how
     assert stack.engine.core.block_manager.num_free_blocks == stack.engine.core.block_manager.num_total_blocks
 
 
+async def test_a_stream_past_its_deadline_is_traced_as_deadline_exceeded(traced: Traced) -> None:
+    # grpc cancels the handler when the deadline passes: its span said CANCELLED, its caller saw
+    # DEADLINE_EXCEEDED.
+    stack = traced.stack
+    call = stack.decoder.generate(generate_request([[1, 2, 3]], 4000, temperature=0.0), timeout=0.5)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in call:
+            pass
+    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    await wait_for(lambda: stack.engine.core.num_live() == 0 and named(traced.spans, TEXT_COMPLETION))
+    (completion,) = named(traced.spans, TEXT_COMPLETION)
+    assert completion.attributes[otel.ERROR_TYPE] == "DEADLINE_EXCEEDED"
+    assert completion.status.status_code is StatusCode.ERROR
+
+
 async def test_metrics_record_ttft_and_token_counts(traced: Traced) -> None:
     stack = traced.stack
     prompt = [[5, 6, 7, 8, 9]]

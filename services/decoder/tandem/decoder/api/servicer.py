@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.client import telemetry as otel
-from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
+from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from tandem.common.model_name import check_adapter_name, check_model
 from tandem.common.torch_part import tensors
@@ -107,7 +107,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         except BaseException as exc:
             # A cancel after Finished went out (the client leaving as the stream ends) is no failure.
             if op is not None and not is_finished:
-                op.fail(exc)
+                op.fail(_as_the_caller_sees(exc, context))
             raise
         finally:
             for fetch in fetches:  # the request is admitted or failed: nothing waits for these now
@@ -223,6 +223,15 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
     ) -> decoder_pb2.ListAdaptersResponse:
         adapters = self._healthy_engine().adapters
         return decoder_pb2.ListAdaptersResponse(adapters=[protocol.adapter_to_pb(a) for a in adapters])
+
+
+def _as_the_caller_sees(exc: BaseException, context: grpc.aio.ServicerContext) -> BaseException:
+    """grpc cancels a stream whose deadline passed: its caller sees DEADLINE_EXCEEDED, and so does
+    its span (it said CANCELLED)."""
+    remaining = context.time_remaining()
+    if isinstance(exc, asyncio.CancelledError) and remaining is not None and remaining <= 0:
+        return DeadlineExceeded("the call's deadline passed")
+    return exc
 
 
 def _num_embedding_positions(spec: GenerateSpec) -> int:
