@@ -13,7 +13,22 @@ BASE = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj
 
 
 def settings_of(**changes: object) -> AdapterSettings:
-    return check_config(BASE | changes, max_rank=16, num_layers=NUM_LAYERS)
+    """Checked for a Qwen3 base model: q_norm and k_norm in every layer's attention."""
+    return check_config(BASE | changes, max_rank=16, num_layers=NUM_LAYERS, has_qk_norm=True)
+
+
+@pytest.mark.parametrize(
+    "pattern", [r".*\.self_attn\..*", r".*\.self_attn\.[qk]_.*", r".*\.(q|k)_.*", r".*_(proj|norm)"]
+)
+def test_a_pattern_reaching_qwen3s_q_norm_is_accepted_for_a_model_without_one(pattern: str) -> None:
+    # Llama, Mistral and Qwen2 have no q_norm or k_norm (nor a rotary_emb per layer), so peft 0.21 loads
+    # these on Llama, adapting only the projections; refused for Qwen3, whose q_norm peft cannot adapt.
+    llama = check_config(
+        BASE | {"target_modules": pattern}, max_rank=16, num_layers=NUM_LAYERS, has_qk_norm=False
+    )
+    assert llama.target_modules and all(name.endswith("_proj") for name in llama.target_modules)
+    with pytest.raises(AdapterError, match=r"self_attn\.[qk]_norm, which"):
+        settings_of(target_modules=pattern)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +107,7 @@ def test_peft_s_own_saved_settings_and_harmless_ones_are_accepted() -> None:
         "another_one": False,
     }
     for settings in (saved, saved | harmless):
-        assert check_config(settings, max_rank=16, num_layers=NUM_LAYERS).scale == 2.0
+        assert check_config(settings, max_rank=16, num_layers=NUM_LAYERS, has_qk_norm=True).scale == 2.0
 
 
 @pytest.mark.parametrize(
@@ -114,7 +129,10 @@ def test_without_lora_alpha_the_scale_is_peft_s_default_alpha_over_r() -> None:
     from peft import LoraConfig
 
     no_alpha = {k: v for k, v in BASE.items() if k != "lora_alpha"} | {"r": 16}
-    assert check_config(no_alpha, max_rank=16, num_layers=NUM_LAYERS).scale == LoraConfig().lora_alpha / 16
+    assert (
+        check_config(no_alpha, max_rank=16, num_layers=NUM_LAYERS, has_qk_norm=True).scale
+        == LoraConfig().lora_alpha / 16
+    )
 
 
 @pytest.mark.parametrize(

@@ -148,8 +148,12 @@ def _dotted_suffixes(key: str) -> frozenset[str]:
     return frozenset(".".join(parts[i:]) for i in range(1, len(parts)))
 
 
-def check_config(settings: dict[str, Any], max_rank: int, num_layers: int) -> AdapterSettings:
-    """The settings, once every one the serving side cannot honour is ruled out. Raises AdapterError."""
+def check_config(
+    settings: dict[str, Any], max_rank: int, num_layers: int, *, has_qk_norm: bool
+) -> AdapterSettings:
+    """The settings, once every one the serving side cannot honour is ruled out. Raises AdapterError.
+    has_qk_norm: the base model's attention has q_norm and k_norm (Qwen3's); a name or pattern reaching
+    them is refused only where they exist, as peft finds only the modules the model has."""
 
     def refuse(key: str, why: str) -> AdapterError:
         return AdapterError(f"{CONFIG_FILE}:{key}", why)
@@ -203,11 +207,12 @@ def check_config(settings: dict[str, Any], max_rank: int, num_layers: int) -> Ad
                 "cannot be used when target_modules is a string (a regular expression or 'all-linear'), "
                 f"as in peft, got {_short.repr(settings[key])}",
             )
-    exclude_modules = _module_names(settings.get("exclude_modules"), "exclude_modules", num_layers, refuse)
+    model = _ModelNames(num_layers, has_qk_norm)
+    exclude_modules = _module_names(settings.get("exclude_modules"), "exclude_modules", model, refuse)
     return AdapterSettings(
         rank=rank,
         scale=scale,
-        target_modules=_target_modules(settings.get("target_modules"), exclude_modules, num_layers, refuse),
+        target_modules=_target_modules(settings.get("target_modules"), exclude_modules, model, refuse),
         exclude_modules=exclude_modules,
         layers=_layers(settings.get("layers_to_transform"), settings.get("layers_pattern"), refuse),
     )
@@ -218,14 +223,14 @@ def _is_unset(value: object) -> bool:
     return value is None or value is False or (isinstance(value, dict | list) and not value)
 
 
-def _module_names(value: object, key: str, num_layers: int, refuse: Any) -> frozenset[str]:
+def _module_names(value: object, key: str, model: _ModelNames, refuse: Any) -> frozenset[str]:
     """A list of module names (empty where unset); a string is peft's regular expression, read as the
     full names of the modules it fullmatches, served or not (which peft treats as a name given whole)."""
     if value is None or value == "" or value == []:
         return frozenset()
     if isinstance(value, str):
         try:
-            return fullmatches(value, _served_keys(num_layers) + _unserved_keys(num_layers))
+            return fullmatches(value, _served_keys(model.num_layers) + _unserved_keys(model))
         except PatternError as error:
             raise refuse(key, f"{error}, got {_short.repr(value)}") from None
     if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
@@ -234,7 +239,7 @@ def _module_names(value: object, key: str, num_layers: int, refuse: Any) -> froz
 
 
 def _target_modules(
-    value: object, exclude_modules: frozenset[str], num_layers: int, refuse: Any
+    value: object, exclude_modules: frozenset[str], model: _ModelNames, refuse: Any
 ) -> frozenset[str]:
     if value is None:
         raise refuse(
@@ -242,10 +247,10 @@ def _target_modules(
         )
     if isinstance(value, str) and value.lower() == _ALL_LINEAR:
         return frozenset(TARGETS)
-    names = _module_names(value, "target_modules", num_layers, refuse)
+    names = _module_names(value, "target_modules", model, refuse)
     if value == "" or value == []:
         raise refuse("target_modules", f"must list the modules adapted, got {_short.repr(value)}")
-    for key in _unserved_keys(num_layers):
+    for key in _unserved_keys(model):
         suffixes = _dotted_suffixes(key)
         if key in exclude_modules or suffixes & exclude_modules:  # excluded wins: peft leaves it be
             continue
@@ -256,7 +261,7 @@ def _target_modules(
                 f"{_short.repr(name)} names {key}, which this server does not adapt (only "
                 f"{', '.join(TARGETS)}): peft would adapt it or fail, got {_short.repr(value)}",
             )
-    if not any(_names_a_module(name, num_layers) for name in names):
+    if not any(_names_a_module(name, model.num_layers) for name in names):
         raise refuse(
             "target_modules",
             f"names none of the base model's {', '.join(TARGETS)} (peft would find no module to adapt), "
@@ -269,22 +274,31 @@ def _served_keys(num_layers: int) -> list[str]:
     return [module_key(layer, module) for layer in range(num_layers) for module in TARGETS]
 
 
-def _unserved_keys(num_layers: int) -> list[str]:
-    """The modules the base models served here have beside TARGETS (Llama's and Qwen3's names, q_norm and
-    k_norm Qwen3's only): peft would adapt lm_head or embed_tokens, and refuse a norm, a rotary embedding,
-    an activation or a container."""
+@dataclass(frozen=True)
+class _ModelNames:
+    """What decides the base model's module names beside TARGETS."""
+
+    num_layers: int
+    has_qk_norm: bool
+
+
+def _unserved_keys(model: _ModelNames) -> list[str]:
+    """The modules the base model has beside TARGETS, as transformers names them (Llama, Mistral, Qwen2 and
+    Qwen3 alike, but q_norm and k_norm Qwen3's only, and rotary_emb the model's, not each layer's, in all
+    four): peft would adapt lm_head or embed_tokens, and refuse a norm, a rotary embedding, an activation
+    or a container. Only names the model has: a pattern peft loads on Llama (`.*\\.self_attn\\..*`) must
+    not be refused for a Qwen3 q_norm that Llama lacks."""
+    qk_norm = (".self_attn.q_norm", ".self_attn.k_norm") if model.has_qk_norm else ()
     per_layer = (
         "",
         ".self_attn",
-        ".self_attn.q_norm",
-        ".self_attn.k_norm",
-        ".self_attn.rotary_emb",
+        *qk_norm,
         ".mlp",
         ".mlp.act_fn",
         ".input_layernorm",
         ".post_attention_layernorm",
     )
-    layers = [f"model.layers.{layer}{part}" for layer in range(num_layers) for part in per_layer]
+    layers = [f"model.layers.{layer}{part}" for layer in range(model.num_layers) for part in per_layer]
     return [
         "model",
         "model.embed_tokens",
