@@ -8,6 +8,7 @@ import torch
 from common.tests.common.test_vision_language import LLAVA_15
 from tandem.common.vision_language import text_config
 from tandem.decoder.models.config import ModelConfig
+from tandem.decoder.models.registry import MODEL_CLASSES
 
 
 def test_the_decoder_builds_its_model_config_from_the_text_config() -> None:
@@ -196,3 +197,10 @@ def test_a_sliding_window_is_read_where_transformers_applies_one(
 def test_a_sliding_window_of_the_wrong_type_is_refused_naming_the_key(hf_config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf(hf_config, None, torch.float32)
+
+
+def test_the_config_says_qk_norm_where_the_model_class_builds_it() -> None:
+    # An adapter's names are checked below the model classes, from the config: the two must agree.
+    for architecture, model_class in MODEL_CLASSES.items():
+        config = ModelConfig.from_hf(QWEN3 | {"architectures": [architecture]}, None, torch.float32)
+        assert config.has_qk_norm == model_class.use_qk_norm, architecture

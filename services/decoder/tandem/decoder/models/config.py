@@ -61,6 +61,9 @@ class SlidingWindow:
     said: str  # the config.json keys that set it, for a refusal: "sliding_window 4096"
 
 
+QK_NORM_ARCHITECTURES = frozenset({"Qwen3ForCausalLM"})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of one decoder checkpoint. Validated when built."""
@@ -99,6 +102,12 @@ class ModelConfig:
         _check_real("rope_theta", self.rope_theta, MAX_ROPE_THETA)
         for token_id in self.eos_token_ids:
             _check_int("eos_token_id", token_id, 0, self.vocab_size - 1)
+
+    @property
+    def has_qk_norm(self) -> bool:
+        """Whether the attention has q_norm and k_norm (Qwen3's), for what reads the architecture below the
+        model classes (an adapter's config): their use_qk_norm says the same, a test keeps them equal."""
+        return self.architecture in QK_NORM_ARCHITECTURES
 
     @classmethod
     def from_hf(

@@ -217,14 +217,11 @@ def _read_directory(
     )
     if config_bytes is None:
         raise _ConfigFileError(f"{CONFIG_FILE} not found in {shown}")
-    # Here, not at the top: registry imports the models, whose transformer imports lora, which imports this.
-    from tandem.decoder.models.registry import MODEL_CLASSES
-
     settings = check_config(
         json_object(config_bytes, f"{shown}/{CONFIG_FILE}", _ConfigFileError),
         max_rank,
         config.num_layers,
-        has_qk_norm=MODEL_CLASSES[config.architecture].use_qk_norm,
+        has_qk_norm=config.has_qk_norm,
     )
     rank = settings.rank
     max_bytes = max_weights_bytes(config, rank)
