@@ -9,8 +9,9 @@ thread, every later load and the server's exit, for ever. So the match runs in a
 `python -I -S` running this file (stdlib only, no Tandem import), bounded by what it uses, not by the
 clock: CPU_LIMIT_S of CPU time (RLIMIT_CPU; a wall-clock limit counted the interpreter's start, so on a
 loaded host valid patterns were refused: 8 of 10 runs beside 24 busy processes) and MEMORY_BYTES of
-address space (a pattern's backtracking stack grows too). It dies with the decoder (PR_SET_PDEATHSIG), so
-a SIGKILLed decoder leaves no worker behind. A real pattern matches the few hundred names in
+address space (a pattern's backtracking stack grows too). The CPU limit holds without the decoder too:
+a worker a SIGKILLed decoder left behind ends within it (no prctl death signal: the model package loads
+no native code, tests/unit/test_architecture.py). A real pattern matches the few hundred names in
 microseconds; the worker's start is ~30 ms, paid once per pattern and set of names (answers, refusals
 too, are cached: 50 adapters with one bad pattern cost one CPU limit, not 50).
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,7 +29,6 @@ WALL_LIMIT_S = 30.0  # a backstop only: a worker stopped (SIGSTOP) or starved sp
 MEMORY_BYTES = 256 * 1024 * 1024
 MAX_PATTERN_CHARS = 4096  # unsloth's longest, for vision-language models, is under 400
 _CACHED = 256  # (pattern, names) answers kept: a server sees few distinct patterns
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class PatternError(Exception):
@@ -57,7 +56,7 @@ def _match(pattern: str, names: tuple[str, ...], cpu_limit_s: int) -> frozenset[
     """The names matched, or why the pattern cannot be (a string, so that such a refusal is cached as well
     as an answer). Raises HostError where the host, not the pattern, is why there is no answer."""
     job = json.dumps({"pattern": pattern, "names": names, "memory_bytes": MEMORY_BYTES})
-    command = [sys.executable, "-I", "-S", __file__, str(os.getpid()), str(cpu_limit_s)]
+    command = [sys.executable, "-I", "-S", __file__, str(cpu_limit_s)]
     try:
         # -I: no environment variable, user site or working directory reaches the worker; -S: no site.
         done = subprocess.run(
@@ -98,16 +97,11 @@ def _no_answer(done: subprocess.CompletedProcess[bytes], count: int, cpu_limit_s
     raise HostError(f"{worker} exited with status {done.returncode} ({last or 'no output'})")
 
 
-def _worker(parent: int, cpu_limit_s: int) -> None:
+def _worker(cpu_limit_s: int) -> None:
     """The worker: one JSON job on stdin, one JSON answer on stdout."""
-    import ctypes
     import re
     import resource
 
-    if sys.platform == "linux":  # die with the decoder; if it died before this call, exit now
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            sys.exit(1)
     # SIGXCPU at the soft limit says why; SIGKILL a second later if it was caught or ignored.
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit_s, cpu_limit_s + 1))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU's default action dumps core
@@ -122,4 +116,4 @@ def _worker(parent: int, cpu_limit_s: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]))
+    _worker(int(sys.argv[1]))
