@@ -232,7 +232,7 @@ def _telemetry_for(variables: tuple[tuple[str, str], ...]) -> Telemetry | None:
     settings = TelemetrySettings.from_environ("tandem-client", environ)
     if not settings.traces_exporters and not settings.metrics_exporters:
         return None
-    return setup_telemetry("tandem-client", environ)
+    return setup_telemetry("tandem-client", environ, owns_process=False)  # the application's propagator stays
 
 
 # How a server answers a Watch past its bounds (common/health.py): UNIMPLEMENTED while it serves (so

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tandem.client import telemetry as otel
 from tandem.client.telemetry.propagation import MAX_TRACESTATE_CHARS, BoundedTraceContext, ServerInterceptor
@@ -78,3 +79,38 @@ def test_the_server_interceptor_sees_every_value_of_a_repeated_header() -> None:
     assert joined.trace_state.to_header() == "a=1,b=2"
     long = _server_side([("traceparent", PARENT), ("tracestate", _state(7000)), ("x-bin", b"\x00")])
     assert long.is_valid and len(long.trace_state) == 0
+
+
+class _AppsOwn(TraceContextTextMapPropagator):
+    """An application's own propagator, set before it builds a Tandem client."""
+
+
+def test_the_client_library_and_otel_propagators_leave_the_process_propagator_as_it_was() -> None:
+    # The library inside someone's application replaced its propagator (its own headers went, a
+    # traceparent it had not asked for was sent); OTEL_PROPAGATORS names the process's own choice.
+    before = propagate.get_global_textmap()
+    try:
+        for environ, owns_process in (({}, False), ({"OTEL_PROPAGATORS": "b3"}, True)):
+            own = _AppsOwn()
+            propagate.set_global_textmap(own)
+            otel.setup_telemetry(
+                "tandem-client", environ, always_trace=True, owns_process=owns_process
+            ).shutdown()
+            assert propagate.get_global_textmap() is own
+        otel.setup_telemetry("tandem-decoder", {}, always_trace=True).shutdown()  # a service: bounded
+        assert "BoundedTraceContext" in repr(propagate.get_global_textmap()._propagators)  # type: ignore[attr-defined]
+    finally:
+        propagate.set_global_textmap(before)
+
+
+def test_span_attributes_are_cut_but_an_exceptions_stacktrace_keeps_the_frame_that_raised() -> None:
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-decoder", [SimpleSpanProcessor(exporter)])
+    tracer = telemetry.tracer_provider.get_tracer("test")  # type: ignore[union-attr]
+    with tracer.start_as_current_span("op", record_exception=False) as span:
+        span.set_attribute("stop", "s" * 5000)
+        span.record_exception(RuntimeError("x" * 3000 + " the end"))
+    (finished,) = exporter.get_finished_spans()
+    assert len(finished.attributes["stop"]) == otel.MAX_ATTRIBUTE_CHARS  # type: ignore[index,arg-type]
+    (event,) = finished.events
+    assert event.attributes["exception.message"].endswith(" the end")  # type: ignore[index,union-attr]

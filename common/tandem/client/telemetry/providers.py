@@ -27,7 +27,9 @@ _INSTRUMENTATION_SCOPE = "tandem"
 # The exporter retries the codes it is given (an empty set means its default ones); a failed export
 # never ends OK, so with this set nothing is retried.
 _NO_RETRIES = (grpc.StatusCode.OK,)
-# Every string attribute (and each string of a list) is cut to this many characters. Attributes hold
+# Every string attribute of a span (and each string of a list) is cut to this many characters; an
+# event's are not (an exception's stacktrace ends with the frame that raised it and its message, which
+# a cut at the front loses; OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT still bounds them). Attributes hold
 # what callers sent (stop strings, tool names, paths); a 16 MB span, one request's stop strings, had
 # put the exporter's batch past the collector's 4 MiB and lost its neighbours' spans, and spans queued
 # for a hung collector are bounded by count, not bytes (RSS 306 -> 684 MB for 20 such requests).
@@ -38,7 +40,12 @@ MAX_ATTRIBUTE_CHARS = 1024
 MAX_SERVICE_SHUTDOWN_S = 5.0
 # Loggers that echo a caller's header at WARNING, once per request (an invalid tracestate, up to 8 KB
 # a line): the header is dropped as the spec says, and the log keeps only errors.
-_CALLER_ECHOING_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
+# "opentelemetry.attributes" warns once for each attribute MAX_ATTRIBUTE_CHARS cuts, which a caller chooses.
+_CALLER_ECHOING_LOGGERS = (
+    "opentelemetry.trace.span",
+    "opentelemetry.trace.propagation.tracecontext",
+    "opentelemetry.attributes",
+)
 
 
 class Telemetry:
@@ -138,11 +145,13 @@ def build_telemetry(
     always_trace: bool = False,
     shutdown_on_exit: bool = True,
     shutdown_timeout_s: float | None = None,
+    sets_propagator: bool = True,
 ) -> Telemetry:
     """Providers over the given processors and readers (tests pass in-memory ones). Tracing is on when
     there is a processor or `always_trace` (a client that wants trace ids even when exporting nothing).
     `shutdown_on_exit`: the SDK shuts the providers down at exit (False: the caller does, once);
-    `shutdown_timeout_s` bounds `Telemetry.shutdown`."""
+    `shutdown_timeout_s` bounds `Telemetry.shutdown`; `sets_propagator`: tracing makes
+    BoundedTraceContext the process's propagator (False: the process's own stays)."""
     resource = Resource({**(resource_attributes or {}), "service.name": service_name})
     processors = list(span_processors)
     tracer_provider = None
@@ -150,9 +159,10 @@ def build_telemetry(
         tracer_provider = TracerProvider(
             resource=resource,
             shutdown_on_exit=shutdown_on_exit,
-            span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS),
+            span_limits=SpanLimits(max_span_attribute_length=MAX_ATTRIBUTE_CHARS),
         )
-        install_propagator()
+        if sets_propagator:
+            install_propagator()
         for processor in processors:
             tracer_provider.add_span_processor(processor)
     meter_provider = (
@@ -176,8 +186,13 @@ def setup_telemetry(
     *,
     always_trace: bool = False,
     is_one_shot: bool = False,
+    owns_process: bool = True,
 ) -> Telemetry:
     """Telemetry as `OTEL_*` in `environ` asks (see the module docstring). Call once, at start.
+
+    `owns_process`: a service or command, whose propagator becomes BoundedTraceContext (propagation.py)
+    unless OTEL_PROPAGATORS names another; False for the client library inside someone's application,
+    whose process-wide propagator is its own.
 
     `is_one_shot`: a command that makes its calls and exits (`tandem generate`). Its exports are tried
     once, not retried with backoff (a collector that refused a moment ago will not take the spans a
@@ -227,4 +242,5 @@ def setup_telemetry(
             if is_one_shot
             else min(settings.export_timeout_s, MAX_SERVICE_SHUTDOWN_S)
         ),
+        sets_propagator=owns_process and not environ.get("OTEL_PROPAGATORS"),
     )
