@@ -1,13 +1,14 @@
-"""A body comes in a coding the gateway decodes (Content-Encoding gzip or deflate, any case; identity or
-none; chunked alone), or it is refused before it is read: 415 naming Content-Encoding with
-Accept-Encoding saying which are decoded, 400 naming Transfer-Encoding. aiohttp read every other coding
-as plain bytes: `Content-Encoding: foo` over plain JSON was answered 200, and `x-gzip` or `gzip, gzip`
-over gzip "the body is not valid JSON"."""
+"""A body comes in a coding the gateway decodes (Content-Encoding gzip, its alias x-gzip, or deflate, any
+case; identity or none; chunked alone), or it is refused before it is read: 415 naming Content-Encoding
+with Accept-Encoding saying which are decoded, 400 naming Transfer-Encoding. aiohttp read every other
+coding as plain bytes: `Content-Encoding: foo` over plain JSON was answered 200, and `gzip, gzip` over
+gzip "the body is not valid JSON"."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 
 import aiohttp
@@ -36,11 +37,11 @@ async def _post(url: str, encoding: str, data: bytes) -> tuple[int, dict, str | 
     ("encoding", "data"),
     [
         ("foo", BODY),  # was read as plain JSON: 200
-        ("x-gzip", gzip.compress(BODY)),  # was "the body is not valid JSON"
         ("gzip, gzip", gzip.compress(gzip.compress(BODY))),  # was decoded once: not valid JSON
         ("gzip, identity", gzip.compress(BODY)),
+        ("x-gzip, identity", gzip.compress(BODY)),
     ],
-    ids=["foo", "x-gzip", "gzip twice", "gzip then identity"],
+    ids=["foo", "gzip twice", "gzip then identity", "x-gzip then identity"],
 )
 async def test_a_content_coding_the_gateway_does_not_decode_is_415_saying_which_it_does(
     encoding: str, data: bytes
@@ -126,6 +127,37 @@ async def test_the_codings_the_gateway_decodes_are_read_in_any_case() -> None:
             status, answer, _ = await _post(url, encoding, data)
             assert (status, answer["choices"][0]["text"]) == (200, "<hi> seed=none"), encoding
     assert len(decoder.requests) == 5
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        gzip.compress(BODY),
+        gzip.compress(BODY) * 3,  # concatenated members, read as one body
+        gzip.compress(json.dumps({"model": "", "prompt": "x" * 10_000}).encode()),  # over 4,096 decoded
+        b"abcde",  # not gzip, though it says so
+    ],
+    ids=["one member", "three members", "over the bound decoded", "not gzip"],
+)
+async def test_an_x_gzip_body_is_answered_as_the_same_body_in_gzip(data: bytes) -> None:
+    # RFC 9110 8.4.1.3: x-gzip is gzip's alias. It was 415, "not a coding the gateway decodes".
+    answers = {}
+    async with fake_decoder() as (decoder, address), live_gateway(address, max_body_bytes=4096) as url:
+        for encoding in ("gzip", "x-gzip", "X-GZip"):
+            status, answer = await _raw_post(url, b"Content-Encoding: %s\r\n" % encoding.encode(), data)
+            said = json.dumps(answer.get("error") or answer["choices"])  # the coding's name aside
+            answers[encoding] = (status, re.sub(f"(?i)content-encoding: {encoding}", "(coding)", said))
+    assert answers["x-gzip"] == answers["X-GZip"] == answers["gzip"], answers
+    assert answers["gzip"][0] in (200, 400, 413)
+
+
+async def test_an_x_gzip_body_is_413_once_what_it_decodes_to_passes_the_bound() -> None:
+    # 16 MiB of zeros in 16 KiB of gzip, over a 1 MiB bound: the bound is on the decoded bytes.
+    bomb = gzip.compress(bytes(16 * 2**20), compresslevel=9)
+    async with fake_decoder() as (decoder, address), live_gateway(address, max_body_bytes=2**20) as url:
+        status, answer = await _raw_post(url, b"Content-Encoding: x-gzip\r\n", bomb)
+    assert (status, answer["error"]["param"]) == (413, "body"), answer
+    assert decoder.requests == []
 
 
 async def test_a_transfer_coding_besides_chunked_is_400_naming_transfer_encoding() -> None:

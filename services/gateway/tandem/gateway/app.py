@@ -40,7 +40,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb
 from tandem.gateway import answers, embeddings, images
 from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
-from tandem.gateway.body_codings import coding_refusal
+from tandem.gateway.body_codings import XGzipReader, coding_refusal, is_x_gzip
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of
 from tandem.gateway.calls import EmbedCall, GenerateCall
@@ -372,6 +372,7 @@ class Gateway:
         if (refusal := coding_refusal(request.headers)) is not None:
             raise Refused(refusal)
         is_large = declared is not None and declared >= self.config.large_body_bytes
+        content = XGzipReader(request.content) if is_x_gzip(request.headers) else request.content
         body, num_values = bytearray(), 0
         # Two bounds on one timer: the next bytes within --body-idle-timeout-s, all of them by the
         # --body-timeout-s deadline.
@@ -379,7 +380,7 @@ class Gateway:
         idle_s, deadline = self.config.body_idle_timeout_s, loop.time() + self.config.body_timeout_s
         try:
             async with asyncio.timeout_at(min(deadline, loop.time() + idle_s)) as timer:
-                while chunk := await request.content.readany():
+                while chunk := await content.readany():
                     if len(body) + len(chunk) > limit:
                         raise Refused(_too_large(limit))
                     if LARGE_BODY not in request and (

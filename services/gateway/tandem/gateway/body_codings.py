@@ -1,6 +1,6 @@
 """The codings a request body may come in: the content codings aiohttp decodes (gzip, deflate; br and
-zstd where their libraries are installed), identity, or none, one at most; and the chunked transfer
-coding alone.
+zstd where their libraries are installed), x-gzip, identity, or none, one at most; and the chunked
+transfer coding alone.
 
 NOTE: why a body's coding is checked before it is read. aiohttp decodes a Content-Encoding only when
 the whole header is one coding it knows, and reads any other body as plain bytes: `Content-Encoding:
@@ -11,12 +11,21 @@ coding and nothing else: `gzip,`, `, gzip` or a second, empty line after `gzip` 
 not valid JSON". A coding the gateway does not decode is refused instead: 415 naming
 Content-Encoding, with Accept-Encoding saying what is (RFC 9110 15.5.16), or 400 naming
 Transfer-Encoding (RFC 9112 6.1 suggests 501; OpenAI's clients retry a 5xx, and no retry mends this).
+
+NOTE: why x-gzip is decoded here, not by aiohttp. RFC 9110 8.4.1.3 says a recipient SHOULD read x-gzip
+as gzip; aiohttp's parser knows only `gzip` and hands an x-gzip body over as its compressed bytes. So
+`XGzipReader` gunzips them with aiohttp's own gzip decompressor, in pieces of the size aiohttp's are
+(`PIECE_BYTES`): the body is bounded as a gzip body is, by what it decodes to (--max-body-bytes, counted
+after each piece) and by aiohttp's cap on concatenated members, and bytes that do not decode fail its
+reader as a gzip body's do (400, the connection closed).
 """
 
 from __future__ import annotations
 
-from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from aiohttp import StreamReader
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD, ZLibDecompressor
 from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
 
 from tandem.gateway.errors import HttpError
@@ -25,6 +34,11 @@ from tandem.gateway.errors import HttpError
 # case): br and zstd only where their libraries are installed.
 PARSED_CODINGS = ("gzip", "deflate", "br", "zstd")
 CONTENT_CODINGS = ("gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + (("zstd",) if HAS_ZSTD else ())
+# gzip's alias (RFC 9110 8.4.1.3), decoded by the gateway (XGzipReader), not named where the codings
+# decoded are listed: a caller is told the coding's name, not its alias.
+X_GZIP = "x-gzip"
+# The most one decompression gives at a time: aiohttp's for a gzip body (its default read_bufsize).
+PIECE_BYTES = 2**18
 
 
 def coding_refusal(headers: CIMultiDictProxy[str]) -> HttpError | None:
@@ -37,6 +51,43 @@ def coding_refusal(headers: CIMultiDictProxy[str]) -> HttpError | None:
         message = f"Transfer-Encoding: {_shown(transfer)} is not one the gateway reads: chunked alone"
         return HttpError(400, "invalid_request_error", message, "Transfer-Encoding")
     return None
+
+
+def is_x_gzip(headers: CIMultiDictProxy[str]) -> bool:
+    """Whether a body is in x-gzip, which the gateway decodes itself (XGzipReader); `coding_refusal`
+    has refused any other spelling than one line holding that one coding."""
+    return headers.get("Content-Encoding", "").strip(" \t").lower() == X_GZIP
+
+
+class XGzipReader:
+    """A body sent in x-gzip, read as aiohttp reads one sent in gzip (the module's NOTE): `readany` gives
+    the next decoded bytes, at most PIECE_BYTES at a time, b"" at the end."""
+
+    def __init__(self, content: StreamReader) -> None:
+        self._content = content  # the body's bytes as they came, compressed
+        self._decompressor = ZLibDecompressor(encoding="gzip")
+
+    async def readany(self) -> bytes:
+        while True:
+            if self._decompressor.data_available:
+                if piece := self._decompress(b""):  # what the last bytes held beyond one piece
+                    return piece
+            compressed = await self._content.readany()
+            if not compressed:
+                return b""  # a member cut short ends the body, as aiohttp ends a gzip one
+            if piece := self._decompress(compressed):
+                return piece
+
+    def _decompress(self, compressed: bytes) -> bytes:
+        try:
+            return self._decompressor.decompress_sync(compressed, max_length=PIECE_BYTES)
+        except Exception as error:  # as aiohttp's gzip reader: whatever fails, the bytes are the caller's
+            # The failure aiohttp gives a gzip body's reader, which then cannot be drained.
+            failure = RequestPayloadError(
+                str(ContentEncodingError(f"Can not decode content-encoding: {X_GZIP}"))
+            )
+            self._content.set_exception(failure, error)
+            raise failure from error
 
 
 def parser_refusal(error: ContentEncodingError) -> HttpError | None:
@@ -76,7 +127,7 @@ def _is_decoded(value: str) -> bool:
     where it should: aiohttp compares the whole line, so `gzip,` or `, gzip` (one coding by RFC 9110)
     is read as its compressed bytes."""
     coding = value.strip(" \t")
-    return coding.isascii() and coding.lower() in ("", "identity", *CONTENT_CODINGS)
+    return coding.isascii() and coding.lower() in ("", "identity", X_GZIP, *CONTENT_CODINGS)
 
 
 def _codings(values: list[str]) -> list[str]:
