@@ -31,6 +31,9 @@ TANDEM_WORLD_SIZE = "tandem.world_size"  # decoder ranks
 TANDEM_TOKEN_KIND = "tandem.token.kind"  # on tandem.server.tokens: see TOKEN_KINDS
 TANDEM_REQUEST_STATE = "tandem.request.state"  # "running" | "waiting" | "paused"
 TANDEM_KV_BLOCK_STATE = "tandem.kv_block.state"  # "used" | "free"
+# True on the gateway's HTTP server span of a request whose caller went away before its answer ended:
+# not the server's failure, so the span's status stays unset (HTTP conventions: ERROR only for a 5xx).
+TANDEM_CALLER_DISCONNECTED = "tandem.caller.disconnected"
 
 PROVIDER = "tandem"
 OPERATION_TEXT_COMPLETION = "text_completion"

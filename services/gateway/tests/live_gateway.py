@@ -29,20 +29,21 @@ async def live_gateway(
     decoder_address: str,
     send_buffer_bytes: int | None = None,
     lingering_s: float = LINGERING_S,
+    tracer: Any = None,
     **settings: Any,
 ) -> AsyncIterator[str]:
     """The gateway's base URL (http://127.0.0.1:PORT/v1), with `settings` over GatewayConfig's defaults
     (its encoder an address where none listens, unless `settings` name one). With `send_buffer_bytes`,
     each connection's kernel send buffer is that small and stays so (Linux: an accepted socket takes
     its listener's), as over a slow network: loopback grows it to MiBs, which an unread answer of a few
-    tens of KiB never fills."""
+    tens of KiB never fills. `tracer`: the gateway's, when a test traces it."""
     settings = {"encoder_address": "127.0.0.1:9"} | settings
     config = GatewayConfig(decoder_address=decoder_address, port=0, **settings)
     decoder = decoder_client(config)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
     callers = decoder_channels(config)
     workers = BodyWorkers(1)  # started by the first body over large_body_bytes, if any (a second)
-    gateway = Gateway(config, decoder, encoder, callers, workers)
+    gateway = Gateway(config, decoder, encoder, callers, workers, tracer=tracer)
     handler_settings: dict[str, Any] = {
         "keepalive_timeout": config.idle_timeout_s,
         "lingering_time": lingering_s,  # LINGERING_S as `tandem serve openai` (aiohttp's default is 10 s)

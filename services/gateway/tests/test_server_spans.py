@@ -1,11 +1,13 @@
 """The gateway's server span: named by the route (the method alone for a path no route matches),
-carrying the status the caller got, ERROR only for a 5xx, and the caller's trace context read by the
-services' rules (a repeated traceparent is none)."""
+carrying the status the caller got, ERROR only for a 5xx (a caller that leaves is none), and the
+caller's trace context read by the services' rules (a repeated traceparent is none)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry.sdk.trace import ReadableSpan
@@ -19,6 +21,9 @@ from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels, decoder_client
 from tandem.gateway.config import GatewayConfig
+
+from .fake_decoder import fake_decoder
+from .live_gateway import live_gateway
 
 NOWHERE = "127.0.0.1:9"  # nothing listens: the decoder's health is 503
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -44,6 +49,13 @@ async def traced() -> AsyncIterator[tuple[TestClient, InMemorySpanExporter]]:
         workers.close()
         await decoder.close()
         await encoder.close()
+
+
+async def _until(condition: Callable[[], object], timeout_s: float = 5.0) -> None:
+    """The span ends once the cancelled handler has unwound: poll rather than race it."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
 
 
 def _only(exporter: InMemorySpanExporter) -> ReadableSpan:
@@ -81,3 +93,20 @@ async def test_a_repeated_traceparent_is_no_parent(traced) -> None:
     other = TRACEPARENT.replace("4736", "4737")
     await client.get("/nowhere", headers=[("traceparent", TRACEPARENT), ("traceparent", other)])
     assert _only(exporter).parent is None
+
+
+async def test_a_caller_that_disconnects_mid_stream_leaves_the_status_unset_and_says_it_left() -> None:
+    # No answer was refused: the caller went away. The span was ERROR, as a 5xx is, blaming the gateway.
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-openai", [SimpleSpanProcessor(exporter)])
+    async with fake_decoder() as (decoder, address), live_gateway(address, tracer=telemetry.tracer) as url:
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{url}/completions", json={"prompt": "hang", "stream": True})
+            assert response.status == 200
+            await response.content.readline()
+            response.close()  # the connection goes: the gateway's handler is cancelled
+        await decoder.wait_until_none_open()
+        await _until(lambda: [s for s in exporter.get_finished_spans() if s.name.startswith("POST")])
+    (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("POST")]
+    assert span.status.status_code is StatusCode.UNSET
+    assert span.attributes[otel.TANDEM_CALLER_DISCONNECTED] is True

@@ -37,6 +37,7 @@ from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
+from tandem.client.semconv import TANDEM_CALLER_DISCONNECTED
 from tandem.gateway import answers, embeddings, images
 from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
@@ -218,7 +219,9 @@ class Gateway:
         """The request's server span, outside `_errors` so that it sees the status the caller gets, and
         inside `_authenticate`, so that a request without a token makes none. Named by the route, not
         the path (every unknown path had its own name, a 7 KB path a 7 KB name); ERROR only for a 5xx,
-        the server's failure (a 400 or 404 was ERROR, as the exception behind it passed through)."""
+        the server's failure (a 400 or 404 was ERROR, as the exception behind it passed through). A
+        caller that leaves is no failure of the server either: its span says so and stays unset (it was
+        ERROR where the SDK marks a span its CancelledError leaves, as opentelemetry-sdk 1.31.0 did)."""
         if self.tracer is None or self._unauthenticated(request) is not None:
             return await handler(request)
         from opentelemetry import propagate, trace
@@ -229,10 +232,21 @@ class Gateway:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else None
         name = request.method if route is None else f"{request.method} {route}"
-        with self.tracer.start_as_current_span(name, context=context, kind=trace.SpanKind.SERVER) as span:
+        # `_errors` answers every Exception (a bug as a 500): only the caller's leaving passes through.
+        with self.tracer.start_as_current_span(
+            name,
+            context=context,
+            kind=trace.SpanKind.SERVER,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
             if route is not None:
                 span.set_attribute("http.route", route)
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except asyncio.CancelledError:  # aiohttp cancels the handler of a caller that left
+                span.set_attribute(TANDEM_CALLER_DISCONNECTED, True)
+                raise
             span.set_attribute("http.response.status_code", response.status)
             if response.status >= 500:
                 span.set_status(trace.StatusCode.ERROR)
