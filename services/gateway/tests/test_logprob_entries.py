@@ -47,7 +47,7 @@ def test_completions_tokens_and_offsets_are_per_token_and_a_split_character_coun
     logprobs = text_logprobs(entries, TextOffsets())
     # OpenAI's legacy spelling of bytes that are no text on their own
     assert logprobs["tokens"] == ["Once", "bytes:\\xf0\\x9f", "bytes:\\x99\\x82", " a"]
-    assert logprobs["top_logprobs"] == [{"x": -3.0}] * 4
+    assert logprobs["top_logprobs"] == [{token: -0.5, "x": -3.0} for token in logprobs["tokens"]]
     # Offsets into the completion's text "Once🙂 a": the smile is one character, where it ends.
     assert logprobs["text_offset"] == [0, 4, 4, 5]
 
@@ -61,7 +61,23 @@ def test_completions_alternatives_that_are_parts_of_characters_keep_a_key_each()
     )
     (keyed,) = text_logprobs(chat_logprobs(delta), TextOffsets())["top_logprobs"]
     # Spelled alike still (two tokenizer entries of the same bytes): the first, the likelier, stays.
-    assert keyed == {"bytes:\\xe6\\x88": -1.0, "bytes:\\xe4\\xbd": -2.0, "ok": -4.0}
+    assert keyed == {"bytes:\\xf0\\x9f": -0.5, "bytes:\\xe6\\x88": -1.0, "bytes:\\xe4\\xbd": -2.0, "ok": -4.0}
+
+
+def test_completions_top_logprobs_hold_the_sampled_token_first_as_vllms_do() -> None:
+    # `logprobs: 2`. Sampled below the two likeliest (temperature): 3 keys, it first. Sampled among
+    # them: 2 keys, its value the decoder's logprob for the sampled token. It was left out: 2 and 2.
+    unlikely, likely = _delta([b" cat"]), _delta([b" the"])
+    for delta in (unlikely, likely):
+        del delta.top_logprobs[:]
+        delta.top_logprobs.add(token_ids=[7, 8], logprobs=[-0.25, -1.0], token_bytes=[b" the", b" a"])
+    unlikely.logprobs[0], likely.logprobs[0] = -4.0, -0.25
+    (sampled_below,) = text_logprobs(chat_logprobs(unlikely), TextOffsets())["top_logprobs"]
+    (sampled_among,) = text_logprobs(chat_logprobs(likely), TextOffsets())["top_logprobs"]
+    assert list(sampled_below.items()) == [(" cat", -4.0), (" the", -0.25), (" a", -1.0)]
+    assert list(sampled_among.items()) == [(" the", -0.25), (" a", -1.0)]
+    # Chat's top_logprobs are the alternatives alone, as OpenAI's and vLLM's chat give them.
+    assert [a["token"] for a in chat_logprobs(unlikely)[0]["top_logprobs"]] == [" the", " a"]
 
 
 def test_chat_spells_parts_of_characters_as_replacement_text_with_their_bytes() -> None:

@@ -48,7 +48,8 @@ def delta_bound(delta: decoder_pb2.TokenDelta, kind: str, with_logprobs: bool) -
         num_alternatives = sum(len(top.token_ids) for top in delta.top_logprobs)
         if kind == "chat":
             num_bytes += ENTRY_BYTES * len(delta.token_ids) + ALTERNATIVE_BYTES * num_alternatives
-        else:
+        else:  # each token's top_logprobs holds the token too (`text_logprobs`): one more alternative
+            num_alternatives += len(delta.token_ids)
             num_bytes += TEXT_ENTRY_BYTES * len(delta.token_ids) + TEXT_ALTERNATIVE_BYTES * num_alternatives
         # Each spelled token's text (and in chat its "bytes" list) on top of its entry; an older
         # decoder's delta spells its first token with the delta's text and the rest by ID.
@@ -59,8 +60,9 @@ def delta_bound(delta: decoder_pb2.TokenDelta, kind: str, with_logprobs: bool) -
         # counted otherwise, a delta of 2 tokens and 1 byte string took the saving of a spelled token
         # and not its text (50 such deltas: chat bound 153,856 bytes, its JSON 244,376).
         is_spelled = len(delta.token_bytes) == len(delta.token_ids)
+        num_copies = 1 if kind == "chat" else 2  # a token's text in its entry (and its top_logprobs' key)
         spelled = [
-            *(delta.token_bytes if is_spelled else ()),
+            *list(delta.token_bytes if is_spelled else ()) * num_copies,
             *(
                 own
                 for top in delta.top_logprobs
@@ -71,7 +73,7 @@ def delta_bound(delta: decoder_pb2.TokenDelta, kind: str, with_logprobs: bool) -
         num_bytes += sum(_num_escaped(spell(own)) + per_byte * len(own) for own in spelled)
         num_bytes -= SPELLED_SAVING * len(spelled)
         if not is_spelled:
-            num_bytes += num_escaped + per_byte * len(text.encode())
+            num_bytes += (num_escaped + per_byte * len(text.encode())) * num_copies
     return num_bytes
 
 

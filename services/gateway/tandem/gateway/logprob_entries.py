@@ -16,8 +16,11 @@ The completions endpoint's `tokens` and `top_logprobs` keys are spelled as OpenA
 them (`legacy_token`): a token whose bytes are not UTF-8 on their own (part of a character) is
 `bytes:\\xe6\\x88`, each byte as \\xNN, so the alternatives that are parts of different characters keep
 different keys; they were all U+FFFD and collapsed into one (SmolLM2 on a Chinese prompt, `logprobs` 5:
-39 of 40 positions had fewer than 5). Two alternatives that still spell the same key keep the first,
-the likelier. Chat's `token` stays the replacement-decoded text (vLLM's), its `bytes` the raw bytes.
+39 of 40 positions had fewer than 5). Each position's `top_logprobs` holds its sampled token first, at
+the decoder's logprob for it, then the alternatives, as vLLM's and OpenAI's legacy API give them: N+1
+keys for `logprobs: N` where the sampled token is not among the N likeliest. Two that still spell the
+same key keep the first (the sampled token, then the likelier). Chat's `top_logprobs` are the
+alternatives alone; its `token` stays the replacement-decoded text (vLLM's), its `bytes` the raw bytes.
 
 `text_offset` counts the characters of the completion before each token: the characters its earlier
 tokens' bytes complete, so a character split over tokens counts once, where it ends (`TextOffsets`).
@@ -142,13 +145,13 @@ def text_logprobs(entries: list[dict[str, Any]], offsets: TextOffsets) -> dict[s
     return {
         "tokens": [legacy_token(e) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [_keyed(e["top_logprobs"]) for e in entries],
+        "top_logprobs": [_keyed([e, *e["top_logprobs"]]) for e in entries],  # the sampled token first
         "text_offset": [offsets.advance(e) for e in entries],
     }
 
 
 def _keyed(alternatives: list[dict[str, Any]]) -> dict[str, float]:
-    """`top_logprobs` as the completions endpoint's dict; of two spelled alike, the first (likelier)."""
+    """`top_logprobs` as the completions endpoint's dict; of two spelled alike, the first."""
     keyed: dict[str, float] = {}
     for alternative in alternatives:
         keyed.setdefault(legacy_token(alternative), alternative["logprob"])
