@@ -1,5 +1,6 @@
 """EncoderConfig validation and how flags and TANDEM_ENCODER_* variables become one."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -182,11 +183,12 @@ def test_messages_with_no_room_for_an_image_are_refused_at_start_up_for_a_checkp
 
 
 def test_a_text_checkpoint_keeps_messages_of_64_kib_or_less(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     text = tmp_path / "text"
     text.mkdir()
     (text / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    shutil.copy(tiny_model / "tokenizer.json", text)  # one that reads: a missing one is refused (exit 2)
     # Past the start-up checks: the load itself fails (there are no weights), exit 1, not 2.
     assert main(["--model", str(text), "--port", "0", "--max-message-bytes", "4096"]) == 1
     assert "could not load the lookup embedder" in caplog.text

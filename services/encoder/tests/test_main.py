@@ -1,6 +1,6 @@
 """`python -m tandem.encoder` stopping: within --grace-s (plus the worker's step in hand), whatever
 its batches hold, every caller answered and nothing logged as an error; and at once while the embedder
-still loads."""
+still loads. Starting: a --model whose tokenizer.json cannot be read is refused before the port opens."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from common.tests.signalled_process import signal_after_line
 from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import DRAIN_NOTICE_S
+from tandem.encoder import __main__ as encoder_main
 from tandem.encoder.__main__ import CUT_S, drain
 
 GRACE_S = 1.0
@@ -181,3 +182,38 @@ async def test_the_drain_notice_falls_within_the_grace_not_its_cut(grace_s: floa
     server = _StoppingServer()
     await drain(server, _Servicer(), grace_s)  # type: ignore[arg-type]
     assert server.stops == [(grace_s + CUT_S, min(grace_s, DRAIN_NOTICE_S))]
+
+
+@pytest.mark.parametrize("embedder", ["lookup", "soft-prompt"])
+@pytest.mark.parametrize("damage", ["broken", "missing"])
+def test_a_tokenizer_json_missing_or_broken_is_refused_before_listening_naming_it(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    environ,
+    embedder: str,
+    damage: str,
+) -> None:
+    """Found only by the load, after 'listening on' (exit 1)."""
+    broken = Path(shutil.copytree(tiny_model, tmp_path / "broken"))
+    path = broken / "tokenizer.json"
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_text('{"broken')
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    servers: list[object] = []
+    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
+    argv = ["--model", str(broken), "--port", "0", "--embedder", embedder]
+    assert encoder_main.main(argv + (["--adapter", str(adapter)] if embedder == "soft-prompt" else [])) == 2
+    said = (
+        f"tokenizer.json not found in {broken}"
+        if damage == "missing"
+        else f"{path}: not a tokenizer the tokenizers library reads: "
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {said}"), err
+    assert err.count("\n") == 1
+    assert servers == []  # no port was bound

@@ -176,9 +176,11 @@ def test_main_exits_2_before_listening_when_a_llava_text_config_disagrees_with_i
 
 
 def test_main_exits_1_with_one_line_when_the_model_cannot_be_loaded(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, environ
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, environ
 ) -> None:
     (tmp_path / "config.json").write_text("{}")  # a checkpoint directory in name only
+    # A tokenizer.json that reads: a missing one is refused before listening (exit 2).
+    shutil.copy(tiny_model / "tokenizer.json", tmp_path)
     assert main(["--model", str(tmp_path), "--port", "0"]) == 1
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert [r.getMessage().split(":")[0] for r in errors] == ["could not load the lookup embedder"]

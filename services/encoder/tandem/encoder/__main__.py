@@ -7,7 +7,8 @@ SERVING once the embedder has loaded, so orchestrators can tell "starting" from 
 Exit codes: 0 after a signal, 1 when the embedder cannot be loaded, 2 for a flag or variable that
 is wrong (a port in use included, an --adapter, --encoder-model or --projector that is missing or
 not a directory or file as it must be, or a --model whose token table is not the shape its config.json
-says, read from the weight file's header); every failure is one line.
+says, read from the weight file's header, or whose tokenizer.json is missing or not one the tokenizers
+library reads); every failure is one line.
 
 Stopping (SIGTERM or SIGINT): health NOT_SERVING, no new calls, and calls in flight get --grace-s to
 finish. Any still queued or in a batch then end UNAVAILABLE ("the encoder is shutting down"), and the
@@ -41,7 +42,7 @@ from tandem.common.vision_language import is_vision_language
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderLoadError
 from tandem.encoder.loader import load_embedder
-from tandem.encoder.lookup import TableShapeError, check_table_shape
+from tandem.encoder.lookup import TableShapeError, check_table_shape, read_tokenizer
 from tandem.encoder.options import config_from_options, settings
 from tandem.encoder.servicer import EncoderServicer
 
@@ -95,6 +96,8 @@ def _start(**values: Any) -> int:
             _check_token_table(model_dir)
         if _takes_images(model_dir):
             config.check_room_for_images()
+        if config.embedder in TABLE_EMBEDDERS:  # after the flags' own checks: it parses a file
+            _check_tokenizer(model_dir)
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
     try:
@@ -130,6 +133,17 @@ def _check_token_table(model_dir: Path) -> None:
         raise ConfigError("model_dir", f": {error}") from None
     except (EmbedderLoadError, OSError, LookupError, TypeError):  # unreadable, or a config of odd types
         pass
+
+
+def _check_tokenizer(model_dir: Path) -> None:
+    """--model's tokenizer.json, which the table's embedders (and a vision-language checkpoint's) read,
+    is there and parses: a broken one was refused only by the load, after the server listened (exit
+    1). The load parses it once more (the files may have changed since). Raises ConfigError naming the
+    file."""
+    try:
+        read_tokenizer(model_dir)
+    except EmbedderLoadError as error:
+        raise ConfigError("model_dir", f": {error}") from None
 
 
 def _takes_images(model_dir: Path) -> bool:
