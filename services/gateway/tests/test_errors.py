@@ -124,6 +124,33 @@ def test_a_chats_image_part_is_named_as_the_body_gave_it() -> None:
 
 
 @pytest.mark.parametrize(
+    ("field", "description"),
+    [
+        (".encoder", "the encoder refused it: image.data: cannot be preprocessed"),
+        (".encoder.image.data", "is empty"),
+        (".encoder.image", "must not be empty"),
+        (".encoder.embeddings.shape", "expected [n >= 1, 64], got [1, 2]"),
+        (".encoder.data", "contains NaN or Inf as float32 (first at index [0, 0])"),
+        (".encoder.shared_embeddings.name", "names a segment this call did not ask for"),
+    ],
+)
+def test_an_encoder_fetching_decoders_error_on_an_image_url_part_names_the_part(
+    field: str, description: str
+) -> None:
+    # A decoder that fetches the encoder's rows itself names the encoder part it was sent and the
+    # encoder's fields in it: those were passed on as `messages[0].content[1].image_url.image.data`,
+    # no field of the body. As the gateway's own errors on the picture, it is the part's image_url.
+    decoder_field = f"chat.messages[0].content[1]{field}"
+    error = from_grpc(
+        _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"{decoder_field}: {description}", decoder_field)
+    )
+    assert (error.param, error.message) == (
+        "messages[0].content[1].image_url",
+        f"messages[0].content[1].image_url: {description}",
+    )
+
+
+@pytest.mark.parametrize(
     ("field", "expected"),
     [
         ("prompt", "prompt[2]"),  # the prompt too long

@@ -173,7 +173,6 @@ def _renamed(message: str, service: str, body: str) -> str:
 # A service's field path -> the body's (first matching prefix).
 BODY_FIELDS = (
     ("chat.messages", "messages"),
-    ("].encoder", "].image_url"),  # the gateway sends only image_url parts as encoder parts
     ("stopping.min_new_tokens", "min_tokens"),
     ("stopping.stop_sequences", "stop"),
     ("stopping.ignore_eos", "ignore_eos"),
@@ -189,6 +188,11 @@ STRUCTURED = re.compile(r"\bstructured(\.[a-z_]+|(?=:|$))")
 MAX_NEW_TOKENS = re.compile(r"\b(?:stopping\.)?max_new_tokens\b")
 # A chat part's image rows (`messages[i].content[j].image`, and what follows: `.shape`), body-named.
 IMAGE_PART = re.compile(r"\bmessages\[(\d+)\]\.content\[(\d+)\]\.image\b((?:\.[a-z_]+|\[\d+\])*)")
+# A chat's encoder part and what follows (`.image.data`, `.embeddings.shape`: its file, the rows fetched
+# for it), for a decoder that fetches the rows itself. The gateway sends only image_url parts so, and
+# none of those fields is the body's: its field is the part's `image_url`, as when the gateway fetches
+# the rows (IMAGE_PART). It was `...image_url.image.data`, `...image_url.embeddings.shape`.
+ENCODER_PART = re.compile(r"\bmessages\[(\d+)\]\.content\[(\d+)\]\.encoder\b(?:\.[a-z_]+|\[\d+\])*")
 
 
 def body_field(path: str, names: BodyNames = BodyNames()) -> str:
@@ -206,6 +210,7 @@ def body_field(path: str, names: BodyNames = BodyNames()) -> str:
     for service, body in BODY_FIELDS:
         path = path.replace(service, body)
     path = IMAGE_PART.sub(lambda m: _image_part(m, names.image_urls), path)
+    path = ENCODER_PART.sub(r"messages[\1].content[\2].image_url", path)
     structured_field = names.structured
     if structured_field is not None and structured_field != "response_format":
         return STRUCTURED.sub(structured_field, path)
