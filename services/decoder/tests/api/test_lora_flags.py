@@ -136,6 +136,12 @@ def test_a_lora_root_that_is_no_directory_is_refused_naming_the_flag(
         ),
         ("targets", "adapter 'bad': adapter_config.json:target_modules: must be a list of module names"),
         ("float8", "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: is stored as float8"),
+        # peft would give the targeted v_proj of layer 1 random weights (init_lora_weights false)
+        (
+            "absent",
+            "adapter 'bad': adapter_model.safetensors: in {bad} holds no lora_A/lora_B for "
+            "model.layers.1.self_attn.v_proj, which",
+        ),
     ],
 )
 def test_a_malformed_adapter_fails_in_one_line_naming_the_field(
@@ -160,6 +166,8 @@ def test_a_malformed_adapter_fails_in_one_line_naming_the_field(
     tensors = load_file(adapter / "adapter_model.safetensors")
     if edit == "float8":
         tensors = {k: v.to(torch.float8_e4m3fn) for k, v in tensors.items()}
+    if edit == "absent":
+        tensors = {k: v for k, v in tensors.items() if ".layers.1.self_attn.v_proj." not in k}
     save_file(tensors, bad / "adapter_model.safetensors")
     assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", "--lora", f"bad={bad}"]) == 2
-    assert said in capsys.readouterr().err
+    assert said.format(bad=bad) in capsys.readouterr().err

@@ -173,16 +173,61 @@ def test_all_linear_dotted_names_patterns_and_lists_for_other_models_adapt_what_
     listed = read_adapter(adapter_dir, tiny_fp32.config, max_rank=16)
     for i, targets in enumerate(
         [
-            "all-linear",
+            "all-linear",  # with init_lora_weights true below: peft leaves q, v and gate as the base's
             ["self_attn.k_proj", "o_proj", "mlp.up_proj", "down_proj"],
             r"model\.layers\.\d+\.(self_attn|mlp)\.(k|o|up|down)_proj",
             ["k_proj", "o_proj", "up_proj", "down_proj", "W_pack", "query_key_value", "c_attn"],
         ]
     ):
-        got = read_adapter(
-            copy_with(adapter_dir, tmp_path / str(i), target_modules=targets), tiny_fp32.config, 16
-        )
+        out = copy_with(adapter_dir, tmp_path / str(i), target_modules=targets, init_lora_weights=True)
+        got = read_adapter(out, tiny_fp32.config, 16)
         assert got.targets == listed.targets and got.weights.keys() == listed.weights.keys()
+
+
+def copy_without(adapter_dir: Path, out: Path, modules: list[str], **settings: object) -> Path:
+    """copy_with, its weights file lacking the lora_A and lora_B of `modules` ("1.mlp.up_proj")."""
+    copy_with(adapter_dir, out, **settings)
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    dropped = {f"base_model.model.model.layers.{m}.lora_{half}.weight" for m in modules for half in "AB"}
+    assert dropped <= tensors.keys()
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, out / "adapter_model.safetensors")
+    return out
+
+
+# peft 0.21.2 adapts every module adapter_config.json targets, one the file has no tensors for with its
+# init's A and B, and only warns of the missing keys. On the tiny model with v_proj of layer 1 left out:
+# init_lora_weights false or null (nn.Linear's own random init) moved the logits 0.16 from those of the
+# module left unadapted (the whole adapter's effect: 0.29); true, "gaussian" and "eva" (B zero) by 0;
+# "orthogonal" (B @ A zero but for rounding, drawn afresh at each load) by 2.6e-7.
+@pytest.mark.parametrize("init", [False, None])
+def test_a_targeted_module_the_file_lacks_is_refused_where_peft_gives_it_random_weights(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, init: bool | None
+) -> None:
+    out = copy_without(
+        adapter_dir, tmp_path / "a", ["3.mlp.down_proj", "1.mlp.up_proj"], init_lora_weights=init
+    )
+    with pytest.raises(AdapterError) as raised:
+        read_adapter(out, tiny_fp32.config, max_rank=16, shown="team/partial")
+    assert raised.value.field == WEIGHTS_FILE
+    said = raised.value.description
+    assert said.startswith(
+        "in team/partial holds no lora_A/lora_B for model.layers.1.mlp.up_proj and 1 more module(s), which "
+        f"adapter_config.json:target_modules targets; with init_lora_weights {json.dumps(init)} peft gives "
+    )
+
+
+@pytest.mark.parametrize("init", [True, "gaussian", "eva", "orthogonal", "unset"])
+def test_a_targeted_module_the_file_lacks_is_left_as_the_base_model_where_peft_s_init_does_so(
+    adapter_dir: Path, tiny_fp32: LoadedModel, tmp_path: Path, init: bool | str
+) -> None:
+    out = copy_without(adapter_dir, tmp_path / "a", ["1.mlp.up_proj"], init_lora_weights=init)
+    if init == "unset":  # peft's default: true
+        config = json.loads((out / "adapter_config.json").read_text())
+        del config["init_lora_weights"]
+        (out / "adapter_config.json").write_text(json.dumps(config))
+    adapter = read_adapter(out, tiny_fp32.config, max_rank=16)
+    assert (1, "up_proj") not in adapter.weights and (2, "up_proj") in adapter.weights
+    assert len(adapter.weights) == 4 * tiny_fp32.config.num_layers - 1
 
 
 @pytest.mark.parametrize(

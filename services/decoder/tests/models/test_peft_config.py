@@ -125,6 +125,33 @@ def test_settings_that_leave_the_computation_as_peft_s_default_are_accepted(chan
     assert settings_of(**changes).scale == 2.0
 
 
+@pytest.mark.parametrize("init", [True, False, None, "gaussian", "eva", "orthogonal"])
+def test_a_module_the_file_lacks_is_the_base_model_s_where_peft_s_own_init_leaves_it_so(
+    init: bool | str | None,
+) -> None:
+    # peft adapts a targeted module the weights file lacks with its init's A and B: B @ A zero (true,
+    # "gaussian", "eva"; "orthogonal" to rounding) leaves it as the base model has it, false and null
+    # (nn.Linear's random init) do not, so only the former may be served unadapted.
+    import warnings
+
+    import peft
+    import torch
+
+    class Projection(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(16, 16)
+
+    with warnings.catch_warnings():  # eva without its data: peft warns, and zeroes B all the same
+        warnings.simplefilter("ignore")
+        made = peft.get_peft_model(
+            Projection(), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init)
+        )
+    layer = made.base_model.model.q_proj
+    update = layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    assert settings_of(init_lora_weights=init).absent_is_base == (update.abs().max().item() < 1e-6)
+
+
 def test_without_lora_alpha_the_scale_is_peft_s_default_alpha_over_r() -> None:
     from peft import LoraConfig
 

@@ -11,6 +11,10 @@ or head counts differ, fails naming the first tensor that does not fit).
 Scaling is PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`. Which settings of
 adapter_config.json are honoured, and which tensors peft would load by them: peft_config.py. A tensor
 peft would not load is refused, as is an update whose gain (scale x |A| x |B|) is past MAX_LORA_GAIN.
+A module the config targets but the file holds no tensors for is served unadapted where peft's init
+leaves it so (B @ A zero: init_lora_weights true, the default), and refused where peft gives it random
+weights of its own (false, null): peft's tokens then differ from any other server's, and from its own
+at the next load.
 
 NOTE: how the files are read. The directory is opened once and each file relative to it, without
 blocking (a FIFO swapped in after any check would hold the one adapter-reader thread, every later load
@@ -34,6 +38,7 @@ directory as `shown`.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import stat
@@ -49,7 +54,13 @@ from tandem.common.checkpoint import MAX_JSON_BYTES, json_object
 from tandem.decoder.models.adapter_error import AdapterError
 from tandem.decoder.models.beneath import MAX_PATH_BYTES, OpenDirectory, open_beneath
 from tandem.decoder.models.config import ModelConfig
-from tandem.decoder.models.peft_config import CONFIG_FILE, TARGETS, AdapterSettings, check_config
+from tandem.decoder.models.peft_config import (
+    CONFIG_FILE,
+    TARGETS,
+    AdapterSettings,
+    check_config,
+    module_key,
+)
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
@@ -241,6 +252,7 @@ def _read_directory(
             hint = ""
         raise AdapterError(WEIGHTS_FILE, f"not found in {shown}{hint}")
     weights = _read_weights(weights_bytes, config, settings)
+    _check_absent(weights, config, settings, shown)
     targets = tuple(t for t in TARGETS if any(module == t for _, module in weights))
     return LoraAdapter(rank=rank, scale=settings.scale, targets=targets, weights=weights)
 
@@ -420,3 +432,31 @@ def _read_weights(
     if not weights:
         raise AdapterError(WEIGHTS_FILE, "holds no LoRA weights")
     return weights
+
+
+def _check_absent(
+    weights: Mapping[tuple[int, str], object], config: ModelConfig, settings: AdapterSettings, shown: str
+) -> None:
+    """Refuses an adapter whose config targets modules its file holds no tensors for, unless peft's init
+    leaves such a module as the base model has it (peft_config.py's NOTE): peft adapts every module the
+    config targets, a missing one with its init's A and B and only a warning, and vLLM leaves it
+    unadapted whatever the init; serving the file alone then gives other tokens than peft with no error."""
+    if settings.absent_is_base:
+        return
+    absent = [
+        (layer, module)
+        for layer in range(config.num_layers)
+        for module in TARGETS
+        if (layer, module) not in weights and settings.why_not_adapted(layer, module) is None
+    ]
+    if absent:
+        more = f" and {len(absent) - 1} more module(s)" if len(absent) > 1 else ""
+        raise AdapterError(
+            WEIGHTS_FILE,
+            f"in {shown} holds no lora_A/lora_B for {module_key(*absent[0])}{more}, which "
+            f"{CONFIG_FILE}:target_modules targets; with init_lora_weights "
+            f"{json.dumps(settings.init_lora_weights)} peft gives such a module random weights of its "
+            "own (other tokens, only a warning): save every targeted module's weights, narrow "
+            "target_modules to those saved, or set init_lora_weights true where the absent ones were left "
+            "untrained (peft then leaves them as the base model has them)",
+        )

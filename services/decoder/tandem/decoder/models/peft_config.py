@@ -13,9 +13,19 @@ refused, as is a list or pattern that names none it does: peft would adapt or fa
 nothing to adapt in the other. A pattern is matched by module_pattern.py, in a worker with a CPU time
 limit. Accepted whatever their value: the few in _IGNORED, which change nothing at inference. Any other
 key (one peft added since, too) must be unset (null, false, {} or []); null is the default for
-use_rslora and init_lora_weights too, as peft reads it. Refused as this server cannot match peft surely,
-or at all: null target_modules (peft picks its own per model type), and initialisations that change the
-base model's weights.
+use_rslora, as peft reads it. Refused as this server cannot match peft surely, or at all: null
+target_modules (peft picks its own per model type), and initialisations that change the base model's
+weights.
+
+NOTE: init_lora_weights matters at inference only for a module the config targets but the weights file
+holds no tensors for: peft adapts it all the same, with its init's A and B, and only warns of the missing
+keys. Its init leaves such a module as the base model has it where B @ A is zero (`absent_is_base`):
+true, "gaussian" and "eva" zero B; "orthogonal" draws A and B from disjoint rows of one orthogonal matrix,
+so B @ A is zero but for rounding, drawn afresh at each load (tiny Qwen3 in float32: logits 2.6e-7 from
+the base's; its update in bfloat16 at 4096 x 4096, r 16: 5e-3 of the projection's output, 3 times the
+rounding of that output itself). false and null keep nn.Linear's own random init for both (peft's
+`elif init_lora_weights:` skips null too): the same tiny model's logits moved 0.16, the whole adapter's
+effect being 0.29.
 """
 
 from __future__ import annotations
@@ -99,6 +109,8 @@ _UNSUPPORTED = {
 # and B (peft's lora/layer.py update_layer); the saved A and B replace them all. None: peft initialises
 # nothing.
 _PLAIN_INITS = (True, False, None, "gaussian", "eva", "orthogonal")
+# Those whose B @ A is zero, so a targeted module the file lacks is the base model's in peft too.
+_BASE_PRESERVING_INITS = (True, "gaussian", "eva", "orthogonal")
 # A layers_pattern peft's regex reads as the literal name it is.
 _PLAIN_NAME = re.compile(r"[A-Za-z_]\w*")
 
@@ -120,6 +132,13 @@ class AdapterSettings:
     # layers_to_transform: the layers a suffix in target_modules adapts; None: every layer. Empty where
     # layers_pattern finds no layer index in these models' names (peft then adapts no such module).
     layers: frozenset[int] | None
+    init_lora_weights: bool | str | None  # as adapter_config.json says it (true where unset)
+
+    @property
+    def absent_is_base(self) -> bool:
+        """Whether peft's init leaves a targeted module the weights file lacks as the base model has it
+        (the module NOTE): only then may the server leave it unadapted and still match peft."""
+        return _is_one_of(self.init_lora_weights, _BASE_PRESERVING_INITS)
 
     def why_not_adapted(self, layer: int, module: str) -> str | None:
         """None where peft adapts `module` of `layer`; else why not, naming the setting."""
@@ -192,7 +211,7 @@ def check_config(
             "bias", f"must be 'none' (bias terms are not supported), got {_short.repr(settings['bias'])}"
         )
     init = settings.get("init_lora_weights", True)
-    if not any(init is plain or (isinstance(plain, str) and init == plain) for plain in _PLAIN_INITS):
+    if not _is_one_of(init, _PLAIN_INITS):
         raise refuse(
             "init_lora_weights",
             "must be true, false, 'gaussian', 'eva' or 'orthogonal' (others change the base model's "
@@ -215,7 +234,13 @@ def check_config(
         target_modules=_target_modules(settings.get("target_modules"), exclude_modules, model, refuse),
         exclude_modules=exclude_modules,
         layers=_layers(settings.get("layers_to_transform"), settings.get("layers_pattern"), refuse),
+        init_lora_weights=init,
     )
+
+
+def _is_one_of(init: object, inits: tuple[bool | str | None, ...]) -> bool:
+    """By identity for true, false and null (1 == True, 0 == False), by value for a string."""
+    return any(init is plain or (isinstance(plain, str) and init == plain) for plain in inits)
 
 
 def _is_unset(value: object) -> bool:
