@@ -149,6 +149,11 @@ def named(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
     return [s for s in spans.get_finished_spans() if s.name == name]
 
 
+def decoder_generate(spans: InMemorySpanExporter) -> list[ReadableSpan]:
+    """The decoder's gRPC server spans of Generate calls."""
+    return [s for s in named(spans, "/tandem.v1.Decoder/Generate") if s.kind is SpanKind.SERVER]
+
+
 def points(reader: InMemoryMetricReader, name: str) -> list:
     data = reader.get_metrics_data()
     found = []
@@ -297,6 +302,11 @@ async def test_cancelling_a_traced_stream_aborts_the_request(traced: Traced, how
     assert completion.attributes[otel.ERROR_TYPE] == "CANCELLED"
     assert completion.status.status_code is StatusCode.ERROR
     assert otel.GEN_AI_USAGE_OUTPUT_TOKENS not in completion.attributes
+    # The gRPC server span says CANCELLED too (it said 0), no server error by the RPC conventions.
+    await wait_for(lambda: decoder_generate(traced.spans))
+    (server,) = decoder_generate(traced.spans)
+    assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert server.status.status_code is StatusCode.UNSET
     assert stack.engine.core.block_manager.num_free_blocks == stack.engine.core.block_manager.num_total_blocks
 
 
@@ -313,6 +323,11 @@ async def test_a_stream_past_its_deadline_is_traced_as_deadline_exceeded(traced:
     (completion,) = named(traced.spans, TEXT_COMPLETION)
     assert completion.attributes[otel.ERROR_TYPE] == "DEADLINE_EXCEEDED"
     assert completion.status.status_code is StatusCode.ERROR
+    # So does the gRPC server span (it said 0, unset), a server error by the RPC conventions.
+    await wait_for(lambda: decoder_generate(traced.spans))
+    (server,) = decoder_generate(traced.spans)
+    assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert server.status.status_code is StatusCode.ERROR
 
 
 async def test_metrics_record_ttft_and_token_counts(traced: Traced) -> None:

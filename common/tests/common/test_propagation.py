@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tandem.client import telemetry as otel
-from tandem.client.telemetry.propagation import MAX_TRACESTATE_CHARS, BoundedTraceContext, ServerInterceptor
+from tandem.client.telemetry.propagation import MAX_TRACESTATE_CHARS, BoundedTraceContext
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 OTHER_PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4737-00f067aa0ba902b8-01"
@@ -54,31 +54,6 @@ def test_repeated_tracestate_headers_are_joined_and_bounded_together() -> None:
 def test_a_repeated_traceparent_is_no_context() -> None:
     assert not _extracted({"traceparent": [PARENT, OTHER_PARENT]}).is_valid
     assert not _extracted({"traceparent": [PARENT, PARENT]}).is_valid
-
-
-class _ServicerContext:
-    def __init__(self, metadata: list[tuple[str, str | bytes]]) -> None:
-        self.metadata = metadata
-
-    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
-        return self.metadata
-
-
-def _server_side(metadata: list[tuple[str, str | bytes]]) -> trace.SpanContext:
-    telemetry = otel.build_telemetry("tandem-encoder", [SimpleSpanProcessor(InMemorySpanExporter())])
-    (interceptor,) = telemetry.server_interceptors()
-    assert isinstance(interceptor, ServerInterceptor)
-    with interceptor._set_remote_context(_ServicerContext(metadata)):
-        return trace.get_current_span().get_span_context()
-
-
-def test_the_server_interceptor_sees_every_value_of_a_repeated_header() -> None:
-    # The instrumentation's own kept the last value of each key: a repeated traceparent was taken.
-    assert not _server_side([("traceparent", PARENT), ("traceparent", OTHER_PARENT)]).is_valid
-    joined = _server_side([("traceparent", PARENT), ("tracestate", "a=1"), ("tracestate", "b=2")])
-    assert joined.trace_state.to_header() == "a=1,b=2"
-    long = _server_side([("traceparent", PARENT), ("tracestate", _state(7000)), ("x-bin", b"\x00")])
-    assert long.is_valid and len(long.trace_state) == 0
 
 
 class _AppsOwn(TraceContextTextMapPropagator):

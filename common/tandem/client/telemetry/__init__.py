@@ -7,6 +7,7 @@ unless asked for (`settings.py` says how each `OTEL_*` variable is read).
 - `settings.py`: what `OTEL_*` asks for, parsed and checked.
 - `providers.py`: the process's tracer and meter providers and the gRPC interceptors (`Telemetry`).
 - `propagation.py`: how a caller's W3C trace context is read (`BoundedTraceContext`).
+- `server_spans.py`: the gRPC server span of each call, ending as its caller sees the call (`ServerSpans`).
 - `tracing.py`: one served gen_ai operation's span and duration point (`ServerOperation`).
 - `metrics.py`: the server's and the client's instruments.
 - names (GenAI semantic conventions and Tandem's own) live in `tandem.client.semconv`, so a client can use

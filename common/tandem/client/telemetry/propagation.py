@@ -7,22 +7,16 @@ propagator instead, behind a server interceptor that kept only the last of a rep
 repeated `traceparent` was taken (its last value), and a `tracestate` up to the SDK's 8192 characters
 was extracted, then injected into every onward call. A caller's 7 KB tracestate went on to the encoder
 past its metadata bound and came back as RESOURCE_EXHAUSTED 'encoder ... is full', blaming a healthy
-encoder. Here both paths read by the same rules:
-- `BoundedTraceContext`, the process's propagator once tracing is on (`install_propagator`);
-- `ServerInterceptor`, the instrumentation's own, handing the propagator every value of a repeated
-  header rather than the last.
+encoder. Here both paths read by the same rules: `BoundedTraceContext` is the process's propagator once
+tracing is on (`install_propagator`), and the server span (server_spans.py) hands it every value of a
+repeated header rather than the last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 from opentelemetry import propagate
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
-from opentelemetry.context import Context, attach, detach
-from opentelemetry.instrumentation.grpc._aio_server import OpenTelemetryAioServerInterceptor
+from opentelemetry.context import Context
 from opentelemetry.propagators import textmap
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -56,20 +50,3 @@ def install_propagator() -> None:
     """Makes BoundedTraceContext (and W3C baggage, as the SDK's default has it) the process's
     propagator: the instrumentation reads the global one."""
     propagate.set_global_textmap(CompositePropagator([BoundedTraceContext(), W3CBaggagePropagator()]))
-
-
-class ServerInterceptor(OpenTelemetryAioServerInterceptor):
-    """The instrumentation's aio server interceptor, extracting from every metadata value: its own
-    made a dict of the metadata, so a repeated header reached the propagator as its last value."""
-
-    @contextmanager
-    def _set_remote_context(self, servicer_context: Any) -> Iterator[None]:
-        carrier: dict[str, list[str]] = {}
-        for key, value in servicer_context.invocation_metadata() or ():
-            if isinstance(value, str):
-                carrier.setdefault(key, []).append(value)
-        token = attach(propagate.extract(carrier))
-        try:
-            yield
-        finally:
-            detach(token)

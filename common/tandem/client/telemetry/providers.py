@@ -20,7 +20,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from .propagation import ServerInterceptor, install_propagator
+from .propagation import install_propagator
+from .server_spans import ServerSpans
 from .settings import TelemetrySettings
 
 _INSTRUMENTATION_SCOPE = "tandem"
@@ -92,7 +93,8 @@ class Telemetry:
         return self.is_tracing or self.is_metrics
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """The gRPC server span (W3C context extracted from metadata); [] with tracing off."""
+        """The gRPC server span (server_spans.py), under the instrumentation's scope as it was made
+        there, so that its consumers see no change; [] with tracing off."""
         if not self.is_tracing:
             return []
         tracer = trace.get_tracer(
@@ -101,7 +103,7 @@ class Telemetry:
             self.tracer_provider,
             schema_url="https://opentelemetry.io/schemas/1.11.0",
         )
-        return [ServerInterceptor(tracer, filter_=self.rpc_filter)]
+        return [ServerSpans(tracer, self.rpc_filter)]
 
     def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
         """gRPC client spans that inject W3C `traceparent` into metadata; [] with tracing off."""

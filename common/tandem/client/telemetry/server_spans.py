@@ -1,0 +1,182 @@
+"""The gRPC server span of each call a tracing service serves, ending as its caller sees the call.
+
+NOTE: the span is Tandem's own, made over public APIs only. The instrumentation's aio server interceptor
+(opentelemetry-instrumentation-grpc) made it, subclassed to override its private `_set_remote_context`,
+and it was wrong twice:
+- a stream that its caller cancelled, or whose deadline passed, ended as it had begun, code 0 and
+  status unset: the instrumentation records only the code a handler sets on its context, and grpc ends
+  such a handler by CancelledError, or by GeneratorExit when it closes the stream between two replies;
+- an upgrade that stopped calling the private hook (the package is pinned with no upper bound) would
+  silently have read a repeated header as its last value, taking the last of two `traceparent`s.
+Here the caller's context is read from every value of a repeated header (propagation.py's rules), and
+the span ends with the code its caller gets (`call_code`) and the status the RPC conventions give a
+gRPC server for it. Its name and attributes are the instrumentation's (`/package.Service/Method`,
+rpc.*, net.peer.*), so its traces read as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote
+
+import grpc
+from opentelemetry import propagate, trace
+from opentelemetry.context import attach, detach
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+# What grpc.aio calls for one method: (request or request iterator, context).
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+# True = the call gets a span (tandem.client.telemetry.providers: health checks and excluded services not).
+CallFilter = Callable[[grpc.HandlerCallDetails], bool]
+
+RPC_SYSTEM = "rpc.system"
+RPC_SERVICE = "rpc.service"
+RPC_METHOD = "rpc.method"
+RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
+RPC_USER_AGENT = "rpc.user_agent"
+NET_PEER_IP = "net.peer.ip"
+NET_PEER_PORT = "net.peer.port"
+# The codes the RPC semantic conventions call a gRPC server's error; the others (CANCELLED,
+# INVALID_ARGUMENT, NOT_FOUND, ...) are its caller's doing and leave the status unset.
+SERVER_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+def call_code(context: grpc.aio.ServicerContext, failure: BaseException | None) -> grpc.StatusCode:
+    """The code the caller gets for a handler that ended by `failure` (None: it returned)."""
+    if isinstance(failure, (asyncio.CancelledError, GeneratorExit)):
+        # grpc cancels a call its caller cancelled and one whose deadline passed alike.
+        remaining = context.time_remaining()
+        is_late = remaining is not None and remaining <= 0
+        return grpc.StatusCode.DEADLINE_EXCEEDED if is_late else grpc.StatusCode.CANCELLED
+    code = context.code()  # set_code or abort's (an ErrorInterceptor's end_with sets it); None if neither
+    if code is not None:
+        return code
+    # grpc answers an exception the handler let out, abort's aside, UNKNOWN.
+    is_unknown = failure is not None and not isinstance(failure, grpc.aio.AbortError)
+    return grpc.StatusCode.UNKNOWN if is_unknown else grpc.StatusCode.OK
+
+
+class ServerSpans(grpc.aio.ServerInterceptor):
+    """One SERVER span per call that `is_traced` accepts, current while its handler runs."""
+
+    def __init__(self, tracer: trace.Tracer, is_traced: CallFilter) -> None:
+        self._tracer = tracer
+        self._is_traced = is_traced
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or not self._is_traced(handler_call_details):
+            return handler
+        behavior, make_handler = _behavior(handler)
+        method = handler_call_details.method
+        if inspect.isasyncgenfunction(behavior):
+            traced: Behavior = self._traced_stream(behavior, method)
+        elif inspect.iscoroutinefunction(behavior):
+            traced = self._traced_call(behavior, method)
+        else:  # a sync handler runs in grpc's thread pool, outside this loop's context: none here
+            return handler
+        return make_handler(
+            traced,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _traced_call(self, behavior: Behavior, method: str) -> Behavior:
+        async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            span, token = self._start(method, context)
+            failure: BaseException | None = None
+            try:
+                return await behavior(request, context)
+            except BaseException as error:
+                failure = error
+                raise
+            finally:
+                detach(token)
+                _end(span, context, failure)
+
+        return traced
+
+    def _traced_stream(self, behavior: Behavior, method: str) -> Behavior:
+        async def traced(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            span, token = self._start(method, context)
+            task = asyncio.current_task()
+            failure: BaseException | None = None
+            try:
+                # Closed here when grpc closes this one: the handler's own spans end before the server's.
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except BaseException as error:
+                failure = error
+                raise
+            finally:
+                # A stream grpc let go between two replies is closed by asyncio's finalizer in a task of
+                # its own, where the call's context is not current (detaching there only logs an error).
+                if asyncio.current_task() is task:
+                    detach(token)
+                _end(span, context, failure)
+
+        return traced
+
+    def _start(self, method: str, context: grpc.aio.ServicerContext) -> tuple[Span, object]:
+        carrier: dict[str, list[str]] = {}  # every value of a repeated header, for the propagator
+        for key, value in context.invocation_metadata() or ():
+            if isinstance(value, str):  # binary (-bin) headers carry no trace context
+                carrier.setdefault(key, []).append(value)
+        parent = propagate.extract(carrier)
+        attributes = _attributes(method, carrier, context.peer())
+        span = self._tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+        return span, attach(trace.set_span_in_context(span, parent))
+
+
+def _behavior(handler: grpc.RpcMethodHandler) -> tuple[Behavior, Callable[..., grpc.RpcMethodHandler]]:
+    """The handler's behaviour and the factory that makes a handler of its kind around another."""
+    if handler.request_streaming and handler.response_streaming:
+        return handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    if handler.request_streaming:
+        return handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    if handler.response_streaming:
+        return handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    return handler.unary_unary, grpc.unary_unary_rpc_method_handler
+
+
+def _attributes(method: str, carrier: dict[str, list[str]], peer: str) -> dict[str, str | int]:
+    service, _, name = method.lstrip("/").partition("/")
+    attributes: dict[str, str | int] = {RPC_SYSTEM: "grpc", RPC_SERVICE: service, RPC_METHOD: name}
+    if agents := carrier.get("user-agent"):
+        attributes[RPC_USER_AGENT] = agents[-1]
+    # "ipv4:127.0.0.1:57284", "ipv6:%5B::1%5D:57284" (the first of a list); a unix socket has no address.
+    scheme, _, address = peer.split(",")[0].partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        ip, _, port = address.rpartition(":")
+        attributes[NET_PEER_IP] = unquote(ip)
+        attributes[NET_PEER_PORT] = port
+    return attributes
+
+
+def _end(span: Span, context: grpc.aio.ServicerContext, failure: BaseException | None) -> None:
+    code = call_code(context, failure)
+    span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
+    if isinstance(failure, Exception) and not isinstance(failure, grpc.aio.AbortError):
+        span.record_exception(failure)
+    if code in SERVER_ERROR_CODES:
+        details = context.details() if code is context.code() else None
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name))
+    span.end()

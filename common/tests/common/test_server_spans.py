@@ -1,0 +1,259 @@
+"""A tracing service's gRPC server span: a child of its caller's `traceparent` (read by the services'
+rules: a repeated one is none), current while the handler runs, and ending with the code its caller
+gets as `rpc.grpc.status_code`, ERROR only for the codes the RPC conventions call a server's error. A
+stream its caller cancels or whose deadline passes used to end with code 0 and no status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from tandem.client import telemetry as otel
+from tandem.client.errors import InvalidArgument
+from tandem.client.status import ErrorInterceptor
+from tandem.client.telemetry.server_spans import RPC_GRPC_STATUS_CODE, ServerSpans, call_code
+
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+OTHER_PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4737-00f067aa0ba902b8-01"
+SERVICE = "test.Spans"
+
+
+def _identity(x: bytes) -> bytes:
+    return x
+
+
+class Methods:
+    """Raw-bytes methods, served behind the services' ErrorInterceptor as the services serve theirs."""
+
+    def __init__(self) -> None:
+        self.current: list[trace.SpanContext] = []  # the current span each handler saw
+
+    async def Echo(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self.current.append(trace.get_current_span().get_span_context())
+        return request
+
+    async def Refuse(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        raise InvalidArgument("prompt", "too long")
+
+    async def Bug(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        raise RuntimeError("a bug")
+
+    async def Hang(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        yield b"first"
+        await asyncio.Event().wait()  # until grpc cancels it
+
+
+@dataclass
+class Traced:
+    stub: Callable[[str], Any]  # a method's name -> its multicallable
+    spans: InMemorySpanExporter
+    methods: Methods
+
+    async def span(self) -> ReadableSpan:
+        """The one server span, once ended: it ends just after the caller sees the status."""
+        async with asyncio.timeout(5):
+            while not self.spans.get_finished_spans():
+                await asyncio.sleep(0.005)
+        (span,) = self.spans.get_finished_spans()
+        self.spans.clear()
+        return span
+
+
+@pytest.fixture
+async def traced() -> AsyncIterator[Traced]:
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-encoder", [SimpleSpanProcessor(exporter)])
+    methods = Methods()
+    handlers = {
+        "Echo": grpc.unary_unary_rpc_method_handler(methods.Echo, _identity, _identity),
+        "Refuse": grpc.unary_unary_rpc_method_handler(methods.Refuse, _identity, _identity),
+        "Bug": grpc.unary_unary_rpc_method_handler(methods.Bug, _identity, _identity),
+        "Hang": grpc.unary_stream_rpc_method_handler(methods.Hang, _identity, _identity),
+    }
+    server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+
+    def stub(name: str) -> Any:
+        path = f"/{SERVICE}/{name}"
+        make = channel.unary_stream if name == "Hang" else channel.unary_unary
+        return make(path, request_serializer=_identity, response_deserializer=_identity)
+
+    try:
+        yield Traced(stub, exporter, methods)
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_call_is_a_child_of_its_callers_traceparent_and_current_in_its_handler(
+    traced: Traced,
+) -> None:
+    assert await traced.stub("Echo")(b"hi", metadata=[("traceparent", PARENT)]) == b"hi"
+    span = await traced.span()
+    assert (span.name, span.kind) == (f"/{SERVICE}/Echo", SpanKind.SERVER)
+    assert span.parent is not None and span.parent.trace_id == int(PARENT.split("-")[1], 16)
+    assert traced.methods.current == [span.context]
+    a = span.attributes
+    assert (a["rpc.system"], a["rpc.service"], a["rpc.method"]) == ("grpc", SERVICE, "Echo")
+    assert a["net.peer.ip"] == "127.0.0.1" and int(a["net.peer.port"]) > 0  # type: ignore[arg-type]
+    assert a[RPC_GRPC_STATUS_CODE] == 0 and span.status.status_code is StatusCode.UNSET
+
+
+async def test_repeated_tracestates_are_joined_and_bounded_together(traced: Traced) -> None:
+    echo = traced.stub("Echo")
+    await echo(b"", metadata=[("traceparent", PARENT), ("tracestate", "a=1"), ("tracestate", "b=2")])
+    assert (await traced.span()).context.trace_state.to_header() == "a=1,b=2"
+    long = [("tracestate", "k=" + "v" * 255), ("tracestate", "j=" + "v" * 255), ("tracestate", "i=1")]  # 519
+    await echo(b"", metadata=[("traceparent", PARENT), *long, ("x-bin", b"\x00")])
+    span = await traced.span()
+    assert span.parent is not None and len(span.context.trace_state) == 0  # over 512 characters: dropped
+
+
+async def test_a_repeated_traceparent_is_no_parent() -> None:
+    # The instrumentation's own kept the last value of each key, and took it. (grpc 1.85 itself keeps
+    # only the last traceparent of a call it sends or takes: this one reaches the handler from another
+    # stack.)
+    exporter = InMemorySpanExporter()
+    spans = _spans(exporter)
+    metadata = (("traceparent", PARENT), ("traceparent", OTHER_PARENT))
+    handler = await spans.intercept_service(_returning(_echo), _Details(f"/{SERVICE}/Echo"))  # type: ignore[arg-type]
+    assert await handler.unary_unary(b"", _Context(None, metadata)) == b""
+    (span,) = exporter.get_finished_spans()
+    assert span.parent is None
+
+
+async def test_a_stream_its_caller_cancels_is_cancelled_and_no_server_error(traced: Traced) -> None:
+    call = traced.stub("Hang")(b"")
+    assert await call.read() == b"first"
+    call.cancel()
+    span = await traced.span()
+    assert span.attributes[RPC_GRPC_STATUS_CODE] == grpc.StatusCode.CANCELLED.value[0]
+    assert span.status.status_code is StatusCode.UNSET
+
+
+async def test_a_stream_past_its_deadline_is_deadline_exceeded_and_a_server_error(traced: Traced) -> None:
+    call = traced.stub("Hang")(b"", timeout=0.2)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in call:
+            pass
+    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    span = await traced.span()
+    assert span.attributes[RPC_GRPC_STATUS_CODE] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert span.status.status_code is StatusCode.ERROR
+
+
+async def test_a_refusal_keeps_its_code_with_no_server_error_and_a_bug_is_an_internal_error(
+    traced: Traced,
+) -> None:
+    for name, code, status in (
+        ("Refuse", grpc.StatusCode.INVALID_ARGUMENT, StatusCode.UNSET),
+        ("Bug", grpc.StatusCode.INTERNAL, StatusCode.ERROR),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await traced.stub(name)(b"")
+        assert caught.value.code() is code
+        span = await traced.span()
+        assert (span.attributes[RPC_GRPC_STATUS_CODE], span.status.status_code) == (code.value[0], status)
+
+
+class _Context:
+    """A servicer context: its deadline, if any, `remaining_s` away, and its call's `metadata`."""
+
+    def __init__(self, remaining_s: float | None, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.remaining_s = remaining_s
+        self.metadata = metadata
+
+    def time_remaining(self) -> float | None:
+        return self.remaining_s
+
+    def code(self) -> grpc.StatusCode | None:
+        return None
+
+    def details(self) -> str:
+        return ""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5000"
+
+
+def _spans(exporter: InMemorySpanExporter) -> ServerSpans:
+    telemetry = otel.build_telemetry("tandem-decoder", [SimpleSpanProcessor(exporter)])
+    (spans,) = telemetry.server_interceptors()
+    assert isinstance(spans, ServerSpans)
+    return spans
+
+
+async def _echo(request: bytes, context: Any) -> bytes:
+    return request
+
+
+def _returning(behavior: Any, is_stream: bool = False) -> Callable[[Any], Awaitable[grpc.RpcMethodHandler]]:
+    """An interceptor's continuation that finds `behavior` as the method's handler."""
+
+    async def continuation(details: Any) -> grpc.RpcMethodHandler:
+        if is_stream:
+            return grpc.unary_stream_rpc_method_handler(behavior)
+        return grpc.unary_unary_rpc_method_handler(behavior)
+
+    return continuation
+
+
+@dataclass
+class _Details:
+    """What grpc tells interceptors of a call."""
+
+    method: str
+    invocation_metadata: tuple[tuple[str, str], ...] = ()
+
+
+def test_a_handler_ended_by_cancel_or_close_is_cancelled_or_past_its_deadline() -> None:
+    for failure in (asyncio.CancelledError(), GeneratorExit()):
+        assert call_code(_Context(None), failure) is grpc.StatusCode.CANCELLED  # type: ignore[arg-type]
+        assert call_code(_Context(3.0), failure) is grpc.StatusCode.CANCELLED  # type: ignore[arg-type]
+        assert call_code(_Context(0.0), failure) is grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[arg-type]
+
+
+async def test_a_stream_grpc_lets_go_between_replies_ends_its_span_when_asyncio_closes_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # grpc cancels its task while it writes a reply: the handler is left at a `yield`, and asyncio's
+    # finalizer closes it later, in a task of its own (GeneratorExit, as 93001e1 saw on a loaded box).
+    exporter = InMemorySpanExporter()
+    closed: list[trace.Span] = []
+
+    async def replies(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        try:
+            yield b"first"
+            yield b"second"
+        finally:
+            closed.append(trace.get_current_span())
+
+    handler = await _spans(exporter).intercept_service(
+        _returning(replies, is_stream=True),
+        _Details(f"/{SERVICE}/Hang"),  # type: ignore[arg-type]
+    )
+    stream = handler.unary_stream(b"", _Context(0.0))
+    assert await anext(stream) == b"first"
+    with caplog.at_level(logging.ERROR, logger="opentelemetry.context"):
+        await asyncio.create_task(stream.aclose())
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes[RPC_GRPC_STATUS_CODE] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert span.status.status_code is StatusCode.ERROR
+    assert closed and not caplog.records  # the handler was closed first; no "Failed to detach context"
