@@ -11,7 +11,7 @@ from tandem.common.torch_part import tensors
 from tandem.decoder.api.protocol import event_to_pb, spec_from_pb
 from tandem.decoder.engine.outputs.outputs import Delta, TopLogprobs
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
-from tandem.decoder.engine.outputs.token_bytes import token_bytes_table
+from tandem.decoder.engine.outputs.token_bytes import TokenBytes, token_bytes_table
 
 from ..engine.outputs.test_detokenizer import BYTE_LEVEL, EOS
 
@@ -125,3 +125,25 @@ def test_an_encoder_part_is_converted_unfetched_and_an_empty_one_names_its_field
     )
     with pytest.raises(InvalidArgument, match=r"^prompt\[0\]\.encoder: set one of text, token_ids or image$"):
         spec_from_pb(empty, tensors.DEFAULT_LIMITS, None)
+
+
+def test_entries_spell_each_token_by_its_own_bytes_as_a_deltas_tokens_are() -> None:
+    delta = Delta(
+        "r",
+        (9,),
+        "",
+        (),
+        (),
+        prompt_logprobs=(
+            PromptLogprob(1, None, (), ()),
+            PromptLogprob(None, None, (2, 1), (-0.5, -1.5)),  # an embedding row: its alternatives only
+            PromptLogprob(3, -2.25, (1, 3), (-0.25, -2.25)),
+        ),
+    )
+    table = TokenBytes((b"<s>", b" a", "\u00e9".encode()[:1], b"b"))
+    first, row, token = event_to_pb(delta, table).delta.prompt_logprobs
+    assert first.token_bytes == b" a" and not first.top_logprobs.token_bytes
+    assert not row.HasField("token_bytes") and list(row.top_logprobs.token_bytes) == [b"\xc3", b" a"]
+    assert token.token_bytes == b"b" and list(token.top_logprobs.token_bytes) == [b" a", b"b"]
+    unspelled = event_to_pb(delta).delta.prompt_logprobs[2]  # no table: nothing, as an older decoder's
+    assert not unspelled.HasField("token_bytes") and not unspelled.top_logprobs.token_bytes

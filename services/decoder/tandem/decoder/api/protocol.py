@@ -11,7 +11,7 @@ name the field the way the proto does, e.g. `prompt[2].embeddings`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from google.protobuf import json_format
@@ -194,7 +194,7 @@ def event_to_pb(event: Event, token_bytes: TokenBytes | None = None) -> decoder_
                     )
                     for t in event.top_logprobs
                 ],
-                prompt_logprobs=[_prompt_logprob_to_pb(entry) for entry in event.prompt_logprobs],
+                prompt_logprobs=[_prompt_logprob_to_pb(entry, spell) for entry in event.prompt_logprobs],
                 token_bytes=spell(event.token_ids) if event.logprobs or event.top_logprobs else (),
             ),
         )
@@ -230,16 +230,22 @@ def _unspelled(token_ids: Sequence[int]) -> list[bytes]:
     return []
 
 
-def _prompt_logprob_to_pb(entry: PromptLogprob) -> decoder_pb2.PromptLogprob:
-    """Unset fields mark what a position lacks: a token (an embedding row), a context (position 0)."""
+def _prompt_logprob_to_pb(
+    entry: PromptLogprob, spell: Callable[[Sequence[int]], list[bytes]]
+) -> decoder_pb2.PromptLogprob:
+    """Unset fields mark what a position lacks: a token (an embedding row), a context (position 0).
+    Each token is spelled by its own bytes (`spell`), as a delta's are: a caller has no tokenizer."""
     message = decoder_pb2.PromptLogprob()
     if entry.token_id is not None:
         message.token_id = entry.token_id
+        if own := spell([entry.token_id]):
+            message.token_bytes = own[0]
     if entry.logprob is not None:
         message.logprob = entry.logprob
     if entry.top_token_ids:
         message.top_logprobs.token_ids.extend(entry.top_token_ids)
         message.top_logprobs.logprobs.extend(entry.top_logprobs)
+        message.top_logprobs.token_bytes.extend(spell(entry.top_token_ids))
     return message
 
 

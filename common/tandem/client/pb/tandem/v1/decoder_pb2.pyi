@@ -466,7 +466,7 @@ class OutputOptions(_message.Message):
     prompt tokens' own logprobs only. Every prompt position runs through the model for it: such a
     request takes nothing from the prefix cache (its blocks still enter it for later requests), so
     it pays its whole prefill even when a prefix is cached. That delta grows by at most about 12 bytes per
-    position plus 8 per listed token.
+    position plus 8 per listed token, and each token's own text (token_bytes).
     """
     def __init__(
         self,
@@ -707,9 +707,10 @@ class TopLogprobs(_message.Message):
 
     @_builtins.property
     def token_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """On a delta's entries: each alternative's own text as UTF-8 bytes, same order (a token may hold part
-        of a character: its bytes are raw, not always valid UTF-8). Empty on prompt_logprobs' entries and
-        from decoders older than this field.
+        """Each alternative's own text as UTF-8 bytes, same order (a token may hold part of a character: its
+        bytes are raw, not always valid UTF-8), on a delta's entries and on prompt_logprobs' alike. Empty
+        from decoders older than this field (on prompt_logprobs' entries, older than PromptLogprob's
+        token_bytes).
         """
 
     def __init__(
@@ -739,12 +740,18 @@ class PromptLogprob(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     """The prompt's token ID at this position; unset at an embedding row."""
     logprob: _builtins.float
     """Natural-log probability of token_id given every earlier position, from the model's own
     distribution (temperature 1; no penalties, bias or other sampling parameter applies). Unset at
     position 0 and at embedding rows.
+    """
+    token_bytes: _builtins.bytes
+    """token_id's own text as UTF-8 bytes (raw: part of a character is not valid UTF-8 alone), as
+    TokenDelta.token_bytes spells a generated token; unset at an embedding row and from decoders older
+    than this field, which leave top_logprobs.token_bytes empty too.
     """
     @_builtins.property
     def top_logprobs(self) -> Global___TopLogprobs:
@@ -758,17 +765,22 @@ class PromptLogprob(_message.Message):
         token_id: _builtins.int | None = ...,
         logprob: _builtins.float | None = ...,
         top_logprobs: Global___TopLogprobs | None = ...,
+        token_bytes: _builtins.bytes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_token_id", b"_token_id", "logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_token_bytes", b"_token_bytes", "_token_id", b"_token_id", "logprob", b"logprob", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_token_id", b"_token_id", "logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_token_bytes", b"_token_bytes", "_token_id", b"_token_id", "logprob", b"logprob", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
     _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    _WhichOneofReturnType__token_bytes: _TypeAlias = _typing.Literal["token_bytes"]  # noqa: Y015
+    _WhichOneofArgType__token_bytes: _TypeAlias = _typing.Literal["_token_bytes", b"_token_bytes"]  # noqa: Y015
     _WhichOneofReturnType__token_id: _TypeAlias = _typing.Literal["token_id"]  # noqa: Y015
     _WhichOneofArgType__token_id: _TypeAlias = _typing.Literal["_token_id", b"_token_id"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__token_bytes) -> _WhichOneofReturnType__token_bytes | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__token_id) -> _WhichOneofReturnType__token_id | None: ...
 
