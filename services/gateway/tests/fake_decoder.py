@@ -10,7 +10,9 @@ out of the vocabulary (field `prompt[j].token_ids.ids[k]`, ID k of segment j), a
 as over the context (`stopping.max_new_tokens`); one holding `hang` streams ` .` until cancelled,
 `flood` deltas of FLOOD_BYTES as fast as they are taken until cancelled;
 `break` fails after its deltas; `drain` ends ABORTED; `after2` waits until two other streams are open
-(so that its neighbours are accepted before it is refused).
+(so that its neighbours are accepted before it is refused). With output.prompt_logprobs N, its first
+delta scores P character by character (`prompt_scores`), and a prompt holding `budget` is refused
+RESOURCE_EXHAUSTED naming `output.prompt_logprobs`, as the decoder refuses a caller over its budget.
 
 Started with an encoder (`fake_decoder(encoder_address)`), it is a decoder started with `--encoder`:
 it takes `encoder` parts and, as the real one does (`tandem.decoder.api.encoder_parts`), fetches their
@@ -33,7 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from tandem.client.errors import InvalidArgument
+from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tandem.client.status import end_with
 
@@ -109,7 +111,12 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             num_tokens = request.stopping.max_new_tokens or 2
             texts = [f"<{prompt}>", f" seed={seed}", *[" x"] * (num_tokens - 2)][:num_tokens]
             for k, text in enumerate(texts):
-                yield _delta(request, text, k)
+                response = _delta(request, text, k)
+                if k == 0 and request.output.HasField("prompt_logprobs"):
+                    response.delta.prompt_logprobs.extend(
+                        prompt_scores(prompt, request.output.prompt_logprobs)
+                    )
+                yield response
             if "break" in prompt:
                 end_with(context, InvalidArgument("prompt", "broke after its tokens"))
                 return
@@ -164,7 +171,29 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
                 await asyncio.sleep(0.01)
 
 
-def _refusal(request: decoder_pb2.GenerateRequest, prompt: str) -> InvalidArgument | None:
+def prompt_scores(prompt: str, top: int) -> list[decoder_pb2.PromptLogprob]:
+    """The fake's prompt logprobs of `prompt`: a position per character, its token ID the character's
+    code point modulo VOCAB, spelled by its UTF-8 bytes, at logprob -p (position p); its `top`
+    likeliest IDs 0 .. top - 1 at -0.5 - k, each spelled `tK`."""
+    scores = []
+    for p, character in enumerate(prompt):
+        entry = decoder_pb2.PromptLogprob(token_id=ord(character) % VOCAB, token_bytes=character.encode())
+        if p:
+            entry.logprob = -float(p)
+            if top:
+                entry.top_logprobs.token_ids.extend(range(top))
+                entry.top_logprobs.logprobs.extend(-0.5 - k for k in range(top))
+                entry.top_logprobs.token_bytes.extend(f"t{k}".encode() for k in range(top))
+        scores.append(entry)
+    return scores
+
+
+def _refusal(request: decoder_pb2.GenerateRequest, prompt: str) -> InvalidArgument | ResourceExhausted | None:
+    if "budget" in prompt and request.output.HasField("prompt_logprobs"):
+        return ResourceExhausted(
+            f"output.prompt_logprobs: this caller's open streams already hold 0 prompt-logprob entries; this "
+            f"request needs {len(prompt) * (1 + request.output.prompt_logprobs)} more and the limit is 1"
+        )
     if "refuse" in prompt:
         return InvalidArgument("prompt", f"{len(prompt)} positions leave no room to generate")
     for j, segment in enumerate(request.prompt):

@@ -13,7 +13,7 @@ import pytest
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.answer_bound import CHOICE_FRAME_BYTES
-from tandem.gateway.responses import Completion, answer, answer_frame
+from tandem.gateway.responses import Completion, answer, answer_frame, share_scores
 
 LONGEST_LOGPROB = -1.0649640863824063e-32  # float32's, 23 characters as JSON
 TEXTS = ("", "a", '"', "\\", "\n\t\x01\x1f", "é", "\U0001f600", "\u2028", "日本", "token_id:7", "], ")
@@ -126,3 +126,59 @@ def test_an_answers_bound_is_its_frame_and_its_choices_bounds() -> None:
     before, after = answer_frame(completions)
     bound = len(before) + len(after) + sum(c.json_bound for c in completions)
     assert bound >= len(json.dumps(answer(completions, True)).encode())
+
+
+def _scored(rng: random.Random, num_positions: int, top: int) -> decoder_pb2.TokenDelta:
+    """A delta with prompt logprobs: embedding rows, tokens with and without bytes, ranked or not."""
+    delta = decoder_pb2.TokenDelta()
+    for _ in range(num_positions):
+        position = delta.prompt_logprobs.add()
+        if rng.random() < 0.9:
+            position.token_id = rng.choice([2**32 - 1, rng.randrange(2**32)])
+            position.logprob = rng.choice(LOGPROBS + (LONGEST_LOGPROB,))
+            if rng.random() < 0.8:
+                position.token_bytes = rng.choice(TOKEN_BYTES) * rng.choice([1, 8])
+        ids = [rng.choice([position.token_id, 2**32 - 2 - k]) for k in range(top)]
+        position.top_logprobs.token_ids.extend(ids)
+        position.top_logprobs.logprobs.extend(rng.choice(LOGPROBS + (LONGEST_LOGPROB,)) for _ in ids)
+        if rng.random() < 0.8:
+            position.top_logprobs.token_bytes.extend(rng.choice(TOKEN_BYTES) for _ in ids)
+    return delta
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_the_bound_is_never_under_the_json_of_random_prompt_logprobs(kind: str) -> None:
+    rng = random.Random(kind)
+    for _ in range(50):
+        completions = [Completion(kind, "rid", "m", i, i // 2, 2**31) for i in range(3)]
+        top = rng.choice([0, 1, 20])
+        completions[0].add(_scored(rng, rng.choice([1, 2, 30]), top), rng.random() < 0.5)
+        completions[2].add(_scored(rng, rng.choice([1, 30]), top), True)
+        for completion in completions:
+            completion.finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_LENGTH)
+        share_scores(completions)  # choice 1 shows prompt 0's too (a completion's; a chat's once)
+        before, after = answer_frame(completions, with_scores=False)  # the frame `answers.write` counts
+        bound = len(before) + len(after) + sum(c.json_bound for c in completions)
+        assert bound >= len(json.dumps(answer(completions, True)).encode())
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("token_bytes", [None, b"\x01" * 8])
+def test_prompt_logprobs_of_the_longest_entries_stay_within_a_close_bound(
+    kind: str, token_bytes: bytes | None
+) -> None:
+    # 10-digit IDs, float32's longest logprob, the prompt's token unranked (below its top 20).
+    delta = decoder_pb2.TokenDelta()
+    for _ in range(500):
+        position = delta.prompt_logprobs.add(token_id=2**32 - 1, logprob=LONGEST_LOGPROB)
+        ids = [2**32 - 2 - k for k in range(20)]
+        position.top_logprobs.token_ids.extend(ids)
+        position.top_logprobs.logprobs.extend([LONGEST_LOGPROB] * 20)
+        if token_bytes is not None:
+            position.token_bytes = token_bytes
+            position.top_logprobs.token_bytes.extend([token_bytes] * 20)
+    completion = Completion(kind, "rid", "m", 0, 0, 2**31)
+    completion.add(delta, False)
+    real = len(json.dumps(answer([completion], False)).encode())
+    before, after = answer_frame([completion], with_scores=False)
+    assert real <= len(before) + len(after) + completion.json_bound <= 1.05 * real  # ranks 1-20, not null

@@ -512,7 +512,7 @@ async def test_a_non_streamed_answer_lets_the_event_loop_go_between_its_choices(
     rendered = []
     choice = Completion.choice
     monkeypatch.setattr(
-        Completion, "choice", lambda self, *args: rendered.append(ticks) or choice(self, *args)
+        Completion, "choice", lambda self, *args, **kw: rendered.append(ticks) or choice(self, *args, **kw)
     )
     body = CHAT | {"n": 3, "logprobs": True, "top_logprobs": 2, "max_tokens": 3}
     async with fake_decoder() as (_, address), live_gateway(address) as url:

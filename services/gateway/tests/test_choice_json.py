@@ -63,6 +63,29 @@ async def test_a_choice_in_slices_is_the_json_of_the_choice_dumped_whole(
         assert sum(counted) == sum(map(len, pieces))  # every byte held is counted
 
 
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("num_positions", [2, 100])
+async def test_a_choice_with_prompt_logprobs_in_slices_is_the_choice_dumped_whole(
+    kind: str, num_positions: int
+) -> None:
+    # A completions choice holds them as its last key; a chat answer, not its choice (`answers.write`).
+    completion = _completion(kind, 3, top=2, texts=("\x00tandem-logprobs\x00",))
+    first = decoder_pb2.TokenDelta(text="", token_ids=[9])
+    top = decoder_pb2.TopLogprobs(token_ids=[1, 2], logprobs=[-0.5, -1.0], token_bytes=[b"}", b'", '])
+    first.prompt_logprobs.extend(
+        decoder_pb2.PromptLogprob(token_id=p, logprob=-p, token_bytes=b"]", top_logprobs=top)
+        for p in range(num_positions)
+    )
+    completion.add(first, with_logprobs=True)
+    for with_logprobs in (True, False):
+        counted: list[int] = []
+        pieces = await choice_json.choice_json(completion, with_logprobs, counted.append)
+        whole = completion.choice(with_logprobs)
+        assert b"".join(pieces) == json.dumps(whole).encode()
+        assert ("prompt_logprobs" in whole) is (kind == "text")
+        assert sum(counted) == sum(map(len, pieces))
+
+
 async def test_a_choice_in_slices_counts_offsets_into_its_text_as_the_choice_does() -> None:
     # A SentencePiece first token whose space the decoder's text dropped: b" Hello" of text "Hello".
     completion = Completion("text", "id", "model", index=0, created=1)

@@ -38,3 +38,13 @@ def test_a_lone_choice_is_its_request_with_the_requests_id() -> None:
     (choice,) = choices_of(call, "r")
     assert choice.request is call.requests[0]  # no copy of a prompt that may be megabytes of rows
     assert (choice.index, choice.request.request_id, choice.request.sampling.seed) == (0, "r", 5)
+
+
+def test_choice_0_of_each_prompt_alone_asks_for_its_prompt_logprobs() -> None:
+    # Scoring a prompt runs its prefill past the prefix cache and holds the caller's budget: once a prompt.
+    choices = _choices({"prompt": ["a", "b"], "n": 3, "prompt_logprobs": 4})
+    asked = [
+        c.request.output.prompt_logprobs if c.request.output.HasField("prompt_logprobs") else None
+        for c in choices
+    ]
+    assert asked == [4, None, None, 4, None, None]

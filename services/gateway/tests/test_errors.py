@@ -30,6 +30,8 @@ LIMITS = BodyLimits.for_chat(4096, 16)
         ("chat.messages[2].content[0].image", "guided_regex", "messages[2].content[0].embeddings"),
         ("stopping.stop_sequences[0]", None, "stop[0]"),
         ("sampling.top_k", None, "top_k"),
+        ("output.prompt_logprobs: the limit is 2520", None, "prompt_logprobs: the limit is 2520"),
+        ("output.logprobs", None, "logprobs"),
     ],
 )  # fmt: skip
 def test_a_service_path_is_named_as_the_body_names_it(

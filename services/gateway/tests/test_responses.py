@@ -8,7 +8,7 @@ import tracemalloc
 import pytest
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.responses import Completion, answer, answer_frame
+from tandem.gateway.responses import Completion, answer, answer_frame, share_scores
 
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
@@ -108,3 +108,38 @@ def test_a_choices_logprobs_are_kept_compact_until_the_answer_is_written() -> No
         tracemalloc.stop()
     assert held < 2 * 2**20, held
     assert len(completion.choice(True)["logprobs"]["content"]) == 4096
+
+
+def _scored_delta(num_positions: int) -> decoder_pb2.TokenDelta:
+    delta = _delta(0)
+    top = decoder_pb2.TopLogprobs(token_ids=[3], logprobs=[-0.5], token_bytes=[b" x"])
+    delta.prompt_logprobs.extend(
+        decoder_pb2.PromptLogprob(token_id=p, logprob=-1.0, token_bytes=b"y", top_logprobs=top)
+        for p in range(num_positions)
+    )
+    return delta
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_prompt_logprobs_are_each_completions_choices_and_a_chat_answers_own(kind: str) -> None:
+    # Prompt 0's choice 0 asked (`choices.py`); its choice 1 and prompt 1's choice (which did not) share.
+    completions = [Completion(kind, "abc", "m", index=i, prompt_index=i // 2) for i in range(3)]
+    completions[0].add(_scored_delta(3), True)
+    for completion in completions[1:]:
+        completion.add(_delta(0), True)
+    bound = completions[1].json_bound
+    share_scores(completions)
+    whole = answer(completions, True)
+    if kind == "text":
+        assert whole["choices"][0]["prompt_logprobs"] == whole["choices"][1]["prompt_logprobs"]
+        assert len(whole["choices"][0]["prompt_logprobs"]) == 3 and completions[1].json_bound > bound
+        assert "prompt_logprobs" not in whole["choices"][2] and "prompt_logprobs" not in whole
+    else:  # vLLM's ChatCompletionResponse.prompt_logprobs, after its usage
+        assert list(whole)[-1] == "prompt_logprobs" and len(whole["prompt_logprobs"]) == 3
+        assert all("prompt_logprobs" not in c for c in whole["choices"])
+    before, after = answer_frame(completions)
+    pieces = [json.dumps(c.choice(True)) for c in completions]
+    assert before + ", ".join(pieces) + after == json.dumps(whole)
+    # Kept once: the delta's bytes, one object among the tokens' deltas (logprobs) and as the scores.
+    assert completions[0].scored is completions[0].deltas[0]
+    assert completions[1].scored is (completions[0].scored if kind == "text" else None)

@@ -301,3 +301,39 @@ async def test_response_format_json_schema_gives_json_the_schema_validates(live:
                 response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
             )  # fmt: skip
         assert error.value.body["param"] == "response_format.json_schema.schema"
+
+
+async def test_prompt_logprobs_are_the_decoders_own_in_vllms_shape(live: Live) -> None:
+    """vLLM's extra `prompt_logprobs`: each completions choice holds the decoder's scores of its prompt
+    (n choices, one Generate call of them asking), a chat answer its own; never dropped."""
+    request = decoder_pb2.GenerateRequest(plain_text=True, prompt=[decoder_pb2.PromptSegment(text=PROMPT)])
+    request.output.prompt_logprobs, request.stopping.max_new_tokens = 2, 1
+    (scored,) = [r.delta async for r in live.decoder.client.generate(request) if r.delta.prompt_logprobs]
+    expected: list[dict | None] = [None]
+    for position in scored.prompt_logprobs[1:]:  # the prompt's token (unranked below the top 2), the top 2
+        top = position.top_logprobs
+        own = (position.token_id, position.logprob, position.token_bytes, None)
+        alternatives = zip(top.token_ids, top.logprobs, top.token_bytes, (1, 2), strict=True)
+        expected.append(
+            {str(t): (lp, b.decode(errors="replace"), rank) for t, lp, b, rank in (own, *alternatives)}
+        )
+    body = {"prompt_logprobs": 2}
+    async with _client(live) as client:
+        reply = await client.completions.create(
+            model="", prompt=PROMPT, max_tokens=1, temperature=0, n=2, extra_body=body
+        )
+        chat = await client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": PROMPT}], max_tokens=1, extra_body=body
+        )
+    for choice in reply.choices:
+        given = choice.model_extra["prompt_logprobs"]
+        assert len(given) == len(expected) == reply.usage.prompt_tokens
+        assert given[0] is None
+        for entries, wanted in zip(given[1:], expected[1:], strict=True):
+            assert list(entries) == list(wanted)  # the prompt's token first, then the likeliest two
+            for key, (lp, text, rank) in wanted.items():
+                assert entries[key]["logprob"] == pytest.approx(lp, abs=1e-5)
+                assert (entries[key]["decoded_token"], entries[key]["rank"]) == (text, rank)
+    chat_scores = chat.model_extra["prompt_logprobs"]
+    assert len(chat_scores) == chat.usage.prompt_tokens and chat_scores[0] is None
+    assert all(len(entries) in (2, 3) for entries in chat_scores[1:])

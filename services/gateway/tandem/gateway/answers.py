@@ -21,7 +21,8 @@ from tandem.gateway.calls import GenerateCall
 from tandem.gateway.choice_json import choice_json
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
 from tandem.gateway.errors import HttpError
-from tandem.gateway.responses import Completion, answer_frame, usage_chunk
+from tandem.gateway.prompt_logprobs import prompt_json
+from tandem.gateway.responses import Completion, answer_frame, share_scores, usage_chunk
 
 # FINISH_REASON_ABORTED: the decoder drained (SIGTERM) before the answer ended; OpenAI has no such reason.
 ABORTED = HttpError(503, "service_unavailable", "the server stopped before the answer ended; retry")
@@ -60,7 +61,8 @@ async def write(
     they do not fit (`AnswerBytes.reserve`); once serialized the reservation is settled to the real
     JSON, and given back, in this one finally, when the answer is written, fails or its connection
     ends (the handler is cancelled)."""
-    before, after = (part.encode() for part in answer_frame(completions))
+    share_scores(completions)
+    before, after = (part.encode() for part in answer_frame(completions, with_scores=False))
     separator = b", "
     frame = len(before) + len(separator) * (len(completions) - 1) + len(after)
     bound = frame + sum(completion.json_bound for completion in completions)
@@ -70,10 +72,17 @@ async def write(
             await choice_json(completion, with_logprobs, reservation.hold) for completion in completions
         ]
         reservation.hold(frame)
+        # A chat answer's prompt logprobs: its last key, a slice of positions at a time.
+        scored = completions[0].scored if completions[0].kind == "chat" else None
+        tail = [after]
+        if scored is not None:
+            opening = b', "prompt_logprobs": '
+            reservation.hold(len(opening))
+            tail = [after[:-1], opening, *await prompt_json(scored, reservation.hold), b"}"]
         reservation.settle()
         response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
-        num_bytes = sum(len(piece) for pieces in choices for piece in pieces)
-        response.content_length = frame + num_bytes
+        num_bytes = sum(len(piece) for pieces in (*choices, tail) for piece in pieces)
+        response.content_length = frame - len(after) + num_bytes
         await response.prepare(request)
         await response.write(before)
         for i, pieces in enumerate(choices):
@@ -81,7 +90,8 @@ async def write(
                 await response.write(separator)
             for piece in pieces:
                 await response.write(piece)
-        await response.write(after)
+        for piece in tail:
+            await response.write(piece)
         await response.write_eof()
         return response
     finally:

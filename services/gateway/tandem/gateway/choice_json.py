@@ -10,7 +10,9 @@ work. A slice of `SLICE_VALUES` values costs a few ms, after which everything el
 
 The bytes are the same: a list dumped in slices is its slices' items (each slice's dump without its
 brackets) joined by ", ", json.dumps's own separator; the rest of the choice is dumped whole around its
-logprobs lists (the last key of a choice, so a text holding the marker cannot be mistaken for it).
+logprobs lists (the last key of a choice, so a text holding the marker cannot be mistaken for it), but
+for a completions choice's prompt logprobs, which come after them, a slice of positions at a time
+(`prompt_logprobs.prompt_json`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.logprob_entries import TextOffsets, chat_logprobs, text_logprobs
+from tandem.gateway.prompt_logprobs import prompt_json
 from tandem.gateway.responses import Completion
 
 # Logprob values (a token's own and each of its alternatives') rendered and dumped between two yields:
@@ -41,17 +44,21 @@ async def choice_json(
     `on_piece(num_bytes)` is told of each piece as it is made (the gateway counts the bytes it holds)."""
     pieces: list[bytes] = []
 
-    def counted(piece: bytes) -> bytes:
+    def tell(num_bytes: int) -> None:
         if on_piece is not None:
-            on_piece(len(piece))
+            on_piece(num_bytes)
+
+    def counted(piece: bytes) -> bytes:
+        tell(len(piece))
         return piece
 
+    scored = completion.scored if completion.kind == "text" else None  # chat's are the answer's
     if not with_logprobs:  # its text alone: one dump, at most a few hundred KiB
-        piece = counted(json.dumps(completion.choice(False)).encode())
+        piece = counted(json.dumps(completion.choice(False, with_scores=False)).encode())
         # Let go after it all the same: 16 choices of 131,072 CJK characters each are 76 ms of dumps.
         await asyncio.sleep(0)
-        return [piece]
-    dumped = json.dumps(completion.choice(False) | {"logprobs": MARKER})
+        return [piece] if scored is None else await _scored([piece], scored, tell)
+    dumped = json.dumps(completion.choice(False, with_scores=False) | {"logprobs": MARKER})
     before, after = dumped.rsplit(json.dumps(MARKER), 1)
     names = LISTS[completion.kind]
     frame = json.dumps(dict.fromkeys(names, MARKER)).split(json.dumps(MARKER))  # one part more than lists
@@ -73,7 +80,15 @@ async def choice_json(
             pieces.append(piece)
         pieces.append(counted(b"]"))
     pieces.append(counted((frame[-1] + after).encode()))
-    return pieces
+    return pieces if scored is None else await _scored(pieces, scored, tell)
+
+
+async def _scored(pieces: list[bytes], scored: bytes, on_piece: Callable[[int], None]) -> list[bytes]:
+    """A choice's `pieces` (its JSON, told of already) with its prompt logprobs as its last key."""
+    pieces[-1] = pieces[-1].removesuffix(b"}")
+    opening = b', "prompt_logprobs": '
+    on_piece(len(opening))  # the closing brace, told of already, moves after them
+    return [*pieces, opening, *await prompt_json(scored, on_piece), b"}"]
 
 
 async def _slices(deltas: list[bytes]) -> AsyncIterator[list[dict[str, Any]]]:

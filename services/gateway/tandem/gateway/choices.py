@@ -5,6 +5,11 @@ batch's choices. With a `seed`, choice j of every prompt is seeded seed + j (mod
 vLLM follows for its parallel samples: the choices differ from one another, the same body gives the
 same choices again, and choice 0 is the answer the body gives with n = 1. Without a seed each choice
 draws from the decoder's own generator. Greedy choices (temperature 0) are all the same answer.
+
+Prompt logprobs (`prompt_logprobs`) are the prompt's, the same for each of its choices: only choice 0
+of each prompt asks for them, as scoring a prompt runs all of its prefill past the prefix cache and
+holds positions x (1 + N) entries of the caller's budget in the decoder; the answer gives them to the
+prompt's other choices (`responses.share_scores`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ def choices_of(call: GenerateCall, request_id: str) -> list[Choice]:
                 request.CopyFrom(prompt)
                 if request.sampling.HasField("seed"):
                     request.sampling.seed = (request.sampling.seed + j) % SEEDS
+                if j:  # the prompt's scores are every choice's: choice 0 asks (the NOTE)
+                    request.output.ClearField("prompt_logprobs")
             request.request_id = request_id if call.num_choices == 1 else f"{request_id}-{index}"
             choices.append(Choice(index, i, request))
     return choices

@@ -177,6 +177,7 @@ BODY_FIELDS = (
     ("stopping.stop_sequences", "stop"),
     ("stopping.ignore_eos", "ignore_eos"),
     ("output.top_logprobs", "top_logprobs"),
+    ("output.prompt_logprobs", "prompt_logprobs"),  # its bounds, and the caller's budget of entries (429)
     ("output.logprobs", "logprobs"),
     ("sampling.", ""),
 )

@@ -12,6 +12,7 @@ from tandem.gateway.body_limits import MAX_LOGIT_BIAS, MAX_STOP, BodyLimits, at_
 from tandem.gateway.calls import GenerateCall, ImagePart
 from tandem.gateway.errors import BodyNames
 from tandem.gateway.fields import UINT32, UINT64, field, number, shown, uint
+from tandem.gateway.prompt_logprobs import prompt_logprobs
 from tandem.gateway.structured import structured_output
 
 
@@ -100,6 +101,7 @@ def common_parameters(
                 "logit_bias", f"keys {shown(earlier)} and {shown(key)} both name token {token_id}"
             )
         request.sampling.logit_bias[token_id] = float(value)
+    prompt_logprobs(body, request)
     structured_field = structured_output(body, request)
     for name in ("tools", "functions"):
         if body.get(name):
