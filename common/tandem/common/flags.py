@@ -97,7 +97,10 @@ def _text_unless_typed(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Sizes(click.ParamType):
-    """A comma-separated list of positive integers ("16,64,128"); the config checks their order."""
+    """A comma-separated list of positive integers ("16,64,128"); the config checks their order. An
+    empty list is refused rather than read as the default: `--seq-buckets ""` (a script's variable left
+    empty) silently served the default buckets, and vLLM's list flags (nargs="+") refuse an empty list
+    too. Leave the flag out for the default."""
 
     name = "SIZES"
 
@@ -107,8 +110,15 @@ class _Sizes(click.ParamType):
         if isinstance(value, tuple):
             return value
         text = str(value).strip()
+        if not text:
+            self.fail(
+                "'' is an empty list: give at least one size (e.g. 16,64,128), or leave the flag out for "
+                "its default",
+                param,
+                ctx,
+            )
         try:
-            sizes = tuple(int(part) for part in text.split(",")) if text else ()
+            sizes = tuple(int(part) for part in text.split(","))
         except ValueError:
             self.fail(f"{value!r} is not a comma-separated list of integers (e.g. 16,64,128)", param, ctx)
         return sizes

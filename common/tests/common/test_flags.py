@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.common.flags import is_token_ids
+from tandem.common.flags import SIZES, is_token_ids
 
 
 @pytest.mark.parametrize("text", ["1,2,3", "0", " 7 , 8", "4294967295", "0004294967295", "0" * 5000 + "5"])
@@ -64,3 +64,24 @@ def test_a_text_flag_that_is_not_utf8_is_refused_naming_it(
     assert capsys.readouterr().err.startswith(
         f"tandem {' '.join(argv[: 2 if argv[0] == 'serve' else 1])}: {flag}: "
     )
+
+
+@pytest.mark.parametrize("flag", ["--seq-buckets", "--token-buckets", "--block-table-buckets"])
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_list_of_sizes_is_refused_naming_the_flag_not_read_as_the_default(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--seq-buckets ""` served the default buckets, silently."""
+    from tandem import cli
+
+    # --port -1: read as the default, the empty list got past parsing to the port's refusal, not to a server.
+    assert cli.main(["serve", "decoder", flag, value, "--port", "-1"]) == 2
+    variable = "TANDEM_" + flag.removeprefix("--").replace("-", "_").upper()
+    assert capsys.readouterr().err == (
+        f"tandem serve decoder: {flag} ({variable}): '' is an empty list: give at least one size "
+        "(e.g. 16,64,128), or leave the flag out for its default\n"
+    )
+
+
+def test_sizes_are_comma_separated_integers() -> None:
+    assert SIZES.convert(" 1,8, 32 ", None, None) == (1, 8, 32)
