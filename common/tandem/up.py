@@ -43,6 +43,8 @@ from tandem.common.flags import (
     FlagError,
     Setting,
     default_of,
+    describe,
+    error_line,
     flag_error,
     run,
     server_security_settings,
@@ -370,6 +372,18 @@ def _service_flag_error(up: click.Command, error: ConfigError, service: str) -> 
     return FlagError(f"the {service}'s {flag_error(service_command(), error).message}")
 
 
+def _service_usage_error(up: click.Command, error: click.UsageError, service: str) -> FlagError:
+    """A value the service's flags do not parse, as `_service_flag_error` says a refused one: the
+    service's own line began `tandem serve encoder:`, a command nobody typed, so it read as coming from
+    elsewhere. The value comes from the service's variable (TANDEM_ENCODER_MAX_BATCH_SIZE=abc), or
+    from `up`'s flag where `up` passes one on."""
+    param = error.param if isinstance(error, click.BadParameter) else None
+    ours = next((p for p in up.params if param is not None and p.name == param.name), None)
+    if ours is not None and isinstance(error, click.BadParameter):
+        return FlagError(f"{describe(ours)}: {error.message}")
+    return FlagError(f"the {service}'s {error_line(error)}")
+
+
 _output_lock = threading.Lock()
 
 
@@ -583,10 +597,14 @@ def _start(**values: Any) -> int:
         check_decoder_fits(config, model_dir)
     except ConfigError as error:
         raise _service_flag_error(ctx.command, error, "decoder") from None
+    except click.UsageError as error:  # a value of the decoder's own variables that does not parse
+        raise _service_usage_error(ctx.command, error, "decoder") from None
     try:
         check_encoder_config(config)
     except ConfigError as error:
         raise _service_flag_error(ctx.command, error, "encoder") from None
+    except click.UsageError as error:
+        raise _service_usage_error(ctx.command, error, "encoder") from None
     return run_services(config)
 
 

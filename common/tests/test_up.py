@@ -4,9 +4,11 @@ where it has one, else the service's flag and variable."""
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import click
 import pytest
 import torch
 
@@ -61,3 +63,51 @@ def test_the_services_are_reached_at_an_ipv6_host_in_brackets(tiny_model_dir: Pa
     assert up.ready_targets(config)["the encoder"] == "[::1]:50781"
     assert "[::1]:50781" in up.serve_command("decoder", config)
     assert up.ready_targets(_config(tiny_model_dir, host="::"))["the decoder"] == "127.0.0.1:50782"
+
+
+@pytest.mark.parametrize(
+    ("variables", "said"),
+    [
+        (
+            {"TANDEM_ENCODER_MAX_BATCH_SIZE": "abc"},
+            "the encoder's --max-batch-size (TANDEM_ENCODER_MAX_BATCH_SIZE): 'abc' is not a valid integer.",
+        ),
+        (
+            {"TANDEM_MAX_MODEL_LEN": "abc"},
+            "the decoder's --max-model-len (TANDEM_MAX_MODEL_LEN): 'abc' is not a valid integer.",
+        ),
+    ],
+)
+def test_a_service_variable_that_does_not_parse_is_said_by_up_before_anything_starts(
+    tiny_model_dir: Path,
+    environ: Callable[[dict[str, str]], None],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    variables: dict[str, str],
+    said: str,
+) -> None:
+    """The line began `tandem serve encoder:`, a command nobody typed."""
+    started: list[object] = []
+    monkeypatch.setattr(up, "run_services", started.append)
+    environ(variables)
+    ports = [str(_free_port()) for _ in range(2)]
+    argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
+    assert up.main(argv) == 2
+    assert capsys.readouterr().err == f"tandem up: {said}\n"
+    assert started == []
+
+
+def test_a_service_value_from_up_s_own_flag_that_does_not_parse_names_up_s_flag() -> None:
+    """`up` passes its --grace-s on; were the service to refuse it, the flag typed is up's."""
+    from tandem.encoder.__main__ import command as encoder_command
+
+    grace = next(p for p in encoder_command().params if p.name == "grace_s")
+    error = click.BadParameter("'x' is not a number of seconds", param=grace)
+    line = up._service_usage_error(up.command(), error, "encoder").message
+    assert line == "--grace-s (TANDEM_UP_GRACE_S): 'x' is not a number of seconds"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
