@@ -2,12 +2,14 @@
 
 `tandem up &` returns at once; the services then load their model. `tandem wait` (by default the
 encoder at 127.0.0.1:50051 and the decoder at 127.0.0.1:50052) returns 0 once each serves, or 1 with
-a line naming what did not within `--timeout-s`. An `http://` target is an HTTP health URL, e.g. the
-OpenAI gateway's `http://127.0.0.1:8000/health` (`tandem.readiness`).
+a line naming what did not within `--timeout-s` (`inf`: no limit, until interrupted; NaN and negative
+numbers are refused). An `http://` target is an HTTP health URL, e.g. the OpenAI gateway's
+`http://127.0.0.1:8000/health` (`tandem.readiness`).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import urllib.parse
 from typing import Any
@@ -16,7 +18,7 @@ import click
 
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
-    SECONDS,
+    SECONDS_OR_NO_LIMIT,
     FlagError,
     checked_client_security,
     client_security_options,
@@ -32,7 +34,12 @@ def command() -> click.Command:
         "wait",
         params=[
             click.Argument(["targets"], nargs=-1),
-            option("--timeout-s", "give up after this many seconds", type=SECONDS, default=120.0),
+            option(
+                "--timeout-s",
+                "give up after this many seconds; inf: wait as long as it takes",
+                type=SECONDS_OR_NO_LIMIT,
+                default=120.0,
+            ),
             *client_security_options(),
         ],
         callback=_wait,
@@ -52,7 +59,7 @@ def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:
     security = checked_client_security(values)  # FlagError naming the flag of a file it cannot use
     probe = Probe(targets or DEFAULT_TARGETS, security)
     try:
-        waiting = probe.wait(timeout_s)
+        waiting = probe.wait(None if math.isinf(timeout_s) else timeout_s)  # None: no deadline
     finally:
         probe.close()
     if waiting:

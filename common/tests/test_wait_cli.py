@@ -23,10 +23,32 @@ def test_a_target_that_is_not_an_address_is_refused_at_once(
     assert f"tandem wait: TARGET {target!r}: " in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("timeout", ["nan", "inf", "-1"])
-def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(
+@pytest.mark.parametrize("timeout", ["nan", "-inf", "-1"])
+def test_a_timeout_that_is_not_a_number_of_seconds_or_inf_is_refused(
     timeout: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """click.FloatRange(min=0) took NaN: the wait never ended."""
     assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 2
-    assert "--timeout-s (TANDEM_WAIT_TIMEOUT_S): " in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be a number of seconds, 0 or more, or inf "
+        f"for no limit, got {timeout!r}\n"
+    )
+
+
+@pytest.mark.parametrize("timeout", ["inf", "Infinity"])
+def test_a_timeout_of_inf_waits_with_no_limit(
+    timeout: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`timeout 0` and `wait-for-it -t 0` wait for ever; `tandem wait` refused inf as not finite."""
+    from tandem import readiness
+
+    asked: list[float | None] = []
+
+    def wait(self: readiness.Probe, timeout_s: float | None, stop: object = None) -> dict[str, str]:
+        asked.append(timeout_s)
+        return {}  # every target serves
+
+    monkeypatch.setattr(readiness.Probe, "wait", wait)
+    assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 0
+    assert asked == [None]  # Probe.wait's no deadline
+    assert capsys.readouterr().out == "serving: 127.0.0.1:1\n"
