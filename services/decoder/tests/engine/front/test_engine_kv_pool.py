@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from tandem.client.errors import ConfigError
+from tandem.decoder.backends.backend import resolve
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.front import engine as engine_module
 from tandem.decoder.engine.front.engine import Engine
@@ -86,3 +87,33 @@ def test_a_set_up_that_fails_after_the_load_raises_its_own_error_and_leaves_noth
     with pytest.raises(AdapterError, match="more than the server.s --max-lora-rank 16"):
         Engine(config, loaded=tiny_fp32)
     assert not _new_since(before)
+
+
+def test_an_xla_pool_past_the_hosts_memory_is_refused_as_tandem_serve_decoder_refuses_it(
+    tiny_fp32: LoadedModel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine built in process skipped the check `tandem serve decoder --device neuron` makes before
+    it listens (backends/xla/host_pool.py): on XLA's CPU device the pool was mapped past the host's
+    memory. The tiny model's 2 KV heads do not divide over 4 devices: each holds the 1 GiB pool whole.
+    Refused before the XLA runner is imported (torch_xla need not be installed)."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setattr(kv_pool, "memory_limit", lambda: MemoryLimit(3 * 2**30, None))
+    config = EngineConfig(
+        model_dir=tiny_model_dir,
+        dtype="float32",
+        device="neuron",
+        static_shapes=True,
+        compile=True,
+        num_devices=4,
+        kv_cache_bytes=2**30,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        block_size=16,
+    )
+    with pytest.raises(ConfigError) as refused:
+        Engine(config, loaded=tiny_fp32, backend=resolve("neuron"))
+    assert refused.value.field == "kv_cache_bytes"
+    assert "more than the 3,221,225,472 bytes of memory of this host: XLA's CPU device holds the pool " in (
+        refused.value.reason
+    )

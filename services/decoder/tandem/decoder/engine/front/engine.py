@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,6 +28,7 @@ from tandem.client.errors import Unavailable
 from tandem.common import text_bounds
 from tandem.common.model_name import echo
 from tandem.decoder.backends import backend as backends
+from tandem.decoder.backends.xla.host_pool import check_host_pool
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission import template_worker
 from tandem.decoder.engine.admission.chat import ChatTemplate
@@ -226,6 +228,12 @@ class Engine:
         # a pool the device cannot hold is refused before the table of it is built.
         try:
             if xla_buckets is not None:
+                # The pool's copies on XLA's CPU device against the host's memory, as `tandem serve
+                # decoder` checks before it listens (api/main.py's check_model): an engine built in
+                # process (the offline API, tests) mapped a pool past it and met the OOM killer.
+                check_host_pool(
+                    self.model_config, self.num_blocks, config.block_size, config.num_devices, os.environ
+                )
                 from tandem.decoder.backends.xla.sharding import ShardingPlan
                 from tandem.decoder.engine.step.xla_runner import XlaRunner  # imports torch_xla's SPMD API
 
