@@ -330,6 +330,28 @@ async def test_a_stream_past_its_deadline_is_traced_as_deadline_exceeded(traced:
     assert server.status.status_code is StatusCode.ERROR
 
 
+async def test_a_stream_cut_just_short_of_its_deadline_is_the_deadlines_on_both_spans(traced: Traced) -> None:
+    # The server's deadline starts when the call reaches it, after its caller's: grpc cut streams whose
+    # deadline had passed with up to 3.7 ms of the server's time left, and both spans said CANCELLED. A cut
+    # within DEADLINE_SLACK_S of the deadline is the deadline's, by one rule for both spans; here the cut
+    # comes 20 ms short, which the server cannot tell from the deadline's.
+    stack = traced.stack
+    started = time.monotonic()
+    call = stack.decoder.generate(generate_request([[1, 2, 3]], 4000, temperature=0.0), timeout=0.5)
+    async for response in call:
+        if response.HasField("delta"):
+            break
+    await asyncio.sleep(max(0.0, started + 0.48 - time.monotonic()))
+    call.cancel()
+    await wait_for(lambda: stack.engine.core.num_live() == 0 and named(traced.spans, TEXT_COMPLETION))
+    (completion,) = named(traced.spans, TEXT_COMPLETION)
+    assert completion.attributes[otel.ERROR_TYPE] == "DEADLINE_EXCEEDED"
+    await wait_for(lambda: decoder_generate(traced.spans))
+    (server,) = decoder_generate(traced.spans)
+    assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert server.status.status_code is StatusCode.ERROR
+
+
 async def test_metrics_record_ttft_and_token_counts(traced: Traced) -> None:
     stack = traced.stack
     prompt = [[5, 6, 7, 8, 9]]

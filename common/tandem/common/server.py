@@ -38,7 +38,7 @@ import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -257,14 +257,31 @@ class Service:
     max_request_bytes: Mapping[str, Callable[[], int | None]] = field(default_factory=dict)
 
 
+@runtime_checkable
+class CutListener(Protocol):
+    """An interceptor that tells apart the calls a stop cuts (tandem.client.telemetry's ServerSpans):
+    gRPC gives a handler the same CancelledError for its caller's cancel and for the stop's."""
+
+    def on_calls_cut(self) -> None:
+        """The stop's grace has passed: every call still running is cancelled, UNAVAILABLE to its caller."""
+
+
 class RunningServer:
     """A started server. Health starts NOT_SERVING for every mounted service."""
 
-    def __init__(self, server: grpc.aio.Server, health: BoundedHealth, port: int, names: list[str]):
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        health: BoundedHealth,
+        port: int,
+        names: list[str],
+        cut_listeners: Sequence[CutListener] = (),
+    ):
         self.server = server
         self.health = health
         self.port = port
         self.service_names = names
+        self.cut_listeners = cut_listeners  # told when stop() cuts the calls still running
 
     @property
     def address(self) -> str:
@@ -279,10 +296,10 @@ class RunningServer:
 
     async def stop(self, grace_s: float | None, notice_s: float | None = None) -> None:
         """Health NOT_SERVING, calls still taken for the drain notice, then new RPCs refused and
-        in-flight ones cancelled once `grace_s` has passed since the call (None: never; 0: at once,
-        with no notice). The notice is `notice_s` (None: DRAIN_NOTICE_S), at most `grace_s`: a
-        caller that ends its own calls before gRPC's cut gives `notice_within` the time it ends
-        them in.
+        in-flight ones cancelled once `grace_s` has passed since the call (None: once the notice has
+        passed, as gRPC's None cancels them at once; 0: at once, with no notice). The notice is
+        `notice_s` (None: DRAIN_NOTICE_S), at most `grace_s`: a caller that ends its own calls before
+        gRPC's cut gives `notice_within` the time it ends them in.
 
         Calls that arrive during the notice are served, not refused UNAVAILABLE: a client that does
         not watch health would keep picking this server for each call and retrying it elsewhere,
@@ -294,7 +311,22 @@ class RunningServer:
         notice_s = notice_s if grace_s is None else min(grace_s, notice_s)
         if notice_s > 0:
             await asyncio.sleep(notice_s)
-        await self.server.stop(None if grace_s is None else grace_s - notice_s)
+        cut_s = None if grace_s is None else grace_s - notice_s
+        # gRPC cancels what still runs once `cut_s` has passed (None: at once), by an asyncio.wait_for on
+        # this loop started after this timer: the listeners hear first, and a cancelled handler runs only
+        # on a later turn of the loop.
+        cut = None
+        if self.cut_listeners:
+            cut = asyncio.get_running_loop().call_later(max(cut_s or 0.0, 0.0), self._cutting)
+        try:
+            await self.server.stop(cut_s)
+        finally:
+            if cut is not None:
+                cut.cancel()  # every call ended within the grace: nothing was cut
+
+    def _cutting(self) -> None:
+        for listener in self.cut_listeners:
+            listener.on_calls_cut()
 
 
 def _max_request_bytes(services: Sequence[Service]) -> dict[str, Callable[[], int | None]]:
@@ -350,7 +382,8 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
         raise ConfigError("host", f": cannot listen on {address} ({error})") from None
     if port == 0:
         raise ConfigError("host", f": cannot listen on {address}")
-    running = RunningServer(server, health, port, names)
+    listeners = [i for i in options.interceptors if isinstance(i, CutListener)]
+    running = RunningServer(server, health, port, names, listeners)
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()

@@ -22,7 +22,14 @@ from opentelemetry.trace import SpanKind, StatusCode
 from tandem.client import telemetry as otel
 from tandem.client.errors import InvalidArgument
 from tandem.client.status import ErrorInterceptor
-from tandem.client.telemetry.server_spans import RPC_GRPC_STATUS_CODE, ServerSpans, call_code
+from tandem.client.telemetry.server_spans import (
+    DEADLINE_SLACK_S,
+    RPC_GRPC_STATUS_CODE,
+    ServerSpans,
+    call_code,
+    is_past_deadline,
+)
+from tandem.common.server import ServerOptions, Service, start_server
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 OTHER_PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4737-00f067aa0ba902b8-01"
@@ -110,6 +117,7 @@ async def test_a_call_is_a_child_of_its_callers_traceparent_and_current_in_its_h
     a = span.attributes
     assert (a["rpc.system"], a["rpc.service"], a["rpc.method"]) == ("grpc", SERVICE, "Echo")
     assert a["net.peer.ip"] == "127.0.0.1" and int(a["net.peer.port"]) > 0  # type: ignore[arg-type]
+    assert a["net.peer.name"] == "localhost"
     assert a[RPC_GRPC_STATUS_CODE] == 0 and span.status.status_code is StatusCode.UNSET
 
 
@@ -171,11 +179,17 @@ async def test_a_refusal_keeps_its_code_with_no_server_error_and_a_bug_is_an_int
 
 
 class _Context:
-    """A servicer context: its deadline, if any, `remaining_s` away, and its call's `metadata`."""
+    """A servicer context: its deadline, if any, `remaining_s` away, its call's `metadata` and `peer`."""
 
-    def __init__(self, remaining_s: float | None, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        remaining_s: float | None,
+        metadata: tuple[tuple[str, str], ...] = (),
+        peer: str = "ipv4:127.0.0.1:5000",
+    ) -> None:
         self.remaining_s = remaining_s
         self.metadata = metadata
+        self.peer_address = peer
 
     def time_remaining(self) -> float | None:
         return self.remaining_s
@@ -190,7 +204,7 @@ class _Context:
         return self.metadata
 
     def peer(self) -> str:
-        return "ipv4:127.0.0.1:5000"
+        return self.peer_address
 
 
 def _spans(exporter: InMemorySpanExporter) -> ServerSpans:
@@ -228,6 +242,73 @@ def test_a_handler_ended_by_cancel_or_close_is_cancelled_or_past_its_deadline() 
         assert call_code(_Context(None), failure) is grpc.StatusCode.CANCELLED  # type: ignore[arg-type]
         assert call_code(_Context(3.0), failure) is grpc.StatusCode.CANCELLED  # type: ignore[arg-type]
         assert call_code(_Context(0.0), failure) is grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[arg-type]
+
+
+def test_a_call_cut_with_a_moment_of_the_servers_time_left_was_cut_by_its_deadline() -> None:
+    # The server's deadline starts when it receives the call, after its caller's: grpc cut calls whose
+    # deadline had passed with 0.04 to 3.7 ms of the server's time left, and their spans said CANCELLED.
+    for remaining_s, code in (
+        (0.004, grpc.StatusCode.DEADLINE_EXCEEDED),
+        (DEADLINE_SLACK_S, grpc.StatusCode.DEADLINE_EXCEEDED),
+        (DEADLINE_SLACK_S + 0.01, grpc.StatusCode.CANCELLED),
+    ):
+        context = _Context(remaining_s)
+        assert is_past_deadline(context) is (code is grpc.StatusCode.DEADLINE_EXCEEDED)  # type: ignore[arg-type]
+        assert call_code(context, asyncio.CancelledError()) is code  # type: ignore[arg-type]
+
+
+async def test_a_loopback_peer_is_named_localhost_as_the_instrumentations_span_named_it() -> None:
+    exporter = InMemorySpanExporter()
+    handler = await _spans(exporter).intercept_service(_returning(_echo), _Details(f"/{SERVICE}/Echo"))  # type: ignore[arg-type]
+    for peer, ip, name in (
+        ("ipv4:127.0.0.1:5000", "127.0.0.1", "localhost"),
+        ("ipv6:%5B::1%5D:5000", "[::1]", "localhost"),
+        ("ipv4:10.0.0.7:5000", "10.0.0.7", None),
+    ):
+        await handler.unary_unary(b"", _Context(None, peer=peer))
+        (span,) = exporter.get_finished_spans()
+        exporter.clear()
+        assert (span.attributes["net.peer.ip"], span.attributes.get("net.peer.name")) == (ip, name)
+
+
+async def test_a_stream_the_servers_stop_cuts_is_unavailable_and_an_error_one_its_caller_left_is_not() -> (
+    None
+):
+    # Its caller gets UNAVAILABLE ("Cancelling all calls") once the stop's grace has passed; the span said
+    # CANCELLED, unset, as if the caller had left. A caller that leaves during the grace did leave.
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-decoder", [SimpleSpanProcessor(exporter)])
+    methods = Methods()
+
+    def add(servicer: object, server: grpc.aio.Server) -> None:
+        handler = grpc.unary_stream_rpc_method_handler(methods.Hang, _identity, _identity)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Hang": handler}),))
+
+    options = ServerOptions(port=0, interceptors=telemetry.server_interceptors())
+    running = await start_server(options, [Service(SERVICE, None, add)])
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        hang = channel.unary_stream(
+            f"/{SERVICE}/Hang", request_serializer=_identity, response_deserializer=_identity
+        )
+        left, cut = hang(b"", timeout=30), hang(b"", timeout=30)
+        assert await left.read() == b"first" and await cut.read() == b"first"
+        stopping = asyncio.create_task(running.stop(grace_s=0.3, notice_s=0))
+        await asyncio.sleep(0.05)
+        left.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await cut.read()
+        await stopping
+    assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+    async with asyncio.timeout(5):  # each ends once its cancelled handler has unwound
+        while len(exporter.get_finished_spans()) < 2:
+            await asyncio.sleep(0.005)
+    codes = sorted(
+        (s.attributes[RPC_GRPC_STATUS_CODE], s.status.status_code) for s in exporter.get_finished_spans()
+    )
+    assert codes == [
+        (grpc.StatusCode.CANCELLED.value[0], StatusCode.UNSET),
+        (grpc.StatusCode.UNAVAILABLE.value[0], StatusCode.ERROR),
+    ]
 
 
 async def test_a_stream_grpc_lets_go_between_replies_ends_its_span_when_asyncio_closes_it(

@@ -20,6 +20,7 @@ import grpc
 from tandem.client import telemetry as otel
 from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
+from tandem.client.telemetry.server_spans import is_past_deadline
 from tandem.common.model_name import check_adapter_name, check_model
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt
@@ -228,10 +229,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
 def _as_the_caller_sees(exc: BaseException, context: grpc.aio.ServicerContext) -> BaseException:
     """grpc cancels a stream whose deadline passed: its caller sees DEADLINE_EXCEEDED, and so does
     its span (it said CANCELLED). The handler ends by CancelledError, or by GeneratorExit when grpc
-    closes the stream between two replies (3 of 8 runs on a loaded CI box)."""
-    remaining = context.time_remaining()
+    closes the stream between two replies (3 of 8 runs on a loaded CI box). Whether the deadline cut it
+    is the server span's rule (`is_past_deadline`), so the two spans agree."""
     cut = isinstance(exc, (asyncio.CancelledError, GeneratorExit))
-    if cut and remaining is not None and remaining <= 0:
+    if cut and is_past_deadline(context):
         return DeadlineExceeded("the call's deadline passed")
     return exc
 
