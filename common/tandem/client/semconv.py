@@ -33,6 +33,7 @@ TANDEM_REQUEST_STATE = "tandem.request.state"  # "running" | "waiting" | "paused
 TANDEM_KV_BLOCK_STATE = "tandem.kv_block.state"  # "used" | "free"
 # True on the gateway's HTTP server span of a request whose caller went away before its answer ended:
 # not the server's failure, so the span's status stays unset (HTTP conventions: ERROR only for a 5xx).
+# A request the gateway itself cut (its shutdown, its write timeout) has none: its span is ERROR.
 TANDEM_CALLER_DISCONNECTED = "tandem.caller.disconnected"
 
 PROVIDER = "tandem"

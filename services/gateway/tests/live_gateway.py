@@ -50,7 +50,10 @@ async def live_gateway(
         "logger": ServerLog(),
         "access_log_class": AccessLog,
     }
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, **handler_settings)
+    # Open streams get --grace-s at shutdown, as `tandem serve openai` gives them.
+    runner = web.AppRunner(
+        gateway.app(), handler_cancellation=True, shutdown_timeout=config.grace_s, **handler_settings
+    )
     await runner.setup()
     assert runner.server is not None
     loop = asyncio.get_running_loop()

@@ -1,10 +1,12 @@
 """The gateway's server span: named by the route (the method alone for a path no route matches),
-carrying the status the caller got, ERROR only for a 5xx (a caller that leaves is none), and the
-caller's trace context read by the services' rules (a repeated traceparent is none)."""
+carrying the status the caller got, ERROR only for a 5xx (a caller that leaves is none; a request the
+gateway itself cuts is), and the caller's trace context read by the services' rules (a repeated
+traceparent is none)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -17,13 +19,14 @@ from opentelemetry.trace import StatusCode
 
 from tandem.client import telemetry as otel
 from tandem.client.client import EncoderClient
-from tandem.gateway.app import Gateway
+from tandem.gateway.app import GATEWAY_CUT, Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels, decoder_client
 from tandem.gateway.config import GatewayConfig
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
+from .raw_http import COMPLETIONS_HEAD, connect, send
 
 NOWHERE = "127.0.0.1:9"  # nothing listens: the decoder's health is 503
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -110,3 +113,45 @@ async def test_a_caller_that_disconnects_mid_stream_leaves_the_status_unset_and_
     (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("POST")]
     assert span.status.status_code is StatusCode.UNSET
     assert span.attributes[otel.TANDEM_CALLER_DISCONNECTED] is True
+
+
+def _posts(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.name.startswith("POST")]
+
+
+async def test_a_stream_the_gateways_shutdown_cuts_is_its_error_not_a_caller_that_left() -> None:
+    # Past --grace-s aiohttp cancels the handler and closes the connection, its caller still reading: the
+    # span said tandem.caller.disconnected, status unset.
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-openai", [SimpleSpanProcessor(exporter)])
+    async with fake_decoder() as (decoder, address), aiohttp.ClientSession() as session:
+        async with live_gateway(address, tracer=telemetry.tracer, grace_s=0.05) as url:
+            response = await session.post(f"{url}/completions", json={"prompt": "hang", "stream": True})
+            assert response.status == 200
+            await response.content.readline()
+        with pytest.raises(aiohttp.ClientPayloadError):  # cut by the gateway, mid-stream
+            await response.content.read()
+        await _until(lambda: _posts(exporter))
+    (span,) = _posts(exporter)
+    assert span.status.status_code is StatusCode.ERROR and span.status.description == GATEWAY_CUT
+    assert otel.TANDEM_CALLER_DISCONNECTED not in span.attributes
+
+
+async def test_a_stream_its_write_timeout_cuts_is_the_gateways_error_not_a_caller_that_left() -> None:
+    # The caller reads nothing and keeps its connection: the gateway aborts it after --write-timeout-s.
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-openai", [SimpleSpanProcessor(exporter)])
+    async with (
+        fake_decoder() as (decoder, address),
+        live_gateway(address, tracer=telemetry.tracer, write_timeout_s=0.2) as url,
+    ):
+        sock = await connect(url, receive_buffer_bytes=4096)
+        try:
+            body = json.dumps({"prompt": "flood", "stream": True}).encode()
+            await send(sock, COMPLETIONS_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await _until(lambda: _posts(exporter))
+        finally:
+            sock.close()
+    (span,) = _posts(exporter)
+    assert span.status.status_code is StatusCode.ERROR and span.status.description == GATEWAY_CUT
+    assert otel.TANDEM_CALLER_DISCONNECTED not in span.attributes

@@ -50,7 +50,7 @@ from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
 from tandem.gateway.choices import choices_of
 from tandem.gateway.completion_request import completion_request
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.connections import ConnectionGuard
+from tandem.gateway.connections import ConnectionGuard, is_left_by_caller
 from tandem.gateway.embed_request import embed_request
 from tandem.gateway.encoder_info import EncoderInfo
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
@@ -68,6 +68,8 @@ WAS_LARGE = web.RequestKey("was_large", bool)  # it held one: give the heap back
 BODY_NAMES = web.RequestKey("body_names", BodyNames)  # the body's names for fields an error may name
 # The W3C headers a caller's trace context comes in (tandem.client.telemetry.propagation reads them).
 _PROPAGATED_HEADERS = ("traceparent", "tracestate", "baggage")
+# The server span's status of a request the gateway ended before its answer ended, its caller still there.
+GATEWAY_CUT = "the gateway ended the request: its shutdown's --grace-s passed, or its --write-timeout-s"
 
 
 def error_response(error: HttpError) -> web.Response:
@@ -221,7 +223,9 @@ class Gateway:
         the path (every unknown path had its own name, a 7 KB path a 7 KB name); ERROR only for a 5xx,
         the server's failure (a 400 or 404 was ERROR, as the exception behind it passed through). A
         caller that leaves is no failure of the server either: its span says so and stays unset (it was
-        ERROR where the SDK marks a span its CancelledError leaves, as opentelemetry-sdk 1.31.0 did)."""
+        ERROR where the SDK marks a span its CancelledError leaves, as opentelemetry-sdk 1.31.0 did). A
+        request the gateway ends itself, its caller still there, is its failure to answer: ERROR (it
+        said the caller had left)."""
         if self.tracer is None or self._unauthenticated(request) is not None:
             return await handler(request)
         from opentelemetry import propagate, trace
@@ -244,8 +248,11 @@ class Gateway:
                 span.set_attribute("http.route", route)
             try:
                 response = await handler(request)
-            except asyncio.CancelledError:  # aiohttp cancels the handler of a caller that left
-                span.set_attribute(TANDEM_CALLER_DISCONNECTED, True)
+            except asyncio.CancelledError:  # aiohttp cancels the handler whose connection ended
+                if is_left_by_caller(request):
+                    span.set_attribute(TANDEM_CALLER_DISCONNECTED, True)
+                else:  # the gateway ended it (shutdown past its grace, write timeout): its failure to answer
+                    span.set_status(trace.StatusCode.ERROR, GATEWAY_CUT)
                 raise
             span.set_attribute("http.response.status_code", response.status)
             if response.status >= 500:

@@ -290,15 +290,31 @@ class OpenAIRequestHandler(web.RequestHandler):
     unparsable body rather than the error. `handle_error` is the one method aiohttp answers all of these
     with, a public one of aiohttp.web's RequestHandler (no private state is touched); aiohttp's own
     still runs first, so it still logs (ServerLog) and still refuses to answer after bytes were sent.
-    Its parser tells a body being read that its framing failed (`_BodyFailures`)."""
+    Its parser tells a body being read that its framing failed (`_BodyFailures`). It tells whether its
+    caller ended the connection (`is_left_by_caller`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # aiohttp cancels a handler alike when its caller goes and when the gateway ends the connection
+        # itself (its shutdown past the grace, a write timeout's abort), and by then its transport is gone
+        # either way: what ended the connection is seen here, as it ends.
+        self.is_left_by_caller = False
         # A private name: an aiohttp without it (a later release) keeps its own parser and the 408 of old,
         # rather than a gateway that cannot take a connection (test_body_timeouts tells which it is).
         parser = getattr(self, "_parser", None)
         if callable(getattr(parser, "feed_data", None)):
             self._parser = _BodyFailures(parser)
+
+    def eof_received(self) -> None:
+        self.is_left_by_caller = True  # the caller's FIN: the transport closes the connection on it
+        return super().eof_received()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        # A reset or a broken pipe is the caller's, or its network's; the gateway's own close and abort
+        # give None.
+        if isinstance(exc, OSError):
+            self.is_left_by_caller = True
+        super().connection_lost(exc)
 
     def handle_error(
         self,
@@ -320,6 +336,14 @@ class OpenAIRequestHandler(web.RequestHandler):
         response = web.json_response(error.body(), status=error.status, headers=error.headers())
         response.force_close()  # as aiohttp's: what follows on the connection cannot be trusted
         return response
+
+
+def is_left_by_caller(request: web.BaseRequest) -> bool:
+    """Whether `request`'s caller ended its connection, as its OpenAIRequestHandler saw (`tandem serve
+    openai` serves every connection so). Under another protocol, False: aiohttp's own cancels no handler
+    its caller leaves unless asked to (handler_cancellation), but does at shutdown."""
+    protocol = request.protocol
+    return isinstance(protocol, OpenAIRequestHandler) and protocol.is_left_by_caller
 
 
 class _BodyFailures:
