@@ -18,9 +18,21 @@ as gzip; aiohttp's parser knows only `gzip` and hands an x-gzip body over as its
 (`PIECE_BYTES`): the body is bounded as a gzip body is, by what it decodes to (--max-body-bytes, counted
 after each piece) and by aiohttp's cap on concatenated members, and bytes that do not decode fail its
 reader as a gzip body's do (400, the connection closed).
+
+NOTE: why a body left unread in a coding aiohttp decodes is not drained. aiohttp drains what is left of
+a body after the answer (its lingering read) before it reuses or closes the connection, and decodes it
+as it drains, piece after piece without letting the loop run: a 401 to a caller with no token over 64
+KiB of gzip held every other caller for the 64 MiB it decodes to (266-623 ms). So an answer that leaves
+such a body (`BodyLeft.CODED`) says `Connection: close`, and what more comes of the body is read and
+dropped undecoded for the drain's time, as nginx drops a body it will not read: closed at once instead,
+a caller still sending would read a reset rather than the answer. What is left undecoded (plain bytes,
+or x-gzip's compressed ones, which aiohttp does not decode) is drained as before (`BodyLeft.RAW`): it
+costs the reads alone.
 """
 
 from __future__ import annotations
+
+import enum
 
 from aiohttp import StreamReader
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD, ZLibDecompressor
@@ -59,6 +71,23 @@ def is_x_gzip(headers: CIMultiDictProxy[str]) -> bool:
     return headers.get("Content-Encoding", "").strip(" \t").lower() == X_GZIP
 
 
+class BodyLeft(enum.Enum):
+    """What is left of a body its answer did not read, and so how its connection ends (the module's
+    NOTE)."""
+
+    NONE = "none"  # the whole body came (and was decoded): the connection is kept for the next request
+    RAW = "raw"  # bytes aiohttp drains as they came, after the answer
+    CODED = "coded"  # bytes aiohttp would decode to drain them: dropped undecoded, then closed
+
+
+def body_left(headers: CIMultiDictProxy[str], body: StreamReader | XGzipReader) -> BodyLeft:
+    """What is left of `body`, the request's reader (`XGzipReader` where it made one), unread."""
+    if body.is_eof():
+        return BodyLeft.NONE
+    coding = headers.get("Content-Encoding", "")  # as aiohttp's parser takes it: the first line, any case
+    return BodyLeft.CODED if coding.isascii() and coding.lower() in PARSED_CODINGS else BodyLeft.RAW
+
+
 class XGzipReader:
     """A body sent in x-gzip, read as aiohttp reads one sent in gzip (the module's NOTE): `readany` gives
     the next decoded bytes, at most PIECE_BYTES at a time, b"" at the end."""
@@ -66,6 +95,11 @@ class XGzipReader:
     def __init__(self, content: StreamReader) -> None:
         self._content = content  # the body's bytes as they came, compressed
         self._decompressor = ZLibDecompressor(encoding="gzip")
+
+    def is_eof(self) -> bool:
+        """Whether the whole body has come and been decoded, as `is_eof` of aiohttp's reader of a gzip
+        body tells: the compressed stream's says only that its bytes came, maybe none of them decoded."""
+        return self._content.at_eof() and not self._decompressor.data_available
 
     async def readany(self) -> bytes:
         while True:
