@@ -263,7 +263,10 @@ class CutListener(Protocol):
     gRPC gives a handler the same CancelledError for its caller's cancel and for the stop's."""
 
     def on_calls_cut(self) -> None:
-        """The stop's grace has passed: every call still running is cancelled, UNAVAILABLE to its caller."""
+        """The stop's grace has passed: every call still running is cancelled, UNAVAILABLE to its caller.
+        Heard at every stop with no grace left (stop(None), stop(0)) whether or not a call runs, and the
+        listener outlives the server (its ServerOptions may start another): it marks the calls running
+        now, never a state that a later call would read."""
 
 
 class RunningServer:

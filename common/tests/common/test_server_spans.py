@@ -257,6 +257,42 @@ def test_a_call_cut_with_a_moment_of_the_servers_time_left_was_cut_by_its_deadli
         assert call_code(context, asyncio.CancelledError()) is code  # type: ignore[arg-type]
 
 
+def test_a_call_the_servers_stop_cut_is_unavailable_even_within_the_deadlines_slack() -> None:
+    # The stop's cut is known, the deadline's guessed: a call with 10 ms left that the stop cut was
+    # DEADLINE_EXCEEDED, where its caller got UNAVAILABLE.
+    for failure in (asyncio.CancelledError(), GeneratorExit()):
+        for remaining_s in (None, 3.0, 0.01, 0.0):
+            context = _Context(remaining_s)
+            assert call_code(context, failure, is_stop_cut=True) is grpc.StatusCode.UNAVAILABLE  # type: ignore[arg-type]
+    # A call the stop marked that ended by itself ends as it ended.
+    assert call_code(_Context(0.01), None, is_stop_cut=True) is grpc.StatusCode.OK  # type: ignore[arg-type]
+
+
+async def test_the_stop_marks_the_calls_running_when_it_cuts_them_and_no_later_one() -> None:
+    exporter = InMemorySpanExporter()
+    spans = _spans(exporter)
+
+    async def hang(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        yield b"first"
+        await asyncio.Event().wait()
+
+    handler = await spans.intercept_service(_returning(hang, is_stream=True), _Details(f"/{SERVICE}/Hang"))  # type: ignore[arg-type]
+    cut = handler.unary_stream(b"", _Context(0.01))  # within the deadline's slack: still the stop's cut
+    assert await anext(cut) == b"first"
+    spans.on_calls_cut()
+    later = handler.unary_stream(b"", _Context(3.0))
+    assert await anext(later) == b"first"
+    await cut.aclose()
+    await later.aclose()
+    codes = [
+        (s.attributes[RPC_GRPC_STATUS_CODE], s.status.status_code) for s in exporter.get_finished_spans()
+    ]
+    assert codes == [
+        (grpc.StatusCode.UNAVAILABLE.value[0], StatusCode.ERROR),
+        (grpc.StatusCode.CANCELLED.value[0], StatusCode.UNSET),
+    ]
+
+
 async def test_a_loopback_peer_is_named_localhost_as_the_instrumentations_span_named_it() -> None:
     exporter = InMemorySpanExporter()
     handler = await _spans(exporter).intercept_service(_returning(_echo), _Details(f"/{SERVICE}/Echo"))  # type: ignore[arg-type]
@@ -309,6 +345,40 @@ async def test_a_stream_the_servers_stop_cuts_is_unavailable_and_an_error_one_it
         (grpc.StatusCode.CANCELLED.value[0], StatusCode.UNSET),
         (grpc.StatusCode.UNAVAILABLE.value[0], StatusCode.ERROR),
     ]
+
+
+async def test_a_stop_marks_only_the_calls_it_cut_not_those_of_a_server_started_after_it() -> None:
+    # One ServerOptions serves a server started again in the same process (the reliability harness
+    # restarts its decoder so). The first stop cut nothing, yet its mark stayed on the interceptor: a
+    # caller's own cancel on the second server was UNAVAILABLE, an error.
+    exporter = InMemorySpanExporter()
+    telemetry = otel.build_telemetry("tandem-decoder", [SimpleSpanProcessor(exporter)])
+    methods = Methods()
+
+    def add(servicer: object, server: grpc.aio.Server) -> None:
+        handler = grpc.unary_stream_rpc_method_handler(methods.Hang, _identity, _identity)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Hang": handler}),))
+
+    options = ServerOptions(port=0, interceptors=telemetry.server_interceptors())
+    first = await start_server(options, [Service(SERVICE, None, add)])
+    await first.stop(grace_s=0, notice_s=0)  # gRPC's cut at once, with no call to cut
+    second = await start_server(options, [Service(SERVICE, None, add)])
+    try:
+        async with grpc.aio.insecure_channel(second.address) as channel:
+            hang = channel.unary_stream(
+                f"/{SERVICE}/Hang", request_serializer=_identity, response_deserializer=_identity
+            )
+            call = hang(b"", timeout=30)
+            assert await call.read() == b"first"
+            call.cancel()
+            async with asyncio.timeout(5):  # it ends once its cancelled handler has unwound
+                while not exporter.get_finished_spans():
+                    await asyncio.sleep(0.005)
+    finally:
+        await second.stop(grace_s=0, notice_s=0)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes[RPC_GRPC_STATUS_CODE] == grpc.StatusCode.CANCELLED.value[0]
+    assert span.status.status_code is StatusCode.UNSET
 
 
 async def test_a_stream_grpc_lets_go_between_replies_ends_its_span_when_asyncio_closes_it(

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -74,11 +75,17 @@ def is_past_deadline(context: grpc.aio.ServicerContext) -> bool:
     return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
-def call_code(context: grpc.aio.ServicerContext, failure: BaseException | None) -> grpc.StatusCode:
-    """The code the caller gets for a handler that ended by `failure` (None: it returned) while its
-    server serves (a cut by the server's stop is UNAVAILABLE: `ServerSpans.on_calls_cut`)."""
+def call_code(
+    context: grpc.aio.ServicerContext, failure: BaseException | None, is_stop_cut: bool = False
+) -> grpc.StatusCode:
+    """The code the caller gets for a handler that ended by `failure` (None: it returned);
+    `is_stop_cut`: the server's stop cut the call (`ServerSpans.on_calls_cut`)."""
     if isinstance(failure, (asyncio.CancelledError, GeneratorExit)):
-        # grpc cancels a call its caller cancelled and one whose deadline passed alike.
+        # grpc cancels a call its caller cancelled, one whose deadline passed and one its stop cut alike.
+        # The stop's cut first: it is certain, where the deadline's rule guesses within DEADLINE_SLACK_S,
+        # and a call with less than that left when the stop cut it is UNAVAILABLE to its caller.
+        if is_stop_cut:
+            return grpc.StatusCode.UNAVAILABLE
         return grpc.StatusCode.DEADLINE_EXCEEDED if is_past_deadline(context) else grpc.StatusCode.CANCELLED
     code = context.code()  # set_code or abort's (an ErrorInterceptor's end_with sets it); None if neither
     if code is not None:
@@ -88,20 +95,33 @@ def call_code(context: grpc.aio.ServicerContext, failure: BaseException | None) 
     return grpc.StatusCode.UNKNOWN if is_unknown else grpc.StatusCode.OK
 
 
+@dataclass(eq=False)  # each call its own, in a set by identity
+class _Call:
+    """A traced call in flight."""
+
+    is_stop_cut: bool = False  # the server's stop cut it (`ServerSpans.on_calls_cut`)
+
+
 class ServerSpans(grpc.aio.ServerInterceptor):
     """One SERVER span per call that `is_traced` accepts, current while its handler runs."""
 
     def __init__(self, tracer: trace.Tracer, is_traced: CallFilter) -> None:
         self._tracer = tracer
         self._is_traced = is_traced
-        self._is_cutting = False  # the server's stop is cutting what still runs (`on_calls_cut`)
+        self._live: set[_Call] = set()  # the calls whose handlers run, for `on_calls_cut`
 
     def on_calls_cut(self) -> None:
         """The server's stop has run out of grace and cancels every call still running, each ending
         UNAVAILABLE for its caller ("Cancelling all calls"), a server error: without this they ended
         CANCELLED with no error, as if their callers had left. `RunningServer.stop` (tandem.common.server)
-        calls it at that moment, not at the stop's start: a caller that leaves during the grace left."""
-        self._is_cutting = True
+        calls it at that moment, not at the stop's start: a caller that leaves during the grace left.
+
+        Only the calls running now are marked: the interceptor outlives the server (one ServerOptions
+        serves a server started again in the same process, as the reliability harness restarts its
+        decoder), and a call of a later server that its caller cancels is its caller's. A server
+        sharing this interceptor while another stops would have its calls marked too: none does."""
+        for call in self._live:
+            call.is_stop_cut = True
 
     async def intercept_service(
         self,
@@ -128,6 +148,7 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     def _traced_call(self, behavior: Behavior, method: str) -> Behavior:
         async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
             span, token = self._start(method, context)
+            call = self._enter()
             failure: BaseException | None = None
             try:
                 return await behavior(request, context)
@@ -136,13 +157,15 @@ class ServerSpans(grpc.aio.ServerInterceptor):
                 raise
             finally:
                 detach(token)
-                _end(span, context, failure, self._is_cutting)
+                self._live.discard(call)
+                _end(span, context, failure, call.is_stop_cut)
 
         return traced
 
     def _traced_stream(self, behavior: Behavior, method: str) -> Behavior:
         async def traced(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             span, token = self._start(method, context)
+            call = self._enter()
             task = asyncio.current_task()
             failure: BaseException | None = None
             try:
@@ -158,7 +181,8 @@ class ServerSpans(grpc.aio.ServerInterceptor):
                 # its own, where the call's context is not current (detaching there only logs an error).
                 if asyncio.current_task() is task:
                     detach(token)
-                _end(span, context, failure, self._is_cutting)
+                self._live.discard(call)
+                _end(span, context, failure, call.is_stop_cut)
 
         return traced
 
@@ -171,6 +195,11 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         attributes = _attributes(method, carrier, context.peer())
         span = self._tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes=attributes)
         return span, attach(trace.set_span_in_context(span, parent))
+
+    def _enter(self) -> _Call:
+        call = _Call()
+        self._live.add(call)
+        return call
 
 
 def _behavior(handler: grpc.RpcMethodHandler) -> tuple[Behavior, Callable[..., grpc.RpcMethodHandler]]:
@@ -201,13 +230,12 @@ def _attributes(method: str, carrier: dict[str, list[str]], peer: str) -> dict[s
 
 
 def _end(
-    span: Span, context: grpc.aio.ServicerContext, failure: BaseException | None, is_cutting: bool
+    span: Span, context: grpc.aio.ServicerContext, failure: BaseException | None, is_stop_cut: bool
 ) -> None:
-    code = call_code(context, failure)
+    code = call_code(context, failure, is_stop_cut)
     details = context.details() if code is context.code() else None
-    is_cut = isinstance(failure, (asyncio.CancelledError, GeneratorExit))
-    if is_cutting and is_cut and code is grpc.StatusCode.CANCELLED:  # the stop's cut, not its caller's
-        code, details = grpc.StatusCode.UNAVAILABLE, "the server stopped before the call ended"
+    if code is grpc.StatusCode.UNAVAILABLE and is_stop_cut and details is None:
+        details = "the server stopped before the call ended"
     span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
     if isinstance(failure, Exception) and not isinstance(failure, grpc.aio.AbortError):
         span.record_exception(failure)
