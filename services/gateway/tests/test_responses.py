@@ -121,10 +121,11 @@ def _scored_delta(num_positions: int) -> decoder_pb2.TokenDelta:
 
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
-def test_prompt_logprobs_are_each_completions_choices_and_a_chat_answers_own(kind: str) -> None:
+async def test_prompt_logprobs_are_each_completions_choices_and_a_chat_answers_own(kind: str) -> None:
     # Prompt 0's choice 0 asked (`choices.py`); its choice 1 and prompt 1's choice (which did not) share.
     completions = [Completion(kind, "abc", "m", index=i, prompt_index=i // 2) for i in range(3)]
-    completions[0].add(_scored_delta(3), True)
+    completions[0].add(scored := _scored_delta(3), True)
+    await completions[0].bound_scores(scored)
     for completion in completions[1:]:
         completion.add(_delta(0), True)
     bound = completions[1].json_bound

@@ -36,6 +36,8 @@ async def collect(streams: ChoiceStreams, completions: list[Completion], with_lo
             completion = completions[choice.index]
             if event.HasField("delta"):
                 completion.add(event.delta, with_logprobs)
+                if event.delta.prompt_logprobs:  # the first delta's: counted letting the loop go
+                    await completion.bound_scores(event.delta)
             elif event.HasField("finished"):
                 completion.finished = event.finished
 

@@ -81,7 +81,7 @@ class Completion:
         self.scored: bytes | None = None
         self.scored_bound = 0  # the most bytes they take in the answer (`answer_bound.prompt_bound`)
         # The most bytes this choice's JSON takes, from its tokens so far (`answer_bound`), its prompt
-        # logprobs' among them.
+        # logprobs' among them once counted (`bound_scores`).
         self.json_bound = CHOICE_FRAME_BYTES
         self._text_chunk: tuple[str, str] | None = None  # a text chunk's JSON before and after its text
         self._offsets = TextOffsets()  # the streamed tokens' (completions' logprobs.text_offset)
@@ -107,8 +107,13 @@ class Completion:
         if delta.prompt_logprobs:
             # The delta's own bytes, one object with its entry in `deltas` (whose reader skips them): a
             # copy of them alone took 22 ms for 8,192 positions of 21 entries, on the event loop.
-            self.scored, self.scored_bound = data, prompt_bound(delta)
-            self.json_bound += self.scored_bound
+            # Their bound is `bound_scores`', a slice of positions at a time.
+            self.scored = data
+
+    async def bound_scores(self, delta: decoder_pb2.TokenDelta) -> None:
+        """Counts the most bytes the prompt logprobs of `delta`, added (`add`), take in the answer."""
+        self.scored_bound = await prompt_bound(delta)
+        self.json_bound += self.scored_bound
 
     def logprobs(self) -> list[dict[str, Any]]:
         """OpenAI's logprobs entries of every token so far (`chat_logprobs`)."""
