@@ -4,7 +4,7 @@ tokens a delta carries (a reader behind gets merged deltas; speculation verifies
 from __future__ import annotations
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.logprob_entries import TextOffsets, chat_logprobs, text_logprobs
+from tandem.gateway.logprob_entries import TextOffsets, chat_logprobs, logprob, text_logprobs
 from tandem.gateway.responses import Completion
 
 SMILE = "🙂".encode()  # 4 bytes: split over two tokens below
@@ -141,3 +141,19 @@ def test_an_older_decoders_delta_without_bytes_is_spelled_by_id_past_its_first_t
     assert (first["token"], first["bytes"]) == ("ab", [97, 98])
     assert (second["token"], second["bytes"]) == ("token_id:6", None)
     assert first["top_logprobs"] == [{"token": "token_id:7", "logprob": -2.0, "bytes": None}]
+
+
+def test_only_minus_infinity_is_clamped_as_vllms_clamp_does() -> None:
+    # A token ruled out: JSON has no -Infinity. A finite logprob below -9999 is the model's: kept.
+    assert logprob(float("-inf")) == -9999.0
+    assert [logprob(v) for v in (-12000.0, -1e30, -9999.0, -0.5, 0.0)] == [
+        -12000.0,
+        -1e30,
+        -9999.0,
+        -0.5,
+        0.0,
+    ]
+    delta = decoder_pb2.TokenDelta(token_ids=[1], logprobs=[-12000.0], token_bytes=[b"a"])
+    delta.top_logprobs.add(token_ids=[2], logprobs=[float("-inf")], token_bytes=[b"b"])
+    (entry,) = chat_logprobs(delta)
+    assert entry["logprob"] == -12000.0 and entry["top_logprobs"][0]["logprob"] == -9999.0

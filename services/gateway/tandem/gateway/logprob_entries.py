@@ -29,6 +29,7 @@ tokens' bytes complete, so a character split over tokens counts once, where it e
 from __future__ import annotations
 
 import codecs
+import math
 from typing import Any
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
@@ -37,7 +38,15 @@ LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity: a token the model rules out g
 
 
 def logprob(value: float) -> float:
-    return value if value > LOWEST_LOGPROB else LOWEST_LOGPROB  # NaN, too: never valid JSON
+    """A logprob as an answer shows it: -inf is LOWEST_LOGPROB, as vLLM's clamp makes it; any other
+    value is itself, one below -9999.0 too (a finite logprob is the model's, and vLLM keeps it).
+
+    NOTE: NaN never comes here. The decoder ends a request whose logits row holds NaN or +inf, sampled
+    or scoring its prompt, with INTERNAL naming the position (its step/non_finite.py), before the
+    row's logprobs are sent; a finite row's log-softmax is finite or -inf. It clamped NaN to -9999.0
+    too, which would have shown a model's fault as a token it ruled out.
+    """
+    return LOWEST_LOGPROB if value == -math.inf else value
 
 
 def token_text(token_bytes: bytes) -> str:
