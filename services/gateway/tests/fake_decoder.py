@@ -11,8 +11,10 @@ as over the context (`stopping.max_new_tokens`); one holding `hang` streams ` .`
 `flood` deltas of FLOOD_BYTES as fast as they are taken until cancelled;
 `break` fails after its deltas; `drain` ends ABORTED; `after2` waits until two other streams are open
 (so that its neighbours are accepted before it is refused). With output.prompt_logprobs N, its first
-delta scores P character by character (`prompt_scores`), and a prompt holding `budget` is refused
-RESOURCE_EXHAUSTED naming `output.prompt_logprobs`, as the decoder refuses a caller over its budget.
+delta scores P character by character (`prompt_scores`), and a prompt holding `budget` (`budget:L`, else
+L 1) is refused RESOURCE_EXHAUSTED naming `output.prompt_logprobs` in the decoder's words where the
+entries (positions x (1 + N)) of its open streams asking for them and its own are over L, as the decoder
+refuses a caller over its budget.
 
 Started with an encoder (`fake_decoder(encoder_address)`), it is a decoder started with `--encoder`:
 it takes `encoder` parts and, as the real one does (`tandem.decoder.api.encoder_parts`), fetches their
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -70,6 +73,7 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
     requests: list[decoder_pb2.GenerateRequest] = field(default_factory=list)  # every Generate, in order
     cancelled: list[str] = field(default_factory=list)  # request IDs of streams cancelled by the caller
     num_open: int = 0  # streams accepted and not yet ended
+    scored_entries: int = 0  # the prompt-logprob entries of those that asked for them (`budget`)
     encoder: encoder_pb2_grpc.EncoderStub | None = None  # None: `encoder` parts are not accepted
     cached_rows: dict[bytes, bytes] = field(default_factory=dict)  # fetched rows, by picture
     fetching: dict[bytes, asyncio.Task[bytes]] = field(default_factory=dict)  # fetches running, by picture
@@ -94,10 +98,12 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             async with asyncio.timeout(5):
                 while self.num_open < 2:
                     await asyncio.sleep(0.005)
-        if (refusal := _refusal(request, prompt)) is not None:
+        if (refusal := _refusal(request, prompt, self.scored_entries)) is not None:
             end_with(context, refusal)
             return
         self.num_open += 1
+        entries = _entries(request, prompt)
+        self.scored_entries += entries
         try:
             yield decoder_pb2.GenerateResponse(
                 request_id=request.request_id, accepted=decoder_pb2.PromptAccepted(prompt_tokens=len(prompt))
@@ -133,6 +139,7 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
             raise
         finally:
             self.num_open -= 1
+            self.scored_entries -= entries
 
     async def _fetch_rows(self, request: decoder_pb2.GenerateRequest) -> dict[bytes, bytes]:
         """The rows of the call's encoder parts (pictures), by picture: cached, being fetched, or fetched
@@ -188,12 +195,27 @@ def prompt_scores(prompt: str, top: int) -> list[decoder_pb2.PromptLogprob]:
     return scores
 
 
-def _refusal(request: decoder_pb2.GenerateRequest, prompt: str) -> InvalidArgument | ResourceExhausted | None:
-    if "budget" in prompt and request.output.HasField("prompt_logprobs"):
-        return ResourceExhausted(
-            f"output.prompt_logprobs: this caller's open streams already hold 0 prompt-logprob entries; this "
-            f"request needs {len(prompt) * (1 + request.output.prompt_logprobs)} more and the limit is 1"
-        )
+def _entries(request: decoder_pb2.GenerateRequest, prompt: str) -> int:
+    """The prompt-logprob entries a stream holds: its positions (P's characters) x (1 + N)."""
+    return (
+        len(prompt) * (1 + request.output.prompt_logprobs)
+        if request.output.HasField("prompt_logprobs")
+        else 0
+    )
+
+
+def _refusal(
+    request: decoder_pb2.GenerateRequest, prompt: str, held: int
+) -> InvalidArgument | ResourceExhausted | None:
+    needs = _entries(request, prompt)
+    if "budget" in prompt and needs:
+        limit = int(match[1]) if (match := re.search(r"budget:(\d+)", prompt)) else 1
+        if held + needs > limit:
+            return ResourceExhausted(
+                f"output.prompt_logprobs: this caller's open streams already hold {held} prompt-logprob "
+                f"entries; this request needs {needs} more (positions x (1 + top)) and the limit is {limit}; "
+                f"read or end a stream that scores its prompt"
+            )
     if "refuse" in prompt:
         return InvalidArgument("prompt", f"{len(prompt)} positions leave no room to generate")
     for j, segment in enumerate(request.prompt):

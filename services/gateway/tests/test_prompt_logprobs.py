@@ -1,8 +1,8 @@
 """vLLM's `prompt_logprobs` through the gateway: the field bounded as the decoder bounds it and refused
 with a stream, as vLLM refuses it; each completions choice with its prompt's scores (every choice of a
 prompt, one Generate call of them asking) and a chat answer with its own, in vLLM's shape; the JSON
-made a slice at a time the same as made whole; the decoder's refusal of a caller over its budget of
-entries a 429 naming the field. The decoder is the tests' fake (`fake_decoder.py`), which scores its
+made a slice at a time the same as made whole (the decoder's refusal over its caller's budget:
+`test_prompt_budget.py`). The decoder is the tests' fake (`fake_decoder.py`), which scores its
 prompt a character a position."""
 
 from __future__ import annotations
@@ -137,18 +137,3 @@ async def test_a_stream_asking_for_them_is_a_400_naming_the_field() -> None:
             status, answer = await _post(f"{url}/{path}", body | {"stream": True, "prompt_logprobs": 1})
             assert status == 400 and answer["error"]["param"] == "prompt_logprobs", answer
     assert not decoder.requests
-
-
-async def test_the_decoders_refusal_of_a_caller_over_its_budget_is_a_429_naming_the_field() -> None:
-    async with fake_decoder() as (_, address), live_gateway(address) as url:
-        async with aiohttp.ClientSession() as session:
-            body = {"prompt": "budget", "prompt_logprobs": 2}
-            async with session.post(f"{url}/completions", json=body) as response:
-                status, answer, retry_after = (
-                    response.status,
-                    await response.json(),
-                    response.headers.get("Retry-After"),
-                )
-    assert status == 429 and retry_after == "1", answer
-    assert answer["error"]["type"] == "rate_limit_error"
-    assert answer["error"]["message"].startswith("prompt_logprobs: ")

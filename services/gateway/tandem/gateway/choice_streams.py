@@ -21,6 +21,7 @@ import grpc
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.gateway.choices import Choice
 from tandem.gateway.errors import BodyNames, HttpError, from_grpc
+from tandem.gateway.prompt_budget import entries_held, refusal_of_request
 from tandem.gateway.tasks import all_or_cancel
 
 EVENTS_PER_CHOICE = 4  # events a choice's reader may queue ahead of the HTTP caller
@@ -29,15 +30,17 @@ EVENTS_PER_CHOICE = 4  # events a choice's reader may queue ahead of the HTTP ca
 class ChoiceFailed(Exception):
     """A choice's Generate call ended with an error status: the request's error."""
 
-    def __init__(self, choice: Choice, error: grpc.aio.AioRpcError) -> None:
+    def __init__(self, choice: Choice, error: grpc.aio.AioRpcError, held_by_request: int = 0) -> None:
         super().__init__(error.details())
         self.choice = choice
         self.error = error
+        # The fewest prompt-logprob entries the request's other choices hold in the decoder (`prompt_budget`).
+        self.held_by_request = held_by_request
 
     def http_error(self, names: BodyNames, is_batch: bool) -> HttpError:
         """The error in OpenAI's shape, named as the body names its fields; in a batch, after the
         prompt that failed (`prompt[2]`)."""
-        error = from_grpc(self.error, names)
+        error = refusal_of_request(self.error, from_grpc(self.error, names), self.held_by_request)
         return error.for_prompt(self.choice.prompt_index) if is_batch else error
 
 
@@ -54,6 +57,7 @@ class ChoiceStreams:
         self._calls = [stub.Generate(choice.request, metadata=metadata) for choice in choices]
         self._iterators = [call.__aiter__() for call in self._calls]
         self._firsts: list[decoder_pb2.GenerateResponse | None] = []  # each call's first event
+        self._accepted: dict[int, int] = {}  # the prompt tokens of each call accepted so far
         self._readers: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -61,9 +65,17 @@ class ChoiceStreams:
 
         async def first(k: int) -> decoder_pb2.GenerateResponse | None:
             try:
-                return await anext(self._iterators[k], None)
+                event = await anext(self._iterators[k], None)
             except grpc.aio.AioRpcError as error:
-                raise ChoiceFailed(self.choices[k], error) from None
+                held = sum(
+                    entries_held(choice.request, self._accepted.get(j))
+                    for j, choice in enumerate(self.choices)
+                    if j != k
+                )
+                raise ChoiceFailed(self.choices[k], error, held) from None
+            if event is not None and event.HasField("accepted"):
+                self._accepted[k] = event.accepted.prompt_tokens
+            return event
 
         self._firsts = await all_or_cancel([first(k) for k in range(len(self._calls))])
 
