@@ -111,8 +111,17 @@ class _Sizes(click.ParamType):
             return value
         text = str(value).strip()
         if not text:
+            # The value as given ("  " was said as ''), and the way back to the default where it came
+            # from: a variable is unset, not left out.
+            is_variable = (
+                ctx is not None
+                and param is not None
+                and param.name is not None
+                and ctx.get_parameter_source(param.name) is click.core.ParameterSource.ENVIRONMENT
+            )
+            remedy = "unset the variable" if is_variable else "leave the flag out"
             self.fail(
-                "'' is an empty list: give at least one size (e.g. 16,64,128), or leave the flag out for "
+                f"{value!r} is an empty list: give at least one size (e.g. 16,64,128), or {remedy} for "
                 "its default",
                 param,
                 ctx,

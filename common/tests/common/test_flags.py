@@ -78,8 +78,22 @@ def test_an_empty_list_of_sizes_is_refused_naming_the_flag_not_read_as_the_defau
     assert cli.main(["serve", "decoder", flag, value, "--port", "-1"]) == 2
     variable = "TANDEM_" + flag.removeprefix("--").replace("-", "_").upper()
     assert capsys.readouterr().err == (
-        f"tandem serve decoder: {flag} ({variable}): '' is an empty list: give at least one size "
+        f"tandem serve decoder: {flag} ({variable}): {value!r} is an empty list: give at least one size "
         "(e.g. 16,64,128), or leave the flag out for its default\n"
+    )
+
+
+def test_an_empty_list_of_sizes_from_a_variable_is_quoted_as_set_and_says_to_unset_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TANDEM_SEQ_BUCKETS="  " was said as '' and told to leave out a flag nobody typed."""
+    from tandem import cli
+
+    monkeypatch.setenv("TANDEM_SEQ_BUCKETS", "  ")
+    assert cli.main(["serve", "decoder", "--port", "-1"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve decoder: --seq-buckets (TANDEM_SEQ_BUCKETS): '  ' is an empty list: give at least "
+        "one size (e.g. 16,64,128), or unset the variable for its default\n"
     )
 
 
