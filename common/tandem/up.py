@@ -360,16 +360,39 @@ def check_encoder_config(config: UpConfig) -> None:
         encoder_config(serve_command("encoder", config)[2:])
 
 
+def check_gateway_config(config: UpConfig) -> None:
+    """What the OpenAI gateway would refuse of its config as the child will build it, from `up`'s flags
+    and its own TANDEM_OPENAI_* variables (TANDEM_OPENAI_MAX_CHOICES=0): else all three services start
+    and `up` ends with the gateway's exit. Nothing without --openai-port. Raises ConfigError, named by
+    `_service_flag_error`."""
+    if config.openai_port is None:
+        return
+    from tandem.gateway.__main__ import config_from_args as gateway_config
+
+    with _service_environment():
+        gateway_config(_gateway_command(config)[2:])
+
+
 def _service_flag_error(up: click.Command, error: ConfigError, service: str) -> FlagError:
     """`error` as one line about `up`'s own flag for its field, else about the service's flag and
     variable, which `up` leaves to it: `the decoder's --max-model-len (TANDEM_MAX_MODEL_LEN)`."""
     if any(isinstance(p, Setting) and error.field in (p.field, p.name) for p in up.params):
         return flag_error(up, error)
+    return FlagError(f"the {_label(service)}'s {flag_error(_service_command(service), error).message}")
+
+
+def _service_command(service: str) -> click.Command:
     if service == "encoder":
-        from tandem.encoder.__main__ import command as service_command
-    else:
-        from tandem.decoder.api.main import command as service_command
-    return FlagError(f"the {service}'s {flag_error(service_command(), error).message}")
+        from tandem.encoder.__main__ import command as encoder_command
+
+        return encoder_command()
+    if service == "openai":
+        from tandem.gateway.__main__ import command as gateway_command
+
+        return gateway_command()
+    from tandem.decoder.api.main import command as decoder_command
+
+    return decoder_command()
 
 
 def _service_usage_error(up: click.Command, error: click.UsageError, service: str) -> FlagError:
@@ -381,7 +404,7 @@ def _service_usage_error(up: click.Command, error: click.UsageError, service: st
     ours = next((p for p in up.params if param is not None and p.name == param.name), None)
     if ours is not None and isinstance(error, click.BadParameter):
         return FlagError(f"{describe(ours)}: {error.message}")
-    return FlagError(f"the {service}'s {error_line(error)}")
+    return FlagError(f"the {_label(service)}'s {error_line(error)}")
 
 
 _output_lock = threading.Lock()
@@ -605,6 +628,12 @@ def _start(**values: Any) -> int:
         raise _service_flag_error(ctx.command, error, "encoder") from None
     except click.UsageError as error:
         raise _service_usage_error(ctx.command, error, "encoder") from None
+    try:
+        check_gateway_config(config)
+    except ConfigError as error:
+        raise _service_flag_error(ctx.command, error, "openai") from None
+    except click.UsageError as error:
+        raise _service_usage_error(ctx.command, error, "openai") from None
     return run_services(config)
 
 

@@ -97,6 +97,39 @@ def test_a_service_variable_that_does_not_parse_is_said_by_up_before_anything_st
     assert started == []
 
 
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("abc", "--max-choices (TANDEM_OPENAI_MAX_CHOICES): 'abc' is not a valid integer."),
+        ("0", "--max-choices (TANDEM_OPENAI_MAX_CHOICES) must be >= 1, got 0"),
+    ],
+)
+def test_a_gateway_variable_it_refuses_is_said_by_up_before_anything_starts(
+    tiny_model_dir: Path,
+    environ: Callable[[dict[str, str]], None],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+    said: str,
+) -> None:
+    """All three services started, then the gateway said `tandem serve openai: ...` and `up` exited 1."""
+    started: list[object] = []
+    monkeypatch.setattr(up, "run_services", started.append)
+    environ({"TANDEM_OPENAI_MAX_CHOICES": value})
+    ports = [str(_free_port()) for _ in range(3)]
+    argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
+    assert up.main([*argv, "--openai-port", ports[2]]) == 2
+    assert capsys.readouterr().err == f"tandem up: the OpenAI gateway's {said}\n"
+    assert started == []
+
+
+def test_the_gateway_s_variables_are_not_read_without_its_port(
+    tiny_model_dir: Path, environ: Callable[[dict[str, str]], None]
+) -> None:
+    environ({"TANDEM_OPENAI_MAX_CHOICES": "abc"})
+    up.check_gateway_config(_config(tiny_model_dir))
+
+
 def test_a_service_value_from_up_s_own_flag_that_does_not_parse_names_up_s_flag() -> None:
     """`up` passes its --grace-s on; were the service to refuse it, the flag typed is up's."""
     from tandem.encoder.__main__ import command as encoder_command

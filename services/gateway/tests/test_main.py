@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 
 from tandem.client.errors import ConfigError
-from tandem.gateway.__main__ import command, config_from_options, main
+from tandem.gateway.__main__ import config_from_args, main
 from tandem.gateway.config import GatewayConfig
 
 
 def _config(args: list[str]) -> GatewayConfig:
-    with command().make_context("openai", args) as ctx:
-        return config_from_options(ctx.params)
+    return config_from_args(args)
 
 
 def test_each_upstream_file_refused_is_named_by_its_own_flag(tmp_path: Path) -> None:

@@ -185,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     return run(command(), argv, PROG)
 
 
+def config_from_args(argv: list[str]) -> GatewayConfig:
+    """The config `tandem serve openai ARGV` runs: flags, then TANDEM_OPENAI_* variables, then
+    defaults (`tandem up` checks its gateway's with it before starting anything). Raises
+    click.UsageError for a value that does not parse, ConfigError for one refused."""
+    with command().make_context(PROG, list(argv)) as ctx:
+        return config_from_options(ctx.params)
+
+
 def config_from_options(values: dict[str, Any]) -> GatewayConfig:
     tokens = None
     if values["auth_token_file"] is not None:
