@@ -20,6 +20,7 @@ stopped the same way and `up` exits 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -350,14 +351,19 @@ def check_device(config: UpConfig) -> None:
         raise ConfigError("device", f": {str(error).removeprefix(f'--device {config.device}: ')}") from None
 
 
-def check_encoder_config(config: UpConfig) -> None:
+def check_encoder_config(config: UpConfig, model_dir: Path) -> None:
     """What the encoder would refuse of its config as the child will build it, from `up`'s flags and
-    its own TANDEM_ENCODER_* variables (TANDEM_ENCODER_MAX_BATCH_SIZE=0): else both services start and
-    `up` ends with the encoder's exit. Raises ConfigError, named by `_service_flag_error`."""
+    its own TANDEM_ENCODER_* variables (TANDEM_ENCODER_MAX_BATCH_SIZE=0), and what it checks before it
+    listens of the checkpoint `model_dir` (`import_once`'s) with that config: an --adapter that is not
+    there, a --max-message-bytes without room for an image's reply, a tokenizer.json it cannot use.
+    Else both services start and `up` ends with the encoder's exit. Raises ConfigError, named by
+    `_service_flag_error`."""
+    from tandem.encoder.__main__ import check_start
     from tandem.encoder.__main__ import config_from_args as encoder_config
 
     with _service_environment():
-        encoder_config(serve_command("encoder", config)[2:])
+        encoder = encoder_config(serve_command("encoder", config)[2:])
+    check_start(dataclasses.replace(encoder, model_dir=model_dir))
 
 
 def check_gateway_config(config: UpConfig) -> None:
@@ -623,7 +629,7 @@ def _start(**values: Any) -> int:
     except click.UsageError as error:  # a value of the decoder's own variables that does not parse
         raise _service_usage_error(ctx.command, error, "decoder") from None
     try:
-        check_encoder_config(config)
+        check_encoder_config(config, model_dir)
     except ConfigError as error:
         raise _service_flag_error(ctx.command, error, "encoder") from None
     except click.UsageError as error:

@@ -43,9 +43,41 @@ def test_an_encoder_variable_it_refuses_is_named_before_anything_starts(
     """Both services started, then the encoder exited 2 and `up` 1."""
     environ({"TANDEM_ENCODER_MAX_BATCH_SIZE": "0"})
     with pytest.raises(ConfigError) as caught:
-        up.check_encoder_config(_config(tiny_model_dir))
+        up.check_encoder_config(_config(tiny_model_dir), tiny_model_dir)
     line = up._service_flag_error(up.command(), caught.value, "encoder").message
     assert line == "the encoder's --max-batch-size (TANDEM_ENCODER_MAX_BATCH_SIZE) must be >= 1, got 0"
+
+
+def test_an_encoder_adapter_that_is_not_there_is_said_by_up_before_anything_starts(
+    tiny_model_dir: Path,
+    environ: Callable[[dict[str, str]], None],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """`up` ran only the encoder's flag parsing, not its start-up checks: both services started, then
+    the encoder exited 2 and `up` 1."""
+    started: list[object] = []
+    monkeypatch.setattr(up, "run_services", started.append)
+    environ({"TANDEM_ENCODER_EMBEDDER": "soft-prompt", "TANDEM_ENCODER_ADAPTER": str(tmp_path / "none")})
+    ports = [str(_free_port()) for _ in range(2)]
+    argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
+    assert up.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"tandem up: the encoder's --adapter (TANDEM_ENCODER_ADAPTER): {tmp_path / 'none'} does not exist\n"
+    )
+    assert started == []
+
+
+def test_an_encoder_message_bound_without_room_for_an_image_is_refused_before_anything_starts(
+    environ: Callable[[dict[str, str]], None], tmp_path: Path
+) -> None:
+    """The checkpoint takes images (config.json says so): the encoder refused 2,000 bytes once started."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlavaForConditionalGeneration"]}')
+    environ({"TANDEM_ENCODER_MAX_MESSAGE_BYTES": "2000"})
+    with pytest.raises(ConfigError, match="2000 leaves no room for an image") as caught:
+        up.check_encoder_config(_config(tmp_path), tmp_path)
+    assert caught.value.field == "max_message_bytes"
 
 
 @pytest.mark.parametrize("grace", [math.nan, math.inf, -1.0])

@@ -5,6 +5,8 @@ token table for text, and the vision tower and projector for images (`vision/emb
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+
 from tandem.common import vision_language
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import Embedder, EmbedderLoadError
@@ -13,11 +15,15 @@ from tandem.encoder.projector import ProjectorEmbedder
 from tandem.encoder.soft_prompt import SoftPromptEmbedder
 
 
-def load_embedder(config: EncoderConfig) -> Embedder:
+def load_embedder(config: EncoderConfig, tokenizer: Tokenizer | None = None) -> Embedder:
+    """`tokenizer`: --model's tokenizer.json, already parsed (the __main__ parses it before listening),
+    for the embedders that read it; else each reads it itself."""
     dtype = config.torch_dtype
     if config.embedder == "soft-prompt":
         assert config.adapter_dir is not None  # guaranteed by EncoderConfig's validation
-        return SoftPromptEmbedder.load(config.model_dir, config.adapter_dir, dtype, config.quantization)
+        return SoftPromptEmbedder.load(
+            config.model_dir, config.adapter_dir, dtype, config.quantization, tokenizer
+        )
     if config.embedder == "projector":
         assert config.encoder_model_dir is not None and config.projector_path is not None
         return ProjectorEmbedder.load(
@@ -34,5 +40,5 @@ def load_embedder(config: EncoderConfig) -> Embedder:
     if vision_language.is_vision_language(hf_config):
         from tandem.encoder.vision.embedder import VisionLanguageEmbedder
 
-        return VisionLanguageEmbedder.load(config.model_dir, dtype, config.quantization)
-    return LookupEmbedder.load(config.model_dir, dtype, config.quantization)
+        return VisionLanguageEmbedder.load(config.model_dir, dtype, config.quantization, tokenizer)
+    return LookupEmbedder.load(config.model_dir, dtype, config.quantization, tokenizer)

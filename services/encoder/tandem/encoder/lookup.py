@@ -133,6 +133,15 @@ def check_table_shape(model_dir: Path) -> None:
         raise TableShapeError(f"{path}: {refusal}")
 
 
+def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Every token of `tokenizer` has a row of a table of `vocab_size`. Raises EmbedderLoadError."""
+    num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    if num_tokens > vocab_size:
+        raise EmbedderLoadError(
+            f"tokenizer.json has {num_tokens} tokens, more than the model's vocab_size {vocab_size}"
+        )
+
+
 def read_tokenizer(model_dir: Path) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -172,18 +181,23 @@ class LookupEmbedder:
         )
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, quantization: str = "none") -> LookupEmbedder:
+    def load(
+        cls,
+        model_dir: Path,
+        dtype: torch.dtype,
+        quantization: str = "none",
+        tokenizer: Tokenizer | None = None,
+    ) -> LookupEmbedder:
+        """`tokenizer`: model_dir's, already parsed (the __main__ parses it before listening), else
+        read here."""
         if not model_dir.is_dir():
             raise EmbedderLoadError(f"model directory {model_dir} does not exist")
         shape = read_model_shape(model_dir)
         check_table_shape(model_dir)  # the __main__ checked it before listening; the files may have changed
         table = read_embedding_table(model_dir)
-        tokenizer = read_tokenizer(model_dir)
-        num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-        if num_tokens > shape.vocab_size:
-            raise EmbedderLoadError(
-                f"tokenizer.json has {num_tokens} tokens, more than the model's vocab_size {shape.vocab_size}"
-            )
+        if tokenizer is None:
+            tokenizer = read_tokenizer(model_dir)
+        check_tokenizer_fits(tokenizer, shape.vocab_size)
         return cls(as_decoder_has_it(table, dtype, quantization, EMBED_KEY), tokenizer)
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from tandem.encoder.embedder import (
     EmbedderInfo,
@@ -71,9 +72,14 @@ class SoftPromptEmbedder:
 
     @classmethod
     def load(
-        cls, model_dir: Path, adapter_dir: Path, dtype: torch.dtype, quantization: str = "none"
+        cls,
+        model_dir: Path,
+        adapter_dir: Path,
+        dtype: torch.dtype,
+        quantization: str = "none",
+        tokenizer: Tokenizer | None = None,
     ) -> SoftPromptEmbedder:
-        lookup = LookupEmbedder.load(model_dir, dtype, quantization)
+        lookup = LookupEmbedder.load(model_dir, dtype, quantization, tokenizer)
         return cls(lookup, read_prompt(adapter_dir, lookup.info.hidden_size))
 
     @property

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from PIL import Image
+from tokenizers import Tokenizer
 
 from tandem.common import vision_language
 from tandem.encoder.embedder import MAX_IMAGE_PLACEHOLDER_BYTES, EmbedderInfo, EmbedderLoadError, Pooling
@@ -59,9 +60,16 @@ class VisionLanguageEmbedder:
         )
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, quantization: str = "none") -> VisionLanguageEmbedder:
+    def load(
+        cls,
+        model_dir: Path,
+        dtype: torch.dtype,
+        quantization: str = "none",
+        tokenizer: Tokenizer | None = None,
+    ) -> VisionLanguageEmbedder:
         """`quantization`: the decoder's int8 / int4, whose rounding of the token table the text rows
-        follow (as LookupEmbedder's do); the tower and projector are never rounded."""
+        follow (as LookupEmbedder's do); the tower and projector are never rounded. `tokenizer`:
+        model_dir's, already parsed (the __main__ parses it before listening), else read here."""
         hf_config = read_json(model_dir / "config.json")
         architecture = (hf_config.get("architectures") or [""])[0]
         language_model = language_model_table(model_dir, hf_config)
@@ -69,7 +77,8 @@ class VisionLanguageEmbedder:
         hidden_size = language_model.shape.hidden_size
         check_table_shape(model_dir)  # as the __main__ did before listening: the files may have changed
         table = read_weights(files, [table_name])[table_name]  # [vocab_size, hidden_size]
-        tokenizer = read_tokenizer(model_dir)
+        if tokenizer is None:
+            tokenizer = read_tokenizer(model_dir)
         image_token_id = vision_language.image_token_id(hf_config)
         placeholder = tokenizer.id_to_token(image_token_id) if image_token_id is not None else None
         if image_token_id is None or placeholder is None:
