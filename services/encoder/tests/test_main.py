@@ -269,3 +269,24 @@ def test_the_tokenizer_parsed_before_listening_is_the_one_the_load_takes(
     monkeypatch.setattr(encoder_main, "serve", serve)
     assert encoder_main.main(["--model", str(tiny_model), "--port", "0"]) == 0
     assert [type(tokenizer).__name__ for tokenizer in served] == ["Tokenizer"]
+
+
+def test_a_vision_checkpoint_whose_image_token_is_not_in_its_tokenizer_is_refused_before_listening(
+    tiny_llava: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found only by the load, after 'listening on' (exit 1)."""
+    model = tmp_path / "llava"
+    model.mkdir()
+    for path in tiny_llava.iterdir():
+        if path.name != "config.json":
+            (model / path.name).symlink_to(path)
+    hf_config = json.loads((tiny_llava / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf_config, "image_token_index": 10**6}))
+    servers: list[object] = []
+    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
+    assert encoder_main.main(["--model", str(model), "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): config.json in {model}: "
+        "image_token_index is not a token of tokenizer.json\n"
+    )
+    assert servers == []

@@ -157,25 +157,30 @@ def _check_token_table(model_dir: Path) -> None:
 
 def _check_tokenizer(model_dir: Path, takes_images: bool) -> Tokenizer:
     """--model's tokenizer.json, which the table's embedders (and a vision-language checkpoint's) read,
-    is there, parses, and (a text checkpoint's) holds no more tokens than the model's vocab_size: each
-    was refused only by the load, after the server listened (exit 1). Returns it for the load, which
-    then parses no file of 3.5 MB (SmolLM2's) a second time: 65-290 ms measured. Raises ConfigError
-    naming the file."""
+    is there, parses, and holds no more tokens than a text checkpoint's vocab_size, or a vision-language
+    checkpoint's image placeholder: each was refused only by the load, after the server listened (exit
+    1). Returns it for the load, which then parses no file of 3.5 MB (SmolLM2's) a second time: 65-290
+    ms measured. Raises ConfigError naming the file."""
     try:
         tokenizer = read_tokenizer(model_dir)
-    except EmbedderLoadError as error:
-        raise ConfigError("model_dir", f": {error}") from None
-    if takes_images:
-        return tokenizer  # its table's size is text_config's, which the load compares nothing with
-    try:
-        vocab_size = read_model_shape(model_dir).vocab_size
-    except EmbedderLoadError:  # config.json unreadable or of odd values: the load's to report
-        return tokenizer
-    try:
-        check_tokenizer_fits(tokenizer, vocab_size)
+        if takes_images:
+            # Its table's size is text_config's, which the load compares no tokenizer with.
+            from tandem.encoder.vision.placeholder import image_placeholder
+
+            image_placeholder(model_dir, read_json(model_dir / "config.json", EmbedderLoadError), tokenizer)
+        else:
+            _check_tokenizer_fits(model_dir, tokenizer)
     except EmbedderLoadError as error:
         raise ConfigError("model_dir", f": {error}") from None
     return tokenizer
+
+
+def _check_tokenizer_fits(model_dir: Path, tokenizer: Tokenizer) -> None:
+    try:
+        vocab_size = read_model_shape(model_dir).vocab_size
+    except EmbedderLoadError:  # config.json unreadable or of odd values: the load's to report
+        return
+    check_tokenizer_fits(tokenizer, vocab_size)
 
 
 def _takes_images(model_dir: Path) -> bool:

@@ -18,7 +18,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from tandem.common import vision_language
-from tandem.encoder.embedder import MAX_IMAGE_PLACEHOLDER_BYTES, EmbedderInfo, EmbedderLoadError, Pooling
+from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling
 from tandem.encoder.lookup import (
     LookupEmbedder,
     as_decoder_has_it,
@@ -29,6 +29,7 @@ from tandem.encoder.lookup import (
 )
 from tandem.encoder.vision.image_span import PreparedImage, VisionModel
 from tandem.encoder.vision.llava import LlavaVision
+from tandem.encoder.vision.placeholder import image_placeholder
 from tandem.encoder.vision.weights import read_weights
 
 
@@ -79,24 +80,7 @@ class VisionLanguageEmbedder:
         table = read_weights(files, [table_name])[table_name]  # [vocab_size, hidden_size]
         if tokenizer is None:
             tokenizer = read_tokenizer(model_dir)
-        image_token_id = vision_language.image_token_id(hf_config)
-        placeholder = tokenizer.id_to_token(image_token_id) if image_token_id is not None else None
-        if image_token_id is None or placeholder is None:
-            raise EmbedderLoadError(
-                f"config.json in {model_dir}: image_token_index is not a token of tokenizer.json"
-            )
-        if len(placeholder.encode()) > MAX_IMAGE_PLACEHOLDER_BYTES:
-            # Bounded at load rather than counted per reply in the rows' allowance: a placeholder this
-            # long is the checkpoint's fault, found once here, where counted it would shrink every image's
-            # allowance by a length no caller sees, and refuse images "the response would take ... bytes;
-            # send a shorter input", blaming an input that fits. Uncounted, it would take replies near
-            # --max-message-bytes past gRPC's cap: RESOURCE_EXHAUSTED from gRPC, naming no field.
-            raise EmbedderLoadError(
-                f"tokenizer.json in {model_dir}: the image placeholder, token {image_token_id} "
-                f"(config.json's image_token_index), is {len(placeholder.encode())} bytes, over the "
-                f"{MAX_IMAGE_PLACEHOLDER_BYTES} an image placeholder may take (every Embed reply of an "
-                "image carries it)"
-            )
+        image_token_id, placeholder = image_placeholder(model_dir, hf_config, tokenizer)
         processing = processor_config(model_dir)
         vision: VisionModel
         if architecture == vision_language.LLAVA:
