@@ -113,7 +113,14 @@ def encoder(stand_in: tuple[StandIn, RunningServer]) -> StandIn:
 
 @pytest.fixture
 async def parts(stand_in: tuple[StandIn, RunningServer], tmp_path) -> AsyncIterator[EncoderParts]:
-    parts = EncoderParts(stand_in[1].address, torch.float32, 1 << 20, cache_bytes=1 << 20, shm_dir=tmp_path)
+    parts = EncoderParts(
+        stand_in[1].address,
+        torch.float32,
+        1 << 20,
+        cache_bytes=1 << 20,
+        shm_dir=tmp_path,
+        hidden_size=HIDDEN_SIZE,
+    )
     try:
         yield parts
     finally:
@@ -264,6 +271,27 @@ async def test_rows_holding_nan_are_refused_and_not_cached_so_the_next_call_fetc
     assert "its reply's .embeddings.data: " in str(error.value)
     assert "NaN or Inf" in str(error.value) and "index [1, 2]" in str(error.value)
     encoder.is_non_finite = False
+    [again], _ = _start(parts, [_picture()])
+    assert torch.equal(await _rows(again), _rows_of(PICTURE))
+    assert encoder.num_embeds == 2
+
+
+async def test_rows_of_another_width_are_the_encoders_fault_and_not_cached_so_its_fix_mends_them(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    """Rows [3, 2 x hidden] are the encoder's fault (another model), UNAVAILABLE naming it, as NaN is:
+    they were INVALID_ARGUMENT on the caller's field, cached, and refused again once the encoder was
+    fixed."""
+    encoder.rows = torch.ones(3, 2 * HIDDEN_SIZE)
+    encoder.gate.set()
+    [first], _ = _start(parts, [_picture()])
+    with pytest.raises(Unavailable) as error:
+        await _rows(first)
+    assert str(error.value).startswith(f"prompt[0].encoder: encoder {parts.address} is unavailable (")
+    assert f"its reply's .embeddings.shape: rows [3, {2 * HIDDEN_SIZE}], this decoder's model takes" in str(
+        error.value
+    )
+    encoder.rows = None
     [again], _ = _start(parts, [_picture()])
     assert torch.equal(await _rows(again), _rows_of(PICTURE))
     assert encoder.num_embeds == 2

@@ -143,9 +143,13 @@ class EncoderParts:
         # model by hand).
         model_dir: Path | None = None,
         model_name: str = "",
+        # The model's hidden size (its config's, as loaded): rows of another width are the encoder's
+        # fault, refused before they are cached. None: checked only at admission (tests built by hand).
+        hidden_size: int | None = None,
     ) -> None:
         self.address = address
         self.dtype = dtype
+        self.hidden_size = hidden_size
         self.max_message_bytes = max_message_bytes
         self.model_check = EncoderModelCheck(
             address,
@@ -412,11 +416,19 @@ class EncoderParts:
         return result
 
     def _checked(self, rows: torch.Tensor, where: str) -> torch.Tensor:
-        """`rows` in the model's dtype, checked finite in it before they are cached (admission checks
-        every call's rows again): rows holding NaN or Inf, kept, refused every later call of the same
-        input until evicted, the encoder's fault outliving its fix. A fetch's cost alone, not a cache
-        hit's; off the event loop where the rows are large, as reading them is (19 ms for 576 x 4,096
-        bf16 rows at one thread, 163 ms for 8,192)."""
+        """`rows` in the model's dtype, checked [n, hidden_size] and finite in it before they are cached
+        (admission checks every call's rows again): rows holding NaN or Inf, or of another width, kept,
+        refused every later call of the same input until evicted, the encoder's fault outliving its
+        fix; the width was refused only at admission, INVALID_ARGUMENT on the caller's field. A fetch's
+        cost alone, not a cache hit's; off the event loop where the rows are large, as reading them is
+        (19 ms for 576 x 4,096 bf16 rows at one thread, 163 ms for 8,192)."""
+        # Rank 2 and n >= 1 are decode's (`rank=2`, no empty dimension); the width is the model's.
+        if self.hidden_size is not None and rows.shape[1] != self.hidden_size:
+            raise InvalidArgument(
+                f"{where}.shape",
+                f"rows {list(rows.shape)}, this decoder's model takes [n >= 1, {self.hidden_size}] (is "
+                "the encoder serving another model?)",
+            )
         rows = rows.to(self.dtype)
         tensors.require_finite(rows, where)
         return rows

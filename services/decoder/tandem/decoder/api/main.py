@@ -431,6 +431,7 @@ async def serve(
             telemetry,
             model_dir=Path(config.engine.model_dir),
             model_name=config.model_name,
+            hidden_size=engine.model_config.hidden_size,
         )
         log.info("encoder parts are fetched from %s", config.encoder_address)
         checking = asyncio.ensure_future(servicer.encoder_parts.check_model(ENCODER_CHECK_S))
