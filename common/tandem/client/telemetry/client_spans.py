@@ -3,7 +3,10 @@
 The gRPC interceptor's span knows the method and the status; this one carries what the GenAI
 semantic conventions ask of a client (`gen_ai.request.*`, `gen_ai.response.*`, `gen_ai.usage.*`,
 `gen_ai.response.time_to_first_chunk` as the client measured it). A Generate span is read off the
-stream as the caller iterates it (`TracedStream`) and ends when the call does.
+stream as the caller iterates it (`TracedStream`) and ends when the caller reads the stream's end or
+its error, before the read returns: a one-shot command shuts its exporters down right after, and a span
+ended later, from gRPC's done callback, was missed in 3 of 5 `tandem generate` runs. The done callback
+still ends a call the caller stopped reading (cancelled, or left before its end).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class TracedStream:
         self._span = span
         self._start = time.monotonic()
         self._is_first_token = True
+        self._is_ended = False
         call.add_done_callback(self._on_done)
 
     def __getattr__(self, name: str) -> Any:  # cancel(), code(), details(), ...
@@ -91,8 +95,14 @@ class TracedStream:
         return response
 
     async def read(self) -> Any:
-        response = await self._call.read()
-        if response is not grpc.aio.EOF:
+        try:
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as error:
+            self._end(error.code(), error.details())
+            raise
+        if response is grpc.aio.EOF:
+            self._end(await self._call.code(), await self._call.details())
+        else:
             self._observe(response)
         return response
 
@@ -115,12 +125,20 @@ class TracedStream:
                 }
             )
 
+    def _end(self, code: grpc.StatusCode, details: str | None) -> None:
+        if self._is_ended:
+            return
+        self._is_ended = True
+        if code != grpc.StatusCode.OK:
+            _fail(self._span, code.name, details or code.name)
+        self._span.end()
+
     def _on_done(self, call: grpc.aio.Call) -> None:
+        if self._is_ended:  # read() saw the end first
+            return
+
         async def end() -> None:
-            code = await call.code()
-            if code != grpc.StatusCode.OK:
-                _fail(self._span, code.name, await call.details() or code.name)
-            self._span.end()
+            self._end(await call.code(), await call.details())
 
         _pending.add(task := asyncio.get_running_loop().create_task(end()))
         task.add_done_callback(_pending.discard)
