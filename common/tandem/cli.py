@@ -129,19 +129,32 @@ def import_gguf_command() -> click.Command:
 def _import_gguf(file: Path, dir: Path, dtype: str) -> int:
     from tandem.common.torch_part.gguf_import import GGUFImportError, ImportProgress, import_gguf
 
+    # A terminal's progress line is rewritten in place with \r; a pipe or a log file would keep every
+    # rewrite (272 of them, one long line, for SmolLM2-135M), so it gets one summary line at the end.
+    is_live = sys.stderr.isatty()
+    last: list[ImportProgress] = []
+
     def progress(p: ImportProgress) -> None:
-        print(f"\rimporting {file.name}: {p.num_done}/{p.num_tensors} tensors", end="", file=sys.stderr)
+        last[:] = [p]
+        if is_live:
+            print(f"\rimporting {file.name}: {p.num_done}/{p.num_tensors} tensors", end="", file=sys.stderr)
+
+    def fail(line: str) -> int:
+        start = "\n" if is_live and last else ""  # after the progress line
+        print(f"{start}tandem import-gguf: {line}", file=sys.stderr)
+        return 2
 
     _check_out_dir(dir)
     try:
         import_gguf(file, dir, dtype, on_progress=progress)
     except GGUFImportError as error:
-        print(f"\ntandem import-gguf: {error}", file=sys.stderr)  # after the progress line
-        return 2
+        return fail(str(error))
     except OSError as error:  # writing DIR: a folder it may not write, a full disk
-        print(f"\ntandem import-gguf: DIR {dir}: {error.strerror}", file=sys.stderr)
-        return 2
-    print(file=sys.stderr)
+        return fail(f"DIR {dir}: {error.strerror}")
+    if is_live:
+        print(file=sys.stderr)
+    elif last:
+        print(f"imported {file.name}: {last[0].num_tensors} tensors", file=sys.stderr)
     print(dir)
     return 0
 

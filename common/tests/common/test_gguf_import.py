@@ -5,6 +5,7 @@ test_imported_gguf.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -96,8 +97,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def _assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     assert result.returncode == 2, result.stderr
-    # Progress overwrites one line with carriage returns (read back here as lines); then the error.
-    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("importing")]
+    # Not a terminal: no progress line, the error alone.
+    lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("tandem import-gguf: "), result.stderr
     for word in words:
         assert word in lines[0], lines[0]
@@ -108,8 +109,30 @@ def test_cli_imports_a_file_and_prints_the_directory(source, tmp_path: Path) -> 
     result = _cli(str(path), str(tmp_path / "out"), "--dtype", "float16")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tmp_path / "out")
-    assert "tensors" in result.stderr  # the progress line
+    # Not a terminal: one summary line, no \r rewrites (a log kept every one of them, on one line).
+    num_tensors = len(load_file(tmp_path / "out" / "model.safetensors"))
+    assert result.stderr == f"imported model.gguf: {num_tensors} tensors\n"
     assert load_file(tmp_path / "out" / "model.safetensors")["model.norm.weight"].dtype == torch.float16
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_sees_one_progress_line_rewritten_in_place(
+    source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem.cli import _import_gguf
+
+    _, path, _ = source
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert _import_gguf(path, tmp_path / "out", "float32") == 0
+    num_tensors = len(load_file(tmp_path / "out" / "model.safetensors"))
+    rewrites = terminal.getvalue().split("\r")
+    assert rewrites[0] == "" and len(rewrites) == num_tensors + 1
+    assert rewrites[-1] == f"importing model.gguf: {num_tensors}/{num_tensors} tensors\n"
 
 
 def test_wrong_magic_is_one_line_exit_2(tmp_path: Path) -> None:
