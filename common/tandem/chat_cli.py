@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -182,7 +183,8 @@ async def _converse(
             if not text.strip():
                 continue
             turn = {"role": "user", "content": [*pending_images, text] if pending_images else text}
-            reply_task = asyncio.ensure_future(_stream_reply(client, [*history, turn], args, stdout))
+            shown = _Shown()
+            reply_task = asyncio.ensure_future(_stream_reply(client, [*history, turn], args, stdout, shown))
             interrupts.reply = reply_task
             try:
                 reply = await reply_task
@@ -190,11 +192,13 @@ async def _converse(
                 if interrupts.is_leaving:
                     stdout.write("\n")
                     return EXIT_INTERRUPTED
-                stdout.write(f"\n[reply cancelled] {LEAVE_HINT}\n")  # the turn is forgotten
+                start = "\n" if shown.is_shown else ""
+                stdout.write(f"{start}[reply cancelled] {LEAVE_HINT}\n")  # the turn is forgotten
                 continue
             except grpc.aio.AioRpcError as error:
-                stdout.write("\n")
-                stdout.flush()
+                if shown.is_shown:  # the error starts a line of its own
+                    stdout.write("\n")
+                    stdout.flush()
                 return _failed(error, args.flags)
             finally:
                 interrupts.reply = None
@@ -300,20 +304,34 @@ async def _image_parts(
         return [await encoder.embed_image(Path(path).read_bytes()) for path in args.image]
 
 
+@dataclass
+class _Shown:
+    """Whether a reply's `assistant> ` is on screen yet."""
+
+    is_shown: bool = False
+
+
 async def _stream_reply(
-    client: DecoderClient, history: list[dict], args: argparse.Namespace, out: TextIO
+    client: DecoderClient, history: list[dict], args: argparse.Namespace, out: TextIO, shown: _Shown
 ) -> str:
-    out.write("assistant> ")
+    """The reply's text, streamed to `out` after `assistant> `, which is written only once the decoder
+    has answered: a refused turn (an image for a text-only model) printed an empty `assistant> `
+    before its error."""
     text = []
     extra = {"structured": args.structured} if args.structured is not None else {}
     call = client.chat(
         history, max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, **extra
     )
     async for response in call:
+        if not shown.is_shown:
+            shown.is_shown = True
+            out.write("assistant> ")
         if response.HasField("delta"):
             text.append(response.delta.text)
             out.write(response.delta.text)
             out.flush()
+    if not shown.is_shown:  # a stream with no event at all: still one (empty) reply line
+        out.write("assistant> ")
     out.write("\n")
     out.flush()
     return "".join(text)

@@ -11,6 +11,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 
+import grpc
 import pytest
 
 from tandem.chat_cli import EXIT_INTERRUPTED, LEAVE_HINT, run_chat
@@ -19,7 +20,8 @@ from tandem.client.pb.tandem.v1 import decoder_pb2
 
 
 class StandInDecoder:
-    """Answers each turn with "echo <text>"; "hang" streams "partial" and then waits to be cancelled."""
+    """Answers each turn with "echo <text>"; "hang" streams "partial" and then waits to be cancelled;
+    "refuse" is refused before any event."""
 
     def __init__(self) -> None:
         self.conversations: list[list[dict]] = []  # what each call sent
@@ -36,6 +38,10 @@ class StandInDecoder:
         return self._reply(history[-1]["content"])
 
     async def _reply(self, text: str) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        if text == "refuse":  # as a text-only model refuses an image: before any event
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), "no images here"
+            )
         if text == "hang":
             yield _delta("partial")
             try:
@@ -163,3 +169,15 @@ async def test_the_end_of_input_leaves_with_zero(terminal: Terminal) -> None:
     assert await run_chat(_args(), terminal.stdin, terminal.stdout, lambda *_: decoder) == 0
     assert terminal.stdout.getvalue() == "assistant> echo one\nassistant> echo two\n"
     assert decoder.conversations[1][1] == {"role": "assistant", "content": "echo one"}
+
+
+async def test_a_refused_turn_prints_no_empty_reply_before_its_error(
+    terminal: Terminal, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `tandem chat --image` on a text-only model printed "assistant> " and then the error.
+    decoder = StandInDecoder()
+    terminal.type("one\nrefuse\n")
+    terminal.end_input()
+    assert await run_chat(_args(), terminal.stdin, terminal.stdout, lambda *_: decoder) != 0
+    assert terminal.stdout.getvalue() == "assistant> echo one\n"
+    assert "no images here" in capsys.readouterr().err
