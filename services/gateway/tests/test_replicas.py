@@ -341,3 +341,89 @@ async def test_a_replica_killed_and_started_again_on_its_port_is_seen_serving_ag
         await channels.close()
         if restarted is not None:
             await restarted.stop(0)
+
+
+class StoppableHealth(health_pb2_grpc.HealthServicer):
+    """A replica's health as a process stopped (SIGSTOP, a frozen VM) shows it: its Watch stays open
+    and says nothing more, and its Check is never answered; or, `is_busy`, a live one at its bound
+    of calls, whose Check is refused RESOURCE_EXHAUSTED."""
+
+    def __init__(self) -> None:
+        self.running = asyncio.Event()
+        self.running.set()
+        self.is_busy = False
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        await self.running.wait()
+        if self.is_busy:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "at its bound of calls")
+        return health_pb2.HealthCheckResponse(status=SERVING)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        yield health_pb2.HealthCheckResponse(status=SERVING)
+        await asyncio.Event().wait()  # open for good, stopped or not
+
+
+@pytest.fixture
+async def stoppable() -> AsyncIterator[tuple[StoppableHealth, str]]:
+    """A `StoppableHealth` served on 127.0.0.1, and its address."""
+    health = StoppableHealth()
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield health, f"127.0.0.1:{port}"
+    finally:
+        health.running.set()
+        await server.stop(0)
+
+
+async def test_a_stopped_replica_whose_watch_stays_open_is_left_within_seconds_and_found_again(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+    stoppable: tuple[StoppableHealth, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGSTOPped decoder leaves the gateway's Watch open: it kept half of all new calls, each hung
+    to its caller's timeout, until gRPC's keepalive gave up on the connection (60-80 s). A Check
+    while the Watch is open, unanswered in CHECK_TIMEOUT_S, takes it out; its answer puts it back.
+    (2 s and 2 s in the gateway; 0.05 s and 0.2 s here.)"""
+    monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.05)
+    monkeypatch.setattr("tandem.gateway.replicas.CHECK_TIMEOUT_S", 0.2)
+    health, stopped = stoppable
+    live = f"127.0.0.1:{replicas[0][1].port}"
+    watched = Replicas(f"{stopped},{live}", grpc.aio.insecure_channel, "tandem.v1.Decoder")
+    watched.start()
+    try:
+        await _eventually(lambda: watched.serving == (stopped, live))
+        health.running.clear()  # SIGSTOP
+        await _eventually(lambda: watched.targets == (live,), timeout_s=1)
+        health.running.set()  # SIGCONT
+        await _eventually(lambda: watched.serving == (stopped, live), timeout_s=1)
+    finally:
+        await watched.close()
+
+
+async def test_a_replica_at_its_bound_of_calls_is_not_taken_out_by_its_refused_check(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+    stoppable: tuple[StoppableHealth, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica busy up to its max_concurrent_rpcs refuses a Check RESOURCE_EXHAUSTED: alive, so it
+    stays a target, as its Watch says."""
+    monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.02)
+    health, busy = stoppable
+    health.is_busy = True
+    live = f"127.0.0.1:{replicas[0][1].port}"
+    watched = Replicas(f"{busy},{live}", grpc.aio.insecure_channel, "tandem.v1.Decoder")
+    watched.start()
+    try:
+        await _eventually(lambda: watched.serving == (busy, live))
+        await asyncio.sleep(0.3)  # 15 Checks refused
+        assert watched.serving == (busy, live)
+    finally:
+        await watched.close()

@@ -46,6 +46,10 @@ MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
 # A Check is answered at once by a live server; one that has not answered in this long (a process
 # stopped or its loop held) is counted not serving until a later Watch or Check says it serves.
 CHECK_TIMEOUT_S = 2.0
+# While a Watch is open the replica is also asked by Check this often: a process stopped (SIGSTOP, a
+# frozen VM) leaves its Watch open and says nothing, and its connection is found dead only by gRPC's
+# keepalive (30 s + 10 s, `tandem.client.channel`), so it kept half of all new calls for 60-80 s.
+CHECK_INTERVAL_S = 2.0
 DEFAULT_PORT = 443  # a dns: name written without a port, as gRPC's resolver reads it
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -191,6 +195,8 @@ class Replicas:
     def _set(self, replica: str, is_serving: bool) -> None:
         if self._is_serving.get(replica, is_serving) != is_serving:
             self._is_serving[replica] = is_serving
+            # Said once a change: a replica stopped, draining or back is what an operator looks for.
+            log.info("decoder replica %s %s", replica, "serves" if is_serving else "does not serve")
             self._update()
 
     def _update(self) -> None:
@@ -207,6 +213,7 @@ class Replicas:
         try:
             while True:
                 watch = stub.Watch(request)
+                checking = self._task(self._check_while_watched(replica, stub, request))
                 try:
                     async for reply in watch:
                         self._set(replica, reply.status == SERVING)
@@ -214,20 +221,37 @@ class Replicas:
                             break  # a drain waits for it: see MIN_RETRY_S
                         retry_s = MIN_RETRY_S
                 except grpc.aio.AioRpcError:
-                    self._set(replica, await self._check(stub, request))
+                    checking.cancel()
+                    self._set(replica, await self._check(stub, request) is True)
                 finally:
                     watch.cancel()
+                    checking.cancel()
                 await asyncio.sleep(retry_s)
                 retry_s = min(2 * retry_s, MAX_RETRY_S)
         finally:
             await channel.close()
 
+    async def _check_while_watched(
+        self, replica: str, stub: health_pb2_grpc.HealthStub, request: health_pb2.HealthCheckRequest
+    ) -> None:
+        """Checks `replica` every CHECK_INTERVAL_S while its Watch is open: one that stops answering
+        is counted not serving within CHECK_INTERVAL_S + CHECK_TIMEOUT_S, and serving again as it
+        answers (its Watch, open all along, says nothing new)."""
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            is_serving = await self._check(stub, request)
+            if is_serving is not None:
+                self._set(replica, is_serving)
+
     @staticmethod
-    async def _check(stub: health_pb2_grpc.HealthStub, request: health_pb2.HealthCheckRequest) -> bool:
+    async def _check(stub: health_pb2_grpc.HealthStub, request: health_pb2.HealthCheckRequest) -> bool | None:
         """Whether the replica serves, by Check: a Watch refused (its address's share taken, by
-        others behind the gateway's address) or ended still leaves the replica's health known."""
+        others behind the gateway's address) or ended still leaves the replica's health known.
+        None: not known, the server at its bound of calls."""
         try:
             reply = await stub.Check(request, timeout=CHECK_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as error:
+            # A server at its bound of calls (max_concurrent_rpcs) answers RESOURCE_EXHAUSTED: it is
+            # alive and busy, not stopped; taking it out for that would flap a loaded replica.
+            return None if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else False
         return reply.status == SERVING
