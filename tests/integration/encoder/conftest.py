@@ -10,6 +10,7 @@ import torch
 
 from tandem.client.channel import channel_options
 from tandem.client.pb.tandem.v1 import encoder_pb2_grpc
+from tandem.common import replica_name
 from tandem.common.server import RunningServer, ServerOptions, start_server
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.lookup import LookupEmbedder
@@ -42,6 +43,7 @@ class Encoder:
 async def start_encoder(config: EncoderConfig, embedder: LookupEmbedder | None) -> Encoder:
     servicer = EncoderServicer(config)
     server = await start_server(config.server, [servicer.service()])
+    servicer.replica = replica_name.own_name(config.server.host, server.port)
     if embedder is not None:
         servicer.attach(embedder)
         await server.set_serving()

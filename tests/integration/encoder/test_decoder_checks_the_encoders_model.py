@@ -173,7 +173,8 @@ async def test_of_two_encoders_balanced_every_part_the_wrong_one_embeds_is_refus
     for text, rows in served:
         right = await encoder.stub.Embed(encoder_pb2.EmbedRequest(text=text))
         assert torch.equal(rows, tensors.decode(right.embeddings).float())
-    refusal = _refusal(parts.address, "tiny", tiny_model, await _shape(other_encoder))
+    # The wrong one alone: it named the list, "encoder <right>,<wrong>", the right with the wrong.
+    refusal = _refusal(other_encoder.server.address, "tiny", tiny_model, await _shape(other_encoder))
     assert all(error.description == refusal for error in refused)
 
 

@@ -9,6 +9,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.common import replica_name
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.encoder.embedder import Pooling
@@ -40,6 +41,21 @@ async def test_reflection_lists_the_encoder(encoder: Encoder) -> None:
     )
     names = [s.name async for reply in call for s in reply.list_services_response.service]
     assert {"tandem.v1.Encoder", "grpc.health.v1.Health"} <= set(names)
+
+
+async def test_embed_and_get_model_info_say_which_replica_answered_as_they_begin(encoder: Encoder) -> None:
+    """A decoder balancing over several encoders names the one that answered (`replica_name`); the name
+    comes before any work, so a call that then fails carries it too."""
+    name = replica_name.own_name("127.0.0.1", encoder.server.port)
+    for call in (
+        encoder.stub.Embed(encoder_pb2.EmbedRequest(text=TEXT), timeout=10),
+        encoder.stub.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest(), timeout=10),
+    ):
+        await call
+        assert replica_name.reported(await call.initial_metadata()) == name == encoder.server.address
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await encoder.stub.Embed(encoder_pb2.EmbedRequest(), timeout=10)  # no input: refused
+    assert replica_name.reported(error.value.initial_metadata()) == name
 
 
 async def test_embed_text_returns_the_lookup_rows(encoder: Encoder, lookup: LookupEmbedder) -> None:

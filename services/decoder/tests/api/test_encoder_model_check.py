@@ -58,6 +58,24 @@ def test_another_table_of_the_same_shape_is_refused_naming_both_models_and_the_f
     )
 
 
+def test_of_encoders_balanced_the_refusal_names_the_replica_that_answered_not_the_list() -> None:
+    """It named "encoder 127.0.0.1:50052,127.0.0.1:50053", the right one with the wrong."""
+    theirs = TableSample(1024, 64, tuple(-value for value in OURS.values))
+    reply = encoder_pb2.EmbedResponse(model="tiny-other", token_table_sample=_pb(theirs))
+    info = encoder_pb2.EncoderGetModelInfoResponse(model="tiny-other", token_table_sample=_pb(theirs))
+    check = EncoderModelCheck(f"{ADDRESS},127.0.0.1:50053", OURS, MODEL_DIR, "tiny")
+    for mismatch in (
+        check.reply_mismatch(reply, "127.0.0.1:50053"),
+        check.info_mismatch(info, "127.0.0.1:50053"),
+    ):
+        assert mismatch is not None and mismatch.startswith(
+            "encoder 127.0.0.1:50053 serves model 'tiny-other'"
+        )
+    assert str(check.reply_mismatch(reply)).startswith(
+        f"encoder {ADDRESS},127.0.0.1:50053 serves"
+    )  # none said
+
+
 def test_a_table_of_another_shape_is_refused_naming_both_shapes_and_the_directorys_name_when_unnamed() -> (
     None
 ):
@@ -85,9 +103,11 @@ def test_a_replys_sample_found_this_decoders_is_compared_once_for_at_most_max_sa
     compared: list[str] = []  # the models whose samples were compared value by value
     mismatch = check.mismatch
 
-    def counted(model: str, reported: encoder_pb2.TokenTableSample | None) -> str | None:
+    def counted(
+        model: str, reported: encoder_pb2.TokenTableSample | None, replica: str | None = None
+    ) -> str | None:
         compared.append(model)
-        return mismatch(model, reported)
+        return mismatch(model, reported, replica)
 
     monkeypatch.setattr(check, "mismatch", counted)
     # Distinct samples, each within rounding of ours (one more than are remembered), and another model's.
@@ -126,9 +146,11 @@ def test_a_mismatching_sample_is_never_remembered_even_with_room_to_remember_it(
     compared: list[str] = []
     mismatch = check.mismatch
 
-    def counted(model: str, reported: encoder_pb2.TokenTableSample | None) -> str | None:
+    def counted(
+        model: str, reported: encoder_pb2.TokenTableSample | None, replica: str | None = None
+    ) -> str | None:
         compared.append(model)
-        return mismatch(model, reported)
+        return mismatch(model, reported, replica)
 
     monkeypatch.setattr(check, "mismatch", counted)
     other = encoder_pb2.EmbedResponse(

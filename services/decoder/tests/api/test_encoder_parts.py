@@ -20,6 +20,7 @@ import torch
 
 from tandem.client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
+from tandem.common import replica_name
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart, TextPrompt
@@ -55,8 +56,15 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         self.is_info_hung = False  # GetModelInfo never answers
         self.num_infos = 0  # GetModelInfo calls received
         self.num_infos_cancelled = 0  # GetModelInfo calls their caller cancelled
+        self.replica = ""  # its own name, said as each call begins, as Tandem's encoder does
+        self.failure: grpc.StatusCode | None = None  # Embed ends with this status
+
+    async def _say_who(self, context) -> None:
+        if self.replica:
+            await context.send_initial_metadata(((replica_name.HEADER, self.replica),))
 
     async def GetModelInfo(self, request, context) -> encoder_pb2.EncoderGetModelInfoResponse:
+        await self._say_who(context)
         self.num_infos += 1
         if self.is_info_hung:
             try:
@@ -67,6 +75,7 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         return encoder_pb2.EncoderGetModelInfoResponse(model="stand-in", hidden_size=HIDDEN_SIZE)
 
     async def Embed(self, request, context) -> encoder_pb2.EmbedResponse:
+        await self._say_who(context)
         self.num_embeds += 1
         self.num_running += 1
         self.max_running = max(self.max_running, self.num_running)
@@ -82,6 +91,8 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         token = metadata.get("authorization", "")
         if self.is_refusing_all or (self.refused_token and token == self.refused_token):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a picture")
+        if self.failure is not None:
+            await context.abort(self.failure, "out of order")
         rows = _rows_of(request.image.data) if self.rows is None else self.rows
         if self.is_non_finite:
             rows[1, 2] = float("nan")
@@ -431,6 +442,58 @@ async def test_an_encoder_silent_past_the_decoders_own_cap_is_unavailable_not_th
         )
     with pytest.raises(DeadlineExceeded, match=r"^prompt\[0\]\.encoder: the deadline passed"):
         await _rows(hurried)  # the caller's own deadline: still DEADLINE_EXCEEDED
+
+
+async def _stand_ins(n: int) -> list[tuple[StandIn, RunningServer]]:
+    """`n` stand-ins, each saying its own name as Tandem's encoder does."""
+    started = []
+    for _ in range(n):
+        servicer = StandIn()
+        server = await start_server(
+            ServerOptions(host="127.0.0.1", port=0),
+            [Service("tandem.v1.Encoder", servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
+        )
+        await server.set_serving()
+        servicer.replica = replica_name.own_name("127.0.0.1", server.port)
+        started.append((servicer, server))
+    return started
+
+
+async def test_of_encoders_balanced_a_hung_or_failing_one_is_named_alone_not_the_whole_list(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """`--encoder a,b`: "encoder a,b did not answer within 60 s" (or "is unavailable") left the operator
+    to find which of n replicas was at fault; the one that took the call says its name as it begins."""
+    monkeypatch.setattr(encoder_parts, "MAX_FETCH_S", 0.3)
+    stand_ins = await _stand_ins(2)
+    addresses = [server.address for _, server in stand_ins]
+    parts = EncoderParts(",".join(addresses), torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path)
+    try:
+        # The gate shut: each Embed hangs.
+        hung, _ = _start(parts, [EncoderPrompt("image", f"p{i}".encode()) for i in range(4)])
+        hung_errors = [await asyncio.gather(_rows(part), return_exceptions=True) for part in hung]
+        for servicer, _ in stand_ins:
+            servicer.failure = grpc.StatusCode.INTERNAL
+            servicer.gate.set()
+        failing, _ = _start(parts, [EncoderPrompt("image", f"q{i}".encode()) for i in range(4)])
+        failing_errors = [await asyncio.gather(_rows(part), return_exceptions=True) for part in failing]
+    finally:
+        await parts.close()
+        for _, server in stand_ins:
+            await server.stop(0)
+    for i, [error] in enumerate(hung_errors):
+        assert isinstance(error, Unavailable)
+        assert str(error) in {
+            f"prompt[{i}].encoder: encoder {address} did not answer within 0.3 s" for address in addresses
+        }
+    for i, [error] in enumerate(failing_errors):
+        assert isinstance(error, Unavailable)
+        assert str(error) in {
+            f"prompt[{i}].encoder: encoder {address} is unavailable (INTERNAL: out of order)"
+            for address in addresses
+        }
+    # Both replicas took calls, and each error named its own: the balancing is unchanged.
+    assert all(servicer.num_embeds >= 1 for servicer, _ in stand_ins)
 
 
 async def test_parts_asking_a_silent_encoder_its_model_share_one_call_and_each_answers_at_its_own_time(

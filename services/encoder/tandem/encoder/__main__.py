@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
+from tandem.common import replica_name
 from tandem.common.checkpoint import read_json
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
 from tandem.common.server import RunningServer, check_port_free, notice_within, start_server, stop_on_signals
@@ -205,6 +206,7 @@ async def serve(config: EncoderConfig, tokenizer: Tokenizer | None = None) -> bo
         dataclasses.replace(config.server, interceptors=interceptors),
         [servicer.service()],
     )
+    servicer.replica = replica_name.own_name(config.server.host, running.port)
     stop_requested = stop_on_signals(config.server.grace_s, log)
     loading = asyncio.ensure_future(servicer.on_worker(load_embedder, config, tokenizer))
     stopping = asyncio.ensure_future(stop_requested.wait())

@@ -34,6 +34,7 @@ from google.protobuf import message_factory
 from tandem.client import telemetry as otel
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
+from tandem.common import replica_name
 from tandem.common.dtypes import FLOAT_DATA_TYPES
 from tandem.common.model_name import check_model
 from tandem.common.server import Service
@@ -96,6 +97,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             else None
         )
         self.num_embeds = 0  # Embed calls answered (what a caller's embedding cache saves)
+        # This server's own name, sent as each Embed and GetModelInfo call begins, so that a caller
+        # balancing over several encoders names the one that answered (`replica_name`). Set once it
+        # listens (its port may be the system's choice); "": not sent.
+        self.replica = ""
         # None when telemetry is off: Embed then records nothing at all.
         self._telemetry = telemetry if telemetry is not None and telemetry.is_enabled else None
         self._metrics = otel.ServerMetrics(telemetry.meter) if self._telemetry is not None else None
@@ -175,6 +180,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     async def Embed(
         self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EmbedResponse:
+        await self._say_who(context)
         if self._telemetry is None or self._metrics is None:
             return await self._embed(request, context)
         op = otel.ServerOperation(
@@ -267,6 +273,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     async def GetModelInfo(
         self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EncoderGetModelInfoResponse:
+        await self._say_who(context)
         info = self._require_embedder().info
         return encoder_pb2.EncoderGetModelInfoResponse(
             model=self.config.served_model_name,
@@ -285,6 +292,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             max_batch_wait_s=self.config.max_batch_wait_ms / 1000,
             token_table_sample=self._table_sample_pb,
         )
+
+    async def _say_who(self, context: grpc.aio.ServicerContext) -> None:
+        """This server's name, in the initial metadata sent now, before any work: a call that then
+        fails, or hangs past its deadline, still tells its caller which replica it reached."""
+        if self.replica:
+            await context.send_initial_metadata(((replica_name.HEADER, self.replica),))
 
     def _require_embedder(self) -> Embedder:
         if self._embedder is None:

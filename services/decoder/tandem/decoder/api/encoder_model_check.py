@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.common.replica_name import answering
 from tandem.common.torch_part.model_identity import TableSample
 
 MAX_SAME_SAMPLES = 8  # token table samples remembered as this decoder's model (one per dtype, or so)
@@ -24,7 +25,7 @@ class EncoderModelCheck:
 
     def __init__(
         self,
-        address: str,  # the encoder's, as --encoder names it: the refusal names it
+        address: str,  # the encoder's, as --encoder names it: the refusal names it, or its replica
         table_sample: TableSample | None,  # this decoder's token table's; None: nothing is compared
         model_dir: Path | None,  # this decoder's checkpoint, named in the refusal
         model_name: str,  # the name this decoder serves it under; "": the directory's name
@@ -38,32 +39,38 @@ class EncoderModelCheck:
         # the reply took 4 us and comparing them 20 us).
         self._same_samples: set[bytes] = set()
 
-    def info_mismatch(self, info: encoder_pb2.EncoderGetModelInfoResponse) -> str | None:
-        """Why the encoder that answered GetModelInfo with `info` is not of this decoder's model; None
-        when it is, or when there is nothing to compare."""
+    def info_mismatch(
+        self, info: encoder_pb2.EncoderGetModelInfoResponse, replica: str | None = None
+    ) -> str | None:
+        """Why the encoder that answered GetModelInfo with `info` (the replica that said it is `replica`:
+        `tandem.common.replica_name`) is not of this decoder's model; None when it is, or when there is
+        nothing to compare."""
         return self.mismatch(
-            info.model, info.token_table_sample if info.HasField("token_table_sample") else None
+            info.model, info.token_table_sample if info.HasField("token_table_sample") else None, replica
         )
 
-    def reply_mismatch(self, reply: encoder_pb2.EmbedResponse) -> str | None:
-        """Why `reply` is of another model than this decoder's; None when it is, or when it carries no
-        sample (an encoder from before replies carried one: its model was checked once, by GetModelInfo,
-        and never again)."""
+    def reply_mismatch(self, reply: encoder_pb2.EmbedResponse, replica: str | None = None) -> str | None:
+        """Why `reply` (of the replica that said it is `replica`) is of another model than this decoder's;
+        None when it is, or when it carries no sample (an encoder from before replies carried one: its
+        model was checked once, by GetModelInfo, and never again)."""
         if self.table_sample is None or not reply.HasField("token_table_sample"):
             return None
         reported = reply.token_table_sample
         key = reported.SerializeToString()
         if key in self._same_samples:
             return None
-        mismatch = self.mismatch(reply.model, reported)
+        mismatch = self.mismatch(reply.model, reported, replica)
         if mismatch is None and len(self._same_samples) < MAX_SAME_SAMPLES:
             self._same_samples.add(key)
         return mismatch
 
-    def mismatch(self, model: str, reported: encoder_pb2.TokenTableSample | None) -> str | None:
+    def mismatch(
+        self, model: str, reported: encoder_pb2.TokenTableSample | None, replica: str | None = None
+    ) -> str | None:
         """Why an encoder serving `model`, whose token table sample is `reported`, is not of this
         decoder's model; None when it is, or when there is nothing to compare (a decoder built by hand,
-        an encoder from before the sample)."""
+        an encoder from before the sample). Names the replica that said it is `replica`, of several
+        balanced: the address list named all of them, the wrong one among the right."""
         if self.table_sample is None or reported is None:
             return None
         theirs = TableSample(reported.vocab_size, reported.hidden_size, tuple(reported.values))
@@ -78,7 +85,7 @@ class EncoderModelCheck:
             else f"same token table shape [{ours.vocab_size}, {ours.hidden_size}], different values"
         )
         return (
-            f"encoder {self.address} serves model {model!r}, not this decoder's {name!r} "
+            f"encoder {answering(self.address, replica)} serves model {model!r}, not this decoder's {name!r} "
             f"({self.model_dir}): {shapes}, so its rows would be read in the wrong model's hidden space; "
             "start the encoder with this decoder's --model"
         )

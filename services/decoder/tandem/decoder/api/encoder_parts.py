@@ -63,6 +63,8 @@ as bytes (over gRPC's receive cap) or through shared memory, and any Embed reque
 UNAVAILABLE naming its address, within the retries of its channel, so the request never waits for it
 past its deadline, and so is one that did not answer within MAX_FETCH_S when the caller's own deadline
 was later (another replica may serve it; DEADLINE_EXCEEDED is for the caller's deadline).
+With several encoders balanced, an error names the replica that took the call, as it said when the call
+began (`tandem.common.replica_name`): the whole list only where none did (every one unreachable).
 A call that ends (cancelled, failed, finished) cancels its fetches still running; the request being
 built then fails, and an Embed call cancelled (or failed) before its reply was read removes the name
 it asked for, as a read does, releasing the segment to the encoder's pool if the encoder wrote it: a
@@ -94,6 +96,7 @@ from tandem.client.errors import (
     Unavailable,
 )
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.common import replica_name
 from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
@@ -177,7 +180,9 @@ class EncoderParts:
         # The GetModelInfo calls running until then, by the caller's bearer token: parts asking meanwhile
         # share one, each waiting at most its own time. Under a lock held for the whole call, the k-th
         # of k parts waited k calls' time (a hung encoder: 60 s each), far past its own deadline.
-        self._model_infos: SharedFetches[encoder_pb2.EncoderGetModelInfoResponse] = SharedFetches()
+        self._model_infos: SharedFetches[tuple[encoder_pb2.EncoderGetModelInfoResponse, str | None]] = (
+            SharedFetches()
+        )
         # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
         self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
         self._in_flight = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # Embed calls running (step 2)
@@ -317,8 +322,8 @@ class EncoderParts:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         offer = self._offer()
-        reply = await self._call(part, offer, deadline, metadata)
-        self._check_model(reply, offer)
+        reply, replica = await self._call(part, offer, deadline, metadata)
+        self._check_model(reply, offer, replica)
         try:
             result = await self._read(reply, offer)
         except _SegmentLost as lost:
@@ -326,8 +331,8 @@ class EncoderParts:
             # --shared-memory-lease-s): this host's timing, not the caller's input. Once more, by value.
             self.num_refetched += 1
             try:
-                again = await self._call(part, None, deadline, metadata)
-                self._check_model(again, None)
+                again, replica = await self._call(part, None, deadline, metadata)
+                self._check_model(again, None, replica)
                 result = await self._read(again, None)
             except tensors.TooManyElements as error:
                 raise InvalidArgument("", rows_too_large(self.max_message_bytes, error.description)) from None
@@ -335,10 +340,11 @@ class EncoderParts:
                 if _ran_out(error) or over_cap(error) is not None:
                     raise
                 raise _unavailable(
-                    f"{lost}; fetched again by value: {error.code().name}: {error.details()}"
+                    f"{lost}; fetched again by value: {error.code().name}: {error.details()}",
+                    replica_name.reported(error.initial_metadata()),
                 ) from None
             except (InvalidArgument, FailedPrecondition) as error:
-                raise _unavailable(f"{lost}; fetched again by value, its reply's {error}") from None
+                raise _unavailable(f"{lost}; fetched again by value, its reply's {error}", replica) from None
         except tensors.TooManyElements as error:
             # More rows than this decoder's --max-message-bytes holds (an encoder allowed larger
             # messages, and shared memory passes gRPC's receive cap): the caller's input is too long,
@@ -349,7 +355,7 @@ class EncoderParts:
             # A reply wrong in itself (a segment this call did not ask for, rows past their segment, a
             # dtype or shape not the rows', NaN): the encoder's fault, never the caller's input (callers
             # pass no handles). It was INVALID_ARGUMENT on the caller's prompt[i].encoder.*.
-            raise _unavailable(f"its reply's {error}") from None
+            raise _unavailable(f"its reply's {error}", replica) from None
         self.cache.put(key, result)
         return result
 
@@ -359,8 +365,9 @@ class EncoderParts:
         offer: encoder_pb2.SharedMemoryOffer | None,
         deadline: float,
         metadata: tuple[tuple[str, str | bytes], ...],
-    ) -> encoder_pb2.EmbedResponse:
-        """The Embed call for `part`, offering shared memory when `offer` is given. A call that does not
+    ) -> tuple[encoder_pb2.EmbedResponse, str | None]:
+        """The Embed call for `part`, offering shared memory when `offer` is given, and the name of the
+        replica that answered, as it said (`replica_name`; None: it did not). A call that does not
         return its reply here (cancelled: its caller left; or failed) releases the segment it asked
         for, as a read does, in case the encoder wrote it: else a caller cancelling its calls kept
         the encoder's pool leased for --shared-memory-lease-s each (10 s), and others got bytes."""
@@ -380,9 +387,11 @@ class EncoderParts:
         except TimeoutError:
             raise _NoPlace from None
         try:
-            return await self.client.stub.Embed(
+            call = self.client.stub.Embed(
                 request, timeout=max(0.0, deadline - loop.time()), metadata=metadata
             )
+            reply = await call
+            return reply, replica_name.reported(await call.initial_metadata())
         except BaseException:
             if offer is not None:
                 shared_memory.remove(self.shm_dir, offer.segment_name)
@@ -480,9 +489,11 @@ class EncoderParts:
         deadline = loop.time() + wait_s
         while (remaining_s := deadline - loop.time()) > 0:
             try:
-                info = await self.client.stub.GetModelInfo(
+                call = self.client.stub.GetModelInfo(
                     encoder_pb2.EncoderGetModelInfoRequest(), timeout=remaining_s, wait_for_ready=True
                 )
+                info = await call
+                replica = replica_name.reported(await call.initial_metadata())
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.UNAVAILABLE:  # loading, or not listening yet
                     await asyncio.sleep(min(CHECK_RETRY_S, max(0.0, deadline - loop.time())))
@@ -491,19 +502,20 @@ class EncoderParts:
                     break
                 # e.g. UNAUTHENTICATED: the encoder wants a token, which only a caller's call carries
                 return (
-                    f"encoder {self.address} did not say which model it serves ({error.code().name}: "
+                    f"encoder {self._who(error)} did not say which model it serves ({error.code().name}: "
                     f"{error.details()}): checked at its first encoder part"
                 )
-            mismatch = self.model_check.info_mismatch(info)
+            mismatch = self.model_check.info_mismatch(info, replica)
             if mismatch is not None:
                 raise EncoderMismatch(mismatch)
             self._model = info.model
+            who = replica_name.answering(self.address, replica)
             if not info.HasField("token_table_sample") or self.model_check.table_sample is None:
                 return (
-                    f"encoder {self.address} serves {info.model!r} and reports no token table sample (a "
+                    f"encoder {who} serves {info.model!r} and reports no token table sample (a "
                     "version before it did): which model it serves is not checked"
                 )
-            return f"encoder {self.address} serves {info.model!r}, this decoder's model"
+            return f"encoder {who} serves {info.model!r}, this decoder's model"
         return (
             f"encoder {self.address} did not answer within {wait_s:g} s: which model it serves is "
             "checked at its first encoder part"
@@ -523,34 +535,44 @@ class EncoderParts:
         try:
             # Its own bound: a part joining a call that a part with more time started leaves at its own.
             async with asyncio.timeout(timeout_s):
-                info = await self._model_infos.fetch(
-                    token,
-                    timeout_s,
-                    lambda time_s: self.client.stub.GetModelInfo(
-                        encoder_pb2.EncoderGetModelInfoRequest(), timeout=time_s, metadata=metadata
-                    ),
-                    _ran_out,
+                info, replica = await self._model_infos.fetch(
+                    token, timeout_s, lambda time_s: self._model_info(time_s, metadata), _ran_out
                 )
         except TimeoutError:  # this part's own time, the call perhaps running on for another's
             raise self._out_of_time(field, is_capped, "asked which model it serves") from None
         except grpc.aio.AioRpcError as error:
             if _ran_out(error):
-                raise self._out_of_time(field, is_capped, "asked which model it serves") from None
+                raise self._out_of_time(
+                    field, is_capped, "asked which model it serves", self._who(error)
+                ) from None
             raise self._error(error, field, is_capped) from None
-        mismatch = self.model_check.info_mismatch(info)
+        mismatch = self.model_check.info_mismatch(info, replica)
         if mismatch is not None:
             raise FailedPrecondition(field, mismatch)
         self._model = info.model
         return self._model
 
+    async def _model_info(
+        self, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
+    ) -> tuple[encoder_pb2.EncoderGetModelInfoResponse, str | None]:
+        """The encoder's GetModelInfo reply, and the name of the replica that gave it, as it said."""
+        call = self.client.stub.GetModelInfo(
+            encoder_pb2.EncoderGetModelInfoRequest(), timeout=timeout_s, metadata=metadata
+        )
+        info = await call
+        return info, replica_name.reported(await call.initial_metadata())
+
     def _check_model(
-        self, reply: encoder_pb2.EmbedResponse, offer: encoder_pb2.SharedMemoryOffer | None
+        self,
+        reply: encoder_pb2.EmbedResponse,
+        offer: encoder_pb2.SharedMemoryOffer | None,
+        replica: str | None,  # the name of the replica that sent it, as it said: the refusal names it
     ) -> None:
         """Raises EncoderMismatch, naming both models, when `reply` is of another model than this
         decoder's, releasing the segment it may have written (as a read would): its rows are never read.
         A reply without a sample (an encoder from before replies carried one) passes: that encoder's
         model was checked once, by GetModelInfo (`check_model`, `_encoder_model`), and never again."""
-        mismatch = self.model_check.reply_mismatch(reply)
+        mismatch = self.model_check.reply_mismatch(reply, replica)
         if mismatch is None:
             return
         if offer is not None:
@@ -558,14 +580,16 @@ class EncoderParts:
                 shared_memory.remove(self.shm_dir, offer.segment_name)
         raise EncoderMismatch(mismatch)
 
-    def _out_of_time(self, field: str, is_capped: bool, doing: str) -> TandemError:
-        """A call to the encoder that ran out of time while the encoder was `doing` something."""
+    def _out_of_time(self, field: str, is_capped: bool, doing: str, who: str | None = None) -> TandemError:
+        """A call to the encoder (`who`, the replica that took it where known) that ran out of time while
+        the encoder was `doing` something."""
+        who = who or self.address
         if is_capped:
             # The caller would have waited longer: an encoder silent this long (hung, stopped) is
             # unavailable, and another replica may serve the retry. It was DEADLINE_EXCEEDED at
             # 60 s on a call whose own deadline was 120 s.
-            return Unavailable(f"{field}: encoder {self.address} did not answer within {MAX_FETCH_S:g} s")
-        return DeadlineExceeded(f"{field}: the deadline passed while encoder {self.address} {doing}")
+            return Unavailable(f"{field}: encoder {who} did not answer within {MAX_FETCH_S:g} s")
+        return DeadlineExceeded(f"{field}: the deadline passed while encoder {who} {doing}")
 
     def _no_place(self, field: str, is_capped: bool) -> TandemError:
         """A part whose Embed call never got one of the MAX_EMBEDS_IN_FLIGHT places within its time.
@@ -576,31 +600,38 @@ class EncoderParts:
             return Unavailable(f"{field}: {limit} was full for {MAX_FETCH_S:g} s ({held})")
         return DeadlineExceeded(f"{field}: the deadline passed while {limit} was full ({held})")
 
+    def _who(self, error: grpc.aio.AioRpcError) -> str:
+        """The encoder to name for `error`: the replica that took the call, where it said so (as the call
+        began, before any work: a hung one too); else the address as configured, all of them where
+        several (none answered: every one unreachable, or one from before replicas said)."""
+        return replica_name.answering(self.address, replica_name.reported(error.initial_metadata()))
+
     def _error(self, error: grpc.aio.AioRpcError, field: str, is_capped: bool) -> TandemError:
         """The encoder's status as this call's: about the input, or about the encoder. `is_capped`: the
         call's time was this decoder's MAX_FETCH_S, not the caller's deadline."""
         code, details = error.code(), error.details() or ""
+        who = self._who(error)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidArgument(field, f"the encoder refused it: {details}")
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             return FailedPrecondition(field, f"the encoder refused it: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return self._out_of_time(field, is_capped, "embedded it")
+            return self._out_of_time(field, is_capped, "embedded it", who)
         if (over := over_cap(error)) is not None:
             # The caller's input is too long, and no retry mends that. It was RESOURCE_EXHAUSTED
             # "encoder ... is full", with a RetryInfo, where the same rows through shared memory were
             # INVALID_ARGUMENT.
             return InvalidArgument(field, over.description(self.max_message_bytes))
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return ResourceExhausted(f"{field}: encoder {self.address} is full: {details}")
-        return Unavailable(f"{field}: encoder {self.address} is unavailable ({code.name}: {details})")
+            return ResourceExhausted(f"{field}: encoder {who} is full: {details}")
+        return Unavailable(f"{field}: encoder {who} is unavailable ({code.name}: {details})")
 
 
-def _unavailable(details: str) -> grpc.aio.AioRpcError:
-    """UNAVAILABLE as the encoder's call would raise it: each waiter names its own field and the encoder."""
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
-    )
+def _unavailable(details: str, replica: str | None) -> grpc.aio.AioRpcError:
+    """UNAVAILABLE as the encoder's call would raise it: each waiter names its own field and the encoder
+    (`replica`, the one that sent the faulty reply, where it said; `_error`)."""
+    initial = grpc.aio.Metadata((replica_name.HEADER, replica)) if replica else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, initial, grpc.aio.Metadata(), details)
 
 
 def _ran_out(error: BaseException) -> bool:
