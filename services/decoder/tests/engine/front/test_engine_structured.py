@@ -110,6 +110,44 @@ def test_a_proposal_holding_the_grammars_end_and_eos_verifies_as_plain_steps_go(
     assert _finished(speculating).accepted_tokens > 0
 
 
+def test_a_proposal_is_cut_to_the_masks_its_share_of_the_step_budget_pays_for(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each verifying row costs a mask: 16 proposed tokens of an ambiguous grammar at 30 ms a mask
+    cost 510 ms in one step. At 100 ms a mask (faked) and a 250 ms budget a request verifies at most
+    1 proposed token a step (2 masks), and its tokens are those of plain steps."""
+    spec = GenerateSpec(
+        [PROMPT],
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_new_tokens=12),
+        structured=StructuredOutput("regex", "[a-z]{12}"),
+    )
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        answer = _tokens(engine.generate(spec))
+
+    def propose(lookup: prompt_lookup.PromptLookup, max_tokens: int) -> list[int]:
+        done = len(lookup.history) - len(PROMPT)
+        return answer[done : done + max_tokens]
+
+    validated: list[int] = []
+    valid_prefix = structured.Constraint.valid_prefix
+
+    def recording(constraint: structured.Constraint, token_ids: list[int]) -> int:
+        validated.append(len(token_ids))
+        return valid_prefix(constraint, token_ids)
+
+    monkeypatch.setattr(prompt_lookup.PromptLookup, "propose", propose)
+    monkeypatch.setattr(structured.Constraint, "valid_prefix", recording)
+    monkeypatch.setattr(structured.Constraint, "mask_seconds", property(lambda _: 0.1))
+    # A per-token limit over the faked cost, so that only the step's budget weighs it.
+    settings = dict(speculative_tokens=4, max_grammar_cpu_ms_per_step=250.0, max_grammar_cpu_ms_per_token=1e4)
+    with _engine(tiny_model_dir, tiny_fp32, **settings) as engine:
+        speculating = list(engine.generate(spec))
+    assert _tokens(speculating) == answer
+    assert validated and max(validated) == 1
+    assert _finished(speculating).accepted_tokens > 0
+
+
 @pytest.mark.parametrize("speculative_tokens", [0, 4])
 def test_a_requests_first_step_takes_the_first_mask_its_grammar_was_built_with(
     tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch, speculative_tokens: int

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from tandem.client.errors import ResourceExhausted
-from tandem.decoder.engine.step.grammar_budget import heavy_mask_seconds, over_budget, over_budget_error
+from tandem.decoder.engine.step.grammar_budget import (
+    heavy_mask_seconds,
+    num_draft_tokens_within,
+    over_budget,
+    over_budget_error,
+    row_seconds_ahead,
+)
 
 
 def test_a_step_within_its_budget_fails_nobody() -> None:
@@ -35,6 +45,29 @@ def test_the_heavy_floor_is_20_ms_or_half_the_per_token_limit_where_that_is_less
     assert heavy_mask_seconds(0.050) == 0.020  # the served 50 ms
     assert heavy_mask_seconds(0.020) == 0.010
     assert heavy_mask_seconds(0.004) == 0.002
+
+
+def test_a_proposal_is_cut_to_the_rows_whose_masks_fit_the_requests_share() -> None:
+    # An ambiguous grammar at 30 ms a mask: 16 proposed tokens were 17 masks, 510 ms in one step.
+    assert num_draft_tokens_within(16, mask_seconds=0.030, max_seconds=0.25) == 7  # 8 masks, 240 ms
+    assert num_draft_tokens_within(16, mask_seconds=0.100, max_seconds=0.25) == 1
+    # Its own row is never cut: a request dearer than its share alone is the budget's to fail.
+    assert num_draft_tokens_within(16, mask_seconds=0.300, max_seconds=0.25) == 0
+
+
+def test_a_proposal_whose_masks_fit_is_verified_whole() -> None:
+    assert num_draft_tokens_within(16, mask_seconds=0.001, max_seconds=0.25) == 16
+    assert num_draft_tokens_within(4, mask_seconds=0.050, max_seconds=0.25) == 4  # 5 masks, 250 ms
+    assert num_draft_tokens_within(16, mask_seconds=0.0, max_seconds=0.25) == 16  # no mask yet
+    assert num_draft_tokens_within(16, mask_seconds=0.3, max_seconds=math.inf) == 16  # no budget
+
+
+def test_a_rows_cost_ahead_is_the_last_steps_grown_as_it_grew_since_the_step_before() -> None:
+    # `s: s s | /[a-z ]/`: 3 ms a row, then 9 ms; its masks' average (13 ms) predicted the next step's
+    # 16 rows within 250 ms, and they cost 35 ms each.
+    assert row_seconds_ahead(0.009, 0.003) == pytest.approx(0.027)
+    assert row_seconds_ahead(0.009, 0.012) == 0.009  # a cost that fell is not taken to fall on
+    assert row_seconds_ahead(0.009, 0.0) == 0.009  # one step known: no trend yet
 
 
 def test_its_error_names_the_field_and_the_limit() -> None:

@@ -55,7 +55,12 @@ from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, Scheduler, StepPlan
 from tandem.decoder.engine.step import grammar_budget, non_finite
-from tandem.decoder.engine.step.grammar_budget import over_budget, over_budget_error
+from tandem.decoder.engine.step.grammar_budget import (
+    num_draft_tokens_within,
+    over_budget,
+    over_budget_error,
+    row_seconds_ahead,
+)
 from tandem.decoder.engine.step.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -87,6 +92,9 @@ class _Tracked:
     # Tokens to propose next: the request's maximum after a fully accepted proposal, one more than
     # the accepted ones after a rejection, so a request whose guesses miss costs one extra position.
     num_to_propose: int = 0
+    # Its grammar's CPU time a row (a mask, and taking its token) in its last two steps that masked it,
+    # the last first: the trend its next proposal is cut by (grammar_budget.row_seconds_ahead).
+    grammar_row_seconds: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -368,6 +376,9 @@ class EngineCore:
                 grammar_seconds[item.request_id] = grammar_seconds.get(item.request_id, 0.0) + (
                     time.thread_time() - start
                 )
+                tracked = self._live[item.request_id]
+                row_seconds = grammar_seconds[item.request_id] / (1 + item.num_draft_tokens)
+                tracked.grammar_row_seconds = (row_seconds, tracked.grammar_row_seconds[0])
                 if item.request_id not in faults and (error := item.request.constraint.error()) is not None:
                     broken.append((item, error))
         with self.lock:
@@ -470,6 +481,9 @@ class EngineCore:
         running = self.scheduler.running
         if self.speculative_max_batch is not None and len(running) > self.speculative_max_batch:
             return
+        # Each constrained request's share of the step's grammar budget bounds its rows' masks.
+        num_constrained = sum(request.constraint is not None for request in running)
+        share_seconds = self.max_grammar_seconds_per_step / max(1, num_constrained)
         for request in running:
             tracked = self._live[request.request_id]
             if tracked.lookup is None or request.num_computed_tokens != request.num_tokens - 1:
@@ -482,7 +496,13 @@ class EngineCore:
                 tracked.output.max_model_len - request.num_tokens,
             )
             draft = lookup.propose(min(tracked.num_to_propose, room - 1))
-            if request.constraint is not None:  # only what the grammar accepts is worth verifying
+            if request.constraint is not None:
+                # Each verifying row costs a mask (grammar_budget.py): cut to what the share pays for,
+                # before validating, then to what the grammar accepts (all that is worth verifying).
+                row_seconds = max(
+                    request.constraint.mask_seconds, row_seconds_ahead(*tracked.grammar_row_seconds)
+                )
+                draft = draft[: num_draft_tokens_within(len(draft), row_seconds, share_seconds)]
                 draft = draft[: request.constraint.valid_prefix(draft)]
             request.draft_token_ids = draft
 
