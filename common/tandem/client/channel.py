@@ -39,6 +39,18 @@ from .auth import bearer_token_interceptors, read_token
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
 
+# A ping every 30 s, the connection closed when one is unanswered in 10 s: a server gone without
+# closing its connections (stopped, its host lost) is found by the client's next ping.
+KEEPALIVE_MS = (30_000, 10_000)
+# Over several servers, a ping every 2 s, unanswered in 3 s: a replica stopped (SIGSTOP, a frozen VM)
+# leaves its connection and its health Watch open and says nothing, so the channel's round_robin kept
+# sending it half of all new calls, each hung to its deadline, until the 30 s keepalive gave up on it
+# (58 s under steady calls to the decoder's --encoder X,Y); now its connection closes within 5 s and
+# the calls go to the others (an Embed in flight there is retried on them: UNAVAILABLE). Pings are
+# answered by gRPC's own threads, not the server's busy event loop, and servers take them this often
+# (max_ping_strikes 0, `tandem.common.server`).
+REPLICA_KEEPALIVE_MS = (2_000, 3_000)
+
 _RETRIED_METHODS = [
     {"service": "tandem.v1.Encoder", "method": "Embed"},
     {"service": "tandem.v1.Encoder", "method": "Tokenize"},
@@ -202,9 +214,10 @@ PLAINTEXT = ChannelSecurity()
 def client_channel_options(
     max_message_bytes: int, is_balanced: bool = False, health_service: str | None = None
 ) -> list[tuple[str, Any]]:
-    """`channel_options` plus the retry policy for idempotent calls (and balancing, see service_config)."""
+    """`channel_options` plus the retry policy for idempotent calls (and balancing, see service_config);
+    over several servers, a keepalive that finds a stopped one within seconds (REPLICA_KEEPALIVE_MS)."""
     return [
-        *channel_options(max_message_bytes),
+        *channel_options(max_message_bytes, REPLICA_KEEPALIVE_MS if is_balanced else KEEPALIVE_MS),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", service_config(is_balanced, health_service)),
         # While a server is down the channel waits longer and longer between reconnects (gRPC's
@@ -247,13 +260,21 @@ def open_channel(
     return grpc.aio.secure_channel(target, credentials, options=options, interceptors=chain)
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options for clients of our services: same size cap as the server, keepalive it permits."""
+def channel_options(
+    max_message_bytes: int, keepalive_ms: tuple[int, int] = KEEPALIVE_MS
+) -> list[tuple[str, Any]]:
+    """Options for clients of our services: same size cap as the server, keepalive it permits
+    (`keepalive_ms`: a ping this often, the connection closed when one is unanswered this long)."""
+    ping_ms, timeout_ms = keepalive_ms
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # Any ping unanswered this long closes the connection too: while one is in flight (gRPC's own
+        # flow-control ping, sent as calls go out) no keepalive ping is sent, and its timeout was
+        # gRPC's default minute.
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]

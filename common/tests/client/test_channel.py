@@ -101,3 +101,72 @@ def test_an_ipv4_target_still_has_its_port_checked() -> None:
 def test_a_single_address_is_not_resolved(address: str) -> None:
     """A name that resolves only later (a Service not created yet) is still an address."""
     assert channel_target(address) == (address, False)
+
+
+class FreezableProxy:
+    """A TCP proxy in front of a server that, once `frozen`, forwards nothing more either way: a
+    server process stopped (SIGSTOP, a frozen VM), whose host's kernel still holds its connections
+    open and accepts new ones."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.running = asyncio.Event()
+        self.running.set()
+        self.address = ""
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self.running.set()
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = self.upstream.rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self.running.wait()
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_stopped_replica_is_left_within_its_keepalive_not_gRPCs_minute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica stopped leaves its connection and its health Watch open and says nothing: the
+    channel's round_robin kept sending it half of all new calls, each hung to its deadline, for 58 s
+    (gRPC's flow-control ping, in flight, held off every keepalive ping until its own 1 minute
+    timeout). Over several servers a ping every 2 s unanswered in 3 s closes its connection; here
+    0.2 s and 0.3 s, and a Generate it never answered is retried on the other."""
+    monkeypatch.setattr("tandem.client.channel.REPLICA_KEEPALIVE_MS", (200, 300))
+    replicas = [Replica("a"), Replica("b")]
+    servers = [await _start(replica) for replica in replicas]
+    proxy = FreezableProxy(servers[1].address)
+    await proxy.start()
+    channel = open_channel(
+        [servers[0].address, proxy.address], service="tandem.v1.Decoder", own_connection=True
+    )
+    try:
+        assert set(await _served_by(channel, 8)) == {"a", "b"}
+        proxy.running.clear()  # SIGSTOP
+        stub = decoder_pb2_grpc.DecoderStub(channel)
+        async with asyncio.timeout(3):  # hung to the 10 s deadline before
+            served = [
+                (await stub.Generate(decoder_pb2.GenerateRequest(), timeout=10).read()) for _ in range(8)
+            ]
+        assert {reply.request_id for reply in served} == {"a"}
+    finally:
+        await channel.close()
+        await proxy.close()
+        await asyncio.gather(*(server.stop(0) for server in servers))
