@@ -81,6 +81,10 @@ class GenerateSpec:
     # queue-time and TTFT metrics count the wait for a request-building thread (a grammar's compile
     # queue: a client's 1.56 s first token read 0.02 s on the server); None = when built.
     arrival_time: float | None = None
+    # The most bytes one of its replies may take (the servicer's --max-message-bytes), so that a request
+    # whose prompt logprobs cannot fit one is refused before it runs (admission/prompt_logprob_size.py);
+    # None: no bound (in process).
+    max_reply_bytes: int | None = None
 
 
 def build_request(

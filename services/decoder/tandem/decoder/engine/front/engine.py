@@ -34,6 +34,7 @@ from tandem.decoder.engine.admission import template_worker
 from tandem.decoder.engine.admission.chat import ChatTemplate
 from tandem.decoder.engine.admission.prompt import GenerateSpec, build_request, has_encoder_parts
 from tandem.decoder.engine.admission.prompt_logprob_budget import PromptLogprobBudget, num_entries
+from tandem.decoder.engine.admission.prompt_logprob_size import PromptLogprobSize
 from tandem.decoder.engine.front.fair_builder import FairBuilder
 from tandem.decoder.engine.front.loop import EngineThread
 from tandem.decoder.engine.front.streaming import Mailboxes, stream_events
@@ -200,6 +201,7 @@ class Engine:
         self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
         # Each token's own bytes for logprobs (`Delta`s carry IDs; the servicer spells them): once, here.
         self.token_bytes = token_bytes_table(self.tokenizer)
+        self.prompt_logprob_size = PromptLogprobSize.of(self.token_bytes)
         self.core = self._build_core(tp, backend)
         for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
             adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
@@ -408,6 +410,14 @@ class Engine:
         if not self._thread.is_healthy:
             raise Unavailable("the decoder engine is not running")
         request = self.make_request(spec)
+        if spec.max_reply_bytes is not None and request.sampling.prompt_logprobs is not None:
+            self.prompt_logprob_size.check(
+                request.num_prompt_tokens,
+                request.sampling.prompt_logprobs,
+                request.stopping.max_new_tokens,
+                request.sampling.top_logprobs,
+                spec.max_reply_bytes,
+            )
         if progress is not None and request.sampling.prompt_logprobs is not None:
             entries = num_entries(request.num_prompt_tokens, request.sampling.prompt_logprobs)
             progress.hold(self.prompt_logprob_budget.reserve(request.caller, entries))

@@ -1,0 +1,117 @@
+"""DecoderServicer.Generate against a stand-in engine: a delta carrying prompt logprobs is built off the
+event loop, in the stream's order; the engine is told the most bytes a reply may take."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from tandem.decoder.api import protocol
+from tandem.decoder.api.servicer import DecoderServicer
+from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.outputs.outputs import Accepted, Delta, Event, Finished, FinishReason
+from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
+from tandem.decoder.engine.outputs.token_bytes import TokenBytes
+
+MAX_MESSAGE_BYTES = 12_345
+SCORED = Delta("r", (4,), "d", (), (), prompt_logprobs=(PromptLogprob(3, None, (), ()),))
+EVENTS: tuple[Event, ...] = (
+    Accepted("r", 1),
+    SCORED,
+    Delta("r", (5,), "e", (), ()),
+    Finished("r", FinishReason.LENGTH, None, None, 1, 2, 0, 0.0, 0.0, 0.0),
+)
+
+
+class StandInEngine:
+    is_healthy = True
+    max_model_len = 100
+    token_bytes = TokenBytes((b"a",) * 10)
+
+    def __init__(self) -> None:
+        self.specs: list[GenerateSpec] = []
+
+    def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
+        self.specs.append(spec)
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[Event]:
+        for event in EVENTS:
+            yield event
+
+
+class Context:
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+def _request() -> decoder_pb2.GenerateRequest:
+    request = decoder_pb2.GenerateRequest(
+        prompt=[decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=[3]))]
+    )
+    request.output.prompt_logprobs = 1
+    return request
+
+
+async def _replies(decoder: DecoderServicer) -> list[decoder_pb2.GenerateResponse]:
+    return [reply async for reply in decoder.Generate(_request(), Context())]
+
+
+async def test_a_delta_with_prompt_logprobs_is_built_while_the_loop_serves_others_in_the_streams_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop, built = asyncio.get_running_loop(), []
+    to_pb = protocol.event_to_pb
+
+    def event_to_pb(event: Event, token_bytes: TokenBytes | None = None) -> decoder_pb2.GenerateResponse:
+        if event is SCORED:  # the loop runs a callback while this one is being built
+            served = threading.Event()
+            loop.call_soon_threadsafe(served.set)
+            built.append(("scored", served.wait(timeout=1.0)))
+        else:
+            built.append((type(event).__name__, threading.current_thread() is threading.main_thread()))
+        return to_pb(event, token_bytes)
+
+    monkeypatch.setattr(protocol, "event_to_pb", event_to_pb)
+    replies = await _replies(DecoderServicer("m", MAX_MESSAGE_BYTES, engine=StandInEngine()))
+    assert [r.WhichOneof("event") for r in replies] == ["accepted", "delta", "delta", "finished"]
+    assert [list(r.delta.token_ids) for r in replies[1:3]] == [[4], [5]]
+    assert replies[1].delta.prompt_logprobs[0].token_bytes == b"a"
+    # Every other event is built on the loop: a thread's hand-off would cost more than its build.
+    assert built == [("Accepted", True), ("scored", True), ("Delta", True), ("Finished", True)]
+
+
+async def test_a_stream_cancelled_while_its_scored_delta_is_built_ends_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = threading.Event()
+    to_pb = protocol.event_to_pb
+
+    def event_to_pb(event: Event, token_bytes: TokenBytes | None = None) -> decoder_pb2.GenerateResponse:
+        if event is SCORED:
+            release.wait(timeout=5.0)
+        return to_pb(event, token_bytes)
+
+    monkeypatch.setattr(protocol, "event_to_pb", event_to_pb)
+    reading = asyncio.ensure_future(_replies(DecoderServicer("m", MAX_MESSAGE_BYTES, engine=StandInEngine())))
+    await asyncio.sleep(0.05)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(reading, timeout=1.0)  # the handler leaves; the build finishes alone
+    release.set()
+
+
+async def test_the_engine_is_told_the_most_bytes_a_reply_may_take() -> None:
+    engine = StandInEngine()
+    await _replies(DecoderServicer("m", MAX_MESSAGE_BYTES, engine=engine))
+    assert engine.specs[0].max_reply_bytes == MAX_MESSAGE_BYTES
