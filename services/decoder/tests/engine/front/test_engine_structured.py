@@ -356,3 +356,32 @@ def test_a_grammar_request_counts_its_wait_for_its_building_thread_in_its_metric
         events = asyncio.run(collect())
     assert isinstance(events[-1], Finished)
     assert events[-1].time_to_first_token_s >= 0.3 and events[-1].queue_time_s >= 0.3
+
+
+def test_a_cancelled_constrained_requests_matcher_memory_is_given_back(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel
+) -> None:
+    """Each live matcher is charged against the engine's matcher memory (sampling/grammar_memory.py)
+    until its request's constraint goes, whichever way the request ended: here a cancel mid-answer."""
+    spec = GenerateSpec(
+        [PROMPT],
+        SamplingParams(temperature=0.0),
+        StoppingParams(max_new_tokens=500),
+        structured=StructuredOutput("regex", "[a-z ]{1000}"),  # no end within the answer
+    )
+    started = threading.Event()
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, Delta):
+            started.set()
+
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        key = engine.submit(spec, on_event)
+        assert started.wait(60)
+        memory = engine._grammar_compiler().memory
+        assert memory.held() > 0
+        engine.abort(key)  # applied at the next step; a cancelled stream gets no more events
+        deadline = time.monotonic() + 30
+        while (memory.held() or engine.core.num_live()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.core.num_live() == 0 and memory.held() == 0

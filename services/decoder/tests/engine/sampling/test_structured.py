@@ -15,10 +15,11 @@ import tokenizers
 import torch
 
 from services.decoder.tests.engine.engine_helpers import RecordingMatcher
-from tandem.client.errors import InvalidArgument
+from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.params import StructuredOutput
 from tandem.decoder.engine.sampling import structured
+from tandem.decoder.engine.sampling.grammar_memory import MIN_MATCHER_BYTES, GrammarMemoryBudget
 from tandem.decoder.engine.sampling.structured import MAX_SCHEMA_DEPTH, MAX_SOURCE_CHARS, GrammarCompiler
 
 SERVED_LIMIT_S = EngineConfig.max_grammar_cpu_ms_per_token / 1000  # the flag's default, in seconds
@@ -495,3 +496,62 @@ def test_a_request_that_exhausts_its_lexer_states_does_not_fail_the_next_of_its_
         after.allowed()
         after.accept(letters[0])
         assert after.error() is None
+
+
+def test_a_schema_that_is_only_a_reference_to_itself_admits_no_answer_in_words_without_markers(
+    compiler: GrammarCompiler,
+) -> None:
+    source = json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})
+    with pytest.raises(InvalidArgument) as error:
+        compiler.constraint(StructuredOutput("json_schema", source))
+    assert "admits no answer: no text can begin it" in error.value.description
+    assert "<non-verbose/>" not in error.value.description
+
+
+def test_a_schema_past_llguidances_own_size_bound_is_refused_naming_the_bound_and_what_multiplies(
+    compiler: GrammarCompiler,
+) -> None:
+    # 4 allOf of 10 anyOf each, 3.5 KB: llguidance said only "schema too large".
+    def anyof(tag: str) -> dict:
+        return {
+            "anyOf": [
+                {"properties": {f"{tag}{i}": {"type": "integer"}}, "required": [f"{tag}{i}"]}
+                for i in range(10)
+            ]
+        }
+
+    source = json.dumps({"allOf": [anyof(f"t{depth}_") for depth in range(4)]})
+    with pytest.raises(InvalidArgument) as error:
+        compiler.constraint(StructuredOutput("json_schema", source))
+    assert error.value.field == "structured.json_schema"
+    assert error.value.description.startswith("is too large:")
+    assert "JSON schema compiler" in error.value.description and "allOf of anyOf" in error.value.description
+
+
+def test_a_matchers_lexer_states_are_bounded_far_below_llguidances_default(compiler: GrammarCompiler) -> None:
+    # States are built as an answer goes on and kept until the request ends: its growth after it is
+    # charged (grammar_memory). llguidance's default is 250,000.
+    assert compiler._limits.max_lexer_states == structured.MAX_LEXER_STATES <= 50_000
+
+
+def test_each_constraint_is_charged_to_its_caller_until_it_is_collected(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compiler, "memory", GrammarMemoryBudget())
+    first = compiler.constraint(StructuredOutput("regex", "a+"), caller="a")
+    second = compiler.constraint(StructuredOutput("regex", "a+"), caller="b")
+    assert compiler.memory.held("a") == first.memory_bytes >= MIN_MATCHER_BYTES
+    del first  # its request ended, whichever way: nothing else holds it
+    assert (compiler.memory.held("a"), compiler.memory.held()) == (0, second.memory_bytes)
+
+
+def test_a_constraint_past_its_callers_memory_limit_is_refused_naming_its_field_and_the_limit(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = 2 * MIN_MATCHER_BYTES - 1  # one ordinary matcher, not two
+    monkeypatch.setattr(compiler, "memory", GrammarMemoryBudget(max_bytes_per_caller=limit))
+    held = compiler.constraint(StructuredOutput("regex", "a+"), caller="a")
+    with pytest.raises(ResourceExhausted, match=r"^structured\.regex: .*the limit is 4 MiB per caller"):
+        compiler.constraint(StructuredOutput("regex", "a+"), caller="a")
+    compiler.constraint(StructuredOutput("regex", "a+"), caller="b")  # another caller's goes on
+    assert compiler.memory.held("a") == held.memory_bytes

@@ -8,7 +8,8 @@ our tokenizer's JSON and bounds its work with parser limits, and needs no torch 
 49k vocabulary) and a cache of verdicts by content: a grammar's compiled text where it was accepted,
 its refusal where not, so a repeated hostile grammar is refused without a second build. Each request
 gets its own `Constraint` on a matcher built for it alone (the grammar's state after the tokens
-sampled so far). Not a copy of a cached matcher: llguidance's `deep_copy` shares the lexer, so every
+sampled so far), charged against the engine's and its caller's matcher memory while it lives
+(grammar_memory.py). Not a copy of a cached matcher: llguidance's `deep_copy` shares the lexer, so every
 request of one grammar added its lexer states to one pool, the first to exhaust it ("needs more lexer
 states than allowed") failed every later request of that grammar at its first token until restart,
 and each cached regex kept up to about 97 MB of states. A build costs up to MAX_LEXER_FUEL's bound
@@ -48,6 +49,7 @@ import json
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -60,6 +62,7 @@ import torch
 
 from tandem.client.errors import InvalidArgument
 from tandem.decoder.engine.params import StructuredOutput
+from tandem.decoder.engine.sampling.grammar_memory import GrammarMemoryBudget, estimated_bytes
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE_CHARS = 64 * 1024  # a schema, regex or grammar: its text
@@ -88,6 +91,18 @@ MAX_SCHEMA_DEPTH = 124
 # `a{300}{100}` (30,000 characters) need under 100,000, but the deepest $ref chain within
 # MAX_SOURCE_CHARS (1,716 levels) needs between 100,000 and 150,000.
 MAX_LEXER_FUEL = 200_000
+# The lexer states one matcher may build while decoding (llguidance's max_lexer_states; its default is
+# 250,000). States are built as an answer goes on and kept until the request ends, so this bounds what
+# a matcher grows by after grammar_memory.py charged it: 250,000 states of the regex in
+# test_a_request_that_exhausts_its_lexer_states took 22.9 MB (an earlier measure, 97 MB). Measured with
+# SmolLM2's vocabulary: 300 random tokens of `json_object` and of bench/structured_output.py's schema
+# need under 500 states, and at 5,000 every structured test passes but one (`a{1000}{1000}` is then
+# refused for its states before its fuel); this is 10 times that, a few MB of states at most. The
+# memory a build takes (`a{300}{190}`'s 20 MB) is the lexer fuel's to bound, and grammar_memory's to
+# count.
+MAX_LEXER_STATES = 50_000
+# llguidance's bound on a compiled grammar's size (its max_grammar_size, left at its default).
+MAX_GRAMMAR_SIZE = 500_000
 NUM_MASKS_AVERAGED = 8  # masks whose CPU time per token is averaged against the limit (the NOTE)
 _STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one setter at a time
 
@@ -140,6 +155,7 @@ class Constraint:
         self.max_token_cpu_seconds = max_token_cpu_seconds
         self._recent_seconds: deque[float] = deque(maxlen=NUM_MASKS_AVERAGED)  # CPU per mask and token
         self._too_slow: _TooSlow | None = None  # where the average first passed max_token_cpu_seconds
+        self.memory_bytes = 0  # charged to its caller while it lives (grammar_memory.py)
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar accepts next."""
@@ -280,6 +296,7 @@ class _Started:
 
     matcher: object  # llguidance's LLMatcher, the request's alone: no token taken yet
     first_bitmask: bytes  # its first mask, which the request's first step takes instead of computing
+    build_cpu_seconds: float  # building it and its first mask (its memory charge's measure)
 
 
 class GrammarCompiler:
@@ -300,15 +317,22 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
-        self._limits = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=MAX_LEXER_FUEL)
+        self._limits = llguidance.LLParserLimits(
+            verbose_errors=False,
+            initial_lexer_fuel=MAX_LEXER_FUEL,
+            max_lexer_states=MAX_LEXER_STATES,
+            max_grammar_size=MAX_GRAMMAR_SIZE,
+        )
         self._eos_token_ids = frozenset(eos_token_ids)
         self.max_token_cpu_seconds = max_token_cpu_seconds
         self._cache: OrderedDict[StructuredOutput, _Verdict] = OrderedDict()  # by content, least recent first
         self._lock = threading.Lock()  # request builders may compile concurrently
+        self.memory = GrammarMemoryBudget()  # what live matchers hold (grammar_memory.py)
 
-    def constraint(self, spec: StructuredOutput) -> Constraint:
-        """A fresh matcher for `spec`, the request's alone. Raises InvalidArgument naming the field for
-        what does not compile."""
+    def constraint(self, spec: StructuredOutput, caller: str = "") -> Constraint:
+        """A fresh matcher for `spec`, the request's alone, charged to `caller` (Request.caller) until
+        the constraint is collected. Raises InvalidArgument naming the field for what does not compile,
+        ResourceExhausted where the live matchers hold too much (grammar_memory.py)."""
         check(spec)
         with self._lock:
             verdict = self._cache.get(spec)
@@ -322,7 +346,9 @@ class GrammarCompiler:
         if verdict.refusal is not None:  # a fresh one: a raised one keeps its traceback
             raise InvalidArgument(verdict.refusal.field, verdict.refusal.description)
         assert started is not None  # an accepted verdict comes with its request's matcher
-        return Constraint(
+        nbytes = estimated_bytes(started.build_cpu_seconds)
+        release = self.memory.reserve(caller, spec.field, nbytes)  # refused: the matcher goes with it
+        constraint = Constraint(
             started.matcher,
             self.vocab_size,
             spec.field,
@@ -330,6 +356,11 @@ class GrammarCompiler:
             max_token_cpu_seconds=self.max_token_cpu_seconds,
             first_bitmask=started.first_bitmask,
         )
+        constraint.memory_bytes = nbytes
+        # Given back with the matcher's memory, whichever way its request ended: nothing in the engine
+        # need remember to.
+        weakref.finalize(constraint, release)
+        return constraint
 
     def _keep(self, spec: StructuredOutput, verdict: _Verdict) -> None:
         """Cache `verdict`, least recently used out first, within CACHE_SIZE."""
@@ -349,8 +380,10 @@ class GrammarCompiler:
         first step from 4 to 95 ms). Computed here and handed to the request's constraint, it costs the
         step nothing: the first step's grammar CPU with SmolLM2, `a{300}{100}`, went from 20.2 ms (cold)
         to 6.2 (computed again, warm) to 0.1."""
+        start = time.thread_time()
         matcher = self._matcher(verdict)
-        return _Started(matcher, matcher.compute_bitmask())  # type: ignore[attr-defined]
+        bitmask = matcher.compute_bitmask()  # type: ignore[attr-defined]
+        return _Started(matcher, bitmask, time.thread_time() - start)
 
     def _judged(self, spec: StructuredOutput) -> tuple[_Verdict, _Started | None]:
         """`spec`'s verdict, and where accepted the request's matcher, its first mask computed."""
@@ -359,16 +392,19 @@ class GrammarCompiler:
         except InvalidArgument as e:
             return _Verdict(None, e), None
         verdict = _Verdict(grammar, None)
+        start = time.thread_time()
         matcher = self._matcher(verdict)
         if matcher.is_error():  # type: ignore[attr-defined]
-            error = InvalidArgument(spec.field, f"does not compile: {_short(matcher.get_error())}")  # type: ignore[attr-defined]
+            reason = _llguidance_reason(matcher.get_error())  # type: ignore[attr-defined]
+            error = InvalidArgument(spec.field, _in_our_words(reason) or f"does not compile: {reason}")
             return _Verdict(None, error), None
         # The first mask, here rather than at the first step: a grammar no text can begin (a schema
         # that is only a reference to itself) fails only when it is asked for a token, and would
         # otherwise allow just EOS and end `stop` with an empty answer, which is no JSON at all.
         bitmask = matcher.compute_bitmask()  # type: ignore[attr-defined]
+        build_cpu_seconds = time.thread_time() - start
         if matcher.is_error():  # type: ignore[attr-defined]
-            reason = _short(matcher.get_error())  # type: ignore[attr-defined]
+            reason = _llguidance_reason(matcher.get_error())  # type: ignore[attr-defined]
             return _Verdict(
                 None, InvalidArgument(spec.field, f"admits no answer: no text can begin it ({reason})")
             ), None
@@ -378,7 +414,7 @@ class GrammarCompiler:
         failure = self._first_token_failure(verdict, bitmask)
         if failure is not None:
             return _Verdict(None, InvalidArgument(spec.field, failure)), None
-        return verdict, _Started(matcher, bitmask)
+        return verdict, _Started(matcher, bitmask, build_cpu_seconds)
 
     def _first_token_failure(self, verdict: _Verdict, bitmask: bytes) -> str | None:
         """Why the grammar fails at the first token its first mask allows (EOS aside), or None. Taken
@@ -402,7 +438,8 @@ class GrammarCompiler:
             grammar, self._tokenizer
         )
         if is_error:
-            raise InvalidArgument(spec.field, f"does not compile: {_short(messages[0] if messages else '')}")
+            reason = _llguidance_reason(messages[0] if messages else "")
+            raise InvalidArgument(spec.field, _in_our_words(reason) or f"does not compile: {reason}")
         return grammar
 
     def _compile(self, spec: StructuredOutput) -> str:
@@ -503,6 +540,16 @@ def _in_our_words(reason: str) -> str | None:
             f"is too complex: building its regular expressions takes more than the {MAX_LEXER_FUEL:,} "
             "steps the grammar compiler allows (its lexer fuel; nested counts such as a{1000}{1000} "
             "spell out a million characters)"
+        )
+    if "schema too large" in reason:
+        # llguidance's words alone named neither the limit nor what passed it. It is its JSON schema
+        # compiler's own bound on the schemas it builds (allOf of anyOf multiply out: 4 allOf of 10
+        # anyOf each, 3.5 KB, pass it, 3 do not), not max_grammar_size: at 100 times that the same
+        # schema is refused the same way.
+        return (
+            "is too large: compiling it builds more than llguidance's JSON schema compiler allows (a "
+            "fixed bound, apart from its max_grammar_size of "
+            f"{MAX_GRAMMAR_SIZE:,}); each allOf of anyOf multiplies the alternatives to build"
         )
     if "too many states" in reason:
         return f"is too complex: its regular expressions need more lexer states than allowed ({reason})"
