@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import grpc
@@ -31,15 +32,19 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class CountingDecoder(FakeDecoder):
-    """The fake decoder, counting the GetModelInfo calls it answered."""
+    """The fake decoder, counting the GetModelInfo calls it answered (the gateway's watch asks each
+    replica's model as it turns SERVING: `_asked_models`)."""
 
     num_infos: int = 0
+    model: str = "fake-model"  # the model it says it serves
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.DecoderGetModelInfoResponse:
         self.num_infos += 1
-        return await super().GetModelInfo(request, context)
+        reply = await super().GetModelInfo(request, context)
+        reply.model = self.model
+        return reply
 
 
 async def _start_decoder(port: int = 0) -> tuple[CountingDecoder, RunningServer]:
@@ -71,6 +76,13 @@ async def _eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> 
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+def _asked_models(*decoders: CountingDecoder) -> None:
+    """The GetModelInfo calls of the gateway's watch, asking each replica's model as it turned SERVING,
+    not counted: call once the replicas are seen serving (a replica's model is known by then)."""
+    for decoder in decoders:
+        decoder.num_infos = 0
 
 
 def _num_serving(channels: CallerChannels) -> int:
@@ -165,6 +177,7 @@ async def test_a_dns_name_is_watched_at_each_address_it_resolves_to(
     try:
         assert channels.targets == (config.decoder_address,)  # the name itself, until it resolves
         await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        _asked_models(a)
         await _call(channels, "peer:1")
         assert a.num_infos == 1
     finally:
@@ -179,6 +192,7 @@ async def test_callers_go_to_the_serving_replicas_only_and_to_one_that_turns_ser
     channels = _gateway_channels([server_a, server_b])
     try:
         await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        _asked_models(a)
         for caller in range(8):
             for _ in range(2):
                 await _call(channels, f"peer:{caller}")
@@ -186,6 +200,7 @@ async def test_callers_go_to_the_serving_replicas_only_and_to_one_that_turns_ser
 
         await server_b.set_serving()
         await _eventually(lambda: _num_serving(channels) == 2)
+        _asked_models(b)
         for caller in range(8):  # each caller's channel over A alone is replaced by one over both
             for _ in range(4):
                 await _call(channels, f"peer:{caller}")
@@ -233,6 +248,7 @@ async def test_an_attacker_holding_its_share_of_watches_leaves_600_gateway_calle
     channels = _gateway_channels([running for _, running in replicas], max_idle=600)
     try:
         await _eventually(lambda: _num_serving(channels) == 2)
+        _asked_models(*(decoder for decoder, _ in replicas))
         await asyncio.gather(*(_call(channels, f"peer:{caller}") for caller in range(600)))
         assert channels.num_channels == 600
         assert sum(decoder.num_infos for decoder, _ in replicas) == 600
@@ -427,3 +443,100 @@ async def test_a_replica_at_its_bound_of_calls_is_not_taken_out_by_its_refused_c
         assert watched.serving == (busy, live)
     finally:
         await watched.close()
+
+
+async def _restart_as(decoder: CountingDecoder, running: RunningServer, model: str) -> None:
+    """`decoder` restarted serving `model`, as a rolling upgrade does: not serving, then serving."""
+    await running.health.set("tandem.v1.Decoder", NOT_SERVING)
+    await asyncio.sleep(0.05)
+    decoder.model = model
+    await running.set_serving()
+
+
+async def test_a_replica_of_another_model_gets_no_calls_and_a_rolling_upgrade_moves_the_model(
+    replicas: list[tuple[CountingDecoder, RunningServer]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mixed replicas answered one model's name with two models' tokens, and after a rolling upgrade
+    the gateway kept the first model's name. Each replica is asked its model as it turns SERVING:
+    one of another model than most (ties: the model served so far) is left out, logged with its
+    address; once most serve the new model, that is the gateway's."""
+    (a, server_a), (b, server_b) = replicas
+    replica_a, replica_b = (f"127.0.0.1:{running.port}" for running in (server_a, server_b))
+    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+    b.model = "other-model"
+    channels = _gateway_channels([server_a, server_b])
+    replicas_seen = channels.replicas
+    assert replicas_seen is not None
+    try:
+        await _eventually(lambda: channels.targets == (replica_a,))
+        with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
+            await server_b.set_serving()
+            await _eventually(lambda: replicas_seen.mismatched == {replica_b: "other-model"})
+        assert channels.targets == (replica_a,) and replicas_seen.model == "fake-model"
+        assert replica_b in caplog.text and "'other-model'" in caplog.text
+
+        await _restart_as(a, server_a, "other-model")  # the upgrade's second replica
+        await _eventually(lambda: _num_serving(channels) == 2)
+        assert replicas_seen.model == "other-model" and not replicas_seen.mismatched
+    finally:
+        await channels.close()
+
+
+async def test_the_gateway_names_a_replica_of_another_model_in_health_and_follows_an_upgrade(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """/health names a replica left out for its model; the gateway's model (/v1/models, a
+    completion's base model) is asked again as the replicas serving change: it was asked once, so
+    after a rolling upgrade every request for the new model was a 404 until the gateway restarted."""
+    (a, server_a), (b, server_b) = replicas
+    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+    address = ",".join(f"127.0.0.1:{running.port}" for running in (server_a, server_b))
+    async with live_gateway(address) as url, aiohttp.ClientSession() as session:
+
+        async def get(path: str) -> tuple[int, dict[str, Any]]:
+            async with session.get(url.removesuffix("/v1") + path) as response:
+                return response.status, await response.json()
+
+        async with asyncio.timeout(10):
+            while (await get("/health"))[0] != 200:
+                await asyncio.sleep(0.05)
+        assert (await get("/v1/models"))[1]["data"][0]["id"] == "fake-model"
+        b.model = "new-model"
+        await server_b.set_serving()
+        async with asyncio.timeout(5):
+            while "other_models" not in (health := (await get("/health"))[1]):
+                await asyncio.sleep(0.05)
+        assert health == {
+            "status": "ok",
+            "model": "fake-model",
+            "other_models": [{"replica": f"127.0.0.1:{server_b.port}", "model": "new-model"}],
+        }
+        await _restart_as(a, server_a, "new-model")
+        async with asyncio.timeout(5):
+            while (await get("/v1/models"))[1]["data"][0]["id"] != "new-model":
+                await asyncio.sleep(0.05)
+        body = {"model": "new-model", "prompt": "hi", "max_tokens": 2}
+        async with session.post(url + "/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            assert (await response.json())["model"] == "new-model"
+        assert (await get("/health"))[1] == {"status": "ok"}
+
+
+async def test_one_decoder_restarted_with_another_model_is_followed_within_the_info_age(
+    replicas: list[tuple[CountingDecoder, RunningServer]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One decoder (no watch) restarted with another model: the gateway's model info, asked once,
+    kept the old name until the gateway restarted; it is asked again past DECODER_INFO_MAX_AGE_S."""
+    monkeypatch.setattr("tandem.gateway.app.DECODER_INFO_MAX_AGE_S", 0.0)
+    (a, server_a), _ = replicas
+    async with live_gateway(f"127.0.0.1:{server_a.port}") as url, aiohttp.ClientSession() as session:
+
+        async def completion_model() -> str:
+            body = {"prompt": "hi", "max_tokens": 2}
+            async with session.post(url + "/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                return (await response.json())["model"]
+
+        assert await completion_model() == "fake-model"
+        a.model = "new-model"
+        assert await completion_model() == "new-model"

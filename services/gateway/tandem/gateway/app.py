@@ -61,6 +61,8 @@ from tandem.gateway.tasks import all_or_cancel
 log = logging.getLogger("tandem.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The decoder's model info is asked again this often at most (and whenever the replicas serving change).
+DECODER_INFO_MAX_AGE_S = 5.0
 HEALTH_PATH = "/health"  # probed by `tandem up`, `tandem wait`, compose and Kubernetes
 UNAUTHENTICATED_PATHS = (HEALTH_PATH,)
 LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
@@ -101,6 +103,9 @@ class Gateway:
         # Their JSON held, reserved once decoded: all callers' and each caller's.
         self.answer_bytes = AnswerBytes(config.max_unread_answer_bytes, config.unread_answer_bytes_per_caller)
         self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
+        self._decoder_info_of: tuple[str, ...] = ()  # the replicas it was asked over (`_decoder`)
+        self._decoder_info_at = 0.0  # when, time.monotonic()
+        self._decoder_info_lock = asyncio.Lock()  # one asks at a time; the others take its answer
         self.encoder_info = EncoderInfo(encoder.stub)  # asked again when a picture is over its bound
 
     def app(self) -> web.Application:
@@ -285,9 +290,12 @@ class Gateway:
                 serving = await self.decoder.health(timeout=2.0) == 1
             except grpc.aio.AioRpcError:
                 serving = False
-        return web.json_response(
-            {"status": "ok" if serving else "unavailable"}, status=200 if serving else 503
-        )
+        body: dict[str, Any] = {"status": "ok" if serving else "unavailable"}
+        if replicas is not None and (mismatched := replicas.mismatched):
+            # Replicas of another model than the gateway serves: left out, named for whoever deploys.
+            body["model"] = replicas.model
+            body["other_models"] = [{"replica": r, "model": m} for r, m in mismatched.items()]
+        return web.json_response(body, status=200 if serving else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": await self._model_cards(request)})
@@ -602,13 +610,20 @@ class Gateway:
         return (("authorization", request.headers["Authorization"]),)
 
     async def _decoder(self, request: web.Request) -> decoder_pb2.DecoderGetModelInfoResponse:
-        """The decoder's model info (its name, its context), asked once."""
-        if self._decoder_info is None:
-            async with self._decoder_stub() as stub:
-                self._decoder_info = await stub.GetModelInfo(
-                    decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
-                )
-        return self._decoder_info
+        """The decoder's model info (its name, its context), asked again whenever the replicas that serve
+        change and at least every DECODER_INFO_MAX_AGE_S: asked once, the first answer's name was kept
+        after a rolling upgrade to another model, or one decoder restarted with another (every request
+        404 model_not_found, or the new model answering under the old name, until the gateway restarted)."""
+        async with self._decoder_info_lock:
+            targets = self.callers.targets
+            is_fresh = time.monotonic() - self._decoder_info_at < DECODER_INFO_MAX_AGE_S
+            if self._decoder_info is None or targets != self._decoder_info_of or not is_fresh:
+                async with self._decoder_stub() as stub:
+                    self._decoder_info = await stub.GetModelInfo(
+                        decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
+                    )
+                self._decoder_info_of, self._decoder_info_at = targets, time.monotonic()
+            return self._decoder_info
 
     @contextlib.asynccontextmanager
     async def _decoder_stub(self) -> AsyncIterator[decoder_pb2_grpc.DecoderStub]:

@@ -37,13 +37,14 @@ import grpc
 
 from tandem.client.channel import channel_target, open_channel
 from tandem.client.client import DecoderClient
-from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.replicas import Replicas, name_of
 
 if TYPE_CHECKING:  # OpenTelemetry is optional
     from tandem.client.telemetry import Telemetry
 
+MODEL_TIMEOUT_S = 10.0  # a replica's model asked as it turns SERVING; unanswered, it is not checked
 DECODER_SERVICE = "tandem.v1.Decoder"  # its health status is what the replicas are watched for
 # The gateway's own calls (model info) as a caller: no `caller_of` key has this form.
 GATEWAY_CALLER = "gateway"
@@ -168,8 +169,17 @@ def decoder_channels(
             authority=None if targets == (address,) else authority,
         )
 
-    replicas = Replicas(address, open_replica, DECODER_SERVICE) if is_balanced else None
+    replicas = None
+    if is_balanced:
+        replicas = Replicas(address, open_replica, DECODER_SERVICE, model_of=decoder_model)
     return CallerChannels(open_caller_channel, config.max_idle_channels, replicas)
+
+
+async def decoder_model(channel: grpc.aio.Channel) -> str:
+    """The model the decoder at the other end of `channel` serves (`Replicas` compares them)."""
+    stub = decoder_pb2_grpc.DecoderStub(channel)
+    request = decoder_pb2.DecoderGetModelInfoRequest()
+    return (await stub.GetModelInfo(request, timeout=MODEL_TIMEOUT_S)).model
 
 
 def decoder_client(config: GatewayConfig, telemetry: Telemetry | None = None) -> DecoderClient:

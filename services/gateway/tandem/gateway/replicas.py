@@ -16,6 +16,13 @@ gRPC still does in each caller's channel: a replica killed or draining closes it
 its listener (a drain sends GOAWAY), so round_robin skips it as soon as the connection fails, and a
 Generate no server took is retried on the next replica (`tandem.client.channel`).
 
+What the gateway serves is one model: each replica is asked its model (`model_of`) as it turns SERVING,
+and one serving another model than most replicas do (ties: the model served so far) gets no calls,
+logged and named in /health, as though it did not serve. Mixed replicas silently answered one model's
+name with two models' tokens; after a rolling upgrade to another model, the gateway kept the first
+model's name until it restarted. Where a replica cannot be asked (its GetModelInfo refused: a gateway
+passing its callers' tokens on has none of its own), its model is not known and it is not left out.
+
 Where no replica is known to serve (all loading, or none answered yet), callers are balanced over
 every replica, and a call gets the decoder's own answer; before a `dns:` name resolves, over the
 name itself, as gRPC resolves it.
@@ -26,7 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Coroutine
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -129,6 +137,7 @@ class Replicas:
         open_channel: Callable[[str], grpc.aio.Channel],
         service: str,
         on_change: Callable[[], None] = lambda: None,
+        model_of: Callable[[grpc.aio.Channel], Awaitable[str]] | None = None,
     ) -> None:
         self.address = address
         self._open_channel = open_channel  # a plain channel to one replica ("ip:port")
@@ -137,6 +146,11 @@ class Replicas:
         self._static = static_replicas(address)
         self._name = None if self._static is not None else name_of(address)
         self._is_serving: dict[str, bool] = {}  # by replica, in the order found; False until known
+        self._model_of = model_of  # a replica's model, asked over its channel; None: not asked
+        self._channels: dict[str, grpc.aio.Channel] = {}  # each watched replica's own channel
+        self._asking: dict[str, asyncio.Task[None]] = {}  # a model asked of a replica turned SERVING
+        self._models: dict[str, str | None] = {}  # each serving replica's model as it said (None: unknown)
+        self.model: str | None = None  # the model most serving replicas serve (ties: the one so far)
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._resolver: asyncio.Task[None] | None = None
         self.targets: tuple[str, ...] = (address,)  # what each caller's channel balances over now
@@ -150,10 +164,34 @@ class Replicas:
 
     @property
     def serving(self) -> tuple[str, ...]:
-        return tuple(replica for replica, is_serving in self._is_serving.items() if is_serving)
+        """The replicas that serve the gateway's model (`model`), or whose model is not known."""
+        return tuple(
+            replica for replica, is_serving in self._is_serving.items() if is_serving and self._fits(replica)
+        )
+
+    @property
+    def mismatched(self) -> dict[str, str]:
+        """Replicas that serve, another model than `model`: each one's model."""
+        return {
+            replica: model
+            for replica, model in self._models.items()
+            if model is not None and model != self.model and self._is_serving.get(replica)
+        }
+
+    def _fits(self, replica: str) -> bool:
+        if self._model_of is None:
+            return True
+        if replica not in self._models:  # turned SERVING, its model being asked: a moment
+            return False
+        model = self._models[replica]
+        return model is None or model == self.model
 
     async def close(self) -> None:
-        tasks = [*self._watchers.values(), *([self._resolver] if self._resolver is not None else [])]
+        tasks = [
+            *self._watchers.values(),
+            *self._asking.values(),
+            *([self._resolver] if self._resolver is not None else []),
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -186,6 +224,7 @@ class Replicas:
         for gone in set(self._watchers) - set(replicas):
             self._watchers.pop(gone).cancel()
             del self._is_serving[gone]
+            self._forget_model(gone)
         for replica in replicas:
             if replica not in self._watchers:
                 self._is_serving[replica] = False
@@ -197,9 +236,52 @@ class Replicas:
             self._is_serving[replica] = is_serving
             # Said once a change: a replica stopped, draining or back is what an operator looks for.
             log.info("decoder replica %s %s", replica, "serves" if is_serving else "does not serve")
+            if is_serving and self._model_of is not None and replica in self._channels:
+                self._asking[replica] = self._task(self._ask_model(replica, self._channels[replica]))
+            elif not is_serving:  # asked again when it serves: a replica restarted may serve another
+                self._forget_model(replica)
             self._update()
 
+    def _forget_model(self, replica: str) -> None:
+        if (asking := self._asking.pop(replica, None)) is not None:
+            asking.cancel()
+        self._models.pop(replica, None)
+
+    async def _ask_model(self, replica: str, channel: grpc.aio.Channel) -> None:
+        assert self._model_of is not None  # asked only then
+        try:
+            model: str | None = await self._model_of(channel)
+        except grpc.aio.AioRpcError as error:
+            log.warning(
+                "decoder replica %s: its model could not be asked (%s): not checked", replica, error.code()
+            )
+            model = None
+        self._asking.pop(replica, None)
+        self._models[replica] = model
+        self._update()
+        if model is not None and model != self.model:
+            log.error(
+                "decoder replica %s serves model %r, not %r as %d other replicas do: it gets no calls",
+                replica, model, self.model, sum(m == self.model for m in self._models.values()),
+            )  # fmt: skip
+
+    def _choose_model(self) -> None:
+        """`model`: the one most serving replicas serve; on a tie the one served so far stays."""
+        counts = Counter(model for replica, model in self._models.items() if model is not None)
+        if not counts:
+            return
+        most = max(counts.values())
+        if counts.get(self.model or "", 0) == most:
+            return
+        chosen = next(model for model, count in counts.items() if count == most)
+        if self.model is not None:
+            log.warning(
+                "the decoder replicas now serve model %r (%d of them), not %r", chosen, most, self.model
+            )
+        self.model = chosen
+
     def _update(self) -> None:
+        self._choose_model()
         targets = self.serving or tuple(self._is_serving) or (self.address,)
         if targets != self.targets:
             self.targets = targets
@@ -207,6 +289,7 @@ class Replicas:
 
     async def _watch(self, replica: str) -> None:
         channel = self._open_channel(replica)
+        self._channels[replica] = channel
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service=self.service)
         retry_s = MIN_RETRY_S
@@ -229,6 +312,8 @@ class Replicas:
                 await asyncio.sleep(retry_s)
                 retry_s = min(2 * retry_s, MAX_RETRY_S)
         finally:
+            if self._channels.get(replica) is channel:
+                del self._channels[replica]
             await channel.close()
 
     async def _check_while_watched(
