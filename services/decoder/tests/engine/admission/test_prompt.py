@@ -19,7 +19,7 @@ from tandem.decoder.engine.admission.prompt import (
     TextPrompt,
     build_request,
 )
-from tandem.decoder.engine.params import StoppingParams
+from tandem.decoder.engine.params import StoppingParams, StructuredOutput
 from tandem.decoder.engine.request import Request
 from tandem.decoder.models.loader import LoadedModel
 
@@ -295,3 +295,29 @@ def test_a_failed_fetch_is_the_requests_error_waited_for_only_after_the_cheaper_
     never.rows.cancel()
     with pytest.raises(Unavailable, match="cancelled"):
         _build(tiny_fp32, _spec(never))
+
+
+def test_a_structured_requests_grammar_is_charged_to_its_caller(tiny_fp32: LoadedModel) -> None:
+    """The live matchers' memory is bounded per caller (sampling/grammar_memory.py): the compiler must
+    be told who asks, or every caller shares one anonymous allowance."""
+    asked: list[tuple[StructuredOutput, str]] = []
+
+    class Compiler:
+        def constraint(self, spec: StructuredOutput, caller: str = "") -> None:
+            asked.append((spec, caller))
+
+    spec = GenerateSpec(
+        prompt=[TextPrompt("hi")], structured=StructuredOutput("regex", "a+"), caller="ipv4:10.0.0.7"
+    )
+    max_token_chars = text_bounds.max_token_chars(tiny_fp32.tokenizer)
+    build_request(
+        spec,
+        "r",
+        tiny_fp32.tokenizer,
+        tiny_fp32.config,
+        512,
+        True,
+        max_token_chars=max_token_chars,
+        grammars=lambda: Compiler(),
+    )
+    assert asked == [(StructuredOutput("regex", "a+"), "ipv4:10.0.0.7")]

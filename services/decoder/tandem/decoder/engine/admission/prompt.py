@@ -202,7 +202,7 @@ def build_request(
     request.caller = spec.caller
     request.adapter = spec.adapter
     if spec.structured is not None and grammars is not None:  # last: compiling is the dearest rule
-        request.constraint = grammars().constraint(spec.structured)
+        request.constraint = grammars().constraint(spec.structured, caller=spec.caller)
     return request
 
 
