@@ -70,6 +70,7 @@ async def live_gateway(
     finally:
         listener.close()
         await runner.cleanup()
+        await gateway.close()
         await callers.close()
         workers.close()
         await decoder.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -37,11 +38,13 @@ class CountingDecoder(FakeDecoder):
 
     num_infos: int = 0
     model: str = "fake-model"  # the model it says it serves
+    info_delay_s: float = 0.0  # how long its GetModelInfo takes (a replica busy or stopped)
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.DecoderGetModelInfoResponse:
         self.num_infos += 1
+        await asyncio.sleep(self.info_delay_s)
         reply = await super().GetModelInfo(request, context)
         reply.model = self.model
         return reply
@@ -539,4 +542,30 @@ async def test_one_decoder_restarted_with_another_model_is_followed_within_the_i
 
         assert await completion_model() == "fake-model"
         a.model = "new-model"
-        assert await completion_model() == "new-model"
+        # A stale answer is served while its refresh runs beside the requests (never on their path).
+        async with asyncio.timeout(5):
+            while await completion_model() != "new-model":
+                await asyncio.sleep(0.05)
+
+
+async def test_a_stale_model_info_is_served_while_its_refresh_waits_on_a_slow_replica(
+    replicas: list[tuple[CountingDecoder, RunningServer]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refresh runs beside the requests: asked on their path under one lock, a refresh that reached
+    a replica stopped or busy held every completion behind it (4-10 s), one of them a 504 at 10 s."""
+    monkeypatch.setattr("tandem.gateway.app.DECODER_INFO_MAX_AGE_S", 0.0)
+    (a, server_a), _ = replicas
+    async with live_gateway(f"127.0.0.1:{server_a.port}") as url, aiohttp.ClientSession() as session:
+
+        async def completion_seconds() -> float:
+            started = time.monotonic()
+            body = {"prompt": "hi", "max_tokens": 2}
+            async with session.post(url + "/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                assert (await response.json())["model"] == "fake-model"
+            return time.monotonic() - started
+
+        await completion_seconds()  # the first answer is waited for: there is nothing to serve before it
+        a.info_delay_s = 3.0
+        seconds = await asyncio.gather(*(completion_seconds() for _ in range(4)))
+        assert max(seconds) < 1.5, seconds

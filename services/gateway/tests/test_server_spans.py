@@ -48,6 +48,7 @@ async def traced() -> AsyncIterator[tuple[TestClient, InMemorySpanExporter]]:
         yield client, exporter
     finally:
         await client.close()
+        await gateway.close()
         await callers.close()
         workers.close()
         await decoder.close()

@@ -318,6 +318,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         if listener is not None:
             listener.close()
         await runner.cleanup()
+        await gateway.close()
         await callers.close()
         workers.close()
         await decoder.close()
