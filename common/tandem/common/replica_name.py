@@ -17,6 +17,9 @@ import socket
 from collections.abc import Sequence
 
 HEADER = "tandem-replica"  # initial metadata: the answering server's own name, `own_name`'s
+# The most characters of a reported name kept: a host name is at most 253, a port 5 more. Anything may
+# answer on a configured address; its name goes into error text, so it is cut and held to printable ASCII.
+MAX_NAME_CHARS = 262
 
 
 def own_name(host: str, port: int) -> str:
@@ -35,7 +38,8 @@ def reported(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
     """The name a reply's initial metadata carries; None where it carries none."""
     for key, value in metadata or ():
         if key == HEADER:
-            return value.decode(errors="replace") if isinstance(value, bytes) else value
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            return "".join(c if " " < c <= "~" else "?" for c in text[:MAX_NAME_CHARS]) or None
     return None
 
 

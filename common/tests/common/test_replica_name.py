@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from tandem.common.replica_name import HEADER, answering, own_name, reported
+from tandem.common.replica_name import HEADER, MAX_NAME_CHARS, answering, own_name, reported
 
 
 def test_a_server_names_itself_by_its_listen_address_or_this_hosts_name_where_it_listens_on_all() -> None:
@@ -25,6 +25,15 @@ def test_the_name_is_read_from_the_initial_metadata_and_none_where_it_is_not_the
     assert reported([(HEADER, b"127.0.0.1:1")]) == "127.0.0.1:1"
     assert reported([("content-type", "application/grpc")]) is None
     assert reported(None) is None
+
+
+def test_a_reported_name_is_cut_and_held_to_printable_ascii_before_it_reaches_an_error() -> None:
+    """Whatever answers on a configured address names itself: a 7,000-character name came back whole
+    in the caller's error text."""
+    assert reported([(HEADER, "h" * 7_000)]) == "h" * MAX_NAME_CHARS
+    assert reported([(HEADER, "a\u202eb\tc:1")]) == "a?b?c:1"
+    assert reported([(HEADER, b"\xff:1")]) == "?:1"
+    assert reported([(HEADER, "")]) is None
 
 
 @pytest.mark.parametrize(
