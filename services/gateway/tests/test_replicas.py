@@ -529,8 +529,8 @@ async def test_one_decoder_restarted_with_another_model_is_followed_within_the_i
     replicas: list[tuple[CountingDecoder, RunningServer]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One decoder (no watch) restarted with another model: the gateway's model info, asked once,
-    kept the old name until the gateway restarted; it is asked again past DECODER_INFO_MAX_AGE_S."""
-    monkeypatch.setattr("tandem.gateway.app.DECODER_INFO_MAX_AGE_S", 0.0)
+    kept the old name until the gateway restarted; it is asked again past decoder_info.MAX_AGE_S."""
+    monkeypatch.setattr("tandem.gateway.decoder_info.MAX_AGE_S", 0.0)
     (a, server_a), _ = replicas
     async with live_gateway(f"127.0.0.1:{server_a.port}") as url, aiohttp.ClientSession() as session:
 
@@ -553,7 +553,7 @@ async def test_a_stale_model_info_is_served_while_its_refresh_waits_on_a_slow_re
 ) -> None:
     """The refresh runs beside the requests: asked on their path under one lock, a refresh that reached
     a replica stopped or busy held every completion behind it (4-10 s), one of them a 504 at 10 s."""
-    monkeypatch.setattr("tandem.gateway.app.DECODER_INFO_MAX_AGE_S", 0.0)
+    monkeypatch.setattr("tandem.gateway.decoder_info.MAX_AGE_S", 0.0)
     (a, server_a), _ = replicas
     async with live_gateway(f"127.0.0.1:{server_a.port}") as url, aiohttp.ClientSession() as session:
 

@@ -51,6 +51,7 @@ from tandem.gateway.choices import choices_of
 from tandem.gateway.completion_request import completion_request
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import ConnectionGuard, is_left_by_caller
+from tandem.gateway.decoder_info import DecoderInfo
 from tandem.gateway.embed_request import embed_request
 from tandem.gateway.encoder_info import EncoderInfo
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
@@ -61,8 +62,6 @@ from tandem.gateway.tasks import all_or_cancel
 log = logging.getLogger("tandem.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# The decoder's model info is asked again this often at most (and whenever the replicas serving change).
-DECODER_INFO_MAX_AGE_S = 5.0
 HEALTH_PATH = "/health"  # probed by `tandem up`, `tandem wait`, compose and Kubernetes
 UNAUTHENTICATED_PATHS = (HEALTH_PATH,)
 LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
@@ -102,11 +101,7 @@ class Gateway:
         self._writing: Counter[str] = Counter()  # choices of non-streamed answers being written, per caller
         # Their JSON held, reserved once decoded: all callers' and each caller's.
         self.answer_bytes = AnswerBytes(config.max_unread_answer_bytes, config.unread_answer_bytes_per_caller)
-        self._decoder_info: decoder_pb2.DecoderGetModelInfoResponse | None = None
-        self._decoder_info_of: tuple[str, ...] = ()  # the replicas it was asked over (`_decoder`)
-        self._decoder_info_at = 0.0  # when, time.monotonic()
-        self._decoder_info_lock = asyncio.Lock()  # the first ask: one at a time, the others take its answer
-        self._decoder_info_refresh: asyncio.Task[None] | None = None  # the one refresh under way, if any
+        self.decoder_info = DecoderInfo(self._decoder_stub, lambda: self.callers.targets)
         self.encoder_info = EncoderInfo(encoder.stub)  # asked again when a picture is over its bound
 
     def app(self) -> web.Application:
@@ -611,52 +606,12 @@ class Gateway:
         return (("authorization", request.headers["Authorization"]),)
 
     async def _decoder(self, request: web.Request) -> decoder_pb2.DecoderGetModelInfoResponse:
-        """The decoder's model info (its name, its context), asked again whenever the replicas that serve
-        change and at least every DECODER_INFO_MAX_AGE_S: asked once, the first answer's name was kept
-        after a rolling upgrade to another model, or one decoder restarted with another (every request
-        404 model_not_found, or the new model answering under the old name, until the gateway restarted).
-        Once there is an answer, a stale one is still served while one refresh runs beside the requests:
-        asked on their path, a refresh that reached a replica stopped or busy (still connected for the
-        seconds before it is dropped) held every completion behind it, up to a 504 at its 10 s timeout."""
-        info = self._decoder_info
-        if info is not None:
-            is_fresh = time.monotonic() - self._decoder_info_at < DECODER_INFO_MAX_AGE_S
-            if (self.callers.targets != self._decoder_info_of or not is_fresh) and (
-                self._decoder_info_refresh is None or self._decoder_info_refresh.done()
-            ):
-                self._decoder_info_refresh = asyncio.create_task(
-                    self._refresh_decoder(self._metadata(request))
-                )
-            return info
-        async with self._decoder_info_lock:
-            if self._decoder_info is None:
-                await self._ask_decoder(self._metadata(request))
-            assert self._decoder_info is not None
-            return self._decoder_info
-
-    async def _ask_decoder(self, metadata: tuple[tuple[str, str], ...] | None) -> None:
-        targets = self.callers.targets
-        async with self._decoder_stub() as stub:
-            self._decoder_info = await stub.GetModelInfo(
-                decoder_pb2.DecoderGetModelInfoRequest(), metadata=metadata, timeout=10
-            )
-        self._decoder_info_of, self._decoder_info_at = targets, time.monotonic()
-
-    async def _refresh_decoder(self, metadata: tuple[tuple[str, str], ...] | None) -> None:
-        """A refresh that fails keeps the answer it would have replaced (asked again at the next
-        request): the replicas' own watch, not this, takes a failed one out."""
-        try:
-            await self._ask_decoder(metadata)
-        except grpc.aio.AioRpcError as error:
-            log.warning("the decoder's model info was not refreshed (kept): %s", error.code().name)
+        """The decoder's model info (its name, its context), kept fresh (decoder_info.py)."""
+        return await self.decoder_info.get(self._metadata(request))
 
     async def close(self) -> None:
-        """Ends a model-info refresh under way (at shutdown, before the channels close)."""
-        task = self._decoder_info_refresh
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Ends the model-info asks under way (at shutdown, before the channels close)."""
+        await self.decoder_info.close()
 
     @contextlib.asynccontextmanager
     async def _decoder_stub(self) -> AsyncIterator[decoder_pb2_grpc.DecoderStub]:
