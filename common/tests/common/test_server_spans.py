@@ -307,12 +307,9 @@ async def test_a_loopback_peer_is_named_localhost_as_the_instrumentations_span_n
         assert (span.attributes["net.peer.ip"], span.attributes.get("net.peer.name")) == (ip, name)
 
 
-async def test_a_stream_the_servers_stop_cuts_is_unavailable_and_an_error_one_its_caller_left_is_not() -> (
-    None
-):
-    # Its caller gets UNAVAILABLE ("Cancelling all calls") once the stop's grace has passed; the span said
-    # CANCELLED, unset, as if the caller had left. A caller that leaves during the grace did leave.
-    exporter = InMemorySpanExporter()
+def _hanging(exporter: InMemorySpanExporter) -> tuple[ServerOptions, Service]:
+    """A server's options with the services' tracing (spans to `exporter`) and a service whose Hang
+    stream sends one reply, then waits until it is cut."""
     telemetry = otel.build_telemetry("tandem-decoder", [SimpleSpanProcessor(exporter)])
     methods = Methods()
 
@@ -320,8 +317,17 @@ async def test_a_stream_the_servers_stop_cuts_is_unavailable_and_an_error_one_it
         handler = grpc.unary_stream_rpc_method_handler(methods.Hang, _identity, _identity)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Hang": handler}),))
 
-    options = ServerOptions(port=0, interceptors=telemetry.server_interceptors())
-    running = await start_server(options, [Service(SERVICE, None, add)])
+    return ServerOptions(port=0, interceptors=telemetry.server_interceptors()), Service(SERVICE, None, add)
+
+
+async def test_a_stream_the_servers_stop_cuts_is_unavailable_and_an_error_one_its_caller_left_is_not() -> (
+    None
+):
+    # Its caller gets UNAVAILABLE ("Cancelling all calls") once the stop's grace has passed; the span said
+    # CANCELLED, unset, as if the caller had left. A caller that leaves during the grace did leave.
+    exporter = InMemorySpanExporter()
+    options, service = _hanging(exporter)
+    running = await start_server(options, [service])
     async with grpc.aio.insecure_channel(running.address) as channel:
         hang = channel.unary_stream(
             f"/{SERVICE}/Hang", request_serializer=_identity, response_deserializer=_identity
@@ -352,17 +358,10 @@ async def test_a_stop_marks_only_the_calls_it_cut_not_those_of_a_server_started_
     # restarts its decoder so). The first stop cut nothing, yet its mark stayed on the interceptor: a
     # caller's own cancel on the second server was UNAVAILABLE, an error.
     exporter = InMemorySpanExporter()
-    telemetry = otel.build_telemetry("tandem-decoder", [SimpleSpanProcessor(exporter)])
-    methods = Methods()
-
-    def add(servicer: object, server: grpc.aio.Server) -> None:
-        handler = grpc.unary_stream_rpc_method_handler(methods.Hang, _identity, _identity)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Hang": handler}),))
-
-    options = ServerOptions(port=0, interceptors=telemetry.server_interceptors())
-    first = await start_server(options, [Service(SERVICE, None, add)])
+    options, service = _hanging(exporter)
+    first = await start_server(options, [service])
     await first.stop(grace_s=0, notice_s=0)  # gRPC's cut at once, with no call to cut
-    second = await start_server(options, [Service(SERVICE, None, add)])
+    second = await start_server(options, [service])
     try:
         async with grpc.aio.insecure_channel(second.address) as channel:
             hang = channel.unary_stream(
