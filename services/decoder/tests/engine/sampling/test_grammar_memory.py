@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.client.errors import ResourceExhausted
+from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.sampling.grammar_memory import (
     MAX_BYTES,
     MAX_BYTES_PER_CALLER,
@@ -53,3 +53,13 @@ def test_a_release_gives_back_exactly_its_charge() -> None:
     release()
     assert (budget.held("a"), budget.held()) == (1 * MIB, 1 * MIB)
     budget.reserve("b", "structured.regex", 9 * MIB)
+
+
+def test_a_matcher_over_a_limit_alone_is_invalid_not_a_retry_that_could_never_succeed() -> None:
+    budget = GrammarMemoryBudget(max_bytes=100 * MIB, max_bytes_per_caller=10 * MIB)
+    with pytest.raises(
+        InvalidArgument, match=r"its matcher alone needs about 11 MiB .* over the 10 MiB"
+    ) as caught:
+        budget.reserve("a", "structured.regex", 11 * MIB)
+    assert caught.value.field == "structured.regex" and budget.held() == 0
+    budget.reserve("a", "structured.regex", 10 * MIB)  # exactly the limit still fits

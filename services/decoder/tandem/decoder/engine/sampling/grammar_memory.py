@@ -29,7 +29,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from tandem.client.errors import ResourceExhausted
+from tandem.client.errors import InvalidArgument, ResourceExhausted
 
 MIB = 1 << 20
 MIN_MATCHER_BYTES = 2 * MIB  # an ordinary matcher, 0.2 MB built and up to 1.4 MB after 300 tokens
@@ -63,7 +63,16 @@ class GrammarMemoryBudget:
 
     def reserve(self, caller: str, field: str, nbytes: int) -> Callable[[], None]:
         """Charges `nbytes` to `caller`; returns what gives them back (call it once). Raises
-        ResourceExhausted naming `field` where the caller's or the engine's matchers hold too much."""
+        ResourceExhausted naming `field` where the caller's or the engine's matchers hold too much,
+        InvalidArgument where this one alone is over a limit: no wait would let it in, and a retry
+        (RESOURCE_EXHAUSTED says when) would be refused for ever."""
+        limit = min(self.max_bytes_per_caller, self.max_bytes)
+        if nbytes > limit:
+            raise InvalidArgument(
+                field,
+                f"its matcher alone needs about {_mib(nbytes)} of memory (estimated from its build's CPU "
+                f"time), over the {_mib(limit)} a caller's live grammars may hold",
+            )
         with self._lock:
             if self._held[caller] + nbytes > self.max_bytes_per_caller:
                 raise ResourceExhausted(
