@@ -338,9 +338,12 @@ async def test_a_stream_cut_just_short_of_its_deadline_is_the_deadlines_on_both_
     stack = traced.stack
     started = time.monotonic()
     call = stack.decoder.generate(generate_request([[1, 2, 3]], 4000, temperature=0.0), timeout=0.5)
-    async for response in call:
-        if response.HasField("delta"):
-            break
+    try:
+        async for response in call:
+            if response.HasField("delta"):
+                break
+    except grpc.aio.AioRpcError as error:  # a box so loaded the deadline came first: the same verdict
+        assert error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.sleep(max(0.0, started + 0.48 - time.monotonic()))
     call.cancel()
     await wait_for(lambda: stack.engine.core.num_live() == 0 and named(traced.spans, TEXT_COMPLETION))
