@@ -741,6 +741,7 @@ class PromptLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKEN_BYTES_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     """The prompt's token ID at this position; unset at an embedding row."""
     logprob: _builtins.float
@@ -752,6 +753,11 @@ class PromptLogprob(_message.Message):
     """token_id's own text as UTF-8 bytes (raw: part of a character is not valid UTF-8 alone), as
     TokenDelta.token_bytes spells a generated token; unset at an embedding row and from decoders older
     than this field, which leave top_logprobs.token_bytes empty too.
+    """
+    rank: _builtins.int
+    """token_id's rank in the whole vocabulary at this position, 1 the likeliest: one more than the
+    number of tokens strictly likelier (vLLM's rank). Set wherever logprob is, whether or not the
+    token is among top_logprobs; unset from decoders older than this field.
     """
     @_builtins.property
     def top_logprobs(self) -> Global___TopLogprobs:
@@ -766,19 +772,24 @@ class PromptLogprob(_message.Message):
         logprob: _builtins.float | None = ...,
         top_logprobs: Global___TopLogprobs | None = ...,
         token_bytes: _builtins.bytes | None = ...,
+        rank: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_token_bytes", b"_token_bytes", "_token_id", b"_token_id", "logprob", b"logprob", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_rank", b"_rank", "_token_bytes", b"_token_bytes", "_token_id", b"_token_id", "logprob", b"logprob", "rank", b"rank", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_token_bytes", b"_token_bytes", "_token_id", b"_token_id", "logprob", b"logprob", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "_rank", b"_rank", "_token_bytes", b"_token_bytes", "_token_id", b"_token_id", "logprob", b"logprob", "rank", b"rank", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
     _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    _WhichOneofReturnType__rank: _TypeAlias = _typing.Literal["rank"]  # noqa: Y015
+    _WhichOneofArgType__rank: _TypeAlias = _typing.Literal["_rank", b"_rank"]  # noqa: Y015
     _WhichOneofReturnType__token_bytes: _TypeAlias = _typing.Literal["token_bytes"]  # noqa: Y015
     _WhichOneofArgType__token_bytes: _TypeAlias = _typing.Literal["_token_bytes", b"_token_bytes"]  # noqa: Y015
     _WhichOneofReturnType__token_id: _TypeAlias = _typing.Literal["token_id"]  # noqa: Y015
     _WhichOneofArgType__token_id: _TypeAlias = _typing.Literal["_token_id", b"_token_id"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rank) -> _WhichOneofReturnType__rank | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__token_bytes) -> _WhichOneofReturnType__token_bytes | None: ...
     @_typing.overload
@@ -1040,6 +1051,7 @@ class DecoderGetModelInfoResponse(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     ACCEPTS_ENCODER_PARTS_FIELD_NUMBER: _builtins.int
+    TOKEN_TABLE_SAMPLE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name (the checkpoint directory's name)."""
     architecture: _builtins.str
@@ -1080,6 +1092,13 @@ class DecoderGetModelInfoResponse(_message.Message):
     def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
         """The LoRA adapters loaded now, by name (GenerateRequest.adapter)."""
 
+    @_builtins.property
+    def token_table_sample(self) -> _encoder_pb2.TokenTableSample:
+        """A sample of the checkpoint's token table (as EncoderGetModelInfoResponse's): two replicas behind
+        one name serve the same model only when their samples agree. Unset from decoders older than this
+        field, and for a checkpoint without a token table of its own.
+        """
+
     def __init__(
         self,
         *,
@@ -1100,10 +1119,11 @@ class DecoderGetModelInfoResponse(_message.Message):
         max_loras: _builtins.int = ...,
         max_lora_rank: _builtins.int = ...,
         accepts_encoder_parts: _builtins.bool = ...,
+        token_table_sample: _encoder_pb2.TokenTableSample | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token_table_sample", b"token_table_sample"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_encoder_parts", b"accepts_encoder_parts", "accepts_prompt_embeds", b"accepts_prompt_embeds", "adapters", b"adapters", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_encoder_parts", b"accepts_encoder_parts", "accepts_prompt_embeds", b"accepts_prompt_embeds", "adapters", b"adapters", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "token_table_sample", b"token_table_sample", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
