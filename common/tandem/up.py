@@ -368,15 +368,18 @@ def check_encoder_config(config: UpConfig, model_dir: Path) -> None:
 
 def check_gateway_config(config: UpConfig) -> None:
     """What the OpenAI gateway would refuse of its config as the child will build it, from `up`'s flags
-    and its own TANDEM_OPENAI_* variables (TANDEM_OPENAI_MAX_CHOICES=0): else all three services start
-    and `up` ends with the gateway's exit. Nothing without --openai-port. Raises ConfigError, named by
+    and its own TANDEM_OPENAI_* variables (TANDEM_OPENAI_MAX_CHOICES=0), and its --max-connections
+    against the open-files limit it inherits from `up`: else all three services start and `up` ends
+    with the gateway's exit. Nothing without --openai-port. Raises ConfigError, named by
     `_service_flag_error`."""
     if config.openai_port is None:
         return
     from tandem.gateway.__main__ import config_from_args as gateway_config
+    from tandem.gateway.connections import check_descriptors
 
     with _service_environment():
-        gateway_config(_gateway_command(config)[2:])
+        gateway = gateway_config(_gateway_command(config)[2:])
+    check_descriptors(gateway.max_connections, gateway.max_idle_channels)
 
 
 def _service_flag_error(up: click.Command, error: ConfigError, service: str) -> FlagError:

@@ -4,6 +4,7 @@ where it has one, else the service's flag and variable."""
 from __future__ import annotations
 
 import math
+import resource
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -152,6 +153,33 @@ def test_a_gateway_variable_it_refuses_is_said_by_up_before_anything_starts(
     argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
     assert up.main([*argv, "--openai-port", ports[2]]) == 2
     assert capsys.readouterr().err == f"tandem up: the OpenAI gateway's {said}\n"
+    assert started == []
+
+
+def test_a_gateway_max_connections_over_the_open_files_limit_is_said_by_up_before_anything_starts(
+    tiny_model_dir: Path,
+    environ: Callable[[dict[str, str]], None],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway inherits `up`'s limit and refused it only once all three had started; `up` exited 1."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here")
+    started: list[object] = []
+    monkeypatch.setattr(up, "run_services", started.append)
+    environ({"TANDEM_OPENAI_MAX_CONNECTIONS": str(hard)})  # two descriptors a connection: twice the limit
+    ports = [str(_free_port()) for _ in range(3)]
+    argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
+    assert up.main([*argv, "--openai-port", ports[2]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"tandem up: the OpenAI gateway's --max-connections (TANDEM_OPENAI_MAX_CONNECTIONS) of {hard} "
+        "needs about "
+    )
+    assert err.endswith(
+        f"open files, over this process's limit of {hard} (ulimit -Hn): lower it or raise the limit\n"
+    )
     assert started == []
 
 

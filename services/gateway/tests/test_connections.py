@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tandem.client.errors import ConfigError
-from tandem.gateway.connections import SPARE_DESCRIPTORS, ensure_descriptors
+from tandem.gateway.connections import SPARE_DESCRIPTORS, check_descriptors, ensure_descriptors
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
@@ -47,6 +47,19 @@ def test_a_hard_limit_too_low_is_a_config_error_naming_max_connections(limits: t
         ensure_descriptors(hard, 0)  # two descriptors a connection: twice the limit
     assert error.value.field == "max_connections" and str(hard) in str(error.value)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == limits  # nothing changed
+
+
+def test_the_check_alone_says_what_the_connections_need_and_changes_no_limit(
+    limits: tuple[int, int],
+) -> None:
+    """`tandem up` runs it before starting the gateway, which inherits up's limits."""
+    soft, hard = limits
+    need = 2 * 300 + 10 + SPARE_DESCRIPTORS
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"this process's hard limit ({hard}) is below {need}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, need - 1), hard))
+    assert check_descriptors(300, 10) == need
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == (min(soft, need - 1), hard)
 
 
 @pytest.fixture

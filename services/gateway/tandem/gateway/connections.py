@@ -92,20 +92,28 @@ BYTES_ACKED_OFFSET = 120
 SPARE_DESCRIPTORS = 64
 
 
-def ensure_descriptors(max_connections: int, max_idle_channels: int) -> int:
-    """Raise the soft limit on open files to what `max_connections` need (each connection, and the
-    decoder channel of its caller, plus the idle channels kept), up to the hard limit; a hard limit
-    below that is a ConfigError naming max_connections. Returns the limit now in force."""
+def check_descriptors(max_connections: int, max_idle_channels: int) -> int:
+    """The open files `max_connections` need (each connection, and the decoder channel of its caller,
+    plus the idle channels kept); a hard limit below that is a ConfigError naming max_connections.
+    Changes no limit: `tandem up` runs it before starting the gateway, which inherits its limits."""
     need = 2 * max_connections + max_idle_channels + SPARE_DESCRIPTORS
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft >= need:
-        return soft
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < need:
         raise ConfigError(
             "max_connections",
             f"of {max_connections} needs about {need} open files, over this process's limit of {hard} "
             "(ulimit -Hn): lower it or raise the limit",
         )
+    return need
+
+
+def ensure_descriptors(max_connections: int, max_idle_channels: int) -> int:
+    """Raise the soft limit on open files to what `check_descriptors` says `max_connections` need, up
+    to the hard limit. Returns the limit now in force."""
+    need = check_descriptors(max_connections, max_idle_channels)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return soft
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     return need
 
