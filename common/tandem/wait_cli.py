@@ -2,8 +2,9 @@
 
 `tandem up &` returns at once; the services then load their model. `tandem wait` (by default the
 encoder at 127.0.0.1:50051 and the decoder at 127.0.0.1:50052) returns 0 once each serves, or 1 with
-a line naming what did not within `--timeout-s` (`inf`: no limit, until interrupted; NaN and negative
-numbers are refused). An `http://` target is an HTTP health URL, e.g. the OpenAI gateway's
+a line naming what did not within `--timeout-s` (`inf`: no limit, until interrupted; 0 is refused,
+pointing at inf, since `wait-for-it -t 0` waits for ever where a deadline of 0 would probe once; NaN
+and negative numbers are refused). An `http://` target is an HTTP health URL, e.g. the OpenAI gateway's
 `http://127.0.0.1:8000/health` (`tandem.readiness`).
 """
 
@@ -36,7 +37,7 @@ def command() -> click.Command:
             click.Argument(["targets"], nargs=-1),
             option(
                 "--timeout-s",
-                "give up after this many seconds; inf: wait as long as it takes",
+                "give up after this many seconds, above 0; inf: as long as it takes (wait-for-it's -t 0)",
                 type=SECONDS_OR_NO_LIMIT,
                 default=120.0,
             ),

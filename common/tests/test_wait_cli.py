@@ -30,8 +30,19 @@ def test_a_timeout_that_is_not_a_number_of_seconds_or_inf_is_refused(
     """click.FloatRange(min=0) took NaN: the wait never ended."""
     assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err == (
-        "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be a number of seconds, 0 or more, or inf "
+        "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be a number of seconds above 0, or inf "
         f"for no limit, got {timeout!r}\n"
+    )
+
+
+@pytest.mark.parametrize("timeout", ["0", "0.0", "-0"])
+def test_a_timeout_of_0_is_refused_pointing_at_inf(timeout: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """wait-for-it's -t 0 waits for ever; here 0 probed once and exit 1 a moment later: a script ported
+    from wait-for-it failed where it meant to wait. Either meaning surprises someone, so neither is taken."""
+    assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be a number of seconds above 0, or inf "
+        f"for no limit, got {timeout!r} (wait-for-it's -t 0 waits for ever; inf does that here)\n"
     )
 
 

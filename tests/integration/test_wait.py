@@ -57,9 +57,9 @@ def test_wait_names_what_does_not_serve_when_it_gives_up(
     services: Services, http_health: str, capsys
 ) -> None:
     closed = _closed_port()
-    argv = ["wait", services.decoder_server.address, closed, f"{http_health}/other", "--timeout-s", "0"]
+    argv = ["wait", services.decoder_server.address, closed, f"{http_health}/other", "--timeout-s", "0.1"]
     assert cli.main(argv) == 1
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1
-    assert err.startswith(f"tandem wait: not serving after 0 s: {closed}: UNAVAILABLE: "), err
+    assert err.startswith(f"tandem wait: not serving after 0.1 s: {closed}: UNAVAILABLE: "), err
     assert f"{http_health}/other: HTTP 503" in err and services.decoder_server.address not in err
