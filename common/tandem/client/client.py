@@ -35,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import semconv
 from .channel import DEFAULT_MAX_MESSAGE_BYTES, PLAINTEXT, ChannelSecurity, open_channel
+from .observed_stream import ObservedStream, StreamObserver
 from .pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from .status import error_type
 
@@ -186,27 +187,22 @@ def _attributes(operation: str, model: str) -> dict[str, str]:
     return attributes
 
 
-def _time_call(call: grpc.aio.Call, metrics: ClientMetrics, attributes: dict[str, str]) -> None:
-    """Record the call's duration when it ends, by a done callback: the stream stays the plain call,
-    so nothing is added per message."""
-    start = time.monotonic()
-    loop = asyncio.get_running_loop()
+class _CallDuration:
+    """A Generate call's `gen_ai.client.operation.duration`, recorded as its end is read (an
+    `ObservedStream`'s observer: a command that shuts telemetry down right after keeps it)."""
 
-    def done(finished: grpc.aio.Call) -> None:
-        duration_s = time.monotonic() - start
+    def __init__(self, metrics: ClientMetrics, attributes: dict[str, str]) -> None:
+        self._metrics = metrics
+        self._attributes = attributes
+        self._start = time.monotonic()
 
-        async def record() -> None:
-            code = await finished.code()
-            ok = code == grpc.StatusCode.OK
-            metrics.record(attributes if ok else {**attributes, semconv.ERROR_TYPE: code.name}, duration_s)
+    def on_response(self, response: decoder_pb2.GenerateResponse) -> None:
+        pass
 
-        _pending.add(task := loop.create_task(record()))
-        task.add_done_callback(_pending.discard)
-
-    call.add_done_callback(done)
-
-
-_pending: set[asyncio.Task] = set()  # recording tasks, held until done so they are not collected
+    def on_end(self, code: grpc.StatusCode, details: str | None) -> None:
+        ok = code == grpc.StatusCode.OK
+        attributes = self._attributes if ok else {**self._attributes, semconv.ERROR_TYPE: code.name}
+        self._metrics.record(attributes, time.monotonic() - self._start)
 
 
 def telemetry_from_environ(environ: Mapping[str, str] | None = None) -> Telemetry | None:
@@ -356,12 +352,18 @@ class DecoderClient(_Client):
             _set_options(request, max_new_tokens, temperature, seed, stopping_and_output)
 
         def start() -> grpc.aio.UnaryStreamCall:
-            call = self.stub.Generate(request, timeout=timeout)
-            if self._metrics is not None:
-                _time_call(call, self._metrics, _attributes(semconv.OPERATION_TEXT_COMPLETION, request.model))
-            return call
+            return self.stub.Generate(request, timeout=timeout)
 
-        return start() if self._spans is None else self._spans.generate(request, start)  # type: ignore[return-value]
+        observers: list[StreamObserver] = []
+        if self._metrics is not None:  # timed from before the call starts, as the span is
+            attributes = _attributes(semconv.OPERATION_TEXT_COMPLETION, request.model)
+            observers.append(_CallDuration(self._metrics, attributes))
+        if self._spans is None:
+            call = start()
+        else:
+            call, span = self._spans.generate(request, start)
+            observers.append(span)
+        return ObservedStream(call, observers) if observers else call  # type: ignore[return-value]
 
     def chat(
         self,

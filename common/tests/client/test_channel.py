@@ -12,17 +12,9 @@ import json
 import grpc
 import pytest
 
-from common.tests.client.replica import Replica
+from common.tests.client.replica import Replica, serve_decoder
 from tandem.client.channel import channel_target, open_channel, service_config
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from tandem.common.server import RunningServer, ServerOptions, Service, start_server
-
-
-async def _start(replica: Replica) -> RunningServer:
-    service = Service("tandem.v1.Decoder", replica, decoder_pb2_grpc.add_DecoderServicer_to_server)
-    running = await start_server(ServerOptions(port=0), [service])
-    await running.set_serving()
-    return running
 
 
 async def _served_by(channel: grpc.aio.Channel, num_calls: int) -> collections.Counter[str]:
@@ -45,7 +37,7 @@ def test_a_balanced_channel_watches_health_unless_told_not_to() -> None:
 
 async def test_an_unwatched_balanced_channel_retries_a_refused_generate_and_skips_a_stopped_replica() -> None:
     replicas = [Replica("a"), Replica("b")]
-    servers = [await _start(replica) for replica in replicas]
+    servers = [await serve_decoder(replica) for replica in replicas]
     channel = open_channel(
         [s.address for s in servers],
         service="tandem.v1.Decoder",
@@ -151,7 +143,7 @@ async def test_a_stopped_replica_is_left_within_its_keepalive_not_gRPCs_minute(
     0.2 s and 0.3 s, and a Generate it never answered is retried on the other."""
     monkeypatch.setattr("tandem.client.channel.REPLICA_KEEPALIVE_MS", (200, 300))
     replicas = [Replica("a"), Replica("b")]
-    servers = [await _start(replica) for replica in replicas]
+    servers = [await serve_decoder(replica) for replica in replicas]
     proxy = FreezableProxy(servers[1].address)
     await proxy.start()
     channel = open_channel(

@@ -10,26 +10,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from common.tests.client.replica import Replica
+from common.tests.client.replica import Refusing, Replica, serve_decoder
 from tandem.client import telemetry as otel
 from tandem.client.client import DecoderClient
-from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from tandem.common.server import RunningServer, ServerOptions, Service, start_server
-
-
-async def _start(replica: Replica) -> RunningServer:
-    service = Service("tandem.v1.Decoder", replica, decoder_pb2_grpc.add_DecoderServicer_to_server)
-    running = await start_server(ServerOptions(port=0), [service])
-    await running.set_serving()
-    return running
-
-
-class _Refusing(Replica):
-    """Refuses every Generate as invalid: not retried, so the call fails at once."""
-
-    async def Generate(self, request, context):  # type: ignore[override]
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: empty")
-        yield decoder_pb2.GenerateResponse()
+from tandem.client.pb.tandem.v1 import decoder_pb2
 
 
 def _completions(exporter: InMemorySpanExporter) -> list:
@@ -42,7 +26,7 @@ async def _generate(
     """Reads one Generate stream to its end; the spans ended by then, looked at before any await."""
     exporter = InMemorySpanExporter()
     telemetry = otel.build_telemetry("test-client", [SimpleSpanProcessor(exporter)], sets_propagator=False)
-    server = await _start(replica)
+    server = await serve_decoder(replica)
     responses, ended = [], []
     try:
         async with DecoderClient(server.address, telemetry=telemetry, is_health_checked=False) as client:
@@ -68,7 +52,7 @@ async def test_a_stream_read_to_its_end_has_ended_its_span(attempt: int) -> None
 
 
 async def test_a_stream_that_fails_has_ended_its_span_as_an_error() -> None:
-    exporter, responses, ended = await _generate(_Refusing("a"))
+    exporter, responses, ended = await _generate(Refusing("a"))
     assert responses == []
     (span,) = ended
     assert span.status.status_code is StatusCode.ERROR

@@ -3,10 +3,9 @@
 The gRPC interceptor's span knows the method and the status; this one carries what the GenAI
 semantic conventions ask of a client (`gen_ai.request.*`, `gen_ai.response.*`, `gen_ai.usage.*`,
 `gen_ai.response.time_to_first_chunk` as the client measured it). A Generate span is read off the
-stream as the caller iterates it (`TracedStream`) and ends when the caller reads the stream's end or
-its error, before the read returns: a one-shot command shuts its exporters down right after, and a span
-ended later, from gRPC's done callback, was missed in 3 of 5 `tandem generate` runs. The done callback
-still ends a call the caller stopped reading (cancelled, or left before its end).
+stream as the caller iterates it and ends when the caller reads the stream's end or its error, before
+the read returns (`GenerateSpan`, an observer of `tandem.client.observed_stream.ObservedStream`, which
+says why).
 """
 
 from __future__ import annotations
@@ -33,12 +32,13 @@ class ClientSpans:
 
     def generate(
         self, request: decoder_pb2.GenerateRequest, start: Callable[[], grpc.aio.UnaryStreamCall]
-    ) -> TracedStream:
-        """Runs `start` (the stub call) under a `text_completion` span; returns the call, traced."""
+    ) -> tuple[grpc.aio.UnaryStreamCall, GenerateSpan]:
+        """Runs `start` (the stub call) under a `text_completion` span; returns the call and the span,
+        which the caller's `ObservedStream` of the call ends."""
         span = self._span(semconv.OPERATION_TEXT_COMPLETION, request.model, _request_attributes(request))
         with trace.use_span(span, end_on_exit=False):  # the gRPC span (and traceparent) under it
             call = start()
-        return TracedStream(call, span)
+        return call, GenerateSpan(span)
 
     async def embed(
         self, request: encoder_pb2.EmbedRequest, call: Callable[[], Awaitable[encoder_pb2.EmbedResponse]]
@@ -71,42 +71,15 @@ class ClientSpans:
         return self.tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes)
 
 
-class TracedStream:
-    """A Generate call whose responses annotate its span; everything else is the call itself."""
+class GenerateSpan:
+    """A Generate call's span, annotated by its responses and ended with the call (`ObservedStream`)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, span: Span) -> None:
-        self._call = call
+    def __init__(self, span: Span) -> None:
         self._span = span
         self._start = time.monotonic()
         self._is_first_token = True
-        self._is_ended = False
-        call.add_done_callback(self._on_done)
 
-    def __getattr__(self, name: str) -> Any:  # cancel(), code(), details(), ...
-        return getattr(self._call, name)
-
-    def __aiter__(self) -> TracedStream:
-        return self
-
-    async def __anext__(self) -> decoder_pb2.GenerateResponse:
-        response = await self.read()
-        if response is grpc.aio.EOF:
-            raise StopAsyncIteration
-        return response
-
-    async def read(self) -> Any:
-        try:
-            response = await self._call.read()
-        except grpc.aio.AioRpcError as error:
-            self._end(error.code(), error.details())
-            raise
-        if response is grpc.aio.EOF:
-            self._end(await self._call.code(), await self._call.details())
-        else:
-            self._observe(response)
-        return response
-
-    def _observe(self, response: decoder_pb2.GenerateResponse) -> None:
+    def on_response(self, response: decoder_pb2.GenerateResponse) -> None:
         event = response.WhichOneof("event")
         if event == "accepted" and response.request_id:
             self._span.set_attribute(semconv.GEN_AI_RESPONSE_ID, response.request_id)
@@ -125,26 +98,10 @@ class TracedStream:
                 }
             )
 
-    def _end(self, code: grpc.StatusCode, details: str | None) -> None:
-        if self._is_ended:
-            return
-        self._is_ended = True
+    def on_end(self, code: grpc.StatusCode, details: str | None) -> None:
         if code != grpc.StatusCode.OK:
             _fail(self._span, code.name, details or code.name)
         self._span.end()
-
-    def _on_done(self, call: grpc.aio.Call) -> None:
-        if self._is_ended:  # read() saw the end first
-            return
-
-        async def end() -> None:
-            self._end(await call.code(), await call.details())
-
-        _pending.add(task := asyncio.get_running_loop().create_task(end()))
-        task.add_done_callback(_pending.discard)
-
-
-_pending: set[asyncio.Task] = set()  # span-ending tasks, held until done so they are not collected
 
 
 def _fail(span: Span, kind: str, description: str) -> None:
