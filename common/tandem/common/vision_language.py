@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 LLAVA = "LlavaForConditionalGeneration"
@@ -140,6 +141,14 @@ LAYOUTS: dict[str, tuple[WeightLayout, ...]] = {
 def is_vision_language(hf_config: dict[str, Any]) -> bool:
     architectures = hf_config.get("architectures") or []
     return bool(architectures) and architectures[0] in ARCHITECTURES
+
+
+def stated_vocab_size(model_dir: Path, vocab_size: int, is_vision_language: bool) -> str:
+    """Where the checkpoint in `model_dir` states its token table's rows, for both services' refusals of
+    its tokenizer.json: config.json's vocab_size, or a vision-language checkpoint's text_config's (its
+    language model's table; an outer vocab_size, which older LLaVA configs carry, sizes nothing)."""
+    where = "text_config's vocab_size" if is_vision_language else "vocab_size"
+    return f"{where} {vocab_size} in {model_dir / 'config.json'}"
 
 
 def text_config(hf_config: dict[str, Any], error: Callable[[str], Exception]) -> dict[str, Any]:

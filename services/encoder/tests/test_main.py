@@ -220,9 +220,11 @@ def test_a_tokenizer_json_missing_or_broken_is_refused_before_listening_naming_i
 
 
 def _with_tokens_past_the_table(tiny_model: Path, out_dir: Path) -> tuple[Path, int, int]:
-    """A copy of `tiny_model` whose tokenizer.json adds tokens past config.json's vocab_size."""
+    """A copy of `tiny_model` whose tokenizer.json adds tokens past config.json's vocab_size (a
+    vision-language checkpoint's text_config's)."""
     model = Path(shutil.copytree(tiny_model, out_dir))
-    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    hf_config = json.loads((model / "config.json").read_text())
+    vocab_size = hf_config.get("text_config", hf_config)["vocab_size"]
     tokenizer = json.loads((model / "tokenizer.json").read_text())
     ids = [*tokenizer["model"]["vocab"].values(), *(added["id"] for added in tokenizer["added_tokens"])]
     for token_id in range(max(ids) + 1, vocab_size + 5):
@@ -250,8 +252,26 @@ def test_a_tokenizer_with_more_tokens_than_the_table_is_refused_before_listening
     monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
     assert encoder_main.main(["--model", str(model), "--port", "0"]) == 2
     assert capsys.readouterr().err == (
-        "tandem serve encoder: --model (TANDEM_ENCODER_MODEL): tokenizer.json has "
-        f"{num_tokens} tokens, more than the model's vocab_size {vocab_size}\n"
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {model / 'tokenizer.json'} has "
+        f"{num_tokens} tokens, more than vocab_size {vocab_size} in {model / 'config.json'}\n"
+    )
+    assert servers == []
+
+
+def test_a_vision_checkpoint_s_tokenizer_is_held_to_text_config_s_vocab_size_before_listening(
+    tiny_llava: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its language model's table has text_config's rows; no start-up check or load compared the
+    tokenizer with them, and an outer vocab_size (older LLaVA configs carry one) sizes nothing."""
+    model, num_tokens, vocab_size = _with_tokens_past_the_table(tiny_llava, tmp_path / "bigtok")
+    hf_config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf_config, "vocab_size": num_tokens + 100}))
+    servers: list[object] = []
+    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
+    assert encoder_main.main(["--model", str(model), "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {model / 'tokenizer.json'} has "
+        f"{num_tokens} tokens, more than text_config's vocab_size {vocab_size} in {model / 'config.json'}\n"
     )
     assert servers == []
 

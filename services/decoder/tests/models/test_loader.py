@@ -526,9 +526,26 @@ def test_a_tokenizer_id_past_the_vocabulary_is_refused_though_the_count_fits(
     token = next(t for t, i in vocab.items() if i == 300)
     vocab[token] = 5000
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
-    with pytest.raises(
-        ModelLoadError, match=rf"maps {re.escape(repr(token))} to id 5000, past the model's vocab_size 1024"
-    ):
+    said = f"{model_dir / 'tokenizer.json'} maps {token!r} to id 5000, past vocab_size 1024 in "
+    with pytest.raises(ModelLoadError, match=re.escape(f"{said}{model_dir / 'config.json'}")):
+        loader.check_checkpoint(model_dir)
+
+
+def test_a_vision_checkpoint_s_tokenizer_is_held_to_text_config_s_vocab_size_naming_both_files(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path
+) -> None:
+    """The language model's table has text_config's rows; an outer vocab_size (older LLaVA configs carry
+    one) sizes nothing. The refusal said 'the model's vocab_size', naming neither file nor text_config."""
+    model_dir = copy_of(checkpoints["llama3"], tmp_path)
+    text = json.loads((model_dir / "config.json").read_text())  # its tokenizer.json has 1,024 tokens
+    llava = {"architectures": ["LlavaForConditionalGeneration"], "vocab_size": 1024}
+    text_config = {**text, "model_type": "llama", "vocab_size": 512}
+    (model_dir / "config.json").write_text(json.dumps({**llava, "text_config": text_config}))
+    said = (
+        f"{model_dir / 'tokenizer.json'} has 1024 tokens, more than text_config's vocab_size 512 in "
+        f"{model_dir / 'config.json'}"
+    )
+    with pytest.raises(ModelLoadError, match=re.escape(said)):
         loader.check_checkpoint(model_dir)
 
 

@@ -41,7 +41,7 @@ from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
 from tandem.common.server import RunningServer, check_port_free, notice_within, start_server, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import resolve_model
-from tandem.common.vision_language import is_vision_language
+from tandem.common.vision_language import is_vision_language, text_config
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderLoadError
 from tandem.encoder.loader import load_embedder
@@ -158,30 +158,36 @@ def _check_token_table(model_dir: Path) -> None:
 
 def _check_tokenizer(model_dir: Path, takes_images: bool) -> Tokenizer:
     """--model's tokenizer.json, which the table's embedders (and a vision-language checkpoint's) read,
-    is there, parses, and holds no more tokens than a text checkpoint's vocab_size, or a vision-language
-    checkpoint's image placeholder: each was refused only by the load, after the server listened (exit
-    1). Returns it for the load, which then parses no file of 3.5 MB (SmolLM2's) a second time: 65-290
-    ms measured. Raises ConfigError naming the file."""
+    is there, parses, holds no more tokens than the table's rows (a vision-language checkpoint's
+    text_config's vocab_size) and a vision-language checkpoint's image placeholder: each was refused
+    only by the load, after the server listened (exit 1), the vision-language count by nothing.
+    Returns it for the load, which then parses no file of 3.5 MB (SmolLM2's) a second time: 65-290 ms
+    measured. Raises ConfigError naming the file."""
     try:
         tokenizer = read_tokenizer(model_dir)
+        _check_tokenizer_fits(model_dir, tokenizer, takes_images)
         if takes_images:
-            # Its table's size is text_config's, which the load compares no tokenizer with.
             from tandem.encoder.vision.placeholder import image_placeholder
 
             image_placeholder(model_dir, read_json(model_dir / "config.json", EmbedderLoadError), tokenizer)
-        else:
-            _check_tokenizer_fits(model_dir, tokenizer)
     except EmbedderLoadError as error:
         raise ConfigError("model_dir", f": {error}") from None
     return tokenizer
 
 
-def _check_tokenizer_fits(model_dir: Path, tokenizer: Tokenizer) -> None:
+def _check_tokenizer_fits(model_dir: Path, tokenizer: Tokenizer, takes_images: bool) -> None:
+    """Against config.json's vocab_size, or a vision-language checkpoint's text_config's (its language
+    model's table, where an outer vocab_size of an older LLaVA config sizes nothing)."""
     try:
-        vocab_size = read_model_shape(model_dir).vocab_size
+        if takes_images:
+            hf_config = read_json(model_dir / "config.json", EmbedderLoadError)
+            vocab_size = text_config(hf_config, EmbedderLoadError).get("vocab_size")
+        else:
+            vocab_size = read_model_shape(model_dir).vocab_size
     except EmbedderLoadError:  # config.json unreadable or of odd values: the load's to report
         return
-    check_tokenizer_fits(tokenizer, vocab_size)
+    if isinstance(vocab_size, int):  # else the load's to report (text_config needs vocab_size)
+        check_tokenizer_fits(tokenizer, vocab_size, model_dir, is_vision_language=takes_images)
 
 
 def _takes_images(model_dir: Path) -> bool:

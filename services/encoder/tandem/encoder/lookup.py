@@ -133,13 +133,15 @@ def check_table_shape(model_dir: Path) -> None:
         raise TableShapeError(f"{path}: {refusal}")
 
 
-def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
-    """Every token of `tokenizer` has a row of a table of `vocab_size`. Raises EmbedderLoadError."""
+def check_tokenizer_fits(
+    tokenizer: Tokenizer, vocab_size: int, model_dir: Path, is_vision_language: bool = False
+) -> None:
+    """Every token of `tokenizer` (`model_dir`'s) has a row of a table of `vocab_size`, config.json's or
+    a vision-language checkpoint's text_config's. Raises EmbedderLoadError naming both files."""
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     if num_tokens > vocab_size:
-        raise EmbedderLoadError(
-            f"tokenizer.json has {num_tokens} tokens, more than the model's vocab_size {vocab_size}"
-        )
+        stated = vision_language.stated_vocab_size(model_dir, vocab_size, is_vision_language)
+        raise EmbedderLoadError(f"{model_dir / 'tokenizer.json'} has {num_tokens} tokens, more than {stated}")
 
 
 def read_tokenizer(model_dir: Path) -> Tokenizer:
@@ -197,7 +199,7 @@ class LookupEmbedder:
         table = read_embedding_table(model_dir)
         if tokenizer is None:
             tokenizer = read_tokenizer(model_dir)
-        check_tokenizer_fits(tokenizer, shape.vocab_size)
+        check_tokenizer_fits(tokenizer, shape.vocab_size, model_dir)
         return cls(as_decoder_has_it(table, dtype, quantization, EMBED_KEY), tokenizer)
 
     @property

@@ -89,8 +89,8 @@ def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer, 
         raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: {', '.join(COMPUTE_NAMES)})")
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
-    config, architecture = _read_config(model_dir, dtype)
-    tokenizer = _read_tokenizer(model_dir, config)  # before the weights: a mismatch fails fast
+    config, architecture, is_vision_language = _read_config(model_dir, dtype)
+    tokenizer = _read_tokenizer(model_dir, config, is_vision_language)  # before the weights: fails fast
     _check_chat_template(model_dir)
     with ExitStack() as stack:  # the headers only, and a tied head's values where the file has one
         file_of, path_of, stamp_of, layout = _index_weights(stack, model_dir, config)
@@ -185,15 +185,17 @@ def _whole_reader(
     return read_whole
 
 
-def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:
-    """The model config (EOS ids from generation_config.json when present) and its architecture."""
+def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, bool]:
+    """The model config (EOS ids from generation_config.json when present), its architecture and whether
+    config.json is a vision-language checkpoint's, of which the model config is text_config's."""
     hf_config = _read_json(model_dir / "config.json")
     generation_path = model_dir / "generation_config.json"
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
     # Before the weights' types: an FP8 checkpoint is named by its method, not by its first e4m3 tensor.
     if (refusal := quantization_refusal(hf_config, QUANTIZED_ELSEWHERE)) is not None:
         raise ModelLoadError(f"{model_dir / 'config.json'}: {refusal}")
-    if vision_language.is_vision_language(hf_config):  # the decoder serves its language model
+    is_vision_language = vision_language.is_vision_language(hf_config)
+    if is_vision_language:  # the decoder serves its language model
         hf_config = vision_language.text_config(hf_config, ModelLoadError)
     architectures = hf_config.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
@@ -205,16 +207,19 @@ def _read_config(model_dir: Path, dtype: str) -> tuple[ModelConfig, str]:
             f"config.json: architecture {architecture!r} is not supported (supported: {', '.join(supported)})"
         )
     try:
-        return ModelConfig.from_hf(hf_config, generation_config, COMPUTE_DTYPES[dtype]), architecture
+        config = ModelConfig.from_hf(hf_config, generation_config, COMPUTE_DTYPES[dtype])
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"config.json in {model_dir}: {e}") from e
+    return config, architecture, is_vision_language
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     return read_json(path, ModelLoadError)
 
 
-def _read_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
+def _read_tokenizer(model_dir: Path, config: ModelConfig, is_vision_language: bool) -> Tokenizer:
+    """tokenizer.json, every token of which has a row of the table of `config.vocab_size` (a
+    vision-language checkpoint's text_config's). Raises ModelLoadError naming both files."""
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ModelLoadError(f"tokenizer.json not found in {model_dir}")
@@ -224,18 +229,14 @@ def _read_tokenizer(model_dir: Path, config: ModelConfig) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
         raise ModelLoadError(f"tokenizer.json in {model_dir} cannot be read: {e}") from None
-    if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
-        raise ModelLoadError(
-            f"tokenizer.json has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more than the "
-            f"model's vocab_size {config.vocab_size}"
-        )
+    stated = vision_language.stated_vocab_size(model_dir, config.vocab_size, is_vision_language)
+    if (num_tokens := tokenizer.get_vocab_size(with_added_tokens=True)) > config.vocab_size:
+        raise ModelLoadError(f"{path} has {num_tokens} tokens, more than {stated}")
     # A count within the vocabulary may still hold an id past it (ids need not be dense): a text
     # holding that token would index the embedding table past its end.
     token, token_id = max(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
     if token_id >= config.vocab_size:
-        raise ModelLoadError(
-            f"tokenizer.json maps {token!r} to id {token_id}, past the model's vocab_size {config.vocab_size}"
-        )
+        raise ModelLoadError(f"{path} maps {token!r} to id {token_id}, past {stated}")
     return tokenizer
 
 

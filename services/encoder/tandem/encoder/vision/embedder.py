@@ -23,6 +23,7 @@ from tandem.encoder.lookup import (
     LookupEmbedder,
     as_decoder_has_it,
     check_table_shape,
+    check_tokenizer_fits,
     language_model_table,
     read_json,
     read_tokenizer,
@@ -80,6 +81,7 @@ class VisionLanguageEmbedder:
         table = read_weights(files, [table_name])[table_name]  # [vocab_size, hidden_size]
         if tokenizer is None:
             tokenizer = read_tokenizer(model_dir)
+        check_tokenizer_fits(tokenizer, language_model.shape.vocab_size, model_dir, is_vision_language=True)
         image_token_id, placeholder = image_placeholder(model_dir, hf_config, tokenizer)
         processing = processor_config(model_dir)
         vision: VisionModel
