@@ -116,8 +116,11 @@ async def test_a_call_is_a_child_of_its_callers_traceparent_and_current_in_its_h
     assert traced.methods.current == [span.context]
     a = span.attributes
     assert (a["rpc.system"], a["rpc.service"], a["rpc.method"]) == ("grpc", SERVICE, "Echo")
-    assert a["net.peer.ip"] == "127.0.0.1" and int(a["net.peer.port"]) > 0  # type: ignore[arg-type]
-    assert a["net.peer.name"] == "localhost"
+    assert (a["network.transport"], a["network.type"]) == ("tcp", "ipv4")
+    assert a["network.peer.address"] == a["client.address"] == "127.0.0.1"
+    assert a["network.peer.port"] == a["client.port"] and a["client.port"] > 0  # type: ignore[operator]
+    assert a["user_agent.original"].startswith("grpc-python")  # type: ignore[union-attr]
+    assert not [k for k in a if k.startswith("net.peer.")]  # deprecated: replaced, not duplicated
     assert a[RPC_GRPC_STATUS_CODE] == 0 and span.status.status_code is StatusCode.UNSET
 
 
@@ -293,18 +296,28 @@ async def test_the_stop_marks_the_calls_running_when_it_cuts_them_and_no_later_o
     ]
 
 
-async def test_a_loopback_peer_is_named_localhost_as_the_instrumentations_span_named_it() -> None:
+async def test_a_peer_is_named_by_the_current_conventions_ipv6_unbracketed_a_unix_caller_by_transport() -> (
+    None
+):
     exporter = InMemorySpanExporter()
     handler = await _spans(exporter).intercept_service(_returning(_echo), _Details(f"/{SERVICE}/Echo"))  # type: ignore[arg-type]
-    for peer, ip, name in (
-        ("ipv4:127.0.0.1:5000", "127.0.0.1", "localhost"),
-        ("ipv6:%5B::1%5D:5000", "[::1]", "localhost"),
-        ("ipv4:10.0.0.7:5000", "10.0.0.7", None),
+    for peer, expected in (
+        (
+            "ipv4:10.0.0.7:5000",
+            {"network.type": "ipv4", "network.peer.address": "10.0.0.7", "client.port": 5000},
+        ),
+        (
+            "ipv6:%5B::1%5D:5000",
+            {"network.type": "ipv6", "network.peer.address": "::1", "client.address": "::1"},
+        ),
+        ("unix:/run/tandem.sock", {"network.transport": "unix", "network.peer.address": "/run/tandem.sock"}),
+        ("unix:", {"network.transport": "unix"}),
     ):
         await handler.unary_unary(b"", _Context(None, peer=peer))
         (span,) = exporter.get_finished_spans()
         exporter.clear()
-        assert (span.attributes["net.peer.ip"], span.attributes.get("net.peer.name")) == (ip, name)
+        assert {k: span.attributes.get(k) for k in expected} == expected, peer
+    assert "client.address" not in span.attributes  # a unix socket's caller has no name
 
 
 def _hanging(exporter: InMemorySpanExporter) -> tuple[ServerOptions, Service]:

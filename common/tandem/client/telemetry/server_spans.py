@@ -10,8 +10,19 @@ and it was wrong twice:
   silently have read a repeated header as its last value, taking the last of two `traceparent`s.
 Here the caller's context is read from every value of a repeated header (propagation.py's rules), and
 the span ends with the code its caller gets (`call_code`) and the status the RPC conventions give a
-gRPC server for it. Its name and attributes are the instrumentation's (`/package.Service/Method`,
-rpc.*, net.peer.*), so its traces read as before.
+gRPC server for it. Its name and `rpc.*` attributes are the instrumentation's (`/package.Service/Method`,
+`rpc.system`, `rpc.service`, `rpc.method`, `rpc.grpc.status_code`), the names its client spans, which
+Tandem's clients use, still carry. Its caller is named by the current, stable names (`client.*`,
+`network.*`, `user_agent.original`), not the instrumentation's server span's `net.peer.*` (deprecated
+since 2023 at the latest) and `rpc.user_agent` (in no convention): nothing of Tandem's read them, no
+collector rule or dashboard here either, so they were replaced outright, not emitted beside the new
+names for a while (docs/DEPLOYMENT.md says why).
+
+grpc keeps only the last `traceparent` of a call (its core holds it as `W3CTraceParentMetadata`, not
+repeatable) before any Python code sees the metadata: two sent raw over HTTP/2 reach grpc 1.85's
+`invocation_metadata` as the last alone, in the interceptor and the servicer's context alike. So a
+repeated `traceparent` is refused here only where it arrives repeated (a server behind another stack),
+as the gateway, over HTTP, refuses it always.
 """
 
 from __future__ import annotations
@@ -38,12 +49,15 @@ RPC_SYSTEM = "rpc.system"
 RPC_SERVICE = "rpc.service"
 RPC_METHOD = "rpc.method"
 RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
-RPC_USER_AGENT = "rpc.user_agent"
-NET_PEER_IP = "net.peer.ip"
-NET_PEER_PORT = "net.peer.port"
-NET_PEER_NAME = "net.peer.name"
-# The loopback addresses the instrumentation named "localhost", as written in a peer ("[::1]" bracketed).
-LOOPBACK_IPS = frozenset({"127.0.0.1", "[::1]"})
+USER_AGENT_ORIGINAL = "user_agent.original"
+# The caller: the address its connection came from (grpc knows no intermediary), as both the client's
+# (`client.*`) and the connection's peer (`network.peer.*`), as the RPC conventions ask of a server span.
+CLIENT_ADDRESS = "client.address"
+CLIENT_PORT = "client.port"
+NETWORK_PEER_ADDRESS = "network.peer.address"
+NETWORK_PEER_PORT = "network.peer.port"
+NETWORK_TRANSPORT = "network.transport"  # "tcp" | "unix"
+NETWORK_TYPE = "network.type"  # "ipv4" | "ipv6", for tcp
 # The codes the RPC semantic conventions call a gRPC server's error; the others (CANCELLED,
 # INVALID_ARGUMENT, NOT_FOUND, ...) are its caller's doing and leave the status unset.
 SERVER_ERROR_CODES = frozenset(
@@ -217,15 +231,28 @@ def _attributes(method: str, carrier: dict[str, list[str]], peer: str) -> dict[s
     service, _, name = method.lstrip("/").partition("/")
     attributes: dict[str, str | int] = {RPC_SYSTEM: "grpc", RPC_SERVICE: service, RPC_METHOD: name}
     if agents := carrier.get("user-agent"):
-        attributes[RPC_USER_AGENT] = agents[-1]
-    # "ipv4:127.0.0.1:57284", "ipv6:%5B::1%5D:57284" (the first of a list); a unix socket has no address.
+        attributes[USER_AGENT_ORIGINAL] = agents[-1]
+    return {**attributes, **_peer_attributes(peer)}
+
+
+def _peer_attributes(peer: str) -> dict[str, str | int]:
+    """The caller's attributes from grpc's peer: "ipv4:127.0.0.1:57284", "ipv6:%5B::1%5D:57284" (the
+    first of a list), "unix:/path" or "unix:" (a unix socket's caller has no name)."""
     scheme, _, address = peer.split(",")[0].partition(":")
-    if scheme in ("ipv4", "ipv6"):
-        ip, _, port = address.rpartition(":")
-        attributes[NET_PEER_IP] = unquote(ip)
-        attributes[NET_PEER_PORT] = port
-        if attributes[NET_PEER_IP] in LOOPBACK_IPS:  # as the instrumentation's did ("as other sources do")
-            attributes[NET_PEER_NAME] = "localhost"
+    if scheme == "unix":
+        return {NETWORK_TRANSPORT: "unix", **({NETWORK_PEER_ADDRESS: address} if address else {})}
+    if scheme not in ("ipv4", "ipv6"):
+        return {}
+    host, _, port = unquote(address).rpartition(":")
+    ip = host.removeprefix("[").removesuffix("]")  # the conventions' IPv6 address is unbracketed
+    attributes: dict[str, str | int] = {
+        NETWORK_TRANSPORT: "tcp",
+        NETWORK_TYPE: scheme,
+        NETWORK_PEER_ADDRESS: ip,
+        CLIENT_ADDRESS: ip,
+    }
+    if port.isdigit():
+        attributes[NETWORK_PEER_PORT] = attributes[CLIENT_PORT] = int(port)
     return attributes
 
 
