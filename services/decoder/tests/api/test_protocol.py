@@ -42,15 +42,15 @@ def test_entries_leave_unset_what_a_position_lacks() -> None:
         prompt_logprobs=(
             PromptLogprob(11, None, (), ()),  # position 0: no context
             PromptLogprob(None, None, (4, 5), (-0.5, -1.5)),  # an embedding row: no token
-            PromptLogprob(12, -2.25, (4, 12), (-0.25, -2.25)),
+            PromptLogprob(12, -2.25, (4, 12), (-0.25, -2.25), rank=2),
         ),
     )
     first, row, token = event_to_pb(delta).delta.prompt_logprobs
     assert first.HasField("token_id") and first.token_id == 11
-    assert not first.HasField("logprob") and not first.HasField("top_logprobs")
-    assert not row.HasField("token_id") and not row.HasField("logprob")
+    assert not first.HasField("logprob") and not first.HasField("top_logprobs") and not first.HasField("rank")
+    assert not row.HasField("token_id") and not row.HasField("logprob") and not row.HasField("rank")
     assert list(row.top_logprobs.token_ids) == [4, 5] and list(row.top_logprobs.logprobs) == [-0.5, -1.5]
-    assert (token.token_id, token.logprob) == (12, -2.25)
+    assert (token.token_id, token.logprob, token.rank) == (12, -2.25, 2)
     assert list(token.top_logprobs.token_ids) == [4, 12]
 
 

@@ -242,6 +242,8 @@ def _prompt_logprob_to_pb(
             message.token_bytes = own[0]
     if entry.logprob is not None:
         message.logprob = entry.logprob
+    if entry.rank is not None:
+        message.rank = entry.rank
     if entry.top_token_ids:
         message.top_logprobs.token_ids.extend(entry.top_token_ids)
         message.top_logprobs.logprobs.extend(entry.top_logprobs)

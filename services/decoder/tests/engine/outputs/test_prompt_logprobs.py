@@ -159,6 +159,39 @@ def test_score_reduces_in_slices_with_the_same_result(monkeypatch: pytest.Monkey
     assert asked == [slice(0, 7), slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
 
 
+def _brute_force_rank(row: torch.Tensor, token_id: int) -> int:
+    """One more than the tokens strictly likelier than `token_id` in one row of logits, counted one
+    by one over that row's own log-softmax."""
+    logprobs = torch.log_softmax(row, dim=-1).tolist()
+    return 1 + sum(1 for value in logprobs if value > logprobs[token_id])
+
+
+def test_score_ranks_each_token_over_the_whole_vocabulary_inside_the_top_n_or_not() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    logits[0, 7] = logits[0].max() + 1  # the likeliest: rank 1
+    logits[1, 7] = logits[1].min() - 1  # the least likely: rank 50
+    logits[2, [7, 8, 9]] = logits[2].max() + 1  # tied first: none strictly likelier, rank 1
+    spans = [ScoredSpan("a", 1, (7, 7, 7, 3, 4, 0), (True,) * 5 + (False,), 2)]
+    (chunk,) = score(lambda rows: logits[rows], spans, logits.device)
+    expected = [_brute_force_rank(logits[k], t) for k, t in enumerate(spans[0].target_ids[:5])]
+    assert chunk.ranks == (*expected, None)  # an embedding row has no token to rank
+    assert chunk.ranks[:3] == (1, 50, 1)
+    assert any(rank > 2 for rank in expected[3:]), "a token outside the top 2 is ranked as well"
+
+
+def test_a_rows_rank_is_the_same_scored_alone_and_among_others() -> None:
+    logits = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))
+    targets = (5, 17, 33, 2, 60, 41, 8, 19, 27)
+    together = score(lambda rows: logits[rows], [ScoredSpan("a", 1, targets, (True,) * 9, 3)], logits.device)
+    alone = [
+        score(
+            lambda rows, k=k: logits[k : k + 1][rows], [ScoredSpan("a", 1, (t,), (True,), 3)], logits.device
+        )
+        for k, t in enumerate(targets)
+    ]
+    assert together[0].ranks == tuple(chunk.ranks[0] for (chunk,) in alone)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_score_names_a_spans_first_non_finite_position_and_leaves_the_other_spans_alone(bad: float) -> None:
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(2))
@@ -175,15 +208,16 @@ def test_score_names_a_spans_first_non_finite_position_and_leaves_the_other_span
 
 def test_the_buffer_marks_position_0_keeps_the_first_result_and_is_complete_only_when_whole() -> None:
     buffer = PromptLogprobsBuffer([0, 11, 12], [False, True, True])  # an embedding row, then tokens
-    buffer.add(PromptLogprobsChunk("r", 1, (-1.0,), ((11,),), ((-1.0,),)))
+    buffer.add(PromptLogprobsChunk("r", 1, (-1.0,), ((11,),), ((-1.0,),), (1,)))
     assert not buffer.is_complete
     with pytest.raises(RuntimeError):
         buffer.entries()
-    buffer.add(PromptLogprobsChunk("r", 1, (-9.0, -2.0), ((5,), (12,)), ((-0.5,), (-2.0,))))  # recompute
+    recompute = PromptLogprobsChunk("r", 1, (-9.0, -2.0), ((5,), (12,)), ((-0.5,), (-2.0,)), (9, 1))
+    buffer.add(recompute)
     assert buffer.entries() == (
         PromptLogprob(None, None, (), ()),
-        PromptLogprob(11, -1.0, (11,), (-1.0,)),
-        PromptLogprob(12, -2.0, (12,), (-2.0,)),
+        PromptLogprob(11, -1.0, (11,), (-1.0,), rank=1),
+        PromptLogprob(12, -2.0, (12,), (-2.0,), rank=1),
     )
 
 
@@ -240,9 +274,16 @@ def _assert_matches(entries: tuple[PromptLogprob, ...], token_ids: list[int | No
         entry, row = entries[p], logprobs[p - 1]  # position p given positions 0 .. p - 1
         assert entry.token_id == token_ids[p]
         if token_ids[p] is None:
-            assert entry.logprob is None
+            assert entry.logprob is None and entry.rank is None
         else:
             assert entry.logprob == pytest.approx(row[token_ids[p]].item(), abs=TOLERANCE)
+            # Counted over the reference's row: a token within TOLERANCE of the target may fall either way.
+            own = row[token_ids[p]]
+            assert (
+                1 + (row > own + TOLERANCE).sum().item()
+                <= entry.rank
+                <= 1 + (row > own - TOLERANCE).sum().item()
+            )
         top = row.topk(TOP_N)
         assert entry.top_token_ids == tuple(top.indices.tolist()), p
         assert entry.top_logprobs == pytest.approx(top.values.tolist(), abs=TOLERANCE)
@@ -276,7 +317,10 @@ def test_prompt_logprobs_equal_transformers_log_softmax(
         events = list(engine.generate(_spec(prompt)))
         num_steps = engine.core.num_steps - steps_before
     token_ids, logprobs = _expected(reference, tiny_fp32, prompt)
-    _assert_matches(_prompt_logprobs(events), token_ids, logprobs)
+    entries = _prompt_logprobs(events)
+    _assert_matches(entries, token_ids, logprobs)
+    if kind != "embeddings":  # ranked over the whole vocabulary, not only among the top TOP_N
+        assert any(e.rank is not None and e.rank > TOP_N for e in entries)
     if budget == 5:  # the prompt ran in chunks of at most 5 positions
         assert num_steps >= len(token_ids) // 5
 
