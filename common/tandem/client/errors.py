@@ -3,27 +3,45 @@
 Pure Python on purpose: the scheduler, the params and the codec raise these without importing
 grpc; `tandem.client.status` is the one place that turns them into gRPC statuses with google.rpc details.
 Each error carries what a client needs to fix or retry its call: the offending field and its
-limit, or how long to wait. `ConfigError`, the one error of another kind, is what a service refuses
-at start; it names the config field so the command line can name the flag and its variable.
+limit, or how long to wait; and where a program should tell one refusal from another, its `ErrorInfo`
+(a reason and the numbers the message says for people). `ConfigError`, the one error of another kind, is
+what a service refuses at start; it names the config field so the command line can name the flag and its
+variable.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorInfo:
+    """Which refusal this is, for programs: google.rpc.ErrorInfo beside the status, so a caller
+    branches on `reason` and reads the numbers from `metadata` rather than parsing the message, whose
+    wording may change. The reasons and their keys are `tandem.client.error_reasons`'."""
+
+    reason: str  # UPPER_SNAKE_CASE, stable across releases: "PROMPT_LOGPROB_BUDGET"
+    domain: str  # the service that refused: "tandem.decoder"
+    # lowerCamelCase keys with the unit in the key ("maxEntries": "244608"), as google.rpc.ErrorInfo asks.
+    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class TandemError(Exception):
     """Base of every error a client is meant to see (anything else is a bug -> INTERNAL)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, info: ErrorInfo | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.info = info
 
 
 class InvalidArgument(TandemError):
     """A request field is malformed or outside its limit. `field` is its path, e.g.
     `prompt[2].embeddings.shape`."""
 
-    def __init__(self, field: str, description: str) -> None:
-        super().__init__(f"{field}: {description}")
+    def __init__(self, field: str, description: str, *, info: ErrorInfo | None = None) -> None:
+        super().__init__(f"{field}: {description}", info=info)
         self.field = field
         self.description = description
 
@@ -31,8 +49,8 @@ class InvalidArgument(TandemError):
 class FailedPrecondition(TandemError):
     """The request is well-formed but this server is configured not to serve it."""
 
-    def __init__(self, field: str, description: str) -> None:
-        super().__init__(f"{field}: {description}")
+    def __init__(self, field: str, description: str, *, info: ErrorInfo | None = None) -> None:
+        super().__init__(f"{field}: {description}", info=info)
         self.field = field
         self.description = description
 
@@ -40,8 +58,8 @@ class FailedPrecondition(TandemError):
 class ResourceExhausted(TandemError):
     """The server is full right now; the same request may succeed after `retry_after_s`."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after_s: float = 1.0, *, info: ErrorInfo | None = None) -> None:
+        super().__init__(message, info=info)
         self.retry_after_s = retry_after_s
 
 

@@ -1,9 +1,10 @@
 """Domain errors -> gRPC statuses with google.rpc details, and the one interceptor that does it.
 
 Servicers raise `tandem.client.errors` types (or let them propagate from the engine); the interceptor
-turns each into its status code with a `BadRequest` field violation or a `RetryInfo`, so clients
-in any language can read the field and the limit from the standard details. Anything else is a
-bug: logged with its traceback and reported as INTERNAL without leaking internals.
+turns each into its status code with a `BadRequest` field violation or a `RetryInfo`, and its
+`ErrorInfo` where it has one, so clients in any language can read the field, the limit, how long to
+wait and which refusal it is from the standard details (`status_details.py` reads them back). Anything
+else is a bug: logged with its traceback and reported as INTERNAL without leaking internals.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from functools import partial
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
+from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from . import errors, memory
 from .oversized import oversized
+from .status_details import status_details
 
 log = logging.getLogger(__name__)
 
@@ -58,34 +60,28 @@ def _bounded(text: str) -> str:
 def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
     code = next((c for cls, c in _CODES if isinstance(error, cls)), code_pb2.INTERNAL)
     status = status_pb2.Status(code=code, message=_bounded(error.message))
-    detail = any_pb2.Any()
     if isinstance(error, errors.InvalidArgument | errors.FailedPrecondition):
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=_bounded(error.field), description=_bounded(error.description)
         )
-        detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
-        status.details.append(detail)
+        status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
     elif isinstance(error, errors.ResourceExhausted):
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(error.retry_after_s * 1e9))
-        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-        status.details.append(detail)
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    if error.info is not None:  # a reason and a few numbers: tens of bytes beside the message
+        status.details.add().Pack(
+            error_details_pb2.ErrorInfo(
+                reason=error.info.reason, domain=error.info.domain, metadata=dict(error.info.metadata)
+            )
+        )
     return status
 
 
-def field_violation(error: grpc.aio.AioRpcError) -> tuple[str, str] | None:
+def field_violation(error: grpc.RpcError) -> tuple[str, str] | None:
     """(field, description) of the first `BadRequest` field violation a status carries; None if none."""
-    try:
-        status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    except Exception:  # details that do not parse: the code and message still hold
-        return None
-    for detail in status.details if status is not None else ():
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad_request = error_details_pb2.BadRequest()
-            detail.Unpack(bad_request)
-            for violation in bad_request.field_violations:
-                return violation.field, violation.description
-    return None
+    violations = status_details(error).field_violations
+    return violations[0] if violations else None
 
 
 def error_type(exc: BaseException) -> str:

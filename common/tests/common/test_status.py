@@ -26,6 +26,24 @@ def test_resource_exhausted_carries_retry_info() -> None:
     assert retry.retry_delay.ToNanoseconds() == 2_500_000_000
 
 
+def test_an_error_with_an_error_info_carries_it_beside_its_retry_or_field() -> None:
+    info = errors.ErrorInfo("QUEUE_FULL", "tandem.decoder", {"maxWaitingRequests": "256"})
+    for error, first in [
+        (errors.ResourceExhausted("queue full", info=info), error_details_pb2.RetryInfo),
+        (errors.InvalidArgument("prompt", "too long", info=info), error_details_pb2.BadRequest),
+    ]:
+        status = to_status_proto(error)
+        assert status.details[0].Is(first.DESCRIPTOR)
+        error_info = error_details_pb2.ErrorInfo()
+        assert status.details[1].Unpack(error_info)
+        assert (error_info.reason, error_info.domain, dict(error_info.metadata)) == (
+            "QUEUE_FULL",
+            "tandem.decoder",
+            {"maxWaitingRequests": "256"},
+        )
+    assert len(to_status_proto(errors.ResourceExhausted("full")).details) == 1  # none without one
+
+
 def test_each_domain_error_has_its_code() -> None:
     assert to_status_proto(errors.Unavailable("draining")).code == code_pb2.UNAVAILABLE
     assert to_status_proto(errors.DeadlineExceeded("late")).code == code_pb2.DEADLINE_EXCEEDED

@@ -1,0 +1,62 @@
+"""The reasons a refusal's google.rpc.ErrorInfo gives and the keys of its numbers: the contract between
+a service that refuses and a caller that branches on the refusal (the gateway's 400 or 429), so neither
+parses the other's message. docs/API.md ("Errors") lists them.
+
+Metadata values are strings (google.rpc.ErrorInfo's map), numbers in decimal; each key carries its unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .errors import ErrorInfo
+
+DECODER = "tandem.decoder"  # the domain of every reason below
+
+# RESOURCE_EXHAUSTED, RetryInfo: the caller's open streams hold HELD_ENTRIES prompt-logprob entries
+# (positions x (1 + top)), this stream needs NEEDED_ENTRIES more, and a caller may hold MAX_ENTRIES.
+PROMPT_LOGPROB_BUDGET = "PROMPT_LOGPROB_BUDGET"
+HELD_ENTRIES = "heldEntries"
+NEEDED_ENTRIES = "neededEntries"
+MAX_ENTRIES = "maxEntries"
+
+# RESOURCE_EXHAUSTED, RetryInfo: the waiting queue holds MAX_WAITING_REQUESTS (--max-queue).
+QUEUE_FULL = "QUEUE_FULL"
+MAX_WAITING_REQUESTS = "maxWaitingRequests"
+
+# RESOURCE_EXHAUSTED, RetryInfo: the HOLDER ("connection", "bearer token") has MAX_STREAMS Generate
+# streams open, the bound its FLAG sets.
+STREAM_LIMIT = "STREAM_LIMIT"
+HOLDER = "holder"
+MAX_STREAMS = "maxStreams"
+FLAG = "flag"
+
+# RESOURCE_EXHAUSTED, RetryInfo: the live grammars of the SCOPE ("caller", "decoder") hold HELD_BYTES of
+# matcher memory, this one needs NEEDED_BYTES more and the SCOPE may hold MAX_BYTES.
+GRAMMAR_MEMORY = "GRAMMAR_MEMORY"
+SCOPE = "scope"
+HELD_BYTES = "heldBytes"
+NEEDED_BYTES = "neededBytes"
+MAX_BYTES = "maxBytes"
+
+# RESOURCE_EXHAUSTED, RetryInfo: the request's grammar took GRAMMAR_MICROSECONDS of CPU in one step,
+# among the dearest of STEP_MICROSECONDS, over MAX_MICROSECONDS_PER_STEP (--max-grammar-cpu-ms-per-step).
+GRAMMAR_CPU = "GRAMMAR_CPU"
+GRAMMAR_MICROSECONDS = "grammarMicroseconds"
+STEP_MICROSECONDS = "stepMicroseconds"
+MAX_MICROSECONDS_PER_STEP = "maxMicrosecondsPerStep"
+
+# RESOURCE_EXHAUSTED, RetryInfo: all MAX_LORAS adapter slots (--max-loras) are taken.
+LORA_SLOTS = "LORA_SLOTS"
+MAX_LORAS = "maxLoras"
+
+# INVALID_ARGUMENT, BadRequest naming the field: the request needs NEEDED_BLOCKS KV blocks and the
+# pool has MAX_BLOCKS in all, so no wait lets it in.
+KV_CAPACITY = "KV_CAPACITY"
+NEEDED_BLOCKS = "neededBlocks"
+MAX_BLOCKS = "maxBlocks"
+
+
+def decoder_info(reason: str, metadata: Mapping[str, int | str]) -> ErrorInfo:
+    """The decoder's ErrorInfo for `reason`, its numbers as the strings the wire carries."""
+    return ErrorInfo(reason, DECODER, {key: str(value) for key, value in metadata.items()})

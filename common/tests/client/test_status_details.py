@@ -1,0 +1,104 @@
+"""A failed call's google.rpc details, read back from the `grpc-status-details-bin` trailer by a sync
+stub and an aio one alike: the RetryInfo and ErrorInfo of a refusal, the BadRequest of a bad field, and
+nothing (not an error) where a server sent no details."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import ErrorInfo, InvalidArgument, ResourceExhausted
+from tandem.client.status import ErrorInterceptor
+from tandem.client.status_details import StatusDetails, status_details
+
+BUDGET = reasons.decoder_info(
+    reasons.PROMPT_LOGPROB_BUDGET,
+    {reasons.HELD_ENTRIES: 60, reasons.NEEDED_ENTRIES: 48, reasons.MAX_ENTRIES: 100},
+)
+
+
+async def _refused(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    raise ResourceExhausted("output.prompt_logprobs: over the budget", retry_after_s=2.5, info=BUDGET)
+
+
+async def _bad_field(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    raise InvalidArgument("prompt[1].text", "must not be empty")
+
+
+async def _bare(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    # What a server without the interceptor (an older one, another language's) sends: code and message.
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    return b""
+
+
+@pytest.fixture
+async def address() -> AsyncIterator[str]:
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(fn)
+        for name, fn in {"Refused": _refused, "BadField": _bad_field, "Bare": _bare}.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Details", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+async def _aio_error(address: str, method: str) -> grpc.aio.AioRpcError:
+    async with grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary(f"/test.Details/{method}")(b"", timeout=5)
+    return caught.value
+
+
+def _sync_error(address: str, method: str) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary(f"/test.Details/{method}")(b"", timeout=5)
+    return caught.value
+
+
+async def test_a_refusal_gives_sync_and_aio_stubs_its_retry_delay_and_error_info(address: str) -> None:
+    for error in [
+        await _aio_error(address, "Refused"),
+        await asyncio.to_thread(_sync_error, address, "Refused"),
+    ]:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        details = status_details(error)
+        assert details == StatusDetails(retry_delay_s=2.5, info=BUDGET)
+        assert details.info == ErrorInfo(
+            "PROMPT_LOGPROB_BUDGET",
+            "tandem.decoder",
+            {"heldEntries": "60", "neededEntries": "48", "maxEntries": "100"},
+        )
+        assert details.metadata_of("tandem.decoder", "PROMPT_LOGPROB_BUDGET") == BUDGET.metadata
+        assert details.metadata_of("tandem.decoder", "QUEUE_FULL") is None
+        assert details.metadata_of("tandem.encoder", "PROMPT_LOGPROB_BUDGET") is None
+
+
+async def test_a_bad_field_gives_its_field_violation_and_no_retry(address: str) -> None:
+    for error in [
+        await _aio_error(address, "BadField"),
+        await asyncio.to_thread(_sync_error, address, "BadField"),
+    ]:
+        assert status_details(error) == StatusDetails(
+            field_violations=(("prompt[1].text", "must not be empty"),)
+        )
+
+
+async def test_a_status_without_details_reads_as_none(address: str) -> None:
+    for error in [await _aio_error(address, "Bare"), await asyncio.to_thread(_sync_error, address, "Bare")]:
+        assert status_details(error) == StatusDetails()
+
+
+def test_details_that_do_not_parse_read_as_none() -> None:
+    trailers = grpc.aio.Metadata(("grpc-status-details-bin", b"\xff not a status"))
+    error = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), trailers, "full")
+    assert status_details(error) == StatusDetails()
