@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.client.errors import ResourceExhausted
+from tandem.client.errors import ErrorInfo, ResourceExhausted
 from tandem.decoder.api.main import config_from_args
 from tandem.decoder.api.stream_limit import StreamLimit
 
@@ -53,6 +53,11 @@ def test_a_token_bound_says_whose_streams_and_which_flag() -> None:
         pass
     assert "this bearer token already has 1 Generate streams open (--max-streams-per-token); end one" == str(
         caught.value
+    )
+    assert caught.value.info == ErrorInfo(
+        "STREAM_LIMIT",
+        "tandem.decoder",
+        {"holder": "bearer token", "maxStreams": "1", "flag": "--max-streams-per-token"},
     )
 
 

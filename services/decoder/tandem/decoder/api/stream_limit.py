@@ -14,6 +14,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
+from tandem.client import error_reasons as reasons
 from tandem.client.errors import ResourceExhausted
 
 
@@ -41,6 +42,14 @@ class StreamLimit:
                 f"this {self.holder} already has {self.max_streams} Generate streams open "
                 f"({self.flag}); {advice}",
                 retry_after_s=1.0,
+                info=reasons.decoder_info(
+                    reasons.STREAM_LIMIT,
+                    {
+                        reasons.HOLDER: self.holder,
+                        reasons.MAX_STREAMS: self.max_streams,
+                        reasons.FLAG: self.flag,
+                    },
+                ),
             )
         self._open[peer] += 1
         try:

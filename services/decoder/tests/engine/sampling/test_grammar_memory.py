@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.client.errors import ErrorInfo, InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.sampling.grammar_memory import (
     MAX_BYTES,
     MAX_BYTES_PER_CALLER,
@@ -33,8 +33,20 @@ def test_256_ordinary_schemas_of_one_caller_are_never_refused() -> None:
 def test_one_caller_past_its_limit_is_refused_naming_the_field_and_the_limit_and_others_go_on() -> None:
     budget = GrammarMemoryBudget(max_bytes=100 * MIB, max_bytes_per_caller=10 * MIB)
     budget.reserve("a", "structured.regex", 8 * MIB)
-    with pytest.raises(ResourceExhausted, match=r"structured\.regex: .* the limit is 10 MiB per caller"):
+    with pytest.raises(
+        ResourceExhausted, match=r"structured\.regex: .* the limit is 10 MiB per caller"
+    ) as caught:
         budget.reserve("a", "structured.regex", 4 * MIB)
+    assert caught.value.info == ErrorInfo(
+        "GRAMMAR_MEMORY",
+        "tandem.decoder",
+        {
+            "scope": "caller",
+            "heldBytes": str(8 * MIB),
+            "neededBytes": str(4 * MIB),
+            "maxBytes": str(10 * MIB),
+        },
+    )
     budget.reserve("b", "structured.regex", 8 * MIB)
     assert (budget.held("a"), budget.held("b"), budget.held()) == (8 * MIB, 8 * MIB, 16 * MIB)
 
@@ -42,8 +54,12 @@ def test_one_caller_past_its_limit_is_refused_naming_the_field_and_the_limit_and
 def test_the_engines_limit_counts_every_caller() -> None:
     budget = GrammarMemoryBudget(max_bytes=10 * MIB, max_bytes_per_caller=10 * MIB)
     budget.reserve("a", "structured.regex", 6 * MIB)
-    with pytest.raises(ResourceExhausted, match=r"structured\.grammar: .* the limit is 10 MiB in all"):
+    with pytest.raises(
+        ResourceExhausted, match=r"structured\.grammar: .* the limit is 10 MiB in all"
+    ) as caught:
         budget.reserve("b", "structured.grammar", 6 * MIB)
+    assert caught.value.info is not None
+    assert (caught.value.info.reason, caught.value.info.metadata["scope"]) == ("GRAMMAR_MEMORY", "decoder")
 
 
 def test_a_release_gives_back_exactly_its_charge() -> None:

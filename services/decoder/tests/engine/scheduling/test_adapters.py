@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.client.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from tandem.client.errors import AlreadyExists, ErrorInfo, InvalidArgument, NotFound, ResourceExhausted
 from tandem.decoder.engine.scheduling.adapters import AdapterSlots
 
 
@@ -15,8 +15,9 @@ def load(slots: AdapterSlots, name: str) -> int:
 def test_loads_take_the_lowest_free_slot_until_none_is_left() -> None:
     slots = AdapterSlots(max_loras=2)
     assert [load(slots, "a"), load(slots, "b")] == [0, 1]
-    with pytest.raises(ResourceExhausted, match="all 2 LoRA slots"):
+    with pytest.raises(ResourceExhausted, match="all 2 LoRA slots") as caught:
         slots.free_slot()
+    assert caught.value.info == ErrorInfo("LORA_SLOTS", "tandem.decoder", {"maxLoras": "2"})
     assert [a.name for a in slots.adapters] == ["a", "b"]
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tandem.client.errors import ResourceExhausted
+from tandem.client.errors import ErrorInfo, ResourceExhausted
 from tandem.decoder.engine.step.grammar_budget import (
     heavy_mask_seconds,
     num_draft_tokens_within,
@@ -75,3 +75,8 @@ def test_its_error_names_the_field_and_the_limit() -> None:
     assert isinstance(error, ResourceExhausted)
     assert str(error).startswith("structured.grammar: the grammar's work took 44.0 ms of CPU in one step")
     assert "700.0 ms in all, over the limit of 250 ms per step (--max-grammar-cpu-ms-per-step)" in str(error)
+    assert error.info == ErrorInfo(
+        "GRAMMAR_CPU",
+        "tandem.decoder",
+        {"grammarMicroseconds": "44000", "stepMicroseconds": "700000", "maxMicrosecondsPerStep": "250000"},
+    )

@@ -5,7 +5,9 @@ per prompt position, each with up to MAX_TOP_LOGPROBS alternatives (~2 KB a posi
 that Delta is handed to gRPC it sits in gRPC's buffers until the client reads it, where no pause can
 reach it. So each stream that asks for them reserves its entries (positions x (1 + top)) from its
 caller's budget when it is admitted and returns them when the stream ends; a request beyond the
-budget is refused RESOURCE_EXHAUSTED, naming `output.prompt_logprobs`, before any position runs.
+budget is refused RESOURCE_EXHAUSTED, naming `output.prompt_logprobs`, before any position runs, with
+the numbers in its ErrorInfo (PROMPT_LOGPROB_BUDGET) for a caller to tell a wait from a request that
+never fits.
 A caller is what `Request.caller` says (a connection, or a bearer token).
 """
 
@@ -15,6 +17,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
+from tandem.client import error_reasons as reasons
 from tandem.client.errors import ResourceExhausted
 from tandem.decoder.engine.params import MAX_TOP_LOGPROBS
 
@@ -51,6 +54,14 @@ class PromptLogprobBudget:
                     f"prompt-logprob entries; this request needs {entries} more (positions x (1 + top)) and "
                     f"the limit is {self.max_entries}; read or end a stream that scores its prompt",
                     retry_after_s=1.0,
+                    info=reasons.decoder_info(
+                        reasons.PROMPT_LOGPROB_BUDGET,
+                        {
+                            reasons.HELD_ENTRIES: self._held[caller],
+                            reasons.NEEDED_ENTRIES: entries,
+                            reasons.MAX_ENTRIES: self.max_entries,
+                        },
+                    ),
                 )
             self._held[caller] += entries
         return lambda: self._release(caller, entries)

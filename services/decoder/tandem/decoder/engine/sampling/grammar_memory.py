@@ -29,7 +29,8 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import ErrorInfo, InvalidArgument, ResourceExhausted
 
 MIB = 1 << 20
 MIN_MATCHER_BYTES = 2 * MIB  # an ordinary matcher, 0.2 MB built and up to 1.4 MB after 300 tokens
@@ -81,6 +82,7 @@ class GrammarMemoryBudget:
                     f"{_mib(self.max_bytes_per_caller)} per caller; "
                     "end a constrained stream or wait for one to end",
                     retry_after_s=1.0,
+                    info=_info("caller", self._held[caller], nbytes, self.max_bytes_per_caller),
                 )
             if self._total + nbytes > self.max_bytes:
                 raise ResourceExhausted(
@@ -88,6 +90,7 @@ class GrammarMemoryBudget:
                     f"memory; this one needs about {_mib(nbytes)} more and the limit is "
                     f"{_mib(self.max_bytes)} in all",
                     retry_after_s=1.0,
+                    info=_info("decoder", self._total, nbytes, self.max_bytes),
                 )
             self._held[caller] += nbytes
             self._total += nbytes
@@ -99,6 +102,18 @@ class GrammarMemoryBudget:
             self._held[caller] -= nbytes
             if not self._held[caller]:
                 del self._held[caller]
+
+
+def _info(scope: str, held: int, nbytes: int, limit: int) -> ErrorInfo:
+    return reasons.decoder_info(
+        reasons.GRAMMAR_MEMORY,
+        {
+            reasons.SCOPE: scope,
+            reasons.HELD_BYTES: held,
+            reasons.NEEDED_BYTES: nbytes,
+            reasons.MAX_BYTES: limit,
+        },
+    )
 
 
 def _mib(nbytes: int) -> str:

@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from tandem.client import error_reasons as reasons
 from tandem.client.errors import AlreadyExists, NotFound, ResourceExhausted
 from tandem.common.model_name import check_adapter_name, echo
 
@@ -73,7 +74,10 @@ class AdapterSlots:
         slot = next((s for s in range(self.max_loras) if s not in taken), None)
         if slot is None:
             draining = f", {len(self._draining)} of them draining" if self._draining else ""
-            raise ResourceExhausted(f"all {self.max_loras} LoRA slots (--max-loras) are taken{draining}")
+            raise ResourceExhausted(
+                f"all {self.max_loras} LoRA slots (--max-loras) are taken{draining}",
+                info=reasons.decoder_info(reasons.LORA_SLOTS, {reasons.MAX_LORAS: self.max_loras}),
+            )
         return slot
 
     def add(self, name: str, path: str, rank: int, targets: tuple[str, ...], slot: int) -> Adapter:

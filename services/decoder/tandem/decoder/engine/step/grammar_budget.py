@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable
 from typing import TypeVar
 
+from tandem.client import error_reasons as reasons
 from tandem.client.errors import ResourceExhausted
 
 K = TypeVar("K", bound=Hashable)
@@ -97,5 +98,13 @@ def over_budget_error(
         f"{field}: the grammar's work took {seconds * 1000:.1f} ms of CPU in one step, among the dearest "
         f"of a step whose grammars took {step_seconds * 1000:.1f} ms in all, over the limit of "
         f"{max_seconds * 1000:g} ms per step (--max-grammar-cpu-ms-per-step): the dearest fail so the "
-        "step's other requests go on (an ambiguous grammar's parsing grows with its answer)"
+        "step's other requests go on (an ambiguous grammar's parsing grows with its answer)",
+        info=reasons.decoder_info(
+            reasons.GRAMMAR_CPU,
+            {
+                reasons.GRAMMAR_MICROSECONDS: round(seconds * 1e6),
+                reasons.STEP_MICROSECONDS: round(step_seconds * 1e6),
+                reasons.MAX_MICROSECONDS_PER_STEP: round(max_seconds * 1e6),
+            },
+        ),
     )
