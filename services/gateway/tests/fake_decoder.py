@@ -12,9 +12,10 @@ as over the context (`stopping.max_new_tokens`); one holding `hang` streams ` .`
 `break` fails after its deltas; `drain` ends ABORTED; `after2` waits until two other streams are open
 (so that its neighbours are accepted before it is refused). With output.prompt_logprobs N, its first
 delta scores P character by character (`prompt_scores`), and a prompt holding `budget` (`budget:L`, else
-L 1) is refused RESOURCE_EXHAUSTED naming `output.prompt_logprobs` in the decoder's words where the
-entries (positions x (1 + N)) of its open streams asking for them and its own are over L, as the decoder
-refuses a caller over its budget.
+L 1) is refused RESOURCE_EXHAUSTED naming `output.prompt_logprobs` in the decoder's words and with its
+ErrorInfo (PROMPT_LOGPROB_BUDGET) where the entries (positions x (1 + N)) of its open streams asking for
+them and its own are over L, as the decoder refuses a caller over its budget; holding `wordsonly` too,
+with the words alone, as a decoder from before the ErrorInfo did.
 
 Started with an encoder (`fake_decoder(encoder_address)`), it is a decoder started with `--encoder`:
 it takes `encoder` parts and, as the real one does (`tandem.decoder.api.encoder_parts`), fetches their
@@ -38,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from tandem.client import error_reasons as reasons
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tandem.client.status import end_with
@@ -211,10 +213,14 @@ def _refusal(
     if "budget" in prompt and needs:
         limit = int(match[1]) if (match := re.search(r"budget:(\d+)", prompt)) else 1
         if held + needs > limit:
+            numbers = {reasons.HELD_ENTRIES: held, reasons.NEEDED_ENTRIES: needs, reasons.MAX_ENTRIES: limit}
             return ResourceExhausted(
                 f"output.prompt_logprobs: this caller's open streams already hold {held} prompt-logprob "
                 f"entries; this request needs {needs} more (positions x (1 + top)) and the limit is {limit}; "
-                f"read or end a stream that scores its prompt"
+                f"read or end a stream that scores its prompt",
+                info=None
+                if "wordsonly" in prompt
+                else reasons.decoder_info(reasons.PROMPT_LOGPROB_BUDGET, numbers),
             )
     if "refuse" in prompt:
         return InvalidArgument("prompt", f"{len(prompt)} positions leave no room to generate")

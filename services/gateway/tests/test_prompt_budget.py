@@ -1,7 +1,9 @@
 """The decoder's refusal of prompt logprobs over its caller's budget: a 429 with Retry-After where other
 streams hold the rest, a 400 naming prompt_logprobs, with no Retry-After, where the request's own prompts
-alone are over the limit (no retry of it can fit). The decoder is the tests' fake (`fake_decoder.py`):
-a prompt holding `budget:L` is refused where the entries of its open streams and its own are over L."""
+alone are over the limit (no retry of it can fit). The gateway reads the numbers from the refusal's
+ErrorInfo, and from its message where a decoder from before the ErrorInfo sent none. The decoder is the
+tests' fake (`fake_decoder.py`): a prompt holding `budget:L` is refused where the entries of its open
+streams and its own are over L (`wordsonly`: with no ErrorInfo)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,13 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+from grpc_status import rpc_status
 
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import ErrorInfo, ResourceExhausted
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.gateway.errors import HttpError
+from tandem.client.status import to_status_proto
+from tandem.gateway.errors import HttpError, from_grpc
 from tandem.gateway.prompt_budget import entries_held, refusal_of_request
 
 from .fake_decoder import fake_decoder
@@ -29,18 +35,60 @@ BUSY = HttpError(429, "rate_limit_error", "prompt_logprobs: ...", retry_after_s=
 
 
 def _error(details: str, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> grpc.aio.AioRpcError:
+    """A refusal as a decoder from before the ErrorInfo sent it: its code and message alone."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def test_a_refusal_the_requests_own_prompts_are_over_is_a_400_naming_the_field() -> None:
-    error = _error(REFUSAL.format(held=60, needs=48, limit=80))
-    refused = refusal_of_request(error, BUSY, held_by_request=60)
-    assert (refused.status, refused.type, refused.param, refused.headers()) == (
+def _budget(held: int, needs: int, limit: int) -> ErrorInfo:
+    numbers = {reasons.HELD_ENTRIES: held, reasons.NEEDED_ENTRIES: needs, reasons.MAX_ENTRIES: limit}
+    return reasons.decoder_info(reasons.PROMPT_LOGPROB_BUDGET, numbers)
+
+
+def _refused(message: str, info: ErrorInfo, retry_after_s: float = 1.0) -> grpc.aio.AioRpcError:
+    """A refusal as the decoder sends it: its details in the `grpc-status-details-bin` trailer."""
+    status = rpc_status.to_status(to_status_proto(ResourceExhausted(message, retry_after_s, info=info)))
+    trailers = grpc.aio.Metadata(*status.trailing_metadata)
+    return grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), trailers, status.details)
+
+
+def _is_the_400(refused: HttpError) -> bool:
+    return (refused.status, refused.type, refused.param, refused.headers()) == (
         400,
         "invalid_request_error",
         "prompt_logprobs",
         {},
     )
+
+
+def test_an_error_info_the_requests_own_prompts_are_over_is_a_400_whatever_the_message_says() -> None:
+    error = _refused("output.prompt_logprobs: over the budget, in other words", _budget(60, 48, 80))
+    refused = refusal_of_request(error, from_grpc(error), held_by_request=60)
+    assert _is_the_400(refused), refused
+    assert "108 " in refused.message and "limit per caller is 80" in refused.message
+
+
+def test_an_error_info_others_hold_the_rest_of_is_a_429_after_its_retry_info() -> None:
+    error = _refused(REFUSAL.format(held=60, needs=48, limit=80), _budget(60, 48, 80), retry_after_s=3.0)
+    refused = refusal_of_request(error, from_grpc(error), held_by_request=0)
+    assert (refused.status, refused.headers()) == (429, {"Retry-After": "3"})
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        reasons.decoder_info(reasons.QUEUE_FULL, {reasons.MAX_WAITING_REQUESTS: 2}),  # another refusal
+        ErrorInfo("PROMPT_LOGPROB_BUDGET", "another.service", {"neededEntries": "48", "maxEntries": "8"}),
+        reasons.decoder_info(reasons.PROMPT_LOGPROB_BUDGET, {reasons.MAX_ENTRIES: 8}),  # no need said
+    ],
+)
+def test_an_error_info_of_another_refusal_or_without_the_numbers_stays_a_429(info: ErrorInfo) -> None:
+    assert refusal_of_request(_refused("queue full", info), BUSY, held_by_request=100) is BUSY
+
+
+def test_an_older_decoders_refusal_the_requests_own_prompts_are_over_is_a_400_from_its_words() -> None:
+    error = _error(REFUSAL.format(held=60, needs=48, limit=80))
+    refused = refusal_of_request(error, BUSY, held_by_request=60)
+    assert _is_the_400(refused), refused
     assert refused.message.startswith("prompt_logprobs: ") and "108 " in refused.message
     assert "limit per caller is 80" in refused.message
 
@@ -77,6 +125,7 @@ async def _post(url: str, body: dict[str, Any]) -> tuple[int, Any, str | None]:
     "prompt",
     [
         "budget",  # 6 positions x 3 entries, the limit 1: over alone
+        "budget wordsonly",  # the same from a decoder that says so in words alone
         # Two of 11 positions accepted (66 entries), then the third's 51 refused: 117 over 100.
         ["hang-aaaaaa", "hang-bbbbbb", "after2 budget:100"],
     ],

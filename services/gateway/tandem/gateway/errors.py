@@ -13,10 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from tandem.client.errors import InvalidArgument
+from tandem.client.status_details import status_details
 
 # gRPC code -> (HTTP status, OpenAI error type)
 STATUSES: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -133,21 +132,9 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
     asked for structured output, which the decoder's `structured.*` paths are named after, and the
     caller's spelling of max_tokens)."""
     status, kind = STATUSES.get(error.code(), (500, "server_error"))
-    param, retry_after = None, None
-    try:
-        details = rpc_status.from_call(error)  # type: ignore[arg-type]
-    except Exception:  # a status without readable details: the code and message still hold
-        details = None
-    for detail in details.details if details is not None else ():
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            violation = error_details_pb2.BadRequest()
-            detail.Unpack(violation)
-            if violation.field_violations:
-                param = body_field(violation.field_violations[0].field, names)
-        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            info = error_details_pb2.RetryInfo()
-            detail.Unpack(info)
-            retry_after = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    details = status_details(error)
+    param = body_field(details.field_violations[0][0], names) if details.field_violations else None
+    retry_after = details.retry_delay_s
     message = error.details() or error.code().name
     if status == 429 and "larger than max" in message:  # the transport's size limit: not retryable
         return HttpError(413, "invalid_request_error", message)

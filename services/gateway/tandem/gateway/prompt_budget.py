@@ -10,8 +10,9 @@ own choices that asked for them and the refused one's are more than the limit, t
 held" are its own and the same request again meets the same refusal: 6 prompts of 2,800 IDs with
 prompt_logprobs 20 against a decoder of 2,912 positions (a limit of 4 x 2,912 x 21 = 244,608 entries,
 352,800 asked) got 429 and Retry-After. The decoder says what the refused stream needs and the limit
-in its message alone (no status detail carries them), so they are read from it; a message worded
-otherwise stays the 429. What the request's other choices hold is counted from what the gateway
+in its ErrorInfo (PROMPT_LOGPROB_BUDGET, tandem.client.error_reasons); a decoder from before it said
+them in its message alone, read as it words them (REFUSAL), and a refusal that says them neither way
+stays the 429. What the request's other choices hold is counted from what the gateway
 knows of them when the refusal comes, never more than they hold: a choice the decoder accepted holds
 its accepted prompt tokens, one not accepted yet at least its prompt's token IDs (0 for text, whose
 tokens the gateway does not know), so a request counted over the limit is over it.
@@ -24,11 +25,13 @@ import re
 
 import grpc
 
+from tandem.client import error_reasons as reasons
 from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.client.status_details import status_details
 from tandem.gateway.errors import HttpError
 
-# The decoder's refusal (admission/prompt_logprob_budget.py's wording): what the refused stream needs
-# and the caller's limit.
+# The decoder's refusal as its message words it (admission/prompt_logprob_budget.py): what the refused
+# stream needs and the caller's limit. Read only where the status carries no ErrorInfo (an older decoder).
 REFUSAL = re.compile(r"^output\.prompt_logprobs: .*this request needs (\d+) more .*the limit is (\d+)")
 
 
@@ -48,10 +51,10 @@ def refusal_of_request(error: grpc.aio.AioRpcError, http: HttpError, held_by_req
     (`held_by_request`, counted by `entries_held`) and the refused one's are over the limit."""
     if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return http
-    match = REFUSAL.match(error.details() or "")
-    if match is None:
+    refused = needs_and_limit(error)
+    if refused is None:
         return http
-    needs, limit = int(match[1]), int(match[2])
+    needs, limit = refused
     if held_by_request + needs <= limit:
         return http  # others hold the rest: they end, and a retry fits
     message = (
@@ -68,3 +71,15 @@ def refusal_of_request(error: grpc.aio.AioRpcError, http: HttpError, held_by_req
         param="prompt_logprobs",
         retry_after_s=None,
     )
+
+
+def needs_and_limit(error: grpc.aio.AioRpcError) -> tuple[int, int] | None:
+    """The entries the budget's refusal `error` says the refused stream needs and the caller's limit:
+    from its ErrorInfo, else from its message (a decoder without one); None for any other refusal."""
+    metadata = status_details(error).metadata_of(reasons.DECODER, reasons.PROMPT_LOGPROB_BUDGET)
+    if metadata is not None:
+        needs, limit = metadata.get(reasons.NEEDED_ENTRIES, ""), metadata.get(reasons.MAX_ENTRIES, "")
+        if needs.isdigit() and limit.isdigit():
+            return int(needs), int(limit)
+    match = REFUSAL.match(error.details() or "")
+    return (int(match[1]), int(match[2])) if match is not None else None
