@@ -120,6 +120,28 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
     return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved), True
 
 
+def server_of(address: str | Sequence[str]) -> tuple[str, int | None] | None:
+    """The server `address` names, as the semantic conventions' `server.address` and `server.port`: a
+    host:port's host and port, a dns: target's name and port (the group its addresses serve), a unix
+    socket's path (no port); None for several servers (no one of them is the call's) or another form."""
+    addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address)]
+    if len(addresses) != 1:
+        return None
+    (target,) = addresses
+    if target.startswith(("unix:", "unix-abstract:")):
+        return target.partition(":")[2], None
+    if target.startswith("dns:"):  # dns:name:port, dns:///name:port, dns://resolver/name:port
+        target = target.removeprefix("dns:")
+        if target.startswith("//"):
+            target = target[2:].partition("/")[2]
+    else:
+        target = target.removeprefix("ipv4:").removeprefix("ipv6:")
+    try:
+        return _host_port(target)
+    except ValueError:
+        return None
+
+
 # gRPC's own target schemes other than dns: (its naming doc), passed to gRPC as written: one server
 # each here (a comma splits the address above); ipv4:/ipv6: still get the port check.
 _GRPC_SCHEMES = ("ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")

@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import semconv
-from .channel import DEFAULT_MAX_MESSAGE_BYTES, PLAINTEXT, ChannelSecurity, open_channel
+from .channel import DEFAULT_MAX_MESSAGE_BYTES, PLAINTEXT, ChannelSecurity, open_channel, server_of
 from .observed_stream import ObservedStream, StreamObserver
 from .pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from .status import error_type
@@ -261,7 +261,7 @@ class _Client:
         if telemetry is not None and telemetry.is_tracing:
             from .telemetry.client_spans import ClientSpans
 
-            self._spans = ClientSpans(telemetry.tracer)
+            self._spans = ClientSpans(telemetry.tracer, server_of(address))
 
     async def health(self, service: str = "", timeout: float = 5.0) -> int:
         """The server's health status for `service` ("" = the whole server)."""

@@ -24,6 +24,9 @@ GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_EMBEDDINGS_DIMENSION_COUNT = "gen_ai.embeddings.dimension.count"
 GEN_AI_TOKEN_TYPE = "gen_ai.token.type"  # "input" | "output", on gen_ai.client.token.usage
 ERROR_TYPE = "error.type"
+# The server a client span's call goes to (`tandem.client.channel.server_of`); none for several.
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
 # Tandem's own.
 TANDEM_PROMPT_EMBEDDING_POSITIONS = "tandem.prompt.embedding_positions"  # prompt rows sent as embeddings
 TANDEM_USAGE_CACHED_TOKENS = "tandem.usage.cached_tokens"  # prompt positions served by the prefix cache

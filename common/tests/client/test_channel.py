@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from common.tests.client.replica import Replica, serve_decoder
-from tandem.client.channel import channel_target, open_channel, service_config
+from tandem.client.channel import channel_target, open_channel, server_of, service_config
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 
 
@@ -131,6 +131,23 @@ class FreezableProxy:
             pass
         finally:
             writer.close()
+
+
+@pytest.mark.parametrize(
+    ("address", "server"),
+    [
+        ("decoder:50052", ("decoder", 50052)),
+        ("[::1]:50052", ("::1", 50052)),
+        ("ipv4:10.0.0.7:50052", ("10.0.0.7", 50052)),
+        ("dns:///decoder.tandem.svc:50052", ("decoder.tandem.svc", 50052)),
+        ("dns://10.0.0.2/decoder:50052", ("decoder", 50052)),
+        ("unix:/run/tandem.sock", ("/run/tandem.sock", None)),
+        ("a:1,b:2", None),  # several: no one of them is the call's server
+        (["a:1", "b:2"], None),
+    ],
+)
+def test_the_server_an_address_names_is_a_single_servers_or_a_dns_names(address, server) -> None:
+    assert server_of(address) == server
 
 
 async def test_a_stopped_replica_is_left_within_its_keepalive_not_gRPCs_minute(

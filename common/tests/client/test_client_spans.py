@@ -47,6 +47,7 @@ async def test_a_stream_read_to_its_end_has_ended_its_span(attempt: int) -> None
     assert [r.request_id for r in responses] == ["a"]
     (span,) = ended
     assert span.attributes[otel.GEN_AI_RESPONSE_ID] == "a"
+    assert span.attributes[otel.SERVER_ADDRESS] == "127.0.0.1" and span.attributes[otel.SERVER_PORT] > 0
     assert span.status.status_code is not StatusCode.ERROR
     assert len(_completions(exporter)) == 1  # the done callback does not end it twice
 

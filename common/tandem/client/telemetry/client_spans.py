@@ -25,10 +25,17 @@ from ..status import error_type
 
 
 class ClientSpans:
-    """Starts the spans of one client's calls on `tracer`."""
+    """Starts the spans of one client's calls on `tracer`; `server`: the (address, port) its calls go
+    to, as `tandem.client.channel.server_of` names it (None: several servers, no one of them named)."""
 
-    def __init__(self, tracer: trace.Tracer) -> None:
+    def __init__(self, tracer: trace.Tracer, server: tuple[str, int | None] | None = None) -> None:
         self.tracer = tracer
+        self._server_attributes: dict[str, Any] = {}
+        if server is not None:
+            address, port = server
+            self._server_attributes[semconv.SERVER_ADDRESS] = address
+            if port is not None:
+                self._server_attributes[semconv.SERVER_PORT] = port
 
     def generate(
         self, request: decoder_pb2.GenerateRequest, start: Callable[[], grpc.aio.UnaryStreamCall]
@@ -65,6 +72,7 @@ class ClientSpans:
             semconv.GEN_AI_OPERATION_NAME: operation,
             semconv.GEN_AI_PROVIDER_NAME: semconv.PROVIDER,
             **({semconv.GEN_AI_REQUEST_MODEL: model} if model else {}),
+            **self._server_attributes,
             **attributes,
         }
         name = f"{operation} {model}" if model else operation
