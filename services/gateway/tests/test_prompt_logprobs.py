@@ -59,8 +59,12 @@ def test_entries_are_vllms_the_prompt_token_first_then_the_likeliest_ranked() ->
     top = decoder_pb2.TopLogprobs(token_ids=[7, 5], logprobs=[-0.25, -1.5], token_bytes=[b" a", b"\xe6\x88"])
     scored = _scored(
         decoder_pb2.PromptLogprob(token_id=3, token_bytes=b"<s>"),  # position 0: nothing before it
-        decoder_pb2.PromptLogprob(token_id=5, logprob=-1.5, token_bytes=b"\xe6\x88", top_logprobs=top),
-        decoder_pb2.PromptLogprob(token_id=9, logprob=float("-inf"), token_bytes=b"b", top_logprobs=top),
+        decoder_pb2.PromptLogprob(
+            token_id=5, logprob=-1.5, rank=2, token_bytes=b"\xe6\x88", top_logprobs=top
+        ),
+        decoder_pb2.PromptLogprob(
+            token_id=9, logprob=float("-inf"), rank=49_152, token_bytes=b"b", top_logprobs=top
+        ),
         decoder_pb2.PromptLogprob(top_logprobs=top),  # an embedding row: no token of its own
     )
     first, among, below, row = prompt_entries(scored)
@@ -71,22 +75,40 @@ def test_entries_are_vllms_the_prompt_token_first_then_the_likeliest_ranked() ->
         "7": {"logprob": -0.25, "rank": 1, "decoded_token": " a"},
     }
     assert list(among) == ["5", "7"]  # the prompt's token first
-    # Below them its rank is not known (the decoder lists the top N); -inf is vLLM's -9999.0.
-    assert below is not None and below["9"] == {"logprob": -9999.0, "rank": None, "decoded_token": "b"}
+    # Below them, its rank over the whole vocabulary (the decoder's); -inf is vLLM's -9999.0.
+    assert below is not None and below["9"] == {"logprob": -9999.0, "rank": 49_152, "decoded_token": "b"}
     assert list(below) == ["9", "7", "5"]
     assert row is not None and list(row) == ["7", "5"]
 
 
-def test_an_older_decoders_entries_without_bytes_have_no_decoded_token() -> None:
+def test_a_prompt_token_tied_with_a_listed_one_is_ranked_by_its_place_in_the_list_as_vllm_does() -> None:
+    # No token is strictly likelier (the decoder's rank 1), but it is listed second: vLLM's dict keeps the
+    # later write of a repeated key, the list's.
+    top = decoder_pb2.TopLogprobs(token_ids=[7, 5], logprobs=[-0.5, -0.5])
+    scored = _scored(
+        decoder_pb2.PromptLogprob(token_id=3),
+        decoder_pb2.PromptLogprob(token_id=5, logprob=-0.5, rank=1, top_logprobs=top),
+    )
+    assert prompt_entries(scored)[1] == {
+        "5": {"logprob": -0.5, "rank": 2, "decoded_token": None},
+        "7": {"logprob": -0.5, "rank": 1, "decoded_token": None},
+    }
+
+
+def test_an_older_decoders_entries_have_no_decoded_token_and_a_rank_only_among_the_top_n() -> None:
     top = decoder_pb2.TopLogprobs(token_ids=[7], logprobs=[-0.25])
     scored = _scored(
         decoder_pb2.PromptLogprob(token_id=3),
         decoder_pb2.PromptLogprob(token_id=4, logprob=-2.0, top_logprobs=top),
+        decoder_pb2.PromptLogprob(token_id=7, logprob=-0.25, top_logprobs=top),
     )
-    assert prompt_entries(scored)[1] == {
-        "4": {"logprob": -2.0, "rank": None, "decoded_token": None},
-        "7": {"logprob": -0.25, "rank": 1, "decoded_token": None},
-    }
+    assert prompt_entries(scored)[1:] == [
+        {
+            "4": {"logprob": -2.0, "rank": None, "decoded_token": None},
+            "7": {"logprob": -0.25, "rank": 1, "decoded_token": None},
+        },
+        {"7": {"logprob": -0.25, "rank": 1, "decoded_token": None}},
+    ]
 
 
 @pytest.mark.parametrize("num_positions", [1, 47, 48, 49, 200])

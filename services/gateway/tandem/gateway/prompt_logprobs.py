@@ -8,9 +8,12 @@ body's value, their ranks 1 to N. A token both the prompt's and among the likeli
 vLLM. An embedding row has no token: its dict holds the likeliest alone. `decoded_token` is the token's
 own bytes as text, U+FFFD for part of a character (vLLM's decode of the one token; `null` from a decoder
 older than PromptLogprob.token_bytes); a logprob of -inf is -9999.0, as vLLM's clamp_prompt_logprobs
-makes it. The prompt token's `rank` is its place among the N likeliest, and `null` when it is not among
-them: the decoder scores each position's own token and its top N, not the token's place in the whole
-vocabulary (vLLM's rank there; its `Logprob.rank` is optional).
+makes it. The prompt token's `rank` is its place in the whole vocabulary, one more than the tokens
+strictly likelier (the decoder's PromptLogprob.rank), among the N likeliest or not. Where it is among
+them its key is the likeliest's entry, ranked by its place in the list, as vLLM's dict keeps the later
+value of a repeated key. The two counts differ only at an exact tie of logprobs: vLLM's takes tokens
+tied with the prompt's for likelier. From a decoder older than PromptLogprob.rank, a prompt token not
+among the N likeliest has `rank` null, as vLLM's optional `Logprob.rank` allows.
 
 Where vLLM puts them: each choice's `prompt_logprobs` on /v1/completions (each choice of a prompt has
 its prompt's), the response's own on /v1/chat/completions. Not with `stream: true`, as vLLM refuses it.
@@ -66,9 +69,10 @@ def _position(position: decoder_pb2.PromptLogprob) -> dict[str, Any]:
     is_spelled = len(top.token_bytes) == len(top.token_ids)
     entries: dict[str, Any] = {}
     if position.HasField("token_id"):
-        rank = next((k + 1 for k, t in enumerate(top.token_ids) if t == position.token_id), None)
+        rank = position.rank if position.HasField("rank") else None
         own = position.token_bytes if position.HasField("token_bytes") else None
         entries[str(position.token_id)] = _entry(position.logprob, rank, own)
+    # Among the likeliest, the prompt's token keeps its first place and takes its entry there (vLLM's).
     for k, (token_id, value) in enumerate(zip(top.token_ids, top.logprobs, strict=False)):
         entries[str(token_id)] = _entry(value, k + 1, top.token_bytes[k] if is_spelled else None)
     return entries
