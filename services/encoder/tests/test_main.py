@@ -248,14 +248,21 @@ def test_a_tokenizer_with_more_tokens_than_the_table_is_refused_before_listening
 ) -> None:
     """Found only by the load, after 'listening on' (exit 1)."""
     model, num_tokens, vocab_size = _with_tokens_past_the_table(tiny_model, tmp_path / "bigtok")
-    servers: list[object] = []
-    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
-    assert encoder_main.main(["--model", str(model), "--port", "0"]) == 2
-    assert capsys.readouterr().err == (
+    assert _refusal_before_listening(model, monkeypatch, capsys) == (
         f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {model / 'tokenizer.json'} has "
         f"{num_tokens} tokens, more than vocab_size {vocab_size} in {model / 'config.json'}\n"
     )
+
+
+def _refusal_before_listening(
+    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """What `python -m tandem.encoder --model MODEL` says as it exits 2 with no port bound."""
+    servers: list[object] = []
+    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
+    assert encoder_main.main(["--model", str(model), "--port", "0"]) == 2
     assert servers == []
+    return capsys.readouterr().err
 
 
 def test_a_vision_checkpoint_s_tokenizer_is_held_to_text_config_s_vocab_size_before_listening(
@@ -266,14 +273,10 @@ def test_a_vision_checkpoint_s_tokenizer_is_held_to_text_config_s_vocab_size_bef
     model, num_tokens, vocab_size = _with_tokens_past_the_table(tiny_llava, tmp_path / "bigtok")
     hf_config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**hf_config, "vocab_size": num_tokens + 100}))
-    servers: list[object] = []
-    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
-    assert encoder_main.main(["--model", str(model), "--port", "0"]) == 2
-    assert capsys.readouterr().err == (
+    assert _refusal_before_listening(model, monkeypatch, capsys) == (
         f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {model / 'tokenizer.json'} has "
         f"{num_tokens} tokens, more than text_config's vocab_size {vocab_size} in {model / 'config.json'}\n"
     )
-    assert servers == []
 
 
 def test_the_tokenizer_parsed_before_listening_is_the_one_the_load_takes(
@@ -302,11 +305,7 @@ def test_a_vision_checkpoint_whose_image_token_is_not_in_its_tokenizer_is_refuse
             (model / path.name).symlink_to(path)
     hf_config = json.loads((tiny_llava / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**hf_config, "image_token_index": 10**6}))
-    servers: list[object] = []
-    monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
-    assert encoder_main.main(["--model", str(model), "--port", "0"]) == 2
-    assert capsys.readouterr().err == (
+    assert _refusal_before_listening(model, monkeypatch, capsys) == (
         f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): config.json in {model}: "
         "image_token_index is not a token of tokenizer.json\n"
     )
-    assert servers == []

@@ -29,14 +29,20 @@ def limits():
     resource.setrlimit(resource.RLIMIT_NOFILE, before)
 
 
-def test_the_soft_limit_is_raised_to_what_the_connections_need(limits: tuple[int, int]) -> None:
+@pytest.fixture
+def soft_below_need(limits: tuple[int, int]) -> int:
+    """The soft limit set below what 300 connections and 10 idle channels need; returns that need."""
     soft, hard = limits
     need = 2 * 300 + 10 + SPARE_DESCRIPTORS
     if hard != resource.RLIM_INFINITY and hard < need:
         pytest.skip(f"this process's hard limit ({hard}) is below {need}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, need - 1), hard))
-    assert ensure_descriptors(300, 10) == need
-    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == need
+    return need
+
+
+def test_the_soft_limit_is_raised_to_what_the_connections_need(soft_below_need: int) -> None:
+    assert ensure_descriptors(300, 10) == soft_below_need
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft_below_need
 
 
 def test_a_hard_limit_too_low_is_a_config_error_naming_max_connections(limits: tuple[int, int]) -> None:
@@ -49,17 +55,11 @@ def test_a_hard_limit_too_low_is_a_config_error_naming_max_connections(limits: t
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == limits  # nothing changed
 
 
-def test_the_check_alone_says_what_the_connections_need_and_changes_no_limit(
-    limits: tuple[int, int],
-) -> None:
+def test_the_check_alone_says_what_the_connections_need_and_changes_no_limit(soft_below_need: int) -> None:
     """`tandem up` runs it before starting the gateway, which inherits up's limits."""
-    soft, hard = limits
-    need = 2 * 300 + 10 + SPARE_DESCRIPTORS
-    if hard != resource.RLIM_INFINITY and hard < need:
-        pytest.skip(f"this process's hard limit ({hard}) is below {need}")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, need - 1), hard))
-    assert check_descriptors(300, 10) == need
-    assert resource.getrlimit(resource.RLIMIT_NOFILE) == (min(soft, need - 1), hard)
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert check_descriptors(300, 10) == soft_below_need
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == before
 
 
 @pytest.fixture
