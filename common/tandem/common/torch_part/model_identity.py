@@ -7,53 +7,28 @@ copied), nor can config.json (two fine-tunes of one base share it). The token ta
 it, NUM_ROWS rows by NUM_COLUMNS columns at positions fixed by its shape, read from the files as stored
 (a few rows, whatever the checkpoint's size).
 
-The samples are compared within a tolerance, not bit for bit, since one model reaches the two
-services in different storage dtypes: a GGUF file imported for an encoder in bfloat16 and for a
-decoder in float32 holds the same values rounded differently (at most 2^-9 apart, relatively, in
-bfloat16; less in float16). Rounding at load (--quantization int8, int4, gguf) never touches the
-files, so a quantized decoder and its encoder compare the same sample. Two checkpoints trained (or
-drawn) apart differ far beyond that in almost every value: the 128 would all have to agree. A checkpoint
-that differs from another only after its token table (a fine-tune that froze it) shares its sample, and
-its lookup rows are indeed the same.
+The samples are compared within a tolerance (`tandem.common.token_table_sample`, apart so that the
+gateway compares its decoder replicas' samples without torch). Rounding at load (--quantization int8,
+int4, gguf) never touches the files, so a quantized decoder and its encoder compare the same sample. A
+checkpoint that differs from another only after its token table (a fine-tune that froze it) shares its
+sample, and its lookup rows are indeed the same.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
 
 from tandem.common.checkpoint import read_json
+from tandem.common.token_table_sample import TableSample
 from tandem.common.torch_part.weight_files import weight_names
 from tandem.common.vision_language import weight_layout
 
 NUM_ROWS = 16
 NUM_COLUMNS = 8
-REL_TOLERANCE = 2.0**-7  # bfloat16's rounding (2^-9 relative) with room for a second rounding
-ABS_TOLERANCE = 1e-6  # float16's subnormals, below 6e-5, lose relative precision
 TABLE_NAME = "model.embed_tokens.weight"  # a causal LM's name; a vision-language one's via its layout
-
-
-@dataclass(frozen=True)
-class TableSample:
-    """Values of a checkpoint's token table at the positions `sample_positions` gives for its shape."""
-
-    vocab_size: int
-    hidden_size: int
-    values: tuple[float, ...]  # [NUM_ROWS * NUM_COLUMNS], row by row, as float32
-
-    def is_same_model(self, other: TableSample) -> bool:
-        if (self.vocab_size, self.hidden_size) != (other.vocab_size, other.hidden_size):
-            return False
-        if len(self.values) != len(other.values):
-            return False
-        return all(
-            math.isclose(a, b, rel_tol=REL_TOLERANCE, abs_tol=ABS_TOLERANCE)
-            for a, b in zip(self.values, other.values, strict=True)
-        )
 
 
 def sample_positions(vocab_size: int, hidden_size: int) -> tuple[list[int], list[int]]:

@@ -38,8 +38,9 @@ from tandem.common import replica_name
 from tandem.common.dtypes import FLOAT_DATA_TYPES
 from tandem.common.model_name import check_model
 from tandem.common.server import Service
+from tandem.common.token_table_sample import TableSample, sample_to_pb
 from tandem.common.torch_part import tensors
-from tandem.common.torch_part.model_identity import TableSample, read_table_sample
+from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.common.torch_part.prompt_parts import TextPrompt
 from tandem.common.wire_limits import check_tokenize_texts
 from tandem.encoder.batch import EmbedOutput, run_batch
@@ -109,7 +110,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         """Serve `embedder`, loaded from config.model_dir. Raises EmbedderLoadError when that checkpoint
         has no token table to sample (GetModelInfo reports the sample: a decoder checks it)."""
         self._table_sample = read_table_sample(self.config.model_dir, EmbedderLoadError)
-        self._table_sample_pb = _sample_to_pb(self._table_sample)
+        self._table_sample_pb = sample_to_pb(self._table_sample)
         self._embedder = embedder
         limit = embedder.info.max_positions
         self._max_input_tokens = min(self.config.max_input_tokens, limit or self.config.max_input_tokens)
@@ -380,14 +381,6 @@ def _output_dtype(dtype: int) -> torch.dtype | None:
         *others, last = (tensor_pb2.DataType.Name(d) for d in sorted(FLOAT_DATA_TYPES))
         raise InvalidArgument("output_dtype", f"{name} is not supported; use {', '.join(others)} or {last}")
     return tensors.to_torch_dtype(dtype, "output_dtype")
-
-
-def _sample_to_pb(sample: TableSample | None) -> encoder_pb2.TokenTableSample | None:
-    if sample is None:
-        return None
-    return encoder_pb2.TokenTableSample(
-        vocab_size=sample.vocab_size, hidden_size=sample.hidden_size, values=sample.values
-    )
 
 
 @dataclasses.dataclass

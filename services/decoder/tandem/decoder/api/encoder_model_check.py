@@ -1,5 +1,6 @@
 """Whether an encoder serves this decoder's model: the token table sample it reports against this
-decoder's own (`tandem.common.torch_part.model_identity`), and the words of a refusal naming both.
+decoder's own (`tandem.common.torch_part.model_identity`; compared as `tandem.common.token_table_sample`
+says), and the words of a refusal naming both.
 
 Its own module, apart from the fetching in `encoder_parts.py`, which asks (GetModelInfo: at start, or at
 a first encoder part) and reads every Embed reply's sample: this is the comparison all three share, with
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.common.replica_name import answering
-from tandem.common.torch_part.model_identity import TableSample
+from tandem.common.token_table_sample import TableSample, sample_from_pb
 
 MAX_SAME_SAMPLES = 8  # token table samples remembered as this decoder's model (one per dtype, or so)
 
@@ -73,7 +74,7 @@ class EncoderModelCheck:
         balanced: the address list named all of them, the wrong one among the right."""
         if self.table_sample is None or reported is None:
             return None
-        theirs = TableSample(reported.vocab_size, reported.hidden_size, tuple(reported.values))
+        theirs = sample_from_pb(reported)
         if theirs.is_same_model(self.table_sample):
             return None
         ours = self.table_sample

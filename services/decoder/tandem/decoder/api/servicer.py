@@ -19,7 +19,7 @@ import grpc
 
 from tandem.client import telemetry as otel
 from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, tensor_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2
 from tandem.client.telemetry.server_spans import is_past_deadline
 from tandem.common.model_name import check_adapter_name, check_model
 from tandem.common.torch_part import tensors
@@ -50,12 +50,15 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         identify_by_token: bool = False,  # bearer tokens are on: a caller is its token (caller.py)
         max_streams_per_token: int | None = None,  # with identify_by_token; None: no bound
         encoder_parts: EncoderParts | None = None,  # None: `encoder` parts are refused
+        # The checkpoint's token table sample GetModelInfo reports (`token_table.py`); None: unset.
+        token_table_sample: encoder_pb2.TokenTableSample | None = None,
     ) -> None:
         self.model_name = model_name
         self.max_message_bytes = max_message_bytes
         self.world_size = world_size
         self.engine = engine  # None while loading: every RPC answers UNAVAILABLE
         self.encoder_parts = encoder_parts
+        self.token_table_sample = token_table_sample
         self.streams = StreamLimit(max_streams_per_connection)
         self.identify_by_token = identify_by_token
         self.token_streams = StreamLimit(max_streams_per_token, "bearer token", "--max-streams-per-token")
@@ -190,6 +193,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             max_loras=engine.config.max_loras if engine.config.enable_lora else 0,
             max_lora_rank=engine.config.max_lora_rank if engine.config.enable_lora else 0,
             accepts_encoder_parts=self.encoder_parts is not None,
+            token_table_sample=self.token_table_sample,
         )
 
     async def LoadAdapter(
