@@ -310,9 +310,10 @@ async def test_prompt_logprobs_are_the_decoders_own_in_vllms_shape(live: Live) -
     request.output.prompt_logprobs, request.stopping.max_new_tokens = 2, 1
     (scored,) = [r.delta async for r in live.decoder.client.generate(request) if r.delta.prompt_logprobs]
     expected: list[dict | None] = [None]
-    for position in scored.prompt_logprobs[1:]:  # the prompt's token (unranked below the top 2), the top 2
+    for position in scored.prompt_logprobs[1:]:  # the prompt's token (its rank in the vocabulary), the top 2
         top = position.top_logprobs
-        own = (position.token_id, position.logprob, position.token_bytes, None)
+        assert position.HasField("rank")
+        own = (position.token_id, position.logprob, position.token_bytes, position.rank)
         alternatives = zip(top.token_ids, top.logprobs, top.token_bytes, (1, 2), strict=True)
         expected.append(
             {str(t): (lp, b.decode(errors="replace"), rank) for t, lp, b, rank in (own, *alternatives)}
