@@ -23,6 +23,7 @@ from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, FinishReason
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.sampling import prompt_lookup, structured
+from tandem.decoder.engine.sampling.grammar_memory import MIB, GrammarMemoryBudget
 from tandem.decoder.engine.step import grammar_budget
 from tandem.decoder.models.loader import LoadedModel
 
@@ -174,7 +175,9 @@ def test_a_requests_first_step_takes_the_first_mask_its_grammar_was_built_with(
     monkeypatch.setattr(
         structured.GrammarCompiler,
         "_matcher",
-        lambda self, verdict: matchers.append(RecordingMatcher(build(self, verdict))) or matchers[-1],
+        lambda self, verdict, *limit: (
+            matchers.append(RecordingMatcher(build(self, verdict, *limit))) or matchers[-1]
+        ),
     )
     with _engine(tiny_model_dir, tiny_fp32, **settings) as engine:
         answer = _tokens(engine.generate(spec))
@@ -385,3 +388,33 @@ def test_a_cancelled_constrained_requests_matcher_memory_is_given_back(
         while (memory.held() or engine.core.num_live()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.core.num_live() == 0 and memory.held() == 0
+
+
+def test_a_request_whose_matcher_grows_past_its_callers_memory_fails_alone_and_frees_its_blocks(
+    tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A matcher's lexer states are charged as they grow while decoding (sampling/grammar_growth.py):
+    one whose growth its caller's limit refuses ends RESOURCE_EXHAUSTED naming its field and the limit,
+    its KV blocks and charge given back, and the request beside it answers as it does alone."""
+    greedy = SamplingParams(temperature=0.0)
+    beside = GenerateSpec([[5, 6]], greedy, StoppingParams(max_new_tokens=48, ignore_eos=True))
+    growing = GenerateSpec(
+        [PROMPT],
+        greedy,
+        StoppingParams(max_new_tokens=400),
+        structured=StructuredOutput("regex", r"[\w .]{1,1000}"),
+    )
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        alone = _tokens(engine.generate(beside))
+    with _engine(tiny_model_dir, tiny_fp32) as engine:
+        memory = GrammarMemoryBudget(max_bytes_per_caller=4 * MIB)  # its build, not its growth
+        monkeypatch.setattr(engine._grammar_compiler(), "memory", memory)
+        free = engine.core.block_manager.num_free_blocks
+        events = _run_concurrently(engine, [beside, growing])
+        assert engine.core.num_live() == 0 and engine.core.block_manager.num_free_blocks == free
+    assert _tokens(events[0]) == alone and isinstance(events[0][-1], Finished)
+    failed = events[1][-1]
+    assert isinstance(failed, Failed) and isinstance(failed.error, ResourceExhausted)
+    assert str(failed.error).startswith("structured.regex: the grammar's matcher grew while decoding")
+    assert "the limit is 4 MiB per caller" in str(failed.error)
+    assert memory.held() == 0

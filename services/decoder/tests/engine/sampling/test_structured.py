@@ -377,13 +377,13 @@ def test_a_requests_first_mask_is_computed_once_on_its_building_thread_and_its_f
     monkeypatch.setattr(
         compiler,
         "_matcher",
-        lambda verdict: matchers.append(RecordingMatcher(build(verdict))) or matchers[-1],
+        lambda verdict, *limit: matchers.append(RecordingMatcher(build(verdict, *limit))) or matchers[-1],
     )
     spec = StructuredOutput("regex", f"[a-z]{{1,7}} {'repeated' if is_cached else 'once'}")
     if is_cached:
         compiler.constraint(spec)  # judged and cached: the verdict
     constraint = compiler.constraint(spec)
-    matcher = constraint._matcher
+    matcher = constraint._matcher._matcher  # type: ignore[attr-defined]  # llguidance's, in its metered
     assert isinstance(matcher, RecordingMatcher) and matcher.threads == ["tandem-grammar-compile"]
     first = constraint.allowed()
     assert matcher.threads == ["tandem-grammar-compile"]  # taken, not computed
@@ -463,25 +463,34 @@ def test_a_refusal_is_kept_so_a_repeated_hostile_grammar_costs_no_second_build(
     assert judged == [spec]
 
 
+def test_the_verdict_cache_is_bounded_by_the_bytes_its_sources_hold_as_by_their_count(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 256 verdicts of the largest sources in 4-byte characters held about 133 MB: the oldest go first.
+    monkeypatch.setattr(structured, "MAX_CACHE_BYTES", 3 * 4 * MAX_SOURCE_CHARS)
+    specs = [
+        StructuredOutput("json_schema", f"{i}" + "\U0001f600" * (MAX_SOURCE_CHARS - 1)) for i in range(5)
+    ]
+    for spec in specs:
+        with pytest.raises(InvalidArgument, match="is not valid JSON"):
+            compiler.constraint(spec)
+    assert list(compiler._cache) == specs[-2:]  # two of 256 KB sources, and their short refusals
+    assert compiler._cache_bytes == sum(structured._held_bytes(s, compiler._cache[s]) for s in specs[-2:])
+    compiler._keep(specs[-1], compiler._cache[specs[-1]])  # kept again (two judged at once): once
+    assert compiler._cache_bytes == sum(structured._held_bytes(s, compiler._cache[s]) for s in specs[-2:])
+
+
 def test_a_request_that_exhausts_its_lexer_states_does_not_fail_the_next_of_its_grammar(
     compiler: GrammarCompiler, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # llguidance's deep_copy shares the lexer: copies of one cached matcher pooled their states, and
     # once one request exhausted them every later request of that grammar failed at its first token.
-    # A pool of 1,000 states (250,000 served) is exhausted by this regex within 8 letters.
-    import llguidance
-
+    # A pool of 1,000 states (50,000 served) is exhausted by this regex within 8 letters.
     tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     letters = [tokenizer.token_to_id(letter) for letter in string.ascii_lowercase]
     regex = r"[a-z]*(a[a-z]{9}b|c[a-z]{9}d|e[a-z]{9}f|g[a-z]{9}h|i[a-z]{9}j)[a-z]*"
 
-    monkeypatch.setattr(
-        compiler,
-        "_limits",
-        llguidance.LLParserLimits(
-            verbose_errors=False, initial_lexer_fuel=structured.MAX_LEXER_FUEL, max_lexer_states=1000
-        ),
-    )
+    monkeypatch.setattr(structured, "MAX_LEXER_STATES", 1000)
     monkeypatch.setattr(compiler, "_cache", OrderedDict())
     spec = StructuredOutput("regex", regex)
     exhausted = compiler.constraint(spec)
@@ -529,9 +538,10 @@ def test_a_schema_past_llguidances_own_size_bound_is_refused_naming_the_bound_an
 
 
 def test_a_matchers_lexer_states_are_bounded_far_below_llguidances_default(compiler: GrammarCompiler) -> None:
-    # States are built as an answer goes on and kept until the request ends: its growth after it is
-    # charged (grammar_memory). llguidance's default is 250,000.
-    assert compiler._limits.max_lexer_states == structured.MAX_LEXER_STATES <= 50_000
+    # States are built as an answer goes on and kept until the request ends, charged as they grow
+    # (grammar_growth). llguidance's default is 250,000.
+    metered = compiler.constraint(StructuredOutput("regex", "a+")).metered
+    assert metered is not None and metered._max_lexer_states == structured.MAX_LEXER_STATES <= 50_000
 
 
 def test_each_constraint_is_charged_to_its_caller_until_it_is_collected(

@@ -20,7 +20,8 @@ JSON schemas and json_object 0.1-0.3 MB in 0.5-0.8 ms (growing to 0.3-1.4 MB ove
 of answer): 110-390 MB per CPU second. The charge is MIN_MATCHER_BYTES, which covers an ordinary
 matcher and its growth, plus BYTES_PER_BUILD_CPU_SECOND (above the highest rate measured) for each
 second of its build: `a{300}{190}` is charged about 32 MiB, an ordinary schema 2.4 MiB. What a matcher
-grows by while decoding is bounded apart, by structured.MAX_LEXER_STATES.
+grows by while decoding, its lexer states, is charged as it grows, a tranche at a time past what the
+floor covers (grammar_growth.py), and a running request whose growth is refused fails alone.
 """
 
 from __future__ import annotations

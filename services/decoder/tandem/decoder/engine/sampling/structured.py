@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 import weakref
@@ -60,16 +61,22 @@ import numpy as np
 import tokenizers
 import torch
 
-from tandem.client.errors import InvalidArgument
+from tandem.client.errors import InvalidArgument, TandemError
 from tandem.decoder.engine.params import StructuredOutput
+from tandem.decoder.engine.sampling.grammar_growth import MeteredMatcher, growth_bytes, growth_refusal
 from tandem.decoder.engine.sampling.grammar_memory import GrammarMemoryBudget, estimated_bytes
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE_CHARS = 64 * 1024  # a schema, regex or grammar: its text
 MAX_CHOICES = 1024
-# Verdicts kept, by content: no matcher, only a grammar's compiled text (about its source's size, at
-# most MAX_SOURCE_CHARS and llguidance's wrapping) or its refusal, so at most tens of MB in all.
+# Verdicts kept, by content: no matcher, only a grammar's compiled text or its refusal, and the source
+# it is kept by. Bounded by count and by bytes, not charged to a caller (grammar_memory.py): it is the
+# engine's, and outlives any request. The compiled text is about its source's size (measured: 64,304
+# characters of JSON schema 60,735, Lark and regexes within 0.2%), so an entry of the largest source
+# holds 130 KB, and 4-byte characters (which Python keeps at 4 bytes each) took that to about 520 KB:
+# 256 of them 133 MB. MAX_CACHE_BYTES keeps 256 of the largest ASCII sources, 64 of the 4-byte kind.
 CACHE_SIZE = 256
+MAX_CACHE_BYTES = 32 * 1024 * 1024
 # llguidance compiles and validates a grammar recursively, about 3 KB of stack per level of rules
 # that name the next: within MAX_SOURCE_CHARS a Lark chain (`b: "a" c`) reaches 5,580 levels and a
 # JSON schema's $ref chain 1,716, and either overflowed a thread's default 8 MiB stack, which killed
@@ -92,12 +99,12 @@ MAX_SCHEMA_DEPTH = 124
 # MAX_SOURCE_CHARS (1,716 levels) needs between 100,000 and 150,000.
 MAX_LEXER_FUEL = 200_000
 # The lexer states one matcher may build while decoding (llguidance's max_lexer_states; its default is
-# 250,000). States are built as an answer goes on and kept until the request ends, so this bounds what
-# a matcher grows by after grammar_memory.py charged it: 250,000 states of the regex in
-# test_a_request_that_exhausts_its_lexer_states took 22.9 MB (an earlier measure, 97 MB). Measured with
-# SmolLM2's vocabulary: 300 random tokens of `json_object` and of bench/structured_output.py's schema
-# need under 500 states, and at 5,000 every structured test passes but one (`a{1000}{1000}` is then
-# refused for its states before its fuel); this is 10 times that, a few MB of states at most. The
+# 250,000). States are built as an answer goes on and kept until the request ends: a matcher starts at
+# grammar_growth.FIRST_MAX_LEXER_STATES and is charged as it grows (grammar_growth.py), up to this, about
+# 50 MB (`[\w .]{1,1000}` reached it after 1,156-1,301 random one-character tokens, 47 MB at 700).
+# Measured with SmolLM2's vocabulary: 300 random tokens of `json_object` and of
+# bench/structured_output.py's schema need under 500 states, and at 5,000 every structured test passes
+# but one (`a{1000}{1000}` is then refused for its states before its fuel); this is 10 times that. The
 # memory a build takes (`a{300}{190}`'s 20 MB) is the lexer fuel's to bound, and grammar_memory's to
 # count.
 MAX_LEXER_STATES = 50_000
@@ -155,7 +162,14 @@ class Constraint:
         self.max_token_cpu_seconds = max_token_cpu_seconds
         self._recent_seconds: deque[float] = deque(maxlen=NUM_MASKS_AVERAGED)  # CPU per mask and token
         self._too_slow: _TooSlow | None = None  # where the average first passed max_token_cpu_seconds
-        self.memory_bytes = 0  # charged to its caller while it lives (grammar_memory.py)
+        self.build_bytes = 0  # its build's charge to its caller while it lives (grammar_memory.py)
+        # Its matcher, where it grows charged as it goes (grammar_growth.py): a growth refused fails it.
+        self.metered: MeteredMatcher | None = matcher if isinstance(matcher, MeteredMatcher) else None
+
+    @property
+    def memory_bytes(self) -> int:
+        """What its matcher is charged: its build's estimate, and its lexer states' growth since."""
+        return self.build_bytes + (self.metered.charged_bytes if self.metered is not None else 0)
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar accepts next."""
@@ -213,13 +227,18 @@ class Constraint:
     def is_error(self) -> bool:
         return bool(self._matcher.is_error())  # type: ignore[attr-defined]
 
-    def error(self) -> InvalidArgument | None:
+    def error(self) -> TandemError | None:
         """Why the grammar cannot go on, or None. A grammar that compiles and begins can still exceed
         the parser's limits on the way (a regex of nested counts: `a{1000}{1000}`); its matcher then
         allows only EOS, which must not pass for an answer that parses. So must a grammar that names
         the model's EOS token as text (`<[id]>`, `<|endoftext|>`): sampled there, it ended the answer
         with FINISH_REASON_EOS where the grammar goes on. And a grammar whose work per token passed
-        max_token_cpu_seconds on average (the module's NOTE) fails rather than hold up the batch."""
+        max_token_cpu_seconds on average (the module's NOTE) fails rather than hold up the batch. So
+        does one whose matcher's growth could not be charged (grammar_growth.py), before llguidance's
+        error for it, which names only its state limit."""
+        metered = self.metered
+        if metered is not None and metered.refusal is not None:
+            return growth_refusal(self.field, self.num_accepted, metered.max_states, metered.refusal)
         if self._eos_inside is not None:
             return InvalidArgument(
                 self.field,
@@ -294,7 +313,7 @@ class _Verdict:
 class _Started:
     """A request's matcher as built for it, its first mask computed on the building thread."""
 
-    matcher: object  # llguidance's LLMatcher, the request's alone: no token taken yet
+    matcher: MeteredMatcher  # llguidance's, charged as it grows: the request's alone, no token taken yet
     first_bitmask: bytes  # its first mask, which the request's first step takes instead of computing
     build_cpu_seconds: float  # building it and its first mask (its memory charge's measure)
 
@@ -317,15 +336,10 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
-        self._limits = llguidance.LLParserLimits(
-            verbose_errors=False,
-            initial_lexer_fuel=MAX_LEXER_FUEL,
-            max_lexer_states=MAX_LEXER_STATES,
-            max_grammar_size=MAX_GRAMMAR_SIZE,
-        )
         self._eos_token_ids = frozenset(eos_token_ids)
         self.max_token_cpu_seconds = max_token_cpu_seconds
         self._cache: OrderedDict[StructuredOutput, _Verdict] = OrderedDict()  # by content, least recent first
+        self._cache_bytes = 0  # what the cache's sources and verdicts hold (_held_bytes)
         self._lock = threading.Lock()  # request builders may compile concurrently
         self.memory = GrammarMemoryBudget()  # what live matchers hold (grammar_memory.py)
 
@@ -346,32 +360,50 @@ class GrammarCompiler:
         if verdict.refusal is not None:  # a fresh one: a raised one keeps its traceback
             raise InvalidArgument(verdict.refusal.field, verdict.refusal.description)
         assert started is not None  # an accepted verdict comes with its request's matcher
-        nbytes = estimated_bytes(started.build_cpu_seconds)
-        release = self.memory.reserve(caller, spec.field, nbytes)  # refused: the matcher goes with it
+        matcher = started.matcher
+        # Its states built so far over its floor (grammar_growth.py) are charged with its build.
+        nbytes = estimated_bytes(started.build_cpu_seconds) + growth_bytes(matcher.max_states)
+        releases = [self.memory.reserve(caller, spec.field, nbytes)]  # refused: the matcher goes with it
+        # Its lexer states as they grow, a tranche at a time; a refusal fails its request.
+        matcher.charge = lambda tranche: releases.append(self.memory.reserve(caller, spec.field, tranche))
         constraint = Constraint(
-            started.matcher,
+            matcher,
             self.vocab_size,
             spec.field,
             self._eos_token_ids,
             max_token_cpu_seconds=self.max_token_cpu_seconds,
             first_bitmask=started.first_bitmask,
         )
-        constraint.memory_bytes = nbytes
+        constraint.build_bytes = nbytes
         # Given back with the matcher's memory, whichever way its request ended: nothing in the engine
         # need remember to.
-        weakref.finalize(constraint, release)
+        weakref.finalize(constraint, _release_all, releases)
         return constraint
 
     def _keep(self, spec: StructuredOutput, verdict: _Verdict) -> None:
-        """Cache `verdict`, least recently used out first, within CACHE_SIZE."""
+        """Cache `verdict`, least recently used out first, within CACHE_SIZE and MAX_CACHE_BYTES."""
         with self._lock:
+            replaced = self._cache.pop(spec, None)  # judged twice at once: kept once
+            if replaced is not None:
+                self._cache_bytes -= _held_bytes(spec, replaced)
             self._cache[spec] = verdict
-            self._cache.move_to_end(spec)
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cache_bytes += _held_bytes(spec, verdict)
+            while len(self._cache) > CACHE_SIZE or self._cache_bytes > MAX_CACHE_BYTES:
+                self._cache_bytes -= _held_bytes(*self._cache.popitem(last=False))
 
-    def _matcher(self, verdict: _Verdict) -> object:
-        return self._llguidance.LLMatcher(self._tokenizer, verdict.grammar, log_level=0, limits=self._limits)
+    def _matcher(self, verdict: _Verdict, max_lexer_states: int | None = None) -> object:
+        """A fresh llguidance matcher of `verdict`'s grammar, of `max_lexer_states` (MAX_LEXER_STATES)."""
+        limits = self._llguidance.LLParserLimits(
+            verbose_errors=False,
+            initial_lexer_fuel=MAX_LEXER_FUEL,
+            max_lexer_states=MAX_LEXER_STATES if max_lexer_states is None else max_lexer_states,
+            max_grammar_size=MAX_GRAMMAR_SIZE,
+        )
+        return self._llguidance.LLMatcher(self._tokenizer, verdict.grammar, log_level=0, limits=limits)
+
+    def _metered(self, verdict: _Verdict) -> MeteredMatcher:
+        """A request's matcher, its lexer states charged as they grow (grammar_growth.py)."""
+        return MeteredMatcher(lambda max_states: self._matcher(verdict, max_states), MAX_LEXER_STATES)
 
     def _warm(self, verdict: _Verdict) -> _Started:
         """A request's matcher for an accepted verdict, its first mask computed, as a first build's is:
@@ -381,8 +413,8 @@ class GrammarCompiler:
         step nothing: the first step's grammar CPU with SmolLM2, `a{300}{100}`, went from 20.2 ms (cold)
         to 6.2 (computed again, warm) to 0.1."""
         start = time.thread_time()
-        matcher = self._matcher(verdict)
-        bitmask = matcher.compute_bitmask()  # type: ignore[attr-defined]
+        matcher = self._metered(verdict)
+        bitmask = matcher.compute_bitmask()
         return _Started(matcher, bitmask, time.thread_time() - start)
 
     def _judged(self, spec: StructuredOutput) -> tuple[_Verdict, _Started | None]:
@@ -393,18 +425,18 @@ class GrammarCompiler:
             return _Verdict(None, e), None
         verdict = _Verdict(grammar, None)
         start = time.thread_time()
-        matcher = self._matcher(verdict)
-        if matcher.is_error():  # type: ignore[attr-defined]
-            reason = _llguidance_reason(matcher.get_error())  # type: ignore[attr-defined]
+        matcher = self._metered(verdict)
+        if matcher.is_error():
+            reason = _llguidance_reason(matcher.get_error())
             error = InvalidArgument(spec.field, _in_our_words(reason) or f"does not compile: {reason}")
             return _Verdict(None, error), None
         # The first mask, here rather than at the first step: a grammar no text can begin (a schema
         # that is only a reference to itself) fails only when it is asked for a token, and would
         # otherwise allow just EOS and end `stop` with an empty answer, which is no JSON at all.
-        bitmask = matcher.compute_bitmask()  # type: ignore[attr-defined]
+        bitmask = matcher.compute_bitmask()
         build_cpu_seconds = time.thread_time() - start
-        if matcher.is_error():  # type: ignore[attr-defined]
-            reason = _llguidance_reason(matcher.get_error())  # type: ignore[attr-defined]
+        if matcher.is_error():
+            reason = _llguidance_reason(matcher.get_error())
             return _Verdict(
                 None, InvalidArgument(spec.field, f"admits no answer: no text can begin it ({reason})")
             ), None
@@ -418,7 +450,10 @@ class GrammarCompiler:
 
     def _first_token_failure(self, verdict: _Verdict, bitmask: bytes) -> str | None:
         """Why the grammar fails at the first token its first mask allows (EOS aside), or None. Taken
-        on a matcher built for the trial: no request's state, and no lexer a request shares."""
+        on a matcher built for the trial: no request's state, and no lexer a request shares. Not
+        charged (grammar_memory.py), but bounded: the build's own fuel bounds it as it bounds the
+        request's matcher, it takes one token, and it is gone before the request's matcher is charged;
+        one a building thread at once."""
         bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[: self.vocab_size]
         allowed = np.flatnonzero(bits)
         first = next((int(t) for t in allowed if int(t) not in self._eos_token_ids), None)
@@ -482,6 +517,18 @@ class GrammarCompiler:
         if spec.kind == "choice":
             return matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.source))
         return matcher.grammar_from_lark(spec.source)  # type: ignore[arg-type]
+
+
+def _held_bytes(spec: StructuredOutput, verdict: _Verdict) -> int:
+    """What a cache entry holds: its source's strings, and its compiled text or refusal."""
+    sources = spec.source if isinstance(spec.source, tuple) else (spec.source,)
+    said = verdict.grammar if verdict.refusal is None else verdict.refusal.message
+    return sum(map(sys.getsizeof, sources)) + sys.getsizeof(said)
+
+
+def _release_all(releases: list[Callable[[], None]]) -> None:
+    for release in releases:
+        release()
 
 
 def on_deep_stack(work: Callable[[], T], stack_bytes: int = COMPILE_STACK_BYTES) -> T:

@@ -1,0 +1,126 @@
+r"""A matcher's growth while decoding, charged as it happens: its lexer states, counted by llguidance's
+own limit on them, raised a tranche at a time.
+
+NOTE: why states, and why counted this way. A matcher grows while decoding by the lexer states it
+builds (each mask explores the vocabulary's tokens from where the answer is): `[\w .]{1,1000}` built
+0.8 MB and grew by 27.5 MB in 531 single-character tokens (32,000 states) and 47 MB by 700, while
+its build was charged about 4 MiB (grammar_memory.py); ordinary JSON schemas need under 500 states.
+llguidance (1.9.1) reports nothing of a matcher's size or states, and the process's own measures cost
+too much or cannot tell one matcher from another: glibc's mallinfo2 took 29 ms a call in a decoder-
+sized heap, and a matcher's CPU time says nothing of its memory (`a{300}{100}` spent 12 s of CPU
+masking 2,000 tokens and grew 0.2 MB; `[\w .]{1,1000}` 0.6 s and 47 MB). But llguidance enforces
+max_lexer_states exactly ("too many states: N >= N"), so the limit is the meter: a matcher starts
+at FIRST_MAX_LEXER_STATES, which the charge's floor (MIN_MATCHER_BYTES) covers, and where it reaches
+its limit it is built again at twice the limit, charged BYTES_PER_LEXER_STATE for each state added,
+and given the answer's tokens again (`consume_tokens`: 7-15 ms for 30-970 tokens measured with
+SmolLM2, at most log2(MAX_LEXER_STATES / FIRST_MAX_LEXER_STATES) = 6 times a request). The states
+charged are the limit's, never fewer than the matcher holds. Where the charge is refused (its caller's
+or the engine's live grammars hold too much), the matcher stays stopped at its limit and the request
+fails after its step, naming its field and the limit, as a grammar failing on the way does.
+
+Not counted here: the parser's rows, about 0.5 KB a token for ordinary grammars (0.95 MB over 2,000
+tokens of a JSON schema), which the floor covers, and the items an ambiguous grammar's rows hold (11
+KB a token for `s: s s | "a"`), which the per-token CPU limit stops within a few hundred tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from tandem.client.errors import InvalidArgument, ResourceExhausted, TandemError
+
+FIRST_MAX_LEXER_STATES = 1024  # what every matcher may build uncharged: its floor covers 1 MiB of states
+# The memory of one lexer state, measured as glibc's in-use bytes over the states built, with
+# SmolLM2's vocabulary: 618-941 bytes for `[\w .]{1,1000}`, `[a-z0-9]{1,1000}` and `.{1,2000}`
+# (a row of the state table is 4 bytes per byte class of the grammar, 107 for `\w`, and its regex).
+BYTES_PER_LEXER_STATE = 1024
+_TOO_MANY_STATES = re.compile(r"too many states: (\d+) >= (\d+)")
+
+
+def growth_bytes(max_lexer_states: int) -> int:
+    """What a matcher's lexer states may hold beyond its floor, at a limit of `max_lexer_states`."""
+    return max(0, max_lexer_states - FIRST_MAX_LEXER_STATES) * BYTES_PER_LEXER_STATE
+
+
+class MeteredMatcher:
+    """An llguidance matcher whose lexer-state limit is raised, and charged, as it fills: the methods
+    a Constraint calls, each as llguidance's. Not thread-safe: one thread at a time, as a
+    Constraint's. `charge(nbytes)` charges a tranche (raising where refused); None until the request's
+    matcher is charged at all (while it is built), when tranches are only counted (`max_states`)."""
+
+    def __init__(self, build: Callable[[int], object], max_lexer_states: int) -> None:
+        self._build = build  # a fresh llguidance matcher of the grammar at the given state limit
+        self._max_lexer_states = max_lexer_states  # the most it may ever have (structured.py's)
+        self.max_states = min(FIRST_MAX_LEXER_STATES, max_lexer_states)  # its limit now
+        self._matcher = build(self.max_states)
+        self._tokens: list[int] = []  # the tokens llguidance recorded, to give a rebuilt matcher
+        self.charge: Callable[[int], None] | None = None
+        self.charged_bytes = 0  # what its tranches charged, since `charge` was given
+        self.refusal: TandemError | None = None  # why its growth was refused: its request fails
+
+    def compute_bitmask(self) -> bytes:
+        return self._grown(lambda: self._matcher.compute_bitmask())  # type: ignore[attr-defined]
+
+    def consume_token(self, token_id: int) -> bool:
+        is_recorded = not self._matcher.is_stopped()  # type: ignore[attr-defined]
+        result = self._grown(lambda: self._matcher.consume_token(token_id))  # type: ignore[attr-defined]
+        if is_recorded and not self._matcher.is_error():  # type: ignore[attr-defined]
+            self._tokens.append(token_id)
+        return result
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        return self._grown(lambda: self._matcher.validate_tokens(token_ids))  # type: ignore[attr-defined]
+
+    def rollback(self, num_tokens: int) -> bool:
+        del self._tokens[len(self._tokens) - num_tokens :]
+        return self._matcher.rollback(num_tokens)  # type: ignore[attr-defined]
+
+    def is_stopped(self) -> bool:
+        return self._matcher.is_stopped()  # type: ignore[attr-defined]
+
+    def is_error(self) -> bool:
+        return self._matcher.is_error()  # type: ignore[attr-defined]
+
+    def get_error(self) -> str:
+        return self._matcher.get_error()  # type: ignore[attr-defined]
+
+    def _grown(self, work: Callable[[], object]):  # noqa: ANN202 (work's own result)
+        """work()'s result, done again on a matcher of twice the limit, charged, while it fails only
+        for its lexer states and a higher limit is allowed."""
+        while True:
+            result = work()
+            if not self._matcher.is_error() or self.refusal is not None:  # type: ignore[attr-defined]
+                return result
+            full = _TOO_MANY_STATES.search(self._matcher.get_error())  # type: ignore[attr-defined]
+            if full is None or self.max_states >= self._max_lexer_states:
+                return result  # the grammar's own failure, or past the limit of all: its error says
+            limit = min(2 * self.max_states, self._max_lexer_states)
+            if self.charge is not None:
+                nbytes = growth_bytes(limit) - growth_bytes(self.max_states)
+                try:
+                    self.charge(nbytes)
+                except TandemError as e:
+                    # Without its traceback, whose frames hold the constraint: a cycle that kept the
+                    # constraint, and its charge, until a garbage collection.
+                    self.refusal = e.with_traceback(None)
+                    return result
+                self.charged_bytes += nbytes
+            self.max_states = limit
+            self._matcher = self._build(limit)
+            if self._tokens:
+                self._matcher.consume_tokens(self._tokens)  # type: ignore[attr-defined]
+
+
+def growth_refusal(field: str, num_tokens: int, max_states: int, refusal: TandemError) -> TandemError:
+    """Why a running request's matcher may not grow, naming its field, where it was, and the limit
+    (the budget's refusal says which and how much)."""
+    said = refusal.message.removeprefix(f"{field}: ")
+    why = (
+        f"the grammar's matcher grew while decoding, after {num_tokens} tokens of the answer past "
+        f"{max_states:,} lexer states ({BYTES_PER_LEXER_STATE} bytes each), and its memory could not be "
+        f"charged: {said}"
+    )
+    if isinstance(refusal, ResourceExhausted):  # others hold the memory: later it may fit
+        return ResourceExhausted(f"{field}: {why}", retry_after_s=refusal.retry_after_s, info=refusal.info)
+    return InvalidArgument(field, why, info=refusal.info)
