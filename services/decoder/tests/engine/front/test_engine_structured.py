@@ -15,7 +15,7 @@ from services.decoder.tests.engine.engine_helpers import RecordingMatcher
 from services.decoder.tests.engine.engine_helpers import finished as _finished
 from services.decoder.tests.engine.engine_helpers import run_concurrently as _run_concurrently
 from services.decoder.tests.engine.engine_helpers import tokens as _tokens
-from tandem.client.errors import ResourceExhausted
+from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt
@@ -269,9 +269,11 @@ def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_nei
     tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One thread computes every mask of a step: 16 grammars each under their own per-token limit
-    cost 700 ms a step. Over --max-grammar-cpu-ms-per-step (here below any work), the grammars fail
-    RESOURCE_EXHAUSTED naming their field and the limit; the plain request beside them is unchanged.
-    (Every grammar counted heavy here: the cheap ones of this test are not otherwise.)"""
+    cost 700 ms a step. Over --max-grammar-cpu-ms-per-step, the grammars fail naming their field and
+    the limit; the plain request beside them is unchanged. Here the limit is below any work, so each
+    token's mask alone is over it: INVALID_ARGUMENT, as no step fits it and a retry would fail the same
+    way (among others, RESOURCE_EXHAUSTED: test_grammar_budget). (Every grammar counted heavy here:
+    the cheap ones of this test are not otherwise.)"""
     greedy = SamplingParams(temperature=0.0)
     plain = GenerateSpec([[5, 6]], greedy, StoppingParams(max_new_tokens=8, ignore_eos=True))
     grammars = [
@@ -287,9 +289,12 @@ def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_nei
         events = _run_concurrently(engine, [plain, *grammars])
     assert _tokens(events[0]) == alone and isinstance(events[0][-1], Finished)
     for failed in events[1:]:
-        assert isinstance(failed[-1], Failed) and isinstance(failed[-1].error, ResourceExhausted)
-        assert str(failed[-1].error).startswith("structured.regex: the grammar's work took")
-        assert "over the limit of 1e-06 ms per step (--max-grammar-cpu-ms-per-step)" in str(failed[-1].error)
+        assert isinstance(failed[-1], Failed) and isinstance(failed[-1].error, InvalidArgument)
+        assert failed[-1].error.field == "structured.regex"
+        assert str(failed[-1].error).startswith("structured.regex: the grammar's work for one token took")
+        assert "over the limit of 1e-06 ms per step (--max-grammar-cpu-ms-per-step) by itself" in str(
+            failed[-1].error
+        )
 
 
 def test_ordinary_grammars_are_not_failed_by_the_step_budget_however_many(
@@ -334,7 +339,7 @@ def test_a_request_that_finishes_in_the_step_is_not_failed_for_the_steps_budget(
         monkeypatch.setattr(engine.core, "heavy_mask_seconds", -1.0)  # every grammar counted heavy
         ended, failed = _run_concurrently(engine, [ending, going_on])
     assert isinstance(ended[-1], Finished) and ended[-1].reason is FinishReason.LENGTH
-    assert isinstance(failed[-1], Failed) and isinstance(failed[-1].error, ResourceExhausted)
+    assert isinstance(failed[-1], Failed) and isinstance(failed[-1].error, InvalidArgument)  # alone over
 
 
 def test_a_grammar_request_counts_its_wait_for_its_building_thread_in_its_metrics(

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tandem.client.errors import ErrorInfo, ResourceExhausted
+from tandem.client.errors import ErrorInfo, InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.step.grammar_budget import (
     heavy_mask_seconds,
     num_draft_tokens_within,
@@ -80,3 +80,22 @@ def test_its_error_names_the_field_and_the_limit() -> None:
         "tandem.decoder",
         {"grammarMicroseconds": "44000", "stepMicroseconds": "700000", "maxMicrosecondsPerStep": "250000"},
     )
+
+
+def test_one_row_alone_over_the_budget_is_invalid_not_a_retry_that_fails_for_ever() -> None:
+    # No step fits one token's mask dearer than the whole budget: RESOURCE_EXHAUSTED's Retry-After
+    # invited a retry that fails the same way at the same point of its answer.
+    error = over_budget_error("structured.grammar", 0.3, 0.7, 0.25)
+    assert isinstance(error, InvalidArgument) and error.field == "structured.grammar"
+    assert str(error) == (
+        "structured.grammar: the grammar's work for one token took 300.0 ms of CPU in one step, over the "
+        "limit of 250 ms per step (--max-grammar-cpu-ms-per-step) by itself: no step fits it (an "
+        "ambiguous grammar's parsing grows with its answer)"
+    )
+
+
+def test_a_speculating_request_is_weighed_by_its_cost_a_row_as_its_proposal_can_be_cut() -> None:
+    # 3 rows of 100 ms: 300 ms in the step, but one row fits the budget (num_draft_tokens_within cuts
+    # the next proposal to what fits): among others, a wait may let it in.
+    assert isinstance(over_budget_error("structured.grammar", 0.3, 0.7, 0.25, num_rows=3), ResourceExhausted)
+    assert isinstance(over_budget_error("structured.grammar", 0.9, 0.9, 0.25, num_rows=3), InvalidArgument)

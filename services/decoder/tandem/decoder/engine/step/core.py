@@ -433,6 +433,7 @@ class EngineCore:
                     seconds[key],
                     step_seconds,
                     self.max_grammar_seconds_per_step,
+                    num_rows=1 + by_key[key].num_draft_tokens,
                 ),
             )
             for key in over_budget(seconds, self.max_grammar_seconds_per_step, heavy)

@@ -36,7 +36,7 @@ from collections.abc import Collection, Hashable
 from typing import TypeVar
 
 from tandem.client import error_reasons as reasons
-from tandem.client.errors import ResourceExhausted
+from tandem.client.errors import InvalidArgument, ResourceExhausted, TandemError
 
 K = TypeVar("K", bound=Hashable)
 
@@ -91,9 +91,21 @@ def row_seconds_ahead(last: float, before: float) -> float:
 
 
 def over_budget_error(
-    field: str, seconds: float, step_seconds: float, max_seconds: float
-) -> ResourceExhausted:
-    """Why a request failed for the step's grammar budget, naming its field and the limit."""
+    field: str, seconds: float, step_seconds: float, max_seconds: float, num_rows: int = 1
+) -> TandemError:
+    """Why a request failed for the step's grammar budget, naming its field and the limit: its
+    `seconds` over its `num_rows` (its own and its verifying rows). RESOURCE_EXHAUSTED where it failed
+    among others, a retry among fewer may fit; INVALID_ARGUMENT where one row of it alone, one token's
+    mask, costs over the whole budget: no step fits it, and the retry RESOURCE_EXHAUSTED invites (its
+    Retry-After) would fail the same way at the same point of its answer, for ever."""
+    row_seconds = seconds / num_rows
+    if row_seconds > max_seconds:
+        return InvalidArgument(
+            field,
+            f"the grammar's work for one token took {row_seconds * 1000:.1f} ms of CPU in one step, over "
+            f"the limit of {max_seconds * 1000:g} ms per step (--max-grammar-cpu-ms-per-step) by itself: "
+            "no step fits it (an ambiguous grammar's parsing grows with its answer)",
+        )
     return ResourceExhausted(
         f"{field}: the grammar's work took {seconds * 1000:.1f} ms of CPU in one step, among the dearest "
         f"of a step whose grammars took {step_seconds * 1000:.1f} ms in all, over the limit of "
