@@ -82,6 +82,13 @@ def check_checkpoint(model_dir: str | Path, dtype: str = "bfloat16") -> ModelCon
     return config
 
 
+def read_model_config(model_dir: str | Path, dtype: str = "bfloat16") -> ModelConfig:
+    """The model config from config.json (and generation_config.json) alone, neither the tokenizer nor
+    a weight's header read: what an engine on XLA sizes its KV pool by before the load. Raises
+    ModelLoadError."""
+    return _read_config(Path(model_dir), dtype)[0]
+
+
 def _checked(model_dir: Path, dtype: str) -> tuple[ModelConfig, str, Tokenizer, list[str]]:
     """The config, its architecture, the tokenizer and the warnings on weights the model does not read
     (checkpoint_shapes.check_unread), once everything but the weights' values checked out."""
