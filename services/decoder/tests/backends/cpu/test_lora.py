@@ -208,6 +208,22 @@ def test_a_slot_outside_the_table_is_refused_by_the_fused_layers_and_the_stack_b
     assert all(torch.equal(c, b) for c, b in zip(run.kv_caches, before, strict=True))
 
 
+def test_a_float16_model_runs_its_adapters_on_torchs_deltas_beside_the_kernels(
+    kernels, tiny_model_dir: Path, adapters: list[Path]
+) -> None:
+    """The C delta takes float32 and bf16 rows only: a float16 model's slots stay unbound (binding them
+    raised, and the decoder died after "listening"), and its logits are the torch reference's, as with
+    --native-kernels false."""
+    loaded = load_model(tiny_model_dir, dtype="float16")
+    table = table_of(loaded, adapters)
+    executor = CpuExecutor(loaded.model, kernels, lora=table)
+    assert executor.c_lora is None
+    got = generate(LoraRun(executor, loaded, table), "abcd", steps=2)
+    want = generate(LoraRun(loaded.model, loaded, table), "abcd", steps=2)
+    for g, w in zip(got, want, strict=True):
+        assert (g.float() - w.float()).abs().max() <= 1e-2 * w.float().abs().max()
+
+
 @pytest.mark.skipif(not has_onednn_bf16(), reason="this CPU's oneDNN has no bf16 path: not a candidate")
 def test_a_split_step_gives_each_part_its_own_rows_slots(
     kernels, tiny_model_dir: Path, adapters: list[Path]

@@ -287,7 +287,13 @@ class CpuExecutor:
             )
             model.use_attention(CpuPagedAttention(ops, kernels.limits, tiled))
         self.fused: list[FusedLayer] | None = None
-        bound = bind_table(kernels, lora) if kernels is not None and lora is not None else None
+        # A float16 model's slots stay on torch's deltas, as its linears do: the C kernel takes float32
+        # and bf16 rows only (DTYPE_CODES), and a float16 decoder with LoRA on died binding them.
+        bound = (
+            bind_table(kernels, lora)
+            if kernels is not None and lora is not None and config.dtype in DTYPE_CODES
+            else None
+        )
         self.c_lora = bound  # each layer's LoRA slots on the C kernel; None: none or the torch reference's
         # The fused halves run the same norms, RoPE and cache write as the C ops: within their limits.
         # bf16 only: a float32 model's layers run op by op, each linear on the C float32 kernel.
