@@ -56,9 +56,12 @@ class FailedPrecondition(TandemError):
 
 
 class ResourceExhausted(TandemError):
-    """The server is full right now; the same request may succeed after `retry_after_s`."""
+    """The server is full right now; the same request may succeed after `retry_after_s`. None: not
+    by waiting (only another call frees the resource, e.g. UnloadAdapter): no RetryInfo is sent."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0, *, info: ErrorInfo | None = None) -> None:
+    def __init__(
+        self, message: str, retry_after_s: float | None = 1.0, *, info: ErrorInfo | None = None
+    ) -> None:
         super().__init__(message, info=info)
         self.retry_after_s = retry_after_s
 

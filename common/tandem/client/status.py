@@ -65,7 +65,7 @@ def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
             field=_bounded(error.field), description=_bounded(error.description)
         )
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
-    elif isinstance(error, errors.ResourceExhausted):
+    elif isinstance(error, errors.ResourceExhausted) and error.retry_after_s is not None:
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(error.retry_after_s * 1e9))
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))

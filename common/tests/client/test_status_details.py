@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from google.rpc import code_pb2
 
 from tandem.client import error_reasons as reasons
 from tandem.client.errors import ErrorInfo, InvalidArgument, ResourceExhausted
-from tandem.client.status import ErrorInterceptor
+from tandem.client.status import ErrorInterceptor, to_status_proto
 from tandem.client.status_details import StatusDetails, status_details
 
 BUDGET = reasons.decoder_info(
@@ -102,3 +103,12 @@ def test_details_that_do_not_parse_read_as_none() -> None:
     trailers = grpc.aio.Metadata(("grpc-status-details-bin", b"\xff not a status"))
     error = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), trailers, "full")
     assert status_details(error) == StatusDetails()
+
+
+def test_a_refusal_no_wait_can_lift_carries_its_error_info_and_no_retry_delay() -> None:
+    # Every LoRA slot loaded: only an UnloadAdapter frees one, so a RetryInfo would invite retries
+    # that fail for ever.
+    slots = reasons.decoder_info(reasons.LORA_SLOTS, {reasons.MAX_LORAS: 4})
+    status = to_status_proto(ResourceExhausted("all 4 LoRA slots are taken", retry_after_s=None, info=slots))
+    kinds = [detail.TypeName() for detail in status.details]
+    assert status.code == code_pb2.RESOURCE_EXHAUSTED and kinds == ["google.rpc.ErrorInfo"]

@@ -6,17 +6,21 @@ and speculating."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
+from tandem.client.errors import FailedPrecondition, ResourceExhausted
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt
 from tandem.decoder.engine.front.engine import Engine
-from tandem.decoder.engine.outputs.outputs import Delta, Finished
+from tandem.decoder.engine.outputs.backpressure import MAX_UNREAD_TOKENS
+from tandem.decoder.engine.outputs.outputs import Accepted, Delta, Failed, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12]
@@ -157,3 +161,34 @@ def test_on_the_fused_bf16_path_an_adapted_requests_tokens_are_the_same_alone_am
     assert {name: tokens for name, (tokens, _) in speculating.items()} == alone
     assert sum(proposed for _, proposed in speculating.values()) > 0  # verify rows ran with the adapters
     assert alone["qv4"] != alone[""] and alone["mlp8"] != alone[""]  # the adapters change the answer
+
+
+def test_a_load_needing_the_slot_of_an_unloaded_adapter_whose_requests_wait_for_readers_ends_them(
+    tiny_model_dir: Path, adapters
+) -> None:
+    """A stream nobody reads pauses; once its adapter is unloaded, it keeps the slot while a load finds
+    another one free, and a load that needs that slot ends it (FAILED_PRECONDITION naming the unload,
+    after the tokens it had) instead of RESOURCE_EXHAUSTED for ever."""
+    (qv4, qv4_path), (_, mlp8_path) = adapters
+    stopping = StoppingParams(max_new_tokens=3 * MAX_UNREAD_TOKENS, ignore_eos=True)
+    with engine(tiny_model_dir, adapters, max_loras=3) as e:
+        reader = e.generate(GenerateSpec([PROMPT], SamplingParams(temperature=0.0), stopping, adapter=qv4))
+        assert isinstance(next(reader), Accepted)  # then nothing is taken
+        deadline = time.monotonic() + 60
+        while e.core.scheduler.num_paused == 0:
+            assert time.monotonic() < deadline, "never paused"
+            time.sleep(0.01)
+        assert e.unload_adapter(qv4) == 1
+        asyncio.run(e.load_adapter("x", qv4_path))  # a free slot: the slow reader keeps its stream
+        assert e.core.scheduler.num_paused == 1
+        asyncio.run(e.load_adapter("y", mlp8_path))  # qv4's slot, held by the paused request alone
+        assert [a.name for a in e.adapters] == ["mlp8", "x", "y"] and e.core.num_live() == 0
+        blocks = e.core.block_manager
+        assert blocks.num_free_blocks == blocks.num_total_blocks
+        rest = list(reader)
+        assert sum(len(event.token_ids) for event in rest if isinstance(event, Delta)) > MAX_UNREAD_TOKENS
+        assert isinstance(rest[-1], Failed) and isinstance(rest[-1].error, FailedPrecondition)
+        assert "adapter 'qv4' was unloaded while this request was paused" in rest[-1].error.message
+        with pytest.raises(ResourceExhausted, match="each holds a loaded adapter: unload one first") as full:
+            asyncio.run(e.load_adapter("z", qv4_path))
+        assert full.value.retry_after_s is None  # only an UnloadAdapter frees a slot: no retry hint

@@ -18,6 +18,8 @@ def test_loads_take_the_lowest_free_slot_until_none_is_left() -> None:
     with pytest.raises(ResourceExhausted, match="all 2 LoRA slots") as caught:
         slots.free_slot()
     assert caught.value.info == ErrorInfo("LORA_SLOTS", "tandem.decoder", {"maxLoras": "2"})
+    assert "unload one first" in caught.value.message
+    assert caught.value.retry_after_s is None  # only an UnloadAdapter frees one: a retry fails for ever
     assert [a.name for a in slots.adapters] == ["a", "b"]
 
 
@@ -38,12 +40,14 @@ def test_an_unloaded_slot_in_use_drains_until_its_last_request_ends() -> None:
     slots.remove("a", used_slots={slot})
     with pytest.raises(NotFound):
         slots.get("a")  # new requests can no longer name it
-    with pytest.raises(ResourceExhausted, match="1 of them draining"):
+    with pytest.raises(ResourceExhausted, match="1 of them draining") as caught:
         slots.free_slot()  # its requests still read it
+    assert caught.value.retry_after_s == 1.0  # they end, and a retry succeeds
+    assert slots.draining == {slot} and not slots.has_free_slot
     slots.release(used_slots={slot})
     assert slots.num_draining == 1
     slots.release(used_slots=set())
-    assert slots.free_slot() == slot
+    assert slots.has_free_slot and slots.free_slot() == slot
 
 
 def test_every_load_salts_the_prefix_cache_anew_even_under_one_name() -> None:

@@ -54,6 +54,15 @@ class AdapterSlots:
     def num_draining(self) -> int:
         return len(self._draining)
 
+    @property
+    def draining(self) -> frozenset[int]:
+        """The unloaded adapters' slots that live requests still use."""
+        return frozenset(self._draining)
+
+    @property
+    def has_free_slot(self) -> bool:
+        return len(self._by_name) + len(self._draining) < self.max_loras
+
     def get(self, name: str) -> Adapter:
         """The adapter loaded under `name`; NotFound otherwise."""
         adapter = self._by_name.get(name)
@@ -73,9 +82,16 @@ class AdapterSlots:
         taken = {a.slot for a in self._by_name.values()} | self._draining
         slot = next((s for s in range(self.max_loras) if s not in taken), None)
         if slot is None:
-            draining = f", {len(self._draining)} of them draining" if self._draining else ""
+            # A draining slot is free once its running requests end (the core ends paused ones when a
+            # load needs their slot), so a retry can succeed; with every slot loaded, only an
+            # UnloadAdapter frees one, and a RetryInfo would invite retries that fail for ever.
+            if self._draining:
+                why = f"{len(self._draining)} of them draining: retry once their running requests end"
+            else:
+                why = "each holds a loaded adapter: unload one first"
             raise ResourceExhausted(
-                f"all {self.max_loras} LoRA slots (--max-loras) are taken{draining}",
+                f"all {self.max_loras} LoRA slots (--max-loras) are taken, {why}",
+                retry_after_s=1.0 if self._draining else None,
                 info=reasons.decoder_info(reasons.LORA_SLOTS, {reasons.MAX_LORAS: self.max_loras}),
             )
         return slot

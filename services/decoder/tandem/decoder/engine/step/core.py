@@ -261,13 +261,40 @@ class EngineCore:
             return [] if self.adapters is None else self.adapters.adapters
 
     def check_can_load(self, name: str) -> None:
-        """Raises unless an adapter could be loaded as `name` now: a new name and a free slot."""
+        """Raises unless an adapter could be loaded as `name` now: a new name and a free slot. Where no
+        slot is free but an unloaded adapter's is held only by requests paused for their readers, those
+        requests end (FAILED_PRECONDITION naming the unload) and the slot is free for the load."""
         with self.lock:
             if self.adapters is None:
                 raise FailedPrecondition("name", "this server runs without LoRA: start it with --enable-lora")
             self.adapters.check_new(name)
             self._release_drained()
+            ended = [] if self.adapters.has_free_slot else self._reclaim_paused_slot()
             self.adapters.free_slot()
+        for tracked in ended:
+            tracked.on_event(Failed(tracked.output.request_id, _unloaded_while_paused(tracked.request)))
+
+    def _reclaim_paused_slot(self) -> list[_Tracked]:
+        """Under `lock`: the requests on the lowest draining slot that no request but ones paused for
+        their readers uses leave the engine (they hold no KV blocks), and the slot is freed; returns
+        them, to be told. A paused request's reader may never read again, and unloading promised the
+        slot back: it would otherwise be held for ever (issue: a stream nobody reads). A slow reader
+        keeps its stream while no load needs the slot, and a running request is never ended."""
+        assert self.adapters is not None
+        by_slot: dict[int, list[_Tracked]] = {slot: [] for slot in self.adapters.draining}
+        for tracked in self._live.values():
+            if tracked.request.adapter_slot in by_slot:
+                by_slot[tracked.request.adapter_slot].append(tracked)
+        paused = self.scheduler.paused
+        slots = [s for s, users in by_slot.items() if all(t.request.request_id in paused for t in users)]
+        if not slots:
+            return []
+        ended = by_slot[min(slots)]
+        for tracked in ended:
+            self.scheduler.abort(tracked.request.request_id)
+            del self._live[tracked.request.request_id]
+        self._release_drained()
+        return ended
 
     def _release_drained(self) -> None:
         """Under `lock`: free the unloaded adapters' slots whose last request has ended."""
@@ -682,6 +709,17 @@ class EngineCore:
 
 
 _LENGTH_REASONS = (FinishReason.LENGTH, FinishReason.CONTEXT_LIMIT)
+
+
+def _unloaded_while_paused(request: Request) -> FailedPrecondition:
+    """Why a request paused for its reader ended when a load took its unloaded adapter's slot: not
+    retryable as it is (the adapter is gone), so no RESOURCE_EXHAUSTED."""
+    return FailedPrecondition(
+        "adapter",
+        f"adapter {echo(request.adapter)} was unloaded while this request was paused for its reader "
+        f"(its stream unread), and a LoadAdapter took its slot: the request ended after "
+        f"{request.num_output_tokens} tokens",
+    )
 
 
 def position_seed(seed: int, position: int) -> int:
