@@ -9,6 +9,7 @@ from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.client.pb.tandem.v1 import tensor_pb2
 from tandem.common.torch_part.prompt_parts import (
     EmbeddingPrompt,
+    EncoderPrompt,
     TextPrompt,
     check_part,
     check_token_id,
@@ -73,3 +74,9 @@ def test_the_length_bound_counts_ids_and_rows_and_text_at_one_position_per_longe
     parts = [[1, 2, 3], EmbeddingPrompt(torch.zeros(4, HIDDEN)), TextPrompt("a" * 11)]
     assert num_positions_at_least(parts, max_token_chars=5) == 3 + 4 + 3
     assert num_positions_at_least([], max_token_chars=5) == 0
+
+
+def test_an_encoder_parts_input_counts_as_the_same_input_would_in_the_prompt() -> None:
+    # Counted at one, a text that could never fit was embedded, then refused naming the encoder's limit.
+    text, ids = EncoderPrompt("text", "a" * 11), EncoderPrompt("token_ids", [4, 5, 6, 7])
+    assert num_positions_at_least([text, ids, EncoderPrompt("image", b"png")], max_token_chars=5) == 3 + 4 + 1

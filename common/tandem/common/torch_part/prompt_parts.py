@@ -112,18 +112,29 @@ def check_rows(rows: torch.Tensor, field: str, hidden_size: int) -> None:
 
 def num_positions_at_least(parts: Sequence[PromptPart], max_token_chars: int) -> int:
     """Fewest positions `parts` can take, from sizes alone: IDs and rows counted, text at one position
-    per `max_token_chars` characters (tandem.common.text_bounds), an encoder part at one. Reads no
-    ID, row or character."""
+    per `max_token_chars` characters (tandem.common.text_bounds), an encoder part as its input (a
+    picture at one). Reads no ID, row or character.
+
+    An encoder part's text counts by the same bound: the encoder serves the decoder's model (its
+    replies are checked for it, `encoder_model_check`), so its tokenizer's longest entry is the same.
+    Counted at one, a text that could never fit the decoder's context was embedded anyway, and refused
+    naming the encoder's max_input_tokens rather than the decoder's context."""
     return sum(
         min_positions(part.text, max_token_chars)
         if isinstance(part, TextPrompt)
         else part.rows.shape[0]
         if isinstance(part, EmbeddingPrompt)
-        else 1
+        else _encoder_positions_at_least(part, max_token_chars)
         if isinstance(part, EncoderPrompt)
         else len(part)
         for part in parts
     )
+
+
+def _encoder_positions_at_least(part: EncoderPrompt, max_token_chars: int) -> int:
+    if isinstance(part.content, str):
+        return min_positions(part.content, max_token_chars)
+    return 1 if part.is_image else len(part.content)  # one row per ID (the decoder asks no pooling)
 
 
 def check_token_ids(ids: Sequence[int], field: str, vocab_size: int) -> None:

@@ -283,6 +283,19 @@ def test_rows_that_leave_no_room_end_the_request_without_waiting_for_the_other_f
     assert _build(tiny_fp32, fits).num_prompt_tokens == 15
 
 
+def test_an_encoder_text_too_long_for_the_context_is_refused_naming_it_without_waiting_for_its_rows(
+    tiny_fp32: LoadedModel,
+) -> None:
+    # Counted at one position, it was embedded and then refused naming the encoder's max_input_tokens
+    # (8192) where this decoder's context was 1007.
+    max_chars = text_bounds.max_token_chars(tiny_fp32.tokenizer)
+    never = dataclasses.replace(_fetched(None), kind="text", content="a" * (16 * max_chars))
+    with pytest.raises(InvalidArgument) as info:
+        _build(tiny_fp32, _spec(never, deadline=time.monotonic() + 1))  # waited for: DEADLINE_EXCEEDED
+    assert info.value.field == "prompt" and "at least 16 positions" in info.value.description
+    assert "max_model_len 16" in info.value.description and not never.rows.done()
+
+
 def test_a_failed_fetch_is_the_requests_error_waited_for_only_after_the_cheaper_rules(
     tiny_fp32: LoadedModel,
 ) -> None:
