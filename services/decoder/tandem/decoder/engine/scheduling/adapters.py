@@ -5,7 +5,9 @@ weights are written, publishes the name. A request resolves its adapter's name t
 admitted, under the engine core's lock, so it runs with the adapter it named or is refused
 (NOT_FOUND). Unloading withdraws the name at once; a slot that live requests still use drains: they
 finish on it, and it becomes free only when the last of them has ended (`release`), so a slot is
-never rewritten under a request that reads it.
+never rewritten under a request that reads it. Requests paused for their readers are the exception: a
+reader may never read again, so a load that finds no free slot ends those that alone hold a draining
+slot, and takes it (`EngineCore.check_can_load`).
 
 Each load gets a `cache_salt` of its own: the prefix cache keys blocks by it (kv_cache.py), so two
 adapters, or two loads of one name, never share KV blocks.
