@@ -8,6 +8,7 @@ health known by Check and the gateway's /health and model info served."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,10 +19,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.client.channel import ChannelSecurity
 from tandem.client.errors import ConfigError
-from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
-from tandem.gateway.callers import CallerChannels, decoder_channels
+from tandem.gateway.callers import CallerChannels, decoder_channels, model_check_metadata
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.replicas import Replicas, name_of, resolve_name, static_replicas
 
@@ -39,6 +41,7 @@ class CountingDecoder(FakeDecoder):
     num_infos: int = 0
     model: str = "fake-model"  # the model it says it serves
     info_delay_s: float = 0.0  # how long its GetModelInfo takes (a replica busy or stopped)
+    sample: encoder_pb2.TokenTableSample | None = None  # its token table's; None: a decoder from before
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -47,16 +50,26 @@ class CountingDecoder(FakeDecoder):
         await asyncio.sleep(self.info_delay_s)
         reply = await super().GetModelInfo(request, context)
         reply.model = self.model
+        if self.sample is not None:
+            reply.token_table_sample.CopyFrom(self.sample)
         return reply
 
 
-async def _start_decoder(port: int = 0) -> tuple[CountingDecoder, RunningServer]:
+# Two checkpoints of one shape with other weights (a fine-tune beside its base), as decoders report them.
+BASE = encoder_pb2.TokenTableSample(vocab_size=1024, hidden_size=64, values=[i / 128 for i in range(128)])
+TUNED = encoder_pb2.TokenTableSample(vocab_size=1024, hidden_size=64, values=[-i / 128 for i in range(128)])
+
+
+async def _start_decoder(
+    port: int = 0, auth_tokens: frozenset[str] = frozenset()
+) -> tuple[CountingDecoder, RunningServer]:
     """A decoder as `tandem serve decoder` serves it (bounded health, 600 places for calls, 300 for
     Watch streams), SERVING, on 127.0.0.1 and ::1: two addresses on one machine."""
     decoder = CountingDecoder()
     service = Service("tandem.v1.Decoder", decoder, decoder_pb2_grpc.add_DecoderServicer_to_server)
     running = await start_server(
-        ServerOptions(host="localhost", port=port, max_concurrent_rpcs=600), [service]
+        ServerOptions(host="localhost", port=port, max_concurrent_rpcs=600, auth_tokens=auth_tokens),
+        [service],
     )
     running.health.max_wait_s = 0.05  # a Watch past a bound is refused at once, as the tests hold it
     await running.set_serving()
@@ -180,6 +193,7 @@ async def test_a_dns_name_is_watched_at_each_address_it_resolves_to(
     try:
         assert channels.targets == (config.decoder_address,)  # the name itself, until it resolves
         await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        await _eventually(lambda: _num_serving(channels) == 1)  # its model known: the watch asked it
         _asked_models(a)
         await _call(channels, "peer:1")
         assert a.num_infos == 1
@@ -195,6 +209,7 @@ async def test_callers_go_to_the_serving_replicas_only_and_to_one_that_turns_ser
     channels = _gateway_channels([server_a, server_b])
     try:
         await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        await _eventually(lambda: _num_serving(channels) == 1)  # its model known: the watch asked it
         _asked_models(a)
         for caller in range(8):
             for _ in range(2):
@@ -569,3 +584,109 @@ async def test_a_stale_model_info_is_served_while_its_refresh_waits_on_a_slow_re
         a.info_delay_s = 3.0
         seconds = await asyncio.gather(*(completion_seconds() for _ in range(4)))
         assert max(seconds) < 1.5, seconds
+
+
+async def _mixed(
+    replicas: list[tuple[CountingDecoder, RunningServer]], config: GatewayConfig | None = None
+) -> tuple[CallerChannels, str, str]:
+    """The gateway's channels over `replicas` (over `config`'s settings), once the first serves alone
+    and the second (NOT_SERVING till then) turns SERVING; the first's and the second's address."""
+    (_, server_a), (_, server_b) = replicas
+    replica_a, replica_b = (f"127.0.0.1:{running.port}" for running in (server_a, server_b))
+    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+    config = config or GatewayConfig()
+    channels = decoder_channels(dataclasses.replace(config, decoder_address=f"{replica_a},{replica_b}"))
+    await _eventually(lambda: channels.targets == (replica_a,))
+    await server_b.set_serving()
+    return channels, replica_a, replica_b
+
+
+async def test_a_replica_of_another_checkpoint_under_the_models_name_gets_no_calls_logged_with_both(
+    replicas: list[tuple[CountingDecoder, RunningServer]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two decoders over checkpoints of one shape under one --model-name reported the same name, hidden
+    size and vocabulary: the callers' requests were answered by either checkpoint. Their token table
+    samples differ: the second is another model, logged naming both replicas."""
+    (a, _), (b, _) = replicas
+    a.sample, b.sample = BASE, TUNED
+    with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
+        channels, replica_a, replica_b = await _mixed(replicas)
+        assert channels.replicas is not None
+        await _eventually(lambda: channels.replicas is not None and bool(channels.replicas.mismatched))
+    try:
+        assert channels.replicas.model == "fake-model" and list(channels.replicas.mismatched) == [replica_b]
+        assert channels.targets == (replica_a,)
+        assert f"decoder replica {replica_b} serves model 'fake-model' from another checkpoint" in caplog.text
+        assert f"(served by {replica_a})" in caplog.text
+    finally:
+        await channels.close()
+
+
+async def test_health_names_a_replica_of_another_checkpoint_under_the_models_name(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    (a, _), (b, server_b) = replicas
+    a.sample, b.sample = BASE, TUNED
+    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+    address = ",".join(f"127.0.0.1:{running.port}" for _, running in replicas)
+    async with live_gateway(address) as url, aiohttp.ClientSession() as session:
+        health_url = url.removesuffix("/v1") + "/health"
+        async with asyncio.timeout(5):
+            while (await (await session.get(health_url)).json()) != {"status": "ok"}:
+                await asyncio.sleep(0.05)
+            await server_b.set_serving()
+            while "other_models" not in (health := await (await session.get(health_url)).json()):
+                await asyncio.sleep(0.05)
+    assert health == {
+        "status": "ok",
+        "model": "fake-model",
+        "other_models": [{"replica": f"127.0.0.1:{server_b.port}", "model": "fake-model"}],
+    }
+
+
+async def test_replicas_of_one_checkpoint_and_an_older_decoder_of_its_name_all_serve(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """Samples that agree are one model; a decoder from before the sample (none reported) is compared
+    by its name alone, as before."""
+    (a, _), (b, server_b) = replicas
+    a.sample = b.sample = BASE
+    channels, replica_a, replica_b = await _mixed(replicas)
+    try:
+        await _eventually(lambda: channels.targets == (replica_a, replica_b))
+        assert channels.replicas is not None and not channels.replicas.mismatched
+        b.sample = None
+        await _restart_as(b, server_b, "fake-model")
+        await _eventually(lambda: _num_serving(channels) == 2)
+        assert not channels.replicas.mismatched
+    finally:
+        await channels.close()
+
+
+async def test_passing_callers_tokens_on_the_gateway_still_asks_each_replicas_model() -> None:
+    """A gateway that passes its callers' tokens on has no token of its own: the replicas refused its
+    GetModelInfo and no replica's model was checked, another model's replica served with the rest. It
+    asks with one of the tokens it accepts, the services' token file."""
+    tokens = frozenset({"sekret", "other"})
+    started = [await _start_decoder(auth_tokens=tokens) for _ in range(2)]
+    started[1][0].model = "other-model"
+    try:
+        channels, replica_a, replica_b = await _mixed(started, GatewayConfig(auth_tokens=tokens))
+        try:
+            assert channels.replicas is not None
+            await _eventually(lambda: channels.replicas is not None and bool(channels.replicas.mismatched))
+            assert channels.targets == (replica_a,)
+            assert channels.replicas.mismatched == {replica_b: "other-model"}
+        finally:
+            await channels.close()
+    finally:
+        await asyncio.gather(*(running.stop(0) for _, running in started))
+
+
+def test_the_replicas_models_are_asked_with_the_gateways_own_token_else_one_it_accepts() -> None:
+    upstream = ChannelSecurity(token="own")
+    assert model_check_metadata(GatewayConfig()) is None
+    assert model_check_metadata(GatewayConfig(auth_tokens=frozenset({"b", "a"}), upstream=upstream)) is None
+    assert model_check_metadata(GatewayConfig(auth_tokens=frozenset({"b", "a"}))) == (
+        ("authorization", "Bearer a"),
+    )

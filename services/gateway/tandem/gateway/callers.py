@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -39,6 +40,7 @@ from tandem.client.channel import channel_target, open_channel
 from tandem.client.client import DecoderClient
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.replica_model import ReplicaModel
 from tandem.gateway.replicas import Replicas, name_of
 
 if TYPE_CHECKING:  # OpenTelemetry is optional
@@ -171,15 +173,34 @@ def decoder_channels(
 
     replicas = None
     if is_balanced:
-        replicas = Replicas(address, open_replica, DECODER_SERVICE, model_of=decoder_model)
+        model_of = functools.partial(decoder_model, metadata=model_check_metadata(config))
+        replicas = Replicas(address, open_replica, DECODER_SERVICE, model_of=model_of)
     return CallerChannels(open_caller_channel, config.max_idle_channels, replicas)
 
 
-async def decoder_model(channel: grpc.aio.Channel) -> str:
+def model_check_metadata(config: GatewayConfig) -> tuple[tuple[str, str], ...] | None:
+    """The token each replica's model is asked with (`decoder_model`), where the channel has none.
+
+    A gateway with a token of its own towards the services (--upstream-auth-token-file) sends it on
+    every channel. One passing its callers' tokens on has none of its own, and the replicas refused
+    its asks: no replica's model was checked. It checks the callers' tokens against the services'
+    token file (--auth-token-file), so it asks with one of those, the same for every ask (the least):
+    a caller's token would do too, but none may come before the replicas serve. Where the decoders
+    refuse it (a token file of their own without it), each replica's model is not known, logged as
+    such, and no replica is left out for its model: what every replica was before."""
+    if config.auth_tokens is None or config.upstream.token is not None or not config.auth_tokens:
+        return None
+    return (("authorization", f"Bearer {min(config.auth_tokens)}"),)
+
+
+async def decoder_model(
+    channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None = None
+) -> ReplicaModel:
     """The model the decoder at the other end of `channel` serves (`Replicas` compares them)."""
     stub = decoder_pb2_grpc.DecoderStub(channel)
     request = decoder_pb2.DecoderGetModelInfoRequest()
-    return (await stub.GetModelInfo(request, timeout=MODEL_TIMEOUT_S)).model
+    info = await stub.GetModelInfo(request, metadata=metadata, timeout=MODEL_TIMEOUT_S)
+    return ReplicaModel.from_info(info)
 
 
 def decoder_client(config: GatewayConfig, telemetry: Telemetry | None = None) -> DecoderClient:

@@ -17,6 +17,13 @@ NOTE: why the first ask is shared. Nothing can be answered before the first answ
 that come before it wait for the one ask out: waiting in turn on a lock, each asked again after the one
 before it failed (3 requests against a decoder that did not answer: 504s at 10, 20 and 30 s). A failed
 first ask is not kept: the next request asks again.
+
+NOTE: which replica answers. Over several decoder replicas an ask goes to one of those serving the
+gateway's model (`replicas.py`: its name and token table sample), round robin, so each refresh may ask
+another. They serve one checkpoint, but each answers with what it was started with (its context from
+--num-kv-blocks or --max-model-len, its adapters, --encoder): replicas are taken to be started alike,
+and the answer held is one replica's. A replica whose model could not be asked (refused, unanswered) is
+among them too.
 """
 
 from __future__ import annotations

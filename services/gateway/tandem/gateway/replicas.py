@@ -18,10 +18,11 @@ Generate no server took is retried on the next replica (`tandem.client.channel`)
 
 What the gateway serves is one model: each replica is asked its model (`model_of`) as it turns SERVING,
 and one serving another model than most replicas do (ties: the model served so far) gets no calls,
-logged and named in /health, as though it did not serve. Mixed replicas silently answered one model's
-name with two models' tokens; after a rolling upgrade to another model, the gateway kept the first
-model's name until it restarted. Where a replica cannot be asked (its GetModelInfo refused: a gateway
-passing its callers' tokens on has none of its own), its model is not known and it is not left out.
+logged and named in /health, as though it did not serve. Another model is another name, or the same
+name over another checkpoint (its token table sample differs: `replica_model.py`). Mixed replicas
+silently answered one model's name with two models' tokens; after a rolling upgrade to another model,
+the gateway kept the first model's name until it restarted. Where a replica cannot be asked (its
+GetModelInfo refused or unanswered), its model is not known and it is not left out.
 
 Where no replica is known to serve (all loading, or none answered yet), callers are balanced over
 every replica, and a call gets the decoder's own answer; before a `dns:` name resolves, over the
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -41,6 +41,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.channel import channel_target
+from tandem.gateway.replica_model import ReplicaModel, choose_model
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class Replicas:
         open_channel: Callable[[str], grpc.aio.Channel],
         service: str,
         on_change: Callable[[], None] = lambda: None,
-        model_of: Callable[[grpc.aio.Channel], Awaitable[str]] | None = None,
+        model_of: Callable[[grpc.aio.Channel], Awaitable[ReplicaModel]] | None = None,
     ) -> None:
         self.address = address
         self._open_channel = open_channel  # a plain channel to one replica ("ip:port")
@@ -149,8 +150,9 @@ class Replicas:
         self._model_of = model_of  # a replica's model, asked over its channel; None: not asked
         self._channels: dict[str, grpc.aio.Channel] = {}  # each watched replica's own channel
         self._asking: dict[str, asyncio.Task[None]] = {}  # a model asked of a replica turned SERVING
-        self._models: dict[str, str | None] = {}  # each serving replica's model as it said (None: unknown)
-        self.model: str | None = None  # the model most serving replicas serve (ties: the one so far)
+        # Each serving replica's model as it said (None: unknown).
+        self._models: dict[str, ReplicaModel | None] = {}
+        self._model: ReplicaModel | None = None  # the one most serving replicas serve (ties: the one so far)
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._resolver: asyncio.Task[None] | None = None
         self.targets: tuple[str, ...] = (address,)  # what each caller's channel balances over now
@@ -170,13 +172,22 @@ class Replicas:
         )
 
     @property
+    def model(self) -> str | None:
+        """The name of the model the gateway serves: the one most serving replicas serve."""
+        return self._model.name if self._model is not None else None
+
+    @property
     def mismatched(self) -> dict[str, str]:
-        """Replicas that serve, another model than `model`: each one's model."""
+        """Replicas that serve, another model than `model` (another name, or another checkpoint under
+        its name): the name each one serves its model under."""
         return {
-            replica: model
+            replica: model.name
             for replica, model in self._models.items()
-            if model is not None and model != self.model and self._is_serving.get(replica)
+            if model is not None and not self._is_ours(model) and self._is_serving.get(replica)
         }
+
+    def _is_ours(self, model: ReplicaModel) -> bool:
+        return self._model is not None and model.is_same(self._model)
 
     def _fits(self, replica: str) -> bool:
         if self._model_of is None:
@@ -184,7 +195,7 @@ class Replicas:
         if replica not in self._models:  # turned SERVING, its model being asked: a moment
             return False
         model = self._models[replica]
-        return model is None or model == self.model
+        return model is None or self._is_ours(model)
 
     async def close(self) -> None:
         tasks = [
@@ -250,7 +261,7 @@ class Replicas:
     async def _ask_model(self, replica: str, channel: grpc.aio.Channel) -> None:
         assert self._model_of is not None  # asked only then
         try:
-            model: str | None = await self._model_of(channel)
+            model: ReplicaModel | None = await self._model_of(channel)
         except grpc.aio.AioRpcError as error:
             log.warning(
                 "decoder replica %s: its model could not be asked (%s): not checked", replica, error.code()
@@ -259,26 +270,31 @@ class Replicas:
         self._asking.pop(replica, None)
         self._models[replica] = model
         self._update()
-        if model is not None and model != self.model:
-            log.error(
-                "decoder replica %s serves model %r, not %r as %d other replicas do: it gets no calls",
-                replica, model, self.model, sum(m == self.model for m in self._models.values()),
-            )  # fmt: skip
+        if model is not None and not self._is_ours(model):
+            log.error("decoder replica %s %s: it gets no calls", replica, self._unlike_ours(replica, model))
+
+    def _unlike_ours(self, replica: str, model: ReplicaModel) -> str:
+        """How `replica`'s `model` differs from the gateway's, naming a replica that serves the latter."""
+        assert self._model is not None  # `model` is not ours, so there is one
+        ours = [r for r, m in self._models.items() if r != replica and m is not None and self._is_ours(m)]
+        them = f"{ours[0]} and {len(ours) - 1} more" if len(ours) > 1 else "".join(ours)
+        served_by = f" (served by {them})" if them else ""
+        if model.name != self._model.name:
+            return f"serves model {model.name!r}, not {self._model.name!r}{served_by}"
+        return (
+            f"serves model {model.name!r} from another checkpoint than {self._model.name!r}{served_by}: "
+            "their token table samples differ"
+        )
 
     def _choose_model(self) -> None:
         """`model`: the one most serving replicas serve; on a tie the one served so far stays."""
-        counts = Counter(model for replica, model in self._models.items() if model is not None)
-        if not counts:
-            return
-        most = max(counts.values())
-        if counts.get(self.model or "", 0) == most:
-            return
-        chosen = next(model for model, count in counts.items() if count == most)
-        if self.model is not None:
+        chosen = choose_model([m for m in self._models.values() if m is not None], self._model)
+        if self._model is not None and chosen is not None and not chosen.is_same(self._model):
+            checkpoint = " (another checkpoint)" if chosen.name == self._model.name else ""
             log.warning(
-                "the decoder replicas now serve model %r (%d of them), not %r", chosen, most, self.model
+                "the decoder replicas now serve model %r%s, not %r", chosen.name, checkpoint, self._model.name
             )
-        self.model = chosen
+        self._model = chosen
 
     def _update(self) -> None:
         self._choose_model()

@@ -1,0 +1,51 @@
+"""A decoder replica's model is its name and, from decoders that report one, its token table sample;
+the gateway serves the model most serving replicas serve, the one served so far on a tie."""
+
+from __future__ import annotations
+
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
+from tandem.common.token_table_sample import TableSample
+from tandem.gateway.replica_model import ReplicaModel, choose_model
+
+BASE = TableSample(1024, 64, tuple((i - 64) / 100 for i in range(128)))
+TUNED = TableSample(1024, 64, tuple(-v for v in BASE.values))  # one shape, other weights
+BASE_BF16 = TableSample(1024, 64, tuple(v * (1 + 2.0**-9) for v in BASE.values))  # rounded elsewhere
+
+A = ReplicaModel("m", BASE)
+B = ReplicaModel("m", TUNED)
+OLD = ReplicaModel("m", None)  # a decoder from before the sample
+
+
+def test_one_name_over_two_checkpoints_is_two_models() -> None:
+    assert not A.is_same(B) and not B.is_same(A)
+    assert A.is_same(ReplicaModel("m", BASE_BF16))
+    assert not A.is_same(ReplicaModel("n", BASE))
+
+
+def test_a_decoder_without_a_sample_is_compared_by_its_name_alone() -> None:
+    assert OLD.is_same(A) and OLD.is_same(B) and A.is_same(OLD)
+    assert not OLD.is_same(ReplicaModel("n", None))
+
+
+def test_a_model_is_read_from_a_replicas_model_info_with_or_without_its_sample() -> None:
+    sample = encoder_pb2.TokenTableSample(vocab_size=1024, hidden_size=64, values=BASE.values)
+    info = decoder_pb2.DecoderGetModelInfoResponse(model="m", token_table_sample=sample)
+    assert ReplicaModel.from_info(info).is_same(A) and not ReplicaModel.from_info(info).is_same(B)
+    assert ReplicaModel.from_info(decoder_pb2.DecoderGetModelInfoResponse(model="m")) == OLD
+
+
+def test_most_replicas_choose_the_checkpoint_and_a_tie_keeps_the_one_served() -> None:
+    assert choose_model([B, A, A], None) == A
+    assert choose_model([A, B], B) == B
+    assert choose_model([A, B], None) == A  # none served yet: the first found
+
+
+def test_older_decoders_count_for_every_checkpoint_of_their_name_and_choose_none() -> None:
+    assert choose_model([OLD, A, B], A) == A  # 2 each: A stays, and B is still another model
+    assert choose_model([OLD, OLD], None) == OLD
+    # Chosen while only older decoders answered, it gives way to the first sample of its name.
+    assert choose_model([OLD, B], OLD) == B
+
+
+def test_without_a_known_model_the_one_served_stays() -> None:
+    assert choose_model([], A) == A
