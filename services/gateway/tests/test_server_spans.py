@@ -75,6 +75,10 @@ async def test_a_span_is_named_by_the_route_not_the_path_and_a_5xx_is_an_error(t
     span = _only(exporter)
     assert span.name == "GET /v1/models/{model}" and span.attributes["http.route"] == "/v1/models/{model}"
     assert span.attributes["http.response.status_code"] == 503
+    assert (span.attributes["http.request.method"], span.attributes["error.type"]) == ("GET", "503")
+    assert span.attributes["url.path"] == ("/v1/models/" + "m" * 7000)[: otel.MAX_ATTRIBUTE_CHARS]
+    assert span.attributes["client.address"] == "127.0.0.1"
+    assert not [k for k in span.attributes if k in ("http.method", "http.status_code", "http.target")]
     assert span.status.status_code is StatusCode.ERROR
 
 

@@ -55,6 +55,7 @@ from tandem.gateway.decoder_info import DecoderInfo
 from tandem.gateway.embed_request import embed_request
 from tandem.gateway.encoder_info import EncoderInfo
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
+from tandem.gateway.http_span import request_attributes, response_attributes, route_of, span_name
 from tandem.gateway.image_bytes import over_cap, refusal_asking_again
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
@@ -232,14 +233,13 @@ class Gateway:
 
     @web.middleware
     async def _trace(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """The request's server span, outside `_errors` so that it sees the status the caller gets, and
-        inside `_authenticate`, so that a request without a token makes none. Named by the route, not
-        the path (every unknown path had its own name, a 7 KB path a 7 KB name); ERROR only for a 5xx,
-        the server's failure (a 400 or 404 was ERROR, as the exception behind it passed through). A
-        caller that leaves is no failure of the server either: its span says so and stays unset (it was
-        ERROR where the SDK marks a span its CancelledError leaves, as opentelemetry-sdk 1.31.0 did). A
-        request the gateway ends itself, its caller still there, is its failure to answer: ERROR (it
-        said the caller had left)."""
+        """The request's server span (`http_span.py`: its name and attributes), outside `_errors` so
+        that it sees the status the caller gets, and inside `_authenticate`, so that a request without
+        a token makes none. ERROR only for a 5xx, the server's failure (a 400 or 404 was ERROR, as the
+        exception behind it passed through). A caller that leaves is no failure of the server either:
+        its span says so and stays unset (it was ERROR where the SDK marks a span its CancelledError
+        leaves, as opentelemetry-sdk 1.31.0 did). A request the gateway ends itself, its caller still
+        there, is its failure to answer: ERROR (it said the caller had left)."""
         if self.tracer is None or self._unauthenticated(request) is not None:
             return await handler(request)
         from opentelemetry import propagate, trace
@@ -247,19 +247,16 @@ class Gateway:
         # Every value of a repeated header: the propagator treats a repeated traceparent as invalid.
         carrier = {name: request.headers.getall(name, []) for name in _PROPAGATED_HEADERS}
         context = propagate.extract(carrier)
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else None
-        name = request.method if route is None else f"{request.method} {route}"
+        route = route_of(request)
         # `_errors` answers every Exception (a bug as a 500): only the caller's leaving passes through.
         with self.tracer.start_as_current_span(
-            name,
+            span_name(request, route),
             context=context,
             kind=trace.SpanKind.SERVER,
+            attributes=request_attributes(request, route),
             record_exception=False,
             set_status_on_exception=False,
         ) as span:
-            if route is not None:
-                span.set_attribute("http.route", route)
             try:
                 response = await handler(request)
             except asyncio.CancelledError:  # aiohttp cancels the handler whose connection ended
@@ -268,7 +265,7 @@ class Gateway:
                 else:  # the gateway ended it (shutdown past its grace, write timeout): its failure to answer
                     span.set_status(trace.StatusCode.ERROR, GATEWAY_CUT)
                 raise
-            span.set_attribute("http.response.status_code", response.status)
+            span.set_attributes(response_attributes(response.status))
             if response.status >= 500:
                 span.set_status(trace.StatusCode.ERROR)
             return response
