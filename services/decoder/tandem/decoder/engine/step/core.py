@@ -461,6 +461,7 @@ class EngineCore:
                     step_seconds,
                     self.max_grammar_seconds_per_step,
                     num_rows=1 + by_key[key].num_draft_tokens,
+                    mask_seconds=by_key[key].request.constraint.mask_seconds,  # type: ignore[union-attr]
                 ),
             )
             for key in over_budget(seconds, self.max_grammar_seconds_per_step, heavy)

@@ -91,15 +91,25 @@ def row_seconds_ahead(last: float, before: float) -> float:
 
 
 def over_budget_error(
-    field: str, seconds: float, step_seconds: float, max_seconds: float, num_rows: int = 1
+    field: str,
+    seconds: float,
+    step_seconds: float,
+    max_seconds: float,
+    num_rows: int = 1,
+    *,
+    mask_seconds: float,
 ) -> TandemError:
     """Why a request failed for the step's grammar budget, naming its field and the limit: its
     `seconds` over its `num_rows` (its own and its verifying rows). RESOURCE_EXHAUSTED where it failed
     among others, a retry among fewer may fit; INVALID_ARGUMENT where one row of it alone, one token's
-    mask, costs over the whole budget: no step fits it, and the retry RESOURCE_EXHAUSTED invites (its
-    Retry-After) would fail the same way at the same point of its answer, for ever."""
+    mask, costs over the whole budget, and so do its masks on average (`mask_seconds`, its
+    `Constraint.mask_seconds`, this step's among them): no step fits it, and the retry
+    RESOURCE_EXHAUSTED invites (its Retry-After) would fail the same way at the same point of its
+    answer, for ever. Not from the step's measure alone, which is noisy: the same work at the cap
+    measured 246.8 ms in one run (passed) and 250.2-258.8 in others (INVALID_ARGUMENT for the same
+    request); where only the step is over, it failed among the step's work, and may be retried."""
     row_seconds = seconds / num_rows
-    if row_seconds > max_seconds:
+    if row_seconds > max_seconds and mask_seconds > max_seconds:
         return InvalidArgument(
             field,
             f"the grammar's work for one token took {row_seconds * 1000:.1f} ms of CPU in one step, over "
