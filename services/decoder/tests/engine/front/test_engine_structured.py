@@ -15,7 +15,7 @@ from services.decoder.tests.engine.engine_helpers import RecordingMatcher
 from services.decoder.tests.engine.engine_helpers import finished as _finished
 from services.decoder.tests.engine.engine_helpers import run_concurrently as _run_concurrently
 from services.decoder.tests.engine.engine_helpers import tokens as _tokens
-from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.client.errors import InvalidArgument
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt
@@ -399,8 +399,9 @@ def test_a_request_whose_matcher_grows_past_its_callers_memory_fails_alone_and_f
     tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A matcher's lexer states are charged as they grow while decoding (sampling/grammar_growth.py):
-    one whose growth its caller's limit refuses ends RESOURCE_EXHAUSTED naming its field and the limit,
-    its KV blocks and charge given back, and the request beside it answers as it does alone."""
+    one whose growth its caller's limit refuses ends naming its field and the limit (INVALID_ARGUMENT:
+    its caller's only grammar, over the limit alone), its KV blocks and charge given back, and the
+    request beside it answers as it does alone."""
     greedy = SamplingParams(temperature=0.0)
     beside = GenerateSpec([[5, 6]], greedy, StoppingParams(max_new_tokens=48, ignore_eos=True))
     growing = GenerateSpec(
@@ -419,7 +420,7 @@ def test_a_request_whose_matcher_grows_past_its_callers_memory_fails_alone_and_f
         assert engine.core.num_live() == 0 and engine.core.block_manager.num_free_blocks == free
     assert _tokens(events[0]) == alone and isinstance(events[0][-1], Finished)
     failed = events[1][-1]
-    assert isinstance(failed, Failed) and isinstance(failed.error, ResourceExhausted)
+    assert isinstance(failed, Failed) and isinstance(failed.error, InvalidArgument)
     assert str(failed.error).startswith("structured.regex: the grammar's matcher grew while decoding")
-    assert "the limit is 4 MiB per caller" in str(failed.error)
+    assert "over the 4 MiB a caller's live grammars may hold" in str(failed.error)
     assert memory.held() == 0

@@ -4,21 +4,24 @@ its field and the limit."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import tokenizers
 import torch
 
-from tandem.client.errors import ResourceExhausted
+from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.params import StructuredOutput
 from tandem.decoder.engine.sampling.grammar_growth import (
     BYTES_PER_LEXER_STATE,
     FIRST_MAX_LEXER_STATES,
+    MeteredMatcher,
     growth_bytes,
 )
 from tandem.decoder.engine.sampling.grammar_memory import MIB, GrammarMemoryBudget
-from tandem.decoder.engine.sampling.structured import Constraint, GrammarCompiler
+from tandem.decoder.engine.sampling.structured import Constraint, GrammarCompiler, on_deep_stack
 
 # Every character a new lexer state, and each mask explores the tokens that go on from it: about 60
 # states a token of one character with SmolLM2's vocabulary, past the first tranche within 20.
@@ -100,22 +103,94 @@ def test_a_proposal_rolled_back_across_a_rebuild_leaves_the_state_where_it_was(
     assert torch.equal(constraint.allowed(), reference.allowed())
 
 
-def test_a_growth_past_its_callers_limit_fails_that_request_naming_its_field_and_the_limit(
+def test_a_growth_past_its_callers_limit_among_its_other_grammars_fails_that_request_for_a_retry(
     compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(compiler, "memory", GrammarMemoryBudget(max_bytes_per_caller=8 * MIB))
+    others = compiler.memory.reserve("a", "structured.regex", 3 * MIB)  # its other live grammars'
     growing = compiler.constraint(GROWING, caller="a")
     neighbour = compiler.constraint(GROWING, caller="b")
     tokens = answer[:400]
     masks = _decode(growing, tokens)
     error = growing.error()
-    assert isinstance(error, ResourceExhausted) and len(masks) < len(tokens)
+    assert isinstance(error, ResourceExhausted) and error.retry_after_s and len(masks) < len(tokens)
+    # Counted: the tokens sent, not the failing step's (its token is never sent).
     assert str(error).startswith(
-        f"structured.regex: the grammar's matcher grew while decoding, after {len(masks)} tokens of the "
-        "answer past "
+        f"structured.regex: the grammar's matcher grew while decoding, after {len(masks) - 1} tokens of "
+        "the answer past "
     )
     assert "the limit is 8 MiB per caller" in str(error)
-    assert compiler.memory.held("a") == growing.memory_bytes <= 8 * MIB
+    assert compiler.memory.held("a") == growing.memory_bytes + 3 * MIB <= 8 * MIB
     # Another caller's request of the same grammar goes on within its own limit (half the answer).
     assert len(_decode(neighbour, tokens[: len(masks) // 2])) == len(masks) // 2
     assert neighbour.error() is None
+    others()
+
+
+def test_a_growth_that_alone_passes_its_callers_limit_is_invalid_not_a_retry_that_fails_for_ever(
+    compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caller's only grammar: no other's end would make room, so a retry fails at the same token.
+    monkeypatch.setattr(compiler, "memory", GrammarMemoryBudget(max_bytes_per_caller=8 * MIB))
+    growing = compiler.constraint(GROWING, caller="a")
+    masks = _decode(growing, answer[:400])
+    error = growing.error()
+    assert isinstance(error, InvalidArgument) and error.field == "structured.regex"
+    assert f"after {len(masks) - 1} tokens of the answer" in str(error)
+    assert "its matcher alone would hold about" in str(error) and "over the 8 MiB" in str(error)
+
+
+class _FillingMatcher:
+    """An llguidance matcher's stand-in that fills its lexer states at its third mask unless built past
+    the first tranche, and whose replay costs REPLAY_CPU_S of CPU: a rebuild's, timed."""
+
+    REPLAY_CPU_S = 0.05
+
+    def __init__(self, max_states: int) -> None:
+        self.max_states = max_states
+        self.num_tokens = 0
+        self.error = ""
+
+    def compute_bitmask(self) -> bytes:
+        if self.num_tokens == 2 and self.max_states <= FIRST_MAX_LEXER_STATES:
+            self.error = f"too many states: {self.max_states} >= {self.max_states}"
+        return b"\xff" * 4
+
+    def consume_token(self, token_id: int) -> bool:
+        self.num_tokens += 1
+        return True
+
+    def consume_tokens(self, token_ids: list[int]) -> int:
+        start = time.thread_time()
+        while time.thread_time() - start < self.REPLAY_CPU_S:
+            pass
+        self.num_tokens += len(token_ids)
+        return len(token_ids)
+
+    def is_stopped(self) -> bool:
+        return bool(self.error)
+
+    def is_error(self) -> bool:
+        return bool(self.error)
+
+    def get_error(self) -> str:
+        return self.error
+
+
+def test_a_rebuild_and_its_replay_are_not_the_grammars_work_and_count_in_no_cpu_limit() -> None:
+    # A replay is the answer's parsing again in one step (`s: s s | "a"` after 300 tokens: 333 ms);
+    # counted, it failed for the CPU limits a request that finishes unmetered.
+    threads = []
+
+    def aside(work):  # noqa: ANN001, ANN202 (MeteredMatcher's `aside`)
+        threads.append(threading.current_thread())
+        return on_deep_stack(work)
+
+    metered = MeteredMatcher(_FillingMatcher, 50_000, aside=aside)
+    constraint = Constraint(metered, 32, max_token_cpu_seconds=0.005)  # counted, 6.3 ms
+    for token_id in (1, 2, 3):
+        constraint.allowed()
+        constraint.accept(token_id)
+    assert metered.max_states == 2 * FIRST_MAX_LEXER_STATES and threads  # built again, aside
+    assert metered.rebuild_seconds >= _FillingMatcher.REPLAY_CPU_S
+    assert constraint.mask_seconds < 0.005 and constraint.error() is None

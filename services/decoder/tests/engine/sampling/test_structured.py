@@ -517,6 +517,21 @@ def test_a_schema_that_is_only_a_reference_to_itself_admits_no_answer_in_words_w
     assert "<non-verbose/>" not in error.value.description
 
 
+def test_a_grammar_that_makes_llguidance_panic_is_refused_in_its_first_line_without_the_backtrace(
+    compiler: GrammarCompiler, caplog: pytest.LogCaptureFixture
+) -> None:
+    # llguidance 1.9.1 panics on this grammar's first mask; its error held the panic's backtrace
+    # (frames, and the paths llguidance was built at), which reached the client.
+    source = 'start: w "x"\nw[lazy]: /[\\w .]{0,1000}/\n'
+    with pytest.raises(InvalidArgument) as error:
+        compiler.constraint(StructuredOutput("grammar", source))
+    assert error.value.field == "structured.grammar"
+    assert error.value.description == (
+        "admits no answer: no text can begin it (panic: assertion failed: !state.has_lowest_match())"
+    )
+    assert "backtrace" in caplog.text  # logged for the operator
+
+
 def test_a_schema_past_llguidances_own_size_bound_is_refused_naming_the_bound_and_what_multiplies(
     compiler: GrammarCompiler,
 ) -> None:

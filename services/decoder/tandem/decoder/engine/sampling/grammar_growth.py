@@ -21,6 +21,13 @@ the states of its answer's path and of its next mask, not those its earlier mask
 held 12.3 MB after 700 tokens against 48.2 unmetered (charged 36.7), its 5 rebuilds over 900 tokens 4-20
 ms each and its CPU in all unchanged.
 
+NOTE: a rebuild and its replay are metering's work, not the grammar's, and run on a thread of their own
+(`aside`: structured.py's deep-stack building thread, where a grammar is compiled; the step's thread
+waits for it). The grammar's CPU limits, per token and per step, time their own thread's CPU, so they
+never count it: a replay of an ambiguous grammar's answer is the whole answer's parsing again (`s: s s |
+"a"` after 300 tokens: 333 ms in one step), and counted, it failed INVALID_ARGUMENT ("no step fits it")
+a request that finishes unmetered. `rebuild_seconds` says what they cost.
+
 Not counted here: the parser's rows, about 0.5 KB a token for ordinary grammars (0.95 MB over 2,000
 tokens of a JSON schema), which the floor covers, and the items an ambiguous grammar's rows hold (11
 KB a token for `s: s s | "a"`), which the per-token CPU limit stops within a few hundred tokens.
@@ -28,7 +35,9 @@ KB a token for `s: s s | "a"`), which the per-token CPU limit stops within a few
 
 from __future__ import annotations
 
+import functools
 import re
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -54,8 +63,15 @@ class MeteredMatcher:
     Constraint's. `charge(nbytes)` charges a tranche (raising where refused); None until the request's
     matcher is charged at all (while it is built), when tranches are only counted (`max_states`)."""
 
-    def __init__(self, build: Callable[[int], object], max_lexer_states: int) -> None:
+    def __init__(
+        self,
+        build: Callable[[int], object],
+        max_lexer_states: int,
+        aside: Callable[[Callable[[], object]], object] = lambda work: work(),
+    ) -> None:
         self._build = build  # a fresh llguidance matcher of the grammar at the given state limit
+        self._aside = aside  # runs a rebuild and its replay, on a thread of their own (the NOTE)
+        self.rebuild_seconds = 0.0  # CPU time its rebuilds and replays took, on that thread
         self._max_lexer_states = max_lexer_states  # the most it may ever have (structured.py's)
         self.max_states = min(FIRST_MAX_LEXER_STATES, max_lexer_states)  # its limit now
         self._matcher = build(self.max_states)
@@ -112,9 +128,16 @@ class MeteredMatcher:
                     return result
                 self.charged_bytes += nbytes
             self.max_states = limit
-            self._matcher = self._build(limit)
-            if self._tokens:
-                self._matcher.consume_tokens(self._tokens)  # type: ignore[attr-defined]
+            self._matcher = self._aside(functools.partial(self._rebuilt, limit, list(self._tokens)))
+
+    def _rebuilt(self, max_states: int, tokens: list[int]) -> object:
+        """A fresh matcher at `max_states`, given `tokens` (the answer so far), on the thread it runs on."""
+        start = time.thread_time()
+        matcher = self._build(max_states)
+        if tokens:
+            matcher.consume_tokens(tokens)  # type: ignore[attr-defined]
+        self.rebuild_seconds += time.thread_time() - start
+        return matcher
 
 
 def growth_refusal(field: str, num_tokens: int, max_states: int, refusal: TandemError) -> TandemError:

@@ -63,18 +63,24 @@ class GrammarMemoryBudget:
         with self._lock:
             return self._total if caller is None else self._held[caller]
 
-    def reserve(self, caller: str, field: str, nbytes: int) -> Callable[[], None]:
+    def reserve(self, caller: str, field: str, nbytes: int, held_by_it: int = 0) -> Callable[[], None]:
         """Charges `nbytes` to `caller`; returns what gives them back (call it once). Raises
         ResourceExhausted naming `field` where the caller's or the engine's matchers hold too much,
         InvalidArgument where this one alone is over a limit: no wait would let it in, and a retry
-        (RESOURCE_EXHAUSTED says when) would be refused for ever."""
+        (RESOURCE_EXHAUSTED says when) would be refused for ever. `held_by_it`: what the same matcher
+        is charged already, where `nbytes` is its growth (grammar_growth.py), counted in "alone"."""
         limit = min(self.max_bytes_per_caller, self.max_bytes)
-        if nbytes > limit:
-            raise InvalidArgument(
-                field,
+        if held_by_it + nbytes > limit:
+            what = (
                 f"its matcher alone needs about {_mib(nbytes)} of memory (estimated from its build's CPU "
-                f"time), over the {_mib(limit)} a caller's live grammars may hold",
+                "time)"
             )
+            if held_by_it:
+                what = (
+                    f"its matcher alone would hold about {_mib(held_by_it + nbytes)} of memory "
+                    f"({_mib(held_by_it)} charged already, {_mib(nbytes)} more for its growth)"
+                )
+            raise InvalidArgument(field, f"{what}, over the {_mib(limit)} a caller's live grammars may hold")
         with self._lock:
             if self._held[caller] + nbytes > self.max_bytes_per_caller:
                 raise ResourceExhausted(

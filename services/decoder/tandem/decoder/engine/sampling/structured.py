@@ -46,6 +46,7 @@ computed on a helper thread while the model runs the step (llguidance releases t
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import threading
@@ -111,6 +112,7 @@ MAX_LEXER_STATES = 50_000
 # llguidance's bound on a compiled grammar's size (its max_grammar_size, left at its default).
 MAX_GRAMMAR_SIZE = 500_000
 NUM_MASKS_AVERAGED = 8  # masks whose CPU time per token is averaged against the limit (the NOTE)
+log = logging.getLogger(__name__)
 _STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one setter at a time
 
 T = TypeVar("T")
@@ -153,6 +155,7 @@ class Constraint:
     ) -> None:
         self._matcher = matcher
         self._first_bitmask = first_bitmask
+        self._num_masked = 0  # tokens taken before its last mask: those sent before its step's
         self.vocab_size = vocab_size
         self.field = field  # the request's field that asked for it (structured.regex, ...)
         self.eos_token_ids = eos_token_ids  # the model's: sampled, one always ends the answer
@@ -176,6 +179,7 @@ class Constraint:
         # The first mask, given, opens its entry at what it costs here (nothing): the averages weigh
         # the grammar work the engine does.
         first, self._first_bitmask = self._first_bitmask, None
+        self._num_masked = self.num_accepted
         compute = self._matcher.compute_bitmask if first is None else lambda: first  # type: ignore[attr-defined]
         bitmask = self._timed(compute, is_mask=True)
         words = np.frombuffer(bitmask, dtype="<u4")
@@ -238,7 +242,9 @@ class Constraint:
         error for it, which names only its state limit."""
         metered = self.metered
         if metered is not None and metered.refusal is not None:
-            return growth_refusal(self.field, self.num_accepted, metered.max_states, metered.refusal)
+            # Counted: the tokens sent, those before the step it was refused in (the step's are not).
+            num_sent = min(self._num_masked, self.num_accepted)
+            return growth_refusal(self.field, num_sent, metered.max_states, metered.refusal)
         if self._eos_inside is not None:
             return InvalidArgument(
                 self.field,
@@ -364,8 +370,15 @@ class GrammarCompiler:
         # Its states built so far over its floor (grammar_growth.py) are charged with its build.
         nbytes = estimated_bytes(started.build_cpu_seconds) + growth_bytes(matcher.max_states)
         releases = [self.memory.reserve(caller, spec.field, nbytes)]  # refused: the matcher goes with it
-        # Its lexer states as they grow, a tranche at a time; a refusal fails its request.
-        matcher.charge = lambda tranche: releases.append(self.memory.reserve(caller, spec.field, tranche))
+        # Its lexer states as they grow, a tranche at a time; a refusal fails its request. What it holds
+        # already is told, so a growth over a limit by itself is refused as such (grammar_memory.py).
+        held = [nbytes]  # not the matcher's own count: a closure holding the matcher would be a cycle
+
+        def charge(tranche: int) -> None:
+            releases.append(self.memory.reserve(caller, spec.field, tranche, held_by_it=held[0]))
+            held[0] += tranche
+
+        matcher.charge = charge
         constraint = Constraint(
             matcher,
             self.vocab_size,
@@ -403,7 +416,10 @@ class GrammarCompiler:
 
     def _metered(self, verdict: _Verdict) -> MeteredMatcher:
         """A request's matcher, its lexer states charged as they grow (grammar_growth.py)."""
-        return MeteredMatcher(lambda max_states: self._matcher(verdict, max_states), MAX_LEXER_STATES)
+        # Its rebuilds on a deep stack, as its first build: building a matcher compiles its grammar.
+        return MeteredMatcher(
+            lambda max_states: self._matcher(verdict, max_states), MAX_LEXER_STATES, aside=on_deep_stack
+        )
 
     def _warm(self, verdict: _Verdict) -> _Started:
         """A request's matcher for an accepted verdict, its first mask computed, as a first build's is:
@@ -575,7 +591,12 @@ def _nesting_depth(value: object) -> int:
 
 def _llguidance_reason(message: str) -> str:
     """llguidance's error, less its markers ('<non-verbose/>', under verbose_errors=False) and its
-    empty words ('no error message'): what is left, if anything, says something."""
+    empty words ('no error message'): what is left, if anything, says something. A panic's is its
+    first line: its backtrace (frames, and llguidance's build paths) is logged, not told the client
+    (`start: w "x"`, `w[lazy]: /[\\w .]{0,1000}/` panics on its first mask)."""
+    if "<backtrace>" in message:
+        message, _, backtrace = message.partition("<backtrace>")
+        log.warning("llguidance failed: %s; its backtrace: %s", message.strip(), backtrace.strip())
     text = _short(message.replace("<non-verbose/>", "").replace("no error message", ""))
     return text.strip(" ;:,.")
 
