@@ -21,6 +21,13 @@ def test_a_request_is_described_by_its_method_scheme_path_route_and_protocol_nev
     assert span_name(request, "/v1/chat/completions") == "POST /v1/chat/completions"
 
 
+def test_the_path_is_recorded_as_sent_percent_encoded_so_no_nul_newline_or_bidi_control_reaches_a_span() -> (
+    None
+):
+    request = make_mocked_request("GET", "/v1/a%0Ab%00c%E2%80%AEevil?api_key=sk-secret")
+    assert request_attributes(request, None)["url.path"] == "/v1/a%0Ab%00c%E2%80%AEevil"
+
+
 def test_an_invented_method_is_other_and_names_no_span() -> None:
     request = make_mocked_request("X" * 7000, "/nowhere")
     attributes = request_attributes(request, None)

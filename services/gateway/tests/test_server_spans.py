@@ -1,7 +1,7 @@
 """The gateway's server span: named by the route (the method alone for a path no route matches),
 carrying the status the caller got, ERROR only for a 5xx (a caller that leaves is none; a request the
-gateway itself cuts is), and the caller's trace context read by the services' rules (a repeated
-traceparent is none)."""
+gateway itself cuts is, its error.type `tandem.gateway_cut`, with the status it had sent), and the
+caller's trace context read by the services' rules (a repeated traceparent is none)."""
 
 from __future__ import annotations
 
@@ -116,8 +116,9 @@ async def test_a_caller_that_disconnects_mid_stream_leaves_the_status_unset_and_
         await decoder.wait_until_none_open()
         await _until(lambda: [s for s in exporter.get_finished_spans() if s.name.startswith("POST")])
     (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("POST")]
-    assert span.status.status_code is StatusCode.UNSET
+    assert span.status.status_code is StatusCode.UNSET and "error.type" not in span.attributes
     assert span.attributes[otel.TANDEM_CALLER_DISCONNECTED] is True
+    assert span.attributes["http.response.status_code"] == 200  # sent before it left
 
 
 def _posts(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
@@ -140,6 +141,10 @@ async def test_a_stream_the_gateways_shutdown_cuts_is_its_error_not_a_caller_tha
     (span,) = _posts(exporter)
     assert span.status.status_code is StatusCode.ERROR and span.status.description == GATEWAY_CUT
     assert otel.TANDEM_CALLER_DISCONNECTED not in span.attributes
+    # The conventions' error.type for a request ended in error, and the 200 its head had been sent with:
+    # the span had neither.
+    assert span.attributes["error.type"] == "tandem.gateway_cut"
+    assert span.attributes["http.response.status_code"] == 200
 
 
 async def test_a_stream_its_write_timeout_cuts_is_the_gateways_error_not_a_caller_that_left() -> None:
@@ -160,3 +165,7 @@ async def test_a_stream_its_write_timeout_cuts_is_the_gateways_error_not_a_calle
     (span,) = _posts(exporter)
     assert span.status.status_code is StatusCode.ERROR and span.status.description == GATEWAY_CUT
     assert otel.TANDEM_CALLER_DISCONNECTED not in span.attributes
+    # The conventions' error.type for a request ended in error, and the 200 its head had been sent with:
+    # the span had neither.
+    assert span.attributes["error.type"] == "tandem.gateway_cut"
+    assert span.attributes["http.response.status_code"] == 200

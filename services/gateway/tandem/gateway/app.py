@@ -55,7 +55,15 @@ from tandem.gateway.decoder_info import DecoderInfo
 from tandem.gateway.embed_request import embed_request
 from tandem.gateway.encoder_info import EncoderInfo
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
-from tandem.gateway.http_span import request_attributes, response_attributes, route_of, span_name
+from tandem.gateway.http_span import (
+    cut_attributes,
+    left_attributes,
+    note_sent_status,
+    request_attributes,
+    response_attributes,
+    route_of,
+    span_name,
+)
 from tandem.gateway.image_bytes import over_cap, refusal_asking_again
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
@@ -110,6 +118,8 @@ class Gateway:
             client_max_size=self.config.max_body_bytes,
             middlewares=[self._unread_body, self._trace, self._errors, self._authenticate],
         )
+        if self.tracer is not None:  # the status a span of a request cut after its head was sent says
+            app.on_response_prepare.append(note_sent_status)
         app.router.add_get(HEALTH_PATH, self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)  # names may hold a "/"
@@ -261,8 +271,9 @@ class Gateway:
                 response = await handler(request)
             except asyncio.CancelledError:  # aiohttp cancels the handler whose connection ended
                 if is_left_by_caller(request):
-                    span.set_attribute(TANDEM_CALLER_DISCONNECTED, True)
+                    span.set_attributes({TANDEM_CALLER_DISCONNECTED: True, **left_attributes(request)})
                 else:  # the gateway ended it (shutdown past its grace, write timeout): its failure to answer
+                    span.set_attributes(cut_attributes(request))
                     span.set_status(trace.StatusCode.ERROR, GATEWAY_CUT)
                 raise
             span.set_attributes(response_attributes(response.status))
