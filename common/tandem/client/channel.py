@@ -28,6 +28,7 @@ import ipaddress
 import json
 import re
 import socket
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,24 +123,37 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
 
 def server_of(address: str | Sequence[str]) -> tuple[str, int | None] | None:
     """The server `address` names, as the semantic conventions' `server.address` and `server.port`: a
-    host:port's host and port, a dns: target's name and port (the group its addresses serve), a unix
-    socket's path (no port); None for several servers (no one of them is the call's) or another form."""
+    host:port's host and port, a dns: target's name and port (the group its addresses serve; without a
+    port, gRPC's default for the name, 443, the port its calls go to), a unix socket's path (no port);
+    None for several servers (no one of them is the call's) or another form."""
     addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address)]
     if len(addresses) != 1:
         return None
     (target,) = addresses
-    if target.startswith(("unix:", "unix-abstract:")):
-        return target.partition(":")[2], None
+    if target.startswith("unix:"):  # unix:path, or unix:///absolute/path (an empty authority)
+        path = target.removeprefix("unix:")
+        return (path[2:] if path.startswith("///") else path), None
+    if target.startswith("unix-abstract:"):
+        return target.removeprefix("unix-abstract:"), None
     if target.startswith("dns:"):  # dns:name:port, dns:///name:port, dns://resolver/name:port
         target = target.removeprefix("dns:")
         if target.startswith("//"):
             target = target[2:].partition("/")[2]
+        if not target.rpartition("]")[2].count(":"):  # no port: gRPC's resolver gives the name's 443
+            target += f":{DNS_DEFAULT_PORT}"
+    elif target.startswith("ipv6:"):  # a URI: a zone's "%" is written %25 (fe80::1%25eth0)
+        target = urllib.parse.unquote(target.removeprefix("ipv6:"))
     else:
-        target = target.removeprefix("ipv4:").removeprefix("ipv6:")
+        target = target.removeprefix("ipv4:")
     try:
         return _host_port(target)
     except ValueError:
         return None
+
+
+# The port gRPC's dns resolver gives a name without one, plaintext or not (C-core's kDefaultSecurePort,
+# "https"; its naming doc: "If not specified, 443 is used").
+DNS_DEFAULT_PORT = 443
 
 
 # gRPC's own target schemes other than dns: (its naming doc), passed to gRPC as written: one server

@@ -142,6 +142,10 @@ class FreezableProxy:
         ("dns:///decoder.tandem.svc:50052", ("decoder.tandem.svc", 50052)),
         ("dns://10.0.0.2/decoder:50052", ("decoder", 50052)),
         ("unix:/run/tandem.sock", ("/run/tandem.sock", None)),
+        ("unix:///run/tandem.sock", ("/run/tandem.sock", None)),  # an empty authority: was '///run/...'
+        ("ipv6:[fe80::1%25eth0]:50052", ("fe80::1%eth0", 50052)),  # the URI's %25 is the zone's %
+        ("dns:///decoder.tandem.svc", ("decoder.tandem.svc", 443)),  # gRPC's port for it: was None
+        ("dns:[::1]", ("::1", 443)),
         ("a:1,b:2", None),  # several: no one of them is the call's server
         (["a:1", "b:2"], None),
     ],
