@@ -3,8 +3,13 @@
 NOTE: the end is told when the caller reads it, the stream's end (EOF) or its error, before that read
 returns. A one-shot command (`tandem generate`) shuts its telemetry down right after: what a task
 started from gRPC's done callback recorded ran later, if at all (the span was missing in 3 of 5 runs
-until b3c9226, and the duration point the same way). The done callback tells the end only of a call
-its caller stopped reading (cancelled, or left before its end).
+until b3c9226, and the duration point the same way). gRPC's done callback tells the rest: a call
+cancelled (by its caller, or its task's cancellation), past its deadline, or ended by its channel's
+close. It does not tell a call its caller merely stopped reading: gRPC completes a stream's status only
+once its messages are read, so such a call stays open, its server generating, until its deadline or
+its channel's close (grpc.aio's own cancel of a collected call never comes: its pending status holds
+it). A stream its caller drops, unended, therefore cancels its call (`_cancel_dropped`): its observers
+are told CANCELLED, and the server stops.
 
 OpenTelemetry-free, as the client is: the observers are the telemetry's.
 """
@@ -12,6 +17,7 @@ OpenTelemetry-free, as the client is: the observers are the telemetry's.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -28,14 +34,46 @@ class StreamObserver(Protocol):
         """The call's end, once: the code its caller gets."""
 
 
+class _Ending:
+    """The observers and whether they have heard the end: shared by the stream and gRPC's done
+    callback, which must not hold the stream (it would never be dropped)."""
+
+    def __init__(self, observers: Sequence[StreamObserver]) -> None:
+        self.observers = tuple(observers)
+        self.is_ended = False
+
+    def end(self, code: grpc.StatusCode, details: str | None) -> None:
+        if self.is_ended:
+            return
+        self.is_ended = True
+        for observer in self.observers:
+            observer.on_end(code, details)
+
+    def on_done(self, call: grpc.aio.Call) -> None:
+        if self.is_ended:  # read() saw the end first
+            return
+
+        async def end() -> None:
+            self.end(await call.code(), await call.details())
+
+        _pending.add(task := asyncio.get_running_loop().create_task(end()))
+        task.add_done_callback(_pending.discard)
+
+
 class ObservedStream:
-    """A server-streaming call whose responses and end go to `observers`; everything else is the call."""
+    """A server-streaming call whose responses and end go to `observers`; everything else is the call.
+    Its caller keeps it while it wants the call: dropped unended, its call is cancelled (the NOTE)."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, observers: Sequence[StreamObserver]) -> None:
         self._call = call
-        self._observers = tuple(observers)
-        self._is_ended = False
-        call.add_done_callback(self._on_done)
+        self._ending = _Ending(observers)
+        call.add_done_callback(self._ending.on_done)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # started outside the loop (grpc.aio takes the channel's): left uncancelled
+            return
+        # Not at exit: the loop is gone by then, and the channel's close ends the call.
+        weakref.finalize(self, _cancel_dropped, loop, call).atexit = False
 
     def __getattr__(self, name: str) -> Any:  # cancel(), code(), details(), ...
         return getattr(self._call, name)
@@ -53,31 +91,23 @@ class ObservedStream:
         try:
             response = await self._call.read()
         except grpc.aio.AioRpcError as error:
-            self._end(error.code(), error.details())
+            self._ending.end(error.code(), error.details())
             raise
         if response is grpc.aio.EOF:
-            self._end(await self._call.code(), await self._call.details())
+            self._ending.end(await self._call.code(), await self._call.details())
         else:
-            for observer in self._observers:
+            for observer in self._ending.observers:
                 observer.on_response(response)
         return response
 
-    def _end(self, code: grpc.StatusCode, details: str | None) -> None:
-        if self._is_ended:
-            return
-        self._is_ended = True
-        for observer in self._observers:
-            observer.on_end(code, details)
 
-    def _on_done(self, call: grpc.aio.Call) -> None:
-        if self._is_ended:  # read() saw the end first
-            return
-
-        async def end() -> None:
-            self._end(await call.code(), await call.details())
-
-        _pending.add(task := asyncio.get_running_loop().create_task(end()))
-        task.add_done_callback(_pending.discard)
+def _cancel_dropped(loop: asyncio.AbstractEventLoop, call: grpc.aio.Call) -> None:
+    """A dropped stream's call cancelled on its own loop: the collector may drop the stream on another
+    thread, and grpc.aio's call is the loop's alone (its cancel sets the loop's futures)."""
+    try:
+        loop.call_soon_threadsafe(call.cancel)  # a no-op for a call already done
+    except RuntimeError:  # the loop is closed, and the call's channel with it
+        pass
 
 
 _pending: set[asyncio.Task] = set()  # end-telling tasks, held until done so they are not collected

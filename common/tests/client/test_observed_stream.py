@@ -1,7 +1,8 @@
 """A stream's observers hear of its end once, by the time its caller has read the end or caught its
 error: a one-shot command (`tandem generate`) shuts its telemetry down right after, and what a task of
 gRPC's done callback recorded later was lost (the Generate duration point in 1 of 40 runs here, the span
-in 3 of 5 `tandem generate` runs). A call its caller stops reading is still told, by the done callback."""
+in 3 of 5 `tandem generate` runs). A call its caller cancels is still told, by the done callback, and a
+stream its caller drops unended is cancelled, so that it is told too (and its server stops)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,25 @@ from tandem.client.observed_stream import ObservedStream
 from tandem.client.pb.tandem.v1 import decoder_pb2
 
 
+class _Endless(Replica):
+    """Streams until cancelled, and says when it was."""
+
+    def __init__(self) -> None:
+        super().__init__("endless")
+        self.cancelled = asyncio.Event()
+
+    async def Generate(self, request, context):  # type: ignore[override]
+        try:
+            while True:
+                yield decoder_pb2.GenerateResponse(
+                    request_id=self.name, accepted=decoder_pb2.PromptAccepted()
+                )
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
 class _Call:
     """A finished call whose done callback has not run yet (it runs when the test says)."""
 
@@ -29,6 +49,9 @@ class _Call:
 
     def add_done_callback(self, callback) -> None:
         self.callbacks.append(callback)
+
+    def cancel(self) -> bool:
+        return False  # finished already
 
     async def read(self) -> object:
         if self._responses:
@@ -144,6 +167,28 @@ async def test_a_stream_its_caller_cancels_unread_is_recorded_once_by_the_done_c
                 while not _durations(reader):
                     await asyncio.sleep(0.005)
             await asyncio.sleep(0.05)  # a second point, had there been one, would be in by now
+            ((attributes, count),) = _durations(reader)
+    finally:
+        await server.stop(0)
+        telemetry.shutdown()
+    assert (attributes[otel.ERROR_TYPE], count) == ("CANCELLED", 1)
+
+
+async def test_a_stream_its_caller_drops_unended_is_cancelled_and_recorded_once() -> None:
+    # Left after one response, not cancelled: gRPC gives no status to a stream nobody reads, so its span
+    # and duration never ended and its server went on generating until the channel closed.
+    reader = InMemoryMetricReader()
+    telemetry = otel.build_telemetry("test-client", metric_readers=[reader], shutdown_on_exit=False)
+    replica = _Endless()
+    server = await serve_decoder(replica)
+    try:
+        async with DecoderClient(server.address, telemetry=telemetry, is_health_checked=False) as client:
+            async for _ in client.generate(decoder_pb2.GenerateRequest(), timeout=10):
+                break
+            async with asyncio.timeout(2):
+                await replica.cancelled.wait()
+                while not _durations(reader):
+                    await asyncio.sleep(0.005)
             ((attributes, count),) = _durations(reader)
     finally:
         await server.stop(0)
