@@ -75,8 +75,26 @@ class ObservedStream:
         # Not at exit: the loop is gone by then, and the channel's close ends the call.
         weakref.finalize(self, _cancel_dropped, loop, call).atexit = False
 
-    def __getattr__(self, name: str) -> Any:  # cancel(), code(), details(), ...
+    def __getattr__(self, name: str) -> Any:  # cancel(), done(), time_remaining(), ...
         return getattr(self._call, name)
+
+    # The call's awaitables, each awaited here, not handed out: `await client.generate(r).code()` keeps
+    # no other reference to the stream, and a coroutine of the call's own would let it be dropped, and
+    # the call cancelled (the NOTE), before the status it waits for.
+    async def code(self) -> grpc.StatusCode:
+        return await self._call.code()
+
+    async def details(self) -> str:
+        return await self._call.details()
+
+    async def initial_metadata(self) -> Any:
+        return await self._call.initial_metadata()
+
+    async def trailing_metadata(self) -> Any:
+        return await self._call.trailing_metadata()
+
+    async def wait_for_connection(self) -> None:
+        await self._call.wait_for_connection()
 
     def __aiter__(self) -> ObservedStream:
         return self

@@ -194,3 +194,19 @@ async def test_a_stream_its_caller_drops_unended_is_cancelled_and_recorded_once(
         await server.stop(0)
         telemetry.shutdown()
     assert (attributes[otel.ERROR_TYPE], count) == ("CANCELLED", 1)
+
+
+async def test_a_status_awaited_on_a_stream_held_by_no_one_else_is_the_calls_own() -> None:
+    # `await client.generate(r).code()` keeps no reference to the stream but the awaited coroutine's:
+    # the call's own coroutine let the stream be dropped, and its call cancelled, before the status came.
+    telemetry = otel.build_telemetry(
+        "test-client", metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False
+    )
+    server = await serve_decoder(Refusing("a"))
+    try:
+        async with DecoderClient(server.address, telemetry=telemetry, is_health_checked=False) as client:
+            code = await client.generate(decoder_pb2.GenerateRequest(), timeout=10).code()
+    finally:
+        await server.stop(0)
+        telemetry.shutdown()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
