@@ -640,7 +640,9 @@ async def test_health_names_a_replica_of_another_checkpoint_under_the_models_nam
     assert health == {
         "status": "ok",
         "model": "fake-model",
-        "other_models": [{"replica": f"127.0.0.1:{server_b.port}", "model": "fake-model"}],
+        "other_models": [
+            {"replica": f"127.0.0.1:{server_b.port}", "model": "fake-model", "token_table_sample": "differs"}
+        ],
     }
 
 

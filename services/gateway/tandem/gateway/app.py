@@ -296,9 +296,14 @@ class Gateway:
                 serving = False
         body: dict[str, Any] = {"status": "ok" if serving else "unavailable"}
         if replicas is not None and (mismatched := replicas.mismatched):
-            # Replicas of another model than the gateway serves: left out, named for whoever deploys.
+            # Replicas of another model than the gateway serves: left out, named for whoever deploys. One
+            # of its name serves another checkpoint under it (`replica_model.py`): said, or it reads as ours.
             body["model"] = replicas.model
-            body["other_models"] = [{"replica": r, "model": m} for r, m in mismatched.items()]
+            body["other_models"] = [
+                {"replica": r, "model": m}
+                | ({"token_table_sample": "differs"} if m == replicas.model else {})
+                for r, m in mismatched.items()
+            ]
         return web.json_response(body, status=200 if serving else 503)
 
     async def models(self, request: web.Request) -> web.Response:
