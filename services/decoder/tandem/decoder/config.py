@@ -157,6 +157,13 @@ class EngineConfig:
     # 0 = off; None = the backend's (8 on a CPU, where a step's time grows with its rows; off
     # elsewhere). See SchedulerConfig.shared_step_seqs and docs/RELIABILITY.md.
     shared_step_seqs: int | None = None
+    # While a decoding request shares a step, a prefill chunk and the decode rows beside it span at most
+    # this many positions (vLLM's --long-prefill-token-threshold); a prefill with no decode beside it
+    # still takes the whole max_num_batched_tokens. A step's time grows with its positions (SmolLM2 on
+    # 2 Zen 4 cores: 1-5 ms each), and every decoding request waits for the whole step. 0 = off; off
+    # under batch_invariant, whose chunks never depend on their neighbours. docs/PERFORMANCE.md has the
+    # measurement behind the default.
+    long_prefill_token_threshold: int = 512
     # LoRA adapters, as vLLM's --enable-lora: `max_loras` slots of rank up to `max_lora_rank`, filled
     # at start from `loras` ((name, PEFT directory) pairs) and at run time (the LoadAdapter RPC). Each
     # request names its adapter or none, and requests of every adapter share one batch (the CPU
@@ -262,6 +269,11 @@ class EngineConfig:
             )
         if self.shared_step_seqs is not None and self.shared_step_seqs < 0:
             raise ConfigError("shared_step_seqs", f"must be >= 0 (0: off), got {self.shared_step_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                "long_prefill_token_threshold",
+                f"must be >= 0 (0: off), got {self.long_prefill_token_threshold}",
+            )
         # NaN and inf too: they would fail no grammar, switching the limit off.
         if not 0 < self.max_grammar_cpu_ms_per_token < math.inf:
             raise ConfigError(

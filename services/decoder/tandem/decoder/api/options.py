@@ -204,6 +204,13 @@ def settings() -> list[Setting]:
             show_default="8 on a CPU, 0 elsewhere",
         ),
         _engine_setting(
+            "--long-prefill-token-threshold",
+            "while a decoding request shares a step, most positions a prefill chunk and the decode rows "
+            "beside it span (a prefill alone still takes --max-num-batched-tokens); 0 = off; "
+            "not applied under --batch-invariant",
+            type=int,
+        ),
+        _engine_setting(
             "--batch-invariant",
             "a request's tokens never depend on its batch: one forward pass per request, no prefix cache",
             type=BOOL,
@@ -315,6 +322,7 @@ _ENGINE_FIELDS = (
     "speculative_tokens",
     "speculative_max_batch",
     "shared_step_seqs",
+    "long_prefill_token_threshold",
     "max_loras",
     "max_lora_rank",
     "lora_root",

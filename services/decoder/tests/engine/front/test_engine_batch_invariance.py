@@ -51,9 +51,14 @@ def test_batch_invariant_mode_gives_each_request_its_alone_tokens_and_logprobs_i
     smollm2_dir: Path,
 ) -> None:
     specs = _specs()
-    # A budget of 16 chunks the long prompt (about 20 positions) alone and in the batch alike.
+    # A budget of 16 chunks the long prompt (about 20 positions) alone and in the batch alike; a long-
+    # prefill threshold, which would cut its chunks only beside decodes, is not applied.
     config = EngineConfig(
-        model_dir=smollm2_dir, dtype="bfloat16", max_num_batched_tokens=16, batch_invariant=True
+        model_dir=smollm2_dir,
+        dtype="bfloat16",
+        max_num_batched_tokens=16,
+        batch_invariant=True,
+        long_prefill_token_threshold=4,
     )
     with Engine(config) as engine:
         alone = [_output(list(engine.generate(spec))) for spec in specs]
