@@ -1052,6 +1052,7 @@ class DecoderGetModelInfoResponse(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     ACCEPTS_ENCODER_PARTS_FIELD_NUMBER: _builtins.int
     TOKEN_TABLE_SAMPLE_FIELD_NUMBER: _builtins.int
+    WEIGHT_SAMPLES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name (the checkpoint directory's name)."""
     architecture: _builtins.str
@@ -1099,6 +1100,15 @@ class DecoderGetModelInfoResponse(_message.Message):
         field, and for a checkpoint without a token table of its own.
         """
 
+    @_builtins.property
+    def weight_samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightSample]:
+        """Samples of weights beyond the token table (a fine-tune, a merged LoRA, keeps its base's table):
+        the last decoder layer's down_proj and the final norm, and lm_head where it is not the token
+        table. Two replicas serve the same model only when these agree too, by name, shape and values as
+        token_table_sample's. Values within 2^-7 relative agree, so a tune that moves every sampled value
+        less than that is not told apart. Empty from decoders older than this field.
+        """
+
     def __init__(
         self,
         *,
@@ -1120,14 +1130,53 @@ class DecoderGetModelInfoResponse(_message.Message):
         max_lora_rank: _builtins.int = ...,
         accepts_encoder_parts: _builtins.bool = ...,
         token_table_sample: _encoder_pb2.TokenTableSample | None = ...,
+        weight_samples: _abc.Iterable[Global___WeightSample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["token_table_sample", b"token_table_sample"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_encoder_parts", b"accepts_encoder_parts", "accepts_prompt_embeds", b"accepts_prompt_embeds", "adapters", b"adapters", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "token_table_sample", b"token_table_sample", "vocab_size", b"vocab_size", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_encoder_parts", b"accepts_encoder_parts", "accepts_prompt_embeds", b"accepts_prompt_embeds", "adapters", b"adapters", "architecture", b"architecture", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "hidden_size", b"hidden_size", "image_placeholder", b"image_placeholder", "max_context_tokens", b"max_context_tokens", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_message_bytes", b"max_message_bytes", "max_queued_requests", b"max_queued_requests", "model", b"model", "token_table_sample", b"token_table_sample", "vocab_size", b"vocab_size", "weight_samples", b"weight_samples", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecoderGetModelInfoResponse: _TypeAlias = DecoderGetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class WeightSample(_message.Message):
+    """Values of one checkpoint tensor at positions fixed by its shape, as TokenTableSample's: rows
+    (2i + 1) * rows / 32 for i < 16 and columns (2j + 1) * columns / 16 for j < 8, rounded down; a
+    one-dimensional tensor is one row, sampled once (8 values).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tensor's name in the checkpoint, e.g. "model.layers.29.mlp.down_proj.weight"."""
+    rows: _builtins.int
+    """Its rows (1 for a one-dimensional tensor) and columns."""
+    columns: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The values as float32, row by row: 128, or 8 for a one-dimensional tensor."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        rows: _builtins.int = ...,
+        columns: _builtins.int = ...,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "name", b"name", "rows", b"rows", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightSample: _TypeAlias = WeightSample  # noqa: Y015
 
 @_typing.final
 class AdapterInfo(_message.Message):
