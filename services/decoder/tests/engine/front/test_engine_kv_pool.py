@@ -89,17 +89,13 @@ def test_a_set_up_that_fails_after_the_load_raises_its_own_error_and_leaves_noth
     assert not _new_since(before)
 
 
-def test_an_xla_pool_past_the_hosts_memory_is_refused_as_tandem_serve_decoder_refuses_it(
-    tiny_fp32: LoadedModel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An engine built in process skipped the check `tandem serve decoder --device neuron` makes before
-    it listens (backends/xla/host_pool.py): on XLA's CPU device the pool was mapped past the host's
-    memory. The tiny model's 2 KV heads do not divide over 4 devices: each holds the 1 GiB pool whole.
-    Refused before the XLA runner is imported (torch_xla need not be installed)."""
+def _xla_pool_past_the_host(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> EngineConfig:
+    """The tiny model's 2 KV heads do not divide over 4 devices: each holds the 1 GiB pool whole, 4 GiB
+    on XLA's CPU device against a host of 3 GiB."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setattr(kv_pool, "memory_limit", lambda: MemoryLimit(3 * 2**30, None))
-    config = EngineConfig(
-        model_dir=tiny_model_dir,
+    return EngineConfig(
+        model_dir=model_dir,
         dtype="float32",
         device="neuron",
         static_shapes=True,
@@ -111,9 +107,32 @@ def test_an_xla_pool_past_the_hosts_memory_is_refused_as_tandem_serve_decoder_re
         max_model_len=64,
         block_size=16,
     )
+
+
+def test_an_xla_pool_past_the_hosts_memory_is_refused_as_tandem_serve_decoder_refuses_it(
+    tiny_fp32: LoadedModel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine built in process skipped the check `tandem serve decoder --device neuron` makes before
+    it listens (backends/xla/host_pool.py): on XLA's CPU device the pool was mapped past the host's
+    memory. Refused before the XLA runner is imported (torch_xla need not be installed)."""
+    config = _xla_pool_past_the_host(tiny_model_dir, monkeypatch)
     with pytest.raises(ConfigError) as refused:
         Engine(config, loaded=tiny_fp32, backend=resolve("neuron"))
     assert refused.value.field == "kv_cache_bytes"
     assert "more than the 3,221,225,472 bytes of memory of this host: XLA's CPU device holds the pool " in (
         refused.value.reason
     )
+
+
+def test_an_xla_pool_past_the_hosts_memory_is_refused_from_config_json_before_the_load(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool's size needs config.json's numbers alone: the refusal came after the XLA runtime's start
+    and the load, 5-8 s of this tiny model (minutes of a large one); now in a millisecond."""
+    config = _xla_pool_past_the_host(tiny_model_dir, monkeypatch)
+    loads: list[object] = []
+    monkeypatch.setattr(engine_module, "load_model", lambda *args: loads.append(args))
+    with pytest.raises(ConfigError) as refused:
+        Engine(config, backend=resolve("neuron"))
+    assert refused.value.field == "kv_cache_bytes"
+    assert loads == []

@@ -53,8 +53,9 @@ from tandem.decoder.engine.step.kv_pool_agreement import first_refusal, say_fail
 from tandem.decoder.engine.step.runner import ModelRunner, StepFeed
 from tandem.decoder.engine.step.xla_buckets import XlaBuckets
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
+from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
-from tandem.decoder.models.loader import LoadedModel, load_model
+from tandem.decoder.models.loader import LoadedModel, load_model, read_model_config
 from tandem.decoder.models.lora import LoraTable
 from tandem.decoder.models.peft_adapter import FoundAdapter, LoraAdapter, read_adapter
 from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
@@ -143,6 +144,10 @@ class Engine:
     def _set_up(self, loaded: LoadedModel | None, tp: RankGroup | None, backend: backends.Backend) -> None:
         """The model, its executor, the chat template, the KV pool and the core; then --lora's adapters."""
         config = self.config
+        if backend.placement == "xla":  # from config.json's numbers: a refusal at once, before the load
+            self._check_host_pool(
+                loaded.config if loaded is not None else read_model_config(config.model_dir, config.dtype), tp
+            )
         self.loaded = loaded or self._thread.run(
             load_model,
             config.model_dir,
@@ -210,6 +215,19 @@ class Engine:
             self._thread.run(self.core.run_between_steps)
             installing.result()
 
+    def _check_host_pool(self, model_config: ModelConfig, tp: RankGroup | None) -> None:
+        """The KV pool's copies on XLA's CPU device against the host's memory, as `tandem serve decoder`
+        checks before it listens (api/main.py's check_model): an engine built in process (the offline
+        API, tests) mapped a pool past it and met the OOM killer. Run before the load, whose runtime
+        start and weights took 5-8 s of a tiny model before the refusal (minutes of a large one).
+        Raises KvPoolRefused naming --kv-cache-bytes or --num-kv-blocks."""
+        config = self.config
+        num_blocks = sizing.num_kv_blocks(config, model_config, world_size_of(tp))
+        try:
+            check_host_pool(model_config, num_blocks, config.block_size, config.num_devices, os.environ)
+        except KvPoolUnallocated as error:
+            raise sizing.pool_refused(config, error) from None
+
     def _build_core(self, tp: RankGroup | None, backend: backends.Backend) -> EngineCore:
         config = self.config
         # Batch-invariant: a cached prefix was computed in another request's chunks, and a request's
@@ -230,12 +248,6 @@ class Engine:
         # a pool the device cannot hold is refused before the table of it is built.
         try:
             if xla_buckets is not None:
-                # The pool's copies on XLA's CPU device against the host's memory, as `tandem serve
-                # decoder` checks before it listens (api/main.py's check_model): an engine built in
-                # process (the offline API, tests) mapped a pool past it and met the OOM killer.
-                check_host_pool(
-                    self.model_config, self.num_blocks, config.block_size, config.num_devices, os.environ
-                )
                 from tandem.decoder.backends.xla.sharding import ShardingPlan
                 from tandem.decoder.engine.step.xla_runner import XlaRunner  # imports torch_xla's SPMD API
 
