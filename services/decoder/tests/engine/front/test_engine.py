@@ -15,6 +15,7 @@ from services.decoder.tests.engine.engine_helpers import finished as _finished
 from services.decoder.tests.engine.engine_helpers import run_concurrently as _run_concurrently
 from services.decoder.tests.engine.engine_helpers import tokens as _tokens
 from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.decoder.api.protocol import event_to_pb
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 from tandem.decoder.engine.front.engine import Engine
@@ -611,13 +612,14 @@ def test_a_request_whose_prompt_logprobs_may_not_fit_one_reply_is_refused_before
         return GenerateSpec([[3] * 60], sampling, stopping, caller="a", max_reply_bytes=max_reply_bytes)
 
     with _engine(tiny_model_dir, tiny_fp32) as engine:
-        fits = engine.prompt_logprob_size.bound(60, 20)
+        fits = engine.prompt_logprob_size.bound([3] * 60, [True] * 60, 20)
         with pytest.raises(InvalidArgument, match=r"--max-message-bytes") as refused:
             next(engine.generate(scoring(fits - 1)))
         assert refused.value.field == "output.prompt_logprobs"
         assert engine.core.num_live() == 0 and engine.prompt_logprob_budget.held("a") == 0
         events = list(engine.generate(scoring(fits)))
         assert isinstance(events[-1], Finished) and len(events[1].prompt_logprobs) == 60
+        assert event_to_pb(events[1], engine.token_bytes).ByteSize() <= fits
         unbounded = engine.generate(scoring(None))  # in process: no bound
         assert isinstance(next(unbounded), Accepted)
         unbounded.close()

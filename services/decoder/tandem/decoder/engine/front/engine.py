@@ -206,7 +206,7 @@ class Engine:
         self.max_token_chars = text_bounds.max_token_chars(self.tokenizer)
         # Each token's own bytes for logprobs (`Delta`s carry IDs; the servicer spells them): once, here.
         self.token_bytes = token_bytes_table(self.tokenizer)
-        self.prompt_logprob_size = PromptLogprobSize.of(self.token_bytes)
+        self.prompt_logprob_size = PromptLogprobSize.of(self.token_bytes, self.model_config.vocab_size)
         self.core = self._build_core(tp, backend)
         for name, path in config.loras:  # --lora NAME=PATH, each into its slot before serving
             adapter = self._adapter_reader.submit(self._read_adapter, name, path).result()
@@ -424,7 +424,8 @@ class Engine:
         request = self.make_request(spec)
         if spec.max_reply_bytes is not None and request.sampling.prompt_logprobs is not None:
             self.prompt_logprob_size.check(
-                request.num_prompt_tokens,
+                request.prompt_token_ids,
+                request.is_token_ids,
                 request.sampling.prompt_logprobs,
                 request.stopping.max_new_tokens,
                 request.sampling.top_logprobs,
