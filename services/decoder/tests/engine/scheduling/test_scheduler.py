@@ -530,6 +530,7 @@ WORKLOADS = dict(
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
     shared_step_seqs=st.one_of(st.none(), st.integers(1, 4)),
+    long_prefill_token_threshold=st.one_of(st.none(), st.integers(1, 8)),
 )
 
 
@@ -543,6 +544,7 @@ def test_random_workloads_keep_invariants_and_every_request_finishes(
     max_num_seqs: int,
     prefix_caching: bool,
     shared_step_seqs: int | None,
+    long_prefill_token_threshold: int | None,
 ) -> None:
     rng = random.Random(seed)
     scheduler, runner = make_scheduler(
@@ -553,6 +555,7 @@ def test_random_workloads_keep_invariants_and_every_request_finishes(
         max_num_batched_tokens=budget,
         max_waiting=8,
         shared_step_seqs=shared_step_seqs,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     accepted, aborted = [], set()
     num_to_add = rng.randint(1, 16)
@@ -749,6 +752,7 @@ def test_random_workloads_with_proposals_give_the_same_outputs_as_without(
     extra_rows: int | None,
     prefix_caching: bool,
     shared_step_seqs: int | None,
+    long_prefill_token_threshold: int | None,
 ) -> None:
     """Guesses right, half right and wrong, under preemption, chunking and prefix caching: every
     request ends with exactly its reference outputs, and every block comes back."""
@@ -762,6 +766,7 @@ def test_random_workloads_with_proposals_give_the_same_outputs_as_without(
         max_num_batched_tokens=budget,
         max_num_rows=max_num_rows,
         shared_step_seqs=shared_step_seqs,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
 
     def propose(request) -> list[int]:
@@ -779,3 +784,55 @@ def test_random_workloads_with_proposals_give_the_same_outputs_as_without(
         expected = reference_outputs(request.request_id, request.stopping.max_new_tokens)
         assert request.output_token_ids == expected
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
+
+
+# -- long prefills beside decodes: long_prefill_token_threshold ---------------------------------
+
+
+def _chunks(plan) -> list[tuple[str, int]]:
+    return [(item.request_id, item.num_new_tokens) for item in plan.scheduled]
+
+
+def test_while_a_decode_shares_the_step_a_prefill_chunk_and_the_decode_span_at_most_the_threshold() -> None:
+    scheduler, runner = make_scheduler(long_prefill_token_threshold=8)
+    _decoding(scheduler, runner, "a", max_new_tokens=20)
+    scheduler.add_request(make_request("long", list(range(40)), max_new_tokens=2))
+    assert _chunks(run_step(scheduler, runner)) == [("a", 1), ("long", 7)]
+    assert _chunks(run_step(scheduler, runner)) == [("a", 1), ("long", 7)]
+
+
+def test_a_prefill_with_no_decode_beside_it_takes_the_whole_budget() -> None:
+    scheduler, runner = make_scheduler(long_prefill_token_threshold=8)
+    scheduler.add_request(make_request("long", list(range(40))))
+    scheduler.add_request(make_request("other", list(range(50, 70))))
+    assert _chunks(run_step(scheduler, runner)) == [("long", 40), ("other", 20)]
+
+
+def test_once_the_decode_beside_it_finishes_the_rest_of_the_prefill_runs_in_one_chunk() -> None:
+    scheduler, runner = make_scheduler(long_prefill_token_threshold=8)
+    _decoding(scheduler, runner, "a", max_new_tokens=2)
+    scheduler.add_request(make_request("long", list(range(40))))
+    assert _chunks(run_step(scheduler, runner)) == [("a", 1), ("long", 7)]  # a's last token
+    assert _chunks(run_step(scheduler, runner)) == [("long", 33)]
+
+
+@pytest.mark.parametrize(("threshold", "chunk"), [(8, 5), (4, 1), (2, 1)])
+def test_each_decode_row_takes_a_position_of_the_threshold_and_a_prefill_still_advances(
+    threshold: int, chunk: int
+) -> None:
+    # So that a power-of-two threshold is a static-shape bucket, whatever the decodes beside it.
+    scheduler, runner = make_scheduler(long_prefill_token_threshold=threshold)
+    for i, name in enumerate("abc"):
+        scheduler.add_request(make_request(name, [i, 1, 2], max_new_tokens=20))
+    run_step(scheduler, runner)  # three prefills with no decode beside them: not capped
+    scheduler.add_request(make_request("long", list(range(40))))
+    assert _chunks(run_step(scheduler, runner)) == [("a", 1), ("b", 1), ("c", 1), ("long", chunk)]
+
+
+def test_the_threshold_cannot_be_set_where_a_requests_chunks_must_not_depend_on_its_neighbours() -> None:
+    # The batch-invariant mode's scheduling (max_tokens_per_request): a cap that only decodes beside
+    # a chunk set would make its chunks, and so its bits, differ alone and among neighbours.
+    with pytest.raises(ValueError, match="long_prefill_token_threshold would make"):
+        SchedulerConfig(max_tokens_per_request=6, long_prefill_token_threshold=4)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 1"):
+        SchedulerConfig(long_prefill_token_threshold=0)

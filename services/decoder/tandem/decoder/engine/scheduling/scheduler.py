@@ -56,6 +56,13 @@ class SchedulerConfig:
     # neighbour's tokens come at the pace of a narrow step, not of the flood's full batch. None =
     # every running request, every step.
     shared_step_seqs: int | None = None
+    # Most positions a prefill chunk and the decode rows beside it span while any decode shares the
+    # step (vLLM's long_prefill_token_threshold; a step holding no decode is not capped): a step's
+    # time grows with its positions (SmolLM2 on 2 CPU cores: 1-5 ms each), and a decoding request's next
+    # token waits for the whole step. The chunk's share is the threshold less those rows, so that a
+    # power-of-two threshold is a static-shape bucket. None = off. A request's chunks then depend on
+    # its neighbours, so it cannot be set with max_tokens_per_request.
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.shared_step_seqs is not None and self.shared_step_seqs < 1:
@@ -69,6 +76,17 @@ class SchedulerConfig:
             raise ValueError(
                 f"SchedulerConfig.max_tokens_per_request must be >= 1, got {self.max_tokens_per_request}"
             )
+        if self.long_prefill_token_threshold is not None:
+            if self.long_prefill_token_threshold < 1:
+                raise ValueError(
+                    "SchedulerConfig.long_prefill_token_threshold must be >= 1, got "
+                    f"{self.long_prefill_token_threshold}"
+                )
+            if self.max_tokens_per_request is not None:
+                raise ValueError(
+                    "SchedulerConfig.long_prefill_token_threshold would make a request's chunks depend on "
+                    "its neighbours, which max_tokens_per_request rules out"
+                )
 
 
 @dataclass(frozen=True)
@@ -186,6 +204,9 @@ class Scheduler:
         # is about to be admitted beside running ones, a step holds at most shared_step_seqs
         # requests, the light callers' all, the heavy ones' in turns (`_heavy_beside_a_neighbour`,
         # `_sitting_out`): a neighbour's tokens, its first included, come at a narrow step's pace.
+        # And a long prefill beside them: while decode rows share the step, a prefill chunk and those
+        # rows span at most long_prefill_token_threshold positions (`_prefill_cap`); alone, a prefill
+        # takes the whole budget.
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._num_steps += 1
@@ -193,10 +214,13 @@ class Scheduler:
         heavy = self._heavy_beside_a_neighbour()
         step_limit = None if heavy is None else self.config.shared_step_seqs
         sitting_out = set() if step_limit is None else self._sitting_out(step_limit, heavy)
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted, sitting_out)
+        cap = self._prefill_cap(sitting_out)
+        budget = self._schedule_running(
+            self.config.max_num_batched_tokens, scheduled, preempted, sitting_out, cap
+        )
         # Admitting right after a block preemption would only hand the freed blocks to a newcomer.
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, step_limit)
+            budget = self._admit_waiting(budget, scheduled, step_limit, cap)
         preempted += yielded
         # Proposed tokens get what the step has left, after every request's own position: speculation
         # never delays an admission or causes a preemption.
@@ -207,6 +231,20 @@ class Scheduler:
             preempted_ids=tuple(preempted),
             num_free_blocks_after=self.block_manager.num_free_blocks,
         )
+
+    def _prefill_cap(self, sitting_out: set[str]) -> int | None:
+        """Most positions of one request this step when decode rows share it (running requests with
+        one position left, not sitting out): the threshold less those rows, at least one. None when
+        the threshold is off or no decode runs: a prefill alone takes what the budget allows."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is None:
+            return None
+        num_decodes = sum(
+            1
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in sitting_out
+        )
+        return max(1, threshold - num_decodes) if num_decodes else None
 
     def _heavy_beside_a_neighbour(self) -> set[str] | None:
         """The heavy callers (requests waiting, or more running than `shared_step_seqs`), when the step
@@ -238,17 +276,22 @@ class Scheduler:
         return {r.request_id for r in others[room:]}
 
     def _schedule_running(
-        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str], sitting_out: set[str]
+        self,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        preempted: list[str],
+        sitting_out: set[str],
+        cap: int | None,
     ) -> int:
-        """Advance the running requests in order (but those sitting out), preempting for blocks
-        (`_block_victim`); the budget left."""
+        """Advance the running requests in order (but those sitting out), each by at most `cap`
+        positions, preempting for blocks (`_block_victim`); the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.request_id in sitting_out:
                 i += 1
                 continue
-            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget, cap)
             if num_new_tokens == 0:
                 i += 1
                 continue
@@ -273,10 +316,13 @@ class Scheduler:
         running = Counter(r.caller for r in self.running)
         return max(range(first, len(self.running)), key=lambda j: (running[self.running[j].caller], j))
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], step_limit: int | None) -> int:
-        """Admit waiting requests (in `AdmissionOrder`) into free blocks (cached prefix first); the
-        budget left. With a `step_limit` (a narrowed step), callers already running get no more than
-        the step has room for; a caller running nothing is always let in."""
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], step_limit: int | None, cap: int | None
+    ) -> int:
+        """Admit waiting requests (in `AdmissionOrder`) into free blocks (cached prefix first), each
+        for at most `cap` positions this step; the budget left. With a `step_limit` (a narrowed step),
+        callers already running get no more than the step has room for; a caller running nothing is
+        always let in."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
         order = AdmissionOrder(self.waiting, self.running)
@@ -288,7 +334,7 @@ class Scheduler:
             if step_limit is not None and len(scheduled) >= step_limit and request.caller in running_callers:
                 break  # AdmissionOrder offers callers running nothing first: the rest run something
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
-            num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget)
+            num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget, cap)
             if not self.block_manager.allocate_slots(request, num_new_tokens, computed_block_ids):
                 break  # nobody overtakes the request that is next in line
             self.waiting.remove(request)
@@ -412,9 +458,11 @@ class Scheduler:
         self.waiting.appendleft(request)
         return True
 
-    def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int) -> int:
-        cap = self.config.max_tokens_per_request or budget
-        return min(request.num_tokens - num_computed_tokens, budget, cap)
+    def _num_new_tokens(
+        self, request: Request, num_computed_tokens: int, budget: int, cap: int | None
+    ) -> int:
+        most = self.config.max_tokens_per_request or cap or budget
+        return min(request.num_tokens - num_computed_tokens, budget, most)
 
     def _preempt(self, request: Request) -> None:
         # Recompute, not swap: the outputs stay, and on resume prompt + outputs are prefilled
