@@ -14,6 +14,7 @@ all have to agree.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.client.pb.tandem.v1 import encoder_pb2
@@ -34,12 +35,17 @@ class TableSample:
     def is_same_model(self, other: TableSample) -> bool:
         if (self.vocab_size, self.hidden_size) != (other.vocab_size, other.hidden_size):
             return False
-        if len(self.values) != len(other.values):
-            return False
-        return all(
-            math.isclose(a, b, rel_tol=REL_TOLERANCE, abs_tol=ABS_TOLERANCE)
-            for a, b in zip(self.values, other.values, strict=True)
-        )
+        return values_agree(self.values, other.values)
+
+
+def values_agree(ours: Sequence[float], theirs: Sequence[float]) -> bool:
+    """Each value within the storage dtypes' rounding of the other's (a sample of any tensor)."""
+    if len(ours) != len(theirs):
+        return False
+    return all(
+        math.isclose(a, b, rel_tol=REL_TOLERANCE, abs_tol=ABS_TOLERANCE)
+        for a, b in zip(ours, theirs, strict=True)
+    )
 
 
 def sample_to_pb(sample: TableSample) -> encoder_pb2.TokenTableSample:

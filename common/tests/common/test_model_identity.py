@@ -1,5 +1,5 @@
-"""A checkpoint's token-table sample: the same model in any storage dtype, and never another model of the
-same shape."""
+"""A checkpoint's token-table sample and later weights' samples: the same model in any storage dtype
+or shards, and never another model of the same shape, nor a tune that kept its base's table."""
 
 from __future__ import annotations
 
@@ -10,8 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.common.torch_part.model_identity import NUM_COLUMNS, NUM_ROWS, read_table_sample
+from tandem.common.torch_part.model_identity import (
+    NUM_COLUMNS,
+    NUM_ROWS,
+    read_table_sample,
+    read_weight_samples,
+)
 from tandem.common.torch_part.random_model import make_model
+from tandem.common.weight_sample import weights_agree
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +83,59 @@ def test_a_checkpoint_without_a_token_table_is_an_error_naming_it(
     save_file({"lm_head.weight": torch.zeros(2, 2)}, model_dir / "model.safetensors")
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight not found in .*headless"):
         read_table_sample(model_dir, ValueError)
+
+
+def _variant(out_dir: Path, weights: dict[str, torch.Tensor], like: Path, shards: int = 1) -> Path:
+    """`like`'s checkpoint (config, tokenizer) over `weights`, in `shards` files with an index."""
+    out_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        if (like / name).exists():
+            (out_dir / name).write_bytes((like / name).read_bytes())
+    if shards == 1:
+        save_file(weights, out_dir / "model.safetensors")
+        return out_dir
+    names = sorted(weights)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i::shards]
+        save_file({name: weights[name] for name in part}, out_dir / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return out_dir
+
+
+def test_a_tune_that_kept_the_token_table_is_told_apart_by_its_later_weights(
+    two_models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # A frozen-embedding fine-tune, or a merged LoRA: every layer moved, the table and norms kept.
+    base = load_file(two_models[0] / "model.safetensors")
+    noise = torch.Generator().manual_seed(7)
+    tuned = {
+        name: value
+        if "embed_tokens" in name or "norm" in name
+        else value + 0.05 * torch.randn(value.shape, generator=noise, dtype=value.dtype)
+        for name, value in base.items()
+    }
+    tune = _variant(tmp_path / "tune", tuned, two_models[0])
+    assert read_table_sample(tune, ValueError).is_same_model(read_table_sample(two_models[0], ValueError))
+    ours, theirs = read_weight_samples(two_models[0], ValueError), read_weight_samples(tune, ValueError)
+    assert [s.name for s in ours] == [s.name for s in theirs]
+    assert any(s.name.endswith("mlp.down_proj.weight") for s in ours)
+    assert any(s.name == "model.norm.weight" and (s.rows, len(s.values)) == (1, NUM_COLUMNS) for s in ours)
+    assert not weights_agree(ours, theirs)
+
+
+@pytest.mark.parametrize(("dtype", "shards"), [(torch.float32, 2), (torch.bfloat16, 1), (torch.float16, 2)])
+def test_one_model_stored_in_any_dtype_or_shards_has_the_same_weight_samples(
+    two_models: tuple[Path, Path], tmp_path: Path, dtype: torch.dtype, shards: int
+) -> None:
+    base = load_file(two_models[0] / "model.safetensors")
+    stored = _variant(tmp_path / "v", {n: v.to(dtype) for n, v in base.items()}, two_models[0], shards)
+    ours = read_weight_samples(two_models[0], ValueError)
+    assert weights_agree(ours, read_weight_samples(stored, ValueError))
+    assert not weights_agree(ours, read_weight_samples(two_models[1], ValueError))
+
+
+def test_a_checkpoint_with_none_of_the_sampled_weights_has_no_weight_samples(tmp_path: Path) -> None:
+    assert read_weight_samples(_table_checkpoint(tmp_path / "t", torch.ones(4, 4)), ValueError) == ()

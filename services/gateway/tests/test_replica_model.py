@@ -1,10 +1,12 @@
-"""A decoder replica's model is its name and, from decoders that report one, its token table sample;
-the gateway serves the model most serving replicas serve, the one served so far on a tie."""
+"""A decoder replica's model is its name and, from decoders that report them, its token table sample and
+its later weights' samples; the gateway serves the model most serving replicas serve, the one served so
+far on a tie."""
 
 from __future__ import annotations
 
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
 from tandem.common.token_table_sample import TableSample
+from tandem.common.weight_sample import WeightSample, weight_sample_to_pb
 from tandem.gateway.replica_model import ReplicaModel, choose_model
 
 BASE = TableSample(1024, 64, tuple((i - 64) / 100 for i in range(128)))
@@ -14,6 +16,11 @@ BASE_BF16 = TableSample(1024, 64, tuple(v * (1 + 2.0**-9) for v in BASE.values))
 A = ReplicaModel("m", BASE)
 B = ReplicaModel("m", TUNED)
 OLD = ReplicaModel("m", None)  # a decoder from before the sample
+
+DOWN = WeightSample("model.layers.1.mlp.down_proj.weight", 64, 256, BASE.values)
+DOWN_TUNED = WeightSample(DOWN.name, 64, 256, tuple(v * 1.05 for v in DOWN.values))
+A_WEIGHTS = ReplicaModel("m", BASE, (DOWN,))
+TUNE = ReplicaModel("m", BASE, (DOWN_TUNED,))  # a fine-tune that froze the table, or a merged LoRA
 
 
 def test_one_name_over_two_checkpoints_is_two_models() -> None:
@@ -49,3 +56,32 @@ def test_older_decoders_count_for_every_checkpoint_of_their_name_and_choose_none
 
 def test_without_a_known_model_the_one_served_stays() -> None:
     assert choose_model([], A) == A
+
+
+def test_a_tune_that_kept_the_token_table_is_another_model_by_its_weight_samples() -> None:
+    assert not A_WEIGHTS.is_same(TUNE) and not TUNE.is_same(A_WEIGHTS)
+    bf16 = tuple(v * (1 + 2.0**-9) for v in DOWN.values)
+    assert A_WEIGHTS.is_same(ReplicaModel("m", BASE_BF16, (WeightSample(DOWN.name, 64, 256, bf16),)))
+    assert choose_model([A_WEIGHTS, TUNE, A_WEIGHTS], None) == A_WEIGHTS
+
+
+def test_a_decoder_without_weight_samples_is_compared_by_what_both_report() -> None:
+    assert A.is_same(TUNE) and A.is_same(A_WEIGHTS)  # the table sample alone
+    assert not B.is_same(TUNE)
+    # Chosen while only decoders without weight samples answered, it gives way to the first with them.
+    assert choose_model([A, TUNE], A) == TUNE
+    assert choose_model([A, A_WEIGHTS, TUNE], A) == A_WEIGHTS  # 2 to 2: the one served stays
+
+
+def test_weight_samples_are_read_from_a_replicas_model_info() -> None:
+    sample = encoder_pb2.TokenTableSample(vocab_size=1024, hidden_size=64, values=BASE.values)
+    info = decoder_pb2.DecoderGetModelInfoResponse(
+        model="m", token_table_sample=sample, weight_samples=[weight_sample_to_pb(DOWN_TUNED)]
+    )
+    assert ReplicaModel.from_info(info).is_same(TUNE) and not ReplicaModel.from_info(info).is_same(A_WEIGHTS)
+
+
+def test_what_tells_two_models_apart_is_said() -> None:
+    assert A.difference(ReplicaModel("n", BASE)) == "model"
+    assert A.difference(B) == "token_table_sample" and A_WEIGHTS.difference(TUNE) == "weight_samples"
+    assert A.difference(ReplicaModel("m", BASE_BF16)) is None

@@ -13,7 +13,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.api.servicer import DecoderServicer
-from tandem.decoder.api.token_table import checkpoint_sample
+from tandem.decoder.api.token_table import checkpoint_sample, checkpoint_weight_samples
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.models.loader import LoadedModel
@@ -44,6 +44,7 @@ async def serve(
         engine=engine,
         encoder_parts=encoder_parts,
         token_table_sample=checkpoint_sample(model_dir),  # as `tandem serve decoder` reports it
+        weight_samples=checkpoint_weight_samples(model_dir),
     )
     server = await start_server(
         ServerOptions(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),

@@ -31,7 +31,8 @@ from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.client import DecoderClient
 from tandem.common.token_table_sample import sample_from_pb
 from tandem.common.torch_part import huge_pages
-from tandem.common.torch_part.model_identity import read_table_sample
+from tandem.common.torch_part.model_identity import read_table_sample, read_weight_samples
+from tandem.common.weight_sample import weight_sample_from_pb
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
 from tests.integration.decoder.serving import free_port, until_serving
@@ -62,8 +63,10 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_model_dir: 
         async with DecoderClient(f"127.0.0.1:{port}") as client:
             await until_serving(client, within_s=30)
             # Its checkpoint's token table sample, which a gateway compares across its replicas.
-            sample = (await client.model_info()).token_table_sample
-            assert sample_from_pb(sample) == read_table_sample(tiny_model_dir, ValueError)
+            info = await client.model_info()
+            assert sample_from_pb(info.token_table_sample) == read_table_sample(tiny_model_dir, ValueError)
+            weights = tuple(weight_sample_from_pb(w) for w in info.weight_samples)
+            assert weights == read_weight_samples(tiny_model_dir, ValueError) != ()
             stream = client.generate([[1, 2, 3]], max_new_tokens=600, ignore_eos=True, stream_interval=1)
             assert (await stream.read()).HasField("accepted")
             process.send_signal(signal.SIGTERM)

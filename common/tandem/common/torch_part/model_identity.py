@@ -11,13 +11,17 @@ The samples are compared within a tolerance (`tandem.common.token_table_sample`,
 gateway compares its decoder replicas' samples without torch). Rounding at load (--quantization int8,
 int4, gguf) never touches the files, so a quantized decoder and its encoder compare the same sample. A
 checkpoint that differs from another only after its token table (a fine-tune that froze it) shares its
-sample, and its lookup rows are indeed the same.
+sample, and its lookup rows are indeed the same: the gateway, which must tell such a tune from its base
+across decoder replicas, also compares samples of later weights (`read_weight_samples`).
 """
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 
@@ -25,6 +29,7 @@ from tandem.common.checkpoint import read_json
 from tandem.common.token_table_sample import TableSample
 from tandem.common.torch_part.weight_files import weight_names
 from tandem.common.vision_language import weight_layout
+from tandem.common.weight_sample import WeightSample
 
 NUM_ROWS = 16
 NUM_COLUMNS = 8
@@ -54,6 +59,46 @@ def read_table_sample(model_dir: Path, error: Callable[[str], Exception]) -> Tab
         if len(shape) != 2 or min(shape) < 1:
             raise error(f"{name} in {model_dir} has shape {shape}, not [vocab_size, hidden_size]")
         vocab_size, hidden_size = shape
-        rows, columns = sample_positions(vocab_size, hidden_size)
-        values = [table[row : row + 1].float()[0, columns].tolist() for row in rows]
-    return TableSample(vocab_size, hidden_size, tuple(v for row in values for v in row))
+        values = _sampled_values(table, vocab_size, hidden_size)
+    return TableSample(vocab_size, hidden_size, values)
+
+
+def _sampled_values(tensor: Any, rows: int, columns: int) -> tuple[float, ...]:
+    """`tensor`'s (a safetensors slice, [rows, columns]) values at `sample_positions`, row by row, read
+    a row at a time: nothing else is mapped in."""
+    row_positions, column_positions = sample_positions(rows, columns)
+    values = [tensor[row : row + 1].float()[0, column_positions].tolist() for row in row_positions]
+    return tuple(v for row in values for v in row)
+
+
+def read_weight_samples(model_dir: Path, error: Callable[[str], Exception]) -> tuple[WeightSample, ...]:
+    """Samples of the weights `tandem.common.weight_sample` says why: the last decoder layer's
+    down_proj, the final norm, and lm_head where the checkpoint holds one. A tensor the checkpoint does
+    not hold under those names (a mixture of experts has no down_proj of its layer) is not sampled.
+    A one-dimensional tensor is one row: its NUM_COLUMNS values. Raises `error` as `read_table_sample`."""
+    hf_config = read_json(model_dir / "config.json", error)
+    architecture = (hf_config.get("architectures") or [""])[0]
+    files = weight_names(model_dir, error)
+    layout = weight_layout(architecture, files, error)
+    down_proj = re.compile(re.escape(layout.model_prefix) + r"layers\.(\d+)\.mlp\.down_proj\.weight")
+    layers = [int(match[1]) for name in files if (match := down_proj.fullmatch(name))]
+    names = [layout.checkpoint_name(f"model.layers.{max(layers)}.mlp.down_proj.weight")] if layers else []
+    names += [layout.checkpoint_name("model.norm.weight"), layout.head_name]
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in names:
+        if name in files:
+            by_file[files[name]].append(name)
+    samples = {}
+    for path, in_file in by_file.items():
+        with safe_open(path, framework="pt", device="cpu") as weights:
+            for name in in_file:
+                tensor = weights.get_slice(name)
+                shape = tensor.get_shape()
+                if len(shape) not in (1, 2) or min(shape) < 1:
+                    raise error(f"{name} in {model_dir} has shape {shape}, not one or two dimensions")
+                if len(shape) == 1:  # read whole: a norm's hidden_size values
+                    values = tensor[:].float()[sample_positions(1, shape[0])[1]].tolist()
+                    samples[name] = WeightSample(name, 1, shape[0], tuple(values))
+                else:
+                    samples[name] = WeightSample(name, *shape, _sampled_values(tensor, *shape))
+    return tuple(samples[name] for name in names if name in samples)

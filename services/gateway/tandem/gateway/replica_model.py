@@ -4,13 +4,23 @@ compares as each replica turns SERVING.
 NOTE: why a name is not enough. Two replicas started with `--model-name` over two checkpoints of one
 shape (a fine-tune beside its base, a directory copied over another) report the same name, hidden size
 and vocabulary, and the callers' requests were answered by either checkpoint under one name. A decoder
-reports a sample of its token table (`tandem.common.token_table_sample`): two replicas serve the same
-model when their names are the same and their samples agree (within the storage dtypes' rounding). A
-decoder from before the sample reports none and is compared by its name alone, as before.
+reports a sample of its token table (`tandem.common.token_table_sample`) and of a few later weights
+(`tandem.common.weight_sample`: the last layer's down_proj, the final norm, an untied lm_head; a
+fine-tune that froze the table, or a merged LoRA, keeps its base's table): two replicas serve the same
+model when their names are the same and their samples agree, each value within 2^-7 relative (the
+storage dtypes' rounding). So a tune that moves every sampled value by less than that passes for its
+base, and so does one that changes only layers not sampled: those are not told apart. A decoder from
+before a sample reports none of it and is compared by what both report (by its name alone, the
+oldest), as before.
 
 The gateway serves the model most replicas serve: a replica of an older decoder counts towards every
-model of its name, and a model of that name without a sample is chosen only where no replica of that
-name reports one (else any checkpoint of the name would pass against it).
+model it cannot be told from, and a model reporting less than another of its name is chosen only where
+none of that name reports more (else any checkpoint of the name would pass against it).
+
+NOTE: ties. On a tie the model served so far stays, so restarting one of a 1-vs-1 pair of replicas
+hands the gateway the other's model for good (while one serves, it is the majority). Remembering a
+replica's model while it does not serve would keep it, but would also hold a model no replica serves
+now; replicas of two models under one name are a mistake the ERROR line names, not a state to serve.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from dataclasses import dataclass
 
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.common.token_table_sample import TableSample, sample_from_pb
+from tandem.common.weight_sample import WeightSample, weight_sample_from_pb, weights_agree
 
 
 @dataclass(frozen=True)
@@ -28,25 +39,42 @@ class ReplicaModel:
 
     name: str  # the name it serves its model under (`model`)
     sample: TableSample | None  # its token table's; None: a decoder from before the sample
+    weights: tuple[WeightSample, ...] = ()  # its later weights'; empty: a decoder from before them
 
     @classmethod
     def from_info(cls, info: decoder_pb2.DecoderGetModelInfoResponse) -> ReplicaModel:
         sample = sample_from_pb(info.token_table_sample) if info.HasField("token_table_sample") else None
-        return cls(info.model, sample)
+        return cls(info.model, sample, tuple(weight_sample_from_pb(w) for w in info.weight_samples))
+
+    @property
+    def detail(self) -> tuple[bool, int]:
+        """How much of its checkpoint it reports: a model reporting more is told apart from more."""
+        return self.sample is not None, len(self.weights)
 
     def is_same(self, other: ReplicaModel) -> bool:
-        """The same name, and the same checkpoint where both report a sample."""
+        """The same name, and the same checkpoint as far as the samples both report go."""
+        return self.difference(other) is None
+
+    def difference(self, other: ReplicaModel) -> str | None:
+        """What tells it from `other`, the first found: "model" (its name), "token_table_sample" or
+        "weight_samples" (what /health says differs); None: the same model."""
         if self.name != other.name:
-            return False
-        return self.sample is None or other.sample is None or self.sample.is_same_model(other.sample)
+            return "model"
+        if (
+            self.sample is not None
+            and other.sample is not None
+            and not self.sample.is_same_model(other.sample)
+        ):
+            return "token_table_sample"
+        return None if weights_agree(self.weights, other.weights) else "weight_samples"
 
 
 def choose_model(models: Sequence[ReplicaModel], current: ReplicaModel | None) -> ReplicaModel | None:
     """The model most of `models` (the serving replicas', in the order found) are the same as; on a tie
-    `current`, the model served so far, stays. `current` without a sample gives way to a model of its
-    name with one, which is no change of model: only the first replica with a sample came."""
-    sampled_names = {model.name for model in models if model.sample is not None}
-    candidates = [m for m in models if m.sample is not None or m.name not in sampled_names]
+    `current`, the model served so far, stays. `current` reporting less than a winner the same as it
+    gives way to it, which is no change of model: only the first replica reporting more came."""
+    most_detail = {model.name: max(m.detail for m in models if m.name == model.name) for model in models}
+    candidates = [m for m in models if m.detail == most_detail[m.name]]
     if not candidates:
         return current
     counts = [sum(candidate.is_same(model) for model in models) for candidate in candidates]
@@ -55,5 +83,5 @@ def choose_model(models: Sequence[ReplicaModel], current: ReplicaModel | None) -
     if current is not None:
         for winner in winners:
             if winner.is_same(current):
-                return current if current.sample is not None else winner
+                return current if current.detail >= winner.detail else winner
     return winners[0]

@@ -54,7 +54,7 @@ from tandem.common.torch_part.model_cache import is_gguf_file, resolve_model
 from tandem.decoder.api.encoder_parts import EncoderMismatch, EncoderParts
 from tandem.decoder.api.options import config_from_options, settings
 from tandem.decoder.api.servicer import DecoderServicer
-from tandem.decoder.api.token_table import checkpoint_sample
+from tandem.decoder.api.token_table import checkpoint_sample, checkpoint_weight_samples
 from tandem.decoder.backends.backend import BackendUnavailable, check_available, resolve
 from tandem.decoder.backends.cpu.kernel_choice import AUTO as AUTO_KERNELS
 from tandem.decoder.backends.cpu.kernel_choice import check_kernels
@@ -424,6 +424,7 @@ async def serve(
     # an OpenMP team that would slow the engine thread's steps.
     torch.set_num_threads(1)
     servicer.token_table_sample = checkpoint_sample(Path(config.engine.model_dir))  # 16 rows read
+    servicer.weight_samples = checkpoint_weight_samples(Path(config.engine.model_dir))  # 16 rows a tensor
     if config.encoder_address:
         servicer.encoder_parts = EncoderParts(
             config.encoder_address,

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -52,6 +52,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         encoder_parts: EncoderParts | None = None,  # None: `encoder` parts are refused
         # The checkpoint's token table sample GetModelInfo reports (`token_table.py`); None: unset.
         token_table_sample: encoder_pb2.TokenTableSample | None = None,
+        # And its later weights' (`token_table.py`); empty: none reported.
+        weight_samples: Sequence[decoder_pb2.WeightSample] = (),
     ) -> None:
         self.model_name = model_name
         self.max_message_bytes = max_message_bytes
@@ -59,6 +61,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         self.engine = engine  # None while loading: every RPC answers UNAVAILABLE
         self.encoder_parts = encoder_parts
         self.token_table_sample = token_table_sample
+        self.weight_samples = weight_samples
         self.streams = StreamLimit(max_streams_per_connection)
         self.identify_by_token = identify_by_token
         self.token_streams = StreamLimit(max_streams_per_token, "bearer token", "--max-streams-per-token")
@@ -194,6 +197,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
             max_lora_rank=engine.config.max_lora_rank if engine.config.enable_lora else 0,
             accepts_encoder_parts=self.encoder_parts is not None,
             token_table_sample=self.token_table_sample,
+            weight_samples=self.weight_samples,
         )
 
     async def LoadAdapter(
