@@ -42,6 +42,7 @@ class CountingDecoder(FakeDecoder):
     model: str = "fake-model"  # the model it says it serves
     info_delay_s: float = 0.0  # how long its GetModelInfo takes (a replica busy or stopped)
     sample: encoder_pb2.TokenTableSample | None = None  # its token table's; None: a decoder from before
+    weights: tuple[decoder_pb2.WeightSample, ...] = ()  # its later weights'; none: a decoder from before
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -52,12 +53,18 @@ class CountingDecoder(FakeDecoder):
         reply.model = self.model
         if self.sample is not None:
             reply.token_table_sample.CopyFrom(self.sample)
+        reply.weight_samples.extend(self.weights)
         return reply
 
 
 # Two checkpoints of one shape with other weights (a fine-tune beside its base), as decoders report them.
 BASE = encoder_pb2.TokenTableSample(vocab_size=1024, hidden_size=64, values=[i / 128 for i in range(128)])
 TUNED = encoder_pb2.TokenTableSample(vocab_size=1024, hidden_size=64, values=[-i / 128 for i in range(128)])
+# A tune that kept BASE's table (a merged LoRA): its last layer's down_proj moved.
+DOWN = decoder_pb2.WeightSample(
+    name="model.layers.1.mlp.down_proj.weight", rows=64, columns=256, values=BASE.values
+)
+DOWN_TUNED = decoder_pb2.WeightSample(name=DOWN.name, rows=64, columns=256, values=TUNED.values)
 
 
 async def _start_decoder(
@@ -526,6 +533,7 @@ async def test_the_gateway_names_a_replica_of_another_model_in_health_and_follow
                 await asyncio.sleep(0.05)
         assert health == {
             "status": "ok",
+            "replicas": {"serving": 1, "watched": 2},  # "ok" while one serves: how many is said
             "model": "fake-model",
             "other_models": [{"replica": f"127.0.0.1:{server_b.port}", "model": "new-model"}],
         }
@@ -537,7 +545,9 @@ async def test_the_gateway_names_a_replica_of_another_model_in_health_and_follow
         async with session.post(url + "/completions", json=body) as response:
             assert response.status == 200, await response.text()
             assert (await response.json())["model"] == "new-model"
-        assert (await get("/health"))[1] == {"status": "ok"}
+        async with asyncio.timeout(5):  # a, restarted, serves once its model is asked
+            while (await get("/health"))[1] != {"status": "ok", "replicas": {"serving": 2, "watched": 2}}:
+                await asyncio.sleep(0.05)
 
 
 async def test_one_decoder_restarted_with_another_model_is_followed_within_the_info_age(
@@ -632,13 +642,14 @@ async def test_health_names_a_replica_of_another_checkpoint_under_the_models_nam
     async with live_gateway(address) as url, aiohttp.ClientSession() as session:
         health_url = url.removesuffix("/v1") + "/health"
         async with asyncio.timeout(5):
-            while (await (await session.get(health_url)).json()) != {"status": "ok"}:
+            while (await (await session.get(health_url)).json())["status"] != "ok":
                 await asyncio.sleep(0.05)
             await server_b.set_serving()
             while "other_models" not in (health := await (await session.get(health_url)).json()):
                 await asyncio.sleep(0.05)
     assert health == {
         "status": "ok",
+        "replicas": {"serving": 1, "watched": 2},
         "model": "fake-model",
         "other_models": [
             {"replica": f"127.0.0.1:{server_b.port}", "model": "fake-model", "token_table_sample": "differs"}
@@ -692,3 +703,61 @@ def test_the_replicas_models_are_asked_with_the_gateways_own_token_else_one_it_a
     assert model_check_metadata(GatewayConfig(auth_tokens=frozenset({"b", "a"}))) == (
         ("authorization", "Bearer a"),
     )
+
+
+async def test_a_tune_that_kept_the_token_table_is_left_out_and_health_says_its_weights_differ(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    (a, _), (b, server_b) = replicas
+    a.sample = b.sample = BASE
+    a.weights, b.weights = (DOWN,), (DOWN_TUNED,)
+    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+    address = ",".join(f"127.0.0.1:{running.port}" for _, running in replicas)
+    async with live_gateway(address) as url, aiohttp.ClientSession() as session:
+        health_url = url.removesuffix("/v1") + "/health"
+        async with asyncio.timeout(5):
+            while (await (await session.get(health_url)).json())["status"] != "ok":
+                await asyncio.sleep(0.05)
+            await server_b.set_serving()
+            while "other_models" not in (health := await (await session.get(health_url)).json()):
+                await asyncio.sleep(0.05)
+    assert health["other_models"] == [
+        {"replica": f"127.0.0.1:{server_b.port}", "model": "fake-model", "weight_samples": "differs"}
+    ]
+
+
+async def test_each_replica_newly_left_out_is_logged_at_error_naming_it_and_both_models_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica left out kept /health "ok", was said once, and when most replicas moved to another
+    model the one left behind got a WARNING naming none: each one is now an ERROR as it is left out,
+    and counted (`num_left_out`, the gauge's reading)."""
+    started = [await _start_decoder() for _ in range(3)]
+    (a, server_a), (b, server_b), (c, server_c) = started
+    addresses = [f"127.0.0.1:{running.port}" for _, running in started]
+    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+    await server_c.health.set("tandem.v1.Decoder", NOT_SERVING)
+    b.model = c.model = "new-model"
+    channels = _gateway_channels([server_a, server_b, server_c])
+    seen = channels.replicas
+    assert seen is not None
+    try:
+        await _eventually(lambda: channels.targets == (addresses[0],))
+        with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
+            await server_b.set_serving()  # 1 to 1: the model served so far stays, b left out
+            await _eventually(lambda: seen.num_left_out == 1)
+            await server_c.set_serving()  # 2 to 1: the gateway moves, a is left behind
+            await _eventually(lambda: seen.model == "new-model" and seen.num_left_out == 1)
+            await asyncio.sleep(0.05)  # nothing more is said while nothing changes
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2, errors
+        assert errors[0].startswith(
+            f"decoder replica {addresses[1]} serves model 'new-model', not 'fake-model'"
+        )
+        assert errors[1].startswith(
+            f"decoder replica {addresses[0]} serves model 'fake-model', not 'new-model'"
+        )
+        assert seen.num_watched == 3 and seen.mismatched == {addresses[0]: "fake-model"}
+    finally:
+        await channels.close()
+        await asyncio.gather(*(running.stop(0) for _, running in started))

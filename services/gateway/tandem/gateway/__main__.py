@@ -47,6 +47,7 @@ from tandem.gateway.connections import (
     ServerLog,
     ensure_descriptors,
 )
+from tandem.gateway.replica_metrics import observe_replicas
 
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
@@ -275,6 +276,8 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     gateway = Gateway(config, decoder, encoder, callers, workers, tracer=tracer)
     if telemetry.is_metrics:
         observe_answer_bytes(telemetry.meter, gateway.answer_bytes)
+        if callers.replicas is not None:
+            observe_replicas(telemetry.meter, callers.replicas)
     handler_settings: dict[str, Any] = {
         "keepalive_timeout": config.idle_timeout_s,
         "lingering_time": LINGERING_S,

@@ -295,13 +295,18 @@ class Gateway:
             except grpc.aio.AioRpcError:
                 serving = False
         body: dict[str, Any] = {"status": "ok" if serving else "unavailable"}
+        if replicas is not None:
+            # A replica left out keeps "ok" while another serves: the counts tell a deployer how many do.
+            body["replicas"] = {"serving": len(replicas.serving), "watched": replicas.num_watched}
         if replicas is not None and (mismatched := replicas.mismatched):
             # Replicas of another model than the gateway serves: left out, named for whoever deploys. One
-            # of its name serves another checkpoint under it (`replica_model.py`): said, or it reads as ours.
+            # of its name serves another checkpoint under it (`replica_model.py`): what differs is said,
+            # or it reads as ours.
             body["model"] = replicas.model
+            differences = replicas.differences
             body["other_models"] = [
                 {"replica": r, "model": m}
-                | ({"token_table_sample": "differs"} if m == replicas.model else {})
+                | ({differences[r]: "differs"} if differences.get(r, "model") != "model" else {})
                 for r, m in mismatched.items()
             ]
         return web.json_response(body, status=200 if serving else 503)

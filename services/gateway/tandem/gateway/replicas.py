@@ -19,7 +19,10 @@ Generate no server took is retried on the next replica (`tandem.client.channel`)
 What the gateway serves is one model: each replica is asked its model (`model_of`) as it turns SERVING,
 and one serving another model than most replicas do (ties: the model served so far) gets no calls,
 logged and named in /health, as though it did not serve. Another model is another name, or the same
-name over another checkpoint (its token table sample differs: `replica_model.py`). Mixed replicas
+name over another checkpoint (its token table or weight samples differ: `replica_model.py`). Each
+replica left out is logged at ERROR as it is left out, naming it and both models, whether it came with
+another model or most replicas moved to another (those left behind); a gauge counts them
+(`replica_metrics.py`), and /health names them beside the counts serving and watched. Mixed replicas
 silently answered one model's name with two models' tokens; after a rolling upgrade to another model,
 the gateway kept the first model's name until it restarted. Where a replica cannot be asked (its
 GetModelInfo refused or unanswered), its model is not known and it is not left out.
@@ -153,6 +156,9 @@ class Replicas:
         # Each serving replica's model as it said (None: unknown).
         self._models: dict[str, ReplicaModel | None] = {}
         self._model: ReplicaModel | None = None  # the one most serving replicas serve (ties: the one so far)
+        # The serving replicas of another model at the last `_update`: each logged once as it joins.
+        # Replaced whole, never changed: the metrics' export thread reads its length.
+        self._left_out: frozenset[str] = frozenset()
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._resolver: asyncio.Task[None] | None = None
         self.targets: tuple[str, ...] = (address,)  # what each caller's channel balances over now
@@ -185,6 +191,29 @@ class Replicas:
             for replica, model in self._models.items()
             if model is not None and not self._is_ours(model) and self._is_serving.get(replica)
         }
+
+    @property
+    def differences(self) -> dict[str, str]:
+        """`mismatched`'s replicas: what tells each one's model from the gateway's
+        (`ReplicaModel.difference`: "model", "token_table_sample" or "weight_samples")."""
+        ours = self._model
+        return {
+            replica: difference
+            for replica in self.mismatched
+            if ours is not None
+            and (model := self._models.get(replica)) is not None
+            and (difference := model.difference(ours)) is not None
+        }
+
+    @property
+    def num_left_out(self) -> int:
+        """How many serving replicas get no calls for their model (read from any thread)."""
+        return len(self._left_out)
+
+    @property
+    def num_watched(self) -> int:
+        """How many replicas are watched: found, serving or not."""
+        return len(self._is_serving)
 
     def _is_ours(self, model: ReplicaModel) -> bool:
         return self._model is not None and model.is_same(self._model)
@@ -270,8 +299,6 @@ class Replicas:
         self._asking.pop(replica, None)
         self._models[replica] = model
         self._update()
-        if model is not None and not self._is_ours(model):
-            log.error("decoder replica %s %s: it gets no calls", replica, self._unlike_ours(replica, model))
 
     def _unlike_ours(self, replica: str, model: ReplicaModel) -> str:
         """How `replica`'s `model` differs from the gateway's, naming a replica that serves the latter."""
@@ -279,11 +306,13 @@ class Replicas:
         ours = [r for r, m in self._models.items() if r != replica and m is not None and self._is_ours(m)]
         them = f"{ours[0]} and {len(ours) - 1} more" if len(ours) > 1 else "".join(ours)
         served_by = f" (served by {them})" if them else ""
-        if model.name != self._model.name:
+        difference = model.difference(self._model)
+        if difference == "model":
             return f"serves model {model.name!r}, not {self._model.name!r}{served_by}"
+        what = "token table samples" if difference == "token_table_sample" else "weight samples"
         return (
             f"serves model {model.name!r} from another checkpoint than {self._model.name!r}{served_by}: "
-            "their token table samples differ"
+            f"their {what} differ"
         )
 
     def _choose_model(self) -> None:
@@ -291,13 +320,20 @@ class Replicas:
         chosen = choose_model([m for m in self._models.values() if m is not None], self._model)
         if self._model is not None and chosen is not None and not chosen.is_same(self._model):
             checkpoint = " (another checkpoint)" if chosen.name == self._model.name else ""
-            log.warning(
+            log.warning(  # each replica left behind is logged at ERROR by `_update`
                 "the decoder replicas now serve model %r%s, not %r", chosen.name, checkpoint, self._model.name
             )
         self._model = chosen
 
     def _update(self) -> None:
         self._choose_model()
+        mismatched = self.mismatched
+        for replica in mismatched:
+            if replica not in self._left_out and (model := self._models.get(replica)) is not None:
+                log.error(
+                    "decoder replica %s %s: it gets no calls", replica, self._unlike_ours(replica, model)
+                )
+        self._left_out = frozenset(mismatched)
         targets = self.serving or tuple(self._is_serving) or (self.address,)
         if targets != self.targets:
             self.targets = targets
