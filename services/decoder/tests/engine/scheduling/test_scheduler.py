@@ -19,7 +19,7 @@ from services.decoder.tests.engine.scheduling_helpers import (
     run_step,
     run_until_done,
 )
-from tandem.client.errors import InvalidArgument
+from tandem.client.errors import ErrorInfo, InvalidArgument
 from tandem.decoder.engine.request import RequestStatus, TokenSegment
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
 from tandem.decoder.engine.scheduling.scheduler import (
@@ -342,8 +342,9 @@ def test_add_request_raises_queue_full_at_max_waiting() -> None:
     scheduler, _ = make_scheduler(max_waiting=2)
     scheduler.add_request(make_request("a", [1]))
     scheduler.add_request(make_request("b", [1]))
-    with pytest.raises(QueueFullError, match=r"waiting queue is full \(2 requests, --max-queue\)"):
+    with pytest.raises(QueueFullError, match=r"waiting queue is full \(2 requests, --max-queue\)") as caught:
         scheduler.add_request(make_request("c", [1]))
+    assert caught.value.info == ErrorInfo("QUEUE_FULL", "tandem.decoder", {"maxWaitingRequests": "2"})
     scheduler.schedule()  # a and b start running: the queue has room again
     scheduler.add_request(make_request("c", [1]))
 
@@ -368,6 +369,9 @@ def test_request_needing_more_blocks_than_the_cache_is_rejected() -> None:
     with pytest.raises(RequestTooLongError, match="KV blocks") as info:
         scheduler.add_request(make_request("a", list(range(10)), max_new_tokens=4))
     assert (info.value.field, info.value.limit, info.value.value) == ("stopping.max_new_tokens", 3, 4)
+    assert info.value.info == ErrorInfo(
+        "KV_CAPACITY", "tandem.decoder", {"neededBlocks": "4", "maxBlocks": "3"}
+    )
     scheduler.add_request(make_request("b", list(range(10)), max_new_tokens=3))  # 12 positions of KV
 
 

@@ -12,7 +12,8 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import ErrorInfo, InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.request import Request, RequestStatus
 from tandem.decoder.engine.scheduling.admission_order import AdmissionOrder
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
@@ -30,8 +31,10 @@ class QueueFullError(ResourceExhausted):
 class RequestTooLongError(InvalidArgument, ValueError):
     """A request that could never run here, whatever the load: it needs more than `limit_name`."""
 
-    def __init__(self, field: str, limit_name: str, limit: int, value: int) -> None:
-        super().__init__(field, f"needs {value} but {limit_name} is {limit}")
+    def __init__(
+        self, field: str, limit_name: str, limit: int, value: int, *, info: ErrorInfo | None = None
+    ) -> None:
+        super().__init__(field, f"needs {value} but {limit_name} is {limit}", info=info)
         self.limit_name = limit_name
         self.limit = limit
         self.value = value
@@ -177,13 +180,27 @@ class Scheduler:
         if num_blocks > num_total_blocks:
             too_long = self.block_manager.num_blocks_for_tokens(request.num_prompt_tokens) > num_total_blocks
             field = "prompt" if too_long else "stopping.max_new_tokens"
-            raise RequestTooLongError(field, "the number of KV blocks", num_total_blocks, num_blocks)
+            raise RequestTooLongError(
+                field,
+                "the number of KV blocks",
+                num_total_blocks,
+                num_blocks,
+                info=reasons.decoder_info(
+                    reasons.KV_CAPACITY,
+                    {reasons.NEEDED_BLOCKS: num_blocks, reasons.MAX_BLOCKS: num_total_blocks},
+                ),
+            )
         # Paused requests do not count: each holds no slot and no KV block, and only its client ends
         # it, so counted, a connection's unread streams would refuse every caller while the engine
         # idles. What bounds them is each connection's (and token's) stream bound and the server's
         # bound on calls (RELIABILITY.md, "Limits").
         if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests, --max-queue)")
+            raise QueueFullError(
+                f"waiting queue is full ({self.config.max_waiting} requests, --max-queue)",
+                info=reasons.decoder_info(
+                    reasons.QUEUE_FULL, {reasons.MAX_WAITING_REQUESTS: self.config.max_waiting}
+                ),
+            )
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
