@@ -22,24 +22,13 @@ from tandem.gateway.answer_metrics import (
 from tandem.gateway.config import GatewayConfig
 
 from .fake_decoder import fake_decoder
+from .metric_readings import readings as _readings
 
 NAMES = (
     TANDEM_GATEWAY_UNREAD_ANSWER_BYTES,
     TANDEM_GATEWAY_UNREAD_ANSWER_LARGEST_CALLER_BYTES,
     TANDEM_GATEWAY_UNREAD_ANSWERS_WAITING,
 )
-
-
-def _readings(reader: InMemoryMetricReader) -> dict[str, float]:
-    """Each gauge's one reading, by name."""
-    data = reader.get_metrics_data()
-    return {
-        metric.name: point.value
-        for resource in (data.resource_metrics if data else [])
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        for point in metric.data.data_points
-    }
 
 
 async def test_the_gauges_read_the_bytes_held_the_largest_callers_and_the_answers_waiting() -> None:

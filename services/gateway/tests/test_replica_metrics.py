@@ -18,6 +18,7 @@ from tandem.gateway.replica_metrics import TANDEM_GATEWAY_REPLICAS_LEFT_OUT, obs
 from tandem.gateway.replicas import Replicas
 
 from .fake_decoder import fake_decoder
+from .metric_readings import readings as _readings
 
 
 @dataclass
@@ -25,17 +26,6 @@ class _Counted:
     """What the gauge reads of `Replicas`."""
 
     num_left_out: int = 0
-
-
-def _readings(reader: InMemoryMetricReader) -> dict[str, float]:
-    data = reader.get_metrics_data()
-    return {
-        metric.name: point.value
-        for resource in (data.resource_metrics if data else [])
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        for point in metric.data.data_points
-    }
 
 
 def test_the_gauge_reads_the_replicas_left_out_at_each_collection() -> None:

@@ -632,11 +632,21 @@ async def test_a_replica_of_another_checkpoint_under_the_models_name_gets_no_cal
         await channels.close()
 
 
-async def test_health_names_a_replica_of_another_checkpoint_under_the_models_name(
+@pytest.mark.parametrize(
+    ("samples", "weights", "differs"),
+    [
+        ((BASE, TUNED), ((), ()), "token_table_sample"),
+        ((BASE, BASE), ((DOWN,), (DOWN_TUNED,)), "weight_samples"),  # a tune that kept the table
+    ],
+)
+async def test_health_names_a_replica_of_another_checkpoint_under_the_models_name_and_what_differs(
     replicas: list[tuple[CountingDecoder, RunningServer]],
+    samples: tuple[encoder_pb2.TokenTableSample, encoder_pb2.TokenTableSample],
+    weights: tuple[tuple[decoder_pb2.WeightSample, ...], tuple[decoder_pb2.WeightSample, ...]],
+    differs: str,
 ) -> None:
     (a, _), (b, server_b) = replicas
-    a.sample, b.sample = BASE, TUNED
+    (a.sample, b.sample), (a.weights, b.weights) = samples, weights
     await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
     address = ",".join(f"127.0.0.1:{running.port}" for _, running in replicas)
     async with live_gateway(address) as url, aiohttp.ClientSession() as session:
@@ -652,7 +662,7 @@ async def test_health_names_a_replica_of_another_checkpoint_under_the_models_nam
         "replicas": {"serving": 1, "watched": 2},
         "model": "fake-model",
         "other_models": [
-            {"replica": f"127.0.0.1:{server_b.port}", "model": "fake-model", "token_table_sample": "differs"}
+            {"replica": f"127.0.0.1:{server_b.port}", "model": "fake-model", differs: "differs"}
         ],
     }
 
@@ -703,27 +713,6 @@ def test_the_replicas_models_are_asked_with_the_gateways_own_token_else_one_it_a
     assert model_check_metadata(GatewayConfig(auth_tokens=frozenset({"b", "a"}))) == (
         ("authorization", "Bearer a"),
     )
-
-
-async def test_a_tune_that_kept_the_token_table_is_left_out_and_health_says_its_weights_differ(
-    replicas: list[tuple[CountingDecoder, RunningServer]],
-) -> None:
-    (a, _), (b, server_b) = replicas
-    a.sample = b.sample = BASE
-    a.weights, b.weights = (DOWN,), (DOWN_TUNED,)
-    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
-    address = ",".join(f"127.0.0.1:{running.port}" for _, running in replicas)
-    async with live_gateway(address) as url, aiohttp.ClientSession() as session:
-        health_url = url.removesuffix("/v1") + "/health"
-        async with asyncio.timeout(5):
-            while (await (await session.get(health_url)).json())["status"] != "ok":
-                await asyncio.sleep(0.05)
-            await server_b.set_serving()
-            while "other_models" not in (health := await (await session.get(health_url)).json()):
-                await asyncio.sleep(0.05)
-    assert health["other_models"] == [
-        {"replica": f"127.0.0.1:{server_b.port}", "model": "fake-model", "weight_samples": "differs"}
-    ]
 
 
 async def test_each_replica_newly_left_out_is_logged_at_error_naming_it_and_both_models_and_counted(
