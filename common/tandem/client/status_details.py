@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -41,16 +42,21 @@ def status_details(error: grpc.RpcError) -> StatusDetails:
     violations: list[tuple[str, str]] = []
     retry_delay_s, info = None, None
     for detail in status.details if status is not None else ():
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad_request = error_details_pb2.BadRequest()
-            detail.Unpack(bad_request)
-            violations += [(v.field, v.description) for v in bad_request.field_violations]
-        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            retry = error_details_pb2.RetryInfo()
-            detail.Unpack(retry)
-            retry_delay_s = retry.retry_delay.ToNanoseconds() / 1e9
-        elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            error_info = error_details_pb2.ErrorInfo()
-            detail.Unpack(error_info)
-            info = ErrorInfo(error_info.reason, error_info.domain, dict(error_info.metadata))
+        # A detail whose bytes do not parse as its type is skipped, the others still read: a hostile or
+        # broken peer's trailer must not turn a refusal into a crash (a gateway 500, a CLI traceback).
+        try:
+            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad_request = error_details_pb2.BadRequest()
+                detail.Unpack(bad_request)
+                violations += [(v.field, v.description) for v in bad_request.field_violations]
+            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                retry_delay_s = retry.retry_delay.ToNanoseconds() / 1e9
+            elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                error_info = error_details_pb2.ErrorInfo()
+                detail.Unpack(error_info)
+                info = ErrorInfo(error_info.reason, error_info.domain, dict(error_info.metadata))
+        except DecodeError:
+            continue
     return StatusDetails(tuple(violations), retry_delay_s, info)

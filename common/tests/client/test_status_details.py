@@ -112,3 +112,18 @@ def test_a_refusal_no_wait_can_lift_carries_its_error_info_and_no_retry_delay() 
     status = to_status_proto(ResourceExhausted("all 4 LoRA slots are taken", retry_after_s=None, info=slots))
     kinds = [detail.TypeName() for detail in status.details]
     assert status.code == code_pb2.RESOURCE_EXHAUSTED and kinds == ["google.rpc.ErrorInfo"]
+
+
+def test_a_detail_whose_bytes_do_not_parse_is_skipped_and_the_others_still_read() -> None:
+    # A valid Status naming a google.rpc type over junk bytes (a hostile or broken peer): unpacking it
+    # raised DecodeError, a gateway 500 and a CLI traceback instead of the refusal.
+    status = to_status_proto(ResourceExhausted("full", retry_after_s=2.5, info=BUDGET))
+    for name, junk in [
+        ("BadRequest", b"\xff\xff\xff"),
+        ("RetryInfo", b"\x0a\x05\x08"),
+        ("ErrorInfo", b"\x12\xff"),
+    ]:
+        status.details.add(type_url=f"type.googleapis.com/google.rpc.{name}", value=junk)
+    trailers = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    error = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), trailers, "full")
+    assert status_details(error) == StatusDetails(retry_delay_s=2.5, info=BUDGET)
