@@ -153,3 +153,15 @@ async def test_a_request_another_stream_holds_the_budget_from_is_a_429_to_retry(
     assert (status, retry_after) == (429, "1"), answer
     assert answer["error"]["type"] == "rate_limit_error"
     assert answer["error"]["message"].startswith("prompt_logprobs: ")
+
+
+@pytest.mark.parametrize("needs", ["\u00b2", "\u0664\u0668", "9" * 5000, "-48", " 48"])
+def test_numbers_that_are_not_plain_ascii_decimals_are_not_read_and_the_refusal_stays_a_429(
+    needs: str,
+) -> None:
+    # str.isdigit() took '²', which int() refuses, and int() refuses a 5,000-digit string: a gateway 500
+    # instead of the decoder's refusal. Only ASCII decimals, as the decoder writes them, are read.
+    numbers = {reasons.HELD_ENTRIES: "0", reasons.NEEDED_ENTRIES: needs, reasons.MAX_ENTRIES: "8"}
+    info = ErrorInfo(reasons.PROMPT_LOGPROB_BUDGET, reasons.DECODER, numbers)
+    message = REFUSAL.format(held=0, needs=needs, limit=8)
+    assert refusal_of_request(_refused(message, info), BUSY, held_by_request=100) is BUSY

@@ -30,9 +30,14 @@ from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.client.status_details import status_details
 from tandem.gateway.errors import HttpError
 
+# ASCII digits, at most 18 (an int64's worth): str.isdigit() and \d take '²' and other Unicode digits,
+# which int() refuses, and int() refuses a string over 4,300 digits: either was a gateway 500.
+COUNT = "[0-9]{1,18}"
 # The decoder's refusal as its message words it (admission/prompt_logprob_budget.py): what the refused
 # stream needs and the caller's limit. Read only where the status carries no ErrorInfo (an older decoder).
-REFUSAL = re.compile(r"^output\.prompt_logprobs: .*this request needs (\d+) more .*the limit is (\d+)")
+REFUSAL = re.compile(
+    rf"^output\.prompt_logprobs: .*this request needs ({COUNT}) more .*the limit is ({COUNT})"
+)
 
 
 def entries_held(request: decoder_pb2.GenerateRequest, accepted_tokens: int | None) -> int:
@@ -79,7 +84,7 @@ def needs_and_limit(error: grpc.aio.AioRpcError) -> tuple[int, int] | None:
     metadata = status_details(error).metadata_of(reasons.DECODER, reasons.PROMPT_LOGPROB_BUDGET)
     if metadata is not None:
         needs, limit = metadata.get(reasons.NEEDED_ENTRIES, ""), metadata.get(reasons.MAX_ENTRIES, "")
-        if needs.isdigit() and limit.isdigit():
+        if re.fullmatch(COUNT, needs) and re.fullmatch(COUNT, limit):
             return int(needs), int(limit)
     match = REFUSAL.match(error.details() or "")
     return (int(match[1]), int(match[2])) if match is not None else None
