@@ -50,11 +50,13 @@ MAX_MESSAGE_BYTES = 768
 
 
 def _bounded(text: str) -> str:
-    encoded = text.encode()
+    # A lone surrogate (JSON's "\udcff" in a file a message quotes) has no UTF-8: written as its escape,
+    # else the encode raised inside the interceptor and the caller got UNKNOWN with the exception's text.
+    encoded = text.encode("utf-8", "backslashreplace")
     if len(encoded) <= MAX_MESSAGE_BYTES:
-        return text
+        return encoded.decode()
     kept = encoded[:MAX_MESSAGE_BYTES].decode(errors="ignore")  # never half a character
-    return f"{kept}... ({len(text) - len(kept)} more characters)"
+    return f"{kept}... ({len(encoded.decode()) - len(kept)} more characters)"
 
 
 def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
@@ -115,6 +117,15 @@ def end_with_internal(context: grpc.aio.ServicerContext, method: str) -> None:
     log.exception("unhandled error in %s", method)
     context.set_code(grpc.StatusCode.INTERNAL)
     context.set_details(f"internal error in {method}; see the server log")
+
+
+def _end(context: grpc.aio.ServicerContext, error: errors.TandemError, method: str) -> None:
+    """end_with, or INTERNAL where the error cannot become a status (e.g. an ErrorInfo value protobuf
+    refuses): a caller gets a status the server chose, never UNKNOWN with the exception's text."""
+    try:
+        end_with(context, error)
+    except Exception:
+        end_with_internal(context, method)
 
 
 def _is_abort(exc: BaseException) -> bool:
@@ -233,7 +244,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callabl
             _reject_malformed(request, method)
             return await behavior(request, context)
         except errors.TandemError as error:
-            end_with(context, error)
+            _end(context, error, method)
         except Exception as exc:
             if _is_abort(exc):
                 raise
@@ -253,7 +264,7 @@ def _wrap_stream(
             async for response in behavior(request, context):
                 yield response
         except errors.TandemError as error:
-            end_with(context, error)
+            _end(context, error, method)
         except Exception as exc:
             if _is_abort(exc):
                 raise

@@ -30,6 +30,15 @@ async def _bad_field(request: bytes, context: grpc.aio.ServicerContext) -> bytes
     raise InvalidArgument("prompt[1].text", "must not be empty")
 
 
+async def _surrogate(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    # A lone surrogate, as JSON's "\udcff" in a file the refusal quotes gives: it has no UTF-8.
+    raise InvalidArgument("adapter_config.json:\udcff", "is not a setting")
+
+
+async def _unsendable(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    raise ResourceExhausted("full", info=ErrorInfo("FULL", "test", {"name": "\udcff"}))
+
+
 async def _bare(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     # What a server without the interceptor (an older one, another language's) sends: code and message.
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
@@ -41,7 +50,13 @@ async def address() -> AsyncIterator[str]:
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(fn)
-        for name, fn in {"Refused": _refused, "BadField": _bad_field, "Bare": _bare}.items()
+        for name, fn in {
+            "Refused": _refused,
+            "BadField": _bad_field,
+            "Surrogate": _surrogate,
+            "Unsendable": _unsendable,
+            "Bare": _bare,
+        }.items()
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Details", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -92,6 +107,22 @@ async def test_a_bad_field_gives_its_field_violation_and_no_retry(address: str) 
         assert status_details(error) == StatusDetails(
             field_violations=(("prompt[1].text", "must not be empty"),)
         )
+
+
+async def test_a_lone_surrogate_in_a_refusal_is_sent_escaped_keeping_its_code(address: str) -> None:
+    # Its encode raised inside the interceptor: the caller got UNKNOWN and the exception's text.
+    error = await _aio_error(address, "Surrogate")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "adapter_config.json:\\udcff: is not a setting"
+    assert status_details(error).field_violations == (("adapter_config.json:\\udcff", "is not a setting"),)
+
+
+async def test_a_refusal_that_cannot_become_a_status_is_internal_naming_no_exception(address: str) -> None:
+    error = await _aio_error(address, "Unsendable")
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.INTERNAL,
+        "internal error in /test.Details/Unsendable; see the server log",
+    )
 
 
 async def test_a_status_without_details_reads_as_none(address: str) -> None:

@@ -171,7 +171,9 @@ def test_without_lora_alpha_the_scale_is_peft_s_default_alpha_over_r() -> None:
         ({"target_parameters": ["mlp.experts"]}, "target_parameters", "not supported"),
         ({"use_qalora": True}, "use_qalora", "not supported"),
         ({"fan_in_fan_out": True}, "fan_in_fan_out", "not supported"),
-        ({"a_setting_peft_adds_later": 3}, "a_setting_peft_adds_later", "not a setting this server knows"),
+        # A key unknown here is quoted as the file's text: escaped where it cannot be sent as it is.
+        ({"a_setting_peft_adds_later": 3}, "'a_setting_peft_adds_later'", "not a setting this server knows"),
+        ({"\udcff": 1}, "'\\udcff'", "not a setting this server knows"),
         ({"init_lora_weights": "pissa"}, "init_lora_weights", "change the base model's weights"),
         ({"init_lora_weights": "orthogonal", "r": 3}, "init_lora_weights", "needs an even r"),
         ({"rank_pattern": {"q_proj": 8}, "init_lora_weights": "eva"}, "rank_pattern", "not supported"),

@@ -204,8 +204,12 @@ def check_config(
     for key, value in settings.items():
         if key in _HANDLED or key in _IGNORED or _is_unset(value):
             continue
-        why = _UNSUPPORTED.get(key, "is not a setting this server knows to leave peft's computation as it is")
-        raise refuse(key, f"{why}, got {_short.repr(value)}")
+        if key in _UNSUPPORTED:
+            raise refuse(key, f"{_UNSUPPORTED[key]}, got {_short.repr(value)}")
+        # A key no peft version writes is the file's own text: quoted, cut short and escaped like a value
+        # (a lone surrogate such as JSON's "\udcff" cannot be sent in a status as it is).
+        why = "is not a setting this server knows to leave peft's computation as it is"
+        raise refuse(_short.repr(key), f"{why}, got {_short.repr(value)}")
     if settings.get("bias", "none") != "none":
         raise refuse(
             "bias", f"must be 'none' (bias terms are not supported), got {_short.repr(settings['bias'])}"
