@@ -44,18 +44,20 @@ def min_positions(text: str, max_chars_per_token: int) -> int:
     return math.ceil(len(text) / max_chars_per_token)
 
 
+def text_rule(max_chars_per_token: int) -> str:
+    """How `min_positions` counts text, in a refusal's words."""
+    return f"text takes one per {max_chars_per_token} characters or fewer"
+
+
 def check_fits(
-    num_at_least: int, max_positions: int, field: str, max_chars_per_token: int, limit: str, hint: str = ""
+    num_at_least: int, max_positions: int, field: str, counted: str, limit: str, hint: str = ""
 ) -> None:
-    """Refuse what cannot fit from its size alone: `num_at_least` positions (text counted by
-    `min_positions`) over `max_positions`. Raises InvalidArgument naming `field` and `limit`, the
-    bound in words (e.g. "max_input_tokens 512"); `hint` (if any) says what would fit."""
+    """Refuse what cannot fit from its size alone: `num_at_least` positions over `max_positions`.
+    Raises InvalidArgument naming `field` and `limit`, the bound in words (e.g. "max_input_tokens
+    512"), and `counted`, how the positions were counted (`text_rule` for text); `hint` (if any) says
+    what would fit."""
     if num_at_least > max_positions:
-        raise InvalidArgument(
-            field,
-            f"at least {num_at_least} positions (text takes one per {max_chars_per_token} characters or "
-            f"fewer) exceed {limit}{hint}",
-        )
+        raise InvalidArgument(field, f"at least {num_at_least} positions ({counted}) exceed {limit}{hint}")
 
 
 def _is_byte_level(decoder: dict[str, Any]) -> bool:

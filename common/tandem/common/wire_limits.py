@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.model_name import check_label
-from tandem.common.text_bounds import check_fits, min_positions
+from tandem.common.text_bounds import check_fits, min_positions, text_rule
 
 MAX_REQUEST_ID_BYTES = 128  # `request_id`, UTF-8: a label echoed in every event, never looked up
 MAX_TOKENIZE_TEXTS = 64  # `texts` of one Tokenize call: each is tokenized in full before the reply
@@ -41,7 +41,7 @@ def check_tokenize_texts(
         num_at_least,
         max_positions,
         "texts",
-        max_chars_per_token,
+        text_rule(max_chars_per_token),
         f"{limit} {max_positions}",
         f"; tokenize at most {max_positions * max_chars_per_token} characters per call",
     )

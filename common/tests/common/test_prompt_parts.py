@@ -14,6 +14,7 @@ from tandem.common.torch_part.prompt_parts import (
     check_part,
     check_token_id,
     check_token_ids,
+    how_counted,
     num_positions_at_least,
 )
 
@@ -76,7 +77,25 @@ def test_the_length_bound_counts_ids_and_rows_and_text_at_one_position_per_longe
     assert num_positions_at_least([], max_token_chars=5) == 0
 
 
-def test_an_encoder_parts_input_counts_as_the_same_input_would_in_the_prompt() -> None:
+def test_an_encoder_parts_input_counts_as_the_same_input_would_where_its_rows_are_one_per_position() -> None:
     # Counted at one, a text that could never fit was embedded, then refused naming the encoder's limit.
-    text, ids = EncoderPrompt("text", "a" * 11), EncoderPrompt("token_ids", [4, 5, 6, 7])
-    assert num_positions_at_least([text, ids, EncoderPrompt("image", b"png")], max_token_chars=5) == 3 + 4 + 1
+    text = EncoderPrompt("text", "a" * 11, counts_as_input=True)
+    ids = EncoderPrompt("token_ids", [4, 5, 6, 7], counts_as_input=True)
+    picture = EncoderPrompt("image", b"png", counts_as_input=True)
+    assert num_positions_at_least([text, ids, picture], max_token_chars=5) == 3 + 4 + 1
+
+
+def test_an_encoder_part_whose_rows_are_unknown_until_they_come_counts_at_one() -> None:
+    # Pooled rows, or a projector's own tokenizer: one row for 2,000 IDs was refused at 2,000.
+    parts = [EncoderPrompt("text", "a" * 11), EncoderPrompt("token_ids", [4] * 2000)]
+    assert num_positions_at_least(parts, max_token_chars=5) == 2
+
+
+def test_how_the_bound_counted_names_each_rule_that_applied_once() -> None:
+    assert how_counted([[1, 2], TextPrompt("abc"), [3]], max_token_chars=5) == (
+        "text takes one per 5 characters or fewer, a token ID takes one"
+    )
+    assert how_counted([EncoderPrompt("token_ids", [4], counts_as_input=True)], 5) == "a token ID takes one"
+    assert how_counted([EmbeddingPrompt(torch.zeros(1, HIDDEN)), EncoderPrompt("text", "a")], 5) == (
+        "a row takes one, an encoder part takes at least one"
+    )

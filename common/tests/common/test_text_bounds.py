@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.client.errors import InvalidArgument
-from tandem.common.text_bounds import check_fits, max_token_chars, min_positions, vocabulary_bound
+from tandem.common.text_bounds import check_fits, max_token_chars, min_positions, text_rule, vocabulary_bound
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +36,9 @@ def test_the_bound_never_exceeds_the_real_token_count(tokenizer: tokenizers.Toke
 
 
 def test_what_cannot_fit_is_refused_naming_the_field_and_the_limit() -> None:
-    check_fits(8, max_positions=8, field="text", max_chars_per_token=10, limit="max_input_tokens 8")
+    check_fits(8, max_positions=8, field="text", counted=text_rule(10), limit="max_input_tokens 8")
     with pytest.raises(InvalidArgument) as info:
-        check_fits(9, max_positions=8, field="text", max_chars_per_token=10, limit="max_input_tokens 8")
+        check_fits(9, max_positions=8, field="text", counted=text_rule(10), limit="max_input_tokens 8")
     assert info.value.field == "text"
     assert info.value.description == (
         "at least 9 positions (text takes one per 10 characters or fewer) exceed max_input_tokens 8"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
-from tandem.common.text_bounds import min_positions
+from tandem.common.text_bounds import min_positions, text_rule
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +54,12 @@ class EncoderPrompt:
     # Settles with the rows, [n, hidden_size] in any float dtype, or with the error that failed the
     # fetch; None on a decoder without an encoder (the part is refused).
     rows: concurrent.futures.Future[torch.Tensor] | None = None
+    # Its rows are one per position of its input as the decoder's tokenizer reads it: the decoder asks
+    # for them unpooled (POOLING_NONE) of an embedder that tokenizes with the decoder's own tokenizer
+    # (GetModelInfo.embedder lookup or soft-prompt), so the prompt bound counts it as its input. False:
+    # how many rows come is unknown until they do (an embedder of its own tokenizer, a projector's
+    # WordPiece, or one not yet asked), and it counts at one.
+    counts_as_input: bool = False
 
     @property
     def is_image(self) -> bool:
@@ -112,29 +118,47 @@ def check_rows(rows: torch.Tensor, field: str, hidden_size: int) -> None:
 
 def num_positions_at_least(parts: Sequence[PromptPart], max_token_chars: int) -> int:
     """Fewest positions `parts` can take, from sizes alone: IDs and rows counted, text at one position
-    per `max_token_chars` characters (tandem.common.text_bounds), an encoder part as its input (a
-    picture at one). Reads no ID, row or character.
+    per `max_token_chars` characters (tandem.common.text_bounds), an encoder part as its input where
+    its rows are known to be one per position of it (`EncoderPrompt.counts_as_input`; a picture at
+    one), else at one. Reads no ID, row or character.
 
-    An encoder part's text counts by the same bound: the encoder serves the decoder's model (its
-    replies are checked for it, `encoder_model_check`), so its tokenizer's longest entry is the same.
-    Counted at one, a text that could never fit the decoder's context was embedded anyway, and refused
-    naming the encoder's max_input_tokens rather than the decoder's context."""
-    return sum(
-        min_positions(part.text, max_token_chars)
-        if isinstance(part, TextPrompt)
-        else part.rows.shape[0]
-        if isinstance(part, EmbeddingPrompt)
-        else _encoder_positions_at_least(part, max_token_chars)
-        if isinstance(part, EncoderPrompt)
-        else len(part)
-        for part in parts
-    )
+    An encoder part's text counts by the same bound then: the encoder serves the decoder's model (its
+    replies are checked for it, `encoder_model_check`) with the decoder's tokenizer. Counted at one, a
+    text that could never fit the decoder's context was embedded anyway, and refused naming the
+    encoder's max_input_tokens rather than the decoder's context; counted as its input where the
+    encoder pools its rows, or tokenizes with a vocabulary of its own, a part whose rows fit was
+    refused."""
+    return sum(_counted(part, max_token_chars)[0] for part in parts)
 
 
-def _encoder_positions_at_least(part: EncoderPrompt, max_token_chars: int) -> int:
-    if isinstance(part.content, str):
-        return min_positions(part.content, max_token_chars)
-    return 1 if part.is_image else len(part.content)  # one row per ID (the decoder asks no pooling)
+def how_counted(parts: Sequence[PromptPart], max_token_chars: int) -> str:
+    """How `num_positions_at_least` counted `parts`, in a refusal's words: each rule that applied."""
+    used = {_counted(part, max_token_chars)[1] for part in parts}
+    rules = {"text": text_rule(max_token_chars), **_RULES}
+    return ", ".join(words for rule, words in rules.items() if rule in used)
+
+
+# How a part's positions are counted, by rule, in a refusal's words (text's: `text_rule`).
+_RULES = {
+    "id": "a token ID takes one",
+    "row": "a row takes one",
+    "one": "an encoder part takes at least one",
+}
+
+
+def _counted(part: PromptPart, max_token_chars: int) -> tuple[int, str]:
+    """The fewest positions `part` takes, and the rule that counted them ("text" or a key of _RULES)."""
+    if isinstance(part, TextPrompt):
+        return min_positions(part.text, max_token_chars), "text"
+    if isinstance(part, EmbeddingPrompt):
+        return part.rows.shape[0], "row"
+    if isinstance(part, EncoderPrompt):
+        if not part.counts_as_input or part.is_image:
+            return 1, "one"
+        if isinstance(part.content, str):
+            return min_positions(part.content, max_token_chars), "text"
+        return len(part.content), "id"
+    return len(part), "id"
 
 
 def check_token_ids(ids: Sequence[int], field: str, vocab_size: int) -> None:

@@ -58,6 +58,8 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         self.num_infos_cancelled = 0  # GetModelInfo calls their caller cancelled
         self.replica = ""  # its own name, said as each call begins, as Tandem's encoder does
         self.failure: grpc.StatusCode | None = None  # Embed ends with this status
+        self.embedder = ""  # GetModelInfo's embedder kind
+        self.poolings: list[int] = []  # each Embed call's pooling, as asked
 
     async def _say_who(self, context) -> None:
         if self.replica:
@@ -72,11 +74,14 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
             except asyncio.CancelledError:
                 self.num_infos_cancelled += 1
                 raise
-        return encoder_pb2.EncoderGetModelInfoResponse(model="stand-in", hidden_size=HIDDEN_SIZE)
+        return encoder_pb2.EncoderGetModelInfoResponse(
+            model="stand-in", embedder=self.embedder, hidden_size=HIDDEN_SIZE
+        )
 
     async def Embed(self, request, context) -> encoder_pb2.EmbedResponse:
         await self._say_who(context)
         self.num_embeds += 1
+        self.poolings.append(request.pooling)
         self.num_running += 1
         self.max_running = max(self.max_running, self.num_running)
         try:
@@ -632,3 +637,22 @@ async def test_the_callers_trace_context_reaches_the_encoder_only_when_well_form
         assert isinstance(part, EncoderPrompt)
         assert (await _rows(part)).shape == (3, HIDDEN_SIZE)
         assert encoder.trace_headers[-1] == seen
+
+
+@pytest.mark.parametrize(
+    ("embedder", "counts"), [("lookup", True), ("soft-prompt", True), ("projector", False)]
+)
+async def test_rows_are_asked_unpooled_and_a_part_counts_as_its_input_only_under_the_decoders_tokenizer(
+    encoder: StandIn, parts: EncoderParts, embedder: str, counts: bool
+) -> None:
+    """Left unset, the pooling was the encoder's --pooling (mean: one row whatever the input); a
+    projector tokenizes with its own vocabulary. A part started before the encoder said which embedder
+    it runs counts at one."""
+    encoder.embedder = embedder
+    encoder.gate.set()
+    [before], _ = _start(parts, [_picture()])
+    await _rows(before)
+    [after], _ = _start(parts, [EncoderPrompt("image", b"another picture")])
+    await _rows(after)
+    assert not before.counts_as_input and after.counts_as_input is counts
+    assert encoder.poolings == [encoder_pb2.POOLING_NONE] * 2

@@ -27,6 +27,7 @@ from tandem.common.torch_part.prompt_parts import (
     TextPrompt,
     check_part,
     check_token_ids,
+    how_counted,
     num_positions_at_least,
 )
 from tandem.common.wire_limits import check_request_id
@@ -166,7 +167,7 @@ def build_job(
         num_positions_at_least([spec.input], info.max_token_chars),
         max_input_tokens,
         field,
-        info.max_token_chars,
+        how_counted([spec.input], info.max_token_chars),
         f"max_input_tokens {max_input_tokens}",
     )
     if isinstance(spec.input, TextPrompt):

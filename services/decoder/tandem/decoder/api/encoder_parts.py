@@ -19,7 +19,8 @@ A fetch, on the event loop:
 2. An Embed call with the caller's deadline (at most MAX_FETCH_S), bearer token and trace context
    (the telemetry's interceptor carries the decoder's span; without it the caller's own
    `traceparent` is passed on, when well formed: trace_context.py), asking for the model's dtype, so
-   the rows need no cast here. Where this decoder could make its probe file, the call offers shared memory
+   the rows need no cast here, and one row per position (POOLING_NONE, whatever the encoder's
+   --pooling). Where this decoder could make its probe file, the call offers shared memory
    (`tandem.common.torch_part.shared_memory`): an encoder on the same host writes the rows into the
    segment the offer named, and any other encoder ignores the offer and sends bytes. Negotiated per
    call, never configured. At most MAX_EMBEDS_IN_FLIGHT calls run at once, the others wait their turn
@@ -115,6 +116,10 @@ MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together 
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
+# Embedders that tokenize with the checkpoint's own tokenizer, the decoder's: a part's unpooled rows are
+# one per position its input takes in the prompt (a soft prompt's virtual rows more). A projector
+# tokenizes with its encoder's own (MiniLM's WordPiece: a long word is one [UNK]).
+SAME_TOKENIZER = frozenset({"lookup", "soft-prompt"})
 
 
 class EncoderMismatch(Exception):
@@ -177,6 +182,9 @@ class EncoderParts:
         # The encoder's model name, part of every cache key: asked until an encoder of this decoder's
         # model answers, then kept (each reply's own model is checked all the same: `_check_model`).
         self._model: str | None = None
+        # Its embedder kind (GetModelInfo.embedder), said with the name: whether a part's rows are one
+        # per position of its input as this decoder's tokenizer reads it (EncoderPrompt.counts_as_input).
+        self._embedder: str | None = None
         # The GetModelInfo calls running until then, by the caller's bearer token: parts asking meanwhile
         # share one, each waiting at most its own time. Under a lock held for the whole call, the k-th
         # of k parts waited k calls' time (a hung encoder: 60 s each), far past its own deadline.
@@ -223,7 +231,7 @@ class EncoderParts:
             # A task cancelled before it ran never enters _fetch: its rows settle here all the same.
             task.add_done_callback(lambda done: rows.cancel() if done.cancelled() else None)
             tasks.append(task)
-            return dataclasses.replace(part, rows=rows)
+            return dataclasses.replace(part, rows=rows, counts_as_input=self._embedder in SAME_TOKENIZER)
 
         prompt = [started(part, f"prompt[{i}]") for i, part in enumerate(spec.prompt)]
         chat = spec.chat
@@ -371,7 +379,11 @@ class EncoderParts:
         return its reply here (cancelled: its caller left; or failed) releases the segment it asked
         for, as a read does, in case the encoder wrote it: else a caller cancelling its calls kept
         the encoder's pool leased for --shared-memory-lease-s each (10 s), and others got bytes."""
-        request = encoder_pb2.EmbedRequest(output_dtype=tensors.to_wire_dtype(self.dtype))
+        # One row per position, as EncoderInput promises, whatever the encoder's --pooling: its default
+        # applied to a request that left pooling unset, and one pooled row stood for the whole input.
+        request = encoder_pb2.EmbedRequest(
+            output_dtype=tensors.to_wire_dtype(self.dtype), pooling=encoder_pb2.POOLING_NONE
+        )
         if part.kind == "text":
             request.text = part.content  # type: ignore[assignment]
         elif part.kind == "token_ids":
@@ -508,7 +520,7 @@ class EncoderParts:
             mismatch = self.model_check.info_mismatch(info, replica)
             if mismatch is not None:
                 raise EncoderMismatch(mismatch)
-            self._model = info.model
+            self._model, self._embedder = info.model, info.embedder
             who = replica_name.answering(self.address, replica)
             if not info.HasField("token_table_sample") or self.model_check.table_sample is None:
                 return (
@@ -549,7 +561,7 @@ class EncoderParts:
         mismatch = self.model_check.info_mismatch(info, replica)
         if mismatch is not None:
             raise FailedPrecondition(field, mismatch)
-        self._model = info.model
+        self._model, self._embedder = info.model, info.embedder
         return self._model
 
     async def _model_info(

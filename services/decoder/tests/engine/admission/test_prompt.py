@@ -289,11 +289,31 @@ def test_an_encoder_text_too_long_for_the_context_is_refused_naming_it_without_w
     # Counted at one position, it was embedded and then refused naming the encoder's max_input_tokens
     # (8192) where this decoder's context was 1007.
     max_chars = text_bounds.max_token_chars(tiny_fp32.tokenizer)
-    never = dataclasses.replace(_fetched(None), kind="text", content="a" * (16 * max_chars))
+    never = dataclasses.replace(
+        _fetched(None), kind="text", content="a" * (16 * max_chars), counts_as_input=True
+    )
     with pytest.raises(InvalidArgument) as info:
         _build(tiny_fp32, _spec(never, deadline=time.monotonic() + 1))  # waited for: DEADLINE_EXCEEDED
     assert info.value.field == "prompt" and "at least 16 positions" in info.value.description
     assert "max_model_len 16" in info.value.description and not never.rows.done()
+
+
+def test_an_encoder_part_of_unknown_rows_counts_at_one_and_its_rows_decide(tiny_fp32: LoadedModel) -> None:
+    # Rows pooled by the encoder, or of a tokenizer of its own (a projector): 2,000 token IDs were
+    # refused "at least 2001 positions" where one row came.
+    row = torch.randn(1, tiny_fp32.config.hidden_size)
+    ids = dataclasses.replace(_fetched(row), kind="token_ids", content=[7] * 2000)
+    text = dataclasses.replace(_fetched(row), kind="text", content="word " * 3000)
+    assert _build(tiny_fp32, _spec(ids, [5], text)).num_prompt_tokens == 3
+
+
+def test_a_refusal_from_sizes_says_how_each_kind_of_part_counted(tiny_fp32: LoadedModel) -> None:
+    counted = dataclasses.replace(_fetched(None), kind="token_ids", content=[7] * 20, counts_as_input=True)
+    with pytest.raises(InvalidArgument) as info:
+        _build(tiny_fp32, _spec(counted, _fetched(None)))
+    assert info.value.description.startswith(
+        "at least 21 positions (a token ID takes one, an encoder part takes at least one) exceed"
+    )
 
 
 def test_a_failed_fetch_is_the_requests_error_waited_for_only_after_the_cheaper_rules(

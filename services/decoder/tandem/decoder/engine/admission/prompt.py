@@ -32,6 +32,7 @@ from tandem.common.torch_part.prompt_parts import (
     check_rows,
     check_token_ids,
     field_of,
+    how_counted,
     num_positions_at_least,
 )
 from tandem.common.wire_limits import check_request_id
@@ -146,11 +147,12 @@ def build_request(
         check_part(part, path, model_config.hidden_size, enable_prompt_embeds)
     if spec.chat is not None and chat_template is None:
         raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+    parts = [part for _, part in located]
     check_fits(
-        num_positions_at_least([part for _, part in located], max_token_chars),
+        num_positions_at_least(parts, max_token_chars),
         max_model_len - 1,
         field_name,
-        max_token_chars,
+        how_counted(parts, max_token_chars),
         f"the {max_model_len - 1} a prompt may take (max_model_len {max_model_len} less one to generate)",
     )
     if spec.chat is not None:
