@@ -46,9 +46,12 @@ GRAMMAR_MICROSECONDS = "grammarMicroseconds"
 STEP_MICROSECONDS = "stepMicroseconds"
 MAX_MICROSECONDS_PER_STEP = "maxMicrosecondsPerStep"
 
-# RESOURCE_EXHAUSTED, RetryInfo: all MAX_LORAS adapter slots (--max-loras) are taken.
+# RESOURCE_EXHAUSTED: all MAX_LORAS adapter slots (--max-loras) are taken, DRAINING_SLOTS of them
+# draining (unloaded, freed once their running requests end): RetryInfo only where that is over 0; with
+# every slot holding a loaded adapter only an UnloadAdapter frees one, and no retry hint is given.
 LORA_SLOTS = "LORA_SLOTS"
 MAX_LORAS = "maxLoras"
+DRAINING_SLOTS = "drainingSlots"
 
 # INVALID_ARGUMENT, BadRequest naming the field: the request needs NEEDED_BLOCKS KV blocks and the
 # pool has MAX_BLOCKS in all, so no wait lets it in.
