@@ -300,6 +300,10 @@ class Engine:
                     backend.shared_step_seqs if config.shared_step_seqs is None else config.shared_step_seqs
                 )
                 or None,
+                # Batch-invariant chunks are the request's own, whatever decodes beside them.
+                long_prefill_token_threshold=None
+                if invariant
+                else config.long_prefill_token_threshold or None,
             ),
             block_manager,
         )
