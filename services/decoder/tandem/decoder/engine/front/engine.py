@@ -587,7 +587,7 @@ class Engine:
         shown: str | None = None,
         found: FoundAdapter | None = None,
     ) -> LoraAdapter:
-        self.core.check_can_load(name)  # the cheap refusals before the files are read
+        self.core.check_can_load(name)  # the cheap refusals before the files are read; ends nothing
         assert self.lora is not None
         return read_adapter(path, self.model_config, self.lora.max_rank, shown, found)
 
@@ -597,7 +597,7 @@ class Engine:
         assert self.lora is not None and self.core.adapters is not None
         slots = self.core.adapters
         slots.check_new(name)  # again: another load of the name or slot may have won the race since
-        slot = slots.free_slot()
+        slot = self.core.take_slot()  # the files read and checked: only now may paused streams end for it
         start = time.perf_counter()
         self.lora.write(slot, adapter)
         self.core.runner.slots_written()

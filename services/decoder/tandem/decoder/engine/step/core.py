@@ -261,40 +261,49 @@ class EngineCore:
             return [] if self.adapters is None else self.adapters.adapters
 
     def check_can_load(self, name: str) -> None:
-        """Raises unless an adapter could be loaded as `name` now: a new name and a free slot. Where no
-        slot is free but an unloaded adapter's is held only by requests paused for their readers, those
-        requests end (FAILED_PRECONDITION naming the unload) and the slot is free for the load."""
+        """Raises unless an adapter could be loaded as `name` now: a new name, and a free slot or one
+        `take_slot` could reclaim. Ends nothing: the load may still fail on its files, or its caller
+        leave before the install."""
         with self.lock:
             if self.adapters is None:
                 raise FailedPrecondition("name", "this server runs without LoRA: start it with --enable-lora")
             self.adapters.check_new(name)
             self._release_drained()
-            ended = [] if self.adapters.has_free_slot else self._reclaim_paused_slot()
-            self.adapters.free_slot()
-        for tracked in ended:
-            tracked.on_event(Failed(tracked.output.request_id, _unloaded_while_paused(tracked.request)))
+            if not self.adapters.has_free_slot and self._reclaimable_slot() is None:
+                self.adapters.free_slot()  # raises: every slot taken
 
-    def _reclaim_paused_slot(self) -> list[_Tracked]:
-        """Under `lock`: the requests on the lowest draining slot that no request but ones paused for
-        their readers uses leave the engine (they hold no KV blocks), and the slot is freed; returns
-        them, to be told. A paused request's reader may never read again, and unloading promised the
-        slot back: it would otherwise be held for ever (issue: a stream nobody reads). A slow reader
-        keeps its stream while no load needs the slot, and a running request is never ended."""
+    def take_slot(self) -> int:
+        """Under `lock`, on the engine thread, by the install of an adapter read and checked: a free
+        slot; where none is, the lowest draining slot that only requests paused for their readers use,
+        whose requests end (FAILED_PRECONDITION naming the unload) and leave the engine (they hold no
+        KV blocks). A paused request's reader may never read again, and unloading promised the slot
+        back: it would otherwise be held for ever (issue: a stream nobody reads). Only here, where the
+        load is sure to take the slot, so a load that fails on its files, or whose caller left, ends
+        no one; a slow reader keeps its stream while no load needs its slot, and a running request is
+        never ended. ResourceExhausted when no slot is free nor reclaimable."""
         assert self.adapters is not None
-        by_slot: dict[int, list[_Tracked]] = {slot: [] for slot in self.adapters.draining}
-        for tracked in self._live.values():
-            if tracked.request.adapter_slot in by_slot:
-                by_slot[tracked.request.adapter_slot].append(tracked)
-        paused = self.scheduler.paused
-        slots = [s for s, users in by_slot.items() if all(t.request.request_id in paused for t in users)]
-        if not slots:
-            return []
-        ended = by_slot[min(slots)]
-        for tracked in ended:
-            self.scheduler.abort(tracked.request.request_id)
-            del self._live[tracked.request.request_id]
         self._release_drained()
-        return ended
+        slot = None if self.adapters.has_free_slot else self._reclaimable_slot()
+        if slot is not None:
+            ended = [t for t in self._live.values() if t.request.adapter_slot == slot]
+            for tracked in ended:
+                self.scheduler.abort(tracked.request.request_id)
+                del self._live[tracked.request.request_id]
+                # Under the lock, as add's Accepted: the callbacks only post the event.
+                tracked.on_event(Failed(tracked.output.request_id, _unloaded_while_paused(tracked.request)))
+            self._release_drained()
+        return self.adapters.free_slot()
+
+    def _reclaimable_slot(self) -> int | None:
+        """Under `lock`: the lowest draining slot that no request but ones paused for their readers
+        uses; None if there is none."""
+        assert self.adapters is not None
+        users: dict[int, list[str]] = {slot: [] for slot in self.adapters.draining}
+        for tracked in self._live.values():
+            if tracked.request.adapter_slot in users:
+                users[tracked.request.adapter_slot].append(tracked.request.request_id)
+        paused = self.scheduler.paused
+        return min((s for s, keys in users.items() if all(key in paused for key in keys)), default=None)
 
     def _release_drained(self) -> None:
         """Under `lock`: free the unloaded adapters' slots whose last request has ended."""
