@@ -16,6 +16,7 @@ from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.params import StructuredOutput
 from tandem.decoder.engine.sampling.grammar_growth import (
     BYTES_PER_LEXER_STATE,
+    EXPENSIVE_REPLAY_SECONDS,
     FIRST_MAX_LEXER_STATES,
     MeteredMatcher,
     growth_bytes,
@@ -194,3 +195,30 @@ def test_a_rebuild_and_its_replay_are_not_the_grammars_work_and_count_in_no_cpu_
     assert metered.max_states == 2 * FIRST_MAX_LEXER_STATES and threads  # built again, aside
     assert metered.rebuild_seconds >= _FillingMatcher.REPLAY_CPU_S
     assert constraint.mask_seconds < 0.005 and constraint.error() is None
+    assert metered.take_rebuild_seconds() >= _FillingMatcher.REPLAY_CPU_S  # its step's budget's, once
+    assert metered.take_rebuild_seconds() == 0.0
+
+
+class _DearlyParsedMatcher(_FillingMatcher):
+    """Its tokens cost 30 ms each to take, so a replay of two is predicted dear; replays cost nothing."""
+
+    REPLAY_CPU_S = 0.0
+
+    def consume_token(self, token_id: int) -> bool:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.030:
+            pass
+        return super().consume_token(token_id)
+
+
+def test_a_matcher_whose_replay_would_be_dear_grows_to_its_limit_of_all_in_one_charged_tranche() -> None:
+    # A replay is the answer's parsing again while its step's neighbours wait: `s: s s | "a"` after
+    # 500 tokens, about 3 s each, and 6 doublings meant 6 of them (a neighbour's worst gap 8.6 s).
+    charged = []
+    metered = MeteredMatcher(_DearlyParsedMatcher, 50_000)
+    metered.charge = charged.append
+    for token_id in (1, 2, 3):
+        metered.compute_bitmask()
+        metered.consume_token(token_id)
+    assert metered.consume_seconds > EXPENSIVE_REPLAY_SECONDS
+    assert metered.max_states == 50_000 and charged == [growth_bytes(50_000)]

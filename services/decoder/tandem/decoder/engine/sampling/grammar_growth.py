@@ -13,7 +13,8 @@ max_lexer_states exactly ("too many states: N >= N"), so the limit is the meter:
 FIRST_MAX_LEXER_STATES, which the charge's floor (MIN_MATCHER_BYTES) covers, and where it reaches its
 limit it is built again at twice the limit, charged BYTES_PER_LEXER_STATE for each state added, and given
 the answer's tokens again (`consume_tokens`: 7-15 ms for 30-970 tokens measured with SmolLM2, at most
-log2(MAX_LEXER_STATES / FIRST_MAX_LEXER_STATES) = 6 times a request). The states charged are the limit's,
+log2(MAX_LEXER_STATES / FIRST_MAX_LEXER_STATES) = 6 times a request, or straight to the limit where a
+replay would be dear: the NOTE below). The states charged are the limit's,
 never fewer than the matcher holds. Where the charge is refused (its caller's or the engine's live
 grammars hold too much), the matcher stays stopped at its limit and the request fails after its step,
 naming its field and the limit, as a grammar failing on the way does. A matcher built again holds only
@@ -27,6 +28,25 @@ waits for it). The grammar's CPU limits, per token and per step, time their own 
 never count it: a replay of an ambiguous grammar's answer is the whole answer's parsing again (`s: s s |
 "a"` after 300 tokens: 333 ms in one step), and counted, it failed INVALID_ARGUMENT ("no step fits it")
 a request that finishes unmetered. `rebuild_seconds` says what they cost.
+
+NOTE: what a rebuild still costs its neighbours. The step's thread waits for the rebuild, so every
+request of the step waits too, and a replay costs about what the answer's taking of its tokens cost
+so far (`consume_seconds`): `s: s s | "a"` after 500 tokens, about 3 s a replay on the tiny model, and
+doubling the limit 6 times meant 6 of them (a plain neighbour's worst gap 3.1 s, 8.6 s beside 3
+more, against 85 ms unmetered). So where a replay is predicted to cost over EXPENSIVE_REPLAY_SECONDS
+(the answer's consume time), or a rebuild has measured over it, the matcher grows straight to its
+limit of all in one charged tranche: a request replays expensively at most about once (the one
+predicted cheap that measured dear, then the last). And each rebuild's seconds join the request's
+grammar seconds in its step's budget (`take_rebuild_seconds`; step/grammar_budget.py), so where
+several rebuild at once the dearest heavy ones fail; a request not heavy in its masks is never failed
+for a rebuild (it would have finished unmetered). The bound left: one replay a request, up to its
+answer's parsing again (at the per-token limit's 50 ms a token, N tokens cost up to N x 50 ms, in
+practice the consume share of it), during which its step's neighbours wait.
+
+NOTE: a rebuilt matcher holds only the states of its answer's path, so near MAX_LEXER_STATES a
+metered request may go on where an unmetered one failed "too many states" (`s "|" /[\w .]{1,1000}/` with
+SmolLM2's vocabulary: unmetered failed at token 1,162; metered, rebuilt at 32,768 states, went on):
+outcomes there depend on its rebuild history, not on the grammar and answer alone.
 
 Not counted here: the parser's rows, about 0.5 KB a token for ordinary grammars (0.95 MB over 2,000
 tokens of a JSON schema), which the floor covers, and the items an ambiguous grammar's rows hold (11
@@ -48,6 +68,9 @@ FIRST_MAX_LEXER_STATES = 1024  # what every matcher may build uncharged: its flo
 # SmolLM2's vocabulary: 618-941 bytes for `[\w .]{1,1000}`, `[a-z0-9]{1,1000}` and `.{1,2000}`
 # (a row of the state table is 4 bytes per byte class of the grammar, 107 for `\w`, and its regex).
 BYTES_PER_LEXER_STATE = 1024
+# A replay's CPU past which the matcher grows to its limit of all at once (the NOTE): its neighbours
+# wait for a replay, about 50 ms the per-token limit's own (--max-grammar-cpu-ms-per-token's default).
+EXPENSIVE_REPLAY_SECONDS = 0.050
 T = TypeVar("T")
 _TOO_MANY_STATES = re.compile(r"too many states: (\d+) >= (\d+)")
 
@@ -72,6 +95,9 @@ class MeteredMatcher:
         self._build = build  # a fresh llguidance matcher of the grammar at the given state limit
         self._aside = aside  # runs a rebuild and its replay, on a thread of their own (the NOTE)
         self.rebuild_seconds = 0.0  # CPU time its rebuilds and replays took, on that thread
+        self._unbilled_seconds = 0.0  # of rebuild_seconds, what no step's budget has taken yet
+        self.consume_seconds = 0.0  # CPU its tokens' taking cost: what a replay of them costs, about
+        self._is_replay_dear = False  # a rebuild measured over EXPENSIVE_REPLAY_SECONDS
         self._max_lexer_states = max_lexer_states  # the most it may ever have (structured.py's)
         self.max_states = min(FIRST_MAX_LEXER_STATES, max_lexer_states)  # its limit now
         self._matcher = build(self.max_states)
@@ -85,7 +111,9 @@ class MeteredMatcher:
 
     def consume_token(self, token_id: int) -> bool:
         is_recorded = not self._matcher.is_stopped()  # type: ignore[attr-defined]
+        start = time.thread_time()
         result = self._grown(lambda: self._matcher.consume_token(token_id))  # type: ignore[attr-defined]
+        self.consume_seconds += time.thread_time() - start
         if is_recorded and not self._matcher.is_error():  # type: ignore[attr-defined]
             self._tokens.append(token_id)
         return result
@@ -96,6 +124,11 @@ class MeteredMatcher:
     def rollback(self, num_tokens: int) -> bool:
         del self._tokens[len(self._tokens) - num_tokens :]
         return self._matcher.rollback(num_tokens)  # type: ignore[attr-defined]
+
+    def take_rebuild_seconds(self) -> float:
+        """Its rebuilds' CPU since the last call: what its step's budget charges it (the NOTE)."""
+        seconds, self._unbilled_seconds = self._unbilled_seconds, 0.0
+        return seconds
 
     def is_stopped(self) -> bool:
         return self._matcher.is_stopped()  # type: ignore[attr-defined]
@@ -117,6 +150,8 @@ class MeteredMatcher:
             if full is None or self.max_states >= self._max_lexer_states:
                 return result  # the grammar's own failure, or past the limit of all: its error says
             limit = min(2 * self.max_states, self._max_lexer_states)
+            if self._is_replay_dear or self.consume_seconds > EXPENSIVE_REPLAY_SECONDS:
+                limit = self._max_lexer_states  # one dear replay, not one a doubling (the NOTE)
             if self.charge is not None:
                 nbytes = growth_bytes(limit) - growth_bytes(self.max_states)
                 try:
@@ -136,7 +171,10 @@ class MeteredMatcher:
         matcher = self._build(max_states)
         if tokens:
             matcher.consume_tokens(tokens)  # type: ignore[attr-defined]
-        self.rebuild_seconds += time.thread_time() - start
+        seconds = time.thread_time() - start
+        self.rebuild_seconds += seconds
+        self._unbilled_seconds += seconds
+        self._is_replay_dear = self._is_replay_dear or seconds > EXPENSIVE_REPLAY_SECONDS
         return matcher
 
 

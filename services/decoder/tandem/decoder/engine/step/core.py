@@ -404,6 +404,7 @@ class EngineCore:
                     item.request.num_output_tokens + ahead, item.request.adapter
                 )
         broken: list[tuple[ScheduledRequest, TandemError]] = []
+        rebuild_seconds: dict[str, float] = {}
         for item, tokens in zip(items, kept, strict=True):  # the grammar takes what was sampled
             if item.request.constraint is not None:
                 start = time.thread_time()
@@ -415,6 +416,11 @@ class EngineCore:
                 tracked = self._live[item.request_id]
                 row_seconds = grammar_seconds[item.request_id] / (1 + item.num_draft_tokens)
                 tracked.grammar_row_seconds = (row_seconds, tracked.grammar_row_seconds[0])
+                # Its matcher's rebuilds ran on a thread of their own while the step waited: they
+                # count in the step's budget, not in its rows' cost (grammar_growth.py's NOTE).
+                if (metered := item.request.constraint.metered) is not None:
+                    rebuild_seconds[item.request_id] = metered.take_rebuild_seconds()
+                    grammar_seconds[item.request_id] += rebuild_seconds[item.request_id]
                 if item.request_id not in faults and (error := item.request.constraint.error()) is not None:
                     broken.append((item, error))
         with self.lock:
@@ -436,7 +442,7 @@ class EngineCore:
         # step, so they neither fail for it nor count in it.
         done = {item.request_id for item, _ in broken} | set(faults)
         done.update(output.tracked.request.request_id for output in outputs if output.is_finished)
-        over = self._over_grammar_budget(items, grammar_seconds, done)
+        over = self._over_grammar_budget(items, grammar_seconds, rebuild_seconds, done)
         self._deliver(outputs, failing={item.request_id for item, _ in over})
         broken.extend(over)
         for request_id, fault in faults.items():
@@ -448,11 +454,16 @@ class EngineCore:
             self._fail(item.request_id, error)
 
     def _over_grammar_budget(
-        self, items: list[ScheduledRequest], grammar_seconds: dict[str, float], done: set[str]
+        self,
+        items: list[ScheduledRequest],
+        grammar_seconds: dict[str, float],
+        rebuild_seconds: dict[str, float],
+        done: set[str],
     ) -> list[tuple[ScheduledRequest, TandemError]]:
         """The requests whose grammar work this step fails for the step's budget (grammar_budget.py),
         with their errors: only heavy ones, and none of `done` (finished, or failing for their own
-        reasons), which neither fail nor count."""
+        reasons), which neither fail nor count. `rebuild_seconds`: of each one's grammar seconds,
+        its matcher's rebuilds'."""
         seconds = {key: cost for key, cost in grammar_seconds.items() if key not in done}
         by_key = {item.request_id: item for item in items}
         heavy = {
@@ -470,7 +481,8 @@ class EngineCore:
                     step_seconds,
                     self.max_grammar_seconds_per_step,
                     num_rows=1 + by_key[key].num_draft_tokens,
-                    mask_seconds=by_key[key].request.constraint.mask_seconds,  # type: ignore[union-attr]
+                    is_alone=len(grammar_seconds) == 1,  # its rows the step's only grammar work
+                    rebuild_seconds=rebuild_seconds.get(key, 0.0),
                 ),
             )
             for key in over_budget(seconds, self.max_grammar_seconds_per_step, heavy)
