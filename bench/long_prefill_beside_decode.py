@@ -9,7 +9,7 @@ prompt's time (send to `finished`), and the neighbour's largest gap between two 
 its median gap. Every prompt is new, so the prefix cache never serves one. `off` starts the decoder
 without the flag (a build that predates it, or its default).
 
-    .venv/bin/python bench/long_prefill_beside_decode.py [--settings off,0,256,512] [--repeats 3]
+    .venv/bin/python bench/long_prefill_beside_decode.py [--settings 0,256,512] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -98,7 +98,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--settings", default="off,0,256,512", help="thresholds (off: no flag)")
+    parser.add_argument(
+        "--settings",
+        default="0,256,512",
+        help="thresholds (0: off; off: no flag, i.e. the default 512 or a build before the flag)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=2047)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

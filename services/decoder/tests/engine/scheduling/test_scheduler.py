@@ -820,8 +820,8 @@ def test_once_the_decode_beside_it_finishes_the_rest_of_the_prefill_runs_in_one_
     assert _chunks(run_step(scheduler, runner)) == [("long", 33)]
 
 
-@pytest.mark.parametrize(("threshold", "chunk"), [(8, 5), (4, 1), (2, 1)])
-def test_each_decode_row_takes_a_position_of_the_threshold_and_a_prefill_still_advances(
+@pytest.mark.parametrize(("threshold", "chunk"), [(8, 5), (4, 2), (2, 1)])
+def test_each_decode_row_takes_a_position_of_the_threshold_down_to_half_of_it(
     threshold: int, chunk: int
 ) -> None:
     # So that a power-of-two threshold is a static-shape bucket, whatever the decodes beside it.
@@ -831,6 +831,18 @@ def test_each_decode_row_takes_a_position_of_the_threshold_and_a_prefill_still_a
     run_step(scheduler, runner)  # three prefills with no decode beside them: not capped
     scheduler.add_request(make_request("long", list(range(40))))
     assert _chunks(run_step(scheduler, runner)) == [("a", 1), ("b", 1), ("c", 1), ("long", chunk)]
+
+
+def test_with_more_decodes_than_the_threshold_a_prefill_still_takes_half_of_it_a_step() -> None:
+    # At one position a step, 520 decodes beside a 2,000-token prompt kept it 2,000 steps from its first
+    # token (threshold 512); at half the threshold it takes 8 chunks.
+    scheduler, runner = make_scheduler(num_blocks=256, long_prefill_token_threshold=8, max_num_seqs=32)
+    for i in range(20):
+        scheduler.add_request(make_request(f"d{i}", [i, 1], max_new_tokens=50))
+    run_step(scheduler, runner)  # twenty prefills, no decode beside them
+    scheduler.add_request(make_request("long", list(range(40))))
+    chunks = [dict(_chunks(run_step(scheduler, runner)))["long"] for _ in range(10)]
+    assert chunks == [4] * 10
 
 
 def test_the_threshold_cannot_be_set_where_a_requests_chunks_must_not_depend_on_its_neighbours() -> None:

@@ -63,8 +63,11 @@ class SchedulerConfig:
     # step (vLLM's long_prefill_token_threshold; a step holding no decode is not capped): a step's
     # time grows with its positions (SmolLM2 on 2 CPU cores: 1-5 ms each), and a decoding request's next
     # token waits for the whole step. The chunk's share is the threshold less those rows, so that a
-    # power-of-two threshold is a static-shape bucket. None = off. A request's chunks then depend on
-    # its neighbours, so it cannot be set with max_tokens_per_request.
+    # power-of-two threshold is a static-shape bucket, but never under half the threshold: with more
+    # decode rows than that a prefill still advances half a threshold a step (at one position a step,
+    # 520 decodes kept a 2,000-token prompt 2,000 steps from its first token). Each prefilling request
+    # is capped so, and drafts come on top (a step may span more). None = off. A request's chunks then
+    # depend on its neighbours, so it cannot be set with max_tokens_per_request.
     long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
@@ -221,8 +224,8 @@ class Scheduler:
         # is about to be admitted beside running ones, a step holds at most shared_step_seqs
         # requests, the light callers' all, the heavy ones' in turns (`_heavy_beside_a_neighbour`,
         # `_sitting_out`): a neighbour's tokens, its first included, come at a narrow step's pace.
-        # And a long prefill beside them: while decode rows share the step, a prefill chunk and those
-        # rows span at most long_prefill_token_threshold positions (`_prefill_cap`); alone, a prefill
+        # And a long prefill beside them: while decode rows share the step, a prefill chunk takes the
+        # threshold less those rows, at least half the threshold (`_prefill_cap`); alone, a prefill
         # takes the whole budget.
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -251,7 +254,7 @@ class Scheduler:
 
     def _prefill_cap(self, sitting_out: set[str]) -> int | None:
         """Most positions of one request this step when decode rows share it (running requests with
-        one position left, not sitting out): the threshold less those rows, at least one. None when
+        one position left, not sitting out): the threshold less those rows, at least half of it. None when
         the threshold is off or no decode runs: a prefill alone takes what the budget allows."""
         threshold = self.config.long_prefill_token_threshold
         if threshold is None:
@@ -261,7 +264,7 @@ class Scheduler:
             for r in self.running
             if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in sitting_out
         )
-        return max(1, threshold - num_decodes) if num_decodes else None
+        return max(threshold - num_decodes, (threshold + 1) // 2) if num_decodes else None
 
     def _heavy_beside_a_neighbour(self) -> set[str] | None:
         """The heavy callers (requests waiting, or more running than `shared_step_seqs`), when the step
