@@ -17,7 +17,10 @@ def test_loads_take_the_lowest_free_slot_until_none_is_left() -> None:
     assert [load(slots, "a"), load(slots, "b")] == [0, 1]
     with pytest.raises(ResourceExhausted, match="all 2 LoRA slots") as caught:
         slots.free_slot()
-    assert caught.value.info == ErrorInfo("LORA_SLOTS", "tandem.decoder", {"maxLoras": "2"})
+    # drainingSlots 0: the ErrorInfo alone tells a program no wait helps, as the missing RetryInfo does.
+    assert caught.value.info == ErrorInfo(
+        "LORA_SLOTS", "tandem.decoder", {"maxLoras": "2", "drainingSlots": "0"}
+    )
     assert "unload one first" in caught.value.message
     assert caught.value.retry_after_s is None  # only an UnloadAdapter frees one: a retry fails for ever
     assert [a.name for a in slots.adapters] == ["a", "b"]
@@ -43,6 +46,9 @@ def test_an_unloaded_slot_in_use_drains_until_its_last_request_ends() -> None:
     with pytest.raises(ResourceExhausted, match="1 of them draining") as caught:
         slots.free_slot()  # its requests still read it
     assert caught.value.retry_after_s == 1.0  # they end, and a retry succeeds
+    assert caught.value.info == ErrorInfo(
+        "LORA_SLOTS", "tandem.decoder", {"maxLoras": "1", "drainingSlots": "1"}
+    )
     assert slots.draining == {slot} and not slots.has_free_slot
     slots.release(used_slots={slot})
     assert slots.num_draining == 1

@@ -7,7 +7,7 @@ admitted, under the engine core's lock, so it runs with the adapter it named or 
 finish on it, and it becomes free only when the last of them has ended (`release`), so a slot is
 never rewritten under a request that reads it. Requests paused for their readers are the exception: a
 reader may never read again, so a load that finds no free slot ends those that alone hold a draining
-slot, and takes it (`EngineCore.check_can_load`).
+slot, and takes it (`EngineCore.take_slot`).
 
 Each load gets a `cache_salt` of its own: the prefix cache keys blocks by it (kv_cache.py), so two
 adapters, or two loads of one name, never share KV blocks.
@@ -94,7 +94,10 @@ class AdapterSlots:
             raise ResourceExhausted(
                 f"all {self.max_loras} LoRA slots (--max-loras) are taken, {why}",
                 retry_after_s=1.0 if self._draining else None,
-                info=reasons.decoder_info(reasons.LORA_SLOTS, {reasons.MAX_LORAS: self.max_loras}),
+                info=reasons.decoder_info(
+                    reasons.LORA_SLOTS,
+                    {reasons.MAX_LORAS: self.max_loras, reasons.DRAINING_SLOTS: len(self._draining)},
+                ),
             )
         return slot
 
