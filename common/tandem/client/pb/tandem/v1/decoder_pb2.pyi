@@ -1156,8 +1156,9 @@ class WeightSample(_message.Message):
     name: _builtins.str
     """The tensor's name in the checkpoint, e.g. "model.layers.29.mlp.down_proj.weight"."""
     rows: _builtins.int
-    """Its rows (1 for a one-dimensional tensor) and columns."""
+    """Its rows (1 for a one-dimensional tensor)."""
     columns: _builtins.int
+    """Its columns (a one-dimensional tensor's length)."""
     @_builtins.property
     def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """The values as float32, row by row: 128, or 8 for a one-dimensional tensor."""
