@@ -85,3 +85,18 @@ def test_what_tells_two_models_apart_is_said() -> None:
     assert A.difference(ReplicaModel("n", BASE)) == "model"
     assert A.difference(B) == "token_table_sample" and A_WEIGHTS.difference(TUNE) == "weight_samples"
     assert A.difference(ReplicaModel("m", BASE_BF16)) is None
+
+
+NORM = WeightSample("model.norm.weight", 1, 64, BASE.values[:8])
+HEAD = WeightSample("lm_head.weight", 1024, 64, BASE.values)
+TIED = ReplicaModel("m", BASE, (DOWN, NORM))  # its lm_head is its token table: not sampled
+UNTIED = ReplicaModel("m", BASE, (DOWN_TUNED, NORM, HEAD))  # another checkpoint, storing its head
+
+
+def test_a_model_reporting_more_samples_does_not_outvote_a_larger_group_it_is_told_apart_from() -> None:
+    assert choose_model([TIED, TIED, UNTIED], None) == TIED
+    assert choose_model([UNTIED, TIED, TIED], UNTIED) == TIED
+    other = ReplicaModel("m", TUNED, (DOWN_TUNED, NORM, HEAD))  # unrelated, its table too
+    assert choose_model([TIED] * 5 + [other], None) == TIED
+    # One reporting less and the same as it still gives way to it.
+    assert choose_model([A, UNTIED], A) == UNTIED

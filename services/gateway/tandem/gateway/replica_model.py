@@ -14,8 +14,10 @@ before a sample reports none of it and is compared by what both report (by its n
 oldest), as before.
 
 The gateway serves the model most replicas serve: a replica of an older decoder counts towards every
-model it cannot be told from, and a model reporting less than another of its name is chosen only where
-none of that name reports more (else any checkpoint of the name would pass against it).
+model it cannot be told from, and a model reporting less than another the same as it is not chosen (it
+would count replicas of checkpoints the other is told apart from). A model reporting less than another
+it is told apart from still counts: a checkpoint storing its lm_head reports one weight sample more
+than a tied one, and is no reason to leave out a larger group of the tied one.
 
 NOTE: ties. On a tie the model served so far stays, so restarting one of a 1-vs-1 pair of replicas
 hands the gateway the other's model for good (while one serves, it is the majority). Remembering a
@@ -73,8 +75,10 @@ def choose_model(models: Sequence[ReplicaModel], current: ReplicaModel | None) -
     """The model most of `models` (the serving replicas', in the order found) are the same as; on a tie
     `current`, the model served so far, stays. `current` reporting less than a winner the same as it
     gives way to it, which is no change of model: only the first replica reporting more came."""
-    most_detail = {model.name: max(m.detail for m in models if m.name == model.name) for model in models}
-    candidates = [m for m in models if m.detail == most_detail[m.name]]
+    # A model reporting more than one it is the same as stands for it. Not "the most detail of the name
+    # wins": one replica of an untied-head checkpoint (3 weight samples) took all traffic from two of
+    # another, tied one (2) under one name.
+    candidates = [m for m in models if not any(o.detail > m.detail and o.is_same(m) for o in models)]
     if not candidates:
         return current
     counts = [sum(candidate.is_same(model) for model in models) for candidate in candidates]
