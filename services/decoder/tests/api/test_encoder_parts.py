@@ -18,7 +18,14 @@ import grpc
 import pytest
 import torch
 
-from tandem.client.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from tandem.client import status
+from tandem.client.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    TandemError,
+    Unavailable,
+)
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.common import replica_name
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
@@ -58,6 +65,7 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
         self.num_infos_cancelled = 0  # GetModelInfo calls their caller cancelled
         self.replica = ""  # its own name, said as each call begins, as Tandem's encoder does
         self.failure: grpc.StatusCode | None = None  # Embed ends with this status
+        self.refusal: TandemError | None = None  # Embed ends with this error, its details and all
         self.embedder = ""  # GetModelInfo's embedder kind
         self.poolings: list[int] = []  # each Embed call's pooling, as asked
 
@@ -98,6 +106,9 @@ class StandIn(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a picture")
         if self.failure is not None:
             await context.abort(self.failure, "out of order")
+        if self.refusal is not None:
+            status.end_with(context, self.refusal)
+            return encoder_pb2.EmbedResponse()
         rows = _rows_of(request.image.data) if self.rows is None else self.rows
         if self.is_non_finite:
             rows[1, 2] = float("nan")
@@ -255,6 +266,21 @@ async def test_the_encoders_refusal_reaches_every_caller_on_its_own_field(
         fields.append(error.value.field)
     assert fields == ["prompt[0].encoder", "prompt[2].encoder", "prompt[1].encoder"]
     assert encoder.num_embeds == 1
+
+
+@pytest.mark.parametrize(("encoders_delay_s", "passed_on_s"), [(3.5, 3.5), (None, 1.0)])
+async def test_an_encoder_full_is_passed_on_with_its_own_retry_delay_or_a_second_where_it_gave_none(
+    encoder: StandIn, parts: EncoderParts, encoders_delay_s: float | None, passed_on_s: float
+) -> None:
+    """The caller retries when the encoder said it has room: its RetryInfo was dropped, every one
+    passed on as 1 s."""
+    encoder.refusal = ResourceExhausted("no room", encoders_delay_s)
+    encoder.gate.set()
+    (part,), _ = _start(parts, [_picture()])
+    with pytest.raises(ResourceExhausted) as error:
+        await _rows(part)
+    assert "is full: no room" in error.value.message
+    assert error.value.retry_after_s == passed_on_s
 
 
 async def test_a_malformed_reply_is_refused_to_every_caller_on_its_own_field(

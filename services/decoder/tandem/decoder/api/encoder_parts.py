@@ -97,6 +97,7 @@ from tandem.client.errors import (
     Unavailable,
 )
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.client.status_details import status_details
 from tandem.common import replica_name
 from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import read_table_sample
@@ -115,6 +116,7 @@ MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower 
 MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together (see step 2)
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
+ENCODER_FULL_RETRY_S = 1.0  # an encoder's RESOURCE_EXHAUSTED with no RetryInfo of its own, passed on
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 # Embedders that tokenize with the checkpoint's own tokenizer, the decoder's: a part's unpooled rows are
 # one per position its input takes in the prompt (a soft prompt's virtual rows more). A projector
@@ -635,7 +637,14 @@ class EncoderParts:
             # INVALID_ARGUMENT.
             return InvalidArgument(field, over.description(self.max_message_bytes))
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return ResourceExhausted(f"{field}: encoder {who} is full: {details}")
+            # The encoder's RetryInfo is its own word on when it has room; it was dropped, every one
+            # passed on as 1 s. One without (its bound on calls at once, refused before its service)
+            # gets the 1 s the gateway waits for that bound.
+            delay_s = status_details(error).retry_delay_s
+            return ResourceExhausted(
+                f"{field}: encoder {who} is full: {details}",
+                ENCODER_FULL_RETRY_S if delay_s is None else delay_s,
+            )
         return Unavailable(f"{field}: encoder {who} is unavailable ({code.name}: {details})")
 
 
