@@ -756,8 +756,9 @@ class PromptLogprob(_message.Message):
     """
     rank: _builtins.int
     """token_id's rank in the whole vocabulary at this position, 1 the likeliest: one more than the
-    number of tokens strictly likelier (vLLM's rank). Set wherever logprob is, whether or not the
-    token is among top_logprobs; unset from decoders older than this field.
+    number of tokens strictly likelier, so tied tokens share a rank (vLLM counts ties as likelier).
+    Set wherever logprob is, whether or not the token is among top_logprobs; unset from decoders
+    older than this field.
     """
     @_builtins.property
     def top_logprobs(self) -> Global___TopLogprobs:
