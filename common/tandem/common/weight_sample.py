@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.common.token_table_sample import values_agree
 
+FULL = 2  # samples in a full one (the norm and one more): two full ones that share no tensor disagree
+
 
 @dataclass(frozen=True)
 class WeightSample:
     """Values of one checkpoint tensor at the positions `model_identity.sample_positions` gives for its
     shape; a one-dimensional tensor is one row."""
 
-    name: str  # the tensor's name in the checkpoint
+    name: str  # a causal LM's checkpoint's name for it, whatever the layout (a LLaVA's is another)
     rows: int  # 1 for a one-dimensional tensor
     columns: int
     values: tuple[float, ...]  # row by row, as float32
@@ -44,8 +46,11 @@ class WeightSample:
 def weights_agree(ours: Sequence[WeightSample], theirs: Sequence[WeightSample]) -> bool:
     """The tensors both sampled agree. A decoder from before the samples reports none, and a checkpoint
     that stores a tied lm_head has one sample more than one that does not: what only one side has is
-    not compared."""
+    not compared. But two full samples (FULL or more each) with no tensor in common disagree: nothing
+    compared is no agreement, and every checkpoint sampled that fully holds the final norm."""
     by_name = {sample.name: sample for sample in theirs}
+    if min(len(ours), len(theirs)) >= FULL and not any(sample.name in by_name for sample in ours):
+        return False
     return all(sample.agrees_with(by_name[sample.name]) for sample in ours if sample.name in by_name)
 
 

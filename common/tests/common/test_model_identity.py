@@ -17,6 +17,7 @@ from tandem.common.torch_part.model_identity import (
     read_weight_samples,
 )
 from tandem.common.torch_part.random_model import make_model
+from tandem.common.vision_language import LAYOUTS, LLAVA, WeightLayout
 from tandem.common.weight_sample import weights_agree
 
 
@@ -139,3 +140,25 @@ def test_one_model_stored_in_any_dtype_or_shards_has_the_same_weight_samples(
 
 def test_a_checkpoint_with_none_of_the_sampled_weights_has_no_weight_samples(tmp_path: Path) -> None:
     assert read_weight_samples(_table_checkpoint(tmp_path / "t", torch.ones(4, 4)), ValueError) == ()
+
+
+def _llava(out_dir: Path, weights: dict[str, torch.Tensor], layout: WeightLayout) -> Path:
+    """A LLaVA checkpoint whose language model is `weights` (a causal LM's names), stored in `layout`."""
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text(json.dumps({"architectures": [LLAVA]}))
+    save_file({layout.checkpoint_name(n): v for n, v in weights.items()}, out_dir / "model.safetensors")
+    return out_dir
+
+
+def test_one_llava_model_has_the_same_weight_samples_in_either_layout_and_a_tune_in_the_other_differs(
+    two_models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # transformers >= 4.52 and the Hub's llava-hf name every tensor apart: the samples are named as a
+    # causal LM's, or no name is shared and nothing is compared.
+    base = load_file(two_models[0] / "model.safetensors")
+    tuned = {n: v if "embed_tokens" in n else v * 2 for n, v in base.items()}
+    new, hub = LAYOUTS[LLAVA]
+    ours = read_weight_samples(_llava(tmp_path / "new", base, new), ValueError)
+    assert [s.name for s in ours] == [s.name for s in read_weight_samples(two_models[0], ValueError)]
+    assert weights_agree(ours, read_weight_samples(_llava(tmp_path / "hub", base, hub), ValueError))
+    assert not weights_agree(ours, read_weight_samples(_llava(tmp_path / "tune", tuned, hub), ValueError))

@@ -40,3 +40,10 @@ def test_only_the_tensors_both_sampled_are_compared() -> None:
     assert weights_agree([DOWN, NORM], [NORM]) and weights_agree([], [DOWN])
     head = WeightSample("lm_head.weight", 1024, 64, VALUES)  # one stores a tied head, the other not
     assert weights_agree([DOWN, head], [DOWN])
+
+
+def test_two_full_samples_with_no_tensor_in_common_disagree() -> None:
+    # Nothing compared is no agreement: one model's tensors under two layouts' names passed as the same.
+    renamed = [WeightSample("language_model." + s.name, s.rows, s.columns, s.values) for s in (DOWN, NORM)]
+    assert not weights_agree([DOWN, NORM], renamed)
+    assert weights_agree([DOWN], renamed)  # one sample alone is not full: what both report is compared

@@ -73,8 +73,9 @@ def _sampled_values(tensor: Any, rows: int, columns: int) -> tuple[float, ...]:
 
 def read_weight_samples(model_dir: Path, error: Callable[[str], Exception]) -> tuple[WeightSample, ...]:
     """Samples of the weights `tandem.common.weight_sample` says why: the last decoder layer's
-    down_proj, the final norm, and lm_head where the checkpoint holds one. A tensor the checkpoint does
-    not hold under those names (a mixture of experts has no down_proj of its layer) is not sampled.
+    down_proj, the final norm, and lm_head where the checkpoint holds one, each named as a causal LM's
+    checkpoint names it (a vision-language layout's own name is only where it is read). A tensor the
+    checkpoint does not hold (a mixture of experts has no down_proj of its layer) is not sampled.
     A one-dimensional tensor is one row: its NUM_COLUMNS values. Raises `error` as `read_table_sample`."""
     hf_config = read_json(model_dir / "config.json", error)
     architecture = (hf_config.get("architectures") or [""])[0]
@@ -82,20 +83,24 @@ def read_weight_samples(model_dir: Path, error: Callable[[str], Exception]) -> t
     layout = weight_layout(architecture, files, error)
     down_proj = re.compile(re.escape(layout.model_prefix) + r"layers\.(\d+)\.mlp\.down_proj\.weight")
     layers = [int(match[1]) for name in files if (match := down_proj.fullmatch(name))]
-    names = [layout.checkpoint_name(f"model.layers.{max(layers)}.mlp.down_proj.weight")] if layers else []
-    names += [layout.checkpoint_name("model.norm.weight"), layout.head_name]
-    by_file: dict[Path, list[str]] = defaultdict(list)
+    # Named as a causal LM's checkpoint names them, whatever the layout: one LLaVA model saved by
+    # transformers >= 4.52 ("model.language_model.layers...") and by the Hub's llava-hf
+    # ("language_model.model.layers...") shared no name, and a tune in one layout agreed with its base in
+    # the other (nothing compared).
+    names = [f"model.layers.{max(layers)}.mlp.down_proj.weight"] if layers else []
+    names += ["model.norm.weight", "lm_head.weight"]
+    by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)  # (the name reported, the stored one)
     for name in names:
-        if name in files:
-            by_file[files[name]].append(name)
+        if (stored := layout.checkpoint_name(name)) in files:
+            by_file[files[stored]].append((name, stored))
     samples = {}
     for path, in_file in by_file.items():
         with safe_open(path, framework="pt", device="cpu") as weights:
-            for name in in_file:
-                tensor = weights.get_slice(name)
+            for name, stored in in_file:
+                tensor = weights.get_slice(stored)
                 shape = tensor.get_shape()
                 if len(shape) not in (1, 2) or min(shape) < 1:
-                    raise error(f"{name} in {model_dir} has shape {shape}, not one or two dimensions")
+                    raise error(f"{stored} in {model_dir} has shape {shape}, not one or two dimensions")
                 if len(shape) == 1:  # read whole: a norm's hidden_size values
                     values = tensor[:].float()[sample_positions(1, shape[0])[1]].tolist()
                     samples[name] = WeightSample(name, 1, shape[0], tuple(values))

@@ -1155,7 +1155,10 @@ class WeightSample(_message.Message):
     COLUMNS_FIELD_NUMBER: _builtins.int
     VALUES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """The tensor's name in the checkpoint, e.g. "model.layers.29.mlp.down_proj.weight"."""
+    """The tensor's name as a causal LM's checkpoint names it, e.g. "model.layers.29.mlp.down_proj.weight",
+    "model.norm.weight", "lm_head.weight", whatever the checkpoint's layout (a LLaVA's stores them
+    under its own prefixes), so that one model in two layouts compares the same tensors.
+    """
     rows: _builtins.int
     """Its rows (1 for a one-dimensional tensor)."""
     columns: _builtins.int
