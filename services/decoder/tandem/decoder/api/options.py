@@ -205,9 +205,9 @@ def settings() -> list[Setting]:
         ),
         _engine_setting(
             "--long-prefill-token-threshold",
-            "while a decoding request shares a step, most positions a prefill chunk and the decode rows "
-            "beside it span (a prefill alone still takes --max-num-batched-tokens); 0 = off; "
-            "not applied under --batch-invariant",
+            "while a decoding request shares a step, each prefilling request's chunk takes at most "
+            "this less the step's decode rows, but at least half of it (a prefill alone still takes "
+            "--max-num-batched-tokens); 0 = off; not applied under --batch-invariant",
             type=int,
         ),
         _engine_setting(
