@@ -40,7 +40,8 @@ class PromptLogprob:
     top_token_ids: tuple[int, ...]  # the n most likely tokens here, most likely first; () at position 0
     top_logprobs: tuple[float, ...]  # their logprobs, same order
     # token_id's rank over the whole vocabulary, 1 the likeliest: one more than the tokens strictly
-    # likelier (vLLM's). None wherever logprob is.
+    # likelier, so tied tokens share a rank (vLLM's batched_count_greater_than counts x >= its logprob,
+    # ties as likelier). None wherever logprob is None.
     rank: int | None = None
 
 
