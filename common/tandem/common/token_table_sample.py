@@ -39,11 +39,13 @@ class TableSample:
 
 
 def values_agree(ours: Sequence[float], theirs: Sequence[float]) -> bool:
-    """Each value within the storage dtypes' rounding of the other's (a sample of any tensor)."""
+    """Each value within the storage dtypes' rounding of the other's (a sample of any tensor). A NaN
+    agrees with a NaN: isclose says no, and one checkpoint's samples then differed from themselves, every
+    replica of it left out (/health 503)."""
     if len(ours) != len(theirs):
         return False
     return all(
-        math.isclose(a, b, rel_tol=REL_TOLERANCE, abs_tol=ABS_TOLERANCE)
+        math.isclose(a, b, rel_tol=REL_TOLERANCE, abs_tol=ABS_TOLERANCE) or (math.isnan(a) and math.isnan(b))
         for a, b in zip(ours, theirs, strict=True)
     )
 

@@ -24,3 +24,11 @@ def test_values_apart_by_more_than_rounding_are_another_model() -> None:
 def test_another_shape_is_another_model_whatever_its_values() -> None:
     assert not TableSample(2048, 64, VALUES).is_same_model(SAMPLE)
     assert not TableSample(1024, 64, VALUES[:64]).is_same_model(SAMPLE)
+
+
+def test_a_nan_agrees_with_a_nan_so_a_checkpoint_is_the_same_model_as_itself() -> None:
+    # isclose(nan, nan) is False: every replica of a checkpoint with a NaN at a sampled place was left
+    # out as another checkpoint, its own included, and the gateway's /health said 503.
+    with_nan = TableSample(1024, 64, (float("nan"), *VALUES[1:]))
+    assert with_nan.is_same_model(with_nan)
+    assert not with_nan.is_same_model(SAMPLE)
