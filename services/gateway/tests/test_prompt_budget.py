@@ -20,6 +20,7 @@ from tandem.client import error_reasons as reasons
 from tandem.client.errors import ErrorInfo, ResourceExhausted
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.client.status import to_status_proto
+from tandem.gateway import prompt_budget
 from tandem.gateway.errors import HttpError, from_grpc
 from tandem.gateway.prompt_budget import entries_held, refusal_of_request
 
@@ -165,3 +166,9 @@ def test_numbers_that_are_not_plain_ascii_decimals_are_not_read_and_the_refusal_
     info = ErrorInfo(reasons.PROMPT_LOGPROB_BUDGET, reasons.DECODER, numbers)
     message = REFUSAL.format(held=0, needs=needs, limit=8)
     assert refusal_of_request(_refused(message, info), BUSY, held_by_request=100) is BUSY
+
+
+def test_a_limit_of_more_digits_than_are_read_is_not_read_as_its_first_ones() -> None:
+    # The pattern's limit had no end: 19 digits were read as their first 18.
+    assert prompt_budget.REFUSAL.match(REFUSAL.format(held=0, needs=48, limit="1" + "0" * 18)) is None
+    assert prompt_budget.REFUSAL.match(REFUSAL.format(held=0, needs=48, limit="1" + "0" * 17)) is not None

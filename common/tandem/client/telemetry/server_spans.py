@@ -251,7 +251,7 @@ def _peer_attributes(peer: str) -> dict[str, str | int]:
         NETWORK_PEER_ADDRESS: ip,
         CLIENT_ADDRESS: ip,
     }
-    if port.isdigit():
+    if port.isascii() and port.isdigit():  # str.isdigit takes '²', which int() refuses
         attributes[NETWORK_PEER_PORT] = attributes[CLIENT_PORT] = int(port)
     return attributes
 

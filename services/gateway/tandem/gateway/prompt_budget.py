@@ -36,7 +36,7 @@ COUNT = "[0-9]{1,18}"
 # The decoder's refusal as its message words it (admission/prompt_logprob_budget.py): what the refused
 # stream needs and the caller's limit. Read only where the status carries no ErrorInfo (an older decoder).
 REFUSAL = re.compile(
-    rf"^output\.prompt_logprobs: .*this request needs ({COUNT}) more .*the limit is ({COUNT})"
+    rf"^output\.prompt_logprobs: .*this request needs ({COUNT}) more .*the limit is ({COUNT})(?![0-9])"
 )
 
 
