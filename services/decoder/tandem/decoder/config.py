@@ -157,8 +157,9 @@ class EngineConfig:
     # 0 = off; None = the backend's (8 on a CPU, where a step's time grows with its rows; off
     # elsewhere). See SchedulerConfig.shared_step_seqs and docs/RELIABILITY.md.
     shared_step_seqs: int | None = None
-    # While a decoding request shares a step, a prefill chunk and the decode rows beside it span at most
-    # this many positions (vLLM's --long-prefill-token-threshold); a prefill with no decode beside it
+    # While a decoding request shares a step, each prefilling request's chunk takes at most this many
+    # positions less the step's decode rows, never under half of it (vLLM's
+    # --long-prefill-token-threshold caps at it alone); a prefill with no decode beside it
     # still takes the whole max_num_batched_tokens. A step's time grows with its positions (SmolLM2 on
     # 2 Zen 4 cores: 1-5 ms each), and every decoding request waits for the whole step. 0 = off; off
     # under batch_invariant, whose chunks never depend on their neighbours. docs/PERFORMANCE.md has the

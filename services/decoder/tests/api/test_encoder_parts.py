@@ -268,7 +268,9 @@ async def test_the_encoders_refusal_reaches_every_caller_on_its_own_field(
     assert encoder.num_embeds == 1
 
 
-@pytest.mark.parametrize(("encoders_delay_s", "passed_on_s"), [(3.5, 3.5), (None, 1.0)])
+@pytest.mark.parametrize(
+    ("encoders_delay_s", "passed_on_s"), [(3.5, 3.5), (None, 1.0), (-5.0, 1.0), (0.0, 1.0), (3e9, 1.0)]
+)
 async def test_an_encoder_full_is_passed_on_with_its_own_retry_delay_or_a_second_where_it_gave_none(
     encoder: StandIn, parts: EncoderParts, encoders_delay_s: float | None, passed_on_s: float
 ) -> None:

@@ -117,6 +117,7 @@ MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together 
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 ENCODER_FULL_RETRY_S = 1.0  # an encoder's RESOURCE_EXHAUSTED with no RetryInfo of its own, passed on
+ENCODER_MAX_RETRY_S = 60.0  # an encoder's delay past this (or not above 0) is passed on as the 1 s
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 # Embedders that tokenize with the checkpoint's own tokenizer, the decoder's: a part's unpooled rows are
 # one per position its input takes in the prompt (a soft prompt's virtual rows more). A projector
@@ -640,10 +641,13 @@ class EncoderParts:
             # The encoder's RetryInfo is its own word on when it has room; it was dropped, every one
             # passed on as 1 s. One without (its bound on calls at once, refused before its service)
             # gets the 1 s the gateway waits for that bound.
+            # Bounded as the gateway bounds a decoder's: a negative or huge delay is no advice to pass on.
             delay_s = status_details(error).retry_delay_s
             return ResourceExhausted(
                 f"{field}: encoder {who} is full: {details}",
-                ENCODER_FULL_RETRY_S if delay_s is None else delay_s,
+                ENCODER_FULL_RETRY_S
+                if delay_s is None or not 0 < delay_s <= ENCODER_MAX_RETRY_S
+                else delay_s,
             )
         return Unavailable(f"{field}: encoder {who} is unavailable ({code.name}: {details})")
 

@@ -797,7 +797,7 @@ def _chunks(plan) -> list[tuple[str, int]]:
     return [(item.request_id, item.num_new_tokens) for item in plan.scheduled]
 
 
-def test_while_a_decode_shares_the_step_a_prefill_chunk_and_the_decode_span_at_most_the_threshold() -> None:
+def test_while_a_decode_shares_the_step_a_prefill_chunk_takes_the_threshold_less_the_decode_row() -> None:
     scheduler, runner = make_scheduler(long_prefill_token_threshold=8)
     _decoding(scheduler, runner, "a", max_new_tokens=20)
     scheduler.add_request(make_request("long", list(range(40)), max_new_tokens=2))

@@ -59,8 +59,8 @@ class SchedulerConfig:
     # neighbour's tokens come at the pace of a narrow step, not of the flood's full batch. None =
     # every running request, every step.
     shared_step_seqs: int | None = None
-    # Most positions a prefill chunk and the decode rows beside it span while any decode shares the
-    # step (vLLM's long_prefill_token_threshold; a step holding no decode is not capped): a step's
+    # Most positions of a prefill chunk while any decode shares the step, less the decode rows (below)
+    # (vLLM's long_prefill_token_threshold; a step holding no decode is not capped): a step's
     # time grows with its positions (SmolLM2 on 2 CPU cores: 1-5 ms each), and a decoding request's next
     # token waits for the whole step. The chunk's share is the threshold less those rows, so that a
     # power-of-two threshold is a static-shape bucket, but never under half the threshold: with more
