@@ -207,6 +207,45 @@ def test_a_refused_token_fails_naming_the_field_the_token_and_the_tokens_before_
     assert "<non-verbose/>" not in error.description and "no error message" not in error.description
 
 
+class _FailsAtNextMask:
+    """A matcher whose next mask fails as llguidance's lexer does past its limits."""
+
+    def __init__(self, matcher: object) -> None:
+        self._matcher = matcher
+        self.failed = False
+
+    def compute_bitmask(self) -> bytes:
+        self.failed = True
+        return self._matcher.compute_bitmask()  # type: ignore[attr-defined]
+
+    def is_error(self) -> bool:
+        return self.failed or bool(self._matcher.is_error())  # type: ignore[attr-defined]
+
+    def get_error(self) -> str:
+        return "lexer error: too many expressions constructed"
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._matcher, name)
+
+
+def test_a_grammar_whose_mask_fails_counts_only_the_tokens_sent_before_that_mask(
+    compiler: GrammarCompiler,
+) -> None:
+    # The step still samples from the failed mask and accepts its token, which is never sent: the
+    # message said one token more than the caller had (11 sent, "after 12 tokens").
+    constraint = compiler.constraint(StructuredOutput("regex", "a+"))
+    a = next(t for t in range(compiler.vocab_size) if constraint.allowed()[t])
+    constraint.accept(a)
+    constraint.allowed()
+    constraint.accept(a)
+    constraint._matcher = _FailsAtNextMask(constraint._matcher)  # type: ignore[assignment]
+    constraint.allowed()
+    constraint.accept(a)
+    error = constraint.error()
+    assert error is not None and error.field == "structured.regex"
+    assert "failed after 2 tokens of the answer: it stopped matching" in error.description
+
+
 @pytest.mark.parametrize("source", ["ab", "a+"], ids=["ends-by-itself", "ends-at-eos"])
 def test_masks_along_a_proposal_past_the_grammars_end_leave_the_state_where_it_was(
     compiler: GrammarCompiler, eos: int, source: str

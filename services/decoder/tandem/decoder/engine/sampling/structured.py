@@ -254,8 +254,9 @@ class Constraint:
                 "(by naming it, or where the tokenizer does not mark it special)",
             )
         if self.is_error:  # llguidance's own limits first: its reason says more
-            # Counted: the tokens before the one it refused (those sent), not that token.
-            emitted, what = self.num_accepted, "stopped matching"
+            # Counted: the tokens before the one it refused (those sent), not that token; where its
+            # mask failed, the tokens before that mask (the step's sampled token is accepted, not sent).
+            emitted, what = min(self._num_masked, self.num_accepted), "stopped matching"
             if self._refused is not None:
                 emitted, token_id = self._refused
                 what = f"refused the sampled token {token_id}"
