@@ -194,26 +194,103 @@ _TLS_FIELDS = {"cert_file": "tls_cert", "key_file": "tls_key", "client_ca_file":
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Raises ConfigError("port") when another process listens on host:port (gRPC would print a
-    traceback), ConfigError("host") when `host` does not resolve. Port 0 is always free. Binds the way
-    gRPC does: SO_REUSEADDR, no SO_REUSEPORT."""
+    """Raises ConfigError("port") when another process listens on host:port at any address gRPC binds
+    for `host` (it listens on those it can and only logs the others: a client of the address it could
+    not take reached the other process), ConfigError("host") when `host` does not resolve or none of
+    its addresses can be bound. Port 0 is always free. Binds the way gRPC does: SO_REUSEADDR, no
+    SO_REUSEPORT."""
+    addresses = _bound_addresses(host, port)
+    if port == 0:
+        return
+    probes, in_use, refused = _probe_all(addresses, port)
+    for probe in probes:
+        probe.close()
+    if in_use is not None:
+        where = "" if len(addresses) == 1 else f" ({in_use})"
+        raise ConfigError("port", f"{port} is in use on {host}{where}: another process listens there")
+    if not probes:
+        raise ConfigError("host", f"cannot listen on {host}:{port}: {refused}")
+
+
+def free_port(host: str, tries: int = 64) -> int:
+    """A port no process listens on at any address gRPC binds for `host`, for a server asked for port 0.
+    gRPC takes the kernel's pick for the first address and the same port for the others, listening
+    where it can: a server on "localhost" (::1 and 127.0.0.1) once got a port free on ::1 alone, and
+    callers of 127.0.0.1 reached the process that held it there. 0 where `host` is one address (the
+    kernel's pick is free there, with no window between this check and gRPC's bind; with several, a
+    process binding the port inside that window still wins it on its address)."""
+    addresses = [address for address in _bound_addresses(host, 0) if _bindable(address)]
+    if len(addresses) <= 1:
+        return 0
+    for _ in range(tries):
+        first = _kernel_pick(addresses[0])
+        port = first.getsockname()[1]
+        probes, in_use, _ = _probe_all(addresses[1:], port)
+        for probe in (first, *probes):
+            probe.close()
+        if in_use is None:
+            return port
+    raise ConfigError("port", f"0: no port free on every address of {host} in {tries} of the kernel's picks")
+
+
+def _bound_addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, str]]:
+    """(family, address) of each address gRPC listens on for `host`: what the name resolves to, and for
+    "localhost" both loopbacks (gRPC's resolver gives ::1 where /etc/hosts names only 127.0.0.1).
+    Raises ConfigError("host") when it does not resolve."""
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as error:
         raise ConfigError("host", f"{host!r} does not resolve: {error.strerror}") from None
-    if port == 0:
-        return
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
+    addresses = [(family, address[0]) for family, _, _, _, address in infos]
+    if host == "localhost":
+        addresses += [(socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.1")]
+    return list(dict.fromkeys(addresses))  # in order, each once
+
+
+def _probe(family: socket.AddressFamily, address: str, port: int) -> socket.socket:
+    """A socket bound to address:port the way gRPC binds. Raises OSError."""
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    try:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((address, port))
+    except OSError:
+        probe.close()
+        raise
+    return probe
+
+
+def _kernel_pick(address: tuple[socket.AddressFamily, str]) -> socket.socket:
+    """A socket bound to the address on the port the kernel picks (free there, not necessarily elsewhere)."""
+    return _probe(*address, 0)
+
+
+def _bindable(address: tuple[socket.AddressFamily, str]) -> bool:
+    """Whether this machine can listen on the address at all (::1 without IPv6 cannot: gRPC leaves it out)."""
+    try:
+        _probe(*address, 0).close()
+    except OSError:
+        return False
+    return True
+
+
+def _probe_all(
+    addresses: list[tuple[socket.AddressFamily, str]], port: int
+) -> tuple[list[socket.socket], str | None, str]:
+    """Sockets bound to each address that can be (the caller closes them), the first address where
+    another process listens (None if none) and the last other refusal (an address this machine lacks,
+    ::1 without IPv6, is left out, as gRPC leaves it)."""
+    probes: list[socket.socket] = []
+    refused = ""
+    for family, address in addresses:
         try:
-            probe.bind(address)
+            probes.append(_probe(family, address, port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    "port", f"{port} is in use on {host}: another process listens there"
-                ) from None
-            raise ConfigError("host", f"cannot listen on {host}:{port}: {error.strerror}") from None
+                for probe in probes:
+                    probe.close()
+                return [], address, ""
+            refused = error.strerror or str(error)
+    return probes, None, refused
 
 
 def listen_host(host: str) -> str:
@@ -376,6 +453,8 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
     )
     address = f"{listen_host(options.host)}:{options.port}"
     check_port_free(options.host, options.port)  # a one-line error instead of gRPC's traceback
+    if options.port == 0:
+        address = f"{listen_host(options.host)}:{free_port(options.host)}"
     try:
         if options.tls is not None:
             port = server.add_secure_port(address, options.tls.server_credentials())

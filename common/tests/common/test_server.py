@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import socket
 import threading
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ from tandem.common.server import (
     RunningServer,
     ServerOptions,
     Service,
+    check_port_free,
     start_server,
 )
 
@@ -437,6 +439,65 @@ async def test_a_host_that_does_not_resolve_is_named_even_on_port_0() -> None:
     with pytest.raises(ConfigError, match=r"^host 'no.such.invalid' does not resolve") as caught:
         await start_server(ServerOptions(host="no.such.invalid", port=0), [])
     assert caught.value.field == "host"
+
+
+def _listener(family: socket.AddressFamily, address: str, port: int = 0) -> socket.socket:
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, port))
+    listener.listen()
+    return listener
+
+
+async def _answers(address: str) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine: localhost is one address")
+def test_a_port_another_process_holds_on_one_loopback_of_localhost_is_refused_naming_that_address() -> None:
+    """The check bound the first address localhost resolves to; gRPC then listened on the other alone
+    and callers of the taken one reached the process that held it."""
+    with _listener(socket.AF_INET6, "::1") as other:
+        port = other.getsockname()[1]
+        refusal = rf"^port {port} is in use on localhost \(::1\): another process listens there$"
+        with pytest.raises(ConfigError, match=refusal) as caught:
+            check_port_free("localhost", port)
+    assert caught.value.field == "port"
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine: localhost is one address")
+async def test_port_0_on_localhost_listens_on_both_loopbacks_even_where_the_kernels_pick_is_taken_on_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC takes the kernel's pick for localhost's first address and listens on the others where it
+    can: one CI start got a port another process held on 127.0.0.1, listened on ::1 alone, and its
+    callers of 127.0.0.1 waited on the other process. Such a pick is passed over."""
+    first, *_ = server_module._bound_addresses("localhost", 0)  # the order is the resolver's
+    loopbacks = {socket.AF_INET: (socket.AF_INET6, "::1"), socket.AF_INET6: (socket.AF_INET, "127.0.0.1")}
+    other = _listener(*loopbacks[first[0]])
+    taken = other.getsockname()[1]
+    picks: list[int] = []
+    real_pick = server_module._kernel_pick
+
+    def pick_taken_first(address: tuple[socket.AddressFamily, str]) -> socket.socket:
+        port = 0 if picks else taken  # the kernel's first pick: free on the first address, held on the other
+        probe = server_module._probe(*address, port) if port else real_pick(address)
+        picks.append(probe.getsockname()[1])
+        return probe
+
+    monkeypatch.setattr(server_module, "_kernel_pick", pick_taken_first)
+    with other:
+        server = await start_server(ServerOptions(host="localhost", port=0), [])
+        try:
+            assert picks[0] == taken and server.port == picks[-1] != taken
+            assert await _answers(f"127.0.0.1:{server.port}") and await _answers(f"[::1]:{server.port}")
+        finally:
+            await server.stop(0)
 
 
 def test_a_tls_certificate_file_that_holds_no_certificate_is_named(tmp_path) -> None:

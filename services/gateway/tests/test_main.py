@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from pathlib import Path
 
 import pytest
 
 from tandem.client.errors import ConfigError
-from tandem.gateway.__main__ import config_from_args, main
+from tandem.gateway.__main__ import config_from_args, listen, main
 from tandem.gateway.config import GatewayConfig
 
 
@@ -50,3 +52,30 @@ def test_a_host_the_listen_refuses_is_a_flag_error_not_a_traceback(
     err = capsys.readouterr().err
     assert err.startswith("tandem serve openai: --host (TANDEM_OPENAI_HOST): cannot listen on 192.0.2.1:0: ")
     assert err.count("\n") == 1
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine: localhost is one address")
+async def test_port_0_on_a_host_of_two_addresses_listens_on_one_port_at_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where /etc/hosts names localhost ::1 and 127.0.0.1, asyncio bound each on a kernel's pick of its
+    own and the gateway said the first socket's port: callers of the other address found nothing."""
+    real_getaddrinfo = socket.getaddrinfo
+
+    def both_loopbacks(host, port, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host != "localhost":
+            return real_getaddrinfo(host, port, *args, **kwargs)
+        return [
+            *real_getaddrinfo("::1", port, socket.AF_INET6, socket.SOCK_STREAM),
+            *real_getaddrinfo("127.0.0.1", port, socket.AF_INET, socket.SOCK_STREAM),
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", both_loopbacks)
+    listener = await listen(lambda: asyncio.Protocol(), "localhost", 0)  # type: ignore[arg-type]
+    try:
+        hosts = {sock.getsockname()[0] for sock in listener.sockets}
+        ports = {sock.getsockname()[1] for sock in listener.sockets}
+        assert hosts == {"::1", "127.0.0.1"} and len(ports) == 1
+    finally:
+        listener.close()
+        await listener.wait_closed()

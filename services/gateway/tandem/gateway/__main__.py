@@ -32,7 +32,7 @@ from tandem.common.flags import (
     flag_error,
     run,
 )
-from tandem.common.server import check_port_free, stop_on_signals
+from tandem.common.server import check_port_free, free_port, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.gateway.access_log import AccessLog
 from tandem.gateway.answer_metrics import observe_answer_bytes
@@ -332,9 +332,11 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
 async def listen(guard: ConnectionGuard, host: str, port: int) -> asyncio.Server:
     """The listening socket. Raises ConfigError naming the port (taken since `check_port_free` saw it
     free) or the host: the check cannot see all the bind refuses (a name that stopped resolving, an
-    address of another host with --port 0), which was an OSError traceback after the flags passed."""
+    address of another host with --port 0), which was an OSError traceback after the flags passed.
+    Port 0 on a name of several addresses is one port free on each: asyncio binds each address on a
+    kernel's pick of its own, and the port said was the first socket's alone."""
     try:
-        return await asyncio.get_running_loop().create_server(guard, host, port)
+        return await asyncio.get_running_loop().create_server(guard, host, port or free_port(host))
     except OSError as error:
         field = "port" if error.errno == errno.EADDRINUSE else "host"
         raise ConfigError(field, f": cannot listen on {host}:{port}: {error.strerror or error}") from None
