@@ -36,6 +36,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     num_model_infos: int = 0  # GetModelInfo calls answered
     model_info_s: float = 0.0  # how long a GetModelInfo takes
     token: str | None = None  # where set, a GetModelInfo with another bearer token is UNAUTHENTICATED
+    model: str = "fake-encoder"  # the model its GetModelInfo names
+    embedder: str = ""  # the embedder its GetModelInfo names ("lookup", "projector"; "": none said)
 
     async def GetModelInfo(
         self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -46,7 +48,10 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a token this encoder takes")
         self.num_model_infos += 1
         return encoder_pb2.EncoderGetModelInfoResponse(
-            model="fake-encoder", hidden_size=HIDDEN_SIZE, max_image_bytes=self.max_image_bytes
+            model=self.model,
+            embedder=self.embedder,
+            hidden_size=HIDDEN_SIZE,
+            max_image_bytes=self.max_image_bytes,
         )
 
     async def Embed(

@@ -34,6 +34,25 @@ def test_a_decoder_without_a_sample_is_compared_by_its_name_alone() -> None:
     assert not OLD.is_same(ReplicaModel("n", None))
 
 
+def test_an_encoder_is_the_model_its_rows_are_for_and_its_embedder() -> None:
+    """A token table lookup and a projector of one checkpoint report its name and sample alike, and
+    embed one input differently: two models, told apart by the embedder."""
+    sample = encoder_pb2.TokenTableSample(vocab_size=1024, hidden_size=64, values=BASE.values)
+
+    def encoder(embedder: str, model: str = "m") -> ReplicaModel:
+        info = encoder_pb2.EncoderGetModelInfoResponse(
+            model=model, embedder=embedder, token_table_sample=sample
+        )
+        return ReplicaModel.from_encoder_info(info)
+
+    assert encoder("lookup").is_same(encoder("lookup"))
+    assert encoder("projector").difference(encoder("lookup")) == "embedder"
+    assert encoder("lookup", "n").difference(encoder("projector")) == "model"
+    assert choose_model([encoder("lookup"), encoder("projector"), encoder("lookup")], None) == encoder(
+        "lookup"
+    )
+
+
 def test_a_model_is_read_from_a_replicas_model_info_with_or_without_its_sample() -> None:
     sample = encoder_pb2.TokenTableSample(vocab_size=1024, hidden_size=64, values=BASE.values)
     info = decoder_pb2.DecoderGetModelInfoResponse(model="m", token_table_sample=sample)

@@ -226,11 +226,14 @@ async def test_callers_go_to_the_serving_replicas_only_and_to_one_that_turns_ser
         await server_b.set_serving()
         await _eventually(lambda: _num_serving(channels) == 2)
         _asked_models(b)
-        for caller in range(8):  # each caller's channel over A alone is replaced by one over both
-            for _ in range(4):
-                await _call(channels, f"peer:{caller}")
-        # Round-robin over the replicas READY: a caller's first call may find B still connecting.
-        assert a.num_infos + b.num_infos == 48 and b.num_infos >= 8, (a.num_infos, b.num_infos)
+        # Each caller's channel over A alone is replaced by one over both. Round-robin over the
+        # replicas READY: a caller's first calls may all find B still connecting (on loaded cores, a
+        # round's 4), so rounds go on until B has answered 8.
+        async with asyncio.timeout(10):
+            while b.num_infos < 8:
+                for caller in range(8):
+                    for _ in range(4):
+                        await _call(channels, f"peer:{caller}")
     finally:
         await channels.close()
 
@@ -432,9 +435,9 @@ async def test_a_stopped_replica_whose_watch_stays_open_is_left_within_seconds_a
     """A SIGSTOPped decoder leaves the gateway's Watch open: it kept half of all new calls, each hung
     to its caller's timeout, until gRPC's keepalive gave up on the connection (60-80 s). A Check
     while the Watch is open, unanswered in CHECK_TIMEOUT_S, takes it out; its answer puts it back.
-    (2 s and 2 s in the gateway; 0.05 s and 0.2 s here.)"""
+    (2 s and 2 s in the gateway; 0.05 s and 0.5 s here: a live replica's Check on loaded cores.)"""
     monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.05)
-    monkeypatch.setattr("tandem.gateway.replicas.CHECK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("tandem.gateway.replicas.CHECK_TIMEOUT_S", 0.5)
     health, stopped = stoppable
     live = f"127.0.0.1:{replicas[0][1].port}"
     watched = Replicas(f"{stopped},{live}", grpc.aio.insecure_channel, "tandem.v1.Decoder")
@@ -442,9 +445,9 @@ async def test_a_stopped_replica_whose_watch_stays_open_is_left_within_seconds_a
     try:
         await _eventually(lambda: watched.serving == (stopped, live))
         health.running.clear()  # SIGSTOP
-        await _eventually(lambda: watched.targets == (live,), timeout_s=1)
+        await _eventually(lambda: watched.targets == (live,))  # well within keepalive's 60-80 s
         health.running.set()  # SIGCONT
-        await _eventually(lambda: watched.serving == (stopped, live), timeout_s=1)
+        await _eventually(lambda: watched.serving == (stopped, live))
     finally:
         await watched.close()
 
@@ -503,6 +506,36 @@ async def test_a_replica_of_another_model_gets_no_calls_and_a_rolling_upgrade_mo
         await _restart_as(a, server_a, "other-model")  # the upgrade's second replica
         await _eventually(lambda: _num_serving(channels) == 2)
         assert replicas_seen.model == "other-model" and not replicas_seen.mismatched
+    finally:
+        await channels.close()
+
+
+async def test_restarting_the_replica_of_the_gateways_model_in_a_1_vs_1_pair_keeps_its_model(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """A (the gateway's model) and B (another, left out): A restarting with its model made B the
+    majority for the restart's seconds, so the gateway moved to B's model and left A out for good, its
+    callers given B's tokens. A replica restarting counts for the model it said last: the gateway keeps
+    A's model, and while A does not serve, its callers go to A (a 503 from a real decoder), never to B."""
+    (a, running_a), (b, _) = replicas
+    b.model = "other-model"
+    channels, replica_a, replica_b = await _mixed(replicas)
+    seen = channels.replicas
+    assert seen is not None
+    try:
+        await _eventually(lambda: seen.mismatched == {replica_b: "other-model"})
+        await running_a.health.set("tandem.v1.Decoder", NOT_SERVING)
+        await _eventually(lambda: replica_a not in seen.serving)
+        assert seen.model == "fake-model" and seen.mismatched == {replica_b: "other-model"}
+        assert channels.targets == (replica_a,)
+        _asked_models(a, b)
+        await _call(channels, "peer:a caller")
+        assert (a.num_infos, b.num_infos) == (1, 0)
+
+        await running_a.set_serving()  # back, with the same model
+        await _eventually(lambda: seen.serving == (replica_a,), timeout_s=10)  # its watch's backoff
+        assert seen.model == "fake-model" and seen.mismatched == {replica_b: "other-model"}
+        assert channels.targets == (replica_a,)
     finally:
         await channels.close()
 
@@ -591,9 +624,9 @@ async def test_a_stale_model_info_is_served_while_its_refresh_waits_on_a_slow_re
             return time.monotonic() - started
 
         await completion_seconds()  # the first answer is waited for: there is nothing to serve before it
-        a.info_delay_s = 3.0
+        a.info_delay_s = 8.0
         seconds = await asyncio.gather(*(completion_seconds() for _ in range(4)))
-        assert max(seconds) < 1.5, seconds
+        assert max(seconds) < 4.0, seconds  # milliseconds each, on loaded cores well under the 8 s
 
 
 async def _mixed(

@@ -20,7 +20,6 @@ from aiohttp import web
 
 from tandem.client.auth import load_tokens
 from tandem.client.channel import ChannelSecurity
-from tandem.client.client import EncoderClient
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import (
@@ -38,7 +37,7 @@ from tandem.gateway.access_log import AccessLog
 from tandem.gateway.answer_metrics import observe_answer_bytes
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
-from tandem.gateway.callers import decoder_channels, decoder_client
+from tandem.gateway.callers import decoder_channels, decoder_client, model_check_metadata
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
 from tandem.gateway.connections import (
     LINGERING_S,
@@ -47,7 +46,8 @@ from tandem.gateway.connections import (
     ServerLog,
     ensure_descriptors,
 )
-from tandem.gateway.replica_metrics import observe_replicas
+from tandem.gateway.encoders import EncoderReplicas, gateway_encoder
+from tandem.gateway.replica_metrics import TANDEM_GATEWAY_ENCODER_REPLICAS_LEFT_OUT, observe_replicas
 
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
@@ -264,7 +264,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     """Listen until a signal (or until cancelled); `ready` gets the port once listening."""
     telemetry = setup_telemetry("tandem-openai", os.environ)
     decoder = decoder_client(config, telemetry)
-    encoder = EncoderClient(config.encoder_address, config.max_message_bytes, telemetry, config.upstream)
+    encoder = gateway_encoder(config, telemetry, model_check_metadata(config))  # its replicas checked
     callers = decoder_channels(config, telemetry.client_interceptors())
     workers = BodyWorkers(config.body_workers)
     tracer = telemetry.tracer if telemetry.is_tracing else None
@@ -278,6 +278,8 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         observe_answer_bytes(telemetry.meter, gateway.answer_bytes)
         if callers.replicas is not None:
             observe_replicas(telemetry.meter, callers.replicas)
+        if isinstance(encoder, EncoderReplicas):
+            observe_replicas(telemetry.meter, encoder.replicas, TANDEM_GATEWAY_ENCODER_REPLICAS_LEFT_OUT)
     handler_settings: dict[str, Any] = {
         "keepalive_timeout": config.idle_timeout_s,
         "lingering_time": LINGERING_S,

@@ -1,5 +1,5 @@
-"""The gauge of the decoder replicas the gateway leaves out for their model (`replicas.py`), read at
-collection.
+"""The gauges of the decoder replicas, and of the encoder replicas (`encoders.py`), the gateway leaves out
+for their model (`replicas.py`), read at collection.
 
 A replica left out serves, answers its health checks, and gets no calls: /health stays "ok" while
 another serves, and the ERROR line is said once, as it is left out. An operator alerts on this gauge
@@ -18,18 +18,22 @@ from opentelemetry import metrics
 from tandem.gateway.replicas import Replicas
 
 # The gateway's own names, beside answer_metrics.py's (`tandem.gateway.*`).
-TANDEM_GATEWAY_REPLICAS_LEFT_OUT = "tandem.gateway.replicas.left_out"
+TANDEM_GATEWAY_REPLICAS_LEFT_OUT = "tandem.gateway.replicas.left_out"  # the decoder's
+TANDEM_GATEWAY_ENCODER_REPLICAS_LEFT_OUT = "tandem.gateway.encoder_replicas.left_out"
 
 
-def observe_replicas(meter: metrics.Meter, replicas: Replicas) -> None:
-    """An observable gauge of `replicas` left out for serving another model than the gateway's."""
+def observe_replicas(
+    meter: metrics.Meter, replicas: Replicas, name: str = TANDEM_GATEWAY_REPLICAS_LEFT_OUT
+) -> None:
+    """An observable gauge, `name`, of `replicas` left out for serving another model than the gateway's."""
 
     def left_out(_: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         return [metrics.Observation(replicas.num_left_out)]
 
     meter.create_observable_gauge(
-        TANDEM_GATEWAY_REPLICAS_LEFT_OUT,
+        name,
         [left_out],
         unit="{replica}",
-        description="Decoder replicas that serve another model than the gateway's: they get no calls",
+        description=f"{replicas.kind.capitalize()} replicas that serve another model than the gateway's: "
+        "they get no calls",
     )

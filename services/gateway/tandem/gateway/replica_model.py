@@ -1,5 +1,7 @@
 """Which model a decoder replica serves, and which one the gateway serves over several: what `Replicas`
-compares as each replica turns SERVING.
+compares as each replica turns SERVING. An encoder replica's too (`encoders.py`): the decoder checkpoint
+whose hidden space its rows live in, its token table sample, and its embedder (a token table lookup and
+a projector of one checkpoint embed one input differently).
 
 NOTE: why a name is not enough. Two replicas started with `--model-name` over two checkpoints of one
 shape (a fine-tune beside its base, a directory copied over another) report the same name, hidden size
@@ -19,10 +21,9 @@ would count replicas of checkpoints the other is told apart from). A model repor
 it is told apart from still counts: a checkpoint storing its lm_head reports one weight sample more
 than a tied one, and is no reason to leave out a larger group of the tied one.
 
-NOTE: ties. On a tie the model served so far stays, so restarting one of a 1-vs-1 pair of replicas
-hands the gateway the other's model for good (while one serves, it is the majority). Remembering a
-replica's model while it does not serve would keep it, but would also hold a model no replica serves
-now; replicas of two models under one name are a mistake the ERROR line names, not a state to serve.
+NOTE: ties. On a tie the model served so far stays. The models counted are those each replica said
+last, serving or not (`replicas.py`), so restarting the replica of the gateway's model in a 1-vs-1 pair
+keeps its model: the other's, left out, never wins by the restart's absence.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
 from tandem.common.token_table_sample import TableSample, sample_from_pb
 from tandem.common.weight_sample import WeightSample, weight_sample_from_pb, weights_agree
 
@@ -42,11 +43,19 @@ class ReplicaModel:
     name: str  # the name it serves its model under (`model`)
     sample: TableSample | None  # its token table's; None: a decoder from before the sample
     weights: tuple[WeightSample, ...] = ()  # its later weights'; empty: a decoder from before them
+    embedder: str = ""  # an encoder's kind ("lookup", "soft-prompt", "projector"); "": a decoder
 
     @classmethod
     def from_info(cls, info: decoder_pb2.DecoderGetModelInfoResponse) -> ReplicaModel:
         sample = sample_from_pb(info.token_table_sample) if info.HasField("token_table_sample") else None
         return cls(info.model, sample, tuple(weight_sample_from_pb(w) for w in info.weight_samples))
+
+    @classmethod
+    def from_encoder_info(cls, info: encoder_pb2.EncoderGetModelInfoResponse) -> ReplicaModel:
+        """An encoder's: its embeddings' model (the decoder checkpoint named), sampled as a decoder's
+        table is, and its embedder. It reports no weight samples."""
+        sample = sample_from_pb(info.token_table_sample) if info.HasField("token_table_sample") else None
+        return cls(info.model, sample, embedder=info.embedder)
 
     @property
     def detail(self) -> tuple[bool, int]:
@@ -58,10 +67,12 @@ class ReplicaModel:
         return self.difference(other) is None
 
     def difference(self, other: ReplicaModel) -> str | None:
-        """What tells it from `other`, the first found: "model" (its name), "token_table_sample" or
-        "weight_samples" (what /health says differs); None: the same model."""
+        """What tells it from `other`, the first found: "model" (its name), "embedder",
+        "token_table_sample" or "weight_samples" (what /health says differs); None: the same model."""
         if self.name != other.name:
             return "model"
+        if self.embedder != other.embedder:
+            return "embedder"
         if (
             self.sample is not None
             and other.sample is not None
@@ -72,7 +83,7 @@ class ReplicaModel:
 
 
 def choose_model(models: Sequence[ReplicaModel], current: ReplicaModel | None) -> ReplicaModel | None:
-    """The model most of `models` (the serving replicas', in the order found) are the same as; on a tie
+    """The model most of `models` (the replicas' last said, in the order found) are the same as; on a tie
     `current`, the model served so far, stays. `current` reporting less than a winner the same as it
     gives way to it, which is no change of model: only the first replica reporting more came."""
     # A model reporting more than one it is the same as stands for it. Not "the most detail of the name

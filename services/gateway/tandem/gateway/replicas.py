@@ -18,7 +18,8 @@ Generate no server took is retried on the next replica (`tandem.client.channel`)
 
 What the gateway serves is one model: each replica is asked its model (`model_of`) as it turns SERVING,
 and one serving another model than most replicas do (ties: the model served so far) gets no calls,
-logged and named in /health, as though it did not serve. Another model is another name, or the same
+logged and named in /health, as though it did not serve. Each watched replica counts for the model it
+said last, serving or not (see the NOTE on restarts below). Another model is another name, or the same
 name over another checkpoint (its token table or weight samples differ: `replica_model.py`). Each
 replica left out is logged at ERROR as it is left out, naming it and both models, whether it came with
 another model or most replicas moved to another (those left behind); a gauge counts them
@@ -27,9 +28,25 @@ silently answered one model's name with two models' tokens; after a rolling upgr
 the gateway kept the first model's name until it restarted. Where a replica cannot be asked (its
 GetModelInfo refused or unanswered), its model is not known and it is not left out.
 
-Where no replica is known to serve (all loading, or none answered yet), callers are balanced over
-every replica, and a call gets the decoder's own answer; before a `dns:` name resolves, over the
-name itself, as gRPC resolves it.
+Where no replica is known to serve the gateway's model (all loading or restarting, or none answered
+yet), callers are balanced over every replica not left out, and a call gets the decoder's own answer (a
+replica loading or stopped: UNAVAILABLE, a 503); before a `dns:` name resolves, over the name itself, as
+gRPC resolves it.
+
+NOTE: why a replica restarting keeps counting for its model. Counted only while it served, the one
+replica of the gateway's model of a 1-vs-1 pair handed the gateway the other's model as it restarted
+(the other was the majority for those seconds, and ties then kept it): every call went to the replica
+that had been left out, its model's tokens under its name, and the restarted replica was left out in
+turn, for good. A router in front of vLLM or SGLang sends a request for a model to the workers of that
+model only, and answers 503 while none is up: a restart never hands one model's traffic to another.
+So a replica that stops serving still counts for the model it said last, until it says another (asked
+as it serves again) or is no longer watched (a `dns:` name that no longer resolves to it); one whose
+model could not be asked keeps counting for the one it said before. The gateway's model moves only
+when most replicas say another: a rolling upgrade moves it as the replica that makes the new model the
+majority serves it. The cost: with 2 replicas, while the second of an upgrade restarts (the first
+serving the new model, left out on the tie), no replica serves the gateway's model and callers get
+503s, as they would from a router; and a replica of the gateway's model stopped for good keeps it
+until the gateway restarts or the address list leaves the replica out.
 """
 
 from __future__ import annotations
@@ -132,7 +149,8 @@ async def resolve_name(name: str) -> tuple[str, ...]:
 
 class Replicas:
     """The decoder's replicas (`address`: several, or a `dns:` name) and which of them serve for
-    `service`, each watched once over a channel of its own; event-loop thread only. Raises ValueError
+    `service`, each watched once over a channel of its own; event-loop thread only. The encoder's too
+    (`encoders.py`), as `kind` says. Raises ValueError
     for an address it cannot use (`static_replicas`, `name_of`)."""
 
     def __init__(
@@ -142,8 +160,10 @@ class Replicas:
         service: str,
         on_change: Callable[[], None] = lambda: None,
         model_of: Callable[[grpc.aio.Channel], Awaitable[ReplicaModel]] | None = None,
+        kind: str = "decoder",
     ) -> None:
         self.address = address
+        self.kind = kind  # what the replicas are ("decoder", "encoder"), as the log lines name them
         self._open_channel = open_channel  # a plain channel to one replica ("ip:port")
         self.service = service
         self.on_change = on_change  # called when `targets` changes
@@ -155,7 +175,9 @@ class Replicas:
         self._asking: dict[str, asyncio.Task[None]] = {}  # a model asked of a replica turned SERVING
         # Each serving replica's model as it said (None: unknown).
         self._models: dict[str, ReplicaModel | None] = {}
-        self._model: ReplicaModel | None = None  # the one most serving replicas serve (ties: the one so far)
+        # The model each watched replica said last, serving or not: what it counts for (see the NOTE).
+        self._said: dict[str, ReplicaModel] = {}
+        self._model: ReplicaModel | None = None  # the one most replicas said (ties: the one so far)
         # The serving replicas of another model at the last `_update`: each logged once as it joins.
         # Replaced whole, never changed: the metrics' export thread reads its length.
         self._left_out: frozenset[str] = frozenset()
@@ -179,7 +201,7 @@ class Replicas:
 
     @property
     def model(self) -> str | None:
-        """The name of the model the gateway serves: the one most serving replicas serve."""
+        """The name of the model the gateway serves: the one most replicas said (serving or not)."""
         return self._model.name if self._model is not None else None
 
     @property
@@ -246,7 +268,7 @@ class Replicas:
 
     def _log_failure(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
-            log.error("watching the decoder replicas of %s failed", self.address, exc_info=error)
+            log.error("watching the %s replicas of %s failed", self.kind, self.address, exc_info=error)
 
     async def _resolve_forever(self) -> None:
         assert self._name is not None  # set wherever the address is not a list
@@ -254,7 +276,7 @@ class Replicas:
             try:
                 found = await resolve_name(self._name)
             except (OSError, ValueError) as error:  # the last replicas found stay
-                log.warning("decoder address %s does not resolve: %s", self.address, error)
+                log.warning("%s address %s does not resolve: %s", self.kind, self.address, error)
             else:
                 if found:
                     self._found(found)
@@ -265,6 +287,7 @@ class Replicas:
             self._watchers.pop(gone).cancel()
             del self._is_serving[gone]
             self._forget_model(gone)
+            self._said.pop(gone, None)
         for replica in replicas:
             if replica not in self._watchers:
                 self._is_serving[replica] = False
@@ -275,7 +298,7 @@ class Replicas:
         if self._is_serving.get(replica, is_serving) != is_serving:
             self._is_serving[replica] = is_serving
             # Said once a change: a replica stopped, draining or back is what an operator looks for.
-            log.info("decoder replica %s %s", replica, "serves" if is_serving else "does not serve")
+            log.info("%s replica %s %s", self.kind, replica, "serves" if is_serving else "does not serve")
             if is_serving and self._model_of is not None and replica in self._channels:
                 self._asking[replica] = self._task(self._ask_model(replica, self._channels[replica]))
             elif not is_serving:  # asked again when it serves: a replica restarted may serve another
@@ -293,11 +316,16 @@ class Replicas:
             model: ReplicaModel | None = await self._model_of(channel)
         except grpc.aio.AioRpcError as error:
             log.warning(
-                "decoder replica %s: its model could not be asked (%s): not checked", replica, error.code()
+                "%s replica %s: its model could not be asked (%s): not checked",
+                self.kind,
+                replica,
+                error.code(),
             )
             model = None
         self._asking.pop(replica, None)
         self._models[replica] = model
+        if model is not None:
+            self._said[replica] = model
         self._update()
 
     def _unlike_ours(self, replica: str, model: ReplicaModel) -> str:
@@ -309,6 +337,11 @@ class Replicas:
         difference = model.difference(self._model)
         if difference == "model":
             return f"serves model {model.name!r}, not {self._model.name!r}{served_by}"
+        if difference == "embedder":
+            return (
+                f"embeds for model {model.name!r} with a {model.embedder!r} embedder, not "
+                f"{self._model.embedder!r}{served_by}"
+            )
         what = "token table samples" if difference == "token_table_sample" else "weight samples"
         return (
             f"serves model {model.name!r} from another checkpoint than {self._model.name!r}{served_by}: "
@@ -316,12 +349,16 @@ class Replicas:
         )
 
     def _choose_model(self) -> None:
-        """`model`: the one most serving replicas serve; on a tie the one served so far stays."""
-        chosen = choose_model([m for m in self._models.values() if m is not None], self._model)
+        """`model`: the one most watched replicas said last; on a tie the one served so far stays."""
+        said = [self._said[replica] for replica in self._is_serving if replica in self._said]
+        chosen = choose_model(said, self._model)
         if self._model is not None and chosen is not None and not chosen.is_same(self._model):
-            checkpoint = " (another checkpoint)" if chosen.name == self._model.name else ""
+            difference = chosen.difference(self._model)
+            how = "" if difference == "model" else " (another checkpoint)"
+            if difference == "embedder":
+                how = f" (a {chosen.embedder!r} embedder)"
             log.warning(  # each replica left behind is logged at ERROR by `_update`
-                "the decoder replicas now serve model %r%s, not %r", chosen.name, checkpoint, self._model.name
+                "the %s replicas now serve model %r%s, not %r", self.kind, chosen.name, how, self._model.name
             )
         self._model = chosen
 
@@ -331,10 +368,15 @@ class Replicas:
         for replica in mismatched:
             if replica not in self._left_out and (model := self._models.get(replica)) is not None:
                 log.error(
-                    "decoder replica %s %s: it gets no calls", replica, self._unlike_ours(replica, model)
+                    "%s replica %s %s: it gets no calls",
+                    self.kind,
+                    replica,
+                    self._unlike_ours(replica, model),
                 )
         self._left_out = frozenset(mismatched)
-        targets = self.serving or tuple(self._is_serving) or (self.address,)
+        # None serving the gateway's model: never those left out, whose tokens would go under its name.
+        others = tuple(replica for replica in self._is_serving if replica not in self._left_out)
+        targets = self.serving or others or (self.address,)
         if targets != self.targets:
             self.targets = targets
             self.on_change()

@@ -1,0 +1,73 @@
+"""Several encoder replicas behind the gateway are checked as decoder replicas are: one serving another
+model than most (another checkpoint, or another embedder of one) gets no embeds, logged at ERROR naming
+it; one address is one client, as before."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tandem.client.client import EncoderClient
+from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.gateway.config import GatewayConfig
+from tandem.gateway.encoders import EncoderReplicas, gateway_encoder
+
+from .fake_encoder import FakeEncoder
+
+
+async def _start_encoder(embedder: str) -> tuple[FakeEncoder, RunningServer]:
+    """A fake encoder of `embedder`, with the health service `tandem serve encoder` has, SERVING."""
+    encoder = FakeEncoder(embedder=embedder)
+    service = Service("tandem.v1.Encoder", encoder, encoder_pb2_grpc.add_EncoderServicer_to_server)
+    running = await start_server(ServerOptions(host="127.0.0.1"), [service])
+    await running.set_serving()
+    return encoder, running
+
+
+@pytest.fixture
+async def three_encoders() -> AsyncIterator[list[tuple[FakeEncoder, RunningServer]]]:
+    """Two token table lookups and a projector, of one model."""
+    started = []
+    try:
+        for embedder in ("lookup", "lookup", "projector"):
+            started.append(await _start_encoder(embedder))
+        yield started
+    finally:
+        await asyncio.gather(*(running.stop(0) for _, running in started))
+
+
+async def test_an_encoder_replica_of_another_embedder_gets_no_embeds_logged_naming_it(
+    three_encoders: list[tuple[FakeEncoder, RunningServer]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--encoder-address a,b,c` was one channel balanced over all three: the projector answered a
+    third of /v1/embeddings with vectors of another embedder under one name."""
+    addresses = [f"127.0.0.1:{running.port}" for _, running in three_encoders]
+    with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
+        encoder = gateway_encoder(GatewayConfig(encoder_address=",".join(addresses)))
+        assert isinstance(encoder, EncoderReplicas)
+        try:
+            seen = encoder.replicas
+            async with asyncio.timeout(10):
+                while seen.serving != tuple(addresses[:2]) or not seen.mismatched:
+                    await asyncio.sleep(0.01)
+            assert seen.differences == {addresses[2]: "embedder"} and seen.num_left_out == 1
+            request = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=b"picture"))
+            await asyncio.gather(*(encoder.stub.Embed(request, timeout=10) for _ in range(8)))
+            (a, _), (b, _), (projector, _) = three_encoders
+            assert (len(a.embedded) + len(b.embedded), len(projector.embedded)) == (8, 0)
+        finally:
+            await encoder.close()
+    assert f"encoder replica {addresses[2]} embeds for model 'fake-encoder' with a 'projector'" in caplog.text
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:9", "dns://127.0.0.1:53/encoders.example:50051"])
+async def test_one_encoder_or_a_name_a_dns_server_resolves_is_one_client_as_before(address: str) -> None:
+    encoder = gateway_encoder(GatewayConfig(encoder_address=address))
+    try:
+        assert isinstance(encoder, EncoderClient)
+    finally:
+        await encoder.close()
