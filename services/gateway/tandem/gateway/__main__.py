@@ -80,7 +80,12 @@ def settings() -> list[click.Option]:
             "replicas, dns:///name:port or dns:name:port (no port: 443; dns://server/... is refused: "
             "names are looked up with the system's resolver)",
         ),
-        _setting("--encoder-address", "the encoder, for /v1/embeddings"),
+        _setting(
+            "--encoder-address",
+            "the encoder, for /v1/embeddings (and a chat's pictures where the decoder fetches none): "
+            "host:port, several host:port,... or a DNS name, as --decoder-address; several are "
+            "watched and one of another model than most gets no calls",
+        ),
         _setting(
             "--auth-token-file",
             "accepted bearer tokens, one per line (the services' file); passed on with each call",
