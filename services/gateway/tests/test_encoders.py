@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import pytest
+from grpc_health.v1 import health_pb2
 
 from tandem.client.client import EncoderClient
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
@@ -17,6 +18,8 @@ from tandem.gateway.config import GatewayConfig
 from tandem.gateway.encoders import EncoderReplicas, gateway_encoder
 
 from .fake_encoder import FakeEncoder
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def _start_encoder(embedder: str) -> tuple[FakeEncoder, RunningServer]:
@@ -69,5 +72,32 @@ async def test_one_encoder_or_a_name_a_dns_server_resolves_is_one_client_as_befo
     encoder = gateway_encoder(GatewayConfig(encoder_address=address))
     try:
         assert isinstance(encoder, EncoderClient)
+    finally:
+        await encoder.close()
+
+
+async def test_embeds_in_flight_as_the_replicas_serving_change_are_not_cut(
+    three_encoders: list[tuple[FakeEncoder, RunningServer]],
+) -> None:
+    """A change of the replicas serving opens a channel over the new ones; the one it replaces is closed
+    once its calls end, not under them."""
+    addresses = [f"127.0.0.1:{running.port}" for _, running in three_encoders[:2]]
+    encoder = gateway_encoder(GatewayConfig(encoder_address=",".join(addresses)))
+    assert isinstance(encoder, EncoderReplicas)
+    try:
+        async with asyncio.timeout(10):
+            while encoder.replicas.serving != tuple(addresses):
+                await asyncio.sleep(0.01)
+        request = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=b"picture"))
+        embeds = [asyncio.ensure_future(encoder.stub.Embed(request, timeout=10)) for _ in range(4)]
+        async with asyncio.timeout(10):  # each embed takes 0.25 s: all four under way
+            while sum(len(e.embedded) for e, _ in three_encoders[:2]) < 4:
+                await asyncio.sleep(0.01)
+        await three_encoders[1][1].health.set("tandem.v1.Encoder", NOT_SERVING)
+        async with asyncio.timeout(10):
+            while encoder.replicas.targets != (addresses[0],):
+                await asyncio.sleep(0.01)
+        assert len(await asyncio.gather(*embeds)) == 4
+        await encoder.stub.Embed(request, timeout=10)  # over the new channel
     finally:
         await encoder.close()
