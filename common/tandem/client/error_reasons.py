@@ -11,7 +11,14 @@ from collections.abc import Mapping
 
 from .errors import ErrorInfo
 
-DECODER = "tandem.decoder"  # the domain of every reason below
+DECODER = "tandem.decoder"  # the domain of every reason below but CALL_LIMIT
+ENCODER = "tandem.encoder"  # the encoder's, which gives CALL_LIMIT alone
+
+# RESOURCE_EXHAUSTED, RetryInfo, in the domain of the server that refused (`domain_of` its service): it
+# runs MAX_CALLS calls at once, streams and health checks included (tandem.common.call_bound), refused
+# before the call reached its service.
+CALL_LIMIT = "CALL_LIMIT"
+MAX_CALLS = "maxCalls"
 
 # RESOURCE_EXHAUSTED, RetryInfo: the caller's open streams hold HELD_ENTRIES prompt-logprob entries
 # (positions x (1 + top)), this stream needs NEEDED_ENTRIES more, and a caller may hold MAX_ENTRIES.
@@ -62,4 +69,16 @@ MAX_BLOCKS = "maxBlocks"
 
 def decoder_info(reason: str, metadata: Mapping[str, int | str]) -> ErrorInfo:
     """The decoder's ErrorInfo for `reason`, its numbers as the strings the wire carries."""
-    return ErrorInfo(reason, DECODER, {key: str(value) for key, value in metadata.items()})
+    return info_of(DECODER, reason, metadata)
+
+
+def info_of(domain: str, reason: str, metadata: Mapping[str, int | str]) -> ErrorInfo:
+    """The ErrorInfo of `domain` for `reason`, its numbers as the strings the wire carries."""
+    return ErrorInfo(reason, domain, {key: str(value) for key, value in metadata.items()})
+
+
+def domain_of(service: str) -> str:
+    """The domain of a server whose (first) service is `service`, its full proto name: the package's root
+    and the service, "tandem.v1.Decoder" -> "tandem.decoder" (DECODER), "tandem.v1.Encoder" -> ENCODER."""
+    root, _, rest = service.partition(".")
+    return f"{root}.{rest.rpartition('.')[2].lower()}" if rest else root.lower()

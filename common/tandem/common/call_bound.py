@@ -2,9 +2,11 @@
 
 grpc.aio bounds a server's calls itself (`maximum_concurrent_rpcs`), and answers one past its bound
 RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!", which names no number, so a caller (or its
-operator) cannot tell which bound it met. `CallBound` counts the calls as grpc.aio does and answers
-first, naming the bound; grpc.aio's own bound stays above it (`grpc_bound`), the backstop for a burst
-of calls that gRPC has counted but whose handling has not reached the first interceptor yet.
+operator) cannot tell which bound it met, and no RetryInfo. `CallBound` counts the calls as grpc.aio
+does and answers first, naming the bound, with the details a program reads (an ErrorInfo CALL_LIMIT in
+the server's domain, the bound as `maxCalls`, and a RetryInfo: `tandem.client.error_reasons`);
+grpc.aio's own bound stays above it (`grpc_bound`), the backstop for a burst of calls that gRPC has
+counted but whose handling has not reached the first interceptor yet.
 
 NOTE: how the count matches grpc.aio's. grpc.aio runs each call in two tasks: an outer one
 (`_schedule_rpc_coro`, which listens for the client's cancel), counted by its own bound from just
@@ -31,6 +33,16 @@ from typing import Any
 
 import grpc
 
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import ResourceExhausted
+from tandem.client.status import end_with
+
+# The wait a call refused at the bound is told: nothing says when a running call ends (a stream may run
+# for minutes, a health check for a millisecond), and a second is what its callers waited before it
+# said one (the gateway's Retry-After, the decoder passing an encoder's refusal on), as they wait for
+# the engine's own refusals by default.
+RETRY_AFTER_S = 1.0
+
 
 def grpc_bound(max_calls: int) -> int:
     """grpc.aio's bound for a server whose CallBound holds `max_calls`: a little above, so that ours
@@ -41,12 +53,14 @@ def grpc_bound(max_calls: int) -> int:
 
 class CallBound(grpc.aio.ServerInterceptor):
     """At most `max_calls` calls at once, streams and health checks included; one past them is
-    RESOURCE_EXHAUSTED naming the bound."""
+    RESOURCE_EXHAUSTED naming the bound, ErrorInfo CALL_LIMIT of `domain` (the server's:
+    `error_reasons.domain_of`) and a RetryInfo of RETRY_AFTER_S."""
 
-    def __init__(self, max_calls: int) -> None:
+    def __init__(self, max_calls: int, domain: str) -> None:
         self.max_calls = max_calls
         self.num_calls = 0  # calls running now, counted as grpc.aio counts them (the NOTE)
         self._refuse = grpc.stream_stream_rpc_method_handler(self._refused)
+        self._info = reasons.info_of(domain, reasons.CALL_LIMIT, {reasons.MAX_CALLS: max_calls})
 
     async def intercept_service(
         self,
@@ -65,8 +79,8 @@ class CallBound(grpc.aio.ServerInterceptor):
         self.num_calls -= 1
 
     async def _refused(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        message = (
             f"this server runs at most {self.max_calls:,} calls at once (streams and health checks "
-            "included); retry later",
+            "included); retry later"
         )
+        end_with(context, ResourceExhausted(message, RETRY_AFTER_S, info=self._info))

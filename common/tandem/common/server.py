@@ -10,9 +10,10 @@ configured: the same for both services and `tandem up`). What is still running t
 the decoder ends its streams first, with FINISH_REASON_ABORTED (`tandem.decoder.api.main`).
 
 Every server bounds the calls it holds (`max_concurrent_rpcs`): one past the bound is answered
-RESOURCE_EXHAUSTED naming the bound when the server takes it up (`call_bound.py`: grpc.aio's own
-bound, a little above, says "Concurrent RPC limit exceeded!" and no number), a status that retry
-policies back off from. Before that, a call waits in gRPC core's queue of calls the server
+RESOURCE_EXHAUSTED naming the bound when the server takes it up, with a RetryInfo and an ErrorInfo
+CALL_LIMIT in the domain of the server's service (`call_bound.py`: grpc.aio's own bound, a little
+above, says "Concurrent RPC limit exceeded!" and no number), a status that retry policies back off
+from. Before that, a call waits in gRPC core's queue of calls the server
 has not taken up yet (grpc.aio takes them one at a time on the event loop): core drops calls from
 that queue at random past 1,000 and all past 3,000, each CANCELLED, which its caller cannot tell from
 its own cancel (2,500 calls at once from 4 channels: 311 CANCELLED). That queue is sized here to hold
@@ -44,6 +45,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.client import error_reasons as reasons
 from tandem.client.auth import AuthInterceptor
 from tandem.client.channel import DEFAULT_MAX_MESSAGE_BYTES
 from tandem.client.errors import ConfigError
@@ -405,8 +407,13 @@ class RunningServer:
                 cut.cancel()  # every call ended within the grace: nothing was cut
 
     def _cutting(self) -> None:
+        # Each listener is told whatever another raised: one failing left those after it untold, their
+        # calls cut by the stop counted as their callers' cancels.
         for listener in self.cut_listeners:
-            listener.on_calls_cut()
+            try:
+                listener.on_calls_cut()
+            except Exception:
+                log.exception("%s failed to hear of the stop's cut", type(listener).__qualname__)
 
 
 def _max_request_bytes(services: Sequence[Service]) -> dict[str, Callable[[], int | None]]:
@@ -436,7 +443,9 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
     logging.getLogger(GRPC_LOGGER).addFilter(_CALL_OVER_FILTER)  # added once: filters are a set
     # The bound on calls comes first (it counts every call, as grpc.aio does), then authentication: a
     # denied call reaches neither tracing nor the servicer.
-    bound = CallBound(options.max_concurrent_rpcs)
+    bound = CallBound(
+        options.max_concurrent_rpcs, reasons.domain_of(services[0].name if services else "tandem")
+    )
     auth = [AuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
     server = grpc.aio.server(
         interceptors=[bound, *auth, *options.interceptors, ErrorInterceptor(_max_request_bytes(services))],

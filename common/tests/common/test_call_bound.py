@@ -1,8 +1,9 @@
 """The bound on a server's calls at once: one past it is RESOURCE_EXHAUSTED naming the bound, never
 grpc.aio's "Concurrent RPC limit exceeded!" (which names none), even for a burst that arrives while
-the event loop is held; and a call keeps its place exactly while grpc.aio counts it, so none is lost
-or leaked: one whose request never comes holds it until it ends, one that fails or is refused gives
-it back."""
+the event loop is held, with the details a program reads (ErrorInfo CALL_LIMIT, RetryInfo); and a call
+keeps its place exactly while grpc.aio counts it, so none is lost or leaked: one whose request never
+comes holds it until it ends, one that fails or is refused gives it back, and so does one whose
+call-end hooks raise."""
 
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from tandem.common.call_bound import CallBound, grpc_bound
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import ErrorInfo
+from tandem.client.status_details import status_details
+from tandem.common.call_bound import RETRY_AFTER_S, CallBound, grpc_bound
 
 GRPC_REFUSAL = "Concurrent RPC limit exceeded!"
 REFUSAL = "this server runs at most {:,} calls at once (streams and health checks included); retry later"
+DOMAIN = "test.bound"
 
 
 def _identity(x: bytes) -> bytes:
@@ -43,7 +48,25 @@ class Methods:
         return b"".join([request async for request in requests])
 
 
-async def _serve(bound: CallBound) -> tuple[grpc.aio.Server, str]:
+class HooksRaising(grpc.aio.ServerInterceptor):
+    """Every call's end hooks raise: a done callback on its context, and its wrapper's own end (as a
+    span whose exporter fails)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        behavior = handler.unary_unary
+
+        async def ending_badly(request: bytes, context) -> bytes:
+            context.add_done_callback(lambda _: 1 / 0)
+            try:
+                return await behavior(request, context)
+            finally:
+                raise RuntimeError("a call-end hook failed")
+
+        return grpc.unary_unary_rpc_method_handler(ending_badly, _identity, _identity)
+
+
+async def _serve(bound: CallBound, *others: grpc.aio.ServerInterceptor) -> tuple[grpc.aio.Server, str]:
     methods = Methods()
     handlers = {
         "Slow": grpc.unary_stream_rpc_method_handler(methods.Slow, _identity, _identity),
@@ -51,7 +74,9 @@ async def _serve(bound: CallBound) -> tuple[grpc.aio.Server, str]:
         "Bug": grpc.unary_unary_rpc_method_handler(methods.Bug, _identity, _identity),
         "Drain": grpc.stream_unary_rpc_method_handler(methods.Drain, _identity, _identity),
     }
-    server = grpc.aio.server(interceptors=[bound], maximum_concurrent_rpcs=grpc_bound(bound.max_calls))
+    server = grpc.aio.server(
+        interceptors=[bound, *others], maximum_concurrent_rpcs=grpc_bound(bound.max_calls)
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Bound", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -68,7 +93,7 @@ async def _settled(bound: CallBound, num_calls: int) -> None:
 
 
 async def test_a_call_past_the_bound_is_refused_naming_it_and_ended_calls_give_places_back() -> None:
-    bound = CallBound(2)
+    bound = CallBound(2, DOMAIN)
     server, address = await _serve(bound)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -84,6 +109,11 @@ async def test_a_call_past_the_bound_is_refused_naming_it_and_ended_calls_give_p
                     await channel.unary_unary("/test.Bound/Echo")(b"x", timeout=5)
                 assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert refused.value.details() == REFUSAL.format(2)
+                # Its reason and when to retry, for a program: it said neither, unlike the engine's
+                # QUEUE_FULL, and could not be told from another RESOURCE_EXHAUSTED but by its message.
+                said = status_details(refused.value)
+                assert said.info == ErrorInfo(reasons.CALL_LIMIT, DOMAIN, {reasons.MAX_CALLS: "2"})
+                assert said.retry_delay_s == RETRY_AFTER_S == 1.0
             assert bound.num_calls == 2
             for stream in streams:
                 assert [await stream.read() for _ in range(5)] == [b"tick"] * 4 + [grpc.aio.EOF]
@@ -97,7 +127,7 @@ async def test_a_call_past_the_bound_is_refused_naming_it_and_ended_calls_give_p
 async def test_a_call_whose_request_never_comes_holds_its_place_until_it_ends() -> None:
     # grpc.aio counts such a call from its start (a unary method's request is read before its
     # handler runs); counted only once a handler ran, it would let grpc.aio's bound answer first.
-    bound = CallBound(1)
+    bound = CallBound(1, DOMAIN)
     server, address = await _serve(bound)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -116,7 +146,7 @@ async def test_a_call_whose_request_never_comes_holds_its_place_until_it_ends() 
 async def test_a_burst_arriving_while_the_loop_is_held_is_refused_naming_the_bound_never_by_grpc() -> None:
     # grpc.aio counts a call from when it makes the call's task, CallBound once the task runs: between
     # the two are the calls of a burst whose tasks the loop has made and not run (grpc_bound's room).
-    bound = CallBound(20)
+    bound = CallBound(20, DOMAIN)
     server, address = await _serve(bound)
     num_calls = 600
     sent = threading.Event()
@@ -142,6 +172,20 @@ async def test_a_burst_arriving_while_the_loop_is_held_is_refused_naming_the_bou
         await server.stop(0)
     assert GRPC_REFUSAL not in said and "short" not in said, said
     assert said["OK"] >= 20 and said["OK"] + said[REFUSAL.format(20)] == num_calls, said
+
+
+async def test_a_call_whose_end_hooks_raise_gives_its_place_back() -> None:
+    bound = CallBound(1, DOMAIN)
+    server, address = await _serve(bound, HooksRaising())
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await channel.unary_unary("/test.Bound/Echo")(b"x", timeout=5)
+                assert failed.value.code() == grpc.StatusCode.UNKNOWN
+                await _settled(bound, 0)
+    finally:
+        await server.stop(0)
 
 
 def test_grpcs_own_bound_stays_above_ours() -> None:

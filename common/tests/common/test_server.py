@@ -16,9 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
+from tandem.client import error_reasons as reasons
 from tandem.client import errors, memory
 from tandem.client.channel import channel_options
 from tandem.client.errors import ConfigError
+from tandem.client.status_details import status_details
 from tandem.common import server as server_module
 from tandem.common.call_bound import grpc_bound
 from tandem.common.server import (
@@ -367,6 +369,10 @@ async def test_calls_past_max_concurrent_rpcs_are_resource_exhausted_and_running
             assert caught.value.details() == (  # grpc.aio's own says "Concurrent RPC limit exceeded!"
                 "this server runs at most 3 calls at once (streams and health checks included); retry later"
             )
+            # In the domain of the server's service, as the decoder's own refusals are in tandem.decoder.
+            said = status_details(caught.value)
+            assert said.info == errors.ErrorInfo(reasons.CALL_LIMIT, "test.faulty", {reasons.MAX_CALLS: "3"})
+            assert said.retry_delay_s == 1.0
             # A cancelled stream gives its place back, once the server has seen the cancel.
             streams[0].cancel()
             for _ in range(100):
@@ -387,6 +393,36 @@ async def test_calls_past_max_concurrent_rpcs_are_resource_exhausted_and_running
             assert await asyncio.gather(*replies) == [b"x"] * 3
     finally:
         await server.stop(0)
+
+
+class Listening(grpc.aio.ServerInterceptor):
+    """A CutListener that intercepts nothing: it counts the cuts it hears of, or fails at each."""
+
+    def __init__(self, is_failing: bool = False) -> None:
+        self.is_failing = is_failing
+        self.num_cuts = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        return await continuation(handler_call_details)
+
+    def on_calls_cut(self) -> None:
+        if self.is_failing:
+            raise RuntimeError("a listener failed")
+        self.num_cuts += 1
+
+
+async def test_a_cut_listener_that_raises_leaves_the_others_told(caplog: pytest.LogCaptureFixture) -> None:
+    # The first one's exception ended the loop over them: those after it never heard of the cut, and
+    # counted the calls it cut as their callers' cancels.
+    told_first, failing, told_after = Listening(), Listening(is_failing=True), Listening()
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0, interceptors=(told_first, failing, told_after)),
+        [Service("test.Faulty", Faulty(), _add_faulty)],
+    )
+    with caplog.at_level(logging.ERROR, logger=server_module.__name__):
+        await server.stop(0)
+    assert (told_first.num_cuts, told_after.num_cuts) == (1, 1)
+    assert "Listening failed to hear of the stop's cut" in caplog.text
 
 
 @pytest.mark.parametrize("age", [0.0, -1.0, math.inf, math.nan, 0.0004, 1e7, MAX_CONNECTION_AGE_S + 0.001])
