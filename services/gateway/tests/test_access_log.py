@@ -1,7 +1,8 @@
 """What `tandem serve openai` logs: its start line names the decoder and the encoder it serves in front
 of, and its access log has a line for each request except a health probe that succeeds (the probes of
 `tandem up`, `tandem wait`, compose and Kubernetes); a probe that fails is logged, unless it is Tandem's
-own readiness probe, which says itself what it was told."""
+own readiness probe, which says itself what it was told. What a caller chose (its path, its User-Agent)
+is written escaped, in the access line and in the line of a request that failed."""
 
 from __future__ import annotations
 
@@ -12,13 +13,19 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from grpc_health.v1 import health_pb2
 
 from tandem.gateway.__main__ import serve
+from tandem.gateway.access_log import AccessLog
+from tandem.gateway.app import Gateway
 from tandem.gateway.config import GatewayConfig
 from tandem.readiness import PROBE_USER_AGENT, Probe
 
 from .fake_decoder import FakeDecoder, fake_decoder
+from .live_gateway import live_gateway
+from .raw_http import connect, read_answer, send
 
 ENCODER = "127.0.0.1:9"  # no encoder listens: these requests never reach one
 
@@ -97,3 +104,39 @@ async def test_the_503s_that_tandem_waits_own_probe_is_told_while_the_decoder_lo
     [line, post] = access_lines(caplog)
     assert '"GET /health HTTP/1.1" 503' in line and "tandem-readiness" not in line
     assert '"POST /health HTTP/1.1" 405' in post
+
+
+def test_the_access_line_escapes_what_the_caller_chose(caplog: pytest.LogCaptureFixture) -> None:
+    # A `"` in a User-Agent ended its field, forging a status and size after it; U+0085 broke the line
+    # where a shipper splits (Python's splitlines does), U+202E showed it reversed.
+    headers = {"User-Agent": 'x" 200 99 "\u202e\x85y', "Referer": "a\\b"}
+    request = make_mocked_request("GET", "/v1/a%0Ab", headers=headers)
+    with caplog.at_level(logging.INFO, logger="aiohttp.access"):
+        AccessLog(logging.getLogger("aiohttp.access")).log(request, web.Response(status=404), 0.1)
+    [line] = access_lines(caplog)
+    assert line.endswith(
+        '"GET /v1/a%0Ab HTTP/1.1" 404 0 "a\\x5Cb" "x\\x22 200 99 \\x22\\xE2\\x80\\xAE\\xC2\\x85y"'
+    )
+    assert line.isascii() and line.isprintable()
+
+
+async def test_the_line_of_a_request_that_failed_holds_its_path_as_sent_escaped(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decoded, `%00` and `%E2%80%AE` put a NUL and a right-to-left override into the gateway's log (a
+    # `%0A` matches no route: `{model:.+}` stops at a newline).
+    async def fail(*_: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Gateway, "_model_cards", fail)
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        with caplog.at_level(logging.ERROR, logger="tandem.gateway"):
+            sock = await connect(url)
+            try:
+                await send(sock, b"GET /v1/models/a%00b%E2%80%AE HTTP/1.1\r\nHost: x\r\n\r\n")
+                status, _ = await read_answer(sock, 5)
+            finally:
+                sock.close()
+    assert status == 500
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().endswith(" failed")]
+    assert line == "GET /v1/models/a%00b%E2%80%AE failed"

@@ -4,19 +4,23 @@ sent: a Content-Length over the bound, or chunks past it; aiohttp drops what mor
 lingering time, then closes); a 413 once the whole body was read (an answer over
 --max-unread-answer-bytes, or a body over the bound that aiohttp had already read whole) keeps it, and
 the caller's next request is served on it, as a client's connection pool sends it. A head asking
-`Expect: 100-continue` is refused before its body is asked for where the body would be refused unread."""
+`Expect: 100-continue` is refused before its body is asked for where the body would be refused unread. A
+401 leaves what more comes of the body unparsed and closes its connection: a caller with no token costs
+no parsing of its body."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 
 import pytest
+from aiohttp import StreamReader
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
-from .raw_http import COMPLETIONS_HEAD, UNREAD_BODY, connect, send
+from .raw_http import COMPLETIONS_HEAD, UNREAD_BODY, connect, read_to_close, send
 
 SMALL_BODY = json.dumps({"prompt": "q", "n": 2}).encode()
 
@@ -163,5 +167,49 @@ async def test_a_refused_expectation_is_read_by_a_client_that_sends_its_body_wit
             head_sent, _, answer = sent.partition(b"\r\n\r\n")
             assert int(head_sent.split()[1]) == status and b"connection: close" in head_sent.lower()
             assert named in json.loads(answer)["error"]["message"] and not decoder.requests
+        finally:
+            sock.close()
+
+
+async def test_a_401_parses_no_more_of_the_body_and_closes_its_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # aiohttp drained the body after the 401, parsing all 8 MiB over a 4,096-byte bound, and kept the
+    # connection for the caller's next body.
+    parsed = [0]
+    feed_data = StreamReader.feed_data
+
+    def counted(reader: StreamReader, data: bytes, *args: object) -> None:
+        parsed[0] += len(data)
+        feed_data(reader, data, *args)
+
+    monkeypatch.setattr(StreamReader, "feed_data", counted)
+    settings = {"max_body_bytes": 4096, "auth_tokens": frozenset({"a"}), "lingering_s": 0.2}
+    body = b"x" * 8 * 2**20
+    async with fake_decoder() as (decoder, address), live_gateway(address, **settings) as url:
+        sock = await connect(url)
+        try:
+            sending = asyncio.ensure_future(send(sock, _request(body)))
+            sent = await read_to_close(sock, 2)
+            with contextlib.suppress(ConnectionError):
+                await sending  # the gateway closed under what it did not take
+        finally:
+            sock.close()
+    head, _, answer = sent.partition(b"\r\n\r\n")
+    assert int(head.split()[1]) == 401 and b"connection: close" in head.lower()
+    assert json.loads(answer)["error"]["type"] == "authentication_error"
+    assert parsed[0] <= 2**20  # what came with the head, of 8 MiB
+    assert not decoder.requests
+
+
+async def test_a_401_to_a_body_that_came_whole_keeps_its_connection() -> None:
+    settings = {"auth_tokens": frozenset({"a"})}
+    async with fake_decoder() as (_, address), live_gateway(address, **settings) as url:
+        sock = await connect(url)
+        try:
+            for _ in range(2):
+                await send(sock, _request(SMALL_BODY))
+                status, head, _ = await _answer(sock)
+                assert status == 401 and b"connection: close" not in head
         finally:
             sock.close()

@@ -15,11 +15,14 @@ port only once the model has loaded, so their probes meet a refused connection t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from aiohttp.web_log import AccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
 from tandem.gateway.app import HEALTH_PATH
+from tandem.gateway.log_text import printable
 from tandem.readiness import PROBE_USER_AGENT
 
 
@@ -35,8 +38,19 @@ def is_quiet(request: BaseRequest, response: StreamResponse) -> bool:
 
 
 class AccessLog(AccessLogger):
-    """aiohttp's access logger (`web.AppRunner(access_log_class=AccessLog)`), less the quiet probes."""
+    """aiohttp's access logger (`web.AppRunner(access_log_class=AccessLog)`), less the quiet probes, each
+    value a caller chose (its request line, its Referer and User-Agent) escaped (`log_text.printable`):
+    a User-Agent holding `"` forged the fields after it, a UTF-8 U+0085 or U+202E in it broke or
+    reversed the line."""
 
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
         if not is_quiet(request, response):
             super().log(request, response, time)
+
+    def _format_line(
+        self, request: BaseRequest, response: StreamResponse, time: float
+    ) -> Iterable[tuple[str | tuple[str, str], str]]:
+        # The one method every value passes through, the line's and the record's `extra` alike: aiohttp
+        # looks its formatters up on AccessLogger itself, so a subclass's `_format_r` is never called.
+        line = super()._format_line(request, response, time)
+        return [(key, printable(value) if isinstance(value, str) else value) for key, value in line]

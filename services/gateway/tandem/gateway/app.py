@@ -41,7 +41,13 @@ from tandem.client.semconv import TANDEM_CALLER_DISCONNECTED
 from tandem.gateway import answers, embeddings, images
 from tandem.gateway.answer_bytes import AnswerBytes
 from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
-from tandem.gateway.body_codings import BodyLeft, XGzipReader, body_left, coding_refusal, is_x_gzip
+from tandem.gateway.body_codings import (
+    DecodedBody,
+    coding_of,
+    coding_refusal,
+    framing_refusal,
+    is_body_left,
+)
 from tandem.gateway.body_limits import BodyLimits, count_values
 from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of
 from tandem.gateway.calls import EmbedCall, GenerateCall
@@ -65,6 +71,7 @@ from tandem.gateway.http_span import (
     span_name,
 )
 from tandem.gateway.image_bytes import over_cap, refusal_asking_again
+from tandem.gateway.log_text import printable
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
 
@@ -76,7 +83,7 @@ UNAUTHENTICATED_PATHS = (HEALTH_PATH,)
 LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
 WAS_LARGE = web.RequestKey("was_large", bool)  # it held one: give the heap back when it ends
 BODY_NAMES = web.RequestKey("body_names", BodyNames)  # the body's names for fields an error may name
-X_GZIP_BODY = web.RequestKey("x_gzip_body", XGzipReader)  # an x-gzip body's reader: what is left of it
+DECODED_BODY = web.RequestKey("decoded_body", DecodedBody)  # a coded body's reader: what is left of it
 # The W3C headers a caller's trace context comes in (tandem.client.telemetry.propagation reads them).
 _PROPAGATED_HEADERS = ("traceparent", "tracestate", "baggage")
 # The server span's status of a request the gateway ended before its answer ended, its caller still there.
@@ -116,7 +123,11 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.config.max_body_bytes,
-            middlewares=[self._unread_body, self._trace, self._errors, self._authenticate],
+            middlewares=[self._framing, self._trace, self._errors, self._authenticate],
+            # Bodies are decoded by the handlers that read them, never by aiohttp's parser (body_codings'
+            # NOTE): for a server made from this app (`tandem serve openai` makes its own handlers,
+            # `OpenAIRequestHandler`, which decode nothing either).
+            handler_args={"auto_decompress": False},
         )
         if self.tracer is not None:  # the status a span of a request cut after its head was sent says
             app.on_response_prepare.append(note_sent_status)
@@ -130,34 +141,26 @@ class Gateway:
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """A request head asking `Expect: 100-continue`: refused before its body is sent where the
-        normal path refuses it unread, in the same order (401 without an accepted token, then 413 for a
-        declared length over --max-body-bytes, then a coding the gateway does not decode), the answer
-        saying `Connection: close`; else `100 Continue`. aiohttp runs this before the middlewares, and
-        its own handler sent `100 Continue` to every head: a client uploaded a whole body (5,000 bytes
-        over a 4,096 bound) only to be answered 413."""
+        normal path refuses it unread, in the same order (a Transfer-Encoding other than chunked, 401
+        without an accepted token, 417 for another expectation, then 413 for a declared length over
+        --max-body-bytes, then a coding the gateway does not decode), the answer saying `Connection:
+        close`; else `100 Continue`.
+        aiohttp runs this before the middlewares, and its own handler sent `100 Continue` to every head:
+        a client uploaded a whole body (5,000 bytes over a 4,096 bound) only to be answered 413."""
         if self.guard is not None:
             self.guard.head_received(request.transport)  # as the middleware would: it runs after, or never
         if request.version != HttpVersion11:  # HTTP/1.0 has no interim answers: its expectation ignored
             return None
-        expect = request.headers.get("Expect", "")
-        if expect.lower() != "100-continue":
-            message = f"Expect: {expect[:64]!r} is not an expectation this server meets (only 100-continue)"
-            refusal: HttpError | None = HttpError(417, "invalid_request_error", message)
-        elif (refusal := self._unauthenticated(request)) is None:
-            declared = request.content_length
-            if declared is not None and declared > self.config.max_body_bytes:
-                refusal = _too_large(self.config.max_body_bytes)
-            else:
-                refusal = coding_refusal(request.headers)
-        if refusal is not None:
-            # Answered by aiohttp, which then lingers (LINGERING_S) reading what comes of the body before
-            # it closes: a client may send the body without waiting for `100 Continue` (RFC 9110 10.1.1;
-            # Python's http.client does), and a socket closed under an arriving body is reset, the
-            # answer lost (5 of 5 such 5 MB uploads read ConnectionResetError instead of their 401).
+        if (refusal := self._expect_refusal(request)) is not None:
+            # Answered by aiohttp, which then lingers (LINGERING_S), reading and dropping unparsed what
+            # comes of the body before it closes (`_drop_rest`): a client may send the body without
+            # waiting for `100 Continue` (RFC 9110 10.1.1; Python's http.client does), and a socket
+            # closed under an arriving body is reset, the answer lost (5 of 5 such 5 MB uploads read
+            # ConnectionResetError instead of their 401).
             response = error_response(refusal)
             response.force_close()
-            if _body_left(request) is BodyLeft.CODED:  # as `_unread_body`, which this answer bypasses
-                _drop_coded_rest(request, response)
+            if _is_body_left(request):
+                _drop_rest(request, response)
             return response
         try:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -165,6 +168,21 @@ class Gateway:
             raise asyncio.CancelledError from None
         request.writer.output_size = 0  # as aiohttp's: the answer's size, for the access log, starts after
         return None
+
+    def _expect_refusal(self, request: web.Request) -> HttpError | None:
+        """What `_expect` refuses `request` with, in the normal path's order, or None."""
+        if (framing := framing_refusal(request.headers, request.version)) is not None:
+            return framing
+        if (unauthenticated := self._unauthenticated(request)) is not None:
+            return unauthenticated  # before a caller with no token is told anything of its request
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            message = f"Expect: {expect[:64]!r} is not an expectation this server meets (only 100-continue)"
+            return HttpError(417, "invalid_request_error", message)
+        declared = request.content_length
+        if declared is not None and declared > self.config.max_body_bytes:
+            return _too_large(self.config.max_body_bytes)
+        return coding_refusal(request.headers)
 
     # -- middlewares ------------------------------------------------------------------------------------
 
@@ -178,7 +196,7 @@ class Gateway:
             response = error_response(refused.error)
             if refused.close:
                 await _answer_and_close(request, response)
-            elif refused.error.status == 413 and _body_left(request) is not BodyLeft.NONE:
+            elif refused.error.status == 413 and _is_body_left(request):
                 # The rest of a body over --max-body-bytes may still be coming: not worth reading (aiohttp
                 # would, for its lingering time). A 413 after the whole body was read (an answer or a
                 # call over its bound) keeps the connection: a client's next request reuses it.
@@ -208,7 +226,9 @@ class Gateway:
         except asyncio.CancelledError:
             raise  # the caller left: nothing to answer
         except Exception:  # a bug: an OpenAI-shaped 500, the traceback in our log only
-            log.exception("%s %s failed", request.method, request.path)
+            # The path as sent, escaped: decoded, a caller's `%00` or `%E2%80%AE` put a NUL or a
+            # right-to-left override into the log.
+            log.exception("%s %s failed", request.method, printable(request.rel_url.raw_path))
             return error_response(HttpError(500, "server_error", "the gateway failed on this request"))
         finally:
             if (held := request.get(LARGE_BODY)) is not None:
@@ -217,20 +237,35 @@ class Gateway:
                 give_back()  # the body's and the answer's heap back to the OS (tandem.client.memory)
 
     @web.middleware
-    async def _unread_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Whatever the answer, a body left unread in a coding aiohttp decodes is dropped undecoded
-        (`_drop_coded_rest`): aiohttp's drain decoded it without a turn for the loop, after the 401 of a
-        caller with no token (266-623 ms for 64 KiB of gzip), /health's 200 or a 404 as much."""
-        response = await handler(request)
-        if _body_left(request) is BodyLeft.CODED and not response.prepared:
-            _drop_coded_rest(request, response)
+    async def _framing(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A request whose Transfer-Encoding is anything but chunked alone: 400 naming it, whatever its
+        path and whoever sends it, and nothing after its head read as HTTP (`framing_refusal`'s NOTE:
+        its connection was kept, its body drained by a framing a proxy in front may not share)."""
+        if (refusal := framing_refusal(request.headers, request.version)) is None:
+            return await handler(request)
+        if self.guard is not None:
+            self.guard.head_received(request.transport)  # as `_errors` would: it does not run
+        response = error_response(refusal)
+        _drop_rest(request, response)
         return response
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if (refusal := self._unauthenticated(request)) is not None:
-            return error_response(refusal)
-        return await handler(request)
+        """401 for a request without an accepted token, before anything else reads it.
+
+        NOTE: why a 401 drops what is left of the body and closes. aiohttp drains a body its answer left
+        (its lingering read) and keeps the connection where the whole body came in that time: a caller
+        with no token had the gateway parse a second's worth of body (LINGERING_S), over --max-body-bytes
+        too (a 401 to 64 MiB sent whole parsed all of it and kept the connection for the next one). The
+        rest is dropped unparsed instead (`_drop_rest`): a client still sending reads the 401 rather than
+        a reset, and the connection then closes. A body that came whole with its head costs nothing
+        more: that connection is kept. No byte of it is decoded (body_codings' NOTE)."""
+        if (refusal := self._unauthenticated(request)) is None:
+            return await handler(request)
+        response = error_response(refusal)
+        if _is_body_left(request):
+            _drop_rest(request, response)
+        return response
 
     def _unauthenticated(self, request: web.Request) -> HttpError | None:
         """A 401 when tokens are checked and `request` carries no accepted bearer token."""
@@ -428,9 +463,9 @@ class Gateway:
         if (refusal := coding_refusal(request.headers)) is not None:
             raise Refused(refusal)
         is_large = declared is not None and declared >= self.config.large_body_bytes
-        content: XGzipReader | StreamReader = request.content
-        if is_x_gzip(request.headers):
-            content = request[X_GZIP_BODY] = XGzipReader(request.content)
+        content: DecodedBody | StreamReader = request.content
+        if (coding := coding_of(request.headers)) is not None:
+            content = request[DECODED_BODY] = DecodedBody(request.content, coding)
         body, num_values = bytearray(), 0
         # Two bounds on one timer: the next bytes within --body-idle-timeout-s, all of them by the
         # --body-timeout-s deadline.
@@ -656,10 +691,10 @@ async def _answer_and_close(request: web.Request, response: web.StreamResponse) 
         request.protocol.force_close()
 
 
-def _drop_coded_rest(request: web.Request, response: web.StreamResponse) -> None:
-    """`response` says `Connection: close`, and what is left of a body aiohttp decodes is dropped as it
-    comes, undecoded (body_codings' NOTE): closed by the protocol (`RequestHandler.close`), the
-    connection takes no more bytes to its parser, and aiohttp's drain reads what was already decoded,
+def _drop_rest(request: web.Request, response: web.StreamResponse) -> None:
+    """`response` says `Connection: close`, and what is left of the body is dropped as it comes,
+    unparsed: closed by the protocol (`RequestHandler.close`), the connection takes no more bytes to
+    its parser, and aiohttp's drain reads what was already parsed,
     then waits out its lingering time (LINGERING_S) while the kernel's bytes are read and dropped, so
     that a caller still sending reads the answer, not a reset."""
     response.force_close()
@@ -667,10 +702,10 @@ def _drop_coded_rest(request: web.Request, response: web.StreamResponse) -> None
         request.protocol.close()
 
 
-def _body_left(request: web.Request) -> BodyLeft:
-    """What is left of `request`'s body, read by its decoding reader: x-gzip's compressed bytes may all
-    have come with much of them still to decode."""
-    return body_left(request.headers, request.get(X_GZIP_BODY, request.content))
+def _is_body_left(request: web.Request) -> bool:
+    """Whether some of `request`'s body is left unread, by its decoding reader where it has one: its
+    coded bytes may all have come with much of them still to decode."""
+    return is_body_left(request.get(DECODED_BODY, request.content))
 
 
 def _too_large(limit: int) -> HttpError:

@@ -1,111 +1,122 @@
-"""The codings a request body may come in: the content codings aiohttp decodes (gzip, deflate; br and
-zstd where their libraries are installed), x-gzip, identity, or none, one at most; and the chunked
-transfer coding alone.
+"""The codings a request body may come in: the content codings the gateway decodes (gzip, its alias
+x-gzip, deflate; br and zstd where their libraries are installed), identity, or none, one at most; and
+the chunked transfer coding alone.
 
 NOTE: why a body's coding is checked before it is read. aiohttp decodes a Content-Encoding only when
 the whole header is one coding it knows, and reads any other body as plain bytes: `Content-Encoding:
 foo` over plain JSON was answered 200, `x-gzip` or `gzip, gzip` over gzip "body is not valid JSON";
 it drops every transfer coding but the last chunked, so `Transfer-Encoding: gzip, chunked` was read as
-its compressed bytes. So a Content-Encoding is taken only as aiohttp reads it, one line holding one
-coding and nothing else: `gzip,`, `, gzip` or a second, empty line after `gzip` over gzip were "body is
-not valid JSON". A coding the gateway does not decode is refused instead: 415 naming
+its compressed bytes. So a Content-Encoding is taken only as aiohttp would read it, one line holding
+one coding and nothing else: `gzip,`, `, gzip` or a second, empty line after `gzip` over gzip were
+"body is not valid JSON". A coding the gateway does not decode is refused instead: 415 naming
 Content-Encoding, with Accept-Encoding saying what is (RFC 9110 15.5.16), or 400 naming
 Transfer-Encoding (RFC 9112 6.1 suggests 501; OpenAI's clients retry a 5xx, and no retry mends this).
 
-NOTE: why x-gzip is decoded here, not by aiohttp. RFC 9110 8.4.1.3 says a recipient SHOULD read x-gzip
-as gzip; aiohttp's parser knows only `gzip` and hands an x-gzip body over as its compressed bytes. So
-`XGzipReader` gunzips them with aiohttp's own gzip decompressor, in pieces of the size aiohttp's are
-(`PIECE_BYTES`): the body is bounded as a gzip body is, by what it decodes to (--max-body-bytes, counted
-after each piece) and by aiohttp's cap on concatenated members, and bytes that do not decode fail its
-reader as a gzip body's do (400, the connection closed).
-
-NOTE: why a body left unread in a coding aiohttp decodes is not drained. aiohttp drains what is left of
-a body after the answer (its lingering read) before it reuses or closes the connection, and decodes it
-as it drains, piece after piece without letting the loop run: a 401 to a caller with no token over 64
-KiB of gzip held every other caller for the 64 MiB it decodes to (266-623 ms). So an answer that leaves
-such a body (`BodyLeft.CODED`) says `Connection: close`, and what more comes of the body is read and
-dropped undecoded for the drain's time, as nginx drops a body it will not read: closed at once instead,
-a caller still sending would read a reset rather than the answer. What is left undecoded (plain bytes,
-or x-gzip's compressed ones, which aiohttp does not decode) is drained as before (`BodyLeft.RAW`): it
-costs the reads alone.
+NOTE: why bodies are decoded here, never by aiohttp's parser (the server's `auto_decompress` is off:
+`OpenAIRequestHandler`, and the app's handler arguments for any other server). aiohttp's parser decodes
+a body as its bytes arrive, before any handler has looked at the request: a caller with no token had its
+gzip decoded (up to a MiB of a bomb) before its 401; one naming br or zstd, whose library is not
+installed, was refused at the head, the head dropped, so a 415 went to a caller with no token before
+its 401 (telling an anonymous caller how bodies are read); and what is left of a body after its answer
+was decoded as aiohttp drained it (its lingering read), piece after piece without a turn for the loop:
+a 401 over 64 KiB of gzip held every other caller for the 64 MiB it decodes to (266-623 ms). Decoded
+here (`DecodedBody`), a body is decoded only as an authenticated handler reads it, in pieces of the size
+aiohttp's are (`PIECE_BYTES`) with a turn for the loop between them, bounded by what it decodes to
+(--max-body-bytes, counted after each piece) and by aiohttp's cap on concatenated members, with
+aiohttp's own decompressors; bytes that do not decode fail its reader as aiohttp's (400, the
+connection closed). What is left of a body after its answer is its coded bytes, which aiohttp's drain
+reads without decoding. x-gzip is read as gzip (RFC 9110 8.4.1.3 says a recipient SHOULD), which
+aiohttp's parser did not know.
 """
 
 from __future__ import annotations
 
-import enum
+from typing import NoReturn
 
-from aiohttp import StreamReader
-from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD, ZLibDecompressor
+from aiohttp import HttpVersion, HttpVersion11, StreamReader
+from aiohttp.compression_utils import (
+    HAS_BROTLI,
+    HAS_ZSTD,
+    BrotliDecompressor,
+    ZLibDecompressor,
+    ZSTDDecompressor,
+)
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
 
 from tandem.gateway.errors import HttpError
 
-# The content codings aiohttp's request parser knows, and those it decodes here, as it spells them (any
-# case): br and zstd only where their libraries are installed.
-PARSED_CODINGS = ("gzip", "deflate", "br", "zstd")
+# The content codings the gateway decodes, as aiohttp spells them (any case): br and zstd only where
+# their libraries are installed.
 CONTENT_CODINGS = ("gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + (("zstd",) if HAS_ZSTD else ())
-# gzip's alias (RFC 9110 8.4.1.3), decoded by the gateway (XGzipReader), not named where the codings
-# decoded are listed: a caller is told the coding's name, not its alias.
+# gzip's alias (RFC 9110 8.4.1.3), decoded as gzip, not named where the codings decoded are listed: a
+# caller is told the coding's name, not its alias.
 X_GZIP = "x-gzip"
 # The most one decompression gives at a time: aiohttp's for a gzip body (its default read_bufsize).
 PIECE_BYTES = 2**18
 
 
 def coding_refusal(headers: CIMultiDictProxy[str]) -> HttpError | None:
-    """The refusal of a body sent in a coding the gateway does not decode, or None."""
+    """The refusal of a body sent in a content coding the gateway does not decode, or None."""
     # Lines are one comma-separated list (RFC 9110 5.3), shown as such: `identity` then `gzip` is
     # `identity, gzip`, a second coding, refused as that one line would be.
     content = headers.getall("Content-Encoding", ())
     if len(content) > 1 or (content and not _is_decoded(content[0])):
         return _content_refusal(", ".join(content))
-    transfer = _codings(headers.getall("Transfer-Encoding", ()))
-    if transfer and transfer != ["chunked"]:
+    return None
+
+
+def framing_refusal(headers: CIMultiDictProxy[str], version: HttpVersion) -> HttpError | None:
+    """The refusal of a request whose Transfer-Encoding is anything but `chunked` alone, or None.
+
+    NOTE: why this comes first, before the token is checked, and closes the connection unread. A
+    transfer coding is the message's framing (RFC 9112 6), not its content: where it is not `chunked`
+    alone, where the body ends is not known for sure, and whatever follows on the connection may be
+    read by a proxy in front as another request than the gateway reads (request smuggling). aiohttp's
+    C parser refuses most such heads itself (two Transfer-Encoding lines, `chunked` twice or not last,
+    one beside Content-Length: its 400, before any handler), but read `identity, chunked` or
+    `gzip, chunked` as chunked, an empty line as no body at all (the chunks after it parsed as the next
+    request), and its pure-Python one `chunked, chunked` as chunked: each was answered, its body
+    drained and the connection kept for the next request, a 400 only where an endpoint read the body.
+    So every such request is the parser's kind of refusal, answered before anything else, and nothing
+    after its head is read as HTTP (RFC 9112 6.3: 400, then close). HTTP/1.0 has no transfer codings:
+    one that names any is framed as no HTTP/1.0 sender means (RFC 9112 6.1)."""
+    lines = headers.getall("Transfer-Encoding", ())
+    if not lines:
+        return None
+    transfer = _codings(lines)
+    if version < HttpVersion11:
+        message = (
+            f"Transfer-Encoding: {_shown(transfer)} in an HTTP/1.0 request, which has no transfer codings"
+        )
+        return HttpError(400, "invalid_request_error", message, "Transfer-Encoding")
+    if transfer != ["chunked"] or len(lines) > 1:
         message = f"Transfer-Encoding: {_shown(transfer)} is not one the gateway reads: chunked alone"
         return HttpError(400, "invalid_request_error", message, "Transfer-Encoding")
     return None
 
 
-def is_x_gzip(headers: CIMultiDictProxy[str]) -> bool:
-    """Whether a body is in x-gzip, which the gateway decodes itself (XGzipReader); `coding_refusal`
-    has refused any other spelling than one line holding that one coding."""
-    return headers.get("Content-Encoding", "").strip(" \t").lower() == X_GZIP
+def coding_of(headers: CIMultiDictProxy[str]) -> str | None:
+    """The content coding the body is to be decoded from (one of CONTENT_CODINGS, or X_GZIP), None for a
+    body sent as it is; `coding_refusal` has refused any other spelling than one line holding one."""
+    coding = headers.get("Content-Encoding", "").strip(" \t").lower()
+    return coding if coding in (*CONTENT_CODINGS, X_GZIP) else None
 
 
-class BodyLeft(enum.Enum):
-    """What is left of a body its answer did not read, and so how its connection ends (the module's
-    NOTE)."""
+class DecodedBody:
+    """A body sent in a content coding, decoded as it is read (the module's NOTE): `readany` gives the
+    next decoded bytes, at most PIECE_BYTES at a time, b"" at the end."""
 
-    NONE = "none"  # the whole body came (and was decoded): the connection is kept for the next request
-    RAW = "raw"  # bytes aiohttp drains as they came, after the answer
-    CODED = "coded"  # bytes aiohttp would decode to drain them: dropped undecoded, then closed
-
-
-def body_left(headers: CIMultiDictProxy[str], body: StreamReader | XGzipReader) -> BodyLeft:
-    """What is left of `body`, the request's reader (`XGzipReader` where it made one), unread."""
-    if body.is_eof():
-        return BodyLeft.NONE
-    # Any line, not the one aiohttp reads: its C parser decodes by the last line and its pure-Python one
-    # by the first, so `identity` then `gzip` was drained as RAW while decoded (a 401 over a 64 KiB gzip
-    # bomb held the loop 221-1001 ms). More than one line is refused (415, `coding_refusal`) whatever
-    # the body holds, so closing the connection where only some line names a coding costs nothing.
-    lines = headers.getall("Content-Encoding", ())
-    is_coded = any(line.isascii() and line.lower() in PARSED_CODINGS for line in lines)
-    return BodyLeft.CODED if is_coded else BodyLeft.RAW
-
-
-class XGzipReader:
-    """A body sent in x-gzip, read as aiohttp reads one sent in gzip (the module's NOTE): `readany` gives
-    the next decoded bytes, at most PIECE_BYTES at a time, b"" at the end."""
-
-    def __init__(self, content: StreamReader) -> None:
-        self._content = content  # the body's bytes as they came, compressed
-        self._decompressor = ZLibDecompressor(encoding="gzip")
+    def __init__(self, content: StreamReader, coding: str) -> None:
+        self._content = content  # the body's bytes as they came, coded
+        self._coding = coding  # one of CONTENT_CODINGS, or X_GZIP: named so where it fails
+        self._decompressor = _decompressor(coding)
+        self._num_coded = 0  # coded bytes taken so far
 
     def is_eof(self) -> bool:
-        """Whether the whole body has come and been decoded, as `is_eof` of aiohttp's reader of a gzip
-        body tells: the compressed stream's says only that its bytes came, maybe none of them decoded."""
+        """Whether the whole body has come and been decoded: that its coded bytes came says only that,
+        maybe none of them decoded."""
         return self._content.at_eof() and not self._decompressor.data_available
 
     async def readany(self) -> bytes:
@@ -113,39 +124,46 @@ class XGzipReader:
             if self._decompressor.data_available:
                 if piece := self._decompress(b""):  # what the last bytes held beyond one piece
                     return piece
-            compressed = await self._content.readany()
-            if not compressed:
-                return b""  # a member cut short ends the body, as aiohttp ends a gzip one
-            if piece := self._decompress(compressed):
+            coded = await self._content.readany()
+            if not coded:
+                # As aiohttp ends them: a deflate stream cut short fails, a gzip member cut short ends.
+                if self._coding == "deflate" and self._num_coded and not self._decompressor.eof:
+                    self._fail(None)
+                return b""
+            if not self._num_coded and self._coding == "deflate" and coded[0] & 0xF != 8:
+                # Deflate without its zlib header (RFC 1950's CM is not 8), as some clients send it:
+                # aiohttp reads it so too.
+                self._decompressor = ZLibDecompressor(encoding="deflate", suppress_deflate_header=True)
+            self._num_coded += len(coded)
+            if piece := self._decompress(coded):
                 return piece
 
-    def _decompress(self, compressed: bytes) -> bytes:
+    def _decompress(self, coded: bytes) -> bytes:
         try:
-            return self._decompressor.decompress_sync(compressed, max_length=PIECE_BYTES)
-        except Exception as error:  # as aiohttp's gzip reader: whatever fails, the bytes are the caller's
-            # The failure aiohttp gives a gzip body's reader, which then cannot be drained.
-            failure = RequestPayloadError(
-                str(ContentEncodingError(f"Can not decode content-encoding: {X_GZIP}"))
-            )
-            self._content.set_exception(failure, error)
-            raise failure from error
+            return self._decompressor.decompress_sync(coded, max_length=PIECE_BYTES)
+        except Exception as error:  # as aiohttp's reader: whatever fails, the bytes are the caller's
+            self._fail(error)
+
+    def _fail(self, error: Exception | None) -> NoReturn:
+        # The failure aiohttp gives a coded body's reader, which then cannot be drained.
+        reason = ContentEncodingError(f"Can not decode content-encoding: {self._coding}")
+        failure = RequestPayloadError(str(reason))
+        self._content.set_exception(failure, error)
+        raise failure from error
 
 
-def parser_refusal(error: ContentEncodingError) -> HttpError | None:
-    """The refusal of a coding aiohttp knows but cannot decode here (br without Brotli, zstd without its
-    library), or None. Its parser raises it at the request's head, before any handler sees the request
-    and with the head dropped (a 400 "Can not decode content-encoding: brotli (br). Please install
-    `Brotli`", no param): the coding is read from those words.
+def _decompressor(coding: str) -> ZLibDecompressor | BrotliDecompressor | ZSTDDecompressor:
+    if coding == "br":
+        return BrotliDecompressor()
+    if coding == "zstd":
+        return ZSTDDecompressor()
+    return ZLibDecompressor(encoding="gzip" if coding == X_GZIP else coding)
 
-    NOTE: why it comes before the 401 of a caller with no accepted token (every other refusal comes
-    after it). The head is dropped before the gateway sees it, so no token can be read: the choice was
-    this 415 to every caller or aiohttp's 400 to every caller, a token or not. The 415 says only which
-    codings the gateway decodes (what its Accept-Encoding tells any caller), costs no work, and the
-    connection is closed unread; the 400 would leave a caller with a good token not knowing why."""
-    for coding in PARSED_CODINGS:
-        if coding not in CONTENT_CODINGS and f"({coding})" in str(error.message):
-            return _content_refusal(coding)
-    return None
+
+def is_body_left(body: StreamReader | DecodedBody) -> bool:
+    """Whether some of the body its reader (`body`: the request's, or its `DecodedBody`) gives has not
+    been read: its bytes may still be coming, or be decoded and not yet taken."""
+    return not body.is_eof()
 
 
 def _content_refusal(shown: str) -> HttpError:
@@ -164,9 +182,9 @@ def _content_refusal(shown: str) -> HttpError:
 
 
 def _is_decoded(value: str) -> bool:
-    """Whether aiohttp decodes a body whose one Content-Encoding line is `value`, or reads it as it is
-    where it should: aiohttp compares the whole line, so `gzip,` or `, gzip` (one coding by RFC 9110)
-    is read as its compressed bytes."""
+    """Whether the gateway decodes a body whose one Content-Encoding line is `value`, or reads it as it
+    is where it should: the whole line is compared, as aiohttp compared it, so `gzip,` or `, gzip` (one
+    coding by RFC 9110) is refused rather than read as its compressed bytes."""
     coding = value.strip(" \t")
     return coding.isascii() and coding.lower() in ("", "identity", X_GZIP, *CONTENT_CODINGS)
 

@@ -49,11 +49,10 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from tandem.client.errors import ConfigError
-from tandem.gateway.body_codings import parser_refusal
 from tandem.gateway.errors import HttpError
 
 # aiohttp's lingering: what is left of a refused body read and dropped before its connection closes, so
@@ -298,11 +297,12 @@ class OpenAIRequestHandler(web.RequestHandler):
     unparsable body rather than the error. `handle_error` is the one method aiohttp answers all of these
     with, a public one of aiohttp.web's RequestHandler (no private state is touched); aiohttp's own
     still runs first, so it still logs (ServerLog) and still refuses to answer after bytes were sent.
-    Its parser tells a body being read that its framing failed (`_BodyFailures`). It tells whether its
-    caller ended the connection (`is_left_by_caller`)."""
+    Its parser tells a body being read that its framing failed (`_BodyFailures`), and decodes no body
+    (body_codings' NOTE: the handler that reads one decodes it). It tells whether its caller ended the
+    connection (`is_left_by_caller`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **(kwargs | {"auto_decompress": False}))
         # aiohttp cancels a handler alike when its caller goes and when the gateway ends the connection
         # itself (its shutdown past the grace, a write timeout's abort), and by then its transport is gone
         # either way: what ended the connection is seen here, as it ends.
@@ -332,9 +332,7 @@ class OpenAIRequestHandler(web.RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         plain = super().handle_error(request, status, exc, message)
-        if isinstance(exc, ContentEncodingError) and (refusal := parser_refusal(exc)) is not None:
-            error = refusal  # the 415 a handler gives a coding not decoded here, not a parser's 400
-        elif plain.status < 500:
+        if plain.status < 500:
             reason = " ".join(str(message or plain.reason).split())[:200]
             error = HttpError(
                 plain.status, "invalid_request_error", f"the request is not HTTP as it must be: {reason}"
@@ -394,10 +392,9 @@ class ServerLog(logging.LoggerAdapter):
     shape (OpenAIRequestHandler).
 
     NOTE: a body that fails while aiohttp drains it after the answer (its lingering read) is one such
-    line too. A caller with no token that labels a plain body `Content-Encoding: gzip` is answered 401
-    unread; aiohttp's drain then met the failed decoding and logged "Unhandled exception" with three
-    chained tracebacks (about 25 lines a request, for a caller who needs no token to send it). aiohttp
-    closes that connection itself: only the log line changes."""
+    line too: aiohttp logs it as "Unhandled exception" with chained tracebacks, about 25 lines a request
+    (a plain body labelled gzip after a 401 was one, while aiohttp's parser decoded bodies: body_codings'
+    NOTE), and closes that connection itself: only the log line changes."""
 
     def __init__(self) -> None:
         super().__init__(logging.getLogger("aiohttp.server"), {})
