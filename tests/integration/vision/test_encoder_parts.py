@@ -136,7 +136,10 @@ async def test_a_picture_the_encoder_cannot_read_is_invalid_argument_naming_the_
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await _chat(handoff.decoder, [QUESTION, EncoderPart(image=b"not a picture")])
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.value.details().startswith("chat.messages[0].content[1].encoder: the encoder refused it")
+    # The encoder's field (its BadRequest's) under the part's, as the message names it.
+    assert error.value.details().startswith(
+        "chat.messages[0].content[1].encoder.image.data: the encoder refused it: "
+    )
     picture = make_image(tmp_path / "fine.png")  # the decoder serves on
     tokens, _, _ = await _chat(handoff.decoder, [EncoderPart(image=picture.read_bytes())], num_tokens=2)
     assert len(tokens) == 2
@@ -239,4 +242,4 @@ async def test_tandem_chat_names_the_image_file_the_decoders_encoder_refuses(
     code, _, err = await _tandem_chat(handoff.decoder, broken)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"tandem chat: --image {broken}: the encoder refused it: "), err
-    assert err.endswith("(the request's chat.messages[0].content[0].encoder)\n"), err
+    assert err.endswith("(the request's chat.messages[0].content[0].encoder.image.data)\n"), err

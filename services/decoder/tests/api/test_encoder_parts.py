@@ -21,6 +21,8 @@ import torch
 from tandem.client import status
 from tandem.client.errors import (
     DeadlineExceeded,
+    ErrorInfo,
+    FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     TandemError,
@@ -283,6 +285,73 @@ async def test_an_encoder_full_is_passed_on_with_its_own_retry_delay_or_a_second
         await _rows(part)
     assert "is full: no room" in error.value.message
     assert error.value.retry_after_s == passed_on_s
+
+
+ENCODERS_INFO = ErrorInfo("IMAGE_FORMAT", "tandem.encoder", {"maxImageBytes": "1024"})
+
+
+@pytest.mark.parametrize(
+    ("refusal", "field", "description"),
+    [
+        (  # a field of the part's input: named under the part, in its BadRequest as in its message
+            InvalidArgument("image.data", "cannot be preprocessed", info=ENCODERS_INFO),
+            "prompt[1].encoder.image.data",
+            "the encoder refused it: cannot be preprocessed",
+        ),
+        (
+            FailedPrecondition("image", "this encoder takes no images", info=ENCODERS_INFO),
+            "prompt[1].encoder.image",
+            "the encoder refused it: this encoder takes no images",
+        ),
+        (
+            InvalidArgument("token_ids.ids[3]", "must be in [0, 49152)", info=ENCODERS_INFO),
+            "prompt[1].encoder.token_ids.ids[3]",
+            "the encoder refused it: must be in [0, 49152)",
+        ),
+        (  # a field the decoder set, no field of the caller's: the part, the encoder's words after it
+            InvalidArgument("output_dtype", "FLOAT64 is not served", info=ENCODERS_INFO),
+            "prompt[1].encoder",
+            "the encoder refused it: output_dtype: FLOAT64 is not served",
+        ),
+    ],
+)
+async def test_the_encoders_refusal_is_passed_on_with_its_details_its_field_under_the_parts(
+    encoder: StandIn, parts: EncoderParts, refusal: TandemError, field: str, description: str
+) -> None:
+    # Its BadRequest field and its ErrorInfo were dropped: the caller's field was the part's alone.
+    encoder.refusal = refusal
+    encoder.gate.set()
+    (part,), _ = _start(parts, [TextPrompt("look:"), _picture()])
+    with pytest.raises(type(refusal)) as error:
+        await _rows(part)
+    assert (error.value.field, error.value.description) == (field, description)
+    assert error.value.info == ENCODERS_INFO
+
+
+async def test_an_encoder_full_is_passed_on_with_its_error_info(tmp_path) -> None:
+    """Its bound on calls at once (CALL_LIMIT, in the encoder's domain) says so through the decoder."""
+    servicer = StandIn()
+    server = await start_server(
+        ServerOptions(host="127.0.0.1", port=0, max_concurrent_rpcs=1),
+        [Service("tandem.v1.Encoder", servicer, encoder_pb2_grpc.add_EncoderServicer_to_server)],
+    )
+    parts = EncoderParts(
+        server.address, torch.float32, 1 << 20, cache_bytes=1 << 20, shm_dir=tmp_path, hidden_size=HIDDEN_SIZE
+    )
+    try:
+        (held,), _ = _start(parts, [_picture()])  # its Embed call holds the encoder's one place
+        await _until(lambda: servicer.num_embeds == 1)
+        (part,), _ = _start(parts, [EncoderPrompt("image", b"another picture")])
+        with pytest.raises(ResourceExhausted) as error:
+            await _rows(part)
+        assert "this server runs at most 1 calls at once" in error.value.message
+        assert error.value.info == ErrorInfo("CALL_LIMIT", "tandem.encoder", {"maxCalls": "1"})
+        assert error.value.retry_after_s == 1.0
+        servicer.gate.set()
+        assert torch.equal(await _rows(held), _rows_of(PICTURE))
+    finally:
+        await parts.close()
+        await server.stop(0)
 
 
 async def test_a_malformed_reply_is_refused_to_every_caller_on_its_own_field(
