@@ -11,17 +11,22 @@ its channel's close (grpc.aio's own cancel of a collected call never comes: its 
 it). A stream its caller drops, unended, therefore cancels its call (`_cancel_dropped`): its observers
 are told CANCELLED, and the server stops.
 
-OpenTelemetry-free, as the client is: the observers are the telemetry's.
+OpenTelemetry-free, as the client is: the observers are the telemetry's. An observer that raises (its
+exporter's fault) is logged: it neither keeps the others from hearing nor turns the caller's read into
+its error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 
 class StreamObserver(Protocol):
@@ -47,7 +52,7 @@ class _Ending:
             return
         self.is_ended = True
         for observer in self.observers:
-            observer.on_end(code, details)
+            _tell(observer.on_end, code, details)
 
     def on_done(self, call: grpc.aio.Call) -> None:
         if self.is_ended:  # read() saw the end first
@@ -115,8 +120,16 @@ class ObservedStream:
             self._ending.end(await self._call.code(), await self._call.details())
         else:
             for observer in self._ending.observers:
-                observer.on_response(response)
+                _tell(observer.on_response, response)
         return response
+
+
+def _tell(hook: Callable[..., None], *args: Any) -> None:
+    """One observer's `hook`: what it raises is logged, not passed to the caller's read (see the NOTE)."""
+    try:
+        hook(*args)
+    except Exception:
+        log.exception("a stream observer failed")
 
 
 def _cancel_dropped(loop: asyncio.AbstractEventLoop, call: grpc.aio.Call) -> None:

@@ -99,6 +99,25 @@ async def test_the_end_is_told_before_the_read_of_the_error_raises() -> None:
     assert observer.ends == [(grpc.StatusCode.INVALID_ARGUMENT, "prompt: empty")]
 
 
+class _Failing:
+    """An observer whose every hook raises, as a span whose exporter fails."""
+
+    def on_response(self, response: object) -> None:
+        raise RuntimeError("an observer failed")
+
+    def on_end(self, code: grpc.StatusCode, details: str | None) -> None:
+        raise RuntimeError("an observer failed")
+
+
+async def test_an_observer_that_raises_leaves_the_others_told_and_the_reads_their_own() -> None:
+    # It was raised out of the caller's read, in place of the response or the end, and the observers
+    # after it never heard them: a span's exporter failing lost the caller's stream and its duration.
+    call, observer = _Call(["a"]), _Observer()
+    stream = ObservedStream(call, [_Failing(), observer])  # type: ignore[arg-type]
+    assert [r async for r in stream] == ["a"]
+    assert (observer.responses, observer.ends) == (["a"], [(grpc.StatusCode.OK, None)])
+
+
 async def test_a_call_left_unread_is_told_its_end_by_the_done_callback() -> None:
     call, observer = _Call(["a"]), _Observer()
     ObservedStream(call, [observer])  # type: ignore[arg-type]

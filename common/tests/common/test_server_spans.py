@@ -106,6 +106,34 @@ async def traced() -> AsyncIterator[Traced]:
         await server.stop(0)
 
 
+class _FailingProcessor(SimpleSpanProcessor):
+    """A span processor that fails at each span's end, as an exporter's fault would."""
+
+    def __init__(self) -> None:
+        super().__init__(InMemorySpanExporter())
+
+    def on_end(self, span: ReadableSpan) -> None:
+        raise RuntimeError("the exporter failed")
+
+
+async def test_a_span_that_fails_to_end_leaves_the_call_its_own_outcome() -> None:
+    # OpenTelemetry's SDK raises a processor's error from span.end(): raised from the handler's finally,
+    # it made a call served UNKNOWN to its caller.
+    telemetry = otel.build_telemetry("tandem-encoder", [_FailingProcessor()])
+    methods = Methods()
+    handlers = {"Echo": grpc.unary_unary_rpc_method_handler(methods.Echo, _identity, _identity)}
+    server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            echo = channel.unary_unary(f"/{SERVICE}/Echo", _identity, _identity)
+            assert await echo(b"hi", timeout=5) == b"hi"
+    finally:
+        await server.stop(0)
+
+
 async def test_a_call_is_a_child_of_its_callers_traceparent_and_current_in_its_handler(
     traced: Traced,
 ) -> None:
