@@ -27,11 +27,13 @@ def _refused(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
 
 
 class Decoder:
-    """A stub's GetModelInfo: answers `model` after `delay_s`, or raises `error`; counts the asks and
-    the caller context each ran in."""
+    """A stub's GetModelInfo: answers `model` after `delay_s` (and once `gate` is set, where there is
+    one: a replica stopped or busy for as long as a test holds it), or raises `error`; counts the asks
+    and the caller context each ran in."""
 
     def __init__(self) -> None:
         self.model, self.delay_s, self.error = "m1", 0.0, None
+        self.gate: asyncio.Event | None = None
         self.num_asks = 0
         self.callers: list[str] = []
 
@@ -41,9 +43,20 @@ class Decoder:
         self.num_asks += 1
         self.callers.append(CALLER.get())
         await asyncio.sleep(self.delay_s)
+        if self.gate is not None:
+            await self.gate.wait()
         if self.error is not None:
             raise self.error
         return decoder_pb2.DecoderGetModelInfoResponse(model=self.model)
+
+
+class _Clock:
+    """`time` as decoder_info reads it, its monotonic clock moved by the test."""
+
+    now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
 
 
 def _info(decoder: Decoder, targets: tuple[str, ...] = ("a",)) -> DecoderInfo:
@@ -73,11 +86,14 @@ async def test_a_held_answer_is_served_at_once_while_its_refresh_waits_outside_t
     decoder = Decoder()
     info = _info(decoder)
     await info.get(TOKEN)
-    decoder.model, decoder.delay_s = "m2", 0.2
+    decoder.model, decoder.gate = "m2", asyncio.Event()
     CALLER.set("request 7")
-    assert (await asyncio.wait_for(info.get(TOKEN), 0.05)).model == "m1"  # not waiting on the refresh
-    await asyncio.sleep(0.3)
-    assert (await info.get(TOKEN)).model == "m2"
+    # Not waiting on the refresh, held until the gate opens: a wait would run into the timeout.
+    assert (await asyncio.wait_for(info.get(TOKEN), 5.0)).model == "m1"
+    decoder.gate.set()
+    async with asyncio.timeout(5):
+        while (await info.get(TOKEN)).model != "m2":
+            await asyncio.sleep(0.01)
     assert decoder.callers[1] == ""  # the refresh ran in no caller's context
     await info.close()
 
@@ -86,7 +102,8 @@ async def test_a_failed_refresh_keeps_the_answer_is_tried_again_after_retry_s_an
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(decoder_info, "MAX_AGE_S", 0.0)
-    monkeypatch.setattr(decoder_info, "RETRY_S", 0.2)
+    clock = _Clock()  # RETRY_S passes when the test says: 20 requests on loaded cores took over 0.2 s
+    monkeypatch.setattr(decoder_info, "time", clock)
     decoder = Decoder()
     info = _info(decoder)
     await info.get(TOKEN)
@@ -94,14 +111,16 @@ async def test_a_failed_refresh_keeps_the_answer_is_tried_again_after_retry_s_an
     with caplog.at_level(logging.WARNING, logger="tandem.gateway"):
         for _ in range(20):
             assert (await info.get(TOKEN)).model == "m1"
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # the refresh started runs, and fails
     assert decoder.num_asks == 2  # the first, and one refresh: the other 19 requests within RETRY_S
     assert len([r for r in caplog.records if "not refreshed" in r.getMessage()]) == 1
-    await asyncio.sleep(0.25)
+    clock.now += decoder_info.RETRY_S
     decoder.error = None
     await info.get(TOKEN)
-    await asyncio.sleep(0.01)
-    assert decoder.num_asks == 3
+    async with asyncio.timeout(5):
+        while decoder.num_asks < 3:
+            await asyncio.sleep(0.01)
+    assert (await info.get(TOKEN)).model == "m1" and decoder.num_asks == 3
 
 
 async def test_close_ends_an_ask_under_way() -> None:
@@ -110,7 +129,7 @@ async def test_close_ends_an_ask_under_way() -> None:
     info = _info(decoder)
     waiting = asyncio.ensure_future(info.get(TOKEN))
     await asyncio.sleep(0.01)
-    await asyncio.wait_for(info.close(), 1.0)
+    await asyncio.wait_for(info.close(), 5.0)  # at once; not the ask's 60 s
     waiting.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await waiting
