@@ -9,7 +9,7 @@ and a query sees a key of its own sequence at or before its own position. One gr
 (tokens x sequences x block-table width) then serves every mix the scheduler produces.
 
 Its cost is tokens x sequences x width: the XLA runner runs prefill chunks one sequence at a time
-(backends/xla/step_plan.py), so a bucket holds one real sequence and at most one padding sequence.
+(engine/step/xla_runner.py), so a bucket holds one sequence, and its padding positions none.
 
 Stale slots (models/attention.py): keys past a sequence's end are selected out of the scores (a
 select, not a product, so a NaN there never reaches the output) and their values zeroed the same way.
