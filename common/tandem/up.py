@@ -50,7 +50,8 @@ from tandem.common.flags import (
     run,
     server_security_settings,
 )
-from tandem.common.server import DEFAULT_GRACE_S, TlsOptions, check_port_free, listen_host
+from tandem.common.listening import check_port_free, listen_host
+from tandem.common.server import DEFAULT_GRACE_S, TlsOptions
 from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.decoder.config import QUANTIZATIONS
 

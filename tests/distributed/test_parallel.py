@@ -6,10 +6,12 @@ with or without a neighbour's prompt chunk)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
-from tandem.decoder.distributed.parallel import ParallelContext
+from tandem.decoder.distributed.parallel import ParallelContext, free_port
 from tests.distributed.harness import run_ranks
 
 
@@ -43,3 +45,24 @@ def test_a_rows_sum_has_the_same_bits_alone_and_among_other_rows(world_size: int
         for alone, among, in_rank_order in run_ranks(_row_alone_and_among_others, world_size, dtype):
             assert torch.equal(alone, among), dtype
             assert torch.equal(alone, in_rank_order), dtype
+
+
+def test_a_rendezvous_port_is_the_kernels_pick_for_the_wildcard_the_store_listens_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's TCPStore listens on every interface: the port came from a pick on 127.0.0.1, free there
+    alone, and one held on another address (127.0.0.2, ::1) failed the store's start with EADDRINUSE.
+    A pick for the wildcard is free at every address; dual-stack "::" first, IPv4's where IPv6 is off."""
+    binds: list[tuple[str, int]] = []
+    real_socket = socket.socket
+
+    class Recorded(real_socket):  # type: ignore[misc]
+        def bind(self, address) -> None:  # type: ignore[no-untyped-def]
+            binds.append(address[:2])
+            super().bind(address)
+
+    monkeypatch.setattr(socket, "socket", Recorded)
+    port = free_port()
+    assert binds[-1][0] in ("::", "0.0.0.0") and binds[0][0] == "::"
+    with real_socket(socket.AF_INET, socket.SOCK_STREAM) as store:
+        store.bind(("0.0.0.0", port))

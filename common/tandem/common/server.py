@@ -29,12 +29,9 @@ certificate it signed) and bearer tokens (`tandem.client.auth`: every service bu
 from __future__ import annotations
 
 import asyncio
-import errno
-import ipaddress
 import logging
 import math
 import signal
-import socket
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +49,15 @@ from tandem.client.errors import ConfigError
 from tandem.client.status import ErrorInterceptor
 from tandem.common.call_bound import CallBound, grpc_bound
 from tandem.common.health import BoundedHealth, max_watches
+from tandem.common.listening import (
+    PORT_TRIES,
+    Listen,
+    check_port_free,
+    free_port_of,
+    in_use_at,
+    is_localhost,
+    listen_plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,116 +201,6 @@ class ServerOptions:
 _TLS_FIELDS = {"cert_file": "tls_cert", "key_file": "tls_key", "client_ca_file": "tls_client_ca"}
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raises ConfigError("port") when another process listens on host:port at any address gRPC binds
-    for `host` (it listens on those it can and only logs the others: a client of the address it could
-    not take reached the other process), ConfigError("host") when `host` does not resolve or none of
-    its addresses can be bound. Port 0 is always free. Binds the way gRPC does: SO_REUSEADDR, no
-    SO_REUSEPORT."""
-    addresses = _bound_addresses(host, port)
-    if port == 0:
-        return
-    probes, in_use, refused = _probe_all(addresses, port)
-    for probe in probes:
-        probe.close()
-    if in_use is not None:
-        where = "" if len(addresses) == 1 else f" ({in_use})"
-        raise ConfigError("port", f"{port} is in use on {host}{where}: another process listens there")
-    if not probes:
-        raise ConfigError("host", f"cannot listen on {host}:{port}: {refused}")
-
-
-def free_port(host: str, tries: int = 64) -> int:
-    """A port no process listens on at any address gRPC binds for `host`, for a server asked for port 0.
-    gRPC takes the kernel's pick for the first address and the same port for the others, listening
-    where it can: a server on "localhost" (::1 and 127.0.0.1) once got a port free on ::1 alone, and
-    callers of 127.0.0.1 reached the process that held it there. 0 where `host` is one address (the
-    kernel's pick is free there, with no window between this check and gRPC's bind; with several, a
-    process binding the port inside that window still wins it on its address)."""
-    addresses = [address for address in _bound_addresses(host, 0) if _bindable(address)]
-    if len(addresses) <= 1:
-        return 0
-    for _ in range(tries):
-        first = _kernel_pick(addresses[0])
-        port = first.getsockname()[1]
-        probes, in_use, _ = _probe_all(addresses[1:], port)
-        for probe in (first, *probes):
-            probe.close()
-        if in_use is None:
-            return port
-    raise ConfigError("port", f"0: no port free on every address of {host} in {tries} of the kernel's picks")
-
-
-def _bound_addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, str]]:
-    """(family, address) of each address gRPC listens on for `host`: what the name resolves to, and for
-    "localhost" both loopbacks (gRPC's resolver gives ::1 where /etc/hosts names only 127.0.0.1).
-    Raises ConfigError("host") when it does not resolve."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as error:
-        raise ConfigError("host", f"{host!r} does not resolve: {error.strerror}") from None
-    addresses = [(family, address[0]) for family, _, _, _, address in infos]
-    if host == "localhost":
-        addresses += [(socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.1")]
-    return list(dict.fromkeys(addresses))  # in order, each once
-
-
-def _probe(family: socket.AddressFamily, address: str, port: int) -> socket.socket:
-    """A socket bound to address:port the way gRPC binds. Raises OSError."""
-    probe = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((address, port))
-    except OSError:
-        probe.close()
-        raise
-    return probe
-
-
-def _kernel_pick(address: tuple[socket.AddressFamily, str]) -> socket.socket:
-    """A socket bound to the address on the port the kernel picks (free there, not necessarily elsewhere)."""
-    return _probe(*address, 0)
-
-
-def _bindable(address: tuple[socket.AddressFamily, str]) -> bool:
-    """Whether this machine can listen on the address at all (::1 without IPv6 cannot: gRPC leaves it out)."""
-    try:
-        _probe(*address, 0).close()
-    except OSError:
-        return False
-    return True
-
-
-def _probe_all(
-    addresses: list[tuple[socket.AddressFamily, str]], port: int
-) -> tuple[list[socket.socket], str | None, str]:
-    """Sockets bound to each address that can be (the caller closes them), the first address where
-    another process listens (None if none) and the last other refusal (an address this machine lacks,
-    ::1 without IPv6, is left out, as gRPC leaves it)."""
-    probes: list[socket.socket] = []
-    refused = ""
-    for family, address in addresses:
-        try:
-            probes.append(_probe(family, address, port))
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                for probe in probes:
-                    probe.close()
-                return [], address, ""
-            refused = error.strerror or str(error)
-    return probes, None, refused
-
-
-def listen_host(host: str) -> str:
-    """`host` as gRPC's "host:port" takes it: an IPv6 address in brackets ("::" read as "::50052",
-    no address at all)."""
-    try:
-        is_v6 = ipaddress.ip_address(host).version == 6
-    except ValueError:
-        return host
-    return f"[{host}]" if is_v6 else host
-
-
 def _server_options(options: ServerOptions) -> list[tuple[str, Any]]:
     max_pending_rpcs = max(grpc_bound(options.max_concurrent_rpcs), DEFAULT_MAX_CONCURRENT_RPCS)
     return [
@@ -439,8 +335,8 @@ GRPC_FAILED_SEND_MESSAGE = "ExecuteBatchError raised in core"  # grpc/_cython/_c
 _CALL_OVER_FILTER = _CallOverFilter()
 
 
-async def start_server(options: ServerOptions, services: Sequence[Service]) -> RunningServer:
-    logging.getLogger(GRPC_LOGGER).addFilter(_CALL_OVER_FILTER)  # added once: filters are a set
+def _new_server(options: ServerOptions, services: Sequence[Service]) -> tuple[grpc.aio.Server, BoundedHealth]:
+    """The server with its interceptors, health, services and reflection, not yet bound."""
     # The bound on calls comes first (it counts every call, as grpc.aio does), then authentication: a
     # denied call reaches neither tracing nor the servicer.
     bound = CallBound(
@@ -460,19 +356,61 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address = f"{listen_host(options.host)}:{options.port}"
-    check_port_free(options.host, options.port)  # a one-line error instead of gRPC's traceback
-    if options.port == 0:
-        address = f"{listen_host(options.host)}:{free_port(options.host)}"
-    try:
-        if options.tls is not None:
-            port = server.add_secure_port(address, options.tls.server_credentials())
+    return server, health
+
+
+class _TakenSinceChecked(Exception):
+    """Another process took the port at one of the addresses after the check saw it free."""
+
+    def __init__(self, error: ConfigError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _add_ports(server: grpc.aio.Server, plan: Listen, port: int, tls: TlsOptions | None) -> int:
+    """Binds each of `plan`'s targets on one port (the first's pick where `port` is 0); the port.
+    Raises _TakenSinceChecked, or ConfigError("host") where an address refuses for another cause."""
+    for address, target in zip(plan.addresses, plan.targets(port), strict=True):
+        try:
+            if tls is not None:
+                bound = server.add_secure_port(target, tls.server_credentials())
+            else:
+                bound = server.add_insecure_port(target)
+        except RuntimeError as error:  # gRPC's "Failed to bind"
+            bound, cause = 0, f" ({error})"
         else:
-            port = server.add_insecure_port(address)
-    except RuntimeError as error:  # gRPC's "Failed to bind": the port was free, the host is the cause
-        raise ConfigError("host", f": cannot listen on {address} ({error})") from None
-    if port == 0:
-        raise ConfigError("host", f": cannot listen on {address}")
+            cause = ""
+        if bound == 0:
+            taken = in_use_at(plan, address, port) if port else None
+            if taken is not None:
+                raise _TakenSinceChecked(taken)
+            raise ConfigError("host", f": cannot listen on {target}{cause}")
+        port = bound
+    return port
+
+
+async def start_server(options: ServerOptions, services: Sequence[Service]) -> RunningServer:
+    logging.getLogger(GRPC_LOGGER).addFilter(_CALL_OVER_FILTER)  # added once: filters are a set
+    plan = listen_plan(options.host)
+    check_port_free(options.host, options.port)  # a one-line error instead of gRPC's traceback
+    for _ in range(PORT_TRIES):
+        server, health = _new_server(options, services)
+        port = options.port or free_port_of(plan)
+        try:
+            port = _add_ports(server, plan, port, options.tls)
+            break
+        except (_TakenSinceChecked, ConfigError) as failure:
+            # The addresses it did bind stay bound until it has run (a stop alone, or dropping it,
+            # keeps them): started and stopped at once, before its port is said anywhere.
+            await server.start()
+            await server.stop(None)
+            if isinstance(failure, ConfigError):
+                raise
+            if options.port:
+                raise failure.error from None
+    else:
+        raise ConfigError("port", f"0: another process took each port picked for {options.host}")
+    names = [s.name for s in services]
     listeners = [i for i in options.interceptors if isinstance(i, CutListener)]
     running = RunningServer(server, health, port, names, listeners)
     for name in ["", *names]:
@@ -486,7 +424,12 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
         _describe_tls(options.tls),
         "bearer tokens required" if options.auth_tokens else "no authentication",
     )
-    if options.auth_tokens and options.tls is None and options.host not in ("127.0.0.1", "localhost", "::1"):
+    if (
+        options.auth_tokens
+        and options.tls is None
+        and options.host not in ("127.0.0.1", "::1")
+        and not is_localhost(options.host)
+    ):
         log.warning("bearer tokens without TLS travel in the clear: use --tls-cert/--tls-key off loopback")
     return running
 

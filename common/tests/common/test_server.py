@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -16,11 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
+from common.tests.common.listeners import has_ipv6_loopback, listener
 from tandem.client import error_reasons as reasons
 from tandem.client import errors, memory
 from tandem.client.channel import channel_options
 from tandem.client.errors import ConfigError
 from tandem.client.status_details import status_details
+from tandem.common import listening
 from tandem.common import server as server_module
 from tandem.common.call_bound import grpc_bound
 from tandem.common.server import (
@@ -31,7 +34,6 @@ from tandem.common.server import (
     RunningServer,
     ServerOptions,
     Service,
-    check_port_free,
     start_server,
 )
 
@@ -477,14 +479,6 @@ async def test_a_host_that_does_not_resolve_is_named_even_on_port_0() -> None:
     assert caught.value.field == "host"
 
 
-def _listener(family: socket.AddressFamily, address: str, port: int = 0) -> socket.socket:
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((address, port))
-    listener.listen()
-    return listener
-
-
 async def _answers(address: str) -> bool:
     async with grpc.aio.insecure_channel(address) as channel:
         try:
@@ -494,46 +488,66 @@ async def _answers(address: str) -> bool:
     return True
 
 
-@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine: localhost is one address")
-def test_a_port_another_process_holds_on_one_loopback_of_localhost_is_refused_naming_that_address() -> None:
-    """The check bound the first address localhost resolves to; gRPC then listened on the other alone
-    and callers of the taken one reached the process that held it."""
-    with _listener(socket.AF_INET6, "::1") as other:
-        port = other.getsockname()[1]
-        refusal = rf"^port {port} is in use on localhost \(::1\): another process listens there$"
-        with pytest.raises(ConfigError, match=refusal) as caught:
-            check_port_free("localhost", port)
-    assert caught.value.field == "port"
+def _other_loopback() -> socket.socket:
+    """A listener, as another process's, on the loopback gRPC binds second for localhost."""
+    second = listening.listen_plan("localhost").addresses[1]
+    return listener(*second)
 
 
-@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine: localhost is one address")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 on this machine: localhost is one address")
 async def test_port_0_on_localhost_listens_on_both_loopbacks_even_where_the_kernels_pick_is_taken_on_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """gRPC takes the kernel's pick for localhost's first address and listens on the others where it
     can: one CI start got a port another process held on 127.0.0.1, listened on ::1 alone, and its
     callers of 127.0.0.1 waited on the other process. Such a pick is passed over."""
-    first, *_ = server_module._bound_addresses("localhost", 0)  # the order is the resolver's
-    loopbacks = {socket.AF_INET: (socket.AF_INET6, "::1"), socket.AF_INET6: (socket.AF_INET, "127.0.0.1")}
-    other = _listener(*loopbacks[first[0]])
-    taken = other.getsockname()[1]
-    picks: list[int] = []
-    real_pick = server_module._kernel_pick
+    with _other_loopback() as other:
+        taken = other.getsockname()[1]
+        picks: list[int] = []
+        real_pick = listening._kernel_pick
 
-    def pick_taken_first(address: tuple[socket.AddressFamily, str]) -> socket.socket:
-        port = 0 if picks else taken  # the kernel's first pick: free on the first address, held on the other
-        probe = server_module._probe(*address, port) if port else real_pick(address)
-        picks.append(probe.getsockname()[1])
-        return probe
+        def pick_taken_first(address: tuple[socket.AddressFamily, str]) -> socket.socket:
+            probe = real_pick(address) if picks else listening._probe(*address, taken)
+            picks.append(probe.getsockname()[1])
+            return probe
 
-    monkeypatch.setattr(server_module, "_kernel_pick", pick_taken_first)
-    with other:
+        monkeypatch.setattr(listening, "_kernel_pick", pick_taken_first)
         server = await start_server(ServerOptions(host="localhost", port=0), [])
         try:
             assert picks[0] == taken and server.port == picks[-1] != taken
             assert await _answers(f"127.0.0.1:{server.port}") and await _answers(f"[::1]:{server.port}")
         finally:
             await server.stop(0)
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 on this machine: localhost is one address")
+async def test_a_port_taken_at_one_loopback_after_the_check_is_another_port_or_a_refusal_never_half_a_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between the check (or port 0's pick) and gRPC's bind another process took the port on one
+    loopback: gRPC listened on the other alone. Each address is now bound on its own: port 0 is
+    built again on another port; a port asked for is refused naming it and the address."""
+    with _other_loopback() as other:
+        taken = other.getsockname()[1]
+        picked = iter([taken])  # the pick, taken on the second loopback before the bind
+        monkeypatch.setattr(
+            server_module, "free_port_of", lambda plan: next(picked, 0) or listening.free_port_of(plan)
+        )
+        server = await start_server(ServerOptions(host="localhost", port=0), [])
+        try:
+            assert server.port != taken
+            assert await _answers(f"127.0.0.1:{server.port}") and await _answers(f"[::1]:{server.port}")
+        finally:
+            await server.stop(0)
+
+        monkeypatch.setattr(server_module, "check_port_free", lambda host, port: None)  # taken since it ran
+        second = listening.listen_plan("localhost").addresses[1][1]
+        refusal = (
+            rf"^port {taken} is in use on localhost \({re.escape(second)}\): another process listens there$"
+        )
+        with pytest.raises(ConfigError, match=refusal) as caught:
+            await start_server(ServerOptions(host="localhost", port=taken), [])
+        assert caught.value.field == "port"
 
 
 def test_a_tls_certificate_file_that_holds_no_certificate_is_named(tmp_path) -> None:

@@ -38,7 +38,8 @@ from tandem.client.telemetry import setup_telemetry
 from tandem.common import replica_name
 from tandem.common.checkpoint import read_json
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
-from tandem.common.server import RunningServer, check_port_free, notice_within, start_server, stop_on_signals
+from tandem.common.listening import check_port_free
+from tandem.common.server import RunningServer, notice_within, start_server, stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.common.torch_part.model_cache import resolve_model
 from tandem.common.vision_language import is_vision_language, text_config

@@ -31,7 +31,8 @@ from tandem.common.flags import (
     flag_error,
     run,
 )
-from tandem.common.server import check_port_free, free_port, stop_on_signals
+from tandem.common.listening import PORT_TRIES, check_port_free, free_port
+from tandem.common.server import stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.gateway.access_log import AccessLog
 from tandem.gateway.answer_metrics import observe_answer_bytes
@@ -341,12 +342,20 @@ async def listen(guard: ConnectionGuard, host: str, port: int) -> asyncio.Server
     free) or the host: the check cannot see all the bind refuses (a name that stopped resolving, an
     address of another host with --port 0), which was an OSError traceback after the flags passed.
     Port 0 on a name of several addresses is one port free on each: asyncio binds each address on a
-    kernel's pick of its own, and the port said was the first socket's alone."""
-    try:
-        return await asyncio.get_running_loop().create_server(guard, host, port or free_port(host))
-    except OSError as error:
-        field = "port" if error.errno == errno.EADDRINUSE else "host"
-        raise ConfigError(field, f": cannot listen on {host}:{port}: {error.strerror or error}") from None
+    kernel's pick of its own, and the port said was the first socket's alone; where another process
+    takes that port at one of them before the bind (asyncio binds all or none), another is picked."""
+    for _ in range(PORT_TRIES):
+        picked = port or free_port(host)
+        try:
+            return await asyncio.get_running_loop().create_server(guard, host, picked)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE and picked != port:
+                continue
+            field = "port" if error.errno in (errno.EADDRINUSE, errno.EACCES) else "host"
+            raise ConfigError(
+                field, f": cannot listen on {host}:{picked}: {error.strerror or error}"
+            ) from None
+    raise ConfigError("port", f": cannot listen on {host}:0: another process took each port picked")
 
 
 if __name__ == "__main__":

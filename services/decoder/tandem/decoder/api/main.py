@@ -41,10 +41,10 @@ from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import Telemetry, setup_telemetry
 from tandem.common.flags import CONTEXT_SETTINGS, FlagError, flag_error, run
+from tandem.common.listening import check_port_free
 from tandem.common.server import (
     RunningServer,
     Service,
-    check_port_free,
     notice_within,
     start_server,
     stop_on_signals,

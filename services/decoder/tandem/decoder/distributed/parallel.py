@@ -55,11 +55,19 @@ class RankInfo:
         return cls(rank, int(environ["WORLD_SIZE"]), "env://", int(environ.get("LOCAL_RANK", rank)))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now (for a local spawn's rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A TCP port nobody listens on now at any address (for a local spawn's rendezvous): torch's
+    TCPStore listens on every interface, so a port free on 127.0.0.1 alone (held on 127.0.0.2, or
+    on ::1) failed its start with EADDRINUSE. The kernel's pick for the wildcard, dual-stack where
+    the machine has IPv6, is free at every address."""
+    for family, wildcard in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((wildcard, 0))
+                return s.getsockname()[1]
+        except OSError:
+            continue
+    raise OSError("no TCP port can be bound on this machine")
 
 
 class ControlGroup:
