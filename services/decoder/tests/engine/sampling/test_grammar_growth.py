@@ -18,6 +18,7 @@ from tandem.decoder.engine.sampling.grammar_growth import (
     BYTES_PER_LEXER_STATE,
     EXPENSIVE_REPLAY_SECONDS,
     FIRST_MAX_LEXER_STATES,
+    MatcherFull,
     MeteredMatcher,
     growth_bytes,
 )
@@ -56,6 +57,24 @@ def _decode(constraint: Constraint, tokens: list[int]) -> list[torch.Tensor]:
     return masks
 
 
+def _unmetered_masks(compiler: GrammarCompiler, tokens: list[int]) -> list[torch.Tensor]:
+    """The reference: GROWING's masks on one matcher of the served limit from the start, never built
+    again."""
+    reference = Constraint(
+        compiler._matcher(compiler._cache[GROWING]), compiler.vocab_size, max_token_cpu_seconds=LIMIT_S
+    )
+    return _decode(reference, tokens)
+
+
+def _ten_tokens_in(compiler: GrammarCompiler, answer: list[int]) -> tuple[Constraint, MeteredMatcher]:
+    """A constraint of GROWING ten tokens into `answer`, its matcher still in its first tranche."""
+    constraint = compiler.constraint(GROWING)
+    _decode(constraint, answer[:10])
+    metered = constraint.metered
+    assert metered is not None and metered.max_states == FIRST_MAX_LEXER_STATES
+    return constraint, metered
+
+
 def test_growth_is_charged_a_kibibyte_a_state_past_the_first_tranche_the_floor_covers() -> None:
     assert growth_bytes(FIRST_MAX_LEXER_STATES) == 0 == growth_bytes(10)
     assert growth_bytes(4 * FIRST_MAX_LEXER_STATES) == 3 * FIRST_MAX_LEXER_STATES * BYTES_PER_LEXER_STATE
@@ -68,23 +87,50 @@ def test_an_ordinary_grammar_never_leaves_its_first_tranche(compiler: GrammarCom
     assert constraint.metered.charged_bytes == 0
 
 
+def _decode_deferring(constraint: Constraint, tokens: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """As _decode, a matcher that defers its rebuilds: each MatcherFull answered by rebuild() and the
+    mask asked again, as the engine does. Also what its caller held at each MatcherFull."""
+    metered = constraint.metered
+    assert metered is not None
+    metered.defers_rebuilds = True
+    masks: list[torch.Tensor] = []
+    held_when_full: list[int] = []
+    for token_id in tokens:
+        while True:
+            try:
+                masks.append(constraint.allowed())
+                break
+            except MatcherFull:
+                # Full: its growth is charged already, and it has no error to tell meanwhile.
+                assert metered.is_full and not constraint.is_error and constraint.error() is None
+                held_when_full.append(constraint.memory_bytes)
+                metered.start_rebuild()
+                assert metered.continue_rebuild(max_seconds=LIMIT_S) and not metered.is_full
+        constraint.accept(token_id)
+        if constraint.error() is not None:
+            break
+    return masks, held_when_full
+
+
+@pytest.mark.parametrize("defers", [False, True])
 def test_a_growing_matcher_is_charged_as_its_states_fill_and_masks_as_an_unmetered_one(
-    compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch
+    compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch, defers: bool
 ) -> None:
+    # Deferring (as the engine's matchers do): full once its growth is charged, built again after.
     monkeypatch.setattr(compiler, "memory", GrammarMemoryBudget())
     constraint = compiler.constraint(GROWING, caller="a")
     built = constraint.memory_bytes
     tokens = answer[:120]
-    masks = _decode(constraint, tokens)
+    if defers:
+        masks, held_when_full = _decode_deferring(constraint, tokens)
+        assert held_when_full and held_when_full[0] > built
+    else:
+        masks = _decode(constraint, tokens)
     metered = constraint.metered
     assert metered is not None and metered.max_states > FIRST_MAX_LEXER_STATES  # built again, larger
     assert constraint.error() is None and len(masks) == len(tokens)
     assert constraint.memory_bytes == built + growth_bytes(metered.max_states) == compiler.memory.held("a")
-    # The reference: one matcher of the served limit from the start, never built again.
-    reference = Constraint(
-        compiler._matcher(compiler._cache[GROWING]), compiler.vocab_size, max_token_cpu_seconds=LIMIT_S
-    )
-    assert all(torch.equal(a, b) for a, b in zip(masks, _decode(reference, tokens), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(masks, _unmetered_masks(compiler, tokens), strict=True))
     del constraint, metered  # its request ended: every tranche given back with its build's charge
     assert compiler.memory.held() == 0
 
@@ -92,11 +138,8 @@ def test_a_growing_matcher_is_charged_as_its_states_fill_and_masks_as_an_unmeter
 def test_a_proposal_rolled_back_across_a_rebuild_leaves_the_state_where_it_was(
     compiler: GrammarCompiler, answer: list[int]
 ) -> None:
-    constraint = compiler.constraint(GROWING)
+    constraint, metered = _ten_tokens_in(compiler, answer)
     tokens = answer[:60]
-    _decode(constraint, tokens[:10])
-    metered = constraint.metered
-    assert metered is not None and metered.max_states == FIRST_MAX_LEXER_STATES
     constraint.masks_along(tokens[10:])  # the states fill on the way, and are rolled back after
     assert metered.max_states > FIRST_MAX_LEXER_STATES
     reference = compiler.constraint(GROWING)
@@ -222,3 +265,59 @@ def test_a_matcher_whose_replay_would_be_dear_grows_to_its_limit_of_all_in_one_c
         metered.consume_token(token_id)
     assert metered.consume_seconds > EXPENSIVE_REPLAY_SECONDS
     assert metered.max_states == 50_000 and charged == [growth_bytes(50_000)]
+
+
+def test_a_proposal_that_fills_a_deferring_matcher_is_left_out_of_its_rebuild(
+    compiler: GrammarCompiler, answer: list[int]
+) -> None:
+    constraint, metered = _ten_tokens_in(compiler, answer)
+    tokens = answer[:60]
+    metered.defers_rebuilds = True
+    with pytest.raises(MatcherFull):
+        constraint.masks_along(tokens[10:])
+    metered.start_rebuild()
+    assert metered.continue_rebuild(max_seconds=LIMIT_S)
+    reference = compiler.constraint(GROWING)
+    _decode(reference, tokens[:10])
+    assert torch.equal(constraint.allowed(), reference.allowed())
+
+
+def test_a_rebuild_replays_the_answer_a_slice_at_a_time_and_takes_the_full_ones_place_once_whole() -> None:
+    # llguidance takes tokens holding the GIL: the engine gives a replay slices of its steps.
+    metered = MeteredMatcher(_FillingMatcher, 50_000)
+    metered.defers_rebuilds = True
+    for token_id in (1, 2):
+        metered.compute_bitmask()
+        metered.consume_token(token_id)
+    with pytest.raises(MatcherFull):
+        metered.compute_bitmask()
+    full = metered._matcher
+    metered.start_rebuild()
+    assert not metered.continue_rebuild(max_seconds=0.0)  # a token at least, then the slice is over
+    assert metered.is_full and metered._matcher is full
+    assert metered.continue_rebuild(max_seconds=0.0) and not metered.is_full and not metered.is_rebuilding
+    assert metered._matcher.num_tokens == 2 and metered.max_states == 2 * FIRST_MAX_LEXER_STATES  # type: ignore[attr-defined]
+    metered.compute_bitmask()  # asked again, of the rebuilt matcher
+    assert not metered.is_error() and metered.take_rebuild_seconds() >= 0.0
+
+
+def test_a_deferring_matcher_that_fills_taking_a_token_rebuilds_at_once() -> None:
+    # The token is the answer's: its taking is never put off (a mask has explored its states already).
+    class FillingOnTake(_FillingMatcher):
+        REPLAY_CPU_S = 0.0
+
+        def compute_bitmask(self) -> bytes:
+            return b"\xff" * 4
+
+        def consume_token(self, token_id: int) -> bool:
+            if self.num_tokens == 2 and self.max_states <= FIRST_MAX_LEXER_STATES:
+                self.error = f"too many states: {self.max_states} >= {self.max_states}"
+                return False
+            return super().consume_token(token_id)
+
+    metered = MeteredMatcher(FillingOnTake, 50_000)
+    metered.defers_rebuilds = True
+    for token_id in (1, 2, 3):
+        metered.compute_bitmask()
+        metered.consume_token(token_id)
+    assert metered.max_states > FIRST_MAX_LEXER_STATES and not metered.is_full and not metered.is_error()

@@ -23,25 +23,26 @@ held 12.3 MB after 700 tokens against 48.2 unmetered (charged 36.7), its 5 rebui
 ms each and its CPU in all unchanged.
 
 NOTE: a rebuild and its replay are metering's work, not the grammar's, and run on a thread of their own
-(`aside`: structured.py's deep-stack building thread, where a grammar is compiled; the step's thread
-waits for it). The grammar's CPU limits, per token and per step, time their own thread's CPU, so they
+(`aside`: structured.py's deep-stack building thread, where a grammar is compiled; the thread that
+asked waits for it). The grammar's CPU limits, per token and per step, time their own thread's CPU, so they
 never count it: a replay of an ambiguous grammar's answer is the whole answer's parsing again (`s: s s |
 "a"` after 300 tokens: 333 ms in one step), and counted, it failed INVALID_ARGUMENT ("no step fits it")
 a request that finishes unmetered. `rebuild_seconds` says what they cost.
 
-NOTE: what a rebuild still costs its neighbours. The step's thread waits for the rebuild, so every
-request of the step waits too, and a replay costs about what the answer's taking of its tokens cost
-so far (`consume_seconds`): `s: s s | "a"` after 500 tokens, about 3 s a replay on the tiny model, and
-doubling the limit 6 times meant 6 of them (a plain neighbour's worst gap 3.1 s, 8.6 s beside 3
-more, against 85 ms unmetered). So where a replay is predicted to cost over EXPENSIVE_REPLAY_SECONDS
-(the answer's consume time), or a rebuild has measured over it, the matcher grows straight to its
-limit of all in one charged tranche: a request replays expensively at most about once (the one
-predicted cheap that measured dear, then the last). And each rebuild's seconds join the request's
-grammar seconds in its step's budget (`take_rebuild_seconds`; step/grammar_budget.py), so where
-several rebuild at once the dearest heavy ones fail; a request not heavy in its masks is never failed
-for a rebuild (it would have finished unmetered). The bound left: one replay a request, up to its
-answer's parsing again (at the per-token limit's 50 ms a token, N tokens cost up to N x 50 ms, in
-practice the consume share of it), during which its step's neighbours wait.
+NOTE: what a rebuild costs its neighbours. A replay costs about what the answer's taking of its
+tokens cost so far (`consume_seconds`): `s: s s | "a"` after 500 tokens, about 3 s a replay on the tiny
+model, and doubling the limit 6 times meant 6 of them (a plain neighbour's worst gap 3.1 s, 8.6 s beside
+3 more, against 85 ms unmetered, while the step waited for each). So where a replay is predicted to
+cost over EXPENSIVE_REPLAY_SECONDS (the answer's consume time), or a rebuild has measured over it, the
+matcher grows straight to its limit of all in one charged tranche: a request replays expensively at
+most about once (the one predicted cheap that measured dear, then the last). And a matcher the engine
+runs `defers_rebuilds`: a mask or a proposal's check that fills it raises MatcherFull once its growth
+is charged, and it is built again later, its replay given a slice at a time (`start_rebuild`,
+`continue_rebuild`: step/grammar_rebuilds.py, where its request sits out the steps meanwhile and its
+neighbours go on). Taking a sampled token still rebuilds at once: that token is the answer's, and a
+mask has explored its states already. Each rebuild's seconds join the request's grammar seconds in a
+step's budget (`take_rebuild_seconds`; step/grammar_budget.py), so the dearest heavy ones fail; a
+request not heavy in its masks is never failed for a rebuild (it would have finished unmetered).
 
 NOTE: a rebuilt matcher holds only the states of its answer's path, so near MAX_LEXER_STATES a
 metered request may go on where an unmetered one failed "too many states" (`s "|" /[\w .]{1,1000}/` with
@@ -59,6 +60,7 @@ import functools
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from tandem.client.errors import InvalidArgument, ResourceExhausted, TandemError
@@ -78,6 +80,11 @@ _TOO_MANY_STATES = re.compile(r"too many states: (\d+) >= (\d+)")
 def growth_bytes(max_lexer_states: int) -> int:
     """What a matcher's lexer states may hold beyond its floor, at a limit of `max_lexer_states`."""
     return max(0, max_lexer_states - FIRST_MAX_LEXER_STATES) * BYTES_PER_LEXER_STATE
+
+
+class MatcherFull(Exception):  # noqa: N818 (a state, not a failure: the request goes on after its rebuild)
+    """A matcher that `defers_rebuilds` filled its lexer states: its growth is charged, and nothing may
+    be asked of it until it is built again (`start_rebuild`, `continue_rebuild`: the NOTE)."""
 
 
 class MeteredMatcher:
@@ -105,9 +112,14 @@ class MeteredMatcher:
         self.charge: Callable[[int], None] | None = None
         self.charged_bytes = 0  # what its tranches charged, since `charge` was given
         self.refusal: TandemError | None = None  # why its growth was refused: its request fails
+        # Set by the engine: a mask or a check that fills it raises MatcherFull rather than rebuild it
+        # there (the NOTE). A token's taking rebuilds at once either way.
+        self.defers_rebuilds = False
+        self.is_full = False  # it raised MatcherFull: it waits for its rebuild
+        self._replay: _Replay | None = None  # its rebuild under way (start_rebuild)
 
     def compute_bitmask(self) -> bytes:
-        return self._grown(lambda: self._matcher.compute_bitmask())  # type: ignore[attr-defined]
+        return self._grown(lambda: self._matcher.compute_bitmask(), may_defer=True)  # type: ignore[attr-defined]
 
     def consume_token(self, token_id: int) -> bool:
         is_recorded = not self._matcher.is_stopped()  # type: ignore[attr-defined]
@@ -119,29 +131,64 @@ class MeteredMatcher:
         return result
 
     def validate_tokens(self, token_ids: list[int]) -> int:
-        return self._grown(lambda: self._matcher.validate_tokens(token_ids))  # type: ignore[attr-defined]
+        return self._grown(lambda: self._matcher.validate_tokens(token_ids), may_defer=True)  # type: ignore[attr-defined]
 
     def rollback(self, num_tokens: int) -> bool:
         del self._tokens[len(self._tokens) - num_tokens :]
+        if self.is_full:  # its rebuild replays the tokens left
+            return True
         return self._matcher.rollback(num_tokens)  # type: ignore[attr-defined]
+
+    @property
+    def is_rebuilding(self) -> bool:
+        return self._replay is not None
+
+    def start_rebuild(self) -> None:
+        """A full matcher's (MatcherFull) rebuild begun: a fresh one at its raised limit, built on
+        `aside` (building compiles its grammar); `continue_rebuild` gives it the answer's tokens."""
+        assert self.is_full and self._replay is None, "a rebuild follows MatcherFull, once"
+        self._replay = self._aside(functools.partial(_Replay.built, self._build, self.max_states))
+
+    def continue_rebuild(self, max_seconds: float) -> bool:
+        """Gives the rebuilt matcher the answer's tokens, one at a time, for about `max_seconds` at most
+        (one token at least): llguidance takes a token holding the GIL, so a slice is all the engine's
+        other work waits for. True once it has them all and has taken the full one's place."""
+        replay = self._replay
+        assert replay is not None, "continue_rebuild follows start_rebuild"
+        deadline = time.perf_counter() + max_seconds
+        start = time.thread_time()
+        while replay.num_tokens < len(self._tokens):
+            replay.matcher.consume_token(self._tokens[replay.num_tokens])  # type: ignore[attr-defined]
+            replay.num_tokens += 1
+            if time.perf_counter() >= deadline:
+                break
+        replay.seconds += time.thread_time() - start
+        if replay.num_tokens < len(self._tokens):
+            return False
+        self._matcher, self.is_full, self._replay = replay.matcher, False, None
+        self._count_rebuild(replay.seconds)
+        return True
 
     def take_rebuild_seconds(self) -> float:
         """Its rebuilds' CPU since the last call: what its step's budget charges it (the NOTE)."""
         seconds, self._unbilled_seconds = self._unbilled_seconds, 0.0
         return seconds
 
-    def is_stopped(self) -> bool:
-        return self._matcher.is_stopped()  # type: ignore[attr-defined]
+    def is_stopped(self) -> bool:  # full, it has no state but the answer's tokens: it goes on after them
+        return not self.is_full and self._matcher.is_stopped()  # type: ignore[attr-defined]
 
     def is_error(self) -> bool:
-        return self._matcher.is_error()  # type: ignore[attr-defined]
+        return not self.is_full and self._matcher.is_error()  # type: ignore[attr-defined]
 
     def get_error(self) -> str:
         return self._matcher.get_error()  # type: ignore[attr-defined]
 
-    def _grown(self, work: Callable[[], T]) -> T:
+    def _grown(self, work: Callable[[], T], may_defer: bool = False) -> T:
         """work()'s result, done again on a matcher of twice the limit, charged, while it fails only
-        for its lexer states and a higher limit is allowed."""
+        for its lexer states and a higher limit is allowed. Where `may_defer` and the matcher
+        `defers_rebuilds`, MatcherFull once the growth is charged: work() is the caller's to ask again
+        after its rebuild."""
+        assert not self.is_full, "a full matcher is asked nothing until rebuilt"
         while True:
             result = work()
             if not self._matcher.is_error() or self.refusal is not None:  # type: ignore[attr-defined]
@@ -163,6 +210,9 @@ class MeteredMatcher:
                     return result
                 self.charged_bytes += nbytes
             self.max_states = limit
+            if may_defer and self.defers_rebuilds:
+                self.is_full = True
+                raise MatcherFull
             self._matcher = self._aside(functools.partial(self._rebuilt, limit, list(self._tokens)))
 
     def _rebuilt(self, max_states: int, tokens: list[int]) -> object:
@@ -171,11 +221,29 @@ class MeteredMatcher:
         matcher = self._build(max_states)
         if tokens:
             matcher.consume_tokens(tokens)  # type: ignore[attr-defined]
-        seconds = time.thread_time() - start
+        self._count_rebuild(time.thread_time() - start)
+        return matcher
+
+    def _count_rebuild(self, seconds: float) -> None:
         self.rebuild_seconds += seconds
         self._unbilled_seconds += seconds
         self._is_replay_dear = self._is_replay_dear or seconds > EXPENSIVE_REPLAY_SECONDS
-        return matcher
+
+
+@dataclass
+class _Replay:
+    """A full matcher's rebuild under way: its fresh matcher, and how far its replay has come."""
+
+    matcher: object  # llguidance's, at the raised limit
+    num_tokens: int  # of the answer's tokens, those it has taken
+    seconds: float  # CPU its building and replay took so far
+
+    @classmethod
+    def built(cls, build: Callable[[int], object], max_states: int) -> _Replay:
+        """Built on the thread it runs on, its building's CPU counted."""
+        start = time.thread_time()
+        matcher = build(max_states)
+        return cls(matcher, 0, time.thread_time() - start)
 
 
 def growth_refusal(field: str, num_tokens: int, max_states: int, refusal: TandemError) -> TandemError:

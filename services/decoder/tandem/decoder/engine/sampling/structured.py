@@ -198,7 +198,8 @@ class Constraint:
             self._eos_inside = token_id
 
     def valid_prefix(self, token_ids: list[int]) -> int:
-        """How many of `token_ids` the grammar accepts in order from here (a proposal is cut there)."""
+        """How many of `token_ids` the grammar accepts in order from here (a proposal is cut there).
+        Raises MatcherFull where its matcher filled and defers its rebuild (grammar_growth.py)."""
         if not token_ids:
             return 0
         validate = self._matcher.validate_tokens  # type: ignore[attr-defined]
@@ -206,18 +207,21 @@ class Constraint:
 
     def masks_along(self, token_ids: list[int]) -> list[torch.Tensor]:
         """The allowed tokens here and after each of `token_ids` (a proposal the grammar accepts):
-        1 + len(token_ids) masks, one per row verifying it. The state is left where it was."""
+        1 + len(token_ids) masks, one per row verifying it. The state is left where it was. Raises
+        MatcherFull where its matcher filled on the way and defers its rebuild (grammar_growth.py)."""
         masks = [self.allowed()]
         # llguidance records no token taken once the grammar has stopped (the EOS that a proposal
         # holds after a complete answer): rolling back those too undid tokens of the answer itself,
         # and the next token it took was refused (a request that failed only when speculating).
         num_recorded = 0
-        for token_id in token_ids:
-            num_recorded += not self._matcher.is_stopped()  # type: ignore[attr-defined]
-            self._consume(token_id)
-            masks.append(self.allowed())
-        if num_recorded:
-            self._matcher.rollback(num_recorded)  # type: ignore[attr-defined]
+        try:
+            for token_id in token_ids:
+                num_recorded += not self._matcher.is_stopped()  # type: ignore[attr-defined]
+                self._consume(token_id)
+                masks.append(self.allowed())
+        finally:  # a matcher full on the way (MatcherFull) is rebuilt at the answer, the proposal not in it
+            if num_recorded:
+                self._matcher.rollback(num_recorded)  # type: ignore[attr-defined]
         return masks
 
     @property
