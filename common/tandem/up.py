@@ -50,7 +50,7 @@ from tandem.common.flags import (
     run,
     server_security_settings,
 )
-from tandem.common.listening import check_port_free, listen_host
+from tandem.common.listening import asyncio_plan, check_port_free, listen_host
 from tandem.common.server import DEFAULT_GRACE_S, TlsOptions
 from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.decoder.config import QUANTIZATIONS
@@ -281,7 +281,9 @@ def check_before_start(config: UpConfig) -> None:
         if getattr(config, name) is None:
             continue
         try:
-            check_port_free(config.host, getattr(config, name))
+            # The gateway listens through asyncio, the services through gRPC: each as it binds.
+            plan = asyncio_plan(config.host) if name == "openai_port" else None
+            check_port_free(config.host, getattr(config, name), plan)
         except ConfigError as error:
             raise ConfigError(name if error.field == "port" else error.field, error.reason) from None
     TlsOptions.from_paths(config.tls_cert, config.tls_key, config.tls_client_ca)

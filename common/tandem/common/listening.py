@@ -38,6 +38,7 @@ class Listen:
     host: str
     addresses: tuple[Address, ...]  # what the probes bind; a name's are also what gRPC is given
     one_call: bool  # bind "host:port" as it is, not each address
+    v6only: bool = False  # the IPv6 sockets hold IPv6 alone (asyncio's); gRPC's "::" is dual-stack
 
     def targets(self, port: int) -> list[str]:
         """The "host:port" strings to give gRPC, one call each."""
@@ -65,40 +66,89 @@ def is_localhost(host: str) -> bool:
 
 def listen_plan(host: str) -> Listen:
     """The addresses gRPC listens on for `host` that this machine has. Raises ConfigError("host")
-    where the name does not resolve or none of its addresses exists here."""
-    try:
-        literal: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        literal = None
+    where the name does not resolve or none of its addresses, or the address given, exists here."""
+    literal = _literal(host)
     if literal is not None:
-        address = str(literal)
-        if address == "0.0.0.0" and _bindable((socket.AF_INET6, "::")):
+        if literal == (socket.AF_INET, "0.0.0.0") and _bindable((socket.AF_INET6, "::")):
             # gRPC binds "0.0.0.0" as a dual-stack "::": a port held on ::1 alone makes it fall back.
             return Listen(host, ((socket.AF_INET6, "::"),), one_call=True)
-        family = socket.AF_INET6 if literal.version == 6 else socket.AF_INET
-        return Listen(host, ((family, address),), one_call=True)
-    if is_localhost(host):
-        named = list(LOOPBACKS)
-    else:
-        try:
-            infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        except socket.gaierror as error:
-            raise ConfigError("host", f"{host!r} does not resolve: {error.strerror}") from None
-        named = [(family, str(address[0])) for family, _, _, _, address in infos]
-    here = [address for address in dict.fromkeys(named) if _bindable(address)]
+        _require_bindable(host, literal)
+        return Listen(host, (literal,), one_call=True)
+    named = list(LOOPBACKS) if is_localhost(host) else _resolved(host)
+    return Listen(host, _here(host, _uncovered(named)), one_call=False)
+
+
+def asyncio_plan(host: str) -> Listen:
+    """The addresses asyncio's create_server listens on for `host` (the gateway's): what getaddrinfo
+    answers, nothing added for localhost, each IPv6 socket IPv6 alone ("0.0.0.0" is IPv4, "::" IPv6)."""
+    literal = _literal(host)
+    if literal is not None:
+        if literal[1] not in ("0.0.0.0", "::"):
+            _require_bindable(host, literal)
+        return Listen(host, (literal,), one_call=True, v6only=True)
+    return Listen(host, _here(host, list(dict.fromkeys(_resolved(host)))), one_call=False, v6only=True)
+
+
+def _literal(host: str) -> Address | None:
+    """`host` as an address (an IPv4-mapped IPv6 one as the IPv4 it is), or None for a name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return _address(ip)
+
+
+def _address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Address:
+    if ip.version == 6 and ip.ipv4_mapped is not None:  # ::ffff:127.0.0.1 is 127.0.0.1's socket
+        return (socket.AF_INET, str(ip.ipv4_mapped))
+    return (socket.AF_INET6 if ip.version == 6 else socket.AF_INET, str(ip))
+
+
+def _resolved(host: str) -> list[Address]:
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ConfigError("host", f"{host!r} does not resolve: {error.strerror}") from None
+    return [_address(ipaddress.ip_address(str(address[0]).split("%")[0])) for _, _, _, _, address in infos]
+
+
+def _uncovered(named: list[Address]) -> list[Address]:
+    """`named` without the addresses a wildcard among them already holds (gRPC's "::" holds both
+    families): the name's sockets would otherwise collide with each other, said of another process."""
+    named = list(dict.fromkeys(named))
+    if (socket.AF_INET6, "::") in named:
+        return [(socket.AF_INET6, "::")]
+    if (socket.AF_INET, "0.0.0.0") in named:
+        return [a for a in named if a[0] != socket.AF_INET or a[1] == "0.0.0.0"]
+    return named
+
+
+def _here(host: str, named: list[Address]) -> tuple[Address, ...]:
+    here = tuple(address for address in named if _bindable(address))
     if not here:
-        shown = ", ".join(address for _, address in dict.fromkeys(named))
+        shown = ", ".join(address for _, address in named)
         raise ConfigError(
             "host", f"cannot listen on {host}: this machine has none of its addresses ({shown})"
         )
-    return Listen(host, tuple(here), one_call=False)
+    return here
 
 
-def check_port_free(host: str, port: int) -> None:
+def _require_bindable(host: str, address: Address) -> None:
+    """An address given as --host that this machine lacks (::1 without IPv6) is refused before any
+    bind: with port 0 gRPC's own error came after the model had loaded."""
+    try:
+        _probe(*address, 0).close()
+    except OSError as error:
+        if error.errno != errno.EACCES:
+            raise ConfigError("host", f"cannot listen on {listen_host(host)}: {error.strerror}") from None
+
+
+def check_port_free(host: str, port: int, plan: Listen | None = None) -> None:
     """Raises ConfigError("port") when another process listens on `port` at any address gRPC binds for
-    `host` or the port needs privileges there, ConfigError("host") when `host` does not resolve or
-    none of its addresses exists here. Port 0 is always free."""
-    plan = listen_plan(host)
+    `host` (or `plan`'s, asyncio_plan for the gateway) or the port needs privileges there,
+    ConfigError("host") when `host` does not resolve or none of its addresses exists here. Port 0 is
+    always free."""
+    plan = plan or listen_plan(host)
     if port == 0:
         return
     probes = _probe_all(plan, port)
@@ -117,10 +167,10 @@ def free_port_of(plan: Listen, tries: int = PORT_TRIES) -> int:
     if len(plan.addresses) <= 1:
         return 0
     for _ in range(tries):
-        first = _kernel_pick(plan.addresses[0])
+        first = _kernel_pick(plan.addresses[0], plan.v6only)
         port = first.getsockname()[1]
         try:
-            probes = _probe_all(Listen(plan.host, plan.addresses[1:], plan.one_call), port)
+            probes = _probe_all(Listen(plan.host, plan.addresses[1:], plan.one_call, plan.v6only), port)
         except ConfigError as error:
             if error.field == "port":
                 continue  # held at another address: the next pick
@@ -146,11 +196,13 @@ def in_use_at(plan: Listen, address: Address, port: int) -> ConfigError | None:
     return None
 
 
-def _probe(family: socket.AddressFamily, address: str, port: int) -> socket.socket:
-    """A socket bound to address:port the way gRPC binds. Raises OSError."""
+def _probe(family: socket.AddressFamily, address: str, port: int, v6only: bool = False) -> socket.socket:
+    """A socket bound to address:port the way gRPC binds (asyncio, with `v6only`). Raises OSError."""
     probe = socket.socket(family, socket.SOCK_STREAM)
     try:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
         probe.bind((address, port))
     except OSError:
         probe.close()
@@ -158,9 +210,9 @@ def _probe(family: socket.AddressFamily, address: str, port: int) -> socket.sock
     return probe
 
 
-def _kernel_pick(address: Address) -> socket.socket:
+def _kernel_pick(address: Address, v6only: bool = False) -> socket.socket:
     """A socket bound to the address on the port the kernel picks (free there, not necessarily elsewhere)."""
-    return _probe(*address, 0)
+    return _probe(*address, 0, v6only)
 
 
 def _bindable(address: Address) -> bool:
@@ -180,7 +232,7 @@ def _probe_all(plan: Listen, port: int) -> list[socket.socket]:
     try:
         for address in plan.addresses:
             try:
-                probes.append(_probe(*address, port))
+                probes.append(_probe(*address, port, plan.v6only))
             except OSError as error:
                 raise _refusal(plan, address, port, error) from None
     except ConfigError:

@@ -335,19 +335,25 @@ GRPC_FAILED_SEND_MESSAGE = "ExecuteBatchError raised in core"  # grpc/_cython/_c
 _CALL_OVER_FILTER = _CallOverFilter()
 
 
-def _new_server(options: ServerOptions, services: Sequence[Service]) -> tuple[grpc.aio.Server, BoundedHealth]:
-    """The server with its interceptors, health, services and reflection, not yet bound."""
+def _bare_server(options: ServerOptions, services: Sequence[Service]) -> grpc.aio.Server:
+    """The server with its interceptors and no service yet: it is bound first, and one that loses its
+    port at an address is started and stopped to let the others go, answering UNIMPLEMENTED to a
+    call that reaches it meanwhile rather than serving it (`_serve` adds the services)."""
     # The bound on calls comes first (it counts every call, as grpc.aio does), then authentication: a
     # denied call reaches neither tracing nor the servicer.
     bound = CallBound(
         options.max_concurrent_rpcs, reasons.domain_of(services[0].name if services else "tandem")
     )
     auth = [AuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
-    server = grpc.aio.server(
+    return grpc.aio.server(
         interceptors=[bound, *auth, *options.interceptors, ErrorInterceptor(_max_request_bytes(services))],
         options=_server_options(options),
         maximum_concurrent_rpcs=grpc_bound(options.max_concurrent_rpcs),
     )
+
+
+def _serve(server: grpc.aio.Server, options: ServerOptions, services: Sequence[Service]) -> BoundedHealth:
+    """Health, the services and reflection, added to the bound server; its health."""
     health = BoundedHealth(max_watches(options.max_concurrent_rpcs))  # health needs no token
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [s.name for s in services]
@@ -356,7 +362,7 @@ def _new_server(options: ServerOptions, services: Sequence[Service]) -> tuple[gr
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    return server, health
+    return health
 
 
 class _TakenSinceChecked(Exception):
@@ -367,13 +373,15 @@ class _TakenSinceChecked(Exception):
         self.error = error
 
 
-def _add_ports(server: grpc.aio.Server, plan: Listen, port: int, tls: TlsOptions | None) -> int:
+def _add_ports(
+    server: grpc.aio.Server, plan: Listen, port: int, credentials: grpc.ServerCredentials | None
+) -> int:
     """Binds each of `plan`'s targets on one port (the first's pick where `port` is 0); the port.
     Raises _TakenSinceChecked, or ConfigError("host") where an address refuses for another cause."""
     for address, target in zip(plan.addresses, plan.targets(port), strict=True):
         try:
-            if tls is not None:
-                bound = server.add_secure_port(target, tls.server_credentials())
+            if credentials is not None:
+                bound = server.add_secure_port(target, credentials)
             else:
                 bound = server.add_insecure_port(target)
         except RuntimeError as error:  # gRPC's "Failed to bind"
@@ -393,11 +401,12 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
     logging.getLogger(GRPC_LOGGER).addFilter(_CALL_OVER_FILTER)  # added once: filters are a set
     plan = listen_plan(options.host)
     check_port_free(options.host, options.port)  # a one-line error instead of gRPC's traceback
+    credentials = options.tls.server_credentials() if options.tls is not None else None  # read once
     for _ in range(PORT_TRIES):
-        server, health = _new_server(options, services)
+        server = _bare_server(options, services)
         port = options.port or free_port_of(plan)
         try:
-            port = _add_ports(server, plan, port, options.tls)
+            port = _add_ports(server, plan, port, credentials)
             break
         except (_TakenSinceChecked, ConfigError) as failure:
             # The addresses it did bind stay bound until it has run (a stop alone, or dropping it,
@@ -410,6 +419,7 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
                 raise failure.error from None
     else:
         raise ConfigError("port", f"0: another process took each port picked for {options.host}")
+    health = _serve(server, options, services)
     names = [s.name for s in services]
     listeners = [i for i in options.interceptors if isinstance(i, CutListener)]
     running = RunningServer(server, health, port, names, listeners)
@@ -417,9 +427,8 @@ async def start_server(options: ServerOptions, services: Sequence[Service]) -> R
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     log.info(
-        "listening on %s:%d (%s; %s, %s)",
-        options.host,
-        port,
+        "listening on %s (%s; %s, %s)",
+        ", ".join(plan.targets(port)),
         ", ".join(names) or "health only",
         _describe_tls(options.tls),
         "bearer tokens required" if options.auth_tokens else "no authentication",

@@ -11,7 +11,7 @@ import pytest
 from common.tests.common.listeners import has_ipv6_loopback, listener
 from tandem.client.errors import ConfigError
 from tandem.common import listening
-from tandem.common.listening import check_port_free, free_port, is_localhost, listen_plan
+from tandem.common.listening import asyncio_plan, check_port_free, free_port, is_localhost, listen_plan
 
 needs_ipv6_loopback = pytest.mark.skipif(
     not has_ipv6_loopback(), reason="no ::1 on this machine: localhost is one address"
@@ -61,7 +61,7 @@ def test_an_ipv6_address_in_a_refusal_is_in_brackets() -> None:
 def test_a_port_that_needs_privileges_is_said_of_the_port(monkeypatch: pytest.MonkeyPatch) -> None:
     """A port under 1024 for a user without the capability was said of --host."""
 
-    def refused(family: socket.AddressFamily, address: str, port: int) -> socket.socket:
+    def refused(family: socket.AddressFamily, address: str, port: int, v6only: bool = False) -> socket.socket:
         raise OSError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(listening, "_probe", refused)
@@ -90,8 +90,10 @@ def test_port_0_on_localhost_is_a_port_free_at_both_loopbacks(monkeypatch: pytes
         picks: list[int] = []
         real_pick = listening._kernel_pick
 
-        def pick_taken_first(address: tuple[socket.AddressFamily, str]) -> socket.socket:
-            probe = real_pick(address) if picks else listening._probe(*address, taken)
+        def pick_taken_first(
+            address: tuple[socket.AddressFamily, str], v6only: bool = False
+        ) -> socket.socket:
+            probe = real_pick(address, v6only) if picks else listening._probe(*address, taken)
             picks.append(probe.getsockname()[1])
             return probe
 
@@ -103,3 +105,74 @@ def test_port_0_on_localhost_is_a_port_free_at_both_loopbacks(monkeypatch: pytes
 def test_port_0_on_one_address_is_left_to_the_kernel() -> None:
     """No window between a check and the bind where one socket is all there is."""
     assert free_port("127.0.0.1") == 0
+
+
+def test_an_address_this_machine_lacks_is_refused_before_anything_binds() -> None:
+    """--host 192.0.2.1 (TEST-NET-1) with port 0 passed the check and gRPC's own error came after the
+    model had loaded."""
+    with pytest.raises(ConfigError) as caught:
+        check_port_free("192.0.2.1", 0)
+    assert caught.value.field == "host" and caught.value.reason.startswith("cannot listen on 192.0.2.1: ")
+
+
+@pytest.mark.parametrize(
+    ("addresses", "kept"),
+    [
+        (["0.0.0.0", "127.0.0.1"], ["0.0.0.0"]),
+        (["::", "127.0.0.1"], ["::"]),
+        (["127.0.0.1", "::ffff:127.0.0.1"], ["127.0.0.1"]),
+    ],
+)
+def test_a_name_whose_addresses_overlap_binds_each_socket_once(
+    monkeypatch: pytest.MonkeyPatch, addresses: list[str], kept: list[str]
+) -> None:
+    """A name answering a wildcard and an address it holds (or one address twice, IPv4-mapped) was
+    refused "in use ... another process listens there": the server's sockets collided with each
+    other, and port 0 built the server 64 times."""
+    real = socket.getaddrinfo
+
+    def overlapping(host, port, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host != "overlap.test":
+            return real(host, port, *args, **kwargs)
+        return [
+            (socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
+            for a in addresses
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", overlapping)
+    if "::" in addresses and not has_ipv6_loopback():
+        pytest.skip("no IPv6 on this machine")
+    assert [address for _, address in listen_plan("overlap.test").addresses] == kept
+    with listener(socket.AF_INET, "127.0.0.1") as closed:
+        port = closed.getsockname()[1]  # free again once closed
+    check_port_free("overlap.test", port)
+
+
+@needs_ipv6_loopback
+def test_the_gateways_asyncio_listen_is_checked_as_asyncio_binds() -> None:
+    """asyncio binds "0.0.0.0" as IPv4 alone and each IPv6 socket IPv6 alone: the gateway's check,
+    modelled on gRPC's dual-stack "::", refused ports asyncio could bind."""
+    with listener(socket.AF_INET6, "::1") as other:
+        port = other.getsockname()[1]
+        check_port_free("0.0.0.0", port, asyncio_plan("0.0.0.0"))
+        with pytest.raises(ConfigError):
+            check_port_free("0.0.0.0", port)  # gRPC's "0.0.0.0" is "::", both families
+
+
+def test_the_gateways_plan_adds_nothing_to_what_localhost_resolves_to() -> None:
+    """asyncio asks getaddrinfo; gRPC's resolver answers the loopbacks itself, so --host localhost. or
+    api.localhost passed `tandem up`'s check and the gateway then failed to resolve it."""
+    resolved = {address for *_, (address, *_) in socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)}
+    assert {address for _, address in asyncio_plan("localhost").addresses} == resolved
+    if not _resolves("api.localhost"):
+        with pytest.raises(ConfigError) as caught:
+            asyncio_plan("api.localhost")
+        assert caught.value.field == "host"
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, 0)
+    except socket.gaierror:
+        return False
+    return True

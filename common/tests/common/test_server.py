@@ -460,6 +460,7 @@ def test_a_grace_that_is_not_a_finite_number_of_seconds_is_refused(grace: float)
         ServerOptions(grace_s=grace)
 
 
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 on this machine")
 @pytest.mark.parametrize("host", ["::1", "::"])
 async def test_a_server_listens_on_an_ipv6_host(host: str) -> None:
     """gRPC read "::1:50778" as no address: the start failed, naming --port."""
@@ -506,8 +507,10 @@ async def test_port_0_on_localhost_listens_on_both_loopbacks_even_where_the_kern
         picks: list[int] = []
         real_pick = listening._kernel_pick
 
-        def pick_taken_first(address: tuple[socket.AddressFamily, str]) -> socket.socket:
-            probe = real_pick(address) if picks else listening._probe(*address, taken)
+        def pick_taken_first(
+            address: tuple[socket.AddressFamily, str], v6only: bool = False
+        ) -> socket.socket:
+            probe = real_pick(address, v6only) if picks else listening._probe(*address, taken)
             picks.append(probe.getsockname()[1])
             return probe
 
@@ -548,6 +551,33 @@ async def test_a_port_taken_at_one_loopback_after_the_check_is_another_port_or_a
         with pytest.raises(ConfigError, match=refusal) as caught:
             await start_server(ServerOptions(host="localhost", port=taken), [])
         assert caught.value.field == "port"
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 on this machine: localhost is one address")
+async def test_a_server_that_loses_its_port_at_one_address_holds_no_service_while_it_lets_the_others_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server bound at one loopback before the other refused is started and stopped to let its
+    socket go: it held the services and a health that said SERVING, and callers of that loopback were
+    served (or cut) meanwhile. The services are added only to the server that bound every address."""
+    built: list[grpc.aio.Server] = []
+    served: list[grpc.aio.Server] = []
+    real_bare, real_serve = server_module._bare_server, server_module._serve
+    monkeypatch.setattr(server_module, "_bare_server", lambda *a: built.append(real_bare(*a)) or built[-1])
+    monkeypatch.setattr(
+        server_module, "_serve", lambda server, *a: served.append(server) or real_serve(server, *a)
+    )
+    with _other_loopback() as other:
+        taken = other.getsockname()[1]
+        picked = iter([taken])  # the pick, taken on the second loopback before the bind
+        monkeypatch.setattr(
+            server_module, "free_port_of", lambda plan: next(picked, 0) or listening.free_port_of(plan)
+        )
+        server = await start_server(ServerOptions(host="localhost", port=0), [])
+        try:
+            assert len(built) == 2 and served == [built[1]] and server.port != taken
+        finally:
+            await server.stop(0)
 
 
 def test_a_tls_certificate_file_that_holds_no_certificate_is_named(tmp_path) -> None:

@@ -31,7 +31,7 @@ from tandem.common.flags import (
     flag_error,
     run,
 )
-from tandem.common.listening import PORT_TRIES, check_port_free, free_port
+from tandem.common.listening import PORT_TRIES, asyncio_plan, check_port_free, free_port_of
 from tandem.common.server import stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.gateway.access_log import AccessLog
@@ -255,7 +255,7 @@ def _start(**values: Any) -> int:
     ctx = click.get_current_context()
     try:
         config = config_from_options(values)
-        check_port_free(config.host, config.port)
+        check_port_free(config.host, config.port, asyncio_plan(config.host))  # asyncio binds it
         ensure_descriptors(config.max_connections, config.max_idle_channels)
     except ConfigError as error:
         raise flag_error(ctx.command, error) from None
@@ -345,7 +345,7 @@ async def listen(guard: ConnectionGuard, host: str, port: int) -> asyncio.Server
     kernel's pick of its own, and the port said was the first socket's alone; where another process
     takes that port at one of them before the bind (asyncio binds all or none), another is picked."""
     for _ in range(PORT_TRIES):
-        picked = port or free_port(host)
+        picked = port or free_port_of(asyncio_plan(host))
         try:
             return await asyncio.get_running_loop().create_server(guard, host, picked)
         except OSError as error:
