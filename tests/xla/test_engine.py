@@ -145,6 +145,36 @@ def test_a_bucket_not_warmed_up_fails_the_step_loudly_before_anything_compiles(t
         assert runtime.num_compiles() == compiled
 
 
+def test_a_prefill_chunk_capped_beside_a_decode_fills_a_prefill_bucket(tiny_model_dir: Path) -> None:
+    """Each prefill chunk runs as a graph of its own, padded up to a prefill bucket (8 or 32 positions
+    here): capped at the threshold less the decode row, 15 positions ran in the 32-position graph, as
+    dear as an uncapped chunk for half its positions. It takes the largest bucket within the threshold."""
+    values = settings(tiny_model_dir, long_prefill_token_threshold=16, enable_prefix_caching=False)
+    long_prompt = [(7 * j) % 1000 + 1 for j in range(90)]
+    capped: list[int] = []  # positions of each prefill chunk beside a decode
+
+    def spec(prompt: list[int], num_tokens: int) -> GenerateSpec:
+        stopping = StoppingParams(num_tokens, ignore_eos=True)
+        return GenerateSpec([prompt], SamplingParams(temperature=0.0), stopping)
+
+    with engine_on("neuron", **values) as xla:
+        alone = greedy(xla, [long_prompt], num_tokens=4)
+        runner = xla.core.runner
+        execute = runner.execute
+
+        def recorded(plan: StepPlan) -> StepOutput:
+            if not all(item.is_prefill for item in plan.scheduled):
+                capped.extend(item.num_new_tokens for item in plan.scheduled if item.is_prefill)
+            return execute(plan)
+
+        runner.execute = recorded  # type: ignore[method-assign]
+        # Both prefill in the first step; then the neighbour decodes beside the long prompt's chunks.
+        _, beside = run_concurrently(xla, [spec([3, 4, 5], 12), spec(long_prompt, 4)])
+        assert runner.num_compiles_after_warmup == 0
+    assert capped == [8] * 7 + [5]  # the 61 positions left after the first 29
+    assert _tokens(beside) == alone
+
+
 def _token_logprobs(events: list[Event]) -> list[tuple[int, str]]:
     deltas = [e for e in events if isinstance(e, Delta)]
     return [(t, repr(lp)) for d in deltas for t, lp in zip(d.token_ids, d.logprobs, strict=True)]

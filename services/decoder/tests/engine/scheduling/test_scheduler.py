@@ -35,9 +35,9 @@ def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 4,
     prefix_caching: bool = True,
-    **config: int | bool,
+    **config: int | bool | tuple[int, ...],
 ) -> tuple[Scheduler, FakeRunner]:
-    defaults: dict[str, int | bool] = dict(max_num_seqs=8, max_num_batched_tokens=64)
+    defaults: dict[str, int | bool | tuple[int, ...]] = dict(max_num_seqs=8, max_num_batched_tokens=64)
     scheduler = Scheduler(
         SchedulerConfig(**(defaults | config)),  # type: ignore[arg-type]
         BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
@@ -843,6 +843,30 @@ def test_with_more_decodes_than_the_threshold_a_prefill_still_takes_half_of_it_a
     scheduler.add_request(make_request("long", list(range(40))))
     chunks = [dict(_chunks(run_step(scheduler, runner)))["long"] for _ in range(10)]
     assert chunks == [4] * 10
+
+
+@pytest.mark.parametrize(
+    ("threshold", "num_decodes", "chunk"), [(32, 1, 16), (16, 1, 16), (16, 3, 16), (63, 2, 16), (2, 1, 4)]
+)
+def test_with_prefill_buckets_a_capped_chunk_takes_the_largest_bucket_within_the_threshold(
+    threshold: int, num_decodes: int, chunk: int
+) -> None:
+    # Each chunk runs as a graph of its own padded up to a bucket (XLA), the decode rows in another:
+    # 15 positions would pad up to 64 and cost what an uncapped chunk does. Below the smallest
+    # bucket, the smallest.
+    scheduler, runner = make_scheduler(long_prefill_token_threshold=threshold, prefill_buckets=(4, 16, 64))
+    for i in range(num_decodes):
+        scheduler.add_request(make_request(f"d{i}", [i, 1, 2], max_new_tokens=20))
+    run_step(scheduler, runner)  # prefills with no decode beside them: not capped
+    scheduler.add_request(make_request("long", list(range(60))))
+    assert dict(_chunks(run_step(scheduler, runner)))["long"] == chunk
+    assert dict(_chunks(run_step(scheduler, runner)))["long"] == chunk
+
+
+def test_prefill_buckets_must_be_increasing_positive_sizes() -> None:
+    for buckets in [(), (16, 4), (4, 4), (0, 4)]:
+        with pytest.raises(ValueError, match="prefill_buckets must be increasing sizes >= 1"):
+            SchedulerConfig(prefill_buckets=buckets)
 
 
 def test_the_threshold_cannot_be_set_where_a_requests_chunks_must_not_depend_on_its_neighbours() -> None:

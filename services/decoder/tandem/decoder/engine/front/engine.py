@@ -304,6 +304,8 @@ class Engine:
                 long_prefill_token_threshold=None
                 if invariant
                 else config.long_prefill_token_threshold or None,
+                # Each XLA chunk runs as a graph padded up to a prefill bucket: a capped one fills one.
+                prefill_buckets=None if xla_buckets is None else xla_buckets.prefill_tokens,
             ),
             block_manager,
         )

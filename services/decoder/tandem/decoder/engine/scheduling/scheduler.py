@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.client import error_reasons as reasons
@@ -69,6 +69,13 @@ class SchedulerConfig:
     # is capped so, and drafts come on top (a step may span more). None = off. A request's chunks then
     # depend on its neighbours, so it cannot be set with max_tokens_per_request.
     long_prefill_token_threshold: int | None = None
+    # Positions a prefill chunk is padded up to where each chunk runs as a graph of its own, apart
+    # from the step's decode rows (the XLA runner's prefill buckets, ascending). A capped chunk then
+    # takes the largest of them within the threshold (the smallest if none is), the decode rows not
+    # deducted: the threshold less them padded up to the next bucket, and 511 positions ran as a
+    # 1,024-position graph (beside a decode, a 2,000-token prompt took 1.5x its uncapped time on XLA's
+    # CPU device; 256-position chunks 1.06x). None: the chunk's share of one packed step, as above.
+    prefill_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.shared_step_seqs is not None and self.shared_step_seqs < 1:
@@ -81,6 +88,14 @@ class SchedulerConfig:
         if self.max_tokens_per_request is not None and self.max_tokens_per_request < 1:
             raise ValueError(
                 f"SchedulerConfig.max_tokens_per_request must be >= 1, got {self.max_tokens_per_request}"
+            )
+        if self.prefill_buckets is not None and (
+            not self.prefill_buckets
+            or list(self.prefill_buckets) != sorted(set(self.prefill_buckets))
+            or self.prefill_buckets[0] < 1
+        ):
+            raise ValueError(
+                f"SchedulerConfig.prefill_buckets must be increasing sizes >= 1, got {self.prefill_buckets}"
             )
         if self.long_prefill_token_threshold is not None:
             if self.long_prefill_token_threshold < 1:
@@ -208,7 +223,7 @@ class Scheduler:
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, not_runnable: Collection[str] = frozenset()) -> StepPlan:
         # NOTE: the one rule. Each request has num_computed_tokens (positions whose KV is cached)
         # and num_tokens (prompt + outputs). Each step, RUNNING requests, then WAITING ones (the
         # fewest-running caller's first, FCFS within a caller) advance num_computed_tokens toward
@@ -225,8 +240,10 @@ class Scheduler:
         # requests, the light callers' all, the heavy ones' in turns (`_heavy_beside_a_neighbour`,
         # `_sitting_out`): a neighbour's tokens, its first included, come at a narrow step's pace.
         # And a long prefill beside them: while decode rows share the step, a prefill chunk takes the
-        # threshold less those rows, at least half the threshold (`_prefill_cap`); alone, a prefill
-        # takes the whole budget.
+        # threshold less those rows, at least half the threshold (`_prefill_cap`), or with prefill
+        # buckets the largest bucket within the threshold; alone, a prefill takes the whole budget.
+        # Requests `not_runnable` (their grammar's matcher is being rebuilt: step/grammar_rebuilds.py)
+        # sit the step out wherever they are: running, they keep their blocks; waiting, none is admitted.
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._num_steps += 1
@@ -234,13 +251,14 @@ class Scheduler:
         heavy = self._heavy_beside_a_neighbour()
         step_limit = None if heavy is None else self.config.shared_step_seqs
         sitting_out = set() if step_limit is None else self._sitting_out(step_limit, heavy)
+        sitting_out.update(not_runnable)
         cap = self._prefill_cap(sitting_out)
         budget = self._schedule_running(
             self.config.max_num_batched_tokens, scheduled, preempted, sitting_out, cap
         )
         # Admitting right after a block preemption would only hand the freed blocks to a newcomer.
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, step_limit, cap)
+            budget = self._admit_waiting(budget, scheduled, step_limit, cap, not_runnable)
         preempted += yielded
         # Proposed tokens get what the step has left, after every request's own position: speculation
         # never delays an admission or causes a preemption.
@@ -254,8 +272,9 @@ class Scheduler:
 
     def _prefill_cap(self, sitting_out: set[str]) -> int | None:
         """Most positions of one request this step when decode rows share it (running requests with
-        one position left, not sitting out): the threshold less those rows, at least half of it. None when
-        the threshold is off or no decode runs: a prefill alone takes what the budget allows."""
+        one position left, not sitting out): the threshold less those rows, at least half of it, or the
+        largest prefill bucket within the threshold. None when the threshold is off or no decode runs:
+        a prefill alone takes what the budget allows."""
         threshold = self.config.long_prefill_token_threshold
         if threshold is None:
             return None
@@ -264,7 +283,12 @@ class Scheduler:
             for r in self.running
             if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in sitting_out
         )
-        return max(threshold - num_decodes, (threshold + 1) // 2) if num_decodes else None
+        if not num_decodes:
+            return None
+        buckets = self.config.prefill_buckets
+        if buckets is not None:  # the decode rows run in a graph of their own
+            return max([n for n in buckets if n <= threshold], default=buckets[0])
+        return max(threshold - num_decodes, (threshold + 1) // 2)
 
     def _heavy_beside_a_neighbour(self) -> set[str] | None:
         """The heavy callers (requests waiting, or more running than `shared_step_seqs`), when the step
@@ -337,7 +361,12 @@ class Scheduler:
         return max(range(first, len(self.running)), key=lambda j: (running[self.running[j].caller], j))
 
     def _admit_waiting(
-        self, budget: int, scheduled: list[ScheduledRequest], step_limit: int | None, cap: int | None
+        self,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        step_limit: int | None,
+        cap: int | None,
+        not_runnable: Collection[str] = frozenset(),
     ) -> int:
         """Admit waiting requests (in `AdmissionOrder`) into free blocks (cached prefix first), each
         for at most `cap` positions this step; the budget left. With a `step_limit` (a narrowed step),
@@ -345,7 +374,7 @@ class Scheduler:
         always let in."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
-        order = AdmissionOrder(self.waiting, self.running)
+        order = AdmissionOrder((r for r in self.waiting if r.request_id not in not_runnable), self.running)
         running_callers = {r.caller for r in self.running}
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = order.next()
@@ -396,19 +425,26 @@ class Scheduler:
         self._preempt(victim)
         return [victim.request_id]
 
-    def update(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]]) -> None:
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: Mapping[str, int | Sequence[int]],
+        unsampled: Collection[str] = frozenset(),
+    ) -> None:
         """Record that `plan` ran: advance each request and append its sampled token(s), if any.
 
         A request that verified n proposed tokens gets 1 to n + 1 tokens: the proposed ones that were
         accepted, then the one sampled after them. Only the positions holding accepted tokens count as
         computed; the rejected positions' KV slots lie past the sequence's end, where attention never
         reads, and the next step writes over them. Requests finished or aborted since schedule() are
-        skipped; their blocks are already free.
+        skipped; their blocks are already free. Requests `unsampled` ran but keep no sample (their
+        grammar's matcher filled: step/grammar_rebuilds.py): they stay where they were, their blocks
+        held, and run the same positions again, in the same chunks.
         """
         for item in plan.scheduled:
             request = item.request
             request.draft_token_ids.clear()
-            if request.is_finished:
+            if request.is_finished or item.request_id in unsampled:
                 continue
             if request.num_computed_tokens != item.start:
                 raise RuntimeError(

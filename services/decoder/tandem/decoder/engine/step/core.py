@@ -49,6 +49,7 @@ from tandem.decoder.engine.outputs.outputs import (
 )
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprobsChunk
 from tandem.decoder.engine.request import Request, RequestStatus
+from tandem.decoder.engine.sampling.grammar_growth import MatcherFull
 from tandem.decoder.engine.sampling.prompt_lookup import PromptLookup, verified_tokens
 from tandem.decoder.engine.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
@@ -61,6 +62,7 @@ from tandem.decoder.engine.step.grammar_budget import (
     over_budget_error,
     row_seconds_ahead,
 )
+from tandem.decoder.engine.step.grammar_rebuilds import GrammarRebuilds
 from tandem.decoder.engine.step.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -109,23 +111,40 @@ def _has_constraint(plan: StepPlan) -> bool:
     return any(item.needs_logits and item.request.constraint is not None for item in plan.scheduled)
 
 
-def _grammar_masks(plan: StepPlan) -> tuple[list[torch.Tensor | None], dict[str, float]]:
-    """One entry per sampled row of `plan`, in the order `step` builds its rows: the grammar's allowed
-    tokens for a constrained request's row (after the proposed tokens before it), None otherwise; and
-    the CPU time each constrained request's masks took, by request key (grammar_budget.py)."""
-    masks: list[torch.Tensor | None] = []
-    seconds: dict[str, float] = {}
+@dataclass(frozen=True)
+class _GrammarMasks:
+    """A step's grammar masks, computed on the mask thread (`_grammar_masks`)."""
+
+    # One entry per sampled row of the step, in the order `step` builds its rows: the grammar's allowed
+    # tokens for a constrained request's row (after the proposed tokens before it), None otherwise
+    # (and for the rows of `full` requests, whose samples are dropped).
+    allowed: list[torch.Tensor | None]
+    seconds: dict[str, float]  # each constrained request's masks' CPU time, by key (grammar_budget.py)
+    # Requests whose matchers filled (MatcherFull), rebuilt a slice a step (grammar_rebuilds.py).
+    full: set[str]
+
+
+def _grammar_masks(plan: StepPlan) -> _GrammarMasks:
+    masks = _GrammarMasks([], {}, set())
     for item in plan.scheduled:
         if not item.needs_logits:
             continue
         constraint = item.request.constraint
+        num_rows = 1 + item.num_draft_tokens
         if constraint is None:
-            masks.extend([None] * (1 + item.num_draft_tokens))
-        else:
-            start = time.thread_time()  # this thread's: llguidance masks on it
-            masks.extend(constraint.masks_along(item.request.draft_token_ids[: item.num_draft_tokens]))
-            seconds[item.request_id] = time.thread_time() - start
-    return masks, seconds
+            masks.allowed.extend([None] * num_rows)
+            continue
+        start = time.thread_time()  # this thread's: llguidance masks on it
+        try:
+            masks.allowed.extend(
+                constraint.masks_along(item.request.draft_token_ids[: item.num_draft_tokens])
+            )
+        except MatcherFull:
+            masks.allowed.extend([None] * num_rows)
+            masks.full.add(item.request_id)
+            continue
+        masks.seconds[item.request_id] = time.thread_time() - start
+    return masks
 
 
 @dataclass
@@ -159,6 +178,7 @@ class EngineCore:
         self.speculative_max_batch = speculative_max_batch
         self.sampler = Sampler(argmax=runner.executor.argmax)
         self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks beside the forward pass
+        self._rebuilds = GrammarRebuilds()  # full grammar matchers, rebuilt a slice a step
         self.lock = threading.Lock()  # guards scheduler and _live against submit/abort threads
         self._live: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
@@ -197,6 +217,8 @@ class EngineCore:
         tracked = _Tracked(
             request, output, on_event, generators, deadline, progress, lookup, request.num_speculative_tokens
         )
+        if request.constraint is not None and request.constraint.metered is not None:
+            request.constraint.metered.defers_rebuilds = True  # rebuilt a slice a step (grammar_rebuilds.py)
         with self.lock:
             if request.adapter:
                 self._resolve_adapter(request)
@@ -334,12 +356,23 @@ class EngineCore:
         request paused for its reader is no work: an engine whose requests all wait for readers idles."""
         with self.lock:
             return (
-                self.scheduler.has_schedulable
+                self._has_runnable()
+                or bool(self._rebuilds.pending())
                 or bool(self._pending_aborts)
                 or bool(self._between_steps)
                 or self._finish_all_reason is not None
                 or any(self._is_resumable(key) for key in self.scheduler.paused)
             )
+
+    def _has_runnable(self) -> bool:
+        """Under `lock`: a running or waiting request not sitting out for its matcher's rebuild (where
+        all rebuild, the engine steps only to give the rebuilds their slices)."""
+        if not self.scheduler.has_schedulable:
+            return False
+        pending = self._rebuilds.pending()
+        return not pending or any(
+            r.request_id not in pending for r in (*self.scheduler.running, *self.scheduler.waiting)
+        )
 
     def num_live(self) -> int:
         with self.lock:
@@ -354,8 +387,11 @@ class EngineCore:
             self._run_queued()
             self._resume_caught_up()
             expired = self._expire_deadlines()
+            self._rebuilds.drop(self._live)  # their requests left: nothing of their rebuilds goes on
+        self._rebuilds.advance()  # off the lock: only the engine thread touches constraints
+        with self.lock:
             self._propose()
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(not_runnable=self._rebuilds.pending())
         for tracked, reason in ended:
             for event in tracked.output.finish(reason):
                 tracked.on_event(event)
@@ -389,13 +425,19 @@ class EngineCore:
         rows = [
             _Row(self._live[item.request_id], j) for item in items for j in range(1 + item.num_draft_tokens)
         ]
-        allowed, grammar_seconds = masks.result() if masks is not None else (None, {})
-        sampled = self._sample(logits, rows, allowed) if rows else None
+        grammar = masks.result() if masks is not None else _GrammarMasks([], {}, set())
+        grammar_seconds = grammar.seconds
+        # A request whose matcher filled sits out until it is rebuilt: its samples here are dropped.
+        for request_id in grammar.full - faults.keys():
+            self._rebuilds.start(request_id, self._live[request_id].request.constraint)  # type: ignore[arg-type]
+        sampled = self._sample(logits, rows, grammar.allowed or None) if rows else None
         samples = []
         if sampled is not None:
             samples = non_finite.mark_non_finite(sampled.token_ids.tolist(), sampled.is_finite.tolist())
-        kept = self._verify(items, samples)
+        kept = self._verify(items, samples, skip=grammar.full)
         for i, item in enumerate(items):  # a failed request keeps the tokens before its fault, if any
+            if item.request_id in grammar.full:
+                kept[i] = []
             kept[i], ahead = non_finite.cut_at_non_finite(kept[i])
             if item.request_id in faults:  # its prompt's scoring failed: an earlier position
                 kept[i] = []
@@ -406,7 +448,7 @@ class EngineCore:
         broken: list[tuple[ScheduledRequest, TandemError]] = []
         rebuild_seconds: dict[str, float] = {}
         for item, tokens in zip(items, kept, strict=True):  # the grammar takes what was sampled
-            if item.request.constraint is not None:
+            if item.request.constraint is not None and item.request_id not in grammar.full:
                 start = time.thread_time()
                 for token_id in tokens:
                     item.request.constraint.accept(token_id)
@@ -431,8 +473,9 @@ class EngineCore:
                 {
                     item.request_id: t
                     for item, t in zip(items, kept, strict=True)
-                    if item.request_id not in faults
+                    if item.request_id not in faults and item.request_id not in grammar.full
                 },
+                unsampled=grammar.full,
             )
         self.num_steps += 1
         skip = {item.request_id for item, _ in broken}
@@ -512,6 +555,7 @@ class EngineCore:
             self._live.clear()
             for tracked in live:
                 self.scheduler.abort(tracked.request.request_id)
+            self._rebuilds.drop(())
             work, self._between_steps = self._between_steps, []
             self._failed = error
         for _, future in work:
@@ -541,10 +585,13 @@ class EngineCore:
         # Each constrained request's share of the step's grammar budget bounds its rows' masks.
         num_constrained = sum(request.constraint is not None for request in running)
         share_seconds = self.max_grammar_seconds_per_step / max(1, num_constrained)
+        rebuilding = self._rebuilds.pending()
         for request in running:
             tracked = self._live[request.request_id]
             if tracked.lookup is None or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # no speculation, or a prefill (chunk) to run first
+            if request.request_id in rebuilding:
+                continue  # its matcher is being rebuilt: it proposes when it runs again
             lookup = tracked.lookup
             lookup.extend(request.output_token_ids[len(lookup.history) - request.num_prompt_tokens :])
             # The proposal and the token after it must fit max_new_tokens and the context.
@@ -560,7 +607,11 @@ class EngineCore:
                     request.constraint.mask_seconds, row_seconds_ahead(*tracked.grammar_row_seconds)
                 )
                 draft = draft[: num_draft_tokens_within(len(draft), row_seconds, share_seconds)]
-                draft = draft[: request.constraint.valid_prefix(draft)]
+                try:
+                    draft = draft[: request.constraint.valid_prefix(draft)]
+                except MatcherFull:  # it sits out until rebuilt, then proposes the same again
+                    draft = []
+                    self._rebuilds.start(request.request_id, request.constraint)
             request.draft_token_ids = draft
 
     def _sample(
@@ -594,9 +645,15 @@ class EngineCore:
             allowed,
         )
 
-    def _verify(self, items: list[ScheduledRequest], token_ids: list[int]) -> list[list[int]]:
+    def _verify(
+        self,
+        items: list[ScheduledRequest],
+        token_ids: list[int],
+        skip: set[str] | frozenset[str] = frozenset(),
+    ) -> list[list[int]]:
         """Each sampling request's tokens of this step: its samples up to and including the first one
-        that differs from its proposal (all of them when none does). token_ids: one per row."""
+        that differs from its proposal (all of them when none does). token_ids: one per row. Those of
+        `skip` (samples dropped) leave no trace in the proposals' counts."""
         kept: list[list[int]] = []
         row = 0
         for item in items:
@@ -604,7 +661,7 @@ class EngineCore:
             tokens = verified_tokens(proposal, token_ids[row : row + 1 + item.num_draft_tokens])
             row += 1 + item.num_draft_tokens
             kept.append(tokens)
-            if proposal:
+            if proposal and item.request_id not in skip:
                 num_accepted = len(tokens) - 1
                 tracked = self._live[item.request_id]
                 tracked.num_to_propose = (
