@@ -20,6 +20,10 @@ ENCODER = "tandem.encoder"  # the encoder's, which gives CALL_LIMIT alone
 CALL_LIMIT = "CALL_LIMIT"
 MAX_CALLS = "maxCalls"
 
+# The encoder's reasons and each one's keys: what a decoder passes on of an encoder's ErrorInfo, which is
+# another server's word (its refusal of an encoder part: tandem.decoder.api.encoder_refusal).
+ENCODER_REASONS: Mapping[str, frozenset[str]] = {CALL_LIMIT: frozenset({MAX_CALLS})}
+
 # RESOURCE_EXHAUSTED, RetryInfo: the caller's open streams hold HELD_ENTRIES prompt-logprob entries
 # (positions x (1 + top)), this stream needs NEEDED_ENTRIES more, and a caller may hold MAX_ENTRIES.
 PROMPT_LOGPROB_BUDGET = "PROMPT_LOGPROB_BUDGET"

@@ -79,7 +79,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,7 +97,7 @@ from tandem.client.errors import (
     Unavailable,
 )
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.client.status_details import StatusDetails, status_details
+from tandem.client.status_details import status_details
 from tandem.common import replica_name
 from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import read_table_sample
@@ -106,6 +105,7 @@ from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
 from tandem.decoder.api.encoder_model_check import EncoderModelCheck
 from tandem.decoder.api.encoder_over_cap import over_cap, rows_too_large
+from tandem.decoder.api.encoder_refusal import passed_on, refused
 from tandem.decoder.api.shared_fetches import SharedFetches
 from tandem.decoder.api.trace_context import trace_context
 from tandem.decoder.backends.cpu import copy_digest
@@ -625,13 +625,14 @@ class EncoderParts:
     def _error(self, error: grpc.aio.AioRpcError, field: str, is_capped: bool) -> TandemError:
         """The encoder's status as this call's: about the input, or about the encoder. `is_capped`: the
         call's time was this decoder's MAX_FETCH_S, not the caller's deadline. The encoder's details go
-        on with it (its ErrorInfo, its RetryInfo bounded, its BadRequest field under the part's:
-        `_refused`): they were dropped, the field left in the message alone."""
+        on with it where they are the encoder's own (its ErrorInfo, its RetryInfo bounded, its BadRequest
+        field under the part's: `encoder_refusal.py`): they were dropped, the field left in the message
+        alone."""
         code, details = error.code(), error.details() or ""
         who = self._who(error)
         said = status_details(error)
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            return _refused(code, field, details, said)
+            return refused(code, field, details, said)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return self._out_of_time(field, is_capped, "embedded it", who)
         if (over := over_cap(error)) is not None:
@@ -650,23 +651,9 @@ class EncoderParts:
                 ENCODER_FULL_RETRY_S
                 if delay_s is None or not 0 < delay_s <= ENCODER_MAX_RETRY_S
                 else delay_s,
-                info=said.info,
+                info=passed_on(said.info),
             )
         return Unavailable(f"{field}: encoder {who} is unavailable ({code.name}: {details})")
-
-
-def _refused(code: grpc.StatusCode, field: str, details: str, said: StatusDetails) -> TandemError:
-    """The encoder's refusal of the part's input (INVALID_ARGUMENT or FAILED_PRECONDITION) as one of the
-    part on `field`: its BadRequest field, where it is one of the input's (`image.data`, `text`,
-    `token_ids.ids[3]`: EncoderInput names them as EmbedRequest does), under the part's
-    (`prompt[2].encoder.image.data`), as the message names it; a field the decoder set (`output_dtype`)
-    or none: the part's, the encoder's message after it. Its ErrorInfo goes on as it came."""
-    kind = InvalidArgument if code == grpc.StatusCode.INVALID_ARGUMENT else FailedPrecondition
-    if said.field_violations:
-        inner, description = said.field_violations[0]
-        if re.split(r"[.\[]", inner, maxsplit=1)[0] in encoder_pb2.EncoderInput.DESCRIPTOR.fields_by_name:
-            return kind(f"{field}.{inner}", f"the encoder refused it: {description}", info=said.info)
-    return kind(field, f"the encoder refused it: {details}", info=said.info)
 
 
 def _unavailable(details: str, replica: str | None) -> grpc.aio.AioRpcError:
