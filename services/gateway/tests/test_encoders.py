@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from grpc_health.v1 import health_pb2
 
 from tandem.client.client import EncoderClient
+from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.encoders import EncoderReplicas, gateway_encoder
+from tandem.gateway.encoder_info import EncoderInfo
+from tandem.gateway.encoders import EncoderReplicas, gateway_encoder, info_version
 
 from .fake_encoder import FakeEncoder
 
@@ -99,5 +101,71 @@ async def test_embeds_in_flight_as_the_replicas_serving_change_are_not_cut(
                 await asyncio.sleep(0.01)
         assert len(await asyncio.gather(*embeds)) == 4
         await encoder.stub.Embed(request, timeout=10)  # over the new channel
+    finally:
+        await encoder.close()
+
+
+async def _restart_as(encoder: FakeEncoder, running: RunningServer, model: str) -> None:
+    """`encoder` restarted embedding for `model`, as a rolling upgrade does: not serving, then serving."""
+    await running.health.set("tandem.v1.Encoder", NOT_SERVING)
+    await asyncio.sleep(0.05)
+    encoder.model = model
+    await running.set_serving()
+
+
+async def _wait_for(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def test_the_encoders_model_info_is_asked_again_once_its_replicas_move_to_another_model(
+    three_encoders: list[tuple[FakeEncoder, RunningServer]],
+) -> None:
+    """The encoder's info was asked once: after both replicas moved to another model, /v1/embeddings
+    still answered under the first one's name, with its bounds. It is asked again as the replicas
+    called or their model change."""
+    two = three_encoders[:2]
+    encoder = gateway_encoder(GatewayConfig(encoder_address=",".join(f"127.0.0.1:{r.port}" for _, r in two)))
+    assert isinstance(encoder, EncoderReplicas)
+    info = EncoderInfo(encoder.stub, info_version(encoder))
+    try:
+        await _wait_for(lambda: len(encoder.replicas.serving) == 2)
+        assert (await info.get(None)).model == "fake-encoder"
+        for fake, running in two:
+            fake.max_image_bytes = 1234
+            await _restart_as(fake, running, "new-encoder")
+        await _wait_for(
+            lambda: encoder.replicas.model == "new-encoder" and len(encoder.replicas.serving) == 2
+        )
+        answer = await info.get(None)
+        assert (answer.model, answer.max_image_bytes) == ("new-encoder", 1234)
+        asked = sum(fake.num_model_infos for fake, _ in two)
+        await info.get(None)
+        assert sum(fake.num_model_infos for fake, _ in two) == asked  # nothing changed: not asked again
+    finally:
+        await encoder.close()
+
+
+async def test_an_embed_while_no_encoder_replica_serves_the_model_is_unavailable_at_once(
+    three_encoders: list[tuple[FakeEncoder, RunningServer]],
+) -> None:
+    """With one replica left out on another model and the other restarting, embeds went to the one left
+    out (its vectors under the other model's name): the gateway answers 503 (Unavailable) itself."""
+    (a, running_a), (b, running_b) = three_encoders[:2]
+    encoder = gateway_encoder(
+        GatewayConfig(encoder_address=f"127.0.0.1:{running_a.port},127.0.0.1:{running_b.port}")
+    )
+    assert isinstance(encoder, EncoderReplicas)
+    try:
+        await _wait_for(lambda: len(encoder.replicas.serving) == 2)
+        await _restart_as(a, running_a, "new-encoder")
+        await _wait_for(lambda: encoder.replicas.num_left_out == 1)
+        await running_b.health.set("tandem.v1.Encoder", NOT_SERVING)
+        await _wait_for(lambda: not encoder.replicas.serving)
+        request = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=b"picture"))
+        with pytest.raises(Unavailable, match="no encoder replica serves"):
+            await encoder.stub.Embed(request, timeout=5)
+        assert not a.embedded and not b.embedded
     finally:
         await encoder.close()

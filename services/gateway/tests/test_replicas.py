@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client.channel import ChannelSecurity
-from tandem.client.errors import ConfigError
+from tandem.client.errors import ConfigError, Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.callers import CallerChannels, decoder_channels, model_check_metadata
@@ -43,12 +43,20 @@ class CountingDecoder(FakeDecoder):
     info_delay_s: float = 0.0  # how long its GetModelInfo takes (a replica busy or stopped)
     sample: encoder_pb2.TokenTableSample | None = None  # its token table's; None: a decoder from before
     weights: tuple[decoder_pb2.WeightSample, ...] = ()  # its later weights'; none: a decoder from before
+    fail_infos: bool = False  # its GetModelInfo fails (INTERNAL), counted in num_failed_infos
+    num_failed_infos: int = 0
+    info_gate: asyncio.Event | None = None  # its GetModelInfo waits for it (a replica slow to answer)
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.DecoderGetModelInfoResponse:
+        if self.fail_infos:
+            self.num_failed_infos += 1
+            await context.abort(grpc.StatusCode.INTERNAL, "a hiccup")
         self.num_infos += 1
         await asyncio.sleep(self.info_delay_s)
+        if self.info_gate is not None:
+            await self.info_gate.wait()
         reply = await super().GetModelInfo(request, context)
         reply.model = self.model
         if self.sample is not None:
@@ -516,7 +524,7 @@ async def test_restarting_the_replica_of_the_gateways_model_in_a_1_vs_1_pair_kee
     """A (the gateway's model) and B (another, left out): A restarting with its model made B the
     majority for the restart's seconds, so the gateway moved to B's model and left A out for good, its
     callers given B's tokens. A replica restarting counts for the model it said last: the gateway keeps
-    A's model, and while A does not serve, its callers go to A (a 503 from a real decoder), never to B."""
+    A's model, and while A does not serve, its callers get the gateway's 503 (Unavailable), never B."""
     (a, running_a), (b, _) = replicas
     b.model = "other-model"
     channels, replica_a, replica_b = await _mixed(replicas)
@@ -527,10 +535,11 @@ async def test_restarting_the_replica_of_the_gateways_model_in_a_1_vs_1_pair_kee
         await running_a.health.set("tandem.v1.Decoder", NOT_SERVING)
         await _eventually(lambda: replica_a not in seen.serving)
         assert seen.model == "fake-model" and seen.mismatched == {replica_b: "other-model"}
-        assert channels.targets == (replica_a,)
+        assert channels.targets == ()
         _asked_models(a, b)
-        await _call(channels, "peer:a caller")
-        assert (a.num_infos, b.num_infos) == (1, 0)
+        with pytest.raises(Unavailable, match="no decoder replica serves model 'fake-model'"):
+            await _call(channels, "peer:a caller")
+        assert (a.num_infos, b.num_infos) == (0, 0)
 
         await running_a.set_serving()  # back, with the same model
         await _eventually(lambda: seen.serving == (replica_a,), timeout_s=10)  # its watch's backoff
@@ -538,6 +547,103 @@ async def test_restarting_the_replica_of_the_gateways_model_in_a_1_vs_1_pair_kee
         assert channels.targets == (replica_a,)
     finally:
         await channels.close()
+
+
+async def _first_upgraded(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> tuple[CallerChannels, Replicas]:
+    """The gateway's channels over 2 replicas of fake-model, and their `Replicas`, once the first has
+    restarted on new-model, left out on the tie: a 2-replica rolling upgrade's first half."""
+    (a, server_a), (_, server_b) = replicas
+    channels = _gateway_channels([server_a, server_b])
+    seen = channels.replicas
+    assert seen is not None
+    try:
+        await _eventually(lambda: _num_serving(channels) == 2)
+        await _restart_as(a, server_a, "new-model")
+        await _eventually(lambda: seen.mismatched == {f"127.0.0.1:{server_a.port}": "new-model"})
+    except BaseException:
+        await channels.close()
+        raise
+    return channels, seen
+
+
+async def test_a_replica_whose_model_ask_failed_after_its_restart_is_asked_again_and_gets_no_calls_meanwhile(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """A 2-replica upgrade whose second replica's ask failed once as it came back: asked once, it kept
+    counting for the old model for good, the gateway stayed on it with the first replica (on the new
+    one) left out, and calls went to the second under the old model's name. It is asked again; until
+    it answers it gets no calls (503) and still counts for the model it said (the gateway's stays)."""
+    (_, _), (b, server_b) = replicas
+    channels, seen = await _first_upgraded(replicas)
+    try:
+        b.fail_infos = True
+        await _restart_as(b, server_b, "new-model")
+        await _eventually(lambda: b.num_failed_infos >= 2)  # asked again (MIN_RETRY_S later)
+        assert seen.model == "fake-model" and seen.targets == () and not seen.serving
+        with pytest.raises(Unavailable):
+            await _call(channels, "peer:a caller")
+
+        b.fail_infos = False
+        await _eventually(lambda: _num_serving(channels) == 2)  # its backoff: 1.6 s at most by now
+        assert seen.model == "new-model" and not seen.mismatched
+    finally:
+        await channels.close()
+
+
+async def test_a_replica_back_on_another_model_gets_no_calls_while_its_model_is_asked(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """While no replica served the gateway's model, calls went to every replica not left out: one
+    back on the upgrade's model, its model still being asked (or its watch in its backoff), answered
+    them under the old model's name. The gateway answers 503 itself until a replica serves its model."""
+    (_, _), (b, server_b) = replicas
+    channels, seen = await _first_upgraded(replicas)
+    try:
+        b.info_gate = asyncio.Event()
+        await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+        await _eventually(lambda: not seen.serving)
+        assert seen.targets == ()  # b restarting: it may come back on another model before it is seen
+        b.model = "new-model"
+        _asked_models(b)
+        await server_b.set_serving()
+        await _eventually(lambda: b.num_infos == 1)  # seen serving, its model being asked
+        assert seen.targets == ()
+        with pytest.raises(Unavailable):
+            await _call(channels, "peer:a caller")
+        b.info_gate.set()
+        await _eventually(lambda: _num_serving(channels) == 2)
+        assert seen.model == "new-model"
+    finally:
+        await channels.close()
+
+
+async def test_a_replica_left_out_that_flaps_is_logged_at_error_once(
+    replicas: list[tuple[CountingDecoder, RunningServer]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each flap of a replica left out (not serving, then serving its model again) logged it at ERROR
+    again; it is logged again only where it comes back with another model."""
+    (_, _), (b, server_b) = replicas
+    b.model = "other-model"
+    with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
+        channels, _, replica_b = await _mixed(replicas)
+        seen = channels.replicas
+        assert seen is not None
+        try:
+            await _eventually(lambda: seen.mismatched == {replica_b: "other-model"})
+            for _ in range(2):
+                _asked_models(b)
+                await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+                await _eventually(lambda: not seen.mismatched)
+                await server_b.set_serving()
+                await _eventually(lambda: seen.mismatched == {replica_b: "other-model"} and b.num_infos == 1)
+            await _restart_as(b, server_b, "third-model")
+            await _eventually(lambda: seen.mismatched == {replica_b: "third-model"})
+        finally:
+            await channels.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and "'other-model'" in errors[0] and "'third-model'" in errors[1], errors
 
 
 async def test_the_gateway_names_a_replica_of_another_model_in_health_and_follows_an_upgrade(
@@ -571,8 +677,8 @@ async def test_the_gateway_names_a_replica_of_another_model_in_health_and_follow
             "other_models": [{"replica": f"127.0.0.1:{server_b.port}", "model": "new-model"}],
         }
         await _restart_as(a, server_a, "new-model")
-        async with asyncio.timeout(5):
-            while (await get("/v1/models"))[1]["data"][0]["id"] != "new-model":
+        async with asyncio.timeout(5):  # a 503 while neither serves fake-model nor is new-model's yet
+            while (await get("/v1/models"))[1].get("data", [{}])[0].get("id") != "new-model":
                 await asyncio.sleep(0.05)
         body = {"model": "new-model", "prompt": "hi", "max_tokens": 2}
         async with session.post(url + "/completions", json=body) as response:

@@ -38,6 +38,7 @@ import grpc
 
 from tandem.client.channel import channel_target, open_channel
 from tandem.client.client import DecoderClient
+from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.replica_model import ReplicaModel
@@ -98,8 +99,11 @@ class CallerChannels:
 
     @contextlib.asynccontextmanager
     async def stub(self, caller: str) -> AsyncIterator[decoder_pb2_grpc.DecoderStub]:
-        """The decoder stub of `caller`'s own channel, held for the body."""
+        """The decoder stub of `caller`'s own channel, held for the body. Raises Unavailable (a 503)
+        where no replica serves the gateway's model (`Replicas.targets`)."""
         targets = self.targets
+        if self.replicas is not None and not targets:
+            raise Unavailable(f"no decoder replica serves model {self.replicas.model!r} now; retry")
         held = self._channels.get(caller)
         if held is not None and held.targets != targets:
             self._retire(caller)

@@ -23,7 +23,8 @@ gateway's model (`replicas.py`: its name and token table sample), round robin, s
 another. They serve one checkpoint, but each answers with what it was started with (its context from
 --num-kv-blocks or --max-model-len, its adapters, --encoder): replicas are taken to be started alike,
 and the answer held is one replica's. A replica whose model could not be asked (refused, unanswered) is
-among them too.
+among them too where it never said one (`replicas.py`). Where none serves the gateway's model, an ask
+raises Unavailable (the gateway's 503) and a refresh keeps the answer held.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from contextlib import AbstractAsyncContextManager
 
 import grpc
 
+from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 
 log = logging.getLogger("tandem.gateway")
@@ -107,11 +109,10 @@ class DecoderInfo:
     async def _refreshed(self, metadata: Metadata) -> None:
         try:
             await self._ask(metadata)
-        except grpc.aio.AioRpcError as error:
+        except (grpc.aio.AioRpcError, Unavailable) as error:  # Unavailable: no replica serves its model
             if self._tried_at == float("-inf"):
-                log.warning(
-                    "the decoder's model info was not refreshed (the last kept): %s", error.code().name
-                )
+                why = error.code().name if isinstance(error, grpc.aio.AioRpcError) else str(error)
+                log.warning("the decoder's model info was not refreshed (the last kept): %s", why)
             self._tried_at = time.monotonic()
         else:
             if self._tried_at != float("-inf"):

@@ -15,7 +15,8 @@ encoder checkpoints, which report the same model, sample and embedder.
 
 The stub stays the same (`EncoderInfo` holds it); each call goes over the channel open at the time.
 When the targets change, a new channel is opened over them and the old one is closed once its calls
-end (at most RETIRE_GRACE_S: the calls are embeddings, well under a second each).
+end (at most RETIRE_GRACE_S: the calls are embeddings, well under a second each). While no replica
+serves the model (`Replicas.targets` empty), a call raises Unavailable (the gateway's 503) at once.
 
 One address, or a `dns://server/name` naming a DNS server the gateway's resolver does not ask, is one
 channel as before, balanced by gRPC's own health checking.
@@ -32,6 +33,7 @@ import grpc
 
 from tandem.client.channel import channel_target, open_channel
 from tandem.client.client import EncoderClient
+from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.replica_model import ReplicaModel
@@ -46,9 +48,10 @@ RETIRE_GRACE_S = 60.0  # a channel over replicas no longer the targets is closed
 
 
 class _Routed:
-    """Stands in for a channel in a stub: each call goes over the channel `channel_now` gives."""
+    """Stands in for a channel in a stub: each call goes over the channel `channel_now` gives, or
+    raises Unavailable where it gives none (no replica serves the model)."""
 
-    def __init__(self, channel_now: Callable[[], grpc.aio.Channel]) -> None:
+    def __init__(self, channel_now: Callable[[], grpc.aio.Channel | None]) -> None:
         self._channel_now = channel_now
 
     def unary_unary(
@@ -60,6 +63,8 @@ class _Routed:
     ) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             channel = self._channel_now()
+            if channel is None:
+                raise Unavailable("no encoder replica serves the encoder's model now; retry")
             return channel.unary_unary(method, request_serializer, response_deserializer, _registered_method)(
                 *args, **kwargs
             )
@@ -76,20 +81,31 @@ class EncoderReplicas:
         self.replicas = replicas
         self._open_channel = open_channel  # a channel balanced over these replicas, watching none
         replicas.start()  # a list's replicas are found at once: the first channel is over them
-        self._channel = open_channel(replicas.targets)
+        self._channel: grpc.aio.Channel | None = open_channel(replicas.targets)
         replicas.on_change = self._retire
         self._closing: set[asyncio.Task[None]] = set()
         self.stub = encoder_pb2_grpc.EncoderStub(_Routed(lambda: self._channel))
 
     def _retire(self) -> None:
-        retired, self._channel = self._channel, self._open_channel(self.replicas.targets)
-        task = asyncio.ensure_future(retired.close(grace=RETIRE_GRACE_S))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        targets = self.replicas.targets
+        retired, self._channel = self._channel, self._open_channel(targets) if targets else None
+        if retired is not None:
+            task = asyncio.ensure_future(retired.close(grace=RETIRE_GRACE_S))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         await self.replicas.close()
-        await asyncio.gather(self._channel.close(), *self._closing)
+        await asyncio.gather(*([self._channel.close()] if self._channel is not None else []), *self._closing)
+
+
+def info_version(encoder: EncoderClient | EncoderReplicas) -> Callable[[], object]:
+    """What `EncoderInfo` asks again on a change of: the replicas called and the model they serve (one
+    client: nothing, asked once)."""
+    if isinstance(encoder, EncoderReplicas):
+        replicas = encoder.replicas
+        return lambda: (replicas.targets, replicas.model)
+    return lambda: None
 
 
 async def encoder_model(

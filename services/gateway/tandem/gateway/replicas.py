@@ -22,16 +22,29 @@ logged and named in /health, as though it did not serve. Each watched replica co
 said last, serving or not (see the NOTE on restarts below). Another model is another name, or the same
 name over another checkpoint (its token table or weight samples differ: `replica_model.py`). Each
 replica left out is logged at ERROR as it is left out, naming it and both models, whether it came with
-another model or most replicas moved to another (those left behind); a gauge counts them
-(`replica_metrics.py`), and /health names them beside the counts serving and watched. Mixed replicas
-silently answered one model's name with two models' tokens; after a rolling upgrade to another model,
-the gateway kept the first model's name until it restarted. Where a replica cannot be asked (its
-GetModelInfo refused or unanswered), its model is not known and it is not left out.
+another model or most replicas moved to another (those left behind), and again only where it is
+left out with another model than it was logged with (a flapping replica was logged at every flap); a
+gauge counts them (`replica_metrics.py`), and /health names them beside the counts serving and watched.
+Mixed replicas silently answered one model's name with two models' tokens; after a rolling upgrade to
+another model, the gateway kept the first model's name until it restarted.
 
-Where no replica is known to serve the gateway's model (all loading or restarting, or none answered
-yet), callers are balanced over every replica not left out, and a call gets the decoder's own answer (a
-replica loading or stopped: UNAVAILABLE, a 503); before a `dns:` name resolves, over the name itself, as
-gRPC resolves it.
+NOTE: a replica whose model cannot be asked (its GetModelInfo refused or unanswered) is asked again
+every MIN_RETRY_S, doubling up to MAX_RETRY_S, for as long as it serves: asked once, one failed ask
+after a restart left the replica counting for the model it said before the restart, for good (a
+2-replica upgrade X -> Y whose second replica's ask failed once stayed on X, the first replica, on Y,
+left out, and calls went to the second, on Y, under X's name). Until it answers, a replica that never
+said a model gets calls (an older or refusing decoder: not checked, as before), and one that said a
+model before gets none (it may serve another since its restart) but still counts for the model it said
+last: counted for nothing, a failed ask of the gateway's model's replica in a 1-vs-1 pair would hand
+the gateway the other's model, the restart case below.
+
+Where no replica serves the gateway's model (all loading or restarting), the gateway answers 503
+itself (`targets` is empty: `callers.py`), as a vLLM/SGLang router answers for a model with no worker
+up. Balanced over the replicas not left out, callers reached a replica back on another model whose
+model was still being asked, or whose watch was in its backoff (for ~0.5 s of each rolling upgrade's
+restart). Before any replica said a model (at start, or replicas not asked), callers are balanced over
+every replica, and a call gets the decoder's own answer (loading: UNAVAILABLE, a 503); before a `dns:`
+name resolves, over the name itself, as gRPC resolves it.
 
 NOTE: why a replica restarting keeps counting for its model. Counted only while it served, the one
 replica of the gateway's model of a 1-vs-1 pair handed the gateway the other's model as it restarted
@@ -45,8 +58,11 @@ model could not be asked keeps counting for the one it said before. The gateway'
 when most replicas say another: a rolling upgrade moves it as the replica that makes the new model the
 majority serves it. The cost: with 2 replicas, while the second of an upgrade restarts (the first
 serving the new model, left out on the tie), no replica serves the gateway's model and callers get
-503s, as they would from a router; and a replica of the gateway's model stopped for good keeps it
-until the gateway restarts or the address list leaves the replica out.
+503s, as they would from a router; and a replica of the gateway's model stopped for good (or several:
+two of three replicas restarted on a bad release that then crashed hold the gateway on the release's
+model, the third, serving the old one, left out) keeps it until the gateway restarts or the address
+list (a `dns:` name's answer) leaves the replica out. Not counting replicas down for some seconds would
+end that, and hand a 1-vs-1 pair's model to the other side during any restart longer than them.
 """
 
 from __future__ import annotations
@@ -178,12 +194,16 @@ class Replicas:
         # The model each watched replica said last, serving or not: what it counts for (see the NOTE).
         self._said: dict[str, ReplicaModel] = {}
         self._model: ReplicaModel | None = None  # the one most replicas said (ties: the one so far)
-        # The serving replicas of another model at the last `_update`: each logged once as it joins.
+        # The serving replicas of another model at the last `_update`.
         # Replaced whole, never changed: the metrics' export thread reads its length.
         self._left_out: frozenset[str] = frozenset()
+        # Each replica logged as left out, with the model it was logged with: logged again only for
+        # another model (a flapping replica leaves `_left_out` and comes back at each flap).
+        self._logged: dict[str, ReplicaModel] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._resolver: asyncio.Task[None] | None = None
-        self.targets: tuple[str, ...] = (address,)  # what each caller's channel balances over now
+        # What each caller's channel balances over now; empty: none serves the gateway's model (503).
+        self.targets: tuple[str, ...] = (address,)
 
     def start(self) -> None:
         """Starts finding and watching the replicas (on the running event loop)."""
@@ -194,7 +214,8 @@ class Replicas:
 
     @property
     def serving(self) -> tuple[str, ...]:
-        """The replicas that serve the gateway's model (`model`), or whose model is not known."""
+        """The replicas that serve the gateway's model (`model`), or whose model is not known and was
+        never said (see the NOTE on asking again)."""
         return tuple(
             replica for replica, is_serving in self._is_serving.items() if is_serving and self._fits(replica)
         )
@@ -246,7 +267,9 @@ class Replicas:
         if replica not in self._models:  # turned SERVING, its model being asked: a moment
             return False
         model = self._models[replica]
-        return model is None or self._is_ours(model)
+        if model is None:  # not answered (asked again): calls only where it never said a model (NOTE)
+            return replica not in self._said
+        return self._is_ours(model)
 
     async def close(self) -> None:
         tasks = [
@@ -288,6 +311,7 @@ class Replicas:
             del self._is_serving[gone]
             self._forget_model(gone)
             self._said.pop(gone, None)
+            self._logged.pop(gone, None)
         for replica in replicas:
             if replica not in self._watchers:
                 self._is_serving[replica] = False
@@ -311,21 +335,30 @@ class Replicas:
         self._models.pop(replica, None)
 
     async def _ask_model(self, replica: str, channel: grpc.aio.Channel) -> None:
+        """`replica`'s model, asked until it answers (cancelled when it stops serving: `_set`)."""
         assert self._model_of is not None  # asked only then
-        try:
-            model: ReplicaModel | None = await self._model_of(channel)
-        except grpc.aio.AioRpcError as error:
-            log.warning(
-                "%s replica %s: its model could not be asked (%s): not checked",
-                self.kind,
-                replica,
-                error.code(),
-            )
-            model = None
+        retry_s = MIN_RETRY_S
+        while True:
+            try:
+                model = await self._model_of(channel)
+                break
+            except grpc.aio.AioRpcError as error:
+                if replica not in self._models:  # said once per run of failures
+                    how = "gets calls, not checked" if replica not in self._said else "gets no calls"
+                    log.warning(
+                        "%s replica %s: its model could not be asked (%s): asked again; meanwhile it %s",
+                        self.kind,
+                        replica,
+                        error.code(),
+                        how,
+                    )
+                    self._models[replica] = None
+                    self._update()
+            await asyncio.sleep(retry_s)
+            retry_s = min(2 * retry_s, MAX_RETRY_S)
         self._asking.pop(replica, None)
         self._models[replica] = model
-        if model is not None:
-            self._said[replica] = model
+        self._said[replica] = model
         self._update()
 
     def _unlike_ours(self, replica: str, model: ReplicaModel) -> str:
@@ -366,17 +399,23 @@ class Replicas:
         self._choose_model()
         mismatched = self.mismatched
         for replica in mismatched:
-            if replica not in self._left_out and (model := self._models.get(replica)) is not None:
+            model = self._models.get(replica)
+            logged = self._logged.get(replica)
+            if model is not None and (logged is None or not logged.is_same(model)):
                 log.error(
                     "%s replica %s %s: it gets no calls",
                     self.kind,
                     replica,
                     self._unlike_ours(replica, model),
                 )
+                self._logged[replica] = model
+        for replica in [r for r, m in self._logged.items() if self._is_ours(m)]:
+            del self._logged[replica]  # its model is the gateway's now: another move is news
         self._left_out = frozenset(mismatched)
-        # None serving the gateway's model: never those left out, whose tokens would go under its name.
-        others = tuple(replica for replica in self._is_serving if replica not in self._left_out)
-        targets = self.serving or others or (self.address,)
+        # None serving the gateway's model: none (the gateway answers 503), once any replica said one.
+        targets = self.serving
+        if not targets and not self._said:
+            targets = tuple(self._is_serving) or (self.address,)
         if targets != self.targets:
             self.targets = targets
             self.on_change()
