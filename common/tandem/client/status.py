@@ -47,6 +47,16 @@ _CODES: list[tuple[type[errors.TandemError], int]] = [
 # bytes for each of message, field and description, a status of any script is at most 5.6 KB of
 # trailers (1,024 made 7.4 KB, 0.8 KiB short of the limit, with every other trailer to come).
 MAX_MESSAGE_BYTES = 768
+# An ErrorInfo goes in the same trailer: a reason and a few numbers, under 200 bytes. One passed on from
+# another server (the decoder passes an encoder's on) is that server's word, and was sent as it came: an
+# encoder's of 5-11 KB took the decoder's trailer past the limit, and 2-11 of 20 callers got
+# RESOURCE_EXHAUSTED "received metadata size exceeds soft limit" (a 429) for a 400. At most
+# MAX_INFO_BYTES serialized (684 bytes of base64: 6.3 KB of trailers at most, with the message's); a
+# reason or domain over MAX_INFO_NAME_BYTES leaves the ErrorInfo out (cut, it would be another reason),
+# an entry over its bound or past MAX_INFO_BYTES is dropped.
+MAX_INFO_BYTES = 512
+MAX_INFO_NAME_BYTES = 64  # a reason, a domain, a metadata key
+MAX_INFO_VALUE_BYTES = 128
 
 
 def _bounded(text: str) -> str:
@@ -71,13 +81,31 @@ def to_status_proto(error: errors.TandemError) -> status_pb2.Status:
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(error.retry_after_s * 1e9))
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-    if error.info is not None:  # a reason and a few numbers: tens of bytes beside the message
-        status.details.add().Pack(
-            error_details_pb2.ErrorInfo(
-                reason=error.info.reason, domain=error.info.domain, metadata=dict(error.info.metadata)
-            )
-        )
+    if error.info is not None and (info := _bounded_info(error.info)) is not None:
+        status.details.add().Pack(info)
     return status
+
+
+def _bounded_info(info: errors.ErrorInfo) -> error_details_pb2.ErrorInfo | None:
+    """`info` within MAX_INFO_BYTES (see there), its entries in order while they fit; None where its
+    reason or domain does not."""
+    if not (_fits(info.reason, MAX_INFO_NAME_BYTES) and _fits(info.domain, MAX_INFO_NAME_BYTES)):
+        return None
+    bounded = error_details_pb2.ErrorInfo(reason=info.reason, domain=info.domain)
+    for key, value in info.metadata.items():
+        if _fits(key, MAX_INFO_NAME_BYTES) and _fits(value, MAX_INFO_VALUE_BYTES):
+            bounded.metadata[key] = value
+            if bounded.ByteSize() > MAX_INFO_BYTES:
+                del bounded.metadata[key]
+    return bounded
+
+
+def _fits(text: str, max_bytes: int) -> bool:
+    # Text with no UTF-8 (a lone surrogate) fits nowhere: protobuf refuses it.
+    try:
+        return len(text.encode()) <= max_bytes
+    except UnicodeEncodeError:
+        return False
 
 
 def field_violation(error: grpc.RpcError) -> tuple[str, str] | None:

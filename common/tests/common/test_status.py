@@ -1,10 +1,13 @@
 """Domain errors become gRPC statuses with standard google.rpc details."""
 
+import base64
+
 import pytest
 from google.rpc import code_pb2, error_details_pb2
+from grpc_status import rpc_status
 
 from tandem.client import errors
-from tandem.client.status import MAX_MESSAGE_BYTES, to_status_proto
+from tandem.client.status import MAX_INFO_BYTES, MAX_INFO_NAME_BYTES, MAX_MESSAGE_BYTES, to_status_proto
 
 
 def test_invalid_argument_carries_a_field_violation() -> None:
@@ -73,3 +76,55 @@ def test_a_message_is_bounded_in_utf8_bytes_never_cutting_a_character(character:
         kept, _, rest = text.partition("... (")
         assert set(kept) <= {character, *"path: "} and len(kept.encode()) <= MAX_MESSAGE_BYTES
         assert rest.endswith("more characters)")
+
+
+def _trailer_bytes(error: errors.TandemError) -> int:
+    """The trailers a status takes on the wire: grpc-status-details-bin in base64, grpc-message with each
+    byte outside printable ASCII (and '%') percent-encoded as three."""
+    status = rpc_status.to_status(to_status_proto(error))
+    binary = sum(len(base64.b64encode(v)) for k, v in status.trailing_metadata if isinstance(v, bytes))
+    return binary + sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in status.details.encode())
+
+
+@pytest.mark.parametrize("num_bytes", [4000, 5000, 6000, 7000, 8000, 9000, 10_000, 11_000])
+@pytest.mark.parametrize("num_entries", [1, 100])
+def test_an_error_info_passed_on_from_another_server_is_bounded_to_fit_the_trailing_metadata(
+    num_bytes: int, num_entries: int
+) -> None:
+    # An encoder's ErrorInfo of 5-11 KB, passed on as it came, took the decoder's status past a client's
+    # 8 KiB soft limit: RESOURCE_EXHAUSTED "received metadata size exceeds soft limit" for 2-11 of 20.
+    # Here beside a message, field and description of the widest script, each at its own bound.
+    metadata = {f"key{i}": "v" * (num_bytes // num_entries) for i in range(num_entries)}
+    info = errors.ErrorInfo("IMAGE_FORMAT", "tandem.encoder", metadata)
+    error = errors.InvalidArgument("\U0001f600" * 400, "\U0001f600" * 400, info=info)
+    assert _trailer_bytes(error) < 6500
+    error_info = error_details_pb2.ErrorInfo()
+    assert to_status_proto(error).details[1].Unpack(error_info)
+    assert (error_info.reason, error_info.domain) == ("IMAGE_FORMAT", "tandem.encoder")
+    assert len(error_info.SerializeToString()) <= MAX_INFO_BYTES
+    assert all(value == metadata[key] for key, value in error_info.metadata.items())  # whole, or left out
+
+
+def test_an_error_info_keeps_the_entries_that_fit_and_drops_one_whose_key_or_value_is_too_long() -> None:
+    info = errors.ErrorInfo(
+        "QUEUE_FULL",
+        "tandem.decoder",
+        {"k" * (MAX_INFO_NAME_BYTES + 1): "1", "maxWaitingRequests": "256", "note": "\udcff", "v": "9" * 200},
+    )
+    error_info = error_details_pb2.ErrorInfo()
+    assert to_status_proto(errors.ResourceExhausted("queue full", info=info)).details[1].Unpack(error_info)
+    assert dict(error_info.metadata) == {"maxWaitingRequests": "256"}
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        errors.ErrorInfo("R" * (MAX_INFO_NAME_BYTES + 1), "tandem.encoder"),
+        errors.ErrorInfo("QUEUE_FULL", "d" * (MAX_INFO_NAME_BYTES + 1)),
+        errors.ErrorInfo("QUEUE_\udcff", "tandem.decoder"),
+    ],
+    ids=["reason", "domain", "no-utf8"],
+)
+def test_an_error_info_whose_reason_or_domain_does_not_fit_is_left_out(info: errors.ErrorInfo) -> None:
+    # Cut, it would be another reason, which a caller might branch on.
+    assert len(to_status_proto(errors.ResourceExhausted("full", info=info)).details) == 1  # RetryInfo alone
