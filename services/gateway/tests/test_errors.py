@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
 from tandem.gateway.body_limits import BodyLimits
@@ -42,12 +43,16 @@ def test_a_service_path_is_named_as_the_body_names_it(
 
 def _rpc_error(code: grpc.StatusCode, message: str, field: str | None = None) -> grpc.aio.AioRpcError:
     """What a service sends: the status, and its field as a BadRequest detail (google.rpc)."""
-    detail = any_pb2.Any()
     bad = error_details_pb2.BadRequest()
     if field is not None:
         bad.field_violations.add(field=field, description=message)
-    detail.Pack(bad)
-    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    return _with_detail(code, message, bad)
+
+
+def _with_detail(code: grpc.StatusCode, message: str, detail: Message) -> grpc.aio.AioRpcError:
+    packed = any_pb2.Any()
+    packed.Pack(detail)
+    status = status_pb2.Status(code=code.value[0], message=message, details=[packed])
     trailing = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=message)
 
@@ -82,6 +87,26 @@ def test_a_service_that_is_down_is_a_503_worth_a_retry() -> None:
     down = from_grpc(_rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"))
     assert down.status == 503 and down.headers() == {"Retry-After": "1"}
     assert from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "x: bad", "x")).headers() == {}
+
+
+def _full(seconds: int, nanos: int = 0) -> grpc.aio.AioRpcError:
+    """A RESOURCE_EXHAUSTED with a RetryInfo of `seconds` and `nanos`, as a service (or a peer) sends it."""
+    delay = duration_pb2.Duration(seconds=seconds, nanos=nanos)
+    return _with_detail(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "full", error_details_pb2.RetryInfo(retry_delay=delay)
+    )
+
+
+@pytest.mark.parametrize(
+    ("seconds", "nanos", "retry_after"),
+    [(3, 500_000_000, "4"), (60, 0, "60"), (61, 0, "1"), (86_400, 0, "1"), (2**63 - 1, 0, "1"), (0, 0, "1"),
+     (-5, 0, "1"), (-1, 999_999_999, "1")],
+)  # fmt: skip
+def test_a_services_retry_delay_past_a_minute_or_not_above_zero_is_a_second(
+    seconds: int, nanos: int, retry_after: str
+) -> None:
+    # It was passed on as it came: an encoder's 2**63 - 1 s made `Retry-After: 9223372036854775808`.
+    assert from_grpc(_full(seconds, nanos)).headers() == {"Retry-After": retry_after}
 
 
 def test_max_new_tokens_is_named_as_the_caller_spelled_it() -> None:

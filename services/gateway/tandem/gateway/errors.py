@@ -30,6 +30,10 @@ STATUSES: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+# A service's RetryInfo past this (or not above 0) is no advice to pass on: it is taken as none, and a 429
+# or 503 says the 1 s it says without one, as the decoder bounds an encoder's. It was passed on as it
+# came: an encoder's 2**63 - 1 s made `Retry-After: 9223372036854775808`.
+MAX_RETRY_AFTER_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,8 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
     details = status_details(error)
     param = body_field(details.field_violations[0][0], names) if details.field_violations else None
     retry_after = details.retry_delay_s
+    if retry_after is not None and not 0 < retry_after <= MAX_RETRY_AFTER_S:
+        retry_after = None
     message = error.details() or error.code().name
     if status == 429 and "larger than max" in message:  # the transport's size limit: not retryable
         return HttpError(413, "invalid_request_error", message)
