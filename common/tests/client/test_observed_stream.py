@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import grpc
 import pytest
@@ -100,13 +101,16 @@ async def test_the_end_is_told_before_the_read_of_the_error_raises() -> None:
 
 
 class _Failing:
-    """An observer whose every hook raises, as a span whose exporter fails."""
+    """An observer whose every hook raises `failure`, as a span whose exporter fails."""
+
+    def __init__(self, failure: type[BaseException] = RuntimeError) -> None:
+        self.failure = failure
 
     def on_response(self, response: object) -> None:
-        raise RuntimeError("an observer failed")
+        raise self.failure("an observer failed")
 
     def on_end(self, code: grpc.StatusCode, details: str | None) -> None:
-        raise RuntimeError("an observer failed")
+        raise self.failure("an observer failed")
 
 
 async def test_an_observer_that_raises_leaves_the_others_told_and_the_reads_their_own() -> None:
@@ -116,6 +120,32 @@ async def test_an_observer_that_raises_leaves_the_others_told_and_the_reads_thei
     stream = ObservedStream(call, [_Failing(), observer])  # type: ignore[arg-type]
     assert [r async for r in stream] == ["a"]
     assert (observer.responses, observer.ends) == (["a"], [(grpc.StatusCode.OK, None)])
+
+
+async def test_an_observer_that_fails_on_every_response_is_logged_once_a_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Each failure logged its traceback: 301 KB of log for a stream of 1,000 responses.
+    call = _Call(["a"] * 100)
+    stream = ObservedStream(call, [_Failing(), _Failing(), _Observer()])  # type: ignore[arg-type]
+    with caplog.at_level(logging.ERROR, logger="tandem.client.observed_stream"):
+        assert len([r async for r in stream]) == 100
+    assert len(caplog.records) == 2  # one an observer
+
+
+@pytest.mark.parametrize("failure", [asyncio.CancelledError, KeyboardInterrupt])
+async def test_a_cancellation_an_observer_raises_comes_out_of_the_read_after_the_others_have_heard(
+    failure: type[BaseException],
+) -> None:
+    # It skipped the observers after it: their spans never ended, their durations never recorded.
+    call, observer = _Call(["a"]), _Observer()
+    stream = ObservedStream(call, [_Failing(failure), observer])  # type: ignore[arg-type]
+    with pytest.raises(failure):
+        await stream.read()
+    assert observer.responses == ["a"]
+    with pytest.raises(failure):
+        await stream.read()
+    assert observer.ends == [(grpc.StatusCode.OK, None)]
 
 
 async def test_a_call_left_unread_is_told_its_end_by_the_done_callback() -> None:

@@ -175,6 +175,28 @@ async def test_a_repeated_traceparent_is_no_parent() -> None:
     assert span.parent is None
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no words for it")
+
+
+async def _unprintable(request: bytes, context: Any) -> bytes:
+    raise _Unprintable
+
+
+async def test_a_span_whose_attributes_fail_to_be_set_is_ended_all_the_same() -> None:
+    # Recording a failure that cannot be put in words raised before span.end(): the span stayed open.
+    exporter = InMemorySpanExporter()
+    handler = await _spans(exporter).intercept_service(
+        _returning(_unprintable),
+        _Details(f"/{SERVICE}/Echo"),  # type: ignore[arg-type]
+    )
+    with pytest.raises(_Unprintable):
+        await handler.unary_unary(b"", _Context(None))
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes[RPC_GRPC_STATUS_CODE] == grpc.StatusCode.UNKNOWN.value[0]
+
+
 async def test_a_stream_its_caller_cancels_is_cancelled_and_no_server_error(traced: Traced) -> None:
     call = traced.stub("Hang")(b"")
     assert await call.read() == b"first"

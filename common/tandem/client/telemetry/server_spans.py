@@ -274,13 +274,17 @@ def _end(
 def _end_span(
     span: Span, context: grpc.aio.ServicerContext, failure: BaseException | None, is_stop_cut: bool
 ) -> None:
-    code = call_code(context, failure, is_stop_cut)
-    details = context.details() if code is context.code() else None
-    if code is grpc.StatusCode.UNAVAILABLE and is_stop_cut and details is None:
-        details = "the server stopped before the call ended"
-    span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
-    if isinstance(failure, Exception) and not isinstance(failure, grpc.aio.AbortError):
-        span.record_exception(failure)
-    if code in SERVER_ERROR_CODES:
-        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name))
-    span.end()
+    # Ended whatever setting its attributes raises (a failure whose `__str__` raises, recorded): the span
+    # stayed open, its trace incomplete.
+    try:
+        code = call_code(context, failure, is_stop_cut)
+        details = context.details() if code is context.code() else None
+        if code is grpc.StatusCode.UNAVAILABLE and is_stop_cut and details is None:
+            details = "the server stopped before the call ended"
+        span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
+        if isinstance(failure, Exception) and not isinstance(failure, grpc.aio.AbortError):
+            span.record_exception(failure)
+        if code in SERVER_ERROR_CODES:
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name))
+    finally:
+        span.end()
