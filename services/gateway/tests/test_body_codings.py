@@ -346,6 +346,22 @@ NEXT = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # what a proxy in front ma
         pytest.param(HEALTH + b"Transfer-Encoding: \r\n", id="empty: no body to aiohttp"),
         pytest.param(HEALTH.replace(b"1.1", b"1.0") + b"Transfer-Encoding: chunked\r\n", id="HTTP/1.0"),
         pytest.param(HEALTH + b"Transfer-Encoding: chunked, chunked\r\n", id="chunked twice"),
+        pytest.param(HEALTH + b"Transfer-Encoding: ,chunked\r\n", id="an empty item, then chunked"),
+        # aiohttp's own expect handler answered these 417 or `100 Continue` before any middleware ran.
+        pytest.param(HEALTH + b"Transfer-Encoding: \r\nExpect: foo\r\n", id="empty, Expect: foo"),
+        pytest.param(
+            b"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity, chunked\r\n"
+            b"Expect: foo\r\n",
+            id="404, Expect: foo",
+        ),
+        pytest.param(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n"
+            b"Expect: 100-continue\r\n",
+            id="GET, Expect: 100-continue",
+        ),
+        pytest.param(
+            b"OPTIONS * HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: \r\nExpect: foo\r\n", id="OPTIONS *, Expect"
+        ),
     ],
 )
 async def test_a_transfer_encoding_but_chunked_alone_is_400_first_and_nothing_after_its_head_is_read(
@@ -361,3 +377,58 @@ async def test_a_transfer_encoding_but_chunked_alone_is_400_first_and_nothing_af
     # An HTTP/1.0 answer says nothing: its connection closes unless kept alive.
     assert is_closed and (b"connection: close" in heads[0] or heads[0].startswith(b"http/1.0"))
     assert decoder.requests == []
+
+
+EMPTY_BLOCK = (
+    b"\x00\x00\x00\xff\xff"  # a stored deflate block of no bytes: coded bytes that decode to nothing
+)
+
+
+def _deflate_around_empty_blocks(body: bytes) -> tuple[bytes, bytes]:
+    """`body` in deflate cut after its first byte, where empty blocks may go: what comes before and after."""
+    coder = zlib.compressobj(6, zlib.DEFLATED, 15)
+    start = coder.compress(body[:1]) + coder.flush(zlib.Z_SYNC_FLUSH)
+    return start, coder.compress(body[1:]) + coder.flush()
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+CODED_CHUNKED = COMPLETIONS_HEAD + b"Content-Encoding: deflate\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def test_a_coded_body_is_413_once_its_coded_bytes_pass_the_bound_whatever_they_decode_to() -> None:
+    # 1 MiB of empty deflate blocks, chunked, against a 64 KiB bound: bounded by what it decoded to
+    # alone, the gateway took all of it (200 MiB too) and answered 200.
+    start, end = _deflate_around_empty_blocks(BODY)
+    data = start + EMPTY_BLOCK * (MIB // len(EMPTY_BLOCK)) + end
+    settings = {"max_body_bytes": 64 * 1024, "lingering_s": LINGERING_S}
+    async with fake_decoder() as (decoder, address), live_gateway(address, **settings) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, CODED_CHUNKED + _chunk(data) + b"0\r\n\r\n")
+            status, answer = await read_answer(sock, 5)
+        finally:
+            sock.close()
+    assert (status, answer["error"]["param"]) == (413, "body")
+    assert decoder.requests == []
+
+
+async def test_coded_bytes_that_decode_to_nothing_yet_keep_the_body_from_being_idle() -> None:
+    # An empty deflate block every 0.1 s for 0.6 s under a 0.3 s --body-idle-timeout-s: the timer heard
+    # only of decoded bytes, and the body was 408 once 0.3 s had passed.
+    start, end = _deflate_around_empty_blocks(BODY)
+    settings = {"body_idle_timeout_s": 0.3, "body_timeout_s": 30.0}
+    async with fake_decoder() as (_, address), live_gateway(address, **settings) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, CODED_CHUNKED + _chunk(start))
+            for _ in range(6):
+                await asyncio.sleep(0.1)
+                await send(sock, _chunk(EMPTY_BLOCK))
+            await send(sock, _chunk(end) + b"0\r\n\r\n")
+            status, answer = await read_answer(sock, 5)
+        finally:
+            sock.close()
+    assert status == 200 and answer["choices"][0]["text"]

@@ -213,3 +213,86 @@ async def test_a_401_to_a_body_that_came_whole_keeps_its_connection() -> None:
                 assert status == 401 and b"connection: close" not in head
         finally:
             sock.close()
+
+
+TOKEN = b"Authorization: Bearer a\r\n"
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        pytest.param(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n", 401, id="GET, no token"),
+        pytest.param(b"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\n", 401, id="unknown path, no token"),
+        pytest.param(b"GET /health HTTP/1.1\r\nHost: x\r\n", 200, id="health"),
+        pytest.param(b"POST /v1/models HTTP/1.1\r\nHost: x\r\n" + TOKEN, 405, id="405"),
+        pytest.param(b"GET /v1/nowhere HTTP/1.1\r\nHost: x\r\n" + TOKEN, 404, id="404"),
+    ],
+)
+async def test_an_expected_body_a_route_does_not_read_is_never_asked_for(head: bytes, status: int) -> None:
+    """`Expect: 100-continue` where no body is read (a 401 first): answered without `100 Continue`, the
+    connection closed with the answer. aiohttp's own expect handler sent `100 Continue` first, inviting
+    the 50 MB the head declared, the 401 after."""
+    settings = {"max_body_bytes": 4096, "auth_tokens": frozenset({"a"})}
+    async with fake_decoder() as (_, address), live_gateway(address, **settings) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, head + b"Expect: 100-continue\r\nContent-Length: 50000000\r\n\r\n")
+            status_sent, head_sent, _ = await _answer(sock)
+        finally:
+            sock.close()
+    assert status_sent == status and b"connection: close" in head_sent
+
+
+NEXT = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def _answers_until_closed(sent: bytes, url: str) -> list[int]:
+    """The statuses answered to `sent` before the gateway closed the connection."""
+    sock = await connect(url)
+    statuses: list[int] = []
+    try:
+        sending = asyncio.ensure_future(send(sock, sent))
+        try:
+            while True:
+                statuses.append((await _answer(sock))[0])
+        except ConnectionError:
+            pass
+        with contextlib.suppress(ConnectionError):
+            await sending  # the gateway closed under what it did not take
+    finally:
+        sock.close()
+    return statuses
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        pytest.param(b"GET /health HTTP/1.1\r\nHost: x\r\n", id="health"),
+        pytest.param(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + TOKEN, id="models"),
+        pytest.param(b"GET /v1/nowhere HTTP/1.1\r\nHost: x\r\n" + TOKEN, id="404"),
+        pytest.param(b"POST /health HTTP/1.1\r\nHost: x\r\n", id="405"),
+    ],
+)
+async def test_a_body_past_the_bound_that_an_answer_leaves_unread_is_dropped_and_its_connection_closed(
+    head: bytes,
+) -> None:
+    # 8 MiB over a 4,096-byte bound: aiohttp drained all of it after the answer and served the next
+    # request on the connection.
+    settings = {"max_body_bytes": 4096, "auth_tokens": frozenset({"a"}), "lingering_s": 0.2}
+    body = b"x" * 8 * 2**20
+    async with fake_decoder() as (_, address), live_gateway(address, **settings) as url:
+        answered = await _answers_until_closed(
+            head + b"Content-Length: %d\r\n\r\n" % len(body) + body + NEXT, url
+        )
+    assert len(answered) == 1, answered
+
+
+async def test_a_body_within_the_bound_an_answer_leaves_unread_is_drained_on_a_connection_kept() -> None:
+    async with fake_decoder() as (_, address), live_gateway(address, max_body_bytes=4096) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello" + NEXT)
+            answers = [await _answer(sock), await _answer(sock)]
+        finally:
+            sock.close()
+    assert [(status, b"connection: close" in head) for status, head, _ in answers] == [(200, False)] * 2

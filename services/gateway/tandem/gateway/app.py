@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from aiohttp import HttpVersion11, StreamReader, web
+from aiohttp import HttpVersion11, StreamReader, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -62,6 +62,7 @@ from tandem.gateway.embed_request import embed_request
 from tandem.gateway.encoder_info import EncoderInfo
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
 from tandem.gateway.http_span import (
+    UNROUTED,
     cut_attributes,
     left_attributes,
     note_sent_status,
@@ -131,27 +132,45 @@ class Gateway:
         )
         if self.tracer is not None:  # the status a span of a request cut after its head was sent says
             app.on_response_prepare.append(note_sent_status)
-        app.router.add_get(HEALTH_PATH, self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model:.+}", self.model)  # names may hold a "/"
-        app.router.add_post("/v1/chat/completions", self.chat, expect_handler=self._expect)
-        app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect)
-        app.router.add_post("/v1/embeddings", self.embeddings, expect_handler=self._expect)
+        # Every route has an expect handler of the gateway's, the unrouted too (`unrouted`, registered
+        # last): aiohttp runs a route's before any middleware, and its own answered `Expect: foo` 417 and
+        # kept the connection, the framing unchecked (`Transfer-Encoding: ` then a request as the "body":
+        # that request answered too), and sent `100 Continue` to a caller with no token, or to GET /health
+        # declaring 50 MB, inviting a body no one reads.
+        bodiless = {"expect_handler": self._expect_no_body}
+        app.router.add_get(HEALTH_PATH, self.health, **bodiless)
+        app.router.add_get("/v1/models", self.models, **bodiless)
+        app.router.add_get("/v1/models/{model:.+}", self.model, **bodiless)  # names may hold a "/"
+        app.router.add_post("/v1/chat/completions", self.chat, expect_handler=self._expect_body)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect_body)
+        app.router.add_post("/v1/embeddings", self.embeddings, expect_handler=self._expect_body)
+        unrouted = _Unrouted("/{path:.*}", name=UNROUTED)
+        app.router.register_resource(unrouted)
+        unrouted.add_route("*", self.unrouted, **bodiless)
         return app
 
-    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        """A request head asking `Expect: 100-continue`: refused before its body is sent where the
-        normal path refuses it unread, in the same order (a Transfer-Encoding other than chunked, 401
-        without an accepted token, 417 for another expectation, then 413 for a declared length over
-        --max-body-bytes, then a coding the gateway does not decode), the answer saying `Connection:
-        close`; else `100 Continue`.
+    async def _expect_body(self, request: web.Request) -> web.StreamResponse | None:
+        """`_expect` for a route that reads the body: `100 Continue` where it is not refused."""
+        return await self._expect(request, reads_body=True)
+
+    async def _expect_no_body(self, request: web.Request) -> web.StreamResponse | None:
+        """`_expect` for a route that reads no body: never `100 Continue`, the answer comes without it
+        (RFC 9110 10.1.1), and what was announced is not read (`_framing`)."""
+        return await self._expect(request, reads_body=False)
+
+    async def _expect(self, request: web.Request, reads_body: bool) -> web.StreamResponse | None:
+        """A request head with an `Expect`: refused before its body is sent where the normal path
+        refuses it unread, in the same order (a Transfer-Encoding other than chunked, 401 without an
+        accepted token, 417 for another expectation than 100-continue, then, where the route reads the
+        body, 413 for a declared length over --max-body-bytes, then a coding the gateway does not
+        decode), the answer saying `Connection: close`; else `100 Continue` where the route reads the body.
         aiohttp runs this before the middlewares, and its own handler sent `100 Continue` to every head:
         a client uploaded a whole body (5,000 bytes over a 4,096 bound) only to be answered 413."""
         if self.guard is not None:
             self.guard.head_received(request.transport)  # as the middleware would: it runs after, or never
         if request.version != HttpVersion11:  # HTTP/1.0 has no interim answers: its expectation ignored
             return None
-        if (refusal := self._expect_refusal(request)) is not None:
+        if (refusal := self._expect_refusal(request, reads_body)) is not None:
             # Answered by aiohttp, which then lingers (LINGERING_S), reading and dropping unparsed what
             # comes of the body before it closes (`_drop_rest`): a client may send the body without
             # waiting for `100 Continue` (RFC 9110 10.1.1; Python's http.client does), and a socket
@@ -162,6 +181,8 @@ class Gateway:
             if _is_body_left(request):
                 _drop_rest(request, response)
             return response
+        if not reads_body:
+            return None
         try:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         except ConnectionResetError:  # the caller left after its head: as `_errors` treats it, no traceback
@@ -169,7 +190,7 @@ class Gateway:
         request.writer.output_size = 0  # as aiohttp's: the answer's size, for the access log, starts after
         return None
 
-    def _expect_refusal(self, request: web.Request) -> HttpError | None:
+    def _expect_refusal(self, request: web.Request, reads_body: bool) -> HttpError | None:
         """What `_expect` refuses `request` with, in the normal path's order, or None."""
         if (framing := framing_refusal(request.headers, request.version)) is not None:
             return framing
@@ -179,6 +200,8 @@ class Gateway:
         if expect.lower() != "100-continue":
             message = f"Expect: {expect[:64]!r} is not an expectation this server meets (only 100-continue)"
             return HttpError(417, "invalid_request_error", message)
+        if not reads_body:
+            return None
         declared = request.content_length
         if declared is not None and declared > self.config.max_body_bytes:
             return _too_large(self.config.max_body_bytes)
@@ -240,9 +263,20 @@ class Gateway:
     async def _framing(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """A request whose Transfer-Encoding is anything but chunked alone: 400 naming it, whatever its
         path and whoever sends it, and nothing after its head read as HTTP (`framing_refusal`'s NOTE:
-        its connection was kept, its body drained by a framing a proxy in front may not share)."""
+        its connection was kept, its body drained by a framing a proxy in front may not share).
+
+        NOTE: why an answer that leaves a body unread past a bound closes. aiohttp drains what its
+        handler left of a body (its lingering read) and keeps the connection where the body ends in that
+        time, however large: GET /health or /v1/models, a 404 or a 405, with 64 MiB over a 1 MiB
+        --max-body-bytes, parsed all of it and served the next request on the connection. What is left is
+        drained only where its length is declared within --max-body-bytes and it was not held back for
+        a `100 Continue` (which a route reading no body never sends); else it is dropped unparsed and the
+        connection closed after the answer, as a 401 does (`_drop_rest`)."""
         if (refusal := framing_refusal(request.headers, request.version)) is None:
-            return await handler(request)
+            response = await handler(request)
+            if _is_body_left(request) and not self._is_drained(request):
+                _drop_rest(request, response)
+            return response
         if self.guard is not None:
             self.guard.head_received(request.transport)  # as `_errors` would: it does not run
         response = error_response(refusal)
@@ -266,6 +300,12 @@ class Gateway:
         if _is_body_left(request):
             _drop_rest(request, response)
         return response
+
+    def _is_drained(self, request: web.Request) -> bool:
+        """Whether what an answer left of `request`'s body is worth draining (`_framing`'s NOTE)."""
+        declared = request.content_length
+        is_bounded = declared is not None and declared <= self.config.max_body_bytes
+        return is_bounded and hdrs.EXPECT not in request.headers
 
     def _unauthenticated(self, request: web.Request) -> HttpError | None:
         """A 401 when tokens are checked and `request` carries no accepted bearer token."""
@@ -345,6 +385,17 @@ class Gateway:
                 for r, m in mismatched.items()
             ]
         return web.json_response(body, status=200 if serving else 503)
+
+    async def unrouted(self, request: web.Request) -> web.Response:
+        """A path no route serves (404), or a method its route does not (405): a route of its own, so
+        that its `Expect` is the gateway's to answer (`app`)."""
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource.name != UNROUTED:
+                allowed |= (await resource.resolve(request))[1]
+        if allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": await self._model_cards(request)})
@@ -463,14 +514,22 @@ class Gateway:
         if (refusal := coding_refusal(request.headers)) is not None:
             raise Refused(refusal)
         is_large = declared is not None and declared >= self.config.large_body_bytes
-        content: DecodedBody | StreamReader = request.content
-        if (coding := coding_of(request.headers)) is not None:
-            content = request[DECODED_BODY] = DecodedBody(request.content, coding)
         body, num_values = bytearray(), 0
         # Two bounds on one timer: the next bytes within --body-idle-timeout-s, all of them by the
         # --body-timeout-s deadline.
         loop = asyncio.get_running_loop()
         idle_s, deadline = self.config.body_idle_timeout_s, loop.time() + self.config.body_timeout_s
+
+        def on_coded(num_coded: int) -> None:
+            # A coded body is bounded as sent too, as a declared length is (DecodedBody's NOTE), and each
+            # coded piece is its caller's progress, whatever it decodes to.
+            if num_coded > limit:
+                raise Refused(_too_large(limit))
+            timer.reschedule(min(deadline, loop.time() + idle_s))
+
+        content: DecodedBody | StreamReader = request.content
+        if (coding := coding_of(request.headers)) is not None:
+            content = request[DECODED_BODY] = DecodedBody(request.content, coding, on_coded)
         try:
             async with asyncio.timeout_at(min(deadline, loop.time() + idle_s)) as timer:
                 while chunk := await content.readany():
@@ -676,6 +735,14 @@ class Gateway:
         else:
             async with self.callers.stub(GATEWAY_CALLER) as stub:
                 yield stub
+
+
+class _Unrouted(web.DynamicResource):
+    """Every request target, `*` (`OPTIONS *`) too, which no pattern of aiohttp's matches: each starts with
+    "/", and `OPTIONS *` met aiohttp's own expect handler (`Gateway.app`)."""
+
+    def _match(self, path: str) -> dict[str, str] | None:
+        return {"path": path}
 
 
 async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:

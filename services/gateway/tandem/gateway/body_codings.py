@@ -31,6 +31,7 @@ aiohttp's parser did not know.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NoReturn
 
 from aiohttp import HttpVersion, HttpVersion11, StreamReader
@@ -79,20 +80,19 @@ def framing_refusal(headers: CIMultiDictProxy[str], version: HttpVersion) -> Htt
     `gzip, chunked` as chunked, an empty line as no body at all (the chunks after it parsed as the next
     request), and its pure-Python one `chunked, chunked` as chunked: each was answered, its body
     drained and the connection kept for the next request, a 400 only where an endpoint read the body.
+    The one line is compared whole, not as a list: `,chunked`, its empty item dropped, was chunked.
     So every such request is the parser's kind of refusal, answered before anything else, and nothing
     after its head is read as HTTP (RFC 9112 6.3: 400, then close). HTTP/1.0 has no transfer codings:
     one that names any is framed as no HTTP/1.0 sender means (RFC 9112 6.1)."""
     lines = headers.getall("Transfer-Encoding", ())
     if not lines:
         return None
-    transfer = _codings(lines)
+    shown = ", ".join(line.strip(" \t") for line in lines)[:64] or "(empty)"
     if version < HttpVersion11:
-        message = (
-            f"Transfer-Encoding: {_shown(transfer)} in an HTTP/1.0 request, which has no transfer codings"
-        )
+        message = f"Transfer-Encoding: {shown} in an HTTP/1.0 request, which has no transfer codings"
         return HttpError(400, "invalid_request_error", message, "Transfer-Encoding")
-    if transfer != ["chunked"] or len(lines) > 1:
-        message = f"Transfer-Encoding: {_shown(transfer)} is not one the gateway reads: chunked alone"
+    if len(lines) > 1 or lines[0].strip(" \t").lower() != "chunked":
+        message = f"Transfer-Encoding: {shown} is not one the gateway reads: chunked alone"
         return HttpError(400, "invalid_request_error", message, "Transfer-Encoding")
     return None
 
@@ -106,11 +106,19 @@ def coding_of(headers: CIMultiDictProxy[str]) -> str | None:
 
 class DecodedBody:
     """A body sent in a content coding, decoded as it is read (the module's NOTE): `readany` gives the
-    next decoded bytes, at most PIECE_BYTES at a time, b"" at the end."""
+    next decoded bytes, at most PIECE_BYTES at a time, b"" at the end.
 
-    def __init__(self, content: StreamReader, coding: str) -> None:
+    NOTE: why its reader is told of each coded piece taken (`on_coded`). Coded bytes may decode to
+    nothing (empty deflate stored blocks, empty gzip members), and `readany` takes more until they give
+    something: bounded by what they decoded to alone, 200 MiB of them were taken against a 64 KiB
+    --max-body-bytes (answered 200), and a reader whose idle timer heard only of decoded bytes timed
+    out a body arriving every second (408). The reader bounds and times the coded bytes as they come
+    instead; what it raises ends the read."""
+
+    def __init__(self, content: StreamReader, coding: str, on_coded: Callable[[int], None]) -> None:
         self._content = content  # the body's bytes as they came, coded
         self._coding = coding  # one of CONTENT_CODINGS, or X_GZIP: named so where it fails
+        self._on_coded = on_coded  # told the coded bytes taken so far, after each piece
         self._decompressor = _decompressor(coding)
         self._num_coded = 0  # coded bytes taken so far
 
@@ -135,6 +143,7 @@ class DecodedBody:
                 # aiohttp reads it so too.
                 self._decompressor = ZLibDecompressor(encoding="deflate", suppress_deflate_header=True)
             self._num_coded += len(coded)
+            self._on_coded(self._num_coded)
             if piece := self._decompress(coded):
                 return piece
 
@@ -187,12 +196,3 @@ def _is_decoded(value: str) -> bool:
     coding by RFC 9110) is refused rather than read as its compressed bytes."""
     coding = value.strip(" \t")
     return coding.isascii() and coding.lower() in ("", "identity", X_GZIP, *CONTENT_CODINGS)
-
-
-def _codings(values: list[str]) -> list[str]:
-    """The codings of a header's lines, in order (RFC 9110 5.3: lines are a comma-separated list)."""
-    return [c.strip(" \t").lower() for value in values for c in value.split(",") if c.strip(" \t")]
-
-
-def _shown(codings: list[str]) -> str:
-    return ", ".join(codings)[:64] or "(empty)"

@@ -30,6 +30,9 @@ GATEWAY_CUT_ERROR = "tandem.gateway_cut"
 # The status sent with the answer's head, kept for a request cut after it: its handler returns nothing.
 SENT_STATUS = web.RequestKey("sent_status", int)
 
+# The name of the gateway's route for a path or method no other route serves (its 404 and 405): no route.
+UNROUTED = "unrouted"
+
 KNOWN_METHODS = frozenset({"CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE"})
 OTHER_METHOD = "_OTHER"
 
@@ -37,7 +40,7 @@ OTHER_METHOD = "_OTHER"
 def route_of(request: web.Request) -> str | None:
     """The route the request matched (`/v1/models/{model}`), None for a path no route matches."""
     resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else None
+    return resource.canonical if resource is not None and resource.name != UNROUTED else None
 
 
 def span_name(request: web.Request, route: str | None) -> str:
