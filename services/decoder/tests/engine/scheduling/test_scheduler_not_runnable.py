@@ -75,3 +75,47 @@ def test_an_unsampled_request_runs_the_same_positions_again_and_gets_its_own_out
     assert (a.num_computed_tokens, a.draft_token_ids, len(a.output_token_ids)) == (9, [], 1)
     run_until_done(scheduler, runner)
     assert a.output_token_ids == reference_outputs("a", 5)
+
+
+def test_a_waiting_request_not_runnable_takes_no_slot_from_a_running_one() -> None:
+    """The batch full and a caller's request waiting (preempted for a fair turn) while its matcher is
+    rebuilt: a slot was yielded for it every step, the victim re-admitted at once in its place and
+    its prompt computed again (225 preemptions in 225 steps of a held rebuild)."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, BlockManager(64, 4, enable_prefix_caching=False))
+    runner = FakeRunner(scheduler)
+    requests = [
+        make_request(name, [1, 2, 3, 4, 5, 6, 7, 8], max_new_tokens=40, caller=caller)
+        for name, caller in (("a1", "a"), ("a2", "a"), ("b", "b"))
+    ]
+    for request in requests:
+        scheduler.add_request(request)
+    preemptions = 0
+    for _ in range(20):
+        plan = scheduler.schedule(not_runnable={"b"})
+        check_invariants(scheduler, plan)
+        preemptions += len(plan.preempted_ids)
+        scheduler.update(plan, runner.execute(plan))
+    assert preemptions == 0
+    run_until_done(scheduler, runner)
+    assert [r.output_token_ids for r in requests] == [reference_outputs(r.request_id, 40) for r in requests]
+
+
+def test_a_heavy_callers_turns_in_a_narrowed_step_go_to_its_runnable_requests() -> None:
+    """A heavy caller's request not runnable, which ran least recently, took the caller's one row of a
+    narrowed step and sat out, so the caller's other requests got no token while it was rebuilt."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, shared_step_seqs=2)
+    scheduler = Scheduler(config, BlockManager(64, 4, enable_prefix_caching=False))
+    runner = FakeRunner(scheduler)
+    for name, caller in (("a1", "a"), ("a2", "a"), ("a3", "a"), ("l", "light")):
+        scheduler.add_request(make_request(name, [1, 2, 3], max_new_tokens=30, caller=caller))
+    plan = scheduler.schedule()  # all four admitted and prefilled; then a1's matcher fills
+    scheduler.update(plan, runner.execute(plan))
+    rows = {"a2": 0, "a3": 0}
+    for _ in range(20):
+        plan = scheduler.schedule(not_runnable={"a1"})
+        check_invariants(scheduler, plan)
+        for name in _ids(plan):
+            rows[name] = rows.get(name, 0) + 1
+        scheduler.update(plan, runner.execute(plan))
+    assert rows["a2"] + rows["a3"] >= 10 and rows.get("a1", 0) == 0

@@ -247,10 +247,13 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._num_steps += 1
-        yielded = self._yield_a_slot()
-        heavy = self._heavy_beside_a_neighbour()
+        # A request not runnable is no one's reason to move others: no slot is yielded for it
+        # (the victim was re-admitted and recomputed every step while it waited), it makes no
+        # caller heavy, and it takes none of its caller's turns in a narrowed step.
+        yielded = self._yield_a_slot(not_runnable)
+        heavy = self._heavy_beside_a_neighbour(not_runnable)
         step_limit = None if heavy is None else self.config.shared_step_seqs
-        sitting_out = set() if step_limit is None else self._sitting_out(step_limit, heavy)
+        sitting_out = set() if step_limit is None else self._sitting_out(step_limit, heavy, not_runnable)
         sitting_out.update(not_runnable)
         cap = self._prefill_cap(sitting_out)
         budget = self._schedule_running(
@@ -290,7 +293,7 @@ class Scheduler:
             return max([n for n in buckets if n <= threshold], default=buckets[0])
         return max(threshold - num_decodes, (threshold + 1) // 2)
 
-    def _heavy_beside_a_neighbour(self) -> set[str] | None:
+    def _heavy_beside_a_neighbour(self, not_runnable: Collection[str] = frozenset()) -> set[str] | None:
         """The heavy callers (requests waiting, or more running than `shared_step_seqs`), when the step
         is to be narrowed: a light caller runs beside a heavy one (a neighbour beside a flood, queued
         or not), or a caller running nothing can be admitted beside running ones (a neighbour's first
@@ -299,8 +302,8 @@ class Scheduler:
         limit = self.config.shared_step_seqs
         if limit is None or not self.running:
             return None
-        running = Counter(r.caller for r in self.running)
-        waiting = {r.caller for r in self.waiting}
+        running = Counter(r.caller for r in self.running if r.request_id not in not_runnable)
+        waiting = {r.caller for r in self.waiting if r.request_id not in not_runnable}
         heavy = waiting | {caller for caller, n in running.items() if n > limit}
         if not heavy:
             return None
@@ -309,13 +312,16 @@ class Scheduler:
         newcomer = not waiting <= running.keys()
         return heavy if newcomer and len(self.running) < self.config.max_num_seqs else None
 
-    def _sitting_out(self, limit: int, heavy: set[str]) -> set[str]:
+    def _sitting_out(
+        self, limit: int, heavy: set[str], not_runnable: Collection[str] = frozenset()
+    ) -> set[str]:
         """Running requests that skip this step (ids): the step holds every request of the light
         callers and, up to `limit` requests in all but at least one, the heavy callers' that ran least
         recently (so the heavy callers, together, still advance every step: beside many neighbours
         they get one row a step, as each neighbour does)."""
-        others = [r for r in self.running if r.caller in heavy]
-        room = max(1, limit - (len(self.running) - len(others)))
+        runnable = [r for r in self.running if r.request_id not in not_runnable]
+        others = [r for r in runnable if r.caller in heavy]
+        room = max(1, limit - (len(runnable) - len(others)))
         others.sort(key=lambda r: r.last_step)  # stable: admission order among equals
         return {r.request_id for r in others[room:]}
 
@@ -401,18 +407,19 @@ class Scheduler:
             budget -= num_new_tokens
         return budget
 
-    def _yield_a_slot(self) -> list[str]:
+    def _yield_a_slot(self, not_runnable: Collection[str] = frozenset()) -> list[str]:
         """With the batch full, preempt one running request for a waiting caller that runs fewer (one
         per step; the ids preempted): the latest-admitted request of the busiest caller when the
         waiting caller runs at least two fewer (the gap shrinks by two with each yield, so slots never
         go back and forth); else, when the waiting caller runs none and every running caller one, the
         request that has run longest since its admission, once that is FAIR_TURN_TOKENS (slots go
         round the callers, a turn each)."""
-        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+        waiting = [r for r in self.waiting if r.request_id not in not_runnable]
+        if len(self.running) < self.config.max_num_seqs or not waiting:
             return []
         running = Counter(r.caller for r in self.running)
         busiest, most = running.most_common(1)[0]
-        fewest = min(running[r.caller] for r in self.waiting)
+        fewest = min(running[r.caller] for r in waiting)
         if most - fewest >= 2:
             victim = next(r for r in reversed(self.running) if r.caller == busiest)
         elif fewest == 0:

@@ -458,8 +458,11 @@ class EngineCore:
                 tracked = self._live[item.request_id]
                 row_seconds = grammar_seconds[item.request_id] / (1 + item.num_draft_tokens)
                 tracked.grammar_row_seconds = (row_seconds, tracked.grammar_row_seconds[0])
-                # Its matcher's rebuilds ran on a thread of their own while the step waited: they
-                # count in the step's budget, not in its rows' cost (grammar_growth.py's NOTE).
+                # Its matcher's rebuilds count in the step's budget, not in its rows' cost
+                # (grammar_growth.py's NOTE): one taken in a step, and a deferred one's build and
+                # 20 ms slices (step/grammar_rebuilds.py), charged whole at its first step back,
+                # though each slice held a step up 20 ms at most: a dear replay may still end its
+                # request over the budget, as when it stalled the step.
                 if (metered := item.request.constraint.metered) is not None:
                     rebuild_seconds[item.request_id] = metered.take_rebuild_seconds()
                     grammar_seconds[item.request_id] += rebuild_seconds[item.request_id]
