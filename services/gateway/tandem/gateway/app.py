@@ -60,6 +60,7 @@ from tandem.gateway.connections import ConnectionGuard, is_left_by_caller
 from tandem.gateway.decoder_info import DecoderInfo
 from tandem.gateway.embed_request import embed_request
 from tandem.gateway.encoder_info import EncoderInfo
+from tandem.gateway.encoders import info_version
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
 from tandem.gateway.http_span import (
     UNROUTED,
@@ -119,7 +120,8 @@ class Gateway:
         # Their JSON held, reserved once decoded: all callers' and each caller's.
         self.answer_bytes = AnswerBytes(config.max_unread_answer_bytes, config.unread_answer_bytes_per_caller)
         self.decoder_info = DecoderInfo(self._decoder_stub, lambda: self.callers.targets)
-        self.encoder_info = EncoderInfo(encoder.stub)  # asked again when a picture is over its bound
+        # Asked again when a picture is over its bound, or the encoder replicas change.
+        self.encoder_info = EncoderInfo(encoder.stub, info_version(encoder))
 
     def app(self) -> web.Application:
         app = web.Application(
