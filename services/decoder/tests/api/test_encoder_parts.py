@@ -272,6 +272,7 @@ async def test_the_encoders_refusal_reaches_every_caller_on_its_own_field(
 
 # Another server's reason: as it came, the gateway answered 400 on prompt_logprobs for an encoder full.
 NOT_THE_ENCODERS = ErrorInfo("PROMPT_LOGPROB_BUDGET", "tandem.decoder", {"maxEntries": "1"})
+ENCODERS_CALL_LIMIT = ErrorInfo("CALL_LIMIT", "tandem.encoder", {"maxCalls": "1"})
 
 
 @pytest.mark.parametrize(
@@ -304,10 +305,15 @@ async def test_an_encoder_full_is_passed_on_with_its_own_retry_delay_or_a_second
             "prompt[1].encoder.image",
             "the encoder refused it: this encoder takes no images",
         ),
-        (
+        (  # a field of an input the part did not send (it sent an image): the part's
             InvalidArgument("token_ids.ids[3]", "must be in [0, 49152)", info=NOT_THE_ENCODERS),
-            "prompt[1].encoder.token_ids.ids[3]",
-            "the encoder refused it: must be in [0, 49152)",
+            "prompt[1].encoder",
+            "the encoder refused it: token_ids.ids[3]: must be in [0, 49152)",
+        ),
+        (  # the encoder's own reason, but one of RESOURCE_EXHAUSTED: a 400 with it read as retryable
+            InvalidArgument("image.data", "cannot be preprocessed", info=ENCODERS_CALL_LIMIT),
+            "prompt[1].encoder.image.data",
+            "the encoder refused it: cannot be preprocessed",
         ),
         (  # a field the decoder set, no field of the caller's: the part, the encoder's words after it
             InvalidArgument("output_dtype", "FLOAT64 is not served", info=NOT_THE_ENCODERS),
@@ -325,7 +331,7 @@ async def test_the_encoders_refusal_is_passed_on_with_its_details_its_field_unde
     encoder: StandIn, parts: EncoderParts, refusal: TandemError, field: str, description: str
 ) -> None:
     # Its BadRequest field was dropped: the caller's field was the part's alone. Its ErrorInfo goes on only
-    # where it is the encoder's own (CALL_LIMIT: the test below).
+    # where it is the encoder's own, with RESOURCE_EXHAUSTED (CALL_LIMIT: the test below).
     encoder.refusal = refusal
     encoder.gate.set()
     (part,), _ = _start(parts, [TextPrompt("look:"), _picture()])
@@ -351,7 +357,7 @@ async def test_an_encoder_full_is_passed_on_with_its_error_info(tmp_path) -> Non
         with pytest.raises(ResourceExhausted) as error:
             await _rows(part)
         assert "this server runs at most 1 calls at once" in error.value.message
-        assert error.value.info == ErrorInfo("CALL_LIMIT", "tandem.encoder", {"maxCalls": "1"})
+        assert error.value.info == ENCODERS_CALL_LIMIT
         assert error.value.retry_after_s == 1.0
         servicer.gate.set()
         assert torch.equal(await _rows(held), _rows_of(PICTURE))

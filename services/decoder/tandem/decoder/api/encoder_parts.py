@@ -317,7 +317,7 @@ class EncoderParts:
                 (key, token), timeout_s, lambda time_s: self._embed(part, key, time_s, metadata), _ran_out
             )
         except grpc.aio.AioRpcError as error:
-            raise self._error(error, field, is_capped) from None
+            raise self._error(error, field, is_capped, part.kind) from None
         except _NoPlace:
             raise self._no_place(field, is_capped) from None
         except EncoderMismatch as error:
@@ -622,17 +622,19 @@ class EncoderParts:
         several (none answered: every one unreachable, or one from before replicas said)."""
         return replica_name.answering(self.address, replica_name.reported(error.initial_metadata()))
 
-    def _error(self, error: grpc.aio.AioRpcError, field: str, is_capped: bool) -> TandemError:
-        """The encoder's status as this call's: about the input, or about the encoder. `is_capped`: the
-        call's time was this decoder's MAX_FETCH_S, not the caller's deadline. The encoder's details go
-        on with it where they are the encoder's own (its ErrorInfo, its RetryInfo bounded, its BadRequest
-        field under the part's: `encoder_refusal.py`): they were dropped, the field left in the message
-        alone."""
+    def _error(
+        self, error: grpc.aio.AioRpcError, field: str, is_capped: bool, sent: str | None = None
+    ) -> TandemError:
+        """The encoder's status as this call's: about the input the call sent (`sent`, EncoderInput's
+        case; None: it sent none), or about the encoder. `is_capped`: the call's time was this decoder's
+        MAX_FETCH_S, not the caller's deadline. The encoder's details go on with it where they are the
+        encoder's own (its ErrorInfo when full, its RetryInfo bounded, its BadRequest field within `sent`
+        under the part's: `encoder_refusal.py`): they were dropped, the field left in the message alone."""
         code, details = error.code(), error.details() or ""
         who = self._who(error)
         said = status_details(error)
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            return refused(code, field, details, said)
+            return refused(code, field, sent, details, said)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return self._out_of_time(field, is_capped, "embedded it", who)
         if (over := over_cap(error)) is not None:
