@@ -17,7 +17,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from common.tests.client.replica import Refusing, Replica, serve_decoder
 from tandem.client import telemetry as otel
 from tandem.client.client import DecoderClient
-from tandem.client.observed_stream import ObservedStream
+from tandem.client.observed_stream import ObservedStream, observer_failures
 from tandem.client.pb.tandem.v1 import decoder_pb2
 
 
@@ -113,6 +113,15 @@ class _Failing:
         raise self.failure("an observer failed")
 
 
+def _failing_kind() -> type[_Failing]:
+    """An observer class that has not failed in this process yet (its first failure is the one logged)."""
+
+    class Failing(_Failing):
+        pass
+
+    return Failing
+
+
 async def test_an_observer_that_raises_leaves_the_others_told_and_the_reads_their_own() -> None:
     # It was raised out of the caller's read, in place of the response or the end, and the observers
     # after it never heard them: a span's exporter failing lost the caller's stream and its duration.
@@ -122,15 +131,20 @@ async def test_an_observer_that_raises_leaves_the_others_told_and_the_reads_thei
     assert (observer.responses, observer.ends) == (["a"], [(grpc.StatusCode.OK, None)])
 
 
-async def test_an_observer_that_fails_on_every_response_is_logged_once_a_stream(
+async def test_an_observer_class_that_fails_on_every_stream_is_logged_once_a_process_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # Each failure logged its traceback: 301 KB of log for a stream of 1,000 responses.
-    call = _Call(["a"] * 100)
-    stream = ObservedStream(call, [_Failing(), _Failing(), _Observer()])  # type: ignore[arg-type]
-    with caplog.at_level(logging.ERROR, logger="tandem.client.observed_stream"):
-        assert len([r async for r in stream]) == 100
-    assert len(caplog.records) == 2  # one an observer
+    # Each failure logged its traceback (301 KB of log for a stream of 1,000 responses), then each
+    # stream's first: 10,000 tracebacks, 5.95 MB, for 10,000 streams of a broken exporter.
+    broken, other = _failing_kind(), _failing_kind()
+    with caplog.at_level(logging.DEBUG, logger="tandem.client.observed_stream"):
+        for _ in range(100):
+            stream = ObservedStream(_Call(["a"] * 3), [broken(), other(), _Observer()])  # type: ignore[arg-type]
+            assert len([r async for r in stream]) == 3
+    tracebacks = [record for record in caplog.records if record.exc_info is not None]
+    assert [record.levelno for record in tracebacks] == [logging.ERROR] * 2  # one a class
+    assert len(caplog.records) - len(tracebacks) == 2 * 99  # at DEBUG, once a stream after the first
+    assert (observer_failures[broken], observer_failures[other]) == (100 * 4, 100 * 4)  # 3 responses, end
 
 
 @pytest.mark.parametrize("failure", [asyncio.CancelledError, KeyboardInterrupt])
@@ -144,6 +158,20 @@ async def test_a_cancellation_an_observer_raises_comes_out_of_the_read_after_the
         await stream.read()
     assert observer.responses == ["a"]
     with pytest.raises(failure):
+        await stream.read()
+    assert observer.ends == [(grpc.StatusCode.OK, None)]
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("is_interrupt_first", [False, True])
+async def test_an_interrupt_an_observer_raises_wins_over_a_cancellation_another_raises(
+    interrupt: type[BaseException], is_interrupt_first: bool
+) -> None:
+    # The first raised was: an earlier observer's CancelledError hid a later one's KeyboardInterrupt.
+    failing = [_Failing(asyncio.CancelledError), _Failing(interrupt)]
+    call, observer = _Call([]), _Observer()
+    stream = ObservedStream(call, [*failing[:: -1 if is_interrupt_first else 1], observer])  # type: ignore[arg-type]
+    with pytest.raises(interrupt):
         await stream.read()
     assert observer.ends == [(grpc.StatusCode.OK, None)]
 
