@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from common.tests.common.listeners import has_ipv6_loopback, listener
+from common.tests.common.listeners import has_ipv6_loopback, listener, pick_taken_first, second_loopback
 from tandem.client.errors import ConfigError
 from tandem.common import listening
 from tandem.common.listening import asyncio_plan, check_port_free, free_port, is_localhost, listen_plan
@@ -84,20 +84,8 @@ def test_a_name_that_does_not_resolve_is_said_of_the_host() -> None:
 @needs_ipv6_loopback
 def test_port_0_on_localhost_is_a_port_free_at_both_loopbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's pick for the first address was used for the others as it came."""
-    second = listen_plan("localhost").addresses[1]
-    with listener(*second) as other:
-        taken = other.getsockname()[1]
-        picks: list[int] = []
-        real_pick = listening._kernel_pick
-
-        def pick_taken_first(
-            address: tuple[socket.AddressFamily, str], v6only: bool = False
-        ) -> socket.socket:
-            probe = real_pick(address, v6only) if picks else listening._probe(*address, taken)
-            picks.append(probe.getsockname()[1])
-            return probe
-
-        monkeypatch.setattr(listening, "_kernel_pick", pick_taken_first)
+    with second_loopback() as other:
+        picks = pick_taken_first(monkeypatch, taken := other.getsockname()[1])
         port = free_port("localhost")
     assert picks[0] == taken and port == picks[-1] != taken
 

@@ -4,7 +4,6 @@ import asyncio
 import logging
 import math
 import re
-import socket
 import threading
 import time
 from collections import Counter
@@ -17,7 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from common.tests.common.listeners import has_ipv6_loopback, listener
+from common.tests.common.listeners import (
+    has_ipv6_loopback,
+    pick_taken_before_the_bind,
+    pick_taken_first,
+    second_loopback,
+)
 from tandem.client import error_reasons as reasons
 from tandem.client import errors, memory
 from tandem.client.channel import channel_options
@@ -489,12 +493,6 @@ async def _answers(address: str) -> bool:
     return True
 
 
-def _other_loopback() -> socket.socket:
-    """A listener, as another process's, on the loopback gRPC binds second for localhost."""
-    second = listening.listen_plan("localhost").addresses[1]
-    return listener(*second)
-
-
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 on this machine: localhost is one address")
 async def test_port_0_on_localhost_listens_on_both_loopbacks_even_where_the_kernels_pick_is_taken_on_one(
     monkeypatch: pytest.MonkeyPatch,
@@ -502,19 +500,9 @@ async def test_port_0_on_localhost_listens_on_both_loopbacks_even_where_the_kern
     """gRPC takes the kernel's pick for localhost's first address and listens on the others where it
     can: one CI start got a port another process held on 127.0.0.1, listened on ::1 alone, and its
     callers of 127.0.0.1 waited on the other process. Such a pick is passed over."""
-    with _other_loopback() as other:
+    with second_loopback() as other:
         taken = other.getsockname()[1]
-        picks: list[int] = []
-        real_pick = listening._kernel_pick
-
-        def pick_taken_first(
-            address: tuple[socket.AddressFamily, str], v6only: bool = False
-        ) -> socket.socket:
-            probe = real_pick(address, v6only) if picks else listening._probe(*address, taken)
-            picks.append(probe.getsockname()[1])
-            return probe
-
-        monkeypatch.setattr(listening, "_kernel_pick", pick_taken_first)
+        picks = pick_taken_first(monkeypatch, taken)
         server = await start_server(ServerOptions(host="localhost", port=0), [])
         try:
             assert picks[0] == taken and server.port == picks[-1] != taken
@@ -530,12 +518,9 @@ async def test_a_port_taken_at_one_loopback_after_the_check_is_another_port_or_a
     """Between the check (or port 0's pick) and gRPC's bind another process took the port on one
     loopback: gRPC listened on the other alone. Each address is now bound on its own: port 0 is
     built again on another port; a port asked for is refused naming it and the address."""
-    with _other_loopback() as other:
+    with second_loopback() as other:
         taken = other.getsockname()[1]
-        picked = iter([taken])  # the pick, taken on the second loopback before the bind
-        monkeypatch.setattr(
-            server_module, "free_port_of", lambda plan: next(picked, 0) or listening.free_port_of(plan)
-        )
+        pick_taken_before_the_bind(monkeypatch, server_module, taken)
         server = await start_server(ServerOptions(host="localhost", port=0), [])
         try:
             assert server.port != taken
@@ -567,12 +552,9 @@ async def test_a_server_that_loses_its_port_at_one_address_holds_no_service_whil
     monkeypatch.setattr(
         server_module, "_serve", lambda server, *a: served.append(server) or real_serve(server, *a)
     )
-    with _other_loopback() as other:
+    with second_loopback() as other:
         taken = other.getsockname()[1]
-        picked = iter([taken])  # the pick, taken on the second loopback before the bind
-        monkeypatch.setattr(
-            server_module, "free_port_of", lambda plan: next(picked, 0) or listening.free_port_of(plan)
-        )
+        pick_taken_before_the_bind(monkeypatch, server_module, taken)
         server = await start_server(ServerOptions(host="localhost", port=0), [])
         try:
             assert len(built) == 2 and served == [built[1]] and server.port != taken

@@ -3,12 +3,13 @@
 The encoder is another server, and what its status says goes on to the decoder's caller (and the
 gateway's 400 or 429) only where it is one of the encoder's own: a peer's status is checked as a caller's
 request is.
-- Its BadRequest field goes on under the part's (`prompt[2].encoder.image.data`) only where it is a field
-  of EncoderInput, walked through its descriptor (`image.data`, `text`, `token_ids.ids[3]`), within the
-  input the part sent: checked on its first segment alone, `image.data/../../etc/passwd`, NUL and ESC
-  bytes and 10 KB paths went on, and `text.sampling.temperature`, which the gateway renamed as the
-  decoder's own field (`text.temperature`); `text` and `token_ids.ids[999999999]` of an image part went
-  on too, and `token_ids.ids[٣]` (any Unicode digit, ASCII indices alone now).
+- Its BadRequest field goes on under the part's (`prompt[2].encoder.image.data`) only where it is a field of
+  EncoderInput, walked through its descriptor (`image.data`, `text`, `token_ids.ids[3]`), of the input the
+  part sent (an index's form is checked, not whether the part has that many): checked on its first segment
+  alone, `image.data/../../etc/passwd`, NUL and ESC bytes and 10 KB paths went on, and
+  `text.sampling.temperature`, which the gateway renamed as the decoder's own field (`text.temperature`);
+  `text` and `token_ids.ids[999999999]` of an image part went on too, and `token_ids.ids[٣]` (any Unicode
+  digit, ASCII indices alone now).
 - Its ErrorInfo goes on only in the encoder's domain, for a reason it gives, with that reason's keys and
   decimal values, and only with RESOURCE_EXHAUSTED (`passed_on`; the encoder's reasons are all of that
   code): as it came, one claiming the decoder's PROMPT_LOGPROB_BUDGET made the gateway answer 400 on

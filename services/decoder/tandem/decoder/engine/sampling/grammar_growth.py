@@ -22,10 +22,12 @@ the states of its answer's path and of its next mask, not those its earlier mask
 held 12.3 MB after 700 tokens against 48.2 unmetered (charged 36.7), its 5 rebuilds over 900 tokens 4-20
 ms each and its CPU in all unchanged.
 
-NOTE: a rebuild and its replay are metering's work, not the grammar's, and run on a thread of their own
-(`aside`: structured.py's deep-stack building thread, where a grammar is compiled; the thread that
-asked waits for it). The grammar's CPU limits, per token and per step, time their own thread's CPU, so they
-never count it: a replay of an ambiguous grammar's answer is the whole answer's parsing again (`s: s s |
+NOTE: a rebuild and its replay are metering's work, not the grammar's. A rebuild in a step (a token's
+taking filled the matcher) runs with its replay on a thread of its own (`aside`: structured.py's
+deep-stack building thread, where a grammar is compiled; the thread that asked waits for it); a deferred
+one (`defers_rebuilds`) builds there and replays on the engine thread in slices (`continue_rebuild`,
+step/grammar_rebuilds.py). The grammar's CPU limits, per token and per step, time their own code, so they
+never count either: a replay of an ambiguous grammar's answer is the whole answer's parsing again (`s: s s |
 "a"` after 300 tokens: 333 ms in one step), and counted, it failed INVALID_ARGUMENT ("no step fits it")
 a request that finishes unmetered. `rebuild_seconds` says what they cost.
 
@@ -100,7 +102,7 @@ class MeteredMatcher:
         aside: Callable[[Callable[[], object]], object] = lambda work: work(),
     ) -> None:
         self._build = build  # a fresh llguidance matcher of the grammar at the given state limit
-        self._aside = aside  # runs a rebuild and its replay, on a thread of their own (the NOTE)
+        self._aside = aside  # runs a build (and an in-step rebuild's replay) on its own thread (NOTE)
         self.rebuild_seconds = 0.0  # CPU time its rebuilds and replays took, on that thread
         self._unbilled_seconds = 0.0  # of rebuild_seconds, what no step's budget has taken yet
         self.consume_seconds = 0.0  # CPU its tokens' taking cost: what a replay of them costs, about

@@ -461,8 +461,8 @@ class EngineCore:
                 # Its matcher's rebuilds count in the step's budget, not in its rows' cost
                 # (grammar_growth.py's NOTE): one taken in a step, and a deferred one's build and
                 # 20 ms slices (step/grammar_rebuilds.py), charged whole at its first step back,
-                # though each slice held a step up 20 ms at most: a dear replay may still end its
-                # request over the budget, as when it stalled the step.
+                # though each slice held a step up 20 ms at most (and the build up to ~60 ms once):
+                # a dear replay may still end its request over the budget, as when it stalled the step.
                 if (metered := item.request.constraint.metered) is not None:
                     rebuild_seconds[item.request_id] = metered.take_rebuild_seconds()
                     grammar_seconds[item.request_id] += rebuild_seconds[item.request_id]
