@@ -140,3 +140,21 @@ async def test_the_line_of_a_request_that_failed_holds_its_path_as_sent_escaped(
     assert status == 500
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().endswith(" failed")]
     assert line == "GET /v1/models/a%00b%E2%80%AE failed"
+
+
+async def test_the_access_line_holds_the_request_target_as_sent(caplog: pytest.LogCaptureFixture) -> None:
+    # aiohttp's line holds the target's path and query: empty for a CONNECT (`"CONNECT  HTTP/1.1"`) and
+    # for an absolute-form target with no path, its escapes decoded (a `%2F` read as a "/").
+    targets = [b"CONNECT x:443", b"GET http://x?q=1", b"GET /v1/models/a%2Fb%20c"]
+    async with fake_decoder() as (_, address), live_gateway(address) as url:
+        with caplog.at_level(logging.INFO, logger="aiohttp.access"):
+            for target in targets:
+                sock = await connect(url)
+                try:
+                    await send(sock, target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+                    await read_answer(sock, 5)
+                finally:
+                    sock.close()
+            await asyncio.sleep(0.05)  # the last line is written once its answer is
+    lines = access_lines(caplog)
+    assert [line.split('"')[1] for line in lines] == [t.decode() + " HTTP/1.1" for t in targets]

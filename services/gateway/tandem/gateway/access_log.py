@@ -53,4 +53,17 @@ class AccessLog(AccessLogger):
         # The one method every value passes through, the line's and the record's `extra` alike: aiohttp
         # looks its formatters up on AccessLogger itself, so a subclass's `_format_r` is never called.
         line = super()._format_line(request, response, time)
-        return [(key, printable(value) if isinstance(value, str) else value) for key, value in line]
+        return [
+            (key, printable(request_line(request) if key == "first_request_line" else value))
+            if isinstance(value, str)
+            else (key, value)
+            for key, value in line
+        ]
+
+
+def request_line(request: BaseRequest) -> str:
+    """The request line with its target as sent: aiohttp's has the target's path and query, empty for a
+    CONNECT (`CONNECT  HTTP/1.1`, its target an authority) and for an absolute-form target with no path
+    (`GET http://x`), and its escapes decoded (`/v1/models/a%2Fb` read `/v1/models/a/b`)."""
+    version = request.version  # `raw_path` is the target as the request line has it, a whole URL too
+    return f"{request.method} {request.raw_path} HTTP/{version.major}.{version.minor}"
