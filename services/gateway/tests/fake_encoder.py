@@ -38,6 +38,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
     token: str | None = None  # where set, a GetModelInfo with another bearer token is UNAUTHENTICATED
     model: str = "fake-encoder"  # the model its GetModelInfo names
     embedder: str = ""  # the embedder its GetModelInfo names ("lookup", "projector"; "": none said)
+    embed_gate: asyncio.Event | None = None  # where set, each Embed answers once it is set
 
     async def GetModelInfo(
         self, request: encoder_pb2.EncoderGetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -63,6 +64,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         try:
             await asyncio.sleep(EMBED_S)
+            if self.embed_gate is not None:
+                await self.embed_gate.wait()
         except asyncio.CancelledError:
             self.num_cancelled += 1
             raise

@@ -78,29 +78,56 @@ async def test_one_encoder_or_a_name_a_dns_server_resolves_is_one_client_as_befo
         await encoder.close()
 
 
+async def _wait_for(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
 async def test_embeds_in_flight_as_the_replicas_serving_change_are_not_cut(
     three_encoders: list[tuple[FakeEncoder, RunningServer]],
 ) -> None:
     """A change of the replicas serving opens a channel over the new ones; the one it replaces is closed
-    once its calls end, not under them."""
+    once its calls end, not under them: the embeds are held until the change is made, then answered."""
     addresses = [f"127.0.0.1:{running.port}" for _, running in three_encoders[:2]]
+    gate = asyncio.Event()
+    for fake, _ in three_encoders[:2]:
+        fake.embed_gate = gate
     encoder = gateway_encoder(GatewayConfig(encoder_address=",".join(addresses)))
     assert isinstance(encoder, EncoderReplicas)
     try:
-        async with asyncio.timeout(10):
-            while encoder.replicas.serving != tuple(addresses):
-                await asyncio.sleep(0.01)
+        await _wait_for(lambda: encoder.replicas.serving == tuple(addresses))
         request = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=b"picture"))
         embeds = [asyncio.ensure_future(encoder.stub.Embed(request, timeout=10)) for _ in range(4)]
-        async with asyncio.timeout(10):  # each embed takes 0.25 s: all four under way
-            while sum(len(e.embedded) for e, _ in three_encoders[:2]) < 4:
-                await asyncio.sleep(0.01)
+        await _wait_for(lambda: sum(len(e.embedded) for e, _ in three_encoders[:2]) == 4)  # all under way
         await three_encoders[1][1].health.set("tandem.v1.Encoder", NOT_SERVING)
-        async with asyncio.timeout(10):
-            while encoder.replicas.targets != (addresses[0],):
-                await asyncio.sleep(0.01)
+        await _wait_for(lambda: encoder.replicas.targets == (addresses[0],))
+        gate.set()
         assert len(await asyncio.gather(*embeds)) == 4
         await encoder.stub.Embed(request, timeout=10)  # over the new channel
+    finally:
+        gate.set()
+        await encoder.close()
+
+
+async def test_encoder_replicas_whose_model_asks_are_refused_get_embeds_not_checked(
+    three_encoders: list[tuple[FakeEncoder, RunningServer]],
+) -> None:
+    """Both replicas restarted on the same model with a token the gateway's ask lacks: held back for
+    good, every embed was the gateway's 503. A refusal of its configuration makes each not checked."""
+    two = three_encoders[:2]
+    encoder = gateway_encoder(GatewayConfig(encoder_address=",".join(f"127.0.0.1:{r.port}" for _, r in two)))
+    assert isinstance(encoder, EncoderReplicas)
+    try:
+        await _wait_for(lambda: len(encoder.replicas.serving) == 2)
+        for fake, running in two:
+            fake.token = "rotated"
+            await _restart_as(fake, running, "fake-encoder")
+        await _wait_for(
+            lambda: len(encoder.replicas.targets) == 2 and len(encoder.replicas.model_unknown) == 2
+        )
+        request = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=b"picture"))
+        await encoder.stub.Embed(request, timeout=10)
     finally:
         await encoder.close()
 
@@ -111,12 +138,6 @@ async def _restart_as(encoder: FakeEncoder, running: RunningServer, model: str) 
     await asyncio.sleep(0.05)
     encoder.model = model
     await running.set_serving()
-
-
-async def _wait_for(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(5):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 async def test_the_encoders_model_info_is_asked_again_once_its_replicas_move_to_another_model(

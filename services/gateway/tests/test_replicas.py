@@ -43,7 +43,8 @@ class CountingDecoder(FakeDecoder):
     info_delay_s: float = 0.0  # how long its GetModelInfo takes (a replica busy or stopped)
     sample: encoder_pb2.TokenTableSample | None = None  # its token table's; None: a decoder from before
     weights: tuple[decoder_pb2.WeightSample, ...] = ()  # its later weights'; none: a decoder from before
-    fail_infos: bool = False  # its GetModelInfo fails (INTERNAL), counted in num_failed_infos
+    fail_infos: bool = False  # its GetModelInfo fails (with `failure`), counted in num_failed_infos
+    failure: grpc.StatusCode = grpc.StatusCode.INTERNAL
     num_failed_infos: int = 0
     info_gate: asyncio.Event | None = None  # its GetModelInfo waits for it (a replica slow to answer)
 
@@ -52,7 +53,7 @@ class CountingDecoder(FakeDecoder):
     ) -> decoder_pb2.DecoderGetModelInfoResponse:
         if self.fail_infos:
             self.num_failed_infos += 1
-            await context.abort(grpc.StatusCode.INTERNAL, "a hiccup")
+            await context.abort(self.failure, "a hiccup")
         self.num_infos += 1
         await asyncio.sleep(self.info_delay_s)
         if self.info_gate is not None:
@@ -889,3 +890,72 @@ async def test_each_replica_newly_left_out_is_logged_at_error_naming_it_and_both
     finally:
         await channels.close()
         await asyncio.gather(*(running.stop(0) for _, running in started))
+
+
+async def _restarted_failing_asks(
+    replicas: list[tuple[CountingDecoder, RunningServer]], failure: grpc.StatusCode
+) -> tuple[CallerChannels, Replicas]:
+    """The gateway's channels over 2 replicas of fake-model, each seen serving it, then restarted on it
+    with every GetModelInfo failing with `failure` (a token rotated past the gateway's; an older decoder)."""
+    channels = _gateway_channels([running for _, running in replicas])
+    seen = channels.replicas
+    assert seen is not None
+    try:
+        await _eventually(lambda: _num_serving(channels) == 2)
+        for decoder, running in replicas:
+            decoder.fail_infos, decoder.failure = True, failure
+            await _restart_as(decoder, running, "fake-model")
+        await _eventually(lambda: all(decoder.num_failed_infos for decoder, _ in replicas))
+    except BaseException:
+        await channels.close()
+        raise
+    return channels, seen
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED],
+)
+async def test_replicas_whose_model_asks_are_refused_by_their_configuration_get_calls_not_checked(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+    refusal: grpc.StatusCode,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every replica restarted on the same model, the gateway's ask refused (UNAUTHENTICATED after a
+    token rotation with the callers' tokens passed on): each was held back for good, the gateway 503 with
+    every replica serving. A refusal no retry changes makes each not checked, its model forgotten, logged
+    at ERROR: it gets calls, as a replica never checked does."""
+    with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
+        channels, seen = await _restarted_failing_asks(replicas, refusal)
+        try:
+            addresses = tuple(f"127.0.0.1:{running.port}" for _, running in replicas)
+            await _eventually(lambda: set(channels.targets) == set(addresses))
+            async with channels.stub("peer:a caller"):  # a call goes out (the fake refuses GetModelInfo)
+                pass
+            assert set(seen.model_unknown) == set(addresses) and seen.model == "fake-model"
+        finally:
+            await channels.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and all("not checked" in e and "'fake-model'" in e for e in errors), errors
+
+
+async def test_a_replica_whose_model_asks_keep_failing_gets_calls_not_checked_past_a_bound(
+    replicas: list[tuple[CountingDecoder, RunningServer]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asks failing otherwise (a replica busy, INTERNAL) hold a replica that said a model back a while,
+    the gateway's 503 saying the replicas serve but their model could not be checked; past
+    UNCHECKED_AFTER_S each is not checked and gets calls."""
+    monkeypatch.setattr("tandem.gateway.replicas.UNCHECKED_AFTER_S", 3600.0)
+    channels, seen = await _restarted_failing_asks(replicas, grpc.StatusCode.INTERNAL)
+    try:
+        assert channels.targets == ()
+        with pytest.raises(Unavailable, match="2 serve, but their model could not be checked"):
+            await _call(channels, "peer:a caller")
+        monkeypatch.setattr("tandem.gateway.replicas.UNCHECKED_AFTER_S", 0.0)  # the next failure is past it
+        await _eventually(lambda: len(channels.targets) == 2)
+        for decoder, _ in replicas:
+            decoder.fail_infos = False  # answering again: checked again
+        await _eventually(lambda: not seen.model_unknown, timeout_s=10)  # their asks' backoff: 5 s at most
+        assert len(seen.serving) == 2 and seen.model == "fake-model"
+    finally:
+        await channels.close()

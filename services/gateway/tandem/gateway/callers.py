@@ -103,7 +103,7 @@ class CallerChannels:
         where no replica serves the gateway's model (`Replicas.targets`)."""
         targets = self.targets
         if self.replicas is not None and not targets:
-            raise Unavailable(f"no decoder replica serves model {self.replicas.model!r} now; retry")
+            raise Unavailable(self.replicas.none_serving())
         held = self._channels.get(caller)
         if held is not None and held.targets != targets:
             self._retire(caller)
@@ -190,8 +190,10 @@ def model_check_metadata(config: GatewayConfig) -> tuple[tuple[str, str], ...] |
     its asks: no replica's model was checked. It checks the callers' tokens against the services'
     token file (--auth-token-file), so it asks with one of those, the same for every ask (the least):
     a caller's token would do too, but none may come before the replicas serve. Where the decoders
-    refuse it (a token file of their own without it), each replica's model is not known, logged as
-    such, and no replica is left out for its model: what every replica was before."""
+    refuse it (a token file of their own without it: UNAUTHENTICATED or PERMISSION_DENIED), each
+    replica's model is not known: each one is not checked, logged at ERROR, gets calls and is never
+    left out for its model, one that said a model before the refusals began too (its model forgotten:
+    `replicas.py`, the NOTE on asking again)."""
     if config.auth_tokens is None or config.upstream.token is not None or not config.auth_tokens:
         return None
     return (("authorization", f"Bearer {min(config.auth_tokens)}"),)

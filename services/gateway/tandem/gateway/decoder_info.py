@@ -23,7 +23,8 @@ gateway's model (`replicas.py`: its name and token table sample), round robin, s
 another. They serve one checkpoint, but each answers with what it was started with (its context from
 --num-kv-blocks or --max-model-len, its adapters, --encoder): replicas are taken to be started alike,
 and the answer held is one replica's. A replica whose model could not be asked (refused, unanswered) is
-among them too where it never said one (`replicas.py`). Where none serves the gateway's model, an ask
+among them too where it never said one, or is not checked (`replicas.py`: refused for the configuration,
+or unanswered for UNCHECKED_AFTER_S). Where none serves the gateway's model, an ask
 raises Unavailable (the gateway's 503) and a refresh keeps the answer held.
 """
 
@@ -63,7 +64,7 @@ class DecoderInfo:
         self._asked_at = 0.0  # when, time.monotonic()
         self._tried_at = float("-inf")  # the last refresh that failed, time.monotonic()
         # The first ask out for each metadata (the callers' token, app.py `_metadata`): shared only by
-        # callers with the same token, as the decoder answers each as its token allows (encoder_info.py).
+        # callers with the same token, as the decoder answers each as its token allows.
         self._first: dict[Metadata, asyncio.Task[decoder_pb2.DecoderGetModelInfoResponse]] = {}
         self._refresh: asyncio.Task[None] | None = None  # the one refresh under way, if any
 

@@ -49,10 +49,13 @@ RETIRE_GRACE_S = 60.0  # a channel over replicas no longer the targets is closed
 
 class _Routed:
     """Stands in for a channel in a stub: each call goes over the channel `channel_now` gives, or
-    raises Unavailable where it gives none (no replica serves the model)."""
+    raises Unavailable saying `none_serving()` where it gives none (no replica serves the model)."""
 
-    def __init__(self, channel_now: Callable[[], grpc.aio.Channel | None]) -> None:
+    def __init__(
+        self, channel_now: Callable[[], grpc.aio.Channel | None], none_serving: Callable[[], str]
+    ) -> None:
         self._channel_now = channel_now
+        self._none_serving = none_serving
 
     def unary_unary(
         self,
@@ -64,7 +67,7 @@ class _Routed:
         def call(*args: Any, **kwargs: Any) -> Any:
             channel = self._channel_now()
             if channel is None:
-                raise Unavailable("no encoder replica serves the encoder's model now; retry")
+                raise Unavailable(self._none_serving())
             return channel.unary_unary(method, request_serializer, response_deserializer, _registered_method)(
                 *args, **kwargs
             )
@@ -84,7 +87,7 @@ class EncoderReplicas:
         self._channel: grpc.aio.Channel | None = open_channel(replicas.targets)
         replicas.on_change = self._retire
         self._closing: set[asyncio.Task[None]] = set()
-        self.stub = encoder_pb2_grpc.EncoderStub(_Routed(lambda: self._channel))
+        self.stub = encoder_pb2_grpc.EncoderStub(_Routed(lambda: self._channel, replicas.none_serving))
 
     def _retire(self) -> None:
         targets = self.replicas.targets

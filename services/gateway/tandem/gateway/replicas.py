@@ -36,7 +36,12 @@ left out, and calls went to the second, on Y, under X's name). Until it answers,
 said a model gets calls (an older or refusing decoder: not checked, as before), and one that said a
 model before gets none (it may serve another since its restart) but still counts for the model it said
 last: counted for nothing, a failed ask of the gateway's model's replica in a 1-vs-1 pair would hand
-the gateway the other's model, the restart case below.
+the gateway the other's model, the restart case below. That wait is bounded: a refusal that is the
+deployment's configuration (UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED: a token rotated past the
+gateway's, an older decoder), or asks failing for UNCHECKED_AFTER_S, make the replica not checked again,
+its model said before forgotten, logged at ERROR: it gets calls, and /health lists it (`model_unknown`).
+Held back for good, every replica of a token rotation served its model and the gateway answered 503 for
+good, where before the recheck they had served unchecked.
 
 Where no replica serves the gateway's model (all loading or restarting), the gateway answers 503
 itself (`targets` is empty: `callers.py`), as a vLLM/SGLang router answers for a model with no worker
@@ -70,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -95,6 +101,13 @@ CHECK_TIMEOUT_S = 2.0
 # frozen VM) leaves its Watch open and says nothing, and its connection is found dead only by gRPC's
 # keepalive (30 s + 10 s, `tandem.client.channel`), so it kept half of all new calls for 60-80 s.
 CHECK_INTERVAL_S = 2.0
+# Asks of a replica's model failing this long (a replica that said one before) make it not checked (NOTE):
+# past a restart's load and a busy replica's answer, well within a deployer's patience for a 503.
+UNCHECKED_AFTER_S = 15.0
+# GetModelInfo refusals that no retry changes: the deployment's (a token not taken, an older service).
+CONFIGURATION_REFUSALS = frozenset(
+    {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED}
+)
 DEFAULT_PORT = 443  # a dns: name written without a port, as gRPC's resolver reads it
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -215,10 +228,35 @@ class Replicas:
     @property
     def serving(self) -> tuple[str, ...]:
         """The replicas that serve the gateway's model (`model`), or whose model is not known and was
-        never said (see the NOTE on asking again)."""
+        never said or forgotten (see the NOTE on asking again)."""
         return tuple(
             replica for replica, is_serving in self._is_serving.items() if is_serving and self._fits(replica)
         )
+
+    @property
+    def called(self) -> tuple[str, ...]:
+        """The replicas that serve and get calls (`targets` that serve): what /health counts. Before any
+        replica said a model, those are every serving one, their model still being asked."""
+        return tuple(replica for replica in self.targets if self._is_serving.get(replica))
+
+    @property
+    def model_unknown(self) -> tuple[str, ...]:
+        """The serving replicas whose model is not known: being asked, or not answering (not checked,
+        or held back a while where it said one before: see the NOTE on asking again)."""
+        if self._model_of is None:
+            return ()
+        serving = [replica for replica, is_serving in self._is_serving.items() if is_serving]
+        return tuple(replica for replica in serving if self._models.get(replica) is None)
+
+    def none_serving(self) -> str:
+        """What the gateway's 503 says where no replica gets calls (`targets` empty)."""
+        unknown = self.model_unknown
+        if unknown:
+            return (
+                f"no {self.kind} replica serves model {self.model!r} now: {len(unknown)} serve, but their "
+                "model could not be checked yet (asked again); retry"
+            )
+        return f"no {self.kind} replica serves model {self.model!r} now; retry"
 
     @property
     def model(self) -> str | None:
@@ -338,27 +376,50 @@ class Replicas:
         """`replica`'s model, asked until it answers (cancelled when it stops serving: `_set`)."""
         assert self._model_of is not None  # asked only then
         retry_s = MIN_RETRY_S
+        failing_since: float | None = None
         while True:
             try:
                 model = await self._model_of(channel)
                 break
             except grpc.aio.AioRpcError as error:
-                if replica not in self._models:  # said once per run of failures
-                    how = "gets calls, not checked" if replica not in self._said else "gets no calls"
-                    log.warning(
-                        "%s replica %s: its model could not be asked (%s): asked again; meanwhile it %s",
-                        self.kind,
-                        replica,
-                        error.code(),
-                        how,
-                    )
-                    self._models[replica] = None
-                    self._update()
+                failing_since = time.monotonic() if failing_since is None else failing_since
+                self._ask_failed(replica, error, time.monotonic() - failing_since)
             await asyncio.sleep(retry_s)
             retry_s = min(2 * retry_s, MAX_RETRY_S)
         self._asking.pop(replica, None)
         self._models[replica] = model
         self._said[replica] = model
+        self._update()
+
+    def _ask_failed(self, replica: str, error: grpc.aio.AioRpcError, failing_s: float) -> None:
+        """`replica`'s model ask failed, its asks failing for `failing_s`: said once per run of failures,
+        and once more, at ERROR, where it makes the replica not checked (see the NOTE on asking again)."""
+        gives_up = error.code() in CONFIGURATION_REFUSALS or failing_s >= UNCHECKED_AFTER_S
+        if gives_up and (replica in self._said or replica not in self._models):
+            forgotten = self._said.pop(replica, None)
+            why = "refused" if error.code() in CONFIGURATION_REFUSALS else f"failing for {failing_s:.0f} s"
+            log.error(
+                "%s replica %s: its model could not be asked (%s, %s): it gets calls, not checked%s; "
+                "asked again until it answers (every %g s at most)",
+                self.kind,
+                replica,
+                error.code(),
+                why,
+                f" (the model it said before, {forgotten.name!r}, forgotten)" if forgotten else "",
+                MAX_RETRY_S,
+            )
+        elif replica not in self._models:  # said once per run of failures
+            how = "gets calls, not checked" if replica not in self._said else "gets no calls"
+            log.warning(
+                "%s replica %s: its model could not be asked (%s): asked again; meanwhile it %s",
+                self.kind,
+                replica,
+                error.code(),
+                how,
+            )
+        else:
+            return
+        self._models[replica] = None
         self._update()
 
     def _unlike_ours(self, replica: str, model: ReplicaModel) -> str:
