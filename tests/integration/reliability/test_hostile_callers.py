@@ -439,8 +439,8 @@ def test_a_neighbour_is_served_at_once_beside_160_unread_streams_over_5_connecti
         steps: list[list[str]] = []  # each step's requests, by caller
         schedule = scheduler.schedule
 
-        def recording_schedule():
-            plan = schedule()
+        def recording_schedule(*args, **kwargs):
+            plan = schedule(*args, **kwargs)
             steps.append([item.request.caller for item in plan.scheduled])
             return plan
 
