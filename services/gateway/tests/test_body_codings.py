@@ -362,6 +362,15 @@ NEXT = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # what a proxy in front ma
         pytest.param(
             b"OPTIONS * HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: \r\nExpect: foo\r\n", id="OPTIONS *, Expect"
         ),
+        # An empty path reached no route: aiohttp's expect handler again, 417 and the next request answered.
+        pytest.param(
+            b"GET http://x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: \r\nExpect: foo\r\n",
+            id="no path, Expect",
+        ),
+        pytest.param(
+            b"CONNECT x:443 HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: \r\nExpect: foo\r\n",
+            id="CONNECT, Expect",
+        ),
     ],
 )
 async def test_a_transfer_encoding_but_chunked_alone_is_400_first_and_nothing_after_its_head_is_read(

@@ -17,7 +17,7 @@ from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.encoder_info import EncoderInfo
-from tandem.gateway.encoders import EncoderReplicas, gateway_encoder, info_version
+from tandem.gateway.encoders import EncoderReplicas, answering, gateway_encoder
 
 from .fake_encoder import FakeEncoder
 
@@ -149,20 +149,20 @@ async def test_the_encoders_model_info_is_asked_again_once_its_replicas_move_to_
     two = three_encoders[:2]
     encoder = gateway_encoder(GatewayConfig(encoder_address=",".join(f"127.0.0.1:{r.port}" for _, r in two)))
     assert isinstance(encoder, EncoderReplicas)
-    info = EncoderInfo(encoder.stub, info_version(encoder))
+    info = EncoderInfo(encoder.stub, answering(encoder))
     try:
         await _wait_for(lambda: len(encoder.replicas.serving) == 2)
-        assert (await info.get(None)).model == "fake-encoder"
+        assert (await info.get()).model == "fake-encoder"
         for fake, running in two:
             fake.max_image_bytes = 1234
             await _restart_as(fake, running, "new-encoder")
         await _wait_for(
             lambda: encoder.replicas.model == "new-encoder" and len(encoder.replicas.serving) == 2
         )
-        answer = await info.get(None)
+        answer = await info.get()
         assert (answer.model, answer.max_image_bytes) == ("new-encoder", 1234)
         asked = sum(fake.num_model_infos for fake, _ in two)
-        await info.get(None)
+        await info.get()
         assert sum(fake.num_model_infos for fake, _ in two) == asked  # nothing changed: not asked again
     finally:
         await encoder.close()

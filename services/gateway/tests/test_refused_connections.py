@@ -226,6 +226,11 @@ TOKEN = b"Authorization: Bearer a\r\n"
         pytest.param(b"GET /health HTTP/1.1\r\nHost: x\r\n", 200, id="health"),
         pytest.param(b"POST /v1/models HTTP/1.1\r\nHost: x\r\n" + TOKEN, 405, id="405"),
         pytest.param(b"GET /v1/nowhere HTTP/1.1\r\nHost: x\r\n" + TOKEN, 404, id="404"),
+        # An empty path reached no route, aiohttp's expect handler instead: `100 Continue`, then the 401.
+        pytest.param(b"GET http://x HTTP/1.1\r\nHost: x\r\n", 401, id="no path, no token"),
+        pytest.param(b"POST http://x HTTP/1.1\r\nHost: x\r\n" + TOKEN, 404, id="no path"),
+        pytest.param(b"CONNECT x:443 HTTP/1.1\r\nHost: x\r\n", 401, id="CONNECT, no token"),
+        pytest.param(b"CONNECT x:443 HTTP/1.1\r\nHost: x\r\n" + TOKEN, 405, id="CONNECT"),
     ],
 )
 async def test_an_expected_body_a_route_does_not_read_is_never_asked_for(head: bytes, status: int) -> None:
@@ -296,3 +301,59 @@ async def test_a_body_within_the_bound_an_answer_leaves_unread_is_drained_on_a_c
         finally:
             sock.close()
     assert [(status, b"connection: close" in head) for status, head, _ in answers] == [(200, False)] * 2
+
+
+NEXT_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + TOKEN + b"\r\n"  # a token's, sent as a body
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        pytest.param(b"GET http://x HTTP/1.1\r\nHost: x\r\n", id="no path"),
+        pytest.param(b"CONNECT x:443 HTTP/1.1\r\nHost: x\r\n", id="CONNECT"),
+        pytest.param(b"GET /v1/nowhere HTTP/1.1\r\nHost: x\r\n", id="a path"),
+    ],
+)
+async def test_an_expectation_from_a_caller_with_no_token_is_told_401_and_nothing_after_its_head_is_read(
+    head: bytes,
+) -> None:
+    # An empty path met aiohttp's expect handler: 417, and the request sent as the body answered 200.
+    settings = {"auth_tokens": frozenset({"a"}), "lingering_s": 0.2}
+    async with fake_decoder() as (_, address), live_gateway(address, **settings) as url:
+        answered = await _answers_until_closed(head + b"Expect: foo\r\n\r\n" + NEXT_MODELS, url)
+    assert answered == [401]
+
+
+@pytest.mark.parametrize(
+    "expect", [b"Expect: 100-continue\r\nExpect: foo\r\n", b"Expect: 100-continue, foo\r\n"]
+)
+async def test_every_expectation_of_every_expect_line_is_met_or_417(expect: bytes) -> None:
+    # Only the first line was read: `100 Continue`, then the body served.
+    async with fake_decoder() as (decoder, address), live_gateway(address) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, COMPLETIONS_HEAD + expect + b"Content-Length: %d\r\n\r\n" % len(SMALL_BODY))
+            head, _, _ = (await _interim_or_answer(sock)).partition(b"\r\n\r\n")
+        finally:
+            sock.close()
+    assert int(head.split()[1]) == 417 and b"connection: close" in head.lower()
+    assert not decoder.requests
+
+
+async def test_a_connect_is_405_and_nothing_after_its_head_is_read() -> None:
+    # This server is no proxy, and what follows a CONNECT's head is a tunnel's: it was answered 404, then
+    # the bytes after it as a request.
+    settings = {"auth_tokens": frozenset({"a"}), "lingering_s": 0.2}
+    async with fake_decoder() as (_, address), live_gateway(address, **settings) as url:
+        sock = await connect(url)
+        try:
+            await send(sock, b"CONNECT x:443 HTTP/1.1\r\nHost: x\r\n" + TOKEN + b"\r\n" + NEXT_MODELS)
+            sent = await read_to_close(sock, 2)
+        finally:
+            sock.close()
+    head, _, answer = sent.partition(b"\r\n\r\n")
+    assert int(head.split()[1]) == 405 and b"allow: get, head, post" in head.lower()
+    assert (
+        json.loads(answer)["error"]["message"] == "CONNECT asks a proxy for a tunnel: this server is not one"
+    )
+    assert b"connection: close" in head.lower()

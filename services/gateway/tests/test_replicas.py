@@ -959,3 +959,27 @@ async def test_a_replica_whose_model_asks_keep_failing_gets_calls_not_checked_pa
         assert len(seen.serving) == 2 and seen.model == "fake-model"
     finally:
         await channels.close()
+
+
+async def test_health_counts_the_replicas_calls_go_to_and_lists_those_whose_model_is_unknown(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """At a cold start, calls go to every serving replica before any has said its model, while /health
+    counted only replicas whose model was checked: 503 while calls went through. It counts the replicas
+    calls go to, and lists those whose model is not known."""
+    for decoder, _ in replicas:
+        decoder.info_gate = asyncio.Event()  # the gateway's model asks wait: a replica slow to answer
+    address = ",".join(f"127.0.0.1:{running.port}" for _, running in replicas)
+    async with live_gateway(address) as url, aiohttp.ClientSession() as session:
+        async with asyncio.timeout(5):
+            while True:
+                async with session.get(url.removesuffix("/v1") + "/health") as response:
+                    health = await response.json()
+                if health.get("model_unknown") and health["replicas"]["watched"] == 2:
+                    break
+                await asyncio.sleep(0.05)
+        assert response.status == 200 and health["status"] == "ok", health
+        assert sorted(health["model_unknown"]) == sorted(address.split(",")) and health["model"] is None
+        for decoder, _ in replicas:
+            assert decoder.info_gate is not None
+            decoder.info_gate.set()

@@ -30,8 +30,10 @@ from typing import Any
 
 import grpc
 from aiohttp import HttpVersion11, StreamReader, hdrs, web
+from aiohttp.abc import AbstractMatchInfo
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import MatchInfoError
 
 from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
@@ -49,7 +51,7 @@ from tandem.gateway.body_codings import (
     is_body_left,
 )
 from tandem.gateway.body_limits import BodyLimits, count_values
-from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of
+from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of, model_check_metadata
 from tandem.gateway.calls import EmbedCall, GenerateCall
 from tandem.gateway.chat_request import chat_request
 from tandem.gateway.choice_streams import ChoiceFailed, ChoiceStreams
@@ -60,7 +62,7 @@ from tandem.gateway.connections import ConnectionGuard, is_left_by_caller
 from tandem.gateway.decoder_info import DecoderInfo
 from tandem.gateway.embed_request import embed_request
 from tandem.gateway.encoder_info import EncoderInfo
-from tandem.gateway.encoders import info_version
+from tandem.gateway.encoders import answering
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
 from tandem.gateway.http_span import (
     UNROUTED,
@@ -120,8 +122,8 @@ class Gateway:
         # Their JSON held, reserved once decoded: all callers' and each caller's.
         self.answer_bytes = AnswerBytes(config.max_unread_answer_bytes, config.unread_answer_bytes_per_caller)
         self.decoder_info = DecoderInfo(self._decoder_stub, lambda: self.callers.targets)
-        # Asked again when a picture is over its bound, or the encoder replicas change.
-        self.encoder_info = EncoderInfo(encoder.stub, info_version(encoder))
+        # Asked again when a picture is over its bound, or the encoder replicas change; with one token.
+        self.encoder_info = EncoderInfo(encoder.stub, answering(encoder), model_check_metadata(config))
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -149,6 +151,7 @@ class Gateway:
         unrouted = _Unrouted("/{path:.*}", name=UNROUTED)
         app.router.register_resource(unrouted)
         unrouted.add_route("*", self.unrouted, **bodiless)
+        unrouted.take_unmatched(app.router)
         return app
 
     async def _expect_body(self, request: web.Request) -> web.StreamResponse | None:
@@ -198,7 +201,8 @@ class Gateway:
             return framing
         if (unauthenticated := self._unauthenticated(request)) is not None:
             return unauthenticated  # before a caller with no token is told anything of its request
-        expect = request.headers.get("Expect", "")
+        # Every line of it: a second (`Expect: 100-continue` then `Expect: foo`) went unread, `100 Continue`.
+        expect = ", ".join(request.headers.getall(hdrs.EXPECT, ()))
         if expect.lower() != "100-continue":
             message = f"Expect: {expect[:64]!r} is not an expectation this server meets (only 100-continue)"
             return HttpError(417, "invalid_request_error", message)
@@ -361,11 +365,13 @@ class Gateway:
     # -- endpoints --------------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while a decoder replica serves: over several, as the gateway's watch of each has seen
-        (`replicas.py`), which its own decoder client, watching none, cannot tell; else by Check."""
+        """200 while a decoder replica serves and gets calls: over several, as the gateway's watch of each
+        has seen (`replicas.py`), which its own decoder client, watching none, cannot tell; else by Check.
+        Counted by the rule the calls go by (`Replicas.called`): counting only replicas whose model was
+        checked, it said 503 while calls went through at a cold start, before any model was asked."""
         replicas = self.callers.replicas
         if replicas is not None:
-            serving = bool(replicas.serving)
+            serving = bool(replicas.called)
         else:
             try:
                 serving = await self.decoder.health(timeout=2.0) == 1
@@ -374,7 +380,7 @@ class Gateway:
         body: dict[str, Any] = {"status": "ok" if serving else "unavailable"}
         if replicas is not None:
             # A replica left out keeps "ok" while another serves: the counts tell a deployer how many do.
-            body["replicas"] = {"serving": len(replicas.serving), "watched": replicas.num_watched}
+            body["replicas"] = {"serving": len(replicas.called), "watched": replicas.num_watched}
         if replicas is not None and (mismatched := replicas.mismatched):
             # Replicas of another model than the gateway serves: left out, named for whoever deploys. One
             # of its name serves another checkpoint under it (`replica_model.py`): what differs is said,
@@ -386,11 +392,18 @@ class Gateway:
                 | ({differences[r]: "differs"} if differences.get(r, "model") != "model" else {})
                 for r, m in mismatched.items()
             ]
+        if replicas is not None and (unknown := replicas.model_unknown):
+            # Serving, their model not known (being asked, refused, unanswered): a 503 naming nothing, with
+            # every replica up, left a deployer nothing to look at.
+            body["model"] = replicas.model
+            body["model_unknown"] = list(unknown)
         return web.json_response(body, status=200 if serving else 503)
 
     async def unrouted(self, request: web.Request) -> web.Response:
         """A path no route serves (404), or a method its route does not (405): a route of its own, so
-        that its `Expect` is the gateway's to answer (`app`)."""
+        that its `Expect` is the gateway's to answer (`app`). A CONNECT is 405 too, and closed."""
+        if request.method == hdrs.METH_CONNECT:
+            return _connect_refused(request)
         allowed: set[str] = set()
         for resource in request.app.router.resources():
             if resource.name != UNROUTED:
@@ -455,7 +468,7 @@ class Gateway:
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         metadata = self._metadata(request)
-        info = await self.encoder_info.get(metadata)
+        info = await self.encoder_info.get()
         call = await self._convert(request, embed_request, BodyLimits.for_embeddings(info.max_input_tokens))
         assert isinstance(call, EmbedCall)
         bound = embeddings.answer_bound(call, info)
@@ -465,7 +478,7 @@ class Gateway:
             where = call.input_field(i, "image")
             if input_request.HasField("image") and (
                 too_large := await refusal_asking_again(
-                    self.encoder_info, max_message_bytes, input_request, where, metadata
+                    self.encoder_info, max_message_bytes, input_request, where
                 )
             ):
                 raise Refused(too_large)
@@ -726,6 +739,7 @@ class Gateway:
     async def close(self) -> None:
         """Ends the model-info asks under way (at shutdown, before the channels close)."""
         await self.decoder_info.close()
+        await self.encoder_info.close()
 
     @contextlib.asynccontextmanager
     async def _decoder_stub(self) -> AsyncIterator[decoder_pb2_grpc.DecoderStub]:
@@ -745,6 +759,23 @@ class _Unrouted(web.DynamicResource):
 
     def _match(self, path: str) -> dict[str, str] | None:
         return {"path": path}
+
+    def take_unmatched(self, router: web.UrlDispatcher) -> None:
+        """Every request `router` matches no route of comes here too. aiohttp tries routes only while a
+        path is left to walk, so a target with an empty path, absolute-form with none (`GET http://x`,
+        any method) and every CONNECT (its target an authority), reached no route, this one neither: it
+        met aiohttp's expect handler, which answered `Expect: foo` 417 and kept the connection (what came
+        as its body answered as a request, a token's or not), and sent `100 Continue` before a 401."""
+        resolve = router.resolve
+
+        async def resolve_all(request: web.Request) -> AbstractMatchInfo:
+            match_info = await resolve(request)
+            if isinstance(match_info, MatchInfoError):
+                unrouted, _ = await self.resolve(request)  # its `_match` takes every path, "" too
+                return unrouted or match_info
+            return match_info
+
+        router.resolve = resolve_all  # type: ignore[method-assign]
 
 
 async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
@@ -769,6 +800,24 @@ def _drop_rest(request: web.Request, response: web.StreamResponse) -> None:
     response.force_close()
     if request.protocol is not None:
         request.protocol.close()
+
+
+def _connect_refused(request: web.Request) -> web.Response:
+    """405 to a CONNECT, which asks a proxy for a tunnel (RFC 9110 9.3.6): this server is none. What
+    follows its head is the tunnel's, not HTTP (aiohttp reads it as the request's body until the
+    connection ends), so it is dropped unparsed and the connection closed (`_drop_rest`): kept, the
+    bytes after a refused CONNECT were answered as requests."""
+    served = {
+        route.method
+        for resource in request.app.router.resources()
+        if resource.name != UNROUTED
+        for route in resource
+    }
+    message = "CONNECT asks a proxy for a tunnel: this server is not one"
+    allow = (("Allow", ", ".join(sorted(served))),)
+    response = error_response(HttpError(405, "invalid_request_error", message, more_headers=allow))
+    _drop_rest(request, response)
+    return response
 
 
 def _is_body_left(request: web.Request) -> bool:

@@ -1,108 +1,148 @@
-"""The encoder's model info (its width, its input bound, its max_image_bytes): asked once, and asked
-again when a picture is over the max_image_bytes it said, and when the encoder replicas it is asked over
-change (their targets or their model: `encoders.info_version`).
+"""The encoder's model info (its width, its input bound, its max_image_bytes): asked once before anything
+is answered, then asked again beside the requests when the encoder replicas change (the replicas called,
+or their model: `encoders.answering`), and on a refusal of a picture over the max_image_bytes it said.
 
-NOTE: why the replicas' change asks again. Asked once, /v1/embeddings kept answering under the first
-model's name, with its width and bounds, after every encoder replica moved to another model. The decoder's
-info is refreshed beside the requests (`decoder_info.py`); this one is asked on the first request after
-the change, shared and bounded by REASK_TIMEOUT_S as a refusal's ask is: a change is rare (a restart, a
-rolling upgrade), and the answer it brings is what that request is answered with. One that fails keeps
-the info held and is tried again RETRY_S later.
+NOTE: why a change is asked beside the requests. Asked once, /v1/embeddings kept answering under the
+first model's name, with its width and bounds, after every encoder replica moved to another model. Asked
+on the requests' path, a slow GetModelInfo (an encoder busy embedding, 3 s) held 90 of 159 embeddings
+up to 2 s each, again and again, the ask's own 2 s bound never letting it answer. So the held info is
+answered while one ask runs as its own task (bounded by ASK_TIMEOUT_S, outside any caller's trace), as
+the decoder's is (`decoder_info.py`); one that fails keeps the info held and is tried again RETRY_S
+later. Only where the replicas' model itself changed do the requests wait on it, for REASK_TIMEOUT_S
+from the change at most: the held info is the old model's name and bounds.
 
 NOTE: why a refusal asks again. The info was asked once for the gateway's life, so an encoder restarted
 with a higher --max-image-bytes still had pictures under its new bound refused 413 by the gateway, until
 the gateway restarted too. Asking again on every picture would cost a call each; asking on a refusal
 costs one only where the answer may change it. A lowered bound costs no call: the encoder refuses the
 picture itself, named the same way (`image_bytes.over_cap`), and the bound it names is held
-(`lowered`). Callers asking while a call is out share it, so a flood of pictures over the bound makes
-one call at a time, each bounded by REASK_TIMEOUT_S.
+(`lowered`). Callers asking while an ask is out share it, each waiting REASK_TIMEOUT_S at most.
 
-NOTE: why a call is shared only by callers with the same metadata (their Authorization). The encoder
-answers a call as its token allows: shared with the first caller's token, a bad token's UNAUTHENTICATED
-reached a good-token caller asking meanwhile, and a bad token's failed re-ask left a good caller with
-the old bound's 413. A token's callers still share one call; a flood of bad tokens costs a call each
-(each answered UNAUTHENTICATED by the encoder, as any of their calls would be)."""
+NOTE: why it is asked with one token. Asked with each caller's (passed on), a caller's bad token's
+UNAUTHENTICATED reached others asking meanwhile, and 50 callers made 50 asks of one change. It is asked
+with the token the replicas' models are checked with (`callers.model_check_metadata`: the gateway's own
+on its channel, else the least of the services' token file), so every caller shares one ask."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
 from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
-# The longest a refusal waits on the encoder's word before it stands on what the encoder said before.
+log = logging.getLogger("tandem.gateway")
+
+# The longest a request waits on an ask for the encoder's word (a refusal's, a change of model's) before
+# it stands on what the encoder said before.
 REASK_TIMEOUT_S = 2.0
-# The first call's bound: nothing can be answered without it.
-ASK_TIMEOUT_S = 10.0
+ASK_TIMEOUT_S = 10.0  # an ask's own bound; the first one's is every request's: nothing is answered before
 RETRY_S = 1.0  # an ask on the replicas' change that failed is tried again no sooner
 
 Metadata = tuple[tuple[str, str], ...] | None
+Info = encoder_pb2.EncoderGetModelInfoResponse
+
+
+@dataclass(frozen=True)
+class Answering:
+    """Which encoder replicas answer: the held info is asked again on a change of either."""
+
+    model: str | None = None  # the model they serve: a change holds requests on the ask (its name, bounds)
+    targets: tuple[str, ...] = ()  # the replicas called: a change is asked beside the requests
 
 
 class EncoderInfo:
-    """The encoder's GetModelInfo, held; one call at a time, shared by those who ask meanwhile."""
+    """The encoder's GetModelInfo, held; one ask at a time, shared by every caller."""
 
     def __init__(
-        self, stub: encoder_pb2_grpc.EncoderStub, version: Callable[[], object] = lambda: None
+        self,
+        stub: encoder_pb2_grpc.EncoderStub,
+        answering: Callable[[], Answering] = Answering,
+        metadata: Metadata = None,
     ) -> None:
         self._stub = stub
-        self._version = version  # what the replicas answering are: asked again when it changes
-        self._info: encoder_pb2.EncoderGetModelInfoResponse | None = None
-        self._asked_version: object = None  # `version` when the held info was asked
-        self._tried_at = float("-inf")  # the last ask on a change that failed, time.monotonic()
-        # The call out for each metadata (the callers' token, `app.py` `_metadata`).
-        self._asking: dict[Metadata, asyncio.Future[encoder_pb2.EncoderGetModelInfoResponse]] = {}
+        self._answering = answering  # asked again when it changes
+        self._metadata = metadata  # every ask's (`callers.model_check_metadata`)
+        self._info: Info | None = None
+        self._asked: Answering | None = None  # `answering` when the held info was asked
+        self._tried_at = float("-inf")  # the last ask that failed, time.monotonic()
+        self._waited_for: str | None = None  # the last model change the requests waited on
+        self._waiting_until = float("-inf")  # ... until then, time.monotonic()
+        self._asking: asyncio.Task[Info] | None = None  # the one ask out, if any
 
-    async def get(self, metadata: Metadata) -> encoder_pb2.EncoderGetModelInfoResponse:
-        """What the encoder said last, asked the first time and again when its replicas changed."""
+    async def get(self) -> Info:
+        """What the encoder said last: the first ask's answer, then the held one, asked again beside the
+        requests when its replicas change (waited on for REASK_TIMEOUT_S where their model changed)."""
         if self._info is None:
-            return await self._ask(metadata, ASK_TIMEOUT_S)
-        if self._version() != self._asked_version and time.monotonic() - self._tried_at >= RETRY_S:
-            if (info := await self.asked_again(metadata)) is not None:
-                return info
-            self._tried_at = time.monotonic()
+            return await asyncio.shield(self._ask())  # a caller that goes away does not cancel it
+        answering = self._answering()
+        if answering == self._asked:
+            return self._info
+        is_new_model = self._asked is not None and answering.model != self._asked.model
+        if is_new_model and answering.model != self._waited_for:
+            self._waited_for, self._waiting_until = answering.model, time.monotonic() + REASK_TIMEOUT_S
+        if time.monotonic() - self._tried_at >= RETRY_S or self._asking is not None:
+            asking = self._ask()
+            if answering.model == self._waited_for and (left_s := self._waiting_until - time.monotonic()) > 0:
+                await asyncio.wait([asking], timeout=left_s)
         return self._info
 
-    async def asked_again(self, metadata: Metadata) -> encoder_pb2.EncoderGetModelInfoResponse | None:
+    async def asked_again(self) -> Info | None:
         """What the encoder says now, or None where it does not answer (down, or restarting) within
         REASK_TIMEOUT_S (or none serves its model): the caller keeps what it said before."""
-        try:
-            return await self._ask(metadata, REASK_TIMEOUT_S)
-        except (grpc.aio.AioRpcError, Unavailable):
+        asking = self._ask()
+        await asyncio.wait([asking], timeout=REASK_TIMEOUT_S)
+        if not asking.done() or asking.cancelled() or asking.exception() is not None:
             return None
+        return asking.result()
 
     def lowered(self, max_image_bytes: int) -> None:
         """The encoder refused a picture over `max_image_bytes`, below what it said (it restarted with a
         lower one): held, so the next picture over it is refused before any call."""
         if self._info is not None and not 0 < self._info.max_image_bytes <= max_image_bytes:
-            info = encoder_pb2.EncoderGetModelInfoResponse()
+            info = Info()
             info.CopyFrom(self._info)
             info.max_image_bytes = max_image_bytes
             self._info = info
 
-    async def _ask(self, metadata: Metadata, timeout_s: float) -> encoder_pb2.EncoderGetModelInfoResponse:
-        if (asking := self._asking.get(metadata)) is None:
-            asking = self._asking[metadata] = asyncio.ensure_future(self._call(metadata, timeout_s))
-            asking.add_done_callback(lambda done: self._asked(metadata, done))
-        # Shielded: a caller that goes away (its client hung up) does not cancel the others' call.
-        return await asyncio.shield(asking)
+    async def close(self) -> None:
+        """Ends the ask under way (at shutdown, before the channels close)."""
+        if self._asking is not None and not self._asking.done():
+            self._asking.cancel()
+            await asyncio.wait([self._asking])
 
-    async def _call(self, metadata: Metadata, timeout_s: float) -> encoder_pb2.EncoderGetModelInfoResponse:
-        version = self._version()
-        self._info = await self._stub.GetModelInfo(
-            encoder_pb2.EncoderGetModelInfoRequest(), metadata=metadata, timeout=timeout_s
-        )
-        self._asked_version, self._tried_at = version, float("-inf")
-        return self._info
+    def _ask(self) -> asyncio.Task[Info]:
+        """The ask out, or a new one: its own task, in a context of its own (no caller's trace)."""
+        if self._asking is None:
+            self._asking = asyncio.create_task(self._call(), context=contextvars.Context())
+            self._asking.add_done_callback(self._asked_done)
+        return self._asking
 
-    def _asked(
-        self, metadata: Metadata, asking: asyncio.Future[encoder_pb2.EncoderGetModelInfoResponse]
-    ) -> None:
-        if self._asking.get(metadata) is asking:
-            del self._asking[metadata]
+    async def _call(self) -> Info:
+        answering = self._answering()
+        try:
+            info = await self._stub.GetModelInfo(
+                encoder_pb2.EncoderGetModelInfoRequest(), metadata=self._metadata, timeout=ASK_TIMEOUT_S
+            )
+        except (grpc.aio.AioRpcError, Unavailable) as error:  # Unavailable: no replica serves its model
+            if self._info is not None and self._tried_at == float("-inf"):
+                why = error.code().name if isinstance(error, grpc.aio.AioRpcError) else str(error)
+                log.warning("the encoder's model info was not asked again (the last kept): %s", why)
+            self._tried_at = time.monotonic()
+            raise
+        if self._tried_at != float("-inf") and self._info is not None:
+            log.info("the encoder's model info is asked again")
+        self._info, self._asked, self._tried_at = info, answering, float("-inf")
+        return info
+
+    def _asked_done(self, asking: asyncio.Task[Info]) -> None:
+        """The ask ended: the next one is a new one; its failure taken here too, where nobody waited."""
+        self._asking = None
         if not asking.cancelled():
-            asking.exception()  # seen, where every caller went away before it failed: not logged as lost
+            asking.exception()

@@ -36,6 +36,7 @@ from tandem.client.client import EncoderClient
 from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.encoder_info import Answering
 from tandem.gateway.replica_model import ReplicaModel
 from tandem.gateway.replicas import Replicas, name_of
 
@@ -102,13 +103,13 @@ class EncoderReplicas:
         await asyncio.gather(*([self._channel.close()] if self._channel is not None else []), *self._closing)
 
 
-def info_version(encoder: EncoderClient | EncoderReplicas) -> Callable[[], object]:
-    """What `EncoderInfo` asks again on a change of: the replicas called and the model they serve (one
+def answering(encoder: EncoderClient | EncoderReplicas) -> Callable[[], Answering]:
+    """What `EncoderInfo` asks again on a change of: the model the replicas serve and those called (one
     client: nothing, asked once)."""
     if isinstance(encoder, EncoderReplicas):
         replicas = encoder.replicas
-        return lambda: (replicas.targets, replicas.model)
-    return lambda: None
+        return lambda: Answering(replicas.model, replicas.targets)
+    return Answering
 
 
 async def encoder_model(
