@@ -122,3 +122,30 @@ async def test_a_refusal_asks_again_with_the_gateways_token_and_takes_a_raised_b
             )
     assert refusals == [None] * 4  # the encoder's new bound: the picture goes on
     assert encoder.num_model_infos == 2  # the first ask, and one shared by the 4 refusals
+
+
+class RotatedStub(HeldStub):
+    """An encoder whose tokens were rotated past the gateway's check token (the least of its
+    --auth-token-file): it refuses that one and takes the callers'."""
+
+    async def GetModelInfo(
+        self, request: encoder_pb2.EncoderGetModelInfoRequest, metadata: object = None, timeout: float = 0
+    ) -> encoder_pb2.EncoderGetModelInfoResponse:
+        if metadata == TOKEN:
+            self.asked.append(metadata)
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(), grpc.aio.Metadata(), "not a token"
+            )
+        return await super().GetModelInfo(request, metadata, timeout)
+
+
+async def test_an_ask_the_encoders_refuse_the_gateways_token_for_is_asked_again_with_the_callers() -> None:
+    """Mid-rotation the encoders took the caller's token and refused the check's: asked with the check's
+    alone, a good caller got 401 on every embedding and image chat. The caller's is tried next."""
+    caller = (("authorization", "Bearer a caller's"),)
+    stub = RotatedStub()
+    info = EncoderInfo(stub, lambda: Answering("enc-X", ("a",)), TOKEN)  # type: ignore[arg-type]
+    assert (await info.get(caller)).model == "enc-X"
+    assert stub.asked == [TOKEN, caller]
+    with pytest.raises(grpc.aio.AioRpcError):  # with no caller's token to try, the refusal stands
+        await EncoderInfo(RotatedStub(), lambda: Answering("enc-X", ("a",)), TOKEN).get()  # type: ignore[arg-type]

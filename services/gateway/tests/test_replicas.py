@@ -923,8 +923,8 @@ async def test_replicas_whose_model_asks_are_refused_by_their_configuration_get_
 ) -> None:
     """Every replica restarted on the same model, the gateway's ask refused (UNAUTHENTICATED after a
     token rotation with the callers' tokens passed on): each was held back for good, the gateway 503 with
-    every replica serving. A refusal no retry changes makes each not checked, its model forgotten, logged
-    at ERROR: it gets calls, as a replica never checked does."""
+    every replica serving. A refusal no retry changes makes each not checked, logged at ERROR: it gets
+    calls, as a replica never checked does, and still counts for the model it said."""
     with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
         channels, seen = await _restarted_failing_asks(replicas, refusal)
         try:
@@ -937,6 +937,37 @@ async def test_replicas_whose_model_asks_are_refused_by_their_configuration_get_
             await channels.close()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2 and all("not checked" in e and "'fake-model'" in e for e in errors), errors
+
+
+async def test_a_refused_ask_of_the_gateways_models_replica_hands_the_gateway_no_other_model(
+    replicas: list[tuple[CountingDecoder, RunningServer]],
+) -> None:
+    """A 1-vs-1 pair, B of another model left out: A restarted and its ask refused (a token rotated) was
+    not checked and its model forgotten, so B's was the only vote: the gateway moved to B's model, sent
+    calls to B, and left A out for good once A answered again (a tie keeps the model so far). A replica
+    not checked still counts for the model it said."""
+    (a, server_a), (b, server_b) = replicas
+    replica_a, replica_b = (f"127.0.0.1:{running.port}" for running in (server_a, server_b))
+    await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
+    b.model = "other-model"
+    channels = _gateway_channels([server_a, server_b])
+    seen = channels.replicas
+    assert seen is not None
+    try:
+        await _eventually(lambda: channels.targets == (replica_a,))
+        await server_b.set_serving()
+        await _eventually(lambda: seen.mismatched == {replica_b: "other-model"})
+        a.fail_infos, a.failure = True, grpc.StatusCode.UNAUTHENTICATED
+        await _restart_as(a, server_a, "fake-model")
+        await _eventually(lambda: a.num_failed_infos > 0 and replica_a in seen.model_unknown)
+        await _eventually(lambda: channels.targets == (replica_a,))  # not checked: it gets calls
+        assert seen.model == "fake-model" and replica_b in seen.mismatched
+        a.fail_infos = False  # the token fixed: A answers again
+        await _eventually(lambda: not seen.model_unknown, timeout_s=10)  # its asks' backoff: 5 s at most
+        assert seen.model == "fake-model" and channels.targets == (replica_a,)
+        assert seen.mismatched == {replica_b: "other-model"}
+    finally:
+        await channels.close()
 
 
 async def test_a_replica_whose_model_asks_keep_failing_gets_calls_not_checked_past_a_bound(

@@ -203,7 +203,8 @@ class Gateway:
             return unauthenticated  # before a caller with no token is told anything of its request
         # Every line of it: a second (`Expect: 100-continue` then `Expect: foo`) went unread, `100 Continue`.
         expect = ", ".join(request.headers.getall(hdrs.EXPECT, ()))
-        if expect.lower() != "100-continue":
+        # The expectations it lists, each met (a client repeating 100-continue was refused 417).
+        if {member.strip().lower() for member in expect.split(",")} != {"100-continue"}:
             message = f"Expect: {expect[:64]!r} is not an expectation this server meets (only 100-continue)"
             return HttpError(417, "invalid_request_error", message)
         if not reads_body:
@@ -468,7 +469,7 @@ class Gateway:
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         metadata = self._metadata(request)
-        info = await self.encoder_info.get()
+        info = await self.encoder_info.get(metadata)
         call = await self._convert(request, embed_request, BodyLimits.for_embeddings(info.max_input_tokens))
         assert isinstance(call, EmbedCall)
         bound = embeddings.answer_bound(call, info)

@@ -57,6 +57,9 @@ class Answering:
     targets: tuple[str, ...] = ()  # the replicas called: a change is asked beside the requests
 
 
+AUTH_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
 class EncoderInfo:
     """The encoder's GetModelInfo, held; one ask at a time, shared by every caller."""
 
@@ -76,11 +79,12 @@ class EncoderInfo:
         self._waiting_until = float("-inf")  # ... until then, time.monotonic()
         self._asking: asyncio.Task[Info] | None = None  # the one ask out, if any
 
-    async def get(self) -> Info:
+    async def get(self, caller: Metadata = None) -> Info:
         """What the encoder said last: the first ask's answer, then the held one, asked again beside the
-        requests when its replicas change (waited on for REASK_TIMEOUT_S where their model changed)."""
+        requests when its replicas change (waited on for REASK_TIMEOUT_S where their model changed).
+        `caller`: the asking caller's token, tried where the encoders refuse the check's (a rotation)."""
         if self._info is None:
-            return await asyncio.shield(self._ask())  # a caller that goes away does not cancel it
+            return await asyncio.shield(self._ask(caller))  # a caller that goes away does not cancel it
         answering = self._answering()
         if answering == self._asked:
             return self._info
@@ -88,7 +92,7 @@ class EncoderInfo:
         if is_new_model and answering.model != self._waited_for:
             self._waited_for, self._waiting_until = answering.model, time.monotonic() + REASK_TIMEOUT_S
         if time.monotonic() - self._tried_at >= RETRY_S or self._asking is not None:
-            asking = self._ask()
+            asking = self._ask(caller)
             if answering.model == self._waited_for and (left_s := self._waiting_until - time.monotonic()) > 0:
                 await asyncio.wait([asking], timeout=left_s)
         return self._info
@@ -117,19 +121,28 @@ class EncoderInfo:
             self._asking.cancel()
             await asyncio.wait([self._asking])
 
-    def _ask(self) -> asyncio.Task[Info]:
+    def _ask(self, caller: Metadata = None) -> asyncio.Task[Info]:
         """The ask out, or a new one: its own task, in a context of its own (no caller's trace)."""
         if self._asking is None:
-            self._asking = asyncio.create_task(self._call(), context=contextvars.Context())
+            self._asking = asyncio.create_task(self._call(caller), context=contextvars.Context())
             self._asking.add_done_callback(self._asked_done)
         return self._asking
 
-    async def _call(self) -> Info:
+    async def _call(self, caller: Metadata = None) -> Info:
         answering = self._answering()
         try:
-            info = await self._stub.GetModelInfo(
-                encoder_pb2.EncoderGetModelInfoRequest(), metadata=self._metadata, timeout=ASK_TIMEOUT_S
-            )
+            try:
+                info = await self._stub.GetModelInfo(
+                    encoder_pb2.EncoderGetModelInfoRequest(), metadata=self._metadata, timeout=ASK_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as error:
+                # The check's token (the least of --auth-token-file) refused mid-rotation, where the
+                # caller's is taken: a good caller got 401 on every embedding. Asked with the caller's.
+                if caller is None or caller == self._metadata or error.code() not in AUTH_REFUSALS:
+                    raise
+                info = await self._stub.GetModelInfo(
+                    encoder_pb2.EncoderGetModelInfoRequest(), metadata=caller, timeout=ASK_TIMEOUT_S
+                )
         except (grpc.aio.AioRpcError, Unavailable) as error:  # Unavailable: no replica serves its model
             if self._info is not None and self._tried_at == float("-inf"):
                 why = error.code().name if isinstance(error, grpc.aio.AioRpcError) else str(error)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.client.pb.tandem.v1 import encoder_pb2
-from tandem.gateway.encoder_info import EncoderInfo
+from tandem.gateway.encoder_info import EncoderInfo, Metadata
 from tandem.gateway.errors import HttpError
 
 # The encoder's refusal of a picture over its max_image_bytes (`vision/image_bytes.py`, `read_image`).
@@ -67,11 +67,12 @@ async def refusal_asking_again(
     max_message_bytes: int,
     request: encoder_pb2.EmbedRequest,
     where: str,
+    caller: Metadata = None,
 ) -> HttpError | None:
     """`ImageBound.refusal` of `request` under the bounds the encoder said (`info`) and the services'
     `max_message_bytes`; a picture over the encoder's max_image_bytes is asked about again first, and
     refused under what the encoder says now (what it said before, where it does not answer)."""
-    bound = ImageBound((await info.get()).max_image_bytes, max_message_bytes)
+    bound = ImageBound((await info.get(caller)).max_image_bytes, max_message_bytes)
     if bound.is_over_max_image_bytes(request) and (now := await info.asked_again()) is not None:
         bound = ImageBound(now.max_image_bytes, max_message_bytes)
     return bound.refusal(request, where)

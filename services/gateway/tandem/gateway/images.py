@@ -88,7 +88,8 @@ async def embed_images(
     for data, parts in by_file.items():
         embed = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=data))
         where = f"messages[{parts[0].message}].content[{parts[0].part}].image_url"
-        if (too_large := await refusal_asking_again(info, max_message_bytes, embed, where)) is not None:
+        too_large = await refusal_asking_again(info, max_message_bytes, embed, where, metadata)
+        if too_large is not None:
             raise Refused(too_large)
         embeds.append((embed, where))
 

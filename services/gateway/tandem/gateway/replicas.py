@@ -39,7 +39,8 @@ last: counted for nothing, a failed ask of the gateway's model's replica in a 1-
 the gateway the other's model, the restart case below. That wait is bounded: a refusal that is the
 deployment's configuration (UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED: a token rotated past the
 gateway's, an older decoder), or asks failing for UNCHECKED_AFTER_S, make the replica not checked again,
-its model said before forgotten, logged at ERROR: it gets calls, and /health lists it (`model_unknown`).
+logged at ERROR: it gets calls, and /health lists it (`model_unknown`), but still counts for the model
+it said last (forgetting it handed a 1-vs-1 pair's gateway to the left-out replica's model for good).
 Held back for good, every replica of a token rotation served its model and the gateway answered 503 for
 good, where before the recheck they had served unchecked.
 
@@ -206,6 +207,10 @@ class Replicas:
         self._models: dict[str, ReplicaModel | None] = {}
         # The model each watched replica said last, serving or not: what it counts for (see the NOTE).
         self._said: dict[str, ReplicaModel] = {}
+        # Serving replicas whose asks were given up on (not checked: they get calls), each still
+        # counting for the model it said last: forgotten, a refused ask of the gateway's model's replica
+        # in a 1-vs-1 pair handed the gateway the left-out one's model, for good (its vote a tie after).
+        self._unchecked: set[str] = set()
         self._model: ReplicaModel | None = None  # the one most replicas said (ties: the one so far)
         # The serving replicas of another model at the last `_update`.
         # Replaced whole, never changed: the metrics' export thread reads its length.
@@ -228,7 +233,7 @@ class Replicas:
     @property
     def serving(self) -> tuple[str, ...]:
         """The replicas that serve the gateway's model (`model`), or whose model is not known and was
-        never said or forgotten (see the NOTE on asking again)."""
+        never said or is not checked (see the NOTE on asking again)."""
         return tuple(
             replica for replica, is_serving in self._is_serving.items() if is_serving and self._fits(replica)
         )
@@ -305,8 +310,8 @@ class Replicas:
         if replica not in self._models:  # turned SERVING, its model being asked: a moment
             return False
         model = self._models[replica]
-        if model is None:  # not answered (asked again): calls only where it never said a model (NOTE)
-            return replica not in self._said
+        if model is None:  # not answered (asked again): calls where it never said a model or is not checked
+            return replica not in self._said or replica in self._unchecked
         return self._is_ours(model)
 
     async def close(self) -> None:
@@ -371,6 +376,7 @@ class Replicas:
         if (asking := self._asking.pop(replica, None)) is not None:
             asking.cancel()
         self._models.pop(replica, None)
+        self._unchecked.discard(replica)
 
     async def _ask_model(self, replica: str, channel: grpc.aio.Channel) -> None:
         """`replica`'s model, asked until it answers (cancelled when it stops serving: `_set`)."""
@@ -389,14 +395,20 @@ class Replicas:
         self._asking.pop(replica, None)
         self._models[replica] = model
         self._said[replica] = model
+        self._unchecked.discard(replica)
         self._update()
 
     def _ask_failed(self, replica: str, error: grpc.aio.AioRpcError, failing_s: float) -> None:
         """`replica`'s model ask failed, its asks failing for `failing_s`: said once per run of failures,
         and once more, at ERROR, where it makes the replica not checked (see the NOTE on asking again)."""
         gives_up = error.code() in CONFIGURATION_REFUSALS or failing_s >= UNCHECKED_AFTER_S
-        if gives_up and (replica in self._said or replica not in self._models):
-            forgotten = self._said.pop(replica, None)
+        if (
+            gives_up
+            and replica not in self._unchecked
+            and (replica in self._said or replica not in self._models)
+        ):
+            self._unchecked.add(replica)
+            counted = self._said.get(replica)
             why = "refused" if error.code() in CONFIGURATION_REFUSALS else f"failing for {failing_s:.0f} s"
             log.error(
                 "%s replica %s: its model could not be asked (%s, %s): it gets calls, not checked%s; "
@@ -405,11 +417,15 @@ class Replicas:
                 replica,
                 error.code(),
                 why,
-                f" (the model it said before, {forgotten.name!r}, forgotten)" if forgotten else "",
+                f" (it still counts for the model it said before, {counted.name!r})" if counted else "",
                 MAX_RETRY_S,
             )
         elif replica not in self._models:  # said once per run of failures
-            how = "gets calls, not checked" if replica not in self._said else "gets no calls"
+            how = (
+                "gets calls, not checked"
+                if self._fits(replica) or replica not in self._said
+                else "gets no calls"
+            )
             log.warning(
                 "%s replica %s: its model could not be asked (%s): asked again; meanwhile it %s",
                 self.kind,
