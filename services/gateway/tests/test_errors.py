@@ -74,6 +74,17 @@ def test_a_chat_too_long_names_the_messages_and_an_unknown_adapter_is_openais_un
     }
 
 
+def test_a_service_that_serves_another_model_is_openais_unknown_model() -> None:
+    # The encoder's refusal of an embeddings body's model (check_model): it was a 404 with no param
+    # and code not_found_error, where a chat's unknown model is model_not_found naming `model`.
+    unknown = from_grpc(
+        _rpc_error(grpc.StatusCode.NOT_FOUND, "model 'gpt-4o' is not served here (this server serves 'x')")
+    )
+    error = unknown.body()["error"]
+    assert (unknown.status, error["param"], error["code"]) == (404, "model", "model_not_found")
+    assert unknown.message == "model 'gpt-4o' is not served here (this server serves 'x')"
+
+
 def test_a_bad_adapter_name_is_the_bodys_model_that_named_it() -> None:
     # The gateway sends a model other than the base model as the adapter to run: the caller wrote
     # `model`, and was told about an `adapter` it never sent.

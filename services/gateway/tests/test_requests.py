@@ -63,6 +63,19 @@ HOSTILE_CHAT = {
     "best_of below n": ({"n": 3, "best_of": 2}, "best_of"),
     "best_of above n: candidates ranked": ({"n": 2, "best_of": 4}, "best_of"),
     "max_completion_tokens a string": ({"max_completion_tokens": "9"}, "max_completion_tokens"),
+    # Both spellings are read as OpenAI's and vLLM's schemas read them: the one not used is no
+    # place for anything (max_tokens "x" passed beside a max_completion_tokens)
+    "max_tokens a string beside max_completion_tokens": (
+        {"max_completion_tokens": 9, "max_tokens": "9"}, "max_tokens"
+    ),
+    "max_tokens 0 beside max_completion_tokens": (
+        {"max_completion_tokens": 9, "max_tokens": 0}, "max_tokens"
+    ),
+    "user a number": ({"user": 5}, "user"),
+    "a message's name a number": (
+        {"messages": [{"role": "user", "name": 5, "content": "hi"}]}, "messages[0].name"
+    ),
+    "response_format a string": ({"response_format": "json_object"}, "response_format"),
     "stop a number": ({"stop": 5}, "stop"),
     "stop of 17": ({"stop": ["x"] * 17}, "stop"),
     "rows with a bool dimension": (_user(_rows(shape=[True, 4])), "messages[0].content[0].embeddings.shape"),
@@ -141,6 +154,7 @@ def test_hostile_completion_prompts_are_invalid_argument(prompt: object, field: 
         ({"input": ["x"] * 65}, "input"),
         ({"input": [1] * 65}, "input"),
         ({"input": [[1] * 65]}, "input[0]"),
+        ({"input": "x", "user": ["u"]}, "user"),
     ],
 )
 def test_hostile_embedding_inputs_are_invalid_argument(body: dict, field: str) -> None:

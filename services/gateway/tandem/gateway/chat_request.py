@@ -81,6 +81,7 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             raise InvalidArgument(
                 f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {shown(role)}"
             )
+        field(message, "name", str, f"messages[{i}].")  # a participant's name: dropped, but of its type
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
         turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))
     names, n = common_parameters(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))

@@ -38,6 +38,7 @@ def embed_request(body: dict[str, Any], limits: BodyLimits) -> EmbedCall:
         # Every row as JSON floats is about 20 bytes a value: 64 inputs of rows could make gigabytes.
         raise InvalidArgument("encoding_format", 'must be "base64" with "tandem_pooling": "none"')
     model = field(body, "model", str) or ""
+    field(body, "user", str)  # OpenAI's end-user ID: read by no one here, but of its type
     requests = []
     for i, item in enumerate(items):
         request = encoder_pb2.EmbedRequest(

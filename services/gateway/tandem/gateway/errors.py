@@ -151,10 +151,11 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
     if param == "adapter":  # the body's model other than the base model, sent as the adapter to run
         param, message = "model", "model" + message.removeprefix("adapter")
     code = None
-    if error.code() == grpc.StatusCode.NOT_FOUND and message.startswith("adapter "):
-        # The body's model names the adapter (the gateway sends it as one): OpenAI's unknown model,
-        # named as the caller wrote it, not as the decoder's field it never sent.
-        param, code, message = "model", "model_not_found", "model" + message.removeprefix("adapter")
+    if error.code() == grpc.StatusCode.NOT_FOUND and message.startswith(("adapter ", "model ")):
+        # The body's model names the adapter (the gateway sends it as one), or a model the service
+        # does not serve (the encoder's check of an embeddings body's): OpenAI's unknown model, named
+        # as the caller wrote it, not as the decoder's field it never sent.
+        param, code, message = "model", "model_not_found", _renamed(message, "adapter ", "model ")
     return HttpError(status, kind, body_field(message, names), param, retry_after, code)
 
 

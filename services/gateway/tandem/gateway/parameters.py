@@ -35,13 +35,13 @@ def common_parameters(
     if best_of is not None and best_of != n:
         # Ranking candidates by their likelihood is gone from vLLM V1 as well; best_of = n is plain n.
         raise InvalidArgument("best_of", f"only best_of equal to n ({n}) is supported, got {shown(best_of)}")
-    max_tokens_field = max_tokens[-1]
-    for name in max_tokens:
-        value = uint(body, name, 1)
-        if value is not None:
-            request.stopping.max_new_tokens = value
-            max_tokens_field = name
-            break
+    # Each spelling is checked, the first one sent is used (vLLM's `max_completion_tokens or
+    # max_tokens`): a bad max_tokens beside a max_completion_tokens was never read, a 200.
+    given = [(name, value) for name in max_tokens if (value := uint(body, name, 1)) is not None]
+    max_tokens_field = given[0][0] if given else max_tokens[-1]
+    if given:
+        request.stopping.max_new_tokens = given[0][1]
+    field(body, "user", str)  # OpenAI's end-user ID: read by no one here, but of its type
     for name, target in (
         ("temperature", "temperature"),
         ("top_p", "top_p"),

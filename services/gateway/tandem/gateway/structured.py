@@ -18,7 +18,11 @@ def structured_output(body: dict[str, Any], request: decoder_pb2.GenerateRequest
     chosen: list[tuple[str, decoder_pb2.StructuredOutput]] = []
     response_format = body.get("response_format")
     if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if not isinstance(response_format, dict):  # it said "response_format.type: ... got None"
+            raise InvalidArgument(
+                "response_format", f'must be an object {{"type": ...}}, got {type(response_format).__name__}'
+            )
+        kind = response_format.get("type")
         if kind == "json_schema":
             inner = response_format.get("json_schema")
             schema = inner.get("schema") if isinstance(inner, dict) else None
