@@ -114,3 +114,18 @@ def test_an_integer_too_long_to_read_is_refused_in_the_callers_terms() -> None:
         "body",
         f"holds an integer of 5000 digits, over the {sys.get_int_max_str_digits()} a number may have",
     )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    ['"messages": [{"role": "user", "content": "\\ud800"}]', '"chat_template_kwargs": {"\\udfff": true}'],
+)
+def test_a_lone_surrogate_anywhere_is_the_bodys_not_valid_utf8(fields: str) -> None:
+    # Python's parser lets it through; a chat_template_kwargs key was told it held no finite number.
+    raw = ('{"messages": [{"role": "user", "content": "x"}], ' + fields + "}").encode()
+    with pytest.raises(InvalidArgument) as error:
+        convert(chat_request, raw, BodyLimits.for_chat(256, 16))
+    assert (error.value.field, error.value.description) == (
+        "body",
+        "holds a lone UTF-16 surrogate, which is not valid UTF-8 text",
+    )

@@ -33,6 +33,11 @@ LIMITS = BodyLimits.for_chat(4096, 16)
         ("sampling.top_k", None, "top_k"),
         ("output.prompt_logprobs: the limit is 2520", None, "prompt_logprobs: the limit is 2520"),
         ("output.logprobs", None, "logprobs"),
+        ("stopping.stop_token_ids[3]", None, "stop_token_ids[3]"),
+        ("stopping.include_stop_in_output", None, "include_stop_str_in_output"),
+        ("chat.chat_template: does not compile", None, "chat_template: does not compile"),
+        ("chat.template_kwargs", None, "chat_template_kwargs"),
+        ("chat.add_generation_prompt", None, "add_generation_prompt"),
     ],
 )  # fmt: skip
 def test_a_service_path_is_named_as_the_body_names_it(

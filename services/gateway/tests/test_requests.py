@@ -4,6 +4,7 @@ InvalidArgument naming the field, never another exception (which would be a 500)
 from __future__ import annotations
 
 import pytest
+from google.protobuf import json_format
 
 from tandem.client.errors import InvalidArgument
 from tandem.gateway.body_limits import MAX_IMAGES, BodyLimits
@@ -76,6 +77,27 @@ HOSTILE_CHAT = {
         {"messages": [{"role": "user", "name": 5, "content": "hi"}]}, "messages[0].name"
     ),
     "response_format a string": ({"response_format": "json_object"}, "response_format"),
+    # vLLM's extras the decoder has, read as vLLM's schema types them
+    "stop_token_ids a string": ({"stop_token_ids": "5"}, "stop_token_ids"),
+    "stop_token_ids of 65": ({"stop_token_ids": [5] * 65}, "stop_token_ids"),
+    "stop_token_ids with -1": ({"stop_token_ids": [5, -1]}, "stop_token_ids[1]"),
+    "stop_token_ids with true": ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
+    "stop_token_ids with 2**32": ({"stop_token_ids": [2**32]}, "stop_token_ids[0]"),
+    "include_stop_str_in_output 1": ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    "add_generation_prompt a string": ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+    "chat_template a number": ({"chat_template": 5}, "chat_template"),
+    "chat_template_kwargs a list": ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+    "chat_template_kwargs of 10**400": ({"chat_template_kwargs": {"a": 10**400}}, "chat_template_kwargs"),
+    "chat_template_kwargs of NaN": ({"chat_template_kwargs": {"a": [float("nan")]}}, "chat_template_kwargs"),
+    "chat_template_kwargs of 257 fields": (
+        {"chat_template_kwargs": {str(i): 1 for i in range(257)}}, "chat_template_kwargs"
+    ),
+    # vLLM's extras the decoder has not: refused rather than answered otherwise (a sample, not a beam)
+    "use_beam_search": ({"use_beam_search": True}, "use_beam_search"),
+    "continue_final_message": ({"continue_final_message": True}, "continue_final_message"),
+    "a chat's echo": ({"echo": True}, "echo"),
+    "allowed_token_ids": ({"allowed_token_ids": [5]}, "allowed_token_ids"),
+    "bad_words": ({"bad_words": ["x"]}, "bad_words"),
     "stop a number": ({"stop": 5}, "stop"),
     "stop of 17": ({"stop": ["x"] * 17}, "stop"),
     "rows with a bool dimension": (_user(_rows(shape=[True, 4])), "messages[0].content[0].embeddings.shape"),
@@ -278,6 +300,30 @@ def test_a_tool_choice_that_asks_for_text_is_answered_with_text() -> None:
 
 def test_vllms_top_k_minus_one_means_off() -> None:
     assert chat_request(CHAT | {"top_k": -1}, LIMITS).requests[0].sampling.top_k == 0
+
+
+def test_vllms_stopping_extras_reach_the_decoder_from_either_endpoint() -> None:
+    # They were dropped: generation went on past a stop token the caller named.
+    extras = {"stop_token_ids": [7, 0, 2**32 - 1], "include_stop_str_in_output": True}
+    for call in (chat_request(CHAT | extras, LIMITS), completion_request({"prompt": "a"} | extras, LIMITS)):
+        stopping = call.requests[0].stopping
+        assert list(stopping.stop_token_ids) == [7, 0, 2**32 - 1] and stopping.include_stop_in_output
+    plain = chat_request(CHAT | {"stop_token_ids": None, "include_stop_str_in_output": False}, LIMITS)
+    assert not plain.requests[0].stopping.stop_token_ids
+    assert not plain.requests[0].stopping.include_stop_in_output
+
+
+def test_vllms_chat_template_extras_reach_the_chat_prompt() -> None:
+    # Qwen3's {"enable_thinking": false} was dropped: the model thought aloud anyway.
+    kwargs = {"enable_thinking": False, "tools": [{"name": "x", "n": 2}], "note": None}
+    extras = {"add_generation_prompt": False, "chat_template": "{{ x }}", "chat_template_kwargs": kwargs}
+    chat = chat_request(CHAT | extras, LIMITS).requests[0].chat
+    assert chat.HasField("add_generation_prompt") and not chat.add_generation_prompt
+    assert chat.chat_template == "{{ x }}"
+    assert json_format.MessageToDict(chat.template_kwargs) == kwargs
+    plain = chat_request(CHAT, LIMITS).requests[0].chat
+    assert not plain.HasField("add_generation_prompt") and not plain.HasField("chat_template")
+    assert not plain.HasField("template_kwargs")
 
 
 def test_a_completion_refuses_what_it_would_otherwise_ignore() -> None:

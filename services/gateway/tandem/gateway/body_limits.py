@@ -26,6 +26,8 @@ from tandem.client.errors import InvalidArgument
 # The decoder's and encoder's own per-request limits (`tandem.decoder.engine.params`,
 # `engine/sampling/structured.py`), counted here before the gateway builds anything from a body.
 MAX_STOP = 16  # stop strings (OpenAI allows 4; vLLM more)
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids (vLLM's extra)
+MAX_TEMPLATE_FIELDS = 256  # chat_template_kwargs fields, nested ones included (the decoder's request_width)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_GUIDED_CHOICES = 1024  # guided_choice strings
 MAX_INPUTS = 64  # /v1/embeddings inputs: each is an Embed call

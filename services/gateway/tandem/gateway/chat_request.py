@@ -4,11 +4,12 @@ counted (`body_limits.py`) before its first element is converted."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.gateway.body_limits import MAX_IMAGES, BodyLimits, at_most
+from tandem.gateway.body_limits import MAX_IMAGES, MAX_TEMPLATE_FIELDS, BodyLimits, at_most
 from tandem.gateway.calls import GenerateCall, ImagePart
 from tandem.gateway.fields import field, shown, uint
 from tandem.gateway.images import image_file
@@ -84,6 +85,7 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
         field(message, "name", str, f"messages[{i}].")  # a participant's name: dropped, but of its type
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
         turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))
+    _template_options(body, request.chat)
     names, n = common_parameters(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))
     top = uint(body, "top_logprobs", 0, 20)  # OpenAI's bound
     if field(body, "logprobs", bool):
@@ -94,3 +96,31 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
     names = dataclasses.replace(names, image_urls=frozenset((image.message, image.part) for image in images))
     return generate_call(body, (request,), n, False, tuple(images), names)
+
+
+def _template_options(body: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> None:
+    """vLLM's extras on how the chat is rendered, which the decoder has (Qwen3's
+    `{"enable_thinking": false}` was dropped: the model thought aloud anyway); those it has not are
+    refused rather than answered otherwise."""
+    for name in ("echo", "continue_final_message"):  # the last message repeated, or carried on
+        if field(body, name, bool):
+            raise InvalidArgument(name, "is not supported")
+    add_generation_prompt = field(body, "add_generation_prompt", bool)
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    template = field(body, "chat_template", str)
+    if template is not None:
+        chat.chat_template = template
+    kwargs = field(body, "chat_template_kwargs", dict)
+    if kwargs is None:
+        return
+    at_most("chat_template_kwargs", len(kwargs), MAX_TEMPLATE_FIELDS, "fields")
+    try:
+        json.dumps(kwargs, allow_nan=False)  # NaN and the infinities: no JSON, as the decoder reads it
+        chat.template_kwargs.update(kwargs)
+    except UnicodeEncodeError:  # a lone surrogate, a ValueError too: refused as the body's (bodies.convert)
+        raise
+    except (ValueError, OverflowError):  # OverflowError: an integer past a double (a Struct's number)
+        raise InvalidArgument("chat_template_kwargs", "must hold finite numbers a double holds") from None
+    except RecursionError:
+        raise InvalidArgument("chat_template_kwargs", "nests too deep") from None

@@ -167,6 +167,11 @@ def _renamed(message: str, service: str, body: str) -> str:
 # A service's field path -> the body's (first matching prefix).
 BODY_FIELDS = (
     ("chat.messages", "messages"),
+    ("chat.chat_template", "chat_template"),
+    ("chat.template_kwargs", "chat_template_kwargs"),
+    ("chat.add_generation_prompt", "add_generation_prompt"),
+    ("stopping.stop_token_ids", "stop_token_ids"),
+    ("stopping.include_stop_in_output", "include_stop_str_in_output"),
     ("stopping.min_new_tokens", "min_tokens"),
     ("stopping.stop_sequences", "stop"),
     ("stopping.ignore_eos", "ignore_eos"),

@@ -8,7 +8,7 @@ from typing import Any
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.body_limits import MAX_LOGIT_BIAS, MAX_STOP, BodyLimits, at_most
+from tandem.gateway.body_limits import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_TOKEN_IDS, BodyLimits, at_most
 from tandem.gateway.calls import GenerateCall, ImagePart
 from tandem.gateway.errors import BodyNames
 from tandem.gateway.fields import UINT32, UINT64, field, number, shown, uint
@@ -78,6 +78,7 @@ def common_parameters(
         if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
             raise InvalidArgument("stop", f"must be a string or a list of at most {MAX_STOP} strings")
         request.stopping.stop_sequences.extend(stop)
+    _stopping_extras(body, request.stopping)
     logit_bias = field(body, "logit_bias", dict) or {}
     at_most("logit_bias", len(logit_bias), MAX_LOGIT_BIAS, "entries")
     keys: dict[int, str] = {}  # token ID -> the key that named it
@@ -103,6 +104,11 @@ def common_parameters(
         request.sampling.logit_bias[token_id] = float(value)
     prompt_logprobs(body, request)
     structured_field = structured_output(body, request)
+    # vLLM's extras the decoder has no counterpart of: refused, not answered otherwise (a sample where
+    # a beam search was asked, tokens the caller ruled out).
+    for name in ("use_beam_search", "allowed_token_ids", "bad_words"):
+        if body.get(name):
+            raise InvalidArgument(name, "is not supported")
     for name in ("tools", "functions"):
         if body.get(name):
             raise InvalidArgument(name, "tool calling is not supported")
@@ -115,6 +121,21 @@ def common_parameters(
                 name, f"tool calling is not supported: only 'none' or 'auto', got {shown(body[name])}"
             )
     return BodyNames(structured_field, max_tokens_field), n
+
+
+def _stopping_extras(body: dict[str, Any], stopping: decoder_pb2.StoppingCriteria) -> None:
+    """vLLM's `stop_token_ids` and `include_stop_str_in_output`, which the decoder has: dropped, a
+    generation went on past a stop token the caller named."""
+    stop_ids = field(body, "stop_token_ids", list) or []
+    at_most("stop_token_ids", len(stop_ids), MAX_STOP_TOKEN_IDS, "token IDs")
+    for i, token_id in enumerate(stop_ids):
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id <= UINT32:
+            raise InvalidArgument(
+                f"stop_token_ids[{i}]", f"must be a token ID in [0, {UINT32}], got {shown(token_id)}"
+            )
+    stopping.stop_token_ids.extend(stop_ids)
+    if field(body, "include_stop_str_in_output", bool):
+        stopping.include_stop_in_output = True
 
 
 def _bound_choices(num_prompts: int, n: int, max_choices: int) -> None:
