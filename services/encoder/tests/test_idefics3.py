@@ -140,6 +140,22 @@ def test_the_span_size_known_from_a_header_is_the_prepared_spans(checkpoints, wh
 
 
 @pytest.mark.parametrize("which", ["split", "single"])
+@pytest.mark.parametrize("size", [(100, 70), (1, 1), (300, 1)])
+def test_the_pixels_the_resizes_make_are_known_from_a_header(checkpoints, which, size, monkeypatch) -> None:
+    # What the batcher weighs a call by: a 1 x 1 picture grows to longest_edge squared. The tiles'
+    # global image (one tile more) is left out.
+    embedder = checkpoints[which].embedder
+    made: list[tuple[int, int]] = []
+    resize = Image.Image.resize
+    monkeypatch.setattr(
+        Image.Image, "resize", lambda *a, **k: made.append((out := resize(*a, **k)).size) or out
+    )
+    embedder.prepare_image(Image.new("RGB", size))
+    resizes = made[:-1] if len(made) > 2 else made  # the global image, once split into a grid
+    assert embedder.image_resized_pixels(*size) == sum(w * h for w, h in resizes) > 0
+
+
+@pytest.mark.parametrize("which", ["split", "single"])
 @pytest.mark.parametrize("name", ["landscape", "portrait", "tiny"])
 def test_span_rows_are_transformers_merged_inputs_embeds(checkpoints, pictures, which, name) -> None:
     checkpoint = checkpoints[which]

@@ -57,6 +57,21 @@ def test_the_span_size_is_known_from_a_header_and_an_extreme_aspect_ratio_refuse
         embedder.image_span_size(33_000_000, 1)
 
 
+@pytest.mark.parametrize("size", [(47, 29), (1, 8000), (8000, 1)])
+def test_the_pixels_a_resize_makes_are_known_from_a_header(
+    tiny_llava: Path, size: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the batcher weighs a call by: a 1 x 8,000 picture is resized to 36 x 288,000 before its crop.
+    embedder = VisionLanguageEmbedder.load(tiny_llava, torch.float32)
+    made: list[tuple[int, int]] = []
+    resize = Image.Image.resize
+    monkeypatch.setattr(
+        Image.Image, "resize", lambda *a, **k: made.append((out := resize(*a, **k)).size) or out
+    )
+    embedder.prepare_image(Image.new("RGB", size))
+    assert embedder.image_resized_pixels(*size) == sum(w * h for w, h in made) > 0
+
+
 def _palette_picture(colours: int) -> Image.Image:
     """A 47 x 29 picture of `colours` random palette entries: what a GIF can hold exactly."""
     generator = torch.Generator().manual_seed(0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -89,3 +91,27 @@ def test_an_image_calls_expected_decoding_reads_its_header_once(monkeypatch: pyt
     job = ImageJob("r", b"png", Pooling.NONE, None, 1 << 20, 64, 1 << 20)
     assert job.expected_s == job.expected_s == (1 << 20) * DECODE_S_PER_PIXEL  # at most the bound
     assert walks == [b"png"]
+
+
+def test_an_image_is_weighed_by_the_pixels_its_resize_makes_not_only_those_it_declares(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 184-byte PNG of 1 x 25,890, resized by a shortest-edge-36 processor to 36 x 932,040 before its
+    # crop, held the image thread 0.87 s weighed as its own 25,890 pixels (0.8 ms): it went first, and 8
+    # of them made one batch of 5.5 s that a neighbour's picture waited behind.
+    monkeypatch.setattr(request, "declared_size", lambda data: (1, 25_890))
+
+    def resized_pixels(width: int, height: int) -> int:
+        return 36 * (36 * height // width)
+
+    job = ImageJob("r", b"png", Pooling.NONE, None, 1 << 25, 64, 1 << 20, resized_pixels=resized_pixels)
+    assert job.expected_s == (25_890 + 36 * 932_040) * DECODE_S_PER_PIXEL
+    # One refused from its header before any resize (over the pixel bound, a size the processor
+    # refuses) weighs its decode alone, and so does a model that says nothing of its resize.
+    assert replace(job, max_image_pixels=25_000).expected_s == 25_000 * DECODE_S_PER_PIXEL
+
+    def refuses(width: int, height: int) -> int:
+        raise InvalidArgument("image.data", "an aspect ratio too extreme")
+
+    assert replace(job, resized_pixels=refuses).expected_s == 25_890 * DECODE_S_PER_PIXEL
+    assert replace(job, resized_pixels=None).expected_s == 25_890 * DECODE_S_PER_PIXEL

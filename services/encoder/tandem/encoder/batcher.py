@@ -12,13 +12,13 @@ running calls alike with `error()` (and every later call), marking them gone so 
 the worker stops at its next check.
 
 Calls are served cheapest first, not in arrival order, where `cost(job)` says what a job will take
-(an image's declared pixels, in expected seconds of decoding): a call's place in line is its arrival
-plus LINE_FACTOR times its cost, and a batch takes calls, in that order, only while their costs add up
-to `max_batch_cost` (always at least one). So a caller's pile of expensive pictures no longer holds a
-neighbour's cheap one behind all of them: 16 tiny WebPs each declaring 5,792 x 5,792 (2 KB of chat)
-held an ordinary picture sent a second later for 17.3 s when they went in arrival order, 8 to a batch;
-now it waits for the one being decoded. An expensive call is never starved: a call arriving over
-LINE_FACTOR times its cost after it goes after it.
+(an image's declared pixels and those its resize makes, in expected seconds): a call's place in line
+is its arrival plus LINE_FACTOR times its cost, and a batch takes calls, in that order, only while their
+costs add up to `max_batch_cost` (always at least one). So a caller's pile of expensive pictures no
+longer holds a neighbour's cheap one behind all of them: 16 tiny WebPs each declaring 5,792 x 5,792
+(2 KB of chat) held an ordinary picture sent a second later for 17.3 s when they went in arrival
+order, 8 to a batch; now it waits for the one being decoded. An expensive call is never starved: a
+call arriving over LINE_FACTOR times its cost after it goes after it.
 """
 
 from __future__ import annotations

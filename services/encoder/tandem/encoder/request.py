@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,7 @@ from tandem.encoder.embedder import Embedder, Pooling
 from tandem.encoder.request_size import TAKES_NO_IMAGES
 from tandem.encoder.shared_segments import SharedTarget
 from tandem.encoder.vision.declared_size import declared_size
+from tandem.encoder.vision.image_bytes import MAX_IMAGE_SIDE
 
 # Room in a response for everything but the tensor bytes and token IDs (up to 5 bytes each): the request
 # ID (at most 128 bytes), the model's name (at most 256: config.py) and token table sample (about 530
@@ -44,7 +45,9 @@ RESPONSE_OVERHEAD_BYTES = 4096
 BYTES_PER_TOKEN_ID = 5
 # Seconds of the image thread a decoded pixel costs, decoding and preprocessing it: a lossless WebP of
 # 5,792 x 5,792 (34 bytes) took 0.64 s on an idle core (0.36 decoding, 0.28 preprocessing for LLaVA) and
-# up to 2.2 s on a busy machine, a 16-bit RGBA PNG as large 2.4 s. Only weighs calls against each other.
+# up to 2.2 s on a busy machine, a 16-bit RGBA PNG as large 2.4 s. A pixel the processor's resize makes
+# costs about as much: an 80-byte PNG of 1 x 297 that LLaVA-1.5 resizes to 336 x 99,792 took 0.63 s
+# (19 ns each). Only weighs calls against each other.
 DECODE_S_PER_PIXEL = 30e-9
 
 
@@ -87,15 +90,36 @@ class ImageJob:
     max_input_tokens: int  # the span's rows count as positions
     max_message_bytes: int
     shared: SharedTarget | None = None  # the rows go to shared memory when they can (shared_segments.py)
+    # (width, height) -> the pixels the model's processor resizes a picture of that size to (the
+    # embedder's `image_resized_pixels`); None: only the decoding is weighed.
+    resized_pixels: Callable[[int, int], int] | None = None
 
     @functools.cached_property
     def expected_s(self) -> float:
-        """The image thread's time its decoding should take, from the pixels its header declares (at
-        most max_image_pixels: more is refused before decoding); a header that says no size is weighed
-        at the bound, so that hiding it buys no place in line. Read once: the header is not walked again."""
+        """The image thread's time its decoding and resize should take, from the size its header
+        declares: its own pixels (at most max_image_pixels: more is refused before decoding) and those
+        its resize makes, which for a thin picture are many times more (a 1 x 297 PNG weighed as 297
+        pixels went first and held the thread 0.63 s). A header that says no size is weighed at the
+        bound, so that hiding it buys no place in line. Read once: the header is not walked again."""
         size = declared_size(self.data)
-        pixels = self.max_image_pixels if size is None else min(size[0] * size[1], self.max_image_pixels)
-        return pixels * DECODE_S_PER_PIXEL
+        if size is None:
+            return self.max_image_pixels * DECODE_S_PER_PIXEL
+        width, height = size
+        pixels = min(width * height, self.max_image_pixels)
+        return (pixels + self._resized(width, height)) * DECODE_S_PER_PIXEL
+
+    def _resized(self, width: int, height: int) -> int:
+        """The pixels the resize makes of a picture of this size; 0 where none is weighed or the picture
+        is refused from its header before its resize (`decode_image`: no pixels, over the bounds, or
+        a size the processor refuses)."""
+        if self.resized_pixels is None or not 0 < width * height <= self.max_image_pixels:
+            return 0
+        if max(width, height) > MAX_IMAGE_SIDE:
+            return 0
+        try:
+            return self.resized_pixels(width, height)
+        except InvalidArgument:
+            return 0
 
 
 @dataclass(frozen=True)
@@ -145,6 +169,7 @@ def build_image_job(
         limits.max_image_pixels,
         max_input_tokens,
         max_message_bytes,
+        resized_pixels=embedder.image_resized_pixels,  # type: ignore[attr-defined]
     )
 
 

@@ -191,6 +191,10 @@ class Idefics3Vision:
         """The span's length for a picture of this size: its grid's (InvalidArgument if none)."""
         return len(self._span(*self.processing.grid(width, height)))
 
+    def resized_pixels(self, width: int, height: int) -> int:
+        """VisionModel.resized_pixels: both resizes' (a 1 x 1 picture grows to longest_edge squared)."""
+        return self.processing.resized_pixels(width, height)
+
     def prepare(self, image: Image.Image) -> PreparedImage:
         """One PIL image -> its tiles (the grid row by row, then the global image) and its span."""
         tiles = self.processing(image)

@@ -116,6 +116,10 @@ class Idefics3Processing:
         an aspect ratio the resizes round to nothing."""
         return _grid(*self._sizes(height, width)[-1], self.tile)
 
+    def resized_pixels(self, width: int, height: int) -> int:
+        """The pixels both resizes make of a picture of this size (InvalidArgument as `grid`)."""
+        return sum(h * w for h, w in self._sizes(height, width))
+
     def _sizes(self, height: int, width: int) -> list[tuple[int, int]]:
         """(height, width) after each resize, in order."""
         sizes = []

@@ -39,6 +39,12 @@ class VisionModel(Protocol):
         size the processor refuses."""
         ...
 
+    def resized_pixels(self, width: int, height: int) -> int:
+        """The pixels the processor's resizes make of a picture of this size, before any crop: work
+        beside its decoding's, and for a thin picture many times its own pixels (the batcher weighs
+        it). Raises InvalidArgument for a size the processor refuses, as span_size does."""
+        ...
+
     def prepare(self, image: Image.Image) -> PreparedImage: ...
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,11 @@ class LlavaVision:
         self.processing.resized_size(width, height)
         return self.num_rows
 
+    def resized_pixels(self, width: int, height: int) -> int:
+        """VisionModel.resized_pixels: the shortest-edge resize's (LLaVA-1.5: 336 x 99,792 for 1 x 297)."""
+        size = self.processing.resized_size(width, height)
+        return 0 if size is None else size[0] * size[1]
+
     def prepare(self, image: Any) -> PreparedImage:
         """One PIL image -> its pixels (one tile) and its span: num_rows image tokens."""
         pixels = self.processing(image)[None]  # [1, 3, side, side]
