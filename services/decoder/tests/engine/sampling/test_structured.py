@@ -460,6 +460,29 @@ def test_a_grammar_that_outruns_the_lexer_fuel_is_refused_when_built_naming_the_
     assert time.monotonic() - started < 1.0
 
 
+def test_alternatives_past_the_parsers_row_bound_are_refused_when_built_only_at_the_first_token_tried(
+    compiler: GrammarCompiler,
+) -> None:
+    # The build takes one token its first mask allows, the lowest ID ("0" here): where that token
+    # opens more alternatives than the parser follows (2,000), the grammar is refused before it runs.
+    alternatives = " | ".join(f'"0{i}"' for i in range(2100))
+    with pytest.raises(InvalidArgument) as refused:
+        compiler.constraint(StructuredOutput("grammar", f"start: {alternatives}"))
+    assert refused.value.field == "structured.grammar"
+    assert refused.value.description.startswith("offers more alternatives at one point than the parser")
+    # Where another first token opens them ("1"), the build passes, as trying every token would cost
+    # a consume per token of the vocabulary; sampled, that token fails the request naming the field.
+    alternatives = " | ".join(f'"1{i}"' for i in range(2100))
+    constraint = compiler.constraint(StructuredOutput("grammar", f'start: "0" | {alternatives}'))
+    _, one = constraint.allowed().nonzero().flatten().tolist()  # "0", then "1"
+    constraint.accept(one)
+    error = constraint.error()
+    assert error is not None and error.field == "structured.grammar"
+    assert f"failed after 0 tokens of the answer: it refused the sampled token {one}: it offers more " in (
+        error.description
+    )
+
+
 def test_a_self_requiring_property_is_refused_when_built_as_admitting_no_finite_answer(
     compiler: GrammarCompiler,
 ) -> None:
