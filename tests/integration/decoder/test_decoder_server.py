@@ -153,6 +153,16 @@ def _bad_requests(hidden: int, vocab: int, max_len: int) -> list[tuple[str, deco
         ("prompt[0].embeddings.dtype", req(_embeddings([1, hidden], dtype=77))),
         ("prompt[0].embeddings.data", req(_embeddings([2, hidden], data=b"\0" * 12))),
         ("prompt[0].embeddings.data", req(_embeddings([1, hidden], data=nan))),
+        ("prompt[0].embeddings.dtype", req(decoder_pb2.PromptSegment(embeddings=tensor_pb2.Tensor()))),
+        ("prompt[0].embeddings.shape", req(_embeddings([0, hidden], data=b""))),
+        ("prompt[0].embeddings.shape", req(_embeddings([-1, hidden], data=b""))),
+        ("prompt[0].embeddings.shape", req(_embeddings([1 << 40, hidden], data=b"\0" * 8))),
+        ("prompt[0].embeddings.shape", req(_embeddings([1] * 100_000 + [hidden]))),  # counted, not read
+        ("prompt[0]", req(decoder_pb2.PromptSegment())),
+        (
+            "prompt[0].token_ids.ids[0]",
+            req(decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=[2**32 - 1]))),
+        ),
         (
             "prompt[1].token_ids.ids[1]",
             req(
@@ -192,6 +202,8 @@ def req_with_stops(n: int) -> decoder_pb2.GenerateRequest:
 
 async def test_each_bad_request_is_invalid_argument_naming_its_field(decoder: Served) -> None:
     c = decoder.engine.model_config
+    blocks = decoder.engine.core.block_manager
+    initial = blocks.num_free_blocks
     for field, request in _bad_requests(c.hidden_size, c.vocab_size, decoder.engine.max_model_len):
         call = decoder.client.generate(request, timeout=30)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -201,11 +213,16 @@ async def test_each_bad_request_is_invalid_argument_naming_its_field(decoder: Se
         violation = error_details_pb2.BadRequest()
         assert status.details[0].Unpack(violation)
         assert violation.field_violations[0].field == field
-    # ... and the server still serves.
+    # ... and the server still serves, with every KV block back once it is done.
     assert (
         len(_tokens(await _collect(decoder.client.generate([[5, 6]], max_new_tokens=3, ignore_eos=True))))
         == 3
     )
+    for _ in range(100):
+        if blocks.num_free_blocks == initial and decoder.engine.core.num_live() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert (blocks.num_free_blocks, decoder.engine.core.num_live()) == (initial, 0)
 
 
 async def test_embeddings_are_refused_when_disabled(tiny_model_dir, tiny_fp32) -> None:
