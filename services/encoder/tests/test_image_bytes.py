@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import struct
 import threading
@@ -61,6 +62,18 @@ def test_other_formats_are_refused_from_their_first_bytes(image_format: str) -> 
     with pytest.raises(InvalidArgument, match="not a PNG, JPEG, WebP or GIF") as error:
         decode_image(_encoded(image_format), MAX_BYTES, MAX_PIXELS)
     assert error.value.field == "image.data"
+
+
+def test_a_data_url_is_refused_as_one_saying_to_send_the_bytes_it_encodes() -> None:
+    # The OpenAI form of an image (the gateway's image_url) sent as Image.data: "not a PNG, JPEG, WebP
+    # or GIF image" left the caller to guess that the URL's bytes, not the URL, were wanted.
+    url = b"data:image/png;base64," + base64.b64encode(_encoded("PNG"))
+    with pytest.raises(InvalidArgument) as error:
+        decode_image(url, MAX_BYTES, MAX_PIXELS)
+    assert (error.value.field, error.value.description) == (
+        "image.data",
+        "is a data: URL, not a picture's bytes; send the PNG, JPEG, WebP or GIF bytes it encodes",
+    )
 
 
 def test_a_file_over_the_byte_limit_is_refused_by_its_size() -> None:

@@ -107,6 +107,10 @@ def decode_image(
     if len(data) > max_bytes:
         raise InvalidArgument(field, f"{len(data)} bytes exceed max_image_bytes {max_bytes}")
     image_format = sniff_format(data)
+    if image_format is None and data[:5].lower() == b"data:":  # the OpenAI form, meant for the gateway
+        raise InvalidArgument(
+            field, "is a data: URL, not a picture's bytes; send the PNG, JPEG, WebP or GIF bytes it encodes"
+        )
     if image_format is None:
         raise InvalidArgument(field, "is not a PNG, JPEG, WebP or GIF image (read from its first bytes)")
     late_exif = None  # a PNG's eXIf chunk after its pixels, which PIL reads only with them
