@@ -76,6 +76,25 @@ def test_wrong_rank_names_the_shape_field() -> None:
     assert "rank 2" in error.description
 
 
+def test_a_rank_is_checked_from_the_count_of_dimensions_and_the_refusal_shows_a_few() -> None:
+    # A byte a dimension on the wire: 1 million of them (1 MB) were listed, checked and printed whole
+    # before the rank refusal, 0.2-0.6 s and a multi-MB error text for every caller that decodes them.
+    message = _message(shape=[1] * 1_000_000 + [64], data=b"")
+    started = time.perf_counter()
+    error = _error(message, rank=2)
+    assert time.perf_counter() - started < 0.05
+    assert (error.field, error.description) == (
+        "prompt[1].embeddings.shape",
+        "expected rank 2, got rank 1000001: [1, 1, 1, 1, ... (1000001 dimensions)]",
+    )
+    assert _error(_message(shape=(8,)), rank=2).description == "expected rank 2, got rank 1: [8]"
+    # Without a rank of its own a caller still gets the limits' bound, counted the same way.
+    limits = tensors.TensorLimits(max_rank=3)
+    error = _error(message, limits=limits)
+    assert error.description == "more than 3 dimensions: [1, 1, 1, 1, ... (1000001 dimensions)]"
+    assert tensors.decode(_message(shape=(1, 2, 4)), limits=limits).shape == (1, 2, 4)
+
+
 @pytest.mark.parametrize("shape", [(0, 4), (2, -1), ()])
 def test_zero_negative_or_missing_dimensions_are_refused(shape) -> None:
     assert _error(_message(shape=shape, data=b"")).field == "prompt[1].embeddings.shape"
@@ -105,7 +124,7 @@ def test_a_shape_of_many_huge_dimensions_is_refused_at_once_naming_the_limit() -
     # 40,000 dimensions of 2^62 (360 KB): their whole product took 4.9 s, growing with the square of
     # the count, and then could not be printed (a ValueError: INTERNAL).
     started = time.perf_counter()
-    error = _error(_message(shape=[2**62] * 40_000, data=b""))
+    error = _error(_message(shape=[2**62] * 40_000, data=b""), limits=tensors.TensorLimits(max_rank=40_000))
     assert error.field == "prompt[1].embeddings.shape"
     assert error.description == f"more than {1 << 26} elements exceed the limit of {1 << 26}"
     assert time.perf_counter() - started < 1.0

@@ -63,24 +63,6 @@ def test_token_ids_count_as_positions_across_segments_and_parts() -> None:
     check_width(decoder_pb2.GenerateRequest(prompt=[rows]), CONTEXT)
 
 
-def test_an_embedding_tensors_rank_is_counted_before_its_dimensions_are_read() -> None:
-    # Its shape takes a byte a dimension: a 4 MB message holds 4 million, each read and multiplied.
-    wide = tensor_pb2.Tensor(shape=[1] * 1000 + [64])
-    rows = decoder_pb2.PromptSegment(embeddings=wide)
-    error = _refused(decoder_pb2.GenerateRequest(prompt=[_text(), rows]))
-    assert (error.field, error.description) == (
-        "prompt[1].embeddings.shape",
-        "1001 exceeds the limit of 2 dimensions ([n >= 1, hidden_size])",
-    )
-    request = _chat()
-    request.chat.messages[0].content.append(decoder_pb2.ChatContentPart(image=wide))
-    assert _refused(request).field == "chat.messages[0].content[1].image.shape"
-    # Two or fewer: the tensor decoder's and the engine's to check, naming the hidden size.
-    for shape in ([2, 64], [3, 7], [128]):
-        rows = decoder_pb2.PromptSegment(embeddings=tensor_pb2.Tensor(shape=shape))
-        check_width(decoder_pb2.GenerateRequest(prompt=[rows]), CONTEXT)
-
-
 def test_chat_messages_and_their_parts_are_bounded_by_the_context() -> None:
     assert _refused(_chat(messages=CONTEXT + 1)).field == "chat.messages"
     error = _refused(_chat(messages=5, parts=13))

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
 from tandem.decoder.api import protocol
 from tandem.decoder.api.servicer import DecoderServicer
@@ -115,3 +116,30 @@ async def test_the_engine_is_told_the_most_bytes_a_reply_may_take() -> None:
     engine = StandInEngine()
     await _replies(DecoderServicer("m", MAX_MESSAGE_BYTES, engine=engine))
     assert engine.specs[0].max_reply_bytes == MAX_MESSAGE_BYTES
+
+
+async def test_an_embedding_tensor_over_two_dimensions_is_refused_from_its_count_before_one_is_read() -> None:
+    # A byte a dimension on the wire: 1 million of them were listed, checked and printed whole.
+    engine = StandInEngine()
+    decoder = DecoderServicer("m", MAX_MESSAGE_BYTES, engine=engine)
+    wide = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[1] * 1_000_000 + [4])
+    request = decoder_pb2.GenerateRequest(
+        prompt=[decoder_pb2.PromptSegment(text="hi"), decoder_pb2.PromptSegment(embeddings=wide)]
+    )
+    with pytest.raises(InvalidArgument) as caught:
+        [reply async for reply in decoder.Generate(request, Context())]
+    assert (caught.value.field, caught.value.description) == (
+        "prompt[1].embeddings.shape",
+        "more than 2 dimensions: [1, 1, 1, 1, ... (1000001 dimensions)]",
+    )
+    request = decoder_pb2.GenerateRequest()
+    request.chat.messages.add(role="user").content.add(image=wide)
+    with pytest.raises(InvalidArgument, match=r"^chat\.messages\[0\]\.content\[0\]\.image\.shape: more"):
+        [reply async for reply in decoder.Generate(request, Context())]
+    assert not engine.specs
+    # Two or fewer reach the engine, whose refusal names the hidden size.
+    for shape in ([2, 4], [8]):
+        rows = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=shape, data=bytes(32))
+        request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(embeddings=rows)])
+        [reply async for reply in decoder.Generate(request, Context())]
+    assert [list(spec.prompt[0].rows.shape) for spec in engine.specs] == [[2, 4], [8]]

@@ -9,9 +9,6 @@ milliseconds, INVALID_ARGUMENT naming the field and the limit:
 - every prompt segment and chat part holds at least one position (empty ones are refused later), so
   there are at most max_model_len of them, and of messages (each renders at least its turn's markers);
 - token IDs, summed over the request, are positions too;
-- an embedding or image tensor's dimensions, at most two ([n, hidden_size]): its shape takes a byte
-  a dimension, and the tensor decoder reads and multiplies every one, so a 3.9 MB shape of 3.9 million
-  dimensions held the event loop 0.59 s before its refusal, each call;
 - stop strings, stop token IDs and logit-bias entries: the engine's own limits (engine/params.py),
   each stop string's length too: the request's span records them, and 16 stop strings of 1 MB, refused
   only by the engine, had made a 16 MB span that lost its neighbours' spans at the collector;
@@ -43,8 +40,6 @@ def check_width(request: decoder_pb2.GenerateRequest, max_positions: int) -> Non
     _at_most(
         "prompt", len(request.prompt), max_positions, f"segments ({context}; each is at least one position)"
     )
-    for i, segment in enumerate(request.prompt):
-        _check_rank(segment, "segment", f"prompt[{i}]")
     positions = sum(_positions(segment, "segment") for segment in request.prompt)
     if request.HasField("chat"):
         chat = request.chat
@@ -56,9 +51,6 @@ def check_width(request: decoder_pb2.GenerateRequest, max_positions: int) -> Non
             max_positions,
             f"content parts in all ({context}; each is at least one position)",
         )
-        for i, message in enumerate(chat.messages):
-            for j, part in enumerate(message.content):
-                _check_rank(part, "part", f"chat.messages[{i}].content[{j}]")
         positions += sum(_positions(part, "part") for message in chat.messages for part in message.content)
         if chat.HasField("chat_template"):
             _at_most("chat.chat_template", len(chat.chat_template), MAX_TEMPLATE_CHARS, "characters")
@@ -86,17 +78,6 @@ def _positions(piece: decoder_pb2.PromptSegment | decoder_pb2.ChatContentPart, o
     """The positions a segment's or part's token IDs take. Text is counted from its length later, and
     embedding rows by the tensor decoder, whose shape check must name the tensor's own field."""
     return len(piece.token_ids.ids) if piece.WhichOneof(oneof) == "token_ids" else 0
-
-
-def _check_rank(
-    piece: decoder_pb2.PromptSegment | decoder_pb2.ChatContentPart, oneof: str, path: str
-) -> None:
-    """A tensor's rank only (len() of its shape); fewer than two dimensions, or other sizes, are the
-    tensor decoder's and the engine's to refuse, naming the hidden size."""
-    kind = piece.WhichOneof(oneof)
-    if kind in ("embeddings", "image"):
-        rank = len(getattr(piece, kind).shape)
-        _at_most(f"{path}.{kind}.shape", rank, 2, "dimensions ([n >= 1, hidden_size])")
 
 
 def _count_fields(struct: struct_pb2.Struct, budget: int) -> int:

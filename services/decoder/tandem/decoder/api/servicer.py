@@ -65,8 +65,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
         self.streams = StreamLimit(max_streams_per_connection)
         self.identify_by_token = identify_by_token
         self.token_streams = StreamLimit(max_streams_per_token, "bearer token", "--max-streams-per-token")
-        # An embedding tensor can never be larger than a message, so the element cap follows from it.
-        self.tensor_limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
+        # An embedding tensor can never be larger than a message, so the element cap follows from it;
+        # rows are [n, hidden_size], so more than two dimensions are refused before one is read. Fewer
+        # reach the engine, whose refusal names the hidden size.
+        self.tensor_limits = tensors.TensorLimits(max_elements=max_message_bytes // 2, max_rank=2)
         # None when telemetry is off: Generate then records nothing at all.
         self._telemetry = telemetry if telemetry is not None and telemetry.is_enabled else None
         self._metrics = otel.ServerMetrics(telemetry.meter) if self._telemetry is not None else None
