@@ -154,17 +154,34 @@ def test_non_finite_values_are_refused_when_asked(bad: float) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "largest", "overflow"),
-    [(torch.bfloat16, "3.38953e+38", "3.39618e+38"), (torch.float16, "65504", "65520")],
+    [
+        (torch.bfloat16, "3.38953e+38", "3.39618e+38"),
+        (torch.float16, "65504", "65520"),
+        (torch.float32, "3.40282347e+38", "3.40282357e+38"),  # at 6 digits both were 3.40282e+38
+    ],
 )
 def test_the_refusal_says_where_values_round_to_inf_and_that_is_where_they_do(
     dtype: torch.dtype, largest: str, overflow: str
 ) -> None:
-    below, at = float(overflow) * (1 - 2**-12), float(overflow)
-    assert torch.isfinite(torch.tensor(below).to(dtype)) and torch.isinf(torch.tensor(at).to(dtype))
+    below, at = float(largest), float(overflow)
+    wide = torch.tensor([below, at], dtype=torch.float64)
+    assert torch.isfinite(wide[0].to(dtype)) and torch.isinf(wide[1].to(dtype))
     with pytest.raises(InvalidArgument) as error:
-        tensors.require_finite(torch.tensor([0.0, at]).to(dtype), "rows")
+        tensors.require_finite(wide.to(dtype), "rows", sent=wide)
     assert error.value.field == "rows.data"
     assert f"largest is +-{largest} (magnitudes from {overflow} round to Inf)" in error.value.description
+
+
+def test_a_value_not_finite_as_sent_is_named_in_the_dtype_it_was_sent_in() -> None:
+    # Cast to the model's float32 first, an fp16 Inf from the wire was reported "as float32", with
+    # float32's largest value as if the cast had overflowed.
+    sent = torch.tensor([[1.0, 2.0], [3.0, float("inf")]], dtype=torch.float16)
+    with pytest.raises(InvalidArgument) as error:
+        tensors.require_finite(sent.to(torch.float32), "rows", sent=sent)
+    assert (error.value.field, error.value.description) == (
+        "rows.data",
+        "contains NaN or Inf as sent, in float16 (first at index [1, 1]); values must be finite",
+    )
 
 
 @settings(max_examples=200, deadline=None)

@@ -157,25 +157,48 @@ def _shown(shape_field: object, num_dims: int, most: int = 4) -> str:
     return str(first) if num_dims <= most else f"{str(first)[:-1]}, ... ({num_dims} dimensions)]"
 
 
-def require_finite(tensor: torch.Tensor, field: str) -> None:
+def require_finite(tensor: torch.Tensor, field: str, sent: torch.Tensor | None = None) -> None:
     """Raises InvalidArgument naming `field`.data and the first NaN or Inf; integer tensors pass.
 
     Checks the tensor in its own dtype: to hold values to a narrower one (a model's bf16 or fp16),
-    cast first, since a value finite in float32 can overflow to inf there.
+    cast first, since a value finite in float32 can overflow to inf there. `sent`: the tensor as it
+    came, before that cast, read only on a refusal to say whether the values were already not finite
+    as sent (in its dtype) or became so in the cast.
     """
     if not tensor.dtype.is_floating_point or bool(torch.isfinite(tensor).all()):
         return
-    first = int((~torch.isfinite(tensor.reshape(-1))).nonzero()[0, 0])
-    index = [int(i) for i in np.unravel_index(first, tuple(tensor.shape))]
-    dtype = str(tensor.dtype).removeprefix("torch.")
+    if sent is not None and sent.dtype.is_floating_point and not bool(torch.isfinite(sent).all()):
+        raise InvalidArgument(
+            f"{field}.data",
+            f"contains NaN or Inf as sent, in {_dtype_name(sent)} (first at index "
+            f"{_first_non_finite(sent)}); values must be finite",
+        )
+    dtype = _dtype_name(tensor)
     # Round to nearest: a magnitude below max + half its last step rounds to max, from there to Inf.
     info = torch.finfo(tensor.dtype)
     overflow = info.max + info.max / (2 - info.eps) * info.eps / 2
+    digits = _significant_digits(info)
     raise InvalidArgument(
         f"{field}.data",
-        f"contains NaN or Inf as {dtype} (first at index {index}); values must be finite as {dtype}, "
-        f"whose largest is +-{info.max:.6g} (magnitudes from {overflow:.6g} round to Inf)",
+        f"contains NaN or Inf as {dtype} (first at index {_first_non_finite(tensor)}); values must be "
+        f"finite as {dtype}, whose largest is +-{info.max:.{digits}g} (magnitudes from "
+        f"{overflow:.{digits}g} round to Inf)",
     )
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _first_non_finite(tensor: torch.Tensor) -> list[int]:
+    first = int((~torch.isfinite(tensor.reshape(-1))).nonzero()[0, 0])
+    return [int(i) for i in np.unravel_index(first, tuple(tensor.shape))]
+
+
+def _significant_digits(info: torch.finfo) -> int:
+    """Digits that tell apart every value of a dtype (9 for float32), at least 6: float32's largest
+    value and where Inf begins both printed 3.40282e+38 at 6."""
+    return max(6, math.ceil((1 - math.log2(info.eps)) * math.log10(2)) + 1)
 
 
 def encode(tensor: torch.Tensor | np.ndarray, dtype: torch.dtype | None = None) -> tensor_pb2.Tensor:

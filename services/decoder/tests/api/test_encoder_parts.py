@@ -394,7 +394,7 @@ async def test_rows_holding_nan_are_refused_and_not_cached_so_the_next_call_fetc
         await _rows(first)
     assert str(error.value).startswith(f"prompt[0].encoder: encoder {parts.address} is unavailable (")
     assert "its reply's .embeddings.data: " in str(error.value)
-    assert "NaN or Inf" in str(error.value) and "index [1, 2]" in str(error.value)
+    assert "NaN or Inf as sent, in float32 (first at index [1, 2])" in str(error.value)
     encoder.is_non_finite = False
     [again], _ = _start(parts, [_picture()])
     assert torch.equal(await _rows(again), _rows_of(PICTURE))

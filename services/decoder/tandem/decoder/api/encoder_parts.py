@@ -454,9 +454,9 @@ class EncoderParts:
                 f"rows {list(rows.shape)}, this decoder's model takes [n >= 1, {self.hidden_size}] (is "
                 "the encoder serving another model?)",
             )
-        rows = rows.to(self.dtype)
-        tensors.require_finite(rows, where)
-        return rows
+        cast = rows.to(self.dtype)
+        tensors.require_finite(cast, where, sent=rows)
+        return cast
 
     def _read_segment(self, handle: tensor_pb2.SharedTensor, key: bytes) -> torch.Tensor:
         """The rows of the segment a reply names, checked and copied into this process, and the name

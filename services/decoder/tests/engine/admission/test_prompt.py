@@ -116,6 +116,20 @@ def test_embedding_values_finite_on_the_wire_but_infinite_in_the_model_dtype_are
     assert float(request.embedding_spans[0].rows[1, 3]) == -largest
 
 
+def test_embedding_values_not_finite_as_sent_are_named_in_the_dtype_they_were_sent_in(
+    tiny_fp32: LoadedModel,
+) -> None:
+    # Cast to the model's float32 first, an fp16 Inf was reported "as float32", with float32's range.
+    rows = torch.zeros(2, tiny_fp32.config.hidden_size, dtype=torch.float16)
+    rows[1, 3] = float("-inf")
+    with pytest.raises(InvalidArgument) as info:
+        _build(tiny_fp32, GenerateSpec([[1], EmbeddingPrompt(rows)], cap_max_new_tokens=True))
+    assert (info.value.field, info.value.description) == (
+        "prompt[1].embeddings.data",
+        "contains NaN or Inf as sent, in float16 (first at index [1, 3]); values must be finite",
+    )
+
+
 class _NoTokenizing:
     """A tokenizer that fails the test if anything is tokenized."""
 

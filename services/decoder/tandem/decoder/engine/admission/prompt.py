@@ -323,9 +323,9 @@ def _embedding_segment(field: str, rows: torch.Tensor, dtype: torch.dtype) -> Em
     # The one cast to the model dtype, then the checks on what the model will see: a value finite on
     # the wire can overflow to inf in it (float32 3.4e38 in bf16, anything past 65,504 in fp16), and
     # its NaN keys and values would reach the KV cache. The digest then keys those exact rows.
-    rows = rows.to(dtype)
-    tensors.require_finite(rows, field)
-    return EmbeddingSegment(rows, rows.shape[0], _row_digests(rows))
+    cast = rows.to(dtype)
+    tensors.require_finite(cast, field, sent=rows)
+    return EmbeddingSegment(cast, cast.shape[0], _row_digests(cast))
 
 
 def _row_digests(rows: torch.Tensor) -> list[bytes]:
