@@ -300,7 +300,7 @@ CASES: list[Case] = [
         "Generate",
         lambda: gen(sampling__logit_bias={VOCAB: 1.0}),
         INVALID,
-        "sampling.logit_bias",
+        f"sampling.logit_bias[{VOCAB}]",
     ),
     Case(
         "logit_bias value 1000",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.decoder.engine.params import ParamError, SamplingParams, shown_float
 
@@ -34,6 +35,19 @@ def test_a_logit_bias_off_its_range_is_echoed_as_sent() -> None:
     on_the_wire = decoder_pb2.SamplingParams(logit_bias={5: 100.1}).logit_bias[5]
     with pytest.raises(ParamError, match=r"got 100\.1$"):
         SamplingParams(logit_bias={5: on_the_wire}).validate(vocab_size=100)
+
+
+def test_a_logit_bias_key_outside_the_vocab_is_named_as_its_entry_as_a_bad_value_is() -> None:
+    # The key was reported under `sampling.logit_bias`, a bad value under `sampling.logit_bias[3]`.
+    with pytest.raises(InvalidArgument) as error:
+        SamplingParams(logit_bias={3: 1.0, 100: 1.0}).validate(vocab_size=100)
+    assert (error.value.field, error.value.description) == (
+        "sampling.logit_bias[100]",
+        "token id 100 outside [0, 100)",
+    )
+    with pytest.raises(ParamError) as error:
+        SamplingParams(logit_bias={3: 101.0}).validate(vocab_size=100)
+    assert error.value.field == "sampling.logit_bias[3]"
 
 
 # 2**90's nearest 8 digits (1.2379400e+27) are another float32, 1.2379401e+27 this one: its

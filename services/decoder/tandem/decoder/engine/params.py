@@ -76,7 +76,7 @@ class SamplingParams:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ParamError(f"{prefix}.logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
         for token_id, bias in self.logit_bias.items():
-            check_token_id(token_id, f"{prefix}.logit_bias", vocab_size)
+            check_token_id(token_id, f"{prefix}.logit_bias[{token_id}]", vocab_size)
             _check_range(f"{prefix}.logit_bias[{token_id}]", bias, -100.0, 100.0)
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             # The wire puts top_logprobs with the output options, so the error names it there.
