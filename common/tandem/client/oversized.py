@@ -13,8 +13,8 @@ from google.protobuf.descriptor import Descriptor
 
 from .errors import InvalidArgument
 
-_LENGTH_DELIMITED = 2
-_FIXED_SIZES = {1: 8, 5: 4}  # wire type -> bytes
+LENGTH_DELIMITED = 2
+FIXED_SIZES = {1: 8, 5: 4}  # wire type -> bytes
 
 
 def oversized(raw: bytes, max_bytes: int, descriptor: Descriptor | None) -> InvalidArgument:
@@ -33,16 +33,16 @@ def _largest_field(raw: bytes, descriptor: Descriptor | None) -> str | None:
     i = 0
     try:
         while i < len(raw):
-            tag, i = _varint(raw, i)
+            tag, i = read_varint(raw, i)
             number, wire_type = tag >> 3, tag & 7
-            if wire_type == _LENGTH_DELIMITED:
-                size, i = _varint(raw, i)
+            if wire_type == LENGTH_DELIMITED:
+                size, i = read_varint(raw, i)
             elif wire_type == 0:
                 start = i
-                _, i = _varint(raw, i)
+                _, i = read_varint(raw, i)
                 size = i - start
-            elif wire_type in _FIXED_SIZES:
-                size = _FIXED_SIZES[wire_type]
+            elif wire_type in FIXED_SIZES:
+                size = FIXED_SIZES[wire_type]
             else:
                 return None
             i += size if wire_type != 0 else 0
@@ -58,7 +58,7 @@ def _largest_field(raw: bytes, descriptor: Descriptor | None) -> str | None:
     return known.name if known is not None else None
 
 
-def _varint(raw: bytes, i: int) -> tuple[int, int]:
+def read_varint(raw: bytes, i: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         byte = raw[i]

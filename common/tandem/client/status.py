@@ -18,10 +18,12 @@ from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
+from google.protobuf.descriptor import Descriptor
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from . import errors, memory
+from .bad_utf8 import bad_utf8_field
 from .oversized import oversized
 from .status_details import status_details
 
@@ -173,10 +175,13 @@ class _Malformed:
 
 
 def _tolerant(
-    deserializer: Callable[[bytes], Any] | None, max_bytes: Callable[[], int | None] | None = None
+    deserializer: Callable[[bytes], Any] | None,
+    method: str,
+    max_bytes: Callable[[], int | None] | None = None,
 ) -> Callable[[bytes], Any] | None:
     """`deserializer`, answering a request that does not parse, or is longer than `max_bytes()` says
-    the method can use, with a _Malformed (the latter unparsed: client/oversized.py)."""
+    the method can use, with a _Malformed (the latter unparsed: client/oversized.py; one whose string
+    field is not UTF-8 naming that field: client/bad_utf8.py)."""
     if deserializer is None:
         return None
     descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
@@ -188,9 +193,23 @@ def _tolerant(
         try:
             return deserializer(raw)
         except Exception as error:
+            if descriptor is not None and "utf-8" in str(error).lower():
+                return _Malformed(_not_utf8(raw, descriptor, method))
             return _Malformed(error)
 
     return parse
+
+
+def _not_utf8(raw: bytes, descriptor: Descriptor, method: str) -> errors.InvalidArgument:
+    """The refusal of `raw`, a request protobuf refused for a string field that is not UTF-8."""
+    field = bad_utf8_field(raw, descriptor)
+    if field is not None:
+        return errors.InvalidArgument(field, "is not valid UTF-8 (a string field holds UTF-8 text only)")
+    return errors.InvalidArgument(
+        "request",
+        f"not a valid request message for {method}: one of its string fields is not valid UTF-8 "
+        "(string fields hold UTF-8 text only; bytes fields take any bytes)",
+    )
 
 
 def _reject_malformed(request: Any, method: str) -> None:
@@ -229,14 +248,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
                 request_deserializer=_tolerant(
-                    handler.request_deserializer, self._max_request_bytes.get(method)
+                    handler.request_deserializer, method, self._max_request_bytes.get(method)
                 ),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.stream_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                request_deserializer=_tolerant(handler.request_deserializer),
+                request_deserializer=_tolerant(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
         return handler

@@ -22,8 +22,8 @@ from common.tests.common.listeners import (
     pick_taken_first,
     second_loopback,
 )
+from tandem.client import bad_utf8, errors, memory
 from tandem.client import error_reasons as reasons
-from tandem.client import errors, memory
 from tandem.client.channel import channel_options
 from tandem.client.errors import ConfigError
 from tandem.client.status_details import status_details
@@ -252,11 +252,38 @@ async def test_a_stops_drain_notice_counts_within_its_grace(
 
 async def test_bytes_that_do_not_parse_are_invalid_argument_not_internal(running: RunningServer) -> None:
     async with _channel(running) as channel:
-        # Field 1 (service, a string) holding invalid UTF-8: the protobuf parser refuses it.
-        garbage = b"\x0a\x02\xff\xfe"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await channel.unary_unary("/grpc.health.v1.Health/Check")(garbage, timeout=5)
+            await channel.unary_unary("/grpc.health.v1.Health/Check")(b"\x0a\x02\x80", timeout=5)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid request message for /grpc.health.v1.Health/Check" in caught.value.details()
+
+
+async def test_a_string_field_that_is_not_utf8_is_named(
+    running: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Field 1 (service, a string) holding bytes that are not UTF-8: protobuf's parser says only "String
+    # field had bad UTF-8", and the refusal named `request` (tandem.client.bad_utf8 finds the field).
+    not_utf8 = b"\x0a\x02\xff\xfe"
+    async with _channel(running) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await check(not_utf8, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert status_details(caught.value).field_violations == (
+            ("service", "is not valid UTF-8 (a string field holds UTF-8 text only)"),
+        )
+        # Past the walk's bound, the refusal says which kind of field must be UTF-8.
+        monkeypatch.setattr(bad_utf8, "MAX_FIELDS_WALKED", 0)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await check(not_utf8, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_details(caught.value).field_violations == (
+        (
+            "request",
+            "not a valid request message for /grpc.health.v1.Health/Check: one of its string fields is "
+            "not valid UTF-8 (string fields hold UTF-8 text only; bytes fields take any bytes)",
+        ),
+    )
 
 
 @pytest.mark.parametrize(

@@ -503,7 +503,7 @@ CASES: list[Case] = [
         # GenerateRequest{prompt: [{text: "hi"}], stopping: {stop_sequences: [b"\xff\xfe"]}}
         lambda: b"\x1a\x04\x1a\x02hi" + b"\x2a\x04\x1a\x02\xff\xfe",
         INVALID,
-        "request",
+        "stopping.stop_sequences[0]",
     ),
     Case("random bytes", "Generate", lambda: b"\xde\xad\xbe\xef" * 8, INVALID, "request"),
     Case(

@@ -1,0 +1,97 @@
+"""bad_utf8: the string field of a request that protobuf refused as not UTF-8, named by its path."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf.message import DecodeError
+
+from tandem.client import bad_utf8
+from tandem.client.bad_utf8 import bad_utf8_field
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+
+MARK = "@@@@"  # a string the tests give a field, swapped for bytes that are not UTF-8 of its length
+NOT_UTF8 = b"\xff\xfe\xc3@"  # a stray continuation byte, an invalid byte, a lead byte with no follower
+
+
+def _spoiled(message) -> bytes:
+    raw = message.SerializeToString()
+    assert raw.count(MARK.encode()) == 1
+    spoiled = raw.replace(MARK.encode(), NOT_UTF8)
+    with pytest.raises(DecodeError, match="UTF-8"):  # the refusal the walk explains
+        type(message).FromString(spoiled)
+    return spoiled
+
+
+def _text(text: str) -> decoder_pb2.PromptSegment:
+    return decoder_pb2.PromptSegment(text=text)
+
+
+@pytest.mark.parametrize(
+    ("message", "path"),
+    [
+        (decoder_pb2.GenerateRequest(request_id=MARK), "request_id"),
+        (decoder_pb2.GenerateRequest(prompt=[_text("a"), _text("b"), _text(MARK)]), "prompt[2].text"),
+        (
+            decoder_pb2.GenerateRequest(
+                prompt=[decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=[1, 2])), _text(MARK)],
+                sampling=decoder_pb2.SamplingParams(temperature=0.5, seed=7, logit_bias={3: 1.0}),
+            ),
+            "prompt[1].text",
+        ),
+        (
+            decoder_pb2.GenerateRequest(
+                chat=decoder_pb2.ChatPrompt(
+                    messages=[
+                        decoder_pb2.ChatMessage(
+                            role="user", content=[decoder_pb2.ChatContentPart(text="hi")]
+                        ),
+                        decoder_pb2.ChatMessage(
+                            role="user",
+                            content=[
+                                decoder_pb2.ChatContentPart(token_ids=tensor_pb2.TokenIds(ids=[5])),
+                                decoder_pb2.ChatContentPart(text=MARK),
+                            ],
+                        ),
+                    ]
+                )
+            ),
+            "chat.messages[1].content[1].text",
+        ),
+        (
+            decoder_pb2.GenerateRequest(stopping=decoder_pb2.StoppingCriteria(stop_sequences=["x", MARK])),
+            "stopping.stop_sequences[1]",
+        ),
+        (encoder_pb2.EncoderTokenizeRequest(texts=["ok", MARK, "ok"]), "texts[1]"),
+        (encoder_pb2.EmbedRequest(model="m", text=MARK), "text"),
+    ],
+)
+def test_the_first_string_field_that_is_not_utf8_is_named_by_its_path(message, path: str) -> None:
+    assert bad_utf8_field(_spoiled(message), message.DESCRIPTOR) == path
+
+
+def test_bytes_fields_and_valid_text_in_any_script_are_not_blamed() -> None:
+    message = encoder_pb2.EmbedRequest(request_id="日本語 ÷ 😀", image=encoder_pb2.Image(data=NOT_UTF8 * 4))
+    assert bad_utf8_field(message.SerializeToString(), message.DESCRIPTOR) is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x22\xff\xff\xff\x7f" + b"x" * 10,  # a length running past the end
+        b"\x0f" * 10,  # wire type 7 does not exist
+        b"\x1a\x03" + b"\x09\x01\x02",  # a message whose 8-byte field runs past its end
+        b"\x1a\x02\xff\xff",  # a varint that never ends
+    ],
+)
+def test_bytes_that_do_not_walk_as_a_message_name_no_field(raw: bytes) -> None:
+    assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) is None
+
+
+def test_the_walk_gives_up_past_its_bound_of_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A request shaped to cost: every field before the bad one is walked in Python.
+    message = decoder_pb2.GenerateRequest(prompt=[_text("a")] * 50 + [_text(MARK)])
+    raw = _spoiled(message)
+    monkeypatch.setattr(bad_utf8, "MAX_FIELDS_WALKED", 102)  # 51 segments of 2 fields each
+    assert bad_utf8_field(raw, message.DESCRIPTOR) == "prompt[50].text"
+    monkeypatch.setattr(bad_utf8, "MAX_FIELDS_WALKED", 101)
+    assert bad_utf8_field(raw, message.DESCRIPTOR) is None
