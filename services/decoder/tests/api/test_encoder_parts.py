@@ -765,3 +765,31 @@ async def test_rows_are_asked_unpooled_and_a_part_counts_as_its_input_only_under
     await _rows(after)
     assert not before.counts_as_input and after.counts_as_input is counts
     assert encoder.poolings == [encoder_pb2.POOLING_NONE] * 2
+
+
+async def test_a_prompt_its_sizes_rule_out_is_refused_before_any_part_is_fetched(
+    encoder: StandIn, parts: EncoderParts
+) -> None:
+    """`fits` is handed the call's parts counted as the encoder will embed them, before any fetch
+    starts: a part of 100,000 token IDs reached the encoder, its rows made, before the context
+    refused it."""
+    encoder.embedder = "lookup"
+    encoder.gate.set()
+    [first], _ = _start(parts, [_picture()])
+    await _rows(first)  # the encoder has said which embedder it runs
+    seen: list[GenerateSpec] = []
+
+    def refuse(spec: GenerateSpec) -> None:
+        seen.append(spec)
+        raise InvalidArgument("prompt", "too long")
+
+    ids = EncoderPrompt("token_ids", range(100_000))
+    with pytest.raises(InvalidArgument, match="too long"):
+        parts.start(GenerateSpec(prompt=[TextPrompt("a"), ids]), None, None, fits=refuse)
+    _, counted = seen[0].prompt
+    assert isinstance(counted, EncoderPrompt) and counted.counts_as_input and counted.rows is None
+    await asyncio.sleep(SETTLE_S)
+    assert encoder.num_embeds == 1 and parts.fetches.num_started == 1
+    # A call without encoder parts is not checked here: the engine's own check is enough.
+    assert parts.start(GenerateSpec(prompt=[TextPrompt("a")]), None, None, fits=refuse)[1] == []
+    assert len(seen) == 1

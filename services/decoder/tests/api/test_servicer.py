@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator
 
 import pytest
+import torch
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
@@ -31,6 +32,7 @@ EVENTS: tuple[Event, ...] = (
 class StandInEngine:
     is_healthy = True
     max_model_len = 100
+    max_token_chars = 4
     token_bytes = TokenBytes((b"a",) * 10)
 
     def __init__(self) -> None:
@@ -143,3 +145,34 @@ async def test_an_embedding_tensor_over_two_dimensions_is_refused_from_its_count
         request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(embeddings=rows)])
         [reply async for reply in decoder.Generate(request, Context())]
     assert [list(spec.prompt[0].rows.shape) for spec in engine.specs] == [[2, 4], [8]]
+
+
+async def test_a_prompt_too_long_for_the_context_is_refused_before_its_encoder_parts_are_fetched(
+    tmp_path,
+) -> None:
+    # The fetch started with the call, before the engine's length check: an oversized prompt's encoder
+    # parts went to the encoder, which made their rows, before the decoder refused it.
+    from tandem.client.pb.tandem.v1 import encoder_pb2
+    from tandem.decoder.api.encoder_parts import EncoderParts
+
+    parts = EncoderParts("127.0.0.1:9", torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path)
+    engine = StandInEngine()
+    decoder = DecoderServicer("m", MAX_MESSAGE_BYTES, engine=engine, encoder_parts=parts)
+    request = decoder_pb2.GenerateRequest(
+        prompt=[
+            decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=[3] * 90)),
+            decoder_pb2.PromptSegment(text="x" * 36),  # at least 9 positions at 4 characters a token
+            decoder_pb2.PromptSegment(encoder=encoder_pb2.EncoderInput(text="a cat")),  # at least one
+        ]
+    )
+    try:
+        with pytest.raises(InvalidArgument) as caught:
+            [reply async for reply in decoder.Generate(request, Context())]
+    finally:
+        await parts.close()
+    assert caught.value.field == "prompt"
+    assert caught.value.description.startswith("at least 100 positions (")
+    assert caught.value.description.endswith(
+        "exceed the 99 a prompt may take (max_model_len 100 less one to generate)"
+    )
+    assert parts.fetches.num_started == 0 and not engine.specs

@@ -80,7 +80,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -214,9 +214,20 @@ class EncoderParts:
         spec: GenerateSpec,
         metadata: Sequence[tuple[str, str | bytes]] | None,
         time_remaining_s: float | None,
+        fits: Callable[[GenerateSpec], None] | None = None,
     ) -> tuple[GenerateSpec, list[asyncio.Task]]:
         """`spec` with a fetch started for each encoder part (its `rows` settle with it), and the
-        fetches, which the caller cancels when its call ends."""
+        fetches, which the caller cancels when its call ends. `fits` (raising to refuse) is handed the
+        spec first, each encoder part counted as its rows will come (`counts_as_input`), where it has
+        encoder parts: a prompt its sizes rule out never reaches the encoder."""
+        counts_as_input = self._embedder in SAME_TOKENIZER
+        counted = _with_encoder_parts(
+            spec, lambda part, _: dataclasses.replace(part, counts_as_input=counts_as_input)
+        )
+        if counted is None:
+            return spec, []
+        if fits is not None:
+            fits(counted)
         timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, time_remaining_s)
         # Whether the fetch ends at this decoder's cap rather than the caller's deadline: running out
         # then is the encoder's silence, not the caller's time (see `_error`).
@@ -225,9 +236,7 @@ class EncoderParts:
         tasks: list[asyncio.Task] = []
         share = asyncio.Semaphore(MAX_FETCHES_PER_CALL)  # this call's parts fetching at once
 
-        def started(part: PromptPart, field: str) -> PromptPart:
-            if not isinstance(part, EncoderPrompt):
-                return part
+        def started(part: EncoderPrompt, field: str) -> EncoderPrompt:
             rows: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
             task = asyncio.ensure_future(
                 self._fetch(part, f"{field}.encoder", rows, timeout_s, is_capped, forwarded, share)
@@ -235,23 +244,11 @@ class EncoderParts:
             # A task cancelled before it ran never enters _fetch: its rows settle here all the same.
             task.add_done_callback(lambda done: rows.cancel() if done.cancelled() else None)
             tasks.append(task)
-            return dataclasses.replace(part, rows=rows, counts_as_input=self._embedder in SAME_TOKENIZER)
+            return dataclasses.replace(part, rows=rows)
 
-        prompt = [started(part, f"prompt[{i}]") for i, part in enumerate(spec.prompt)]
-        chat = spec.chat
-        if chat is not None:
-            messages = [
-                ChatMessage(
-                    message.role,
-                    [
-                        started(part, f"chat.messages[{i}].content[{j}]")
-                        for j, part in enumerate(message.content)
-                    ],
-                )
-                for i, message in enumerate(chat.messages)
-            ]
-            chat = dataclasses.replace(chat, messages=messages)
-        return (dataclasses.replace(spec, prompt=prompt, chat=chat) if tasks else spec), tasks
+        fetching = _with_encoder_parts(counted, started)
+        assert fetching is not None  # as `counted`, it has encoder parts
+        return fetching, tasks
 
     def _forwarded(self, metadata: Sequence[tuple[str, str | bytes]]) -> tuple[tuple[str, str | bytes], ...]:
         forwarded = tuple((key, value) for key, value in metadata if key in FORWARDED_METADATA)
@@ -656,6 +653,34 @@ class EncoderParts:
                 info=passed_on(said.info),
             )
         return Unavailable(f"{field}: encoder {who} is unavailable ({code.name}: {details})")
+
+
+def _with_encoder_parts(
+    spec: GenerateSpec, change: Callable[[EncoderPrompt, str], EncoderPrompt]
+) -> GenerateSpec | None:
+    """`spec` with `change(part, field)` in place of each encoder part, in the prompt's order; None
+    where it has none."""
+    has_any = False
+
+    def changed(part: PromptPart, field: str) -> PromptPart:
+        nonlocal has_any
+        if not isinstance(part, EncoderPrompt):
+            return part
+        has_any = True
+        return change(part, field)
+
+    prompt = [changed(part, f"prompt[{i}]") for i, part in enumerate(spec.prompt)]
+    chat = spec.chat
+    if chat is not None:
+        messages = [
+            ChatMessage(
+                message.role,
+                [changed(part, f"chat.messages[{i}].content[{j}]") for j, part in enumerate(message.content)],
+            )
+            for i, message in enumerate(chat.messages)
+        ]
+        chat = dataclasses.replace(chat, messages=messages)
+    return dataclasses.replace(spec, prompt=prompt, chat=chat) if has_any else None
 
 
 def _unavailable(details: str, replica: str | None) -> grpc.aio.AioRpcError:

@@ -57,6 +57,7 @@ __all__ = [
     "StructuredOutput",
     "TextPrompt",
     "build_request",
+    "check_prompt_fits",
     "has_encoder_parts",
 ]
 
@@ -147,14 +148,7 @@ def build_request(
         check_part(part, path, model_config.hidden_size, enable_prompt_embeds)
     if spec.chat is not None and chat_template is None:
         raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
-    parts = [part for _, part in located]
-    check_fits(
-        num_positions_at_least(parts, max_token_chars),
-        max_model_len - 1,
-        field_name,
-        how_counted(parts, max_token_chars),
-        f"the {max_model_len - 1} a prompt may take (max_model_len {max_model_len} less one to generate)",
-    )
+    _check_sizes_fit([part for _, part in located], field_name, max_model_len, max_token_chars)
     if spec.chat is not None:
         assert chat_template is not None
         located = chat_template.render(spec.chat)
@@ -206,6 +200,25 @@ def build_request(
     if spec.structured is not None and grammars is not None:  # last: compiling is the dearest rule
         request.constraint = grammars().constraint(spec.structured, caller=spec.caller)
     return request
+
+
+def check_prompt_fits(spec: GenerateSpec, max_model_len: int, max_token_chars: int) -> None:
+    """build_request's bound on the prompt's length from sizes alone, for a caller that must refuse
+    before it spends on the prompt: the servicer, before it asks the encoder for any part's rows."""
+    field_name = "prompt" if spec.chat is None else "chat"
+    _check_sizes_fit([part for _, part in _located_parts(spec)], field_name, max_model_len, max_token_chars)
+
+
+def _check_sizes_fit(
+    parts: list[PromptPart], field_name: str, max_model_len: int, max_token_chars: int
+) -> None:
+    check_fits(
+        num_positions_at_least(parts, max_token_chars),
+        max_model_len - 1,
+        field_name,
+        how_counted(parts, max_token_chars),
+        f"the {max_model_len - 1} a prompt may take (max_model_len {max_model_len} less one to generate)",
+    )
 
 
 def has_encoder_parts(spec: GenerateSpec) -> bool:
