@@ -17,7 +17,9 @@ from. Before that, a call waits in gRPC core's queue of calls the server
 has not taken up yet (grpc.aio takes them one at a time on the event loop): core drops calls from
 that queue at random past 1,000 and all past 3,000, each CANCELLED, which its caller cannot tell from
 its own cancel (2,500 calls at once from 4 channels: 311 CANCELLED). That queue is sized here to hold
-at least as many calls as may run, so a burst is answered, by the service or by the bound.
+at least as many calls as may run, so a burst is answered, by the service or by the bound, up to the
+queue's size: past it core still ends each call CANCELLED, with no status and no hook to give one
+(15,000 calls at once at the defaults: 4,373; docs/RELIABILITY.md).
 
 Start-up problems are found before anything listens, each as one ConfigError naming its field: a
 TLS key that does not match its certificate, a port already in use.
