@@ -64,16 +64,41 @@ def test_other_formats_are_refused_from_their_first_bytes(image_format: str) -> 
     assert error.value.field == "image.data"
 
 
-def test_a_data_url_is_refused_as_one_saying_to_send_the_bytes_it_encodes() -> None:
+URL_HINT = "is a data: URL, not a picture's bytes; send the PNG, JPEG, WebP or GIF bytes it encodes"
+
+
+@pytest.mark.parametrize(
+    "prefix", [b"data:", b"DATA:", b" data:", b"\ndata:", b"\xef\xbb\xbfdata:", b'"data:']
+)
+def test_a_data_url_is_refused_as_one_saying_to_send_the_bytes_it_encodes(prefix: bytes) -> None:
     # The OpenAI form of an image (the gateway's image_url) sent as Image.data: "not a PNG, JPEG, WebP
-    # or GIF image" left the caller to guess that the URL's bytes, not the URL, were wanted.
-    url = b"data:image/png;base64," + base64.b64encode(_encoded("PNG"))
+    # or GIF image" left the caller to guess that the URL's bytes, not the URL, were wanted; so did
+    # leading whitespace, a byte-order mark or the quote of a JSON string pasted in.
     with pytest.raises(InvalidArgument) as error:
-        decode_image(url, MAX_BYTES, MAX_PIXELS)
+        decode_image(prefix + b"image/png;base64," + base64.b64encode(_encoded("PNG")), MAX_BYTES, MAX_PIXELS)
+    assert (error.value.field, error.value.description) == ("image.data", URL_HINT)
+
+
+@pytest.mark.parametrize(
+    ("image_format", "name"), [("PNG", "PNG"), ("JPEG", "JPEG"), ("WEBP", "WebP"), ("GIF", "GIF")]
+)
+def test_plain_base64_of_a_picture_is_named_as_base64_saying_to_send_the_bytes_it_decodes_to(
+    image_format: str, name: str
+) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        decode_image(base64.b64encode(_encoded(image_format)), MAX_BYTES, MAX_PIXELS)
     assert (error.value.field, error.value.description) == (
         "image.data",
-        "is a data: URL, not a picture's bytes; send the PNG, JPEG, WebP or GIF bytes it encodes",
+        f"looks like base64 of a {name} image, not its bytes; send the bytes it decodes to",
     )
+
+
+def test_a_data_url_over_the_byte_limit_is_named_as_one_beside_the_limit() -> None:
+    # Its bytes are 3/4 of the URL: they may fit where the URL does not.
+    url = b"data:image/png;base64," + base64.b64encode(_encoded("PNG"))
+    with pytest.raises(InvalidArgument) as error:
+        decode_image(url, 50, MAX_PIXELS)
+    assert error.value.description == f"{len(url)} bytes exceed max_image_bytes 50, and it {URL_HINT}"
 
 
 def test_a_file_over_the_byte_limit_is_refused_by_its_size() -> None:
