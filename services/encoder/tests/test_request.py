@@ -115,3 +115,25 @@ def test_an_image_is_weighed_by_the_pixels_its_resize_makes_not_only_those_it_de
 
     assert replace(job, resized_pixels=refuses).expected_s == 25_890 * DECODE_S_PER_PIXEL
     assert replace(job, resized_pixels=None).expected_s == 25_890 * DECODE_S_PER_PIXEL
+
+
+@pytest.mark.parametrize(
+    ("data", "description"),
+    [
+        (b"data:image/png;base64,iVBORw0KGgo=", "is a data: URL"),
+        (b"BM" + bytes(64), "is not a PNG, JPEG, WebP or GIF image"),
+    ],
+)
+def test_bytes_that_are_no_picture_by_their_first_bytes_are_refused_before_the_call_is_queued(
+    data: bytes, description: str
+) -> None:
+    # On the image thread they were weighed as the largest picture (no header says a size) and placed
+    # ~10 s after their arrival: a data: URL behind 39 pictures heard of it 2.04 s late.
+    embedder = FakeEmbedder()
+    embedder.info = replace(INFO, image_placeholder="<image>")
+    limits = request.ImageLimits(max_image_bytes=1 << 20, max_image_pixels=1 << 20)
+    with pytest.raises(InvalidArgument, match=description) as info:
+        request.build_image_job(
+            EmbedSpec(request.ImageBytes(data)), embedder, limits, 64, 1 << 20, Pooling.NONE
+        )
+    assert info.value.field == "image.data"

@@ -7,7 +7,8 @@ before it is tokenized (tokenizing 30 MB took 27 s and 4 GB it never gave back);
 positions against max_input_tokens, the IDs against the vocabulary and the reply's size against
 max_message_bytes. The rules on the input are `tandem.common.torch_part.prompt_parts`'s, the decoder's as
 well.
-An image is only checked for what costs nothing here (images accepted, its byte count): it is decoded
+An image is only checked for what costs nothing here (images accepted, its bytes: their count and,
+from the first, that they are a picture and not a data: URL or base64): it is decoded
 in its batch (`batch.py`), off the event loop, once every rule on its size (pixels, the resize, the
 span) has passed on its header.
 """
@@ -35,7 +36,7 @@ from tandem.encoder.embedder import Embedder, Pooling
 from tandem.encoder.request_size import TAKES_NO_IMAGES
 from tandem.encoder.shared_segments import SharedTarget
 from tandem.encoder.vision.declared_size import declared_size
-from tandem.encoder.vision.image_bytes import MAX_IMAGE_SIDE
+from tandem.encoder.vision.image_bytes import MAX_IMAGE_SIDE, check_image_bytes
 
 # Room in a response for everything but the tensor bytes and token IDs (up to 5 bytes each): the request
 # ID (at most 128 bytes), the model's name (at most 256: config.py) and token table sample (about 530
@@ -149,18 +150,13 @@ def build_image_job(
     max_message_bytes: int,
     default_pooling: Pooling,
 ) -> ImageJob:
-    """The checks of an image that cost nothing: images accepted, its size in bytes."""
+    """The checks of an image that cost nothing: images accepted, its bytes (`check_image_bytes`)."""
     assert isinstance(spec.input, ImageBytes)
     check_request_id(spec.request_id)
     if not embedder.info.image_placeholder:
         raise FailedPrecondition("image", TAKES_NO_IMAGES)
     data = spec.input.data
-    if not data:
-        raise InvalidArgument("image.data", "is empty; send PNG, JPEG, WebP or GIF bytes")
-    if len(data) > limits.max_image_bytes:
-        raise InvalidArgument(
-            "image.data", f"{len(data)} bytes exceed max_image_bytes {limits.max_image_bytes}"
-        )
+    check_image_bytes(data, limits.max_image_bytes)
     return ImageJob(
         spec.request_id or uuid.uuid4().hex,
         data,
