@@ -5,6 +5,11 @@ knows a request's output from a run without speculation proposes it, with a wron
 third proposal, so every step sees right, partly right and wrong guesses. The prompt-lookup
 proposer itself is tested in test_prompt_lookup.py and, on the real model, in
 tests/integration/test_default_model.py.
+
+Logprobs (the sampled token's and the top-n) are compared bit for bit on engines that load the model
+themselves, on the C kernels; a model handed to the engine (tiny_fp32) runs torch's linears, whose
+float32 GEMM gives a verified row logprobs 1 ULP (~5e-7) off a one-row step's, as docs/ARCHITECTURE.md
+says of every path without the C kernels.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ def _engine(model_dir: Path, loaded: LoadedModel | None, **overrides) -> Engine:
     return Engine(EngineConfig(**(settings | overrides)), loaded)
 
 
-def _logprobs(events: list[Event]) -> list[float]:
-    return [lp for e in events if isinstance(e, Delta) for lp in e.logprobs]
+def _logprobs(events: list[Event]) -> list:
+    """Each token's logprob, then each token's top-n (IDs and logprobs), to compare bit for bit."""
+    deltas = [e for e in events if isinstance(e, Delta)]
+    return [lp for e in deltas for lp in e.logprobs] + [top for e in deltas for top in e.top_logprobs]
 
 
 class Oracle:
@@ -110,7 +117,7 @@ def test_under_batch_invariant_speculation_gives_the_logprobs_of_plain_steps_bit
 
     monkeypatch.setattr(runner, "rows_apart", row_by_row)
     prompt = _prompts(tiny_fp32)["tokens"]
-    sampling = SamplingParams(temperature=0.9, seed=11, logprobs=True)
+    sampling = SamplingParams(temperature=0.9, seed=11, logprobs=True, top_logprobs=3)
     with _engine(tiny_model_dir, None, batch_invariant=True) as engine:
         assert engine.executor.rows_exact
         plain = list(engine.generate(_spec(prompt, sampling)))
@@ -134,7 +141,7 @@ def test_tokens_with_speculation_equal_those_without_alone_and_batched(
     some requests speculate and some do not: the same tokens, and the logprobs of plain steps bit for
     bit (a row's linears sum in one order at any row count; MKL's float32 GEMM gave them 1 ULP off)."""
     prompts = _prompts(tiny_fp32)
-    sampling = SamplingParams(**{**sampling.__dict__, "logprobs": True})
+    sampling = SamplingParams(**{**sampling.__dict__, "logprobs": True, "top_logprobs": 3})
     with _engine(tiny_model_dir, None) as engine:
         plain = {kind: list(engine.generate(_spec(p, sampling))) for kind, p in prompts.items()}
     for kind, prompt in prompts.items():
@@ -382,7 +389,7 @@ def test_beside_a_long_prompt_prefilling_in_chunks_speculation_gives_the_logprob
     a request's rows get the same bits whichever steps they land in: speculating beside the chunks,
     plain beside them and plain alone give one set of logprobs (on SDPA a row's were 1 ULP off)."""
     prompt = _prompts(tiny_fp32)["tokens"]
-    sampling = SamplingParams(temperature=0.0, logprobs=True)
+    sampling = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
     long_prompt = torch.randint(5, 1000, (700,), generator=torch.Generator().manual_seed(5)).tolist()
     neighbour = _spec([long_prompt], SamplingParams(temperature=0.0), max_new_tokens=1)
     with _engine(tiny_model_dir, None, max_num_batched_tokens=64, enable_prefix_caching=False) as engine:

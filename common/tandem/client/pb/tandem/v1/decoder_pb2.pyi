@@ -524,9 +524,13 @@ class GenerateRequest(_message.Message):
     copied from what followed the latest earlier occurrence of the request's last 2-4 tokens in its
     own prompt and output (embedding positions match nothing), and verify them in the same forward
     pass. It changes speed only: the tokens have exactly the distribution they have without it,
-    greedy and seeded requests give the same tokens, logprobs are those of a plain step. At most 16;
-    0 turns it off; unset = the server's --speculative-tokens (0 unless set). Pays where the output
-    repeats the prompt (rewriting, extraction, editing) and on a lightly loaded server.
+    greedy and seeded requests give the same tokens, and logprobs (top ones too) are those of a
+    plain step, bit for bit, where the server runs its C kernels (a CPU with a build, the default).
+    Without them (--native-kernels false, --compile, CUDA, XLA) a verified row's logits may differ
+    in their last bits, and with them its logprobs (SmolLM2 bf16: up to 0.14) and a token where two
+    nearly tie. At most 16; 0 turns it off; unset = the server's --speculative-tokens (0 unless
+    set). Pays where the output repeats the prompt (rewriting, extraction, editing) and on a lightly
+    loaded server.
     """
     adapter: _builtins.str
     """The LoRA adapter to generate with, by the name it was loaded under (ListAdapters); empty = the
