@@ -98,6 +98,15 @@ HOSTILE_CHAT = {
     "a chat's echo": ({"echo": True}, "echo"),
     "allowed_token_ids": ({"allowed_token_ids": [5]}, "allowed_token_ids"),
     "bad_words": ({"bad_words": ["x"]}, "bad_words"),
+    # A history's tool call was dropped from the rendered chat, its tool's answer kept: refused as tools are
+    "an assistant's tool_calls": (
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function"}]}]},
+        "messages[0].tool_calls",
+    ),
+    "an assistant's function_call": (
+        {"messages": [{"role": "assistant", "content": "", "function_call": {"name": "f"}}]},
+        "messages[0].function_call",
+    ),
     "stop a number": ({"stop": 5}, "stop"),
     "stop of 17": ({"stop": ["x"] * 17}, "stop"),
     "rows with a bool dimension": (_user(_rows(shape=[True, 4])), "messages[0].content[0].embeddings.shape"),
