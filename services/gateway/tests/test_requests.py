@@ -100,7 +100,7 @@ HOSTILE_CHAT = {
     "bad_words": ({"bad_words": ["x"]}, "bad_words"),
     # A history's tool call was dropped from the rendered chat, its tool's answer kept: refused as tools are
     "an assistant's tool_calls": (
-        {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function"}]}]},
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}]},
         "messages[0].tool_calls",
     ),
     "an assistant's function_call": (
