@@ -121,3 +121,15 @@ def test_a_data_url_is_read_whatever_the_case_of_its_scheme_and_base64_token(hea
     # RFC 3986: a scheme is case-insensitive; RFC 2045/2397: so are the media type and its parameters.
     url = head + base64.b64encode(PICTURE_A).decode()
     assert image_file({"type": "image_url", "image_url": {"url": url}}, "x") == PICTURE_A
+
+
+@pytest.mark.parametrize("detail", [5, "ultra", ""])
+def test_an_image_urls_detail_is_one_of_openais_or_refused_naming_it(detail: object) -> None:
+    # The encoder reads every picture at its own resolution, so `detail` changes nothing; one OpenAI
+    # would refuse passed unread.
+    url = "data:image/png;base64," + base64.b64encode(PICTURE_A).decode()
+    for given in ("auto", "low", "high", None):
+        assert image_file({"image_url": {"url": url, "detail": given}}, "x") == PICTURE_A
+    with pytest.raises(InvalidArgument) as error:
+        image_file({"image_url": {"url": url, "detail": detail}}, "messages[0].content[1].image_url")
+    assert error.value.field == "messages[0].content[1].image_url.detail"

@@ -36,6 +36,9 @@ def image_file(part: dict[str, Any], where: str) -> bytes:
     waiting to happen)."""
     image_url = part.get("image_url")
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    detail = image_url.get("detail") if isinstance(image_url, dict) else None
+    if detail not in (None, "auto", "low", "high"):  # read by no one (the encoder's own resolution)
+        raise InvalidArgument(f"{where}.detail", f"must be auto, low or high, got {shown(detail)}")
     # A URL's scheme is case-insensitive (RFC 3986), and so are a media type, its parameters and the
     # base64 token (RFC 2045, 2397): `DATA:IMAGE/PNG;BASE64,` is the same URL, as vLLM takes it.
     header, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
