@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer
 
+from services.encoder.tests.resizes import record_resizes
 from services.encoder.tests.smolvlm_checkpoint import GLOBAL_TOKEN, make_smolvlm
 from services.encoder.tests.vision_checkpoints import make_image, read_config
 from tandem.common.torch_part.weight_files import weight_names
@@ -140,19 +141,16 @@ def test_the_span_size_known_from_a_header_is_the_prepared_spans(checkpoints, wh
 
 
 @pytest.mark.parametrize("which", ["split", "single"])
-@pytest.mark.parametrize("size", [(100, 70), (1, 1), (300, 1)])
+@pytest.mark.parametrize("size", [(100, 70), (1, 1), (300, 1), (64, 64), (32, 32)])
 def test_the_pixels_the_resizes_make_are_known_from_a_header(checkpoints, which, size, monkeypatch) -> None:
-    # What the batcher weighs a call by: a 1 x 1 picture grows to longest_edge squared. The tiles'
-    # global image (one tile more) is left out.
+    # What the batcher weighs a call by: every resize made, the global image's included (a 1 x 1
+    # picture grows to longest_edge squared). None is to the size a picture has: PIL would copy it
+    # (a square one's tile-multiple resize), no work to weigh.
     embedder = checkpoints[which].embedder
-    made: list[tuple[int, int]] = []
-    resize = Image.Image.resize
-    monkeypatch.setattr(
-        Image.Image, "resize", lambda *a, **k: made.append((out := resize(*a, **k)).size) or out
-    )
+    resizes = record_resizes(monkeypatch)
     embedder.prepare_image(Image.new("RGB", size))
-    resizes = made[:-1] if len(made) > 2 else made  # the global image, once split into a grid
-    assert embedder.image_resized_pixels(*size) == sum(w * h for w, h in resizes) > 0
+    assert all(before != after for before, after in resizes)
+    assert embedder.image_resized_pixels(*size) == sum(w * h for _, (w, h) in resizes) > 0
 
 
 @pytest.mark.parametrize("which", ["split", "single"])

@@ -192,7 +192,8 @@ class Idefics3Vision:
         return len(self._span(*self.processing.grid(width, height)))
 
     def resized_pixels(self, width: int, height: int) -> int:
-        """VisionModel.resized_pixels: both resizes' (a 1 x 1 picture grows to longest_edge squared)."""
+        """VisionModel.resized_pixels: each resize's, the global image's included (a 1 x 1 picture grows
+        to longest_edge squared)."""
         return self.processing.resized_pixels(width, height)
 
     def prepare(self, image: Image.Image) -> PreparedImage:

@@ -117,8 +117,14 @@ class Idefics3Processing:
         return _grid(*self._sizes(height, width)[-1], self.tile)
 
     def resized_pixels(self, width: int, height: int) -> int:
-        """The pixels both resizes make of a picture of this size (InvalidArgument as `grid`)."""
-        return sum(h * w for h, w in self._sizes(height, width))
+        """The pixels the resizes make of a picture of this size (InvalidArgument as `grid`): each that
+        changes its size (`_resize` skips one to its own size: a square picture's tile-multiple resize),
+        then the global image's once it is split into a grid."""
+        num_pixels, size = 0, (height, width)
+        for resized in self._sizes(height, width):
+            num_pixels += 0 if resized == size else resized[0] * resized[1]
+            size = resized
+        return num_pixels + (self.tile * self.tile if _grid(*size, self.tile) != (0, 0) else 0)
 
     def _sizes(self, height: int, width: int) -> list[tuple[int, int]]:
         """(height, width) after each resize, in order."""
@@ -154,6 +160,8 @@ class Idefics3Processing:
         return Tiles(torch.stack([self._to_tensor(frame) for frame in frames]), rows, cols)
 
     def _resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
+        if image.size == (width, height):
+            return image  # PIL would copy it (6 ms at 2048 x 2048): the same pixels
         return image.resize((width, height), resample=self.resample)
 
     def _to_tensor(self, frame: Image.Image) -> torch.Tensor:
