@@ -86,6 +86,11 @@ HOSTILE_CHAT = {
     "include_stop_str_in_output 1": ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     "add_generation_prompt a string": ({"add_generation_prompt": "no"}, "add_generation_prompt"),
     "chat_template a number": ({"chat_template": 5}, "chat_template"),
+    # A caller's template is code the decoder runs: refused as vLLM refuses it by default
+    "a chat_template": ({"chat_template": "{{ x }}"}, "chat_template"),
+    "a chat_template among the kwargs": (
+        {"chat_template_kwargs": {"chat_template": "{{ x }}"}}, "chat_template_kwargs.chat_template"
+    ),
     "chat_template_kwargs a list": ({"chat_template_kwargs": []}, "chat_template_kwargs"),
     "chat_template_kwargs of 10**400": ({"chat_template_kwargs": {"a": 10**400}}, "chat_template_kwargs"),
     "chat_template_kwargs of NaN": ({"chat_template_kwargs": {"a": [float("nan")]}}, "chat_template_kwargs"),
@@ -325,10 +330,9 @@ def test_vllms_stopping_extras_reach_the_decoder_from_either_endpoint() -> None:
 def test_vllms_chat_template_extras_reach_the_chat_prompt() -> None:
     # Qwen3's {"enable_thinking": false} was dropped: the model thought aloud anyway.
     kwargs = {"enable_thinking": False, "tools": [{"name": "x", "n": 2}], "note": None}
-    extras = {"add_generation_prompt": False, "chat_template": "{{ x }}", "chat_template_kwargs": kwargs}
+    extras = {"add_generation_prompt": False, "chat_template": None, "chat_template_kwargs": kwargs}
     chat = chat_request(CHAT | extras, LIMITS).requests[0].chat
     assert chat.HasField("add_generation_prompt") and not chat.add_generation_prompt
-    assert chat.chat_template == "{{ x }}"
     assert json_format.MessageToDict(chat.template_kwargs) == kwargs
     plain = chat_request(CHAT, LIMITS).requests[0].chat
     assert not plain.HasField("add_generation_prompt") and not plain.HasField("chat_template")

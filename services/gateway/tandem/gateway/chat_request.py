@@ -111,12 +111,17 @@ def _template_options(body: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> Non
     add_generation_prompt = field(body, "add_generation_prompt", bool)
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
-    template = field(body, "chat_template", str)
-    if template is not None:
-        chat.chat_template = template
+    # A caller's template is code the decoder runs (sandboxed, bounded): vLLM refuses one unless its
+    # server trusts callers (--trust-request-chat-template, off by default), and so does the gateway.
+    if field(body, "chat_template", str) is not None:
+        raise InvalidArgument("chat_template", "a request's own chat template is not accepted")
     kwargs = field(body, "chat_template_kwargs", dict)
     if kwargs is None:
         return
+    if kwargs.get("chat_template") is not None:
+        raise InvalidArgument(
+            "chat_template_kwargs.chat_template", "a request's own chat template is not accepted"
+        )
     at_most("chat_template_kwargs", len(kwargs), MAX_TEMPLATE_FIELDS, "fields")
     try:
         json.dumps(kwargs, allow_nan=False)  # NaN and the infinities: no JSON, as the decoder reads it
