@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 import grpc
-from google.protobuf import duration_pb2
+from google.protobuf import descriptor_pool, duration_pb2
 from google.protobuf.descriptor import Descriptor
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -184,7 +184,7 @@ def _tolerant(
     field is not UTF-8 naming that field: client/bad_utf8.py)."""
     if deserializer is None:
         return None
-    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    descriptor = _request_type(method) or getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
 
     def parse(raw: bytes) -> Any:
         bound = max_bytes() if max_bytes is not None else None
@@ -198,6 +198,19 @@ def _tolerant(
             return _Malformed(error)
 
     return parse
+
+
+def _request_type(method: str) -> Descriptor | None:
+    """The request message type of `method` ("/package.Service/Method") as its proto declares it.
+
+    Read from the method's name, not the deserializer: a service's own parser (the encoder's
+    parse_embed, a bound method of its servicer) carries no message type, and Embed's strings went unnamed.
+    """
+    service, _, name = method[1:].rpartition("/")
+    try:
+        return descriptor_pool.Default().FindServiceByName(service).methods_by_name[name].input_type
+    except KeyError:
+        return None  # a service whose proto is not in the default pool: the deserializer's own type
 
 
 def _not_utf8(raw: bytes, descriptor: Descriptor, method: str) -> errors.InvalidArgument:

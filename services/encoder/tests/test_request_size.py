@@ -129,3 +129,31 @@ async def test_a_live_text_encoder_refuses_any_image_as_one_its_model_cannot_tak
             assert error.value.details() == (
                 "image: this encoder's model takes no images (serve a LLaVA or SmolVLM checkpoint)"
             )
+
+
+async def test_a_live_encoder_names_the_embed_field_that_is_not_utf8_though_embed_has_its_own_parser(
+    tiny_model: Path,
+) -> None:
+    # Embed is parsed by servicer.parse_embed, which carries no message type: the refusal read "request:
+    # not a valid request message for /tandem.v1.Encoder/Embed: ... String field had bad UTF-8" where
+    # Tokenize, parsed by its message's own FromString, named texts[0].
+    not_utf8 = b"\xff\xfe"
+    embed = encoder_pb2.EmbedRequest(model="m", text="@@").SerializeToString().replace(b"@@", not_utf8)
+    tokenize = encoder_pb2.EncoderTokenizeRequest(texts=["@@"]).SerializeToString().replace(b"@@", not_utf8)
+    config = EncoderConfig(model_dir=tiny_model, server=ServerOptions(host="127.0.0.1", port=0))
+    servicer = EncoderServicer(config)
+    server = await start_server(config.server, [servicer.service()])
+    servicer.attach(load_embedder(config))
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            for method, raw, field in [("Embed", embed, "text"), ("Tokenize", tokenize, "texts[0]")]:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await channel.unary_unary(f"/tandem.v1.Encoder/{method}")(raw, timeout=5)
+                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field_violation(error.value) == (
+                    field,
+                    "is not valid UTF-8 (a string field holds UTF-8 text only)",
+                ), method
+    finally:
+        await server.stop(0)
+        servicer.close()

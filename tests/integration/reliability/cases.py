@@ -524,6 +524,14 @@ CASES: list[Case] = [
     Case("Embed with no input", "Embed", lambda: embed(), INVALID, "input"),
     Case("Embed empty text", "Embed", lambda: embed(text=""), INVALID, "text"),
     Case(
+        "Embed invalid UTF-8 in its text",
+        "Embed",
+        # EmbedRequest{text: b"\xff\xfe"}: Embed has its own parser (request_size.py)
+        lambda: b"\x1a\x02\xff\xfe",
+        INVALID,
+        "text",
+    ),
+    Case(
         "Embed empty token list",
         "Embed",
         lambda: embed(token_ids=tensor_pb2.TokenIds()),
