@@ -142,15 +142,19 @@ def test_the_span_size_known_from_a_header_is_the_prepared_spans(checkpoints, wh
 
 @pytest.mark.parametrize("which", ["split", "single"])
 @pytest.mark.parametrize("size", [(100, 70), (1, 1), (300, 1), (64, 64), (32, 32)])
-def test_the_pixels_the_resizes_make_are_known_from_a_header(checkpoints, which, size, monkeypatch) -> None:
+def test_the_pixels_the_preparation_makes_are_known_from_a_header(
+    checkpoints, which, size, monkeypatch
+) -> None:
     # What the batcher weighs a call by: every resize made, the global image's included (a 1 x 1
-    # picture grows to longest_edge squared). None is to the size a picture has: PIL would copy it
-    # (a square one's tile-multiple resize), no work to weigh.
+    # picture grows to longest_edge squared), and the tiles made into tensors (SmolVLM-256M: up to 17
+    # of 512 x 512, 40-65% of a picture's preparation). None is to the size a picture has: PIL would
+    # copy it (a square one's tile-multiple resize), no work to weigh.
     embedder = checkpoints[which].embedder
     resizes = record_resizes(monkeypatch)
-    embedder.prepare_image(Image.new("RGB", size))
+    tiles = embedder.prepare_image(Image.new("RGB", size)).pixels  # [num_tiles, 3, side, side]
     assert all(before != after for before, after in resizes)
-    assert embedder.image_resized_pixels(*size) == sum(w * h for _, (w, h) in resizes) > 0
+    resized = sum(w * h for _, (w, h) in resizes)
+    assert embedder.image_prepared_pixels(*size) == resized + tiles[:, 0].numel()
 
 
 @pytest.mark.parametrize("which", ["split", "single"])

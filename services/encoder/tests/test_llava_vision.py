@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from services.encoder.tests.resizes import record_resizes
 from services.encoder.tests.vision_checkpoints import IMAGE_TOKEN, make_image, make_llava
 from tandem.encoder.embedder import MAX_IMAGE_PLACEHOLDER_BYTES, EmbedderLoadError
 from tandem.encoder.vision.embedder import VisionLanguageEmbedder
@@ -57,19 +58,22 @@ def test_the_span_size_is_known_from_a_header_and_an_extreme_aspect_ratio_refuse
         embedder.image_span_size(33_000_000, 1)
 
 
-@pytest.mark.parametrize("size", [(47, 29), (1, 8000), (8000, 1)])
-def test_the_pixels_a_resize_makes_are_known_from_a_header(
-    tiny_llava: Path, size: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> VisionLanguageEmbedder:
+    return VisionLanguageEmbedder.load(make_llava(tmp_path_factory.mktemp("llava")), torch.float32)
+
+
+@pytest.mark.parametrize("size", [(47, 29), (36, 36), (1, 800), (800, 1)])
+def test_the_pixels_the_preparation_makes_are_known_from_a_header(
+    llava: VisionLanguageEmbedder, size: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # What the batcher weighs a call by: a 1 x 8,000 picture is resized to 36 x 288,000 before its crop.
-    embedder = VisionLanguageEmbedder.load(tiny_llava, torch.float32)
-    made: list[tuple[int, int]] = []
-    resize = Image.Image.resize
-    monkeypatch.setattr(
-        Image.Image, "resize", lambda *a, **k: made.append((out := resize(*a, **k)).size) or out
-    )
-    embedder.prepare_image(Image.new("RGB", size))
-    assert embedder.image_resized_pixels(*size) == sum(w * h for w, h in made) > 0
+    # What the batcher weighs a call by: its resize (a 1 x 800 picture is resized to 36 x 28,800 before
+    # its crop; none where it has the size already, which PIL would copy) and its tile.
+    resizes = record_resizes(monkeypatch)
+    tile = llava.prepare_image(Image.new("RGB", size)).pixels  # [1, 3, side, side]
+    assert all(before != after for before, after in resizes)
+    resized = sum(w * h for _, (w, h) in resizes)
+    assert llava.image_prepared_pixels(*size) == resized + tile[:, 0].numel()
 
 
 def _palette_picture(colours: int) -> Image.Image:

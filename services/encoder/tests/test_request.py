@@ -101,10 +101,10 @@ def test_an_image_is_weighed_by_the_pixels_its_resize_makes_not_only_those_it_de
     # of them made one batch of 5.5 s that a neighbour's picture waited behind.
     monkeypatch.setattr(request, "declared_size", lambda data: (1, 25_890))
 
-    def resized_pixels(width: int, height: int) -> int:
+    def prepared_pixels(width: int, height: int) -> int:
         return 36 * (36 * height // width)
 
-    job = ImageJob("r", b"png", Pooling.NONE, None, 1 << 25, 64, 1 << 20, resized_pixels=resized_pixels)
+    job = ImageJob("r", b"png", Pooling.NONE, None, 1 << 25, 64, 1 << 20, prepared_pixels=prepared_pixels)
     assert job.expected_s == (25_890 + 36 * 932_040) * DECODE_S_PER_PIXEL
     # One refused from its header before any resize (over the pixel bound, a size the processor
     # refuses) weighs its decode alone, and so does a model that says nothing of its resize.
@@ -113,8 +113,8 @@ def test_an_image_is_weighed_by_the_pixels_its_resize_makes_not_only_those_it_de
     def refuses(width: int, height: int) -> int:
         raise InvalidArgument("image.data", "an aspect ratio too extreme")
 
-    assert replace(job, resized_pixels=refuses).expected_s == 25_890 * DECODE_S_PER_PIXEL
-    assert replace(job, resized_pixels=None).expected_s == 25_890 * DECODE_S_PER_PIXEL
+    assert replace(job, prepared_pixels=refuses).expected_s == 25_890 * DECODE_S_PER_PIXEL
+    assert replace(job, prepared_pixels=None).expected_s == 25_890 * DECODE_S_PER_PIXEL
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ running calls alike with `error()` (and every later call), marking them gone so 
 the worker stops at its next check.
 
 Calls are served cheapest first, not in arrival order, where `cost(job)` says what a job will take
-(an image's declared pixels and those its resize makes, in expected seconds): a call's place in line
+(an image's declared pixels and those its preparation makes, in expected seconds): a call's place in line
 is its arrival plus LINE_FACTOR times its cost, and a batch takes calls, in that order, only while their
 costs add up to `max_batch_cost` (always at least one). So a caller's pile of expensive pictures no
 longer holds a neighbour's cheap one behind all of them: 16 tiny WebPs each declaring 5,792 x 5,792

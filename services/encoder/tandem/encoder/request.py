@@ -46,9 +46,11 @@ RESPONSE_OVERHEAD_BYTES = 4096
 BYTES_PER_TOKEN_ID = 5
 # Seconds of the image thread a decoded pixel costs, decoding and preprocessing it: a lossless WebP of
 # 5,792 x 5,792 (34 bytes) took 0.64 s on an idle core (0.36 decoding, 0.28 preprocessing for LLaVA) and
-# up to 2.2 s on a busy machine, a 16-bit RGBA PNG as large 2.4 s. A pixel the processor's resize makes
-# costs about as much: an 80-byte PNG of 1 x 297 that LLaVA-1.5 resizes to 336 x 99,792 took 0.63 s
-# (19 ns each). Only weighs calls against each other.
+# up to 2.2 s on a busy machine, a 16-bit RGBA PNG as large 2.4 s. A pixel the processor's preparation
+# makes costs about as much: an 80-byte PNG of 1 x 297 that LLaVA-1.5 resizes to 336 x 99,792 took
+# 0.63 s (19 ns each); SmolVLM-256M's 640 x 480 picture 0.16-0.25 s, 8 ms decoding, 80 its resize to
+# 2,048 x 1,536 (25 ns a pixel made), 159 its 13 tiles of 512 x 512 made into tensors (47 ns). Only
+# weighs calls against each other.
 DECODE_S_PER_PIXEL = 30e-9
 
 
@@ -91,34 +93,36 @@ class ImageJob:
     max_input_tokens: int  # the span's rows count as positions
     max_message_bytes: int
     shared: SharedTarget | None = None  # the rows go to shared memory when they can (shared_segments.py)
-    # (width, height) -> the pixels the model's processor resizes a picture of that size to (the
-    # embedder's `image_resized_pixels`); None: only the decoding is weighed.
-    resized_pixels: Callable[[int, int], int] | None = None
+    # (width, height) -> the pixels the model's processor makes of a picture of that size, resized and
+    # made into tiles (the embedder's `image_prepared_pixels`); None: only the decoding is weighed.
+    prepared_pixels: Callable[[int, int], int] | None = None
 
     @functools.cached_property
     def expected_s(self) -> float:
-        """The image thread's time its decoding and resize should take, from the size its header
+        """The image thread's time its decoding and preparation should take, from the size its header
         declares: its own pixels (at most max_image_pixels: more is refused before decoding) and those
-        its resize makes, which for a thin picture are many times more (a 1 x 297 PNG weighed as 297
-        pixels went first and held the thread 0.63 s). A header that says no size is weighed at the
-        bound, so that hiding it buys no place in line. Read once: the header is not walked again."""
+        its resize and tiles make, which for a thin picture are many times more (a 1 x 297 PNG weighed
+        as 297 pixels went first and held the thread 0.63 s), and for SmolVLM, which scales every
+        picture to 2,048 on its long side, over 8 M even for a 36 x 36 one. A header that says no size
+        is weighed at the bound, so that hiding it buys no place in line. Read once: the header is not
+        walked again."""
         size = declared_size(self.data)
         if size is None:
             return self.max_image_pixels * DECODE_S_PER_PIXEL
         width, height = size
         pixels = min(width * height, self.max_image_pixels)
-        return (pixels + self._resized(width, height)) * DECODE_S_PER_PIXEL
+        return (pixels + self._prepared(width, height)) * DECODE_S_PER_PIXEL
 
-    def _resized(self, width: int, height: int) -> int:
-        """The pixels the resize makes of a picture of this size; 0 where none is weighed or the picture
-        is refused from its header before its resize (`decode_image`: no pixels, over the bounds, or
-        a size the processor refuses)."""
-        if self.resized_pixels is None or not 0 < width * height <= self.max_image_pixels:
+    def _prepared(self, width: int, height: int) -> int:
+        """The pixels the preparation makes of a picture of this size; 0 where none is weighed or the
+        picture is refused from its header before it is prepared (`decode_image`: no pixels, over the
+        bounds, or a size the processor refuses)."""
+        if self.prepared_pixels is None or not 0 < width * height <= self.max_image_pixels:
             return 0
         if max(width, height) > MAX_IMAGE_SIDE:
             return 0
         try:
-            return self.resized_pixels(width, height)
+            return self.prepared_pixels(width, height)
         except InvalidArgument:
             return 0
 
@@ -165,7 +169,7 @@ def build_image_job(
         limits.max_image_pixels,
         max_input_tokens,
         max_message_bytes,
-        resized_pixels=embedder.image_resized_pixels,  # type: ignore[attr-defined]
+        prepared_pixels=embedder.image_prepared_pixels,  # type: ignore[attr-defined]
     )
 
 

@@ -119,10 +119,10 @@ class VisionLanguageEmbedder:
         """The span's length for a picture of this size, from its header (VisionModel.span_size)."""
         return self.vision.span_size(width, height)
 
-    def image_resized_pixels(self, width: int, height: int) -> int:
-        """The pixels the processor's resizes make of a picture of this size (VisionModel.resized_pixels),
-        for the batcher to weigh its call."""
-        return self.vision.resized_pixels(width, height)
+    def image_prepared_pixels(self, width: int, height: int) -> int:
+        """The pixels the processor's preparation makes of a picture of this size, its resizes' and its
+        tiles' (VisionModel.prepared_pixels), for the batcher to weigh its call."""
+        return self.vision.prepared_pixels(width, height)
 
     def prepare_image(self, image: Image.Image) -> PreparedImage:
         """Preprocessed tiles and the span's token IDs (the servicer checks the span's size)."""

@@ -191,10 +191,13 @@ class Idefics3Vision:
         """The span's length for a picture of this size: its grid's (InvalidArgument if none)."""
         return len(self._span(*self.processing.grid(width, height)))
 
-    def resized_pixels(self, width: int, height: int) -> int:
-        """VisionModel.resized_pixels: each resize's, the global image's included (a 1 x 1 picture grows
-        to longest_edge squared)."""
-        return self.processing.resized_pixels(width, height)
+    def prepared_pixels(self, width: int, height: int) -> int:
+        """VisionModel.prepared_pixels: each resize's, the global image's included (a 1 x 1 picture grows
+        to longest_edge squared), and its tiles' (SmolVLM-256M: up to 17 of 512 x 512, 40-65% of its
+        preparation)."""
+        rows, cols = self.processing.grid(width, height)
+        num_tiles = rows * cols + 1 if (rows, cols) != (0, 0) else 1  # the grid, then the global image
+        return self.processing.resized_pixels(width, height) + num_tiles * self.processing.tile**2
 
     def prepare(self, image: Image.Image) -> PreparedImage:
         """One PIL image -> its tiles (the grid row by row, then the global image) and its span."""

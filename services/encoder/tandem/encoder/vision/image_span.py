@@ -39,10 +39,11 @@ class VisionModel(Protocol):
         size the processor refuses."""
         ...
 
-    def resized_pixels(self, width: int, height: int) -> int:
-        """The pixels the processor's resizes make of a picture of this size, before any crop: work
-        beside its decoding's, and for a thin picture many times its own pixels (the batcher weighs
-        it). Raises InvalidArgument for a size the processor refuses, as span_size does."""
+    def prepared_pixels(self, width: int, height: int) -> int:
+        """The pixels `prepare` makes of a picture of this size: each resize's (one to the size it has is
+        skipped: PIL would copy it) and its tiles' (made into tensors). Work beside its decoding's, and
+        for a thin picture many times its own pixels: the batcher weighs it. Raises InvalidArgument
+        for a size the processor refuses, as span_size does."""
         ...
 
     def prepare(self, image: Image.Image) -> PreparedImage: ...

@@ -134,10 +134,12 @@ class LlavaVision:
         self.processing.resized_size(width, height)
         return self.num_rows
 
-    def resized_pixels(self, width: int, height: int) -> int:
-        """VisionModel.resized_pixels: the shortest-edge resize's (LLaVA-1.5: 336 x 99,792 for 1 x 297)."""
-        size = self.processing.resized_size(width, height)
-        return 0 if size is None else size[0] * size[1]
+    def prepared_pixels(self, width: int, height: int) -> int:
+        """VisionModel.prepared_pixels: the shortest-edge resize's (LLaVA-1.5: 336 x 99,792 for 1 x 297)
+        and its one tile's."""
+        resized = self.processing.resized_size(width, height) or (width, height)
+        tile_height, tile_width = self.processing.output_size() or resized[::-1]
+        return (0 if resized == (width, height) else resized[0] * resized[1]) + tile_height * tile_width
 
     def prepare(self, image: Any) -> PreparedImage:
         """One PIL image -> its pixels (one tile) and its span: num_rows image tokens."""

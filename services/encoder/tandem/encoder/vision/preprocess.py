@@ -121,7 +121,8 @@ class ImageProcessing:
 
     def _resize(self, image: Image.Image) -> Image.Image:
         size = self.resized_size(*image.size)
-        return image if size is None else image.resize(size, resample=self.resample)
+        # One to the size it has is skipped: PIL would copy it (`prepared_pixels` counts none).
+        return image if size is None or size == image.size else image.resize(size, resample=self.resample)
 
 
 def rescale_and_normalize(
