@@ -64,8 +64,21 @@ def test_nothing_leaked_after_the_whole_table(services: Services) -> None:
     assert services.idle()
 
 
-def test_reliability_doc_lists_every_case() -> None:
+def test_reliability_doc_lists_every_case_with_its_method_status_and_field() -> None:
+    # The whole row, not the name alone: a field column left behind by a change to the refusal (ef8e35c's
+    # sampling.logit_bias[<id>]) passed while only names were compared.
     doc = (Path(__file__).parents[3] / "docs" / "RELIABILITY.md").read_text()
-    rows = set(re.findall(r"^\| ([^|]+?) \|", doc, flags=re.MULTILINE))
+    rows = {
+        row[0]: row[1:]
+        for row in re.findall(
+            r"^\| ([^|]+?) \| ([^|]+?) \| ([^|]+?) \| ([^|]+?) \|$", doc, flags=re.MULTILINE
+        )
+    }
     missing = [c.name for c in CASES if c.name not in rows]
     assert not missing, f"docs/RELIABILITY.md lacks rows for: {missing}"
+    wrong = [
+        (c.name, rows[c.name], expected)
+        for c in CASES
+        if rows[c.name] != (expected := (c.method, c.code.name, f"`{c.field}`" if c.field else "—"))
+    ]
+    assert not wrong, f"docs/RELIABILITY.md rows (method, status, field) that differ from cases.py: {wrong}"
