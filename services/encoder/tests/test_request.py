@@ -12,6 +12,7 @@ from tandem.common.torch_part.prompt_parts import TextPrompt
 from tandem.encoder import request
 from tandem.encoder.embedder import EmbedderInfo, Pooling
 from tandem.encoder.request import DECODE_S_PER_PIXEL, RESPONSE_OVERHEAD_BYTES, EmbedSpec, ImageJob, build_job
+from tandem.encoder.vision.image_bytes import MAX_IMAGE_SIDE
 
 INFO = EmbedderInfo(kind="fake", hidden_size=4, vocab_size=100, dtype=torch.float32, max_token_chars=5)
 
@@ -115,6 +116,21 @@ def test_an_image_is_weighed_by_the_pixels_its_resize_makes_not_only_those_it_de
 
     assert replace(job, prepared_pixels=refuses).expected_s == 25_890 * DECODE_S_PER_PIXEL
     assert replace(job, prepared_pixels=None).expected_s == 25_890 * DECODE_S_PER_PIXEL
+
+
+def test_an_image_with_a_side_over_max_image_side_weighs_its_decode_alone_its_preparation_never_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # decode_image refuses it from its header (65,536 x 1, within max_image_pixels) before its resize,
+    # which for SmolVLM would otherwise be weighed as 2,048 x 2 and tiles; LLaVA's processor refuses
+    # such a size itself, Idefics3's does not.
+    monkeypatch.setattr(request, "declared_size", lambda data: (MAX_IMAGE_SIDE + 1, 1))
+
+    def asked(width: int, height: int) -> int:
+        raise AssertionError("a picture refused from its header is not weighed as prepared")
+
+    job = ImageJob("r", b"png", Pooling.NONE, None, 1 << 25, 64, 1 << 20, prepared_pixels=asked)
+    assert job.expected_s == (MAX_IMAGE_SIDE + 1) * DECODE_S_PER_PIXEL
 
 
 @pytest.mark.parametrize(
