@@ -71,9 +71,10 @@ def test_a_chat_too_long_names_the_messages_and_an_unknown_adapter_is_openais_un
     assert too_long.message == "messages: 9031 positions leave no room"
     unknown = from_grpc(_rpc_error(grpc.StatusCode.NOT_FOUND, "adapter 'gpt-4o' is not loaded: no LoRA"))
     assert unknown.status == 404
+    # OpenAI's form, as GET /v1/models/{model} answers it: it was type not_found_error here.
     assert unknown.body()["error"] == {
         "message": "model 'gpt-4o' is not loaded: no LoRA",
-        "type": "not_found_error",
+        "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",
     }
@@ -86,7 +87,12 @@ def test_a_service_that_serves_another_model_is_openais_unknown_model() -> None:
         _rpc_error(grpc.StatusCode.NOT_FOUND, "model 'gpt-4o' is not served here (this server serves 'x')")
     )
     error = unknown.body()["error"]
-    assert (unknown.status, error["param"], error["code"]) == (404, "model", "model_not_found")
+    assert (unknown.status, error["type"], error["param"], error["code"]) == (
+        404,
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
     assert unknown.message == "model 'gpt-4o' is not served here (this server serves 'x')"
 
 

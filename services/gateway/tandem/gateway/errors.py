@@ -155,7 +155,9 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
         # The body's model names the adapter (the gateway sends it as one), or a model the service
         # does not serve (the encoder's check of an embeddings body's): OpenAI's unknown model, named
         # as the caller wrote it, not as the decoder's field it never sent.
+        # OpenAI's type, as GET /v1/models/{model} answers: one 404 form whichever endpoint.
         param, code, message = "model", "model_not_found", _renamed(message, "adapter ", "model ")
+        kind = "invalid_request_error"
     return HttpError(status, kind, body_field(message, names), param, retry_after, code)
 
 
