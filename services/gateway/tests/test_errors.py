@@ -111,6 +111,23 @@ def test_a_service_that_is_down_is_a_503_worth_a_retry() -> None:
     assert from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "x: bad", "x")).headers() == {}
 
 
+def test_a_call_grpc_dropped_unserved_is_a_503_worth_a_retry_not_the_callers_cancel() -> None:
+    # gRPC core ends a call past its queue of calls not yet taken up as CANCELLED "CANCELLED"
+    # (RELIABILITY.md): the service was overloaded, the HTTP caller cancelled nothing. It was a 499.
+    dropped = from_grpc(_rpc_error(grpc.StatusCode.CANCELLED, "CANCELLED"))
+    assert (dropped.status, dropped.type, dropped.headers()) == (
+        503,
+        "service_unavailable",
+        {"Retry-After": "1"},
+    )
+    assert "overloaded" in dropped.message
+    # Cancelled by the server for another reason: no caller's cancel either.
+    assert from_grpc(_rpc_error(grpc.StatusCode.CANCELLED, "Cancelled on the server side")).status == 503
+    # The gateway's own cancel (the caller left) keeps 499, were it ever answered.
+    local = from_grpc(_rpc_error(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+    assert (local.status, local.type) == (499, "cancelled")
+
+
 def _full(seconds: int, nanos: int = 0) -> grpc.aio.AioRpcError:
     """A RESOURCE_EXHAUSTED with a RetryInfo of `seconds` and `nanos`, as a service (or a peer) sends it."""
     delay = duration_pb2.Duration(seconds=seconds, nanos=nanos)

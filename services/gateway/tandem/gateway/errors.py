@@ -30,6 +30,10 @@ STATUSES: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+# What a grpc.aio call cancelled by its own side reads: the gateway's cancel of a caller that left. Any
+# other CANCELLED is the service's doing, above all gRPC core's drop of a call past its queue of calls
+# not yet taken up, which reads "CANCELLED" (RELIABILITY.md): no caller cancelled, so no 499.
+LOCAL_CANCEL = "Locally cancelled by application!"
 # A service's RetryInfo past this (or not above 0) is no advice to pass on: it is taken as none, and a 429
 # or 503 says the 1 s it says without one, as the decoder bounds an encoder's. It was passed on as it
 # came: an encoder's 2**63 - 1 s made `Retry-After: 9223372036854775808`.
@@ -144,6 +148,8 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
     message = error.details() or error.code().name
     if status == 429 and "larger than max" in message:  # the transport's size limit: not retryable
         return HttpError(413, "invalid_request_error", message)
+    if error.code() == grpc.StatusCode.CANCELLED and message != LOCAL_CANCEL:
+        return HttpError(503, "service_unavailable", _cancelled_by_service(message), retry_after_s=1.0)
     if status in (429, 503) and retry_after is None:  # busy, or a service down: both worth a retry
         retry_after = 1.0
     if param == "chat":  # the rendered prompt as a whole (its length): the body's messages
@@ -159,6 +165,15 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
         param, code, message = "model", "model_not_found", _renamed(message, "adapter ", "model ")
         kind = "invalid_request_error"
     return HttpError(status, kind, body_field(message, names), param, retry_after, code)
+
+
+def _cancelled_by_service(message: str) -> str:
+    if message == grpc.StatusCode.CANCELLED.name:  # gRPC core's drop: no status of the service's own
+        return (
+            "the service was overloaded: it dropped the call before taking it up (more calls at once "
+            "than it queues); retry later"
+        )
+    return f"the service cancelled the call ({message}); retry later"
 
 
 def _renamed(message: str, service: str, body: str) -> str:
