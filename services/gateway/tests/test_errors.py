@@ -128,6 +128,20 @@ def test_a_call_grpc_dropped_unserved_is_a_503_worth_a_retry_not_the_callers_can
     assert (local.status, local.type) == (499, "cancelled")
 
 
+def test_a_generate_call_over_the_decoders_message_limit_names_the_limit_and_the_body() -> None:
+    # The gateway's --max-message-bytes above the decoder's: gRPC's own words were the whole message.
+    over = from_grpc(
+        _rpc_error(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "SERVER: Received message larger than max (10000064 vs. 4194304)",
+        )
+    )
+    assert (over.status, over.param, over.headers()) == (413, None, {})
+    assert "request body" in over.message
+    assert "10000064 bytes" in over.message and "decoder's --max-message-bytes of 4194304" in over.message
+    assert "Received message" not in over.message
+
+
 def _full(seconds: int, nanos: int = 0) -> grpc.aio.AioRpcError:
     """A RESOURCE_EXHAUSTED with a RetryInfo of `seconds` and `nanos`, as a service (or a peer) sends it."""
     delay = duration_pb2.Duration(seconds=seconds, nanos=nanos)

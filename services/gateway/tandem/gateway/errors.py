@@ -34,6 +34,8 @@ STATUSES: dict[grpc.StatusCode, tuple[int, str]] = {
 # other CANCELLED is the service's doing, above all gRPC core's drop of a call past its queue of calls
 # not yet taken up, which reads "CANCELLED" (RELIABILITY.md): no caller cancelled, so no 499.
 LOCAL_CANCEL = "Locally cancelled by application!"
+# gRPC's refusal of a message over a side's limit: "SERVER: Received message larger than max (n vs. max)".
+LARGER_THAN_MAX = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
 # A service's RetryInfo past this (or not above 0) is no advice to pass on: it is taken as none, and a 429
 # or 503 says the 1 s it says without one, as the decoder bounds an encoder's. It was passed on as it
 # came: an encoder's 2**63 - 1 s made `Retry-After: 9223372036854775808`.
@@ -147,7 +149,7 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
         retry_after = None
     message = error.details() or error.code().name
     if status == 429 and "larger than max" in message:  # the transport's size limit: not retryable
-        return HttpError(413, "invalid_request_error", message)
+        return HttpError(413, "invalid_request_error", _over_message_limit(message))
     if error.code() == grpc.StatusCode.CANCELLED and message != LOCAL_CANCEL:
         return HttpError(503, "service_unavailable", _cancelled_by_service(message), retry_after_s=1.0)
     if status in (429, 503) and retry_after is None:  # busy, or a service down: both worth a retry
@@ -174,6 +176,19 @@ def _cancelled_by_service(message: str) -> str:
             "than it queues); retry later"
         )
     return f"the service cancelled the call ({message}); retry later"
+
+
+def _over_message_limit(message: str) -> str:
+    """gRPC's refusal of a Generate call over a limit the gateway's own check let by (the decoder's
+    --max-message-bytes below the gateway's; an encoder's Embed call is named by `over_cap`), in the
+    body's terms: no single field made it, the body did."""
+    said = LARGER_THAN_MAX.search(message)
+    if said is None:
+        return f"the request body is over the decoder's --max-message-bytes as a Generate call: {message}"
+    return (
+        f"the request body is {said[1]} bytes as a Generate call, over the decoder's --max-message-bytes "
+        f"of {said[2]} (below the gateway's); send a smaller body"
+    )
 
 
 def _renamed(message: str, service: str, body: str) -> str:
