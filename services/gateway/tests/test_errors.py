@@ -142,6 +142,18 @@ def test_a_generate_call_over_the_decoders_message_limit_names_the_limit_and_the
     assert "Received message" not in over.message
 
 
+def test_a_string_stop_is_named_stop_not_its_first_element() -> None:
+    # `stop: ""` was named stop[0], an element the body did not have.
+    assert body_field("stopping.stop_sequences[0]: must not be empty", BodyNames(is_stop_string=True)) == (
+        "stop: must not be empty"
+    )
+    assert body_field("stopping.stop_token_ids[0]", BodyNames(is_stop_string=True)) == "stop_token_ids[0]"
+    names = chat_request({"messages": [{"role": "user", "content": "x"}], "stop": ""}, LIMITS).names
+    assert names.is_stop_string
+    listed = chat_request({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, LIMITS).names
+    assert body_field("stopping.stop_sequences[0]", listed) == "stop[0]"
+
+
 def _full(seconds: int, nanos: int = 0) -> grpc.aio.AioRpcError:
     """A RESOURCE_EXHAUSTED with a RetryInfo of `seconds` and `nanos`, as a service (or a peer) sends it."""
     delay = duration_pb2.Duration(seconds=seconds, nanos=nanos)

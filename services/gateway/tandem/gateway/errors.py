@@ -121,6 +121,8 @@ class BodyNames:
     # `image_url` (the encoder's rows of its file); any other image part is a tandem_image_embeddings
     # part, whose rows are the body's `embeddings`.
     image_urls: frozenset[tuple[int, int]] = frozenset()
+    # `stop` sent as one string, the decoder's stop_sequences[0]: named `stop`, not an element it lacks.
+    is_stop_string: bool = False
 
 
 # A batch prompt's Generate call has one segment: the decoder's paths into it, up to what follows the
@@ -218,6 +220,8 @@ RESPONSE_FORMAT_FIELDS = {".json_schema": "response_format.json_schema.schema", 
 STRUCTURED = re.compile(r"\bstructured(\.[a-z_]+|(?=:|$))")
 # The decoder's limit on new tokens, as a path or as a bound a message states (`max_new_tokens=4`).
 MAX_NEW_TOKENS = re.compile(r"\b(?:stopping\.)?max_new_tokens\b")
+# The body's stop[0], once BODY_FIELDS has named it (not stop_token_ids[0]).
+STOP_STRING = re.compile(r"(?<![\w.])stop\[0\]")
 # A chat part's image rows (`messages[i].content[j].image`, and what follows: `.shape`), body-named.
 IMAGE_PART = re.compile(r"\bmessages\[(\d+)\]\.content\[(\d+)\]\.image\b((?:\.[a-z_]+|\[\d+\])*)")
 # A chat's encoder part and what follows (`.image.data`, `.embeddings.shape`: its file, the rows fetched
@@ -241,6 +245,8 @@ def body_field(path: str, names: BodyNames = BodyNames()) -> str:
         path = PROMPT.sub("prompt", path, count=1)
     for service, body in BODY_FIELDS:
         path = path.replace(service, body)
+    if names.is_stop_string:
+        path = STOP_STRING.sub("stop", path)
     path = IMAGE_PART.sub(lambda m: _image_part(m, names.image_urls), path)
     path = ENCODER_PART.sub(r"messages[\1].content[\2].image_url", path)
     structured_field = names.structured

@@ -72,7 +72,8 @@ def common_parameters(
     if seed is not None:
         request.sampling.seed = seed
     stop = body.get("stop")
-    if isinstance(stop, str):
+    is_stop_string = isinstance(stop, str)
+    if is_stop_string:
         stop = [stop]
     if stop is not None:
         if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
@@ -120,7 +121,7 @@ def common_parameters(
             raise InvalidArgument(
                 name, f"tool calling is not supported: only 'none' or 'auto', got {shown(body[name])}"
             )
-    return BodyNames(structured_field, max_tokens_field), n
+    return BodyNames(structured_field, max_tokens_field, is_stop_string=is_stop_string), n
 
 
 def _stopping_extras(body: dict[str, Any], stopping: decoder_pb2.StoppingCriteria) -> None:
