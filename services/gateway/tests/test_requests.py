@@ -103,6 +103,22 @@ HOSTILE_CHAT = {
     "a chat's echo": ({"echo": True}, "echo"),
     "allowed_token_ids": ({"allowed_token_ids": [5]}, "allowed_token_ids"),
     "bad_words": ({"bad_words": ["x"]}, "bad_words"),
+    # A wrong type is refused whatever its truthiness: these falsy ones were read as not asked
+    "use_beam_search an empty string": ({"use_beam_search": ""}, "use_beam_search"),
+    "use_beam_search 0": ({"use_beam_search": 0}, "use_beam_search"),
+    "tools 0": ({"tools": 0}, "tools"),
+    "tools an empty object": ({"tools": {}}, "tools"),
+    "functions an empty string": ({"functions": ""}, "functions"),
+    "allowed_token_ids 0": ({"allowed_token_ids": 0}, "allowed_token_ids"),
+    "allowed_token_ids empty: no token allowed": ({"allowed_token_ids": []}, "allowed_token_ids"),
+    "bad_words false": ({"bad_words": False}, "bad_words"),
+    "tool_choice 0": ({"tool_choice": 0}, "tool_choice"),
+    "a message's tool_calls 0": (
+        {"messages": [{"role": "assistant", "content": "", "tool_calls": 0}]}, "messages[0].tool_calls"
+    ),
+    "a message's function_call an empty string": (
+        {"messages": [{"role": "assistant", "content": "", "function_call": ""}]}, "messages[0].function_call"
+    ),
     # A history's tool call was dropped from the rendered chat, its tool's answer kept: refused as tools are
     "an assistant's tool_calls": (
         {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}]},
@@ -310,6 +326,22 @@ def test_what_the_answer_needs_of_the_body_is_kept() -> None:
 def test_a_tool_choice_that_asks_for_text_is_answered_with_text() -> None:
     for choice in ("none", "auto"):
         assert chat_request(CHAT | {"tool_choice": choice, "function_call": choice}, LIMITS).requests
+
+
+def test_extras_of_their_type_that_ask_for_nothing_pass() -> None:
+    # null where OpenAI allows it, false, and empty lists (clients send tools: [] on plain turns)
+    quiet = {
+        "use_beam_search": False,
+        "tools": [],
+        "functions": None,
+        "bad_words": [],
+        "allowed_token_ids": None,
+    }
+    history = [
+        {"role": "assistant", "content": "a", "tool_calls": [], "function_call": None},
+        CHAT["messages"][0],
+    ]
+    assert chat_request(CHAT | quiet | {"messages": history}, LIMITS).requests
 
 
 def test_vllms_top_k_minus_one_means_off() -> None:

@@ -83,8 +83,9 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
                 f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {shown(role)}"
             )
         field(message, "name", str, f"messages[{i}].")  # a participant's name: dropped, but of its type
-        for name in ("tool_calls", "function_call"):  # dropped, the call's answer (a tool turn) kept
-            if message.get(name):
+        # Dropped, the call's answer (a tool turn) kept; of its type whatever its truthiness.
+        for name, kind in (("tool_calls", list), ("function_call", dict)):
+            if field(message, name, kind, f"messages[{i}]."):
                 raise InvalidArgument(f"messages[{i}].{name}", "tool calling is not supported")
         turn = request.chat.messages.add(role="system" if role == "developer" else role)
         turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))

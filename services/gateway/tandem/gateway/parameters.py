@@ -106,18 +106,21 @@ def common_parameters(
     prompt_logprobs(body, request)
     structured_field = structured_output(body, request)
     # vLLM's extras the decoder has no counterpart of: refused, not answered otherwise (a sample where
-    # a beam search was asked, tokens the caller ruled out).
-    for name in ("use_beam_search", "allowed_token_ids", "bad_words"):
-        if body.get(name):
+    # a beam search was asked, tokens the caller ruled out). Each is of its type first: read by its
+    # truthiness, a wrong one that is falsy (`use_beam_search: ""`, `tools: 0`) passed as not asked.
+    for name, kind in (("use_beam_search", bool), ("bad_words", list)):
+        if field(body, name, kind):
             raise InvalidArgument(name, "is not supported")
-    for name in ("tools", "functions"):
-        if body.get(name):
+    if field(body, "allowed_token_ids", list) is not None:  # [] allows no token (vLLM refuses it too)
+        raise InvalidArgument("allowed_token_ids", "is not supported")
+    for name in ("tools", "functions"):  # [] asks for no tool: clients send it on plain turns
+        if field(body, name, list):
             raise InvalidArgument(name, "tool calling is not supported")
     # With no tools, "none" and "auto" ask for text, which is what comes; "required" or a named
     # function asks for a call the answer would not hold (OpenAI and vLLM refuse a tool_choice
     # without tools, and Codex sends "auto" on plain turns, so that one passes).
     for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", "auto"):
+        if field(body, name, (str, dict)) not in (None, "none", "auto"):
             raise InvalidArgument(
                 name, f"tool calling is not supported: only 'none' or 'auto', got {shown(body[name])}"
             )
