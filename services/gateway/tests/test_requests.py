@@ -41,7 +41,7 @@ HOSTILE_CHAT = {
     "max_completion_tokens 0": ({"max_completion_tokens": 0}, "max_completion_tokens"),
     "min_tokens -1": ({"min_tokens": -1}, "min_tokens"),
     "seed 2**64": ({"seed": 2**64}, "seed"),
-    "seed -1": ({"seed": -1}, "seed"),
+    "seed below int64": ({"seed": -(2**63) - 1}, "seed"),
     "top_logprobs -1": ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     "top_logprobs 21": ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     "logprobs a string": ({"logprobs": "yes"}, "logprobs"),
@@ -342,6 +342,23 @@ def test_extras_of_their_type_that_ask_for_nothing_pass() -> None:
         CHAT["messages"][0],
     ]
     assert chat_request(CHAT | quiet | {"messages": history}, LIMITS).requests
+
+
+@pytest.mark.parametrize(
+    ("seed", "decoder_seed"), [(-1, 2**64 - 1), (-(2**63), 2**63), (0, 0), (2**64 - 1, 2**64 - 1)]
+)
+def test_vllms_negative_int64_seeds_are_their_twos_complement(seed: int, decoder_seed: int) -> None:
+    # vLLM takes a seed in int64's range; the decoder's is a uint64. A negative one was refused.
+    assert chat_request(CHAT | {"seed": seed}, LIMITS).requests[0].sampling.seed == decoder_seed
+
+
+def test_a_seed_outside_int64_and_uint64_names_the_range() -> None:
+    with pytest.raises(InvalidArgument) as error:
+        chat_request(CHAT | {"seed": 2**64}, LIMITS)
+    assert str(error.value) == (
+        f"seed: must be in [{-(2**63)}, {2**64 - 1}] (int64's negatives as their two's complement), "
+        f"got {2**64}"
+    )
 
 
 def test_vllms_top_k_minus_one_means_off() -> None:

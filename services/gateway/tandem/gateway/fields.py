@@ -14,6 +14,7 @@ from tandem.gateway.body_limits import at_most
 # The proto's unsigned ranges.
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
+INT64_MIN = -(2**63)  # the least of vLLM's int64 seeds
 
 
 def field(body: dict[str, Any], name: str, types: type | tuple[type, ...], path: str = "") -> Any:

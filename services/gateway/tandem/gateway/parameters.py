@@ -11,7 +11,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.body_limits import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_TOKEN_IDS, BodyLimits, at_most
 from tandem.gateway.calls import GenerateCall, ImagePart
 from tandem.gateway.errors import BodyNames
-from tandem.gateway.fields import UINT32, UINT64, field, number, shown, uint
+from tandem.gateway.fields import INT64_MIN, UINT32, UINT64, field, number, shown, uint
 from tandem.gateway.prompt_logprobs import prompt_logprobs
 from tandem.gateway.structured import structured_output
 
@@ -68,9 +68,17 @@ def common_parameters(
     min_tokens = uint(body, "min_tokens")
     if min_tokens is not None:
         request.stopping.min_new_tokens = min_tokens
-    seed = uint(body, "seed", 0, UINT64)
+    seed = field(body, "seed", int)
     if seed is not None:
-        request.sampling.seed = seed
+        # vLLM takes an int64 seed, the decoder a uint64: a negative one is its two's complement (-1
+        # is 2**64 - 1, one seed), so every seed either takes is a seed here, each sampled alike.
+        if not INT64_MIN <= seed <= UINT64:
+            raise InvalidArgument(
+                "seed",
+                f"must be in [{INT64_MIN}, {UINT64}] (int64's negatives as their two's complement), "
+                f"got {shown(seed)}",
+            )
+        request.sampling.seed = seed % 2**64
     stop = body.get("stop")
     is_stop_string = isinstance(stop, str)
     if is_stop_string:
