@@ -37,6 +37,8 @@ LIMITS = BodyLimits.for_chat(4096, 16)
         ("stopping.include_stop_in_output", None, "include_stop_str_in_output"),
         ("chat.chat_template: does not compile", None, "chat_template: does not compile"),
         ("chat.template_kwargs", None, "chat_template_kwargs"),
+        ("chat.template_kwargs.add_generation_prompt: is chat.add_generation_prompt's", None,
+         "chat_template_kwargs.add_generation_prompt: is add_generation_prompt's"),
         ("chat.add_generation_prompt", None, "add_generation_prompt"),
     ],
 )  # fmt: skip

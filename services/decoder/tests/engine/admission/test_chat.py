@@ -299,6 +299,19 @@ def test_template_kwargs_and_an_override_template_are_used(smollm2_dir: Path) ->
     assert template.render(chat) == [("chat", TextPrompt("THINK q"))]
 
 
+@pytest.mark.parametrize("name", ["messages", "add_generation_prompt"])
+def test_a_template_kwarg_named_as_a_variable_the_render_passes_is_refused_by_name(
+    smollm2_dir: Path, name: str
+) -> None:
+    # It reached Jinja2 and failed "generate() got multiple values for keyword argument", named
+    # chat.chat_template: the model's template, which the caller never sent.
+    chat = _chat([{"role": "user", "content": "hi"}], template_kwargs={name: "x"})
+    with pytest.raises(InvalidArgument) as error:
+        _template(smollm2_dir).render(chat)
+    assert error.value.field == f"chat.template_kwargs.{name}"
+    assert "multiple values" not in str(error.value)
+
+
 def test_a_model_without_a_template_is_failed_precondition(tiny_model_dir: Path, tmp_path: Path) -> None:
     shutil.copy(tiny_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     template = _template(tmp_path)

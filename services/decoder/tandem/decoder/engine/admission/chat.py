@@ -62,6 +62,13 @@ from tandem.decoder.engine.admission.template_worker import (
 )
 
 ROLES = ("system", "user", "assistant", "tool")
+# The variables a render passes the template itself, each from a field of the chat: a template_kwargs
+# key of one of these names reached Jinja2 twice and failed "generate() got multiple values for keyword
+# argument", named as the template's fault.
+RENDER_VARIABLES = {
+    "messages": "the chat's messages (chat.messages)",
+    "add_generation_prompt": "chat.add_generation_prompt's; set that field",
+}
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +154,11 @@ class ChatTemplate:
         source = chat.template if chat.template is not None else self.source
         if source is None:
             raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+        for name, what in RENDER_VARIABLES.items():
+            if name in chat.template_kwargs:
+                raise InvalidArgument(
+                    f"chat.template_kwargs.{name}", f"is the template's own variable, {what}"
+                )
         nonce = secrets.token_hex(8)
         spliced: dict[str, LocatedPart] = {}
         images: list[LocatedPart] = []
