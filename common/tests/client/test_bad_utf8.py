@@ -91,7 +91,72 @@ def test_the_walk_gives_up_past_its_bound_of_fields(monkeypatch: pytest.MonkeyPa
     # A request shaped to cost: every field before the bad one is walked in Python.
     message = decoder_pb2.GenerateRequest(prompt=[_text("a")] * 50 + [_text(MARK)])
     raw = _spoiled(message)
+    monkeypatch.setattr(bad_utf8, "BYTES_PER_FIELD", 1)
     monkeypatch.setattr(bad_utf8, "MAX_FIELDS_WALKED", 102)  # 51 segments of 2 fields each
     assert bad_utf8_field(raw, message.DESCRIPTOR) == "prompt[50].text"
     monkeypatch.setattr(bad_utf8, "MAX_FIELDS_WALKED", 101)
     assert bad_utf8_field(raw, message.DESCRIPTOR) is None
+
+
+def test_a_repeated_field_sent_over_two_chunks_of_its_message_is_indexed_as_the_parser_merges_them() -> None:
+    # protobuf merges a message field sent twice (two serializations concatenated do this): the second
+    # chunk's stop string is stop_sequences[1] of the parsed request, where the walk said [0], the valid "a".
+    first = decoder_pb2.GenerateRequest(stopping=decoder_pb2.StoppingCriteria(stop_sequences=["a"]))
+    second = decoder_pb2.GenerateRequest(stopping=decoder_pb2.StoppingCriteria(stop_sequences=[MARK]))
+    merged = decoder_pb2.GenerateRequest.FromString(first.SerializeToString() + second.SerializeToString())
+    assert list(merged.stopping.stop_sequences) == ["a", MARK]
+    raw = first.SerializeToString() + _spoiled(second)
+    assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) == "stopping.stop_sequences[1]"
+
+
+def _kwargs(**values: object) -> decoder_pb2.GenerateRequest:
+    request = decoder_pb2.GenerateRequest(chat=decoder_pb2.ChatPrompt())
+    request.chat.template_kwargs.update(values)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("message", "path"),
+    [
+        # It read chat.template_kwargs.fields[0].value.string_value: protobuf's names, not the caller's key.
+        (_kwargs(a="x", b=MARK), 'chat.template_kwargs["b"]'),
+        (_kwargs(a={"tools": ["x", {"name": MARK}]}), 'chat.template_kwargs["a"]["tools"][1]["name"]'),
+        (_kwargs(**{"ключ": [1, 2, MARK]}), 'chat.template_kwargs["ключ"][2]'),
+        (_kwargs(**{"k" * 40: MARK}), f'chat.template_kwargs["{"k" * 32}..."]'),
+    ],
+)
+def test_a_map_entry_is_named_by_its_key_and_a_struct_as_the_json_it_holds(message, path: str) -> None:
+    assert bad_utf8_field(_spoiled(message), message.DESCRIPTOR) == path
+
+
+def test_a_key_that_is_not_utf8_is_named_with_its_bad_bytes_replaced() -> None:
+    raw = _spoiled(_kwargs(**{MARK: "x"}))
+    assert (
+        bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR)
+        == 'chat.template_kwargs["\ufffd\ufffd\ufffd@"]'
+    )
+
+
+def test_a_deep_path_is_bounded_keeping_its_head_and_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 93-deep Struct was named by a 943-character path; now at most MAX_PATH_CHARS and 3 for the cut.
+    monkeypatch.setattr(bad_utf8, "BYTES_PER_FIELD", 1)  # a Struct's fields are shorter than the walk's due
+    value: object = MARK
+    for _ in range(25):
+        value = {"key_key_key_": value}
+    path = bad_utf8_field(_spoiled(_kwargs(k=value)), decoder_pb2.GenerateRequest.DESCRIPTOR)
+    assert path is not None and len(path) <= bad_utf8.MAX_PATH_CHARS + 3 and "..." in path
+    assert path.startswith('chat.template_kwargs["k"]["key_key_key_"]') and path.endswith('["key_key_key_"]')
+
+
+def test_the_walk_is_bounded_by_the_bytes_of_the_request_up_to_what_a_realistic_one_needs() -> None:
+    # 10,000 empty prompt segments (20 KB) ahead of a bad stop string held the loop 11 ms to walk against
+    # 0.24 ms to parse: one field is walked now for each BYTES_PER_FIELD bytes, 1,000 at most.
+    assert bad_utf8.MAX_FIELDS_WALKED <= 1_000 and bad_utf8.BYTES_PER_FIELD >= 16
+    part = decoder_pb2.ChatContentPart(text="a" * 60)
+    chat = [decoder_pb2.ChatMessage(role="user", content=[part])] * 240
+    within = decoder_pb2.GenerateRequest(chat=decoder_pb2.ChatPrompt(messages=chat), adapter=MARK)
+    assert bad_utf8_field(_spoiled(within), within.DESCRIPTOR) == "adapter"  # 961 fields, chat's first
+    dense = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment()] * 200, adapter=MARK)  # 412 bytes
+    assert bad_utf8_field(_spoiled(dense), dense.DESCRIPTOR) is None
+    beyond = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment()] * 10_000, adapter=MARK)
+    assert bad_utf8_field(_spoiled(beyond), beyond.DESCRIPTOR) is None
