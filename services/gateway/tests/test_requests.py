@@ -361,6 +361,13 @@ def test_a_seed_outside_int64_and_uint64_names_the_range() -> None:
     )
 
 
+def test_a_messages_name_reaches_the_chat_template() -> None:
+    # vLLM gives it to the template; it was checked and dropped.
+    history = [{"role": "user", "name": "alice", "content": "hi"}, {"role": "user", "content": "yo"}]
+    named, unnamed = chat_request({"messages": history}, LIMITS).requests[0].chat.messages
+    assert (named.name, unnamed.HasField("name")) == ("alice", False)
+
+
 def test_vllms_top_k_minus_one_means_off() -> None:
     assert chat_request(CHAT | {"top_k": -1}, LIMITS).requests[0].sampling.top_k == 0
 

@@ -99,6 +99,14 @@ def test_a_chat_parts_tensor_errors_name_the_part_not_a_prompt_segment() -> None
     assert caught.value.field.startswith("chat.messages[0].content[1].embeddings"), caught.value.field
 
 
+def test_a_chat_messages_name_is_kept_and_an_unnamed_one_has_none() -> None:
+    request = decoder_pb2.GenerateRequest()
+    request.chat.messages.add(role="user", name="alice").content.add(text="hi")
+    request.chat.messages.add(role="user").content.add(text="yo")
+    named, unnamed = spec_from_pb(request, tensors.DEFAULT_LIMITS, None).chat.messages
+    assert (named.name, unnamed.name) == ("alice", None)
+
+
 def test_an_encoder_part_is_converted_unfetched_and_an_empty_one_names_its_field() -> None:
     from tandem.client.pb.tandem.v1 import encoder_pb2
     from tandem.common.torch_part.prompt_parts import EncoderPrompt

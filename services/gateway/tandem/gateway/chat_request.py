@@ -82,12 +82,12 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             raise InvalidArgument(
                 f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {shown(role)}"
             )
-        field(message, "name", str, f"messages[{i}].")  # a participant's name: dropped, but of its type
+        participant = field(message, "name", str, f"messages[{i}].")  # its `name`, for the template
         # Dropped, the call's answer (a tool turn) kept; of its type whatever its truthiness.
         for name, kind in (("tool_calls", list), ("function_call", dict)):
             if field(message, name, kind, f"messages[{i}]."):
                 raise InvalidArgument(f"messages[{i}].{name}", "tool calling is not supported")
-        turn = request.chat.messages.add(role="system" if role == "developer" else role)
+        turn = request.chat.messages.add(role="system" if role == "developer" else role, name=participant)
         turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))
     _template_options(body, request.chat)
     names, n = common_parameters(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))

@@ -130,6 +130,7 @@ def _chat_from_pb(chat: decoder_pb2.ChatPrompt, limits: tensors.TensorLimits) ->
                 _part_from_pb(part, f"chat.messages[{i}].content[{j}]", limits)
                 for j, part in enumerate(message.content)
             ],
+            name=message.name if message.HasField("name") else None,
         )
         for i, message in enumerate(chat.messages)
     ]

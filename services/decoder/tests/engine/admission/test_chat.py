@@ -312,6 +312,27 @@ def test_a_template_kwarg_named_as_a_variable_the_render_passes_is_refused_by_na
     assert "multiple values" not in str(error.value)
 
 
+def test_a_messages_name_is_the_templates_as_transformers_and_vllm_pass_it(smollm2_dir: Path) -> None:
+    # It was checked by the gateway and dropped: a template that prints a participant never saw one.
+    named = "{% for m in messages %}{{ m['role'] }}{% if m.name is defined %} ({{ m.name }}){% endif %}: "
+    named += "{{ m['content'] }}\n{% endfor %}"
+    messages = [
+        ChatMessage("user", [TextPrompt("hi")], name="alice"),
+        ChatMessage("user", [TextPrompt("yo")]),
+    ]
+    parts = _template(smollm2_dir).render(ChatRequest(messages, template=named))
+    assert parts == [("chat", TextPrompt("user (alice): hi\nuser: yo\n"))]
+
+
+@pytest.mark.parametrize("name", ["<|im_start|>system", "bob<|im_", "|>x"])
+def test_a_name_that_holds_or_could_form_a_special_literal_is_refused(smollm2_dir: Path, name: str) -> None:
+    # Content at risk is spliced in as plain text; a name is printed by the template as it likes.
+    chat = ChatRequest([ChatMessage("user", [TextPrompt("hi")], name=name)])
+    with pytest.raises(InvalidArgument) as error:
+        _template(smollm2_dir).render(chat)
+    assert error.value.field == "chat.messages[0].name"
+
+
 def test_a_model_without_a_template_is_failed_precondition(tiny_model_dir: Path, tmp_path: Path) -> None:
     shutil.copy(tiny_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     template = _template(tmp_path)

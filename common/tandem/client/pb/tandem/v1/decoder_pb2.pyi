@@ -184,8 +184,14 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"system", "user", "assistant" or "tool"."""
+    name: _builtins.str
+    """The participant's name, given to the template as the message's `name` (as transformers and vLLM
+    pass it; unset: the message has none). Printed as the template likes, not spliced in as plain
+    text as content is: one that holds or could form a special-token literal is INVALID_ARGUMENT.
+    """
     @_builtins.property
     def content(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatContentPart]:
         """The message's content, at least one part, concatenated in order."""
@@ -195,12 +201,15 @@ class ChatMessage(_message.Message):
         *,
         role: _builtins.str = ...,
         content: _abc.Iterable[Global___ChatContentPart] | None = ...,
+        name: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "name", b"name"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "content", b"content", "name", b"name", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
@@ -224,7 +233,10 @@ class ChatPrompt(_message.Message):
 
     @_builtins.property
     def template_kwargs(self) -> _struct_pb2.Struct:
-        """Extra variables for the template, e.g. {"enable_thinking": false} for Qwen3. Default none."""
+        """Extra variables for the template, e.g. {"enable_thinking": false} for Qwen3; not `messages` or
+        `add_generation_prompt`, which the render passes from the fields above (INVALID_ARGUMENT naming
+        chat.template_kwargs.<key>). Default none.
+        """
 
     def __init__(
         self,

@@ -14,6 +14,10 @@ How parts keep their boundaries and caller text stays text:
   tokenizes special-token literals as the text they spell. A literal spread over several parts has
   a start in one and an end in another, so caller text can never forge a control token, however it
   is split; the template's own control tokens stay.
+- A string of template_kwargs that could take part in one is marked instead, and what the template
+  printed of it spliced back as plain text (template_kwargs.py). A kwarg cannot replace a variable the
+  render sets itself (RENDER_VARIABLES, and the checkpoint's `bos_token`, `eos_token`, ...): a template
+  prints `{{ eos_token }}` as its own text.
 
 Images (a part with `is_image`: an `image` part's rows, or an `encoder` part of a picture, whose rows
 its fetch brings): on a vision-language checkpoint every message's content is passed to
@@ -54,6 +58,7 @@ from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailabl
 from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.admission.prefix_space import prefix_free
+from tandem.decoder.engine.admission.template_kwargs import template_kwargs, unmark
 from tandem.decoder.engine.admission.template_source import START_TIME_LIMIT_S, read_template_source
 from tandem.decoder.engine.admission.template_worker import (
     TemplateFailed,
@@ -62,12 +67,13 @@ from tandem.decoder.engine.admission.template_worker import (
 )
 
 ROLES = ("system", "user", "assistant", "tool")
-# The variables a render passes the template itself, each from a field of the chat: a template_kwargs
-# key of one of these names reached Jinja2 twice and failed "generate() got multiple values for keyword
-# argument", named as the template's fault.
+# The variables a render passes the template itself, besides the checkpoint's special tokens: a
+# template_kwargs key of one of the first two reached Jinja2 twice and failed "generate() got multiple
+# values for keyword argument", named as the template's fault; one named raise_exception replaced it.
 RENDER_VARIABLES = {
     "messages": "the chat's messages (chat.messages)",
     "add_generation_prompt": "chat.add_generation_prompt's; set that field",
+    "raise_exception": "the function the sandbox gives every template",
 }
 
 log = logging.getLogger(__name__)
@@ -77,6 +83,7 @@ log = logging.getLogger(__name__)
 class ChatMessage:
     role: str  # one of ROLES
     content: Sequence[PromptPart]  # caller text in it is always plain (`TextPrompt.is_plain` unread)
+    name: str | None = None  # the participant's, the template's `name` of the message; None: none
 
 
 @dataclass(frozen=True)
@@ -154,12 +161,14 @@ class ChatTemplate:
         source = chat.template if chat.template is not None else self.source
         if source is None:
             raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
-        for name, what in RENDER_VARIABLES.items():
+        own = RENDER_VARIABLES | {name: f"the checkpoint's {name}" for name in self.special}
+        for name, what in own.items():
             if name in chat.template_kwargs:
                 raise InvalidArgument(
                     f"chat.template_kwargs.{name}", f"is the template's own variable, {what}"
                 )
         nonce = secrets.token_hex(8)
+        kwargs = template_kwargs(chat.template_kwargs, self._could_form_special, nonce)
         spliced: dict[str, LocatedPart] = {}
         images: list[LocatedPart] = []
         messages = []
@@ -182,16 +191,26 @@ class ChatTemplate:
                 spliced[key] = (f"chat.messages[{i}].content[{j}]", as_given)
                 pieces.append(key)
             as_items = self.image_placeholder is not None
-            messages.append({"role": message.role, "content": _content(pieces, as_items)})
-        text = self._render_text(source, messages, chat)
-        parts = _splice(text, spliced, nonce)
+            rendered: dict[str, Any] = {"role": message.role, "content": _content(pieces, as_items)}
+            if message.name is not None:
+                # The template prints it where it likes, maybe twice or not at all, so it cannot be
+                # spliced in as a part is: text that could make a control token is refused instead.
+                if self._could_form_special(message.name):
+                    raise InvalidArgument(
+                        f"chat.messages[{i}].name", "holds or could form a special token's text"
+                    )
+                rendered["name"] = message.name
+            messages.append(rendered)
+        text = self._render_text(source, messages, chat.add_generation_prompt, kwargs.variables)
+        parts = _splice(unmark(text, kwargs), spliced, nonce)
         return _place_images(parts, images, self.image_placeholder) if images else parts
 
-    def _render_text(self, source: str, messages: list[dict[str, Any]], chat: ChatRequest) -> str:
+    def _render_text(
+        self, source: str, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> str:
         """Renders in a template worker: bounded in time, memory and output."""
-        variables = {**self.special, **chat.template_kwargs}
         try:
-            return self.workers.render(source, messages, chat.add_generation_prompt, variables)
+            return self.workers.render(source, messages, add_generation_prompt, {**self.special, **kwargs})
         except TemplateWorkerUnavailable as e:  # the machine's doing, not the template's: retry
             raise Unavailable(str(e)) from None
         except TemplateFailed as e:
@@ -302,23 +321,27 @@ def _place_images(
     return placed
 
 
-def _splice(text: str, spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:
-    """Splits the rendered text at the placeholders; each must appear exactly once."""
+def _splice(rendered: list[LocatedPart], spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:
+    """Splits the template's text at the placeholders; each must appear exactly once."""
     pattern = re.compile(rf"<<tandem-part-{nonce}-\d+-\d+>>")
     parts: list[LocatedPart] = []
     seen: set[str] = set()
-    position = 0
-    for match in pattern.finditer(text):
-        key = match.group(0)
-        if key in seen or key not in spliced:
-            raise InvalidArgument("chat.chat_template", "the template repeated a non-text message part")
-        seen.add(key)
-        if match.start() > position:
-            parts.append(("chat", TextPrompt(text[position : match.start()])))
-        parts.append(spliced[key])
-        position = match.end()
-    if position < len(text):
-        parts.append(("chat", TextPrompt(text[position:])))
+    for path, part in rendered:
+        if path != "chat" or not isinstance(part, TextPrompt):  # a kwarg's plain text
+            parts.append((path, part))
+            continue
+        text, position = part.text, 0
+        for match in pattern.finditer(text):
+            key = match.group(0)
+            if key in seen or key not in spliced:
+                raise InvalidArgument("chat.chat_template", "the template repeated a non-text message part")
+            seen.add(key)
+            if match.start() > position:
+                parts.append(("chat", TextPrompt(text[position : match.start()])))
+            parts.append(spliced[key])
+            position = match.end()
+        if position < len(text):
+            parts.append(("chat", TextPrompt(text[position:])))
     if len(seen) != len(spliced):
         raise InvalidArgument("chat.chat_template", "the template dropped a non-text message part")
     return parts
