@@ -770,7 +770,7 @@ async def test_rows_are_asked_unpooled_and_a_part_counts_as_its_input_only_under
 async def test_a_prompt_its_sizes_rule_out_is_refused_before_any_part_is_fetched(
     encoder: StandIn, parts: EncoderParts
 ) -> None:
-    """`fits` is handed the call's parts counted as the encoder will embed them, before any fetch
+    """`check` is handed the call's parts counted as the encoder will embed them, before any fetch
     starts: a part of 100,000 token IDs reached the encoder, its rows made, before the context
     refused it."""
     encoder.embedder = "lookup"
@@ -785,11 +785,12 @@ async def test_a_prompt_its_sizes_rule_out_is_refused_before_any_part_is_fetched
 
     ids = EncoderPrompt("token_ids", range(100_000))
     with pytest.raises(InvalidArgument, match="too long"):
-        parts.start(GenerateSpec(prompt=[TextPrompt("a"), ids]), None, None, fits=refuse)
+        parts.start(GenerateSpec(prompt=[TextPrompt("a"), ids]), None, None, check=refuse)
     _, counted = seen[0].prompt
-    assert isinstance(counted, EncoderPrompt) and counted.counts_as_input and counted.rows is None
+    assert isinstance(counted, EncoderPrompt) and counted.counts_as_input
+    assert counted.rows is not None and not counted.rows.done()  # its fetch never started
     await asyncio.sleep(SETTLE_S)
     assert encoder.num_embeds == 1 and parts.fetches.num_started == 1
     # A call without encoder parts is not checked here: the engine's own check is enough.
-    assert parts.start(GenerateSpec(prompt=[TextPrompt("a")]), None, None, fits=refuse)[1] == []
+    assert parts.start(GenerateSpec(prompt=[TextPrompt("a")]), None, None, check=refuse)[1] == []
     assert len(seen) == 1

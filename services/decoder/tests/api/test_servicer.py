@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from tandem.client.errors import InvalidArgument
-from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
+from tandem.client.errors import FailedPrecondition, InvalidArgument, TandemError
+from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
 from tandem.decoder.api import protocol
+from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.api.servicer import DecoderServicer
-from tandem.decoder.engine.admission.prompt import GenerateSpec
+from tandem.decoder.engine.admission.prompt import GenerateSpec, check_spec
 from tandem.decoder.engine.outputs.outputs import Accepted, Delta, Event, Finished, FinishReason
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
 from tandem.decoder.engine.outputs.token_bytes import TokenBytes
@@ -34,9 +35,24 @@ class StandInEngine:
     max_model_len = 100
     max_token_chars = 4
     token_bytes = TokenBytes((b"a",) * 10)
+    hidden_size = 4
+    enable_prompt_embeds = True
+    has_chat_template = True
 
     def __init__(self) -> None:
         self.specs: list[GenerateSpec] = []
+
+    def check_spec(self, spec: GenerateSpec) -> None:
+        check_spec(
+            spec,
+            vocab_size=10,  # as token_bytes
+            hidden_size=self.hidden_size,
+            max_model_len=self.max_model_len,
+            enable_prompt_embeds=self.enable_prompt_embeds,
+            has_chat_template=self.has_chat_template,
+            has_structured=True,
+            max_token_chars=self.max_token_chars,
+        )
 
     def stream(self, spec: GenerateSpec) -> AsyncIterator[Event]:
         self.specs.append(spec)
@@ -152,9 +168,6 @@ async def test_a_prompt_too_long_for_the_context_is_refused_before_its_encoder_p
 ) -> None:
     # The fetch started with the call, before the engine's length check: an oversized prompt's encoder
     # parts went to the encoder, which made their rows, before the decoder refused it.
-    from tandem.client.pb.tandem.v1 import encoder_pb2
-    from tandem.decoder.api.encoder_parts import EncoderParts
-
     parts = EncoderParts("127.0.0.1:9", torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path)
     engine = StandInEngine()
     decoder = DecoderServicer("m", MAX_MESSAGE_BYTES, engine=engine, encoder_parts=parts)
@@ -175,4 +188,72 @@ async def test_a_prompt_too_long_for_the_context_is_refused_before_its_encoder_p
     assert caught.value.description.endswith(
         "exceed the 99 a prompt may take (max_model_len 100 less one to generate)"
     )
+    assert parts.fetches.num_started == 0 and not engine.specs
+
+
+ENCODER_PART = decoder_pb2.PromptSegment(encoder=encoder_pb2.EncoderInput(text="a cat"))
+TOO_LONG = decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=[3] * 99))  # with ENCODER_PART: 100
+
+
+def _rows(shape: list[int]) -> decoder_pb2.PromptSegment:
+    rows = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=shape, data=bytes(400 * 4))
+    return decoder_pb2.PromptSegment(embeddings=rows)
+
+
+def _chat(*segments: decoder_pb2.PromptSegment) -> decoder_pb2.GenerateRequest:
+    request = decoder_pb2.GenerateRequest()
+    content = request.chat.messages.add(role="user").content
+    for segment in segments:
+        if segment.HasField("encoder"):
+            content.add(encoder=segment.encoder)
+        else:
+            content.add(token_ids=segment.token_ids)
+    return request
+
+
+def _temperature(value: float) -> decoder_pb2.GenerateRequest:
+    request = decoder_pb2.GenerateRequest(prompt=[ENCODER_PART])
+    request.sampling.temperature = value
+    return request
+
+
+@pytest.mark.parametrize(
+    ("request_", "settings", "error", "field"),
+    [
+        # 42842e5's length bound ran first: these 400 floats (a flattened row, or 200 rows of width 2 on
+        # a model of 4) were counted as positions and refused as too long for the context.
+        (decoder_pb2.GenerateRequest(prompt=[_rows([400]), ENCODER_PART]), {}, InvalidArgument, "prompt[0]"),
+        (
+            decoder_pb2.GenerateRequest(prompt=[_rows([200, 2]), ENCODER_PART]),
+            {},
+            InvalidArgument,
+            "prompt[0]",
+        ),
+        (
+            decoder_pb2.GenerateRequest(prompt=[TOO_LONG, ENCODER_PART]),
+            {"enable_prompt_embeds": False},
+            FailedPrecondition,
+            "prompt[1].encoder",
+        ),
+        (_chat(TOO_LONG, ENCODER_PART), {"has_chat_template": False}, FailedPrecondition, "chat"),
+        # Only the length bound ran before the fetch: a picture with temperature -1 cost an Embed call
+        # (a vision tower run) before its refusal, on every such call.
+        (_temperature(-1.0), {}, InvalidArgument, "sampling.temperature"),
+    ],
+    ids=["rank-1-rows", "rows-of-another-width", "embeddings-off", "no-chat-template", "temperature"],
+)
+async def test_a_call_the_build_refuses_for_a_rule_that_reads_no_position_is_refused_for_it_before_any_fetch(
+    tmp_path, request_: decoder_pb2.GenerateRequest, settings: dict, error: type[TandemError], field: str
+) -> None:
+    parts = EncoderParts("127.0.0.1:9", torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path)
+    engine = StandInEngine()
+    for name, value in settings.items():
+        setattr(engine, name, value)
+    decoder = DecoderServicer("m", MAX_MESSAGE_BYTES, engine=engine, encoder_parts=parts)
+    try:
+        with pytest.raises(error) as caught:
+            [reply async for reply in decoder.Generate(request_, Context())]
+    finally:
+        await parts.close()
+    assert caught.value.field.startswith(field) and "positions" not in caught.value.description
     assert parts.fetches.num_started == 0 and not engine.specs

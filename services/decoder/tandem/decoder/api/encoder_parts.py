@@ -79,6 +79,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -109,7 +110,6 @@ from tandem.decoder.api.encoder_refusal import passed_on, refused
 from tandem.decoder.api.shared_fetches import SharedFetches
 from tandem.decoder.api.trace_context import trace_context
 from tandem.decoder.backends.cpu import copy_digest
-from tandem.decoder.engine.admission.chat import ChatMessage
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 
 CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading its model
@@ -214,20 +214,28 @@ class EncoderParts:
         spec: GenerateSpec,
         metadata: Sequence[tuple[str, str | bytes]] | None,
         time_remaining_s: float | None,
-        fits: Callable[[GenerateSpec], None] | None = None,
+        check: Callable[[GenerateSpec], object] | None = None,
     ) -> tuple[GenerateSpec, list[asyncio.Task]]:
         """`spec` with a fetch started for each encoder part (its `rows` settle with it), and the
-        fetches, which the caller cancels when its call ends. `fits` (raising to refuse) is handed the
-        spec first, each encoder part counted as its rows will come (`counts_as_input`), where it has
-        encoder parts: a prompt its sizes rule out never reaches the encoder."""
+        fetches, which the caller cancels when its call ends. `check` (raising to refuse: the build's
+        rules that read no position, prompt.check_spec) is handed the spec first, each encoder part
+        counted as its rows will come (`counts_as_input`), where it has encoder parts: a call those rules
+        refuse never reaches the encoder."""
         counts_as_input = self._embedder in SAME_TOKENIZER
-        counted = _with_encoder_parts(
-            spec, lambda part, _: dataclasses.replace(part, counts_as_input=counts_as_input)
-        )
-        if counted is None:
+        to_fetch: list[tuple[EncoderPrompt, str, concurrent.futures.Future[torch.Tensor]]] = []
+
+        def counted(part: EncoderPrompt, field: str) -> EncoderPrompt:
+            # One pass: the rows' future now, its fetch only once `check` has passed the spec.
+            rows: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+            part = dataclasses.replace(part, rows=rows, counts_as_input=counts_as_input)
+            to_fetch.append((part, field, rows))
+            return part
+
+        fetching = _with_encoder_parts(spec, counted)
+        if fetching is None:
             return spec, []
-        if fits is not None:
-            fits(counted)
+        if check is not None:
+            check(fetching)
         timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, time_remaining_s)
         # Whether the fetch ends at this decoder's cap rather than the caller's deadline: running out
         # then is the encoder's silence, not the caller's time (see `_error`).
@@ -235,19 +243,13 @@ class EncoderParts:
         forwarded = self._forwarded(metadata or ())
         tasks: list[asyncio.Task] = []
         share = asyncio.Semaphore(MAX_FETCHES_PER_CALL)  # this call's parts fetching at once
-
-        def started(part: EncoderPrompt, field: str) -> EncoderPrompt:
-            rows: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+        for part, field, rows in to_fetch:
             task = asyncio.ensure_future(
                 self._fetch(part, f"{field}.encoder", rows, timeout_s, is_capped, forwarded, share)
             )
             # A task cancelled before it ran never enters _fetch: its rows settle here all the same.
-            task.add_done_callback(lambda done: rows.cancel() if done.cancelled() else None)
+            task.add_done_callback(functools.partial(_cancel_unless_settled, rows))
             tasks.append(task)
-            return dataclasses.replace(part, rows=rows)
-
-        fetching = _with_encoder_parts(counted, started)
-        assert fetching is not None  # as `counted`, it has encoder parts
         return fetching, tasks
 
     def _forwarded(self, metadata: Sequence[tuple[str, str | bytes]]) -> tuple[tuple[str, str | bytes], ...]:
@@ -673,14 +675,22 @@ def _with_encoder_parts(
     chat = spec.chat
     if chat is not None:
         messages = [
-            ChatMessage(
-                message.role,
-                [changed(part, f"chat.messages[{i}].content[{j}]") for j, part in enumerate(message.content)],
+            dataclasses.replace(
+                message,
+                content=[
+                    changed(part, f"chat.messages[{i}].content[{j}]")
+                    for j, part in enumerate(message.content)
+                ],
             )
             for i, message in enumerate(chat.messages)
         ]
         chat = dataclasses.replace(chat, messages=messages)
     return dataclasses.replace(spec, prompt=prompt, chat=chat) if has_any else None
+
+
+def _cancel_unless_settled(rows: concurrent.futures.Future[torch.Tensor], task: asyncio.Task) -> None:
+    if task.cancelled():
+        rows.cancel()
 
 
 def _unavailable(details: str, replica: str | None) -> grpc.aio.AioRpcError:

@@ -1,8 +1,9 @@
 """`tandem.v1.Decoder`: convert, validate, delegate. No scheduling or tensor math lives here.
 
 With an encoder (`encoder_parts.py`), a call's `encoder` parts start fetching as soon as it is
-converted and its prompt's sizes are found to fit the context (the engine's bound, checked again when
-the request is built), and whatever ends the call cancels those still running.
+converted and passed by the build's rules that read no position (its values, each part's shape, the
+prompt's sizes against the context: the engine's `check_spec`, run again when the request is built),
+and whatever ends the call cancels those still running.
 
 With telemetry on, each Generate gets a `text_completion {model}` span (a child of the gRPC server
 span) and its metrics; the engine's per-request timeline becomes span events once the request ends.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -33,7 +33,7 @@ from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.api.engine_metrics import observe_engine
 from tandem.decoder.api.request_width import check_width
 from tandem.decoder.api.stream_limit import StreamLimit
-from tandem.decoder.engine.admission.prompt import GenerateSpec, check_prompt_fits
+from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Accepted, Delta, Event, Failed, Finished
 from tandem.decoder.engine.outputs.token_bytes import TokenBytes
@@ -108,12 +108,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
                         spec,
                         context.invocation_metadata(),
                         context.time_remaining(),
-                        # The engine's bound from sizes, before the encoder is asked for any rows.
-                        functools.partial(
-                            check_prompt_fits,
-                            max_model_len=engine.max_model_len,
-                            max_token_chars=engine.max_token_chars,
-                        ),
+                        # The build's rules that read no position, before the encoder is asked for rows.
+                        engine.check_spec,
                     )
                 num_embedding_positions = _num_embedding_positions(spec)
                 if op is not None:

@@ -57,7 +57,7 @@ __all__ = [
     "StructuredOutput",
     "TextPrompt",
     "build_request",
-    "check_prompt_fits",
+    "check_spec",
     "has_encoder_parts",
 ]
 
@@ -108,7 +108,8 @@ def build_request(
     and stopping values; the chat's messages and roles; each part's emptiness, whether embeddings
     are accepted, and their shape; a bound on the length from sizes alone (token ids and rows
     counted, text at most one position per `max_token_chars` characters), so a prompt that cannot
-    fit costs nothing per position; then what reads every position (token ids against the
+    fit costs nothing per position (these are `check_spec`, which the servicer runs before it asks
+    the encoder for anything); then what reads every position (token ids against the
     vocabulary, tokenizing text), then the rows of encoder parts, waited for only now (their fetch
     started with the call, api/encoder_parts.py, and overlaps all of the above) and shaped like
     embeddings, and the context length; only then the embedding rows, cast to the model dtype (the
@@ -118,37 +119,23 @@ def build_request(
     segments. An empty prompt is Request's own rule. Errors name the request field: InvalidArgument,
     or FailedPrecondition when embeddings are off or the model has no chat template.
     """
-    check_request_id(spec.request_id)
-    if spec.adapter:  # which adapters are loaded is the core's to say, at admission
-        check_adapter_name(spec.adapter, "adapter")
-    vocab = model_config.vocab_size
-    spec.sampling.validate(vocab)
-    spec.stopping.validate(vocab)
-    speculative_tokens = default_speculative_tokens
-    if spec.speculative_tokens is not None:
-        if not 0 <= spec.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise InvalidArgument(
-                "speculative_tokens",
-                f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {spec.speculative_tokens}",
-            )
-        speculative_tokens = spec.speculative_tokens
-    if spec.structured is not None:
-        structured.check(spec.structured)
-        if spec.stopping.ignore_eos:
-            raise InvalidArgument(
-                "stopping.ignore_eos", "cannot be combined with structured output: the grammar's end is EOS"
-            )
-        if grammars is None:
-            raise FailedPrecondition("structured", "structured output is not available on this server")
-    if spec.chat is not None and spec.prompt:
-        raise InvalidArgument("prompt", "set either prompt or chat, not both")
-    field_name = "prompt" if spec.chat is None else "chat"
-    located = _located_parts(spec)
-    for path, part in located:
-        check_part(part, path, model_config.hidden_size, enable_prompt_embeds)
+    located = check_spec(
+        spec,
+        vocab_size=model_config.vocab_size,
+        hidden_size=model_config.hidden_size,
+        max_model_len=max_model_len,
+        enable_prompt_embeds=enable_prompt_embeds,
+        has_chat_template=chat_template is not None and chat_template.source is not None,
+        has_structured=grammars is not None,
+        max_token_chars=max_token_chars,
+    )
     if spec.chat is not None and chat_template is None:
         raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
-    _check_sizes_fit([part for _, part in located], field_name, max_model_len, max_token_chars)
+    vocab = model_config.vocab_size
+    field_name = "prompt" if spec.chat is None else "chat"
+    speculative_tokens = (
+        default_speculative_tokens if spec.speculative_tokens is None else spec.speculative_tokens
+    )
     if spec.chat is not None:
         assert chat_template is not None
         located = chat_template.render(spec.chat)
@@ -202,18 +189,62 @@ def build_request(
     return request
 
 
-def check_prompt_fits(spec: GenerateSpec, max_model_len: int, max_token_chars: int) -> None:
-    """build_request's bound on the prompt's length from sizes alone, for a caller that must refuse
-    before it spends on the prompt: the servicer, before it asks the encoder for any part's rows."""
+def check_spec(
+    spec: GenerateSpec,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    max_model_len: int,
+    enable_prompt_embeds: bool,
+    has_chat_template: bool,  # the model's own: a chat bringing none is refused without it
+    has_structured: bool,  # structured output is available
+    max_token_chars: int,
+) -> list[LocatedPart]:
+    """The rules `build_request` checks before it reads any position, in its order, up to and including
+    the bound on the prompt's length from sizes alone; the caller's parts with their field paths.
+
+    All cost nothing per position, so the servicer runs them on the loop before it asks the encoder
+    for any part's rows: a call they refuse is refused for its own field (a tensor's shape, a
+    temperature) and costs no Embed call, where the length bound alone ran first and such a call was
+    either embedded or refused as too long."""
+    check_request_id(spec.request_id)
+    if spec.adapter:  # which adapters are loaded is the core's to say, at admission
+        check_adapter_name(spec.adapter, "adapter")
+    spec.sampling.validate(vocab_size)
+    spec.stopping.validate(vocab_size)
+    if spec.speculative_tokens is not None and not 0 <= spec.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidArgument(
+            "speculative_tokens",
+            f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {spec.speculative_tokens}",
+        )
+    if spec.structured is not None:
+        structured.check(spec.structured)
+        if spec.stopping.ignore_eos:
+            raise InvalidArgument(
+                "stopping.ignore_eos", "cannot be combined with structured output: the grammar's end is EOS"
+            )
+        if not has_structured:
+            raise FailedPrecondition("structured", "structured output is not available on this server")
+    if spec.chat is not None and spec.prompt:
+        raise InvalidArgument("prompt", "set either prompt or chat, not both")
+    located = _located_parts(spec)
+    for path, part in located:
+        check_part(part, path, hidden_size, enable_prompt_embeds)
+    if spec.chat is not None and spec.chat.template is None and not has_chat_template:
+        raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
     field_name = "prompt" if spec.chat is None else "chat"
-    _check_sizes_fit([part for _, part in _located_parts(spec)], field_name, max_model_len, max_token_chars)
+    _check_sizes_fit([part for _, part in located], field_name, max_model_len, max_token_chars)
+    return located
 
 
 def _check_sizes_fit(
     parts: list[PromptPart], field_name: str, max_model_len: int, max_token_chars: int
 ) -> None:
+    num_at_least = num_positions_at_least(parts, max_token_chars)
+    if num_at_least < max_model_len:  # how they were counted is put in words only for a refusal
+        return
     check_fits(
-        num_positions_at_least(parts, max_token_chars),
+        num_at_least,
         max_model_len - 1,
         field_name,
         how_counted(parts, max_token_chars),

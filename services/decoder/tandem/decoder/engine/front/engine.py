@@ -32,7 +32,7 @@ from tandem.decoder.backends.xla.host_pool import check_host_pool
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission import template_worker
 from tandem.decoder.engine.admission.chat import ChatTemplate
-from tandem.decoder.engine.admission.prompt import GenerateSpec, build_request, has_encoder_parts
+from tandem.decoder.engine.admission.prompt import GenerateSpec, build_request, check_spec, has_encoder_parts
 from tandem.decoder.engine.admission.prompt_logprob_budget import PromptLogprobBudget, num_entries
 from tandem.decoder.engine.admission.prompt_logprob_size import PromptLogprobSize
 from tandem.decoder.engine.front.fair_builder import FairBuilder
@@ -472,6 +472,20 @@ class Engine:
         num_live = self.core.finish_all(reason)
         self._thread.wake()
         return num_live
+
+    def check_spec(self, spec: GenerateSpec) -> None:
+        """The rules `make_request` checks before it reads any position (prompt.check_spec): for a caller
+        that must refuse before it spends on the prompt, as the servicer before an encoder fetch."""
+        check_spec(
+            spec,
+            vocab_size=self.model_config.vocab_size,
+            hidden_size=self.model_config.hidden_size,
+            max_model_len=self.max_model_len,
+            enable_prompt_embeds=self.config.enable_prompt_embeds,
+            has_chat_template=self.chat_template.source is not None,
+            has_structured=True,  # `_grammar_compiler`, made on first use
+            max_token_chars=self.max_token_chars,
+        )
 
     def make_request(self, spec: GenerateSpec) -> Request:
         """Flatten and validate a spec against this engine's model; raises InvalidArgument."""
