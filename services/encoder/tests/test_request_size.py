@@ -4,6 +4,7 @@ served."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -40,6 +41,34 @@ def test_an_image_over_the_request_bound_names_image_data_and_max_image_bytes() 
     assert caught.value.description == (
         f"the request is {len(raw)} bytes, its image over max_image_bytes 65536; it was not parsed"
     )
+
+
+URL_HINT = "is a data: URL, not a picture's bytes; send the PNG, JPEG, WebP or GIF bytes it encodes"
+
+
+def test_a_picture_sent_as_text_over_the_request_bound_is_named_as_text_as_a_parsed_one_is() -> None:
+    # A picture that fits (3/4 of its URL) sent as a data: URL past the request bound (max_image_bytes +
+    # 64 KiB) read only "the request is N bytes, its image over max_image_bytes M; it was not parsed",
+    # where a URL 64 KiB shorter was named as one: one mistake, two errors by its size. Fields before the
+    # image, as a client may send them, do not hide it.
+    url = b"data:image/png;base64," + base64.b64encode(bytes(150_000))
+    for request in [
+        encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=url)),
+        encoder_pb2.EmbedRequest(request_id="r", model="m", image=encoder_pb2.Image(data=url)),
+    ]:
+        raw = request.SerializeToString()
+        with pytest.raises(InvalidArgument) as caught:
+            parse_embed_request(raw, 100_000, MAX_IMAGE_BYTES)
+        assert (caught.value.field, caught.value.description) == (
+            "image.data",
+            f"the request is {len(raw)} bytes, its image over max_image_bytes 65536; it was not parsed, "
+            f"and it {URL_HINT}",
+        )
+    base64_png = encoder_pb2.EmbedRequest(
+        image=encoder_pb2.Image(data=base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(150_000)))
+    )
+    with pytest.raises(InvalidArgument, match="looks like base64 of a PNG image"):
+        parse_embed_request(base64_png.SerializeToString(), 100_000, MAX_IMAGE_BYTES)
 
 
 def test_an_image_over_the_bound_of_a_model_that_takes_none_is_refused_as_no_image_it_could_take() -> None:
@@ -103,6 +132,12 @@ async def test_a_live_encoder_names_image_data_and_its_limit_for_an_image_too_la
         assert field_violation(error.value) == (
             "image.data",
             "the request is 200008 bytes, its image over max_image_bytes 65536; it was not parsed",
+        )
+        url = b"data:image/png;base64," + base64.b64encode(bytes(150_000))  # its bytes would fit
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Embed(encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=url)))
+        assert len(url) > bound and field_violation(error.value)[1].endswith(
+            f"it was not parsed, and it {URL_HINT}"
         )
         # Past max_message_bytes gRPC refuses the message before any of the encoder's code sees it.
         with pytest.raises(grpc.aio.AioRpcError) as error:

@@ -104,7 +104,7 @@ def check_image_bytes(data: bytes, max_bytes: int, field: str = "image.data") ->
     if not data:
         raise InvalidArgument(field, "is empty; send PNG, JPEG, WebP or GIF bytes")
     if len(data) > max_bytes:
-        as_text = _sent_as_text(data)  # base64 is 4/3 of the bytes: those may fit
+        as_text = sent_as_text(data)  # base64 is 4/3 of the bytes: those may fit
         raise InvalidArgument(
             field,
             f"{len(data)} bytes exceed max_image_bytes {max_bytes}"
@@ -113,14 +113,15 @@ def check_image_bytes(data: bytes, max_bytes: int, field: str = "image.data") ->
     image_format = sniff_format(data)
     if image_format is None:
         raise InvalidArgument(
-            field, _sent_as_text(data) or "is not a PNG, JPEG, WebP or GIF image (read from its first bytes)"
+            field, sent_as_text(data) or "is not a PNG, JPEG, WebP or GIF image (read from its first bytes)"
         )
     return image_format
 
 
-def _sent_as_text(data: bytes) -> str | None:
+def sent_as_text(data: bytes) -> str | None:
     """What a picture sent as text is (the OpenAI form, a data: URL, or plain base64), read past what a
-    paste brings before it (whitespace, a byte-order mark, a JSON string's quote); None for other bytes."""
+    paste brings before it (whitespace, a byte-order mark, a JSON string's quote); None for other bytes.
+    Reads the first 64 bytes only: `data` may be just those."""
     head = data[:64].lstrip(_PASTED_BEFORE)
     if head[:5].lower() == b"data:":
         return "is a data: URL, not a picture's bytes; send the PNG, JPEG, WebP or GIF bytes it encodes"
