@@ -93,6 +93,49 @@ def test_plain_base64_of_a_picture_is_named_as_base64_saying_to_send_the_bytes_i
     )
 
 
+@pytest.mark.parametrize(
+    ("data", "description"),
+    [
+        (  # the alphabet of a URL's query string: "_9j_" where plain base64 has "/9j/"
+            base64.urlsafe_b64encode(_encoded("JPEG")),
+            "looks like base64 of a JPEG image, not its bytes; send the bytes it decodes to",
+        ),
+        (
+            b"https://example.com/cat.png",
+            "is a URL, not a picture's bytes; send the picture's bytes (the encoder fetches no URL)",
+        ),
+        (
+            b"HTTP://example.com/cat.png",
+            "is a URL, not a picture's bytes; send the picture's bytes (the encoder fetches no URL)",
+        ),
+        (
+            b'{"type": "image_url", "image_url": {"url": "data:image/png;base64,'
+            + base64.b64encode(_encoded("PNG"))
+            + b'"}}',
+            "is JSON (an OpenAI image_url part?), not a picture's bytes; send the picture's bytes",
+        ),
+        (
+            b' {"url": "data:image/png;base64,' + base64.b64encode(_encoded("PNG")) + b'"}',
+            "is JSON (an OpenAI image_url part?), not a picture's bytes; send the picture's bytes",
+        ),
+    ],
+)
+def test_a_url_safe_base64_an_http_url_or_a_json_image_part_is_named_as_what_it_is(
+    data: bytes, description: str
+) -> None:
+    # Each read "is not a PNG, JPEG, WebP or GIF image", leaving the caller to guess: a direct gRPC caller
+    # passing the picture's address, or the OpenAI part pasted whole.
+    with pytest.raises(InvalidArgument) as error:
+        decode_image(data, MAX_BYTES, MAX_PIXELS)
+    assert (error.value.field, error.value.description) == ("image.data", description)
+
+
+def test_other_bytes_that_are_no_picture_keep_the_plain_message() -> None:
+    for data in [b"{}", b"hello", b"http", b'{"a": 1}']:
+        with pytest.raises(InvalidArgument, match="is not a PNG, JPEG, WebP or GIF image"):
+            decode_image(data, MAX_BYTES, MAX_PIXELS)
+
+
 def test_a_data_url_over_the_byte_limit_is_named_as_one_beside_the_limit() -> None:
     # Its bytes are 3/4 of the URL: they may fit where the URL does not.
     url = b"data:image/png;base64," + base64.b64encode(_encoded("PNG"))

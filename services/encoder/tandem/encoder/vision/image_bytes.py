@@ -76,9 +76,10 @@ _UPRIGHT = {
     8: Image.Transpose.ROTATE_90,
 }
 _SWAPS_SIDES = (5, 6, 7, 8)
-# The first characters of each format's signature in base64, and what a pasted string may bring before
-# it (none is a picture's first byte).
-_BASE64_STARTS = {b"iVBORw0KGgo": "PNG", b"/9j/": "JPEG", b"UklGR": "WebP", b"R0lGOD": "GIF"}
+# The first characters of each format's signature in base64 (a JPEG's "/9j/" is "_9j_" in the URL-safe
+# alphabet; the others read the same in both), and what a pasted string may bring before it (none is a
+# picture's first byte).
+_BASE64_STARTS = {b"iVBORw0KGgo": "PNG", b"/9j/": "JPEG", b"_9j_": "JPEG", b"UklGR": "WebP", b"R0lGOD": "GIF"}
 _PASTED_BEFORE = b" \t\r\n\"'\xef\xbb\xbf"
 
 
@@ -119,12 +120,16 @@ def check_image_bytes(data: bytes, max_bytes: int, field: str = "image.data") ->
 
 
 def sent_as_text(data: bytes) -> str | None:
-    """What a picture sent as text is (the OpenAI form, a data: URL, or plain base64), read past what a
-    paste brings before it (whitespace, a byte-order mark, a JSON string's quote); None for other bytes.
-    Reads the first 64 bytes only: `data` may be just those."""
+    """What a picture sent as text is (a data: URL, base64, an http(s) URL, the OpenAI image_url part as
+    JSON), read past what a paste brings before it (whitespace, a byte-order mark, a JSON string's
+    quote); None for other bytes. Reads the first 64 bytes only: `data` may be just those."""
     head = data[:64].lstrip(_PASTED_BEFORE)
     if head[:5].lower() == b"data:":
         return "is a data: URL, not a picture's bytes; send the PNG, JPEG, WebP or GIF bytes it encodes"
+    if head[:8].lower().startswith((b"http://", b"https://")):  # a direct gRPC caller's picture address
+        return "is a URL, not a picture's bytes; send the picture's bytes (the encoder fetches no URL)"
+    if head.startswith(b"{") and (b'"url"' in head or b'"image_url"' in head):  # the OpenAI part, pasted
+        return "is JSON (an OpenAI image_url part?), not a picture's bytes; send the picture's bytes"
     name = next((name for start, name in _BASE64_STARTS.items() if head.startswith(start)), None)
     return (
         None
