@@ -65,8 +65,11 @@ SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "
 
 # The decoding and preparing an image batch takes on at most (estimated from the headers,
 # `ImageJob.expected_s`), whatever max_batch_size allows: for LLaVA-1.5 eight pictures of 640 x 480, six
-# of 1 Mpx, or one of 8 Mpx or more; for SmolVLM one picture, whatever its size (it scales each to 2,048
-# on its long side and makes up to 17 tiles of 512 x 512: 0.26-0.37 s measured, weighed 0.21-0.34).
+# of 1 Mpx, or one of 8 Mpx or more. SmolVLM's are weighed by the resizes and tiles its processor makes
+# (it scales each picture to 2,048 on its long side and cuts up to 17 tiles of 512 x 512), more than by
+# the picture's own pixels: a photo, a square or a 2:1 picture weighs over half the bound (640 x 480 0.21 s,
+# 36 x 36 0.27, 1024 x 512 0.16; 0.26-0.37 s measured), so most go one to a batch; about 4:1, one row of
+# tiles, weighs 0.08-0.09 s (2048 x 512, 400 x 100, 1024 x 256): two or three to a batch.
 MAX_BATCH_DECODE_S = 0.25
 
 _POOLINGS = {encoder_pb2.POOLING_NONE: Pooling.NONE, encoder_pb2.POOLING_MEAN: Pooling.MEAN}
