@@ -1,0 +1,125 @@
+"""A chat's template_kwargs -> the variables a render passes its template, and the caller's text of them
+back out of the rendered text.
+
+Caller text stays plain text: whatever a template prints is its own text, whose special-token literals
+tokenize as control tokens, and templates print kwargs (Qwen3 `tools | tojson`, Llama 3.1
+`date_string`). A message's text is kept plain by being spliced in after rendering (chat.py), which a
+kwarg's string cannot be: the template may print it twice, not at all, or changed (`tojson` escapes
+it). So each string (a value at any depth, or a key) that could take part in a special-token literal,
+as chat.py judges message text, reaches the template between a pair of markers holding a per-render
+nonce; whatever the template printed between a pair is that string as the template printed it, and
+becomes a plain-text part named by the string's field. Strings that cannot are passed as they are, so
+they tokenize as transformers' do. A template that breaks a pair (prints a slice, escapes the markers)
+leaves the nonce outside one: the chat is refused naming the string's field, never tokenized.
+
+Numbers: tandem.v1.ChatPrompt.template_kwargs is a google.protobuf.Struct, which holds doubles only, so
+`{"n": 3}` arrives as 3.0 and a template printed `3.0` or failed on `range(n)` (transformers and vLLM
+pass JSON's 3 as an int). A double that is a whole number within 2**53 (where doubles hold every
+integer exactly) reaches the template as an int; so does a caller's 3.0, which JSON cannot tell apart.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.client.errors import InvalidArgument
+from tandem.common.torch_part.prompt_parts import TextPrompt
+
+FIELD = "chat.template_kwargs"
+MAX_EXACT_INTEGER = 2**53  # doubles hold every integer up to it exactly
+MAX_KEY_CHARS = 32  # a key longer is cut in a field path, which an error repeats
+
+
+@dataclass(frozen=True)
+class TemplateKwargs:
+    """The caller's kwargs as the template gets them, and how to find their marked text after."""
+
+    variables: dict[str, Any]  # marked strings, whole numbers as ints; passed as template variables
+    marked: list[str]  # the field path of each marked string, by its markers' index
+    nonce: str  # the per-render secret in every marker; text the caller sent cannot hold it
+
+
+def template_kwargs(
+    kwargs: dict[str, Any], could_form_special: Callable[[str], bool], nonce: str
+) -> TemplateKwargs:
+    """`kwargs` with each string at risk marked and each whole-number double an int."""
+    marked: list[str] = []
+
+    def convert(value: Any, path: str) -> Any:
+        if isinstance(value, str):
+            return _mark(value, path) if could_form_special(value) else value
+        if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_EXACT_INTEGER:
+            return int(value)
+        if isinstance(value, dict):
+            return {
+                _mark(key, _key_path(path, key)) if could_form_special(key) else key: convert(
+                    item, _key_path(path, key)
+                )
+                for key, item in value.items()
+            }
+        if isinstance(value, list):
+            return [convert(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        return value
+
+    def _mark(text: str, path: str) -> str:
+        marked.append(path)
+        k = len(marked) - 1
+        return f"<<tandem-text-{nonce}-{k}>>{text}<</tandem-text-{nonce}-{k}>>"
+
+    # Top-level keys are variable names, which a template cannot print.
+    variables = {key: convert(value, _key_path(FIELD, key)) for key, value in kwargs.items()}
+    return TemplateKwargs(variables, marked, nonce)
+
+
+def unmark(text: str, kwargs: TemplateKwargs) -> list[tuple[str, TextPrompt]]:
+    """The rendered text as the template's own (at "chat") and the marked strings as the template
+    printed them (plain, at their fields), in order. Raises InvalidArgument where a pair is broken."""
+    if not kwargs.marked:
+        return [("chat", TextPrompt(text))] if text else []
+    nonce = re.escape(kwargs.nonce)
+    # Case-blind: a template that upper-cases a string keeps its pair.
+    pair = re.compile(rf"<<tandem-text-{nonce}-(\d+)>>(.*?)<</tandem-text-{nonce}-\1>>", re.DOTALL | re.I)
+    parts: list[tuple[str, TextPrompt]] = []
+    position = 0
+    for match in pair.finditer(text):
+        path = kwargs.marked[int(match.group(1))]
+        _check_unbroken(text[position : match.start()], kwargs)
+        if re.search(nonce, match.group(2), re.I):  # another string printed inside it, changed
+            _refuse(path)
+        if match.start() > position:
+            parts.append(("chat", TextPrompt(text[position : match.start()])))
+        if match.group(2):
+            parts.append((path, TextPrompt(match.group(2), is_plain=True)))
+        position = match.end()
+    _check_unbroken(text[position:], kwargs)
+    if position < len(text):
+        parts.append(("chat", TextPrompt(text[position:])))
+    return parts
+
+
+def _check_unbroken(template_text: str, kwargs: TemplateKwargs) -> None:
+    """Refuses text of the template's that holds a piece of a marker: the string it marked was printed
+    cut or changed, and what is left of it would tokenize as the template's own."""
+    found = re.search(rf"{re.escape(kwargs.nonce)}(?:-(\d+))?", template_text, re.I)
+    if found:
+        k = found.group(1)
+        _refuse(kwargs.marked[int(k)] if k is not None and int(k) < len(kwargs.marked) else FIELD)
+
+
+def _refuse(path: str) -> None:
+    raise InvalidArgument(
+        path,
+        "holds or could form a special token's text, and the template printed it cut or changed, so it "
+        "could not be kept plain text",
+    )
+
+
+def _key_path(path: str, key: str) -> str:
+    if key.isidentifier():
+        return f"{path}.{key}"
+    cut = key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS] + "..."
+    return f"{path}[{json.dumps(cut, ensure_ascii=False)}]"
