@@ -44,6 +44,11 @@ IMAGES = {  # name -> (width, height), PIL mode
     "portrait": ((40, 100), "RGB"),  # 2 rows x 1 column
     "tiny": ((6, 4), "RGB"),  # upscaled to the longest edge, then split
     "transparent": ((50, 30), "RGBA"),  # composited onto white first
+    # Resizes to the size a picture has are skipped (PIL would copy it): these take the skips, so that
+    # skipping stays transformers' pixels. Split: both resizes (longest edge 64, tile multiple 64 x 64);
+    # single: the longest-edge one (152).
+    "square": ((64, 64), "RGB"),
+    "longest edge": ((152, 60), "RGB"),
 }
 
 
@@ -123,6 +128,19 @@ def test_splitting_makes_a_grid_and_the_global_image(checkpoints, pictures) -> N
     }
 
 
+@pytest.mark.parametrize(
+    ("which", "name", "made"),
+    [
+        ("split", "square", [((64, 64), (32, 32))]),  # the global image only
+        ("single", "longest edge", [((152, 60), (76, 76))]),  # the tile only
+    ],
+)
+def test_no_resize_to_the_size_a_picture_has_is_made(checkpoints, pictures, which, name, made, monkeypatch):
+    resizes = record_resizes(monkeypatch)
+    checkpoints[which].embedder.prepare_image(Image.open(pictures[name]))
+    assert resizes == made
+
+
 @pytest.mark.parametrize("which", ["split", "single"])
 @pytest.mark.parametrize("name", ["landscape", "portrait", "tiny"])
 def test_span_is_the_processors_expansion_of_one_image_token(checkpoints, pictures, which, name) -> None:
@@ -158,7 +176,7 @@ def test_the_pixels_the_preparation_makes_are_known_from_a_header(
 
 
 @pytest.mark.parametrize("which", ["split", "single"])
-@pytest.mark.parametrize("name", ["landscape", "portrait", "tiny"])
+@pytest.mark.parametrize("name", ["landscape", "portrait", "tiny", "square", "longest edge"])
 def test_span_rows_are_transformers_merged_inputs_embeds(checkpoints, pictures, which, name) -> None:
     checkpoint = checkpoints[which]
     _, _, expected = checkpoint.reference(Image.open(pictures[name]))

@@ -10,10 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
+from services.encoder.tests.resizes import record_resizes
 from tandem.client.errors import InvalidArgument
 from tandem.encoder.vision.preprocess import MAX_RESIZED_PIXELS, ImageProcessing
 
-SIZES = [(53, 41), (30, 70), (336, 336), (7, 500), (1, 1)]
+# (36, 36) and (36, 80) are resized to the size they have (a short side of 36, SigLIP's 36 x 36), which
+# is skipped (PIL would copy it): the pixels must stay transformers'.
+SIZES = [(53, 41), (30, 70), (336, 336), (7, 500), (1, 1), (36, 36), (36, 80)]
 MODES = ["RGB", "RGBA", "L", "P", "LA"]
 
 
@@ -42,6 +45,14 @@ def test_pixels_equal_transformers_image_processor(name: str, size: tuple[int, i
     picture = _picture(size, mode)
     expected = processor(picture, return_tensors="pt")["pixel_values"][0]
     assert torch.equal(ours(picture), expected)
+
+
+@pytest.mark.parametrize(("name", "size"), [("clip", (36, 36)), ("clip", (36, 80)), ("siglip", (36, 36))])
+def test_no_resize_to_the_size_a_picture_has_is_made(name: str, size: tuple[int, int], monkeypatch) -> None:
+    ours = ImageProcessing.from_hf(_processors()[name].to_dict(), ValueError)
+    resizes = record_resizes(monkeypatch)
+    ours(_picture(size, "RGB"))
+    assert resizes == []
 
 
 def test_the_output_size_is_known_from_the_config() -> None:
