@@ -126,9 +126,10 @@ def test_a_data_url_is_read_whatever_the_case_of_its_scheme_and_base64_token(hea
 @pytest.mark.parametrize("detail", [5, "ultra", ""])
 def test_an_image_urls_detail_is_one_of_openais_or_refused_naming_it(detail: object) -> None:
     # The encoder reads every picture at its own resolution, so `detail` changes nothing; one OpenAI
-    # would refuse passed unread.
+    # would refuse passed unread. "original" is the openai SDK's too (3.63 types auto|low|high|original),
+    # which vLLM's message types take: it was refused.
     url = "data:image/png;base64," + base64.b64encode(PICTURE_A).decode()
-    for given in ("auto", "low", "high", None):
+    for given in ("auto", "low", "high", "original", None):
         assert image_file({"image_url": {"url": url, "detail": given}}, "x") == PICTURE_A
     with pytest.raises(InvalidArgument) as error:
         image_file({"image_url": {"url": url, "detail": detail}}, "messages[0].content[1].image_url")

@@ -29,6 +29,10 @@ from tandem.gateway.fields import shown
 from tandem.gateway.image_bytes import over_cap, refusal_asking_again
 from tandem.gateway.tasks import all_or_cancel
 
+# An image_url's `detail`, as the openai SDK types it (3.63: "original" too) and so vLLM takes it. Read
+# by no one: the encoder sees every picture at its processor's own resolution, whichever is asked.
+DETAILS = ("auto", "low", "high", "original")
+
 
 def image_file(part: dict[str, Any], where: str) -> bytes:
     """An OpenAI image part's file: `{"type": "image_url", "image_url": {"url": "data:...;base64,..."}}`.
@@ -37,8 +41,8 @@ def image_file(part: dict[str, Any], where: str) -> bytes:
     image_url = part.get("image_url")
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
     detail = image_url.get("detail") if isinstance(image_url, dict) else None
-    if detail not in (None, "auto", "low", "high"):  # read by no one (the encoder's own resolution)
-        raise InvalidArgument(f"{where}.detail", f"must be auto, low or high, got {shown(detail)}")
+    if detail is not None and detail not in DETAILS:
+        raise InvalidArgument(f"{where}.detail", f"must be {', '.join(DETAILS)}, got {shown(detail)}")
     # A URL's scheme is case-insensitive (RFC 3986), and so are a media type, its parameters and the
     # base64 token (RFC 2045, 2397): `DATA:IMAGE/PNG;BASE64,` is the same URL, as vLLM takes it.
     header, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
