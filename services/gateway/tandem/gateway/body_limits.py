@@ -28,6 +28,10 @@ from tandem.client.errors import InvalidArgument
 MAX_STOP = 16  # stop strings (OpenAI allows 4; vLLM more)
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids (vLLM's extra)
 MAX_TEMPLATE_FIELDS = 256  # chat_template_kwargs fields, nested ones included (the decoder's request_width)
+# chat_template_kwargs' nesting, the top object counted: the decoder's protobuf parser (upb) reads 100
+# levels, the request and chat two, each object three (Struct, map entry, Value): 33 objects parse, 34 do
+# not. Lists cost two levels, so any 33 objects and lists parse.
+MAX_TEMPLATE_DEPTH = 33
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_GUIDED_CHOICES = 1024  # guided_choice strings
 MAX_INPUTS = 64  # /v1/embeddings inputs: each is an Embed call

@@ -4,16 +4,16 @@ counted (`body_limits.py`) before its first element is converted."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.gateway.body_limits import MAX_IMAGES, MAX_TEMPLATE_FIELDS, BodyLimits, at_most
+from tandem.gateway.body_limits import MAX_IMAGES, BodyLimits, at_most
 from tandem.gateway.calls import GenerateCall, ImagePart
 from tandem.gateway.fields import field, shown, uint
 from tandem.gateway.images import image_file
 from tandem.gateway.parameters import common_parameters, generate_call
+from tandem.gateway.template_kwargs import template_kwargs
 from tandem.gateway.tensors import tensor
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -117,19 +117,5 @@ def _template_options(body: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> Non
     if field(body, "chat_template", str) is not None:
         raise InvalidArgument("chat_template", "a request's own chat template is not accepted")
     kwargs = field(body, "chat_template_kwargs", dict)
-    if kwargs is None:
-        return
-    if kwargs.get("chat_template") is not None:
-        raise InvalidArgument(
-            "chat_template_kwargs.chat_template", "a request's own chat template is not accepted"
-        )
-    at_most("chat_template_kwargs", len(kwargs), MAX_TEMPLATE_FIELDS, "fields")
-    try:
-        json.dumps(kwargs, allow_nan=False)  # NaN and the infinities: no JSON, as the decoder reads it
-        chat.template_kwargs.update(kwargs)
-    except UnicodeEncodeError:  # a lone surrogate, a ValueError too: refused as the body's (bodies.convert)
-        raise
-    except (ValueError, OverflowError):  # OverflowError: an integer past a double (a Struct's number)
-        raise InvalidArgument("chat_template_kwargs", "must hold finite numbers a double holds") from None
-    except RecursionError:
-        raise InvalidArgument("chat_template_kwargs", "nests too deep") from None
+    if kwargs is not None:
+        template_kwargs(kwargs, chat)

@@ -1,0 +1,60 @@
+"""A chat body's `chat_template_kwargs` -> the chat's `template_kwargs` Struct: bounded as the decoder
+bounds it, before anything is built.
+
+NOTE: why the gateway walks the kwargs first. A body under 1 MiB is converted on the event loop, and a
+Struct costs about 7 times a messages body per byte: one list of 520,000 numbers took 0.67-0.82 s to
+build, every stream and /health waiting, before the decoder refused it at 256 fields. So the fields are
+counted the decoder's way (`api/request_width.py`: every value of an object or a list, at every depth)
+and the walk stops past the limit. The same walk bounds the depth the decoder's protobuf parser reads:
+each object is three of upb's 100 levels (Struct, map entry, Value), a list two, so 34 nested objects
+were built and sent, and the decoder refused the call as unparsable, naming `request`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tandem.client.errors import InvalidArgument
+from tandem.client.pb.tandem.v1 import decoder_pb2
+from tandem.gateway.body_limits import MAX_TEMPLATE_DEPTH, MAX_TEMPLATE_FIELDS
+
+FIELD = "chat_template_kwargs"
+
+
+def template_kwargs(kwargs: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> None:
+    """`kwargs` as `chat.template_kwargs`, or InvalidArgument naming the field and the
+    limit it passes."""
+    _check_size(kwargs)
+    if kwargs.get("chat_template") is not None:
+        raise InvalidArgument(f"{FIELD}.chat_template", "a request's own chat template is not accepted")
+    try:
+        json.dumps(kwargs, allow_nan=False)  # NaN and the infinities: no JSON, as the decoder reads it
+        chat.template_kwargs.update(kwargs)
+    except UnicodeEncodeError:  # a lone surrogate, a ValueError too: refused as the body's (bodies.convert)
+        raise
+    except (ValueError, OverflowError):  # OverflowError: an integer past a double (a Struct's number)
+        raise InvalidArgument(FIELD, "must hold finite numbers a double holds") from None
+
+
+def _check_size(kwargs: dict[str, Any]) -> None:
+    """Counts the values of `kwargs` at every depth, and the objects and lists they nest, stopping at
+    the first past its limit: at most MAX_TEMPLATE_FIELDS + 1 values are read whatever the width."""
+    num_fields = 0
+    pending: list[tuple[dict[str, Any] | list[Any], int]] = [(kwargs, 1)]
+    while pending:
+        container, depth = pending.pop()
+        for value in container.values() if isinstance(container, dict) else container:
+            num_fields += 1
+            if num_fields > MAX_TEMPLATE_FIELDS:
+                raise InvalidArgument(
+                    FIELD, f"holds more than the limit of {MAX_TEMPLATE_FIELDS} fields, nested ones included"
+                )
+            if isinstance(value, (dict, list)):
+                if depth == MAX_TEMPLATE_DEPTH:
+                    raise InvalidArgument(
+                        FIELD,
+                        f"nests deeper than the limit of {MAX_TEMPLATE_DEPTH} objects and lists (the top "
+                        "one counted), the most the decoder's protobuf parser reads",
+                    )
+                pending.append((value, depth + 1))
