@@ -385,7 +385,7 @@ def test_vllms_stopping_extras_reach_the_decoder_from_either_endpoint() -> None:
 
 def test_vllms_chat_template_extras_reach_the_chat_prompt() -> None:
     # Qwen3's {"enable_thinking": false} was dropped: the model thought aloud anyway.
-    kwargs = {"enable_thinking": False, "tools": [{"name": "x", "n": 2}], "note": None}
+    kwargs = {"enable_thinking": False, "documents": [{"title": "x", "n": 2}], "note": None}
     extras = {"add_generation_prompt": False, "chat_template": None, "chat_template_kwargs": kwargs}
     chat = chat_request(CHAT | extras, LIMITS).requests[0].chat
     assert chat.HasField("add_generation_prompt") and not chat.add_generation_prompt

@@ -1,4 +1,5 @@
-"""A chat body's chat_template_kwargs: bounded as the decoder bounds them, before the Struct is built."""
+"""A chat body's chat_template_kwargs: bounded as the decoder bounds them, before the Struct is built, and
+free of what the body itself refuses."""
 
 from __future__ import annotations
 
@@ -65,3 +66,14 @@ def test_kwargs_nest_as_deep_as_the_decoders_parser_reads() -> None:
             "chat_template_kwargs: nests deeper than the limit of 33 objects and lists (the top one "
             "counted), the most the decoder's protobuf parser reads"
         )
+
+
+def test_a_kwarg_may_not_carry_what_the_body_refuses() -> None:
+    # vLLM merges the kwargs over its own tools and continue_final_message, so a template reads them as
+    # those: here the body's refusals, which a kwarg passed (Qwen3's template rendered the tools).
+    assert _refusal({"tools": [{"type": "function"}]}).field == "chat_template_kwargs.tools"
+    assert _refusal({"tools": 0}).field == "chat_template_kwargs.tools"
+    assert _refusal({"continue_final_message": True}).field == "chat_template_kwargs.continue_final_message"
+    assert _refusal({"chat_template": "{{ x }}"}).field == "chat_template_kwargs.chat_template"
+    quiet = {"tools": [], "continue_final_message": False, "chat_template": None, "functions": [{"a": 1}]}
+    assert json_format.MessageToDict(_built(quiet).template_kwargs) == quiet

@@ -1,5 +1,5 @@
 """A chat body's `chat_template_kwargs` -> the chat's `template_kwargs` Struct: bounded as the decoder
-bounds it, before anything is built.
+bounds it, before anything is built, and holding nothing the body itself refuses.
 
 NOTE: why the gateway walks the kwargs first. A body under 1 MiB is converted on the event loop, and a
 Struct costs about 7 times a messages body per byte: one list of 520,000 numbers took 0.67-0.82 s to
@@ -18,6 +18,7 @@ from typing import Any
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.body_limits import MAX_TEMPLATE_DEPTH, MAX_TEMPLATE_FIELDS
+from tandem.gateway.fields import field
 
 FIELD = "chat_template_kwargs"
 
@@ -26,8 +27,14 @@ def template_kwargs(kwargs: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> Non
     """`kwargs` as `chat.template_kwargs`, or InvalidArgument naming the field and the
     limit it passes."""
     _check_size(kwargs)
+    # vLLM merges the kwargs over its own chat_template, tools and continue_final_message, so a template
+    # reads these keys as those: each is refused here as the body's own field is.
     if kwargs.get("chat_template") is not None:
         raise InvalidArgument(f"{FIELD}.chat_template", "a request's own chat template is not accepted")
+    if field(kwargs, "tools", list, f"{FIELD}."):  # [] asks for no tool, as the body's tools: []
+        raise InvalidArgument(f"{FIELD}.tools", "tool calling is not supported")
+    if field(kwargs, "continue_final_message", bool, f"{FIELD}."):
+        raise InvalidArgument(f"{FIELD}.continue_final_message", "is not supported")
     try:
         json.dumps(kwargs, allow_nan=False)  # NaN and the infinities: no JSON, as the decoder reads it
         chat.template_kwargs.update(kwargs)
