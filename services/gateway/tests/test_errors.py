@@ -35,7 +35,7 @@ LIMITS = BodyLimits.for_chat(4096, 16)
         ("output.logprobs", None, "logprobs"),
         ("stopping.stop_token_ids[3]", None, "stop_token_ids[3]"),
         ("stopping.include_stop_in_output", None, "include_stop_str_in_output"),
-        ("chat.chat_template: does not compile", None, "chat_template: does not compile"),
+        ("chat.chat_template: does not compile", None, "the model's chat template: does not compile"),
         ("chat.template_kwargs", None, "chat_template_kwargs"),
         ("chat.template_kwargs.add_generation_prompt: is chat.add_generation_prompt's", None,
          "chat_template_kwargs.add_generation_prompt: is add_generation_prompt's"),
@@ -80,6 +80,19 @@ def test_a_chat_too_long_names_the_messages_and_an_unknown_adapter_is_openais_un
         "param": "model",
         "code": "model_not_found",
     }
+
+
+def test_the_models_template_failing_on_the_messages_names_them_not_a_field_the_gateway_refuses() -> None:
+    # No HTTP body carries a template (chat_request refuses one), so the decoder's chat.chat_template is
+    # the checkpoint's, failing on the messages (Llama's 'Conversation roles must alternate'): it was
+    # named `chat_template`, a field the caller did not and may not send.
+    said = "chat.chat_template: the template failed: Conversation roles must alternate user/assistant"
+    error = from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, said, "chat.chat_template"))
+    assert (error.status, error.param) == (400, "messages")
+    assert error.message == (
+        "messages: the model's chat template failed on them: the template failed: Conversation roles "
+        "must alternate user/assistant"
+    )
 
 
 def test_a_service_that_serves_another_model_is_openais_unknown_model() -> None:

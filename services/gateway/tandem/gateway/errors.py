@@ -158,6 +158,11 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
         retry_after = 1.0
     if param == "chat":  # the rendered prompt as a whole (its length): the body's messages
         param, message = "messages", _renamed(message, "chat:", "messages:")
+    if param == MODEL_TEMPLATE:  # it failed on the messages (roles that must alternate, a part dropped)
+        param = "messages"
+        message = _renamed(
+            message, "chat.chat_template:", "messages: the model's chat template failed on them:"
+        )
     if param == "adapter":  # the body's model other than the base model, sent as the adapter to run
         param, message = "model", "model" + message.removeprefix("adapter")
     code = None
@@ -198,10 +203,12 @@ def _renamed(message: str, service: str, body: str) -> str:
     return body + message[len(service) :] if message.startswith(service) else message
 
 
+MODEL_TEMPLATE = "the model's chat template"
 # A service's field path -> the body's (first matching prefix).
 BODY_FIELDS = (
     ("chat.messages", "messages"),
-    ("chat.chat_template", "chat_template"),
+    # No HTTP body carries a template (chat_request refuses one): the decoder's is the model's own.
+    ("chat.chat_template", MODEL_TEMPLATE),
     ("chat.template_kwargs", "chat_template_kwargs"),
     ("chat.add_generation_prompt", "add_generation_prompt"),
     ("stopping.stop_token_ids", "stop_token_ids"),
