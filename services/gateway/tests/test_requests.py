@@ -344,6 +344,17 @@ def test_extras_of_their_type_that_ask_for_nothing_pass() -> None:
     assert chat_request(CHAT | quiet | {"messages": history}, LIMITS).requests
 
 
+def test_an_assistant_turn_with_no_content_is_one_of_no_text() -> None:
+    # The SDK's assistant content is optional and nullable, and vLLM renders it as empty text; content
+    # null beside tool_calls [] (a plain turn as some clients send it) was told to be a string.
+    for silent in ({"content": None, "tool_calls": []}, {"function_call": None}):
+        history = [CHAT["messages"][0], {"role": "assistant"} | silent, CHAT["messages"][0]]
+        turn = chat_request({"messages": history}, LIMITS).requests[0].chat.messages[1]
+        assert [part.text for part in turn.content] == [""]
+    with pytest.raises(InvalidArgument, match=r"^messages\[0\]\.content: must be a string"):
+        chat_request({"messages": [{"role": "user", "content": None}]}, LIMITS)
+
+
 @pytest.mark.parametrize(
     ("seed", "decoder_seed"), [(-1, 2**64 - 1), (-(2**63), 2**63), (0, 0), (2**64 - 1, 2**64 - 1)]
 )

@@ -88,7 +88,10 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             if field(message, name, kind, f"messages[{i}]."):
                 raise InvalidArgument(f"messages[{i}].{name}", "tool calling is not supported")
         turn = request.chat.messages.add(role="system" if role == "developer" else role, name=participant)
-        turn.content.extend(_content_parts(message.get("content"), f"messages[{i}].content", i, images))
+        content = message.get("content")
+        if content is None and role == "assistant":  # the SDK's optional content, empty text to vLLM
+            content = ""
+        turn.content.extend(_content_parts(content, f"messages[{i}].content", i, images))
     _template_options(body, request.chat)
     names, n = common_parameters(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))
     top = uint(body, "top_logprobs", 0, 20)  # OpenAI's bound
