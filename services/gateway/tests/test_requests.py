@@ -344,6 +344,14 @@ def test_extras_of_their_type_that_ask_for_nothing_pass() -> None:
     assert chat_request(CHAT | quiet | {"messages": history}, LIMITS).requests
 
 
+def test_a_tool_turn_is_rendered_as_sent_whatever_comes_before_it() -> None:
+    # As vLLM: no pairing of a tool's answer with a call is checked. A call in the history is refused
+    # (it would be dropped, its answer kept); a tool turn the caller sends alone is what the model reads.
+    history = [CHAT["messages"][0], {"role": "tool", "content": "42", "tool_call_id": "a"}]
+    turn = chat_request({"messages": history}, LIMITS).requests[0].chat.messages[1]
+    assert (turn.role, [part.text for part in turn.content]) == ("tool", ["42"])
+
+
 def test_an_assistant_turn_with_no_content_is_one_of_no_text() -> None:
     # The SDK's assistant content is optional and nullable, and vLLM renders it as empty text; content
     # null beside tool_calls [] (a plain turn as some clients send it) was told to be a string.
