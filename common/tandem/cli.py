@@ -3,8 +3,8 @@
 Each subcommand lives in its own module and is imported only when it runs, so `tandem --help` (and
 `tandem generate`) never pays for torch: `COMMANDS` holds where each one is and its one-line help.
 Options of the client commands read `TANDEM_<COMMAND>_<FLAG>` when not given (e.g.
-TANDEM_GENERATE_ADDRESS); the services' own variables are `TANDEM_*`, `TANDEM_ENCODER_*` and
-`TANDEM_UP_*` (`tandem.common.flags`).
+TANDEM_GENERATE_ADDRESS); the services' own variables are `TANDEM_*`, `TANDEM_ENCODER_*`,
+`TANDEM_OPENAI_*` (the gateway) and `TANDEM_UP_*` (`tandem.common.flags`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ NOTE: one mechanism. Every option has a help text, a default and an environment 
 `--help` shows all three. A value comes from the command line, else from its variable, else from its
 default; a service's defaults are its config dataclass's own (`default_of`), so each lives in one
 place. The services name their variables (`TANDEM_<FLAG>` for the decoder, `TANDEM_ENCODER_<FLAG>`,
-`TANDEM_UP_<FLAG>`); the client commands get click's automatic `TANDEM_<COMMAND>_<FLAG>`. Click
+`TANDEM_OPENAI_<FLAG>` for the gateway, `TANDEM_UP_<FLAG>`); the client commands get click's automatic
+`TANDEM_<COMMAND>_<FLAG>`. Click
 reads the environment when a command runs, never at import.
 
 Every error is one line that names the flag and its variable: a value that does not parse (click's
