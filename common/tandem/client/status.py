@@ -193,7 +193,13 @@ def _tolerant(
         try:
             return deserializer(raw)
         except Exception as error:
-            if descriptor is not None and "utf-8" in str(error).lower():
+            # Only protobuf's own refusal is the walk's to explain; a service's parser (Embed's) refuses
+            # with a TandemError that already names its field, whatever its text says.
+            if (
+                not isinstance(error, errors.TandemError)
+                and descriptor is not None
+                and "utf-8" in str(error).lower()
+            ):
                 return _Malformed(_not_utf8(raw, descriptor, method))
             return _Malformed(error)
 
