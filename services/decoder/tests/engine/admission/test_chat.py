@@ -18,9 +18,9 @@ from transformers import AutoTokenizer
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, TextPrompt
-from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, ChatTemplate
+from tandem.decoder.engine.admission.chat import RENDER_VARIABLES, ChatMessage, ChatRequest, ChatTemplate
 from tandem.decoder.engine.admission.template_source import read_template_source
-from tandem.decoder.engine.admission.template_worker import TemplateWorkers
+from tandem.decoder.engine.admission.template_worker import TemplateWorkers, sandbox
 
 # A second template family with other control tokens (Llama 3's layout).
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -300,7 +300,8 @@ def test_template_kwargs_and_an_override_template_are_used(smollm2_dir: Path) ->
 
 
 @pytest.mark.parametrize(
-    "name", ["messages", "add_generation_prompt", "raise_exception", "eos_token", "bos_token"]
+    "name",
+    ["messages", "add_generation_prompt", "raise_exception", "eos_token", "bos_token", "namespace", "range"],
 )
 def test_a_template_kwarg_named_as_a_variable_the_render_passes_is_refused_by_name(
     smollm2_dir: Path, name: str
@@ -312,6 +313,19 @@ def test_a_template_kwarg_named_as_a_variable_the_render_passes_is_refused_by_na
         _template(smollm2_dir).render(chat)
     assert error.value.field == f"chat.template_kwargs.{name}"
     assert "multiple values" not in str(error.value)
+
+
+def test_a_template_kwarg_may_not_shadow_a_global_the_sandbox_gives_every_template() -> None:
+    # {"namespace": 1} on Qwen3's template (it calls namespace(...)) failed "'int' object is not
+    # callable", named chat.chat_template: a template the caller never sent.
+    assert set(sandbox().globals) <= set(RENDER_VARIABLES)
+    assert "strftime_now" in RENDER_VARIABLES  # transformers' global: its templates test and call it
+
+
+def test_a_template_kwarg_named_as_a_filter_is_the_templates_variable(smollm2_dir: Path) -> None:
+    # Filters and tests are Jinja's own namespaces: a variable named `lower` leaves `| lower` working.
+    chat = _chat([], template="{{ lower | lower }}", template_kwargs={"lower": "A"})
+    assert _template(smollm2_dir).render(chat) == [("chat", TextPrompt("a"))]
 
 
 # Qwen3's template prints `tools | tojson`; Llama 3.1's prints `date_string` as it is.

@@ -47,7 +47,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailabl
 from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.admission.prefix_space import prefix_free
+from tandem.decoder.engine.admission.template_kwargs import FIELD as TEMPLATE_KWARGS
 from tandem.decoder.engine.admission.template_kwargs import template_kwargs, unmark
 from tandem.decoder.engine.admission.template_source import START_TIME_LIMIT_S, read_template_source
 from tandem.decoder.engine.admission.template_worker import (
@@ -70,10 +71,20 @@ ROLES = ("system", "user", "assistant", "tool")
 # The variables a render passes the template itself, besides the checkpoint's special tokens: a
 # template_kwargs key of one of the first two reached Jinja2 twice and failed "generate() got multiple
 # values for keyword argument", named as the template's fault; one named raise_exception replaced it.
+# So would a key shadowing a global the sandbox gives every template (template_worker.sandbox: Jinja's
+# own and raise_exception), which a template calls: {"namespace": 1} on Qwen3's template failed
+# "'int' object is not callable", named chat.chat_template, a template the caller never sent; and
+# transformers' strftime_now, which its templates (Llama 3.1's) call once `strftime_now is defined`.
+# Filters and tests are namespaces of their own, which no variable shadows.
 RENDER_VARIABLES = {
     "messages": "the chat's messages (chat.messages)",
     "add_generation_prompt": "chat.add_generation_prompt's; set that field",
     "raise_exception": "the function the sandbox gives every template",
+    "strftime_now": "transformers' function, which templates written for it call",
+    **{
+        name: f"Jinja's global {name}(), which templates call"
+        for name in ("range", "dict", "lipsum", "cycler", "joiner", "namespace")
+    },
 }
 
 log = logging.getLogger(__name__)
@@ -161,12 +172,7 @@ class ChatTemplate:
         source = chat.template if chat.template is not None else self.source
         if source is None:
             raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
-        own = RENDER_VARIABLES | {name: f"the checkpoint's {name}" for name in self.special}
-        for name, what in own.items():
-            if name in chat.template_kwargs:
-                raise InvalidArgument(
-                    f"chat.template_kwargs.{name}", f"is the template's own variable, {what}"
-                )
+        check_template_kwarg_names(chat.template_kwargs, self.special)
         nonce = secrets.token_hex(8)
         kwargs = template_kwargs(chat.template_kwargs, self._could_form_special, nonce)
         spliced: dict[str, LocatedPart] = {}
@@ -257,6 +263,19 @@ class ChatTemplate:
             if token in specials:
                 return (self.tokenizer.token_to_id(token),)
         return ()
+
+
+def check_template_kwarg_names(kwargs: dict[str, Any], special: Collection[str]) -> None:
+    """Refuses a kwarg named as a variable the render sets itself (RENDER_VARIABLES, or one of the
+    checkpoint's `special` token names), naming it and every name taken."""
+    own = RENDER_VARIABLES | {name: f"the checkpoint's {name}" for name in special}
+    for name, what in own.items():
+        if name in kwargs:
+            raise InvalidArgument(
+                f"{TEMPLATE_KWARGS}.{name}",
+                f"is the template's own variable, {what}; a kwarg may not be named any of "
+                f"{', '.join(sorted(own))}",
+            )
 
 
 def literal_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
