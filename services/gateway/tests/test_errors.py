@@ -152,9 +152,54 @@ def test_a_generate_call_over_the_decoders_message_limit_names_the_limit_and_the
         )
     )
     assert (over.status, over.param, over.headers()) == (413, None, {})
-    assert "request body" in over.message
-    assert "10000064 bytes" in over.message and "decoder's --max-message-bytes of 4194304" in over.message
-    assert "Received message" not in over.message
+    assert over.message == (
+        "the request body is 10000064 bytes as a Generate call, over the decoder's --max-message-bytes of "
+        "4194304 (below the gateway's); send a smaller body"
+    )
+
+
+@pytest.mark.parametrize(
+    ("details", "status", "message"),
+    [
+        (
+            # grpc.aio's own words for it. The gateway's --max-message-bytes below the decoder's, and
+            # prompt_logprobs 20: it was 413 "the request body is 364216 bytes ... over the decoder's
+            # --max-message-bytes of 16384", of a 3.7 KB body.
+            "Stream removed (CLIENT: Received message larger than max (364216 vs. 16384))",
+            500,
+            "the decoder's reply is 364216 bytes, over the gateway's --max-message-bytes of 16384 (below the "
+            "decoder's): ask for less (fewer prompt_logprobs or logprobs, a shorter prompt or fewer tokens), "
+            "or start the gateway with a larger --max-message-bytes",
+        ),
+        (
+            "CLIENT: Sent message larger than max (20000 vs. 16384)",
+            413,
+            "the request body is 20000 bytes as a Generate call, over the gateway's --max-message-bytes of "
+            "16384; send a smaller body, or start the gateway with a larger --max-message-bytes",
+        ),
+        (
+            "SERVER: Sent message larger than max (364216 vs. 16384)",
+            500,
+            "the decoder's reply is 364216 bytes, over the decoder's own --max-message-bytes of 16384: ask "
+            "for less (fewer prompt_logprobs or logprobs, a shorter prompt or fewer tokens), or start the "
+            "decoder with a larger --max-message-bytes",
+        ),
+    ],
+    ids=["reply-over-the-gateways", "request-over-the-gateways", "reply-over-the-decoders"],
+)
+def test_a_message_over_a_cap_names_which_message_and_whose_limit(
+    details: str, status: int, message: str
+) -> None:
+    # A request over a cap is the body's (413); a reply over one is the service's limit on what the body
+    # asked for (500), which asking for less or a larger limit mends, and no retry.
+    over = from_grpc(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
+    # The openai SDKs retry a 5xx unless `x-should-retry: false`; the same body would fail the same way.
+    assert (over.status, over.type, over.param, over.headers()) == (
+        (413, "invalid_request_error", None, {})
+        if status == 413
+        else (500, "server_error", None, {"x-should-retry": "false"})
+    )
+    assert over.message == message
 
 
 def test_a_string_stop_is_named_stop_not_its_first_element() -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.client.errors import InvalidArgument
+from tandem.client.over_cap import OverCap, over_cap
 from tandem.client.status_details import status_details
 
 # gRPC code -> (HTTP status, OpenAI error type)
@@ -34,8 +35,6 @@ STATUSES: dict[grpc.StatusCode, tuple[int, str]] = {
 # other CANCELLED is the service's doing, above all gRPC core's drop of a call past its queue of calls
 # not yet taken up, which reads "CANCELLED" (RELIABILITY.md): no caller cancelled, so no 499.
 LOCAL_CANCEL = "Locally cancelled by application!"
-# gRPC's refusal of a message over a side's limit: "SERVER: Received message larger than max (n vs. max)".
-LARGER_THAN_MAX = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
 # A service's RetryInfo past this (or not above 0) is no advice to pass on: it is taken as none, and a 429
 # or 503 says the 1 s it says without one, as the decoder bounds an encoder's. It was passed on as it
 # came: an encoder's 2**63 - 1 s made `Retry-After: 9223372036854775808`.
@@ -150,8 +149,8 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
     if retry_after is not None and not 0 < retry_after <= MAX_RETRY_AFTER_S:
         retry_after = None
     message = error.details() or error.code().name
-    if status == 429 and "larger than max" in message:  # the transport's size limit: not retryable
-        return HttpError(413, "invalid_request_error", _over_message_limit(message))
+    if (over := over_cap(error)) is not None:  # the transport's size limit: not retryable
+        return _over_message_limit(over)
     if error.code() == grpc.StatusCode.CANCELLED and message != LOCAL_CANCEL:
         return HttpError(503, "service_unavailable", _cancelled_by_service(message), retry_after_s=1.0)
     if status in (429, 503) and retry_after is None:  # busy, or a service down: both worth a retry
@@ -185,17 +184,35 @@ def _cancelled_by_service(message: str) -> str:
     return f"the service cancelled the call ({message}); retry later"
 
 
-def _over_message_limit(message: str) -> str:
-    """gRPC's refusal of a Generate call over a limit the gateway's own check let by (the decoder's
-    --max-message-bytes below the gateway's; an encoder's Embed call is named by `over_cap`), in the
-    body's terms: no single field made it, the body did."""
-    said = LARGER_THAN_MAX.search(message)
-    if said is None:
-        return f"the request body is over the decoder's --max-message-bytes as a Generate call: {message}"
-    return (
-        f"the request body is {said[1]} bytes as a Generate call, over the decoder's --max-message-bytes "
-        f"of {said[2]} (below the gateway's); send a smaller body"
+def _over_message_limit(over: OverCap) -> HttpError:
+    """gRPC's refusal of a Generate call's message over a --max-message-bytes (an encoder's Embed call is
+    named by `image_bytes.over_cap`), in the body's terms: a request over a cap is the body's (no single
+    field made it), a 413; a reply over one is what the body asked for, which only asking for less or a
+    larger cap mends, a 500 naming the side whose cap it was. A reply over the gateway's was the request
+    over the decoder's, named 413 "send a smaller body" of a 3.7 KB body that asked for prompt_logprobs."""
+    side = "gateway" if over.is_ours else "decoder"
+    if not over.is_reply:
+        # Over the decoder's is over the lower of the two: the gateway's own check let it by.
+        mend = "" if side == "decoder" else ", or start the gateway with a larger --max-message-bytes"
+        below = " (below the gateway's)" if side == "decoder" else ""
+        message = (
+            f"the request body is {over.num_bytes} bytes as a Generate call, over the {side}'s "
+            f"--max-message-bytes of {over.max_bytes}{below}; send a smaller body{mend}"
+        )
+        return HttpError(413, "invalid_request_error", message)
+    # Over the gateway's, the decoder sent it: the gateway's is the lower (both cap what they send).
+    limit = (
+        f"the gateway's --max-message-bytes of {over.max_bytes} (below the decoder's)"
+        if over.is_ours
+        else f"the decoder's own --max-message-bytes of {over.max_bytes}"
     )
+    message = (
+        f"the decoder's reply is {over.num_bytes} bytes, over {limit}: ask for less (fewer prompt_logprobs "
+        f"or logprobs, a shorter prompt or fewer tokens), or start the {side} with a larger "
+        "--max-message-bytes"
+    )
+    # The same body asked again gets the same reply: the openai SDKs retry a 5xx unless told not to.
+    return HttpError(500, "server_error", message, more_headers=(("x-should-retry", "false"),))
 
 
 def _renamed(message: str, service: str, body: str) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem.client.over_cap import over_cap as message_over_cap
 from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.gateway.encoder_info import EncoderInfo, Metadata
 from tandem.gateway.errors import HttpError
@@ -87,7 +88,7 @@ def over_cap(error: grpc.aio.AioRpcError, where: str, info: EncoderInfo) -> Http
         num_bytes, max_image_bytes = int(said[1]), int(said[2])
         info.lowered(max_image_bytes)
         return over_max_image_bytes(num_bytes, max_image_bytes, where)
-    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "larger than max" not in details:
+    if message_over_cap(error) is None:
         return None
     message = (
         f"{where}: the picture's Embed call is over the services' --max-message-bytes (the encoder's, "

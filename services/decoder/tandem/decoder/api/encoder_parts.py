@@ -97,6 +97,7 @@ from tandem.client.errors import (
     TandemError,
     Unavailable,
 )
+from tandem.client.over_cap import over_cap
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.client.status_details import status_details
 from tandem.common import replica_name
@@ -105,7 +106,7 @@ from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
 from tandem.decoder.api.encoder_model_check import EncoderModelCheck
-from tandem.decoder.api.encoder_over_cap import over_cap, rows_too_large
+from tandem.decoder.api.encoder_over_cap import description, rows_too_large
 from tandem.decoder.api.encoder_refusal import passed_on, refused
 from tandem.decoder.api.shared_fetches import SharedFetches
 from tandem.decoder.api.trace_context import trace_context
@@ -640,7 +641,7 @@ class EncoderParts:
             # The caller's input is too long, and no retry mends that. It was RESOURCE_EXHAUSTED
             # "encoder ... is full", with a RetryInfo, where the same rows through shared memory were
             # INVALID_ARGUMENT.
-            return InvalidArgument(field, over.description(self.max_message_bytes))
+            return InvalidArgument(field, description(over, self.max_message_bytes))
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             # The encoder's RetryInfo is its own word on when it has room; it was dropped, every one
             # passed on as 1 s. One without (an encoder from before its bound on calls at once said one)
