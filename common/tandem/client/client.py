@@ -78,7 +78,8 @@ class EncoderPart:
 # text, token IDs, packed embeddings, or an input for the decoder's encoder
 Segment = str | Sequence[int] | tensor_pb2.Tensor | EncoderPart
 ChatPart = Segment | ImageRows
-ChatTurn = Mapping[str, str | Sequence[ChatPart]]  # {"role": "user", "content": "..." or [parts]}
+# {"role": "user", "content": "..." or [parts]}, and optionally "name": "alice"
+ChatTurn = Mapping[str, str | Sequence[ChatPart]]
 
 
 def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]:
@@ -101,12 +102,15 @@ def chat_prompt(
     chat_template: str | None = None,
     template_kwargs: dict[str, object] | None = None,
 ) -> decoder_pb2.ChatPrompt:
-    """The ChatPrompt message for `messages` ({"role": ..., "content": str or a list of parts})."""
+    """The ChatPrompt message for `messages` ({"role": ..., "content": str or a list of parts, and
+    optionally "name": the participant's, which templates that print it read})."""
     prompt = decoder_pb2.ChatPrompt(add_generation_prompt=add_generation_prompt)
     for message in messages:
         content = message["content"]
         parts = [content] if isinstance(content, str) else list(content)  # type: ignore[arg-type]
         turn = prompt.messages.add(role=str(message["role"]))
+        if (name := message.get("name")) is not None:
+            turn.name = str(name)
         for part in parts:
             if isinstance(part, str):
                 turn.content.add(text=part)
