@@ -7,8 +7,10 @@ first string field whose bytes do not decode, the one the parser stopped at, and
 the other refusals write it (`prompt[2].text`, `texts[1]`, `chat.template_kwargs["k"][3]`).
 
 The path is that of the message the parser builds: a message field sent twice is merged, so a repeated
-field's index goes on counting in its second chunk; a map entry is named by its key, and a Struct, a
-Value and a ListValue as the JSON they stand for, not by protobuf's own fields (`fields`, `struct_value`).
+field's index goes on counting in its second chunk, but a map entry replaces an earlier one of its key and
+a oneof member set after another starts empty, so their indexes start again; a map entry is named by its
+key, and a Struct, a Value and a ListValue as the JSON they stand for, not by protobuf's own fields
+(`fields`, `struct_value`).
 
 NOTE: bounded work. It runs only on a request the parser has already refused, on the event loop, but such
 a request is the caller's to shape: 20 KB of two-byte fields is 10,000 tags for a Python loop against
@@ -53,13 +55,18 @@ class _Unwalkable(Exception):
 
 
 class _Walk:
-    """One walk's state: its budget, and each repeated field's count so far keyed by the path of the
-    message that holds it, shared by every chunk the parser merges into that message."""
+    """One walk's state: its budget, and each repeated field's count so far in the message the parser
+    builds that holds it. Messages are numbered as the parser makes them: every chunk of a singular message
+    field merges into one (its number kept in `singular`), while each element of a repeated one, map
+    entries included, is new, and so is a oneof member set after another member (which cleared it)."""
 
     def __init__(self, raw: bytes) -> None:
         self.raw = raw
         self.budget = min(MAX_FIELDS_WALKED, MIN_FIELDS_WALKED + len(raw) // BYTES_PER_FIELD)
-        self.counts: dict[tuple[str, str], int] = {}  # (message path, field full name) -> occurrences
+        self.num_messages = 1  # the request is message 0
+        self.singular: dict[tuple[int, int], int] = {}  # (message, field number) -> its message field's
+        self.chosen: dict[tuple[int, str], int] = {}  # (message, oneof name) -> field number set last
+        self.counts: dict[tuple[int, int], int] = {}  # (message, field number) -> occurrences so far
 
     def fields(self, i: int, end: int) -> Iterator[tuple[int, int, int, int]]:
         """(field number, wire type, payload start, payload end) of each field in raw[i:end]."""
@@ -88,16 +95,23 @@ class _Walk:
                 raise _Unwalkable  # a field running past its message
             yield number, wire_type, start, i
 
-    def message(self, i: int, end: int, descriptor: Descriptor, path: str, depth: int) -> str | None:
-        """The path of the first string in raw[i:end], a `descriptor` message at `path`, that is not UTF-8."""
+    def message(
+        self, i: int, end: int, descriptor: Descriptor, path: str, parsed: int, depth: int
+    ) -> str | None:
+        """The path of the first string in raw[i:end], a `descriptor` message at `path` that is the
+        parser's message number `parsed`, that is not UTF-8."""
         if depth > MAX_DEPTH:
             raise _Unwalkable
         for number, wire_type, start, stop in self.fields(i, end):
             field = descriptor.fields_by_number.get(number)
-            if field is None or wire_type != LENGTH_DELIMITED:
-                continue  # unknown, a scalar, or packed: no string in it
+            if field is None:
+                continue
+            if field.containing_oneof is not None:
+                self.choose(parsed, field)
+            if wire_type != LENGTH_DELIMITED:
+                continue  # a scalar, or packed: no string in it
             if field.type == FieldDescriptor.TYPE_STRING:
-                index = self.index(path, field)  # counted whether or not it decodes
+                index = self.index(parsed, field)  # counted whether or not it decodes
                 if not _decodes(self.raw, start, stop):
                     return self.child(path, descriptor, field, index)
             elif field.type == FieldDescriptor.TYPE_MESSAGE:
@@ -105,17 +119,36 @@ class _Walk:
                     entry = _join(path, field.name) if descriptor.full_name != _STRUCT else path
                     inner = self.keyed(entry, start, stop, field)
                 else:
-                    inner = self.child(path, descriptor, field, self.index(path, field))
-                found = self.message(start, stop, field.message_type, inner, depth + 1)
+                    inner = self.child(path, descriptor, field, self.index(parsed, field))
+                found = self.message(
+                    start, stop, field.message_type, inner, self.made(parsed, field), depth + 1
+                )
                 if found is not None:
                     return found
         return None
 
-    def index(self, path: str, field: FieldDescriptor) -> int | None:
-        """The index of this occurrence of `field` in the message at `path` (None: not repeated)."""
+    def made(self, parsed: int, field: FieldDescriptor) -> int:
+        """The number of the message the parser puts this occurrence of message `field` of `parsed` in."""
+        key = (parsed, field.number)
+        if not field.is_repeated and key in self.singular:
+            return self.singular[key]  # merged into the one made before
+        self.num_messages += 1
+        if not field.is_repeated:
+            self.singular[key] = self.num_messages
+        return self.num_messages
+
+    def choose(self, parsed: int, field: FieldDescriptor) -> None:
+        """Set oneof member `field` of `parsed`: where another member was set last, it starts empty."""
+        key = (parsed, field.containing_oneof.name)
+        if self.chosen.get(key, field.number) != field.number:
+            self.singular.pop((parsed, field.number), None)  # a member is never repeated: no counts
+        self.chosen[key] = field.number
+
+    def index(self, parsed: int, field: FieldDescriptor) -> int | None:
+        """The index of this occurrence of `field` in message `parsed` (None: not repeated)."""
         if not field.is_repeated:
             return None
-        key = (path, field.full_name)
+        key = (parsed, field.number)
         index = self.counts.get(key, 0)
         self.counts[key] = index + 1
         return index
@@ -145,7 +178,7 @@ def bad_utf8_field(raw: bytes, descriptor: Descriptor) -> str | None:
     """The path of the first string field of `raw` (a `descriptor` message) that is not UTF-8; None
     where the walk finds none within its bounds."""
     try:
-        path = _Walk(raw).message(0, len(raw), descriptor, "", 0)
+        path = _Walk(raw).message(0, len(raw), descriptor, "", 0, 0)
     except (_Unwalkable, IndexError):
         return None
     if path is None or len(path) <= MAX_PATH_CHARS:

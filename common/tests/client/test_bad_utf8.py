@@ -201,3 +201,26 @@ def test_a_long_valid_key_before_its_bad_byte_costs_the_walk_what_the_same_strin
     as_value = _field(7, _field(4, _field(1, _field(1, b"k") + _field(2, _field(3, text)))))
     assert bad_utf8_field(as_value, decoder_pb2.GenerateRequest.DESCRIPTOR) == 'chat.template_kwargs["k"]'
     assert _walk_ms(as_key) < 1.5 * _walk_ms(as_value)
+
+
+def test_a_map_key_sent_in_two_entries_is_indexed_as_the_parser_keeps_it_the_last_entry_whole() -> None:
+    # A map entry replaces an earlier one of its key, it does not merge with it: the parsed ["k"] is the
+    # bad list alone, where the walk went on counting from the first entry and named ["k"][1].
+    first, second = _kwargs(k=["a"]), _kwargs(k=[MARK])
+    valid = first.SerializeToString() + second.SerializeToString()
+    assert list(decoder_pb2.GenerateRequest.FromString(valid).chat.template_kwargs["k"]) == [MARK]
+    raw = first.SerializeToString() + _spoiled(second)
+    assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) == 'chat.template_kwargs["k"][0]'
+
+
+def test_a_oneof_member_set_again_after_another_is_indexed_as_the_parser_restarts_it() -> None:
+    # Setting string_value clears a Value's list_value, so a list_value sent after it starts empty: one map
+    # entry whose value is sent three times parses to the last list alone, where the walk named [1].
+    def value(kind: object) -> bytes:
+        return _kwargs(k=kind).chat.template_kwargs.fields["k"].SerializeToString()
+
+    entry = _field(1, b"k") + _field(2, value(["a"])) + _field(2, value("b")) + _field(2, value([MARK]))
+    valid = _field(7, _field(4, _field(1, entry)))
+    assert list(decoder_pb2.GenerateRequest.FromString(valid).chat.template_kwargs["k"]) == [MARK]
+    raw = valid.replace(MARK.encode(), NOT_UTF8)
+    assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) == 'chat.template_kwargs["k"][0]'
