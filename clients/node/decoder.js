@@ -17,7 +17,7 @@ function zeroEmbeddings(rows, hidden) {
 }
 
 // A Generate request carrying a conversation, rendered with the model's chat template on the server.
-// `messages` is [{role, content}], content a string or a list of parts: a string (text), an array of
+// `messages` is [{role, content}] (and optionally name: "alice"), content a string or a list of parts: a string (text), an array of
 // token IDs, {embeddings: {dtype, shape, data}} (for example an encoder's output), or {image: tensor}
 // (the encoder's rows for an image: the model's template places them).
 function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, temperature = null } = {}) {
@@ -30,6 +30,9 @@ function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, te
     chat: {
       messages: messages.map((m) => ({
         role: m.role,
+        // The participant's name, for a template that prints it; unset without one, as the proto's
+        // optional field means.
+        ...(m.name === undefined || m.name === null ? {} : { name: String(m.name) }),
         content: (typeof m.content === "string" ? [m.content] : m.content).map(part),
       })),
       add_generation_prompt: addGenerationPrompt,

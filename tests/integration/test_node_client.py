@@ -3,6 +3,7 @@ TLS and bearer tokens, the encoder, and balancing over replicas with health chec
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -141,6 +142,27 @@ def test_mis_shaped_embedding_is_invalid_argument_naming_the_field(
     assert error["code"] == "INVALID_ARGUMENT"
     assert "prompt[0].embeddings.shape" in error["details"]
     assert result.stdout == ""
+
+
+def test_node_chat_request_carries_a_turns_name_and_a_turn_without_one_sends_none(node_client: Path) -> None:
+    # ChatMessage.name (30308ec) reaches templates that print it; chatRequest mapped {role, content} only.
+    # Serialized as grpc-js sends it and read back here: no decoder needed.
+    script = (
+        'const { chatRequest } = require("./decoder");'
+        'const loader = require("@grpc/proto-loader");'
+        'const definition = loader.loadSync("tandem/v1/decoder.proto",'
+        ' {includeDirs: ["../../protos"], keepCase: true});'
+        "const request = chatRequest("
+        '[{role: "user", name: "alice", content: "hi"}, {role: "assistant", content: "yo"}]);'
+        'process.stdout.write(definition["tandem.v1.Decoder"].Generate.requestSerialize(request).toString("base64"));'
+    )
+    result = subprocess.run(
+        ["node", "-e", script], cwd=node_client.parent, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    named, unnamed = decoder_pb2.GenerateRequest.FromString(base64.b64decode(result.stdout)).chat.messages
+    assert (named.role, named.HasField("name"), named.name) == ("user", True, "alice")
+    assert (unnamed.role, unnamed.HasField("name")) == ("assistant", False)
 
 
 def test_node_chat_streams_a_reply_through_the_models_template(
