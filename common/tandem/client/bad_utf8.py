@@ -184,7 +184,26 @@ def bad_utf8_field(raw: bytes, descriptor: Descriptor) -> str | None:
     if path is None or len(path) <= MAX_PATH_CHARS:
         return path
     half = MAX_PATH_CHARS // 2
-    return f"{path[:half]}...{path[-half:]}"
+    head, _ = _escape_around(path, half)
+    _, tail = _escape_around(path, len(path) - half)
+    return f"{path[:head]}...{path[tail:]}"
+
+
+def _escape_around(path: str, cut: int) -> tuple[int, int]:
+    """Where the JSON escape of a key that `cut` falls inside starts and ends; (cut, cut) outside one.
+
+    A backslash in a path is always a key's (field names have none), and starts an escape unless it is
+    the second of a `\\\\`, so an escape is found by looking back at most its own length (`\\u0001`: 6)."""
+    for start in range(max(0, cut - 5), cut):
+        if path[start] == "\\":
+            before = start
+            while before > 0 and path[before - 1] == "\\":
+                before -= 1
+            if (start - before) % 2 == 0:
+                end = start + (6 if path[start + 1] == "u" else 2)
+                if end > cut:
+                    return start, end
+    return cut, cut
 
 
 def _join(path: str, name: str) -> str:

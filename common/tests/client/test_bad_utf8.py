@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -224,3 +225,19 @@ def test_a_oneof_member_set_again_after_another_is_indexed_as_the_parser_restart
     assert list(decoder_pb2.GenerateRequest.FromString(valid).chat.template_kwargs["k"]) == [MARK]
     raw = valid.replace(MARK.encode(), NOT_UTF8)
     assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) == 'chat.template_kwargs["k"][0]'
+
+
+def test_a_cut_path_keeps_each_escape_of_a_key_whole() -> None:
+    # The cut counted characters of the escaped keys, so one side could start '001\\"' or end in a lone
+    # backslash: an escape split in the field named.
+    request = _kwargs()
+    struct = request.chat.template_kwargs
+    for _ in range(8):
+        struct = struct.fields['\x01"' * 16].struct_value
+    struct.fields["k"].string_value = MARK
+    path = bad_utf8_field(_spoiled(request), decoder_pb2.GenerateRequest.DESCRIPTOR)
+    assert path is not None and len(path) <= bad_utf8.MAX_PATH_CHARS + 3
+    head, _, tail = path.partition("...")
+    for side in (head, tail):  # with its whole escapes taken out, no piece of one is left
+        assert not set(re.sub(r'\\u0001|\\"', "", side)) & set("\\01u"), (head[-8:], tail[:8])
+    assert tail.endswith('["k"]')
