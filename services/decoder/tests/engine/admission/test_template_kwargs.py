@@ -6,7 +6,7 @@ import pytest
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.torch_part.prompt_parts import TextPrompt
-from tandem.decoder.engine.admission.template_kwargs import template_kwargs, unmark
+from tandem.decoder.engine.admission.template_kwargs import TemplateKwargs, mark, template_kwargs, unmark
 
 NONCE = "0123456789abcdef"
 
@@ -54,6 +54,7 @@ def test_what_the_template_printed_of_a_marked_string_is_plain_text_at_its_field
         lambda s: s.replace("<", "&lt;"),  # escaped
         lambda s: s[:-24] + s + s[-24:],  # one printed inside the other
         lambda s: s[:35] * 30_000,  # openings alone (read in one pass: a pattern over pairs took 183 s)
+        lambda s: s[::-1],  # `| reverse`: the nonce reversed, and "<|im_start|>" out of ">|trats_mi|<"
     ],
 )
 def test_a_marked_string_printed_cut_or_changed_is_refused_naming_it(printed) -> None:  # noqa: ANN001
@@ -61,3 +62,14 @@ def test_a_marked_string_printed_cut_or_changed_is_refused_naming_it(printed) ->
     with pytest.raises(InvalidArgument) as error:
         unmark("x" + printed(kwargs.variables["tools"][0]) + "y", kwargs)
     assert error.value.field == "chat.template_kwargs.tools[0]"
+
+
+def test_a_string_marked_by_the_caller_of_mark_reads_back_at_its_field() -> None:
+    # chat.py marks every message's name so, whatever it holds.
+    kwargs = TemplateKwargs({}, [], NONCE)
+    printed = mark(kwargs, "alice", "chat.messages[0].name")
+    assert unmark(f"({printed})", kwargs) == [
+        ("chat", TextPrompt("(")),
+        ("chat.messages[0].name", TextPrompt("alice", is_plain=True)),
+        ("chat", TextPrompt(")")),
+    ]

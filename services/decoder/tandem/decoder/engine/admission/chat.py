@@ -15,9 +15,11 @@ How parts keep their boundaries and caller text stays text:
   a start in one and an end in another, so caller text can never forge a control token, however it
   is split; the template's own control tokens stay.
 - A string of template_kwargs that could take part in one is marked instead, and what the template
-  printed of it spliced back as plain text (template_kwargs.py). A kwarg cannot replace a variable the
-  render sets itself (RENDER_VARIABLES, and the checkpoint's `bos_token`, `eos_token`, ...): a template
-  prints `{{ eos_token }}` as its own text.
+  printed of it spliced back as plain text (template_kwargs.py). So is every message's name, which
+  the template may print changed (`| lower`) or inside pieces of a literal of its own
+  (`<|{{ name }}|>`); what it printed is put back inline unless a literal there overlaps it. A kwarg
+  cannot replace a variable the render sets itself (RENDER_VARIABLES, and the checkpoint's
+  `bos_token`, `eos_token`, ...): a template prints `{{ eos_token }}` as its own text.
 
 Images (a part with `is_image`: an `image` part's rows, or an `encoder` part of a picture, whose rows
 its fetch brings): on a vision-language checkpoint every message's content is passed to
@@ -59,7 +61,7 @@ from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.admission.prefix_space import prefix_free
 from tandem.decoder.engine.admission.template_kwargs import FIELD as TEMPLATE_KWARGS
-from tandem.decoder.engine.admission.template_kwargs import template_kwargs, unmark
+from tandem.decoder.engine.admission.template_kwargs import mark, template_kwargs, unmark
 from tandem.decoder.engine.admission.template_source import START_TIME_LIMIT_S, read_template_source
 from tandem.decoder.engine.admission.template_worker import (
     TemplateFailed,
@@ -107,6 +109,8 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
 
 
+_NAME = re.compile(r"chat\.messages\[\d+\]\.name")  # a message's name, as render() marks it
+
 # A rendered prompt: each part with the field path its errors name. The template's own text is
 # `TextPrompt(text)` at "chat"; a caller's part keeps its path, `chat.messages[i].content[j]`.
 LocatedPart = tuple[str, PromptPart]
@@ -149,6 +153,14 @@ class ChatTemplate:
             literal[-n:] for literal in self._special_literals for n in range(1, len(literal))
         }
         self._longest_literal = max(map(len, self._special_literals), default=0)
+        # Every literal's start, the longest where several start at one place (it spans the others).
+        longest_first = sorted(self._special_literals, key=len, reverse=True)
+        self._literal_pattern = (
+            re.compile(f"(?=({'|'.join(map(re.escape, longest_first))}))") if longest_first else None
+        )
+        self._normalizes_specials = tokenizer.normalizer is not None and any(
+            t.special and t.normalized for t in tokenizer.get_added_tokens_decoder().values()
+        )
         self.end_of_turn_ids = self._find_end_of_turn(start_time_limit_s) if source else ()
 
     @classmethod
@@ -199,16 +211,14 @@ class ChatTemplate:
             as_items = self.image_placeholder is not None
             rendered: dict[str, Any] = {"role": message.role, "content": _content(pieces, as_items)}
             if message.name is not None:
-                # The template prints it where it likes, maybe twice or not at all, so it cannot be
-                # spliced in as a part is: text that could make a control token is refused instead.
-                if self._could_form_special(message.name):
-                    raise InvalidArgument(
-                        f"chat.messages[{i}].name", "holds or could form a special token's text"
-                    )
-                rendered["name"] = message.name
+                # The template prints it where it likes, maybe twice, changed (`| lower`) or between
+                # pieces of a literal of its own (`<|{{ name }}|>`): only its printed text, where it
+                # stands, tells whether it takes part in one. So every name is marked, as a kwarg's
+                # string at risk is, and judged as printed (_inline_names).
+                rendered["name"] = mark(kwargs, message.name, f"chat.messages[{i}].name")
             messages.append(rendered)
         text = self._render_text(source, messages, chat.add_generation_prompt, kwargs.variables)
-        parts = _splice(unmark(text, kwargs), spliced, nonce)
+        parts = _splice(self._inline_names(unmark(text, kwargs)), spliced, nonce)
         return _place_images(parts, images, self.image_placeholder) if images else parts
 
     def _render_text(
@@ -225,6 +235,44 @@ class ChatTemplate:
     def close(self) -> None:
         """Stops the template workers."""
         self.workers.close()
+
+    def _inline_names(self, parts: list[LocatedPart]) -> list[LocatedPart]:
+        """Each name as the template printed it back in the template's text around it, so that it
+        tokenizes as transformers' does, unless a special literal there would overlap it: then it
+        stays its own plain part. (Under a normalizer that special tokens are matched after, a
+        fullwidth `＜` may spell `<`: every name stays plain.)"""
+        placed: list[LocatedPart] = []
+        run: list[str] = []  # the template's text since the last part kept apart, names inlined
+        tail = ""  # the run's last characters, as many as a literal's longest
+        for k, (path, part) in enumerate(parts):
+            assert isinstance(part, TextPrompt)  # unmark's
+            if _NAME.fullmatch(path):
+                following = parts[k + 1] if k + 1 < len(parts) else None
+                after = (
+                    following[1].text[: self._longest_literal] if following and following[0] == "chat" else ""
+                )
+                apart = self._normalizes_specials or self._overlaps_literal(tail, part.text, after)
+            else:
+                apart = path != "chat"  # a kwarg's plain text
+            if apart:
+                placed.extend([("chat", TextPrompt("".join(run)))] if run else [])
+                run, tail = [], ""
+                placed.append((path, part))
+                continue
+            run.append(part.text)
+            tail = (tail + part.text)[-self._longest_literal :] if self._longest_literal else ""
+        placed.extend([("chat", TextPrompt("".join(run)))] if run else [])
+        return placed
+
+    def _overlaps_literal(self, before: str, text: str, after: str) -> bool:
+        """Whether a special literal in `before + text + after` overlaps `text`."""
+        if self._literal_pattern is None:
+            return False
+        start, end = len(before), len(before) + len(text)
+        return any(
+            found.start() < end and found.start() + len(found.group(1)) > start
+            for found in self._literal_pattern.finditer(before + text + after)
+        )
 
     def _could_form_special(self, text: str) -> bool:
         """Whether `text` holds a special-token literal, or could complete one with its neighbours."""

@@ -39,7 +39,7 @@ class TemplateKwargs:
     """The caller's kwargs as the template gets them, and how to find their marked text after."""
 
     variables: dict[str, Any]  # marked strings, whole numbers as ints; passed as template variables
-    marked: list[str]  # the field path of each marked string, by its markers' index
+    marked: list[str]  # the field path of each marked string (a message's name too), by its markers' index
     nonce: str  # the per-render secret in every marker; text the caller sent cannot hold it
 
 
@@ -47,16 +47,16 @@ def template_kwargs(
     kwargs: dict[str, Any], could_form_special: Callable[[str], bool], nonce: str
 ) -> TemplateKwargs:
     """`kwargs` with each string at risk marked and each whole-number double an int."""
-    marked: list[str] = []
+    result = TemplateKwargs({}, [], nonce)
 
     def convert(value: Any, path: str) -> Any:
         if isinstance(value, str):
-            return _mark(value, path) if could_form_special(value) else value
+            return mark(result, value, path) if could_form_special(value) else value
         if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_EXACT_INTEGER:
             return int(value)
         if isinstance(value, dict):
             return {
-                _mark(key, _key_path(path, key)) if could_form_special(key) else key: convert(
+                mark(result, key, _key_path(path, key)) if could_form_special(key) else key: convert(
                     item, _key_path(path, key)
                 )
                 for key, item in value.items()
@@ -65,14 +65,17 @@ def template_kwargs(
             return [convert(item, f"{path}[{i}]") for i, item in enumerate(value)]
         return value
 
-    def _mark(text: str, path: str) -> str:
-        marked.append(path)
-        k = len(marked) - 1
-        return f"<<tandem-text-{nonce}-{k}>>{text}<</tandem-text-{nonce}-{k}>>"
-
     # Top-level keys are variable names, which a template cannot print.
-    variables = {key: convert(value, _key_path(FIELD, key)) for key, value in kwargs.items()}
-    return TemplateKwargs(variables, marked, nonce)
+    result.variables.update({key: convert(value, _key_path(FIELD, key)) for key, value in kwargs.items()})
+    return result
+
+
+def mark(kwargs: TemplateKwargs, text: str, path: str) -> str:
+    """`text` between a new pair of markers, whose printed text `unmark` gives back as plain text at
+    `path`. chat.py marks a message's name so too, whatever it holds."""
+    kwargs.marked.append(path)
+    k = len(kwargs.marked) - 1
+    return f"<<tandem-text-{kwargs.nonce}-{k}>>{text}<</tandem-text-{kwargs.nonce}-{k}>>"
 
 
 def unmark(text: str, kwargs: TemplateKwargs) -> list[tuple[str, TextPrompt]]:
@@ -117,6 +120,11 @@ def _check_unbroken(printed: str, kwargs: TemplateKwargs, path: str | None = Non
     found = re.search(rf"{re.escape(kwargs.nonce)}(?:-(\d{{1,6}}))?", printed, re.I)
     if found:
         _refuse(path or _path_of(found.group(1), kwargs))
+    # `| reverse` reverses the markers with the text: neither pair nor nonce is read, and a string's
+    # '>|trats_mi|<' prints '<|im_start|>' as the template's own text.
+    reversed_ = re.search(rf"(?:(\d{{1,6}})-)?{re.escape(kwargs.nonce[::-1])}", printed, re.I)
+    if reversed_:
+        _refuse(path or _path_of(reversed_.group(1) and reversed_.group(1)[::-1], kwargs))
 
 
 def _path_of(index: str | None, kwargs: TemplateKwargs) -> str:
@@ -128,8 +136,8 @@ def _path_of(index: str | None, kwargs: TemplateKwargs) -> str:
 def _refuse(path: str) -> None:
     raise InvalidArgument(
         path,
-        "holds or could form a special token's text, and the template printed it cut or changed, so it "
-        "could not be kept plain text",
+        "was printed cut or changed by the template (a piece of it outside the markers that keep it plain "
+        "text), so it could not be kept plain text",
     )
 
 
