@@ -11,13 +11,14 @@ import torch
 
 from tandem.client.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common import text_bounds
-from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, ChatTemplate
+from tandem.decoder.engine.admission.chat import MAX_NAME_CHARS, ChatMessage, ChatRequest, ChatTemplate
 from tandem.decoder.engine.admission.prompt import (
     EmbeddingPrompt,
     EncoderPrompt,
     GenerateSpec,
     TextPrompt,
     build_request,
+    check_spec,
 )
 from tandem.decoder.engine.params import StoppingParams, StructuredOutput
 from tandem.decoder.engine.request import Request
@@ -368,3 +369,30 @@ def test_a_structured_requests_grammar_is_charged_to_its_caller(tiny_fp32: Loade
         grammars=lambda: Compiler(),
     )
     assert asked == [(StructuredOutput("regex", "a+"), "ipv4:10.0.0.7")]
+
+
+def _check(spec: GenerateSpec) -> None:
+    """The rules the servicer runs before it asks the encoder for anything."""
+    check_spec(
+        spec,
+        vocab_size=10,
+        hidden_size=4,
+        max_model_len=100,
+        enable_prompt_embeds=True,
+        has_chat_template=True,
+        has_structured=True,
+        max_token_chars=4,
+    )
+
+
+def _named(name: str) -> GenerateSpec:
+    return GenerateSpec([], chat=ChatRequest([ChatMessage("user", [TextPrompt("hi")], name=name)]))
+
+
+def test_a_messages_name_is_bounded_before_anything_is_rendered() -> None:
+    # A 30 MB name was rendered (753 ms on a chat builder thread) and scanned whole; OpenAI's are 64.
+    _check(_named("a" * MAX_NAME_CHARS))
+    with pytest.raises(InvalidArgument) as info:
+        _check(_named("a" * 1_000_000))
+    assert info.value.field == "chat.messages[0].name"
+    assert info.value.description == f"1000000 characters exceed the limit of {MAX_NAME_CHARS}"

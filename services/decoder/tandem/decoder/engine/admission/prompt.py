@@ -37,8 +37,14 @@ from tandem.common.torch_part.prompt_parts import (
 )
 from tandem.common.wire_limits import check_request_id
 from tandem.decoder.config import MAX_SPECULATIVE_TOKENS
+from tandem.decoder.engine.admission.chat import (
+    MAX_NAME_CHARS,
+    ChatRequest,
+    ChatTemplate,
+    LocatedPart,
+    literal_tokenizer,
+)
 from tandem.decoder.engine.admission.chat import ROLES as CHAT_ROLES
-from tandem.decoder.engine.admission.chat import ChatRequest, ChatTemplate, LocatedPart, literal_tokenizer
 from tandem.decoder.engine.admission.prefix_space import PrefixFree
 from tandem.decoder.engine.outputs.outputs import OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
@@ -288,6 +294,10 @@ def _located_parts(spec: GenerateSpec) -> list[LocatedPart]:
             )
         if not message.content:
             raise InvalidArgument(f"{path}.content", "must have at least one part")
+        if message.name is not None and len(message.name) > MAX_NAME_CHARS:
+            raise InvalidArgument(
+                f"{path}.name", f"{len(message.name)} characters exceed the limit of {MAX_NAME_CHARS}"
+            )
         # An empty text is a turn with nothing said (a system prompt of "", as OpenAI and vLLM take
         # it): the template still renders the turn; only a prompt segment must say something.
         located.extend(
