@@ -92,7 +92,10 @@ HOSTILE_CHAT = {
         {"chat_template_kwargs": {"chat_template": "{{ x }}"}}, "chat_template_kwargs.chat_template"
     ),
     "chat_template_kwargs a list": ({"chat_template_kwargs": []}, "chat_template_kwargs"),
-    "chat_template_kwargs of 10**400": ({"chat_template_kwargs": {"a": 10**400}}, "chat_template_kwargs"),
+    "chat_template_kwargs of 10**400": ({"chat_template_kwargs": {"a": 10**400}}, "chat_template_kwargs.a"),
+    "chat_template_kwargs of 2**53 + 1": (
+        {"chat_template_kwargs": {"a": [2**53 + 1]}}, "chat_template_kwargs.a[0]"
+    ),
     "chat_template_kwargs of NaN": ({"chat_template_kwargs": {"a": [float("nan")]}}, "chat_template_kwargs"),
     "chat_template_kwargs of 257 fields": (
         {"chat_template_kwargs": {str(i): 1 for i in range(257)}}, "chat_template_kwargs"

@@ -77,3 +77,21 @@ def test_a_kwarg_may_not_carry_what_the_body_refuses() -> None:
     assert _refusal({"chat_template": "{{ x }}"}).field == "chat_template_kwargs.chat_template"
     quiet = {"tools": [], "continue_final_message": False, "chat_template": None, "functions": [{"a": 1}]}
     assert json_format.MessageToDict(_built(quiet).template_kwargs) == quiet
+
+
+def test_an_integer_a_double_cannot_hold_exactly_is_refused_naming_its_path() -> None:
+    # The Struct holds doubles: 2**53 + 1 reached the template as 2**53, silently (review 7, F8).
+    for value, path in (
+        ({"seed": 2**53 + 1}, "chat_template_kwargs.seed"),
+        ({"a": [1, {"b": -(2**53) - 1}]}, "chat_template_kwargs.a[1].b"),
+        ({"a b": [2**64]}, 'chat_template_kwargs["a b"][0]'),
+        ({"a": 10**400}, "chat_template_kwargs.a"),
+    ):
+        error = _refusal(value)
+        assert error.field == path
+        assert (
+            str(error)
+            == f"{path}: is an integer past ±2^53 (9007199254740992), the most a double holds exactly"
+        )
+    edges = {"a": [2**53, -(2**53)], "b": 1e300, "c": True}
+    assert json_format.MessageToDict(_built(edges).template_kwargs) == edges

@@ -7,7 +7,9 @@ build, every stream and /health waiting, before the decoder refused it at 256 fi
 counted the decoder's way (`api/request_width.py`: every value of an object or a list, at every depth)
 and the walk stops past the limit. The same walk bounds the depth the decoder's protobuf parser reads:
 each object is three of upb's 100 levels (Struct, map entry, Value), a list two, so 34 nested objects
-were built and sent, and the decoder refused the call as unparsable, naming `request`.
+were built and sent, and the decoder refused the call as unparsable, naming `request`. The walk also
+refuses an integer a double cannot hold exactly (past 2**53), naming its path: the Struct would round
+it, and the template see another integer (2**53 + 1 became 2**53, silently).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from tandem.gateway.body_limits import MAX_TEMPLATE_DEPTH, MAX_TEMPLATE_FIELDS
 from tandem.gateway.fields import field
 
 FIELD = "chat_template_kwargs"
+MAX_EXACT_INTEGER = 2**53  # doubles hold every integer up to it exactly (the decoder's the same)
+MAX_KEY_CHARS = 32  # a key longer is cut in a field path, as the decoder cuts it
 
 
 def template_kwargs(kwargs: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> None:
@@ -40,22 +44,29 @@ def template_kwargs(kwargs: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> Non
         chat.template_kwargs.update(kwargs)
     except UnicodeEncodeError:  # a lone surrogate, a ValueError too: refused as the body's (bodies.convert)
         raise
-    except (ValueError, OverflowError):  # OverflowError: an integer past a double (a Struct's number)
+    except ValueError:
         raise InvalidArgument(FIELD, "must hold finite numbers a double holds") from None
 
 
 def _check_size(kwargs: dict[str, Any]) -> None:
     """Counts the values of `kwargs` at every depth, and the objects and lists they nest, stopping at
-    the first past its limit: at most MAX_TEMPLATE_FIELDS + 1 values are read whatever the width."""
+    the first past its limit: at most MAX_TEMPLATE_FIELDS + 1 values are read whatever the width. An
+    integer past MAX_EXACT_INTEGER is refused on the way, naming its path."""
     num_fields = 0
-    pending: list[tuple[dict[str, Any] | list[Any], int]] = [(kwargs, 1)]
+    pending: list[tuple[dict[str, Any] | list[Any], str, int]] = [(kwargs, FIELD, 1)]
     while pending:
-        container, depth = pending.pop()
-        for value in container.values() if isinstance(container, dict) else container:
+        container, path, depth = pending.pop()
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, value in items:
             num_fields += 1
             if num_fields > MAX_TEMPLATE_FIELDS:
                 raise InvalidArgument(
                     FIELD, f"holds more than the limit of {MAX_TEMPLATE_FIELDS} fields, nested ones included"
+                )
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER:
+                raise InvalidArgument(
+                    _path(path, key),
+                    f"is an integer past ±2^53 ({MAX_EXACT_INTEGER}), the most a double holds exactly",
                 )
             if isinstance(value, (dict, list)):
                 if depth == MAX_TEMPLATE_DEPTH:
@@ -64,4 +75,15 @@ def _check_size(kwargs: dict[str, Any]) -> None:
                         f"nests deeper than the limit of {MAX_TEMPLATE_DEPTH} objects and lists (the top "
                         "one counted), the most the decoder's protobuf parser reads",
                     )
-                pending.append((value, depth + 1))
+                pending.append((value, _path(path, key), depth + 1))
+
+
+def _path(path: str, key: str | int) -> str:
+    """The field path of `key` (an object's key or a list's index) in the value at `path`, spelled as
+    the decoder spells a kwarg's."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if key.isidentifier():
+        return f"{path}.{key}"
+    cut = key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS] + "..."
+    return f"{path}[{json.dumps(cut, ensure_ascii=False)}]"
