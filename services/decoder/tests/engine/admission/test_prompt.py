@@ -371,7 +371,7 @@ def test_a_structured_requests_grammar_is_charged_to_its_caller(tiny_fp32: Loade
     assert asked == [(StructuredOutput("regex", "a+"), "ipv4:10.0.0.7")]
 
 
-def _check(spec: GenerateSpec) -> None:
+def _check(spec: GenerateSpec, **kwargs) -> None:  # noqa: ANN003
     """The rules the servicer runs before it asks the encoder for anything."""
     check_spec(
         spec,
@@ -382,6 +382,7 @@ def _check(spec: GenerateSpec) -> None:
         has_chat_template=True,
         has_structured=True,
         max_token_chars=4,
+        **kwargs,
     )
 
 
@@ -396,3 +397,17 @@ def test_a_messages_name_is_bounded_before_anything_is_rendered() -> None:
         _check(_named("a" * 1_000_000))
     assert info.value.field == "chat.messages[0].name"
     assert info.value.description == f"1000000 characters exceed the limit of {MAX_NAME_CHARS}"
+
+
+@pytest.mark.parametrize(
+    ("key", "special"), [("namespace", ()), ("messages", ()), ("bos_token", ("bos_token",))]
+)
+def test_a_template_kwarg_named_as_the_templates_own_variable_is_refused_before_any_fetch(
+    key: str, special: tuple[str, ...]
+) -> None:
+    # It was refused at render, after an encoder part's Embed call (e86c9ab: a call refused for its own
+    # field costs none).
+    chat = ChatRequest([ChatMessage("user", [_fetched(None)])], template_kwargs={key: 1})
+    with pytest.raises(InvalidArgument) as info:
+        _check(GenerateSpec([], chat=chat), template_variables=special)
+    assert info.value.field == f"chat.template_kwargs.{key}"

@@ -191,7 +191,7 @@ class ChatTemplate:
         source = chat.template if chat.template is not None else self.source
         if source is None:
             raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
-        check_template_kwarg_names(chat.template_kwargs, self.special)
+        check_template_kwarg_names(chat.template_kwargs, self.special)  # check_spec's too, for a render alone
         nonce = secrets.token_hex(8)
         kwargs = template_kwargs(chat.template_kwargs, self._could_form_special, nonce)
         spliced: dict[str, LocatedPart] = {}

@@ -13,7 +13,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import tokenizers
@@ -42,6 +42,7 @@ from tandem.decoder.engine.admission.chat import (
     ChatRequest,
     ChatTemplate,
     LocatedPart,
+    check_template_kwarg_names,
     literal_tokenizer,
 )
 from tandem.decoder.engine.admission.chat import ROLES as CHAT_ROLES
@@ -134,6 +135,7 @@ def build_request(
         has_chat_template=chat_template is not None and chat_template.source is not None,
         has_structured=grammars is not None,
         max_token_chars=max_token_chars,
+        template_variables=chat_template.special if chat_template is not None else (),
     )
     if spec.chat is not None and chat_template is None:
         raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
@@ -205,6 +207,7 @@ def check_spec(
     has_chat_template: bool,  # the model's own: a chat bringing none is refused without it
     has_structured: bool,  # structured output is available
     max_token_chars: int,
+    template_variables: Collection[str] = (),  # the checkpoint's special token names its template reads
 ) -> list[LocatedPart]:
     """The rules `build_request` checks before it reads any position, in its order, up to and including
     the bound on the prompt's length from sizes alone; the caller's parts with their field paths.
@@ -238,6 +241,8 @@ def check_spec(
         check_part(part, path, hidden_size, enable_prompt_embeds)
     if spec.chat is not None and spec.chat.template is None and not has_chat_template:
         raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+    if spec.chat is not None:  # by name alone: at render it came after an encoder part's Embed call
+        check_template_kwarg_names(spec.chat.template_kwargs, template_variables)
     field_name = "prompt" if spec.chat is None else "chat"
     _check_sizes_fit([part for _, part in located], field_name, max_model_len, max_token_chars)
     return located

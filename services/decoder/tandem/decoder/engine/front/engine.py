@@ -485,6 +485,7 @@ class Engine:
             has_chat_template=self.chat_template.source is not None,
             has_structured=True,  # `_grammar_compiler`, made on first use
             max_token_chars=self.max_token_chars,
+            template_variables=self.chat_template.special,
         )
 
     def make_request(self, spec: GenerateSpec) -> Request:
