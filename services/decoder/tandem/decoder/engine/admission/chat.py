@@ -62,7 +62,11 @@ from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt
 from tandem.decoder.engine.admission.prefix_space import prefix_free
 from tandem.decoder.engine.admission.template_kwargs import FIELD as TEMPLATE_KWARGS
 from tandem.decoder.engine.admission.template_kwargs import mark, template_kwargs, unmark
-from tandem.decoder.engine.admission.template_source import START_TIME_LIMIT_S, read_template_source
+from tandem.decoder.engine.admission.template_source import (
+    START_TIME_LIMIT_S,
+    read_special_tokens,
+    read_template_source,
+)
 from tandem.decoder.engine.admission.template_worker import (
     TemplateFailed,
     TemplateWorkers,
@@ -152,13 +156,14 @@ class ChatTemplate:
         ]
         if image_placeholder and image_placeholder not in self._special_literals:
             self._special_literals.append(image_placeholder)
-        # Every proper start and end of a literal ("<", "<|", ... and ">", "|>", ...), by length.
-        self._literal_starts = {
-            literal[:n] for literal in self._special_literals for n in range(1, len(literal))
-        }
-        self._literal_ends = {
-            literal[-n:] for literal in self._special_literals for n in range(1, len(literal))
-        }
+        # Caller text is judged case-blind (casefolded): a template's `| lower` or `| upper` turns
+        # `<|IM_START|>` or `[inst]` into a literal. Every literal in one alternation, so a string is
+        # read once, not once per literal (267 of them in a Llama 3 vocabulary).
+        folded = sorted({literal.casefold() for literal in self._special_literals}, key=len, reverse=True)
+        self._folded_pattern = re.compile("|".join(map(re.escape, folded))) if folded else None
+        # Every proper start and end of a literal ("<", "<|", ... and ">", "|>", ...), casefolded.
+        self._literal_starts = {literal[:n] for literal in folded for n in range(1, len(literal))}
+        self._literal_ends = {literal[-n:] for literal in folded for n in range(1, len(literal))}
         self._longest_literal = max(map(len, self._special_literals), default=0)
         # Every literal's start, the longest where several start at one place (it spans the others).
         longest_first = sorted(self._special_literals, key=len, reverse=True)
@@ -175,8 +180,7 @@ class ChatTemplate:
         """The template from the file template_source.py finds it in (None if none has one). A
         vision-language checkpoint's image token (config.json) is the image placeholder."""
         source = read_template_source(model_dir)
-        config = _json_object(model_dir / "tokenizer_config.json")
-        special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        special = read_special_tokens(model_dir)
         model_config = _json_object(model_dir / "config.json")
         image_token_id = vision_language.image_token_id(model_config)
         placeholder = None
@@ -192,8 +196,9 @@ class ChatTemplate:
         if source is None:
             raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
         check_template_kwarg_names(chat.template_kwargs, self.special)  # check_spec's too, for a render alone
-        nonce = secrets.token_hex(8)
-        kwargs = template_kwargs(chat.template_kwargs, self._could_form_special, nonce)
+        nonce = secrets.token_hex(8)  # the parts' placeholders'
+        # The markers' own: unmark refuses its nonce outside a pair, where a part's placeholder is.
+        kwargs = template_kwargs(chat.template_kwargs, self._could_form_special, secrets.token_hex(8))
         spliced: dict[str, LocatedPart] = {}
         images: list[LocatedPart] = []
         messages = []
@@ -282,8 +287,10 @@ class ChatTemplate:
         )
 
     def _could_form_special(self, text: str) -> bool:
-        """Whether `text` holds a special-token literal, or could complete one with its neighbours."""
-        if any(literal in text for literal in self._special_literals):
+        """Whether `text`, in any case, holds a special-token literal, or could complete one with its
+        neighbours."""
+        text = text.casefold()
+        if self._folded_pattern is not None and self._folded_pattern.search(text):
             return True
         end, start = text.rstrip(), text.lstrip()
         return any(
