@@ -1,6 +1,7 @@
 """Where a checkpoint's chat template comes from, and the start-up check: a template that does not compile
 is refused naming its file and field, Jinja's message and line; one that compiles but raises for some
-conversation passes (it fails that request alone); compiling is bounded in the template's worker."""
+conversation passes (it fails that request alone); compiling is bounded in the template's worker. The
+special-token names a template reads come from the files transformers reads them from."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer
 
+from tandem.client.errors import InvalidArgument
+from tandem.common.torch_part.prompt_parts import TextPrompt
 from tandem.decoder.engine.admission import template_source
+from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, ChatTemplate
 from tandem.decoder.engine.admission.template_source import (
     TemplateRefused,
     TemplateSource,
     check_template,
+    read_special_tokens,
     read_template_source,
 )
 
@@ -172,3 +179,54 @@ def test_a_worker_that_never_starts_is_said_to_be_the_machines_fault_not_the_tem
         str(refused.value)
         == f"{origin} could not be checked: the template worker did not start within 0.3 s (a busy machine)"
     )
+
+
+def _added_token(content: str) -> dict[str, object]:
+    """A special token as older checkpoints' tokenizer_config.json writes it (Llama 2's, Mistral's)."""
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False, "rstrip": False}
+
+
+def test_special_tokens_are_read_as_strings_or_added_token_objects(tmp_path: Path) -> None:
+    # The objects were dropped: {{ bos_token }} printed nothing where transformers prints <s> (review 7, F9).
+    config = {"bos_token": _added_token("<s>"), "eos_token": "</s>", "pad_token": None, "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert read_special_tokens(tmp_path) == {"bos_token": "<s>", "eos_token": "</s>"}
+
+
+def test_special_tokens_map_json_completes_a_config_as_transformers_reads_it(tmp_path: Path) -> None:
+    # A config without added_tokens_decoder (an older transformers saved it) takes special_tokens_map.json's
+    # names over its own; one with it ignores that file.
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": _added_token("<s>"), "unk_token": "<unk>"})
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<b>", "eos_token": "</s>"}))
+    assert read_special_tokens(tmp_path) == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    config = {"bos_token": "<b>", "eos_token": "</s>", "added_tokens_decoder": {}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert read_special_tokens(tmp_path) == {"bos_token": "<b>", "eos_token": "</s>"}
+
+
+def test_a_template_prints_added_token_objects_as_transformers_does(tmp_path: Path) -> None:
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<s>", "</s>")])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": _added_token("<s>"),
+        "eos_token": _added_token("</s>"),
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
+    template = ChatTemplate.load(tmp_path, tokenizer)
+    try:
+        chat = ChatRequest([ChatMessage("user", [TextPrompt("hi")])], add_generation_prompt=False)
+        assert "".join(part.text for _, part in template.render(chat)) == reference == "<s>hi</s>"
+        with pytest.raises(InvalidArgument) as error:  # it was accepted and printed in the token's place
+            template.render(ChatRequest(chat.messages, template_kwargs={"bos_token": "x"}))
+        assert error.value.field == "chat.template_kwargs.bos_token"
+    finally:
+        template.close()

@@ -1,10 +1,19 @@
-"""Which file of a checkpoint the chat template comes from, and the check at start that it compiles.
+"""Which file of a checkpoint the chat template comes from, the special-token names it reads, and the
+check at start that it compiles.
 
 A checkpoint may hold its template in three places; the first that has one is used, as transformers
 reads them: `chat_template.jinja`, a processor's `chat_template.json` (its `chat_template`), and
 `tokenizer_config.json`'s `chat_template` (a string, or in the named form the template named
 "default"; a GGUF import writes both the .jinja file and this). models/loader.py has checked each
 file's shape before the decoder looks here.
+
+The special-token names (`{{ bos_token }}`, `eos_token`, ...) are what transformers' apply_chat_template
+passes: each `*_token` key of tokenizer_config.json, a string or, as older checkpoints (Llama 2's,
+Mistral's) write it, an AddedToken object (`{"__type": "AddedToken", "content": "<s>", ...}`), whose
+`content` is the name. Reading strings alone gave those checkpoints no bos_token: the template printed
+nothing where transformers prints `<s>`, and a kwarg named bos_token was printed in its place. A config
+without `added_tokens_decoder` (an older transformers saved it) is completed by special_tokens_map.json,
+whose names win over the config's, as transformers reads them.
 
 A template with a Jinja syntax error (or a filter or test Jinja does not have, or a block defined
 twice: errors Jinja raises while compiling) fails every chat, naming `chat.chat_template` though the
@@ -82,6 +91,24 @@ def _read_template_source(model_dir: Path) -> TemplateSource | None:
             if named.get("name") == "default":
                 return TemplateSource(named["template"], f"{config_path}: chat_template[{i}] ('default')")
     return None
+
+
+def read_special_tokens(model_dir: Path) -> dict[str, str]:
+    """The special-token names a template of the checkpoint in `model_dir` reads, by variable name."""
+    config = _json_object(model_dir / "tokenizer_config.json")
+    names = _token_names(config)
+    if "added_tokens_decoder" not in config:
+        names.update(_token_names(_json_object(model_dir / "special_tokens_map.json")))
+    return names
+
+
+def _token_names(entries: dict[str, Any]) -> dict[str, str]:
+    names = {}
+    for key, value in entries.items():
+        content = value.get("content") if isinstance(value, dict) else value
+        if key.endswith("_token") and isinstance(content, str):
+            names[key] = content
+    return names
 
 
 def check_template(
