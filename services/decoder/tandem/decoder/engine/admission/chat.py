@@ -49,7 +49,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.engine.admission.prefix_space import prefix_free
 from tandem.decoder.engine.admission.template_kwargs import FIELD as TEMPLATE_KWARGS
-from tandem.decoder.engine.admission.template_kwargs import mark, template_kwargs, unmark
+from tandem.decoder.engine.admission.template_kwargs import TemplateKwargs, mark, template_kwargs, unmark
 from tandem.decoder.engine.admission.template_source import (
     START_TIME_LIMIT_S,
     read_special_tokens,
@@ -164,6 +164,10 @@ class ChatTemplate:
         # Every proper start and end of a literal ("<", "<|", ... and ">", "|>", ...), casefolded.
         self._literal_starts = {literal[:n] for literal in folded for n in range(1, len(literal))}
         self._literal_ends = {literal[-n:] for literal in folded for n in range(1, len(literal))}
+        # What stands in for a string at risk in _check_nothing_forged: a character in no literal.
+        self._inert_char = next(
+            (c for c in "xqzjkvw#" if not any(c in literal for literal in folded)), "\ue000"
+        )
         self._longest_literal = max(map(len, self._special_literals), default=0)
         # Every literal's start, the longest where several start at one place (it spans the others).
         longest_first = sorted(self._special_literals, key=len, reverse=True)
@@ -222,16 +226,75 @@ class ChatTemplate:
                 pieces.append(key)
             as_items = self.image_placeholder is not None
             rendered: dict[str, Any] = {"role": message.role, "content": _content(pieces, as_items)}
-            if message.name is not None:
-                # The template prints it where it likes, maybe twice, changed (`| lower`) or between
-                # pieces of a literal of its own (`<|{{ name }}|>`): only its printed text, where it
-                # stands, tells whether it takes part in one. So every name is marked, as a kwarg's
-                # string at risk is, and judged as printed (_inline_names).
-                rendered["name"] = mark(kwargs, message.name, f"chat.messages[{i}].name")
             messages.append(rendered)
-        text = self._render_text(source, messages, chat.add_generation_prompt, kwargs.variables)
-        parts = _splice(self._inline_names(unmark(text, kwargs)), spliced, nonce)
+        named = self._with_names(chat, messages, kwargs)
+        printed = unmark(
+            self._render_text(source, named, chat.add_generation_prompt, kwargs.variables), kwargs
+        )
+        if kwargs.at_risk:
+            self._check_nothing_forged(source, chat, messages, kwargs, printed)
+        parts = _splice(self._inline_names(printed), spliced, nonce)
         return _place_images(parts, images, self.image_placeholder) if images else parts
+
+    def _with_names(
+        self,
+        chat: ChatRequest,
+        messages: list[dict[str, Any]],
+        kwargs: TemplateKwargs,
+        stand_in: Callable[[str], str] = str,
+    ) -> list[dict[str, Any]]:
+        """`messages` with their names, each marked (`stand_in` of those at risk): the template prints
+        a name where it likes, maybe twice, changed (`| lower`) or between pieces of a literal of its
+        own (`<|{{ name }}|>`), so only its printed text, where it stands, tells whether it takes part
+        in one (_inline_names)."""
+        named = []
+        for i, (message, rendered) in enumerate(zip(chat.messages, messages, strict=True)):
+            if message.name is not None:
+                at_risk = self._could_form_special(message.name)
+                text = stand_in(message.name) if at_risk else message.name
+                rendered = {**rendered, "name": mark(kwargs, text, f"chat.messages[{i}].name", at_risk)}
+            named.append(rendered)
+        return named
+
+    def _check_nothing_forged(
+        self,
+        source: str,
+        chat: ChatRequest,
+        messages: list[dict[str, Any]],
+        kwargs: TemplateKwargs,
+        printed: list[LocatedPart],
+    ) -> None:
+        """Refuses a render whose own text holds other special literals than the same render with
+        each string at risk inert. Markers sit at a string's ends only: a template that prints its
+        middle (`x[34:-35]`, `x.split('\\n')[1]`, `| striptags` on `[INST]`) drops both, and unmark
+        reads what is left as the template's own text. Inert text is as long (truthiness, length and
+        slices alike) and of a character in no literal, so it can take part in none."""
+        inert = template_kwargs(chat.template_kwargs, self._could_form_special, kwargs.nonce, self._inert)
+        named = self._with_names(chat, messages, inert, self._inert)
+        again = unmark(self._render_text(source, named, chat.add_generation_prompt, inert.variables), inert)
+        if self._own_literals(printed) != self._own_literals(again):
+            others = kwargs.at_risk[1:4] + (["..."] if len(kwargs.at_risk) > 4 else [])
+            also = f" (or one of {', '.join(others)} was)" if others else ""
+            raise InvalidArgument(
+                kwargs.at_risk[0],
+                "was printed by the template without the markers that keep it plain text (a piece of it: "
+                "a slice, a split, a filter's) where a special token then changes with it, so it could not "
+                f"be kept plain text{also}",
+            )
+
+    def _inert(self, text: str) -> str:
+        return self._inert_char * len(text)
+
+    def _own_literals(self, parts: list[LocatedPart]) -> list[str]:
+        """The special literals in the template's own text, in order (overlapping ones each)."""
+        if self._literal_pattern is None:
+            return []
+        return [
+            found.group(1)
+            for path, part in parts
+            if path == "chat" and isinstance(part, TextPrompt)
+            for found in self._literal_pattern.finditer(part.text)
+        ]
 
     def _render_text(
         self, source: str, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]

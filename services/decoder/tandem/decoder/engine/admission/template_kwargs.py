@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
@@ -41,24 +41,29 @@ class TemplateKwargs:
     variables: dict[str, Any]  # marked strings, whole numbers as ints; passed as template variables
     marked: list[str]  # the field path of each marked string (a message's name too), by its markers' index
     nonce: str  # the per-render secret in every marker; text the caller sent cannot hold it
+    at_risk: list[str] = field(default_factory=list)  # the field path of each marked string at risk
 
 
 def template_kwargs(
-    kwargs: dict[str, Any], could_form_special: Callable[[str], bool], nonce: str
+    kwargs: dict[str, Any],
+    could_form_special: Callable[[str], bool],
+    nonce: str,
+    stand_in: Callable[[str], str] = str,
 ) -> TemplateKwargs:
-    """`kwargs` with each string at risk marked and each whole-number double an int."""
+    """`kwargs` with each string at risk marked (as `stand_in` of it) and each whole-number double an
+    int."""
     result = TemplateKwargs({}, [], nonce)
 
     def convert(value: Any, path: str) -> Any:
         if isinstance(value, str):
-            return mark(result, value, path) if could_form_special(value) else value
+            return mark(result, stand_in(value), path) if could_form_special(value) else value
         if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_EXACT_INTEGER:
             return int(value)
         if isinstance(value, dict):
             return {
-                mark(result, key, _key_path(path, key)) if could_form_special(key) else key: convert(
-                    item, _key_path(path, key)
-                )
+                mark(result, stand_in(key), _key_path(path, key))
+                if could_form_special(key)
+                else key: convert(item, _key_path(path, key))
                 for key, item in value.items()
             }
         if isinstance(value, list):
@@ -70,10 +75,12 @@ def template_kwargs(
     return result
 
 
-def mark(kwargs: TemplateKwargs, text: str, path: str) -> str:
+def mark(kwargs: TemplateKwargs, text: str, path: str, at_risk: bool = True) -> str:
     """`text` between a new pair of markers, whose printed text `unmark` gives back as plain text at
-    `path`. chat.py marks a message's name so too, whatever it holds."""
+    `path`. chat.py marks a message's name so too, whatever it holds, at risk or not."""
     kwargs.marked.append(path)
+    if at_risk:
+        kwargs.at_risk.append(path)
     k = len(kwargs.marked) - 1
     return f"<<tandem-text-{kwargs.nonce}-{k}>>{text}<</tandem-text-{kwargs.nonce}-{k}>>"
 
