@@ -16,6 +16,13 @@ function zeroEmbeddings(rows, hidden) {
   };
 }
 
+function nameOf(name, i) {
+  if (typeof name !== "string") {
+    throw new TypeError(`messages[${i}].name: must be a string, got ${typeof name}`);
+  }
+  return name;
+}
+
 // A Generate request carrying a conversation, rendered with the model's chat template on the server.
 // `messages` is [{role, content}] (and optionally name: "alice"), content a string or a list of parts: a string (text), an array of
 // token IDs, {embeddings: {dtype, shape, data}} (for example an encoder's output), or {image: tensor}
@@ -28,11 +35,11 @@ function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, te
   };
   const request = {
     chat: {
-      messages: messages.map((m) => ({
+      messages: messages.map((m, i) => ({
         role: m.role,
         // The participant's name, for a template that prints it; unset without one, as the proto's
-        // optional field means.
-        ...(m.name === undefined || m.name === null ? {} : { name: String(m.name) }),
+        // optional field means. Refused as the gateway refuses it: String() sent ["alice"] as "alice".
+        ...(m.name === undefined || m.name === null ? {} : { name: nameOf(m.name, i) }),
         content: (typeof m.content === "string" ? [m.content] : m.content).map(part),
       })),
       add_generation_prompt: addGenerationPrompt,

@@ -165,6 +165,22 @@ def test_node_chat_request_carries_a_turns_name_and_a_turn_without_one_sends_non
     assert (unnamed.role, unnamed.HasField("name")) == ("assistant", False)
 
 
+def test_node_chat_request_refuses_a_name_that_is_not_a_string_naming_it(node_client: Path) -> None:
+    # String() sent ["alice"] to the template as "alice" and 123 as "123", where the gateway refuses them.
+    script = (
+        'const { chatRequest } = require("./decoder");'
+        'for (const name of [["alice"], 123, false, {a: 1}]) {'
+        '  try { chatRequest([{role: "user", content: "hi"}, {role: "user", content: "yo", name}]);'
+        '    console.log("sent"); } catch (error) { console.log(error.message); } }'
+    )
+    result = subprocess.run(
+        ["node", "-e", script], cwd=node_client.parent, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    kinds = ["object", "number", "boolean", "object"]
+    assert result.stdout.splitlines() == [f"messages[1].name: must be a string, got {k}" for k in kinds]
+
+
 def test_node_chat_streams_a_reply_through_the_models_template(
     node_client: Path, decoder: LiveDecoder
 ) -> None:

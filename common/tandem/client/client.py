@@ -35,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import semconv
 from .channel import DEFAULT_MAX_MESSAGE_BYTES, PLAINTEXT, ChannelSecurity, open_channel, server_of
+from .errors import InvalidArgument
 from .observed_stream import ObservedStream, StreamObserver
 from .pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from .status import error_type
@@ -105,12 +106,15 @@ def chat_prompt(
     """The ChatPrompt message for `messages` ({"role": ..., "content": str or a list of parts, and
     optionally "name": the participant's, which templates that print it read})."""
     prompt = decoder_pb2.ChatPrompt(add_generation_prompt=add_generation_prompt)
-    for message in messages:
+    for i, message in enumerate(messages):
         content = message["content"]
         parts = [content] if isinstance(content, str) else list(content)  # type: ignore[arg-type]
         turn = prompt.messages.add(role=str(message["role"]))
         if (name := message.get("name")) is not None:
-            turn.name = str(name)
+            # Refused as the gateway refuses it: str() sent ["alice"] to the template as "['alice']".
+            if not isinstance(name, str):
+                raise InvalidArgument(f"messages[{i}].name", f"must be a string, got {type(name).__name__}")
+            turn.name = name
         for part in parts:
             if isinstance(part, str):
                 turn.content.add(text=part)

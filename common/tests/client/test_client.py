@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tandem.client.client import chat_prompt
+from tandem.client.errors import InvalidArgument
 
 
 def test_a_chat_turns_name_is_carried_and_a_turn_without_one_sends_none() -> None:
@@ -14,3 +17,10 @@ def test_a_chat_turns_name_is_carried_and_a_turn_without_one_sends_none() -> Non
     named, unnamed = prompt.messages
     assert named.HasField("name") and named.name == "alice"
     assert not unnamed.HasField("name")
+
+
+@pytest.mark.parametrize("name", [["alice"], 123, False, {"a": 1}])
+def test_a_name_that_is_not_a_string_is_refused_naming_the_turns_name(name: object) -> None:
+    # str() sent ["alice"] as the name "['alice']" to the template, where the gateway refuses the body.
+    with pytest.raises(InvalidArgument, match=r"^messages\[1\]\.name: must be a string, got "):
+        chat_prompt([{"role": "user", "content": "hi"}, {"role": "user", "content": "yo", "name": name}])
