@@ -13,7 +13,7 @@ from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.gateway.body_limits import BodyLimits
 from tandem.gateway.calls import EmbedCall
 from tandem.gateway.embed_request import embed_request
-from tandem.gateway.embeddings import answer_bound, check_answer_size, float32_values
+from tandem.gateway.embeddings import answer_bound, check_answer_size, check_reply_sizes, float32_values
 from tandem.gateway.errors import Refused
 
 INFO = encoder_pb2.EncoderGetModelInfoResponse(hidden_size=64, max_input_tokens=100, num_virtual_tokens=2)
@@ -53,6 +53,24 @@ def test_an_answer_over_the_limit_is_413_naming_input() -> None:
         check_answer_size(call, INFO, answer_bound(call, INFO) - 1)
     assert (refused.value.error.status, refused.value.error.param) == (413, "input")
     assert "--max-embeddings-bytes" in refused.value.error.message
+
+
+def test_token_ids_whose_reply_is_over_the_message_cap_are_413_naming_the_input_before_any_call() -> None:
+    # 64 IDs x 64 values x 4 bytes = 16384 bytes of rows, plus at least a byte an ID: the encoder's reply
+    # (17039 bytes live) was refused by the gateway's channel after the call, named as a picture.
+    info = encoder_pb2.EncoderGetModelInfoResponse(hidden_size=64, max_input_tokens=100)
+    body = {"input": ["hi", list(range(5, 69))], "tandem_pooling": "none", "encoding_format": "base64"}
+    call = embed_request(body, LIMITS)
+    check_reply_sizes(call, info, 16384 + 64)  # rows and IDs at the cap: sent
+    with pytest.raises(Refused) as refused:
+        check_reply_sizes(call, info, 16384 + 63)
+    assert (refused.value.error.status, refused.value.error.param) == (413, "input[1]")
+    assert refused.value.error.message == (
+        "input[1]: its reply from the encoder is at least 16448 bytes (64 rows x 64 values x 4 bytes, and "
+        "its 64 token IDs), over the gateway's --max-message-bytes of 16447; send fewer token IDs, or pool "
+        "them (tandem_pooling mean)"
+    )
+    check_reply_sizes(embed_request(body | {"tandem_pooling": "mean"}, LIMITS), info, 16384)  # one row
 
 
 def test_a_rows_json_floats_are_numpys_reading_of_the_little_endian_bytes() -> None:

@@ -14,7 +14,11 @@ import json
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
+
+from tandem.gateway.encoder_info import EncoderInfo
+from tandem.gateway.image_bytes import over_cap
 
 from .fake_decoder import fake_decoder
 from .fake_encoder import fake_encoder
@@ -156,8 +160,41 @@ async def test_an_encoder_whose_cap_is_below_the_gateways_refusal_names_the_part
     ):
         status, error = await _refusal(f"{url}/{path}", body(PICTURE))
     assert (status, error["param"]) == (413, part)
-    assert error["message"].startswith(
-        f"{part}: the picture's Embed call is over the services' --max-message-bytes (the encoder's, or the "
-        "gateway's): "
+    assert error["message"].startswith(f"{part}: its Embed call is ")
+    assert error["message"].endswith(f"bytes, over the encoder's --max-message-bytes of {BOUND}")
+
+
+@pytest.mark.parametrize(
+    ("details", "status", "message"),
+    [
+        (
+            "Stream removed (CLIENT: Received message larger than max (17039 vs. 16384))",
+            413,
+            "input: the encoder's reply is 17039 bytes, over the gateway's --max-message-bytes of 16384: ask "
+            "for fewer rows (fewer or shorter inputs, or tandem_pooling mean), or start the gateway with a "
+            "larger --max-message-bytes",
+        ),
+        (
+            "CLIENT: Sent message larger than max (17039 vs. 16384)",
+            413,
+            "input: its Embed call is 17039 bytes, over the gateway's --max-message-bytes of 16384",
+        ),
+        (
+            "SERVER: Received message larger than max (17039 vs. 16384)",
+            413,
+            "input: its Embed call is 17039 bytes, over the encoder's --max-message-bytes of 16384",
+        ),
+    ],
+    ids=["reply-gateways-cap", "request-gateways-cap", "request-encoders-cap"],
+)
+def test_an_embed_call_over_a_cap_names_the_way_and_whose_cap_not_a_picture(
+    details: str, status: int, message: str
+) -> None:
+    # Every one read "the picture's Embed call is over the services' --max-message-bytes (the encoder's,
+    # or the gateway's)" with gRPC's words, for a text's or token IDs' reply (rows) over the gateway's cap.
+    error = grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(), details
     )
-    assert "larger than max" in error["message"]
+    refusal = over_cap(error, "input", EncoderInfo.__new__(EncoderInfo))
+    assert refusal is not None
+    assert (refusal.status, refusal.param, refusal.message) == (status, "input", message)

@@ -475,6 +475,7 @@ class Gateway:
         bound = embeddings.answer_bound(call, info)
         embeddings.check_answer_size(call, info, self.config.max_embeddings_bytes)  # before any call
         max_message_bytes = self.config.max_message_bytes
+        embeddings.check_reply_sizes(call, info, max_message_bytes)
         for i, input_request in enumerate(call.requests):
             where = call.input_field(i, "image")
             if input_request.HasField("image") and (

@@ -67,6 +67,31 @@ def check_answer_size(call: EmbedCall, info: encoder_pb2.EncoderGetModelInfoResp
         raise Refused(HttpError(413, "invalid_request_error", message, "input"))
 
 
+def check_reply_sizes(
+    call: EmbedCall, info: encoder_pb2.EncoderGetModelInfoResponse, max_message_bytes: int
+) -> None:
+    """Refused (413 naming the input) when an input of token IDs asks for a reply over the gateway's
+    `max_message_bytes`: its rows (one an ID, plus a soft prompt's) x the width x 4 bytes, and each ID
+    again (a varint of a byte at least). Sent, the gateway's channel refused the reply after the encoder
+    had computed it. Only token IDs are counted: a text's or a picture's rows are known only once read
+    (`answer_bound` takes their most), and one that is still over is named by `image_bytes.over_cap`."""
+    for i, request in enumerate(call.requests):
+        if request.pooling == encoder_pb2.POOLING_MEAN or request.WhichOneof("input") != "token_ids":
+            continue
+        num_ids = len(request.token_ids.ids)
+        num_rows = num_ids + info.num_virtual_tokens
+        num_bytes = num_rows * info.hidden_size * 4 + num_ids
+        if num_bytes > max_message_bytes:
+            where = call.input_field(i, "token_ids")
+            message = (
+                f"{where}: its reply from the encoder is at least {num_bytes} bytes ({num_rows} rows x "
+                f"{info.hidden_size} values x 4 bytes, and its {num_ids} token IDs), over the gateway's "
+                f"--max-message-bytes of {max_message_bytes}; send fewer token IDs, or pool them "
+                "(tandem_pooling mean)"
+            )
+            raise Refused(HttpError(413, "invalid_request_error", message, where))
+
+
 async def write_answer(
     request: web.Request,
     call: EmbedCall,

@@ -80,18 +80,35 @@ async def refusal_asking_again(
 
 
 def over_cap(error: grpc.aio.AioRpcError, where: str, info: EncoderInfo) -> HttpError | None:
-    """gRPC's refusal of an Embed call over a side's message cap as a 413 naming `where`: the encoder's
-    --max-message-bytes below the gateway's (its server refused), or a picture the check above let by;
-    and the encoder's refusal of a picture over a max_image_bytes lower than `info` held (then held)."""
+    """gRPC's refusal of an Embed call over a side's message cap as a 413 naming `where`, read by the
+    shared parser (`tandem.client.over_cap`): the request (a picture the check above let by, or the
+    encoder's --max-message-bytes below the gateway's) or the reply (a text's rows, which no check before
+    the call can count), and whose cap. And the encoder's refusal of a picture over a max_image_bytes
+    lower than `info` held (then held).
+
+    NOTE: a reply over a cap is a 413 here, where a Generate call's is a 500 (`errors.py`): an Embed
+    reply's size is the input's rows alone, which the body chose, and the answer over
+    --max-embeddings-bytes for the same cause is a 413 naming the input too."""
     details = error.details() or ""
     if error.code() == grpc.StatusCode.INVALID_ARGUMENT and (said := OVER_MAX_IMAGE_BYTES.search(details)):
         num_bytes, max_image_bytes = int(said[1]), int(said[2])
         info.lowered(max_image_bytes)
         return over_max_image_bytes(num_bytes, max_image_bytes, where)
-    if message_over_cap(error) is None:
+    if (over := message_over_cap(error)) is None:
         return None
-    message = (
-        f"{where}: the picture's Embed call is over the services' --max-message-bytes (the encoder's, "
-        f"or the gateway's): {details}"
-    )
+    side = "gateway" if over.is_ours else "encoder"
+    limit = f"the {side}'s --max-message-bytes of {over.max_bytes}"
+    if over.is_reply:
+        # An embeddings input may ask for fewer rows; a chat's picture has as many as the encoder makes.
+        fewer = (
+            "ask for fewer rows (fewer or shorter inputs, or tandem_pooling mean), or "
+            if where.startswith("input")
+            else ""
+        )
+        message = (
+            f"{where}: the encoder's reply is {over.num_bytes} bytes, over {limit}: {fewer}start the "
+            f"{side} with a larger --max-message-bytes"
+        )
+    else:
+        message = f"{where}: its Embed call is {over.num_bytes} bytes, over {limit}"
     return HttpError(413, "invalid_request_error", message, where)
