@@ -95,6 +95,20 @@ def test_the_models_template_failing_on_the_messages_names_them_not_a_field_the_
     )
 
 
+def test_the_models_template_failing_beside_chat_template_kwargs_blames_neither_alone() -> None:
+    # {% if threshold > 3 %} given {"threshold": "a"} fails on the kwarg, the messages fine: it was
+    # named `messages` alone. Which of the two the template tripped on only its text can tell.
+    said = "chat.chat_template: the template failed: '>' not supported between instances of 'str' and 'int'"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"threshold": "a"}}
+    names = chat_request(body, BodyLimits.for_chat(64, 1)).names
+    error = from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, said, "chat.chat_template"), names)
+    assert (error.status, error.param) == (400, None)
+    assert error.message == (
+        "the model's chat template failed on the messages or chat_template_kwargs: the template failed: "
+        "'>' not supported between instances of 'str' and 'int'"
+    )
+
+
 def test_a_service_that_serves_another_model_is_openais_unknown_model() -> None:
     # The encoder's refusal of an embeddings body's model (check_model): it was a 404 with no param
     # and code not_found_error, where a chat's unknown model is model_not_found naming `model`.

@@ -101,7 +101,11 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             request.output.top_logprobs = top
     elif top is not None:  # as OpenAI and vLLM answer it, rather than dropping the field
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
-    names = dataclasses.replace(names, image_urls=frozenset((image.message, image.part) for image in images))
+    names = dataclasses.replace(
+        names,
+        image_urls=frozenset((image.message, image.part) for image in images),
+        has_template_kwargs=request.chat.HasField("template_kwargs"),
+    )
     return generate_call(body, (request,), n, False, tuple(images), names)
 
 
