@@ -6,7 +6,14 @@ import pytest
 
 from tandem.client.errors import InvalidArgument
 from tandem.common.torch_part.prompt_parts import TextPrompt
-from tandem.decoder.engine.admission.template_kwargs import TemplateKwargs, mark, template_kwargs, unmark
+from tandem.decoder.engine.admission.template_kwargs import (
+    MAX_KWARGS_CHARS,
+    TemplateKwargs,
+    check_size,
+    mark,
+    template_kwargs,
+    unmark,
+)
 
 NONCE = "0123456789abcdef"
 
@@ -73,3 +80,13 @@ def test_a_string_marked_by_the_caller_of_mark_reads_back_at_its_field() -> None
         ("chat.messages[0].name", TextPrompt("alice", is_plain=True)),
         ("chat", TextPrompt(")")),
     ]
+
+
+def test_kwargs_past_the_characters_limit_are_refused_naming_the_field_and_the_limit() -> None:
+    # Every string is read for literals on a chat builder thread: 64 MiB of them took 4.4 s. Keys count.
+    check_size({"t": [{"k": "a" * (MAX_KWARGS_CHARS - 3)}], "n": 1.0})
+    with pytest.raises(InvalidArgument) as error:
+        check_size({"t": [{"k": "a" * (MAX_KWARGS_CHARS - 3)}], "no": 1.0})
+    assert error.value.field == "chat.template_kwargs"
+    assert f"{MAX_KWARGS_CHARS + 1} characters" in str(error.value)
+    assert f"limit of {MAX_KWARGS_CHARS}" in str(error.value)

@@ -42,7 +42,7 @@ from tandem.decoder.engine.admission.chat import (
     ChatRequest,
     ChatTemplate,
     LocatedPart,
-    check_template_kwarg_names,
+    check_template_kwargs,
     literal_tokenizer,
 )
 from tandem.decoder.engine.admission.chat import ROLES as CHAT_ROLES
@@ -241,8 +241,8 @@ def check_spec(
         check_part(part, path, hidden_size, enable_prompt_embeds)
     if spec.chat is not None and spec.chat.template is None and not has_chat_template:
         raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
-    if spec.chat is not None:  # by name alone: at render it came after an encoder part's Embed call
-        check_template_kwarg_names(spec.chat.template_kwargs, template_variables)
+    if spec.chat is not None:  # names and size alone: at render it came after an encoder part's Embed call
+        check_template_kwargs(spec.chat.template_kwargs, template_variables)
     field_name = "prompt" if spec.chat is None else "chat"
     _check_sizes_fit([part for _, part in located], field_name, max_model_len, max_token_chars)
     return located

@@ -32,6 +32,10 @@ from tandem.common.torch_part.prompt_parts import TextPrompt
 FIELD = "chat.template_kwargs"
 MAX_EXACT_INTEGER = 2**53  # doubles hold every integer up to it exactly
 MAX_KEY_CHARS = 32  # a key longer is cut in a field path, which an error repeats
+# Characters of every string and key, at any depth: each is read for special literals on a chat
+# builder thread (64 MiB of them took 4.4 s on a 267-literal vocabulary), and templates read a handful
+# of flags. As much as a render may print (template_worker.MAX_RENDERED_CHARS).
+MAX_KWARGS_CHARS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,25 @@ def template_kwargs(
     # Top-level keys are variable names, which a template cannot print.
     result.variables.update({key: convert(value, _key_path(FIELD, key)) for key, value in kwargs.items()})
     return result
+
+
+def check_size(kwargs: dict[str, Any]) -> None:
+    """Refuses kwargs whose strings and keys hold more than MAX_KWARGS_CHARS characters in all."""
+
+    def size(value: Any) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, dict):
+            return sum(len(key) + size(item) for key, item in value.items())
+        if isinstance(value, list):
+            return sum(map(size, value))
+        return 0
+
+    if (num_chars := size(kwargs)) > MAX_KWARGS_CHARS:
+        raise InvalidArgument(
+            FIELD,
+            f"{num_chars} characters of strings and keys exceed the limit of {MAX_KWARGS_CHARS}",
+        )
 
 
 def mark(kwargs: TemplateKwargs, text: str, path: str, at_risk: bool = True) -> str:
