@@ -7,10 +7,10 @@ import time
 
 import pytest
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.body_limits import MAX_TEMPLATE_DEPTH
 from tandem.gateway.template_kwargs import template_kwargs
 
 
@@ -54,18 +54,39 @@ def test_a_wide_kwargs_is_refused_without_reading_it_all() -> None:
     assert time.perf_counter() - started < 0.01
 
 
-def test_kwargs_nest_as_deep_as_the_decoders_parser_reads() -> None:
-    # Each object is 3 protobuf levels (Struct, map entry, Value) of upb's 100: 34 objects were built and
-    # sent, and the decoder's parse failed 'Exceeded upb_DecodeOptions_MaxDepth', named `request`.
-    for kinds in ("o" * MAX_TEMPLATE_DEPTH, "o" * 32 + "l", "ol" + "o" * 31, "l" * MAX_TEMPLATE_DEPTH):
-        request = decoder_pb2.GenerateRequest(chat=_built(_nested(kinds)))
-        assert decoder_pb2.GenerateRequest.FromString(request.SerializeToString()) == request
-    for kinds in ("o" * (MAX_TEMPLATE_DEPTH + 1), "o" * MAX_TEMPLATE_DEPTH + "l"):
-        error = _refusal(_nested(kinds))
+def _parses(kinds: str) -> bool:
+    """Whether the decoder's protobuf parser reads a Generate call carrying `_nested(kinds)` (built with
+    no check of the gateway's)."""
+    request = decoder_pb2.GenerateRequest()
+    request.chat.template_kwargs.update(_nested(kinds))
+    try:
+        return decoder_pb2.GenerateRequest.FromString(request.SerializeToString()) == request
+    except DecodeError:
+        return False
+
+
+def _accepted(kinds: str) -> bool:
+    try:
+        _built(_nested(kinds))
+    except InvalidArgument as error:
         assert str(error) == (
-            "chat_template_kwargs: nests deeper than the limit of 33 objects and lists (the top one "
-            "counted), the most the decoder's protobuf parser reads"
+            "chat_template_kwargs: nests deeper than the decoder's protobuf parser reads (each object "
+            "counts 3 of its 99 levels, each list 2: 33 objects, or an object and 48 lists)"
         )
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    ["o" * 33, "o" * 34, "o" + "l" * 48, "o" + "l" * 49, "oo" + "l" * 46, "oo" + "l" * 47, "o" * 32 + "l"]
+    + ["o" + "l" * 10 + "o" * 25, "o" + "l" * 10 + "o" * 26, "ol" + "o" * 31, "ol" + "o" * 32],
+)
+def test_kwargs_nest_as_deep_as_the_decoders_parser_reads(kinds: str) -> None:
+    # Each object is 3 protobuf levels (Struct, map entry, Value) of upb's 100, a list 2 (ListValue,
+    # Value): 34 objects were sent and the decoder's parse failed, named `request`; and counting a list
+    # as an object refused 37 lists, which the decoder reads, as past what it reads.
+    assert _accepted(kinds) == _parses(kinds)
 
 
 def test_a_kwarg_may_not_carry_what_the_body_refuses() -> None:

@@ -28,10 +28,13 @@ from tandem.client.errors import InvalidArgument
 MAX_STOP = 16  # stop strings (OpenAI allows 4; vLLM more)
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids (vLLM's extra)
 MAX_TEMPLATE_FIELDS = 256  # chat_template_kwargs fields, nested ones included (the decoder's request_width)
-# chat_template_kwargs' nesting, the top object counted: the decoder's protobuf parser (upb) reads 100
-# levels, the request and chat two, each object three (Struct, map entry, Value): 33 objects parse, 34 do
-# not. Lists cost two levels, so any 33 objects and lists parse.
-MAX_TEMPLATE_DEPTH = 33
+# chat_template_kwargs' nesting, in the decoder's protobuf parser's levels (upb reads 100): the request
+# and chat take one, each object three (Struct, map entry, Value), each list two (ListValue, Value).
+# Measured: 33 objects parse and 34 do not; an object and 48 lists parse, 49 do not. Counting a list as
+# an object refused 37 lists, which parse, as past what the parser reads.
+MAX_TEMPLATE_LEVELS = 99
+OBJECT_LEVELS = 3
+LIST_LEVELS = 2
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_GUIDED_CHOICES = 1024  # guided_choice strings
 MAX_INPUTS = 64  # /v1/embeddings inputs: each is an Embed call

@@ -7,7 +7,8 @@ build, every stream and /health waiting, before the decoder refused it at 256 fi
 counted the decoder's way (`api/request_width.py`: every value of an object or a list, at every depth)
 and the walk stops past the limit. The same walk bounds the depth the decoder's protobuf parser reads:
 each object is three of upb's 100 levels (Struct, map entry, Value), a list two, so 34 nested objects
-were built and sent, and the decoder refused the call as unparsable, naming `request`. The walk also
+were built and sent, and the decoder refused the call as unparsable, naming `request`. Each is counted
+at its own cost: counting a list as an object refused 37 nested lists, which the decoder reads. The walk also
 refuses an integer a double cannot hold exactly (past 2**53), naming its path: the Struct would round
 it, and the template see another integer (2**53 + 1 became 2**53, silently).
 """
@@ -19,12 +20,17 @@ from typing import Any
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2
-from tandem.gateway.body_limits import MAX_TEMPLATE_DEPTH, MAX_TEMPLATE_FIELDS
+from tandem.gateway.body_limits import LIST_LEVELS, MAX_TEMPLATE_FIELDS, MAX_TEMPLATE_LEVELS, OBJECT_LEVELS
 from tandem.gateway.fields import field
 
 FIELD = "chat_template_kwargs"
 MAX_EXACT_INTEGER = 2**53  # doubles hold every integer up to it exactly (the decoder's the same)
 MAX_KEY_CHARS = 32  # a key longer is cut in a field path, as the decoder cuts it
+TOO_DEEP = (
+    f"nests deeper than the decoder's protobuf parser reads (each object counts {OBJECT_LEVELS} of its "
+    f"{MAX_TEMPLATE_LEVELS} levels, each list {LIST_LEVELS}: {MAX_TEMPLATE_LEVELS // OBJECT_LEVELS} objects, "
+    f"or an object and {(MAX_TEMPLATE_LEVELS - OBJECT_LEVELS) // LIST_LEVELS} lists)"
+)
 
 
 def template_kwargs(kwargs: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> None:
@@ -53,9 +59,9 @@ def _check_size(kwargs: dict[str, Any]) -> None:
     the first past its limit: at most MAX_TEMPLATE_FIELDS + 1 values are read whatever the width. An
     integer past MAX_EXACT_INTEGER is refused on the way, naming its path."""
     num_fields = 0
-    pending: list[tuple[dict[str, Any] | list[Any], str, int]] = [(kwargs, FIELD, 1)]
+    pending: list[tuple[dict[str, Any] | list[Any], str, int]] = [(kwargs, FIELD, OBJECT_LEVELS)]
     while pending:
-        container, path, depth = pending.pop()
+        container, path, levels = pending.pop()  # the parser's levels down to this one, it included
         items = container.items() if isinstance(container, dict) else enumerate(container)
         for key, value in items:
             num_fields += 1
@@ -69,13 +75,10 @@ def _check_size(kwargs: dict[str, Any]) -> None:
                     f"is an integer past ±2^53 ({MAX_EXACT_INTEGER}), the most a double holds exactly",
                 )
             if isinstance(value, (dict, list)):
-                if depth == MAX_TEMPLATE_DEPTH:
-                    raise InvalidArgument(
-                        FIELD,
-                        f"nests deeper than the limit of {MAX_TEMPLATE_DEPTH} objects and lists (the top "
-                        "one counted), the most the decoder's protobuf parser reads",
-                    )
-                pending.append((value, _path(path, key), depth + 1))
+                below = levels + (OBJECT_LEVELS if isinstance(value, dict) else LIST_LEVELS)
+                if below > MAX_TEMPLATE_LEVELS:
+                    raise InvalidArgument(FIELD, TOO_DEEP)
+                pending.append((value, _path(path, key), below))
 
 
 def _path(path: str, key: str | int) -> str:
