@@ -355,15 +355,18 @@ def test_a_tool_turn_is_rendered_as_sent_whatever_comes_before_it() -> None:
     assert (turn.role, [part.text for part in turn.content]) == ("tool", ["42"])
 
 
-def test_an_assistant_turn_with_no_content_is_one_of_no_text() -> None:
-    # The SDK's assistant content is optional and nullable, and vLLM renders it as empty text; content
-    # null beside tool_calls [] (a plain turn as some clients send it) was told to be a string.
-    for silent in ({"content": None, "tool_calls": []}, {"function_call": None}):
-        history = [CHAT["messages"][0], {"role": "assistant"} | silent, CHAT["messages"][0]]
+@pytest.mark.parametrize("role", ["assistant", "user", "system", "tool"])
+def test_a_turn_with_no_content_or_an_empty_list_is_one_of_no_text_whatever_its_role(role: str) -> None:
+    # vLLM's parse_chat_message_content reads a missing or null content as [] for every role, and renders
+    # [] as empty text; the SDK types assistant content as a list of parts. Only an assistant's null was
+    # taken: a user turn with no content, and [] of any role, were told to be a string.
+    silent = ({"content": None, "tool_calls": []}, {"function_call": None}, {"content": []}, {})
+    for fields in silent:
+        history = [CHAT["messages"][0], {"role": role} | fields, CHAT["messages"][0]]
         turn = chat_request({"messages": history}, LIMITS).requests[0].chat.messages[1]
         assert [part.text for part in turn.content] == [""]
     with pytest.raises(InvalidArgument, match=r"^messages\[0\]\.content: must be a string"):
-        chat_request({"messages": [{"role": "user", "content": None}]}, LIMITS)
+        chat_request({"messages": [{"role": "user", "content": 0}]}, LIMITS)
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,8 @@ def _content_parts(
     `images` (the encoder's rows take its place once embedded)."""
     if isinstance(content, str):
         return [decoder_pb2.ChatContentPart(text=content)]
-    if not isinstance(content, list) or not content:
-        raise InvalidArgument(path, "must be a string or a non-empty list of content parts")
+    if not isinstance(content, list):
+        raise InvalidArgument(path, "must be a string or a list of content parts")
     parts = []
     for j, part in enumerate(content):
         where = f"{path}[{j}]"
@@ -89,7 +89,9 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
                 raise InvalidArgument(f"messages[{i}].{name}", "tool calling is not supported")
         turn = request.chat.messages.add(role="system" if role == "developer" else role, name=participant)
         content = message.get("content")
-        if content is None and role == "assistant":  # the SDK's optional content, empty text to vLLM
+        # vLLM reads a missing or null content as [] whatever the role, and renders [] as empty text
+        # (parse_chat_message_content); the SDK types an assistant's content as a list of parts.
+        if content is None or content == []:
             content = ""
         turn.content.extend(_content_parts(content, f"messages[{i}].content", i, images))
     _template_options(body, request.chat)
