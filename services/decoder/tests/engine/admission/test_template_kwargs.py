@@ -90,3 +90,36 @@ def test_kwargs_past_the_characters_limit_are_refused_naming_the_field_and_the_l
     assert error.value.field == "chat.template_kwargs"
     assert f"{MAX_KWARGS_CHARS + 1} characters" in str(error.value)
     assert f"limit of {MAX_KWARGS_CHARS}" in str(error.value)
+
+
+def _pair(kwargs: TemplateKwargs, name: str) -> tuple[str, str, str]:
+    """A marked string's opening marker, text and closing marker."""
+    marked = kwargs.variables[name]
+    opening, rest = marked.split(">>", 1)
+    text, closing = rest.split("<</", 1)
+    return opening + ">>", text, "<</" + closing
+
+
+def test_a_marked_string_printed_changed_inside_another_pair_is_refused_naming_the_outer() -> None:
+    kwargs = template_kwargs({"a": "<|x|>", "b": "<|y|>"}, _at_risk, NONCE)
+    opening, text, closing = _pair(kwargs, "a")
+    with pytest.raises(InvalidArgument) as error:
+        unmark(opening + text + kwargs.variables["b"].replace("<", "&lt;") + closing, kwargs)
+    assert error.value.field == "chat.template_kwargs.a"
+
+
+def test_a_pair_closed_by_another_strings_marker_is_refused_naming_the_opened() -> None:
+    kwargs = template_kwargs({"a": "<|x|>", "b": "<|y|>"}, _at_risk, NONCE)
+    opening, text, _ = _pair(kwargs, "a")
+    with pytest.raises(InvalidArgument) as error:
+        unmark(opening + text + _pair(kwargs, "b")[2], kwargs)
+    assert error.value.field == "chat.template_kwargs.a"
+
+
+def test_a_marker_with_an_index_of_thousands_of_digits_is_refused_not_an_internal_error() -> None:
+    # A caller's own template can read the nonce out of a marked string and print such a marker:
+    # int() of its 5,000 digits raised ValueError.
+    kwargs = template_kwargs({"a": "<|x|>"}, _at_risk, NONCE)
+    with pytest.raises(InvalidArgument) as error:
+        unmark(f"<<tandem-text-{NONCE}-{'9' * 5000}>>x<</tandem-text-{NONCE}-{'9' * 5000}>>", kwargs)
+    assert error.value.field == "chat.template_kwargs"
