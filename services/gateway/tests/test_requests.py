@@ -420,6 +420,32 @@ def test_vllms_chat_template_extras_reach_the_chat_prompt() -> None:
     assert not plain.HasField("template_kwargs")
 
 
+def test_vllms_merge_of_the_kwargs_over_add_generation_prompt_and_documents() -> None:
+    # vLLM builds dict(add_generation_prompt=..., documents=...) from the body, then updates it with the
+    # kwargs: a kwarg overrides either. Here kwargs' add_generation_prompt was a 400, and the body's
+    # documents (Command-R's and Granite's RAG templates read them) were dropped, a 200 without them.
+    docs = [{"title": "t", "text": "x"}]
+    kwargs = {"add_generation_prompt": False, "enable_thinking": False}
+    chat = chat_request(CHAT | {"add_generation_prompt": True, "chat_template_kwargs": kwargs}, LIMITS)
+    assert not chat.requests[0].chat.add_generation_prompt
+    assert json_format.MessageToDict(chat.requests[0].chat.template_kwargs) == {"enable_thinking": False}
+    chat = chat_request(CHAT | {"documents": docs}, LIMITS)
+    assert json_format.MessageToDict(chat.requests[0].chat.template_kwargs) == {"documents": docs}
+    overridden = {"documents": docs, "chat_template_kwargs": {"documents": [{"text": "kw"}]}}
+    chat = chat_request(CHAT | overridden, LIMITS)
+    assert json_format.MessageToDict(chat.requests[0].chat.template_kwargs) == {"documents": [{"text": "kw"}]}
+    refusals = {
+        "chat_template_kwargs.add_generation_prompt": {"chat_template_kwargs": {"add_generation_prompt": 1}},
+        "documents": {"documents": {"title": "t"}},
+        "documents[0]": {"documents": ["x"]},
+        "documents[0].n": {"documents": [{"n": 2**53 + 1}]},
+    }
+    for name, extras in refusals.items():
+        with pytest.raises(InvalidArgument) as error:
+            chat_request(CHAT | extras, LIMITS)
+        assert error.value.field == name, error.value
+
+
 def test_a_completion_refuses_what_it_would_otherwise_ignore() -> None:
     with pytest.raises(InvalidArgument, match="suffix: is not supported"):
         completion_request({"prompt": "a", "suffix": "b"}, LIMITS)

@@ -125,6 +125,4 @@ def _template_options(body: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> Non
     # server trusts callers (--trust-request-chat-template, off by default), and so does the gateway.
     if field(body, "chat_template", str) is not None:
         raise InvalidArgument("chat_template", "a request's own chat template is not accepted")
-    kwargs = field(body, "chat_template_kwargs", dict)
-    if kwargs is not None:
-        template_kwargs(kwargs, chat)
+    template_kwargs(field(body, "chat_template_kwargs", dict), chat, field(body, "documents", list))

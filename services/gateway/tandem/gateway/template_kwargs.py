@@ -33,9 +33,32 @@ TOO_DEEP = (
 )
 
 
-def template_kwargs(kwargs: dict[str, Any], chat: decoder_pb2.ChatPrompt) -> None:
-    """`kwargs` as `chat.template_kwargs`, or InvalidArgument naming the field and the
-    limit it passes."""
+def template_kwargs(
+    kwargs: dict[str, Any] | None, chat: decoder_pb2.ChatPrompt, documents: list[Any] | None = None
+) -> None:
+    """`kwargs` as `chat.template_kwargs`, merged as vLLM merges them over the body's
+    add_generation_prompt and `documents` (set on `chat` already, and the body's own), or
+    InvalidArgument naming the field and the limit it passes."""
+    # vLLM's _preprocess_chat: dict(add_generation_prompt=..., documents=..., ...).update(kwargs), so a
+    # kwarg overrides the body's field of its name. A document is an object (vLLM's dict[str, str]).
+    if documents is not None:
+        for i, document in enumerate(documents):
+            if not isinstance(document, dict):
+                raise InvalidArgument(f"documents[{i}]", f"must be an object, got {type(document).__name__}")
+        if kwargs is None or "documents" not in kwargs:
+            try:
+                return template_kwargs({"documents": documents} | (kwargs or {}), chat)
+            except InvalidArgument as error:  # the body's documents, named as the body names them
+                path = FIELD + ".documents"
+                if error.field == path or error.field.startswith(path + "["):
+                    raise InvalidArgument(error.field.removeprefix(FIELD + "."), error.description) from None
+                raise
+    if kwargs is None:
+        return
+    if "add_generation_prompt" in kwargs:  # the chat's own field, never a kwarg the decoder sees
+        value = field(kwargs, "add_generation_prompt", bool, f"{FIELD}.")
+        chat.add_generation_prompt = bool(value)  # vLLM's null as the template reads it: falsy
+        kwargs = {key: value for key, value in kwargs.items() if key != "add_generation_prompt"}
     _check_size(kwargs)
     # vLLM merges the kwargs over its own chat_template, tools and continue_final_message, so a template
     # reads these keys as those: each is refused here as the body's own field is.
