@@ -107,6 +107,11 @@ def test_the_models_template_failing_beside_chat_template_kwargs_blames_neither_
         "the model's chat template failed on the messages or chat_template_kwargs: the template failed: "
         "'>' not supported between instances of 'str' and 'int'"
     )
+    names = chat_request(body | {"documents": [{"text": "x"}]}, BodyLimits.for_chat(64, 1)).names
+    error = from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, said, "chat.chat_template"), names)
+    assert error.message.startswith(
+        "the model's chat template failed on the messages, documents or chat_template_kwargs: "
+    )
 
 
 def test_a_service_that_serves_another_model_is_openais_unknown_model() -> None:

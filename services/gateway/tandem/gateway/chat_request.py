@@ -106,7 +106,7 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
     names = dataclasses.replace(
         names,
         image_urls=frozenset((image.message, image.part) for image in images),
-        has_template_kwargs=request.chat.HasField("template_kwargs"),
+        template_extras=tuple(name for name in ("documents", "chat_template_kwargs") if body.get(name)),
     )
     return generate_call(body, (request,), n, False, tuple(images), names)
 

@@ -122,8 +122,9 @@ class BodyNames:
     image_urls: frozenset[tuple[int, int]] = frozenset()
     # `stop` sent as one string, the decoder's stop_sequences[0]: named `stop`, not an element it lacks.
     is_stop_string: bool = False
-    # The body sent chat_template_kwargs: a template failure may be theirs as much as the messages'.
-    has_template_kwargs: bool = False
+    # What else of the body the template read (chat_template_kwargs, documents): a template failure may
+    # be theirs as much as the messages'.
+    template_extras: tuple[str, ...] = ()
 
 
 # A batch prompt's Generate call has one segment: the decoder's paths into it, up to what follows the
@@ -159,13 +160,11 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
         retry_after = 1.0
     if param == "chat":  # the rendered prompt as a whole (its length): the body's messages
         param, message = "messages", _renamed(message, "chat:", "messages:")
-    if param == MODEL_TEMPLATE and names.has_template_kwargs:  # which of the two, only its text tells
+    if param == MODEL_TEMPLATE and names.template_extras:  # which of them, only the template's text tells
         param = None
-        message = _renamed(
-            message,
-            "chat.chat_template:",
-            "the model's chat template failed on the messages or chat_template_kwargs:",
-        )
+        *some, last = ("the messages", *names.template_extras)
+        read = f"{', '.join(some)} or {last}"
+        message = _renamed(message, "chat.chat_template:", f"the model's chat template failed on {read}:")
     if param == MODEL_TEMPLATE:  # it failed on the messages (roles that must alternate, a part dropped)
         param = "messages"
         message = _renamed(
