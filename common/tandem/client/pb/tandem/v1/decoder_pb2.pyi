@@ -233,9 +233,14 @@ class ChatPrompt(_message.Message):
 
     @_builtins.property
     def template_kwargs(self) -> _struct_pb2.Struct:
-        """Extra variables for the template, e.g. {"enable_thinking": false} for Qwen3; not `messages` or
-        `add_generation_prompt`, which the render passes from the fields above (INVALID_ARGUMENT naming
-        chat.template_kwargs.<key>). Default none.
+        """Extra variables for the template, e.g. {"enable_thinking": false} for Qwen3. Not a variable the
+        render sets itself: `messages`, `add_generation_prompt`, `raise_exception`, `strftime_now`,
+        Jinja's globals (`range`, `dict`, `lipsum`, `cycler`, `joiner`, `namespace`) or the checkpoint's
+        `*_token` names (INVALID_ARGUMENT naming chat.template_kwargs.<key>). At most 256 fields, nested
+        ones included, and 1 MiB (2^20) of string and key characters in all. A whole-number double within
+        2^53 reaches the template as an int. A string that could form a special-token literal (in any
+        case) stays plain text however the template prints it, or the chat is refused naming it (API.md,
+        Chat). A Struct is a map: a dict's keys reach the template in no set order. Default none.
         """
 
     def __init__(

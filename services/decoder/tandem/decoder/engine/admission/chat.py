@@ -8,16 +8,20 @@ How parts keep their boundaries and caller text stays text:
   spliced back as its own prompt part after rendering, so no tokenization crosses it.
 - A text part is rendered inline, so the whole string tokenizes exactly as transformers'
   `apply_chat_template(..., tokenize=True)` does, unless it could take part in a special-token
-  literal (such as `<|im_start|>`): one inside it, or, at its ends (whitespace aside), the start of
-  one (`... <|im_`) or the end of one (`start|> ...`), which a neighbouring part or the template's
-  text could complete. Then it becomes a placeholder, spliced back as plain text (`is_plain`), which
-  tokenizes special-token literals as the text they spell. A literal spread over several parts has
-  a start in one and an end in another, so caller text can never forge a control token, however it
-  is split; the template's own control tokens stay.
+  literal (such as `<|im_start|>`) in any case (a template may print it `| lower`): one inside it,
+  or, at its ends (whitespace aside), the start of one (`... <|im_`) or the end of one
+  (`start|> ...`), which a neighbouring part or the template's text could complete. Then it becomes
+  a placeholder, spliced back as plain text (`is_plain`), which tokenizes special-token literals as
+  the text they spell. A literal spread over several parts has a start in one and an end in
+  another, so caller text can never forge a control token, however it is split; the template's own
+  control tokens stay.
 - A string of template_kwargs that could take part in one is marked instead, and what the template
   printed of it spliced back as plain text (template_kwargs.py). So is every message's name, which
   the template may print changed (`| lower`) or inside pieces of a literal of its own
-  (`<|{{ name }}|>`); what it printed is put back inline unless a literal there overlaps it. A kwarg
+  (`<|{{ name }}|>`); what it printed is put back inline unless a literal there overlaps it. Markers
+  sit at a string's ends only, so where a string at risk was marked, a second render with each such
+  string inert must give the template's own text the same special literals, or the chat is refused
+  naming it: a template printing a string's middle (`x[34:-35]`) drops both markers. A kwarg
   cannot replace a variable the render sets itself (RENDER_VARIABLES, and the checkpoint's
   `bos_token`, `eos_token`, ...): a template prints `{{ eos_token }}` as its own text.
 
