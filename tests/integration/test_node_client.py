@@ -144,6 +144,15 @@ def test_mis_shaped_embedding_is_invalid_argument_naming_the_field(
     assert result.stdout == ""
 
 
+def _node_eval(node_client: Path, script: str) -> str:
+    """What `script` prints, run by node beside the client's modules (no service needed)."""
+    result = subprocess.run(
+        ["node", "-e", script], cwd=node_client.parent, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_node_chat_request_carries_a_turns_name_and_a_turn_without_one_sends_none(node_client: Path) -> None:
     # ChatMessage.name (30308ec) reaches templates that print it; chatRequest mapped {role, content} only.
     # Serialized as grpc-js sends it and read back here: no decoder needed.
@@ -156,11 +165,8 @@ def test_node_chat_request_carries_a_turns_name_and_a_turn_without_one_sends_non
         '[{role: "user", name: "alice", content: "hi"}, {role: "assistant", content: "yo"}]);'
         'process.stdout.write(definition["tandem.v1.Decoder"].Generate.requestSerialize(request).toString("base64"));'
     )
-    result = subprocess.run(
-        ["node", "-e", script], cwd=node_client.parent, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    named, unnamed = decoder_pb2.GenerateRequest.FromString(base64.b64decode(result.stdout)).chat.messages
+    request = decoder_pb2.GenerateRequest.FromString(base64.b64decode(_node_eval(node_client, script)))
+    named, unnamed = request.chat.messages
     assert (named.role, named.HasField("name"), named.name) == ("user", True, "alice")
     assert (unnamed.role, unnamed.HasField("name")) == ("assistant", False)
 
@@ -173,12 +179,10 @@ def test_node_chat_request_refuses_a_name_that_is_not_a_string_naming_it(node_cl
         '  try { chatRequest([{role: "user", content: "hi"}, {role: "user", content: "yo", name}]);'
         '    console.log("sent"); } catch (error) { console.log(error.message); } }'
     )
-    result = subprocess.run(
-        ["node", "-e", script], cwd=node_client.parent, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
     kinds = ["object", "number", "boolean", "object"]
-    assert result.stdout.splitlines() == [f"messages[1].name: must be a string, got {k}" for k in kinds]
+    assert _node_eval(node_client, script).splitlines() == [
+        f"messages[1].name: must be a string, got {k}" for k in kinds
+    ]
 
 
 def test_node_chat_streams_a_reply_through_the_models_template(
