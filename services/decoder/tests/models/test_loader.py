@@ -592,6 +592,25 @@ def test_a_broken_chat_template_file_is_named_before_the_server_listens(
         loader.check_checkpoint(model_dir)
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"{bos_token: <s>}", r"is not valid JSON"), (b'{"bos_token": "\xff"}', r"is not UTF-8 text")],
+)
+def test_a_broken_special_tokens_map_is_named_before_the_server_listens_when_it_is_read(
+    checkpoints: dict[str, Checkpoint], tmp_path: Path, content: bytes, message: str
+) -> None:
+    # The template's special-token names come from it when tokenizer_config.json has no
+    # added_tokens_decoder (template_source.read_special_tokens); json's message named no file.
+    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (model_dir / "special_tokens_map.json").write_bytes(content)
+    with pytest.raises(ModelLoadError, match=r"special_tokens_map\.json " + message):
+        loader.check_checkpoint(model_dir)
+    # One with added_tokens_decoder does not read the file, as transformers does not.
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {}}))
+    loader.check_checkpoint(model_dir)
+
+
 def test_a_named_chat_template_list_is_accepted(checkpoints: dict[str, Checkpoint], tmp_path: Path) -> None:
     model_dir = copy_of(checkpoints["qwen3"], tmp_path)
     templates = [{"name": "default", "template": "{{ messages }}"}, {"name": "tool_use", "template": "x"}]

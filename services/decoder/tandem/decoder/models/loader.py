@@ -251,9 +251,14 @@ def _check_chat_template(model_dir: Path) -> None:
     """The files the chat template comes from (engine/admission/chat.py reads them once the weights
     are in) are what it expects, so a broken one is named before the server listens: a malformed
     tokenizer_config.json ended the start-up with json's message naming no file, a chat_template of
-    numbers with an AttributeError traceback, a chat_template.jinja not in UTF-8 with the codec's."""
+    numbers with an AttributeError traceback, a chat_template.jinja not in UTF-8 with the codec's. So
+    did a malformed special_tokens_map.json, where the template's special-token names are read from it
+    (template_source.read_special_tokens: a config without added_tokens_decoder)."""
     config_path = model_dir / "tokenizer_config.json"
-    template = _read_json(config_path).get("chat_template") if config_path.is_file() else None
+    config = _read_json(config_path) if config_path.is_file() else {}
+    if "added_tokens_decoder" not in config and (model_dir / "special_tokens_map.json").is_file():
+        _read_json(model_dir / "special_tokens_map.json")
+    template = config.get("chat_template")
     named = isinstance(template, list) and all(
         isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
         for t in template
