@@ -135,6 +135,8 @@ def test_strftime_now_prints_the_time_now_as_transformers_does(workers: Template
         "{{ {'b': 'é', 'a': [1, 2]} | tojson(sort_keys=true, separators=(',', ':')) }}",
         "{{ {'b': 'é'} | tojson(ensure_ascii=true, indent=2) }}",
         "{{ dict(a=1) | tojson }}{{ dict.fromkeys(['x'], 0) | tojson }}",
+        # dict is not the builtin class, whose other attributes a template could reach: False in both.
+        "{{ dict.keys is defined }}",
         "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}",
     ],
 )
