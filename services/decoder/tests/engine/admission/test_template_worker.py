@@ -137,6 +137,8 @@ def test_strftime_now_prints_the_time_now_as_transformers_does(workers: Template
         "{{ dict(a=1) | tojson }}{{ dict.fromkeys(['x'], 0) | tojson }}",
         # dict is not the builtin class, whose other attributes a template could reach: False in both.
         "{{ dict.keys is defined }}",
+        # The namespace's name check is private, as in transformers (_check_name): False in both.
+        "{{ namespace.check_name is defined }}{{ namespace._check_name is defined }}",
         "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}",
     ],
 )

@@ -445,15 +445,15 @@ def sandbox() -> Any:
             self, args = args[0], args[1:]
             attributes = dict(*args, **kwargs)
             for name in attributes:
-                TemplateNamespace.check_name(name)
+                TemplateNamespace._check_name(name)
             Namespace.__init__(self, attributes)
 
         def __setitem__(self, name: str, value: Any) -> None:
-            TemplateNamespace.check_name(name)
+            TemplateNamespace._check_name(name)
             Namespace.__setitem__(self, name, value)
 
         @staticmethod
-        def check_name(name: Any) -> None:
+        def _check_name(name: Any) -> None:
             if isinstance(name, str) and name.startswith("_"):
                 raise SecurityError(
                     "Chat templates cannot store underscore-prefixed attributes on a namespace, but got "
