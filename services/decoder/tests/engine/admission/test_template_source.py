@@ -206,11 +206,56 @@ def test_special_tokens_map_json_completes_a_config_as_transformers_reads_it(tmp
     assert read_special_tokens(tmp_path) == {"bos_token": "<b>", "eos_token": "</s>"}
 
 
-def test_a_template_prints_added_token_objects_as_transformers_does(tmp_path: Path) -> None:
+def _save_tokenizer(model_dir: Path, specials: tuple[str, ...] = ()) -> Tokenizer:
+    """A tokenizer.json of a word or two, beside which AutoTokenizer loads a tokenizer_config.json."""
     tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<s>", "</s>")])
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return tokenizer
+
+
+# transformers 5 ranks a model-specific token (tokenizer_config.json's or special_tokens_map.json's
+# extra_special_tokens dict, or a *_token key of the config that is not one of the seven it names and
+# holds a string) over any other *_token key, whichever file each is in; the map's dict over the config's.
+DECODER = {"added_tokens_decoder": {}}  # the map is read without it alone
+
+
+@pytest.mark.parametrize(
+    ("config", "token_map"),
+    [
+        ({**DECODER, "extra_special_tokens": {"image_token": "<i>"}}, None),
+        ({**DECODER, "extra_special_tokens": {"image_token": _added_token("<i>")}}, None),
+        ({**DECODER, "image_token": "<a>", "extra_special_tokens": {"image_token": "<b>"}}, None),
+        ({**DECODER, "bos_token": "<s>", "extra_special_tokens": {"bos_token": "<x>"}}, None),
+        ({**DECODER, "additional_special_tokens": {"image_token": "<i>"}}, None),  # its older name
+        ({**DECODER, "extra_special_tokens": ["<i>"]}, None),  # a list names nothing
+        ({**DECODER}, {"extra_special_tokens": {"image_token": "<m>"}}),
+        ({"extra_special_tokens": {"image_token": "<c>"}}, {"extra_special_tokens": {"image_token": "<m>"}}),
+        ({"image_token": "<c>"}, {"image_token": "<m>"}),
+        ({"image_token": _added_token("<c>")}, {"image_token": "<m>"}),
+        ({"image_token": "<c>"}, {"extra_special_tokens": {"image_token": "<m>"}}),
+        ({"extra_special_tokens": {"image_token": "<c>"}}, {"image_token": "<m>"}),
+        ({"extra_special_tokens": {"bos_token": "<c>"}}, {"bos_token": "<m>"}),
+    ],
+)
+def test_model_specific_special_tokens_are_read_as_transformers_ranks_them(
+    tmp_path: Path, config: dict[str, object], token_map: dict[str, object] | None
+) -> None:
+    # transformers passed extra_special_tokens' image_token to the template; here it was undefined and
+    # a kwarg could take its name (review 9, G2).
+    _save_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config})
+    )
+    if token_map is not None:
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(token_map))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path)).special_tokens_map
+    assert read_special_tokens(tmp_path) == reference
+
+
+def test_a_template_prints_added_token_objects_as_transformers_does(tmp_path: Path) -> None:
+    tokenizer = _save_tokenizer(tmp_path, ("<s>", "</s>"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": _added_token("<s>"),

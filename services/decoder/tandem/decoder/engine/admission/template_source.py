@@ -13,7 +13,10 @@ Mistral's) write it, an AddedToken object (`{"__type": "AddedToken", "content": 
 `content` is the name. Reading strings alone gave those checkpoints no bos_token: the template printed
 nothing where transformers prints `<s>`, and a kwarg named bos_token was printed in its place. A config
 without `added_tokens_decoder` (an older transformers saved it) is completed by special_tokens_map.json,
-whose names win over the config's, as transformers reads them.
+whose names win over the config's, as transformers reads them. transformers 5 writes model-specific tokens
+(Gemma 3's `image_token`) in an `extra_special_tokens` dict, which it passes too, ranked over the rest
+(read_special_tokens). Of that dict too only `*_token` keys are read, where transformers passes any: no
+such name can be one of the variables a render passes itself (`messages`), which would fail every render.
 
 A template with a Jinja syntax error (or a filter or test Jinja does not have, or a block defined
 twice: errors Jinja raises while compiling) fails every chat, naming `chat.chat_template` though the
@@ -93,13 +96,34 @@ def _read_template_source(model_dir: Path) -> TemplateSource | None:
     return None
 
 
+# The special tokens transformers' tokenizers name themselves (SPECIAL_TOKENS_ATTRIBUTES); any other
+# *_token is model-specific (Gemma 3's image_token, boi_token).
+_NAMED = {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}
+
+
 def read_special_tokens(model_dir: Path) -> dict[str, str]:
     """The special-token names a template of the checkpoint in `model_dir` reads, by variable name."""
     config = _json_object(model_dir / "tokenizer_config.json")
     names = _token_names(config)
+    # transformers 5 sets the model-specific tokens after the others, so they win whatever file each
+    # is in: a config's string under a *_token key it does not name itself (an AddedToken object there
+    # is still a dict when it sorts them, so it ranks with the others), then extra_special_tokens'
+    # dict (its older name additional_special_tokens' where that is empty), then the map's dict.
+    specific = {
+        key: name for key, name in names.items() if key not in _NAMED and isinstance(config[key], str)
+    }
+    specific.update(
+        _token_names(_dict(config.get("extra_special_tokens") or config.get("additional_special_tokens")))
+    )
     if "added_tokens_decoder" not in config:
-        names.update(_token_names(_json_object(model_dir / "special_tokens_map.json")))
-    return names
+        token_map = _json_object(model_dir / "special_tokens_map.json")
+        names.update(_token_names(token_map))
+        specific.update(_token_names(_dict(token_map.get("extra_special_tokens"))))
+    return names | specific
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _token_names(entries: dict[str, Any]) -> dict[str, str]:
