@@ -301,7 +301,10 @@ def test_a_chats_image_part_is_named_as_the_body_gave_it() -> None:
         (".encoder.image.data", "is empty"),
         (".encoder.image", "must not be empty"),
         (".encoder.embeddings.shape", "expected [n >= 1, 64], got [1, 2]"),
-        (".encoder.data", "contains NaN or Inf as float32 (first at index [0, 0])"),
+        (
+            ".encoder.data",
+            "contains NaN or Inf as sent, in float32 (first at index [0, 0]); values must be finite",
+        ),
         (".encoder.shared_embeddings.name", "names a segment this call did not ask for"),
     ],
 )
