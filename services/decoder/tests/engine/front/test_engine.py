@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from dataclasses import replace
@@ -14,9 +15,10 @@ import torch
 from services.decoder.tests.engine.engine_helpers import finished as _finished
 from services.decoder.tests.engine.engine_helpers import run_concurrently as _run_concurrently
 from services.decoder.tests.engine.engine_helpers import tokens as _tokens
-from tandem.client.errors import InvalidArgument, ResourceExhausted
+from tandem.client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tandem.decoder.api.protocol import event_to_pb
 from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, no_chat_template
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.backpressure import MAX_STREAM_INTERVAL, MAX_UNREAD_TOKENS
@@ -623,3 +625,26 @@ def test_a_request_whose_prompt_logprobs_may_not_fit_one_reply_is_refused_before
         unbounded = engine.generate(scoring(None))  # in process: no bound
         assert isinstance(next(unbounded), Accepted)
         unbounded.close()
+
+
+def _without_chat_template(model_dir: Path, out_dir: Path) -> Path:
+    """The checkpoint at `model_dir` with its tokenizer_config.json's chat_template left out."""
+    for path in model_dir.iterdir():
+        if path.name != "tokenizer_config.json":
+            (out_dir / path.name).symlink_to(path)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+def test_check_spec_refuses_a_chat_on_a_model_without_a_template_unless_the_chat_brings_one(
+    tiny_model_dir, tiny_fp32, tmp_path
+) -> None:
+    # The servicer runs it before any encoder fetch; the other tests give the servicer their own.
+    chat = ChatRequest([ChatMessage("user", [TextPrompt("hi")])])
+    with _engine(_without_chat_template(tiny_model_dir, tmp_path), tiny_fp32) as engine:
+        with pytest.raises(FailedPrecondition) as error:
+            engine.check_spec(GenerateSpec([], chat=chat))
+        assert (error.value.field, str(error.value)) == ("chat", str(no_chat_template()))
+        engine.check_spec(GenerateSpec([], chat=replace(chat, template="{{ messages[0].content }}")))

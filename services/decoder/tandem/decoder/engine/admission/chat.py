@@ -113,6 +113,12 @@ MAX_NAME_CHARS = 256
 log = logging.getLogger(__name__)
 
 
+def no_chat_template() -> FailedPrecondition:
+    """The refusal of a chat that brings no template to a model that has none: one text for the three
+    places that find it (check_spec, build_request without a template, render)."""
+    return FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str  # one of ROLES
@@ -207,7 +213,7 @@ class ChatTemplate:
         """The prompt parts for `chat`, in order. Raises InvalidArgument / FailedPrecondition."""
         source = chat.template if chat.template is not None else self.source
         if source is None:
-            raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+            raise no_chat_template()
         check_template_kwargs(chat.template_kwargs, self.special)  # check_spec's too, for a render alone
         nonce = secrets.token_hex(8)  # the parts' placeholders'
         # The markers' own: unmark refuses its nonce outside a pair, where a part's placeholder is.

@@ -44,6 +44,7 @@ from tandem.decoder.engine.admission.chat import (
     LocatedPart,
     check_template_kwargs,
     literal_tokenizer,
+    no_chat_template,
 )
 from tandem.decoder.engine.admission.chat import ROLES as CHAT_ROLES
 from tandem.decoder.engine.admission.prefix_space import PrefixFree
@@ -138,7 +139,7 @@ def build_request(
         template_variables=chat_template.special if chat_template is not None else (),
     )
     if spec.chat is not None and chat_template is None:
-        raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+        raise no_chat_template()
     vocab = model_config.vocab_size
     field_name = "prompt" if spec.chat is None else "chat"
     speculative_tokens = (
@@ -240,7 +241,7 @@ def check_spec(
     for path, part in located:
         check_part(part, path, hidden_size, enable_prompt_embeds)
     if spec.chat is not None and spec.chat.template is None and not has_chat_template:
-        raise FailedPrecondition("chat", "this model has no chat template; send `prompt` segments")
+        raise no_chat_template()
     if spec.chat is not None:  # names and size alone: at render it came after an encoder part's Embed call
         check_template_kwargs(spec.chat.template_kwargs, template_variables)
     field_name = "prompt" if spec.chat is None else "chat"
