@@ -21,11 +21,11 @@ past the bound, on bytes that do not walk, or deeper than protobuf's own nesting
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from .field_path import MAX_KEY_CHARS, quoted_key
 from .oversized import FIXED_SIZES, LENGTH_DELIMITED, read_varint
 
 # Fields walked at most, over all levels: MIN_FIELDS_WALKED and one for each BYTES_PER_FIELD of the request,
@@ -41,7 +41,6 @@ MIN_FIELDS_WALKED = 64
 BYTES_PER_FIELD = 16
 MAX_FIELDS_WALKED = 1_000
 MAX_DEPTH = 100  # protobuf's own recursion limit for nested messages
-MAX_KEY_CHARS = 32  # of a map key as a path shows it
 MAX_PATH_CHARS = 200  # a deeper path keeps its head and its tail
 
 _STRUCT, _VALUE, _LIST = "google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"
@@ -168,9 +167,7 @@ class _Walk:
             if number == 1:
                 key = _key(self.raw, wire_type, i, stop, key_field.type)
         if isinstance(key, str):
-            key = json.dumps(
-                key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS] + "...", ensure_ascii=False
-            )
+            key = quoted_key(key)  # always quoted: a map's key, whatever its name, as a path shows it
         return f"{path}[{key}]"
 
 

@@ -19,13 +19,13 @@ import json
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
+from tandem.client.field_path import child_path
 from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.body_limits import LIST_LEVELS, MAX_TEMPLATE_FIELDS, MAX_TEMPLATE_LEVELS, OBJECT_LEVELS
 from tandem.gateway.fields import field
 
 FIELD = "chat_template_kwargs"
 MAX_EXACT_INTEGER = 2**53  # doubles hold every integer up to it exactly (the decoder's the same)
-MAX_KEY_CHARS = 32  # a key longer is cut in a field path, as the decoder cuts it
 TOO_DEEP = (
     f"nests deeper than the decoder's protobuf parser reads (each object counts {OBJECT_LEVELS} of its "
     f"{MAX_TEMPLATE_LEVELS} levels, each list {LIST_LEVELS}: {MAX_TEMPLATE_LEVELS // OBJECT_LEVELS} objects, "
@@ -94,22 +94,11 @@ def _check_size(kwargs: dict[str, Any]) -> None:
                 )
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER:
                 raise InvalidArgument(
-                    _path(path, key),
+                    child_path(path, key),
                     f"is an integer past ±2^53 ({MAX_EXACT_INTEGER}), the most a double holds exactly",
                 )
             if isinstance(value, (dict, list)):
                 below = levels + (OBJECT_LEVELS if isinstance(value, dict) else LIST_LEVELS)
                 if below > MAX_TEMPLATE_LEVELS:
                     raise InvalidArgument(FIELD, TOO_DEEP)
-                pending.append((value, _path(path, key), below))
-
-
-def _path(path: str, key: str | int) -> str:
-    """The field path of `key` (an object's key or a list's index) in the value at `path`, spelled as
-    the decoder spells a kwarg's."""
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    if key.isidentifier():
-        return f"{path}.{key}"
-    cut = key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS] + "..."
-    return f"{path}[{json.dumps(cut, ensure_ascii=False)}]"
+                pending.append((value, child_path(path, key), below))

@@ -25,18 +25,17 @@ integer exactly) reaches the template as an int; so does a caller's 3.0, which J
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
+from tandem.client.field_path import child_path
 from tandem.common.torch_part.prompt_parts import TextPrompt
 
 FIELD = "chat.template_kwargs"
 MAX_EXACT_INTEGER = 2**53  # doubles hold every integer up to it exactly
-MAX_KEY_CHARS = 32  # a key longer is cut in a field path, which an error repeats
 # Characters of every string and key, at any depth: each is read for special literals on a chat
 # builder thread (64 MiB of them took 4.4 s on a 267-literal vocabulary), and templates read a handful
 # of flags. As much as a render may print (template_worker.MAX_RENDERED_CHARS).
@@ -70,17 +69,17 @@ def template_kwargs(
             return int(value)
         if isinstance(value, dict):
             return {
-                mark(result, stand_in(key), _key_path(path, key))
+                mark(result, stand_in(key), child_path(path, key))
                 if could_form_special(key)
-                else key: convert(item, _key_path(path, key))
+                else key: convert(item, child_path(path, key))
                 for key, item in value.items()
             }
         if isinstance(value, list):
-            return [convert(item, f"{path}[{i}]") for i, item in enumerate(value)]
+            return [convert(item, child_path(path, i)) for i, item in enumerate(value)]
         return value
 
     # Top-level keys are variable names, which a template cannot print.
-    result.variables.update({key: convert(value, _key_path(FIELD, key)) for key, value in kwargs.items()})
+    result.variables.update({key: convert(value, child_path(FIELD, key)) for key, value in kwargs.items()})
     return result
 
 
@@ -174,10 +173,3 @@ def _refuse(path: str) -> None:
         "was printed cut or changed by the template (a piece of it outside the markers that keep it plain "
         "text), so it could not be kept plain text",
     )
-
-
-def _key_path(path: str, key: str) -> str:
-    if key.isidentifier():
-        return f"{path}.{key}"
-    cut = key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS] + "..."
-    return f"{path}[{json.dumps(cut, ensure_ascii=False)}]"
