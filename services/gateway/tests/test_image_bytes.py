@@ -17,6 +17,7 @@ import aiohttp
 import grpc
 import pytest
 
+from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.gateway.encoder_info import EncoderInfo
 from tandem.gateway.image_bytes import over_cap
 
@@ -161,40 +162,87 @@ async def test_an_encoder_whose_cap_is_below_the_gateways_refusal_names_the_part
         status, error = await _refusal(f"{url}/{path}", body(PICTURE))
     assert (status, error["param"]) == (413, part)
     assert error["message"].startswith(f"{part}: its Embed call is ")
-    assert error["message"].endswith(f"bytes, over the encoder's --max-message-bytes of {BOUND}")
+    assert error["message"].endswith(
+        f"bytes, over the encoder's --max-message-bytes of {BOUND}: send a smaller picture, or start the "
+        "encoder with a larger --max-message-bytes"
+    )
+
+
+RECEIVED = "Stream removed (CLIENT: Received message larger than max (17039 vs. 16384))"
+SENT = "CLIENT: Sent message larger than max (17039 vs. 16384)"
+REFUSED = "SERVER: Received message larger than max (17039 vs. 16384)"
+REPLY = "the encoder's reply is 17039 bytes, over the gateway's --max-message-bytes of 16384"
+TEXT = encoder_pb2.EmbedRequest(text="a")
+POOLED = encoder_pb2.EmbedRequest(text="a", pooling=encoder_pb2.POOLING_MEAN)
+IMAGE = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=b"png"))
 
 
 @pytest.mark.parametrize(
-    ("details", "status", "message"),
+    ("details", "request_", "where", "message"),
     [
         (
-            "Stream removed (CLIENT: Received message larger than max (17039 vs. 16384))",
-            413,
-            "input: the encoder's reply is 17039 bytes, over the gateway's --max-message-bytes of 16384: ask "
-            "for fewer rows (fewer or shorter inputs, or tandem_pooling mean), or start the gateway with a "
+            RECEIVED,
+            TEXT,
+            "input",
+            f"input: {REPLY}: send a shorter input, or pool its rows (tandem_pooling mean), or start the "
+            "gateway with a larger --max-message-bytes",
+        ),
+        (RECEIVED, POOLED, "input", f"input: {REPLY}: start the gateway with a larger --max-message-bytes"),
+        (
+            RECEIVED,
+            IMAGE,
+            "input[1].data",
+            f"input[1].data: {REPLY}: pool its rows (tandem_pooling mean), or start the gateway with a "
             "larger --max-message-bytes",
         ),
         (
-            "CLIENT: Sent message larger than max (17039 vs. 16384)",
-            413,
-            "input: its Embed call is 17039 bytes, over the gateway's --max-message-bytes of 16384",
+            RECEIVED,
+            IMAGE,
+            "messages[0].content[1].image_url",
+            f"messages[0].content[1].image_url: {REPLY}: start the gateway with a larger --max-message-bytes",
         ),
         (
-            "SERVER: Received message larger than max (17039 vs. 16384)",
-            413,
-            "input: its Embed call is 17039 bytes, over the encoder's --max-message-bytes of 16384",
+            SENT,
+            TEXT,
+            "input",
+            "input: its Embed call is 17039 bytes, over the gateway's --max-message-bytes of 16384: send a "
+            "shorter input, or start the gateway with a larger --max-message-bytes",
+        ),
+        (
+            REFUSED,
+            TEXT,
+            "input",
+            "input: its Embed call is 17039 bytes, over the encoder's --max-message-bytes of 16384: send a "
+            "shorter input, or start the encoder with a larger --max-message-bytes",
+        ),
+        (
+            REFUSED,
+            IMAGE,
+            "messages[0].content[1].image_url",
+            "messages[0].content[1].image_url: its Embed call is 17039 bytes, over the encoder's "
+            "--max-message-bytes of 16384: send a smaller picture, or start the encoder with a larger "
+            "--max-message-bytes",
         ),
     ],
-    ids=["reply-gateways-cap", "request-gateways-cap", "request-encoders-cap"],
+    ids=[
+        "reply-text",
+        "reply-pooled",
+        "reply-embeddings-picture",
+        "reply-chat-picture",
+        "request-gateways-cap",
+        "request-encoders-cap",
+        "request-chat-picture",
+    ],
 )
-def test_an_embed_call_over_a_cap_names_the_way_and_whose_cap_not_a_picture(
-    details: str, status: int, message: str
+def test_an_embed_call_over_a_cap_names_whose_cap_and_only_what_would_shrink_that_message(
+    details: str, request_: encoder_pb2.EmbedRequest, where: str, message: str
 ) -> None:
-    # Every one read "the picture's Embed call is over the services' --max-message-bytes (the encoder's,
-    # or the gateway's)" with gRPC's words, for a text's or token IDs' reply (rows) over the gateway's cap.
+    # A reply over a cap asked for "fewer or shorter inputs", but each input is its own Embed call, so
+    # fewer could not shrink the one that failed; pooling was offered to a chat's picture and to an input
+    # already pooled, and a request over a cap named no way out.
     error = grpc.aio.AioRpcError(
         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(), details
     )
-    refusal = over_cap(error, "input", EncoderInfo.__new__(EncoderInfo))
+    refusal = over_cap(error, request_, where, EncoderInfo.__new__(EncoderInfo))
     assert refusal is not None
-    assert (refusal.status, refusal.param, refusal.message) == (status, "input", message)
+    assert (refusal.status, refusal.param, refusal.message) == (413, where, message)

@@ -492,7 +492,7 @@ class Gateway:
                 return await self.encoder.stub.Embed(embed_request, metadata=metadata)
             except grpc.aio.AioRpcError as error:  # named as the body names the input that failed
                 where = call.input_field(i, "image" if embed_request.HasField("image") else "text")
-                if (too_large := over_cap(error, where, self.encoder_info)) is not None:
+                if (too_large := over_cap(error, embed_request, where, self.encoder_info)) is not None:
                     raise Refused(too_large) from None
                 raise Refused(from_grpc(error).for_input(call.input_field, i)) from None
 

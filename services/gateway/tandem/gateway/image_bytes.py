@@ -79,12 +79,14 @@ async def refusal_asking_again(
     return bound.refusal(request, where)
 
 
-def over_cap(error: grpc.aio.AioRpcError, where: str, info: EncoderInfo) -> HttpError | None:
-    """gRPC's refusal of an Embed call over a side's message cap as a 413 naming `where`, read by the
-    shared parser (`tandem.client.over_cap`): the request (a picture the check above let by, or the
+def over_cap(
+    error: grpc.aio.AioRpcError, request: encoder_pb2.EmbedRequest, where: str, info: EncoderInfo
+) -> HttpError | None:
+    """gRPC's refusal of `request`'s Embed call over a side's message cap as a 413 naming `where`, read by
+    the shared parser (`tandem.client.over_cap`): the request (a picture the check above let by, or the
     encoder's --max-message-bytes below the gateway's) or the reply (a text's rows, which no check before
-    the call can count), and whose cap. And the encoder's refusal of a picture over a max_image_bytes
-    lower than `info` held (then held).
+    the call can count), whose cap, and what would shrink that one message (`_shrink`). And the encoder's
+    refusal of a picture over a max_image_bytes lower than `info` held (then held).
 
     NOTE: a reply over a cap is a 413 here, where a Generate call's is a 500 (`errors.py`): an Embed
     reply's size is the input's rows alone, which the body chose, and the answer over
@@ -98,17 +100,24 @@ def over_cap(error: grpc.aio.AioRpcError, where: str, info: EncoderInfo) -> Http
         return None
     side = "gateway" if over.is_ours else "encoder"
     limit = f"the {side}'s --max-message-bytes of {over.max_bytes}"
-    if over.is_reply:
-        # An embeddings input may ask for fewer rows; a chat's picture has as many as the encoder makes.
-        fewer = (
-            "ask for fewer rows (fewer or shorter inputs, or tandem_pooling mean), or "
-            if where.startswith("input")
-            else ""
-        )
-        message = (
-            f"{where}: the encoder's reply is {over.num_bytes} bytes, over {limit}: {fewer}start the "
-            f"{side} with a larger --max-message-bytes"
-        )
-    else:
-        message = f"{where}: its Embed call is {over.num_bytes} bytes, over {limit}"
+    what = "the encoder's reply" if over.is_reply else "its Embed call"
+    ways = [*_shrink(request, where, over.is_reply), f"start the {side} with a larger --max-message-bytes"]
+    message = f"{where}: {what} is {over.num_bytes} bytes, over {limit}: {', or '.join(ways)}"
     return HttpError(413, "invalid_request_error", message, where)
+
+
+def _shrink(request: encoder_pb2.EmbedRequest, where: str, is_reply: bool) -> list[str]:
+    """What the caller can change in the body to shrink this one Embed call's message. Each embeddings
+    input is its own call, so fewer inputs never shrink it (that was the advice once). A request is the
+    input itself. A reply is the input's rows: one when pooled, whatever the input; else a text's or token
+    IDs' as many as it is long, a picture's as many as the encoder makes whatever its size, and an
+    embeddings body may pool them to one (a chat's picture may not)."""
+    is_picture = request.HasField("image")
+    if not is_reply:
+        return ["send a smaller picture" if is_picture else "send a shorter input"]
+    if request.pooling == encoder_pb2.POOLING_MEAN:
+        return []
+    ways = [] if is_picture else ["send a shorter input"]
+    if where.startswith("input"):
+        ways.append("pool its rows (tandem_pooling mean)")
+    return ways

@@ -104,7 +104,7 @@ async def embed_images(
         try:
             reply = await stub.Embed(embed, metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            if (too_large := over_cap(error, where, info)) is not None:
+            if (too_large := over_cap(error, embed, where, info)) is not None:
                 raise Refused(too_large) from None
             if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 raise InvalidArgument(where, error.details()) from None
