@@ -79,8 +79,8 @@ class EncoderPart:
 # text, token IDs, packed embeddings, or an input for the decoder's encoder
 Segment = str | Sequence[int] | tensor_pb2.Tensor | EncoderPart
 ChatPart = Segment | ImageRows
-# {"role": "user", "content": "..." or [parts]}, and optionally "name": "alice"
-ChatTurn = Mapping[str, str | Sequence[ChatPart]]
+# {"role": "user", "content": "..." or [parts] (None, absent or [] is empty text), optionally "name": "alice"
+ChatTurn = Mapping[str, str | Sequence[ChatPart] | None]
 
 
 def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]:
@@ -104,11 +104,14 @@ def chat_prompt(
     template_kwargs: dict[str, object] | None = None,
 ) -> decoder_pb2.ChatPrompt:
     """The ChatPrompt message for `messages` ({"role": ..., "content": str or a list of parts, and
-    optionally "name": the participant's, which templates that print it read})."""
+    optionally "name": the participant's, which templates that print it read}). A content of [], None or
+    none at all is a turn of empty text, as the gateway sends it (vLLM renders them so): the decoder
+    refuses a turn of no parts."""
     prompt = decoder_pb2.ChatPrompt(add_generation_prompt=add_generation_prompt)
     for i, message in enumerate(messages):
-        content = message["content"]
-        parts = [content] if isinstance(content, str) else list(content)  # type: ignore[arg-type]
+        content = message.get("content")
+        parts = [content] if isinstance(content, str) else list(content or [])  # type: ignore[arg-type]
+        parts = parts or [""]
         turn = prompt.messages.add(role=str(message["role"]))
         if (name := message.get("name")) is not None:
             # Refused as the gateway refuses it: str() sent ["alice"] to the template as "['alice']".

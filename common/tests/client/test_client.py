@@ -24,3 +24,18 @@ def test_a_name_that_is_not_a_string_is_refused_naming_the_turns_name(name: obje
     # str() sent ["alice"] as the name "['alice']" to the template, where the gateway refuses the body.
     with pytest.raises(InvalidArgument, match=r"^messages\[1\]\.name: must be a string, got "):
         chat_prompt([{"role": "user", "content": "hi"}, {"role": "user", "content": "yo", "name": name}])
+
+
+@pytest.mark.parametrize(
+    "message",
+    [{"role": "assistant", "content": []}, {"role": "user", "content": None}, {"role": "user"}],
+    ids=["empty-list", "none", "absent"],
+)
+def test_a_turn_with_no_content_parts_is_one_of_empty_text_as_the_gateway_sends_it(
+    message: dict[str, object],
+) -> None:
+    # [] was sent as a turn of no parts, which the decoder refuses; None and absent raised here (TypeError,
+    # KeyError). The gateway renders all three as empty text, as vLLM does (595fa60).
+    prompt = chat_prompt([{"role": "user", "content": "hi"}, message])  # type: ignore[list-item]
+    assert [part.text for part in prompt.messages[1].content] == [""]
+    assert prompt.messages[1].content[0].HasField("text")
