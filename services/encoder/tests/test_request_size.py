@@ -43,6 +43,21 @@ def test_an_image_over_the_request_bound_names_image_data_and_max_image_bytes() 
     )
 
 
+def test_an_image_within_max_image_bytes_in_a_request_over_the_bound_is_not_called_over_it() -> None:
+    # The image was named over max_image_bytes whenever it was the request's largest field: here 60,004
+    # of its bytes, within 65,536, beside a 50,000-byte request_id. Only what is known is said.
+    raw = encoder_pb2.EmbedRequest(
+        request_id="r" * 50_000, image=encoder_pb2.Image(data=b"\x89PNG" + bytes(60_000))
+    ).SerializeToString()
+    with pytest.raises(InvalidArgument) as caught:
+        parse_embed_request(raw, 100_000, MAX_IMAGE_BYTES)
+    assert (caught.value.field, caught.value.description) == (
+        "image.data",
+        f"the request is {len(raw)} bytes, over the 100000 this method can use, its image holding the most "
+        "of them; it was not parsed",
+    )
+
+
 URL_HINT = "is a data: URL, not a picture's bytes; send the PNG, JPEG, WebP or GIF bytes it encodes"
 
 

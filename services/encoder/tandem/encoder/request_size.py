@@ -3,14 +3,16 @@
 Parsing is where an oversized request costs (60 million token IDs: 0.3 s of the event loop and
 240 MB), so a request longer than the most any input can use is refused unparsed, naming the
 top-level field that holds most of its bytes (`tandem.client.oversized`). An image's field is
-`image`, and the limit it broke is its own: the refusal names `image.data` and max_image_bytes, as
-the check on a parsed image does, so one mistake reads as one error whatever its size: a picture sent
-as text (a data: URL, base64) is named so here too, read from the image's first bytes. On an encoder
-whose model takes no images the bound leaves images out, and any image, however large, is refused as
-one that it could never take (FAILED_PRECONDITION, as a small one parsed is), not as over a
-max_image_bytes that does not apply to it. (Past
-max_message_bytes gRPC refuses the message itself, RESOURCE_EXHAUSTED naming no field; an image within
-max_image_bytes always fits, as EncoderConfig allows no larger max_image_bytes.)
+`image`, and where its data is over max_image_bytes that limit is the one it broke: the refusal names
+`image.data` and max_image_bytes, as the check on a parsed image does, so one mistake reads as one
+error whatever its size. Being the largest field proves no more than that (other fields may hold the
+rest), so an image within max_image_bytes is named only as holding the most of the request's bytes. A
+picture sent as text (a data: URL, base64) is named so here too, read from the image's first bytes. On
+an encoder whose model takes no images the bound leaves images out, and any image, however large, is
+refused as one that it could never take (FAILED_PRECONDITION, as a small one parsed is), not as over
+a max_image_bytes that does not apply to it. (Past max_message_bytes gRPC refuses the message itself,
+RESOURCE_EXHAUSTED naming no field; an image within max_image_bytes always fits, as EncoderConfig
+allows no larger max_image_bytes.)
 """
 
 from __future__ import annotations
@@ -36,23 +38,28 @@ def parse_embed_request(
         if error.field == "image" and not takes_images:
             raise FailedPrecondition("image", TAKES_NO_IMAGES)
         if error.field == "image":
-            as_text = sent_as_text(_image_head(raw))  # base64 is 4/3 of the bytes: those may fit
+            span = _image_data_span(raw)
+            head = raw[span[0] : min(span[1], span[0] + 64)] if span is not None else b""
+            as_text = sent_as_text(head)  # base64 is 4/3 of the bytes: those may fit
+            if span is not None and span[1] - span[0] > max_image_bytes:
+                known = f"its image over max_image_bytes {max_image_bytes}"
+            else:
+                known = f"over the {max_bytes} this method can use, its image holding the most of them"
             raise InvalidArgument(
                 "image.data",
-                f"the request is {len(raw)} bytes, its image over max_image_bytes {max_image_bytes}; "
-                "it was not parsed" + (f", and it {as_text}" if as_text else ""),
+                f"the request is {len(raw)} bytes, {known}; it was not parsed"
+                + (f", and it {as_text}" if as_text else ""),
             )
         raise error
     return encoder_pb2.EmbedRequest.FromString(raw)
 
 
-def _image_head(raw: bytes) -> bytes:
-    """The first 64 bytes of the request's `image.data`, found by walking tags as `oversized` does
-    (EmbedRequest.image is field 8, Image.data field 1); empty when they are not within
+def _image_data_span(raw: bytes) -> tuple[int, int] | None:
+    """Where the request's `image.data` lies, found by walking tags as `oversized` does
+    (EmbedRequest.image is field 8, Image.data field 1); None when it is not within
     MAX_FIELDS_BEFORE fields of the start or the bytes do not walk."""
     span = _field_span(raw, 0, len(raw), number=8)
-    span = _field_span(raw, *span, number=1) if span is not None else None
-    return raw[span[0] : min(span[1], span[0] + 64)] if span is not None else b""
+    return _field_span(raw, *span, number=1) if span is not None else None
 
 
 def _field_span(raw: bytes, start: int, end: int, number: int) -> tuple[int, int] | None:
