@@ -23,10 +23,18 @@ function nameOf(name, i) {
   return name;
 }
 
+// A turn's parts: [], null or no content at all is one part of empty text, as the gateway sends it (vLLM
+// renders them so), where the decoder refuses a turn of no parts.
+function contentParts(content) {
+  if (typeof content === "string") return [content];
+  return content === undefined || content === null || content.length === 0 ? [""] : content;
+}
+
 // A Generate request carrying a conversation, rendered with the model's chat template on the server.
-// `messages` is [{role, content}] (and optionally name: "alice"), content a string or a list of parts: a string (text), an array of
-// token IDs, {embeddings: {dtype, shape, data}} (for example an encoder's output), or {image: tensor}
-// (the encoder's rows for an image: the model's template places them).
+// `messages` is [{role, content}] (and optionally name: "alice"), content a string or a list of parts
+// ([], null or absent: empty text): a string (text), an array of token IDs, {embeddings: {dtype, shape,
+// data}} (for example an encoder's output), or {image: tensor} (the encoder's rows for an image: the
+// model's template places them).
 function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, temperature = null } = {}) {
   const part = (p) => {
     if (typeof p === "string") return { text: p };
@@ -40,7 +48,7 @@ function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, te
         // The participant's name, for a template that prints it; unset without one, as the proto's
         // optional field means. Refused as the gateway refuses it: String() sent ["alice"] as "alice".
         ...(m.name === undefined || m.name === null ? {} : { name: nameOf(m.name, i) }),
-        content: (typeof m.content === "string" ? [m.content] : m.content).map(part),
+        content: contentParts(m.content).map(part),
       })),
       add_generation_prompt: addGenerationPrompt,
     },

@@ -171,6 +171,25 @@ def test_node_chat_request_carries_a_turns_name_and_a_turn_without_one_sends_non
     assert (unnamed.role, unnamed.HasField("name")) == ("assistant", False)
 
 
+def test_node_chat_request_sends_a_turn_with_no_content_parts_as_one_of_empty_text(node_client: Path) -> None:
+    # content [] was sent as a turn of no parts, which the decoder refuses, and null or absent content threw
+    # a TypeError here; the gateway renders all three as empty text, as vLLM does (595fa60).
+    script = (
+        'const { chatRequest } = require("./decoder");'
+        'const loader = require("@grpc/proto-loader");'
+        'const definition = loader.loadSync("tandem/v1/decoder.proto",'
+        ' {includeDirs: ["../../protos"], keepCase: true});'
+        "const request = chatRequest("
+        '[{role: "assistant", content: []}, {role: "user", content: null}, {role: "user"}]);'
+        'process.stdout.write(definition["tandem.v1.Decoder"].Generate.requestSerialize(request).toString("base64"));'
+    )
+    request = decoder_pb2.GenerateRequest.FromString(base64.b64decode(_node_eval(node_client, script)))
+    turns = [
+        [(part.WhichOneof("part"), part.text) for part in turn.content] for turn in request.chat.messages
+    ]
+    assert turns == [[("text", "")]] * 3
+
+
 def test_node_chat_request_refuses_a_name_that_is_not_a_string_naming_it(node_client: Path) -> None:
     # String() sent ["alice"] to the template as "alice" and 123 as "123", where the gateway refuses them.
     script = (
