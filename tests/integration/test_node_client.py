@@ -153,19 +153,25 @@ def _node_eval(node_client: Path, script: str) -> str:
     return result.stdout
 
 
-def test_node_chat_request_carries_a_turns_name_and_a_turn_without_one_sends_none(node_client: Path) -> None:
-    # ChatMessage.name (30308ec) reaches templates that print it; chatRequest mapped {role, content} only.
-    # Serialized as grpc-js sends it and read back here: no decoder needed.
+def _node_chat_request(node_client: Path, messages: str) -> decoder_pb2.GenerateRequest:
+    """chatRequest(`messages`, a JavaScript array) serialized as grpc-js sends it and read back here: no
+    decoder needed."""
     script = (
         'const { chatRequest } = require("./decoder");'
         'const loader = require("@grpc/proto-loader");'
         'const definition = loader.loadSync("tandem/v1/decoder.proto",'
         ' {includeDirs: ["../../protos"], keepCase: true});'
-        "const request = chatRequest("
-        '[{role: "user", name: "alice", content: "hi"}, {role: "assistant", content: "yo"}]);'
+        f"const request = chatRequest({messages});"
         'process.stdout.write(definition["tandem.v1.Decoder"].Generate.requestSerialize(request).toString("base64"));'
     )
-    request = decoder_pb2.GenerateRequest.FromString(base64.b64decode(_node_eval(node_client, script)))
+    return decoder_pb2.GenerateRequest.FromString(base64.b64decode(_node_eval(node_client, script)))
+
+
+def test_node_chat_request_carries_a_turns_name_and_a_turn_without_one_sends_none(node_client: Path) -> None:
+    # ChatMessage.name (30308ec) reaches templates that print it; chatRequest mapped {role, content} only.
+    request = _node_chat_request(
+        node_client, '[{role: "user", name: "alice", content: "hi"}, {role: "assistant", content: "yo"}]'
+    )
     named, unnamed = request.chat.messages
     assert (named.role, named.HasField("name"), named.name) == ("user", True, "alice")
     assert (unnamed.role, unnamed.HasField("name")) == ("assistant", False)
@@ -174,16 +180,9 @@ def test_node_chat_request_carries_a_turns_name_and_a_turn_without_one_sends_non
 def test_node_chat_request_sends_a_turn_with_no_content_parts_as_one_of_empty_text(node_client: Path) -> None:
     # content [] was sent as a turn of no parts, which the decoder refuses, and null or absent content threw
     # a TypeError here; the gateway renders all three as empty text, as vLLM does (595fa60).
-    script = (
-        'const { chatRequest } = require("./decoder");'
-        'const loader = require("@grpc/proto-loader");'
-        'const definition = loader.loadSync("tandem/v1/decoder.proto",'
-        ' {includeDirs: ["../../protos"], keepCase: true});'
-        "const request = chatRequest("
-        '[{role: "assistant", content: []}, {role: "user", content: null}, {role: "user"}]);'
-        'process.stdout.write(definition["tandem.v1.Decoder"].Generate.requestSerialize(request).toString("base64"));'
+    request = _node_chat_request(
+        node_client, '[{role: "assistant", content: []}, {role: "user", content: null}, {role: "user"}]'
     )
-    request = decoder_pb2.GenerateRequest.FromString(base64.b64decode(_node_eval(node_client, script)))
     turns = [
         [(part.WhichOneof("part"), part.text) for part in turn.content] for turn in request.chat.messages
     ]
