@@ -299,6 +299,19 @@ def test_template_kwargs_and_an_override_template_are_used(smollm2_dir: Path) ->
     assert template.render(chat) == [("chat", TextPrompt("THINK q"))]
 
 
+def test_a_template_kwarg_double_of_any_size_renders_as_vllm_prints_the_json_number(
+    smollm2_dir: Path,
+) -> None:
+    # A Struct holds doubles: the decoder cannot tell a JSON 1e300 from an integer, so it refuses
+    # neither (the gateway refuses a JSON integer past 2**53, where the JSON says integer).
+    chat = _chat(
+        [],
+        template="{{ big }} {{ past }} {{ n }}",
+        template_kwargs={"big": 1e300, "past": 2.0**53 + 2, "n": 3.0},
+    )
+    assert _template(smollm2_dir).render(chat) == [("chat", TextPrompt("1e+300 9007199254740994.0 3"))]
+
+
 @pytest.mark.parametrize(
     "name",
     ["messages", "add_generation_prompt", "raise_exception", "eos_token", "bos_token", "namespace", "range"],

@@ -67,7 +67,6 @@ from tandem.decoder.engine.admission.prefix_space import prefix_free
 from tandem.decoder.engine.admission.template_kwargs import FIELD as TEMPLATE_KWARGS
 from tandem.decoder.engine.admission.template_kwargs import (
     TemplateKwargs,
-    check_numbers,
     check_size,
     mark,
     template_kwargs,
@@ -407,11 +406,10 @@ class ChatTemplate:
 
 
 def check_template_kwargs(kwargs: dict[str, Any], special: Collection[str]) -> None:
-    """Refuses kwargs past template_kwargs.MAX_KWARGS_CHARS, a whole number past 2**53 (check_numbers),
-    or one named as a variable the render sets itself (RENDER_VARIABLES, or one of the checkpoint's
-    `special` token names), naming it and every name taken."""
+    """Refuses kwargs past template_kwargs.MAX_KWARGS_CHARS, or one named as a variable the render
+    sets itself (RENDER_VARIABLES, or one of the checkpoint's `special` token names), naming it and
+    every name taken."""
     check_size(kwargs)
-    check_numbers(kwargs)
     own = RENDER_VARIABLES | {name: f"the checkpoint's {name}" for name in special}
     for name, what in own.items():
         if name in kwargs:

@@ -21,10 +21,9 @@ Numbers: tandem.v1.ChatPrompt.template_kwargs is a google.protobuf.Struct, which
 `{"n": 3}` arrives as 3.0 and a template printed `3.0` or failed on `range(n)` (transformers and vLLM
 pass JSON's 3 as an int). A double that is a whole number within 2**53 (where doubles hold every
 integer exactly) reaches the template as an int; so does a caller's 3.0, which JSON cannot tell apart.
-A whole number past 2**53 is refused naming its path (check_numbers, from check_spec), as the gateway
-refuses such an integer: past it doubles skip integers (2**53 + 2 may stand for + 1 or + 3), and a
-template would get it as a float. A JSON 1e20 is refused so too, which the Struct cannot tell from an
-integer.
+Other doubles stay floats, whole ones past 2**53 included: the Struct cannot tell a JSON 1e300 (a float
+to vLLM, printed 1e+300) from a rounded integer, so only the gateway, which reads the JSON, refuses an
+integer past 2**53.
 """
 
 from __future__ import annotations
@@ -103,33 +102,6 @@ def check_size(kwargs: dict[str, Any]) -> None:
         raise InvalidArgument(
             FIELD,
             f"{num_chars} characters of strings and keys exceed the limit of {MAX_KWARGS_CHARS}",
-        )
-
-
-def check_numbers(kwargs: dict[str, Any]) -> None:
-    """Refuses a whole-number double past ±MAX_EXACT_INTEGER, naming its path: it may be an integer the
-    Struct rounded, and would reach the template as a float (the gateway refuses the integer itself)."""
-
-    def keys_to_first(value: Any) -> list[str | int] | None:
-        """The keys down to the first such number in `value`, innermost first; None: none. Paths are
-        spelled for a refusal only (built at every field, the walk cost 3 times check_size's)."""
-        if isinstance(value, float) and value.is_integer() and abs(value) > MAX_EXACT_INTEGER:
-            return []
-        items = (
-            value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-        )
-        for key, item in items:
-            if (keys := keys_to_first(item)) is not None:
-                keys.append(key)
-                return keys
-        return None
-
-    if (keys := keys_to_first(kwargs)) is not None:
-        path = FIELD
-        for key in reversed(keys):
-            path = child_path(path, key)
-        raise InvalidArgument(
-            path, f"is an integer past ±2^53 ({MAX_EXACT_INTEGER}), the most a double holds exactly"
         )
 
 
