@@ -71,6 +71,34 @@ def test_a_marked_string_printed_cut_or_changed_is_refused_naming_it(printed) ->
     assert error.value.field == "chat.template_kwargs.tools[0]"
 
 
+@pytest.mark.parametrize(
+    ("outside", "field"),
+    [
+        (f"{NONCE.upper()}-1>>", "chat.template_kwargs.b"),  # a closing cut: the index names the string
+        (f"<<1-{NONCE[::-1]}", "chat.template_kwargs.b"),  # `| reverse` of it: the index read back too
+        (f"<<{'9' * 7}-{NONCE[::-1].upper()}", "chat.template_kwargs"),  # six digits read: no such string
+        (f"{NONCE}-x", "chat.template_kwargs"),  # no index: the template made it up
+    ],
+)
+def test_a_piece_of_a_marker_in_the_templates_own_text_is_refused_naming_its_string(
+    outside: str, field: str
+) -> None:
+    # Found by a literal search of the lower-cased text (a regex took 95 ms per MiB of '1234567-').
+    kwargs = template_kwargs({"a": "<|x|>", "b": "<|y|>"}, _at_risk, NONCE)
+    with pytest.raises(InvalidArgument) as error:
+        unmark(f"{kwargs.variables['a']} {outside}", kwargs)
+    assert error.value.field == field
+
+
+def test_a_marker_of_another_nonce_is_the_templates_text() -> None:
+    kwargs = template_kwargs({"a": "<|x|>"}, _at_risk, NONCE)
+    other = f"<<tandem-text-{'f' * 16}-0>>"
+    assert unmark(f"{other}{kwargs.variables['a']}", kwargs) == [
+        ("chat", TextPrompt(other)),
+        ("chat.template_kwargs.a", TextPrompt("<|x|>", is_plain=True)),
+    ]
+
+
 def test_a_string_marked_by_the_caller_of_mark_reads_back_at_its_field() -> None:
     # chat.py marks every message's name so, whatever it holds.
     kwargs = TemplateKwargs({}, [], NONCE)

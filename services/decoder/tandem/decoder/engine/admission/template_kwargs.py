@@ -38,6 +38,12 @@ from tandem.client.field_path import child_path
 from tandem.common.torch_part.prompt_parts import TextPrompt
 
 FIELD = "chat.template_kwargs"
+MAX_INDEX_DIGITS = 6  # of a marker's index: a million strings, far past what MAX_KWARGS_CHARS holds
+# A marker of any nonce, read in one pass (a pattern spanning a pair rescanned the rest of the text from
+# each unclosed opening: 183 s for 1 MiB of them), compiled once: the nonce is checked per match, where
+# a pattern holding it was compiled on every render (a new nonce misses re's cache). Case-blind: an
+# upper-cased string keeps its pair.
+_MARKER = re.compile(rf"<<(/?)tandem-text-([0-9a-f]+)-(\d{{1,{MAX_INDEX_DIGITS}}})>>", re.I)
 MAX_EXACT_INTEGER = 2**53  # doubles hold every integer up to it exactly
 # Characters of every string and key, at any depth: each is read for special literals on a chat
 # builder thread (64 MiB of them took 4.4 s on a 267-literal vocabulary), and templates read a handful
@@ -120,14 +126,14 @@ def unmark(text: str, kwargs: TemplateKwargs) -> list[tuple[str, TextPrompt]]:
     printed them (plain, at their fields), in order. Raises InvalidArgument where a pair is broken."""
     if not kwargs.marked:
         return [("chat", TextPrompt(text))] if text else []
-    # Markers alone, read in one pass (a pattern spanning a pair rescanned the rest of the text from
-    # each unclosed opening: 183 s for 1 MiB of them). Case-blind: an upper-cased string keeps its pair.
-    marker = re.compile(rf"<<(/?)tandem-text-{re.escape(kwargs.nonce)}-(\d{{1,6}})>>", re.I)
+    nonce = kwargs.nonce.lower()
     parts: list[tuple[str, TextPrompt]] = []
     position = 0
     opened: re.Match[str] | None = None
-    for match in marker.finditer(text):
-        path = _path_of(match.group(2), kwargs)
+    for match in _MARKER.finditer(text):
+        if match.group(2).lower() != nonce:  # a caller's look-alike: text, read by _check_unbroken
+            continue
+        path = _path_of(match.group(3), kwargs)
         piece = text[position : match.start()]
         is_closing = bool(match.group(1))
         if opened is None and not is_closing:  # what came before was the template's
@@ -135,16 +141,16 @@ def unmark(text: str, kwargs: TemplateKwargs) -> list[tuple[str, TextPrompt]]:
             if piece:
                 parts.append(("chat", TextPrompt(piece)))
             opened = match
-        elif opened is not None and is_closing and opened.group(2) == match.group(2):
+        elif opened is not None and is_closing and opened.group(3) == match.group(3):
             _check_unbroken(piece, kwargs, path)  # another string printed inside it, changed
             if piece:
                 parts.append((path, TextPrompt(piece, is_plain=True)))
             opened = None
         else:  # a pair cut, or one printed inside another
-            _refuse(_path_of(opened.group(2), kwargs) if opened is not None else path)
+            _refuse(_path_of(opened.group(3), kwargs) if opened is not None else path)
         position = match.end()
     if opened is not None:
-        _refuse(_path_of(opened.group(2), kwargs))
+        _refuse(_path_of(opened.group(3), kwargs))
     _check_unbroken(text[position:], kwargs)
     if position < len(text):
         parts.append(("chat", TextPrompt(text[position:])))
@@ -154,14 +160,28 @@ def unmark(text: str, kwargs: TemplateKwargs) -> list[tuple[str, TextPrompt]]:
 def _check_unbroken(printed: str, kwargs: TemplateKwargs, path: str | None = None) -> None:
     """Refuses text that holds a piece of a marker: the string it marked was printed cut or changed,
     and what is left of it would tokenize as the template's own. `path`: the string it stands in."""
-    found = re.search(rf"{re.escape(kwargs.nonce)}(?:-(\d{{1,6}}))?", printed, re.I)
-    if found:
-        _refuse(path or _path_of(found.group(1), kwargs))
+    lowered = printed.lower()  # the nonce is lowercase hex: an upper-cased marker is found too
+    nonce = kwargs.nonce.lower()
+    if (start := lowered.find(nonce)) >= 0:
+        end = start + len(nonce)
+        index = _digits(lowered, end + 1, 1) if lowered[end : end + 1] == "-" else None
+        _refuse(path or _path_of(index, kwargs))
     # `| reverse` reverses the markers with the text: neither pair nor nonce is read, and a string's
     # '>|trats_mi|<' prints '<|im_start|>' as the template's own text.
-    reversed_ = re.search(rf"(?:(\d{{1,6}})-)?{re.escape(kwargs.nonce[::-1])}", printed, re.I)
-    if reversed_:
-        _refuse(path or _path_of(reversed_.group(1) and reversed_.group(1)[::-1], kwargs))
+    if (start := lowered.find(nonce[::-1])) >= 0:
+        index = _digits(lowered, start - 2, -1) if lowered[start - 1 : start] == "-" else None
+        _refuse(path or _path_of(index and index[::-1], kwargs))
+
+
+def _digits(text: str, at: int, step: int) -> str | None:
+    """The decimal digits of `text` from `at` on, going by `step` (1 or -1), at most MAX_INDEX_DIGITS
+    of them, in text order; None where there is none."""
+    end = at
+    while 0 <= end < len(text) and abs(end - at) < MAX_INDEX_DIGITS and text[end].isdecimal():
+        end += step
+    if end == at:
+        return None
+    return text[at:end] if step > 0 else text[end + 1 : at + 1]
 
 
 def _path_of(index: str | None, kwargs: TemplateKwargs) -> str:
