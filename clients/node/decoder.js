@@ -24,10 +24,17 @@ function nameOf(name, i) {
 }
 
 // A turn's parts: [], null or no content at all is one part of empty text, as the gateway sends it (vLLM
-// renders them so), where the decoder refuses a turn of no parts.
-function contentParts(content) {
+// renders them so), where the decoder refuses a turn of no parts. Anything else but an array is refused
+// in the gateway's words: false, 0 or a part object not in an array threw "content.map is not a function".
+function contentParts(content, i) {
   if (typeof content === "string") return [content];
-  return content === undefined || content === null || content.length === 0 ? [""] : content;
+  if (content === undefined || content === null) return [""];
+  if (!Array.isArray(content)) {
+    throw new TypeError(
+      `messages[${i}].content: must be a string or a list of content parts, got ${typeof content}`,
+    );
+  }
+  return content.length === 0 ? [""] : content;
 }
 
 // A Generate request carrying a conversation, rendered with the model's chat template on the server.
@@ -48,7 +55,7 @@ function chatRequest(messages, { maxTokens = 256, addGenerationPrompt = true, te
         // The participant's name, for a template that prints it; unset without one, as the proto's
         // optional field means. Refused as the gateway refuses it: String() sent ["alice"] as "alice".
         ...(m.name === undefined || m.name === null ? {} : { name: nameOf(m.name, i) }),
-        content: contentParts(m.content).map(part),
+        content: contentParts(m.content, i).map(part),
       })),
       add_generation_prompt: addGenerationPrompt,
     },

@@ -203,6 +203,21 @@ def test_node_chat_request_refuses_a_name_that_is_not_a_string_naming_it(node_cl
     ]
 
 
+def test_node_chat_request_refuses_a_content_neither_a_string_nor_a_list_naming_it(node_client: Path) -> None:
+    # false, 0, {} and a part object not in a list threw "content.map is not a function", naming no field;
+    # the gateway refuses each as messages[i].content.
+    script = (
+        'const { chatRequest } = require("./decoder");'
+        'for (const content of [false, 0, {}, {type: "text", text: "hi"}]) {'
+        '  try { chatRequest([{role: "user", content: "hi"}, {role: "user", content}]);'
+        '    console.log("sent"); } catch (error) { console.log(error.message); } }'
+    )
+    kinds = ["boolean", "number", "object", "object"]
+    assert _node_eval(node_client, script).splitlines() == [
+        f"messages[1].content: must be a string or a list of content parts, got {k}" for k in kinds
+    ]
+
+
 def test_node_chat_streams_a_reply_through_the_models_template(
     node_client: Path, decoder: LiveDecoder
 ) -> None:

@@ -97,6 +97,22 @@ def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]
     return segments
 
 
+def _turn_parts(content: object, i: int) -> Sequence[ChatPart]:
+    """A turn's parts; None (or no content) and [] are one part of empty text. Only a list or tuple is
+    parts: `content or []` took False, 0 and {} for empty text, and list() an OpenAI part object not in
+    a list for its keys, where the gateway refuses both in these words."""
+    if isinstance(content, str):
+        return [content]
+    if content is None:
+        return [""]
+    if not isinstance(content, (list, tuple)):
+        raise InvalidArgument(
+            f"messages[{i}].content",
+            f"must be a string or a list of content parts, got {type(content).__name__}",
+        )
+    return content or [""]
+
+
 def chat_prompt(
     messages: Sequence[ChatTurn],
     add_generation_prompt: bool = True,
@@ -109,9 +125,7 @@ def chat_prompt(
     refuses a turn of no parts."""
     prompt = decoder_pb2.ChatPrompt(add_generation_prompt=add_generation_prompt)
     for i, message in enumerate(messages):
-        content = message.get("content")
-        parts = [content] if isinstance(content, str) else list(content or [])  # type: ignore[arg-type]
-        parts = parts or [""]
+        parts = _turn_parts(message.get("content"), i)
         turn = prompt.messages.add(role=str(message["role"]))
         if (name := message.get("name")) is not None:
             # Refused as the gateway refuses it: str() sent ["alice"] to the template as "['alice']".

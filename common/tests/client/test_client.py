@@ -39,3 +39,25 @@ def test_a_turn_with_no_content_parts_is_one_of_empty_text_as_the_gateway_sends_
     prompt = chat_prompt([{"role": "user", "content": "hi"}, message])  # type: ignore[list-item]
     assert [part.text for part in prompt.messages[1].content] == [""]
     assert prompt.messages[1].content[0].HasField("text")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [False, 0, 0.0, {}, {"type": "text", "text": "hi"}, b"hi"],
+    ids=["false", "zero", "zero-float", "empty-dict", "one-part-object", "bytes"],
+)
+def test_a_content_neither_a_string_nor_a_list_is_refused_naming_it_as_the_gateway_does(
+    content: object,
+) -> None:
+    # `content or []` sent False, 0, 0.0 and {} as one part of empty text, and list() sent an OpenAI part
+    # object not in a list as two texts, its keys "type" and "text"; the gateway refuses every one.
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^messages\[1\]\.content: must be a string or a list of content parts, got ",
+    ):
+        chat_prompt([{"role": "user", "content": "hi"}, {"role": "user", "content": content}])  # type: ignore[list-item]
+
+
+def test_a_content_given_as_a_tuple_of_parts_is_still_sent_part_by_part() -> None:
+    prompt = chat_prompt([{"role": "user", "content": ("a", [1, 2])}])
+    assert [part.WhichOneof("part") for part in prompt.messages[0].content] == ["text", "token_ids"]
