@@ -246,3 +246,41 @@ def test_an_embed_call_over_a_cap_names_whose_cap_and_only_what_would_shrink_tha
     refusal = over_cap(error, request_, where, EncoderInfo.__new__(EncoderInfo))
     assert refusal is not None
     assert (refusal.status, refusal.param, refusal.message) == (413, where, message)
+
+
+class SaidStub:
+    """An encoder's stub whose GetModelInfo says max_image_bytes 4 * BOUND (before its restart)."""
+
+    async def GetModelInfo(self, *_: object, **__: object) -> encoder_pb2.EncoderGetModelInfoResponse:
+        return encoder_pb2.EncoderGetModelInfoResponse(max_image_bytes=4 * BOUND)
+
+
+@pytest.mark.parametrize(
+    "details",
+    [
+        f"image.data: {len(PICTURE)} bytes exceed max_image_bytes {BOUND // 2}",
+        f"image.data: the request is {len(PICTURE) + 7} bytes, its image over max_image_bytes {BOUND // 2}; "
+        "it was not parsed",
+    ],
+    ids=["parsed", "unparsed"],
+)
+async def test_the_encoders_refusal_over_a_lower_max_image_bytes_is_413_and_held_in_either_wording(
+    details: str,
+) -> None:
+    # The encoder refuses a picture over its request bound unparsed (request_size), in other words than
+    # the parsed check's: that one was a 400 passed on, and the lower bound was not held.
+    info = EncoderInfo(SaidStub())  # type: ignore[arg-type]
+    await info.get()
+    error = grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+    request = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=PICTURE))
+    refusal = over_cap(error, request, "input[1].data", info)
+    assert refusal is not None
+    assert (refusal.status, refusal.param, refusal.message) == (
+        413,
+        "input[1].data",
+        f"input[1].data: the picture is {len(PICTURE)} bytes, over the encoder's max_image_bytes "
+        f"{BOUND // 2} (its --max-image-bytes, or what its --max-message-bytes carries)",
+    )
+    assert (await info.get()).max_image_bytes == BOUND // 2

@@ -10,10 +10,11 @@ still says so (`refusal_asking_again`, `encoder_info.py`): it may have restarted
 
 NOTE: why the encoder's own refusal over its max_image_bytes is a 413 too. An encoder restarted with a
 lower --max-image-bytes takes the gateway's check by (it holds the higher bound said before) and
-refuses the picture itself, INVALID_ARGUMENT "image.data: N bytes exceed max_image_bytes M": passed
-on, that was a 400 naming no part of the body, where the gateway's own check gives a 413 naming it.
-It is now the same 413 (`over_cap`), and the lower bound is held (`EncoderInfo.lowered`), so the next
-picture over it is refused before any call."""
+refuses the picture itself, INVALID_ARGUMENT "image.data: N bytes exceed max_image_bytes M" (or,
+refused unparsed, "... its image over max_image_bytes M; it was not parsed"): passed on, that was a 400
+naming no part of the body, where the gateway's own check gives a 413 naming it. It is now the same
+413 (`over_cap`), and the lower bound is held (`EncoderInfo.lowered`), so the next picture over it is
+refused before any call."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.gateway.encoder_info import EncoderInfo, Metadata
 from tandem.gateway.errors import HttpError
 
-# The encoder's refusal of a picture over its max_image_bytes (`vision/image_bytes.py`, `read_image`).
-OVER_MAX_IMAGE_BYTES = re.compile(r"(\d+) bytes exceed max_image_bytes (\d+)")
+# The encoder's refusal of a picture over its max_image_bytes, in either of its wordings: parsed, "N bytes
+# exceed max_image_bytes M" (`vision/image_bytes.py`, `read_image`), or a request over the most its Embed
+# can use, refused unparsed, "the request is N bytes, its image over max_image_bytes M; it was not parsed"
+# (`request_size.py`). Only the former was read: such a larger picture was a 400, the lower bound not held.
+# The picture's size is read from the request sent: the unparsed wording gives the whole request's.
+OVER_MAX_IMAGE_BYTES = re.compile(r"(?:bytes exceed|its image over) max_image_bytes (\d+)")
 
 
 def over_max_image_bytes(num_bytes: int, max_image_bytes: int, where: str) -> HttpError:
@@ -93,9 +98,9 @@ def over_cap(
     --max-embeddings-bytes for the same cause is a 413 naming the input too."""
     details = error.details() or ""
     if error.code() == grpc.StatusCode.INVALID_ARGUMENT and (said := OVER_MAX_IMAGE_BYTES.search(details)):
-        num_bytes, max_image_bytes = int(said[1]), int(said[2])
+        max_image_bytes = int(said[1])
         info.lowered(max_image_bytes)
-        return over_max_image_bytes(num_bytes, max_image_bytes, where)
+        return over_max_image_bytes(len(request.image.data), max_image_bytes, where)
     if (over := message_over_cap(error)) is None:
         return None
     side = "gateway" if over.is_ours else "encoder"
