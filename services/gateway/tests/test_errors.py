@@ -114,6 +114,24 @@ def test_the_models_template_failing_beside_chat_template_kwargs_blames_neither_
     )
 
 
+def test_the_decoders_refusal_of_a_bodys_documents_names_documents() -> None:
+    # The body's documents reach the decoder as its kwarg `documents`: its refusals named
+    # chat_template_kwargs, a field the caller never sent.
+    said = (
+        "chat.template_kwargs.documents: 1048577 characters of strings and keys exceed the limit of 1048576"
+    )
+    limits = BodyLimits.for_chat(64, 1)
+    body = {"messages": [{"role": "user", "content": "hi"}], "documents": [{"text": "x"}]}
+    for extras, name in (
+        ({}, "documents"),
+        ({"chat_template_kwargs": {"documents": []}}, "chat_template_kwargs.documents"),
+    ):
+        names = chat_request(body | extras, limits).names
+        rpc = _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, said, "chat.template_kwargs.documents")
+        error = from_grpc(rpc, names)
+        assert (error.status, error.param, error.message.split(":")[0]) == (400, name, name)
+
+
 def test_a_service_that_serves_another_model_is_openais_unknown_model() -> None:
     # The encoder's refusal of an embeddings body's model (check_model): it was a 404 with no param
     # and code not_found_error, where a chat's unknown model is model_not_found naming `model`.

@@ -446,6 +446,32 @@ def test_vllms_merge_of_the_kwargs_over_add_generation_prompt_and_documents() ->
         assert error.value.field == name, error.value
 
 
+def test_a_bodys_documents_have_their_own_budget_and_are_named_documents() -> None:
+    # They were counted in the kwargs' 256 fields (a handful of flags) and refused as
+    # chat_template_kwargs: 128 documents of {title, text}, which vLLM takes, were a 400.
+    rag = [{"title": f"t{i}", "text": "x"} for i in range(1000)]  # 3,000 fields
+    chat = chat_request(CHAT | {"documents": rag, "chat_template_kwargs": {"a": list(range(250))}}, LIMITS)
+    assert len(chat.requests[0].chat.template_kwargs["documents"]) == 1000
+    deep: object = "x"
+    for _ in range(40):
+        deep = {"a": deep}
+    refusals = {
+        ("documents", "holds more than the limit of 4096 fields"): [{"t": "x"}] * 4097,
+        ("documents", "nests deeper than"): [deep],
+        ("documents", "must hold finite numbers"): [{"t": float("nan")}],
+    }
+    for (name, said), documents in refusals.items():
+        for extras in ({"documents": documents}, {"chat_template_kwargs": {"documents": documents}}):
+            with pytest.raises(InvalidArgument) as error:
+                chat_request(CHAT | extras, LIMITS)
+            expected = name if "documents" in extras else f"chat_template_kwargs.{name}"
+            assert (error.value.field, said in error.value.description) == (expected, True), error.value
+    # The kwargs keep theirs, the documents' key one of them.
+    with pytest.raises(InvalidArgument) as error:
+        chat_request(CHAT | {"documents": rag, "chat_template_kwargs": {"a": list(range(255))}}, LIMITS)
+    assert error.value.field == "chat_template_kwargs"
+
+
 def test_a_completion_refuses_what_it_would_otherwise_ignore() -> None:
     with pytest.raises(InvalidArgument, match="suffix: is not supported"):
         completion_request({"prompt": "a", "suffix": "b"}, LIMITS)

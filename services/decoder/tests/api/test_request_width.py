@@ -8,7 +8,12 @@ from google.protobuf import struct_pb2
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2
-from tandem.decoder.api.request_width import MAX_TEMPLATE_CHARS, MAX_TEMPLATE_FIELDS, check_width
+from tandem.decoder.api.request_width import (
+    MAX_DOCUMENT_FIELDS,
+    MAX_TEMPLATE_CHARS,
+    MAX_TEMPLATE_FIELDS,
+    check_width,
+)
 from tandem.decoder.engine.params import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS
 
 CONTEXT = 64
@@ -84,6 +89,25 @@ def test_a_callers_template_and_its_kwargs_are_bounded() -> None:
         "chat.template_kwargs",
         f"{MAX_TEMPLATE_FIELDS + 1} exceeds the limit of {MAX_TEMPLATE_FIELDS} fields, nested ones included",
     )
+
+
+def _kwargs(kwargs: dict) -> decoder_pb2.GenerateRequest:
+    request = _chat()
+    request.chat.template_kwargs.update(kwargs)
+    return request
+
+
+def test_an_openai_bodys_documents_are_counted_on_a_budget_of_their_own() -> None:
+    # Counted in the kwargs' 256, 128 RAG documents of {title, text} were refused; vLLM takes them.
+    flags = {f"f{i}": i for i in range(MAX_TEMPLATE_FIELDS - 1)}  # the documents' key is the 256th
+    rag = [{"title": "t", "text": "x"}] * (MAX_DOCUMENT_FIELDS // 3)
+    check_width(_kwargs(flags | {"documents": rag}), CONTEXT)
+    error = _refused(_kwargs(flags | {"documents": rag + [{"a": 1, "b": 2}]}))
+    assert (error.field, error.description) == (
+        "chat.template_kwargs.documents",
+        f"{MAX_DOCUMENT_FIELDS + 1} exceeds the limit of {MAX_DOCUMENT_FIELDS} fields, nested ones included",
+    )
+    assert _refused(_kwargs(flags | {"x": 1, "documents": []})).field == "chat.template_kwargs"
 
 
 def test_a_huge_struct_is_counted_only_up_to_past_its_bound() -> None:

@@ -28,6 +28,9 @@ from tandem.client.errors import InvalidArgument
 MAX_STOP = 16  # stop strings (OpenAI allows 4; vLLM more)
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids (vLLM's extra)
 MAX_TEMPLATE_FIELDS = 256  # chat_template_kwargs fields, nested ones included (the decoder's request_width)
+# Fields in `documents` (the body's, or a kwarg of that name), nested ones included, apart from the
+# kwargs' 256: a RAG body's 1,000 documents of {title, text} (the decoder's request_width).
+MAX_DOCUMENT_FIELDS = 4096
 # chat_template_kwargs' nesting, in the decoder's protobuf parser's levels (upb reads 100): the request
 # and chat take one, each object three (Struct, map entry, Value), each list two (ListValue, Value).
 # Measured: 33 objects parse and 34 do not; an object and 48 lists parse, 49 do not. Counting a list as

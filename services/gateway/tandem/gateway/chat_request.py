@@ -107,6 +107,9 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
         names,
         image_urls=frozenset((image.message, image.part) for image in images),
         template_extras=tuple(name for name in ("documents", "chat_template_kwargs") if body.get(name)),
+        # The body's documents are the decoder's kwarg of that name unless a kwarg of it overrides them.
+        documents=body.get("documents") is not None
+        and "documents" not in (body.get("chat_template_kwargs") or {}),
     )
     return generate_call(body, (request,), n, False, tuple(images), names)
 

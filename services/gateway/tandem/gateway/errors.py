@@ -125,6 +125,8 @@ class BodyNames:
     # What else of the body the template read (chat_template_kwargs, documents): a template failure may
     # be theirs as much as the messages'.
     template_extras: tuple[str, ...] = ()
+    # The decoder's chat.template_kwargs.documents is the body's `documents` (no kwarg of that name).
+    documents: bool = False
 
 
 # A batch prompt's Generate call has one segment: the decoder's paths into it, up to what follows the
@@ -252,6 +254,8 @@ RESPONSE_FORMAT_FIELDS = {".json_schema": "response_format.json_schema.schema", 
 STRUCTURED = re.compile(r"\bstructured(\.[a-z_]+|(?=:|$))")
 # The decoder's limit on new tokens, as a path or as a bound a message states (`max_new_tokens=4`).
 MAX_NEW_TOKENS = re.compile(r"\b(?:stopping\.)?max_new_tokens\b")
+# The decoder's kwarg holding a body's `documents` (not a kwarg `documents_x`).
+DOCUMENTS = re.compile(r"\bchat\.template_kwargs\.documents(?![\w])")
 # The body's stop[0], once BODY_FIELDS has named it (not stop_token_ids[0]).
 STOP_STRING = re.compile(r"(?<![\w.])stop\[0\]")
 # A chat part's image rows (`messages[i].content[j].image`, and what follows: `.shape`), body-named.
@@ -275,6 +279,8 @@ def body_field(path: str, names: BodyNames = BodyNames()) -> str:
         path = SEGMENT.sub(r"prompt\1", path, count=1)
     elif names.prompt is not None:  # the prompt is its one segment
         path = PROMPT.sub("prompt", path, count=1)
+    if names.documents:
+        path = DOCUMENTS.sub("documents", path)
     for service, body in BODY_FIELDS:
         path = path.replace(service, body)
     if names.is_stop_string:

@@ -12,7 +12,8 @@ milliseconds, INVALID_ARGUMENT naming the field and the limit:
 - stop strings, stop token IDs and logit-bias entries: the engine's own limits (engine/params.py),
   each stop string's length too: the request's span records them, and 16 stop strings of 1 MB, refused
   only by the engine, had made a 16 MB span that lost its neighbours' spans at the collector;
-- a caller's chat template and its template_kwargs: MAX_TEMPLATE_CHARS and MAX_TEMPLATE_FIELDS.
+- a caller's chat template and its template_kwargs: MAX_TEMPLATE_CHARS and MAX_TEMPLATE_FIELDS, their
+  documents MAX_DOCUMENT_FIELDS.
 Everything the engine checks still is; these bounds are only the ones that must come first.
 """
 
@@ -32,6 +33,10 @@ from tandem.decoder.engine.params import (
 
 # Fields of template_kwargs, nested ones included: templates read a handful of flags.
 MAX_TEMPLATE_FIELDS = 256
+# Fields in its `documents` (an OpenAI body's, which RAG templates read), nested ones included, apart
+# from the 256 (its key is one of them): 128 documents of {title, text} were refused at 256, and vLLM
+# takes them. 1,000 such documents fit.
+MAX_DOCUMENT_FIELDS = 4096
 
 
 def check_width(request: decoder_pb2.GenerateRequest, max_positions: int) -> None:
@@ -55,12 +60,7 @@ def check_width(request: decoder_pb2.GenerateRequest, max_positions: int) -> Non
         if chat.HasField("chat_template"):
             _at_most("chat.chat_template", len(chat.chat_template), MAX_TEMPLATE_CHARS, "characters")
         if chat.HasField("template_kwargs"):
-            _at_most(
-                "chat.template_kwargs",
-                _count_fields(chat.template_kwargs, MAX_TEMPLATE_FIELDS),
-                MAX_TEMPLATE_FIELDS,
-                "fields, nested ones included",
-            )
+            _check_template_kwargs(chat.template_kwargs)
     _at_most("prompt", positions, max_positions, f"token IDs in all ({context})")
     _at_most("stopping.stop_sequences", len(request.stopping.stop_sequences), MAX_STOP_STRINGS, "strings")
     for i, stop in enumerate(request.stopping.stop_sequences):
@@ -80,9 +80,39 @@ def _positions(piece: decoder_pb2.PromptSegment | decoder_pb2.ChatContentPart, o
     return len(piece.token_ids.ids) if piece.WhichOneof(oneof) == "token_ids" else 0
 
 
-def _count_fields(struct: struct_pb2.Struct, budget: int) -> int:
-    """Fields of `struct` and of every struct and list in it, counting no further than past `budget`."""
-    count, pending = 0, [struct]
+def _check_template_kwargs(kwargs: struct_pb2.Struct) -> None:
+    """Counts the kwargs' fields, and what their `documents` holds on a budget of its own."""
+    what = "fields, nested ones included"
+    top = min(len(kwargs.fields), MAX_TEMPLATE_FIELDS + 1)  # len() reads no value
+    _at_most("chat.template_kwargs", top, MAX_TEMPLATE_FIELDS, what)
+    nested = {key: _nested(value) for key, value in kwargs.fields.items()}
+    documents = nested.pop("documents", None)
+    others = [value for value in nested.values() if value is not None]
+    count = _count_fields(others, MAX_TEMPLATE_FIELDS, len(kwargs.fields))
+    _at_most("chat.template_kwargs", count, MAX_TEMPLATE_FIELDS, what)
+    if documents is not None:
+        _at_most(
+            "chat.template_kwargs.documents",
+            _count_fields([documents], MAX_DOCUMENT_FIELDS),
+            MAX_DOCUMENT_FIELDS,
+            what,
+        )
+
+
+def _nested(value: struct_pb2.Value) -> struct_pb2.Struct | struct_pb2.ListValue | None:
+    """The struct or list `value` holds; None: a scalar."""
+    kind = value.WhichOneof("kind")
+    return (
+        value.struct_value if kind == "struct_value" else value.list_value if kind == "list_value" else None
+    )
+
+
+def _count_fields(
+    containers: list[struct_pb2.Struct | struct_pb2.ListValue], budget: int, count: int = 0
+) -> int:
+    """`count` and the fields of `containers` and of every struct and list in them, counting no further
+    than past `budget`."""
+    pending = list(containers)
     while pending and count <= budget:
         item = pending.pop()
         values = item.fields.values() if isinstance(item, struct_pb2.Struct) else item.values
@@ -90,9 +120,6 @@ def _count_fields(struct: struct_pb2.Struct, budget: int) -> int:
             count += 1
             if count > budget:
                 break
-            kind = value.WhichOneof("kind")
-            if kind == "struct_value":
-                pending.append(value.struct_value)
-            elif kind == "list_value":
-                pending.append(value.list_value)
+            if (inner := _nested(value)) is not None:
+                pending.append(inner)
     return count

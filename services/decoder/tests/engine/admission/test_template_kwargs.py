@@ -120,6 +120,17 @@ def test_kwargs_past_the_characters_limit_are_refused_naming_the_field_and_the_l
     assert f"limit of {MAX_KWARGS_CHARS}" in str(error.value)
 
 
+def test_kwargs_past_the_characters_limit_mostly_in_documents_are_refused_naming_documents() -> None:
+    # An OpenAI body's documents arrive as this kwarg: the gateway names them as the body does.
+    with pytest.raises(InvalidArgument) as error:
+        check_size({"documents": [{"text": "a" * MAX_KWARGS_CHARS}], "k": "b"})
+    assert (error.value.field, error.value.description) == (
+        "chat.template_kwargs.documents",
+        f"{MAX_KWARGS_CHARS + 15} characters of strings and keys ({MAX_KWARGS_CHARS + 4} of them in "
+        f"documents) exceed the limit of {MAX_KWARGS_CHARS}",
+    )
+
+
 def _pair(kwargs: TemplateKwargs, name: str) -> tuple[str, str, str]:
     """A marked string's opening marker, text and closing marker."""
     marked = kwargs.variables[name]

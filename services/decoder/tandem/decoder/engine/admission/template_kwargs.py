@@ -15,7 +15,8 @@ that prints a piece with neither marker (`x[34:-35]`) leaves no nonce: chat.py t
 render with each string at risk inert (`stand_in`, `TemplateKwargs.at_risk`). The template sees the
 markers: `x | length` counts them, and `x == '...'` is false.
 
-Size: the strings and keys hold at most MAX_KWARGS_CHARS in all (check_size, from check_spec).
+Size: the strings and keys hold at most MAX_KWARGS_CHARS in all (check_size, from check_spec), an OpenAI
+body's `documents` (a kwarg here) included; a refusal names `documents` where they hold the most.
 
 Numbers: tandem.v1.ChatPrompt.template_kwargs is a google.protobuf.Struct, which holds doubles only, so
 `{"n": 3}` arrives as 3.0 and a template printed `3.0` or failed on `range(n)` (transformers and vLLM
@@ -105,9 +106,12 @@ def check_size(kwargs: dict[str, Any]) -> None:
         return 0
 
     if (num_chars := size(kwargs)) > MAX_KWARGS_CHARS:
+        # Named by what holds the most of them: an OpenAI body's documents reach here as a kwarg.
+        in_documents = size(kwargs.get("documents"))
+        held = f" ({in_documents} of them in documents)" if in_documents else ""
         raise InvalidArgument(
-            FIELD,
-            f"{num_chars} characters of strings and keys exceed the limit of {MAX_KWARGS_CHARS}",
+            f"{FIELD}.documents" if 2 * in_documents > num_chars else FIELD,
+            f"{num_chars} characters of strings and keys{held} exceed the limit of {MAX_KWARGS_CHARS}",
         )
 
 
