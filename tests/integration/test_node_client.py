@@ -189,31 +189,35 @@ def test_node_chat_request_sends_a_turn_with_no_content_parts_as_one_of_empty_te
     assert turns == [[("text", "")]] * 3
 
 
-def test_node_chat_request_refuses_a_name_that_is_not_a_string_naming_it(node_client: Path) -> None:
-    # String() sent ["alice"] to the template as "alice" and 123 as "123", where the gateway refuses them.
+def _node_chat_request_errors(node_client: Path, values: str, second_turn: str) -> list[str]:
+    """chatRequest([a turn of "hi", `second_turn`]) for each of `values` (a JavaScript array, each bound to
+    `value` in `second_turn`): its error's message, or "sent"."""
     script = (
         'const { chatRequest } = require("./decoder");'
-        'for (const name of [["alice"], 123, false, {a: 1}]) {'
-        '  try { chatRequest([{role: "user", content: "hi"}, {role: "user", content: "yo", name}]);'
+        f"for (const value of {values}) {{"
+        f'  try {{ chatRequest([{{role: "user", content: "hi"}}, {second_turn}]);'
         '    console.log("sent"); } catch (error) { console.log(error.message); } }'
     )
+    return _node_eval(node_client, script).splitlines()
+
+
+def test_node_chat_request_refuses_a_name_that_is_not_a_string_naming_it(node_client: Path) -> None:
+    # String() sent ["alice"] to the template as "alice" and 123 as "123", where the gateway refuses them.
+    errors = _node_chat_request_errors(
+        node_client, '[["alice"], 123, false, {a: 1}]', '{role: "user", content: "yo", name: value}'
+    )
     kinds = ["object", "number", "boolean", "object"]
-    assert _node_eval(node_client, script).splitlines() == [
-        f"messages[1].name: must be a string, got {k}" for k in kinds
-    ]
+    assert errors == [f"messages[1].name: must be a string, got {k}" for k in kinds]
 
 
 def test_node_chat_request_refuses_a_content_neither_a_string_nor_a_list_naming_it(node_client: Path) -> None:
     # false, 0, {} and a part object not in a list threw "content.map is not a function", naming no field;
     # the gateway refuses each as messages[i].content.
-    script = (
-        'const { chatRequest } = require("./decoder");'
-        'for (const content of [false, 0, {}, {type: "text", text: "hi"}]) {'
-        '  try { chatRequest([{role: "user", content: "hi"}, {role: "user", content}]);'
-        '    console.log("sent"); } catch (error) { console.log(error.message); } }'
+    errors = _node_chat_request_errors(
+        node_client, '[false, 0, {}, {type: "text", text: "hi"}]', '{role: "user", content: value}'
     )
     kinds = ["boolean", "number", "object", "object"]
-    assert _node_eval(node_client, script).splitlines() == [
+    assert errors == [
         f"messages[1].content: must be a string or a list of content parts, got {k}" for k in kinds
     ]
 
