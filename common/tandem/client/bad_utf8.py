@@ -4,7 +4,8 @@ protobuf's parser refuses such a message ("String field had bad UTF-8") and name
 service answered `request: not a valid request message`, leaving the caller to guess which of its
 strings was at fault. `bad_utf8_field` walks the wire format along the message's descriptor to the
 first string field whose bytes do not decode, the one the parser stopped at, and gives its path as
-the other refusals write it (`prompt[2].text`, `texts[1]`, `chat.template_kwargs["k"][3]`).
+the other refusals write it (`prompt[2].text`, `texts[1]`, `chat.template_kwargs.k[3]`,
+`chat.template_kwargs["a b"]`: a string key as field_path.child_path spells it, an integer one `[7]`).
 
 The path is that of the message the parser builds: a message field sent twice is merged, so a repeated
 field's index goes on counting in its second chunk, but a map entry replaces an earlier one of its key and
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from .field_path import MAX_KEY_CHARS, quoted_key
+from .field_path import MAX_KEY_CHARS, child_path
 from .oversized import FIXED_SIZES, LENGTH_DELIMITED, read_varint
 
 # Fields walked at most, over all levels: MIN_FIELDS_WALKED and one for each BYTES_PER_FIELD of the request,
@@ -166,8 +167,8 @@ class _Walk:
         for number, wire_type, i, stop in self.fields(start, end):
             if number == 1:
                 key = _key(self.raw, wire_type, i, stop, key_field.type)
-        if isinstance(key, str):
-            key = quoted_key(key)  # always quoted: a map's key, whatever its name, as a path shows it
+        if isinstance(key, str):  # a Struct's (the protocol's one string-keyed map): `.k`, `["a b"]`
+            return child_path(path, key)  # as the template-kwargs checks name the same key
         return f"{path}[{key}]"
 
 

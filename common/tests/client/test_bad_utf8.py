@@ -122,9 +122,11 @@ def _kwargs(**values: object) -> decoder_pb2.GenerateRequest:
     ("message", "path"),
     [
         # It read chat.template_kwargs.fields[0].value.string_value: protobuf's names, not the caller's key.
-        (_kwargs(a="x", b=MARK), 'chat.template_kwargs["b"]'),
-        (_kwargs(a={"tools": ["x", {"name": MARK}]}), 'chat.template_kwargs["a"]["tools"][1]["name"]'),
-        (_kwargs(**{"ключ": [1, 2, MARK]}), 'chat.template_kwargs["ключ"][2]'),
+        # A key is spelled as the template-kwargs checks spell it (it was always ["b"], they .b).
+        (_kwargs(a="x", b=MARK), "chat.template_kwargs.b"),
+        (_kwargs(a={"tools": ["x", {"name": MARK}]}), "chat.template_kwargs.a.tools[1].name"),
+        (_kwargs(**{"ключ": [1, 2, MARK]}), "chat.template_kwargs.ключ[2]"),
+        (_kwargs(**{"a b": MARK}), 'chat.template_kwargs["a b"]'),
         (_kwargs(**{"k" * 40: MARK}), f'chat.template_kwargs["{"k" * 32}..."]'),
     ],
 )
@@ -148,7 +150,7 @@ def test_a_deep_path_is_bounded_keeping_its_head_and_tail(monkeypatch: pytest.Mo
         value = {"key_key_key_": value}
     path = bad_utf8_field(_spoiled(_kwargs(k=value)), decoder_pb2.GenerateRequest.DESCRIPTOR)
     assert path is not None and len(path) <= bad_utf8.MAX_PATH_CHARS + 3 and "..." in path
-    assert path.startswith('chat.template_kwargs["k"]["key_key_key_"]') and path.endswith('["key_key_key_"]')
+    assert path.startswith("chat.template_kwargs.k.key_key_key_") and path.endswith(".key_key_key_")
 
 
 def test_the_walk_is_bounded_by_the_bytes_of_the_request_up_to_what_a_realistic_one_needs() -> None:
@@ -200,7 +202,7 @@ def test_a_long_valid_key_before_its_bad_byte_costs_the_walk_what_the_same_strin
     text = ("é中" * (1 << 20)).encode()[: (2 << 20) - 1] + b"\xff"
     as_key = _field(7, _field(4, _field(1, _field(1, text) + _field(2, _field(3, b"x")))))
     as_value = _field(7, _field(4, _field(1, _field(1, b"k") + _field(2, _field(3, text)))))
-    assert bad_utf8_field(as_value, decoder_pb2.GenerateRequest.DESCRIPTOR) == 'chat.template_kwargs["k"]'
+    assert bad_utf8_field(as_value, decoder_pb2.GenerateRequest.DESCRIPTOR) == "chat.template_kwargs.k"
     assert _walk_ms(as_key) < 1.5 * _walk_ms(as_value)
 
 
@@ -211,7 +213,7 @@ def test_a_map_key_sent_in_two_entries_is_indexed_as_the_parser_keeps_it_the_las
     valid = first.SerializeToString() + second.SerializeToString()
     assert list(decoder_pb2.GenerateRequest.FromString(valid).chat.template_kwargs["k"]) == [MARK]
     raw = first.SerializeToString() + _spoiled(second)
-    assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) == 'chat.template_kwargs["k"][0]'
+    assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) == "chat.template_kwargs.k[0]"
 
 
 def test_a_oneof_member_set_again_after_another_is_indexed_as_the_parser_restarts_it() -> None:
@@ -224,7 +226,7 @@ def test_a_oneof_member_set_again_after_another_is_indexed_as_the_parser_restart
     valid = _field(7, _field(4, _field(1, entry)))
     assert list(decoder_pb2.GenerateRequest.FromString(valid).chat.template_kwargs["k"]) == [MARK]
     raw = valid.replace(MARK.encode(), NOT_UTF8)
-    assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) == 'chat.template_kwargs["k"][0]'
+    assert bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR) == "chat.template_kwargs.k[0]"
 
 
 def test_a_cut_path_keeps_each_escape_of_a_key_whole() -> None:
@@ -240,4 +242,4 @@ def test_a_cut_path_keeps_each_escape_of_a_key_whole() -> None:
     head, _, tail = path.partition("...")
     for side in (head, tail):  # with its whole escapes taken out, no piece of one is left
         assert not set(re.sub(r'\\u0001|\\"', "", side)) & set("\\01u"), (head[-8:], tail[:8])
-    assert tail.endswith('["k"]')
+    assert tail.endswith(".k")
