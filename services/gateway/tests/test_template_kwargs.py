@@ -51,7 +51,7 @@ def test_a_wide_kwargs_is_refused_without_reading_it_all() -> None:
     wide = {"a": [0] * 520_000}
     started = time.perf_counter()
     assert _refusal(wide).field == "chat_template_kwargs"
-    assert time.perf_counter() - started < 0.01
+    assert time.perf_counter() - started < 0.1  # the walk takes ~50 µs; a busy host may deschedule it
 
 
 def _parses(kinds: str) -> bool:

@@ -410,12 +410,13 @@ def check_template_kwargs(kwargs: dict[str, Any], special: Collection[str]) -> N
     sets itself (RENDER_VARIABLES, or one of the checkpoint's `special` token names), naming it and
     every name taken."""
     check_size(kwargs)
-    own = RENDER_VARIABLES | {name: f"the checkpoint's {name}" for name in special}
-    for name, what in own.items():
-        if name in kwargs:
+    # The kwargs' names are read (usually none), not the ~17 taken: the list is built for a refusal only.
+    for name in kwargs:
+        if name in RENDER_VARIABLES or name in special:
+            own = RENDER_VARIABLES | {token: f"the checkpoint's {token}" for token in special}
             raise InvalidArgument(
                 f"{TEMPLATE_KWARGS}.{name}",
-                f"is the template's own variable, {what}; a kwarg may not be named any of "
+                f"is the template's own variable, {own[name]}; a kwarg may not be named any of "
                 f"{', '.join(sorted(own))}",
             )
 

@@ -52,9 +52,10 @@ MAX_EXACT_INTEGER = 2**53  # doubles hold every integer up to it exactly
 MAX_KWARGS_CHARS = 1 << 20
 
 
-@dataclass(frozen=True)
+@dataclass
 class TemplateKwargs:
-    """The caller's kwargs as the template gets them, and how to find their marked text after."""
+    """The caller's kwargs as the template gets them, and how to find their marked text after. Not
+    frozen: mark() adds to its lists, chat.py's marking of names after it is built too."""
 
     variables: dict[str, Any]  # marked strings, whole numbers as ints; passed as template variables
     marked: list[str]  # the field path of each marked string (a message's name too), by its markers' index
