@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -550,3 +551,19 @@ def test_a_template_that_prints_caller_text_whole_renders_once(smollm2_dir: Path
     assert len(calls) == 1
     template.render(_chat([], template=PRINTS_KWARGS, template_kwargs={"date_string": FORGED}))
     assert len(calls) == 3
+
+
+def test_splicing_parts_compiles_no_pattern_per_render(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each render's placeholders carry a fresh nonce, so a pattern built from it missed re's cache every time.
+    template = _template(smollm2_dir)
+    compiled: list[str] = []
+    compile_ = re.compile
+    monkeypatch.setattr(
+        re, "compile", lambda pattern, *a: compiled.append(str(pattern)) or compile_(pattern, *a)
+    )
+    for _ in range(2):
+        parts = template.render(ChatRequest([ChatMessage("user", [TextPrompt("Say"), [504, 1345]])]))
+        assert ("chat.messages[0].content[1]", [504, 1345]) in parts
+    assert not [p for p in compiled if "tandem-part" in p]

@@ -505,9 +505,13 @@ def _place_images(
     return placed
 
 
+# Any render's placeholder, its nonce group compared to this render's: a pattern built from the nonce,
+# fresh each render, missed re's cache and was compiled anew for every chat with a non-text part.
+_PART = re.compile(r"<<tandem-part-([0-9a-f]+)-\d+-\d+>>")
+
+
 def _splice(rendered: list[LocatedPart], spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:
     """Splits the template's text at the placeholders; each must appear exactly once."""
-    pattern = re.compile(rf"<<tandem-part-{nonce}-\d+-\d+>>")
     parts: list[LocatedPart] = []
     seen: set[str] = set()
     for path, part in rendered:
@@ -515,7 +519,9 @@ def _splice(rendered: list[LocatedPart], spliced: dict[str, LocatedPart], nonce:
             parts.append((path, part))
             continue
         text, position = part.text, 0
-        for match in pattern.finditer(text):
+        for match in _PART.finditer(text):
+            if match[1] != nonce:  # not this render's: text that merely looks like a placeholder
+                continue
             key = match.group(0)
             if key in seen or key not in spliced:
                 raise InvalidArgument("chat.chat_template", "the template repeated a non-text message part")
