@@ -11,14 +11,22 @@ from collections.abc import Mapping
 
 from .errors import ErrorInfo
 
-DECODER = "tandem.decoder"  # the domain of every reason below but CALL_LIMIT
-ENCODER = "tandem.encoder"  # the encoder's, which gives CALL_LIMIT alone
+DECODER = "tandem.decoder"  # the domain of every reason below but CALL_LIMIT and IMAGE_TOO_LARGE
+ENCODER = "tandem.encoder"  # the encoder's, which gives CALL_LIMIT and IMAGE_TOO_LARGE alone
 
 # RESOURCE_EXHAUSTED, RetryInfo, in the domain of the server that refused (`domain_of` its service): it
 # runs MAX_CALLS calls at once, streams and health checks included (tandem.common.call_bound), refused
 # before the call reached its service.
 CALL_LIMIT = "CALL_LIMIT"
 MAX_CALLS = "maxCalls"
+
+# INVALID_ARGUMENT, BadRequest naming `image.data`, in the encoder's domain: the picture is IMAGE_BYTES,
+# over the encoder's MAX_IMAGE_BYTES (its --max-image-bytes, or what its --max-message-bytes carries),
+# whether its bytes were parsed or refused unparsed. Not in ENCODER_REASONS: a decoder passes on only the
+# RESOURCE_EXHAUSTED ones; the gateway, which calls Embed itself, reads it to answer 413 and hold the bound.
+IMAGE_TOO_LARGE = "IMAGE_TOO_LARGE"
+IMAGE_BYTES = "imageBytes"
+MAX_IMAGE_BYTES = "maxImageBytes"
 
 # The encoder's reasons and each one's keys: what a decoder passes on of an encoder's ErrorInfo, which is
 # another server's word (its refusal of an encoder part: tandem.decoder.api.encoder_refusal).

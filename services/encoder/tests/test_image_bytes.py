@@ -13,7 +13,8 @@ import zlib
 import pytest
 from PIL import ExifTags, Image, ImageFile, ImageOps
 
-from tandem.client.errors import InvalidArgument
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import ErrorInfo, InvalidArgument
 from tandem.encoder.vision.image_bytes import (
     MAX_CHUNKS,
     decode_image,
@@ -146,8 +147,11 @@ def test_a_data_url_over_the_byte_limit_is_named_as_one_beside_the_limit() -> No
 
 def test_a_file_over_the_byte_limit_is_refused_by_its_size() -> None:
     data = _encoded("PNG")
-    with pytest.raises(InvalidArgument, match=f"{len(data)} bytes exceed max_image_bytes 50"):
+    with pytest.raises(InvalidArgument, match=f"{len(data)} bytes exceed max_image_bytes 50") as error:
         decode_image(data, 50, MAX_PIXELS)
+    # The gateway reads this refusal by its reason, not its wording.
+    numbers = {reasons.IMAGE_BYTES: str(len(data)), reasons.MAX_IMAGE_BYTES: "50"}
+    assert error.value.info == ErrorInfo(reasons.IMAGE_TOO_LARGE, reasons.ENCODER, numbers)
 
 
 def test_a_header_claiming_too_many_pixels_is_refused_before_decoding() -> None:

@@ -13,8 +13,9 @@ import grpc
 import pytest
 
 from services.encoder.tests.vision_checkpoints import make_image
+from tandem.client import error_reasons as reasons
 from tandem.client.channel import channel_options
-from tandem.client.errors import FailedPrecondition, InvalidArgument
+from tandem.client.errors import ErrorInfo, FailedPrecondition, InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from tandem.client.status import field_violation
 from tandem.common.server import ServerOptions, start_server
@@ -41,6 +42,9 @@ def test_an_image_over_the_request_bound_names_image_data_and_max_image_bytes() 
     assert caught.value.description == (
         f"the request is {len(raw)} bytes, its image over max_image_bytes 65536; it was not parsed"
     )
+    # The gateway reads this refusal by its reason, not its wording: the image's own bytes and the bound.
+    numbers = {reasons.IMAGE_BYTES: "200004", reasons.MAX_IMAGE_BYTES: "65536"}
+    assert caught.value.info == ErrorInfo(reasons.IMAGE_TOO_LARGE, reasons.ENCODER, numbers)
 
 
 def test_an_image_within_max_image_bytes_in_a_request_over_the_bound_is_not_called_over_it() -> None:

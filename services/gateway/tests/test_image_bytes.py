@@ -16,8 +16,12 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+from grpc_status import rpc_status
 
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.client.status import to_status_proto
 from tandem.gateway.encoder_info import EncoderInfo
 from tandem.gateway.image_bytes import over_cap
 
@@ -283,4 +287,22 @@ async def test_the_encoders_refusal_over_a_lower_max_image_bytes_is_413_and_held
         f"input[1].data: the picture is {len(PICTURE)} bytes, over the encoder's max_image_bytes "
         f"{BOUND // 2} (its --max-image-bytes, or what its --max-message-bytes carries)",
     )
+    assert (await info.get()).max_image_bytes == BOUND // 2
+
+
+async def test_the_encoders_refusal_is_read_by_its_reason_whatever_its_wording() -> None:
+    # The wording was the only sign of this refusal: reworded, it was a 400 passed on and the bound not held.
+    info = EncoderInfo(SaidStub())  # type: ignore[arg-type]
+    await info.get()
+    numbers = {reasons.IMAGE_BYTES: len(PICTURE), reasons.MAX_IMAGE_BYTES: BOUND // 2}
+    said = reasons.info_of(reasons.ENCODER, reasons.IMAGE_TOO_LARGE, numbers)
+    status = rpc_status.to_status(
+        to_status_proto(InvalidArgument("image.data", "too big a picture", info=said))
+    )
+    trailers = grpc.aio.Metadata(*status.trailing_metadata)
+    error = grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), trailers, status.details)
+    request = encoder_pb2.EmbedRequest(image=encoder_pb2.Image(data=PICTURE))
+    refusal = over_cap(error, request, "input[1].data", info)
+    assert refusal is not None and (refusal.status, refusal.param) == (413, "input[1].data")
+    assert f"max_image_bytes {BOUND // 2}" in refusal.message
     assert (await info.get()).max_image_bytes == BOUND // 2

@@ -20,7 +20,7 @@ from __future__ import annotations
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.client.oversized import FIXED_SIZES, LENGTH_DELIMITED, oversized, read_varint
 from tandem.client.pb.tandem.v1 import encoder_pb2
-from tandem.encoder.vision.image_bytes import sent_as_text
+from tandem.encoder.vision.image_bytes import image_too_large, sent_as_text
 
 TAKES_NO_IMAGES = "this encoder's model takes no images (serve a LLaVA or SmolVLM checkpoint)"
 # The fields walked to find the image's bytes: a client sends a handful before them, and the walk is in
@@ -41,14 +41,17 @@ def parse_embed_request(
             span = _image_data_span(raw)
             head = raw[span[0] : min(span[1], span[0] + 64)] if span is not None else b""
             as_text = sent_as_text(head)  # base64 is 4/3 of the bytes: those may fit
+            info = None
             if span is not None and span[1] - span[0] > max_image_bytes:
                 known = f"its image over max_image_bytes {max_image_bytes}"
+                info = image_too_large(span[1] - span[0], max_image_bytes)
             else:
                 known = f"over the {max_bytes} this method can use, its image holding the most of them"
             raise InvalidArgument(
                 "image.data",
                 f"the request is {len(raw)} bytes, {known}; it was not parsed"
                 + (f", and it {as_text}" if as_text else ""),
+                info=info,
             )
         raise error
     return encoder_pb2.EmbedRequest.FromString(raw)

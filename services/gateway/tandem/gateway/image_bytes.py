@@ -23,12 +23,15 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem.client import error_reasons as reasons
 from tandem.client.over_cap import over_cap as message_over_cap
 from tandem.client.pb.tandem.v1 import encoder_pb2
+from tandem.client.status_details import status_details
 from tandem.gateway.encoder_info import EncoderInfo, Metadata
 from tandem.gateway.errors import HttpError
 
-# The encoder's refusal of a picture over its max_image_bytes, in either of its wordings: parsed, "N bytes
+# The encoder's refusal of a picture over its max_image_bytes, read by its ErrorInfo (IMAGE_TOO_LARGE) first;
+# by its wording only from an encoder that sends none (older), in either wording: parsed, "N bytes
 # exceed max_image_bytes M" (`vision/image_bytes.py`, `read_image`), or a request over the most its Embed
 # can use, refused unparsed, "the request is N bytes, its image over max_image_bytes M; it was not parsed"
 # (`request_size.py`). Only the former was read: such a larger picture was a 400, the lower bound not held.
@@ -96,9 +99,7 @@ def over_cap(
     NOTE: a reply over a cap is a 413 here, where a Generate call's is a 500 (`errors.py`): an Embed
     reply's size is the input's rows alone, which the body chose, and the answer over
     --max-embeddings-bytes for the same cause is a 413 naming the input too."""
-    details = error.details() or ""
-    if error.code() == grpc.StatusCode.INVALID_ARGUMENT and (said := OVER_MAX_IMAGE_BYTES.search(details)):
-        max_image_bytes = int(said[1])
+    if error.code() == grpc.StatusCode.INVALID_ARGUMENT and (max_image_bytes := _refused_over(error)):
         info.lowered(max_image_bytes)
         return over_max_image_bytes(len(request.image.data), max_image_bytes, where)
     if (over := message_over_cap(error)) is None:
@@ -109,6 +110,16 @@ def over_cap(
     ways = [*_shrink(request, where, over.is_reply), f"start the {side} with a larger --max-message-bytes"]
     message = f"{where}: {what} is {over.num_bytes} bytes, over {limit}: {', or '.join(ways)}"
     return HttpError(413, "invalid_request_error", message, where)
+
+
+def _refused_over(error: grpc.aio.AioRpcError) -> int | None:
+    """The max_image_bytes the encoder refused a picture over; None where it refused something else."""
+    said = status_details(error).metadata_of(reasons.ENCODER, reasons.IMAGE_TOO_LARGE)
+    if said is not None:
+        value = said.get(reasons.MAX_IMAGE_BYTES, "")
+        return int(value) if value.isascii() and value.isdigit() else None
+    worded = OVER_MAX_IMAGE_BYTES.search(error.details() or "")
+    return int(worded[1]) if worded else None
 
 
 def _shrink(request: encoder_pb2.EmbedRequest, where: str, is_reply: bool) -> list[str]:

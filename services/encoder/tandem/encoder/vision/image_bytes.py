@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from PIL import ExifTags, Image, UnidentifiedImageError
 
-from tandem.client.errors import InvalidArgument
+from tandem.client import error_reasons as reasons
+from tandem.client.errors import ErrorInfo, InvalidArgument
 from tandem.encoder.vision.gif_walk import walk_to_first_image
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -96,6 +97,12 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
+def image_too_large(num_bytes: int, max_bytes: int) -> ErrorInfo:
+    """The refusal's reason for programs (the gateway's 413), whichever wording the message has."""
+    numbers = {reasons.IMAGE_BYTES: num_bytes, reasons.MAX_IMAGE_BYTES: max_bytes}
+    return reasons.info_of(reasons.ENCODER, reasons.IMAGE_TOO_LARGE, numbers)
+
+
 def check_image_bytes(data: bytes, max_bytes: int, field: str = "image.data") -> str:
     """The picture's format (`sniff_format`) once its bytes pass the checks that cost microseconds: not
     empty, at most max_bytes, a PNG, JPEG, WebP or GIF by its first bytes. The servicer runs them before
@@ -110,6 +117,7 @@ def check_image_bytes(data: bytes, max_bytes: int, field: str = "image.data") ->
             field,
             f"{len(data)} bytes exceed max_image_bytes {max_bytes}"
             + (f", and it {as_text}" if as_text else ""),
+            info=image_too_large(len(data), max_bytes),
         )
     image_format = sniff_format(data)
     if image_format is None:
