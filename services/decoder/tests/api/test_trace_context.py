@@ -30,10 +30,22 @@ def test_several_tracestate_headers_are_joined_as_one_list() -> None:
         "00-" + "0" * 32 + PARENT[35:],  # an all-zero trace ID
         PARENT[:36] + "0" * 16 + "-01",  # an all-zero parent ID
         "",
+        "01" + PARENT[2:] + "-" + "x" * 457,  # a higher version past the SDK's 512 characters
+        "01" + PARENT[2:] + "x",  # a higher version's more fields come after a dash
+        " " + PARENT,  # padded: the SDK takes it, the rule does not
+        PARENT + "\t",
     ],
 )
 def test_a_malformed_traceparent_is_dropped_with_its_tracestate(parent: str) -> None:
     assert trace_context([("traceparent", parent), ("tracestate", "a=1")]) == ()
+
+
+@pytest.mark.parametrize("extra", ["", "-extra", "-" + "x" * 456])
+def test_a_higher_version_is_passed_on_in_its_version_00_form(extra: str) -> None:
+    # W3C: a version to come may carry more fields after a dash; a vendor reads the four it knows. A
+    # tracing service took it as the caller's trace and sends it on as version 00: so does this path.
+    metadata = [("traceparent", "01" + PARENT[2:] + extra), ("tracestate", "a=1")]
+    assert trace_context(metadata) == (("traceparent", PARENT), ("tracestate", "a=1"))
 
 
 def test_two_traceparents_or_none_pass_nothing_on() -> None:
