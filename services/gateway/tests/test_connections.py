@@ -124,3 +124,24 @@ async def test_a_body_labelled_gzip_is_not_decoded_after_a_401_nor_logged(
             head, answer = await _sent_back(url, sent)  # read to the close: the drain has run
     assert head.split()[1] == b"401" and answer["error"]["type"] == "authentication_error"
     assert [r.getMessage() for r in caplog.records if r.name == "aiohttp.server"] == []
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        pytest.param(b"Authorization: Bearer " + b"sekret" * 200_000, id="a token past the line bound"),
+        pytest.param(b"Authorization: Bearer sek\x01ret", id="a control character in a token"),
+    ],
+)
+async def test_a_refused_header_line_is_quoted_neither_to_the_caller_nor_in_the_log(
+    url: str, header: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    # aiohttp's message quoted the line's first 100 bytes, a bearer token, into the 400 and the log.
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        head, answer = await _sent_back(url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n")
+    assert head.split()[1] == b"400"
+    logged = [r.getMessage() for r in caplog.records if r.name == "aiohttp.server"]
+    for said in (answer["error"]["message"], *logged):
+        assert "sek" not in said and "Bearer" not in said
+    if b"\x01" not in header:
+        assert "over 8190 bytes" in answer["error"]["message"] and "over 8190 bytes" in logged[0]

@@ -54,6 +54,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tandem.client.errors import ConfigError
 from tandem.gateway.errors import HttpError
+from tandem.gateway.parse_failures import reason_of
 
 # aiohttp's lingering: what is left of a refused body read and dropped before its connection closes, so
 # a client sending it whole (as http.client does, not waiting for `100 Continue`) reads the answer
@@ -333,7 +334,10 @@ class OpenAIRequestHandler(web.RequestHandler):
     ) -> web.StreamResponse:
         plain = super().handle_error(request, status, exc, message)
         if plain.status < 500:
-            reason = " ".join(str(message or plain.reason).split())[:200]
+            if isinstance(exc, HttpProcessingError):
+                reason = reason_of(exc)  # never the bytes it failed on: a token (parse_failures.py)
+            else:
+                reason = " ".join(str(message or plain.reason).split())[:200]
             error = HttpError(
                 plain.status, "invalid_request_error", f"the request is not HTTP as it must be: {reason}"
             )
@@ -389,7 +393,8 @@ class ServerLog(logging.LoggerAdapter):
     that is not hex, Content-Length beside Transfer-Encoding, a header line too long) is one INFO line
     naming the caller and the reason: aiohttp logs each as an ERROR with its parser's traceback, about
     twenty lines a caller can have written for every 100 bytes it sends. The caller gets a 400 in OpenAI's
-    shape (OpenAIRequestHandler).
+    shape (OpenAIRequestHandler). Neither says the bytes the parser failed on (`parse_failures`: a
+    header line over its bound quoted a bearer token's first 100 bytes).
 
     NOTE: a body that fails while aiohttp drains it after the answer (its lingering read) is one such
     line too: aiohttp logs it as "Unhandled exception" with chained tracebacks, about 25 lines a request
@@ -402,11 +407,17 @@ class ServerLog(logging.LoggerAdapter):
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         error = kwargs.get("exc_info")
         if level >= logging.ERROR and isinstance(error, RequestPayloadError):  # the drain's (NOTE)
-            reason = " ".join(str(error).split())[:200]
+            cause = error.__cause__
+            reason = (
+                reason_of(cause)
+                if isinstance(cause, HttpProcessingError)
+                else " ".join(str(error).split())[:200]
+            )
             level, msg, args = logging.INFO, "a body drained after its answer failed: %s", (reason,)
             kwargs["exc_info"] = None
-        elif level >= logging.ERROR and isinstance(error, HttpProcessingError) and error.code < 500:
-            reason = " ".join(str(error.message).split())[:200]
-            level, msg, args = logging.INFO, f"{msg}: %s", (*args, reason)
+        elif isinstance(error, HttpProcessingError) and error.code < 500:
+            # At DEBUG too (aiohttp's level for a first request's bad method): its traceback quoted
+            # the bytes as well.
+            level, msg, args = min(level, logging.INFO), f"{msg}: %s", (*args, reason_of(error))
             kwargs["exc_info"] = None
         super().log(level, msg, *args, **kwargs)
