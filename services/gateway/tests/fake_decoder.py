@@ -24,7 +24,8 @@ among the rows it fetched before (its `--encoder-cache-bytes`), which a fetch fi
 then among the fetches running: a picture being fetched for another call (or twice in one call) is
 awaited, not fetched again.
 
-Its gRPC health says SERVING (the whole server's, "") until a test sets another status on `health`.
+Its gRPC health says SERVING, the whole server's ("") and tandem.v1.Decoder's, the one the gateway
+watches, as the decoder's does, until a test sets another (`set_health`).
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from tandem.client import error_reasons as reasons
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tandem.client.status import end_with
+from tandem.gateway.callers import DECODER_SERVICE
 
 MODEL = "fake-model"
 CONTEXT = 4096
@@ -79,7 +81,12 @@ class FakeDecoder(decoder_pb2_grpc.DecoderServicer):
     encoder: encoder_pb2_grpc.EncoderStub | None = None  # None: `encoder` parts are not accepted
     cached_rows: dict[bytes, bytes] = field(default_factory=dict)  # fetched rows, by picture
     fetching: dict[bytes, asyncio.Task[bytes]] = field(default_factory=dict)  # fetches running, by picture
-    health: HealthServicer = field(default_factory=HealthServicer)  # "": SERVING
+    health: HealthServicer = field(default_factory=HealthServicer)  # "" and tandem.v1.Decoder: SERVING
+
+    async def set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        """The server's health and its Decoder service's, as the decoder sets both."""
+        for service in ("", DECODER_SERVICE):
+            await self.health.set(service, status)
 
     async def GetModelInfo(
         self, request: decoder_pb2.DecoderGetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -258,6 +265,7 @@ async def fake_decoder(encoder_address: str | None = None) -> AsyncIterator[tupl
         server = grpc.aio.server()
         decoder_pb2_grpc.add_DecoderServicer_to_server(decoder, server)
         health_pb2_grpc.add_HealthServicer_to_server(decoder.health, server)
+        await decoder.set_health(health_pb2.HealthCheckResponse.SERVING)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:

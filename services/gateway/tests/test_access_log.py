@@ -73,7 +73,8 @@ async def test_health_probes_that_succeed_write_no_access_line_and_every_other_r
                     statuses.append(response.status)
                 async with http.get(url + "/nowhere") as response:
                     statuses.append(response.status)
-                await decoder.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                await decoder.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                await asyncio.sleep(0.1)  # the gateway's watch hears it (a Watch's next message)
                 async with http.get(url + "/health") as response:
                     statuses.append(response.status)
     assert statuses == [200, 200, 200, 200, 404, 503]
@@ -89,7 +90,7 @@ async def test_the_503s_that_tandem_waits_own_probe_is_told_while_the_decoder_lo
 ) -> None:
     decoder: FakeDecoder
     async with fake_decoder() as (decoder, address):
-        await decoder.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # still loading
+        await decoder.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # still loading
         with caplog.at_level(logging.INFO, logger="aiohttp.access"):
             async with served(address) as url, aiohttp.ClientSession() as http:
                 probe = Probe([url + "/health"])  # what `tandem wait` and `tandem up` ask with

@@ -90,6 +90,9 @@ BODY_NAMES = web.RequestKey("body_names", BodyNames)  # the body's names for fie
 DECODED_BODY = web.RequestKey("decoded_body", DecodedBody)  # a coded body's reader: what is left of it
 # The W3C headers a caller's trace context comes in (tandem.client.telemetry.propagation reads them).
 _PROPAGATED_HEADERS = ("traceparent", "tracestate", "baggage")
+# How long the gateway's start waits for its decoder replicas' first word (health): a request before
+# it would be refused 503 "none serves" only for not having heard yet (`_check_serving`).
+FIRST_HEALTH_S = 1.0
 # The server span's status of a request the gateway ended before its answer ended, its caller still there.
 GATEWAY_CUT = "the gateway ended the request: its shutdown's --grace-s passed, or its --write-timeout-s"
 
@@ -134,6 +137,7 @@ class Gateway:
             # `OpenAIRequestHandler`, which decode nothing either).
             handler_args={"auto_decompress": False},
         )
+        app.on_startup.append(self._first_health)
         if self.tracer is not None:  # the status a span of a request cut after its head was sent says
             app.on_response_prepare.append(note_sent_status)
         # Every route has an expect handler of the gateway's, the unrouted too (`unrouted`, registered
@@ -153,6 +157,13 @@ class Gateway:
         unrouted.add_route("*", self.unrouted, **bodiless)
         unrouted.take_unmatched(app.router)
         return app
+
+    async def _first_health(self, app: web.Application) -> None:
+        """Waits (up to FIRST_HEALTH_S) for a decoder replica to serve, as the watch hears it."""
+        replicas = self.callers.replicas
+        deadline = time.monotonic() + FIRST_HEALTH_S
+        while replicas is not None and not replicas.called and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     async def _expect_body(self, request: web.Request) -> web.StreamResponse | None:
         """`_expect` for a route that reads the body: `100 Continue` where it is not refused."""
@@ -366,8 +377,10 @@ class Gateway:
     # -- endpoints --------------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while a decoder replica serves and gets calls: over several, as the gateway's watch of each
-        has seen (`replicas.py`), which its own decoder client, watching none, cannot tell; else by Check.
+        """200 while a decoder replica serves and gets calls, as the gateway's watch of each has seen
+        (`replicas.py`; one address is one replica), which its own decoder client, watching none,
+        cannot tell; by Check only over channels that watch nothing. Asked live, a single decoder that
+        accepted connections and said nothing held every probe for the Check's 2 s.
         Counted by the rule the calls go by (`Replicas.called`): counting only replicas whose model was
         checked, it said 503 while calls went through at a cold start, before any model was asked."""
         replicas = self.callers.replicas
@@ -429,6 +442,7 @@ class Gateway:
 
     async def _model_cards(self, request: web.Request) -> list[dict[str, Any]]:
         # Asked each time, not cached: adapters load and unload while the gateway runs.
+        self._check_serving()
         async with self._decoder_stub() as stub:
             info = await stub.GetModelInfo(
                 decoder_pb2.DecoderGetModelInfoRequest(), metadata=self._metadata(request), timeout=10
@@ -736,7 +750,23 @@ class Gateway:
 
     async def _decoder(self, request: web.Request) -> decoder_pb2.DecoderGetModelInfoResponse:
         """The decoder's model info (its name, its context), kept fresh (decoder_info.py)."""
+        self._check_serving()
         return await self.decoder_info.get(self._metadata(request))
+
+    def _check_serving(self) -> None:
+        """Raises Unavailable (the gateway's 503) where no decoder replica serves, as its watch has
+        heard. Before any replica said a model, calls went to every replica (`replicas.py`): to one
+        that accepted connections and said nothing, a completion waited 5.4 s for gRPC's "connection
+        attempt timed out before receiving SETTINGS frame", /v1/models 10 s for its timeout."""
+        replicas = self.callers.replicas
+        if replicas is None or replicas.called:
+            return
+        if replicas.model is not None:
+            raise Unavailable(replicas.none_serving())
+        raise Unavailable(
+            f"no decoder replica serves now: none of the {replicas.num_watched} watched "
+            f"({self.config.decoder_address}) says it serves (loading, stopped, or not answering); retry"
+        )
 
     async def close(self) -> None:
         """Ends the model-info asks under way (at shutdown, before the channels close)."""

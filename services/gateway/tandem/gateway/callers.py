@@ -16,11 +16,11 @@ recently used first out), the rest closed. Open ones are bounded by the gateway'
 (each open call holds an HTTP connection), so the decoder sees at most `--max-connections` +
 `max_idle` connections from a gateway.
 
-Several decoder replicas: a caller's channel balances over the replicas that serve when it opens
-(`replicas.py`, which watches each replica's health once for every caller), and watches none itself,
-so a gateway holds a few health Watch streams on a replica however many callers it has. When that
-set changes, a caller's channel over an older one takes no new calls: an idle one is closed, a busy
-one once its calls end, and the caller's next call opens a channel over the new set.
+Decoder replicas (one address is one replica): a caller's channel balances over the replicas that
+serve when it opens (`replicas.py`, which watches each replica's health once for every caller), and
+watches none itself, so a gateway holds a few health Watch streams on a replica however many callers
+it has. When that set changes, a caller's channel over an older one takes no new calls: an idle one
+is closed, a busy one once its calls end, and the caller's next call opens a channel over the new set.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tandem.client.channel import channel_target, open_channel
+from tandem.client.channel import open_channel
 from tandem.client.client import DecoderClient
 from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
@@ -155,9 +155,8 @@ def decoder_channels(
     config: GatewayConfig, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
 ) -> CallerChannels:
     """Each caller's channel to `config`'s decoder: its TLS and token, and `interceptors` (tracing).
-    Several replicas are watched by a `Replicas` started here: call from the event loop."""
+    Its replicas (one, or several) are watched by a `Replicas` started here: call from the event loop."""
     address = config.decoder_address
-    _, is_balanced = channel_target(address)
     authority = name_of(address)  # replicas found from a name still go by it (TLS)
 
     def open_replica(replica: str) -> grpc.aio.Channel:
@@ -175,10 +174,11 @@ def decoder_channels(
             authority=None if targets == (address,) else authority,
         )
 
-    replicas = None
-    if is_balanced:
-        model_of = functools.partial(decoder_model, metadata=model_check_metadata(config))
-        replicas = Replicas(address, open_replica, DECODER_SERVICE, model_of=model_of)
+    # One address is watched too, as one replica: /health answers from its watch, and a decoder that
+    # does not serve is the gateway's 503 at once (app.py). Asked live, /health waited out a 2 s Check
+    # on a decoder that accepted connections and said nothing, and /v1/models its 10 s timeout.
+    model_of = functools.partial(decoder_model, metadata=model_check_metadata(config))
+    replicas = Replicas(address, open_replica, DECODER_SERVICE, model_of=model_of)
     return CallerChannels(open_caller_channel, config.max_idle_channels, replicas)
 
 
@@ -210,7 +210,8 @@ async def decoder_model(
 
 
 def decoder_client(config: GatewayConfig, telemetry: Telemetry | None = None) -> DecoderClient:
-    """The gateway's own client of `config`'s decoder (model info; `/health` of a single decoder):
+    """The gateway's own client of `config`'s decoder (the health of channels that watch nothing;
+    `decoder_channels`' watch its replicas, one or several):
     balanced over every replica, watching none. A channel that watched would hold a Watch on each
     replica from the gateway's address, and one refused there (others behind that address holding
     its share: a NAT, the node's /64, a mesh's one source address) failed every call it carried,
