@@ -20,6 +20,9 @@ each connection), so a replica that stops, drains or is NOT_SERVING gets no new 
 `host:port` keeps gRPC's default, one connection to one server. A channel opened with
 `is_health_checked=False` balances without watching: its opener knows which servers serve (the
 gateway, `tandem.gateway.replicas`), and round_robin still skips a server it cannot connect to.
+A balanced channel's first calls wait (1 s at most) until each server has connected or failed
+(`first_calls`): round_robin picks only connected servers, and a fresh channel's first burst all went
+to the one that connected first.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import json
 import re
 import socket
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from typing import Any
 import grpc
 
 from .auth import bearer_token_interceptors, read_token
+from .first_calls import FirstCallsGate, health_probe, name_resolver
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
 
@@ -287,13 +291,54 @@ def open_channel(
         options.append(("grpc.use_local_subchannel_pool", 1))
     if authority is not None:
         options.append(("grpc.default_authority", authority))
-    chain = [*interceptors, *(bearer_token_interceptors(security.token) if security.token else [])] or None
+    chain = [*interceptors, *(bearer_token_interceptors(security.token) if security.token else [])]
+    gate = None
+    if is_balanced:  # its first burst waits for every server's connection (`first_calls`)
+
+        def open_probe_channel(server: str) -> grpc.aio.Channel:
+            # Retrying nothing, so a refusal ends the probe at once; a connection of its own, so it
+            # starts after the balanced channel's. Health needs no token (`auth.OPEN_SERVICES`).
+            probe_options = [
+                *channel_options(max_message_bytes),
+                ("grpc.enable_retries", 0),
+                ("grpc.use_local_subchannel_pool", 1),
+            ]
+            if authority is not None:
+                probe_options.append(("grpc.default_authority", authority))
+            return _channel(server, probe_options, security, None)
+
+        gate = FirstCallsGate(
+            _servers(address, target), health_probe(open_probe_channel, service if is_health_checked else "")
+        )
+        chain.extend(gate.interceptors())
+    channel = _channel(target, options, security, chain or None)
+    if gate is not None:
+        gate.attach(channel)
+    return channel
+
+
+def _channel(
+    target: str,
+    options: list[tuple[str, Any]],
+    security: ChannelSecurity,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] | None,
+) -> grpc.aio.Channel:
     if not security.uses_tls:
-        return grpc.aio.insecure_channel(target, options=options, interceptors=chain)
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(
         security.root_certificates, security.private_key, security.certificate_chain
     )
-    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=chain)
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
+
+
+def _servers(
+    address: str | Sequence[str], target: str
+) -> tuple[str, ...] | Callable[[], Awaitable[tuple[str, ...]]]:
+    """A balanced `target`'s servers: its static list's, or a `dns:` name's as it resolves then."""
+    if target.startswith("dns:"):
+        server = server_of(address)
+        return () if server is None or server[1] is None else name_resolver(server[0], server[1])
+    return tuple(target.partition(":")[2].split(","))
 
 
 def channel_options(

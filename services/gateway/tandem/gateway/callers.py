@@ -14,7 +14,9 @@ decoder's caller is that token.
 Channels live while their caller has a call open; `max_idle` idle ones are kept for reuse (least
 recently used first out), the rest closed. Open ones are bounded by the gateway's connections
 (each open call holds an HTTP connection), so the decoder sees at most `--max-connections` +
-`max_idle` connections from a gateway.
+`max_idle` connections from a gateway, and for a moment one more per replica as a caller's channel
+over several opens (its first calls wait for its connections to every replica: the warm-up's health
+Check, on a connection of its own, `tandem.client.first_calls`).
 
 Decoder replicas (one address is one replica): a caller's channel balances over the replicas that
 serve when it opens (`replicas.py`, which watches each replica's health once for every caller), and
