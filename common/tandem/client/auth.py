@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from tandem.common.flag_files import MAX_TOKEN_FILE_BYTES, read_bounded
+
 log = logging.getLogger(__name__)
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lowercase.
@@ -43,9 +45,11 @@ def read_token(path: Path) -> str:
 
 def _read_tokens(path: Path) -> list[str]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read the auth token file {path}: {e}") from None
+        text = read_bounded(Path(path), MAX_TOKEN_FILE_BYTES, "a token file (64 KiB)").decode("utf-8")
+    except UnicodeDecodeError:  # before ValueError, which it is: its own text does not name the file
+        raise ValueError(f"cannot read the auth token file {path}: it is not UTF-8 text") from None
+    except ValueError as e:
+        raise ValueError(f"cannot read the auth token file: {e}") from None
     tokens = [line.strip() for line in text.splitlines()]
     tokens = [t for t in tokens if t and not t.startswith("#")]
     if not tokens:
