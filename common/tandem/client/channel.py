@@ -307,9 +307,8 @@ def open_channel(
                 probe_options.append(("grpc.default_authority", authority))
             return _channel(server, probe_options, security, None)
 
-        gate = FirstCallsGate(
-            _servers(address, target), health_probe(open_probe_channel, service if is_health_checked else "")
-        )
+        probe = health_probe(open_probe_channel, service if is_health_checked else None)
+        gate = FirstCallsGate(_servers(address, target), probe)
         chain.extend(gate.interceptors())
     channel = _channel(target, options, security, chain or None)
     if gate is not None:

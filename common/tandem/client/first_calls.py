@@ -12,7 +12,7 @@ channel's own connections began first and need no more round trips than a probe 
 handshake, then one health answer: its Watch where health checked), so by then the servers that
 answered are in its rotation and the first burst spreads. That is an ordering, not a promise gRPC
 makes: nothing in grpc.aio says which connections round_robin holds, nor which server took a call
-(a client call has no peer), hence a second Check of slack (NUM_CHECKS).
+(a client call has no peer), hence a second Check of slack where health checked (NUM_CHECKS_WATCHED).
 
 Any answer ends a server's probe: SERVING (it is in the rotation), NOT_SERVING (health checked, a
 server loading, draining or failed is never picked: nothing to wait for), an error from a server. A
@@ -41,10 +41,12 @@ log = logging.getLogger(__name__)
 # unreachable without refusing.
 MAX_WAIT_S = 1.0
 
-# Checks per probe: the second is a round trip of slack for the channel's own connection, begun first
-# but answered (its health Watch) in whatever order the server runs the two: with one, a burst still
-# went to one replica in 2 of 560 fresh channels on loopback (in-process servers), with two in 0 of 640.
-NUM_CHECKS = 2
+# Checks per probe of a health-checked channel: the second is a round trip of slack for the channel's
+# own connection, begun first but in rotation only once its health Watch is answered, in whatever
+# order the server runs the two: with one, a burst still went to one replica in 2 of 480 fresh watched
+# channels on loopback (in-process servers), with two in 0 of 520. Unwatched, a connection is in
+# rotation once made, before the probe's first Check is answered: 0 of 480 with one.
+NUM_CHECKS_WATCHED = 2
 
 # Asks one server ("ip:port", "[ip]:port"); returns once it answered or failed, raising nothing.
 Probe = Callable[[str], Awaitable[None]]
@@ -125,17 +127,18 @@ class _StreamStream(_Held, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(await self._gate.held(client_call_details), request_iterator)
 
 
-def health_probe(open_probe_channel: Callable[[str], grpc.aio.Channel], service: str) -> Probe:
-    """A probe by a health Check of `service` (the one the channel watches, else "") over a channel
-    of its own to the server, opened by `open_probe_channel` retrying nothing: a refused connection
-    fails the Check at once."""
+def health_probe(open_probe_channel: Callable[[str], grpc.aio.Channel], service: str | None) -> Probe:
+    """A probe by health Checks over a channel of its own to the server, opened by
+    `open_probe_channel` retrying nothing: a refused connection fails the Check at once. `service`:
+    the health service the balanced channel watches; None, it watches none (Checked: the server's)."""
+    num_checks = 1 if service is None else NUM_CHECKS_WATCHED
+    request = health_pb2.HealthCheckRequest(service=service or "")
 
     async def probe(server: str) -> None:
         channel = open_probe_channel(server)
         try:
-            request = health_pb2.HealthCheckRequest(service=service)
             stub = health_pb2_grpc.HealthStub(channel)
-            for _ in range(NUM_CHECKS):
+            for _ in range(num_checks):
                 await stub.Check(request, timeout=MAX_WAIT_S)
         except grpc.aio.AioRpcError:
             pass  # failed, or answered with an error: either way this server's probe has ended
