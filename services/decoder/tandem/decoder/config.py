@@ -9,6 +9,7 @@ back here.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,15 @@ MAX_NUM_DEVICES = 128
 MAX_COLLECTIVE_TIMEOUT_S = 86_400.0
 # What the C kernels compute in, by name: a quantized linear has no torch path to fall back on.
 KERNEL_DTYPE_NAMES = tuple(sorted(BY_TORCH[dtype].name for dtype in DTYPE_CODES))
+
+
+def max_num_threads() -> int:
+    """--num-threads at most: this host's logical CPUs. Intra-op threads past them only take turns on
+    the same CPUs (torch's own default is the physical cores), and far past them the host ran out:
+    --num-threads 100,000 starved it of processes and the decoder died of SIGSEGV 10 s after it
+    listened; 2**31 failed torch.set_num_threads in the engine thread's initializer (a traceback, exit
+    1). The host's count, not a fixed cap, so that a flag valid here may use every CPU here."""
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -290,6 +300,12 @@ class EngineConfig:
             raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.num_threads is not None and self.num_threads > max_num_threads():
+            raise ConfigError(
+                "num_threads",
+                f"must be at most {max_num_threads():,} (this host's logical CPUs: more threads only take "
+                f"turns on them), got {self.num_threads:,}",
+            )
         self._check_lora()
         for name in ("token_buckets", "seq_buckets", "block_table_buckets"):
             buckets = getattr(self, name)

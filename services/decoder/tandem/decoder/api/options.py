@@ -183,7 +183,12 @@ def settings() -> list[Setting]:
             "fastest (cached beside the model); a build's name runs that build's kernels",
             type=click.Choice(list(CPU_KERNELS)),
         ),
-        _engine_setting("--num-threads", "torch intra-op threads", type=int, show_default="torch's default"),
+        _engine_setting(
+            "--num-threads",
+            "torch intra-op threads, at most this host's logical CPUs",
+            type=int,
+            show_default="torch's default",
+        ),
         _engine_setting(
             "--speculative-tokens",
             "speculative decoding: tokens a decode step may propose from the request's own history "
