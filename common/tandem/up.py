@@ -432,9 +432,26 @@ def _say(message: str) -> None:
 
 
 def _write(stream: TextIO, text: str) -> None:
+    """Writes `text`, or nothing once the reader is gone: `up 2>&1 | head -3` closed the pipe, and the
+    BrokenPipeError of the next line raised out of the stop (both services were killed, no drain, exit
+    1) and ended the relays, so a child logging more than a pipe holds would block. An output error
+    never changes the stop: the stream's descriptor is pointed at /dev/null, the relays keep draining
+    the children into it, and Python's flush at exit finds nothing to complain of."""
     with _output_lock:
-        stream.write(text)
-        stream.flush()
+        try:
+            stream.write(text)
+            stream.flush()
+        except OSError:  # EPIPE, or EIO from a terminal that went away: the same, nobody reads
+            _discard(stream)
+
+
+def _discard(stream: TextIO) -> None:
+    """Sends what is still buffered and all later writes of `stream` to /dev/null (Python's own advice
+    for EPIPE, docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: no descriptor (a test's capture)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def _stop_with_parent() -> None:
@@ -526,7 +543,7 @@ def run_services(config: UpConfig) -> int:
     stopping = threading.Event()
     try:
         for name in services(config):
-            argv = [sys.executable, "-m", "tandem.cli", *serve_command(name, config)]
+            argv = service_argv(name, config)
             _say(f"starting the {_label(name)}: tandem {' '.join(serve_command(name, config))}")
             children.append(_Child(name, argv, service_environment()))
         threading.Thread(
@@ -554,6 +571,11 @@ def run_services(config: UpConfig) -> int:
                 child.process.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def service_argv(service: str, config: UpConfig) -> list[str]:
+    """The child process that runs `service`: `tandem serve <service> FLAGS` in this Python."""
+    return [sys.executable, "-m", "tandem.cli", *serve_command(service, config)]
 
 
 def ready_targets(config: UpConfig) -> dict[str, str]:
