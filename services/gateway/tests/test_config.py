@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tandem.client.errors import ConfigError
+from tandem.gateway import config
 from tandem.gateway.__main__ import command, config_from_options
-from tandem.gateway.config import GatewayConfig
+from tandem.gateway.config import MAX_BODY_BYTES, MAX_CHOICES, MIB, GatewayConfig
 
 
 def _config(args: list[str]) -> GatewayConfig:
@@ -191,3 +192,52 @@ def test_body_workers_are_no_more_than_the_large_bodies_converted_at_once_nor_th
         GatewayConfig(body_workers=3)
     with pytest.raises(ConfigError):
         GatewayConfig(body_workers=2, max_large_bodies=1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "bound"),
+    [
+        (
+            "max_body_bytes",
+            MAX_BODY_BYTES + 1,
+            r"at most 4294967296 \(4 GiB: a body goes on in one gRPC message",
+        ),
+        ("max_body_bytes", 2**63, r"at most 4294967296 \(4 GiB"),
+        ("max_choices", MAX_CHOICES + 1, r"at most 128 \(OpenAI's own bound on n"),
+        ("max_choices", 2**63, r"at most 128"),
+    ],
+)
+def test_a_bound_past_what_it_could_mean_is_refused_naming_the_limit(
+    field: str, value: int, bound: str
+) -> None:
+    # 2**63 was taken and the gateway listened.
+    with pytest.raises(ConfigError, match=bound) as error:
+        GatewayConfig(**{field: value})  # type: ignore[arg-type]
+    assert error.value.field == field
+
+
+def test_the_bounds_themselves_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 2**40)
+    assert GatewayConfig(max_body_bytes=MAX_BODY_BYTES, max_choices=MAX_CHOICES).max_choices == MAX_CHOICES
+
+
+def test_large_bodies_that_would_hold_more_than_the_host_s_memory_are_refused_naming_how_many_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 1024 * MIB)
+    assert GatewayConfig(max_large_bodies=10, max_body_bytes=96 * MIB).max_large_bodies == 10
+    with pytest.raises(
+        ConfigError, match=r"must be at most 10: 11 bodies of --max-body-bytes 100663296"
+    ) as error:
+        GatewayConfig(max_large_bodies=11, max_body_bytes=96 * MIB)
+    assert error.value.field == "max_large_bodies"
+    with pytest.raises(
+        ConfigError, match="more than this host's 1073741824 bytes of memory, got 9223372036854775808"
+    ):
+        GatewayConfig(max_large_bodies=2**63)
+
+
+def test_the_flags_past_their_bounds_are_refused_from_the_command_line() -> None:
+    with pytest.raises(ConfigError) as error:
+        _config(["--max-large-bodies", str(2**63)])
+    assert error.value.field == "max_large_bodies"

@@ -22,6 +22,12 @@ MIN_UNREAD_ANSWER_BYTES = 1024
 # as the gateway's channels opened), and the decoder and encoder refuse under 1 KiB.
 MIN_MESSAGE_BYTES = 1024
 MAX_MESSAGE_BYTES = 2**31 - 1
+# A body's content goes on to the services in one gRPC message of at most MAX_MESSAGE_BYTES (2 GiB),
+# base64 rows as 4/3 of their bytes in JSON: a body past twice that could never be passed on.
+MAX_BODY_BYTES = 4 * 1024 * MIB
+# OpenAI's own bound on `n`: a client written for its API asks no more in one request, and each
+# choice is a decoder stream of the caller's (the decoder's default per-token bound is 256 streams).
+MAX_CHOICES = 128
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,7 @@ class GatewayConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        self._check_upper_bounds()
         if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
             raise ConfigError(
                 "max_message_bytes",
@@ -183,6 +190,30 @@ class GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in 0..65535, got {self.port}")
 
+    def _check_upper_bounds(self) -> None:
+        """2**63 was taken for each of these, and the gateway listened promising what it could not do."""
+        if self.max_body_bytes > MAX_BODY_BYTES:
+            raise ConfigError(
+                "max_body_bytes",
+                f"must be at most {MAX_BODY_BYTES} (4 GiB: a body goes on in one gRPC message of at most "
+                f"2 GiB, base64 as 4/3 of it), got {self.max_body_bytes}",
+            )
+        if self.max_choices > MAX_CHOICES:
+            raise ConfigError(
+                "max_choices",
+                f"must be at most {MAX_CHOICES} (OpenAI's own bound on n; each choice is a decoder stream), "
+                f"got {self.max_choices}",
+            )
+        memory = physical_memory_bytes()  # the large bodies held at once, each up to max_body_bytes
+        if memory is not None and self.max_large_bodies * self.max_body_bytes > memory:
+            most = max(1, memory // self.max_body_bytes)
+            raise ConfigError(
+                "max_large_bodies",
+                f"must be at most {most}: {self.max_large_bodies} bodies of --max-body-bytes "
+                f"{self.max_body_bytes} held at once are more than this host's {memory} bytes of memory, "
+                f"got {self.max_large_bodies}",
+            )
+
     def _check_body_workers(self) -> None:
         """Each worker is a Python process started with the gateway (16 of them and their resource
         tracker held 629 MiB) converting one body at a time: one beyond --max-large-bodies (the bodies
@@ -196,6 +227,14 @@ class GatewayConfig:
                 f"must be in 1..{most} (--max-large-bodies {self.max_large_bodies} bodies are converted "
                 f"at once, on {num_cpus} CPUs), got {self.body_workers}",
             )
+
+
+def physical_memory_bytes() -> int | None:
+    """The host's memory (a container's own limit may be lower); None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def available_cpus() -> int:
