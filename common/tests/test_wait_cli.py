@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,30 @@ def test_a_timeout_of_inf_waits_with_no_limit(
     assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 0
     assert asked == [None]  # Probe.wait's no deadline
     assert capsys.readouterr().out == "serving: 127.0.0.1:1\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b"garbage\n", "is not a PEM certificate"),
+        (b"#" * (1024 * 1024 + 1), "is over 1,048,576 bytes, the bound of a CA bundle (1 MiB)"),
+    ],
+)
+def test_a_tls_ca_it_cannot_use_is_refused_at_once(
+    tmp_path: Path, text: bytes, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC logged "Could not load any root certificate", and the wait ran its whole timeout to say
+    "Connection refused", exit 1."""
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(text)
+    began = time.monotonic()
+    assert cli.main(["wait", "--timeout-s", "30", "--tls-ca", str(ca), "127.0.0.1:1"]) == 2
+    assert time.monotonic() - began < 5
+    assert capsys.readouterr().err == f"tandem wait: --tls-ca (TANDEM_WAIT_TLS_CA): {ca} {said}\n"
+
+
+def test_a_device_as_tls_ca_is_refused_before_reading_it(capsys: pytest.CaptureFixture[str]) -> None:
+    # /dev/zero, read whole, passed 3 GB in 3 s.
+    assert cli.main(["wait", "--timeout-s", "30", "--tls-ca", "/dev/zero", "127.0.0.1:1"]) == 2
+    said = capsys.readouterr().err
+    assert said == "tandem wait: --tls-ca (TANDEM_WAIT_TLS_CA): /dev/zero is not a regular file\n"

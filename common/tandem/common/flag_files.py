@@ -33,9 +33,10 @@ def read_bounded(path: Path, max_bytes: int, what: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as error:
         raise ValueError(f"{path}: {error.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory its own way
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file")
     with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path} is not a regular file")
         try:
             data = file.read(max_bytes + 1)  # one byte more tells an over-long file from one at the bound
         except OSError as error:
@@ -51,6 +52,6 @@ def read_ca_bundle(path: Path) -> bytes:
     data = read_bounded(path, MAX_CA_BUNDLE_BYTES, "a CA bundle (1 MiB)")
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("ascii"))
-    except (ssl.SSLError, UnicodeDecodeError):
+    except (ssl.SSLError, ValueError):  # ValueError: not ASCII, or empty ("Empty certificate data")
         raise ValueError(f"{path} is not a PEM certificate") from None
     return data

@@ -35,6 +35,25 @@ def test_each_upstream_file_refused_is_named_by_its_own_flag(tmp_path: Path) -> 
         assert error.value.field == field, args
 
 
+@pytest.mark.parametrize(
+    ("text", "said"), [(b"garbage\n", "is not a PEM certificate"), (None, "is not a regular file")]
+)
+def test_an_upstream_ca_it_cannot_use_is_refused_before_listening(
+    tmp_path: Path, text: bytes | None, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gateway listened with a CA that held no certificate, and every call then failed to connect;
+    /dev/zero was read whole."""
+    ca = tmp_path / "ca.pem"
+    if text is None:
+        ca = Path("/dev/zero")
+    else:
+        ca.write_bytes(text)
+    assert main(["--upstream-tls-ca", str(ca)]) == 2
+    assert capsys.readouterr().err == (
+        f"tandem serve openai: --upstream-tls-ca (TANDEM_OPENAI_UPSTREAM_TLS_CA): {ca} {said}\n"
+    )
+
+
 def test_a_certificate_without_its_key_names_the_upstream_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--upstream-tls-cert", "/etc/hostname"]) == 2
     assert capsys.readouterr().err == (
