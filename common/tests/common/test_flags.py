@@ -26,7 +26,7 @@ def test_anything_else_is_not_token_ids(text: str) -> None:
     [
         ("--tls-ca", "/nonexistent", "--tls-ca", "/nonexistent: No such file or directory"),
         ("--tls-ca", "/", "--tls-ca", "/: Is a directory"),
-        ("--auth-token-file", "/dev/null", "--auth-token-file", "holds no token"),
+        ("--auth-token-file", "/dev/null", "--auth-token-file", "/dev/null is not a regular file"),
         ("--tls-key", "/etc/hostname", "--tls-cert", "--tls-cert and --tls-key go together"),
     ],
 )
