@@ -461,6 +461,59 @@ async def test_a_stopped_replica_whose_watch_stays_open_is_left_within_seconds_a
         await watched.close()
 
 
+async def test_the_only_serving_replica_whose_check_is_late_stays_a_target(
+    stoppable: tuple[StoppableHealth, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late Check of the one replica that serves (a decoder's loop held a few seconds) keeps it:
+    taken out, the gateway answered 503 to calls its decoder would have answered late (50 of 70 over a
+    decoder frozen 3.5 s of every 4.5 s). Its Watch or a Check saying NOT_SERVING still takes it out."""
+    monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.02)
+    monkeypatch.setattr("tandem.gateway.replicas.CHECK_TIMEOUT_S", 0.05)
+    health, only = stoppable
+    watched = Replicas(only, grpc.aio.insecure_channel, "tandem.v1.Decoder")
+    watched.start()
+    try:
+        await _eventually(lambda: watched.serving == (only,))
+        health.running.clear()  # its loop held
+        await asyncio.sleep(0.5)  # 7 Checks late
+        assert watched.serving == (only,)
+        assert watched.targets == (only,)
+    finally:
+        await watched.close()
+
+
+async def test_of_two_replicas_whose_checks_are_late_one_stays_a_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both replicas late: the first found late is left while the other serves, the other is then the
+    only one serving and stays: callers are never refused for late Checks alone."""
+    monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.02)
+    monkeypatch.setattr("tandem.gateway.replicas.CHECK_TIMEOUT_S", 0.05)
+    servers, addresses, healths = [], [], []
+    for _ in range(2):
+        health = StoppableHealth()
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+        healths.append(health)
+    watched = Replicas(",".join(addresses), grpc.aio.insecure_channel, "tandem.v1.Decoder")
+    watched.start()
+    try:
+        await _eventually(lambda: watched.serving == tuple(addresses))
+        for health in healths:
+            health.running.clear()
+        await _eventually(lambda: len(watched.serving) == 1)
+        await asyncio.sleep(0.5)
+        assert len(watched.targets) == 1
+    finally:
+        await watched.close()
+        for health in healths:
+            health.running.set()
+        await asyncio.gather(*(server.stop(0) for server in servers))
+
+
 async def test_a_replica_at_its_bound_of_calls_is_not_taken_out_by_its_refused_check(
     replicas: list[tuple[CountingDecoder, RunningServer]],
     stoppable: tuple[StoppableHealth, str],
