@@ -1,12 +1,12 @@
 """EncoderConfig validation and how flags and TANDEM_ENCODER_* variables become one."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tandem.common.server import ServerOptions
 from tandem.common.torch_part.model_cache import default_model_file
+from tandem.encoder import __main__ as encoder_main
 from tandem.encoder.__main__ import config_from_args, main
 from tandem.encoder.config import SMALL_FIELDS_BYTES, EncoderConfig
 from tandem.encoder.embedder import Pooling
@@ -183,15 +183,17 @@ def test_messages_with_no_room_for_an_image_are_refused_at_start_up_for_a_checkp
 
 
 def test_a_text_checkpoint_keeps_messages_of_64_kib_or_less(
-    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    text = tmp_path / "text"
-    text.mkdir()
-    (text / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    shutil.copy(tiny_model / "tokenizer.json", text)  # one that reads: a missing one is refused (exit 2)
-    # Past the start-up checks: the load itself fails (there are no weights), exit 1, not 2.
-    assert main(["--model", str(text), "--port", "0", "--max-message-bytes", "4096"]) == 1
-    assert "could not load the lookup embedder" in caplog.text
+    served: list[EncoderConfig] = []
+
+    async def serve(config: EncoderConfig, tokenizer: object = None) -> bool:
+        served.append(config)
+        return True
+
+    monkeypatch.setattr(encoder_main, "serve", serve)  # past every start-up check: it would listen
+    assert main(["--model", str(tiny_model), "--port", "0", "--max-message-bytes", "4096"]) == 0
+    assert [config.server.max_message_bytes for config in served] == [4096]
 
 
 def test_an_explicit_image_bound_with_messages_too_small_for_any_image_says_only_what_can_fit(

@@ -1,6 +1,7 @@
 """`python -m tandem.encoder` stopping: within --grace-s (plus the worker's step in hand), whatever
 its batches hold, every caller answered and nothing logged as an error; and at once while the embedder
-still loads. Starting: a --model whose tokenizer.json cannot be read is refused before the port opens."""
+still loads. Starting: what the embedder's load would refuse of --model, --adapter, --encoder-model or
+--projector is refused before the port opens, in one line naming the flag (exit 2)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ from PIL import Image
 
 from common.tests.signalled_process import signal_after_line
 from common.tests.sparse_checkpoint import write_sparse_table
+from services.encoder.tests.helpers import write_prompt_adapter, write_random_projector
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import DRAIN_NOTICE_S
 from tandem.encoder import __main__ as encoder_main
 from tandem.encoder.__main__ import CUT_S, drain
+from tandem.encoder.config import EncoderConfig
+from tandem.encoder.projector import LLAVA_PREFIX
 
 GRACE_S = 1.0
 NUM_CALLS = 32
@@ -255,12 +259,12 @@ def test_a_tokenizer_with_more_tokens_than_the_table_is_refused_before_listening
 
 
 def _refusal_before_listening(
-    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *flags: str
 ) -> str:
-    """What `python -m tandem.encoder --model MODEL` says as it exits 2 with no port bound."""
+    """What `python -m tandem.encoder --model MODEL FLAGS` says as it exits 2 with no port bound."""
     servers: list[object] = []
     monkeypatch.setattr(encoder_main, "start_server", lambda *args: servers.append(args))
-    assert encoder_main.main(["--model", str(model), "--port", "0"]) == 2
+    assert encoder_main.main(["--model", str(model), "--port", "0", *flags]) == 2
     assert servers == []
     return capsys.readouterr().err
 
@@ -309,3 +313,127 @@ def test_a_vision_checkpoint_whose_image_token_is_not_in_its_tokenizer_is_refuse
         f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): config.json in {model}: "
         "image_token_index is not a token of tokenizer.json\n"
     )
+
+
+def test_a_token_table_file_that_does_not_parse_is_refused_before_listening_naming_model(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found only by the load, after 'listening on': exit 1, an ERROR line among four (the decoder, on
+    the same file: one line naming --model, exit 2)."""
+    model = Path(shutil.copytree(tiny_model, tmp_path / "truncated"))
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    err = _refusal_before_listening(model, monkeypatch, capsys)
+    assert err.startswith(
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {weights} is not a readable safetensors "
+        "file: "
+    ), err
+    assert err.count("\n") == 1
+
+
+def test_a_vision_tower_of_an_unsupported_architecture_is_refused_before_listening_naming_model(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found only by the load, after 'listening on' (exit 1)."""
+    model = Path(shutil.copytree(tiny_model, tmp_path / "qwen2vl"))
+    hf_config = json.loads((model / "config.json").read_text())
+    architectures = ["Qwen2VLForConditionalGeneration"]
+    (model / "config.json").write_text(
+        json.dumps({**hf_config, "architectures": architectures, "vision_config": {}})
+    )
+    err = _refusal_before_listening(model, monkeypatch, capsys)
+    assert err.startswith(
+        "tandem serve encoder: --model (TANDEM_ENCODER_MODEL): config.json: vision-language architecture "
+        "'Qwen2VLForConditionalGeneration' is not supported"
+    ), err
+    assert err.count("\n") == 1
+
+
+def _write_adapter(adapter: Path, damage: str) -> str:
+    """A prompt-tuning adapter for the tiny checkpoint (hidden size 64) with `damage` done; returns what
+    the refusal says after the adapter's path."""
+    if damage == "empty":
+        adapter.mkdir()
+        return f"adapter_config.json not found in {adapter}"
+    write_prompt_adapter(adapter, num_virtual_tokens=3, token_dim=32 if damage == "token_dim" else 64)
+    config_path = adapter / "adapter_config.json"
+    if damage == "token_dim":
+        return "adapter_config.json: token_dim 32 does not match the model's hidden_size 64"
+    if damage == "peft_type":
+        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "peft_type": "LORA"}))
+        return f"adapter_config.json in {adapter}: peft_type is 'LORA'"
+    if damage == "num_virtual_tokens":
+        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "num_virtual_tokens": 5}))
+        return "prompt_embeddings has shape [3, 64], expected [num_virtual_tokens, token_dim] = [5, 64]"
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(b"not safetensors")
+    return f"{weights} is not a readable safetensors file: "
+
+
+@pytest.mark.parametrize("damage", ["empty", "peft_type", "token_dim", "num_virtual_tokens", "weights"])
+def test_an_adapter_the_load_would_refuse_is_refused_before_listening_naming_adapter(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str,
+) -> None:
+    """Found only by the load, after 'listening on': exit 1, an ERROR line naming no flag."""
+    adapter = tmp_path / "adapter"
+    said = _write_adapter(adapter, damage)
+    flags = ("--embedder", "soft-prompt", "--adapter", str(adapter))
+    err = _refusal_before_listening(tiny_model, monkeypatch, capsys, *flags)
+    assert err.startswith(f"tandem serve encoder: --adapter (TANDEM_ENCODER_ADAPTER): {said}"), err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "damage", ["encoder_model_empty", "projector_garbage", "projector_input", "projector_output"]
+)
+def test_a_projector_setup_the_load_would_refuse_is_refused_before_listening_naming_its_flag(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str,
+) -> None:
+    """Found only by the load, after 'listening on': exit 1, an empty --encoder-model in eight lines
+    ending with transformers' advice to install sentencepiece."""
+    encoder_model, projector = tmp_path / "encoder", tmp_path / "projector.safetensors"
+    encoder_model.mkdir()
+    if damage != "encoder_model_empty":
+        (encoder_model / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    in_features = 16 if damage == "projector_input" else 8
+    write_random_projector(
+        projector, in_features, 32 if damage == "projector_output" else 64, layout="linear"
+    )
+    if damage == "projector_garbage":
+        projector.write_bytes(b"not safetensors")
+    encoder_flag, projector_flag = (
+        "--encoder-model (TANDEM_ENCODER_ENCODER_MODEL)",
+        "--projector (TANDEM_ENCODER_PROJECTOR)",
+    )
+    said = {
+        "encoder_model_empty": f"{encoder_flag}: config.json not found in {encoder_model}",
+        "projector_garbage": f"{projector_flag}: {projector} is not a readable safetensors file",
+        "projector_input": f"{projector_flag}: {projector}: projector input width 16 does not match the "
+        "encoder's hidden_size 8",
+        "projector_output": f"{projector_flag}: {projector}: projector output width 32 does not match the "
+        "decoder's hidden_size 64",
+    }[damage]
+    flags = ("--embedder", "projector", "--encoder-model", str(encoder_model), "--projector", str(projector))
+    err = _refusal_before_listening(tiny_model, monkeypatch, capsys, *flags)
+    assert err.startswith(f"tandem serve encoder: {said}"), err
+    assert err.count("\n") == 1
+
+
+def test_the_start_checks_pass_a_projector_setup_the_load_takes(tiny_model: Path, tmp_path: Path) -> None:
+    """Headers and configs alone: transformers is not needed to check, only to load."""
+    encoder_model, projector = tmp_path / "encoder", tmp_path / "projector.safetensors"
+    encoder_model.mkdir()
+    (encoder_model / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    write_random_projector(projector, 8, 64, layout="mlp", prefix=LLAVA_PREFIX)
+    config = EncoderConfig(
+        model_dir=tiny_model, embedder="projector", encoder_model_dir=encoder_model, projector_path=projector
+    )
+    assert encoder_main.check_start(config) is None

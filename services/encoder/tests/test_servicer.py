@@ -21,7 +21,7 @@ from tandem.common.torch_part import tensors
 from tandem.encoder import __main__ as encoder_main
 from tandem.encoder.__main__ import main
 from tandem.encoder.config import EncoderConfig
-from tandem.encoder.embedder import EmbedderInfo, Pooling
+from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling
 from tandem.encoder.loader import load_embedder
 from tandem.encoder.lookup import LookupEmbedder
 from tandem.encoder.servicer import EncoderServicer
@@ -175,13 +175,29 @@ def test_main_exits_2_before_listening_when_a_llava_text_config_disagrees_with_i
     assert servers == []
 
 
-def test_main_exits_1_with_one_line_when_the_model_cannot_be_loaded(
-    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, environ
+def test_main_exits_2_with_one_line_naming_model_when_config_json_lacks_a_size(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], environ
 ) -> None:
-    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory in name only
-    # A tokenizer.json that reads: a missing one is refused before listening (exit 2).
+    """A checkpoint directory in name only: refused by the load, after the server listened (exit 1)."""
+    (tmp_path / "config.json").write_text("{}")
     shutil.copy(tiny_model / "tokenizer.json", tmp_path)
-    assert main(["--model", str(tmp_path), "--port", "0"]) == 1
+    assert main(["--model", str(tmp_path), "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): config.json in {tmp_path}: hidden_size must "
+        "be a positive integer, got None\n"
+    )
+
+
+def test_main_exits_1_with_one_line_when_the_embedder_cannot_be_loaded(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, environ
+) -> None:
+    """Files that checked out at start but fail to load (changed since, or a read failing)."""
+
+    def fails(*args: object) -> None:
+        raise EmbedderLoadError(f"{tiny_model / 'model.safetensors'}: the read failed")
+
+    monkeypatch.setattr(encoder_main, "load_embedder", fails)
+    assert main(["--model", str(tiny_model), "--port", "0"]) == 1
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert [r.getMessage().split(":")[0] for r in errors] == ["could not load the lookup embedder"]
     assert all(r.exc_info is None for r in caplog.records)  # a line, not a traceback

@@ -4,12 +4,15 @@ Every flag can also come from a `TANDEM_ENCODER_<FLAG>` variable (`options.py`, 
 configuration layer in `tandem.common.flags`), read when the command runs, never at import time. The
 model and the port are checked first; then the server listens with health NOT_SERVING and turns
 SERVING once the embedder has loaded, so orchestrators can tell "starting" from "dead".
-Exit codes: 0 after a signal, 1 when the embedder cannot be loaded, 2 for a flag or variable that
-is wrong (a port in use included, an --adapter, --encoder-model or --projector that is missing or
-not a directory or file as it must be, or a --model whose token table is not the shape its config.json
-says, read from the weight file's header, or whose tokenizer.json is missing, not one the tokenizers
-library reads, or of more tokens than its vocab_size); every failure is one line. `tandem up` runs
-the same checks (`check_start`) before it starts any service.
+Exit codes: 0 after a signal, 1 when the embedder cannot be loaded though every file it reads checked
+out, 2 for a flag or variable that is wrong (a port in use included) or a file the load would refuse,
+found from configs and safetensors headers before the port opens as the decoder finds its own, naming
+its flag: --model's config.json, token table (a header that does not parse, or a shape not the one
+config.json says) or tokenizer.json (missing, not one the tokenizers library reads, or of more tokens
+than its vocab_size), --adapter's adapter_config.json and prompt rows, --encoder-model's config.json,
+--projector's layout and widths, or any of them missing or not a directory or file as it must be;
+every failure is one line. `tandem up` runs the same checks (`check_start`) before it starts any
+service.
 
 Stopping (SIGTERM or SIGINT): health NOT_SERVING, no new calls, and calls in flight get --grace-s to
 finish. Any still queued or in a batch then end UNAVAILABLE ("the encoder is shutting down"), and the
@@ -26,9 +29,9 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import click
 from tokenizers import Tokenizer
@@ -45,18 +48,20 @@ from tandem.common.torch_part.model_cache import resolve_model
 from tandem.common.vision_language import is_vision_language, text_config
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import EmbedderLoadError
-from tandem.encoder.loader import load_embedder
+from tandem.encoder.loader import check_architecture, load_embedder
 from tandem.encoder.lookup import (
-    TableShapeError,
     check_table_shape,
     check_tokenizer_fits,
     read_model_shape,
     read_tokenizer,
 )
 from tandem.encoder.options import config_from_options, settings
+from tandem.encoder.projector import check_projector, encoder_hidden_size
 from tandem.encoder.servicer import EncoderServicer
+from tandem.encoder.soft_prompt import check_prompt
 
 log = logging.getLogger("tandem.encoder")
+T = TypeVar("T")
 
 PROG = "tandem serve encoder"
 # The embedders that serve rows of --model's own token table (the projector reads only its shape).
@@ -129,32 +134,54 @@ def _exit_leaving_the_load() -> NoReturn:
 
 def check_start(config: EncoderConfig) -> Tokenizer | None:
     """What the encoder refuses of `config` (its --model resolved to a checkpoint directory) before it
-    listens, beyond its flags' own checks: the paths its embedder reads, the token table's shape, room
-    in --max-message-bytes for an image's reply, and tokenizer.json. `tandem up` runs it too, so that
-    it refuses before starting anything: it ran only the flags' checks, and both services started.
+    listens, beyond its flags' own checks: the paths its embedder reads and what the load would refuse
+    of each (as the decoder checks its checkpoint: configs and safetensors headers, no weight read),
+    room in --max-message-bytes for an image's reply, and tokenizer.json. `tandem up` runs it too, so
+    that it refuses before starting anything: it ran only the flags' checks, and both services started.
     Returns the tokenizer it parsed, for the load to take (None where the embedder reads none of
-    --model's). Raises ConfigError."""
+    --model's). Raises ConfigError naming the flag of the file at fault."""
     config.check_embedder_paths()
-    if config.embedder in TABLE_EMBEDDERS:
-        _check_token_table(config.model_dir)
     takes_images = _takes_images(config.model_dir)
-    if takes_images:
+    if takes_images:  # a flag's check: before the files'
         config.check_room_for_images()
-    if config.embedder in TABLE_EMBEDDERS:  # after the flags' own checks: it parses a file
-        return _check_tokenizer(config.model_dir, takes_images)
-    return None
+    if config.embedder == "lookup":  # the embedder that serves a checkpoint's images
+        _refused_as("model_dir", check_architecture, config.model_dir)
+    tokenizer = None
+    if config.embedder in TABLE_EMBEDDERS:
+        _refused_as("model_dir", check_table_shape, config.model_dir)
+        tokenizer = _check_tokenizer(config.model_dir, takes_images)
+    if config.embedder == "soft-prompt":  # the load reads the adapter after --model's table
+        assert config.adapter_dir is not None  # guaranteed by EncoderConfig's validation
+        hidden_size = _refused_as("model_dir", read_model_shape, config.model_dir).hidden_size
+        _refused_as("adapter_dir", check_prompt, config.adapter_dir, hidden_size)
+    if config.embedder == "projector":
+        _check_projector(config)
+    return tokenizer
 
 
-def _check_token_table(model_dir: Path) -> None:
-    """The token table the embedder will serve has the shape config.json implies, from the weight
-    file's header: a disagreement was refused only by the load, after the server listened (exit 1).
-    Raises ConfigError; a file that cannot be read is the load's to report, in its own words."""
+def _refused_as(field: str, check: Callable[..., T], *args: Any) -> T:
+    """`check(*args)`, its EmbedderLoadError a ConfigError naming `field`'s flag: what the load found
+    only after the server listened (one ERROR line, --adapter or --projector not named, exit 1)."""
     try:
-        check_table_shape(model_dir)
-    except TableShapeError as error:
-        raise ConfigError("model_dir", f": {error}") from None
-    except (EmbedderLoadError, OSError, LookupError, TypeError):  # unreadable, or a config of odd types
-        pass
+        return check(*args)
+    except EmbedderLoadError as error:
+        raise ConfigError(field, f": {error}") from None
+
+
+def _check_projector(config: EncoderConfig) -> None:
+    """--model's hidden size, --encoder-model's config.json, and --projector's header mapping the one
+    to the other, as the projector embedder's load checks them, without importing transformers."""
+    assert config.encoder_model_dir is not None and config.projector_path is not None
+    decoder_hidden = _refused_as("model_dir", read_model_shape, config.model_dir).hidden_size
+    encoder_hidden = _refused_as("encoder_model_dir", encoder_hidden_size, config.encoder_model_dir)
+    _refused_as(
+        "projector_path",
+        check_projector,
+        config.projector_path,
+        encoder_hidden,
+        decoder_hidden,
+        config.model_dir,
+    )
 
 
 def _check_tokenizer(model_dir: Path, takes_images: bool) -> Tokenizer:

@@ -5,6 +5,9 @@ token table for text, and the vision tower and projector for images (`vision/emb
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from tokenizers import Tokenizer
 
 from tandem.common import vision_language
@@ -29,7 +32,19 @@ def load_embedder(config: EncoderConfig, tokenizer: Tokenizer | None = None) -> 
         return ProjectorEmbedder.load(
             config.model_dir, config.encoder_model_dir, config.projector_path, dtype
         )
-    config_path = config.model_dir / "config.json"
+    hf_config = check_architecture(config.model_dir)
+    if vision_language.is_vision_language(hf_config):
+        from tandem.encoder.vision.embedder import VisionLanguageEmbedder
+
+        return VisionLanguageEmbedder.load(config.model_dir, dtype, config.quantization, tokenizer)
+    return LookupEmbedder.load(config.model_dir, dtype, config.quantization, tokenizer)
+
+
+def check_architecture(model_dir: Path) -> dict[str, Any]:
+    """config.json of the checkpoint in `model_dir` ({} where there is none), refused where it has a
+    vision tower of an architecture whose image half is not served: the __main__ runs it before
+    listening for the lookup embedder. Raises EmbedderLoadError."""
+    config_path = model_dir / "config.json"
     hf_config = read_json(config_path) if config_path.is_file() else {}
     if "vision_config" in hf_config and not vision_language.is_vision_language(hf_config):
         architecture = (hf_config.get("architectures") or ["?"])[0]
@@ -37,8 +52,4 @@ def load_embedder(config: EncoderConfig, tokenizer: Tokenizer | None = None) -> 
             f"config.json: vision-language architecture {architecture!r} is not supported "
             f"(supported: {', '.join(vision_language.ARCHITECTURES)})"
         )
-    if vision_language.is_vision_language(hf_config):
-        from tandem.encoder.vision.embedder import VisionLanguageEmbedder
-
-        return VisionLanguageEmbedder.load(config.model_dir, dtype, config.quantization, tokenizer)
-    return LookupEmbedder.load(config.model_dir, dtype, config.quantization, tokenizer)
+    return hf_config

@@ -19,38 +19,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tandem.common import text_bounds
 from tandem.encoder.embedder import EmbedderInfo, EmbedderLoadError, Pooling, mean_pool, path_refusal
-from tandem.encoder.lookup import read_model_shape
+from tandem.encoder.lookup import read_json, read_model_shape
 
 LLAVA_PREFIX = "model.mm_projector."
 LINEAR_KEYS = frozenset({"weight", "bias"})
 MLP_KEYS = frozenset({"0.weight", "0.bias", "2.weight", "2.bias"})
 
 
-def load_projector(path: Path) -> nn.Module:
-    """The projector in `path`: nn.Linear or nn.Sequential(Linear, GELU, Linear), in eval mode."""
+def projector_widths(path: Path) -> tuple[int, int]:
+    """(in_features, out_features) of the projector in `path`, from its safetensors header alone: its
+    keys are one of the two layouts and their shapes agree. Raises EmbedderLoadError naming the file."""
     if (refusal := path_refusal(path, is_dir=False)) is not None:
         raise EmbedderLoadError(f"projector file {refusal}")
-    with safe_open(path, framework="pt", device="cpu") as weights:
-        state = {key: weights.get_tensor(key) for key in weights.keys()}
-    if state and all(key.startswith(LLAVA_PREFIX) for key in state):
-        state = {key.removeprefix(LLAVA_PREFIX): value for key, value in state.items()}
-    keys = frozenset(state)
+    try:
+        with safe_open(path, framework="pt", device="cpu") as weights:
+            shapes = _unprefixed({key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()})
+    except (SafetensorError, OSError) as e:  # SafetensorError is a bare Exception
+        raise EmbedderLoadError(f"{path} is not a readable safetensors file: {e}") from None
+    keys = frozenset(shapes)
     for key in sorted(keys):
-        if key.endswith("weight") and state[key].dim() != 2:
-            raise EmbedderLoadError(f"{path}: {key} has shape {list(state[key].shape)}; expected a matrix")
+        if key.endswith("weight") and len(shapes[key]) != 2:
+            raise EmbedderLoadError(f"{path}: {key} has shape {list(shapes[key])}; expected a matrix")
     if keys == LINEAR_KEYS:
-        first, last = state["weight"], state["weight"]
-        expected = {"weight": (first.shape[0], first.shape[1]), "bias": (first.shape[0],)}
+        first, last = shapes["weight"], shapes["weight"]
+        expected = {"weight": (first[0], first[1]), "bias": (first[0],)}
     elif keys == MLP_KEYS:
-        first, last = state["0.weight"], state["2.weight"]
-        out_features = first.shape[0]
+        first, last = shapes["0.weight"], shapes["2.weight"]
+        out_features = first[0]
         expected = {
-            "0.weight": (out_features, first.shape[1]),
+            "0.weight": (out_features, first[1]),
             "0.bias": (out_features,),
             "2.weight": (out_features, out_features),
             "2.bias": (out_features,),
@@ -61,13 +63,25 @@ def load_projector(path: Path) -> nn.Module:
             f"or {sorted(MLP_KEYS)} (LLaVA mlp2x_gelu, optionally prefixed {LLAVA_PREFIX!r})"
         )
     for key, shape in expected.items():
-        if tuple(state[key].shape) != shape:
-            raise EmbedderLoadError(
-                f"{path}: {key} has shape {list(state[key].shape)}, expected {list(shape)}"
-            )
-    in_features, out_features = first.shape[1], last.shape[0]
+        if shapes[key] != shape:
+            raise EmbedderLoadError(f"{path}: {key} has shape {list(shapes[key])}, expected {list(shape)}")
+    return first[1], last[0]
+
+
+def _unprefixed(named: dict[str, Any]) -> dict[str, Any]:
+    """A full LLaVA checkpoint's names, as the projector's own (every name prefixed, or none taken)."""
+    if named and all(key.startswith(LLAVA_PREFIX) for key in named):
+        return {key.removeprefix(LLAVA_PREFIX): value for key, value in named.items()}
+    return named
+
+
+def load_projector(path: Path) -> nn.Module:
+    """The projector in `path`: nn.Linear or nn.Sequential(Linear, GELU, Linear), in eval mode."""
+    in_features, out_features = projector_widths(path)
+    with safe_open(path, framework="pt", device="cpu") as weights:
+        state = _unprefixed({key: weights.get_tensor(key) for key in weights.keys()})
     with torch.device("meta"):
-        if keys == LINEAR_KEYS:
+        if frozenset(state) == LINEAR_KEYS:
             projector: nn.Module = nn.Linear(in_features, out_features)
         else:
             # LLaVA's GELU is the exact (erf) one, nn.GELU's default.
@@ -76,6 +90,34 @@ def load_projector(path: Path) -> nn.Module:
             )
     projector.load_state_dict(state, assign=True)
     return projector.train(False).requires_grad_(False)  # inference mode
+
+
+def encoder_hidden_size(encoder_model_dir: Path) -> int | None:
+    """hidden_size from the encoder model's config.json, which transformers needs: a directory without
+    one was refused by transformers with advice to install sentencepiece (the tokenizer, looked up
+    first, fell back to a slow one). None where config.json names it otherwise (DistilBERT's `dim`),
+    for transformers to map. Raises EmbedderLoadError naming the directory or the file."""
+    if (refusal := path_refusal(encoder_model_dir, is_dir=True)) is not None:
+        raise EmbedderLoadError(f"encoder model directory {refusal}")
+    hidden_size = read_json(encoder_model_dir / "config.json").get("hidden_size")
+    return hidden_size if isinstance(hidden_size, int) else None
+
+
+def check_projector(path: Path, encoder_hidden: int | None, decoder_hidden: int, model_dir: Path) -> None:
+    """The projector in `path` maps the encoder's `encoder_hidden` (None: not known yet) to the
+    decoder's `decoder_hidden` (`model_dir`'s), judged from its header alone: the __main__ runs it
+    before listening. Raises EmbedderLoadError naming the file."""
+    in_features, out_features = projector_widths(path)
+    if encoder_hidden is not None and in_features != encoder_hidden:
+        raise EmbedderLoadError(
+            f"{path}: projector input width {in_features} does not match the encoder's hidden_size "
+            f"{encoder_hidden}"
+        )
+    if out_features != decoder_hidden:
+        raise EmbedderLoadError(
+            f"{path}: projector output width {out_features} does not match the decoder's hidden_size "
+            f"{decoder_hidden} (config.json in {model_dir})"
+        )
 
 
 def _linears(projector: nn.Module) -> list[nn.Linear]:
@@ -103,9 +145,8 @@ class ProjectorEmbedder:
     def load(
         cls, model_dir: Path, encoder_model_dir: Path, projector_path: Path, dtype: torch.dtype
     ) -> ProjectorEmbedder:
-        shape = read_model_shape(model_dir)
-        if (refusal := path_refusal(encoder_model_dir, is_dir=True)) is not None:
-            raise EmbedderLoadError(f"encoder model directory {refusal}")
+        decoder_hidden = read_model_shape(model_dir).hidden_size
+        encoder_hidden_size(encoder_model_dir)  # its config.json, before transformers looks for more
         try:
             from transformers import AutoModel, AutoTokenizer
         except ImportError as e:
@@ -120,18 +161,8 @@ class ProjectorEmbedder:
         except (OSError, ValueError) as e:
             raise EmbedderLoadError(f"cannot load the encoder model in {encoder_model_dir}: {e}") from e
         encoder = encoder.to(dtype).train(False).requires_grad_(False)
+        check_projector(projector_path, encoder.config.hidden_size, decoder_hidden, model_dir)
         projector = load_projector(projector_path).to(dtype)
-        linears = _linears(projector)
-        if linears[0].in_features != encoder.config.hidden_size:
-            raise EmbedderLoadError(
-                f"{projector_path}: projector input width {linears[0].in_features} does not match the "
-                f"encoder's hidden_size {encoder.config.hidden_size}"
-            )
-        if linears[-1].out_features != shape.hidden_size:
-            raise EmbedderLoadError(
-                f"{projector_path}: projector output width {linears[-1].out_features} does not match the "
-                f"decoder's hidden_size {shape.hidden_size} (config.json in {model_dir})"
-            )
         return cls(encoder, tokenizer, projector, dtype)
 
     @property

@@ -19,6 +19,7 @@ from tandem.encoder.embedder import (
     Pooling,
     mean_pool,
     path_refusal,
+    read_header,
     read_tensor,
 )
 from tandem.encoder.lookup import LookupEmbedder, read_json
@@ -26,8 +27,11 @@ from tandem.encoder.lookup import LookupEmbedder, read_json
 PROMPT_KEY = "prompt_embeddings"
 
 
-def read_prompt(adapter_dir: Path, hidden_size: int) -> torch.Tensor:
-    """The adapter's virtual rows, [num_virtual_tokens, hidden_size], checked against its config."""
+def check_prompt(adapter_dir: Path, hidden_size: int) -> None:
+    """The adapter in `adapter_dir` is a prompt-tuning one for a model of `hidden_size`, and its
+    prompt_embeddings are [num_virtual_tokens, token_dim] as its config states, judged from
+    adapter_config.json and the safetensors header alone: the __main__ runs it before listening (a bad
+    adapter was found by the load, after the server listened, exit 1). Raises EmbedderLoadError."""
     if (refusal := path_refusal(adapter_dir, is_dir=True)) is not None:
         raise EmbedderLoadError(f"adapter directory {refusal}")
     config = read_json(adapter_dir / "adapter_config.json")
@@ -46,13 +50,18 @@ def read_prompt(adapter_dir: Path, hidden_size: int) -> torch.Tensor:
             f"adapter_config.json: token_dim {token_dim} does not match the model's hidden_size "
             f"{hidden_size}; the adapter was trained for a different model"
         )
-    prompt = read_tensor(adapter_dir / "adapter_model.safetensors", PROMPT_KEY)
-    if tuple(prompt.shape) != (num_virtual_tokens, token_dim):
+    stored, _ = read_header(adapter_dir / "adapter_model.safetensors", PROMPT_KEY)
+    if stored != (num_virtual_tokens, token_dim):
         raise EmbedderLoadError(
-            f"{PROMPT_KEY} has shape {list(prompt.shape)}, expected "
+            f"{PROMPT_KEY} has shape {list(stored)}, expected "
             f"[num_virtual_tokens, token_dim] = [{num_virtual_tokens}, {token_dim}]"
         )
-    return prompt
+
+
+def read_prompt(adapter_dir: Path, hidden_size: int) -> torch.Tensor:
+    """The adapter's virtual rows, [num_virtual_tokens, hidden_size], checked against its config."""
+    check_prompt(adapter_dir, hidden_size)  # again: the files may have changed since the start's check
+    return read_tensor(adapter_dir / "adapter_model.safetensors", PROMPT_KEY)
 
 
 class SoftPromptEmbedder:
