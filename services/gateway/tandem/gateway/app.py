@@ -76,6 +76,7 @@ from tandem.gateway.http_span import (
 )
 from tandem.gateway.image_bytes import over_cap, refusal_asking_again
 from tandem.gateway.log_text import printable
+from tandem.gateway.parse_failures import body_reason_of
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
 
@@ -586,10 +587,11 @@ class Gateway:
             message = f"the body {bound}; {came}"
             raise Refused(HttpError(408, "invalid_request_error", message, "body"), close=True) from None
         except (RequestPayloadError, HttpProcessingError) as error:  # the caller's bytes, not our bug: a 400
-            reason = getattr(error, "message", "") or str(error)
+            # Its reason, never aiohttp's message: a chunk-size or trailer line's failure quoted the
+            # caller's bytes, a token among them (parse_failures.py).
             encoding = request.headers.get("Content-Encoding")
-            sent = f" (Content-Encoding: {encoding[:32]})" if encoding else ""
-            message = f"the body could not be read as sent{sent}: {' '.join(str(reason).split())[:200]}"
+            sent = f" (Content-Encoding: {printable(encoding[:32])})" if encoding else ""
+            message = f"the body could not be read as sent{sent}: {body_reason_of(error)}"
             raise Refused(HttpError(400, "invalid_request_error", message, "body")) from None
         return body
 

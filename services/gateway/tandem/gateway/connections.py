@@ -54,7 +54,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tandem.client.errors import ConfigError
 from tandem.gateway.errors import HttpError
-from tandem.gateway.parse_failures import reason_of
+from tandem.gateway.parse_failures import body_reason_of, reason_of
 
 # aiohttp's lingering: what is left of a refused body read and dropped before its connection closes, so
 # a client sending it whole (as http.client does, not waiting for `100 Continue`) reads the answer
@@ -407,12 +407,7 @@ class ServerLog(logging.LoggerAdapter):
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         error = kwargs.get("exc_info")
         if level >= logging.ERROR and isinstance(error, RequestPayloadError):  # the drain's (NOTE)
-            cause = error.__cause__
-            reason = (
-                reason_of(cause)
-                if isinstance(cause, HttpProcessingError)
-                else " ".join(str(error).split())[:200]
-            )
+            reason = body_reason_of(error)
             level, msg, args = logging.INFO, "a body drained after its answer failed: %s", (reason,)
             kwargs["exc_info"] = None
         elif isinstance(error, HttpProcessingError) and error.code < 500:

@@ -19,6 +19,7 @@ from aiohttp.http_exceptions import (
     LineTooLong,
     TransferEncodingError,
 )
+from aiohttp.web_protocol import RequestPayloadError
 
 # llhttp's failures (aiohttp's C parser) read "<description>:\n\n  <the bytes>\n  <a caret>", the
 # request line's behind this prefix.
@@ -27,6 +28,8 @@ _STATUS_LINE_PREFIX = "Bad status line:\n  "
 # aiohttp's HTTPS-on-an-HTTP-port message: the one BadHttpMethod that quotes nothing.
 _TLS_ON_HTTP = "Received HTTPS traffic on an HTTP port"
 MAX_REASON_CHARS = 200
+# A body's failure that carries no parser failure (a coding the gateway decodes itself: body_codings).
+BODY_NOT_READ = "the body's bytes are not what its framing or its Content-Encoding says"
 
 
 def reason_of(error: HttpProcessingError) -> str:
@@ -48,3 +51,10 @@ def reason_of(error: HttpProcessingError) -> str:
     elif isinstance(error, TransferEncodingError):
         message = "a chunked body's framing is not HTTP"
     return " ".join(message.split())[:MAX_REASON_CHARS]
+
+
+def body_reason_of(error: RequestPayloadError | HttpProcessingError) -> str:
+    """The reason a body's read failed, with none of its bytes: a RequestPayloadError is aiohttp's
+    wrapping of the parser's failure (its `__cause__`), its own text that failure's message."""
+    cause = error.__cause__ if isinstance(error, RequestPayloadError) else error
+    return reason_of(cause) if isinstance(cause, HttpProcessingError) else BODY_NOT_READ
