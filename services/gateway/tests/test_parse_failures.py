@@ -8,10 +8,10 @@ import logging
 from unittest import mock
 
 import pytest
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong, TransferEncodingError
 from aiohttp.http_parser import HttpRequestParserC, HttpRequestParserPy
 
-from tandem.gateway.parse_failures import reason_of
+from tandem.gateway.parse_failures import NOT_HTTP, reason_of
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
@@ -63,6 +63,45 @@ def test_a_line_over_its_bound_is_named_by_the_bound(parser_class: type) -> None
 def test_llhttp_s_description_is_kept_without_its_bytes() -> None:
     reason = reason_of(_refusal(HttpRequestParserC, REFUSED["a control character in a token"]))
     assert reason == "Invalid header value char"
+
+
+def test_the_aiohttp_layouts_the_reasons_rely_on_hold() -> None:
+    """A canary on aiohttp's wording (pinned to 3.14 in pyproject): llhttp's layout, the request line's
+    prefix, the HTTPS-on-HTTP wording and LineTooLong's limit. Laid out otherwise, a reason is only the
+    kind of failure (fails closed), and these say what changed."""
+    assert (
+        reason_of(_refusal(HttpRequestParserC, REFUSED["a header without a colon"])) == "Invalid header token"
+    )
+    assert reason_of(_refusal(HttpRequestParserC, REFUSED["a request line of four words"])) == (
+        "Expected HTTP/, RTSP/ or ICE/"
+    )
+    tls = _refusal(HttpRequestParserC, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+    assert reason_of(tls) == "Received HTTPS traffic on an HTTP port"
+    assert "8190 bytes" in reason_of(_refusal(HttpRequestParserPy, REFUSED["a request line past it"]))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        BadHttpMessage("Invalid header value char: sekret"),  # llhttp's description, its layout another
+        BadHttpMessage("Invalid header value char:\n\n  sekret\n  ^"),  # the bytes not a repr
+        TransferEncodingError("sekret"),
+        LineTooLong(b"sekret", "8190 (sekret)"),  # a limit that is not a number
+    ],
+    ids=["another layout", "bytes not quoted", "pure-Python's quote", "a limit that is not a number"],
+)
+def test_a_message_in_an_unfamiliar_layout_is_named_by_its_kind_only(error: HttpProcessingError) -> None:
+    reason = reason_of(error)
+    assert "sekret" not in reason
+    assert reason in (NOT_HTTP, "a chunked body's framing is not HTTP") or reason.startswith(
+        "a line of the request is over its bound"
+    )
+
+
+def test_a_line_over_its_bound_is_not_said_to_be_a_head_line_only() -> None:
+    """Chunk-size lines and trailers have the same bound, and a body's failure says it too."""
+    reason = reason_of(LineTooLong(b"x", 8190))
+    assert "chunk-size line" in reason and "trailer line" in reason
 
 
 FIRST_CHUNK = b'5\r\n{"a":\r\n'
