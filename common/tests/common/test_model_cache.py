@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+from typing import IO
 
 import pytest
 from tokenizers import Tokenizer
@@ -54,6 +60,7 @@ def test_a_gguf_file_is_imported_once_into_the_cache_keyed_by_content_and_dtype(
     assert first.parent == home / ".cache" / "tandem" / "models"
     assert first.name.startswith("Tiny-Model-") and first.name.endswith("-float32")
     assert (first / "config.json").is_file() and any("tensors" in line for line in said)
+    assert list(first.parent.glob(".*.lock")) == []  # removed by its holder once imported
 
     def no_import(*args: object, **kwargs: object) -> None:
         raise AssertionError("imported twice")
@@ -73,8 +80,48 @@ def test_a_failed_import_leaves_nothing_behind(tmp_path: Path, home: Path) -> No
     bad.write_bytes(b"GGUF" + bytes(10))
     with pytest.raises(ValueError, match="bad.gguf"):
         resolve_model(bad)
-    leftovers = [p for p in (home / ".cache" / "tandem" / "models").iterdir() if not p.name.endswith(".lock")]
-    assert leftovers == []
+    # Its lock too: one was left for every file that failed (ten broken GGUF files, ten locks).
+    assert list((home / ".cache" / "tandem" / "models").iterdir()) == []
+
+
+def test_a_process_that_waited_on_a_lock_since_removed_waits_on_the_one_held_now(
+    gguf_file: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder removes the lock when done: a waiter that opened it before then holds a file no
+    longer at its path, while a newcomer may hold the path's new one. It must wait for that one, not
+    import beside it."""
+    num_waits = threading.Semaphore(0)
+    real_flock = fcntl.flock  # the test's own locks are not counted
+
+    def counted_flock(file: object, operation: int) -> None:
+        num_waits.release()
+        real_flock(file, operation)
+
+    monkeypatch.setattr(model_cache, "fcntl", SimpleNamespace(flock=counted_flock, LOCK_EX=fcntl.LOCK_EX))
+    root = home / ".cache" / "tandem" / "models"
+    root.mkdir(parents=True)
+    resolved: list[Path] = []
+    with ExitStack() as holders:
+        first_holder = holders.enter_context(_held_lock(gguf_file, root))
+        waiter = threading.Thread(target=lambda: resolved.append(resolve_model(gguf_file, "float32")))
+        waiter.start()
+        assert num_waits.acquire(timeout=10)  # the waiter opened the first lock file and waits on it
+        Path(first_holder.name).unlink()  # its holder is done: removed, then released
+        holders.enter_context(_held_lock(gguf_file, root))  # a newcomer holds the path's new file
+        real_flock(first_holder, fcntl.LOCK_UN)
+        assert num_waits.acquire(timeout=10)  # the waiter, on the newcomer's file
+        waiter.join(0.2)
+        assert waiter.is_alive() and resolved == []
+    waiter.join(30)
+    assert resolved and (resolved[0] / "config.json").is_file()
+
+
+@contextmanager
+def _held_lock(gguf_file: Path, root: Path) -> Iterator[IO[str]]:
+    """The import lock of `gguf_file` in float32, opened and held as another process would hold it."""
+    with (root / f".{model_cache._content_hash(gguf_file)[:16]}-float32.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield lock
 
 
 def test_a_missing_model_and_a_non_gguf_file_are_named(tmp_path: Path) -> None:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.metadata
+import os
 import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tandem.common.dtypes import COMPUTE_NAMES
@@ -102,8 +104,7 @@ def cached_import(gguf_path: Path, dtype: str, say: Callable[[str], None]) -> Pa
     target = root / f"{model_display_name(gguf_path)}-{key}"
     if found := _find_imported(root, key):
         return found
-    with (root / f".{key}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the directory
+    with _import_lock(root / f".{key}.lock"):  # a second process waits here, then finds the directory
         if found := _find_imported(root, key):
             return found
         say(f"importing {gguf_path.name} into {target} ({dtype}), once")
@@ -116,6 +117,28 @@ def cached_import(gguf_path: Path, dtype: str, say: Callable[[str], None]) -> Pa
             raise
     say(f"imported {gguf_path.name}")
     return target
+
+
+@contextmanager
+def _import_lock(path: Path) -> Iterator[None]:
+    """Held by one process at a time, and removed by its holder when done, imported or failed: left, it
+    was one hidden file per file ever imported (ten broken GGUF files, ten locks). A process that
+    opened it before the removal holds, once it gets it, a file no longer at `path`, so it opens `path`
+    again: two processes never hold two files of the one name."""
+    while True:
+        with path.open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                is_current = os.path.samestat(os.fstat(lock.fileno()), path.stat())
+            except FileNotFoundError:
+                is_current = False
+            if not is_current:
+                continue
+            try:
+                yield
+            finally:
+                path.unlink(missing_ok=True)  # before the close releases it: a newcomer locks a fresh file
+            return
 
 
 def _find_imported(root: Path, key: str) -> Path | None:
