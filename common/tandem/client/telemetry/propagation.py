@@ -1,19 +1,21 @@
 """How a caller's W3C trace context is read, when a service traces itself.
 
-The decoder that does not trace passes a caller's context on by trace_context.py's rules: one
-`traceparent` of at most 512 characters, `version-traceid-parentid-flags` in lowercase hex (IDs not
-all zero), version ff invalid, version 00 exactly those 55 characters, a higher version possibly
-carrying more fields after a dash (W3C's rule for versions to come); its `tracestate` headers joined
-with commas and dropped past the 512 characters the spec has every vendor propagate. The SDK's own
-reader differs at the edges (it took a version-00 header padded with spaces or tabs), so the rule is
-checked here before the SDK reads what passed it. A tracing service read them with the SDK's
-propagator instead, behind a server interceptor that kept only the last of a repeated header: a
-repeated `traceparent` was taken (its last value), and a `tracestate` up to the SDK's 8192 characters
-was extracted, then injected into every onward call. A caller's 7 KB tracestate went on to the encoder
-past its metadata bound and came back as RESOURCE_EXHAUSTED 'encoder ... is full', blaming a healthy
-encoder. Here both paths read by the same rules: `BoundedTraceContext` is the process's propagator once
-tracing is on (`install_propagator`), and the server span (server_spans.py) hands it every value of a
-repeated header rather than the last.
+One rule for a `traceparent` (`version_00`), which the decoder that does not trace passes a caller's
+context on by too (trace_context.py): one `traceparent` of at most 512 characters,
+`version-traceid-parentid-flags` in lowercase hex (IDs not all zero), version ff invalid, version 00
+exactly those 55 characters, a higher version possibly carrying more fields after a dash (W3C's rule for
+versions to come), read as its version-00 form with only the flags W3C defines (sampled, and Level 2's
+random: "other flags ... vendors MUST set those to zero"); its `tracestate` headers joined with commas
+and dropped past the 512 characters the spec has every vendor propagate. The SDK's own reader differs at
+the edges (it took a version-00 header padded with spaces or tabs, and a higher version's whole flags
+byte), so the SDK reads the version-00 form the rule gives. A tracing service read them with the SDK's
+propagator instead, behind a server interceptor that kept only the last of a repeated header: a repeated
+`traceparent` was taken (its last value), and a `tracestate` up to the SDK's 8192 characters was
+extracted, then injected into every onward call. A caller's 7 KB tracestate went on to the encoder past
+its metadata bound and came back as RESOURCE_EXHAUSTED 'encoder ... is full', blaming a healthy encoder.
+Here both paths read by the same rules: `BoundedTraceContext` is the process's propagator once tracing
+is on (`install_propagator`), and the server span (server_spans.py) hands it every value of a repeated
+header rather than the last.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 MAX_TRACESTATE_CHARS = 512
 MAX_TRACEPARENT_CHARS = 512  # the SDK's bound too
-# trace_context.py's _TRACEPARENT, the same rule: kept alike by both modules' tests (the same cases).
 _TRACEPARENT_FORM = re.compile(
     r"([0-9a-f]{2})-((?!0{32})[0-9a-f]{32})-((?!0{16})[0-9a-f]{16})-([0-9a-f]{2})(-.*)?"
 )
+# The trace flags W3C defines: sampled (0x01) and, in Trace Context Level 2, random (0x02: the trace
+# ID's right-most 7 bytes random; an ID passed on unchanged stays so). The others are reserved, and a
+# vendor must set them to zero: passed on whole, a caller's 0xff went to the encoder as it came.
+KNOWN_TRACE_FLAGS = 0x03
 _TRACEPARENT = "traceparent"
 _TRACESTATE = "tracestate"
 
@@ -49,21 +54,27 @@ class BoundedTraceContext(TraceContextTextMapPropagator):
         getter: textmap.Getter[textmap.CarrierT] = textmap.default_getter,
     ) -> Context:
         parents = getter.get(carrier, _TRACEPARENT) or []
-        if len(parents) != 1 or not is_traceparent(parents[0]):
+        if len(parents) != 1 or (parent := version_00(parents[0])) is None:
             return Context() if context is None else context
-        bounded = {_TRACEPARENT: parents[0]}
+        bounded = {_TRACEPARENT: parent}
         state = ",".join(getter.get(carrier, _TRACESTATE) or [])
         if state and len(state) <= MAX_TRACESTATE_CHARS:
             bounded[_TRACESTATE] = state
         return super().extract(bounded, context)
 
 
-def is_traceparent(value: str) -> bool:
-    """Whether `value` is a `traceparent` the rule above reads a context in."""
-    if len(value) > MAX_TRACEPARENT_CHARS or (match := _TRACEPARENT_FORM.fullmatch(value)) is None:
-        return False
-    version, more = match.group(1), match.group(5)
-    return version != "ff" and not (version == "00" and more is not None)
+def version_00(traceparent: str) -> str | None:
+    """`traceparent` in its version-00 form (its trace ID, parent ID, and the flags W3C defines), as a
+    service sends it on; None where the rule above reads no context in it."""
+    if (
+        len(traceparent) > MAX_TRACEPARENT_CHARS
+        or (match := _TRACEPARENT_FORM.fullmatch(traceparent)) is None
+    ):
+        return None
+    version, trace_id, parent_id, flags, more = match.groups()
+    if version == "ff" or (version == "00" and more is not None):
+        return None
+    return f"00-{trace_id}-{parent_id}-{int(flags, 16) & KNOWN_TRACE_FLAGS:02x}"
 
 
 def install_propagator() -> None:

@@ -2,30 +2,25 @@
 
 When the decoder does not trace itself, a caller's `traceparent` and `tracestate` go on to the encoder
 so that its spans join the caller's trace. Only what the W3C Trace Context spec has a vendor pass on,
-read by the rule a tracing service reads it by (`tandem.client.telemetry.propagation`, the same rule):
+read by the function a tracing service reads it by (`tandem.client.telemetry.propagation.version_00`):
 one `traceparent` of at most 512 characters (the SDK's bound), `version-traceid-parentid-flags` in
 lowercase hex (IDs not all zero), version ff invalid, version 00 exactly those 55 characters, a higher
 version possibly carrying more fields after a dash (W3C: a future version may add fields, and a vendor
-reads the four it knows). It goes on in the version-00 form of those four, as a tracing service sends
-it: the extra fields mean nothing to this decoder. Its `tracestate` goes on only beside such a
-traceparent and within the 512 characters the spec has every vendor propagate (its several headers
-joined with commas, as the spec reads them). Anything else is dropped, as the spec says of an invalid
-traceparent. Passed on as they came, a caller's 15 KB tracestate exceeded the encoder's metadata limit
-and came back to the caller as RESOURCE_EXHAUSTED 'encoder ... is full', blaming a healthy encoder. A
-version-01 traceparent with a field more was the caller's trace on the tracing path and dropped here.
+reads the four it knows). It goes on in the version-00 form of those four, the flags W3C does not define
+set to zero, as a tracing service sends it: the rest means nothing to this decoder. Its `tracestate`
+goes on only beside such a traceparent and within the 512 characters the spec has every vendor propagate
+(its several headers joined with commas, as the spec reads them). Anything else is dropped, as the spec
+says of an invalid traceparent. Passed on as they came, a caller's 15 KB tracestate exceeded the
+encoder's metadata limit and came back to the caller as RESOURCE_EXHAUSTED 'encoder ... is full',
+blaming a healthy encoder. A version-01 traceparent with a field more was the caller's trace on the
+tracing path and dropped here.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
-MAX_TRACESTATE_CHARS = 512
-MAX_TRACEPARENT_CHARS = 512  # the OpenTelemetry SDK's bound: a longer one is no context there either
-# propagation.py's _TRACEPARENT_FORM, the same rule: kept alike by both modules' tests (the same cases).
-_TRACEPARENT = re.compile(
-    r"([0-9a-f]{2})-((?!0{32})[0-9a-f]{32})-((?!0{16})[0-9a-f]{16})-([0-9a-f]{2})(-.*)?"
-)
+from tandem.client.telemetry.propagation import MAX_TRACESTATE_CHARS, version_00
 
 
 def trace_context(metadata: Sequence[tuple[str, str | bytes]]) -> tuple[tuple[str, str], ...]:
@@ -39,14 +34,3 @@ def trace_context(metadata: Sequence[tuple[str, str | bytes]]) -> tuple[tuple[st
     if not state or len(state) > MAX_TRACESTATE_CHARS:
         return (("traceparent", parent),)
     return (("traceparent", parent), ("tracestate", state))
-
-
-def version_00(traceparent: str) -> str | None:
-    """`traceparent` in its version-00 form (its version, trace ID, parent ID and flags), or None where
-    the rule above reads no context in it."""
-    if len(traceparent) > MAX_TRACEPARENT_CHARS or (match := _TRACEPARENT.fullmatch(traceparent)) is None:
-        return None
-    version, trace_id, parent_id, flags, more = match.groups()
-    if version == "ff" or (version == "00" and more is not None):
-        return None
-    return f"00-{trace_id}-{parent_id}-{flags}"
