@@ -97,7 +97,8 @@ def settings() -> list[Setting]:
         ),
         _engine_setting(
             "--max-num-batched-tokens",
-            "token budget of one engine step (chunked prefill beyond it)",
+            "token budget of one engine step (chunked prefill beyond it), at most the positions the KV "
+            "pool holds (or 2,048)",
             type=int,
             default=None,
             show_default=f"{default_of(EngineConfig, 'max_num_batched_tokens')}, 128 on neuron",

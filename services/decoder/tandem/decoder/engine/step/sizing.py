@@ -13,6 +13,8 @@ from tandem.decoder.engine.step.static_shapes import StaticShapes, power_of_two_
 from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.kv_pool import KvPoolUnallocated
 
+DEFAULT_TOKEN_BUDGET: int = EngineConfig.max_num_batched_tokens  # the field's default (2,048)
+
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int | None = None) -> int:
     """The context cap: config.max_model_len, never past the checkpoint's max_position_embeddings, nor
@@ -57,9 +59,11 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: i
 
     Every rank computes the same count (each holds num_kv_heads / world_size heads of every block).
     Raises ConfigError naming kv_cache_bytes when its blocks are more than a pool may hold
-    (config.max_kv_blocks, which the config checks --num-kv-blocks against itself).
+    (config.max_kv_blocks, which the config checks --num-kv-blocks against itself), or naming
+    max_num_batched_tokens when a step's budget is past what the pool holds (check_token_budget).
     """
     if config.num_kv_blocks:
+        check_token_budget(config, config.num_kv_blocks)
         return config.num_kv_blocks
     c = model_config
     num_kv_heads = c.num_kv_heads // world_size
@@ -76,7 +80,28 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: i
             f"and the reserved one: {MAX_KV_SLOTS:,} KV slots, int32's, of --block-size "
             f"{config.block_size}), got {config.kv_cache_bytes:,}",
         )
+    check_token_budget(config, num_blocks)
     return num_blocks
+
+
+def check_token_budget(config: EngineConfig, num_blocks: int) -> None:
+    """Refuses a step's token budget (--max-num-batched-tokens) past the positions a pool of
+    `num_blocks` blocks holds beside the reserved one, unless it is the default's or less.
+
+    Every position a step computes takes a KV slot, so no step fills a budget past the pool (TGI
+    refuses its max_batch_prefill_tokens past max_batch_total_tokens alike). Such a budget is not
+    harmless: static shapes warm a power-of-two token bucket past it, and --max-num-batched-tokens 2**63
+    walked buckets up to 2**64 and never finished starting. The default (2,048) stays valid beside
+    any pool, however small, as it always was. Raises ConfigError."""
+    held = (num_blocks - 1) * config.block_size
+    most = max(held, DEFAULT_TOKEN_BUDGET)
+    if config.max_num_batched_tokens > most:
+        raise ConfigError(
+            "max_num_batched_tokens",
+            f"must be at most {most:,} (the positions the KV pool holds: {num_blocks - 1:,} blocks of "
+            f"{config.block_size} beside the reserved one, each position a step computes taking one; "
+            f"never under the default {DEFAULT_TOKEN_BUDGET:,}), got {config.max_num_batched_tokens:,}",
+        )
 
 
 def pool_refused(config: EngineConfig, error: KvPoolUnallocated) -> KvPoolRefused:
