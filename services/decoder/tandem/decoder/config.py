@@ -311,6 +311,9 @@ class EngineConfig:
             buckets = getattr(self, name)
             if list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
                 raise ConfigError(name, f"must be strictly increasing positive sizes, got {buckets}")
+            # Eager steps have no buckets: given without static shapes they were ignored, silently.
+            if buckets and not self.static_shapes:
+                raise ConfigError(name, "is only used with --static-shapes true (eager steps are not padded)")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
