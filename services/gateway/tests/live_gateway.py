@@ -17,9 +17,9 @@ from aiohttp import web
 
 from tandem.client.client import EncoderClient
 from tandem.gateway.access_log import AccessLog
-from tandem.gateway.app import Gateway
+from tandem.gateway.app import FIRST_HEALTH_S, Gateway
 from tandem.gateway.bodies import BodyWorkers
-from tandem.gateway.callers import decoder_channels, decoder_client
+from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import LINGERING_S, ConnectionGuard, OpenAIRequestHandler, ServerLog
 
@@ -30,20 +30,21 @@ async def live_gateway(
     send_buffer_bytes: int | None = None,
     lingering_s: float = LINGERING_S,
     tracer: Any = None,
+    first_health_s: float = FIRST_HEALTH_S,
     **settings: Any,
 ) -> AsyncIterator[str]:
     """The gateway's base URL (http://127.0.0.1:PORT/v1), with `settings` over GatewayConfig's defaults
-    (its encoder an address where none listens, unless `settings` name one). With `send_buffer_bytes`,
-    each connection's kernel send buffer is that small and stays so (Linux: an accepted socket takes
-    its listener's), as over a slow network: loopback grows it to MiBs, which an unread answer of a few
-    tens of KiB never fills. `tracer`: the gateway's, when a test traces it."""
+        (its encoder an address where none listens, unless `settings` name one). With `send_buffer_bytes`,
+        each connection's kernel send buffer is that small and stays so (Linux: an accepted socket takes
+        its listener's), as over a slow network: loopback grows it to MiBs, which an unread answer of a few
+        tens of KiB never fills. `tracer`: the gateway's, when a test traces it. `first_health_s`: how long
+    its start waits for a decoder replica to serve (0 where a test's decoder never will: it waited 1 s)."""
     settings = {"encoder_address": "127.0.0.1:9"} | settings
     config = GatewayConfig(decoder_address=decoder_address, port=0, **settings)
-    decoder = decoder_client(config)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
     callers = decoder_channels(config)
     workers = BodyWorkers(1)  # started by the first body over large_body_bytes, if any (a second)
-    gateway = Gateway(config, decoder, encoder, callers, workers, tracer=tracer)
+    gateway = Gateway(config, encoder, callers, workers, tracer=tracer, first_health_s=first_health_s)
     handler_settings: dict[str, Any] = {
         "keepalive_timeout": config.idle_timeout_s,
         "lingering_time": lingering_s,  # LINGERING_S as `tandem serve openai` (aiohttp's default is 10 s)
@@ -73,5 +74,4 @@ async def live_gateway(
         await gateway.close()
         await callers.close()
         workers.close()
-        await decoder.close()
         await encoder.close()

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from tandem.gateway.__main__ import serve
 from tandem.gateway.access_log import AccessLog
-from tandem.gateway.app import Gateway
+from tandem.gateway.app import FIRST_HEALTH_S, Gateway
 from tandem.gateway.config import GatewayConfig
 from tandem.readiness import PROBE_USER_AGENT, Probe
 
@@ -31,12 +31,13 @@ ENCODER = "127.0.0.1:9"  # no encoder listens: these requests never reach one
 
 
 @contextlib.asynccontextmanager
-async def served(decoder_address: str) -> AsyncIterator[str]:
+async def served(decoder_address: str, first_health_s: float = FIRST_HEALTH_S) -> AsyncIterator[str]:
     """The gateway as `tandem serve openai` serves it (its `serve`), on this loop: its base URL. Once
-    this ends, the gateway has stopped, every request's access line written."""
+    this ends, the gateway has stopped, every request's access line written. `first_health_s`: how
+    long its start waits for the decoder to serve (0 where it will not: it waited 1 s)."""
     config = GatewayConfig(decoder_address=decoder_address, encoder_address=ENCODER, port=0, body_workers=1)
     ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(serve(config, ready))
+    task = asyncio.ensure_future(serve(config, ready, first_health_s))
     try:
         yield f"http://127.0.0.1:{await asyncio.wait_for(ready, 30)}"
     finally:
@@ -92,7 +93,7 @@ async def test_the_503s_that_tandem_waits_own_probe_is_told_while_the_decoder_lo
     async with fake_decoder() as (decoder, address):
         await decoder.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # still loading
         with caplog.at_level(logging.INFO, logger="aiohttp.access"):
-            async with served(address) as url, aiohttp.ClientSession() as http:
+            async with served(address, first_health_s=0.0) as url, aiohttp.ClientSession() as http:
                 probe = Probe([url + "/health"])  # what `tandem wait` and `tandem up` ask with
                 said = [await asyncio.to_thread(probe.not_serving, url + "/health") for _ in range(3)]
                 async with http.get(url + "/health") as response:  # any other prober

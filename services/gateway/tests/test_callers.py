@@ -21,6 +21,24 @@ class FakeChannel:
     unary_unary = stream_unary = stream_stream = unary_stream
 
 
+class FakeReplicas:
+    """The replicas that serve, as `tandem.gateway.replicas.Replicas` tells them to CallerChannels."""
+
+    def __init__(self, targets: tuple[str, ...]) -> None:
+        self.targets = targets
+        self.on_change = lambda: None
+
+    def start(self) -> None:
+        pass
+
+    def change(self, targets: tuple[str, ...]) -> None:
+        self.targets = targets
+        self.on_change()
+
+    async def close(self) -> None:
+        pass
+
+
 def _channels(max_idle: int) -> tuple[CallerChannels, list[FakeChannel]]:
     opened: list[FakeChannel] = []
 
@@ -28,7 +46,7 @@ def _channels(max_idle: int) -> tuple[CallerChannels, list[FakeChannel]]:
         opened.append(FakeChannel(len(opened)))
         return opened[-1]
 
-    return CallerChannels(open_channel, max_idle), opened  # type: ignore[arg-type]
+    return CallerChannels(open_channel, max_idle, FakeReplicas(("a:1",))), opened  # type: ignore[arg-type]
 
 
 async def test_a_callers_calls_share_its_channel_and_other_callers_get_their_own() -> None:
@@ -61,24 +79,6 @@ def test_a_caller_is_its_checked_token_else_its_address() -> None:
     # An unchecked token says nothing: a caller could send a new one with each request.
     assert caller_of("Bearer t1", "10.0.0.1", False) == caller_of("Bearer t2", "10.0.0.1", False)
     assert "t1" not in caller_of("Bearer t1", "10.0.0.1", True)  # a digest, never the secret
-
-
-class FakeReplicas:
-    """The replicas that serve, as `tandem.gateway.replicas.Replicas` tells them to CallerChannels."""
-
-    def __init__(self, targets: tuple[str, ...]) -> None:
-        self.targets = targets
-        self.on_change = lambda: None
-
-    def start(self) -> None:
-        pass
-
-    def change(self, targets: tuple[str, ...]) -> None:
-        self.targets = targets
-        self.on_change()
-
-    async def close(self) -> None:
-        pass
 
 
 async def test_when_the_serving_replicas_change_a_callers_next_call_opens_a_channel_over_them() -> None:

@@ -59,7 +59,11 @@ async def _timed(
     "not_serving", [blackhole, nothing_listening], ids=["blackhole", "nothing listening"]
 )
 async def test_a_decoder_that_does_not_serve_is_a_503_at_once_from_every_route(not_serving) -> None:
-    async with not_serving() as address, live_gateway(address) as url, aiohttp.ClientSession() as http:
+    async with (
+        not_serving() as address,
+        live_gateway(address, first_health_s=0.0) as url,  # it never serves: no start waits for it
+        aiohttp.ClientSession() as http,
+    ):
         base = url.removesuffix("/v1")
         for _ in range(2):
             status, body, took_s = await _timed(http, "GET", base + "/health")

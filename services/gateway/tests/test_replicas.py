@@ -119,7 +119,6 @@ def _asked_models(*decoders: CountingDecoder) -> None:
 
 def _num_serving(channels: CallerChannels) -> int:
     """Replicas the gateway has seen SERVING (where it knows of none, it balances over all)."""
-    assert channels.replicas is not None
     return len(channels.replicas.serving)
 
 
@@ -814,8 +813,7 @@ async def test_a_replica_of_another_checkpoint_under_the_models_name_gets_no_cal
     a.sample, b.sample = BASE, TUNED
     with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
         channels, replica_a, replica_b = await _mixed(replicas)
-        assert channels.replicas is not None
-        await _eventually(lambda: channels.replicas is not None and bool(channels.replicas.mismatched))
+        await _eventually(lambda: bool(channels.replicas.mismatched))
     try:
         assert channels.replicas.model == "fake-model" and list(channels.replicas.mismatched) == [replica_b]
         assert channels.targets == (replica_a,)
@@ -870,7 +868,7 @@ async def test_replicas_of_one_checkpoint_and_an_older_decoder_of_its_name_all_s
     channels, replica_a, replica_b = await _mixed(replicas)
     try:
         await _eventually(lambda: channels.targets == (replica_a, replica_b))
-        assert channels.replicas is not None and not channels.replicas.mismatched
+        assert not channels.replicas.mismatched
         b.sample = None
         await _restart_as(b, server_b, "fake-model")
         await _eventually(lambda: _num_serving(channels) == 2)
@@ -889,8 +887,7 @@ async def test_passing_callers_tokens_on_the_gateway_still_asks_each_replicas_mo
     try:
         channels, replica_a, replica_b = await _mixed(started, GatewayConfig(auth_tokens=tokens))
         try:
-            assert channels.replicas is not None
-            await _eventually(lambda: channels.replicas is not None and bool(channels.replicas.mismatched))
+            await _eventually(lambda: bool(channels.replicas.mismatched))
             assert channels.targets == (replica_a,)
             assert channels.replicas.mismatched == {replica_b: "other-model"}
         finally:

@@ -21,7 +21,7 @@ from tandem.client import telemetry as otel
 from tandem.client.client import EncoderClient
 from tandem.gateway.app import GATEWAY_CUT, Gateway
 from tandem.gateway.bodies import BodyWorkers
-from tandem.gateway.callers import decoder_channels, decoder_client
+from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
 
 from .fake_decoder import fake_decoder
@@ -37,11 +37,11 @@ async def traced() -> AsyncIterator[tuple[TestClient, InMemorySpanExporter]]:
     exporter = InMemorySpanExporter()
     telemetry = otel.build_telemetry("tandem-openai", [SimpleSpanProcessor(exporter)])
     config = GatewayConfig(decoder_address=NOWHERE, encoder_address=NOWHERE, port=0)
-    decoder = decoder_client(config)
     encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
     callers = decoder_channels(config)
     workers = BodyWorkers(1)
-    gateway = Gateway(config, decoder, encoder, callers, workers, tracer=telemetry.tracer)
+    # Its start does not wait for a decoder that never serves (FIRST_HEALTH_S).
+    gateway = Gateway(config, encoder, callers, workers, tracer=telemetry.tracer, first_health_s=0.0)
     client = TestClient(TestServer(gateway.app()))
     await client.start_server()
     try:
@@ -51,7 +51,6 @@ async def traced() -> AsyncIterator[tuple[TestClient, InMemorySpanExporter]]:
         await gateway.close()
         await callers.close()
         workers.close()
-        await decoder.close()
         await encoder.close()
 
 

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from tandem.client import telemetry as otel
-from tandem.client.client import DecoderClient, EncoderClient
+from tandem.client.client import EncoderClient
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.lookup import LookupEmbedder
 from tandem.gateway.app import Gateway
@@ -47,12 +47,11 @@ async def test_a_chat_and_an_embedding_through_the_gateway_are_the_callers_trace
     stack = await start_stack(tiny_model_dir, tiny_fp32, lookup, make)
     gateway_telemetry = make("tandem-openai")
     decoder_address, encoder_address = stack.servers[0].address, stack.servers[1].address
-    decoder = DecoderClient(decoder_address, MAX_MESSAGE_BYTES, telemetry=gateway_telemetry)
     encoder = EncoderClient(encoder_address, MAX_MESSAGE_BYTES, telemetry=gateway_telemetry)
     config = GatewayConfig(decoder_address=decoder_address, port=0)
     callers = decoder_channels(config, gateway_telemetry.client_interceptors())  # completions go here
     workers = BodyWorkers(1)
-    gateway = Gateway(config, decoder, encoder, callers, workers, tracer=gateway_telemetry.tracer)
+    gateway = Gateway(config, encoder, callers, workers, tracer=gateway_telemetry.tracer)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -88,6 +87,5 @@ async def test_a_chat_and_an_embedding_through_the_gateway_are_the_callers_trace
         await runner.cleanup()
         await callers.close()
         workers.close()
-        await decoder.close()
         await encoder.close()
         await stop_stack(stack)

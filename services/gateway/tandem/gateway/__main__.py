@@ -37,9 +37,9 @@ from tandem.common.server import stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
 from tandem.gateway.access_log import AccessLog
 from tandem.gateway.answer_metrics import observe_answer_bytes
-from tandem.gateway.app import Gateway
+from tandem.gateway.app import FIRST_HEALTH_S, Gateway
 from tandem.gateway.bodies import BodyWorkers
-from tandem.gateway.callers import decoder_channels, decoder_client, model_check_metadata
+from tandem.gateway.callers import decoder_channels, model_check_metadata
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
 from tandem.gateway.connections import (
     LINGERING_S,
@@ -272,10 +272,12 @@ def _start(**values: Any) -> int:
     return 0
 
 
-async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None) -> None:
-    """Listen until a signal (or until cancelled); `ready` gets the port once listening."""
+async def serve(
+    config: GatewayConfig, ready: asyncio.Future[int] | None = None, first_health_s: float = FIRST_HEALTH_S
+) -> None:
+    """Listen until a signal (or until cancelled); `ready` gets the port once listening. The start
+    waits up to `first_health_s` for a decoder replica to serve (`Gateway`; tests set less)."""
     telemetry = setup_telemetry("tandem-openai", os.environ)
-    decoder = decoder_client(config, telemetry)
     encoder = gateway_encoder(config, telemetry, model_check_metadata(config))  # its replicas checked
     callers = decoder_channels(config, telemetry.client_interceptors())
     workers = BodyWorkers(config.body_workers)
@@ -285,11 +287,10 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
     # lingering (reading what is left of a refused body before closing) is cut to a second. The access
     # log leaves out the health probes that succeed (access_log.py).
     # aiohttp's own answers (a request it cannot parse) are in OpenAI's error shape (OpenAIRequestHandler).
-    gateway = Gateway(config, decoder, encoder, callers, workers, tracer=tracer)
+    gateway = Gateway(config, encoder, callers, workers, tracer=tracer, first_health_s=first_health_s)
     if telemetry.is_metrics:
         observe_answer_bytes(telemetry.meter, gateway.answer_bytes)
-        if callers.replicas is not None:
-            observe_replicas(telemetry.meter, callers.replicas)
+        observe_replicas(telemetry.meter, callers.replicas)
         if isinstance(encoder, EncoderReplicas):
             observe_replicas(telemetry.meter, encoder.replicas, TANDEM_GATEWAY_ENCODER_REPLICAS_LEFT_OUT)
     handler_settings: dict[str, Any] = {
@@ -338,7 +339,6 @@ async def serve(config: GatewayConfig, ready: asyncio.Future[int] | None = None)
         await gateway.close()
         await callers.close()
         workers.close()
-        await decoder.close()
         await encoder.close()
         telemetry.shutdown()
 

@@ -35,7 +35,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import MatchInfoError
 
-from tandem.client.client import DecoderClient, EncoderClient
+from tandem.client.client import EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
@@ -106,20 +106,22 @@ class Gateway:
     def __init__(
         self,
         config: GatewayConfig,
-        decoder: DecoderClient,
         encoder: EncoderClient,
         callers: CallerChannels,
         workers: BodyWorkers,
         guard: ConnectionGuard | None = None,
         tracer: Any = None,
+        first_health_s: float = FIRST_HEALTH_S,
     ) -> None:
         self.config = config
-        self.decoder = decoder  # one decoder's model info and health; completions go over `callers`
         self.encoder = encoder
         self.callers = callers
         self.workers = workers
         self.guard = guard  # told of each request head (the first one ends a connection's header timer)
         self.tracer = tracer  # an OpenTelemetry tracer when tracing is on: one span per HTTP request
+        # How long the start waits for the decoder replicas' first word (FIRST_HEALTH_S; tests of a
+        # gateway over no serving decoder set less: each such start waited the whole second).
+        self.first_health_s = first_health_s
         self.large_bodies = LargeBodies(config.max_large_bodies, config.max_large_bodies_per_caller)
         self._streams: Counter[str] = Counter()  # open completions per caller
         self._writing: Counter[str] = Counter()  # choices of non-streamed answers being written, per caller
@@ -160,10 +162,10 @@ class Gateway:
         return app
 
     async def _first_health(self, app: web.Application) -> None:
-        """Waits (up to FIRST_HEALTH_S) for a decoder replica to serve, as the watch hears it."""
+        """Waits (up to `first_health_s`) for a decoder replica to serve, as the watch hears it."""
         replicas = self.callers.replicas
-        deadline = time.monotonic() + FIRST_HEALTH_S
-        while replicas is not None and not replicas.called and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.first_health_s
+        while not replicas.called and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     async def _expect_body(self, request: web.Request) -> web.StreamResponse | None:
@@ -379,24 +381,17 @@ class Gateway:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while a decoder replica serves and gets calls, as the gateway's watch of each has seen
-        (`replicas.py`; one address is one replica), which its own decoder client, watching none,
-        cannot tell; by Check only over channels that watch nothing. Asked live, a single decoder that
-        accepted connections and said nothing held every probe for the Check's 2 s.
-        Counted by the rule the calls go by (`Replicas.called`): counting only replicas whose model was
-        checked, it said 503 while calls went through at a cold start, before any model was asked."""
+        (`replicas.py`; one address is one replica, a `dns:` name the replicas it resolves to), with
+        the counts serving and watched. Asked live by Check, a single decoder that accepted connections
+        and said nothing held every probe for the Check's 2 s. Counted by the rule the calls go by
+        (`Replicas.called`): counting only replicas whose model was checked, it said 503 while calls
+        went through at a cold start, before any model was asked."""
         replicas = self.callers.replicas
-        if replicas is not None:
-            serving = bool(replicas.called)
-        else:
-            try:
-                serving = await self.decoder.health(timeout=2.0) == 1
-            except grpc.aio.AioRpcError:
-                serving = False
+        serving = bool(replicas.called)
         body: dict[str, Any] = {"status": "ok" if serving else "unavailable"}
-        if replicas is not None:
-            # A replica left out keeps "ok" while another serves: the counts tell a deployer how many do.
-            body["replicas"] = {"serving": len(replicas.called), "watched": replicas.num_watched}
-        if replicas is not None and (mismatched := replicas.mismatched):
+        # A replica left out keeps "ok" while another serves: the counts tell a deployer how many do.
+        body["replicas"] = {"serving": len(replicas.called), "watched": replicas.num_watched}
+        if mismatched := replicas.mismatched:
             # Replicas of another model than the gateway serves: left out, named for whoever deploys. One
             # of its name serves another checkpoint under it (`replica_model.py`): what differs is said,
             # or it reads as ours.
@@ -407,7 +402,7 @@ class Gateway:
                 | ({differences[r]: "differs"} if differences.get(r, "model") != "model" else {})
                 for r, m in mismatched.items()
             ]
-        if replicas is not None and (unknown := replicas.model_unknown):
+        if unknown := replicas.model_unknown:
             # Serving, their model not known (being asked, refused, unanswered): a 503 naming nothing, with
             # every replica up, left a deployer nothing to look at.
             body["model"] = replicas.model
@@ -761,7 +756,7 @@ class Gateway:
         that accepted connections and said nothing, a completion waited 5.4 s for gRPC's "connection
         attempt timed out before receiving SETTINGS frame", /v1/models 10 s for its timeout."""
         replicas = self.callers.replicas
-        if replicas is None or replicas.called:
+        if replicas.called:
             return
         if replicas.model is not None:
             raise Unavailable(replicas.none_serving())
@@ -777,14 +772,11 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _decoder_stub(self) -> AsyncIterator[decoder_pb2_grpc.DecoderStub]:
-        """The gateway's own decoder stub: over several replicas, a channel over those its watch has seen
-        serve, as a caller's is (`callers.py`); `self.decoder` balances over every replica, watching
-        none, so a loading or failed one got its share of model-info calls, each UNAVAILABLE."""
-        if self.callers.replicas is None:
-            yield self.decoder.stub
-        else:
-            async with self.callers.stub(GATEWAY_CALLER) as stub:
-                yield stub
+        """The gateway's own decoder stub: a channel over the replicas its watch has seen serve, as a
+        caller's is (`callers.py`): one balanced over every replica, watching none, gave a loading or
+        failed one its share of model-info calls, each UNAVAILABLE."""
+        async with self.callers.stub(GATEWAY_CALLER) as stub:
+            yield stub
 
 
 class _Unrouted(web.DynamicResource):

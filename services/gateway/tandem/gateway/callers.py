@@ -34,20 +34,15 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
 from tandem.client.channel import open_channel
-from tandem.client.client import DecoderClient
 from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.replica_model import ReplicaModel
 from tandem.gateway.replicas import Replicas, name_of
-
-if TYPE_CHECKING:  # OpenTelemetry is optional
-    from tandem.client.telemetry import Telemetry
 
 MODEL_TIMEOUT_S = 10.0  # a replica's model asked as it turns SERVING; unanswered, it is not checked
 DECODER_SERVICE = "tandem.v1.Decoder"  # its health status is what the replicas are watched for
@@ -80,16 +75,15 @@ class CallerChannels:
         self,
         open_channel: Callable[[tuple[str, ...]], grpc.aio.Channel],
         max_idle: int,
-        replicas: Replicas | None = None,
+        replicas: Replicas,
     ) -> None:
         self._open_channel = open_channel  # a new channel over these targets, on connections of its own
         self.max_idle = max_idle
-        self.replicas = replicas  # None: one decoder, the same target always
+        self.replicas = replicas  # the decoder's replicas (one address is one), watched for every caller
         self._channels: OrderedDict[str, _Channel] = OrderedDict()  # least recently used first
         self._closing: set[asyncio.Task[None]] = set()
-        if replicas is not None:
-            replicas.on_change = self.retire_stale
-            replicas.start()
+        replicas.on_change = self.retire_stale
+        replicas.start()
 
     @property
     def num_channels(self) -> int:
@@ -97,14 +91,14 @@ class CallerChannels:
 
     @property
     def targets(self) -> tuple[str, ...]:
-        return () if self.replicas is None else self.replicas.targets
+        return self.replicas.targets
 
     @contextlib.asynccontextmanager
     async def stub(self, caller: str) -> AsyncIterator[decoder_pb2_grpc.DecoderStub]:
         """The decoder stub of `caller`'s own channel, held for the body. Raises Unavailable (a 503)
         where no replica serves the gateway's model (`Replicas.targets`)."""
         targets = self.targets
-        if self.replicas is not None and not targets:
+        if not targets:
             raise Unavailable(self.replicas.none_serving())
         held = self._channels.get(caller)
         if held is not None and held.targets != targets:
@@ -148,8 +142,7 @@ class CallerChannels:
     async def close(self) -> None:
         channels = [held.channel for held in self._channels.values()]
         self._channels.clear()
-        if self.replicas is not None:
-            await self.replicas.close()
+        await self.replicas.close()
         await asyncio.gather(*(channel.close() for channel in channels), *self._closing)
 
 
@@ -209,15 +202,3 @@ async def decoder_model(
     request = decoder_pb2.DecoderGetModelInfoRequest()
     info = await stub.GetModelInfo(request, metadata=metadata, timeout=MODEL_TIMEOUT_S)
     return ReplicaModel.from_info(info)
-
-
-def decoder_client(config: GatewayConfig, telemetry: Telemetry | None = None) -> DecoderClient:
-    """The gateway's own client of `config`'s decoder (the health of channels that watch nothing;
-    `decoder_channels`' watch its replicas, one or several):
-    balanced over every replica, watching none. A channel that watched would hold a Watch on each
-    replica from the gateway's address, and one refused there (others behind that address holding
-    its share: a NAT, the node's /64, a mesh's one source address) failed every call it carried,
-    "health check call failed", /v1/models and completions 503; `Replicas` watches them for it."""
-    return DecoderClient(
-        config.decoder_address, config.max_message_bytes, telemetry, config.upstream, is_health_checked=False
-    )
