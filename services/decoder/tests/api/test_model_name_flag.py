@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.decoder.api.main import main as decoder_main
+from tandem.decoder.config import DecoderConfig, EngineConfig
 
 
 def test_a_model_name_no_request_could_name_is_one_line_naming_the_flag(
@@ -25,3 +26,40 @@ def test_a_model_name_of_bytes_no_utf_8_reads_is_one_line_naming_the_flag(
     assert capsys.readouterr().err == (
         "tandem serve decoder: --model-name (TANDEM_MODEL_NAME): is not UTF-8 text\n"
     )
+
+
+def test_an_empty_model_name_is_refused_rather_than_read_as_the_directorys(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert decoder_main(["--model-name", "", "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve decoder: --model-name (TANDEM_MODEL_NAME) must name a model, got '' (leave the flag "
+        "out for the directory's or file's name)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        (
+            "tiny\nfake log line",
+            "must not hold control characters or line separators, got 'tiny\\nfake log line'",
+        ),
+        ("tiny\x1b[2J", "must not hold control characters or line separators, got 'tiny\\x1b[2J'"),
+        ("tiny ", "must not begin or end with white space, got 'tiny '"),
+        ("ti\u200bny", "must not hold invisible characters (U+200B: "),
+    ],
+)
+def test_a_model_name_a_log_line_or_a_listing_would_misshow_is_one_line_naming_the_flag(
+    name: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rule an adapter's name follows (model_name.check_label): it is logged, traced and listed too."""
+    assert decoder_main(["--model-name", name, "--port", "0"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"tandem serve decoder: --model-name (TANDEM_MODEL_NAME) {why}")
+    assert said.count("\n") == 1
+
+
+def test_a_name_of_words_and_punctuation_is_served(tmp_path) -> None:
+    name = "org/Model v2:int4 (ça)"
+    assert DecoderConfig(EngineConfig(model_dir=tmp_path), model_name=name).model_name == name

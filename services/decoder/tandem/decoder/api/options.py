@@ -375,7 +375,7 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
     return DecoderConfig(
         engine=engine_config,
         server=server,
-        model_name=values["model_name"] or model_display_name(Path(model)),
+        model_name=_model_name(values["model_name"], Path(model)),
         world_size=values["world_size"],
         collective_timeout_s=values["collective_timeout_s"],
         max_streams_per_connection=values["max_streams_per_connection"],
@@ -383,6 +383,17 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
         encoder_address=",".join(a.strip() for value in values["encoder"] for a in value.split(",")),
         encoder_cache_bytes=values["encoder_cache_bytes"],
     )
+
+
+def _model_name(value: str | None, model: Path) -> str:
+    """--model-name, or the model's directory's or file's name where it is not given. An empty
+    variable is unset (click's rule for every variable), but an empty flag served under the directory's
+    name while the operator asked for none: refused, as an empty list flag is."""
+    if value == "":
+        raise ConfigError(
+            "model_name", "must name a model, got '' (leave the flag out for the directory's or file's name)"
+        )
+    return model_display_name(model) if value is None else value
 
 
 def _lora_root(value: str | None) -> Path | None:
