@@ -108,3 +108,19 @@ async def test_one_decoder_s_health_is_its_watch_s_both_ways() -> None:
         await asyncio.sleep(0.3)  # the watch asks again within MIN_RETRY_S, then hears it
         status, body, _ = await _timed(http, "POST", url + "/completions", json=PROMPT)
         assert status == 200, body
+
+
+async def test_a_dns_name_that_does_not_resolve_is_said_so_in_the_503() -> None:
+    """It said "none of the 0 watched ... says it serves (loading, stopped, or not answering)": the
+    name is what is wrong, and gRPC's own error had named the DNS failure."""
+    async with (
+        live_gateway("dns:///no-such-host.invalid:50052", first_health_s=0.0) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        for method, path, kwargs in [("GET", "/models", {}), ("POST", "/completions", {"json": PROMPT})]:
+            status, body, took_s = await _timed(http, method, url + path, **kwargs)
+            message = body["error"]["message"]
+            assert status == 503 and took_s < AT_ONCE_S, (path, took_s)
+            assert "dns:///no-such-host.invalid:50052 does not resolve (yet)" in message, message
+        status, body, _ = await _timed(http, "GET", url.removesuffix("/v1") + "/health")
+        assert (status, body["replicas"]) == (503, {"serving": 0, "watched": 0})

@@ -1,7 +1,9 @@
 """`tandem serve openai`: the OpenAI-compatible HTTP gateway in front of a decoder and an encoder.
 
 Every flag can also come from a `TANDEM_OPENAI_<FLAG>` variable. The gateway holds no model: it
-starts at once, and its /health answers 503 until the decoder serves. Exit codes: 0 after SIGTERM or
+listens within a second (its start waits up to FIRST_HEALTH_S for a decoder replica's health, so a
+request just after it is not refused for the watch not having heard yet), and its /health answers 503
+until a decoder replica serves. Exit codes: 0 after SIGTERM or
 SIGINT, 2 for a flag or variable that is wrong (a port in use included, or a host the listen refuses);
 every failure is one line.
 """

@@ -755,15 +755,8 @@ class Gateway:
         heard. Before any replica said a model, calls went to every replica (`replicas.py`): to one
         that accepted connections and said nothing, a completion waited 5.4 s for gRPC's "connection
         attempt timed out before receiving SETTINGS frame", /v1/models 10 s for its timeout."""
-        replicas = self.callers.replicas
-        if replicas.called:
-            return
-        if replicas.model is not None:
-            raise Unavailable(replicas.none_serving())
-        raise Unavailable(
-            f"no decoder replica serves now: none of the {replicas.num_watched} watched "
-            f"({self.config.decoder_address}) says it serves (loading, stopped, or not answering); retry"
-        )
+        if not self.callers.replicas.called:
+            raise Unavailable(self.callers.replicas.none_serving())
 
     async def close(self) -> None:
         """Ends the model-info asks under way (at shutdown, before the channels close)."""

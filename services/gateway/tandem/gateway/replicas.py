@@ -49,8 +49,11 @@ itself (`targets` is empty: `callers.py`), as a vLLM/SGLang router answers for a
 up. Balanced over the replicas not left out, callers reached a replica back on another model whose
 model was still being asked, or whose watch was in its backoff (for ~0.5 s of each rolling upgrade's
 restart). Before any replica said a model (at start, or replicas not asked), callers are balanced over
-every replica, and a call gets the decoder's own answer (loading: UNAVAILABLE, a 503); before a `dns:`
-name resolves, over the name itself, as gRPC resolves it.
+every watched replica. The gateway's decoder calls wait for one to serve: while none does, each is the
+gateway's own 503 at once (`Gateway._check_serving`, saying `none_serving`: a `dns:` name that does not
+resolve yet is said so), where a blackhole held a completion 5.4 s. The encoder's calls go to its
+replicas, which answer themselves (loading: UNAVAILABLE, a 503); before its `dns:` name resolves, to the
+name itself, as gRPC resolves it.
 
 NOTE: why a replica restarting keeps counting for its model. Counted only while it served, the one
 replica of the gateway's model of a 1-vs-1 pair handed the gateway the other's model as it restarted
@@ -179,10 +182,10 @@ async def resolve_name(name: str) -> tuple[str, ...]:
 
 
 class Replicas:
-    """The decoder's replicas (`address`: several, or a `dns:` name) and which of them serve for
+    """The decoder's replicas (`address`: one, several, or a `dns:` name) and which of them serve for
     `service`, each watched once over a channel of its own; event-loop thread only. The encoder's too
-    (`encoders.py`), as `kind` says. Raises ValueError
-    for an address it cannot use (`static_replicas`, `name_of`)."""
+    (`encoders.py`, over several or a `dns:` name), as `kind` says. Raises ValueError for an address
+    it cannot use (`static_replicas`, `name_of`)."""
 
     def __init__(
         self,
@@ -221,6 +224,7 @@ class Replicas:
         self._logged: dict[str, ReplicaModel] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._resolver: asyncio.Task[None] | None = None
+        self._resolve_error: str | None = None  # why a `dns:` name's last look-up failed (None: it did not)
         # What each caller's channel balances over now; empty: none serves the gateway's model (503).
         self.targets: tuple[str, ...] = (address,)
 
@@ -255,7 +259,16 @@ class Replicas:
         return tuple(replica for replica in serving if self._models.get(replica) is None)
 
     def none_serving(self) -> str:
-        """What the gateway's 503 says where no replica gets calls (`targets` empty)."""
+        """What the gateway's 503 says where no replica serves: none said a model yet (a `dns:` name not
+        resolving is said so), or none serves the gateway's model (`targets` empty)."""
+        if self._name is not None and not self._is_serving:
+            why = f": {self._resolve_error}" if self._resolve_error is not None else ""
+            return f"no {self.kind} replica serves now: {self.address} does not resolve (yet){why}; retry"
+        if self._model is None:
+            return (
+                f"no {self.kind} replica serves now: none of the {self.num_watched} watched ({self.address}) "
+                "says it serves (loading, stopped, or not answering); retry"
+            )
         unknown = self.model_unknown
         if unknown:
             return (
@@ -343,8 +356,10 @@ class Replicas:
             try:
                 found = await resolve_name(self._name)
             except (OSError, ValueError) as error:  # the last replicas found stay
+                self._resolve_error = str(error)
                 log.warning("%s address %s does not resolve: %s", self.kind, self.address, error)
             else:
+                self._resolve_error = None
                 if found:
                     self._found(found)
             await asyncio.sleep(RESOLVE_INTERVAL_S)
