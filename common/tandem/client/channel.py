@@ -307,7 +307,7 @@ def open_channel(
                 probe_options.append(("grpc.default_authority", authority))
             return _channel(server, probe_options, security, None)
 
-        probe = health_probe(open_probe_channel, service if is_health_checked else None)
+        probe = health_probe(open_probe_channel, service if is_health_checked else None, security.uses_tls)
         gate = FirstCallsGate(_servers(address, target), probe)
         chain.extend(gate.interceptors())
     channel = _channel(target, options, security, chain or None)

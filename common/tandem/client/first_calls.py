@@ -12,7 +12,7 @@ channel's own connections began first and need no more round trips than a probe 
 handshake, then one health answer: its Watch where health checked), so by then the servers that
 answered are in its rotation and the first burst spreads. That is an ordering, not a promise gRPC
 makes: nothing in grpc.aio says which connections round_robin holds, nor which server took a call
-(a client call has no peer), hence a second Check of slack where health checked (NUM_CHECKS_WATCHED).
+(a client call has no peer), hence Checks of slack where health checked and over TLS (NUM_CHECKS_*).
 
 Any answer ends a server's probe: SERVING (it is in the rotation), NOT_SERVING (health checked, a
 server loading, draining or failed is never picked: nothing to wait for), an error from a server. A
@@ -41,12 +41,19 @@ log = logging.getLogger(__name__)
 # unreachable without refusing.
 MAX_WAIT_S = 1.0
 
-# Checks per probe of a health-checked channel: the second is a round trip of slack for the channel's
-# own connection, begun first but in rotation only once its health Watch is answered, in whatever
-# order the server runs the two: with one, a burst still went to one replica in 2 of 480 fresh watched
-# channels on loopback (in-process servers), with two in 0 of 520. Unwatched, a connection is in
-# rotation once made, before the probe's first Check is answered: 0 of 480 with one.
+# Checks per probe, a tuned figure (measured, not derived; a test pins the counts): each Check past the
+# first is a round trip of slack for the channel's own connection, begun first but not always in
+# rotation first. Unwatched, a connection is in rotation once made, before the probe's first Check is
+# answered: 0 of 480 fresh channels one-sided with one (loopback, in-process servers). Watched, it is
+# in rotation only once its health Watch is answered, in whatever order the server runs the Watch and
+# the probe's Check: with one, 2 of 480 one-sided, with two 0 of 520.
+NUM_CHECKS_UNWATCHED = 1
 NUM_CHECKS_WATCHED = 2
+# Over TLS, one more: the channel's handshake and the probe's race on the same server's threads, and
+# a burst still went one-sided in 7 of 80 fresh unwatched channels and 1-3 of 80 watched with the
+# counts above; with one more each, 0 of 80 of either. Its cost: one round trip per server per new
+# channel, within the warm-up's wait.
+NUM_CHECKS_TLS_EXTRA = 1
 
 # Asks one server ("ip:port", "[ip]:port"); returns once it answered or failed, raising nothing.
 Probe = Callable[[str], Awaitable[None]]
@@ -127,18 +134,27 @@ class _StreamStream(_Held, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(await self._gate.held(client_call_details), request_iterator)
 
 
-def health_probe(open_probe_channel: Callable[[str], grpc.aio.Channel], service: str | None) -> Probe:
+def num_checks(is_watched: bool, is_tls: bool) -> int:
+    """The health Checks one probe makes (see NUM_CHECKS_WATCHED)."""
+    num = NUM_CHECKS_WATCHED if is_watched else NUM_CHECKS_UNWATCHED
+    return num + NUM_CHECKS_TLS_EXTRA if is_tls else num
+
+
+def health_probe(
+    open_probe_channel: Callable[[str], grpc.aio.Channel], service: str | None, is_tls: bool = False
+) -> Probe:
     """A probe by health Checks over a channel of its own to the server, opened by
     `open_probe_channel` retrying nothing: a refused connection fails the Check at once. `service`:
-    the health service the balanced channel watches; None, it watches none (Checked: the server's)."""
-    num_checks = 1 if service is None else NUM_CHECKS_WATCHED
+    the health service the balanced channel watches; None, it watches none (Checked: the server's).
+    `is_tls`: the channel uses TLS (one Check more)."""
+    num = num_checks(service is not None, is_tls)
     request = health_pb2.HealthCheckRequest(service=service or "")
 
     async def probe(server: str) -> None:
         channel = open_probe_channel(server)
         try:
             stub = health_pb2_grpc.HealthStub(channel)
-            for _ in range(num_checks):
+            for _ in range(num):
                 await stub.Check(request, timeout=MAX_WAIT_S)
         except grpc.aio.AioRpcError:
             pass  # failed, or answered with an error: either way this server's probe has ended

@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.tests.client.replica import Replica, serve_decoder
 from tandem.client.channel import open_channel
+from tandem.client.first_calls import health_probe, num_checks
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer
 
@@ -114,3 +116,37 @@ async def test_a_call_keeps_half_its_timeout_however_long_the_warm_up(
         assert time.monotonic() - start < 0.35
     finally:
         await channel.close()
+
+
+class _CountingHealth(health_pb2_grpc.HealthServicer):
+    """Answers every Check SERVING and counts them."""
+
+    def __init__(self) -> None:
+        self.num_checks = 0
+
+    async def Check(self, request, context):  # type: ignore[no-untyped-def]
+        self.num_checks += 1
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.mark.parametrize(
+    ("service", "is_tls", "expected"),
+    [(None, False, 1), ("tandem.v1.Decoder", False, 2), (None, True, 2), ("tandem.v1.Decoder", True, 3)],
+    ids=["unwatched", "watched", "unwatched over TLS", "watched over TLS"],
+)
+async def test_a_probe_checks_as_often_as_its_kind_needs(
+    service: str | None, is_tls: bool, expected: int
+) -> None:
+    """The counts are a tuned figure (first_calls.NUM_CHECKS_*): a Check past the first is a round trip
+    of slack, one where the channel watches health, one more over TLS (its handshake is slower)."""
+    health = _CountingHealth()
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        # The probe's own channel is plaintext here: the count, not the handshake, is under test.
+        await health_probe(grpc.aio.insecure_channel, service, is_tls)(f"127.0.0.1:{port}")
+        assert health.num_checks == expected == num_checks(service is not None, is_tls)
+    finally:
+        await server.stop(0)
