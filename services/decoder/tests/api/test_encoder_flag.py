@@ -29,3 +29,27 @@ def test_an_encoder_address_that_cannot_be_used_is_one_line_naming_the_flag(
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("tandem serve decoder: --encoder (TANDEM_ENCODER): address")
     assert "mixes IPv4 and IPv6" in line
+
+
+@pytest.mark.parametrize(
+    "argv", [["--encoder", ""], ["--encoder", "  "], ["--encoder", "10.0.0.1:1", "--encoder", ""]]
+)
+def test_an_encoder_given_empty_is_refused_rather_than_read_as_none(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As an empty list flag is (`--seq-buckets ""`): a script's variable left empty served with no
+    encoder, refusing every encoder part, while its operator thought it had one."""
+    assert decoder_main([*argv, "--port", "0"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("tandem serve decoder: --encoder (TANDEM_ENCODER): '")
+    assert line.endswith(
+        "' is an empty list: give at least one address (host:port, or dns:///name:port), or leave the "
+        "flag out for none"
+    )
+
+
+def test_an_empty_variable_is_unset_and_means_no_encoder(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TANDEM_ENCODER", "")
+    assert config_from_args(["--model", str(tiny_model_dir)]).encoder_address == ""

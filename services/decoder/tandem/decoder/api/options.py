@@ -380,9 +380,24 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
         collective_timeout_s=values["collective_timeout_s"],
         max_streams_per_connection=values["max_streams_per_connection"],
         max_streams_per_token=values["max_streams_per_token"],
-        encoder_address=",".join(a.strip() for value in values["encoder"] for a in value.split(",")),
+        encoder_address=_encoder_address(values["encoder"]),
         encoder_cache_bytes=values["encoder_cache_bytes"],
     )
+
+
+def _encoder_address(values: tuple[str, ...]) -> str:
+    """--encoder's addresses, comma-separated (the flag repeated, or separated by commas itself). One
+    given empty is refused, as an empty list flag is (common/flags.py's SIZES): `--encoder ""` (a
+    script's variable left empty) read as none, and the decoder refused every encoder part while the
+    operator thought it had an encoder. Leave the flag out for none."""
+    for value in values:
+        if not value.strip():
+            raise ConfigError(
+                "encoder_address",
+                f": {value!r} is an empty list: give at least one address (host:port, or dns:///name:port), "
+                "or leave the flag out for none",
+            )
+    return ",".join(a.strip() for value in values for a in value.split(","))
 
 
 def _model_name(value: str | None, model: Path) -> str:
