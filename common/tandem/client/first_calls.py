@@ -29,6 +29,7 @@ import contextlib
 import logging
 import socket
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -69,24 +70,28 @@ class FirstCallsGate:
     ) -> None:
         self._servers = servers
         self._probe = probe
-        self._channel: grpc.aio.Channel | None = None
+        # Weak: the channel holds its interceptors, they hold the gate; a strong reference back made a
+        # cycle, so a channel dropped unclosed lived until the cyclic GC ran. (Its connections still do:
+        # grpc.aio's intercepted calls hold them in cycles of their own, with any interceptor.)
+        self._channel: weakref.ref[grpc.aio.Channel] | None = None
         self._warm_up: asyncio.Task[None] | None = None  # the one running, or the last one
 
     def attach(self, channel: grpc.aio.Channel) -> None:
-        self._channel = channel
+        self._channel = weakref.ref(channel)
 
     async def held(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         """`details` once the warm-up has ended or the wait's bound has passed, its timeout less the
         wait (gRPC counts a call's timeout from when the interceptors hand it on)."""
-        if self._channel is None:
+        channel = None if self._channel is None else self._channel()
+        if channel is None:
             return details
         warm_up = self._warm_up
         if warm_up is None or warm_up.done():
             # IDLE: no connection asked for yet. Checked per call (a C call, no I/O), not once: gRPC's
             # idle timeout drops an unused channel's connections and the next burst starts afresh.
-            if self._channel.get_state() != grpc.ChannelConnectivity.IDLE:
+            if channel.get_state() != grpc.ChannelConnectivity.IDLE:
                 return details
-            warm_up = self._warm_up = asyncio.ensure_future(self._run(self._channel))
+            warm_up = self._warm_up = asyncio.ensure_future(self._run(channel))
         bound = MAX_WAIT_S if details.timeout is None else min(MAX_WAIT_S, details.timeout / 2)
         start = time.monotonic()
         with contextlib.suppress(TimeoutError):  # shielded: a call that gives up ends no one else's wait

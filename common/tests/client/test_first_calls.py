@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import socket
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 import grpc
@@ -150,3 +152,17 @@ async def test_a_probe_checks_as_often_as_its_kind_needs(
         assert health.num_checks == expected == num_checks(service is not None, is_tls)
     finally:
         await server.stop(0)
+
+
+async def test_a_dropped_channel_is_freed_without_the_cyclic_gc(servers: list[RunningServer]) -> None:
+    """The gate refers to its channel weakly: a strong reference (channel -> interceptors -> gate ->
+    channel) kept a channel dropped unclosed until the cyclic GC ran."""
+    channel = open_channel([server.address for server in servers], service="tandem.v1.Decoder")
+    await _first_burst(channel, 2)
+    dropped = weakref.ref(channel)
+    gc.disable()
+    try:
+        del channel
+        assert dropped() is None
+    finally:
+        gc.enable()
