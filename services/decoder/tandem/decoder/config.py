@@ -67,6 +67,13 @@ MAX_BLOCK_SIZE = MAX_KV_SLOTS // 2
 # and the KV pool (backends/xla/host_pool.py checks the pool's copies against the host's memory);
 # --world-size 100000 asked the runtime for as many, and the host ran out of memory.
 MAX_NUM_DEVICES = 128
+# --world-size at most as ranks (processes, spawned on this host unless under torchrun): each rank holds
+# whole attention heads (tensor_parallel.check_shardable divides num_heads and num_kv_heads by it), and
+# no checkpoint of the families served has more than 128 query heads (Llama 3.1 405B's; its KV heads
+# are 8). Past it the refusal was about divisibility: 2**63 said "num_heads (4) must be divisible by
+# the world size (9223372036854775808)", as if a larger model could take it. Equal to MAX_NUM_DEVICES
+# by coincidence, not by rule.
+MAX_WORLD_SIZE = 128
 # --collective-timeout-s at most: a collective (or a rank's exit) waited for longer than a day is a
 # group that hangs, not one that is slow; far past it torch's timedelta overflows (NaN: a traceback).
 MAX_COLLECTIVE_TIMEOUT_S = 86_400.0
@@ -477,6 +484,13 @@ class DecoderConfig:
             )
         if self.world_size < 1:
             raise ConfigError("world_size", f"must be >= 1, got {self.world_size}")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ConfigError(
+                "world_size",
+                f"must be at most {MAX_WORLD_SIZE} (each rank holds whole attention heads, and no checkpoint "
+                f"of the families served has more than {MAX_WORLD_SIZE} query heads: Llama 3.1 405B's), "
+                f"got {self.world_size:,}",
+            )
         # NaN too: it passed a `<= 0` check, and timedelta refused it in a traceback once ranks started.
         if not 0 < self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S:
             raise ConfigError(
