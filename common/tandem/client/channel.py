@@ -294,6 +294,10 @@ def open_channel(
     chain = [*interceptors, *(bearer_token_interceptors(security.token) if security.token else [])]
     gate = None
     if is_balanced:  # its first burst waits for every server's connection (`first_calls`)
+        # A probe dials one of a `dns:` name's addresses but goes by the name, as the channel does:
+        # the servers' TLS certificates name the name, and a probe going by the IP failed their check.
+        named = server_of(address) if authority is None and target.startswith("dns:") else None
+        probe_authority = authority if named is None else named[0]
 
         def open_probe_channel(server: str) -> grpc.aio.Channel:
             # Retrying nothing, so a refusal ends the probe at once; a connection of its own, so it
@@ -303,8 +307,8 @@ def open_channel(
                 ("grpc.enable_retries", 0),
                 ("grpc.use_local_subchannel_pool", 1),
             ]
-            if authority is not None:
-                probe_options.append(("grpc.default_authority", authority))
+            if probe_authority is not None:
+                probe_options.append(("grpc.default_authority", probe_authority))
             return _channel(server, probe_options, security, None)
 
         probe = health_probe(open_probe_channel, service if is_health_checked else None, security.uses_tls)

@@ -20,6 +20,15 @@ refused connection fails the probe at once, so it costs no wait; a server that n
 blackhole, a stopped process) holds the calls only until MAX_WAIT_S, or half a call's own timeout
 where that is sooner: the call keeps the rest. The probes' connections close with the warm-up. One
 server costs nothing: its channel has no gate.
+
+What the gate cannot see, it does not wait for. A `dns:` name's servers are looked up again by the
+gate with the system's resolver (getaddrinfo, both families), while the channel uses gRPC's own
+(c-ares): where the two differ, the gate waits for the servers it found, and where it finds only one
+it does not wait at all. `localhost` is the known case: gRPC's resolver gives ::1 as well as
+127.0.0.1 (RFC 6761) where /etc/hosts names only the latter, so the gate adds both loopbacks itself
+(one that nothing serves refuses its probe at once). A `dns://resolver/` authority is not followed:
+the system's resolver is asked. A probe's failure is logged at DEBUG (a TLS name mismatch shows
+there).
 """
 
 from __future__ import annotations
@@ -161,8 +170,10 @@ def health_probe(
             stub = health_pb2_grpc.HealthStub(channel)
             for _ in range(num):
                 await stub.Check(request, timeout=MAX_WAIT_S)
-        except grpc.aio.AioRpcError:
-            pass  # failed, or answered with an error: either way this server's probe has ended
+        except grpc.aio.AioRpcError as error:
+            # Failed, or answered with an error: either way this server's probe has ended (and the
+            # gate waits no more for it). Said, as a TLS name mismatch ends every probe alike.
+            log.debug("warm-up probe of %s failed: %s %s", server, error.code().name, error.details())
         finally:
             await channel.close()
 
@@ -170,14 +181,20 @@ def health_probe(
 
 
 def name_resolver(host: str, port: int) -> Callable[[], Awaitable[tuple[str, ...]]]:
-    """The servers a `dns:` name names now, as its channel's resolver finds them (both families)."""
+    """The servers a `dns:` name names now, as near as the system's resolver tells what gRPC's finds
+    (both families; see the NOTE): `localhost` and a `.localhost` name are both loopbacks, as RFC 6761
+    has resolvers answer and gRPC's does, whatever /etc/hosts says."""
 
     async def servers() -> tuple[str, ...]:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM
+        )
         found = dict.fromkeys(
             f"{sockaddr[0]}:{port}" if family == socket.AF_INET else f"[{sockaddr[0]}]:{port}"
             for family, *_, sockaddr in infos
         )
+        if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
+            found.update(dict.fromkeys((f"127.0.0.1:{port}", f"[::1]:{port}")))
         return tuple(found)
 
     return servers

@@ -6,21 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import datetime
 import gc
+import logging
 import socket
 import time
 import weakref
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.tests.client.replica import Replica, serve_decoder
-from tandem.client.channel import open_channel
+from tandem.client.channel import ChannelSecurity, open_channel
 from tandem.client.first_calls import health_probe, num_checks
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from tandem.common.server import RunningServer
+from tandem.common.server import RunningServer, ServerOptions, Service, TlsOptions, start_server
 
 
 async def _first_burst(channel: grpc.aio.Channel, num_calls: int, timeout: float = 10) -> list[str]:
@@ -166,3 +174,130 @@ async def test_a_dropped_channel_is_freed_without_the_cyclic_gc(servers: list[Ru
         assert dropped() is None
     finally:
         gc.enable()
+
+
+def _localhost_pki(directory: Path) -> tuple[bytes, Path, Path]:
+    """A CA (PEM) and a server certificate and key it signed for the name `localhost` alone: a
+    connection that goes by an IP address fails its check."""
+    now = datetime.datetime.now(datetime.UTC)
+
+    def certificate(
+        name: str,
+        key: ec.EllipticCurvePrivateKey,
+        issuer: x509.Name,
+        signer: ec.EllipticCurvePrivateKey,
+        is_ca: bool,
+    ) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
+        )
+        if not is_ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False
+            )
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
+    ca = certificate("test CA", ca_key, ca_name, ca_key, is_ca=True)
+    cert_file, key_file = directory / "server.pem", directory / "server-key.pem"
+    cert_file.write_bytes(
+        certificate("localhost", server_key, ca_name, ca_key, is_ca=False).public_bytes(Encoding.PEM)
+    )
+    key_file.write_bytes(server_key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+    return ca.public_bytes(Encoding.PEM), cert_file, key_file
+
+
+async def _serve_on_both_loopbacks(tls: TlsOptions | None = None) -> list[RunningServer]:
+    """Replica "v4" on 127.0.0.1 and "v6" on [::1], on one port: the two servers `localhost` names.
+    Skips where this host has no IPv6 loopback."""
+    for _ in range(20):  # the port free on 127.0.0.1 may be taken on ::1
+        v4 = await start_server(ServerOptions(host="127.0.0.1", tls=tls), [_decoder(Replica("v4"))])
+        try:
+            v6 = await start_server(
+                ServerOptions(host="::1", port=v4.port, tls=tls), [_decoder(Replica("v6"))]
+            )
+        except Exception:  # noqa: BLE001 taken, or no IPv6 loopback: tried again, then skipped
+            await v4.stop(0)
+            continue
+        await v4.set_serving()
+        await v6.set_serving()
+        return [v4, v6]
+    pytest.skip("no port free on both loopbacks (or no IPv6 loopback)")
+
+
+def _decoder(replica: Replica) -> Service:
+    return Service("tandem.v1.Decoder", replica, decoder_pb2_grpc.add_DecoderServicer_to_server)
+
+
+@pytest.mark.parametrize("is_health_checked", [True, False], ids=["watched", "unwatched"])
+async def test_a_dns_names_first_burst_reaches_every_server_it_resolves_to(is_health_checked: bool) -> None:
+    """`dns:///localhost:port` is 127.0.0.1 and ::1 to gRPC's resolver; the gate's own lookup
+    (getaddrinfo) gave 127.0.0.1 alone where /etc/hosts names no ::1, saw one server, and did not wait:
+    one-sided in 20 of 20 fresh channels."""
+    servers = await _serve_on_both_loopbacks()
+    try:
+        for _ in range(3):
+            channel = open_channel(
+                f"dns:///localhost:{servers[0].port}",
+                service="tandem.v1.Decoder",
+                own_connection=True,
+                is_health_checked=is_health_checked,
+            )
+            try:
+                assert collections.Counter(await _first_burst(channel, 6)) == {"v4": 3, "v6": 3}
+            finally:
+                await channel.close()
+    finally:
+        await asyncio.gather(*(server.stop(0) for server in servers))
+
+
+async def test_a_tls_dns_names_probes_go_by_the_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each probe dials one of the name's addresses; going by that address, it failed the servers'
+    certificate check (they name `localhost`), and the gate stopped waiting at once. It goes by the
+    name, as the channel does: no probe fails, and the burst spreads."""
+    ca, cert_file, key_file = _localhost_pki(tmp_path)
+    servers = await _serve_on_both_loopbacks(TlsOptions(cert_file=cert_file, key_file=key_file))
+    caplog.set_level(logging.DEBUG, logger="tandem.client.first_calls")
+    try:
+        for _ in range(3):
+            channel = open_channel(
+                f"dns:///localhost:{servers[0].port}",
+                security=ChannelSecurity(root_certificates=ca),
+                service="tandem.v1.Decoder",
+                own_connection=True,
+            )
+            try:
+                assert collections.Counter(await _first_burst(channel, 6)) == {"v4": 3, "v6": 3}
+            finally:
+                await channel.close()
+        assert not [r.getMessage() for r in caplog.records if "probe" in r.getMessage()]
+    finally:
+        await asyncio.gather(*(server.stop(0) for server in servers))
+
+
+async def test_a_failed_probe_is_logged_at_debug(
+    servers: list[RunningServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A probe's failure ends its wait silently otherwise: a TLS name mismatch looked like no server."""
+    caplog.set_level(logging.DEBUG, logger="tandem.client.first_calls")
+    refused = _refused_address()
+    channel = open_channel([servers[0].address, refused], service="tandem.v1.Decoder")
+    try:
+        await _first_burst(channel, 1)
+    finally:
+        await channel.close()
+    probed = [r for r in caplog.records if r.getMessage().startswith("warm-up probe")]
+    assert [(r.levelno, r.getMessage().partition(" failed: ")[0]) for r in probed] == [
+        (logging.DEBUG, f"warm-up probe of {refused}")
+    ]
+    assert probed[0].getMessage().partition(" failed: ")[2].startswith("UNAVAILABLE ")
