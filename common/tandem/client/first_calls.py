@@ -28,7 +28,11 @@ it does not wait at all. `localhost` is the known case: gRPC's resolver gives ::
 127.0.0.1 (RFC 6761) where /etc/hosts names only the latter, so the gate adds both loopbacks itself
 (one that nothing serves refuses its probe at once). A `dns://resolver/` authority is not followed:
 the system's resolver is asked. A probe's failure is logged at DEBUG (a TLS name mismatch shows
-there).
+there). Nor does it see a Watch: a server that answers Checks at once but its health Watch late (all
+its Watch places taken, a new Watch waits up to `tandem.common.health.WATCH_PLACE_WAIT_S`) ends its
+probe before it is in rotation, and the first burst leaves it out (6/0 in 10 of 10 fresh channels).
+Waiting on the Watch itself would need the channel's own subchannel state, which grpc.aio does not
+show; a longer wait would be paid by every fresh channel for a server already at its bound.
 """
 
 from __future__ import annotations
