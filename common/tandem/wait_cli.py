@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from tandem.common.flag_files import read_ca_bundle
+from tandem.client.flag_files import read_ca_bundle
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     SECONDS_OR_NO_LIMIT,

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from tandem.common.flag_files import MAX_TOKEN_FILE_BYTES, read_bounded
+from .flag_files import MAX_TOKEN_FILE_BYTES, read_bounded
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.common.flag_files import MAX_CA_BUNDLE_BYTES, read_bounded, read_ca_bundle
+from tandem.client.flag_files import MAX_CA_BUNDLE_BYTES, read_bounded, read_ca_bundle
 
 
 def test_a_file_within_its_bound_is_read_whole(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tandem.client.auth import load_tokens, read_token
-from tandem.common.flag_files import MAX_TOKEN_FILE_BYTES
+from tandem.client.flag_files import MAX_TOKEN_FILE_BYTES
 from tandem.common.server import ServerOptions
 
 

@@ -23,8 +23,8 @@ from aiohttp import web
 from tandem.client.auth import load_tokens
 from tandem.client.channel import ChannelSecurity
 from tandem.client.errors import ConfigError
+from tandem.client.flag_files import read_ca_bundle
 from tandem.client.telemetry import setup_telemetry
-from tandem.common.flag_files import read_ca_bundle
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     PATH,
