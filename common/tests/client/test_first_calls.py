@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.tests.client.replica import Replica, serve_decoder
 from tandem.client.channel import ChannelSecurity, open_channel
-from tandem.client.first_calls import health_probe, num_checks
+from tandem.client.first_calls import FirstCallsGate, health_probe, num_checks
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, TlsOptions, start_server
 
@@ -301,3 +301,67 @@ async def test_a_failed_probe_is_logged_at_debug(
         (logging.DEBUG, f"warm-up probe of {refused}")
     ]
     assert probed[0].getMessage().partition(" failed: ")[2].startswith("UNAVAILABLE ")
+
+
+class _FakeChannel:
+    """A channel's connectivity state, as the gate reads it, set by the test."""
+
+    def __init__(self) -> None:
+        self.state = grpc.ChannelConnectivity.IDLE
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        if try_to_connect and self.state == grpc.ChannelConnectivity.IDLE:
+            self.state = grpc.ChannelConnectivity.CONNECTING
+        return self.state
+
+
+class _HeldProbe:
+    """Records each server probed; a probe ends when `release` is set."""
+
+    def __init__(self) -> None:
+        self.probed: list[str] = []
+        self.release = asyncio.Event()
+
+    async def __call__(self, server: str) -> None:
+        self.probed.append(server)
+        await self.release.wait()
+
+
+def _details(timeout: float | None = None) -> grpc.aio.ClientCallDetails:
+    return grpc.aio.ClientCallDetails("/tandem.v1.Decoder/Generate", timeout, None, None, None)
+
+
+async def test_a_channel_idle_again_warms_up_again() -> None:
+    """gRPC's idle timeout drops an unused channel's connections; its next burst would go to the
+    first server to reconnect, so a call finding the channel IDLE again starts a new warm-up, and one
+    finding it connected starts none."""
+    probe = _HeldProbe()
+    probe.release.set()
+    channel = _FakeChannel()
+    gate = FirstCallsGate(("a:1", "b:2"), probe)
+    gate.attach(channel)  # type: ignore[arg-type]
+    await gate.held(_details())
+    assert probe.probed == ["a:1", "b:2"]
+    channel.state = grpc.ChannelConnectivity.READY
+    await gate.held(_details())
+    assert probe.probed == ["a:1", "b:2"]
+    channel.state = grpc.ChannelConnectivity.IDLE
+    await gate.held(_details())
+    assert probe.probed == ["a:1", "b:2", "a:1", "b:2"]
+
+
+async def test_a_call_cancelled_while_held_ends_no_other_calls_wait() -> None:
+    """The calls held share one warm-up; one cancelled (its caller gone) leaves it running for the
+    others, who still wait for it, once."""
+    probe = _HeldProbe()
+    channel = _FakeChannel()  # held here: the gate's reference to it is weak
+    gate = FirstCallsGate(("a:1", "b:2"), probe)
+    gate.attach(channel)  # type: ignore[arg-type]
+    cancelled, waiting = (asyncio.ensure_future(gate.held(_details())) for _ in range(2))
+    await asyncio.sleep(0.05)
+    cancelled.cancel()
+    await asyncio.sleep(0.05)
+    assert cancelled.cancelled() and not waiting.done()
+    probe.release.set()
+    assert (await asyncio.wait_for(waiting, 1)).method == "/tandem.v1.Decoder/Generate"
+    assert probe.probed == ["a:1", "b:2"]
