@@ -41,6 +41,7 @@ import grpc
 
 from .auth import bearer_token_interceptors, read_token
 from .first_calls import FirstCallsGate, health_probe, name_resolver
+from .flag_files import MAX_CA_BUNDLE_BYTES, read_bounded
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
 
@@ -234,16 +235,23 @@ class ChannelSecurity:
         token_file: Path | None = None,
         is_tls: bool = False,
     ) -> ChannelSecurity:
-        """From PEM files and a token file (its first token), as the CLI flags name them."""
+        """From PEM files and a token file (its first token), as the CLI flags name them. Each is read
+        only as a regular file of at most 1 MiB, as the token files are (`flag_files`): read whole,
+        /dev/zero grew the process without end. Raises ValueError naming the file and what it is."""
 
-        def read(path: Path | None) -> bytes | None:
-            return None if path is None else Path(path).read_bytes()
+        def read(path: Path | None, what: str) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                return read_bounded(Path(path), MAX_CA_BUNDLE_BYTES, f"{what} (1 MiB)")
+            except ValueError as error:
+                raise ValueError(f"cannot read {what}: {error}") from None
 
         return cls(
             is_tls=is_tls,
-            root_certificates=read(ca),
-            certificate_chain=read(cert),
-            private_key=read(key),
+            root_certificates=read(ca, "a CA bundle"),
+            certificate_chain=read(cert, "a client certificate chain"),
+            private_key=read(key, "a client private key"),
             token=None if token_file is None else read_token(token_file),
         )
 
