@@ -130,39 +130,15 @@ def _deny_handler(
     return grpc.stream_stream_rpc_method_handler(deny_stream, response_serializer=serializer)
 
 
-class _BearerToken:
-    """Client side: adds `authorization: Bearer <token>` to the call's metadata."""
+def bearer_token(
+    token: str,
+) -> Callable[[grpc.aio.ClientCallDetails], Awaitable[grpc.aio.ClientCallDetails]]:
+    """Client side: a call's details with `authorization: Bearer <token>` added to its metadata (the
+    channel runs it on every call, `channel.details_interceptors`)."""
+    metadatum = (AUTHORIZATION, f"Bearer {token}")
 
-    def __init__(self, token: str) -> None:
-        self._metadatum = (AUTHORIZATION, f"Bearer {token}")
+    async def with_token(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), metadatum)
+        return details._replace(metadata=metadata)
 
-    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._metadatum)
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
-        )
-
-
-class _UnaryUnary(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._with_token(client_call_details), request)
-
-
-class _UnaryStream(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._with_token(client_call_details), request)
-
-
-class _StreamUnary(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_token(client_call_details), request_iterator)
-
-
-class _StreamStream(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_token(client_call_details), request_iterator)
-
-
-def bearer_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
-    """Client interceptors that send `token` on every call; an aio channel takes one per call kind."""
-    return [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    return with_token

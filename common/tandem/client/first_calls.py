@@ -74,9 +74,10 @@ Probe = Callable[[str], Awaitable[None]]
 
 
 class FirstCallsGate:
-    """Holds a balanced channel's calls while it warms up (see the NOTE), through its `interceptors`
-    (the channel's last). `servers`: the channel's servers, each "ip:port" ("[ip]:port" for IPv6), or a
-    coroutine that finds them (a `dns:` name); `probe` asks one. `attach` the channel once opened."""
+    """Holds a balanced channel's calls while it warms up (see the NOTE): `held` runs on each call's
+    details (the channel's last interceptor). `servers`: the channel's servers, each "ip:port"
+    ("[ip]:port" for IPv6), or a coroutine that finds them (a `dns:` name); `probe` asks one. `attach`
+    the channel once opened."""
 
     def __init__(
         self, servers: tuple[str, ...] | Callable[[], Awaitable[tuple[str, ...]]], probe: Probe
@@ -121,35 +122,6 @@ class FirstCallsGate:
                 await asyncio.wait_for(asyncio.gather(*(self._probe(s) for s in servers)), MAX_WAIT_S)
         except Exception as error:  # noqa: BLE001 past the bound, a name not resolving: the calls go on
             log.debug("balanced channel warm-up ended: %r", error)
-
-    def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
-        """One per call kind (an aio channel files an interceptor under its first kind only)."""
-        return [kind(self) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
-
-
-class _Held:
-    def __init__(self, gate: FirstCallsGate) -> None:
-        self._gate = gate
-
-
-class _UnaryUnary(_Held, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return await continuation(await self._gate.held(client_call_details), request)
-
-
-class _UnaryStream(_Held, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return await continuation(await self._gate.held(client_call_details), request)
-
-
-class _StreamUnary(_Held, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
-        return await continuation(await self._gate.held(client_call_details), request_iterator)
-
-
-class _StreamStream(_Held, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
-        return await continuation(await self._gate.held(client_call_details), request_iterator)
 
 
 def num_checks(is_watched: bool, is_tls: bool) -> int:

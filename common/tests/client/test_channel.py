@@ -14,8 +14,16 @@ import grpc
 import pytest
 
 from common.tests.client.replica import Replica, serve_decoder
-from tandem.client.channel import ChannelSecurity, channel_target, open_channel, server_of, service_config
+from tandem.client.channel import (
+    PLAINTEXT,
+    ChannelSecurity,
+    channel_target,
+    open_channel,
+    server_of,
+    service_config,
+)
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from tandem.common.server import ServerOptions, Service, start_server
 
 
 async def _served_by(channel: grpc.aio.Channel, num_calls: int) -> collections.Counter[str]:
@@ -203,3 +211,36 @@ def test_security_files_are_read_as_regular_files_of_at_most_1_mib(tmp_path: Pat
         ChannelSecurity.from_files(cert=large, key=pem)
     with pytest.raises(ValueError, match=r"^cannot read a client private key: .*missing.pem: No such file"):
         ChannelSecurity.from_files(cert=pem, key=tmp_path / "missing.pem")
+
+
+@pytest.mark.parametrize("num_servers", [1, 2], ids=["one server", "balanced, behind the first-calls gate"])
+async def test_the_token_goes_with_every_call(num_servers: int) -> None:
+    """The token's and the gate's interceptors are one kind (details_interceptors), chained: a
+    server that requires the token serves the call, and refuses it without."""
+    token = "tandem-test-token-5c1d"
+    servers = []
+    for name in "ab"[:num_servers]:
+        service = Service("tandem.v1.Decoder", Replica(name), decoder_pb2_grpc.add_DecoderServicer_to_server)
+        servers.append(await start_server(ServerOptions(auth_tokens=frozenset({token})), [service]))
+        await servers[-1].set_serving()
+    address = [server.address for server in servers]
+    try:
+        for security, expected in (
+            (ChannelSecurity(token=token), None),
+            (PLAINTEXT, grpc.StatusCode.UNAUTHENTICATED),
+        ):
+            channel = open_channel(address, service="tandem.v1.Decoder", security=security)
+            try:
+                call = decoder_pb2_grpc.DecoderStub(channel).Generate(
+                    decoder_pb2.GenerateRequest(), timeout=10
+                )
+                if expected is None:
+                    assert (await call.read()).request_id in ("a", "b")
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await call.read()
+                    assert refused.value.code() == expected
+            finally:
+                await channel.close()
+    finally:
+        await asyncio.gather(*(server.stop(0) for server in servers))
