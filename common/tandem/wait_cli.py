@@ -17,14 +17,12 @@ from typing import Any
 
 import click
 
-from tandem.client.flag_files import read_ca_bundle
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     SECONDS_OR_NO_LIMIT,
     FlagError,
     checked_client_security,
     client_security_options,
-    describe_flag,
     option,
 )
 
@@ -59,11 +57,6 @@ def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:
         problem = target_problem(target)
         if problem is not None:  # else probed until --timeout-s, each probe failing the same way
             raise FlagError(f"TARGET {target!r}: {problem}")
-    if values["tls_ca"] is not None:  # else "Could not load any root certificate", then a whole timeout
-        try:
-            read_ca_bundle(values["tls_ca"])
-        except ValueError as error:
-            raise FlagError(f"{describe_flag('tls_ca')}: {error}") from None
     security = checked_client_security(values)  # FlagError naming the flag of a file it cannot use
     probe = Probe(targets or DEFAULT_TARGETS, security)
     try:

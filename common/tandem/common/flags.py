@@ -32,9 +32,21 @@ import click
 from tandem.client.auth import load_tokens, read_token
 from tandem.client.channel import ChannelSecurity
 from tandem.client.errors import ConfigError
+from tandem.client.flag_files import MAX_CA_BUNDLE_BYTES, read_bounded, read_ca_bundle
 from tandem.common.server import DEFAULT_GRACE_S, ServerOptions, TlsOptions
 
-PATH = click.Path(path_type=Path)  # a path, checked by the config that uses it (one rule, one place)
+
+class _Path(click.Path):
+    """A path, checked by the config that uses it (one rule, one place), except an empty one: click
+    turns '' into Path("."), which every config then said as ". : Is a directory"."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail(f"{value!r} is empty: name a file, or leave the flag out", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+PATH = _Path(path_type=Path)
 
 
 class _Bool(click.ParamType):
@@ -155,7 +167,8 @@ class _Seconds(click.ParamType):
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
         if self.is_inf_no_limit:
-            if seconds == math.inf:
+            # Only the word: float() reads "1e309" as inf too, and such a number asked for a bound.
+            if seconds == math.inf and str(value).strip().lower().lstrip("+") in ("inf", "infinity"):
                 return seconds
             if not (math.isfinite(seconds) and seconds > 0):
                 why = " (wait-for-it's -t 0 waits for ever; inf does that here)" if seconds == 0 else ""
@@ -375,10 +388,12 @@ def client_security(values: Mapping[str, Any]) -> ChannelSecurity:
         path = values[name]
         if path is None:
             return None
-        try:
-            return Path(path).read_bytes()
-        except OSError as error:
-            raise ConfigError(name, f": {path}: {error.strerror}") from None
+        try:  # never read whole: /dev/zero passed 3 GB in 3 s; a CA that holds no PEM failed every call
+            if name == "tls_ca":
+                return read_ca_bundle(path)
+            return read_bounded(path, MAX_CA_BUNDLE_BYTES, "a PEM file (1 MiB)")
+        except ValueError as error:
+            raise ConfigError(name, f": {error}") from None
 
     files = {"root_certificates": "tls_ca", "certificate_chain": "tls_cert", "private_key": "tls_key"}
     pem = {field: read(name) for field, name in files.items()}

@@ -25,7 +25,9 @@ def test_anything_else_is_not_token_ids(text: str) -> None:
     ("flag", "path", "named", "said"),
     [
         ("--tls-ca", "/nonexistent", "--tls-ca", "/nonexistent: No such file or directory"),
-        ("--tls-ca", "/", "--tls-ca", "/: Is a directory"),
+        ("--tls-ca", "/", "--tls-ca", "/ is not a regular file"),
+        ("--tls-ca", "/etc/hostname", "--tls-ca", "/etc/hostname is not a PEM certificate"),
+        ("--tls-cert", "/dev/zero", "--tls-cert", "/dev/zero is not a regular file"),
         ("--auth-token-file", "/dev/null", "--auth-token-file", "/dev/null is not a regular file"),
         ("--tls-key", "/etc/hostname", "--tls-cert", "--tls-cert and --tls-key go together"),
     ],
@@ -99,3 +101,33 @@ def test_an_empty_list_of_sizes_from_a_variable_is_quoted_as_set_and_says_to_uns
 
 def test_sizes_are_comma_separated_integers() -> None:
     assert SIZES.convert(" 1,8, 32 ", None, None) == (1, 8, 32)
+
+
+@pytest.mark.parametrize("timeout", ["1e309", "-1e309", "1e400"])
+def test_a_number_past_a_float_s_range_is_not_read_as_no_limit(
+    timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """float() reads "1e309" as inf: `tandem wait --timeout-s 1e309` waited for ever."""
+    from tandem import cli
+
+    assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 2
+    assert f"or inf for no limit, got {timeout!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("word", ["inf", "INF", "+inf", "Infinity", " inf "])
+def test_the_word_inf_is_still_no_limit(word: str) -> None:
+    from tandem.common.flags import SECONDS_OR_NO_LIMIT
+
+    assert SECONDS_OR_NO_LIMIT.convert(word, None, None) == float("inf")
+
+
+@pytest.mark.parametrize("flag", ["--auth-token-file", "--tls-ca", "--tls-cert"])
+def test_an_empty_path_flag_is_named_empty_not_dot(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """click turns '' into Path("."): it was said as ".: Is a directory"."""
+    from tandem import cli
+
+    assert cli.main(["wait", flag, "", "127.0.0.1:1"]) == 2
+    variable = "TANDEM_WAIT_" + flag.removeprefix("--").replace("-", "_").upper()
+    assert capsys.readouterr().err == (
+        f"tandem wait: {flag} ({variable}): '' is empty: name a file, or leave the flag out\n"
+    )

@@ -23,7 +23,6 @@ from aiohttp import web
 from tandem.client.auth import load_tokens
 from tandem.client.channel import ChannelSecurity
 from tandem.client.errors import ConfigError
-from tandem.client.flag_files import read_ca_bundle
 from tandem.client.telemetry import setup_telemetry
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
@@ -247,11 +246,6 @@ def upstream_security(values: dict[str, Any]) -> ChannelSecurity:
             "upstream_tls_key" if key is None else "upstream_tls_cert",
             ": --upstream-tls-cert and --upstream-tls-key go together (mutual TLS)",
         )
-    if values["upstream_tls_ca"] is not None:  # else the gateway listened, and every call then failed
-        try:
-            read_ca_bundle(values["upstream_tls_ca"])
-        except ValueError as error:
-            raise ConfigError("upstream_tls_ca", f": {error}") from None
     try:
         return client_security({name: values[f"upstream_{name}"] for name in UPSTREAM_KEYS})
     except ConfigError as error:  # named by its key in `client_security_options`: tls_ca, ...
