@@ -49,6 +49,12 @@ def check_served_name(name: str) -> None:
             f"must be at most {MAX_MODEL_NAME_BYTES} bytes of UTF-8 (the longest `model` a request may "
             f"name), got {num_bytes}",
         )
+    try:
+        # It is logged, traced and listed (/v1/models) as an adapter's name is: a newline in it forged
+        # a log line, and an invisible or trailing character made a twin of another name.
+        check_label(name, "model_name")
+    except InvalidArgument as error:
+        raise ConfigError("model_name", error.description) from None
 
 
 def check_adapter_name(name: str, field: str = "name") -> None:

@@ -37,6 +37,9 @@ def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
         ({"quantization": "gguf"}, r"quantization must be one of \('none', 'int8', 'int4'\)"),
         # Every Embed reply carries it, in room kept for at most this much (request.py)
         ({"model_name": "é" * 129}, "model_name must be at most 256 bytes of UTF-8 .* got 258"),
+        # Logged and listed as the decoder's is: a newline forged a log line, a trailing space a twin
+        ({"model_name": "tiny\nERROR forged"}, "model_name must not hold control characters"),
+        ({"model_name": "tiny "}, "model_name must not"),
         (
             {
                 "quantization": "int8",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tandem.client.errors import ConfigError, InvalidArgument
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.model_name import check_adapter_name, check_label, check_served_name
+from tandem.common.model_name import check_adapter_name, check_served_name
 from tandem.common.server import DEFAULT_MAX_CONCURRENT_RPCS, ServerOptions
 from tandem.common.torch_part.quantized_tensor import BLOCK as QUANTIZATION_BLOCK
 from tandem.common.torch_part.quantized_tensor import SCHEMES
@@ -463,13 +463,7 @@ class DecoderConfig:
                 f"a server holding {max_calls(self.engine):,} calls at once (max_calls), which holds "
                 f"{self.server.max_concurrent_rpcs:,} (max_concurrent_rpcs)",
             )
-        check_served_name(self.model_name)  # one a request can name, as the encoder's
-        try:
-            # It is logged, traced and listed (/v1/models) as an adapter's name is: a newline in it
-            # forged a log line, and an invisible or trailing character made a twin of another name.
-            check_label(self.model_name, "model_name")
-        except InvalidArgument as error:
-            raise ConfigError("model_name", error.description) from None
+        check_served_name(self.model_name)  # one a request can name and a log line can hold, as the encoder's
         for name in ("max_streams_per_connection", "max_streams_per_token"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
