@@ -50,8 +50,11 @@ def read_ca_bundle(path: Path) -> bytes:
     """A client's CA bundle (PEM), checked as the services check theirs: else gRPC says only "Could not
     load any root certificate" in its log and every call fails as if nothing listened. Raises ValueError."""
     data = read_bounded(path, MAX_CA_BUNDLE_BYTES, "a CA bundle (1 MiB)")
+    # Only the armour and its base64 need be ASCII, as OpenSSL and gRPC read a bundle: Fedora's and
+    # RHEL's p11-kit bundles label certificates in UTF-8 ("# ... Főtanúsítvány"), and an editor may
+    # write a BOM; both were refused here while every server and gRPC itself took them.
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("ascii"))
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("ascii", "ignore"))
     except (ssl.SSLError, ValueError):  # ValueError: not ASCII, or empty ("Empty certificate data")
         raise ValueError(f"{path} is not a PEM certificate") from None
     return data

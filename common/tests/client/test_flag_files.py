@@ -56,6 +56,20 @@ def test_the_whole_mozilla_root_store_is_a_ca_bundle_within_its_bound() -> None:
     assert read_ca_bundle(bundle) == bundle.read_bytes()
 
 
+@pytest.mark.parametrize("before", ["\ufeff", "# NetLock Arany (Class Gold) Főtanúsítvány\n"])
+def test_a_ca_bundle_with_utf8_labels_or_a_bom_is_read_as_openssl_reads_it(
+    tmp_path: Path, before: str
+) -> None:
+    """Fedora's and RHEL's bundles label certificates in UTF-8; they were refused as "not a PEM
+    certificate" while the services and gRPC took them."""
+    certifi = pytest.importorskip("certifi")
+    text = Path(certifi.where()).read_text()
+    first = text[text.index("-----BEGIN CERTIFICATE-----") : text.index("-----END CERTIFICATE-----") + 25]
+    path = tmp_path / "ca.pem"
+    path.write_bytes(f"{before}{first}\n".encode())
+    assert read_ca_bundle(path) == path.read_bytes()
+
+
 @pytest.mark.parametrize("text", [b"garbage\n", b"-----BEGIN CERTIFICATE-----\n", b"\xff\xfe", b""])
 def test_a_ca_bundle_that_holds_no_pem_certificate_is_refused_naming_it(tmp_path: Path, text: bytes) -> None:
     # gRPC logged "Could not load any root certificate" and each call then failed as if nothing listened.
