@@ -17,6 +17,7 @@ import torch
 
 from services.decoder.tests.engine.engine_helpers import run_concurrently
 from services.decoder.tests.models.helpers import PagedAllocator
+from tandem.common.memory_limit import MemoryLimit
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.distributed.parallel import ParallelContext
 from tandem.decoder.distributed.worker import run_steps
@@ -33,7 +34,6 @@ from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parall
 from tandem.decoder.models import kv_pool
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import load_model
-from tandem.decoder.models.memory_limit import MemoryLimit
 from tandem.decoder.models.transformer import DecoderModel
 
 Chunk = tuple[str, list[int], torch.Tensor | None]  # sequence key, token ids, rows [n, hidden] or None

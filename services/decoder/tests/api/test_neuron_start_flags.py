@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tandem.client.errors import ConfigError
+from tandem.common.memory_limit import MemoryLimit
 from tandem.decoder.api.main import check_model, config_from_args
 from tandem.decoder.api.main import main as decoder_main
 from tandem.decoder.models import kv_pool
-from tandem.decoder.models.memory_limit import MemoryLimit
 
 WORLD_SIZE = "tandem serve decoder: --world-size (TANDEM_WORLD_SIZE)"
 # The tiny model (4 query, 2 KV heads) at 64 positions: one block of 16 positions and the reserved one.

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.common.memory_limit import MemoryLimit
 from tandem.common.torch_part import huge_pages
 from tandem.decoder.models import kv_pool
 from tandem.decoder.models.kv_pool import KvPoolUnallocated, check_host_memory, out_of_memory
 from tandem.decoder.models.loader import LoadedModel
-from tandem.decoder.models.memory_limit import MemoryLimit
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 
-from tandem.decoder.models.memory_limit import MemoryLimit, memory_limit
+from tandem.common.memory_limit import MemoryLimit, memory_limit
 
 
 class KvPoolUnallocated(MemoryError):

@@ -13,13 +13,13 @@ import psutil
 import pytest
 
 from tandem.client.errors import ConfigError
+from tandem.common.memory_limit import MemoryLimit
 from tandem.decoder.backends.backend import resolve
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.front import engine as engine_module
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.models import kv_pool
 from tandem.decoder.models.loader import LoadedModel
-from tandem.decoder.models.memory_limit import MemoryLimit
 from tandem.decoder.models.peft_adapter import AdapterError
 
 

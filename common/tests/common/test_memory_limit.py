@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.decoder.models import memory_limit as memory_limit_module
-from tandem.decoder.models.memory_limit import MemoryLimit, cgroup_limits, memory_limit, physical_memory_bytes
+from tandem.common import memory_limit as memory_limit_module
+from tandem.common.memory_limit import MemoryLimit, cgroup_limits, memory_limit, physical_memory_bytes
 
 GIB = 1 << 30
 
