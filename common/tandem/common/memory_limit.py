@@ -1,7 +1,8 @@
 """The memory this process may take: the host's physical memory, or its cgroup's limit where smaller.
 
 In tandem.common, torch-free, so that every process with a memory bound can use it: the decoder
-bounds its KV pool by it.
+bounds its KV pool by it, the gateway the large bodies it holds at once (a gateway limited to 1 GiB
+took 4 bodies of 512 MiB on a 64 GiB node).
 
 NOTE: why the cgroup. Inside a container (a cgroup with a memory limit) the host's physical memory says
 nothing of what the process may hold: a KV pool within the host's memory but past the cgroup's limit

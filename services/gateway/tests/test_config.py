@@ -5,9 +5,13 @@ naming it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tandem.client.errors import ConfigError
+from tandem.common import memory_limit as memory_limit_module
+from tandem.common.memory_limit import MemoryLimit, memory_limit
 from tandem.gateway import config
 from tandem.gateway.__main__ import command, config_from_options
 from tandem.gateway.config import MAX_BODY_BYTES, MAX_CHOICES, MIB, GatewayConfig
@@ -217,14 +221,14 @@ def test_a_bound_past_what_it_could_mean_is_refused_naming_the_limit(
 
 
 def test_the_bounds_themselves_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 2**40)
+    monkeypatch.setattr(config, "memory_limit", lambda: MemoryLimit(2**40, None))
     assert GatewayConfig(max_body_bytes=MAX_BODY_BYTES, max_choices=MAX_CHOICES).max_choices == MAX_CHOICES
 
 
 def test_large_bodies_that_would_hold_more_than_the_host_s_memory_are_refused_naming_how_many_fit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 1024 * MIB)
+    monkeypatch.setattr(config, "memory_limit", lambda: MemoryLimit(1024 * MIB, None))
     assert GatewayConfig(max_large_bodies=10, max_body_bytes=96 * MIB).max_large_bodies == 10
     with pytest.raises(
         ConfigError, match=r"must be at most 10: 11 bodies of --max-body-bytes 100663296"
@@ -235,6 +239,26 @@ def test_large_bodies_that_would_hold_more_than_the_host_s_memory_are_refused_na
         ConfigError, match="more than this host's 1073741824 bytes of memory, got 9223372036854775808"
     ):
         GatewayConfig(max_large_bodies=2**63)
+
+
+def test_a_containers_memory_limit_bounds_the_large_bodies_and_its_cgroup_file_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/kubernetes/openai.yaml gives the gateway 1 GiB: 4 bodies of 512 MiB (2 GiB) were taken on a
+    64 GiB node, bounded by its physical memory alone, and the OOM killer ended the gateway under load."""
+    proc = tmp_path / "proc_self_cgroup"
+    proc.write_text("0::/\n")
+    (tmp_path / "memory.max").write_text(f"{1024 * MIB}\n")
+    monkeypatch.setattr(memory_limit_module, "physical_memory_bytes", lambda: 64 * 1024 * MIB)
+    monkeypatch.setattr(config, "memory_limit", lambda: memory_limit(proc, tmp_path))
+    assert GatewayConfig(max_large_bodies=2, max_body_bytes=512 * MIB).max_large_bodies == 2
+    with pytest.raises(ConfigError) as error:
+        _config(["--max-body-bytes", str(512 * MIB)])
+    assert error.value.field == "max_large_bodies"
+    assert error.value.reason == (
+        f"must be at most 2: 4 bodies of --max-body-bytes {512 * MIB} held at once are more than the "
+        f"{1024 * MIB} bytes this process may take (its cgroup's limit, {tmp_path / 'memory.max'}), got 4"
+    )
 
 
 def test_the_flags_past_their_bounds_are_refused_from_the_command_line() -> None:

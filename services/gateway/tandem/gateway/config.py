@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tandem.client.channel import PLAINTEXT, ChannelSecurity, channel_target
 from tandem.client.errors import ConfigError
+from tandem.common.memory_limit import MemoryLimit, memory_limit
 from tandem.common.server import DEFAULT_GRACE_S
 from tandem.gateway.replicas import name_of
 
@@ -204,13 +205,15 @@ class GatewayConfig:
                 f"must be at most {MAX_CHOICES} (OpenAI's own bound on n; each choice is a decoder stream), "
                 f"got {self.max_choices}",
             )
-        memory = physical_memory_bytes()  # the large bodies held at once, each up to max_body_bytes
-        if memory is not None and self.max_large_bodies * self.max_body_bytes > memory:
-            most = max(1, memory // self.max_body_bytes)
+        # The large bodies held at once, each up to max_body_bytes, against what this process may take:
+        # in a container its cgroup's limit, not the host's memory (memory_limit's NOTE).
+        limit = memory_limit()
+        if limit is not None and self.max_large_bodies * self.max_body_bytes > limit.num_bytes:
+            most = max(1, limit.num_bytes // self.max_body_bytes)
             raise ConfigError(
                 "max_large_bodies",
                 f"must be at most {most}: {self.max_large_bodies} bodies of --max-body-bytes "
-                f"{self.max_body_bytes} held at once are more than this host's {memory} bytes of memory, "
+                f"{self.max_body_bytes} held at once are more than {_said(limit)}, "
                 f"got {self.max_large_bodies}",
             )
 
@@ -229,12 +232,11 @@ class GatewayConfig:
             )
 
 
-def physical_memory_bytes() -> int | None:
-    """The host's memory (a container's own limit may be lower); None where the system does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+def _said(limit: MemoryLimit) -> str:
+    """What bounds this process's memory, as a refusal names it: the cgroup file, where it is one."""
+    if limit.cgroup_file is None:
+        return f"this host's {limit.num_bytes} bytes of memory"
+    return f"the {limit.num_bytes} bytes this process may take (its cgroup's limit, {limit.cgroup_file})"
 
 
 def available_cpus() -> int:
