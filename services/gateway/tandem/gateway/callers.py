@@ -41,6 +41,7 @@ from tandem.client.channel import open_channel
 from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.replica_channel import open_replica_channel
 from tandem.gateway.replica_model import ReplicaModel
 from tandem.gateway.replicas import Replicas, name_of
 
@@ -155,9 +156,18 @@ def decoder_channels(
     authority = name_of(address)  # replicas found from a name still go by it (TLS)
 
     def open_replica(replica: str) -> grpc.aio.Channel:
-        return open_channel(replica, config.max_message_bytes, config.upstream, authority=authority)
+        return open_replica_channel(replica, config.max_message_bytes, config.upstream, authority=authority)
 
     def open_caller_channel(targets: tuple[str, ...]) -> grpc.aio.Channel:
+        if len(targets) == 1 and not targets[0].startswith("dns:"):  # one replica: its keepalive too
+            return open_replica_channel(
+                targets[0],
+                config.max_message_bytes,
+                config.upstream,
+                interceptors,
+                own_connection=True,
+                authority=None if targets == (address,) else authority,
+            )
         return open_channel(
             list(targets) or address,
             config.max_message_bytes,

@@ -37,6 +37,7 @@ from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.encoder_info import Answering
+from tandem.gateway.replica_channel import open_replica_channel
 from tandem.gateway.replica_model import ReplicaModel
 from tandem.gateway.replicas import Replicas, name_of
 
@@ -142,9 +143,17 @@ def gateway_encoder(
     interceptors = telemetry.client_interceptors() if telemetry is not None else []
 
     def open_replica(replica: str) -> grpc.aio.Channel:
-        return open_channel(replica, config.max_message_bytes, security, authority=authority)
+        return open_replica_channel(replica, config.max_message_bytes, security, authority=authority)
 
     def open_balanced(targets: tuple[str, ...]) -> grpc.aio.Channel:
+        if len(targets) == 1 and not targets[0].startswith("dns:"):  # one replica left: its keepalive too
+            return open_replica_channel(
+                targets[0],
+                config.max_message_bytes,
+                security,
+                interceptors,
+                authority=None if targets == (address,) else authority,
+            )
         return open_channel(
             ",".join(targets),
             config.max_message_bytes,

@@ -103,8 +103,9 @@ MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
 # another replica serves (see `_late_check`).
 CHECK_TIMEOUT_S = 2.0
 # While a Watch is open the replica is also asked by Check this often: a process stopped (SIGSTOP, a
-# frozen VM) leaves its Watch open and says nothing, and its connection is found dead only by gRPC's
-# keepalive (30 s + 10 s, `tandem.client.channel`), so it kept half of all new calls for 60-80 s.
+# frozen VM) leaves its Watch open and says nothing, and its connection is found dead only by keepalive
+# (30 s + 10 s then, so it kept half of all new calls for 60-80 s; 2 s + 3 s now, `replica_channel.py`):
+# where another replica serves, a late Check takes it out sooner.
 CHECK_INTERVAL_S = 2.0
 # Asks of a replica's model failing this long (a replica that said one before) make it not checked (NOTE):
 # past a restart's load and a busy replica's answer, well within a deployer's patience for a 503.
@@ -563,9 +564,10 @@ class Replicas:
         tell them apart. Where another replica serves, calls go there instead of hanging. Where none
         does, taking it out only turned calls that would have been answered late into 503s (a decoder
         frozen 3.5 s of every 4.5 s: 70 of 70 completions answered before the watch, 20 after, 50 of
-        them 503), and a stopped one's calls wait for their timeouts as they did before the watch.
-        Definite states still take it out at once: NOT_SERVING, a Watch that ends or fails (a killed
-        process, a drain's GOAWAY), a connection that fails or never sends SETTINGS (`_watch`)."""
+        them 503). A stopped one is told from a held one by ping: its Watch's connection, pinged every
+        2 s (`replica_channel.py`), closes within 5 s, while gRPC's threads answer a held loop's pings.
+        Definite states take it out at once: NOT_SERVING, a Watch that ends or fails (a killed or
+        stopped process, a drain's GOAWAY), a connection that fails or never sends SETTINGS (`_watch`)."""
         others = (other for other, is_serving in self._is_serving.items() if is_serving and other != replica)
         return False if any(self._fits(other) for other in others) else None
 
