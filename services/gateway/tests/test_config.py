@@ -261,6 +261,20 @@ def test_a_containers_memory_limit_bounds_the_large_bodies_and_its_cgroup_file_i
     )
 
 
+def test_one_body_larger_than_the_memory_is_refused_naming_the_body_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It named --max-large-bodies, already at its floor: 'must be at most 1: 1 bodies ... got 1'."""
+    monkeypatch.setattr(config, "memory_limit", lambda: MemoryLimit(2048 * MIB, None))
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(max_large_bodies=1, body_workers=1, max_body_bytes=4096 * MIB)
+    assert error.value.field == "max_body_bytes"
+    assert error.value.reason == (
+        f"must be at most {2048 * MIB}: one body of it is more than this host's {2048 * MIB} bytes of "
+        f"memory, got {4096 * MIB}"
+    )
+
+
 def test_the_flags_past_their_bounds_are_refused_from_the_command_line() -> None:
     with pytest.raises(ConfigError) as error:
         _config(["--max-large-bodies", str(2**63)])

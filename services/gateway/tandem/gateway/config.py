@@ -208,8 +208,14 @@ class GatewayConfig:
         # The large bodies held at once, each up to max_body_bytes, against what this process may take:
         # in a container its cgroup's limit, not the host's memory (memory_limit's NOTE).
         limit = memory_limit()
+        if limit is not None and self.max_body_bytes > limit.num_bytes:  # no count of bodies could fit
+            raise ConfigError(
+                "max_body_bytes",
+                f"must be at most {limit.num_bytes}: one body of it is more than {_said(limit)}, "
+                f"got {self.max_body_bytes}",
+            )
         if limit is not None and self.max_large_bodies * self.max_body_bytes > limit.num_bytes:
-            most = max(1, limit.num_bytes // self.max_body_bytes)
+            most = limit.num_bytes // self.max_body_bytes
             raise ConfigError(
                 "max_large_bodies",
                 f"must be at most {most}: {self.max_large_bodies} bodies of --max-body-bytes "
