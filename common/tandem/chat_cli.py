@@ -33,8 +33,8 @@ import click
 import grpc
 
 from tandem.cli_errors import CallFlags, failure
-from tandem.client.channel import ChannelSecurity
 from tandem.client.client import DecoderClient, EncoderClient, EncoderPart, ImageRows
+from tandem.client.security import ChannelSecurity
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     UINT32,

@@ -29,7 +29,7 @@ from tandem.common.flags import (
 )
 
 if TYPE_CHECKING:
-    from tandem.client.channel import ChannelSecurity
+    from tandem.client.security import ChannelSecurity
     from tandem.client.telemetry import Telemetry
 
 PROG = "tandem embed"

@@ -35,8 +35,8 @@ from tandem.common.flags import (
 )
 
 if TYPE_CHECKING:
-    from tandem.client.channel import ChannelSecurity
     from tandem.client.pb.tandem.v1 import decoder_pb2
+    from tandem.client.security import ChannelSecurity
     from tandem.client.telemetry import Telemetry
 
 PART_KINDS = ("text", "ids", "embed", "image", "file")

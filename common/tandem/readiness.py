@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.client.channel import PLAINTEXT, ChannelSecurity
+from tandem.client.security import PLAINTEXT, ChannelSecurity
 
 PROBE_TIMEOUT_S = 1.0  # one probe's deadline: a server that takes longer to answer is not ready
 PROBE_INTERVAL_S = 0.2

@@ -86,7 +86,7 @@ def target_problem(target: str) -> str | None:
         except ValueError as error:
             return str(error)
         return None if url.hostname else "an http:// URL needs a host, e.g. http://127.0.0.1:8000/health"
-    from tandem.client.channel import channel_target
+    from tandem.client.addresses import channel_target
 
     if "," in target:
         return "one server per TARGET (give each its own)"

@@ -120,7 +120,7 @@ async def test_requests_spread_over_both_replicas_from_the_first_burst_and_killi
 
 
 def test_several_addresses_must_be_one_address_family() -> None:
-    from tandem.client.channel import channel_target
+    from tandem.client.addresses import channel_target
 
     assert channel_target("127.0.0.1:1,localhost:2") == ("ipv4:127.0.0.1:1,127.0.0.1:2", True)
     assert channel_target(["[::1]:1", "[::1]:2"]) == ("ipv6:[::1]:1,[::1]:2", True)

@@ -134,7 +134,7 @@ def bearer_token(
     token: str,
 ) -> Callable[[grpc.aio.ClientCallDetails], Awaitable[grpc.aio.ClientCallDetails]]:
     """Client side: a call's details with `authorization: Bearer <token>` added to its metadata (the
-    channel runs it on every call, `channel.details_interceptors`)."""
+    channel runs it on every call, `call_details.details_interceptors`)."""
     metadatum = (AUTHORIZATION, f"Bearer {token}")
 
     async def with_token(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:

@@ -10,15 +10,15 @@ while one that no server took (a replica killed as the call went out, a server l
 goes to the next attempt. A request larger than gRPC's per-call retry buffer (256 KiB, an embedding
 prompt of some size) is committed as it is sent and never retried.
 
-`ChannelSecurity` turns on TLS (a CA to trust, optionally a client certificate for mutual TLS) and
-a bearer token, sent as `authorization: Bearer <token>` on every call (see `tandem.client.auth`).
+`ChannelSecurity` (`security`) turns on TLS (a CA to trust, optionally a client certificate for mutual
+TLS) and a bearer token, sent as `authorization: Bearer <token>` on every call (see `tandem.client.auth`).
 
 Replicas: an address that names several servers (`host:port,host:port`, a list, or
-`dns:///name:port`, e.g. a Kubernetes headless Service) is balanced by gRPC itself: the
-`round_robin` policy over every server, with client-side health checking (`grpc.health.v1` Watch on
-each connection), so a replica that stops, drains or is NOT_SERVING gets no new calls. A plain
-`host:port` keeps gRPC's default, one connection to one server. A channel opened with
-`is_health_checked=False` balances without watching: its opener knows which servers serve (the
+`dns:///name:port`, e.g. a Kubernetes headless Service; `addresses.channel_target`) is balanced by
+gRPC itself: the `round_robin` policy over every server, with client-side health checking
+(`grpc.health.v1` Watch on each connection), so a replica that stops, drains or is NOT_SERVING gets no
+new calls. A plain `host:port` keeps gRPC's default, one connection to one server. A channel opened
+with `is_health_checked=False` balances without watching: its opener knows which servers serve (the
 gateway, `tandem.gateway.replicas`), and round_robin still skips a server it cannot connect to.
 A balanced channel's first calls wait (1 s at most) until each server has connected or failed
 (`first_calls`): round_robin picks only connected servers, and a fresh channel's first burst all went
@@ -27,21 +27,19 @@ to the one that connected first.
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import re
-import socket
-import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from .auth import bearer_token, read_token
+# ChannelSecurity, PLAINTEXT, channel_target and details_interceptors stay importable from here too:
+# the gateway and tandem.common.flags import them so.
+from .addresses import channel_target, server_of
+from .auth import bearer_token
+from .call_details import details_interceptors
 from .first_calls import FirstCallsGate, health_probe, name_resolver
-from .flag_files import MAX_CA_BUNDLE_BYTES, read_bounded
+from .security import PLAINTEXT, ChannelSecurity
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # 8k positions x 4096 hidden in bf16.
 
@@ -96,167 +94,6 @@ def service_config(is_balanced: bool = False, health_service: str | None = None)
         if health_service is not None:
             config["healthCheckConfig"] = {"serviceName": health_service}
     return json.dumps(config)
-
-
-def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
-    """The gRPC target of `address`, and whether it names several servers (then it is balanced).
-
-    "host:port" is one server. "a:1,b:2" (or a list) is several: gRPC's static `ipv4:`/`ipv6:`
-    list, host names resolved once, here. "dns:///name:port" is every address the name resolves to,
-    re-resolved by gRPC as servers come and go. Raises ValueError for an address it cannot use.
-    """
-    addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address)]
-    if not addresses or not all(addresses):
-        raise ValueError(f"address {address!r}: expected host:port, several separated by commas, or dns:///")
-    if len(addresses) == 1:
-        if addresses[0].startswith("dns:"):
-            return addresses[0], True
-        scheme = next((s for s in _GRPC_SCHEMES if addresses[0].startswith(s)), None)
-        if scheme is None:
-            _host_port(addresses[0])  # gRPC took port 116328 as 50792 (mod 65536), and "::::" as a name
-        elif scheme in ("ipv4:", "ipv6:"):
-            _host_port(addresses[0].removeprefix(scheme))  # the same wrap happens behind these
-        return addresses[0], False
-    resolved = [_ip_address(a) for a in addresses]
-    families = {ip.version for ip, _ in resolved}
-    if len(families) > 1:
-        raise ValueError(f"address {address!r}: mixes IPv4 and IPv6 servers; gRPC balances one family")
-    if families == {4}:
-        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in resolved), True
-    return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved), True
-
-
-def server_of(address: str | Sequence[str]) -> tuple[str, int | None] | None:
-    """The server `address` names, as the semantic conventions' `server.address` and `server.port`: a
-    host:port's host and port, a dns: target's name and port (the group its addresses serve; without a
-    port, gRPC's default for the name, 443, the port its calls go to), a unix socket's path (no port);
-    None for several servers (no one of them is the call's) or another form."""
-    addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address)]
-    if len(addresses) != 1:
-        return None
-    (target,) = addresses
-    if target.startswith("unix:"):  # unix:path, or unix:///absolute/path (an empty authority)
-        path = target.removeprefix("unix:")
-        return (path[2:] if path.startswith("///") else path), None
-    if target.startswith("unix-abstract:"):
-        return target.removeprefix("unix-abstract:"), None
-    if target.startswith("dns:"):  # dns:name:port, dns:///name:port, dns://resolver/name:port
-        target = target.removeprefix("dns:")
-        if target.startswith("//"):
-            target = target[2:].partition("/")[2]
-        if not target.rpartition("]")[2].count(":"):  # no port: gRPC's resolver gives the name's 443
-            target += f":{DNS_DEFAULT_PORT}"
-    elif target.startswith("ipv6:"):  # a URI: a zone's "%" is written %25 (fe80::1%25eth0)
-        target = urllib.parse.unquote(target.removeprefix("ipv6:"))
-    else:
-        target = target.removeprefix("ipv4:")
-    try:
-        return _host_port(target)
-    except ValueError:
-        return None
-
-
-# The port gRPC's dns resolver gives a name without one, plaintext or not (C-core's kDefaultSecurePort,
-# "https"; its naming doc: "If not specified, 443 is used").
-DNS_DEFAULT_PORT = 443
-
-
-# gRPC's own target schemes other than dns: (its naming doc), passed to gRPC as written: one server
-# each here (a comma splits the address above); ipv4:/ipv6: still get the port check.
-_GRPC_SCHEMES = ("ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
-
-# A host name as gRPC's resolver takes it (ASCII: an internationalised name goes in its xn-- form), or
-# an IPv4 address; an IPv6 address goes in brackets.
-_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    """The host (an IPv6 address without its brackets) and the port of "host:port", unresolved: a
-    name that resolves only later (a Kubernetes Service not yet created) is still an address. Raises
-    ValueError."""
-    host, sep, port = address.rpartition(":")
-    # str.isdigit takes '²' and '٨٠' too; at most 5 digits before int(), which refuses 4,300 in words
-    # of its own
-    if not sep or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
-        raise ValueError(f"address {address!r}: expected host:port, a port in 1..65535")
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return str(ipaddress.IPv6Address(host[1:-1])), int(port)
-        except ValueError:
-            raise ValueError(f"address {address!r}: {host} is not an IPv6 address in brackets") from None
-    if not _HOST_NAME.fullmatch(host):
-        raise ValueError(
-            f"address {address!r}: expected host:port, the host a name or an IP address (IPv6 in "
-            "brackets: [::1]:50051)"
-        )
-    return host, int(port)
-
-
-def _ip_address(address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    host, port = _host_port(address)
-    try:
-        return ipaddress.ip_address(host), port
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        raise ValueError(f"address {address!r}: {host} does not resolve ({error.strerror})") from None
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first: `localhost` is both
-    return ipaddress.ip_address(infos[0][4][0]), port
-
-
-@dataclass(frozen=True)
-class ChannelSecurity:
-    """How a client reaches a server that uses TLS and/or bearer tokens. The default is plaintext."""
-
-    is_tls: bool = False  # TLS even without the PEM fields (then the system's trusted roots).
-    root_certificates: bytes | None = None  # PEM CA(s) trusted for the server certificate.
-    certificate_chain: bytes | None = None  # mutual TLS: this client's certificate, PEM.
-    private_key: bytes | None = field(default=None, repr=False)  # mutual TLS: its key, PEM.
-    token: str | None = field(default=None, repr=False)  # sent as `authorization: Bearer <token>`.
-
-    def __post_init__(self) -> None:
-        if (self.certificate_chain is None) != (self.private_key is None):
-            raise ValueError("a client certificate needs its private key, and the other way round")
-
-    @property
-    def uses_tls(self) -> bool:
-        return self.is_tls or any(
-            v is not None for v in (self.root_certificates, self.certificate_chain, self.private_key)
-        )
-
-    @classmethod
-    def from_files(
-        cls,
-        ca: Path | None = None,
-        cert: Path | None = None,
-        key: Path | None = None,
-        token_file: Path | None = None,
-        is_tls: bool = False,
-    ) -> ChannelSecurity:
-        """From PEM files and a token file (its first token), as the CLI flags name them. Each is read
-        only as a regular file of at most 1 MiB, as the token files are (`flag_files`): read whole,
-        /dev/zero grew the process without end. Raises ValueError naming the file and what it is."""
-
-        def read(path: Path | None, what: str) -> bytes | None:
-            if path is None:
-                return None
-            try:
-                return read_bounded(Path(path), MAX_CA_BUNDLE_BYTES, f"{what} (1 MiB)")
-            except ValueError as error:
-                raise ValueError(f"cannot read {what}: {error}") from None
-
-        return cls(
-            is_tls=is_tls,
-            root_certificates=read(ca, "a CA bundle"),
-            certificate_chain=read(cert, "a client certificate chain"),
-            private_key=read(key, "a client private key"),
-            token=None if token_file is None else read_token(token_file),
-        )
-
-
-PLAINTEXT = ChannelSecurity()
 
 
 def client_channel_options(
@@ -326,56 +163,6 @@ def open_channel(
     if gate is not None:
         gate.attach(channel)
     return channel
-
-
-# Rewrites a call's details before the call goes out: adds the token, holds the first calls.
-DetailsRewrite = Callable[[grpc.aio.ClientCallDetails], Awaitable[grpc.aio.ClientCallDetails]]
-
-
-def details_interceptors(rewrite: DetailsRewrite) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors running `rewrite` on every call's details: one per call kind, as an aio channel
-    files an interceptor under its first kind only. No RPC of ours streams requests today; the
-    client-streaming two are kept so that one added later is not sent without its token."""
-    return [kind(rewrite) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
-
-
-class _Rewriting:
-    def __init__(self, rewrite: DetailsRewrite) -> None:
-        self._rewrite = rewrite
-
-
-class _UnaryUnary(_Rewriting, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(
-        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
-    ) -> Any:
-        return await continuation(await self._rewrite(client_call_details), request)
-
-
-class _UnaryStream(_Rewriting, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(
-        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
-    ) -> Any:
-        return await continuation(await self._rewrite(client_call_details), request)
-
-
-class _StreamUnary(_Rewriting, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(
-        self,
-        continuation: Callable[..., Any],
-        client_call_details: grpc.aio.ClientCallDetails,
-        request_iterator: Any,
-    ) -> Any:
-        return await continuation(await self._rewrite(client_call_details), request_iterator)
-
-
-class _StreamStream(_Rewriting, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(
-        self,
-        continuation: Callable[..., Any],
-        client_call_details: grpc.aio.ClientCallDetails,
-        request_iterator: Any,
-    ) -> Any:
-        return await continuation(await self._rewrite(client_call_details), request_iterator)
 
 
 def _channel(

@@ -34,10 +34,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import semconv
-from .channel import DEFAULT_MAX_MESSAGE_BYTES, PLAINTEXT, ChannelSecurity, open_channel, server_of
+from .addresses import server_of
+from .channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel
 from .errors import InvalidArgument
 from .observed_stream import ObservedStream, StreamObserver
 from .pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc, tensor_pb2
+from .security import PLAINTEXT, ChannelSecurity
 from .status import error_type
 
 if TYPE_CHECKING:  # OpenTelemetry is optional: a caller that passes telemetry has it installed

@@ -24,7 +24,7 @@ GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_EMBEDDINGS_DIMENSION_COUNT = "gen_ai.embeddings.dimension.count"
 GEN_AI_TOKEN_TYPE = "gen_ai.token.type"  # "input" | "output", on gen_ai.client.token.usage
 ERROR_TYPE = "error.type"
-# The server a client span's call goes to (`tandem.client.channel.server_of`); none for several.
+# The server a client span's call goes to (`tandem.client.addresses.server_of`); none for several.
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
 # Tandem's own.

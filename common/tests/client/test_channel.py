@@ -8,22 +8,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from pathlib import Path
 
 import grpc
 import pytest
 
 from common.tests.client.replica import Replica, serve_decoder
-from tandem.client.channel import (
-    PLAINTEXT,
-    ChannelSecurity,
-    channel_target,
-    open_channel,
-    server_of,
-    service_config,
-)
+from tandem.client.channel import open_channel, service_config
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
-from tandem.common.server import ServerOptions, Service, start_server
 
 
 async def _served_by(channel: grpc.aio.Channel, num_calls: int) -> collections.Counter[str]:
@@ -66,44 +57,6 @@ async def test_an_unwatched_balanced_channel_retries_a_refused_generate_and_skip
         await asyncio.gather(*(s.stop(0) for s in servers))
 
 
-@pytest.mark.parametrize("port", ["\u0668\u0660", "\u00b2", "0", "70000", "9" * 5000])
-def test_a_port_of_digits_outside_ascii_is_not_a_port(port: str) -> None:
-    """'٨٠' was taken as port 80, '²' and 5,000 digits failed in int() with its own words, 0 and
-    70000 were taken."""
-    with pytest.raises(ValueError, match="expected host:port"):
-        channel_target(f"127.0.0.1:1,127.0.0.1:{port}")
-
-
-@pytest.mark.parametrize(
-    "address",
-    ["127.0.0.1:116328", "127.0.0.1:0", "127.0.0.1", "::::", "::1:50051", "[nope]:1", "http://x:80"],
-)
-def test_a_single_address_is_checked_as_a_list_s_are(address: str) -> None:
-    """One address went to gRPC unchecked: port 116328 reached the server on 50792 (mod 65536), and
-    "::::" waited out its deadline as a name that does not resolve."""
-    with pytest.raises(ValueError, match=r"address .*: (expected host:port|\[nope\] is not)"):
-        channel_target(address)
-
-
-@pytest.mark.parametrize(
-    "address", ["ipv4:127.0.0.1:50051", "ipv6:[::1]:50051", "unix:/run/tandem.sock", "unix-abstract:tandem"]
-)
-def test_grpcs_own_target_schemes_pass_as_written(address: str) -> None:
-    """gRPC's naming schemes reached the server before single addresses were checked, and still do."""
-    assert channel_target(address) == (address, False)
-
-
-def test_an_ipv4_target_still_has_its_port_checked() -> None:
-    with pytest.raises(ValueError, match="a port in 1..65535"):
-        channel_target("ipv4:127.0.0.1:116328")
-
-
-@pytest.mark.parametrize("address", ["decoder:50052", "127.0.0.1:1", "[::1]:65535", "no.such.invalid:1"])
-def test_a_single_address_is_not_resolved(address: str) -> None:
-    """A name that resolves only later (a Service not created yet) is still an address."""
-    assert channel_target(address) == (address, False)
-
-
 class FreezableProxy:
     """A TCP proxy in front of a server that, once `frozen`, forwards nothing more either way: a
     server process stopped (SIGSTOP, a frozen VM), whose host's kernel still holds its connections
@@ -142,27 +95,6 @@ class FreezableProxy:
             writer.close()
 
 
-@pytest.mark.parametrize(
-    ("address", "server"),
-    [
-        ("decoder:50052", ("decoder", 50052)),
-        ("[::1]:50052", ("::1", 50052)),
-        ("ipv4:10.0.0.7:50052", ("10.0.0.7", 50052)),
-        ("dns:///decoder.tandem.svc:50052", ("decoder.tandem.svc", 50052)),
-        ("dns://10.0.0.2/decoder:50052", ("decoder", 50052)),
-        ("unix:/run/tandem.sock", ("/run/tandem.sock", None)),
-        ("unix:///run/tandem.sock", ("/run/tandem.sock", None)),  # an empty authority: was '///run/...'
-        ("ipv6:[fe80::1%25eth0]:50052", ("fe80::1%eth0", 50052)),  # the URI's %25 is the zone's %
-        ("dns:///decoder.tandem.svc", ("decoder.tandem.svc", 443)),  # gRPC's port for it: was None
-        ("dns:[::1]", ("::1", 443)),
-        ("a:1,b:2", None),  # several: no one of them is the call's server
-        (["a:1", "b:2"], None),
-    ],
-)
-def test_the_server_an_address_names_is_a_single_servers_or_a_dns_names(address, server) -> None:
-    assert server_of(address) == server
-
-
 async def test_a_stopped_replica_is_left_within_its_keepalive_not_gRPCs_minute(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -191,56 +123,4 @@ async def test_a_stopped_replica_is_left_within_its_keepalive_not_gRPCs_minute(
     finally:
         await channel.close()
         await proxy.close()
-        await asyncio.gather(*(server.stop(0) for server in servers))
-
-
-def test_security_files_are_read_as_regular_files_of_at_most_1_mib(tmp_path: Path) -> None:
-    """As the token files are: read whole, a CA of /dev/zero grew the client without end."""
-    pem = tmp_path / "ca.pem"
-    pem.write_bytes(b"-----BEGIN CERTIFICATE-----\n")
-    assert ChannelSecurity.from_files(ca=pem).root_certificates == b"-----BEGIN CERTIFICATE-----\n"
-    with pytest.raises(ValueError, match=r"^cannot read a CA bundle: /dev/zero is not a regular file$"):
-        ChannelSecurity.from_files(ca=Path("/dev/zero"))
-    large = tmp_path / "chain.pem"
-    large.write_bytes(b"x" * (1024 * 1024 + 1))
-    with pytest.raises(
-        ValueError,
-        match=r"^cannot read a client certificate chain: .*chain.pem is over 1,048,576 bytes, the bound of a "
-        r"client certificate chain \(1 MiB\)$",
-    ):
-        ChannelSecurity.from_files(cert=large, key=pem)
-    with pytest.raises(ValueError, match=r"^cannot read a client private key: .*missing.pem: No such file"):
-        ChannelSecurity.from_files(cert=pem, key=tmp_path / "missing.pem")
-
-
-@pytest.mark.parametrize("num_servers", [1, 2], ids=["one server", "balanced, behind the first-calls gate"])
-async def test_the_token_goes_with_every_call(num_servers: int) -> None:
-    """The token's and the gate's interceptors are one kind (details_interceptors), chained: a
-    server that requires the token serves the call, and refuses it without."""
-    token = "tandem-test-token-5c1d"
-    servers = []
-    for name in "ab"[:num_servers]:
-        service = Service("tandem.v1.Decoder", Replica(name), decoder_pb2_grpc.add_DecoderServicer_to_server)
-        servers.append(await start_server(ServerOptions(auth_tokens=frozenset({token})), [service]))
-        await servers[-1].set_serving()
-    address = [server.address for server in servers]
-    try:
-        for security, expected in (
-            (ChannelSecurity(token=token), None),
-            (PLAINTEXT, grpc.StatusCode.UNAUTHENTICATED),
-        ):
-            channel = open_channel(address, service="tandem.v1.Decoder", security=security)
-            try:
-                call = decoder_pb2_grpc.DecoderStub(channel).Generate(
-                    decoder_pb2.GenerateRequest(), timeout=10
-                )
-                if expected is None:
-                    assert (await call.read()).request_id in ("a", "b")
-                else:
-                    with pytest.raises(grpc.aio.AioRpcError) as refused:
-                        await call.read()
-                    assert refused.value.code() == expected
-            finally:
-                await channel.close()
-    finally:
         await asyncio.gather(*(server.stop(0) for server in servers))

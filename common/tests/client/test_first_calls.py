@@ -25,9 +25,10 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.tests.client.replica import Replica, serve_decoder
-from tandem.client.channel import ChannelSecurity, open_channel
+from tandem.client.channel import open_channel
 from tandem.client.first_calls import FirstCallsGate, health_probe, num_checks
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from tandem.client.security import ChannelSecurity
 from tandem.common.server import RunningServer, ServerOptions, Service, TlsOptions, start_server
 
 

@@ -26,7 +26,7 @@ from ..status import error_type
 
 class ClientSpans:
     """Starts the spans of one client's calls on `tracer`; `server`: the (address, port) its calls go
-    to, as `tandem.client.channel.server_of` names it (None: several servers, no one of them named)."""
+    to, as `tandem.client.addresses.server_of` names it (None: several servers, no one of them named)."""
 
     def __init__(self, tracer: trace.Tracer, server: tuple[str, int | None] | None = None) -> None:
         self.tracer = tracer

@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import click
 import torch
 
-from tandem.client.channel import channel_target
+from tandem.client.addresses import channel_target
 from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import Telemetry, setup_telemetry

@@ -1,0 +1,64 @@
+"""A client's TLS and bearer-token settings (`ChannelSecurity`), and their reading from the files the
+CLI flags name. `open_channel` (`tandem.client.channel`) applies them; the token goes with every call
+(`tandem.client.auth`, `tandem.client.call_details`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .auth import read_token
+from .flag_files import MAX_CA_BUNDLE_BYTES, read_bounded
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a client reaches a server that uses TLS and/or bearer tokens. The default is plaintext."""
+
+    is_tls: bool = False  # TLS even without the PEM fields (then the system's trusted roots).
+    root_certificates: bytes | None = None  # PEM CA(s) trusted for the server certificate.
+    certificate_chain: bytes | None = None  # mutual TLS: this client's certificate, PEM.
+    private_key: bytes | None = field(default=None, repr=False)  # mutual TLS: its key, PEM.
+    token: str | None = field(default=None, repr=False)  # sent as `authorization: Bearer <token>`.
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("a client certificate needs its private key, and the other way round")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.is_tls or any(
+            v is not None for v in (self.root_certificates, self.certificate_chain, self.private_key)
+        )
+
+    @classmethod
+    def from_files(
+        cls,
+        ca: Path | None = None,
+        cert: Path | None = None,
+        key: Path | None = None,
+        token_file: Path | None = None,
+        is_tls: bool = False,
+    ) -> ChannelSecurity:
+        """From PEM files and a token file (its first token), as the CLI flags name them. Each is read
+        only as a regular file of at most 1 MiB, as the token files are (`flag_files`): read whole,
+        /dev/zero grew the process without end. Raises ValueError naming the file and what it is."""
+
+        def read(path: Path | None, what: str) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                return read_bounded(Path(path), MAX_CA_BUNDLE_BYTES, f"{what} (1 MiB)")
+            except ValueError as error:
+                raise ValueError(f"cannot read {what}: {error}") from None
+
+        return cls(
+            is_tls=is_tls,
+            root_certificates=read(ca, "a CA bundle"),
+            certificate_chain=read(cert, "a client certificate chain"),
+            private_key=read(key, "a client private key"),
+            token=None if token_file is None else read_token(token_file),
+        )
+
+
+PLAINTEXT = ChannelSecurity()
