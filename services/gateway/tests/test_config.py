@@ -204,7 +204,8 @@ def test_body_workers_are_no_more_than_the_large_bodies_converted_at_once_nor_th
         (
             "max_body_bytes",
             MAX_BODY_BYTES + 1,
-            r"at most 4294967296 \(4 GiB: a body goes on in one gRPC message",
+            r"at most 4294967296 \(4 GiB: room for a full gRPC message's content, 2 GiB, as base64 in JSON, "
+            r"4/3 of it\)",
         ),
         ("max_body_bytes", 2**63, r"at most 4294967296 \(4 GiB"),
         ("max_choices", MAX_CHOICES + 1, r"at most 128 \(OpenAI's own bound on n"),

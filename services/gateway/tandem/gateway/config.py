@@ -23,8 +23,13 @@ MIN_UNREAD_ANSWER_BYTES = 1024
 # as the gateway's channels opened), and the decoder and encoder refuse under 1 KiB.
 MIN_MESSAGE_BYTES = 1024
 MAX_MESSAGE_BYTES = 2**31 - 1
-# A body's content goes on to the services in one gRPC message of at most MAX_MESSAGE_BYTES (2 GiB),
-# base64 rows as 4/3 of their bytes in JSON: a body past twice that could never be passed on.
+# A body's content goes on to the services in gRPC messages of at most MAX_MESSAGE_BYTES (2 GiB): a
+# completion's Generate calls all together (the app's 413), each embeddings input or picture sent to the
+# encoder alone. Where a body is large its content is base64 (pictures, embedding rows: 4/3 of their
+# bytes in the JSON), so one full message's worth is a body of 8/3 GiB (about 2.67 GiB) and the JSON
+# around it: 4 GiB is the power of two above that. A larger bound would serve only embeddings bodies of
+# several inputs of 2 GiB each (or text spelled in \u escapes); past it, a flag is a mistyped count
+# (2**63 was taken).
 MAX_BODY_BYTES = 4 * 1024 * MIB
 # OpenAI's own bound on `n`: a client written for its API asks no more in one request, and each
 # choice is a decoder stream of the caller's (the decoder's default per-token bound is 256 streams).
@@ -196,8 +201,8 @@ class GatewayConfig:
         if self.max_body_bytes > MAX_BODY_BYTES:
             raise ConfigError(
                 "max_body_bytes",
-                f"must be at most {MAX_BODY_BYTES} (4 GiB: a body goes on in one gRPC message of at most "
-                f"2 GiB, base64 as 4/3 of it), got {self.max_body_bytes}",
+                f"must be at most {MAX_BODY_BYTES} (4 GiB: room for a full gRPC message's content, 2 GiB, "
+                f"as base64 in JSON, 4/3 of it), got {self.max_body_bytes}",
             )
         if self.max_choices > MAX_CHOICES:
             raise ConfigError(
