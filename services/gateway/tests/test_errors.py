@@ -3,6 +3,7 @@ caller used to ask for it."""
 
 from __future__ import annotations
 
+import aiohttp
 import grpc
 import pytest
 from google.protobuf import any_pb2, duration_pb2
@@ -11,7 +12,10 @@ from google.rpc import error_details_pb2, status_pb2
 
 from tandem.gateway.body_limits import BodyLimits
 from tandem.gateway.chat_request import chat_request
-from tandem.gateway.errors import BodyNames, PromptShape, body_field, from_grpc
+from tandem.gateway.errors import UNREACHABLE, BodyNames, PromptShape, body_field, from_grpc
+
+from .fake_decoder import fake_decoder
+from .live_gateway import live_gateway
 
 LIMITS = BodyLimits.for_chat(4096, 16)
 
@@ -386,3 +390,73 @@ def test_a_single_prompts_segment_is_named_as_the_body_gave_the_prompt(
     shape: PromptShape | None, path: str, expected: str
 ) -> None:
     assert body_field(path, BodyNames(prompt=shape)) == expected
+
+
+# What gRPC itself says of a call it failed: no status of the service's own, no google.rpc details.
+GRPCS_OWN = [
+    (
+        grpc.StatusCode.UNAVAILABLE,
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.7:50052: connection attempt "
+        "timed out before receiving SETTINGS frame",
+    ),
+    (
+        grpc.StatusCode.UNAVAILABLE,
+        "connections to all backends failing; last error: UNAVAILABLE: ipv4:10.0.0.7:50052: Delayed close "
+        "due to in-progress write (ping timeout)",
+    ),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+]
+
+
+RETRY = {"Retry-After": "1"}
+
+
+@pytest.mark.parametrize(("code", "said"), GRPCS_OWN)
+@pytest.mark.parametrize("service", ["decoder", "encoder"])
+def test_grpcs_own_failure_of_a_call_names_the_service_not_its_address_and_is_logged(
+    code: grpc.StatusCode, said: str, service: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gRPC's words were passed to HTTP callers whole: the decoder's internal address and port, and
+    gRPC's own terms (SETTINGS frame, ping timeout). The caller gets the gateway's words naming the
+    service; the operator gets gRPC's in the log."""
+    error = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=said)
+    with caplog.at_level("WARNING", logger="tandem.gateway.errors"):
+        answer = from_grpc(error, service=service)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        assert (answer.status, answer.type, answer.headers()) == (503, "service_unavailable", RETRY)
+        assert answer.message == f"the {service} could not be reached (no connection, or it was lost); retry"
+    else:
+        assert (answer.status, answer.type, answer.headers()) == (504, "timeout", {})
+        assert answer.message == f"the {service} did not answer in time; retry"
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert service in caplog.text and said in caplog.text
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "the decoder is loading, draining or has failed; retry later",
+        "messages[0].content[1].encoder: encoder 10.0.0.3:50051 did not answer within 30 s",
+    ],
+)
+def test_a_services_own_unavailable_is_passed_on_as_it_said_it(said: str) -> None:
+    """The services' own refusals (google.rpc details beside them) are meant for callers: the decoder
+    loading, an encoder it could not reach named by its address (the deployment's, as the caller's
+    `--encoder` part)."""
+    answer = from_grpc(_rpc_error(grpc.StatusCode.UNAVAILABLE, said))
+    assert (answer.status, answer.message) == (503, body_field(said))  # the part as the body gave it
+
+
+async def test_embeddings_with_no_encoder_listening_name_the_encoder_not_its_address() -> None:
+    """The gateway's encoder at an address where nothing listens: /v1/embeddings was 503 "failed to
+    connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:9: Failed to connect to remote
+    host: Connection refused"."""
+    async with (
+        fake_decoder() as (_, address),
+        live_gateway(address) as url,
+        aiohttp.ClientSession() as http,
+        http.post(url + "/embeddings", json={"model": "m", "input": "hi"}) as response,
+    ):
+        body = await response.json()
+    assert (response.status, response.headers["Retry-After"]) == (503, "1")
+    assert body["error"]["message"] == UNREACHABLE[grpc.StatusCode.UNAVAILABLE].format(service="encoder")

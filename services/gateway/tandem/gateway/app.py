@@ -467,7 +467,12 @@ class Gateway:
             images.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
         elif call.images:
             max_message_bytes, metadata = self.config.max_message_bytes, self._metadata(request)
-            await images.embed_images(self.encoder.stub, call, self.encoder_info, max_message_bytes, metadata)
+            try:
+                await images.embed_images(
+                    self.encoder.stub, call, self.encoder_info, max_message_bytes, metadata
+                )
+            except grpc.aio.AioRpcError as error:  # the encoder's: named so if gRPC failed the call
+                raise Refused(from_grpc(error, call.names, "encoder")) from None
         return await self._complete(request, call, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -478,6 +483,12 @@ class Gateway:
         return await self._complete(request, call, "text")
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._embeddings(request)
+        except grpc.aio.AioRpcError as error:  # every call it makes is the encoder's (its info, Embed)
+            raise Refused(from_grpc(error, service="encoder")) from None
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         metadata = self._metadata(request)
         info = await self.encoder_info.get(metadata)
         call = await self._convert(request, embed_request, BodyLimits.for_embeddings(info.max_input_tokens))
@@ -504,7 +515,7 @@ class Gateway:
                 where = call.input_field(i, "image" if embed_request.HasField("image") else "text")
                 if (too_large := over_cap(error, embed_request, where, self.encoder_info)) is not None:
                     raise Refused(too_large) from None
-                raise Refused(from_grpc(error).for_input(call.input_field, i)) from None
+                raise Refused(from_grpc(error, service="encoder").for_input(call.input_field, i)) from None
 
         replies = await all_or_cancel([embed(i, c) for i, c in enumerate(call.requests)])
         return await embeddings.write_answer(request, call, replies, call.model or info.model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -17,6 +18,9 @@ import grpc
 from tandem.client.errors import InvalidArgument
 from tandem.client.over_cap import OverCap, over_cap
 from tandem.client.status_details import status_details
+from tandem.gateway.log_text import printable
+
+log = logging.getLogger(__name__)
 
 # gRPC code -> (HTTP status, OpenAI error type)
 STATUSES: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -39,6 +43,18 @@ LOCAL_CANCEL = "Locally cancelled by application!"
 # or 503 says the 1 s it says without one, as the decoder bounds an encoder's. It was passed on as it
 # came: an encoder's 2**63 - 1 s made `Retry-After: 9223372036854775808`.
 MAX_RETRY_AFTER_S = 60.0
+# The trailer a service's own status travels in (`tandem.client.status`, google.rpc.Status): every
+# refusal of a Tandem service's carries it, gRPC's own failures of a call (no connection, a connection
+# lost, a deadline passed) do not.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# gRPC's own failures said to the HTTP caller, naming the service; what gRPC said is logged (WARNING).
+# Passed on, they quoted gRPC's internals: "failed to connect to all addresses; last error: UNKNOWN:
+# ipv4:10.0.0.7:50052: connection attempt timed out before receiving SETTINGS frame" named the
+# decoder's address and port to every caller.
+UNREACHABLE = {
+    grpc.StatusCode.UNAVAILABLE: "the {service} could not be reached (no connection, or it was lost); retry",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the {service} did not answer in time; retry",
+}
 
 
 @dataclass(frozen=True)
@@ -143,11 +159,20 @@ def from_invalid(error: InvalidArgument) -> HttpError:
     return HttpError(400, "invalid_request_error", str(error), error.field)
 
 
-def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> HttpError:
-    """`error` in OpenAI's shape, its fields named as the body named them (`names`: the field that
-    asked for structured output, which the decoder's `structured.*` paths are named after, and the
-    caller's spelling of max_tokens)."""
+def from_grpc(
+    error: grpc.aio.AioRpcError, names: BodyNames = BodyNames(), service: str = "decoder"
+) -> HttpError:
+    """`error` of a call to `service` ("decoder", "encoder") in OpenAI's shape, its fields named as the
+    body named them (`names`: the field that asked for structured output, which the decoder's
+    `structured.*` paths are named after, and the caller's spelling of max_tokens). gRPC's own
+    UNAVAILABLE or DEADLINE_EXCEEDED (`is_grpcs_own`) is said in the gateway's words, naming `service`."""
     status, kind = STATUSES.get(error.code(), (500, "server_error"))
+    if is_grpcs_own(error):
+        log.warning(
+            "a call to the %s failed: %s: %s", service, error.code().name, printable(error.details() or "")
+        )
+        message = UNREACHABLE[error.code()].format(service=service)
+        return HttpError(status, kind, message, retry_after_s=1.0 if status == 503 else None)
     details = status_details(error)
     param = body_field(details.field_violations[0][0], names) if details.field_violations else None
     retry_after = details.retry_delay_s
@@ -183,6 +208,15 @@ def from_grpc(error: grpc.aio.AioRpcError, names: BodyNames = BodyNames()) -> Ht
         param, code, message = "model", "model_not_found", _renamed(message, "adapter ", "model ")
         kind = "invalid_request_error"
     return HttpError(status, kind, body_field(message, names), param, retry_after, code)
+
+
+def is_grpcs_own(error: grpc.aio.AioRpcError) -> bool:
+    """Whether `error` is gRPC's own UNAVAILABLE or DEADLINE_EXCEEDED (no connection, a connection
+    lost, a deadline passed), not a service's status: those carry google.rpc details (STATUS_DETAILS_KEY),
+    the decoder's "loading" and its encoder-named refusals too."""
+    if error.code() not in UNREACHABLE:
+        return False
+    return not any(key == STATUS_DETAILS_KEY for key, _ in error.trailing_metadata() or ())
 
 
 def _cancelled_by_service(message: str) -> str:
