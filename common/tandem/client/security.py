@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .auth import read_token
-from .flag_files import MAX_CA_BUNDLE_BYTES, read_bounded
+from .flag_files import MAX_CA_BUNDLE_BYTES, read_bounded, read_ca_bundle
 
 
 @dataclass(frozen=True)
@@ -42,19 +42,23 @@ class ChannelSecurity:
     ) -> ChannelSecurity:
         """From PEM files and a token file (its first token), as the CLI flags name them. Each is read
         only as a regular file of at most 1 MiB, as the token files are (`flag_files`): read whole,
-        /dev/zero grew the process without end. Raises ValueError naming the file and what it is."""
+        /dev/zero grew the process without end. The CA must hold a PEM certificate, as the CLI's
+        --tls-ca must: one that holds none made every call fail as if nothing listened. Raises
+        ValueError naming the file and what it is."""
 
-        def read(path: Path | None, what: str) -> bytes | None:
+        def read(path: Path | None, what: str, is_ca: bool = False) -> bytes | None:
             if path is None:
                 return None
             try:
+                if is_ca:
+                    return read_ca_bundle(Path(path))
                 return read_bounded(Path(path), MAX_CA_BUNDLE_BYTES, f"{what} (1 MiB)")
             except ValueError as error:
                 raise ValueError(f"cannot read {what}: {error}") from None
 
         return cls(
             is_tls=is_tls,
-            root_certificates=read(ca, "a CA bundle"),
+            root_certificates=read(ca, "a CA bundle", is_ca=True),
             certificate_chain=read(cert, "a client certificate chain"),
             private_key=read(key, "a client private key"),
             token=None if token_file is None else read_token(token_file),
