@@ -18,14 +18,18 @@ MAX_JSON_BYTES = 64 << 20
 
 def read_json(path: Path, error: type[Exception]) -> dict[str, Any]:
     """The file's JSON object; raises `error` naming the file when it is missing, larger than
-    MAX_JSON_BYTES or malformed."""
-    if not path.is_file():
-        raise error(f"{path.name} not found in {path.parent}")
-    if (size := path.stat().st_size) > MAX_JSON_BYTES:
-        raise error(
-            f"{path} has {size:,} bytes, more than the {MAX_JSON_BYTES:,} a JSON file of a checkpoint may"
-        )
-    return json_object(path.read_bytes(), str(path), error)
+    MAX_JSON_BYTES, unreadable or malformed."""
+    try:
+        if not path.is_file():
+            raise error(f"{path.name} not found in {path.parent}")
+        if (size := path.stat().st_size) > MAX_JSON_BYTES:
+            raise error(
+                f"{path} has {size:,} bytes, more than the {MAX_JSON_BYTES:,} a JSON file of a checkpoint may"
+            )
+        data = path.read_bytes()
+    except OSError as e:  # EACCES, EIO, a file gone since is_file: was a traceback at a service's start
+        raise error(f"cannot read {path}: {e.strerror or e}") from None
+    return json_object(data, str(path), error)
 
 
 def json_object(data: bytes, shown: str, error: type[Exception]) -> dict[str, Any]:

@@ -43,3 +43,19 @@ def test_a_malformed_file_is_named(tmp_path: Path, text: str, message: str) -> N
     path.write_text(text)
     with pytest.raises(Refused, match=rf"^{path} {message}"):
         read_json(path, Refused)
+
+
+def test_a_file_that_cannot_be_read_is_named_with_the_systems_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unreadable config.json (EACCES) let PermissionError through: a traceback at the encoder's
+    start, exit 1. Simulated: root reads a file whatever its mode."""
+    path = tmp_path / "config.json"
+    path.write_text("{}")
+
+    def refused(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refused)
+    with pytest.raises(Refused, match=rf"^cannot read {path}: Permission denied$"):
+        read_json(path, Refused)

@@ -315,6 +315,24 @@ def test_a_vision_checkpoint_whose_image_token_is_not_in_its_tokenizer_is_refuse
     )
 
 
+def test_a_config_json_that_cannot_be_read_is_refused_before_listening_naming_model(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EACCES (simulated: root reads any file) was a PermissionError traceback at start, exit 1."""
+    real_read_bytes = Path.read_bytes
+
+    def read_bytes(path: Path) -> bytes:
+        if path == tiny_model / "config.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert _refusal_before_listening(tiny_model, monkeypatch, capsys) == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): cannot read {tiny_model / 'config.json'}: "
+        "Permission denied\n"
+    )
+
+
 def test_a_token_table_file_that_does_not_parse_is_refused_before_listening_naming_model(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
