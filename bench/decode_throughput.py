@@ -44,6 +44,7 @@ from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec
 from tandem.decoder.engine.front.engine import Engine  # noqa: E402
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
+from tandem.decoder.engine.step.sizing import DEFAULT_TOKEN_BUDGET  # noqa: E402
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "bench-small"
 BLOCK_SIZE = 16
@@ -124,6 +125,26 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int)
 # -- Tandem ---------------------------------------------------------------------------------------
 
 
+def num_kv_blocks(args: argparse.Namespace, max_requests: int) -> int:
+    """KV blocks for `max_requests` of `args.prompt_len + args.new_tokens`, the reserved null block
+    and 8 of slack: the engine's (build_engine) and the gRPC server's (grpc_throughput) pool."""
+    blocks_per_request = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
+    return max_requests * blocks_per_request + 1 + 8
+
+
+def token_budget(requested: int, max_requests: int, num_blocks: int) -> int:
+    """The step token budget for `--max-num-batched-tokens requested` beside a pool of `num_blocks`:
+    one token per request at least, and no more than the decoder takes beside that pool, its
+    positions (never under the decoder's default; sizing.check_token_budget refuses past that).
+
+    The cap changes no step, so figures stay comparable with runs from before the decoder refused
+    such budgets: every position a step computes takes a KV slot, so no step ever filled more than
+    the pool, and the cap is never under 2,048, so the CPU kernels' prefill sizes (128, 512) are timed
+    as before. `--quick` (sizes 1, 8) asked 4,096 beside 104 blocks of 16 (1,664 positions)."""
+    positions = (num_blocks - 1) * BLOCK_SIZE  # beside the reserved null block
+    return min(max(requested, max_requests), max(positions, DEFAULT_TOKEN_BUDGET))
+
+
 def build_engine(
     model_dir: Path,
     args: argparse.Namespace,
@@ -138,14 +159,14 @@ def build_engine(
     `args.prompt_len + args.new_tokens`; with `quantized_from` (the GGUF file model_dir was imported
     from), serving that file's quantized weights (`--quantization gguf`), their inputs as
     `quantized_activations` says (`--quantized-activations`)."""
-    blocks_per_request = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
+    num_blocks = num_kv_blocks(args, max_requests)
     config = EngineConfig(
         model_dir=model_dir,
         dtype="bfloat16",
         max_num_seqs=max(32, max_requests),
-        max_num_batched_tokens=max(args.max_num_batched_tokens, max_requests),
+        max_num_batched_tokens=token_budget(args.max_num_batched_tokens, max_requests, num_blocks),
         block_size=BLOCK_SIZE,
-        num_kv_blocks=max_requests * blocks_per_request + 1 + 8,  # + the reserved null block + slack
+        num_kv_blocks=num_blocks,
         enable_prefix_caching=enable_prefix_caching,
         num_threads=args.threads,
         max_queue=max(1024, max_requests),

@@ -27,7 +27,15 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_throughput import BLOCK_SIZE, build_engine, ensure_model, make_prompts, run_tandem  # noqa: E402
+from decode_throughput import (  # noqa: E402
+    BLOCK_SIZE,
+    build_engine,
+    ensure_model,
+    make_prompts,
+    num_kv_blocks,
+    run_tandem,
+    token_budget,
+)
 
 from tandem.client.client import DecoderClient, EncoderClient  # noqa: E402
 from tandem.client.pb.tandem.v1 import decoder_pb2, tensor_pb2  # noqa: E402
@@ -61,12 +69,12 @@ def start_server(
     model_dir: Path, args: argparse.Namespace, max_requests: int
 ) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    blocks_per_request = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
+    num_blocks = num_kv_blocks(args, max_requests)  # the in-process engine's settings, as flags
     argv = [
         sys.executable, "-m", "tandem.decoder", "--model", str(model_dir), "--port", str(port),
         "--dtype", "bfloat16", "--max-num-seqs", str(max(32, max_requests)),
-        "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, max_requests)),
-        "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(max_requests * blocks_per_request + 9),
+        "--max-num-batched-tokens", str(token_budget(args.max_num_batched_tokens, max_requests, num_blocks)),
+        "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(num_blocks),
         "--enable-prefix-caching", "false", "--num-threads", str(args.threads),
     ]  # fmt: skip
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
