@@ -349,6 +349,22 @@ def test_a_token_table_file_that_does_not_parse_is_refused_before_listening_nami
     assert err.count("\n") == 1
 
 
+def test_a_vision_checkpoints_weight_file_that_does_not_parse_is_refused_before_listening_naming_model(
+    tiny_llava: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its table is found by listing the file's weights, which let SafetensorError (or OSError) through:
+    a traceback at start, exit 1."""
+    model = Path(shutil.copytree(tiny_llava, tmp_path / "truncated"))
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    err = _refusal_before_listening(model, monkeypatch, capsys)
+    assert err.startswith(
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {weights} is not a readable safetensors "
+        "file: "
+    ), err
+    assert err.count("\n") == 1
+
+
 def test_a_vision_tower_of_an_unsupported_architecture_is_refused_before_listening_naming_model(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

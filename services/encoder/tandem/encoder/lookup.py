@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer
 
 from tandem.common import checkpoint, text_bounds, vision_language
@@ -95,7 +96,11 @@ def language_model_table(model_dir: Path, hf_config: dict[str, Any]) -> Language
     hidden_size, vocab_size = text.get("hidden_size"), text.get("vocab_size")
     if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
         raise EmbedderLoadError(f"config.json in {model_dir}: text_config needs hidden_size and vocab_size")
-    files = weight_names(model_dir, EmbedderLoadError)
+    try:
+        files = weight_names(model_dir, EmbedderLoadError)
+    except (SafetensorError, OSError) as e:  # model.safetensors' header, listed (an index opens no shard)
+        path = model_dir / "model.safetensors"
+        raise EmbedderLoadError(f"{path} is not a readable safetensors file: {e}") from None
     layout = vision_language.weight_layout(hf_config["architectures"][0], files, EmbedderLoadError)
     shape = ModelShape(hidden_size=hidden_size, vocab_size=vocab_size)
     return LanguageModelTable(name=layout.checkpoint_name(EMBED_KEY), shape=shape, files=files)
