@@ -365,6 +365,34 @@ def test_a_vision_checkpoints_weight_file_that_does_not_parse_is_refused_before_
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("architectures", "got", "extra"),
+    [
+        (5, "int", {}),
+        ({"a": 1}, "dict", {}),
+        ([["LlamaForCausalLM"]], "a list holding list", {}),
+        (5, "int", {"vision_config": {}}),  # the vision tower's architecture check read it first
+    ],
+)
+def test_architectures_not_a_list_of_names_is_refused_before_listening_naming_model(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    architectures: object,
+    got: str,
+    extra: dict[str, object],
+) -> None:
+    """The vision-language test raised TypeError or KeyError on it: a traceback at start, exit 1."""
+    model = Path(shutil.copytree(tiny_model, tmp_path / "odd"))
+    hf_config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf_config, "architectures": architectures, **extra}))
+    assert _refusal_before_listening(model, monkeypatch, capsys) == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): config.json in {model}: architectures must "
+        f"be a list of names, got {got}\n"
+    )
+
+
 def test_a_vision_tower_of_an_unsupported_architecture_is_refused_before_listening_naming_model(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

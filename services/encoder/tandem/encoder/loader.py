@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from tandem.common import vision_language
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.embedder import Embedder, EmbedderLoadError
-from tandem.encoder.lookup import LookupEmbedder, read_json
+from tandem.encoder.lookup import LookupEmbedder, check_architectures, read_json
 from tandem.encoder.projector import ProjectorEmbedder
 from tandem.encoder.soft_prompt import SoftPromptEmbedder
 
@@ -46,6 +46,7 @@ def check_architecture(model_dir: Path) -> dict[str, Any]:
     listening for the lookup embedder. Raises EmbedderLoadError."""
     config_path = model_dir / "config.json"
     hf_config = read_json(config_path) if config_path.is_file() else {}
+    check_architectures(hf_config, model_dir)
     if "vision_config" in hf_config and not vision_language.is_vision_language(hf_config):
         architecture = (hf_config.get("architectures") or ["?"])[0]
         raise EmbedderLoadError(

@@ -53,6 +53,22 @@ def read_json(path: Path) -> dict[str, Any]:
     return checkpoint.read_json(path, EmbedderLoadError)
 
 
+def check_architectures(hf_config: dict[str, Any], model_dir: Path) -> None:
+    """config.json's `architectures` is absent or a list of names: 5, an object or a list of lists made
+    the vision-language test (vision_language.is_vision_language) raise TypeError or KeyError, a
+    traceback at start. Raises EmbedderLoadError."""
+    architectures = hf_config.get("architectures")
+    if architectures is None or (
+        isinstance(architectures, list) and all(isinstance(name, str) for name in architectures)
+    ):
+        return
+    if isinstance(architectures, list):
+        got = "a list holding " + next(type(a).__name__ for a in architectures if not isinstance(a, str))
+    else:
+        got = type(architectures).__name__
+    raise EmbedderLoadError(f"config.json in {model_dir}: architectures must be a list of names, got {got}")
+
+
 def read_model_shape(model_dir: Path) -> ModelShape:
     """hidden_size and vocab_size from the decoder checkpoint's config.json."""
     config = read_json(model_dir / "config.json")
@@ -120,6 +136,7 @@ def check_table_shape(model_dir: Path) -> None:
     quantization method (quantization_config.quantization_refusal, as the decoder's check). Raises
     TableShapeError for a disagreement, EmbedderLoadError for a file that cannot be read."""
     hf_config = read_json(model_dir / "config.json")
+    check_architectures(hf_config, model_dir)
     if (refusal := quantization_refusal(hf_config, QUANTIZED_ELSEWHERE)) is not None:
         raise TableShapeError(f"{model_dir / 'config.json'}: {refusal}")
     if vision_language.is_vision_language(hf_config):
