@@ -333,6 +333,31 @@ def test_a_config_json_that_cannot_be_read_is_refused_before_listening_naming_mo
     )
 
 
+@pytest.mark.parametrize("vision", [False, True], ids=["text", "vision-language"])
+def test_a_vocab_size_not_a_positive_integer_is_refused_by_the_table_check_before_the_tokenizers(
+    tiny_model: Path,
+    tiny_llava: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    vision: bool,
+) -> None:
+    """The table's check runs first and refuses it, so the tokenizer's count never meets such a value
+    (it used to step aside for one, leaving it to the load)."""
+    model = Path(shutil.copytree(tiny_llava if vision else tiny_model, tmp_path / "odd"))
+    hf_config = json.loads((model / "config.json").read_text())
+    if vision:
+        hf_config["text_config"]["vocab_size"] = "many"
+        said = f"config.json in {model}: text_config needs hidden_size and vocab_size"
+    else:
+        hf_config["vocab_size"] = "many"
+        said = f"config.json in {model}: vocab_size must be a positive integer, got 'many'"
+    (model / "config.json").write_text(json.dumps(hf_config))
+    assert _refusal_before_listening(model, monkeypatch, capsys) == (
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): {said}\n"
+    )
+
+
 def test_a_token_table_file_that_does_not_parse_is_refused_before_listening_naming_model(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -205,17 +205,14 @@ def _check_tokenizer(model_dir: Path, takes_images: bool) -> Tokenizer:
 
 def _check_tokenizer_fits(model_dir: Path, tokenizer: Tokenizer, takes_images: bool) -> None:
     """Against config.json's vocab_size, or a vision-language checkpoint's text_config's (its language
-    model's table, where an outer vocab_size of an older LLaVA config sizes nothing)."""
-    try:
-        if takes_images:
-            hf_config = read_json(model_dir / "config.json", EmbedderLoadError)
-            vocab_size = text_config(hf_config, EmbedderLoadError).get("vocab_size")
-        else:
-            vocab_size = read_model_shape(model_dir).vocab_size
-    except EmbedderLoadError:  # config.json unreadable or of odd values: the load's to report
-        return
-    if isinstance(vocab_size, int):  # else the load's to report (text_config needs vocab_size)
-        check_tokenizer_fits(tokenizer, vocab_size, model_dir, is_vision_language=takes_images)
+    model's table, where an outer vocab_size of an older LLaVA config sizes nothing). check_table_shape
+    has run: config.json reads, and that vocab_size is an integer."""
+    if takes_images:
+        hf_config = read_json(model_dir / "config.json", EmbedderLoadError)
+        vocab_size = text_config(hf_config, EmbedderLoadError)["vocab_size"]
+    else:
+        vocab_size = read_model_shape(model_dir).vocab_size
+    check_tokenizer_fits(tokenizer, vocab_size, model_dir, is_vision_language=takes_images)
 
 
 def _takes_images(model_dir: Path) -> bool:
