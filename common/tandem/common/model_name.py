@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from pathlib import Path
 
 from tandem.client.errors import ConfigError, InvalidArgument, NotFound
 
@@ -55,6 +56,46 @@ def check_served_name(name: str) -> None:
         check_label(name, "model_name")
     except InvalidArgument as error:
         raise ConfigError("model_name", error.description) from None
+
+
+def served_model_name(model_name: str | None, model: Path, display_name: str) -> str:
+    """The name a service serves under: its --model-name `model_name`, or where the flag is not given
+    `display_name`, --model `model`'s directory's or file's name (model_cache.model_display_name).
+
+    Raises ConfigError naming the flag the operator can change. An empty flag (model_name) served
+    under the directory's name while the operator asked for none. A name taken from the path the
+    operator gave for another reason (model_dir: --model) that cannot be served is refused there,
+    naming --model-name as the way out: the rule's refusal named a --model-name never given ('My
+    Model ', a trailing space), and `--model .` served under '' and `--model /x/..` under '..'."""
+    if model_name == "":
+        raise ConfigError(
+            "model_name", "must name a model, got '' (leave the flag out for the directory's or file's name)"
+        )
+    if model_name is not None:
+        return model_name  # the config checks it (check_served_name), naming the flag
+    if display_name in ("", ".", ".."):
+        why = "a path ending in '.' or '..', or the root, has no name of its own"
+    elif not display_name.isascii() and not _is_utf_8(display_name):  # bytes os.fsdecode escaped
+        why = "a model name must be valid UTF-8"
+    else:
+        try:
+            check_served_name(display_name)
+            return display_name
+        except ConfigError as error:
+            why = f"a model name {error.reason}"
+    what = "file's" if model.suffix == ".gguf" else "directory's"
+    raise ConfigError(
+        "model_dir",
+        f": the {what} name {echo(display_name)} cannot be served as a model name ({why}): give --model-name",
+    )
+
+
+def _is_utf_8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_adapter_name(name: str, field: str = "name") -> None:

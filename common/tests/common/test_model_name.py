@@ -1,5 +1,7 @@
 """The `model` field: bounded, checked against the served name, never echoed whole."""
 
+from pathlib import Path
+
 import pytest
 
 from tandem.client.errors import ConfigError, InvalidArgument, NotFound
@@ -11,6 +13,7 @@ from tandem.common.model_name import (
     check_model,
     check_served_name,
     echo,
+    served_model_name,
 )
 
 
@@ -122,3 +125,61 @@ def test_a_served_name_is_one_a_request_can_name() -> None:
         with pytest.raises(ConfigError) as refused:
             check_served_name(name)
         assert (refused.value.field, refused.value.reason) == ("model_name", said)
+
+
+def test_the_served_name_is_the_flags_or_else_the_models_own() -> None:
+    assert served_model_name("m1", Path("/models/tiny"), "tiny") == "m1"
+    assert served_model_name(None, Path("/models/tiny"), "tiny") == "tiny"
+    assert served_model_name(None, Path("/models/My Model"), "My Model") == "My Model"
+
+
+def test_an_empty_model_name_flag_is_refused_rather_than_read_as_the_directorys() -> None:
+    with pytest.raises(ConfigError) as refused:
+        served_model_name("", Path("/models/tiny"), "tiny")
+    assert refused.value.field == "model_name"
+    assert refused.value.reason.startswith("must name a model, got ''")
+
+
+@pytest.mark.parametrize(
+    ("model", "display_name", "why"),
+    [
+        (
+            "/models/My Model ",
+            "My Model ",
+            "the directory's name 'My Model ' cannot be served as a model name (a model name must not "
+            "begin or end with white space, got 'My Model ')",
+        ),
+        (
+            "/models/My Model .Q4_0.gguf",
+            "My Model ",
+            "the file's name 'My Model ' cannot be served as a model name (a model name must not begin "
+            "or end with white space, got 'My Model ')",
+        ),
+        (
+            ".",
+            "",
+            "the directory's name '' cannot be served as a model name (a path ending in '.' or '..', or "
+            "the root, has no name of its own)",
+        ),
+        (
+            "/x/..",
+            "..",
+            "the directory's name '..' cannot be served as a model name (a path ending in '.' or '..', or "
+            "the root, has no name of its own)",
+        ),
+        (
+            "/m\udcff",
+            "m\udcff",
+            "the directory's name 'm\\udcff' cannot be served as a model name (a model name must be "
+            "valid UTF-8)",
+        ),
+    ],
+)
+def test_a_name_taken_from_the_model_path_that_cannot_be_served_is_refused_naming_the_path(
+    model: str, display_name: str, why: str
+) -> None:
+    """Not --model-name, which the operator never gave: it named that flag for 'My Model ', and
+    served '' for `--model .`."""
+    with pytest.raises(ConfigError) as refused:
+        served_model_name(None, Path(model), display_name)
+    assert (refused.value.field, refused.value.reason) == ("model_dir", f": {why}: give --model-name")

@@ -97,6 +97,31 @@ def test_without_a_model_the_encoder_serves_the_decoders_default_model(environ) 
     assert config.served_model_name == "SmolLM2-135M-Instruct"
 
 
+def test_an_empty_model_name_is_refused_rather_than_read_as_the_directorys(environ, capsys) -> None:
+    """As the decoder's: it served under the directory's name while the operator asked for none."""
+    assert main(["--model", "/models/tiny", "--model-name", ""]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve encoder: --model-name (TANDEM_ENCODER_MODEL_NAME) must name a model, got '' (leave "
+        "the flag out for the directory's or file's name)\n"
+    )
+    environ({"TANDEM_ENCODER_MODEL_NAME": ""})  # an empty variable is unset, as every variable
+    assert config_from_args(["--model", "/models/tiny"]).model_name == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("model", "name"), [("/models/My Model ", "'My Model '"), (".", "''"), ("/x/..", "'..'")]
+)
+def test_a_directorys_name_that_cannot_be_served_is_one_line_naming_model_not_model_name(
+    model: str, name: str, environ, capsys
+) -> None:
+    assert main(["--model", model]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(
+        f"tandem serve encoder: --model (TANDEM_ENCODER_MODEL): the directory's name {name} cannot be served"
+    )
+    assert said.endswith("): give --model-name\n") and said.count("\n") == 1
+
+
 def test_bad_values_are_one_line_naming_the_flag_and_the_variable(environ, capsys) -> None:
     environ({"TANDEM_ENCODER_PORT": "http"})
     assert main(["--model", "/m"]) == 2
@@ -110,15 +135,15 @@ def test_bad_values_are_one_line_naming_the_flag_and_the_variable(environ, capsy
         "(the longest `model` a request may name), got 3500\n"
     )
     # A byte 0xff, surrogate-escaped: in the flag (every text flag's own check), or in the directory's
-    # name the flag defaults to (the served name's check).
+    # name the flag defaults to (refused naming --model, the flag that gave it).
     assert main(["--model", "/m", "--model-name", "n\udcff"]) == 2
     assert capsys.readouterr().err == (
         "tandem serve encoder: --model-name (TANDEM_ENCODER_MODEL_NAME): is not UTF-8 text\n"
     )
     assert main(["--model", "/m\udcff"]) == 2
     assert capsys.readouterr().err == (
-        "tandem serve encoder: --model-name (TANDEM_ENCODER_MODEL_NAME) must be valid UTF-8 (unset, it "
-        "is the model directory's or file's name)\n"
+        "tandem serve encoder: --model (TANDEM_ENCODER_MODEL): the directory's name 'm\\udcff' cannot be "
+        "served as a model name (a model name must be valid UTF-8): give --model-name\n"
     )
     environ({"TANDEM_ENCODER_PORT": "50051", "TANDEM_ENCODER_MAX_INPUT_TOKENS": "0"})
     assert main(["--model", "/m"]) == 2

@@ -3,6 +3,8 @@ carry (model_name.MAX_MODEL_NAME_BYTES), as the encoder's is; a longer one is th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tandem.decoder.api.main import main as decoder_main
@@ -58,6 +60,22 @@ def test_a_model_name_a_log_line_or_a_listing_would_misshow_is_one_line_naming_t
     said = capsys.readouterr().err
     assert said.startswith(f"tandem serve decoder: --model-name (TANDEM_MODEL_NAME) {why}")
     assert said.count("\n") == 1
+
+
+@pytest.mark.parametrize(("model", "name"), [("My Model ", "'My Model '"), (".", "''"), ("x/..", "'..'")])
+def test_a_directorys_name_that_cannot_be_served_is_one_line_naming_model_not_model_name(
+    model: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The name is the path's, and the way out is the flag the operator did not give: it named
+    --model-name for 'My Model ', and `--model .` served under ''."""
+    (tmp_path / "My Model ").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert decoder_main(["--model", model, "--port", "0"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(
+        f"tandem serve decoder: --model (TANDEM_MODEL): the directory's name {name} cannot"
+    )
+    assert said.endswith("): give --model-name\n") and said.count("\n") == 1
 
 
 def test_a_name_of_words_and_punctuation_is_served(tmp_path) -> None:

@@ -12,6 +12,7 @@ import click
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.flags import PATH, Setting, default_of, server_options, server_settings
+from tandem.common.model_name import served_model_name
 from tandem.common.torch_part.model_cache import default_model_file, model_display_name
 from tandem.encoder.config import DEFAULT_PORT, EMBEDDERS, QUANTIZATIONS, EncoderConfig
 from tandem.encoder.embedder import Pooling
@@ -137,5 +138,7 @@ def config_from_options(values: Mapping[str, Any]) -> EncoderConfig:
         shared_memory_segments=values["shared_memory_segments"],
         shared_memory_lease_s=values["shared_memory_lease_s"],
         server=server_options(values),
-        model_name=values["model_name"] or model_display_name(Path(model)),
+        # An empty variable is unset (click's rule for every variable); an empty flag is refused, as
+        # the decoder's is: it served under the directory's name while the operator asked for none.
+        model_name=served_model_name(values["model_name"], Path(model), model_display_name(Path(model))),
     )

@@ -16,6 +16,7 @@ import click
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.flags import BOOL, PATH, SIZES, Setting, default_of, server_options, server_settings
+from tandem.common.model_name import served_model_name
 from tandem.common.torch_part.model_cache import default_model_file, model_display_name
 from tandem.decoder.backends.backend import resolve
 from tandem.decoder.backends.cpu.kernel_choice import CPU_KERNELS
@@ -375,7 +376,8 @@ def config_from_options(values: Mapping[str, Any]) -> DecoderConfig:
     return DecoderConfig(
         engine=engine_config,
         server=server,
-        model_name=_model_name(values["model_name"], Path(model)),
+        # An empty variable is unset (click's rule for every variable); an empty flag is refused.
+        model_name=served_model_name(values["model_name"], Path(model), model_display_name(Path(model))),
         world_size=values["world_size"],
         collective_timeout_s=values["collective_timeout_s"],
         max_streams_per_connection=values["max_streams_per_connection"],
@@ -398,17 +400,6 @@ def _encoder_address(values: tuple[str, ...]) -> str:
                 "or leave the flag out for none",
             )
     return ",".join(a.strip() for value in values for a in value.split(","))
-
-
-def _model_name(value: str | None, model: Path) -> str:
-    """--model-name, or the model's directory's or file's name where it is not given. An empty
-    variable is unset (click's rule for every variable), but an empty flag served under the directory's
-    name while the operator asked for none: refused, as an empty list flag is."""
-    if value == "":
-        raise ConfigError(
-            "model_name", "must name a model, got '' (leave the flag out for the directory's or file's name)"
-        )
-    return model_display_name(model) if value is None else value
 
 
 def _lora_root(value: str | None) -> Path | None:
