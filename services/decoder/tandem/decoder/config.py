@@ -82,11 +82,15 @@ KERNEL_DTYPE_NAMES = tuple(sorted(BY_TORCH[dtype].name for dtype in DTYPE_CODES)
 
 
 def max_num_threads() -> int:
-    """--num-threads at most: this host's logical CPUs. Intra-op threads past them only take turns on
-    the same CPUs (torch's own default is the physical cores), and far past them the host ran out:
-    --num-threads 100,000 starved it of processes and the decoder died of SIGSEGV 10 s after it
+    """--num-threads at most (each rank's): the CPUs this process may run on, its affinity mask where
+    the system has one (Linux), else the host's logical CPUs. Intra-op threads past them only take
+    turns on the same CPUs (torch's own default is the physical cores), and far past them the host ran
+    out: --num-threads 100,000 starved it of processes and the decoder died of SIGSEGV 10 s after it
     listened; 2**31 failed torch.set_num_threads in the engine thread's initializer (a traceback, exit
-    1). The host's count, not a fixed cap, so that a flag valid here may use every CPU here."""
+    1). The mask, not os.cpu_count(): under `taskset -c 0` on a 2-CPU host the host's count let 2
+    threads take turns on one CPU. Not a fixed cap, so that a flag valid here may use every CPU here."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 
@@ -310,8 +314,8 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads > max_num_threads():
             raise ConfigError(
                 "num_threads",
-                f"must be at most {max_num_threads():,} (this host's logical CPUs: more threads only take "
-                f"turns on them), got {self.num_threads:,}",
+                f"must be at most {max_num_threads():,} (the CPUs this process may run on: more threads "
+                f"only take turns on them), got {self.num_threads:,}",
             )
         self._check_lora()
         for name in ("token_buckets", "seq_buckets", "block_table_buckets"):

@@ -1,4 +1,5 @@
-"""--num-threads: torch's intra-op threads, at most this host's logical CPUs (config.max_num_threads).
+"""--num-threads: torch's intra-op threads of each rank, at most the CPUs this process may run on (its
+affinity mask, else the host's logical CPUs: config.max_num_threads).
 More only take turns on the same CPUs, and far more took the host down: 100,000 starved it of processes
 (SIGSEGV after the decoder listened), 2**31 failed torch.set_num_threads in a traceback. Past the bound
 it is one line naming the flag and its limit, exit 2, before anything is loaded or listened on."""
@@ -6,6 +7,8 @@ it is one line naming the flag and its limit, exit 2, before anything is loaded 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -17,8 +20,8 @@ from tandem.decoder.config import EngineConfig, max_num_threads
 PREFIX = "tandem serve decoder: --num-threads (TANDEM_NUM_THREADS)"
 
 
-def test_the_limit_is_this_hosts_logical_cpus() -> None:
-    assert max_num_threads() == os.cpu_count()
+def test_the_limit_is_the_cpus_this_process_may_run_on() -> None:
+    assert max_num_threads() == len(os.sched_getaffinity(0))
 
 
 def test_every_cpu_of_the_host_may_run_a_thread() -> None:
@@ -31,8 +34,8 @@ def test_more_threads_than_cpus_are_one_line_naming_the_flag_and_the_limit(
 ) -> None:
     assert decoder_main(["--num-threads", str(num_threads), "--port", "0"]) == 2
     assert capsys.readouterr().err == (
-        f"{PREFIX} must be at most {max_num_threads():,} (this host's logical CPUs: more threads only take "
-        f"turns on them), got {num_threads:,}\n"
+        f"{PREFIX} must be at most {max_num_threads():,} (the CPUs this process may run on: more threads "
+        f"only take turns on them), got {num_threads:,}\n"
     )
 
 
@@ -44,11 +47,39 @@ def test_the_variable_is_refused_as_the_flag_is(
     assert capsys.readouterr().err.startswith(f"{PREFIX} must be at most {max_num_threads():,} (")
 
 
-def test_the_bound_follows_the_host(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_bound_follows_the_affinity_mask_not_the_hosts_count(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`taskset -c 0` on a 2-CPU host: the host's count (2) let two threads take turns on one CPU."""
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    assert EngineConfig(model_dir=tmp_path, num_threads=8).num_threads == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert EngineConfig(model_dir=tmp_path, num_threads=3).num_threads == 3
     with pytest.raises(ConfigError) as error:
-        EngineConfig(model_dir=tmp_path, num_threads=9)
+        EngineConfig(model_dir=tmp_path, num_threads=4)
     assert error.value.field == "num_threads"
+
+
+def test_without_an_affinity_mask_the_bound_is_the_hosts_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS has no sched_getaffinity."""
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert max_num_threads() == 8
     monkeypatch.setattr(os, "cpu_count", lambda: None)  # unknown: one thread, as os.cpu_count's users do
     assert max_num_threads() == 1
+
+
+def test_a_process_pinned_to_one_cpu_may_run_one_thread() -> None:
+    """The decoder under `taskset -c 0`: its own mask, as the kernel applies it."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs a second CPU to pin away from")
+    script = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from tandem.decoder.api.main import main; "
+        "raise SystemExit(main(['--num-threads', '2', '--port', '0']))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.endswith(
+        f"{PREFIX} must be at most 1 (the CPUs this process may run on: more threads only take turns on "
+        "them), got 2\n"
+    )

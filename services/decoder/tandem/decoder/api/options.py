@@ -187,7 +187,7 @@ def settings() -> list[Setting]:
         ),
         _engine_setting(
             "--num-threads",
-            "torch intra-op threads, at most this host's logical CPUs",
+            "torch intra-op threads of each rank, at most the CPUs this process may run on",
             type=int,
             show_default="torch's default",
         ),
