@@ -42,7 +42,7 @@ class _Path(click.Path):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value.strip():
-            self.fail(f"{value!r} is empty: name a file, or leave the flag out", param, ctx)
+            self.fail(f"{value!r} is empty: name a path, or leave the flag out", param, ctx)
         return super().convert(value, param, ctx)
 
 

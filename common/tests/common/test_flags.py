@@ -129,5 +129,27 @@ def test_an_empty_path_flag_is_named_empty_not_dot(flag: str, capsys: pytest.Cap
     assert cli.main(["wait", flag, "", "127.0.0.1:1"]) == 2
     variable = "TANDEM_WAIT_" + flag.removeprefix("--").replace("-", "_").upper()
     assert capsys.readouterr().err == (
-        f"tandem wait: {flag} ({variable}): '' is empty: name a file, or leave the flag out\n"
+        f"tandem wait: {flag} ({variable}): '' is empty: name a path, or leave the flag out\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["serve", "decoder", "--model", ""], "tandem serve decoder: --model (TANDEM_MODEL)"),
+        (
+            ["serve", "encoder", "--encoder-model", " "],
+            "tandem serve encoder: --encoder-model (TANDEM_ENCODER_ENCODER_MODEL)",
+        ),
+        (["serve", "encoder", "--adapter", ""], "tandem serve encoder: --adapter (TANDEM_ENCODER_ADAPTER)"),
+    ],
+)
+def test_an_empty_directory_flag_asks_for_a_path_not_a_file(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PATH serves flags taking a directory (--model, --adapter, --encoder-model) too."""
+    from tandem import cli
+
+    assert cli.main([*argv, "--port", "0"]) == 2
+    empty = repr(argv[-1])
+    assert capsys.readouterr().err == f"{said}: {empty} is empty: name a path, or leave the flag out\n"
