@@ -9,6 +9,7 @@ a device, a pipe) ends the start at once with a line, not with the memory of the
 from __future__ import annotations
 
 import os
+import re
 import ssl
 import stat
 from pathlib import Path
@@ -19,6 +20,8 @@ MAX_TOKEN_FILE_BYTES = 64 * 1024
 # A CA bundle: Mozilla's whole root store (certifi's cacert.pem) is about 290 KB, so 1 MiB holds it
 # with room; a private CA is a few KB.
 MAX_CA_BUNDLE_BYTES = 1024 * 1024
+# A certificate as PEM armours it, the bytes between the lines included.
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", re.S)
 
 
 def read_bounded(path: Path, max_bytes: int, what: str) -> bytes:
@@ -50,11 +53,16 @@ def read_ca_bundle(path: Path) -> bytes:
     """A client's CA bundle (PEM), checked as the services check theirs: else gRPC says only "Could not
     load any root certificate" in its log and every call fails as if nothing listened. Raises ValueError."""
     data = read_bounded(path, MAX_CA_BUNDLE_BYTES, "a CA bundle (1 MiB)")
-    # Only the armour and its base64 need be ASCII, as OpenSSL and gRPC read a bundle: Fedora's and
-    # RHEL's p11-kit bundles label certificates in UTF-8 ("# ... Főtanúsítvány"), and an editor may
-    # write a BOM; both were refused here while every server and gRPC itself took them.
+    # Only the certificates themselves need be ASCII, as OpenSSL and gRPC read a bundle: Fedora's and
+    # RHEL's p11-kit bundles label certificates in UTF-8 ("# ... Főtanúsítvány") and an editor may write
+    # a BOM, which they take; but a stray byte inside a certificate's base64 they refuse, so each block is
+    # checked as it stands (dropping non-ASCII bytes from the whole file passed such a bundle).
+    blocks = _PEM_CERTIFICATE.findall(data)
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("ascii", "ignore"))
-    except (ssl.SSLError, ValueError):  # ValueError: not ASCII, or empty ("Empty certificate data")
+        if not blocks:
+            raise ValueError("no certificate")
+        cadata = "\n".join(block.decode("ascii") for block in blocks)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=cadata)
+    except (ssl.SSLError, ValueError):  # ValueError: UnicodeDecodeError (not ASCII), or no certificate
         raise ValueError(f"{path} is not a PEM certificate") from None
     return data

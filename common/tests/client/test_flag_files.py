@@ -70,6 +70,20 @@ def test_a_ca_bundle_with_utf8_labels_or_a_bom_is_read_as_openssl_reads_it(
     assert read_ca_bundle(path) == path.read_bytes()
 
 
+def test_a_ca_bundle_with_a_non_ascii_byte_inside_a_certificate_is_refused(tmp_path: Path) -> None:
+    """OpenSSL and gRPC refuse it ("Could not load any root certificate"); read with its non-ASCII bytes
+    dropped, it passed the check and every call then failed as if nothing listened."""
+    certifi = pytest.importorskip("certifi")
+    text = Path(certifi.where()).read_text()
+    first = text[text.index("-----BEGIN CERTIFICATE-----") : text.index("-----END CERTIFICATE-----") + 25]
+    lines = first.splitlines()
+    lines[3] = lines[3][:10] + "é" + lines[3][10:]
+    path = tmp_path / "ca.pem"
+    path.write_bytes("\n".join(lines).encode())
+    with pytest.raises(ValueError, match=r"/ca.pem is not a PEM certificate$"):
+        read_ca_bundle(path)
+
+
 @pytest.mark.parametrize("text", [b"garbage\n", b"-----BEGIN CERTIFICATE-----\n", b"\xff\xfe", b""])
 def test_a_ca_bundle_that_holds_no_pem_certificate_is_refused_naming_it(tmp_path: Path, text: bytes) -> None:
     # gRPC logged "Could not load any root certificate" and each call then failed as if nothing listened.
