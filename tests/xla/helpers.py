@@ -16,6 +16,9 @@ from tandem.decoder.engine.outputs.outputs import Delta
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.models.loader import load_model
 
+# The static-shape bucket sizes: an XLA engine's compiles, nothing to an eager one.
+BUCKET_KEYS = ("seq_buckets", "token_buckets", "block_table_buckets")
+
 
 def settings(model_dir: Path, **overrides: object) -> dict[str, object]:
     """A small engine: few buckets (each is a compile), float32 unless told otherwise."""
@@ -37,9 +40,15 @@ def settings(model_dir: Path, **overrides: object) -> dict[str, object]:
 
 @contextmanager
 def engine_on(device: str, **values: object) -> Iterator[Engine]:
-    """An engine as `tandem serve decoder --device DEVICE` builds it, started (an XLA one warmed up)."""
-    static = {"static_shapes": True, "compile": True} if device == "neuron" else {}
-    engine = Engine(EngineConfig(device=device, **static, **values))  # type: ignore[arg-type]
+    """An engine as `tandem serve decoder --device DEVICE` builds it, started (an XLA one warmed up).
+
+    The same `values` serve both sides of a comparison: the CPU twin runs eager steps, which are not
+    padded, so it leaves the bucket sizes out (the config refuses buckets without static shapes)."""
+    if device == "neuron":
+        values = {**values, "static_shapes": True, "compile": True}
+    else:
+        values = {k: v for k, v in values.items() if k not in BUCKET_KEYS}
+    engine = Engine(EngineConfig(device=device, **values))  # type: ignore[arg-type]
     try:
         engine.start()
         yield engine
