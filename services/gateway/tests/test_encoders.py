@@ -1,13 +1,20 @@
 """Several encoder replicas behind the gateway are checked as decoder replicas are: one serving another
 model than most (another checkpoint, or another embedder of one) gets no embeds, logged at ERROR naming
-it; one address is one client, as before."""
+it; one address is one channel with the replicas' keepalive, a name a DNS server resolves one client."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -17,7 +24,7 @@ from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.encoder_info import EncoderInfo
-from tandem.gateway.encoders import EncoderReplicas, answering, gateway_encoder
+from tandem.gateway.encoders import EncoderReplicas, OneEncoder, answering, gateway_encoder
 
 from .fake_encoder import FakeEncoder
 
@@ -69,13 +76,53 @@ async def test_an_encoder_replica_of_another_embedder_gets_no_embeds_logged_nami
     assert f"encoder replica {addresses[2]} embeds for model 'fake-encoder' with a 'projector'" in caplog.text
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:9", "dns://127.0.0.1:53/encoders.example:50051"])
-async def test_one_encoder_or_a_name_a_dns_server_resolves_is_one_client_as_before(address: str) -> None:
-    encoder = gateway_encoder(GatewayConfig(encoder_address=address))
+async def test_a_name_a_dns_server_resolves_is_one_client_as_before() -> None:
+    encoder = gateway_encoder(GatewayConfig(encoder_address="dns://127.0.0.1:53/encoders.example:50051"))
     try:
         assert isinstance(encoder, EncoderClient)
     finally:
         await encoder.close()
+
+
+# A fake encoder in a process of its own: a SIGSTOP stops all of it, gRPC's threads (and pings) too.
+ENCODER = """
+import asyncio
+from tests.fake_encoder import fake_encoder
+async def main():
+    async with fake_encoder() as (_, address):
+        print(address, flush=True)
+        await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+async def test_one_encoder_stopped_for_good_ends_the_embeds_sent_to_it_within_seconds() -> None:
+    """One --encoder-address was an `EncoderClient`, one server's keepalive (30 s + 10 s): with the
+    encoder stopped (SIGSTOP, its connection open) the embeddings sent meanwhile waited 55-60 s. Its
+    channel has the replicas' keepalive (ping every 2 s, unanswered in 3 s), as one decoder's has."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", ENCODER], cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    try:
+        address = (await asyncio.to_thread(process.stdout.readline)).strip()
+        encoder = gateway_encoder(GatewayConfig(encoder_address=address))
+        try:
+            assert isinstance(encoder, OneEncoder)
+            request = encoder_pb2.EmbedRequest(text="hi")
+            await encoder.stub.Embed(request, timeout=10)
+            os.kill(process.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await encoder.stub.Embed(request, timeout=60)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - started < 15
+        finally:
+            await encoder.close()
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+        process.kill()
+        process.wait()
 
 
 async def _wait_for(condition: Callable[[], bool]) -> None:

@@ -18,8 +18,9 @@ When the targets change, a new channel is opened over them and the old one is cl
 end (at most RETIRE_GRACE_S: the calls are embeddings, well under a second each). While no replica
 serves the model (`Replicas.targets` empty), a call raises Unavailable (the gateway's 503) at once.
 
-One address, or a `dns://server/name` naming a DNS server the gateway's resolver does not ask, is one
-channel as before, balanced by gRPC's own health checking.
+One address is one channel with the replicas' keepalive (`OneEncoder`); a `dns://server/name` naming a
+DNS server the gateway's resolver does not ask is one channel as before, balanced by gRPC's own health
+checking.
 """
 
 from __future__ import annotations
@@ -104,7 +105,20 @@ class EncoderReplicas:
         await asyncio.gather(*([self._channel.close()] if self._channel is not None else []), *self._closing)
 
 
-def answering(encoder: EncoderClient | EncoderReplicas) -> Callable[[], Answering]:
+class OneEncoder:
+    """One encoder address, not watched: one channel to it with the replicas' keepalive (a ping every
+    2 s, unanswered in 3 s), as one decoder's callers have. `EncoderClient`'s channel had one server's
+    (30 s + 10 s): with the encoder stopped (SIGSTOP) the embeddings sent meanwhile waited 55-60 s."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+        self.stub = encoder_pb2_grpc.EncoderStub(channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def answering(encoder: EncoderClient | EncoderReplicas | OneEncoder) -> Callable[[], Answering]:
     """What `EncoderInfo` asks again on a change of: the model the replicas serve and those called (one
     client: nothing, asked once)."""
     if isinstance(encoder, EncoderReplicas):
@@ -127,8 +141,9 @@ def gateway_encoder(
     config: GatewayConfig,
     telemetry: Telemetry | None = None,
     model_check_metadata: tuple[tuple[str, str], ...] | None = None,
-) -> EncoderClient | EncoderReplicas:
-    """`config`'s encoder: its replicas watched and checked where it names several, else one client.
+) -> EncoderClient | EncoderReplicas | OneEncoder:
+    """`config`'s encoder: its replicas watched and checked where it names several, one channel with the
+    replicas' keepalive where it names one address, else (a DNS server of its own) one client.
     `model_check_metadata`: the token each replica's model is asked with (`callers.model_check_metadata`).
     Call from the event loop."""
     address, security = config.encoder_address, config.upstream
@@ -138,9 +153,11 @@ def gateway_encoder(
         is_watched = False
     else:
         is_watched = channel_target(address)[1]
+    interceptors = telemetry.client_interceptors() if telemetry is not None else []
+    if not is_watched and not address.startswith("dns:"):
+        return OneEncoder(open_replica_channel(address, config.max_message_bytes, security, interceptors))
     if not is_watched:
         return EncoderClient(address, config.max_message_bytes, telemetry, security)
-    interceptors = telemetry.client_interceptors() if telemetry is not None else []
 
     def open_replica(replica: str) -> grpc.aio.Channel:
         return open_replica_channel(replica, config.max_message_bytes, security, authority=authority)
