@@ -10,7 +10,9 @@ counts its Embed calls and answers when a test opens its gate."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -794,3 +796,43 @@ async def test_a_prompt_its_sizes_rule_out_is_refused_before_any_part_is_fetched
     # A call without encoder parts is not checked here: the engine's own check is enough.
     assert parts.start(GenerateSpec(prompt=[TextPrompt("a")]), None, None, check=refuse)[1] == []
     assert len(seen) == 1
+
+
+async def test_an_encoder_gRPC_cannot_reach_is_said_in_fixed_words_and_gRPCs_are_logged(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gRPC's own UNAVAILABLE (no status of the encoder's) went on as "is unavailable (UNAVAILABLE:
+    failed to connect to all addresses; last error: ... ipv4:10.0.0.3:50051 ...)", gRPC's terms and
+    the internal address, which the gateway passes on to HTTP callers unchanged (it carries the
+    decoder's status)."""
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    parts = EncoderParts(
+        address, torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path, hidden_size=HIDDEN_SIZE
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger=encoder_parts.__name__):
+            [part], _ = _start(parts, [_picture()])
+            with pytest.raises(Unavailable) as error:
+                await asyncio.wait_for(asyncio.wrap_future(part.rows), 30)
+    finally:
+        await parts.close()
+    assert str(error.value) == (
+        f"prompt[0].encoder: encoder {address} could not be reached (no connection, or it was lost)"
+    )
+    assert f"an Embed call to encoder {address} failed: UNAVAILABLE: " in caplog.text
+
+
+async def test_an_encoders_own_unavailable_keeps_its_words(encoder: StandIn, parts: EncoderParts) -> None:
+    """An UNAVAILABLE the encoder sent (its status with it: still loading, shutting down) is its own
+    word on why, passed on as it said it."""
+    encoder.refusal = Unavailable("the encoder is still loading its model")
+    encoder.gate.set()
+    [part], _ = _start(parts, [_picture()])
+    with pytest.raises(Unavailable) as error:
+        await _rows(part)
+    assert str(error.value) == (
+        f"prompt[0].encoder: encoder {parts.address} is unavailable "
+        "(UNAVAILABLE: the encoder is still loading its model)"
+    )

@@ -61,7 +61,9 @@ Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or
 on `prompt[i].encoder`, as are rows larger than this decoder's --max-message-bytes, whether they came
 as bytes (over gRPC's receive cap) or through shared memory, and any Embed request or reply over the
 --max-message-bytes of either side (named: `encoder_over_cap.py`); an encoder that cannot be reached is
-UNAVAILABLE naming its address, within the retries of its channel, so the request never waits for it
+UNAVAILABLE naming its address ("could not be reached": gRPC's own words, which name the encoder's
+internal address and port in its terms and went on to HTTP callers unchanged, are logged at WARNING),
+within the retries of its channel, so the request never waits for it
 past its deadline, and so is one that did not answer within MAX_FETCH_S when the caller's own deadline
 was later (another replica may serve it; DEADLINE_EXCEEDED is for the caller's deadline).
 With several encoders balanced, an error names the replica that took the call, as it said when the call
@@ -80,6 +82,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import logging
 import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -113,6 +116,8 @@ from tandem.decoder.api.trace_context import trace_context
 from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 
+log = logging.getLogger(__name__)
+
 CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading its model
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
 MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together (see step 2)
@@ -120,6 +125,7 @@ MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 ENCODER_FULL_RETRY_S = 1.0  # an encoder's RESOURCE_EXHAUSTED with no RetryInfo of its own, passed on
 ENCODER_MAX_RETRY_S = 60.0  # an encoder's delay past this (or not above 0) is passed on as the 1 s
+STATUS_DETAILS_KEY = "grpc-status-details-bin"  # the trailer of a service's google.rpc status
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 # Embedders that tokenize with the checkpoint's own tokenizer, the decoder's: a part's unpooled rows are
 # one per position its input takes in the prompt (a soft prompt's virtual rows more). A projector
@@ -655,6 +661,9 @@ class EncoderParts:
                 else delay_s,
                 info=passed_on(said.info),
             )
+        if code == grpc.StatusCode.UNAVAILABLE and _is_grpcs_own(error):
+            log.warning("an Embed call to encoder %s failed: UNAVAILABLE: %s", who, details)
+            return Unavailable(f"{field}: encoder {who} could not be reached (no connection, or it was lost)")
         return Unavailable(f"{field}: encoder {who} is unavailable ({code.name}: {details})")
 
 
@@ -694,11 +703,25 @@ def _cancel_unless_settled(rows: concurrent.futures.Future[torch.Tensor], task: 
         rows.cancel()
 
 
+class _FaultyReply(grpc.aio.AioRpcError):
+    """A reply this decoder found wrong in itself: its words are the decoder's, not gRPC's own."""
+
+
 def _unavailable(details: str, replica: str | None) -> grpc.aio.AioRpcError:
     """UNAVAILABLE as the encoder's call would raise it: each waiter names its own field and the encoder
     (`replica`, the one that sent the faulty reply, where it said; `_error`)."""
     initial = grpc.aio.Metadata((replica_name.HEADER, replica)) if replica else grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, initial, grpc.aio.Metadata(), details)
+    return _FaultyReply(grpc.StatusCode.UNAVAILABLE, initial, grpc.aio.Metadata(), details)
+
+
+def _is_grpcs_own(error: grpc.aio.AioRpcError) -> bool:
+    """Whether `error` is gRPC's own failure of the call (no connection, one lost), not the encoder's
+    status: every status a Tandem service sends carries google.rpc details (STATUS_DETAILS_KEY), the
+    encoder's "still loading" too. The gateway's `errors.is_grpcs_own` is the same check; the shared
+    place, tandem.client, was not this change's to edit, and the decoder imports nothing of the gateway."""
+    if isinstance(error, _FaultyReply):
+        return False
+    return not any(key == STATUS_DETAILS_KEY for key, _ in error.trailing_metadata() or ())
 
 
 def _ran_out(error: BaseException) -> bool:
