@@ -10,6 +10,7 @@ import enum
 import logging
 import math
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +56,33 @@ UNREACHABLE = {
     grpc.StatusCode.UNAVAILABLE: "the {service} could not be reached (no connection, or it was lost); retry",
     grpc.StatusCode.DEADLINE_EXCEEDED: "the {service} did not answer in time; retry",
 }
+
+# gRPC's own failures are logged at most once in this many seconds for each service and code, the line
+# saying how many went unlogged since: a stopped decoder fails every call, and each was a WARNING line
+# of its own (a completion a second behind a stopped decoder: a line a second, the same words each).
+WARN_EVERY_S = 10.0
+
+
+class _GrpcsOwnWarnings:
+    """When each (service, code) of gRPC's own failures was last logged, and those not logged since."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, grpc.StatusCode], tuple[float, int]] = {}
+
+    def warn(self, service: str, code: grpc.StatusCode, details: str) -> None:
+        now = time.monotonic()
+        last = self._last.get((service, code))
+        if last is not None and now - last[0] < WARN_EVERY_S:
+            self._last[service, code] = (last[0], last[1] + 1)
+            return
+        self._last[service, code] = (now, 0)
+        more = f" ({last[1]} more since the last such line)" if last is not None and last[1] else ""
+        log.warning("a call to the %s failed: %s: %s%s", service, code.name, printable(details), more)
+
+
+# Module-wide, as `log` is: `from_grpc` is called on every path that answers a failed call, with no
+# object of the gateway's at hand to hold it.
+_grpcs_own_warnings = _GrpcsOwnWarnings()
 
 
 @dataclass(frozen=True)
@@ -168,9 +196,7 @@ def from_grpc(
     UNAVAILABLE or DEADLINE_EXCEEDED (`is_grpcs_own`) is said in the gateway's words, naming `service`."""
     status, kind = STATUSES.get(error.code(), (500, "server_error"))
     if is_grpcs_own(error):
-        log.warning(
-            "a call to the %s failed: %s: %s", service, error.code().name, printable(error.details() or "")
-        )
+        _grpcs_own_warnings.warn(service, error.code(), error.details() or "")
         message = UNREACHABLE[error.code()].format(service=service)
         return HttpError(status, kind, message, retry_after_s=1.0 if status == 503 else None)
     details = status_details(error)
