@@ -139,8 +139,15 @@ LAYOUTS: dict[str, tuple[WeightLayout, ...]] = {
 
 
 def is_vision_language(hf_config: dict[str, Any]) -> bool:
-    architectures = hf_config.get("architectures") or []
-    return bool(architectures) and architectures[0] in ARCHITECTURES
+    # Only a list whose first entry is a name names one: `"architectures": 5` or an object raised here
+    # (TypeError, KeyError), a traceback at the decoder's start; the loader that reads the list refuses it.
+    architectures = hf_config.get("architectures")
+    return (
+        isinstance(architectures, list)
+        and bool(architectures)
+        and isinstance(architectures[0], str)
+        and architectures[0] in ARCHITECTURES
+    )
 
 
 def stated_vocab_size(model_dir: Path, vocab_size: int, is_vision_language: bool) -> str:

@@ -494,7 +494,14 @@ def test_a_weight_that_is_not_finite_in_the_model_dtype_is_named(
 
 @pytest.mark.parametrize(
     ("architectures", "message"),
-    [("LlamaForCausalLM", "architectures must be a list of class names"), ([{}], "architectures must be")],
+    [
+        ("LlamaForCausalLM", "architectures must be a list of class names"),
+        ([{}], "architectures must be"),
+        # These raised in the vision-language test first (TypeError, KeyError): a traceback at start
+        (5, "architectures must be a list of class names"),
+        ({"a": 1}, "architectures must be a list of class names"),
+        ([["LlamaForCausalLM"]], "architectures must be a list of class names"),
+    ],
 )
 def test_architectures_that_are_not_a_list_of_names_are_refused(
     checkpoints: dict[str, Checkpoint], tmp_path: Path, architectures: Any, message: str
