@@ -213,8 +213,15 @@ def _server_options(options: ServerOptions) -> list[tuple[str, Any]]:
         # would answer RESOURCE_EXHAUSTED must reach it.
         ("grpc.server.max_pending_requests", max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", max_pending_rpcs),
-        # Streams of a slow generation can be silent for a while: allow client pings every 10 s.
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        # Streams of a slow generation can be silent for a while, and a replica's watching channel pings
+        # every 2 s (REPLICA_KEEPALIVE_MS) to tell a stopped process from a busy one: pings are welcome
+        # down to 1 s apart. gRPC core's name for this is min_ping_interval_without_data_ms (its macro
+        # says RECV); the name here before, min_recv_..., is read by nothing, so every 2 s ping was a
+        # strike, harmless only because strikes are not counted (0).
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+        # A one-replica channel keeps pinging between its calls: else each ping with no call open is a
+        # strike (gRPC allows those every 2 h only).
+        ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
         ("grpc.max_connection_age_ms", round(options.max_connection_age_s * 1000)),
