@@ -15,13 +15,13 @@ from typing import Any
 
 from aiohttp import web
 
-from tandem.client.client import EncoderClient
 from tandem.gateway.access_log import AccessLog
 from tandem.gateway.app import FIRST_HEALTH_S, Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.connections import LINGERING_S, ConnectionGuard, OpenAIRequestHandler, ServerLog
+from tandem.gateway.encoders import gateway_encoder
 
 
 @contextlib.asynccontextmanager
@@ -34,14 +34,15 @@ async def live_gateway(
     **settings: Any,
 ) -> AsyncIterator[str]:
     """The gateway's base URL (http://127.0.0.1:PORT/v1), with `settings` over GatewayConfig's defaults
-        (its encoder an address where none listens, unless `settings` name one). With `send_buffer_bytes`,
-        each connection's kernel send buffer is that small and stays so (Linux: an accepted socket takes
-        its listener's), as over a slow network: loopback grows it to MiBs, which an unread answer of a few
-        tens of KiB never fills. `tracer`: the gateway's, when a test traces it. `first_health_s`: how long
-    its start waits for a decoder replica to serve (0 where a test's decoder never will: it waited 1 s)."""
+    (its encoder an address where none listens, unless `settings` name one), its encoder the one
+    `tandem serve openai` builds (`gateway_encoder`). With `send_buffer_bytes`, each connection's kernel
+    send buffer is that small and stays so (Linux: an accepted socket takes its listener's), as over a
+    slow network: loopback grows it to MiBs, which an unread answer of a few tens of KiB never fills.
+    `tracer`: the gateway's, when a test traces it. `first_health_s`: how long its start waits for a
+    decoder replica to serve (0 where a test's decoder never will: it waited 1 s)."""
     settings = {"encoder_address": "127.0.0.1:9"} | settings
     config = GatewayConfig(decoder_address=decoder_address, port=0, **settings)
-    encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
+    encoder = gateway_encoder(config)
     callers = decoder_channels(config)
     workers = BodyWorkers(1)  # started by the first body over large_body_bytes, if any (a second)
     gateway = Gateway(config, encoder, callers, workers, tracer=tracer, first_health_s=first_health_s)

@@ -18,11 +18,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from tandem.client import telemetry as otel
-from tandem.client.client import EncoderClient
 from tandem.gateway.app import GATEWAY_CUT, Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.encoders import gateway_encoder
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
@@ -37,7 +37,7 @@ async def traced() -> AsyncIterator[tuple[TestClient, InMemorySpanExporter]]:
     exporter = InMemorySpanExporter()
     telemetry = otel.build_telemetry("tandem-openai", [SimpleSpanProcessor(exporter)])
     config = GatewayConfig(decoder_address=NOWHERE, encoder_address=NOWHERE, port=0)
-    encoder = EncoderClient(config.encoder_address, config.max_message_bytes, None, config.upstream)
+    encoder = gateway_encoder(config)
     callers = decoder_channels(config)
     workers = BodyWorkers(1)
     # Its start does not wait for a decoder that never serves (FIRST_HEALTH_S).

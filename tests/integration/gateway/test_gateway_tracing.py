@@ -14,13 +14,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from tandem.client import telemetry as otel
-from tandem.client.client import EncoderClient
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.lookup import LookupEmbedder
 from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.encoders import gateway_encoder
 from tests.integration.test_tracing import (
     EMBEDDINGS,
     MAX_MESSAGE_BYTES,
@@ -47,8 +47,13 @@ async def test_a_chat_and_an_embedding_through_the_gateway_are_the_callers_trace
     stack = await start_stack(tiny_model_dir, tiny_fp32, lookup, make)
     gateway_telemetry = make("tandem-openai")
     decoder_address, encoder_address = stack.servers[0].address, stack.servers[1].address
-    encoder = EncoderClient(encoder_address, MAX_MESSAGE_BYTES, telemetry=gateway_telemetry)
-    config = GatewayConfig(decoder_address=decoder_address, port=0)
+    config = GatewayConfig(
+        decoder_address=decoder_address,
+        encoder_address=encoder_address,
+        port=0,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+    )
+    encoder = gateway_encoder(config, gateway_telemetry)
     callers = decoder_channels(config, gateway_telemetry.client_interceptors())  # completions go here
     workers = BodyWorkers(1)
     gateway = Gateway(config, encoder, callers, workers, tracer=gateway_telemetry.tracer)
