@@ -35,7 +35,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import MatchInfoError
 
-from tandem.client.client import EncoderClient
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
@@ -62,7 +61,7 @@ from tandem.gateway.connections import ConnectionGuard, is_left_by_caller
 from tandem.gateway.decoder_info import DecoderInfo
 from tandem.gateway.embed_request import embed_request
 from tandem.gateway.encoder_info import EncoderInfo
-from tandem.gateway.encoders import answering
+from tandem.gateway.encoders import GatewayEncoder, answering
 from tandem.gateway.errors import BodyNames, HttpError, Refused, from_grpc, from_invalid
 from tandem.gateway.http_span import (
     UNROUTED,
@@ -106,7 +105,7 @@ class Gateway:
     def __init__(
         self,
         config: GatewayConfig,
-        encoder: EncoderClient,
+        encoder: GatewayEncoder,
         callers: CallerChannels,
         workers: BodyWorkers,
         guard: ConnectionGuard | None = None,

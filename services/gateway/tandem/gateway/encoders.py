@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -48,6 +48,15 @@ if TYPE_CHECKING:  # OpenTelemetry is optional
 ENCODER_SERVICE = "tandem.v1.Encoder"
 MODEL_TIMEOUT_S = 10.0  # a replica's GetModelInfo, as the decoders' (`callers.py`)
 RETIRE_GRACE_S = 60.0  # a channel over replicas no longer the targets is closed once its calls end, or this
+
+
+class GatewayEncoder(Protocol):
+    """What the gateway holds of its encoder, whichever `gateway_encoder` built: a stub whose calls go
+    to the encoder (one channel, or the replicas serving the model), closed once at the gateway's end."""
+
+    stub: encoder_pb2_grpc.EncoderStub
+
+    async def close(self) -> None: ...
 
 
 class _Routed:
@@ -118,7 +127,7 @@ class OneEncoder:
         await self._channel.close()
 
 
-def answering(encoder: EncoderClient | EncoderReplicas | OneEncoder) -> Callable[[], Answering]:
+def answering(encoder: GatewayEncoder) -> Callable[[], Answering]:
     """What `EncoderInfo` asks again on a change of: the model the replicas serve and those called (one
     client: nothing, asked once)."""
     if isinstance(encoder, EncoderReplicas):
@@ -141,7 +150,7 @@ def gateway_encoder(
     config: GatewayConfig,
     telemetry: Telemetry | None = None,
     model_check_metadata: tuple[tuple[str, str], ...] | None = None,
-) -> EncoderClient | EncoderReplicas | OneEncoder:
+) -> GatewayEncoder:
     """`config`'s encoder: its replicas watched and checked where it names several, one channel with the
     replicas' keepalive where it names one address, else (a DNS server of its own) one client.
     `model_check_metadata`: the token each replica's model is asked with (`callers.model_check_metadata`).
