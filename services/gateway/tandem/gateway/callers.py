@@ -169,7 +169,7 @@ def decoder_channels(
                 authority=None if targets == (address,) else authority,
             )
         return open_channel(
-            list(targets) or address,
+            list(targets),  # never empty: `CallerChannels.stub` raised Unavailable first
             config.max_message_bytes,
             config.upstream,
             interceptors,
