@@ -86,6 +86,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.client.addresses import DNS_DEFAULT_PORT
 from tandem.client.channel import channel_target
 from tandem.gateway.replica_model import ReplicaModel, choose_model
 
@@ -114,7 +115,6 @@ UNCHECKED_AFTER_S = 15.0
 CONFIGURATION_REFUSALS = frozenset(
     {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED}
 )
-DEFAULT_PORT = 443  # a dns: name written without a port, as gRPC's resolver reads it
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -154,16 +154,17 @@ def name_of(address: str) -> str | None:
 
 
 def _split_host_port(name: str) -> tuple[str, str]:
-    """`name`'s host (an IPv6 literal in brackets) and port (DEFAULT_PORT where none is written)."""
+    """`name`'s host (an IPv6 literal in brackets) and port (DNS_DEFAULT_PORT where none is written, as
+    gRPC's resolver reads it)."""
     if name.startswith("["):
         host, bracket, port = name.partition("]")
         if not bracket or (port and not port.startswith(":")):
             return "", ""
-        return host + bracket, port.removeprefix(":") or str(DEFAULT_PORT)
+        return host + bracket, port.removeprefix(":") or str(DNS_DEFAULT_PORT)
     if name.count(":") > 1:  # an IPv6 literal without brackets, so without a port
-        return f"[{name}]", str(DEFAULT_PORT)
+        return f"[{name}]", str(DNS_DEFAULT_PORT)
     host, colon, port = name.partition(":")
-    return host, port if colon else str(DEFAULT_PORT)
+    return host, port if colon else str(DNS_DEFAULT_PORT)
 
 
 async def resolve_name(name: str) -> tuple[str, ...]:
